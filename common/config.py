@@ -1,0 +1,240 @@
+"""Run configuration: strict pydantic models, YAML files and dotted overrides.
+
+One file configures a whole run; every process (trainer, samplers, `up`)
+reads the same file plus the same `key.sub=value` overrides, so a
+multi-host deployment is the same commands on other machines.
+
+Unknown keys are rejected, every field is documented (the docs become the
+field list in `grpo-stream <cmd> --print-config`), and limits are declared
+with `Field`. Errors are raised as `ConfigError` with one line per problem
+that names the dotted field and says how to fix it.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A configuration problem, phrased for the person who wrote the config."""
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class RunSection(Strict):
+    name: str = Field("grpo", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$",
+                      description="Run name; namespaces the Redis keys so runs can share a server.")
+    seed: int = Field(0, ge=0, description="Seed for model init, data order and sampling.")
+
+
+class RedisSection(Strict):
+    url: str | None = Field(None, description="redis://[:password@]host:port/db. Null: `up` starts an embedded "
+                            "redis-server on a free port (the trainer and samplers then get the URL as an override).")
+    connect_timeout_s: float = Field(10.0, gt=0, le=600,
+                                     description="How long a service retries the first connection before it exits.")
+
+
+class TinyModelSection(Strict):
+    """A small Qwen3-architecture model built from scratch with a locally trained tokenizer."""
+
+    vocab_size: int = Field(160, ge=40, le=4096, description="BPE vocabulary size of the local tokenizer.")
+    num_layers: int = Field(2, ge=1, le=24, description="Decoder layers.")
+    embed_dim: int = Field(128, ge=16, le=4096, description="Model width.")
+    hidden_dim: int = Field(384, ge=16, le=16384, description="MLP hidden width.")
+    num_heads: int = Field(4, ge=1, le=64, description="Query heads.")
+    num_kv_heads: int = Field(2, ge=1, le=64, description="Key/value heads (must divide num_heads).")
+    head_dim: int = Field(32, ge=8, le=256, description="Width of one attention head.")
+    rope_theta: int = Field(10_000, ge=1, description="RoPE base frequency.")
+
+    @model_validator(mode="after")
+    def _heads(self) -> "TinyModelSection":
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"model.tiny.num_kv_heads={self.num_kv_heads} must divide "
+                             f"model.tiny.num_heads={self.num_heads}")
+        return self
+
+
+class ModelSection(Strict):
+    kind: Literal["tiny"] = Field("tiny", description="'tiny': Qwen3-style model built from scratch for CPU runs.")
+    tiny: TinyModelSection = Field(default_factory=TinyModelSection, description="Architecture of the tiny model.")
+
+
+class TaskSection(Strict):
+    name: Literal["arith"] = Field("arith", description="'arith': generated addition word problems, GSM8K answer "
+                                   "format (`#### N`).")
+    min_operand: int = Field(10, ge=0, le=10**6, description="Smallest operand of a problem.")
+    max_operand: int = Field(99, ge=1, le=10**6, description="Largest operand of a problem.")
+    heldout_fraction: float = Field(0.1, gt=0, lt=0.5,
+                                    description="Share of operand pairs kept out of training for evaluation.")
+
+    @model_validator(mode="after")
+    def _range(self) -> "TaskSection":
+        if self.max_operand <= self.min_operand:
+            raise ValueError(f"task.max_operand={self.max_operand} must exceed task.min_operand={self.min_operand}")
+        return self
+
+
+class GenerationSection(Strict):
+    num_generations: int = Field(8, ge=2, le=256, description="Completions sampled per prompt (the GRPO group size).")
+    max_prompt_tokens: int = Field(32, ge=4, le=32768, description="Prompts are left-padded to this many tokens; "
+                                   "longer prompts are skipped by samplers.")
+    max_new_tokens: int = Field(16, ge=1, le=32768, description="Completion length limit.")
+    temperature: float = Field(1.0, gt=0, le=10, description="Sampling temperature; the trainer computes its "
+                               "logprobs at the same temperature.")
+
+
+class SamplerSection(Strict):
+    replicas: int = Field(2, ge=1, le=64, description="Sampler processes started by `up`.")
+    prompts_per_batch: int = Field(8, ge=1, le=4096, description="Prompts per generation call (each sampled "
+                                   "num_generations times).")
+    backlog_max_groups: int = Field(64, ge=1, le=100_000, description="Groups a sampler holds while the ingest is "
+                                    "busy or away; generation pauses when full.")
+    trainer_address: str | None = Field(None, description="host:port of the trainer's gRPC server. Null: "
+                                        "127.0.0.1:<trainer.port>.")
+    weight_poll_s: float = Field(0.2, gt=0, le=60, description="Minimum seconds between weight-version checks.")
+    rpc_timeout_s: float = Field(30.0, gt=0, le=3600, description="Deadline of one weight fetch.")
+    connect_timeout_s: float = Field(120.0, gt=0, le=3600, description="How long a sampler waits for the trainer "
+                                     "(and its first weights) before it exits.")
+
+
+class TrainerSection(Strict):
+    host: str = Field("127.0.0.1", description="Address the trainer's gRPC server (ingest + weights) binds.")
+    port: int = Field(50151, ge=0, le=65535, description="Port of the trainer's gRPC server; `up` picks a free one.")
+    steps: int = Field(60, ge=1, le=10_000_000, description="RL optimizer steps to run.")
+    groups_per_step: int = Field(16, ge=1, le=100_000, description="Rollout groups in one optimizer step.")
+    learning_rate: float = Field(1e-3, gt=0, le=1, description="Adam learning rate of the RL phase.")
+    max_grad_norm: float = Field(1.0, gt=0, description="Global gradient-norm clip.")
+    max_staleness: int = Field(4, ge=0, le=10_000, description="Groups whose policy_version is more than this many "
+                               "trainer steps behind are dropped (counted). 0 = fully on-policy.")
+    publish_every: int = Field(1, ge=1, le=100_000, description="Publish weights every this many steps.")
+    final_wait_s: float = Field(60.0, ge=0, le=3600, description="After the last step, how long to wait for every "
+                                "sampler to install the final weights before shutting down.")
+    eval_before: bool = Field(True, description="Evaluate on the held-out split when RL starts.")
+    eval_after: bool = Field(True, description="Evaluate on the held-out split when RL ends.")
+
+    @model_validator(mode="after")
+    def _staleness(self) -> "TrainerSection":
+        if self.max_staleness < self.publish_every - 1:
+            raise ValueError(
+                f"trainer.max_staleness={self.max_staleness} < trainer.publish_every-1={self.publish_every - 1}: "
+                "groups from the newest published weights would be dropped; raise max_staleness")
+        return self
+
+
+class BufferSection(Strict):
+    max_groups: int = Field(256, ge=1, le=10_000_000, description="Buffer depth above which the ingest tells "
+                            "producers to wait (RESOURCE_EXHAUSTED + retry). Nothing is dropped.")
+    retry_after_ms: int = Field(200, ge=1, le=60_000, description="Back-off the ingest suggests when full.")
+
+
+class AlgoSection(Strict):
+    epsilon: float = Field(0.2, gt=0, lt=1, description="Lower clip range of the importance ratio (1-epsilon).")
+    epsilon_high: float | None = Field(None, gt=0, lt=10, description="Upper clip range (1+epsilon_high); null = "
+                                       "epsilon (symmetric).")
+    advantage_eps: float = Field(1e-4, gt=0, description="Added to the group std when normalising advantages.")
+
+
+class WarmStartSection(Strict):
+    steps: int = Field(0, ge=0, le=1_000_000, description="Supervised steps before RL (0 = none).")
+    batch_size: int = Field(64, ge=1, le=65536, description="Demonstrations per supervised step.")
+    learning_rate: float = Field(2e-3, gt=0, le=1, description="Adam learning rate of the warm start.")
+    carry_drop_prob: float = Field(0.6, ge=0, le=1, description="Arith demonstrations forget the units carry with this "
+                                   "probability: a systematic error that RL can fix.")
+
+
+class EvalSection(Strict):
+    num_problems: int = Field(256, ge=1, le=100_000, description="Held-out problems scored (greedy pass@1).")
+    batch_size: int = Field(128, ge=1, le=65536, description="Problems per generation call.")
+
+
+class LoggingSection(Strict):
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level of every process.")
+
+
+class RunConfig(Strict):
+    """The whole run. Sections mirror the processes and links."""
+
+    run: RunSection = Field(default_factory=RunSection, description="Run identity and seed.")
+    redis: RedisSection = Field(default_factory=RedisSection, description="The rollout buffer's Redis.")
+    model: ModelSection = Field(default_factory=ModelSection, description="Policy model and tokenizer.")
+    task: TaskSection = Field(default_factory=TaskSection, description="Prompts, answers and rewards.")
+    generation: GenerationSection = Field(default_factory=GenerationSection, description="Sampling settings "
+                                          "shared by samplers and trainer.")
+    sampler: SamplerSection = Field(default_factory=SamplerSection, description="Sampler processes.")
+    trainer: TrainerSection = Field(default_factory=TrainerSection, description="Trainer process.")
+    buffer: BufferSection = Field(default_factory=BufferSection, description="Rollout buffer flow control.")
+    algo: AlgoSection = Field(default_factory=AlgoSection, description="Policy-gradient objective.")
+    warmstart: WarmStartSection = Field(default_factory=WarmStartSection, description="Supervised warm start.")
+    eval: EvalSection = Field(default_factory=EvalSection, description="Held-out evaluation.")
+    logging: LoggingSection = Field(default_factory=LoggingSection, description="Logging.")
+
+    def trainer_address(self) -> str:
+        return self.sampler.trainer_address or f"127.0.0.1:{self.trainer.port}"
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """Split `a.b.c=value` into (["a","b","c"], value); the value is read as YAML (so 3, 0.5, null, true work)."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {text!r} is not KEY=VALUE with a dotted key (e.g. trainer.steps=20)")
+    try:
+        value = yaml.safe_load(raw) if raw else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"override {key}: value {raw!r} is not valid YAML ({exc.__class__.__name__})") from None
+    return key.split("."), value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    for text in overrides:
+        path, value = parse_override(text)
+        node = data
+        for i, part in enumerate(path[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {text!r}: {'.'.join(path[:i + 1])} is a value, not a section")
+            node = child
+        node[path[-1]] = value
+    return data
+
+
+def _format_errors(exc: ValidationError) -> str:
+    lines = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "<root>"
+        if err["type"] == "extra_forbidden":
+            lines.append(f"{loc}: unknown key; remove it or check its spelling (see --print-config for valid keys)")
+        else:
+            msg = err["msg"].removeprefix("Value error, ")
+            lines.append(f"{loc}: {msg} (got {err.get('input')!r})" if err["type"] != "value_error" else f"{loc}: {msg}")
+    return "; ".join(lines)
+
+
+def load_config(path: str | pathlib.Path | None, overrides: list[str] | None = None) -> RunConfig:
+    """Read YAML `path` (or defaults when None), apply dotted overrides, validate."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        path = pathlib.Path(path)
+        if not path.is_file():
+            raise ConfigError(f"--config {path}: no such file")
+        try:
+            loaded = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"--config {path}: not valid YAML: {exc}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"--config {path}: top level must be a mapping of sections")
+        data = loaded or {}
+    data = apply_overrides(data, overrides or [])
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format_errors(exc)) from None
+
+
+def to_yaml(cfg: RunConfig) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,145 @@
+"""The policy model: Tunix model code, split into a static graph and a params pytree.
+
+Both services build the model the same way and exchange parameters as a flat
+mapping `name -> numpy array` (names like `layers.0.attn.q_proj.w`), which
+is what travels on the wire and what a checkpoint holds. The policy's
+distribution is defined once here (`token_logprobs`): the sampler's
+behaviour logprobs and the trainer's recomputed logprobs use the same
+function, so they agree to float rounding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tunix.models.qwen3 import model as qwen3
+
+from common.config import ModelSection
+
+NEG_INF = -1e30
+
+
+@dataclasses.dataclass
+class PolicyModel:
+    """Graph definition plus parameter pytree of a Tunix decoder."""
+
+    graphdef: Any
+    params: Any  # nnx.State of arrays (or ShapeDtypeStructs when abstract)
+    config: Any  # tunix ModelConfig
+
+    def names(self) -> list[str]:
+        return [_path_name(p) for p, _ in jax.tree_util.tree_leaves_with_path(self.params)]
+
+    def to_named_numpy(self, params: Any | None = None) -> dict[str, np.ndarray]:
+        """Host copy of `params` (default: own params) as name -> array, in a stable order."""
+        tree = self.params if params is None else params
+        leaves = jax.device_get(jax.tree_util.tree_leaves(tree))
+        return {name: np.asarray(leaf) for name, leaf in zip(self.names(), leaves)}
+
+    def from_named_numpy(self, named: dict[str, np.ndarray]) -> Any:
+        """Params pytree with this model's structure from name -> array; checks names, shapes, dtypes."""
+        leaves, treedef = jax.tree_util.tree_flatten(self.params)
+        names = self.names()
+        missing = [n for n in names if n not in named]
+        extra = [n for n in named if n not in set(names)]
+        if missing or extra:
+            raise ValueError(f"parameter names differ from the model: missing {missing[:3]}, unexpected {extra[:3]}")
+        out = []
+        for name, leaf in zip(names, leaves):
+            arr = named[name]
+            if tuple(arr.shape) != tuple(leaf.shape) or arr.dtype != leaf.dtype:
+                raise ValueError(f"parameter {name}: got {arr.dtype}{list(arr.shape)}, model wants "
+                                 f"{leaf.dtype}{list(leaf.shape)}")
+            out.append(jnp.asarray(arr))
+        return jax.tree_util.tree_unflatten(treedef, out)
+
+    def apply(self, params: Any, tokens, positions, cache, attention_mask):
+        model = nnx.merge(self.graphdef, params)
+        return model(tokens, positions, cache, attention_mask)
+
+    def init_cache(self, batch: int, length: int) -> dict:
+        cfg = self.config
+        shape = (batch, length, cfg.num_kv_heads, cfg.head_dim)
+        return {f"layer_{i}": {"k": jnp.zeros(shape, cfg.dtype), "v": jnp.zeros(shape, cfg.dtype),
+                               "end_index": jnp.zeros((batch,), jnp.int32)} for i in range(cfg.num_layers)}
+
+    def num_params(self) -> int:
+        return int(sum(np.prod(x.shape) for x in jax.tree_util.tree_leaves(self.params)))
+
+
+def _path_name(path) -> str:
+    parts = []
+    for key in path:
+        if isinstance(key, jax.tree_util.DictKey):
+            parts.append(str(key.key))
+        elif isinstance(key, jax.tree_util.SequenceKey):
+            parts.append(str(key.idx))
+        elif isinstance(key, jax.tree_util.GetAttrKey):
+            if key.name != "value":
+                parts.append(key.name)
+        else:
+            parts.append(str(key))
+    return ".".join(parts)
+
+
+def tunix_config(section: ModelSection, vocab_size: int):
+    t = section.tiny
+    return qwen3.ModelConfig(
+        num_layers=t.num_layers, vocab_size=vocab_size, embed_dim=t.embed_dim, hidden_dim=t.hidden_dim,
+        num_heads=t.num_heads, head_dim=t.head_dim, num_kv_heads=t.num_kv_heads, rope_theta=t.rope_theta,
+        norm_eps=1e-6, use_tied_embedding=False)
+
+
+def build_model(section: ModelSection, vocab_size: int, seed: int | None) -> PolicyModel:
+    """Random-init model from `seed`, or an abstract one (shapes only) when seed is None.
+
+    Samplers build the abstract model and receive every weight from the trainer.
+    """
+    cfg = tunix_config(section, vocab_size)
+    if seed is None:
+        module = nnx.eval_shape(lambda: qwen3.Qwen3(cfg, rngs=nnx.Rngs(0)))
+    else:
+        module = qwen3.Qwen3(cfg, rngs=nnx.Rngs(seed))
+    graphdef, params = nnx.split(module)
+    return PolicyModel(graphdef=graphdef, params=params, config=cfg)
+
+
+def token_logprobs(logits: jax.Array, targets: jax.Array, temperature: float, pad_id: int) -> jax.Array:
+    """log pi(target) under the policy: softmax(logits / T) with the pad token excluded.
+
+    Pad is never a valid output, so it is removed from the distribution; the
+    sampler and the trainer both use this function, which is what makes
+    behaviour and recomputed logprobs agree.
+    """
+    logp = policy_log_softmax(logits, temperature, pad_id)
+    return jnp.take_along_axis(logp, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
+
+
+def policy_log_softmax(logits: jax.Array, temperature: float, pad_id: int) -> jax.Array:
+    scaled = logits.astype(jnp.float32) / temperature
+    scaled = scaled.at[..., pad_id].set(NEG_INF)
+    return jax.nn.log_softmax(scaled, axis=-1)
+
+
+def positions_from_mask(valid: jax.Array) -> jax.Array:
+    """Absolute positions of tokens under left padding: 0 at the first valid token."""
+    return jnp.maximum(jnp.cumsum(valid.astype(jnp.int32), axis=-1) - 1, 0)
+
+
+def causal_mask(valid: jax.Array) -> jax.Array:
+    """[B, L, L] attention mask: causal, and only valid (non-pad) keys."""
+    length = valid.shape[-1]
+    causal = jnp.tril(jnp.ones((length, length), dtype=jnp.bool_))
+    return causal[None] & valid[:, None, :].astype(jnp.bool_)
+
+
+def sequence_logprobs(model: PolicyModel, params: Any, tokens: jax.Array, valid: jax.Array,
+                      temperature: float, pad_id: int) -> jax.Array:
+    """logprob of tokens[:, 1:] given their prefixes: [B, L-1]. Full forward, no cache."""
+    logits, _ = model.apply(params, tokens, positions_from_mask(valid), None, causal_mask(valid))
+    return token_logprobs(logits[:, :-1], tokens[:, 1:], temperature, pad_id)

@@ -1,0 +1,1 @@
+"""Tasks: prompt sources, reference answers and reward functions."""

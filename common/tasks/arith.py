@@ -1,0 +1,110 @@
+"""Addition word problems in GSM8K answer format: the CPU demo task.
+
+A problem is two operands in a short story; the answer a model must write is
+`a + b = c #### c`. Operand pairs are split once, by a hash, into a training
+part and a held-out part, so evaluation never sees a training pair.
+
+The supervised warm start uses demonstrations that forget the carry from
+the units into the tens with probability `carry_drop_prob` (47 + 38 = 75). A model trained on them is
+right on carry-free problems, often wrong on carry problems under greedy
+decoding, and sometimes right when sampling: the regime where GRPO has a
+signal and can raise held-out accuracy (see README, "The CPU demo").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import zlib
+from typing import Iterator
+
+_NAMES = ("Tom", "Ana", "Ben", "Mia", "Sam", "Zoe", "Leo", "Ivy")
+_ITEMS = ("apples", "coins", "books", "cards", "shells", "stamps", "pens", "eggs")
+_TEMPLATES = (
+    "{n} has {a} {i} and gets {b} more. How many {i} does {n} have now?",
+    "A box holds {a} {i}. {n} adds {b} {i}. How many {i} are in the box?",
+    "{n} found {a} {i} on Monday and {b} {i} on Tuesday. How many {i} in total?",
+)
+PROMPT_FORMAT = "Q: {question} A:"
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    prompt_id: str
+    a: int
+    b: int
+    question: str
+
+    @property
+    def prompt(self) -> str:
+        return PROMPT_FORMAT.format(question=self.question)
+
+    @property
+    def answer(self) -> str:
+        return str(self.a + self.b)
+
+    def demonstration(self, drop_carry: bool = False) -> str:
+        """The completion text a teacher writes; with `drop_carry`, the units carry is forgotten."""
+        c = _sum_forgetting_units_carry(self.a, self.b) if drop_carry else self.a + self.b
+        return f" {self.a} + {self.b} = {c} #### {c}"
+
+    def has_carry(self) -> bool:
+        return _sum_forgetting_units_carry(self.a, self.b) != self.a + self.b
+
+
+def _sum_forgetting_units_carry(a: int, b: int) -> int:
+    return a + b - 10 if a % 10 + b % 10 >= 10 else a + b
+
+
+class ArithTask:
+    """Deterministic problem source for one run (seeded) with a fixed held-out split."""
+
+    def __init__(self, min_operand: int, max_operand: int, heldout_fraction: float, seed: int):
+        self.min_operand, self.max_operand = min_operand, max_operand
+        self.heldout_fraction, self.seed = heldout_fraction, seed
+
+    def is_heldout(self, a: int, b: int) -> bool:
+        return zlib.crc32(f"{a}+{b}".encode()) % 10_000 < self.heldout_fraction * 10_000
+
+    def _problem(self, rng: random.Random, a: int, b: int, prompt_id: str) -> Problem:
+        template = rng.choice(_TEMPLATES)
+        question = template.format(n=rng.choice(_NAMES), i=rng.choice(_ITEMS), a=a, b=b)
+        return Problem(prompt_id=prompt_id, a=a, b=b, question=question)
+
+    def train_problem(self, index: int) -> Problem:
+        """Training problem number `index` (any non-negative int; the stream is endless)."""
+        rng = random.Random(f"{self.seed}/train/{index}")
+        while True:
+            a = rng.randint(self.min_operand, self.max_operand)
+            b = rng.randint(self.min_operand, self.max_operand)
+            if not self.is_heldout(a, b):
+                return self._problem(rng, a, b, f"arith-train-{index}")
+
+    def train_stream(self, shard: int, num_shards: int, start: int = 0) -> Iterator[Problem]:
+        """Problems index ≡ shard (mod num_shards), from `start` on: one sampler's shard."""
+        index = start * num_shards + shard
+        while True:
+            yield self.train_problem(index)
+            index += num_shards
+
+    def heldout(self, limit: int) -> list[Problem]:
+        """The first `limit` held-out problems in a fixed shuffled order (same for every process)."""
+        pairs = [(a, b) for a in range(self.min_operand, self.max_operand + 1)
+                 for b in range(self.min_operand, self.max_operand + 1) if self.is_heldout(a, b)]
+        rng = random.Random(f"{self.seed}/heldout")
+        rng.shuffle(pairs)
+        if limit > len(pairs):
+            raise ValueError(f"eval.num_problems={limit} exceeds the {len(pairs)} held-out operand pairs; "
+                             "lower it or widen task.min_operand..task.max_operand")
+        return [self._problem(rng, a, b, f"arith-heldout-{k}") for k, (a, b) in enumerate(pairs[:limit])]
+
+    def corpus(self, size: int) -> list[str]:
+        """Text for training the tokenizer: prompts with right and wrong demonstrations."""
+        rng = random.Random(f"{self.seed}/corpus")
+        out = []
+        for k in range(size):
+            a = rng.randint(self.min_operand, self.max_operand)
+            b = rng.randint(self.min_operand, self.max_operand)
+            p = self._problem(rng, a, b, f"corpus-{k}")
+            out.append(p.prompt + p.demonstration(drop_carry=bool(k % 2)))
+        return out

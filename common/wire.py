@@ -1,0 +1,126 @@
+"""Rollout groups in memory and on the wire (protobuf), and their validation.
+
+Only protobuf bytes cross process boundaries: token ids and logprobs as
+packed repeated fields. `validate_group` is the single gate used by the
+ingest server; its messages name the offending field and the limit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from protos import rollout_pb2
+
+
+@dataclasses.dataclass
+class CompletionData:
+    token_ids: np.ndarray          # int32 [n]
+    logprobs: np.ndarray           # float32 [n]
+    reward: float
+    truncated: bool
+    reward_components: dict[str, float] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class GroupData:
+    group_id: str
+    prompt_id: str
+    prompt_token_ids: np.ndarray   # int32 [p]
+    completions: list[CompletionData]
+    policy_version: int
+    sampler_id: str
+    created_unix: float = 0.0
+    reference_answer: str = ""
+
+    @property
+    def rewards(self) -> np.ndarray:
+        return np.array([c.reward for c in self.completions], np.float32)
+
+
+def to_proto(group: GroupData) -> rollout_pb2.RolloutGroup:
+    msg = rollout_pb2.RolloutGroup(
+        group_id=group.group_id, prompt_id=group.prompt_id,
+        prompt_token_ids=np.asarray(group.prompt_token_ids, np.int32).tolist(),
+        policy_version=group.policy_version, sampler_id=group.sampler_id,
+        created_unix=group.created_unix, reference_answer=group.reference_answer)
+    for c in group.completions:
+        msg.completions.add(
+            token_ids=np.asarray(c.token_ids, np.int32).tolist(),
+            logprobs=np.asarray(c.logprobs, np.float32).tolist(),
+            reward=c.reward, truncated=c.truncated, reward_components=c.reward_components)
+    return msg
+
+
+def from_proto(msg: rollout_pb2.RolloutGroup) -> GroupData:
+    return GroupData(
+        group_id=msg.group_id, prompt_id=msg.prompt_id,
+        prompt_token_ids=np.fromiter(msg.prompt_token_ids, np.int32, len(msg.prompt_token_ids)),
+        completions=[CompletionData(
+            token_ids=np.fromiter(c.token_ids, np.int32, len(c.token_ids)),
+            logprobs=np.fromiter(c.logprobs, np.float32, len(c.logprobs)),
+            reward=c.reward, truncated=c.truncated, reward_components=dict(c.reward_components))
+            for c in msg.completions],
+        policy_version=msg.policy_version, sampler_id=msg.sampler_id,
+        created_unix=msg.created_unix, reference_answer=msg.reference_answer)
+
+
+def encode_group(group: GroupData) -> bytes:
+    return to_proto(group).SerializeToString()
+
+
+def decode_group(payload: bytes) -> GroupData:
+    msg = rollout_pb2.RolloutGroup()
+    msg.ParseFromString(payload)
+    return from_proto(msg)
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupLimits:
+    """What a valid group looks like for this run (from the run config)."""
+
+    num_generations: int
+    max_prompt_tokens: int
+    max_new_tokens: int
+    vocab_size: int
+    max_id_length: int = 128
+
+
+def validate_group(msg: rollout_pb2.RolloutGroup, limits: GroupLimits) -> list[str]:
+    """Every problem with `msg`, each naming the field and the limit; empty when valid."""
+    errors: list[str] = []
+    for name in ("group_id", "prompt_id", "sampler_id"):
+        value = getattr(msg, name)
+        if not value:
+            errors.append(f"{name}: must not be empty")
+        elif len(value) > limits.max_id_length:
+            errors.append(f"{name}: {len(value)} characters, limit {limits.max_id_length}")
+    if msg.policy_version < 0:
+        errors.append(f"policy_version: {msg.policy_version} is negative")
+    n_prompt = len(msg.prompt_token_ids)
+    if not 0 < n_prompt <= limits.max_prompt_tokens:
+        errors.append(f"prompt_token_ids: {n_prompt} tokens, must be 1..{limits.max_prompt_tokens} "
+                      "(generation.max_prompt_tokens)")
+    elif any(not 0 <= t < limits.vocab_size for t in msg.prompt_token_ids):
+        errors.append(f"prompt_token_ids: ids must be in [0, {limits.vocab_size})")
+    if len(msg.completions) != limits.num_generations:
+        errors.append(f"completions: {len(msg.completions)} given, generation.num_generations="
+                      f"{limits.num_generations}")
+    for i, c in enumerate(msg.completions):
+        where = f"completions[{i}]"
+        n_tok, n_lp = len(c.token_ids), len(c.logprobs)
+        if n_tok != n_lp:
+            errors.append(f"{where}.logprobs: {n_lp} values for {n_tok} token_ids; send one logprob per token")
+            continue
+        if not 0 < n_tok <= limits.max_new_tokens:
+            errors.append(f"{where}.token_ids: {n_tok} tokens, must be 1..{limits.max_new_tokens} "
+                          "(generation.max_new_tokens)")
+        if any(not 0 <= t < limits.vocab_size for t in c.token_ids):
+            errors.append(f"{where}.token_ids: ids must be in [0, {limits.vocab_size})")
+        if any(not (math.isfinite(x) and x <= 0.0) for x in c.logprobs):
+            errors.append(f"{where}.logprobs: must be finite and <= 0")
+        if not math.isfinite(c.reward):
+            errors.append(f"{where}.reward: must be finite")
+    return errors

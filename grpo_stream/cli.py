@@ -1,0 +1,78 @@
+"""`grpo-stream`: the command line. Parses and validates the config first, imports JAX only after.
+
+    grpo-stream up      --config configs/tiny_arith.yaml [--run-dir DIR] [key.sub=value ...]
+    grpo-stream trainer --config C --run-dir DIR [key=value ...]
+    grpo-stream sampler --config C --index I [key=value ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+import time
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="grpo-stream", description="Asynchronous GRPO post-training: samplers "
+                                     "stream rollout groups over gRPC into Redis; the trainer learns off-policy.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--config", type=pathlib.Path, help="YAML run config (default: built-in defaults)")
+        p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+        p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="dotted config overrides")
+
+    up = sub.add_parser("up", help="run the whole loop locally: Redis, trainer and samplers as processes")
+    common(up)
+    up.add_argument("--run-dir", type=pathlib.Path, help="where logs, TensorBoard and summary.json go "
+                    "(default runs/<run.name>-<time>)")
+    tr = sub.add_parser("trainer", help="run the trainer (ingest + weights server, GRPO steps)")
+    common(tr)
+    tr.add_argument("--run-dir", type=pathlib.Path, required=False, help="output directory")
+    sa = sub.add_parser("sampler", help="run one sampler (generation, rewards, rollout stream)")
+    common(sa)
+    sa.add_argument("--index", type=int, default=0, help="this sampler's index in 0..sampler.replicas-1 "
+                    "(its data shard and id)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from common.config import ConfigError, load_config, to_yaml
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as exc:
+        print(f"grpo-stream {args.command}: config error: {exc}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        print(to_yaml(cfg), end="")
+        return 0
+    from common.runtime import setup_logging
+
+    if args.command == "up":
+        from grpo_stream.up import run_up
+
+        run_dir = args.run_dir or pathlib.Path("runs") / f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        return run_up(args.config, args.overrides, cfg, run_dir)
+    setup_logging(cfg.logging.level, args.command if args.command == "trainer" else f"sampler-{args.index}")
+    try:
+        if args.command == "trainer":
+            from trainer_service.loop import run_trainer
+
+            run_dir = args.run_dir or pathlib.Path("runs") / cfg.run.name
+            run_dir.mkdir(parents=True, exist_ok=True)
+            run_trainer(cfg, run_dir)
+        else:
+            from sampler_service.loop import run_sampler
+
+            run_sampler(cfg, args.index)
+    except (ValueError, ConnectionError, OSError, RuntimeError) as exc:  # RedisConnectError is a RuntimeError
+        print(f"grpo-stream {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

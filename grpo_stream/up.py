@@ -1,0 +1,138 @@
+"""`grpo-stream up`: the whole loop on one machine, as separate OS processes.
+
+Starts an embedded redis-server (unless redis.url is set), then the trainer
+and `sampler.replicas` samplers with exactly the commands a multi-host
+deployment runs (`python -m grpo_stream trainer|sampler ...`), relays their
+output with a prefix (and into RUN_DIR/logs/), stops everything on Ctrl-C
+or when a process fails, and completes RUN_DIR/summary.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+from common.config import RunConfig
+from common.redis_util import EmbeddedRedis, RedisConnectError, free_port
+
+
+class _Child:
+    def __init__(self, name: str, cmd: list[str], log_dir: pathlib.Path, env: dict[str, str]):
+        self.name = name
+        self.log_path = log_dir / f"{name}.log"
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
+                                     bufsize=1, start_new_session=True)
+        self._relay = threading.Thread(target=self._pump, daemon=True)
+        self._relay.start()
+
+    def _pump(self) -> None:
+        with open(self.log_path, "w") as log_file:
+            for line in self.proc.stdout:
+                log_file.write(line)
+                log_file.flush()
+                sys.stdout.write(f"[{self.name}] {line}")
+                sys.stdout.flush()
+
+    def terminate(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+
+    def wait(self, timeout_s: float) -> int:
+        try:
+            code = self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            print(f"[up] {self.name} did not stop within {timeout_s:.0f}s; killing it", flush=True)
+            self.proc.kill()
+            code = self.proc.wait()
+        self._relay.join(timeout=5)
+        return code
+
+
+def run_up(config_path: pathlib.Path | None, overrides: list[str], cfg: RunConfig, run_dir: pathlib.Path) -> int:
+    started = time.time()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    log_dir = run_dir / "logs"
+    log_dir.mkdir(exist_ok=True)
+    redis_server = None
+    extra = list(overrides)
+    if cfg.redis.url is None:
+        try:
+            redis_server = EmbeddedRedis().start()
+        except RedisConnectError as exc:
+            print(f"grpo-stream up: error: {exc}", file=sys.stderr)
+            return 1
+        extra.append(f"redis.url={redis_server.url}")
+        print(f"[up] embedded Redis at {redis_server.url}", flush=True)
+    extra.append(f"trainer.port={free_port()}")
+    base = [sys.executable, "-m", "grpo_stream"]
+    cfg_args = ["--config", str(config_path)] if config_path else []
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    children: list[_Child] = []
+    interrupted = False
+
+    def _interrupt(signum, _frame):
+        nonlocal interrupted
+        interrupted = True
+        print(f"[up] signal {signum}: stopping every process", flush=True)
+        for child in children:
+            child.terminate()
+
+    previous = {s: signal.signal(s, _interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        (run_dir / "config.yaml").write_text(json.dumps({"config": str(config_path), "overrides": extra}, indent=2))
+        trainer = _Child("trainer", [*base, "trainer", *cfg_args, "--run-dir", str(run_dir), *extra], log_dir, env)
+        children.append(trainer)
+        samplers = [_Child(f"sampler-{i}", [*base, "sampler", *cfg_args, "--index", str(i), *extra], log_dir, env)
+                    for i in range(cfg.sampler.replicas)]
+        children.extend(samplers)
+        failed = None
+        while trainer.proc.poll() is None:
+            for child in samplers:
+                if child.proc.poll() not in (None, 0):
+                    failed = child
+            if failed:
+                print(f"[up] {failed.name} exited with code {failed.proc.returncode}; stopping the run", flush=True)
+                for child in children:
+                    child.terminate()
+                break
+            time.sleep(0.2)
+        trainer_code = trainer.wait(timeout_s=120)
+        sampler_codes = {}
+        for child in samplers:
+            if trainer_code != 0:
+                child.terminate()
+            sampler_codes[child.name] = child.wait(timeout_s=60 if trainer_code == 0 else 20)
+            if sampler_codes[child.name] is None or child.proc.poll() is None:
+                child.terminate()
+    finally:
+        for child in children:
+            child.terminate()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        if redis_server is not None:
+            redis_server.stop()
+
+    summary_path = run_dir / "summary.json"
+    if trainer_code != 0 or not summary_path.exists():
+        print(f"grpo-stream up: trainer exited with code {trainer_code}; see {trainer.log_path}", file=sys.stderr)
+        return trainer_code or 1
+    summary = json.loads(summary_path.read_text())
+    summary["trainer_wall_seconds"] = summary.pop("wall_seconds")
+    summary["wall_seconds"] = round(time.time() - started, 2)
+    summary["sampler_exit_codes"] = sampler_codes
+    summary_path.write_text(json.dumps(summary, indent=2))
+    before = (summary.get("eval_before") or {}).get("accuracy")
+    after = (summary.get("eval_after") or {}).get("accuracy")
+    print(f"[up] done in {summary['wall_seconds']:.0f}s: {summary['steps']} steps, groups ingested "
+          f"{summary['groups_ingested']} = trained {summary['groups_trained']} + dropped "
+          f"{summary['groups_dropped_stale']} + left {summary['groups_left_in_buffer']}; held-out accuracy "
+          f"{before} -> {after}; summary: {summary_path}", flush=True)
+    if interrupted:
+        return 130
+    return 0 if all(code == 0 for code in sampler_codes.values()) else 1

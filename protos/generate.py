@@ -1,0 +1,69 @@
+"""Regenerate the Python code for every .proto in this folder.
+
+    python -m protos.generate          # write protos/*_pb2*.py(i)
+    python -m protos.generate --check  # exit 1 if the committed code is stale
+
+Run from the repository root. Imports in the generated code are absolute
+(`from protos import rollout_pb2`), so `protos` must be importable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import filecmp
+import pathlib
+import shutil
+import sys
+import tempfile
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PROTO_DIR = ROOT / "protos"
+
+
+def generate(out_root: pathlib.Path) -> list[pathlib.Path]:
+    """Run protoc (grpcio-tools) into `out_root`/protos; return the files written."""
+    from grpc_tools import protoc  # only needed by developers, not at run time
+
+    protos = sorted(p.relative_to(ROOT).as_posix() for p in PROTO_DIR.glob("*.proto"))
+    (out_root / "protos").mkdir(parents=True, exist_ok=True)
+    args = [
+        "protoc",
+        f"-I{ROOT}",
+        f"--python_out={out_root}",
+        f"--pyi_out={out_root}",
+        f"--grpc_python_out={out_root}",
+        *protos,
+    ]
+    if protoc.main(args) != 0:
+        raise RuntimeError(f"protoc failed on {protos}")
+    return sorted((out_root / "protos").glob("*_pb2*.py*"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", action="store_true", help="compare with the committed code instead of writing")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        written = generate(pathlib.Path(tmp))
+        stale = []
+        for path in written:
+            target = PROTO_DIR / path.name
+            if args.check:
+                if not target.exists() or not filecmp.cmp(path, target, shallow=False):
+                    stale.append(path.name)
+            else:
+                shutil.copyfile(path, target)
+        if args.check:
+            committed = {p.name for p in PROTO_DIR.glob("*_pb2*.py*")}
+            stale += sorted(committed - {p.name for p in written})
+            if stale:
+                print(f"stale generated code: {', '.join(stale)}; run `python -m protos.generate`", file=sys.stderr)
+                return 1
+            print("generated code is up to date")
+        else:
+            print("wrote " + ", ".join(p.name for p in written))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

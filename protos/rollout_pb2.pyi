@@ -1,0 +1,62 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Completion(_message.Message):
+    __slots__ = ("token_ids", "logprobs", "reward", "truncated", "reward_components")
+    class RewardComponentsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    REWARD_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATED_FIELD_NUMBER: _ClassVar[int]
+    REWARD_COMPONENTS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    reward: float
+    truncated: bool
+    reward_components: _containers.ScalarMap[str, float]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., reward: _Optional[float] = ..., truncated: _Optional[bool] = ..., reward_components: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class RolloutGroup(_message.Message):
+    __slots__ = ("group_id", "prompt_id", "prompt_token_ids", "completions", "policy_version", "sampler_id", "created_unix", "reference_answer")
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETIONS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SAMPLER_ID_FIELD_NUMBER: _ClassVar[int]
+    CREATED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    REFERENCE_ANSWER_FIELD_NUMBER: _ClassVar[int]
+    group_id: str
+    prompt_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    completions: _containers.RepeatedCompositeFieldContainer[Completion]
+    policy_version: int
+    sampler_id: str
+    created_unix: float
+    reference_answer: str
+    def __init__(self, group_id: _Optional[str] = ..., prompt_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., completions: _Optional[_Iterable[_Union[Completion, _Mapping]]] = ..., policy_version: _Optional[int] = ..., sampler_id: _Optional[str] = ..., created_unix: _Optional[float] = ..., reference_answer: _Optional[str] = ...) -> None: ...
+
+class GroupAck(_message.Message):
+    __slots__ = ("group_id", "code", "message", "retry_after_ms", "buffer_depth")
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    RETRY_AFTER_MS_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    group_id: str
+    code: int
+    message: str
+    retry_after_ms: int
+    buffer_depth: int
+    def __init__(self, group_id: _Optional[str] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., retry_after_ms: _Optional[int] = ..., buffer_depth: _Optional[int] = ...) -> None: ...

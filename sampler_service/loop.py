@@ -1,0 +1,158 @@
+"""The sampler process: prompts -> JAX engine -> rewards -> rollout groups -> ingest.
+
+One loop iteration is one generation batch made with one weight version;
+newer weights are installed only between batches, so every group records
+the single version that produced all of its completions. The sampler stops
+after it installs a version the trainer marked final (or on SIGTERM), once
+its backlog is acknowledged or a drain timeout passes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import signal
+import threading
+import time
+
+import grpc
+import jax
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from common.config import RunConfig
+from common.generation import Engine
+from common.grpc_util import CHANNEL_OPTIONS
+from common.model import build_model
+from common.rewards import score
+from common.runtime import build_task, build_tokenizer
+from common.wire import CompletionData, GroupData, to_proto
+from sampler_service.rollout_client import RolloutClient
+from sampler_service.weight_sync import WeightSync
+
+log = logging.getLogger(__name__)
+
+
+class Sampler:
+    def __init__(self, cfg: RunConfig, index: int):
+        if not 0 <= index < cfg.sampler.replicas:
+            raise ValueError(f"--index {index} outside 0..sampler.replicas-1 ({cfg.sampler.replicas - 1})")
+        self.cfg, self.index = cfg, index
+        self.sampler_id = f"sampler-{index}"
+        self.stop_event = threading.Event()
+        self.installed_versions: list[int] = []
+
+    def _wait_for_trainer(self, channel: grpc.Channel) -> None:
+        stub = health_pb2_grpc.HealthStub(channel)
+        deadline = time.monotonic() + self.cfg.sampler.connect_timeout_s
+        delay = 0.2
+        while not self.stop_event.is_set():
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(service="grpo_stream.v1.WeightService"), timeout=5)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError as exc:
+                if time.monotonic() > deadline:
+                    raise ConnectionError(
+                        f"sampler.trainer_address={self.cfg.trainer_address()}: trainer not reachable after "
+                        f"{self.cfg.sampler.connect_timeout_s:.0f}s ({exc.code()}); start the trainer or fix the "
+                        "address") from None
+            log.info("waiting for the trainer at %s", self.cfg.trainer_address())
+            time.sleep(delay)
+            delay = min(delay * 2, 2.0)
+
+    def run(self) -> dict:
+        cfg, gen = self.cfg, self.cfg.generation
+        task = build_task(cfg)
+        tokenizer = build_tokenizer(cfg, task)
+        model = build_model(cfg.model, tokenizer.vocab_size, seed=None)
+        engine = Engine(model, tokenizer.pad_id, tokenizer.eos_id, gen.max_prompt_tokens, gen.max_new_tokens,
+                        gen.temperature)
+        channel = grpc.insecure_channel(cfg.trainer_address(), options=CHANNEL_OPTIONS)
+        self._wait_for_trainer(channel)
+        sync = WeightSync(channel, self.sampler_id, model, cfg.sampler.rpc_timeout_s)
+        client = RolloutClient(channel, cfg.sampler.backlog_max_groups).start()
+        log.info("%s connected to %s (tokenizer %s)", self.sampler_id, cfg.trainer_address(), tokenizer.fingerprint())
+
+        params, version, final = None, -1, False
+        deadline = time.monotonic() + cfg.sampler.connect_timeout_s
+        while params is None and not self.stop_event.is_set():
+            got = sync.poll()
+            if got is not None and got.params is not None:
+                params, version, final = got.params, got.version, got.final
+                break
+            if time.monotonic() > deadline:
+                raise ConnectionError(f"no weights published by the trainer within {cfg.sampler.connect_timeout_s}s "
+                                      "(sampler.connect_timeout_s)")
+            time.sleep(0.5)
+        if params is not None:
+            self._installed(sync, version, 0.0)
+
+        prompts = task.train_stream(self.index, cfg.sampler.replicas)
+        rng = jax.random.key(cfg.run.seed * 1000 + self.index + 1)
+        counter, groups_sent, last_poll = itertools.count(), 0, time.monotonic()
+        started = time.monotonic()
+        while not self.stop_event.is_set() and not final:
+            if time.monotonic() - last_poll >= cfg.sampler.weight_poll_s:
+                last_poll = time.monotonic()
+                got = sync.poll()
+                if got is not None:
+                    if got.params is not None:
+                        params, version = got.params, got.version
+                        self._installed(sync, version, got.fetch_seconds)
+                    final = got.final
+                    if final:
+                        break
+            batch = []
+            while len(batch) < cfg.sampler.prompts_per_batch:
+                problem = next(prompts)
+                ids = tokenizer.encode(problem.prompt)
+                if len(ids) > gen.max_prompt_tokens:
+                    log.warning("prompt %s has %d tokens > generation.max_prompt_tokens; skipped", problem.prompt_id,
+                                len(ids))
+                    continue
+                batch.append((problem, ids))
+            rng, sub = jax.random.split(rng)
+            n = gen.num_generations
+            out = engine.generate(params, [ids for _, ids in batch for _ in range(n)], sub)
+            for k, (problem, ids) in enumerate(batch):
+                completions = []
+                for j in range(k * n, (k + 1) * n):
+                    length = int(out.lengths[j])
+                    toks = out.tokens[j, :length]
+                    reward, parts = score(tokenizer.decode(toks.tolist()), problem.answer)
+                    completions.append(CompletionData(token_ids=toks, logprobs=out.logprobs[j, :length],
+                                                      reward=reward, truncated=not bool(out.finished[j]),
+                                                      reward_components=parts))
+                group = GroupData(group_id=f"{cfg.run.name}/{self.sampler_id}/{next(counter)}",
+                                  prompt_id=problem.prompt_id, prompt_token_ids=ids, completions=completions,
+                                  policy_version=version, sampler_id=self.sampler_id, created_unix=time.time(),
+                                  reference_answer=problem.answer)
+                if not client.put(to_proto(group), self.stop_event):
+                    break
+                groups_sent += 1
+        drained = client.drain(timeout_s=10.0)
+        client.close()
+        sync.report()
+        channel.close()
+        elapsed = time.monotonic() - started
+        log.info("%s stopping: %d groups generated (%.2f groups/s), stream stats %s, backlog drained: %s, "
+                 "versions installed %s", self.sampler_id, groups_sent, groups_sent / max(elapsed, 1e-9),
+                 dict(client.stats), drained, self.installed_versions)
+        return {"sampler_id": self.sampler_id, "groups": groups_sent, "versions": self.installed_versions}
+
+    def _installed(self, sync: WeightSync, version: int, seconds: float) -> None:
+        sync.mark_installed(version)
+        self.installed_versions.append(version)
+        log.info("%s installed weight version %d (fetch %.2fs)", self.sampler_id, version, seconds)
+
+
+def run_sampler(cfg: RunConfig, index: int) -> dict:
+    sampler = Sampler(cfg, index)
+
+    def _stop(signum, _frame):
+        log.warning("signal %d: finishing the current batch, then stopping", signum)
+        sampler.stop_event.set()
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    return sampler.run()

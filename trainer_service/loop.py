@@ -1,0 +1,243 @@
+"""The trainer process: ingest server, off-policy GRPO steps, weight publication, summary.
+
+Versions: the weights published after RL step s carry version s (version 0
+is the model when RL starts). While computing step s the trainer holds
+version s-1, so a group generated with version v has staleness
+(s - 1) - v; groups with staleness above `trainer.max_staleness` are
+dropped, counted and logged, never trained on.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import pathlib
+import signal
+import threading
+import time
+
+import jax
+import numpy as np
+
+from common.buffer import BufferEntry, BufferUnavailable, RedisStreamBuffer
+from common.config import RunConfig
+from common.evaluation import evaluate
+from common.generation import Engine
+from common.metrics import MetricsWriter
+from common.model import build_model
+from common.redis_util import connect
+from common.runtime import build_task, build_tokenizer
+from common.weights import WeightSnapshot
+from common.wire import GroupData, GroupLimits, decode_group
+from trainer_service.batching import build_batch
+from trainer_service.ingest import IngestServicer
+from trainer_service.publisher import WeightPublisher
+from trainer_service.server import TrainerServer
+from trainer_service.train_step import make_optimizer, make_rl_step
+from trainer_service.warmstart import warm_start
+
+log = logging.getLogger(__name__)
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig, run_dir: pathlib.Path):
+        self.cfg, self.run_dir = cfg, run_dir
+        self.stop_event = threading.Event()
+        self.started = time.time()
+        self.pending: list[tuple[BufferEntry, GroupData]] = []
+        self.stale_dropped = 0
+
+    # -- set-up -----------------------------------------------------------------
+    def _setup(self) -> None:
+        cfg = self.cfg
+        if cfg.redis.url is None:
+            raise ValueError("redis.url is null: give the buffer's Redis URL (e.g. redis.url=redis://host:6379/0), "
+                             "or run `grpo-stream up`, which starts an embedded Redis")
+        client = connect(cfg.redis.url, cfg.redis.connect_timeout_s)
+        self.buffer = RedisStreamBuffer(client, cfg.run.name)
+        self.task = build_task(cfg)
+        self.tokenizer = build_tokenizer(cfg, self.task)
+        self.tokenizer.save(self.run_dir / "model")
+        self.model = build_model(cfg.model, self.tokenizer.vocab_size, seed=cfg.run.seed)
+        self.params = self.model.params
+        log.info("model: %d parameters, vocab %d, tokenizer %s", self.model.num_params(), self.tokenizer.vocab_size,
+                 self.tokenizer.fingerprint())
+        gen = cfg.generation
+        self.engine = Engine(self.model, self.tokenizer.pad_id, self.tokenizer.eos_id, gen.max_prompt_tokens,
+                             gen.max_new_tokens, gen.temperature)
+        limits = GroupLimits(gen.num_generations, gen.max_prompt_tokens, gen.max_new_tokens, self.tokenizer.vocab_size)
+        self.ingest = IngestServicer(self.buffer, limits, cfg.buffer.max_groups, cfg.buffer.retry_after_ms)
+        self.publisher = WeightPublisher()
+        self.server = TrainerServer(self.ingest, self.publisher, cfg.trainer.host, cfg.trainer.port)
+        port = self.server.start()
+        log.info("gRPC server (ingest, weights, health) on %s:%d", cfg.trainer.host, port)
+        self.metrics = MetricsWriter(self.run_dir, "trainer")
+
+    def _publish(self, version: int, final: bool = False) -> None:
+        self.publisher.publish(WeightSnapshot(version=version, arrays=self.model.to_named_numpy(self.params),
+                                              final=final))
+
+    def _evaluate(self, label: str) -> dict:
+        problems = self.task.heldout(self.cfg.eval.num_problems)
+        result = evaluate(self.engine, self.params, self.tokenizer, problems, self.cfg.eval.batch_size)
+        log.info("%s: held-out greedy accuracy %.3f on %d problems (%.1fs); e.g. %r", label, result.accuracy,
+                 result.num_problems, result.seconds, result.examples[0]["completion"] if result.examples else "")
+        return result.as_dict()
+
+    # -- consuming the buffer -----------------------------------------------------
+    def _collect(self, step: int) -> list[tuple[BufferEntry, GroupData]] | None:
+        """groups_per_step fresh-enough groups, oldest first; drops stale ones. None when stopping."""
+        need, holding = self.cfg.trainer.groups_per_step, self.cfg.trainer.max_staleness
+        current = step - 1
+        last_note = time.time()
+        while True:
+            fresh, stale = [], []
+            for entry, group in self.pending:
+                (stale if current - group.policy_version > holding else fresh).append((entry, group))
+            if stale:
+                self.buffer.settle([], [e.entry_id for e, _ in stale])
+                self.stale_dropped += len(stale)
+                log.info("dropped %d stale groups (versions %s, trainer at %d, max_staleness %d)", len(stale),
+                         sorted({g.policy_version for _, g in stale}), current, holding)
+            self.pending = fresh
+            if len(self.pending) >= need:
+                batch, self.pending = self.pending[:need], self.pending[need:]
+                return batch
+            if self.stop_event.is_set():
+                return None
+            try:
+                entries = self.buffer.read(max_count=need * 2, block_ms=500)
+            except BufferUnavailable as exc:
+                log.error("buffer read failed (%s); retrying", exc)
+                time.sleep(1.0)
+                continue
+            undecodable = []
+            for entry in entries:
+                try:
+                    self.pending.append((entry, decode_group(entry.payload)))
+                except Exception as exc:  # noqa: BLE001 - a corrupt entry must not stop training
+                    log.error("undecodable buffer entry %s dropped: %s", entry.entry_id, exc)
+                    undecodable.append(entry.entry_id)
+            if undecodable:
+                self.buffer.settle([], [], undecodable)
+            if time.time() - last_note > 10:
+                log.info("step %d waiting for rollouts: %d/%d groups, buffer depth %d", step, len(self.pending), need,
+                         self.buffer.depth())
+                last_note = time.time()
+
+    # -- the run ------------------------------------------------------------------
+    def run(self) -> dict:
+        cfg = self.cfg
+        self._setup()
+        try:
+            summary = self._run()
+        finally:
+            self.metrics.close()
+        return summary
+
+    def _run(self) -> dict:
+        cfg = self.cfg
+        warm = None
+        if cfg.warmstart.steps:
+            self.params, warm = warm_start(self.model, self.params, self.task, self.tokenizer, cfg, self.metrics)
+        eval_before = self._evaluate("eval_before") if cfg.trainer.eval_before else None
+        self._publish(0)
+        log.info("published weight version 0; RL starts")
+        optimizer = make_optimizer(cfg.trainer.learning_rate, cfg.trainer.max_grad_norm)
+        opt_state = optimizer.init(self.params)
+        algo = cfg.algo
+        rl_step = make_rl_step(self.model, optimizer, cfg.generation.temperature, self.tokenizer.pad_id,
+                               algo.epsilon, algo.epsilon_high if algo.epsilon_high is not None else algo.epsilon)
+        rl_start, steps_done, tokens_total = time.time(), 0, 0
+        for step in range(1, cfg.trainer.steps + 1):
+            t0 = time.time()
+            picked = self._collect(step)
+            if picked is None:
+                break
+            t_wait = time.time() - t0
+            groups = [g for _, g in picked]
+            batch, stats = build_batch(groups, cfg.generation.max_prompt_tokens, cfg.generation.max_new_tokens,
+                                       self.tokenizer.pad_id, algo.advantage_eps)
+            staleness = np.array([step - 1 - g.policy_version for g in groups])
+            fresh = np.repeat(staleness == 0, cfg.generation.num_generations).astype(np.float32)
+            self.params, opt_state, m = rl_step(self.params, opt_state, batch, fresh)
+            m = {k: float(v) for k, v in jax.device_get(m).items()}
+            self.buffer.settle([e.entry_id for e, _ in picked], [])
+            final = step == cfg.trainer.steps
+            if step % cfg.trainer.publish_every == 0 or final:
+                self._publish(step, final=final)
+            steps_done = step
+            tokens_total += int(np.asarray(batch.loss_mask).sum())
+            accuracy = float(np.mean([c.reward_components.get("answer_correct", 0.0)
+                                      for g in groups for c in g.completions]))
+            counters = self.buffer.counters()
+            row = {**stats, **m, "accuracy": accuracy, "staleness_mean": float(staleness.mean()),
+                   "staleness_max": int(staleness.max()), "buffer_depth": counters["depth"],
+                   "groups_dropped_stale": counters["dropped_stale"], "wait_seconds": t_wait,
+                   "step_seconds": time.time() - t0,
+                   "zero_variance_groups": int(sum(np.ptp(g.rewards) == 0 for g in groups)),
+                   "tokens_per_second": tokens_total / max(time.time() - rl_start, 1e-9),
+                   "weight_version": self.publisher.latest_version or 0}
+            self.metrics.scalars(step, row, prefix="train/")
+            self.metrics.histogram(step, "train/staleness", staleness)
+            log.info("step %d/%d reward %.3f acc %.3f staleness %.1f/%d buffer %d version %d loss %.4f "
+                     "clip %.3f lp_diff %.1e wait %.2fs", step, cfg.trainer.steps, stats["reward_mean"], accuracy,
+                     row["staleness_mean"], row["staleness_max"], row["buffer_depth"], row["weight_version"],
+                     m["loss"], m["clip_fraction"], m["logprob_diff_max"], t_wait)
+        rl_seconds = time.time() - rl_start
+        if steps_done < cfg.trainer.steps:  # stopped early: tell samplers this is the last version
+            self._publish(steps_done, final=True)
+        eval_after = self._evaluate("eval_after") if cfg.trainer.eval_after else None
+        self._await_samplers(steps_done)
+        self.server.stop()
+        return self._write_summary(steps_done, warm, eval_before, eval_after, rl_seconds)
+
+    def _await_samplers(self, final_version: int) -> None:
+        deadline = time.time() + self.cfg.trainer.final_wait_s
+        while time.time() < deadline and not self.stop_event.is_set():
+            at = self.publisher.samplers_at(final_version)
+            if at and all(at.values()):
+                log.info("every sampler (%d) installed the final version %d", len(at), final_version)
+                return
+            time.sleep(0.2)
+        log.warning("samplers not at final version %d after %.0fs: %s", final_version, self.cfg.trainer.final_wait_s,
+                    self.publisher.samplers_at(final_version))
+
+    def _write_summary(self, steps, warm, eval_before, eval_after, rl_seconds) -> dict:
+        counters = self.buffer.counters()
+        summary = {
+            "run": self.cfg.run.name,
+            "steps": steps,
+            "groups_ingested": counters["ingested"],
+            "groups_trained": counters["trained"],
+            "groups_dropped_stale": counters["dropped_stale"],
+            "groups_dropped_invalid": counters["dropped_invalid"],
+            "groups_left_in_buffer": counters["depth"],
+            "groups_by_sampler": self.buffer.ingested_by_sampler(),
+            "ingest_rejected_invalid": self.ingest.stats["invalid"],
+            "ingest_backpressure_replies": self.ingest.stats["full"],
+            "weight_versions_published": len(self.publisher.published),
+            "weight_versions": self.publisher.published,
+            "sampler_weight_versions": self.publisher.installed,
+            "warmstart": warm,
+            "eval_before": eval_before,
+            "eval_after": eval_after,
+            "rl_seconds": round(rl_seconds, 2),
+            "wall_seconds": round(time.time() - self.started, 2),
+        }
+        path = self.run_dir / "summary.json"
+        path.write_text(json.dumps(summary, indent=2))
+        log.info("summary written to %s", path)
+        return summary
+
+
+def run_trainer(cfg: RunConfig, run_dir: pathlib.Path) -> dict:
+    trainer = Trainer(cfg, run_dir)
+
+    def _stop(signum, _frame):
+        log.warning("signal %d: finishing the current step, then stopping", signum)
+        trainer.stop_event.set()
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    return trainer.run()

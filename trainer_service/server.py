@@ -1,0 +1,43 @@
+"""The trainer's gRPC server: ingest, weight publication and grpc.health.v1 on one port."""
+
+from __future__ import annotations
+
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from common.grpc_util import SERVER_OPTIONS
+from protos import rollout_pb2_grpc, weights_pb2_grpc
+from trainer_service.ingest import IngestServicer
+from trainer_service.publisher import WeightPublisher
+
+SERVICES = ("grpo_stream.v1.RolloutIngest", "grpo_stream.v1.WeightService")
+
+
+class TrainerServer:
+    """Owns a grpc.Server; `start()` binds and returns the port, `stop()` drains in-flight calls."""
+
+    def __init__(self, ingest: IngestServicer, publisher: WeightPublisher, host: str, port: int, workers: int = 16):
+        self.ingest, self.publisher = ingest, publisher
+        self.host, self.port = host, port
+        self.health = health.HealthServicer()
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=SERVER_OPTIONS)
+        rollout_pb2_grpc.add_RolloutIngestServicer_to_server(ingest, self._server)
+        weights_pb2_grpc.add_WeightServiceServicer_to_server(publisher, self._server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+
+    def start(self) -> int:
+        bound = self._server.add_insecure_port(f"{self.host}:{self.port}")
+        if bound == 0:
+            raise OSError(f"trainer.port={self.port}: cannot bind {self.host}:{self.port} (in use?); pick another "
+                          "port or 0 for a free one")
+        self.port = bound
+        self._server.start()
+        for name in ("", *SERVICES):
+            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        return bound
+
+    def stop(self, grace_s: float = 2.0) -> None:
+        self.health.enter_graceful_shutdown()
+        self._server.stop(grace_s).wait()

@@ -1,0 +1,57 @@
+"""Supervised warm start of the tiny model on (deliberately imperfect) demonstrations."""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from typing import Any
+
+import numpy as np
+
+from common.config import RunConfig
+from common.model import PolicyModel
+from common.tasks.arith import ArithTask
+from common.tokenizer import TextTokenizer
+from trainer_service.batching import layout
+from trainer_service.train_step import make_optimizer, make_sft_step
+
+log = logging.getLogger(__name__)
+
+
+def demonstration_batch(task: ArithTask, tokenizer: TextTokenizer, cfg: RunConfig, rng: random.Random,
+                        first_index: int):
+    p, c = cfg.generation.max_prompt_tokens, cfg.generation.max_new_tokens
+    size = cfg.warmstart.batch_size
+    tokens = np.zeros((size, p + c), np.int32)
+    valid = np.zeros((size, p + c), np.bool_)
+    loss_mask = np.zeros((size, p + c - 1), np.float32)
+    for i in range(size):
+        problem = task.train_problem(first_index + i)
+        drop = rng.random() < cfg.warmstart.carry_drop_prob
+        prompt = tokenizer.encode(problem.prompt)
+        completion = (tokenizer.encode(problem.demonstration(drop_carry=drop)) + [tokenizer.eos_id])[:c]
+        tokens[i], valid[i] = layout(prompt, completion, p, c, tokenizer.pad_id)
+        loss_mask[i, p - 1:p - 1 + len(completion)] = 1.0
+    return tokens, valid, loss_mask
+
+
+def warm_start(model: PolicyModel, params: Any, task: ArithTask, tokenizer: TextTokenizer, cfg: RunConfig,
+               metrics=None) -> tuple[Any, dict]:
+    """Run cfg.warmstart.steps supervised steps from `params`; return new params and a report."""
+    ws = cfg.warmstart
+    optimizer = make_optimizer(ws.learning_rate, cfg.trainer.max_grad_norm)
+    opt_state = optimizer.init(params)
+    step_fn = make_sft_step(model, optimizer, tokenizer.pad_id)
+    rng = random.Random(f"{cfg.run.seed}/warmstart")
+    start, loss = time.time(), float("nan")
+    for step in range(1, ws.steps + 1):
+        batch = demonstration_batch(task, tokenizer, cfg, rng, first_index=10_000_000 + step * ws.batch_size)
+        params, opt_state, loss_arr = step_fn(params, opt_state, *batch)
+        if step % 50 == 0 or step == ws.steps:
+            loss = float(loss_arr)
+            log.info("warm start %d/%d  loss %.4f  (%.0fs)", step, ws.steps, loss, time.time() - start)
+            if metrics is not None:
+                metrics.scalars(step, {"loss": loss}, prefix="warmstart/")
+    return params, {"steps": ws.steps, "final_loss": loss, "seconds": round(time.time() - start, 2),
+                    "carry_drop_prob": ws.carry_drop_prob}
