@@ -53,7 +53,6 @@ def train_bpe(corpus: list[str], vocab_size: int) -> TextTokenizer:
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="never"),
         pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.Punctuation(),
     ])
     tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="never")
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[PAD, EOS, UNK], show_progress=False)

@@ -40,6 +40,8 @@ class Sampler:
         self.sampler_id = f"sampler-{index}"
         self.stop_event = threading.Event()
         self.installed_versions: list[int] = []
+        self.params, self.version, self.final, self.last_poll = None, -1, False, 0.0
+        self.sync: WeightSync | None = None
 
     def _wait_for_trainer(self, channel: grpc.Channel) -> None:
         stub = health_pb2_grpc.HealthStub(channel)
@@ -56,7 +58,8 @@ class Sampler:
                         f"sampler.trainer_address={self.cfg.trainer_address()}: trainer not reachable after "
                         f"{self.cfg.sampler.connect_timeout_s:.0f}s ({exc.code()}); start the trainer or fix the "
                         "address") from None
-            log.info("waiting for the trainer at %s", self.cfg.trainer_address())
+            if delay >= 2.0 or delay == 0.2:
+                log.info("waiting for the trainer at %s", self.cfg.trainer_address())
             time.sleep(delay)
             delay = min(delay * 2, 2.0)
 
@@ -73,35 +76,25 @@ class Sampler:
         client = RolloutClient(channel, cfg.sampler.backlog_max_groups).start()
         log.info("%s connected to %s (tokenizer %s)", self.sampler_id, cfg.trainer_address(), tokenizer.fingerprint())
 
-        params, version, final = None, -1, False
+        self.sync = sync
         deadline = time.monotonic() + cfg.sampler.connect_timeout_s
-        while params is None and not self.stop_event.is_set():
-            got = sync.poll()
-            if got is not None and got.params is not None:
-                params, version, final = got.params, got.version, got.final
-                break
-            if time.monotonic() > deadline:
-                raise ConnectionError(f"no weights published by the trainer within {cfg.sampler.connect_timeout_s}s "
-                                      "(sampler.connect_timeout_s)")
-            time.sleep(0.5)
-        if params is not None:
-            self._installed(sync, version, 0.0)
+        while self.params is None and not self.stop_event.is_set():
+            self._poll_weights()
+            if self.params is None:
+                if time.monotonic() > deadline:
+                    raise ConnectionError(f"no weights published by the trainer within "
+                                          f"{cfg.sampler.connect_timeout_s}s (sampler.connect_timeout_s)")
+                time.sleep(0.5)
 
         prompts = task.train_stream(self.index, cfg.sampler.replicas)
         rng = jax.random.key(cfg.run.seed * 1000 + self.index + 1)
-        counter, groups_sent, last_poll = itertools.count(), 0, time.monotonic()
+        counter, groups_sent = itertools.count(), 0
         started = time.monotonic()
-        while not self.stop_event.is_set() and not final:
-            if time.monotonic() - last_poll >= cfg.sampler.weight_poll_s:
-                last_poll = time.monotonic()
-                got = sync.poll()
-                if got is not None:
-                    if got.params is not None:
-                        params, version = got.params, got.version
-                        self._installed(sync, version, got.fetch_seconds)
-                    final = got.final
-                    if final:
-                        break
+        while not self.stop_event.is_set() and not self.final:
+            if time.monotonic() - self.last_poll >= cfg.sampler.weight_poll_s:
+                self._poll_weights()
+                if self.final:
+                    break
             batch = []
             while len(batch) < cfg.sampler.prompts_per_batch:
                 problem = next(prompts)
@@ -112,8 +105,8 @@ class Sampler:
                     continue
                 batch.append((problem, ids))
             rng, sub = jax.random.split(rng)
-            n = gen.num_generations
-            out = engine.generate(params, [ids for _, ids in batch for _ in range(n)], sub)
+            n, version = gen.num_generations, self.version
+            out = engine.generate(self.params, [ids for _, ids in batch for _ in range(n)], sub)
             for k, (problem, ids) in enumerate(batch):
                 completions = []
                 for j in range(k * n, (k + 1) * n):
@@ -127,10 +120,11 @@ class Sampler:
                                   prompt_id=problem.prompt_id, prompt_token_ids=ids, completions=completions,
                                   policy_version=version, sampler_id=self.sampler_id, created_unix=time.time(),
                                   reference_answer=problem.answer)
-                if not client.put(to_proto(group), self.stop_event):
+                if not self._push(client, to_proto(group)):
                     break
                 groups_sent += 1
-        drained = client.drain(timeout_s=10.0)
+        # after the final version the trainer consumes no more: do not wait long for acks
+        drained = client.drain(timeout_s=2.0 if self.final else 10.0)
         client.close()
         sync.report()
         channel.close()
@@ -140,10 +134,33 @@ class Sampler:
                  dict(client.stats), drained, self.installed_versions)
         return {"sampler_id": self.sampler_id, "groups": groups_sent, "versions": self.installed_versions}
 
-    def _installed(self, sync: WeightSync, version: int, seconds: float) -> None:
-        sync.mark_installed(version)
-        self.installed_versions.append(version)
-        log.info("%s installed weight version %d (fetch %.2fs)", self.sampler_id, version, seconds)
+    def _poll_weights(self) -> None:
+        """Install a newer published version if there is one (only ever between generation batches)."""
+        self.last_poll = time.monotonic()
+        got = self.sync.poll()
+        if got is None:
+            return
+        if got.params is not None:
+            self.params, self.version = got.params, got.version
+            self.sync.mark_installed(got.version)
+            self.installed_versions.append(got.version)
+            log.info("%s installed weight version %d (%.1f MB, fetch %.2fs)%s", self.sampler_id, got.version,
+                     got.nbytes / 1e6, got.fetch_seconds, " [final]" if got.final else "")
+        self.final = got.final
+
+    def _push(self, client: RolloutClient, group) -> bool:
+        """Hand a group to the sender; while its backlog is full keep checking for new (or final) weights.
+
+        False when the sampler must stop instead (signal or final version).
+        """
+        while not client.put(group, timeout_s=0.5):
+            if self.stop_event.is_set():
+                return False
+            if time.monotonic() - self.last_poll >= self.cfg.sampler.weight_poll_s:
+                self._poll_weights()
+                if self.final:
+                    return False
+        return True
 
 
 def run_sampler(cfg: RunConfig, index: int) -> dict:

@@ -42,19 +42,15 @@ class RolloutClient:
         self._thread.start()
         return self
 
-    def put(self, group: rollout_pb2.RolloutGroup, stop: threading.Event) -> bool:
-        """Queue a group; blocks while the backlog is full. False if `stop` was set first."""
+    def put(self, group: rollout_pb2.RolloutGroup, timeout_s: float) -> bool:
+        """Queue a group, waiting up to timeout_s while the backlog is full; False (not queued) on timeout."""
+        try:
+            self._backlog.put(group, timeout=timeout_s)
+        except queue.Full:
+            return False
         with self._lock:
             self._unacked += 1
-        while not stop.is_set():
-            try:
-                self._backlog.put(group, timeout=0.2)
-                return True
-            except queue.Full:
-                continue
-        with self._lock:
-            self._unacked -= 1
-        return False
+        return True
 
     @property
     def unacked(self) -> int:

@@ -162,6 +162,8 @@ class Trainer:
             fresh = np.repeat(staleness == 0, cfg.generation.num_generations).astype(np.float32)
             self.params, opt_state, m = rl_step(self.params, opt_state, batch, fresh)
             m = {k: float(v) for k, v in jax.device_get(m).items()}
+            if not m["fresh_tokens"]:  # no group at lag 0 this step: the agreement check has no data
+                m.pop("logprob_diff_mean"), m.pop("logprob_diff_max")
             self.buffer.settle([e.entry_id for e, _ in picked], [])
             final = step == cfg.trainer.steps
             if step % cfg.trainer.publish_every == 0 or final:
@@ -181,9 +183,10 @@ class Trainer:
             self.metrics.scalars(step, row, prefix="train/")
             self.metrics.histogram(step, "train/staleness", staleness)
             log.info("step %d/%d reward %.3f acc %.3f staleness %.1f/%d buffer %d version %d loss %.4f "
-                     "clip %.3f lp_diff %.1e wait %.2fs", step, cfg.trainer.steps, stats["reward_mean"], accuracy,
+                     "clip %.3f lp_diff(lag0) %s wait %.2fs", step, cfg.trainer.steps, stats["reward_mean"], accuracy,
                      row["staleness_mean"], row["staleness_max"], row["buffer_depth"], row["weight_version"],
-                     m["loss"], m["clip_fraction"], m["logprob_diff_max"], t_wait)
+                     m["loss"], m["clip_fraction"], f"{m['logprob_diff_max']:.1e}" if "logprob_diff_max" in m else "-",
+                     t_wait)
         rl_seconds = time.time() - rl_start
         if steps_done < cfg.trainer.steps:  # stopped early: tell samplers this is the last version
             self._publish(steps_done, final=True)

@@ -21,9 +21,9 @@ from typing import Iterator
 _NAMES = ("Tom", "Ana", "Ben", "Mia", "Sam", "Zoe", "Leo", "Ivy")
 _ITEMS = ("apples", "coins", "books", "cards", "shells", "stamps", "pens", "eggs")
 _TEMPLATES = (
-    "{n} has {a} {i} and gets {b} more. How many {i} does {n} have now?",
-    "A box holds {a} {i}. {n} adds {b} {i}. How many {i} are in the box?",
-    "{n} found {a} {i} on Monday and {b} {i} on Tuesday. How many {i} in total?",
+    "{n} has {a} {i} and gets {b} more. How many {i} now?",
+    "A box has {a} {i}. {n} adds {b}. How many {i} in the box?",
+    "{n} found {a} {i} and then {b} more. How many in all?",
 )
 PROMPT_FORMAT = "Q: {question} A:"
 

@@ -1,0 +1,90 @@
+"""`grpo-stream up` as real OS processes: embedded Redis, trainer, two samplers."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.e2e
+
+
+def run_cli(*args, timeout=600):
+    return subprocess.run([sys.executable, "-m", "grpo_stream", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def check_run(summary: dict, replicas: int, steps: int) -> None:
+    assert summary["steps"] == steps
+    # every group the ingest accepted is accounted for
+    assert summary["groups_ingested"] == (summary["groups_trained"] + summary["groups_dropped_stale"]
+                                          + summary["groups_left_in_buffer"])
+    assert summary["groups_dropped_invalid"] == 0
+    assert summary["groups_trained"] >= steps  # at least one group per step
+    # at least two samplers contributed groups
+    assert len([s for s, n in summary["groups_by_sampler"].items() if n > 0]) >= min(2, replicas)
+    # weights reached every sampler, ending with the final version
+    published = summary["weight_versions"]
+    assert published[0] == 0 and published[-1] == steps
+    assert len(summary["sampler_weight_versions"]) == replicas
+    for versions in summary["sampler_weight_versions"].values():
+        assert versions == sorted(versions) and versions[-1] == steps
+        assert set(versions) <= set(published)
+    assert all(code == 0 for code in summary["sampler_exit_codes"].values())
+
+
+def test_up_smoke_run(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_cli("up", "--config", "configs/tiny_arith_smoke.yaml", "--run-dir", str(run_dir))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    check_run(summary, replicas=2, steps=8)
+    for versions in summary["sampler_weight_versions"].values():
+        assert len(versions) >= 3
+    assert 0.0 <= summary["eval_before"]["accuracy"] <= 1.0 and summary["eval_after"]["num_problems"] == 32
+    # progress lines, TensorBoard event files and per-process logs exist
+    assert "step 8/8" in proc.stdout and "reward" in proc.stdout
+    assert list((run_dir / "tb" / "trainer").glob("events.out.tfevents.*"))
+    assert {p.name for p in (run_dir / "logs").iterdir()} == {"trainer.log", "sampler-0.log", "sampler-1.log"}
+    rows = [json.loads(line) for line in (run_dir / "metrics-trainer.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "train/loss" in r] == list(range(1, 9))
+
+
+def test_up_with_unreachable_redis_fails_cleanly(tmp_path):
+    from common.redis_util import free_port
+
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    proc = run_cli("up", "--config", "configs/tiny_arith_smoke.yaml", "--run-dir", str(tmp_path / "r"),
+                   f"redis.url={url}", "redis.connect_timeout_s=1", timeout=180)
+    assert proc.returncode != 0
+    assert f"redis.url={url}: not reachable after" in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["trainer.stepz=3"], "config error: trainer.stepz: unknown key"),
+    (["trainer.steps"], "config error: override 'trainer.steps' is not KEY=VALUE"),
+    (["sampler.replicas=0"], "config error: sampler.replicas: Input should be greater than or equal to 1"),
+])
+@pytest.mark.parametrize("command", ["up", "trainer", "sampler"])
+def test_bad_config_is_one_line_and_nonzero(command, args, message):
+    proc = run_cli(command, "--config", "configs/tiny_arith.yaml", *args, timeout=60)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0]
+
+
+def test_help_does_not_import_jax():
+    code = ("import sys; from grpo_stream.cli import main\n"
+            "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+            "assert 'jax' not in sys.modules and 'tunix' not in sys.modules, 'heavy import in --help'")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "up" in proc.stdout and "trainer" in proc.stdout and "sampler" in proc.stdout
+
+
+def test_print_config_shows_resolved_values():
+    proc = run_cli("trainer", "--config", "configs/tiny_arith.yaml", "--print-config", "trainer.steps=5", timeout=60)
+    assert proc.returncode == 0 and "steps: 5" in proc.stdout

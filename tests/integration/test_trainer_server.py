@@ -1,0 +1,141 @@
+"""Ingest, weight publication and health on a real gRPC server on loopback, with a real Redis."""
+
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from common.buffer import RedisStreamBuffer
+from common.grpc_util import CHANNEL_OPTIONS
+from common.redis_util import connect
+from common.weights import WeightSnapshot
+from common.wire import CompletionData, GroupData, GroupLimits, decode_group, to_proto
+from protos import rollout_pb2_grpc
+from sampler_service.rollout_client import RolloutClient
+from sampler_service.weight_sync import WeightSync
+from trainer_service.ingest import IngestServicer
+from trainer_service.publisher import WeightPublisher
+from trainer_service.server import TrainerServer
+
+pytestmark = pytest.mark.redis
+LIMITS = GroupLimits(num_generations=2, max_prompt_tokens=8, max_new_tokens=6, vocab_size=50)
+
+
+def group(i: int, sampler="sampler-0") -> GroupData:
+    comps = [CompletionData(np.array([3, 4], np.int32), np.array([-0.5, -1.0], np.float32), float(j), False)
+             for j in range(2)]
+    return GroupData(f"g{i}", f"p{i}", np.array([1, 2], np.int32), comps, i, sampler)
+
+
+@pytest.fixture
+def stack(redis_server):
+    buffer = RedisStreamBuffer(connect(redis_server.url, 5), "test")
+    ingest = IngestServicer(buffer, LIMITS, max_groups=4, retry_after_ms=20)
+    publisher = WeightPublisher(chunk_bytes=100)
+    server = TrainerServer(ingest, publisher, "127.0.0.1", 0)
+    port = server.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS)
+    try:
+        yield buffer, ingest, publisher, server, channel
+    finally:
+        channel.close()
+        server.stop(0)
+
+
+def test_health_reports_serving(stack):
+    *_, channel = stack
+    stub = health_pb2_grpc.HealthStub(channel)
+    for service in ("", "grpo_stream.v1.RolloutIngest", "grpo_stream.v1.WeightService"):
+        assert stub.Check(health_pb2.HealthCheckRequest(service=service)).status == \
+            health_pb2.HealthCheckResponse.SERVING
+
+
+def test_stream_accepts_groups_and_rejects_a_bad_one_without_closing(stack):
+    buffer, ingest, *_, channel = stack
+    bad = to_proto(group(1))
+    del bad.completions[0].logprobs[-1]
+    msgs = [to_proto(group(0)), bad, to_proto(group(2))]
+    acks = list(rollout_pb2_grpc.RolloutIngestStub(channel).StreamGroups(iter(msgs)))
+    assert [a.code for a in acks] == [0, grpc.StatusCode.INVALID_ARGUMENT.value[0], 0]
+    assert "completions[0].logprobs: 1 values for 2 token_ids" in acks[1].message
+    entries = buffer.read(10, 100)
+    assert [decode_group(e.payload).group_id for e in entries] == ["g0", "g2"]
+    assert ingest.stats["invalid"] == 1
+
+
+def test_unary_push_returns_real_status_codes(stack):
+    buffer, *_, channel = stack
+    stub = rollout_pb2_grpc.RolloutIngestStub(channel)
+    bad = to_proto(group(0))
+    bad.completions[1].token_ids.append(7)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.PushGroup(bad)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "completions[1].logprobs: 2 values for 3 token_ids" in err.value.details()
+    for i in range(4):
+        stub.PushGroup(to_proto(group(i)))
+    with pytest.raises(grpc.RpcError) as err:
+        stub.PushGroup(to_proto(group(9)))
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "retry after" in err.value.details()
+    assert buffer.counters()["ingested"] == 4
+    # the server is still up
+    assert stub.PushGroup.future(to_proto(group(9))).exception() is not None
+    assert health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest()).status == 1
+
+
+def test_backpressure_loses_nothing(stack):
+    """A producer 3x faster than max_groups: every group arrives once, in order, while a consumer drains."""
+    buffer, ingest, *_, channel = stack
+    client = RolloutClient(channel, backlog_max_groups=2).start()
+    seen: list[str] = []
+
+    def consume():
+        while len(seen) < 12:
+            entries = buffer.read(2, 100)
+            seen.extend(decode_group(e.payload).group_id for e in entries)
+            buffer.settle([e.entry_id for e in entries], [])
+            time.sleep(0.05)
+
+    consumer = threading.Thread(target=consume)
+    consumer.start()
+    for i in range(12):
+        while not client.put(to_proto(group(i)), timeout_s=0.5):
+            pass
+    assert client.drain(10)
+    consumer.join(10)
+    client.close()
+    assert seen == [f"g{i}" for i in range(12)]
+    assert ingest.stats["full"] > 0 and client.stats["retried"] > 0
+    assert buffer.counters()["ingested"] == 12
+
+
+def test_weights_are_fetched_whole_and_history_is_recorded(stack, tiny_parts):
+    _, _, publisher, _, channel = stack
+    _, _, _, model = tiny_parts
+    named = model.to_named_numpy()
+    sync = WeightSync(channel, "sampler-7", model, rpc_timeout_s=10)
+    assert sync.poll() is None  # nothing published yet
+    publisher.publish(WeightSnapshot(version=0, arrays=named))
+    got = sync.poll()
+    assert got.version == 0 and not got.final and got.nbytes == sum(a.nbytes for a in named.values())
+    back = model.to_named_numpy(got.params)
+    for k in named:
+        np.testing.assert_array_equal(back[k], named[k])
+    sync.mark_installed(0)
+    assert sync.poll() is None  # up to date
+    shifted = {k: v + 1 for k, v in named.items()}
+    publisher.publish(WeightSnapshot(version=3, arrays=shifted, final=True))
+    got = sync.poll()
+    assert got.version == 3 and got.final
+    np.testing.assert_array_equal(model.to_named_numpy(got.params)["embedder.input_embedding"],
+                                  shifted["embedder.input_embedding"])
+    sync.mark_installed(3)
+    sync.report()
+    assert publisher.installed["sampler-7"] == [0, 3]
+    assert publisher.samplers_at(3) == {"sampler-7": True}
+    with pytest.raises(ValueError, match="not newer"):
+        publisher.publish(WeightSnapshot(version=2, arrays=named))

@@ -1,0 +1,76 @@
+import pathlib
+
+import pytest
+
+from common.config import ConfigError, RunConfig, load_config, parse_override
+
+CONFIGS = pathlib.Path(__file__).resolve().parents[3] / "configs"
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_parses(path):
+    cfg = load_config(path)
+    assert isinstance(cfg, RunConfig)
+
+
+def test_shipped_configs_exist():
+    assert (CONFIGS / "tiny_arith.yaml").exists()
+
+
+def test_unknown_key_names_the_dotted_field():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["trainer.stepz=3"])
+    assert "trainer.stepz: unknown key" in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_unknown_key_in_file(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("sampler:\n  replica: 2\n")
+    with pytest.raises(ConfigError, match=r"sampler\.replica: unknown key"):
+        load_config(path)
+
+
+@pytest.mark.parametrize("bad", ["trainer.steps", "=3", "trainer..steps=3", "trainer.steps=[1,"])
+def test_malformed_override(bad):
+    with pytest.raises(ConfigError, match="override"):
+        load_config(None, [bad])
+
+
+def test_override_values_are_typed():
+    cfg = load_config(None, ["trainer.steps=7", "algo.epsilon_high=0.3", "redis.url=null", "run.name=x1"])
+    assert cfg.trainer.steps == 7 and cfg.algo.epsilon_high == 0.3 and cfg.redis.url is None
+
+
+def test_limits_are_enforced_with_field_names():
+    with pytest.raises(ConfigError, match=r"generation\.num_generations: Input should be greater than or equal to 2"):
+        load_config(None, ["generation.num_generations=1"])
+
+
+def test_staleness_must_cover_publication_cadence():
+    with pytest.raises(ConfigError, match=r"trainer.max_staleness=0 < trainer.publish_every-1=2"):
+        load_config(None, ["trainer.max_staleness=0", "trainer.publish_every=3"])
+
+
+def test_override_into_a_value_is_refused():
+    with pytest.raises(ConfigError, match="is a value, not a section"):
+        load_config(CONFIGS / "tiny_arith.yaml", ["trainer.steps.x=1"])
+
+
+def test_parse_override_splits_path():
+    assert parse_override("a.b.c=5") == (["a", "b", "c"], 5)
+
+
+def test_every_field_is_documented():
+    def walk(model):
+        for name, field in model.model_fields.items():
+            assert field.description, f"{model.__name__}.{name} has no description"
+            ann = field.annotation
+            if isinstance(ann, type) and issubclass(ann, RunConfig.__mro__[1]):
+                walk(ann)
+    walk(RunConfig)
+
+
+def test_missing_file_is_one_line_error(tmp_path):
+    with pytest.raises(ConfigError, match="no such file"):
+        load_config(tmp_path / "nope.yaml")

@@ -1,0 +1,30 @@
+import numpy as np
+import pytest
+from tunix.rl import algo_core
+
+from trainer_service.advantages import grpo_advantages, zero_variance_groups
+
+
+def test_hand_computed():
+    adv = grpo_advantages(np.array([[1.0, 0.0, 0.0, 1.0]]), eps=0.0)
+    # mean 0.5, unbiased std = sqrt(1/3)
+    np.testing.assert_allclose(adv, [[0.8660254, -0.8660254, -0.8660254, 0.8660254]], rtol=1e-6)
+
+
+def test_zero_variance_group_gets_zero_advantage():
+    adv = grpo_advantages(np.array([[1.0, 1.0, 1.0], [0.0, 1.0, 0.5]]))
+    assert (adv[0] == 0).all() and abs(adv[1].sum()) < 1e-5
+    assert zero_variance_groups(np.array([[1.0, 1.0], [0.0, 1.0]])).tolist() == [True, False]
+
+
+def test_matches_tunix_reference():
+    rng = np.random.default_rng()
+    rewards = rng.random((5, 6)).astype(np.float32)
+    ours = grpo_advantages(rewards, eps=1e-6).reshape(-1)
+    ref = algo_core.compute_advantages(rewards.reshape(-1), num_generations=6)
+    np.testing.assert_allclose(ours, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_shape_is_checked():
+    with pytest.raises(ValueError, match="num_generations>=2"):
+        grpo_advantages(np.zeros((3, 1)))

@@ -1,0 +1,30 @@
+import numpy as np
+
+from common.wire import CompletionData, GroupData
+from trainer_service.batching import build_batch, layout
+
+
+def group(prompt, completions, rewards):
+    return GroupData("g", "p", np.array(prompt, np.int32),
+                     [CompletionData(np.array(c, np.int32), -np.arange(1, len(c) + 1, dtype=np.float32) / 10, r,
+                                     False) for c, r in zip(completions, rewards)], 0, "s")
+
+
+def test_layout_left_pads_prompt_and_right_pads_completion():
+    tokens, valid = layout(np.array([7, 8]), np.array([9, 10, 11]), 4, 5, pad_id=0)
+    assert tokens.tolist() == [0, 0, 7, 8, 9, 10, 11, 0, 0]
+    assert valid.tolist() == [False, False, True, True, True, True, True, False, False]
+
+
+def test_targets_and_behaviour_logprobs_are_aligned():
+    g = group([5, 6, 7], [[20, 21], [22, 23, 24]], [1.0, 0.0])
+    batch, stats = build_batch([g], max_prompt=4, max_new=4, pad_id=0, advantage_eps=1e-6)
+    tokens = np.asarray(batch.tokens)
+    mask = np.asarray(batch.loss_mask)
+    beh = np.asarray(batch.behaviour_logprobs)
+    # the targets under the mask are exactly the completion tokens, in order
+    assert tokens[0, 1:][mask[0] > 0].tolist() == [20, 21]
+    assert tokens[1, 1:][mask[1] > 0].tolist() == [22, 23, 24]
+    np.testing.assert_allclose(beh[1][mask[1] > 0], [-0.1, -0.2, -0.3], rtol=1e-6)
+    assert np.asarray(batch.advantages)[0] > 0 > np.asarray(batch.advantages)[1]
+    assert stats["reward_mean"] == 0.5 and stats["response_length_mean"] == 2.5
