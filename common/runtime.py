@@ -27,3 +27,17 @@ def build_task(cfg: RunConfig) -> ArithTask:
 def build_tokenizer(cfg: RunConfig, task: ArithTask) -> TextTokenizer:
     """The tiny model's tokenizer, trained deterministically on the task's text (same in every process)."""
     return train_bpe(task.corpus(TOKENIZER_CORPUS_SIZE), cfg.model.tiny.vocab_size)
+
+
+def stop_on_signals(stop_event, what: str) -> None:
+    """SIGTERM/SIGINT set `stop_event`: the process finishes `what` and exits cleanly."""
+    import signal
+
+    log = logging.getLogger("grpo_stream.signals")
+
+    def _stop(signum, _frame):
+        log.warning("signal %d: finishing the current %s, then stopping", signum, what)
+        stop_event.set()
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import signal
 import threading
 import time
 
@@ -24,7 +23,7 @@ from common.generation import Engine
 from common.grpc_util import CHANNEL_OPTIONS
 from common.model import build_model
 from common.rewards import score
-from common.runtime import build_task, build_tokenizer
+from common.runtime import build_task, build_tokenizer, stop_on_signals
 from common.wire import CompletionData, GroupData, to_proto
 from sampler_service.rollout_client import RolloutClient
 from sampler_service.weight_sync import WeightSync
@@ -165,11 +164,5 @@ class Sampler:
 
 def run_sampler(cfg: RunConfig, index: int) -> dict:
     sampler = Sampler(cfg, index)
-
-    def _stop(signum, _frame):
-        log.warning("signal %d: finishing the current batch, then stopping", signum)
-        sampler.stop_event.set()
-
-    signal.signal(signal.SIGTERM, _stop)
-    signal.signal(signal.SIGINT, _stop)
+    stop_on_signals(sampler.stop_event, "generation batch")
     return sampler.run()

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import logging
 import pathlib
-import signal
 import threading
 import time
 
@@ -26,7 +25,7 @@ from common.generation import Engine
 from common.metrics import MetricsWriter
 from common.model import build_model
 from common.redis_util import connect
-from common.runtime import build_task, build_tokenizer
+from common.runtime import build_task, build_tokenizer, stop_on_signals
 from common.weights import WeightSnapshot
 from common.wire import GroupData, GroupLimits, decode_group
 from trainer_service.batching import build_batch
@@ -236,11 +235,5 @@ class Trainer:
 
 def run_trainer(cfg: RunConfig, run_dir: pathlib.Path) -> dict:
     trainer = Trainer(cfg, run_dir)
-
-    def _stop(signum, _frame):
-        log.warning("signal %d: finishing the current step, then stopping", signum)
-        trainer.stop_event.set()
-
-    signal.signal(signal.SIGTERM, _stop)
-    signal.signal(signal.SIGINT, _stop)
+    stop_on_signals(trainer.stop_event, "step")
     return trainer.run()
