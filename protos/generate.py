@@ -39,28 +39,29 @@ def generate(out_root: pathlib.Path) -> list[pathlib.Path]:
     return sorted((out_root / "protos").glob("*_pb2*.py*"))
 
 
+def stale_files(written: list[pathlib.Path], committed_dir: pathlib.Path) -> list[str]:
+    """Names of generated files that differ from, are missing in, or are extra in `committed_dir`."""
+    stale = [p.name for p in written
+             if not (committed_dir / p.name).exists() or not filecmp.cmp(p, committed_dir / p.name, shallow=False)]
+    committed = {p.name for p in committed_dir.glob("*_pb2*.py*")}
+    return stale + sorted(committed - {p.name for p in written})
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true", help="compare with the committed code instead of writing")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         written = generate(pathlib.Path(tmp))
-        stale = []
-        for path in written:
-            target = PROTO_DIR / path.name
-            if args.check:
-                if not target.exists() or not filecmp.cmp(path, target, shallow=False):
-                    stale.append(path.name)
-            else:
-                shutil.copyfile(path, target)
         if args.check:
-            committed = {p.name for p in PROTO_DIR.glob("*_pb2*.py*")}
-            stale += sorted(committed - {p.name for p in written})
+            stale = stale_files(written, PROTO_DIR)
             if stale:
                 print(f"stale generated code: {', '.join(stale)}; run `python -m protos.generate`", file=sys.stderr)
                 return 1
             print("generated code is up to date")
         else:
+            for path in written:
+                shutil.copyfile(path, PROTO_DIR / path.name)
             print("wrote " + ", ".join(p.name for p in written))
     return 0
 

@@ -44,7 +44,6 @@ class Trainer:
         self.stop_event = threading.Event()
         self.started = time.time()
         self.pending: list[tuple[BufferEntry, GroupData]] = []
-        self.stale_dropped = 0
 
     # -- set-up -----------------------------------------------------------------
     def _setup(self) -> None:
@@ -95,7 +94,6 @@ class Trainer:
                 (stale if current - group.policy_version > holding else fresh).append((entry, group))
             if stale:
                 self.buffer.settle([], [e.entry_id for e, _ in stale])
-                self.stale_dropped += len(stale)
                 log.info("dropped %d stale groups (versions %s, trainer at %d, max_staleness %d)", len(stale),
                          sorted({g.policy_version for _, g in stale}), current, holding)
             self.pending = fresh
@@ -138,7 +136,8 @@ class Trainer:
         cfg = self.cfg
         warm = None
         if cfg.warmstart.steps:
-            self.params, warm = warm_start(self.model, self.params, self.task, self.tokenizer, cfg, self.metrics)
+            self.params, warm = warm_start(self.model, self.params, self.task, self.tokenizer, cfg, self.metrics,
+                                          self.stop_event)
         eval_before = self._evaluate("eval_before") if cfg.trainer.eval_before else None
         self._publish(0)
         log.info("published weight version 0; RL starts")
@@ -161,31 +160,14 @@ class Trainer:
             fresh = np.repeat(staleness == 0, cfg.generation.num_generations).astype(np.float32)
             self.params, opt_state, m = rl_step(self.params, opt_state, batch, fresh)
             m = {k: float(v) for k, v in jax.device_get(m).items()}
-            if not m["fresh_tokens"]:  # no group at lag 0 this step: the agreement check has no data
-                m.pop("logprob_diff_mean"), m.pop("logprob_diff_max")
             self.buffer.settle([e.entry_id for e, _ in picked], [])
             final = step == cfg.trainer.steps
             if step % cfg.trainer.publish_every == 0 or final:
                 self._publish(step, final=final)
             steps_done = step
             tokens_total += int(np.asarray(batch.loss_mask).sum())
-            accuracy = float(np.mean([c.reward_components.get("answer_correct", 0.0)
-                                      for g in groups for c in g.completions]))
-            counters = self.buffer.counters()
-            row = {**stats, **m, "accuracy": accuracy, "staleness_mean": float(staleness.mean()),
-                   "staleness_max": int(staleness.max()), "buffer_depth": counters["depth"],
-                   "groups_dropped_stale": counters["dropped_stale"], "wait_seconds": t_wait,
-                   "step_seconds": time.time() - t0,
-                   "zero_variance_groups": int(sum(np.ptp(g.rewards) == 0 for g in groups)),
-                   "tokens_per_second": tokens_total / max(time.time() - rl_start, 1e-9),
-                   "weight_version": self.publisher.latest_version or 0}
-            self.metrics.scalars(step, row, prefix="train/")
-            self.metrics.histogram(step, "train/staleness", staleness)
-            log.info("step %d/%d reward %.3f acc %.3f staleness %.1f/%d buffer %d version %d loss %.4f "
-                     "clip %.3f lp_diff(lag0) %s wait %.2fs", step, cfg.trainer.steps, stats["reward_mean"], accuracy,
-                     row["staleness_mean"], row["staleness_max"], row["buffer_depth"], row["weight_version"],
-                     m["loss"], m["clip_fraction"], f"{m['logprob_diff_max']:.1e}" if "logprob_diff_max" in m else "-",
-                     t_wait)
+            self._report_step(step, groups, staleness, stats, m, t0, t_wait,
+                              tokens_per_second=tokens_total / max(time.time() - rl_start, 1e-9))
         rl_seconds = time.time() - rl_start
         if steps_done < cfg.trainer.steps:  # stopped early: tell samplers this is the last version
             self._publish(steps_done, final=True)
@@ -193,6 +175,27 @@ class Trainer:
         self._await_samplers(steps_done)
         self.server.stop()
         return self._write_summary(steps_done, warm, eval_before, eval_after, rl_seconds)
+
+    def _report_step(self, step, groups, staleness, stats, m, t0, t_wait, tokens_per_second) -> None:
+        """One progress line, TensorBoard scalars and a metrics.jsonl row for an RL step."""
+        if not m["fresh_tokens"]:  # no group at lag 0 this step: the agreement check has no data
+            m.pop("logprob_diff_mean"), m.pop("logprob_diff_max")
+        accuracy = float(np.mean([c.reward_components.get("answer_correct", 0.0)
+                                  for g in groups for c in g.completions]))
+        counters = self.buffer.counters()
+        row = {**stats, **m, "accuracy": accuracy, "staleness_mean": float(staleness.mean()),
+               "staleness_max": int(staleness.max()), "buffer_depth": counters["depth"],
+               "groups_dropped_stale": counters["dropped_stale"], "wait_seconds": t_wait,
+               "step_seconds": time.time() - t0, "tokens_per_second": tokens_per_second,
+               "zero_variance_groups": int(sum(np.ptp(g.rewards) == 0 for g in groups)),
+               "weight_version": self.publisher.latest_version or 0}
+        self.metrics.scalars(step, row, prefix="train/")
+        self.metrics.histogram(step, "train/staleness", staleness)
+        lp_diff = f"{m['logprob_diff_max']:.1e}" if "logprob_diff_max" in m else "-"
+        log.info("step %d/%d reward %.3f acc %.3f staleness %.1f/%d buffer %d version %d loss %.4f clip %.3f "
+                 "lp_diff(lag0) %s wait %.2fs", step, self.cfg.trainer.steps, stats["reward_mean"], accuracy,
+                 row["staleness_mean"], row["staleness_max"], row["buffer_depth"], row["weight_version"], m["loss"],
+                 m["clip_fraction"], lp_diff, t_wait)
 
     def _await_samplers(self, final_version: int) -> None:
         deadline = time.time() + self.cfg.trainer.final_wait_s

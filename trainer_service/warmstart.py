@@ -37,15 +37,19 @@ def demonstration_batch(task: ArithTask, tokenizer: TextTokenizer, cfg: RunConfi
 
 
 def warm_start(model: PolicyModel, params: Any, task: ArithTask, tokenizer: TextTokenizer, cfg: RunConfig,
-               metrics=None) -> tuple[Any, dict]:
-    """Run cfg.warmstart.steps supervised steps from `params`; return new params and a report."""
+               metrics=None, stop_event=None) -> tuple[Any, dict]:
+    """Run cfg.warmstart.steps supervised steps from `params` (fewer if `stop_event` is set); return params, report."""
     ws = cfg.warmstart
     optimizer = make_optimizer(ws.learning_rate, cfg.trainer.max_grad_norm)
     opt_state = optimizer.init(params)
     step_fn = make_sft_step(model, optimizer, tokenizer.pad_id)
     rng = random.Random(f"{cfg.run.seed}/warmstart")
     start, loss = time.time(), float("nan")
+    step = 0
     for step in range(1, ws.steps + 1):
+        if stop_event is not None and stop_event.is_set():
+            log.warning("warm start interrupted at step %d", step)
+            break
         batch = demonstration_batch(task, tokenizer, cfg, rng, first_index=10_000_000 + step * ws.batch_size)
         params, opt_state, loss_arr = step_fn(params, opt_state, *batch)
         if step % 50 == 0 or step == ws.steps:
@@ -53,5 +57,5 @@ def warm_start(model: PolicyModel, params: Any, task: ArithTask, tokenizer: Text
             log.info("warm start %d/%d  loss %.4f  (%.0fs)", step, ws.steps, loss, time.time() - start)
             if metrics is not None:
                 metrics.scalars(step, {"loss": loss}, prefix="warmstart/")
-    return params, {"steps": ws.steps, "final_loss": loss, "seconds": round(time.time() - start, 2),
+    return params, {"steps": step, "final_loss": loss, "seconds": round(time.time() - start, 2),
                     "carry_drop_prob": ws.carry_drop_prob}

@@ -88,3 +88,31 @@ def test_help_does_not_import_jax():
 def test_print_config_shows_resolved_values():
     proc = run_cli("trainer", "--config", "configs/tiny_arith.yaml", "--print-config", "trainer.steps=5", timeout=60)
     assert proc.returncode == 0 and "steps: 5" in proc.stdout
+
+
+def test_ctrl_c_stops_every_process_and_still_writes_the_summary(tmp_path):
+    """SIGINT to `up` mid-run: trainer finishes its step, samplers stop, summary accounts for every group."""
+    import signal
+    import time
+
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "grpo_stream", "up", "--config", "configs/tiny_arith_smoke.yaml",
+                             "--run-dir", str(run_dir), "trainer.steps=100000", "trainer.eval_after=false"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    lines = []
+    deadline = time.monotonic() + 300
+    for line in proc.stdout:
+        lines.append(line)
+        if "step 3/" in line or time.monotonic() > deadline:
+            break
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+    text = "".join(lines) + out
+    assert proc.returncode == 130, text[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert 3 <= summary["steps"] < 100000
+    assert summary["groups_ingested"] == (summary["groups_trained"] + summary["groups_dropped_stale"]
+                                          + summary["groups_left_in_buffer"])
+    assert all(code == 0 for code in summary["sampler_exit_codes"].values())
+    assert "did not stop" not in text

@@ -13,14 +13,16 @@ def test_generated_code_is_fresh():
     assert proc.returncode == 0, proc.stderr
 
 
-def test_check_detects_stale_code(tmp_path, monkeypatch):
+def test_check_detects_stale_missing_and_extra_files(tmp_path):
     import protos.generate as gen
 
-    fake = tmp_path / "protos"
-    fake.mkdir()
-    for p in gen.PROTO_DIR.glob("*"):
-        if p.is_file():
-            (fake / p.name).write_bytes(p.read_bytes())
-    (fake / "rollout_pb2.py").write_text("# edited by hand\n")
-    monkeypatch.setattr(gen, "PROTO_DIR", fake)
-    assert gen.main(["--check"]) == 1
+    written = gen.generate(tmp_path / "gen")
+    committed = tmp_path / "committed"
+    committed.mkdir()
+    for p in gen.PROTO_DIR.glob("*_pb2*.py*"):
+        (committed / p.name).write_bytes(p.read_bytes())
+    assert gen.stale_files(written, committed) == []
+    (committed / "rollout_pb2.py").write_text("# edited by hand\n")
+    (committed / "weights_pb2.pyi").unlink()
+    (committed / "old_pb2.py").write_text("")
+    assert sorted(gen.stale_files(written, committed)) == ["old_pb2.py", "rollout_pb2.py", "weights_pb2.pyi"]
