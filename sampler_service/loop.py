@@ -22,9 +22,9 @@ from common.config import RunConfig
 from common.generation import Engine
 from common.grpc_util import CHANNEL_OPTIONS
 from common.model import build_model
-from common.rewards import score
 from common.runtime import build_task, build_tokenizer, stop_on_signals
-from common.wire import CompletionData, GroupData, to_proto
+from common.wire import to_proto
+from sampler_service.grouping import build_groups
 from sampler_service.rollout_client import RolloutClient
 from sampler_service.weight_sync import WeightSync
 
@@ -106,19 +106,9 @@ class Sampler:
             rng, sub = jax.random.split(rng)
             n, version = gen.num_generations, self.version
             out = engine.generate(self.params, [ids for _, ids in batch for _ in range(n)], sub)
-            for k, (problem, ids) in enumerate(batch):
-                completions = []
-                for j in range(k * n, (k + 1) * n):
-                    length = int(out.lengths[j])
-                    toks = out.tokens[j, :length]
-                    reward, parts = score(tokenizer.decode(toks.tolist()), problem.answer)
-                    completions.append(CompletionData(token_ids=toks, logprobs=out.logprobs[j, :length],
-                                                      reward=reward, truncated=not bool(out.finished[j]),
-                                                      reward_components=parts))
-                group = GroupData(group_id=f"{cfg.run.name}/{self.sampler_id}/{next(counter)}",
-                                  prompt_id=problem.prompt_id, prompt_token_ids=ids, completions=completions,
-                                  policy_version=version, sampler_id=self.sampler_id, created_unix=time.time(),
-                                  reference_answer=problem.answer)
+            groups = build_groups(batch, out, n, tokenizer, version, self.sampler_id,
+                                  lambda: f"{cfg.run.name}/{self.sampler_id}/{next(counter)}")
+            for group in groups:
                 if not self._push(client, to_proto(group)):
                     break
                 groups_sent += 1

@@ -1,0 +1,43 @@
+import itertools
+
+import numpy as np
+import pytest
+
+from common.generation import Generation
+from common.tasks.arith import ArithTask
+from sampler_service.grouping import build_groups
+
+
+def test_groups_are_scored_and_sliced_per_prompt(tiny_parts):
+    _, _, tok, _ = tiny_parts
+    task = ArithTask(10, 99, 0.1, seed=0)
+    problems = [task.train_problem(0), task.train_problem(1)]
+    batch = [(p, tok.encode(p.prompt)) for p in problems]
+    texts = [f" x #### {problems[0].answer}", " x #### 0", f" #### {problems[1].answer}", " nothing"]
+    rows = [tok.encode(t) + [tok.eos_id] for t in texts]
+    rows[3] = rows[3][:-1]  # the last one hit the length limit without EOS
+    width = max(map(len, rows)) + 2
+    tokens = np.full((4, width), tok.pad_id, np.int32)
+    logprobs = np.zeros((4, width), np.float32)
+    for i, r in enumerate(rows):
+        tokens[i, :len(r)] = r
+        logprobs[i, :len(r)] = -0.5
+    out = Generation(tokens, logprobs, np.array([len(r) for r in rows]), np.array([True, True, True, False]))
+    ids = itertools.count()
+    groups = list(build_groups(batch, out, 2, tok, policy_version=7, sampler_id="sampler-1",
+                               next_group_id=lambda: f"run/sampler-1/{next(ids)}"))
+    assert [g.group_id for g in groups] == ["run/sampler-1/0", "run/sampler-1/1"]
+    assert [g.prompt_id for g in groups] == [p.prompt_id for p in problems]
+    assert all(g.policy_version == 7 and g.sampler_id == "sampler-1" for g in groups)
+    assert [c.reward_components["answer_correct"] for g in groups for c in g.completions] == [1.0, 0.0, 1.0, 0.0]
+    assert [c.truncated for g in groups for c in g.completions] == [False, False, False, True]
+    for g, r in zip([c for g in groups for c in g.completions], rows):
+        assert g.token_ids.tolist() == r and len(g.logprobs) == len(r)
+    assert groups[0].reference_answer == problems[0].answer
+
+
+def test_row_count_must_match(tiny_parts):
+    _, task, tok, _ = tiny_parts
+    out = Generation(np.zeros((3, 4), np.int32), np.zeros((3, 4), np.float32), np.ones(3, int), np.ones(3, bool))
+    with pytest.raises(ValueError, match="3 completions for 1 prompts x 2"):
+        list(build_groups([(task.train_problem(0), [1])], out, 2, tok, 0, "s", lambda: "g"))
