@@ -54,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "up":
         from grpo_stream.up import run_up
 
+        setup_logging(cfg.logging.level, "up")
         run_dir = args.run_dir or pathlib.Path("runs") / f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
         return run_up(args.config, args.overrides, cfg, run_dir)
     setup_logging(cfg.logging.level, args.command if args.command == "trainer" else f"sampler-{args.index}")

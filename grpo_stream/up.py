@@ -19,7 +19,7 @@ import threading
 import time
 
 from common.config import RunConfig
-from common.redis_util import EmbeddedRedis, RedisConnectError, free_port
+from common.redis_util import EmbeddedRedis, RedisConnectError, connect, free_port
 
 
 class _Child:
@@ -61,14 +61,16 @@ def run_up(config_path: pathlib.Path | None, overrides: list[str], cfg: RunConfi
     log_dir.mkdir(exist_ok=True)
     redis_server = None
     extra = list(overrides)
-    if cfg.redis.url is None:
-        try:
+    try:
+        if cfg.redis.url is None:
             redis_server = EmbeddedRedis().start()
-        except RedisConnectError as exc:
-            print(f"grpo-stream up: error: {exc}", file=sys.stderr)
-            return 1
-        extra.append(f"redis.url={redis_server.url}")
-        print(f"[up] embedded Redis at {redis_server.url}", flush=True)
+            extra.append(f"redis.url={redis_server.url}")
+            print(f"[up] embedded Redis at {redis_server.url}", flush=True)
+        else:  # fail before starting any process when the given Redis is not there
+            connect(cfg.redis.url, cfg.redis.connect_timeout_s).close()
+    except RedisConnectError as exc:
+        print(f"grpo-stream up: error: {exc}", file=sys.stderr)
+        return 1
     extra.append(f"trainer.port={free_port()}")
     base = [sys.executable, "-m", "grpo_stream"]
     cfg_args = ["--config", str(config_path)] if config_path else []

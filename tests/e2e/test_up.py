@@ -53,14 +53,17 @@ def test_up_smoke_run(tmp_path):
     assert [r["step"] for r in rows if "train/loss" in r] == list(range(1, 9))
 
 
-def test_up_with_unreachable_redis_fails_cleanly(tmp_path):
+@pytest.mark.parametrize("command", ["up", "trainer"])
+def test_unreachable_redis_is_one_line_and_nonzero(tmp_path, command):
     from common.redis_util import free_port
 
     url = f"redis://127.0.0.1:{free_port()}/0"
-    proc = run_cli("up", "--config", "configs/tiny_arith_smoke.yaml", "--run-dir", str(tmp_path / "r"),
+    proc = run_cli(command, "--config", "configs/tiny_arith_smoke.yaml", "--run-dir", str(tmp_path / "r"),
                    f"redis.url={url}", "redis.connect_timeout_s=1", timeout=180)
-    assert proc.returncode != 0
-    assert f"redis.url={url}: not reachable after" in proc.stdout + proc.stderr
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"redis.url={url}: not reachable after 1s" in lines[0], proc.stderr
+    assert "waiting for Redis" in proc.stdout  # the retries were logged while it waited
 
 
 @pytest.mark.parametrize("args, message", [
@@ -116,3 +119,14 @@ def test_ctrl_c_stops_every_process_and_still_writes_the_summary(tmp_path):
                                           + summary["groups_left_in_buffer"])
     assert all(code == 0 for code in summary["sampler_exit_codes"].values())
     assert "did not stop" not in text
+
+
+def test_sampler_without_trainer_is_one_line_and_nonzero():
+    from common.redis_util import free_port
+
+    address = f"127.0.0.1:{free_port()}"
+    proc = run_cli("sampler", "--config", "configs/tiny_arith_smoke.yaml", "--index", "0",
+                   f"sampler.trainer_address={address}", "sampler.connect_timeout_s=1", timeout=180)
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"sampler.trainer_address={address}: trainer not reachable" in lines[0], proc.stderr
