@@ -2,12 +2,12 @@
 
 Redis layout for run R (prefix P):
   P:R:rollouts      stream, one entry per group, field `g` = RolloutGroup protobuf bytes
-  P:R:counters      hash: ingested, trained, dropped_stale, dropped_invalid
+  P:R:counters      hash: ingested, trained, dropped_stale, dropped_invalid, dropped_filtered
   P:R:by_sampler    hash: sampler id -> groups ingested
 
 Every change to the stream and to the counters happens in one MULTI/EXEC
 transaction, so at any moment
-    ingested == trained + dropped_stale + dropped_invalid + XLEN(rollouts).
+    ingested == trained + dropped_stale + dropped_invalid + dropped_filtered + XLEN(rollouts).
 The trainer reads through a consumer group and deletes entries once it has
 trained on them or dropped them; entries read but not yet settled stay in
 the stream (and count as left in the buffer).
@@ -23,7 +23,7 @@ import time
 
 import redis
 
-COUNTERS = ("ingested", "trained", "dropped_stale", "dropped_invalid")
+COUNTERS = ("ingested", "trained", "dropped_stale", "dropped_invalid", "dropped_filtered")
 
 
 class BufferFull(Exception):
@@ -52,8 +52,8 @@ class RolloutBuffer(abc.ABC):
         """Up to max_count entries not yet delivered to this consumer; waits up to block_ms for the first."""
 
     @abc.abstractmethod
-    def settle(self, trained: list[str], dropped_stale: list[str], dropped_invalid: list[str] = ()) -> None:
-        """Remove entries for good and count them, atomically."""
+    def settle(self, trained=(), dropped_stale=(), dropped_invalid=(), dropped_filtered=()) -> None:
+        """Remove entries (ids) for good and count each list under its name, atomically."""
 
     @abc.abstractmethod
     def depth(self) -> int:
@@ -122,8 +122,10 @@ class RedisStreamBuffer(RolloutBuffer):
             return out
         return self._call(run)
 
-    def settle(self, trained, dropped_stale, dropped_invalid=()) -> None:
-        ids = [*trained, *dropped_stale, *dropped_invalid]
+    def settle(self, trained=(), dropped_stale=(), dropped_invalid=(), dropped_filtered=()) -> None:
+        named = {"trained": trained, "dropped_stale": dropped_stale, "dropped_invalid": dropped_invalid,
+                 "dropped_filtered": dropped_filtered}
+        ids = [i for group in named.values() for i in group]
         if not ids:
             return
 
@@ -131,8 +133,7 @@ class RedisStreamBuffer(RolloutBuffer):
             pipe = self.client.pipeline(transaction=True)
             pipe.xack(self.stream, self.GROUP, *ids)
             pipe.xdel(self.stream, *ids)
-            for name, group in (("trained", trained), ("dropped_stale", dropped_stale),
-                                ("dropped_invalid", dropped_invalid)):
+            for name, group in named.items():
                 if group:
                     pipe.hincrby(self.counters_key, name, len(group))
             pipe.execute()
@@ -190,10 +191,11 @@ class InMemoryBuffer(RolloutBuffer):
             self._delivered.update(k for k, _ in fresh)
             return [BufferEntry(k, v) for k, v in fresh]
 
-    def settle(self, trained, dropped_stale, dropped_invalid=()):
+    def settle(self, trained=(), dropped_stale=(), dropped_invalid=(), dropped_filtered=()):
+        named = {"trained": trained, "dropped_stale": dropped_stale, "dropped_invalid": dropped_invalid,
+                 "dropped_filtered": dropped_filtered}
         with self._lock:
-            for name, group in (("trained", trained), ("dropped_stale", dropped_stale),
-                                ("dropped_invalid", dropped_invalid)):
+            for name, group in named.items():
                 for eid in group:
                     if self._entries.pop(eid, None) is not None:
                         self._counters[name] += 1

@@ -134,10 +134,50 @@ class BufferSection(Strict):
 
 
 class AlgoSection(Strict):
-    epsilon: float = Field(0.2, gt=0, lt=1, description="Lower clip range of the importance ratio (1-epsilon).")
-    epsilon_high: float | None = Field(None, gt=0, lt=10, description="Upper clip range (1+epsilon_high); null = "
-                                       "epsilon (symmetric).")
+    """The policy-gradient objective; see trainer_service/loss.py and the README for the formula."""
+
+    loss_algo: Literal["grpo", "gspo-token"] = Field("grpo", description="'grpo': per-token importance ratio; "
+                                                     "'gspo-token': GSPO's sequence-level ratio (geometric mean of the "
+                                                     "token ratios) with per-token gradients.")
+    epsilon: float = Field(0.2, gt=0, lt=1, description="Lower clip range of the ratio (1-epsilon).")
+    epsilon_high: float | None = Field(None, gt=0, lt=10, description="Upper clip range (1+epsilon_high), "
+                                       ">= epsilon ('clip-higher'); null = epsilon.")
+    loss_agg_mode: Literal["token-mean", "sequence-mean-token-mean", "sequence-mean-token-sum-norm"] = Field(
+        "token-mean", description="How per-token losses become one number: mean over all tokens; mean over "
+        "sequences of each sequence's token mean; or Dr.GRPO's token sum divided by the number of sequences.")
+    advantage_estimator: Literal["grpo", "drgrpo", "rloo"] = Field("grpo", description="'grpo': (r-mean)/(std+eps) "
+                                                                   "per group; 'drgrpo': r-mean; 'rloo': r minus "
+                                                                   "the mean of the other completions.")
     advantage_eps: float = Field(1e-4, gt=0, description="Added to the group std when normalising advantages.")
+    beta: float = Field(0.0, ge=0, le=100, description="Weight of the KL penalty to a frozen reference model "
+                        "(the policy when RL starts). 0 = no penalty and no reference model in memory.")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="Per-token KL estimator with d = ref - logp: "
+                                                   "k1 = -d, k2 = d^2/2, k3 = exp(d) - d - 1.")
+    tis_cap: float | None = Field(2.0, gt=0, le=1e6, description="Truncated importance weight min(exp(old - "
+                                  "behaviour), tis_cap) per token, correcting for the sampler's (stale) policy; "
+                                  "null = off.")
+    num_iterations: int = Field(1, ge=1, le=64, description="Optimizer passes over each batch (PPO epochs).")
+    minibatches: int = Field(1, ge=1, le=4096, description="Optimizer steps per pass; must divide the batch's "
+                             "sequences (trainer.groups_per_step x generation.num_generations).")
+    dynamic_sampling: bool = Field(False, description="Drop groups whose rewards are all equal (no signal) before "
+                                   "batching; they are counted as groups_dropped_filtered and the batch is refilled.")
+    overlong: Literal["none", "filter", "penalty"] = Field("none", description="Completions that hit "
+                                                          "max_new_tokens: 'filter' masks them out of the loss; "
+                                                          "'penalty' lowers their reward near the limit.")
+    overlong_buffer_tokens: int = Field(4, ge=1, le=32768, description="'penalty': the penalty ramps up linearly over "
+                                        "this many tokens before max_new_tokens.")
+    overlong_penalty: float = Field(1.0, ge=0, le=100, description="'penalty': reward subtracted at the limit.")
+
+    @model_validator(mode="after")
+    def _clip(self) -> "AlgoSection":
+        if self.epsilon_high is not None and self.epsilon_high < self.epsilon:
+            raise ValueError(f"algo.epsilon_high={self.epsilon_high} < algo.epsilon={self.epsilon}: the upper clip "
+                             "range must be at least the lower one (clip-higher); raise epsilon_high or set it null")
+        return self
+
+    @property
+    def eps_high(self) -> float:
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
 
 
 class WarmStartSection(Strict):
@@ -173,6 +213,17 @@ class RunConfig(Strict):
     warmstart: WarmStartSection = Field(default_factory=WarmStartSection, description="Supervised warm start.")
     eval: EvalSection = Field(default_factory=EvalSection, description="Held-out evaluation.")
     logging: LoggingSection = Field(default_factory=LoggingSection, description="Logging.")
+
+    @model_validator(mode="after")
+    def _minibatches(self) -> "RunConfig":
+        rows = self.trainer.groups_per_step * self.generation.num_generations
+        if rows % self.algo.minibatches:
+            raise ValueError(f"algo.minibatches={self.algo.minibatches} must divide the {rows} sequences of a step "
+                             "(trainer.groups_per_step x generation.num_generations)")
+        if self.algo.overlong_buffer_tokens > self.generation.max_new_tokens:
+            raise ValueError(f"algo.overlong_buffer_tokens={self.algo.overlong_buffer_tokens} exceeds "
+                             f"generation.max_new_tokens={self.generation.max_new_tokens}")
+        return self
 
     def trainer_address(self) -> str:
         return self.sampler.trainer_address or f"127.0.0.1:{self.trainer.port}"

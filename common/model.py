@@ -139,7 +139,16 @@ def causal_mask(valid: jax.Array) -> jax.Array:
 
 
 def sequence_logprobs(model: PolicyModel, params: Any, tokens: jax.Array, valid: jax.Array,
-                      temperature: float, pad_id: int) -> jax.Array:
-    """logprob of tokens[:, 1:] given their prefixes: [B, L-1]. Full forward, no cache."""
+                      temperature: float, pad_id: int, with_entropy: bool = False):
+    """logprob of tokens[:, 1:] given their prefixes: [B, L-1]. Full forward, no cache.
+
+    With `with_entropy`, also the policy's entropy at each of those positions ([B, L-1]).
+    """
     logits, _ = model.apply(params, tokens, positions_from_mask(valid), None, causal_mask(valid))
-    return token_logprobs(logits[:, :-1], tokens[:, 1:], temperature, pad_id)
+    logp = policy_log_softmax(logits[:, :-1], temperature, pad_id)
+    chosen = jnp.take_along_axis(logp, tokens[:, 1:, None].astype(jnp.int32), axis=-1)[..., 0]
+    if not with_entropy:
+        return chosen
+    probs = jnp.exp(logp)
+    entropy = -jnp.sum(jnp.where(probs > 0, probs * logp, 0.0), axis=-1)
+    return chosen, entropy

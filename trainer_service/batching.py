@@ -3,7 +3,7 @@
 Layout (identical to the sampler's): the prompt is left-padded to
 P = generation.max_prompt_tokens, the completion follows and is
 right-padded to C = generation.max_new_tokens. Fixed shapes mean one
-compiled train step for the whole run.
+compiled update for the whole run.
 """
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from common.config import AlgoSection
 from common.wire import GroupData
-from trainer_service.advantages import grpo_advantages
+from trainer_service.advantages import compute_advantages, overlong_penalty
 
 
 @struct.dataclass
@@ -22,9 +23,10 @@ class TrainBatch:
 
     tokens: jnp.ndarray              # [B, L] int32
     valid: jnp.ndarray               # [B, L] bool, real (non-pad) tokens
-    loss_mask: jnp.ndarray           # [B, L-1] float32, 1 where the target is a completion token
+    loss_mask: jnp.ndarray           # [B, L-1] float32, 1 where the target is a completion token that counts
     behaviour_logprobs: jnp.ndarray  # [B, L-1] float32, sampler logprobs at the same positions
     advantages: jnp.ndarray          # [B] float32
+    fresh: jnp.ndarray               # [B] float32, 1 for sequences made with exactly the weights being updated
 
 
 def layout(prompt: np.ndarray, completion: np.ndarray, max_prompt: int, max_new: int, pad_id: int):
@@ -39,11 +41,20 @@ def layout(prompt: np.ndarray, completion: np.ndarray, max_prompt: int, max_new:
     return tokens, valid
 
 
-def build_batch(groups: list[GroupData], max_prompt: int, max_new: int, pad_id: int,
-                advantage_eps: float) -> tuple[TrainBatch, dict[str, float]]:
-    """Stack groups into a TrainBatch and return batch statistics (rewards, advantages, lengths)."""
-    rewards = np.stack([g.rewards for g in groups])
-    advantages = grpo_advantages(rewards, advantage_eps)
+def build_batch(groups: list[GroupData], max_prompt: int, max_new: int, pad_id: int, algo: AlgoSection,
+                held_version: int) -> tuple[TrainBatch, dict[str, float]]:
+    """Stack groups into a TrainBatch (advantages, overlong handling) and return batch statistics.
+
+    `held_version` is the weight version the trainer holds now; groups made with it are `fresh`.
+    """
+    n = len(groups[0].completions)
+    rewards = np.stack([g.rewards for g in groups]).astype(np.float32)
+    lengths = np.array([[len(c.token_ids) for c in g.completions] for g in groups])
+    truncated = np.array([[c.truncated for c in g.completions] for g in groups])
+    if algo.overlong == "penalty":
+        rewards = rewards + overlong_penalty(lengths, max_new, algo.overlong_buffer_tokens, algo.overlong_penalty)
+    advantages = compute_advantages(rewards, algo.advantage_estimator, algo.advantage_eps).reshape(-1)
+    keep = ~(truncated.reshape(-1)) if algo.overlong == "filter" else np.ones(len(groups) * n, np.bool_)
     rows = [(g.prompt_token_ids, c) for g in groups for c in g.completions]
     length = max_prompt + max_new
     tokens = np.zeros((len(rows), length), np.int32)
@@ -52,15 +63,18 @@ def build_batch(groups: list[GroupData], max_prompt: int, max_new: int, pad_id: 
     behaviour = np.zeros((len(rows), length - 1), np.float32)
     for i, (prompt, c) in enumerate(rows):
         tokens[i], valid[i] = layout(prompt, c.token_ids, max_prompt, max_new, pad_id)
-        n = len(c.token_ids)
-        # target position t predicts tokens[t + 1]; completion tokens sit at P..P+n-1
-        loss_mask[i, max_prompt - 1:max_prompt - 1 + n] = 1.0
-        behaviour[i, max_prompt - 1:max_prompt - 1 + n] = c.logprobs
+        k = len(c.token_ids)
+        # target position t predicts tokens[t + 1]; completion tokens sit at P..P+k-1
+        loss_mask[i, max_prompt - 1:max_prompt - 1 + k] = float(keep[i])
+        behaviour[i, max_prompt - 1:max_prompt - 1 + k] = c.logprobs
+    fresh = np.repeat([g.policy_version == held_version for g in groups], n).astype(np.float32)
     stats = {
         "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
         "advantage_mean": float(advantages.mean()), "advantage_abs_mean": float(np.abs(advantages).mean()),
-        "response_length_mean": float(loss_mask.sum(axis=1).mean()),
+        "advantage_max": float(advantages.max()), "advantage_min": float(advantages.min()),
+        "response_length_mean": float(lengths.mean()), "truncated_fraction": float(truncated.mean()),
     }
     batch = TrainBatch(tokens=jnp.asarray(tokens), valid=jnp.asarray(valid), loss_mask=jnp.asarray(loss_mask),
-                       behaviour_logprobs=jnp.asarray(behaviour), advantages=jnp.asarray(advantages.reshape(-1)))
+                       behaviour_logprobs=jnp.asarray(behaviour), advantages=jnp.asarray(advantages),
+                       fresh=jnp.asarray(fresh))
     return batch, stats

@@ -15,7 +15,6 @@ import pathlib
 import threading
 import time
 
-import jax
 import numpy as np
 
 from common.buffer import BufferEntry, BufferUnavailable, RedisStreamBuffer
@@ -32,7 +31,8 @@ from trainer_service.batching import build_batch
 from trainer_service.ingest import IngestServicer
 from trainer_service.publisher import WeightPublisher
 from trainer_service.server import TrainerServer
-from trainer_service.train_step import make_optimizer, make_rl_step
+from trainer_service.rl_update import PolicyUpdater
+from trainer_service.selection import partition_groups
 from trainer_service.warmstart import warm_start
 
 log = logging.getLogger(__name__)
@@ -44,6 +44,7 @@ class Trainer:
         self.stop_event = threading.Event()
         self.started = time.time()
         self.pending: list[tuple[BufferEntry, GroupData]] = []
+        self.agreement = {"tokens": 0.0, "abs_sum": 0.0, "max_abs": 0.0}
 
     # -- set-up -----------------------------------------------------------------
     def _setup(self) -> None:
@@ -89,11 +90,11 @@ class Trainer:
         current = step - 1
         last_note = time.time()
         while True:
-            fresh, stale = [], []
-            for entry, group in self.pending:
-                (stale if current - group.policy_version > holding else fresh).append((entry, group))
+            fresh, stale, flat = partition_groups(self.pending, current, holding, self.cfg.algo.dynamic_sampling)
+            if stale or flat:
+                self.buffer.settle(dropped_stale=[e.entry_id for e, _ in stale],
+                                   dropped_filtered=[e.entry_id for e, _ in flat])
             if stale:
-                self.buffer.settle([], [e.entry_id for e, _ in stale])
                 log.info("dropped %d stale groups (versions %s, trainer at %d, max_staleness %d)", len(stale),
                          sorted({g.policy_version for _, g in stale}), current, holding)
             self.pending = fresh
@@ -116,7 +117,7 @@ class Trainer:
                     log.error("undecodable buffer entry %s dropped: %s", entry.entry_id, exc)
                     undecodable.append(entry.entry_id)
             if undecodable:
-                self.buffer.settle([], [], undecodable)
+                self.buffer.settle(dropped_invalid=undecodable)
             if time.time() - last_note > 10:
                 log.info("step %d waiting for rollouts: %d/%d groups, buffer depth %d", step, len(self.pending), need,
                          self.buffer.depth())
@@ -141,11 +142,9 @@ class Trainer:
         eval_before = self._evaluate("eval_before") if cfg.trainer.eval_before else None
         self._publish(0)
         log.info("published weight version 0; RL starts")
-        optimizer = make_optimizer(cfg.trainer.learning_rate, cfg.trainer.max_grad_norm)
-        opt_state = optimizer.init(self.params)
+        updater = PolicyUpdater(self.model, self.params, cfg.algo, cfg.trainer.learning_rate,
+                                cfg.trainer.max_grad_norm, cfg.generation.temperature, self.tokenizer.pad_id)
         algo = cfg.algo
-        rl_step = make_rl_step(self.model, optimizer, cfg.generation.temperature, self.tokenizer.pad_id,
-                               algo.epsilon, algo.epsilon_high if algo.epsilon_high is not None else algo.epsilon)
         rl_start, steps_done, tokens_total = time.time(), 0, 0
         for step in range(1, cfg.trainer.steps + 1):
             t0 = time.time()
@@ -155,12 +154,12 @@ class Trainer:
             t_wait = time.time() - t0
             groups = [g for _, g in picked]
             batch, stats = build_batch(groups, cfg.generation.max_prompt_tokens, cfg.generation.max_new_tokens,
-                                       self.tokenizer.pad_id, algo.advantage_eps)
+                                       self.tokenizer.pad_id, algo, held_version=step - 1)
             staleness = np.array([step - 1 - g.policy_version for g in groups])
-            fresh = np.repeat(staleness == 0, cfg.generation.num_generations).astype(np.float32)
-            self.params, opt_state, m = rl_step(self.params, opt_state, batch, fresh)
-            m = {k: float(v) for k, v in jax.device_get(m).items()}
-            self.buffer.settle([e.entry_id for e, _ in picked], [])
+            m = updater.update(batch)
+            self.params = updater.params
+            self._track_agreement(m)
+            self.buffer.settle(trained=[e.entry_id for e, _ in picked])
             final = step == cfg.trainer.steps
             if step % cfg.trainer.publish_every == 0 or final:
                 self._publish(step, final=final)
@@ -176,16 +175,23 @@ class Trainer:
         self.server.stop()
         return self._write_summary(steps_done, warm, eval_before, eval_after, rl_seconds)
 
+    def _track_agreement(self, m: dict) -> None:
+        """Run-long sampler-trainer logprob agreement over tokens generated at version lag 0."""
+        if m["fresh_tokens"]:
+            a = self.agreement
+            a["tokens"] += m["fresh_tokens"]
+            a["abs_sum"] += m["logprob_diff_mean"] * m["fresh_tokens"]
+            a["max_abs"] = max(a["max_abs"], m["logprob_diff_max"])
+
     def _report_step(self, step, groups, staleness, stats, m, t0, t_wait, tokens_per_second) -> None:
         """One progress line, TensorBoard scalars and a metrics.jsonl row for an RL step."""
-        if not m["fresh_tokens"]:  # no group at lag 0 this step: the agreement check has no data
-            m.pop("logprob_diff_mean"), m.pop("logprob_diff_max")
         accuracy = float(np.mean([c.reward_components.get("answer_correct", 0.0)
                                   for g in groups for c in g.completions]))
         counters = self.buffer.counters()
         row = {**stats, **m, "accuracy": accuracy, "staleness_mean": float(staleness.mean()),
                "staleness_max": int(staleness.max()), "buffer_depth": counters["depth"],
-               "groups_dropped_stale": counters["dropped_stale"], "wait_seconds": t_wait,
+               "groups_dropped_stale": counters["dropped_stale"],
+               "groups_dropped_filtered": counters["dropped_filtered"], "wait_seconds": t_wait,
                "step_seconds": time.time() - t0, "tokens_per_second": tokens_per_second,
                "zero_variance_groups": int(sum(np.ptp(g.rewards) == 0 for g in groups)),
                "weight_version": self.publisher.latest_version or 0}
@@ -217,6 +223,7 @@ class Trainer:
             "groups_trained": counters["trained"],
             "groups_dropped_stale": counters["dropped_stale"],
             "groups_dropped_invalid": counters["dropped_invalid"],
+            "groups_dropped_filtered": counters["dropped_filtered"],
             "groups_left_in_buffer": counters["depth"],
             "groups_by_sampler": self.buffer.ingested_by_sampler(),
             "ingest_rejected_invalid": self.ingest.stats["invalid"],
@@ -224,6 +231,11 @@ class Trainer:
             "weight_versions_published": len(self.publisher.published),
             "weight_versions": self.publisher.published,
             "sampler_weight_versions": self.publisher.installed,
+            "algo": self.cfg.algo.model_dump(mode="json"),
+            "logprob_agreement_lag0": {
+                "tokens": int(self.agreement["tokens"]),
+                "mean_abs": self.agreement["abs_sum"] / self.agreement["tokens"] if self.agreement["tokens"] else None,
+                "max_abs": self.agreement["max_abs"] if self.agreement["tokens"] else None},
             "warmstart": warm,
             "eval_before": eval_before,
             "eval_after": eval_after,

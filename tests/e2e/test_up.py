@@ -21,7 +21,7 @@ def check_run(summary: dict, replicas: int, steps: int) -> None:
     assert summary["steps"] == steps
     # every group the ingest accepted is accounted for
     assert summary["groups_ingested"] == (summary["groups_trained"] + summary["groups_dropped_stale"]
-                                          + summary["groups_left_in_buffer"])
+                                          + summary["groups_dropped_filtered"] + summary["groups_left_in_buffer"])
     assert summary["groups_dropped_invalid"] == 0
     assert summary["groups_trained"] >= steps  # at least one group per step
     # at least two samplers contributed groups

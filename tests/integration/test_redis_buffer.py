@@ -13,7 +13,8 @@ def make_buffers(redis_server):
 
 
 def identity_holds(c):
-    return c["ingested"] == c["trained"] + c["dropped_stale"] + c["dropped_invalid"] + c["depth"]
+    return c["ingested"] == (c["trained"] + c["dropped_stale"] + c["dropped_invalid"] + c["dropped_filtered"]
+                             + c["depth"])
 
 
 @pytest.mark.parametrize("kind", [0, 1], ids=["redis", "memory"])
@@ -26,9 +27,9 @@ def test_append_read_settle_keeps_the_accounting_identity(redis_server, kind):
     # delivered entries are not delivered again, but still count as in the buffer
     assert [e.payload for e in buf.read(10, block_ms=100)] == [b"g3", b"g4"]
     assert buf.depth() == 5 and identity_holds(buf.counters())
-    buf.settle([first[0].entry_id, first[1].entry_id], [first[2].entry_id])
+    buf.settle([first[0].entry_id], [first[2].entry_id], dropped_filtered=[first[1].entry_id])
     c = buf.counters()
-    assert (c["ingested"], c["trained"], c["dropped_stale"], c["depth"]) == (5, 2, 1, 2)
+    assert (c["ingested"], c["trained"], c["dropped_stale"], c["dropped_filtered"], c["depth"]) == (5, 1, 1, 1, 2)
     assert identity_holds(c)
     assert buf.ingested_by_sampler() == {"s0": 3, "s1": 2}
     assert buf.read(5, block_ms=50) == []

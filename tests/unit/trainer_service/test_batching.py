@@ -1,5 +1,6 @@
 import numpy as np
 
+from common.config import AlgoSection
 from common.wire import CompletionData, GroupData
 from trainer_service.batching import build_batch, layout
 
@@ -18,7 +19,7 @@ def test_layout_left_pads_prompt_and_right_pads_completion():
 
 def test_targets_and_behaviour_logprobs_are_aligned():
     g = group([5, 6, 7], [[20, 21], [22, 23, 24]], [1.0, 0.0])
-    batch, stats = build_batch([g], max_prompt=4, max_new=4, pad_id=0, advantage_eps=1e-6)
+    batch, stats = build_batch([g], max_prompt=4, max_new=4, pad_id=0, algo=AlgoSection(), held_version=0)
     tokens = np.asarray(batch.tokens)
     mask = np.asarray(batch.loss_mask)
     beh = np.asarray(batch.behaviour_logprobs)
@@ -28,3 +29,30 @@ def test_targets_and_behaviour_logprobs_are_aligned():
     np.testing.assert_allclose(beh[1][mask[1] > 0], [-0.1, -0.2, -0.3], rtol=1e-6)
     assert np.asarray(batch.advantages)[0] > 0 > np.asarray(batch.advantages)[1]
     assert stats["reward_mean"] == 0.5 and stats["response_length_mean"] == 2.5
+
+
+def test_fresh_marks_groups_made_with_the_held_version():
+    g0 = group([5], [[20], [21]], [1.0, 0.0])
+    g1 = group([5], [[20], [21]], [1.0, 0.0])
+    g1.policy_version = 3
+    batch, _ = build_batch([g0, g1], 2, 2, 0, AlgoSection(), held_version=3)
+    assert np.asarray(batch.fresh).tolist() == [0, 0, 1, 1]
+
+
+def test_overlong_filter_masks_truncated_completions_only():
+    g = group([5], [[20, 21], [22, 23]], [1.0, 0.0])
+    g.completions[1].truncated = True
+    batch, stats = build_batch([g], 2, 2, 0, AlgoSection(overlong="filter", overlong_buffer_tokens=1),
+                               held_version=0)
+    assert np.asarray(batch.loss_mask).sum(axis=1).tolist() == [2.0, 0.0]
+    assert stats["truncated_fraction"] == 0.5
+
+
+def test_overlong_penalty_lowers_the_reward_near_the_limit():
+    # DAPO soft punishment, max_new 4, buffer 2: length 3 -> half penalty, length 4 -> full, length 1 -> none
+    g = group([5], [[20, 21, 22], [22, 23, 24, 25], [1]], [1.0, 1.0, 1.0])
+    algo = AlgoSection(overlong="penalty", overlong_buffer_tokens=2, overlong_penalty=1.0,
+                       advantage_estimator="drgrpo")
+    batch, stats = build_batch([g], 2, 4, 0, algo, held_version=0)
+    rewards = np.array([0.5, 0.0, 1.0])
+    np.testing.assert_allclose(np.asarray(batch.advantages), rewards - rewards.mean(), atol=1e-6)

@@ -1,0 +1,104 @@
+"""The RL update of one trainer step: proximal logprobs, TIS weights, iterations x minibatches.
+
+With one iteration and one minibatch the proximal ("old") policy is the trainer's own
+weights at the start of the step, taken inside the loss as stop_gradient(logprobs), so the
+ratio is exactly 1 and only the truncated importance weight carries the staleness
+correction. With more passes the old logprobs are computed once, before any update.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from common.config import AlgoSection
+from common.model import PolicyModel, sequence_logprobs
+from trainer_service.batching import TrainBatch
+from trainer_service.loss import policy_loss, truncated_is_weights
+from trainer_service.train_step import make_optimizer
+
+
+class PolicyUpdater:
+    """Params, optimizer state and (only when beta > 0) a frozen reference copy of the params."""
+
+    def __init__(self, model: PolicyModel, params: Any, algo: AlgoSection, learning_rate: float,
+                 max_grad_norm: float, temperature: float, pad_id: int):
+        self.model, self.algo, self.temperature, self.pad_id = model, algo, temperature, pad_id
+        self.optimizer = make_optimizer(learning_rate, max_grad_norm)
+        self.params = params
+        self.opt_state = self.optimizer.init(params)
+        self.ref_params = jax.tree.map(jnp.copy, params) if algo.beta > 0 else None
+        self._logprobs = jax.jit(lambda p, tokens, valid: sequence_logprobs(model, p, tokens, valid, temperature,
+                                                                            pad_id))
+        self._step = jax.jit(self._step_impl)
+
+    def _step_impl(self, params, opt_state, batch: TrainBatch, old, ref):
+        algo = self.algo
+
+        def loss_fn(p):
+            logprobs, entropy = sequence_logprobs(self.model, p, batch.tokens, batch.valid, self.temperature,
+                                                  self.pad_id, with_entropy=True)
+            proximal = jax.lax.stop_gradient(logprobs) if old is None else old
+            weights = (truncated_is_weights(proximal, batch.behaviour_logprobs, algo.tis_cap)
+                       if algo.tis_cap is not None else None)
+            loss, m = policy_loss(logprobs, old, batch.advantages, batch.loss_mask, loss_algo=algo.loss_algo,
+                                  eps_low=algo.epsilon, eps_high=algo.eps_high, agg_mode=algo.loss_agg_mode,
+                                  is_weights=weights, ref_logprobs=ref, beta=algo.beta,
+                                  kl_estimator=algo.kl_estimator, entropy=entropy)
+            # sampler-trainer agreement on sequences generated with exactly these weights
+            fresh = batch.loss_mask * batch.fresh[:, None]
+            diff = jnp.abs(proximal - batch.behaviour_logprobs) * fresh
+            m.update(lp_diff_sum=diff.sum(), lp_diff_max=diff.max(), fresh_tokens=fresh.sum())
+            return loss, m
+
+        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        updates, opt_state = self.optimizer.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        metrics["loss"] = loss
+        metrics["grad_norm"] = optax.global_norm(grads)
+        return params, opt_state, metrics
+
+    def update(self, batch: TrainBatch) -> dict[str, float]:
+        """Run num_iterations passes of `minibatches` optimizer steps over `batch`; return averaged metrics."""
+        algo = self.algo
+        needs_old = algo.num_iterations > 1 or algo.minibatches > 1
+        old = self._logprobs(self.params, batch.tokens, batch.valid) if needs_old else None
+        ref = self._logprobs(self.ref_params, batch.tokens, batch.valid) if self.ref_params is not None else None
+        rows = batch.tokens.shape[0]
+        size = rows // algo.minibatches
+        sums: dict[str, float] = {}
+        agreement = {"lp_diff_sum": 0.0, "lp_diff_max": 0.0, "fresh_tokens": 0.0}
+        count = 0
+        for iteration in range(algo.num_iterations):
+            for k in range(algo.minibatches):
+                part = slice(k * size, (k + 1) * size)
+                sub = jax.tree.map(lambda x: x[part], batch)
+                self.params, self.opt_state, m = self._step(
+                    self.params, self.opt_state, sub, None if old is None else old[part],
+                    None if ref is None else ref[part])
+                m = {key: float(v) for key, v in jax.device_get(m).items()}
+                if iteration == 0:  # later passes see the same old logprobs again
+                    agreement["lp_diff_sum"] += m["lp_diff_sum"]
+                    agreement["fresh_tokens"] += m["fresh_tokens"]
+                    agreement["lp_diff_max"] = max(agreement["lp_diff_max"], m["lp_diff_max"])
+                for key in ("lp_diff_sum", "lp_diff_max", "fresh_tokens"):
+                    m.pop(key)
+                for key, v in m.items():
+                    if key.endswith("_max"):
+                        sums[key] = max(sums.get(key, -np.inf), v)
+                    elif key.endswith("_min"):
+                        sums[key] = min(sums.get(key, np.inf), v)
+                    else:
+                        sums[key] = sums.get(key, 0.0) + v
+                count += 1
+        out = {key: v if key.endswith(("_max", "_min")) else v / count for key, v in sums.items()}
+        out["optimizer_steps"] = count
+        out["fresh_tokens"] = agreement["fresh_tokens"]
+        if agreement["fresh_tokens"]:
+            out["logprob_diff_mean"] = agreement["lp_diff_sum"] / agreement["fresh_tokens"]
+            out["logprob_diff_max"] = agreement["lp_diff_max"]
+        return out
