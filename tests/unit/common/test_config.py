@@ -74,3 +74,26 @@ def test_every_field_is_documented():
 def test_missing_file_is_one_line_error(tmp_path):
     with pytest.raises(ConfigError, match="no such file"):
         load_config(tmp_path / "nope.yaml")
+
+
+@pytest.mark.parametrize("override, message", [
+    ("algo.epsilon_high=0.1", "algo.epsilon_high=0.1 < algo.epsilon=0.2"),
+    ("algo.tis_cap=0", "algo.tis_cap: Input should be greater than 0"),
+    ("algo.tis_cap=-1", "algo.tis_cap: Input should be greater than 0"),
+    ("algo.loss_algo=ppo", "algo.loss_algo: Input should be 'grpo' or 'gspo-token'"),
+    ("algo.loss_agg_mode=sum", "algo.loss_agg_mode: Input should be"),
+    ("algo.advantage_estimator=gae", "algo.advantage_estimator: Input should be"),
+    ("algo.kl_estimator=k4", "algo.kl_estimator: Input should be 'k1', 'k2' or 'k3'"),
+    ("algo.beta=-0.1", "algo.beta: Input should be greater than or equal to 0"),
+    ("algo.minibatches=3", "algo.minibatches=3 must divide the 128 sequences"),
+    ("algo.overlong_buffer_tokens=99", "algo.overlong_buffer_tokens=99 exceeds generation.max_new_tokens=18"),
+])
+def test_bad_objective_settings_name_the_field(override, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(CONFIGS / "tiny_arith.yaml", [override])
+    assert message in str(err.value)
+
+
+def test_tis_can_be_turned_off_and_eps_high_defaults_to_epsilon():
+    cfg = load_config(CONFIGS / "tiny_arith.yaml", ["algo.tis_cap=null", "algo.epsilon_high=null"])
+    assert cfg.algo.tis_cap is None and cfg.algo.eps_high == cfg.algo.epsilon
