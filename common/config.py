@@ -101,6 +101,9 @@ class SamplerSection(Strict):
     rpc_timeout_s: float = Field(30.0, gt=0, le=3600, description="Deadline of one weight fetch.")
     connect_timeout_s: float = Field(120.0, gt=0, le=3600, description="How long a sampler waits for the trainer "
                                      "(and its first weights) before it exits.")
+    metrics_port: int | None = Field(0, ge=0, le=65535, description="Prometheus /metrics port of sampler 0 "
+                                     "(sampler i uses metrics_port + i); 0 = a free port, null = off.")
+    metrics_host: str = Field("127.0.0.1", description="Address the samplers' /metrics binds.")
 
 
 class TrainerSection(Strict):
@@ -115,6 +118,8 @@ class TrainerSection(Strict):
     publish_every: int = Field(1, ge=1, le=100_000, description="Publish weights every this many steps.")
     final_wait_s: float = Field(60.0, ge=0, le=3600, description="After the last step, how long to wait for every "
                                 "sampler to install the final weights before shutting down.")
+    metrics_port: int | None = Field(0, ge=0, le=65535, description="Prometheus /metrics port of the trainer; "
+                                     "0 = a free port, null = off.")
     eval_before: bool = Field(True, description="Evaluate on the held-out split when RL starts.")
     eval_after: bool = Field(True, description="Evaluate on the held-out split when RL ends.")
 

@@ -22,6 +22,7 @@ from common.config import RunConfig
 from common.generation import Engine
 from common.grpc_util import CHANNEL_OPTIONS
 from common.model import build_model
+from common.prometheus import ServiceMetrics
 from common.runtime import build_task, build_tokenizer, stop_on_signals
 from common.wire import to_proto
 from sampler_service.grouping import build_groups
@@ -69,6 +70,14 @@ class Sampler:
         model = build_model(cfg.model, tokenizer.vocab_size, seed=None)
         engine = Engine(model, tokenizer.pad_id, tokenizer.eos_id, gen.max_prompt_tokens, gen.max_new_tokens,
                         gen.temperature)
+        prom = ServiceMetrics(self.sampler_id)
+        self.version_gauge = prom.gauge("sampler_weight_version", "weight version this sampler generates with")
+        groups_total = prom.counter("sampler_groups", "rollout groups generated")
+        tokens_total = prom.counter("sampler_tokens", "completion tokens generated")
+        backlog = prom.gauge("sampler_backlog", "groups generated but not yet acknowledged by the ingest")
+        metrics_port = None if cfg.sampler.metrics_port is None else (
+            cfg.sampler.metrics_port + self.index if cfg.sampler.metrics_port else 0)
+        prom.start(cfg.sampler.metrics_host, metrics_port)
         channel = grpc.insecure_channel(cfg.trainer_address(), options=CHANNEL_OPTIONS)
         self._wait_for_trainer(channel)
         sync = WeightSync(channel, self.sampler_id, model, cfg.sampler.rpc_timeout_s)
@@ -112,11 +121,15 @@ class Sampler:
                 if not self._push(client, to_proto(group)):
                     break
                 groups_sent += 1
+                groups_total.inc()
+                tokens_total.inc(sum(len(c.token_ids) for c in group.completions))
+            backlog.set(client.unacked)
         # after the final version the trainer consumes no more: do not wait long for acks
         drained = client.drain(timeout_s=2.0 if self.final else 10.0)
         client.close()
         sync.report()
         channel.close()
+        prom.stop()
         elapsed = time.monotonic() - started
         log.info("%s stopping: %d groups generated (%.2f groups/s), stream stats %s, backlog drained: %s, "
                  "versions installed %s", self.sampler_id, groups_sent, groups_sent / max(elapsed, 1e-9),
@@ -133,6 +146,7 @@ class Sampler:
             self.params, self.version = got.params, got.version
             self.sync.mark_installed(got.version)
             self.installed_versions.append(got.version)
+            self.version_gauge.set(got.version)
             log.info("%s installed weight version %d (%.1f MB, fetch %.2fs)%s", self.sampler_id, got.version,
                      got.nbytes / 1e6, got.fetch_seconds, " [final]" if got.final else "")
         self.final = got.final

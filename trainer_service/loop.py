@@ -23,6 +23,7 @@ from common.evaluation import evaluate
 from common.generation import Engine
 from common.metrics import MetricsWriter
 from common.model import build_model
+from common.prometheus import ServiceMetrics
 from common.redis_util import connect
 from common.runtime import build_task, build_tokenizer, stop_on_signals
 from common.weights import WeightSnapshot
@@ -71,6 +72,17 @@ class Trainer:
         port = self.server.start()
         log.info("gRPC server (ingest, weights, health) on %s:%d", cfg.trainer.host, port)
         self.metrics = MetricsWriter(self.run_dir, "trainer")
+        self.prom = ServiceMetrics("trainer")
+        self.gauges = {name: self.prom.gauge(name, doc) for name, doc in (
+            ("trainer_step", "RL steps completed"), ("weight_version", "latest published weight version"),
+            ("buffer_depth", "groups in the rollout buffer"), ("reward_mean", "mean reward of the last batch"),
+            ("accuracy", "answer accuracy of the last batch"), ("staleness_mean", "mean staleness of the last batch"),
+            ("step_seconds", "wall time of the last step"), ("wait_seconds", "time the last step waited for data"),
+            ("tokens_per_second", "completion tokens trained per second"))}
+        self.groups_gauge = self.prom.gauge("groups", "rollout groups by outcome (buffer counters)", ("outcome",))
+        self.lag_gauge = self.prom.gauge("sampler_weight_lag", "latest version minus the sampler's installed version",
+                                         ("sampler",))
+        self.prom.start(cfg.trainer.host, cfg.trainer.metrics_port)
 
     def _publish(self, version: int, final: bool = False) -> None:
         self.publisher.publish(WeightSnapshot(version=version, arrays=self.model.to_named_numpy(self.params),
@@ -131,6 +143,7 @@ class Trainer:
             summary = self._run()
         finally:
             self.metrics.close()
+            self.prom.stop()
         return summary
 
     def _run(self) -> dict:
@@ -196,12 +209,26 @@ class Trainer:
                "zero_variance_groups": int(sum(np.ptp(g.rewards) == 0 for g in groups)),
                "weight_version": self.publisher.latest_version or 0}
         self.metrics.scalars(step, row, prefix="train/")
+        self._export(step, row, counters)
         self.metrics.histogram(step, "train/staleness", staleness)
         lp_diff = f"{m['logprob_diff_max']:.1e}" if "logprob_diff_max" in m else "-"
         log.info("step %d/%d reward %.3f acc %.3f staleness %.1f/%d buffer %d version %d loss %.4f clip %.3f "
                  "lp_diff(lag0) %s wait %.2fs", step, self.cfg.trainer.steps, stats["reward_mean"], accuracy,
                  row["staleness_mean"], row["staleness_max"], row["buffer_depth"], row["weight_version"], m["loss"],
                  m["clip_fraction"], lp_diff, t_wait)
+
+    def _export(self, step: int, row: dict, counters: dict) -> None:
+        """Update the Prometheus series after a step."""
+        self.gauges["trainer_step"].set(step)
+        for name in ("weight_version", "buffer_depth", "reward_mean", "accuracy", "staleness_mean", "step_seconds",
+                     "wait_seconds", "tokens_per_second"):
+            self.gauges[name].set(row[name])
+        for outcome, value in counters.items():
+            self.groups_gauge.labels(outcome).set(value)
+        latest = self.publisher.latest_version or 0
+        for sampler, versions in dict(self.publisher.installed).items():
+            if versions:
+                self.lag_gauge.labels(sampler).set(latest - versions[-1])
 
     def _await_samplers(self, final_version: int) -> None:
         deadline = time.time() + self.cfg.trainer.final_wait_s

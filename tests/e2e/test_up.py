@@ -130,3 +130,65 @@ def test_sampler_without_trainer_is_one_line_and_nonzero():
     assert proc.returncode == 1
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and f"sampler.trainer_address={address}: trainer not reachable" in lines[0], proc.stderr
+
+
+def _consecutive_free_ports(n: int) -> int:
+    import socket
+
+    for _ in range(50):
+        from common.redis_util import free_port
+
+        base = free_port()
+        try:
+            socks = []
+            for k in range(n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", base + k))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no consecutive free ports")
+
+
+def test_services_expose_prometheus_metrics(tmp_path):
+    """Scrape /metrics of the running trainer and both samplers and find the named series."""
+    import signal
+    import time
+    import urllib.request
+
+    trainer_port, sampler_port = _consecutive_free_ports(1), _consecutive_free_ports(2)
+    proc = subprocess.Popen([sys.executable, "-m", "grpo_stream", "up", "--config", "configs/tiny_arith_smoke.yaml",
+                             "--run-dir", str(tmp_path / "run"), "trainer.steps=100000", "trainer.eval_after=false",
+                             f"trainer.metrics_port={trainer_port}", f"sampler.metrics_port={sampler_port}"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        deadline = time.monotonic() + 300
+        for line in proc.stdout:
+            if "step 3/" in line or time.monotonic() > deadline:
+                break
+
+        def scrape(port):
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+                return reply.read().decode()
+
+        trainer = scrape(trainer_port)
+        for series in ("grpo_stream_trainer_step", "grpo_stream_buffer_depth", "grpo_stream_weight_version",
+                       'grpo_stream_groups{outcome="ingested"}', "grpo_stream_reward_mean",
+                       'grpo_stream_sampler_weight_lag{sampler="sampler-0"}', "grpo_stream_tokens_per_second"):
+            assert series in trainer, series
+        step = next(float(line.split()[-1]) for line in trainer.splitlines()
+                    if line.startswith("grpo_stream_trainer_step "))
+        assert step >= 3
+        for k in range(2):
+            sampler = scrape(sampler_port + k)
+            for series in ("grpo_stream_sampler_groups_total", "grpo_stream_sampler_tokens_total",
+                           "grpo_stream_sampler_weight_version", "grpo_stream_sampler_backlog"):
+                assert series in sampler, (k, series)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=120)
