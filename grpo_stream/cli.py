@@ -34,11 +34,23 @@ def _parser() -> argparse.ArgumentParser:
     common(sa)
     sa.add_argument("--index", type=int, default=0, help="this sampler's index in 0..sampler.replicas-1 "
                     "(its data shard and id)")
+    rep = sub.add_parser("report", help="PNG plots and a markdown summary of a run directory")
+    rep.add_argument("run_dir", type=pathlib.Path, help="a directory written by `up` or `trainer`")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "report":
+        from grpo_stream.report import make_report
+
+        try:
+            out = make_report(args.run_dir)
+        except (FileNotFoundError, ValueError) as exc:
+            print(f"grpo-stream report: error: {exc}", file=sys.stderr)
+            return 1
+        print(f"report written to {out}/report.md")
+        return 0
     from common.config import ConfigError, load_config, to_yaml
 
     try:

@@ -51,6 +51,13 @@ def test_up_smoke_run(tmp_path):
     assert {p.name for p in (run_dir / "logs").iterdir()} == {"trainer.log", "sampler-0.log", "sampler-1.log"}
     rows = [json.loads(line) for line in (run_dir / "metrics-trainer.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "train/loss" in r] == list(range(1, 9))
+    # the report command turns the run into plots and a markdown summary
+    rep = run_cli("report", str(run_dir), timeout=120)
+    assert rep.returncode == 0, rep.stderr
+    for name in ("reward_accuracy", "kl", "staleness", "throughput", "buffer_depth"):
+        png = (run_dir / "report" / f"{name}.png").read_bytes()
+        assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000, name
+    assert "held-out accuracy before" in (run_dir / "report" / "report.md").read_text()
 
 
 @pytest.mark.parametrize("command", ["up", "trainer"])
@@ -91,6 +98,11 @@ def test_help_does_not_import_jax():
 def test_print_config_shows_resolved_values():
     proc = run_cli("trainer", "--config", "configs/tiny_arith.yaml", "--print-config", "trainer.steps=5", timeout=60)
     assert proc.returncode == 0 and "steps: 5" in proc.stdout
+
+
+def test_report_on_a_missing_run_is_one_line(tmp_path):
+    proc = run_cli("report", str(tmp_path / "nope"), timeout=60)
+    assert proc.returncode == 1 and len(proc.stderr.strip().splitlines()) == 1 and "metrics-trainer.jsonl" in proc.stderr
 
 
 def test_ctrl_c_stops_every_process_and_still_writes_the_summary(tmp_path):
