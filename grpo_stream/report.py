@@ -27,6 +27,17 @@ def load_rows(run_dir: pathlib.Path) -> list[dict]:
     return [r for r in rows if "train/loss" in r]
 
 
+def _smooth(values, window: int = 20) -> list[float]:
+    """Trailing moving average, so trends show through per-step noise."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
 def make_report(run_dir: pathlib.Path) -> pathlib.Path:
     import matplotlib  # noqa: PLC0415 - only this command needs it
 
@@ -45,7 +56,9 @@ def make_report(run_dir: pathlib.Path) -> pathlib.Path:
         for key in keys:
             points = [(s, r[key]) for s, r in zip(steps, rows) if key in r]
             if points:
-                ax.plot(*zip(*points), label=key.removeprefix("train/"), linewidth=1)
+                xs, ys = zip(*points)
+                line, = ax.plot(xs, ys, linewidth=0.8, alpha=0.35)
+                ax.plot(xs, _smooth(ys), color=line.get_color(), linewidth=1.6, label=key.removeprefix("train/"))
         ax.set_title(title)
         ax.set_xlabel("RL step")
         ax.grid(alpha=0.3)
