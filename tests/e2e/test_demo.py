@@ -9,13 +9,14 @@ from tests.e2e.test_up import check_run, run_cli
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
-# With one optimizer step per batch the ratio is exactly 1 and GSPO's gradient equals GRPO's;
-# the GSPO run takes two minibatch steps per batch, so its sequence-level ratio and clip act.
-@pytest.mark.parametrize("loss_algo, extra", [("grpo", []), ("gspo-token", ["algo.minibatches=2"])])
-def test_demo_improves_heldout_accuracy(tmp_path, loss_algo, extra):
+# The shipped demo takes one optimizer step per batch: the ratio is then exactly 1 and GSPO's gradient
+# equals GRPO's up to rounding (README, "The objective"); GSPO's sequence-level ratio and clip are
+# covered by the hand-computed and Tunix parity tests.
+@pytest.mark.parametrize("loss_algo", ["grpo", "gspo-token"])
+def test_demo_improves_heldout_accuracy(tmp_path, loss_algo):
     run_dir = tmp_path / "demo"
     proc = run_cli("up", "--config", "configs/tiny_arith.yaml", "--run-dir", str(run_dir),
-                   f"algo.loss_algo={loss_algo}", *extra, timeout=1500)
+                   f"algo.loss_algo={loss_algo}", timeout=1500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     check_run(summary, replicas=2, steps=summary["steps"])
