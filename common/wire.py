@@ -57,10 +57,10 @@ def to_proto(group: GroupData) -> rollout_pb2.RolloutGroup:
 def from_proto(msg: rollout_pb2.RolloutGroup) -> GroupData:
     return GroupData(
         group_id=msg.group_id, prompt_id=msg.prompt_id,
-        prompt_token_ids=np.fromiter(msg.prompt_token_ids, np.int32, len(msg.prompt_token_ids)),
+        prompt_token_ids=np.array(msg.prompt_token_ids, np.int32),
         completions=[CompletionData(
-            token_ids=np.fromiter(c.token_ids, np.int32, len(c.token_ids)),
-            logprobs=np.fromiter(c.logprobs, np.float32, len(c.logprobs)),
+            token_ids=np.array(c.token_ids, np.int32),
+            logprobs=np.array(c.logprobs, np.float32),
             reward=c.reward, truncated=c.truncated, reward_components=dict(c.reward_components))
             for c in msg.completions],
         policy_version=msg.policy_version, sampler_id=msg.sampler_id,
@@ -99,11 +99,11 @@ def validate_group(msg: rollout_pb2.RolloutGroup, limits: GroupLimits) -> list[s
             errors.append(f"{name}: {len(value)} characters, limit {limits.max_id_length}")
     if msg.policy_version < 0:
         errors.append(f"policy_version: {msg.policy_version} is negative")
-    n_prompt = len(msg.prompt_token_ids)
-    if not 0 < n_prompt <= limits.max_prompt_tokens:
-        errors.append(f"prompt_token_ids: {n_prompt} tokens, must be 1..{limits.max_prompt_tokens} "
+    prompt = np.array(msg.prompt_token_ids, np.int64)
+    if not 0 < prompt.size <= limits.max_prompt_tokens:
+        errors.append(f"prompt_token_ids: {prompt.size} tokens, must be 1..{limits.max_prompt_tokens} "
                       "(generation.max_prompt_tokens)")
-    elif any(not 0 <= t < limits.vocab_size for t in msg.prompt_token_ids):
+    elif prompt.min() < 0 or prompt.max() >= limits.vocab_size:
         errors.append(f"prompt_token_ids: ids must be in [0, {limits.vocab_size})")
     if len(msg.completions) != limits.num_generations:
         errors.append(f"completions: {len(msg.completions)} given, generation.num_generations="
@@ -117,9 +117,11 @@ def validate_group(msg: rollout_pb2.RolloutGroup, limits: GroupLimits) -> list[s
         if not 0 < n_tok <= limits.max_new_tokens:
             errors.append(f"{where}.token_ids: {n_tok} tokens, must be 1..{limits.max_new_tokens} "
                           "(generation.max_new_tokens)")
-        if any(not 0 <= t < limits.vocab_size for t in c.token_ids):
+        ids = np.array(c.token_ids, np.int64)
+        if ids.size and (ids.min() < 0 or ids.max() >= limits.vocab_size):
             errors.append(f"{where}.token_ids: ids must be in [0, {limits.vocab_size})")
-        if any(not (math.isfinite(x) and x <= 0.0) for x in c.logprobs):
+        logprobs = np.array(c.logprobs, np.float64)
+        if logprobs.size and not (np.isfinite(logprobs).all() and (logprobs <= 0.0).all()):
             errors.append(f"{where}.logprobs: must be finite and <= 0")
         if not math.isfinite(c.reward):
             errors.append(f"{where}.reward: must be finite")

@@ -34,6 +34,10 @@ def _parser() -> argparse.ArgumentParser:
     common(sa)
     sa.add_argument("--index", type=int, default=0, help="this sampler's index in 0..sampler.replicas-1 "
                     "(its data shard and id)")
+    be = sub.add_parser("bench", help="benchmarks against baselines in the same run (writes JSON)")
+    be.add_argument("name", choices=["transport"], help="which benchmark")
+    be.add_argument("--json", type=pathlib.Path, help="write the result here")
+    be.add_argument("--quick", action="store_true", help="a few seconds, only to check that it works")
     rep = sub.add_parser("report", help="PNG plots and a markdown summary of a run directory")
     rep.add_argument("run_dir", type=pathlib.Path, help="a directory written by `up` or `trainer`")
     return parser
@@ -41,6 +45,18 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "bench":
+        import json
+
+        from bench.transport import run
+
+        result = run(quick=args.quick)
+        text = json.dumps(result, indent=2)
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(text + "\n")
+        print(text)
+        return 0
     if args.command == "report":
         from grpo_stream.report import make_report
 

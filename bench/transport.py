@@ -1,0 +1,148 @@
+"""Benchmark: rollout groups through the real transport, against JSON, pickle and raw Redis.
+
+Ours: sampler-side gRPC stream -> ingest (validation) -> Redis stream -> trainer-side read + protobuf
+decode. Baselines in the same run, same groups, same Redis server:
+  json    the group as a JSON document over a Redis stream (XADD / XREAD + json.loads to arrays)
+  pickle  the group object pickled over a Redis stream (how several peers move rollouts)
+  raw     XADD / XREAD of our protobuf payload bytes with no gRPC, validation or decode: the ceiling
+
+The pickle baseline only ever unpickles bytes this process just produced.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import threading
+import time
+
+import grpc
+import numpy as np
+
+from common.buffer import RedisStreamBuffer
+from common.grpc_util import CHANNEL_OPTIONS
+from common.redis_util import EmbeddedRedis, connect
+from common.wire import CompletionData, GroupData, GroupLimits, decode_group, encode_group, to_proto
+from protos import rollout_pb2_grpc
+from trainer_service.ingest import IngestServicer
+from trainer_service.publisher import WeightPublisher
+from trainer_service.server import TrainerServer
+
+
+def make_groups(count: int, completions: int, tokens: int, vocab: int = 32_000) -> list[GroupData]:
+    rng = np.random.default_rng(0)
+    return [GroupData(
+        group_id=f"bench/{i}", prompt_id=f"p{i}", prompt_token_ids=rng.integers(1, vocab, 128, dtype=np.int32),
+        completions=[CompletionData(rng.integers(1, vocab, tokens, dtype=np.int32),
+                                    -rng.random(tokens, dtype=np.float32), 1.0, False, {"answer_correct": 1.0})
+                     for _ in range(completions)], policy_version=0, sampler_id="sampler-0")
+        for i in range(count)]
+
+
+def _drain_stream(client, stream: str, count: int, decode) -> None:
+    last, seen = "0", 0
+    while seen < count:
+        reply = client.xread({stream: last}, count=64, block=1000)
+        for _name, entries in reply or []:
+            for entry_id, fields in entries:
+                decode(fields[b"g"])
+                last, seen = entry_id, seen + 1
+
+
+def _redis_baseline(client, name: str, payloads: list[bytes], decode) -> float:
+    stream = f"bench:{name}"
+    client.delete(stream)
+    start = time.perf_counter()
+    reader = threading.Thread(target=_drain_stream, args=(client, stream, len(payloads), decode))
+    reader.start()
+    pipe = client.pipeline(transaction=False)
+    for k, payload in enumerate(payloads, 1):
+        pipe.xadd(stream, {"g": payload})
+        if k % 16 == 0:
+            pipe.execute()
+    pipe.execute()
+    reader.join()
+    elapsed = time.perf_counter() - start
+    client.delete(stream)
+    return elapsed
+
+
+def _as_json(group: GroupData) -> bytes:
+    return json.dumps({"group_id": group.group_id, "prompt_id": group.prompt_id,
+                       "prompt_token_ids": group.prompt_token_ids.tolist(), "policy_version": group.policy_version,
+                       "sampler_id": group.sampler_id,
+                       "completions": [{"token_ids": c.token_ids.tolist(), "logprobs": c.logprobs.tolist(),
+                                        "reward": c.reward} for c in group.completions]}).encode()
+
+
+def _from_json(payload: bytes) -> None:
+    doc = json.loads(payload)
+    for c in doc["completions"]:
+        np.asarray(c["token_ids"], np.int32), np.asarray(c["logprobs"], np.float32)
+
+
+def _ours(redis_url: str, groups: list[GroupData], tokens: int) -> float:
+    client = connect(redis_url, 5)
+    buffer = RedisStreamBuffer(client, "bench-ours")
+    limits = GroupLimits(len(groups[0].completions), 128, tokens, 32_000)
+    server = TrainerServer(IngestServicer(buffer, limits, max_groups=10**9, retry_after_ms=10), WeightPublisher(),
+                           "127.0.0.1", 0)
+    port = server.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS)
+    stub = rollout_pb2_grpc.RolloutIngestStub(channel)
+    messages = [to_proto(g) for g in groups]
+    done = threading.Event()
+
+    def consume():
+        seen = 0
+        while seen < len(groups):
+            entries = buffer.read(64, 1000)
+            for e in entries:
+                decode_group(e.payload)
+            buffer.settle(trained=[e.entry_id for e in entries])
+            seen += len(entries)
+        done.set()
+
+    try:
+        start = time.perf_counter()
+        reader = threading.Thread(target=consume)
+        reader.start()
+        acks = list(stub.StreamGroups(iter(messages)))
+        reader.join()
+        elapsed = time.perf_counter() - start
+        if any(a.code for a in acks):
+            raise RuntimeError(f"ingest refused groups: {acks[0].message}")
+    finally:
+        channel.close()
+        server.stop(0)
+    return elapsed
+
+
+def run(quick: bool = False, redis_url: str | None = None) -> dict:
+    count, completions, tokens = (16, 8, 512) if quick else (400, 8, 512)
+    groups = make_groups(count, completions, tokens)
+    proto_payloads = [encode_group(g) for g in groups]
+    megabytes = sum(len(p) for p in proto_payloads) / 1e6
+    embedded = None if redis_url else EmbeddedRedis().start()
+    url = redis_url or embedded.url
+    try:
+        client = connect(url, 5)
+        seconds = {
+            "ours": _ours(url, groups, tokens),
+            "json": _redis_baseline(client, "json", [_as_json(g) for g in groups], _from_json),
+            "pickle": _redis_baseline(client, "pickle", [pickle.dumps(g) for g in groups], pickle.loads),
+            "raw_redis": _redis_baseline(client, "raw", proto_payloads, lambda b: None),
+        }
+    finally:
+        if embedded:
+            embedded.stop()
+    rate = {k: count / v for k, v in seconds.items()}
+    return {
+        "benchmark": "transport", "quick": quick, "groups": count, "completions_per_group": completions,
+        "tokens_per_completion": tokens, "protobuf_megabytes": round(megabytes, 3),
+        "groups_per_second": {k: round(v, 1) for k, v in rate.items()},
+        "megabytes_per_second_ours": round(megabytes / seconds["ours"], 1),
+        "ratio_vs_json": round(rate["ours"] / rate["json"], 3),
+        "ratio_vs_pickle": round(rate["ours"] / rate["pickle"], 3),
+        "fraction_of_raw_redis": round(rate["ours"] / rate["raw_redis"], 3),
+    }
