@@ -44,8 +44,17 @@ class RolloutBuffer(abc.ABC):
     """Where ingested groups wait for the trainer."""
 
     @abc.abstractmethod
+    def append_many(self, items: list[tuple[bytes, str]], max_groups: int) -> tuple[int, int]:
+        """Append encoded groups (payload, sampler id), in order, while the buffer holds fewer than
+        max_groups; return (how many were appended, new depth). Those not appended were not written
+        and may be sent again. Raises BufferUnavailable (nothing written) when the backend is down."""
+
     def append(self, payload: bytes, sampler_id: str, max_groups: int) -> int:
         """Append one encoded group; return the new depth. Raises BufferFull / BufferUnavailable."""
+        appended, depth = self.append_many([(payload, sampler_id)], max_groups)
+        if not appended:
+            raise BufferFull(f"buffer holds {depth} groups (buffer.max_groups={max_groups})")
+        return depth
 
     @abc.abstractmethod
     def read(self, max_count: int, block_ms: int) -> list[BufferEntry]:
@@ -86,17 +95,23 @@ class RedisStreamBuffer(RolloutBuffer):
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             raise BufferUnavailable(f"redis: {exc}") from exc
 
-    def append(self, payload: bytes, sampler_id: str, max_groups: int) -> int:
+    def append_many(self, items: list[tuple[bytes, str]], max_groups: int) -> tuple[int, int]:
+        # The capacity check and the write are two round trips, so concurrent
+        # ingest threads may overshoot max_groups by at most one batch each:
+        # the limit is back-pressure, not a hard memory bound.
         def run():
             depth = self.client.xlen(self.stream)
-            if depth >= max_groups:
-                raise BufferFull(f"buffer holds {depth} groups (buffer.max_groups={max_groups})")
+            room = max(0, min(len(items), max_groups - depth))
+            if not room:
+                return 0, depth
             pipe = self.client.pipeline(transaction=True)
-            pipe.xadd(self.stream, {"g": payload})
-            pipe.hincrby(self.counters_key, "ingested", 1)
-            pipe.hincrby(self.by_sampler_key, sampler_id, 1)
+            for payload, _ in items[:room]:
+                pipe.xadd(self.stream, {"g": payload})
+            pipe.hincrby(self.counters_key, "ingested", room)
+            for sampler_id, n in collections.Counter(sid for _, sid in items[:room]).items():
+                pipe.hincrby(self.by_sampler_key, sampler_id, n)
             pipe.xlen(self.stream)
-            return pipe.execute()[-1]
+            return room, int(pipe.execute()[-1])
         return self._call(run)
 
     def _ensure_group(self) -> None:
@@ -169,16 +184,16 @@ class InMemoryBuffer(RolloutBuffer):
         self._by_sampler: collections.Counter[str] = collections.Counter()
         self._next = 0
 
-    def append(self, payload, sampler_id, max_groups):
+    def append_many(self, items, max_groups):
         with self._lock:
-            if len(self._entries) >= max_groups:
-                raise BufferFull(f"buffer holds {len(self._entries)} groups (buffer.max_groups={max_groups})")
-            self._next += 1
-            self._entries[f"{self._next}-0"] = payload
-            self._counters["ingested"] += 1
-            self._by_sampler[sampler_id] += 1
+            room = max(0, min(len(items), max_groups - len(self._entries)))
+            for payload, sampler_id in items[:room]:
+                self._next += 1
+                self._entries[f"{self._next}-0"] = payload
+                self._counters["ingested"] += 1
+                self._by_sampler[sampler_id] += 1
             self._lock.notify_all()
-            return len(self._entries)
+            return room, len(self._entries)
 
     def read(self, max_count, block_ms):
         deadline = time.monotonic() + block_ms / 1000

@@ -13,7 +13,7 @@ that names the dotted field and says how to fix it.
 from __future__ import annotations
 
 import pathlib
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -50,7 +50,6 @@ class TinyModelSection(Strict):
     num_heads: int = Field(4, ge=1, le=64, description="Query heads.")
     num_kv_heads: int = Field(2, ge=1, le=64, description="Key/value heads (must divide num_heads).")
     head_dim: int = Field(32, ge=8, le=256, description="Width of one attention head.")
-    rope_theta: int = Field(10_000, ge=1, description="RoPE base frequency.")
 
     @model_validator(mode="after")
     def _heads(self) -> "TinyModelSection":
@@ -95,15 +94,25 @@ class SamplerSection(Strict):
                                    "num_generations times).")
     backlog_max_groups: int = Field(64, ge=1, le=100_000, description="Groups a sampler holds while the ingest is "
                                     "busy or away; generation pauses when full.")
+    max_groups_per_message: int = Field(16, ge=1, le=1024, description="Most groups sent in one StreamBatches "
+                                        "message (what the backlog holds, up to this); larger shares per-message "
+                                        "costs, smaller lowers latency. Keep message size under 64 MiB.")
     trainer_address: str | None = Field(None, description="host:port of the trainer's gRPC server. Null: "
                                         "127.0.0.1:<trainer.port>.")
     weight_poll_s: float = Field(0.2, gt=0, le=60, description="Minimum seconds between weight-version checks.")
+    max_groups_per_version: int | None = Field(None, ge=1, le=1_000_000, description="After generating this many "
+                                               "groups with one weight version, wait for a newer one. Null: "
+                                               "never wait (asynchronous). Synchronous GRPO: trainer.max_staleness"
+                                               "=0 and this = trainer.groups_per_step / sampler.replicas.")
     rpc_timeout_s: float = Field(30.0, gt=0, le=3600, description="Deadline of one weight fetch.")
     connect_timeout_s: float = Field(120.0, gt=0, le=3600, description="How long a sampler waits for the trainer "
                                      "(and its first weights) before it exits.")
     metrics_port: int | None = Field(0, ge=0, le=65535, description="Prometheus /metrics port of sampler 0 "
                                      "(sampler i uses metrics_port + i); 0 = a free port, null = off.")
     metrics_host: str = Field("127.0.0.1", description="Address the samplers' /metrics binds.")
+    cpu_affinity: list[Annotated[int, Field(ge=0)]] | None = Field(
+        None, min_length=1, description="CPU cores the sampler processes run on (Linux sched_setaffinity), e.g. to "
+        "keep generation off the trainer's cores on a CPU host; null = all cores.")
 
 
 class TrainerSection(Strict):
@@ -118,6 +127,9 @@ class TrainerSection(Strict):
     publish_every: int = Field(1, ge=1, le=100_000, description="Publish weights every this many steps.")
     final_wait_s: float = Field(60.0, ge=0, le=3600, description="After the last step, how long to wait for every "
                                 "sampler to install the final weights before shutting down.")
+    cpu_affinity: list[Annotated[int, Field(ge=0)]] | None = Field(
+        None, min_length=1, description="CPU cores the trainer process runs on (Linux sched_setaffinity); null = "
+        "all cores.")
     metrics_port: int | None = Field(0, ge=0, le=65535, description="Prometheus /metrics port of the trainer; "
                                      "0 = a free port, null = off.")
     eval_before: bool = Field(True, description="Evaluate on the held-out split when RL starts.")
@@ -200,6 +212,9 @@ class EvalSection(Strict):
 
 class LoggingSection(Strict):
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level of every process.")
+    format: Literal["text", "json"] = Field("text", description="'text': one readable line per record; 'json': one "
+                                            "JSON object per line (time, process, level, logger, message, exc) for "
+                                            "log collectors.")
 
 
 class RunConfig(Strict):
@@ -228,6 +243,12 @@ class RunConfig(Strict):
         if self.algo.overlong_buffer_tokens > self.generation.max_new_tokens:
             raise ValueError(f"algo.overlong_buffer_tokens={self.algo.overlong_buffer_tokens} exceeds "
                              f"generation.max_new_tokens={self.generation.max_new_tokens}")
+        cap = self.sampler.max_groups_per_version
+        need = self.trainer.groups_per_step * self.trainer.publish_every
+        if cap is not None and cap * self.sampler.replicas < need:
+            raise ValueError(f"sampler.max_groups_per_version={cap} x sampler.replicas={self.sampler.replicas} < "
+                             f"trainer.groups_per_step x trainer.publish_every = {need}: the samplers would wait "
+                             "for weights the trainer cannot make; raise max_groups_per_version")
         return self
 
     def trainer_address(self) -> str:

@@ -2,7 +2,9 @@
 
 Prompts are left-padded to `max_prompt_tokens`, completions occupy the next
 `max_new_tokens` cache slots; one compiled program per (batch, lengths,
-greedy). The trainer lays sequences out the same way, so positions and
+greedy). The forward pass is `common.decode` (the policy re-laid for
+decoding); tokens are drawn by inverse-CDF sampling from the same
+distribution the trainer scores (`policy_log_softmax`). The trainer lays sequences out the same way, so positions and
 masks match and behaviour logprobs equal the trainer's recomputation to
 float rounding.
 """
@@ -17,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from common import decode
 from common.model import PolicyModel, causal_mask, policy_log_softmax, positions_from_mask
 
 
@@ -58,10 +61,12 @@ class Engine:
         batch, p = prompt_tokens.shape
         c = self.max_new_tokens
         total = p + c
-        cache = self.model.init_cache(batch, total)
+        weights = decode.decode_weights(self.model, params)
+        cache = decode.init_cache(self.model, batch, total)
         key_valid = jnp.concatenate([prompt_mask, jnp.zeros((batch, c), jnp.bool_)], axis=1)
         prefill_mask = jnp.pad(causal_mask(prompt_mask), ((0, 0), (0, 0), (0, c)))
-        logits, cache = self.model.apply(params, prompt_tokens, positions_from_mask(prompt_mask), cache, prefill_mask)
+        logits, cache = decode.forward(self.model, weights, prompt_tokens, positions_from_mask(prompt_mask), cache, 0,
+                                       prefill_mask)
         last_logits = logits[:, -1]
         prompt_len = prompt_mask.sum(axis=1).astype(jnp.int32)
         slots = jnp.arange(total)
@@ -73,7 +78,7 @@ class Engine:
             if greedy:
                 tok = jnp.argmax(logp, axis=-1).astype(jnp.int32)
             else:
-                tok = jax.random.categorical(sub, logp, axis=-1).astype(jnp.int32)
+                tok = decode.sample_inverse_cdf(sub, logp)
             tok_logp = jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
             out_tok = jnp.where(done, self.pad_id, tok)
             out_logp = jnp.where(done, 0.0, tok_logp)
@@ -81,7 +86,7 @@ class Engine:
             key_valid = key_valid.at[:, p + t].set(True)
             attn = (key_valid & (slots <= p + t)[None, :])[:, None, :]
             pos = (prompt_len + t)[:, None]
-            logits, cache = self.model.apply(params, out_tok[:, None], pos, cache, attn)
+            logits, cache = decode.forward(self.model, weights, out_tok[:, None], pos, cache, p + t, attn)
             return (cache, logits[:, -1], key_valid, done_next, rng), (out_tok, out_logp, done)
 
         done0 = jnp.zeros((batch,), jnp.bool_)

@@ -18,11 +18,13 @@ class MetricsWriter:
         self._tb = SummaryWriter(str(self.dir / "tb" / name), flush_secs=10)
         self._jsonl = open(self.dir / f"metrics-{name}.jsonl", "a", buffering=1)
 
-    def scalars(self, step: int, values: dict[str, float], prefix: str = "") -> None:
+    def scalars(self, step: int, values: dict[str, float], prefix: str = "", jsonl: bool = True) -> None:
+        """TensorBoard scalars `prefix + name`; also one metrics.jsonl row unless jsonl is False."""
         clean = {f"{prefix}{k}": float(v) for k, v in values.items()}
         for key, value in clean.items():
             self._tb.add_scalar(key, value, step)
-        self._jsonl.write(json.dumps({"step": step, "time": time.time(), **clean}) + "\n")
+        if jsonl:
+            self._jsonl.write(json.dumps({"step": step, "time": time.time(), **clean}) + "\n")
 
     def histogram(self, step: int, name: str, values) -> None:
         self._tb.add_histogram(name, np.asarray(values), step)

@@ -87,11 +87,16 @@ def _path_name(path) -> str:
     return ".".join(parts)
 
 
+# Tunix 0.1.7's Qwen3 attention applies RoPE with its default base 1e6 whatever
+# the config says, so the config states that base rather than pretend to choose.
+TUNIX_ROPE_THETA = 1_000_000
+
+
 def tunix_config(section: ModelSection, vocab_size: int):
     t = section.tiny
     return qwen3.ModelConfig(
         num_layers=t.num_layers, vocab_size=vocab_size, embed_dim=t.embed_dim, hidden_dim=t.hidden_dim,
-        num_heads=t.num_heads, head_dim=t.head_dim, num_kv_heads=t.num_kv_heads, rope_theta=t.rope_theta,
+        num_heads=t.num_heads, head_dim=t.head_dim, num_kv_heads=t.num_kv_heads, rope_theta=TUNIX_ROPE_THETA,
         norm_eps=1e-6, use_tied_embedding=False)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import datetime
+import json
 import logging
 import sys
 
@@ -12,11 +14,46 @@ from common.tokenizer import TextTokenizer, train_bpe
 TOKENIZER_CORPUS_SIZE = 4000
 
 
-def setup_logging(level: str, process: str) -> None:
-    logging.basicConfig(level=level, stream=sys.stdout, force=True,
-                        format=f"%(asctime)s {process} %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+class JsonLineFormatter(logging.Formatter):
+    """One JSON object per record, for log collectors (logging.format=json)."""
+
+    def __init__(self, process: str):
+        super().__init__()
+        self.process = process
+
+    def format(self, record: logging.LogRecord) -> str:
+        doc = {"time": datetime.datetime.fromtimestamp(record.created, datetime.timezone.utc).isoformat(
+                   timespec="milliseconds"),
+               "process": self.process, "level": record.levelname, "logger": record.name,
+               "message": record.getMessage()}
+        if record.exc_info:
+            doc["exc"] = self.formatException(record.exc_info)
+        return json.dumps(doc)
+
+
+def setup_logging(level: str, process: str, fmt: str = "text") -> None:
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(JsonLineFormatter(process) if fmt == "json" else logging.Formatter(
+        f"%(asctime)s {process} %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"))
+    logging.basicConfig(level=level, handlers=[handler], force=True)
     for noisy in ("absl", "jax._src", "orbax"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def pin_to_cpus(cpus: list[int] | None, field: str) -> None:
+    """Restrict this process to `cpus` (from config `field`) before JAX starts its thread pools."""
+    if cpus is None:
+        return
+    import os
+
+    available = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    if available is None:
+        raise ValueError(f"{field}: CPU pinning needs Linux sched_setaffinity; set it to null on this system")
+    unknown = sorted(set(cpus) - set(available))
+    if unknown:
+        raise ValueError(f"{field}={cpus}: cores {unknown} are not available to this process (it may use "
+                         f"{available}); pick from those or set null")
+    os.sched_setaffinity(0, set(cpus))
 
 
 def build_task(cfg: RunConfig) -> ArithTask:

@@ -12,6 +12,8 @@ import pathlib
 import sys
 import time
 
+from bench.runner import BENCHMARKS
+
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="grpo-stream", description="Asynchronous GRPO post-training: samplers "
@@ -35,8 +37,11 @@ def _parser() -> argparse.ArgumentParser:
     sa.add_argument("--index", type=int, default=0, help="this sampler's index in 0..sampler.replicas-1 "
                     "(its data shard and id)")
     be = sub.add_parser("bench", help="benchmarks against baselines in the same run (writes JSON)")
-    be.add_argument("name", choices=["transport"], help="which benchmark")
-    be.add_argument("--json", type=pathlib.Path, help="write the result here")
+    be.add_argument("name", choices=[*BENCHMARKS, "all"], help="which benchmark ('all': each in turn)")
+    be.add_argument("--json", type=pathlib.Path, help="write the result here (for 'all': a directory, one NAME.json "
+                    "each; default runs/bench)")
+    be.add_argument("--table", type=pathlib.Path, default=pathlib.Path("runs/bench/results.md"),
+                    help="markdown table to append a row to per benchmark (default runs/bench/results.md)")
     be.add_argument("--quick", action="store_true", help="a few seconds, only to check that it works")
     rep = sub.add_parser("report", help="PNG plots and a markdown summary of a run directory")
     rep.add_argument("run_dir", type=pathlib.Path, help="a directory written by `up` or `trainer`")
@@ -46,17 +51,9 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "bench":
-        import json
+        from bench.runner import run_benchmarks
 
-        from bench.transport import run
-
-        result = run(quick=args.quick)
-        text = json.dumps(result, indent=2)
-        if args.json:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(text + "\n")
-        print(text)
-        return 0
+        return run_benchmarks(args.name, args.json, args.table, args.quick)
     if args.command == "report":
         from grpo_stream.report import make_report
 
@@ -77,16 +74,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_config:
         print(to_yaml(cfg), end="")
         return 0
-    from common.runtime import setup_logging
+    from common.runtime import pin_to_cpus, setup_logging
 
     if args.command == "up":
         from grpo_stream.up import run_up
 
-        setup_logging(cfg.logging.level, "up")
+        setup_logging(cfg.logging.level, "up", cfg.logging.format)
         run_dir = args.run_dir or pathlib.Path("runs") / f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
         return run_up(args.config, args.overrides, cfg, run_dir)
-    setup_logging(cfg.logging.level, args.command if args.command == "trainer" else f"sampler-{args.index}")
+    setup_logging(cfg.logging.level, args.command if args.command == "trainer" else f"sampler-{args.index}",
+                  cfg.logging.format)
     try:
+        pin_to_cpus(*((cfg.trainer.cpu_affinity, "trainer.cpu_affinity") if args.command == "trainer" else
+                      (cfg.sampler.cpu_affinity, "sampler.cpu_affinity")))
         if args.command == "trainer":
             from trainer_service.loop import run_trainer
 

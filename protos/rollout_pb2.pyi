@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Completion(_message.Message):
-    __slots__ = ("token_ids", "logprobs", "reward", "truncated", "reward_components")
+    __slots__ = ("token_ids_le", "logprobs_le", "reward", "truncated", "reward_components")
     class RewardComponentsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -15,17 +15,17 @@ class Completion(_message.Message):
         key: str
         value: float
         def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
-    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_LE_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_LE_FIELD_NUMBER: _ClassVar[int]
     REWARD_FIELD_NUMBER: _ClassVar[int]
     TRUNCATED_FIELD_NUMBER: _ClassVar[int]
     REWARD_COMPONENTS_FIELD_NUMBER: _ClassVar[int]
-    token_ids: _containers.RepeatedScalarFieldContainer[int]
-    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    token_ids_le: bytes
+    logprobs_le: bytes
     reward: float
     truncated: bool
     reward_components: _containers.ScalarMap[str, float]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., reward: _Optional[float] = ..., truncated: _Optional[bool] = ..., reward_components: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    def __init__(self, token_ids_le: _Optional[bytes] = ..., logprobs_le: _Optional[bytes] = ..., reward: _Optional[float] = ..., truncated: _Optional[bool] = ..., reward_components: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class RolloutGroup(_message.Message):
     __slots__ = ("group_id", "prompt_id", "prompt_token_ids", "completions", "policy_version", "sampler_id", "created_unix", "reference_answer")
@@ -60,3 +60,15 @@ class GroupAck(_message.Message):
     retry_after_ms: int
     buffer_depth: int
     def __init__(self, group_id: _Optional[str] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., retry_after_ms: _Optional[int] = ..., buffer_depth: _Optional[int] = ...) -> None: ...
+
+class RolloutBatch(_message.Message):
+    __slots__ = ("groups",)
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    groups: _containers.RepeatedCompositeFieldContainer[RolloutGroup]
+    def __init__(self, groups: _Optional[_Iterable[_Union[RolloutGroup, _Mapping]]] = ...) -> None: ...
+
+class BatchAck(_message.Message):
+    __slots__ = ("acks",)
+    ACKS_FIELD_NUMBER: _ClassVar[int]
+    acks: _containers.RepeatedCompositeFieldContainer[GroupAck]
+    def __init__(self, acks: _Optional[_Iterable[_Union[GroupAck, _Mapping]]] = ...) -> None: ...

@@ -34,10 +34,10 @@ class RolloutIngestStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.StreamGroups = channel.stream_stream(
-                '/grpo_stream.v1.RolloutIngest/StreamGroups',
-                request_serializer=protos_dot_rollout__pb2.RolloutGroup.SerializeToString,
-                response_deserializer=protos_dot_rollout__pb2.GroupAck.FromString,
+        self.StreamBatches = channel.stream_stream(
+                '/grpo_stream.v1.RolloutIngest/StreamBatches',
+                request_serializer=protos_dot_rollout__pb2.RolloutBatch.SerializeToString,
+                response_deserializer=protos_dot_rollout__pb2.BatchAck.FromString,
                 _registered_method=True)
         self.PushGroup = channel.unary_unary(
                 '/grpo_stream.v1.RolloutIngest/PushGroup',
@@ -49,9 +49,11 @@ class RolloutIngestStub:
 class RolloutIngestServicer:
     """Missing associated documentation comment in .proto file."""
 
-    def StreamGroups(self, request_iterator, context):
-        """The sampler path: one ack per group, in order. A bad group is answered
-        with code INVALID_ARGUMENT and the stream stays open.
+    def StreamBatches(self, request_iterator, context):
+        """The sampler path: one BatchAck per RolloutBatch, in order. A bad group
+        is answered with code INVALID_ARGUMENT and the stream stays open; when
+        the buffer fills part-way through a batch, the groups that did not fit
+        are answered RESOURCE_EXHAUSTED and the sender retries just those.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -68,10 +70,10 @@ class RolloutIngestServicer:
 
 def add_RolloutIngestServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'StreamGroups': grpc.stream_stream_rpc_method_handler(
-                    servicer.StreamGroups,
-                    request_deserializer=protos_dot_rollout__pb2.RolloutGroup.FromString,
-                    response_serializer=protos_dot_rollout__pb2.GroupAck.SerializeToString,
+            'StreamBatches': grpc.stream_stream_rpc_method_handler(
+                    servicer.StreamBatches,
+                    request_deserializer=protos_dot_rollout__pb2.RolloutBatch.FromString,
+                    response_serializer=protos_dot_rollout__pb2.BatchAck.SerializeToString,
             ),
             'PushGroup': grpc.unary_unary_rpc_method_handler(
                     servicer.PushGroup,
@@ -90,7 +92,7 @@ class RolloutIngest:
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod
-    def StreamGroups(request_iterator,
+    def StreamBatches(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -103,9 +105,9 @@ class RolloutIngest:
         return grpc.experimental.stream_stream(
             request_iterator,
             target,
-            '/grpo_stream.v1.RolloutIngest/StreamGroups',
-            protos_dot_rollout__pb2.RolloutGroup.SerializeToString,
-            protos_dot_rollout__pb2.GroupAck.FromString,
+            '/grpo_stream.v1.RolloutIngest/StreamBatches',
+            protos_dot_rollout__pb2.RolloutBatch.SerializeToString,
+            protos_dot_rollout__pb2.BatchAck.FromString,
             options,
             channel_credentials,
             insecure,

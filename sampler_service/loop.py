@@ -41,6 +41,8 @@ class Sampler:
         self.stop_event = threading.Event()
         self.installed_versions: list[int] = []
         self.params, self.version, self.final, self.last_poll = None, -1, False, 0.0
+        self.groups_at_version = 0  # groups generated with the installed version
+        self.waited_for_weights_s = 0.0
         self.sync: WeightSync | None = None
 
     def _wait_for_trainer(self, channel: grpc.Channel) -> None:
@@ -81,7 +83,7 @@ class Sampler:
         channel = grpc.insecure_channel(cfg.trainer_address(), options=CHANNEL_OPTIONS)
         self._wait_for_trainer(channel)
         sync = WeightSync(channel, self.sampler_id, model, cfg.sampler.rpc_timeout_s)
-        client = RolloutClient(channel, cfg.sampler.backlog_max_groups).start()
+        client = RolloutClient(channel, cfg.sampler.backlog_max_groups, cfg.sampler.max_groups_per_message).start()
         log.info("%s connected to %s (tokenizer %s)", self.sampler_id, cfg.trainer_address(), tokenizer.fingerprint())
 
         self.sync = sync
@@ -97,14 +99,21 @@ class Sampler:
         prompts = task.train_stream(self.index, cfg.sampler.replicas)
         rng = jax.random.key(cfg.run.seed * 1000 + self.index + 1)
         counter, groups_sent = itertools.count(), 0
+        cap = cfg.sampler.max_groups_per_version
         started = time.monotonic()
         while not self.stop_event.is_set() and not self.final:
             if time.monotonic() - self.last_poll >= cfg.sampler.weight_poll_s:
                 self._poll_weights()
                 if self.final:
                     break
+            wanted = cfg.sampler.prompts_per_batch
+            if cap is not None:  # synchronous mode: at most `cap` groups per weight version
+                wanted = min(wanted, cap - self.groups_at_version)
+                if wanted <= 0:
+                    self._await_newer_version(started_wait=time.monotonic())
+                    continue
             batch = []
-            while len(batch) < cfg.sampler.prompts_per_batch:
+            while len(batch) < wanted:
                 problem = next(prompts)
                 ids = tokenizer.encode(problem.prompt)
                 if len(ids) > gen.max_prompt_tokens:
@@ -121,6 +130,7 @@ class Sampler:
                 if not self._push(client, to_proto(group)):
                     break
                 groups_sent += 1
+                self.groups_at_version += 1
                 groups_total.inc()
                 tokens_total.inc(sum(len(c.token_ids) for c in group.completions))
             backlog.set(client.unacked)
@@ -132,8 +142,9 @@ class Sampler:
         prom.stop()
         elapsed = time.monotonic() - started
         log.info("%s stopping: %d groups generated (%.2f groups/s), stream stats %s, backlog drained: %s, "
-                 "versions installed %s", self.sampler_id, groups_sent, groups_sent / max(elapsed, 1e-9),
-                 dict(client.stats), drained, self.installed_versions)
+                 "versions installed %s, %.1fs waiting for weights", self.sampler_id, groups_sent,
+                 groups_sent / max(elapsed, 1e-9), dict(client.stats), drained, self.installed_versions,
+                 self.waited_for_weights_s)
         return {"sampler_id": self.sampler_id, "groups": groups_sent, "versions": self.installed_versions}
 
     def _poll_weights(self) -> None:
@@ -143,13 +154,23 @@ class Sampler:
         if got is None:
             return
         if got.params is not None:
-            self.params, self.version = got.params, got.version
+            self.params, self.version, self.groups_at_version = got.params, got.version, 0
             self.sync.mark_installed(got.version)
             self.installed_versions.append(got.version)
             self.version_gauge.set(got.version)
             log.info("%s installed weight version %d (%.1f MB, fetch %.2fs)%s", self.sampler_id, got.version,
                      got.nbytes / 1e6, got.fetch_seconds, " [final]" if got.final else "")
         self.final = got.final
+
+    def _await_newer_version(self, started_wait: float) -> None:
+        """Synchronous mode: poll until a newer (or final) version is installed, or a stop is asked for."""
+        version = self.version
+        while self.version == version and not self.final and not self.stop_event.is_set():
+            pause = self.cfg.sampler.weight_poll_s - (time.monotonic() - self.last_poll)
+            if pause > 0:
+                self.stop_event.wait(pause)
+            self._poll_weights()
+        self.waited_for_weights_s += time.monotonic() - started_wait
 
     def _push(self, client: RolloutClient, group) -> bool:
         """Hand a group to the sender; while its backlog is full keep checking for new (or final) weights.

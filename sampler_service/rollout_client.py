@@ -1,8 +1,9 @@
 """Streaming rollout groups to the ingest, with a bounded backlog and retries.
 
 The generation loop `put`s finished groups; a background thread sends them
-in order over one bidirectional `StreamGroups` call, one group in flight at
-a time, and keeps each group until the ingest acknowledges it:
+in order over one bidirectional `StreamBatches` call, one batch (what the
+backlog holds, up to max_groups_per_message) in flight at a time, and keeps
+each group until the ingest acknowledges it:
   OK                  -> done
   RESOURCE_EXHAUSTED  -> buffer full: wait retry_after_ms, send it again
   UNAVAILABLE / error -> reconnect with exponential backoff, send it again
@@ -28,8 +29,13 @@ log = logging.getLogger(__name__)
 _OK, _INVALID, _EXHAUSTED = 0, grpc.StatusCode.INVALID_ARGUMENT.value[0], grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
 
 
+class _BadReply(Exception):
+    """The ingest's answer does not match what was sent: reconnect and send again."""
+
+
 class RolloutClient:
-    def __init__(self, channel: grpc.Channel, backlog_max_groups: int):
+    def __init__(self, channel: grpc.Channel, backlog_max_groups: int, max_groups_per_message: int = 16):
+        self._max_per_message = max_groups_per_message
         self._stub = rollout_pb2_grpc.RolloutIngestStub(channel)
         self._backlog: queue.Queue[rollout_pb2.RolloutGroup] = queue.Queue(maxsize=backlog_max_groups)
         self._stop = threading.Event()
@@ -68,8 +74,42 @@ class RolloutClient:
         self._stop.set()
         self._thread.join(timeout=5)
 
+    def _take(self, pending: list) -> list:
+        """Groups to send next: the ones still in hand, else what the backlog holds (waits briefly)."""
+        if pending:
+            return pending
+        try:
+            batch = [self._backlog.get(timeout=0.2)]
+        except queue.Empty:
+            return []
+        while len(batch) < self._max_per_message:
+            try:
+                batch.append(self._backlog.get_nowait())
+            except queue.Empty:
+                break
+        return batch
+
+    def _settle(self, pending: list, acks) -> tuple[list, int]:
+        """Count the acks of one batch; return (groups to send again, retry delay in ms)."""
+        if len(acks) != len(pending):
+            raise _BadReply(f"ingest answered {len(acks)} acks for {len(pending)} groups")
+        again, retry_ms = [], 0
+        for group, ack in zip(pending, acks):
+            if ack.code == _OK:
+                self.stats["accepted"] += 1
+            elif ack.code == _INVALID:
+                self.stats["rejected_invalid"] += 1
+                log.error("ingest rejected group %s: %s", ack.group_id, ack.message)
+            else:
+                self.stats["retried"] += 1
+                again.append(group)
+                retry_ms = max(retry_ms, ack.retry_after_ms, 10)
+        with self._lock:
+            self._unacked -= len(pending) - len(again)
+        return again, retry_ms
+
     def _run(self) -> None:
-        current: rollout_pb2.RolloutGroup | None = None
+        pending: list[rollout_pb2.RolloutGroup] = []  # taken from the backlog, not yet acknowledged
         delay = 0.1
         while not self._stop.is_set():
             try:
@@ -82,38 +122,26 @@ class RolloutClient:
                             return
                         yield item
 
-                call = self._stub.StreamGroups(request_iter())
+                call = self._stub.StreamBatches(request_iter())
                 try:
                     while not self._stop.is_set():
-                        if current is None:
-                            try:
-                                current = self._backlog.get(timeout=0.2)
-                            except queue.Empty:
-                                continue
-                        requests.put(current)
-                        ack = next(call)
+                        pending = self._take(pending)
+                        if not pending:
+                            continue
+                        requests.put(rollout_pb2.RolloutBatch(groups=pending))
+                        pending, retry_ms = self._settle(pending, next(call).acks)
                         delay = 0.1
-                        if ack.code == _OK:
-                            self.stats["accepted"] += 1
-                        elif ack.code == _INVALID:
-                            self.stats["rejected_invalid"] += 1
-                            log.error("ingest rejected group %s: %s", ack.group_id, ack.message)
-                        else:
-                            self.stats["retried"] += 1
-                            time.sleep(max(ack.retry_after_ms, 10) / 1000)
-                            continue  # resend the same group
-                        current = None
-                        with self._lock:
-                            self._unacked -= 1
+                        if pending:  # buffer full or unavailable: the same groups again, in order
+                            time.sleep(retry_ms / 1000)
                 finally:
                     requests.put(None)
                     call.cancel()
-            except (grpc.RpcError, StopIteration) as exc:
+            except (grpc.RpcError, StopIteration, _BadReply) as exc:
                 if self._stop.is_set():
                     break
                 self.stats["reconnects"] += 1
-                code = exc.code() if isinstance(exc, grpc.RpcError) else "stream closed"
-                log.warning("rollout stream to ingest failed (%s); retrying in %.1fs with %s group in hand", code,
-                            delay, "a" if current is not None else "no")
+                code = exc.code() if isinstance(exc, grpc.RpcError) else (str(exc) or "stream closed")
+                log.warning("rollout stream to ingest failed (%s); retrying in %.1fs with %d groups in hand", code,
+                            delay, len(pending))
                 time.sleep(delay)
                 delay = min(delay * 2, 5.0)

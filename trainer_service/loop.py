@@ -9,6 +9,7 @@ dropped, counted and logged, never trained on.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
 import pathlib
@@ -46,6 +47,9 @@ class Trainer:
         self.started = time.time()
         self.pending: list[tuple[BufferEntry, GroupData]] = []
         self.agreement = {"tokens": 0.0, "abs_sum": 0.0, "max_abs": 0.0}
+        self.step_times: list[dict[str, float]] = []  # per RL step: phase seconds and step_seconds
+        self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="publish-report")
+        self._after_step: concurrent.futures.Future | None = None
 
     # -- set-up -----------------------------------------------------------------
     def _setup(self) -> None:
@@ -78,15 +82,17 @@ class Trainer:
             ("buffer_depth", "groups in the rollout buffer"), ("reward_mean", "mean reward of the last batch"),
             ("accuracy", "answer accuracy of the last batch"), ("staleness_mean", "mean staleness of the last batch"),
             ("step_seconds", "wall time of the last step"), ("wait_seconds", "time the last step waited for data"),
-            ("tokens_per_second", "completion tokens trained per second"))}
+            ("tokens_per_second", "completion tokens trained per second"),
+            ("groups_per_second", "rollout groups trained per second"),
+            ("compute_share", "share of the last step's wall time spent in the jitted update"))}
         self.groups_gauge = self.prom.gauge("groups", "rollout groups by outcome (buffer counters)", ("outcome",))
         self.lag_gauge = self.prom.gauge("sampler_weight_lag", "latest version minus the sampler's installed version",
                                          ("sampler",))
         self.prom.start(cfg.trainer.host, cfg.trainer.metrics_port)
 
-    def _publish(self, version: int, final: bool = False) -> None:
-        self.publisher.publish(WeightSnapshot(version=version, arrays=self.model.to_named_numpy(self.params),
-                                              final=final))
+    def _publish(self, version: int, params=None, final: bool = False) -> None:
+        params = self.params if params is None else params
+        self.publisher.publish(WeightSnapshot(version=version, arrays=self.model.to_named_numpy(params), final=final))
 
     def _evaluate(self, label: str) -> dict:
         problems = self.task.heldout(self.cfg.eval.num_problems)
@@ -142,6 +148,7 @@ class Trainer:
         try:
             summary = self._run()
         finally:
+            self._worker.shutdown(wait=True)
             self.metrics.close()
             self.prom.stop()
         return summary
@@ -158,28 +165,43 @@ class Trainer:
         updater = PolicyUpdater(self.model, self.params, cfg.algo, cfg.trainer.learning_rate,
                                 cfg.trainer.max_grad_norm, cfg.generation.temperature, self.tokenizer.pad_id)
         algo = cfg.algo
-        rl_start, steps_done, tokens_total = time.time(), 0, 0
+        rl_start, steps_done, tokens_total, groups_total = time.time(), 0, 0, 0
+        last_end = time.time()
         for step in range(1, cfg.trainer.steps + 1):
-            t0 = time.time()
+            # Phases of a step, from the end of the previous one: collect (wait for,
+            # read and decode groups), batch, compute (the jitted update; its metrics
+            # are host values, so it has finished), then settle + publish + report.
+            t0 = last_end
             picked = self._collect(step)
             if picked is None:
                 break
-            t_wait = time.time() - t0
+            t_collect = time.time()
             groups = [g for _, g in picked]
             batch, stats = build_batch(groups, cfg.generation.max_prompt_tokens, cfg.generation.max_new_tokens,
                                        self.tokenizer.pad_id, algo, held_version=step - 1)
             staleness = np.array([step - 1 - g.policy_version for g in groups])
+            t_batch = time.time()
             m = updater.update(batch)
             self.params = updater.params
+            t_compute = time.time()
             self._track_agreement(m)
             self.buffer.settle(trained=[e.entry_id for e, _ in picked])
-            final = step == cfg.trainer.steps
-            if step % cfg.trainer.publish_every == 0 or final:
-                self._publish(step, final=final)
             steps_done = step
             tokens_total += int(np.asarray(batch.loss_mask).sum())
-            self._report_step(step, groups, staleness, stats, m, t0, t_wait,
-                              tokens_per_second=tokens_total / max(time.time() - rl_start, 1e-9))
+            groups_total += len(groups)
+            elapsed = max(time.time() - rl_start, 1e-9)
+            phases = {"collect_seconds": t_collect - t0, "batch_seconds": t_batch - t_collect,
+                      "compute_seconds": t_compute - t_batch}
+            # Publication and reporting run on a worker thread while the next step
+            # collects and computes (XLA releases the GIL); at most one step behind.
+            if self._after_step is not None:
+                self._after_step.result()
+            self._after_step = self._worker.submit(
+                self._publish_and_report, step, self.params, groups, staleness, stats, m, phases,
+                tokens_total / elapsed, groups_total / elapsed)
+            last_end = time.time()
+            self.step_times.append({**phases, "handoff_seconds": last_end - t_compute, "step_seconds": last_end - t0})
+        self._finish_background()
         rl_seconds = time.time() - rl_start
         if steps_done < cfg.trainer.steps:  # stopped early: tell samplers this is the last version
             self._publish(steps_done, final=True)
@@ -196,7 +218,20 @@ class Trainer:
             a["abs_sum"] += m["logprob_diff_mean"] * m["fresh_tokens"]
             a["max_abs"] = max(a["max_abs"], m["logprob_diff_max"])
 
-    def _report_step(self, step, groups, staleness, stats, m, t0, t_wait, tokens_per_second) -> None:
+    def _publish_and_report(self, step, params, groups, staleness, stats, m, phases, tokens_per_second,
+                            groups_per_second) -> None:
+        final = step == self.cfg.trainer.steps
+        if step % self.cfg.trainer.publish_every == 0 or final:
+            self._publish(step, params, final=final)
+        self._report_step(step, groups, staleness, stats, m, phases, tokens_per_second, groups_per_second)
+
+    def _finish_background(self) -> None:
+        """Wait for the last step's publication and report; re-raise what failed there."""
+        if self._after_step is not None:
+            future, self._after_step = self._after_step, None
+            future.result()
+
+    def _report_step(self, step, groups, staleness, stats, m, phases, tokens_per_second, groups_per_second) -> None:
         """One progress line, TensorBoard scalars and a metrics.jsonl row for an RL step."""
         accuracy = float(np.mean([c.reward_components.get("answer_correct", 0.0)
                                   for g in groups for c in g.completions]))
@@ -204,31 +239,40 @@ class Trainer:
         row = {**stats, **m, "accuracy": accuracy, "staleness_mean": float(staleness.mean()),
                "staleness_max": int(staleness.max()), "buffer_depth": counters["depth"],
                "groups_dropped_stale": counters["dropped_stale"],
-               "groups_dropped_filtered": counters["dropped_filtered"], "wait_seconds": t_wait,
-               "step_seconds": time.time() - t0, "tokens_per_second": tokens_per_second,
+               "groups_dropped_filtered": counters["dropped_filtered"], **phases,
+               "wait_seconds": phases["collect_seconds"], "tokens_per_second": tokens_per_second,
+               "groups_per_second": groups_per_second, "step_seconds": sum(phases.values()),
+               "compute_share": phases["compute_seconds"] / max(sum(phases.values()), 1e-9),
                "zero_variance_groups": int(sum(np.ptp(g.rewards) == 0 for g in groups)),
                "weight_version": self.publisher.latest_version or 0}
         self.metrics.scalars(step, row, prefix="train/")
         self._export(step, row, counters)
         self.metrics.histogram(step, "train/staleness", staleness)
+        lags = self._sampler_lags()
+        if lags:
+            self.metrics.scalars(step, lags, prefix="sampler_weight_lag/", jsonl=False)
         lp_diff = f"{m['logprob_diff_max']:.1e}" if "logprob_diff_max" in m else "-"
         log.info("step %d/%d reward %.3f acc %.3f staleness %.1f/%d buffer %d version %d loss %.4f clip %.3f "
                  "lp_diff(lag0) %s wait %.2fs", step, self.cfg.trainer.steps, stats["reward_mean"], accuracy,
                  row["staleness_mean"], row["staleness_max"], row["buffer_depth"], row["weight_version"], m["loss"],
-                 m["clip_fraction"], lp_diff, t_wait)
+                 m["clip_fraction"], lp_diff, phases["collect_seconds"])
 
     def _export(self, step: int, row: dict, counters: dict) -> None:
         """Update the Prometheus series after a step."""
         self.gauges["trainer_step"].set(step)
         for name in ("weight_version", "buffer_depth", "reward_mean", "accuracy", "staleness_mean", "step_seconds",
-                     "wait_seconds", "tokens_per_second"):
+                     "wait_seconds", "tokens_per_second", "groups_per_second", "compute_share"):
             self.gauges[name].set(row[name])
         for outcome, value in counters.items():
             self.groups_gauge.labels(outcome).set(value)
+        for sampler, lag in self._sampler_lags().items():
+            self.lag_gauge.labels(sampler).set(lag)
+
+    def _sampler_lags(self) -> dict[str, int]:
+        """Per sampler: newest published version minus the version it reports installed."""
         latest = self.publisher.latest_version or 0
-        for sampler, versions in dict(self.publisher.installed).items():
-            if versions:
-                self.lag_gauge.labels(sampler).set(latest - versions[-1])
+        return {sampler: latest - versions[-1] for sampler, versions in dict(self.publisher.installed).items()
+                if versions}
 
     def _await_samplers(self, final_version: int) -> None:
         deadline = time.time() + self.cfg.trainer.final_wait_s

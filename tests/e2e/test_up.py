@@ -36,6 +36,33 @@ def check_run(summary: dict, replicas: int, steps: int) -> None:
     assert all(code == 0 for code in summary["sampler_exit_codes"].values())
 
 
+def tensorboard_tags(event_dir: pathlib.Path) -> dict[str, str]:
+    """Tag -> kind ("scalar" / "histogram") of every summary in the TFRecord event files of a directory."""
+    import struct
+
+    from tensorboardX.proto import event_pb2
+
+    tags = {}
+    for path in event_dir.glob("events.out.tfevents.*"):
+        data, pos = path.read_bytes(), 0
+        while pos + 12 <= len(data):
+            (length,) = struct.unpack("<Q", data[pos:pos + 8])
+            event = event_pb2.Event.FromString(data[pos + 12:pos + 12 + length])
+            pos += 12 + length + 4
+            for value in event.summary.value:
+                tags[value.tag] = "histogram" if value.HasField("histo") else "scalar"
+    return tags
+
+
+# What users watch during a run (issue 4), as TensorBoard tags of the trainer.
+WATCHED_SCALARS = (
+    "train/reward_mean", "train/reward_std", "train/accuracy", "train/advantage_mean", "train/advantage_abs_mean",
+    "train/ppo_kl", "train/clip_fraction", "train/ratio_mean", "train/ratio_max", "train/is_weight_mean",
+    "train/entropy", "train/response_length_mean", "train/groups_dropped_stale", "train/groups_dropped_filtered",
+    "train/buffer_depth", "train/groups_per_second", "train/tokens_per_second", "train/compute_share",
+    "sampler_weight_lag/sampler-0", "sampler_weight_lag/sampler-1")
+
+
 def test_up_smoke_run(tmp_path):
     run_dir = tmp_path / "run"
     proc = run_cli("up", "--config", "configs/tiny_arith_smoke.yaml", "--run-dir", str(run_dir))
@@ -47,7 +74,10 @@ def test_up_smoke_run(tmp_path):
     assert 0.0 <= summary["eval_before"]["accuracy"] <= 1.0 and summary["eval_after"]["num_problems"] == 32
     # progress lines, TensorBoard event files and per-process logs exist
     assert "step 8/8" in proc.stdout and "reward" in proc.stdout
-    assert list((run_dir / "tb" / "trainer").glob("events.out.tfevents.*"))
+    tags = tensorboard_tags(run_dir / "tb" / "trainer")
+    assert tags.get("train/staleness") == "histogram"
+    missing = [t for t in WATCHED_SCALARS if tags.get(t) != "scalar"]
+    assert not missing, f"missing TensorBoard scalars {missing}; have {sorted(tags)}"
     assert {p.name for p in (run_dir / "logs").iterdir()} == {"trainer.log", "sampler-0.log", "sampler-1.log"}
     rows = [json.loads(line) for line in (run_dir / "metrics-trainer.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "train/loss" in r] == list(range(1, 9))
@@ -175,7 +205,8 @@ def test_services_expose_prometheus_metrics(tmp_path):
     trainer_port, sampler_port = _consecutive_free_ports(1), _consecutive_free_ports(2)
     proc = subprocess.Popen([sys.executable, "-m", "grpo_stream", "up", "--config", "configs/tiny_arith_smoke.yaml",
                              "--run-dir", str(tmp_path / "run"), "trainer.steps=100000", "trainer.eval_after=false",
-                             f"trainer.metrics_port={trainer_port}", f"sampler.metrics_port={sampler_port}"],
+                             f"trainer.metrics_port={trainer_port}", f"sampler.metrics_port={sampler_port}",
+                             "logging.format=json"],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
@@ -191,7 +222,8 @@ def test_services_expose_prometheus_metrics(tmp_path):
         trainer = scrape(trainer_port)
         for series in ("grpo_stream_trainer_step", "grpo_stream_buffer_depth", "grpo_stream_weight_version",
                        'grpo_stream_groups{outcome="ingested"}', "grpo_stream_reward_mean",
-                       'grpo_stream_sampler_weight_lag{sampler="sampler-0"}', "grpo_stream_tokens_per_second"):
+                       'grpo_stream_sampler_weight_lag{sampler="sampler-0"}', "grpo_stream_tokens_per_second",
+                       "grpo_stream_groups_per_second", "grpo_stream_compute_share"):
             assert series in trainer, series
         step = next(float(line.split()[-1]) for line in trainer.splitlines()
                     if line.startswith("grpo_stream_trainer_step "))
@@ -204,3 +236,10 @@ def test_services_expose_prometheus_metrics(tmp_path):
     finally:
         proc.send_signal(signal.SIGINT)
         proc.communicate(timeout=120)
+    # logging.format=json: every line a process logged is one JSON object
+    for name in ("trainer", "sampler-0"):
+        lines = (tmp_path / "run" / "logs" / f"{name}.log").read_text().splitlines()
+        records = [json.loads(line) for line in lines if line.startswith("{")]
+        assert records and len(records) == len([line for line in lines if line.strip()]), lines[:5]
+        assert {"time", "process", "level", "logger", "message"} <= set(records[0])
+        assert records[0]["process"] == name

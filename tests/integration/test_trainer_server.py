@@ -13,7 +13,7 @@ from common.grpc_util import CHANNEL_OPTIONS
 from common.redis_util import connect
 from common.weights import WeightSnapshot
 from common.wire import CompletionData, GroupData, GroupLimits, decode_group, to_proto
-from protos import rollout_pb2_grpc
+from protos import rollout_pb2, rollout_pb2_grpc
 from sampler_service.rollout_client import RolloutClient
 from sampler_service.weight_sync import WeightSync
 from trainer_service.ingest import IngestServicer
@@ -56,25 +56,39 @@ def test_health_reports_serving(stack):
 def test_stream_accepts_groups_and_rejects_a_bad_one_without_closing(stack):
     buffer, ingest, *_, channel = stack
     bad = to_proto(group(1))
-    del bad.completions[0].logprobs[-1]
-    msgs = [to_proto(group(0)), bad, to_proto(group(2))]
-    acks = list(rollout_pb2_grpc.RolloutIngestStub(channel).StreamGroups(iter(msgs)))
-    assert [a.code for a in acks] == [0, grpc.StatusCode.INVALID_ARGUMENT.value[0], 0]
-    assert "completions[0].logprobs: 1 values for 2 token_ids" in acks[1].message
+    bad.completions[0].logprobs_le = bad.completions[0].logprobs_le[:4]
+    batches = [rollout_pb2.RolloutBatch(groups=[to_proto(group(0)), bad]),
+               rollout_pb2.RolloutBatch(groups=[to_proto(group(2))])]
+    replies = list(rollout_pb2_grpc.RolloutIngestStub(channel).StreamBatches(iter(batches)))
+    assert [[a.code for a in r.acks] for r in replies] == [[0, grpc.StatusCode.INVALID_ARGUMENT.value[0]], [0]]
+    assert "completions[0].logprobs_le: 1 values for 2 token ids" in replies[0].acks[1].message
     entries = buffer.read(10, 100)
     assert [decode_group(e.payload).group_id for e in entries] == ["g0", "g2"]
     assert ingest.stats["invalid"] == 1
+
+
+def test_a_batch_larger_than_the_room_left_is_split_in_order(stack):
+    """max_groups=4: of a 6-group batch the first 4 are appended, the last 2 are told to retry."""
+    buffer, ingest, *_, channel = stack
+    batch = rollout_pb2.RolloutBatch(groups=[to_proto(group(i)) for i in range(6)])
+    (reply,) = rollout_pb2_grpc.RolloutIngestStub(channel).StreamBatches(iter([batch]))
+    exhausted = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+    assert [a.code for a in reply.acks] == [0, 0, 0, 0, exhausted, exhausted]
+    assert [a.group_id for a in reply.acks] == [f"g{i}" for i in range(6)]
+    assert reply.acks[-1].retry_after_ms == 20 and "buffer.max_groups=4" in reply.acks[-1].message
+    assert [decode_group(e.payload).group_id for e in buffer.read(10, 100)] == ["g0", "g1", "g2", "g3"]
+    assert buffer.counters()["ingested"] == 4 and ingest.stats["full"] == 2
 
 
 def test_unary_push_returns_real_status_codes(stack):
     buffer, *_, channel = stack
     stub = rollout_pb2_grpc.RolloutIngestStub(channel)
     bad = to_proto(group(0))
-    bad.completions[1].token_ids.append(7)
+    bad.completions[1].token_ids_le += np.array([7], "<i4").tobytes()
     with pytest.raises(grpc.RpcError) as err:
         stub.PushGroup(bad)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "completions[1].logprobs: 2 values for 3 token_ids" in err.value.details()
+    assert "completions[1].logprobs_le: 2 values for 3 token ids" in err.value.details()
     for i in range(4):
         stub.PushGroup(to_proto(group(i)))
     with pytest.raises(grpc.RpcError) as err:
@@ -90,7 +104,7 @@ def test_unary_push_returns_real_status_codes(stack):
 def test_backpressure_loses_nothing(stack):
     """A producer 3x faster than max_groups: every group arrives once, in order, while a consumer drains."""
     buffer, ingest, *_, channel = stack
-    client = RolloutClient(channel, backlog_max_groups=2).start()
+    client = RolloutClient(channel, backlog_max_groups=3, max_groups_per_message=3).start()
     seen: list[str] = []
 
     def consume():

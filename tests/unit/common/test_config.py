@@ -97,3 +97,18 @@ def test_bad_objective_settings_name_the_field(override, message):
 def test_tis_can_be_turned_off_and_eps_high_defaults_to_epsilon():
     cfg = load_config(CONFIGS / "tiny_arith.yaml", ["algo.tis_cap=null", "algo.epsilon_high=null"])
     assert cfg.algo.tis_cap is None and cfg.algo.eps_high == cfg.algo.epsilon
+
+
+def test_synchronous_sampler_cap_must_feed_a_whole_step():
+    # 2 replicas x 7 groups per version cannot fill a 16-group step: the run would deadlock
+    with pytest.raises(ConfigError) as err:
+        load_config(CONFIGS / "tiny_arith.yaml", ["sampler.max_groups_per_version=7", "trainer.max_staleness=0"])
+    assert "sampler.max_groups_per_version=7 x sampler.replicas=2 < trainer.groups_per_step" in str(err.value)
+    cfg = load_config(CONFIGS / "tiny_arith.yaml", ["sampler.max_groups_per_version=8", "trainer.max_staleness=0"])
+    assert cfg.sampler.max_groups_per_version == 8
+
+
+def test_log_format_is_text_or_json():
+    assert load_config(None, ["logging.format=json"]).logging.format == "json"
+    with pytest.raises(ConfigError, match="logging.format: Input should be 'text' or 'json'"):
+        load_config(None, ["logging.format=xml"])

@@ -28,12 +28,28 @@ def test_roundtrip_preserves_every_field():
         assert a.reward == b.reward and a.truncated == b.truncated and a.reward_components == b.reward_components
 
 
-def test_token_fields_are_packed():
-    # packed int32: tag + length + 1 byte per small id, not a tag per element
-    msg = to_proto(make_group(prompt_token_ids=np.arange(1, 101, dtype=np.int32) % 50))
-    size_100 = len(msg.SerializeToString())
-    msg2 = to_proto(make_group(prompt_token_ids=np.arange(1, 201, dtype=np.int32) % 50))
-    assert len(msg2.SerializeToString()) - size_100 <= 101
+def test_completion_arrays_are_raw_little_endian_bytes():
+    msg = to_proto(make_group())
+    assert msg.completions[0].token_ids_le == np.array([3, 4, 5], "<i4").tobytes()
+    assert msg.completions[0].logprobs_le == np.array([-0.5, -1.0, -0.25], "<f4").tobytes()
+    # 8 bytes per completion token plus small per-field overhead
+    long = make_group(completions=[CompletionData(np.arange(512, dtype=np.int32), -np.ones(512, np.float32), 0.0,
+                                                  False)])
+    assert 8 * 512 <= len(encode_group(long)) <= 8 * 512 + 100
+
+
+def test_bytes_not_a_whole_number_of_values_is_named():
+    msg = to_proto(make_group())
+    msg.completions[0].token_ids_le += b"\x01"
+    msg.completions[1].logprobs_le = msg.completions[1].logprobs_le[:-2]
+    errors = validate_group(msg, LIMITS)
+    assert errors[0].startswith("completions[0].token_ids_le: 13 bytes is not a whole number of 4-byte values")
+    assert errors[1].startswith("completions[1].logprobs_le: 2 bytes is not a whole number")
+
+
+def test_decoded_arrays_are_int32_and_float32():
+    back = decode_group(encode_group(make_group()))
+    assert back.completions[0].token_ids.dtype == np.int32 and back.completions[0].logprobs.dtype == np.float32
 
 
 def test_valid_group_has_no_errors():
@@ -42,28 +58,29 @@ def test_valid_group_has_no_errors():
 
 def test_token_logprob_length_mismatch_names_field():
     msg = to_proto(make_group())
-    del msg.completions[1].logprobs[:]
-    msg.completions[1].logprobs.extend([-1.0, -1.0])
+    msg.completions[1].logprobs_le = np.array([-1.0, -1.0], "<f4").tobytes()
     errors = validate_group(msg, LIMITS)
-    assert errors == ["completions[1].logprobs: 2 values for 1 token_ids; send one logprob per token"]
+    assert errors == ["completions[1].logprobs_le: 2 values for 1 token ids; send one logprob per token"]
 
 
 def test_limits_are_named():
     msg = to_proto(make_group(prompt_token_ids=np.arange(1, 11, dtype=np.int32), policy_version=-1))
-    msg.completions[0].logprobs[0] = 0.5
+    msg.completions[0].logprobs_le = np.array([0.5, -1.0, -0.25], "<f4").tobytes()
     msg.completions.pop()
     text = " | ".join(validate_group(msg, LIMITS))
     assert "prompt_token_ids: 10 tokens, must be 1..8 (generation.max_prompt_tokens)" in text
     assert "policy_version: -1 is negative" in text
     assert "completions: 1 given, generation.num_generations=2" in text
-    assert "completions[0].logprobs: must be finite and <= 0" in text
+    assert "completions[0].logprobs_le: must be finite and <= 0" in text
 
 
 def test_out_of_vocab_and_empty_ids():
     msg = to_proto(make_group(group_id=""))
-    msg.completions[0].token_ids[0] = 50
-    text = " | ".join(validate_group(msg, LIMITS))
-    assert "group_id: must not be empty" in text and "completions[0].token_ids: ids must be in [0, 50)" in text
+    msg.completions[1].token_ids_le = np.array([50], "<i4").tobytes()
+    msg.completions[0].logprobs_le = np.array([-0.5, np.nan, -0.25], "<f4").tobytes()
+    errors = validate_group(msg, LIMITS)
+    assert errors == ["group_id: must not be empty", "completions[1].token_ids_le: ids must be in [0, 50)",
+                      "completions[0].logprobs_le: must be finite and <= 0"]
 
 
 def test_status_code_values_match_grpc():

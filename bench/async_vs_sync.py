@@ -1,0 +1,90 @@
+"""Benchmark: wall time of the same RL steps, asynchronous against synchronous.
+
+Both modes run the real system with `grpo-stream up` (embedded Redis, trainer
+and two sampler processes) on the demo config, RL only (no warm start, no
+evaluation), with the same steps, batch and model:
+
+  async  the demo's setting: samplers generate without waiting and the trainer
+         takes groups up to trainer.max_staleness=4 versions old.
+  sync   generate, then train: each sampler makes groups_per_step / replicas
+         groups with one version and waits for the next
+         (sampler.max_groups_per_version), and the trainer takes only groups of
+         the version it holds (trainer.max_staleness=0).
+
+The figure is the trainer's RL wall time (summary.json `rl_seconds`: from the
+first published version to the last step). Modes alternate, `repeats` times
+each, and the medians are compared. Both poll for weights every 20 ms so the
+synchronous hand-off is not penalised by the poll interval.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+CONFIG = ROOT / "configs" / "tiny_arith.yaml"
+REPLICAS, GROUPS_PER_STEP = 2, 16
+
+
+def _common(steps: int) -> list[str]:
+    return ["warmstart.steps=0", "trainer.eval_before=false", "trainer.eval_after=false", f"trainer.steps={steps}",
+            f"sampler.replicas={REPLICAS}", f"trainer.groups_per_step={GROUPS_PER_STEP}", "sampler.weight_poll_s=0.02",
+            "trainer.metrics_port=null", "sampler.metrics_port=null", "trainer.final_wait_s=20"]
+
+
+MODES = {
+    "async": ["trainer.max_staleness=4"],
+    "sync": ["trainer.max_staleness=0", f"sampler.max_groups_per_version={GROUPS_PER_STEP // REPLICAS}"],
+}
+
+
+def _pinning() -> list[str]:
+    """Trainer on the first core, samplers on the others: separate devices, as in a real deployment."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        raise RuntimeError("the pinned comparison needs at least 2 CPU cores")
+    return [f"trainer.cpu_affinity=[{cores[0]}]", f"sampler.cpu_affinity=[{','.join(map(str, cores[1:]))}]"]
+
+
+def run_mode(mode: str, steps: int, run_dir: pathlib.Path, pinned: bool) -> dict:
+    """One `grpo-stream up` run; returns the summary figures that matter here."""
+    cmd = [sys.executable, "-m", "grpo_stream", "up", "--config", str(CONFIG), "--run-dir", str(run_dir),
+           *_common(steps), *MODES[mode], *(_pinning() if pinned else [])]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200)
+    summary_path = run_dir / "summary.json"
+    if proc.returncode != 0 or not summary_path.exists():
+        raise RuntimeError(f"{mode} run failed (exit {proc.returncode}): {proc.stderr[-1500:]}")
+    summary = json.loads(summary_path.read_text())
+    if summary["steps"] != steps:
+        raise RuntimeError(f"{mode} run stopped after {summary['steps']} of {steps} steps")
+    rows = [json.loads(line) for line in (run_dir / "metrics-trainer.jsonl").read_text().splitlines()
+            if '"train/staleness_mean"' in line]
+    return {"rl_seconds": summary["rl_seconds"], "groups_dropped_stale": summary["groups_dropped_stale"],
+            "staleness_mean": round(sum(r["train/staleness_mean"] for r in rows) / len(rows), 3),
+            "staleness_max": max(int(r["train/staleness_max"]) for r in rows)}
+
+
+def run(quick: bool = False) -> dict:
+    steps, repeats = (6, 1) if quick else (60, 2)
+    runs: dict[str, list[dict]] = {"sync": [], "async": []}
+    with tempfile.TemporaryDirectory(prefix="grpo-stream-bench-") as tmp:
+        for k in range(repeats):
+            for mode in ("sync", "async"):
+                runs[mode].append(run_mode(mode, steps, pathlib.Path(tmp) / f"{mode}-{k}", pinned=True))
+    median = {mode: statistics.median(r["rl_seconds"] for r in rs) for mode, rs in runs.items()}
+    if any(r["staleness_max"] for r in runs["sync"]):
+        raise RuntimeError(f"synchronous mode trained on stale groups: {runs['sync']}")
+    return {
+        "benchmark": "async", "quick": quick, "config": str(CONFIG.relative_to(ROOT)), "steps": steps,
+        "repeats": repeats, "sampler_replicas": REPLICAS, "groups_per_step": GROUPS_PER_STEP,
+        "rl_seconds": {mode: round(v, 2) for mode, v in median.items()},
+        "seconds_per_step": {mode: round(v / steps, 3) for mode, v in median.items()},
+        "async_over_sync": round(median["async"] / median["sync"], 3),
+        "runs": runs,
+    }

@@ -1,0 +1,106 @@
+"""`grpo-stream bench NAME|all`: run benchmarks, write their JSON, append rows to a markdown table.
+
+Each benchmark module has `run(quick: bool) -> dict` and measures grpo-stream
+against a baseline in the same run. This runner adds what every result needs
+to be read later: the targets of issue 4 and whether they were met, the
+commit, the machine, and the time.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import json
+import operator
+import os
+import pathlib
+import platform
+import subprocess
+import sys
+import time
+import traceback
+
+BENCHMARKS = ("transport", "pipeline", "sampler", "async")
+MODULES = {"transport": "bench.transport", "pipeline": "bench.pipeline", "sampler": "bench.sampler",
+           "async": "bench.async_vs_sync"}
+# (result key, comparison, target): ours against the baseline measured in the same run.
+TARGETS = {
+    "transport": [("ratio_vs_json", ">=", 5.0), ("fraction_of_raw_redis", ">=", 0.25)],
+    "pipeline": [("overhead_share", "<=", 0.05)],
+    "sampler": [("ratio_vs_hf", ">=", 2.0)],
+    "async": [("async_over_sync", "<=", 0.8)],
+}
+_OPS = {">=": operator.ge, "<=": operator.le}
+TABLE_HEADER = ("| date (UTC) | commit | benchmark | mode | result | targets met | seconds |\n"
+                "|---|---|---|---|---|---|---|\n")
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
+                              cwd=pathlib.Path(__file__).resolve().parent.parent).stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def check_targets(name: str, result: dict) -> dict:
+    """{key: {"value", "target", "met"}} for this benchmark's targets."""
+    return {key: {"value": result[key], "target": f"{op} {target}", "met": bool(_OPS[op](result[key], target))}
+            for key, op, target in TARGETS[name]}
+
+
+def table_row(name: str, result: dict, stamp: str, commit: str) -> str:
+    targets = result.get("targets", {})
+    figures = ", ".join(f"{k} {v['value']}" for k, v in targets.items()) or result.get("error", "")
+    met = "error" if "error" in result else f"{sum(v['met'] for v in targets.values())}/{len(targets)}"
+    mode = "quick" if result.get("quick") else "full"
+    return f"| {stamp} | {commit} | {name} | {mode} | {figures} | {met} | {result.get('seconds', '')} |\n"
+
+
+def append_row(table: pathlib.Path, row: str) -> None:
+    table.parent.mkdir(parents=True, exist_ok=True)
+    fresh = not table.exists() or table.stat().st_size == 0
+    with open(table, "a") as out:
+        if fresh:
+            out.write("# grpo-stream benchmark results\n\n" + TABLE_HEADER)
+        out.write(row)
+
+
+def run_one(name: str, quick: bool) -> dict:
+    started = time.perf_counter()
+    try:
+        result = importlib.import_module(MODULES[name]).run(quick=quick)
+        result["targets"] = check_targets(name, result)
+    except Exception as exc:  # noqa: BLE001 - one failing benchmark must not stop `all`
+        traceback.print_exc()
+        result = {"benchmark": name, "quick": quick, "error": f"{type(exc).__name__}: {exc}"}
+    result["seconds"] = round(time.perf_counter() - started, 1)
+    result["machine"] = {"cpus": os.cpu_count(), "platform": platform.platform(), "python": sys.version.split()[0]}
+    return result
+
+
+def run_benchmarks(name: str, json_path: pathlib.Path | None, table: pathlib.Path, quick: bool) -> int:
+    names = BENCHMARKS if name == "all" else (name,)
+    if name == "all":
+        out_dir = json_path or pathlib.Path("runs/bench")
+        paths = {n: out_dir / f"{n}{'-quick' if quick else ''}.json" for n in names}
+    else:
+        paths = {name: json_path or pathlib.Path("runs/bench") / f"{name}{'-quick' if quick else ''}.json"}
+    commit, failed = _commit(), []
+    for n in names:
+        print(f"bench {n}{' (quick)' if quick else ''} ...", file=sys.stderr, flush=True)
+        result = run_one(n, quick)
+        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M")
+        result["commit"], result["date_utc"] = commit, stamp
+        paths[n].parent.mkdir(parents=True, exist_ok=True)
+        paths[n].write_text(json.dumps(result, indent=2) + "\n")
+        append_row(table, table_row(n, result, stamp, commit))
+        if "error" in result:
+            failed.append(n)
+            print(f"bench {n}: FAILED ({result['error']})", file=sys.stderr)
+        else:
+            met = ", ".join(f"{k} {v['value']} (target {v['target']}: {'met' if v['met'] else 'NOT met'})"
+                            for k, v in result["targets"].items())
+            print(f"bench {n}: {met}; {result['seconds']} s; wrote {paths[n]}", file=sys.stderr)
+    print(f"rows appended to {table}", file=sys.stderr)
+    return 1 if failed else 0

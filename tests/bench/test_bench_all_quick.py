@@ -1,0 +1,46 @@
+"""`grpo-stream bench all --quick` runs every benchmark once end to end (a check that each works, not a
+speed test): one JSON file each, one markdown row each, targets evaluated."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.e2e.test_up import ROOT
+
+pytestmark = [pytest.mark.redis, pytest.mark.slow]
+
+
+def test_bench_all_quick_writes_json_and_table_rows(tmp_path):
+    out, table = tmp_path / "bench", tmp_path / "results.md"
+    proc = subprocess.run([sys.executable, "-m", "grpo_stream", "bench", "all", "--quick", "--json", str(out),
+                           "--table", str(table)], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = {name: json.loads((out / f"{name}-quick.json").read_text())
+               for name in ("transport", "pipeline", "sampler", "async")}
+    for name, result in results.items():
+        assert result["benchmark"] == name and result["quick"] is True and "error" not in result
+        assert result["targets"] and all(isinstance(t["met"], bool) for t in result["targets"].values())
+
+    transport = results["transport"]
+    assert transport["groups"] == 16 and transport["tokens_per_completion"] == 512
+    assert all(transport["groups_per_second"][k] > 0 for k in ("ours", "json", "pickle", "raw_redis"))
+
+    pipeline = results["pipeline"]
+    assert 0 < pipeline["overhead_share"] < 1
+    assert sum(pipeline["phase_share"].values()) == pytest.approx(1.0, abs=0.02)
+
+    sampler = results["sampler"]
+    assert sampler["tokens_per_second"]["ours"] > 0 and sampler["tokens_per_second"]["hf"] > 0
+    assert sampler["ratio_vs_hf"] == pytest.approx(
+        sampler["tokens_per_second"]["ours"] / sampler["tokens_per_second"]["hf"], rel=0.01)
+
+    asynchronous = results["async"]
+    # synchronous mode really is synchronous: every group trained at staleness 0, none dropped
+    assert all(r["staleness_max"] == 0 and r["groups_dropped_stale"] == 0 for r in asynchronous["runs"]["sync"])
+    assert asynchronous["async_over_sync"] > 0
+
+    rows = [line for line in table.read_text().splitlines() if line.startswith("| 20")]
+    assert [row.split(" | ")[2] for row in rows] == ["transport", "pipeline", "sampler", "async"]
+    assert all(" | quick | " in row for row in rows)
