@@ -40,3 +40,31 @@ def test_text_logs_name_the_process(capsys):
     logging.getLogger("grpo_stream.test").warning("backlog full")
     (line,) = capsys.readouterr().out.splitlines()
     assert " sampler-1 WARNING grpo_stream.test: backlog full" in line
+
+
+def test_pin_to_cpus_restricts_this_process_and_restores():
+    import os
+
+    from common.runtime import pin_to_cpus
+
+    before = os.sched_getaffinity(0)
+    first = min(before)
+    try:
+        pin_to_cpus([first], "trainer.cpu_affinity")
+        assert os.sched_getaffinity(0) == {first}
+    finally:
+        os.sched_setaffinity(0, before)
+    pin_to_cpus(None, "trainer.cpu_affinity")  # null leaves the process alone
+    assert os.sched_getaffinity(0) == before
+
+
+def test_pin_to_unavailable_core_names_the_field():
+    import os
+
+    from common.runtime import pin_to_cpus
+
+    before = os.sched_getaffinity(0)
+    missing = max(before) + 64
+    with pytest.raises(ValueError, match=rf"sampler.cpu_affinity=\[{missing}\].*not available"):
+        pin_to_cpus([missing], "sampler.cpu_affinity")
+    assert os.sched_getaffinity(0) == before
