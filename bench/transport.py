@@ -1,7 +1,7 @@
 """Benchmark: rollout groups through the real transport, against JSON, pickle and raw Redis.
 
 Ours: sampler-side gRPC stream -> ingest (validation) -> Redis stream -> trainer-side read + protobuf
-decode. Baselines in the same run, same groups, same Redis server:
+decode. Baselines in the same run, same groups, same Redis server (medians of `repeats` interleaved rounds):
   json    the group as a JSON document over a Redis stream (XADD / XREAD + json.loads to arrays)
   pickle  the group object pickled over a Redis stream (how several peers move rollouts)
   raw     XADD / XREAD of our protobuf payload bytes with no gRPC, validation or decode: the ceiling
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import statistics
 import threading
 import time
 
@@ -102,6 +103,7 @@ def _ours(redis_url: str, groups: list[GroupData], tokens: int) -> float:
             seen += len(entries)
 
     try:
+        grpc.channel_ready_future(channel).result(timeout=30)  # connecting is start-up, not transport
         start = time.perf_counter()
         reader = threading.Thread(target=consume)
         reader.start()
@@ -121,7 +123,7 @@ def _ours(redis_url: str, groups: list[GroupData], tokens: int) -> float:
 
 
 def run(quick: bool = False, redis_url: str | None = None) -> dict:
-    count, completions, tokens = (16, 8, 512) if quick else (400, 8, 512)
+    count, completions, tokens, repeats = (16, 8, 512, 1) if quick else (400, 8, 512, 5)
     groups = make_groups(count, completions, tokens)
     proto_payloads = [encode_group(g) for g in groups]
     megabytes = sum(len(p) for p in proto_payloads) / 1e6
@@ -129,19 +131,20 @@ def run(quick: bool = False, redis_url: str | None = None) -> dict:
     url = redis_url or embedded.url
     try:
         client = connect(url, 5)
-        seconds = {
-            "ours": _ours(url, groups, tokens),
-            "json": _redis_baseline(client, "json", groups, _as_json, _from_json),
-            "pickle": _redis_baseline(client, "pickle", groups, pickle.dumps, pickle.loads),
-            "raw_redis": _redis_baseline(client, "raw", proto_payloads, lambda b: b, lambda b: None),
-        }
+        runs = {"ours": [], "json": [], "pickle": [], "raw_redis": []}
+        for _ in range(repeats):  # interleaved, so a slow spell of the machine hits every contender
+            runs["ours"].append(_ours(url, groups, tokens))
+            runs["json"].append(_redis_baseline(client, "json", groups, _as_json, _from_json))
+            runs["pickle"].append(_redis_baseline(client, "pickle", groups, pickle.dumps, pickle.loads))
+            runs["raw_redis"].append(_redis_baseline(client, "raw", proto_payloads, lambda b: b, lambda b: None))
+        seconds = {k: statistics.median(v) for k, v in runs.items()}
     finally:
         if embedded:
             embedded.stop()
     rate = {k: count / v for k, v in seconds.items()}
     return {
         "benchmark": "transport", "quick": quick, "groups": count, "completions_per_group": completions,
-        "tokens_per_completion": tokens, "protobuf_megabytes": round(megabytes, 3),
+        "tokens_per_completion": tokens, "repeats": repeats, "protobuf_megabytes": round(megabytes, 3),
         "groups_per_second": {k: round(v, 1) for k, v in rate.items()},
         "megabytes_per_second_ours": round(megabytes / seconds["ours"], 1),
         "ratio_vs_json": round(rate["ours"] / rate["json"], 3),
