@@ -33,7 +33,7 @@ from common.generation import Engine
 from common.model import TUNIX_ROPE_THETA, PolicyModel, build_model, causal_mask, positions_from_mask
 
 FULL = {"vocab_size": 4096, "num_layers": 8, "embed_dim": 256, "hidden_dim": 1024, "num_heads": 4,
-        "num_kv_heads": 2, "head_dim": 64, "batch": 16, "prompt_tokens": 64, "new_tokens": 128, "repeats": 3}
+        "num_kv_heads": 2, "head_dim": 64, "batch": 16, "prompt_tokens": 64, "new_tokens": 128, "repeats": 5}
 QUICK = {**FULL, "num_layers": 2, "batch": 4, "prompt_tokens": 16, "new_tokens": 16, "repeats": 1}
 NO_EOS = -1  # an id no sampler can draw, so every sequence runs to the full length on both sides
 
