@@ -1,4 +1,5 @@
-from common.rewards import answer_correct, extract_answer, score
+from common.answers import extract_answer
+from common.rewards import answer_correct, score
 from common.tasks.arith import ArithTask
 from common.tokenizer import train_bpe
 
@@ -29,7 +30,7 @@ def test_demonstration_forgets_only_the_units_carry():
 
 def test_reward_reads_the_gsm8k_answer():
     assert extract_answer(" 47 + 38 = 85 #### 85") == "85"
-    assert extract_answer("so #### 1,234") == "1234"
+    assert extract_answer("so #### 1,234") == "1,234"
     assert extract_answer("no answer") is None
     assert answer_correct(" 47 + 38 = 85 #### 85", "85") == 1.0
     assert answer_correct(" 47 + 38 = 75 #### 75", "85") == 0.0

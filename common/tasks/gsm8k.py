@@ -1,0 +1,129 @@
+"""GSM8K-style datasets: question/answer rows from JSONL, Parquet or a Hugging Face `datasets` name.
+
+A row needs a question and a reference solution ending in `#### N` (GSM8K's
+format; the field names are configurable). Bad rows (missing field, not an
+object, no final answer) are either skipped, each reported once with its file
+and line, or rejected with the same message (`on_bad_row`). Splits are files:
+`SOURCE/{split}.jsonl` or `.parquet` for a directory, or the split of a
+`datasets` name (`openai/gsm8k`, config `main`); the network is used only
+by that last source.
+
+`shard(index, count)` gives sampler `index` of `count` every count-th problem,
+so samplers never draw the same prompt and together cover the split.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import pathlib
+from typing import Iterable, Literal
+
+from common.answers import parse_number, reference_answer
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class MathProblem:
+    prompt_id: str        # "<split>/<row index>": stable across runs and processes
+    question: str
+    answer: str           # the final answer, e.g. "72"
+    solution: str         # the full reference solution
+
+
+class DatasetError(ValueError):
+    pass
+
+
+def _rows_jsonl(path: pathlib.Path) -> Iterable[tuple[str, object]]:
+    with open(path, encoding="utf-8") as lines:
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{number}"
+            try:
+                yield where, json.loads(line)
+            except json.JSONDecodeError as exc:
+                yield where, exc
+
+
+def _rows_parquet(path: pathlib.Path) -> Iterable[tuple[str, object]]:
+    import pyarrow.parquet as pq  # noqa: PLC0415 - only for Parquet sources
+
+    for number, row in enumerate(pq.read_table(path).to_pylist(), 1):
+        yield f"{path} row {number}", row
+
+
+def _rows_hub(name: str, config: str | None, split: str) -> Iterable[tuple[str, object]]:
+    import datasets  # noqa: PLC0415 - only for hub sources; may download
+
+    for number, row in enumerate(datasets.load_dataset(name, config, split=split), 1):
+        yield f"{name}[{split}] row {number}", row
+
+
+def _source_rows(source: str, split: str, hub_config: str | None) -> Iterable[tuple[str, object]]:
+    path = pathlib.Path(source)
+    if path.is_dir():
+        for suffix, reader in ((".jsonl", _rows_jsonl), (".parquet", _rows_parquet)):
+            candidate = path / f"{split}{suffix}"
+            if candidate.exists():
+                return reader(candidate)
+        raise DatasetError(f"dataset.source={source}: no {split}.jsonl or {split}.parquet in that directory")
+    if path.suffix == ".jsonl" and path.exists():
+        return _rows_jsonl(path)
+    if path.suffix == ".parquet" and path.exists():
+        return _rows_parquet(path)
+    if path.suffix in (".jsonl", ".parquet") or source.startswith((".", "/")):
+        raise DatasetError(f"dataset.source={source}: no such file or directory")
+    return _rows_hub(source, hub_config, split)
+
+
+def load_problems(source: str, split: str, question_field: str = "question", answer_field: str = "answer",
+                  on_bad_row: Literal["skip", "error"] = "skip", hub_config: str | None = "main",
+                  limit: int | None = None) -> list[MathProblem]:
+    """The problems of one split, in file order (up to `limit`)."""
+    problems: list[MathProblem] = []
+    skipped = 0
+    for index, (where, row) in enumerate(_source_rows(source, split, hub_config)):
+        if limit is not None and len(problems) >= limit:
+            break
+        problem, why = _problem(row, split, index, question_field, answer_field)
+        if problem is not None:
+            problems.append(problem)
+            continue
+        message = f"{where}: {why}"
+        if on_bad_row == "error":
+            raise DatasetError(message + " (set dataset.on_bad_row=skip to skip such rows)")
+        log.warning("skipping %s", message)
+        skipped += 1
+    if not problems:
+        raise DatasetError(f"dataset.source={source} split {split}: no usable problems ({skipped} rows skipped)")
+    if skipped:
+        log.warning("%s[%s]: %d rows skipped, %d problems loaded", source, split, skipped, len(problems))
+    return problems
+
+
+def _problem(row, split: str, index: int, question_field: str, answer_field: str):
+    if isinstance(row, Exception):
+        return None, f"not valid JSON ({row})"
+    if not isinstance(row, dict):
+        return None, f"expected an object with '{question_field}' and '{answer_field}', got {type(row).__name__}"
+    for setting, field in (("question_field", question_field), ("answer_field", answer_field)):
+        if not isinstance(row.get(field), str) or not row[field].strip():
+            return None, f"missing or empty field '{field}' (the field dataset.{setting} names)"
+    try:
+        answer = reference_answer(row[answer_field])
+    except ValueError as exc:
+        return None, f"field '{answer_field}': {exc}"
+    if parse_number(answer) is None:
+        return None, f"field '{answer_field}': final answer {answer!r} is not a number"
+    return MathProblem(f"{split}/{index}", row[question_field].strip(), answer, row[answer_field]), ""
+
+
+def shard(problems: list, index: int, count: int) -> list:
+    """Every `count`-th problem starting at `index`: sampler `index` of `count`."""
+    if not 0 <= index < count:
+        raise ValueError(f"shard index {index} not in [0, {count})")
+    return problems[index::count]

@@ -1,0 +1,87 @@
+"""GSM8K loading on the real data (../shared/data/gsm8k), other sources, bad rows and sharding."""
+
+import json
+import pathlib
+import random
+
+import pytest
+
+from common.answers import same_number
+from common.rewards import answer_correct
+from common.tasks.gsm8k import DatasetError, load_problems, shard
+
+DATA = pathlib.Path(__file__).resolve().parents[4].parent / "shared" / "data" / "gsm8k"
+pytestmark = pytest.mark.skipif(not DATA.is_dir(), reason=f"GSM8K not found at {DATA}")
+
+
+@pytest.fixture(scope="module")
+def splits():
+    return {split: load_problems(str(DATA), split, on_bad_row="error") for split in ("train", "test")}
+
+
+def test_every_reference_solution_scores_one(splits):
+    assert len(splits["train"]) == 7473 and len(splits["test"]) == 1319
+    for problems in splits.values():
+        assert all(answer_correct(p.solution, p.answer) == 1.0 for p in problems)
+
+
+def test_a_reference_scores_zero_against_another_problem_unless_the_numbers_match(splits):
+    problems = splits["test"]
+    rng = random.Random()
+    order = list(range(len(problems)))
+    rng.shuffle(order)
+    matched = 0
+    for i, j in zip(range(len(problems)), order):
+        if i == j:
+            continue
+        want = 1.0 if same_number(problems[i].answer, problems[j].answer) else 0.0
+        matched += want
+        assert answer_correct(problems[i].solution, problems[j].answer) == want
+    assert matched < len(problems) / 10  # most pairs differ, so the zero case is really exercised
+
+
+def test_sources_jsonl_file_parquet_and_split_dir(tmp_path, splits):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"question": p.question, "answer": p.solution} for p in splits["test"][:20]]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "test.parquet")
+    from_parquet = load_problems(str(tmp_path), "test")
+    from_file = load_problems(str(DATA / "test.jsonl"), "test", limit=20)
+    assert [p.answer for p in from_parquet] == [p.answer for p in from_file] == [p.answer for p in splits["test"][:20]]
+    assert from_file[3].prompt_id == "test/3"
+
+
+def test_bad_rows_are_reported_with_their_line_and_skipped_or_rejected(tmp_path, caplog):
+    path = tmp_path / "train.jsonl"
+    good = {"question": "1 + 1?", "answer": "1 + 1 = 2\n#### 2"}
+    path.write_text("\n".join([json.dumps(good), json.dumps({"question": "no answer field"}), "{not json",
+                               json.dumps({"question": "q", "answer": "no final"}), json.dumps(good)]) + "\n")
+    problems = load_problems(str(path), "train", on_bad_row="skip")
+    assert [p.prompt_id for p in problems] == ["train/0", "train/4"]
+    text = caplog.text
+    assert f"{path}:2: missing or empty field 'answer'" in text and "dataset.answer_field" in text
+    assert f"{path}:3: not valid JSON" in text and f"{path}:4: field 'answer'" in text
+    with pytest.raises(DatasetError, match=f"{path}:2: missing or empty field 'answer'.*on_bad_row=skip"):
+        load_problems(str(path), "train", on_bad_row="error")
+
+
+def test_custom_field_names_and_missing_sources(tmp_path):
+    path = tmp_path / "x.jsonl"
+    path.write_text(json.dumps({"problem": "2 + 2?", "solution": "#### 4"}) + "\n")
+    assert load_problems(str(path), "train", question_field="problem", answer_field="solution")[0].answer == "4"
+    with pytest.raises(DatasetError, match="no usable problems"):
+        load_problems(str(path), "train")
+    with pytest.raises(DatasetError, match="dataset.source=.*no such file"):
+        load_problems(str(tmp_path / "missing.jsonl"), "train")
+    with pytest.raises(DatasetError, match="no validation.jsonl or validation.parquet"):
+        load_problems(str(tmp_path), "validation")
+
+
+def test_shards_partition_a_split(splits):
+    problems = splits["test"]
+    parts = [shard(problems, i, 3) for i in range(3)]
+    ids = [p.prompt_id for part in parts for p in part]
+    assert len(ids) == len(set(ids)) == len(problems)
+    with pytest.raises(ValueError, match="shard index 3"):
+        shard(problems, 3, 3)
