@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from tunix.models.qwen3 import model as qwen3
-
+from common import architectures, hf_checkpoint
+from common.architectures import Architecture
 from common.config import ModelSection
 
 NEG_INF = -1e30
@@ -31,6 +31,7 @@ class PolicyModel:
     graphdef: Any
     params: Any  # nnx.State of arrays (or ShapeDtypeStructs when abstract)
     config: Any  # tunix ModelConfig
+    arch: Architecture  # family and shapes, as a Hugging Face config.json states them
 
     def names(self) -> list[str]:
         return [_path_name(p) for p, _ in jax.tree_util.tree_leaves_with_path(self.params)]
@@ -60,7 +61,8 @@ class PolicyModel:
 
     def apply(self, params: Any, tokens, positions, cache, attention_mask):
         model = nnx.merge(self.graphdef, params)
-        return model(tokens, positions, cache, attention_mask)
+        with architectures.rope_of(self.arch):
+            return model(tokens, positions, cache, attention_mask)
 
     def init_cache(self, batch: int, length: int) -> dict:
         cfg = self.config
@@ -92,12 +94,16 @@ def _path_name(path) -> str:
 TUNIX_ROPE_THETA = 1_000_000
 
 
-def tunix_config(section: ModelSection, vocab_size: int):
+def tiny_architecture(section: ModelSection, vocab_size: int) -> Architecture:
+    """The tiny demo model: a Qwen3-architecture decoder with untied embeddings."""
     t = section.tiny
-    return qwen3.ModelConfig(
-        num_layers=t.num_layers, vocab_size=vocab_size, embed_dim=t.embed_dim, hidden_dim=t.hidden_dim,
-        num_heads=t.num_heads, head_dim=t.head_dim, num_kv_heads=t.num_kv_heads, rope_theta=TUNIX_ROPE_THETA,
-        norm_eps=1e-6, use_tied_embedding=False)
+    return Architecture(family="qwen3", vocab_size=vocab_size, num_layers=t.num_layers, embed_dim=t.embed_dim,
+                        hidden_dim=t.hidden_dim, num_heads=t.num_heads, num_kv_heads=t.num_kv_heads,
+                        head_dim=t.head_dim, norm_eps=1e-6, rope_theta=TUNIX_ROPE_THETA, tied_embeddings=False)
+
+
+def tunix_config(section: ModelSection, vocab_size: int):
+    return architectures.tunix_config(tiny_architecture(section, vocab_size))
 
 
 def build_model(section: ModelSection, vocab_size: int, seed: int | None) -> PolicyModel:
@@ -105,13 +111,39 @@ def build_model(section: ModelSection, vocab_size: int, seed: int | None) -> Pol
 
     Samplers build the abstract model and receive every weight from the trainer.
     """
-    cfg = tunix_config(section, vocab_size)
+    return build_from_architecture(tiny_architecture(section, vocab_size), seed)
+
+
+def build_from_architecture(arch: Architecture, seed: int | None, dtype: Any = jnp.float32) -> PolicyModel:
+    """A model of `arch`: random init from `seed`, or abstract (shapes and dtypes only) when seed is None."""
+    cfg = architectures.tunix_config(arch, dtype)
+    cls = architectures.module_class(arch)
     if seed is None:
-        module = nnx.eval_shape(lambda: qwen3.Qwen3(cfg, rngs=nnx.Rngs(0)))
+        module = nnx.eval_shape(lambda: cls(cfg, rngs=nnx.Rngs(0)))
     else:
-        module = qwen3.Qwen3(cfg, rngs=nnx.Rngs(seed))
+        module = cls(cfg, rngs=nnx.Rngs(seed))
     graphdef, params = nnx.split(module)
-    return PolicyModel(graphdef=graphdef, params=params, config=cfg)
+    return PolicyModel(graphdef=graphdef, params=params, config=cfg, arch=arch)
+
+
+def load_hf_model(directory: str, dtype: str = "float32", sharding: Any = None) -> PolicyModel:
+    """A Hugging Face checkpoint directory (config.json + safetensors) as a PolicyModel in `dtype`.
+
+    `sharding`: None (the default device), or a function name -> jax.sharding.Sharding
+    that places each parameter (e.g. on a mesh) as it is read, so a model never
+    has to fit on one device.
+    """
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"model.dtype={dtype!r}: choose float32 or bfloat16")
+    jdtype = jnp.float32 if dtype == "float32" else jnp.bfloat16
+    arch = hf_checkpoint.read_architecture(directory)
+    abstract = build_from_architecture(arch, seed=None, dtype=jdtype)
+    names = abstract.names()
+    leaves, treedef = jax.tree_util.tree_flatten(abstract.params)
+    named = hf_checkpoint.read_named(directory, arch, {n: tuple(leaf.shape) for n, leaf in zip(names, leaves)},
+                                     np.dtype(jdtype))
+    placed = [jax.device_put(named.pop(n), sharding(n) if sharding else None) for n in names]
+    return dataclasses.replace(abstract, params=jax.tree_util.tree_unflatten(treedef, placed))
 
 
 def token_logprobs(logits: jax.Array, targets: jax.Array, temperature: float, pad_id: int) -> jax.Array:

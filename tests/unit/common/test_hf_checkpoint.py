@@ -1,0 +1,165 @@
+"""Hugging Face checkpoints: tiny random models made with `transformers` load into our JAX model with the same
+logits (float32, 1e-4), multi-file bfloat16 checkpoints load, export round-trips, bad checkpoints are named."""
+
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from common import decode
+from common.architectures import ArchitectureError, from_hf_config
+from common.hf_checkpoint import CheckpointError, export_hf, read_safetensors, write_safetensors
+from common.model import causal_mask, load_hf_model, positions_from_mask
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+SHAPE = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, max_position_embeddings=256)
+LLAMA31_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+FAMILIES = {
+    # name: (config class, extra config)
+    "llama3.1-untied": ("LlamaConfig", dict(tie_word_embeddings=False, rope_parameters=LLAMA31_ROPE)),
+    "llama3.2-tied": ("LlamaConfig", dict(tie_word_embeddings=True, rope_parameters={"rope_type": "default",
+                                                                                      "rope_theta": 500000.0})),
+    "qwen2.5-tied": ("Qwen2Config", dict(tie_word_embeddings=True, rope_parameters={"rope_type": "default",
+                                                                                     "rope_theta": 1000000.0})),
+    "qwen2-untied": ("Qwen2Config", dict(tie_word_embeddings=False, rope_parameters={"rope_type": "default",
+                                                                                      "rope_theta": 10000.0})),
+    "qwen3-untied": ("Qwen3Config", dict(tie_word_embeddings=False, rope_parameters={"rope_type": "default",
+                                                                                      "rope_theta": 1000000.0})),
+    "qwen3-tied-5e6": ("Qwen3Config", dict(tie_word_embeddings=True, rope_parameters={"rope_type": "default",
+                                                                                       "rope_theta": 5000000.0})),
+}
+
+
+def make_hf_model(directory: pathlib.Path, family: str, seed: int, dtype=None, max_shard_size=None):
+    cls_name, extra = FAMILIES[family]
+    config = getattr(transformers, cls_name)(**SHAPE, **extra)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():  # random norms and biases too, so a mis-mapped one cannot hide behind ones/zeros
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.copy_(1.0 + 0.2 * torch.randn_like(p) if "norm" in name else 0.2 * torch.randn_like(p))
+    if dtype is not None:
+        model = model.to(dtype)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(directory, **kwargs)
+    return model
+
+
+def hf_logits(model, tokens: np.ndarray) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.from_numpy(tokens.astype(np.int64))).logits.float().numpy()
+
+
+def our_logits(model, tokens: np.ndarray) -> np.ndarray:
+    valid = jnp.ones(tokens.shape, jnp.bool_)
+    logits, _ = model.apply(model.params, jnp.asarray(tokens), positions_from_mask(valid), None, causal_mask(valid))
+    return np.asarray(logits, np.float32)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_logits_match_transformers(tmp_path, family):
+    seed = np.random.randint(1 << 30)
+    hf = make_hf_model(tmp_path, family, seed)
+    ours = load_hf_model(str(tmp_path), "float32")
+    assert ours.arch.tied_embeddings == FAMILIES[family][1]["tie_word_embeddings"]
+    tokens = np.random.default_rng(seed).integers(0, SHAPE["vocab_size"], (2, 40))
+    want = hf_logits(hf, tokens)
+    np.testing.assert_allclose(our_logits(ours, tokens), want, atol=1e-4, rtol=1e-4)
+    # the sampler's decode forward (prefill) is the same function
+    w = decode.decode_weights(ours, ours.params)
+    valid = jnp.ones(tokens.shape, jnp.bool_)
+    got, _ = decode.forward(ours, w, jnp.asarray(tokens), positions_from_mask(valid),
+                            decode.init_cache(ours, 2, 40), 0, causal_mask(valid))
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-4, rtol=1e-4)
+
+
+def test_multi_file_bfloat16_checkpoint_loads(tmp_path):
+    hf = make_hf_model(tmp_path, "llama3.1-untied", 0, dtype=torch.bfloat16, max_shard_size="100KB")
+    files = sorted(p.name for p in tmp_path.glob("*.safetensors"))
+    assert len(files) > 1 and (tmp_path / "model.safetensors.index.json").exists()
+    tokens = np.random.default_rng(0).integers(0, SHAPE["vocab_size"], (2, 24))
+    in_bf16 = load_hf_model(str(tmp_path), "bfloat16")
+    assert all(leaf.dtype == jnp.bfloat16 for leaf in jax.tree_util.tree_leaves(in_bf16.params))
+    # the same bf16 weights computed in float32 on both sides agree to float32 precision
+    in_f32 = load_hf_model(str(tmp_path), "float32")
+    np.testing.assert_allclose(our_logits(in_f32, tokens), hf_logits(hf.float(), tokens), atol=1e-4, rtol=1e-4)
+    # computed in bfloat16, within bfloat16 rounding of the float32 result
+    np.testing.assert_allclose(our_logits(in_bf16, tokens), our_logits(in_f32, tokens), atol=0.1, rtol=0.05)
+
+
+@pytest.mark.parametrize("family", ["qwen2.5-tied", "llama3.1-untied"])
+def test_export_round_trips_through_transformers(tmp_path, family):
+    make_hf_model(tmp_path / "in", family, 1)
+    ours = load_hf_model(str(tmp_path / "in"), "float32")
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "tokenizer_config.json").write_text("{}")
+    out = export_hf(tmp_path / "out", ours.arch, ours.to_named_numpy(), tokenizer_dir=tmp_path / "tok")
+    assert (out / "tokenizer_config.json").exists()
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    tokens = np.random.default_rng(1).integers(0, SHAPE["vocab_size"], (2, 30))
+    np.testing.assert_allclose(hf_logits(reloaded, tokens), our_logits(ours, tokens), atol=1e-4, rtol=1e-4)
+    again = load_hf_model(str(out), "float32")
+    for name, value in ours.to_named_numpy().items():
+        np.testing.assert_array_equal(again.to_named_numpy()[name], value)
+
+
+def _rewrite(path: pathlib.Path, change) -> None:
+    tensors = dict(read_safetensors(path))
+    tensors = {k: np.array(v) for k, v in tensors.items()}
+    change(tensors)
+    write_safetensors(path, tensors)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda t: t.pop("model.layers.1.mlp.up_proj.weight"), r"tensors missing .*layers\.1\.mlp\.up_proj\.kernel"),
+    (lambda t: t.__setitem__("model.layers.0.self_attn.q_proj.weight",
+                             t["model.layers.0.self_attn.q_proj.weight"][:32]),
+     r"tensor model\.layers\.0\.self_attn\.q_proj\.weight has shape \[32, 64\]; config\.json implies"),
+    (lambda t: t.__setitem__("model.layers.0.self_attn.q_proj.bias", np.zeros(64, np.float32)),
+     r"tensor model\.layers\.0\.self_attn\.q_proj\.bias: not part of a llama3 model"),
+    (lambda t: t.__setitem__("model.layers.7.input_layernorm.weight", np.ones(64, np.float32)),
+     r"tensor model\.layers\.7\.input_layernorm\.weight has no place .*num_hidden_layers=3"),
+])
+def test_bad_checkpoints_name_the_tensor(tmp_path, change, message):
+    make_hf_model(tmp_path, "llama3.2-tied", 2)
+    _rewrite(tmp_path / "model.safetensors", change)
+    with pytest.raises(CheckpointError, match=message):
+        load_hf_model(str(tmp_path), "float32")
+
+
+def test_truncated_file_and_missing_config(tmp_path):
+    make_hf_model(tmp_path, "qwen3-untied", 3)
+    data = (tmp_path / "model.safetensors").read_bytes()
+    (tmp_path / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="model.safetensors: tensor .* corrupt|truncated"):
+        load_hf_model(str(tmp_path), "float32")
+    (tmp_path / "config.json").unlink()
+    with pytest.raises(CheckpointError, match="no config.json"):
+        load_hf_model(str(tmp_path), "float32")
+
+
+@pytest.mark.parametrize("edit, message", [
+    ({"model_type": "gemma2"}, "model_type 'gemma2': Gemma 2 is not supported yet"),
+    ({"model_type": "mistral"}, "model_type 'mistral' is not supported"),
+    ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}},
+     "rope_scaling type 'yarn' is not supported for qwen3"),
+    ({"num_key_value_heads": 3}, "num_key_value_heads=3 must divide num_attention_heads=4"),
+    ({"hidden_size": None}, "field 'hidden_size' is missing"),
+    ({"use_sliding_window": True}, "use_sliding_window=true is not supported"),
+])
+def test_unsupported_configs_name_the_field(tmp_path, edit, message):
+    make_hf_model(tmp_path, "qwen3-untied", 4)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.update(edit)
+    config = {k: v for k, v in config.items() if v is not None}
+    with pytest.raises(ArchitectureError, match=message):
+        from_hf_config(config, "config.json")
