@@ -60,13 +60,52 @@ class TinyModelSection(Strict):
 
 
 class ModelSection(Strict):
-    kind: Literal["tiny"] = Field("tiny", description="'tiny': Qwen3-style model built from scratch for CPU runs.")
+    kind: Literal["tiny", "hf"] = Field("tiny", description="'tiny': Qwen3-style model built from scratch for CPU "
+                                        "runs; 'hf': a Hugging Face checkpoint directory (model.path).")
     tiny: TinyModelSection = Field(default_factory=TinyModelSection, description="Architecture of the tiny model.")
+    path: str | None = Field(None, description="kind=hf: a local directory with config.json, *.safetensors and the "
+                             "tokenizer files (Llama 3.x, Qwen2.5, Qwen3). Nothing is downloaded.")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="kind=hf: parameter dtype after loading.")
+    pad_token: str | None = Field(None, description="kind=hf: token used for padding when the tokenizer defines none "
+                                  "(it must not be an end-of-sequence token; Llama 3: <|finetune_right_pad_id|>). "
+                                  "Null: the tokenizer's pad token.")
+
+    @model_validator(mode="after")
+    def _path(self) -> "ModelSection":
+        if self.kind == "hf" and not self.path:
+            raise ValueError("model.kind=hf needs model.path: a local Hugging Face model directory")
+        return self
+
+
+class DatasetSection(Strict):
+    source: str | None = Field(None, description="task.name=gsm8k: a directory with {split}.jsonl or "
+                               "{split}.parquet, one such file, or a Hugging Face datasets name (openai/gsm8k; "
+                               "downloads, where a network exists).")
+    hub_config: str | None = Field("main", description="The datasets config of a hub source (GSM8K: main).")
+    train_split: str = Field("train", min_length=1, description="Split the samplers draw prompts from.")
+    test_split: str = Field("test", min_length=1, description="Split evaluation uses.")
+    question_field: str = Field("question", min_length=1, description="Row field holding the problem.")
+    answer_field: str = Field("answer", min_length=1, description="Row field holding the reference solution, "
+                              "ending in '#### <number>'.")
+    on_bad_row: Literal["skip", "error"] = Field("skip", description="A row without a usable question or answer: "
+                                                 "'skip' (logged with its line) or 'error' (stop).")
+    limit: int | None = Field(None, ge=1, description="Use at most this many rows per split (null: all).")
 
 
 class TaskSection(Strict):
-    name: Literal["arith"] = Field("arith", description="'arith': generated addition word problems, GSM8K answer "
-                                   "format (`#### N`).")
+    name: Literal["arith", "gsm8k"] = Field("arith", description="'arith': generated addition word problems, GSM8K "
+                                            "answer format (`#### N`); 'gsm8k': math word problems from "
+                                            "task.dataset.")
+    dataset: DatasetSection = Field(default_factory=DatasetSection, description="task.name=gsm8k: where the "
+                                    "problems come from.")
+    prompt_template: Literal["plain", "chat", "reasoning"] = Field(
+        "plain", description="'plain': 'Q: <question> A:' (the arith task always uses it); 'chat': the tokenizer's "
+        "chat template with the question as the user turn; 'reasoning': chat template with a system prompt asking "
+        "for <reasoning>...</reasoning><answer>...</answer> (the Tunix GSM8K demo format).")
+    rewards: dict[str, float] = Field(
+        default_factory=lambda: {"answer_correct": 1.0, "answer_format": 0.1}, min_length=1,
+        description="Reward -> weight. Built-ins: answer_correct, answer_format (#### N), reasoning_answer_format; "
+        "or 'package.module:function' taking (completion_text, reference_answer) -> float.")
     min_operand: int = Field(10, ge=0, le=10**6, description="Smallest operand of a problem.")
     max_operand: int = Field(99, ge=1, le=10**6, description="Largest operand of a problem.")
     heldout_fraction: float = Field(0.1, gt=0, lt=0.5,
@@ -208,6 +247,10 @@ class WarmStartSection(Strict):
 class EvalSection(Strict):
     num_problems: int = Field(256, ge=1, le=100_000, description="Held-out problems scored (greedy pass@1).")
     batch_size: int = Field(128, ge=1, le=65536, description="Problems per generation call.")
+    samples: int = Field(0, ge=0, le=1024, description="Sampled completions per problem for pass@k and maj@k "
+                         "(at generation.temperature); 0 = greedy pass@1 only.")
+    ks: list[Annotated[int, Field(ge=1)]] = Field([1], min_length=1, description="The k of pass@k and maj@k; each "
+                                                  "at most eval.samples.")
 
 
 class LoggingSection(Strict):
@@ -233,6 +276,18 @@ class RunConfig(Strict):
     warmstart: WarmStartSection = Field(default_factory=WarmStartSection, description="Supervised warm start.")
     eval: EvalSection = Field(default_factory=EvalSection, description="Held-out evaluation.")
     logging: LoggingSection = Field(default_factory=LoggingSection, description="Logging.")
+
+    @model_validator(mode="after")
+    def _task_and_model(self) -> "RunConfig":
+        if self.task.name == "gsm8k" and not self.task.dataset.source:
+            raise ValueError("task.name=gsm8k needs task.dataset.source (e.g. ../shared/data/gsm8k or openai/gsm8k)")
+        if self.task.name == "gsm8k" and self.warmstart.steps:
+            raise ValueError("warmstart.steps: the supervised warm start exists for the arith task only; set it to 0")
+        if self.model.kind == "hf" and self.task.name == "arith" and self.warmstart.steps:
+            raise ValueError("warmstart.steps: the arith warm start trains the tiny model only; set it to 0")
+        if self.eval.samples and max(self.eval.ks) > self.eval.samples:
+            raise ValueError(f"eval.ks={self.eval.ks}: each k must be at most eval.samples={self.eval.samples}")
+        return self
 
     @model_validator(mode="after")
     def _minibatches(self) -> "RunConfig":

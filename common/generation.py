@@ -34,9 +34,11 @@ class Generation:
 class Engine:
     """Generates completions for batches of token-id prompts with one model's weights."""
 
-    def __init__(self, model: PolicyModel, pad_id: int, eos_id: int, max_prompt_tokens: int,
+    def __init__(self, model: PolicyModel, pad_id: int, eos_id: int | list[int], max_prompt_tokens: int,
                  max_new_tokens: int, temperature: float):
-        self.model, self.pad_id, self.eos_id = model, pad_id, eos_id
+        """`eos_id`: the stop token, or all of them (Llama 3 Instruct stops on several)."""
+        self.model, self.pad_id = model, pad_id
+        self.eos_ids = tuple(eos_id) if isinstance(eos_id, (list, tuple)) else (eos_id,)
         self.max_prompt_tokens, self.max_new_tokens, self.temperature = max_prompt_tokens, max_new_tokens, temperature
         self._generate = jax.jit(self._generate_impl, static_argnames=("greedy",))
 
@@ -82,7 +84,7 @@ class Engine:
             tok_logp = jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
             out_tok = jnp.where(done, self.pad_id, tok)
             out_logp = jnp.where(done, 0.0, tok_logp)
-            done_next = done | (tok == self.eos_id)
+            done_next = done | jnp.isin(tok, jnp.asarray(self.eos_ids, jnp.int32))
             key_valid = key_valid.at[:, p + t].set(True)
             attn = (key_valid & (slots <= p + t)[None, :])[:, None, :]
             pos = (prompt_len + t)[:, None]

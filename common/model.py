@@ -123,6 +123,10 @@ def build_from_architecture(arch: Architecture, seed: int | None, dtype: Any = j
     else:
         module = cls(cfg, rngs=nnx.Rngs(seed))
     graphdef, params = nnx.split(module)
+    # Tunix's Llama has no dtype setting: its parameters take the dtype they are given
+    params = jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, dtype) if isinstance(x, jax.ShapeDtypeStruct) else x.astype(dtype),
+        params)
     return PolicyModel(graphdef=graphdef, params=params, config=cfg, arch=arch)
 
 

@@ -66,6 +66,53 @@ def build_tokenizer(cfg: RunConfig, task: ArithTask) -> TextTokenizer:
     return train_bpe(task.corpus(TOKENIZER_CORPUS_SIZE), cfg.model.tiny.vocab_size)
 
 
+def build_task_and_tokenizer(cfg: RunConfig):
+    """(task, tokenizer) of a run, built the same way in every process.
+
+    The tokenizer is the checkpoint's (model.kind=hf) or a BPE trained on the
+    task's own text (tiny model); GSM8K prompts are rendered with it
+    (task.prompt_template).
+    """
+    from common import prompts  # noqa: PLC0415
+
+    hf_tokenizer = None
+    if cfg.model.kind == "hf":
+        from common.hf_checkpoint import read_architecture  # noqa: PLC0415
+        from common.tokenizer import HFTokenizer  # noqa: PLC0415
+
+        arch = read_architecture(cfg.model.path)
+        hf_tokenizer = HFTokenizer(cfg.model.path, cfg.model.pad_token, vocab_size=arch.vocab_size)
+    if cfg.task.name == "arith":
+        task = build_task(cfg)
+        return task, hf_tokenizer or build_tokenizer(cfg, task)
+    from common.tasks.gsm8k import Gsm8kTask, load_problems  # noqa: PLC0415
+
+    d = cfg.task.dataset
+    train, test = (load_problems(d.source, split, d.question_field, d.answer_field, d.on_bad_row, d.hub_config,
+                                 d.limit) for split in (d.train_split, d.test_split))
+    tokenizer = hf_tokenizer or train_bpe([f"{p.question} {p.solution}" for p in train[:TOKENIZER_CORPUS_SIZE]],
+                                          cfg.model.tiny.vocab_size)
+    return Gsm8kTask(train, test, lambda q: prompts.render(q, cfg.task.prompt_template, tokenizer),
+                     cfg.run.seed), tokenizer
+
+
+def build_policy(cfg: RunConfig, vocab_size: int, seed: int | None):
+    """The policy model: tiny (random init from `seed`) or the checkpoint at model.path; abstract when seed is None
+    (samplers receive every weight from the trainer)."""
+    from common import model as model_lib  # noqa: PLC0415
+
+    if cfg.model.kind == "tiny":
+        return model_lib.build_model(cfg.model, vocab_size, seed)
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    from common.hf_checkpoint import read_architecture  # noqa: PLC0415
+
+    if seed is None:
+        dtype = jnp.float32 if cfg.model.dtype == "float32" else jnp.bfloat16
+        return model_lib.build_from_architecture(read_architecture(cfg.model.path), None, dtype)
+    return model_lib.load_hf_model(cfg.model.path, cfg.model.dtype)
+
+
 def stop_on_signals(stop_event, what: str) -> None:
     """SIGTERM/SIGINT set `stop_event`: the process finishes `what` and exits cleanly."""
     import signal

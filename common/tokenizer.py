@@ -1,4 +1,4 @@
-"""Tokenizers: a locally trained BPE for the tiny demo model.
+"""Tokenizers: a locally trained BPE for the tiny demo model, and Hugging Face tokenizers from a directory.
 
 The tiny model's tokenizer is trained at start-up from generated task text
 (digits kept as single tokens, as Llama and Qwen do). Training is
@@ -9,6 +9,7 @@ independently; `fingerprint` lets them check that they agree.
 from __future__ import annotations
 
 import hashlib
+import json
 import pathlib
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -31,8 +32,17 @@ class TextTokenizer:
             raise ValueError(f"tokenizer has no {token} token")
         return idx
 
+    bos_text = ""  # no BOS token
+
+    @property
+    def eos_ids(self) -> list[int]:
+        return [self.eos_id]
+
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text).ids
+
+    def chat_prompt(self, messages: list[dict]) -> str:
+        raise ValueError("task.prompt_template: the tiny model's tokenizer has no chat template; use 'plain'")
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode([i for i in ids if i not in (self.pad_id, self.eos_id)], skip_special_tokens=True)
@@ -41,10 +51,83 @@ class TextTokenizer:
         return hashlib.sha256(self._tok.to_str().encode()).hexdigest()[:16]
 
     def save(self, directory: str | pathlib.Path) -> pathlib.Path:
+        """tokenizer.json plus a tokenizer_config.json, so `transformers.AutoTokenizer` loads the directory."""
         path = pathlib.Path(directory)
         path.mkdir(parents=True, exist_ok=True)
         self._tok.save(str(path / "tokenizer.json"))
+        (path / "tokenizer_config.json").write_text(json.dumps({
+            "tokenizer_class": "PreTrainedTokenizerFast", "pad_token": PAD, "eos_token": EOS, "unk_token": UNK,
+            "model_max_length": 1 << 20}, indent=2) + "\n")
         return path / "tokenizer.json"
+
+
+class HFTokenizer:
+    """A Hugging Face tokenizer from a local directory, with the ids the services need.
+
+    Stop tokens: the tokenizer's EOS plus every `eos_token_id` of the
+    directory's generation_config.json (Llama 3 Instruct ends turns with
+    <|eot_id|>). The pad token must be a token the policy never has to emit:
+    it is removed from the sampling distribution.
+    """
+
+    def __init__(self, directory: str | pathlib.Path, pad_token: str | None = None, vocab_size: int | None = None):
+        from transformers import AutoTokenizer  # noqa: PLC0415 - heavy; only for kind=hf
+
+        directory = pathlib.Path(directory)
+        try:
+            self._tok = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"model.path={directory}: no loadable tokenizer there ({exc})") from None
+        eos = {self._tok.eos_token_id} - {None}
+        gen = directory / "generation_config.json"
+        if gen.exists():
+            ids = json.loads(gen.read_text()).get("eos_token_id")
+            eos |= set(ids if isinstance(ids, list) else [ids]) - {None}
+        if not eos:
+            raise ValueError(f"model.path={directory}: the tokenizer defines no end-of-sequence token")
+        self._eos = sorted(eos)
+        pad = pad_token or self._tok.pad_token
+        if pad is None:
+            raise ValueError(f"model.pad_token: the tokenizer at {directory} has no pad token; name one that is not "
+                             "an end-of-sequence token (Llama 3: <|finetune_right_pad_id|>)")
+        pad_id = self._tok.convert_tokens_to_ids(pad)
+        if pad_id is None or pad_id == self._tok.unk_token_id and pad != self._tok.unk_token:
+            raise ValueError(f"model.pad_token={pad!r} is not a token of the tokenizer at {directory}")
+        if pad_id in eos:
+            raise ValueError(f"model.pad_token={pad!r} is an end-of-sequence token; padding is never sampled, so "
+                             "the model could not stop. Name another token")
+        self.pad_id = int(pad_id)
+        self.eos_id = self._eos[0]
+        self.vocab_size = int(vocab_size or len(self._tok))
+        self.bos_text = self._tok.bos_token or ""  # prepended to plain prompts; chat templates write it themselves
+        self._fingerprint_source = directory
+
+    @property
+    def eos_ids(self) -> list[int]:
+        return list(self._eos)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode([i for i in ids if i != self.pad_id and i not in self._eos], skip_special_tokens=True)
+
+    def chat_prompt(self, messages: list[dict]) -> str:
+        if not getattr(self._tok, "chat_template", None):
+            raise ValueError("task.prompt_template: this tokenizer has no chat template; use 'plain'")
+        return self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def fingerprint(self) -> str:
+        digest = hashlib.sha256()
+        for name in ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json"):
+            path = self._fingerprint_source / name
+            if path.exists():
+                digest.update(path.read_bytes())
+        return digest.hexdigest()[:16]
+
+    def save(self, directory: str | pathlib.Path) -> pathlib.Path:
+        self._tok.save_pretrained(str(directory))
+        return pathlib.Path(directory)
 
 
 def train_bpe(corpus: list[str], vocab_size: int) -> TextTokenizer:

@@ -3,6 +3,7 @@
     grpo-stream up      --config configs/tiny_arith.yaml [--run-dir DIR] [key.sub=value ...]
     grpo-stream trainer --config C --run-dir DIR [key=value ...]
     grpo-stream sampler --config C --index I [key=value ...]
+    grpo-stream eval    --config C [--split test] [--limit N] [--json PATH] [key=value ...]
 """
 
 from __future__ import annotations
@@ -43,6 +44,11 @@ def _parser() -> argparse.ArgumentParser:
     be.add_argument("--table", type=pathlib.Path, default=pathlib.Path("runs/bench/results.md"),
                     help="markdown table to append a row to per benchmark (default runs/bench/results.md)")
     be.add_argument("--quick", action="store_true", help="a few seconds, only to check that it works")
+    ev = sub.add_parser("eval", help="greedy pass@1, pass@k and maj@k of the config's model on a split")
+    common(ev)
+    ev.add_argument("--split", default="test", help="test (held-out, default) or train")
+    ev.add_argument("--limit", type=int, help="problems to score (default eval.num_problems)")
+    ev.add_argument("--json", type=pathlib.Path, help="write the result here")
     rep = sub.add_parser("report", help="PNG plots and a markdown summary of a run directory")
     rep.add_argument("run_dir", type=pathlib.Path, help="a directory written by `up` or `trainer`")
     return parser
@@ -76,6 +82,19 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from common.runtime import pin_to_cpus, setup_logging
 
+    if args.command == "eval":
+        from grpo_stream.eval_command import run_eval
+
+        setup_logging(cfg.logging.level, "eval", cfg.logging.format)
+        try:
+            doc = run_eval(cfg, args.split, args.limit, args.json)
+        except (ValueError, OSError) as exc:
+            print(f"grpo-stream eval: error: {exc}", file=sys.stderr)
+            return 1
+        ks = ", ".join(f"pass@{k} {doc['pass_at_k'][k]:.3f}, maj@{k} {doc['maj_at_k'][k]:.3f}" for k in doc["pass_at_k"])
+        print(f"{doc['split']}: {doc['num_problems']} problems, greedy pass@1 {doc['accuracy']:.3f}"
+              + (f", {ks}" if ks else "") + (f"; wrote {args.json}" if args.json else ""))
+        return 0
     if args.command == "up":
         from grpo_stream.up import run_up
 

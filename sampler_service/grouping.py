@@ -6,14 +6,14 @@ import time
 from typing import Callable, Iterator
 
 from common.generation import Generation
-from common.rewards import score
+from common.rewards import RewardSet
 from common.tasks.arith import Problem
 from common.tokenizer import TextTokenizer
 from common.wire import CompletionData, GroupData
 
 
 def build_groups(batch: list[tuple[Problem, list[int]]], out: Generation, num_generations: int,
-                 tokenizer: TextTokenizer, policy_version: int, sampler_id: str,
+                 tokenizer: TextTokenizer, rewards: RewardSet, policy_version: int, sampler_id: str,
                  next_group_id: Callable[[], str]) -> Iterator[GroupData]:
     """Rows k*n .. (k+1)*n-1 of `out` are the completions of batch[k]; yields one scored group per prompt."""
     n = num_generations
@@ -24,7 +24,7 @@ def build_groups(batch: list[tuple[Problem, list[int]]], out: Generation, num_ge
         for j in range(k * n, (k + 1) * n):
             length = int(out.lengths[j])
             tokens = out.tokens[j, :length]
-            reward, parts = score(tokenizer.decode(tokens.tolist()), problem.answer)
+            reward, parts = rewards.score(tokenizer.decode(tokens.tolist()), problem.answer)
             completions.append(CompletionData(token_ids=tokens, logprobs=out.logprobs[j, :length], reward=reward,
                                               truncated=not bool(out.finished[j]), reward_components=parts))
         yield GroupData(group_id=next_group_id(), prompt_id=problem.prompt_id, prompt_token_ids=prompt_ids,

@@ -21,9 +21,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from common.config import RunConfig
 from common.generation import Engine
 from common.grpc_util import CHANNEL_OPTIONS
-from common.model import build_model
 from common.prometheus import ServiceMetrics
-from common.runtime import build_task, build_tokenizer, stop_on_signals
+from common.rewards import RewardSet
+from common.runtime import build_policy, build_task_and_tokenizer, stop_on_signals
 from common.wire import to_proto
 from sampler_service.grouping import build_groups
 from sampler_service.rollout_client import RolloutClient
@@ -67,11 +67,11 @@ class Sampler:
 
     def run(self) -> dict:
         cfg, gen = self.cfg, self.cfg.generation
-        task = build_task(cfg)
-        tokenizer = build_tokenizer(cfg, task)
-        model = build_model(cfg.model, tokenizer.vocab_size, seed=None)
-        engine = Engine(model, tokenizer.pad_id, tokenizer.eos_id, gen.max_prompt_tokens, gen.max_new_tokens,
+        task, tokenizer = build_task_and_tokenizer(cfg)
+        model = build_policy(cfg, tokenizer.vocab_size, seed=None)
+        engine = Engine(model, tokenizer.pad_id, tokenizer.eos_ids, gen.max_prompt_tokens, gen.max_new_tokens,
                         gen.temperature)
+        rewards = RewardSet(cfg.task.rewards)
         prom = ServiceMetrics(self.sampler_id)
         self.version_gauge = prom.gauge("sampler_weight_version", "weight version this sampler generates with")
         groups_total = prom.counter("sampler_groups", "rollout groups generated")
@@ -124,7 +124,7 @@ class Sampler:
             rng, sub = jax.random.split(rng)
             n, version = gen.num_generations, self.version
             out = engine.generate(self.params, [ids for _, ids in batch for _ in range(n)], sub)
-            groups = build_groups(batch, out, n, tokenizer, version, self.sampler_id,
+            groups = build_groups(batch, out, n, tokenizer, rewards, version, self.sampler_id,
                                   lambda: f"{cfg.run.name}/{self.sampler_id}/{next(counter)}")
             for group in groups:
                 if not self._push(client, to_proto(group)):

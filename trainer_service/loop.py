@@ -22,11 +22,11 @@ from common.buffer import BufferEntry, BufferUnavailable, RedisStreamBuffer
 from common.config import RunConfig
 from common.evaluation import evaluate
 from common.generation import Engine
+from common.hf_checkpoint import export_hf
 from common.metrics import MetricsWriter
-from common.model import build_model
 from common.prometheus import ServiceMetrics
 from common.redis_util import connect
-from common.runtime import build_task, build_tokenizer, stop_on_signals
+from common.runtime import build_policy, build_task_and_tokenizer, stop_on_signals
 from common.weights import WeightSnapshot
 from common.wire import GroupData, GroupLimits, decode_group
 from trainer_service.batching import build_batch
@@ -59,15 +59,14 @@ class Trainer:
                              "or run `grpo-stream up`, which starts an embedded Redis")
         client = connect(cfg.redis.url, cfg.redis.connect_timeout_s)
         self.buffer = RedisStreamBuffer(client, cfg.run.name)
-        self.task = build_task(cfg)
-        self.tokenizer = build_tokenizer(cfg, self.task)
+        self.task, self.tokenizer = build_task_and_tokenizer(cfg)
         self.tokenizer.save(self.run_dir / "model")
-        self.model = build_model(cfg.model, self.tokenizer.vocab_size, seed=cfg.run.seed)
+        self.model = build_policy(cfg, self.tokenizer.vocab_size, seed=cfg.run.seed)
         self.params = self.model.params
         log.info("model: %d parameters, vocab %d, tokenizer %s", self.model.num_params(), self.tokenizer.vocab_size,
                  self.tokenizer.fingerprint())
         gen = cfg.generation
-        self.engine = Engine(self.model, self.tokenizer.pad_id, self.tokenizer.eos_id, gen.max_prompt_tokens,
+        self.engine = Engine(self.model, self.tokenizer.pad_id, self.tokenizer.eos_ids, gen.max_prompt_tokens,
                              gen.max_new_tokens, gen.temperature)
         limits = GroupLimits(gen.num_generations, gen.max_prompt_tokens, gen.max_new_tokens, self.tokenizer.vocab_size)
         self.ingest = IngestServicer(self.buffer, limits, cfg.buffer.max_groups, cfg.buffer.retry_after_ms)
@@ -96,7 +95,8 @@ class Trainer:
 
     def _evaluate(self, label: str) -> dict:
         problems = self.task.heldout(self.cfg.eval.num_problems)
-        result = evaluate(self.engine, self.params, self.tokenizer, problems, self.cfg.eval.batch_size)
+        result = evaluate(self.engine, self.params, self.tokenizer, problems, self.cfg.eval.batch_size,
+                          samples=self.cfg.eval.samples, ks=self.cfg.eval.ks, seed=self.cfg.run.seed)
         log.info("%s: held-out greedy accuracy %.3f on %d problems (%.1fs); e.g. %r", label, result.accuracy,
                  result.num_problems, result.seconds, result.examples[0]["completion"] if result.examples else "")
         return result.as_dict()
@@ -206,6 +206,10 @@ class Trainer:
         if steps_done < cfg.trainer.steps:  # stopped early: tell samplers this is the last version
             self._publish(steps_done, final=True)
         eval_after = self._evaluate("eval_after") if cfg.trainer.eval_after else None
+        # the trained policy as a Hugging Face directory (next to the tokenizer files): serve it, or `eval` it
+        export_hf(self.run_dir / "model", self.model.arch, self.model.to_named_numpy(self.params),
+                  dtype=cfg.model.dtype)
+        log.info("exported the trained model to %s", self.run_dir / "model")
         self._await_samplers(steps_done)
         self.server.stop()
         return self._write_summary(steps_done, warm, eval_before, eval_after, rl_seconds)

@@ -127,3 +127,35 @@ def shard(problems: list, index: int, count: int) -> list:
     if not 0 <= index < count:
         raise ValueError(f"shard index {index} not in [0, {count})")
     return problems[index::count]
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptedProblem:
+    """What samplers and evaluation need of a problem: id, the rendered prompt, the reference answer."""
+    prompt_id: str
+    prompt: str
+    answer: str
+
+
+class Gsm8kTask:
+    """Prompts from a train split (each sampler its own shard, reshuffled every epoch), evaluation on a test split."""
+
+    def __init__(self, train: list[MathProblem], test: list[MathProblem], render, seed: int):
+        self.train, self.test, self.render, self.seed = train, test, render, seed
+
+    def _prompted(self, problem: MathProblem) -> PromptedProblem:
+        return PromptedProblem(problem.prompt_id, self.render(problem.question), problem.answer)
+
+    def train_stream(self, index: int, count: int):
+        import random  # noqa: PLC0415
+
+        mine = shard(self.train, index, count)
+        rng = random.Random(self.seed * 1_000_003 + index)
+        while True:
+            order = list(range(len(mine)))
+            rng.shuffle(order)
+            for i in order:
+                yield self._prompted(mine[i])
+
+    def heldout(self, n: int) -> list[PromptedProblem]:
+        return [self._prompted(p) for p in self.test[:n]]

@@ -88,6 +88,17 @@ def test_up_smoke_run(tmp_path):
         png = (run_dir / "report" / f"{name}.png").read_bytes()
         assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000, name
     assert "held-out accuracy before" in (run_dir / "report" / "report.md").read_text()
+    # the trained model was exported as a Hugging Face directory; `eval` on it reproduces eval_after exactly
+    # (greedy, same problems), through the HF tokenizer and checkpoint loader
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in (run_dir / "model").iterdir()}
+    ev = run_cli("eval", "--config", "configs/tiny_arith_smoke.yaml", "--json", str(tmp_path / "eval.json"),
+                 "model.kind=hf", f"model.path={run_dir / 'model'}", "warmstart.steps=0", "eval.samples=4",
+                 "eval.ks=[1,2,4]", timeout=300)
+    assert ev.returncode == 0, ev.stderr[-3000:]
+    result = json.loads((tmp_path / "eval.json").read_text())
+    assert result["accuracy"] == summary["eval_after"]["accuracy"] and result["num_problems"] == 32
+    assert set(result["pass_at_k"]) == set(result["maj_at_k"]) == {"1", "2", "4"}
+    assert result["pass_at_k"]["1"] <= result["pass_at_k"]["2"] <= result["pass_at_k"]["4"]
 
 
 @pytest.mark.parametrize("command", ["up", "trainer"])

@@ -1,0 +1,59 @@
+"""`grpo-stream eval`: score a policy on a split with the sampler engine, write the figures as JSON.
+
+The policy is the config's model: a Hugging Face directory (model.kind=hf,
+e.g. a run's exported `RUN_DIR/model`), or the tiny model at its seeded
+initialisation. Greedy pass@1 always; pass@k and maj@k when eval.samples > 0.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import pathlib
+import time
+
+from common.config import RunConfig
+
+log = logging.getLogger("grpo_stream.eval")
+
+
+def problems_of(cfg: RunConfig, task, split: str, limit: int) -> list:
+    if cfg.task.name == "gsm8k":
+        d = cfg.task.dataset
+        if split in (d.test_split, "test"):
+            return task.heldout(limit)
+        if split in (d.train_split, "train"):
+            return [task._prompted(p) for p in task.train[:limit]]
+        raise ValueError(f"--split {split}: this config's splits are {d.train_split} and {d.test_split}")
+    if split == "test":
+        return task.heldout(limit)
+    if split == "train":
+        return [task.train_problem(i) for i in range(limit)]
+    raise ValueError(f"--split {split}: the arith task has the splits train and test")
+
+
+def run_eval(cfg: RunConfig, split: str, limit: int | None, json_path: pathlib.Path | None) -> dict:
+    from common.evaluation import evaluate  # noqa: PLC0415 - imports JAX
+    from common.generation import Engine  # noqa: PLC0415
+    from common.runtime import build_policy, build_task_and_tokenizer  # noqa: PLC0415
+
+    task, tokenizer = build_task_and_tokenizer(cfg)
+    model = build_policy(cfg, tokenizer.vocab_size, seed=cfg.run.seed)
+    gen = cfg.generation
+    engine = Engine(model, tokenizer.pad_id, tokenizer.eos_ids, gen.max_prompt_tokens, gen.max_new_tokens,
+                    gen.temperature)
+    problems = problems_of(cfg, task, split, limit or cfg.eval.num_problems)
+    too_long = [p.prompt_id for p in problems if len(tokenizer.encode(p.prompt)) > gen.max_prompt_tokens]
+    if too_long:
+        raise ValueError(f"generation.max_prompt_tokens={gen.max_prompt_tokens}: {len(too_long)} prompts are longer "
+                         f"(e.g. {too_long[0]}); raise it")
+    log.info("evaluating %s on %d %s problems (greedy%s)", cfg.model.path or "the tiny model", len(problems), split,
+             f" + {cfg.eval.samples} samples each" if cfg.eval.samples else "")
+    result = evaluate(engine, model.params, tokenizer, problems, cfg.eval.batch_size, samples=cfg.eval.samples,
+                      ks=cfg.eval.ks, seed=cfg.run.seed).as_dict()
+    doc = {"model": cfg.model.path or "tiny", "task": cfg.task.name, "split": split,
+           "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), **result}
+    if json_path:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(doc, indent=2) + "\n")
+    return doc
