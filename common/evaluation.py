@@ -32,6 +32,7 @@ class EvalResult:
     seconds: float
     examples: list[dict]
     samples: int = 0                      # sampled completions per problem (0: greedy only)
+    skipped_long_prompts: int = 0         # problems not scored: prompt longer than generation.max_prompt_tokens
     pass_at_k: dict[str, float] = dataclasses.field(default_factory=dict)
     maj_at_k: dict[str, float] = dataclasses.field(default_factory=dict)
 
@@ -80,9 +81,17 @@ def _generate(engine: Engine, params: Any, tokenizer, prompts: list[list[int]], 
 
 def evaluate(engine: Engine, params: Any, tokenizer, problems: list, batch_size: int, num_examples: int = 3,
              samples: int = 0, ks: Sequence[int] = (), seed: int = 0) -> EvalResult:
-    """Greedy pass@1 on `problems` (each has .prompt and .answer); with `samples` > 0 also pass@k and maj@k."""
+    """Greedy pass@1 on `problems` (each has .prompt and .answer); with `samples` > 0 also pass@k and maj@k.
+
+    Problems whose prompt exceeds the engine's max_prompt_tokens are skipped and counted."""
     start = time.time()
-    prompts = [tokenizer.encode(p.prompt) for p in problems]
+    encoded = [tokenizer.encode(p.prompt) for p in problems]
+    keep = [i for i, ids in enumerate(encoded) if len(ids) <= engine.max_prompt_tokens]
+    skipped = len(problems) - len(keep)  # longer than generation.max_prompt_tokens: not scored, counted
+    problems, prompts = [problems[i] for i in keep], [encoded[i] for i in keep]
+    if not problems:
+        raise ValueError(f"generation.max_prompt_tokens={engine.max_prompt_tokens}: every evaluation prompt is "
+                         "longer; raise it")
     greedy = _generate(engine, params, tokenizer, prompts, batch_size, jax.random.key(seed), greedy=True)
     correct = [answer_correct(t, p.answer) for t, p in zip(greedy, problems)]
     formatted = [answer_format(t, p.answer) for t, p in zip(greedy, problems)]
@@ -90,7 +99,7 @@ def evaluate(engine: Engine, params: Any, tokenizer, problems: list, batch_size:
                 for p, t, c in list(zip(problems, greedy, correct))[:num_examples]]
     n = len(problems)
     result = EvalResult(accuracy=sum(correct) / n, format_rate=sum(formatted) / n, num_problems=n,
-                        seconds=0.0, examples=examples, samples=samples)
+                        seconds=0.0, examples=examples, samples=samples, skipped_long_prompts=skipped)
     if samples:
         bad = [k for k in ks if not 0 < k <= samples]
         if bad:

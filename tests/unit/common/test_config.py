@@ -112,3 +112,27 @@ def test_log_format_is_text_or_json():
     assert load_config(None, ["logging.format=json"]).logging.format == "json"
     with pytest.raises(ConfigError, match="logging.format: Input should be 'text' or 'json'"):
         load_config(None, ["logging.format=xml"])
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.kind=hf"], "model.kind=hf needs model.path"),
+    (["task.name=gsm8k", "warmstart.steps=0"], "task.name=gsm8k needs task.dataset.source"),
+    (["task.name=gsm8k", "task.dataset.source=x", "warmstart.steps=5"], "warmstart.steps: the supervised warm start "
+                                                                          "exists for the arith task only"),
+    (["eval.samples=2", "eval.ks=[1,4]"], r"eval.ks=\[1, 4\]: each k must be at most eval.samples=2"),
+    (["model.dtype=float16"], "model.dtype"),
+    (["task.prompt_template=fancy"], "task.prompt_template"),
+    (["task.dataset.on_bad_row=ignore"], "task.dataset.on_bad_row"),
+])
+def test_model_task_and_eval_settings_name_the_field(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
+
+def test_presets_mirror_the_maxtext_demo_settings():
+    for name in ("llama3.1_8b_gsm8k_tpu_host", "llama3.1_70b_gsm8k_split_slices", "qwen2.5_1.5b_gsm8k_gpu"):
+        cfg = load_config(CONFIGS / f"{name}.yaml")
+        assert cfg.model.kind == "hf" and cfg.task.name == "gsm8k", name
+        assert (cfg.algo.beta, cfg.algo.epsilon, cfg.trainer.learning_rate) == (0.08, 0.2, 3e-6), name
+        assert (cfg.generation.max_prompt_tokens, cfg.generation.max_prompt_tokens + cfg.generation.max_new_tokens
+                ) == (256, 768), name

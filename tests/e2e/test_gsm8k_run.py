@@ -1,0 +1,32 @@
+"""The whole loop on real GSM8K data with the tiny model on CPU: prompts from the train split, sharded over two
+samplers, scored by the GSM8K rewards, evaluated on the test split."""
+
+import json
+
+import pytest
+
+from tests.e2e.test_up import ROOT, check_run, run_cli
+from tests.unit.common.tasks.test_gsm8k import DATA
+
+pytestmark = [pytest.mark.e2e, pytest.mark.skipif(not DATA.is_dir(), reason=f"GSM8K not found at {DATA}")]
+
+
+def test_up_on_gsm8k_with_the_tiny_model(tmp_path):
+    run_dir = tmp_path / "run"
+    overrides = ["task.name=gsm8k", f"task.dataset.source={DATA}", "task.dataset.limit=400", "warmstart.steps=0",
+                 "model.tiny.vocab_size=1024", "generation.max_prompt_tokens=128", "generation.max_new_tokens=16",
+                 "trainer.steps=4", "eval.num_problems=16", "eval.batch_size=16",
+                 "task.rewards={answer_correct: 1.0, answer_format: 0.1}"]
+    proc = run_cli("up", "--config", "configs/tiny_arith_smoke.yaml", "--run-dir", str(run_dir), *overrides)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    check_run(summary, replicas=2, steps=4)
+    after = summary["eval_after"]
+    # prompts longer than generation.max_prompt_tokens are counted, not scored
+    assert after["num_problems"] + after["skipped_long_prompts"] == 16 and after["num_problems"] >= 8
+    # prompts came from the GSM8K train split: the trainer's logged examples are GSM8K questions
+    assert summary["eval_after"]["examples"][0]["prompt"].startswith("Q: Janet")  # test/0 of GSM8K
+    ev = run_cli("eval", "--config", "configs/tiny_arith_smoke.yaml", "--json", str(tmp_path / "e.json"), *overrides,
+                 "model.kind=hf", f"model.path={run_dir / 'model'}", timeout=300)
+    assert ev.returncode == 0, ev.stderr[-3000:]
+    assert json.loads((tmp_path / "e.json").read_text())["accuracy"] == summary["eval_after"]["accuracy"]
