@@ -4,7 +4,8 @@
 checkpoint's `config.json`, or built for the tiny demo model); `tunix_config`
 turns it into the Tunix family's `ModelConfig` (nothing in Tunix 0.1.7 does
 this). Supported families: Llama 3.x (`llama`), Qwen2/Qwen2.5 (`qwen2`),
-Qwen3 dense (`qwen3`). A config using a feature Tunix's model code lacks is
+Qwen3 dense (`qwen3`), Gemma 2 (`gemma2`, within the constants Tunix's Gemma
+code fixes: RoPE base 1e4, attention scale 1/sqrt(head_dim), eps 1e-6). A config using a feature Tunix's model code lacks is
 refused with the field named, never silently approximated.
 
 RoPE: Tunix 0.1.7's Llama 3 and Qwen3 attention apply RoPE with base 1e6
@@ -29,9 +30,9 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-FAMILIES = {"llama": "llama3", "qwen2": "qwen2", "qwen3": "qwen3"}  # HF model_type -> Tunix family
+FAMILIES = {"llama": "llama3", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2"}  # HF model_type -> ours
 _UNSUPPORTED = {
-    "gemma2": "Gemma 2 is not supported yet (Tunix's Gemma code fixes the attention scale and RoPE base)",
+    "gemma": "Gemma 1 is not supported",
     "gemma3": "Gemma 3 is not supported yet", "gemma3_text": "Gemma 3 is not supported yet",
     "qwen3_moe": "Qwen3 mixture-of-experts is not supported yet",
 }
@@ -56,6 +57,11 @@ class Architecture:
     tied_embeddings: bool
     rope_scaling: tuple = ()     # llama3 scaling as sorted (key, value) pairs; () = none
     max_position_embeddings: int = 32768
+    # Gemma 2 only
+    attn_softcap: float | None = None    # attention logits: cap * tanh(logits / cap)
+    final_softcap: float | None = None   # output logits, the same
+    sliding_window: int | None = None    # window of the layers marked sliding
+    layer_types: tuple = ()              # per layer: "sliding_attention" | "full_attention"
 
     @property
     def qkv_bias(self) -> bool:
@@ -86,6 +92,8 @@ def from_hf_config(config: dict, where: str = "config.json") -> Architecture:
         raise ArchitectureError(f"{where}: model_type {model_type!r} is not supported; supported: "
                                 f"{', '.join(FAMILIES)}")
     family = FAMILIES[model_type]
+    if family == "gemma2":
+        return _gemma2(config, where)
     heads = _field(config, "num_attention_heads", where)
     embed = _field(config, "hidden_size", where)
     head_dim = _field(config, "head_dim", where, default=embed // heads if heads else None)
@@ -112,6 +120,34 @@ def from_hf_config(config: dict, where: str = "config.json") -> Architecture:
         raise ArchitectureError(f"{where}: num_key_value_heads={arch.num_kv_heads} must divide "
                                 f"num_attention_heads={arch.num_heads}")
     return arch
+
+
+def _gemma2(config: dict, where: str) -> Architecture:
+    """Gemma 2, within what Tunix's Gemma code computes (its constants are checked, not assumed)."""
+    head_dim = _field(config, "head_dim", where)
+    fixed = {"query_pre_attn_scalar": (config.get("query_pre_attn_scalar", head_dim), head_dim),
+             "rope_theta": (_rope_theta(config, where), 10000.0),
+             "rms_norm_eps": (float(config.get("rms_norm_eps", 1e-6)), 1e-6),
+             "hidden_activation": (config.get("hidden_activation", "gelu_pytorch_tanh"), "gelu_pytorch_tanh"),
+             "tie_word_embeddings": (bool(config.get("tie_word_embeddings", True)), True)}
+    for key, (got, want) in fixed.items():
+        if got != want:
+            raise ArchitectureError(f"{where}: {key}={got!r}; Tunix's Gemma 2 code fixes it to {want!r} "
+                                    "(Gemma 2 2B and 9B checkpoints match; 27B's query_pre_attn_scalar does not)")
+    layers = _field(config, "num_hidden_layers", where)
+    types = tuple(config.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention"
+                                                for i in range(layers)])
+    if len(types) != layers or set(types) - {"sliding_attention", "full_attention"}:
+        raise ArchitectureError(f"{where}: layer_types must list sliding_attention/full_attention per layer")
+    heads = _field(config, "num_attention_heads", where)
+    return Architecture(
+        family="gemma2", vocab_size=_field(config, "vocab_size", where), num_layers=layers,
+        embed_dim=_field(config, "hidden_size", where), hidden_dim=_field(config, "intermediate_size", where),
+        num_heads=heads, num_kv_heads=_field(config, "num_key_value_heads", where, default=heads), head_dim=head_dim,
+        norm_eps=1e-6, rope_theta=10000.0, tied_embeddings=True,
+        max_position_embeddings=_field(config, "max_position_embeddings", where, default=8192),
+        attn_softcap=config.get("attn_logit_softcapping"), final_softcap=config.get("final_logit_softcapping"),
+        sliding_window=config.get("sliding_window"), layer_types=types)
 
 
 def _rope_theta(config: dict, where: str) -> float:
@@ -220,6 +256,16 @@ def tunix_config(arch: Architecture, dtype: Any = jnp.float32):
         from tunix.models.qwen2 import model as qwen2  # noqa: PLC0415
 
         return qwen2.ModelConfig(**common, use_tied_embedding=arch.tied_embeddings, dtype=dtype, param_dtype=dtype)
+    if arch.family == "gemma2":
+        from tunix.models.gemma import model as gemma  # noqa: PLC0415
+
+        kinds = {"sliding_attention": gemma.AttentionType.LOCAL_SLIDING, "full_attention": gemma.AttentionType.GLOBAL}
+        return gemma.ModelConfig(
+            num_layers=arch.num_layers, num_embed=arch.vocab_size, embed_dim=arch.embed_dim,
+            hidden_dim=arch.hidden_dim, num_heads=arch.num_heads, head_dim=arch.head_dim,
+            num_kv_heads=arch.num_kv_heads, final_logit_softcap=arch.final_softcap, use_post_attn_norm=True,
+            use_post_ffw_norm=True, attention_types=tuple(kinds[t] for t in arch.layer_types),
+            attn_logits_soft_cap=arch.attn_softcap, sliding_window_size=arch.sliding_window)
     from tunix.models.qwen3 import model as qwen3  # noqa: PLC0415
 
     return qwen3.ModelConfig(**common, use_tied_embedding=arch.tied_embeddings, dtype=dtype, param_dtype=dtype)
@@ -234,6 +280,10 @@ def module_class(arch: Architecture):
         from tunix.models.qwen2.model import Qwen2  # noqa: PLC0415
 
         return Qwen2
+    if arch.family == "gemma2":
+        from tunix.models.gemma.model import Gemma  # noqa: PLC0415
+
+        return Gemma
     from tunix.models.qwen3.model import Qwen3  # noqa: PLC0415
 
     return Qwen3
@@ -242,7 +292,8 @@ def module_class(arch: Architecture):
 def to_hf_config(arch: Architecture, dtype: str = "float32") -> dict:
     """A `config.json` for `arch` that `transformers` loads (used by export and by the tests' tiny models)."""
     model_type = {v: k for k, v in FAMILIES.items()}[arch.family]
-    names = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+    names = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+             "gemma2": "Gemma2ForCausalLM"}
     config = {
         "architectures": [names[model_type]], "model_type": model_type, "vocab_size": arch.vocab_size,
         "hidden_size": arch.embed_dim, "intermediate_size": arch.hidden_dim, "num_hidden_layers": arch.num_layers,
@@ -251,6 +302,12 @@ def to_hf_config(arch: Architecture, dtype: str = "float32") -> dict:
         "hidden_act": "silu", "max_position_embeddings": arch.max_position_embeddings, "torch_dtype": dtype,
         "attention_bias": arch.qkv_bias, "use_sliding_window": False,
     }
+    if arch.family == "gemma2":
+        config.update(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=arch.head_dim,
+                      attn_logit_softcapping=arch.attn_softcap, final_logit_softcapping=arch.final_softcap,
+                      sliding_window=arch.sliding_window, layer_types=list(arch.layer_types))
+        config.pop("hidden_act")
+        config.pop("use_sliding_window")
     if arch.rope_scaling:
         config["rope_scaling"] = {"rope_type": "llama3", **dict(arch.rope_scaling)}
         config["rope_scaling"]["original_max_position_embeddings"] = int(

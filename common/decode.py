@@ -57,10 +57,46 @@ class DecodeWeights:
     rope_timescale: jax.Array  # [D / 2] RoPE: angle = position / timescale
 
 
+@struct.dataclass
+class GemmaLayerWeights:
+    pre_attn_norm: jax.Array   # [E], as 1 + w (Gemma's norms scale by 1 + w)
+    qkv: jax.Array             # [E, (H + 2 KV) * D]
+    out: jax.Array             # [H * D, E]
+    post_attn_norm: jax.Array  # [E], 1 + w
+    pre_ffw_norm: jax.Array    # [E], 1 + w
+    gate_up: jax.Array         # [E, 2 F]
+    down: jax.Array            # [F, E]
+    post_ffw_norm: jax.Array   # [E], 1 + w
+
+
+def _gemma2_weights(model: PolicyModel, named: dict) -> DecodeWeights:
+    arch = model.arch
+    e = arch.embed_dim
+    layers = []
+    for i in range(arch.num_layers):
+        p = f"layers.{i}."
+        if f"{p}attn.qkv_einsum.w" in named:
+            q, k, v = named[f"{p}attn.qkv_einsum.w"]
+        else:
+            q, (k, v) = named[f"{p}attn.q_einsum.w"], named[f"{p}attn.kv_einsum.w"]
+        flat = [t.transpose(1, 0, 2).reshape(e, -1) for t in (q, k, v)]  # [N, E, H] -> [E, N * H]
+        layers.append(GemmaLayerWeights(
+            pre_attn_norm=1 + named[f"{p}pre_attention_norm.scale"], qkv=jnp.concatenate(flat, axis=1),
+            out=named[f"{p}attn.attn_vec_einsum.w"].reshape(-1, e), post_attn_norm=1 + named[f"{p}post_attn_norm.scale"],
+            pre_ffw_norm=1 + named[f"{p}pre_ffw_norm.scale"],
+            gate_up=jnp.concatenate([named[f"{p}mlp.gate_proj.kernel"], named[f"{p}mlp.up_proj.kernel"]], axis=1),
+            down=named[f"{p}mlp.down_proj.kernel"], post_ffw_norm=1 + named[f"{p}post_ffw_norm.scale"]))
+    embedding = named["embedder.input_embedding"]
+    return DecodeWeights(embedding=embedding, layers=tuple(layers), final_norm=1 + named["final_norm.scale"],
+                         lm_head=embedding.T, rope_timescale=rope_timescale(arch))
+
+
 def decode_weights(model: PolicyModel, params: Any) -> DecodeWeights:
     """Re-lay `params` (the trainer's Tunix pytree) for decoding. Traceable; run it inside jit."""
     named = dict(zip(model.names(), jax.tree_util.tree_leaves(params)))
     arch = model.arch
+    if arch.family == "gemma2":
+        return _gemma2_weights(model, named)
     layers = []
     for i in range(arch.num_layers):
         p = f"layers.{i}."
@@ -102,9 +138,10 @@ def forward(model: PolicyModel, w: DecodeWeights, tokens: jax.Array, positions: 
     slots each query may attend to (the caller's causal and padding mask).
     """
     arch = model.arch
+    if arch.family == "gemma2":
+        return _forward_gemma2(model, w, tokens, positions, cache, slot, key_valid)
     b, t = tokens.shape
     heads, kv, d, eps = arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.norm_eps
-    group = heads // kv
     x = w.embedding[tokens]
     new_cache = []
     for layer, (keys, values) in zip(w.layers, cache):
@@ -117,16 +154,8 @@ def forward(model: PolicyModel, w: DecodeWeights, tokens: jax.Array, positions: 
         if layer.q_norm is not None:
             q, k = _rms_norm(q, layer.q_norm, eps), _rms_norm(k, layer.k_norm, eps)
         q, k = apply_rope(q, positions, w.rope_timescale), apply_rope(k, positions, w.rope_timescale)
-        keys = jax.lax.dynamic_update_slice(keys, k.transpose(0, 2, 1, 3).astype(keys.dtype), (0, 0, slot, 0))
-        values = jax.lax.dynamic_update_slice(values, v.transpose(0, 2, 1, 3).astype(values.dtype), (0, 0, slot, 0))
+        attn, keys, values = _attention(q, k, v, keys, values, slot, key_valid, kv, None)
         new_cache.append((keys, values))
-        # queries of one KV head side by side: [B, KV, group * T, D]
-        qg = q.reshape(b, t, kv, group, d).transpose(0, 2, 3, 1, 4).reshape(b, kv, group * t, d)
-        scores = jnp.einsum("bkqd,bksd->bkqs", qg, keys) * d ** -0.5
-        scores = jnp.where(key_valid[:, None, None], scores.reshape(b, kv, group, t, -1), MASKED)
-        probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(x.dtype)
-        attn = jnp.einsum("bkqs,bksd->bkqd", probs.reshape(b, kv, group * t, -1), values)
-        attn = attn.reshape(b, kv, group, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, heads * d)
         x = x + attn @ layer.out
         h = _rms_norm(x, layer.post_norm, eps)
         gate_up = h @ layer.gate_up
@@ -134,6 +163,62 @@ def forward(model: PolicyModel, w: DecodeWeights, tokens: jax.Array, positions: 
         x = x + (jax.nn.silu(gate_up[..., :hidden]) * gate_up[..., hidden:]) @ layer.down
     x = _rms_norm(x, w.final_norm, eps)
     return (x @ w.lm_head).astype(jnp.float32), tuple(new_cache)
+
+
+def _attention(q, k, v, keys, values, slot, key_valid, kv: int, softcap: float | None):
+    """Write k, v at `slot` of the cache and attend: q [B, T, H, D] -> [B, T, H * D] (scaled by 1/sqrt(D))."""
+    b, t, heads, d = q.shape
+    group = heads // kv
+    keys = jax.lax.dynamic_update_slice(keys, k.transpose(0, 2, 1, 3).astype(keys.dtype), (0, 0, slot, 0))
+    values = jax.lax.dynamic_update_slice(values, v.transpose(0, 2, 1, 3).astype(values.dtype), (0, 0, slot, 0))
+    # queries of one KV head side by side: [B, KV, group * T, D]
+    qg = q.reshape(b, t, kv, group, d).transpose(0, 2, 3, 1, 4).reshape(b, kv, group * t, d)
+    scores = jnp.einsum("bkqd,bksd->bkqs", qg * d ** -0.5, keys)
+    if softcap is not None:
+        scores = jnp.tanh(scores / softcap) * softcap
+    scores = jnp.where(key_valid[:, None, None], scores.reshape(b, kv, group, t, -1), MASKED)
+    probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(q.dtype)
+    attn = jnp.einsum("bkqs,bksd->bkqd", probs.reshape(b, kv, group * t, -1), values)
+    return attn.reshape(b, kv, group, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, heads * d), keys, values
+
+
+def _forward_gemma2(model: PolicyModel, w: DecodeWeights, tokens, positions, cache, slot, key_valid):
+    """Gemma 2: scaled embedding, (1 + w) norms around attention and MLP, tanh-GELU, soft-capped logits.
+
+    Sliding-window layers attend like global ones here: the runtime refuses
+    sequences longer than the window (`check_sequence_fits`), where the two agree.
+    """
+    arch = model.arch
+    b, t = tokens.shape
+    heads, kv, d, eps = arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.norm_eps
+    x = w.embedding[tokens]
+    x = x * jnp.sqrt(jnp.float32(arch.embed_dim)).astype(x.dtype)
+    new_cache = []
+    for layer, (keys, values) in zip(w.layers, cache):
+        h = _rms_norm(x, layer.pre_attn_norm, eps)
+        qkv = (h @ layer.qkv).reshape(b, t, heads + 2 * kv, d)
+        q, k, v = qkv[:, :, :heads], qkv[:, :, heads:heads + kv], qkv[:, :, heads + kv:]
+        q, k = apply_rope(q, positions, w.rope_timescale), apply_rope(k, positions, w.rope_timescale)
+        attn, keys, values = _attention(q, k, v, keys, values, slot, key_valid, kv, arch.attn_softcap)
+        new_cache.append((keys, values))
+        x = x + _rms_norm(attn @ layer.out, layer.post_attn_norm, eps)
+        h = _rms_norm(x, layer.pre_ffw_norm, eps)
+        gate_up = h @ layer.gate_up
+        hidden = gate_up.shape[-1] // 2
+        mlp = (jax.nn.gelu(gate_up[..., :hidden], approximate=True) * gate_up[..., hidden:]) @ layer.down
+        x = x + _rms_norm(mlp, layer.post_ffw_norm, eps)
+    logits = (_rms_norm(x, w.final_norm, eps) @ w.lm_head).astype(jnp.float32)
+    if arch.final_softcap is not None:
+        logits = jnp.tanh(logits / arch.final_softcap) * arch.final_softcap
+    return logits, tuple(new_cache)
+
+
+def check_sequence_fits(model: PolicyModel, total_tokens: int) -> None:
+    """Gemma 2's sliding-window layers are exact here only for sequences within the window."""
+    window = model.arch.sliding_window
+    if model.arch.family == "gemma2" and window is not None and total_tokens > window:
+        raise ValueError(f"generation.max_prompt_tokens + generation.max_new_tokens = {total_tokens} exceeds the "
+                         f"model's sliding_window={window}; shorten them (sliding windows are not implemented)")
 
 
 def sample_inverse_cdf(key: jax.Array, logp: jax.Array) -> jax.Array:

@@ -40,6 +40,7 @@ class Engine:
         self.model, self.pad_id = model, pad_id
         self.eos_ids = tuple(eos_id) if isinstance(eos_id, (list, tuple)) else (eos_id,)
         self.max_prompt_tokens, self.max_new_tokens, self.temperature = max_prompt_tokens, max_new_tokens, temperature
+        decode.check_sequence_fits(model, max_prompt_tokens + max_new_tokens)
         self._generate = jax.jit(self._generate_impl, static_argnames=("greedy",))
 
     def left_pad(self, prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:

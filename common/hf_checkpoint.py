@@ -108,8 +108,43 @@ def checkpoint_files(directory: pathlib.Path) -> list[pathlib.Path]:
 
 # ---- names and layouts ----------------------------------------------------------------------------------------
 
+_GEMMA_NORMS = {"input_layernorm": "pre_attention_norm", "post_attention_layernorm": "post_attn_norm",
+                "pre_feedforward_layernorm": "pre_ffw_norm", "post_feedforward_layernorm": "post_ffw_norm"}
+
+
+def _gemma2_rules(arch: Architecture) -> list:
+    e, h, d = arch.embed_dim, arch.num_heads, arch.head_dim
+    L = r"model\.layers\.(\d+)\."
+    return [
+        (r"model\.embed_tokens\.weight", "embedder.input_embedding", lambda w: w),
+        (r"model\.norm\.weight", "final_norm.scale", lambda w: w),
+        # q/k/v become Tunix's einsum tensors once all three are read (_assemble_gemma2): [heads, embed, head_dim]
+        (L + r"self_attn\.(q|k|v)_proj\.weight", "layers.{0}.attn._{1}", lambda w: w.reshape(-1, d, e).transpose(0, 2, 1)),
+        (L + r"self_attn\.o_proj\.weight", "layers.{0}.attn.attn_vec_einsum.w", lambda w: w.T.reshape(h, d, e)),
+        (L + r"mlp\.(gate|up|down)_proj\.weight", "layers.{0}.mlp.{1}_proj.kernel", lambda w: w.T),
+        *[(L + hf + r"\.weight", "layers.{0}." + ours + ".scale", lambda w: w) for hf, ours in _GEMMA_NORMS.items()],
+    ]
+
+
+def _assemble_gemma2(named: dict[str, np.ndarray], arch: Architecture) -> dict[str, np.ndarray]:
+    """Per-layer q, k, v -> Tunix's qkv_einsum [3, N, E, H] (when heads == kv heads) or q_einsum + kv_einsum."""
+    out = {k: v for k, v in named.items() if ".attn._" not in k}
+    for i in range(arch.num_layers):
+        parts = [named.get(f"layers.{i}.attn._{x}") for x in "qkv"]
+        if any(p is None for p in parts):
+            continue  # reported as missing parameters by the caller
+        if arch.num_heads == arch.num_kv_heads:
+            out[f"layers.{i}.attn.qkv_einsum.w"] = np.stack(parts)
+        else:
+            out[f"layers.{i}.attn.q_einsum.w"] = parts[0]
+            out[f"layers.{i}.attn.kv_einsum.w"] = np.stack(parts[1:])
+    return out
+
+
 def _hf_rules(arch: Architecture) -> list[tuple[re.Pattern, Callable[[re.Match], str], Callable]]:
     """(HF name pattern, our name, HF array -> our layout) for every tensor of the family."""
+    if arch.family == "gemma2":
+        return [(re.compile(p + "$"), (lambda m, t=t: t.format(*m.groups())), f) for p, t, f in _gemma2_rules(arch)]
     e, h, kv, d = arch.embed_dim, arch.num_heads, arch.num_kv_heads, arch.head_dim
 
     def attn(heads):
@@ -151,6 +186,8 @@ def to_our_names(arch: Architecture, hf_name: str) -> tuple[str, Callable] | Non
 
 def to_hf_names(arch: Architecture, named: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The inverse of `to_our_names`: HF names and [out, in] layouts."""
+    if arch.family == "gemma2":
+        return _gemma2_to_hf(arch, named)
     out = {}
     for name, w in named.items():
         parts = name.split(".")
@@ -173,6 +210,31 @@ def to_hf_names(arch: Architecture, named: dict[str, np.ndarray]) -> dict[str, n
             out[f"model.layers.{parts[1]}.{parts[2]}.weight"] = w
         else:
             raise ValueError(f"parameter {name} has no Hugging Face name for {arch.family}")
+    return {k: np.ascontiguousarray(v) for k, v in out.items()}
+
+
+def _gemma2_to_hf(arch: Architecture, named: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    out, e = {}, arch.embed_dim
+    to_hf_norm = {v: k for k, v in _GEMMA_NORMS.items()}
+    for name, w in named.items():
+        parts = name.split(".")
+        if name == "embedder.input_embedding":
+            out["model.embed_tokens.weight"] = w
+        elif name == "final_norm.scale":
+            out["model.norm.weight"] = w
+        elif parts[2] == "attn":
+            prefix = f"model.layers.{parts[1]}.self_attn."
+            if parts[3] == "attn_vec_einsum":
+                out[prefix + "o_proj.weight"] = w.reshape(-1, e).T
+                continue
+            stacked = {"q_einsum": ("q",), "kv_einsum": ("k", "v"), "qkv_einsum": ("q", "k", "v")}[parts[3]]
+            tensors = [w] if parts[3] == "q_einsum" else list(w)
+            for x, t in zip(stacked, tensors):  # [heads, embed, head_dim] -> [heads * head_dim, embed]
+                out[prefix + f"{x}_proj.weight"] = t.transpose(0, 2, 1).reshape(-1, e)
+        elif parts[2] == "mlp":
+            out[f"model.layers.{parts[1]}.mlp.{parts[3]}.weight"] = w.T
+        else:
+            out[f"model.layers.{parts[1]}.{to_hf_norm[parts[2]]}.weight"] = w
     return {k: np.ascontiguousarray(v) for k, v in out.items()}
 
 
@@ -202,17 +264,23 @@ def read_named(directory: str | pathlib.Path, arch: Architecture, expected: dict
             name, layout = mapped
             if name in named:
                 raise CheckpointError(f"tensor {hf_name} appears in both {source[name].name} and {path.name}")
-            if name not in expected:
+            if name not in expected and ".attn._" not in name:
                 raise CheckpointError(f"{path.name}: tensor {hf_name} has no place in the model config.json "
                                       f"describes (num_hidden_layers={arch.num_layers}?)")
             try:
                 value = layout(array)
             except ValueError:  # a reshape that cannot work: the HF shape disagrees with config.json
                 value = array
-            if tuple(value.shape) != tuple(expected[name]):
+            if name in expected and tuple(value.shape) != tuple(expected[name]):
                 raise CheckpointError(f"{path.name}: tensor {hf_name} has shape {list(array.shape)}; config.json "
                                       f"implies {list(expected[name])} in our layout for {name}")
             named[name], source[name] = value.astype(dtype), path
+    if arch.family == "gemma2":
+        named = _assemble_gemma2(named, arch)
+        for name, value in named.items():
+            if tuple(value.shape) != tuple(expected.get(name, value.shape)):
+                raise CheckpointError(f"{directory}: {name} assembled to shape {list(value.shape)}; config.json "
+                                      f"implies {list(expected[name])}")
     missing = sorted(set(expected) - set(named))
     if missing:
         raise CheckpointError(f"{directory}: tensors missing for {len(missing)} parameters, e.g. {missing[:3]} "

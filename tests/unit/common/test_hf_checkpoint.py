@@ -34,18 +34,25 @@ FAMILIES = {
                                                                                       "rope_theta": 1000000.0})),
     "qwen3-tied-5e6": ("Qwen3Config", dict(tie_word_embeddings=True, rope_parameters={"rope_type": "default",
                                                                                        "rope_theta": 5000000.0})),
+    "gemma2-gqa": ("Gemma2Config", dict(query_pre_attn_scalar=16, sliding_window=4096, attn_logit_softcapping=50.0,
+                                        final_logit_softcapping=30.0, attn_implementation="eager",
+                                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+    "gemma2-mha": ("Gemma2Config", dict(query_pre_attn_scalar=16, sliding_window=4096, attn_logit_softcapping=50.0,
+                                        final_logit_softcapping=30.0, attn_implementation="eager",
+                                        num_key_value_heads=4,
+                                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
 }
 
 
 def make_hf_model(directory: pathlib.Path, family: str, seed: int, dtype=None, max_shard_size=None):
     cls_name, extra = FAMILIES[family]
-    config = getattr(transformers, cls_name)(**SHAPE, **extra)
+    config = getattr(transformers, cls_name)(**{**SHAPE, **extra})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():  # random norms and biases too, so a mis-mapped one cannot hide behind ones/zeros
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith("bias"):
-                p.copy_(1.0 + 0.2 * torch.randn_like(p) if "norm" in name else 0.2 * torch.randn_like(p))
+                p.copy_(0.2 * torch.randn_like(p) + (1.0 if "norm" in name and "gemma" not in family else 0.0))
     if dtype is not None:
         model = model.to(dtype)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
@@ -69,7 +76,7 @@ def test_logits_match_transformers(tmp_path, family):
     seed = np.random.randint(1 << 30)
     hf = make_hf_model(tmp_path, family, seed)
     ours = load_hf_model(str(tmp_path), "float32")
-    assert ours.arch.tied_embeddings == FAMILIES[family][1]["tie_word_embeddings"]
+    assert ours.arch.tied_embeddings == FAMILIES[family][1].get("tie_word_embeddings", True)
     tokens = np.random.default_rng(seed).integers(0, SHAPE["vocab_size"], (2, 40))
     want = hf_logits(hf, tokens)
     np.testing.assert_allclose(our_logits(ours, tokens), want, atol=1e-4, rtol=1e-4)
@@ -95,7 +102,7 @@ def test_multi_file_bfloat16_checkpoint_loads(tmp_path):
     np.testing.assert_allclose(our_logits(in_bf16, tokens), our_logits(in_f32, tokens), atol=0.1, rtol=0.05)
 
 
-@pytest.mark.parametrize("family", ["qwen2.5-tied", "llama3.1-untied"])
+@pytest.mark.parametrize("family", ["qwen2.5-tied", "llama3.1-untied", "gemma2-gqa", "gemma2-mha"])
 def test_export_round_trips_through_transformers(tmp_path, family):
     make_hf_model(tmp_path / "in", family, 1)
     ours = load_hf_model(str(tmp_path / "in"), "float32")
@@ -147,7 +154,10 @@ def test_truncated_file_and_missing_config(tmp_path):
 
 
 @pytest.mark.parametrize("edit, message", [
-    ({"model_type": "gemma2"}, "model_type 'gemma2': Gemma 2 is not supported yet"),
+    ({"model_type": "gemma3_text"}, "model_type 'gemma3_text': Gemma 3 is not supported yet"),
+    ({"model_type": "gemma2", "head_dim": 16, "query_pre_attn_scalar": 144},
+     "query_pre_attn_scalar=144; Tunix's Gemma 2 code fixes it to 16"),
+    ({"model_type": "gemma2"}, "rope_theta=1000000.0; Tunix's Gemma 2 code fixes it to 10000.0"),
     ({"model_type": "mistral"}, "model_type 'mistral' is not supported"),
     ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}},
@@ -163,3 +173,15 @@ def test_unsupported_configs_name_the_field(tmp_path, edit, message):
     config = {k: v for k, v in config.items() if v is not None}
     with pytest.raises(ArchitectureError, match=message):
         from_hf_config(config, "config.json")
+
+
+def test_gemma2_sequences_longer_than_the_sliding_window_are_refused(tmp_path):
+    from common.generation import Engine
+
+    cls_name, extra = FAMILIES["gemma2-gqa"]
+    config = getattr(transformers, cls_name)(**{**SHAPE, **extra, "sliding_window": 32})
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    model = load_hf_model(str(tmp_path), "float32")
+    Engine(model, pad_id=0, eos_id=1, max_prompt_tokens=16, max_new_tokens=16, temperature=1.0)  # 32 fits
+    with pytest.raises(ValueError, match=r"max_new_tokens = 40 exceeds the model's sliding_window=32"):
+        Engine(model, pad_id=0, eos_id=1, max_prompt_tokens=24, max_new_tokens=16, temperature=1.0)
