@@ -4,8 +4,8 @@
 checkpoint's `config.json`, or built for the tiny demo model); `tunix_config`
 turns it into the Tunix family's `ModelConfig` (nothing in Tunix 0.1.7 does
 this). Supported families: Llama 3.x (`llama`), Qwen2/Qwen2.5 (`qwen2`),
-Qwen3 dense (`qwen3`), Gemma 2 (`gemma2`, within the constants Tunix's Gemma
-code fixes: RoPE base 1e4, attention scale 1/sqrt(head_dim), eps 1e-6). A config using a feature Tunix's model code lacks is
+Qwen3 dense (`qwen3`), Gemma 2 (`gemma2`) and Gemma 3 text (`gemma3_text`),
+the Gemmas within the constants Tunix's Gemma code fixes (checked, not assumed). A config using a feature Tunix's model code lacks is
 refused with the field named, never silently approximated.
 
 RoPE: Tunix 0.1.7's Llama 3 and Qwen3 attention apply RoPE with base 1e6
@@ -30,10 +30,11 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-FAMILIES = {"llama": "llama3", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2"}  # HF model_type -> ours
+FAMILIES = {"llama": "llama3", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",  # HF model_type -> ours
+            "gemma3_text": "gemma3"}
 _UNSUPPORTED = {
     "gemma": "Gemma 1 is not supported",
-    "gemma3": "Gemma 3 is not supported yet", "gemma3_text": "Gemma 3 is not supported yet",
+    "gemma3": "multimodal Gemma 3 checkpoints are not supported; use a text-only one (model_type gemma3_text)",
     "qwen3_moe": "Qwen3 mixture-of-experts is not supported yet",
 }
 
@@ -62,6 +63,10 @@ class Architecture:
     final_softcap: float | None = None   # output logits, the same
     sliding_window: int | None = None    # window of the layers marked sliding
     layer_types: tuple = ()              # per layer: "sliding_attention" | "full_attention"
+    # Gemma 3 only
+    rope_local_theta: float = 10000.0    # RoPE base of the sliding layers (rope_theta is the full layers')
+    rope_linear_factor: float = 1.0      # full layers' linear RoPE scaling
+    query_pre_attn_scalar: float = 0.0   # attention scale is query_pre_attn_scalar ** -0.5 (0: head_dim)
 
     @property
     def qkv_bias(self) -> bool:
@@ -94,6 +99,8 @@ def from_hf_config(config: dict, where: str = "config.json") -> Architecture:
     family = FAMILIES[model_type]
     if family == "gemma2":
         return _gemma2(config, where)
+    if family == "gemma3":
+        return _gemma3(config, where)
     heads = _field(config, "num_attention_heads", where)
     embed = _field(config, "hidden_size", where)
     head_dim = _field(config, "head_dim", where, default=embed // heads if heads else None)
@@ -150,6 +157,44 @@ def _gemma2(config: dict, where: str) -> Architecture:
         sliding_window=config.get("sliding_window"), layer_types=types)
 
 
+def _gemma3(config: dict, where: str) -> Architecture:
+    """Gemma 3 text, within what Tunix's Gemma 3 code computes (5 sliding : 1 full layers, no soft caps)."""
+    head_dim, embed = _field(config, "head_dim", where), _field(config, "hidden_size", where)
+    heads, layers = _field(config, "num_attention_heads", where), _field(config, "num_hidden_layers", where)
+    scalar = float(config.get("query_pre_attn_scalar", head_dim))
+    checks = {"rms_norm_eps": (float(config.get("rms_norm_eps", 1e-6)), [1e-6]),
+              "hidden_activation": (config.get("hidden_activation", "gelu_pytorch_tanh"), ["gelu_pytorch_tanh"]),
+              "attn_logit_softcapping": (config.get("attn_logit_softcapping"), [None]),
+              "final_logit_softcapping": (config.get("final_logit_softcapping"), [None]),
+              "tie_word_embeddings": (bool(config.get("tie_word_embeddings", True)), [True]),
+              "query_pre_attn_scalar": (scalar, [float(head_dim), float(embed // heads)])}
+    for key, (got, allowed) in checks.items():
+        if got not in allowed:
+            raise ArchitectureError(f"{where}: {key}={got!r}; Tunix's Gemma 3 code supports only {allowed}")
+    pattern = tuple("full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers))
+    types = tuple(config.get("layer_types") or pattern)
+    if types != pattern:
+        raise ArchitectureError(f"{where}: layer_types must be 5 sliding_attention layers then one full_attention, "
+                                "repeated (Tunix's Gemma 3 layout)")
+    params = config.get("rope_parameters") or {}
+    full, local = params.get("full_attention") or {}, params.get("sliding_attention") or {}
+    theta = float(full.get("rope_theta", config.get("rope_theta", 1_000_000.0)))
+    local_theta = float(local.get("rope_theta", config.get("rope_local_base_freq", 10000.0)))
+    scaling = full or config.get("rope_scaling") or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind not in ("default", "linear") or local.get("rope_type", "default") != "default":
+        raise ArchitectureError(f"{where}: rope type {kind!r}; Gemma 3 supports default and linear scaling")
+    return Architecture(
+        family="gemma3", vocab_size=_field(config, "vocab_size", where), num_layers=layers, embed_dim=embed,
+        hidden_dim=_field(config, "intermediate_size", where), num_heads=heads,
+        num_kv_heads=_field(config, "num_key_value_heads", where, default=heads), head_dim=head_dim, norm_eps=1e-6,
+        rope_theta=theta, tied_embeddings=True,
+        max_position_embeddings=_field(config, "max_position_embeddings", where, default=32768),
+        sliding_window=config.get("sliding_window"), layer_types=types, rope_local_theta=local_theta,
+        rope_linear_factor=float(scaling.get("factor", 1.0)) if kind == "linear" else 1.0,
+        query_pre_attn_scalar=scalar)
+
+
 def _rope_theta(config: dict, where: str) -> float:
     # transformers 5 moved the base into rope_parameters; older configs have rope_theta at the top
     params = config.get("rope_parameters") or {}
@@ -175,6 +220,13 @@ def _rope_scaling(config: dict, family: str, where: str) -> tuple:
         return tuple(sorted((k, float(scaling[k])) for k in keys))
     raise ArchitectureError(f"{where}: rope_scaling type {kind!r} is not supported for {family} (supported: none, "
                             "and 'llama3' for Llama); remove rope_scaling to run without it")
+
+
+def gemma3_timescales(arch: Architecture) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """(sliding layers', full layers') RoPE timescales of Gemma 3; linear scaling folded into the full layers'."""
+    fraction = 2 * jnp.arange(0, arch.head_dim // 2) / arch.head_dim
+    return (jnp.float32(arch.rope_local_theta) ** fraction,
+            jnp.float32(arch.rope_theta) ** fraction * arch.rope_linear_factor)
 
 
 def rope_timescale(arch: Architecture) -> jnp.ndarray:
@@ -256,6 +308,18 @@ def tunix_config(arch: Architecture, dtype: Any = jnp.float32):
         from tunix.models.qwen2 import model as qwen2  # noqa: PLC0415
 
         return qwen2.ModelConfig(**common, use_tied_embedding=arch.tied_embeddings, dtype=dtype, param_dtype=dtype)
+    if arch.family == "gemma3":
+        from tunix.models.gemma3 import model as gemma3  # noqa: PLC0415
+
+        norm = gemma3.QueryPreAttentionNormalisation
+        return gemma3.ModelConfig(
+            num_layers=arch.num_layers, num_embed=arch.vocab_size, embed_dim=arch.embed_dim,
+            hidden_dim=arch.hidden_dim, num_heads=arch.num_heads, head_dim=arch.head_dim,
+            num_kv_heads=arch.num_kv_heads, sliding_window_size=arch.sliding_window,
+            local_base_frequency=arch.rope_local_theta, global_base_frequency=arch.rope_theta,
+            global_scale_factor=arch.rope_linear_factor, param_dtype=dtype,
+            query_pre_attn_norm=(norm.BY_ONE_OVER_SQRT_HEAD_DIM if arch.query_pre_attn_scalar == arch.head_dim
+                                 else norm.BY_ONE_OVER_SQRT_EMBED_DIM_DIV_NUM_HEADS))
     if arch.family == "gemma2":
         from tunix.models.gemma import model as gemma  # noqa: PLC0415
 
@@ -284,6 +348,10 @@ def module_class(arch: Architecture):
         from tunix.models.gemma.model import Gemma  # noqa: PLC0415
 
         return Gemma
+    if arch.family == "gemma3":
+        from tunix.models.gemma3.model import Gemma3  # noqa: PLC0415
+
+        return Gemma3
     from tunix.models.qwen3.model import Qwen3  # noqa: PLC0415
 
     return Qwen3
@@ -293,7 +361,7 @@ def to_hf_config(arch: Architecture, dtype: str = "float32") -> dict:
     """A `config.json` for `arch` that `transformers` loads (used by export and by the tests' tiny models)."""
     model_type = {v: k for k, v in FAMILIES.items()}[arch.family]
     names = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-             "gemma2": "Gemma2ForCausalLM"}
+             "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
     config = {
         "architectures": [names[model_type]], "model_type": model_type, "vocab_size": arch.vocab_size,
         "hidden_size": arch.embed_dim, "intermediate_size": arch.hidden_dim, "num_hidden_layers": arch.num_layers,
@@ -308,6 +376,16 @@ def to_hf_config(arch: Architecture, dtype: str = "float32") -> dict:
                       sliding_window=arch.sliding_window, layer_types=list(arch.layer_types))
         config.pop("hidden_act")
         config.pop("use_sliding_window")
+    if arch.family == "gemma3":
+        full = {"rope_type": "linear", "factor": arch.rope_linear_factor} if arch.rope_linear_factor != 1 else {
+            "rope_type": "default"}
+        config.update(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=int(arch.query_pre_attn_scalar),
+                      sliding_window=arch.sliding_window, layer_types=list(arch.layer_types),
+                      rope_parameters={"full_attention": {**full, "rope_theta": arch.rope_theta},
+                                       "sliding_attention": {"rope_type": "default",
+                                                             "rope_theta": arch.rope_local_theta}})
+        for key in ("hidden_act", "use_sliding_window", "rope_theta", "attention_bias"):
+            config.pop(key)
     if arch.rope_scaling:
         config["rope_scaling"] = {"rope_type": "llama3", **dict(arch.rope_scaling)}
         config["rope_scaling"]["original_max_position_embeddings"] = int(

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from common.architectures import apply_rope, rope_timescale
+from common.architectures import apply_rope, gemma3_timescales, rope_timescale
 from common.model import PolicyModel
 
 MASKED = -2.3819763e38  # Tunix's masked-logit value, so softmax rounding matches
@@ -67,14 +67,20 @@ class GemmaLayerWeights:
     gate_up: jax.Array         # [E, 2 F]
     down: jax.Array            # [F, E]
     post_ffw_norm: jax.Array   # [E], 1 + w
+    q_norm: jax.Array | None   # [D], 1 + w (Gemma 3)
+    k_norm: jax.Array | None   # [D], 1 + w (Gemma 3)
+    rope_timescale: jax.Array  # [D / 2]: Gemma 3's sliding and full layers differ
 
 
-def _gemma2_weights(model: PolicyModel, named: dict) -> DecodeWeights:
+def _gemma_weights(model: PolicyModel, named: dict) -> DecodeWeights:
     arch = model.arch
     e = arch.embed_dim
+    gemma3 = arch.family == "gemma3"
+    local, full = gemma3_timescales(arch) if gemma3 else (rope_timescale(arch),) * 2
     layers = []
     for i in range(arch.num_layers):
         p = f"layers.{i}."
+        post_attn = named[f"{p}post_attention_norm.scale" if gemma3 else f"{p}post_attn_norm.scale"]
         if f"{p}attn.qkv_einsum.w" in named:
             q, k, v = named[f"{p}attn.qkv_einsum.w"]
         else:
@@ -82,10 +88,13 @@ def _gemma2_weights(model: PolicyModel, named: dict) -> DecodeWeights:
         flat = [t.transpose(1, 0, 2).reshape(e, -1) for t in (q, k, v)]  # [N, E, H] -> [E, N * H]
         layers.append(GemmaLayerWeights(
             pre_attn_norm=1 + named[f"{p}pre_attention_norm.scale"], qkv=jnp.concatenate(flat, axis=1),
-            out=named[f"{p}attn.attn_vec_einsum.w"].reshape(-1, e), post_attn_norm=1 + named[f"{p}post_attn_norm.scale"],
+            out=named[f"{p}attn.attn_vec_einsum.w"].reshape(-1, e), post_attn_norm=1 + post_attn,
             pre_ffw_norm=1 + named[f"{p}pre_ffw_norm.scale"],
             gate_up=jnp.concatenate([named[f"{p}mlp.gate_proj.kernel"], named[f"{p}mlp.up_proj.kernel"]], axis=1),
-            down=named[f"{p}mlp.down_proj.kernel"], post_ffw_norm=1 + named[f"{p}post_ffw_norm.scale"]))
+            down=named[f"{p}mlp.down_proj.kernel"], post_ffw_norm=1 + named[f"{p}post_ffw_norm.scale"],
+            q_norm=1 + named[f"{p}attn._query_norm.scale"] if gemma3 else None,
+            k_norm=1 + named[f"{p}attn._key_norm.scale"] if gemma3 else None,
+            rope_timescale=full if arch.layer_types[i] == "full_attention" else local))
     embedding = named["embedder.input_embedding"]
     return DecodeWeights(embedding=embedding, layers=tuple(layers), final_norm=1 + named["final_norm.scale"],
                          lm_head=embedding.T, rope_timescale=rope_timescale(arch))
@@ -95,8 +104,8 @@ def decode_weights(model: PolicyModel, params: Any) -> DecodeWeights:
     """Re-lay `params` (the trainer's Tunix pytree) for decoding. Traceable; run it inside jit."""
     named = dict(zip(model.names(), jax.tree_util.tree_leaves(params)))
     arch = model.arch
-    if arch.family == "gemma2":
-        return _gemma2_weights(model, named)
+    if arch.family in ("gemma2", "gemma3"):
+        return _gemma_weights(model, named)
     layers = []
     for i in range(arch.num_layers):
         p = f"layers.{i}."
@@ -138,8 +147,8 @@ def forward(model: PolicyModel, w: DecodeWeights, tokens: jax.Array, positions: 
     slots each query may attend to (the caller's causal and padding mask).
     """
     arch = model.arch
-    if arch.family == "gemma2":
-        return _forward_gemma2(model, w, tokens, positions, cache, slot, key_valid)
+    if arch.family in ("gemma2", "gemma3"):
+        return _forward_gemma(model, w, tokens, positions, cache, slot, key_valid)
     b, t = tokens.shape
     heads, kv, d, eps = arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.norm_eps
     x = w.embedding[tokens]
@@ -165,15 +174,16 @@ def forward(model: PolicyModel, w: DecodeWeights, tokens: jax.Array, positions: 
     return (x @ w.lm_head).astype(jnp.float32), tuple(new_cache)
 
 
-def _attention(q, k, v, keys, values, slot, key_valid, kv: int, softcap: float | None):
-    """Write k, v at `slot` of the cache and attend: q [B, T, H, D] -> [B, T, H * D] (scaled by 1/sqrt(D))."""
+def _attention(q, k, v, keys, values, slot, key_valid, kv: int, softcap: float | None, scale: float | None = None):
+    """Write k, v at `slot` of the cache and attend: q [B, T, H, D] -> [B, T, H * D] (q scaled by `scale`,
+    default 1/sqrt(D))."""
     b, t, heads, d = q.shape
     group = heads // kv
     keys = jax.lax.dynamic_update_slice(keys, k.transpose(0, 2, 1, 3).astype(keys.dtype), (0, 0, slot, 0))
     values = jax.lax.dynamic_update_slice(values, v.transpose(0, 2, 1, 3).astype(values.dtype), (0, 0, slot, 0))
     # queries of one KV head side by side: [B, KV, group * T, D]
     qg = q.reshape(b, t, kv, group, d).transpose(0, 2, 3, 1, 4).reshape(b, kv, group * t, d)
-    scores = jnp.einsum("bkqd,bksd->bkqs", qg * d ** -0.5, keys)
+    scores = jnp.einsum("bkqd,bksd->bkqs", qg * (d ** -0.5 if scale is None else scale), keys)
     if softcap is not None:
         scores = jnp.tanh(scores / softcap) * softcap
     scores = jnp.where(key_valid[:, None, None], scores.reshape(b, kv, group, t, -1), MASKED)
@@ -182,8 +192,9 @@ def _attention(q, k, v, keys, values, slot, key_valid, kv: int, softcap: float |
     return attn.reshape(b, kv, group, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, heads * d), keys, values
 
 
-def _forward_gemma2(model: PolicyModel, w: DecodeWeights, tokens, positions, cache, slot, key_valid):
-    """Gemma 2: scaled embedding, (1 + w) norms around attention and MLP, tanh-GELU, soft-capped logits.
+def _forward_gemma(model: PolicyModel, w: DecodeWeights, tokens, positions, cache, slot, key_valid):
+    """Gemma 2 and 3: scaled embedding, (1 + w) norms around attention and MLP, tanh-GELU; Gemma 2 soft-caps
+    logits, Gemma 3 normalises q and k and uses per-layer RoPE bases.
 
     Sliding-window layers attend like global ones here: the runtime refuses
     sequences longer than the window (`check_sequence_fits`), where the two agree.
@@ -193,13 +204,16 @@ def _forward_gemma2(model: PolicyModel, w: DecodeWeights, tokens, positions, cac
     heads, kv, d, eps = arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.norm_eps
     x = w.embedding[tokens]
     x = x * jnp.sqrt(jnp.float32(arch.embed_dim)).astype(x.dtype)
+    scale = (arch.query_pre_attn_scalar or d) ** -0.5
     new_cache = []
     for layer, (keys, values) in zip(w.layers, cache):
         h = _rms_norm(x, layer.pre_attn_norm, eps)
         qkv = (h @ layer.qkv).reshape(b, t, heads + 2 * kv, d)
         q, k, v = qkv[:, :, :heads], qkv[:, :, heads:heads + kv], qkv[:, :, heads + kv:]
-        q, k = apply_rope(q, positions, w.rope_timescale), apply_rope(k, positions, w.rope_timescale)
-        attn, keys, values = _attention(q, k, v, keys, values, slot, key_valid, kv, arch.attn_softcap)
+        if layer.q_norm is not None:
+            q, k = _rms_norm(q, layer.q_norm, eps), _rms_norm(k, layer.k_norm, eps)
+        q, k = apply_rope(q, positions, layer.rope_timescale), apply_rope(k, positions, layer.rope_timescale)
+        attn, keys, values = _attention(q, k, v, keys, values, slot, key_valid, kv, arch.attn_softcap, scale)
         new_cache.append((keys, values))
         x = x + _rms_norm(attn @ layer.out, layer.post_attn_norm, eps)
         h = _rms_norm(x, layer.pre_ffw_norm, eps)
@@ -214,9 +228,9 @@ def _forward_gemma2(model: PolicyModel, w: DecodeWeights, tokens, positions, cac
 
 
 def check_sequence_fits(model: PolicyModel, total_tokens: int) -> None:
-    """Gemma 2's sliding-window layers are exact here only for sequences within the window."""
+    """Gemma's sliding-window layers are exact here only for sequences within the window."""
     window = model.arch.sliding_window
-    if model.arch.family == "gemma2" and window is not None and total_tokens > window:
+    if model.arch.family in ("gemma2", "gemma3") and window is not None and total_tokens > window:
         raise ValueError(f"generation.max_prompt_tokens + generation.max_new_tokens = {total_tokens} exceeds the "
                          f"model's sliding_window={window}; shorten them (sliding windows are not implemented)")
 

@@ -108,27 +108,35 @@ def checkpoint_files(directory: pathlib.Path) -> list[pathlib.Path]:
 
 # ---- names and layouts ----------------------------------------------------------------------------------------
 
-_GEMMA_NORMS = {"input_layernorm": "pre_attention_norm", "post_attention_layernorm": "post_attn_norm",
-                "pre_feedforward_layernorm": "pre_ffw_norm", "post_feedforward_layernorm": "post_ffw_norm"}
+_PENDING_QKV = re.compile(r"\.attn\._[qkv]$")  # Gemma q/k/v read but not yet assembled
 
 
-def _gemma2_rules(arch: Architecture) -> list:
+def _gemma_norms(arch: Architecture) -> dict[str, str]:
+    """HF layer norm name -> Tunix module name (Gemma 2 and 3 name the post-attention norm differently)."""
+    return {"input_layernorm": "pre_attention_norm",
+            "post_attention_layernorm": "post_attn_norm" if arch.family == "gemma2" else "post_attention_norm",
+            "pre_feedforward_layernorm": "pre_ffw_norm", "post_feedforward_layernorm": "post_ffw_norm"}
+
+
+def _gemma_rules(arch: Architecture) -> list:
     e, h, d = arch.embed_dim, arch.num_heads, arch.head_dim
     L = r"model\.layers\.(\d+)\."
-    return [
+    qk_norms = [(L + r"self_attn\.q_norm\.weight", "layers.{0}.attn._query_norm.scale", lambda w: w),
+                (L + r"self_attn\.k_norm\.weight", "layers.{0}.attn._key_norm.scale", lambda w: w)]
+    return [*(qk_norms if arch.family == "gemma3" else []),
         (r"model\.embed_tokens\.weight", "embedder.input_embedding", lambda w: w),
         (r"model\.norm\.weight", "final_norm.scale", lambda w: w),
-        # q/k/v become Tunix's einsum tensors once all three are read (_assemble_gemma2): [heads, embed, head_dim]
+        # q/k/v become Tunix's einsum tensors once all three are read (_assemble_gemma): [heads, embed, head_dim]
         (L + r"self_attn\.(q|k|v)_proj\.weight", "layers.{0}.attn._{1}", lambda w: w.reshape(-1, d, e).transpose(0, 2, 1)),
         (L + r"self_attn\.o_proj\.weight", "layers.{0}.attn.attn_vec_einsum.w", lambda w: w.T.reshape(h, d, e)),
         (L + r"mlp\.(gate|up|down)_proj\.weight", "layers.{0}.mlp.{1}_proj.kernel", lambda w: w.T),
-        *[(L + hf + r"\.weight", "layers.{0}." + ours + ".scale", lambda w: w) for hf, ours in _GEMMA_NORMS.items()],
+        *[(L + hf + r"\.weight", "layers.{0}." + ours + ".scale", lambda w: w) for hf, ours in _gemma_norms(arch).items()],
     ]
 
 
-def _assemble_gemma2(named: dict[str, np.ndarray], arch: Architecture) -> dict[str, np.ndarray]:
+def _assemble_gemma(named: dict[str, np.ndarray], arch: Architecture) -> dict[str, np.ndarray]:
     """Per-layer q, k, v -> Tunix's qkv_einsum [3, N, E, H] (when heads == kv heads) or q_einsum + kv_einsum."""
-    out = {k: v for k, v in named.items() if ".attn._" not in k}
+    out = {k: v for k, v in named.items() if not _PENDING_QKV.search(k)}
     for i in range(arch.num_layers):
         parts = [named.get(f"layers.{i}.attn._{x}") for x in "qkv"]
         if any(p is None for p in parts):
@@ -143,8 +151,8 @@ def _assemble_gemma2(named: dict[str, np.ndarray], arch: Architecture) -> dict[s
 
 def _hf_rules(arch: Architecture) -> list[tuple[re.Pattern, Callable[[re.Match], str], Callable]]:
     """(HF name pattern, our name, HF array -> our layout) for every tensor of the family."""
-    if arch.family == "gemma2":
-        return [(re.compile(p + "$"), (lambda m, t=t: t.format(*m.groups())), f) for p, t, f in _gemma2_rules(arch)]
+    if arch.family in ("gemma2", "gemma3"):
+        return [(re.compile(p + "$"), (lambda m, t=t: t.format(*m.groups())), f) for p, t, f in _gemma_rules(arch)]
     e, h, kv, d = arch.embed_dim, arch.num_heads, arch.num_kv_heads, arch.head_dim
 
     def attn(heads):
@@ -186,8 +194,8 @@ def to_our_names(arch: Architecture, hf_name: str) -> tuple[str, Callable] | Non
 
 def to_hf_names(arch: Architecture, named: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The inverse of `to_our_names`: HF names and [out, in] layouts."""
-    if arch.family == "gemma2":
-        return _gemma2_to_hf(arch, named)
+    if arch.family in ("gemma2", "gemma3"):
+        return _gemma_to_hf(arch, named)
     out = {}
     for name, w in named.items():
         parts = name.split(".")
@@ -213,9 +221,9 @@ def to_hf_names(arch: Architecture, named: dict[str, np.ndarray]) -> dict[str, n
     return {k: np.ascontiguousarray(v) for k, v in out.items()}
 
 
-def _gemma2_to_hf(arch: Architecture, named: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def _gemma_to_hf(arch: Architecture, named: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     out, e = {}, arch.embed_dim
-    to_hf_norm = {v: k for k, v in _GEMMA_NORMS.items()}
+    to_hf_norm = {v: k for k, v in _gemma_norms(arch).items()}
     for name, w in named.items():
         parts = name.split(".")
         if name == "embedder.input_embedding":
@@ -226,6 +234,9 @@ def _gemma2_to_hf(arch: Architecture, named: dict[str, np.ndarray]) -> dict[str,
             prefix = f"model.layers.{parts[1]}.self_attn."
             if parts[3] == "attn_vec_einsum":
                 out[prefix + "o_proj.weight"] = w.reshape(-1, e).T
+                continue
+            if parts[3] in ("_query_norm", "_key_norm"):
+                out[prefix + f"{parts[3][1]}_norm.weight"] = w
                 continue
             stacked = {"q_einsum": ("q",), "kv_einsum": ("k", "v"), "qkv_einsum": ("q", "k", "v")}[parts[3]]
             tensors = [w] if parts[3] == "q_einsum" else list(w)
@@ -264,7 +275,7 @@ def read_named(directory: str | pathlib.Path, arch: Architecture, expected: dict
             name, layout = mapped
             if name in named:
                 raise CheckpointError(f"tensor {hf_name} appears in both {source[name].name} and {path.name}")
-            if name not in expected and ".attn._" not in name:
+            if name not in expected and not _PENDING_QKV.search(name):
                 raise CheckpointError(f"{path.name}: tensor {hf_name} has no place in the model config.json "
                                       f"describes (num_hidden_layers={arch.num_layers}?)")
             try:
@@ -275,8 +286,8 @@ def read_named(directory: str | pathlib.Path, arch: Architecture, expected: dict
                 raise CheckpointError(f"{path.name}: tensor {hf_name} has shape {list(array.shape)}; config.json "
                                       f"implies {list(expected[name])} in our layout for {name}")
             named[name], source[name] = value.astype(dtype), path
-    if arch.family == "gemma2":
-        named = _assemble_gemma2(named, arch)
+    if arch.family in ("gemma2", "gemma3"):
+        named = _assemble_gemma(named, arch)
         for name, value in named.items():
             if tuple(value.shape) != tuple(expected.get(name, value.shape)):
                 raise CheckpointError(f"{directory}: {name} assembled to shape {list(value.shape)}; config.json "
