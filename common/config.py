@@ -64,7 +64,8 @@ class ModelSection(Strict):
                                         "runs; 'hf': a Hugging Face checkpoint directory (model.path).")
     tiny: TinyModelSection = Field(default_factory=TinyModelSection, description="Architecture of the tiny model.")
     path: str | None = Field(None, description="kind=hf: a local directory with config.json, *.safetensors and the "
-                             "tokenizer files (Llama 3.x, Qwen2.5, Qwen3). Nothing is downloaded.")
+                             "tokenizer files (Llama 3.x, Qwen2/2.5, Qwen3, Gemma 2, Gemma 3 text), or a hub id "
+                             "(org/name) taken from the Hugging Face cache or downloaded where a network exists.")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="kind=hf: parameter dtype after loading.")
     pad_token: str | None = Field(None, description="kind=hf: token used for padding when the tokenizer defines none "
                                   "(it must not be an end-of-sequence token; Llama 3: <|finetune_right_pad_id|>). "

@@ -251,6 +251,28 @@ def _gemma_to_hf(arch: Architecture, named: dict[str, np.ndarray]) -> dict[str, 
 
 # ---- directories ----------------------------------------------------------------------------------------------
 
+HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.jinja", "*.txt"]
+
+
+def resolve_model_dir(path: str) -> pathlib.Path:
+    """A local model directory for `model.path`: the directory itself, or a Hugging Face hub id (`org/name`)
+    resolved through the local Hugging Face cache, downloading only where a network and permission exist
+    (HF_HUB_OFFLINE=1 keeps it to the cache)."""
+    local = pathlib.Path(path)
+    if local.is_dir():
+        return local
+    if local.is_absolute() or path.startswith(".") or path.count("/") != 1:
+        raise CheckpointError(f"model.path={path}: no such directory (and not a hub id like org/name)")
+    from huggingface_hub import snapshot_download  # noqa: PLC0415
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError  # noqa: PLC0415
+
+    try:
+        return pathlib.Path(snapshot_download(repo_id=path, allow_patterns=HUB_FILES))
+    except (LocalEntryNotFoundError, HFValidationError, OSError) as exc:
+        raise CheckpointError(f"model.path={path}: not a local directory, and the hub/cache could not provide it "
+                              f"({type(exc).__name__}: {exc})") from None
+
+
 def read_architecture(directory: str | pathlib.Path) -> Architecture:
     path = pathlib.Path(directory) / "config.json"
     if not path.is_file():

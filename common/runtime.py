@@ -77,11 +77,12 @@ def build_task_and_tokenizer(cfg: RunConfig):
 
     hf_tokenizer = None
     if cfg.model.kind == "hf":
-        from common.hf_checkpoint import read_architecture  # noqa: PLC0415
+        from common.hf_checkpoint import read_architecture, resolve_model_dir  # noqa: PLC0415
         from common.tokenizer import HFTokenizer  # noqa: PLC0415
 
-        arch = read_architecture(cfg.model.path)
-        hf_tokenizer = HFTokenizer(cfg.model.path, cfg.model.pad_token, vocab_size=arch.vocab_size)
+        directory = resolve_model_dir(cfg.model.path)
+        arch = read_architecture(directory)
+        hf_tokenizer = HFTokenizer(directory, cfg.model.pad_token, vocab_size=arch.vocab_size)
     if cfg.task.name == "arith":
         task = build_task(cfg)
         return task, hf_tokenizer or build_tokenizer(cfg, task)
@@ -105,12 +106,13 @@ def build_policy(cfg: RunConfig, vocab_size: int, seed: int | None):
         return model_lib.build_model(cfg.model, vocab_size, seed)
     import jax.numpy as jnp  # noqa: PLC0415
 
-    from common.hf_checkpoint import read_architecture  # noqa: PLC0415
+    from common.hf_checkpoint import read_architecture, resolve_model_dir  # noqa: PLC0415
 
+    directory = resolve_model_dir(cfg.model.path)
     if seed is None:
         dtype = jnp.float32 if cfg.model.dtype == "float32" else jnp.bfloat16
-        return model_lib.build_from_architecture(read_architecture(cfg.model.path), None, dtype)
-    return model_lib.load_hf_model(cfg.model.path, cfg.model.dtype)
+        return model_lib.build_from_architecture(read_architecture(directory), None, dtype)
+    return model_lib.load_hf_model(str(directory), cfg.model.dtype)
 
 
 def stop_on_signals(stop_event, what: str) -> None:

@@ -213,3 +213,28 @@ def test_engine_logprobs_equal_the_trainers_recomputation(tmp_path, family):
     for i in range(len(prompts)):
         n = out.lengths[i]
         np.testing.assert_allclose(recomputed[i, :n], out.logprobs[i, :n], atol=1e-4)
+
+
+def test_hub_ids_resolve_through_the_local_cache_offline(tmp_path, monkeypatch):
+    from common.hf_checkpoint import resolve_model_dir
+
+    snapshot = tmp_path / "hub" / "models--acme--tiny-qwen" / "snapshots" / "0123abcd"
+    make_hf_model(snapshot, "qwen3-untied", 6)
+    (tmp_path / "hub" / "models--acme--tiny-qwen" / "refs").mkdir()
+    (tmp_path / "hub" / "models--acme--tiny-qwen" / "refs" / "main").write_text("0123abcd")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    import importlib
+
+    import huggingface_hub.constants
+
+    importlib.reload(huggingface_hub.constants)  # the cache location and offline flag are read at import
+    try:
+        assert resolve_model_dir("acme/tiny-qwen").resolve() == snapshot.resolve()
+        with pytest.raises(CheckpointError, match="model.path=acme/missing: not a local directory"):
+            resolve_model_dir("acme/missing")
+    finally:
+        monkeypatch.undo()
+        importlib.reload(huggingface_hub.constants)
+    with pytest.raises(CheckpointError, match="no such directory"):
+        resolve_model_dir(str(tmp_path / "nowhere"))
