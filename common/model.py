@@ -130,12 +130,13 @@ def build_from_architecture(arch: Architecture, seed: int | None, dtype: Any = j
     return PolicyModel(graphdef=graphdef, params=params, config=cfg, arch=arch)
 
 
-def load_hf_model(directory: str, dtype: str = "float32", sharding: Any = None) -> PolicyModel:
+def load_hf_model(directory: str, dtype: str = "float32", mesh: jax.sharding.Mesh | None = None) -> PolicyModel:
     """A Hugging Face checkpoint directory (config.json + safetensors) as a PolicyModel in `dtype`.
 
-    `sharding`: None (the default device), or a function name -> jax.sharding.Sharding
-    that places each parameter (e.g. on a mesh) as it is read, so a model never
-    has to fit on one device.
+    With a `mesh` (axes named `fsdp` and `tp`, as Tunix annotates its parameters;
+    Auto axis types), each parameter is placed straight onto its NamedSharding
+    as it is read, so the model never has to fit on one device; else on the
+    default device.
     """
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"model.dtype={dtype!r}: choose float32 or bfloat16")
@@ -146,7 +147,9 @@ def load_hf_model(directory: str, dtype: str = "float32", sharding: Any = None) 
     leaves, treedef = jax.tree_util.tree_flatten(abstract.params)
     named = hf_checkpoint.read_named(directory, arch, {n: tuple(leaf.shape) for n, leaf in zip(names, leaves)},
                                      np.dtype(jdtype))
-    placed = [jax.device_put(named.pop(n), sharding(n) if sharding else None) for n in names]
+    shardings = (jax.tree_util.tree_leaves(nnx.get_named_sharding(abstract.params, mesh)) if mesh is not None
+                 else [None] * len(names))
+    placed = [jax.device_put(named.pop(n), s) for n, s in zip(names, shardings)]
     return dataclasses.replace(abstract, params=jax.tree_util.tree_unflatten(treedef, placed))
 
 

@@ -238,3 +238,34 @@ def test_hub_ids_resolve_through_the_local_cache_offline(tmp_path, monkeypatch):
         importlib.reload(huggingface_hub.constants)
     with pytest.raises(CheckpointError, match="no such directory"):
         resolve_model_dir(str(tmp_path / "nowhere"))
+
+
+MESH_SCRIPT = """
+import sys
+import numpy as np, jax, jax.numpy as jnp
+from common.model import load_hf_model, positions_from_mask, causal_mask
+mesh = jax.make_mesh((2, 2), ("fsdp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+sharded, plain = load_hf_model(sys.argv[1], "float32", mesh=mesh), load_hf_model(sys.argv[1], "float32")
+q = [leaf for name, leaf in zip(sharded.names(), jax.tree_util.tree_leaves(sharded.params)) if name.endswith("q_proj.w")][0]
+assert len(q.sharding.device_set) == 4 and q.addressable_shards[0].data.size == q.size // 4, q.sharding
+tokens = jnp.asarray(np.random.default_rng(0).integers(0, 96, (2, 16)))
+valid = jnp.ones(tokens.shape, bool)
+a, _ = sharded.apply(sharded.params, tokens, positions_from_mask(valid), None, causal_mask(valid))
+b, _ = plain.apply(plain.params, tokens, positions_from_mask(valid), None, causal_mask(valid))
+np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+print("ok")
+"""
+
+
+def test_loads_straight_onto_a_device_mesh(tmp_path):
+    """4 fake CPU devices, fsdp=2 x tp=2: parameters are split across devices and logits are unchanged."""
+    import os
+    import subprocess
+    import sys
+
+    make_hf_model(tmp_path, "llama3.1-untied", 7)
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    root = pathlib.Path(__file__).resolve().parents[3]
+    proc = subprocess.run([sys.executable, "-c", MESH_SCRIPT, str(tmp_path)], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
