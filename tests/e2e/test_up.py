@@ -99,6 +99,15 @@ def test_up_smoke_run(tmp_path):
     assert result["accuracy"] == summary["eval_after"]["accuracy"] and result["num_problems"] == 32
     assert set(result["pass_at_k"]) == set(result["maj_at_k"]) == {"1", "2", "4"}
     assert result["pass_at_k"]["1"] <= result["pass_at_k"]["2"] <= result["pass_at_k"]["4"]
+    # ... and `transformers` loads the export with its tokenizer and generates from it
+    code = ("import sys, transformers as t\n"
+            "tok = t.AutoTokenizer.from_pretrained(sys.argv[1]); m = t.AutoModelForCausalLM.from_pretrained(sys.argv[1])\n"
+            "ids = tok('Q: Tom has 12 pens and gets 30 more. How many pens now? A:', return_tensors='pt').input_ids\n"
+            "out = m.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id)\n"
+            "assert out.shape[1] > ids.shape[1]; print('generated', repr(tok.decode(out[0, ids.shape[1]:])))")
+    gen = subprocess.run([sys.executable, "-c", code, str(run_dir / "model")], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
+    assert gen.returncode == 0 and "generated" in gen.stdout, gen.stderr[-3000:]
 
 
 @pytest.mark.parametrize("command", ["up", "trainer"])

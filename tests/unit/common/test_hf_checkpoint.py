@@ -108,7 +108,7 @@ def test_multi_file_bfloat16_checkpoint_loads(tmp_path):
 
 @pytest.mark.parametrize("family", ["qwen2.5-tied", "llama3.1-untied", "gemma2-gqa", "gemma2-mha", "gemma3-gqa"])
 def test_export_round_trips_through_transformers(tmp_path, family):
-    make_hf_model(tmp_path / "in", family, 1)
+    original = make_hf_model(tmp_path / "in", family, 1)
     ours = load_hf_model(str(tmp_path / "in"), "float32")
     (tmp_path / "tok").mkdir()
     (tmp_path / "tok" / "tokenizer_config.json").write_text("{}")
@@ -116,6 +116,8 @@ def test_export_round_trips_through_transformers(tmp_path, family):
     assert (out / "tokenizer_config.json").exists()
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     tokens = np.random.default_rng(1).integers(0, SHAPE["vocab_size"], (2, 30))
+    # export -> transformers: the same weights in transformers give the original checkpoint's logits (1e-5)
+    np.testing.assert_allclose(hf_logits(reloaded, tokens), hf_logits(original, tokens), atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(hf_logits(reloaded, tokens), our_logits(ours, tokens), atol=1e-4, rtol=1e-4)
     again = load_hf_model(str(out), "float32")
     for name, value in ours.to_named_numpy().items():
