@@ -71,11 +71,16 @@ class HFTokenizer:
     """
 
     def __init__(self, directory: str | pathlib.Path, pad_token: str | None = None, vocab_size: int | None = None):
-        from transformers import AutoTokenizer  # noqa: PLC0415 - heavy; only for kind=hf
+        from transformers import AutoTokenizer, PreTrainedTokenizerFast  # noqa: PLC0415 - heavy; only for kind=hf
 
         directory = pathlib.Path(directory)
+        config = directory / "tokenizer_config.json"
+        declared = json.loads(config.read_text()).get("tokenizer_class") if config.exists() else None
+        # transformers 5's AutoTokenizer swaps in the model family's tokenizer class (and its pre-tokenizer) when
+        # config.json names e.g. qwen3; a plain tokenizer.json (the tiny model's, exported) is loaded as written
+        loader = PreTrainedTokenizerFast if declared in ("PreTrainedTokenizerFast", "TokenizersBackend") else AutoTokenizer
         try:
-            self._tok = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+            self._tok = loader.from_pretrained(str(directory), local_files_only=True)
         except (OSError, ValueError) as exc:
             raise ValueError(f"model.path={directory}: no loadable tokenizer there ({exc})") from None
         eos = {self._tok.eos_token_id} - {None}

@@ -13,6 +13,7 @@ import time
 import zlib
 from typing import Iterable, Iterator
 
+import ml_dtypes  # noqa: F401 - registers numpy dtype names such as "bfloat16" for assemble()
 import numpy as np
 
 from protos import weights_pb2
@@ -34,17 +35,22 @@ class WeightSnapshot:
         for name, arr in self.arrays.items():
             buf = np.ascontiguousarray(arr)
             specs.append(weights_pb2.TensorSpec(name=name, shape=list(buf.shape), dtype=buf.dtype.name,
-                                                nbytes=buf.nbytes, crc32=zlib.crc32(buf.data)))
+                                                nbytes=buf.nbytes, crc32=zlib.crc32(_raw_bytes(buf))))
         return weights_pb2.WeightManifest(version=self.version, tensors=specs, final=self.final,
                                           total_bytes=sum(s.nbytes for s in specs),
                                           published_unix=self.published_unix, chunk_bytes=chunk_bytes)
 
     def chunks(self, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[weights_pb2.WeightChunk]:
         for index, arr in enumerate(self.arrays.values()):
-            view = memoryview(np.ascontiguousarray(arr)).cast("B")
+            view = _raw_bytes(np.ascontiguousarray(arr))
             for offset in range(0, max(len(view), 1), chunk_bytes):
                 yield weights_pb2.WeightChunk(tensor_index=index, offset=offset,
                                               data=bytes(view[offset:offset + chunk_bytes]))
+
+
+def _raw_bytes(arr: np.ndarray) -> memoryview:
+    """The array's bytes as a flat byte view (also for dtypes the buffer protocol lacks, e.g. bfloat16)."""
+    return memoryview(arr.reshape(-1).view(np.uint8))
 
 
 class WeightTransferError(ValueError):

@@ -147,6 +147,10 @@ class Trainer:
         self._setup()
         try:
             summary = self._run()
+        except BaseException:
+            # a failed run must still release its gRPC threads, or the process never exits
+            self.server.stop(grace_s=0)
+            raise
         finally:
             self._worker.shutdown(wait=True)
             self.metrics.close()

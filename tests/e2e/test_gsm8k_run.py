@@ -29,4 +29,5 @@ def test_up_on_gsm8k_with_the_tiny_model(tmp_path):
     ev = run_cli("eval", "--config", "configs/tiny_arith_smoke.yaml", "--json", str(tmp_path / "e.json"), *overrides,
                  "model.kind=hf", f"model.path={run_dir / 'model'}", timeout=300)
     assert ev.returncode == 0, ev.stderr[-3000:]
-    assert json.loads((tmp_path / "e.json").read_text())["accuracy"] == summary["eval_after"]["accuracy"]
+    result = json.loads((tmp_path / "e.json").read_text())
+    assert result["accuracy"] == after["accuracy"] and result["examples"] == after["examples"]

@@ -97,11 +97,14 @@ def test_up_smoke_run(tmp_path):
     assert ev.returncode == 0, ev.stderr[-3000:]
     result = json.loads((tmp_path / "eval.json").read_text())
     assert result["accuracy"] == summary["eval_after"]["accuracy"] and result["num_problems"] == 32
+    assert result["examples"] == summary["eval_after"]["examples"]  # the same greedy completions, word for word
     assert set(result["pass_at_k"]) == set(result["maj_at_k"]) == {"1", "2", "4"}
     assert result["pass_at_k"]["1"] <= result["pass_at_k"]["2"] <= result["pass_at_k"]["4"]
-    # ... and `transformers` loads the export with its tokenizer and generates from it
+    # ... and `transformers` loads the export with its tokenizer and generates from it (the tiny tokenizer is a
+    # plain tokenizer.json: PreTrainedTokenizerFast, as AutoTokenizer would swap in Qwen's pre-tokenizer)
     code = ("import sys, transformers as t\n"
-            "tok = t.AutoTokenizer.from_pretrained(sys.argv[1]); m = t.AutoModelForCausalLM.from_pretrained(sys.argv[1])\n"
+            "tok = t.PreTrainedTokenizerFast.from_pretrained(sys.argv[1])\n"
+            "m = t.AutoModelForCausalLM.from_pretrained(sys.argv[1])\n"
             "ids = tok('Q: Tom has 12 pens and gets 30 more. How many pens now? A:', return_tensors='pt').input_ids\n"
             "out = m.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id)\n"
             "assert out.shape[1] > ids.shape[1]; print('generated', repr(tok.decode(out[0, ids.shape[1]:])))")

@@ -66,3 +66,13 @@ def test_prompt_templates(tok_dir, tmp_path):
     reasoning = prompts.render("2 + 2?", "reasoning", chat)
     assert reasoning.startswith("<|system|>") and "<reasoning>" in reasoning and "<answer>" in reasoning
     assert reasoning.endswith("<|user|>2 + 2?\n<|assistant|>")
+
+
+def test_a_plain_tokenizer_next_to_a_qwen_config_keeps_its_own_pre_tokenizer(tok_dir, tmp_path):
+    """transformers 5's AutoTokenizer would swap in Qwen's tokenizer class for model_type qwen3; we must not."""
+    directory, tiny = tok_dir
+    for f in directory.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
+    text = "Q: Zoe found 18 books and then 72 more. How many in all? A:"
+    assert HFTokenizer(tmp_path).encode(text) == tiny.encode(text)

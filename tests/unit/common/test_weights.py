@@ -42,3 +42,17 @@ def test_out_of_range_chunk_is_refused():
     chunks[0].tensor_index = 9
     with pytest.raises(WeightTransferError, match="outside"):
         assemble(snap.manifest(64), chunks)
+
+
+def test_bfloat16_weights_round_trip():
+    import ml_dtypes
+
+    from common.weights import WeightSnapshot, assemble
+
+    arrays = {"a": np.random.default_rng().standard_normal((5, 7)).astype(ml_dtypes.bfloat16),
+              "b": np.arange(3, dtype=np.float32)}
+    snap = WeightSnapshot(version=3, arrays=arrays)
+    back = assemble(snap.manifest(64), snap.chunks(64))
+    assert back["a"].dtype == ml_dtypes.bfloat16
+    np.testing.assert_array_equal(back["a"], arrays["a"])
+    np.testing.assert_array_equal(back["b"], arrays["b"])
