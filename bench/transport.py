@@ -122,13 +122,14 @@ def _ours(redis_url: str, groups: list[GroupData], tokens: int) -> float:
     return elapsed
 
 
-def run(quick: bool = False, redis_url: str | None = None) -> dict:
+def run(quick: bool = False) -> dict:
     count, completions, tokens, repeats = (16, 8, 512, 1) if quick else (400, 8, 512, 5)
     groups = make_groups(count, completions, tokens)
     proto_payloads = [encode_group(g) for g in groups]
     megabytes = sum(len(p) for p in proto_payloads) / 1e6
-    embedded = None if redis_url else EmbeddedRedis().start()
-    url = redis_url or embedded.url
+    # always a private embedded server: the pickle baseline must only ever read back bytes this process wrote
+    embedded = EmbeddedRedis().start()
+    url = embedded.url
     try:
         client = connect(url, 5)
         runs = {"ours": [], "json": [], "pickle": [], "raw_redis": []}
@@ -139,8 +140,7 @@ def run(quick: bool = False, redis_url: str | None = None) -> dict:
             runs["raw_redis"].append(_redis_baseline(client, "raw", proto_payloads, lambda b: b, lambda b: None))
         seconds = {k: statistics.median(v) for k, v in runs.items()}
     finally:
-        if embedded:
-            embedded.stop()
+        embedded.stop()
     rate = {k: count / v for k, v in seconds.items()}
     return {
         "benchmark": "transport", "quick": quick, "groups": count, "completions_per_group": completions,

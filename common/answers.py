@@ -28,7 +28,7 @@ _NUMBER = r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d*)?(?:\s+\d+/\d+|/\d+)?|[-+]?\
 _NUMBER_RE = re.compile(_NUMBER)
 _PATTERNS = (  # where a completion states its final answer, most explicit first
     re.compile(r"<answer>\s*(.*?)\s*</answer>", re.S),
-    re.compile(r"####\s*([^\n]*)"),
+    re.compile(r"####[ \t]*((?=[-+$€£¥₹.\d\\\u2212])[^\n]*)"),  # a number follows: not a markdown heading
     re.compile(r"\\boxed\{((?:[^{}]|\{[^{}]*\})*)\}"),
     re.compile(r"(?i)the (?:final )?answer is[:\s]*([^\n]*)"),
 )

@@ -45,7 +45,7 @@ class ArchitectureError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Architecture:
-    family: str                  # llama3 | qwen2 | qwen3 (Tunix module names)
+    family: str                  # llama3 | qwen2 | qwen3 | gemma2 | gemma3
     vocab_size: int
     num_layers: int
     embed_dim: int
@@ -384,8 +384,12 @@ def to_hf_config(arch: Architecture, dtype: str = "float32") -> dict:
                       rope_parameters={"full_attention": {**full, "rope_theta": arch.rope_theta},
                                        "sliding_attention": {"rope_type": "default",
                                                              "rope_theta": arch.rope_local_theta}})
-        for key in ("hidden_act", "use_sliding_window", "rope_theta", "attention_bias"):
+        for key in ("hidden_act", "use_sliding_window", "attention_bias"):
             config.pop(key)
+        # the same RoPE in the keys transformers 4 reads, so older loaders (and vLLM builds on them) agree
+        config["rope_local_base_freq"] = arch.rope_local_theta
+        if arch.rope_linear_factor != 1:
+            config["rope_scaling"] = {"rope_type": "linear", "factor": arch.rope_linear_factor}
     if arch.rope_scaling:
         config["rope_scaling"] = {"rope_type": "llama3", **dict(arch.rope_scaling)}
         config["rope_scaling"]["original_max_position_embeddings"] = int(

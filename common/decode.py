@@ -1,4 +1,4 @@
-"""The sampler's forward pass: the policy's decoder (Llama 3, Qwen2, Qwen3) written for KV-cached decoding.
+"""The sampler's forward pass: the policy's decoder (Llama 3, Qwen2/3, Gemma 2/3) laid out for KV-cached decoding.
 
 Training uses Tunix's module (`PolicyModel.apply`); sampling spends its time in
 one-token steps, where that module's layout costs more than its arithmetic:
@@ -16,9 +16,12 @@ parameters, laid out for decoding:
 It reproduces the numerics of Tunix's modules with grpo-stream's RoPE
 (`common.architectures.rope_of`): float32 RMSNorm, RoPE on split halves,
 Qwen2's QKV biases, Qwen3's q/k norms before RoPE, tied heads, masked logits
-set to the same constant before a float32 softmax; `tests/unit/common/test_decode.py` checks logits and cache-decoded
-logits against `PolicyModel.apply`, and the engine's behaviour logprobs
-against the trainer's recomputation.
+set to the same constant before a float32 softmax (in bfloat16, Tunix's
+Gemma code normalises and takes the softmax in bfloat16 where this uses
+float32, so there the two differ by more than rounding). Tests check logits
+and cache-decoded logits against `PolicyModel.apply` (test_decode.py) and
+against `transformers` for every family, and the engine's behaviour logprobs
+against the trainer's recomputation (test_hf_checkpoint.py).
 """
 
 from __future__ import annotations

@@ -85,6 +85,8 @@ def evaluate(engine: Engine, params: Any, tokenizer, problems: list, batch_size:
 
     Problems whose prompt exceeds the engine's max_prompt_tokens are skipped and counted."""
     start = time.time()
+    if not problems:
+        raise ValueError("no problems to evaluate (eval.num_problems / --limit, and the split's size)")
     encoded = [tokenizer.encode(p.prompt) for p in problems]
     keep = [i for i, ids in enumerate(encoded) if len(ids) <= engine.max_prompt_tokens]
     skipped = len(problems) - len(keep)  # longer than generation.max_prompt_tokens: not scored, counted

@@ -42,6 +42,9 @@ class Engine:
         self.max_prompt_tokens, self.max_new_tokens, self.temperature = max_prompt_tokens, max_new_tokens, temperature
         decode.check_sequence_fits(model, max_prompt_tokens + max_new_tokens)
         self._generate = jax.jit(self._generate_impl, static_argnames=("greedy",))
+        # re-laid weights are made once per parameter object (weight version), not per batch
+        self._relayout = jax.jit(functools.partial(decode.decode_weights, model))
+        self._relaid: tuple[Any, Any] = (None, None)
 
     def left_pad(self, prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
         p = self.max_prompt_tokens
@@ -56,15 +59,17 @@ class Engine:
 
     def generate(self, params: Any, prompts: list[list[int]], rng: jax.Array, greedy: bool = False) -> Generation:
         tokens, mask = self.left_pad(prompts)
+        if self._relaid[0] is not params:
+            self._relaid = (None, None)  # free the previous version's copy first
+            self._relaid = (params, self._relayout(params))
         out_tokens, out_logprobs, lengths, finished = jax.device_get(
-            self._generate(params, jnp.asarray(tokens), jnp.asarray(mask), rng, greedy=greedy))
+            self._generate(self._relaid[1], jnp.asarray(tokens), jnp.asarray(mask), rng, greedy=greedy))
         return Generation(np.asarray(out_tokens), np.asarray(out_logprobs), np.asarray(lengths), np.asarray(finished))
 
-    def _generate_impl(self, params, prompt_tokens, prompt_mask, rng, greedy: bool):
+    def _generate_impl(self, weights, prompt_tokens, prompt_mask, rng, greedy: bool):
         batch, p = prompt_tokens.shape
         c = self.max_new_tokens
         total = p + c
-        weights = decode.decode_weights(self.model, params)
         cache = decode.init_cache(self.model, batch, total)
         key_valid = jnp.concatenate([prompt_mask, jnp.zeros((batch, c), jnp.bool_)], axis=1)
         prefill_mask = jnp.pad(causal_mask(prompt_mask), ((0, 0), (0, 0), (0, c)))

@@ -49,10 +49,10 @@ class CheckpointError(ValueError):
 
 def read_safetensors(path: pathlib.Path) -> Iterator[tuple[str, np.ndarray]]:
     """(name, array) for every tensor of one file; arrays are views of a read-only memory map."""
+    if path.stat().st_size < 8:
+        raise CheckpointError(f"{path}: not a safetensors file (too short); the file is truncated")
     with open(path, "rb") as handle:
         data = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
-    if len(data) < 8:
-        raise CheckpointError(f"{path}: not a safetensors file (too short)")
     (header_len,) = struct.unpack("<Q", data[:8])
     if header_len > len(data) - 8:
         raise CheckpointError(f"{path}: header length {header_len} exceeds the file; the file is truncated")
@@ -307,7 +307,7 @@ def read_named(directory: str | pathlib.Path, arch: Architecture, expected: dict
             if name in expected and tuple(value.shape) != tuple(expected[name]):
                 raise CheckpointError(f"{path.name}: tensor {hf_name} has shape {list(array.shape)}; config.json "
                                       f"implies {list(expected[name])} in our layout for {name}")
-            named[name], source[name] = value.astype(dtype), path
+            named[name], source[name] = value.astype(dtype, copy=False), path
     if arch.family in ("gemma2", "gemma3"):
         named = _assemble_gemma(named, arch)
         for name, value in named.items():
@@ -322,19 +322,33 @@ def read_named(directory: str | pathlib.Path, arch: Architecture, expected: dict
 
 
 def export_hf(directory: str | pathlib.Path, arch: Architecture, named: dict[str, np.ndarray],
-              tokenizer_dir: str | pathlib.Path | None = None, dtype: str = "float32") -> pathlib.Path:
-    """Write a Hugging Face model directory: model.safetensors, config.json and the tokenizer files."""
+              tokenizer_dir: str | pathlib.Path | None = None, dtype: str = "float32",
+              eos_ids: list[int] | None = None, pad_id: int | None = None) -> pathlib.Path:
+    """Write a Hugging Face model directory: model.safetensors, config.json and the tokenizer files.
+
+    `eos_ids`/`pad_id` (the run's stop and pad tokens) go into config.json and, unless the source
+    directory brought its own, a generation_config.json, so `generate` on the export stops where the
+    run's sampler did.
+    """
     out = pathlib.Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     np_dtype = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}[dtype]
     tensors = {k: v.astype(np_dtype) for k, v in to_hf_names(arch, named).items()}
     write_safetensors(out / "model.safetensors", tensors)
-    (out / "config.json").write_text(json.dumps(to_hf_config(arch, dtype), indent=2) + "\n")
+    config = to_hf_config(arch, dtype)
+    if eos_ids:
+        config["eos_token_id"] = eos_ids[0] if len(eos_ids) == 1 else list(eos_ids)
+    if pad_id is not None:
+        config["pad_token_id"] = pad_id
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     if tokenizer_dir is not None:
         for name in TOKENIZER_FILES:
             src = pathlib.Path(tokenizer_dir) / name
             if src.exists() and src.resolve() != (out / name).resolve():
                 shutil.copy(src, out / name)
+    if eos_ids and not (out / "generation_config.json").exists():
+        (out / "generation_config.json").write_text(json.dumps(
+            {k: config[k] for k in ("eos_token_id", "pad_token_id") if k in config}, indent=2) + "\n")
     return out
 
 

@@ -134,9 +134,10 @@ def load_hf_model(directory: str, dtype: str = "float32", mesh: jax.sharding.Mes
     """A Hugging Face checkpoint directory (config.json + safetensors) as a PolicyModel in `dtype`.
 
     With a `mesh` (axes named `fsdp` and `tp`, as Tunix annotates its parameters;
-    Auto axis types), each parameter is placed straight onto its NamedSharding
-    as it is read, so the model never has to fit on one device; else on the
-    default device.
+    Auto axis types), each parameter goes straight onto its NamedSharding, so
+    the model never has to fit on one device; else on the default device. Host
+    memory holds the checkpoint once while loading (tensors are memory-mapped
+    and only copied where the dtype or layout changes).
     """
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"model.dtype={dtype!r}: choose float32 or bfloat16")

@@ -14,7 +14,7 @@ import importlib
 import re
 from typing import Callable
 
-from common.answers import extract_answer, same_number
+from common.answers import extract_answer, parse_number, same_number
 
 RewardFn = Callable[[str, str], float]
 _REASONING_ANSWER = re.compile(r"^\s*<reasoning>.+?</reasoning>\s*<answer>.+?</answer>\s*$", re.S)
@@ -29,8 +29,9 @@ def answer_correct(text: str, reference: str) -> float:
 def answer_format(text: str, reference: str) -> float:
     """1.0 when the completion states a numeric answer as `#### N` (GSM8K's format)."""
     del reference
-    match = re.search(r"####\s*([^\n]*)", text)
-    return 1.0 if match and extract_answer(match.group(0)) is not None else 0.0
+    match = re.search(r"####[ \t]*([^\n]*)", text)
+    return 1.0 if match and parse_number(match.group(1).split()[0] if match.group(1).split() else "") is not None \
+        else 0.0
 
 
 def reasoning_answer_format(text: str, reference: str) -> float:
@@ -70,8 +71,9 @@ class RewardSet:
     def __init__(self, weights: dict[str, float]):
         if not weights:
             raise ValueError("task.rewards: give at least one reward, e.g. {answer_correct: 1.0}")
-        self.weights = dict(weights)
-        self.functions = {name: resolve(name) for name in weights}
+        # answer_correct is always computed (weight 0 when not listed): it is the accuracy the trainer reports
+        self.weights = {"answer_correct": 0.0, **weights}
+        self.functions = {name: resolve(name) for name in self.weights}
 
     def score(self, text: str, reference: str) -> tuple[float, dict[str, float]]:
         """Total weighted reward and each component by name; a reward that raises or returns a non-finite

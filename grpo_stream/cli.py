@@ -16,6 +16,13 @@ import time
 from bench.runner import BENCHMARKS
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="grpo-stream", description="Asynchronous GRPO post-training: samplers "
                                      "stream rollout groups over gRPC into Redis; the trainer learns off-policy.")
@@ -47,7 +54,7 @@ def _parser() -> argparse.ArgumentParser:
     ev = sub.add_parser("eval", help="greedy pass@1, pass@k and maj@k of the config's model on a split")
     common(ev)
     ev.add_argument("--split", default="test", help="test (held-out, default) or train")
-    ev.add_argument("--limit", type=int, help="problems to score (default eval.num_problems)")
+    ev.add_argument("--limit", type=_positive_int, help="problems to score (default eval.num_problems)")
     ev.add_argument("--json", type=pathlib.Path, help="write the result here")
     rep = sub.add_parser("report", help="PNG plots and a markdown summary of a run directory")
     rep.add_argument("run_dir", type=pathlib.Path, help="a directory written by `up` or `trainer`")

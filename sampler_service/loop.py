@@ -30,6 +30,7 @@ from sampler_service.rollout_client import RolloutClient
 from sampler_service.weight_sync import WeightSync
 
 log = logging.getLogger(__name__)
+MAX_SKIPPED_PROMPTS = 1000  # consecutive over-long prompts before the sampler gives up (config is wrong)
 
 
 class Sampler:
@@ -113,13 +114,19 @@ class Sampler:
                     self._await_newer_version(started_wait=time.monotonic())
                     continue
             batch = []
+            skipped_in_a_row = 0
             while len(batch) < wanted:
                 problem = next(prompts)
                 ids = tokenizer.encode(problem.prompt)
                 if len(ids) > gen.max_prompt_tokens:
+                    skipped_in_a_row += 1
+                    if skipped_in_a_row > MAX_SKIPPED_PROMPTS:
+                        raise ValueError(f"generation.max_prompt_tokens={gen.max_prompt_tokens}: the last "
+                                         f"{skipped_in_a_row} prompts were all longer; raise it")
                     log.warning("prompt %s has %d tokens > generation.max_prompt_tokens; skipped", problem.prompt_id,
                                 len(ids))
                     continue
+                skipped_in_a_row = 0
                 batch.append((problem, ids))
             rng, sub = jax.random.split(rng)
             n, version = gen.num_generations, self.version
@@ -130,7 +137,8 @@ class Sampler:
                 if not self._push(client, to_proto(group)):
                     break
                 groups_sent += 1
-                self.groups_at_version += 1
+                if version == self.version:  # a newer version installed mid-push starts its own count at 0
+                    self.groups_at_version += 1
                 groups_total.inc()
                 tokens_total.inc(sum(len(c.token_ids) for c in group.completions))
             backlog.set(client.unacked)

@@ -22,7 +22,7 @@ from common.buffer import BufferEntry, BufferUnavailable, RedisStreamBuffer
 from common.config import RunConfig
 from common.evaluation import evaluate
 from common.generation import Engine
-from common.hf_checkpoint import export_hf
+from common.hf_checkpoint import export_hf, resolve_model_dir
 from common.metrics import MetricsWriter
 from common.prometheus import ServiceMetrics
 from common.redis_util import connect
@@ -144,17 +144,20 @@ class Trainer:
     # -- the run ------------------------------------------------------------------
     def run(self) -> dict:
         cfg = self.cfg
-        self._setup()
         try:
+            self._setup()
             summary = self._run()
         except BaseException:
             # a failed run must still release its gRPC threads, or the process never exits
-            self.server.stop(grace_s=0)
+            if getattr(self, "server", None) is not None:
+                self.server.stop(grace_s=0)
             raise
         finally:
             self._worker.shutdown(wait=True)
-            self.metrics.close()
-            self.prom.stop()
+            for part in ("metrics", "prom"):
+                closer = getattr(getattr(self, part, None), "close" if part == "metrics" else "stop", None)
+                if closer is not None:
+                    closer()
         return summary
 
     def _run(self) -> dict:
@@ -211,8 +214,10 @@ class Trainer:
             self._publish(steps_done, final=True)
         eval_after = self._evaluate("eval_after") if cfg.trainer.eval_after else None
         # the trained policy as a Hugging Face directory (next to the tokenizer files): serve it, or `eval` it
+        source = resolve_model_dir(cfg.model.path) if cfg.model.kind == "hf" else None
         export_hf(self.run_dir / "model", self.model.arch, self.model.to_named_numpy(self.params),
-                  dtype=cfg.model.dtype)
+                  tokenizer_dir=source, dtype=cfg.model.dtype, eos_ids=self.tokenizer.eos_ids,
+                  pad_id=self.tokenizer.pad_id)
         log.info("exported the trained model to %s", self.run_dir / "model")
         self._await_samplers(steps_done)
         self.server.stop()

@@ -150,6 +150,9 @@ class Gsm8kTask:
         import random  # noqa: PLC0415
 
         mine = shard(self.train, index, count)
+        if not mine:
+            raise DatasetError(f"sampler {index} of sampler.replicas={count} has no training problems: the split has "
+                               f"{len(self.train)} (task.dataset.limit?)")
         rng = random.Random(self.seed * 1_000_003 + index)
         while True:
             order = list(range(len(mine)))

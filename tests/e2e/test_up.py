@@ -266,3 +266,8 @@ def test_services_expose_prometheus_metrics(tmp_path):
         assert records and len(records) == len([line for line in lines if line.strip()]), lines[:5]
         assert {"time", "process", "level", "logger", "message"} <= set(records[0])
         assert records[0]["process"] == name
+
+
+def test_eval_limit_must_be_positive():
+    proc = run_cli("eval", "--config", "configs/tiny_arith_smoke.yaml", "--limit", "0", timeout=60)
+    assert proc.returncode == 2 and "--limit: must be at least 1, got 0" in proc.stderr

@@ -34,6 +34,7 @@ def test_tricky_answer_formats(got, reference, equal):
     ("<answer>x = 12</answer> #### 13", "12"),  # the answer tag wins over ####
     ("no stated answer 5", None),
     ("#### none", None),
+    ("#### Step 1: add them\nso \\boxed{18}", "18"),  # a markdown heading is not a #### answer
 ])
 def test_extract_answer_by_format(text, stated):
     got = extract_answer(text)
@@ -84,3 +85,15 @@ def test_a_failing_user_reward_is_named():
     rewards = RewardSet({"math:sqrt": 1.0})  # sqrt(str) raises TypeError
     with pytest.raises(ValueError, match="task.rewards.math:sqrt raised TypeError"):
         rewards.score("x", "1")
+
+
+def test_accuracy_is_computed_whatever_the_weights():
+    total, parts = RewardSet({"reasoning_answer_format": 1.0}).score("<reasoning>r</reasoning><answer>7</answer>", "7")
+    assert parts == {"answer_correct": 1.0, "reasoning_answer_format": 1.0} and total == 1.0  # accuracy unweighted
+    assert answer_format_of("#### Step 1: add") == 0.0 and answer_format_of("#### 12 apples") == 1.0
+
+
+def answer_format_of(text: str) -> float:
+    from common.rewards import answer_format
+
+    return answer_format(text, "")

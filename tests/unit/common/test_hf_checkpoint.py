@@ -112,8 +112,12 @@ def test_export_round_trips_through_transformers(tmp_path, family):
     ours = load_hf_model(str(tmp_path / "in"), "float32")
     (tmp_path / "tok").mkdir()
     (tmp_path / "tok" / "tokenizer_config.json").write_text("{}")
-    out = export_hf(tmp_path / "out", ours.arch, ours.to_named_numpy(), tokenizer_dir=tmp_path / "tok")
+    out = export_hf(tmp_path / "out", ours.arch, ours.to_named_numpy(), tokenizer_dir=tmp_path / "tok",
+                    eos_ids=[1, 2], pad_id=0)
     assert (out / "tokenizer_config.json").exists()
+    # the run's stop tokens travel with the export, so `generate` stops where the sampler did
+    assert json.loads((out / "config.json").read_text())["eos_token_id"] == [1, 2]
+    assert json.loads((out / "generation_config.json").read_text()) == {"eos_token_id": [1, 2], "pad_token_id": 0}
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     tokens = np.random.default_rng(1).integers(0, SHAPE["vocab_size"], (2, 30))
     # export -> transformers: the same weights in transformers give the original checkpoint's logits (1e-5)
@@ -153,6 +157,9 @@ def test_truncated_file_and_missing_config(tmp_path):
     data = (tmp_path / "model.safetensors").read_bytes()
     (tmp_path / "model.safetensors").write_bytes(data[: len(data) // 2])
     with pytest.raises(CheckpointError, match="model.safetensors: tensor .* corrupt|truncated"):
+        load_hf_model(str(tmp_path), "float32")
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(CheckpointError, match="model.safetensors: not a safetensors file"):
         load_hf_model(str(tmp_path), "float32")
     (tmp_path / "config.json").unlink()
     with pytest.raises(CheckpointError, match="no config.json"):

@@ -85,3 +85,12 @@ def test_shards_partition_a_split(splits):
     assert len(ids) == len(set(ids)) == len(problems)
     with pytest.raises(ValueError, match="shard index 3"):
         shard(problems, 3, 3)
+
+
+def test_a_sampler_without_problems_is_an_error_naming_the_settings(splits):
+    from common.tasks.gsm8k import Gsm8kTask
+
+    task = Gsm8kTask(splits["train"][:2], splits["test"][:2], lambda q: q, seed=0)
+    assert next(task.train_stream(1, 4)).prompt_id == "train/1"
+    with pytest.raises(DatasetError, match=r"sampler 3 of sampler.replicas=4 has no training problems"):
+        next(task.train_stream(3, 4))
