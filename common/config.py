@@ -128,7 +128,21 @@ class GenerationSection(Strict):
                                "logprobs at the same temperature.")
 
 
+class TrainerMeshSection(Strict):
+    """The trainer's device mesh: parameters and optimizer state sharded FSDP x tensor parallel."""
+
+    fsdp: int = Field(1, ge=1, le=65536, description="Devices parameters (and batch rows) are sharded over, FSDP.")
+    tp: int = Field(1, ge=1, le=1024, description="Tensor-parallel devices (heads, MLP width, vocabulary).")
+
+
+class SamplerMeshSection(Strict):
+    """One sampler's device mesh; replicas are separate samplers, each with its own mesh."""
+
+    tp: int = Field(1, ge=1, le=1024, description="Tensor-parallel devices of one sampler.")
+
+
 class SamplerSection(Strict):
+    mesh: SamplerMeshSection = Field(default_factory=SamplerMeshSection, description="Each sampler's mesh.")
     replicas: int = Field(2, ge=1, le=64, description="Sampler processes started by `up`.")
     prompts_per_batch: int = Field(8, ge=1, le=4096, description="Prompts per generation call (each sampled "
                                    "num_generations times).")
@@ -156,6 +170,7 @@ class SamplerSection(Strict):
 
 
 class TrainerSection(Strict):
+    mesh: TrainerMeshSection = Field(default_factory=TrainerMeshSection, description="The trainer's mesh.")
     host: str = Field("127.0.0.1", description="Address the trainer's gRPC server (ingest + weights) binds.")
     port: int = Field(50151, ge=0, le=65535, description="Port of the trainer's gRPC server; `up` picks a free one.")
     steps: int = Field(60, ge=1, le=10_000_000, description="RL optimizer steps to run.")
@@ -237,6 +252,52 @@ class AlgoSection(Strict):
         return self.epsilon if self.epsilon_high is None else self.epsilon_high
 
 
+class WeightsSection(Strict):
+    """How published weights travel from the trainer to the samplers (see README, "Weight publication")."""
+
+    transport: Literal["grpc", "checkpoint", "local"] = Field(
+        "grpc", description="'grpc': samplers fetch the slices their devices need from the trainer's WeightService "
+        "(separate deployments); 'checkpoint': Orbax saves to weights.checkpoint_dir (shared disk or gs://) with a "
+        "completion marker, samplers restore into their sharding; 'local': trainer and samplers in one JAX process "
+        "(`grpo-stream up` then runs one process), weights move by jax.device_put.")
+    wire_dtype: Literal["model", "float32", "bfloat16"] = Field(
+        "model", description="Dtype of published tensors: 'model' keeps the trainer's; 'bfloat16' halves the bytes "
+        "of a float32 model (samplers cast back to model.dtype).")
+    chunk_bytes: int = Field(4 << 20, ge=64 << 10, le=32 << 20, description="grpc: bytes per streamed chunk.")
+    fetch_streams: int = Field(2, ge=1, le=32, description="grpc: parallel FetchSlices streams per fetch.")
+    max_serve_mb_s: float | None = Field(None, gt=0, le=1e6, description="grpc: cap on each fetch's bytes/s as "
+                                         "the trainer serves it (leave room for rollout traffic); null = no cap.")
+    checkpoint_dir: str | None = Field(None, description="checkpoint: directory (local, NFS or gs://) that holds "
+                                       "published versions; `up` uses RUN_DIR/weights when null.")
+    keep_versions: int = Field(3, ge=2, le=10_000, description="checkpoint: versions kept on disk (older are "
+                               "deleted; a sampler still restoring one retries with the newest).")
+    retry_initial_s: float = Field(0.5, gt=0, le=600, description="First back-off after a failed fetch; doubles "
+                                   "per failure.")
+    retry_max_s: float = Field(10.0, gt=0, le=3600, description="Longest back-off between fetch attempts.")
+    trainer_devices_fraction: float = Field(1.0, gt=0, le=1, description="local: share of the process's devices "
+                                            "the trainer mesh uses (the first ones).")
+    sampler_devices_fraction: float = Field(1.0, gt=0, le=1, description="local: share the samplers use (the last "
+                                            "ones, split between sampler.replicas); both 1.0 = one shared mesh.")
+    verify_prompts: int = Field(0, ge=0, le=1024, description="After the final version, the trainer and every "
+                                "sampler record a SHA-256 of their parameters and greedy completions of this many "
+                                "held-out prompts (in summary.json / sampler-N.json) to check weights arrived "
+                                "exactly; 0 = off.")
+
+    @model_validator(mode="after")
+    def _backoff(self) -> "WeightsSection":
+        if self.retry_max_s < self.retry_initial_s:
+            raise ValueError(f"weights.retry_max_s={self.retry_max_s} < weights.retry_initial_s="
+                             f"{self.retry_initial_s}; raise retry_max_s")
+        return self
+
+
+class DistributedSection(Strict):
+    initialize: Literal["auto", "always", "never"] = Field(
+        "auto", description="jax.distributed.initialize at start-up: 'auto' when the environment describes a "
+        "multi-process job (JAX_COORDINATOR_ADDRESS + JAX_NUM_PROCESSES + JAX_PROCESS_ID, multi-host TPU, SLURM), "
+        "'always', or 'never'.")
+
+
 class WarmStartSection(Strict):
     steps: int = Field(0, ge=0, le=1_000_000, description="Supervised steps before RL (0 = none).")
     batch_size: int = Field(64, ge=1, le=65536, description="Demonstrations per supervised step.")
@@ -274,6 +335,8 @@ class RunConfig(Strict):
     trainer: TrainerSection = Field(default_factory=TrainerSection, description="Trainer process.")
     buffer: BufferSection = Field(default_factory=BufferSection, description="Rollout buffer flow control.")
     algo: AlgoSection = Field(default_factory=AlgoSection, description="Policy-gradient objective.")
+    weights: WeightsSection = Field(default_factory=WeightsSection, description="Weight publication.")
+    distributed: DistributedSection = Field(default_factory=DistributedSection, description="Multi-host JAX.")
     warmstart: WarmStartSection = Field(default_factory=WarmStartSection, description="Supervised warm start.")
     eval: EvalSection = Field(default_factory=EvalSection, description="Held-out evaluation.")
     logging: LoggingSection = Field(default_factory=LoggingSection, description="Logging.")

@@ -118,3 +118,9 @@ def evaluate(engine: Engine, params: Any, tokenizer, problems: list, batch_size:
                 for p, texts_i in zip(problems, per_problem)) / n
     result.seconds = round(time.time() - start, 3)
     return result
+
+
+def greedy_probe(engine: Engine, params: Any, tokenizer, problems: list, batch_size: int) -> list[str]:
+    """Greedy completions of the problems whose prompts fit: what two copies of the same weights must agree on."""
+    prompts = [ids for ids in (tokenizer.encode(p.prompt) for p in problems) if len(ids) <= engine.max_prompt_tokens]
+    return _generate(engine, params, tokenizer, prompts, batch_size, jax.random.key(0), greedy=True) if prompts else []

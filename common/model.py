@@ -42,6 +42,21 @@ class PolicyModel:
         leaves = jax.device_get(jax.tree_util.tree_leaves(tree))
         return {name: np.asarray(leaf) for name, leaf in zip(self.names(), leaves)}
 
+    def named_arrays(self, params: Any | None = None) -> dict[str, Any]:
+        """name -> array (device arrays stay on device) of `params` (default: own params)."""
+        tree = self.params if params is None else params
+        return dict(zip(self.names(), jax.tree_util.tree_leaves(tree)))
+
+    def params_from_arrays(self, named: dict[str, Any]) -> Any:
+        """Params pytree from name -> device array, as placed (checks names, shapes and dtypes; no copies)."""
+        leaves, treedef = jax.tree_util.tree_flatten(self.params)
+        for name, leaf in zip(self.names(), leaves):
+            arr = named.get(name)
+            if arr is None or tuple(arr.shape) != tuple(leaf.shape) or arr.dtype != leaf.dtype:
+                got = "nothing" if arr is None else f"{arr.dtype}{list(arr.shape)}"
+                raise ValueError(f"parameter {name}: got {got}, model wants {leaf.dtype}{list(leaf.shape)}")
+        return jax.tree_util.tree_unflatten(treedef, [named[n] for n in self.names()])
+
     def from_named_numpy(self, named: dict[str, np.ndarray]) -> Any:
         """Params pytree with this model's structure from name -> array; checks names, shapes, dtypes."""
         leaves, treedef = jax.tree_util.tree_flatten(self.params)

@@ -2,7 +2,8 @@
 
     grpo-stream up      --config configs/tiny_arith.yaml [--run-dir DIR] [key.sub=value ...]
     grpo-stream trainer --config C --run-dir DIR [key=value ...]
-    grpo-stream sampler --config C --index I [key=value ...]
+    grpo-stream sampler --config C --index I [--run-dir DIR] [key=value ...]
+    grpo-stream colocated --config C --run-dir DIR [key=value ...]   (weights.transport=local)
     grpo-stream eval    --config C [--split test] [--limit N] [--json PATH] [key=value ...]
 """
 
@@ -44,6 +45,11 @@ def _parser() -> argparse.ArgumentParser:
     common(sa)
     sa.add_argument("--index", type=int, default=0, help="this sampler's index in 0..sampler.replicas-1 "
                     "(its data shard and id)")
+    sa.add_argument("--run-dir", type=pathlib.Path, help="write sampler-<index>.json here at exit")
+    co = sub.add_parser("colocated", help="trainer and samplers in one JAX process with weights.transport=local "
+                        "(what `up` runs then; also the single-controller mode on a TPU VM or Pathways)")
+    common(co)
+    co.add_argument("--run-dir", type=pathlib.Path, required=False, help="output directory")
     be = sub.add_parser("bench", help="benchmarks against baselines in the same run (writes JSON)")
     be.add_argument("name", choices=[*BENCHMARKS, "all"], help="which benchmark ('all': each in turn)")
     be.add_argument("--json", type=pathlib.Path, help="write the result here (for 'all': a directory, one NAME.json "
@@ -108,12 +114,21 @@ def main(argv: list[str] | None = None) -> int:
         setup_logging(cfg.logging.level, "up", cfg.logging.format)
         run_dir = args.run_dir or pathlib.Path("runs") / f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
         return run_up(args.config, args.overrides, cfg, run_dir)
-    setup_logging(cfg.logging.level, args.command if args.command == "trainer" else f"sampler-{args.index}",
+    setup_logging(cfg.logging.level, args.command if args.command != "sampler" else f"sampler-{args.index}",
                   cfg.logging.format)
     try:
-        pin_to_cpus(*((cfg.trainer.cpu_affinity, "trainer.cpu_affinity") if args.command == "trainer" else
-                      (cfg.sampler.cpu_affinity, "sampler.cpu_affinity")))
-        if args.command == "trainer":
+        pin_to_cpus(*((cfg.sampler.cpu_affinity, "sampler.cpu_affinity") if args.command == "sampler" else
+                      (cfg.trainer.cpu_affinity, "trainer.cpu_affinity")))
+        from common.sharding import initialize_distributed
+
+        initialize_distributed(cfg.distributed.initialize)
+        if args.command == "colocated":
+            from grpo_stream.colocated import run_colocated
+
+            run_dir = args.run_dir or pathlib.Path("runs") / cfg.run.name
+            run_dir.mkdir(parents=True, exist_ok=True)
+            run_colocated(cfg, run_dir)
+        elif args.command == "trainer":
             from trainer_service.loop import run_trainer
 
             run_dir = args.run_dir or pathlib.Path("runs") / cfg.run.name
@@ -122,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             from sampler_service.loop import run_sampler
 
-            run_sampler(cfg, args.index)
+            run_sampler(cfg, args.index, args.run_dir)
     except (ValueError, ConnectionError, OSError, RuntimeError) as exc:  # RedisConnectError is a RuntimeError
         print(f"grpo-stream {args.command}: error: {exc}", file=sys.stderr)
         return 1

@@ -54,6 +54,34 @@ class _Child:
         return code
 
 
+def host_devices_needed(cfg: RunConfig) -> tuple[int, int]:
+    """(trainer process, sampler process) device counts the configured meshes need.
+
+    With weights.transport=local the first number is for the single process holding the trainer and samplers.
+    """
+    trainer = cfg.trainer.mesh.fsdp * cfg.trainer.mesh.tp
+    tp, w = cfg.sampler.mesh.tp, cfg.weights
+    if w.transport != "local":
+        return trainer, tp
+    if w.trainer_devices_fraction == 1.0 and w.sampler_devices_fraction == 1.0:
+        return max(trainer, tp), tp
+    for n in range(2, 1 << 16):
+        if (round(n * w.trainer_devices_fraction) >= trainer and round(n * w.sampler_devices_fraction)
+                >= cfg.sampler.replicas * tp and round(n * w.trainer_devices_fraction)
+                + round(n * w.sampler_devices_fraction) <= n):
+            return n, tp
+    raise ValueError("weights.*_devices_fraction: no device count fits the trainer and sampler meshes")
+
+
+def with_host_devices(env: dict[str, str], count: int) -> dict[str, str]:
+    """`env` with XLA's host platform showing `count` devices (fake CPU devices; GPUs and TPUs are unaffected),
+    unless XLA_FLAGS already sets a count."""
+    flags = env.get("XLA_FLAGS", "")
+    if count <= 1 or "xla_force_host_platform_device_count" in flags:
+        return env
+    return {**env, "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={count}".strip()}
+
+
 def run_up(config_path: pathlib.Path | None, overrides: list[str], cfg: RunConfig, run_dir: pathlib.Path) -> int:
     started = time.time()
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -72,9 +100,13 @@ def run_up(config_path: pathlib.Path | None, overrides: list[str], cfg: RunConfi
         print(f"grpo-stream up: error: {exc}", file=sys.stderr)
         return 1
     extra.append(f"trainer.port={free_port()}")
+    if cfg.weights.transport == "checkpoint" and not cfg.weights.checkpoint_dir:
+        extra.append(f"weights.checkpoint_dir={(run_dir / 'weights').resolve()}")
     base = [sys.executable, "-m", "grpo_stream"]
     cfg_args = ["--config", str(config_path)] if config_path else []
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    colocated = cfg.weights.transport == "local"
+    trainer_devices, sampler_devices = host_devices_needed(cfg)
     children: list[_Child] = []
     interrupted = False
 
@@ -88,10 +120,15 @@ def run_up(config_path: pathlib.Path | None, overrides: list[str], cfg: RunConfi
     previous = {s: signal.signal(s, _interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         (run_dir / "config.yaml").write_text(json.dumps({"config": str(config_path), "overrides": extra}, indent=2))
-        trainer = _Child("trainer", [*base, "trainer", *cfg_args, "--run-dir", str(run_dir), *extra], log_dir, env)
+        # the trainer process (or the single controller) and each sampler see the devices their meshes need
+        trainer = _Child("colocated" if colocated else "trainer",
+                         [*base, "colocated" if colocated else "trainer", *cfg_args, "--run-dir", str(run_dir),
+                          *extra], log_dir, with_host_devices(env, trainer_devices))
         children.append(trainer)
-        samplers = [_Child(f"sampler-{i}", [*base, "sampler", *cfg_args, "--index", str(i), *extra], log_dir, env)
-                    for i in range(cfg.sampler.replicas)]
+        samplers = [] if colocated else [
+            _Child(f"sampler-{i}", [*base, "sampler", *cfg_args, "--index", str(i), "--run-dir", str(run_dir),
+                                    *extra], log_dir, with_host_devices(env, sampler_devices))
+            for i in range(cfg.sampler.replicas)]
         children.extend(samplers)
         failed = None
         while trainer.proc.poll() is None:
@@ -128,6 +165,7 @@ def run_up(config_path: pathlib.Path | None, overrides: list[str], cfg: RunConfi
     summary["trainer_wall_seconds"] = summary.pop("wall_seconds")
     summary["wall_seconds"] = round(time.time() - started, 2)
     summary["sampler_exit_codes"] = sampler_codes
+    summary["samplers"] = {path.stem: json.loads(path.read_text()) for path in sorted(run_dir.glob("sampler-*.json"))}
     summary_path.write_text(json.dumps(summary, indent=2))
     before = (summary.get("eval_before") or {}).get("accuracy")
     after = (summary.get("eval_after") or {}).get("accuracy")

@@ -39,10 +39,15 @@ class WeightServiceStub:
                 request_serializer=protos_dot_weights__pb2.GetManifestRequest.SerializeToString,
                 response_deserializer=protos_dot_weights__pb2.WeightManifest.FromString,
                 _registered_method=True)
-        self.FetchWeights = channel.unary_stream(
-                '/grpo_stream.v1.WeightService/FetchWeights',
-                request_serializer=protos_dot_weights__pb2.FetchWeightsRequest.SerializeToString,
-                response_deserializer=protos_dot_weights__pb2.WeightChunk.FromString,
+        self.FetchSlices = channel.unary_stream(
+                '/grpo_stream.v1.WeightService/FetchSlices',
+                request_serializer=protos_dot_weights__pb2.FetchSlicesRequest.SerializeToString,
+                response_deserializer=protos_dot_weights__pb2.SliceChunk.FromString,
+                _registered_method=True)
+        self.ReportVersion = channel.unary_unary(
+                '/grpo_stream.v1.WeightService/ReportVersion',
+                request_serializer=protos_dot_weights__pb2.VersionReport.SerializeToString,
+                response_deserializer=protos_dot_weights__pb2.VersionReportReply.FromString,
                 _registered_method=True)
 
 
@@ -56,9 +61,17 @@ class WeightServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def FetchWeights(self, request, context):
-        """The bytes of `version`; NOT_FOUND when that version is no longer held
-        (a newer one replaced it): ask for the manifest again.
+    def FetchSlices(self, request, context):
+        """The requested slices of `version`; NOT_FOUND when that version is no
+        longer held (a newer one replaced it): ask for the manifest again.
+        INVALID_ARGUMENT names a bad tensor index or slice.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReportVersion(self, request, context):
+        """A sampler's installed version and fetch health (for lag metrics).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -72,10 +85,15 @@ def add_WeightServiceServicer_to_server(servicer, server):
                     request_deserializer=protos_dot_weights__pb2.GetManifestRequest.FromString,
                     response_serializer=protos_dot_weights__pb2.WeightManifest.SerializeToString,
             ),
-            'FetchWeights': grpc.unary_stream_rpc_method_handler(
-                    servicer.FetchWeights,
-                    request_deserializer=protos_dot_weights__pb2.FetchWeightsRequest.FromString,
-                    response_serializer=protos_dot_weights__pb2.WeightChunk.SerializeToString,
+            'FetchSlices': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchSlices,
+                    request_deserializer=protos_dot_weights__pb2.FetchSlicesRequest.FromString,
+                    response_serializer=protos_dot_weights__pb2.SliceChunk.SerializeToString,
+            ),
+            'ReportVersion': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportVersion,
+                    request_deserializer=protos_dot_weights__pb2.VersionReport.FromString,
+                    response_serializer=protos_dot_weights__pb2.VersionReportReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -116,7 +134,7 @@ class WeightService:
             _registered_method=True)
 
     @staticmethod
-    def FetchWeights(request,
+    def FetchSlices(request,
             target,
             options=(),
             channel_credentials=None,
@@ -129,9 +147,36 @@ class WeightService:
         return grpc.experimental.unary_stream(
             request,
             target,
-            '/grpo_stream.v1.WeightService/FetchWeights',
-            protos_dot_weights__pb2.FetchWeightsRequest.SerializeToString,
-            protos_dot_weights__pb2.WeightChunk.FromString,
+            '/grpo_stream.v1.WeightService/FetchSlices',
+            protos_dot_weights__pb2.FetchSlicesRequest.SerializeToString,
+            protos_dot_weights__pb2.SliceChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportVersion(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/grpo_stream.v1.WeightService/ReportVersion',
+            protos_dot_weights__pb2.VersionReport.SerializeToString,
+            protos_dot_weights__pb2.VersionReportReply.FromString,
             options,
             channel_credentials,
             insecure,

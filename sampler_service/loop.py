@@ -10,7 +10,9 @@ its backlog is acknowledged or a drain timeout passes.
 from __future__ import annotations
 
 import itertools
+import json
 import logging
+import pathlib
 import threading
 import time
 
@@ -19,31 +21,42 @@ import jax
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.config import RunConfig
+from common.evaluation import greedy_probe
 from common.generation import Engine
 from common.grpc_util import CHANNEL_OPTIONS
 from common.prometheus import ServiceMetrics
 from common.rewards import RewardSet
 from common.runtime import build_policy, build_task_and_tokenizer, stop_on_signals
+from common.sharding import make_mesh
+from common.weight_checkpoint import CheckpointWeightStore
+from common.weights import digest
 from common.wire import to_proto
 from sampler_service.grouping import build_groups
 from sampler_service.rollout_client import RolloutClient
-from sampler_service.weight_sync import WeightSync
+from sampler_service.weight_sync import CheckpointFetcher, GrpcFetcher, LocalFetcher, WeightSync
 
 log = logging.getLogger(__name__)
 MAX_SKIPPED_PROMPTS = 1000  # consecutive over-long prompts before the sampler gives up (config is wrong)
 
 
 class Sampler:
-    def __init__(self, cfg: RunConfig, index: int):
+    def __init__(self, cfg: RunConfig, index: int, devices=None, hub=None, run_dir: pathlib.Path | None = None):
+        """`devices`: this sampler's devices (default: the process's local ones); `hub`: the in-process weight
+        hub of weights.transport=local; `run_dir`: where sampler-<index>.json goes (none when None)."""
         if not 0 <= index < cfg.sampler.replicas:
             raise ValueError(f"--index {index} outside 0..sampler.replicas-1 ({cfg.sampler.replicas - 1})")
+        if cfg.weights.transport == "local" and hub is None:
+            raise ValueError("weights.transport=local runs the samplers inside the trainer's process: start the run "
+                             "with `grpo-stream up` (or `grpo-stream colocated`), or choose grpc / checkpoint")
         self.cfg, self.index = cfg, index
+        self.devices, self.hub, self.run_dir = devices, hub, run_dir
         self.sampler_id = f"sampler-{index}"
         self.stop_event = threading.Event()
         self.installed_versions: list[int] = []
         self.params, self.version, self.final, self.last_poll = None, -1, False, 0.0
         self.groups_at_version = 0  # groups generated with the installed version
         self.waited_for_weights_s = 0.0
+        self.fetch_seconds: list[float] = []
         self.sync: WeightSync | None = None
 
     def _wait_for_trainer(self, channel: grpc.Channel) -> None:
@@ -75,6 +88,8 @@ class Sampler:
         rewards = RewardSet(cfg.task.rewards)
         prom = ServiceMetrics(self.sampler_id)
         self.version_gauge = prom.gauge("sampler_weight_version", "weight version this sampler generates with")
+        self.lag_gauge = prom.gauge("sampler_weight_lag", "newest version seen minus the installed one")
+        self.failures_gauge = prom.gauge("sampler_weight_fetch_failures", "failed fetches since the last install")
         groups_total = prom.counter("sampler_groups", "rollout groups generated")
         tokens_total = prom.counter("sampler_tokens", "completion tokens generated")
         backlog = prom.gauge("sampler_backlog", "groups generated but not yet acknowledged by the ingest")
@@ -83,7 +98,10 @@ class Sampler:
         prom.start(cfg.sampler.metrics_host, metrics_port)
         channel = grpc.insecure_channel(cfg.trainer_address(), options=CHANNEL_OPTIONS)
         self._wait_for_trainer(channel)
-        sync = WeightSync(channel, self.sampler_id, model, cfg.sampler.rpc_timeout_s)
+        mesh = make_mesh(1, cfg.sampler.mesh.tp, self.devices or jax.local_devices(), "sampler.mesh.tp")
+        log.info("%s mesh %s on %s", self.sampler_id, dict(mesh.shape), [d.id for d in mesh.devices.flat])
+        sync = WeightSync(self._fetcher(channel), model, mesh, self.sampler_id, cfg.weights.retry_initial_s,
+                          cfg.weights.retry_max_s, cfg.trainer.max_staleness, channel)
         client = RolloutClient(channel, cfg.sampler.backlog_max_groups, cfg.sampler.max_groups_per_message).start()
         log.info("%s connected to %s (tokenizer %s)", self.sampler_id, cfg.trainer_address(), tokenizer.fingerprint())
 
@@ -107,6 +125,13 @@ class Sampler:
                 self._poll_weights()
                 if self.final:
                     break
+            if self.sync.too_stale():  # the trainer would drop what we make now: wait for newer weights
+                log.warning("%s: version %d is %d behind the newest (trainer.max_staleness %d); waiting for weights",
+                            self.sampler_id, self.version, self.sync.lag(), cfg.trainer.max_staleness)
+                while self.sync.too_stale() and not self.stop_event.is_set() and not self.final:
+                    self.stop_event.wait(cfg.sampler.weight_poll_s)
+                    self._poll_weights()
+                continue
             wanted = cfg.sampler.prompts_per_batch
             if cap is not None:  # synchronous mode: at most `cap` groups per weight version
                 wanted = min(wanted, cap - self.groups_at_version)
@@ -146,6 +171,7 @@ class Sampler:
         drained = client.drain(timeout_s=2.0 if self.final else 10.0)
         client.close()
         sync.report()
+        verified = self._verify(engine, model, task, tokenizer) if cfg.weights.verify_prompts and self.final else None
         channel.close()
         prom.stop()
         elapsed = time.monotonic() - started
@@ -153,18 +179,43 @@ class Sampler:
                  "versions installed %s, %.1fs waiting for weights", self.sampler_id, groups_sent,
                  groups_sent / max(elapsed, 1e-9), dict(client.stats), drained, self.installed_versions,
                  self.waited_for_weights_s)
-        return {"sampler_id": self.sampler_id, "groups": groups_sent, "versions": self.installed_versions}
+        result = {"sampler_id": self.sampler_id, "groups": groups_sent, "versions": self.installed_versions,
+                  "waited_for_weights_s": round(self.waited_for_weights_s, 3), "fetch_seconds": self.fetch_seconds,
+                  "final_weights": verified}
+        if self.run_dir is not None:
+            (self.run_dir / f"{self.sampler_id}.json").write_text(json.dumps(result, indent=2))
+        return result
+
+    def _fetcher(self, channel: grpc.Channel):
+        w = self.cfg.weights
+        if w.transport == "grpc":
+            return GrpcFetcher(channel, self.sampler_id, w.fetch_streams, self.cfg.sampler.rpc_timeout_s)
+        if w.transport == "checkpoint":
+            if not w.checkpoint_dir:
+                raise ValueError("weights.transport=checkpoint needs weights.checkpoint_dir (the directory the "
+                                 "trainer publishes to)")
+            return CheckpointFetcher(CheckpointWeightStore(w.checkpoint_dir, w.keep_versions))
+        return LocalFetcher(self.hub)
+
+    def _verify(self, engine, model, task, tokenizer) -> dict:
+        """Digest of the installed (final) parameters and greedy completions, to compare with the trainer's."""
+        problems = task.heldout(self.cfg.weights.verify_prompts)
+        return {"version": self.version, "sha256": digest(model.to_named_numpy(self.params)),
+                "greedy": greedy_probe(engine, self.params, tokenizer, problems, self.cfg.eval.batch_size)}
 
     def _poll_weights(self) -> None:
         """Install a newer published version if there is one (only ever between generation batches)."""
         self.last_poll = time.monotonic()
         got = self.sync.poll()
+        self.lag_gauge.set(self.sync.lag())
+        self.failures_gauge.set(self.sync.failures)
         if got is None:
             return
         if got.params is not None:
             self.params, self.version, self.groups_at_version = got.params, got.version, 0
-            self.sync.mark_installed(got.version)
+            self.sync.mark_installed(got)
             self.installed_versions.append(got.version)
+            self.fetch_seconds.append(round(got.fetch_seconds, 4))
             self.version_gauge.set(got.version)
             log.info("%s installed weight version %d (%.1f MB, fetch %.2fs)%s", self.sampler_id, got.version,
                      got.nbytes / 1e6, got.fetch_seconds, " [final]" if got.final else "")
@@ -195,7 +246,7 @@ class Sampler:
         return True
 
 
-def run_sampler(cfg: RunConfig, index: int) -> dict:
-    sampler = Sampler(cfg, index)
+def run_sampler(cfg: RunConfig, index: int, run_dir: pathlib.Path | None = None) -> dict:
+    sampler = Sampler(cfg, index, run_dir=run_dir)
     stop_on_signals(sampler.stop_event, "generation batch")
     return sampler.run()

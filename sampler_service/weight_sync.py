@@ -1,16 +1,36 @@
-"""Fetching published weights from the trainer and turning them into this sampler's params."""
+"""Installing published weights on this sampler's mesh: one policy (WeightSync), three fetchers.
+
+Fetchers (chosen by weights.transport) find the newest version and bring it
+onto this sampler's devices with its own sharding:
+  GrpcFetcher        asks the trainer only for the slices its devices hold, over
+                     `fetch_streams` parallel streams, and places each slice on its
+                     devices (jax.make_array_from_callback); nothing else is copied;
+  CheckpointFetcher  reads LATEST from weights.checkpoint_dir and restores with Orbax
+                     straight into this sharding;
+  LocalFetcher       same process: jax.device_put from the trainer's arrays.
+WeightSync owns the rules: a version is installed whole or not at all, a new
+trainer epoch (restarted trainer) is followed even when its numbers are lower,
+failed fetches back off exponentially (the sampler keeps its version), and
+`too_stale` says when generating would only make groups the trainer drops.
+"""
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import time
 from typing import Any
 
 import grpc
+import jax
+import numpy as np
 
 from common.model import PolicyModel
-from common.weights import WeightTransferError, assemble
+from common.sharding import needed_slices, param_shardings
+from common.weight_checkpoint import CheckpointError, CheckpointWeightStore
+from common.weight_local import LocalWeightHub
+from common.weights import SliceAssembler, WeightTransferError, box_to_proto, manifest_of
 from protos import weights_pb2, weights_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -23,57 +43,198 @@ class Installed:
     final: bool
     fetch_seconds: float
     nbytes: int
+    epoch: str = ""
 
 
-class WeightSync:
-    """Polls the trainer's manifest and fetches newer versions whole (checked) or not at all."""
+def _index_key(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple:
+    return tuple(s.indices(n)[:2] for s, n in zip(index, shape))
 
-    def __init__(self, channel: grpc.Channel, sampler_id: str, model: PolicyModel, rpc_timeout_s: float):
+
+class GrpcFetcher:
+    def __init__(self, channel: grpc.Channel, sampler_id: str, streams: int, timeout_s: float):
         self._stub = weights_pb2_grpc.WeightServiceStub(channel)
-        self.sampler_id, self.model, self.rpc_timeout_s = sampler_id, model, rpc_timeout_s
-        self.installed_version = -1
+        self.sampler_id, self.streams, self.timeout_s = sampler_id, streams, timeout_s
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=streams, thread_name_prefix="fetch")
 
-    def latest_manifest(self) -> weights_pb2.WeightManifest | None:
-        """The trainer's newest manifest, or None when nothing is published yet (reports our version)."""
+    def latest(self, installed_version: int) -> weights_pb2.WeightManifest | None:
         try:
             return self._stub.GetManifest(weights_pb2.GetManifestRequest(
-                sampler_id=self.sampler_id, installed_version=self.installed_version), timeout=10)
+                sampler_id=self.sampler_id, installed_version=installed_version), timeout=min(10, self.timeout_s))
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.NOT_FOUND:
                 return None
             raise
 
-    def fetch(self, manifest: weights_pb2.WeightManifest) -> Installed:
-        start = time.monotonic()
-        chunks = self._stub.FetchWeights(weights_pb2.FetchWeightsRequest(
-            sampler_id=self.sampler_id, version=manifest.version), timeout=self.rpc_timeout_s)
-        arrays = assemble(manifest, chunks)
-        params = self.model.from_named_numpy(arrays)
-        return Installed(manifest.version, params, manifest.final, time.monotonic() - start, manifest.total_bytes)
+    def fetch(self, manifest: weights_pb2.WeightManifest, targets: dict[str, jax.ShapeDtypeStruct]) -> dict:
+        index = {t.name: i for i, t in enumerate(manifest.tensors)}
+        _check_names(manifest, targets)
+        plan = []  # (bytes, tensor index, boxes)
+        for name, target in targets.items():
+            spec = manifest.tensors[index[name]]
+            boxes = needed_slices(tuple(spec.shape), target.sharding)
+            size = sum(int(np.prod([s.stop - s.start for s in b])) for b in boxes) * np.dtype(spec.dtype).itemsize
+            plan.append((size, index[name], boxes))
+        # balance the streams by bytes: largest tensors first, each to the lightest stream
+        lanes: list[list] = [[] for _ in range(min(self.streams, len(plan)) or 1)]
+        loads = [0] * len(lanes)
+        for item in sorted(plan, key=lambda p: -p[0]):
+            k = loads.index(min(loads))
+            lanes[k].append(item)
+            loads[k] += item[0]
+        futures = [self._pool.submit(self._stream, manifest, lane) for lane in lanes if lane]
+        boxes_by_tensor: dict[int, dict] = {}
+        for future in futures:
+            boxes_by_tensor.update(future.result(timeout=self.timeout_s + 5))
+        out = {}
+        for name, target in targets.items():
+            pieces = boxes_by_tensor[index[name]]
+            dtype = target.dtype
+            out[name] = jax.make_array_from_callback(
+                target.shape, target.sharding,
+                lambda idx, pieces=pieces, shape=tuple(target.shape): pieces[_index_key(idx, shape)].astype(
+                    dtype, copy=False))
+        return out
+
+    def _stream(self, manifest, lane) -> dict[int, dict]:
+        request = weights_pb2.FetchSlicesRequest(
+            sampler_id=self.sampler_id, version=manifest.version, trainer_epoch=manifest.trainer_epoch,
+            tensors=[weights_pb2.TensorSlices(tensor_index=t, slices=[box_to_proto(b) for b in boxes])
+                     for _, t, boxes in lane])
+        assembler = SliceAssembler(manifest, {t: boxes for _, t, boxes in lane})
+        for chunk in self._stub.FetchSlices(request, timeout=self.timeout_s):
+            assembler.add(chunk)
+        arrays = assembler.arrays()
+        return {t: {tuple((s.start, s.stop) for s in box): arr for box, arr in zip(boxes, arrays[t])}
+                for _, t, boxes in lane}
+
+
+class CheckpointFetcher:
+    def __init__(self, store: CheckpointWeightStore):
+        self.store = store
+
+    def latest(self, installed_version: int) -> weights_pb2.WeightManifest | None:
+        record = self.store.latest()
+        if record is None:
+            return None
+        specs = {n: (s, np.dtype(d)) for n, s, d in record["tensors"]}
+        return manifest_of(record["version"], specs, record["final"], record["epoch"], record["published_unix"], 0,
+                           "checkpoint", record["location"])
+
+    def fetch(self, manifest: weights_pb2.WeightManifest, targets: dict[str, jax.ShapeDtypeStruct]) -> dict:
+        _check_names(manifest, targets)
+        record = {"location": manifest.location, "tensors": [[t.name, list(t.shape), t.dtype]
+                                                             for t in manifest.tensors]}
+        return self.store.restore(record, targets)
+
+
+class LocalFetcher:
+    def __init__(self, hub: LocalWeightHub):
+        self.hub = hub
+        self._entry = None
+
+    def latest(self, installed_version: int) -> weights_pb2.WeightManifest | None:
+        entry = self._entry = self.hub.latest()
+        if entry is None:
+            return None
+        specs = {n: (tuple(a.shape), np.dtype(a.dtype)) for n, a in entry.named.items()}
+        return manifest_of(entry.version, specs, entry.final, entry.epoch, entry.published_unix, 0, "local")
+
+    def fetch(self, manifest: weights_pb2.WeightManifest, targets: dict[str, jax.ShapeDtypeStruct]) -> dict:
+        entry = self._entry
+        if entry is None or entry.version != manifest.version or entry.epoch != manifest.trainer_epoch:
+            raise WeightTransferError(f"version {manifest.version} was replaced while installing; poll again")
+        return LocalWeightHub.install(entry, targets)
+
+
+def _check_names(manifest: weights_pb2.WeightManifest, targets: dict[str, jax.ShapeDtypeStruct]) -> None:
+    specs = {t.name: t for t in manifest.tensors}
+    missing, extra = sorted(set(targets) - set(specs)), sorted(set(specs) - set(targets))
+    if missing or extra:
+        raise WeightTransferError(f"published parameters differ from this sampler's model (missing {missing[:3]}, "
+                                  f"unexpected {extra[:3]}); do both services use the same model config?")
+    for name, target in targets.items():
+        if tuple(specs[name].shape) != tuple(target.shape):
+            raise WeightTransferError(f"{name}: published shape {list(specs[name].shape)}, this sampler's model "
+                                      f"wants {list(target.shape)}")
+
+
+class WeightSync:
+    """Polls a fetcher and installs newer versions whole; reports the installed version to the trainer."""
+
+    def __init__(self, fetcher, model: PolicyModel, mesh: jax.sharding.Mesh, sampler_id: str,
+                 retry_initial_s: float = 0.5, retry_max_s: float = 10.0, max_staleness: int | None = None,
+                 channel: grpc.Channel | None = None):
+        self.fetcher, self.model, self.sampler_id = fetcher, model, sampler_id
+        self.retry_initial_s, self.retry_max_s, self.max_staleness = retry_initial_s, retry_max_s, max_staleness
+        shardings = param_shardings(model.params, mesh)
+        self.targets = {name: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=s) for name, leaf, s in zip(
+            model.names(), jax.tree_util.tree_leaves(model.params), jax.tree_util.tree_leaves(shardings))}
+        self._report_stub = None if channel is None else weights_pb2_grpc.WeightServiceStub(channel)
+        self.installed_version, self.installed_epoch = -1, ""
+        self.latest_seen = -1  # newest version seen from the installed version's trainer epoch
+        self.failures, self._next_attempt = 0, 0.0
+
+    def lag(self) -> int:
+        return max(0, self.latest_seen - self.installed_version) if self.installed_version >= 0 else 0
+
+    def too_stale(self) -> bool:
+        """True when groups made now would exceed the trainer's staleness bound (they would only be dropped)."""
+        return self.max_staleness is not None and self.installed_version >= 0 and self.lag() > self.max_staleness
 
     def poll(self) -> Installed | None:
-        """A newer version if one is published and fetched whole; None otherwise. Never raises on transport errors."""
+        """A newer version fetched whole, or None (nothing newer, backing off, or the fetch failed). Never raises
+        on transport errors: the sampler keeps its version and retries after a back-off."""
+        now = time.monotonic()
+        if now < self._next_attempt:
+            return None
         try:
-            manifest = self.latest_manifest()
-            if manifest is None or manifest.version < self.installed_version or (
-                    manifest.version == self.installed_version and not manifest.final):
+            manifest = self.fetcher.latest(self.installed_version)
+            if manifest is None:
                 return None
-            if manifest.version == self.installed_version and manifest.final:
-                return Installed(manifest.version, None, True, 0.0, 0)
-            return self.fetch(manifest)
-        except grpc.RpcError as exc:
-            log.warning("weight poll failed (%s: %s); keeping version %d", exc.code(), exc.details(),
-                        self.installed_version)
-        except WeightTransferError as exc:
-            log.error("weight transfer corrupt (%s); keeping version %d", exc, self.installed_version)
+            new_epoch = manifest.trainer_epoch != self.installed_epoch
+            if not new_epoch:
+                self.latest_seen = max(self.latest_seen, manifest.version)
+            if not new_epoch and (manifest.version < self.installed_version or (
+                    manifest.version == self.installed_version and not manifest.final)):
+                return None
+            if not new_epoch and manifest.version == self.installed_version:
+                return Installed(manifest.version, None, True, 0.0, 0, manifest.trainer_epoch)
+            log.info("%s fetching weight version %d (%.1f MB, %s)", self.sampler_id, manifest.version,
+                     manifest.total_bytes / 1e6, manifest.transport)
+            start = time.monotonic()
+            named = self.fetcher.fetch(manifest, self.targets)
+            params = self.model.params_from_arrays(named)
+            jax.block_until_ready(params)
+            self.failures = 0
+            return Installed(manifest.version, params, manifest.final, time.monotonic() - start, manifest.total_bytes,
+                             manifest.trainer_epoch)
+        except (grpc.RpcError, WeightTransferError, CheckpointError, OSError, ValueError,
+                concurrent.futures.TimeoutError) as exc:
+            self.failures += 1
+            delay = min(self.retry_initial_s * 2 ** (self.failures - 1), self.retry_max_s)
+            self._next_attempt = time.monotonic() + delay
+            detail = f"{exc.code()}: {exc.details()}" if isinstance(exc, grpc.RpcError) else f"{exc}"
+            log.warning("%s weight fetch failed (%s); keeping version %d (lag %d), retry %d in %.1fs",
+                        self.sampler_id, detail, self.installed_version, self.lag(), self.failures, delay)
+            self.report()
         return None
 
-    def mark_installed(self, version: int) -> None:
-        self.installed_version = version
+    def mark_installed(self, got: Installed) -> None:
+        if got.epoch != self.installed_epoch:
+            self.latest_seen = got.version
+        self.installed_version, self.installed_epoch = got.version, got.epoch
+        self.latest_seen = max(self.latest_seen, got.version)
+        self.report()
 
     def report(self) -> None:
-        """Tell the trainer which version runs here (best effort)."""
+        """Tell the trainer which version runs here and how fetching goes (best effort, short deadline)."""
+        if self._report_stub is None:
+            return
         try:
-            self.latest_manifest()
+            reply = self._report_stub.ReportVersion(weights_pb2.VersionReport(
+                sampler_id=self.sampler_id, installed_version=self.installed_version, fetch_failures=self.failures,
+                trainer_epoch=self.installed_epoch), timeout=2)
+            if reply.latest_version >= 0:
+                self.latest_seen = max(self.latest_seen, reply.latest_version)
         except grpc.RpcError:
             pass

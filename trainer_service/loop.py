@@ -10,12 +10,14 @@ dropped, counted and logged, never trained on.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import json
 import logging
 import pathlib
 import threading
 import time
 
+import jax
 import numpy as np
 
 from common.buffer import BufferEntry, BufferUnavailable, RedisStreamBuffer
@@ -27,7 +29,10 @@ from common.metrics import MetricsWriter
 from common.prometheus import ServiceMetrics
 from common.redis_util import connect
 from common.runtime import build_policy, build_task_and_tokenizer, stop_on_signals
-from common.weights import WeightSnapshot
+from common.evaluation import greedy_probe
+from common.sharding import make_mesh, place
+from common.weight_checkpoint import CheckpointWeightStore
+from common.weights import digest
 from common.wire import GroupData, GroupLimits, decode_group
 from trainer_service.batching import build_batch
 from trainer_service.ingest import IngestServicer
@@ -41,8 +46,10 @@ log = logging.getLogger(__name__)
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig, run_dir: pathlib.Path):
+    def __init__(self, cfg: RunConfig, run_dir: pathlib.Path, devices=None, hub=None):
+        """`devices`: the trainer mesh's devices (default: all); `hub`: in-process weight hub (transport local)."""
         self.cfg, self.run_dir = cfg, run_dir
+        self.devices, self.hub = devices, hub
         self.stop_event = threading.Event()
         self.started = time.time()
         self.pending: list[tuple[BufferEntry, GroupData]] = []
@@ -62,7 +69,11 @@ class Trainer:
         self.task, self.tokenizer = build_task_and_tokenizer(cfg)
         self.tokenizer.save(self.run_dir / "model")
         self.model = build_policy(cfg, self.tokenizer.vocab_size, seed=cfg.run.seed)
-        self.params = self.model.params
+        m = cfg.trainer.mesh
+        self.mesh = make_mesh(m.fsdp, m.tp, self.devices or jax.devices(), "trainer.mesh")
+        self.params = place(self.model.params, self.mesh)
+        log.info("trainer mesh %s on %s", dict(self.mesh.shape), [d.id for d in self.mesh.devices.flat])
+        self.model = dataclasses.replace(self.model, params=self.params)
         log.info("model: %d parameters, vocab %d, tokenizer %s", self.model.num_params(), self.tokenizer.vocab_size,
                  self.tokenizer.fingerprint())
         gen = cfg.generation
@@ -70,7 +81,16 @@ class Trainer:
                              gen.max_new_tokens, gen.temperature)
         limits = GroupLimits(gen.num_generations, gen.max_prompt_tokens, gen.max_new_tokens, self.tokenizer.vocab_size)
         self.ingest = IngestServicer(self.buffer, limits, cfg.buffer.max_groups, cfg.buffer.retry_after_ms)
-        self.publisher = WeightPublisher()
+        w = cfg.weights
+        if w.transport == "checkpoint" and not w.checkpoint_dir:
+            raise ValueError("weights.transport=checkpoint needs weights.checkpoint_dir: a directory every sampler "
+                             "can read (shared disk or gs://); `up` uses RUN_DIR/weights")
+        if w.transport == "local" and self.hub is None:
+            raise ValueError("weights.transport=local runs the samplers inside the trainer's process: start the run "
+                             "with `grpo-stream up` (or `grpo-stream colocated`), or choose grpc / checkpoint")
+        store = CheckpointWeightStore(w.checkpoint_dir, w.keep_versions) if w.transport == "checkpoint" else None
+        self.publisher = WeightPublisher(w.transport, w.chunk_bytes, w.max_serve_mb_s, store, self.hub,
+                                         w.wire_dtype)
         self.server = TrainerServer(self.ingest, self.publisher, cfg.trainer.host, cfg.trainer.port)
         port = self.server.start()
         log.info("gRPC server (ingest, weights, health) on %s:%d", cfg.trainer.host, port)
@@ -91,7 +111,8 @@ class Trainer:
 
     def _publish(self, version: int, params=None, final: bool = False) -> None:
         params = self.params if params is None else params
-        self.publisher.publish(WeightSnapshot(version=version, arrays=self.model.to_named_numpy(params), final=final))
+        stats = self.publisher.publish_arrays(version, self.model.named_arrays(params), final=final)
+        log.debug("published version %d (%.1f MB) in %.3fs", version, stats.nbytes / 1e6, stats.seconds)
 
     def _evaluate(self, label: str) -> dict:
         problems = self.task.heldout(self.cfg.eval.num_problems)
@@ -170,7 +191,8 @@ class Trainer:
         self._publish(0)
         log.info("published weight version 0; RL starts")
         updater = PolicyUpdater(self.model, self.params, cfg.algo, cfg.trainer.learning_rate,
-                                cfg.trainer.max_grad_norm, cfg.generation.temperature, self.tokenizer.pad_id)
+                                cfg.trainer.max_grad_norm, cfg.generation.temperature, self.tokenizer.pad_id,
+                                self.mesh)
         algo = cfg.algo
         rl_start, steps_done, tokens_total, groups_total = time.time(), 0, 0, 0
         last_end = time.time()
@@ -221,6 +243,12 @@ class Trainer:
         log.info("exported the trained model to %s", self.run_dir / "model")
         self._await_samplers(steps_done)
         self.server.stop()
+        if cfg.weights.verify_prompts:
+            problems = self.task.heldout(cfg.weights.verify_prompts)
+            self.final_weights = {"version": self.publisher.latest_version,
+                                  "sha256": digest(self.model.to_named_numpy(self.params)),
+                                  "greedy": greedy_probe(self.engine, self.params, self.tokenizer, problems,
+                                                         cfg.eval.batch_size)}
         return self._write_summary(steps_done, warm, eval_before, eval_after, rl_seconds)
 
     def _track_agreement(self, m: dict) -> None:
@@ -314,6 +342,11 @@ class Trainer:
             "ingest_backpressure_replies": self.ingest.stats["full"],
             "weight_versions_published": len(self.publisher.published),
             "weight_versions": self.publisher.published,
+            "weight_transport": self.cfg.weights.transport,
+            "weight_publish_seconds_mean": (round(float(np.mean(self.publisher.publish_seconds)), 4)
+                                            if self.publisher.publish_seconds else None),
+            "trainer_mesh": dict(self.mesh.shape),
+            "final_weights": getattr(self, "final_weights", None),
             "sampler_weight_versions": self.publisher.installed,
             "algo": self.cfg.algo.model_dump(mode="json"),
             "logprob_agreement_lag0": {

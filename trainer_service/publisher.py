@@ -1,73 +1,177 @@
-"""Weight publication over gRPC: the trainer serves its latest published version.
+"""Weight publication: one publisher, three transports, one WeightService for manifests and lag reports.
 
-`publish` swaps in a new immutable host snapshot; fetches already streaming
-keep reading the snapshot they started with, so a sampler always receives
-one whole version. Each sampler reports its installed version when it asks
-for the manifest; the publisher keeps that history (for the run summary
-and the weight-lag metric).
+`publish` runs on the trainer's publication thread, never on the step loop:
+it casts to the wire dtype on device, then
+  grpc:       copies a host snapshot that FetchSlices streams from (fetches
+              already streaming keep reading the snapshot they started with);
+  checkpoint: saves the version with Orbax under weights.checkpoint_dir and
+              marks it complete (samplers restore from there);
+  local:      hands the device arrays to the in-process hub.
+Only then does the manifest switch, so a sampler never sees a version that
+is not fully readable. Each sampler reports the version it runs; the
+publisher keeps that history for the lag metric and the run summary.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
+from typing import Any
 
 import grpc
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-from common.weights import DEFAULT_CHUNK_BYTES, WeightSnapshot
+from common.weight_checkpoint import CheckpointWeightStore
+from common.weight_local import LocalWeightHub
+from common.weights import (DEFAULT_CHUNK_BYTES, WeightSnapshot, WeightTransferError, box_from_proto, manifest_of,
+                            new_epoch, stream_box)
 from protos import weights_pb2, weights_pb2_grpc
 
 
+@dataclasses.dataclass
+class PublishStats:
+    version: int
+    seconds: float  # publication thread: cast + copy/save until the manifest switched
+    nbytes: int
+
+
 class WeightPublisher(weights_pb2_grpc.WeightServiceServicer):
-    def __init__(self, chunk_bytes: int = DEFAULT_CHUNK_BYTES):
-        self.chunk_bytes = chunk_bytes
+    def __init__(self, transport: str = "grpc", chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 max_serve_mb_s: float | None = None, store: CheckpointWeightStore | None = None,
+                 hub: LocalWeightHub | None = None, wire_dtype: str = "model", epoch: str | None = None):
+        if transport == "checkpoint" and store is None:
+            raise ValueError("weights.transport=checkpoint needs weights.checkpoint_dir")
+        if transport == "local" and hub is None:
+            raise ValueError("weights.transport=local needs an in-process hub (trainer and samplers in one process)")
+        self.transport, self.chunk_bytes, self.max_serve_mb_s = transport, chunk_bytes, max_serve_mb_s
+        self.store, self.hub, self.wire_dtype = store, hub, wire_dtype
+        self.epoch = epoch or new_epoch()
         self._lock = threading.Lock()
         self._snapshot: WeightSnapshot | None = None
         self._manifest: weights_pb2.WeightManifest | None = None
         self.published: list[int] = []
+        self.publish_seconds: list[float] = []
         self.installed: dict[str, list[int]] = {}
+        self.fetch_failures: dict[str, int] = {}
         self.last_seen: dict[str, float] = {}
 
+    # -- publishing -------------------------------------------------------------------------------------------
+    def publish_arrays(self, version: int, named: dict[str, Any], final: bool = False) -> PublishStats:
+        """Publish device (or host) arrays `named` as `version` over the configured transport."""
+        start = time.monotonic()
+        self._check_newer(version, final)
+        if self.wire_dtype != "model":
+            dtype = jnp.dtype(self.wire_dtype)
+            named = {n: a.astype(dtype) if a.dtype != dtype else a for n, a in named.items()}
+        specs = {n: (tuple(a.shape), np.dtype(a.dtype)) for n, a in named.items()}
+        now = time.time()
+        if self.transport == "grpc":
+            host = {n: np.asarray(a) for n, a in zip(named, jax.device_get(list(named.values())))}
+            snapshot = WeightSnapshot(version, host, final, self.epoch, now)
+            manifest = snapshot.manifest(self.chunk_bytes, "grpc")
+        elif self.transport == "checkpoint":
+            snapshot = None
+            record = self.store.save(version, named, final, self.epoch)
+            manifest = manifest_of(version, specs, final, self.epoch, now, 0, "checkpoint", record["location"])
+        else:
+            snapshot = None
+            self.hub.publish(version, named, final, self.epoch)
+            manifest = manifest_of(version, specs, final, self.epoch, now, 0, "local")
+        self._switch(manifest, snapshot)
+        seconds = time.monotonic() - start
+        self.publish_seconds.append(seconds)
+        return PublishStats(version, seconds, manifest.total_bytes)
+
     def publish(self, snapshot: WeightSnapshot) -> None:
-        manifest = snapshot.manifest(self.chunk_bytes)
+        """Publish a prepared host snapshot (grpc transport)."""
+        self._check_newer(snapshot.version, snapshot.final)
+        if not snapshot.epoch:
+            snapshot = dataclasses.replace(snapshot, epoch=self.epoch)
+        self._switch(snapshot.manifest(self.chunk_bytes, "grpc"), snapshot)
+
+    def _check_newer(self, version: int, final: bool) -> None:
         with self._lock:
-            if self._snapshot is not None and snapshot.version <= self._snapshot.version and not snapshot.final:
-                raise ValueError(f"version {snapshot.version} is not newer than {self._snapshot.version}")
+            current = None if self._manifest is None else self._manifest.version
+        if current is not None and version <= current and not (final and version == current):
+            raise ValueError(f"version {version} is not newer than {current}")
+
+    def _switch(self, manifest: weights_pb2.WeightManifest, snapshot: WeightSnapshot | None) -> None:
+        with self._lock:
             self._snapshot, self._manifest = snapshot, manifest
-            if not self.published or self.published[-1] != snapshot.version:
-                self.published.append(snapshot.version)
+            if not self.published or self.published[-1] != manifest.version:
+                self.published.append(manifest.version)
 
     @property
     def latest_version(self) -> int | None:
         with self._lock:
-            return None if self._snapshot is None else self._snapshot.version
+            return None if self._manifest is None else self._manifest.version
 
     def samplers_at(self, version: int) -> dict[str, bool]:
         with self._lock:
             return {sid: bool(v) and v[-1] >= version for sid, v in self.installed.items()}
 
-    def _record(self, sampler_id: str, installed_version: int) -> None:
-        if not sampler_id:
+    def record(self, sampler_id: str, installed_version: int, failures: int = 0, epoch: str = "") -> None:
+        """Note a sampler's installed version (versions of another trainer epoch are not ours to count)."""
+        if not sampler_id or (epoch and epoch != self.epoch):
             return
         with self._lock:
             history = self.installed.setdefault(sampler_id, [])
             if installed_version >= 0 and (not history or history[-1] != installed_version):
                 history.append(installed_version)
+            self.fetch_failures[sampler_id] = failures
             self.last_seen[sampler_id] = time.time()
 
+    # -- WeightService ----------------------------------------------------------------------------------------
     def GetManifest(self, request, context):
-        self._record(request.sampler_id, request.installed_version)
         with self._lock:
             manifest = self._manifest
+        # the manifest request does not carry the caller's epoch: count it only if it matches ours
+        if manifest is not None and request.installed_version <= manifest.version:
+            self.record(request.sampler_id, request.installed_version)
         if manifest is None:
             context.abort(grpc.StatusCode.NOT_FOUND, "no weights published yet; retry shortly")
         return manifest
 
-    def FetchWeights(self, request, context):
+    def ReportVersion(self, request, context):
+        self.record(request.sampler_id, request.installed_version, request.fetch_failures, request.trainer_epoch)
+        latest = self.latest_version
+        return weights_pb2.VersionReportReply(latest_version=-1 if latest is None else latest)
+
+    def FetchSlices(self, request, context):
         with self._lock:
             snapshot = self._snapshot
-        if snapshot is None or snapshot.version != request.version:
+        if self.transport != "grpc":
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"weights.transport={self.transport}: versions are not served over gRPC; read them "
+                          f"{'from weights.checkpoint_dir' if self.transport == 'checkpoint' else 'in-process'}")
+        if snapshot is None or snapshot.version != request.version or (
+                request.trainer_epoch and request.trainer_epoch != snapshot.epoch):
             context.abort(grpc.StatusCode.NOT_FOUND,
                           f"version {request.version} is not held (latest: "
                           f"{None if snapshot is None else snapshot.version}); ask for the manifest again")
-        yield from snapshot.chunks(self.chunk_bytes)
+        arrays = list(snapshot.arrays.values())
+        plan = []
+        try:
+            for tensor in request.tensors:
+                if not 0 <= tensor.tensor_index < len(arrays):
+                    raise WeightTransferError(f"tensors.tensor_index={tensor.tensor_index} outside the manifest's "
+                                              f"{len(arrays)} tensors")
+                arr = arrays[tensor.tensor_index]
+                for k, rng in enumerate(tensor.slices):
+                    plan.append((tensor.tensor_index, k, arr, box_from_proto(rng, arr.shape, f"tensor "
+                                                                             f"{tensor.tensor_index} slice {k}")))
+        except WeightTransferError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        rate = None if self.max_serve_mb_s is None else self.max_serve_mb_s * 1e6
+        sent, start = 0, time.monotonic()
+        for t, k, arr, box in plan:
+            for chunk in stream_box(arr, box, t, k, self.chunk_bytes):
+                if rate is not None:  # pace the stream: never ahead of rate x elapsed
+                    ahead = sent / rate - (time.monotonic() - start)
+                    if ahead > 0:
+                        time.sleep(ahead)
+                sent += len(chunk.data)
+                yield chunk

@@ -17,6 +17,7 @@ import optax
 
 from common.config import AlgoSection
 from common.model import PolicyModel, sequence_logprobs
+from common.sharding import rows_sharding
 from trainer_service.batching import TrainBatch
 from trainer_service.loss import policy_loss, truncated_is_weights
 from trainer_service.train_step import make_optimizer
@@ -26,8 +27,10 @@ class PolicyUpdater:
     """Params, optimizer state and (only when beta > 0) a frozen reference copy of the params."""
 
     def __init__(self, model: PolicyModel, params: Any, algo: AlgoSection, learning_rate: float,
-                 max_grad_norm: float, temperature: float, pad_id: int):
-        self.model, self.algo, self.temperature, self.pad_id = model, algo, temperature, pad_id
+                 max_grad_norm: float, temperature: float, pad_id: int, mesh: jax.sharding.Mesh | None = None):
+        """`params` already placed on `mesh` (if any); the optimizer state takes their shardings, and each
+        batch's rows are split over the mesh's fsdp axis (data parallel)."""
+        self.model, self.algo, self.temperature, self.pad_id, self.mesh = model, algo, temperature, pad_id, mesh
         self.optimizer = make_optimizer(learning_rate, max_grad_norm)
         self.params = params
         self.opt_state = self.optimizer.init(params)
@@ -65,6 +68,8 @@ class PolicyUpdater:
     def update(self, batch: TrainBatch) -> dict[str, float]:
         """Run num_iterations passes of `minibatches` optimizer steps over `batch`; return averaged metrics."""
         algo = self.algo
+        if self.mesh is not None:
+            batch = jax.device_put(batch, rows_sharding(self.mesh, batch.tokens.shape[0] // algo.minibatches))
         needs_old = algo.num_iterations > 1 or algo.minibatches > 1
         old = self._logprobs(self.params, batch.tokens, batch.valid) if needs_old else None
         ref = self._logprobs(self.ref_params, batch.tokens, batch.valid) if self.ref_params is not None else None

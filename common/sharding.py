@@ -1,0 +1,117 @@
+"""Device meshes and parameter shardings of the two services, and multi-host start-up.
+
+The trainer runs FSDP x tensor parallel on a (`fsdp`, `tp`) mesh; a sampler
+runs tensor parallel on its own (`fsdp`=1, `tp`) mesh, and replicas are
+separate samplers. Tunix annotates every parameter with logical axes named
+`fsdp` and `tp`, so one rule gives each parameter its NamedSharding on either
+mesh. An axis that does not divide a dimension (e.g. 2 KV heads on tp=4) is
+dropped for that dimension: the dimension is replicated rather than refused.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+log = logging.getLogger(__name__)
+AXES = ("fsdp", "tp")
+
+
+def make_mesh(fsdp: int, tp: int, devices: Sequence[jax.Device], field: str) -> Mesh:
+    """A (fsdp, tp) mesh over exactly fsdp*tp of `devices`; `field` names the config setting in errors."""
+    need = fsdp * tp
+    if need > len(devices):
+        raise ValueError(f"{field}: fsdp x tp = {fsdp} x {tp} = {need} devices, but this process has "
+                         f"{len(devices)} ({devices[0].platform}); lower the mesh or give the process more devices "
+                         "(on CPU: XLA_FLAGS=--xla_force_host_platform_device_count=N)")
+    grid = np.asarray(list(devices)[:need], dtype=object).reshape(fsdp, tp)
+    return Mesh(grid, AXES, axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+def _fit(spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
+    """`spec` with every mesh axis that does not divide its dimension removed."""
+    fitted = []
+    for dim, axes in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
+        names = (axes,) if isinstance(axes, str) else tuple(axes or ())
+        kept = [a for a in names if mesh.shape[a] > 1]
+        size = math.prod(mesh.shape[a] for a in kept)
+        if kept and dim % size:
+            kept = []
+        fitted.append(None if not kept else kept[0] if len(kept) == 1 else tuple(kept))
+    return PartitionSpec(*fitted)
+
+
+def param_shardings(params: Any, mesh: Mesh) -> Any:
+    """A pytree like `params` of NamedShardings from Tunix's (fsdp, tp) annotations, fitted to the shapes."""
+    annotated = nnx.get_named_sharding(params, mesh)
+    return jax.tree.map(lambda leaf, s: NamedSharding(mesh, _fit(s.spec, tuple(leaf.shape), mesh)), params,
+                        annotated)
+
+
+def place(params: Any, mesh: Mesh) -> Any:
+    """`params` (host or device arrays) moved onto their shardings on `mesh`."""
+    return jax.device_put(params, param_shardings(params, mesh))
+
+
+def rows_sharding(mesh: Mesh, rows: int) -> NamedSharding:
+    """Batch rows split over `fsdp` (data parallel) when they divide evenly, else replicated."""
+    fsdp = mesh.shape["fsdp"]
+    return NamedSharding(mesh, PartitionSpec("fsdp") if fsdp > 1 and rows % fsdp == 0 else PartitionSpec())
+
+
+def needed_slices(shape: tuple[int, ...], sharding: jax.sharding.Sharding) -> list[tuple[slice, ...]]:
+    """The distinct index slices this process's devices hold of an array of `shape` (normalised, in order)."""
+    seen: dict[tuple, tuple[slice, ...]] = {}
+    for index in sharding.addressable_devices_indices_map(shape).values():
+        norm = tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape))
+        seen.setdefault(tuple((s.start, s.stop) for s in norm), norm)
+    return list(seen.values())
+
+
+def split_devices(devices: Sequence[jax.Device], trainer_fraction: float,
+                  sampler_fraction: float) -> tuple[list[jax.Device], list[jax.Device]]:
+    """Single-controller split: the trainer takes the first share of the devices, samplers the last share.
+
+    Both fractions 1.0 means both use every device (one shared mesh).
+    """
+    n = len(devices)
+    n_train, n_sample = max(1, int(round(n * trainer_fraction))), max(1, int(round(n * sampler_fraction)))
+    if n_train + n_sample > n and not (trainer_fraction == 1.0 and sampler_fraction == 1.0):
+        raise ValueError(f"weights.trainer_devices_fraction={trainer_fraction} + weights.sampler_devices_fraction="
+                         f"{sampler_fraction} take {n_train} + {n_sample} of {n} devices; make them sum to at most "
+                         "1.0, or set both to 1.0 to share one mesh")
+    return list(devices[:n_train]), list(devices[n - n_sample:])
+
+
+def initialize_distributed(mode: str) -> bool:
+    """Multi-host JAX start-up from the environment; True when this process joined a multi-process job.
+
+    `auto` initialises when the environment describes a job (JAX_COORDINATOR_ADDRESS, or a Cloud TPU / SLURM /
+    Kubernetes JobSet that jax.distributed detects itself: TPU_WORKER_HOSTNAMES with more than one host, or
+    SLURM_JOB_ID); `always` initialises unconditionally (auto-detection must succeed); `never` skips it.
+    """
+    if mode == "never":
+        return False
+    coordinator = os.environ.get("JAX_COORDINATOR_ADDRESS")
+    multi_tpu = "," in os.environ.get("TPU_WORKER_HOSTNAMES", "")
+    if mode == "auto" and not (coordinator or multi_tpu or os.environ.get("SLURM_JOB_ID")):
+        return False
+    kwargs: dict[str, Any] = {}
+    if coordinator:
+        for env, key in (("JAX_NUM_PROCESSES", "num_processes"), ("JAX_PROCESS_ID", "process_id")):
+            if env not in os.environ:
+                raise ValueError(f"JAX_COORDINATOR_ADDRESS is set but {env} is not: set both {env} and the other "
+                                 "of JAX_NUM_PROCESSES / JAX_PROCESS_ID, or unset JAX_COORDINATOR_ADDRESS")
+            kwargs[key] = int(os.environ[env])
+        kwargs["coordinator_address"] = coordinator
+    jax.distributed.initialize(**kwargs)
+    log.info("jax.distributed: process %d of %d, %d local / %d global devices", jax.process_index(),
+             jax.process_count(), jax.local_device_count(), jax.device_count())
+    return True

@@ -1,0 +1,105 @@
+"""The `checkpoint` weight transport: Orbax versions in a shared directory with atomic completion.
+
+Layout under `weights.checkpoint_dir` (local disk, NFS or gs://):
+
+    v0000000012-<epoch>/          Orbax checkpoint of version 12 (each trainer device writes its shards)
+    v0000000012-<epoch>/COMPLETE  JSON {version, final, epoch, published_unix, tensors}, written after Orbax
+                                  has finished: a directory without it is never read
+    LATEST                        JSON of the newest complete version, replaced atomically (write + rename)
+
+Samplers read LATEST (a few hundred bytes) to poll and restore straight into
+their own sharding; they never see a partly written version. The trainer
+keeps the newest `keep` versions; a sampler whose version was deleted while
+it restored gets an error and retries with the newest.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+
+log = logging.getLogger(__name__)
+MARKER, LATEST = "COMPLETE", "LATEST"
+
+
+def _key(name: str) -> str:
+    """Orbax uses tree keys as storage paths: parameter names become dot-free keys."""
+    return name.replace(".", "__")
+
+
+class CheckpointError(RuntimeError):
+    """A version directory that is missing, incomplete or does not match the model."""
+
+
+class CheckpointWeightStore:
+    def __init__(self, root: str, keep: int = 3):
+        self.root = epath.Path(root)
+        self.keep = keep
+        self._checkpointer = ocp.StandardCheckpointer()
+
+    # -- trainer side ---------------------------------------------------------------------------------------
+    def save(self, version: int, named: dict[str, jax.Array], final: bool, epoch: str) -> dict:
+        """Write `named` (device arrays, any sharding) as `version`; return its COMPLETE record."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        path = self.root / f"v{version:010d}-{epoch}"
+        if (path / MARKER).exists():  # the final re-publication of an already saved version
+            return json.loads((path / MARKER).read_text())
+        self._checkpointer.save(path, {_key(n): a for n, a in named.items()}, force=True)
+        self._checkpointer.wait_until_finished()
+        record = {"version": version, "final": final, "epoch": epoch, "published_unix": time.time(),
+                  "location": str(path),
+                  "tensors": [[n, list(a.shape), np.dtype(a.dtype).name] for n, a in named.items()]}
+        (path / MARKER).write_text(json.dumps(record))
+        tmp = self.root / f"{LATEST}.{epoch}.tmp"
+        tmp.write_text(json.dumps(record))
+        tmp.replace(self.root / LATEST)  # atomic on POSIX; on object stores a copy, read whole or not at all
+        self._prune(path)
+        return record
+
+    def _prune(self, newest: epath.Path) -> None:
+        versions = sorted(p for p in self.root.iterdir() if p.name.startswith("v") and (p / MARKER).exists())
+        for old in [p for p in versions if p != newest][: max(0, len(versions) - self.keep)]:
+            try:
+                old.rmtree()
+            except OSError as exc:  # another process may be reading it; the next publish retries
+                log.warning("could not delete old weight version %s: %s", old, exc)
+
+    # -- sampler side ---------------------------------------------------------------------------------------
+    def latest(self) -> dict | None:
+        """The newest complete version's record, or None when nothing is published yet."""
+        path = self.root / LATEST
+        if not path.exists():
+            return None
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise CheckpointError(f"{path}: unreadable ({exc}); the trainer rewrites it at its next publish")
+        return record
+
+    def restore(self, record: dict, targets: dict[str, jax.ShapeDtypeStruct]) -> dict[str, jax.Array]:
+        """Version `record` restored into `targets` (name -> ShapeDtypeStruct with sharding and dtype)."""
+        path = epath.Path(record["location"])
+        if not (path / MARKER).exists():
+            raise CheckpointError(f"{path}: no {MARKER} marker (deleted or never finished); poll LATEST again")
+        stored = {n: (tuple(s), d) for n, s, d in record["tensors"]}
+        missing = sorted(set(targets) - set(stored))
+        extra = sorted(set(stored) - set(targets))
+        if missing or extra:
+            raise CheckpointError(f"{path}: parameter names differ from the model (missing {missing[:3]}, "
+                                  f"unexpected {extra[:3]}); is weights.checkpoint_dir shared with another run?")
+        for name, target in targets.items():
+            if tuple(target.shape) != stored[name][0]:
+                raise CheckpointError(f"{path}: {name} has shape {list(stored[name][0])}, the model wants "
+                                      f"{list(target.shape)}")
+        try:
+            restored = self._checkpointer.restore(path, {_key(n): t for n, t in targets.items()})
+        except (FileNotFoundError, ValueError, OSError) as exc:
+            raise CheckpointError(f"{path}: restore failed ({exc.__class__.__name__}: {exc})") from exc
+        return {name: restored[_key(name)] for name in targets}
