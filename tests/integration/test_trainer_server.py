@@ -127,11 +127,22 @@ def test_backpressure_loses_nothing(stack):
     assert buffer.counters()["ingested"] == 12
 
 
+def _sync(channel, model, sampler_id="sampler-7", **kw):
+    import jax
+
+    from common.sharding import make_mesh
+    from sampler_service.weight_sync import GrpcFetcher
+
+    mesh = make_mesh(1, 1, jax.devices(), "sampler.mesh.tp")
+    return WeightSync(GrpcFetcher(channel, sampler_id, streams=2, timeout_s=10), model, mesh, sampler_id,
+                      channel=channel, **kw)
+
+
 def test_weights_are_fetched_whole_and_history_is_recorded(stack, tiny_parts):
     _, _, publisher, _, channel = stack
     _, _, _, model = tiny_parts
     named = model.to_named_numpy()
-    sync = WeightSync(channel, "sampler-7", model, rpc_timeout_s=10)
+    sync = _sync(channel, model)
     assert sync.poll() is None  # nothing published yet
     publisher.publish(WeightSnapshot(version=0, arrays=named))
     got = sync.poll()
@@ -139,7 +150,7 @@ def test_weights_are_fetched_whole_and_history_is_recorded(stack, tiny_parts):
     back = model.to_named_numpy(got.params)
     for k in named:
         np.testing.assert_array_equal(back[k], named[k])
-    sync.mark_installed(0)
+    sync.mark_installed(got)
     assert sync.poll() is None  # up to date
     shifted = {k: v + 1 for k, v in named.items()}
     publisher.publish(WeightSnapshot(version=3, arrays=shifted, final=True))
@@ -147,9 +158,53 @@ def test_weights_are_fetched_whole_and_history_is_recorded(stack, tiny_parts):
     assert got.version == 3 and got.final
     np.testing.assert_array_equal(model.to_named_numpy(got.params)["embedder.input_embedding"],
                                   shifted["embedder.input_embedding"])
-    sync.mark_installed(3)
-    sync.report()
+    sync.mark_installed(got)
     assert publisher.installed["sampler-7"] == [0, 3]
     assert publisher.samplers_at(3) == {"sampler-7": True}
     with pytest.raises(ValueError, match="not newer"):
         publisher.publish(WeightSnapshot(version=2, arrays=named))
+
+
+def test_bad_slice_requests_get_invalid_argument_and_the_server_keeps_serving(stack, tiny_parts):
+    from protos import weights_pb2, weights_pb2_grpc
+
+    _, _, publisher, _, channel = stack
+    _, _, _, model = tiny_parts
+    publisher.publish(WeightSnapshot(version=1, arrays=model.to_named_numpy()))
+    stub = weights_pb2_grpc.WeightServiceStub(channel)
+    bad = [weights_pb2.TensorSlices(tensor_index=999),
+           weights_pb2.TensorSlices(tensor_index=0, slices=[weights_pb2.SliceRange(start=[0, 0], stop=[1, 10**6])]),
+           weights_pb2.TensorSlices(tensor_index=0, slices=[weights_pb2.SliceRange(start=[0], stop=[1])])]
+    for tensors in bad:
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.FetchSlices(weights_pb2.FetchSlicesRequest(version=1, tensors=[tensors]), timeout=5))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.FetchSlices(weights_pb2.FetchSlicesRequest(version=7), timeout=5))
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND and "ask for the manifest again" in err.value.details()
+    assert _sync(channel, model).poll().version == 1
+
+
+def test_a_restarted_trainer_is_followed_and_failures_back_off(stack, tiny_parts):
+    _, _, publisher, server, channel = stack
+    _, _, _, model = tiny_parts
+    named = model.to_named_numpy()
+    sync = _sync(channel, model, retry_initial_s=0.3, retry_max_s=0.6, max_staleness=2)
+    publisher.publish(WeightSnapshot(version=5, arrays=named))
+    sync.mark_installed(sync.poll())
+    # a new trainer process (new epoch) starts again at version 0: the sampler follows it
+    restarted = WeightPublisher(chunk_bytes=100)
+    assert restarted.epoch != publisher.epoch
+    publisher._switch(WeightSnapshot(0, {k: v * 2 for k, v in named.items()}, epoch=restarted.epoch).manifest(),
+                      WeightSnapshot(0, {k: v * 2 for k, v in named.items()}, epoch=restarted.epoch))
+    got = sync.poll()
+    assert got is not None and got.version == 0 and got.epoch == restarted.epoch
+    sync.mark_installed(got)
+    # the trainer goes away: the fetch fails, the version stays, the next attempt waits for the back-off
+    server.stop(0)
+    assert sync.poll() is None and sync.failures == 1 and sync.installed_version == 0
+    assert sync.poll() is None and sync.failures == 1  # inside the back-off: no new attempt
+    time.sleep(0.35)
+    assert sync.poll() is None and sync.failures == 2
+    sync.latest_seen = 3
+    assert sync.lag() == 3 and sync.too_stale()
