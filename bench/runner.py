@@ -2,7 +2,7 @@
 
 Each benchmark module has `run(quick: bool) -> dict` and measures grpo-stream
 against a baseline in the same run. This runner adds what every result needs
-to be read later: the targets of issue 4 and whether they were met, the
+to be read later: the targets of issues 4 and 6 and whether they were met, the
 commit, the machine, and the time.
 """
 
@@ -20,15 +20,17 @@ import sys
 import time
 import traceback
 
-BENCHMARKS = ("transport", "pipeline", "sampler", "async")
+BENCHMARKS = ("transport", "pipeline", "sampler", "async", "weights")
 MODULES = {"transport": "bench.transport", "pipeline": "bench.pipeline", "sampler": "bench.sampler",
-           "async": "bench.async_vs_sync"}
+           "async": "bench.async_vs_sync", "weights": "bench.weights"}
 # (result key, comparison, target): ours against the baseline measured in the same run.
 TARGETS = {
     "transport": [("ratio_vs_json", ">=", 5.0), ("fraction_of_raw_redis", ">=", 0.25)],
     "pipeline": [("overhead_share", "<=", 0.05)],
     "sampler": [("ratio_vs_hf", ">=", 2.0)],
     "async": [("async_over_sync", "<=", 0.8)],
+    "weights": [("fraction_of_raw_f32", ">=", 0.5), ("fraction_of_raw_bf16", ">=", 0.5),
+                ("stall_share_of_step", "<=", 0.05)],
 }
 _OPS = {">=": operator.ge, "<=": operator.le}
 TABLE_HEADER = ("| date (UTC) | commit | benchmark | mode | result | targets met | seconds |\n"

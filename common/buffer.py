@@ -88,6 +88,9 @@ class RedisStreamBuffer(RolloutBuffer):
         self.stream, self.counters_key, self.by_sampler_key = f"{base}:rollouts", f"{base}:counters", f"{base}:by_sampler"
         self.consumer = consumer
         self._group_ready = False
+        # a restarted trainer (same consumer name) first takes back what its predecessor read but never settled;
+        # otherwise those entries would fill the stream for good and block the ingest
+        self._recover_after: str | None = "0"
 
     def _call(self, fn):
         try:
@@ -127,15 +130,27 @@ class RedisStreamBuffer(RolloutBuffer):
     def read(self, max_count: int, block_ms: int) -> list[BufferEntry]:
         def run():
             self._ensure_group()
-            reply = self.client.xreadgroup(self.GROUP, self.consumer, {self.stream: ">"}, count=max_count,
-                                           block=block_ms or None)
-            out = []
-            for _stream, entries in reply or []:
-                for entry_id, fields in entries:
-                    eid = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-                    out.append(BufferEntry(eid, fields.get(b"g", b"")))
-            return out
+            if self._recover_after is not None:  # this consumer's unsettled entries, each once, oldest first
+                out = self._entries(self.client.xreadgroup(self.GROUP, self.consumer,
+                                                           {self.stream: self._recover_after}, count=max_count))
+                if out:
+                    self._recover_after = out[-1].entry_id
+                    return out
+                self._recover_after = None
+            return self._entries(self.client.xreadgroup(self.GROUP, self.consumer, {self.stream: ">"},
+                                                        count=max_count, block=block_ms or None))
         return self._call(run)
+
+    @staticmethod
+    def _entries(reply) -> list[BufferEntry]:
+        out = []
+        for _stream, entries in reply or []:
+            for entry_id, fields in entries:
+                if fields is None:  # deleted while pending
+                    continue
+                eid = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+                out.append(BufferEntry(eid, fields.get(b"g", b"")))
+        return out
 
     def settle(self, trained=(), dropped_stale=(), dropped_invalid=(), dropped_filtered=()) -> None:
         named = {"trained": trained, "dropped_stale": dropped_stale, "dropped_invalid": dropped_invalid,

@@ -263,14 +263,26 @@ class WeightsSection(Strict):
     wire_dtype: Literal["model", "float32", "bfloat16"] = Field(
         "model", description="Dtype of published tensors: 'model' keeps the trainer's; 'bfloat16' halves the bytes "
         "of a float32 model (samplers cast back to model.dtype).")
+    data_plane: Literal["tcp", "grpc"] = Field(
+        "tcp", description="grpc transport: how slice bytes travel. 'tcp': the trainer also serves them on a plain "
+        "TCP port (weights.data_port) without gRPC framing, about twice gRPC's bytes/s (BENCHMARKS.md); samplers "
+        "that cannot reach that port fall back to gRPC. 'grpc': FetchSlices streams only (one port to open).")
+    data_port: int = Field(0, ge=0, le=65535, description="grpc transport, data_plane tcp: the trainer's data-plane "
+                           "port; 0 = a free port (announced to samplers in the manifest). Fix it when a firewall "
+                           "or a Kubernetes Service must list it.")
     chunk_bytes: int = Field(4 << 20, ge=64 << 10, le=32 << 20, description="grpc: bytes per streamed chunk.")
     fetch_streams: int = Field(2, ge=1, le=32, description="grpc: parallel FetchSlices streams per fetch.")
-    max_serve_mb_s: float | None = Field(None, gt=0, le=1e6, description="grpc: cap on each fetch's bytes/s as "
-                                         "the trainer serves it (leave room for rollout traffic); null = no cap.")
+    max_serve_mb_s: float | None = Field(None, gt=0, le=1e6, description="grpc: cap on the bytes/s of each fetch "
+                                         "lane (a fetch uses fetch_streams lanes) as the trainer serves it (leave "
+                                         "room for rollout traffic); null = no cap.")
     checkpoint_dir: str | None = Field(None, description="checkpoint: directory (local, NFS or gs://) that holds "
                                        "published versions; `up` uses RUN_DIR/weights when null.")
     keep_versions: int = Field(3, ge=2, le=10_000, description="checkpoint: versions kept on disk (older are "
                                "deleted; a sampler still restoring one retries with the newest).")
+    background_fetch: bool = Field(True, description="Samplers fetch a new version on a background thread while "
+                                   "they keep generating with the installed one, and switch between batches (needs "
+                                   "device memory for a second copy of the weights); false = fetch in the "
+                                   "generation loop (one copy, generation pauses during the transfer).")
     retry_initial_s: float = Field(0.5, gt=0, le=600, description="First back-off after a failed fetch; doubles "
                                    "per failure.")
     retry_max_s: float = Field(10.0, gt=0, le=3600, description="Longest back-off between fetch attempts.")

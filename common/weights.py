@@ -119,6 +119,8 @@ class SliceAssembler:
         buf = self.buffers.get(key)
         if buf is None:
             raise WeightTransferError(f"chunk for tensor {key[0]} slice {key[1]}, which was not requested")
+        if key in self.done:
+            raise WeightTransferError(f"chunk for tensor {key[0]} slice {key[1]} after its last chunk")
         end = chunk.offset + len(chunk.data)
         if chunk.offset < 0 or end > len(buf):
             raise WeightTransferError(f"chunk of {self.manifest.tensors[key[0]].name} overflows its slice of "

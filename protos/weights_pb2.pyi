@@ -19,7 +19,7 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class WeightManifest(_message.Message):
-    __slots__ = ("version", "tensors", "final", "total_bytes", "published_unix", "chunk_bytes", "trainer_epoch", "transport", "location")
+    __slots__ = ("version", "tensors", "final", "total_bytes", "published_unix", "chunk_bytes", "trainer_epoch", "transport", "location", "data_port")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     FINAL_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +29,7 @@ class WeightManifest(_message.Message):
     TRAINER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     LOCATION_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     version: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     final: bool
@@ -38,7 +39,8 @@ class WeightManifest(_message.Message):
     trainer_epoch: str
     transport: str
     location: str
-    def __init__(self, version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., final: _Optional[bool] = ..., total_bytes: _Optional[int] = ..., published_unix: _Optional[float] = ..., chunk_bytes: _Optional[int] = ..., trainer_epoch: _Optional[str] = ..., transport: _Optional[str] = ..., location: _Optional[str] = ...) -> None: ...
+    data_port: int
+    def __init__(self, version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., final: _Optional[bool] = ..., total_bytes: _Optional[int] = ..., published_unix: _Optional[float] = ..., chunk_bytes: _Optional[int] = ..., trainer_epoch: _Optional[str] = ..., transport: _Optional[str] = ..., location: _Optional[str] = ..., data_port: _Optional[int] = ...) -> None: ...
 
 class GetManifestRequest(_message.Message):
     __slots__ = ("sampler_id", "installed_version")

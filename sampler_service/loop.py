@@ -58,6 +58,7 @@ class Sampler:
         self.waited_for_weights_s = 0.0
         self.fetch_seconds: list[float] = []
         self.sync: WeightSync | None = None
+        self.client: RolloutClient | None = None
 
     def _wait_for_trainer(self, channel: grpc.Channel) -> None:
         stub = health_pb2_grpc.HealthStub(channel)
@@ -101,8 +102,10 @@ class Sampler:
         mesh = make_mesh(1, cfg.sampler.mesh.tp, self.devices or jax.local_devices(), "sampler.mesh.tp")
         log.info("%s mesh %s on %s", self.sampler_id, dict(mesh.shape), [d.id for d in mesh.devices.flat])
         sync = WeightSync(self._fetcher(channel), model, mesh, self.sampler_id, cfg.weights.retry_initial_s,
-                          cfg.weights.retry_max_s, cfg.trainer.max_staleness, channel)
-        client = RolloutClient(channel, cfg.sampler.backlog_max_groups, cfg.sampler.max_groups_per_message).start()
+                          cfg.weights.retry_max_s, cfg.trainer.max_staleness, channel,
+                          background=cfg.weights.background_fetch)
+        client = self.client = RolloutClient(channel, cfg.sampler.backlog_max_groups,
+                                             cfg.sampler.max_groups_per_message).start()
         log.info("%s connected to %s (tokenizer %s)", self.sampler_id, cfg.trainer_address(), tokenizer.fingerprint())
 
         self.sync = sync
@@ -113,7 +116,7 @@ class Sampler:
                 if time.monotonic() > deadline:
                     raise ConnectionError(f"no weights published by the trainer within "
                                           f"{cfg.sampler.connect_timeout_s}s (sampler.connect_timeout_s)")
-                time.sleep(0.5)
+                time.sleep(0.05 if cfg.weights.background_fetch else 0.5)
 
         prompts = task.train_stream(self.index, cfg.sampler.replicas)
         rng = jax.random.key(cfg.run.seed * 1000 + self.index + 1)
@@ -121,7 +124,8 @@ class Sampler:
         cap = cfg.sampler.max_groups_per_version
         started = time.monotonic()
         while not self.stop_event.is_set() and not self.final:
-            if time.monotonic() - self.last_poll >= cfg.sampler.weight_poll_s:
+            # a finished background fetch is installed at once (before the next batch), not a poll interval later
+            if time.monotonic() - self.last_poll >= cfg.sampler.weight_poll_s or self.sync.has_result():
                 self._poll_weights()
                 if self.final:
                     break
@@ -170,6 +174,7 @@ class Sampler:
         # after the final version the trainer consumes no more: do not wait long for acks
         drained = client.drain(timeout_s=2.0 if self.final else 10.0)
         client.close()
+        sync.close()
         sync.report()
         verified = self._verify(engine, model, task, tokenizer) if cfg.weights.verify_prompts and self.final else None
         channel.close()
@@ -189,7 +194,9 @@ class Sampler:
     def _fetcher(self, channel: grpc.Channel):
         w = self.cfg.weights
         if w.transport == "grpc":
-            return GrpcFetcher(channel, self.sampler_id, w.fetch_streams, self.cfg.sampler.rpc_timeout_s)
+            host = self.cfg.trainer_address().rsplit(":", 1)[0].strip("[]")
+            return GrpcFetcher(channel, self.sampler_id, w.fetch_streams, self.cfg.sampler.rpc_timeout_s,
+                               data_host=host if w.data_plane == "tcp" else None)
         if w.transport == "checkpoint":
             if not w.checkpoint_dir:
                 raise ValueError("weights.transport=checkpoint needs weights.checkpoint_dir (the directory the "
@@ -214,6 +221,8 @@ class Sampler:
         if got.params is not None:
             self.params, self.version, self.groups_at_version = got.params, got.version, 0
             self.sync.mark_installed(got)
+            if self.client is not None:  # queued groups the trainer would now drop as stale are not sent
+                self.client.min_version = max(0, got.version - self.cfg.trainer.max_staleness)
             self.installed_versions.append(got.version)
             self.fetch_seconds.append(round(got.fetch_seconds, 4))
             self.version_gauge.set(got.version)

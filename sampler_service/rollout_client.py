@@ -9,7 +9,10 @@ each group until the ingest acknowledges it:
   UNAVAILABLE / error -> reconnect with exponential backoff, send it again
   INVALID_ARGUMENT    -> the group can never be accepted: logged and counted
 `put` blocks while the backlog is full, which pauses generation instead of
-dropping work.
+dropping work. Groups whose weight version fell below `min_version` (set by the
+sampler to the newest version it installed minus trainer.max_staleness) are
+discarded before sending and counted as `dropped_stale`: the trainer would
+drop them, and sending them first would delay the fresh groups behind them.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ class RolloutClient:
         self.stats = collections.Counter()
         self._unacked = 0
         self._lock = threading.Lock()
+        self.min_version = 0
 
     def start(self) -> "RolloutClient":
         self._thread.start()
@@ -75,9 +79,10 @@ class RolloutClient:
         self._thread.join(timeout=5)
 
     def _take(self, pending: list) -> list:
-        """Groups to send next: the ones still in hand, else what the backlog holds (waits briefly)."""
+        """Groups to send next: the ones still in hand, else what the backlog holds (waits briefly); too stale
+        ones are discarded on the way."""
         if pending:
-            return pending
+            return self._fresh(pending)
         try:
             batch = [self._backlog.get(timeout=0.2)]
         except queue.Empty:
@@ -87,7 +92,16 @@ class RolloutClient:
                 batch.append(self._backlog.get_nowait())
             except queue.Empty:
                 break
-        return batch
+        return self._fresh(batch)
+
+    def _fresh(self, groups: list) -> list:
+        floor = self.min_version
+        fresh = [g for g in groups if g.policy_version >= floor]
+        if len(fresh) < len(groups):
+            self.stats["dropped_stale"] += len(groups) - len(fresh)
+            with self._lock:
+                self._unacked -= len(groups) - len(fresh)
+        return fresh
 
     def _settle(self, pending: list, acks) -> tuple[list, int]:
         """Count the acks of one batch; return (groups to send again, retry delay in ms)."""

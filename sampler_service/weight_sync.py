@@ -8,7 +8,9 @@ onto this sampler's devices with its own sharding:
   CheckpointFetcher  reads LATEST from weights.checkpoint_dir and restores with Orbax
                      straight into this sharding;
   LocalFetcher       same process: jax.device_put from the trainer's arrays.
-WeightSync owns the rules: a version is installed whole or not at all, a new
+WeightSync owns the rules: a version is installed whole or not at all (with
+`background`, fetched on a thread while generation goes on and handed over only
+when complete, so the caller switches between batches), a new
 trainer epoch (restarted trainer) is followed even when its numbers are lower,
 failed fetches back off exponentially (the sampler keeps its version), and
 `too_stale` says when generating would only make groups the trainer drops.
@@ -18,22 +20,27 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import logging
+import socket
 import time
 from typing import Any
 
 import grpc
 import jax
+import jax.numpy as jnp
 import numpy as np
 
+from common import weight_bulk
 from common.model import PolicyModel
 from common.sharding import needed_slices, param_shardings
 from common.weight_checkpoint import CheckpointError, CheckpointWeightStore
 from common.weight_local import LocalWeightHub
-from common.weights import SliceAssembler, WeightTransferError, box_to_proto, manifest_of
+from common.weights import SliceAssembler, WeightTransferError, box_shape, box_to_proto, manifest_of
 from protos import weights_pb2, weights_pb2_grpc
 
 log = logging.getLogger(__name__)
+QUICK_WAIT_S = 0.5  # how long poll() waits for a background check or fetch before generation goes on
 
 
 @dataclasses.dataclass
@@ -46,14 +53,35 @@ class Installed:
     epoch: str = ""
 
 
+def _plain(piece: np.ndarray) -> np.ndarray:
+    return piece.view(np.uint16) if piece.dtype == jnp.bfloat16 else piece
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _cast(arr: jax.Array, dtype) -> jax.Array:
+    if arr.dtype == jnp.uint16:  # bfloat16 bits (see _plain)
+        arr = jax.lax.bitcast_convert_type(arr, jnp.bfloat16)
+    return arr.astype(dtype)
+
+
+def _box_key(box: tuple[slice, ...]) -> tuple:
+    return tuple((s.start, s.stop) for s in box)
+
+
 def _index_key(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple:
     return tuple(s.indices(n)[:2] for s, n in zip(index, shape))
 
 
 class GrpcFetcher:
-    def __init__(self, channel: grpc.Channel, sampler_id: str, streams: int, timeout_s: float):
+    """`data_host`: the trainer's host, to take slice bytes from its TCP data plane when the manifest announces
+    one (weights.data_plane=tcp); None = always FetchSlices over gRPC."""
+
+    def __init__(self, channel: grpc.Channel, sampler_id: str, streams: int, timeout_s: float,
+                 data_host: str | None = None):
         self._stub = weights_pb2_grpc.WeightServiceStub(channel)
-        self.sampler_id, self.streams, self.timeout_s = sampler_id, streams, timeout_s
+        self.sampler_id, self.streams, self.timeout_s, self.data_host = sampler_id, streams, timeout_s, data_host
+        self._warned = False
+        self._spare: dict[tuple, np.ndarray] = {}  # last version's receive buffers (data plane)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=streams, thread_name_prefix="fetch")
 
     def latest(self, installed_version: int) -> weights_pb2.WeightManifest | None:
@@ -81,31 +109,101 @@ class GrpcFetcher:
             k = loads.index(min(loads))
             lanes[k].append(item)
             loads[k] += item[0]
-        futures = [self._pool.submit(self._stream, manifest, lane) for lane in lanes if lane]
+        names = {index[name]: name for name in targets}
+
+        def place(t: int, pieces: dict) -> jax.Array:
+            # wire bytes onto the devices, then cast there: bfloat16 travels as its uint16 bits (host transfers
+            # of ml_dtypes arrays take a slower path) and is bit-cast back on device
+            target = targets[names[t]]
+            shape = tuple(target.shape)
+            arr = jax.make_array_from_callback(shape, target.sharding,
+                                               lambda idx: _plain(pieces[_index_key(idx, shape)]))
+            return arr if arr.dtype == target.dtype else _cast(arr, target.dtype)
+
+        stream = self._stream_tcp if self.data_host and manifest.data_port else self._stream
+        futures = [self._pool.submit(stream, manifest, lane, place) for lane in lanes if lane]
         boxes_by_tensor: dict[int, dict] = {}
+        placed: dict[int, jax.Array] = {}
         for future in futures:
-            boxes_by_tensor.update(future.result(timeout=self.timeout_s + 5))
-        out = {}
-        for name, target in targets.items():
-            pieces = boxes_by_tensor[index[name]]
-            dtype = target.dtype
-            out[name] = jax.make_array_from_callback(
-                target.shape, target.sharding,
-                lambda idx, pieces=pieces, shape=tuple(target.shape): pieces[_index_key(idx, shape)].astype(
-                    dtype, copy=False))
+            pieces, arrays = future.result(timeout=self.timeout_s + 5)
+            boxes_by_tensor.update(pieces)
+            placed.update(arrays)
+        out = {name: placed[index[name]] for name in targets}
+        jax.block_until_ready(list(out.values()))
+        if stream == self._stream_tcp:  # only the data plane receives into kept buffers
+            self._keep_buffers(boxes_by_tensor, placed)
         return out
 
-    def _stream(self, manifest, lane) -> dict[int, dict]:
-        request = weights_pb2.FetchSlicesRequest(
-            sampler_id=self.sampler_id, version=manifest.version, trainer_epoch=manifest.trainer_epoch,
-            tensors=[weights_pb2.TensorSlices(tensor_index=t, slices=[box_to_proto(b) for b in boxes])
-                     for _, t, boxes in lane])
+    def _keep_buffers(self, boxes_by_tensor: dict, placed: dict) -> None:
+        """Keep the host receive buffers for the next version (the data plane fills them again: no fresh pages
+        to fault in), except those that placing on (CPU) devices aliased instead of copying."""
+        keep = {}
+        for t, pieces in boxes_by_tensor.items():
+            arr = placed[t]
+            if all(d.platform == "cpu" for d in arr.sharding.device_set) and any(
+                    np.shares_memory(np.asarray(sh.data), piece) for sh in arr.addressable_shards
+                    for piece in pieces.values()):
+                continue  # the device array is this buffer: never write into it again
+            keep.update({(t, key, piece.dtype.str): piece for key, piece in pieces.items()})
+        self._spare = keep
+
+    def _stream(self, manifest, lane, place) -> tuple[dict, dict]:
+        """The lane's slices over FetchSlices; (tensor -> box -> host array, tensor -> placed array)."""
+        request = self._request(manifest, lane)
         assembler = SliceAssembler(manifest, {t: boxes for _, t, boxes in lane})
         for chunk in self._stub.FetchSlices(request, timeout=self.timeout_s):
             assembler.add(chunk)
         arrays = assembler.arrays()
-        return {t: {tuple((s.start, s.stop) for s in box): arr for box, arr in zip(boxes, arrays[t])}
-                for _, t, boxes in lane}
+        pieces = {t: {_box_key(box): arr for box, arr in zip(boxes, arrays[t])} for _, t, boxes in lane}
+        return pieces, {t: place(t, p) for t, p in pieces.items()}
+
+    def _fall_back(self, manifest, why: str) -> None:
+        if not self._warned:
+            log.warning("%s: weights data plane %s:%d unusable (%s); fetching over gRPC instead",
+                        self.sampler_id, self.data_host, manifest.data_port, why)
+            self._warned = True
+
+    def _request(self, manifest, lane) -> weights_pb2.FetchSlicesRequest:
+        return weights_pb2.FetchSlicesRequest(
+            sampler_id=self.sampler_id, version=manifest.version, trainer_epoch=manifest.trainer_epoch,
+            tensors=[weights_pb2.TensorSlices(tensor_index=t, slices=[box_to_proto(b) for b in boxes])
+                     for _, t, boxes in lane])
+
+    def _stream_tcp(self, manifest, lane, place) -> tuple[dict, dict]:
+        """The lane's slices over the TCP data plane, each received straight into its array and checked; each
+        tensor is placed on the devices as soon as its slices are in (while the other lanes still receive)."""
+        deadline = time.monotonic() + self.timeout_s
+        sock = None
+        try:
+            sock = socket.create_connection((self.data_host, manifest.data_port), timeout=min(5, self.timeout_s))
+            sock.sendall(weight_bulk.encode_request(self._request(manifest, lane).SerializeToString()))
+            code, message = weight_bulk.read_status(sock, min(deadline, time.monotonic() + 10))
+        except (OSError, WeightTransferError) as exc:  # port unreachable (firewall, Service without it) or silent
+            if sock is not None:
+                sock.close()
+            self._fall_back(manifest, f"{type(exc).__name__}: {exc}")
+            return self._stream(manifest, lane, place)
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]:  # all data-plane transfers busy
+            sock.close()
+            return self._stream(manifest, lane, place)
+        with sock:
+            if code:
+                name = next((c.name for c in grpc.StatusCode if c.value[0] == code), str(code))
+                raise WeightTransferError(f"weights data plane answered {name}: {message}")
+            out: dict[int, dict] = {}
+            placed: dict[int, jax.Array] = {}
+            for _, t, boxes in lane:
+                spec = manifest.tensors[t]
+                pieces = out.setdefault(t, {})
+                for k, box in enumerate(boxes):
+                    key = _box_key(box)
+                    arr = self._spare.pop((t, key, np.dtype(spec.dtype).str), None)
+                    if arr is None:
+                        arr = np.empty(box_shape(box), np.dtype(spec.dtype))
+                    weight_bulk.receive_slice(sock, t, k, arr, spec.name, deadline)
+                    pieces[key] = arr
+                placed[t] = place(t, pieces)
+            return out, placed
 
 
 class CheckpointFetcher:
@@ -163,7 +261,7 @@ class WeightSync:
 
     def __init__(self, fetcher, model: PolicyModel, mesh: jax.sharding.Mesh, sampler_id: str,
                  retry_initial_s: float = 0.5, retry_max_s: float = 10.0, max_staleness: int | None = None,
-                 channel: grpc.Channel | None = None):
+                 channel: grpc.Channel | None = None, background: bool = False):
         self.fetcher, self.model, self.sampler_id = fetcher, model, sampler_id
         self.retry_initial_s, self.retry_max_s, self.max_staleness = retry_initial_s, retry_max_s, max_staleness
         shardings = param_shardings(model.params, mesh)
@@ -173,6 +271,9 @@ class WeightSync:
         self.installed_version, self.installed_epoch = -1, ""
         self.latest_seen = -1  # newest version seen from the installed version's trainer epoch
         self.failures, self._next_attempt = 0, 0.0
+        self._pool = (concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-fetch")
+                      if background else None)
+        self._pending: concurrent.futures.Future | None = None
 
     def lag(self) -> int:
         return max(0, self.latest_seen - self.installed_version) if self.installed_version >= 0 else 0
@@ -182,42 +283,73 @@ class WeightSync:
         return self.max_staleness is not None and self.installed_version >= 0 and self.lag() > self.max_staleness
 
     def poll(self) -> Installed | None:
-        """A newer version fetched whole, or None (nothing newer, backing off, or the fetch failed). Never raises
-        on transport errors: the sampler keeps its version and retries after a back-off."""
-        now = time.monotonic()
-        if now < self._next_attempt:
+        """A newer version fetched whole, or None (nothing newer, still fetching in the background, backing off,
+        or the fetch failed). Never raises on transport errors: the sampler keeps its version and retries after a
+        back-off."""
+        if self._pending is not None:
+            if not self._pending.done():
+                return None
+            pending, self._pending = self._pending, None
+            return self._settle(pending.result)
+        if time.monotonic() < self._next_attempt:
             return None
+        if self._pool is None:
+            return self._settle(self._check_and_fetch)
+        pending = self._pending = self._pool.submit(self._check_and_fetch)
+        # most checks (and small fetches) finish within milliseconds: take their outcome now rather than a
+        # poll interval later; anything slower carries on in the background
+        concurrent.futures.wait([pending], timeout=QUICK_WAIT_S)
+        if not pending.done():
+            return None
+        self._pending = None
+        return self._settle(pending.result)
+
+    def has_result(self) -> bool:
+        """A background check or fetch has finished: the next poll() returns its outcome."""
+        return self._pending is not None and self._pending.done()
+
+    def _settle(self, attempt) -> Installed | None:
         try:
-            manifest = self.fetcher.latest(self.installed_version)
-            if manifest is None:
-                return None
-            new_epoch = manifest.trainer_epoch != self.installed_epoch
-            if not new_epoch:
-                self.latest_seen = max(self.latest_seen, manifest.version)
-            if not new_epoch and (manifest.version < self.installed_version or (
-                    manifest.version == self.installed_version and not manifest.final)):
-                return None
-            if not new_epoch and manifest.version == self.installed_version:
-                return Installed(manifest.version, None, True, 0.0, 0, manifest.trainer_epoch)
-            log.info("%s fetching weight version %d (%.1f MB, %s)", self.sampler_id, manifest.version,
-                     manifest.total_bytes / 1e6, manifest.transport)
-            start = time.monotonic()
-            named = self.fetcher.fetch(manifest, self.targets)
-            params = self.model.params_from_arrays(named)
-            jax.block_until_ready(params)
-            self.failures = 0
-            return Installed(manifest.version, params, manifest.final, time.monotonic() - start, manifest.total_bytes,
-                             manifest.trainer_epoch)
-        except (grpc.RpcError, WeightTransferError, CheckpointError, OSError, ValueError,
-                concurrent.futures.TimeoutError) as exc:
+            got = attempt()
+        except Exception as exc:  # noqa: BLE001 - whatever a fetch meets, the sampler keeps its version
             self.failures += 1
             delay = min(self.retry_initial_s * 2 ** (self.failures - 1), self.retry_max_s)
             self._next_attempt = time.monotonic() + delay
-            detail = f"{exc.code()}: {exc.details()}" if isinstance(exc, grpc.RpcError) else f"{exc}"
+            detail = (f"{exc.code()}: {exc.details()}" if isinstance(exc, grpc.RpcError)
+                      else f"{type(exc).__name__}: {exc}")
             log.warning("%s weight fetch failed (%s); keeping version %d (lag %d), retry %d in %.1fs",
                         self.sampler_id, detail, self.installed_version, self.lag(), self.failures, delay)
             self.report()
-        return None
+            return None
+        if got is not None and got.params is not None:
+            self.failures = 0
+        return got
+
+    def _check_and_fetch(self) -> Installed | None:
+        manifest = self.fetcher.latest(self.installed_version)
+        if manifest is None:
+            return None
+        new_epoch = manifest.trainer_epoch != self.installed_epoch
+        if not new_epoch:
+            self.latest_seen = max(self.latest_seen, manifest.version)
+        if not new_epoch and (manifest.version < self.installed_version or (
+                manifest.version == self.installed_version and not manifest.final)):
+            return None
+        if not new_epoch and manifest.version == self.installed_version:
+            return Installed(manifest.version, None, True, 0.0, 0, manifest.trainer_epoch)
+        log.info("%s fetching weight version %d (%.1f MB, %s)", self.sampler_id, manifest.version,
+                 manifest.total_bytes / 1e6, manifest.transport)
+        start = time.monotonic()
+        named = self.fetcher.fetch(manifest, self.targets)
+        params = self.model.params_from_arrays(named)
+        jax.block_until_ready(params)
+        return Installed(manifest.version, params, manifest.final, time.monotonic() - start, manifest.total_bytes,
+                         manifest.trainer_epoch)
+
+    def close(self) -> None:
+        """Stop background fetching (a fetch in flight ends at its deadline; its result is dropped)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
 
     def mark_installed(self, got: Installed) -> None:
         if got.epoch != self.installed_epoch:

@@ -91,9 +91,12 @@ class Trainer:
         store = CheckpointWeightStore(w.checkpoint_dir, w.keep_versions) if w.transport == "checkpoint" else None
         self.publisher = WeightPublisher(w.transport, w.chunk_bytes, w.max_serve_mb_s, store, self.hub,
                                          w.wire_dtype)
-        self.server = TrainerServer(self.ingest, self.publisher, cfg.trainer.host, cfg.trainer.port)
+        tcp = w.transport == "grpc" and w.data_plane == "tcp"
+        self.server = TrainerServer(self.ingest, self.publisher, cfg.trainer.host, cfg.trainer.port,
+                                    data_port=w.data_port if tcp else None)
         port = self.server.start()
-        log.info("gRPC server (ingest, weights, health) on %s:%d", cfg.trainer.host, port)
+        log.info("gRPC server (ingest, weights, health) on %s:%d%s", cfg.trainer.host, port,
+                 f"; weights data plane on port {self.server.data.port}" if tcp else "")
         self.metrics = MetricsWriter(self.run_dir, "trainer")
         self.prom = ServiceMetrics("trainer")
         self.gauges = {name: self.prom.gauge(name, doc) for name, doc in (

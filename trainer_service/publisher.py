@@ -31,6 +31,12 @@ from common.weights import (DEFAULT_CHUNK_BYTES, WeightSnapshot, WeightTransferE
 from protos import weights_pb2, weights_pb2_grpc
 
 
+class FetchRefused(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
 @dataclasses.dataclass
 class PublishStats:
     version: int
@@ -49,6 +55,7 @@ class WeightPublisher(weights_pb2_grpc.WeightServiceServicer):
         self.transport, self.chunk_bytes, self.max_serve_mb_s = transport, chunk_bytes, max_serve_mb_s
         self.store, self.hub, self.wire_dtype = store, hub, wire_dtype
         self.epoch = epoch or new_epoch()
+        self.data_port = 0  # set by a WeightDataServer serving this publisher's snapshots
         self._lock = threading.Lock()
         self._snapshot: WeightSnapshot | None = None
         self._manifest: weights_pb2.WeightManifest | None = None
@@ -99,6 +106,8 @@ class WeightPublisher(weights_pb2_grpc.WeightServiceServicer):
             raise ValueError(f"version {version} is not newer than {current}")
 
     def _switch(self, manifest: weights_pb2.WeightManifest, snapshot: WeightSnapshot | None) -> None:
+        if snapshot is not None:
+            manifest.data_port = self.data_port
         with self._lock:
             self._snapshot, self._manifest = snapshot, manifest
             if not self.published or self.published[-1] != manifest.version:
@@ -140,18 +149,20 @@ class WeightPublisher(weights_pb2_grpc.WeightServiceServicer):
         latest = self.latest_version
         return weights_pb2.VersionReportReply(latest_version=-1 if latest is None else latest)
 
-    def FetchSlices(self, request, context):
+    def plan(self, request: weights_pb2.FetchSlicesRequest) -> list[tuple[int, int, np.ndarray, tuple]]:
+        """(tensor index, slice index, host array, box) per requested slice of the version held now; raises
+        FetchRefused with the status a fetch gets (gRPC and the TCP data plane answer alike)."""
         with self._lock:
             snapshot = self._snapshot
         if self.transport != "grpc":
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"weights.transport={self.transport}: versions are not served over gRPC; read them "
-                          f"{'from weights.checkpoint_dir' if self.transport == 'checkpoint' else 'in-process'}")
+            raise FetchRefused(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"weights.transport={self.transport}: versions are not served over gRPC; read them "
+                               f"{'from weights.checkpoint_dir' if self.transport == 'checkpoint' else 'in-process'}")
         if snapshot is None or snapshot.version != request.version or (
                 request.trainer_epoch and request.trainer_epoch != snapshot.epoch):
-            context.abort(grpc.StatusCode.NOT_FOUND,
-                          f"version {request.version} is not held (latest: "
-                          f"{None if snapshot is None else snapshot.version}); ask for the manifest again")
+            raise FetchRefused(grpc.StatusCode.NOT_FOUND,
+                               f"version {request.version} is not held (latest: "
+                               f"{None if snapshot is None else snapshot.version}); ask for the manifest again")
         arrays = list(snapshot.arrays.values())
         plan = []
         try:
@@ -163,15 +174,30 @@ class WeightPublisher(weights_pb2_grpc.WeightServiceServicer):
                 for k, rng in enumerate(tensor.slices):
                     plan.append((tensor.tensor_index, k, arr, box_from_proto(rng, arr.shape, f"tensor "
                                                                              f"{tensor.tensor_index} slice {k}")))
+            asked = sum(int(np.prod([b.stop - b.start for b in box])) * arr.itemsize for _, _, arr, box in plan)
+            held = sum(a.nbytes for a in arrays)
+            if asked > held:  # each device's slices are disjoint: more than the version means repeats
+                raise WeightTransferError(f"tensors: {asked} bytes of slices requested, more than the whole "
+                                          f"version ({held} bytes); ask for each slice once")
         except WeightTransferError as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        rate = None if self.max_serve_mb_s is None else self.max_serve_mb_s * 1e6
+            raise FetchRefused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        return plan
+
+    def pace(self, sent: int, start: float) -> None:
+        """Sleep so that a fetch that has sent `sent` bytes since `start` stays within weights.max_serve_mb_s."""
+        if self.max_serve_mb_s is not None:
+            ahead = sent / (self.max_serve_mb_s * 1e6) - (time.monotonic() - start)
+            if ahead > 0:
+                time.sleep(ahead)
+
+    def FetchSlices(self, request, context):
+        try:
+            plan = self.plan(request)
+        except FetchRefused as exc:
+            context.abort(exc.code, exc.message)
         sent, start = 0, time.monotonic()
         for t, k, arr, box in plan:
             for chunk in stream_box(arr, box, t, k, self.chunk_bytes):
-                if rate is not None:  # pace the stream: never ahead of rate x elapsed
-                    ahead = sent / rate - (time.monotonic() - start)
-                    if ahead > 0:
-                        time.sleep(ahead)
+                self.pace(sent, start)
                 sent += len(chunk.data)
                 yield chunk

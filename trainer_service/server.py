@@ -1,4 +1,5 @@
-"""The trainer's gRPC server: ingest, weight publication and grpc.health.v1 on one port."""
+"""The trainer's gRPC server: ingest, weight publication and grpc.health.v1 on one port (plus, with a
+`data_port`, the TCP data plane for weight slices)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from common.grpc_util import SERVER_OPTIONS
 from protos import rollout_pb2_grpc, weights_pb2_grpc
 from trainer_service.ingest import IngestServicer
 from trainer_service.publisher import WeightPublisher
+from trainer_service.weight_data_server import WeightDataServer
 
 SERVICES = ("grpo_stream.v1.RolloutIngest", "grpo_stream.v1.WeightService")
 
@@ -18,8 +20,10 @@ SERVICES = ("grpo_stream.v1.RolloutIngest", "grpo_stream.v1.WeightService")
 class TrainerServer:
     """Owns a grpc.Server; `start()` binds and returns the port, `stop()` drains in-flight calls."""
 
-    def __init__(self, ingest: IngestServicer, publisher: WeightPublisher, host: str, port: int, workers: int = 16):
+    def __init__(self, ingest: IngestServicer, publisher: WeightPublisher, host: str, port: int, workers: int = 16,
+                 data_port: int | None = None):
         self.ingest, self.publisher = ingest, publisher
+        self.data = None if data_port is None else WeightDataServer(publisher, host, data_port)
         self.host, self.port = host, port
         self.health = health.HealthServicer()
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=SERVER_OPTIONS)
@@ -33,6 +37,8 @@ class TrainerServer:
             raise OSError(f"trainer.port={self.port}: cannot bind {self.host}:{self.port} (in use?); pick another "
                           "port or 0 for a free one")
         self.port = bound
+        if self.data is not None:
+            self.data.start()
         self._server.start()
         for name in ("", *SERVICES):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -40,4 +46,6 @@ class TrainerServer:
 
     def stop(self, grace_s: float = 2.0) -> None:
         self.health.enter_graceful_shutdown()
+        if self.data is not None:
+            self.data.stop()
         self._server.stop(grace_s).wait()

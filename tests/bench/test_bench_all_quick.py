@@ -18,7 +18,7 @@ def test_bench_all_quick_writes_json_and_table_rows(tmp_path):
                            "--table", str(table)], cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = {name: json.loads((out / f"{name}-quick.json").read_text())
-               for name in ("transport", "pipeline", "sampler", "async")}
+               for name in ("transport", "pipeline", "sampler", "async", "weights")}
     for name, result in results.items():
         assert result["benchmark"] == name and result["quick"] is True and "error" not in result
         assert result["targets"] and all(isinstance(t["met"], bool) for t in result["targets"].values())
@@ -45,6 +45,18 @@ def test_bench_all_quick_writes_json_and_table_rows(tmp_path):
     assert asynchronous["async_over_sync"] > 0 and asynchronous["async_over_sync_total"] > 0
     assert all(r["steady_seconds_per_step"] > 0 for rs in asynchronous["runs"].values() for r in rs)
 
+    weights = results["weights"]
+    # every case moved the same model's bytes (bf16 half of f32) into another process, and the stall phase
+    # really published while stepping: the peer installed the last version
+    cases = {(c["transport"], c["data_plane"], c["wire_dtype"]): c for c in weights["cases"]}
+    assert len(cases) == 5 and ("checkpoint", None, "float32") in cases
+    for plane in ("tcp", "grpc"):
+        assert (cases[("grpc", plane, "bfloat16")]["bytes"] * 2 == cases[("grpc", plane, "float32")]["bytes"]
+                == weights["params"] * 4)
+    assert all(c["publish_to_installed_s"] > 0 for c in cases.values())
+    assert 0 < weights["fraction_of_raw_f32"] and 0 < weights["fraction_of_raw_bf16"]
+    assert weights["stall"]["versions_installed"][-1] == 1 and weights["stall"]["step_s"] > 0
+
     rows = [line for line in table.read_text().splitlines() if line.startswith("| 20")]
-    assert [row.split(" | ")[2] for row in rows] == ["transport", "pipeline", "sampler", "async"]
+    assert [row.split(" | ")[2] for row in rows] == ["transport", "pipeline", "sampler", "async", "weights"]
     assert all(" | quick | " in row for row in rows)

@@ -67,3 +67,19 @@ def test_connect_gives_up_with_a_clear_message():
         connect(url, timeout_s=0.5)
     with pytest.raises(RedisConnectError, match="not a redis:// URL"):
         connect("http://x", 0.5)
+
+
+def test_a_restarted_trainer_takes_back_what_its_predecessor_read_but_never_settled(redis_server):
+    first = RedisStreamBuffer(connect(redis_server.url, 5), "restart")
+    for i in range(6):
+        first.append(f"g{i}".encode(), "s0", max_groups=6)
+    taken = first.read(4, block_ms=100)
+    first.settle(trained=[taken[0].entry_id])
+    # the trainer process dies holding g1..g3: a new one (same consumer) gets them first, each once, then the rest
+    second = RedisStreamBuffer(connect(redis_server.url, 5), "restart")
+    got = [e.payload for e in second.read(2, block_ms=100)] + [e.payload for e in second.read(2, block_ms=100)]
+    got += [e.payload for e in second.read(10, block_ms=100)]
+    assert got == [b"g1", b"g2", b"g3", b"g4", b"g5"]
+    assert second.read(10, block_ms=50) == []
+    second.settle(trained=[])
+    assert second.depth() == 5 and identity_holds(second.counters())

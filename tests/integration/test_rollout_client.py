@@ -50,3 +50,23 @@ def test_groups_survive_an_ingest_restart(redis_server):
         client.close()
         channel.close()
         server.stop(0)
+
+
+def test_groups_too_stale_to_train_are_not_sent(redis_server):
+    buffer = RedisStreamBuffer(connect(redis_server.url, 5), "stale")
+    port = free_port()
+    server = start_server(buffer, port)
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS)
+    client = RolloutClient(channel, backlog_max_groups=16)
+    try:
+        for i in range(6):  # group i was made with weight version i
+            assert client.put(to_proto(group(i)), timeout_s=5)
+        client.min_version = 3  # the sampler installed a version after which 0..2 exceed the staleness bound
+        client.start()
+        assert client.drain(10)
+        assert [decode_group(e.payload).policy_version for e in buffer.read(100, 100)] == [3, 4, 5]
+        assert client.stats["dropped_stale"] == 3 and client.stats["accepted"] == 3 and client.unacked == 0
+    finally:
+        client.close()
+        channel.close()
+        server.stop(0)

@@ -208,3 +208,136 @@ def test_a_restarted_trainer_is_followed_and_failures_back_off(stack, tiny_parts
     assert sync.poll() is None and sync.failures == 2
     sync.latest_seen = 3
     assert sync.lag() == 3 and sync.too_stale()
+
+
+def test_background_fetch_keeps_the_installed_version_until_the_new_one_is_whole(stack, tiny_parts):
+    _, _, publisher, _, channel = stack
+    _, _, _, model = tiny_parts
+    named = model.to_named_numpy()
+    nbytes = sum(a.nbytes for a in named.values())
+    sync = _sync(channel, model, background=True)
+    publisher.publish(WeightSnapshot(version=0, arrays=named))
+    while (got := sync.poll()) is None:
+        time.sleep(0.01)
+    sync.mark_installed(got)
+    # serve slowly (about 1.5 s per version): polls return at once while the transfer runs
+    publisher.max_serve_mb_s = nbytes / 1.5 / 1e6
+    publisher.publish(WeightSnapshot(version=1, arrays={k: v + 1 for k, v in named.items()}))
+    start, polls = time.monotonic(), 0
+    while (got := sync.poll()) is None:
+        assert sync.installed_version == 0
+        polls += 1
+        time.sleep(0.01)
+    waited = time.monotonic() - start
+    assert got.version == 1 and waited > 0.5 and polls > 20
+    np.testing.assert_array_equal(model.to_named_numpy(got.params)["embedder.input_embedding"],
+                                  named["embedder.input_embedding"] + 1)
+    sync.close()
+
+
+def test_tcp_data_plane_moves_versions_exactly_and_refuses_bad_requests(stack, tiny_parts):
+    import socket
+
+    import jax
+
+    from common import weight_bulk
+    from common.sharding import make_mesh
+    from protos import weights_pb2
+    from sampler_service.weight_sync import GrpcFetcher
+    from trainer_service.weight_data_server import WeightDataServer
+
+    _, _, publisher, _, channel = stack
+    _, _, _, model = tiny_parts
+    named = model.to_named_numpy()
+    data = WeightDataServer(publisher, "127.0.0.1", 0)
+    port = data.start()
+    try:
+        fetcher = GrpcFetcher(channel, "sampler-3", streams=2, timeout_s=10, data_host="127.0.0.1")
+        mesh = make_mesh(1, 1, jax.devices(), "sampler.mesh.tp")
+        sync = WeightSync(fetcher, model, mesh, "sampler-3", channel=channel)
+        for version, wire in ((1, "float32"), (2, "bfloat16")):
+            publisher.wire_dtype = wire
+            stats = publisher.publish_arrays(version, {k: jax.numpy.asarray(v) * version for k, v in named.items()})
+            got = sync.poll()
+            assert got.version == version and data.served_bytes > 0
+            sync.mark_installed(got)
+            expected = {k: np.asarray(jax.numpy.asarray(v * version).astype(wire).astype(np.float32))
+                        for k, v in named.items()}
+            for k, arr in model.to_named_numpy(got.params).items():
+                np.testing.assert_array_equal(arr, expected[k])
+        assert stats.nbytes * 2 == sum(a.nbytes for a in named.values())  # bf16 on the wire
+        assert data.served_bytes == sum(a.nbytes for a in named.values()) * 3 // 2
+
+        def ask(payload: bytes) -> tuple[int, str]:
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+                sock.sendall(payload)
+                return weight_bulk.read_status(sock, time.monotonic() + 5)
+
+        code, message = ask(b"HTTP/1.1 GET /\r\n\r\n")
+        assert code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "bad magic" in message
+        code, message = ask(weight_bulk.encode_request(weights_pb2.FetchSlicesRequest(version=1).SerializeToString()))
+        assert code == grpc.StatusCode.NOT_FOUND.value[0] and "ask for the manifest again" in message
+        bad = weights_pb2.FetchSlicesRequest(version=2, tensors=[weights_pb2.TensorSlices(tensor_index=999)])
+        code, message = ask(weight_bulk.encode_request(bad.SerializeToString()))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "tensor_index=999" in message
+        whole = weights_pb2.SliceRange(start=[0, 0], stop=list(named["embedder.input_embedding"].shape))
+        index = list(named).index("embedder.input_embedding")
+        repeated = weights_pb2.FetchSlicesRequest(version=2, tensors=[
+            weights_pb2.TensorSlices(tensor_index=index, slices=[whole] * 1000)])
+        code, message = ask(weight_bulk.encode_request(repeated.SerializeToString()))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "ask for each slice once" in message
+        # still serving after the bad requests
+        publisher.publish_arrays(3, {k: jax.numpy.asarray(v) for k, v in named.items()})
+        assert sync.poll().version == 3
+    finally:
+        data.stop()
+
+
+def test_unreachable_data_plane_falls_back_to_grpc_streams(stack, tiny_parts, caplog):
+    import jax
+
+    from common.redis_util import free_port
+    from common.sharding import make_mesh
+    from sampler_service.weight_sync import GrpcFetcher
+
+    _, _, publisher, _, channel = stack
+    _, _, _, model = tiny_parts
+    named = model.to_named_numpy()
+    publisher.data_port = free_port()  # announced, but nothing listens there
+    publisher.publish(WeightSnapshot(version=4, arrays=named))
+    fetcher = GrpcFetcher(channel, "sampler-5", streams=2, timeout_s=10, data_host="127.0.0.1")
+    sync = WeightSync(fetcher, model, make_mesh(1, 1, jax.devices(), "sampler.mesh.tp"), "sampler-5")
+    with caplog.at_level("WARNING"):
+        got = sync.poll()
+    assert got is not None and got.version == 4 and "fetching over gRPC instead" in caplog.text
+    for k, arr in model.to_named_numpy(got.params).items():
+        np.testing.assert_array_equal(arr, named[k])
+
+
+def test_busy_data_plane_sends_fetches_over_grpc(stack, tiny_parts):
+    import socket
+
+    import jax
+
+    from common.sharding import make_mesh
+    from sampler_service.weight_sync import GrpcFetcher
+    from trainer_service.weight_data_server import WeightDataServer
+
+    _, _, publisher, _, channel = stack
+    _, _, _, model = tiny_parts
+    named = model.to_named_numpy()
+    data = WeightDataServer(publisher, "127.0.0.1", 0, workers=1, request_timeout_s=30)
+    port = data.start()
+    try:
+        publisher.publish(WeightSnapshot(version=6, arrays=named))
+        idle = socket.create_connection(("127.0.0.1", port))  # takes the only transfer slot, asks nothing
+        time.sleep(0.2)
+        fetcher = GrpcFetcher(channel, "sampler-6", streams=2, timeout_s=10, data_host="127.0.0.1")
+        sync = WeightSync(fetcher, model, make_mesh(1, 1, jax.devices(), "sampler.mesh.tp"), "sampler-6")
+        got = sync.poll()
+        assert got is not None and got.version == 6 and data.served_bytes == 0
+        for k, arr in model.to_named_numpy(got.params).items():
+            np.testing.assert_array_equal(arr, named[k])
+        idle.close()
+    finally:
+        data.stop()

@@ -87,6 +87,19 @@ def test_unrequested_or_overflowing_chunks_are_refused():
         assembler.add(chunk)
 
 
+def test_a_chunk_after_a_checked_slice_cannot_overwrite_it():
+    snap = snapshot()
+    request = {0: boxes_of((7, 6), 1)}
+    chunks = list(stream(snap, request, 1 << 20))
+    assembler = SliceAssembler(snap.manifest(), request)
+    for chunk in chunks:
+        assembler.add(chunk)
+    stray = chunks[0]
+    stray.data = bytes(len(stray.data))
+    with pytest.raises(WeightTransferError, match="after its last chunk"):
+        assembler.add(stray)
+
+
 def test_bad_boxes_name_the_problem():
     with pytest.raises(WeightTransferError, match="outside dimension of size 6"):
         box_from_proto(weights_pb2.SliceRange(start=[0, 4], stop=[7, 9]), (7, 6), "tensor 0")

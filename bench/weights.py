@@ -1,0 +1,206 @@
+"""Benchmark: publishing weights of a ~100M-parameter model until a sampler process has them installed.
+
+Ours, per case (grpc transport with its TCP data plane and with gRPC streams only, each float32 and bfloat16;
+checkpoint float32): from the trainer's `publish_arrays`
+call to the moment a sampler in another process has the version installed on its device (fetched
+slices, CRC-checked, placed), as wire bytes per second. Baseline in the same run: a raw loopback TCP copy
+of the same number of bytes into a preallocated buffer in the same peer process (the ceiling of moving
+bytes between two processes here). Medians of `repeats`.
+
+Trainer stall: the real RL update (PolicyUpdater) on the same model, stepping with a publication after
+every step on the publication thread (as the trainer does) while the peer fetches each version. The
+stall is the time the step loop itself spends handing a publication off (waiting for the previous one
+to finish + submitting), as a share of the step time measured without publishing. The step-time
+slowdown is reported too: on a 2-core machine the peer and the serving threads compete with XLA for
+cores, which is not a stall of the loop but is what a user would see.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent import futures
+
+import grpc
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from common.architectures import Architecture
+from common.config import AlgoSection
+from common.grpc_util import SERVER_OPTIONS
+from common.model import build_from_architecture
+from common.weight_checkpoint import CheckpointWeightStore
+from protos import weights_pb2_grpc
+from trainer_service.batching import TrainBatch
+from trainer_service.publisher import WeightPublisher
+from trainer_service.rl_update import PolicyUpdater
+from trainer_service.weight_data_server import WeightDataServer
+
+FULL = dict(vocab_size=32_000, num_layers=8, embed_dim=768, hidden_dim=2048, num_heads=12, num_kv_heads=4,
+            head_dim=64)
+QUICK = dict(vocab_size=4000, num_layers=2, embed_dim=256, hidden_dim=512, num_heads=4, num_kv_heads=2, head_dim=64)
+
+
+class _Peer:
+    """The sampler process; yields its JSON lines."""
+
+    def __init__(self, spec: dict):
+        self.proc = subprocess.Popen([sys.executable, "-m", "bench.weights_peer", json.dumps(spec)],
+                                     stdout=subprocess.PIPE, text=True)
+
+    def next(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"bench peer exited with code {self.proc.wait()}")
+        return json.loads(line)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+def _raw_sender(listener: socket.socket, payload: list[memoryview], repeats: int) -> None:
+    for _ in range(repeats):
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(2)
+            for view in payload:
+                conn.sendall(view)
+
+
+def _serve(publisher: WeightPublisher) -> tuple[grpc.Server, int]:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=SERVER_OPTIONS)
+    weights_pb2_grpc.add_WeightServiceServicer_to_server(publisher, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    return server, port
+
+
+def _case(named: dict, arch: dict, transport: str, dtype: str, repeats: int, raw_repeats: int,
+          streams: int, data_plane: str = "grpc") -> dict:
+    tmp = tempfile.TemporaryDirectory(prefix="bench-weights-")
+    store = CheckpointWeightStore(tmp.name, keep=2) if transport == "checkpoint" else None
+    publisher = WeightPublisher(transport, store=store, wire_dtype=dtype)
+    server, port = _serve(publisher)
+    data = WeightDataServer(publisher, "127.0.0.1", 0) if data_plane == "tcp" else None
+    if data is not None:
+        data.start()
+    wire = jnp.dtype(dtype if dtype != "model" else "float32")
+    nbytes = sum(int(np.prod(a.shape)) * wire.itemsize for a in named.values())
+    host = [np.asarray(a.astype(wire)) for a in named.values()]
+    payload = [memoryview(a.reshape(-1).view(np.uint8)) for a in host]
+    listener = socket.create_server(("127.0.0.1", 0))
+    sender = threading.Thread(target=_raw_sender, args=(listener, payload, raw_repeats), daemon=True)
+    sender.start()
+    peer = _Peer({"arch": arch, "raw_port": listener.getsockname()[1], "raw_bytes": nbytes,
+                  "raw_repeats": raw_repeats, "grpc": f"127.0.0.1:{port}" if transport == "grpc" else None,
+                  "checkpoint_dir": tmp.name, "versions": repeats + 1, "streams": streams,
+                  "data_host": "127.0.0.1" if data is not None else None})
+    try:
+        raw = [peer.next()["raw_seconds"] for _ in range(raw_repeats)]
+        del host, payload
+        assert peer.next() == {"ready": True}
+        totals, publish, fetch = [], [], []
+        for version in range(repeats + 1):  # version 0 warms up (first install allocates), not counted
+            start = time.time()
+            stats = publisher.publish_arrays(version, named)
+            event = peer.next()
+            assert event["version"] == version, event
+            if version > 0:
+                totals.append(event["installed_unix"] - start)
+                publish.append(stats.seconds)
+                fetch.append(event["fetch_seconds"])
+    finally:
+        peer.close()
+        server.stop(0)
+        if data is not None:
+            data.stop()
+        listener.close()
+        tmp.cleanup()
+    ours, raw_s = statistics.median(totals), statistics.median(raw) if raw else None
+    out = {"transport": transport, "data_plane": data_plane if transport == "grpc" else None, "wire_dtype": wire.name, "bytes": nbytes,
+           "publish_to_installed_s": round(ours, 3), "publish_call_s": round(statistics.median(publish), 3),
+           "sampler_fetch_s": round(statistics.median(fetch), 3),
+           "mb_per_s": round(nbytes / ours / 1e6, 1)}
+    if raw_s:
+        out.update(raw_copy_s=round(raw_s, 4), raw_mb_per_s=round(nbytes / raw_s / 1e6, 1),
+                   fraction_of_raw=round(raw_s / ours, 3))
+    return out
+
+
+def _stall(model, arch: dict, steps: int, rows: int, length: int) -> dict:
+    rng = np.random.default_rng(0)
+    batch = TrainBatch(tokens=jnp.asarray(rng.integers(1, arch["vocab_size"], (rows, length)), jnp.int32),
+                       valid=jnp.ones((rows, length), bool), loss_mask=jnp.ones((rows, length - 1), jnp.float32),
+                       behaviour_logprobs=jnp.full((rows, length - 1), -5.0, jnp.float32),
+                       advantages=jnp.asarray(rng.standard_normal(rows), jnp.float32),
+                       fresh=jnp.zeros((rows,), jnp.float32))
+    updater = PolicyUpdater(model, model.params, AlgoSection(), 1e-6, 1.0, 1.0, pad_id=0)
+    updater.update(batch)  # compile
+    plain = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        updater.update(batch)
+        plain.append(time.perf_counter() - t)
+    publisher = WeightPublisher("grpc")
+    server, port = _serve(publisher)
+    peer = _Peer({"arch": arch, "raw_port": 0, "raw_bytes": 0, "raw_repeats": 0, "grpc": f"127.0.0.1:{port}",
+                  "checkpoint_dir": None, "versions": steps, "streams": 2})
+    assert peer.next() == {"ready": True}
+    worker = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    pending, with_publish, stalls = None, [], []
+    try:
+        for version in range(steps):
+            t = time.perf_counter()
+            updater.update(batch)
+            t_compute = time.perf_counter()
+            if pending is not None:  # what the trainer loop does after each step
+                pending.result()
+            pending = worker.submit(publisher.publish_arrays, version, model.named_arrays(updater.params))
+            t_end = time.perf_counter()
+            stalls.append(t_end - t_compute)
+            with_publish.append(t_end - t)
+        pending.result()
+        installed = [peer.next()["version"]]
+        while installed[-1] < steps - 1:
+            installed.append(peer.next()["version"])
+    finally:
+        peer.close()
+        server.stop(0)
+        worker.shutdown()
+    step = statistics.median(plain)
+    return {"rows": rows, "tokens_per_row": length, "step_s": round(step, 3),
+            "step_with_publish_s": round(statistics.median(with_publish), 3),
+            "stall_per_publish_s": round(statistics.median(stalls), 4),
+            "stall_share_of_step": round(statistics.median(stalls) / step, 4),
+            "step_slowdown": round(statistics.median(with_publish) / step, 3), "versions_installed": installed}
+
+
+def run(quick: bool = False) -> dict:
+    shape = QUICK if quick else FULL
+    arch = dict(family="qwen3", norm_eps=1e-6, rope_theta=1_000_000, tied_embeddings=False, **shape)
+    model = build_from_architecture(Architecture(**arch), seed=0)
+    named = model.named_arrays()
+    repeats = 2 if quick else 3
+    cases = [_case(named, arch, "grpc", dtype, repeats, repeats, 2, plane)
+             for plane in ("tcp", "grpc") for dtype in ("float32", "bfloat16")]
+    cases.append(_case(named, arch, "checkpoint", "float32", repeats, 0, 2))
+    stall = _stall(model, arch, steps=2 if quick else 4, rows=2, length=32 if quick else 64)
+    by = {(c["transport"], c["data_plane"], c["wire_dtype"]): c for c in cases}
+    return {"benchmark": "weights", "quick": quick, "params": model.num_params(),
+            "devices": [str(d) for d in jax.devices()], "cases": cases, "stall": stall,
+            # the default path (weights.transport=grpc, data_plane=tcp) against the raw copy
+            "fraction_of_raw_f32": by[("grpc", "tcp", "float32")]["fraction_of_raw"],
+            "fraction_of_raw_bf16": by[("grpc", "tcp", "bfloat16")]["fraction_of_raw"],
+            "fraction_of_raw_grpc_stream_f32": by[("grpc", "grpc", "float32")]["fraction_of_raw"],
+            "fraction_of_raw_grpc_stream_bf16": by[("grpc", "grpc", "bfloat16")]["fraction_of_raw"],
+            "stall_share_of_step": stall["stall_share_of_step"]}

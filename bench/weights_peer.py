@@ -1,0 +1,77 @@
+"""The sampler side of `bench weights`, as its own process: receives raw bytes, then installs published versions.
+
+    python -m bench.weights_peer SPEC_JSON
+
+SPEC_JSON: {"arch": {...Architecture fields}, "raw_port": int, "raw_bytes": int, "raw_repeats": int,
+"grpc": "host:port" | null, "checkpoint_dir": str | null, "versions": int, "streams": int, "data_host": str | null (TCP data plane)}.
+Prints one JSON line per event: {"raw_seconds": s} per raw copy, {"ready": true} once set up, then {"version": v, "installed_unix": t,
+"fetch_seconds": s} per installed version, until version `versions - 1` is installed.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+import time
+
+
+def _raw(port: int, nbytes: int) -> float:
+    buf = bytearray(nbytes)
+    view = memoryview(buf)
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.sendall(b"go")
+        start, got = time.perf_counter(), 0
+        while got < nbytes:
+            n = sock.recv_into(view[got:], min(nbytes - got, 16 << 20))
+            if not n:
+                raise ConnectionError(f"raw sender closed after {got} of {nbytes} bytes")
+            got += n
+        return time.perf_counter() - start
+
+
+def main() -> int:
+    spec = json.loads(sys.argv[1])
+    for _ in range(spec["raw_repeats"]):
+        print(json.dumps({"raw_seconds": _raw(spec["raw_port"], spec["raw_bytes"])}), flush=True)
+
+    import grpc
+    import jax
+
+    from common.architectures import Architecture
+    from common.grpc_util import CHANNEL_OPTIONS
+    from common.model import build_from_architecture
+    from common.sharding import make_mesh
+    from common.weight_checkpoint import CheckpointWeightStore
+    from sampler_service.weight_sync import CheckpointFetcher, GrpcFetcher, WeightSync
+
+    model = build_from_architecture(Architecture(**spec["arch"]), seed=None)
+    mesh = make_mesh(1, 1, jax.devices(), "sampler.mesh.tp")
+    channel = None
+    if spec.get("grpc"):
+        channel = grpc.insecure_channel(spec["grpc"], options=CHANNEL_OPTIONS)
+        fetcher = GrpcFetcher(channel, "bench-peer", spec["streams"], timeout_s=600, data_host=spec.get("data_host"))
+    else:
+        fetcher = CheckpointFetcher(CheckpointWeightStore(spec["checkpoint_dir"]))
+    sync = WeightSync(fetcher, model, mesh, "bench-peer", retry_initial_s=0.05, retry_max_s=0.2)
+    last = spec["versions"] - 1  # a sampler installs the latest version, so it may skip some in between
+    print(json.dumps({"ready": True}), flush=True)
+    installed = -1
+    while installed < last:
+        got = sync.poll()
+        if got is None:
+            time.sleep(0.005)
+            continue
+        jax.block_until_ready(got.params)
+        print(json.dumps({"version": got.version, "installed_unix": time.time(),
+                          "fetch_seconds": got.fetch_seconds}), flush=True)
+        sync.mark_installed(got)
+        installed = got.version
+        del got
+    if channel is not None:
+        channel.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

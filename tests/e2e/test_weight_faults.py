@@ -1,0 +1,218 @@
+"""Weight versions under churn and faults (issue 6), with real sampler and trainer processes.
+
+1. No group mixes versions: this test serves weights (a real TrainerServer on loopback, ingest into a real
+   Redis) and publishes a new, clearly different version every 0.3 s while a `grpo-stream sampler` process
+   generates. Every group's behaviour logprobs are recomputed under the version the group says it used:
+   they agree to float32 noise, and disagree under the neighbouring versions. A group that switched weights
+   part-way would match neither.
+2. Killing the trainer (kill -9) in the middle of a slow weight transfer: the samplers keep their installed
+   version and keep generating, count fetch failures, and install the restarted trainer's versions; the
+   restarted run completes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from common.buffer import RedisStreamBuffer
+from common.config import load_config
+from common.model import sequence_logprobs
+from common.redis_util import connect, free_port
+from common.runtime import build_policy, build_task_and_tokenizer
+from common.wire import GroupLimits, decode_group
+from tests.e2e.test_up import ROOT
+from trainer_service.ingest import IngestServicer
+from trainer_service.publisher import WeightPublisher
+from trainer_service.server import TrainerServer
+
+pytestmark = [pytest.mark.e2e, pytest.mark.redis, pytest.mark.slow]
+CONFIG = ROOT / "configs" / "tiny_arith_smoke.yaml"
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
+
+
+def cli(*args, log):
+    return subprocess.Popen([sys.executable, "-m", "grpo_stream", *args], cwd=ROOT, stdout=log,
+                            stderr=subprocess.STDOUT, env=ENV)
+
+
+def recomputed(model, params, group, cfg, pad_id) -> np.ndarray:
+    """Max |recomputed - recorded| behaviour logprob per completion of `group` under `params`."""
+    p = len(group.prompt_token_ids)
+    width = p + max(len(c.token_ids) for c in group.completions)
+    tokens = np.full((len(group.completions), width), pad_id, np.int32)
+    valid = np.zeros(tokens.shape, bool)
+    for i, c in enumerate(group.completions):
+        row = np.concatenate([group.prompt_token_ids, c.token_ids])
+        tokens[i, :len(row)], valid[i, :len(row)] = row, True
+    logp = np.asarray(sequence_logprobs(model, params, jnp.asarray(tokens), jnp.asarray(valid),
+                                        cfg.generation.temperature, pad_id))
+    return np.array([np.abs(logp[i, p - 1:p - 1 + len(c.token_ids)] - c.logprobs).max()
+                     for i, c in enumerate(group.completions)])
+
+
+def test_no_group_mixes_weight_versions(tmp_path, redis_server):
+    overrides = ["sampler.replicas=1", "sampler.weight_poll_s=0.05", "trainer.max_staleness=1000",
+                 "sampler.prompts_per_batch=2", "sampler.backlog_max_groups=256", "sampler.metrics_port=null"]
+    cfg = load_config(CONFIG, overrides)
+    task, tokenizer = build_task_and_tokenizer(cfg)
+    model = build_policy(cfg, tokenizer.vocab_size, seed=0)
+    rng = np.random.default_rng(1)
+    base = model.to_named_numpy()
+    noise = {n: rng.standard_normal(a.shape).astype(np.float32) * 0.05 for n, a in base.items()}
+
+    def weights(v: int) -> dict[str, np.ndarray]:
+        return {n: a + v * noise[n] for n, a in base.items()}
+
+    buffer = RedisStreamBuffer(connect(redis_server.url, 5), cfg.run.name)
+    gen = cfg.generation
+    limits = GroupLimits(gen.num_generations, gen.max_prompt_tokens, gen.max_new_tokens, tokenizer.vocab_size)
+    publisher = WeightPublisher("grpc")
+    server = TrainerServer(IngestServicer(buffer, limits, 100_000, 20), publisher, "127.0.0.1", 0)
+    port = server.start()
+    publisher.publish_arrays(0, weights(0))
+    log = open(tmp_path / "sampler.log", "w")
+    proc = cli("sampler", "--config", str(CONFIG), "--index", "0", *overrides, f"trainer.port={port}", log=log)
+    groups, version = [], 0
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.3)
+            version += 1
+            publisher.publish_arrays(version, weights(version))
+            groups += [decode_group(e.payload) for e in buffer.read(1000, 0)]
+            if len(groups) >= 24 and len({g.policy_version for g in groups}) >= 4:
+                break
+        publisher.publish_arrays(version + 1, weights(version + 1), final=True)
+        assert proc.wait(timeout=120) == 0, (tmp_path / "sampler.log").read_text()[-3000:]
+        groups += [decode_group(e.payload) for e in buffer.read(1000, 0)]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        server.stop(0)
+        log.close()
+    used = sorted({g.policy_version for g in groups})
+    assert len(groups) >= 24 and len(used) >= 4, (len(groups), used)
+    params = {}
+
+    def at(v):
+        if v not in params:
+            params[v] = model.params_from_arrays({n: jnp.asarray(a) for n, a in weights(v).items()})
+        return params[v]
+
+    own, neighbours = [], []
+    for g in groups:
+        own.append(recomputed(model, at(g.policy_version), g, cfg, tokenizer.pad_id).max())
+        neighbours.append(min(recomputed(model, at(v), g, cfg, tokenizer.pad_id).min()
+                              for v in (g.policy_version - 1, g.policy_version + 1) if v >= 0))
+    # every completion of every group came from exactly the version recorded on the group
+    assert max(own) < 1e-3, f"groups disagree with their recorded version: {sorted(own)[-5:]}"
+    assert min(neighbours) > 20 * max(own), (min(neighbours), max(own))
+    # versions only move forward within the sampler
+    by_sampler = [g.policy_version for g in sorted(groups, key=lambda g: int(g.group_id.rsplit("/", 1)[1]))]
+    assert by_sampler == sorted(by_sampler)
+
+
+def scrape(port: int) -> dict[str, float]:
+    """The unlabelled samples of a sampler's Prometheus /metrics page without the `grpo_stream_` prefix (empty
+    while the page is not up yet)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+            text = reply.read().decode()
+    except OSError:
+        return {}
+    return {m.group(1): float(m.group(2)) for m in re.finditer(r"^grpo_stream_(\w+) ([-+\d.e]+)$", text, re.M)}
+
+
+def wait_for(predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+STEPS = 20
+
+
+def test_trainer_killed_mid_transfer_samplers_keep_generating_then_follow_the_restart(tmp_path, redis_server):
+    port, metrics = free_port(), free_port()
+    # the demo's model size, so generation runs at a realistic pace next to the trainer's steps
+    model = ["model.tiny.num_layers=2", "model.tiny.embed_dim=128", "model.tiny.hidden_dim=384",
+             "model.tiny.head_dim=32"]
+    cfg = load_config(CONFIG, model)
+    _, tokenizer = build_task_and_tokenizer(cfg)
+    nbytes = build_policy(cfg, tokenizer.vocab_size, seed=0).num_params() * 4
+    overrides = [*model, f"redis.url={redis_server.url}", f"trainer.port={port}", "trainer.metrics_port=null",
+                 f"sampler.metrics_port={metrics}", "sampler.weight_poll_s=0.05",
+                 # room for what is generated while the trainer is away
+                 "sampler.backlog_max_groups=4000", "buffer.max_groups=64", "trainer.groups_per_step=32", f"trainer.steps={STEPS}", "trainer.publish_every=2", "trainer.max_staleness=8",
+                 "trainer.eval_before=false", "trainer.eval_after=false", "trainer.final_wait_s=60",
+                 "weights.fetch_streams=1", "weights.retry_initial_s=0.2", "weights.retry_max_s=1.0",
+                 # each transfer takes about 2.5 s, so the kill lands inside one
+                 f"weights.max_serve_mb_s={nbytes / 2.5 / 1e6:.6f}"]
+    logs = {name: open(tmp_path / f"{name}.log", "w") for name in ("trainer-1", "trainer-2", "sampler-0",
+                                                                   "sampler-1")}
+    text = {name: lambda name=name: (tmp_path / f"{name}.log").read_text() for name in logs}
+    procs = {"trainer-1": cli("trainer", "--config", str(CONFIG), "--run-dir", str(tmp_path / "run-1"), *overrides,
+                              log=logs["trainer-1"])}
+    for i in range(2):
+        procs[f"sampler-{i}"] = cli("sampler", "--config", str(CONFIG), "--index", str(i), "--run-dir",
+                                    str(tmp_path), *overrides, log=logs[f"sampler-{i}"])
+    try:
+        # both samplers generate with a first version; then a later version starts streaming to one of them
+        wait_for(lambda: all(scrape(metrics + i).get("sampler_groups_total", 0) > 0 for i in range(2)), 240,
+                 "both samplers to generate")
+        wait_for(lambda: any(re.search(r"fetching weight version [1-9]", text[f"sampler-{i}"]()) for i in range(2)),
+                 240, "a second version to be fetched")
+        before = [scrape(metrics + i) for i in range(2)]
+        procs["trainer-1"].send_signal(signal.SIGKILL)
+        procs["trainer-1"].wait(timeout=30)
+        time.sleep(3.0)
+        after = [scrape(metrics + i) for i in range(2)]
+        for i in range(2):
+            assert procs[f"sampler-{i}"].poll() is None, text[f"sampler-{i}"]()[-2000:]
+            # still on the version installed before the kill, still generating, and counting failed fetches
+            assert after[i]["sampler_weight_version"] == before[i]["sampler_weight_version"]
+            assert after[i]["sampler_groups_total"] > before[i]["sampler_groups_total"]
+        assert sum(a["sampler_weight_fetch_failures"] for a in after) >= 1
+        assert "weight fetch failed" in text["sampler-0"]() + text["sampler-1"]()
+
+        procs["trainer-2"] = cli("trainer", "--config", str(CONFIG), "--run-dir", str(tmp_path / "run-2"),
+                                 *overrides, log=logs["trainer-2"])
+        assert procs["trainer-2"].wait(timeout=600) == 0, text["trainer-2"]()[-4000:]
+        for i in range(2):
+            assert procs[f"sampler-{i}"].wait(timeout=120) == 0, text[f"sampler-{i}"]()[-3000:]
+    except AssertionError as exc:
+        tails = "\n".join(f"--- {name}.log\n{read()[-1500:]}" for name, read in text.items())
+        raise AssertionError(f"{exc}\n{tails}") from None
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        for log in logs.values():
+            log.close()
+    summary = json.loads((tmp_path / "run-2" / "summary.json").read_text())
+    assert summary["steps"] == STEPS and summary["weight_versions"][-1] == STEPS
+    # the restarted trainer's versions reached both samplers, ending with its final one
+    assert set(summary["sampler_weight_versions"]) == {"sampler-0", "sampler-1"}
+    assert all(v[0] == 0 and v[-1] == STEPS for v in summary["sampler_weight_versions"].values())
+    for i in range(2):
+        installed = json.loads((tmp_path / f"sampler-{i}.json").read_text())["versions"]
+        # first trainer's versions, then (after a drop back to 0 when the new epoch appeared) the second's
+        restart = installed.index(0, 1)
+        assert installed[restart:][-1] == STEPS and installed[:restart] == sorted(installed[:restart])
