@@ -159,8 +159,9 @@ class SamplerSection(Strict):
                                                "never wait (asynchronous). Synchronous GRPO: trainer.max_staleness"
                                                "=0 and this = trainer.groups_per_step / sampler.replicas.")
     rpc_timeout_s: float = Field(30.0, gt=0, le=3600, description="Deadline of one weight fetch.")
-    connect_timeout_s: float = Field(120.0, gt=0, le=3600, description="How long a sampler waits for the trainer "
-                                     "(and its first weights) before it exits.")
+    connect_timeout_s: float = Field(120.0, gt=0, le=3600, description="How long a sampler waits for an unreachable "
+                                     "or silent trainer before it exits. A trainer that answers but has not published "
+                                     "yet (warm start, eval_before) is waited for without limit.")
     metrics_port: int | None = Field(0, ge=0, le=65535, description="Prometheus /metrics port of sampler 0 "
                                      "(sampler i uses metrics_port + i); 0 = a free port, null = off.")
     metrics_host: str = Field("127.0.0.1", description="Address the samplers' /metrics binds.")

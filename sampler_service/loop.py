@@ -60,14 +60,17 @@ class Sampler:
         self.sync: WeightSync | None = None
         self.client: RolloutClient | None = None
 
-    def _wait_for_trainer(self, channel: grpc.Channel) -> None:
-        stub = health_pb2_grpc.HealthStub(channel)
+    def _serving(self, stub: health_pb2_grpc.HealthStub) -> bool:
+        """The trainer answers its health check as SERVING (raises grpc.RpcError when it does not answer)."""
+        reply = stub.Check(health_pb2.HealthCheckRequest(service="grpo_stream.v1.WeightService"), timeout=5)
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    def _wait_for_trainer(self, stub: health_pb2_grpc.HealthStub) -> None:
         deadline = time.monotonic() + self.cfg.sampler.connect_timeout_s
         delay = 0.2
         while not self.stop_event.is_set():
             try:
-                reply = stub.Check(health_pb2.HealthCheckRequest(service="grpo_stream.v1.WeightService"), timeout=5)
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                if self._serving(stub):
                     return
             except grpc.RpcError as exc:
                 if time.monotonic() > deadline:
@@ -79,6 +82,34 @@ class Sampler:
                 log.info("waiting for the trainer at %s", self.cfg.trainer_address())
             time.sleep(delay)
             delay = min(delay * 2, 2.0)
+
+    def _await_first_weights(self, stub: health_pb2_grpc.HealthStub) -> None:
+        """Install the trainer's first version before generating. A trainer that is up but has not published yet
+        (warm start, eval_before, loading a large checkpoint: minutes to hours) is waited for as long as it
+        answers; one silent for sampler.connect_timeout_s ends the sampler."""
+        timeout = self.cfg.sampler.connect_timeout_s
+        started = heard = last_log = last_check = time.monotonic()
+        while self.params is None and not self.stop_event.is_set():
+            self._poll_weights()
+            if self.params is not None:
+                return
+            now = time.monotonic()
+            if now - last_check >= 1.0:
+                last_check = now
+                try:
+                    if self._serving(stub):
+                        heard = now
+                except grpc.RpcError:
+                    pass
+                if now - heard > timeout:
+                    raise ConnectionError(
+                        f"sampler.trainer_address={self.cfg.trainer_address()}: the trainer stopped answering for "
+                        f"{timeout:.0f}s (sampler.connect_timeout_s) before it published any weights")
+            if now - last_log >= 30:
+                last_log = now
+                log.info("%s waiting for the trainer's first weights (%.0fs so far; the trainer is up, e.g. in its "
+                         "warm start or eval_before)", self.sampler_id, now - started)
+            time.sleep(0.05 if self.cfg.weights.background_fetch else 0.5)
 
     def run(self) -> dict:
         cfg, gen = self.cfg, self.cfg.generation
@@ -98,7 +129,8 @@ class Sampler:
             cfg.sampler.metrics_port + self.index if cfg.sampler.metrics_port else 0)
         prom.start(cfg.sampler.metrics_host, metrics_port)
         channel = grpc.insecure_channel(cfg.trainer_address(), options=CHANNEL_OPTIONS)
-        self._wait_for_trainer(channel)
+        health = health_pb2_grpc.HealthStub(channel)
+        self._wait_for_trainer(health)
         mesh = make_mesh(1, cfg.sampler.mesh.tp, self.devices or jax.local_devices(), "sampler.mesh.tp")
         log.info("%s mesh %s on %s", self.sampler_id, dict(mesh.shape), [d.id for d in mesh.devices.flat])
         sync = WeightSync(self._fetcher(channel), model, mesh, self.sampler_id, cfg.weights.retry_initial_s,
@@ -109,14 +141,7 @@ class Sampler:
         log.info("%s connected to %s (tokenizer %s)", self.sampler_id, cfg.trainer_address(), tokenizer.fingerprint())
 
         self.sync = sync
-        deadline = time.monotonic() + cfg.sampler.connect_timeout_s
-        while self.params is None and not self.stop_event.is_set():
-            self._poll_weights()
-            if self.params is None:
-                if time.monotonic() > deadline:
-                    raise ConnectionError(f"no weights published by the trainer within "
-                                          f"{cfg.sampler.connect_timeout_s}s (sampler.connect_timeout_s)")
-                time.sleep(0.05 if cfg.weights.background_fetch else 0.5)
+        self._await_first_weights(health)
 
         prompts = task.train_stream(self.index, cfg.sampler.replicas)
         rng = jax.random.key(cfg.run.seed * 1000 + self.index + 1)

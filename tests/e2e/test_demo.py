@@ -23,9 +23,7 @@ def test_demo_improves_heldout_accuracy(tmp_path, loss_algo):
     assert summary["algo"]["loss_algo"] == loss_algo
     before, after = summary["eval_before"], summary["eval_after"]
     assert before["num_problems"] >= 200 and after["num_problems"] == before["num_problems"]
-    # +0.10 is over 3 standard errors on 256 problems; asynchronous runs differ (samplers' timing), and on
-    # 2026-11-23 the shipped config gave +0.11 to +0.17 (README, "The CPU demo")
-    assert after["accuracy"] - before["accuracy"] >= 0.10, (before["accuracy"], after["accuracy"])
+    assert after["accuracy"] - before["accuracy"] >= 0.15, (before["accuracy"], after["accuracy"])
     for versions in summary["sampler_weight_versions"].values():
         assert len(versions) >= 3
     # groups generated with exactly the trainer's weights (every group of step 1, at least) agree in float32

@@ -271,3 +271,68 @@ def test_services_expose_prometheus_metrics(tmp_path):
 def test_eval_limit_must_be_positive():
     proc = run_cli("eval", "--config", "configs/tiny_arith_smoke.yaml", "--limit", "0", timeout=60)
     assert proc.returncode == 2 and "--limit: must be at least 1, got 0" in proc.stderr
+
+
+@pytest.mark.redis
+def test_sampler_waits_for_a_trainer_that_answers_but_has_not_published_then_gives_up_on_silence(tmp_path,
+                                                                                               redis_server):
+    """A trainer in its warm start serves health but no weights: the sampler waits past connect_timeout_s and
+    installs the first version when it comes; a trainer that goes silent ends it after connect_timeout_s."""
+    import time
+
+    from common.buffer import RedisStreamBuffer
+    from common.config import load_config
+    from common.redis_util import connect
+    from common.runtime import build_policy, build_task_and_tokenizer
+    from common.wire import GroupLimits
+    from trainer_service.ingest import IngestServicer
+    from trainer_service.publisher import WeightPublisher
+    from trainer_service.server import TrainerServer
+
+    config = ROOT / "configs" / "tiny_arith_smoke.yaml"
+    overrides = ["sampler.connect_timeout_s=2", "sampler.metrics_port=null", "sampler.weight_poll_s=0.05"]
+    cfg = load_config(config, overrides)
+    _, tokenizer = build_task_and_tokenizer(cfg)
+    named = build_policy(cfg, tokenizer.vocab_size, seed=0).to_named_numpy()
+    gen = cfg.generation
+    limits = GroupLimits(gen.num_generations, gen.max_prompt_tokens, gen.max_new_tokens, tokenizer.vocab_size)
+    buffer = RedisStreamBuffer(connect(redis_server.url, 5), cfg.run.name)
+    log_path = tmp_path / "sampler.log"
+
+    def start(port: int):
+        return subprocess.Popen([sys.executable, "-m", "grpo_stream", "sampler", "--config", str(config), "--index",
+                                 "0", *overrides, f"trainer.port={port}"], cwd=ROOT, stdout=open(log_path, "w"),
+                                stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+    def wait_for_log(proc, text: str, timeout_s: float = 120) -> None:
+        deadline = time.monotonic() + timeout_s
+        while text not in log_path.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
+            time.sleep(0.1)
+
+    publisher = WeightPublisher("grpc")
+    server = TrainerServer(IngestServicer(buffer, limits, 1000, 20), publisher, "127.0.0.1", 0)
+    proc = start(server.start())
+    try:
+        wait_for_log(proc, "connected to")
+        time.sleep(6)  # three times connect_timeout_s with nothing published
+        assert proc.poll() is None, log_path.read_text()[-3000:]
+        publisher.publish_arrays(0, named)
+        wait_for_log(proc, "installed weight version 0")
+        publisher.publish_arrays(1, named, final=True)
+        assert proc.wait(timeout=60) == 0, log_path.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        server.stop(0)
+
+    silent = TrainerServer(IngestServicer(buffer, limits, 1000, 20), WeightPublisher("grpc"), "127.0.0.1", 0)
+    proc = start(silent.start())
+    try:
+        wait_for_log(proc, "connected to")
+        silent.stop(0)  # the trainer dies before publishing anything
+        assert proc.wait(timeout=60) == 1
+        assert "the trainer stopped answering for 2s (sampler.connect_timeout_s)" in log_path.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
