@@ -1,9 +1,10 @@
 """Benchmark: publishing weights of a ~100M-parameter model until a sampler process has them installed.
 
-Ours, per case (grpc transport with its TCP data plane and with gRPC streams only, each float32 and bfloat16;
-checkpoint float32): from the trainer's `publish_arrays`
-call to the moment a sampler in another process has the version installed on its device (fetched
-slices, CRC-checked, placed), as wire bytes per second. Baseline in the same run: a raw loopback TCP copy
+Ours, per case: from the trainer's `publish_arrays` call to the moment a sampler in another process has the
+version installed on its device (fetched slices, checksummed, placed), as wire bytes per second. Cases: the grpc
+transport with its TCP data plane and with gRPC streams only, each for a float32 model and a bfloat16 model
+(weights in bfloat16 end to end, as Llama/Qwen post-training publishes them), plus a float32 model sent as
+bfloat16 (`weights.wire_dtype: bfloat16`: cast on both sides); the checkpoint transport for the float32 model. Baseline in the same run: a raw loopback TCP copy
 of the same number of bytes into a preallocated buffer in the same peer process (the ceiling of moving
 bytes between two processes here). Medians of `repeats`.
 
@@ -87,6 +88,8 @@ def _serve(publisher: WeightPublisher) -> tuple[grpc.Server, int]:
 
 def _case(named: dict, arch: dict, transport: str, dtype: str, repeats: int, raw_repeats: int,
           streams: int, data_plane: str = "grpc") -> dict:
+    """`named`: the model's arrays (their dtype is the model's); `dtype`: weights.wire_dtype."""
+    model_dtype = jnp.dtype(next(iter(named.values())).dtype).name
     tmp = tempfile.TemporaryDirectory(prefix="bench-weights-")
     store = CheckpointWeightStore(tmp.name, keep=2) if transport == "checkpoint" else None
     publisher = WeightPublisher(transport, store=store, wire_dtype=dtype)
@@ -94,14 +97,14 @@ def _case(named: dict, arch: dict, transport: str, dtype: str, repeats: int, raw
     data = WeightDataServer(publisher, "127.0.0.1", 0) if data_plane == "tcp" else None
     if data is not None:
         data.start()
-    wire = jnp.dtype(dtype if dtype != "model" else "float32")
+    wire = jnp.dtype(dtype if dtype != "model" else model_dtype)
     nbytes = sum(int(np.prod(a.shape)) * wire.itemsize for a in named.values())
     host = [np.asarray(a.astype(wire)) for a in named.values()]
     payload = [memoryview(a.reshape(-1).view(np.uint8)) for a in host]
     listener = socket.create_server(("127.0.0.1", 0))
     sender = threading.Thread(target=_raw_sender, args=(listener, payload, raw_repeats), daemon=True)
     sender.start()
-    peer = _Peer({"arch": arch, "raw_port": listener.getsockname()[1], "raw_bytes": nbytes,
+    peer = _Peer({"arch": arch, "dtype": model_dtype, "raw_port": listener.getsockname()[1], "raw_bytes": nbytes,
                   "raw_repeats": raw_repeats, "grpc": f"127.0.0.1:{port}" if transport == "grpc" else None,
                   "checkpoint_dir": tmp.name, "versions": repeats + 1, "streams": streams,
                   "data_host": "127.0.0.1" if data is not None else None})
@@ -127,7 +130,8 @@ def _case(named: dict, arch: dict, transport: str, dtype: str, repeats: int, raw
         listener.close()
         tmp.cleanup()
     ours, raw_s = statistics.median(totals), statistics.median(raw) if raw else None
-    out = {"transport": transport, "data_plane": data_plane if transport == "grpc" else None, "wire_dtype": wire.name, "bytes": nbytes,
+    out = {"transport": transport, "data_plane": data_plane if transport == "grpc" else None,
+           "model_dtype": model_dtype, "wire_dtype": wire.name, "bytes": nbytes,
            "publish_to_installed_s": round(ours, 3), "publish_call_s": round(statistics.median(publish), 3),
            "sampler_fetch_s": round(statistics.median(fetch), 3),
            "mb_per_s": round(nbytes / ours / 1e6, 1)}
@@ -153,8 +157,11 @@ def _stall(model, arch: dict, steps: int, rows: int, length: int) -> dict:
         plain.append(time.perf_counter() - t)
     publisher = WeightPublisher("grpc")
     server, port = _serve(publisher)
-    peer = _Peer({"arch": arch, "raw_port": 0, "raw_bytes": 0, "raw_repeats": 0, "grpc": f"127.0.0.1:{port}",
-                  "checkpoint_dir": None, "versions": steps, "streams": 2})
+    data = WeightDataServer(publisher, "127.0.0.1", 0)  # the default path: slices over the TCP data plane
+    data.start()
+    peer = _Peer({"arch": arch, "dtype": "float32", "raw_port": 0, "raw_bytes": 0, "raw_repeats": 0,
+                  "grpc": f"127.0.0.1:{port}", "checkpoint_dir": None, "versions": steps, "streams": 2,
+                  "data_host": "127.0.0.1"})
     assert peer.next() == {"ready": True}
     worker = concurrent.futures.ThreadPoolExecutor(max_workers=1)
     pending, with_publish, stalls = None, [], []
@@ -176,6 +183,7 @@ def _stall(model, arch: dict, steps: int, rows: int, length: int) -> dict:
     finally:
         peer.close()
         server.stop(0)
+        data.stop()
         worker.shutdown()
     step = statistics.median(plain)
     return {"rows": rows, "tokens_per_row": length, "step_s": round(step, 3),
@@ -189,18 +197,24 @@ def run(quick: bool = False) -> dict:
     shape = QUICK if quick else FULL
     arch = dict(family="qwen3", norm_eps=1e-6, rope_theta=1_000_000, tied_embeddings=False, **shape)
     model = build_from_architecture(Architecture(**arch), seed=0)
-    named = model.named_arrays()
+    f32 = model.named_arrays()
+    bf16 = {n: a.astype(jnp.bfloat16) for n, a in f32.items()}
     repeats = 2 if quick else 3
-    cases = [_case(named, arch, "grpc", dtype, repeats, repeats, 2, plane)
-             for plane in ("tcp", "grpc") for dtype in ("float32", "bfloat16")]
-    cases.append(_case(named, arch, "checkpoint", "float32", repeats, 0, 2))
+    # (model arrays, wire dtype): float32 model; bfloat16 model; float32 model cast to bfloat16 on the wire
+    kinds = {"float32": (f32, "model"), "bfloat16": (bf16, "model"), "float32_as_bfloat16": (f32, "bfloat16")}
+    cases = {(plane, kind): _case(arrays, arch, "grpc", wire, repeats, repeats, 2, plane)
+             for plane in ("tcp", "grpc") for kind, (arrays, wire) in kinds.items()}
+    cases[("checkpoint", "float32")] = _case(f32, arch, "checkpoint", "model", repeats, 0, 2)
+    del bf16
     stall = _stall(model, arch, steps=2 if quick else 4, rows=2, length=32 if quick else 64)
-    by = {(c["transport"], c["data_plane"], c["wire_dtype"]): c for c in cases}
-    return {"benchmark": "weights", "quick": quick, "params": model.num_params(),
-            "devices": [str(d) for d in jax.devices()], "cases": cases, "stall": stall,
-            # the default path (weights.transport=grpc, data_plane=tcp) against the raw copy
-            "fraction_of_raw_f32": by[("grpc", "tcp", "float32")]["fraction_of_raw"],
-            "fraction_of_raw_bf16": by[("grpc", "tcp", "bfloat16")]["fraction_of_raw"],
-            "fraction_of_raw_grpc_stream_f32": by[("grpc", "grpc", "float32")]["fraction_of_raw"],
-            "fraction_of_raw_grpc_stream_bf16": by[("grpc", "grpc", "bfloat16")]["fraction_of_raw"],
-            "stall_share_of_step": stall["stall_share_of_step"]}
+    out = {"benchmark": "weights", "quick": quick, "params": model.num_params(),
+           "devices": [str(d) for d in jax.devices()], "cases": list(cases.values()), "stall": stall,
+           "stall_share_of_step": stall["stall_share_of_step"]}
+    # the default path (weights.transport=grpc, data_plane=tcp) against the raw copy; then gRPC streams only
+    for (plane, kind), case in cases.items():
+        if plane != "checkpoint":
+            out[f"fraction_of_raw_{kind}" if plane == "tcp" else f"fraction_of_raw_grpc_stream_{kind}"] = \
+                case["fraction_of_raw"]
+    out["fraction_of_raw_f32"] = out.pop("fraction_of_raw_float32")
+    out["fraction_of_raw_bf16"] = out.pop("fraction_of_raw_bfloat16")
+    return out

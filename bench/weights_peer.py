@@ -2,7 +2,7 @@
 
     python -m bench.weights_peer SPEC_JSON
 
-SPEC_JSON: {"arch": {...Architecture fields}, "raw_port": int, "raw_bytes": int, "raw_repeats": int,
+SPEC_JSON: {"arch": {...Architecture fields}, "dtype": "float32" | "bfloat16" (the model's), "raw_port": int, "raw_bytes": int, "raw_repeats": int,
 "grpc": "host:port" | null, "checkpoint_dir": str | null, "versions": int, "streams": int, "data_host": str | null (TCP data plane)}.
 Prints one JSON line per event: {"raw_seconds": s} per raw copy, {"ready": true} once set up, then {"version": v, "installed_unix": t,
 "fetch_seconds": s} per installed version, until version `versions - 1` is installed.
@@ -37,6 +37,7 @@ def main() -> int:
 
     import grpc
     import jax
+    import jax.numpy as jnp
 
     from common.architectures import Architecture
     from common.grpc_util import CHANNEL_OPTIONS
@@ -45,7 +46,8 @@ def main() -> int:
     from common.weight_checkpoint import CheckpointWeightStore
     from sampler_service.weight_sync import CheckpointFetcher, GrpcFetcher, WeightSync
 
-    model = build_from_architecture(Architecture(**spec["arch"]), seed=None)
+    model = build_from_architecture(Architecture(**spec["arch"]), seed=None,
+                                    dtype=getattr(jnp, spec.get("dtype", "float32")))
     mesh = make_mesh(1, 1, jax.devices(), "sampler.mesh.tp")
     channel = None
     if spec.get("grpc"):

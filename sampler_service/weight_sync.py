@@ -28,16 +28,16 @@ from typing import Any
 
 import grpc
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from common import weight_bulk
 from common.model import PolicyModel
 from common.sharding import needed_slices, param_shardings
-from common.weight_checkpoint import CheckpointError, CheckpointWeightStore
+from common.weight_checkpoint import CheckpointWeightStore
 from common.weight_local import LocalWeightHub
 from common.weights import SliceAssembler, WeightTransferError, box_shape, box_to_proto, manifest_of
 from protos import weights_pb2, weights_pb2_grpc
+from sampler_service.receive_buffers import ReceiveBuffers
 
 log = logging.getLogger(__name__)
 QUICK_WAIT_S = 0.5  # how long poll() waits for a background check or fetch before generation goes on
@@ -53,14 +53,8 @@ class Installed:
     epoch: str = ""
 
 
-def _plain(piece: np.ndarray) -> np.ndarray:
-    return piece.view(np.uint16) if piece.dtype == jnp.bfloat16 else piece
-
-
 @functools.partial(jax.jit, static_argnums=1)
 def _cast(arr: jax.Array, dtype) -> jax.Array:
-    if arr.dtype == jnp.uint16:  # bfloat16 bits (see _plain)
-        arr = jax.lax.bitcast_convert_type(arr, jnp.bfloat16)
     return arr.astype(dtype)
 
 
@@ -81,7 +75,7 @@ class GrpcFetcher:
         self._stub = weights_pb2_grpc.WeightServiceStub(channel)
         self.sampler_id, self.streams, self.timeout_s, self.data_host = sampler_id, streams, timeout_s, data_host
         self._warned = False
-        self._spare: dict[tuple, np.ndarray] = {}  # last version's receive buffers (data plane)
+        self._buffers = ReceiveBuffers()  # what the data plane receives into (see receive_buffers.py)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=streams, thread_name_prefix="fetch")
 
     def latest(self, installed_version: int) -> weights_pb2.WeightManifest | None:
@@ -112,50 +106,30 @@ class GrpcFetcher:
         names = {index[name]: name for name in targets}
 
         def place(t: int, pieces: dict) -> jax.Array:
-            # wire bytes onto the devices, then cast there: bfloat16 travels as its uint16 bits (host transfers
-            # of ml_dtypes arrays take a slower path) and is bit-cast back on device
+            # each device takes its slice (on CPU an aligned receive buffer is used in place), then a wire
+            # dtype other than the model's is cast on the device
             target = targets[names[t]]
             shape = tuple(target.shape)
-            arr = jax.make_array_from_callback(shape, target.sharding,
-                                               lambda idx: _plain(pieces[_index_key(idx, shape)]))
+            arr = jax.make_array_from_callback(shape, target.sharding, lambda idx: pieces[_index_key(idx, shape)])
             return arr if arr.dtype == target.dtype else _cast(arr, target.dtype)
 
         stream = self._stream_tcp if self.data_host and manifest.data_port else self._stream
         futures = [self._pool.submit(stream, manifest, lane, place) for lane in lanes if lane]
-        boxes_by_tensor: dict[int, dict] = {}
         placed: dict[int, jax.Array] = {}
         for future in futures:
-            pieces, arrays = future.result(timeout=self.timeout_s + 5)
-            boxes_by_tensor.update(pieces)
-            placed.update(arrays)
+            placed.update(future.result(timeout=self.timeout_s + 5))
         out = {name: placed[index[name]] for name in targets}
         jax.block_until_ready(list(out.values()))
-        if stream == self._stream_tcp:  # only the data plane receives into kept buffers
-            self._keep_buffers(boxes_by_tensor, placed)
         return out
 
-    def _keep_buffers(self, boxes_by_tensor: dict, placed: dict) -> None:
-        """Keep the host receive buffers for the next version (the data plane fills them again: no fresh pages
-        to fault in), except those that placing on (CPU) devices aliased instead of copying."""
-        keep = {}
-        for t, pieces in boxes_by_tensor.items():
-            arr = placed[t]
-            if all(d.platform == "cpu" for d in arr.sharding.device_set) and any(
-                    np.shares_memory(np.asarray(sh.data), piece) for sh in arr.addressable_shards
-                    for piece in pieces.values()):
-                continue  # the device array is this buffer: never write into it again
-            keep.update({(t, key, piece.dtype.str): piece for key, piece in pieces.items()})
-        self._spare = keep
-
-    def _stream(self, manifest, lane, place) -> tuple[dict, dict]:
-        """The lane's slices over FetchSlices; (tensor -> box -> host array, tensor -> placed array)."""
+    def _stream(self, manifest, lane, place) -> dict[int, jax.Array]:
+        """The lane's slices over FetchSlices, placed: tensor index -> array."""
         request = self._request(manifest, lane)
         assembler = SliceAssembler(manifest, {t: boxes for _, t, boxes in lane})
         for chunk in self._stub.FetchSlices(request, timeout=self.timeout_s):
             assembler.add(chunk)
         arrays = assembler.arrays()
-        pieces = {t: {_box_key(box): arr for box, arr in zip(boxes, arrays[t])} for _, t, boxes in lane}
-        return pieces, {t: place(t, p) for t, p in pieces.items()}
+        return {t: place(t, {_box_key(box): arr for box, arr in zip(boxes, arrays[t])}) for _, t, boxes in lane}
 
     def _fall_back(self, manifest, why: str) -> None:
         if not self._warned:
@@ -169,7 +143,7 @@ class GrpcFetcher:
             tensors=[weights_pb2.TensorSlices(tensor_index=t, slices=[box_to_proto(b) for b in boxes])
                      for _, t, boxes in lane])
 
-    def _stream_tcp(self, manifest, lane, place) -> tuple[dict, dict]:
+    def _stream_tcp(self, manifest, lane, place) -> dict[int, jax.Array]:
         """The lane's slices over the TCP data plane, each received straight into its array and checked; each
         tensor is placed on the devices as soon as its slices are in (while the other lanes still receive)."""
         deadline = time.monotonic() + self.timeout_s
@@ -190,20 +164,17 @@ class GrpcFetcher:
             if code:
                 name = next((c.name for c in grpc.StatusCode if c.value[0] == code), str(code))
                 raise WeightTransferError(f"weights data plane answered {name}: {message}")
-            out: dict[int, dict] = {}
             placed: dict[int, jax.Array] = {}
             for _, t, boxes in lane:
                 spec = manifest.tensors[t]
-                pieces = out.setdefault(t, {})
+                pieces = {}
                 for k, box in enumerate(boxes):
                     key = _box_key(box)
-                    arr = self._spare.pop((t, key, np.dtype(spec.dtype).str), None)
-                    if arr is None:
-                        arr = np.empty(box_shape(box), np.dtype(spec.dtype))
+                    arr = self._buffers.take((t, key), box_shape(box), spec.dtype)
                     weight_bulk.receive_slice(sock, t, k, arr, spec.name, deadline)
                     pieces[key] = arr
                 placed[t] = place(t, pieces)
-            return out, placed
+            return placed
 
 
 class CheckpointFetcher:

@@ -48,13 +48,16 @@ def test_bench_all_quick_writes_json_and_table_rows(tmp_path):
     weights = results["weights"]
     # every case moved the same model's bytes (bf16 half of f32) into another process, and the stall phase
     # really published while stepping: the peer installed the last version
-    cases = {(c["transport"], c["data_plane"], c["wire_dtype"]): c for c in weights["cases"]}
-    assert len(cases) == 5 and ("checkpoint", None, "float32") in cases
+    cases = {(c["transport"], c["data_plane"], c["model_dtype"], c["wire_dtype"]): c for c in weights["cases"]}
+    assert len(cases) == 7 and ("checkpoint", None, "float32", "float32") in cases
+    f32_bytes = weights["params"] * 4
     for plane in ("tcp", "grpc"):
-        assert (cases[("grpc", plane, "bfloat16")]["bytes"] * 2 == cases[("grpc", plane, "float32")]["bytes"]
-                == weights["params"] * 4)
+        assert cases[("grpc", plane, "float32", "float32")]["bytes"] == f32_bytes
+        assert cases[("grpc", plane, "bfloat16", "bfloat16")]["bytes"] * 2 == f32_bytes
+        assert cases[("grpc", plane, "float32", "bfloat16")]["bytes"] * 2 == f32_bytes
     assert all(c["publish_to_installed_s"] > 0 for c in cases.values())
-    assert 0 < weights["fraction_of_raw_f32"] and 0 < weights["fraction_of_raw_bf16"]
+    assert all(weights[f"fraction_of_raw_{k}"] > 0 for k in ("f32", "bf16", "float32_as_bfloat16",
+                                                            "grpc_stream_float32", "grpc_stream_bfloat16"))
     assert weights["stall"]["versions_installed"][-1] == 1 and weights["stall"]["step_s"] > 0
 
     rows = [line for line in table.read_text().splitlines() if line.startswith("| 20")]
