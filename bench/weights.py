@@ -211,10 +211,10 @@ def run(quick: bool = False) -> dict:
            "devices": [str(d) for d in jax.devices()], "cases": list(cases.values()), "stall": stall,
            "stall_share_of_step": stall["stall_share_of_step"]}
     # the default path (weights.transport=grpc, data_plane=tcp) against the raw copy; then gRPC streams only
+    short = {"float32": "f32", "bfloat16": "bf16"}  # the two with targets (bench/runner.py)
     for (plane, kind), case in cases.items():
-        if plane != "checkpoint":
-            out[f"fraction_of_raw_{kind}" if plane == "tcp" else f"fraction_of_raw_grpc_stream_{kind}"] = \
-                case["fraction_of_raw"]
-    out["fraction_of_raw_f32"] = out.pop("fraction_of_raw_float32")
-    out["fraction_of_raw_bf16"] = out.pop("fraction_of_raw_bfloat16")
+        if plane == "tcp":
+            out[f"fraction_of_raw_{short.get(kind, kind)}"] = case["fraction_of_raw"]
+        elif plane == "grpc":
+            out[f"fraction_of_raw_grpc_stream_{kind}"] = case["fraction_of_raw"]
     return out

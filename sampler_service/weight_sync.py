@@ -257,22 +257,18 @@ class WeightSync:
         """A newer version fetched whole, or None (nothing newer, still fetching in the background, backing off,
         or the fetch failed). Never raises on transport errors: the sampler keeps its version and retries after a
         back-off."""
-        if self._pending is not None:
-            if not self._pending.done():
+        if self._pending is None:
+            if time.monotonic() < self._next_attempt:
                 return None
-            pending, self._pending = self._pending, None
-            return self._settle(pending.result)
-        if time.monotonic() < self._next_attempt:
+            if self._pool is None:
+                return self._settle(self._check_and_fetch)
+            self._pending = self._pool.submit(self._check_and_fetch)
+            # most checks (and small fetches) finish within milliseconds: take their outcome now rather than a
+            # poll interval later; anything slower carries on in the background
+            concurrent.futures.wait([self._pending], timeout=QUICK_WAIT_S)
+        if not self._pending.done():
             return None
-        if self._pool is None:
-            return self._settle(self._check_and_fetch)
-        pending = self._pending = self._pool.submit(self._check_and_fetch)
-        # most checks (and small fetches) finish within milliseconds: take their outcome now rather than a
-        # poll interval later; anything slower carries on in the background
-        concurrent.futures.wait([pending], timeout=QUICK_WAIT_S)
-        if not pending.done():
-            return None
-        self._pending = None
+        pending, self._pending = self._pending, None
         return self._settle(pending.result)
 
     def has_result(self) -> bool:
