@@ -83,9 +83,9 @@ def _from_json(payload: bytes) -> None:
         np.asarray(c["token_ids"], np.int32), np.asarray(c["logprobs"], np.float32)
 
 
-def _ours(redis_url: str, groups: list[GroupData], tokens: int) -> float:
+def _ours(redis_url: str, groups: list[GroupData], tokens: int, run_name: str) -> float:
     client = connect(redis_url, 5)
-    buffer = RedisStreamBuffer(client, "bench-ours")
+    buffer = RedisStreamBuffer(client, run_name)  # a fresh run per round: the ingest accepts a group id once
     limits = GroupLimits(len(groups[0].completions), 128, tokens, 32_000)
     server = TrainerServer(IngestServicer(buffer, limits, max_groups=10**9, retry_after_ms=10), WeightPublisher(),
                            "127.0.0.1", 0)
@@ -99,7 +99,7 @@ def _ours(redis_url: str, groups: list[GroupData], tokens: int) -> float:
             entries = buffer.read(64, 1000)
             for e in entries:
                 decode_group(e.payload)
-            buffer.settle(trained=[e.entry_id for e in entries])
+            buffer.settle((e.entry_id, e.group_id, "trained", 1) for e in entries)
             seen += len(entries)
 
     try:
@@ -133,8 +133,8 @@ def run(quick: bool = False) -> dict:
     try:
         client = connect(url, 5)
         runs = {"ours": [], "json": [], "pickle": [], "raw_redis": []}
-        for _ in range(repeats):  # interleaved, so a slow spell of the machine hits every contender
-            runs["ours"].append(_ours(url, groups, tokens))
+        for k in range(repeats):  # interleaved, so a slow spell of the machine hits every contender
+            runs["ours"].append(_ours(url, groups, tokens, f"bench-ours-{k}"))
             runs["json"].append(_redis_baseline(client, "json", groups, _as_json, _from_json))
             runs["pickle"].append(_redis_baseline(client, "pickle", groups, pickle.dumps, pickle.loads))
             runs["raw_redis"].append(_redis_baseline(client, "raw", proto_payloads, lambda b: b, lambda b: None))

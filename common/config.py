@@ -31,13 +31,26 @@ class RunSection(Strict):
     name: str = Field("grpo", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$",
                       description="Run name; namespaces the Redis keys so runs can share a server.")
     seed: int = Field(0, ge=0, description="Seed for model init, data order and sampling.")
+    deterministic: bool = Field(False, description="Ask XLA for deterministic kernels on GPU (slower scatter and "
+                                "reductions; CPU and TPU are deterministic already), so a resumed trainer fed the "
+                                "same groups reproduces an uninterrupted one bit for bit.")
 
 
 class RedisSection(Strict):
-    url: str | None = Field(None, description="redis://[:password@]host:port/db. Null: `up` starts an embedded "
-                            "redis-server on a free port (the trainer and samplers then get the URL as an override).")
-    connect_timeout_s: float = Field(10.0, gt=0, le=600,
-                                     description="How long a service retries the first connection before it exits.")
+    url: str | None = Field(None, description="redis://[:password@]host:port/db (rediss:// for TLS, unix:///path). "
+                            "Null: `up` starts an embedded redis-server (AOF on, data in RUN_DIR/redis) and hands "
+                            "the trainer and samplers its URL.")
+    connect_timeout_s: float | None = Field(None, gt=0, le=86_400, description="How long a service waits (with "
+                                            "back-off, logging each retry) for an unreachable Redis before it exits; "
+                                            "null = wait as long as it takes. A malformed URL, a wrong password or "
+                                            "a missing database fail at once.")
+
+    @model_validator(mode="after")
+    def _scheme(self) -> "RedisSection":
+        if self.url is not None and not self.url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"redis.url={self.url!r} must start with redis://, rediss:// or unix:// "
+                             "(e.g. redis://127.0.0.1:6379/0), or be null for an embedded Redis")
+        return self
 
 
 class TinyModelSection(Strict):
@@ -201,9 +214,39 @@ class TrainerSection(Strict):
 
 
 class BufferSection(Strict):
-    max_groups: int = Field(256, ge=1, le=10_000_000, description="Buffer depth above which the ingest tells "
-                            "producers to wait (RESOURCE_EXHAUSTED + retry). Nothing is dropped.")
+    max_groups: int = Field(256, ge=1, le=10_000_000, description="Groups waiting to be trained above which the "
+                            "ingest tells producers to wait (RESOURCE_EXHAUSTED + retry). Nothing is dropped. Groups "
+                            "trained but held until a checkpoint (up to about 2 x checkpoint.every x "
+                            "trainer.groups_per_step) stay in Redis too but do not count.")
     retry_after_ms: int = Field(200, ge=1, le=60_000, description="Back-off the ingest suggests when full.")
+
+
+class CheckpointSection(Strict):
+    """Trainer checkpoints (Orbax): what a restarted trainer resumes from; see README, "Faults and resume"."""
+
+    dir: str | None = Field(None, description="Directory (local, NFS or gs://) of the trainer's checkpoints; null = "
+                            "RUN_DIR/checkpoints.")
+    every: int = Field(25, ge=1, le=1_000_000, description="Checkpoint every this many RL steps (and at the last "
+                       "step and on SIGTERM). Groups are acknowledged in the buffer only once a checkpoint holding "
+                       "their update is saved, so a crash replays at most this many steps.")
+    keep: int = Field(3, ge=1, le=1000, description="Checkpoints kept (older ones are deleted); a corrupt newest one "
+                      "falls back to the one before.")
+    resume: bool = Field(True, description="Start from the newest valid checkpoint in `dir` when there is one "
+                         "(false: refuse to start over an existing one, so a new run cannot mix with an old).")
+    verify: bool = Field(True, description="Store a SHA-256 of the parameters and optimizer state with each "
+                         "checkpoint and check it on restore (reads every byte back once on the host).")
+
+
+class IngestSection(Strict):
+    """Where samplers send rollout groups."""
+
+    standalone: bool = Field(False, description="Run the ingest as its own process (`grpo-stream ingest`; `up` "
+                             "starts one) so samplers keep delivering while the trainer restarts; false = the "
+                             "trainer's gRPC server also serves it.")
+    host: str = Field("127.0.0.1", description="standalone: address the ingest binds.")
+    port: int = Field(50152, ge=0, le=65535, description="standalone: port of the ingest; `up` picks a free one.")
+    address: str | None = Field(None, description="host:port samplers send rollouts to. Null: 127.0.0.1:<ingest.port> "
+                                "when standalone, else the trainer's address.")
 
 
 class AlgoSection(Strict):
@@ -347,6 +390,8 @@ class RunConfig(Strict):
     sampler: SamplerSection = Field(default_factory=SamplerSection, description="Sampler processes.")
     trainer: TrainerSection = Field(default_factory=TrainerSection, description="Trainer process.")
     buffer: BufferSection = Field(default_factory=BufferSection, description="Rollout buffer flow control.")
+    ingest: IngestSection = Field(default_factory=IngestSection, description="The rollout ingest service.")
+    checkpoint: CheckpointSection = Field(default_factory=CheckpointSection, description="Trainer checkpoints.")
     algo: AlgoSection = Field(default_factory=AlgoSection, description="Policy-gradient objective.")
     weights: WeightsSection = Field(default_factory=WeightsSection, description="Weight publication.")
     distributed: DistributedSection = Field(default_factory=DistributedSection, description="Multi-host JAX.")
@@ -364,6 +409,13 @@ class RunConfig(Strict):
             raise ValueError("warmstart.steps: the arith warm start trains the tiny model only; set it to 0")
         if self.eval.samples and max(self.eval.ks) > self.eval.samples:
             raise ValueError(f"eval.ks={self.eval.ks}: each k must be at most eval.samples={self.eval.samples}")
+        return self
+
+    @model_validator(mode="after")
+    def _ingest(self) -> "RunConfig":
+        if self.ingest.standalone and self.weights.transport == "local":
+            raise ValueError("ingest.standalone: weights.transport=local runs trainer and samplers in one process, "
+                             "which serves the ingest itself; set ingest.standalone=false")
         return self
 
     @model_validator(mode="after")
@@ -385,6 +437,11 @@ class RunConfig(Strict):
 
     def trainer_address(self) -> str:
         return self.sampler.trainer_address or f"127.0.0.1:{self.trainer.port}"
+
+    def ingest_address(self) -> str:
+        if self.ingest.address:
+            return self.ingest.address
+        return f"127.0.0.1:{self.ingest.port}" if self.ingest.standalone else self.trainer_address()
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

@@ -20,25 +20,48 @@ class RedisConnectError(RuntimeError):
     pass
 
 
-def connect(url: str, timeout_s: float) -> redis.Redis:
-    """A client for `url` once it answers PING; retries with backoff up to timeout_s, then RedisConnectError."""
+def redacted(url: str) -> str:
+    """The URL without its password, for logs and errors."""
+    head, sep, tail = url.partition("@")
+    return f"{head.split('//')[0]}//***@{tail}" if sep else url
+
+
+def connect(url: str, timeout_s: float | None, log_retries: bool = True) -> redis.Redis:
+    """A client for `url` once it answers PING.
+
+    An unreachable server is retried with back-off (one log line per attempt) for up to timeout_s (None: as long
+    as it takes), then RedisConnectError. What retrying cannot fix fails at once, naming redis.url: a malformed
+    URL, a wrong or missing password, a database index the server does not have.
+    """
+    where = redacted(url)
     try:
         client = redis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=30, health_check_interval=10)
     except ValueError as exc:
-        raise RedisConnectError(f"redis.url={url!r} is not a redis:// URL ({exc})") from None
-    deadline, delay, last = time.monotonic() + timeout_s, 0.1, None
+        raise RedisConnectError(f"redis.url={where!r} is not a redis:// URL ({exc}); e.g. redis://host:6379/0") \
+            from None
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    delay, last = 0.2, None
     while True:
         try:
             client.ping()
             return client
+        except redis.AuthenticationError as exc:
+            raise RedisConnectError(f"redis.url={where}: authentication failed ({exc}); put the right password in "
+                                    "redis.url (redis://:PASSWORD@host:port/db, or redis://USER:PASSWORD@...)") from None
+        except redis.ResponseError as exc:
+            hint = ("the server has no such database; use a db index it has (0-15 by default)" if "DB index" in str(exc)
+                    else "check the server and redis.url")
+            raise RedisConnectError(f"redis.url={where}: the server refused the connection ({exc}); {hint}") from None
         except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
             last = exc
-        if time.monotonic() >= deadline:
-            raise RedisConnectError(f"redis.url={url}: not reachable after {timeout_s:.0f}s ({last}); start Redis "
-                                    "there, fix redis.url, or leave it null under `grpo-stream up` for an embedded one")
-        log.warning("waiting for Redis at %s (%s); retrying in %.1fs", url, last, delay)
+        if deadline is not None and time.monotonic() >= deadline:
+            raise RedisConnectError(f"redis.url={where}: not reachable after {timeout_s:.0f}s ({last}); start Redis "
+                                    "there, fix redis.url, raise redis.connect_timeout_s, or leave redis.url null "
+                                    "under `grpo-stream up` for an embedded one")
+        if log_retries:
+            log.warning("Redis at %s (redis.url) not reachable (%s); retrying in %.1fs", where, last, delay)
         time.sleep(delay)
-        delay = min(delay * 2, 2.0)
+        delay = min(delay * 2, 10.0)
 
 
 def free_port() -> int:
@@ -61,12 +84,19 @@ def find_redis_server() -> str:
 
 
 class EmbeddedRedis:
-    """A private redis-server on a free loopback port, with its files in a temporary directory."""
+    """A private redis-server on a free loopback port.
 
-    def __init__(self, port: int | None = None, appendonly: bool = False):
+    With `data_dir` its append-only file lives there (fsync on every write, so nothing it acknowledged is lost
+    to a crash) and a later start on the same directory continues where it stopped; without, the files go to a
+    temporary directory that `stop()` removes.
+    """
+
+    def __init__(self, port: int | None = None, appendonly: bool = False, data_dir: str | os.PathLike | None = None):
         self.port = port or free_port()
-        self.appendonly = appendonly
-        self.dir = tempfile.mkdtemp(prefix="grpo-redis-")
+        self.appendonly = appendonly or data_dir is not None
+        self.keep = data_dir is not None
+        self.dir = str(data_dir) if data_dir is not None else tempfile.mkdtemp(prefix="grpo-redis-")
+        os.makedirs(self.dir, exist_ok=True)
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -75,15 +105,22 @@ class EmbeddedRedis:
 
     def start(self, timeout_s: float = 10.0) -> "EmbeddedRedis":
         cmd = [find_redis_server(), "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.dir,
-               "--save", "", "--appendonly", "yes" if self.appendonly else "no", "--daemonize", "no",
+               "--save", "", "--appendonly", "yes" if self.appendonly else "no", "--appendfsync", "always",
+               "--daemonize", "no",
                "--logfile", os.path.join(self.dir, "redis.log")]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
-            connect(self.url, timeout_s).close()
+            connect(self.url, timeout_s, log_retries=False).close()
         except RedisConnectError:
             self.stop()
             raise
         return self
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would (the data directory stays)."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
 
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:
@@ -93,7 +130,8 @@ class EmbeddedRedis:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        shutil.rmtree(self.dir, ignore_errors=True)
+        if not self.keep:
+            shutil.rmtree(self.dir, ignore_errors=True)
 
     def __enter__(self):
         return self.start()

@@ -35,6 +35,7 @@ class GroupData:
     sampler_id: str
     created_unix: float = 0.0
     reference_answer: str = ""
+    data_position: int | None = None  # the prompt's index in its sampler's data stream
 
     @property
     def rewards(self) -> np.ndarray:
@@ -50,6 +51,8 @@ def to_proto(group: GroupData) -> rollout_pb2.RolloutGroup:
         prompt_token_ids=np.asarray(group.prompt_token_ids, np.int32).tolist(),
         policy_version=group.policy_version, sampler_id=group.sampler_id,
         created_unix=group.created_unix, reference_answer=group.reference_answer)
+    if group.data_position is not None:
+        msg.data_position = group.data_position
     msg.completions.extend(rollout_pb2.Completion(
         token_ids_le=np.asarray(c.token_ids, _I32).tobytes(), logprobs_le=np.asarray(c.logprobs, _F32).tobytes(),
         reward=c.reward, truncated=c.truncated, reward_components=c.reward_components)
@@ -77,7 +80,8 @@ def from_proto(msg: rollout_pb2.RolloutGroup) -> GroupData:
             reward=c.reward, truncated=c.truncated, reward_components=dict(c.reward_components))
             for c in msg.completions],
         policy_version=msg.policy_version, sampler_id=msg.sampler_id,
-        created_unix=msg.created_unix, reference_answer=msg.reference_answer)
+        created_unix=msg.created_unix, reference_answer=msg.reference_answer,
+        data_position=msg.data_position if msg.HasField("data_position") else None)
 
 
 def encode_group(group: GroupData) -> bytes:
@@ -112,6 +116,9 @@ def validate_group(msg: rollout_pb2.RolloutGroup, limits: GroupLimits) -> list[s
             errors.append(f"{name}: {len(value)} characters, limit {limits.max_id_length}")
     if msg.policy_version < 0:
         errors.append(f"policy_version: {msg.policy_version} is negative")
+    if msg.HasField("data_position") and msg.data_position < 0:
+        errors.append(f"data_position: {msg.data_position} is negative; leave it unset for prompts not drawn from "
+                      "a data stream")
     prompt = np.array(msg.prompt_token_ids, np.int64)
     if not 0 < prompt.size <= limits.max_prompt_tokens:
         errors.append(f"prompt_token_ids: {prompt.size} tokens, must be 1..{limits.max_prompt_tokens} "

@@ -3,6 +3,8 @@
     grpo-stream up      --config configs/tiny_arith.yaml [--run-dir DIR] [key.sub=value ...]
     grpo-stream trainer --config C --run-dir DIR [key=value ...]
     grpo-stream sampler --config C --index I [--run-dir DIR] [key=value ...]
+    grpo-stream ingest  --config C [key=value ...]                   (ingest.standalone)
+    grpo-stream audit   RUN_DIR [--redis-url URL] [--group ID] [--json PATH]
     grpo-stream colocated --config C --run-dir DIR [key=value ...]   (weights.transport=local)
     grpo-stream eval    --config C [--split test] [--limit N] [--json PATH] [key=value ...]
 """
@@ -46,6 +48,16 @@ def _parser() -> argparse.ArgumentParser:
     sa.add_argument("--index", type=int, default=0, help="this sampler's index in 0..sampler.replicas-1 "
                     "(its data shard and id)")
     sa.add_argument("--run-dir", type=pathlib.Path, help="write sampler-<index>.json here at exit")
+    ing = sub.add_parser("ingest", help="run the rollout ingest on its own (ingest.standalone): samplers keep "
+                         "delivering into Redis while the trainer restarts")
+    common(ing)
+    au = sub.add_parser("audit", help="account for every accepted rollout group: trained once, dropped, waiting, "
+                        "or lost / trained twice (exit 1)")
+    au.add_argument("run_dir", type=pathlib.Path, help="a directory a trainer wrote (holds run.json)")
+    au.add_argument("--redis-url", help="the run's Redis (default: the URL in run.json, else the run's own data in "
+                    "RUN_DIR/redis)")
+    au.add_argument("--group", help="print one group's history instead")
+    au.add_argument("--json", type=pathlib.Path, help="where the report goes (default RUN_DIR/audit.json)")
     co = sub.add_parser("colocated", help="trainer and samplers in one JAX process with weights.transport=local "
                         "(what `up` runs then; also the single-controller mode on a TPU VM or Pathways)")
     common(co)
@@ -83,6 +95,15 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         print(f"report written to {out}/report.md")
         return 0
+    if args.command == "audit":
+        from common.redis_util import RedisConnectError
+        from grpo_stream.audit import run_audit
+
+        try:
+            return run_audit(args.run_dir, args.redis_url, args.group, args.json)
+        except (FileNotFoundError, ValueError, RedisConnectError) as exc:
+            print(f"grpo-stream audit: error: {exc}", file=sys.stderr)
+            return 2
     from common.config import ConfigError, load_config, to_yaml
 
     try:
@@ -116,6 +137,19 @@ def main(argv: list[str] | None = None) -> int:
         return run_up(args.config, args.overrides, cfg, run_dir)
     setup_logging(cfg.logging.level, args.command if args.command != "sampler" else f"sampler-{args.index}",
                   cfg.logging.format)
+    if cfg.run.deterministic:  # before JAX starts: XLA reads its flags once
+        import os
+
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_gpu_deterministic_ops=true".strip()
+    if args.command == "ingest":
+        from trainer_service.ingest_server import run_ingest
+
+        try:
+            run_ingest(cfg)
+        except (ValueError, OSError, RuntimeError) as exc:
+            print(f"grpo-stream ingest: error: {exc}", file=sys.stderr)
+            return 1
+        return 0
     try:
         pin_to_cpus(*((cfg.sampler.cpu_affinity, "sampler.cpu_affinity") if args.command == "sampler" else
                       (cfg.trainer.cpu_affinity, "trainer.cpu_affinity")))

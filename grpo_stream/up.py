@@ -1,10 +1,14 @@
 """`grpo-stream up`: the whole loop on one machine, as separate OS processes.
 
-Starts an embedded redis-server (unless redis.url is set), then the trainer
-and `sampler.replicas` samplers with exactly the commands a multi-host
-deployment runs (`python -m grpo_stream trainer|sampler ...`), relays their
-output with a prefix (and into RUN_DIR/logs/), stops everything on Ctrl-C
-or when a process fails, and completes RUN_DIR/summary.json.
+Starts an embedded redis-server (unless redis.url is set; its append-only
+file lives in RUN_DIR/redis), then the trainer, the ingest when it runs on
+its own, and `sampler.replicas` samplers with exactly the commands a
+multi-host deployment runs (`python -m grpo_stream trainer|ingest|sampler
+...`), relays their output with a prefix (and into RUN_DIR/logs/), stops
+everything on Ctrl-C or when a process fails, and completes
+RUN_DIR/summary.json. Running it again on the same RUN_DIR resumes: the
+buffer is still in RUN_DIR/redis and the trainer's checkpoints in
+RUN_DIR/checkpoints.
 """
 
 from __future__ import annotations
@@ -91,7 +95,7 @@ def run_up(config_path: pathlib.Path | None, overrides: list[str], cfg: RunConfi
     extra = list(overrides)
     try:
         if cfg.redis.url is None:
-            redis_server = EmbeddedRedis().start()
+            redis_server = EmbeddedRedis(data_dir=(run_dir / "redis").resolve()).start()
             extra.append(f"redis.url={redis_server.url}")
             print(f"[up] embedded Redis at {redis_server.url}", flush=True)
         else:  # fail before starting any process when the given Redis is not there
@@ -100,6 +104,8 @@ def run_up(config_path: pathlib.Path | None, overrides: list[str], cfg: RunConfi
         print(f"grpo-stream up: error: {exc}", file=sys.stderr)
         return 1
     extra.append(f"trainer.port={free_port()}")
+    if cfg.ingest.standalone and not cfg.ingest.address:
+        extra.append(f"ingest.port={free_port()}")
     if cfg.weights.transport == "checkpoint" and not cfg.weights.checkpoint_dir:
         extra.append(f"weights.checkpoint_dir={(run_dir / 'weights').resolve()}")
     base = [sys.executable, "-m", "grpo_stream"]
@@ -125,6 +131,10 @@ def run_up(config_path: pathlib.Path | None, overrides: list[str], cfg: RunConfi
                          [*base, "colocated" if colocated else "trainer", *cfg_args, "--run-dir", str(run_dir),
                           *extra], log_dir, with_host_devices(env, trainer_devices))
         children.append(trainer)
+        # (the config refuses ingest.standalone with weights.transport=local)
+        helpers = ([_Child("ingest", [*base, "ingest", *cfg_args, *extra], log_dir, env)]
+                   if cfg.ingest.standalone else [])
+        children.extend(helpers)
         samplers = [] if colocated else [
             _Child(f"sampler-{i}", [*base, "sampler", *cfg_args, "--index", str(i), "--run-dir", str(run_dir),
                                     *extra], log_dir, with_host_devices(env, sampler_devices))
@@ -132,7 +142,7 @@ def run_up(config_path: pathlib.Path | None, overrides: list[str], cfg: RunConfi
         children.extend(samplers)
         failed = None
         while trainer.proc.poll() is None:
-            for child in samplers:
+            for child in samplers + helpers:
                 if child.proc.poll() not in (None, 0):
                     failed = child
             if failed:
@@ -149,6 +159,9 @@ def run_up(config_path: pathlib.Path | None, overrides: list[str], cfg: RunConfi
             sampler_codes[child.name] = child.wait(timeout_s=60 if trainer_code == 0 else 20)
             if sampler_codes[child.name] is None or child.proc.poll() is None:
                 child.terminate()
+        for child in helpers:  # the ingest serves until the samplers are done
+            child.terminate()
+            child.wait(timeout_s=20)
     finally:
         for child in children:
             child.terminate()
@@ -169,9 +182,10 @@ def run_up(config_path: pathlib.Path | None, overrides: list[str], cfg: RunConfi
     summary_path.write_text(json.dumps(summary, indent=2))
     before = (summary.get("eval_before") or {}).get("accuracy")
     after = (summary.get("eval_after") or {}).get("accuracy")
+    dropped = sum(summary[f"groups_dropped_{kind}"] for kind in ("stale", "invalid", "filtered", "duplicate"))
     print(f"[up] done in {summary['wall_seconds']:.0f}s: {summary['steps']} steps, groups ingested "
           f"{summary['groups_ingested']} = trained {summary['groups_trained']} + dropped "
-          f"{summary['groups_dropped_stale']} + left {summary['groups_left_in_buffer']}; held-out accuracy "
+          f"{dropped} + left {summary['groups_left_in_buffer']}; held-out accuracy "
           f"{before} -> {after}; summary: {summary_path}", flush=True)
     if interrupted:
         return 130

@@ -28,7 +28,7 @@ class Completion(_message.Message):
     def __init__(self, token_ids_le: _Optional[bytes] = ..., logprobs_le: _Optional[bytes] = ..., reward: _Optional[float] = ..., truncated: _Optional[bool] = ..., reward_components: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class RolloutGroup(_message.Message):
-    __slots__ = ("group_id", "prompt_id", "prompt_token_ids", "completions", "policy_version", "sampler_id", "created_unix", "reference_answer")
+    __slots__ = ("group_id", "prompt_id", "prompt_token_ids", "completions", "policy_version", "sampler_id", "created_unix", "reference_answer", "data_position")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +37,7 @@ class RolloutGroup(_message.Message):
     SAMPLER_ID_FIELD_NUMBER: _ClassVar[int]
     CREATED_UNIX_FIELD_NUMBER: _ClassVar[int]
     REFERENCE_ANSWER_FIELD_NUMBER: _ClassVar[int]
+    DATA_POSITION_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     prompt_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -45,7 +46,8 @@ class RolloutGroup(_message.Message):
     sampler_id: str
     created_unix: float
     reference_answer: str
-    def __init__(self, group_id: _Optional[str] = ..., prompt_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., completions: _Optional[_Iterable[_Union[Completion, _Mapping]]] = ..., policy_version: _Optional[int] = ..., sampler_id: _Optional[str] = ..., created_unix: _Optional[float] = ..., reference_answer: _Optional[str] = ...) -> None: ...
+    data_position: int
+    def __init__(self, group_id: _Optional[str] = ..., prompt_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., completions: _Optional[_Iterable[_Union[Completion, _Mapping]]] = ..., policy_version: _Optional[int] = ..., sampler_id: _Optional[str] = ..., created_unix: _Optional[float] = ..., reference_answer: _Optional[str] = ..., data_position: _Optional[int] = ...) -> None: ...
 
 class GroupAck(_message.Message):
     __slots__ = ("group_id", "code", "message", "retry_after_ms", "buffer_depth")
@@ -72,3 +74,17 @@ class BatchAck(_message.Message):
     ACKS_FIELD_NUMBER: _ClassVar[int]
     acks: _containers.RepeatedCompositeFieldContainer[GroupAck]
     def __init__(self, acks: _Optional[_Iterable[_Union[GroupAck, _Mapping]]] = ...) -> None: ...
+
+class DataPositionRequest(_message.Message):
+    __slots__ = ("sampler_id",)
+    SAMPLER_ID_FIELD_NUMBER: _ClassVar[int]
+    sampler_id: str
+    def __init__(self, sampler_id: _Optional[str] = ...) -> None: ...
+
+class DataPosition(_message.Message):
+    __slots__ = ("known", "position")
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    known: bool
+    position: int
+    def __init__(self, known: _Optional[bool] = ..., position: _Optional[int] = ...) -> None: ...

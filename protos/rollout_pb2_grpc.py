@@ -44,6 +44,11 @@ class RolloutIngestStub:
                 request_serializer=protos_dot_rollout__pb2.RolloutGroup.SerializeToString,
                 response_deserializer=protos_dot_rollout__pb2.GroupAck.FromString,
                 _registered_method=True)
+        self.GetDataPosition = channel.unary_unary(
+                '/grpo_stream.v1.RolloutIngest/GetDataPosition',
+                request_serializer=protos_dot_rollout__pb2.DataPositionRequest.SerializeToString,
+                response_deserializer=protos_dot_rollout__pb2.DataPosition.FromString,
+                _registered_method=True)
 
 
 class RolloutIngestServicer:
@@ -67,6 +72,14 @@ class RolloutIngestServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetDataPosition(self, request, context):
+        """Where a (re)starting sampler resumes its data stream. UNAVAILABLE while
+        the buffer's Redis is down.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RolloutIngestServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -79,6 +92,11 @@ def add_RolloutIngestServicer_to_server(servicer, server):
                     servicer.PushGroup,
                     request_deserializer=protos_dot_rollout__pb2.RolloutGroup.FromString,
                     response_serializer=protos_dot_rollout__pb2.GroupAck.SerializeToString,
+            ),
+            'GetDataPosition': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetDataPosition,
+                    request_deserializer=protos_dot_rollout__pb2.DataPositionRequest.FromString,
+                    response_serializer=protos_dot_rollout__pb2.DataPosition.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -135,6 +153,33 @@ class RolloutIngest:
             '/grpo_stream.v1.RolloutIngest/PushGroup',
             protos_dot_rollout__pb2.RolloutGroup.SerializeToString,
             protos_dot_rollout__pb2.GroupAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetDataPosition(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/grpo_stream.v1.RolloutIngest/GetDataPosition',
+            protos_dot_rollout__pb2.DataPositionRequest.SerializeToString,
+            protos_dot_rollout__pb2.DataPosition.FromString,
             options,
             channel_credentials,
             insecure,

@@ -31,6 +31,7 @@ from common.sharding import make_mesh
 from common.weight_checkpoint import CheckpointWeightStore
 from common.weights import digest
 from common.wire import to_proto
+from protos import rollout_pb2, rollout_pb2_grpc
 from sampler_service.grouping import build_groups
 from sampler_service.rollout_client import RolloutClient
 from sampler_service.weight_sync import CheckpointFetcher, GrpcFetcher, LocalFetcher, WeightSync
@@ -136,16 +137,23 @@ class Sampler:
         sync = WeightSync(self._fetcher(channel), model, mesh, self.sampler_id, cfg.weights.retry_initial_s,
                           cfg.weights.retry_max_s, cfg.trainer.max_staleness, channel,
                           background=cfg.weights.background_fetch)
-        client = self.client = RolloutClient(channel, cfg.sampler.backlog_max_groups,
+        # rollouts go to the ingest, which is the trainer's server unless it runs on its own (ingest.standalone)
+        ingest_channel = (channel if cfg.ingest_address() == cfg.trainer_address() else
+                          grpc.insecure_channel(cfg.ingest_address(), options=CHANNEL_OPTIONS))
+        start = self._resume_position(rollout_pb2_grpc.RolloutIngestStub(ingest_channel))
+        client = self.client = RolloutClient(ingest_channel, cfg.sampler.backlog_max_groups,
                                              cfg.sampler.max_groups_per_message).start()
-        log.info("%s connected to %s (tokenizer %s)", self.sampler_id, cfg.trainer_address(), tokenizer.fingerprint())
+        log.info("%s connected to %s, rollouts to %s (tokenizer %s), data position %d", self.sampler_id,
+                 cfg.trainer_address(), cfg.ingest_address(), tokenizer.fingerprint(), start)
 
         self.sync = sync
         self._await_first_weights(health)
 
-        prompts = task.train_stream(self.index, cfg.sampler.replicas)
+        # data position p = the p-th prompt of this sampler's stream; it names the group and seeds its sampling,
+        # so a restarted sampler continues the same sequence after its last accepted group
+        prompts = zip(itertools.count(start), task.train_stream(self.index, cfg.sampler.replicas, start))
         rng = jax.random.key(cfg.run.seed * 1000 + self.index + 1)
-        counter, groups_sent = itertools.count(), 0
+        groups_sent = 0
         cap = cfg.sampler.max_groups_per_version
         started = time.monotonic()
         while not self.stop_event.is_set() and not self.final:
@@ -170,7 +178,7 @@ class Sampler:
             batch = []
             skipped_in_a_row = 0
             while len(batch) < wanted:
-                problem = next(prompts)
+                position, problem = next(prompts)
                 ids = tokenizer.encode(problem.prompt)
                 if len(ids) > gen.max_prompt_tokens:
                     skipped_in_a_row += 1
@@ -181,12 +189,13 @@ class Sampler:
                                 len(ids))
                     continue
                 skipped_in_a_row = 0
-                batch.append((problem, ids))
-            rng, sub = jax.random.split(rng)
+                batch.append((problem, ids, position))
             n, version = gen.num_generations, self.version
-            out = engine.generate(self.params, [ids for _, ids in batch for _ in range(n)], sub)
-            groups = build_groups(batch, out, n, tokenizer, rewards, version, self.sampler_id,
-                                  lambda: f"{cfg.run.name}/{self.sampler_id}/{next(counter)}")
+            out = engine.generate(self.params, [ids for _, ids, _ in batch for _ in range(n)],
+                                  jax.random.fold_in(rng, batch[0][2]))
+            groups = build_groups([(p, ids) for p, ids, _ in batch], out, n, tokenizer, rewards, version,
+                                  self.sampler_id, [f"{cfg.run.name}/{self.sampler_id}/{pos}" for *_, pos in batch],
+                                  [pos for *_, pos in batch])
             for group in groups:
                 if not self._push(client, to_proto(group)):
                     break
@@ -199,6 +208,8 @@ class Sampler:
         # after the final version the trainer consumes no more: do not wait long for acks
         drained = client.drain(timeout_s=2.0 if self.final else 10.0)
         client.close()
+        if ingest_channel is not channel:
+            ingest_channel.close()
         sync.close()
         sync.report()
         verified = self._verify(engine, model, task, tokenizer) if cfg.weights.verify_prompts and self.final else None
@@ -215,6 +226,31 @@ class Sampler:
         if self.run_dir is not None:
             (self.run_dir / f"{self.sampler_id}.json").write_text(json.dumps(result, indent=2))
         return result
+
+    def _resume_position(self, stub: rollout_pb2_grpc.RolloutIngestStub) -> int:
+        """The data position after this sampler's last accepted group (0 for a new run), asked of the ingest. Waits
+        with back-off while the ingest's Redis is down (as long as the ingest answers), or while the ingest itself
+        is unreachable, for up to sampler.connect_timeout_s of silence."""
+        heard, delay = time.monotonic(), 0.2
+        while True:
+            try:
+                reply = stub.GetDataPosition(rollout_pb2.DataPositionRequest(sampler_id=self.sampler_id), timeout=10)
+                return reply.position + 1 if reply.known else 0
+            except grpc.RpcError as exc:
+                if self.stop_event.is_set():  # stopping before the first batch: the position no longer matters
+                    return 0
+                retryable = exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+                if retryable and "buffer unavailable" in (exc.details() or ""):
+                    heard = time.monotonic()  # the ingest answers; its Redis is away
+                if not retryable or time.monotonic() - heard > self.cfg.sampler.connect_timeout_s:
+                    raise ConnectionError(
+                        f"ingest at {self.cfg.ingest_address()} (ingest.address): cannot get this sampler's data "
+                        f"position ({exc.code()}: {exc.details()}); start the ingest / its Redis or fix the address"
+                    ) from None
+                log.warning("%s: ingest at %s not ready (%s: %s); retrying in %.1fs", self.sampler_id,
+                            self.cfg.ingest_address(), exc.code().name, exc.details(), delay)
+                time.sleep(delay)
+                delay = min(delay * 2, 5.0)
 
     def _fetcher(self, channel: grpc.Channel):
         w = self.cfg.weights

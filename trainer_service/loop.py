@@ -5,6 +5,12 @@ is the model when RL starts). While computing step s the trainer holds
 version s-1, so a group generated with version v has staleness
 (s - 1) - v; groups with staleness above `trainer.max_staleness` are
 dropped, counted and logged, never trained on.
+
+Durability: every `checkpoint.every` steps the trainer saves its whole state (Orbax, asynchronously). The
+groups of a step are acknowledged in the buffer only after the checkpoint *after* the one holding their
+update is on disk, so a crash, or a corrupt newest checkpoint, replays them from the buffer instead of
+losing them; a restarted trainer resumes from the newest valid checkpoint and first settles the groups
+that checkpoint already holds. The audit trail (`grpo-stream audit`) checks the result.
 """
 
 from __future__ import annotations
@@ -20,14 +26,15 @@ import time
 import jax
 import numpy as np
 
-from common.buffer import BufferEntry, BufferUnavailable, RedisStreamBuffer
+from common.buffer import RUN_FILE, BufferEntry, BufferUnavailable, RedisStreamBuffer
+from common.weights import new_epoch
 from common.config import RunConfig
 from common.evaluation import evaluate
 from common.generation import Engine
 from common.hf_checkpoint import export_hf, resolve_model_dir
 from common.metrics import MetricsWriter
 from common.prometheus import ServiceMetrics
-from common.redis_util import connect
+from common.redis_util import connect, redacted
 from common.runtime import build_policy, build_task_and_tokenizer, stop_on_signals
 from common.evaluation import greedy_probe
 from common.sharding import make_mesh, place
@@ -39,7 +46,8 @@ from trainer_service.ingest import IngestServicer
 from trainer_service.publisher import WeightPublisher
 from trainer_service.server import TrainerServer
 from trainer_service.rl_update import PolicyUpdater
-from trainer_service.selection import partition_groups
+from trainer_service.checkpoints import TrainerCheckpoints
+from trainer_service.selection import select_batch
 from trainer_service.warmstart import warm_start
 
 log = logging.getLogger(__name__)
@@ -57,6 +65,13 @@ class Trainer:
         self.step_times: list[dict[str, float]] = []  # per RL step: phase seconds and step_seconds
         self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="publish-report")
         self._after_step: concurrent.futures.Future | None = None
+        self.epoch = new_epoch()  # this trainer process; also the weight publisher's epoch
+        self.unsettled: list[tuple[int, list[tuple[str, str]]]] = []  # (step, [(entry id, group id)]) not acked
+        self.checkpointed: list[int] = []  # steps whose checkpoint is committed, by this process
+        self.resumed_from: dict | None = None
+        self.data_position: dict[str, int] = {}  # sampler -> highest data position trained
+        self.buffer_position = "0-0"  # newest stream entry trained
+        self._counters: dict[str, int] = {}
 
     # -- set-up -----------------------------------------------------------------
     def _setup(self) -> None:
@@ -66,6 +81,11 @@ class Trainer:
                              "or run `grpo-stream up`, which starts an embedded Redis")
         client = connect(cfg.redis.url, cfg.redis.connect_timeout_s)
         self.buffer = RedisStreamBuffer(client, cfg.run.name)
+        # where `grpo-stream audit RUN_DIR` finds the trail (the password stays out of the file)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / RUN_FILE).write_text(json.dumps({"run": cfg.run.name, "redis_url": redacted(cfg.redis.url)}))
+        self.checkpoints = TrainerCheckpoints(cfg.checkpoint.dir or str((self.run_dir / "checkpoints").resolve()),
+                                              cfg.checkpoint.keep, cfg.checkpoint.verify)
         self.task, self.tokenizer = build_task_and_tokenizer(cfg)
         self.tokenizer.save(self.run_dir / "model")
         self.model = build_policy(cfg, self.tokenizer.vocab_size, seed=cfg.run.seed)
@@ -80,7 +100,8 @@ class Trainer:
         self.engine = Engine(self.model, self.tokenizer.pad_id, self.tokenizer.eos_ids, gen.max_prompt_tokens,
                              gen.max_new_tokens, gen.temperature)
         limits = GroupLimits(gen.num_generations, gen.max_prompt_tokens, gen.max_new_tokens, self.tokenizer.vocab_size)
-        self.ingest = IngestServicer(self.buffer, limits, cfg.buffer.max_groups, cfg.buffer.retry_after_ms)
+        self.ingest = (None if cfg.ingest.standalone else
+                       IngestServicer(self.buffer, limits, cfg.buffer.max_groups, cfg.buffer.retry_after_ms))
         w = cfg.weights
         if w.transport == "checkpoint" and not w.checkpoint_dir:
             raise ValueError("weights.transport=checkpoint needs weights.checkpoint_dir: a directory every sampler "
@@ -90,18 +111,20 @@ class Trainer:
                              "with `grpo-stream up` (or `grpo-stream colocated`), or choose grpc / checkpoint")
         store = CheckpointWeightStore(w.checkpoint_dir, w.keep_versions) if w.transport == "checkpoint" else None
         self.publisher = WeightPublisher(w.transport, w.chunk_bytes, w.max_serve_mb_s, store, self.hub,
-                                         w.wire_dtype)
+                                         w.wire_dtype, epoch=self.epoch)
         tcp = w.transport == "grpc" and w.data_plane == "tcp"
         self.server = TrainerServer(self.ingest, self.publisher, cfg.trainer.host, cfg.trainer.port,
                                     data_port=w.data_port if tcp else None)
         port = self.server.start()
-        log.info("gRPC server (ingest, weights, health) on %s:%d%s", cfg.trainer.host, port,
+        log.info("gRPC server (%sweights, health) on %s:%d%s", "" if cfg.ingest.standalone else "ingest, ",
+                 cfg.trainer.host, port,
                  f"; weights data plane on port {self.server.data.port}" if tcp else "")
         self.metrics = MetricsWriter(self.run_dir, "trainer")
         self.prom = ServiceMetrics("trainer")
         self.gauges = {name: self.prom.gauge(name, doc) for name, doc in (
             ("trainer_step", "RL steps completed"), ("weight_version", "latest published weight version"),
-            ("buffer_depth", "groups in the rollout buffer"), ("reward_mean", "mean reward of the last batch"),
+            ("buffer_depth", "groups waiting in the buffer to be trained"),
+            ("reward_mean", "mean reward of the last batch"),
             ("accuracy", "answer accuracy of the last batch"), ("staleness_mean", "mean staleness of the last batch"),
             ("step_seconds", "wall time of the last step"), ("wait_seconds", "time the last step waited for data"),
             ("tokens_per_second", "completion tokens trained per second"),
@@ -126,29 +149,42 @@ class Trainer:
         return result.as_dict()
 
     # -- consuming the buffer -----------------------------------------------------
+    def _redis(self, what: str, fn):
+        """fn() once Redis answers: while it is down (restarting, failing over) wait with back-off, logging."""
+        delay = 0.5
+        while True:
+            try:
+                return fn()
+            except BufferUnavailable as exc:
+                log.error("%s: Redis unavailable (%s); retrying in %.1fs", what, exc, delay)
+                time.sleep(delay)
+                delay = min(delay * 2, 10.0)
+
     def _collect(self, step: int) -> list[tuple[BufferEntry, GroupData]] | None:
-        """groups_per_step fresh-enough groups, oldest first; drops stale ones. None when stopping."""
+        """groups_per_step usable groups in stream order; drops the stale / zero-variance ones it passes over.
+        None when stopping."""
         need, holding = self.cfg.trainer.groups_per_step, self.cfg.trainer.max_staleness
-        current = step - 1
         last_note = time.time()
         while True:
-            fresh, stale, flat = partition_groups(self.pending, current, holding, self.cfg.algo.dynamic_sampling)
+            batch, stale, flat, rest = select_batch(self.pending, need, step - 1, holding,
+                                                    self.cfg.algo.dynamic_sampling)
             if stale or flat:
-                self.buffer.settle(dropped_stale=[e.entry_id for e, _ in stale],
-                                   dropped_filtered=[e.entry_id for e, _ in flat])
+                self._redis("settling dropped groups", lambda: self.buffer.settle(
+                    [(e.entry_id, e.group_id, "dropped_stale", step) for e, _ in stale]
+                    + [(e.entry_id, e.group_id, "dropped_filtered", step) for e, _ in flat]))
             if stale:
                 log.info("dropped %d stale groups (versions %s, trainer at %d, max_staleness %d)", len(stale),
-                         sorted({g.policy_version for _, g in stale}), current, holding)
-            self.pending = fresh
-            if len(self.pending) >= need:
-                batch, self.pending = self.pending[:need], self.pending[need:]
+                         sorted({g.policy_version for _, g in stale}), step - 1, holding)
+            if len(batch) == need:
+                self.pending = rest
                 return batch
+            self.pending = batch
             if self.stop_event.is_set():
                 return None
             try:
                 entries = self.buffer.read(max_count=need * 2, block_ms=500)
             except BufferUnavailable as exc:
-                log.error("buffer read failed (%s); retrying", exc)
+                log.error("buffer read failed: Redis unavailable (%s); retrying in 1s", exc)
                 time.sleep(1.0)
                 continue
             undecodable = []
@@ -157,13 +193,75 @@ class Trainer:
                     self.pending.append((entry, decode_group(entry.payload)))
                 except Exception as exc:  # noqa: BLE001 - a corrupt entry must not stop training
                     log.error("undecodable buffer entry %s dropped: %s", entry.entry_id, exc)
-                    undecodable.append(entry.entry_id)
+                    undecodable.append((entry.entry_id, entry.group_id, "dropped_invalid", step))
             if undecodable:
-                self.buffer.settle(dropped_invalid=undecodable)
+                self._redis("settling undecodable groups", lambda: self.buffer.settle(undecodable))
             if time.time() - last_note > 10:
-                log.info("step %d waiting for rollouts: %d/%d groups, buffer depth %d", step, len(self.pending), need,
-                         self.buffer.depth())
+                log.info("step %d waiting for rollouts: %d/%d groups, %d more waiting in the buffer", step,
+                         len(self.pending), need,
+                         self._redis("reading the buffer depth", self.buffer.depth) - self._held() - len(self.pending))
                 last_note = time.time()
+
+    # -- checkpoints --------------------------------------------------------------
+    def _state(self, updater: PolicyUpdater) -> dict:
+        state = {"params": updater.params, "opt_state": updater.opt_state}
+        if updater.ref_params is not None:  # the KL reference is the policy RL started from, not the resumed one
+            state["ref_params"] = updater.ref_params
+        return state
+
+    def _checkpoint(self, step: int, updater: PolicyUpdater, extra: dict) -> None:
+        """Start saving `step`; its groups and everything before are listed so a resume can settle them."""
+        unsettled = [[eid, gid, s] for s, pairs in self.unsettled if s <= step for eid, gid in pairs]
+        self.checkpoints.save(step, self._state(updater), {
+            "run": self.cfg.run.name, "epoch": self.epoch, "weight_version": step, "unsettled": unsettled,
+            "data_position": dict(self.data_position), "buffer_position": self.buffer_position, **extra},
+            token=step)
+
+    def _settle_committed(self, wait: bool = False, everything: bool = False) -> None:
+        """Acknowledge groups whose update is safe on disk: those of steps up to the checkpoint *before* the newest
+        committed one (so a corrupt newest checkpoint still finds its groups in the buffer), or, at the end of a
+        completed run (`everything`), up to the newest."""
+        for step, _ in self.checkpoints.committed(wait=wait):
+            self._redis("auditing a checkpoint", lambda: self.buffer.log_checkpoint(self.epoch, step))
+            self.checkpointed.append(step)
+            log.info("checkpoint of step %d saved", step)
+        if not self.checkpointed:
+            return
+        upto = self.checkpointed[-1] if everything else (self.checkpointed[-2] if len(self.checkpointed) > 1
+                                                          else self.resumed_step)
+        done = [(s, pairs) for s, pairs in self.unsettled if s <= upto]
+        if done:
+            self._redis("acknowledging trained groups", lambda: self.buffer.settle(
+                (eid, gid, "trained", s) for s, pairs in done for eid, gid in pairs))
+            self.unsettled = [(s, pairs) for s, pairs in self.unsettled if s > upto]
+            self._redis("updating the held count", lambda: self.buffer.set_held(self._held()))
+
+    def _held(self) -> int:
+        return sum(len(pairs) for _, pairs in self.unsettled)
+
+    def _resume(self, updater_like: dict) -> dict | None:
+        """Restore the newest valid checkpoint (there is at least one) into the trainer mesh and settle the groups it
+        holds; None when every one was unusable."""
+        cfg = self.cfg
+        if not cfg.checkpoint.resume:
+            raise ValueError(f"checkpoint.dir {self.checkpoints.directory} holds checkpoints (steps "
+                             f"{self.checkpoints.steps()}) and checkpoint.resume=false: choose a new checkpoint.dir "
+                             "(and run.name) or resume")
+        restored = self.checkpoints.restore_latest(updater_like)
+        if restored is None:
+            return None
+        record = restored.record
+        if record.get("run") != cfg.run.name:
+            raise ValueError(f"checkpoint.dir {self.checkpoints.directory}: its checkpoints belong to run "
+                             f"{record.get('run')!r}, not run.name={cfg.run.name!r}; use that run's name or another "
+                             "dir")
+        settled = self._redis("settling the resumed checkpoint's groups", lambda: self.buffer.settle(
+            (eid, gid, "trained", s) for eid, gid, s in record["unsettled"]))
+        self.data_position = dict(record.get("data_position", {}))
+        self.buffer_position = record.get("buffer_position", "0-0")
+        log.info("resumed at step %d (written by trainer %s); acknowledged %d groups it already held", restored.step,
+                 record["epoch"], settled)
+        return {"step": restored.step, "state": restored.state, "record": record}
 
     # -- the run ------------------------------------------------------------------
     def run(self) -> dict:
@@ -178,32 +276,71 @@ class Trainer:
             raise
         finally:
             self._worker.shutdown(wait=True)
+            if getattr(self, "checkpoints", None) is not None:
+                self.checkpoints.close()
             for part in ("metrics", "prom"):
                 closer = getattr(getattr(self, part, None), "close" if part == "metrics" else "stop", None)
                 if closer is not None:
                     closer()
         return summary
 
+    def _updater(self) -> PolicyUpdater:
+        cfg = self.cfg
+        return PolicyUpdater(self.model, self.params, cfg.algo, cfg.trainer.learning_rate, cfg.trainer.max_grad_norm,
+                             cfg.generation.temperature, self.tokenizer.pad_id, self.mesh)
+
+    def _start(self) -> tuple[PolicyUpdater, int, dict]:
+        """Resume from the newest valid checkpoint, or warm start and evaluate a new run; publish the weights.
+        Returns (updater, the step the weights are at, what the checkpoints carry along)."""
+        cfg = self.cfg
+        resumed = None
+        if self.checkpoints.steps():
+            updater = self._updater()
+            resumed = self._resume(self._state(updater))
+        if resumed is not None:
+            state, record = resumed["state"], resumed["record"]
+            updater.params, updater.opt_state = state["params"], state["opt_state"]
+            updater.ref_params = state.get("ref_params", updater.ref_params)
+            self.params, self.resumed_step = updater.params, resumed["step"]
+            self.resumed_from = {"step": resumed["step"], "epoch": record["epoch"]}
+            carried = {"warmstart": record.get("warmstart"), "eval_before": record.get("eval_before")}
+            self._redis("auditing the start", lambda: self.buffer.log_trainer(self.epoch, resumed["step"],
+                                                                              record["epoch"]))
+        else:
+            trained = self._redis("reading the buffer counters", self.buffer.counters)["trained"]
+            if trained:  # acknowledged groups exist only once a checkpoint held them: this run has one elsewhere
+                raise ValueError(
+                    f"Redis already holds run {cfg.run.name!r} with {trained} trained groups, but "
+                    f"{self.checkpoints.directory} (checkpoint.dir) has no checkpoint of it: point checkpoint.dir "
+                    "(or --run-dir) at that run's checkpoints to resume it, or choose a new run.name")
+            self.resumed_step = 0
+            warm = None
+            if cfg.warmstart.steps:
+                self.params, warm = warm_start(self.model, self.params, self.task, self.tokenizer, cfg, self.metrics,
+                                              self.stop_event)
+            carried = {"warmstart": warm,
+                       "eval_before": self._evaluate("eval_before") if cfg.trainer.eval_before else None}
+            updater = self._updater()
+            self._redis("auditing the start", lambda: self.buffer.log_trainer(self.epoch, 0, ""))
+        self._redis("updating the held count", lambda: self.buffer.set_held(0))  # a dead predecessor's count
+        self._publish(self.resumed_step)
+        log.info("published weight version %d; RL %s", self.resumed_step,
+                 f"resumes at step {self.resumed_step + 1}" if resumed else "starts")
+        return updater, self.resumed_step, carried
+
     def _run(self) -> dict:
         cfg = self.cfg
-        warm = None
-        if cfg.warmstart.steps:
-            self.params, warm = warm_start(self.model, self.params, self.task, self.tokenizer, cfg, self.metrics,
-                                          self.stop_event)
-        eval_before = self._evaluate("eval_before") if cfg.trainer.eval_before else None
-        self._publish(0)
-        log.info("published weight version 0; RL starts")
-        updater = PolicyUpdater(self.model, self.params, cfg.algo, cfg.trainer.learning_rate,
-                                cfg.trainer.max_grad_norm, cfg.generation.temperature, self.tokenizer.pad_id,
-                                self.mesh)
+        updater, steps_done, carried = self._start()
         algo = cfg.algo
-        rl_start, steps_done, tokens_total, groups_total = time.time(), 0, 0, 0
+        rl_start, tokens_total, groups_total, saved = time.time(), 0, 0, steps_done
         last_end = time.time()
-        for step in range(1, cfg.trainer.steps + 1):
+        for step in range(steps_done + 1, cfg.trainer.steps + 1):
             # Phases of a step, from the end of the previous one: collect (wait for,
             # read and decode groups), batch, compute (the jitted update; its metrics
-            # are host values, so it has finished), then settle + publish + report.
+            # are host values, so it has finished), then audit + checkpoint + publish + report.
             t0 = last_end
+            if self.stop_event.is_set():  # SIGTERM: stop between steps even when groups are at hand
+                break
             picked = self._collect(step)
             if picked is None:
                 break
@@ -217,8 +354,16 @@ class Trainer:
             self.params = updater.params
             t_compute = time.time()
             self._track_agreement(m)
-            self.buffer.settle(trained=[e.entry_id for e, _ in picked])
+            self._redis("auditing a step",
+                        lambda: self.buffer.log_step(self.epoch, step, [e.group_id for e, _ in picked]))
+            self.unsettled.append((step, [(e.entry_id, e.group_id) for e, _ in picked]))
+            self._redis("updating the held count", lambda: self.buffer.set_held(self._held()))
+            self._note_positions(picked)
             steps_done = step
+            if step % cfg.checkpoint.every == 0 or step == cfg.trainer.steps:
+                self._checkpoint(step, updater, carried)
+                saved = step
+            self._settle_committed()
             tokens_total += int(np.asarray(batch.loss_mask).sum())
             groups_total += len(groups)
             elapsed = max(time.time() - rl_start, 1e-9)
@@ -235,8 +380,14 @@ class Trainer:
             self.step_times.append({**phases, "handoff_seconds": last_end - t_compute, "step_seconds": last_end - t0})
         self._finish_background()
         rl_seconds = time.time() - rl_start
-        if steps_done < cfg.trainer.steps:  # stopped early: tell samplers this is the last version
-            self._publish(steps_done, final=True)
+        complete = steps_done == cfg.trainer.steps
+        if steps_done > saved:  # stopped by a signal between checkpoints: keep what was trained
+            self._checkpoint(steps_done, updater, carried)
+        self._settle_committed(wait=True, everything=complete)
+        if not complete:  # SIGTERM/SIGINT: the run resumes later; samplers keep their weights and wait
+            log.info("stopped at step %d with a checkpoint; start the trainer again to resume", steps_done)
+            self.server.stop()
+            return self._write_summary(steps_done, carried["warmstart"], carried["eval_before"], None, rl_seconds)
         eval_after = self._evaluate("eval_after") if cfg.trainer.eval_after else None
         # the trained policy as a Hugging Face directory (next to the tokenizer files): serve it, or `eval` it
         source = resolve_model_dir(cfg.model.path) if cfg.model.kind == "hf" else None
@@ -244,6 +395,8 @@ class Trainer:
                   tokenizer_dir=source, dtype=cfg.model.dtype, eos_ids=self.tokenizer.eos_ids,
                   pad_id=self.tokenizer.pad_id)
         log.info("exported the trained model to %s", self.run_dir / "model")
+        if self.publisher.latest_version != steps_done or steps_done == self.resumed_step:
+            self._publish(steps_done, final=True)  # a resumed, already complete run: tell samplers to stop
         self._await_samplers(steps_done)
         self.server.stop()
         if cfg.weights.verify_prompts:
@@ -252,7 +405,16 @@ class Trainer:
                                   "sha256": digest(self.model.to_named_numpy(self.params)),
                                   "greedy": greedy_probe(self.engine, self.params, self.tokenizer, problems,
                                                          cfg.eval.batch_size)}
-        return self._write_summary(steps_done, warm, eval_before, eval_after, rl_seconds)
+        return self._write_summary(steps_done, carried["warmstart"], carried["eval_before"], eval_after, rl_seconds)
+
+    def _note_positions(self, picked: list[tuple[BufferEntry, GroupData]]) -> None:
+        """Data position (per sampler) and buffer position reached by the trained groups, for the checkpoint. Groups
+        are picked in stream order, so the last one holds the buffer position."""
+        for _, group in picked:
+            if group.data_position is not None:
+                self.data_position[group.sampler_id] = max(self.data_position.get(group.sampler_id, -1),
+                                                           group.data_position)
+        self.buffer_position = picked[-1][0].entry_id
 
     def _track_agreement(self, m: dict) -> None:
         """Run-long sampler-trainer logprob agreement over tokens generated at version lag 0."""
@@ -279,9 +441,15 @@ class Trainer:
         """One progress line, TensorBoard scalars and a metrics.jsonl row for an RL step."""
         accuracy = float(np.mean([c.reward_components.get("answer_correct", 0.0)
                                   for g in groups for c in g.completions]))
-        counters = self.buffer.counters()
+        held = self._held()
+        try:
+            counters = self._counters = self.buffer.counters()
+        except BufferUnavailable:  # Redis is away: report the last known counts rather than fail the step
+            counters = self._counters or {"depth": 0, "dropped_stale": 0, "dropped_filtered": 0}
         row = {**stats, **m, "accuracy": accuracy, "staleness_mean": float(staleness.mean()),
-               "staleness_max": int(staleness.max()), "buffer_depth": counters["depth"],
+               "staleness_max": int(staleness.max()),
+               # waiting to be trained; those trained but held for a checkpoint are counted apart
+               "buffer_depth": max(0, counters["depth"] - held), "buffer_held": held,
                "groups_dropped_stale": counters["dropped_stale"],
                "groups_dropped_filtered": counters["dropped_filtered"], **phases,
                "wait_seconds": phases["collect_seconds"], "tokens_per_second": tokens_per_second,
@@ -330,19 +498,25 @@ class Trainer:
                     self.publisher.samplers_at(final_version))
 
     def _write_summary(self, steps, warm, eval_before, eval_after, rl_seconds) -> dict:
-        counters = self.buffer.counters()
+        counters = self._redis("reading the buffer counters", self.buffer.counters)
         summary = {
             "run": self.cfg.run.name,
             "steps": steps,
+            "stopped_early": steps < self.cfg.trainer.steps,
+            "trainer_epoch": self.epoch,
+            "resumed_from": self.resumed_from,
+            "checkpoints_saved": self.checkpointed,
             "groups_ingested": counters["ingested"],
             "groups_trained": counters["trained"],
             "groups_dropped_stale": counters["dropped_stale"],
             "groups_dropped_invalid": counters["dropped_invalid"],
             "groups_dropped_filtered": counters["dropped_filtered"],
+            "groups_dropped_duplicate": counters["dropped_duplicate"],
             "groups_left_in_buffer": counters["depth"],
-            "groups_by_sampler": self.buffer.ingested_by_sampler(),
-            "ingest_rejected_invalid": self.ingest.stats["invalid"],
-            "ingest_backpressure_replies": self.ingest.stats["full"],
+            "groups_by_sampler": self._redis("reading the buffer counters", self.buffer.ingested_by_sampler),
+            "ingest_rejected_invalid": counters["refused_invalid"],
+            "ingest_refused_duplicate": counters["refused_duplicate"],
+            "ingest_backpressure_replies": counters["refused_full"],
             "weight_versions_published": len(self.publisher.published),
             "weight_versions": self.publisher.published,
             "weight_transport": self.cfg.weights.transport,

@@ -1,5 +1,5 @@
-"""The trainer's gRPC server: ingest, weight publication and grpc.health.v1 on one port (plus, with a
-`data_port`, the TCP data plane for weight slices)."""
+"""The trainer's gRPC server: ingest (unless it runs on its own), weight publication and grpc.health.v1 on one port
+(plus, with a `data_port`, the TCP data plane for weight slices)."""
 
 from __future__ import annotations
 
@@ -20,14 +20,15 @@ SERVICES = ("grpo_stream.v1.RolloutIngest", "grpo_stream.v1.WeightService")
 class TrainerServer:
     """Owns a grpc.Server; `start()` binds and returns the port, `stop()` drains in-flight calls."""
 
-    def __init__(self, ingest: IngestServicer, publisher: WeightPublisher, host: str, port: int, workers: int = 16,
+    def __init__(self, ingest: IngestServicer | None, publisher: WeightPublisher, host: str, port: int, workers: int = 16,
                  data_port: int | None = None):
         self.ingest, self.publisher = ingest, publisher
         self.data = None if data_port is None else WeightDataServer(publisher, host, data_port)
         self.host, self.port = host, port
         self.health = health.HealthServicer()
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=SERVER_OPTIONS)
-        rollout_pb2_grpc.add_RolloutIngestServicer_to_server(ingest, self._server)
+        if ingest is not None:
+            rollout_pb2_grpc.add_RolloutIngestServicer_to_server(ingest, self._server)
         weights_pb2_grpc.add_WeightServiceServicer_to_server(publisher, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
 
@@ -40,7 +41,7 @@ class TrainerServer:
         if self.data is not None:
             self.data.start()
         self._server.start()
-        for name in ("", *SERVICES):
+        for name in ("", *(s for s in SERVICES if self.ingest is not None or "Ingest" not in s)):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         return bound
 

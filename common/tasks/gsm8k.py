@@ -146,7 +146,9 @@ class Gsm8kTask:
     def _prompted(self, problem: MathProblem) -> PromptedProblem:
         return PromptedProblem(problem.prompt_id, self.render(problem.question), problem.answer)
 
-    def train_stream(self, index: int, count: int):
+    def train_stream(self, index: int, count: int, start: int = 0):
+        """Sampler `index` of `count`: its shard, reshuffled every pass, from position `start` on (a restarted
+        sampler resumes where its accepted groups end)."""
         import random  # noqa: PLC0415
 
         mine = shard(self.train, index, count)
@@ -154,11 +156,16 @@ class Gsm8kTask:
             raise DatasetError(f"sampler {index} of sampler.replicas={count} has no training problems: the split has "
                                f"{len(self.train)} (task.dataset.limit?)")
         rng = random.Random(self.seed * 1_000_003 + index)
+        passes, skip = divmod(start, len(mine))
         while True:
             order = list(range(len(mine)))
             rng.shuffle(order)
-            for i in order:
+            if passes:  # the shuffles of passes already done, to keep the order an uninterrupted sampler has
+                passes -= 1
+                continue
+            for i in order[skip:]:
                 yield self._prompted(mine[i])
+            skip = 0
 
     def heldout(self, n: int) -> list[PromptedProblem]:
         return [self._prompted(p) for p in self.test[:n]]

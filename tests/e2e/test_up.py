@@ -123,7 +123,7 @@ def test_unreachable_redis_is_one_line_and_nonzero(tmp_path, command):
     assert proc.returncode == 1
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and f"redis.url={url}: not reachable after 1s" in lines[0], proc.stderr
-    assert "waiting for Redis" in proc.stdout  # the retries were logged while it waited
+    assert "(redis.url) not reachable" in proc.stdout and "retrying in" in proc.stdout  # it waited, logging
 
 
 @pytest.mark.parametrize("args, message", [
@@ -158,16 +158,18 @@ def test_report_on_a_missing_run_is_one_line(tmp_path):
     assert proc.returncode == 1 and len(proc.stderr.strip().splitlines()) == 1 and "metrics-trainer.jsonl" in proc.stderr
 
 
-def test_ctrl_c_stops_every_process_and_still_writes_the_summary(tmp_path):
-    """SIGINT to `up` mid-run: trainer finishes its step, samplers stop, summary accounts for every group."""
+def test_ctrl_c_stops_every_process_checkpoints_and_the_same_command_resumes(tmp_path):
+    """SIGINT to `up` mid-run (standalone ingest): the trainer finishes its step, checkpoints and writes the summary,
+    every process exits 0; `up` again on the same run directory resumes from that checkpoint, with the buffer
+    kept in RUN_DIR/redis, and the audit finds every group accounted for."""
     import signal
     import time
 
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "grpo_stream", "up", "--config", "configs/tiny_arith_smoke.yaml",
-                             "--run-dir", str(run_dir), "trainer.steps=100000", "trainer.eval_after=false"],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    base = [sys.executable, "-m", "grpo_stream", "up", "--config", "configs/tiny_arith_smoke.yaml", "--run-dir",
+            str(run_dir), "trainer.eval_after=false", "ingest.standalone=true"]
+    proc = subprocess.Popen([*base, "trainer.steps=100000"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     lines = []
     deadline = time.monotonic() + 300
     for line in proc.stdout:
@@ -179,11 +181,22 @@ def test_ctrl_c_stops_every_process_and_still_writes_the_summary(tmp_path):
     text = "".join(lines) + out
     assert proc.returncode == 130, text[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert 3 <= summary["steps"] < 100000
+    stopped = summary["steps"]
+    assert 3 <= stopped < 100000 and summary["stopped_early"] and summary["checkpoints_saved"][-1] == stopped
     assert summary["groups_ingested"] == (summary["groups_trained"] + summary["groups_dropped_stale"]
                                           + summary["groups_left_in_buffer"])
     assert all(code == 0 for code in summary["sampler_exit_codes"].values())
-    assert "did not stop" not in text
+    assert "did not stop" not in text and "[ingest]" in text and "ingest stopped" in text
+
+    again = subprocess.run([*base, f"trainer.steps={stopped + 3}"], cwd=ROOT, capture_output=True, text=True,
+                           timeout=600, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    resumed = json.loads((run_dir / "summary.json").read_text())
+    assert resumed["resumed_from"]["step"] == stopped and resumed["steps"] == stopped + 3
+    assert resumed["groups_ingested"] > summary["groups_ingested"]  # the same buffer, grown
+    audit = run_cli("audit", str(run_dir), timeout=120)
+    assert audit.returncode == 0 and "0 lost; 0 trained twice" in audit.stdout, audit.stdout + audit.stderr
+    assert "over 2 trainer starts (1 resumed" in audit.stdout
 
 
 def test_sampler_without_trainer_is_one_line_and_nonzero():

@@ -1,85 +1,185 @@
-"""The Redis-streams buffer against a real redis-server."""
+"""The Redis-streams buffer against a real redis-server: accounting, de-duplication, idempotent settling,
+recovery of a dead trainer's entries, durability across a Redis crash, and the audit built from its trail."""
 
 import pytest
 
-from common.buffer import BufferFull, BufferUnavailable, InMemoryBuffer, RedisStreamBuffer
-from common.redis_util import RedisConnectError, connect
+from common.buffer import BufferUnavailable, Incoming, RedisStreamBuffer
+from common.redis_util import EmbeddedRedis, RedisConnectError, connect, free_port
+from grpo_stream.audit import build_audit, lineage
 
 pytestmark = pytest.mark.redis
 
 
-def make_buffers(redis_server):
-    return [RedisStreamBuffer(connect(redis_server.url, 5), "t"), InMemoryBuffer()]
+def inc(i, sampler="s0", position=None):
+    return Incoming(f"run/{sampler}/{i}", sampler, 0, i if position is None else position, f"g{i}".encode())
 
 
 def identity_holds(c):
     return c["ingested"] == (c["trained"] + c["dropped_stale"] + c["dropped_invalid"] + c["dropped_filtered"]
-                             + c["depth"])
+                             + c["dropped_duplicate"] + c["depth"])
 
 
-@pytest.mark.parametrize("kind", [0, 1], ids=["redis", "memory"])
-def test_append_read_settle_keeps_the_accounting_identity(redis_server, kind):
-    buf = make_buffers(redis_server)[kind]
-    for i in range(5):
-        assert buf.append(f"g{i}".encode(), f"s{i % 2}", max_groups=10) == i + 1
+@pytest.fixture
+def buf(redis_server):
+    return RedisStreamBuffer(connect(redis_server.url, 5), "t")
+
+
+def test_append_read_settle_keeps_the_accounting_identity(buf):
+    statuses, waiting = buf.append_many([inc(i, f"s{i % 2}") for i in range(5)], max_groups=10)
+    assert all("-" in s for s in statuses) and waiting == 5
     first = buf.read(3, block_ms=100)
-    assert [e.payload for e in first] == [b"g0", b"g1", b"g2"]
+    assert [e.payload for e in first] == [b"g0", b"g1", b"g2"] and first[0].group_id == "run/s0/0"
     # delivered entries are not delivered again, but still count as in the buffer
     assert [e.payload for e in buf.read(10, block_ms=100)] == [b"g3", b"g4"]
     assert buf.depth() == 5 and identity_holds(buf.counters())
-    buf.settle([first[0].entry_id], [first[2].entry_id], dropped_filtered=[first[1].entry_id])
+    records = [(first[0].entry_id, first[0].group_id, "trained", 1),
+               (first[1].entry_id, first[1].group_id, "dropped_filtered", 1),
+               (first[2].entry_id, first[2].group_id, "dropped_stale", 1)]
+    assert buf.settle(records) == 3
+    assert buf.settle(records) == 0  # settling again (a trainer resuming from a checkpoint) counts nothing
     c = buf.counters()
     assert (c["ingested"], c["trained"], c["dropped_stale"], c["dropped_filtered"], c["depth"]) == (5, 1, 1, 1, 2)
     assert identity_holds(c)
     assert buf.ingested_by_sampler() == {"s0": 3, "s1": 2}
     assert buf.read(5, block_ms=50) == []
+    with pytest.raises(ValueError, match="unknown outcome 'done'"):
+        buf.settle([("1-0", "x", "done", 1)])
 
 
-@pytest.mark.parametrize("kind", [0, 1], ids=["redis", "memory"])
-def test_full_buffer_refuses_without_writing(redis_server, kind):
-    buf = make_buffers(redis_server)[kind]
-    buf.append(b"a", "s", max_groups=2)
-    buf.append(b"b", "s", max_groups=2)
-    with pytest.raises(BufferFull, match="buffer.max_groups=2"):
-        buf.append(b"c", "s", max_groups=2)
-    assert buf.counters()["ingested"] == 2 and buf.depth() == 2
+def test_a_checkpoint_window_of_thousands_settles_in_one_call(buf):
+    n = 3000
+    buf.append_many([inc(i) for i in range(n)], max_groups=n)
+    entries = buf.read(n, 100)
+    assert buf.settle([(e.entry_id, e.group_id, "trained", 1) for e in entries]) == n
+    c = buf.counters()
+    assert c["trained"] == n and c["depth"] == 0 and identity_holds(c)
+    assert buf.client.xpending(buf.stream, buf.GROUP)["pending"] == 0
+
+
+def test_a_resent_group_is_accepted_once(buf):
+    statuses, _ = buf.append_many([inc(0), inc(1)], max_groups=10)
+    again, waiting = buf.append_many([inc(1), inc(2)], max_groups=10)
+    assert again[0] == "dup" and "-" in again[1] and waiting == 3
+    c = buf.counters()
+    assert c["ingested"] == 3 and c["refused_duplicate"] == 1
+    assert [e.group_id for e in buf.read(10, 100)] == ["run/s0/0", "run/s0/1", "run/s0/2"]
+
+
+def test_capacity_does_not_count_groups_trained_but_held_for_a_checkpoint(buf):
+    statuses, waiting = buf.append_many([inc(i) for i in range(3)], max_groups=2)
+    assert statuses[2] == "full" and waiting == 2 and buf.counters()["refused_full"] == 1
+    buf.read(2, 100)
+    assert buf.append_many([inc(2)], max_groups=2)[0] == ["full"]  # read, not trained: still waiting
+    buf.set_held(2)  # trained, acknowledged at the next checkpoint: no longer a backlog
+    statuses, waiting = buf.append_many([inc(2), inc(3), inc(4)], max_groups=2)
+    assert statuses[2] == "full" and waiting == 2 and buf.depth() == 4
+
+
+def test_positions_record_the_highest_accepted_per_sampler(buf):
+    assert buf.data_position("s0") is None
+    buf.append_many([inc(0), inc(5), inc(3), inc(9, "s1")], max_groups=10)
+    assert buf.data_position("s0") == 5 and buf.data_position("s1") == 9
+
+
+def test_a_second_copy_that_reaches_the_trainer_is_dropped_not_trained(buf):
+    buf.append_many([inc(0)], 10)
+    (entry,) = buf.read(1, 100)
+    buf.settle([(entry.entry_id, entry.group_id, "trained", 1)])
+    # a copy written past the ingest's de-duplication (e.g. by another tool) under the same group id
+    buf.client.xadd(buf.stream, {"g": b"g0", "id": entry.group_id})
+    buf.client.hincrby(buf.k["counters"], "ingested", 1)
+    assert buf.read(10, 100) == []
+    c = buf.counters()
+    assert c["dropped_duplicate"] == 1 and c["trained"] == 1 and identity_holds(c)
 
 
 def test_runs_are_namespaced(redis_server):
     client = connect(redis_server.url, 5)
     a, b = RedisStreamBuffer(client, "run-a"), RedisStreamBuffer(client, "run-b")
-    a.append(b"x", "s", 10)
+    a.append_many([inc(0)], 10)
     assert b.depth() == 0 and b.read(10, 50) == []
 
 
-def test_unreachable_redis_is_reported(redis_server):
-    buf = RedisStreamBuffer(connect(redis_server.url, 5), "t")
+def test_unreachable_redis_is_reported(buf, redis_server):
     redis_server.stop()
     with pytest.raises(BufferUnavailable):
-        buf.append(b"x", "s", 10)
-
-
-def test_connect_gives_up_with_a_clear_message():
-    from common.redis_util import free_port
-
-    url = f"redis://127.0.0.1:{free_port()}/0"
-    with pytest.raises(RedisConnectError, match=r"redis.url=redis://127.0.0.1:\d+/0: not reachable after"):
-        connect(url, timeout_s=0.5)
-    with pytest.raises(RedisConnectError, match="not a redis:// URL"):
-        connect("http://x", 0.5)
+        buf.append_many([inc(0)], 10)
 
 
 def test_a_restarted_trainer_takes_back_what_its_predecessor_read_but_never_settled(redis_server):
     first = RedisStreamBuffer(connect(redis_server.url, 5), "restart")
-    for i in range(6):
-        first.append(f"g{i}".encode(), "s0", max_groups=6)
+    first.append_many([inc(i) for i in range(6)], max_groups=6)
     taken = first.read(4, block_ms=100)
-    first.settle(trained=[taken[0].entry_id])
+    first.settle([(taken[0].entry_id, taken[0].group_id, "trained", 1)])
     # the trainer process dies holding g1..g3: a new one (same consumer) gets them first, each once, then the rest
     second = RedisStreamBuffer(connect(redis_server.url, 5), "restart")
     got = [e.payload for e in second.read(2, block_ms=100)] + [e.payload for e in second.read(2, block_ms=100)]
     got += [e.payload for e in second.read(10, block_ms=100)]
     assert got == [b"g1", b"g2", b"g3", b"g4", b"g5"]
     assert second.read(10, block_ms=50) == []
-    second.settle(trained=[])
     assert second.depth() == 5 and identity_holds(second.counters())
+
+
+def test_accepted_groups_survive_a_redis_crash(tmp_path):
+    """AOF with fsync on every write: what append_many acknowledged is there after kill -9 and a restart."""
+    server = EmbeddedRedis(data_dir=tmp_path / "redis").start()
+    try:
+        buf = RedisStreamBuffer(connect(server.url, 5), "crash")
+        buf.append_many([inc(i) for i in range(50)], max_groups=100)
+        server.kill()
+        server = EmbeddedRedis(port=server.port, data_dir=tmp_path / "redis").start()
+        again = RedisStreamBuffer(connect(server.url, 5), "crash")
+        assert again.counters()["ingested"] == 50 and again.depth() == 50
+        assert again.append_many([inc(49), inc(50)], 100)[0][0] == "dup"  # the de-duplication set survived too
+    finally:
+        server.stop()
+
+
+def test_connect_fails_fast_on_what_waiting_cannot_fix(tmp_path):
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    with pytest.raises(RedisConnectError, match=r"redis.url=redis://127.0.0.1:\d+/0: not reachable after"):
+        connect(url, timeout_s=0.5)
+    with pytest.raises(RedisConnectError, match="not a redis:// URL"):
+        connect("http://x", 0.5)
+    secured = EmbeddedRedis(data_dir=tmp_path / "r")
+    secured.start()
+    try:
+        connect(secured.url, 5).config_set("requirepass", "s3cret")
+        for url in (f"redis://:wrong@127.0.0.1:{secured.port}/0", secured.url):
+            with pytest.raises(RedisConnectError, match=r"redis.url=.*authentication failed.*right password"):
+                connect(url, timeout_s=None)  # would wait for ever if it retried
+        with pytest.raises(RedisConnectError, match="no such database"):
+            connect(f"redis://:s3cret@127.0.0.1:{secured.port}/99", timeout_s=None)
+        assert connect(f"redis://:s3cret@127.0.0.1:{secured.port}/0", 5).ping()
+    finally:
+        secured.stop()
+
+
+def test_lineage_keeps_only_the_steps_the_final_model_went_through():
+    trainers = [{"epoch": "a", "from_step": "0", "from_epoch": ""}, {"epoch": "b", "from_step": "2", "from_epoch": "a"},
+                {"epoch": "c", "from_step": "3", "from_epoch": "b"}]
+    steps = [{"epoch": e, "step": str(s), "groups": f'["{e}{s}"]'} for e, s in
+             [("a", 1), ("a", 2), ("a", 3), ("b", 3), ("b", 4), ("c", 4), ("c", 5), ("c", 6)]]
+    checkpoints = [{"epoch": "a", "step": "2"}, {"epoch": "b", "step": "3"}, {"epoch": "c", "step": "5"}]
+    history, final = lineage(trainers, steps, checkpoints)
+    assert final == 5 and history == {1: ["a1"], 2: ["a2"], 3: ["b3"], 4: ["c4"], 5: ["c5"]}
+
+
+def test_audit_counts_trained_dropped_waiting_lost_and_twice(buf):
+    buf.append_many([inc(i) for i in range(6)], 10)
+    e = buf.read(6, 100)
+    buf.log_trainer("a", 0, "")
+    buf.log_step("a", 1, [e[0].group_id, e[1].group_id])
+    buf.settle([(e[2].entry_id, e[2].group_id, "dropped_stale", 1)])
+    buf.log_checkpoint("a", 1)
+    buf.settle([(x.entry_id, x.group_id, "trained", 1) for x in e[:2]])
+    report = build_audit(buf.client, "t")
+    assert (report["groups_accepted"], report["groups_trained"], report["groups_dropped"]["dropped_stale"],
+            report["groups_waiting"], report["groups_lost"], report["ok"]) == (6, 2, 1, 3, 0, True)
+    # a step that trains group 0 again, and a group deleted without a record: the audit says so
+    buf.log_step("a", 2, [e[0].group_id, e[3].group_id])
+    buf.log_checkpoint("a", 2)
+    buf.client.xdel(buf.stream, e[4].entry_id)
+    report = build_audit(buf.client, "t")
+    assert report["groups_trained_twice"] == 1 and report["trained_twice_ids"] == [e[0].group_id]
+    assert report["groups_lost"] == 1 and report["lost_ids"] == [e[4].group_id] and not report["ok"]

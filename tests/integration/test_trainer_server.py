@@ -101,6 +101,54 @@ def test_unary_push_returns_real_status_codes(stack):
     assert health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest()).status == 1
 
 
+def test_a_resent_group_is_acknowledged_without_a_second_copy_and_positions_are_served(stack):
+    buffer, ingest, *_, channel = stack
+    stub = rollout_pb2_grpc.RolloutIngestStub(channel)
+    first = to_proto(group(0))
+    first.data_position = 41
+    assert stub.PushGroup(first).code == 0
+    again = stub.PushGroup(first)  # the sender lost the first acknowledgement
+    assert again.code == 0 and again.message.startswith("duplicate")
+    assert buffer.counters()["ingested"] == 1 and ingest.stats["duplicate"] == 1
+    reply = stub.GetDataPosition(rollout_pb2.DataPositionRequest(sampler_id="sampler-0"))
+    assert reply.known and reply.position == 41
+    assert not stub.GetDataPosition(rollout_pb2.DataPositionRequest(sampler_id="sampler-9")).known
+    with pytest.raises(grpc.RpcError) as err:
+        stub.GetDataPosition(rollout_pb2.DataPositionRequest())
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "sampler_id" in err.value.details()
+    bad = to_proto(group(1))
+    bad.data_position = -3
+    with pytest.raises(grpc.RpcError) as err:
+        stub.PushGroup(bad)
+    assert "data_position: -3 is negative" in err.value.details()
+
+
+def test_ingest_answers_unavailable_while_redis_is_down_and_recovers(redis_server):
+    from common.redis_util import EmbeddedRedis
+
+    buffer = RedisStreamBuffer(connect(redis_server.url, 5), "outage")
+    server = TrainerServer(IngestServicer(buffer, LIMITS, 10, 20), WeightPublisher(), "127.0.0.1", 0)
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.start()}", options=CHANNEL_OPTIONS)
+    stub = rollout_pb2_grpc.RolloutIngestStub(channel)
+    revived = None
+    try:
+        assert stub.PushGroup(to_proto(group(0))).code == 0
+        redis_server.stop()
+        for call in (lambda: stub.PushGroup(to_proto(group(1))),
+                     lambda: stub.GetDataPosition(rollout_pb2.DataPositionRequest(sampler_id="sampler-0"))):
+            with pytest.raises(grpc.RpcError) as err:
+                call()
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "retry with backoff" in err.value.details()
+        revived = EmbeddedRedis(port=redis_server.port).start()
+        assert stub.PushGroup(to_proto(group(1))).code == 0  # same client, reconnected by itself
+        assert buffer.counters()["ingested"] == 1  # the revived server is empty (no AOF here): just the new one
+    finally:
+        channel.close()
+        server.stop(0)
+        if revived is not None:
+            revived.stop()
+
+
 def test_backpressure_loses_nothing(stack):
     """A producer 3x faster than max_groups: every group arrives once, in order, while a consumer drains."""
     buffer, ingest, *_, channel = stack
@@ -111,7 +159,7 @@ def test_backpressure_loses_nothing(stack):
         while len(seen) < 12:
             entries = buffer.read(2, 100)
             seen.extend(decode_group(e.payload).group_id for e in entries)
-            buffer.settle([e.entry_id for e in entries], [])
+            buffer.settle([(e.entry_id, e.group_id, "trained", 1) for e in entries])
             time.sleep(0.05)
 
     consumer = threading.Thread(target=consume)

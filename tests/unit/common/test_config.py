@@ -136,3 +136,22 @@ def test_presets_mirror_the_maxtext_demo_settings():
         assert (cfg.algo.beta, cfg.algo.epsilon, cfg.trainer.learning_rate) == (0.08, 0.2, 3e-6), name
         assert (cfg.generation.max_prompt_tokens, cfg.generation.max_prompt_tokens + cfg.generation.max_new_tokens
                 ) == (256, 768), name
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["redis.url=http://h:6379"], r"redis.url='http://h:6379' must start with redis://, rediss:// or unix://"),
+    (["redis.connect_timeout_s=0"], "redis.connect_timeout_s"),
+    (["checkpoint.every=0"], "checkpoint.every"),
+    (["checkpoint.keep=0"], "checkpoint.keep"),
+    (["ingest.standalone=true", "weights.transport=local"], "ingest.standalone: weights.transport=local"),
+])
+def test_durability_settings_name_the_field(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
+
+def test_samplers_send_rollouts_to_the_ingest_address():
+    assert load_config(None, ["trainer.port=7"]).ingest_address() == "127.0.0.1:7"
+    assert load_config(None, ["ingest.standalone=true", "ingest.port=9"]).ingest_address() == "127.0.0.1:9"
+    assert load_config(None, ["ingest.address=h:1"]).ingest_address() == "h:1"
+    assert load_config(None, []).redis.connect_timeout_s is None  # wait for Redis as long as it takes

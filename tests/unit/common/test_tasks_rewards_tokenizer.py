@@ -49,3 +49,10 @@ def test_tokenizer_is_deterministic_and_splits_digits():
     digits = [a.decode([i]) for i in ids if a.decode([i]).strip().isdigit()]
     assert all(len(d.strip()) == 1 for d in digits) and len(digits) == 8
     assert a.pad_id != a.eos_id
+
+
+def test_a_stream_started_at_a_position_continues_the_uninterrupted_one():
+    """What a restarted sampler relies on: stream(start=k) is the uninterrupted stream from item k on."""
+    task = ArithTask(10, 99, 0.1, seed=3)
+    whole = [p.prompt_id for p, _ in zip(task.train_stream(1, 2), range(12))]
+    assert [p.prompt_id for p, _ in zip(task.train_stream(1, 2, 5), range(7))] == whole[5:]

@@ -26,8 +26,9 @@ def test_groups_are_scored_and_sliced_per_prompt(tiny_parts):
     out = Generation(tokens, logprobs, np.array([len(r) for r in rows]), np.array([True, True, True, False]))
     ids = itertools.count()
     groups = list(build_groups(batch, out, 2, tok, RewardSet(DEFAULT_WEIGHTS), policy_version=7, sampler_id="sampler-1",
-                               next_group_id=lambda: f"run/sampler-1/{next(ids)}"))
+                               group_ids=[f"run/sampler-1/{next(ids)}" for _ in batch], positions=[5, 6]))
     assert [g.group_id for g in groups] == ["run/sampler-1/0", "run/sampler-1/1"]
+    assert [g.data_position for g in groups] == [5, 6]
     assert [g.prompt_id for g in groups] == [p.prompt_id for p in problems]
     assert all(g.policy_version == 7 and g.sampler_id == "sampler-1" for g in groups)
     assert [c.reward_components["answer_correct"] for g in groups for c in g.completions] == [1.0, 0.0, 1.0, 0.0]
@@ -41,4 +42,4 @@ def test_row_count_must_match(tiny_parts):
     _, task, tok, _ = tiny_parts
     out = Generation(np.zeros((3, 4), np.int32), np.zeros((3, 4), np.float32), np.ones(3, int), np.ones(3, bool))
     with pytest.raises(ValueError, match="3 completions for 1 prompts x 2"):
-        list(build_groups([(task.train_problem(0), [1])], out, 2, tok, RewardSet(DEFAULT_WEIGHTS), 0, "s", lambda: "g"))
+        list(build_groups([(task.train_problem(0), [1])], out, 2, tok, RewardSet(DEFAULT_WEIGHTS), 0, "s", ["g"]))

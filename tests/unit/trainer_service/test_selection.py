@@ -1,7 +1,7 @@
 import numpy as np
 
 from common.wire import CompletionData, GroupData
-from trainer_service.selection import partition_groups
+from trainer_service.selection import select_batch
 
 
 def g(version, rewards):
@@ -9,17 +9,37 @@ def g(version, rewards):
     return GroupData(f"g{version}-{rewards}", "p", np.array([1], np.int32), comps, version, "s")
 
 
+def keys(pairs):
+    return [k for k, _ in pairs]
+
+
 def test_dynamic_sampling_removes_exactly_the_zero_variance_groups():
-    pending = [(i, grp) for i, grp in enumerate([g(5, [1, 0]), g(5, [1, 1]), g(4, [0, 0]), g(5, [0.5, 0.25]),
-                                                 g(1, [1, 0]), g(1, [1, 1])])]
-    usable, stale, flat = partition_groups(pending, held_version=5, max_staleness=2, dynamic_sampling=True)
-    assert [k for k, _ in usable] == [0, 3]
-    assert [k for k, _ in flat] == [1, 2]
-    assert [k for k, _ in stale] == [4, 5]  # staleness is checked first
-    usable, stale, flat = partition_groups(pending, 5, 2, dynamic_sampling=False)
-    assert [k for k, _ in usable] == [0, 1, 2, 3] and flat == []
+    pending = list(enumerate([g(5, [1, 0]), g(5, [1, 1]), g(4, [0, 0]), g(5, [0.5, 0.25]), g(1, [1, 0]),
+                              g(1, [1, 1])]))
+    batch, stale, flat, rest = select_batch(pending, 10, held_version=5, max_staleness=2, dynamic_sampling=True)
+    assert keys(batch) == [0, 3] and keys(flat) == [1, 2] and rest == []
+    assert keys(stale) == [4, 5]  # staleness is checked first
+    batch, stale, flat, rest = select_batch(pending, 10, 5, 2, dynamic_sampling=False)
+    assert keys(batch) == [0, 1, 2, 3] and flat == []
 
 
-def test_staleness_bound_is_inclusive():
-    usable, stale, _ = partition_groups([(0, g(3, [1, 0])), (1, g(2, [1, 0]))], 5, 2, False)
-    assert [k for k, _ in usable] == [0] and [k for k, _ in stale] == [1]
+def test_staleness_bound_is_inclusive_and_versions_ahead_are_stale():
+    batch, stale, _, _ = select_batch(list(enumerate([g(3, [1, 0]), g(2, [1, 0]), g(6, [1, 0])])), 5, 5, 2, False)
+    assert keys(batch) == [0] and keys(stale) == [1, 2]
+
+
+def test_only_groups_up_to_the_batch_are_judged():
+    """A stale group after the batch is left for later (a read-ahead must not change what a step drops)."""
+    pending = list(enumerate([g(1, [1, 0]), g(5, [1, 0]), g(5, [0, 1]), g(1, [1, 0]), g(5, [1, 0])]))
+    batch, stale, flat, rest = select_batch(pending, 2, 5, 2, False)
+    assert keys(batch) == [1, 2] and keys(stale) == [0] and keys(rest) == [3, 4]
+    # the same groups read one at a time give the same batches
+    got, held = [], []
+    for item in pending:
+        held.append(item)
+        batch, _, _, held = select_batch(held, 2, 5, 2, False)
+        if len(batch) == 2:
+            got.append(keys(batch))
+        else:
+            held = batch + held
+    assert got == [[1, 2]]

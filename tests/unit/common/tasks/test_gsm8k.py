@@ -94,3 +94,13 @@ def test_a_sampler_without_problems_is_an_error_naming_the_settings(splits):
     assert next(task.train_stream(1, 4)).prompt_id == "train/1"
     with pytest.raises(DatasetError, match=r"sampler 3 of sampler.replicas=4 has no training problems"):
         next(task.train_stream(3, 4))
+
+
+def test_a_stream_started_at_a_position_continues_the_uninterrupted_one(splits):
+    """Across reshuffled passes: stream(start=k) is the uninterrupted stream from item k on (sampler resume)."""
+    from common.tasks.gsm8k import Gsm8kTask
+
+    task = Gsm8kTask(splits["train"][:10], splits["test"][:2], lambda q: q, seed=4)
+    whole = [p.prompt_id for p, _ in zip(task.train_stream(0, 2), range(17))]  # a shard of 5: three passes+
+    for start in (0, 3, 5, 11):
+        assert [p.prompt_id for p, _ in zip(task.train_stream(0, 2, start), range(17 - start))] == whole[start:]

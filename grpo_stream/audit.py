@@ -1,0 +1,177 @@
+"""`grpo-stream audit RUN_DIR`: what happened to every rollout group the ingest accepted.
+
+The buffer keeps an audit trail in Redis (common/buffer.py): each accepted group, each settled one with
+its outcome, each trainer start (and the checkpoint it resumed from), each trained step with its group
+ids, and each saved checkpoint. From these the audit rebuilds the lineage of the final model: the steps
+of the last trainer up to its last checkpoint, then those of the trainer it resumed from up to that
+checkpoint, and so on. Steps a crash rolled back are not in it. Then, per accepted group:
+
+  trained     in exactly one step of the lineage
+  duplicated  in more than one (the guarantee is broken)
+  dropped     settled as dropped (stale, invalid, zero-variance, second copy) and in no lineage step
+  waiting     still in the buffer, in no lineage step (a continued run trains or drops it)
+  lost        none of these (the guarantee is broken)
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import pathlib
+import sys
+
+import redis
+
+from common.buffer import COUNTERS, REFUSALS, RUN_FILE, keys
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _stream(client: redis.Redis, key: str, only: tuple[str, ...] | None = None) -> list[dict[str, str]]:
+    """Every entry of a stream as text fields (`only` these, e.g. to skip binary payloads), in chunks."""
+    out, start = [], "-"
+    while True:
+        chunk = client.xrange(key, min=start, count=1000)
+        out += [{_text(k): _text(v) for k, v in fields.items() if only is None or _text(k) in only}
+                for _, fields in chunk]
+        if len(chunk) < 1000:
+            return out
+        last = _text(chunk[-1][0])
+        ms, seq = map(int, last.split("-"))
+        start = f"{ms}-{seq + 1}"
+
+
+def lineage(trainers: list[dict], steps: list[dict], checkpoints: list[dict]) -> tuple[dict[int, list[str]], int]:
+    """{step: group ids} of the final model's history, and its last step (see the module docstring)."""
+    if not trainers:
+        return {}, 0
+    by_epoch = {t["epoch"]: t for t in trainers}
+    epoch = trainers[-1]["epoch"]
+    saved = [int(c["step"]) for c in checkpoints if c["epoch"] == epoch]
+    upto = max(saved, default=int(by_epoch[epoch]["from_step"]))
+    final, out = upto, {}
+    while epoch:
+        start = by_epoch[epoch]
+        for rec in steps:
+            step = int(rec["step"])
+            if rec["epoch"] == epoch and int(start["from_step"]) < step <= upto:
+                out[step] = json.loads(rec["groups"])
+        upto, epoch = int(start["from_step"]), start["from_epoch"]
+        if epoch and epoch not in by_epoch:
+            raise ValueError(f"the audit trail names trainer {epoch} but has no start record for it")
+    return out, final
+
+
+def build_audit(client: redis.Redis, run_name: str, prefix: str = "grpo-stream") -> dict:
+    k = keys(prefix, run_name)
+    accepted = {_text(g): json.loads(v) for g, v in client.hscan_iter(k["audit:accepted"], count=1000)}
+    settled = {_text(g): json.loads(v) for g, v in client.hscan_iter(k["audit:settled"], count=1000)}
+    second_copies = {_text(g): int(v) for g, v in client.hscan_iter(k["audit:duplicates"], count=1000)}
+    waiting = {rec["id"] for rec in _stream(client, k["rollouts"], only=("id",))}
+    trainers, steps, checkpoints = (_stream(client, k[name]) for name in (
+        "audit:trainers", "audit:steps", "audit:checkpoints"))
+    history, final_step = lineage(trainers, steps, checkpoints)
+    times = collections.Counter(g for groups in history.values() for g in groups)
+    outcome: dict[str, str] = {}
+    for gid in accepted:
+        n, rec = times.get(gid, 0), settled.get(gid)
+        if n > 1:
+            outcome[gid] = "duplicated"
+        elif n == 1:
+            outcome[gid] = "trained" if rec is None or rec["outcome"] == "trained" else "duplicated"
+        elif rec is not None and rec["outcome"] != "trained":
+            outcome[gid] = rec["outcome"]
+        elif gid in waiting:
+            outcome[gid] = "waiting"
+        else:
+            outcome[gid] = "lost"
+    counts = collections.Counter(outcome.values())
+    raw = client.hgetall(k["counters"])
+    counters = {name: int(raw.get(name.encode(), 0)) for name in COUNTERS + REFUSALS}
+    missing_steps = sorted(set(range(1, final_step + 1)) - set(history))
+    return {
+        "run": run_name,
+        "groups_accepted": len(accepted),
+        "groups_trained": counts["trained"],
+        "groups_dropped": {name: counts[name] for name in ("dropped_stale", "dropped_invalid", "dropped_filtered")},
+        "groups_waiting": counts["waiting"],
+        "groups_lost": counts["lost"],
+        "groups_trained_twice": counts["duplicated"],
+        "second_copies_refused_by_ingest": counters["refused_duplicate"],
+        "second_copies_dropped_by_trainer": sum(second_copies.values()),
+        "trained_but_not_accepted": sorted(set(times) - set(accepted))[:20],
+        "lost_ids": sorted(g for g, o in outcome.items() if o == "lost")[:20],
+        "trained_twice_ids": sorted(g for g, o in outcome.items() if o == "duplicated")[:20],
+        "final_step": final_step,
+        "lineage_missing_steps": missing_steps[:20],
+        "trainer_starts": len(trainers),
+        "trainer_resumes": sum(1 for t in trainers if t["from_epoch"]),
+        "steps_rolled_back": len(steps) - len(history),
+        "checkpoints_saved": len(checkpoints),
+        "counters": counters,
+        "ok": not counts["lost"] and not counts["duplicated"] and not missing_steps and not (set(times) - set(accepted)),
+    }
+
+
+def group_history(client: redis.Redis, run_name: str, group_id: str, prefix: str = "grpo-stream") -> dict:
+    """Everything the trail says about one group, rolled-back steps included."""
+    k = keys(prefix, run_name)
+    acc, sett = client.hget(k["audit:accepted"], group_id), client.hget(k["audit:settled"], group_id)
+    trained_in = [{"epoch": r["epoch"], "step": int(r["step"])} for r in _stream(client, k["audit:steps"])
+                  if group_id in json.loads(r["groups"])]
+    return {"group_id": group_id, "accepted": json.loads(acc) if acc else None,
+            "settled": json.loads(sett) if sett else None, "trained_in_steps": trained_in}
+
+
+def _client_for(run_dir: pathlib.Path, redis_url: str | None):
+    """(client, run name, embedded server or None): the URL given, else the run's own Redis if it answers, else an
+    embedded Redis started on the run's data directory (RUN_DIR/redis, written by `up`)."""
+    from common.redis_util import EmbeddedRedis, RedisConnectError, connect  # noqa: PLC0415
+
+    info_path = run_dir / RUN_FILE
+    if not info_path.is_file():
+        raise FileNotFoundError(f"{info_path}: not found; RUN_DIR must be a directory a trainer wrote")
+    info = json.loads(info_path.read_text())
+    if redis_url:
+        return connect(redis_url, 10), info["run"], None
+    try:
+        return connect(info["redis_url"], 1, log_retries=False), info["run"], None
+    except RedisConnectError as exc:
+        data = run_dir / "redis"
+        if not data.is_dir():
+            raise RedisConnectError(f"{exc}; pass --redis-url (with its password) to audit a run whose Redis is "
+                                    "elsewhere") from None
+    server = EmbeddedRedis(data_dir=data).start()
+    return connect(server.url, 30), info["run"], server
+
+
+def run_audit(run_dir: pathlib.Path, redis_url: str | None, group: str | None, json_path: pathlib.Path | None) -> int:
+    client, run_name, server = _client_for(run_dir, redis_url)
+    try:
+        if group:
+            print(json.dumps(group_history(client, run_name, group), indent=2))
+            return 0
+        report = build_audit(client, run_name)
+    finally:
+        client.close()
+        if server is not None:
+            server.stop()
+    path = json_path or run_dir / "audit.json"
+    path.write_text(json.dumps(report, indent=2))
+    d = report["groups_dropped"]
+    print(f"run {run_name}: {report['groups_accepted']} groups accepted = {report['groups_trained']} trained + "
+          f"{sum(d.values())} dropped (stale {d['dropped_stale']}, invalid {d['dropped_invalid']}, zero-variance "
+          f"{d['dropped_filtered']}) + {report['groups_waiting']} waiting + {report['groups_lost']} lost; "
+          f"{report['groups_trained_twice']} trained twice\n"
+          f"final step {report['final_step']} over {report['trainer_starts']} trainer starts "
+          f"({report['trainer_resumes']} resumed, {report['steps_rolled_back']} steps rolled back and replayed); "
+          f"second copies refused by the ingest {report['second_copies_refused_by_ingest']}, dropped by the trainer "
+          f"{report['second_copies_dropped_by_trainer']}\n"
+          f"{'OK' if report['ok'] else 'BROKEN: see ' + str(path)}; written to {path}")
+    if not report["ok"]:
+        print(f"lost {report['lost_ids']}, trained twice {report['trained_twice_ids']}, missing steps "
+              f"{report['lineage_missing_steps']}, trained but never accepted {report['trained_but_not_accepted']}",
+              file=sys.stderr)
+    return 0 if report["ok"] else 1

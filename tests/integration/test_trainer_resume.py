@@ -1,0 +1,139 @@
+"""Checkpoint and resume of the real trainer against a real Redis: a run interrupted at step k (stopped, crashed,
+or crashed with its newest checkpoint corrupted) and resumed ends with exactly the parameters of an uninterrupted
+run fed the same groups, and the audit finds every group trained once."""
+
+import pathlib
+
+import jax
+import pytest
+
+from common.buffer import Incoming, RedisStreamBuffer
+from common.config import load_config
+from common.generation import Engine
+from common.redis_util import connect
+from common.rewards import RewardSet
+from common.weights import digest
+from common.wire import to_proto
+from grpo_stream.audit import build_audit
+from sampler_service.grouping import build_groups
+from tests.conftest import CONFIGS
+from trainer_service.loop import Trainer
+
+pytestmark = pytest.mark.redis
+STEPS, GROUPS_PER_STEP, EVERY = 6, 4, 2
+
+
+class SimulatedCrash(Exception):
+    pass
+
+
+def config(url: str, run: str, **extra):
+    overrides = {"model.tiny.embed_dim": 32, "model.tiny.hidden_dim": 64, "model.tiny.head_dim": 8,
+                 "generation.num_generations": 4, "redis.url": url, "run.name": run, "run.deterministic": True,
+                 "trainer.steps": STEPS, "trainer.groups_per_step": GROUPS_PER_STEP, "trainer.max_staleness": 10,
+                 "trainer.port": 0, "trainer.metrics_port": None, "trainer.eval_before": False,
+                 "trainer.eval_after": False, "trainer.final_wait_s": 0, "warmstart.steps": 0,
+                 "checkpoint.every": EVERY, **extra}
+    return load_config(CONFIGS / "tiny_arith.yaml", [f"{k}={'null' if v is None else v}" for k, v in overrides.items()])
+
+
+@pytest.fixture(scope="module")
+def groups(tiny_parts):
+    """STEPS x GROUPS_PER_STEP real rollout groups from the initial policy, as the samplers would send them."""
+    cfg = config("redis://unused:1/0", "x")
+    from common.runtime import build_policy, build_task_and_tokenizer
+
+    task, tokenizer = build_task_and_tokenizer(cfg)
+    model = build_policy(cfg, tokenizer.vocab_size, seed=cfg.run.seed)
+    gen = cfg.generation
+    engine = Engine(model, tokenizer.pad_id, tokenizer.eos_ids, gen.max_prompt_tokens, gen.max_new_tokens, 1.0)
+    batch = [(task.train_problem(i), tokenizer.encode(task.train_problem(i).prompt))
+             for i in range(STEPS * GROUPS_PER_STEP)]
+    out = engine.generate(model.params, [ids for _, ids in batch for _ in range(gen.num_generations)],
+                          jax.random.key(7))
+    made = build_groups(batch, out, gen.num_generations, tokenizer, RewardSet(cfg.task.rewards), 0, "sampler-0",
+                        [f"g{i}" for i in range(len(batch))], list(range(len(batch))))
+    return [to_proto(g) for g in made]
+
+
+def fill(url: str, run: str, groups) -> RedisStreamBuffer:
+    buffer = RedisStreamBuffer(connect(url, 5), run)
+    statuses, _ = buffer.append_many([Incoming(g.group_id, g.sampler_id, g.policy_version, g.data_position,
+                                               g.SerializeToString()) for g in groups], max_groups=1000)
+    assert all(s not in ("dup", "full") for s in statuses)
+    return buffer
+
+
+def final_digest(trainer: Trainer) -> str:
+    return digest(trainer.model.to_named_numpy(trainer.params))
+
+
+def run_trainer(cfg, run_dir: pathlib.Path) -> Trainer:
+    trainer = Trainer(cfg, run_dir)
+    trainer.run()
+    return trainer
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(groups, tmp_path_factory):
+    from common.redis_util import EmbeddedRedis
+
+    with EmbeddedRedis() as server:
+        fill(server.url, "whole", groups)
+        trainer = run_trainer(config(server.url, "whole"), tmp_path_factory.mktemp("whole"))
+        return final_digest(trainer)
+
+
+@pytest.mark.parametrize("how", ["sigterm", "crash", "crash_and_corrupt_checkpoint"])
+def test_a_resumed_run_ends_with_the_parameters_of_an_uninterrupted_one(how, groups, uninterrupted, redis_server,
+                                                                        tmp_path, monkeypatch):
+    buffer = fill(redis_server.url, "parts", groups)
+    cfg = config(redis_server.url, "parts")
+    first = Trainer(cfg, tmp_path)
+    original = RedisStreamBuffer.log_step
+
+    def interrupt(self, epoch, step, group_ids):  # after step 5 trained (checkpoints at 2 and 4)
+        original(self, epoch, step, group_ids)
+        if step == 5 and how == "sigterm":
+            first.stop_event.set()  # what SIGTERM does
+        elif step == 5:
+            raise SimulatedCrash
+
+    monkeypatch.setattr(RedisStreamBuffer, "log_step", interrupt)
+    if how == "sigterm":
+        summary = first.run()
+        assert summary["steps"] == 5 and summary["stopped_early"] and summary["checkpoints_saved"][-1] == 5
+    else:
+        with pytest.raises(SimulatedCrash):
+            first.run()
+    monkeypatch.setattr(RedisStreamBuffer, "log_step", original)
+    if how == "crash_and_corrupt_checkpoint":
+        chunks = [p for p in (tmp_path / "checkpoints" / "4" / "state").rglob("*") if p.is_file()]
+        biggest = max(chunks, key=lambda p: p.stat().st_size)
+        data = bytearray(biggest.read_bytes())
+        data[len(data) // 2:len(data) // 2 + 64] = bytes(64)
+        biggest.write_bytes(bytes(data))
+    second = run_trainer(cfg, tmp_path)
+    expected_start = {"sigterm": 5, "crash": 4, "crash_and_corrupt_checkpoint": 2}[how]
+    assert second.resumed_from["step"] == expected_start
+    assert final_digest(second) == uninterrupted
+    report = build_audit(buffer.client, "parts")
+    assert report["ok"] and report["groups_trained"] == STEPS * GROUPS_PER_STEP and report["groups_lost"] == 0
+    assert report["groups_trained_twice"] == 0 and report["trainer_resumes"] == 1
+    assert report["steps_rolled_back"] == 5 - expected_start
+    assert buffer.counters()["trained"] == STEPS * GROUPS_PER_STEP and buffer.depth() == 0
+    if how == "crash_and_corrupt_checkpoint":
+        assert list((tmp_path / "checkpoints").glob("corrupt-4-*"))
+
+
+def test_checkpoints_of_another_layout_are_refused_not_discarded(groups, redis_server, tmp_path):
+    fill(redis_server.url, "layout", groups[:8])
+    run_trainer(config(redis_server.url, "layout", **{"trainer.steps": 2}), tmp_path)
+    with pytest.raises(ValueError, match="holds a different model or optimizer state"):
+        run_trainer(config(redis_server.url, "layout", **{"trainer.steps": 2, "algo.beta": 0.1}), tmp_path)
+    with pytest.raises(ValueError, match=r"holds checkpoints \(steps \[2\]\) and checkpoint.resume=false"):
+        run_trainer(config(redis_server.url, "layout", **{"checkpoint.resume": False}), tmp_path)
+    # a new run directory over the same run's buffer would train its groups a second time: refused
+    with pytest.raises(ValueError, match=r"Redis already holds run 'layout' with 8 trained groups.*checkpoint.dir"):
+        run_trainer(config(redis_server.url, "layout", **{"trainer.steps": 2}), tmp_path / "elsewhere")
+    assert (tmp_path / "checkpoints" / "2").is_dir()

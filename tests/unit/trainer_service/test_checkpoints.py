@@ -1,0 +1,78 @@
+"""Trainer checkpoints on a real Orbax directory: newest valid one wins, damaged or partial ones are set aside,
+a different layout is refused, commits are reported in order."""
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from trainer_service.checkpoints import CheckpointMismatch, TrainerCheckpoints, tree_digest
+
+
+def state(shift: float) -> dict:
+    params = {"w": jnp.arange(1024, dtype=jnp.float32) + shift, "b": jnp.full((3,), shift)}
+    return {"params": params, "opt_state": optax.adam(1e-3).init(params)}
+
+
+def saved(tmp_path, steps=(2, 4, 6), keep=3) -> TrainerCheckpoints:
+    ckpt = TrainerCheckpoints(str(tmp_path), keep=keep, verify=True)
+    for step in steps:
+        ckpt.save(step, state(float(step)), {"note": step}, token=f"t{step}")
+    assert [s for s, _ in ckpt.committed(wait=True)] == list(steps)
+    return ckpt
+
+
+def test_the_newest_checkpoint_is_restored_exactly_and_old_ones_are_pruned(tmp_path):
+    saved(tmp_path, steps=(2, 4, 6, 8), keep=3)
+    got = TrainerCheckpoints(str(tmp_path), keep=3, verify=True).restore_latest(state(0.0))
+    assert got.step == 8 and got.record["note"] == 8
+    assert tree_digest(got.state) == tree_digest(state(8.0))
+    assert sorted(int(p.name) for p in tmp_path.iterdir() if p.name.isdigit()) == [4, 6, 8]
+
+
+@pytest.mark.parametrize("damage", ["flipped_bytes", "record_missing", "arrays_missing"])
+def test_a_damaged_or_partial_newest_checkpoint_falls_back_to_the_one_before(tmp_path, damage):
+    saved(tmp_path)
+    newest = tmp_path / "6"
+    if damage == "flipped_bytes":
+        chunk = max((p for p in (newest / "state").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+        data = bytearray(chunk.read_bytes())
+        data[len(data) // 2:len(data) // 2 + 32] = bytes(b ^ 0xFF for b in data[len(data) // 2:len(data) // 2 + 32])
+        chunk.write_bytes(bytes(data))
+    elif damage == "record_missing":
+        for p in sorted((newest / "record").rglob("*"), reverse=True):
+            p.unlink() if p.is_file() else p.rmdir()
+    else:
+        for p in (newest / "state").rglob("*"):
+            if p.is_file() and p.stat().st_size > 1000:
+                p.unlink()
+    got = TrainerCheckpoints(str(tmp_path), keep=3, verify=True).restore_latest(state(0.0))
+    assert got.step == 4 and tree_digest(got.state) == tree_digest(state(4.0))
+    assert len(list(tmp_path.glob("corrupt-6-*"))) == 1 and not newest.exists()
+
+
+def test_an_unfinished_save_is_not_a_checkpoint(tmp_path):
+    saved(tmp_path, steps=(2,))
+    (tmp_path / "4.orbax-checkpoint-tmp-1234").mkdir()  # what a save cut off by kill -9 leaves
+    got = TrainerCheckpoints(str(tmp_path), keep=3, verify=True).restore_latest(state(0.0))
+    assert got.step == 2
+
+
+def test_a_checkpoint_of_another_layout_is_refused_and_kept(tmp_path):
+    saved(tmp_path, steps=(2,))
+    other = state(0.0)
+    other["ref_params"] = other["params"]  # e.g. algo.beta turned on after the run started
+    with pytest.raises(CheckpointMismatch, match="holds a different model or optimizer state"):
+        TrainerCheckpoints(str(tmp_path), keep=3, verify=True).restore_latest(other)
+    assert (tmp_path / "2").is_dir()
+
+
+def test_commits_are_reported_once_in_order(tmp_path):
+    ckpt = TrainerCheckpoints(str(tmp_path), keep=3, verify=False)
+    ckpt.save(1, state(1.0), {}, token="a")
+    ckpt.save(2, state(2.0), {}, token="b")  # Orbax finishes the first before starting the second
+    first = ckpt.committed()
+    rest = ckpt.committed(wait=True)
+    assert [t for _, t in first + rest] == ["a", "b"] and ckpt.committed(wait=True) == []
+    got = ckpt.restore_latest(state(0.0))
+    assert got.step == 2 and np.array_equal(np.asarray(got.state["params"]["w"]), np.asarray(state(2.0)["params"]["w"]))

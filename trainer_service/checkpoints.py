@@ -1,0 +1,146 @@
+"""Trainer checkpoints: Orbax saves of the whole training state, verified on restore.
+
+A checkpoint of step s holds the parameters and optimizer state (each device writes its own shards, and
+restore places them straight into the trainer mesh's shardings) and a JSON record: step, weight version,
+the trainer epoch that wrote it, the groups trained but not yet acknowledged in the buffer, the data and
+buffer positions, earlier evaluation results, and a SHA-256 of the arrays.
+
+Saves are asynchronous: `save` returns once the arrays are copied off the devices and Orbax commits
+in the background (the directory appears under its final name only when complete). `committed()` says
+which saves have finished, so the trainer acknowledges groups only once their update is on disk.
+
+Restore walks from the newest step down: a checkpoint that fails to load or whose arrays do not match
+their digest is moved aside to `corrupt-<step>-<time>` (kept for inspection) and the one before is used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import time
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+
+from common.weights import raw_bytes
+
+log = logging.getLogger(__name__)
+
+
+def tree_digest(tree: Any) -> str:
+    """SHA-256 over every leaf's path, dtype, shape and bytes (gathered to the host)."""
+    h = hashlib.sha256()
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        arr = np.ascontiguousarray(jax.device_get(leaf))
+        h.update(f"{jax.tree_util.keystr(path)}:{arr.dtype.name}:{list(arr.shape)};".encode())
+        h.update(raw_bytes(arr))
+    return h.hexdigest()
+
+
+def tree_layout(tree: Any) -> str:
+    """SHA-256 of every leaf's path, shape and dtype (arrays or ShapeDtypeStructs): what a restore must match."""
+    h = hashlib.sha256()
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        h.update(f"{jax.tree_util.keystr(path)}:{np.dtype(leaf.dtype).name}:{list(leaf.shape)};".encode())
+    return h.hexdigest()
+
+
+@dataclasses.dataclass
+class Restored:
+    step: int
+    state: dict  # params, opt_state (and ref_params when a KL reference is held)
+    record: dict
+
+
+class CheckpointRejected(RuntimeError):
+    """A checkpoint directory that cannot be used (unreadable, partial, or its arrays do not match)."""
+
+
+class CheckpointMismatch(ValueError):
+    """A sound checkpoint of a different model or optimizer layout (a config change): never used, never moved."""
+
+
+class TrainerCheckpoints:
+    def __init__(self, directory: str, keep: int, verify: bool):
+        self.directory = epath.Path(directory)
+        self.verify = verify
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
+            max_to_keep=keep, enable_async_checkpointing=True, cleanup_tmp_directories=True))
+        self._in_flight: list[tuple[int, Any]] = []  # (step, token) of saves not yet known to be committed
+
+    def steps(self) -> list[int]:
+        return sorted(self._manager.all_steps())
+
+    def save(self, step: int, state: dict, record: dict, token: Any = None) -> None:
+        """Start saving `state` (a pytree of arrays) as step `step`; `token` comes back from `committed()` once
+        it is on disk."""
+        record = {**record, "step": step, "saved_unix": time.time(), "layout": tree_layout(state)}
+        if self.verify:
+            record["digest"] = tree_digest(state)
+        self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                         record=ocp.args.JsonSave(record)))
+        self._in_flight.append((step, token))
+
+    def committed(self, wait: bool = False) -> list[tuple[int, Any]]:
+        """(step, token) of saves that finished since the last call, oldest first; `wait` blocks until all have.
+        Raises what a background save raised."""
+        if not self._in_flight:
+            return []
+        if wait:
+            self._manager.wait_until_finished()
+        elif self._manager.is_saving_in_progress():
+            # saves finish in order: all but the newest are done once a newer one has started
+            done, self._in_flight = self._in_flight[:-1], self._in_flight[-1:]
+            return done
+        self._manager.check_for_errors()
+        done, self._in_flight = self._in_flight, []
+        return done
+
+    def restore_latest(self, state_like: dict) -> Restored | None:
+        """The newest checkpoint that loads and verifies, placed like `state_like` (arrays with shardings); None
+        when there is none. Rejected ones are moved aside and logged."""
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state_like)
+        for step in sorted(self._manager.all_steps(), reverse=True):
+            try:
+                restored = self._restore(step, abstract)
+            except CheckpointRejected as exc:
+                aside = self.directory / f"corrupt-{step}-{int(time.time())}"
+                log.error("checkpoint of step %d in %s is unusable (%s); moved to %s, trying the one before", step,
+                          self.directory, exc, aside)
+                (self.directory / str(step)).rename(aside)
+                self._manager.reload()
+                continue
+            log.info("resuming from the checkpoint of step %d (%s)", step, self.directory / str(step))
+            return restored
+        return None
+
+    def _restore(self, step: int, abstract: Any) -> Restored:
+        # the small JSON record first: a partial checkpoint or another layout is told apart before any array is read
+        try:
+            record = self._manager.restore(step, args=ocp.args.Composite(record=ocp.args.JsonRestore()))["record"]
+        except Exception as exc:  # noqa: BLE001 - an unreadable record is a partial or damaged checkpoint
+            raise CheckpointRejected(f"its record is unreadable: {type(exc).__name__}: {str(exc)[:300]}") from exc
+        if not isinstance(record, dict) or record.get("step") != step:
+            raise CheckpointRejected(f"its record names step {record.get('step') if isinstance(record, dict) else None}")
+        if record.get("layout") not in (None, tree_layout(abstract)):
+            raise CheckpointMismatch(
+                f"checkpoint.dir {self.directory}: the checkpoint of step {step} holds a different model or optimizer "
+                "state (parameter shapes, dtypes or the KL reference of algo.beta changed); restore the run's config "
+                "or start a new run with another checkpoint.dir")
+        try:
+            state = self._manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract)))["state"]
+        except Exception as exc:  # noqa: BLE001 - any failure to read means "use the previous one"
+            raise CheckpointRejected(f"{type(exc).__name__}: {str(exc)[:300]}") from exc
+        if self.verify and "digest" in record and tree_digest(state) != record["digest"]:
+            raise CheckpointRejected("its arrays do not match the SHA-256 saved with them")
+        return Restored(step, state, record)
+
+    def close(self) -> None:
+        self._manager.wait_until_finished()
+        self._manager.close()
