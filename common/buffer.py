@@ -13,6 +13,8 @@ Redis layout for run R (prefix P):
   P:R:audit:steps      stream: per RL step, the trainer epoch, step and group ids it trained
   P:R:audit:trainers   stream: per trainer process, its epoch and the checkpoint (step, epoch) it resumed from
   P:R:audit:checkpoints stream: per saved checkpoint, its step and epoch
+  P:R:audit:eval       hash: group id -> {prompt, sampler, version, t} of injected train=false answers (never
+                       appended to the stream; see common/prompt_queue.py for the injection keys)
 
 Appending and settling are Lua scripts, so each is atomic and at any moment
     ingested == trained + dropped_stale + dropped_invalid + dropped_filtered + dropped_duplicate + XLEN(rollouts).
@@ -44,22 +46,47 @@ local waiting = redis.call('XLEN', KEYS[1]) - tonumber(redis.call('GET', KEYS[6]
 local room = tonumber(ARGV[2]) - waiting
 if tonumber(ARGV[4]) > 0 then redis.call('HINCRBY', KEYS[2], 'refused_invalid', ARGV[4]) end
 local out, full, dups, fulls, added, per_sampler, top = {}, false, 0, 0, 0, {}, {}
-for i = 5, #ARGV, 5 do
-  local gid, sampler, position = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 3])
-  if redis.call('HEXISTS', KEYS[4], gid) == 1 then
+local base, retention = ARGV[5], tonumber(ARGV[6])
+for i = 7, #ARGV, 6 do
+  local gid, sampler, position, pid = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 3]), ARGV[i + 5]
+  local pkey, state, train = nil, nil, true
+  if pid ~= '' then  -- an injected prompt's answer: its prompt decides whether it is trained on
+    pkey = base .. ':prompt:' .. pid
+    state = redis.call('HGET', pkey, 'state')
+    train = redis.call('HGET', pkey, 'train') == '1'
+  end
+  if pid ~= '' and not state then
+    out[#out + 1] = 'unknown'
+  elseif state == 'cancelled' then
+    out[#out + 1] = 'cancelled'
+  elseif state == 'done' or redis.call('HEXISTS', KEYS[4], gid) == 1 then
     dups = dups + 1
     out[#out + 1] = 'dup'
-  elseif full or room <= 0 then
+  elseif train and (full or room <= 0) then
     full = true
     fulls = fulls + 1
     out[#out + 1] = 'full'
   else
-    local id = redis.call('XADD', KEYS[1], '*', 'g', ARGV[i + 4], 'id', gid)
-    redis.call('HSET', KEYS[4], gid, cjson.encode({entry = id, sampler = sampler, version = tonumber(ARGV[i + 2]),
-                                                  position = position, t = tonumber(ARGV[3])}))
-    per_sampler[sampler] = (per_sampler[sampler] or 0) + 1
-    if position >= 0 and position > (top[sampler] or -1) then top[sampler] = position end
-    added, room, waiting = added + 1, room - 1, waiting + 1
+    local id = 'eval'
+    if train then
+      id = redis.call('XADD', KEYS[1], '*', 'g', ARGV[i + 4], 'id', gid)
+      redis.call('HSET', KEYS[4], gid, cjson.encode({entry = id, sampler = sampler, version = tonumber(ARGV[i + 2]),
+                                                    position = position, t = tonumber(ARGV[3]), prompt = pid}))
+      per_sampler[sampler] = (per_sampler[sampler] or 0) + 1
+      if position >= 0 and position > (top[sampler] or -1) then top[sampler] = position end
+      added, room, waiting = added + 1, room - 1, waiting + 1
+    else
+      redis.call('HSET', KEYS[7], gid, cjson.encode({prompt = pid, sampler = sampler, version = tonumber(ARGV[i + 2]),
+                                                    t = tonumber(ARGV[3])}))
+    end
+    if pkey then
+      redis.call('HSET', pkey, 'state', 'done', 'result', ARGV[i + 4], 'version', ARGV[i + 2], 'sampler', sampler,
+                 'group', gid, 'finished', ARGV[3])
+      redis.call('ZREM', base .. ':inject:claimed', pid)
+      redis.call('HINCRBY', base .. ':inject:pending', redis.call('HGET', pkey, 'client'), -1)
+      redis.call('XADD', base .. ':results', 'MAXLEN', '~', '100000', '*', 'id', pid)
+      redis.call('EXPIRE', pkey, retention)
+    end
     out[#out + 1] = id
   end
 end
@@ -126,13 +153,14 @@ class Incoming:
     policy_version: int
     data_position: int  # -1 when the group has none (e.g. an injected prompt)
     payload: bytes
+    injected_prompt: str = ""  # the injected prompt this group answers ('' for dataset prompts)
 
 
 def keys(prefix: str, run_name: str) -> dict[str, str]:
     base = f"{prefix}:{run_name}"
     return {name: f"{base}:{name}" for name in (
         "rollouts", "counters", "by_sampler", "positions", "held", "audit:accepted", "audit:settled", "audit:duplicates",
-        "audit:steps", "audit:trainers", "audit:checkpoints")}
+        "audit:steps", "audit:trainers", "audit:checkpoints", "audit:eval")}
 
 
 class RedisStreamBuffer:
@@ -143,6 +171,7 @@ class RedisStreamBuffer:
     def __init__(self, client: redis.Redis, run_name: str, prefix: str = "grpo-stream", consumer: str = "trainer-0"):
         self.client = client
         self.k = keys(prefix, run_name)
+        self.base = f"{prefix}:{run_name}"
         self.stream = self.k["rollouts"]
         self.consumer = consumer
         self._append = client.register_script(_APPEND)
@@ -163,18 +192,23 @@ class RedisStreamBuffer:
             raise
 
     # -- the ingest's side ---------------------------------------------------------
-    def append_many(self, items: Sequence[Incoming], max_groups: int, refused_invalid: int = 0
-                    ) -> tuple[list[str], int]:
+    def append_many(self, items: Sequence[Incoming], max_groups: int, refused_invalid: int = 0,
+                    retention_s: int = 7 * 86_400) -> tuple[list[str], int]:
         """Append groups in order while fewer than max_groups wait to be trained. Returns one status per item (an entry
         id: appended; 'dup': this group id was accepted before, nothing written; 'full': not written, send again
-        later) and how many groups then wait. Raises BufferUnavailable (nothing written) when Redis is down."""
-        args: list = [self.GROUP, max_groups, time.time(), refused_invalid]
+        later) and how many groups then wait. Raises BufferUnavailable (nothing written) when Redis is down.
+
+        An injected prompt's answer (item.injected_prompt) is recorded as its result (kept `retention_s`) and only
+        appended when the prompt was submitted with train=true ('eval' otherwise); 'cancelled': the prompt was
+        cancelled, nothing kept; 'unknown': no such prompt (expired or never submitted)."""
+        args: list = [self.GROUP, max_groups, time.time(), refused_invalid, self.base, retention_s]
         for item in items:
-            args += [item.group_id, item.sampler_id, item.policy_version, item.data_position, item.payload]
+            args += [item.group_id, item.sampler_id, item.policy_version, item.data_position, item.payload,
+                     item.injected_prompt]
         k = self.k
         reply = self._call(lambda: self._append(
-            keys=[self.stream, k["counters"], k["by_sampler"], k["audit:accepted"], k["positions"], k["held"]],
-            args=args))
+            keys=[self.stream, k["counters"], k["by_sampler"], k["audit:accepted"], k["positions"], k["held"],
+                  k["audit:eval"]], args=args))
         waiting, *statuses = (r.decode() if isinstance(r, bytes) else r for r in reply)
         return statuses, int(waiting)
 

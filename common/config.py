@@ -16,15 +16,12 @@ import pathlib
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
 
+from common.config_access import REDIS_PASSWORD_ENV, AuthSection, PromptsSection, RedisAuthSection, TlsSection
+from common.config_base import ConfigError, Strict
 
-class ConfigError(ValueError):
-    """A configuration problem, phrased for the person who wrote the config."""
-
-
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+__all__ = ["ConfigError", "RunConfig", "Strict", "load_config"]
 
 
 class RunSection(Strict):
@@ -37,19 +34,26 @@ class RunSection(Strict):
 
 
 class RedisSection(Strict):
-    url: str | None = Field(None, description="redis://[:password@]host:port/db (rediss:// for TLS, unix:///path). "
+    url: str | None = Field(None, description="redis://host:port/db (rediss:// for TLS, unix:///path); no password "
+                            "here: see redis.auth. "
                             "Null: `up` starts an embedded redis-server (AOF on, data in RUN_DIR/redis) and hands "
                             "the trainer and samplers its URL.")
     connect_timeout_s: float | None = Field(None, gt=0, le=86_400, description="How long a service waits (with "
                                             "back-off, logging each retry) for an unreachable Redis before it exits; "
                                             "null = wait as long as it takes. A malformed URL, a wrong password or "
                                             "a missing database fail at once.")
+    auth: RedisAuthSection = Field(default_factory=RedisAuthSection, description="ACL user, password source and "
+                                   "TLS files for Redis.")
 
     @model_validator(mode="after")
     def _scheme(self) -> "RedisSection":
         if self.url is not None and not self.url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"redis.url={self.url!r} must start with redis://, rediss:// or unix:// "
                              "(e.g. redis://127.0.0.1:6379/0), or be null for an embedded Redis")
+        if self.url is not None and "@" in self.url.split("://", 1)[1].split("/", 1)[0]:
+            raise ValueError(f"redis.url: carries credentials; configs are committed and printed, so put the password "
+                             f"in ${REDIS_PASSWORD_ENV} or a file named by redis.auth.password_file, and the user in "
+                             "redis.auth.username")
         return self
 
 
@@ -398,6 +402,9 @@ class RunConfig(Strict):
     warmstart: WarmStartSection = Field(default_factory=WarmStartSection, description="Supervised warm start.")
     eval: EvalSection = Field(default_factory=EvalSection, description="Held-out evaluation.")
     logging: LoggingSection = Field(default_factory=LoggingSection, description="Logging.")
+    auth: AuthSection = Field(default_factory=AuthSection, description="Bearer tokens and roles on every RPC.")
+    tls: TlsSection = Field(default_factory=TlsSection, description="TLS (and mutual TLS) for every server.")
+    prompts: PromptsSection = Field(default_factory=PromptsSection, description="Prompt injection limits.")
 
     @model_validator(mode="after")
     def _task_and_model(self) -> "RunConfig":

@@ -26,8 +26,34 @@ def redacted(url: str) -> str:
     return f"{head.split('//')[0]}//***@{tail}" if sep else url
 
 
-def connect(url: str, timeout_s: float | None, log_retries: bool = True) -> redis.Redis:
-    """A client for `url` once it answers PING.
+def credentials(section) -> dict:
+    """redis-py keyword arguments for a config's `redis.auth`: ACL user, the password from
+    $GRPO_STREAM_REDIS_PASSWORD or redis.auth.password_file, and TLS files (used with rediss:// URLs)."""
+    from common.config_access import REDIS_PASSWORD_ENV  # noqa: PLC0415 - keeps this module free of pydantic
+
+    auth = section.auth
+    out: dict = {}
+    if auth.username:
+        out["username"] = auth.username
+    password = os.environ.get(REDIS_PASSWORD_ENV)
+    if password is None and auth.password_file:
+        try:
+            password = pathlib.Path(auth.password_file).read_text().strip()
+        except OSError as exc:
+            raise RedisConnectError(f"redis.auth.password_file={auth.password_file}: cannot read it ({exc.strerror})") \
+                from None
+    if password:
+        out["password"] = password
+    if section.url and section.url.startswith("rediss://"):
+        for key, path in (("ssl_ca_certs", auth.tls_ca_file), ("ssl_certfile", auth.tls_cert_file),
+                          ("ssl_keyfile", auth.tls_key_file)):
+            if path:
+                out[key] = path
+    return out
+
+
+def connect(url: str, timeout_s: float | None, log_retries: bool = True, **options) -> redis.Redis:
+    """A client for `url` once it answers PING (`options`: `credentials(cfg.redis)`).
 
     An unreachable server is retried with back-off (one log line per attempt) for up to timeout_s (None: as long
     as it takes), then RedisConnectError. What retrying cannot fix fails at once, naming redis.url: a malformed
@@ -35,7 +61,8 @@ def connect(url: str, timeout_s: float | None, log_retries: bool = True) -> redi
     """
     where = redacted(url)
     try:
-        client = redis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=30, health_check_interval=10)
+        client = redis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=30, health_check_interval=10,
+                                      **options)
     except ValueError as exc:
         raise RedisConnectError(f"redis.url={where!r} is not a redis:// URL ({exc}); e.g. redis://host:6379/0") \
             from None
@@ -46,8 +73,9 @@ def connect(url: str, timeout_s: float | None, log_retries: bool = True) -> redi
             client.ping()
             return client
         except redis.AuthenticationError as exc:
-            raise RedisConnectError(f"redis.url={where}: authentication failed ({exc}); put the right password in "
-                                    "redis.url (redis://:PASSWORD@host:port/db, or redis://USER:PASSWORD@...)") from None
+            raise RedisConnectError(f"redis.url={where}: authentication failed ({exc}); set the right password in "
+                                    "$GRPO_STREAM_REDIS_PASSWORD or redis.auth.password_file (and the ACL user in "
+                                    "redis.auth.username)") from None
         except redis.ResponseError as exc:
             hint = ("the server has no such database; use a db index it has (0-15 by default)" if "DB index" in str(exc)
                     else "check the server and redis.url")

@@ -5,10 +5,13 @@ sampler asked for, as the one copy the kernel makes, straight into preallocated 
 gRPC streaming tops out near a third of a raw socket's bytes/s (BENCHMARKS.md), which is what this avoids.
 
 One connection per fetch lane:
-  client -> server  MAGIC, u32 length, a FetchSlicesRequest (protobuf; never pickled)
+  client -> server  MAGIC, u16 length, the bearer token (UTF-8; empty without auth), u32 length, a
+                    FetchSlicesRequest (protobuf; never pickled)
   server -> client  u32 status (0 = OK, else a grpc.StatusCode value), u32 length, UTF-8 message;
                     then, if OK, for every requested slice in request order:
                     u32 tensor_index, u32 slice_index, u64 nbytes, nbytes raw C-order bytes, u64 XXH3-64 of them.
+With tls.enabled the connection is TLS with the gRPC server's certificate; the token is checked as for
+FetchSlices (UNAUTHENTICATED / PERMISSION_DENIED before any byte of weights is sent).
 The checksum trails the bytes so both sides hash piece by piece while the bytes stream (XXH3 runs at ~20 GB/s
 here, CRC-32 at ~4 GB/s, which would cost as much as the copy itself).
 """
@@ -24,7 +27,9 @@ import xxhash
 
 from common.weights import WeightTransferError
 
-MAGIC = b"GSW1"
+MAGIC = b"GSW2"  # GSW1 had no token
+MAX_TOKEN_BYTES = 4096
+_TOKEN_LEN = struct.Struct("<H")
 MAX_REQUEST_BYTES = 1 << 20  # a request lists slice bounds: kilobytes even for 70B models
 MAX_STATUS_BYTES = 65536
 _LEN = struct.Struct("<I")
@@ -71,20 +76,25 @@ def send_slice(sock: socket.socket, tensor_index: int, slice_index: int, view: m
     sock.sendall(SLICE_TRAILER.pack(hasher.intdigest()))
 
 
-def encode_request(request_bytes: bytes) -> bytes:
-    return MAGIC + _LEN.pack(len(request_bytes)) + request_bytes
+def encode_request(request_bytes: bytes, token: str | None = None) -> bytes:
+    raw_token = (token or "").encode()[:MAX_TOKEN_BYTES]
+    return MAGIC + _TOKEN_LEN.pack(len(raw_token)) + raw_token + _LEN.pack(len(request_bytes)) + request_bytes
 
 
-def read_request(sock: socket.socket, deadline: float) -> bytes:
-    """The serialized FetchSlicesRequest a client sent; WeightTransferError for anything else."""
-    head = recv_exact(sock, len(MAGIC) + _LEN.size, deadline)
+def read_request(sock: socket.socket, deadline: float) -> tuple[str, bytes]:
+    """(bearer token, serialized FetchSlicesRequest) a client sent; WeightTransferError for anything else."""
+    head = recv_exact(sock, len(MAGIC) + _TOKEN_LEN.size, deadline)
     if head[:len(MAGIC)] != MAGIC:
         raise WeightTransferError("not a grpo-stream weights data-plane request (bad magic); is the client pointed "
-                                  "at the right port?")
-    (length,) = _LEN.unpack(head[len(MAGIC):])
+                                  "at the right port, and of the same grpo-stream version?")
+    (token_length,) = _TOKEN_LEN.unpack(head[len(MAGIC):])
+    if token_length > MAX_TOKEN_BYTES:
+        raise WeightTransferError(f"token of {token_length} bytes exceeds {MAX_TOKEN_BYTES}")
+    token = recv_exact(sock, token_length, deadline).decode(errors="replace")
+    (length,) = _LEN.unpack(recv_exact(sock, _LEN.size, deadline))
     if length > MAX_REQUEST_BYTES:
         raise WeightTransferError(f"request of {length} bytes exceeds {MAX_REQUEST_BYTES}")
-    return recv_exact(sock, length, deadline)
+    return token, recv_exact(sock, length, deadline)
 
 
 def encode_status(code: int, message: str = "") -> bytes:

@@ -36,6 +36,7 @@ class GroupData:
     created_unix: float = 0.0
     reference_answer: str = ""
     data_position: int | None = None  # the prompt's index in its sampler's data stream
+    injected: bool = False  # answers an injected prompt (prompt_id is its id)
 
     @property
     def rewards(self) -> np.ndarray:
@@ -50,7 +51,7 @@ def to_proto(group: GroupData) -> rollout_pb2.RolloutGroup:
         group_id=group.group_id, prompt_id=group.prompt_id,
         prompt_token_ids=np.asarray(group.prompt_token_ids, np.int32).tolist(),
         policy_version=group.policy_version, sampler_id=group.sampler_id,
-        created_unix=group.created_unix, reference_answer=group.reference_answer)
+        created_unix=group.created_unix, reference_answer=group.reference_answer, injected=group.injected)
     if group.data_position is not None:
         msg.data_position = group.data_position
     msg.completions.extend(rollout_pb2.Completion(
@@ -81,7 +82,7 @@ def from_proto(msg: rollout_pb2.RolloutGroup) -> GroupData:
             for c in msg.completions],
         policy_version=msg.policy_version, sampler_id=msg.sampler_id,
         created_unix=msg.created_unix, reference_answer=msg.reference_answer,
-        data_position=msg.data_position if msg.HasField("data_position") else None)
+        data_position=msg.data_position if msg.HasField("data_position") else None, injected=msg.injected)
 
 
 def encode_group(group: GroupData) -> bytes:

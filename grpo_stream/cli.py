@@ -7,6 +7,9 @@
     grpo-stream audit   RUN_DIR [--redis-url URL] [--group ID] [--json PATH]
     grpo-stream colocated --config C --run-dir DIR [key=value ...]   (weights.transport=local)
     grpo-stream eval    --config C [--split test] [--limit N] [--json PATH] [key=value ...]
+    grpo-stream submit  FILE.jsonl [--follow] [--run-dir DIR | --address HOST:PORT] [--token-file F]
+    grpo-stream status  [--run-dir DIR | --address HOST:PORT] [--token-file F]
+    grpo-stream tokens  --out DIR
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import sys
 import time
 
 from bench.runner import BENCHMARKS
+from grpo_stream.submit_command import add_parsers as add_submit_parsers
 
 
 def _positive_int(text: str) -> int:
@@ -74,6 +78,7 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--split", default="test", help="test (held-out, default) or train")
     ev.add_argument("--limit", type=_positive_int, help="problems to score (default eval.num_problems)")
     ev.add_argument("--json", type=pathlib.Path, help="write the result here")
+    add_submit_parsers(sub, common)
     rep = sub.add_parser("report", help="PNG plots and a markdown summary of a run directory")
     rep.add_argument("run_dir", type=pathlib.Path, help="a directory written by `up` or `trainer`")
     return parser
@@ -95,6 +100,15 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         print(f"report written to {out}/report.md")
         return 0
+    if args.command in ("submit", "status", "tokens"):
+        from common.config import ConfigError
+        from grpo_stream.submit_command import run
+
+        try:
+            return run(args)
+        except ConfigError as exc:
+            print(f"grpo-stream {args.command}: config error: {exc}", file=sys.stderr)
+            return 2
     if args.command == "audit":
         from common.redis_util import RedisConnectError
         from grpo_stream.audit import run_audit

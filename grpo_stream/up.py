@@ -22,8 +22,12 @@ import sys
 import threading
 import time
 
+from common.auth import write_tokens
 from common.config import RunConfig
-from common.redis_util import EmbeddedRedis, RedisConnectError, connect, free_port
+from common.config_access import TOKEN_ENV, TOKEN_FILE_ENV, TOKENS_ENV
+from common.redis_util import EmbeddedRedis, RedisConnectError, connect, credentials, free_port
+
+ENDPOINTS_FILE = "endpoints.json"  # in RUN_DIR: where `grpo-stream submit --run-dir` sends prompts
 
 
 class _Child:
@@ -86,6 +90,22 @@ def with_host_devices(env: dict[str, str], count: int) -> dict[str, str]:
     return {**env, "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={count}".strip()}
 
 
+def with_run_tokens(cfg: RunConfig, run_dir: pathlib.Path, env: dict[str, str]) -> tuple[dict, dict]:
+    """(servers' env, samplers' env). With auth.mode=tokens and no token table given, the run gets its own in
+    RUN_DIR/auth (kept, so a resumed run and its clients keep their tokens): servers read the table, samplers the
+    sampler token; `grpo-stream submit --run-dir` finds the client token there."""
+    if cfg.auth.mode == "none" or env.get(TOKENS_ENV) or cfg.auth.tokens_file:
+        return env, dict(env)
+    auth_dir = (run_dir / "auth").resolve()
+    if not (auth_dir / "tokens.yaml").is_file():
+        write_tokens(auth_dir)
+        print(f"[up] made this run's tokens in {auth_dir} (client token: {auth_dir / 'client.token'})", flush=True)
+    samplers = {k: v for k, v in env.items() if k != TOKEN_ENV}
+    samplers[TOKEN_FILE_ENV] = str(auth_dir / "sampler.token")
+    samplers["_client_token"] = str(auth_dir / "client.token")
+    return {**env, TOKENS_ENV: str(auth_dir / "tokens.yaml")}, samplers
+
+
 def run_up(config_path: pathlib.Path | None, overrides: list[str], cfg: RunConfig, run_dir: pathlib.Path) -> int:
     started = time.time()
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -99,18 +119,28 @@ def run_up(config_path: pathlib.Path | None, overrides: list[str], cfg: RunConfi
             extra.append(f"redis.url={redis_server.url}")
             print(f"[up] embedded Redis at {redis_server.url}", flush=True)
         else:  # fail before starting any process when the given Redis is not there
-            connect(cfg.redis.url, cfg.redis.connect_timeout_s).close()
+            connect(cfg.redis.url, cfg.redis.connect_timeout_s, **credentials(cfg.redis)).close()
     except RedisConnectError as exc:
         print(f"grpo-stream up: error: {exc}", file=sys.stderr)
         return 1
-    extra.append(f"trainer.port={free_port()}")
+    trainer_port = free_port()
+    extra.append(f"trainer.port={trainer_port}")
+    prompts_address = f"127.0.0.1:{trainer_port}"
     if cfg.ingest.standalone and not cfg.ingest.address:
-        extra.append(f"ingest.port={free_port()}")
+        ingest_port = free_port()
+        extra.append(f"ingest.port={ingest_port}")
+        prompts_address = f"127.0.0.1:{ingest_port}"
+    elif cfg.ingest.standalone:
+        prompts_address = cfg.ingest.address
     if cfg.weights.transport == "checkpoint" and not cfg.weights.checkpoint_dir:
         extra.append(f"weights.checkpoint_dir={(run_dir / 'weights').resolve()}")
     base = [sys.executable, "-m", "grpo_stream"]
     cfg_args = ["--config", str(config_path)] if config_path else []
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    server_env, sampler_env = with_run_tokens(cfg, run_dir, env)
+    (run_dir / ENDPOINTS_FILE).write_text(json.dumps({"prompts": prompts_address, "tls": cfg.tls.enabled,
+                                                      "client_token_file": sampler_env.get("_client_token", "")}))
+    sampler_env.pop("_client_token", None)
     colocated = cfg.weights.transport == "local"
     trainer_devices, sampler_devices = host_devices_needed(cfg)
     children: list[_Child] = []
@@ -129,15 +159,16 @@ def run_up(config_path: pathlib.Path | None, overrides: list[str], cfg: RunConfi
         # the trainer process (or the single controller) and each sampler see the devices their meshes need
         trainer = _Child("colocated" if colocated else "trainer",
                          [*base, "colocated" if colocated else "trainer", *cfg_args, "--run-dir", str(run_dir),
-                          *extra], log_dir, with_host_devices(env, trainer_devices))
+                          *extra], log_dir, with_host_devices(server_env if not colocated else {**server_env,
+                                                                             **sampler_env}, trainer_devices))
         children.append(trainer)
         # (the config refuses ingest.standalone with weights.transport=local)
-        helpers = ([_Child("ingest", [*base, "ingest", *cfg_args, *extra], log_dir, env)]
+        helpers = ([_Child("ingest", [*base, "ingest", *cfg_args, *extra], log_dir, server_env)]
                    if cfg.ingest.standalone else [])
         children.extend(helpers)
         samplers = [] if colocated else [
             _Child(f"sampler-{i}", [*base, "sampler", *cfg_args, "--index", str(i), "--run-dir", str(run_dir),
-                                    *extra], log_dir, with_host_devices(env, sampler_devices))
+                                    *extra], log_dir, with_host_devices(sampler_env, sampler_devices))
             for i in range(cfg.sampler.replicas)]
         children.extend(samplers)
         failed = None

@@ -28,7 +28,7 @@ class Completion(_message.Message):
     def __init__(self, token_ids_le: _Optional[bytes] = ..., logprobs_le: _Optional[bytes] = ..., reward: _Optional[float] = ..., truncated: _Optional[bool] = ..., reward_components: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class RolloutGroup(_message.Message):
-    __slots__ = ("group_id", "prompt_id", "prompt_token_ids", "completions", "policy_version", "sampler_id", "created_unix", "reference_answer", "data_position")
+    __slots__ = ("group_id", "prompt_id", "prompt_token_ids", "completions", "policy_version", "sampler_id", "created_unix", "reference_answer", "data_position", "injected")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +38,7 @@ class RolloutGroup(_message.Message):
     CREATED_UNIX_FIELD_NUMBER: _ClassVar[int]
     REFERENCE_ANSWER_FIELD_NUMBER: _ClassVar[int]
     DATA_POSITION_FIELD_NUMBER: _ClassVar[int]
+    INJECTED_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     prompt_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -47,7 +48,8 @@ class RolloutGroup(_message.Message):
     created_unix: float
     reference_answer: str
     data_position: int
-    def __init__(self, group_id: _Optional[str] = ..., prompt_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., completions: _Optional[_Iterable[_Union[Completion, _Mapping]]] = ..., policy_version: _Optional[int] = ..., sampler_id: _Optional[str] = ..., created_unix: _Optional[float] = ..., reference_answer: _Optional[str] = ..., data_position: _Optional[int] = ...) -> None: ...
+    injected: bool
+    def __init__(self, group_id: _Optional[str] = ..., prompt_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., completions: _Optional[_Iterable[_Union[Completion, _Mapping]]] = ..., policy_version: _Optional[int] = ..., sampler_id: _Optional[str] = ..., created_unix: _Optional[float] = ..., reference_answer: _Optional[str] = ..., data_position: _Optional[int] = ..., injected: _Optional[bool] = ...) -> None: ...
 
 class GroupAck(_message.Message):
     __slots__ = ("group_id", "code", "message", "retry_after_ms", "buffer_depth")
@@ -88,3 +90,35 @@ class DataPosition(_message.Message):
     known: bool
     position: int
     def __init__(self, known: _Optional[bool] = ..., position: _Optional[int] = ...) -> None: ...
+
+class ClaimRequest(_message.Message):
+    __slots__ = ("sampler_id", "max_prompts", "policy_version")
+    SAMPLER_ID_FIELD_NUMBER: _ClassVar[int]
+    MAX_PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    sampler_id: str
+    max_prompts: int
+    policy_version: int
+    def __init__(self, sampler_id: _Optional[str] = ..., max_prompts: _Optional[int] = ..., policy_version: _Optional[int] = ...) -> None: ...
+
+class InjectedPrompt(_message.Message):
+    __slots__ = ("prompt_id", "prompt_token_ids", "reference_answer", "rewards", "num_generations", "train")
+    PROMPT_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    REFERENCE_ANSWER_FIELD_NUMBER: _ClassVar[int]
+    REWARDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_GENERATIONS_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_FIELD_NUMBER: _ClassVar[int]
+    prompt_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    reference_answer: str
+    rewards: _containers.RepeatedScalarFieldContainer[str]
+    num_generations: int
+    train: bool
+    def __init__(self, prompt_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., reference_answer: _Optional[str] = ..., rewards: _Optional[_Iterable[str]] = ..., num_generations: _Optional[int] = ..., train: _Optional[bool] = ...) -> None: ...
+
+class ClaimedPrompts(_message.Message):
+    __slots__ = ("prompts",)
+    PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    prompts: _containers.RepeatedCompositeFieldContainer[InjectedPrompt]
+    def __init__(self, prompts: _Optional[_Iterable[_Union[InjectedPrompt, _Mapping]]] = ...) -> None: ...

@@ -49,6 +49,11 @@ class RolloutIngestStub:
                 request_serializer=protos_dot_rollout__pb2.DataPositionRequest.SerializeToString,
                 response_deserializer=protos_dot_rollout__pb2.DataPosition.FromString,
                 _registered_method=True)
+        self.ClaimPrompts = channel.unary_unary(
+                '/grpo_stream.v1.RolloutIngest/ClaimPrompts',
+                request_serializer=protos_dot_rollout__pb2.ClaimRequest.SerializeToString,
+                response_deserializer=protos_dot_rollout__pb2.ClaimedPrompts.FromString,
+                _registered_method=True)
 
 
 class RolloutIngestServicer:
@@ -80,6 +85,15 @@ class RolloutIngestServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ClaimPrompts(self, request, context):
+        """Injected prompts for this sampler's next batch, highest priority first,
+        at most its fair share of the queue. A claim not answered within
+        prompts.claim_lease_s goes back to the queue (the sampler died).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RolloutIngestServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -97,6 +111,11 @@ def add_RolloutIngestServicer_to_server(servicer, server):
                     servicer.GetDataPosition,
                     request_deserializer=protos_dot_rollout__pb2.DataPositionRequest.FromString,
                     response_serializer=protos_dot_rollout__pb2.DataPosition.SerializeToString,
+            ),
+            'ClaimPrompts': grpc.unary_unary_rpc_method_handler(
+                    servicer.ClaimPrompts,
+                    request_deserializer=protos_dot_rollout__pb2.ClaimRequest.FromString,
+                    response_serializer=protos_dot_rollout__pb2.ClaimedPrompts.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -180,6 +199,33 @@ class RolloutIngest:
             '/grpo_stream.v1.RolloutIngest/GetDataPosition',
             protos_dot_rollout__pb2.DataPositionRequest.SerializeToString,
             protos_dot_rollout__pb2.DataPosition.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ClaimPrompts(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/grpo_stream.v1.RolloutIngest/ClaimPrompts',
+            protos_dot_rollout__pb2.ClaimRequest.SerializeToString,
+            protos_dot_rollout__pb2.ClaimedPrompts.FromString,
             options,
             channel_credentials,
             insecure,

@@ -9,12 +9,15 @@ its backlog is acknowledged or a drain timeout passes.
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import itertools
 import json
 import logging
 import pathlib
 import threading
 import time
+import types
 
 import grpc
 import jax
@@ -23,7 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from common.config import RunConfig
 from common.evaluation import greedy_probe
 from common.generation import Engine
-from common.grpc_util import CHANNEL_OPTIONS
+from common.grpc_util import ClientSecurity, open_channel
 from common.prometheus import ServiceMetrics
 from common.rewards import RewardSet
 from common.runtime import build_policy, build_task_and_tokenizer, stop_on_signals
@@ -38,6 +41,19 @@ from sampler_service.weight_sync import CheckpointFetcher, GrpcFetcher, LocalFet
 
 log = logging.getLogger(__name__)
 MAX_SKIPPED_PROMPTS = 1000  # consecutive over-long prompts before the sampler gives up (config is wrong)
+
+
+@dataclasses.dataclass
+class Slot:
+    """One prompt of a generation batch: `rows` completions scored by `rewards`, sent as group `group_id`;
+    `position` is its index in the data stream (None: an injected prompt)."""
+
+    problem: object
+    ids: list[int]
+    rows: int
+    rewards: RewardSet
+    group_id: str
+    position: int | None
 
 
 class Sampler:
@@ -60,6 +76,12 @@ class Sampler:
         self.fetch_seconds: list[float] = []
         self.sync: WeightSync | None = None
         self.client: RolloutClient | None = None
+        self.ingest_stub = None
+        self.pending: collections.deque = collections.deque()  # claimed injected prompts not generated yet
+        self.injected_done = 0
+        self._reward_sets: dict[tuple[str, ...], RewardSet] = {}
+        self._rate: collections.deque = collections.deque(maxlen=4096)  # (time, tokens) per group sent
+        self._batches, self._last_report, self._claim_warned = 0, 0.0, False
 
     def _serving(self, stub: health_pb2_grpc.HealthStub) -> bool:
         """The trainer answers its health check as SERVING (raises grpc.RpcError when it does not answer)."""
@@ -129,7 +151,8 @@ class Sampler:
         metrics_port = None if cfg.sampler.metrics_port is None else (
             cfg.sampler.metrics_port + self.index if cfg.sampler.metrics_port else 0)
         prom.start(cfg.sampler.metrics_host, metrics_port)
-        channel = grpc.insecure_channel(cfg.trainer_address(), options=CHANNEL_OPTIONS)
+        self.security = ClientSecurity.from_config(cfg)
+        channel = open_channel(cfg.trainer_address(), self.security)
         health = health_pb2_grpc.HealthStub(channel)
         self._wait_for_trainer(health)
         mesh = make_mesh(1, cfg.sampler.mesh.tp, self.devices or jax.local_devices(), "sampler.mesh.tp")
@@ -139,8 +162,9 @@ class Sampler:
                           background=cfg.weights.background_fetch)
         # rollouts go to the ingest, which is the trainer's server unless it runs on its own (ingest.standalone)
         ingest_channel = (channel if cfg.ingest_address() == cfg.trainer_address() else
-                          grpc.insecure_channel(cfg.ingest_address(), options=CHANNEL_OPTIONS))
-        start = self._resume_position(rollout_pb2_grpc.RolloutIngestStub(ingest_channel))
+                          open_channel(cfg.ingest_address(), self.security))
+        self.ingest_stub = rollout_pb2_grpc.RolloutIngestStub(ingest_channel)
+        start = self._resume_position(self.ingest_stub)
         client = self.client = RolloutClient(ingest_channel, cfg.sampler.backlog_max_groups,
                                              cfg.sampler.max_groups_per_message).start()
         log.info("%s connected to %s, rollouts to %s (tokenizer %s), data position %d", self.sampler_id,
@@ -175,9 +199,10 @@ class Sampler:
                 if wanted <= 0:
                     self._await_newer_version(started_wait=time.monotonic())
                     continue
-            batch = []
+            batch = self._injected_slots(wanted * gen.num_generations, rewards)
+            rows = sum(slot.rows for slot in batch)
             skipped_in_a_row = 0
-            while len(batch) < wanted:
+            while rows + gen.num_generations <= wanted * gen.num_generations:
                 position, problem = next(prompts)
                 ids = tokenizer.encode(problem.prompt)
                 if len(ids) > gen.max_prompt_tokens:
@@ -189,13 +214,23 @@ class Sampler:
                                 len(ids))
                     continue
                 skipped_in_a_row = 0
-                batch.append((problem, ids, position))
-            n, version = gen.num_generations, self.version
-            out = engine.generate(self.params, [ids for _, ids, _ in batch for _ in range(n)],
-                                  jax.random.fold_in(rng, batch[0][2]))
-            groups = build_groups([(p, ids) for p, ids, _ in batch], out, n, tokenizer, rewards, version,
-                                  self.sampler_id, [f"{cfg.run.name}/{self.sampler_id}/{pos}" for *_, pos in batch],
-                                  [pos for *_, pos in batch])
+                batch.append(Slot(problem, ids, gen.num_generations, rewards, f"{cfg.run.name}/{self.sampler_id}/"
+                                  f"{position}", position))
+                rows += gen.num_generations
+            # one program shape per run: rows injected prompts leave unused are padding (the first prompt again)
+            flat = [slot.ids for slot in batch for _ in range(slot.rows)]
+            flat += [batch[0].ids] * (wanted * gen.num_generations - len(flat))
+            version = self.version
+            seed = next((slot.position for slot in batch if slot.position is not None), None)
+            key = jax.random.fold_in(rng, seed) if seed is not None else jax.random.fold_in(
+                jax.random.fold_in(rng, -1 & 0x7FFFFFFF), self._batches)
+            self._batches += 1
+            out = engine.generate(self.params, flat, key)
+            groups = build_groups([(slot.problem, slot.ids) for slot in batch], out, gen.num_generations, tokenizer,
+                                  rewards, version, self.sampler_id, [slot.group_id for slot in batch],
+                                  [slot.position for slot in batch], sizes=[slot.rows for slot in batch],
+                                  reward_sets=[slot.rewards for slot in batch],
+                                  injected=[slot.position is None for slot in batch])
             for group in groups:
                 if not self._push(client, to_proto(group)):
                     break
@@ -204,6 +239,8 @@ class Sampler:
                     self.groups_at_version += 1
                 groups_total.inc()
                 tokens_total.inc(sum(len(c.token_ids) for c in group.completions))
+                self._rate.append((time.monotonic(), sum(len(c.token_ids) for c in group.completions)))
+            self._report_throughput()
             backlog.set(client.unacked)
         # after the final version the trainer consumes no more: do not wait long for acks
         drained = client.drain(timeout_s=2.0 if self.final else 10.0)
@@ -220,12 +257,59 @@ class Sampler:
                  "versions installed %s, %.1fs waiting for weights", self.sampler_id, groups_sent,
                  groups_sent / max(elapsed, 1e-9), dict(client.stats), drained, self.installed_versions,
                  self.waited_for_weights_s)
-        result = {"sampler_id": self.sampler_id, "groups": groups_sent, "versions": self.installed_versions,
+        result = {"sampler_id": self.sampler_id, "groups": groups_sent, "injected_groups": self.injected_done, "versions": self.installed_versions,
                   "waited_for_weights_s": round(self.waited_for_weights_s, 3), "fetch_seconds": self.fetch_seconds,
                   "final_weights": verified}
         if self.run_dir is not None:
             (self.run_dir / f"{self.sampler_id}.json").write_text(json.dumps(result, indent=2))
         return result
+
+    def _rewards_for(self, names: list[str], default: RewardSet) -> RewardSet:
+        """The run's rewards, or the named subset an injected prompt asked for (the run's weight, else 1)."""
+        if not names:
+            return default
+        key = tuple(names)
+        if key not in self._reward_sets:
+            weights = self.cfg.task.rewards
+            self._reward_sets[key] = RewardSet({n: weights.get(n, 1.0) for n in names})
+        return self._reward_sets[key]
+
+    def _injected_slots(self, free_rows: int, default: RewardSet) -> list[Slot]:
+        """Injected prompts for the next batch (they go before dataset prompts): what is left from the last claim,
+        topped up by a new one. A prompt that does not fit the rows left waits for the next batch."""
+        if len(self.pending) < self.cfg.sampler.prompts_per_batch and self.ingest_stub is not None:
+            try:
+                reply = self.ingest_stub.ClaimPrompts(rollout_pb2.ClaimRequest(
+                    sampler_id=self.sampler_id, max_prompts=self.cfg.sampler.prompts_per_batch - len(self.pending),
+                    policy_version=self.version), timeout=5)
+                self.pending.extend(reply.prompts)
+                self._claim_warned = False
+            except grpc.RpcError as exc:  # the ingest is away: dataset prompts go on; claims resume later
+                if not self._claim_warned:
+                    log.warning("%s: cannot claim injected prompts (%s); generating dataset prompts", self.sampler_id,
+                                exc.code().name)
+                    self._claim_warned = True
+        slots, rows = [], 0
+        while self.pending and rows + self.pending[0].num_generations <= free_rows:
+            p = self.pending.popleft()
+            problem = types.SimpleNamespace(prompt_id=p.prompt_id, answer=p.reference_answer)
+            slots.append(Slot(problem, list(p.prompt_token_ids), p.num_generations,
+                              self._rewards_for(list(p.rewards), default), f"{self.cfg.run.name}/inj/{p.prompt_id}",
+                              None))
+            rows += p.num_generations
+        self.injected_done += len(slots)
+        return slots
+
+    def _report_throughput(self) -> None:
+        """Every few seconds: groups/s and tokens/s over the last minute, reported with the installed version."""
+        now = time.monotonic()
+        if self.sync is None or now - self._last_report < 5.0:
+            return
+        self._last_report = now
+        recent = [(t, n) for t, n in self._rate if now - t <= 60.0]
+        span = max(now - recent[0][0], 1.0) if recent else 1.0
+        self.sync.throughput = (len(recent) / span, sum(n for _, n in recent) / span)
+        self.sync.report()
 
     def _resume_position(self, stub: rollout_pb2_grpc.RolloutIngestStub) -> int:
         """The data position after this sampler's last accepted group (0 for a new run), asked of the ingest. Waits
@@ -257,7 +341,7 @@ class Sampler:
         if w.transport == "grpc":
             host = self.cfg.trainer_address().rsplit(":", 1)[0].strip("[]")
             return GrpcFetcher(channel, self.sampler_id, w.fetch_streams, self.cfg.sampler.rpc_timeout_s,
-                               data_host=host if w.data_plane == "tcp" else None)
+                               data_host=host if w.data_plane == "tcp" else None, security=self.security)
         if w.transport == "checkpoint":
             if not w.checkpoint_dir:
                 raise ValueError("weights.transport=checkpoint needs weights.checkpoint_dir (the directory the "

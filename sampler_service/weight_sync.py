@@ -31,6 +31,7 @@ import jax
 import numpy as np
 
 from common import weight_bulk
+from common.grpc_util import ClientSecurity
 from common.model import PolicyModel
 from common.sharding import needed_slices, param_shardings
 from common.weight_checkpoint import CheckpointWeightStore
@@ -71,8 +72,10 @@ class GrpcFetcher:
     one (weights.data_plane=tcp); None = always FetchSlices over gRPC."""
 
     def __init__(self, channel: grpc.Channel, sampler_id: str, streams: int, timeout_s: float,
-                 data_host: str | None = None):
+                 data_host: str | None = None, security: ClientSecurity | None = None):
+        """`security`: the token (and TLS context) the TCP data plane needs, as the gRPC channel has them."""
         self._stub = weights_pb2_grpc.WeightServiceStub(channel)
+        self.security = security
         self.sampler_id, self.streams, self.timeout_s, self.data_host = sampler_id, streams, timeout_s, data_host
         self._warned = False
         self._buffers = ReceiveBuffers()  # what the data plane receives into (see receive_buffers.py)
@@ -150,7 +153,11 @@ class GrpcFetcher:
         sock = None
         try:
             sock = socket.create_connection((self.data_host, manifest.data_port), timeout=min(5, self.timeout_s))
-            sock.sendall(weight_bulk.encode_request(self._request(manifest, lane).SerializeToString()))
+            security = self.security or ClientSecurity()
+            if security.ssl_context is not None:
+                sock = security.ssl_context.wrap_socket(sock, server_hostname=security.server_name or self.data_host)
+            sock.sendall(weight_bulk.encode_request(self._request(manifest, lane).SerializeToString(),
+                                                    security.token))
             code, message = weight_bulk.read_status(sock, min(deadline, time.monotonic() + 10))
         except (OSError, WeightTransferError) as exc:  # port unreachable (firewall, Service without it) or silent
             if sock is not None:
@@ -239,6 +246,7 @@ class WeightSync:
         self.targets = {name: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=s) for name, leaf, s in zip(
             model.names(), jax.tree_util.tree_leaves(model.params), jax.tree_util.tree_leaves(shardings))}
         self._report_stub = None if channel is None else weights_pb2_grpc.WeightServiceStub(channel)
+        self.throughput = (0.0, 0.0)  # (groups/s, tokens/s) the sampler reports with its version
         self.installed_version, self.installed_epoch = -1, ""
         self.latest_seen = -1  # newest version seen from the installed version's trainer epoch
         self.failures, self._next_attempt = 0, 0.0
@@ -332,7 +340,8 @@ class WeightSync:
         try:
             reply = self._report_stub.ReportVersion(weights_pb2.VersionReport(
                 sampler_id=self.sampler_id, installed_version=self.installed_version, fetch_failures=self.failures,
-                trainer_epoch=self.installed_epoch), timeout=2)
+                trainer_epoch=self.installed_epoch, groups_per_s=self.throughput[0], tokens_per_s=self.throughput[1]),
+                timeout=2)
             if reply.latest_version >= 0:
                 self.latest_seen = max(self.latest_seen, reply.latest_version)
         except grpc.RpcError:

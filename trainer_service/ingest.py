@@ -8,12 +8,15 @@ refused with INVALID_ARGUMENT naming the field; the service stays up.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 
 import grpc
+import numpy as np
 
 from common.buffer import BufferUnavailable, Incoming, RedisStreamBuffer
+from common.prompt_queue import PromptQueue
 from common.wire import GroupLimits, validate_group
 from protos import rollout_pb2, rollout_pb2_grpc
 
@@ -23,14 +26,54 @@ _INVALID = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 _EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
 _UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
 _STAT = {0: "accepted", _INVALID: "invalid", _EXHAUSTED: "full", _UNAVAILABLE: "unavailable"}
+_ANSWERED = {"eval": "evaluation only: recorded as the prompt's result, never trained",
+             "cancelled": "the prompt was cancelled: answer discarded", "dup": "duplicate: accepted before"}
+MAX_CLAIM = 4096
+
+
+@dataclasses.dataclass(frozen=True)
+class Injection:
+    """What the ingest needs to take injected prompts' answers and hand out prompts (None: no injection here)."""
+
+    queue: PromptQueue
+    run_name: str
+    claim_lease_s: float = 300.0
+    retention_s: int = 7 * 86_400
 
 
 class IngestServicer(rollout_pb2_grpc.RolloutIngestServicer):
-    def __init__(self, buffer: RedisStreamBuffer, limits: GroupLimits, max_groups: int, retry_after_ms: int):
+    def __init__(self, buffer: RedisStreamBuffer, limits: GroupLimits, max_groups: int, retry_after_ms: int,
+                 injection: Injection | None = None):
         self.buffer, self.limits = buffer, limits
         self.max_groups, self.retry_after_ms = max_groups, retry_after_ms
+        self.injection = injection
         self._lock = threading.Lock()
-        self.stats = {"accepted": 0, "duplicate": 0, "invalid": 0, "full": 0, "unavailable": 0}
+        self.stats = {"accepted": 0, "duplicate": 0, "invalid": 0, "full": 0, "unavailable": 0, "claimed": 0}
+
+    def _check_injected(self, groups) -> dict[int, list[str]]:
+        """Errors of injected prompts' answers by position, checked against the queued prompt: the group id the
+        prompt owns, its token ids and its num_generations (which may differ from the run's for train=false)."""
+        positions = [i for i, g in enumerate(groups) if g.injected]
+        if not positions:
+            return {}
+        if self.injection is None:
+            return {i: ["injected: this ingest takes no injected prompts"] for i in positions}
+        inj = self.injection
+        records = inj.queue.records([groups[i].prompt_id for i in positions])
+        out = {}
+        for i, record in zip(positions, records):
+            g = groups[i]
+            if record is None:
+                out[i] = [f"prompt_id: no injected prompt {g.prompt_id!r} (never submitted, or expired)"]
+                continue
+            prompt = rollout_pb2.InjectedPrompt.FromString(record[b"req"])
+            errors = validate_group(g, dataclasses.replace(self.limits, num_generations=prompt.num_generations))
+            if g.group_id != f"{inj.run_name}/inj/{g.prompt_id}":
+                errors.append(f"group_id: an injected prompt's group id is '{inj.run_name}/inj/<prompt_id>'")
+            if not np.array_equal(np.asarray(g.prompt_token_ids), np.asarray(prompt.prompt_token_ids)):
+                errors.append("prompt_token_ids: differ from the injected prompt's")
+            out[i] = errors
+        return out
 
     def handle_batch(self, groups) -> list[rollout_pb2.GroupAck]:
         """Validate every group, append the valid ones in one buffer call; one ack per group, in order.
@@ -39,8 +82,17 @@ class IngestServicer(rollout_pb2_grpc.RolloutIngestServicer):
         sender lost the first acknowledgement (a dropped stream, an ingest restart) and must not keep it."""
         acks: list[rollout_pb2.GroupAck | None] = []
         valid: list[tuple[int, rollout_pb2.RolloutGroup]] = []
-        for group in groups:
-            errors = validate_group(group, self.limits)
+        try:
+            injected = self._check_injected(groups)
+        except BufferUnavailable as exc:
+            injected = {i: None for i, g in enumerate(groups) if g.injected}
+            log.error("buffer unavailable: %s", exc)
+        for position, group in enumerate(groups):
+            if position in injected and injected[position] is None:  # Redis down: retry later
+                acks.append(rollout_pb2.GroupAck(group_id=group.group_id, code=_UNAVAILABLE, retry_after_ms=1000,
+                                                 message="rollout buffer unavailable; retry with backoff"))
+                continue
+            errors = injected[position] if position in injected else validate_group(group, self.limits)
             if errors:
                 message = "; ".join(errors)
                 log.warning("rejected group %r from %r: %s", group.group_id, group.sampler_id, message)
@@ -52,8 +104,9 @@ class IngestServicer(rollout_pb2_grpc.RolloutIngestServicer):
         try:
             statuses, depth = self.buffer.append_many(
                 [Incoming(g.group_id, g.sampler_id, g.policy_version, g.data_position if g.HasField("data_position")
-                          else -1, g.SerializeToString()) for _, g in valid], self.max_groups,
-                refused_invalid=len(groups) - len(valid))
+                          else -1, g.SerializeToString(), g.prompt_id if g.injected else "") for _, g in valid],
+                self.max_groups, refused_invalid=sum(a is not None and a.code == _INVALID for a in acks),
+                retention_s=7 * 86_400 if self.injection is None else self.injection.retention_s)
         except BufferUnavailable as exc:
             log.error("buffer unavailable: %s", exc)
             for slot, g in valid:
@@ -67,10 +120,13 @@ class IngestServicer(rollout_pb2_grpc.RolloutIngestServicer):
                     group_id=g.group_id, code=_EXHAUSTED, retry_after_ms=self.retry_after_ms,
                     buffer_depth=depth, message=f"{depth} groups wait for the trainer (buffer.max_groups="
                                                 f"{self.max_groups}); retry after {self.retry_after_ms} ms")
+            elif status == "unknown":  # the prompt expired between the check and the append
+                acks[slot] = rollout_pb2.GroupAck(group_id=g.group_id, code=_INVALID, buffer_depth=depth,
+                                                  message=f"prompt_id: no injected prompt {g.prompt_id!r}")
             else:
                 duplicates += status == "dup"
                 acks[slot] = rollout_pb2.GroupAck(group_id=g.group_id, code=0, buffer_depth=depth,
-                                                  message="duplicate: accepted before" if status == "dup" else "")
+                                                  message=_ANSWERED.get(status, ""))
         with self._lock:
             for ack in acks:
                 self.stats[_STAT[ack.code]] += 1
@@ -99,3 +155,19 @@ class IngestServicer(rollout_pb2_grpc.RolloutIngestServicer):
         except BufferUnavailable as exc:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"rollout buffer unavailable ({exc}); retry with backoff")
         return rollout_pb2.DataPosition(known=position is not None, position=position or 0)
+
+    def ClaimPrompts(self, request, context):
+        if not request.sampler_id or len(request.sampler_id) > self.limits.max_id_length:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"sampler_id: must be 1..{self.limits.max_id_length} characters")
+        if not 0 <= request.max_prompts <= MAX_CLAIM:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"max_prompts: {request.max_prompts} outside 0..{MAX_CLAIM}")
+        if self.injection is None:
+            return rollout_pb2.ClaimedPrompts()
+        try:
+            raw = self.injection.queue.claim(request.sampler_id, request.max_prompts, self.injection.claim_lease_s)
+        except BufferUnavailable as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"prompt queue unavailable ({exc}); retry with backoff")
+        with self._lock:
+            self.stats["claimed"] += len(raw)
+        return rollout_pb2.ClaimedPrompts(prompts=[rollout_pb2.InjectedPrompt.FromString(r) for r in raw])

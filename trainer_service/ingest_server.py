@@ -11,43 +11,53 @@ from __future__ import annotations
 
 import logging
 import threading
-from concurrent import futures
 
-import grpc
 import redis
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from common.buffer import RedisStreamBuffer
 from common.config import RunConfig
-from common.grpc_util import SERVER_OPTIONS
-from common.redis_util import connect
+from common.grpc_util import ServerSecurity, bind, enable_reflection, new_server
+from common.prompt_queue import PromptQueue
+from common.proto_decode import add_service
+from common.redis_util import connect, credentials
 from common.runtime import build_task_and_tokenizer, stop_on_signals
 from common.wire import GroupLimits
-from protos import rollout_pb2_grpc
-from trainer_service.ingest import IngestServicer
+from protos import prompts_pb2, rollout_pb2  # noqa: F401 - registers the services' descriptors
+from trainer_service.ingest import IngestServicer, Injection
+from trainer_service.prompt_service import PromptServicer
 
 log = logging.getLogger(__name__)
-SERVICE = "grpo_stream.v1.RolloutIngest"
+SERVICE, PROMPTS = "grpo_stream.v1.RolloutIngest", "grpo_stream.v1.PromptService"
+
+
+def ingest_servicers(cfg: RunConfig, buffer: RedisStreamBuffer, task, tokenizer, security: ServerSecurity | None
+                     ) -> tuple[IngestServicer, PromptServicer]:
+    """The ingest and the PromptService beside it, sharing the run's prompt queue."""
+    gen = cfg.generation
+    limits = GroupLimits(gen.num_generations, gen.max_prompt_tokens, gen.max_new_tokens, tokenizer.vocab_size)
+    queue = PromptQueue(buffer.client, cfg.run.name)
+    injection = Injection(queue, cfg.run.name, cfg.prompts.claim_lease_s, cfg.prompts.result_retention_s)
+    ingest = IngestServicer(buffer, limits, cfg.buffer.max_groups, cfg.buffer.retry_after_ms, injection)
+    return ingest, PromptServicer(cfg, queue, tokenizer, task, None if security is None else security.table)
 
 
 class IngestServer:
-    def __init__(self, cfg: RunConfig, client: redis.Redis, vocab_size: int, workers: int = 16):
-        gen = cfg.generation
-        self.cfg, self.client = cfg, client
-        limits = GroupLimits(gen.num_generations, gen.max_prompt_tokens, gen.max_new_tokens, vocab_size)
-        self.servicer = IngestServicer(RedisStreamBuffer(client, cfg.run.name), limits, cfg.buffer.max_groups,
-                                       cfg.buffer.retry_after_ms)
+    def __init__(self, cfg: RunConfig, client: redis.Redis, task, tokenizer, security: ServerSecurity | None = None,
+                 workers: int = 16):
+        self.cfg, self.client, self.security = cfg, client, security
+        self.servicer, self.prompts = ingest_servicers(cfg, RedisStreamBuffer(client, cfg.run.name), task, tokenizer,
+                                                       security)
         self.health = health.HealthServicer()
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=SERVER_OPTIONS)
-        rollout_pb2_grpc.add_RolloutIngestServicer_to_server(self.servicer, self._server)
+        self._server = new_server(security, workers)
+        add_service(self._server, self.servicer, SERVICE)
+        add_service(self._server, self.prompts, PROMPTS)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+        enable_reflection(self._server, [SERVICE, PROMPTS])
         self.port = 0
 
     def start(self) -> int:
-        host, port = self.cfg.ingest.host, self.cfg.ingest.port
-        self.port = self._server.add_insecure_port(f"{host}:{port}")
-        if self.port == 0:
-            raise OSError(f"ingest.port={port}: cannot bind {host}:{port} (in use?); pick another port or 0")
+        self.port = bind(self._server, self.cfg.ingest.host, self.cfg.ingest.port, self.security, "ingest.port")
         self._server.start()
         return self.port
 
@@ -62,7 +72,7 @@ class IngestServer:
                 now_up, reason = False, exc
             if now_up != up:
                 status = health_pb2.HealthCheckResponse.SERVING if now_up else health_pb2.HealthCheckResponse.NOT_SERVING
-                for name in ("", SERVICE):
+                for name in ("", SERVICE, PROMPTS):
                     self.health.set(name, status)
                 if up is not None or not now_up:
                     log.log(logging.INFO if now_up else logging.ERROR, "Redis %s", "is back: accepting groups"
@@ -80,9 +90,9 @@ def run_ingest(cfg: RunConfig) -> dict:
         raise ValueError("redis.url is null: the ingest needs the buffer's Redis URL (e.g. redis.url=redis://host:6379/0)")
     stop = threading.Event()
     stop_on_signals(stop, "in-flight calls")
-    client = connect(cfg.redis.url, cfg.redis.connect_timeout_s)
-    _, tokenizer = build_task_and_tokenizer(cfg)  # the vocabulary bounds valid token ids
-    server = IngestServer(cfg, client, tokenizer.vocab_size)
+    client = connect(cfg.redis.url, cfg.redis.connect_timeout_s, **credentials(cfg.redis))
+    task, tokenizer = build_task_and_tokenizer(cfg)  # token limits, and the template of injected questions
+    server = IngestServer(cfg, client, task, tokenizer, ServerSecurity.from_config(cfg))
     port = server.start()
     log.info("ingest for run %s on %s:%d (buffer.max_groups %d)", cfg.run.name, cfg.ingest.host, port,
              cfg.buffer.max_groups)

@@ -31,18 +31,21 @@ from common.weights import new_epoch
 from common.config import RunConfig
 from common.evaluation import evaluate
 from common.generation import Engine
+from common.grpc_util import ServerSecurity
+from common.prompt_queue import PromptQueue
 from common.hf_checkpoint import export_hf, resolve_model_dir
 from common.metrics import MetricsWriter
 from common.prometheus import ServiceMetrics
-from common.redis_util import connect, redacted
+from common.redis_util import connect, credentials, redacted
 from common.runtime import build_policy, build_task_and_tokenizer, stop_on_signals
 from common.evaluation import greedy_probe
 from common.sharding import make_mesh, place
 from common.weight_checkpoint import CheckpointWeightStore
 from common.weights import digest
-from common.wire import GroupData, GroupLimits, decode_group
+from common.wire import GroupData, decode_group
 from trainer_service.batching import build_batch
-from trainer_service.ingest import IngestServicer
+from trainer_service.ingest_server import ingest_servicers
+from trainer_service.prompt_service import StatusWriter
 from trainer_service.publisher import WeightPublisher
 from trainer_service.server import TrainerServer
 from trainer_service.rl_update import PolicyUpdater
@@ -79,7 +82,7 @@ class Trainer:
         if cfg.redis.url is None:
             raise ValueError("redis.url is null: give the buffer's Redis URL (e.g. redis.url=redis://host:6379/0), "
                              "or run `grpo-stream up`, which starts an embedded Redis")
-        client = connect(cfg.redis.url, cfg.redis.connect_timeout_s)
+        client = connect(cfg.redis.url, cfg.redis.connect_timeout_s, **credentials(cfg.redis))
         self.buffer = RedisStreamBuffer(client, cfg.run.name)
         # where `grpo-stream audit RUN_DIR` finds the trail (the password stays out of the file)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -99,9 +102,9 @@ class Trainer:
         gen = cfg.generation
         self.engine = Engine(self.model, self.tokenizer.pad_id, self.tokenizer.eos_ids, gen.max_prompt_tokens,
                              gen.max_new_tokens, gen.temperature)
-        limits = GroupLimits(gen.num_generations, gen.max_prompt_tokens, gen.max_new_tokens, self.tokenizer.vocab_size)
-        self.ingest = (None if cfg.ingest.standalone else
-                       IngestServicer(self.buffer, limits, cfg.buffer.max_groups, cfg.buffer.retry_after_ms))
+        security = ServerSecurity.from_config(cfg)
+        self.ingest, prompts = (None, None) if cfg.ingest.standalone else ingest_servicers(
+            cfg, self.buffer, self.task, self.tokenizer, security)
         w = cfg.weights
         if w.transport == "checkpoint" and not w.checkpoint_dir:
             raise ValueError("weights.transport=checkpoint needs weights.checkpoint_dir: a directory every sampler "
@@ -114,8 +117,10 @@ class Trainer:
                                          w.wire_dtype, epoch=self.epoch)
         tcp = w.transport == "grpc" and w.data_plane == "tcp"
         self.server = TrainerServer(self.ingest, self.publisher, cfg.trainer.host, cfg.trainer.port,
-                                    data_port=w.data_port if tcp else None)
+                                    data_port=w.data_port if tcp else None, security=security, prompts=prompts)
         port = self.server.start()
+        self.status = StatusWriter(PromptQueue(self.buffer.client, cfg.run.name), self.publisher,
+                                   cfg.trainer.steps).start()
         log.info("gRPC server (%sweights, health) on %s:%d%s", "" if cfg.ingest.standalone else "ingest, ",
                  cfg.trainer.host, port,
                  f"; weights data plane on port {self.server.data.port}" if tcp else "")
@@ -276,6 +281,8 @@ class Trainer:
             raise
         finally:
             self._worker.shutdown(wait=True)
+            if getattr(self, "status", None) is not None:
+                self.status.stop()
             if getattr(self, "checkpoints", None) is not None:
                 self.checkpoints.close()
             for part in ("metrics", "prom"):
@@ -359,7 +366,7 @@ class Trainer:
             self.unsettled.append((step, [(e.entry_id, e.group_id) for e, _ in picked]))
             self._redis("updating the held count", lambda: self.buffer.set_held(self._held()))
             self._note_positions(picked)
-            steps_done = step
+            steps_done = self.status.step = step
             if step % cfg.checkpoint.every == 0 or step == cfg.trainer.steps:
                 self._checkpoint(step, updater, carried)
                 saved = step

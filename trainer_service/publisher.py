@@ -64,6 +64,7 @@ class WeightPublisher(weights_pb2_grpc.WeightServiceServicer):
         self.installed: dict[str, list[int]] = {}
         self.fetch_failures: dict[str, int] = {}
         self.last_seen: dict[str, float] = {}
+        self.throughput: dict[str, tuple[float, float]] = {}  # sampler -> (groups/s, tokens/s) it last reported
 
     # -- publishing -------------------------------------------------------------------------------------------
     def publish_arrays(self, version: int, named: dict[str, Any], final: bool = False) -> PublishStats:
@@ -122,7 +123,8 @@ class WeightPublisher(weights_pb2_grpc.WeightServiceServicer):
         with self._lock:
             return {sid: bool(v) and v[-1] >= version for sid, v in self.installed.items()}
 
-    def record(self, sampler_id: str, installed_version: int, failures: int = 0, epoch: str = "") -> None:
+    def record(self, sampler_id: str, installed_version: int, failures: int = 0, epoch: str = "",
+               throughput: tuple[float, float] | None = None) -> None:
         """Note a sampler's installed version (versions of another trainer epoch are not ours to count)."""
         if not sampler_id or (epoch and epoch != self.epoch):
             return
@@ -132,6 +134,19 @@ class WeightPublisher(weights_pb2_grpc.WeightServiceServicer):
                 history.append(installed_version)
             self.fetch_failures[sampler_id] = failures
             self.last_seen[sampler_id] = time.time()
+            if throughput is not None:
+                self.throughput[sampler_id] = throughput
+
+    def sampler_status(self) -> list[dict]:
+        """Each sampler's installed version, lag behind the latest publication, throughput and last report."""
+        latest = self.latest_version
+        with self._lock:
+            return [{"sampler_id": sid, "installed_version": v[-1] if v else -1,
+                     "lag": (latest - v[-1]) if (v and latest is not None) else 0,
+                     "groups_per_s": self.throughput.get(sid, (0.0, 0.0))[0],
+                     "tokens_per_s": self.throughput.get(sid, (0.0, 0.0))[1],
+                     "last_seen_unix": self.last_seen.get(sid, 0.0), "fetch_failures": self.fetch_failures.get(sid, 0)}
+                    for sid, v in sorted(self.installed.items())]
 
     # -- WeightService ----------------------------------------------------------------------------------------
     def GetManifest(self, request, context):
@@ -145,7 +160,8 @@ class WeightPublisher(weights_pb2_grpc.WeightServiceServicer):
         return manifest
 
     def ReportVersion(self, request, context):
-        self.record(request.sampler_id, request.installed_version, request.fetch_failures, request.trainer_epoch)
+        self.record(request.sampler_id, request.installed_version, request.fetch_failures, request.trainer_epoch,
+                    (request.groups_per_s, request.tokens_per_s))
         latest = self.latest_version
         return weights_pb2.VersionReportReply(latest_version=-1 if latest is None else latest)
 

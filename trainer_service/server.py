@@ -1,49 +1,53 @@
-"""The trainer's gRPC server: ingest (unless it runs on its own), weight publication and grpc.health.v1 on one port
-(plus, with a `data_port`, the TCP data plane for weight slices)."""
+"""The trainer's gRPC server: ingest and PromptService (unless the ingest runs on its own), weight publication,
+grpc.health.v1 and reflection on one port (plus, with a `data_port`, the TCP data plane for weight slices).
+Every RPC is authenticated and role-checked when `security` carries a token table (common/auth.py)."""
 
 from __future__ import annotations
 
-from concurrent import futures
-
-import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from common.grpc_util import SERVER_OPTIONS
-from protos import rollout_pb2_grpc, weights_pb2_grpc
+from common.grpc_util import ServerSecurity, bind, enable_reflection, new_server
+from common.proto_decode import add_service
+from protos import prompts_pb2, rollout_pb2, weights_pb2  # noqa: F401 - registers the services' descriptors
 from trainer_service.ingest import IngestServicer
 from trainer_service.publisher import WeightPublisher
 from trainer_service.weight_data_server import WeightDataServer
 
-SERVICES = ("grpo_stream.v1.RolloutIngest", "grpo_stream.v1.WeightService")
+INGEST, WEIGHTS, PROMPTS = "grpo_stream.v1.RolloutIngest", "grpo_stream.v1.WeightService", "grpo_stream.v1.PromptService"
 
 
 class TrainerServer:
     """Owns a grpc.Server; `start()` binds and returns the port, `stop()` drains in-flight calls."""
 
     def __init__(self, ingest: IngestServicer | None, publisher: WeightPublisher, host: str, port: int, workers: int = 16,
-                 data_port: int | None = None):
-        self.ingest, self.publisher = ingest, publisher
-        self.data = None if data_port is None else WeightDataServer(publisher, host, data_port)
+                 data_port: int | None = None, security: ServerSecurity | None = None, prompts=None):
+        """`prompts`: a PromptServicer to serve beside the ingest (None: none)."""
+        self.ingest, self.publisher, self.security = ingest, publisher, security
+        self.data = None if data_port is None else WeightDataServer(
+            publisher, host, data_port, table=None if security is None else security.table,
+            ssl_context=None if security is None else security.ssl_context)
         self.host, self.port = host, port
         self.health = health.HealthServicer()
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=SERVER_OPTIONS)
+        self._server = new_server(security, workers)
+        self.services = [WEIGHTS]
         if ingest is not None:
-            rollout_pb2_grpc.add_RolloutIngestServicer_to_server(ingest, self._server)
-        weights_pb2_grpc.add_WeightServiceServicer_to_server(publisher, self._server)
+            add_service(self._server, ingest, INGEST)
+            self.services.append(INGEST)
+        if prompts is not None:
+            add_service(self._server, prompts, PROMPTS)
+            self.services.append(PROMPTS)
+        add_service(self._server, publisher, WEIGHTS)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+        enable_reflection(self._server, self.services)
 
     def start(self) -> int:
-        bound = self._server.add_insecure_port(f"{self.host}:{self.port}")
-        if bound == 0:
-            raise OSError(f"trainer.port={self.port}: cannot bind {self.host}:{self.port} (in use?); pick another "
-                          "port or 0 for a free one")
-        self.port = bound
+        self.port = bind(self._server, self.host, self.port, self.security, "trainer.port")
         if self.data is not None:
             self.data.start()
         self._server.start()
-        for name in ("", *(s for s in SERVICES if self.ingest is not None or "Ingest" not in s)):
+        for name in ("", *self.services):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        return bound
+        return self.port
 
     def stop(self, grace_s: float = 2.0) -> None:
         self.health.enter_graceful_shutdown()

@@ -10,12 +10,14 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import socket
+import ssl
 import threading
 import time
 
 import grpc
 from google.protobuf.message import DecodeError
 
+from common.auth import DATA_PLANE_ROLES, TokenTable
 from common.weight_bulk import encode_status, read_request, send_slice
 from common.weights import WeightTransferError, raw_bytes
 from protos import weights_pb2
@@ -30,8 +32,11 @@ class WeightDataServer:
     a request must arrive within `request_timeout_s` and a whole transfer finish within `transfer_timeout_s`."""
 
     def __init__(self, publisher: WeightPublisher, host: str, port: int = 0, workers: int = 16,
-                 request_timeout_s: float = 10.0, transfer_timeout_s: float = 600.0):
+                 request_timeout_s: float = 10.0, transfer_timeout_s: float = 600.0, table: TokenTable | None = None,
+                 ssl_context: ssl.SSLContext | None = None):
+        """`table`: tokens a request must carry (None: no auth); `ssl_context`: serve over TLS."""
         self.publisher, self.host, self.port = publisher, host, port
+        self.table, self.ssl_context = table, ssl_context
         self.request_timeout_s, self.transfer_timeout_s, self.workers = request_timeout_s, transfer_timeout_s, workers
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="weights-data")
         self._sock: socket.socket | None = None
@@ -93,6 +98,14 @@ class WeightDataServer:
 
     def _serve(self, conn: socket.socket) -> None:
         try:
+            if self.ssl_context is not None:
+                conn.settimeout(self.request_timeout_s)
+                try:
+                    conn = self.ssl_context.wrap_socket(conn, server_side=True)
+                except (ssl.SSLError, OSError) as exc:  # not TLS, a bad client certificate, or too slow
+                    log.info("weights data plane: TLS handshake refused (%s)", exc)
+                    conn.close()
+                    return
             with conn:
                 self._transfer(conn)
         except Exception:  # noqa: BLE001 - a transfer must never take the server down
@@ -103,9 +116,9 @@ class WeightDataServer:
 
     def _transfer(self, conn: socket.socket) -> None:
         try:
-            request = weights_pb2.FetchSlicesRequest.FromString(
-                read_request(conn, time.monotonic() + self.request_timeout_s))
-            plan = self.publisher.plan(request)
+            token, raw = read_request(conn, time.monotonic() + self.request_timeout_s)
+            self._authorize(token)
+            plan = self.publisher.plan(weights_pb2.FetchSlicesRequest.FromString(raw))
         except FetchRefused as exc:
             self._refuse(conn, exc.code, exc.message)
             return
@@ -134,6 +147,18 @@ class WeightDataServer:
             log.info("weights data plane: transfer to a sampler stopped (%s)", exc)
         with self._lock:
             self.served_bytes += sent
+
+    def _authorize(self, token: str) -> None:
+        """As the gRPC interceptor does for FetchSlices: raises FetchRefused for a missing, unknown or wrong-role
+        token."""
+        if self.table is None:
+            return
+        caller = self.table.lookup(token) if token else None
+        if caller is None:
+            raise FetchRefused(grpc.StatusCode.UNAUTHENTICATED, "missing or unknown bearer token")
+        if caller.role not in DATA_PLANE_ROLES:
+            raise FetchRefused(grpc.StatusCode.PERMISSION_DENIED, f"role {caller.role!r} ({caller.name}) may not "
+                               f"fetch weights; it accepts {sorted(DATA_PLANE_ROLES)}")
 
     @staticmethod
     def _refuse(conn: socket.socket, code: grpc.StatusCode, message: str) -> None:

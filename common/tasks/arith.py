@@ -63,6 +63,11 @@ class ArithTask:
         self.min_operand, self.max_operand = min_operand, max_operand
         self.heldout_fraction, self.seed = heldout_fraction, seed
 
+    @staticmethod
+    def render_question(question: str) -> str:
+        """A bare question wrapped as the run's prompts are (for injected prompts)."""
+        return PROMPT_FORMAT.format(question=question)
+
     def is_heldout(self, a: int, b: int) -> bool:
         return zlib.crc32(f"{a}+{b}".encode()) % 10_000 < self.heldout_fraction * 10_000
 

@@ -143,6 +143,10 @@ class Gsm8kTask:
     def __init__(self, train: list[MathProblem], test: list[MathProblem], render, seed: int):
         self.train, self.test, self.render, self.seed = train, test, render, seed
 
+    def render_question(self, question: str) -> str:
+        """A bare question wrapped as the run's prompts are (for injected prompts)."""
+        return self.render(question)
+
     def _prompted(self, problem: MathProblem) -> PromptedProblem:
         return PromptedProblem(problem.prompt_id, self.render(problem.question), problem.answer)
 

@@ -1,0 +1,138 @@
+"""`grpo-stream submit FILE.jsonl [--follow]`, `grpo-stream status` and `grpo-stream tokens`.
+
+submit: one prompt per JSON line (keys of common.prompt_client.SPEC_KEYS); prints the ids as JSON, or with
+--follow one JSON line per scored result as it arrives, ending when every prompt is answered or cancelled.
+Where to send them: --address, else the run's RUN_DIR/endpoints.json (written by `up`); the token: --token-file,
+else $GRPO_STREAM_TOKEN / $GRPO_STREAM_TOKEN_FILE, else RUN_DIR/auth/client.token; TLS settings: --config.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import sys
+
+import grpc
+
+from common.auth import write_tokens
+from common.config import RunConfig, load_config
+from common.config_access import TOKEN_ENV, TOKEN_FILE_ENV
+from common.grpc_util import ClientSecurity
+from common.prompt_client import PromptClient, to_spec
+
+
+def read_prompts(path: pathlib.Path) -> list:
+    """PromptSpecs from a JSONL file; ValueError naming the line for a bad one."""
+    specs = []
+    try:
+        lines = path.read_text().splitlines() if str(path) != "-" else sys.stdin.read().splitlines()
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read it ({exc.strerror})") from None
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}:{number}: not JSON ({exc.msg})") from None
+        if not isinstance(item, dict):
+            raise ValueError(f"{path}:{number}: must be a JSON object")
+        specs.append(to_spec(item, f"{path}:{number}"))
+    if not specs:
+        raise ValueError(f"{path}: no prompts")
+    return specs
+
+
+def connect_client(args) -> PromptClient:
+    cfg = load_config(args.config, args.overrides) if args.config or args.overrides else RunConfig()
+    endpoints = {}
+    if args.run_dir is not None:
+        path = args.run_dir / "endpoints.json"
+        if not path.is_file():
+            raise ValueError(f"--run-dir {args.run_dir}: no endpoints.json (written by `grpo-stream up`); give "
+                             "--address")
+        endpoints = json.loads(path.read_text())
+    address = args.address or endpoints.get("prompts")
+    if not address:
+        raise ValueError("give --address HOST:PORT of the ingest (the trainer's port unless ingest.standalone) or "
+                         "--run-dir of a run started by `up`")
+    token = None
+    if args.token_file:
+        token = pathlib.Path(args.token_file).read_text().strip()
+    elif not (os.environ.get(TOKEN_ENV) or os.environ.get(TOKEN_FILE_ENV) or cfg.auth.token_file) and \
+            endpoints.get("client_token_file"):
+        token = pathlib.Path(endpoints["client_token_file"]).read_text().strip()
+    return PromptClient(address, ClientSecurity.from_config(cfg, token))
+
+
+def result_json(result) -> dict:
+    return {"prompt_id": result.prompt_id, "state": result.state, "policy_version": result.policy_version,
+            "sampler_id": result.sampler_id, "group_id": result.group_id, "train": result.train,
+            "tags": list(result.tags), "reward_mean": round(result.reward_mean, 6),
+            "completions": [{"text": c.text, "reward": round(c.reward, 6), "truncated": c.truncated}
+                            for c in result.completions]}
+
+
+def run_submit(args) -> int:
+    specs = read_prompts(args.file)
+    with connect_client(args) as client:
+        ids = []
+        for start in range(0, len(specs), args.batch):
+            ids += client.submit(specs[start:start + args.batch])
+        print(json.dumps({"prompt_ids": ids}), flush=True)
+        if args.follow:
+            for result in client.results(ids):
+                print(json.dumps(result_json(result)), flush=True)
+    return 0
+
+
+def run_status(args) -> int:
+    with connect_client(args) as client:
+        status = client.status()
+    print(json.dumps({
+        "run": status.run_name, "trainer_step": status.trainer_step, "total_steps": status.total_steps,
+        "latest_weight_version": status.latest_weight_version, "buffer_depth": status.buffer_depth,
+        "injection_queued": status.injection_queued, "injection_claimed": status.injection_claimed,
+        "samplers": [{"sampler_id": s.sampler_id, "installed_version": s.installed_version, "lag": s.lag,
+                      "groups_per_s": round(s.groups_per_s, 3), "tokens_per_s": round(s.tokens_per_s, 1)}
+                     for s in status.samplers]}, indent=2))
+    return 0
+
+
+def run_tokens(args) -> int:
+    paths = write_tokens(args.out)
+    print(f"token table (servers: $GRPO_STREAM_TOKENS_FILE or auth.tokens_file): {paths['table']}")
+    for role in ("sampler", "client", "admin"):
+        print(f"{role} token ($GRPO_STREAM_TOKEN_FILE or auth.token_file): {paths[role]}")
+    return 0
+
+
+def add_parsers(sub, common) -> None:
+    def connection(p) -> None:
+        p.add_argument("--run-dir", type=pathlib.Path, help="a run started by `up` (its endpoints and client token)")
+        p.add_argument("--address", help="HOST:PORT of the PromptService (the ingest)")
+        p.add_argument("--token-file", help="file holding a client (or admin) token")
+        common(p)
+
+    su = sub.add_parser("submit", help="inject prompts (JSONL) into a live run; --follow prints their results")
+    su.add_argument("file", type=pathlib.Path, help="one JSON object per line: text|question, answer, rewards, "
+                    "num_generations, priority, tags, train ('-': stdin)")
+    su.add_argument("--follow", action="store_true", help="print each scored result as it arrives")
+    su.add_argument("--batch", type=int, default=256, help="prompts per Submit call (<= prompts.max_batch)")
+    connection(su)
+    st = sub.add_parser("status", help="trainer step, weight versions, buffer and queue depth, samplers")
+    connection(st)
+    to = sub.add_parser("tokens", help="make a token table and one token per role (sampler, client, admin)")
+    to.add_argument("--out", type=pathlib.Path, required=True, help="directory for tokens.yaml and <role>.token")
+
+
+def run(args) -> int:
+    try:
+        return {"submit": run_submit, "status": run_status, "tokens": run_tokens}[args.command](args)
+    except (ValueError, OSError) as exc:
+        print(f"grpo-stream {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except grpc.RpcError as exc:
+        print(f"grpo-stream {args.command}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1

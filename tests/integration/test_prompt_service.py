@@ -1,0 +1,198 @@
+"""PromptService and ClaimPrompts on a real gRPC server with a real Redis: submit, claim in priority order and
+shared across samplers, answer, follow, cancel, quotas, validation messages, status."""
+
+import json
+import threading
+import time
+
+import grpc
+import pytest
+
+from common.prompt_client import PromptClient
+from common.grpc_util import ClientSecurity
+from common.wire import to_proto
+from protos import prompts_pb2, prompts_pb2_grpc, rollout_pb2, rollout_pb2_grpc
+from trainer_service.prompt_service import StatusWriter
+from tests.support import answer, serve
+
+pytestmark = pytest.mark.redis
+
+
+@pytest.fixture
+def stack(tiny_parts, redis_server, tmp_path):
+    cfg, task, tokenizer, _ = tiny_parts
+    cfg = cfg.model_copy(update={"prompts": cfg.prompts.model_copy(update={"max_pending_per_client": 20})})
+    with serve(cfg, redis_server.url, tmp_path / "auth", task, tokenizer) as s:
+        yield s
+
+
+def clients(stack):
+    c = PromptClient(stack.address, ClientSecurity(stack.token("client")))
+    ingest = rollout_pb2_grpc.RolloutIngestStub(stack.channel("sampler"))
+    return c, ingest
+
+
+def claim(ingest, sampler, n=8):
+    return list(ingest.ClaimPrompts(rollout_pb2.ClaimRequest(sampler_id=sampler, max_prompts=n)).prompts)
+
+
+def test_injected_prompts_are_answered_followed_and_only_train_ones_reach_the_trainer(stack):
+    client, ingest = clients(stack)
+    ids = client.submit([
+        {"question": "Tom has 12 apples and gets 30 more. How many apples now?", "answer": "42", "train": True,
+         "tags": ["hard"]},
+        {"text": "Q: probe A:", "num_generations": 2, "tags": ["probe"]},
+    ])
+    got = []
+    follower = threading.Thread(target=lambda: got.extend(client.results(ids, timeout_s=30)))
+    follower.start()
+    prompts = claim(ingest, "sampler-0")
+    assert [p.prompt_id for p in prompts] == ids
+    train, probe = prompts
+    assert train.train and train.num_generations == stack.cfg.generation.num_generations
+    assert not probe.train and probe.num_generations == 2
+    assert stack.server.ingest.limits.num_generations != 2  # the probe's own size is accepted
+    # the question was rendered with the run's template
+    assert stack.buffer.client  # noqa: B015
+    for version, prompt in enumerate(prompts, start=3):
+        ack = ingest.PushGroup(to_proto(answer(prompt, stack.cfg.run.name, version=version)))
+        assert ack.code == 0, ack.message
+    follower.join(30)
+    by_id = {r.prompt_id: r for r in got}
+    assert set(by_id) == set(ids)
+    assert by_id[ids[0]].policy_version == 3 and by_id[ids[1]].policy_version == 4
+    assert by_id[ids[0]].state == "done" and len(by_id[ids[1]].completions) == 2
+    assert by_id[ids[0]].prompt_text.startswith("Q: Tom has 12 apples")
+    # only the train=true answer is in the rollout stream; the probe is on the evaluation record
+    entries = stack.buffer.client.xrange(stack.buffer.stream)
+    assert [f[b"id"].decode() for _, f in entries] == [by_id[ids[0]].group_id]
+    assert stack.buffer.client.hexists(stack.buffer.k["audit:eval"], by_id[ids[1]].group_id)
+    # a resent answer is a duplicate; tag queries find past results
+    again = ingest.PushGroup(to_proto(answer(train, stack.cfg.run.name, version=3)))
+    assert again.code == 0 and "duplicate" in again.message
+    assert [r.prompt_id for r in client.results(tag="probe", follow=False)] == [ids[1]]
+
+
+def test_priority_first_and_shared_across_samplers(stack):
+    client, ingest = clients(stack)
+    ids = client.submit([{"text": f"Q: p{i} A:", "priority": i % 3} for i in range(8)])
+    claim(ingest, "sampler-1", n=0)  # sampler-1 is active (a claim of nothing still counts it)
+    first, second = claim(ingest, "sampler-0"), claim(ingest, "sampler-1")
+    assert len(first) == 4 and len(second) == 4  # fair share of 8 between two active samplers
+    order = [p.prompt_id for p in first + second]
+    priorities = [int(ids.index(pid)) % 3 for pid in order]
+    assert priorities == sorted(priorities, reverse=True)
+    same = [ids.index(pid) for pid in order if ids.index(pid) % 3 == 2]
+    assert same == sorted(same)  # first come first served within a priority
+
+
+def test_an_unanswered_claim_returns_to_the_queue_after_its_lease(tiny_parts, redis_server, tmp_path):
+    cfg, task, tokenizer, _ = tiny_parts
+    cfg = cfg.model_copy(update={"prompts": cfg.prompts.model_copy(update={"claim_lease_s": 0.5})})
+    with serve(cfg, redis_server.url, tmp_path / "auth", task, tokenizer) as stack:
+        client, ingest = clients(stack)
+        [pid] = client.submit([{"text": "Q: x A:"}])
+        assert [p.prompt_id for p in claim(ingest, "sampler-0")] == [pid]
+        assert claim(ingest, "sampler-1") == []
+        time.sleep(0.7)
+        assert [p.prompt_id for p in claim(ingest, "sampler-1")] == [pid]
+
+
+def test_cancel_discards_the_answer_and_only_the_owner_or_an_admin_may_cancel(stack):
+    client, ingest = clients(stack)
+    ids = client.submit([{"text": "Q: a A:", "train": True, "answer": "1"}, {"text": "Q: b A:"}])
+    [prompt, _] = claim(ingest, "sampler-0")
+    other = PromptClient(stack.address, ClientSecurity(stack.token("sampler")))  # a different caller name
+    other_stub = prompts_pb2_grpc.PromptServiceStub(stack.channel("admin"))
+    with pytest.raises(grpc.RpcError) as err:
+        PromptClient(stack.address, ClientSecurity(stack.token("client"))).cancel(["p-nope"])
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    other.close()
+    reply = client.cancel([ids[0]])
+    assert list(reply.cancelled) == [ids[0]]
+    ack = ingest.PushGroup(to_proto(answer(prompt, stack.cfg.run.name)))
+    assert ack.code == 0 and "cancelled" in ack.message
+    assert stack.buffer.client.xlen(stack.buffer.stream) == 0  # a cancelled train=true answer is never trained
+    [result] = client.results([ids[0]])
+    assert result.state == "cancelled" and result.policy_version == -1
+    assert list(other_stub.Cancel(prompts_pb2.CancelRequest(prompt_ids=[ids[1]])).cancelled) == [ids[1]]
+    assert list(client.cancel([ids[0]]).finished) == [ids[0]]
+
+
+def test_cancelling_another_clients_prompt_is_permission_denied(tiny_parts, redis_server, tmp_path):
+    cfg, task, tokenizer, _ = tiny_parts
+    with serve(cfg, redis_server.url, tmp_path / "auth", task, tokenizer) as stack:
+        table = stack.tokens["table"]
+        rows = table.read_text() + "- {name: alice, role: client, token: alice-token-0123456789}\n"
+        table.write_text(rows)
+    cfg = cfg.model_copy(update={"auth": cfg.auth.model_copy(update={"tokens_file": str(table)})})
+    with serve(cfg, redis_server.url, tmp_path / "auth2", task, tokenizer) as stack:
+        mine = PromptClient(stack.address, ClientSecurity(table.parent.joinpath("client.token").read_text().strip()))
+        alice = PromptClient(stack.address, ClientSecurity("alice-token-0123456789"))
+        [pid] = mine.submit([{"text": "Q: mine A:"}])
+        with pytest.raises(grpc.RpcError) as err:
+            alice.cancel([pid])
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED and "another client" in err.value.details()
+
+
+def test_quota_and_queue_limits_answer_resource_exhausted_with_a_retry_hint(stack):
+    client, _ = clients(stack)
+    client.submit([{"text": f"Q: {i} A:"} for i in range(20)])
+    with pytest.raises(grpc.RpcError) as err:
+        client.submit([{"text": "Q: one more A:"}], retry_s=0)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "max_pending_per_client=20" in err.value.details()
+    assert dict(err.value.trailing_metadata())["retry-after-ms"] == "1000"
+
+
+@pytest.mark.parametrize("spec, field", [
+    ({}, "prompts[0]: give `text`"),
+    ({"text": " "}, "prompts[0].text: must not be empty"),
+    ({"text": "Q: 1 + 1 = ? " * 40}, "prompts[0].text:"),
+    ({"text": "x", "priority": 10}, "prompts[0].priority: 10 outside 0..9"),
+    ({"text": "x", "priority": -1}, "prompts[0].priority"),
+    ({"text": "x", "num_generations": 65}, "prompts[0].num_generations: 65 outside 0..32"),
+    ({"text": "x", "train": True}, "prompts[0].reference_answer: required"),
+    ({"text": "x", "train": True, "answer": "1", "num_generations": 2}, "generation.num_generations=4"),
+    ({"text": "x", "tags": ["a b"]}, "prompts[0].tags[0]"),
+    ({"text": "x", "tags": ["t" * 65]}, "prompts[0].tags[0]: 65 characters, must be 1..64"),
+    ({"text": "x", "tags": [f"t{i}" for i in range(9)]}, "prompts[0].tags: 9 tags, limit 8"),
+    ({"text": "x", "rewards": ["os:system"]}, "prompts[0].rewards[0]: 'os:system' is not one of this run's"),
+])
+def test_invalid_prompts_name_the_field_and_limit(stack, spec, field):
+    stub = prompts_pb2_grpc.PromptServiceStub(stack.channel("client"))
+    request = prompts_pb2.SubmitRequest(prompts=[prompts_pb2.PromptSpec(**{
+        "reference_answer" if k == "answer" else k: v for k, v in spec.items()})])
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Submit(request)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in err.value.details(), err.value.details()
+    assert stack.buffer.client.zcard(f"grpo-stream:{stack.cfg.run.name}:inject:queue") == 0
+
+
+def test_non_utf8_strings_are_invalid_argument_naming_the_field(stack):
+    channel = stack.channel("client")
+    raw = channel.unary_unary("/grpo_stream.v1.PromptService/Submit", request_serializer=lambda b: b,
+                              response_deserializer=lambda b: b)
+    good = prompts_pb2.SubmitRequest(prompts=[prompts_pb2.PromptSpec(text="Q: ok A:", tags=["zz"])]).SerializeToString()
+    with pytest.raises(grpc.RpcError) as err:
+        raw(good.replace(b"zz", b"\xff\xfe"))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith("prompts[0].tags[0]: not valid UTF-8")
+
+
+def test_status_reports_trainer_samplers_buffer_and_queue(stack):
+    client, ingest = clients(stack)
+    client.submit([{"text": "Q: a A:"}, {"text": "Q: b A:"}])
+    claim(ingest, "sampler-0", n=1)
+    stack.publisher.record("sampler-0", 0, throughput=(2.5, 40.0))
+    writer = StatusWriter(stack.server.ingest.injection.queue, stack.publisher, total_steps=7)
+    writer.step = 3
+    writer.write()
+    status = client.status()
+    assert (status.trainer_step, status.total_steps, status.latest_weight_version) == (3, 7, 0)
+    assert (status.injection_queued, status.injection_claimed, status.buffer_depth) == (1, 1, 0)
+    [s] = status.samplers
+    assert (s.sampler_id, s.installed_version, s.lag, s.groups_per_s, s.tokens_per_s) == ("sampler-0", 0, 0, 2.5, 40.0)
+    assert time.time() - status.trainer_updated_unix < 5
+    assert json.loads(stack.buffer.client.get(f"grpo-stream:{stack.cfg.run.name}:status"))["step"] == 3

@@ -1,0 +1,71 @@
+"""A trainer's gRPC server as a run configures it (ingest, PromptService, weights, health, reflection, auth, TLS),
+on loopback with a real Redis, for the integration tests of prompts, auth, TLS and fuzzing."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import pathlib
+
+import numpy as np
+
+from common.auth import write_tokens
+from common.buffer import RedisStreamBuffer
+from common.grpc_util import ClientSecurity, ServerSecurity, open_channel
+from common.redis_util import connect
+from common.weights import WeightSnapshot
+from common.wire import CompletionData, GroupData
+from trainer_service.ingest_server import ingest_servicers
+from trainer_service.publisher import WeightPublisher
+from trainer_service.server import TrainerServer
+
+
+@dataclasses.dataclass
+class Stack:
+    cfg: object
+    server: TrainerServer
+    buffer: RedisStreamBuffer
+    publisher: WeightPublisher
+    tokens: dict[str, pathlib.Path]
+    address: str
+
+    def token(self, role: str) -> str:
+        return self.tokens[role].read_text().strip()
+
+    def channel(self, role: str | None, token: str | None = None, cfg=None):
+        """A channel with `role`'s token (or `token`; None: no token) and the run's TLS client settings."""
+        tls = ClientSecurity.from_config(cfg or self.cfg, token="") if (cfg or self.cfg).tls.enabled else None
+        security = ClientSecurity(token if token is not None else (self.token(role) if role else None),
+                                  tls.tls if tls else None, tls.server_name if tls else None,
+                                  tls.ssl_context if tls else None)
+        return open_channel(self.address, security)
+
+
+@contextlib.contextmanager
+def serve(cfg, redis_url: str, tokens_dir: pathlib.Path, task, tokenizer, data_plane: bool = False,
+          publish: bool = True):
+    """A running server for `cfg` (auth.mode=tokens with a fresh table in tokens_dir unless cfg says otherwise)."""
+    tokens = write_tokens(tokens_dir)
+    if cfg.auth.mode == "tokens" and not cfg.auth.tokens_file:
+        cfg = cfg.model_copy(update={"auth": cfg.auth.model_copy(update={"tokens_file": str(tokens["table"])})})
+    security = ServerSecurity.from_config(cfg)
+    buffer = RedisStreamBuffer(connect(redis_url, 5), cfg.run.name)
+    ingest, prompts = ingest_servicers(cfg, buffer, task, tokenizer, security)
+    publisher = WeightPublisher(chunk_bytes=1 << 16)
+    if publish:
+        publisher.publish(WeightSnapshot(0, {"w": np.arange(12, dtype=np.float32).reshape(3, 4)}, False, "", 0.0))
+    server = TrainerServer(ingest, publisher, "127.0.0.1", 0, security=security, prompts=prompts,
+                           data_port=0 if data_plane else None)
+    port = server.start()
+    try:
+        yield Stack(cfg, server, buffer, publisher, tokens, f"127.0.0.1:{port}")
+    finally:
+        server.stop(0)
+
+
+def answer(prompt, run_name: str, sampler_id: str = "sampler-0", version: int = 0, reward: float = 1.0) -> GroupData:
+    """A scored group answering an injected prompt (what a sampler sends back)."""
+    comps = [CompletionData(np.array([5, 6, 7], np.int32), np.array([-0.1, -0.2, -0.3], np.float32), reward, False)
+             for _ in range(prompt.num_generations)]
+    return GroupData(f"{run_name}/inj/{prompt.prompt_id}", prompt.prompt_id,
+                     np.array(prompt.prompt_token_ids, np.int32), comps, version, sampler_id, injected=True)

@@ -1,0 +1,252 @@
+"""PromptService: clients inject prompts into a live run, follow their scored results, cancel them, read the status.
+
+Served next to the ingest (which holds the Redis connection and the tokenizer). Every request is checked against
+the `prompts` limits before anything is queued; a refusal names the field and the limit. The queue itself, and
+the recording of answers, live in Redis (common/prompt_queue.py), so any number of ingest replicas serve one run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+import time
+
+import grpc
+import numpy as np
+
+from common.auth import TokenTable, caller_of
+from common.buffer import BufferUnavailable
+from common.config import RunConfig
+from common.prompt_queue import PromptQueue, QueueFull
+from common.rewards import BUILTIN
+from protos import prompts_pb2, prompts_pb2_grpc, rollout_pb2
+
+log = logging.getLogger(__name__)
+TAG = re.compile(r"^[\w.:/@+-]+$")
+MAX_IDS = 10_000
+MAX_REWARDS = 16
+FOLLOW_POLL_MS = 1000
+
+
+class PromptServicer(prompts_pb2_grpc.PromptServiceServicer):
+    def __init__(self, cfg: RunConfig, queue: PromptQueue, tokenizer, task, table: TokenTable | None):
+        self.cfg, self.queue, self.tokenizer, self.task, self.table = cfg, queue, tokenizer, task, table
+        self.limits = cfg.prompts
+        # rewards a client may name: built-ins and the run's own; never an import path from the network
+        self.rewards = sorted(set(BUILTIN) | set(cfg.task.rewards))
+
+    # -- Submit -----------------------------------------------------------------------------------------------------
+    def _render(self, spec: prompts_pb2.PromptSpec) -> str:
+        return spec.text if spec.WhichOneof("input") == "text" else self.task.render_question(spec.question)
+
+    def _check(self, i: int, spec: prompts_pb2.PromptSpec) -> tuple[str | None, list[int]]:
+        """(error naming the field and limit, prompt token ids)."""
+        lim, at, n_run = self.limits, f"prompts[{i}]", self.cfg.generation.num_generations
+        which = spec.WhichOneof("input")
+        if which is None:
+            return f"{at}: give `text` (used as is) or `question` (rendered with the run's template)", []
+        value = getattr(spec, which)
+        if not value.strip():
+            return f"{at}.{which}: must not be empty", []
+        if len(value) > lim.max_text_chars:
+            return f"{at}.{which}: {len(value)} characters, limit {lim.max_text_chars} (prompts.max_text_chars)", []
+        if len(spec.reference_answer) > lim.max_text_chars:
+            return (f"{at}.reference_answer: {len(spec.reference_answer)} characters, limit {lim.max_text_chars} "
+                    "(prompts.max_text_chars)"), []
+        if spec.train and not spec.reference_answer.strip():
+            return f"{at}.reference_answer: required when train is true (the rewards score against it)", []
+        if len(spec.rewards) > MAX_REWARDS:
+            return f"{at}.rewards: {len(spec.rewards)} names, limit {MAX_REWARDS}", []
+        for k, name in enumerate(spec.rewards):
+            if name not in self.rewards:
+                return f"{at}.rewards[{k}]: {name[:64]!r} is not one of this run's rewards {self.rewards}", []
+        most = min(lim.max_generations, self.cfg.sampler.prompts_per_batch * n_run)
+        if not 0 <= spec.num_generations <= most:
+            return (f"{at}.num_generations: {spec.num_generations} outside 0..{most} (prompts.max_generations, and "
+                    "one sampler batch: sampler.prompts_per_batch x generation.num_generations; 0 = the run's)"), []
+        if spec.train and spec.num_generations not in (0, n_run):
+            return (f"{at}.num_generations: a train=true prompt uses the run's generation.num_generations={n_run} "
+                    "(the trainer's groups have one size); give 0 or set train=false"), []
+        if not 0 <= spec.priority <= lim.max_priority:
+            return f"{at}.priority: {spec.priority} outside 0..{lim.max_priority} (prompts.max_priority)", []
+        if len(spec.tags) > lim.max_tags:
+            return f"{at}.tags: {len(spec.tags)} tags, limit {lim.max_tags} (prompts.max_tags)", []
+        for k, tag in enumerate(spec.tags):
+            if not 0 < len(tag) <= lim.max_tag_chars:
+                return f"{at}.tags[{k}]: {len(tag)} characters, must be 1..{lim.max_tag_chars} (prompts.max_tag_chars)", []
+            if not TAG.match(tag):
+                return f"{at}.tags[{k}]: {tag!r} may hold letters, digits and . : / @ + - _ only", []
+        ids = self.tokenizer.encode(self._render(spec))
+        if not 0 < len(ids) <= self.cfg.generation.max_prompt_tokens:
+            return (f"{at}.{which}: {len(ids)} tokens, must be 1..{self.cfg.generation.max_prompt_tokens} "
+                    "(generation.max_prompt_tokens)"), []
+        return None, ids
+
+    def Submit(self, request, context):
+        caller = caller_of(context, self.table)
+        count = len(request.prompts)
+        if not 0 < count <= self.limits.max_batch:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"prompts: {count} given, must be 1..{self.limits.max_batch} (prompts.max_batch)")
+        items, ids = [], []
+        n_run = self.cfg.generation.num_generations
+        for i, spec in enumerate(request.prompts):
+            error, tokens = self._check(i, spec)
+            if error:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
+            pid = self.queue.new_id()
+            injected = rollout_pb2.InjectedPrompt(
+                prompt_id=pid, prompt_token_ids=tokens, reference_answer=spec.reference_answer,
+                rewards=list(spec.rewards), num_generations=spec.num_generations or n_run, train=spec.train)
+            items.append((pid, spec.priority, injected.SerializeToString(), spec.SerializeToString(), spec.train,
+                          list(spec.tags)))
+            ids.append(pid)
+        try:
+            queued = self.queue.submit(caller.name, items, self.limits.max_queued, self.limits.max_pending_per_client,
+                                       self.limits.max_priority)
+        except QueueFull as exc:
+            context.set_trailing_metadata((("retry-after-ms", str(self.limits.retry_after_ms)),))
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"{exc}; retry after {self.limits.retry_after_ms} ms")
+        except BufferUnavailable as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"prompt queue unavailable ({exc}); retry with backoff")
+        log.info("%s (%s) queued %d prompts (%d train); queue %d", caller.name, caller.role, count,
+                 sum(s.train for s in request.prompts), queued)
+        return prompts_pb2.SubmitReply(prompt_ids=ids, queued=queued)
+
+    # -- StreamResults ----------------------------------------------------------------------------------------------
+    def _result(self, pid: str, record: dict[bytes, bytes]) -> prompts_pb2.PromptResult:
+        spec = prompts_pb2.PromptSpec.FromString(record.get(b"spec", b""))
+        state = record[b"state"].decode()
+        out = prompts_pb2.PromptResult(
+            prompt_id=pid, state=state, tags=json.loads(record.get(b"tags", b"[]")), train=record.get(b"train") == b"1",
+            submitted_unix=float(record.get(b"submitted", 0)), finished_unix=float(record.get(b"finished", 0)),
+            prompt_text=self._render(spec) if spec.WhichOneof("input") else "", policy_version=-1)
+        if state == "done":
+            group = rollout_pb2.RolloutGroup.FromString(record[b"result"])
+            out.policy_version, out.sampler_id, out.group_id = group.policy_version, group.sampler_id, group.group_id
+            for c in group.completions:
+                ids = np.frombuffer(c.token_ids_le, "<i4")
+                out.completions.add(text=self.tokenizer.decode(ids.tolist()), reward=c.reward,
+                                    reward_components=dict(c.reward_components), truncated=c.truncated,
+                                    num_tokens=len(ids))
+            out.reward_mean = float(np.mean([c.reward for c in group.completions])) if group.completions else 0.0
+        return out
+
+    def _finished(self, pids: list[str]):
+        for pid, record in zip(pids, self.queue.records(pids)):
+            if record is not None and record.get(b"state") in (b"done", b"cancelled"):
+                yield self._result(pid, record)
+
+    def StreamResults(self, request, context):
+        ids, tag = list(request.prompt_ids), request.tag
+        if bool(ids) == bool(tag):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "give either prompt_ids or tag")
+        if len(ids) > MAX_IDS:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"prompt_ids: {len(ids)} given, limit {MAX_IDS}")
+        if tag and not (len(tag) <= self.limits.max_tag_chars and TAG.match(tag)):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"tag: not a valid tag (1..{self.limits.max_tag_chars} "
+                          "letters, digits and . : / @ + - _)")
+        try:
+            after = self.queue.results_tail()  # before reading what is finished, so nothing falls in between
+            if ids:
+                records = self.queue.records(ids)
+                for k, (pid, record) in enumerate(zip(ids, records)):
+                    if record is None:
+                        context.abort(grpc.StatusCode.NOT_FOUND, f"prompt_ids[{k}]: no prompt {pid[:64]!r} (unknown, "
+                                      "or expired after prompts.result_retention_s)")
+                waiting = set(ids)
+                for result in self._finished(ids):
+                    waiting.discard(result.prompt_id)
+                    yield result
+            else:
+                waiting = None
+                done = sorted(self._finished(self.queue.tagged(tag)), key=lambda r: r.finished_unix)
+                yield from done
+                if not request.follow:
+                    return
+            while (waiting is None or waiting) and context.is_active():
+                after, finished = self.queue.wait_finished(after, FOLLOW_POLL_MS)
+                if waiting is not None:
+                    new = [p for p in dict.fromkeys(finished) if p in waiting]
+                    waiting.difference_update(new)
+                else:
+                    new = [p for p in dict.fromkeys(finished) if self.queue.has_tag(tag, p)]
+                yield from self._finished(new)
+        except BufferUnavailable as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"prompt queue unavailable ({exc}); call again to resume")
+
+    # -- Cancel, GetStatus ------------------------------------------------------------------------------------------
+    def Cancel(self, request, context):
+        caller = caller_of(context, self.table)
+        ids = list(request.prompt_ids)
+        if not 0 < len(ids) <= self.limits.max_batch:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"prompt_ids: {len(ids)} given, must be 1..{self.limits.max_batch} (prompts.max_batch)")
+        try:
+            states = self.queue.cancel(caller.name, caller.role == "admin", ids, self.limits.result_retention_s)
+        except KeyError as exc:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"prompt_ids: no prompt {str(exc.args[0])[:64]!r}; nothing "
+                          "was cancelled")
+        except PermissionError as exc:
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, f"prompt_ids: {str(exc.args[0])[:64]!r} was submitted "
+                          "by another client; only its submitter or an admin may cancel it (nothing was cancelled)")
+        except BufferUnavailable as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"prompt queue unavailable ({exc}); retry with backoff")
+        return prompts_pb2.CancelReply(cancelled=[p for p, s in states.items() if s == "cancelled"],
+                                       finished=[p for p, s in states.items() if s == "finished"])
+
+    def GetStatus(self, request, context):
+        try:
+            status = self.queue.read_status()
+            queued, claimed = self.queue.counts()
+            depth = self.queue.buffer_depth()
+        except BufferUnavailable as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"status unavailable ({exc}); retry with backoff")
+        reply = prompts_pb2.RunStatus(
+            run_name=self.cfg.run.name, trainer_step=status.get("step", 0),
+            total_steps=status.get("total_steps", self.cfg.trainer.steps),
+            latest_weight_version=status.get("latest_version", -1), buffer_depth=depth, injection_queued=queued,
+            injection_claimed=claimed, trainer_updated_unix=status.get("updated_unix", 0.0))
+        for s in status.get("samplers", []):
+            reply.samplers.add(**s)
+        return reply
+
+
+def status_of(step: int, total_steps: int, latest_version: int | None, samplers: list[dict]) -> dict:
+    """The trainer's status record, as GetStatus reads it."""
+    return {"step": step, "total_steps": total_steps, "latest_version": -1 if latest_version is None else
+            latest_version, "samplers": samplers, "updated_unix": time.time()}
+
+
+class StatusWriter:
+    """The trainer's side of GetStatus: rewrites its status record in Redis every `every_s` (best effort: a Redis
+    outage only makes the status stale, which `trainer_updated_unix` shows)."""
+
+    def __init__(self, queue: PromptQueue, publisher, total_steps: int, every_s: float = 1.0):
+        self.queue, self.publisher, self.total_steps, self.every_s = queue, publisher, total_steps, every_s
+        self.step = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="status", daemon=True)
+
+    def start(self) -> "StatusWriter":
+        self._thread.start()
+        return self
+
+    def write(self) -> None:
+        try:
+            self.queue.write_status(status_of(self.step, self.total_steps, self.publisher.latest_version,
+                                              self.publisher.sampler_status()))
+        except BufferUnavailable:
+            pass
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self.write()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.write()
