@@ -29,7 +29,7 @@ ROLES = ("sampler", "client", "admin")
 ANY = frozenset(ROLES)
 SAMPLER = frozenset({"sampler", "admin"})
 CLIENT = frozenset({"client", "admin"})
-HEALTH = ("/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch")
+HEALTH = ("/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch", "/grpc.health.v1.Health/List")
 
 # Every RPC any grpo-stream server exposes, with the roles it accepts. A method missing here is refused to all
 # (PERMISSION_DENIED), so a new RPC cannot ship open by accident; tests/unit/common/test_auth.py checks that every
@@ -46,8 +46,7 @@ ROLES_BY_METHOD: dict[str, frozenset[str]] = {
     "/grpo_stream.v1.PromptService/StreamResults": CLIENT,
     "/grpo_stream.v1.PromptService/Cancel": CLIENT,
     "/grpo_stream.v1.PromptService/GetStatus": CLIENT,
-    HEALTH[0]: ANY,
-    HEALTH[1]: ANY,
+    **{method: ANY for method in HEALTH},
     "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo": ANY,
     "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo": ANY,
 }

@@ -24,7 +24,8 @@ def build_groups(batch: list[tuple[Problem, list[int]]], out: Generation, num_ge
     padded = sizes is not None
     sizes = sizes or [num_generations] * len(batch)
     if out.tokens.shape[0] < sum(sizes) or (not padded and out.tokens.shape[0] != sum(sizes)):
-        raise ValueError(f"{out.tokens.shape[0]} completions for {len(batch)} prompts x {sizes} generations")
+        raise ValueError(f"{out.tokens.shape[0]} completions for {len(batch)} prompts x "
+                         f"{sizes[0] if len(set(sizes)) == 1 else sizes} generations")
     if len(group_ids) != len(batch) or (positions is not None and len(positions) != len(batch)) or \
             len(sizes) != len(batch):
         raise ValueError(f"{len(batch)} prompts need as many group ids, positions and sizes")

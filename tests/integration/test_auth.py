@@ -1,0 +1,181 @@
+"""Every RPC of every service against every caller: no token, a wrong token, and each role. UNAUTHENTICATED and
+PERMISSION_DENIED exactly where ROLES_BY_METHOD says; the TCP weights data plane checks the same; TLS and mutual
+TLS with certificates made in the test."""
+
+import socket
+import ssl
+
+import grpc
+import pytest
+from google.protobuf import descriptor_pool, message_factory
+from grpc_health.v1 import health_pb2  # noqa: F401 - registers grpc.health.v1
+from grpc_reflection.v1alpha import reflection_pb2  # noqa: F401 - registers the reflection service
+
+from common import weight_bulk
+from common.auth import ROLES, ROLES_BY_METHOD
+from protos import prompts_pb2, rollout_pb2, weights_pb2
+from tests.pki import make_pki
+from tests.support import serve
+
+pytestmark = pytest.mark.redis
+SERVICES = ("grpo_stream.v1.RolloutIngest", "grpo_stream.v1.WeightService", "grpo_stream.v1.PromptService",
+            "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection")
+REQUESTS = {  # a small request per method; an allowed caller gets past auth with it
+    "StreamBatches": rollout_pb2.RolloutBatch(), "PushGroup": rollout_pb2.RolloutGroup(),
+    "GetDataPosition": rollout_pb2.DataPositionRequest(sampler_id="s"),
+    "ClaimPrompts": rollout_pb2.ClaimRequest(sampler_id="s"),
+    "GetManifest": weights_pb2.GetManifestRequest(sampler_id="s"),
+    "FetchSlices": weights_pb2.FetchSlicesRequest(sampler_id="s", version=99),
+    "ReportVersion": weights_pb2.VersionReport(sampler_id="s"),
+    "Submit": prompts_pb2.SubmitRequest(prompts=[prompts_pb2.PromptSpec(text="Q: 1 + 1 A:")]),
+    "StreamResults": prompts_pb2.ResultsRequest(prompt_ids=["p-unknown"]),
+    "Cancel": prompts_pb2.CancelRequest(prompt_ids=["p-unknown"]), "GetStatus": prompts_pb2.StatusRequest(),
+}
+
+
+def methods():
+    out = []
+    pool = descriptor_pool.Default()
+    for name in SERVICES:
+        for m in pool.FindServiceByName(name).methods:
+            out.append((f"/{name}/{m.name}", m))
+    return out
+
+
+def call(channel, path: str, method) -> grpc.StatusCode:
+    """The status of one call of `method` (the first message of a response stream)."""
+    request = REQUESTS.get(method.name) or message_factory.GetMessageClass(method.input_type)()
+    if method.name == "ServerReflectionInfo":
+        request.list_services = ""
+    if method.name == "Check":
+        request.service = ""
+    response = message_factory.GetMessageClass(method.output_type)
+    kind = {(False, False): channel.unary_unary, (False, True): channel.unary_stream,
+            (True, False): channel.stream_unary, (True, True): channel.stream_stream}[
+        (method.client_streaming, method.server_streaming)]
+    rpc = kind(path, request_serializer=lambda m: m.SerializeToString(), response_deserializer=response.FromString)
+    arg = iter([request]) if method.client_streaming else request
+    try:
+        reply = rpc(arg, timeout=10)
+        if method.server_streaming:
+            next(iter(reply), None)
+            reply.cancel()
+        return grpc.StatusCode.OK
+    except grpc.RpcError as exc:
+        return exc.code()
+
+
+def test_every_rpc_states_its_roles():
+    assert {path for path, _ in methods()} <= set(ROLES_BY_METHOD)
+    assert all(roles and roles <= set(ROLES) for roles in ROLES_BY_METHOD.values())
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_parts, tmp_path_factory):
+    from common.redis_util import EmbeddedRedis
+
+    cfg, task, tokenizer, _ = tiny_parts
+    redis_server = EmbeddedRedis().start()
+    try:
+        with serve(cfg, redis_server.url, tmp_path_factory.mktemp("auth"), task, tokenizer, data_plane=True) as s:
+            yield s
+    finally:
+        redis_server.stop()
+
+
+@pytest.mark.parametrize("caller", ["no token", "wrong token", *ROLES])
+def test_auth_matrix(stack, caller):
+    token = {"no token": None, "wrong token": "not-a-token-of-this-run"}.get(caller)
+    channel = stack.channel(caller if caller in ROLES else None, token)
+    outcomes = {}
+    for path, method in methods():
+        code = call(channel, path, method)
+        if caller not in ROLES:
+            expected = "UNAUTHENTICATED"
+        elif caller in ROLES_BY_METHOD[path]:
+            expected = "passes"
+            code = "passes" if code not in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED) \
+                else code
+        else:
+            expected = "PERMISSION_DENIED"
+        outcomes[path] = (expected, code if code == "passes" else code.name)
+    wrong = {p: o for p, o in outcomes.items() if o[0] != o[1]}
+    assert not wrong, wrong
+    # the matrix is not vacuous: a client may submit but not push rollouts or fetch weights
+    if caller == "client":
+        assert outcomes["/grpo_stream.v1.RolloutIngest/PushGroup"][1] == "PERMISSION_DENIED"
+        assert outcomes["/grpo_stream.v1.WeightService/FetchSlices"][1] == "PERMISSION_DENIED"
+        assert outcomes["/grpo_stream.v1.PromptService/Submit"][1] == "passes"
+
+
+def data_plane_status(stack, token, wrap=None) -> int:
+    request = weights_pb2.FetchSlicesRequest(sampler_id="s", version=0, tensors=[weights_pb2.TensorSlices(
+        tensor_index=0, slices=[weights_pb2.SliceRange(start=[0, 0], stop=[3, 4])])])
+    sock = socket.create_connection(("127.0.0.1", stack.server.data.port), timeout=10)
+    if wrap is not None:
+        sock = wrap(sock)
+    with sock:
+        sock.sendall(weight_bulk.encode_request(request.SerializeToString(), token))
+        return weight_bulk.read_status(sock, deadline=__import__("time").monotonic() + 10)[0]
+
+
+def test_weights_data_plane_checks_tokens_like_fetch_slices(stack):
+    assert data_plane_status(stack, None) == grpc.StatusCode.UNAUTHENTICATED.value[0]
+    assert data_plane_status(stack, "forged-token-forged-token") == grpc.StatusCode.UNAUTHENTICATED.value[0]
+    assert data_plane_status(stack, stack.token("client")) == grpc.StatusCode.PERMISSION_DENIED.value[0]
+    assert data_plane_status(stack, stack.token("sampler")) == 0
+    assert data_plane_status(stack, stack.token("admin")) == 0
+
+
+def test_open_health_answers_probes_without_a_token_and_nothing_else(tiny_parts, redis_server, tmp_path):
+    cfg, task, tokenizer, _ = tiny_parts
+    cfg = cfg.model_copy(update={"auth": cfg.auth.model_copy(update={"open_health": True})})
+    with serve(cfg, redis_server.url, tmp_path / "auth", task, tokenizer) as stack:
+        channel = stack.channel(None)
+        by_path = dict(methods())
+        assert call(channel, "/grpc.health.v1.Health/Check", by_path["/grpc.health.v1.Health/Check"]) == \
+            grpc.StatusCode.OK
+        assert call(channel, "/grpo_stream.v1.PromptService/GetStatus",
+                    by_path["/grpo_stream.v1.PromptService/GetStatus"]) == grpc.StatusCode.UNAUTHENTICATED
+
+
+def tls_cfg(cfg, pki, **client):
+    tls = {"enabled": True, "cert_file": str(pki["server_cert"]), "key_file": str(pki["server_key"]),
+           "ca_file": str(pki["ca"]), **client}
+    return cfg.model_copy(update={"tls": cfg.tls.model_validate(tls)})
+
+
+def status_code(stack, cfg) -> grpc.StatusCode:
+    by_path = dict(methods())
+    return call(stack.channel("client", cfg=cfg), "/grpo_stream.v1.PromptService/GetStatus",
+                by_path["/grpo_stream.v1.PromptService/GetStatus"])
+
+
+def test_tls_serves_clients_that_trust_the_ca_and_refuses_plaintext(tiny_parts, redis_server, tmp_path):
+    cfg, task, tokenizer, _ = tiny_parts
+    pki = make_pki(tmp_path / "pki")
+    server_cfg = tls_cfg(cfg, pki)
+    with serve(server_cfg, redis_server.url, tmp_path / "auth", task, tokenizer, data_plane=True) as stack:
+        assert status_code(stack, server_cfg) == grpc.StatusCode.OK
+        assert status_code(stack, cfg) == grpc.StatusCode.UNAVAILABLE  # plaintext client
+        untrusting = tls_cfg(cfg, {**pki, "ca": pki["rogue_ca"]})
+        assert status_code(stack, untrusting) == grpc.StatusCode.UNAVAILABLE
+        # the data plane speaks TLS with the same certificate, and still checks the token
+        context = ssl.create_default_context(cafile=str(pki["ca"]))
+        wrap = lambda s: context.wrap_socket(s, server_hostname="127.0.0.1")  # noqa: E731
+        assert data_plane_status(stack, stack.token("sampler"), wrap) == 0
+        assert data_plane_status(stack, stack.token("client"), wrap) == grpc.StatusCode.PERMISSION_DENIED.value[0]
+        with pytest.raises((ConnectionError, OSError, weight_bulk.WeightTransferError)):
+            data_plane_status(stack, stack.token("sampler"))  # plaintext to a TLS data plane
+
+
+def test_mutual_tls_requires_a_client_certificate_from_the_ca(tiny_parts, redis_server, tmp_path):
+    cfg, task, tokenizer, _ = tiny_parts
+    pki = make_pki(tmp_path / "pki")
+    server_cfg = tls_cfg(cfg, pki, require_client_cert=True)
+    with serve(server_cfg, redis_server.url, tmp_path / "auth", task, tokenizer) as stack:
+        with_cert = tls_cfg(cfg, pki, client_cert_file=str(pki["client_cert"]), client_key_file=str(pki["client_key"]))
+        assert status_code(stack, with_cert) == grpc.StatusCode.OK
+        assert status_code(stack, tls_cfg(cfg, pki)) == grpc.StatusCode.UNAVAILABLE  # no client certificate
+        rogue = tls_cfg(cfg, pki, client_cert_file=str(pki["rogue_cert"]), client_key_file=str(pki["rogue_key"]))
+        assert status_code(stack, rogue) == grpc.StatusCode.UNAVAILABLE
