@@ -20,9 +20,9 @@ import sys
 import time
 import traceback
 
-BENCHMARKS = ("transport", "pipeline", "sampler", "async", "weights")
+BENCHMARKS = ("transport", "pipeline", "sampler", "async", "weights", "prompts")
 MODULES = {"transport": "bench.transport", "pipeline": "bench.pipeline", "sampler": "bench.sampler",
-           "async": "bench.async_vs_sync", "weights": "bench.weights"}
+           "async": "bench.async_vs_sync", "weights": "bench.weights", "prompts": "bench.prompts"}
 # (result key, comparison, target): ours against the baseline measured in the same run.
 TARGETS = {
     "transport": [("ratio_vs_json", ">=", 5.0), ("fraction_of_raw_redis", ">=", 0.25)],
@@ -31,6 +31,7 @@ TARGETS = {
     "async": [("async_over_sync", "<=", 0.8)],
     "weights": [("fraction_of_raw_f32", ">=", 0.5), ("fraction_of_raw_bf16", ">=", 0.5),
                 ("stall_share_of_step", "<=", 0.05)],
+    "prompts": [("errors", "<=", 0)],
 }
 _OPS = {">=": operator.ge, "<=": operator.le}
 TABLE_HEADER = ("| date (UTC) | commit | benchmark | mode | result | targets met | seconds |\n"

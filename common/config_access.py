@@ -79,6 +79,9 @@ class PromptsSection(Strict):
                                         "(token name) may have; beyond it Submit answers RESOURCE_EXHAUSTED.")
     claim_lease_s: float = Field(300.0, gt=0, le=86_400, description="A claimed prompt not answered in this time "
                                  "goes back to the queue (its sampler died).")
+    max_followers: int = Field(128, ge=1, le=10_000, description="StreamResults calls open at once; each holds a "
+                               "server thread (beside the ingest's own), so followers never starve the samplers. "
+                               "Beyond it StreamResults answers RESOURCE_EXHAUSTED.")
     retry_after_ms: int = Field(1000, ge=1, le=600_000, description="Back-off suggested with RESOURCE_EXHAUSTED.")
     result_retention_s: int = Field(7 * 86_400, ge=60, le=365 * 86_400, description="Finished prompts and their "
                                     "results are kept this long in Redis.")

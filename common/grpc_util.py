@@ -29,6 +29,10 @@ SERVER_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.so_reuseport", 0),
+    # clients ping every 20 s (CHANNEL_OPTIONS); a quiet stream (following results that take minutes) must not be
+    # answered with GOAWAY "too_many_pings", which the default 5-minute minimum would do
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
 ]
 
 

@@ -6,7 +6,8 @@
         print(result.prompt_id, result.policy_version, result.reward_mean)
 
 Prompt dicts use the keys of SPEC_KEYS (`answer` is short for reference_answer). A full queue or quota
-(RESOURCE_EXHAUSTED) is retried after the server's retry-after-ms hint, up to `retry_s` seconds.
+(RESOURCE_EXHAUSTED) is retried after the server's retry-after-ms hint, up to `retry_s` seconds. Calls wait for a
+server that is still starting (gRPC wait_for_ready) up to their deadline.
 """
 
 from __future__ import annotations
@@ -73,8 +74,8 @@ class PromptClient:
         deadline = time.monotonic() + retry_s
         while True:
             try:
-                return list(self.stub.Submit(prompts_pb2.SubmitRequest(prompts=specs), timeout=self.timeout_s)
-                            .prompt_ids)
+                return list(self.stub.Submit(prompts_pb2.SubmitRequest(prompts=specs), timeout=self.timeout_s,
+                                             wait_for_ready=True).prompt_ids)
             except grpc.RpcError as exc:
                 if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or time.monotonic() > deadline:
                     raise
@@ -84,10 +85,11 @@ class PromptClient:
                 timeout_s: float | None = None) -> Iterator[prompts_pb2.PromptResult]:
         """Each result of `prompt_ids` (ends when all are finished) or of `tag` (with follow: until timeout_s)."""
         request = prompts_pb2.ResultsRequest(prompt_ids=prompt_ids or [], tag=tag or "", follow=follow)
-        yield from self.stub.StreamResults(request, timeout=timeout_s)
+        yield from self.stub.StreamResults(request, timeout=timeout_s, wait_for_ready=True)
 
     def cancel(self, prompt_ids: list[str]) -> prompts_pb2.CancelReply:
-        return self.stub.Cancel(prompts_pb2.CancelRequest(prompt_ids=prompt_ids), timeout=self.timeout_s)
+        return self.stub.Cancel(prompts_pb2.CancelRequest(prompt_ids=prompt_ids), timeout=self.timeout_s,
+                                wait_for_ready=True)
 
     def status(self) -> prompts_pb2.RunStatus:
-        return self.stub.GetStatus(prompts_pb2.StatusRequest(), timeout=self.timeout_s)
+        return self.stub.GetStatus(prompts_pb2.StatusRequest(), timeout=self.timeout_s, wait_for_ready=True)

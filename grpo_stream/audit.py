@@ -11,6 +11,10 @@ checkpoint, and so on. Steps a crash rolled back are not in it. Then, per accept
   dropped     settled as dropped (stale, invalid, zero-variance, second copy) and in no lineage step
   waiting     still in the buffer, in no lineage step (a continued run trains or drops it)
   lost        none of these (the guarantee is broken)
+
+Answers to injected prompts submitted with train=false are kept apart (P:R:audit:eval) and never enter the
+rollout stream; the audit checks that no trained step, of any trainer, lists one (else it is BROKEN), and counts
+the injected train=true groups trained.
 """
 
 from __future__ import annotations
@@ -74,6 +78,9 @@ def build_audit(client: redis.Redis, run_name: str, prefix: str = "grpo-stream")
         "audit:trainers", "audit:steps", "audit:checkpoints"))
     history, final_step = lineage(trainers, steps, checkpoints)
     times = collections.Counter(g for groups in history.values() for g in groups)
+    evaluated = {_text(g): json.loads(v) for g, v in client.hscan_iter(k["audit:eval"], count=1000)}
+    ever_trained = {g for rec in steps for g in json.loads(rec["groups"])}  # rolled-back steps included
+    eval_trained = sorted(set(evaluated) & ever_trained)
     outcome: dict[str, str] = {}
     for gid in accepted:
         n, rec = times.get(gid, 0), settled.get(gid)
@@ -91,6 +98,7 @@ def build_audit(client: redis.Redis, run_name: str, prefix: str = "grpo-stream")
     raw = client.hgetall(k["counters"])
     counters = {name: int(raw.get(name.encode(), 0)) for name in COUNTERS + REFUSALS}
     missing_steps = sorted(set(range(1, final_step + 1)) - set(history))
+    injected_train = [g for g, rec in accepted.items() if rec.get("prompt")]
     return {
         "run": run_name,
         "groups_accepted": len(accepted),
@@ -111,7 +119,11 @@ def build_audit(client: redis.Redis, run_name: str, prefix: str = "grpo-stream")
         "steps_rolled_back": len(steps) - len(history),
         "checkpoints_saved": len(checkpoints),
         "counters": counters,
-        "ok": not counts["lost"] and not counts["duplicated"] and not missing_steps and not (set(times) - set(accepted)),
+        "injected": {"evaluation_only": len(evaluated), "evaluation_only_trained": len(eval_trained),
+                     "evaluation_only_trained_ids": eval_trained[:20], "train": len(injected_train),
+                     "train_trained": sum(outcome[g] == "trained" for g in injected_train)},
+        "ok": not counts["lost"] and not counts["duplicated"] and not missing_steps and not (set(times) - set(accepted))
+        and not eval_trained,
     }
 
 
@@ -121,7 +133,9 @@ def group_history(client: redis.Redis, run_name: str, group_id: str, prefix: str
     acc, sett = client.hget(k["audit:accepted"], group_id), client.hget(k["audit:settled"], group_id)
     trained_in = [{"epoch": r["epoch"], "step": int(r["step"])} for r in _stream(client, k["audit:steps"])
                   if group_id in json.loads(r["groups"])]
+    evaluated = client.hget(k["audit:eval"], group_id)
     return {"group_id": group_id, "accepted": json.loads(acc) if acc else None,
+            "evaluation_only": json.loads(evaluated) if evaluated else None,
             "settled": json.loads(sett) if sett else None, "trained_in_steps": trained_in}
 
 
@@ -169,9 +183,13 @@ def run_audit(run_dir: pathlib.Path, redis_url: str | None, group: str | None, j
           f"({report['trainer_resumes']} resumed, {report['steps_rolled_back']} steps rolled back and replayed); "
           f"second copies refused by the ingest {report['second_copies_refused_by_ingest']}, dropped by the trainer "
           f"{report['second_copies_dropped_by_trainer']}\n"
+          f"injected prompts: {report['injected']['evaluation_only']} evaluation-only answers "
+          f"({report['injected']['evaluation_only_trained']} trained on), {report['injected']['train']} train=true "
+          f"groups ({report['injected']['train_trained']} trained)\n"
           f"{'OK' if report['ok'] else 'BROKEN: see ' + str(path)}; written to {path}")
     if not report["ok"]:
         print(f"lost {report['lost_ids']}, trained twice {report['trained_twice_ids']}, missing steps "
-              f"{report['lineage_missing_steps']}, trained but never accepted {report['trained_but_not_accepted']}",
+              f"{report['lineage_missing_steps']}, trained but never accepted {report['trained_but_not_accepted']}, "
+              f"evaluation-only but trained {report['injected']['evaluation_only_trained_ids']}",
               file=sys.stderr)
     return 0 if report["ok"] else 1

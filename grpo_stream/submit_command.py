@@ -63,7 +63,7 @@ def connect_client(args) -> PromptClient:
     elif not (os.environ.get(TOKEN_ENV) or os.environ.get(TOKEN_FILE_ENV) or cfg.auth.token_file) and \
             endpoints.get("client_token_file"):
         token = pathlib.Path(endpoints["client_token_file"]).read_text().strip()
-    return PromptClient(address, ClientSecurity.from_config(cfg, token))
+    return PromptClient(address, ClientSecurity.from_config(cfg, token), timeout_s=args.wait)
 
 
 def result_json(result) -> dict:
@@ -113,6 +113,8 @@ def add_parsers(sub, common) -> None:
         p.add_argument("--run-dir", type=pathlib.Path, help="a run started by `up` (its endpoints and client token)")
         p.add_argument("--address", help="HOST:PORT of the PromptService (the ingest)")
         p.add_argument("--token-file", help="file holding a client (or admin) token")
+        p.add_argument("--wait", type=float, default=60.0, help="seconds to wait for a service that is still "
+                       "starting (default 60)")
         common(p)
 
     su = sub.add_parser("submit", help="inject prompts (JSONL) into a live run; --follow prints their results")

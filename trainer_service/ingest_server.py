@@ -49,7 +49,7 @@ class IngestServer:
         self.servicer, self.prompts = ingest_servicers(cfg, RedisStreamBuffer(client, cfg.run.name), task, tokenizer,
                                                        security)
         self.health = health.HealthServicer()
-        self._server = new_server(security, workers)
+        self._server = new_server(security, workers + cfg.prompts.max_followers)  # followers hold a thread each
         add_service(self._server, self.servicer, SERVICE)
         add_service(self._server, self.prompts, PROMPTS)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)

@@ -117,7 +117,8 @@ class Trainer:
                                          w.wire_dtype, epoch=self.epoch)
         tcp = w.transport == "grpc" and w.data_plane == "tcp"
         self.server = TrainerServer(self.ingest, self.publisher, cfg.trainer.host, cfg.trainer.port,
-                                    data_port=w.data_port if tcp else None, security=security, prompts=prompts)
+                                    data_port=w.data_port if tcp else None, security=security, prompts=prompts,
+                                    workers=16 + cfg.prompts.max_followers)
         port = self.server.start()
         self.status = StatusWriter(PromptQueue(self.buffer.client, cfg.run.name), self.publisher,
                                    cfg.trainer.steps).start()

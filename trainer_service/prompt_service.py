@@ -36,6 +36,7 @@ class PromptServicer(prompts_pb2_grpc.PromptServiceServicer):
         self.limits = cfg.prompts
         # rewards a client may name: built-ins and the run's own; never an import path from the network
         self.rewards = sorted(set(BUILTIN) | set(cfg.task.rewards))
+        self._followers = threading.BoundedSemaphore(cfg.prompts.max_followers)
 
     # -- Submit -----------------------------------------------------------------------------------------------------
     def _render(self, spec: prompts_pb2.PromptSpec) -> str:
@@ -141,6 +142,16 @@ class PromptServicer(prompts_pb2_grpc.PromptServiceServicer):
                 yield self._result(pid, record)
 
     def StreamResults(self, request, context):
+        if not self._followers.acquire(blocking=False):
+            context.set_trailing_metadata((("retry-after-ms", str(self.limits.retry_after_ms)),))
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self.limits.max_followers} StreamResults calls are "
+                          "open (prompts.max_followers); retry later or follow by tag")
+        try:
+            yield from self._stream_results(request, context)
+        finally:
+            self._followers.release()
+
+    def _stream_results(self, request, context):
         ids, tag = list(request.prompt_ids), request.tag
         if bool(ids) == bool(tag):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "give either prompt_ids or tag")

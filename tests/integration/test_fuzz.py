@@ -1,0 +1,158 @@
+"""Fuzzing every public RPC on a real server (real Redis, auth on, admin token so requests reach the handlers):
+5,000 generated requests per RPC, each either a structured message with arbitrary, empty, oversized and
+out-of-range field values, strings that are not UTF-8 (built with the string-as-bytes twin of the message), or
+random bytes. No call may end in UNKNOWN or INTERNAL (an exception in a handler, or a request the server could not
+explain), and afterwards the health check still says SERVING and a normal request still works."""
+
+import grpc
+import pytest
+from google.protobuf import descriptor_pool, message_factory
+from google.protobuf.descriptor import FieldDescriptor
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from common.proto_decode import _twin_pool
+from protos import prompts_pb2, rollout_pb2, weights_pb2  # noqa: F401 - registers the services
+from tests.support import serve
+
+pytestmark = [pytest.mark.redis, pytest.mark.slow]
+EXAMPLES = int(__import__("os").environ.get("FUZZ_EXAMPLES", "5000"))
+FORBIDDEN = {grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAUTHENTICATED,
+             grpc.StatusCode.UNIMPLEMENTED}
+SERVICES = ("grpo_stream.v1.RolloutIngest", "grpo_stream.v1.WeightService", "grpo_stream.v1.PromptService")
+METHODS = [(f"/{name}/{m.name}", m) for name in SERVICES
+           for m in descriptor_pool.Default().FindServiceByName(name).methods]
+
+_INT_RANGES = {FieldDescriptor.TYPE_INT32: (-(2**31), 2**31 - 1), FieldDescriptor.TYPE_INT64: (-(2**63), 2**63 - 1),
+               FieldDescriptor.TYPE_UINT32: (0, 2**32 - 1), FieldDescriptor.TYPE_UINT64: (0, 2**64 - 1)}
+_EDGE_INTS = st.sampled_from([0, 1, -1, 2, 7, 8, 9, 64, 65, 255, 256, 4096, 2**31 - 1, -(2**31)])
+_TEXT = st.one_of(st.just(""), st.text(max_size=40), st.sampled_from(["Q: 1 + 1 A:", "probe", "sampler-0", "42"]),
+                  st.text(min_size=4, max_size=4).map(lambda t: t * 10_000))  # oversized: 40k characters
+_BYTES_AS_STRING = st.one_of(_TEXT.map(str.encode), st.binary(max_size=40),
+                             st.sampled_from([b"\xff\xfe", b"ab\xc3", b"\xed\xa0\x80"]))  # not UTF-8
+
+
+def scalar(field: FieldDescriptor, original: FieldDescriptor):
+    t = original.type
+    if t == FieldDescriptor.TYPE_STRING:
+        return _BYTES_AS_STRING
+    if t == FieldDescriptor.TYPE_BYTES:
+        return st.one_of(st.binary(max_size=64), st.binary(min_size=1, max_size=8).map(lambda b: b * 4096))
+    if t == FieldDescriptor.TYPE_BOOL:
+        return st.booleans()
+    if t in (FieldDescriptor.TYPE_FLOAT, FieldDescriptor.TYPE_DOUBLE):
+        return st.floats(width=32 if t == FieldDescriptor.TYPE_FLOAT else 64)
+    lo, hi = _INT_RANGES.get(t, (-(2**31), 2**31 - 1))
+    return st.one_of(_EDGE_INTS.filter(lambda v: lo <= v <= hi), st.integers(lo, hi))
+
+
+def message(twin_desc, original_desc, depth: int = 0):
+    """A strategy for the twin message (string fields as bytes) of `original_desc`."""
+    cls = message_factory.GetMessageClass(twin_desc)
+    fields = {}
+    for field in twin_desc.fields:
+        original = original_desc.fields_by_name[field.name]
+        if field.message_type is not None:
+            if depth >= 2:
+                continue
+            value = message(field.message_type, original.message_type, depth + 1)
+        else:
+            value = scalar(field, original)
+        # oversized lists repeat one element (generating hundreds of distinct nested messages is slow and finds
+        # nothing more)
+        many = st.lists(value, max_size=3) | value.map(lambda v: [v] * 300) if depth == 0 else \
+            st.lists(value, max_size=2)
+        fields[field.name] = st.none() | (many if field.is_repeated else value)
+
+    def build(values):
+        msg = cls()
+        for name, value in values.items():
+            if value is None:
+                continue
+            target = getattr(msg, name)
+            if isinstance(value, list):
+                if value and hasattr(value[0], "SerializeToString"):
+                    for v in value:
+                        target.add().CopyFrom(v)
+                else:
+                    target.extend(value)
+            elif hasattr(value, "SerializeToString"):
+                target.CopyFrom(value)
+            else:
+                setattr(msg, name, value)
+        return msg
+    return st.fixed_dictionaries(fields).map(build)
+
+
+# Submit also gets plausible requests, so that some pass validation and reach the queue
+_SPEC = st.builds(lambda text, q, answer, n, priority, tags, train: prompts_pb2.PromptSpec(
+    **({"question": text} if q else {"text": text}), reference_answer=answer, num_generations=n, priority=priority,
+    tags=tags, train=train), st.text("Q: 0123456789+=? A", min_size=0, max_size=30), st.booleans(),
+    st.sampled_from(["", "4", "x"]), st.integers(-2, 70), st.integers(-2, 12),
+    st.lists(st.sampled_from(["probe", "a b", "t" * 65, "ok:1"]), max_size=3), st.booleans())
+PLAUSIBLE = {"Submit": st.lists(_SPEC, min_size=0, max_size=4).map(
+    lambda specs: prompts_pb2.SubmitRequest(prompts=specs).SerializeToString())}
+
+
+def request_bytes(method):
+    original = method.input_type
+    twin = _twin_pool(original.file.name).FindMessageTypeByName(original.full_name)
+    options = [message(twin, original).map(lambda m: m.SerializeToString()), st.binary(max_size=200)]
+    if method.name in PLAUSIBLE:
+        options.append(PLAUSIBLE[method.name])
+    return st.one_of(options)
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_parts, tmp_path_factory):
+    from common.redis_util import EmbeddedRedis
+
+    cfg, task, tokenizer, _ = tiny_parts
+    redis_server = EmbeddedRedis().start()
+    try:
+        with serve(cfg, redis_server.url, tmp_path_factory.mktemp("fuzz"), task, tokenizer) as s:
+            yield s
+    finally:
+        redis_server.stop()
+
+
+@pytest.mark.parametrize("path, method", METHODS, ids=[p for p, _ in METHODS])
+def test_fuzzed_requests_never_crash_a_service(stack, path, method):
+    channel = stack.channel("admin")
+    kind = {(False, False): channel.unary_unary, (False, True): channel.unary_stream,
+            (True, False): channel.stream_unary, (True, True): channel.stream_stream}[
+        (method.client_streaming, method.server_streaming)]
+    rpc = kind(path, request_serializer=lambda b: b, response_deserializer=lambda b: b)
+    seen: dict[str, int] = {}
+
+    @settings(max_examples=EXAMPLES, deadline=None, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example])
+    @given(requests=st.lists(request_bytes(method), min_size=1, max_size=3 if method.client_streaming else 1))
+    def one(requests):
+        try:
+            reply = rpc(iter(requests) if method.client_streaming else requests[0], timeout=0.5 if
+                        method.server_streaming else 10)
+            if method.server_streaming:
+                for _ in zip(range(3), reply):
+                    pass
+                reply.cancel()
+            code = grpc.StatusCode.OK
+        except grpc.RpcError as exc:
+            code = exc.code()
+            assert code not in FORBIDDEN, f"{path}: {code.name}: {exc.details()}"
+        seen[code.name] = seen.get(code.name, 0) + 1
+
+    one()
+    assert sum(seen.values()) >= EXAMPLES
+    health = health_pb2_grpc.HealthStub(channel)
+    assert health.Check(health_pb2.HealthCheckRequest(service="")).status == health_pb2.HealthCheckResponse.SERVING
+    print(f"{path}: {seen}")
+
+
+def test_services_still_work_after_fuzzing(stack):
+    from common.grpc_util import ClientSecurity
+    from common.prompt_client import PromptClient
+
+    with PromptClient(stack.address, ClientSecurity(stack.token("admin"))) as client:
+        assert client.status().run_name == stack.cfg.run.name
