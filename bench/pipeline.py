@@ -24,11 +24,11 @@ import tempfile
 import threading
 import time
 
-import grpc
 import numpy as np
 
 from common.config import load_config
-from common.grpc_util import CHANNEL_OPTIONS
+from common.auth import write_tokens
+from common.grpc_util import ClientSecurity, open_channel
 from common.redis_util import EmbeddedRedis
 from common.wire import CompletionData, GroupData, to_proto
 from sampler_service.rollout_client import RolloutClient
@@ -61,7 +61,7 @@ def _produce(trainer: Trainer, stop: threading.Event, errors: list) -> None:
             if stop.wait(0.01):
                 return
         cfg = trainer.cfg
-        channel = grpc.insecure_channel(f"127.0.0.1:{trainer.server.port}", options=CHANNEL_OPTIONS)
+        channel = open_channel(f"127.0.0.1:{trainer.server.port}", ClientSecurity(trainer.bench_token))
         client = RolloutClient(channel, backlog_max_groups=cfg.trainer.groups_per_step,
                                max_groups_per_message=cfg.trainer.groups_per_step).start()
         rng = np.random.default_rng(0)
@@ -85,11 +85,13 @@ def run(quick: bool = False) -> dict:
     stop, errors = threading.Event(), []
     try:
         with tempfile.TemporaryDirectory(prefix="grpo-stream-bench-") as tmp:
+            tokens = write_tokens(pathlib.Path(tmp) / "auth")  # auth on, as in a deployment
             cfg = load_config(CONFIG, [
-                f"redis.url={embedded.url}", "run.name=bench-pipeline", "trainer.port=0", "trainer.metrics_port=null",
+                f"auth.tokens_file={tokens['table']}", f"redis.url={embedded.url}", "run.name=bench-pipeline", "trainer.port=0", "trainer.metrics_port=null",
                 "warmstart.steps=0", "trainer.eval_before=false", "trainer.eval_after=false",
                 f"trainer.steps={steps}", "trainer.final_wait_s=0", "buffer.max_groups=48", "buffer.retry_after_ms=5"])
             trainer = Trainer(cfg, pathlib.Path(tmp))
+            trainer.bench_token = tokens["sampler"].read_text().strip()
             producer = threading.Thread(target=_produce, args=(trainer, stop, errors), daemon=True)
             producer.start()
             started = time.perf_counter()

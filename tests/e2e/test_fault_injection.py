@@ -56,8 +56,11 @@ class Cluster:
     def start(self, name: str) -> None:
         self.starts[name] = self.starts.get(name, 0) + 1
         log = open(self.run_dir / "logs" / f"{name}.{self.starts[name]}.log", "w")
+        auth = self.run_dir / "auth"
+        secret = ({"GRPO_STREAM_TOKENS_FILE": str(auth / "tokens.yaml")} if name in ("trainer", "ingest") else
+                  {"GRPO_STREAM_TOKEN_FILE": str(auth / "sampler.token")})
         self.procs[name] = subprocess.Popen(self.command(name), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                            env={**os.environ, "PYTHONUNBUFFERED": "1", **secret})
 
     def kill(self, name: str) -> None:
         proc = self.procs[name]
@@ -99,6 +102,9 @@ def test_kill_everything_lose_nothing(tmp_path):
                  "warmstart.steps=150", "trainer.eval_before=false", "trainer.eval_after=false",
                  "trainer.final_wait_s=60", "trainer.metrics_port=null", "sampler.metrics_port=null"]
     cluster = Cluster(run_dir, overrides)
+    made = subprocess.run([sys.executable, "-m", "grpo_stream", "tokens", "--out", str(run_dir / "auth")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert made.returncode == 0, made.stderr
     # faults at distinct RL steps, in random order; the last early enough for the trainer to come back and finish
     at_steps = sorted(rng.sample(range(6, STEPS - 12, 3), len(FAULTS)))
     order = rng.sample(FAULTS, len(FAULTS))

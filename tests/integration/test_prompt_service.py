@@ -196,3 +196,35 @@ def test_status_reports_trainer_samplers_buffer_and_queue(stack):
     assert (s.sampler_id, s.installed_version, s.lag, s.groups_per_s, s.tokens_per_s) == ("sampler-0", 0, 0, 2.5, 40.0)
     assert time.time() - status.trainer_updated_unix < 5
     assert json.loads(stack.buffer.client.get(f"grpo-stream:{stack.cfg.run.name}:status"))["step"] == 3
+
+
+def test_reflection_lists_and_describes_every_service_as_grpcurl_would(stack):
+    from google.protobuf.descriptor_pool import DescriptorPool
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+    db = ProtoReflectionDescriptorDatabase(stack.channel("client"))
+    assert {"grpo_stream.v1.PromptService", "grpo_stream.v1.RolloutIngest", "grpo_stream.v1.WeightService",
+            "grpc.health.v1.Health"} <= set(db.get_services())
+    service = DescriptorPool(db).FindServiceByName("grpo_stream.v1.PromptService")
+    assert [m.name for m in service.methods] == ["Submit", "StreamResults", "Cancel", "GetStatus"]
+    assert service.methods_by_name["Submit"].input_type.fields_by_name["prompts"].message_type.full_name == \
+        "grpo_stream.v1.PromptSpec"
+
+
+def test_messages_over_the_size_limit_are_refused_and_the_server_stays_up(stack):
+    from common.grpc_util import MAX_MESSAGE_BYTES
+
+    big = grpc.insecure_channel(stack.address, options=[("grpc.max_send_message_length", 2 * MAX_MESSAGE_BYTES)])
+    raw = big.unary_unary("/grpo_stream.v1.PromptService/Submit", request_serializer=lambda b: b,
+                          response_deserializer=lambda b: b)
+    oversized = prompts_pb2.SubmitRequest(prompts=[prompts_pb2.PromptSpec(text="x" * (MAX_MESSAGE_BYTES + 1024))])
+    with pytest.raises(grpc.RpcError) as err:
+        raw(oversized.SerializeToString(), metadata=[("authorization", f"Bearer {stack.token('client')}")], timeout=30)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    big.close()
+    # and the client side refuses to send one at all
+    client, _ = clients(stack)
+    with pytest.raises(grpc.RpcError) as err:
+        client.submit([prompts_pb2.PromptSpec(text="x" * (MAX_MESSAGE_BYTES + 1024))], retry_s=0)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert client.status().run_name == stack.cfg.run.name

