@@ -64,7 +64,7 @@ class IngestServicer(rollout_pb2_grpc.RolloutIngestServicer):
         for i, record in zip(positions, records):
             g = groups[i]
             if record is None:
-                out[i] = [f"prompt_id: no injected prompt {g.prompt_id!r} (never submitted, or expired)"]
+                out[i] = [f"prompt_id: no injected prompt {g.prompt_id[:64]!r} (never submitted, or expired)"]
                 continue
             prompt = rollout_pb2.InjectedPrompt.FromString(record[b"req"])
             errors = validate_group(g, dataclasses.replace(self.limits, num_generations=prompt.num_generations))
@@ -95,7 +95,8 @@ class IngestServicer(rollout_pb2_grpc.RolloutIngestServicer):
             errors = injected[position] if position in injected else validate_group(group, self.limits)
             if errors:
                 message = "; ".join(errors)
-                log.warning("rejected group %r from %r: %s", group.group_id, group.sampler_id, message)
+                # ids are cut: a hostile sender must not be able to flood the log
+                log.warning("rejected group %r from %r: %s", group.group_id[:64], group.sampler_id[:64], message[:500])
                 acks.append(rollout_pb2.GroupAck(group_id=group.group_id, code=_INVALID, message=message))
             else:
                 valid.append((len(acks), group))
@@ -122,7 +123,7 @@ class IngestServicer(rollout_pb2_grpc.RolloutIngestServicer):
                                                 f"{self.max_groups}); retry after {self.retry_after_ms} ms")
             elif status == "unknown":  # the prompt expired between the check and the append
                 acks[slot] = rollout_pb2.GroupAck(group_id=g.group_id, code=_INVALID, buffer_depth=depth,
-                                                  message=f"prompt_id: no injected prompt {g.prompt_id!r}")
+                                                  message=f"prompt_id: no injected prompt {g.prompt_id[:64]!r}")
             else:
                 duplicates += status == "dup"
                 acks[slot] = rollout_pb2.GroupAck(group_id=g.group_id, code=0, buffer_depth=depth,

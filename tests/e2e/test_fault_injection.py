@@ -115,10 +115,16 @@ def test_kill_everything_lose_nothing(tmp_path):
     try:
         for name in ("trainer", "ingest"):  # before Redis: they must wait for it, not crash-loop
             cluster.start(name)
-        time.sleep(4)
+        # each must log that it waits and keep running (a loaded machine takes a while to import JAX first)
+        waited = time.monotonic() + 90
         for name in ("trainer", "ingest"):
-            assert cluster.procs[name].poll() is None, cluster.log(name)
-            assert "(redis.url) not reachable" in cluster.log(name) and "retrying in" in cluster.log(name)
+            while not ("(redis.url) not reachable" in cluster.log(name) and "retrying in" in cluster.log(name)):
+                assert cluster.procs[name].poll() is None, cluster.log(name)
+                assert time.monotonic() < waited, f"{name} did not log that it waits for Redis: {cluster.log(name)}"
+                time.sleep(0.5)
+        time.sleep(2)
+        for name in ("trainer", "ingest"):
+            assert cluster.procs[name].poll() is None, cluster.log(name)  # still waiting, not crash-looping
         redis_server = EmbeddedRedis(port=redis_port, data_dir=tmp_path / "redis").start()
         for i in range(2):
             cluster.start(f"sampler-{i}")

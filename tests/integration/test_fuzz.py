@@ -29,6 +29,7 @@ _INT_RANGES = {FieldDescriptor.TYPE_INT32: (-(2**31), 2**31 - 1), FieldDescripto
 _EDGE_INTS = st.sampled_from([0, 1, -1, 2, 7, 8, 9, 64, 65, 255, 256, 4096, 2**31 - 1, -(2**31)])
 _TEXT = st.one_of(st.just(""), st.text(max_size=40), st.sampled_from(["Q: 1 + 1 A:", "probe", "sampler-0", "42"]),
                   st.text(min_size=4, max_size=4).map(lambda t: t * 10_000))  # oversized: 40k characters
+_SHORT = st.one_of(st.text(max_size=8).map(str.encode), st.just(b"\xff"))
 _BYTES_AS_STRING = st.one_of(_TEXT.map(str.encode), st.binary(max_size=40),
                              st.sampled_from([b"\xff\xfe", b"ab\xc3", b"\xed\xa0\x80"]))  # not UTF-8
 
@@ -59,10 +60,13 @@ def message(twin_desc, original_desc, depth: int = 0):
             value = message(field.message_type, original.message_type, depth + 1)
         else:
             value = scalar(field, original)
-        # oversized lists repeat one element (generating hundreds of distinct nested messages is slow and finds
-        # nothing more)
-        many = st.lists(value, max_size=3) | value.map(lambda v: [v] * 300) if depth == 0 else \
-            st.lists(value, max_size=2)
+        # oversized lists repeat one scalar (hundreds of distinct or large nested messages are slow to make, use
+        # gigabytes across examples, and find nothing more than a few do)
+        if field.message_type is None:  # many short values: long lists of long strings only eat memory
+            short = _SHORT if original.type == FieldDescriptor.TYPE_STRING else value
+            many = st.lists(value, max_size=3) | short.map(lambda v: [v] * 300)
+        else:
+            many = st.lists(value, max_size=3 if depth == 0 else 2)
         fields[field.name] = st.none() | (many if field.is_repeated else value)
 
     def build(values):
@@ -106,14 +110,23 @@ def request_bytes(method):
 
 @pytest.fixture(scope="module")
 def stack(tiny_parts, tmp_path_factory):
+    import logging
+
     from common.redis_util import EmbeddedRedis
 
     cfg, task, tokenizer, _ = tiny_parts
     redis_server = EmbeddedRedis().start()
+    # tens of thousands of refused requests are expected here; their warnings would fill pytest's log capture
+    quiet = [logging.getLogger(name) for name in ("trainer_service", "common")]
+    levels = [q.level for q in quiet]
+    for q in quiet:
+        q.setLevel(logging.ERROR)
     try:
         with serve(cfg, redis_server.url, tmp_path_factory.mktemp("fuzz"), task, tokenizer) as s:
             yield s
     finally:
+        for q, level in zip(quiet, levels):
+            q.setLevel(level)
         redis_server.stop()
 
 
