@@ -14,7 +14,7 @@ import pytest
 from tests.e2e.test_up import ROOT, run_cli
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
-STEPS = 60
+STEPS = 45
 
 
 def probes(wave: int) -> list[dict]:
@@ -56,8 +56,8 @@ def test_injected_probes_follow_the_policy_and_are_never_trained(tmp_path):
     run_dir = tmp_path / "run"
     up = subprocess.Popen(
         [sys.executable, "-m", "grpo_stream", "up", "--config", "configs/tiny_arith.yaml", "--run-dir", str(run_dir),
-         f"trainer.steps={STEPS}", "warmstart.steps=200", "eval.num_problems=32", "trainer.max_staleness=16",
-         "checkpoint.every=20"],
+         f"trainer.steps={STEPS}", "warmstart.steps=0", "trainer.eval_before=false", "trainer.eval_after=false",
+         "trainer.max_staleness=16", "checkpoint.every=20"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
@@ -84,7 +84,8 @@ def test_injected_probes_follow_the_policy_and_are_never_trained(tmp_path):
     assert len(probe_results) == 8 and all(len(r["completions"]) == 2 for r in probe_results)
     versions = {r["policy_version"] for r in probe_results}
     assert len(versions) >= 2, versions  # answered by the policy as it trains
-    assert max(r["policy_version"] for r in probe_results if "wave2" in r["tags"]) >= STEPS // 3 - 16
+    wave_versions = [[r["policy_version"] for r in probe_results if f"wave{w}" in r["tags"]] for w in (1, 2)]
+    assert min(wave_versions[1]) > max(wave_versions[0]), wave_versions  # the later wave saw a newer policy
     # the audit: no probe was trained on; every train=true prompt was
     audit = run_cli("audit", str(run_dir), "--json", str(tmp_path / "audit.json"), timeout=120)
     assert audit.returncode == 0, audit.stdout + audit.stderr
