@@ -41,6 +41,7 @@ from sampler_service.weight_sync import CheckpointFetcher, GrpcFetcher, LocalFet
 
 log = logging.getLogger(__name__)
 MAX_SKIPPED_PROMPTS = 1000  # consecutive over-long prompts before the sampler gives up (config is wrong)
+INJECTED_ONLY = 2**31 - 1  # sampling-key stream of batches made of injected prompts only
 
 
 @dataclasses.dataclass
@@ -221,9 +222,11 @@ class Sampler:
             flat = [slot.ids for slot in batch for _ in range(slot.rows)]
             flat += [batch[0].ids] * (wanted * gen.num_generations - len(flat))
             version = self.version
+            # the key follows the first data position (as before injection existed); a batch of injected prompts
+            # only draws from a stream of its own
             seed = next((slot.position for slot in batch if slot.position is not None), None)
             key = jax.random.fold_in(rng, seed) if seed is not None else jax.random.fold_in(
-                jax.random.fold_in(rng, -1 & 0x7FFFFFFF), self._batches)
+                jax.random.fold_in(rng, INJECTED_ONLY), self._batches)
             self._batches += 1
             out = engine.generate(self.params, flat, key)
             groups = build_groups([(slot.problem, slot.ids) for slot in batch], out, gen.num_generations, tokenizer,
@@ -257,7 +260,8 @@ class Sampler:
                  "versions installed %s, %.1fs waiting for weights", self.sampler_id, groups_sent,
                  groups_sent / max(elapsed, 1e-9), dict(client.stats), drained, self.installed_versions,
                  self.waited_for_weights_s)
-        result = {"sampler_id": self.sampler_id, "groups": groups_sent, "injected_groups": self.injected_done, "versions": self.installed_versions,
+        result = {"sampler_id": self.sampler_id, "groups": groups_sent, "injected_groups": self.injected_done,
+                  "versions": self.installed_versions,
                   "waited_for_weights_s": round(self.waited_for_weights_s, 3), "fetch_seconds": self.fetch_seconds,
                   "final_weights": verified}
         if self.run_dir is not None:

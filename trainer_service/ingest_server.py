@@ -90,9 +90,10 @@ def run_ingest(cfg: RunConfig) -> dict:
         raise ValueError("redis.url is null: the ingest needs the buffer's Redis URL (e.g. redis.url=redis://host:6379/0)")
     stop = threading.Event()
     stop_on_signals(stop, "in-flight calls")
+    security = ServerSecurity.from_config(cfg)  # a missing token table or certificate fails before any wait
     client = connect(cfg.redis.url, cfg.redis.connect_timeout_s, **credentials(cfg.redis))
     task, tokenizer = build_task_and_tokenizer(cfg)  # token limits, and the template of injected questions
-    server = IngestServer(cfg, client, task, tokenizer, ServerSecurity.from_config(cfg))
+    server = IngestServer(cfg, client, task, tokenizer, security)
     port = server.start()
     log.info("ingest for run %s on %s:%d (buffer.max_groups %d)", cfg.run.name, cfg.ingest.host, port,
              cfg.buffer.max_groups)

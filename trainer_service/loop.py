@@ -82,6 +82,7 @@ class Trainer:
         if cfg.redis.url is None:
             raise ValueError("redis.url is null: give the buffer's Redis URL (e.g. redis.url=redis://host:6379/0), "
                              "or run `grpo-stream up`, which starts an embedded Redis")
+        security = ServerSecurity.from_config(cfg)  # a missing token table or certificate fails before any wait
         client = connect(cfg.redis.url, cfg.redis.connect_timeout_s, **credentials(cfg.redis))
         self.buffer = RedisStreamBuffer(client, cfg.run.name)
         # where `grpo-stream audit RUN_DIR` finds the trail (the password stays out of the file)
@@ -102,7 +103,6 @@ class Trainer:
         gen = cfg.generation
         self.engine = Engine(self.model, self.tokenizer.pad_id, self.tokenizer.eos_ids, gen.max_prompt_tokens,
                              gen.max_new_tokens, gen.temperature)
-        security = ServerSecurity.from_config(cfg)
         self.ingest, prompts = (None, None) if cfg.ingest.standalone else ingest_servicers(
             cfg, self.buffer, self.task, self.tokenizer, security)
         w = cfg.weights
@@ -122,7 +122,8 @@ class Trainer:
         port = self.server.start()
         self.status = StatusWriter(PromptQueue(self.buffer.client, cfg.run.name), self.publisher,
                                    cfg.trainer.steps).start()
-        log.info("gRPC server (%sweights, health) on %s:%d%s", "" if cfg.ingest.standalone else "ingest, ",
+        log.info("gRPC server (%sweights, health, reflection; auth %s%s) on %s:%d%s",
+                 "" if cfg.ingest.standalone else "ingest, prompts, ", cfg.auth.mode, ", TLS" if cfg.tls.enabled else "",
                  cfg.trainer.host, port,
                  f"; weights data plane on port {self.server.data.port}" if tcp else "")
         self.metrics = MetricsWriter(self.run_dir, "trainer")
@@ -332,6 +333,7 @@ class Trainer:
             self._redis("auditing the start", lambda: self.buffer.log_trainer(self.epoch, 0, ""))
         self._redis("updating the held count", lambda: self.buffer.set_held(0))  # a dead predecessor's count
         self._publish(self.resumed_step)
+        self.status.step = self.resumed_step
         log.info("published weight version %d; RL %s", self.resumed_step,
                  f"resumes at step {self.resumed_step + 1}" if resumed else "starts")
         return updater, self.resumed_step, carried

@@ -118,8 +118,11 @@ def test_unreachable_redis_is_one_line_and_nonzero(tmp_path, command):
     from common.redis_util import free_port
 
     url = f"redis://127.0.0.1:{free_port()}/0"
+    tokens = run_cli("tokens", "--out", str(tmp_path / "auth"), timeout=60)  # the trainer checks auth first
+    assert tokens.returncode == 0, tokens.stderr
     proc = run_cli(command, "--config", "configs/tiny_arith_smoke.yaml", "--run-dir", str(tmp_path / "r"),
-                   f"redis.url={url}", "redis.connect_timeout_s=1", timeout=180)
+                   f"redis.url={url}", "redis.connect_timeout_s=1", f"auth.tokens_file={tmp_path / 'auth/tokens.yaml'}",
+                   timeout=180)
     assert proc.returncode == 1
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and f"redis.url={url}: not reachable after 1s" in lines[0], proc.stderr
@@ -349,3 +352,14 @@ def test_sampler_waits_for_a_trainer_that_answers_but_has_not_published_then_giv
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+@pytest.mark.parametrize("command", ["trainer", "ingest"])
+def test_a_server_without_a_token_table_fails_at_once_naming_the_settings(command, tmp_path):
+    env_free = {k: v for k, v in os.environ.items() if not k.startswith("GRPO_STREAM_TOKEN")}
+    args = [sys.executable, "-m", "grpo_stream", command, "--config", "configs/tiny_arith_smoke.yaml",
+            "redis.url=redis://127.0.0.1:1/0", *(["--run-dir", str(tmp_path / "r")] if command == "trainer" else [])]
+    proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=120, env=env_free)
+    assert proc.returncode == 1
+    assert "auth.mode=tokens but no token table: set $GRPO_STREAM_TOKENS_FILE or auth.tokens_file" in proc.stderr
+    assert "not reachable" not in proc.stdout  # it did not wait for Redis first
