@@ -10,7 +10,7 @@ Layout for run R (prefix P, next to the rollout buffer's keys):
   P:R:inject:pending     hash: client name -> its unfinished prompts (the per-client quota)
   P:R:inject:samplers    hash: sampler id -> time of its last claim (samplers active in the last minute share)
   P:R:inject:seq         counter
-  P:R:tag:<tag>          set of ids carrying the tag
+  P:R:tag:<tag>          set of ids carrying the tag (expires the retention after its newest prompt)
   P:R:results            stream: one entry (`id`) per prompt that finished (done or cancelled), for followers
   P:R:audit:eval         hash: group id -> {prompt, sampler, version, t} of every train=false answer (never in the
                          rollout stream; the audit checks no trained step lists one)
@@ -36,12 +36,13 @@ RESULTS_MAXLEN = 100_000
 _SUBMIT = """
 local base, client, now = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local max_queued, max_pending, maxp = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
-local n = (#ARGV - 6) / 6
+local retention = tonumber(ARGV[7])
+local n = (#ARGV - 7) / 6
 local queued = redis.call('ZCARD', KEYS[1]) + redis.call('ZCARD', KEYS[2])
 if queued + n > max_queued then return {'full', tostring(queued)} end
 local pending = tonumber(redis.call('HGET', KEYS[3], client) or '0')
 if pending + n > max_pending then return {'quota', tostring(pending)} end
-for i = 7, #ARGV, 6 do
+for i = 8, #ARGV, 6 do
   local pid, priority = ARGV[i], tonumber(ARGV[i + 1])
   local seq = redis.call('INCR', KEYS[4]) % 4294967296
   local score = (maxp - priority) * 4294967296 + seq
@@ -49,7 +50,10 @@ for i = 7, #ARGV, 6 do
   redis.call('HSET', pkey, 'req', ARGV[i + 2], 'spec', ARGV[i + 3], 'client', client, 'state', 'queued',
              'train', ARGV[i + 4], 'score', score, 'submitted', now, 'tags', ARGV[i + 5])
   redis.call('ZADD', KEYS[1], score, pid)
-  for _, tag in ipairs(cjson.decode(ARGV[i + 5])) do redis.call('SADD', base .. ':tag:' .. tag, pid) end
+  for _, tag in ipairs(cjson.decode(ARGV[i + 5])) do
+    redis.call('SADD', base .. ':tag:' .. tag, pid)
+    redis.call('EXPIRE', base .. ':tag:' .. tag, retention)  -- a tag outlives its last prompt by the retention
+  end
 end
 redis.call('HINCRBY', KEYS[3], client, n)
 return {'ok', tostring(queued + n)}
@@ -157,10 +161,10 @@ class PromptQueue:
         return f"p-{uuid.uuid4().hex[:16]}"
 
     def submit(self, client_name: str, items: list[tuple[str, int, bytes, bytes, bool, list[str]]], max_queued: int,
-               max_pending: int, max_priority: int) -> int:
+               max_pending: int, max_priority: int, retention_s: int = 7 * 86_400) -> int:
         """Queue (id, priority, InjectedPrompt bytes, PromptSpec bytes, train, tags) items, all or none. Returns the
         queue length after; raises QueueFull (nothing queued) when the queue or the client's quota has no room."""
-        args: list = [self.base, client_name, time.time(), max_queued, max_pending, max_priority]
+        args: list = [self.base, client_name, time.time(), max_queued, max_pending, max_priority, retention_s]
         for pid, priority, req, spec, train, tags in items:
             args += [pid, priority, req, spec, int(train), json.dumps(tags)]
         status, count = (x.decode() for x in self._call(lambda: self._submit(

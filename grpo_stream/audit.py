@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import collections
 import json
+import os
 import pathlib
 import sys
 
 import redis
 
 from common.buffer import COUNTERS, REFUSALS, RUN_FILE, keys
+from common.config_access import REDIS_PASSWORD_ENV
 
 
 def _text(value) -> str:
@@ -148,15 +150,17 @@ def _client_for(run_dir: pathlib.Path, redis_url: str | None):
     if not info_path.is_file():
         raise FileNotFoundError(f"{info_path}: not found; RUN_DIR must be a directory a trainer wrote")
     info = json.loads(info_path.read_text())
+    # a protected Redis: the password comes from the environment, as for the services
+    login = {"password": os.environ[REDIS_PASSWORD_ENV]} if os.environ.get(REDIS_PASSWORD_ENV) else {}
     if redis_url:
-        return connect(redis_url, 10), info["run"], None
+        return connect(redis_url, 10, **login), info["run"], None
     try:
-        return connect(info["redis_url"], 1, log_retries=False), info["run"], None
+        return connect(info["redis_url"], 1, log_retries=False, **login), info["run"], None
     except RedisConnectError as exc:
         data = run_dir / "redis"
         if not data.is_dir():
-            raise RedisConnectError(f"{exc}; pass --redis-url (with its password) to audit a run whose Redis is "
-                                    "elsewhere") from None
+            raise RedisConnectError(f"{exc}; pass --redis-url (and $GRPO_STREAM_REDIS_PASSWORD) to audit a run whose "
+                                    "Redis is elsewhere") from None
     server = EmbeddedRedis(data_dir=data).start()
     return connect(server.url, 30), info["run"], server
 

@@ -106,7 +106,7 @@ class PromptServicer(prompts_pb2_grpc.PromptServiceServicer):
             ids.append(pid)
         try:
             queued = self.queue.submit(caller.name, items, self.limits.max_queued, self.limits.max_pending_per_client,
-                                       self.limits.max_priority)
+                                       self.limits.max_priority, self.limits.result_retention_s)
         except QueueFull as exc:
             context.set_trailing_metadata((("retry-after-ms", str(self.limits.retry_after_ms)),))
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
