@@ -86,11 +86,15 @@ def test_injected_probes_follow_the_policy_and_are_never_trained(tmp_path):
     assert len(versions) >= 2, versions  # answered by the policy as it trains
     wave_versions = [[r["policy_version"] for r in probe_results if f"wave{w}" in r["tags"]] for w in (1, 2)]
     assert min(wave_versions[1]) > max(wave_versions[0]), wave_versions  # the later wave saw a newer policy
+    print("probe versions by wave:", wave_versions, "reward means:",
+          [[round(r["reward_mean"], 2) for r in probe_results if f"wave{w}" in r["tags"]] for w in (1, 2)])
     # the audit: no probe was trained on; every train=true prompt was
     audit = run_cli("audit", str(run_dir), "--json", str(tmp_path / "audit.json"), timeout=120)
     assert audit.returncode == 0, audit.stdout + audit.stderr
     report = json.loads((tmp_path / "audit.json").read_text())
     injected = report["injected"]
+    print("audit:", {k: report[k] for k in ("groups_accepted", "groups_trained", "groups_lost", "groups_trained_twice")},
+          injected)
     assert injected["evaluation_only"] == 8 and injected["evaluation_only_trained"] == 0
     assert injected["train"] == 4 and injected["train_trained"] == 4
     one = run_cli("audit", str(run_dir), "--group", probe_results[0]["group_id"], timeout=120)
