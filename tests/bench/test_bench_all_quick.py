@@ -18,7 +18,7 @@ def test_bench_all_quick_writes_json_and_table_rows(tmp_path):
                            "--table", str(table)], cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = {name: json.loads((out / f"{name}-quick.json").read_text())
-               for name in ("transport", "pipeline", "sampler", "async", "weights")}
+               for name in ("transport", "pipeline", "sampler", "async", "weights", "prompts")}
     for name, result in results.items():
         assert result["benchmark"] == name and result["quick"] is True and "error" not in result
         assert result["targets"] and all(isinstance(t["met"], bool) for t in result["targets"].values())
@@ -60,6 +60,11 @@ def test_bench_all_quick_writes_json_and_table_rows(tmp_path):
                                                             "grpc_stream_float32", "grpc_stream_bfloat16"))
     assert weights["stall"]["versions_installed"][-1] == 1 and weights["stall"]["step_s"] > 0
 
+    prompts = results["prompts"]
+    # every prompt submitted was answered once and followed to its result, through a real ingest process
+    assert prompts["submits"] > 0 and prompts["answered"] == prompts["submits"] and prompts["errors"] == 0
+    assert prompts["submit_p50_ms"] > 0 and prompts["check_p50_ms"] > 0
+
     rows = [line for line in table.read_text().splitlines() if line.startswith("| 20")]
-    assert [row.split(" | ")[2] for row in rows] == ["transport", "pipeline", "sampler", "async", "weights"]
+    assert [row.split(" | ")[2] for row in rows] == ["transport", "pipeline", "sampler", "async", "weights", "prompts"]
     assert all(" | quick | " in row for row in rows)
