@@ -41,6 +41,16 @@ class Stack:
         return open_channel(self.address, security)
 
 
+def deployment_auth(out_dir: pathlib.Path) -> tuple[dict[str, str], ServerSecurity]:
+    """Tokens as a deployment hands them out: (environment for service processes: the servers' table and the
+    sampler token, security for a server the test runs itself)."""
+    from common.auth import TokenTable  # noqa: PLC0415
+
+    tokens = write_tokens(out_dir)
+    env = {"GRPO_STREAM_TOKENS_FILE": str(tokens["table"]), "GRPO_STREAM_TOKEN_FILE": str(tokens["sampler"])}
+    return env, ServerSecurity(TokenTable.from_file(tokens["table"]))
+
+
 @contextlib.contextmanager
 def serve(cfg, redis_url: str, tokens_dir: pathlib.Path, task, tokenizer, data_plane: bool = False,
           publish: bool = True):

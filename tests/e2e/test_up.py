@@ -12,9 +12,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.e2e
 
 
-def run_cli(*args, timeout=600):
+def run_cli(*args, timeout=600, env: dict[str, str] | None = None):
     return subprocess.run([sys.executable, "-m", "grpo_stream", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                          timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
 
 
 def check_run(summary: dict, replicas: int, steps: int) -> None:
@@ -207,7 +207,8 @@ def test_sampler_without_trainer_is_one_line_and_nonzero():
 
     address = f"127.0.0.1:{free_port()}"
     proc = run_cli("sampler", "--config", "configs/tiny_arith_smoke.yaml", "--index", "0",
-                   f"sampler.trainer_address={address}", "sampler.connect_timeout_s=1", timeout=180)
+                   f"sampler.trainer_address={address}", "sampler.connect_timeout_s=1", timeout=180,
+                   env={"GRPO_STREAM_TOKEN": "a-sampler-token-for-a-missing-trainer"})
     assert proc.returncode == 1
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and f"sampler.trainer_address={address}: trainer not reachable" in lines[0], proc.stderr
@@ -298,6 +299,7 @@ def test_sampler_waits_for_a_trainer_that_answers_but_has_not_published_then_giv
 
     from common.buffer import RedisStreamBuffer
     from common.config import load_config
+    from tests.support import deployment_auth
     from common.redis_util import connect
     from common.runtime import build_policy, build_task_and_tokenizer
     from common.wire import GroupLimits
@@ -318,7 +320,7 @@ def test_sampler_waits_for_a_trainer_that_answers_but_has_not_published_then_giv
     def start(port: int):
         return subprocess.Popen([sys.executable, "-m", "grpo_stream", "sampler", "--config", str(config), "--index",
                                  "0", *overrides, f"trainer.port={port}"], cwd=ROOT, stdout=open(log_path, "w"),
-                                stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1", **auth})
 
     def wait_for_log(proc, text: str, timeout_s: float = 120) -> None:
         deadline = time.monotonic() + timeout_s
@@ -326,8 +328,9 @@ def test_sampler_waits_for_a_trainer_that_answers_but_has_not_published_then_giv
             assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
             time.sleep(0.1)
 
+    auth, security = deployment_auth(tmp_path / "auth")
     publisher = WeightPublisher("grpc")
-    server = TrainerServer(IngestServicer(buffer, limits, 1000, 20), publisher, "127.0.0.1", 0)
+    server = TrainerServer(IngestServicer(buffer, limits, 1000, 20), publisher, "127.0.0.1", 0, security=security)
     proc = start(server.start())
     try:
         wait_for_log(proc, "connected to")
@@ -342,7 +345,8 @@ def test_sampler_waits_for_a_trainer_that_answers_but_has_not_published_then_giv
             proc.kill()
         server.stop(0)
 
-    silent = TrainerServer(IngestServicer(buffer, limits, 1000, 20), WeightPublisher("grpc"), "127.0.0.1", 0)
+    silent = TrainerServer(IngestServicer(buffer, limits, 1000, 20), WeightPublisher("grpc"), "127.0.0.1", 0,
+                           security=security)
     proc = start(silent.start())
     try:
         wait_for_log(proc, "connected to")

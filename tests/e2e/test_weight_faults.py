@@ -33,6 +33,7 @@ from common.redis_util import connect, free_port
 from common.runtime import build_policy, build_task_and_tokenizer
 from common.wire import GroupLimits, decode_group
 from tests.e2e.test_up import ROOT
+from tests.support import deployment_auth
 from trainer_service.ingest import IngestServicer
 from trainer_service.publisher import WeightPublisher
 from trainer_service.server import TrainerServer
@@ -42,9 +43,9 @@ CONFIG = ROOT / "configs" / "tiny_arith_smoke.yaml"
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 
 
-def cli(*args, log):
+def cli(*args, log, auth: dict[str, str]):
     return subprocess.Popen([sys.executable, "-m", "grpo_stream", *args], cwd=ROOT, stdout=log,
-                            stderr=subprocess.STDOUT, env=ENV)
+                            stderr=subprocess.STDOUT, env={**ENV, **auth})
 
 
 def recomputed(model, params, group, cfg, pad_id) -> np.ndarray:
@@ -79,11 +80,13 @@ def test_no_group_mixes_weight_versions(tmp_path, redis_server):
     gen = cfg.generation
     limits = GroupLimits(gen.num_generations, gen.max_prompt_tokens, gen.max_new_tokens, tokenizer.vocab_size)
     publisher = WeightPublisher("grpc")
-    server = TrainerServer(IngestServicer(buffer, limits, 100_000, 20), publisher, "127.0.0.1", 0)
+    auth, security = deployment_auth(tmp_path / "auth")
+    server = TrainerServer(IngestServicer(buffer, limits, 100_000, 20), publisher, "127.0.0.1", 0, security=security)
     port = server.start()
     publisher.publish_arrays(0, weights(0))
     log = open(tmp_path / "sampler.log", "w")
-    proc = cli("sampler", "--config", str(CONFIG), "--index", "0", *overrides, f"trainer.port={port}", log=log)
+    proc = cli("sampler", "--config", str(CONFIG), "--index", "0", *overrides, f"trainer.port={port}", log=log,
+               auth=auth)
     groups, version = [], 0
     try:
         deadline = time.monotonic() + 300
@@ -167,11 +170,12 @@ def test_trainer_killed_mid_transfer_samplers_keep_generating_then_follow_the_re
     logs = {name: open(tmp_path / f"{name}.log", "w") for name in ("trainer-1", "trainer-2", "sampler-0",
                                                                    "sampler-1")}
     text = {name: lambda name=name: (tmp_path / f"{name}.log").read_text() for name in logs}
+    auth, _ = deployment_auth(tmp_path / "auth")
     procs = {"trainer-1": cli("trainer", "--config", str(CONFIG), "--run-dir", str(tmp_path / "run-1"), *overrides,
-                              log=logs["trainer-1"])}
+                              log=logs["trainer-1"], auth=auth)}
     for i in range(2):
         procs[f"sampler-{i}"] = cli("sampler", "--config", str(CONFIG), "--index", str(i), "--run-dir",
-                                    str(tmp_path), *overrides, log=logs[f"sampler-{i}"])
+                                    str(tmp_path), *overrides, log=logs[f"sampler-{i}"], auth=auth)
     try:
         # both samplers generate with a first version; then a later version starts streaming to one of them
         wait_for(lambda: all(scrape(metrics + i).get("sampler_groups_total", 0) > 0 for i in range(2)), 240,
@@ -192,7 +196,7 @@ def test_trainer_killed_mid_transfer_samplers_keep_generating_then_follow_the_re
         assert "weight fetch failed" in text["sampler-0"]() + text["sampler-1"]()
 
         procs["trainer-2"] = cli("trainer", "--config", str(CONFIG), "--run-dir", str(tmp_path / "run-2"),
-                                 *overrides, log=logs["trainer-2"])
+                                 *overrides, log=logs["trainer-2"], auth=auth)
         assert procs["trainer-2"].wait(timeout=600) == 0, text["trainer-2"]()[-4000:]
         for i in range(2):
             assert procs[f"sampler-{i}"].wait(timeout=120) == 0, text[f"sampler-{i}"]()[-3000:]
