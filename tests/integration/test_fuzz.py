@@ -144,7 +144,7 @@ def test_fuzzed_requests_never_crash_a_service(stack, path, method):
     @given(requests=st.lists(request_bytes(method), min_size=1, max_size=3 if method.client_streaming else 1))
     def one(requests):
         try:
-            reply = rpc(iter(requests) if method.client_streaming else requests[0], timeout=0.5 if
+            reply = rpc(iter(requests) if method.client_streaming else requests[0], timeout=0.2 if
                         method.server_streaming else 10)
             if method.server_streaming:
                 for _ in zip(range(3), reply):
