@@ -83,6 +83,7 @@ for i = 7, #ARGV, 6 do
       redis.call('HSET', pkey, 'state', 'done', 'result', ARGV[i + 4], 'version', ARGV[i + 2], 'sampler', sampler,
                  'group', gid, 'finished', ARGV[3])
       redis.call('ZREM', base .. ':inject:claimed', pid)
+      redis.call('ZREM', base .. ':inject:queue', pid)  -- a late answer to a claim that was queued again
       redis.call('HINCRBY', base .. ':inject:pending', redis.call('HGET', pkey, 'client'), -1)
       redis.call('XADD', base .. ':results', 'MAXLEN', '~', '100000', '*', 'id', pid)
       redis.call('EXPIRE', pkey, retention)

@@ -91,9 +91,11 @@ local popped = redis.call('ZPOPMIN', KEYS[1], take)
 for i = 1, #popped, 2 do
   local pid = popped[i]
   local pkey = base .. ':prompt:' .. pid
-  redis.call('HSET', pkey, 'state', 'claimed', 'sampler', sampler, 'claimed', now)
-  redis.call('ZADD', KEYS[2], now, pid)
-  out[#out + 1] = redis.call('HGET', pkey, 'req')
+  if redis.call('HGET', pkey, 'state') == 'queued' then  -- never hand out a finished prompt again
+    redis.call('HSET', pkey, 'state', 'claimed', 'sampler', sampler, 'claimed', now)
+    redis.call('ZADD', KEYS[2], now, pid)
+    out[#out + 1] = redis.call('HGET', pkey, 'req')
+  end
 end
 return out
 """

@@ -96,6 +96,16 @@ def test_an_unanswered_claim_returns_to_the_queue_after_its_lease(tiny_parts, re
         assert claim(ingest, "sampler-1") == []
         time.sleep(0.7)
         assert [p.prompt_id for p in claim(ingest, "sampler-1")] == [pid]
+        # the first sampler answers late: the answer counts once and the prompt is not handed out again
+        [late] = [p for p in stack.server.ingest.injection.queue.records([pid])]
+        prompt = rollout_pb2.InjectedPrompt.FromString(late[b"req"])
+        assert ingest.PushGroup(to_proto(answer(prompt, stack.cfg.run.name, "sampler-0"))).code == 0
+        assert ingest.PushGroup(to_proto(answer(prompt, stack.cfg.run.name, "sampler-1"))).message.startswith(
+            "duplicate")
+        time.sleep(0.7)
+        assert claim(ingest, "sampler-2") == []
+        [result] = client.results([pid])
+        assert result.sampler_id == "sampler-0"
 
 
 def test_cancel_discards_the_answer_and_only_the_owner_or_an_admin_may_cancel(stack):
