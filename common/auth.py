@@ -51,7 +51,7 @@ ROLES_BY_METHOD: dict[str, frozenset[str]] = {
     "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo": ANY,
 }
 # The raw TCP weights data plane is not gRPC; it accepts what FetchSlices accepts.
-DATA_PLANE_ROLES = ROLES_BY_METHOD["/grpo_stream.v1.WeightService/FetchSlices"]
+DATA_PLANE = "/grpo_stream.v1.WeightService/FetchSlices"
 
 
 class AuthError(ValueError):
@@ -171,6 +171,19 @@ def caller_of(context: grpc.ServicerContext, table: TokenTable | None) -> Caller
     return found or Caller("anonymous", "none")
 
 
+def refusal(table: TokenTable, token: str | None, method: str) -> tuple[grpc.StatusCode, str] | None:
+    """Why a call of `method` (a ROLES_BY_METHOD key) with `token` is refused, or None when it may proceed."""
+    caller = table.lookup(token) if token else None
+    if caller is None:
+        return (grpc.StatusCode.UNAUTHENTICATED,
+                "missing or unknown bearer token: send metadata 'authorization: Bearer <token>'")
+    allowed = ROLES_BY_METHOD.get(method, frozenset())
+    if caller.role not in allowed:
+        return (grpc.StatusCode.PERMISSION_DENIED, f"{method}: role {caller.role!r} ({caller.name}) may not call "
+                f"it; it accepts {sorted(allowed) or 'no role'}")
+    return None
+
+
 def _refusal(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
     def deny(_request, context):
         context.abort(code, message)
@@ -201,17 +214,8 @@ class AuthInterceptor(grpc.ServerInterceptor):
         method = handler_call_details.method
         if self.open_health and method in HEALTH:
             return handler
-        token = bearer(handler_call_details.invocation_metadata)
-        caller = self.table.lookup(token) if token else None
-        if caller is None:
-            return _refusal(handler, grpc.StatusCode.UNAUTHENTICATED,
-                            "missing or unknown bearer token: send metadata 'authorization: Bearer <token>'")
-        allowed = ROLES_BY_METHOD.get(method, frozenset())
-        if caller.role not in allowed:
-            return _refusal(handler, grpc.StatusCode.PERMISSION_DENIED,
-                            f"{method}: role {caller.role!r} ({caller.name}) may not call it; it accepts "
-                            f"{sorted(allowed) or 'no role'}")
-        return handler
+        refused = refusal(self.table, bearer(handler_call_details.invocation_metadata), method)
+        return handler if refused is None else _refusal(handler, *refused)
 
 
 def new_token() -> str:

@@ -31,7 +31,6 @@ import redis
 from common.buffer import BufferUnavailable
 
 ACTIVE_SAMPLER_S = 60.0
-RESULTS_MAXLEN = 100_000
 
 _SUBMIT = """
 local base, client, now = ARGV[1], ARGV[2], tonumber(ARGV[3])
@@ -131,8 +130,7 @@ return out
 
 
 class QueueFull(Exception):
-    def __init__(self, message: str):
-        super().__init__(message)
+    """Nothing was queued: the queue or the client's quota has no room."""
 
 
 class PromptQueue:
@@ -207,9 +205,6 @@ class PromptQueue:
 
     def tagged(self, tag: str) -> list[str]:
         return sorted(x.decode() for x in self._call(lambda: self.client.smembers(f"{self.base}:tag:{tag}")))
-
-    def has_tag(self, tag: str, prompt_id: str) -> bool:
-        return bool(self._call(lambda: self.client.sismember(f"{self.base}:tag:{tag}", prompt_id)))
 
     def results_tail(self) -> str:
         """Id of the newest finish notification ('0-0' when none): follow from here."""

@@ -90,20 +90,19 @@ def with_host_devices(env: dict[str, str], count: int) -> dict[str, str]:
     return {**env, "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={count}".strip()}
 
 
-def with_run_tokens(cfg: RunConfig, run_dir: pathlib.Path, env: dict[str, str]) -> tuple[dict, dict]:
-    """(servers' env, samplers' env). With auth.mode=tokens and no token table given, the run gets its own in
-    RUN_DIR/auth (kept, so a resumed run and its clients keep their tokens): servers read the table, samplers the
-    sampler token; `grpo-stream submit --run-dir` finds the client token there."""
+def with_run_tokens(cfg: RunConfig, run_dir: pathlib.Path, env: dict[str, str]) -> tuple[dict, dict, str]:
+    """(servers' env, samplers' env, client token file or ''). With auth.mode=tokens and no token table given, the
+    run gets its own in RUN_DIR/auth (kept, so a resumed run and its clients keep their tokens): servers read the
+    table, samplers the sampler token; `grpo-stream submit --run-dir` finds the client token there."""
     if cfg.auth.mode == "none" or env.get(TOKENS_ENV) or cfg.auth.tokens_file:
-        return env, dict(env)
+        return env, dict(env), ""
     auth_dir = (run_dir / "auth").resolve()
     if not (auth_dir / "tokens.yaml").is_file():
         write_tokens(auth_dir)
         print(f"[up] made this run's tokens in {auth_dir} (client token: {auth_dir / 'client.token'})", flush=True)
     samplers = {k: v for k, v in env.items() if k != TOKEN_ENV}
     samplers[TOKEN_FILE_ENV] = str(auth_dir / "sampler.token")
-    samplers["_client_token"] = str(auth_dir / "client.token")
-    return {**env, TOKENS_ENV: str(auth_dir / "tokens.yaml")}, samplers
+    return {**env, TOKENS_ENV: str(auth_dir / "tokens.yaml")}, samplers, str(auth_dir / "client.token")
 
 
 def run_up(config_path: pathlib.Path | None, overrides: list[str], cfg: RunConfig, run_dir: pathlib.Path) -> int:
@@ -137,10 +136,9 @@ def run_up(config_path: pathlib.Path | None, overrides: list[str], cfg: RunConfi
     base = [sys.executable, "-m", "grpo_stream"]
     cfg_args = ["--config", str(config_path)] if config_path else []
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    server_env, sampler_env = with_run_tokens(cfg, run_dir, env)
+    server_env, sampler_env, client_token = with_run_tokens(cfg, run_dir, env)
     (run_dir / ENDPOINTS_FILE).write_text(json.dumps({"prompts": prompts_address, "tls": cfg.tls.enabled,
-                                                      "client_token_file": sampler_env.get("_client_token", "")}))
-    sampler_env.pop("_client_token", None)
+                                                      "client_token_file": client_token}))
     colocated = cfg.weights.transport == "local"
     trainer_devices, sampler_devices = host_devices_needed(cfg)
     children: list[_Child] = []

@@ -34,11 +34,9 @@ class Stack:
 
     def channel(self, role: str | None, token: str | None = None, cfg=None):
         """A channel with `role`'s token (or `token`; None: no token) and the run's TLS client settings."""
-        tls = ClientSecurity.from_config(cfg or self.cfg, token="") if (cfg or self.cfg).tls.enabled else None
-        security = ClientSecurity(token if token is not None else (self.token(role) if role else None),
-                                  tls.tls if tls else None, tls.server_name if tls else None,
-                                  tls.ssl_context if tls else None)
-        return open_channel(self.address, security)
+        security = ClientSecurity.from_config(cfg or self.cfg, token="")  # the TLS settings; the token is ours
+        token = token if token is not None else (self.token(role) if role else None)
+        return open_channel(self.address, dataclasses.replace(security, token=token))
 
 
 def deployment_auth(out_dir: pathlib.Path) -> tuple[dict[str, str], ServerSecurity]:

@@ -136,9 +136,11 @@ class PromptServicer(prompts_pb2_grpc.PromptServiceServicer):
             out.reward_mean = float(np.mean([c.reward for c in group.completions])) if group.completions else 0.0
         return out
 
-    def _finished(self, pids: list[str]):
-        for pid, record in zip(pids, self.queue.records(pids)):
-            if record is not None and record.get(b"state") in (b"done", b"cancelled"):
+    def _finished(self, pids: list[str], records=None, tag: str | None = None):
+        """Results of the prompts among `pids` that are finished (and carry `tag`); `records`: theirs, if read."""
+        for pid, record in zip(pids, self.queue.records(pids) if records is None else records):
+            if record is not None and record.get(b"state") in (b"done", b"cancelled") and (
+                    tag is None or tag in json.loads(record.get(b"tags", b"[]"))):
                 yield self._result(pid, record)
 
     def StreamResults(self, request, context):
@@ -169,7 +171,7 @@ class PromptServicer(prompts_pb2_grpc.PromptServiceServicer):
                         context.abort(grpc.StatusCode.NOT_FOUND, f"prompt_ids[{k}]: no prompt {pid[:64]!r} (unknown, "
                                       "or expired after prompts.result_retention_s)")
                 waiting = set(ids)
-                for result in self._finished(ids):
+                for result in self._finished(ids, records):
                     waiting.discard(result.prompt_id)
                     yield result
             else:
@@ -184,8 +186,8 @@ class PromptServicer(prompts_pb2_grpc.PromptServiceServicer):
                     new = [p for p in dict.fromkeys(finished) if p in waiting]
                     waiting.difference_update(new)
                 else:
-                    new = [p for p in dict.fromkeys(finished) if self.queue.has_tag(tag, p)]
-                yield from self._finished(new)
+                    new = list(dict.fromkeys(finished))
+                yield from self._finished(new, tag=tag or None)
         except BufferUnavailable as exc:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"prompt queue unavailable ({exc}); call again to resume")
 

@@ -17,7 +17,7 @@ import time
 import grpc
 from google.protobuf.message import DecodeError
 
-from common.auth import DATA_PLANE_ROLES, TokenTable
+from common.auth import DATA_PLANE, TokenTable, refusal
 from common.weight_bulk import encode_status, read_request, send_slice
 from common.weights import WeightTransferError, raw_bytes
 from protos import weights_pb2
@@ -151,14 +151,9 @@ class WeightDataServer:
     def _authorize(self, token: str) -> None:
         """As the gRPC interceptor does for FetchSlices: raises FetchRefused for a missing, unknown or wrong-role
         token."""
-        if self.table is None:
-            return
-        caller = self.table.lookup(token) if token else None
-        if caller is None:
-            raise FetchRefused(grpc.StatusCode.UNAUTHENTICATED, "missing or unknown bearer token")
-        if caller.role not in DATA_PLANE_ROLES:
-            raise FetchRefused(grpc.StatusCode.PERMISSION_DENIED, f"role {caller.role!r} ({caller.name}) may not "
-                               f"fetch weights; it accepts {sorted(DATA_PLANE_ROLES)}")
+        refused = None if self.table is None else refusal(self.table, token, DATA_PLANE)
+        if refused is not None:
+            raise FetchRefused(*refused)
 
     @staticmethod
     def _refuse(conn: socket.socket, code: grpc.StatusCode, message: str) -> None:
