@@ -1,4 +1,4 @@
-"""Benchmark: decode tokens/s of the JAX engine against Hugging Face `generate`.
+"""Benchmark: decode tokens/s of the JAX engine against Hugging Face `generate`, and vLLM's next to them.
 
 Both sides run the same model: our Qwen3-architecture policy (Qwen2 plus q/k
 RMSNorm; vocab 4096, width 256, MLP 1024, 8 layers, 4 query / 2 KV heads of
@@ -12,7 +12,11 @@ Same work on both sides: a batch of 16 prompts of 64 tokens, 128 new tokens
 each, sampled at temperature 1 from the full distribution (HF's default
 top-k 50 switched off), no early stop (EOS disabled), and the per-token
 logprobs a sampler must return (HF: `output_scores`, then
-`compute_transition_scores`). HF also runs without logprobs; `ratio_vs_hf`
+`compute_transition_scores`). The vLLM engine (sampler.engine: vllm) runs the
+same model, exported as a Hugging Face directory, in the vLLM environment
+($GRPO_STREAM_VLLM_PYTHON or .venv-vllm; bench/vllm_decode.py), with the same
+batch, lengths, temperature and logprobs; without that environment its
+column says why it is missing. HF also runs without logprobs; `ratio_vs_hf`
 is taken against the faster of its two runs. Torch uses its default CPU
 threads (reported); JAX compiles once, reported apart (`jax_compile_seconds`),
 as a long-running sampler pays it once per shape. Medians of `repeats` runs.
@@ -20,7 +24,12 @@ as a long-running sampler pays it once per shape. Medians of `repeats` runs.
 
 from __future__ import annotations
 
+import json
+import os
+import pathlib
 import statistics
+import subprocess
+import tempfile
 import time
 
 import jax
@@ -144,6 +153,24 @@ def matmul_floor_seconds(model: PolicyModel, batch: int, steps: int, repeats: in
     return statistics.median(times)
 
 
+def vllm_decode(model: PolicyModel, p: dict) -> dict:
+    """vLLM's decode tokens/s on `model`, measured in the vLLM environment; {"missing": why} without one."""
+    from common.hf_checkpoint import export_hf
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    python = pathlib.Path(os.environ.get("GRPO_STREAM_VLLM_PYTHON", root / ".venv-vllm" / "bin" / "python"))
+    if not python.exists():
+        return {"missing": f"no vLLM environment at {python} (requirements/install-vllm-env.sh)"}
+    with tempfile.TemporaryDirectory(prefix="bench-vllm-") as tmp:
+        export_hf(tmp, model.arch, model.to_named_numpy())
+        proc = subprocess.run([str(python), "-m", "bench.vllm_decode", tmp, str(p["batch"]), str(p["prompt_tokens"]),
+                               str(p["new_tokens"]), str(p["repeats"])], cwd=root, capture_output=True, text=True,
+                              timeout=900)
+    if proc.returncode:
+        raise RuntimeError(f"the vLLM measurement failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def run(quick: bool = False) -> dict:
     import torch
     import transformers
@@ -181,6 +208,9 @@ def run(quick: bool = False) -> dict:
     rate = {"ours": tokens / statistics.median(ours), "hf": tokens / statistics.median(hf_lp),
             "hf_without_logprobs": tokens / statistics.median(hf_plain)}
     baseline = max(rate["hf"], rate["hf_without_logprobs"])
+    vllm = vllm_decode(model, p)
+    if "tokens_per_second" in vllm:
+        rate["vllm"] = vllm.pop("tokens_per_second")
     return {
         "benchmark": "sampler", "quick": quick, "params": model.num_params(), "batch": p["batch"],
         "prompt_tokens": p["prompt_tokens"], "new_tokens": p["new_tokens"], "repeats": p["repeats"],
@@ -189,6 +219,9 @@ def run(quick: bool = False) -> dict:
         "tokens_per_second": {k: round(v, 1) for k, v in rate.items()},
         "ratio_vs_hf": round(rate["ours"] / baseline, 3),
         "ratio_vs_hf_with_logprobs": round(rate["ours"] / rate["hf"], 3),
+        # > 1: the JAX engine decodes faster than vLLM on this model and machine
+        "ratio_vs_vllm": round(rate["ours"] / rate["vllm"], 3) if "vllm" in rate else None,
+        "vllm": vllm,
         # decode time spent in weight matmuls alone: near 1 means the engine is at the machine's matmul speed
         "matmul_floor_tokens_per_second": round(tokens / floor, 1),
         "matmul_share_of_decode": round(floor / statistics.median(ours), 3),

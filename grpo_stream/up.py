@@ -164,8 +164,9 @@ def run_up(config_path: pathlib.Path | None, overrides: list[str], cfg: RunConfi
         helpers = ([_Child("ingest", [*base, "ingest", *cfg_args, *extra], log_dir, server_env)]
                    if cfg.ingest.standalone else [])
         children.extend(helpers)
+        sampler_base = [cfg.sampler.python or sys.executable, "-m", "grpo_stream"]  # e.g. the vLLM environment's
         samplers = [] if colocated else [
-            _Child(f"sampler-{i}", [*base, "sampler", *cfg_args, "--index", str(i), "--run-dir", str(run_dir),
+            _Child(f"sampler-{i}", [*sampler_base, "sampler", *cfg_args, "--index", str(i), "--run-dir", str(run_dir),
                                     *extra], log_dir, with_host_devices(sampler_env, sampler_devices))
             for i in range(cfg.sampler.replicas)]
         children.extend(samplers)

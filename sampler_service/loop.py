@@ -1,4 +1,4 @@
-"""The sampler process: prompts -> JAX engine -> rewards -> rollout groups -> ingest.
+"""The sampler process: prompts -> engine (JAX or vLLM) -> rewards -> rollout groups -> ingest.
 
 One loop iteration is one generation batch made with one weight version;
 newer weights are installed only between batches, so every group records
@@ -25,7 +25,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.config import RunConfig
 from common.evaluation import greedy_probe
-from common.generation import Engine
 from common.grpc_util import ClientSecurity, open_channel
 from common.prometheus import ServiceMetrics
 from common.rewards import RewardSet
@@ -35,6 +34,7 @@ from common.weight_checkpoint import CheckpointWeightStore
 from common.weights import digest
 from common.wire import to_proto
 from protos import rollout_pb2, rollout_pb2_grpc
+from sampler_service.engines import build_engine
 from sampler_service.grouping import build_groups
 from sampler_service.rollout_client import RolloutClient
 from sampler_service.weight_sync import CheckpointFetcher, GrpcFetcher, LocalFetcher, WeightSync
@@ -139,8 +139,7 @@ class Sampler:
         cfg, gen = self.cfg, self.cfg.generation
         task, tokenizer = build_task_and_tokenizer(cfg)
         model = build_policy(cfg, tokenizer.vocab_size, seed=None)
-        engine = Engine(model, tokenizer.pad_id, tokenizer.eos_ids, gen.max_prompt_tokens, gen.max_new_tokens,
-                        gen.temperature)
+        engine = build_engine(cfg, model, tokenizer, self.index)
         rewards = RewardSet(cfg.task.rewards)
         prom = ServiceMetrics(self.sampler_id)
         self.version_gauge = prom.gauge("sampler_weight_version", "weight version this sampler generates with")
@@ -156,7 +155,9 @@ class Sampler:
         channel = open_channel(cfg.trainer_address(), self.security)
         health = health_pb2_grpc.HealthStub(channel)
         self._wait_for_trainer(health)
-        mesh = make_mesh(1, cfg.sampler.mesh.tp, self.devices or jax.local_devices(), "sampler.mesh.tp")
+        # vLLM places the weights itself: they arrive on one host device and go to the engine from there
+        mesh = (make_mesh(1, cfg.sampler.mesh.tp, self.devices or jax.local_devices(), "sampler.mesh.tp")
+                if cfg.sampler.engine == "jax" else make_mesh(1, 1, jax.devices("cpu")[:1], "sampler.mesh.tp"))
         log.info("%s mesh %s on %s", self.sampler_id, dict(mesh.shape), [d.id for d in mesh.devices.flat])
         sync = WeightSync(self._fetcher(channel), model, mesh, self.sampler_id, cfg.weights.retry_initial_s,
                           cfg.weights.retry_max_s, cfg.trainer.max_staleness, channel,
@@ -218,9 +219,11 @@ class Sampler:
                 batch.append(Slot(problem, ids, gen.num_generations, rewards, f"{cfg.run.name}/{self.sampler_id}/"
                                   f"{position}", position))
                 rows += gen.num_generations
-            # one program shape per run: rows injected prompts leave unused are padding (the first prompt again)
+            # one program shape per run: rows injected prompts leave unused are padding (the first prompt again);
+            # vLLM takes any batch size, so it gets no padding rows
             flat = [slot.ids for slot in batch for _ in range(slot.rows)]
-            flat += [batch[0].ids] * (wanted * gen.num_generations - len(flat))
+            if getattr(engine, "fixed_shape", True):
+                flat += [batch[0].ids] * (wanted * gen.num_generations - len(flat))
             version = self.version
             # the key follows the first data position (as before injection existed); a batch of injected prompts
             # only draws from a stream of its own

@@ -2,6 +2,7 @@
 speed test): one JSON file each, one markdown row each, targets evaluated."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -38,6 +39,11 @@ def test_bench_all_quick_writes_json_and_table_rows(tmp_path):
     assert sampler["ratio_vs_hf"] == pytest.approx(rate["ours"] / max(rate["hf"], rate["hf_without_logprobs"]),
                                                    rel=0.01)
     assert sampler["logits_max_abs_diff"] < 1e-3 and 0 < sampler["matmul_share_of_decode"]
+    # vLLM's decode rate on the same model, next to the JAX engine's (where the vLLM environment exists)
+    if "vllm" in rate:
+        assert rate["vllm"] > 0 and sampler["ratio_vs_vllm"] == pytest.approx(rate["ours"] / rate["vllm"], rel=1e-2)
+    else:
+        assert "missing" in sampler["vllm"] and os.environ.get("GRPO_STREAM_REQUIRE_VLLM") != "1", sampler["vllm"]
 
     asynchronous = results["async"]
     # synchronous mode really is synchronous: every group trained at staleness 0, none dropped

@@ -1,9 +1,14 @@
-"""The shipped Redis deployment files: the real redis-server accepts the config and runs with AOF, fsync on
-every write and no eviction; compose and Kubernetes carry the same settings on persistent storage."""
+"""The shipped deployment files. Redis: the real redis-server accepts the config and runs with AOF, fsync on
+every write and no eviction; compose and Kubernetes carry the same settings on persistent storage. Kubernetes:
+every manifest validates offline against its schema, and the JobSet's commands are valid runs wired to the
+Services and the Secret. (The compose file: tests/e2e/test_compose_services.py.)"""
 
+import json
 import pathlib
+import re
 import shutil
 import subprocess
+import sys
 
 import pytest
 import yaml
@@ -87,3 +92,146 @@ def test_compose_and_kubernetes_files_persist_the_same_way():
     assert mounts["data"] == "/data" == conf["dir"]
     assert sts["volumeClaimTemplates"][0]["metadata"]["name"] == "data"
     assert by_kind["Service"]["metadata"]["name"] == "grpo-redis"
+
+
+# ---- Kubernetes manifests: offline schema validation and wiring -------------------------------------------------
+
+K8S_VERSION = "1.37.0"
+SECRET_KEYS = {"tokens.yaml", "sampler.token", "client.token", "admin.token", "redis.password"}
+
+
+def k8s_documents() -> list[dict]:
+    docs = []
+    for path in sorted((COMPOSE / "k8s").glob("*.yaml")):
+        docs += [d for d in yaml.safe_load_all(path.read_text()) if d]
+    return docs
+
+
+def validate_k8s(doc: dict) -> None:
+    """Kubernetes' own schema (strict: unknown fields fail) for built-in kinds; for a JobSet, its API's schema
+    (compose/k8s/schemas) and each replicated job's template as a batch/v1 Job."""
+    import jsonschema  # noqa: PLC0415
+    import kubernetes_validate  # noqa: PLC0415
+
+    if doc["kind"] != "JobSet":
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+        return
+    schema = json.loads((COMPOSE / "k8s" / "schemas" / "jobset-v1alpha2.json").read_text())
+    jsonschema.validate(doc, schema)
+    for job in doc["spec"]["replicatedJobs"]:
+        kubernetes_validate.validate({"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": job["name"]},
+                                      **job["template"]}, K8S_VERSION, strict=True)
+
+
+def test_kubernetes_manifests_validate_offline():
+    docs = k8s_documents()
+    assert {"StatefulSet", "Service", "ConfigMap", "JobSet", "PersistentVolumeClaim"} <= {d["kind"] for d in docs}
+    for doc in docs:
+        validate_k8s(doc)
+
+
+@pytest.mark.parametrize("kind,breakage", [
+    ("JobSet", lambda d: d["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"][0]
+     .update(comand=["x"])),
+    ("JobSet", lambda d: d["spec"].update(replicatedJob=[])),
+    ("StatefulSet", lambda d: d["spec"].update(replicas="one")),
+])
+def test_kubernetes_validation_catches_mistakes(kind, breakage):
+    import jsonschema  # noqa: PLC0415
+    import kubernetes_validate  # noqa: PLC0415
+
+    doc = next(d for d in k8s_documents() if d["kind"] == kind)
+    breakage(doc)
+    with pytest.raises((jsonschema.ValidationError, kubernetes_validate.ValidationError)):
+        validate_k8s(doc)
+
+
+def containers_of(jobset: dict) -> dict[str, dict]:
+    return {job["name"]: job["template"]["spec"]["template"]["spec"]["containers"][0]
+            for job in jobset["spec"]["replicatedJobs"]}
+
+
+def test_jobset_commands_are_valid_runs_and_wired_to_each_other():
+    from common.config import load_config  # noqa: PLC0415
+
+    docs = k8s_documents()
+    jobset = next(d for d in docs if d["kind"] == "JobSet")
+    service = next(d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == "grpo-trainer")
+    containers = containers_of(jobset)
+    configs = {}
+    for name, container in containers.items():
+        argv = container["command"]
+        assert argv[:2] == ["grpo-stream", name]
+        config = argv[argv.index("--config") + 1]
+        skip = {i for i, a in enumerate(argv) if a.startswith("--")} | {i + 1 for i, a in enumerate(argv)
+                                                                           if a.startswith("--")}
+        overrides = [a for i, a in enumerate(argv[2:], 2) if i not in skip]
+        configs[name] = load_config(ROOT / config, overrides)  # what the process would parse: every key valid
+    trainer, sampler = configs["trainer"], configs["sampler"]
+    # the Service selects the trainer pod by JobSet's labels and carries its ports
+    assert service["spec"]["selector"]["jobset.sigs.k8s.io/jobset-name"] == jobset["metadata"]["name"]
+    assert service["spec"]["selector"]["jobset.sigs.k8s.io/replicatedjob-name"] == "trainer"
+    ports = {p["port"] for p in service["spec"]["ports"]}
+    assert {trainer.trainer.port, trainer.weights.data_port} == ports
+    assert sampler.trainer_address() == f"{service['metadata']['name']}:{trainer.trainer.port}"
+    # one sampler job per sampler index, each on a slice of its own
+    replicas = next(j["replicas"] for j in jobset["spec"]["replicatedJobs"] if j["name"] == "sampler")
+    assert replicas == sampler.sampler.replicas == trainer.sampler.replicas
+    assert "exclusive-topology" in " ".join(jobset["metadata"]["annotations"])
+    # Redis: the StatefulSet's Service, the password from the Secret the tokens command fills
+    redis_service = next(d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == "grpo-redis")
+    assert trainer.redis.url == f"redis://{redis_service['metadata']['name']}:6379/0"
+    assert trainer.redis.auth.password_file == "/secrets/redis.password"
+    secrets_used = set()
+    for doc in docs:
+        spec = (doc["spec"]["template"]["spec"] if doc["kind"] == "StatefulSet" else None)
+        pods = [spec] if spec else ([j["template"]["spec"]["template"]["spec"] for j in doc["spec"]["replicatedJobs"]]
+                                    if doc["kind"] == "JobSet" else [])
+        for pod in pods:
+            for volume in pod.get("volumes", []):
+                if "secret" in volume:
+                    assert volume["secret"]["secretName"] == "grpo-stream-secrets"
+                    secrets_used |= {i["key"] for i in volume["secret"].get("items", [])}
+    assert secrets_used <= SECRET_KEYS
+    env = {e["name"]: e.get("value") for e in containers["trainer"]["env"]}
+    assert env["GRPO_STREAM_TOKENS_FILE"] == "/secrets/tokens.yaml"
+    env = {e["name"]: e.get("value") for e in containers["sampler"]["env"]}
+    assert env["GRPO_STREAM_TOKEN_FILE"] == "/secrets/sampler.token"
+
+
+def test_tokens_command_writes_every_secret_the_manifests_mount(tmp_path):
+    """`grpo-stream tokens --out DIR --redis-password` makes exactly the files the Secret is created from."""
+    proc = subprocess.run([sys.executable, "-m", "grpo_stream", "tokens", "--out", str(tmp_path / "s"),
+                           "--redis-password"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert {p.name for p in (tmp_path / "s").iterdir()} == SECRET_KEYS
+
+
+@pytest.mark.parametrize("dockerfile", sorted((COMPOSE).glob("Dockerfile.*")), ids=lambda p: p.name)
+def test_dockerfiles_copy_what_exists_and_install_declared_extras(dockerfile):
+    """Without a container engine here: every COPY source exists in the build context (the repository), every
+    extra a `pip install ".[x]"` names is declared, and compose builds only the stages the files define."""
+    import tomllib  # noqa: PLC0415
+
+    extras = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])
+    text = dockerfile.read_text()
+    stages = set()
+    for line in text.splitlines():
+        words = line.split()
+        if not words or words[0].startswith("#"):
+            continue
+        if words[0] == "FROM" and len(words) >= 4 and words[2].upper() == "AS":
+            stages.add(words[3])
+        if words[0] == "COPY" and not any(w.startswith("--from") for w in words):
+            for source in words[1:-1]:
+                assert (ROOT / source).exists(), f"{dockerfile.name}: COPY {source}: not in the repository"
+        for extra_list in re.findall(r'"\.\[([^\]]+)\]"', line):
+            assert set(extra_list.split(",")) <= extras, f"{dockerfile.name}: unknown extra in {line.strip()}"
+        if "install-vllm-env.sh" in line:
+            flavor = line.split("install-vllm-env.sh")[1].split()[1]
+            assert (ROOT / "requirements" / f"vllm-{flavor}.txt").exists()
+    compose = yaml.safe_load((COMPOSE / "docker-compose.yml").read_text())
+    for service in compose["services"].values():
+        build = service.get("build")
+        if isinstance(build, dict) and build.get("dockerfile") == f"compose/{dockerfile.name}":
+            assert build.get("target") is None or build["target"] in stages, (dockerfile.name, build)

@@ -155,3 +155,25 @@ def test_samplers_send_rollouts_to_the_ingest_address():
     assert load_config(None, ["ingest.standalone=true", "ingest.port=9"]).ingest_address() == "127.0.0.1:9"
     assert load_config(None, ["ingest.address=h:1"]).ingest_address() == "h:1"
     assert load_config(None, []).redis.connect_timeout_s is None  # wait for Redis as long as it takes
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["sampler.engine=tgi"], "sampler.engine: Input should be 'jax' or 'vllm'"),
+    (["sampler.vllm.engine_args={model: x}"], "sampler.vllm.engine_args sets ['model']"),
+    (["sampler.vllm.engine_args={max_model_len: 64, swap_space: 0}"], "sets ['max_model_len']"),
+    (["sampler.vllm.weight_install=iterator", "sampler.vllm.tensor_parallel_size=2"],
+     "weight_install=iterator needs tensor_parallel_size 1"),
+    (["sampler.vllm.gpu_memory_utilization=1.5"], "sampler.vllm.gpu_memory_utilization: Input should be less"),
+    (["sampler.engine=vllm", "weights.transport=local"], "sampler.engine=vllm runs each sampler as its own process"),
+])
+def test_vllm_engine_settings_name_the_field(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(CONFIGS / "tiny_arith.yaml", overrides)
+    assert message in str(err.value)
+
+
+def test_vllm_engine_settings_pass_through():
+    cfg = load_config(CONFIGS / "tiny_arith.yaml", ["sampler.engine=vllm", "sampler.vllm.engine_args={swap_space: 0}",
+                                                    "sampler.vllm.tensor_parallel_size=4"])
+    assert cfg.sampler.engine == "vllm" and cfg.sampler.vllm.engine_args == {"swap_space": 0}
+    assert cfg.sampler.vllm.weight_install == "auto"

