@@ -210,13 +210,23 @@ def run_up(config_path: pathlib.Path | None, overrides: list[str], cfg: RunConfi
     summary["sampler_exit_codes"] = sampler_codes
     summary["samplers"] = {path.stem: json.loads(path.read_text()) for path in sorted(run_dir.glob("sampler-*.json"))}
     summary_path.write_text(json.dumps(summary, indent=2))
-    before = (summary.get("eval_before") or {}).get("accuracy")
-    after = (summary.get("eval_after") or {}).get("accuracy")
     dropped = sum(summary[f"groups_dropped_{kind}"] for kind in ("stale", "invalid", "filtered", "duplicate"))
     print(f"[up] done in {summary['wall_seconds']:.0f}s: {summary['steps']} steps, groups ingested "
           f"{summary['groups_ingested']} = trained {summary['groups_trained']} + dropped "
-          f"{dropped} + left {summary['groups_left_in_buffer']}; held-out accuracy "
-          f"{before} -> {after}; summary: {summary_path}", flush=True)
+          f"{dropped} + left {summary['groups_left_in_buffer']}; held-out {_eval_change(summary)}; "
+          f"summary: {summary_path}", flush=True)
     if interrupted:
         return 130
     return 0 if all(code == 0 for code in sampler_codes.values()) else 1
+
+
+def _eval_change(summary: dict) -> str:
+    """'greedy accuracy 0.525 -> 0.759, sampled pass@1 0.413 -> 0.603' (pass@1 when eval.samples > 0)."""
+    before, after = summary.get("eval_before") or {}, summary.get("eval_after") or {}
+
+    def fmt(value) -> str:
+        return f"{value:.3f}" if isinstance(value, float) else str(value)
+    text = f"greedy accuracy {fmt(before.get('accuracy'))} -> {fmt(after.get('accuracy'))}"
+    if (before.get("pass_at_k") or {}).get("1") is not None:
+        text += f", sampled pass@1 {fmt(before['pass_at_k']['1'])} -> {fmt((after.get('pass_at_k') or {}).get('1'))}"
+    return text
