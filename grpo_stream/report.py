@@ -73,13 +73,14 @@ def make_report(run_dir: pathlib.Path) -> pathlib.Path:
     if summary:
         before = (summary.get("eval_before") or {}).get("accuracy")
         after = (summary.get("eval_after") or {}).get("accuracy")
+        pass1_before = ((summary.get("eval_before") or {}).get("pass_at_k") or {}).get("1")  # with eval.samples
+        pass1_after = ((summary.get("eval_after") or {}).get("pass_at_k") or {}).get("1")
         lines += [
             "| figure | value |", "|---|---|",
             f"| RL steps | {summary.get('steps')} |",
             f"| held-out accuracy before → after | {before} → {after} |",
-            *([f"| held-out sampled pass@1 before → after | {summary['eval_before']['pass_at_k']['1']} → "
-               f"{(summary.get('eval_after') or {}).get('pass_at_k', {}).get('1')} |"]
-              if ((summary.get("eval_before") or {}).get("pass_at_k") or {}).get("1") is not None else []),
+            *([f"| held-out sampled pass@1 before → after | {pass1_before} → {pass1_after} |"]
+              if pass1_before is not None else []),
             f"| groups ingested | {summary.get('groups_ingested')} |",
             f"| trained / dropped stale / filtered / left | {summary.get('groups_trained')} / "
             f"{summary.get('groups_dropped_stale')} / {summary.get('groups_dropped_filtered')} / "

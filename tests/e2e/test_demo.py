@@ -23,10 +23,10 @@ def test_demo_improves_heldout_accuracy(tmp_path, loss_algo):
     assert summary["algo"]["loss_algo"] == loss_algo
     before, after = summary["eval_before"], summary["eval_after"]
     assert before["num_problems"] >= 700 and after["num_problems"] == before["num_problems"]
-    # Learning is judged on sampled pass@1 (4 completions for each of 768 held-out problems): greedy accuracy of a
-    # 0.4M-parameter model moves in jumps (one carry habit flips many problems at once): +0.06 to +0.27 over the
-    # measured runs, while sampled pass@1 gained +0.19 to +0.21 in the three measured runs (README, "The CPU
-    # demo"); the samplers' timing changes the data from run to run. Greedy accuracy must still clearly rise.
+    # Learning is judged on sampled pass@1 (4 completions for each of 768 held-out problems). Greedy accuracy of a
+    # 0.4M-parameter model moves in jumps, as one carry habit flips many problems at once: it gained +0.06 to +0.27
+    # over the measured runs, sampled pass@1 +0.19 to +0.21 over three (README, "The CPU demo"). The samplers'
+    # timing changes the data from run to run. Greedy accuracy must still clearly rise.
     sampled_gain = after["pass_at_k"]["1"] - before["pass_at_k"]["1"]
     greedy_gain = after["accuracy"] - before["accuracy"]
     assert sampled_gain >= 0.10, (before["pass_at_k"], after["pass_at_k"])
