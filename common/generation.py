@@ -34,6 +34,8 @@ class Generation:
 class Engine:
     """Generates completions for batches of token-id prompts with one model's weights."""
 
+    fixed_shape = True  # one compiled program per batch shape: callers pad batches to one size
+
     def __init__(self, model: PolicyModel, pad_id: int, eos_id: int | list[int], max_prompt_tokens: int,
                  max_new_tokens: int, temperature: float):
         """`eos_id`: the stop token, or all of them (Llama 3 Instruct stops on several)."""

@@ -222,7 +222,7 @@ class Sampler:
             # one program shape per run: rows injected prompts leave unused are padding (the first prompt again);
             # vLLM takes any batch size, so it gets no padding rows
             flat = [slot.ids for slot in batch for _ in range(slot.rows)]
-            if getattr(engine, "fixed_shape", True):
+            if engine.fixed_shape:
                 flat += [batch[0].ids] * (wanted * gen.num_generations - len(flat))
             version = self.version
             # the key follows the first data position (as before injection existed); a batch of injected prompts
