@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import pathlib
 
 import pytest
@@ -11,6 +12,20 @@ from common.redis_util import EmbeddedRedis
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "configs"
+GSM8K = pathlib.Path(os.environ.get("GRPO_STREAM_GSM8K_DIR", ROOT.parent / "shared" / "data" / "gsm8k"))
+
+
+@pytest.fixture(scope="session")
+def gsm8k_dir() -> pathlib.Path:
+    """The real GSM8K data beside the checkout (../shared/data/gsm8k, or $GRPO_STREAM_GSM8K_DIR). Missing, it
+    skips the test, except where $GRPO_STREAM_REQUIRE_GSM8K=1 (CI sets it): there it fails, so a missing data set
+    cannot drop coverage quietly."""
+    if not (GSM8K / "train.jsonl").is_file() or not (GSM8K / "test.jsonl").is_file():
+        why = f"GSM8K not found at {GSM8K} (train.jsonl and test.jsonl); put the data set there"
+        if os.environ.get("GRPO_STREAM_REQUIRE_GSM8K") == "1":
+            pytest.fail(why)
+        pytest.skip(why)
+    return GSM8K
 
 
 @pytest.fixture
@@ -42,3 +57,26 @@ def tiny_parts(small_cfg):
     tokenizer = build_tokenizer(small_cfg, task)
     model = build_model(small_cfg.model, tokenizer.vocab_size, seed=0)
     return small_cfg, task, tokenizer, model
+
+
+# Test time by folder (tests/unit, tests/integration, ...): printed after the run, and written as JSON to
+# $GRPO_STREAM_PHASE_TIMES where set (.ci/run's phase table). Setup, call and teardown all count, so a module
+# fixture's run counts where it is first used.
+_FOLDER_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    folder = "/".join(report.nodeid.split("::")[0].split("/")[:2])
+    _FOLDER_SECONDS[folder] = _FOLDER_SECONDS.get(folder, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _FOLDER_SECONDS:
+        return
+    terminalreporter.section("test time by folder")
+    for folder, seconds in sorted(_FOLDER_SECONDS.items(), key=lambda kv: -kv[1]):
+        terminalreporter.write_line(f"{folder:<20} {seconds:8.1f} s")
+    if os.environ.get("GRPO_STREAM_PHASE_TIMES"):
+        import json
+
+        pathlib.Path(os.environ["GRPO_STREAM_PHASE_TIMES"]).write_text(json.dumps(_FOLDER_SECONDS))

@@ -1,48 +1,108 @@
-"""The CPU demo end to end: RL must clearly raise held-out accuracy, with GRPO and with GSPO."""
+"""The CPU demo end to end, run once per lane (a module fixture) and checked for everything it must show: RL
+clearly raises held-out accuracy, every ingested group is accounted for, weights reach both samplers, the samplers'
+logprobs agree with the trainer's at lag 0, and the closing line and report show the figures. Then GSPO's learning,
+on a shorter run where GSPO's objective really differs from GRPO's (two optimizer passes per batch).
 
+Learning thresholds are statistical checks on one run: each is the 99% lower prediction bound of the figure over
+at least 10 measured runs (bench/learning_spread.py; the runs are in tests/e2e/calibration/), so a healthy run
+fails it with probability about 1% or less (if the figure is normal).
+"""
+
+from __future__ import annotations
+
+import dataclasses
 import json
+import pathlib
 
 import pytest
 
 from tests.e2e.test_up import check_run, run_cli
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+CALIBRATION = pathlib.Path(__file__).resolve().parent / "calibration"
+
+# From tests/e2e/calibration/demo.json (10 runs of the shipped demo on this project's 2-core machine):
+# sampled pass@1 gain mean 0.xxx, sd 0.xxx, lowest 0.xxx; greedy gain mean 0.xxx, sd 0.xxx, lowest 0.xxx.
+DEMO_MIN_SAMPLED_GAIN = 0.10  # expected false-failure rate <= 1% (99% lower prediction bound 0.xxx)
+DEMO_MIN_GREEDY_GAIN = 0.04  # expected false-failure rate <= 1% (99% lower prediction bound 0.xxx)
+# From tests/e2e/calibration/gspo.json (10 runs of bench.learning_spread's "gspo" setup):
+GSPO_MIN_SAMPLED_GAIN = 0.05  # expected false-failure rate <= 1% (99% lower prediction bound 0.xxx)
 
 
-# The shipped demo takes one optimizer step per batch: the ratio is then exactly 1 and GSPO's gradient
-# equals GRPO's up to rounding (README, "The objective"); GSPO's sequence-level ratio and clip are
-# covered by the hand-computed and Tunix parity tests.
-@pytest.mark.parametrize("loss_algo", ["grpo", "gspo-token"])
-def test_demo_improves_heldout_accuracy(tmp_path, loss_algo):
-    run_dir = tmp_path / "demo"
-    proc = run_cli("up", "--config", "configs/tiny_arith.yaml", "--run-dir", str(run_dir),
-                   f"algo.loss_algo={loss_algo}", timeout=1500)
+@dataclasses.dataclass
+class Run:
+    dir: pathlib.Path
+    stdout: str
+    summary: dict
+
+    def metrics(self) -> list[dict]:
+        return [json.loads(line) for line in (self.dir / "metrics-trainer.jsonl").read_text().splitlines()]
+
+
+def up(run_dir: pathlib.Path, *overrides: str) -> Run:
+    proc = run_cli("up", "--config", "configs/tiny_arith.yaml", "--run-dir", str(run_dir), *overrides, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    summary = json.loads((run_dir / "summary.json").read_text())
-    check_run(summary, replicas=2, steps=summary["steps"])
-    assert summary["algo"]["loss_algo"] == loss_algo
-    before, after = summary["eval_before"], summary["eval_after"]
+    return Run(run_dir, proc.stdout, json.loads((run_dir / "summary.json").read_text()))
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory) -> Run:
+    """The shipped demo, exactly as the README runs it (one optimizer step per batch, grpo)."""
+    return up(tmp_path_factory.mktemp("demo") / "run")
+
+
+def test_demo_raises_heldout_accuracy(demo):
+    before, after = demo.summary["eval_before"], demo.summary["eval_after"]
     assert before["num_problems"] >= 700 and after["num_problems"] == before["num_problems"]
-    # Learning is judged on sampled pass@1 (4 completions for each of 768 held-out problems). Greedy accuracy of a
-    # 0.4M-parameter model moves in jumps, as one carry habit flips many problems at once: it gained +0.06 to +0.27
-    # over the measured runs, sampled pass@1 +0.19 to +0.21 over three (README, "The CPU demo"). The samplers'
-    # timing changes the data from run to run. Greedy accuracy must still clearly rise.
+    # Judged on sampled pass@1 (4 completions for each of 768 held-out problems) and on greedy accuracy, which moves
+    # in jumps on a 0.4M-parameter model (one carry habit flips many problems at once).
     sampled_gain = after["pass_at_k"]["1"] - before["pass_at_k"]["1"]
     greedy_gain = after["accuracy"] - before["accuracy"]
-    assert sampled_gain >= 0.10, (before["pass_at_k"], after["pass_at_k"])
-    assert greedy_gain >= 0.04, (before["accuracy"], after["accuracy"])
-    # the closing line and the report show both measures
-    assert (f"greedy accuracy {before['accuracy']:.3f} -> {after['accuracy']:.3f}, sampled pass@1 "
-            f"{before['pass_at_k']['1']:.3f} -> {after['pass_at_k']['1']:.3f}") in proc.stdout, proc.stdout[-500:]
-    rep = run_cli("report", str(run_dir), timeout=300)
-    assert rep.returncode == 0, rep.stderr[-3000:]
-    assert (f"| held-out sampled pass@1 before → after | {before['pass_at_k']['1']} → {after['pass_at_k']['1']} |"
-            in (run_dir / "report" / "report.md").read_text())
+    print(f"demo: greedy {before['accuracy']:.3f} -> {after['accuracy']:.3f}, sampled pass@1 "
+          f"{before['pass_at_k']['1']:.3f} -> {after['pass_at_k']['1']:.3f}, wall {demo.summary['wall_seconds']}s")
+    assert sampled_gain >= DEMO_MIN_SAMPLED_GAIN, (before["pass_at_k"], after["pass_at_k"])
+    assert greedy_gain >= DEMO_MIN_GREEDY_GAIN, (before["accuracy"], after["accuracy"])
+
+
+def test_demo_accounts_for_every_group_and_both_samplers_follow_the_weights(demo):
+    summary = demo.summary
+    check_run(summary, replicas=2, steps=summary["steps"])
+    assert summary["algo"]["loss_algo"] == "grpo" and summary["steps"] == 400
+    # versions reached the samplers all along the run, not only at its ends
     for versions in summary["sampler_weight_versions"].values():
         assert len(versions) >= 3
+
+
+def test_demo_lag0_logprobs_agree(demo):
     # groups generated with exactly the trainer's weights (every group of step 1, at least) agree in float32
-    agreement = summary["logprob_agreement_lag0"]
+    agreement = demo.summary["logprob_agreement_lag0"]
     assert agreement["tokens"] > 0 and agreement["mean_abs"] < 1e-5, agreement
-    print(f"demo {loss_algo}: greedy {before['accuracy']:.3f} -> {after['accuracy']:.3f}, sampled pass@1 "
-          f"{before['pass_at_k']['1']:.3f} -> {after['pass_at_k']['1']:.3f}, "
-          f"wall {summary['wall_seconds']}s, lag-0 logprob diff {agreement}")
+
+
+def test_demo_closing_line_and_report_show_both_measures(demo):
+    before, after = demo.summary["eval_before"], demo.summary["eval_after"]
+    assert (f"greedy accuracy {before['accuracy']:.3f} -> {after['accuracy']:.3f}, sampled pass@1 "
+            f"{before['pass_at_k']['1']:.3f} -> {after['pass_at_k']['1']:.3f}") in demo.stdout, demo.stdout[-500:]
+    rep = run_cli("report", str(demo.dir), timeout=300)
+    assert rep.returncode == 0, rep.stderr[-3000:]
+    assert (f"| held-out sampled pass@1 before → after | {before['pass_at_k']['1']} → {after['pass_at_k']['1']} |"
+            in (demo.dir / "report" / "report.md").read_text())
+
+
+def test_gspo_learns_where_its_objective_differs_from_grpo(tmp_path):
+    """With one optimizer step per batch (the demo) the importance ratio is exactly 1 and GSPO's gradient equals
+    GRPO's up to rounding (README, "The objective"). Two passes per batch move the policy within the step, so the
+    second pass's sequence-level ratio differs from 1 and GSPO's clip acts: learning must survive that."""
+    run = up(tmp_path / "run", "algo.loss_algo=gspo-token", "algo.num_iterations=2", "trainer.steps=120",
+             "eval.num_problems=256")
+    check_run(run.summary, replicas=2, steps=120)
+    assert run.summary["algo"]["loss_algo"] == "gspo-token" and run.summary["algo"]["num_iterations"] == 2
+    rows = [r for r in run.metrics() if "train/ratio_max" in r]
+    assert len(rows) == 120
+    # the ratio left 1 and the sequence-level clip took effect: this run exercised what sets GSPO apart
+    assert max(r["train/ratio_max"] for r in rows) > 1.0 + 1e-3
+    assert sum(r["train/clip_fraction"] > 0 for r in rows) >= 10, [r["train/clip_fraction"] for r in rows]
+    before, after = run.summary["eval_before"], run.summary["eval_after"]
+    gain = after["pass_at_k"]["1"] - before["pass_at_k"]["1"]
+    print(f"gspo: sampled pass@1 {before['pass_at_k']['1']:.3f} -> {after['pass_at_k']['1']:.3f}")
+    assert gain >= GSPO_MIN_SAMPLED_GAIN, (before["pass_at_k"], after["pass_at_k"])

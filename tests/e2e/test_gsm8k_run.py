@@ -6,14 +6,13 @@ import json
 import pytest
 
 from tests.e2e.test_up import ROOT, check_run, run_cli
-from tests.unit.common.tasks.test_gsm8k import DATA
 
-pytestmark = [pytest.mark.e2e, pytest.mark.skipif(not DATA.is_dir(), reason=f"GSM8K not found at {DATA}")]
+pytestmark = pytest.mark.e2e
 
 
-def test_up_on_gsm8k_with_the_tiny_model(tmp_path):
+def test_up_on_gsm8k_with_the_tiny_model(tmp_path, gsm8k_dir):
     run_dir = tmp_path / "run"
-    overrides = ["task.name=gsm8k", f"task.dataset.source={DATA}", "task.dataset.limit=400", "warmstart.steps=0",
+    overrides = ["task.name=gsm8k", f"task.dataset.source={gsm8k_dir}", "task.dataset.limit=400", "warmstart.steps=0",
                  "model.tiny.vocab_size=1024", "generation.max_prompt_tokens=128", "generation.max_new_tokens=16",
                  "trainer.steps=4", "eval.num_problems=16", "eval.batch_size=16",
                  "task.rewards={answer_correct: 1.0, answer_format: 0.1}"]

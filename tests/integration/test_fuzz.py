@@ -1,5 +1,5 @@
 """Fuzzing every public RPC on a real server (real Redis, auth on, admin token so requests reach the handlers):
-5,000 generated requests per RPC, each either a structured message with arbitrary, empty, oversized and
+1,000 generated requests per RPC in the default lane, 5,000 with `-m fuzz` (the deep lane), each either a structured message with arbitrary, empty, oversized and
 out-of-range field values, strings that are not UTF-8 (built with the string-as-bytes twin of the message), or
 random bytes. No call may end in UNKNOWN or INTERNAL (an exception in a handler, or a request the server could not
 explain), and afterwards the health check still says SERVING and a normal request still works."""
@@ -12,12 +12,16 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from common.grpc_util import ClientSecurity
+from common.prompt_client import PromptClient
 from common.proto_decode import _twin_pool
 from protos import prompts_pb2, rollout_pb2, weights_pb2  # noqa: F401 - registers the services
 from tests.support import serve
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
-EXAMPLES = int(__import__("os").environ.get("FUZZ_EXAMPLES", "5000"))
+# requests per RPC: the default lane, and the deep lane that `python -m pytest -m fuzz` runs (pyproject's addopts
+# leave it out of a plain `pytest`)
+DEPTHS = [pytest.param(1000, id="1k"), pytest.param(5000, id="5k", marks=pytest.mark.fuzz)]
 FORBIDDEN = {grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAUTHENTICATED,
              grpc.StatusCode.UNIMPLEMENTED}
 SERVICES = ("grpo_stream.v1.RolloutIngest", "grpo_stream.v1.WeightService", "grpo_stream.v1.PromptService")
@@ -130,8 +134,9 @@ def stack(tiny_parts, tmp_path_factory):
         redis_server.stop()
 
 
+@pytest.mark.parametrize("examples", DEPTHS)
 @pytest.mark.parametrize("path, method", METHODS, ids=[p for p, _ in METHODS])
-def test_fuzzed_requests_never_crash_a_service(stack, path, method):
+def test_fuzzed_requests_never_crash_a_service(stack, path, method, examples):
     channel = stack.channel("admin")
     kind = {(False, False): channel.unary_unary, (False, True): channel.unary_stream,
             (True, False): channel.stream_unary, (True, True): channel.stream_stream}[
@@ -139,7 +144,7 @@ def test_fuzzed_requests_never_crash_a_service(stack, path, method):
     rpc = kind(path, request_serializer=lambda b: b, response_deserializer=lambda b: b)
     seen: dict[str, int] = {}
 
-    @settings(max_examples=EXAMPLES, deadline=None, database=None,
+    @settings(max_examples=examples, deadline=None, database=None,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example])
     @given(requests=st.lists(request_bytes(method), min_size=1, max_size=3 if method.client_streaming else 1))
     def one(requests):
@@ -157,15 +162,10 @@ def test_fuzzed_requests_never_crash_a_service(stack, path, method):
         seen[code.name] = seen.get(code.name, 0) + 1
 
     one()
-    assert sum(seen.values()) >= EXAMPLES
+    assert sum(seen.values()) >= examples
     health = health_pb2_grpc.HealthStub(channel)
     assert health.Check(health_pb2.HealthCheckRequest(service="")).status == health_pb2.HealthCheckResponse.SERVING
-    print(f"{path}: {seen}")
-
-
-def test_services_still_work_after_fuzzing(stack):
-    from common.grpc_util import ClientSecurity
-    from common.prompt_client import PromptClient
-
+    # ... and a normal request still works
     with PromptClient(stack.address, ClientSecurity(stack.token("admin"))) as client:
         assert client.status().run_name == stack.cfg.run.name
+    print(f"{path}: {seen}")

@@ -1,7 +1,6 @@
 """GSM8K loading on the real data (../shared/data/gsm8k), other sources, bad rows and sharding."""
 
 import json
-import pathlib
 import random
 
 import pytest
@@ -10,13 +9,11 @@ from common.answers import same_number
 from common.rewards import answer_correct
 from common.tasks.gsm8k import DatasetError, load_problems, shard
 
-DATA = pathlib.Path(__file__).resolve().parents[4].parent / "shared" / "data" / "gsm8k"
-pytestmark = pytest.mark.skipif(not DATA.is_dir(), reason=f"GSM8K not found at {DATA}")
 
 
 @pytest.fixture(scope="module")
-def splits():
-    return {split: load_problems(str(DATA), split, on_bad_row="error") for split in ("train", "test")}
+def splits(gsm8k_dir):
+    return {split: load_problems(str(gsm8k_dir), split, on_bad_row="error") for split in ("train", "test")}
 
 
 def test_every_reference_solution_scores_one(splits):
@@ -40,14 +37,14 @@ def test_a_reference_scores_zero_against_another_problem_unless_the_numbers_matc
     assert matched < len(problems) / 10  # most pairs differ, so the zero case is really exercised
 
 
-def test_sources_jsonl_file_parquet_and_split_dir(tmp_path, splits):
+def test_sources_jsonl_file_parquet_and_split_dir(tmp_path, splits, gsm8k_dir):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     rows = [{"question": p.question, "answer": p.solution} for p in splits["test"][:20]]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "test.parquet")
     from_parquet = load_problems(str(tmp_path), "test")
-    from_file = load_problems(str(DATA / "test.jsonl"), "test", limit=20)
+    from_file = load_problems(str(gsm8k_dir / "test.jsonl"), "test", limit=20)
     assert [p.answer for p in from_parquet] == [p.answer for p in from_file] == [p.answer for p in splits["test"][:20]]
     assert from_file[3].prompt_id == "test/3"
 

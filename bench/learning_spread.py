@@ -1,0 +1,103 @@
+"""How much a run's learning figures vary from run to run, and the test thresholds that follows from it.
+
+A learning check in the test suite (the CPU demo must raise held-out accuracy) is a statistical test on one
+run, and the samplers' timing changes the data from run to run. Its threshold is set here, from repeated runs
+of the same command, so the chance that a healthy run fails the check is known:
+
+    python -m bench.learning_spread demo --runs 10 --out tests/e2e/calibration/demo.json
+    python -m bench.learning_spread gspo --runs 10 --out tests/e2e/calibration/gspo.json
+
+For each figure the threshold is the one-sided 99% lower prediction bound for one new run,
+mean - t(0.99, n-1) * sd * sqrt(1 + 1/n), with the run-to-run standard deviation sd of the n runs: if the figure is
+normally distributed, a healthy run falls below it with probability 1% (t = 2.821 for n = 10). The bound is
+never above the lowest run seen. A run's figures are taken from its summary.json, nothing else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+# The runs the test suite checks (tests/e2e/test_demo.py): the shipped demo, and the short GSPO run where the
+# importance ratio is not 1 (two optimizer passes per batch), so GSPO's sequence-level ratio and clip act.
+SETUPS = {
+    "demo": ["--config", "configs/tiny_arith.yaml"],
+    "gspo": ["--config", "configs/tiny_arith.yaml", "algo.loss_algo=gspo-token", "algo.num_iterations=2",
+             "trainer.steps=120", "eval.num_problems=256"],
+}
+
+# one-sided 99% quantile of Student's t with n - 1 degrees of freedom
+_T99 = {2: 31.821, 3: 6.965, 4: 4.541, 5: 3.747, 6: 3.365, 7: 3.143, 8: 2.998, 9: 2.896, 10: 2.821, 11: 2.764,
+        12: 2.718, 13: 2.681, 14: 2.650, 15: 2.624, 16: 2.602, 17: 2.583, 18: 2.567, 19: 2.552, 20: 2.539}
+
+
+def figures(summary: dict) -> dict[str, float]:
+    """The learning figures of one run: held-out gains (sampled pass@1, greedy accuracy) and, where the policy
+    moved within a step, the share of clipped tokens."""
+    before, after = summary["eval_before"], summary["eval_after"]
+    return {"sampled_pass1_gain": after["pass_at_k"]["1"] - before["pass_at_k"]["1"],
+            "greedy_gain": after["accuracy"] - before["accuracy"],
+            "sampled_pass1_before": before["pass_at_k"]["1"], "sampled_pass1_after": after["pass_at_k"]["1"],
+            "wall_seconds": summary["wall_seconds"]}
+
+
+def lower_bound(values: list[float]) -> dict[str, float]:
+    """mean, sd, min and the 99% one-sided lower prediction bound for one more run (see the module doc)."""
+    n = len(values)
+    if n < 2:
+        raise ValueError(f"need at least 2 runs for a spread, got {n}: raise --runs")
+    mean, sd = statistics.mean(values), statistics.stdev(values)
+    t = _T99.get(n, 2.33 + 2.33 / (4 * (n - 1)))  # beyond the table: the normal quantile plus its t correction
+    bound = min(mean - t * sd * math.sqrt(1 + 1 / n), min(values))
+    return {"n": n, "mean": round(mean, 4), "sd": round(sd, 4), "min": round(min(values), 4),
+            "max": round(max(values), 4), "bound_99": round(bound, 4)}
+
+
+def run_once(setup: str, run_dir: pathlib.Path, timeout: int) -> dict:
+    cmd = [sys.executable, "-m", "grpo_stream", "up", "--run-dir", str(run_dir), *SETUPS[setup]]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}: {proc.stderr[-2000:]}")
+    return figures(json.loads((run_dir / "summary.json").read_text()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("setup", choices=sorted(SETUPS))
+    p.add_argument("--runs", type=int, default=10, help="runs to make (at least 10 for a test threshold)")
+    p.add_argument("--out", type=pathlib.Path, required=True, help="JSON file; runs already in it are kept")
+    p.add_argument("--timeout", type=int, default=3600, help="seconds per run")
+    args = p.parse_args(argv)
+    doc = json.loads(args.out.read_text()) if args.out.exists() else {"setup": args.setup, "runs": []}
+    if doc.get("setup") != args.setup:
+        raise SystemExit(f"{args.out} holds runs of '{doc.get('setup')}', not '{args.setup}': pick another --out")
+    doc["command"] = "grpo-stream up " + " ".join(SETUPS[args.setup])
+    for k in range(args.runs):
+        with tempfile.TemporaryDirectory(prefix=f"spread-{args.setup}-") as tmp:
+            started = time.time()
+            run = run_once(args.setup, pathlib.Path(tmp) / "run", args.timeout)
+        run["date_utc"] = time.strftime("%Y-%m-%d %H:%M", time.gmtime(started))
+        doc["runs"].append(run)
+        print(f"{args.setup} run {k + 1}/{args.runs}: " + ", ".join(f"{key} {v:.3f}" if isinstance(v, float) else
+                                                                     f"{key} {v}" for key, v in run.items()),
+              flush=True)
+        keys = ("sampled_pass1_gain", "greedy_gain")
+        doc["spread"] = {key: lower_bound([r[key] for r in doc["runs"]]) for key in keys} if len(doc["runs"]) > 1 \
+            else {}
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(doc, indent=2) + "\n")  # after every run: a stopped calibration keeps its runs
+    print(json.dumps(doc["spread"], indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
