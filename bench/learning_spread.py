@@ -4,8 +4,8 @@ A learning check in the test suite (the CPU demo must raise held-out accuracy) i
 run, and the samplers' timing changes the data from run to run. Its threshold is set here, from repeated runs
 of the same command, so the chance that a healthy run fails the check is known:
 
-    python -m bench.learning_spread demo --runs 10 --out tests/e2e/calibration/demo.json
-    python -m bench.learning_spread gspo --runs 10 --out tests/e2e/calibration/gspo.json
+    python -m bench.learning_spread demo --runs 10 --out tests/e2e/calibration/demo.json --keep-warmstart W
+    python -m bench.learning_spread gspo --runs 10 --out tests/e2e/calibration/gspo.json --warmstart W
 
 For each figure the threshold is the one-sided 99% lower prediction bound for one new run,
 mean - t(0.99, n-1) * sd * sqrt(1 + 1/n), with the run-to-run standard deviation sd of the n runs: if the figure is
@@ -19,6 +19,7 @@ import argparse
 import json
 import math
 import pathlib
+import shutil
 import statistics
 import subprocess
 import sys
@@ -27,12 +28,13 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
-# The runs the test suite checks (tests/e2e/test_demo.py): the shipped demo, and the short GSPO run where the
-# importance ratio is not 1 (two optimizer passes per batch), so GSPO's sequence-level ratio and clip act.
+# The runs the test suite checks (tests/e2e/test_demo.py): the shipped demo (which also exports its warm-started
+# model), and the shorter GSPO run from that warm start, with two optimizer steps per batch so the importance ratio
+# of the second is not 1 and GSPO's sequence-level ratio differs from GRPO's token ratios.
 SETUPS = {
-    "demo": ["--config", "configs/tiny_arith.yaml"],
-    "gspo": ["--config", "configs/tiny_arith.yaml", "algo.loss_algo=gspo-token", "algo.num_iterations=2",
-             "trainer.steps=120", "eval.num_problems=256"],
+    "demo": ["--config", "configs/tiny_arith.yaml", "warmstart.export=true"],
+    "gspo": ["--config", "configs/tiny_arith.yaml", "model.kind=hf", "model.path={warmstart}", "warmstart.steps=0",
+             "algo.loss_algo=gspo-token", "algo.minibatches=2", "trainer.steps=250"],
 }
 
 # one-sided 99% quantile of Student's t with n - 1 degrees of freedom
@@ -41,8 +43,7 @@ _T99 = {2: 31.821, 3: 6.965, 4: 4.541, 5: 3.747, 6: 3.365, 7: 3.143, 8: 2.998, 9
 
 
 def figures(summary: dict) -> dict[str, float]:
-    """The learning figures of one run: held-out gains (sampled pass@1, greedy accuracy) and, where the policy
-    moved within a step, the share of clipped tokens."""
+    """The learning figures of one run: held-out gains (sampled pass@1, greedy accuracy), and its wall time."""
     before, after = summary["eval_before"], summary["eval_after"]
     return {"sampled_pass1_gain": after["pass_at_k"]["1"] - before["pass_at_k"]["1"],
             "greedy_gain": after["accuracy"] - before["accuracy"],
@@ -62,8 +63,9 @@ def lower_bound(values: list[float]) -> dict[str, float]:
             "max": round(max(values), 4), "bound_99": round(bound, 4)}
 
 
-def run_once(setup: str, run_dir: pathlib.Path, timeout: int) -> dict:
-    cmd = [sys.executable, "-m", "grpo_stream", "up", "--run-dir", str(run_dir), *SETUPS[setup]]
+def run_once(setup: str, run_dir: pathlib.Path, timeout: int, warmstart: pathlib.Path | None) -> dict:
+    args = [a.format(warmstart=warmstart) for a in SETUPS[setup]]
+    cmd = [sys.executable, "-m", "grpo_stream", "up", "--run-dir", str(run_dir), *args]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}: {proc.stderr[-2000:]}")
@@ -76,15 +78,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", type=int, default=10, help="runs to make (at least 10 for a test threshold)")
     p.add_argument("--out", type=pathlib.Path, required=True, help="JSON file; runs already in it are kept")
     p.add_argument("--timeout", type=int, default=3600, help="seconds per run")
+    p.add_argument("--keep-warmstart", type=pathlib.Path, help="demo: copy the first run's warm-started model here")
+    p.add_argument("--warmstart", type=pathlib.Path, help="gspo: the warm-started model to start from (a demo "
+                   "run's RUN_DIR/warmstart-model, e.g. from --keep-warmstart)")
     args = p.parse_args(argv)
+    if args.setup == "gspo" and not (args.warmstart and (args.warmstart / "config.json").is_file()):
+        raise SystemExit("gspo starts from a demo run's warm start: pass --warmstart DIR (made by "
+                         "`demo --keep-warmstart DIR`)")
     doc = json.loads(args.out.read_text()) if args.out.exists() else {"setup": args.setup, "runs": []}
     if doc.get("setup") != args.setup:
         raise SystemExit(f"{args.out} holds runs of '{doc.get('setup')}', not '{args.setup}': pick another --out")
-    doc["command"] = "grpo-stream up " + " ".join(SETUPS[args.setup])
+    doc["command"] = "grpo-stream up " + " ".join(SETUPS[args.setup]).replace("{warmstart}", "WARMSTART")
     for k in range(args.runs):
         with tempfile.TemporaryDirectory(prefix=f"spread-{args.setup}-") as tmp:
             started = time.time()
-            run = run_once(args.setup, pathlib.Path(tmp) / "run", args.timeout)
+            run = run_once(args.setup, pathlib.Path(tmp) / "run", args.timeout, args.warmstart)
+            if args.keep_warmstart and not args.keep_warmstart.exists():
+                shutil.copytree(pathlib.Path(tmp) / "run" / "warmstart-model", args.keep_warmstart)
         run["date_utc"] = time.strftime("%Y-%m-%d %H:%M", time.gmtime(started))
         doc["runs"].append(run)
         print(f"{args.setup} run {k + 1}/{args.runs}: " + ", ".join(f"{key} {v:.3f}" if isinstance(v, float) else

@@ -410,6 +410,9 @@ class WarmStartSection(Strict):
     learning_rate: float = Field(2e-3, gt=0, le=1, description="Adam learning rate of the warm start.")
     carry_drop_prob: float = Field(0.6, ge=0, le=1, description="Arith demonstrations forget the units carry with this "
                                    "probability: a systematic error that RL can fix.")
+    export: bool = Field(False, description="Also write the warm-started model as a Hugging Face directory, "
+                         "RUN_DIR/warmstart-model: later runs start RL from it with model.kind=hf, "
+                         "model.path=RUN_DIR/warmstart-model and warmstart.steps=0, without repeating the warm start.")
 
 
 class EvalSection(Strict):

@@ -327,6 +327,8 @@ class Trainer:
             if cfg.warmstart.steps:
                 self.params, warm = warm_start(self.model, self.params, self.task, self.tokenizer, cfg, self.metrics,
                                               self.stop_event)
+                if cfg.warmstart.export and not self.stop_event.is_set():
+                    self._export_hf("warmstart-model", "warm-started")
             carried = {"warmstart": warm,
                        "eval_before": self._evaluate("eval_before") if cfg.trainer.eval_before else None}
             updater = self._updater()
@@ -399,12 +401,7 @@ class Trainer:
             self.server.stop()
             return self._write_summary(steps_done, carried["warmstart"], carried["eval_before"], None, rl_seconds)
         eval_after = self._evaluate("eval_after") if cfg.trainer.eval_after else None
-        # the trained policy as a Hugging Face directory (next to the tokenizer files): serve it, or `eval` it
-        source = resolve_model_dir(cfg.model.path) if cfg.model.kind == "hf" else None
-        export_hf(self.run_dir / "model", self.model.arch, self.model.to_named_numpy(self.params),
-                  tokenizer_dir=source, dtype=cfg.model.dtype, eos_ids=self.tokenizer.eos_ids,
-                  pad_id=self.tokenizer.pad_id)
-        log.info("exported the trained model to %s", self.run_dir / "model")
+        self._export_hf("model", "trained")  # serve it, or `eval` it
         if self.publisher.latest_version != steps_done or steps_done == self.resumed_step:
             self._publish(steps_done, final=True)  # a resumed, already complete run: tell samplers to stop
         self._await_samplers(steps_done)
@@ -506,6 +503,15 @@ class Trainer:
             time.sleep(0.2)
         log.warning("samplers not at final version %d after %.0fs: %s", final_version, self.cfg.trainer.final_wait_s,
                     self.publisher.samplers_at(final_version))
+
+    def _export_hf(self, name: str, what: str) -> None:
+        """The current policy as a Hugging Face directory RUN_DIR/name, next to the tokenizer files."""
+        source = resolve_model_dir(self.cfg.model.path) if self.cfg.model.kind == "hf" else None
+        if source is None:
+            self.tokenizer.save(self.run_dir / name)  # the tiny model's own tokenizer (an hf source brings its own)
+        export_hf(self.run_dir / name, self.model.arch, self.model.to_named_numpy(self.params), tokenizer_dir=source,
+                  dtype=self.cfg.model.dtype, eos_ids=self.tokenizer.eos_ids, pad_id=self.tokenizer.pad_id)
+        log.info("exported the %s model to %s", what, self.run_dir / name)
 
     def _write_summary(self, steps, warm, eval_before, eval_after, rl_seconds) -> dict:
         counters = self._redis("reading the buffer counters", self.buffer.counters)
