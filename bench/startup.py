@@ -138,7 +138,8 @@ def run(quick: bool = False) -> dict:
         shutil.rmtree(tmp, ignore_errors=True)
     cold = statistics.median(r["seconds"] for r in runs["cold"])
     warm = statistics.median(r["seconds"] for r in runs["warm"])
-    if any(r["loaded"] for r in runs["cold"]) or any(r["written"] or r["loaded"] != r["programs"] for r in runs["warm"]):
+    if (any(r["loaded"] for r in runs["cold"])
+            or any(r["written"] or r["loaded"] != r["programs"] for r in runs["warm"])):
         raise RuntimeError(f"the cache did not behave (cold runs must load nothing, warm runs everything): {runs}")
     return {"benchmark": "startup", "quick": quick, "repeats": repeats, "config": str(CONFIG.relative_to(ROOT)),
             "cold_seconds": round(cold, 2), "warm_seconds": round(warm, 2),

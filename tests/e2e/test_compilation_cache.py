@@ -2,7 +2,8 @@
 
 `grpo-stream eval` builds the smoke config's tiny model and generates with the sampler engine, greedy and sampled
 (about 30 programs, the engine's decode among them); run twice on one fresh directory, the second run compiles
-nothing and writes no entry, and its completions and scores are the same. Every command that compiles applies the setting (a bad directory stops each).
+nothing and writes no entry, and its completions and scores are the same. Every command that compiles applies the
+setting (a bad directory stops each).
 """
 
 import json
