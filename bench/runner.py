@@ -20,9 +20,10 @@ import sys
 import time
 import traceback
 
-BENCHMARKS = ("transport", "pipeline", "sampler", "async", "weights", "prompts")
+BENCHMARKS = ("transport", "pipeline", "sampler", "async", "weights", "prompts", "startup")
 MODULES = {"transport": "bench.transport", "pipeline": "bench.pipeline", "sampler": "bench.sampler",
-           "async": "bench.async_vs_sync", "weights": "bench.weights", "prompts": "bench.prompts"}
+           "async": "bench.async_vs_sync", "weights": "bench.weights", "prompts": "bench.prompts",
+           "startup": "bench.startup"}
 # (result key, comparison, target): ours against the baseline measured in the same run.
 TARGETS = {
     "transport": [("ratio_vs_json", ">=", 5.0), ("fraction_of_raw_redis", ">=", 0.25)],
@@ -32,6 +33,7 @@ TARGETS = {
     "weights": [("fraction_of_raw_f32", ">=", 0.5), ("fraction_of_raw_bf16", ">=", 0.5),
                 ("stall_share_of_step", "<=", 0.05)],
     "prompts": [("errors", "<=", 0)],
+    "startup": [("cold_over_warm", ">=", 1.5)],  # the compilation cache (runtime.compilation_cache_dir)
 }
 _OPS = {">=": operator.ge, "<=": operator.le}
 TABLE_HEADER = ("| date (UTC) | commit | benchmark | mode | result | targets met | seconds |\n"

@@ -12,16 +12,19 @@ that names the dotted field and says how to fix it.
 
 from __future__ import annotations
 
+import os
 import pathlib
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from common.config_access import REDIS_PASSWORD_ENV, AuthSection, PromptsSection, RedisAuthSection, TlsSection
 from common.config_base import ConfigError, Strict
 
 __all__ = ["ConfigError", "RunConfig", "Strict", "load_config"]
+
+COMPILATION_CACHE_ENV = "GRPO_STREAM_COMPILATION_CACHE_DIR"  # the cache directory when the config sets none
 
 
 class RunSection(Strict):
@@ -431,6 +434,42 @@ class LoggingSection(Strict):
                                             "log collectors.")
 
 
+def default_compilation_cache_dir() -> str:
+    """The cache directory a config that does not set one gets: ${COMPILATION_CACHE_ENV} when set (tests and
+    deployments point every process at one directory), else grpo-stream/jax-compile under the user's cache directory
+    ($XDG_CACHE_HOME, or ~/.cache; the XDG spec ignores a relative $XDG_CACHE_HOME)."""
+    if os.environ.get(COMPILATION_CACHE_ENV):
+        return os.environ[COMPILATION_CACHE_ENV]
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    base = pathlib.Path(xdg) if os.path.isabs(xdg) else pathlib.Path.home() / ".cache"
+    return str(base / "grpo-stream" / "jax-compile")
+
+
+class RuntimeSection(Strict):
+    compilation_cache_dir: str | None = Field(
+        default_factory=default_compilation_cache_dir, validate_default=True,
+        description="JAX's persistent compilation cache: every process that compiles (trainer, samplers, colocated, "
+        "eval) reads compiled programs from this directory and writes the ones it compiles, so a restarted process "
+        "skips most of its compilation. Precedence: this field, else $" + COMPILATION_CACHE_ENV + ", else "
+        "~/.cache/grpo-stream/jax-compile ($XDG_CACHE_HOME honoured). 'none' or null: no persistent cache. An "
+        "absolute path (~ expands); a directory that cannot be created or written stops the process, except the "
+        "built-in default, which only logs a warning. Anyone who can write here can make the processes run code: "
+        "keep it private to the user running them.")
+
+    @field_validator("compilation_cache_dir")
+    @classmethod
+    def _cache_dir(cls, value: str | None) -> str | None:
+        if value is None or value.strip().lower() == "none":
+            return None
+        path = os.path.expanduser(value.strip())
+        if not os.path.isabs(path):
+            # processes of one run start in different working directories (hosts, containers)
+            raise ValueError(f"{value!r} is not an absolute path (from runtime.compilation_cache_dir, else "
+                             f"${COMPILATION_CACHE_ENV}); give an absolute directory (~ expands), or none to "
+                             "compile without a persistent cache")
+        return os.path.normpath(path)
+
+
 class RunConfig(Strict):
     """The whole run. Sections mirror the processes and links."""
 
@@ -451,6 +490,9 @@ class RunConfig(Strict):
     warmstart: WarmStartSection = Field(default_factory=WarmStartSection, description="Supervised warm start.")
     eval: EvalSection = Field(default_factory=EvalSection, description="Held-out evaluation.")
     logging: LoggingSection = Field(default_factory=LoggingSection, description="Logging.")
+    # default validated like a given section, so a bad $GRPO_STREAM_COMPILATION_CACHE_DIR names runtime.<field>
+    runtime: RuntimeSection = Field(default_factory=dict, validate_default=True, description="Process runtime: "
+                                    "the persistent compilation cache.")
     auth: AuthSection = Field(default_factory=AuthSection, description="Bearer tokens and roles on every RPC.")
     tls: TlsSection = Field(default_factory=TlsSection, description="TLS (and mutual TLS) for every server.")
     prompts: PromptsSection = Field(default_factory=PromptsSection, description="Prompt injection limits.")

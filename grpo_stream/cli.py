@@ -128,17 +128,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_config:
         print(to_yaml(cfg), end="")
         return 0
-    from common.runtime import pin_to_cpus, setup_logging
+    import logging
 
+    from common.runtime import compilation_cache_dir, enable_compilation_cache, pin_to_cpus, setup_logging
+
+    log = logging.getLogger("grpo_stream.cli")
     if args.command == "eval":
         from grpo_stream.eval_command import run_eval
 
         setup_logging(cfg.logging.level, "eval", cfg.logging.format)
         try:
+            cache = enable_compilation_cache(cfg)
             doc = run_eval(cfg, args.split, args.limit, args.json)
         except (ValueError, OSError) as exc:
             print(f"grpo-stream eval: error: {exc}", file=sys.stderr)
             return 1
+        log.info("%s", cache.summary())
         ks = ", ".join(f"pass@{k} {doc['pass_at_k'][k]:.3f}, maj@{k} {doc['maj_at_k'][k]:.3f}" for k in doc["pass_at_k"])
         print(f"{doc['split']}: {doc['num_problems']} problems, greedy pass@1 {doc['accuracy']:.3f}"
               + (f", {ks}" if ks else "") + (f"; wrote {args.json}" if args.json else ""))
@@ -147,6 +152,11 @@ def main(argv: list[str] | None = None) -> int:
         from grpo_stream.up import run_up
 
         setup_logging(cfg.logging.level, "up", cfg.logging.format)
+        try:  # `up` compiles nothing itself; a bad cache directory stops it before any process starts
+            compilation_cache_dir(cfg)
+        except ValueError as exc:
+            print(f"grpo-stream up: error: {exc}", file=sys.stderr)
+            return 1
         run_dir = args.run_dir or pathlib.Path("runs") / f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
         return run_up(args.config, args.overrides, cfg, run_dir)
     setup_logging(cfg.logging.level, args.command if args.command != "sampler" else f"sampler-{args.index}",
@@ -155,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         import os
 
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_gpu_deterministic_ops=true".strip()
-    if args.command == "ingest":
+    if args.command == "ingest":  # no JAX in this process (Redis and gRPC only): no compilation cache
         from trainer_service.ingest_server import run_ingest
 
         try:
@@ -167,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         pin_to_cpus(*((cfg.sampler.cpu_affinity, "sampler.cpu_affinity") if args.command == "sampler" else
                       (cfg.trainer.cpu_affinity, "trainer.cpu_affinity")))
+        cache = enable_compilation_cache(cfg)
         from common.sharding import initialize_distributed
 
         initialize_distributed(cfg.distributed.initialize)
@@ -189,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, ConnectionError, OSError, RuntimeError) as exc:  # RedisConnectError is a RuntimeError
         print(f"grpo-stream {args.command}: error: {exc}", file=sys.stderr)
         return 1
+    log.info("%s", cache.summary())
     return 0
 
 

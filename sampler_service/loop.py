@@ -136,6 +136,7 @@ class Sampler:
             time.sleep(0.05 if self.cfg.weights.background_fetch else 0.5)
 
     def run(self) -> dict:
+        run_started = time.monotonic()
         cfg, gen = self.cfg, self.cfg.generation
         task, tokenizer = build_task_and_tokenizer(cfg)
         model = build_policy(cfg, tokenizer.vocab_size, seed=None)
@@ -246,6 +247,10 @@ class Sampler:
                 groups_total.inc()
                 tokens_total.inc(sum(len(c.token_ids) for c in group.completions))
                 self._rate.append((time.monotonic(), sum(len(c.token_ids) for c in group.completions)))
+            if groups_sent and run_started is not None:  # start-up is over (bench/startup.py waits for this line)
+                log.info("%s first group generated %.2fs after the sampler started", self.sampler_id,
+                         time.monotonic() - run_started)
+                run_started = None
             self._report_throughput()
             backlog.set(client.unacked)
         # after the final version the trainer consumes no more: do not wait long for acks

@@ -27,6 +27,32 @@ def gsm8k_dir() -> pathlib.Path:
         pytest.skip(why)
     return GSM8K
 
+_CACHE_TMP = pytest.StashKey[str]()
+
+
+def pytest_configure(config):
+    """One persistent JAX compilation cache for the whole run ($GRPO_STREAM_TEST_CACHE_DIR, else a fresh temporary
+    directory): every process the tests start inherits it through the environment, and this process uses it too,
+    so each program compiles once per run, not once per test process."""
+    import os
+    import tempfile
+
+    from common.config import COMPILATION_CACHE_ENV
+    from common.runtime import enable_compilation_cache
+
+    directory = os.environ.get("GRPO_STREAM_TEST_CACHE_DIR")
+    if not directory:
+        directory = config.stash[_CACHE_TMP] = tempfile.mkdtemp(prefix="grpo-stream-test-jax-cache-")
+    os.environ[COMPILATION_CACHE_ENV] = os.path.abspath(directory)
+    enable_compilation_cache(load_config(None))
+
+
+def pytest_unconfigure(config):
+    import shutil
+
+    if config.stash.get(_CACHE_TMP, None):
+        shutil.rmtree(config.stash[_CACHE_TMP], ignore_errors=True)
+
 
 @pytest.fixture
 def redis_server():

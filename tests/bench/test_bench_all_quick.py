@@ -19,7 +19,7 @@ def test_bench_all_quick_writes_json_and_table_rows(tmp_path):
                            "--table", str(table)], cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = {name: json.loads((out / f"{name}-quick.json").read_text())
-               for name in ("transport", "pipeline", "sampler", "async", "weights", "prompts")}
+               for name in ("transport", "pipeline", "sampler", "async", "weights", "prompts", "startup")}
     for name, result in results.items():
         assert result["benchmark"] == name and result["quick"] is True and "error" not in result
         assert result["targets"] and all(isinstance(t["met"], bool) for t in result["targets"].values())
@@ -71,6 +71,14 @@ def test_bench_all_quick_writes_json_and_table_rows(tmp_path):
     assert prompts["submits"] > 0 and prompts["answered"] == prompts["submits"] and prompts["errors"] == 0
     assert prompts["submit_p50_ms"] > 0 and prompts["check_p50_ms"] > 0
 
+    startup = results["startup"]
+    # the cold run compiled and wrote every program, the warm run on its directory loaded them all
+    (cold,), (warm,) = startup["runs"]["cold"], startup["runs"]["warm"]
+    assert cold["loaded"] == 0 and cold["written"] == cold["entries"] > 0
+    assert warm["loaded"] == warm["programs"] > 0 and warm["written"] == 0 and warm["entries"] == cold["entries"]
+    assert startup["cold_seconds"] > 0 and startup["warm_seconds"] > 0
+
     rows = [line for line in table.read_text().splitlines() if line.startswith("| 20")]
-    assert [row.split(" | ")[2] for row in rows] == ["transport", "pipeline", "sampler", "async", "weights", "prompts"]
+    assert [row.split(" | ")[2] for row in rows] == ["transport", "pipeline", "sampler", "async", "weights", "prompts",
+                                                     "startup"]
     assert all(" | quick | " in row for row in rows)
