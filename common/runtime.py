@@ -122,6 +122,19 @@ class CompilationCacheStats:
                 f"{self.writes} compiled and written")
 
 
+def import_tensorboardx_without_torch() -> None:
+    """Import tensorboardX (Tunix's model packages import it) with torch hidden. When torch is installed,
+    tensorboardX imports it at once only to accept torch tensors, which costs 1.5-4 s at each process start; these
+    processes log numpy and floats. torch stays importable for whatever asks for it later."""
+    if "tensorboardX" in sys.modules or "torch" in sys.modules:
+        return
+    sys.modules["torch"] = None  # makes `import torch` raise ImportError, which tensorboardX handles
+    try:
+        import tensorboardX  # noqa: F401, PLC0415
+    finally:
+        del sys.modules["torch"]
+
+
 def enable_compilation_cache(cfg: RunConfig) -> CompilationCacheStats:
     """Point JAX's persistent compilation cache at runtime.compilation_cache_dir (or turn it off), before the first
     compilation. Returns the counts of this process's cache use, which the entry point logs at the end."""

@@ -130,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     import logging
 
-    from common.runtime import compilation_cache_dir, enable_compilation_cache, pin_to_cpus, setup_logging
+    from common.runtime import (compilation_cache_dir, enable_compilation_cache, import_tensorboardx_without_torch,
+                                pin_to_cpus, setup_logging)
 
     log = logging.getLogger("grpo_stream.cli")
     if args.command == "eval":
@@ -138,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
 
         setup_logging(cfg.logging.level, "eval", cfg.logging.format)
         try:
+            import_tensorboardx_without_torch()
             cache = enable_compilation_cache(cfg)
             doc = run_eval(cfg, args.split, args.limit, args.json)
         except (ValueError, OSError) as exc:
@@ -177,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         pin_to_cpus(*((cfg.sampler.cpu_affinity, "sampler.cpu_affinity") if args.command == "sampler" else
                       (cfg.trainer.cpu_affinity, "trainer.cpu_affinity")))
+        import_tensorboardx_without_torch()
         cache = enable_compilation_cache(cfg)
         from common.sharding import initialize_distributed
 

@@ -27,6 +27,7 @@ def gsm8k_dir() -> pathlib.Path:
         pytest.skip(why)
     return GSM8K
 
+
 _CACHE_TMP = pytest.StashKey[str]()
 
 
@@ -34,7 +35,6 @@ def pytest_configure(config):
     """One persistent JAX compilation cache for the whole run ($GRPO_STREAM_TEST_CACHE_DIR, else a fresh temporary
     directory): every process the tests start inherits it through the environment, and this process uses it too,
     so each program compiles once per run, not once per test process."""
-    import os
     import tempfile
 
     from common.config import COMPILATION_CACHE_ENV

@@ -1,11 +1,14 @@
-"""Process logging: readable lines by default, one JSON object per line on request."""
+"""Process start-up: readable log lines by default, one JSON object per line on request; no torch import."""
 
 import json
 import logging
+import subprocess
+import sys
 
 import pytest
 
 from common.runtime import setup_logging
+from tests.conftest import ROOT
 
 
 @pytest.fixture(autouse=True)
@@ -68,3 +71,18 @@ def test_pin_to_unavailable_core_names_the_field():
     with pytest.raises(ValueError, match=rf"sampler.cpu_affinity=\[{missing}\].*not available"):
         pin_to_cpus([missing], "sampler.cpu_affinity")
     assert os.sched_getaffinity(0) == before
+
+
+# Service processes start without importing torch (tensorboardX would pull it in, 1.5-4 s a start), and torch
+# stays importable afterwards for code that needs it.
+def test_tunix_models_load_without_torch_and_torch_still_imports():
+    code = ("import sys\n"
+            "from common.runtime import import_tensorboardx_without_torch\n"
+            "import_tensorboardx_without_torch()\n"
+            "from tunix.models.qwen3 import model\n"
+            "import tensorboardX\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'\n"
+            "import torch\n"
+            "print('torch', torch.__version__)\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.startswith("torch "), proc.stderr[-2000:]
