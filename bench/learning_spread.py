@@ -34,7 +34,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 SETUPS = {
     "demo": ["--config", "configs/tiny_arith.yaml", "warmstart.export=true"],
     "gspo": ["--config", "configs/tiny_arith.yaml", "model.kind=hf", "model.path={warmstart}", "warmstart.steps=0",
-             "algo.loss_algo=gspo-token", "algo.minibatches=2", "trainer.steps=250"],
+             "algo.loss_algo=gspo-token", "algo.minibatches=2", "trainer.steps=400"],
 }
 
 # one-sided 99% quantile of Student's t with n - 1 degrees of freedom

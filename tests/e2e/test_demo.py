@@ -26,7 +26,7 @@ CALIBRATION = pathlib.Path(__file__).resolve().parent / "calibration"
 DEMO_MIN_SAMPLED_GAIN = 0.10  # expected false-failure rate <= 1% (99% lower prediction bound 0.xxx)
 DEMO_MIN_GREEDY_GAIN = 0.04  # expected false-failure rate <= 1% (99% lower prediction bound 0.xxx)
 # From tests/e2e/calibration/gspo.json (10 runs of bench.learning_spread's "gspo" setup):
-GSPO_STEPS = 250
+GSPO_STEPS = 400
 GSPO_MIN_SAMPLED_GAIN = 0.05  # expected false-failure rate <= 1% (99% lower prediction bound 0.xxx)
 
 
