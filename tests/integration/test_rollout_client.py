@@ -1,7 +1,5 @@
 """The sampler's rollout stream survives an ingest restart without losing or duplicating groups."""
 
-import time
-
 import grpc
 import pytest
 
@@ -11,6 +9,7 @@ from common.redis_util import connect, free_port
 from common.wire import decode_group, to_proto
 from sampler_service.rollout_client import RolloutClient
 from tests.integration.test_trainer_server import LIMITS, group
+from tests.support import wait_for
 from trainer_service.ingest import IngestServicer
 from trainer_service.publisher import WeightPublisher
 from trainer_service.server import TrainerServer
@@ -39,7 +38,8 @@ def test_groups_survive_an_ingest_restart(redis_server):
         # produced while the ingest is down: held by the client
         for i in range(3, 8):
             assert client.put(to_proto(group(i)), timeout_s=5)
-        time.sleep(0.5)
+        # the sender notices a dead stream only when it sends: a reconnect means it tried these groups and failed
+        wait_for(lambda: client.stats["reconnects"] >= 1, 30, "the client to try the stopped ingest")
         assert client.unacked == 5
         server = start_server(buffer, port)
         assert client.drain(30), f"{client.unacked} groups never acknowledged"
