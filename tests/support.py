@@ -1,4 +1,4 @@
-"""Helpers for the tests: waiting for a condition, a clock tests move by hand; and a trainer's
+"""Helpers for the tests: waiting for a condition, a clock tests move by hand, a config's run name; and a trainer's
 gRPC server as a run configures it (ingest, PromptService, weights, health, reflection, auth, TLS), on loopback with
 a real Redis, for the integration tests of prompts, auth, TLS and fuzzing."""
 
@@ -47,6 +47,11 @@ class FakeClock:
 
     def advance(self, seconds: float) -> None:
         self.now += seconds
+
+
+def with_run_name(cfg, name: str):
+    """`cfg` for run `name` (tests on the shared Redis each take their own: conftest's `run_name`)."""
+    return cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": name})})
 
 
 @dataclasses.dataclass

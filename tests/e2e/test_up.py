@@ -294,7 +294,7 @@ def test_eval_limit_must_be_positive():
 
 @pytest.mark.redis
 def test_sampler_waits_for_a_trainer_that_answers_but_has_not_published_then_gives_up_on_silence(tmp_path,
-                                                                                               redis_server):
+                                                                                               shared_redis, run_name):
     """A trainer in its warm start serves health but no weights: the sampler waits past connect_timeout_s and
     installs the first version when it comes; a trainer that goes silent ends it after connect_timeout_s."""
     import time
@@ -316,7 +316,7 @@ def test_sampler_waits_for_a_trainer_that_answers_but_has_not_published_then_giv
     named = build_policy(cfg, tokenizer.vocab_size, seed=0).to_named_numpy()
     gen = cfg.generation
     limits = GroupLimits(gen.num_generations, gen.max_prompt_tokens, gen.max_new_tokens, tokenizer.vocab_size)
-    buffer = RedisStreamBuffer(connect(redis_server.url, 5), cfg.run.name)
+    buffer = RedisStreamBuffer(connect(shared_redis.url, 5), run_name)  # the samplers' groups, if any, land here
     log_path = tmp_path / "sampler.log"
 
     def start(port: int):

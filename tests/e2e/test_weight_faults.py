@@ -63,7 +63,7 @@ def recomputed(model, params, group, cfg, pad_id) -> np.ndarray:
                      for i, c in enumerate(group.completions)])
 
 
-def test_no_group_mixes_weight_versions(tmp_path, redis_server):
+def test_no_group_mixes_weight_versions(tmp_path, shared_redis, run_name):
     overrides = ["sampler.replicas=1", "sampler.weight_poll_s=0.05", "trainer.max_staleness=1000",
                  "sampler.prompts_per_batch=2", "sampler.backlog_max_groups=256", "sampler.metrics_port=null"]
     cfg = load_config(CONFIG, overrides)
@@ -76,7 +76,7 @@ def test_no_group_mixes_weight_versions(tmp_path, redis_server):
     def weights(v: int) -> dict[str, np.ndarray]:
         return {n: a + v * noise[n] for n, a in base.items()}
 
-    buffer = RedisStreamBuffer(connect(redis_server.url, 5), cfg.run.name)
+    buffer = RedisStreamBuffer(connect(shared_redis.url, 5), run_name)
     gen = cfg.generation
     limits = GroupLimits(gen.num_generations, gen.max_prompt_tokens, gen.max_new_tokens, tokenizer.vocab_size)
     publisher = WeightPublisher("grpc")
@@ -141,7 +141,8 @@ def scrape(port: int) -> dict[str, float]:
 STEPS = 20
 
 
-def test_trainer_killed_mid_transfer_samplers_keep_generating_then_follow_the_restart(tmp_path, redis_server):
+def test_trainer_killed_mid_transfer_samplers_keep_generating_then_follow_the_restart(tmp_path, shared_redis,
+                                                                                      run_name):
     port, metrics = free_port(), free_port()
     # the demo's model size, so generation runs at a realistic pace next to the trainer's steps
     model = ["model.tiny.num_layers=2", "model.tiny.embed_dim=128", "model.tiny.hidden_dim=384",
@@ -149,7 +150,8 @@ def test_trainer_killed_mid_transfer_samplers_keep_generating_then_follow_the_re
     cfg = load_config(CONFIG, model)
     _, tokenizer = build_task_and_tokenizer(cfg)
     nbytes = build_policy(cfg, tokenizer.vocab_size, seed=0).num_params() * 4
-    overrides = [*model, f"redis.url={redis_server.url}", f"trainer.port={port}", "trainer.metrics_port=null",
+    overrides = [*model, f"redis.url={shared_redis.url}", f"run.name={run_name}", f"trainer.port={port}",
+                 "trainer.metrics_port=null",
                  f"sampler.metrics_port={metrics}", "sampler.weight_poll_s=0.05",
                  # room for what is generated while the trainer is away
                  "sampler.backlog_max_groups=4000", "buffer.max_groups=64", "trainer.groups_per_step=32", f"trainer.steps={STEPS}", "trainer.publish_every=2", "trainer.max_staleness=8",

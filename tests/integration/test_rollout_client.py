@@ -24,8 +24,8 @@ def start_server(buffer, port):
     return server
 
 
-def test_groups_survive_an_ingest_restart(redis_server):
-    buffer = RedisStreamBuffer(connect(redis_server.url, 5), "restart")
+def test_groups_survive_an_ingest_restart(shared_redis, run_name):
+    buffer = RedisStreamBuffer(connect(shared_redis.url, 5), run_name)
     port = free_port()
     server = start_server(buffer, port)
     channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS)
@@ -52,8 +52,8 @@ def test_groups_survive_an_ingest_restart(redis_server):
         server.stop(0)
 
 
-def test_groups_too_stale_to_train_are_not_sent(redis_server):
-    buffer = RedisStreamBuffer(connect(redis_server.url, 5), "stale")
+def test_groups_too_stale_to_train_are_not_sent(shared_redis, run_name):
+    buffer = RedisStreamBuffer(connect(shared_redis.url, 5), run_name)
     port = free_port()
     server = start_server(buffer, port)
     channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS)

@@ -32,8 +32,8 @@ def group(i: int, sampler="sampler-0") -> GroupData:
 
 
 @pytest.fixture
-def stack(redis_server):
-    buffer = RedisStreamBuffer(connect(redis_server.url, 5), "test")
+def stack(shared_redis, run_name):
+    buffer = RedisStreamBuffer(connect(shared_redis.url, 5), run_name)
     ingest = IngestServicer(buffer, LIMITS, max_groups=4, retry_after_ms=20)
     publisher = WeightPublisher(chunk_bytes=100)
     server = TrainerServer(ingest, publisher, "127.0.0.1", 0)
