@@ -30,11 +30,8 @@ def shared_redis():
     """One redis-server for the whole test run. A test on it keeps to its own run name (`run_name`): the buffer's
     and the prompt queue's keys all live under grpo-stream:<run name>:, so tests never see each other's data.
     Never stop, kill, flush or reconfigure it (take `redis_server` for that), nor count keys across runs."""
-    server = EmbeddedRedis().start()
-    try:
+    with EmbeddedRedis() as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="session")
