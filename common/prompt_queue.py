@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from typing import Callable
 
 import redis
 
@@ -134,10 +135,13 @@ class QueueFull(Exception):
 
 
 class PromptQueue:
-    """The Redis side of PromptService and of ClaimPrompts."""
+    """The Redis side of PromptService and of ClaimPrompts. `clock` (seconds, time.time by default) stamps
+    submissions, claims and cancellations; the claim lease is judged against it inside the claim script, so a test
+    can move it instead of waiting out a lease."""
 
-    def __init__(self, client: redis.Redis, run_name: str, prefix: str = "grpo-stream"):
-        self.client = client
+    def __init__(self, client: redis.Redis, run_name: str, prefix: str = "grpo-stream",
+                 clock: Callable[[], float] = time.time):
+        self.client, self.clock = client, clock
         self.base = f"{prefix}:{run_name}"
         k = self.base
         self.queue, self.claimed = f"{k}:inject:queue", f"{k}:inject:claimed"
@@ -164,7 +168,7 @@ class PromptQueue:
                max_pending: int, max_priority: int, retention_s: int = 7 * 86_400) -> int:
         """Queue (id, priority, InjectedPrompt bytes, PromptSpec bytes, train, tags) items, all or none. Returns the
         queue length after; raises QueueFull (nothing queued) when the queue or the client's quota has no room."""
-        args: list = [self.base, client_name, time.time(), max_queued, max_pending, max_priority, retention_s]
+        args: list = [self.base, client_name, self.clock(), max_queued, max_pending, max_priority, retention_s]
         for pid, priority, req, spec, train, tags in items:
             args += [pid, priority, req, spec, int(train), json.dumps(tags)]
         status, count = (x.decode() for x in self._call(lambda: self._submit(
@@ -180,14 +184,14 @@ class PromptQueue:
     def claim(self, sampler_id: str, want: int, lease_s: float) -> list[bytes]:
         """InjectedPrompt bytes of up to `want` prompts for this sampler (its fair share of the queue)."""
         return self._call(lambda: self._claim(keys=[self.queue, self.claimed, self.samplers], args=[
-            self.base, sampler_id, want, time.time(), lease_s, ACTIVE_SAMPLER_S]))
+            self.base, sampler_id, want, self.clock(), lease_s, ACTIVE_SAMPLER_S]))
 
     def cancel(self, client_name: str, admin: bool, prompt_ids: list[str], retention_s: int) -> dict[str, str]:
         """id -> 'cancelled' | 'finished'. Raises KeyError(id) for an unknown id, PermissionError(id) for another
         client's prompt (unless admin); then nothing is cancelled."""
         reply = [x.decode() for x in self._call(lambda: self._cancel(
             keys=[self.queue, self.claimed, self.pending, self.results],
-            args=[self.base, client_name, int(admin), time.time(), retention_s, *prompt_ids]))]
+            args=[self.base, client_name, int(admin), self.clock(), retention_s, *prompt_ids]))]
         if reply[0] == "unknown":
             raise KeyError(reply[1])
         if reply[0] == "denied":

@@ -92,6 +92,37 @@ def connect(url: str, timeout_s: float | None, log_retries: bool = True, **optio
         delay = min(delay * 2, 10.0)
 
 
+def wait_serving(proc: subprocess.Popen, url: str, timeout_s: float, **options) -> None:
+    """Return once the redis-server `proc` answers PING at `url` (`options`: credentials, TLS files, as for
+    redis.Redis). Polls every 10 ms; RedisConnectError as soon as the process exits (a port in use, a config it
+    refuses) or when it has not answered within timeout_s. The answer must come from `proc` itself (INFO's
+    process_id), not from another server already on that port. A refused password is raised at once."""
+    client = redis.Redis.from_url(url, socket_connect_timeout=1, socket_timeout=5, **options)
+    deadline = time.monotonic() + timeout_s
+    last: object = "no answer yet"
+    try:
+        while True:
+            try:
+                client.ping()
+                pid = int(client.info("server")["process_id"])
+                if pid == proc.pid:
+                    return
+                last = f"process {pid} answers on that port, not {proc.pid}"
+            except redis.AuthenticationError:
+                raise
+            except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:  # not listening yet, or loading its AOF
+                last = exc
+            if proc.poll() is not None:
+                raise RedisConnectError(f"redis-server for {redacted(url)} exited with code {proc.returncode} before "
+                                        "it answered")
+            if time.monotonic() >= deadline:
+                raise RedisConnectError(f"redis-server at {redacted(url)} did not answer PING within {timeout_s:g}s "
+                                        f"({last})")
+            time.sleep(0.01)
+    finally:
+        client.close()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -138,11 +169,18 @@ class EmbeddedRedis:
                "--logfile", os.path.join(self.dir, "redis.log")]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
-            connect(self.url, timeout_s, log_retries=False).close()
-        except RedisConnectError:
+            wait_serving(self.proc, self.url, timeout_s)
+        except RedisConnectError as exc:
+            tail = self.log_tail()
             self.stop()
-            raise
+            raise RedisConnectError(f"{exc}; its log ends:\n{tail}" if tail else str(exc)) from None
         return self
+
+    def log_tail(self, lines: int = 5) -> str:
+        try:
+            return "\n".join(pathlib.Path(self.dir, "redis.log").read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
 
     def kill(self) -> None:
         """SIGKILL, as a crash would (the data directory stays)."""

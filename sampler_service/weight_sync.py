@@ -24,7 +24,7 @@ import functools
 import logging
 import socket
 import time
-from typing import Any
+from typing import Any, Callable
 
 import grpc
 import jax
@@ -235,12 +235,14 @@ def _check_names(manifest: weights_pb2.WeightManifest, targets: dict[str, jax.Sh
 
 
 class WeightSync:
-    """Polls a fetcher and installs newer versions whole; reports the installed version to the trainer."""
+    """Polls a fetcher and installs newer versions whole; reports the installed version to the trainer. `clock`
+    (time.monotonic by default) times the back-off after a failed fetch; a test moves it instead of waiting."""
 
     def __init__(self, fetcher, model: PolicyModel, mesh: jax.sharding.Mesh, sampler_id: str,
                  retry_initial_s: float = 0.5, retry_max_s: float = 10.0, max_staleness: int | None = None,
-                 channel: grpc.Channel | None = None, background: bool = False):
-        self.fetcher, self.model, self.sampler_id = fetcher, model, sampler_id
+                 channel: grpc.Channel | None = None, background: bool = False,
+                 clock: Callable[[], float] = time.monotonic):
+        self.fetcher, self.model, self.sampler_id, self.clock = fetcher, model, sampler_id, clock
         self.retry_initial_s, self.retry_max_s, self.max_staleness = retry_initial_s, retry_max_s, max_staleness
         shardings = param_shardings(model.params, mesh)
         self.targets = {name: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=s) for name, leaf, s in zip(
@@ -266,7 +268,7 @@ class WeightSync:
         or the fetch failed). Never raises on transport errors: the sampler keeps its version and retries after a
         back-off."""
         if self._pending is None:
-            if time.monotonic() < self._next_attempt:
+            if self.clock() < self._next_attempt:
                 return None
             if self._pool is None:
                 return self._settle(self._check_and_fetch)
@@ -289,7 +291,7 @@ class WeightSync:
         except Exception as exc:  # noqa: BLE001 - whatever a fetch meets, the sampler keeps its version
             self.failures += 1
             delay = min(self.retry_initial_s * 2 ** (self.failures - 1), self.retry_max_s)
-            self._next_attempt = time.monotonic() + delay
+            self._next_attempt = self.clock() + delay
             detail = (f"{exc.code()}: {exc.details()}" if isinstance(exc, grpc.RpcError)
                       else f"{type(exc).__name__}: {exc}")
             log.warning("%s weight fetch failed (%s); keeping version %d (lag %d), retry %d in %.1fs",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import uuid
 
 import pytest
 
@@ -56,12 +57,34 @@ def pytest_unconfigure(config):
 
 @pytest.fixture
 def redis_server():
-    """A private redis-server for one test (started and stopped by the test)."""
+    """A private redis-server for one test (started and stopped by the test): for tests that stop, kill or
+    reconfigure Redis. Every other test takes `shared_redis` and its own `run_name`."""
     server = EmbeddedRedis().start()
     try:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def shared_redis():
+    """One redis-server for the whole test run. A test on it keeps to its own run name (`run_name`): the buffer's
+    and the prompt queue's keys all live under grpo-stream:<run name>:, so tests never see each other's data.
+    Never stop, kill, flush or reconfigure it (take `redis_server` for that), nor count keys across runs."""
+    with EmbeddedRedis() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def new_run_name():
+    """Makes run names no other test uses, for keys on `shared_redis` (module-scoped fixtures call it)."""
+    return lambda: f"t-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def run_name(new_run_name) -> str:
+    """This test's own run name."""
+    return new_run_name()
 
 
 @pytest.fixture(scope="session")

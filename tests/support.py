@@ -1,11 +1,13 @@
-"""A trainer's gRPC server as a run configures it (ingest, PromptService, weights, health, reflection, auth, TLS),
-on loopback with a real Redis, for the integration tests of prompts, auth, TLS and fuzzing."""
+"""Helpers for the tests: waiting for a condition, a clock tests move by hand, a config's run name; and a trainer's
+gRPC server as a run configures it (ingest, PromptService, weights, health, reflection, auth, TLS), on loopback with
+a real Redis, for the integration tests of prompts, auth, TLS and fuzzing."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import pathlib
+import time
 
 import numpy as np
 
@@ -18,6 +20,38 @@ from common.wire import CompletionData, GroupData
 from trainer_service.ingest_server import ingest_servicers
 from trainer_service.publisher import WeightPublisher
 from trainer_service.server import TrainerServer
+
+
+def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.05):
+    """Poll `predicate` until it returns something truthy, and return that; AssertionError naming `what` (and the
+    last value) when timeout_s passes first. An exception from the predicate (e.g. an assert that a process is still
+    running) ends the wait at once. Tests wait this way, never by sleeping a fixed time and hoping."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout_s:g}s waiting for {what} (last: {value!r})")
+        time.sleep(interval_s)
+
+
+class FakeClock:
+    """A clock for code that takes `clock=` (lease and back-off deadlines): time moves only when the test says."""
+
+    def __init__(self, now: float | None = None):
+        self.now = time.time() if now is None else now  # near the real time, so timestamps in records look right
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def with_run_name(cfg, name: str):
+    """`cfg` for run `name` (tests on the shared Redis each take their own: conftest's `run_name`)."""
+    return cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": name})})
 
 
 @dataclasses.dataclass

@@ -59,6 +59,12 @@ class WeightDataServer:
         self._thread.start()
         return self.port
 
+    @property
+    def active_transfers(self) -> int:
+        """Connections holding a transfer slot now (accepted, not yet finished)."""
+        with self._lock:
+            return self._active
+
     def stop(self) -> None:
         self._stopped.set()
         self.publisher.data_port = 0

@@ -7,11 +7,11 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 
 from tests.e2e.test_up import ROOT, run_cli
+from tests.support import wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 STEPS = 45
@@ -60,17 +60,16 @@ def test_injected_probes_follow_the_policy_and_are_never_trained(tmp_path):
          "trainer.max_staleness=16", "checkpoint.every=20"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    def step_reached(step: int) -> bool:
+        assert up.poll() is None, f"up exited ({up.returncode}) before trainer step {step}"
+        return trainer_step(run_dir) >= step
+
     try:
-        deadline = time.monotonic() + 300
-        while trainer_step(run_dir) < 0:  # until the PromptService answers
-            assert up.poll() is None and time.monotonic() < deadline, "up did not start"
-            time.sleep(1)
+        wait_for(lambda: step_reached(0), 300, "the PromptService to answer", interval_s=1)
         write_jsonl(tmp_path / "wave1.jsonl", probes(1) + training_prompts())
         first = submit(run_dir, tmp_path / "wave1.jsonl")
         wave1 = finish(first)
-        while trainer_step(run_dir) < STEPS // 3:
-            assert up.poll() is None, "the run ended before the second wave"
-            time.sleep(1)
+        wait_for(lambda: step_reached(STEPS // 3), 600, f"trainer step {STEPS // 3}", interval_s=1)
         write_jsonl(tmp_path / "wave2.jsonl", probes(2))
         wave2 = finish(submit(run_dir, tmp_path / "wave2.jsonl"))
         output, _ = up.communicate(timeout=600)

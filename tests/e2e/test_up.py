@@ -294,14 +294,14 @@ def test_eval_limit_must_be_positive():
 
 @pytest.mark.redis
 def test_sampler_waits_for_a_trainer_that_answers_but_has_not_published_then_gives_up_on_silence(tmp_path,
-                                                                                               redis_server):
+                                                                                               shared_redis, run_name):
     """A trainer in its warm start serves health but no weights: the sampler waits past connect_timeout_s and
     installs the first version when it comes; a trainer that goes silent ends it after connect_timeout_s."""
     import time
 
     from common.buffer import RedisStreamBuffer
     from common.config import load_config
-    from tests.support import deployment_auth
+    from tests.support import deployment_auth, wait_for
     from common.redis_util import connect
     from common.runtime import build_policy, build_task_and_tokenizer
     from common.wire import GroupLimits
@@ -316,7 +316,7 @@ def test_sampler_waits_for_a_trainer_that_answers_but_has_not_published_then_giv
     named = build_policy(cfg, tokenizer.vocab_size, seed=0).to_named_numpy()
     gen = cfg.generation
     limits = GroupLimits(gen.num_generations, gen.max_prompt_tokens, gen.max_new_tokens, tokenizer.vocab_size)
-    buffer = RedisStreamBuffer(connect(redis_server.url, 5), cfg.run.name)
+    buffer = RedisStreamBuffer(connect(shared_redis.url, 5), run_name)  # the samplers' groups, if any, land here
     log_path = tmp_path / "sampler.log"
 
     def start(port: int):
@@ -324,20 +324,36 @@ def test_sampler_waits_for_a_trainer_that_answers_but_has_not_published_then_giv
                                  "0", *overrides, f"trainer.port={port}"], cwd=ROOT, stdout=open(log_path, "w"),
                                 stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1", **auth})
 
+    def running(proc) -> bool:
+        assert proc.poll() is None, log_path.read_text()[-3000:]
+        return True
+
     def wait_for_log(proc, text: str, timeout_s: float = 120) -> None:
-        deadline = time.monotonic() + timeout_s
-        while text not in log_path.read_text():
-            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
-            time.sleep(0.1)
+        wait_for(lambda: running(proc) and text in log_path.read_text(), timeout_s, f"{text!r} in the sampler's log",
+                 interval_s=0.1)
+
+    class Watched(WeightPublisher):
+        """Notes when the sampler asks for the manifest (NOT_FOUND while nothing is published)."""
+
+        def __init__(self):
+            super().__init__("grpc")
+            self.asked: list[float] = []
+
+        def GetManifest(self, request, context):
+            self.asked.append(time.monotonic())
+            return super().GetManifest(request, context)
 
     auth, security = deployment_auth(tmp_path / "auth")
-    publisher = WeightPublisher("grpc")
+    publisher = Watched()
     server = TrainerServer(IngestServicer(buffer, limits, 1000, 20), publisher, "127.0.0.1", 0, security=security)
     proc = start(server.start())
     try:
         wait_for_log(proc, "connected to")
-        time.sleep(6)  # three times connect_timeout_s with nothing published
-        assert proc.poll() is None, log_path.read_text()[-3000:]
+        # Not giving up is an absence, so it takes time: the sampler must keep asking for weights over three times
+        # connect_timeout_s (it checks the trainer's health every second while it waits). Timed by its own requests,
+        # so a sampler the loaded machine starves of CPU is not mistaken for one that waited.
+        wait_for(lambda: running(proc) and publisher.asked and publisher.asked[-1] - publisher.asked[0] > 6, 120,
+                 "the sampler to wait 3x connect_timeout_s for the first weights")
         publisher.publish_arrays(0, named)
         wait_for_log(proc, "installed weight version 0")
         publisher.publish_arrays(1, named, final=True)

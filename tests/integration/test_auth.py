@@ -15,7 +15,7 @@ from common import weight_bulk
 from common.auth import ROLES, ROLES_BY_METHOD
 from protos import prompts_pb2, rollout_pb2, weights_pb2
 from tests.pki import make_pki
-from tests.support import serve
+from tests.support import serve, with_run_name
 
 pytestmark = pytest.mark.redis
 SERVICES = ("grpo_stream.v1.RolloutIngest", "grpo_stream.v1.WeightService", "grpo_stream.v1.PromptService",
@@ -71,16 +71,11 @@ def test_every_rpc_states_its_roles():
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_parts, tmp_path_factory):
-    from common.redis_util import EmbeddedRedis
-
+def stack(tiny_parts, shared_redis, new_run_name, tmp_path_factory):
     cfg, task, tokenizer, _ = tiny_parts
-    redis_server = EmbeddedRedis().start()
-    try:
-        with serve(cfg, redis_server.url, tmp_path_factory.mktemp("auth"), task, tokenizer, data_plane=True) as s:
-            yield s
-    finally:
-        redis_server.stop()
+    with serve(with_run_name(cfg, new_run_name()), shared_redis.url, tmp_path_factory.mktemp("auth"), task, tokenizer,
+               data_plane=True) as s:
+        yield s
 
 
 @pytest.mark.parametrize("caller", ["no token", "wrong token", *ROLES])
@@ -127,10 +122,10 @@ def test_weights_data_plane_checks_tokens_like_fetch_slices(stack):
     assert data_plane_status(stack, stack.token("admin")) == 0
 
 
-def test_open_health_answers_probes_without_a_token_and_nothing_else(tiny_parts, redis_server, tmp_path):
+def test_open_health_answers_probes_without_a_token_and_nothing_else(tiny_parts, shared_redis, run_name, tmp_path):
     cfg, task, tokenizer, _ = tiny_parts
-    cfg = cfg.model_copy(update={"auth": cfg.auth.model_copy(update={"open_health": True})})
-    with serve(cfg, redis_server.url, tmp_path / "auth", task, tokenizer) as stack:
+    cfg = with_run_name(cfg.model_copy(update={"auth": cfg.auth.model_copy(update={"open_health": True})}), run_name)
+    with serve(cfg, shared_redis.url, tmp_path / "auth", task, tokenizer) as stack:
         channel = stack.channel(None)
         by_path = dict(methods())
         assert call(channel, "/grpc.health.v1.Health/Check", by_path["/grpc.health.v1.Health/Check"]) == \
@@ -151,11 +146,11 @@ def status_code(stack, cfg) -> grpc.StatusCode:
                 by_path["/grpo_stream.v1.PromptService/GetStatus"])
 
 
-def test_tls_serves_clients_that_trust_the_ca_and_refuses_plaintext(tiny_parts, redis_server, tmp_path):
+def test_tls_serves_clients_that_trust_the_ca_and_refuses_plaintext(tiny_parts, shared_redis, run_name, tmp_path):
     cfg, task, tokenizer, _ = tiny_parts
     pki = make_pki(tmp_path / "pki")
-    server_cfg = tls_cfg(cfg, pki)
-    with serve(server_cfg, redis_server.url, tmp_path / "auth", task, tokenizer, data_plane=True) as stack:
+    server_cfg = with_run_name(tls_cfg(cfg, pki), run_name)
+    with serve(server_cfg, shared_redis.url, tmp_path / "auth", task, tokenizer, data_plane=True) as stack:
         assert status_code(stack, server_cfg) == grpc.StatusCode.OK
         assert status_code(stack, cfg) == grpc.StatusCode.UNAVAILABLE  # plaintext client
         untrusting = tls_cfg(cfg, {**pki, "ca": pki["rogue_ca"]})
@@ -169,11 +164,11 @@ def test_tls_serves_clients_that_trust_the_ca_and_refuses_plaintext(tiny_parts, 
             data_plane_status(stack, stack.token("sampler"))  # plaintext to a TLS data plane
 
 
-def test_mutual_tls_requires_a_client_certificate_from_the_ca(tiny_parts, redis_server, tmp_path):
+def test_mutual_tls_requires_a_client_certificate_from_the_ca(tiny_parts, shared_redis, run_name, tmp_path):
     cfg, task, tokenizer, _ = tiny_parts
     pki = make_pki(tmp_path / "pki")
-    server_cfg = tls_cfg(cfg, pki, require_client_cert=True)
-    with serve(server_cfg, redis_server.url, tmp_path / "auth", task, tokenizer) as stack:
+    server_cfg = with_run_name(tls_cfg(cfg, pki, require_client_cert=True), run_name)
+    with serve(server_cfg, shared_redis.url, tmp_path / "auth", task, tokenizer) as stack:
         with_cert = tls_cfg(cfg, pki, client_cert_file=str(pki["client_cert"]), client_key_file=str(pki["client_key"]))
         assert status_code(stack, with_cert) == grpc.StatusCode.OK
         assert status_code(stack, tls_cfg(cfg, pki)) == grpc.StatusCode.UNAVAILABLE  # no client certificate

@@ -16,7 +16,7 @@ from common.grpc_util import ClientSecurity
 from common.prompt_client import PromptClient
 from common.proto_decode import _twin_pool
 from protos import prompts_pb2, rollout_pb2, weights_pb2  # noqa: F401 - registers the services
-from tests.support import serve
+from tests.support import serve, with_run_name
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 # requests per RPC: the default lane, and the deep lane that `python -m pytest -m fuzz` runs (pyproject's addopts
@@ -113,25 +113,22 @@ def request_bytes(method):
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_parts, tmp_path_factory):
+def stack(tiny_parts, shared_redis, new_run_name, tmp_path_factory):
     import logging
 
-    from common.redis_util import EmbeddedRedis
-
     cfg, task, tokenizer, _ = tiny_parts
-    redis_server = EmbeddedRedis().start()
     # tens of thousands of refused requests are expected here; their warnings would fill pytest's log capture
     quiet = [logging.getLogger(name) for name in ("trainer_service", "common")]
     levels = [q.level for q in quiet]
     for q in quiet:
         q.setLevel(logging.ERROR)
     try:
-        with serve(cfg, redis_server.url, tmp_path_factory.mktemp("fuzz"), task, tokenizer) as s:
+        with serve(with_run_name(cfg, new_run_name()), shared_redis.url, tmp_path_factory.mktemp("fuzz"), task,
+                   tokenizer) as s:
             yield s
     finally:
         for q, level in zip(quiet, levels):
             q.setLevel(level)
-        redis_server.stop()
 
 
 @pytest.mark.parametrize("examples", DEPTHS)

@@ -13,16 +13,16 @@ from common.grpc_util import ClientSecurity
 from common.wire import to_proto
 from protos import prompts_pb2, prompts_pb2_grpc, rollout_pb2, rollout_pb2_grpc
 from trainer_service.prompt_service import StatusWriter
-from tests.support import answer, serve
+from tests.support import FakeClock, answer, serve, with_run_name
 
 pytestmark = pytest.mark.redis
 
 
 @pytest.fixture
-def stack(tiny_parts, redis_server, tmp_path):
+def stack(tiny_parts, shared_redis, run_name, tmp_path):
     cfg, task, tokenizer, _ = tiny_parts
     cfg = cfg.model_copy(update={"prompts": cfg.prompts.model_copy(update={"max_pending_per_client": 20})})
-    with serve(cfg, redis_server.url, tmp_path / "auth", task, tokenizer) as s:
+    with serve(with_run_name(cfg, run_name), shared_redis.url, tmp_path / "auth", task, tokenizer) as s:
         yield s
 
 
@@ -86,15 +86,17 @@ def test_priority_first_and_shared_across_samplers(stack):
     assert same == sorted(same)  # first come first served within a priority
 
 
-def test_an_unanswered_claim_returns_to_the_queue_after_its_lease(tiny_parts, redis_server, tmp_path):
+def test_an_unanswered_claim_returns_to_the_queue_after_its_lease(tiny_parts, shared_redis, run_name, tmp_path):
     cfg, task, tokenizer, _ = tiny_parts
-    cfg = cfg.model_copy(update={"prompts": cfg.prompts.model_copy(update={"claim_lease_s": 0.5})})
-    with serve(cfg, redis_server.url, tmp_path / "auth", task, tokenizer) as stack:
+    lease = cfg.prompts.claim_lease_s  # the configured lease, on a clock the test moves instead of waiting it out
+    with serve(with_run_name(cfg, run_name), shared_redis.url, tmp_path / "auth", task, tokenizer) as stack:
+        clock = stack.server.ingest.injection.queue.clock = FakeClock()
         client, ingest = clients(stack)
         [pid] = client.submit([{"text": "Q: x A:"}])
         assert [p.prompt_id for p in claim(ingest, "sampler-0")] == [pid]
-        assert claim(ingest, "sampler-1") == []
-        time.sleep(0.7)
+        clock.advance(lease - 0.01)
+        assert claim(ingest, "sampler-1") == []  # still sampler-0's
+        clock.advance(0.02)
         assert [p.prompt_id for p in claim(ingest, "sampler-1")] == [pid]
         # the first sampler answers late: the answer counts once and the prompt is not handed out again
         [late] = [p for p in stack.server.ingest.injection.queue.records([pid])]
@@ -102,7 +104,7 @@ def test_an_unanswered_claim_returns_to_the_queue_after_its_lease(tiny_parts, re
         assert ingest.PushGroup(to_proto(answer(prompt, stack.cfg.run.name, "sampler-0"))).code == 0
         assert ingest.PushGroup(to_proto(answer(prompt, stack.cfg.run.name, "sampler-1"))).message.startswith(
             "duplicate")
-        time.sleep(0.7)
+        clock.advance(lease + 0.01)  # sampler-1's claim expires too: the answered prompt stays done
         assert claim(ingest, "sampler-2") == []
         [result] = client.results([pid])
         assert result.sampler_id == "sampler-0"
@@ -129,14 +131,15 @@ def test_cancel_discards_the_answer_and_only_the_owner_or_an_admin_may_cancel(st
     assert list(client.cancel([ids[0]]).finished) == [ids[0]]
 
 
-def test_cancelling_another_clients_prompt_is_permission_denied(tiny_parts, redis_server, tmp_path):
+def test_cancelling_another_clients_prompt_is_permission_denied(tiny_parts, shared_redis, run_name, tmp_path):
     cfg, task, tokenizer, _ = tiny_parts
-    with serve(cfg, redis_server.url, tmp_path / "auth", task, tokenizer) as stack:
+    cfg = with_run_name(cfg, run_name)
+    with serve(cfg, shared_redis.url, tmp_path / "auth", task, tokenizer) as stack:
         table = stack.tokens["table"]
         rows = table.read_text() + "- {name: alice, role: client, token: alice-token-0123456789}\n"
         table.write_text(rows)
     cfg = cfg.model_copy(update={"auth": cfg.auth.model_copy(update={"tokens_file": str(table)})})
-    with serve(cfg, redis_server.url, tmp_path / "auth2", task, tokenizer) as stack:
+    with serve(cfg, shared_redis.url, tmp_path / "auth2", task, tokenizer) as stack:
         mine = PromptClient(stack.address, ClientSecurity(table.parent.joinpath("client.token").read_text().strip()))
         alice = PromptClient(stack.address, ClientSecurity("alice-token-0123456789"))
         [pid] = mine.submit([{"text": "Q: mine A:"}])

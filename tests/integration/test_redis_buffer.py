@@ -20,8 +20,8 @@ def identity_holds(c):
 
 
 @pytest.fixture
-def buf(redis_server):
-    return RedisStreamBuffer(connect(redis_server.url, 5), "t")
+def buf(shared_redis, run_name):
+    return RedisStreamBuffer(connect(shared_redis.url, 5), run_name)
 
 
 def test_append_read_settle_keeps_the_accounting_identity(buf):
@@ -93,26 +93,27 @@ def test_a_second_copy_that_reaches_the_trainer_is_dropped_not_trained(buf):
     assert c["dropped_duplicate"] == 1 and c["trained"] == 1 and identity_holds(c)
 
 
-def test_runs_are_namespaced(redis_server):
-    client = connect(redis_server.url, 5)
-    a, b = RedisStreamBuffer(client, "run-a"), RedisStreamBuffer(client, "run-b")
+def test_runs_are_namespaced(shared_redis, run_name):
+    client = connect(shared_redis.url, 5)
+    a, b = RedisStreamBuffer(client, f"{run_name}-a"), RedisStreamBuffer(client, f"{run_name}-b")
     a.append_many([inc(0)], 10)
     assert b.depth() == 0 and b.read(10, 50) == []
 
 
-def test_unreachable_redis_is_reported(buf, redis_server):
+def test_unreachable_redis_is_reported(redis_server):
+    buf = RedisStreamBuffer(connect(redis_server.url, 5), "t")
     redis_server.stop()
     with pytest.raises(BufferUnavailable):
         buf.append_many([inc(0)], 10)
 
 
-def test_a_restarted_trainer_takes_back_what_its_predecessor_read_but_never_settled(redis_server):
-    first = RedisStreamBuffer(connect(redis_server.url, 5), "restart")
+def test_a_restarted_trainer_takes_back_what_its_predecessor_read_but_never_settled(shared_redis, run_name):
+    first = RedisStreamBuffer(connect(shared_redis.url, 5), run_name)
     first.append_many([inc(i) for i in range(6)], max_groups=6)
     taken = first.read(4, block_ms=100)
     first.settle([(taken[0].entry_id, taken[0].group_id, "trained", 1)])
     # the trainer process dies holding g1..g3: a new one (same consumer) gets them first, each once, then the rest
-    second = RedisStreamBuffer(connect(redis_server.url, 5), "restart")
+    second = RedisStreamBuffer(connect(shared_redis.url, 5), run_name)
     got = [e.payload for e in second.read(2, block_ms=100)] + [e.payload for e in second.read(2, block_ms=100)]
     got += [e.payload for e in second.read(10, block_ms=100)]
     assert got == [b"g1", b"g2", b"g3", b"g4", b"g5"]
@@ -165,7 +166,7 @@ def test_lineage_keeps_only_the_steps_the_final_model_went_through():
     assert final == 5 and history == {1: ["a1"], 2: ["a2"], 3: ["b3"], 4: ["c4"], 5: ["c5"]}
 
 
-def test_audit_counts_trained_dropped_waiting_lost_and_twice(buf):
+def test_audit_counts_trained_dropped_waiting_lost_and_twice(buf, run_name):
     buf.append_many([inc(i) for i in range(6)], 10)
     e = buf.read(6, 100)
     buf.log_trainer("a", 0, "")
@@ -173,13 +174,13 @@ def test_audit_counts_trained_dropped_waiting_lost_and_twice(buf):
     buf.settle([(e[2].entry_id, e[2].group_id, "dropped_stale", 1)])
     buf.log_checkpoint("a", 1)
     buf.settle([(x.entry_id, x.group_id, "trained", 1) for x in e[:2]])
-    report = build_audit(buf.client, "t")
+    report = build_audit(buf.client, run_name)
     assert (report["groups_accepted"], report["groups_trained"], report["groups_dropped"]["dropped_stale"],
             report["groups_waiting"], report["groups_lost"], report["ok"]) == (6, 2, 1, 3, 0, True)
     # a step that trains group 0 again, and a group deleted without a record: the audit says so
     buf.log_step("a", 2, [e[0].group_id, e[3].group_id])
     buf.log_checkpoint("a", 2)
     buf.client.xdel(buf.stream, e[4].entry_id)
-    report = build_audit(buf.client, "t")
+    report = build_audit(buf.client, run_name)
     assert report["groups_trained_twice"] == 1 and report["trained_twice_ids"] == [e[0].group_id]
     assert report["groups_lost"] == 1 and report["lost_ids"] == [e[4].group_id] and not report["ok"]

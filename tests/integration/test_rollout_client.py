@@ -1,7 +1,5 @@
 """The sampler's rollout stream survives an ingest restart without losing or duplicating groups."""
 
-import time
-
 import grpc
 import pytest
 
@@ -11,6 +9,7 @@ from common.redis_util import connect, free_port
 from common.wire import decode_group, to_proto
 from sampler_service.rollout_client import RolloutClient
 from tests.integration.test_trainer_server import LIMITS, group
+from tests.support import wait_for
 from trainer_service.ingest import IngestServicer
 from trainer_service.publisher import WeightPublisher
 from trainer_service.server import TrainerServer
@@ -25,8 +24,8 @@ def start_server(buffer, port):
     return server
 
 
-def test_groups_survive_an_ingest_restart(redis_server):
-    buffer = RedisStreamBuffer(connect(redis_server.url, 5), "restart")
+def test_groups_survive_an_ingest_restart(shared_redis, run_name):
+    buffer = RedisStreamBuffer(connect(shared_redis.url, 5), run_name)
     port = free_port()
     server = start_server(buffer, port)
     channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS)
@@ -39,7 +38,8 @@ def test_groups_survive_an_ingest_restart(redis_server):
         # produced while the ingest is down: held by the client
         for i in range(3, 8):
             assert client.put(to_proto(group(i)), timeout_s=5)
-        time.sleep(0.5)
+        # the sender notices a dead stream only when it sends: a reconnect means it tried these groups and failed
+        wait_for(lambda: client.stats["reconnects"] >= 1, 30, "the client to try the stopped ingest")
         assert client.unacked == 5
         server = start_server(buffer, port)
         assert client.drain(30), f"{client.unacked} groups never acknowledged"
@@ -52,8 +52,8 @@ def test_groups_survive_an_ingest_restart(redis_server):
         server.stop(0)
 
 
-def test_groups_too_stale_to_train_are_not_sent(redis_server):
-    buffer = RedisStreamBuffer(connect(redis_server.url, 5), "stale")
+def test_groups_too_stale_to_train_are_not_sent(shared_redis, run_name):
+    buffer = RedisStreamBuffer(connect(shared_redis.url, 5), run_name)
     port = free_port()
     server = start_server(buffer, port)
     channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS)

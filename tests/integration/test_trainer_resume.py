@@ -81,20 +81,18 @@ def run_trainer(cfg, run_dir: pathlib.Path) -> Trainer:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(groups, tmp_path_factory):
-    from common.redis_util import EmbeddedRedis
-
-    with EmbeddedRedis() as server:
-        fill(server.url, "whole", groups)
-        trainer = run_trainer(config(server.url, "whole"), tmp_path_factory.mktemp("whole"))
-        return final_digest(trainer)
+def uninterrupted(groups, shared_redis, new_run_name, tmp_path_factory):
+    run = new_run_name()
+    fill(shared_redis.url, run, groups)
+    trainer = run_trainer(config(shared_redis.url, run), tmp_path_factory.mktemp("whole"))
+    return final_digest(trainer)
 
 
 @pytest.mark.parametrize("how", ["sigterm", "crash", "crash_and_corrupt_checkpoint"])
-def test_a_resumed_run_ends_with_the_parameters_of_an_uninterrupted_one(how, groups, uninterrupted, redis_server,
-                                                                        tmp_path, monkeypatch):
-    buffer = fill(redis_server.url, "parts", groups)
-    cfg = config(redis_server.url, "parts")
+def test_a_resumed_run_ends_with_the_parameters_of_an_uninterrupted_one(how, groups, uninterrupted, shared_redis,
+                                                                        run_name, tmp_path, monkeypatch):
+    buffer = fill(shared_redis.url, run_name, groups)
+    cfg = config(shared_redis.url, run_name)
     first = Trainer(cfg, tmp_path)
     original = RedisStreamBuffer.log_step
 
@@ -123,7 +121,7 @@ def test_a_resumed_run_ends_with_the_parameters_of_an_uninterrupted_one(how, gro
     expected_start = {"sigterm": 5, "crash": 4, "crash_and_corrupt_checkpoint": 2}[how]
     assert second.resumed_from["step"] == expected_start
     assert final_digest(second) == uninterrupted
-    report = build_audit(buffer.client, "parts")
+    report = build_audit(buffer.client, run_name)
     assert report["ok"] and report["groups_trained"] == STEPS * GROUPS_PER_STEP and report["groups_lost"] == 0
     assert report["groups_trained_twice"] == 0 and report["trainer_resumes"] == 1
     assert report["steps_rolled_back"] == 5 - expected_start
@@ -132,14 +130,16 @@ def test_a_resumed_run_ends_with_the_parameters_of_an_uninterrupted_one(how, gro
         assert list((tmp_path / "checkpoints").glob("corrupt-4-*"))
 
 
-def test_checkpoints_of_another_layout_are_refused_not_discarded(groups, redis_server, tmp_path):
-    fill(redis_server.url, "layout", groups[:8])
-    run_trainer(config(redis_server.url, "layout", **{"trainer.steps": 2}), tmp_path)
+def test_checkpoints_of_another_layout_are_refused_not_discarded(groups, shared_redis, run_name, tmp_path):
+    url = shared_redis.url
+    fill(url, run_name, groups[:8])
+    run_trainer(config(url, run_name, **{"trainer.steps": 2}), tmp_path)
     with pytest.raises(ValueError, match="holds a different model or optimizer state"):
-        run_trainer(config(redis_server.url, "layout", **{"trainer.steps": 2, "algo.beta": 0.1}), tmp_path)
+        run_trainer(config(url, run_name, **{"trainer.steps": 2, "algo.beta": 0.1}), tmp_path)
     with pytest.raises(ValueError, match=r"holds checkpoints \(steps \[2\]\) and checkpoint.resume=false"):
-        run_trainer(config(redis_server.url, "layout", **{"checkpoint.resume": False}), tmp_path)
+        run_trainer(config(url, run_name, **{"checkpoint.resume": False}), tmp_path)
     # a new run directory over the same run's buffer would train its groups a second time: refused
-    with pytest.raises(ValueError, match=r"Redis already holds run 'layout' with 8 trained groups.*checkpoint.dir"):
-        run_trainer(config(redis_server.url, "layout", **{"trainer.steps": 2}), tmp_path / "elsewhere")
+    held = rf"Redis already holds run '{run_name}' with 8 trained groups.*checkpoint.dir"
+    with pytest.raises(ValueError, match=held):
+        run_trainer(config(url, run_name, **{"trainer.steps": 2}), tmp_path / "elsewhere")
     assert (tmp_path / "checkpoints" / "2").is_dir()

@@ -16,6 +16,7 @@ from common.wire import CompletionData, GroupData, GroupLimits, decode_group, to
 from protos import rollout_pb2, rollout_pb2_grpc
 from sampler_service.rollout_client import RolloutClient
 from sampler_service.weight_sync import WeightSync
+from tests.support import FakeClock, wait_for
 from trainer_service.ingest import IngestServicer
 from trainer_service.publisher import WeightPublisher
 from trainer_service.server import TrainerServer
@@ -31,8 +32,8 @@ def group(i: int, sampler="sampler-0") -> GroupData:
 
 
 @pytest.fixture
-def stack(redis_server):
-    buffer = RedisStreamBuffer(connect(redis_server.url, 5), "test")
+def stack(shared_redis, run_name):
+    buffer = RedisStreamBuffer(connect(shared_redis.url, 5), run_name)
     ingest = IngestServicer(buffer, LIMITS, max_groups=4, retry_after_ms=20)
     publisher = WeightPublisher(chunk_bytes=100)
     server = TrainerServer(ingest, publisher, "127.0.0.1", 0)
@@ -154,13 +155,14 @@ def test_backpressure_loses_nothing(stack):
     buffer, ingest, *_, channel = stack
     client = RolloutClient(channel, backlog_max_groups=3, max_groups_per_message=3).start()
     seen: list[str] = []
+    deadline = time.monotonic() + 60
 
     def consume():
-        while len(seen) < 12:
+        while len(seen) < 12 and time.monotonic() < deadline:
             entries = buffer.read(2, 100)
             seen.extend(decode_group(e.payload).group_id for e in entries)
             buffer.settle([(e.entry_id, e.group_id, "trained", 1) for e in entries])
-            time.sleep(0.05)
+            time.sleep(0.05)  # pacing, not a wait: a consumer slower than the producer keeps the buffer full
 
     consumer = threading.Thread(target=consume)
     consumer.start()
@@ -237,7 +239,8 @@ def test_a_restarted_trainer_is_followed_and_failures_back_off(stack, tiny_parts
     _, _, publisher, server, channel = stack
     _, _, _, model = tiny_parts
     named = model.to_named_numpy()
-    sync = _sync(channel, model, retry_initial_s=0.3, retry_max_s=0.6, max_staleness=2)
+    clock = FakeClock()
+    sync = _sync(channel, model, retry_initial_s=0.3, retry_max_s=0.6, max_staleness=2, clock=clock)
     publisher.publish(WeightSnapshot(version=5, arrays=named))
     sync.mark_installed(sync.poll())
     # a new trainer process (new epoch) starts again at version 0: the sampler follows it
@@ -251,9 +254,14 @@ def test_a_restarted_trainer_is_followed_and_failures_back_off(stack, tiny_parts
     # the trainer goes away: the fetch fails, the version stays, the next attempt waits for the back-off
     server.stop(0)
     assert sync.poll() is None and sync.failures == 1 and sync.installed_version == 0
+    clock.advance(0.29)
     assert sync.poll() is None and sync.failures == 1  # inside the back-off: no new attempt
-    time.sleep(0.35)
+    clock.advance(0.02)
     assert sync.poll() is None and sync.failures == 2
+    clock.advance(0.59)  # the back-off doubles, up to retry_max_s
+    assert sync.poll() is None and sync.failures == 2
+    clock.advance(0.02)
+    assert sync.poll() is None and sync.failures == 3
     sync.latest_seen = 3
     assert sync.lag() == 3 and sync.too_stale()
 
@@ -265,15 +273,14 @@ def test_background_fetch_keeps_the_installed_version_until_the_new_one_is_whole
     nbytes = sum(a.nbytes for a in named.values())
     sync = _sync(channel, model, background=True)
     publisher.publish(WeightSnapshot(version=0, arrays=named))
-    while (got := sync.poll()) is None:
-        time.sleep(0.01)
-    sync.mark_installed(got)
+    sync.mark_installed(wait_for(sync.poll, 30, "version 0 fetched in the background", interval_s=0.01))
     # serve slowly (about 1.5 s per version): polls return at once while the transfer runs
     publisher.max_serve_mb_s = nbytes / 1.5 / 1e6
     publisher.publish(WeightSnapshot(version=1, arrays={k: v + 1 for k, v in named.items()}))
     start, polls = time.monotonic(), 0
     while (got := sync.poll()) is None:
         assert sync.installed_version == 0
+        assert time.monotonic() - start < 60, "version 1 never arrived"
         polls += 1
         time.sleep(0.01)
     waited = time.monotonic() - start
@@ -379,7 +386,7 @@ def test_busy_data_plane_sends_fetches_over_grpc(stack, tiny_parts):
     try:
         publisher.publish(WeightSnapshot(version=6, arrays=named))
         idle = socket.create_connection(("127.0.0.1", port))  # takes the only transfer slot, asks nothing
-        time.sleep(0.2)
+        wait_for(lambda: data.active_transfers == 1, 30, "the data plane to give its only slot to the idle connection")
         fetcher = GrpcFetcher(channel, "sampler-6", streams=2, timeout_s=10, data_host="127.0.0.1")
         sync = WeightSync(fetcher, model, make_mesh(1, 1, jax.devices(), "sampler.mesh.tp"), "sampler-6")
         got = sync.poll()
