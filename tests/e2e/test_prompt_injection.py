@@ -45,11 +45,17 @@ def finish(proc: subprocess.Popen, timeout: float = 240) -> list[dict]:
     return lines[1:]
 
 
-def trainer_step(run_dir) -> int:
+def run_status(run_dir) -> dict | None:
+    """`grpo-stream status` of the run, or None while its PromptService does not answer yet."""
     if not (run_dir / "endpoints.json").exists():
-        return -1
+        return None
     proc = run_cli("status", "--run-dir", str(run_dir), "--wait", "2", timeout=60)
-    return json.loads(proc.stdout)["trainer_step"] if proc.returncode == 0 else -1
+    return json.loads(proc.stdout) if proc.returncode == 0 else None
+
+
+def trainer_step(run_dir) -> int:
+    status = run_status(run_dir)
+    return -1 if status is None else status["trainer_step"]
 
 
 def test_injected_probes_follow_the_policy_and_are_never_trained(tmp_path):
@@ -70,6 +76,16 @@ def test_injected_probes_follow_the_policy_and_are_never_trained(tmp_path):
         first = submit(run_dir, tmp_path / "wave1.jsonl")
         wave1 = finish(first)
         wait_for(lambda: step_reached(STEPS // 3), 600, f"trainer step {STEPS // 3}", interval_s=1)
+        # the second wave goes out once both samplers run a newer policy than any that answered the first: then
+        # every answer to it is newer too (a sampler's version only grows), whatever the scheduling
+        newest = max(r["policy_version"] for r in wave1 if not r["train"])
+
+        def samplers_past_newest() -> bool:
+            assert up.poll() is None, f"up exited ({up.returncode}) before the second wave"
+            samplers = (run_status(run_dir) or {"samplers": []})["samplers"]
+            return len(samplers) == 2 and all(s["installed_version"] > newest for s in samplers)
+
+        wait_for(samplers_past_newest, 600, f"both samplers past version {newest}", interval_s=1)
         write_jsonl(tmp_path / "wave2.jsonl", probes(2))
         wave2 = finish(submit(run_dir, tmp_path / "wave2.jsonl"))
         output, _ = up.communicate(timeout=600)
