@@ -1,11 +1,11 @@
 """The CPU demo end to end, run once per lane (a module fixture) and checked for everything it must show: RL
 clearly raises held-out accuracy, every ingested group is accounted for, weights reach both samplers, the samplers'
 logprobs agree with the trainer's at lag 0, and the closing line and report show the figures. Then GSPO's learning,
-on a shorter run where GSPO's objective really differs from GRPO's (two optimizer passes per batch).
+on a run from the demo's warm start where GSPO's objective really differs from GRPO's (two optimizer steps per
+batch).
 
-Learning thresholds are statistical checks on one run: each is the 99% lower prediction bound of the figure over
-at least 10 measured runs (bench/learning_spread.py; the runs are in tests/e2e/calibration/), so a healthy run
-fails it with probability about 1% or less (if the figure is normal).
+Learning thresholds are statistical checks on one run, set from measured runs of the same setup
+(bench/learning_spread.py; the runs are in tests/e2e/calibration/): see the constants below.
 """
 
 from __future__ import annotations
@@ -19,15 +19,18 @@ import pytest
 from tests.e2e.test_up import check_run, run_cli
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
-CALIBRATION = pathlib.Path(__file__).resolve().parent / "calibration"
 
-# From tests/e2e/calibration/demo.json (10 runs of the shipped demo on this project's 2-core machine):
-# sampled pass@1 gain mean 0.xxx, sd 0.xxx, lowest 0.xxx; greedy gain mean 0.xxx, sd 0.xxx, lowest 0.xxx.
-DEMO_MIN_SAMPLED_GAIN = 0.10  # expected false-failure rate <= 1% (99% lower prediction bound 0.xxx)
-DEMO_MIN_GREEDY_GAIN = 0.04  # expected false-failure rate <= 1% (99% lower prediction bound 0.xxx)
-# From tests/e2e/calibration/gspo.json (10 runs of bench.learning_spread's "gspo" setup):
+# Measured runs so far (tests/e2e/calibration/*.json; machine loaded by other runs, 2026-11-24). Demo: sampled
+# pass@1 gain +0.155, +0.163, +0.179 here, +0.19 to +0.21 in three earlier runs; greedy gain +0.17, +0.171, +0.178
+# here, +0.06 to +0.27 earlier (README). GSPO run: +0.065 and +0.115 at 400 steps (+0.058 and +0.106 at 250).
+# PROVISIONAL until each setup has 10 runs (bench/learning_spread.py), which set the final values at the 99% lower
+# prediction bound (expected false-failure rate <= 1%). Until then: the demo's bars are the ones CI has run with
+# since sampled pass@1 was measured (one earlier CI run failed a greedy bar of +0.10 with +0.06), and the GSPO bar is 0.02: 2.3 standard deviations of the runs above their mean (about 1% if normal), and 1.6 standard
+# deviations of a run that does not learn (evaluation noise of the difference alone is 0.013).
+DEMO_MIN_SAMPLED_GAIN = 0.10
+DEMO_MIN_GREEDY_GAIN = 0.04
 GSPO_STEPS = 400
-GSPO_MIN_SAMPLED_GAIN = 0.05  # expected false-failure rate <= 1% (99% lower prediction bound 0.xxx)
+GSPO_MIN_SAMPLED_GAIN = 0.02
 
 
 @dataclasses.dataclass
