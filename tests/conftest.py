@@ -44,6 +44,7 @@ def pytest_configure(config):
     directory = os.environ.get("GRPO_STREAM_TEST_CACHE_DIR")
     if not directory:
         directory = config.stash[_CACHE_TMP] = tempfile.mkdtemp(prefix="grpo-stream-test-jax-cache-")
+        os.environ["GRPO_STREAM_TEST_CACHE_DIR"] = directory  # xdist workers (started later) share it, not own it
     os.environ[COMPILATION_CACHE_ENV] = os.path.abspath(directory)
     enable_compilation_cache(load_config(None))
 
