@@ -34,16 +34,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from common.architectures import Architecture
-from common.config import AlgoSection
-from common.grpc_util import SERVER_OPTIONS
-from common.model import build_from_architecture
-from common.weight_checkpoint import CheckpointWeightStore
-from protos import weights_pb2_grpc
-from trainer_service.batching import TrainBatch
-from trainer_service.publisher import WeightPublisher
-from trainer_service.rl_update import PolicyUpdater
-from trainer_service.weight_data_server import WeightDataServer
+from grpo_stream.common.model.architectures import Architecture
+from grpo_stream.common.config.schema import AlgoSection
+from grpo_stream.common.rpc.grpc_util import SERVER_OPTIONS
+from grpo_stream.common.model.policy import build_from_architecture
+from grpo_stream.common.weights.checkpoint_store import CheckpointWeightStore
+from grpo_stream.protos import weights_pb2_grpc
+from grpo_stream.trainer_service.batching import TrainBatch
+from grpo_stream.trainer_service.publisher import WeightPublisher
+from grpo_stream.trainer_service.rl_update import PolicyUpdater
+from grpo_stream.trainer_service.weight_data_server import WeightDataServer
 
 FULL = dict(vocab_size=32_000, num_layers=8, embed_dim=768, hidden_dim=2048, num_heads=12, num_kv_heads=4,
             head_dim=64)
@@ -54,7 +54,7 @@ class _Peer:
     """The sampler process; yields its JSON lines."""
 
     def __init__(self, spec: dict):
-        self.proc = subprocess.Popen([sys.executable, "-m", "bench.weights_peer", json.dumps(spec)],
+        self.proc = subprocess.Popen([sys.executable, "-m", "grpo_stream.bench.weights_peer", json.dumps(spec)],
                                      stdout=subprocess.PIPE, text=True)
 
     def next(self) -> dict:

@@ -1,6 +1,6 @@
 """The sampler side of `bench weights`, as its own process: receives raw bytes, then installs published versions.
 
-    python -m bench.weights_peer SPEC_JSON
+    python -m grpo_stream.bench.weights_peer SPEC_JSON
 
 SPEC_JSON: {"arch": {...Architecture fields}, "dtype": "float32" | "bfloat16" (the model's), "raw_port": int, "raw_bytes": int, "raw_repeats": int,
 "grpc": "host:port" | null, "checkpoint_dir": str | null, "versions": int, "streams": int, "data_host": str | null (TCP data plane)}.
@@ -39,12 +39,12 @@ def main() -> int:
     import jax
     import jax.numpy as jnp
 
-    from common.architectures import Architecture
-    from common.grpc_util import CHANNEL_OPTIONS
-    from common.model import build_from_architecture
-    from common.sharding import make_mesh
-    from common.weight_checkpoint import CheckpointWeightStore
-    from sampler_service.weight_sync import CheckpointFetcher, GrpcFetcher, WeightSync
+    from grpo_stream.common.model.architectures import Architecture
+    from grpo_stream.common.rpc.grpc_util import CHANNEL_OPTIONS
+    from grpo_stream.common.model.policy import build_from_architecture
+    from grpo_stream.common.model.sharding import make_mesh
+    from grpo_stream.common.weights.checkpoint_store import CheckpointWeightStore
+    from grpo_stream.sampler_service.weight_sync import CheckpointFetcher, GrpcFetcher, WeightSync
 
     model = build_from_architecture(Architecture(**spec["arch"]), seed=None,
                                     dtype=getattr(jnp, spec.get("dtype", "float32")))

@@ -19,7 +19,7 @@ import pathlib
 import sys
 import time
 
-from bench.runner import BENCHMARKS
+from grpo_stream.bench.runner import BENCHMARKS
 from grpo_stream.submit_command import add_parsers as add_submit_parsers
 
 
@@ -87,7 +87,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "bench":
-        from bench.runner import run_benchmarks
+        from grpo_stream.bench.runner import run_benchmarks
 
         return run_benchmarks(args.name, args.json, args.table, args.quick)
     if args.command == "report":
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"report written to {out}/report.md")
         return 0
     if args.command in ("submit", "status", "tokens"):
-        from common.config import ConfigError
+        from grpo_stream.common.config.schema import ConfigError
         from grpo_stream.submit_command import run
 
         try:
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"grpo-stream {args.command}: config error: {exc}", file=sys.stderr)
             return 2
     if args.command == "audit":
-        from common.redis_util import RedisConnectError
+        from grpo_stream.common.rollouts.redis_server import RedisConnectError
         from grpo_stream.audit import run_audit
 
         try:
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         except (FileNotFoundError, ValueError, RedisConnectError) as exc:
             print(f"grpo-stream audit: error: {exc}", file=sys.stderr)
             return 2
-    from common.config import ConfigError, load_config, to_yaml
+    from grpo_stream.common.config.schema import ConfigError, load_config, to_yaml
 
     try:
         cfg = load_config(args.config, args.overrides)
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     import logging
 
-    from common.runtime import (compilation_cache_dir, enable_compilation_cache, import_tensorboardx_without_torch,
+    from grpo_stream.common.runtime.process import (compilation_cache_dir, enable_compilation_cache, import_tensorboardx_without_torch,
                                 pin_to_cpus, setup_logging)
 
     log = logging.getLogger("grpo_stream.cli")
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
 
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_gpu_deterministic_ops=true".strip()
     if args.command == "ingest":  # no JAX in this process (Redis and gRPC only): no compilation cache
-        from trainer_service.ingest_server import run_ingest
+        from grpo_stream.trainer_service.ingest_server import run_ingest
 
         try:
             run_ingest(cfg)
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
                       (cfg.trainer.cpu_affinity, "trainer.cpu_affinity")))
         import_tensorboardx_without_torch()
         cache = enable_compilation_cache(cfg)
-        from common.sharding import initialize_distributed
+        from grpo_stream.common.model.sharding import initialize_distributed
 
         initialize_distributed(cfg.distributed.initialize)
         if args.command == "colocated":
@@ -191,13 +191,13 @@ def main(argv: list[str] | None = None) -> int:
             run_dir.mkdir(parents=True, exist_ok=True)
             run_colocated(cfg, run_dir)
         elif args.command == "trainer":
-            from trainer_service.loop import run_trainer
+            from grpo_stream.trainer_service.loop import run_trainer
 
             run_dir = args.run_dir or pathlib.Path("runs") / cfg.run.name
             run_dir.mkdir(parents=True, exist_ok=True)
             run_trainer(cfg, run_dir)
         else:
-            from sampler_service.loop import run_sampler
+            from grpo_stream.sampler_service.loop import run_sampler
 
             run_sampler(cfg, args.index, args.run_dir)
     except (ValueError, ConnectionError, OSError, RuntimeError) as exc:  # RedisConnectError is a RuntimeError

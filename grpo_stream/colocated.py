@@ -19,11 +19,11 @@ import threading
 
 import jax
 
-from common.config import RunConfig
-from common.sharding import split_devices
-from common.weight_local import LocalWeightHub
-from sampler_service.loop import Sampler
-from trainer_service.loop import Trainer
+from grpo_stream.common.config.schema import RunConfig
+from grpo_stream.common.model.sharding import split_devices
+from grpo_stream.common.weights.local_hub import LocalWeightHub
+from grpo_stream.sampler_service.loop import Sampler
+from grpo_stream.trainer_service.loop import Trainer
 
 log = logging.getLogger(__name__)
 

@@ -22,10 +22,10 @@ import sys
 import threading
 import time
 
-from common.auth import write_tokens
-from common.config import RunConfig
-from common.config_access import TOKEN_ENV, TOKEN_FILE_ENV, TOKENS_ENV
-from common.redis_util import EmbeddedRedis, RedisConnectError, connect, credentials, free_port
+from grpo_stream.common.rpc.auth import write_tokens
+from grpo_stream.common.config.schema import RunConfig
+from grpo_stream.common.config.access import TOKEN_ENV, TOKEN_FILE_ENV, TOKENS_ENV
+from grpo_stream.common.rollouts.redis_server import EmbeddedRedis, RedisConnectError, connect, credentials, free_port
 
 ENDPOINTS_FILE = "endpoints.json"  # in RUN_DIR: where `grpo-stream submit --run-dir` sends prompts
 

@@ -1,7 +1,7 @@
 """The sampler's generation engine, chosen by sampler.engine: the JAX engine or vLLM.
 
 Both take `generate(params, prompts, rng, greedy)` and return a
-`common.generation.Generation` with the policy's per-token logprobs, and both
+`grpo_stream.common.engine.jax_engine.Generation` with the policy's per-token logprobs, and both
 switch to a new weight version only when they are handed new params between
 batches, so the sampler's version and staleness rules do not depend on the
 engine. `fixed_shape` says whether batches must keep one shape (the JAX
@@ -13,8 +13,8 @@ from __future__ import annotations
 import pathlib
 import tempfile
 
-from common.config import RunConfig
-from common.generation import Engine
+from grpo_stream.common.config.schema import RunConfig
+from grpo_stream.common.engine.jax_engine import Engine
 
 
 def build_engine(cfg: RunConfig, model, tokenizer, index: int = 0):
@@ -24,8 +24,8 @@ def build_engine(cfg: RunConfig, model, tokenizer, index: int = 0):
     if cfg.sampler.engine == "jax":
         return Engine(model, tokenizer.pad_id, tokenizer.eos_ids, gen.max_prompt_tokens, gen.max_new_tokens,
                       gen.temperature)
-    from common.hf_checkpoint import resolve_model_dir, write_hf_config  # noqa: PLC0415
-    from sampler_service.vllm_engine import VllmEngine  # noqa: PLC0415
+    from grpo_stream.common.model.hf_checkpoint import resolve_model_dir, write_hf_config  # noqa: PLC0415
+    from grpo_stream.sampler_service.vllm_engine import VllmEngine  # noqa: PLC0415
 
     if cfg.model.kind == "hf":
         model_dir = resolve_model_dir(cfg.model.path)

@@ -23,21 +23,21 @@ import grpc
 import jax
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from common.config import RunConfig
-from common.evaluation import greedy_probe
-from common.grpc_util import ClientSecurity, open_channel
-from common.prometheus import ServiceMetrics
-from common.rewards import RewardSet
-from common.runtime import build_policy, build_task_and_tokenizer, stop_on_signals
-from common.sharding import make_mesh
-from common.weight_checkpoint import CheckpointWeightStore
-from common.weights import digest
-from common.wire import to_proto
-from protos import rollout_pb2, rollout_pb2_grpc
-from sampler_service.engines import build_engine
-from sampler_service.grouping import build_groups
-from sampler_service.rollout_client import RolloutClient
-from sampler_service.weight_sync import CheckpointFetcher, GrpcFetcher, LocalFetcher, WeightSync
+from grpo_stream.common.config.schema import RunConfig
+from grpo_stream.common.engine.evaluation import greedy_probe
+from grpo_stream.common.rpc.grpc_util import ClientSecurity, open_channel
+from grpo_stream.common.runtime.prometheus import ServiceMetrics
+from grpo_stream.common.tasks.rewards import RewardSet
+from grpo_stream.common.runtime.process import build_policy, build_task_and_tokenizer, stop_on_signals
+from grpo_stream.common.model.sharding import make_mesh
+from grpo_stream.common.weights.checkpoint_store import CheckpointWeightStore
+from grpo_stream.common.weights.snapshot import digest
+from grpo_stream.common.rollouts.wire import to_proto
+from grpo_stream.protos import rollout_pb2, rollout_pb2_grpc
+from grpo_stream.sampler_service.engines import build_engine
+from grpo_stream.sampler_service.grouping import build_groups
+from grpo_stream.sampler_service.rollout_client import RolloutClient
+from grpo_stream.sampler_service.weight_sync import CheckpointFetcher, GrpcFetcher, LocalFetcher, WeightSync
 
 log = logging.getLogger(__name__)
 MAX_SKIPPED_PROMPTS = 1000  # consecutive over-long prompts before the sampler gives up (config is wrong)

@@ -1,8 +1,8 @@
 """The vLLM sampling engine (sampler.engine: vllm): the JAX engine's contract on vLLM.
 
-Same contract as `common.generation.Engine`: `generate(params, prompts, rng,
+Same contract as `grpo_stream.common.engine.jax_engine.Engine`: `generate(params, prompts, rng,
 greedy)` returns a `Generation` whose logprobs are the policy's, i.e. what
-the trainer recomputes with `common.model.token_logprobs`: softmax(logits / T)
+the trainer recomputes with `grpo_stream.common.model.policy.token_logprobs`: softmax(logits / T)
 with the pad token excluded. vLLM gives that when it is asked for
 `processed_logprobs` (logprobs after logits processors and temperature) and
 the pad token carries vLLM's strongest logit bias (-100: its probability is
@@ -14,7 +14,7 @@ checkpoint read, and takes every weight from the trainer: `generate` with a
 params object it has not seen installs it first (between batches, as the
 JAX engine's re-layout), so the sampler's version rules apply unchanged. The
 policy's parameter names are mapped to Hugging Face names
-(`common.hf_checkpoint.to_hf_names`), which is what every vLLM model's
+(`grpo_stream.common.model.hf_checkpoint.to_hf_names`), which is what every vLLM model's
 `load_weights` takes (it fuses q/k/v and gate/up itself); each worker loads
 them in place with `load_into_worker` (below). Two ways to reach the workers:
   iterator  the tensors, in this process (the engine core runs in this
@@ -38,8 +38,8 @@ from typing import Any
 
 import numpy as np
 
-from common.generation import Generation
-from common.hf_checkpoint import to_hf_names, write_safetensors
+from grpo_stream.common.engine.jax_engine import Generation
+from grpo_stream.common.model.hf_checkpoint import to_hf_names, write_safetensors
 
 log = logging.getLogger(__name__)
 PAD_BIAS = -100.0  # vLLM clamps logit_bias to [-100, 100]
@@ -53,7 +53,7 @@ class VllmEngine:
     def __init__(self, model_dir: str | pathlib.Path, model, pad_id: int, eos_ids: list[int], max_prompt_tokens: int,
                  max_new_tokens: int, temperature: float, settings, dtype: str = "float32", seed: int = 0):
         """`model_dir`: a Hugging Face directory whose config.json vLLM builds the model from (its weights are not
-        read); `model`: the policy model (`common.model.PolicyModel`, abstract is enough) whose params `generate`
+        read); `model`: the policy model (`grpo_stream.common.model.policy.PolicyModel`, abstract is enough) whose params `generate`
         gets; `settings`: the sampler.vllm config section."""
         self.model, self.pad_id, self.eos_ids = model, pad_id, list(eos_ids)
         self.max_prompt_tokens, self.max_new_tokens, self.temperature = max_prompt_tokens, max_new_tokens, temperature
@@ -159,7 +159,7 @@ def load_into_worker(worker, tensors: dict[str, np.ndarray] | None = None, path:
     from vllm.model_executor.model_loader.reload.layerwise import (  # noqa: PLC0415
         finalize_layerwise_reload, initialize_layerwise_reload)
 
-    from common.hf_checkpoint import read_safetensors  # noqa: PLC0415
+    from grpo_stream.common.model.hf_checkpoint import read_safetensors  # noqa: PLC0415
 
     def torch_of(arr: np.ndarray):
         arr = np.ascontiguousarray(arr)

@@ -30,15 +30,15 @@ import grpc
 import jax
 import numpy as np
 
-from common import weight_bulk
-from common.grpc_util import ClientSecurity
-from common.model import PolicyModel
-from common.sharding import needed_slices, param_shardings
-from common.weight_checkpoint import CheckpointWeightStore
-from common.weight_local import LocalWeightHub
-from common.weights import SliceAssembler, WeightTransferError, box_shape, box_to_proto, manifest_of
-from protos import weights_pb2, weights_pb2_grpc
-from sampler_service.receive_buffers import ReceiveBuffers
+from grpo_stream.common.weights import tcp_wire as weight_bulk
+from grpo_stream.common.rpc.grpc_util import ClientSecurity
+from grpo_stream.common.model.policy import PolicyModel
+from grpo_stream.common.model.sharding import needed_slices, param_shardings
+from grpo_stream.common.weights.checkpoint_store import CheckpointWeightStore
+from grpo_stream.common.weights.local_hub import LocalWeightHub
+from grpo_stream.common.weights.snapshot import SliceAssembler, WeightTransferError, box_shape, box_to_proto, manifest_of
+from grpo_stream.protos import weights_pb2, weights_pb2_grpc
+from grpo_stream.sampler_service.receive_buffers import ReceiveBuffers
 
 log = logging.getLogger(__name__)
 QUICK_WAIT_S = 0.5  # how long poll() waits for a background check or fetch before generation goes on

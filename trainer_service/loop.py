@@ -26,32 +26,32 @@ import time
 import jax
 import numpy as np
 
-from common.buffer import RUN_FILE, BufferEntry, BufferUnavailable, RedisStreamBuffer
-from common.weights import new_epoch
-from common.config import RunConfig
-from common.evaluation import evaluate
-from common.generation import Engine
-from common.grpc_util import ServerSecurity
-from common.prompt_queue import PromptQueue
-from common.hf_checkpoint import export_hf, resolve_model_dir
-from common.metrics import MetricsWriter
-from common.prometheus import ServiceMetrics
-from common.redis_util import connect, credentials, redacted
-from common.runtime import build_policy, build_task_and_tokenizer, stop_on_signals
-from common.evaluation import greedy_probe
-from common.sharding import make_mesh, place
-from common.weight_checkpoint import CheckpointWeightStore
-from common.weights import digest
-from common.wire import GroupData, decode_group
-from trainer_service.batching import build_batch
-from trainer_service.ingest_server import ingest_servicers
-from trainer_service.prompt_service import StatusWriter
-from trainer_service.publisher import WeightPublisher
-from trainer_service.server import TrainerServer
-from trainer_service.rl_update import PolicyUpdater
-from trainer_service.checkpoints import TrainerCheckpoints
-from trainer_service.selection import select_batch
-from trainer_service.warmstart import warm_start
+from grpo_stream.common.rollouts.buffer import RUN_FILE, BufferEntry, BufferUnavailable, RedisStreamBuffer
+from grpo_stream.common.weights.snapshot import new_epoch
+from grpo_stream.common.config.schema import RunConfig
+from grpo_stream.common.engine.evaluation import evaluate
+from grpo_stream.common.engine.jax_engine import Engine
+from grpo_stream.common.rpc.grpc_util import ServerSecurity
+from grpo_stream.trainer_service.prompt_queue import PromptQueue
+from grpo_stream.common.model.hf_checkpoint import export_hf, resolve_model_dir
+from grpo_stream.trainer_service.metrics import MetricsWriter
+from grpo_stream.common.runtime.prometheus import ServiceMetrics
+from grpo_stream.common.rollouts.redis_server import connect, credentials, redacted
+from grpo_stream.common.runtime.process import build_policy, build_task_and_tokenizer, stop_on_signals
+from grpo_stream.common.engine.evaluation import greedy_probe
+from grpo_stream.common.model.sharding import make_mesh, place
+from grpo_stream.common.weights.checkpoint_store import CheckpointWeightStore
+from grpo_stream.common.weights.snapshot import digest
+from grpo_stream.common.rollouts.wire import GroupData, decode_group
+from grpo_stream.trainer_service.batching import build_batch
+from grpo_stream.trainer_service.ingest_server import ingest_servicers
+from grpo_stream.trainer_service.prompt_service import StatusWriter
+from grpo_stream.trainer_service.publisher import WeightPublisher
+from grpo_stream.trainer_service.server import TrainerServer
+from grpo_stream.trainer_service.rl_update import PolicyUpdater
+from grpo_stream.trainer_service.checkpoints import TrainerCheckpoints
+from grpo_stream.trainer_service.selection import select_batch
+from grpo_stream.trainer_service.warmstart import warm_start
 
 log = logging.getLogger(__name__)
 

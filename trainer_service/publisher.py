@@ -24,11 +24,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from common.weight_checkpoint import CheckpointWeightStore
-from common.weight_local import LocalWeightHub
-from common.weights import (DEFAULT_CHUNK_BYTES, WeightSnapshot, WeightTransferError, box_from_proto, manifest_of,
+from grpo_stream.common.weights.checkpoint_store import CheckpointWeightStore
+from grpo_stream.common.weights.local_hub import LocalWeightHub
+from grpo_stream.common.weights.snapshot import (DEFAULT_CHUNK_BYTES, WeightSnapshot, WeightTransferError, box_from_proto, manifest_of,
                             new_epoch, stream_box)
-from protos import weights_pb2, weights_pb2_grpc
+from grpo_stream.protos import weights_pb2, weights_pb2_grpc
 
 
 class FetchRefused(Exception):

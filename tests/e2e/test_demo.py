@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 # Measured runs so far (tests/e2e/calibration/*.json, 2026-11-24, on a machine loaded by other runs or inside the
 # suite's two workers): demo sampled pass@1 gain +0.129 to +0.179 (4 runs; mean 0.156, sd 0.021), greedy gain
 # +0.132 to +0.178; GSPO run sampled +0.062 to +0.115 (3 runs; mean 0.081, sd 0.029), greedy +0.056 to +0.116.
-# PROVISIONAL: each setup needs 10 runs (python -m bench.learning_spread), whose 99% lower prediction bound then
+# PROVISIONAL: each setup needs 10 runs (python -m grpo_stream.bench.learning_spread), whose 99% lower prediction bound then
 # sets the bar (expected false-failure rate <= 1% if the gain is normal). Until then:
 # - demo: 4.6 and 5.4 sd under these runs' means, wider than 2.3 sd (1% if normal) on purpose: an older CI run gained
 #   only +0.06 greedy where others gained +0.17 to +0.27, so the spread across conditions is wider than 4 runs show.

@@ -117,7 +117,7 @@ def test_up_smoke_run(tmp_path):
 
 @pytest.mark.parametrize("command", ["up", "trainer"])
 def test_unreachable_redis_is_one_line_and_nonzero(tmp_path, command):
-    from common.redis_util import free_port
+    from grpo_stream.common.rollouts.redis_server import free_port
 
     url = f"redis://127.0.0.1:{free_port()}/0"
     tokens = run_cli("tokens", "--out", str(tmp_path / "auth"), timeout=60)  # the trainer checks auth first
@@ -205,7 +205,7 @@ def test_ctrl_c_stops_every_process_checkpoints_and_the_same_command_resumes(tmp
 
 
 def test_sampler_without_trainer_is_one_line_and_nonzero():
-    from common.redis_util import free_port
+    from grpo_stream.common.rollouts.redis_server import free_port
 
     address = f"127.0.0.1:{free_port()}"
     proc = run_cli("sampler", "--config", "configs/tiny_arith_smoke.yaml", "--index", "0",
@@ -220,7 +220,7 @@ def _consecutive_free_ports(n: int) -> int:
     import socket
 
     for _ in range(50):
-        from common.redis_util import free_port
+        from grpo_stream.common.rollouts.redis_server import free_port
 
         base = free_port()
         try:
@@ -299,15 +299,15 @@ def test_sampler_waits_for_a_trainer_that_answers_but_has_not_published_then_giv
     installs the first version when it comes; a trainer that goes silent ends it after connect_timeout_s."""
     import time
 
-    from common.buffer import RedisStreamBuffer
-    from common.config import load_config
+    from grpo_stream.common.rollouts.buffer import RedisStreamBuffer
+    from grpo_stream.common.config.schema import load_config
     from tests.support import deployment_auth, wait_for
-    from common.redis_util import connect
-    from common.runtime import build_policy, build_task_and_tokenizer
-    from common.wire import GroupLimits
-    from trainer_service.ingest import IngestServicer
-    from trainer_service.publisher import WeightPublisher
-    from trainer_service.server import TrainerServer
+    from grpo_stream.common.rollouts.redis_server import connect
+    from grpo_stream.common.runtime.process import build_policy, build_task_and_tokenizer
+    from grpo_stream.common.rollouts.wire import GroupLimits
+    from grpo_stream.trainer_service.ingest import IngestServicer
+    from grpo_stream.trainer_service.publisher import WeightPublisher
+    from grpo_stream.trainer_service.server import TrainerServer
 
     config = ROOT / "configs" / "tiny_arith_smoke.yaml"
     overrides = ["sampler.connect_timeout_s=2", "sampler.metrics_port=null", "sampler.weight_poll_s=0.05"]

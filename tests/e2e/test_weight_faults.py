@@ -26,17 +26,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from common.buffer import RedisStreamBuffer
-from common.config import load_config
-from common.model import sequence_logprobs
-from common.redis_util import connect, free_port
-from common.runtime import build_policy, build_task_and_tokenizer
-from common.wire import GroupLimits, decode_group
+from grpo_stream.common.rollouts.buffer import RedisStreamBuffer
+from grpo_stream.common.config.schema import load_config
+from grpo_stream.common.model.policy import sequence_logprobs
+from grpo_stream.common.rollouts.redis_server import connect, free_port
+from grpo_stream.common.runtime.process import build_policy, build_task_and_tokenizer
+from grpo_stream.common.rollouts.wire import GroupLimits, decode_group
 from tests.e2e.test_up import ROOT
 from tests.support import deployment_auth, wait_for
-from trainer_service.ingest import IngestServicer
-from trainer_service.publisher import WeightPublisher
-from trainer_service.server import TrainerServer
+from grpo_stream.trainer_service.ingest import IngestServicer
+from grpo_stream.trainer_service.publisher import WeightPublisher
+from grpo_stream.trainer_service.server import TrainerServer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.redis, pytest.mark.slow]
 CONFIG = ROOT / "configs" / "tiny_arith_smoke.yaml"

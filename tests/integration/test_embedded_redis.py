@@ -5,8 +5,8 @@ import shutil
 
 import pytest
 
-from common import redis_util
-from common.redis_util import EmbeddedRedis, connect
+from grpo_stream.common.rollouts import redis_server as redis_util
+from grpo_stream.common.rollouts.redis_server import EmbeddedRedis, connect
 
 pytestmark = pytest.mark.redis
 

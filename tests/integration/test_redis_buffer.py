@@ -3,8 +3,8 @@ recovery of a dead trainer's entries, durability across a Redis crash, and the a
 
 import pytest
 
-from common.buffer import BufferUnavailable, Incoming, RedisStreamBuffer
-from common.redis_util import EmbeddedRedis, RedisConnectError, connect, free_port
+from grpo_stream.common.rollouts.buffer import BufferUnavailable, Incoming, RedisStreamBuffer
+from grpo_stream.common.rollouts.redis_server import EmbeddedRedis, RedisConnectError, connect, free_port
 from grpo_stream.audit import build_audit, lineage
 
 pytestmark = pytest.mark.redis
