@@ -23,7 +23,7 @@ import threading
 import time
 
 from grpo_stream.common.rpc.auth import write_tokens
-from grpo_stream.common.config.schema import RunConfig
+from grpo_stream.common.config.schema import RunConfig, load_config, to_yaml
 from grpo_stream.common.config.access import TOKEN_ENV, TOKEN_FILE_ENV, TOKENS_ENV
 from grpo_stream.common.rollouts.redis_server import EmbeddedRedis, RedisConnectError, connect, credentials, free_port
 
@@ -153,7 +153,10 @@ def run_up(config_path: pathlib.Path | None, overrides: list[str], cfg: RunConfi
 
     previous = {s: signal.signal(s, _interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        (run_dir / "config.yaml").write_text(json.dumps({"config": str(config_path), "overrides": extra}, indent=2))
+        # the resolved config every process runs (file, overrides and what `up` added), and how it was asked for
+        (run_dir / "config.yaml").write_text(
+            f"# resolved by `grpo-stream up` from --config {config_path} with overrides {extra}\n"
+            + to_yaml(load_config(config_path, extra)))
         # the trainer process (or the single controller) and each sampler see the devices their meshes need
         trainer = _Child("colocated" if colocated else "trainer",
                          [*base, "colocated" if colocated else "trainer", *cfg_args, "--run-dir", str(run_dir),

@@ -154,7 +154,9 @@ class EmbeddedRedis:
         self.port = port or free_port()
         self.appendonly = appendonly or data_dir is not None
         self.keep = data_dir is not None
-        self.dir = str(data_dir) if data_dir is not None else tempfile.mkdtemp(prefix="grpo-redis-")
+        # absolute: redis-server changes into --dir before it opens --logfile, so a relative path (a run directory
+        # given as runs/demo) would name a file that is not there and the server would exit at once
+        self.dir = os.path.abspath(data_dir) if data_dir is not None else tempfile.mkdtemp(prefix="grpo-redis-")
         os.makedirs(self.dir, exist_ok=True)
         self.proc: subprocess.Popen | None = None
 
@@ -167,18 +169,21 @@ class EmbeddedRedis:
                "--save", "", "--appendonly", "yes" if self.appendonly else "no", "--appendfsync", "always",
                "--daemonize", "no",
                "--logfile", os.path.join(self.dir, "redis.log")]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        # what the server says before its log file is open (a bad argument, a log it cannot open) goes to stderr:
+        # kept in a file beside the log and shown if it fails to start
+        with open(os.path.join(self.dir, "redis.stderr"), "wb") as err:
+            self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err)
         try:
             wait_serving(self.proc, self.url, timeout_s)
         except RedisConnectError as exc:
-            tail = self.log_tail()
+            tail = "\n".join(t for t in (self.log_tail(), self.log_tail("redis.stderr")) if t)
             self.stop()
-            raise RedisConnectError(f"{exc}; its log ends:\n{tail}" if tail else str(exc)) from None
+            raise RedisConnectError(f"{exc}; the server said:\n{tail}" if tail else str(exc)) from None
         return self
 
-    def log_tail(self, lines: int = 5) -> str:
+    def log_tail(self, name: str = "redis.log", lines: int = 5) -> str:
         try:
-            return "\n".join(pathlib.Path(self.dir, "redis.log").read_text(errors="replace").splitlines()[-lines:])
+            return "\n".join(pathlib.Path(self.dir, name).read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return ""
 
