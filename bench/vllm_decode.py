@@ -16,7 +16,7 @@ import numpy as np
 def main(model_dir: str, batch: int, prompt_tokens: int, new_tokens: int, repeats: int) -> dict:
     from grpo_stream.common.config.schema import VllmSection
     from grpo_stream.common.model.policy import load_hf_model
-    from grpo_stream.sampler_service.vllm_engine import VllmEngine
+    from grpo_stream.common.engine.vllm_engine import VllmEngine
 
     model = load_hf_model(model_dir)
     started = time.perf_counter()

@@ -43,8 +43,10 @@ def main() -> int:
     from grpo_stream.common.rpc.grpc_util import CHANNEL_OPTIONS
     from grpo_stream.common.model.policy import build_from_architecture
     from grpo_stream.common.model.sharding import make_mesh
-    from grpo_stream.common.weights.checkpoint_store import CheckpointWeightStore
-    from grpo_stream.sampler_service.weight_sync import CheckpointFetcher, GrpcFetcher, WeightSync
+    from grpo_stream.common.config.schema import WeightsSection
+    from grpo_stream.common.weights.registry import weight_source
+    from grpo_stream.common.weights.transport import SourceContext
+    from grpo_stream.sampler_service.weight_sync import WeightSync
 
     model = build_from_architecture(Architecture(**spec["arch"]), seed=None,
                                     dtype=getattr(jnp, spec.get("dtype", "float32")))
@@ -52,9 +54,11 @@ def main() -> int:
     channel = None
     if spec.get("grpc"):
         channel = grpc.insecure_channel(spec["grpc"], options=CHANNEL_OPTIONS)
-        fetcher = GrpcFetcher(channel, "bench-peer", spec["streams"], timeout_s=600, data_host=spec.get("data_host"))
-    else:
-        fetcher = CheckpointFetcher(CheckpointWeightStore(spec["checkpoint_dir"]))
+    weights = WeightsSection(transport=spec["transport"], fetch_streams=spec.get("streams", 1),
+                             data_plane="tcp" if spec.get("data_host") else "grpc",
+                             checkpoint_dir=spec.get("checkpoint_dir"))
+    fetcher = weight_source(spec["transport"], SourceContext(weights, "bench-peer", 600, channel=channel,
+                                                             trainer_host=spec.get("data_host") or ""))
     sync = WeightSync(fetcher, model, mesh, "bench-peer", retry_initial_s=0.05, retry_max_s=0.2)
     last = spec["versions"] - 1  # a sampler installs the latest version, so it may skip some in between
     print(json.dumps({"ready": True}), flush=True)

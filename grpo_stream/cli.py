@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "config":
         from grpo_stream.common.config.describe import describe
-        from grpo_stream.common.config.schema import ConfigError, RunConfig, load_config, to_yaml
+        from grpo_stream.common.config.schema import RunConfig, load_config, to_yaml
 
         try:
             if args.config_command == "describe":

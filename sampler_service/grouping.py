@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Iterator
 
-from grpo_stream.common.engine.jax_engine import Generation
+from grpo_stream.common.engine.base import Generation
 from grpo_stream.common.tasks.rewards import RewardSet
 from grpo_stream.common.tasks.arith import Problem
 from grpo_stream.common.model.tokenizer import TextTokenizer

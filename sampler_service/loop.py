@@ -30,14 +30,15 @@ from grpo_stream.common.runtime.prometheus import ServiceMetrics
 from grpo_stream.common.tasks.rewards import RewardSet
 from grpo_stream.common.runtime.process import build_policy, build_task_and_tokenizer, stop_on_signals
 from grpo_stream.common.model.sharding import make_mesh
-from grpo_stream.common.weights.checkpoint_store import CheckpointWeightStore
 from grpo_stream.common.weights.snapshot import digest
 from grpo_stream.common.rollouts.wire import to_proto
 from grpo_stream.protos import rollout_pb2, rollout_pb2_grpc
-from grpo_stream.sampler_service.engines import build_engine
 from grpo_stream.sampler_service.grouping import build_groups
 from grpo_stream.sampler_service.rollout_client import RolloutClient
-from grpo_stream.sampler_service.weight_sync import CheckpointFetcher, GrpcFetcher, LocalFetcher, WeightSync
+from grpo_stream.common.engine.registry import build_engine, engine_spec
+from grpo_stream.common.weights.registry import transport_spec, weight_source
+from grpo_stream.common.weights.transport import SourceContext
+from grpo_stream.sampler_service.weight_sync import WeightSync
 
 log = logging.getLogger(__name__)
 MAX_SKIPPED_PROMPTS = 1000  # consecutive over-long prompts before the sampler gives up (config is wrong)
@@ -63,9 +64,10 @@ class Sampler:
         hub of weights.transport=local; `run_dir`: where sampler-<index>.json goes (none when None)."""
         if not 0 <= index < cfg.sampler.replicas:
             raise ValueError(f"--index {index} outside 0..sampler.replicas-1 ({cfg.sampler.replicas - 1})")
-        if cfg.weights.transport == "local" and hub is None:
-            raise ValueError("weights.transport=local runs the samplers inside the trainer's process: start the run "
-                             "with `grpo-stream up` (or `grpo-stream colocated`), or choose grpc / checkpoint")
+        if transport_spec(cfg.weights.transport).in_process and hub is None:
+            raise ValueError(f"weights.transport={cfg.weights.transport} runs the samplers inside the trainer's "
+                             "process: start the run with `grpo-stream up` (or `grpo-stream colocated`), or choose "
+                             "another weights.transport")
         self.cfg, self.index = cfg, index
         self.devices, self.hub, self.run_dir = devices, hub, run_dir
         self.sampler_id = f"sampler-{index}"
@@ -156,9 +158,10 @@ class Sampler:
         channel = open_channel(cfg.trainer_address(), self.security)
         health = health_pb2_grpc.HealthStub(channel)
         self._wait_for_trainer(health)
-        # vLLM places the weights itself: they arrive on one host device and go to the engine from there
+        # an engine that places the weights itself (vLLM) gets them on one host device and takes them from there
         mesh = (make_mesh(1, cfg.sampler.mesh.tp, self.devices or jax.local_devices(), "sampler.mesh.tp")
-                if cfg.sampler.engine == "jax" else make_mesh(1, 1, jax.devices("cpu")[:1], "sampler.mesh.tp"))
+                if engine_spec(cfg.sampler.engine).jax_mesh else make_mesh(1, 1, jax.devices("cpu")[:1],
+                                                                           "sampler.mesh.tp"))
         log.info("%s mesh %s on %s", self.sampler_id, dict(mesh.shape), [d.id for d in mesh.devices.flat])
         sync = WeightSync(self._fetcher(channel), model, mesh, self.sampler_id, cfg.weights.retry_initial_s,
                           cfg.weights.retry_max_s, cfg.trainer.max_staleness, channel,
@@ -349,17 +352,10 @@ class Sampler:
                 delay = min(delay * 2, 5.0)
 
     def _fetcher(self, channel: grpc.Channel):
-        w = self.cfg.weights
-        if w.transport == "grpc":
-            host = self.cfg.trainer_address().rsplit(":", 1)[0].strip("[]")
-            return GrpcFetcher(channel, self.sampler_id, w.fetch_streams, self.cfg.sampler.rpc_timeout_s,
-                               data_host=host if w.data_plane == "tcp" else None, security=self.security)
-        if w.transport == "checkpoint":
-            if not w.checkpoint_dir:
-                raise ValueError("weights.transport=checkpoint needs weights.checkpoint_dir (the directory the "
-                                 "trainer publishes to)")
-            return CheckpointFetcher(CheckpointWeightStore(w.checkpoint_dir, w.keep_versions))
-        return LocalFetcher(self.hub)
+        host = self.cfg.trainer_address().rsplit(":", 1)[0].strip("[]")
+        return weight_source(self.cfg.weights.transport, SourceContext(
+            self.cfg.weights, self.sampler_id, self.cfg.sampler.rpc_timeout_s, channel=channel, trainer_host=host,
+            security=self.security, hub=self.hub))
 
     def _verify(self, engine, model, task, tokenizer) -> dict:
         """Digest of the installed (final) parameters and greedy completions, to compare with the trainer's."""

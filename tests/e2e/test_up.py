@@ -363,7 +363,7 @@ def test_sampler_waits_for_a_trainer_that_answers_but_has_not_published_then_giv
             proc.kill()
         server.stop(0)
 
-    silent = TrainerServer(IngestServicer(buffer, limits, 1000, 20), WeightPublisher("grpc"), "127.0.0.1", 0,
+    silent = TrainerServer(IngestServicer(buffer, limits, 1000, 20), WeightPublisher(), "127.0.0.1", 0,
                            security=security)
     proc = start(silent.start())
     try:

@@ -81,7 +81,7 @@ def test_no_group_mixes_weight_versions(tmp_path, shared_redis, run_name):
     buffer = RedisStreamBuffer(connect(shared_redis.url, 5), run_name)
     gen = cfg.generation
     limits = GroupLimits(gen.num_generations, gen.max_prompt_tokens, gen.max_new_tokens, tokenizer.vocab_size)
-    publisher = WeightPublisher("grpc")
+    publisher = WeightPublisher()
     auth, security = deployment_auth(tmp_path / "auth")
     server = TrainerServer(IngestServicer(buffer, limits, 100_000, 20), publisher, "127.0.0.1", 0, security=security)
     port = server.start()

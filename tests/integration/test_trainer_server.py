@@ -181,7 +181,7 @@ def _sync(channel, model, sampler_id="sampler-7", **kw):
     import jax
 
     from grpo_stream.common.model.sharding import make_mesh
-    from grpo_stream.sampler_service.weight_sync import GrpcFetcher
+    from grpo_stream.common.weights.grpc_transport import GrpcFetcher
 
     mesh = make_mesh(1, 1, jax.devices(), "sampler.mesh.tp")
     return WeightSync(GrpcFetcher(channel, sampler_id, streams=2, timeout_s=10), model, mesh, sampler_id,
@@ -300,7 +300,7 @@ def test_tcp_data_plane_moves_versions_exactly_and_refuses_bad_requests(stack, t
     from grpo_stream.common.weights import tcp_wire as weight_bulk
     from grpo_stream.common.model.sharding import make_mesh
     from grpo_stream.protos import weights_pb2
-    from grpo_stream.sampler_service.weight_sync import GrpcFetcher
+    from grpo_stream.common.weights.grpc_transport import GrpcFetcher
     from grpo_stream.trainer_service.weight_data_server import WeightDataServer
 
     _, _, publisher, _, channel = stack
@@ -355,7 +355,7 @@ def test_unreachable_data_plane_falls_back_to_grpc_streams(stack, tiny_parts, ca
 
     from grpo_stream.common.rollouts.redis_server import free_port
     from grpo_stream.common.model.sharding import make_mesh
-    from grpo_stream.sampler_service.weight_sync import GrpcFetcher
+    from grpo_stream.common.weights.grpc_transport import GrpcFetcher
 
     _, _, publisher, _, channel = stack
     _, _, _, model = tiny_parts
@@ -377,7 +377,7 @@ def test_busy_data_plane_sends_fetches_over_grpc(stack, tiny_parts):
     import jax
 
     from grpo_stream.common.model.sharding import make_mesh
-    from grpo_stream.sampler_service.weight_sync import GrpcFetcher
+    from grpo_stream.common.weights.grpc_transport import GrpcFetcher
     from grpo_stream.trainer_service.weight_data_server import WeightDataServer
 
     _, _, publisher, _, channel = stack

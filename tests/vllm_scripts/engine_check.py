@@ -21,7 +21,7 @@ def main(model_dir: str, mode: str, out_path: str) -> None:
     from grpo_stream.common.model.policy import load_hf_model, sequence_logprobs
     from grpo_stream.common.tasks.arith import ArithTask
     from grpo_stream.common.model.tokenizer import HFTokenizer
-    from grpo_stream.sampler_service.vllm_engine import VllmEngine
+    from grpo_stream.common.engine.vllm_engine import VllmEngine
 
     tok = HFTokenizer(model_dir)
     model = load_hf_model(model_dir)

@@ -3,7 +3,7 @@ import itertools
 import numpy as np
 import pytest
 
-from grpo_stream.common.engine.jax_engine import Generation
+from grpo_stream.common.engine.base import Generation
 from grpo_stream.common.tasks.rewards import DEFAULT_WEIGHTS, RewardSet
 from grpo_stream.common.tasks.arith import ArithTask
 from grpo_stream.sampler_service.grouping import build_groups

@@ -158,7 +158,7 @@ def test_samplers_send_rollouts_to_the_ingest_address():
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["sampler.engine=tgi"], "sampler.engine: Input should be 'jax' or 'vllm'"),
+    (["sampler.engine=tgi"], "sampler.engine: unknown engine 'tgi'; choose one of ['jax', 'vllm']"),
     (["sampler.vllm.engine_args={model: x}"], "sampler.vllm.engine_args sets ['model']"),
     (["sampler.vllm.engine_args={max_model_len: 64, swap_space: 0}"], "sets ['max_model_len']"),
     (["sampler.vllm.weight_install=iterator", "sampler.vllm.tensor_parallel_size=2"],

@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from grpo_stream.common.engine.jax_engine import Generation
+from grpo_stream.common.engine.base import Generation
 from grpo_stream.common.model.hf_checkpoint import to_hf_names, write_safetensors
 
 log = logging.getLogger(__name__)
@@ -193,3 +193,17 @@ def _seed_of(rng: Any) -> int:
 
     bits = np.asarray(jax.random.key_data(rng)).astype(np.uint64).ravel()
     return int(bits[0] << np.uint64(32) | bits[-1]) & (2**63 - 1)
+
+
+def build(cfg, model, tokenizer, index: int = 0) -> VllmEngine:
+    """The engine registry's entry (sampler.engine=vllm): vLLM loads the architecture from a model directory."""
+    from grpo_stream.common.model.hf_checkpoint import resolve_model_dir, write_hf_config  # noqa: PLC0415
+
+    gen = cfg.generation
+    if cfg.model.kind == "hf":
+        model_dir = resolve_model_dir(cfg.model.path)
+    else:  # the tiny model has no directory: vLLM builds it from the config.json it would be exported with
+        model_dir = pathlib.Path(tempfile.mkdtemp(prefix="grpo-vllm-model-"))
+        write_hf_config(model_dir, model.arch, cfg.model.dtype, tokenizer.eos_ids, tokenizer.pad_id)
+    return VllmEngine(model_dir, model, tokenizer.pad_id, tokenizer.eos_ids, gen.max_prompt_tokens, gen.max_new_tokens,
+                      gen.temperature, cfg.sampler.vllm, dtype=cfg.model.dtype, seed=cfg.run.seed * 1000 + index)

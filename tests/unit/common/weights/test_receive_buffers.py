@@ -6,7 +6,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from grpo_stream.sampler_service.receive_buffers import ALIGN, ReceiveBuffers
+from grpo_stream.common.weights.receive_buffers import ALIGN, ReceiveBuffers
 
 
 def _sharding():

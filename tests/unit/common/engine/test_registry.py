@@ -6,8 +6,8 @@ import jax
 import pytest
 
 from grpo_stream.common.engine.jax_engine import Engine
-from grpo_stream.sampler_service.engines import build_engine
-from grpo_stream.sampler_service.vllm_engine import _seed_of
+from grpo_stream.common.engine.registry import build_engine
+from grpo_stream.common.engine.vllm_engine import _seed_of
 
 
 def test_jax_engine_is_the_default(tiny_parts):
