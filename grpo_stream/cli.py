@@ -57,6 +57,8 @@ def _parser() -> argparse.ArgumentParser:
     def common(p: argparse.ArgumentParser) -> None:
         p.add_argument("--config", type=pathlib.Path, help="YAML run config (default: built-in defaults)")
         p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+        p.add_argument("-v", "--verbose", action="store_true", help="detail lines: every trainer step, every weight "
+                       "version a sampler fetches and installs (logging.verbose=true)")
         p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="dotted config overrides")
 
     up = sub.add_parser("up", help="run the whole loop locally: Redis, trainer and samplers as processes")
@@ -182,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     from grpo_stream.common.config.schema import ConfigError, load_config, to_yaml
 
+    if getattr(args, "verbose", False):
+        args.overrides.append("logging.verbose=true")
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as exc:
@@ -199,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "eval":
         from grpo_stream.eval_command import run_eval
 
-        setup_logging(cfg.logging.level, "eval", cfg.logging.format)
+        setup_logging(cfg.logging.level, "eval", cfg.logging.format, cfg.logging.verbose)
         try:
             import_tensorboardx_without_torch()
             cache = enable_compilation_cache(cfg)
@@ -215,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "up":
         from grpo_stream.up import run_up
 
-        setup_logging(cfg.logging.level, "up", cfg.logging.format)
+        setup_logging(cfg.logging.level, "up", cfg.logging.format, cfg.logging.verbose)
         try:  # `up` compiles nothing itself; a bad cache directory stops it before any process starts
             compilation_cache_dir(cfg)
         except ValueError as exc:
@@ -224,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         run_dir = args.run_dir or pathlib.Path("runs") / f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
         return run_up(args.config, args.overrides, cfg, run_dir)
     setup_logging(cfg.logging.level, args.command if args.command != "sampler" else f"sampler-{args.index}",
-                  cfg.logging.format)
+                  cfg.logging.format, cfg.logging.verbose)
     if cfg.run.deterministic:  # before JAX starts: XLA reads its flags once
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_gpu_deterministic_ops=true".strip()
     if args.command == "ingest":  # no JAX in this process (Redis and gRPC only): no compilation cache

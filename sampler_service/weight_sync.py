@@ -21,11 +21,13 @@ from typing import Any, Callable
 import grpc
 import jax
 
+from grpo_stream.common.runtime.console import detail_logger
 from grpo_stream.common.model.policy import PolicyModel
 from grpo_stream.common.model.sharding import param_shardings
 from grpo_stream.protos import weights_pb2, weights_pb2_grpc
 
 log = logging.getLogger(__name__)
+detail = detail_logger(__name__)
 QUICK_WAIT_S = 0.5  # how long poll() waits for a background check or fetch before generation goes on
 
 
@@ -119,7 +121,7 @@ class WeightSync:
             return None
         if not new_epoch and manifest.version == self.installed_version:
             return Installed(manifest.version, None, True, 0.0, 0, manifest.trainer_epoch)
-        log.info("%s fetching weight version %d (%.1f MB, %s)", self.sampler_id, manifest.version,
+        detail.info("%s fetching weight version %d (%.1f MB, %s)", self.sampler_id, manifest.version,
                  manifest.total_bytes / 1e6, manifest.transport)
         start = time.monotonic()
         named = self.fetcher.fetch(manifest, self.targets)

@@ -8,11 +8,13 @@ import threading
 import time
 from typing import Callable, TypeVar
 
+from grpo_stream.common.runtime.console import detail_logger
 from grpo_stream.common.rollouts.buffer import BufferEntry, BufferUnavailable, RolloutBuffer
 from grpo_stream.common.rollouts.wire import GroupData, decode_group
 from grpo_stream.trainer_service.selection import select_batch
 
 log = logging.getLogger(__name__)
+detail = detail_logger(__name__)
 T = TypeVar("T")
 
 
@@ -49,8 +51,8 @@ class GroupCollector:
                     [(e.entry_id, e.group_id, "dropped_stale", step) for e, _ in stale]
                     + [(e.entry_id, e.group_id, "dropped_filtered", step) for e, _ in flat]))
             if stale:
-                log.debug("dropped %d stale groups (versions %s, trainer at %d, max_staleness %d)", len(stale),
-                          sorted({g.policy_version for _, g in stale}), step - 1, holding)
+                detail.info("dropped %d stale groups (versions %s, trainer at %d, max_staleness %d)", len(stale),
+                            sorted({g.policy_version for _, g in stale}), step - 1, holding)
             if len(batch) == need:
                 self.pending = rest
                 return batch

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+from grpo_stream.common.runtime.console import detail_logger
 from grpo_stream.common.config.schema import RunConfig
 from grpo_stream.common.rollouts.buffer import RolloutBuffer
 from grpo_stream.trainer_service.checkpoints import TrainerCheckpoints
@@ -18,6 +19,7 @@ from grpo_stream.trainer_service.collector import when_available
 from grpo_stream.trainer_service.rl_update import PolicyUpdater
 
 log = logging.getLogger(__name__)
+detail = detail_logger(__name__)
 
 
 @dataclasses.dataclass
@@ -75,7 +77,7 @@ class Durability:
         for step, _ in self.checkpoints.committed(wait=wait):
             when_available("auditing a checkpoint", lambda: self.buffer.log_checkpoint(self.epoch, step))
             self.checkpointed.append(step)
-            log.debug("checkpoint of step %d saved", step)
+            detail.info("checkpoint of step %d saved", step)
         if not self.checkpointed:
             return
         upto = self.checkpointed[-1] if everything else (self.checkpointed[-2] if len(self.checkpointed) > 1

@@ -10,6 +10,7 @@ import os
 import sys
 import tempfile
 
+from grpo_stream.common.runtime.console import show_detail
 from grpo_stream.common.config.schema import COMPILATION_CACHE_ENV, RunConfig, default_compilation_cache_dir
 from grpo_stream.common.tasks.arith import ArithTask
 from grpo_stream.common.model.tokenizer import TextTokenizer, train_bpe
@@ -34,13 +35,15 @@ class JsonLineFormatter(logging.Formatter):
         return json.dumps(doc)
 
 
-def setup_logging(level: str, process: str, fmt: str = "text") -> None:
+def setup_logging(level: str, process: str, fmt: str = "text", verbose: bool = False) -> None:
+    """Console logging of every process; `verbose` (logging.verbose, `-v`) lets the detail lines through."""
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(JsonLineFormatter(process) if fmt == "json" else logging.Formatter(
         f"%(asctime)s {process} %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"))
     logging.basicConfig(level=level, handlers=[handler], force=True)
     for noisy in ("absl", "jax._src", "orbax"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    show_detail(verbose, level)
 
 
 def pin_to_cpus(cpus: list[int] | None, field: str) -> None:

@@ -154,8 +154,8 @@ def test_trainer_killed_mid_transfer_samplers_keep_generating_then_follow_the_re
     cfg = load_config(CONFIG, model)
     _, tokenizer = build_task_and_tokenizer(cfg)
     nbytes = build_policy(cfg, tokenizer.vocab_size, seed=0).num_params() * 4
-    overrides = [*model, f"redis.url={shared_redis.url}", f"run.name={run_name}", f"trainer.port={port}",
-                 "trainer.metrics_port=null",
+    overrides = [*model, "logging.verbose=true", f"redis.url={shared_redis.url}", f"run.name={run_name}",
+                 f"trainer.port={port}", "trainer.metrics_port=null",
                  f"sampler.metrics_port={metrics}", "sampler.weight_poll_s=0.05",
                  # room for what is generated while the trainer is away
                  "sampler.backlog_max_groups=4000", "buffer.max_groups=64", "trainer.groups_per_step=32", f"trainer.steps={STEPS}", "trainer.publish_every=2", "trainer.max_staleness=8",
