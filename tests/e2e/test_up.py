@@ -339,7 +339,7 @@ def test_sampler_waits_for_a_trainer_that_answers_but_has_not_published_then_giv
         """Notes when the sampler asks for the manifest (NOT_FOUND while nothing is published)."""
 
         def __init__(self):
-            super().__init__("grpc")
+            super().__init__()
             self.asked: list[float] = []
 
         def GetManifest(self, request, context):

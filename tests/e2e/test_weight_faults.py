@@ -219,6 +219,8 @@ def test_trainer_killed_mid_transfer_samplers_keep_generating_then_follow_the_re
     assert all(v[0] == 0 and v[-1] == STEPS for v in summary["sampler_weight_versions"].values())
     for i in range(2):
         installed = json.loads((tmp_path / f"sampler-{i}.json").read_text())["versions"]
-        # first trainer's versions, then (after a drop back to 0 when the new epoch appeared) the second's
-        restart = installed.index(0, 1)
-        assert installed[restart:][-1] == STEPS and installed[:restart] == sorted(installed[:restart])
+        # the first trainer's versions in order, then the second's in order, ending with its final one. Where the
+        # new epoch starts the numbers may drop (back to its version 0) or not (a sampler installs the newest
+        # version, so it may never see the new epoch's 0 when the new trainer publishes 1 quickly): at most one drop
+        drops = sum(b < a for a, b in zip(installed, installed[1:]))
+        assert installed[-1] == STEPS and drops <= 1, installed
