@@ -4,8 +4,8 @@ A learning check in the test suite (the CPU demo must raise held-out accuracy) i
 run, and the samplers' timing changes the data from run to run. Its threshold is set here, from repeated runs
 of the same command, so the chance that a healthy run fails the check is known:
 
-    python -m bench.learning_spread demo --runs 10 --out tests/e2e/calibration/demo.json --keep-warmstart W
-    python -m bench.learning_spread gspo --runs 10 --out tests/e2e/calibration/gspo.json --warmstart W
+    python -m grpo_stream.bench.learning_spread demo --runs 10 --out tests/e2e/calibration/demo.json --keep-warmstart W
+    python -m grpo_stream.bench.learning_spread gspo --runs 10 --out tests/e2e/calibration/gspo.json --warmstart W
 
 For each figure the threshold is the one-sided 99% lower prediction bound for one new run,
 mean - t(0.99, n-1) * sd * sqrt(1 + 1/n), with the run-to-run standard deviation sd of the n runs: if the figure is

@@ -26,13 +26,13 @@ import time
 
 import numpy as np
 
-from common.config import load_config
-from common.auth import write_tokens
-from common.grpc_util import ClientSecurity, open_channel
-from common.redis_util import EmbeddedRedis
-from common.wire import CompletionData, GroupData, to_proto
-from sampler_service.rollout_client import RolloutClient
-from trainer_service.loop import Trainer
+from grpo_stream.common.config.schema import load_config
+from grpo_stream.common.rpc.auth import write_tokens
+from grpo_stream.common.rpc.grpc_util import ClientSecurity, open_channel
+from grpo_stream.common.rollouts.redis_server import EmbeddedRedis
+from grpo_stream.common.rollouts.wire import CompletionData, GroupData, to_proto
+from grpo_stream.sampler_service.rollout_client import RolloutClient
+from grpo_stream.trainer_service.loop import Trainer
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs" / "tiny_arith.yaml"

@@ -23,12 +23,12 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from common.auth import write_tokens
-from common.config import load_config
-from common.grpc_util import ClientSecurity, open_channel
-from common.redis_util import EmbeddedRedis, free_port
-from common.wire import CompletionData, GroupData, to_proto
-from protos import prompts_pb2, prompts_pb2_grpc, rollout_pb2, rollout_pb2_grpc
+from grpo_stream.common.rpc.auth import write_tokens
+from grpo_stream.common.config.schema import load_config
+from grpo_stream.common.rpc.grpc_util import ClientSecurity, open_channel
+from grpo_stream.common.rollouts.redis_server import EmbeddedRedis, free_port
+from grpo_stream.common.rollouts.wire import CompletionData, GroupData, to_proto
+from grpo_stream.protos import prompts_pb2, prompts_pb2_grpc, rollout_pb2, rollout_pb2_grpc
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 

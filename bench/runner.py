@@ -21,9 +21,9 @@ import time
 import traceback
 
 BENCHMARKS = ("transport", "pipeline", "sampler", "async", "weights", "prompts", "startup")
-MODULES = {"transport": "bench.transport", "pipeline": "bench.pipeline", "sampler": "bench.sampler",
-           "async": "bench.async_vs_sync", "weights": "bench.weights", "prompts": "bench.prompts",
-           "startup": "bench.startup"}
+MODULES = {"transport": "grpo_stream.bench.transport", "pipeline": "grpo_stream.bench.pipeline", "sampler": "grpo_stream.bench.sampler",
+           "async": "grpo_stream.bench.async_vs_sync", "weights": "grpo_stream.bench.weights", "prompts": "grpo_stream.bench.prompts",
+           "startup": "grpo_stream.bench.startup"}
 # (result key, comparison, target): ours against the baseline measured in the same run.
 TARGETS = {
     "transport": [("ratio_vs_json", ">=", 5.0), ("fraction_of_raw_redis", ">=", 0.25)],

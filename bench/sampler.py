@@ -36,10 +36,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from common.config import ModelSection, TinyModelSection
-from common import decode
-from common.generation import Engine
-from common.model import TUNIX_ROPE_THETA, PolicyModel, build_model, causal_mask, positions_from_mask
+from grpo_stream.common.config.schema import ModelSection, TinyModelSection
+from grpo_stream.common.engine import decode
+from grpo_stream.common.engine.jax_engine import Engine
+from grpo_stream.common.model.policy import TUNIX_ROPE_THETA, PolicyModel, build_model, causal_mask, positions_from_mask
 
 FULL = {"vocab_size": 4096, "num_layers": 8, "embed_dim": 256, "hidden_dim": 1024, "num_heads": 4,
         "num_kv_heads": 2, "head_dim": 64, "batch": 16, "prompt_tokens": 64, "new_tokens": 128, "repeats": 5}
@@ -155,7 +155,7 @@ def matmul_floor_seconds(model: PolicyModel, batch: int, steps: int, repeats: in
 
 def vllm_decode(model: PolicyModel, p: dict) -> dict:
     """vLLM's decode tokens/s on `model`, measured in the vLLM environment; {"missing": why} without one."""
-    from common.hf_checkpoint import export_hf
+    from grpo_stream.common.model.hf_checkpoint import export_hf
 
     root = pathlib.Path(__file__).resolve().parent.parent
     python = pathlib.Path(os.environ.get("GRPO_STREAM_VLLM_PYTHON", root / ".venv-vllm" / "bin" / "python"))
@@ -163,7 +163,7 @@ def vllm_decode(model: PolicyModel, p: dict) -> dict:
         return {"missing": f"no vLLM environment at {python} (requirements/install-vllm-env.sh)"}
     with tempfile.TemporaryDirectory(prefix="bench-vllm-") as tmp:
         export_hf(tmp, model.arch, model.to_named_numpy())
-        proc = subprocess.run([str(python), "-m", "bench.vllm_decode", tmp, str(p["batch"]), str(p["prompt_tokens"]),
+        proc = subprocess.run([str(python), "-m", "grpo_stream.bench.vllm_decode", tmp, str(p["batch"]), str(p["prompt_tokens"]),
                                str(p["new_tokens"]), str(p["repeats"])], cwd=root, capture_output=True, text=True,
                               timeout=900)
     if proc.returncode:

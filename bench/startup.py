@@ -28,8 +28,8 @@ import tempfile
 import threading
 import time
 
-from common.auth import write_tokens
-from common.redis_util import EmbeddedRedis, free_port
+from grpo_stream.common.rpc.auth import write_tokens
+from grpo_stream.common.rollouts.redis_server import EmbeddedRedis, free_port
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs" / "tiny_arith_smoke.yaml"

@@ -20,14 +20,14 @@ import time
 import grpc
 import numpy as np
 
-from common.buffer import RedisStreamBuffer
-from common.grpc_util import CHANNEL_OPTIONS
-from common.redis_util import EmbeddedRedis, connect
-from common.wire import CompletionData, GroupData, GroupLimits, decode_group, encode_group, to_proto
-from sampler_service.rollout_client import RolloutClient
-from trainer_service.ingest import IngestServicer
-from trainer_service.publisher import WeightPublisher
-from trainer_service.server import TrainerServer
+from grpo_stream.common.rollouts.buffer import RedisStreamBuffer
+from grpo_stream.common.rpc.grpc_util import CHANNEL_OPTIONS
+from grpo_stream.common.rollouts.redis_server import EmbeddedRedis, connect
+from grpo_stream.common.rollouts.wire import CompletionData, GroupData, GroupLimits, decode_group, encode_group, to_proto
+from grpo_stream.sampler_service.rollout_client import RolloutClient
+from grpo_stream.trainer_service.ingest import IngestServicer
+from grpo_stream.trainer_service.publisher import WeightPublisher
+from grpo_stream.trainer_service.server import TrainerServer
 
 
 def make_groups(count: int, completions: int, tokens: int, vocab: int = 32_000) -> list[GroupData]:

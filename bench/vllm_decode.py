@@ -2,7 +2,7 @@
 the JAX engine was just timed on (same weights, batch, lengths, temperature 1, per-token logprobs, no early
 stop), medians of `repeats` runs after a warm-up. Prints one JSON object.
 
-    python -m bench.vllm_decode MODEL_DIR BATCH PROMPT_TOKENS NEW_TOKENS REPEATS
+    python -m grpo_stream.bench.vllm_decode MODEL_DIR BATCH PROMPT_TOKENS NEW_TOKENS REPEATS
 """
 
 import json
@@ -14,9 +14,9 @@ import numpy as np
 
 
 def main(model_dir: str, batch: int, prompt_tokens: int, new_tokens: int, repeats: int) -> dict:
-    from common.config import VllmSection
-    from common.model import load_hf_model
-    from sampler_service.vllm_engine import VllmEngine
+    from grpo_stream.common.config.schema import VllmSection
+    from grpo_stream.common.model.policy import load_hf_model
+    from grpo_stream.common.engine.vllm_engine import VllmEngine
 
     model = load_hf_model(model_dir)
     started = time.perf_counter()

@@ -34,16 +34,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from common.architectures import Architecture
-from common.config import AlgoSection
-from common.grpc_util import SERVER_OPTIONS
-from common.model import build_from_architecture
-from common.weight_checkpoint import CheckpointWeightStore
-from protos import weights_pb2_grpc
-from trainer_service.batching import TrainBatch
-from trainer_service.publisher import WeightPublisher
-from trainer_service.rl_update import PolicyUpdater
-from trainer_service.weight_data_server import WeightDataServer
+from grpo_stream.common.model.architectures import Architecture
+from grpo_stream.common.config.schema import AlgoSection, WeightsSection
+from grpo_stream.common.rpc.grpc_util import SERVER_OPTIONS
+from grpo_stream.common.model.policy import build_from_architecture
+from grpo_stream.common.weights.registry import transport_spec, weight_sink
+from grpo_stream.common.weights.transport import SinkContext
+from grpo_stream.protos import weights_pb2_grpc
+from grpo_stream.trainer_service.batching import TrainBatch
+from grpo_stream.trainer_service.publisher import WeightPublisher
+from grpo_stream.trainer_service.rl_update import PolicyUpdater
+from grpo_stream.trainer_service.weight_data_server import WeightDataServer
 
 FULL = dict(vocab_size=32_000, num_layers=8, embed_dim=768, hidden_dim=2048, num_heads=12, num_kv_heads=4,
             head_dim=64)
@@ -54,7 +55,7 @@ class _Peer:
     """The sampler process; yields its JSON lines."""
 
     def __init__(self, spec: dict):
-        self.proc = subprocess.Popen([sys.executable, "-m", "bench.weights_peer", json.dumps(spec)],
+        self.proc = subprocess.Popen([sys.executable, "-m", "grpo_stream.bench.weights_peer", json.dumps(spec)],
                                      stdout=subprocess.PIPE, text=True)
 
     def next(self) -> dict:
@@ -91,8 +92,8 @@ def _case(named: dict, arch: dict, transport: str, dtype: str, repeats: int, raw
     """`named`: the model's arrays (their dtype is the model's); `dtype`: weights.wire_dtype."""
     model_dtype = jnp.dtype(next(iter(named.values())).dtype).name
     tmp = tempfile.TemporaryDirectory(prefix="bench-weights-")
-    store = CheckpointWeightStore(tmp.name, keep=2) if transport == "checkpoint" else None
-    publisher = WeightPublisher(transport, store=store, wire_dtype=dtype)
+    weights = WeightsSection(transport=transport, checkpoint_dir=tmp.name, keep_versions=2)
+    publisher = WeightPublisher(weight_sink(transport, SinkContext(weights)), transport, wire_dtype=dtype)
     server, port = _serve(publisher)
     data = WeightDataServer(publisher, "127.0.0.1", 0) if data_plane == "tcp" else None
     if data is not None:
@@ -105,7 +106,8 @@ def _case(named: dict, arch: dict, transport: str, dtype: str, repeats: int, raw
     sender = threading.Thread(target=_raw_sender, args=(listener, payload, raw_repeats), daemon=True)
     sender.start()
     peer = _Peer({"arch": arch, "dtype": model_dtype, "raw_port": listener.getsockname()[1], "raw_bytes": nbytes,
-                  "raw_repeats": raw_repeats, "grpc": f"127.0.0.1:{port}" if transport == "grpc" else None,
+                  "raw_repeats": raw_repeats, "transport": transport,
+                  "grpc": f"127.0.0.1:{port}" if transport_spec(transport).trainer_serves else None,
                   "checkpoint_dir": tmp.name, "versions": repeats + 1, "streams": streams,
                   "data_host": "127.0.0.1" if data is not None else None})
     try:
@@ -155,12 +157,12 @@ def _stall(model, arch: dict, steps: int, rows: int, length: int) -> dict:
         t = time.perf_counter()
         updater.update(batch)
         plain.append(time.perf_counter() - t)
-    publisher = WeightPublisher("grpc")
+    publisher = WeightPublisher()
     server, port = _serve(publisher)
     data = WeightDataServer(publisher, "127.0.0.1", 0)  # the default path: slices over the TCP data plane
     data.start()
     peer = _Peer({"arch": arch, "dtype": "float32", "raw_port": 0, "raw_bytes": 0, "raw_repeats": 0,
-                  "grpc": f"127.0.0.1:{port}", "checkpoint_dir": None, "versions": steps, "streams": 2,
+                  "transport": publisher.transport, "grpc": f"127.0.0.1:{port}", "checkpoint_dir": None, "versions": steps, "streams": 2,
                   "data_host": "127.0.0.1"})
     assert peer.next() == {"ready": True}
     worker = concurrent.futures.ThreadPoolExecutor(max_workers=1)

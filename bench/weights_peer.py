@@ -1,6 +1,6 @@
 """The sampler side of `bench weights`, as its own process: receives raw bytes, then installs published versions.
 
-    python -m bench.weights_peer SPEC_JSON
+    python -m grpo_stream.bench.weights_peer SPEC_JSON
 
 SPEC_JSON: {"arch": {...Architecture fields}, "dtype": "float32" | "bfloat16" (the model's), "raw_port": int, "raw_bytes": int, "raw_repeats": int,
 "grpc": "host:port" | null, "checkpoint_dir": str | null, "versions": int, "streams": int, "data_host": str | null (TCP data plane)}.
@@ -39,12 +39,14 @@ def main() -> int:
     import jax
     import jax.numpy as jnp
 
-    from common.architectures import Architecture
-    from common.grpc_util import CHANNEL_OPTIONS
-    from common.model import build_from_architecture
-    from common.sharding import make_mesh
-    from common.weight_checkpoint import CheckpointWeightStore
-    from sampler_service.weight_sync import CheckpointFetcher, GrpcFetcher, WeightSync
+    from grpo_stream.common.model.architectures import Architecture
+    from grpo_stream.common.rpc.grpc_util import CHANNEL_OPTIONS
+    from grpo_stream.common.model.policy import build_from_architecture
+    from grpo_stream.common.model.sharding import make_mesh
+    from grpo_stream.common.config.schema import WeightsSection
+    from grpo_stream.common.weights.registry import weight_source
+    from grpo_stream.common.weights.transport import SourceContext
+    from grpo_stream.sampler_service.weight_sync import WeightSync
 
     model = build_from_architecture(Architecture(**spec["arch"]), seed=None,
                                     dtype=getattr(jnp, spec.get("dtype", "float32")))
@@ -52,9 +54,11 @@ def main() -> int:
     channel = None
     if spec.get("grpc"):
         channel = grpc.insecure_channel(spec["grpc"], options=CHANNEL_OPTIONS)
-        fetcher = GrpcFetcher(channel, "bench-peer", spec["streams"], timeout_s=600, data_host=spec.get("data_host"))
-    else:
-        fetcher = CheckpointFetcher(CheckpointWeightStore(spec["checkpoint_dir"]))
+    weights = WeightsSection(transport=spec["transport"], fetch_streams=spec.get("streams", 1),
+                             data_plane="tcp" if spec.get("data_host") else "grpc",
+                             checkpoint_dir=spec.get("checkpoint_dir"))
+    fetcher = weight_source(spec["transport"], SourceContext(weights, "bench-peer", 600, channel=channel,
+                                                             trainer_host=spec.get("data_host") or ""))
     sync = WeightSync(fetcher, model, mesh, "bench-peer", retry_initial_s=0.05, retry_max_s=0.2)
     last = spec["versions"] - 1  # a sampler installs the latest version, so it may skip some in between
     print(json.dumps({"ready": True}), flush=True)

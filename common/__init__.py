@@ -1,0 +1,1 @@
+"""Code the trainer and sampler services share (they never import each other). See ARCHITECTURE.md."""

@@ -1,6 +1,6 @@
 """`grpo-stream audit RUN_DIR`: what happened to every rollout group the ingest accepted.
 
-The buffer keeps an audit trail in Redis (common/buffer.py): each accepted group, each settled one with
+The buffer keeps an audit trail in Redis (common/rollouts/buffer.py): each accepted group, each settled one with
 its outcome, each trainer start (and the checkpoint it resumed from), each trained step with its group
 ids, and each saved checkpoint. From these the audit rebuilds the lineage of the final model: the steps
 of the last trainer up to its last checkpoint, then those of the trainer it resumed from up to that
@@ -27,8 +27,8 @@ import sys
 
 import redis
 
-from common.buffer import COUNTERS, REFUSALS, RUN_FILE, keys
-from common.config_access import REDIS_PASSWORD_ENV
+from grpo_stream.common.rollouts.buffer import COUNTERS, REFUSALS, RUN_FILE, keys
+from grpo_stream.common.config.access import REDIS_PASSWORD_ENV
 
 
 def _text(value) -> str:
@@ -144,7 +144,7 @@ def group_history(client: redis.Redis, run_name: str, group_id: str, prefix: str
 def _client_for(run_dir: pathlib.Path, redis_url: str | None):
     """(client, run name, embedded server or None): the URL given, else the run's own Redis if it answers, else an
     embedded Redis started on the run's data directory (RUN_DIR/redis, written by `up`)."""
-    from common.redis_util import EmbeddedRedis, RedisConnectError, connect  # noqa: PLC0415
+    from grpo_stream.common.rollouts.redis_server import EmbeddedRedis, RedisConnectError, connect  # noqa: PLC0415
 
     info_path = run_dir / RUN_FILE
     if not info_path.is_file():

@@ -10,16 +10,25 @@
     grpo-stream submit  FILE.jsonl [--follow] [--run-dir DIR | --address HOST:PORT] [--token-file F]
     grpo-stream status  [--run-dir DIR | --address HOST:PORT] [--token-file F]
     grpo-stream tokens  --out DIR
+    grpo-stream config  describe [PREFIX]          (every field: type, default, limits, doc)
+    grpo-stream config  show --config C [key=value ...]   (the resolved config, as `up` saves it)
+
+Expected errors (a bad config, an unreachable service, a bad file) print one line; the full traceback goes to
+RUN_DIR/error-COMMAND.log (or the temporary directory's grpo-stream-error-COMMAND.log without a run directory), and
+`--debug` (before or after the command) prints it too.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import pathlib
 import sys
+import tempfile
 import time
+import traceback
 
-from bench.runner import BENCHMARKS
+from grpo_stream.bench.runner import BENCHMARKS
 from grpo_stream.submit_command import add_parsers as add_submit_parsers
 
 
@@ -33,11 +42,23 @@ def _positive_int(text: str) -> int:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="grpo-stream", description="Asynchronous GRPO post-training: samplers "
                                      "stream rollout groups over gRPC into Redis; the trainer learns off-policy.")
+    parser.add_argument("--debug", action="store_true", help="print full tracebacks of errors (they always go to "
+                        "the run's error-COMMAND.log)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_parser = sub.add_parser
+
+    def add_parser(name: str, **kwargs) -> argparse.ArgumentParser:  # every command also takes --debug after it
+        p = _add_parser(name, **kwargs)
+        p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+        return p
+
+    sub.add_parser = add_parser
 
     def common(p: argparse.ArgumentParser) -> None:
         p.add_argument("--config", type=pathlib.Path, help="YAML run config (default: built-in defaults)")
         p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+        p.add_argument("-v", "--verbose", action="store_true", help="detail lines: every trainer step, every weight "
+                       "version a sampler fetches and installs (logging.verbose=true)")
         p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="dotted config overrides")
 
     up = sub.add_parser("up", help="run the whole loop locally: Redis, trainer and samplers as processes")
@@ -79,15 +100,45 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--limit", type=_positive_int, help="problems to score (default eval.num_problems)")
     ev.add_argument("--json", type=pathlib.Path, help="write the result here")
     add_submit_parsers(sub, common)
+    cf = sub.add_parser("config", help="describe the config fields, or show a resolved config")
+    cf_sub = cf.add_subparsers(dest="config_command", required=True, metavar="ACTION")
+    de = cf_sub.add_parser("describe", help="every field with its type, default, limits and documentation")
+    de.add_argument("prefix", nargs="?", default="", help="only fields whose dotted name starts with this "
+                    "(e.g. trainer. or weights.transport)")
+    sh = cf_sub.add_parser("show", help="the resolved config (file, then overrides, then defaults) as YAML")
+    common(sh)
     rep = sub.add_parser("report", help="PNG plots and a markdown summary of a run directory")
     rep.add_argument("run_dir", type=pathlib.Path, help="a directory written by `up` or `trainer`")
     return parser
 
 
+def _error(args: argparse.Namespace, exc: BaseException, run_dir: pathlib.Path | None = None,
+           what: str = "error") -> None:
+    """One line for the user; the whole traceback in a file (and on stderr with --debug), never lost."""
+    trace = "".join(traceback.format_exception(exc))
+    if what == "config error":  # the user's input, named field and fix: the traceback would say nothing more
+        if args.debug:
+            print(trace, file=sys.stderr, end="")
+        print(f"grpo-stream {args.command}: {what}: {exc}", file=sys.stderr)
+        return
+    name = f"error-{args.command}.log" if run_dir is not None else f"grpo-stream-error-{args.command}.log"
+    path = (run_dir if run_dir is not None else pathlib.Path(tempfile.gettempdir())) / name
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(trace)
+        where = f" (traceback in {path})"
+    except OSError:
+        where, args.debug = "", True  # nowhere to keep it: print it
+    if args.debug:
+        print(trace, file=sys.stderr, end="")
+    print(f"grpo-stream {args.command}: {what}: {exc}{'' if args.debug else where}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    args.debug = args.debug or os.environ.get("GRPO_STREAM_DEBUG", "") not in ("", "0")
     if args.command == "bench":
-        from bench.runner import run_benchmarks
+        from grpo_stream.bench.runner import run_benchmarks
 
         return run_benchmarks(args.name, args.json, args.table, args.quick)
     if args.command == "report":
@@ -96,54 +147,69 @@ def main(argv: list[str] | None = None) -> int:
         try:
             out = make_report(args.run_dir)
         except (FileNotFoundError, ValueError) as exc:
-            print(f"grpo-stream report: error: {exc}", file=sys.stderr)
+            _error(args, exc, args.run_dir if args.run_dir.is_dir() else None)
             return 1
         print(f"report written to {out}/report.md")
         return 0
+    if args.command == "config":
+        from grpo_stream.common.config.describe import describe
+        from grpo_stream.common.config.schema import RunConfig, load_config, to_yaml
+
+        try:
+            if args.config_command == "describe":
+                print(describe(RunConfig, args.prefix), end="")
+            else:
+                print(to_yaml(load_config(args.config, args.overrides)), end="")
+        except ValueError as exc:  # ConfigError is a ValueError
+            _error(args, exc, what="config error")
+            return 2
+        return 0
     if args.command in ("submit", "status", "tokens"):
-        from common.config import ConfigError
+        from grpo_stream.common.config.schema import ConfigError
         from grpo_stream.submit_command import run
 
         try:
             return run(args)
         except ConfigError as exc:
-            print(f"grpo-stream {args.command}: config error: {exc}", file=sys.stderr)
+            _error(args, exc, what="config error")
             return 2
     if args.command == "audit":
-        from common.redis_util import RedisConnectError
+        from grpo_stream.common.rollouts.redis_server import RedisConnectError
         from grpo_stream.audit import run_audit
 
         try:
             return run_audit(args.run_dir, args.redis_url, args.group, args.json)
         except (FileNotFoundError, ValueError, RedisConnectError) as exc:
-            print(f"grpo-stream audit: error: {exc}", file=sys.stderr)
+            _error(args, exc, args.run_dir if args.run_dir.is_dir() else None)
             return 2
-    from common.config import ConfigError, load_config, to_yaml
+    from grpo_stream.common.config.schema import ConfigError, load_config, to_yaml
 
+    if getattr(args, "verbose", False):
+        args.overrides.append("logging.verbose=true")
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as exc:
-        print(f"grpo-stream {args.command}: config error: {exc}", file=sys.stderr)
+        _error(args, exc, what="config error")
         return 2
     if args.print_config:
         print(to_yaml(cfg), end="")
         return 0
     import logging
 
-    from common.runtime import (compilation_cache_dir, enable_compilation_cache, import_tensorboardx_without_torch,
+    from grpo_stream.common.runtime.process import (compilation_cache_dir, enable_compilation_cache, import_tensorboardx_without_torch,
                                 pin_to_cpus, setup_logging)
 
     log = logging.getLogger("grpo_stream.cli")
     if args.command == "eval":
         from grpo_stream.eval_command import run_eval
 
-        setup_logging(cfg.logging.level, "eval", cfg.logging.format)
+        setup_logging(cfg.logging.level, "eval", cfg.logging.format, cfg.logging.verbose)
         try:
             import_tensorboardx_without_torch()
             cache = enable_compilation_cache(cfg)
             doc = run_eval(cfg, args.split, args.limit, args.json)
-        except (ValueError, OSError) as exc:
-            print(f"grpo-stream eval: error: {exc}", file=sys.stderr)
+        except (ValueError, OSError, RuntimeError) as exc:  # RuntimeError: XLA and device errors
+            _error(args, exc)
             return 1
         log.info("%s", cache.summary())
         ks = ", ".join(f"pass@{k} {doc['pass_at_k'][k]:.3f}, maj@{k} {doc['maj_at_k'][k]:.3f}" for k in doc["pass_at_k"])
@@ -153,27 +219,25 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "up":
         from grpo_stream.up import run_up
 
-        setup_logging(cfg.logging.level, "up", cfg.logging.format)
+        setup_logging(cfg.logging.level, "up", cfg.logging.format, cfg.logging.verbose)
         try:  # `up` compiles nothing itself; a bad cache directory stops it before any process starts
             compilation_cache_dir(cfg)
         except ValueError as exc:
-            print(f"grpo-stream up: error: {exc}", file=sys.stderr)
+            _error(args, exc)
             return 1
         run_dir = args.run_dir or pathlib.Path("runs") / f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
         return run_up(args.config, args.overrides, cfg, run_dir)
     setup_logging(cfg.logging.level, args.command if args.command != "sampler" else f"sampler-{args.index}",
-                  cfg.logging.format)
+                  cfg.logging.format, cfg.logging.verbose)
     if cfg.run.deterministic:  # before JAX starts: XLA reads its flags once
-        import os
-
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_gpu_deterministic_ops=true".strip()
     if args.command == "ingest":  # no JAX in this process (Redis and gRPC only): no compilation cache
-        from trainer_service.ingest_server import run_ingest
+        from grpo_stream.trainer_service.ingest_server import run_ingest
 
         try:
             run_ingest(cfg)
         except (ValueError, OSError, RuntimeError) as exc:
-            print(f"grpo-stream ingest: error: {exc}", file=sys.stderr)
+            _error(args, exc)
             return 1
         return 0
     try:
@@ -181,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
                       (cfg.trainer.cpu_affinity, "trainer.cpu_affinity")))
         import_tensorboardx_without_torch()
         cache = enable_compilation_cache(cfg)
-        from common.sharding import initialize_distributed
+        from grpo_stream.common.model.sharding import initialize_distributed
 
         initialize_distributed(cfg.distributed.initialize)
         if args.command == "colocated":
@@ -191,17 +255,17 @@ def main(argv: list[str] | None = None) -> int:
             run_dir.mkdir(parents=True, exist_ok=True)
             run_colocated(cfg, run_dir)
         elif args.command == "trainer":
-            from trainer_service.loop import run_trainer
+            from grpo_stream.trainer_service.loop import run_trainer
 
             run_dir = args.run_dir or pathlib.Path("runs") / cfg.run.name
             run_dir.mkdir(parents=True, exist_ok=True)
             run_trainer(cfg, run_dir)
         else:
-            from sampler_service.loop import run_sampler
+            from grpo_stream.sampler_service.loop import run_sampler
 
             run_sampler(cfg, args.index, args.run_dir)
-    except (ValueError, ConnectionError, OSError, RuntimeError) as exc:  # RedisConnectError is a RuntimeError
-        print(f"grpo-stream {args.command}: error: {exc}", file=sys.stderr)
+    except (ValueError, ConnectionError, OSError, RuntimeError) as exc:  # RedisConnectError is a RuntimeError;
+        _error(args, exc, getattr(args, "run_dir", None))  # XLA and device errors too: their traceback is kept
         return 1
     log.info("%s", cache.summary())
     return 0

@@ -19,11 +19,12 @@ import threading
 
 import jax
 
-from common.config import RunConfig
-from common.sharding import split_devices
-from common.weight_local import LocalWeightHub
-from sampler_service.loop import Sampler
-from trainer_service.loop import Trainer
+from grpo_stream.common.config.schema import RunConfig
+from grpo_stream.common.model.sharding import split_devices
+from grpo_stream.common.weights.local_transport import LocalWeightHub
+from grpo_stream.common.weights.registry import TRANSPORTS, transport_spec
+from grpo_stream.sampler_service.loop import Sampler
+from grpo_stream.trainer_service.loop import Trainer
 
 log = logging.getLogger(__name__)
 
@@ -39,9 +40,10 @@ def sampler_device_groups(devices: list, replicas: int, tp: int, shared: bool) -
 
 
 def run_colocated(cfg: RunConfig, run_dir: pathlib.Path) -> dict:
-    if cfg.weights.transport != "local":
-        raise ValueError(f"weights.transport={cfg.weights.transport}: `colocated` runs weights.transport=local; "
-                         "use `up` (or trainer + sampler processes) for grpc / checkpoint")
+    if not transport_spec(cfg.weights.transport).in_process:
+        raise ValueError(f"weights.transport={cfg.weights.transport}: `colocated` runs a transport within one process "
+                         f"(one of {[n for n, t in TRANSPORTS.items() if t.in_process]}); use `up` (or trainer + "
+                         "sampler processes) for the others")
     w = cfg.weights
     shared = w.trainer_devices_fraction == 1.0 and w.sampler_devices_fraction == 1.0
     train_devices, sample_devices = split_devices(jax.devices(), w.trainer_devices_fraction,

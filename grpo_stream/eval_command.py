@@ -12,7 +12,7 @@ import logging
 import pathlib
 import time
 
-from common.config import RunConfig
+from grpo_stream.common.config.schema import RunConfig
 
 log = logging.getLogger("grpo_stream.eval")
 
@@ -33,9 +33,9 @@ def problems_of(cfg: RunConfig, task, split: str, limit: int) -> list:
 
 
 def run_eval(cfg: RunConfig, split: str, limit: int | None, json_path: pathlib.Path | None) -> dict:
-    from common.evaluation import evaluate  # noqa: PLC0415 - imports JAX
-    from common.generation import Engine  # noqa: PLC0415
-    from common.runtime import build_policy, build_task_and_tokenizer  # noqa: PLC0415
+    from grpo_stream.common.engine.evaluation import evaluate  # noqa: PLC0415 - imports JAX
+    from grpo_stream.common.engine.jax_engine import Engine  # noqa: PLC0415
+    from grpo_stream.common.runtime.process import build_policy, build_task_and_tokenizer  # noqa: PLC0415
 
     task, tokenizer = build_task_and_tokenizer(cfg)
     model = build_policy(cfg, tokenizer.vocab_size, seed=cfg.run.seed)

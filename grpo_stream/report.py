@@ -9,13 +9,39 @@ from __future__ import annotations
 import json
 import pathlib
 
+# plot name -> (title, series). Every series is plotted only if it moves; one that is constant over the run is
+# listed in report.md with its value and, where CONSTANT_BECAUSE knows, why (and the plots.json index says so).
 PLOTS = {
-    "reward_accuracy": ("Reward and accuracy", ["train/reward_mean", "train/accuracy"]),
-    "kl": ("Policy movement", ["train/ppo_kl", "train/kl", "train/clip_fraction"]),
-    "staleness": ("Staleness (steps)", ["train/staleness_mean", "train/staleness_max"]),
-    "throughput": ("Throughput", ["train/tokens_per_second"]),
-    "buffer_depth": ("Rollout buffer", ["train/buffer_depth", "train/groups_dropped_stale"]),
+    "reward_accuracy": ("Reward and accuracy (training batches)", ["train/reward_mean", "train/accuracy"]),
+    "off_policy": ("Off-policy correction", ["train/is_weight_mean", "train/is_weight_min", "train/ratio_max",
+                                             "train/ratio_min", "train/clip_fraction", "train/ppo_kl"]),
+    "staleness": ("Staleness of trained groups (steps)", ["train/staleness_mean", "train/staleness_max"]),
+    "update": ("Policy update", ["train/grad_norm", "train/entropy", "train/advantage_abs_mean"]),
+    "lengths": ("Completions", ["train/response_length_mean", "train/truncated_fraction"]),
+    "throughput": ("Throughput (per 30 s window)", ["train/tokens_per_second", "train/groups_per_second"]),
+    "buffer": ("Rollout buffer", ["train/buffer_depth", "train/groups_dropped_stale"]),
 }
+CONSTANT_BECAUSE = {
+    "train/ratio_max": "one optimizer step per batch (algo.num_iterations=1, algo.minibatches=1): the new/old ratio "
+                       "is 1 by construction",
+    "train/ratio_min": "as ratio_max",
+    "train/clip_fraction": "the ratio is 1, so nothing is clipped",
+    "train/ppo_kl": "the ratio is 1, so the policy has not moved within a step",
+    "train/staleness_max": "every group was within trainer.max_staleness and it was reached every step",
+    "train/truncated_fraction": "no completion reached generation.max_new_tokens, or every one did",
+    "train/is_weight_min": "the importance weights were never below their floor",
+}
+
+
+def _fmt(value) -> str:
+    """Numbers people read: 3 decimals for fractions, fewer digits for large values, ints as ints."""
+    if isinstance(value, bool) or value is None:
+        return str(value)
+    if isinstance(value, int):
+        return f"{value:,}"
+    if isinstance(value, float):
+        return f"{value:,.1f}" if abs(value) >= 100 else f"{value:.3f}"
+    return str(value)
 
 
 def load_rows(run_dir: pathlib.Path) -> list[dict]:
@@ -50,15 +76,25 @@ def make_report(run_dir: pathlib.Path) -> pathlib.Path:
     out = run_dir / "report"
     out.mkdir(exist_ok=True)
     steps = [r["step"] for r in rows]
-    images = []
+    images, index, constant = [], {}, {}
     for name, (title, keys) in PLOTS.items():
-        fig, ax = plt.subplots(figsize=(7, 3.5))
+        series = {}
         for key in keys:
             points = [(s, r[key]) for s, r in zip(steps, rows) if key in r]
-            if points:
-                xs, ys = zip(*points)
-                line, = ax.plot(xs, ys, linewidth=0.8, alpha=0.35)
-                ax.plot(xs, _smooth(ys), color=line.get_color(), linewidth=1.6, label=key.removeprefix("train/"))
+            if not points:
+                continue
+            ys = [y for _, y in points]
+            if max(ys) == min(ys):
+                constant[key] = ys[0]
+                continue
+            series[key] = points
+        if not series:
+            continue
+        fig, ax = plt.subplots(figsize=(7, 3.5))
+        for key, points in series.items():
+            xs, ys = zip(*points)
+            line, = ax.plot(xs, ys, linewidth=0.8, alpha=0.35)
+            ax.plot(xs, _smooth(ys), color=line.get_color(), linewidth=1.6, label=key.removeprefix("train/"))
         ax.set_title(title)
         ax.set_xlabel("RL step")
         ax.grid(alpha=0.3)
@@ -67,6 +103,10 @@ def make_report(run_dir: pathlib.Path) -> pathlib.Path:
         fig.savefig(out / f"{name}.png", dpi=100)
         plt.close(fig)
         images.append(f"{name}.png")
+        index[name] = {key: {"points": len(points), "min": min(y for _, y in points), "max": max(y for _, y in points)}
+                       for key, points in series.items()}
+    (out / "plots.json").write_text(json.dumps({"plots": index, "constant": {
+        key: {"value": value, "why": CONSTANT_BECAUSE.get(key)} for key, value in constant.items()}}, indent=2))
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     lines = [f"# Run report: {summary.get('run', run_dir.name)}", ""]
@@ -77,19 +117,24 @@ def make_report(run_dir: pathlib.Path) -> pathlib.Path:
         pass1_after = ((summary.get("eval_after") or {}).get("pass_at_k") or {}).get("1")
         lines += [
             "| figure | value |", "|---|---|",
-            f"| RL steps | {summary.get('steps')} |",
-            f"| held-out accuracy before → after | {before} → {after} |",
-            *([f"| held-out sampled pass@1 before → after | {pass1_before} → {pass1_after} |"]
+            f"| RL steps | {_fmt(summary.get('steps'))} |",
+            f"| held-out greedy accuracy before → after | {_fmt(before)} → {_fmt(after)} |",
+            *([f"| held-out sampled pass@1 before → after | {_fmt(pass1_before)} → {_fmt(pass1_after)} |"]
               if pass1_before is not None else []),
-            f"| groups ingested | {summary.get('groups_ingested')} |",
-            f"| trained / dropped stale / filtered / left | {summary.get('groups_trained')} / "
-            f"{summary.get('groups_dropped_stale')} / {summary.get('groups_dropped_filtered')} / "
-            f"{summary.get('groups_left_in_buffer')} |",
-            f"| weight versions published | {summary.get('weight_versions_published')} |",
-            f"| wall seconds | {summary.get('wall_seconds')} |", ""]
+            f"| groups ingested | {_fmt(summary.get('groups_ingested'))} |",
+            f"| trained / dropped stale / filtered / left | {_fmt(summary.get('groups_trained'))} / "
+            f"{_fmt(summary.get('groups_dropped_stale'))} / {_fmt(summary.get('groups_dropped_filtered'))} / "
+            f"{_fmt(summary.get('groups_left_in_buffer'))} |",
+            f"| weight versions published | {_fmt(summary.get('weight_versions_published'))} |",
+            f"| wall seconds | {_fmt(summary.get('wall_seconds'))} |", ""]
     last = rows[-1]
     lines += [f"Last step ({last['step']}): reward {last['train/reward_mean']:.3f}, "
               f"accuracy {last['train/accuracy']:.3f}, staleness {last['train/staleness_mean']:.2f}.", ""]
     lines += [f"![{name}]({name})" for name in images]
+    if constant:
+        lines += ["", "Constant over the run (not plotted):", ""]
+        lines += [f"- {key.removeprefix('train/')} = {_fmt(value)}" + (f": {CONSTANT_BECAUSE[key]}"
+                                                                      if key in CONSTANT_BECAUSE else "")
+                  for key, value in constant.items()]
     (out / "report.md").write_text("\n".join(lines) + "\n")
     return out

@@ -22,10 +22,11 @@ import sys
 import threading
 import time
 
-from common.auth import write_tokens
-from common.config import RunConfig
-from common.config_access import TOKEN_ENV, TOKEN_FILE_ENV, TOKENS_ENV
-from common.redis_util import EmbeddedRedis, RedisConnectError, connect, credentials, free_port
+from grpo_stream.common.rpc.auth import write_tokens
+from grpo_stream.common.config.schema import RunConfig, load_config, to_yaml
+from grpo_stream.common.config.access import TOKEN_ENV, TOKEN_FILE_ENV, TOKENS_ENV
+from grpo_stream.common.weights.registry import transport_spec
+from grpo_stream.common.rollouts.redis_server import EmbeddedRedis, RedisConnectError, connect, credentials, free_port
 
 ENDPOINTS_FILE = "endpoints.json"  # in RUN_DIR: where `grpo-stream submit --run-dir` sends prompts
 
@@ -69,7 +70,7 @@ def host_devices_needed(cfg: RunConfig) -> tuple[int, int]:
     """
     trainer = cfg.trainer.mesh.fsdp * cfg.trainer.mesh.tp
     tp, w = cfg.sampler.mesh.tp, cfg.weights
-    if w.transport != "local":
+    if not transport_spec(w.transport).in_process:
         return trainer, tp
     if w.trainer_devices_fraction == 1.0 and w.sampler_devices_fraction == 1.0:
         return max(trainer, tp), tp
@@ -131,7 +132,7 @@ def run_up(config_path: pathlib.Path | None, overrides: list[str], cfg: RunConfi
         prompts_address = f"127.0.0.1:{ingest_port}"
     elif cfg.ingest.standalone:
         prompts_address = cfg.ingest.address
-    if cfg.weights.transport == "checkpoint" and not cfg.weights.checkpoint_dir:
+    if transport_spec(cfg.weights.transport).needs_dir and not cfg.weights.checkpoint_dir:
         extra.append(f"weights.checkpoint_dir={(run_dir / 'weights').resolve()}")
     base = [sys.executable, "-m", "grpo_stream"]
     cfg_args = ["--config", str(config_path)] if config_path else []
@@ -139,7 +140,7 @@ def run_up(config_path: pathlib.Path | None, overrides: list[str], cfg: RunConfi
     server_env, sampler_env, client_token = with_run_tokens(cfg, run_dir, env)
     (run_dir / ENDPOINTS_FILE).write_text(json.dumps({"prompts": prompts_address, "tls": cfg.tls.enabled,
                                                       "client_token_file": client_token}))
-    colocated = cfg.weights.transport == "local"
+    colocated = transport_spec(cfg.weights.transport).in_process
     trainer_devices, sampler_devices = host_devices_needed(cfg)
     children: list[_Child] = []
     interrupted = False
@@ -153,7 +154,10 @@ def run_up(config_path: pathlib.Path | None, overrides: list[str], cfg: RunConfi
 
     previous = {s: signal.signal(s, _interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        (run_dir / "config.yaml").write_text(json.dumps({"config": str(config_path), "overrides": extra}, indent=2))
+        # the resolved config every process runs (file, overrides and what `up` added), and how it was asked for
+        (run_dir / "config.yaml").write_text(
+            f"# resolved by `grpo-stream up` from --config {config_path} with overrides {extra}\n"
+            + to_yaml(load_config(config_path, extra)))
         # the trainer process (or the single controller) and each sampler see the devices their meshes need
         trainer = _Child("colocated" if colocated else "trainer",
                          [*base, "colocated" if colocated else "trainer", *cfg_args, "--run-dir", str(run_dir),

@@ -1,10 +1,10 @@
 """Regenerate the Python code for every .proto in this folder.
 
-    python -m protos.generate          # write protos/*_pb2*.py(i)
-    python -m protos.generate --check  # exit 1 if the committed code is stale
+    python -m grpo_stream.protos.generate          # write protos/*_pb2*.py(i)
+    python -m grpo_stream.protos.generate --check  # exit 1 if the committed code is stale
 
-Run from the repository root. Imports in the generated code are absolute
-(`from protos import rollout_pb2`), so `protos` must be importable.
+Imports in the generated code are absolute and use the installed name (`from grpo_stream.protos import
+rollout_pb2`): protoc runs on a copy of the .proto files laid out as grpo_stream/protos/.
 """
 
 from __future__ import annotations
@@ -21,14 +21,19 @@ PROTO_DIR = ROOT / "protos"
 
 
 def generate(out_root: pathlib.Path) -> list[pathlib.Path]:
-    """Run protoc (grpcio-tools) into `out_root`/protos; return the files written."""
+    """Run protoc (grpcio-tools) into `out_root`/grpo_stream/protos; return the files written."""
     from grpc_tools import protoc  # only needed by developers, not at run time
 
-    protos = sorted(p.relative_to(ROOT).as_posix() for p in PROTO_DIR.glob("*.proto"))
-    (out_root / "protos").mkdir(parents=True, exist_ok=True)
+    src = out_root / "src"
+    (src / "grpo_stream" / "protos").mkdir(parents=True)
+    for proto in PROTO_DIR.glob("*.proto"):
+        shutil.copyfile(proto, src / "grpo_stream" / "protos" / proto.name)
+    protos = sorted(p.relative_to(src).as_posix() for p in (src / "grpo_stream" / "protos").glob("*.proto"))
+    out = out_root / "grpo_stream" / "protos"
+    out.mkdir(parents=True, exist_ok=True)
     args = [
         "protoc",
-        f"-I{ROOT}",
+        f"-I{src}",
         f"--python_out={out_root}",
         f"--pyi_out={out_root}",
         f"--grpc_python_out={out_root}",
@@ -36,7 +41,7 @@ def generate(out_root: pathlib.Path) -> list[pathlib.Path]:
     ]
     if protoc.main(args) != 0:
         raise RuntimeError(f"protoc failed on {protos}")
-    return sorted((out_root / "protos").glob("*_pb2*.py*"))
+    return sorted(out.glob("*_pb2*.py*"))
 
 
 def stale_files(written: list[pathlib.Path], committed_dir: pathlib.Path) -> list[str]:
@@ -56,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.check:
             stale = stale_files(written, PROTO_DIR)
             if stale:
-                print(f"stale generated code: {', '.join(stale)}; run `python -m protos.generate`", file=sys.stderr)
+                print(f"stale generated code: {', '.join(stale)}"
+                      "; run `python -m grpo_stream.protos.generate`", file=sys.stderr)
                 return 1
             print("generated code is up to date")
         else:

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from protos import prompts_pb2 as protos_dot_prompts__pb2
+from grpo_stream.protos import prompts_pb2 as grpo__stream_dot_protos_dot_prompts__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in protos/prompts_pb2_grpc.py depends on'
+        + ' but the generated code in grpo_stream/protos/prompts_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,23 +36,23 @@ class PromptServiceStub:
         """
         self.Submit = channel.unary_unary(
                 '/grpo_stream.v1.PromptService/Submit',
-                request_serializer=protos_dot_prompts__pb2.SubmitRequest.SerializeToString,
-                response_deserializer=protos_dot_prompts__pb2.SubmitReply.FromString,
+                request_serializer=grpo__stream_dot_protos_dot_prompts__pb2.SubmitRequest.SerializeToString,
+                response_deserializer=grpo__stream_dot_protos_dot_prompts__pb2.SubmitReply.FromString,
                 _registered_method=True)
         self.StreamResults = channel.unary_stream(
                 '/grpo_stream.v1.PromptService/StreamResults',
-                request_serializer=protos_dot_prompts__pb2.ResultsRequest.SerializeToString,
-                response_deserializer=protos_dot_prompts__pb2.PromptResult.FromString,
+                request_serializer=grpo__stream_dot_protos_dot_prompts__pb2.ResultsRequest.SerializeToString,
+                response_deserializer=grpo__stream_dot_protos_dot_prompts__pb2.PromptResult.FromString,
                 _registered_method=True)
         self.Cancel = channel.unary_unary(
                 '/grpo_stream.v1.PromptService/Cancel',
-                request_serializer=protos_dot_prompts__pb2.CancelRequest.SerializeToString,
-                response_deserializer=protos_dot_prompts__pb2.CancelReply.FromString,
+                request_serializer=grpo__stream_dot_protos_dot_prompts__pb2.CancelRequest.SerializeToString,
+                response_deserializer=grpo__stream_dot_protos_dot_prompts__pb2.CancelReply.FromString,
                 _registered_method=True)
         self.GetStatus = channel.unary_unary(
                 '/grpo_stream.v1.PromptService/GetStatus',
-                request_serializer=protos_dot_prompts__pb2.StatusRequest.SerializeToString,
-                response_deserializer=protos_dot_prompts__pb2.RunStatus.FromString,
+                request_serializer=grpo__stream_dot_protos_dot_prompts__pb2.StatusRequest.SerializeToString,
+                response_deserializer=grpo__stream_dot_protos_dot_prompts__pb2.RunStatus.FromString,
                 _registered_method=True)
 
 
@@ -93,23 +93,23 @@ def add_PromptServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Submit': grpc.unary_unary_rpc_method_handler(
                     servicer.Submit,
-                    request_deserializer=protos_dot_prompts__pb2.SubmitRequest.FromString,
-                    response_serializer=protos_dot_prompts__pb2.SubmitReply.SerializeToString,
+                    request_deserializer=grpo__stream_dot_protos_dot_prompts__pb2.SubmitRequest.FromString,
+                    response_serializer=grpo__stream_dot_protos_dot_prompts__pb2.SubmitReply.SerializeToString,
             ),
             'StreamResults': grpc.unary_stream_rpc_method_handler(
                     servicer.StreamResults,
-                    request_deserializer=protos_dot_prompts__pb2.ResultsRequest.FromString,
-                    response_serializer=protos_dot_prompts__pb2.PromptResult.SerializeToString,
+                    request_deserializer=grpo__stream_dot_protos_dot_prompts__pb2.ResultsRequest.FromString,
+                    response_serializer=grpo__stream_dot_protos_dot_prompts__pb2.PromptResult.SerializeToString,
             ),
             'Cancel': grpc.unary_unary_rpc_method_handler(
                     servicer.Cancel,
-                    request_deserializer=protos_dot_prompts__pb2.CancelRequest.FromString,
-                    response_serializer=protos_dot_prompts__pb2.CancelReply.SerializeToString,
+                    request_deserializer=grpo__stream_dot_protos_dot_prompts__pb2.CancelRequest.FromString,
+                    response_serializer=grpo__stream_dot_protos_dot_prompts__pb2.CancelReply.SerializeToString,
             ),
             'GetStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStatus,
-                    request_deserializer=protos_dot_prompts__pb2.StatusRequest.FromString,
-                    response_serializer=protos_dot_prompts__pb2.RunStatus.SerializeToString,
+                    request_deserializer=grpo__stream_dot_protos_dot_prompts__pb2.StatusRequest.FromString,
+                    response_serializer=grpo__stream_dot_protos_dot_prompts__pb2.RunStatus.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -137,8 +137,8 @@ class PromptService:
             request,
             target,
             '/grpo_stream.v1.PromptService/Submit',
-            protos_dot_prompts__pb2.SubmitRequest.SerializeToString,
-            protos_dot_prompts__pb2.SubmitReply.FromString,
+            grpo__stream_dot_protos_dot_prompts__pb2.SubmitRequest.SerializeToString,
+            grpo__stream_dot_protos_dot_prompts__pb2.SubmitReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -164,8 +164,8 @@ class PromptService:
             request,
             target,
             '/grpo_stream.v1.PromptService/StreamResults',
-            protos_dot_prompts__pb2.ResultsRequest.SerializeToString,
-            protos_dot_prompts__pb2.PromptResult.FromString,
+            grpo__stream_dot_protos_dot_prompts__pb2.ResultsRequest.SerializeToString,
+            grpo__stream_dot_protos_dot_prompts__pb2.PromptResult.FromString,
             options,
             channel_credentials,
             insecure,
@@ -191,8 +191,8 @@ class PromptService:
             request,
             target,
             '/grpo_stream.v1.PromptService/Cancel',
-            protos_dot_prompts__pb2.CancelRequest.SerializeToString,
-            protos_dot_prompts__pb2.CancelReply.FromString,
+            grpo__stream_dot_protos_dot_prompts__pb2.CancelRequest.SerializeToString,
+            grpo__stream_dot_protos_dot_prompts__pb2.CancelReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -218,8 +218,8 @@ class PromptService:
             request,
             target,
             '/grpo_stream.v1.PromptService/GetStatus',
-            protos_dot_prompts__pb2.StatusRequest.SerializeToString,
-            protos_dot_prompts__pb2.RunStatus.FromString,
+            grpo__stream_dot_protos_dot_prompts__pb2.StatusRequest.SerializeToString,
+            grpo__stream_dot_protos_dot_prompts__pb2.RunStatus.FromString,
             options,
             channel_credentials,
             insecure,

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from protos import rollout_pb2 as protos_dot_rollout__pb2
+from grpo_stream.protos import rollout_pb2 as grpo__stream_dot_protos_dot_rollout__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in protos/rollout_pb2_grpc.py depends on'
+        + ' but the generated code in grpo_stream/protos/rollout_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,23 +36,23 @@ class RolloutIngestStub:
         """
         self.StreamBatches = channel.stream_stream(
                 '/grpo_stream.v1.RolloutIngest/StreamBatches',
-                request_serializer=protos_dot_rollout__pb2.RolloutBatch.SerializeToString,
-                response_deserializer=protos_dot_rollout__pb2.BatchAck.FromString,
+                request_serializer=grpo__stream_dot_protos_dot_rollout__pb2.RolloutBatch.SerializeToString,
+                response_deserializer=grpo__stream_dot_protos_dot_rollout__pb2.BatchAck.FromString,
                 _registered_method=True)
         self.PushGroup = channel.unary_unary(
                 '/grpo_stream.v1.RolloutIngest/PushGroup',
-                request_serializer=protos_dot_rollout__pb2.RolloutGroup.SerializeToString,
-                response_deserializer=protos_dot_rollout__pb2.GroupAck.FromString,
+                request_serializer=grpo__stream_dot_protos_dot_rollout__pb2.RolloutGroup.SerializeToString,
+                response_deserializer=grpo__stream_dot_protos_dot_rollout__pb2.GroupAck.FromString,
                 _registered_method=True)
         self.GetDataPosition = channel.unary_unary(
                 '/grpo_stream.v1.RolloutIngest/GetDataPosition',
-                request_serializer=protos_dot_rollout__pb2.DataPositionRequest.SerializeToString,
-                response_deserializer=protos_dot_rollout__pb2.DataPosition.FromString,
+                request_serializer=grpo__stream_dot_protos_dot_rollout__pb2.DataPositionRequest.SerializeToString,
+                response_deserializer=grpo__stream_dot_protos_dot_rollout__pb2.DataPosition.FromString,
                 _registered_method=True)
         self.ClaimPrompts = channel.unary_unary(
                 '/grpo_stream.v1.RolloutIngest/ClaimPrompts',
-                request_serializer=protos_dot_rollout__pb2.ClaimRequest.SerializeToString,
-                response_deserializer=protos_dot_rollout__pb2.ClaimedPrompts.FromString,
+                request_serializer=grpo__stream_dot_protos_dot_rollout__pb2.ClaimRequest.SerializeToString,
+                response_deserializer=grpo__stream_dot_protos_dot_rollout__pb2.ClaimedPrompts.FromString,
                 _registered_method=True)
 
 
@@ -99,23 +99,23 @@ def add_RolloutIngestServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'StreamBatches': grpc.stream_stream_rpc_method_handler(
                     servicer.StreamBatches,
-                    request_deserializer=protos_dot_rollout__pb2.RolloutBatch.FromString,
-                    response_serializer=protos_dot_rollout__pb2.BatchAck.SerializeToString,
+                    request_deserializer=grpo__stream_dot_protos_dot_rollout__pb2.RolloutBatch.FromString,
+                    response_serializer=grpo__stream_dot_protos_dot_rollout__pb2.BatchAck.SerializeToString,
             ),
             'PushGroup': grpc.unary_unary_rpc_method_handler(
                     servicer.PushGroup,
-                    request_deserializer=protos_dot_rollout__pb2.RolloutGroup.FromString,
-                    response_serializer=protos_dot_rollout__pb2.GroupAck.SerializeToString,
+                    request_deserializer=grpo__stream_dot_protos_dot_rollout__pb2.RolloutGroup.FromString,
+                    response_serializer=grpo__stream_dot_protos_dot_rollout__pb2.GroupAck.SerializeToString,
             ),
             'GetDataPosition': grpc.unary_unary_rpc_method_handler(
                     servicer.GetDataPosition,
-                    request_deserializer=protos_dot_rollout__pb2.DataPositionRequest.FromString,
-                    response_serializer=protos_dot_rollout__pb2.DataPosition.SerializeToString,
+                    request_deserializer=grpo__stream_dot_protos_dot_rollout__pb2.DataPositionRequest.FromString,
+                    response_serializer=grpo__stream_dot_protos_dot_rollout__pb2.DataPosition.SerializeToString,
             ),
             'ClaimPrompts': grpc.unary_unary_rpc_method_handler(
                     servicer.ClaimPrompts,
-                    request_deserializer=protos_dot_rollout__pb2.ClaimRequest.FromString,
-                    response_serializer=protos_dot_rollout__pb2.ClaimedPrompts.SerializeToString,
+                    request_deserializer=grpo__stream_dot_protos_dot_rollout__pb2.ClaimRequest.FromString,
+                    response_serializer=grpo__stream_dot_protos_dot_rollout__pb2.ClaimedPrompts.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -143,8 +143,8 @@ class RolloutIngest:
             request_iterator,
             target,
             '/grpo_stream.v1.RolloutIngest/StreamBatches',
-            protos_dot_rollout__pb2.RolloutBatch.SerializeToString,
-            protos_dot_rollout__pb2.BatchAck.FromString,
+            grpo__stream_dot_protos_dot_rollout__pb2.RolloutBatch.SerializeToString,
+            grpo__stream_dot_protos_dot_rollout__pb2.BatchAck.FromString,
             options,
             channel_credentials,
             insecure,
@@ -170,8 +170,8 @@ class RolloutIngest:
             request,
             target,
             '/grpo_stream.v1.RolloutIngest/PushGroup',
-            protos_dot_rollout__pb2.RolloutGroup.SerializeToString,
-            protos_dot_rollout__pb2.GroupAck.FromString,
+            grpo__stream_dot_protos_dot_rollout__pb2.RolloutGroup.SerializeToString,
+            grpo__stream_dot_protos_dot_rollout__pb2.GroupAck.FromString,
             options,
             channel_credentials,
             insecure,
@@ -197,8 +197,8 @@ class RolloutIngest:
             request,
             target,
             '/grpo_stream.v1.RolloutIngest/GetDataPosition',
-            protos_dot_rollout__pb2.DataPositionRequest.SerializeToString,
-            protos_dot_rollout__pb2.DataPosition.FromString,
+            grpo__stream_dot_protos_dot_rollout__pb2.DataPositionRequest.SerializeToString,
+            grpo__stream_dot_protos_dot_rollout__pb2.DataPosition.FromString,
             options,
             channel_credentials,
             insecure,
@@ -224,8 +224,8 @@ class RolloutIngest:
             request,
             target,
             '/grpo_stream.v1.RolloutIngest/ClaimPrompts',
-            protos_dot_rollout__pb2.ClaimRequest.SerializeToString,
-            protos_dot_rollout__pb2.ClaimedPrompts.FromString,
+            grpo__stream_dot_protos_dot_rollout__pb2.ClaimRequest.SerializeToString,
+            grpo__stream_dot_protos_dot_rollout__pb2.ClaimedPrompts.FromString,
             options,
             channel_credentials,
             insecure,

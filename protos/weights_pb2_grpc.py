@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from protos import weights_pb2 as protos_dot_weights__pb2
+from grpo_stream.protos import weights_pb2 as grpo__stream_dot_protos_dot_weights__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in protos/weights_pb2_grpc.py depends on'
+        + ' but the generated code in grpo_stream/protos/weights_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,18 +36,18 @@ class WeightServiceStub:
         """
         self.GetManifest = channel.unary_unary(
                 '/grpo_stream.v1.WeightService/GetManifest',
-                request_serializer=protos_dot_weights__pb2.GetManifestRequest.SerializeToString,
-                response_deserializer=protos_dot_weights__pb2.WeightManifest.FromString,
+                request_serializer=grpo__stream_dot_protos_dot_weights__pb2.GetManifestRequest.SerializeToString,
+                response_deserializer=grpo__stream_dot_protos_dot_weights__pb2.WeightManifest.FromString,
                 _registered_method=True)
         self.FetchSlices = channel.unary_stream(
                 '/grpo_stream.v1.WeightService/FetchSlices',
-                request_serializer=protos_dot_weights__pb2.FetchSlicesRequest.SerializeToString,
-                response_deserializer=protos_dot_weights__pb2.SliceChunk.FromString,
+                request_serializer=grpo__stream_dot_protos_dot_weights__pb2.FetchSlicesRequest.SerializeToString,
+                response_deserializer=grpo__stream_dot_protos_dot_weights__pb2.SliceChunk.FromString,
                 _registered_method=True)
         self.ReportVersion = channel.unary_unary(
                 '/grpo_stream.v1.WeightService/ReportVersion',
-                request_serializer=protos_dot_weights__pb2.VersionReport.SerializeToString,
-                response_deserializer=protos_dot_weights__pb2.VersionReportReply.FromString,
+                request_serializer=grpo__stream_dot_protos_dot_weights__pb2.VersionReport.SerializeToString,
+                response_deserializer=grpo__stream_dot_protos_dot_weights__pb2.VersionReportReply.FromString,
                 _registered_method=True)
 
 
@@ -82,18 +82,18 @@ def add_WeightServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'GetManifest': grpc.unary_unary_rpc_method_handler(
                     servicer.GetManifest,
-                    request_deserializer=protos_dot_weights__pb2.GetManifestRequest.FromString,
-                    response_serializer=protos_dot_weights__pb2.WeightManifest.SerializeToString,
+                    request_deserializer=grpo__stream_dot_protos_dot_weights__pb2.GetManifestRequest.FromString,
+                    response_serializer=grpo__stream_dot_protos_dot_weights__pb2.WeightManifest.SerializeToString,
             ),
             'FetchSlices': grpc.unary_stream_rpc_method_handler(
                     servicer.FetchSlices,
-                    request_deserializer=protos_dot_weights__pb2.FetchSlicesRequest.FromString,
-                    response_serializer=protos_dot_weights__pb2.SliceChunk.SerializeToString,
+                    request_deserializer=grpo__stream_dot_protos_dot_weights__pb2.FetchSlicesRequest.FromString,
+                    response_serializer=grpo__stream_dot_protos_dot_weights__pb2.SliceChunk.SerializeToString,
             ),
             'ReportVersion': grpc.unary_unary_rpc_method_handler(
                     servicer.ReportVersion,
-                    request_deserializer=protos_dot_weights__pb2.VersionReport.FromString,
-                    response_serializer=protos_dot_weights__pb2.VersionReportReply.SerializeToString,
+                    request_deserializer=grpo__stream_dot_protos_dot_weights__pb2.VersionReport.FromString,
+                    response_serializer=grpo__stream_dot_protos_dot_weights__pb2.VersionReportReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -121,8 +121,8 @@ class WeightService:
             request,
             target,
             '/grpo_stream.v1.WeightService/GetManifest',
-            protos_dot_weights__pb2.GetManifestRequest.SerializeToString,
-            protos_dot_weights__pb2.WeightManifest.FromString,
+            grpo__stream_dot_protos_dot_weights__pb2.GetManifestRequest.SerializeToString,
+            grpo__stream_dot_protos_dot_weights__pb2.WeightManifest.FromString,
             options,
             channel_credentials,
             insecure,
@@ -148,8 +148,8 @@ class WeightService:
             request,
             target,
             '/grpo_stream.v1.WeightService/FetchSlices',
-            protos_dot_weights__pb2.FetchSlicesRequest.SerializeToString,
-            protos_dot_weights__pb2.SliceChunk.FromString,
+            grpo__stream_dot_protos_dot_weights__pb2.FetchSlicesRequest.SerializeToString,
+            grpo__stream_dot_protos_dot_weights__pb2.SliceChunk.FromString,
             options,
             channel_credentials,
             insecure,
@@ -175,8 +175,8 @@ class WeightService:
             request,
             target,
             '/grpo_stream.v1.WeightService/ReportVersion',
-            protos_dot_weights__pb2.VersionReport.SerializeToString,
-            protos_dot_weights__pb2.VersionReportReply.FromString,
+            grpo__stream_dot_protos_dot_weights__pb2.VersionReport.SerializeToString,
+            grpo__stream_dot_protos_dot_weights__pb2.VersionReportReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -16,4 +16,4 @@ pip=("$dir/bin/python" -m pip --quiet --disable-pip-version-check)
 if [ "$flavor" = cpu ]; then "${pip[@]}" uninstall -y torchvision torchaudio torchcodec || true; fi
 "${pip[@]}" install --no-deps google-tunix==0.1.7
 "${pip[@]}" install --no-deps -e "$root"
-"$dir/bin/python" -c "import vllm, sampler_service.vllm_engine, common.runtime; print('vLLM', vllm.__version__, 'environment ready')"
+"$dir/bin/python" -c "import vllm, grpo_stream.common.engine.vllm_engine, grpo_stream.common.runtime.process; print('vLLM', vllm.__version__, 'environment ready')"

@@ -5,11 +5,11 @@ from __future__ import annotations
 import time
 from typing import Iterator
 
-from common.generation import Generation
-from common.rewards import RewardSet
-from common.tasks.arith import Problem
-from common.tokenizer import TextTokenizer
-from common.wire import CompletionData, GroupData
+from grpo_stream.common.engine.base import Generation
+from grpo_stream.common.tasks.rewards import RewardSet
+from grpo_stream.common.tasks.arith import Problem
+from grpo_stream.common.model.tokenizer import TextTokenizer
+from grpo_stream.common.rollouts.wire import CompletionData, GroupData
 
 
 def build_groups(batch: list[tuple[Problem, list[int]]], out: Generation, num_generations: int,

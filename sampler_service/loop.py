@@ -21,25 +21,29 @@ import types
 
 import grpc
 import jax
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2_grpc
 
-from common.config import RunConfig
-from common.evaluation import greedy_probe
-from common.grpc_util import ClientSecurity, open_channel
-from common.prometheus import ServiceMetrics
-from common.rewards import RewardSet
-from common.runtime import build_policy, build_task_and_tokenizer, stop_on_signals
-from common.sharding import make_mesh
-from common.weight_checkpoint import CheckpointWeightStore
-from common.weights import digest
-from common.wire import to_proto
-from protos import rollout_pb2, rollout_pb2_grpc
-from sampler_service.engines import build_engine
-from sampler_service.grouping import build_groups
-from sampler_service.rollout_client import RolloutClient
-from sampler_service.weight_sync import CheckpointFetcher, GrpcFetcher, LocalFetcher, WeightSync
+from grpo_stream.common.runtime.console import count_and_range, detail_logger
+from grpo_stream.common.config.schema import RunConfig
+from grpo_stream.common.engine.evaluation import greedy_probe
+from grpo_stream.common.rpc.grpc_util import ClientSecurity, open_channel
+from grpo_stream.common.runtime.prometheus import ServiceMetrics
+from grpo_stream.common.tasks.rewards import RewardSet
+from grpo_stream.common.runtime.process import build_policy, build_task_and_tokenizer, stop_on_signals
+from grpo_stream.common.model.sharding import make_mesh
+from grpo_stream.common.weights.snapshot import digest
+from grpo_stream.common.rollouts.wire import to_proto
+from grpo_stream.protos import rollout_pb2, rollout_pb2_grpc
+from grpo_stream.sampler_service.connect import resume_position, trainer_serving, wait_for_trainer
+from grpo_stream.sampler_service.grouping import build_groups
+from grpo_stream.sampler_service.rollout_client import RolloutClient
+from grpo_stream.common.engine.registry import build_engine, engine_spec
+from grpo_stream.common.weights.registry import transport_spec, weight_source
+from grpo_stream.common.weights.transport import SourceContext
+from grpo_stream.sampler_service.weight_sync import WeightSync
 
 log = logging.getLogger(__name__)
+detail = detail_logger(__name__)
 MAX_SKIPPED_PROMPTS = 1000  # consecutive over-long prompts before the sampler gives up (config is wrong)
 INJECTED_ONLY = 2**31 - 1  # sampling-key stream of batches made of injected prompts only
 
@@ -63,9 +67,10 @@ class Sampler:
         hub of weights.transport=local; `run_dir`: where sampler-<index>.json goes (none when None)."""
         if not 0 <= index < cfg.sampler.replicas:
             raise ValueError(f"--index {index} outside 0..sampler.replicas-1 ({cfg.sampler.replicas - 1})")
-        if cfg.weights.transport == "local" and hub is None:
-            raise ValueError("weights.transport=local runs the samplers inside the trainer's process: start the run "
-                             "with `grpo-stream up` (or `grpo-stream colocated`), or choose grpc / checkpoint")
+        if transport_spec(cfg.weights.transport).in_process and hub is None:
+            raise ValueError(f"weights.transport={cfg.weights.transport} runs the samplers inside the trainer's "
+                             "process: start the run with `grpo-stream up` (or `grpo-stream colocated`), or choose "
+                             "another weights.transport")
         self.cfg, self.index = cfg, index
         self.devices, self.hub, self.run_dir = devices, hub, run_dir
         self.sampler_id = f"sampler-{index}"
@@ -82,30 +87,7 @@ class Sampler:
         self.injected_done = 0
         self._reward_sets: dict[tuple[str, ...], RewardSet] = {}
         self._rate: collections.deque = collections.deque(maxlen=4096)  # (time, tokens) per group sent
-        self._batches, self._last_report, self._claim_warned = 0, 0.0, False
-
-    def _serving(self, stub: health_pb2_grpc.HealthStub) -> bool:
-        """The trainer answers its health check as SERVING (raises grpc.RpcError when it does not answer)."""
-        reply = stub.Check(health_pb2.HealthCheckRequest(service="grpo_stream.v1.WeightService"), timeout=5)
-        return reply.status == health_pb2.HealthCheckResponse.SERVING
-
-    def _wait_for_trainer(self, stub: health_pb2_grpc.HealthStub) -> None:
-        deadline = time.monotonic() + self.cfg.sampler.connect_timeout_s
-        delay = 0.2
-        while not self.stop_event.is_set():
-            try:
-                if self._serving(stub):
-                    return
-            except grpc.RpcError as exc:
-                if time.monotonic() > deadline:
-                    raise ConnectionError(
-                        f"sampler.trainer_address={self.cfg.trainer_address()}: trainer not reachable after "
-                        f"{self.cfg.sampler.connect_timeout_s:.0f}s ({exc.code()}); start the trainer or fix the "
-                        "address") from None
-            if delay >= 2.0 or delay == 0.2:
-                log.info("waiting for the trainer at %s", self.cfg.trainer_address())
-            time.sleep(delay)
-            delay = min(delay * 2, 2.0)
+        self._batches, self._last_report, self._last_line, self._claim_warned = 0, 0.0, time.monotonic(), False
 
     def _await_first_weights(self, stub: health_pb2_grpc.HealthStub) -> None:
         """Install the trainer's first version before generating. A trainer that is up but has not published yet
@@ -121,7 +103,7 @@ class Sampler:
             if now - last_check >= 1.0:
                 last_check = now
                 try:
-                    if self._serving(stub):
+                    if trainer_serving(stub):
                         heard = now
                 except grpc.RpcError:
                     pass
@@ -155,10 +137,11 @@ class Sampler:
         self.security = ClientSecurity.from_config(cfg)
         channel = open_channel(cfg.trainer_address(), self.security)
         health = health_pb2_grpc.HealthStub(channel)
-        self._wait_for_trainer(health)
-        # vLLM places the weights itself: they arrive on one host device and go to the engine from there
+        wait_for_trainer(cfg, health, self.stop_event)
+        # an engine that places the weights itself (vLLM) gets them on one host device and takes them from there
         mesh = (make_mesh(1, cfg.sampler.mesh.tp, self.devices or jax.local_devices(), "sampler.mesh.tp")
-                if cfg.sampler.engine == "jax" else make_mesh(1, 1, jax.devices("cpu")[:1], "sampler.mesh.tp"))
+                if engine_spec(cfg.sampler.engine).jax_mesh else make_mesh(1, 1, jax.devices("cpu")[:1],
+                                                                           "sampler.mesh.tp"))
         log.info("%s mesh %s on %s", self.sampler_id, dict(mesh.shape), [d.id for d in mesh.devices.flat])
         sync = WeightSync(self._fetcher(channel), model, mesh, self.sampler_id, cfg.weights.retry_initial_s,
                           cfg.weights.retry_max_s, cfg.trainer.max_staleness, channel,
@@ -167,7 +150,7 @@ class Sampler:
         ingest_channel = (channel if cfg.ingest_address() == cfg.trainer_address() else
                           open_channel(cfg.ingest_address(), self.security))
         self.ingest_stub = rollout_pb2_grpc.RolloutIngestStub(ingest_channel)
-        start = self._resume_position(self.ingest_stub)
+        start = resume_position(cfg, self.sampler_id, self.ingest_stub, self.stop_event)
         client = self.client = RolloutClient(ingest_channel, cfg.sampler.backlog_max_groups,
                                              cfg.sampler.max_groups_per_message).start()
         log.info("%s connected to %s, rollouts to %s (tokenizer %s), data position %d", self.sampler_id,
@@ -251,7 +234,7 @@ class Sampler:
                 log.info("%s first group generated %.2fs after the sampler started", self.sampler_id,
                          time.monotonic() - run_started)
                 run_started = None
-            self._report_throughput()
+            self._report_throughput(groups_sent)
             backlog.set(client.unacked)
         # after the final version the trainer consumes no more: do not wait long for acks
         drained = client.drain(timeout_s=2.0 if self.final else 10.0)
@@ -266,7 +249,7 @@ class Sampler:
         elapsed = time.monotonic() - started
         log.info("%s stopping: %d groups generated (%.2f groups/s), stream stats %s, backlog drained: %s, "
                  "versions installed %s, %.1fs waiting for weights", self.sampler_id, groups_sent,
-                 groups_sent / max(elapsed, 1e-9), dict(client.stats), drained, self.installed_versions,
+                 groups_sent / max(elapsed, 1e-9), dict(client.stats), drained, count_and_range(self.installed_versions),
                  self.waited_for_weights_s)
         result = {"sampler_id": self.sampler_id, "groups": groups_sent, "injected_groups": self.injected_done,
                   "versions": self.installed_versions,
@@ -312,8 +295,9 @@ class Sampler:
         self.injected_done += len(slots)
         return slots
 
-    def _report_throughput(self) -> None:
-        """Every few seconds: groups/s and tokens/s over the last minute, reported with the installed version."""
+    def _report_throughput(self, groups_sent: int) -> None:
+        """Every few seconds: groups/s and tokens/s over the last minute, reported to the trainer with the installed
+        version; every logging.summary_every_s, the same as one console line."""
         now = time.monotonic()
         if self.sync is None or now - self._last_report < 5.0:
             return
@@ -322,44 +306,17 @@ class Sampler:
         span = max(now - recent[0][0], 1.0) if recent else 1.0
         self.sync.throughput = (len(recent) / span, sum(n for _, n in recent) / span)
         self.sync.report()
-
-    def _resume_position(self, stub: rollout_pb2_grpc.RolloutIngestStub) -> int:
-        """The data position after this sampler's last accepted group (0 for a new run), asked of the ingest. Waits
-        with back-off while the ingest's Redis is down (as long as the ingest answers), or while the ingest itself
-        is unreachable, for up to sampler.connect_timeout_s of silence."""
-        heard, delay = time.monotonic(), 0.2
-        while True:
-            try:
-                reply = stub.GetDataPosition(rollout_pb2.DataPositionRequest(sampler_id=self.sampler_id), timeout=10)
-                return reply.position + 1 if reply.known else 0
-            except grpc.RpcError as exc:
-                if self.stop_event.is_set():  # stopping before the first batch: the position no longer matters
-                    return 0
-                retryable = exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-                if retryable and "buffer unavailable" in (exc.details() or ""):
-                    heard = time.monotonic()  # the ingest answers; its Redis is away
-                if not retryable or time.monotonic() - heard > self.cfg.sampler.connect_timeout_s:
-                    raise ConnectionError(
-                        f"ingest at {self.cfg.ingest_address()} (ingest.address): cannot get this sampler's data "
-                        f"position ({exc.code()}: {exc.details()}); start the ingest / its Redis or fix the address"
-                    ) from None
-                log.warning("%s: ingest at %s not ready (%s: %s); retrying in %.1fs", self.sampler_id,
-                            self.cfg.ingest_address(), exc.code().name, exc.details(), delay)
-                time.sleep(delay)
-                delay = min(delay * 2, 5.0)
+        if now - self._last_line >= self.cfg.logging.summary_every_s and not self.cfg.logging.verbose:
+            self._last_line = now
+            log.info("%s: version %d (lag %d), %.2f groups/s, %.0f tokens/s over the last minute; %d groups sent, "
+                     "%d versions installed", self.sampler_id, self.version, self.sync.lag(), *self.sync.throughput,
+                     groups_sent, len(self.installed_versions))
 
     def _fetcher(self, channel: grpc.Channel):
-        w = self.cfg.weights
-        if w.transport == "grpc":
-            host = self.cfg.trainer_address().rsplit(":", 1)[0].strip("[]")
-            return GrpcFetcher(channel, self.sampler_id, w.fetch_streams, self.cfg.sampler.rpc_timeout_s,
-                               data_host=host if w.data_plane == "tcp" else None, security=self.security)
-        if w.transport == "checkpoint":
-            if not w.checkpoint_dir:
-                raise ValueError("weights.transport=checkpoint needs weights.checkpoint_dir (the directory the "
-                                 "trainer publishes to)")
-            return CheckpointFetcher(CheckpointWeightStore(w.checkpoint_dir, w.keep_versions))
-        return LocalFetcher(self.hub)
+        host = self.cfg.trainer_address().rsplit(":", 1)[0].strip("[]")
+        return weight_source(self.cfg.weights.transport, SourceContext(
+            self.cfg.weights, self.sampler_id, self.cfg.sampler.rpc_timeout_s, channel=channel, trainer_host=host,
+            security=self.security, hub=self.hub))
 
     def _verify(self, engine, model, task, tokenizer) -> dict:
         """Digest of the installed (final) parameters and greedy completions, to compare with the trainer's."""
@@ -383,8 +340,8 @@ class Sampler:
             self.installed_versions.append(got.version)
             self.fetch_seconds.append(round(got.fetch_seconds, 4))
             self.version_gauge.set(got.version)
-            log.info("%s installed weight version %d (%.1f MB, fetch %.2fs)%s", self.sampler_id, got.version,
-                     got.nbytes / 1e6, got.fetch_seconds, " [final]" if got.final else "")
+            detail.info("%s installed weight version %d (%.1f MB, fetch %.2fs)%s", self.sampler_id, got.version,
+                        got.nbytes / 1e6, got.fetch_seconds, " [final]" if got.final else "")
         self.final = got.final
 
     def _await_newer_version(self, started_wait: float) -> None:

@@ -25,7 +25,7 @@ import time
 
 import grpc
 
-from protos import rollout_pb2, rollout_pb2_grpc
+from grpo_stream.protos import rollout_pb2, rollout_pb2_grpc
 
 log = logging.getLogger(__name__)
 

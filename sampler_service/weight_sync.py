@@ -1,14 +1,8 @@
-"""Installing published weights on this sampler's mesh: one policy (WeightSync), three fetchers.
+"""Installing published weights on this sampler's mesh, whatever the transport.
 
-Fetchers (chosen by weights.transport) find the newest version and bring it
-onto this sampler's devices with its own sharding:
-  GrpcFetcher        asks the trainer only for the slices its devices hold, over
-                     `fetch_streams` parallel streams, and places each slice on its
-                     devices (jax.make_array_from_callback); nothing else is copied;
-  CheckpointFetcher  reads LATEST from weights.checkpoint_dir and restores with Orbax
-                     straight into this sharding;
-  LocalFetcher       same process: jax.device_put from the trainer's arrays.
-WeightSync owns the rules: a version is installed whole or not at all (with
+A weight source (common/weights: grpc_transport, checkpoint_transport, local_transport, chosen by weights.transport
+in common/weights/registry.py) finds the newest version and brings it onto this sampler's devices with its own
+sharding. WeightSync owns the rules: a version is installed whole or not at all (with
 `background`, fetched on a thread while generation goes on and handed over only
 when complete, so the caller switches between batches), a new
 trainer epoch (restarted trainer) is followed even when its numbers are lower,
@@ -20,27 +14,20 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import functools
 import logging
-import socket
 import time
 from typing import Any, Callable
 
 import grpc
 import jax
-import numpy as np
 
-from common import weight_bulk
-from common.grpc_util import ClientSecurity
-from common.model import PolicyModel
-from common.sharding import needed_slices, param_shardings
-from common.weight_checkpoint import CheckpointWeightStore
-from common.weight_local import LocalWeightHub
-from common.weights import SliceAssembler, WeightTransferError, box_shape, box_to_proto, manifest_of
-from protos import weights_pb2, weights_pb2_grpc
-from sampler_service.receive_buffers import ReceiveBuffers
+from grpo_stream.common.runtime.console import detail_logger
+from grpo_stream.common.model.policy import PolicyModel
+from grpo_stream.common.model.sharding import param_shardings
+from grpo_stream.protos import weights_pb2, weights_pb2_grpc
 
 log = logging.getLogger(__name__)
+detail = detail_logger(__name__)
 QUICK_WAIT_S = 0.5  # how long poll() waits for a background check or fetch before generation goes on
 
 
@@ -52,186 +39,6 @@ class Installed:
     fetch_seconds: float
     nbytes: int
     epoch: str = ""
-
-
-@functools.partial(jax.jit, static_argnums=1)
-def _cast(arr: jax.Array, dtype) -> jax.Array:
-    return arr.astype(dtype)
-
-
-def _box_key(box: tuple[slice, ...]) -> tuple:
-    return tuple((s.start, s.stop) for s in box)
-
-
-def _index_key(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple:
-    return tuple(s.indices(n)[:2] for s, n in zip(index, shape))
-
-
-class GrpcFetcher:
-    """`data_host`: the trainer's host, to take slice bytes from its TCP data plane when the manifest announces
-    one (weights.data_plane=tcp); None = always FetchSlices over gRPC."""
-
-    def __init__(self, channel: grpc.Channel, sampler_id: str, streams: int, timeout_s: float,
-                 data_host: str | None = None, security: ClientSecurity | None = None):
-        """`security`: the token (and TLS context) the TCP data plane needs, as the gRPC channel has them."""
-        self._stub = weights_pb2_grpc.WeightServiceStub(channel)
-        self.security = security
-        self.sampler_id, self.streams, self.timeout_s, self.data_host = sampler_id, streams, timeout_s, data_host
-        self._warned = False
-        self._buffers = ReceiveBuffers()  # what the data plane receives into (see receive_buffers.py)
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=streams, thread_name_prefix="fetch")
-
-    def latest(self, installed_version: int) -> weights_pb2.WeightManifest | None:
-        try:
-            return self._stub.GetManifest(weights_pb2.GetManifestRequest(
-                sampler_id=self.sampler_id, installed_version=installed_version), timeout=min(10, self.timeout_s))
-        except grpc.RpcError as exc:
-            if exc.code() == grpc.StatusCode.NOT_FOUND:
-                return None
-            raise
-
-    def fetch(self, manifest: weights_pb2.WeightManifest, targets: dict[str, jax.ShapeDtypeStruct]) -> dict:
-        index = {t.name: i for i, t in enumerate(manifest.tensors)}
-        _check_names(manifest, targets)
-        plan = []  # (bytes, tensor index, boxes)
-        for name, target in targets.items():
-            spec = manifest.tensors[index[name]]
-            boxes = needed_slices(tuple(spec.shape), target.sharding)
-            size = sum(int(np.prod([s.stop - s.start for s in b])) for b in boxes) * np.dtype(spec.dtype).itemsize
-            plan.append((size, index[name], boxes))
-        # balance the streams by bytes: largest tensors first, each to the lightest stream
-        lanes: list[list] = [[] for _ in range(min(self.streams, len(plan)) or 1)]
-        loads = [0] * len(lanes)
-        for item in sorted(plan, key=lambda p: -p[0]):
-            k = loads.index(min(loads))
-            lanes[k].append(item)
-            loads[k] += item[0]
-        names = {index[name]: name for name in targets}
-
-        def place(t: int, pieces: dict) -> jax.Array:
-            # each device takes its slice (on CPU an aligned receive buffer is used in place), then a wire
-            # dtype other than the model's is cast on the device
-            target = targets[names[t]]
-            shape = tuple(target.shape)
-            arr = jax.make_array_from_callback(shape, target.sharding, lambda idx: pieces[_index_key(idx, shape)])
-            return arr if arr.dtype == target.dtype else _cast(arr, target.dtype)
-
-        stream = self._stream_tcp if self.data_host and manifest.data_port else self._stream
-        futures = [self._pool.submit(stream, manifest, lane, place) for lane in lanes if lane]
-        placed: dict[int, jax.Array] = {}
-        for future in futures:
-            placed.update(future.result(timeout=self.timeout_s + 5))
-        out = {name: placed[index[name]] for name in targets}
-        jax.block_until_ready(list(out.values()))
-        return out
-
-    def _stream(self, manifest, lane, place) -> dict[int, jax.Array]:
-        """The lane's slices over FetchSlices, placed: tensor index -> array."""
-        request = self._request(manifest, lane)
-        assembler = SliceAssembler(manifest, {t: boxes for _, t, boxes in lane})
-        for chunk in self._stub.FetchSlices(request, timeout=self.timeout_s):
-            assembler.add(chunk)
-        arrays = assembler.arrays()
-        return {t: place(t, {_box_key(box): arr for box, arr in zip(boxes, arrays[t])}) for _, t, boxes in lane}
-
-    def _fall_back(self, manifest, why: str) -> None:
-        if not self._warned:
-            log.warning("%s: weights data plane %s:%d unusable (%s); fetching over gRPC instead",
-                        self.sampler_id, self.data_host, manifest.data_port, why)
-            self._warned = True
-
-    def _request(self, manifest, lane) -> weights_pb2.FetchSlicesRequest:
-        return weights_pb2.FetchSlicesRequest(
-            sampler_id=self.sampler_id, version=manifest.version, trainer_epoch=manifest.trainer_epoch,
-            tensors=[weights_pb2.TensorSlices(tensor_index=t, slices=[box_to_proto(b) for b in boxes])
-                     for _, t, boxes in lane])
-
-    def _stream_tcp(self, manifest, lane, place) -> dict[int, jax.Array]:
-        """The lane's slices over the TCP data plane, each received straight into its array and checked; each
-        tensor is placed on the devices as soon as its slices are in (while the other lanes still receive)."""
-        deadline = time.monotonic() + self.timeout_s
-        sock = None
-        try:
-            sock = socket.create_connection((self.data_host, manifest.data_port), timeout=min(5, self.timeout_s))
-            security = self.security or ClientSecurity()
-            if security.ssl_context is not None:
-                sock = security.ssl_context.wrap_socket(sock, server_hostname=security.server_name or self.data_host)
-            sock.sendall(weight_bulk.encode_request(self._request(manifest, lane).SerializeToString(),
-                                                    security.token))
-            code, message = weight_bulk.read_status(sock, min(deadline, time.monotonic() + 10))
-        except (OSError, WeightTransferError) as exc:  # port unreachable (firewall, Service without it) or silent
-            if sock is not None:
-                sock.close()
-            self._fall_back(manifest, f"{type(exc).__name__}: {exc}")
-            return self._stream(manifest, lane, place)
-        if code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]:  # all data-plane transfers busy
-            sock.close()
-            return self._stream(manifest, lane, place)
-        with sock:
-            if code:
-                name = next((c.name for c in grpc.StatusCode if c.value[0] == code), str(code))
-                raise WeightTransferError(f"weights data plane answered {name}: {message}")
-            placed: dict[int, jax.Array] = {}
-            for _, t, boxes in lane:
-                spec = manifest.tensors[t]
-                pieces = {}
-                for k, box in enumerate(boxes):
-                    key = _box_key(box)
-                    arr = self._buffers.take((t, key), box_shape(box), spec.dtype)
-                    weight_bulk.receive_slice(sock, t, k, arr, spec.name, deadline)
-                    pieces[key] = arr
-                placed[t] = place(t, pieces)
-            return placed
-
-
-class CheckpointFetcher:
-    def __init__(self, store: CheckpointWeightStore):
-        self.store = store
-
-    def latest(self, installed_version: int) -> weights_pb2.WeightManifest | None:
-        record = self.store.latest()
-        if record is None:
-            return None
-        specs = {n: (s, np.dtype(d)) for n, s, d in record["tensors"]}
-        return manifest_of(record["version"], specs, record["final"], record["epoch"], record["published_unix"], 0,
-                           "checkpoint", record["location"])
-
-    def fetch(self, manifest: weights_pb2.WeightManifest, targets: dict[str, jax.ShapeDtypeStruct]) -> dict:
-        _check_names(manifest, targets)
-        record = {"location": manifest.location, "tensors": [[t.name, list(t.shape), t.dtype]
-                                                             for t in manifest.tensors]}
-        return self.store.restore(record, targets)
-
-
-class LocalFetcher:
-    def __init__(self, hub: LocalWeightHub):
-        self.hub = hub
-        self._entry = None
-
-    def latest(self, installed_version: int) -> weights_pb2.WeightManifest | None:
-        entry = self._entry = self.hub.latest()
-        if entry is None:
-            return None
-        specs = {n: (tuple(a.shape), np.dtype(a.dtype)) for n, a in entry.named.items()}
-        return manifest_of(entry.version, specs, entry.final, entry.epoch, entry.published_unix, 0, "local")
-
-    def fetch(self, manifest: weights_pb2.WeightManifest, targets: dict[str, jax.ShapeDtypeStruct]) -> dict:
-        entry = self._entry
-        if entry is None or entry.version != manifest.version or entry.epoch != manifest.trainer_epoch:
-            raise WeightTransferError(f"version {manifest.version} was replaced while installing; poll again")
-        return LocalWeightHub.install(entry, targets)
-
-
-def _check_names(manifest: weights_pb2.WeightManifest, targets: dict[str, jax.ShapeDtypeStruct]) -> None:
-    specs = {t.name: t for t in manifest.tensors}
-    missing, extra = sorted(set(targets) - set(specs)), sorted(set(specs) - set(targets))
-    if missing or extra:
-        raise WeightTransferError(f"published parameters differ from this sampler's model (missing {missing[:3]}, "
-                                  f"unexpected {extra[:3]}); do both services use the same model config?")
-    for name, target in targets.items():
-        if tuple(specs[name].shape) != tuple(target.shape):
-            raise WeightTransferError(f"{name}: published shape {list(specs[name].shape)}, this sampler's model "
-                                      f"wants {list(target.shape)}")
 
 
 class WeightSync:
@@ -314,7 +121,7 @@ class WeightSync:
             return None
         if not new_epoch and manifest.version == self.installed_version:
             return Installed(manifest.version, None, True, 0.0, 0, manifest.trainer_epoch)
-        log.info("%s fetching weight version %d (%.1f MB, %s)", self.sampler_id, manifest.version,
+        detail.info("%s fetching weight version %d (%.1f MB, %s)", self.sampler_id, manifest.version,
                  manifest.total_bytes / 1e6, manifest.transport)
         start = time.monotonic()
         named = self.fetcher.fetch(manifest, self.targets)

@@ -8,8 +8,8 @@ import uuid
 
 import pytest
 
-from common.config import load_config
-from common.redis_util import EmbeddedRedis
+from grpo_stream.common.config.schema import load_config
+from grpo_stream.common.rollouts.redis_server import EmbeddedRedis
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "configs"
@@ -38,8 +38,8 @@ def pytest_configure(config):
     so each program compiles once per run, not once per test process."""
     import tempfile
 
-    from common.config import COMPILATION_CACHE_ENV
-    from common.runtime import enable_compilation_cache
+    from grpo_stream.common.config.schema import COMPILATION_CACHE_ENV
+    from grpo_stream.common.runtime.process import enable_compilation_cache
 
     directory = os.environ.get("GRPO_STREAM_TEST_CACHE_DIR")
     if not directory:
@@ -100,8 +100,8 @@ def small_cfg():
 @pytest.fixture(scope="session")
 def tiny_parts(small_cfg):
     """(cfg, task, tokenizer, model) built once per session."""
-    from common.model import build_model
-    from common.runtime import build_task, build_tokenizer
+    from grpo_stream.common.model.policy import build_model
+    from grpo_stream.common.runtime.process import build_task, build_tokenizer
 
     task = build_task(small_cfg)
     tokenizer = build_tokenizer(small_cfg, task)

@@ -11,15 +11,15 @@ import time
 
 import numpy as np
 
-from common.auth import write_tokens
-from common.buffer import RedisStreamBuffer
-from common.grpc_util import ClientSecurity, ServerSecurity, open_channel
-from common.redis_util import connect
-from common.weights import WeightSnapshot
-from common.wire import CompletionData, GroupData
-from trainer_service.ingest_server import ingest_servicers
-from trainer_service.publisher import WeightPublisher
-from trainer_service.server import TrainerServer
+from grpo_stream.common.rpc.auth import write_tokens
+from grpo_stream.common.rollouts.buffer import RedisStreamBuffer
+from grpo_stream.common.rpc.grpc_util import ClientSecurity, ServerSecurity, open_channel
+from grpo_stream.common.rollouts.redis_server import connect
+from grpo_stream.common.weights.snapshot import WeightSnapshot
+from grpo_stream.common.rollouts.wire import CompletionData, GroupData
+from grpo_stream.trainer_service.ingest_server import ingest_servicers
+from grpo_stream.trainer_service.publisher import WeightPublisher
+from grpo_stream.trainer_service.server import TrainerServer
 
 
 def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.05):
@@ -76,7 +76,7 @@ class Stack:
 def deployment_auth(out_dir: pathlib.Path) -> tuple[dict[str, str], ServerSecurity]:
     """Tokens as a deployment hands them out: (environment for service processes: the servers' table and the
     sampler token, security for a server the test runs itself)."""
-    from common.auth import TokenTable  # noqa: PLC0415
+    from grpo_stream.common.rpc.auth import TokenTable  # noqa: PLC0415
 
     tokens = write_tokens(out_dir)
     env = {"GRPO_STREAM_TOKENS_FILE": str(tokens["table"]), "GRPO_STREAM_TOKEN_FILE": str(tokens["sampler"])}

@@ -30,11 +30,11 @@ def tiny_qwen2_dir(directory: pathlib.Path, tied: bool = True, seed: int = 0) ->
     """A Qwen2 checkpoint directory vLLM's CPU backend runs (head_dim 64; it refuses 16) with the arith task's
     tokenizer; random weights at the scale of a Hugging Face init, so its distributions are neither flat nor
     one-hot. Written by our own exporter: no torch needed."""
-    from common.architectures import Architecture
-    from common.hf_checkpoint import export_hf
-    from common.model import build_from_architecture
-    from common.tasks.arith import ArithTask
-    from common.tokenizer import train_bpe
+    from grpo_stream.common.model.architectures import Architecture
+    from grpo_stream.common.model.hf_checkpoint import export_hf
+    from grpo_stream.common.model.policy import build_from_architecture
+    from grpo_stream.common.tasks.arith import ArithTask
+    from grpo_stream.common.model.tokenizer import train_bpe
 
     tok = train_bpe(ArithTask(10, 99, 0.1, seed=0).corpus(4000), 160)
     tok.save(directory)

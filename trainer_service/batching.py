@@ -12,9 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from common.config import AlgoSection
-from common.wire import GroupData
-from trainer_service.advantages import compute_advantages, overlong_penalty
+from grpo_stream.common.config.schema import AlgoSection
+from grpo_stream.common.rollouts.wire import GroupData
+from grpo_stream.trainer_service.advantages import compute_advantages, overlong_penalty
 
 
 @struct.dataclass

@@ -26,7 +26,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from common.weights import raw_bytes
+from grpo_stream.common.weights.snapshot import raw_bytes
 
 log = logging.getLogger(__name__)
 

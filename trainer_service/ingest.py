@@ -15,10 +15,10 @@ import threading
 import grpc
 import numpy as np
 
-from common.buffer import BufferUnavailable, Incoming, RedisStreamBuffer
-from common.prompt_queue import PromptQueue
-from common.wire import GroupLimits, validate_group
-from protos import rollout_pb2, rollout_pb2_grpc
+from grpo_stream.common.rollouts.buffer import BufferUnavailable, Incoming, RedisStreamBuffer
+from grpo_stream.trainer_service.prompt_queue import PromptQueue
+from grpo_stream.common.rollouts.wire import GroupLimits, validate_group
+from grpo_stream.protos import rollout_pb2, rollout_pb2_grpc
 
 log = logging.getLogger(__name__)
 

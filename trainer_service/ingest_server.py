@@ -15,17 +15,17 @@ import threading
 import redis
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from common.buffer import RedisStreamBuffer
-from common.config import RunConfig
-from common.grpc_util import ServerSecurity, bind, enable_reflection, new_server
-from common.prompt_queue import PromptQueue
-from common.proto_decode import add_service
-from common.redis_util import connect, credentials
-from common.runtime import build_task_and_tokenizer, stop_on_signals
-from common.wire import GroupLimits
-from protos import prompts_pb2, rollout_pb2  # noqa: F401 - registers the services' descriptors
-from trainer_service.ingest import IngestServicer, Injection
-from trainer_service.prompt_service import PromptServicer
+from grpo_stream.common.rollouts.buffer import RedisStreamBuffer
+from grpo_stream.common.config.schema import RunConfig
+from grpo_stream.common.rpc.grpc_util import ServerSecurity, bind, enable_reflection, new_server
+from grpo_stream.trainer_service.prompt_queue import PromptQueue
+from grpo_stream.trainer_service.proto_decode import add_service
+from grpo_stream.common.rollouts.redis_server import connect, credentials
+from grpo_stream.common.runtime.process import build_task_and_tokenizer, stop_on_signals
+from grpo_stream.common.rollouts.wire import GroupLimits
+from grpo_stream.protos import prompts_pb2, rollout_pb2  # noqa: F401 - registers the services' descriptors
+from grpo_stream.trainer_service.ingest import IngestServicer, Injection
+from grpo_stream.trainer_service.prompt_service import PromptServicer
 
 log = logging.getLogger(__name__)
 SERVICE, PROMPTS = "grpo_stream.v1.RolloutIngest", "grpo_stream.v1.PromptService"

@@ -2,7 +2,7 @@
 
 Served next to the ingest (which holds the Redis connection and the tokenizer). Every request is checked against
 the `prompts` limits before anything is queued; a refusal names the field and the limit. The queue itself, and
-the recording of answers, live in Redis (common/prompt_queue.py), so any number of ingest replicas serve one run.
+the recording of answers, live in Redis (trainer_service/prompt_queue.py), so any number of ingest replicas serve one run.
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ import time
 import grpc
 import numpy as np
 
-from common.auth import TokenTable, caller_of
-from common.buffer import BufferUnavailable
-from common.config import RunConfig
-from common.prompt_queue import PromptQueue, QueueFull
-from common.rewards import BUILTIN
-from protos import prompts_pb2, prompts_pb2_grpc, rollout_pb2
+from grpo_stream.common.rpc.auth import TokenTable, caller_of
+from grpo_stream.common.rollouts.buffer import BufferUnavailable
+from grpo_stream.common.config.schema import RunConfig
+from grpo_stream.trainer_service.prompt_queue import PromptQueue, QueueFull
+from grpo_stream.common.tasks.rewards import BUILTIN
+from grpo_stream.protos import prompts_pb2, prompts_pb2_grpc, rollout_pb2
 
 log = logging.getLogger(__name__)
 TAG = re.compile(r"^[\w.:/@+-]+$")

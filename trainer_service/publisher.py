@@ -1,13 +1,11 @@
-"""Weight publication: one publisher, three transports, one WeightService for manifests and lag reports.
+"""Weight publication: one publisher over any transport's sink, one WeightService for manifests and lag reports.
 
 `publish` runs on the trainer's publication thread, never on the step loop:
-it casts to the wire dtype on device, then
-  grpc:       copies a host snapshot that FetchSlices streams from (fetches
-              already streaming keep reading the snapshot they started with);
-  checkpoint: saves the version with Orbax under weights.checkpoint_dir and
-              marks it complete (samplers restore from there);
-  local:      hands the device arrays to the in-process hub.
-Only then does the manifest switch, so a sampler never sees a version that
+it casts to the wire dtype on device, then hands the arrays to the transport's
+sink (common/weights/registry.py): the grpc sink keeps a host snapshot that
+FetchSlices streams from (fetches already streaming keep reading the snapshot
+they started with), the checkpoint sink saves with Orbax, the local one hands
+device arrays to the in-process hub. Only then does the manifest switch, so a sampler never sees a version that
 is not fully readable. Each sampler reports the version it runs; the
 publisher keeps that history for the lag metric and the run summary.
 """
@@ -20,15 +18,15 @@ import time
 from typing import Any
 
 import grpc
-import jax
 import jax.numpy as jnp
 import numpy as np
 
-from common.weight_checkpoint import CheckpointWeightStore
-from common.weight_local import LocalWeightHub
-from common.weights import (DEFAULT_CHUNK_BYTES, WeightSnapshot, WeightTransferError, box_from_proto, manifest_of,
-                            new_epoch, stream_box)
-from protos import weights_pb2, weights_pb2_grpc
+from grpo_stream.common.config.schema import WeightsSection
+from grpo_stream.common.weights.registry import transport_spec, weight_sink
+from grpo_stream.common.weights.snapshot import (DEFAULT_CHUNK_BYTES, WeightSnapshot, WeightTransferError,
+                                                 box_from_proto, new_epoch, stream_box)
+from grpo_stream.common.weights.transport import SinkContext, WeightSink
+from grpo_stream.protos import weights_pb2, weights_pb2_grpc
 
 
 class FetchRefused(Exception):
@@ -45,15 +43,18 @@ class PublishStats:
 
 
 class WeightPublisher(weights_pb2_grpc.WeightServiceServicer):
-    def __init__(self, transport: str = "grpc", chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 max_serve_mb_s: float | None = None, store: CheckpointWeightStore | None = None,
-                 hub: LocalWeightHub | None = None, wire_dtype: str = "model", epoch: str | None = None):
-        if transport == "checkpoint" and store is None:
-            raise ValueError("weights.transport=checkpoint needs weights.checkpoint_dir")
-        if transport == "local" and hub is None:
-            raise ValueError("weights.transport=local needs an in-process hub (trainer and samplers in one process)")
-        self.transport, self.chunk_bytes, self.max_serve_mb_s = transport, chunk_bytes, max_serve_mb_s
-        self.store, self.hub, self.wire_dtype = store, hub, wire_dtype
+    def __init__(self, sink: WeightSink | None = None, transport: str | None = None,
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, max_serve_mb_s: float | None = None,
+                 wire_dtype: str = "model", epoch: str | None = None):
+        """`sink`: where versions go (registry.weight_sink), made for weights.transport `transport`; None: the
+        default transport's, with `chunk_bytes`."""
+        if sink is None:
+            weights = WeightsSection.model_construct(chunk_bytes=chunk_bytes)  # tests use chunks below its limit
+            transport, sink = weights.transport, weight_sink(weights.transport, SinkContext(weights))
+        elif transport is None:
+            raise TypeError("WeightPublisher(sink=...) needs the transport's name too")
+        self.sink, self.transport = sink, transport
+        self.chunk_bytes, self.max_serve_mb_s, self.wire_dtype = chunk_bytes, max_serve_mb_s, wire_dtype
         self.epoch = epoch or new_epoch()
         self.data_port = 0  # set by a WeightDataServer serving this publisher's snapshots
         self._lock = threading.Lock()
@@ -74,27 +75,14 @@ class WeightPublisher(weights_pb2_grpc.WeightServiceServicer):
         if self.wire_dtype != "model":
             dtype = jnp.dtype(self.wire_dtype)
             named = {n: a.astype(dtype) if a.dtype != dtype else a for n, a in named.items()}
-        specs = {n: (tuple(a.shape), np.dtype(a.dtype)) for n, a in named.items()}
-        now = time.time()
-        if self.transport == "grpc":
-            host = {n: np.asarray(a) for n, a in zip(named, jax.device_get(list(named.values())))}
-            snapshot = WeightSnapshot(version, host, final, self.epoch, now)
-            manifest = snapshot.manifest(self.chunk_bytes, "grpc")
-        elif self.transport == "checkpoint":
-            snapshot = None
-            record = self.store.save(version, named, final, self.epoch)
-            manifest = manifest_of(version, specs, final, self.epoch, now, 0, "checkpoint", record["location"])
-        else:
-            snapshot = None
-            self.hub.publish(version, named, final, self.epoch)
-            manifest = manifest_of(version, specs, final, self.epoch, now, 0, "local")
+        manifest, snapshot = self.sink.put(version, named, final, self.epoch, time.time())
         self._switch(manifest, snapshot)
         seconds = time.monotonic() - start
         self.publish_seconds.append(seconds)
         return PublishStats(version, seconds, manifest.total_bytes)
 
     def publish(self, snapshot: WeightSnapshot) -> None:
-        """Publish a prepared host snapshot (grpc transport)."""
+        """Publish a prepared host snapshot (a transport whose bytes the trainer serves)."""
         self._check_newer(snapshot.version, snapshot.final)
         if not snapshot.epoch:
             snapshot = dataclasses.replace(snapshot, epoch=self.epoch)
@@ -170,10 +158,10 @@ class WeightPublisher(weights_pb2_grpc.WeightServiceServicer):
         FetchRefused with the status a fetch gets (gRPC and the TCP data plane answer alike)."""
         with self._lock:
             snapshot = self._snapshot
-        if self.transport != "grpc":
+        if not transport_spec(self.transport).trainer_serves:
             raise FetchRefused(grpc.StatusCode.FAILED_PRECONDITION,
-                               f"weights.transport={self.transport}: versions are not served over gRPC; read them "
-                               f"{'from weights.checkpoint_dir' if self.transport == 'checkpoint' else 'in-process'}")
+                               f"weights.transport={self.transport}: the trainer does not serve version bytes; "
+                               "samplers read them through that transport")
         if snapshot is None or snapshot.version != request.version or (
                 request.trainer_epoch and request.trainer_epoch != snapshot.epoch):
             raise FetchRefused(grpc.StatusCode.NOT_FOUND,

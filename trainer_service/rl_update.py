@@ -15,12 +15,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from common.config import AlgoSection
-from common.model import PolicyModel, sequence_logprobs
-from common.sharding import rows_sharding
-from trainer_service.batching import TrainBatch
-from trainer_service.loss import policy_loss, truncated_is_weights
-from trainer_service.train_step import make_optimizer
+from grpo_stream.common.config.schema import AlgoSection
+from grpo_stream.common.model.policy import PolicyModel, sequence_logprobs
+from grpo_stream.common.model.sharding import rows_sharding
+from grpo_stream.trainer_service.batching import TrainBatch
+from grpo_stream.trainer_service.loss import policy_loss, truncated_is_weights
+from grpo_stream.trainer_service.train_step import make_optimizer
 
 
 class PolicyUpdater:

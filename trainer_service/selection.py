@@ -6,7 +6,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from common.wire import GroupData
+from grpo_stream.common.rollouts.wire import GroupData
 
 T = TypeVar("T")
 

@@ -1,17 +1,17 @@
 """The trainer's gRPC server: ingest and PromptService (unless the ingest runs on its own), weight publication,
 grpc.health.v1 and reflection on one port (plus, with a `data_port`, the TCP data plane for weight slices).
-Every RPC is authenticated and role-checked when `security` carries a token table (common/auth.py)."""
+Every RPC is authenticated and role-checked when `security` carries a token table (common/rpc/auth.py)."""
 
 from __future__ import annotations
 
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from common.grpc_util import ServerSecurity, bind, enable_reflection, new_server
-from common.proto_decode import add_service
-from protos import prompts_pb2, rollout_pb2, weights_pb2  # noqa: F401 - registers the services' descriptors
-from trainer_service.ingest import IngestServicer
-from trainer_service.publisher import WeightPublisher
-from trainer_service.weight_data_server import WeightDataServer
+from grpo_stream.common.rpc.grpc_util import ServerSecurity, bind, enable_reflection, new_server
+from grpo_stream.trainer_service.proto_decode import add_service
+from grpo_stream.protos import prompts_pb2, rollout_pb2, weights_pb2  # noqa: F401 - registers the services' descriptors
+from grpo_stream.trainer_service.ingest import IngestServicer
+from grpo_stream.trainer_service.publisher import WeightPublisher
+from grpo_stream.trainer_service.weight_data_server import WeightDataServer
 
 INGEST, WEIGHTS, PROMPTS = "grpo_stream.v1.RolloutIngest", "grpo_stream.v1.WeightService", "grpo_stream.v1.PromptService"
 

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from common.model import PolicyModel, sequence_logprobs
+from grpo_stream.common.model.policy import PolicyModel, sequence_logprobs
 
 
 def make_optimizer(learning_rate: float, max_grad_norm: float) -> optax.GradientTransformation:

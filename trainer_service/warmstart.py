@@ -9,12 +9,12 @@ from typing import Any
 
 import numpy as np
 
-from common.config import RunConfig
-from common.model import PolicyModel
-from common.tasks.arith import ArithTask
-from common.tokenizer import TextTokenizer
-from trainer_service.batching import layout
-from trainer_service.train_step import make_optimizer, make_sft_step
+from grpo_stream.common.config.schema import RunConfig
+from grpo_stream.common.model.policy import PolicyModel
+from grpo_stream.common.tasks.arith import ArithTask
+from grpo_stream.common.model.tokenizer import TextTokenizer
+from grpo_stream.trainer_service.batching import layout
+from grpo_stream.trainer_service.train_step import make_optimizer, make_sft_step
 
 log = logging.getLogger(__name__)
 

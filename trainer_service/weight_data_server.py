@@ -1,4 +1,4 @@
-"""The trainer's TCP data plane for weight slices (weights.data_plane=tcp; framing in common/weight_bulk.py).
+"""The trainer's TCP data plane for weight slices (weights.data_plane=tcp; framing in common/weights/tcp_wire.py).
 
 A listener thread accepts connections; each is served on a pool thread: read one FetchSlicesRequest, check it
 exactly as FetchSlices does (same statuses and messages), then send each slice: header, bytes, checksum.
@@ -17,11 +17,11 @@ import time
 import grpc
 from google.protobuf.message import DecodeError
 
-from common.auth import DATA_PLANE, TokenTable, refusal
-from common.weight_bulk import encode_status, read_request, send_slice
-from common.weights import WeightTransferError, raw_bytes
-from protos import weights_pb2
-from trainer_service.publisher import FetchRefused, WeightPublisher
+from grpo_stream.common.rpc.auth import DATA_PLANE, TokenTable, refusal
+from grpo_stream.common.weights.tcp_wire import encode_status, read_request, send_slice
+from grpo_stream.common.weights.snapshot import WeightTransferError, raw_bytes
+from grpo_stream.protos import weights_pb2
+from grpo_stream.trainer_service.publisher import FetchRefused, WeightPublisher
 
 log = logging.getLogger(__name__)
 _SEND_PIECE = 4 << 20

@@ -1,1 +1,1 @@
-"""Tasks: prompt sources, reference answers and reward functions."""
+"""Tasks (arithmetic, GSM8K), prompt rendering, answer parsing and reward functions."""

@@ -20,7 +20,7 @@ import logging
 import pathlib
 from typing import Iterable, Literal
 
-from common.answers import parse_number, reference_answer
+from grpo_stream.common.tasks.answers import parse_number, reference_answer
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ import sys
 import pytest
 import yaml
 
-from common.redis_util import connect, find_redis_server, free_port
+from grpo_stream.common.rollouts.redis_server import connect, find_redis_server, free_port
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.e2e

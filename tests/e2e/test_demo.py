@@ -99,8 +99,21 @@ def test_demo_closing_line_and_report_show_both_measures(demo):
             f"{before['pass_at_k']['1']:.3f} -> {after['pass_at_k']['1']:.3f}") in demo.stdout, demo.stdout[-500:]
     rep = run_cli("report", str(demo.dir), timeout=300)
     assert rep.returncode == 0, rep.stderr[-3000:]
-    assert (f"| held-out sampled pass@1 before → after | {before['pass_at_k']['1']} → {after['pass_at_k']['1']} |"
-            in (demo.dir / "report" / "report.md").read_text())
+    report = (demo.dir / "report" / "report.md").read_text()
+    assert (f"| held-out sampled pass@1 before → after | {before['pass_at_k']['1']:.3f} → "
+            f"{after['pass_at_k']['1']:.3f} |") in report, report
+    # every plot shows series that move over the demo; what stays constant is listed with its reason, and only
+    # what is constant by construction in the default config (one optimizer step per batch) may be
+    index = json.loads((demo.dir / "report" / "plots.json").read_text())
+    assert set(index["plots"]) == {"reward_accuracy", "off_policy", "staleness", "update", "lengths", "throughput",
+                                   "buffer"}, index
+    for plot, series in index["plots"].items():
+        for key, spread in series.items():
+            assert spread["max"] > spread["min"] and spread["points"] == demo.summary["steps"], (plot, key, spread)
+    assert set(index["constant"]) <= {"train/ratio_max", "train/ratio_min", "train/clip_fraction", "train/ppo_kl",
+                                      "train/staleness_max", "train/truncated_fraction", "train/is_weight_min"}, index
+    assert all(c["why"] for c in index["constant"].values()), index["constant"]
+    assert len(demo.stdout.splitlines()) <= 400, f"{len(demo.stdout.splitlines())} console lines"
 
 
 def test_gspo_learns_where_its_objective_differs_from_grpo(demo, tmp_path):

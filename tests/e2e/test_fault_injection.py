@@ -23,9 +23,9 @@ import time
 
 import pytest
 
-from common.buffer import keys
-from common.config import load_config
-from common.redis_util import EmbeddedRedis, connect, free_port
+from grpo_stream.common.rollouts.buffer import keys
+from grpo_stream.common.config.schema import load_config
+from grpo_stream.common.rollouts.redis_server import EmbeddedRedis, connect, free_port
 from tests.e2e.test_up import ROOT
 from tests.support import wait_for
 

@@ -14,8 +14,8 @@ transformers = pytest.importorskip("transformers")
 
 @pytest.mark.parametrize("family", ["Qwen2Config", "LlamaConfig"])
 def test_up_with_a_bfloat16_checkpoint(tmp_path, family):
-    from common.tasks.arith import ArithTask
-    from common.tokenizer import train_bpe
+    from grpo_stream.common.tasks.arith import ArithTask
+    from grpo_stream.common.model.tokenizer import train_bpe
 
     model_dir = tmp_path / "ckpt"
     tok = train_bpe(ArithTask(10, 99, 0.1, seed=0).corpus(4000), 160)

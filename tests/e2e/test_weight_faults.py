@@ -26,17 +26,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from common.buffer import RedisStreamBuffer
-from common.config import load_config
-from common.model import sequence_logprobs
-from common.redis_util import connect, free_port
-from common.runtime import build_policy, build_task_and_tokenizer
-from common.wire import GroupLimits, decode_group
+from grpo_stream.common.rollouts.buffer import RedisStreamBuffer
+from grpo_stream.common.config.schema import load_config
+from grpo_stream.common.model.policy import sequence_logprobs
+from grpo_stream.common.rollouts.redis_server import connect, free_port
+from grpo_stream.common.runtime.process import build_policy, build_task_and_tokenizer
+from grpo_stream.common.rollouts.wire import GroupLimits, decode_group
 from tests.e2e.test_up import ROOT
 from tests.support import deployment_auth, wait_for
-from trainer_service.ingest import IngestServicer
-from trainer_service.publisher import WeightPublisher
-from trainer_service.server import TrainerServer
+from grpo_stream.trainer_service.ingest import IngestServicer
+from grpo_stream.trainer_service.publisher import WeightPublisher
+from grpo_stream.trainer_service.server import TrainerServer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.redis, pytest.mark.slow]
 CONFIG = ROOT / "configs" / "tiny_arith_smoke.yaml"
@@ -81,7 +81,7 @@ def test_no_group_mixes_weight_versions(tmp_path, shared_redis, run_name):
     buffer = RedisStreamBuffer(connect(shared_redis.url, 5), run_name)
     gen = cfg.generation
     limits = GroupLimits(gen.num_generations, gen.max_prompt_tokens, gen.max_new_tokens, tokenizer.vocab_size)
-    publisher = WeightPublisher("grpc")
+    publisher = WeightPublisher()
     auth, security = deployment_auth(tmp_path / "auth")
     server = TrainerServer(IngestServicer(buffer, limits, 100_000, 20), publisher, "127.0.0.1", 0, security=security)
     port = server.start()
@@ -154,8 +154,8 @@ def test_trainer_killed_mid_transfer_samplers_keep_generating_then_follow_the_re
     cfg = load_config(CONFIG, model)
     _, tokenizer = build_task_and_tokenizer(cfg)
     nbytes = build_policy(cfg, tokenizer.vocab_size, seed=0).num_params() * 4
-    overrides = [*model, f"redis.url={shared_redis.url}", f"run.name={run_name}", f"trainer.port={port}",
-                 "trainer.metrics_port=null",
+    overrides = [*model, "logging.verbose=true", f"redis.url={shared_redis.url}", f"run.name={run_name}",
+                 f"trainer.port={port}", "trainer.metrics_port=null",
                  f"sampler.metrics_port={metrics}", "sampler.weight_poll_s=0.05",
                  # room for what is generated while the trainer is away
                  "sampler.backlog_max_groups=4000", "buffer.max_groups=64", "trainer.groups_per_step=32", f"trainer.steps={STEPS}", "trainer.publish_every=2", "trainer.max_staleness=8",
@@ -219,6 +219,8 @@ def test_trainer_killed_mid_transfer_samplers_keep_generating_then_follow_the_re
     assert all(v[0] == 0 and v[-1] == STEPS for v in summary["sampler_weight_versions"].values())
     for i in range(2):
         installed = json.loads((tmp_path / f"sampler-{i}.json").read_text())["versions"]
-        # first trainer's versions, then (after a drop back to 0 when the new epoch appeared) the second's
-        restart = installed.index(0, 1)
-        assert installed[restart:][-1] == STEPS and installed[:restart] == sorted(installed[:restart])
+        # the first trainer's versions in order, then the second's in order, ending with its final one. Where the
+        # new epoch starts the numbers may drop (back to its version 0) or not (a sampler installs the newest
+        # version, so it may never see the new epoch's 0 when the new trainer publishes 1 quickly): at most one drop
+        drops = sum(b < a for a, b in zip(installed, installed[1:]))
+        assert installed[-1] == STEPS and drops <= 1, installed

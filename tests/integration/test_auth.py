@@ -11,9 +11,9 @@ from google.protobuf import descriptor_pool, message_factory
 from grpc_health.v1 import health_pb2  # noqa: F401 - registers grpc.health.v1
 from grpc_reflection.v1alpha import reflection_pb2  # noqa: F401 - registers the reflection service
 
-from common import weight_bulk
-from common.auth import ROLES, ROLES_BY_METHOD
-from protos import prompts_pb2, rollout_pb2, weights_pb2
+from grpo_stream.common.weights import tcp_wire as weight_bulk
+from grpo_stream.common.rpc.auth import ROLES, ROLES_BY_METHOD
+from grpo_stream.protos import prompts_pb2, rollout_pb2, weights_pb2
 from tests.pki import make_pki
 from tests.support import serve, with_run_name
 

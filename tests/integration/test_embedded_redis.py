@@ -5,8 +5,8 @@ import shutil
 
 import pytest
 
-from common import redis_util
-from common.redis_util import EmbeddedRedis, connect
+from grpo_stream.common.rollouts import redis_server as redis_util
+from grpo_stream.common.rollouts.redis_server import EmbeddedRedis, connect
 
 pytestmark = pytest.mark.redis
 
@@ -28,3 +28,19 @@ def test_stop_removes_the_server_and_its_files():
     assert data_dir.exists()
     server.stop()
     assert server.proc.poll() is not None and not data_dir.exists()
+
+
+def test_a_relative_data_directory_is_used_where_it_was_named(tmp_path, monkeypatch):
+    # `audit runs/demo` starts the run's Redis on runs/demo/redis: redis-server changes into its --dir before it
+    # opens its log, so a relative path must be resolved first
+    monkeypatch.chdir(tmp_path)
+    with EmbeddedRedis(data_dir="runs/demo/redis") as server:
+        connect(server.url, 5).set("k", "v")
+    assert (tmp_path / "runs" / "demo" / "redis" / "redis.log").is_file()
+    assert any(p.name.startswith("appendonly") for p in (tmp_path / "runs" / "demo" / "redis").iterdir())
+
+
+def test_a_server_that_cannot_start_says_why(tmp_path):
+    (tmp_path / "redis.log").mkdir()  # the log file cannot be opened: the server says so on stderr and exits
+    with pytest.raises(redis_util.RedisConnectError, match="(?i)log file"):
+        EmbeddedRedis(data_dir=tmp_path).start(timeout_s=5)

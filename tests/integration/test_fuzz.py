@@ -12,10 +12,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from common.grpc_util import ClientSecurity
-from common.prompt_client import PromptClient
-from common.proto_decode import _twin_pool
-from protos import prompts_pb2, rollout_pb2, weights_pb2  # noqa: F401 - registers the services
+from grpo_stream.common.rpc.grpc_util import ClientSecurity
+from grpo_stream.prompt_client import PromptClient
+from grpo_stream.trainer_service.proto_decode import _twin_pool
+from grpo_stream.protos import prompts_pb2, rollout_pb2, weights_pb2  # noqa: F401 - registers the services
 from tests.support import serve, with_run_name
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]

@@ -8,11 +8,11 @@ import time
 import grpc
 import pytest
 
-from common.prompt_client import PromptClient
-from common.grpc_util import ClientSecurity
-from common.wire import to_proto
-from protos import prompts_pb2, prompts_pb2_grpc, rollout_pb2, rollout_pb2_grpc
-from trainer_service.prompt_service import StatusWriter
+from grpo_stream.prompt_client import PromptClient
+from grpo_stream.common.rpc.grpc_util import ClientSecurity
+from grpo_stream.common.rollouts.wire import to_proto
+from grpo_stream.protos import prompts_pb2, prompts_pb2_grpc, rollout_pb2, rollout_pb2_grpc
+from grpo_stream.trainer_service.prompt_service import StatusWriter
 from tests.support import FakeClock, answer, serve, with_run_name
 
 pytestmark = pytest.mark.redis
@@ -225,7 +225,7 @@ def test_reflection_lists_and_describes_every_service_as_grpcurl_would(stack):
 
 
 def test_messages_over_the_size_limit_are_refused_and_the_server_stays_up(stack):
-    from common.grpc_util import MAX_MESSAGE_BYTES
+    from grpo_stream.common.rpc.grpc_util import MAX_MESSAGE_BYTES
 
     big = grpc.insecure_channel(stack.address, options=[("grpc.max_send_message_length", 2 * MAX_MESSAGE_BYTES)])
     raw = big.unary_unary("/grpo_stream.v1.PromptService/Submit", request_serializer=lambda b: b,

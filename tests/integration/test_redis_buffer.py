@@ -1,10 +1,12 @@
 """The Redis-streams buffer against a real redis-server: accounting, de-duplication, idempotent settling,
-recovery of a dead trainer's entries, durability across a Redis crash, and the audit built from its trail."""
+recovery of a dead trainer's entries, durability across a Redis crash, and the audit built from its trail. The
+contract every backend keeps (`any_buf`) runs on each backend of the registry: Redis and in memory."""
 
 import pytest
 
-from common.buffer import BufferUnavailable, Incoming, RedisStreamBuffer
-from common.redis_util import EmbeddedRedis, RedisConnectError, connect, free_port
+from grpo_stream.common.rollouts.buffer import BufferUnavailable, Incoming, RedisStreamBuffer
+from grpo_stream.common.rollouts.redis_server import EmbeddedRedis, RedisConnectError, connect, free_port
+from grpo_stream.common.rollouts.registry import BUFFERS, open_buffer
 from grpo_stream.audit import build_audit, lineage
 
 pytestmark = pytest.mark.redis
@@ -24,26 +26,34 @@ def buf(shared_redis, run_name):
     return RedisStreamBuffer(connect(shared_redis.url, 5), run_name)
 
 
-def test_append_read_settle_keeps_the_accounting_identity(buf):
-    statuses, waiting = buf.append_many([inc(i, f"s{i % 2}") for i in range(5)], max_groups=10)
+@pytest.fixture(params=sorted(BUFFERS))
+def any_buf(request, shared_redis, run_name):
+    """Each backend of the rollout-buffer registry."""
+    if request.param == "redis":
+        return RedisStreamBuffer(connect(shared_redis.url, 5), run_name)
+    return open_buffer(None, request.param)
+
+
+def test_append_read_settle_keeps_the_accounting_identity(any_buf):
+    statuses, waiting = any_buf.append_many([inc(i, f"s{i % 2}") for i in range(5)], max_groups=10)
     assert all("-" in s for s in statuses) and waiting == 5
-    first = buf.read(3, block_ms=100)
+    first = any_buf.read(3, block_ms=100)
     assert [e.payload for e in first] == [b"g0", b"g1", b"g2"] and first[0].group_id == "run/s0/0"
     # delivered entries are not delivered again, but still count as in the buffer
-    assert [e.payload for e in buf.read(10, block_ms=100)] == [b"g3", b"g4"]
-    assert buf.depth() == 5 and identity_holds(buf.counters())
+    assert [e.payload for e in any_buf.read(10, block_ms=100)] == [b"g3", b"g4"]
+    assert any_buf.depth() == 5 and identity_holds(any_buf.counters())
     records = [(first[0].entry_id, first[0].group_id, "trained", 1),
                (first[1].entry_id, first[1].group_id, "dropped_filtered", 1),
                (first[2].entry_id, first[2].group_id, "dropped_stale", 1)]
-    assert buf.settle(records) == 3
-    assert buf.settle(records) == 0  # settling again (a trainer resuming from a checkpoint) counts nothing
-    c = buf.counters()
+    assert any_buf.settle(records) == 3
+    assert any_buf.settle(records) == 0  # settling again (a trainer resuming from a checkpoint) counts nothing
+    c = any_buf.counters()
     assert (c["ingested"], c["trained"], c["dropped_stale"], c["dropped_filtered"], c["depth"]) == (5, 1, 1, 1, 2)
     assert identity_holds(c)
-    assert buf.ingested_by_sampler() == {"s0": 3, "s1": 2}
-    assert buf.read(5, block_ms=50) == []
+    assert any_buf.ingested_by_sampler() == {"s0": 3, "s1": 2}
+    assert any_buf.read(5, block_ms=50) == []
     with pytest.raises(ValueError, match="unknown outcome 'done'"):
-        buf.settle([("1-0", "x", "done", 1)])
+        any_buf.settle([("1-0", "x", "done", 1)])
 
 
 def test_a_checkpoint_window_of_thousands_settles_in_one_call(buf):
@@ -56,29 +66,29 @@ def test_a_checkpoint_window_of_thousands_settles_in_one_call(buf):
     assert buf.client.xpending(buf.stream, buf.GROUP)["pending"] == 0
 
 
-def test_a_resent_group_is_accepted_once(buf):
-    statuses, _ = buf.append_many([inc(0), inc(1)], max_groups=10)
-    again, waiting = buf.append_many([inc(1), inc(2)], max_groups=10)
+def test_a_resent_group_is_accepted_once(any_buf):
+    statuses, _ = any_buf.append_many([inc(0), inc(1)], max_groups=10)
+    again, waiting = any_buf.append_many([inc(1), inc(2)], max_groups=10)
     assert again[0] == "dup" and "-" in again[1] and waiting == 3
-    c = buf.counters()
+    c = any_buf.counters()
     assert c["ingested"] == 3 and c["refused_duplicate"] == 1
-    assert [e.group_id for e in buf.read(10, 100)] == ["run/s0/0", "run/s0/1", "run/s0/2"]
+    assert [e.group_id for e in any_buf.read(10, 100)] == ["run/s0/0", "run/s0/1", "run/s0/2"]
 
 
-def test_capacity_does_not_count_groups_trained_but_held_for_a_checkpoint(buf):
-    statuses, waiting = buf.append_many([inc(i) for i in range(3)], max_groups=2)
-    assert statuses[2] == "full" and waiting == 2 and buf.counters()["refused_full"] == 1
-    buf.read(2, 100)
-    assert buf.append_many([inc(2)], max_groups=2)[0] == ["full"]  # read, not trained: still waiting
-    buf.set_held(2)  # trained, acknowledged at the next checkpoint: no longer a backlog
-    statuses, waiting = buf.append_many([inc(2), inc(3), inc(4)], max_groups=2)
-    assert statuses[2] == "full" and waiting == 2 and buf.depth() == 4
+def test_capacity_does_not_count_groups_trained_but_held_for_a_checkpoint(any_buf):
+    statuses, waiting = any_buf.append_many([inc(i) for i in range(3)], max_groups=2)
+    assert statuses[2] == "full" and waiting == 2 and any_buf.counters()["refused_full"] == 1
+    any_buf.read(2, 100)
+    assert any_buf.append_many([inc(2)], max_groups=2)[0] == ["full"]  # read, not trained: still waiting
+    any_buf.set_held(2)  # trained, acknowledged at the next checkpoint: no longer a backlog
+    statuses, waiting = any_buf.append_many([inc(2), inc(3), inc(4)], max_groups=2)
+    assert statuses[2] == "full" and waiting == 2 and any_buf.depth() == 4
 
 
-def test_positions_record_the_highest_accepted_per_sampler(buf):
-    assert buf.data_position("s0") is None
-    buf.append_many([inc(0), inc(5), inc(3), inc(9, "s1")], max_groups=10)
-    assert buf.data_position("s0") == 5 and buf.data_position("s1") == 9
+def test_positions_record_the_highest_accepted_per_sampler(any_buf):
+    assert any_buf.data_position("s0") is None
+    any_buf.append_many([inc(0), inc(5), inc(3), inc(9, "s1")], max_groups=10)
+    assert any_buf.data_position("s0") == 5 and any_buf.data_position("s1") == 9
 
 
 def test_a_second_copy_that_reaches_the_trainer_is_dropped_not_trained(buf):

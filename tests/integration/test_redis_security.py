@@ -7,8 +7,8 @@ import subprocess
 
 import pytest
 
-from common.config import ConfigError, load_config
-from common.redis_util import RedisConnectError, connect, credentials, find_redis_server, free_port, wait_serving
+from grpo_stream.common.config.schema import ConfigError, load_config
+from grpo_stream.common.rollouts.redis_server import RedisConnectError, connect, credentials, find_redis_server, free_port, wait_serving
 from tests.pki import make_pki
 
 pytestmark = pytest.mark.redis

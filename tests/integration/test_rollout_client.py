@@ -3,16 +3,16 @@
 import grpc
 import pytest
 
-from common.buffer import RedisStreamBuffer
-from common.grpc_util import CHANNEL_OPTIONS
-from common.redis_util import connect, free_port
-from common.wire import decode_group, to_proto
-from sampler_service.rollout_client import RolloutClient
+from grpo_stream.common.rollouts.buffer import RedisStreamBuffer
+from grpo_stream.common.rpc.grpc_util import CHANNEL_OPTIONS
+from grpo_stream.common.rollouts.redis_server import connect, free_port
+from grpo_stream.common.rollouts.wire import decode_group, to_proto
+from grpo_stream.sampler_service.rollout_client import RolloutClient
 from tests.integration.test_trainer_server import LIMITS, group
 from tests.support import wait_for
-from trainer_service.ingest import IngestServicer
-from trainer_service.publisher import WeightPublisher
-from trainer_service.server import TrainerServer
+from grpo_stream.trainer_service.ingest import IngestServicer
+from grpo_stream.trainer_service.publisher import WeightPublisher
+from grpo_stream.trainer_service.server import TrainerServer
 
 pytestmark = pytest.mark.redis
 

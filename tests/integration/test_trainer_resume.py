@@ -8,18 +8,18 @@ import tempfile
 import jax
 import pytest
 
-from common.buffer import Incoming, RedisStreamBuffer
-from common.auth import write_tokens
-from common.config import load_config
-from common.generation import Engine
-from common.redis_util import connect
-from common.rewards import RewardSet
-from common.weights import digest
-from common.wire import to_proto
+from grpo_stream.common.rollouts.buffer import Incoming, RedisStreamBuffer
+from grpo_stream.common.rpc.auth import write_tokens
+from grpo_stream.common.config.schema import load_config
+from grpo_stream.common.engine.jax_engine import Engine
+from grpo_stream.common.rollouts.redis_server import connect
+from grpo_stream.common.tasks.rewards import RewardSet
+from grpo_stream.common.weights.snapshot import digest
+from grpo_stream.common.rollouts.wire import to_proto
 from grpo_stream.audit import build_audit
-from sampler_service.grouping import build_groups
+from grpo_stream.sampler_service.grouping import build_groups
 from tests.conftest import CONFIGS
-from trainer_service.loop import Trainer
+from grpo_stream.trainer_service.loop import Trainer
 
 pytestmark = pytest.mark.redis
 STEPS, GROUPS_PER_STEP, EVERY = 6, 4, 2
@@ -47,7 +47,7 @@ def config(url: str, run: str, **extra):
 def groups(tiny_parts):
     """STEPS x GROUPS_PER_STEP real rollout groups from the initial policy, as the samplers would send them."""
     cfg = config("redis://unused:1/0", "x")
-    from common.runtime import build_policy, build_task_and_tokenizer
+    from grpo_stream.common.runtime.process import build_policy, build_task_and_tokenizer
 
     task, tokenizer = build_task_and_tokenizer(cfg)
     model = build_policy(cfg, tokenizer.vocab_size, seed=cfg.run.seed)

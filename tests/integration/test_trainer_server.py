@@ -8,18 +8,18 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from common.buffer import RedisStreamBuffer
-from common.grpc_util import CHANNEL_OPTIONS
-from common.redis_util import connect
-from common.weights import WeightSnapshot
-from common.wire import CompletionData, GroupData, GroupLimits, decode_group, to_proto
-from protos import rollout_pb2, rollout_pb2_grpc
-from sampler_service.rollout_client import RolloutClient
-from sampler_service.weight_sync import WeightSync
+from grpo_stream.common.rollouts.buffer import RedisStreamBuffer
+from grpo_stream.common.rpc.grpc_util import CHANNEL_OPTIONS
+from grpo_stream.common.rollouts.redis_server import connect
+from grpo_stream.common.weights.snapshot import WeightSnapshot
+from grpo_stream.common.rollouts.wire import CompletionData, GroupData, GroupLimits, decode_group, to_proto
+from grpo_stream.protos import rollout_pb2, rollout_pb2_grpc
+from grpo_stream.sampler_service.rollout_client import RolloutClient
+from grpo_stream.sampler_service.weight_sync import WeightSync
 from tests.support import FakeClock, wait_for
-from trainer_service.ingest import IngestServicer
-from trainer_service.publisher import WeightPublisher
-from trainer_service.server import TrainerServer
+from grpo_stream.trainer_service.ingest import IngestServicer
+from grpo_stream.trainer_service.publisher import WeightPublisher
+from grpo_stream.trainer_service.server import TrainerServer
 
 pytestmark = pytest.mark.redis
 LIMITS = GroupLimits(num_generations=2, max_prompt_tokens=8, max_new_tokens=6, vocab_size=50)
@@ -125,7 +125,7 @@ def test_a_resent_group_is_acknowledged_without_a_second_copy_and_positions_are_
 
 
 def test_ingest_answers_unavailable_while_redis_is_down_and_recovers(redis_server):
-    from common.redis_util import EmbeddedRedis
+    from grpo_stream.common.rollouts.redis_server import EmbeddedRedis
 
     buffer = RedisStreamBuffer(connect(redis_server.url, 5), "outage")
     server = TrainerServer(IngestServicer(buffer, LIMITS, 10, 20), WeightPublisher(), "127.0.0.1", 0)
@@ -180,8 +180,8 @@ def test_backpressure_loses_nothing(stack):
 def _sync(channel, model, sampler_id="sampler-7", **kw):
     import jax
 
-    from common.sharding import make_mesh
-    from sampler_service.weight_sync import GrpcFetcher
+    from grpo_stream.common.model.sharding import make_mesh
+    from grpo_stream.common.weights.grpc_transport import GrpcFetcher
 
     mesh = make_mesh(1, 1, jax.devices(), "sampler.mesh.tp")
     return WeightSync(GrpcFetcher(channel, sampler_id, streams=2, timeout_s=10), model, mesh, sampler_id,
@@ -216,7 +216,7 @@ def test_weights_are_fetched_whole_and_history_is_recorded(stack, tiny_parts):
 
 
 def test_bad_slice_requests_get_invalid_argument_and_the_server_keeps_serving(stack, tiny_parts):
-    from protos import weights_pb2, weights_pb2_grpc
+    from grpo_stream.protos import weights_pb2, weights_pb2_grpc
 
     _, _, publisher, _, channel = stack
     _, _, _, model = tiny_parts
@@ -297,11 +297,11 @@ def test_tcp_data_plane_moves_versions_exactly_and_refuses_bad_requests(stack, t
 
     import jax
 
-    from common import weight_bulk
-    from common.sharding import make_mesh
-    from protos import weights_pb2
-    from sampler_service.weight_sync import GrpcFetcher
-    from trainer_service.weight_data_server import WeightDataServer
+    from grpo_stream.common.weights import tcp_wire as weight_bulk
+    from grpo_stream.common.model.sharding import make_mesh
+    from grpo_stream.protos import weights_pb2
+    from grpo_stream.common.weights.grpc_transport import GrpcFetcher
+    from grpo_stream.trainer_service.weight_data_server import WeightDataServer
 
     _, _, publisher, _, channel = stack
     _, _, _, model = tiny_parts
@@ -353,9 +353,9 @@ def test_tcp_data_plane_moves_versions_exactly_and_refuses_bad_requests(stack, t
 def test_unreachable_data_plane_falls_back_to_grpc_streams(stack, tiny_parts, caplog):
     import jax
 
-    from common.redis_util import free_port
-    from common.sharding import make_mesh
-    from sampler_service.weight_sync import GrpcFetcher
+    from grpo_stream.common.rollouts.redis_server import free_port
+    from grpo_stream.common.model.sharding import make_mesh
+    from grpo_stream.common.weights.grpc_transport import GrpcFetcher
 
     _, _, publisher, _, channel = stack
     _, _, _, model = tiny_parts
@@ -376,9 +376,9 @@ def test_busy_data_plane_sends_fetches_over_grpc(stack, tiny_parts):
 
     import jax
 
-    from common.sharding import make_mesh
-    from sampler_service.weight_sync import GrpcFetcher
-    from trainer_service.weight_data_server import WeightDataServer
+    from grpo_stream.common.model.sharding import make_mesh
+    from grpo_stream.common.weights.grpc_transport import GrpcFetcher
+    from grpo_stream.trainer_service.weight_data_server import WeightDataServer
 
     _, _, publisher, _, channel = stack
     _, _, _, model = tiny_parts

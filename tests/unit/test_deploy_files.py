@@ -13,7 +13,7 @@ import sys
 import pytest
 import yaml
 
-from common.redis_util import connect, find_redis_server, free_port
+from grpo_stream.common.rollouts.redis_server import connect, find_redis_server, free_port
 from tests.conftest import ROOT
 
 COMPOSE = ROOT / "compose"
@@ -152,7 +152,7 @@ def containers_of(jobset: dict) -> dict[str, dict]:
 
 
 def test_jobset_commands_are_valid_runs_and_wired_to_each_other():
-    from common.config import load_config  # noqa: PLC0415
+    from grpo_stream.common.config.schema import load_config  # noqa: PLC0415
 
     docs = k8s_documents()
     jobset = next(d for d in docs if d["kind"] == "JobSet")

@@ -1,4 +1,4 @@
-"""The committed generated protobuf code must be what `python -m protos.generate` produces."""
+"""The committed generated protobuf code must be what `python -m grpo_stream.protos.generate` produces."""
 
 import pathlib
 import subprocess
@@ -8,13 +8,13 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_generated_code_is_fresh():
-    proc = subprocess.run([sys.executable, "-m", "protos.generate", "--check"], cwd=ROOT, capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "grpo_stream.protos.generate", "--check"], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
 
 
 def test_check_detects_stale_missing_and_extra_files(tmp_path):
-    import protos.generate as gen
+    import grpo_stream.protos.generate as gen
 
     written = gen.generate(tmp_path / "gen")
     committed = tmp_path / "committed"

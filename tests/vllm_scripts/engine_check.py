@@ -16,12 +16,12 @@ def main(model_dir: str, mode: str, out_path: str) -> None:
     import jax
     import jax.numpy as jnp
 
-    from common.config import VllmSection
-    from common.generation import Engine
-    from common.model import load_hf_model, sequence_logprobs
-    from common.tasks.arith import ArithTask
-    from common.tokenizer import HFTokenizer
-    from sampler_service.vllm_engine import VllmEngine
+    from grpo_stream.common.config.schema import VllmSection
+    from grpo_stream.common.engine.jax_engine import Engine
+    from grpo_stream.common.model.policy import load_hf_model, sequence_logprobs
+    from grpo_stream.common.tasks.arith import ArithTask
+    from grpo_stream.common.model.tokenizer import HFTokenizer
+    from grpo_stream.common.engine.vllm_engine import VllmEngine
 
     tok = HFTokenizer(model_dir)
     model = load_hf_model(model_dir)

@@ -1,6 +1,6 @@
 """Target checks and the markdown results table of `grpo-stream bench`."""
 
-from bench.runner import TABLE_HEADER, append_row, check_targets, table_row
+from grpo_stream.bench.runner import TABLE_HEADER, append_row, check_targets, table_row
 
 
 def test_targets_compare_in_the_right_direction():

@@ -3,10 +3,10 @@ import itertools
 import numpy as np
 import pytest
 
-from common.generation import Generation
-from common.rewards import DEFAULT_WEIGHTS, RewardSet
-from common.tasks.arith import ArithTask
-from sampler_service.grouping import build_groups
+from grpo_stream.common.engine.base import Generation
+from grpo_stream.common.tasks.rewards import DEFAULT_WEIGHTS, RewardSet
+from grpo_stream.common.tasks.arith import ArithTask
+from grpo_stream.sampler_service.grouping import build_groups
 
 
 def test_groups_are_scored_and_sliced_per_prompt(tiny_parts):

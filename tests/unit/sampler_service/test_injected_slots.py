@@ -4,9 +4,9 @@ dataset prompts."""
 
 import grpc
 
-from common.rewards import RewardSet
-from protos import rollout_pb2
-from sampler_service.loop import Sampler
+from grpo_stream.common.tasks.rewards import RewardSet
+from grpo_stream.protos import rollout_pb2
+from grpo_stream.sampler_service.loop import Sampler
 
 
 class Unavailable(grpc.RpcError):

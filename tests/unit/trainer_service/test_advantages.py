@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 from tunix.rl import algo_core
 
-from trainer_service.advantages import grpo_advantages, zero_variance_groups
+from grpo_stream.trainer_service.advantages import grpo_advantages, zero_variance_groups
 
 
 def test_hand_computed():
@@ -31,7 +31,7 @@ def test_shape_is_checked():
 
 
 def test_drgrpo_and_rloo_hand_computed():
-    from trainer_service.advantages import compute_advantages
+    from grpo_stream.trainer_service.advantages import compute_advantages
 
     r = np.array([[1.0, 0.0, 0.0, 1.0]])
     np.testing.assert_allclose(compute_advantages(r, "drgrpo", 1e-6), [[0.5, -0.5, -0.5, 0.5]])
@@ -42,7 +42,7 @@ def test_drgrpo_and_rloo_hand_computed():
 
 
 def test_drgrpo_and_rloo_match_tunix():
-    from trainer_service.advantages import drgrpo_advantages, rloo_advantages
+    from grpo_stream.trainer_service.advantages import drgrpo_advantages, rloo_advantages
 
     rewards = np.random.default_rng().random((4, 5)).astype(np.float32)
     np.testing.assert_allclose(drgrpo_advantages(rewards).reshape(-1),
@@ -52,6 +52,6 @@ def test_drgrpo_and_rloo_match_tunix():
 
 
 def test_overlong_penalty_ramp():
-    from trainer_service.advantages import overlong_penalty
+    from grpo_stream.trainer_service.advantages import overlong_penalty
 
     np.testing.assert_allclose(overlong_penalty(np.array([1, 6, 7, 8, 9]), 8, 2, 1.0), [0, 0, -0.5, -1, -1])

@@ -1,8 +1,8 @@
 import numpy as np
 
-from common.config import AlgoSection
-from common.wire import CompletionData, GroupData
-from trainer_service.batching import build_batch, layout
+from grpo_stream.common.config.schema import AlgoSection
+from grpo_stream.common.rollouts.wire import CompletionData, GroupData
+from grpo_stream.trainer_service.batching import build_batch, layout
 
 
 def group(prompt, completions, rewards):

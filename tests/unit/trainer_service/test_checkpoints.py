@@ -6,7 +6,7 @@ import numpy as np
 import optax
 import pytest
 
-from trainer_service.checkpoints import CheckpointMismatch, TrainerCheckpoints, tree_digest
+from grpo_stream.trainer_service.checkpoints import CheckpointMismatch, TrainerCheckpoints, tree_digest
 
 
 def state(shift: float) -> dict:

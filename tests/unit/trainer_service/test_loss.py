@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from trainer_service.loss import aggregate, kl_per_token, policy_loss, truncated_is_weights
+from grpo_stream.trainer_service.loss import aggregate, kl_per_token, policy_loss, truncated_is_weights
 
 BASE = dict(loss_algo="grpo", eps_low=0.2, eps_high=0.2, agg_mode="token-mean")
 

@@ -4,11 +4,11 @@ import jax
 import numpy as np
 import pytest
 
-from common.config import AlgoSection
-from common.generation import Engine
-from common.wire import CompletionData, GroupData
-from trainer_service.batching import build_batch
-from trainer_service.rl_update import PolicyUpdater
+from grpo_stream.common.config.schema import AlgoSection
+from grpo_stream.common.engine.jax_engine import Engine
+from grpo_stream.common.rollouts.wire import CompletionData, GroupData
+from grpo_stream.trainer_service.batching import build_batch
+from grpo_stream.trainer_service.rl_update import PolicyUpdater
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 import numpy as np
 
-from common.wire import CompletionData, GroupData
-from trainer_service.selection import select_batch
+from grpo_stream.common.rollouts.wire import CompletionData, GroupData
+from grpo_stream.trainer_service.selection import select_batch
 
 
 def g(version, rewards):

@@ -19,7 +19,7 @@ from tunix.models.qwen3 import model as qwen3
 from tunix.rl import algo_core
 from tunix.rl import common as tunix_common
 
-from trainer_service.loss import AGG_MODES, policy_loss
+from grpo_stream.trainer_service.loss import AGG_MODES, policy_loss
 
 PAD, EOS, VOCAB, TEMPERATURE = 0, 1, 48, 0.9
 KL_MODES = {"k1": "kl", "k2": "mse_kl", "k3": "low_var_kl"}

@@ -5,9 +5,9 @@ import random
 
 import pytest
 
-from common.answers import same_number
-from common.rewards import answer_correct
-from common.tasks.gsm8k import DatasetError, load_problems, shard
+from grpo_stream.common.tasks.answers import same_number
+from grpo_stream.common.tasks.rewards import answer_correct
+from grpo_stream.common.tasks.gsm8k import DatasetError, load_problems, shard
 
 
 
@@ -85,7 +85,7 @@ def test_shards_partition_a_split(splits):
 
 
 def test_a_sampler_without_problems_is_an_error_naming_the_settings(splits):
-    from common.tasks.gsm8k import Gsm8kTask
+    from grpo_stream.common.tasks.gsm8k import Gsm8kTask
 
     task = Gsm8kTask(splits["train"][:2], splits["test"][:2], lambda q: q, seed=0)
     assert next(task.train_stream(1, 4)).prompt_id == "train/1"
@@ -95,7 +95,7 @@ def test_a_sampler_without_problems_is_an_error_naming_the_settings(splits):
 
 def test_a_stream_started_at_a_position_continues_the_uninterrupted_one(splits):
     """Across reshuffled passes: stream(start=k) is the uninterrupted stream from item k on (sampler resume)."""
-    from common.tasks.gsm8k import Gsm8kTask
+    from grpo_stream.common.tasks.gsm8k import Gsm8kTask
 
     task = Gsm8kTask(splits["train"][:10], splits["test"][:2], lambda q: q, seed=4)
     whole = [p.prompt_id for p, _ in zip(task.train_stream(0, 2), range(17))]  # a shard of 5: three passes+

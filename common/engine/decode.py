@@ -1,0 +1,258 @@
+"""The sampler's forward pass: the policy's decoder (Llama 3, Qwen2/3, Gemma 2/3) laid out for KV-cached decoding.
+
+Training uses Tunix's module (`PolicyModel.apply`); sampling spends its time in
+one-token steps, where that module's layout costs more than its arithmetic:
+per step it transposes the output projection, reshapes the cache for grouped
+attention and runs many small dots. This is the same function of the same
+parameters, laid out for decoding:
+
+- Q, K, V projections fused into one [embed, (q+2kv)*head_dim] matmul, gate
+  and up into one [embed, 2*hidden] matmul, the output projection flattened
+  to [q*head_dim, embed]; done once per weight version (`DecodeWeights`), not
+  per token.
+- The cache is [batch, kv_heads, slots, head_dim] so grouped-query attention is
+  two batched matmuls over slots with no transposes of the cache.
+
+It reproduces the numerics of Tunix's modules with grpo-stream's RoPE
+(`grpo_stream.common.model.architectures.rope_of`): float32 RMSNorm, RoPE on split halves,
+Qwen2's QKV biases, Qwen3's q/k norms before RoPE, tied heads, masked logits
+set to the same constant before a float32 softmax (in bfloat16, Tunix's
+Gemma code normalises and takes the softmax in bfloat16 where this uses
+float32, so there the two differ by more than rounding). Tests check logits
+and cache-decoded logits against `PolicyModel.apply` (test_decode.py) and
+against `transformers` for every family, and the engine's behaviour logprobs
+against the trainer's recomputation (test_hf_checkpoint.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from grpo_stream.common.model.architectures import apply_rope, gemma3_timescales, rope_timescale
+from grpo_stream.common.model.policy import PolicyModel
+
+MASKED = -2.3819763e38  # Tunix's masked-logit value, so softmax rounding matches
+
+
+@struct.dataclass
+class LayerWeights:
+    input_norm: jax.Array    # [E]
+    qkv: jax.Array           # [E, (H + 2 KV) * D]
+    qkv_bias: jax.Array | None  # [(H + 2 KV) * D] (Qwen2) or None
+    q_norm: jax.Array | None    # [D] (Qwen3) or None
+    k_norm: jax.Array | None    # [D] (Qwen3) or None
+    out: jax.Array           # [H * D, E]
+    post_norm: jax.Array     # [E]
+    gate_up: jax.Array       # [E, 2 F]
+    down: jax.Array          # [F, E]
+
+
+@struct.dataclass
+class DecodeWeights:
+    embedding: jax.Array     # [V, E]
+    layers: tuple            # of LayerWeights
+    final_norm: jax.Array    # [E]
+    lm_head: jax.Array       # [E, V] (the embedding transposed when tied)
+    rope_timescale: jax.Array  # [D / 2] RoPE: angle = position / timescale
+
+
+@struct.dataclass
+class GemmaLayerWeights:
+    pre_attn_norm: jax.Array   # [E], as 1 + w (Gemma's norms scale by 1 + w)
+    qkv: jax.Array             # [E, (H + 2 KV) * D]
+    out: jax.Array             # [H * D, E]
+    post_attn_norm: jax.Array  # [E], 1 + w
+    pre_ffw_norm: jax.Array    # [E], 1 + w
+    gate_up: jax.Array         # [E, 2 F]
+    down: jax.Array            # [F, E]
+    post_ffw_norm: jax.Array   # [E], 1 + w
+    q_norm: jax.Array | None   # [D], 1 + w (Gemma 3)
+    k_norm: jax.Array | None   # [D], 1 + w (Gemma 3)
+    rope_timescale: jax.Array  # [D / 2]: Gemma 3's sliding and full layers differ
+
+
+def _gemma_weights(model: PolicyModel, named: dict) -> DecodeWeights:
+    arch = model.arch
+    e = arch.embed_dim
+    gemma3 = arch.family == "gemma3"
+    local, full = gemma3_timescales(arch) if gemma3 else (rope_timescale(arch),) * 2
+    layers = []
+    for i in range(arch.num_layers):
+        p = f"layers.{i}."
+        post_attn = named[f"{p}post_attention_norm.scale" if gemma3 else f"{p}post_attn_norm.scale"]
+        if f"{p}attn.qkv_einsum.w" in named:
+            q, k, v = named[f"{p}attn.qkv_einsum.w"]
+        else:
+            q, (k, v) = named[f"{p}attn.q_einsum.w"], named[f"{p}attn.kv_einsum.w"]
+        flat = [t.transpose(1, 0, 2).reshape(e, -1) for t in (q, k, v)]  # [N, E, H] -> [E, N * H]
+        layers.append(GemmaLayerWeights(
+            pre_attn_norm=1 + named[f"{p}pre_attention_norm.scale"], qkv=jnp.concatenate(flat, axis=1),
+            out=named[f"{p}attn.attn_vec_einsum.w"].reshape(-1, e), post_attn_norm=1 + post_attn,
+            pre_ffw_norm=1 + named[f"{p}pre_ffw_norm.scale"],
+            gate_up=jnp.concatenate([named[f"{p}mlp.gate_proj.kernel"], named[f"{p}mlp.up_proj.kernel"]], axis=1),
+            down=named[f"{p}mlp.down_proj.kernel"], post_ffw_norm=1 + named[f"{p}post_ffw_norm.scale"],
+            q_norm=1 + named[f"{p}attn._query_norm.scale"] if gemma3 else None,
+            k_norm=1 + named[f"{p}attn._key_norm.scale"] if gemma3 else None,
+            rope_timescale=full if arch.layer_types[i] == "full_attention" else local))
+    embedding = named["embedder.input_embedding"]
+    return DecodeWeights(embedding=embedding, layers=tuple(layers), final_norm=1 + named["final_norm.scale"],
+                         lm_head=embedding.T, rope_timescale=rope_timescale(arch))
+
+
+def decode_weights(model: PolicyModel, params: Any) -> DecodeWeights:
+    """Re-lay `params` (the trainer's Tunix pytree) for decoding. Traceable; run it inside jit."""
+    named = dict(zip(model.names(), jax.tree_util.tree_leaves(params)))
+    arch = model.arch
+    if arch.family in ("gemma2", "gemma3"):
+        return _gemma_weights(model, named)
+    layers = []
+    for i in range(arch.num_layers):
+        p = f"layers.{i}."
+        flat = [named[f"{p}attn.{n}_proj.w"].reshape(arch.embed_dim, -1) for n in ("q", "k", "v")]
+        bias = (jnp.concatenate([named[f"{p}attn.{n}_bias"] for n in ("q", "k", "v")]) if arch.qkv_bias else None)
+        layers.append(LayerWeights(
+            input_norm=named[f"{p}input_layernorm.w"], qkv=jnp.concatenate(flat, axis=1), qkv_bias=bias,
+            q_norm=named[f"{p}attn.q_norm.w"] if arch.qk_norm else None,
+            k_norm=named[f"{p}attn.k_norm.w"] if arch.qk_norm else None,
+            out=named[f"{p}attn.o_proj.w"].reshape(-1, arch.embed_dim),
+            post_norm=named[f"{p}post_attention_layernorm.w"],
+            gate_up=jnp.concatenate([named[f"{p}mlp.gate_proj.kernel"], named[f"{p}mlp.up_proj.kernel"]], axis=1),
+            down=named[f"{p}mlp.down_proj.kernel"]))
+    embedding = named["embedder.input_embedding"]
+    return DecodeWeights(embedding=embedding, layers=tuple(layers), final_norm=named["final_norm.w"],
+                         lm_head=embedding.T if arch.tied_embeddings else named["lm_head.w"],
+                         rope_timescale=rope_timescale(arch))
+
+
+def init_cache(model: PolicyModel, batch: int, slots: int, dtype: Any = None) -> tuple:
+    """Per layer (keys, values), each [batch, kv_heads, slots, head_dim], zeros (in the parameters' dtype)."""
+    arch = model.arch
+    dtype = dtype or jax.tree_util.tree_leaves(model.params)[0].dtype
+    shape = (batch, arch.num_kv_heads, slots, arch.head_dim)
+    return tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(arch.num_layers))
+
+
+def _rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    normed = x32 / jnp.sqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (w.astype(jnp.float32) * normed).astype(x.dtype)
+
+
+def forward(model: PolicyModel, w: DecodeWeights, tokens: jax.Array, positions: jax.Array, cache: tuple,
+            slot: jax.Array | int, key_valid: jax.Array) -> tuple[jax.Array, tuple]:
+    """Logits [B, T, V] (float32) for `tokens` [B, T], writing their keys/values at cache slots slot..slot+T-1.
+
+    `positions` [B, T] are RoPE positions; `key_valid` [B, T, S] says which cache
+    slots each query may attend to (the caller's causal and padding mask).
+    """
+    arch = model.arch
+    if arch.family in ("gemma2", "gemma3"):
+        return _forward_gemma(model, w, tokens, positions, cache, slot, key_valid)
+    b, t = tokens.shape
+    heads, kv, d, eps = arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.norm_eps
+    x = w.embedding[tokens]
+    new_cache = []
+    for layer, (keys, values) in zip(w.layers, cache):
+        h = _rms_norm(x, layer.input_norm, eps)
+        qkv = h @ layer.qkv
+        if layer.qkv_bias is not None:
+            qkv = qkv + layer.qkv_bias
+        qkv = qkv.reshape(b, t, heads + 2 * kv, d)
+        q, k, v = qkv[:, :, :heads], qkv[:, :, heads:heads + kv], qkv[:, :, heads + kv:]
+        if layer.q_norm is not None:
+            q, k = _rms_norm(q, layer.q_norm, eps), _rms_norm(k, layer.k_norm, eps)
+        q, k = apply_rope(q, positions, w.rope_timescale), apply_rope(k, positions, w.rope_timescale)
+        attn, keys, values = _attention(q, k, v, keys, values, slot, key_valid, kv, None)
+        new_cache.append((keys, values))
+        x = x + attn @ layer.out
+        h = _rms_norm(x, layer.post_norm, eps)
+        gate_up = h @ layer.gate_up
+        hidden = gate_up.shape[-1] // 2
+        x = x + (jax.nn.silu(gate_up[..., :hidden]) * gate_up[..., hidden:]) @ layer.down
+    x = _rms_norm(x, w.final_norm, eps)
+    return (x @ w.lm_head).astype(jnp.float32), tuple(new_cache)
+
+
+def _attention(q, k, v, keys, values, slot, key_valid, kv: int, softcap: float | None, scale: float | None = None):
+    """Write k, v at `slot` of the cache and attend: q [B, T, H, D] -> [B, T, H * D] (q scaled by `scale`,
+    default 1/sqrt(D))."""
+    b, t, heads, d = q.shape
+    group = heads // kv
+    keys = jax.lax.dynamic_update_slice(keys, k.transpose(0, 2, 1, 3).astype(keys.dtype), (0, 0, slot, 0))
+    values = jax.lax.dynamic_update_slice(values, v.transpose(0, 2, 1, 3).astype(values.dtype), (0, 0, slot, 0))
+    # queries of one KV head side by side: [B, KV, group * T, D]
+    qg = q.reshape(b, t, kv, group, d).transpose(0, 2, 3, 1, 4).reshape(b, kv, group * t, d)
+    scores = jnp.einsum("bkqd,bksd->bkqs", qg * (d ** -0.5 if scale is None else scale), keys)
+    if softcap is not None:
+        scores = jnp.tanh(scores / softcap) * softcap
+    scores = jnp.where(key_valid[:, None, None], scores.reshape(b, kv, group, t, -1), MASKED)
+    probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(q.dtype)
+    attn = jnp.einsum("bkqs,bksd->bkqd", probs.reshape(b, kv, group * t, -1), values)
+    return attn.reshape(b, kv, group, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, heads * d), keys, values
+
+
+def _forward_gemma(model: PolicyModel, w: DecodeWeights, tokens, positions, cache, slot, key_valid):
+    """Gemma 2 and 3: scaled embedding, (1 + w) norms around attention and MLP, tanh-GELU; Gemma 2 soft-caps
+    logits, Gemma 3 normalises q and k and uses per-layer RoPE bases.
+
+    Sliding-window layers attend like global ones here: the runtime refuses
+    sequences longer than the window (`check_sequence_fits`), where the two agree.
+    """
+    arch = model.arch
+    b, t = tokens.shape
+    heads, kv, d, eps = arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.norm_eps
+    x = w.embedding[tokens]
+    x = x * jnp.sqrt(jnp.float32(arch.embed_dim)).astype(x.dtype)
+    scale = (arch.query_pre_attn_scalar or d) ** -0.5
+    new_cache = []
+    for layer, (keys, values) in zip(w.layers, cache):
+        h = _rms_norm(x, layer.pre_attn_norm, eps)
+        qkv = (h @ layer.qkv).reshape(b, t, heads + 2 * kv, d)
+        q, k, v = qkv[:, :, :heads], qkv[:, :, heads:heads + kv], qkv[:, :, heads + kv:]
+        if layer.q_norm is not None:
+            q, k = _rms_norm(q, layer.q_norm, eps), _rms_norm(k, layer.k_norm, eps)
+        q, k = apply_rope(q, positions, layer.rope_timescale), apply_rope(k, positions, layer.rope_timescale)
+        attn, keys, values = _attention(q, k, v, keys, values, slot, key_valid, kv, arch.attn_softcap, scale)
+        new_cache.append((keys, values))
+        x = x + _rms_norm(attn @ layer.out, layer.post_attn_norm, eps)
+        h = _rms_norm(x, layer.pre_ffw_norm, eps)
+        gate_up = h @ layer.gate_up
+        hidden = gate_up.shape[-1] // 2
+        mlp = (jax.nn.gelu(gate_up[..., :hidden], approximate=True) * gate_up[..., hidden:]) @ layer.down
+        x = x + _rms_norm(mlp, layer.post_ffw_norm, eps)
+    logits = (_rms_norm(x, w.final_norm, eps) @ w.lm_head).astype(jnp.float32)
+    if arch.final_softcap is not None:
+        logits = jnp.tanh(logits / arch.final_softcap) * arch.final_softcap
+    return logits, tuple(new_cache)
+
+
+def check_sequence_fits(model: PolicyModel, total_tokens: int) -> None:
+    """Gemma's sliding-window layers are exact here only for sequences within the window."""
+    window = model.arch.sliding_window
+    if model.arch.family in ("gemma2", "gemma3") and window is not None and total_tokens > window:
+        raise ValueError(f"generation.max_prompt_tokens + generation.max_new_tokens = {total_tokens} exceeds the "
+                         f"model's sliding_window={window}; shorten them (sliding windows are not implemented)")
+
+
+def sample_inverse_cdf(key: jax.Array, logp: jax.Array) -> jax.Array:
+    """One draw per row from softmax(logp) [B, V] by inverse transform: one uniform per row.
+
+    Exact for the categorical distribution up to float rounding of the running
+    sum, and far cheaper on CPU than Gumbel-max (which needs V random numbers
+    and two logs per row). Zero-probability tokens (the masked pad) are never
+    drawn: u is in (0, 1], so the first index whose running sum reaches u * total
+    always adds probability mass.
+    """
+    return inverse_cdf_index(1.0 - jax.random.uniform(key, (logp.shape[0],), jnp.float32), logp)
+
+
+def inverse_cdf_index(u: jax.Array, logp: jax.Array) -> jax.Array:
+    """The token whose CDF interval holds u [B] (each in (0, 1]) under softmax(logp) [B, V]."""
+    u = u[:, None]
+    cdf = jnp.cumsum(jnp.exp(logp), axis=-1)
+    index = jnp.sum(cdf < u * cdf[:, -1:], axis=-1)
+    return jnp.minimum(index, logp.shape[-1] - 1).astype(jnp.int32)

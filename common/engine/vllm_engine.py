@@ -1,0 +1,209 @@
+"""The vLLM sampling engine (sampler.engine: vllm): the JAX engine's contract on vLLM.
+
+Same contract as `grpo_stream.common.engine.jax_engine.Engine`: `generate(params, prompts, rng,
+greedy)` returns a `Generation` whose logprobs are the policy's, i.e. what
+the trainer recomputes with `grpo_stream.common.model.policy.token_logprobs`: softmax(logits / T)
+with the pad token excluded. vLLM gives that when it is asked for
+`processed_logprobs` (logprobs after logits processors and temperature) and
+the pad token carries vLLM's strongest logit bias (-100: its probability is
+scaled by e^-100, far below the 1e-3 the tests hold the two engines to).
+No top-k / top-p / min-p, so sampling follows that distribution exactly.
+
+Weights: the engine starts with random ("dummy") weights, which costs no
+checkpoint read, and takes every weight from the trainer: `generate` with a
+params object it has not seen installs it first (between batches, as the
+JAX engine's re-layout), so the sampler's version rules apply unchanged. The
+policy's parameter names are mapped to Hugging Face names
+(`grpo_stream.common.model.hf_checkpoint.to_hf_names`), which is what every vLLM model's
+`load_weights` takes (it fuses q/k/v and gate/up itself); each worker loads
+them in place with `load_into_worker` (below). Two ways to reach the workers:
+  iterator  the tensors, in this process (the engine core runs in this
+            process: VLLM_ENABLE_V1_MULTIPROCESSING=0);
+  files     one safetensors file in `stage_dir`; every worker reads it
+            (tensor_parallel_size > 1: workers are other processes, and a
+            path is all that crosses to them).
+After an install the prefix cache is reset: a cached prompt's keys and
+values were computed with the old weights.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pathlib
+import shutil
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+
+from grpo_stream.common.engine.base import Generation
+from grpo_stream.common.model.hf_checkpoint import to_hf_names, write_safetensors
+
+log = logging.getLogger(__name__)
+PAD_BIAS = -100.0  # vLLM clamps logit_bias to [-100, 100]
+
+
+class VllmEngine:
+    """Generates completions with vLLM; installs the trainer's weights when `generate` gets new params."""
+
+    fixed_shape = False  # any batch size costs no recompilation: no padding rows are needed
+
+    def __init__(self, model_dir: str | pathlib.Path, model, pad_id: int, eos_ids: list[int], max_prompt_tokens: int,
+                 max_new_tokens: int, temperature: float, settings, dtype: str = "float32", seed: int = 0):
+        """`model_dir`: a Hugging Face directory whose config.json vLLM builds the model from (its weights are not
+        read); `model`: the policy model (`grpo_stream.common.model.policy.PolicyModel`, abstract is enough) whose params `generate`
+        gets; `settings`: the sampler.vllm config section."""
+        self.model, self.pad_id, self.eos_ids = model, pad_id, list(eos_ids)
+        self.max_prompt_tokens, self.max_new_tokens, self.temperature = max_prompt_tokens, max_new_tokens, temperature
+        self.settings = settings
+        mode = settings.weight_install
+        self.install_mode = mode if mode != "auto" else ("iterator" if settings.tensor_parallel_size == 1 else "files")
+        if self.install_mode == "iterator":
+            # the engine core in this process: tensors reach the model without serialization
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        else:
+            # the workers are this engine's own processes; vLLM sends them the loading function (a reference to
+            # load_into_worker below) pickled over its local IPC sockets, which it refuses unless told
+            os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+        self._stage_root = (pathlib.Path(settings.stage_dir or tempfile.mkdtemp(prefix="grpo-vllm-"))
+                            if self.install_mode == "files" else None)
+        try:
+            from vllm import LLM  # noqa: PLC0415 - vLLM lives in its own environment
+        except ImportError as exc:
+            raise RuntimeError("sampler.engine=vllm: vLLM is not installed in this environment; install it with "
+                               "`bash requirements/install-vllm-env.sh DIR cpu|gpu` and run the sampler from "
+                               f"there ({exc})") from None
+        from vllm.platforms import current_platform  # noqa: PLC0415
+
+        if current_platform.is_tpu():
+            raise RuntimeError("sampler.engine=vllm on TPU: installing published weights into tpu-inference's JAX "
+                               "model state is not implemented; use sampler.engine=jax, the TPU-native engine")
+        started = time.monotonic()
+        self.llm = LLM(model=str(model_dir), skip_tokenizer_init=True, load_format="dummy",
+                       logprobs_mode="processed_logprobs", dtype=dtype,
+                       max_model_len=max_prompt_tokens + max_new_tokens,
+                       gpu_memory_utilization=settings.gpu_memory_utilization,
+                       tensor_parallel_size=settings.tensor_parallel_size, max_num_seqs=settings.max_num_seqs,
+                       enforce_eager=settings.enforce_eager, enable_prefix_caching=settings.prefix_caching,
+                       seed=seed, **settings.engine_args)
+        log.info("vLLM engine up in %.1fs (%s, weights installed by %s)", time.monotonic() - started, model_dir,
+                 self.install_mode)
+        self._installed: Any = None
+        self.install_seconds: list[float] = []
+        self.tied_heads_loaded = 0  # output heads tied to the embedding, given its new tensor at the last install
+
+    def install(self, params: Any) -> None:
+        """Put `params` into the running engine (whole: the next batch uses only these weights)."""
+        started = time.monotonic()
+        named = to_hf_names(self.model.arch, self.model.to_named_numpy(params))
+        if self.install_mode == "iterator":
+            loaded = self.llm.collective_rpc(load_into_worker, kwargs={"tensors": named})
+        else:
+            stage = self._stage_root / f"v{len(self.install_seconds)}"
+            stage.mkdir(parents=True, exist_ok=True)
+            write_safetensors(stage / "model.safetensors", named)
+            try:
+                loaded = self.llm.collective_rpc(load_into_worker, kwargs={"path": str(stage / "model.safetensors")})
+            finally:
+                shutil.rmtree(stage, ignore_errors=True)
+        self.tied_heads_loaded = loaded[0]
+        self.llm.reset_prefix_cache()
+        self._installed = params
+        self.install_seconds.append(time.monotonic() - started)
+        log.info("vLLM engine: weights installed in %.2fs (%s)", self.install_seconds[-1], self.install_mode)
+
+    def sampling_params(self, seed: int | None, greedy: bool):
+        from vllm import SamplingParams  # noqa: PLC0415
+
+        return SamplingParams(n=1, temperature=0.0 if greedy else self.temperature, top_p=1.0, top_k=0, min_p=0.0,
+                              max_tokens=self.max_new_tokens, stop_token_ids=self.eos_ids, logprobs=0,
+                              logit_bias={self.pad_id: PAD_BIAS}, seed=None if greedy else seed, detokenize=False)
+
+    def generate(self, params: Any, prompts: list[list[int]], rng: Any, greedy: bool = False) -> Generation:
+        """Completions for `prompts` (token ids) under `params`; `rng` (a JAX key or an int) seeds each row."""
+        if params is not self._installed:
+            self.install(params)
+        for i, ids in enumerate(prompts):
+            if not 0 < len(ids) <= self.max_prompt_tokens:
+                raise ValueError(f"prompt {i} has {len(ids)} tokens; generation.max_prompt_tokens="
+                                 f"{self.max_prompt_tokens}")
+        base = _seed_of(rng)
+        requests = [{"prompt_token_ids": list(ids)} for ids in prompts]
+        outputs = self.llm.generate(requests, [self.sampling_params((base + i) % 2**63, greedy)
+                                               for i in range(len(prompts))], use_tqdm=False)
+        batch, width = len(prompts), self.max_new_tokens
+        tokens = np.full((batch, width), self.pad_id, np.int32)
+        logprobs = np.zeros((batch, width), np.float32)
+        lengths = np.zeros((batch,), np.int32)
+        finished = np.zeros((batch,), np.bool_)
+        for row, out in enumerate(outputs):
+            done = out.outputs[0]
+            ids = list(done.token_ids)[:width]
+            tokens[row, :len(ids)] = ids
+            logprobs[row, :len(ids)] = [step[tok].logprob for step, tok in zip(done.logprobs, ids)]
+            lengths[row] = len(ids)
+            # the stop token is part of the completion, as in the JAX engine
+            finished[row] = bool(ids) and ids[-1] in self.eos_ids
+        return Generation(tokens, logprobs, lengths, finished)
+
+
+def load_into_worker(worker, tensors: dict[str, np.ndarray] | None = None, path: str | None = None) -> int:
+    """Runs in each vLLM worker: Hugging Face-named tensors (given, or read from a safetensors file) into the
+    model in place, as vLLM's own `reload_weights` does (layers back to checkpoint layout, the model's
+    `load_weights`, which keeps only this worker's tensor-parallel shard, then each layer's layout processing
+    again), plus one step it lacks: a tied output head (Qwen2.5 0.5B-3B, Gemma) is given the embedding's tensor
+    too, where the plain reload would leave it on the old weights. Returns the number of tied heads loaded."""
+    import torch  # noqa: PLC0415
+    from vllm.model_executor.model_loader.reload.layerwise import (  # noqa: PLC0415
+        finalize_layerwise_reload, initialize_layerwise_reload)
+
+    from grpo_stream.common.model.hf_checkpoint import read_safetensors  # noqa: PLC0415
+
+    def torch_of(arr: np.ndarray):
+        arr = np.ascontiguousarray(arr)
+        if arr.dtype.name == "bfloat16":  # torch has no numpy bfloat16: the same 16 bits, reinterpreted
+            return torch.from_numpy(arr.view(np.uint16)).view(torch.bfloat16)
+        return torch.from_numpy(arr)
+
+    named = tensors if tensors is not None else dict(read_safetensors(pathlib.Path(path)))
+    model = worker.model_runner.model
+    shared: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        shared.setdefault(id(param), []).append(name)
+    # module order puts the embedding (the name the checkpoint carries) before the head that reuses it
+    ties = [(names[0], alias) for names in shared.values() if len(names) > 1 for alias in names[1:]]
+    with torch.no_grad():
+        initialize_layerwise_reload(model)
+        model.load_weights((name, torch_of(arr)) for name, arr in named.items())
+        for source, alias in ties:
+            if source in named:
+                head = model.get_parameter(alias)
+                head.weight_loader(head, torch_of(named[source]))
+        finalize_layerwise_reload(model, worker.model_runner.model_config)
+    return sum(source in named for source, _ in ties)
+
+
+def _seed_of(rng: Any) -> int:
+    """An integer seed from a JAX PRNG key (its raw bits) or an int."""
+    if isinstance(rng, (int, np.integer)):
+        return int(rng)
+    import jax  # noqa: PLC0415
+
+    bits = np.asarray(jax.random.key_data(rng)).astype(np.uint64).ravel()
+    return int(bits[0] << np.uint64(32) | bits[-1]) & (2**63 - 1)
+
+
+def build(cfg, model, tokenizer, index: int = 0) -> VllmEngine:
+    """The engine registry's entry (sampler.engine=vllm): vLLM loads the architecture from a model directory."""
+    from grpo_stream.common.model.hf_checkpoint import resolve_model_dir, write_hf_config  # noqa: PLC0415
+
+    gen = cfg.generation
+    if cfg.model.kind == "hf":
+        model_dir = resolve_model_dir(cfg.model.path)
+    else:  # the tiny model has no directory: vLLM builds it from the config.json it would be exported with
+        model_dir = pathlib.Path(tempfile.mkdtemp(prefix="grpo-vllm-model-"))
+        write_hf_config(model_dir, model.arch, cfg.model.dtype, tokenizer.eos_ids, tokenizer.pad_id)
+    return VllmEngine(model_dir, model, tokenizer.pad_id, tokenizer.eos_ids, gen.max_prompt_tokens, gen.max_new_tokens,
+                      gen.temperature, cfg.sampler.vllm, dtype=cfg.model.dtype, seed=cfg.run.seed * 1000 + index)

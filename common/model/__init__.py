@@ -1,0 +1,1 @@
+"""The policy model: Tunix architectures, Hugging Face checkpoints, tokenizers, device meshes and sharding."""

@@ -1,0 +1,351 @@
+"""The rollout buffer: Redis streams with a consumer group, de-duplication by group id, and an audit trail.
+
+Redis layout for run R (prefix P):
+  P:R:rollouts         stream, one entry per accepted group: `g` = RolloutGroup bytes, `id` = its group id
+  P:R:counters         hash: ingested, trained, dropped_{stale,invalid,filtered,duplicate} (the identity below),
+                       and the ingest's refusals: refused_{invalid,duplicate,full}
+  P:R:by_sampler       hash: sampler id -> groups accepted
+  P:R:positions        hash: sampler id -> highest data position accepted (where a restarted sampler resumes)
+  P:R:held             entries the trainer trained but has not acknowledged yet (its checkpoint window)
+  P:R:audit:accepted   hash: group id -> {entry, sampler, version, position, t}; also the de-duplication set
+  P:R:audit:settled    hash: group id -> {outcome, step, entry, t}
+  P:R:audit:duplicates hash: group id -> times a second copy reached the trainer (never trained)
+  P:R:audit:steps      stream: per RL step, the trainer epoch, step and group ids it trained
+  P:R:audit:trainers   stream: per trainer process, its epoch and the checkpoint (step, epoch) it resumed from
+  P:R:audit:checkpoints stream: per saved checkpoint, its step and epoch
+  P:R:audit:eval       hash: group id -> {prompt, sampler, version, t} of injected train=false answers (never
+                       appended to the stream; see trainer_service/prompt_queue.py for the injection keys)
+
+Appending and settling are Lua scripts, so each is atomic and at any moment
+    ingested == trained + dropped_stale + dropped_invalid + dropped_filtered + dropped_duplicate + XLEN(rollouts).
+Settling is idempotent: only an entry that is still in the stream is counted (a trainer that re-settles after a
+crash counts nothing twice). The trainer settles trained groups only after the checkpoint holding their update is
+saved; until then they stay pending in the consumer group and a restarted trainer reads them again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import Iterable, Sequence
+from typing import Protocol
+
+import redis
+
+COUNTERS = ("ingested", "trained", "dropped_stale", "dropped_invalid", "dropped_filtered", "dropped_duplicate")
+REFUSALS = ("refused_invalid", "refused_duplicate", "refused_full")
+OUTCOMES = COUNTERS[1:]
+RUN_FILE = "run.json"  # in RUN_DIR: the run name and (password-free) Redis URL, for `grpo-stream audit`
+
+# One call appends a batch in order. Room is counted in groups not yet trained: those the trainer trained but
+# holds unacknowledged until a checkpoint are not a backlog. A group id already accepted is answered `dup` and
+# not written again: a sampler that resends after a lost acknowledgement creates no second copy.
+_APPEND = """
+redis.replicate_commands()
+local waiting = redis.call('XLEN', KEYS[1]) - tonumber(redis.call('GET', KEYS[6]) or '0')
+local room = tonumber(ARGV[2]) - waiting
+if tonumber(ARGV[4]) > 0 then redis.call('HINCRBY', KEYS[2], 'refused_invalid', ARGV[4]) end
+local out, full, dups, fulls, added, per_sampler, top = {}, false, 0, 0, 0, {}, {}
+local base, retention = ARGV[5], tonumber(ARGV[6])
+for i = 7, #ARGV, 6 do
+  local gid, sampler, position, pid = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 3]), ARGV[i + 5]
+  local pkey, state, train = nil, nil, true
+  if pid ~= '' then  -- an injected prompt's answer: its prompt decides whether it is trained on
+    pkey = base .. ':prompt:' .. pid
+    state = redis.call('HGET', pkey, 'state')
+    train = redis.call('HGET', pkey, 'train') == '1'
+  end
+  if pid ~= '' and not state then
+    out[#out + 1] = 'unknown'
+  elseif state == 'cancelled' then
+    out[#out + 1] = 'cancelled'
+  elseif state == 'done' or redis.call('HEXISTS', KEYS[4], gid) == 1 then
+    dups = dups + 1
+    out[#out + 1] = 'dup'
+  elseif train and (full or room <= 0) then
+    full = true
+    fulls = fulls + 1
+    out[#out + 1] = 'full'
+  else
+    local id = 'eval'
+    if train then
+      id = redis.call('XADD', KEYS[1], '*', 'g', ARGV[i + 4], 'id', gid)
+      redis.call('HSET', KEYS[4], gid, cjson.encode({entry = id, sampler = sampler, version = tonumber(ARGV[i + 2]),
+                                                    position = position, t = tonumber(ARGV[3]), prompt = pid}))
+      per_sampler[sampler] = (per_sampler[sampler] or 0) + 1
+      if position >= 0 and position > (top[sampler] or -1) then top[sampler] = position end
+      added, room, waiting = added + 1, room - 1, waiting + 1
+    else
+      redis.call('HSET', KEYS[7], gid, cjson.encode({prompt = pid, sampler = sampler, version = tonumber(ARGV[i + 2]),
+                                                    t = tonumber(ARGV[3])}))
+    end
+    if pkey then
+      redis.call('HSET', pkey, 'state', 'done', 'result', ARGV[i + 4], 'version', ARGV[i + 2], 'sampler', sampler,
+                 'group', gid, 'finished', ARGV[3])
+      redis.call('ZREM', base .. ':inject:claimed', pid)
+      redis.call('ZREM', base .. ':inject:queue', pid)  -- a late answer to a claim that was queued again
+      redis.call('HINCRBY', base .. ':inject:pending', redis.call('HGET', pkey, 'client'), -1)
+      redis.call('XADD', base .. ':results', 'MAXLEN', '~', '100000', '*', 'id', pid)
+      redis.call('EXPIRE', pkey, retention)
+    end
+    out[#out + 1] = id
+  end
+end
+-- counters once per call, not per group
+if dups > 0 then redis.call('HINCRBY', KEYS[2], 'refused_duplicate', dups) end
+if fulls > 0 then redis.call('HINCRBY', KEYS[2], 'refused_full', fulls) end
+if added > 0 then redis.call('HINCRBY', KEYS[2], 'ingested', added) end
+for sampler, n in pairs(per_sampler) do redis.call('HINCRBY', KEYS[3], sampler, n) end
+for sampler, position in pairs(top) do
+  if position > tonumber(redis.call('HGET', KEYS[5], sampler) or '-1') then
+    redis.call('HSET', KEYS[5], sampler, position)
+  end
+end
+table.insert(out, 1, tostring(waiting))
+return out
+"""
+
+# Records are (entry id, group id, outcome, step). Only entries still in the stream count, so settling twice is
+# harmless. A duplicate never overwrites the record of the copy that was settled first.
+_SETTLE = """
+local n, entries, counts = 0, {}, {}
+for i = 3, #ARGV, 4 do
+  entries[#entries + 1] = ARGV[i]
+  if #entries == 500 or i + 4 > #ARGV then  -- acknowledged in chunks: unpack has a stack limit
+    redis.call('XACK', KEYS[1], ARGV[1], unpack(entries))
+    entries = {}
+  end
+end
+for i = 3, #ARGV, 4 do
+  local entry, gid, outcome = ARGV[i], ARGV[i + 1], ARGV[i + 2]
+  if redis.call('XDEL', KEYS[1], entry) == 1 then
+    counts[outcome] = (counts[outcome] or 0) + 1
+    if outcome == 'dropped_duplicate' then
+      redis.call('HINCRBY', KEYS[4], gid, 1)
+    else
+      redis.call('HSET', KEYS[3], gid, cjson.encode({outcome = outcome, step = tonumber(ARGV[i + 3]), entry = entry,
+                                                    t = tonumber(ARGV[2])}))
+    end
+    n = n + 1
+  end
+end
+for outcome, c in pairs(counts) do redis.call('HINCRBY', KEYS[2], outcome, c) end
+return n
+"""
+
+
+class BufferUnavailable(Exception):
+    """The backend cannot be reached; nothing was written."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BufferEntry:
+    entry_id: str
+    group_id: str
+    payload: bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class Incoming:
+    """A validated group as the ingest hands it to the buffer."""
+
+    group_id: str
+    sampler_id: str
+    policy_version: int
+    data_position: int  # -1 when the group has none (e.g. an injected prompt)
+    payload: bytes
+    injected_prompt: str = ""  # the injected prompt this group answers ('' for dataset prompts)
+
+
+class RolloutBuffer(Protocol):
+    """The rollout-buffer link: where accepted groups wait for the trainer, and the audit trail of what became of
+    each. The ingest appends, the trainer reads, settles and logs; `audit` reads the trail. Backends: Redis
+    (RedisStreamBuffer, every deployment) and in memory (memory_buffer.py, one process: tests of the trainer loop);
+    see registry.py. Every backend keeps the accounting identity
+        ingested == trained + dropped_stale + dropped_invalid + dropped_filtered + dropped_duplicate + depth
+    and settles idempotently."""
+
+    def append_many(self, items: Sequence["Incoming"], max_groups: int, refused_invalid: int = 0,
+                    retention_s: int = 7 * 86_400) -> tuple[list[str], int]: ...
+
+    def data_position(self, sampler_id: str) -> int | None: ...
+
+    def read(self, max_count: int, block_ms: int) -> list["BufferEntry"]: ...
+
+    def settle(self, records: Iterable[tuple[str, str, str, int]]) -> int: ...
+
+    def set_held(self, count: int) -> None: ...
+
+    def log_step(self, epoch: str, step: int, group_ids: list[str]) -> None: ...
+
+    def log_trainer(self, epoch: str, from_step: int, from_epoch: str) -> None: ...
+
+    def log_checkpoint(self, epoch: str, step: int) -> None: ...
+
+    def depth(self) -> int: ...
+
+    def counters(self) -> dict[str, int]: ...
+
+    def ingested_by_sampler(self) -> dict[str, int]: ...
+
+
+def keys(prefix: str, run_name: str) -> dict[str, str]:
+    base = f"{prefix}:{run_name}"
+    return {name: f"{base}:{name}" for name in (
+        "rollouts", "counters", "by_sampler", "positions", "held", "audit:accepted", "audit:settled", "audit:duplicates",
+        "audit:steps", "audit:trainers", "audit:checkpoints", "audit:eval")}
+
+
+class RedisStreamBuffer:
+    """Where ingested groups wait for the trainer; see the module docstring for the layout and guarantees."""
+
+    GROUP = "trainer"
+
+    def __init__(self, client: redis.Redis, run_name: str, prefix: str = "grpo-stream", consumer: str = "trainer-0"):
+        self.client = client
+        self.k = keys(prefix, run_name)
+        self.base = f"{prefix}:{run_name}"
+        self.stream = self.k["rollouts"]
+        self.consumer = consumer
+        self._append = client.register_script(_APPEND)
+        self._settle = client.register_script(_SETTLE)
+        self._group_ready = False
+        # a restarted trainer (same consumer name) first takes back what its predecessor read but never settled,
+        # oldest first, so it sees the groups in the order the stream holds them
+        self._recover_after: str | None = "0"
+
+    def _call(self, fn):
+        try:
+            return fn()
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            raise BufferUnavailable(f"redis: {exc}") from exc
+        except redis.ResponseError as exc:
+            if "LOADING" in str(exc) or "MASTERDOWN" in str(exc):  # a restarted Redis replaying its AOF
+                raise BufferUnavailable(f"redis: {exc}") from exc
+            raise
+
+    # -- the ingest's side ---------------------------------------------------------
+    def append_many(self, items: Sequence[Incoming], max_groups: int, refused_invalid: int = 0,
+                    retention_s: int = 7 * 86_400) -> tuple[list[str], int]:
+        """Append groups in order while fewer than max_groups wait to be trained. Returns one status per item (an entry
+        id: appended; 'dup': this group id was accepted before, nothing written; 'full': not written, send again
+        later) and how many groups then wait. Raises BufferUnavailable (nothing written) when Redis is down.
+
+        An injected prompt's answer (item.injected_prompt) is recorded as its result (kept `retention_s`) and only
+        appended when the prompt was submitted with train=true ('eval' otherwise); 'cancelled': the prompt was
+        cancelled, nothing kept; 'unknown': no such prompt (expired or never submitted)."""
+        args: list = [self.GROUP, max_groups, time.time(), refused_invalid, self.base, retention_s]
+        for item in items:
+            args += [item.group_id, item.sampler_id, item.policy_version, item.data_position, item.payload,
+                     item.injected_prompt]
+        k = self.k
+        reply = self._call(lambda: self._append(
+            keys=[self.stream, k["counters"], k["by_sampler"], k["audit:accepted"], k["positions"], k["held"],
+                  k["audit:eval"]], args=args))
+        waiting, *statuses = (r.decode() if isinstance(r, bytes) else r for r in reply)
+        return statuses, int(waiting)
+
+    def data_position(self, sampler_id: str) -> int | None:
+        """Highest data position accepted from `sampler_id` (None: nothing yet)."""
+        raw = self._call(lambda: self.client.hget(self.k["positions"], sampler_id))
+        return None if raw is None else int(raw)
+
+    # -- the trainer's side --------------------------------------------------------
+    def _ensure_group(self) -> None:
+        if self._group_ready:
+            return
+        try:
+            self.client.xgroup_create(self.stream, self.GROUP, id="0", mkstream=True)
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+        self._group_ready = True
+
+    def read(self, max_count: int, block_ms: int) -> list[BufferEntry]:
+        """Up to max_count entries not yet delivered to this consumer, oldest first; waits up to block_ms for the
+        first. An entry whose group id was already settled (a second copy) is settled as dropped_duplicate here
+        and not returned."""
+        def run():
+            self._ensure_group()
+            if self._recover_after is not None:  # this consumer's unsettled entries, each once, oldest first
+                out = self._entries(self.client.xreadgroup(self.GROUP, self.consumer,
+                                                           {self.stream: self._recover_after}, count=max_count))
+                if out:
+                    self._recover_after = out[-1].entry_id
+                    return out
+                self._recover_after = None
+            return self._entries(self.client.xreadgroup(self.GROUP, self.consumer, {self.stream: ">"},
+                                                        count=max_count, block=block_ms or None))
+        entries = self._call(run)
+        if not entries:
+            return entries
+        seen = self._call(lambda: self.client.hmget(self.k["audit:settled"], [e.group_id for e in entries]))
+        again = [e for e, s in zip(entries, seen) if s is not None]
+        if again:
+            self.settle((e.entry_id, e.group_id, "dropped_duplicate", -1) for e in again)
+        return [e for e, s in zip(entries, seen) if s is None]
+
+    @staticmethod
+    def _entries(reply) -> list[BufferEntry]:
+        out = []
+        for _stream, entries in reply or []:
+            for entry_id, fields in entries:
+                if not fields:  # deleted while pending
+                    continue
+                eid = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+                out.append(BufferEntry(eid, fields.get(b"id", b"").decode(), fields.get(b"g", b"")))
+        return out
+
+    def settle(self, records: Iterable[tuple[str, str, str, int]]) -> int:
+        """Remove entries for good, recording (entry id, group id, outcome, step) each; outcome is one of OUTCOMES.
+        Idempotent; returns how many were still in the stream (and so counted now)."""
+        args: list = [self.GROUP, time.time()]
+        for entry_id, group_id, outcome, step in records:
+            if outcome not in OUTCOMES:
+                raise ValueError(f"settle: unknown outcome {outcome!r}; one of {OUTCOMES}")
+            args += [entry_id, group_id, outcome, step]
+        if len(args) == 2:
+            return 0
+        k = self.k
+        return int(self._call(lambda: self._settle(
+            keys=[self.stream, k["counters"], k["audit:settled"], k["audit:duplicates"]], args=args)))
+
+    def set_held(self, count: int) -> None:
+        """How many entries the trainer trained and holds unacknowledged (not counted against max_groups)."""
+        self._call(lambda: self.client.set(self.k["held"], count))
+
+    def log_step(self, epoch: str, step: int, group_ids: list[str]) -> None:
+        """Audit: the groups trainer `epoch` trained at `step` (before any checkpoint holds it)."""
+        self._call(lambda: self.client.xadd(self.k["audit:steps"], {
+            "epoch": epoch, "step": step, "groups": json.dumps(group_ids)}))
+
+    def log_trainer(self, epoch: str, from_step: int, from_epoch: str) -> None:
+        """Audit: trainer `epoch` started from the checkpoint of `from_step` written by `from_epoch` ('' = fresh)."""
+        self._call(lambda: self.client.xadd(self.k["audit:trainers"], {
+            "epoch": epoch, "from_step": from_step, "from_epoch": from_epoch, "t": time.time()}))
+
+    def log_checkpoint(self, epoch: str, step: int) -> None:
+        """Audit: trainer `epoch` saved a checkpoint of `step` (so steps up to it survive a crash)."""
+        self._call(lambda: self.client.xadd(self.k["audit:checkpoints"], {"epoch": epoch, "step": step}))
+
+    # -- both ----------------------------------------------------------------------
+    def depth(self) -> int:
+        """Entries in the stream: waiting, read, and trained but not yet checkpointed."""
+        return int(self._call(lambda: self.client.xlen(self.stream)))
+
+    def counters(self) -> dict[str, int]:
+        """COUNTERS, REFUSALS and `depth`."""
+        def run():
+            pipe = self.client.pipeline(transaction=True)
+            pipe.hgetall(self.k["counters"])
+            pipe.xlen(self.stream)
+            raw, depth = pipe.execute()
+            out = {name: int(raw.get(name.encode(), 0)) for name in COUNTERS + REFUSALS}
+            out["depth"] = int(depth)
+            return out
+        return self._call(run)
+
+    def ingested_by_sampler(self) -> dict[str, int]:
+        raw = self._call(lambda: self.client.hgetall(self.k["by_sampler"]))
+        return {k.decode(): int(v) for k, v in raw.items()}

@@ -1,0 +1,166 @@
+"""Rollout groups in memory and on the wire (protobuf), and their validation.
+
+Only protobuf bytes cross process boundaries: token ids and logprobs as raw
+little-endian int32 / float32 arrays in `bytes` fields, so encoding and
+decoding are memory copies. `validate_group` is the single gate used by the
+ingest server; its messages name the offending field and the limit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from grpo_stream.protos import rollout_pb2
+
+
+@dataclasses.dataclass
+class CompletionData:
+    token_ids: np.ndarray          # int32 [n]
+    logprobs: np.ndarray           # float32 [n]
+    reward: float
+    truncated: bool
+    reward_components: dict[str, float] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class GroupData:
+    group_id: str
+    prompt_id: str
+    prompt_token_ids: np.ndarray   # int32 [p]
+    completions: list[CompletionData]
+    policy_version: int
+    sampler_id: str
+    created_unix: float = 0.0
+    reference_answer: str = ""
+    data_position: int | None = None  # the prompt's index in its sampler's data stream
+    injected: bool = False  # answers an injected prompt (prompt_id is its id)
+
+    @property
+    def rewards(self) -> np.ndarray:
+        return np.array([c.reward for c in self.completions], np.float32)
+
+
+_I32, _F32 = np.dtype("<i4"), np.dtype("<f4")
+
+
+def to_proto(group: GroupData) -> rollout_pb2.RolloutGroup:
+    msg = rollout_pb2.RolloutGroup(
+        group_id=group.group_id, prompt_id=group.prompt_id,
+        prompt_token_ids=np.asarray(group.prompt_token_ids, np.int32).tolist(),
+        policy_version=group.policy_version, sampler_id=group.sampler_id,
+        created_unix=group.created_unix, reference_answer=group.reference_answer, injected=group.injected)
+    if group.data_position is not None:
+        msg.data_position = group.data_position
+    msg.completions.extend(rollout_pb2.Completion(
+        token_ids_le=np.asarray(c.token_ids, _I32).tobytes(), logprobs_le=np.asarray(c.logprobs, _F32).tobytes(),
+        reward=c.reward, truncated=c.truncated, reward_components=c.reward_components)
+        for c in group.completions)
+    return msg
+
+
+def token_ids_of(c: rollout_pb2.Completion) -> np.ndarray:
+    """The completion's token ids as a read-only int32 view of the message bytes."""
+    return np.frombuffer(c.token_ids_le, _I32)
+
+
+def logprobs_of(c: rollout_pb2.Completion) -> np.ndarray:
+    """The completion's behaviour logprobs as a read-only float32 view of the message bytes."""
+    return np.frombuffer(c.logprobs_le, _F32)
+
+
+def from_proto(msg: rollout_pb2.RolloutGroup) -> GroupData:
+    """Decode a validated message (lengths are whole int32 / float32 arrays)."""
+    return GroupData(
+        group_id=msg.group_id, prompt_id=msg.prompt_id,
+        prompt_token_ids=np.array(msg.prompt_token_ids, np.int32),
+        completions=[CompletionData(
+            token_ids=token_ids_of(c), logprobs=logprobs_of(c),
+            reward=c.reward, truncated=c.truncated, reward_components=dict(c.reward_components))
+            for c in msg.completions],
+        policy_version=msg.policy_version, sampler_id=msg.sampler_id,
+        created_unix=msg.created_unix, reference_answer=msg.reference_answer,
+        data_position=msg.data_position if msg.HasField("data_position") else None, injected=msg.injected)
+
+
+def encode_group(group: GroupData) -> bytes:
+    return to_proto(group).SerializeToString()
+
+
+def decode_group(payload: bytes) -> GroupData:
+    msg = rollout_pb2.RolloutGroup()
+    msg.ParseFromString(payload)
+    return from_proto(msg)
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupLimits:
+    """What a valid group looks like for this run (from the run config)."""
+
+    num_generations: int
+    max_prompt_tokens: int
+    max_new_tokens: int
+    vocab_size: int
+    max_id_length: int = 128
+
+
+def validate_group(msg: rollout_pb2.RolloutGroup, limits: GroupLimits) -> list[str]:
+    """Every problem with `msg`, each naming the field and the limit; empty when valid."""
+    errors: list[str] = []
+    for name in ("group_id", "prompt_id", "sampler_id"):
+        value = getattr(msg, name)
+        if not value:
+            errors.append(f"{name}: must not be empty")
+        elif len(value) > limits.max_id_length:
+            errors.append(f"{name}: {len(value)} characters, limit {limits.max_id_length}")
+    if msg.policy_version < 0:
+        errors.append(f"policy_version: {msg.policy_version} is negative")
+    if msg.HasField("data_position") and msg.data_position < 0:
+        errors.append(f"data_position: {msg.data_position} is negative; leave it unset for prompts not drawn from "
+                      "a data stream")
+    prompt = np.array(msg.prompt_token_ids, np.int64)
+    if not 0 < prompt.size <= limits.max_prompt_tokens:
+        errors.append(f"prompt_token_ids: {prompt.size} tokens, must be 1..{limits.max_prompt_tokens} "
+                      "(generation.max_prompt_tokens)")
+    elif prompt.min() < 0 or prompt.max() >= limits.vocab_size:
+        errors.append(f"prompt_token_ids: ids must be in [0, {limits.vocab_size})")
+    if len(msg.completions) != limits.num_generations:
+        errors.append(f"completions: {len(msg.completions)} given, generation.num_generations="
+                      f"{limits.num_generations}")
+    # Shapes per completion; values are checked on all completions at once and
+    # only searched one by one when something is wrong.
+    shaped = []
+    for i, c in enumerate(msg.completions):
+        where = f"completions[{i}]"
+        n_ids, n_lp = len(c.token_ids_le), len(c.logprobs_le)
+        if n_ids % 4 or n_lp % 4:
+            field = "token_ids_le" if n_ids % 4 else "logprobs_le"
+            errors.append(f"{where}.{field}: {n_ids if n_ids % 4 else n_lp} bytes is not a whole number of "
+                          "4-byte values (int32 ids / float32 logprobs, little-endian)")
+            continue
+        n_tok, n_lp = n_ids // 4, n_lp // 4
+        if n_tok != n_lp:
+            errors.append(f"{where}.logprobs_le: {n_lp} values for {n_tok} token ids; send one logprob per token")
+            continue
+        if not 0 < n_tok <= limits.max_new_tokens:
+            errors.append(f"{where}.token_ids_le: {n_tok} tokens, must be 1..{limits.max_new_tokens} "
+                          "(generation.max_new_tokens)")
+            continue
+        if not math.isfinite(c.reward):
+            errors.append(f"{where}.reward: must be finite")
+        shaped.append((where, c))
+    if shaped:
+        bounds = np.cumsum([len(c.token_ids_le) // 4 for _, c in shaped])[:-1]
+        ids = np.frombuffer(b"".join(c.token_ids_le for _, c in shaped), _I32)
+        ids_ok = (ids >= 0) & (ids < limits.vocab_size)
+        logprobs = np.frombuffer(b"".join(c.logprobs_le for _, c in shaped), _F32)
+        logprobs_ok = np.isfinite(logprobs) & (logprobs <= 0.0)
+        if not ids_ok.all():
+            errors.extend(f"{where}.token_ids_le: ids must be in [0, {limits.vocab_size})"
+                          for (where, _), ok in zip(shaped, np.split(ids_ok, bounds)) if not ok.all())
+        if not logprobs_ok.all():
+            errors.extend(f"{where}.logprobs_le: must be finite and <= 0"
+                          for (where, _), ok in zip(shaped, np.split(logprobs_ok, bounds)) if not ok.all())
+    return errors

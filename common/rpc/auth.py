@@ -1,0 +1,244 @@
+"""Who may call what: bearer tokens with roles, checked on every RPC of every service.
+
+A token table maps tokens to a name (the caller's identity: quotas and ownership of injected prompts) and a role.
+Each RPC lists the roles it accepts (ROLES_BY_METHOD, the one place that says so); a call without a valid token is
+UNAUTHENTICATED, a valid token of the wrong role PERMISSION_DENIED. Tokens are looked up by SHA-256 digest and
+compared with `hmac.compare_digest` against every entry, so the time taken does not depend on how much of a guess
+was right. The table holds digests only; a table file may store `sha256` instead of the token itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import hmac
+import logging
+import os
+import pathlib
+import secrets
+from typing import Callable, Iterable
+
+import grpc
+import yaml
+
+from grpo_stream.common.config.access import TOKEN_ENV, TOKEN_FILE_ENV, TOKENS_ENV
+
+log = logging.getLogger(__name__)
+
+ROLES = ("sampler", "client", "admin")
+ANY = frozenset(ROLES)
+SAMPLER = frozenset({"sampler", "admin"})
+CLIENT = frozenset({"client", "admin"})
+HEALTH = ("/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch", "/grpc.health.v1.Health/List")
+
+# Every RPC any grpo-stream server exposes, with the roles it accepts. A method missing here is refused to all
+# (PERMISSION_DENIED), so a new RPC cannot ship open by accident; tests/integration/test_auth.py checks that every
+# method of every service is listed.
+ROLES_BY_METHOD: dict[str, frozenset[str]] = {
+    "/grpo_stream.v1.RolloutIngest/StreamBatches": SAMPLER,
+    "/grpo_stream.v1.RolloutIngest/PushGroup": SAMPLER,
+    "/grpo_stream.v1.RolloutIngest/GetDataPosition": SAMPLER,
+    "/grpo_stream.v1.RolloutIngest/ClaimPrompts": SAMPLER,
+    "/grpo_stream.v1.WeightService/GetManifest": SAMPLER,
+    "/grpo_stream.v1.WeightService/FetchSlices": SAMPLER,
+    "/grpo_stream.v1.WeightService/ReportVersion": SAMPLER,
+    "/grpo_stream.v1.PromptService/Submit": CLIENT,
+    "/grpo_stream.v1.PromptService/StreamResults": CLIENT,
+    "/grpo_stream.v1.PromptService/Cancel": CLIENT,
+    "/grpo_stream.v1.PromptService/GetStatus": CLIENT,
+    **{method: ANY for method in HEALTH},
+    "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo": ANY,
+    "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo": ANY,
+}
+# The raw TCP weights data plane is not gRPC; it accepts what FetchSlices accepts.
+DATA_PLANE = "/grpo_stream.v1.WeightService/FetchSlices"
+
+
+class AuthError(ValueError):
+    """A token table or token source that cannot be used; the message names the setting."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Caller:
+    name: str
+    role: str
+
+
+def _digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode()).digest()
+
+
+class TokenTable:
+    """Token digests -> Caller."""
+
+    def __init__(self, entries: Iterable[tuple[bytes, Caller]]):
+        self._entries = list(entries)
+        if not self._entries:
+            raise AuthError("the token table is empty")
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike, where: str = "auth.tokens_file") -> "TokenTable":
+        try:
+            rows = yaml.safe_load(pathlib.Path(path).read_text())
+        except OSError as exc:
+            raise AuthError(f"{where}={path}: cannot read it ({exc.strerror})") from None
+        except yaml.YAMLError as exc:
+            raise AuthError(f"{where}={path}: not valid YAML ({exc})") from None
+        if not isinstance(rows, list) or not rows:
+            raise AuthError(f"{where}={path}: must be a non-empty YAML list of {{name, role, token}} entries")
+        entries, names = [], set()
+        for i, row in enumerate(rows):
+            if not isinstance(row, dict) or set(row) - {"name", "role", "token", "sha256"}:
+                raise AuthError(f"{where}={path}: entry {i} must have keys name, role and token (or sha256)")
+            name, role = str(row.get("name") or ""), row.get("role")
+            if not name or role not in ROLES:
+                raise AuthError(f"{where}={path}: entry {i} needs a name and a role in {ROLES}")
+            if name in names:
+                raise AuthError(f"{where}={path}: entry {i}: name {name!r} appears twice (names identify callers)")
+            names.add(name)
+            if "token" in row:
+                token = str(row["token"])
+                if len(token) < 16:
+                    raise AuthError(f"{where}={path}: entry {i} ({name}): token shorter than 16 characters; use "
+                                    "`grpo-stream tokens` to make strong ones")
+                digest = _digest(token)
+            else:
+                try:
+                    digest = bytes.fromhex(str(row.get("sha256", "")))
+                except ValueError:
+                    digest = b""
+                if len(digest) != 32:
+                    raise AuthError(f"{where}={path}: entry {i} ({name}): sha256 must be 64 hex digits")
+            entries.append((digest, Caller(name, role)))
+        return cls(entries)
+
+    def lookup(self, token: str) -> Caller | None:
+        """The caller holding `token`; every entry is compared (constant time in which one matched)."""
+        digest, found = _digest(token), None
+        for known, caller in self._entries:
+            if hmac.compare_digest(known, digest):
+                found = caller
+        return found
+
+
+def load_table(auth) -> TokenTable | None:
+    """The servers' token table for config section `auth` (None when auth.mode=none)."""
+    if auth.mode == "none":
+        log.warning("auth.mode=none: every RPC is open to anyone who can reach the port; use only on a trusted "
+                    "network")
+        return None
+    path = os.environ.get(TOKENS_ENV) or auth.tokens_file
+    if not path:
+        raise AuthError(f"auth.mode=tokens but no token table: set ${TOKENS_ENV} or auth.tokens_file (`grpo-stream "
+                        "tokens --out DIR` makes one), or auth.mode=none on a trusted network")
+    return TokenTable.from_file(path, TOKENS_ENV if os.environ.get(TOKENS_ENV) else "auth.tokens_file")
+
+
+def own_token(auth) -> str | None:
+    """This process's token as a client: $GRPO_STREAM_TOKEN, else the file $GRPO_STREAM_TOKEN_FILE or
+    auth.token_file; None when auth.mode=none."""
+    if auth.mode == "none":
+        return None
+    if os.environ.get(TOKEN_ENV):
+        return os.environ[TOKEN_ENV].strip()
+    path = os.environ.get(TOKEN_FILE_ENV) or auth.token_file
+    if not path:
+        raise AuthError(f"auth.mode=tokens: this process needs a token; set ${TOKEN_ENV}, ${TOKEN_FILE_ENV} or "
+                        "auth.token_file")
+    try:
+        token = pathlib.Path(path).read_text().strip()
+    except OSError as exc:
+        raise AuthError(f"{TOKEN_FILE_ENV if os.environ.get(TOKEN_FILE_ENV) else 'auth.token_file'}={path}: cannot "
+                        f"read it ({exc.strerror})") from None
+    if not token:
+        raise AuthError(f"token file {path} is empty")
+    return token
+
+
+def bearer(metadata) -> str | None:
+    for key, value in metadata or ():
+        if key == "authorization" and isinstance(value, str) and value.startswith("Bearer "):
+            return value[len("Bearer "):]
+    return None
+
+
+def caller_of(context: grpc.ServicerContext, table: TokenTable | None) -> Caller:
+    """The authenticated caller of an RPC (the interceptor has already checked it); `anonymous` without auth."""
+    if table is None:
+        return Caller("anonymous", "admin")
+    token = bearer(context.invocation_metadata())
+    found = table.lookup(token) if token else None
+    return found or Caller("anonymous", "none")
+
+
+def refusal(table: TokenTable, token: str | None, method: str) -> tuple[grpc.StatusCode, str] | None:
+    """Why a call of `method` (a ROLES_BY_METHOD key) with `token` is refused, or None when it may proceed."""
+    caller = table.lookup(token) if token else None
+    if caller is None:
+        return (grpc.StatusCode.UNAUTHENTICATED,
+                "missing or unknown bearer token: send metadata 'authorization: Bearer <token>'")
+    allowed = ROLES_BY_METHOD.get(method, frozenset())
+    if caller.role not in allowed:
+        return (grpc.StatusCode.PERMISSION_DENIED, f"{method}: role {caller.role!r} ({caller.name}) may not call "
+                f"it; it accepts {sorted(allowed) or 'no role'}")
+    return None
+
+
+def _refusal(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
+    def deny(_request, context):
+        context.abort(code, message)
+
+    def deny_stream(_request, context):
+        context.abort(code, message)
+        yield  # pragma: no cover - abort raises
+
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(deny_stream)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(deny)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(deny_stream)
+    return grpc.unary_unary_rpc_method_handler(deny)
+
+
+class AuthInterceptor(grpc.ServerInterceptor):
+    """UNAUTHENTICATED without a known bearer token, PERMISSION_DENIED when its role is not one the RPC accepts."""
+
+    def __init__(self, table: TokenTable, open_health: bool = False):
+        self.table, self.open_health = table, open_health
+
+    def intercept_service(self, continuation: Callable, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method
+        if self.open_health and method in HEALTH:
+            return handler
+        refused = refusal(self.table, bearer(handler_call_details.invocation_metadata), method)
+        return handler if refused is None else _refusal(handler, *refused)
+
+
+def new_token() -> str:
+    return secrets.token_urlsafe(32)
+
+
+def write_tokens(out_dir: pathlib.Path, names: dict[str, str] | None = None) -> dict[str, pathlib.Path]:
+    """A token table `tokens.yaml` plus one `<role>.token` file per role in `out_dir` (mode 0600); returns the
+    paths by role and 'table'. `names`: role -> caller name (default: the role)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    os.chmod(out_dir, 0o700)
+    rows, paths = [], {}
+    for role in ROLES:
+        token = new_token()
+        rows.append({"name": (names or {}).get(role, role), "role": role, "token": token})
+        paths[role] = out_dir / f"{role}.token"
+        write_private(paths[role], token + "\n")
+    paths["table"] = out_dir / "tokens.yaml"
+    write_private(paths["table"], yaml.safe_dump(rows, sort_keys=False))
+    return paths
+
+
+def write_private(path: pathlib.Path, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)

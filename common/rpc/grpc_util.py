@@ -1,0 +1,163 @@
+"""gRPC plumbing shared by every server and client: message-size limits, TLS, bearer tokens, health and reflection.
+
+Servers are made with `new_server` + `bind` and clients with `open_channel`, so every one of them gets the same
+limits and the same security (config sections `auth` and `tls`).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import pathlib
+import ssl
+from concurrent import futures
+
+import grpc
+
+from grpo_stream.common.rpc.auth import AuthError, AuthInterceptor, TokenTable, load_table, own_token
+
+MAX_MESSAGE_BYTES = 64 << 20
+
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+]
+
+SERVER_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.so_reuseport", 0),
+    # clients ping every 20 s (CHANNEL_OPTIONS); a quiet stream (following results that take minutes) must not be
+    # answered with GOAWAY "too_many_pings", which the default 5-minute minimum would do
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+]
+
+
+def _read(path: str | None, setting: str) -> bytes | None:
+    if path is None:
+        return None
+    try:
+        return pathlib.Path(path).read_bytes()
+    except OSError as exc:
+        raise AuthError(f"{setting}={path}: cannot read it ({exc.strerror})") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerSecurity:
+    """What a server checks: the token table (None: no auth) and TLS credentials (None: plaintext)."""
+
+    table: TokenTable | None = None
+    open_health: bool = False
+    tls: grpc.ServerCredentials | None = None
+    ssl_context: ssl.SSLContext | None = None  # the same certificate for the weights TCP data plane
+
+    @classmethod
+    def from_config(cls, cfg) -> "ServerSecurity":
+        tls = cfg.tls
+        creds = context = None
+        if tls.enabled:
+            if not (tls.cert_file and tls.key_file):
+                raise AuthError("tls.enabled: servers need tls.cert_file and tls.key_file")
+            key, cert = _read(tls.key_file, "tls.key_file"), _read(tls.cert_file, "tls.cert_file")
+            ca = _read(tls.ca_file, "tls.ca_file")
+            creds = grpc.ssl_server_credentials([(key, cert)], root_certificates=ca,
+                                                require_client_auth=tls.require_client_cert)
+            context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cadata=ca.decode() if ca else None)
+            context.load_cert_chain(tls.cert_file, tls.key_file)
+            context.verify_mode = ssl.CERT_REQUIRED if tls.require_client_cert else ssl.CERT_NONE
+        return cls(load_table(cfg.auth), cfg.auth.open_health, creds, context)
+
+
+@dataclasses.dataclass(frozen=True)
+class ClientSecurity:
+    """What a client presents: its bearer token (None: none) and TLS settings (None: plaintext)."""
+
+    token: str | None = None
+    tls: grpc.ChannelCredentials | None = None
+    server_name: str | None = None
+    ssl_context: ssl.SSLContext | None = None
+
+    @classmethod
+    def from_config(cls, cfg, token: str | None = None) -> "ClientSecurity":
+        """`token` overrides the configured source (e.g. `grpo-stream submit --token-file`)."""
+        tls = cfg.tls
+        creds = context = None
+        if tls.enabled:
+            ca = _read(tls.ca_file, "tls.ca_file")
+            key, cert = _read(tls.client_key_file, "tls.client_key_file"), _read(tls.client_cert_file,
+                                                                                  "tls.client_cert_file")
+            creds = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+            context = ssl.create_default_context(cadata=ca.decode() if ca else None)
+            if cert:
+                context.load_cert_chain(tls.client_cert_file, tls.client_key_file)
+        return cls(token if token is not None else own_token(cfg.auth), creds, tls.server_name, context)
+
+
+def new_server(security: ServerSecurity | None, workers: int = 16) -> grpc.Server:
+    interceptors = [] if security is None or security.table is None else [
+        AuthInterceptor(security.table, security.open_health)]
+    return grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=SERVER_OPTIONS,
+                       interceptors=interceptors)
+
+
+def bind(server: grpc.Server, host: str, port: int, security: ServerSecurity | None, setting: str) -> int:
+    """Listen on host:port (TLS when configured); OSError naming `setting` when the port cannot be bound."""
+    address = f"{host}:{port}"
+    bound = (server.add_secure_port(address, security.tls) if security is not None and security.tls is not None
+             else server.add_insecure_port(address))
+    if bound == 0:
+        raise OSError(f"{setting}={port}: cannot bind {address} (in use?); pick another port or 0 for a free one")
+    return bound
+
+
+def enable_reflection(server: grpc.Server, service_names: list[str]) -> None:
+    """Server reflection (grpcurl list/describe) for `service_names` plus health and reflection itself."""
+    from grpc_reflection.v1alpha import reflection  # noqa: PLC0415
+
+    reflection.enable_server_reflection([*service_names, "grpc.health.v1.Health", reflection.SERVICE_NAME], server)
+
+
+class _Details(collections.namedtuple("_Details", ("method", "timeout", "metadata", "credentials",
+                                                   "wait_for_ready", "compression")), grpc.ClientCallDetails):
+    pass
+
+
+class _BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                   grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """Adds 'authorization: Bearer <token>' to every call (works on plaintext channels too, unlike call
+    credentials, so auth does not depend on TLS being on)."""
+
+    def __init__(self, token: str):
+        self.header = ("authorization", f"Bearer {token}")
+
+    def _details(self, d):
+        return _Details(d.method, d.timeout, [*(d.metadata or ()), self.header], d.credentials, d.wait_for_ready,
+                        getattr(d, "compression", None))
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_stream_unary(self, continuation, details, request_iterator):
+        return continuation(self._details(details), request_iterator)
+
+    def intercept_stream_stream(self, continuation, details, request_iterator):
+        return continuation(self._details(details), request_iterator)
+
+
+def open_channel(address: str, security: ClientSecurity | None) -> grpc.Channel:
+    options = list(CHANNEL_OPTIONS)
+    if security is not None and security.tls is not None:
+        if security.server_name:
+            options.append(("grpc.ssl_target_name_override", security.server_name))
+        channel = grpc.secure_channel(address, security.tls, options=options)
+    else:
+        channel = grpc.insecure_channel(address, options=options)
+    if security is not None and security.token:
+        channel = grpc.intercept_channel(channel, _BearerToken(security.token))
+    return channel

@@ -1,0 +1,183 @@
+"""The `grpc` weight transport: samplers take from the trainer only the slices their devices hold.
+
+The trainer keeps a host copy of each published version (a WeightSnapshot) and serves it from its WeightService
+(FetchSlices, chunked and checksummed) and, with weights.data_plane=tcp, from a raw TCP data plane on another port
+(tcp_wire.py) that a sampler falls back from to gRPC when it cannot reach it. A sampler asks over
+`weights.fetch_streams` parallel streams, balanced by bytes, and places each slice on its devices
+(jax.make_array_from_callback): nothing else is copied.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import logging
+import socket
+import time
+
+import grpc
+import jax
+import numpy as np
+
+from grpo_stream.common.model.sharding import needed_slices
+from grpo_stream.common.rpc.grpc_util import ClientSecurity
+from grpo_stream.common.weights import tcp_wire
+from grpo_stream.common.weights.receive_buffers import ReceiveBuffers
+from grpo_stream.common.weights.snapshot import (SliceAssembler, WeightSnapshot, WeightTransferError, box_shape,
+                                                 box_to_proto)
+from grpo_stream.common.weights.transport import SinkContext, SourceContext, check_names
+from grpo_stream.protos import weights_pb2, weights_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+class GrpcSink:
+    """A host copy of the version; the trainer's WeightService serves its bytes."""
+
+    def __init__(self, chunk_bytes: int):
+        self.chunk_bytes = chunk_bytes
+
+    def put(self, version, named, final, epoch, now):
+        host = {n: np.asarray(a) for n, a in zip(named, jax.device_get(list(named.values())))}
+        snapshot = WeightSnapshot(version, host, final, epoch, now)
+        return snapshot.manifest(self.chunk_bytes, "grpc"), snapshot
+
+
+def make_sink(ctx: SinkContext) -> GrpcSink:
+    return GrpcSink(ctx.weights.chunk_bytes)
+
+
+def make_source(ctx: SourceContext) -> "GrpcFetcher":
+    w = ctx.weights
+    return GrpcFetcher(ctx.channel, ctx.sampler_id, w.fetch_streams, ctx.rpc_timeout_s,
+                       data_host=ctx.trainer_host if w.data_plane == "tcp" else None, security=ctx.security)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _cast(arr: jax.Array, dtype) -> jax.Array:
+    return arr.astype(dtype)
+
+
+def _box_key(box: tuple[slice, ...]) -> tuple:
+    return tuple((s.start, s.stop) for s in box)
+
+
+def _index_key(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple:
+    return tuple(s.indices(n)[:2] for s, n in zip(index, shape))
+
+
+class GrpcFetcher:
+    """`data_host`: the trainer's host, to take slice bytes from its TCP data plane when the manifest announces
+    one (weights.data_plane=tcp); None = always FetchSlices over gRPC."""
+
+    def __init__(self, channel: grpc.Channel, sampler_id: str, streams: int, timeout_s: float,
+                 data_host: str | None = None, security: ClientSecurity | None = None):
+        """`security`: the token (and TLS context) the TCP data plane needs, as the gRPC channel has them."""
+        self._stub = weights_pb2_grpc.WeightServiceStub(channel)
+        self.security = security
+        self.sampler_id, self.streams, self.timeout_s, self.data_host = sampler_id, streams, timeout_s, data_host
+        self._warned = False
+        self._buffers = ReceiveBuffers()  # what the data plane receives into (see receive_buffers.py)
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=streams, thread_name_prefix="fetch")
+
+    def latest(self, installed_version: int) -> weights_pb2.WeightManifest | None:
+        try:
+            return self._stub.GetManifest(weights_pb2.GetManifestRequest(
+                sampler_id=self.sampler_id, installed_version=installed_version), timeout=min(10, self.timeout_s))
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND:
+                return None
+            raise
+
+    def fetch(self, manifest: weights_pb2.WeightManifest, targets: dict[str, jax.ShapeDtypeStruct]) -> dict:
+        index = {t.name: i for i, t in enumerate(manifest.tensors)}
+        check_names(manifest, targets)
+        plan = []  # (bytes, tensor index, boxes)
+        for name, target in targets.items():
+            spec = manifest.tensors[index[name]]
+            boxes = needed_slices(tuple(spec.shape), target.sharding)
+            size = sum(int(np.prod([s.stop - s.start for s in b])) for b in boxes) * np.dtype(spec.dtype).itemsize
+            plan.append((size, index[name], boxes))
+        # balance the streams by bytes: largest tensors first, each to the lightest stream
+        lanes: list[list] = [[] for _ in range(min(self.streams, len(plan)) or 1)]
+        loads = [0] * len(lanes)
+        for item in sorted(plan, key=lambda p: -p[0]):
+            k = loads.index(min(loads))
+            lanes[k].append(item)
+            loads[k] += item[0]
+        names = {index[name]: name for name in targets}
+
+        def place(t: int, pieces: dict) -> jax.Array:
+            # each device takes its slice (on CPU an aligned receive buffer is used in place), then a wire
+            # dtype other than the model's is cast on the device
+            target = targets[names[t]]
+            shape = tuple(target.shape)
+            arr = jax.make_array_from_callback(shape, target.sharding, lambda idx: pieces[_index_key(idx, shape)])
+            return arr if arr.dtype == target.dtype else _cast(arr, target.dtype)
+
+        stream = self._stream_tcp if self.data_host and manifest.data_port else self._stream
+        futures = [self._pool.submit(stream, manifest, lane, place) for lane in lanes if lane]
+        placed: dict[int, jax.Array] = {}
+        for future in futures:
+            placed.update(future.result(timeout=self.timeout_s + 5))
+        out = {name: placed[index[name]] for name in targets}
+        jax.block_until_ready(list(out.values()))
+        return out
+
+    def _stream(self, manifest, lane, place) -> dict[int, jax.Array]:
+        """The lane's slices over FetchSlices, placed: tensor index -> array."""
+        request = self._request(manifest, lane)
+        assembler = SliceAssembler(manifest, {t: boxes for _, t, boxes in lane})
+        for chunk in self._stub.FetchSlices(request, timeout=self.timeout_s):
+            assembler.add(chunk)
+        arrays = assembler.arrays()
+        return {t: place(t, {_box_key(box): arr for box, arr in zip(boxes, arrays[t])}) for _, t, boxes in lane}
+
+    def _fall_back(self, manifest, why: str) -> None:
+        if not self._warned:
+            log.warning("%s: weights data plane %s:%d unusable (%s); fetching over gRPC instead",
+                        self.sampler_id, self.data_host, manifest.data_port, why)
+            self._warned = True
+
+    def _request(self, manifest, lane) -> weights_pb2.FetchSlicesRequest:
+        return weights_pb2.FetchSlicesRequest(
+            sampler_id=self.sampler_id, version=manifest.version, trainer_epoch=manifest.trainer_epoch,
+            tensors=[weights_pb2.TensorSlices(tensor_index=t, slices=[box_to_proto(b) for b in boxes])
+                     for _, t, boxes in lane])
+
+    def _stream_tcp(self, manifest, lane, place) -> dict[int, jax.Array]:
+        """The lane's slices over the TCP data plane, each received straight into its array and checked; each
+        tensor is placed on the devices as soon as its slices are in (while the other lanes still receive)."""
+        deadline = time.monotonic() + self.timeout_s
+        sock = None
+        try:
+            sock = socket.create_connection((self.data_host, manifest.data_port), timeout=min(5, self.timeout_s))
+            security = self.security or ClientSecurity()
+            if security.ssl_context is not None:
+                sock = security.ssl_context.wrap_socket(sock, server_hostname=security.server_name or self.data_host)
+            sock.sendall(tcp_wire.encode_request(self._request(manifest, lane).SerializeToString(),
+                                                    security.token))
+            code, message = tcp_wire.read_status(sock, min(deadline, time.monotonic() + 10))
+        except (OSError, WeightTransferError) as exc:  # port unreachable (firewall, Service without it) or silent
+            if sock is not None:
+                sock.close()
+            self._fall_back(manifest, f"{type(exc).__name__}: {exc}")
+            return self._stream(manifest, lane, place)
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]:  # all data-plane transfers busy
+            sock.close()
+            return self._stream(manifest, lane, place)
+        with sock:
+            if code:
+                name = next((c.name for c in grpc.StatusCode if c.value[0] == code), str(code))
+                raise WeightTransferError(f"weights data plane answered {name}: {message}")
+            placed: dict[int, jax.Array] = {}
+            for _, t, boxes in lane:
+                spec = manifest.tensors[t]
+                pieces = {}
+                for k, box in enumerate(boxes):
+                    key = _box_key(box)
+                    arr = self._buffers.take((t, key), box_shape(box), spec.dtype)
+                    tcp_wire.receive_slice(sock, t, k, arr, spec.name, deadline)
+                    pieces[key] = arr
+                placed[t] = place(t, pieces)
+            return placed

@@ -1,0 +1,77 @@
+"""The weight-transport link: how a published version gets from the trainer to the samplers.
+
+A transport is a pair. The trainer's `WeightSink` makes a version available (`put`) and describes it with a
+manifest; a sampler's `WeightSource` finds the newest manifest (`latest`) and brings that version onto its own
+devices with its own sharding (`fetch`). Around the pair the rules stay the same for every transport: the trainer's
+WeightPublisher (trainer_service/publisher.py) numbers versions, serves manifests and hears which version each
+sampler installed; a sampler's WeightSync (sampler_service/weight_sync.py) installs a version whole or not at all,
+follows a restarted trainer's epoch and backs off after failures.
+
+A transport is one module with `make_sink(ctx)` and `make_source(ctx)` and one line in registry.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol
+
+from grpo_stream.common.weights.snapshot import WeightTransferError
+from grpo_stream.protos import weights_pb2
+
+
+@dataclasses.dataclass(frozen=True)
+class TransportSpec:
+    """What the rest of the system needs to know about a transport without importing it."""
+    module: str                # defines make_sink(SinkContext) and make_source(SourceContext)
+    in_process: bool = False   # trainer and samplers share one JAX process: `up` runs `colocated`
+    needs_dir: bool = False    # reads and writes weights.checkpoint_dir (`up` gives RUN_DIR/weights)
+    trainer_serves: bool = False  # the trainer serves the bytes (FetchSlices, and the TCP data plane if asked)
+
+
+class WeightSink(Protocol):
+    """Trainer side."""
+
+    def put(self, version: int, named: dict[str, Any], final: bool, epoch: str,
+            now: float) -> tuple[weights_pb2.WeightManifest, Any]:
+        """Make `named` (device or host arrays) available as `version`; return its manifest and, for a transport
+        whose bytes the trainer serves, the host snapshot to serve them from (else None)."""
+
+
+class WeightSource(Protocol):
+    """Sampler side."""
+
+    def latest(self, installed_version: int) -> weights_pb2.WeightManifest | None:
+        """The newest published version's manifest, or None when nothing is published yet."""
+
+    def fetch(self, manifest: weights_pb2.WeightManifest, targets: dict[str, Any]) -> dict[str, Any]:
+        """That version's arrays, each placed with its target's (jax.ShapeDtypeStruct) sharding and dtype."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SinkContext:
+    weights: Any               # the config's weights section
+    hub: Any = None            # the in-process hub (in_process transports)
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceContext:
+    weights: Any               # the config's weights section
+    sampler_id: str
+    rpc_timeout_s: float
+    channel: Any = None        # gRPC channel to the trainer (its WeightService)
+    trainer_host: str = ""     # for a data plane the trainer serves on another port
+    security: Any = None       # ClientSecurity: token and TLS for that data plane
+    hub: Any = None            # the in-process hub (in_process transports)
+
+
+def check_names(manifest: weights_pb2.WeightManifest, targets: dict[str, Any]) -> None:
+    """The published tensors must be exactly the sampler model's, with the same shapes."""
+    specs = {t.name: t for t in manifest.tensors}
+    missing, extra = sorted(set(targets) - set(specs)), sorted(set(specs) - set(targets))
+    if missing or extra:
+        raise WeightTransferError(f"published parameters differ from this sampler's model (missing {missing[:3]}, "
+                                  f"unexpected {extra[:3]}); do both services use the same model config?")
+    for name, target in targets.items():
+        if tuple(specs[name].shape) != tuple(target.shape):
+            raise WeightTransferError(f"{name}: published shape {list(specs[name].shape)}, this sampler's model "
+                                      f"wants {list(target.shape)}")

@@ -1,0 +1,95 @@
+"""Python client of PromptService: inject prompts into a live run and follow their results.
+
+    client = PromptClient("127.0.0.1:50151", ClientSecurity(token=open("client.token").read().strip()))
+    ids = client.submit([{"question": "What is 17 + 25?", "answer": "42", "tags": ["probe"]}])
+    for result in client.results(ids):
+        print(result.prompt_id, result.policy_version, result.reward_mean)
+
+Prompt dicts use the keys of SPEC_KEYS (`answer` is short for reference_answer). A full queue or quota
+(RESOURCE_EXHAUSTED) is retried after the server's retry-after-ms hint, up to `retry_s` seconds. Calls wait for a
+server that is still starting (gRPC wait_for_ready) up to their deadline.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Iterable, Iterator
+
+import grpc
+
+from grpo_stream.common.rpc.grpc_util import ClientSecurity, open_channel
+from grpo_stream.protos import prompts_pb2, prompts_pb2_grpc
+
+SPEC_KEYS = ("text", "question", "answer", "reference_answer", "rewards", "num_generations", "priority", "tags",
+             "train")
+
+
+def to_spec(item: dict, where: str = "prompt") -> prompts_pb2.PromptSpec:
+    """A PromptSpec from a dict; ValueError naming the key for anything unknown or mistyped."""
+    unknown = sorted(set(item) - set(SPEC_KEYS))
+    if unknown:
+        raise ValueError(f"{where}: unknown key(s) {unknown}; allowed: {list(SPEC_KEYS)}")
+    if ("text" in item) == ("question" in item):
+        raise ValueError(f"{where}: give exactly one of `text` (used as is) or `question` (rendered with the run's "
+                         "template)")
+    try:
+        return prompts_pb2.PromptSpec(
+            text=item.get("text"), question=item.get("question"),
+            reference_answer=str(item.get("reference_answer", item.get("answer", ""))),
+            rewards=item.get("rewards", []), num_generations=item.get("num_generations", 0),
+            priority=item.get("priority", 0), tags=item.get("tags", []), train=bool(item.get("train", False)))
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{where}: {exc}") from None
+
+
+def retry_after_s(error: grpc.RpcError, default_s: float = 1.0) -> float:
+    for key, value in error.trailing_metadata() or ():
+        if key == "retry-after-ms":
+            try:
+                return int(value) / 1000
+            except ValueError:
+                break
+    return default_s
+
+
+class PromptClient:
+    def __init__(self, address: str, security: ClientSecurity | None = None, timeout_s: float = 30.0):
+        self.channel = open_channel(address, security)
+        self.stub = prompts_pb2_grpc.PromptServiceStub(self.channel)
+        self.timeout_s = timeout_s
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> "PromptClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def submit(self, prompts: Iterable[dict | prompts_pb2.PromptSpec], retry_s: float = 60.0) -> list[str]:
+        """Queue prompts (one Submit call); their ids in order."""
+        specs = [p if isinstance(p, prompts_pb2.PromptSpec) else to_spec(p, f"prompts[{i}]")
+                 for i, p in enumerate(prompts)]
+        deadline = time.monotonic() + retry_s
+        while True:
+            try:
+                return list(self.stub.Submit(prompts_pb2.SubmitRequest(prompts=specs), timeout=self.timeout_s,
+                                             wait_for_ready=True).prompt_ids)
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or time.monotonic() > deadline:
+                    raise
+                time.sleep(retry_after_s(exc))
+
+    def results(self, prompt_ids: list[str] | None = None, tag: str | None = None, follow: bool = True,
+                timeout_s: float | None = None) -> Iterator[prompts_pb2.PromptResult]:
+        """Each result of `prompt_ids` (ends when all are finished) or of `tag` (with follow: until timeout_s)."""
+        request = prompts_pb2.ResultsRequest(prompt_ids=prompt_ids or [], tag=tag or "", follow=follow)
+        yield from self.stub.StreamResults(request, timeout=timeout_s, wait_for_ready=True)
+
+    def cancel(self, prompt_ids: list[str]) -> prompts_pb2.CancelReply:
+        return self.stub.Cancel(prompts_pb2.CancelRequest(prompt_ids=prompt_ids), timeout=self.timeout_s,
+                                wait_for_ready=True)
+
+    def status(self) -> prompts_pb2.RunStatus:
+        return self.stub.GetStatus(prompts_pb2.StatusRequest(), timeout=self.timeout_s, wait_for_ready=True)

@@ -1,0 +1,68 @@
+"""A sampler's start-up contacts: the trainer's health check, and where in its data stream it resumes."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from grpo_stream.common.config.schema import RunConfig
+from grpo_stream.protos import rollout_pb2, rollout_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+def trainer_serving(stub: health_pb2_grpc.HealthStub) -> bool:
+    """The trainer answers its health check as SERVING (raises grpc.RpcError when it does not answer)."""
+    reply = stub.Check(health_pb2.HealthCheckRequest(service="grpo_stream.v1.WeightService"), timeout=5)
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def wait_for_trainer(cfg: RunConfig, stub: health_pb2_grpc.HealthStub, stop_event: threading.Event) -> None:
+    """Until the trainer answers its health check; ConnectionError after sampler.connect_timeout_s of silence."""
+    deadline = time.monotonic() + cfg.sampler.connect_timeout_s
+    delay = 0.2
+    while not stop_event.is_set():
+        try:
+            if trainer_serving(stub):
+                return
+        except grpc.RpcError as exc:
+            if time.monotonic() > deadline:
+                raise ConnectionError(
+                    f"sampler.trainer_address={cfg.trainer_address()}: trainer not reachable after "
+                    f"{cfg.sampler.connect_timeout_s:.0f}s ({exc.code()}); start the trainer or fix the "
+                    "address") from None
+        if delay >= 2.0 or delay == 0.2:
+            log.info("waiting for the trainer at %s", cfg.trainer_address())
+        time.sleep(delay)
+        delay = min(delay * 2, 2.0)
+
+
+def resume_position(cfg: RunConfig, sampler_id: str, stub: rollout_pb2_grpc.RolloutIngestStub,
+                    stop_event: threading.Event) -> int:
+    """The data position after this sampler's last accepted group (0 for a new run), asked of the ingest. Waits
+    with back-off while the ingest's Redis is down (as long as the ingest answers), or while the ingest itself
+    is unreachable, for up to sampler.connect_timeout_s of silence."""
+    heard, delay = time.monotonic(), 0.2
+    while True:
+        try:
+            reply = stub.GetDataPosition(rollout_pb2.DataPositionRequest(sampler_id=sampler_id), timeout=10)
+            return reply.position + 1 if reply.known else 0
+        except grpc.RpcError as exc:
+            if stop_event.is_set():  # stopping before the first batch: the position no longer matters
+                return 0
+            retryable = exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+            if retryable and "buffer unavailable" in (exc.details() or ""):
+                heard = time.monotonic()  # the ingest answers; its Redis is away
+            if not retryable or time.monotonic() - heard > cfg.sampler.connect_timeout_s:
+                raise ConnectionError(
+                    f"ingest at {cfg.ingest_address()} (ingest.address): cannot get this sampler's data "
+                    f"position ({exc.code()}: {exc.details()}); start the ingest / its Redis or fix the address"
+                ) from None
+            log.warning("%s: ingest at %s not ready (%s: %s); retrying in %.1fs", sampler_id,
+                        cfg.ingest_address(), exc.code().name, exc.details(), delay)
+            time.sleep(delay)
+            delay = min(delay * 2, 5.0)

@@ -1,0 +1,179 @@
+import pathlib
+
+import pytest
+
+from grpo_stream.common.config.schema import ConfigError, RunConfig, load_config, parse_override
+
+CONFIGS = pathlib.Path(__file__).resolve().parents[4] / "configs"
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_parses(path):
+    cfg = load_config(path)
+    assert isinstance(cfg, RunConfig)
+
+
+def test_shipped_configs_exist():
+    assert (CONFIGS / "tiny_arith.yaml").exists()
+
+
+def test_unknown_key_names_the_dotted_field():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["trainer.stepz=3"])
+    assert "trainer.stepz: unknown key" in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_unknown_key_in_file(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("sampler:\n  replica: 2\n")
+    with pytest.raises(ConfigError, match=r"sampler\.replica: unknown key"):
+        load_config(path)
+
+
+@pytest.mark.parametrize("bad", ["trainer.steps", "=3", "trainer..steps=3", "trainer.steps=[1,"])
+def test_malformed_override(bad):
+    with pytest.raises(ConfigError, match="override"):
+        load_config(None, [bad])
+
+
+def test_override_values_are_typed():
+    cfg = load_config(None, ["trainer.steps=7", "algo.epsilon_high=0.3", "redis.url=null", "run.name=x1"])
+    assert cfg.trainer.steps == 7 and cfg.algo.epsilon_high == 0.3 and cfg.redis.url is None
+
+
+def test_limits_are_enforced_with_field_names():
+    with pytest.raises(ConfigError, match=r"generation\.num_generations: Input should be greater than or equal to 2"):
+        load_config(None, ["generation.num_generations=1"])
+
+
+def test_staleness_must_cover_publication_cadence():
+    with pytest.raises(ConfigError, match=r"trainer.max_staleness=0 < trainer.publish_every-1=2"):
+        load_config(None, ["trainer.max_staleness=0", "trainer.publish_every=3"])
+
+
+def test_override_into_a_value_is_refused():
+    with pytest.raises(ConfigError, match="is a value, not a section"):
+        load_config(CONFIGS / "tiny_arith.yaml", ["trainer.steps.x=1"])
+
+
+def test_parse_override_splits_path():
+    assert parse_override("a.b.c=5") == (["a", "b", "c"], 5)
+
+
+def test_every_field_is_documented():
+    def walk(model):
+        for name, field in model.model_fields.items():
+            assert field.description, f"{model.__name__}.{name} has no description"
+            ann = field.annotation
+            if isinstance(ann, type) and issubclass(ann, RunConfig.__mro__[1]):
+                walk(ann)
+    walk(RunConfig)
+
+
+def test_missing_file_is_one_line_error(tmp_path):
+    with pytest.raises(ConfigError, match="no such file"):
+        load_config(tmp_path / "nope.yaml")
+
+
+@pytest.mark.parametrize("override, message", [
+    ("algo.epsilon_high=0.1", "algo.epsilon_high=0.1 < algo.epsilon=0.2"),
+    ("algo.tis_cap=0", "algo.tis_cap: Input should be greater than 0"),
+    ("algo.tis_cap=-1", "algo.tis_cap: Input should be greater than 0"),
+    ("algo.loss_algo=ppo", "algo.loss_algo: Input should be 'grpo' or 'gspo-token'"),
+    ("algo.loss_agg_mode=sum", "algo.loss_agg_mode: Input should be"),
+    ("algo.advantage_estimator=gae", "algo.advantage_estimator: Input should be"),
+    ("algo.kl_estimator=k4", "algo.kl_estimator: Input should be 'k1', 'k2' or 'k3'"),
+    ("algo.beta=-0.1", "algo.beta: Input should be greater than or equal to 0"),
+    ("algo.minibatches=3", "algo.minibatches=3 must divide the 128 sequences"),
+    ("algo.overlong_buffer_tokens=99", "algo.overlong_buffer_tokens=99 exceeds generation.max_new_tokens=18"),
+])
+def test_bad_objective_settings_name_the_field(override, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(CONFIGS / "tiny_arith.yaml", [override])
+    assert message in str(err.value)
+
+
+def test_tis_can_be_turned_off_and_eps_high_defaults_to_epsilon():
+    cfg = load_config(CONFIGS / "tiny_arith.yaml", ["algo.tis_cap=null", "algo.epsilon_high=null"])
+    assert cfg.algo.tis_cap is None and cfg.algo.eps_high == cfg.algo.epsilon
+
+
+def test_synchronous_sampler_cap_must_feed_a_whole_step():
+    # 2 replicas x 7 groups per version cannot fill a 16-group step: the run would deadlock
+    with pytest.raises(ConfigError) as err:
+        load_config(CONFIGS / "tiny_arith.yaml", ["sampler.max_groups_per_version=7", "trainer.max_staleness=0"])
+    assert "sampler.max_groups_per_version=7 x sampler.replicas=2 < trainer.groups_per_step" in str(err.value)
+    cfg = load_config(CONFIGS / "tiny_arith.yaml", ["sampler.max_groups_per_version=8", "trainer.max_staleness=0"])
+    assert cfg.sampler.max_groups_per_version == 8
+
+
+def test_log_format_is_text_or_json():
+    assert load_config(None, ["logging.format=json"]).logging.format == "json"
+    with pytest.raises(ConfigError, match="logging.format: Input should be 'text' or 'json'"):
+        load_config(None, ["logging.format=xml"])
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.kind=hf"], "model.kind=hf needs model.path"),
+    (["task.name=gsm8k", "warmstart.steps=0"], "task.name=gsm8k needs task.dataset.source"),
+    (["task.name=gsm8k", "task.dataset.source=x", "warmstart.steps=5"], "warmstart.steps: the supervised warm start "
+                                                                          "exists for the arith task only"),
+    (["eval.samples=2", "eval.ks=[1,4]"], r"eval.ks=\[1, 4\]: each k must be at most eval.samples=2"),
+    (["model.dtype=float16"], "model.dtype"),
+    (["task.prompt_template=fancy"], "task.prompt_template"),
+    (["task.dataset.on_bad_row=ignore"], "task.dataset.on_bad_row"),
+])
+def test_model_task_and_eval_settings_name_the_field(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
+
+def test_presets_mirror_the_maxtext_demo_settings():
+    for name in ("llama3.1_8b_gsm8k_tpu_host", "llama3.1_70b_gsm8k_split_slices", "qwen2.5_1.5b_gsm8k_gpu"):
+        cfg = load_config(CONFIGS / f"{name}.yaml")
+        assert cfg.model.kind == "hf" and cfg.task.name == "gsm8k", name
+        assert (cfg.algo.beta, cfg.algo.epsilon, cfg.trainer.learning_rate) == (0.08, 0.2, 3e-6), name
+        assert (cfg.generation.max_prompt_tokens, cfg.generation.max_prompt_tokens + cfg.generation.max_new_tokens
+                ) == (256, 768), name
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["redis.url=http://h:6379"], r"redis.url='http://h:6379' must start with redis://, rediss:// or unix://"),
+    (["redis.connect_timeout_s=0"], "redis.connect_timeout_s"),
+    (["checkpoint.every=0"], "checkpoint.every"),
+    (["checkpoint.keep=0"], "checkpoint.keep"),
+    (["ingest.standalone=true", "weights.transport=local"], "ingest.standalone: weights.transport=local"),
+])
+def test_durability_settings_name_the_field(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
+
+def test_samplers_send_rollouts_to_the_ingest_address():
+    assert load_config(None, ["trainer.port=7"]).ingest_address() == "127.0.0.1:7"
+    assert load_config(None, ["ingest.standalone=true", "ingest.port=9"]).ingest_address() == "127.0.0.1:9"
+    assert load_config(None, ["ingest.address=h:1"]).ingest_address() == "h:1"
+    assert load_config(None, []).redis.connect_timeout_s is None  # wait for Redis as long as it takes
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["sampler.engine=tgi"], "sampler.engine: unknown engine 'tgi'; choose one of ['jax', 'vllm']"),
+    (["sampler.vllm.engine_args={model: x}"], "sampler.vllm.engine_args sets ['model']"),
+    (["sampler.vllm.engine_args={max_model_len: 64, swap_space: 0}"], "sets ['max_model_len']"),
+    (["sampler.vllm.weight_install=iterator", "sampler.vllm.tensor_parallel_size=2"],
+     "weight_install=iterator needs tensor_parallel_size 1"),
+    (["sampler.vllm.gpu_memory_utilization=1.5"], "sampler.vllm.gpu_memory_utilization: Input should be less"),
+    (["sampler.engine=vllm", "weights.transport=local"], "sampler.engine=vllm runs each sampler as its own process"),
+])
+def test_vllm_engine_settings_name_the_field(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(CONFIGS / "tiny_arith.yaml", overrides)
+    assert message in str(err.value)
+
+
+def test_vllm_engine_settings_pass_through():
+    cfg = load_config(CONFIGS / "tiny_arith.yaml", ["sampler.engine=vllm", "sampler.vllm.engine_args={swap_space: 0}",
+                                                    "sampler.vllm.tensor_parallel_size=4"])
+    assert cfg.sampler.engine == "vllm" and cfg.sampler.vllm.engine_args == {"swap_space": 0}
+    assert cfg.sampler.vllm.weight_install == "auto"

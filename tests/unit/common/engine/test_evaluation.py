@@ -1,0 +1,52 @@
+"""pass@k and maj@k: the estimators by hand and by brute force, then on the real engine."""
+
+import itertools
+import random
+
+import pytest
+
+from grpo_stream.common.engine.evaluation import evaluate, majority_correct, pass_at_k
+from grpo_stream.common.engine.jax_engine import Engine
+
+
+def test_pass_at_k_matches_enumeration_of_all_subsets():
+    rng = random.Random()
+    for _ in range(20):
+        n = rng.randint(1, 8)
+        c, k = rng.randint(0, n), rng.randint(1, n)
+        outcomes = [True] * c + [False] * (n - c)
+        subsets = list(itertools.combinations(outcomes, k))
+        assert pass_at_k(n, c, k) == pytest.approx(sum(any(s) for s in subsets) / len(subsets))
+
+
+def test_pass_at_k_edges_and_bad_arguments():
+    assert pass_at_k(4, 0, 2) == 0.0 and pass_at_k(4, 3, 2) == 1.0 and pass_at_k(4, 1, 1) == 0.25
+    with pytest.raises(ValueError, match="k=5"):
+        pass_at_k(4, 1, 5)
+
+
+@pytest.mark.parametrize("answers, reference, correct", [
+    (["12", "1,2", "13", "12.0"], "12", True),      # 12 (three ways of writing it) beats 13
+    (["13", "13", "12", "12"], "12", False),        # a tie goes to the answer seen first
+    (["12", "13", "13", "12"], "12", True),
+    ([None, None, "7"], "7", True),                 # no-answer completions do not vote
+    ([None, None], "7", False),
+    (["$1,000", "1000.00", "999"], "1000", True),
+])
+def test_majority_vote(answers, reference, correct):
+    assert majority_correct(answers, reference) is correct
+
+
+def test_evaluate_reports_pass_and_maj_at_k_on_the_engine(tiny_parts):
+    cfg, task, tok, model = tiny_parts
+    engine = Engine(model, tok.pad_id, tok.eos_id, cfg.generation.max_prompt_tokens, cfg.generation.max_new_tokens,
+                    temperature=1.0)
+    problems = task.heldout(6)
+    result = evaluate(engine, model.params, tok, problems, batch_size=8, samples=4, ks=(1, 2, 4))
+    assert result.num_problems == 6 and result.samples == 4
+    assert set(result.pass_at_k) == set(result.maj_at_k) == {"1", "2", "4"}
+    # pass@k never decreases with k; every figure is a share
+    assert result.pass_at_k["1"] <= result.pass_at_k["2"] <= result.pass_at_k["4"] <= 1.0
+    assert all(0.0 <= v <= 1.0 for v in [*result.maj_at_k.values(), result.accuracy])
+    with pytest.raises(ValueError, match=r"eval.ks=\[8\]"):
+        evaluate(engine, model.params, tok, problems, batch_size=8, samples=4, ks=(8,))

@@ -1,0 +1,78 @@
+"""Hugging Face tokenizers from a directory: ids, stop tokens, pad checks, chat and reasoning prompt templates."""
+
+import json
+
+import pytest
+
+from grpo_stream.common.tasks import prompts
+from grpo_stream.common.tasks.arith import ArithTask
+from grpo_stream.common.model.tokenizer import HFTokenizer, train_bpe
+
+CHAT = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tok")
+    tiny = train_bpe(ArithTask(10, 99, 0.1, seed=0).corpus(500), 120)
+    tiny.save(directory)
+    return directory, tiny
+
+
+def test_same_ids_as_the_tokenizer_it_was_saved_from(tok_dir):
+    directory, tiny = tok_dir
+    hf = HFTokenizer(directory)
+    text = " 47 + 38 = 85 #### 85"
+    assert hf.encode(text) == tiny.encode(text) and hf.decode(hf.encode(text)) == text
+    assert (hf.pad_id, hf.eos_ids, hf.vocab_size) == (tiny.pad_id, [tiny.eos_id], tiny.vocab_size)
+    assert hf.decode(hf.encode(text) + [hf.eos_id, hf.pad_id]) == text  # specials never reach reward functions
+
+
+def test_stop_tokens_include_generation_config(tok_dir, tmp_path):
+    directory, tiny = tok_dir
+    for f in directory.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [tiny.eos_id, 7]}))
+    assert HFTokenizer(tmp_path).eos_ids == sorted({tiny.eos_id, 7})
+
+
+@pytest.mark.parametrize("pad, message", [
+    ("<eos>", r"model.pad_token='<eos>' is an end-of-sequence token"),
+    ("<nope>", r"model.pad_token='<nope>' is not a token"),
+])
+def test_bad_pad_tokens_are_refused(tok_dir, pad, message):
+    with pytest.raises(ValueError, match=message):
+        HFTokenizer(tok_dir[0], pad_token=pad)
+
+
+def test_missing_tokenizer_names_the_setting(tmp_path):
+    with pytest.raises(ValueError, match=f"model.path={tmp_path}: no loadable tokenizer"):
+        HFTokenizer(tmp_path)
+
+
+def test_prompt_templates(tok_dir, tmp_path):
+    directory, _ = tok_dir
+    hf = HFTokenizer(directory)
+    assert prompts.render("2 + 2?", "plain", hf) == "Q: 2 + 2? A:"
+    with pytest.raises(ValueError, match="no chat template; use 'plain'"):
+        prompts.render("2 + 2?", "chat", hf)
+    for f in directory.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHAT}))
+    chat = HFTokenizer(tmp_path)
+    assert prompts.render("2 + 2?", "chat", chat) == "<|user|>2 + 2?\n<|assistant|>"
+    reasoning = prompts.render("2 + 2?", "reasoning", chat)
+    assert reasoning.startswith("<|system|>") and "<reasoning>" in reasoning and "<answer>" in reasoning
+    assert reasoning.endswith("<|user|>2 + 2?\n<|assistant|>")
+
+
+def test_a_plain_tokenizer_next_to_a_qwen_config_keeps_its_own_pre_tokenizer(tok_dir, tmp_path):
+    """transformers 5's AutoTokenizer would swap in Qwen's tokenizer class for model_type qwen3; we must not."""
+    directory, tiny = tok_dir
+    for f in directory.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
+    text = "Q: Zoe found 18 books and then 72 more. How many in all? A:"
+    assert HFTokenizer(tmp_path).encode(text) == tiny.encode(text)

@@ -1,0 +1,88 @@
+import grpc
+import numpy as np
+
+from grpo_stream.common.rollouts.wire import CompletionData, GroupData, GroupLimits, decode_group, encode_group, to_proto, validate_group
+
+LIMITS = GroupLimits(num_generations=2, max_prompt_tokens=8, max_new_tokens=6, vocab_size=50)
+
+
+def make_group(**kw) -> GroupData:
+    comps = [CompletionData(np.array([3, 4, 5], np.int32), np.array([-0.5, -1.0, -0.25], np.float32), 1.0, False,
+                            {"answer_correct": 1.0}),
+             CompletionData(np.array([7], np.int32), np.array([-2.0], np.float32), 0.0, True, {})]
+    base = dict(group_id="r/s0/1", prompt_id="p1", prompt_token_ids=np.array([1, 2, 9], np.int32), completions=comps,
+                policy_version=3, sampler_id="sampler-0", created_unix=12.5, reference_answer="42")
+    base.update(kw)
+    return GroupData(**base)
+
+
+def test_roundtrip_preserves_every_field():
+    g = make_group()
+    back = decode_group(encode_group(g))
+    assert back.group_id == g.group_id and back.prompt_id == g.prompt_id and back.policy_version == 3
+    assert back.sampler_id == "sampler-0" and back.reference_answer == "42" and back.created_unix == 12.5
+    np.testing.assert_array_equal(back.prompt_token_ids, g.prompt_token_ids)
+    for a, b in zip(back.completions, g.completions):
+        np.testing.assert_array_equal(a.token_ids, b.token_ids)
+        np.testing.assert_array_equal(a.logprobs, b.logprobs)
+        assert a.reward == b.reward and a.truncated == b.truncated and a.reward_components == b.reward_components
+
+
+def test_completion_arrays_are_raw_little_endian_bytes():
+    msg = to_proto(make_group())
+    assert msg.completions[0].token_ids_le == np.array([3, 4, 5], "<i4").tobytes()
+    assert msg.completions[0].logprobs_le == np.array([-0.5, -1.0, -0.25], "<f4").tobytes()
+    # 8 bytes per completion token plus small per-field overhead
+    long = make_group(completions=[CompletionData(np.arange(512, dtype=np.int32), -np.ones(512, np.float32), 0.0,
+                                                  False)])
+    assert 8 * 512 <= len(encode_group(long)) <= 8 * 512 + 100
+
+
+def test_bytes_not_a_whole_number_of_values_is_named():
+    msg = to_proto(make_group())
+    msg.completions[0].token_ids_le += b"\x01"
+    msg.completions[1].logprobs_le = msg.completions[1].logprobs_le[:-2]
+    errors = validate_group(msg, LIMITS)
+    assert errors[0].startswith("completions[0].token_ids_le: 13 bytes is not a whole number of 4-byte values")
+    assert errors[1].startswith("completions[1].logprobs_le: 2 bytes is not a whole number")
+
+
+def test_decoded_arrays_are_int32_and_float32():
+    back = decode_group(encode_group(make_group()))
+    assert back.completions[0].token_ids.dtype == np.int32 and back.completions[0].logprobs.dtype == np.float32
+
+
+def test_valid_group_has_no_errors():
+    assert validate_group(to_proto(make_group()), LIMITS) == []
+
+
+def test_token_logprob_length_mismatch_names_field():
+    msg = to_proto(make_group())
+    msg.completions[1].logprobs_le = np.array([-1.0, -1.0], "<f4").tobytes()
+    errors = validate_group(msg, LIMITS)
+    assert errors == ["completions[1].logprobs_le: 2 values for 1 token ids; send one logprob per token"]
+
+
+def test_limits_are_named():
+    msg = to_proto(make_group(prompt_token_ids=np.arange(1, 11, dtype=np.int32), policy_version=-1))
+    msg.completions[0].logprobs_le = np.array([0.5, -1.0, -0.25], "<f4").tobytes()
+    msg.completions.pop()
+    text = " | ".join(validate_group(msg, LIMITS))
+    assert "prompt_token_ids: 10 tokens, must be 1..8 (generation.max_prompt_tokens)" in text
+    assert "policy_version: -1 is negative" in text
+    assert "completions: 1 given, generation.num_generations=2" in text
+    assert "completions[0].logprobs_le: must be finite and <= 0" in text
+
+
+def test_out_of_vocab_and_empty_ids():
+    msg = to_proto(make_group(group_id=""))
+    msg.completions[1].token_ids_le = np.array([50], "<i4").tobytes()
+    msg.completions[0].logprobs_le = np.array([-0.5, np.nan, -0.25], "<f4").tobytes()
+    errors = validate_group(msg, LIMITS)
+    assert errors == ["group_id: must not be empty", "completions[1].token_ids_le: ids must be in [0, 50)",
+                      "completions[0].logprobs_le: must be finite and <= 0"]
+
+
+def test_status_code_values_match_grpc():
+    assert grpc.StatusCode.INVALID_ARGUMENT.value[0] == 3
+    assert grpc.StatusCode.RESOURCE_EXHAUSTED.value[0] == 8

@@ -1,0 +1,105 @@
+"""runtime.compilation_cache_dir: where it comes from (config > $GRPO_STREAM_COMPILATION_CACHE_DIR > the user's cache
+directory), `none`, bad values, and directories that cannot be written. No JAX here: the directory check runs before
+JAX loads (and this process's own cache, set up by conftest, is left alone)."""
+
+import logging
+import os
+
+import pytest
+
+from grpo_stream.common.config.schema import COMPILATION_CACHE_ENV, ConfigError, load_config
+from grpo_stream.common.runtime.process import CompilationCacheStats, compilation_cache_dir
+
+FIELD = "runtime.compilation_cache_dir"
+
+
+@pytest.fixture
+def no_env(monkeypatch, tmp_path):
+    """No cache directory in the environment (conftest sets one for the test run) and a private home."""
+    monkeypatch.delenv(COMPILATION_CACHE_ENV, raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    return tmp_path
+
+
+def test_default_is_under_the_users_cache_directory(no_env, monkeypatch):
+    assert load_config(None).runtime.compilation_cache_dir == str(no_env / "home/.cache/grpo-stream/jax-compile")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(no_env / "xdg"))
+    assert load_config(None).runtime.compilation_cache_dir == str(no_env / "xdg/grpo-stream/jax-compile")
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/xdg")  # the XDG spec says to ignore a relative value
+    assert load_config(None).runtime.compilation_cache_dir == str(no_env / "home/.cache/grpo-stream/jax-compile")
+
+
+def test_environment_variable_replaces_the_default_and_the_config_wins(no_env, monkeypatch):
+    monkeypatch.setenv(COMPILATION_CACHE_ENV, str(no_env / "from-env"))
+    assert load_config(None).runtime.compilation_cache_dir == str(no_env / "from-env")
+    explicit = load_config(None, [f"{FIELD}={no_env / 'from-config'}"])
+    assert explicit.runtime.compilation_cache_dir == str(no_env / "from-config")
+    config_file = no_env / "run.yaml"
+    config_file.write_text(f"runtime:\n  compilation_cache_dir: {no_env / 'from-file'}\n")
+    assert load_config(config_file).runtime.compilation_cache_dir == str(no_env / "from-file")
+
+
+@pytest.mark.parametrize("value", ["none", "None", "null"])
+def test_none_disables_the_cache(no_env, monkeypatch, value):
+    monkeypatch.setenv(COMPILATION_CACHE_ENV, str(no_env / "from-env"))
+    cfg = load_config(None, [f"{FIELD}={value}"])
+    assert cfg.runtime.compilation_cache_dir is None and compilation_cache_dir(cfg) is None
+    monkeypatch.setenv(COMPILATION_CACHE_ENV, "none")  # the environment can turn it off too
+    assert load_config(None).runtime.compilation_cache_dir is None
+
+
+def test_home_is_expanded_and_paths_normalised(no_env):
+    cfg = load_config(None, [f"{FIELD}=~/caches/../jax"])
+    assert cfg.runtime.compilation_cache_dir == str(no_env / "home/jax")
+
+
+@pytest.mark.parametrize("value", ["relative/dir", "''", "3"])
+def test_bad_values_name_the_field(no_env, value):
+    with pytest.raises(ConfigError, match=rf"^{FIELD}: .*(absolute directory|valid string)"):
+        load_config(None, [f"{FIELD}={value}"])
+
+
+def test_a_relative_environment_value_is_refused_with_both_sources_named(no_env, monkeypatch):
+    monkeypatch.setenv(COMPILATION_CACHE_ENV, "cache")
+    with pytest.raises(ConfigError, match=rf"{FIELD}: 'cache' is not an absolute path.*\${COMPILATION_CACHE_ENV}"):
+        load_config(None)
+
+
+def test_the_directory_is_created(no_env):
+    target = no_env / "new" / "cache"
+    assert compilation_cache_dir(load_config(None, [f"{FIELD}={target}"])) == str(target)
+    assert target.is_dir() and not list(target.iterdir())  # the write check leaves nothing behind
+
+
+def test_an_unwritable_directory_that_was_asked_for_stops_with_the_fix(no_env, monkeypatch):
+    blocker = no_env / "a-file"
+    blocker.write_text("")
+    # (a path under a regular file: unwritable even for root, unlike a chmod'ed directory)
+    with pytest.raises(ValueError, match=rf"{FIELD}={blocker}/cache: cannot create or write it .*NotADirectoryError"
+                                         rf".*choose a writable directory, or set {FIELD}=none"):
+        compilation_cache_dir(load_config(None, [f"{FIELD}={blocker}/cache"]))
+    monkeypatch.setenv(COMPILATION_CACHE_ENV, f"{blocker}/env-cache")
+    with pytest.raises(ValueError, match=rf"{FIELD}={blocker}/env-cache \(from \${COMPILATION_CACHE_ENV}\)"):
+        compilation_cache_dir(load_config(None))
+
+
+def test_an_unwritable_default_directory_warns_and_runs_without_cache(no_env, monkeypatch, caplog):
+    (no_env / "xdg").write_text("")  # $XDG_CACHE_HOME is a file: the default directory cannot be made
+    monkeypatch.setenv("XDG_CACHE_HOME", str(no_env / "xdg"))
+    cfg = load_config(None)
+    with caplog.at_level(logging.WARNING, logger="grpo_stream.runtime"):
+        assert compilation_cache_dir(cfg) is None
+    assert f"{FIELD}={no_env / 'xdg'}/grpo-stream/jax-compile: cannot create" in caplog.text
+    assert "compiling without a persistent cache" in caplog.text
+
+
+def test_stats_count_jax_cache_events():
+    stats = CompilationCacheStats("/c")
+    for event in ("compile_requests_use_cache", "cache_hits", "compile_requests_use_cache", "cache_misses",
+                  "tasks_using_cache"):
+        stats._on_event(f"/jax/compilation_cache/{event}")
+    assert (stats.lookups, stats.hits, stats.writes) == (2, 1, 1)
+    assert stats.summary() == "compilation cache /c: 1 of 2 programs loaded, 1 compiled and written"
+    assert CompilationCacheStats(None).summary() == "compilation cache off"
+    assert os.environ[COMPILATION_CACHE_ENV]  # conftest gave the whole test run one directory

@@ -1,0 +1,99 @@
+"""Final-answer extraction, number normalisation and pluggable rewards."""
+
+import math
+
+import pytest
+
+from grpo_stream.common.tasks.answers import extract_answer, parse_number, reference_answer, same_number
+from grpo_stream.common.tasks.rewards import RewardSet, reasoning_answer_format, resolve, score
+
+# (written by a model, reference, equal?)
+TRICKY = [
+    ("1,234", "1234", True), ("$1,234.00", "1234", True), ("1 234", "1234", True), ("1_000", "1000", True),
+    ("50%", "50", True), ("10.50", "10.5", True), ("7.", "7", True), ("3.000", "3", True),
+    ("3/4", "0.75", True), ("1 1/2", "1.5", True), ("\\frac{3}{4}", ".75", True), ("\\dfrac{6}{8}", "3/4", True),
+    ("0.33", "1/3", True), ("0.3", "1/3", False), ("\u22125", "-5", True), ("+5", "5", True),
+    ("18 dollars", "18", True), ("€20", "20", True), ("USD 20", "20", True), ("20 cents", "20", True),
+    ("12", "13", False), ("1,23", "123", False), ("abc", "1", False), ("1/0", "1", False), ("", "0", False),
+    ("-0", "0", True), ("1e3", "1000", False),  # scientific notation is not how GSM8K answers are written
+]
+
+
+@pytest.mark.parametrize("got, reference, equal", TRICKY)
+def test_tricky_answer_formats(got, reference, equal):
+    assert same_number(got, reference) is equal
+    assert same_number(reference, got) is equal  # symmetric
+
+
+@pytest.mark.parametrize("text, stated", [
+    ("so 47 + 38 = 85 #### 85 apples", "85"),
+    ("<reasoning>48/2 = 24</reasoning><answer>$1,000</answer>", "$1,000"),
+    ("\\boxed{\\frac{1}{2}}", "\\frac{1}{2}"),
+    ("The answer is 42.", "42."),
+    ("The final answer is: 7", "7"),
+    ("<answer>x = 12</answer> #### 13", "12"),  # the answer tag wins over ####
+    ("no stated answer 5", None),
+    ("#### none", None),
+    ("#### Step 1: add them\nso \\boxed{18}", "18"),  # a markdown heading is not a #### answer
+])
+def test_extract_answer_by_format(text, stated):
+    got = extract_answer(text)
+    if stated is None:
+        assert got is None
+    else:
+        assert got is not None and same_number(got, stated)
+
+
+def test_reference_answer_and_bad_reference():
+    assert reference_answer("48/2 = 24\n#### 72") == "72"
+    with pytest.raises(ValueError, match="####"):
+        reference_answer("no final answer")
+    assert parse_number("72") == 72
+
+
+def test_builtin_rewards_and_weights():
+    total, parts = score("<reasoning>r</reasoning><answer>85</answer>", "85",
+                         {"answer_correct": 1.0, "reasoning_answer_format": 0.5, "answer_format": 0.1})
+    assert parts == {"answer_correct": 1.0, "reasoning_answer_format": 1.0, "answer_format": 0.0}
+    assert math.isclose(total, 1.5)
+    assert reasoning_answer_format("text <reasoning>r</reasoning><answer>1</answer>", "1") == 0.0
+
+
+def length_penalty(text: str, reference: str) -> float:
+    """A user reward, imported by path in the test below."""
+    return -len(text) / 100
+
+
+def test_reward_by_import_path():
+    rewards = RewardSet({"answer_correct": 1.0, f"{__name__}:length_penalty": 2.0})
+    total, parts = rewards.score("#### 85", "85")
+    assert parts[f"{__name__}:length_penalty"] == -0.07 and math.isclose(total, 1.0 - 0.14)
+
+
+@pytest.mark.parametrize("name, message", [
+    ("not_a_reward", "task.rewards.not_a_reward: not a built-in reward"),
+    ("json:nope", "task.rewards.json:nope: cannot import it"),
+    ("no_such_module_xyz:f", "task.rewards.no_such_module_xyz:f: cannot import it"),
+    ("math:pi", "task.rewards.math:pi: float is not callable"),
+])
+def test_bad_reward_names_are_refused_with_the_setting(name, message):
+    with pytest.raises(ValueError, match=message.replace(".", r"\.")):
+        resolve(name)
+
+
+def test_a_failing_user_reward_is_named():
+    rewards = RewardSet({"math:sqrt": 1.0})  # sqrt(str) raises TypeError
+    with pytest.raises(ValueError, match="task.rewards.math:sqrt raised TypeError"):
+        rewards.score("x", "1")
+
+
+def test_accuracy_is_computed_whatever_the_weights():
+    total, parts = RewardSet({"reasoning_answer_format": 1.0}).score("<reasoning>r</reasoning><answer>7</answer>", "7")
+    assert parts == {"answer_correct": 1.0, "reasoning_answer_format": 1.0} and total == 1.0  # accuracy unweighted
+    assert answer_format_of("#### Step 1: add") == 0.0 and answer_format_of("#### 12 apples") == 1.0
+
+
+def answer_format_of(text: str) -> float:
+    from grpo_stream.common.tasks.rewards import answer_format
+
+    return answer_format(text, "")

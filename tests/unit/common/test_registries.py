@@ -1,0 +1,83 @@
+"""One interface and one registry per link: each registered backend implements its interface, a new backend is
+one module plus one registry line (nothing else dispatches on names), and the config takes its names from the
+registries."""
+
+import ast
+import importlib
+import pathlib
+
+import jax
+import numpy as np
+import pytest
+
+from grpo_stream.common.config.schema import ConfigError, load_config
+from grpo_stream.common.engine.registry import ENGINES
+from grpo_stream.common.model.sharding import make_mesh
+from grpo_stream.common.rollouts.buffer import RolloutBuffer
+from grpo_stream.common.rollouts.registry import BUFFERS, open_buffer
+from grpo_stream.common.weights.registry import TRANSPORTS, weight_sink, weight_source
+from grpo_stream.common.weights.transport import SinkContext, SourceContext, TransportSpec
+from grpo_stream.sampler_service.weight_sync import WeightSync
+from grpo_stream.trainer_service.publisher import WeightPublisher
+
+ROOT = pathlib.Path(__file__).resolve().parents[3]
+
+
+def test_every_registered_transport_and_engine_module_defines_its_entry_points():
+    for name, spec in TRANSPORTS.items():
+        module = importlib.import_module(spec.module)
+        assert callable(module.make_sink) and callable(module.make_source), name
+    for name, spec in ENGINES.items():
+        assert callable(importlib.import_module(spec.module).build), name
+
+
+def test_the_in_memory_buffer_has_every_method_of_the_interface():
+    wanted = {n for n in dir(RolloutBuffer) if not n.startswith("_")}
+    assert set(BUFFERS) == {"redis", "memory"}
+    memory = open_buffer(None, "memory")
+    assert wanted <= {n for n in dir(memory) if callable(getattr(memory, n))}
+
+
+def test_a_new_transport_is_one_module_and_one_registry_line(monkeypatch, tiny_parts):
+    _, _, _, model = tiny_parts
+    with pytest.raises(ConfigError, match="weights.transport: unknown transport 'dict'"):
+        load_config(None, ["weights.transport=dict"])
+    monkeypatch.setitem(TRANSPORTS, "dict", TransportSpec("tests.unit.common.weights.dict_transport"))
+    cfg = load_config(None, ["weights.transport=dict"])  # the config takes its names from the registry
+    publisher = WeightPublisher(weight_sink("dict", SinkContext(cfg.weights)), "dict")
+    mesh = make_mesh(1, 1, jax.devices(), "sampler.mesh.tp")
+    sync = WeightSync(weight_source("dict", SourceContext(cfg.weights, "sampler-0", 5.0)), model, mesh, "sampler-0")
+    assert sync.poll() is None  # nothing published yet
+    publisher.publish_arrays(3, model.named_arrays(model.params), final=True)
+    got = sync.poll()
+    assert got.version == 3 and got.final
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(got.params),
+                                                    jax.tree_util.tree_leaves(model.params)))
+
+
+# the names a registry gives to backends, and the modules allowed to spell them out as values: the registries,
+# each backend's own module, and code whose "grpc"/"local" means something else (the data plane's protocol)
+_NAMES = set(TRANSPORTS) | set(ENGINES) | set(BUFFERS)
+_ALLOWED = {"common/weights/registry.py", "common/engine/registry.py", "common/rollouts/registry.py",
+            "common/weights/grpc_transport.py", "common/weights/checkpoint_transport.py",
+            "common/weights/local_transport.py", "common/engine/jax_engine.py", "common/engine/vllm_engine.py",
+            "common/weights/snapshot.py",  # the manifest's default transport field
+            }
+
+
+def test_no_code_outside_the_registries_dispatches_on_a_backend_name():
+    found = []
+    for folder in ("common", "sampler_service", "trainer_service", "grpo_stream"):
+        for path in (ROOT / folder).rglob("*.py"):
+            rel = path.relative_to(ROOT).as_posix()
+            if rel in _ALLOWED or "_pb2" in rel:
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                # a comparison with a backend's name (`x == "grpc"`, `x in ("jax", ...)`) is dispatch by name
+                if isinstance(node, ast.Compare):
+                    for side in [node.left, *node.comparators]:
+                        values = [side] + (list(side.elts) if isinstance(side, (ast.Tuple, ast.List, ast.Set)) else [])
+                        for v in values:
+                            if isinstance(v, ast.Constant) and v.value in _NAMES:
+                                found.append(f"{rel}:{node.lineno} compares with {v.value!r}")
+    assert not found, found

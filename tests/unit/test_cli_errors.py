@@ -1,0 +1,41 @@
+"""The command line's errors: one line for the user, and the whole traceback kept (the run's error log, or the
+temporary directory's) and printed with --debug, so an XLA or device error is never reduced to one line alone."""
+
+import pathlib
+
+import pytest
+
+from grpo_stream.cli import main
+
+
+def test_an_expected_error_is_one_line_and_its_traceback_is_kept_in_the_run_dir(tmp_path, capsys):
+    assert main(["report", str(tmp_path)]) == 1  # a directory without metrics
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("grpo-stream report: error: ") and "metrics-trainer.jsonl" in err[0]
+    log = tmp_path / "error-report.log"
+    assert f"(traceback in {log})" in err[0]
+    assert log.read_text().startswith("Traceback (most recent call last):") and "FileNotFoundError" in log.read_text()
+
+
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_debug_prints_the_traceback(tmp_path, capsys, where):
+    args = ["audit", str(tmp_path / "missing")]
+    assert main(["--debug", *args] if where == "before" else [*args, "--debug"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last):" in err and "in run_audit" in err
+    assert err.strip().splitlines()[-1].startswith("grpo-stream audit: error: ")
+
+
+def test_without_a_run_dir_the_traceback_goes_to_the_temporary_directory(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    assert main(["audit", str(tmp_path / "missing")]) == 2
+    assert "FileNotFoundError" in pathlib.Path(tmp_path, "grpo-stream-error-audit.log").read_text()
+
+
+def test_a_config_error_stays_one_line_without_a_traceback_file(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    assert main(["config", "show", "trainer.stepz=3"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["grpo-stream config: config error: trainer.stepz: unknown key; remove it or check its spelling "
+                   "(see --print-config for valid keys)"]
+    assert not list(tmp_path.iterdir())

@@ -1,0 +1,115 @@
+"""Exactly-once training across crashes: which groups a checkpoint holds, when they are acknowledged, and resuming.
+
+The groups of a step are acknowledged ("trained") in the buffer only after the checkpoint *after* the one holding
+their update is on disk, so a crash, or a corrupt newest checkpoint, replays them from the buffer instead of losing
+them; a restarted trainer resumes from the newest valid checkpoint and first settles the groups that checkpoint
+already holds. Every step, checkpoint and trainer start is written to the buffer's audit trail.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from grpo_stream.common.runtime.console import detail_logger
+from grpo_stream.common.config.schema import RunConfig
+from grpo_stream.common.rollouts.buffer import RolloutBuffer
+from grpo_stream.trainer_service.checkpoints import TrainerCheckpoints
+from grpo_stream.trainer_service.collector import when_available
+from grpo_stream.trainer_service.rl_update import PolicyUpdater
+
+log = logging.getLogger(__name__)
+detail = detail_logger(__name__)
+
+
+@dataclasses.dataclass
+class Resumed:
+    step: int
+    state: dict
+    record: dict
+
+
+def updater_state(updater: PolicyUpdater) -> dict:
+    """What a checkpoint holds of the optimisation: parameters, optimizer state, and the KL reference if any."""
+    state = {"params": updater.params, "opt_state": updater.opt_state}
+    if updater.ref_params is not None:  # the KL reference is the policy RL started from, not the resumed one
+        state["ref_params"] = updater.ref_params
+    return state
+
+
+class Durability:
+    def __init__(self, cfg: RunConfig, buffer: RolloutBuffer, checkpoints: TrainerCheckpoints, epoch: str):
+        self.cfg, self.buffer, self.checkpoints, self.epoch = cfg, buffer, checkpoints, epoch
+        self.unsettled: list[tuple[int, list[tuple[str, str]]]] = []  # (step, [(entry id, group id)]) not acked
+        self.checkpointed: list[int] = []  # steps whose checkpoint is committed, by this process
+        self.resumed_step = 0
+        self.data_position: dict[str, int] = {}  # sampler -> highest data position trained
+        self.buffer_position = "0-0"  # newest stream entry trained
+
+    def held(self) -> int:
+        """Groups trained but not yet acknowledged (waiting for their checkpoint to be safe)."""
+        return sum(len(pairs) for _, pairs in self.unsettled)
+
+    def trained(self, step: int, picked) -> None:
+        """Record a step's groups: audit trail, held count, and the data and buffer positions they reach. Groups are
+        picked in stream order, so the last one holds the buffer position."""
+        when_available("auditing a step", lambda: self.buffer.log_step(self.epoch, step, [e.group_id for e, _ in picked]))
+        self.unsettled.append((step, [(e.entry_id, e.group_id) for e, _ in picked]))
+        when_available("updating the held count", lambda: self.buffer.set_held(self.held()))
+        for _, group in picked:
+            if group.data_position is not None:
+                self.data_position[group.sampler_id] = max(self.data_position.get(group.sampler_id, -1),
+                                                           group.data_position)
+        self.buffer_position = picked[-1][0].entry_id
+
+    def checkpoint(self, step: int, updater: PolicyUpdater, extra: dict) -> None:
+        """Start saving `step`; its groups and everything before are listed so a resume can settle them."""
+        unsettled = [[eid, gid, s] for s, pairs in self.unsettled if s <= step for eid, gid in pairs]
+        self.checkpoints.save(step, updater_state(updater), {
+            "run": self.cfg.run.name, "epoch": self.epoch, "weight_version": step, "unsettled": unsettled,
+            "data_position": dict(self.data_position), "buffer_position": self.buffer_position, **extra},
+            token=step)
+
+    def settle_committed(self, wait: bool = False, everything: bool = False) -> None:
+        """Acknowledge groups whose update is safe on disk: those of steps up to the checkpoint *before* the newest
+        committed one (so a corrupt newest checkpoint still finds its groups in the buffer), or, at the end of a
+        completed run (`everything`), up to the newest."""
+        for step, _ in self.checkpoints.committed(wait=wait):
+            when_available("auditing a checkpoint", lambda: self.buffer.log_checkpoint(self.epoch, step))
+            self.checkpointed.append(step)
+            detail.info("checkpoint of step %d saved", step)
+        if not self.checkpointed:
+            return
+        upto = self.checkpointed[-1] if everything else (self.checkpointed[-2] if len(self.checkpointed) > 1
+                                                          else self.resumed_step)
+        done = [(s, pairs) for s, pairs in self.unsettled if s <= upto]
+        if done:
+            when_available("acknowledging trained groups", lambda: self.buffer.settle(
+                (eid, gid, "trained", s) for s, pairs in done for eid, gid in pairs))
+            self.unsettled = [(s, pairs) for s, pairs in self.unsettled if s > upto]
+            when_available("updating the held count", lambda: self.buffer.set_held(self.held()))
+
+    def resume(self, updater_like: dict) -> Resumed | None:
+        """Restore the newest valid checkpoint (there is at least one) and settle the groups it holds; None when
+        every one was unusable."""
+        cfg = self.cfg
+        if not cfg.checkpoint.resume:
+            raise ValueError(f"checkpoint.dir {self.checkpoints.directory} holds checkpoints (steps "
+                             f"{self.checkpoints.steps()}) and checkpoint.resume=false: choose a new checkpoint.dir "
+                             "(and run.name) or resume")
+        restored = self.checkpoints.restore_latest(updater_like)
+        if restored is None:
+            return None
+        record = restored.record
+        if record.get("run") != cfg.run.name:
+            raise ValueError(f"checkpoint.dir {self.checkpoints.directory}: its checkpoints belong to run "
+                             f"{record.get('run')!r}, not run.name={cfg.run.name!r}; use that run's name or another "
+                             "dir")
+        settled = when_available("settling the resumed checkpoint's groups", lambda: self.buffer.settle(
+            (eid, gid, "trained", s) for eid, gid, s in record["unsettled"]))
+        self.data_position = dict(record.get("data_position", {}))
+        self.buffer_position = record.get("buffer_position", "0-0")
+        self.resumed_step = restored.step
+        log.info("resumed at step %d (written by trainer %s); acknowledged %d groups it already held", restored.step,
+                 record["epoch"], settled)
+        return Resumed(restored.step, restored.state, record)

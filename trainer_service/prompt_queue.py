@@ -1,0 +1,246 @@
+"""The injected-prompt queue in Redis: submit, claim (by samplers), cancel, results, status.
+
+Layout for run R (prefix P, next to the rollout buffer's keys):
+  P:R:prompt:<id>        hash: req (InjectedPrompt bytes), spec (PromptSpec bytes), client, state (queued | claimed
+                         | done | cancelled), train, score, submitted, tags; once done: result (RolloutGroup bytes),
+                         version, sampler, group, finished. Expires prompts.result_retention_s after it finishes.
+  P:R:inject:queue       sorted set of queued ids; score = (max_priority - priority) * 2^32 + sequence, so higher
+                         priority first and first come first served within a priority
+  P:R:inject:claimed     sorted set of claimed ids by claim time (a claim older than the lease is queued again)
+  P:R:inject:pending     hash: client name -> its unfinished prompts (the per-client quota)
+  P:R:inject:samplers    hash: sampler id -> time of its last claim (samplers active in the last minute share)
+  P:R:inject:seq         counter
+  P:R:tag:<tag>          set of ids carrying the tag (expires the retention after its newest prompt)
+  P:R:results            stream: one entry (`id`) per prompt that finished (done or cancelled), for followers
+  P:R:audit:eval         hash: group id -> {prompt, sampler, version, t} of every train=false answer (never in the
+                         rollout stream; the audit checks no trained step lists one)
+  P:R:status             the trainer's status (JSON), rewritten every second
+
+Answers are recorded by the rollout buffer's append script (common/rollouts/buffer.py) in the same atomic step that puts a
+train=true group into the rollout stream, so an answer is recorded once and trained at most once.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Callable
+
+import redis
+
+from grpo_stream.common.rollouts.buffer import BufferUnavailable
+
+ACTIVE_SAMPLER_S = 60.0
+
+_SUBMIT = """
+local base, client, now = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local max_queued, max_pending, maxp = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
+local retention = tonumber(ARGV[7])
+local n = (#ARGV - 7) / 6
+local queued = redis.call('ZCARD', KEYS[1]) + redis.call('ZCARD', KEYS[2])
+if queued + n > max_queued then return {'full', tostring(queued)} end
+local pending = tonumber(redis.call('HGET', KEYS[3], client) or '0')
+if pending + n > max_pending then return {'quota', tostring(pending)} end
+for i = 8, #ARGV, 6 do
+  local pid, priority = ARGV[i], tonumber(ARGV[i + 1])
+  local seq = redis.call('INCR', KEYS[4]) % 4294967296
+  local score = (maxp - priority) * 4294967296 + seq
+  local pkey = base .. ':prompt:' .. pid
+  redis.call('HSET', pkey, 'req', ARGV[i + 2], 'spec', ARGV[i + 3], 'client', client, 'state', 'queued',
+             'train', ARGV[i + 4], 'score', score, 'submitted', now, 'tags', ARGV[i + 5])
+  redis.call('ZADD', KEYS[1], score, pid)
+  for _, tag in ipairs(cjson.decode(ARGV[i + 5])) do
+    redis.call('SADD', base .. ':tag:' .. tag, pid)
+    redis.call('EXPIRE', base .. ':tag:' .. tag, retention)  -- a tag outlives its last prompt by the retention
+  end
+end
+redis.call('HINCRBY', KEYS[3], client, n)
+return {'ok', tostring(queued + n)}
+"""
+
+# Expired claims go back to the queue first; then this sampler takes at most its share of the unfinished prompts
+# (queued or claimed) among the samplers that claimed in the last minute, less what it holds already, so an
+# injection spreads evenly over the samplers.
+_CLAIM = """
+local base, sampler, want, now = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
+local lease, window = tonumber(ARGV[5]), tonumber(ARGV[6])
+for _, pid in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now - lease)) do
+  redis.call('ZREM', KEYS[2], pid)
+  local pkey = base .. ':prompt:' .. pid
+  if redis.call('HGET', pkey, 'state') == 'claimed' then
+    redis.call('HSET', pkey, 'state', 'queued')
+    redis.call('ZADD', KEYS[1], tonumber(redis.call('HGET', pkey, 'score')), pid)
+  end
+end
+redis.call('HSET', KEYS[3], sampler, now)
+local active, seen = 0, redis.call('HGETALL', KEYS[3])
+for i = 1, #seen, 2 do
+  if now - tonumber(seen[i + 1]) <= window then active = active + 1 else redis.call('HDEL', KEYS[3], seen[i]) end
+end
+local queued, held = redis.call('ZCARD', KEYS[1]), 0
+local claimed = redis.call('ZRANGE', KEYS[2], 0, -1)
+for _, pid in ipairs(claimed) do
+  if redis.call('HGET', base .. ':prompt:' .. pid, 'sampler') == sampler then held = held + 1 end
+end
+-- a share of everything unfinished (queued or claimed), less what this sampler already holds
+local take = math.min(want, queued, math.ceil((queued + #claimed) / math.max(active, 1)) - held)
+local out = {}
+if take <= 0 then return out end
+local popped = redis.call('ZPOPMIN', KEYS[1], take)
+for i = 1, #popped, 2 do
+  local pid = popped[i]
+  local pkey = base .. ':prompt:' .. pid
+  if redis.call('HGET', pkey, 'state') == 'queued' then  -- never hand out a finished prompt again
+    redis.call('HSET', pkey, 'state', 'claimed', 'sampler', sampler, 'claimed', now)
+    redis.call('ZADD', KEYS[2], now, pid)
+    out[#out + 1] = redis.call('HGET', pkey, 'req')
+  end
+end
+return out
+"""
+
+# All or nothing: an unknown id or someone else's prompt (unless admin) refuses the whole call before any change.
+_CANCEL = """
+local base, client, admin, now, retention = ARGV[1], ARGV[2], ARGV[3] == '1', tonumber(ARGV[4]), tonumber(ARGV[5])
+for i = 6, #ARGV do
+  local pkey = base .. ':prompt:' .. ARGV[i]
+  local owner = redis.call('HGET', pkey, 'client')
+  if not owner then return {'unknown', ARGV[i]} end
+  if owner ~= client and not admin then return {'denied', ARGV[i]} end
+end
+local out = {'ok'}
+for i = 6, #ARGV do
+  local pid = ARGV[i]
+  local pkey = base .. ':prompt:' .. pid
+  local state = redis.call('HGET', pkey, 'state')
+  if state == 'queued' or state == 'claimed' then
+    redis.call('HSET', pkey, 'state', 'cancelled', 'finished', now)
+    redis.call('ZREM', KEYS[1], pid)
+    redis.call('ZREM', KEYS[2], pid)
+    redis.call('HINCRBY', KEYS[3], redis.call('HGET', pkey, 'client'), -1)
+    redis.call('XADD', KEYS[4], 'MAXLEN', '~', '100000', '*', 'id', pid)
+    redis.call('EXPIRE', pkey, retention)
+    out[#out + 1] = 'cancelled'
+  else
+    out[#out + 1] = 'finished'
+  end
+end
+return out
+"""
+
+
+class QueueFull(Exception):
+    """Nothing was queued: the queue or the client's quota has no room."""
+
+
+class PromptQueue:
+    """The Redis side of PromptService and of ClaimPrompts. `clock` (seconds, time.time by default) stamps
+    submissions, claims and cancellations; the claim lease is judged against it inside the claim script, so a test
+    can move it instead of waiting out a lease."""
+
+    def __init__(self, client: redis.Redis, run_name: str, prefix: str = "grpo-stream",
+                 clock: Callable[[], float] = time.time):
+        self.client, self.clock = client, clock
+        self.base = f"{prefix}:{run_name}"
+        k = self.base
+        self.queue, self.claimed = f"{k}:inject:queue", f"{k}:inject:claimed"
+        self.pending, self.samplers, self.seq = f"{k}:inject:pending", f"{k}:inject:samplers", f"{k}:inject:seq"
+        self.results, self.status_key, self.rollouts = f"{k}:results", f"{k}:status", f"{k}:rollouts"
+        self._submit = client.register_script(_SUBMIT)
+        self._claim = client.register_script(_CLAIM)
+        self._cancel = client.register_script(_CANCEL)
+
+    def _call(self, fn):
+        try:
+            return fn()
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            raise BufferUnavailable(f"redis: {exc}") from exc
+
+    def prompt_key(self, prompt_id: str) -> str:
+        return f"{self.base}:prompt:{prompt_id}"
+
+    @staticmethod
+    def new_id() -> str:
+        return f"p-{uuid.uuid4().hex[:16]}"
+
+    def submit(self, client_name: str, items: list[tuple[str, int, bytes, bytes, bool, list[str]]], max_queued: int,
+               max_pending: int, max_priority: int, retention_s: int = 7 * 86_400) -> int:
+        """Queue (id, priority, InjectedPrompt bytes, PromptSpec bytes, train, tags) items, all or none. Returns the
+        queue length after; raises QueueFull (nothing queued) when the queue or the client's quota has no room."""
+        args: list = [self.base, client_name, self.clock(), max_queued, max_pending, max_priority, retention_s]
+        for pid, priority, req, spec, train, tags in items:
+            args += [pid, priority, req, spec, int(train), json.dumps(tags)]
+        status, count = (x.decode() for x in self._call(lambda: self._submit(
+            keys=[self.queue, self.claimed, self.pending, self.seq], args=args)))
+        if status == "full":
+            raise QueueFull(f"the injection queue holds {count} prompts (prompts.max_queued={max_queued}); "
+                            f"{len(items)} more do not fit")
+        if status == "quota":
+            raise QueueFull(f"client {client_name!r} has {count} unfinished prompts "
+                            f"(prompts.max_pending_per_client={max_pending}); {len(items)} more exceed it")
+        return int(count)
+
+    def claim(self, sampler_id: str, want: int, lease_s: float) -> list[bytes]:
+        """InjectedPrompt bytes of up to `want` prompts for this sampler (its fair share of the queue)."""
+        return self._call(lambda: self._claim(keys=[self.queue, self.claimed, self.samplers], args=[
+            self.base, sampler_id, want, self.clock(), lease_s, ACTIVE_SAMPLER_S]))
+
+    def cancel(self, client_name: str, admin: bool, prompt_ids: list[str], retention_s: int) -> dict[str, str]:
+        """id -> 'cancelled' | 'finished'. Raises KeyError(id) for an unknown id, PermissionError(id) for another
+        client's prompt (unless admin); then nothing is cancelled."""
+        reply = [x.decode() for x in self._call(lambda: self._cancel(
+            keys=[self.queue, self.claimed, self.pending, self.results],
+            args=[self.base, client_name, int(admin), self.clock(), retention_s, *prompt_ids]))]
+        if reply[0] == "unknown":
+            raise KeyError(reply[1])
+        if reply[0] == "denied":
+            raise PermissionError(reply[1])
+        return dict(zip(prompt_ids, reply[1:]))
+
+    def records(self, prompt_ids: list[str]) -> list[dict[bytes, bytes] | None]:
+        """Each prompt's hash (None: unknown or expired)."""
+        def run():
+            pipe = self.client.pipeline(transaction=False)
+            for pid in prompt_ids:
+                pipe.hgetall(self.prompt_key(pid))
+            return pipe.execute()
+        return [r or None for r in self._call(run)]
+
+    def tagged(self, tag: str) -> list[str]:
+        return sorted(x.decode() for x in self._call(lambda: self.client.smembers(f"{self.base}:tag:{tag}")))
+
+    def results_tail(self) -> str:
+        """Id of the newest finish notification ('0-0' when none): follow from here."""
+        last = self._call(lambda: self.client.xrevrange(self.results, count=1))
+        return last[0][0].decode() if last else "0-0"
+
+    def wait_finished(self, after: str, block_ms: int) -> tuple[str, list[str]]:
+        """Prompt ids that finished after stream id `after` (waiting up to block_ms), and the new position."""
+        reply = self._call(lambda: self.client.xread({self.results: after}, count=500, block=block_ms))
+        ids = []
+        for _stream, entries in reply or []:
+            for entry_id, fields in entries:
+                after = entry_id.decode()
+                ids.append(fields[b"id"].decode())
+        return after, ids
+
+    def counts(self) -> tuple[int, int]:
+        """(queued, claimed) injected prompts."""
+        def run():
+            pipe = self.client.pipeline(transaction=False)
+            pipe.zcard(self.queue)
+            pipe.zcard(self.claimed)
+            return pipe.execute()
+        queued, claimed = self._call(run)
+        return int(queued), int(claimed)
+
+    def write_status(self, status: dict) -> None:
+        self._call(lambda: self.client.set(self.status_key, json.dumps(status)))
+
+    def read_status(self) -> dict:
+        raw = self._call(lambda: self.client.get(self.status_key))
+        return json.loads(raw) if raw else {}
+
+    def buffer_depth(self) -> int:
+        return int(self._call(lambda: self.client.xlen(self.rollouts)))

@@ -1,0 +1,84 @@
+"""What a trainer run leaves behind besides checkpoints: held-out evaluations, the exported Hugging Face model,
+and summary.json."""
+
+from __future__ import annotations
+
+import json
+import logging
+import pathlib
+import time
+
+import numpy as np
+
+from grpo_stream.common.config.schema import RunConfig
+from grpo_stream.common.engine.evaluation import evaluate
+from grpo_stream.common.model.hf_checkpoint import export_hf, resolve_model_dir
+
+log = logging.getLogger(__name__)
+
+
+def evaluate_heldout(cfg: RunConfig, engine, params, task, tokenizer, label: str) -> dict:
+    """Greedy accuracy (and sampled pass@k / maj@k with eval.samples) on eval.num_problems held-out problems."""
+    problems = task.heldout(cfg.eval.num_problems)
+    result = evaluate(engine, params, tokenizer, problems, cfg.eval.batch_size, samples=cfg.eval.samples,
+                      ks=cfg.eval.ks, seed=cfg.run.seed)
+    sampled = (f", sampled pass@1 {result.pass_at_k['1']:.3f} ({cfg.eval.samples} samples)"
+               if "1" in result.pass_at_k else "")
+    log.info("%s: held-out greedy accuracy %.3f%s on %d problems (%.1fs); e.g. %r", label, result.accuracy, sampled,
+             result.num_problems, result.seconds, result.examples[0]["completion"] if result.examples else "")
+    return result.as_dict()
+
+
+def export_policy(cfg: RunConfig, run_dir: pathlib.Path, name: str, what: str, model, params, tokenizer) -> None:
+    """The policy `params` as a Hugging Face directory RUN_DIR/name, next to the tokenizer files."""
+    source = resolve_model_dir(cfg.model.path) if cfg.model.kind == "hf" else None
+    if source is None:
+        tokenizer.save(run_dir / name)  # the tiny model's own tokenizer (an hf source brings its own)
+    export_hf(run_dir / name, model.arch, model.to_named_numpy(params), tokenizer_dir=source, dtype=cfg.model.dtype,
+              eos_ids=tokenizer.eos_ids, pad_id=tokenizer.pad_id)
+    log.info("exported the %s model to %s", what, run_dir / name)
+
+
+def write_summary(path: pathlib.Path, cfg: RunConfig, *, steps: int, counters: dict, by_sampler: dict, publisher,
+                  durability, agreement: dict, mesh_shape: dict, final_weights: dict | None, carried: dict,
+                  eval_after: dict | None, rl_seconds: float, started: float, resumed_from: dict | None) -> dict:
+    summary = {
+        "run": cfg.run.name,
+        "steps": steps,
+        "stopped_early": steps < cfg.trainer.steps,
+        "trainer_epoch": durability.epoch,
+        "resumed_from": resumed_from,
+        "checkpoints_saved": durability.checkpointed,
+        "groups_ingested": counters["ingested"],
+        "groups_trained": counters["trained"],
+        "groups_dropped_stale": counters["dropped_stale"],
+        "groups_dropped_invalid": counters["dropped_invalid"],
+        "groups_dropped_filtered": counters["dropped_filtered"],
+        "groups_dropped_duplicate": counters["dropped_duplicate"],
+        "groups_left_in_buffer": counters["depth"],
+        "groups_by_sampler": by_sampler,
+        "ingest_rejected_invalid": counters["refused_invalid"],
+        "ingest_refused_duplicate": counters["refused_duplicate"],
+        "ingest_backpressure_replies": counters["refused_full"],
+        "weight_versions_published": len(publisher.published),
+        "weight_versions": publisher.published,
+        "weight_transport": cfg.weights.transport,
+        "weight_publish_seconds_mean": (round(float(np.mean(publisher.publish_seconds)), 4)
+                                        if publisher.publish_seconds else None),
+        "trainer_mesh": mesh_shape,
+        "final_weights": final_weights,
+        "sampler_weight_versions": publisher.installed,
+        "algo": cfg.algo.model_dump(mode="json"),
+        "logprob_agreement_lag0": {
+            "tokens": int(agreement["tokens"]),
+            "mean_abs": agreement["abs_sum"] / agreement["tokens"] if agreement["tokens"] else None,
+            "max_abs": agreement["max_abs"] if agreement["tokens"] else None},
+        "warmstart": carried["warmstart"],
+        "eval_before": carried["eval_before"],
+        "eval_after": eval_after,
+        "rl_seconds": round(rl_seconds, 2),
+        "wall_seconds": round(time.time() - started, 2),
+    }
+    path.write_text(json.dumps(summary, indent=2))
+    log.info("summary written to %s", path)
+    return summary

@@ -1,0 +1,117 @@
+"""What a trainer step reports: a console line (at a readable cadence), TensorBoard scalars and histograms, a
+metrics-trainer.jsonl row, and the Prometheus series."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+
+from grpo_stream.common.config.schema import RunConfig
+from grpo_stream.common.rollouts.buffer import BufferUnavailable, RolloutBuffer
+from grpo_stream.common.runtime.prometheus import ServiceMetrics
+from grpo_stream.trainer_service.metrics import MetricsWriter
+
+log = logging.getLogger(__name__)
+
+_GAUGES = (("trainer_step", "RL steps completed"), ("weight_version", "latest published weight version"),
+           ("buffer_depth", "groups waiting in the buffer to be trained"),
+           ("reward_mean", "mean reward of the last batch"),
+           ("accuracy", "answer accuracy of the last batch"), ("staleness_mean", "mean staleness of the last batch"),
+           ("step_seconds", "wall time of the last step"), ("wait_seconds", "time the last step waited for data"),
+           ("tokens_per_second", "completion tokens trained per second over the last window"),
+           ("groups_per_second", "rollout groups trained per second over the last window"),
+           ("compute_share", "share of the last step's wall time spent in the jitted update"))
+
+
+class StepReporter:
+    def __init__(self, cfg: RunConfig, metrics: MetricsWriter, buffer: RolloutBuffer, publisher, held):
+        """`publisher`: the weight publisher (latest version, samplers' installed versions); `held()`: groups trained
+        but not yet acknowledged."""
+        self.cfg, self.metrics, self.buffer, self.publisher, self.held = cfg, metrics, buffer, publisher, held
+        self.prom = ServiceMetrics("trainer")
+        self.gauges = {name: self.prom.gauge(name, doc) for name, doc in _GAUGES}
+        self.groups_gauge = self.prom.gauge("groups", "rollout groups by outcome (buffer counters)", ("outcome",))
+        self.lag_gauge = self.prom.gauge("sampler_weight_lag", "latest version minus the sampler's installed version",
+                                         ("sampler",))
+        self.prom.start(cfg.trainer.host, cfg.trainer.metrics_port)
+        self._counters: dict[str, int] = {}
+        self._last_line = 0.0
+        self._window: list[tuple[float, int, int]] = []  # (time, tokens, groups) of recent steps, for rates
+
+    def rates(self, tokens: int, groups: int, window_s: float = 30.0) -> tuple[float, float]:
+        """Tokens/s and groups/s trained over the last `window_s` seconds (not a run-long average, which would climb
+        all run as start-up time is amortised)."""
+        now = time.time()
+        self._window.append((now, tokens, groups))
+        while len(self._window) > 2 and now - self._window[1][0] > window_s:
+            self._window.pop(0)
+        span = now - self._window[0][0] if len(self._window) > 1 else 0.0
+        if span <= 0:
+            return 0.0, 0.0
+        return (sum(t for _, t, _ in self._window[1:]) / span, sum(g for _, _, g in self._window[1:]) / span)
+
+    def report(self, step, groups, staleness, stats, m, phases, tokens_per_second, groups_per_second) -> None:
+        accuracy = float(np.mean([c.reward_components.get("answer_correct", 0.0)
+                                  for g in groups for c in g.completions]))
+        held = self.held()
+        try:
+            counters = self._counters = self.buffer.counters()
+        except BufferUnavailable:  # Redis is away: report the last known counts rather than fail the step
+            counters = self._counters or {"depth": 0, "dropped_stale": 0, "dropped_filtered": 0}
+        row = {**stats, **m, "accuracy": accuracy, "staleness_mean": float(staleness.mean()),
+               "staleness_max": int(staleness.max()),
+               # waiting to be trained; those trained but held for a checkpoint are counted apart
+               "buffer_depth": max(0, counters["depth"] - held), "buffer_held": held,
+               "groups_dropped_stale": counters["dropped_stale"],
+               "groups_dropped_filtered": counters["dropped_filtered"], **phases,
+               "wait_seconds": phases["collect_seconds"], "tokens_per_second": tokens_per_second,
+               "groups_per_second": groups_per_second, "step_seconds": sum(phases.values()),
+               "compute_share": phases["compute_seconds"] / max(sum(phases.values()), 1e-9),
+               "zero_variance_groups": int(sum(np.ptp(g.rewards) == 0 for g in groups)),
+               "weight_version": self.publisher.latest_version or 0}
+        self.metrics.scalars(step, row, prefix="train/")
+        self._export(step, row, counters)
+        self.metrics.histogram(step, "train/staleness", staleness)
+        lags = self.sampler_lags()
+        if lags:
+            self.metrics.scalars(step, lags, prefix="sampler_weight_lag/", jsonl=False)
+        if self._show(step):
+            lp_diff = f"{m['logprob_diff_max']:.1e}" if "logprob_diff_max" in m else "-"
+            log.info("step %d/%d reward %.3f acc %.3f staleness %.1f/%d buffer %d dropped-stale %d version %d "
+                     "loss %.4f clip %.3f lp_diff(lag0) %s wait %.2fs %.0f tok/s", step, self.cfg.trainer.steps,
+                     stats["reward_mean"], accuracy, row["staleness_mean"], row["staleness_max"], row["buffer_depth"],
+                     row["groups_dropped_stale"], row["weight_version"], m["loss"], m["clip_fraction"], lp_diff,
+                     phases["collect_seconds"], tokens_per_second)
+
+    def _show(self, step: int) -> bool:
+        """Every step with logging.verbose; else the first, the last, every logging.step_every-th, and one at least
+        every logging.summary_every_s seconds."""
+        lg, now = self.cfg.logging, time.time()
+        show = (lg.verbose or step == 1 or step == self.cfg.trainer.steps or step % lg.step_every == 0
+                or now - self._last_line >= lg.summary_every_s)
+        if show:
+            self._last_line = now
+        return show
+
+    def _export(self, step: int, row: dict, counters: dict) -> None:
+        """Update the Prometheus series after a step."""
+        self.gauges["trainer_step"].set(step)
+        for name in ("weight_version", "buffer_depth", "reward_mean", "accuracy", "staleness_mean", "step_seconds",
+                     "wait_seconds", "tokens_per_second", "groups_per_second", "compute_share"):
+            self.gauges[name].set(row[name])
+        for outcome, value in counters.items():
+            self.groups_gauge.labels(outcome).set(value)
+        for sampler, lag in self.sampler_lags().items():
+            self.lag_gauge.labels(sampler).set(lag)
+
+    def sampler_lags(self) -> dict[str, int]:
+        """Per sampler: newest published version minus the version it reports installed."""
+        latest = self.publisher.latest_version or 0
+        return {sampler: latest - versions[-1] for sampler, versions in dict(self.publisher.installed).items()
+                if versions}
+
+    def close(self) -> None:
+        self.metrics.close()
+        self.prom.stop()
