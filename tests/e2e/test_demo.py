@@ -21,9 +21,10 @@ from tests.e2e.test_up import check_run, run_cli
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 # Each bar is the one-sided 99% lower prediction bound for one new run, mean - t(0.99, 9) * sd * sqrt(1 + 1/10),
-# from 10 measured runs of the same setup (tests/e2e/calibration/*.json: `python -m grpo_stream.bench.learning_spread`;
-# 2026-11-23/24, two inside CI's test suite, the others beside other test runs or idle), rounded down: if a healthy
-# run's gain is normal, it fails a bar with probability <= 1% (expected false-failure rate of each check <= 1%).
+# from 10 measured runs of the same setup (tests/e2e/calibration/*.json, made with
+# `python -m grpo_stream.bench.learning_spread`; 2026-11-23/24, some inside CI's test suite, the others beside other
+# test runs or idle), rounded down: if a healthy run's gain is normal, it fails a bar with probability <= 1%
+# (expected false-failure rate of each check <= 1%).
 # - demo, sampled pass@1 gain: runs +0.129 to +0.181, mean 0.158, sd 0.017, bound 0.107. FFR <= 1%.
 DEMO_MIN_SAMPLED_GAIN = 0.10
 # - demo, greedy accuracy gain: runs +0.132 to +0.178, mean 0.162, sd 0.015, bound 0.118. FFR <= 1%. Greedy decoding
