@@ -17,21 +17,6 @@ from grpo_stream.common.config.schema import RunConfig
 log = logging.getLogger("grpo_stream.eval")
 
 
-def problems_of(cfg: RunConfig, task, split: str, limit: int) -> list:
-    if cfg.task.name == "gsm8k":
-        d = cfg.task.dataset
-        if split in (d.test_split, "test"):
-            return task.heldout(limit)
-        if split in (d.train_split, "train"):
-            return [task._prompted(p) for p in task.train[:limit]]
-        raise ValueError(f"--split {split}: this config's splits are {d.train_split} and {d.test_split}")
-    if split == "test":
-        return task.heldout(limit)
-    if split == "train":
-        return [task.train_problem(i) for i in range(limit)]
-    raise ValueError(f"--split {split}: the arith task has the splits train and test")
-
-
 def run_eval(cfg: RunConfig, split: str, limit: int | None, json_path: pathlib.Path | None) -> dict:
     from grpo_stream.common.engine.evaluation import evaluate  # noqa: PLC0415 - imports JAX
     from grpo_stream.common.engine.jax_engine import Engine  # noqa: PLC0415
@@ -42,7 +27,7 @@ def run_eval(cfg: RunConfig, split: str, limit: int | None, json_path: pathlib.P
     gen = cfg.generation
     engine = Engine(model, tokenizer.pad_id, tokenizer.eos_ids, gen.max_prompt_tokens, gen.max_new_tokens,
                     gen.temperature)
-    problems = problems_of(cfg, task, split, limit or cfg.eval.num_problems)
+    problems = task.split_problems(split, limit or cfg.eval.num_problems)
     log.info("evaluating %s on %d %s problems (greedy%s)", cfg.model.path or "the tiny model", len(problems), split,
              f" + {cfg.eval.samples} samples each" if cfg.eval.samples else "")
     result = evaluate(engine, model.params, tokenizer, problems, cfg.eval.batch_size, samples=cfg.eval.samples,

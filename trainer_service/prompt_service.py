@@ -20,7 +20,7 @@ from grpo_stream.common.rpc.auth import TokenTable, caller_of
 from grpo_stream.common.rollouts.buffer import BufferUnavailable
 from grpo_stream.common.config.schema import RunConfig
 from grpo_stream.trainer_service.prompt_queue import PromptQueue, QueueFull
-from grpo_stream.common.tasks.rewards import BUILTIN
+from grpo_stream.common.tasks.rewards import REWARDS
 from grpo_stream.protos import prompts_pb2, prompts_pb2_grpc, rollout_pb2
 
 log = logging.getLogger(__name__)
@@ -35,7 +35,7 @@ class PromptServicer(prompts_pb2_grpc.PromptServiceServicer):
         self.cfg, self.queue, self.tokenizer, self.task, self.table = cfg, queue, tokenizer, task, table
         self.limits = cfg.prompts
         # rewards a client may name: built-ins and the run's own; never an import path from the network
-        self.rewards = sorted(set(BUILTIN) | set(cfg.task.rewards))
+        self.rewards = sorted(set(REWARDS) | set(cfg.task.rewards))
         self._followers = threading.BoundedSemaphore(cfg.prompts.max_followers)
 
     # -- Submit -----------------------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from grpo_stream.common.config.access import REDIS_PASSWORD_ENV, AuthSection, PromptsSection, RedisAuthSection, TlsSection
 from grpo_stream.common.config.base import ConfigError, Strict
 from grpo_stream.common.engine.registry import ENGINES, engine_spec
+from grpo_stream.common.tasks.registry import TASKS, task_spec
 from grpo_stream.common.weights.registry import TRANSPORTS, transport_spec
 
 __all__ = ["ConfigError", "RunConfig", "Strict", "load_config"]
@@ -116,7 +117,14 @@ class DatasetSection(Strict):
 
 
 class TaskSection(Strict):
-    name: Literal["arith", "gsm8k"] = Field("arith", description="'arith': generated addition word problems, GSM8K "
+    @field_validator("name")
+    @classmethod
+    def _known_task(cls, name: str) -> str:
+        if name not in TASKS:
+            raise ValueError(f"unknown task {name!r}; choose one of {sorted(TASKS)}")
+        return name
+
+    name: str = Field("arith", description="'arith': generated addition word problems, GSM8K "
                                             "answer format (`#### N`); 'gsm8k': math word problems from "
                                             "task.dataset.")
     dataset: DatasetSection = Field(default_factory=DatasetSection, description="task.name=gsm8k: where the "
@@ -524,12 +532,16 @@ class RunConfig(Strict):
 
     @model_validator(mode="after")
     def _task_and_model(self) -> "RunConfig":
-        if self.task.name == "gsm8k" and not self.task.dataset.source:
-            raise ValueError("task.name=gsm8k needs task.dataset.source (e.g. ../shared/data/gsm8k or openai/gsm8k)")
-        if self.task.name == "gsm8k" and self.warmstart.steps:
-            raise ValueError("warmstart.steps: the supervised warm start exists for the arith task only; set it to 0")
-        if self.model.kind == "hf" and self.task.name == "arith" and self.warmstart.steps:
-            raise ValueError("warmstart.steps: the arith warm start trains the tiny model only; set it to 0")
+        task = task_spec(self.task.name)
+        if task.dataset and not self.task.dataset.source:
+            raise ValueError(f"task.name={self.task.name} needs task.dataset.source (e.g. ../shared/data/gsm8k or "
+                             "openai/gsm8k)")
+        if not task.warmstart and self.warmstart.steps:
+            raise ValueError(f"warmstart.steps: the supervised warm start exists for the tasks "
+                             f"{[n for n, t in TASKS.items() if t.warmstart]} only; set it to 0")
+        if self.model.kind == "hf" and self.warmstart.steps:
+            raise ValueError(f"warmstart.steps: the {self.task.name} warm start trains the tiny model only; set it "
+                             "to 0")
         if self.eval.samples and max(self.eval.ks) > self.eval.samples:
             raise ValueError(f"eval.ks={self.eval.ks}: each k must be at most eval.samples={self.eval.samples}")
         return self

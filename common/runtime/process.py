@@ -10,6 +10,7 @@ import os
 import sys
 import tempfile
 
+from grpo_stream.common.tasks.registry import build_task_for
 from grpo_stream.common.runtime.console import show_detail
 from grpo_stream.common.config.schema import COMPILATION_CACHE_ENV, RunConfig, default_compilation_cache_dir
 from grpo_stream.common.tasks.arith import ArithTask
@@ -172,8 +173,6 @@ def build_task_and_tokenizer(cfg: RunConfig):
     task's own text (tiny model); GSM8K prompts are rendered with it
     (task.prompt_template).
     """
-    from grpo_stream.common.tasks import prompts  # noqa: PLC0415
-
     hf_tokenizer = None
     if cfg.model.kind == "hf":
         from grpo_stream.common.model.hf_checkpoint import read_architecture, resolve_model_dir  # noqa: PLC0415
@@ -182,18 +181,7 @@ def build_task_and_tokenizer(cfg: RunConfig):
         directory = resolve_model_dir(cfg.model.path)
         arch = read_architecture(directory)
         hf_tokenizer = HFTokenizer(directory, cfg.model.pad_token, vocab_size=arch.vocab_size)
-    if cfg.task.name == "arith":
-        task = build_task(cfg)
-        return task, hf_tokenizer or build_tokenizer(cfg, task)
-    from grpo_stream.common.tasks.gsm8k import Gsm8kTask, load_problems  # noqa: PLC0415
-
-    d = cfg.task.dataset
-    train, test = (load_problems(d.source, split, d.question_field, d.answer_field, d.on_bad_row, d.hub_config,
-                                 d.limit) for split in (d.train_split, d.test_split))
-    tokenizer = hf_tokenizer or train_bpe([f"{p.question} {p.solution}" for p in train[:TOKENIZER_CORPUS_SIZE]],
-                                          cfg.model.tiny.vocab_size)
-    return Gsm8kTask(train, test, lambda q: prompts.render(q, cfg.task.prompt_template, tokenizer),
-                     cfg.run.seed), tokenizer
+    return build_task_for(cfg, hf_tokenizer)
 
 
 def build_policy(cfg: RunConfig, vocab_size: int, seed: int | None):

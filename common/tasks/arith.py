@@ -103,6 +103,14 @@ class ArithTask:
                              "lower it or widen task.min_operand..task.max_operand")
         return [self._problem(rng, a, b, f"arith-heldout-{k}") for k, (a, b) in enumerate(pairs[:limit])]
 
+    def split_problems(self, split: str, limit: int) -> list[Problem]:
+        """The first `limit` problems of `split` (`grpo-stream eval --split`)."""
+        if split == "test":
+            return self.heldout(limit)
+        if split == "train":
+            return [self.train_problem(i) for i in range(limit)]
+        raise ValueError(f"--split {split}: the arith task has the splits train and test")
+
     def corpus(self, size: int) -> list[str]:
         """Text for training the tokenizer: prompts with right and wrong demonstrations."""
         rng = random.Random(f"{self.seed}/corpus")
@@ -113,3 +121,12 @@ class ArithTask:
             p = self._problem(rng, a, b, f"corpus-{k}")
             out.append(p.prompt + p.demonstration(drop_carry=bool(k % 2)))
         return out
+
+
+def build(cfg, hf_tokenizer):
+    """The task registry's entry (task.name=arith): the task, and the checkpoint's tokenizer or a BPE trained on
+    the task's text."""
+    from grpo_stream.common.runtime.process import build_task, build_tokenizer  # noqa: PLC0415
+
+    task = build_task(cfg)
+    return task, hf_tokenizer or build_tokenizer(cfg, task)

@@ -140,8 +140,20 @@ class PromptedProblem:
 class Gsm8kTask:
     """Prompts from a train split (each sampler its own shard, reshuffled every epoch), evaluation on a test split."""
 
-    def __init__(self, train: list[MathProblem], test: list[MathProblem], render, seed: int):
+    def __init__(self, train: list[MathProblem], test: list[MathProblem], render, seed: int,
+                 splits: tuple[str, str] = ("train", "test")):
+        """`splits`: the dataset's names of the train and test splits (task.dataset)."""
         self.train, self.test, self.render, self.seed = train, test, render, seed
+        self.splits = splits
+
+    def split_problems(self, split: str, limit: int) -> list[PromptedProblem]:
+        """The first `limit` problems of `split` (`grpo-stream eval --split`; 'train' and 'test' name them too)."""
+        train_split, test_split = self.splits
+        if split in (test_split, "test"):
+            return self.heldout(limit)
+        if split in (train_split, "train"):
+            return [self._prompted(p) for p in self.train[:limit]]
+        raise ValueError(f"--split {split}: this config's splits are {train_split} and {test_split}")
 
     def render_question(self, question: str) -> str:
         """A bare question wrapped as the run's prompts are (for injected prompts)."""
@@ -173,3 +185,19 @@ class Gsm8kTask:
 
     def heldout(self, n: int) -> list[PromptedProblem]:
         return [self._prompted(p) for p in self.test[:n]]
+
+
+def build(cfg, hf_tokenizer):
+    """The task registry's entry (task.name=gsm8k): problems from task.dataset, prompts rendered with
+    task.prompt_template and the tokenizer (the checkpoint's, or a BPE trained on the training problems)."""
+    from grpo_stream.common.model.tokenizer import train_bpe  # noqa: PLC0415
+    from grpo_stream.common.runtime.process import TOKENIZER_CORPUS_SIZE  # noqa: PLC0415
+    from grpo_stream.common.tasks import prompts  # noqa: PLC0415
+
+    d = cfg.task.dataset
+    train, test = (load_problems(d.source, split, d.question_field, d.answer_field, d.on_bad_row, d.hub_config,
+                                 d.limit) for split in (d.train_split, d.test_split))
+    tokenizer = hf_tokenizer or train_bpe([f"{p.question} {p.solution}" for p in train[:TOKENIZER_CORPUS_SIZE]],
+                                          cfg.model.tiny.vocab_size)
+    return Gsm8kTask(train, test, lambda q: prompts.render(q, cfg.task.prompt_template, tokenizer),
+                     cfg.run.seed, (d.train_split, d.test_split)), tokenizer

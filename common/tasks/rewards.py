@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import importlib
 import re
-from typing import Callable
 
 from grpo_stream.common.tasks.answers import extract_answer, parse_number, same_number
+from grpo_stream.common.tasks.base import RewardFn
 
-RewardFn = Callable[[str, str], float]
 _REASONING_ANSWER = re.compile(r"^\s*<reasoning>.+?</reasoning>\s*<answer>.+?</answer>\s*$", re.S)
 
 
@@ -40,7 +39,8 @@ def reasoning_answer_format(text: str, reference: str) -> float:
     return 1.0 if _REASONING_ANSWER.match(text) else 0.0
 
 
-BUILTIN: dict[str, RewardFn] = {
+# the reward registry: built-in rewards by name (task.rewards also takes `package.module:function`)
+REWARDS: dict[str, RewardFn] = {
     "answer_correct": answer_correct,
     "answer_format": answer_format,
     "reasoning_answer_format": reasoning_answer_format,
@@ -50,11 +50,11 @@ DEFAULT_WEIGHTS = {"answer_correct": 1.0, "answer_format": 0.1}
 
 def resolve(name: str) -> RewardFn:
     """A built-in reward by name, or the function at import path `package.module:function`."""
-    if name in BUILTIN:
-        return BUILTIN[name]
+    if name in REWARDS:
+        return REWARDS[name]
     module_name, sep, attr = name.partition(":")
     if not sep or not module_name or not attr:
-        raise ValueError(f"task.rewards.{name}: not a built-in reward ({', '.join(BUILTIN)}) nor an import path "
+        raise ValueError(f"task.rewards.{name}: not a built-in reward ({', '.join(REWARDS)}) nor an import path "
                          "'package.module:function'")
     try:
         fn = getattr(importlib.import_module(module_name), attr)

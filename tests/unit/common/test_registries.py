@@ -15,6 +15,8 @@ from grpo_stream.common.engine.registry import ENGINES
 from grpo_stream.common.model.sharding import make_mesh
 from grpo_stream.common.rollouts.buffer import RolloutBuffer
 from grpo_stream.common.rollouts.registry import BUFFERS, open_buffer
+from grpo_stream.common.tasks.registry import TASKS
+from grpo_stream.common.tasks.rewards import REWARDS
 from grpo_stream.common.weights.registry import TRANSPORTS, weight_sink, weight_source
 from grpo_stream.common.weights.transport import SinkContext, SourceContext, TransportSpec
 from grpo_stream.sampler_service.weight_sync import WeightSync
@@ -29,6 +31,9 @@ def test_every_registered_transport_and_engine_module_defines_its_entry_points()
         assert callable(module.make_sink) and callable(module.make_source), name
     for name, spec in ENGINES.items():
         assert callable(importlib.import_module(spec.module).build), name
+    for name, spec in TASKS.items():
+        assert callable(importlib.import_module(spec.module).build), name
+    assert all(fn("#### 4", "4") in (0.0, 1.0) for fn in REWARDS.values())
 
 
 def test_the_in_memory_buffer_has_every_method_of_the_interface():
@@ -57,7 +62,7 @@ def test_a_new_transport_is_one_module_and_one_registry_line(monkeypatch, tiny_p
 
 # the names a registry gives to backends, and the modules allowed to spell them out as values: the registries,
 # each backend's own module, and code whose "grpc"/"local" means something else (the data plane's protocol)
-_NAMES = set(TRANSPORTS) | set(ENGINES) | set(BUFFERS)
+_NAMES = set(TRANSPORTS) | set(ENGINES) | set(BUFFERS) | set(TASKS)
 _ALLOWED = {"common/weights/registry.py", "common/engine/registry.py", "common/rollouts/registry.py",
             "common/weights/grpc_transport.py", "common/weights/checkpoint_transport.py",
             "common/weights/local_transport.py", "common/engine/jax_engine.py", "common/engine/vllm_engine.py",

@@ -118,7 +118,8 @@ def test_log_format_is_text_or_json():
     (["model.kind=hf"], "model.kind=hf needs model.path"),
     (["task.name=gsm8k", "warmstart.steps=0"], "task.name=gsm8k needs task.dataset.source"),
     (["task.name=gsm8k", "task.dataset.source=x", "warmstart.steps=5"], "warmstart.steps: the supervised warm start "
-                                                                          "exists for the arith task only"),
+                                                                          r"exists for the tasks \['arith'\] only"),
+    (["task.name=poetry"], r"task.name: unknown task 'poetry'; choose one of \['arith', 'gsm8k'\]"),
     (["eval.samples=2", "eval.ks=[1,4]"], r"eval.ks=\[1, 4\]: each k must be at most eval.samples=2"),
     (["model.dtype=float16"], "model.dtype"),
     (["task.prompt_template=fancy"], "task.prompt_template"),

@@ -1,0 +1,34 @@
+"""Every task by its config name (task.name). Adding one: a module with `build(cfg, hf_tokenizer) -> (task,
+tokenizer)` (the task per base.Task; the tokenizer is the checkpoint's when given, else one trained on the task's
+own text) and a line here."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskSpec:
+    module: str              # defines build(cfg, hf_tokenizer)
+    dataset: bool = False    # reads task.dataset (its source must be given)
+    warmstart: bool = False  # has the supervised warm start's demonstrations (tiny model only)
+
+
+TASKS: dict[str, TaskSpec] = {
+    # generated addition word problems (the CPU demo)
+    "arith": TaskSpec("grpo_stream.common.tasks.arith", warmstart=True),
+    # math word problems from a dataset (task.dataset)
+    "gsm8k": TaskSpec("grpo_stream.common.tasks.gsm8k", dataset=True),
+}
+
+
+def task_spec(name: str) -> TaskSpec:
+    try:
+        return TASKS[name]
+    except KeyError:
+        raise ValueError(f"task.name={name!r}: unknown; choose one of {sorted(TASKS)}") from None
+
+
+def build_task_for(cfg, hf_tokenizer):
+    return importlib.import_module(task_spec(cfg.task.name).module).build(cfg, hf_tokenizer)
