@@ -18,7 +18,8 @@ PLOTS = {
     "staleness": ("Staleness of trained groups (steps)", ["train/staleness_mean", "train/staleness_max"]),
     "update": ("Policy update", ["train/grad_norm", "train/entropy", "train/advantage_abs_mean"]),
     "lengths": ("Completions", ["train/response_length_mean", "train/truncated_fraction"]),
-    "throughput": ("Throughput (per 30 s window)", ["train/tokens_per_second", "train/groups_per_second"]),
+    # groups/s is tokens/s over the mean length (the lengths plot), and on this axis it would be a flat line
+    "throughput": ("Completion tokens trained per second (30 s window)", ["train/tokens_per_second"]),
     "buffer": ("Rollout buffer", ["train/buffer_depth", "train/groups_dropped_stale"]),
 }
 CONSTANT_BECAUSE = {
