@@ -259,8 +259,12 @@ q = [leaf for name, leaf in zip(sharded.names(), jax.tree_util.tree_leaves(shard
 assert len(q.sharding.device_set) == 4 and q.addressable_shards[0].data.size == q.size // 4, q.sharding
 tokens = jnp.asarray(np.random.default_rng(0).integers(0, 96, (2, 16)))
 valid = jnp.ones(tokens.shape, bool)
-a, _ = sharded.apply(sharded.params, tokens, positions_from_mask(valid), None, causal_mask(valid))
-b, _ = plain.apply(plain.params, tokens, positions_from_mask(valid), None, causal_mask(valid))
+# jitted, as the trainer runs it: one program with its collectives. Run op by op, dozens of small sharded programs
+# are in flight at once, and on a 2-core machine XLA's CPU pool once ran half of one all-reduce's participants while
+# the other half waited behind another program (a rendezvous that never completed, in CI)
+a, _ = jax.block_until_ready(jax.jit(sharded.apply)(sharded.params, tokens, positions_from_mask(valid), None,
+                                                     causal_mask(valid)))
+b, _ = jax.jit(plain.apply)(plain.params, tokens, positions_from_mask(valid), None, causal_mask(valid))
 np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
 print("ok")
 """
@@ -273,7 +277,9 @@ def test_loads_straight_onto_a_device_mesh(tmp_path):
     import sys
 
     make_hf_model(tmp_path, "llama3.1-untied", 7)
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    # a participant the loaded machine starves of CPU for a while is waited for (XLA's default gives up after 40 s)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4 "
+           "--xla_cpu_collective_call_terminate_timeout_seconds=240"}
     root = pathlib.Path(__file__).resolve().parents[4]
     proc = subprocess.run([sys.executable, "-c", MESH_SCRIPT, str(tmp_path)], cwd=root, env=env,
                           capture_output=True, text=True, timeout=300)
