@@ -90,6 +90,11 @@ def test_injected_probes_follow_the_policy_and_are_never_trained(tmp_path):
         wave2 = finish(submit(run_dir, tmp_path / "wave2.jsonl"))
         output, _ = up.communicate(timeout=600)
         assert up.returncode == 0, output[-3000:]
+    except AssertionError as exc:  # with what the run printed: a failed submit says little by itself
+        if up.poll() is None:
+            up.kill()
+        tail = (up.communicate(timeout=60)[0] or "")[-6000:] if up.stdout and not up.stdout.closed else ""
+        raise AssertionError(f"{exc}\n--- grpo-stream up's output (tail):\n{tail}") from None
     finally:
         if up.poll() is None:
             up.kill()
