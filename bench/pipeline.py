@@ -26,7 +26,7 @@ import time
 
 import numpy as np
 
-from grpo_stream.common.config.schema import load_config
+from grpo_stream.common.config.loading import load_config
 from grpo_stream.common.rpc.auth import write_tokens
 from grpo_stream.common.rpc.grpc_util import ClientSecurity, open_channel
 from grpo_stream.common.rollouts.redis_server import EmbeddedRedis

@@ -24,7 +24,7 @@ import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from grpo_stream.common.rpc.auth import write_tokens
-from grpo_stream.common.config.schema import load_config
+from grpo_stream.common.config.loading import load_config
 from grpo_stream.common.rpc.grpc_util import ClientSecurity, open_channel
 from grpo_stream.common.rollouts.redis_server import EmbeddedRedis, free_port
 from grpo_stream.common.rollouts.wire import CompletionData, GroupData, to_proto

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from grpo_stream.common.config.schema import ModelSection, TinyModelSection
+from grpo_stream.common.config.learning import ModelSection, TinyModelSection
 from grpo_stream.common.engine import decode
 from grpo_stream.common.engine.jax_engine import Engine
 from grpo_stream.common.model.policy import TUNIX_ROPE_THETA, PolicyModel, build_model, causal_mask, positions_from_mask

@@ -35,7 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from grpo_stream.common.model.architectures import Architecture
-from grpo_stream.common.config.schema import AlgoSection, WeightsSection
+from grpo_stream.common.config.learning import AlgoSection
+from grpo_stream.common.config.schema import WeightsSection
 from grpo_stream.common.rpc.grpc_util import SERVER_OPTIONS
 from grpo_stream.common.model.policy import build_from_architecture
 from grpo_stream.common.weights.registry import transport_spec, weight_sink

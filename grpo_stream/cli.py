@@ -153,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "config":
         from grpo_stream.common.config.describe import describe
-        from grpo_stream.common.config.schema import RunConfig, load_config, to_yaml
+        from grpo_stream.common.config.loading import load_config, to_yaml
+        from grpo_stream.common.config.schema import RunConfig
 
         try:
             if args.config_command == "describe":
@@ -182,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
         except (FileNotFoundError, ValueError, RedisConnectError) as exc:
             _error(args, exc, args.run_dir if args.run_dir.is_dir() else None)
             return 2
-    from grpo_stream.common.config.schema import ConfigError, load_config, to_yaml
+    from grpo_stream.common.config.loading import load_config, to_yaml
+    from grpo_stream.common.config.schema import ConfigError
 
     if getattr(args, "verbose", False):
         args.overrides.append("logging.verbose=true")

@@ -16,7 +16,8 @@ import sys
 import grpc
 
 from grpo_stream.common.rpc.auth import new_token, write_private, write_tokens
-from grpo_stream.common.config.schema import RunConfig, load_config
+from grpo_stream.common.config.loading import load_config
+from grpo_stream.common.config.schema import RunConfig
 from grpo_stream.common.config.access import TOKEN_ENV, TOKEN_FILE_ENV
 from grpo_stream.common.rpc.grpc_util import ClientSecurity
 from grpo_stream.prompt_client import PromptClient, to_spec

@@ -23,7 +23,8 @@ import threading
 import time
 
 from grpo_stream.common.rpc.auth import write_tokens
-from grpo_stream.common.config.schema import RunConfig, load_config, to_yaml
+from grpo_stream.common.config.loading import load_config, to_yaml
+from grpo_stream.common.config.schema import RunConfig
 from grpo_stream.common.config.access import TOKEN_ENV, TOKEN_FILE_ENV, TOKENS_ENV
 from grpo_stream.common.weights.registry import transport_spec
 from grpo_stream.common.rollouts.redis_server import EmbeddedRedis, RedisConnectError, connect, credentials, free_port

@@ -8,7 +8,7 @@ import uuid
 
 import pytest
 
-from grpo_stream.common.config.schema import load_config
+from grpo_stream.common.config.loading import load_config
 from grpo_stream.common.rollouts.redis_server import EmbeddedRedis
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -38,7 +38,7 @@ def pytest_configure(config):
     so each program compiles once per run, not once per test process."""
     import tempfile
 
-    from grpo_stream.common.config.schema import COMPILATION_CACHE_ENV
+    from grpo_stream.common.config.process import COMPILATION_CACHE_ENV
     from grpo_stream.common.runtime.process import enable_compilation_cache
 
     directory = os.environ.get("GRPO_STREAM_TEST_CACHE_DIR")

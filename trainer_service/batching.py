@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from grpo_stream.common.config.schema import AlgoSection
+from grpo_stream.common.config.learning import AlgoSection
 from grpo_stream.common.rollouts.wire import GroupData
 from grpo_stream.trainer_service.advantages import compute_advantages, overlong_penalty
 

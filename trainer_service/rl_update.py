@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from grpo_stream.common.config.schema import AlgoSection
+from grpo_stream.common.config.learning import AlgoSection
 from grpo_stream.common.model.policy import PolicyModel, sequence_logprobs
 from grpo_stream.common.model.sharding import rows_sharding
 from grpo_stream.trainer_service.batching import TrainBatch

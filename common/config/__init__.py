@@ -1,1 +1,3 @@
-"""The run config: strict pydantic sections (schema.py), secrets and access (access.py), field descriptions (describe.py)."""
+"""The run config: RunConfig and the deployment sections (schema.py), what is learned and how (learning.py),
+process sections (process.py), reading files and overrides (loading.py), secrets and access (access.py), field
+descriptions (describe.py)."""

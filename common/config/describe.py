@@ -1,6 +1,6 @@
 """`grpo-stream config describe`: every config field with its type, default, limits and documentation.
 
-Read from the pydantic schema itself (common/config/schema.py), so it cannot drift from what the loader accepts.
+Read from the pydantic models themselves (common/config/), so it cannot drift from what the loader accepts.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Run configuration: strict pydantic models, YAML files and dotted overrides.
+"""Run configuration: the strict pydantic RunConfig and its deployment sections (what is learned and how:
+learning.py; reading files and overrides: loading.py).
 
 One file configures a whole run; every process (trainer, samplers, `up`)
 reads the same file plus the same `key.sub=value` overrides, so a
@@ -12,36 +13,21 @@ that names the dotted field and says how to fix it.
 
 from __future__ import annotations
 
-import os
-import pathlib
 from typing import Annotated, Any, Literal
 
-import yaml
-from pydantic import AfterValidator, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, model_validator
 
-from grpo_stream.common.config.access import REDIS_PASSWORD_ENV, AuthSection, PromptsSection, RedisAuthSection, TlsSection
+from grpo_stream.common.config.access import (REDIS_PASSWORD_ENV, AuthSection, PromptsSection, RedisAuthSection,
+                                              TlsSection)
 from grpo_stream.common.config.base import ConfigError, Strict
-from grpo_stream.common.engine.registry import ENGINES, engine_spec
+from grpo_stream.common.config.learning import AlgoSection, GenerationSection, ModelSection, TaskSection
+from grpo_stream.common.config.names import EngineName, TransportName
+from grpo_stream.common.config.process import LoggingSection, RuntimeSection
+from grpo_stream.common.engine.registry import engine_spec
 from grpo_stream.common.tasks.registry import TASKS, task_spec
 from grpo_stream.common.weights.registry import TRANSPORTS, transport_spec
 
-__all__ = ["ConfigError", "RunConfig", "Strict", "load_config"]
-
-COMPILATION_CACHE_ENV = "GRPO_STREAM_COMPILATION_CACHE_DIR"  # the cache directory when the config sets none
-
-
-def _registered(kind: str, registry: dict) -> AfterValidator:
-    """A name that must be a key of `registry` (read at validation time, so a registered backend is accepted)."""
-    def check(name: str) -> str:
-        if name not in registry:
-            raise ValueError(f"unknown {kind} {name!r}; choose one of {sorted(registry)}")
-        return name
-    return AfterValidator(check)
-
-
-TaskName = Annotated[str, _registered("task", TASKS)]
-EngineName = Annotated[str, _registered("engine", ENGINES)]
-TransportName = Annotated[str, _registered("transport", TRANSPORTS)]
+__all__ = ["ConfigError", "RunConfig", "Strict"]
 
 
 class RunSection(Strict):
@@ -75,94 +61,6 @@ class RedisSection(Strict):
                              f"in ${REDIS_PASSWORD_ENV} or a file named by redis.auth.password_file, and the user in "
                              "redis.auth.username")
         return self
-
-
-class TinyModelSection(Strict):
-    """A small Qwen3-architecture model built from scratch with a locally trained tokenizer."""
-
-    vocab_size: int = Field(160, ge=40, le=4096, description="BPE vocabulary size of the local tokenizer.")
-    num_layers: int = Field(2, ge=1, le=24, description="Decoder layers.")
-    embed_dim: int = Field(128, ge=16, le=4096, description="Model width.")
-    hidden_dim: int = Field(384, ge=16, le=16384, description="MLP hidden width.")
-    num_heads: int = Field(4, ge=1, le=64, description="Query heads.")
-    num_kv_heads: int = Field(2, ge=1, le=64, description="Key/value heads (must divide num_heads).")
-    head_dim: int = Field(32, ge=8, le=256, description="Width of one attention head.")
-
-    @model_validator(mode="after")
-    def _heads(self) -> "TinyModelSection":
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"model.tiny.num_kv_heads={self.num_kv_heads} must divide "
-                             f"model.tiny.num_heads={self.num_heads}")
-        return self
-
-
-class ModelSection(Strict):
-    kind: Literal["tiny", "hf"] = Field("tiny", description="'tiny': Qwen3-style model built from scratch for CPU "
-                                        "runs; 'hf': a Hugging Face checkpoint directory (model.path).")
-    tiny: TinyModelSection = Field(default_factory=TinyModelSection, description="Architecture of the tiny model.")
-    path: str | None = Field(None, description="kind=hf: a local directory with config.json, *.safetensors and the "
-                             "tokenizer files (Llama 3.x, Qwen2/2.5, Qwen3, Gemma 2, Gemma 3 text), or a hub id "
-                             "(org/name) taken from the Hugging Face cache or downloaded where a network exists.")
-    dtype: Literal["float32", "bfloat16"] = Field("float32", description="kind=hf: parameter dtype after loading.")
-    pad_token: str | None = Field(None, description="kind=hf: token used for padding when the tokenizer defines none "
-                                  "(it must not be an end-of-sequence token; Llama 3: <|finetune_right_pad_id|>). "
-                                  "Null: the tokenizer's pad token.")
-
-    @model_validator(mode="after")
-    def _path(self) -> "ModelSection":
-        if self.kind == "hf" and not self.path:
-            raise ValueError("model.kind=hf needs model.path: a local Hugging Face model directory")
-        return self
-
-
-class DatasetSection(Strict):
-    source: str | None = Field(None, description="task.name=gsm8k: a directory with {split}.jsonl or "
-                               "{split}.parquet, one such file, or a Hugging Face datasets name (openai/gsm8k; "
-                               "downloads, where a network exists).")
-    hub_config: str | None = Field("main", description="The datasets config of a hub source (GSM8K: main).")
-    train_split: str = Field("train", min_length=1, description="Split the samplers draw prompts from.")
-    test_split: str = Field("test", min_length=1, description="Split evaluation uses.")
-    question_field: str = Field("question", min_length=1, description="Row field holding the problem.")
-    answer_field: str = Field("answer", min_length=1, description="Row field holding the reference solution, "
-                              "ending in '#### <number>'.")
-    on_bad_row: Literal["skip", "error"] = Field("skip", description="A row without a usable question or answer: "
-                                                 "'skip' (logged with its line) or 'error' (stop).")
-    limit: int | None = Field(None, ge=1, description="Use at most this many rows per split (null: all).")
-
-
-class TaskSection(Strict):
-    name: TaskName = Field("arith", description="'arith': generated addition word problems, GSM8K "
-                                            "answer format (`#### N`); 'gsm8k': math word problems from "
-                                            "task.dataset.")
-    dataset: DatasetSection = Field(default_factory=DatasetSection, description="task.name=gsm8k: where the "
-                                    "problems come from.")
-    prompt_template: Literal["plain", "chat", "reasoning"] = Field(
-        "plain", description="'plain': 'Q: <question> A:' (the arith task always uses it); 'chat': the tokenizer's "
-        "chat template with the question as the user turn; 'reasoning': chat template with a system prompt asking "
-        "for <reasoning>...</reasoning><answer>...</answer> (the Tunix GSM8K demo format).")
-    rewards: dict[str, float] = Field(
-        default_factory=lambda: {"answer_correct": 1.0, "answer_format": 0.1}, min_length=1,
-        description="Reward -> weight. Built-ins: answer_correct, answer_format (#### N), reasoning_answer_format; "
-        "or 'package.module:function' taking (completion_text, reference_answer) -> float.")
-    min_operand: int = Field(10, ge=0, le=10**6, description="Smallest operand of a problem.")
-    max_operand: int = Field(99, ge=1, le=10**6, description="Largest operand of a problem.")
-    heldout_fraction: float = Field(0.1, gt=0, lt=0.5,
-                                    description="Share of operand pairs kept out of training for evaluation.")
-
-    @model_validator(mode="after")
-    def _range(self) -> "TaskSection":
-        if self.max_operand <= self.min_operand:
-            raise ValueError(f"task.max_operand={self.max_operand} must exceed task.min_operand={self.min_operand}")
-        return self
-
-
-class GenerationSection(Strict):
-    num_generations: int = Field(8, ge=2, le=256, description="Completions sampled per prompt (the GRPO group size).")
-    max_prompt_tokens: int = Field(32, ge=4, le=32768, description="Prompts are left-padded to this many tokens; "
-                                   "longer prompts are skipped by samplers.")
-    max_new_tokens: int = Field(16, ge=1, le=32768, description="Completion length limit.")
-    temperature: float = Field(1.0, gt=0, le=10, description="Sampling temperature; the trainer computes its "
-                               "logprobs at the same temperature.")
 
 
 class TrainerMeshSection(Strict):
@@ -319,53 +217,6 @@ class IngestSection(Strict):
                                 "when standalone, else the trainer's address.")
 
 
-class AlgoSection(Strict):
-    """The policy-gradient objective; see trainer_service/loss.py and the README for the formula."""
-
-    loss_algo: Literal["grpo", "gspo-token"] = Field("grpo", description="'grpo': per-token importance ratio; "
-                                                     "'gspo-token': GSPO's sequence-level ratio (geometric mean of the "
-                                                     "token ratios) with per-token gradients.")
-    epsilon: float = Field(0.2, gt=0, lt=1, description="Lower clip range of the ratio (1-epsilon).")
-    epsilon_high: float | None = Field(None, gt=0, lt=10, description="Upper clip range (1+epsilon_high), "
-                                       ">= epsilon ('clip-higher'); null = epsilon.")
-    loss_agg_mode: Literal["token-mean", "sequence-mean-token-mean", "sequence-mean-token-sum-norm"] = Field(
-        "token-mean", description="How per-token losses become one number: mean over all tokens; mean over "
-        "sequences of each sequence's token mean; or Dr.GRPO's token sum divided by the number of sequences.")
-    advantage_estimator: Literal["grpo", "drgrpo", "rloo"] = Field("grpo", description="'grpo': (r-mean)/(std+eps) "
-                                                                   "per group; 'drgrpo': r-mean; 'rloo': r minus "
-                                                                   "the mean of the other completions.")
-    advantage_eps: float = Field(1e-4, gt=0, description="Added to the group std when normalising advantages.")
-    beta: float = Field(0.0, ge=0, le=100, description="Weight of the KL penalty to a frozen reference model "
-                        "(the policy when RL starts). 0 = no penalty and no reference model in memory.")
-    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="Per-token KL estimator with d = ref - logp: "
-                                                   "k1 = -d, k2 = d^2/2, k3 = exp(d) - d - 1.")
-    tis_cap: float | None = Field(2.0, gt=0, le=1e6, description="Truncated importance weight min(exp(old - "
-                                  "behaviour), tis_cap) per token, correcting for the sampler's (stale) policy; "
-                                  "null = off.")
-    num_iterations: int = Field(1, ge=1, le=64, description="Optimizer passes over each batch (PPO epochs).")
-    minibatches: int = Field(1, ge=1, le=4096, description="Optimizer steps per pass; must divide the batch's "
-                             "sequences (trainer.groups_per_step x generation.num_generations).")
-    dynamic_sampling: bool = Field(False, description="Drop groups whose rewards are all equal (no signal) before "
-                                   "batching; they are counted as groups_dropped_filtered and the batch is refilled.")
-    overlong: Literal["none", "filter", "penalty"] = Field("none", description="Completions that hit "
-                                                          "max_new_tokens: 'filter' masks them out of the loss; "
-                                                          "'penalty' lowers their reward near the limit.")
-    overlong_buffer_tokens: int = Field(4, ge=1, le=32768, description="'penalty': the penalty ramps up linearly over "
-                                        "this many tokens before max_new_tokens.")
-    overlong_penalty: float = Field(1.0, ge=0, le=100, description="'penalty': reward subtracted at the limit.")
-
-    @model_validator(mode="after")
-    def _clip(self) -> "AlgoSection":
-        if self.epsilon_high is not None and self.epsilon_high < self.epsilon:
-            raise ValueError(f"algo.epsilon_high={self.epsilon_high} < algo.epsilon={self.epsilon}: the upper clip "
-                             "range must be at least the lower one (clip-higher); raise epsilon_high or set it null")
-        return self
-
-    @property
-    def eps_high(self) -> float:
-        return self.epsilon if self.epsilon_high is None else self.epsilon_high
-
-
 class WeightsSection(Strict):
     """How published weights travel from the trainer to the samplers (see README, "Weight publication")."""
 
@@ -442,58 +293,6 @@ class EvalSection(Strict):
                          "(at generation.temperature); 0 = greedy pass@1 only.")
     ks: list[Annotated[int, Field(ge=1)]] = Field([1], min_length=1, description="The k of pass@k and maj@k; each "
                                                   "at most eval.samples.")
-
-
-class LoggingSection(Strict):
-    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level of every process.")
-    format: Literal["text", "json"] = Field("text", description="'text': one readable line per record; 'json': one "
-                                            "JSON object per line (time, process, level, logger, message, exc) for "
-                                            "log collectors.")
-    verbose: bool = Field(False, description="Detail lines at the log level: every trainer step, every weight "
-                          "version a sampler fetches and installs, every checkpoint and stale drop (`up -v`). Off: "
-                          "a trainer step line every logging.step_every steps and a one-line summary per sampler "
-                          "every logging.summary_every_s seconds.")
-    step_every: int = Field(10, ge=1, description="Without logging.verbose, the trainer prints a step line every this "
-                            "many steps (and the first and last step, and after logging.summary_every_s without one).")
-    summary_every_s: float = Field(30.0, gt=0, description="Without logging.verbose, each sampler prints a summary "
-                                   "line (weight version, lag, groups/s, tokens/s) this often, and the trainer a step "
-                                   "line at least this often.")
-
-
-def default_compilation_cache_dir() -> str:
-    """The cache directory a config that does not set one gets: ${COMPILATION_CACHE_ENV} when set (tests and
-    deployments point every process at one directory), else grpo-stream/jax-compile under the user's cache directory
-    ($XDG_CACHE_HOME, or ~/.cache; the XDG spec ignores a relative $XDG_CACHE_HOME)."""
-    if os.environ.get(COMPILATION_CACHE_ENV):
-        return os.environ[COMPILATION_CACHE_ENV]
-    xdg = os.environ.get("XDG_CACHE_HOME", "")
-    base = pathlib.Path(xdg) if os.path.isabs(xdg) else pathlib.Path.home() / ".cache"
-    return str(base / "grpo-stream" / "jax-compile")
-
-
-class RuntimeSection(Strict):
-    compilation_cache_dir: str | None = Field(
-        default_factory=default_compilation_cache_dir, validate_default=True,
-        description="JAX's persistent compilation cache: every process that compiles (trainer, samplers, colocated, "
-        "eval) reads compiled programs from this directory and writes the ones it compiles, so a restarted process "
-        "skips most of its compilation. Precedence: this field, else $" + COMPILATION_CACHE_ENV + ", else "
-        "~/.cache/grpo-stream/jax-compile ($XDG_CACHE_HOME honoured). 'none' or null: no persistent cache. An "
-        "absolute path (~ expands); a directory that cannot be created or written stops the process, except the "
-        "built-in default, which only logs a warning. Anyone who can write here can make the processes run code: "
-        "keep it private to the user running them.")
-
-    @field_validator("compilation_cache_dir")
-    @classmethod
-    def _cache_dir(cls, value: str | None) -> str | None:
-        if value is None or value.strip().lower() == "none":
-            return None
-        path = os.path.expanduser(value.strip())
-        if not os.path.isabs(path):
-            # processes of one run start in different working directories (hosts, containers)
-            raise ValueError(f"{value!r} is not an absolute path (from runtime.compilation_cache_dir, else "
-                             f"${COMPILATION_CACHE_ENV}); give an absolute directory (~ expands), or none to "
-                             "compile without a persistent cache")
-        return os.path.normpath(path)
 
 
 class RunConfig(Strict):
@@ -575,65 +374,3 @@ class RunConfig(Strict):
         if self.ingest.address:
             return self.ingest.address
         return f"127.0.0.1:{self.ingest.port}" if self.ingest.standalone else self.trainer_address()
-
-
-def parse_override(text: str) -> tuple[list[str], Any]:
-    """Split `a.b.c=value` into (["a","b","c"], value); the value is read as YAML (so 3, 0.5, null, true work)."""
-    key, sep, raw = text.partition("=")
-    if not sep or not key or any(not part for part in key.split(".")):
-        raise ConfigError(f"override {text!r} is not KEY=VALUE with a dotted key (e.g. trainer.steps=20)")
-    try:
-        value = yaml.safe_load(raw) if raw else ""
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"override {key}: value {raw!r} is not valid YAML ({exc.__class__.__name__})") from None
-    return key.split("."), value
-
-
-def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    for text in overrides:
-        path, value = parse_override(text)
-        node = data
-        for i, part in enumerate(path[:-1]):
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
-                raise ConfigError(f"override {text!r}: {'.'.join(path[:i + 1])} is a value, not a section")
-            node = child
-        node[path[-1]] = value
-    return data
-
-
-def _format_errors(exc: ValidationError) -> str:
-    lines = []
-    for err in exc.errors():
-        loc = ".".join(str(p) for p in err["loc"]) or "<root>"
-        if err["type"] == "extra_forbidden":
-            lines.append(f"{loc}: unknown key; remove it or check its spelling (see --print-config for valid keys)")
-        else:
-            msg = err["msg"].removeprefix("Value error, ")
-            lines.append(f"{loc}: {msg} (got {err.get('input')!r})" if err["type"] != "value_error" else f"{loc}: {msg}")
-    return "; ".join(lines)
-
-
-def load_config(path: str | pathlib.Path | None, overrides: list[str] | None = None) -> RunConfig:
-    """Read YAML `path` (or defaults when None), apply dotted overrides, validate."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        path = pathlib.Path(path)
-        if not path.is_file():
-            raise ConfigError(f"--config {path}: no such file")
-        try:
-            loaded = yaml.safe_load(path.read_text())
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"--config {path}: not valid YAML: {exc}") from None
-        if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError(f"--config {path}: top level must be a mapping of sections")
-        data = loaded or {}
-    data = apply_overrides(data, overrides or [])
-    try:
-        return RunConfig.model_validate(data)
-    except ValidationError as exc:
-        raise ConfigError(_format_errors(exc)) from None
-
-
-def to_yaml(cfg: RunConfig) -> str:
-    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 from grpo_stream.common.model import architectures, hf_checkpoint
 from grpo_stream.common.model.architectures import Architecture
-from grpo_stream.common.config.schema import ModelSection
+from grpo_stream.common.config.learning import ModelSection
 
 NEG_INF = -1e30
 

@@ -12,7 +12,8 @@ import tempfile
 
 from grpo_stream.common.tasks.registry import build_task_for
 from grpo_stream.common.runtime.console import show_detail
-from grpo_stream.common.config.schema import COMPILATION_CACHE_ENV, RunConfig, default_compilation_cache_dir
+from grpo_stream.common.config.process import COMPILATION_CACHE_ENV, default_compilation_cache_dir
+from grpo_stream.common.config.schema import RunConfig
 from grpo_stream.common.tasks.arith import ArithTask
 from grpo_stream.common.model.tokenizer import TextTokenizer, train_bpe
 

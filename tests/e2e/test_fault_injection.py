@@ -24,7 +24,7 @@ import time
 import pytest
 
 from grpo_stream.common.rollouts.buffer import keys
-from grpo_stream.common.config.schema import load_config
+from grpo_stream.common.config.loading import load_config
 from grpo_stream.common.rollouts.redis_server import EmbeddedRedis, connect, free_port
 from tests.e2e.test_up import ROOT
 from tests.support import wait_for

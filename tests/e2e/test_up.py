@@ -302,7 +302,7 @@ def test_sampler_waits_for_a_trainer_that_answers_but_has_not_published_then_giv
     import time
 
     from grpo_stream.common.rollouts.buffer import RedisStreamBuffer
-    from grpo_stream.common.config.schema import load_config
+    from grpo_stream.common.config.loading import load_config
     from tests.support import deployment_auth, wait_for
     from grpo_stream.common.rollouts.redis_server import connect
     from grpo_stream.common.runtime.process import build_policy, build_task_and_tokenizer

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 from grpo_stream.common.rollouts.buffer import RedisStreamBuffer
-from grpo_stream.common.config.schema import load_config
+from grpo_stream.common.config.loading import load_config
 from grpo_stream.common.model.policy import sequence_logprobs
 from grpo_stream.common.rollouts.redis_server import connect, free_port
 from grpo_stream.common.runtime.process import build_policy, build_task_and_tokenizer

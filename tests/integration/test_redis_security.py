@@ -7,7 +7,8 @@ import subprocess
 
 import pytest
 
-from grpo_stream.common.config.schema import ConfigError, load_config
+from grpo_stream.common.config.loading import load_config
+from grpo_stream.common.config.schema import ConfigError
 from grpo_stream.common.rollouts.redis_server import RedisConnectError, connect, credentials, find_redis_server, free_port, wait_serving
 from tests.pki import make_pki
 

@@ -10,7 +10,7 @@ import pytest
 
 from grpo_stream.common.rollouts.buffer import Incoming, RedisStreamBuffer
 from grpo_stream.common.rpc.auth import write_tokens
-from grpo_stream.common.config.schema import load_config
+from grpo_stream.common.config.loading import load_config
 from grpo_stream.common.engine.jax_engine import Engine
 from grpo_stream.common.rollouts.redis_server import connect
 from grpo_stream.common.tasks.rewards import RewardSet

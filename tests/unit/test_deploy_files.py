@@ -152,7 +152,7 @@ def containers_of(jobset: dict) -> dict[str, dict]:
 
 
 def test_jobset_commands_are_valid_runs_and_wired_to_each_other():
-    from grpo_stream.common.config.schema import load_config  # noqa: PLC0415
+    from grpo_stream.common.config.loading import load_config  # noqa: PLC0415
 
     docs = k8s_documents()
     jobset = next(d for d in docs if d["kind"] == "JobSet")

@@ -10,7 +10,8 @@ import jax
 import numpy as np
 import pytest
 
-from grpo_stream.common.config.schema import ConfigError, load_config
+from grpo_stream.common.config.loading import load_config
+from grpo_stream.common.config.schema import ConfigError
 from grpo_stream.common.engine.registry import ENGINES
 from grpo_stream.common.model.sharding import make_mesh
 from grpo_stream.common.rollouts.buffer import RolloutBuffer

@@ -1,6 +1,6 @@
 import numpy as np
 
-from grpo_stream.common.config.schema import AlgoSection
+from grpo_stream.common.config.learning import AlgoSection
 from grpo_stream.common.rollouts.wire import CompletionData, GroupData
 from grpo_stream.trainer_service.batching import build_batch, layout
 

@@ -4,7 +4,7 @@ import jax
 import numpy as np
 import pytest
 
-from grpo_stream.common.config.schema import AlgoSection
+from grpo_stream.common.config.learning import AlgoSection
 from grpo_stream.common.engine.jax_engine import Engine
 from grpo_stream.common.rollouts.wire import CompletionData, GroupData
 from grpo_stream.trainer_service.batching import build_batch

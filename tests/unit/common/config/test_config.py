@@ -2,7 +2,8 @@ import pathlib
 
 import pytest
 
-from grpo_stream.common.config.schema import ConfigError, RunConfig, load_config, parse_override
+from grpo_stream.common.config.loading import load_config, parse_override
+from grpo_stream.common.config.schema import ConfigError, RunConfig
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[4] / "configs"
 

@@ -4,7 +4,8 @@ import pytest
 
 from grpo_stream.cli import main
 from grpo_stream.common.config.describe import describe, fields
-from grpo_stream.common.config.schema import RunConfig, load_config
+from grpo_stream.common.config.loading import load_config
+from grpo_stream.common.config.schema import RunConfig
 
 
 def test_every_leaf_of_the_defaults_is_described_with_a_doc():

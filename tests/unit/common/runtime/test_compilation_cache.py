@@ -7,7 +7,9 @@ import os
 
 import pytest
 
-from grpo_stream.common.config.schema import COMPILATION_CACHE_ENV, ConfigError, load_config
+from grpo_stream.common.config.loading import load_config
+from grpo_stream.common.config.process import COMPILATION_CACHE_ENV
+from grpo_stream.common.config.schema import ConfigError
 from grpo_stream.common.runtime.process import CompilationCacheStats, compilation_cache_dir
 
 FIELD = "runtime.compilation_cache_dir"

@@ -1,0 +1,146 @@
+"""The config sections of what is learned and how: the model, the task and its data, generation, and the RL
+objective. The deployment sections (processes, transports, storage) and the whole RunConfig are in schema.py."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from grpo_stream.common.config.base import Strict
+from grpo_stream.common.config.names import TaskName
+
+
+class TinyModelSection(Strict):
+    """A small Qwen3-architecture model built from scratch with a locally trained tokenizer."""
+
+    vocab_size: int = Field(160, ge=40, le=4096, description="BPE vocabulary size of the local tokenizer.")
+    num_layers: int = Field(2, ge=1, le=24, description="Decoder layers.")
+    embed_dim: int = Field(128, ge=16, le=4096, description="Model width.")
+    hidden_dim: int = Field(384, ge=16, le=16384, description="MLP hidden width.")
+    num_heads: int = Field(4, ge=1, le=64, description="Query heads.")
+    num_kv_heads: int = Field(2, ge=1, le=64, description="Key/value heads (must divide num_heads).")
+    head_dim: int = Field(32, ge=8, le=256, description="Width of one attention head.")
+
+    @model_validator(mode="after")
+    def _heads(self) -> "TinyModelSection":
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"model.tiny.num_kv_heads={self.num_kv_heads} must divide "
+                             f"model.tiny.num_heads={self.num_heads}")
+        return self
+
+
+class ModelSection(Strict):
+    kind: Literal["tiny", "hf"] = Field("tiny", description="'tiny': Qwen3-style model built from scratch for CPU "
+                                        "runs; 'hf': a Hugging Face checkpoint directory (model.path).")
+    tiny: TinyModelSection = Field(default_factory=TinyModelSection, description="Architecture of the tiny model.")
+    path: str | None = Field(None, description="kind=hf: a local directory with config.json, *.safetensors and the "
+                             "tokenizer files (Llama 3.x, Qwen2/2.5, Qwen3, Gemma 2, Gemma 3 text), or a hub id "
+                             "(org/name) taken from the Hugging Face cache or downloaded where a network exists.")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="kind=hf: parameter dtype after loading.")
+    pad_token: str | None = Field(None, description="kind=hf: token used for padding when the tokenizer defines none "
+                                  "(it must not be an end-of-sequence token; Llama 3: <|finetune_right_pad_id|>). "
+                                  "Null: the tokenizer's pad token.")
+
+    @model_validator(mode="after")
+    def _path(self) -> "ModelSection":
+        if self.kind == "hf" and not self.path:
+            raise ValueError("model.kind=hf needs model.path: a local Hugging Face model directory")
+        return self
+
+
+class DatasetSection(Strict):
+    source: str | None = Field(None, description="task.name=gsm8k: a directory with {split}.jsonl or "
+                               "{split}.parquet, one such file, or a Hugging Face datasets name (openai/gsm8k; "
+                               "downloads, where a network exists).")
+    hub_config: str | None = Field("main", description="The datasets config of a hub source (GSM8K: main).")
+    train_split: str = Field("train", min_length=1, description="Split the samplers draw prompts from.")
+    test_split: str = Field("test", min_length=1, description="Split evaluation uses.")
+    question_field: str = Field("question", min_length=1, description="Row field holding the problem.")
+    answer_field: str = Field("answer", min_length=1, description="Row field holding the reference solution, "
+                              "ending in '#### <number>'.")
+    on_bad_row: Literal["skip", "error"] = Field("skip", description="A row without a usable question or answer: "
+                                                 "'skip' (logged with its line) or 'error' (stop).")
+    limit: int | None = Field(None, ge=1, description="Use at most this many rows per split (null: all).")
+
+
+class TaskSection(Strict):
+    name: TaskName = Field("arith", description="'arith': generated addition word problems, GSM8K "
+                                            "answer format (`#### N`); 'gsm8k': math word problems from "
+                                            "task.dataset.")
+    dataset: DatasetSection = Field(default_factory=DatasetSection, description="task.name=gsm8k: where the "
+                                    "problems come from.")
+    prompt_template: Literal["plain", "chat", "reasoning"] = Field(
+        "plain", description="'plain': 'Q: <question> A:' (the arith task always uses it); 'chat': the tokenizer's "
+        "chat template with the question as the user turn; 'reasoning': chat template with a system prompt asking "
+        "for <reasoning>...</reasoning><answer>...</answer> (the Tunix GSM8K demo format).")
+    rewards: dict[str, float] = Field(
+        default_factory=lambda: {"answer_correct": 1.0, "answer_format": 0.1}, min_length=1,
+        description="Reward -> weight. Built-ins: answer_correct, answer_format (#### N), reasoning_answer_format; "
+        "or 'package.module:function' taking (completion_text, reference_answer) -> float.")
+    min_operand: int = Field(10, ge=0, le=10**6, description="Smallest operand of a problem.")
+    max_operand: int = Field(99, ge=1, le=10**6, description="Largest operand of a problem.")
+    heldout_fraction: float = Field(0.1, gt=0, lt=0.5,
+                                    description="Share of operand pairs kept out of training for evaluation.")
+
+    @model_validator(mode="after")
+    def _range(self) -> "TaskSection":
+        if self.max_operand <= self.min_operand:
+            raise ValueError(f"task.max_operand={self.max_operand} must exceed task.min_operand={self.min_operand}")
+        return self
+
+
+class GenerationSection(Strict):
+    num_generations: int = Field(8, ge=2, le=256, description="Completions sampled per prompt (the GRPO group size).")
+    max_prompt_tokens: int = Field(32, ge=4, le=32768, description="Prompts are left-padded to this many tokens; "
+                                   "longer prompts are skipped by samplers.")
+    max_new_tokens: int = Field(16, ge=1, le=32768, description="Completion length limit.")
+    temperature: float = Field(1.0, gt=0, le=10, description="Sampling temperature; the trainer computes its "
+                               "logprobs at the same temperature.")
+
+
+class AlgoSection(Strict):
+    """The policy-gradient objective; see trainer_service/loss.py and the README for the formula."""
+
+    loss_algo: Literal["grpo", "gspo-token"] = Field("grpo", description="'grpo': per-token importance ratio; "
+                                                     "'gspo-token': GSPO's sequence-level ratio (geometric mean of the "
+                                                     "token ratios) with per-token gradients.")
+    epsilon: float = Field(0.2, gt=0, lt=1, description="Lower clip range of the ratio (1-epsilon).")
+    epsilon_high: float | None = Field(None, gt=0, lt=10, description="Upper clip range (1+epsilon_high), "
+                                       ">= epsilon ('clip-higher'); null = epsilon.")
+    loss_agg_mode: Literal["token-mean", "sequence-mean-token-mean", "sequence-mean-token-sum-norm"] = Field(
+        "token-mean", description="How per-token losses become one number: mean over all tokens; mean over "
+        "sequences of each sequence's token mean; or Dr.GRPO's token sum divided by the number of sequences.")
+    advantage_estimator: Literal["grpo", "drgrpo", "rloo"] = Field("grpo", description="'grpo': (r-mean)/(std+eps) "
+                                                                   "per group; 'drgrpo': r-mean; 'rloo': r minus "
+                                                                   "the mean of the other completions.")
+    advantage_eps: float = Field(1e-4, gt=0, description="Added to the group std when normalising advantages.")
+    beta: float = Field(0.0, ge=0, le=100, description="Weight of the KL penalty to a frozen reference model "
+                        "(the policy when RL starts). 0 = no penalty and no reference model in memory.")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="Per-token KL estimator with d = ref - logp: "
+                                                   "k1 = -d, k2 = d^2/2, k3 = exp(d) - d - 1.")
+    tis_cap: float | None = Field(2.0, gt=0, le=1e6, description="Truncated importance weight min(exp(old - "
+                                  "behaviour), tis_cap) per token, correcting for the sampler's (stale) policy; "
+                                  "null = off.")
+    num_iterations: int = Field(1, ge=1, le=64, description="Optimizer passes over each batch (PPO epochs).")
+    minibatches: int = Field(1, ge=1, le=4096, description="Optimizer steps per pass; must divide the batch's "
+                             "sequences (trainer.groups_per_step x generation.num_generations).")
+    dynamic_sampling: bool = Field(False, description="Drop groups whose rewards are all equal (no signal) before "
+                                   "batching; they are counted as groups_dropped_filtered and the batch is refilled.")
+    overlong: Literal["none", "filter", "penalty"] = Field("none", description="Completions that hit "
+                                                          "max_new_tokens: 'filter' masks them out of the loss; "
+                                                          "'penalty' lowers their reward near the limit.")
+    overlong_buffer_tokens: int = Field(4, ge=1, le=32768, description="'penalty': the penalty ramps up linearly over "
+                                        "this many tokens before max_new_tokens.")
+    overlong_penalty: float = Field(1.0, ge=0, le=100, description="'penalty': reward subtracted at the limit.")
+
+    @model_validator(mode="after")
+    def _clip(self) -> "AlgoSection":
+        if self.epsilon_high is not None and self.epsilon_high < self.epsilon:
+            raise ValueError(f"algo.epsilon_high={self.epsilon_high} < algo.epsilon={self.epsilon}: the upper clip "
+                             "range must be at least the lower one (clip-higher); raise epsilon_high or set it null")
+        return self
+
+    @property
+    def eps_high(self) -> float:
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high

@@ -1,0 +1,65 @@
+"""The config sections of how every process runs: logging and the console, and the JAX compilation cache."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from grpo_stream.common.config.base import Strict
+
+COMPILATION_CACHE_ENV = "GRPO_STREAM_COMPILATION_CACHE_DIR"  # the cache directory when the config sets none
+
+
+class LoggingSection(Strict):
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level of every process.")
+    format: Literal["text", "json"] = Field("text", description="'text': one readable line per record; 'json': one "
+                                            "JSON object per line (time, process, level, logger, message, exc) for "
+                                            "log collectors.")
+    verbose: bool = Field(False, description="Detail lines at the log level: every trainer step, every weight "
+                          "version a sampler fetches and installs, every checkpoint and stale drop (`up -v`). Off: "
+                          "a trainer step line every logging.step_every steps and a one-line summary per sampler "
+                          "every logging.summary_every_s seconds.")
+    step_every: int = Field(10, ge=1, description="Without logging.verbose, the trainer prints a step line every this "
+                            "many steps (and the first and last step, and after logging.summary_every_s without one).")
+    summary_every_s: float = Field(30.0, gt=0, description="Without logging.verbose, each sampler prints a summary "
+                                   "line (weight version, lag, groups/s, tokens/s) this often, and the trainer a step "
+                                   "line at least this often.")
+
+
+def default_compilation_cache_dir() -> str:
+    """The cache directory a config that does not set one gets: ${COMPILATION_CACHE_ENV} when set (tests and
+    deployments point every process at one directory), else grpo-stream/jax-compile under the user's cache directory
+    ($XDG_CACHE_HOME, or ~/.cache; the XDG spec ignores a relative $XDG_CACHE_HOME)."""
+    if os.environ.get(COMPILATION_CACHE_ENV):
+        return os.environ[COMPILATION_CACHE_ENV]
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    base = pathlib.Path(xdg) if os.path.isabs(xdg) else pathlib.Path.home() / ".cache"
+    return str(base / "grpo-stream" / "jax-compile")
+
+
+class RuntimeSection(Strict):
+    compilation_cache_dir: str | None = Field(
+        default_factory=default_compilation_cache_dir, validate_default=True,
+        description="JAX's persistent compilation cache: every process that compiles (trainer, samplers, colocated, "
+        "eval) reads compiled programs from this directory and writes the ones it compiles, so a restarted process "
+        "skips most of its compilation. Precedence: this field, else $" + COMPILATION_CACHE_ENV + ", else "
+        "~/.cache/grpo-stream/jax-compile ($XDG_CACHE_HOME honoured). 'none' or null: no persistent cache. An "
+        "absolute path (~ expands); a directory that cannot be created or written stops the process, except the "
+        "built-in default, which only logs a warning. Anyone who can write here can make the processes run code: "
+        "keep it private to the user running them.")
+
+    @field_validator("compilation_cache_dir")
+    @classmethod
+    def _cache_dir(cls, value: str | None) -> str | None:
+        if value is None or value.strip().lower() == "none":
+            return None
+        path = os.path.expanduser(value.strip())
+        if not os.path.isabs(path):
+            # processes of one run start in different working directories (hosts, containers)
+            raise ValueError(f"{value!r} is not an absolute path (from runtime.compilation_cache_dir, else "
+                             f"${COMPILATION_CACHE_ENV}); give an absolute directory (~ expands), or none to "
+                             "compile without a persistent cache")
+        return os.path.normpath(path)
