@@ -1,45 +1,48 @@
-"""Runs in the vLLM environment, started by bench/sampler.py: decode tokens/s of the vLLM engine on the model
-the JAX engine was just timed on (same weights, batch, lengths, temperature 1, per-token logprobs, no early
-stop), medians of `repeats` runs after a warm-up. Prints one JSON object.
+"""Runs in the vLLM environment, started by bench/sampler_workloads.py: vLLM's useful tokens/s on request sets
+(each: prompts and per-row budgets, no stop token; one engine for all), through the vLLM engine (sampler.engine: vllm) with the model's
+weights installed by its own install path, temperature 1, per-token logprobs, every row seeded as the sampler
+seeds them. Per set, one untimed warm-up run, then `repeats` runs. Prints one JSON object: set name -> result.
 
-    python -m grpo_stream.bench.vllm_decode MODEL_DIR BATCH PROMPT_TOKENS NEW_TOKENS REPEATS
+    python -m grpo_stream.bench.vllm_decode MODEL_DIR WORKLOAD_JSON
 """
 
 import json
-import statistics
 import sys
 import time
 
-import numpy as np
 
-
-def main(model_dir: str, batch: int, prompt_tokens: int, new_tokens: int, repeats: int) -> dict:
+def main(model_dir: str, workload_path: str) -> dict:
+    from grpo_stream.bench.sampler_workloads import Busy, summarize
     from grpo_stream.common.config.schema import VllmSection
-    from grpo_stream.common.model.policy import load_hf_model
     from grpo_stream.common.engine.vllm_engine import VllmEngine
+    from grpo_stream.common.model.policy import load_hf_model
 
+    work = json.loads(open(workload_path).read())
+    cases = work["cases"]
     model = load_hf_model(model_dir)
     started = time.perf_counter()
-    engine = VllmEngine(model_dir, model, pad_id=0, eos_ids=[], max_prompt_tokens=prompt_tokens,
-                        max_new_tokens=new_tokens, temperature=1.0,
-                        settings=VllmSection(gpu_memory_utilization=0.3, max_num_seqs=max(batch, 1)))
+    engine = VllmEngine(model_dir, model, pad_id=0, eos_ids=[],
+                        max_prompt_tokens=max(len(p) for c in cases.values() for p in c["prompts"]),
+                        max_new_tokens=max(b for c in cases.values() for b in c["budgets"]), temperature=1.0,
+                        settings=VllmSection(gpu_memory_utilization=0.3, max_num_seqs=work["max_num_seqs"]))
     start_seconds = time.perf_counter() - started
-    rng = np.random.default_rng(0)
-    prompts = [list(map(int, row)) for row in rng.integers(1, model.arch.vocab_size, (batch, prompt_tokens))]
-    first = engine.generate(model.params, prompts, 0)  # installs the weights, warms up
-    if not np.all(first.lengths == new_tokens):
-        raise RuntimeError("vLLM stopped early; no stop token was meant to exist")
-    times = []
-    for r in range(repeats):
-        t0 = time.perf_counter()
-        engine.generate(model.params, prompts, r + 1)
-        times.append(time.perf_counter() - t0)
     import vllm  # noqa: PLC0415
 
-    return {"tokens_per_second": batch * new_tokens / statistics.median(times),
-            "engine_start_seconds": round(start_seconds, 1), "version": vllm.__version__}
+    results = {}
+    for name, case in cases.items():
+        prompts, budgets = case["prompts"], case["budgets"]
+        first = engine.generate(model.params, prompts, 0, max_new_tokens=budgets)  # installs the weights, warms up
+        if list(first.lengths) != list(budgets):
+            raise RuntimeError("vLLM's completion lengths differ from the budgets; no stop token was meant to exist")
+        runs = []
+        for r in range(work["repeats"]):
+            with Busy() as run:
+                engine.generate(model.params, prompts, r + 1, max_new_tokens=budgets)
+            runs.append(run)
+        results[name] = summarize(sum(budgets), runs, {"engine_start_seconds": round(start_seconds, 1),
+                                                       "version": vllm.__version__})
+    return results
 
 
 if __name__ == "__main__":  # vLLM's engine core may spawn processes: the guard is required
-    a = sys.argv[1:]
-    print(json.dumps(main(a[0], int(a[1]), int(a[2]), int(a[3]), int(a[4]))))
+    print(json.dumps(main(sys.argv[1], sys.argv[2])))

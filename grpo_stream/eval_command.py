@@ -19,14 +19,13 @@ log = logging.getLogger("grpo_stream.eval")
 
 def run_eval(cfg: RunConfig, split: str, limit: int | None, json_path: pathlib.Path | None) -> dict:
     from grpo_stream.common.engine.evaluation import evaluate  # noqa: PLC0415 - imports JAX
-    from grpo_stream.common.engine.jax_engine import Engine  # noqa: PLC0415
+    from grpo_stream.common.engine import continuous  # noqa: PLC0415
     from grpo_stream.common.runtime.process import build_policy, build_task_and_tokenizer  # noqa: PLC0415
 
     task, tokenizer = build_task_and_tokenizer(cfg)
     model = build_policy(cfg, tokenizer.vocab_size, seed=cfg.run.seed)
     gen = cfg.generation
-    engine = Engine(model, tokenizer.pad_id, tokenizer.eos_ids, gen.max_prompt_tokens, gen.max_new_tokens,
-                    gen.temperature)
+    engine = continuous.build(cfg, model, tokenizer)
     problems = task.split_problems(split, limit or cfg.eval.num_problems)
     log.info("evaluating %s on %d %s problems (greedy%s)", cfg.model.path or "the tiny model", len(problems), split,
              f" + {cfg.eval.samples} samples each" if cfg.eval.samples else "")

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Completion(_message.Message):
-    __slots__ = ("token_ids_le", "logprobs_le", "reward", "truncated", "reward_components")
+    __slots__ = ("token_ids_le", "logprobs_le", "reward", "truncated", "reward_components", "version_runs", "version_run_lengths")
     class RewardComponentsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -20,12 +20,16 @@ class Completion(_message.Message):
     REWARD_FIELD_NUMBER: _ClassVar[int]
     TRUNCATED_FIELD_NUMBER: _ClassVar[int]
     REWARD_COMPONENTS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_RUNS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_RUN_LENGTHS_FIELD_NUMBER: _ClassVar[int]
     token_ids_le: bytes
     logprobs_le: bytes
     reward: float
     truncated: bool
     reward_components: _containers.ScalarMap[str, float]
-    def __init__(self, token_ids_le: _Optional[bytes] = ..., logprobs_le: _Optional[bytes] = ..., reward: _Optional[float] = ..., truncated: _Optional[bool] = ..., reward_components: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    version_runs: _containers.RepeatedScalarFieldContainer[int]
+    version_run_lengths: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_ids_le: _Optional[bytes] = ..., logprobs_le: _Optional[bytes] = ..., reward: _Optional[float] = ..., truncated: _Optional[bool] = ..., reward_components: _Optional[_Mapping[str, float]] = ..., version_runs: _Optional[_Iterable[int]] = ..., version_run_lengths: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RolloutGroup(_message.Message):
     __slots__ = ("group_id", "prompt_id", "prompt_token_ids", "completions", "policy_version", "sampler_id", "created_unix", "reference_answer", "data_position", "injected")

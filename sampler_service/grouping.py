@@ -18,7 +18,8 @@ def build_groups(batch: list[tuple[Problem, list[int]]], out: Generation, num_ge
                  reward_sets: list[RewardSet] | None = None, injected: list[bool] | None = None
                  ) -> Iterator[GroupData]:
     """The completions of batch[k] are the next sizes[k] rows of `out` (default: num_generations each; rows past
-    the last prompt's are padding and ignored); yields one scored group per prompt, with id group_ids[k], data
+    the last prompt's are padding and ignored); yields one scored group per prompt (at `policy_version`, or, where
+    `out.versions` records versions per token, at its oldest token's), with id group_ids[k], data
     position positions[k] (its prompt's index in the sampler's stream, None for an injected prompt), scored by
     reward_sets[k] (default: `rewards`) and flagged injected[k]."""
     padded = sizes is not None
@@ -38,10 +39,14 @@ def build_groups(batch: list[tuple[Problem, list[int]]], out: Generation, num_ge
             tokens = out.tokens[j, :length]
             reward, parts = scorer.score(tokenizer.decode(tokens.tolist()), problem.answer)
             completions.append(CompletionData(token_ids=tokens, logprobs=out.logprobs[j, :length], reward=reward,
-                                              truncated=not bool(out.finished[j]), reward_components=parts))
+                                              truncated=not bool(out.finished[j]), reward_components=parts,
+                                              versions=None if out.versions is None else out.versions[j, :length]))
         start += sizes[k]
+        # with in-flight updates the completions mix versions: the group is as stale as its oldest token
+        drawn = [c.versions for c in completions if c.versions is not None and len(c.versions)]
+        version = int(min(v.min() for v in drawn)) if drawn else policy_version
         yield GroupData(group_id=group_ids[k], prompt_id=problem.prompt_id, prompt_token_ids=prompt_ids,
-                        completions=completions, policy_version=policy_version, sampler_id=sampler_id,
+                        completions=completions, policy_version=version, sampler_id=sampler_id,
                         created_unix=time.time(), reference_answer=problem.answer,
                         data_position=None if positions is None else positions[k],
                         injected=bool(injected and injected[k]))

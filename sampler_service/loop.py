@@ -1,8 +1,10 @@
 """The sampler process: prompts -> engine (JAX or vLLM) -> rewards -> rollout groups -> ingest.
 
-One loop iteration is one generation batch made with one weight version;
-newer weights are installed only between batches, so every group records
-the single version that produced all of its completions. The sampler stops
+One loop iteration is one generation batch. With sampler.weight_updates=
+between_batches newer weights are installed only between batches, so a group
+records the single version that produced all of its completions; with
+in_flight the engine takes a newly installed version at its next decode-chunk
+boundary, each token records its version, and a group carries its oldest. The sampler stops
 after it installs a version the trainer marked final (or on SIGTERM), once
 its backlog is acknowledged or a drain timeout passes.
 """
@@ -215,7 +217,10 @@ class Sampler:
             key = jax.random.fold_in(rng, seed) if seed is not None else jax.random.fold_in(
                 jax.random.fold_in(rng, INJECTED_ONLY), self._batches)
             self._batches += 1
-            out = engine.generate(self.params, flat, key)
+            if cfg.sampler.weight_updates == "in_flight":  # newer weights take over live sequences mid-batch
+                out = engine.generate(self.params, flat, key, refresh=self._refresh_in_flight, version=version)
+            else:
+                out = engine.generate(self.params, flat, key)
             groups = build_groups([(slot.problem, slot.ids) for slot in batch], out, gen.num_generations, tokenizer,
                                   rewards, version, self.sampler_id, [slot.group_id for slot in batch],
                                   [slot.position for slot in batch], sizes=[slot.rows for slot in batch],
@@ -343,6 +348,15 @@ class Sampler:
             detail.info("%s installed weight version %d (%.1f MB, fetch %.2fs)%s", self.sampler_id, got.version,
                         got.nbytes / 1e6, got.fetch_seconds, " [final]" if got.final else "")
         self.final = got.final
+
+    def _refresh_in_flight(self):
+        """sampler.weight_updates=in_flight: the engine asks between decode chunks; a newly installed version is
+        returned as (params, version) and continues every live sequence."""
+        if time.monotonic() - self.last_poll < self.cfg.sampler.weight_poll_s and not self.sync.has_result():
+            return None
+        before = self.version
+        self._poll_weights()
+        return (self.params, self.version) if self.version != before else None
 
     def _await_newer_version(self, started_wait: float) -> None:
         """Synchronous mode: poll until a newer (or final) version is installed, or a stop is asked for."""

@@ -26,7 +26,7 @@ import numpy as np
 
 from grpo_stream.common.config.schema import RunConfig
 from grpo_stream.common.engine.evaluation import greedy_probe
-from grpo_stream.common.engine.jax_engine import Engine
+from grpo_stream.common.engine import continuous
 from grpo_stream.common.model.sharding import make_mesh, place
 from grpo_stream.common.rollouts.buffer import RUN_FILE
 from grpo_stream.common.rollouts.redis_server import redacted
@@ -60,6 +60,7 @@ class Trainer:
         self.cfg, self.run_dir = cfg, run_dir
         self.devices, self.hub = devices, hub
         self.stop_event = threading.Event()
+        self.mixed_version_groups = 0  # trained groups whose completions mix weight versions (in-flight updates)
         self.started = time.time()
         self.agreement = {"tokens": 0.0, "abs_sum": 0.0, "max_abs": 0.0}
         self.step_times: list[dict[str, float]] = []  # per RL step: phase seconds and step_seconds
@@ -91,9 +92,7 @@ class Trainer:
         self.model = dataclasses.replace(self.model, params=self.params)
         log.info("model: %d parameters, vocab %d, tokenizer %s", self.model.num_params(), self.tokenizer.vocab_size,
                  self.tokenizer.fingerprint())
-        gen = cfg.generation
-        self.engine = Engine(self.model, self.tokenizer.pad_id, self.tokenizer.eos_ids, gen.max_prompt_tokens,
-                             gen.max_new_tokens, gen.temperature)
+        self.engine = continuous.build(self.cfg, self.model, self.tokenizer)
         self.ingest, prompts = (None, None) if cfg.ingest.standalone else ingest_servicers(
             cfg, self.buffer, self.task, self.tokenizer, security)
         w, transport = cfg.weights, transport_spec(cfg.weights.transport)
@@ -208,6 +207,8 @@ class Trainer:
             batch, stats = build_batch(groups, cfg.generation.max_prompt_tokens, cfg.generation.max_new_tokens,
                                        self.tokenizer.pad_id, cfg.algo, held_version=step - 1)
             staleness = np.array([step - 1 - g.policy_version for g in groups])
+            self.mixed_version_groups += sum(any(c.versions is not None and c.versions[0] != c.versions[-1]
+                                                 for c in g.completions) for g in groups)
             t_batch = time.time()
             m = updater.update(batch)
             self.params = updater.params
@@ -258,7 +259,8 @@ class Trainer:
                                       "sha256": digest(self.model.to_named_numpy(self.params)),
                                       "greedy": greedy_probe(self.engine, self.params, self.tokenizer, problems,
                                                              cfg.eval.batch_size)}
-        counters = when_available("reading the buffer counters", self.buffer.counters)
+        counters = {**when_available("reading the buffer counters", self.buffer.counters),
+                    "trained_mixed_versions": self.mixed_version_groups}
         by_sampler = when_available("reading the buffer counters", self.buffer.ingested_by_sampler)
         return write_summary(self.run_dir / "summary.json", cfg, steps=steps_done, counters=counters,
                              by_sampler=by_sampler, publisher=self.publisher, durability=self.durability,

@@ -97,6 +97,13 @@ class GenerationSection(Strict):
     max_new_tokens: int = Field(16, ge=1, le=32768, description="Completion length limit.")
     temperature: float = Field(1.0, gt=0, le=10, description="Sampling temperature; the trainer computes its "
                                "logprobs at the same temperature.")
+    decode_slots: int = Field(256, ge=1, le=65536, description="JAX engine: most sequences decoded at once (its "
+                              "KV cache holds this many x (max_prompt_tokens + max_new_tokens) tokens); a request "
+                              "set uses the smallest power of two that holds it, and ended sequences' slots are "
+                              "refilled from the pending rows.")
+    decode_chunk_steps: int = Field(16, ge=1, le=4096, description="JAX engine: most decode steps the device runs "
+                                    "between two host scheduling points (refills, weight updates); a chunk ends "
+                                    "early when rows wait for slots.")
 
 
 class AlgoSection(Strict):

@@ -139,6 +139,10 @@ class SamplerSection(Strict):
                                                "groups with one weight version, wait for a newer one. Null: "
                                                "never wait (asynchronous). Synchronous GRPO: trainer.max_staleness"
                                                "=0 and this = trainer.groups_per_step / sampler.replicas.")
+    weight_updates: Literal["between_batches", "in_flight"] = Field(
+        "between_batches", description="When a newly fetched weight version takes effect: between generation "
+        "batches, or 'in_flight': at the next decode-chunk boundary for every live sequence (engine=jax), keeping "
+        "the KV of earlier tokens; each token records its version and a group counts as its oldest token's.")
     rpc_timeout_s: float = Field(30.0, gt=0, le=3600, description="Deadline of one weight fetch.")
     connect_timeout_s: float = Field(120.0, gt=0, le=3600, description="How long a sampler waits for an unreachable "
                                      "or silent trainer before it exits. A trainer that answers but has not published "
@@ -348,6 +352,12 @@ class RunConfig(Strict):
             raise ValueError(f"sampler.engine={self.sampler.engine} runs each sampler as its own process; "
                              f"weights.transport={self.weights.transport} shares the trainer's process: choose one of "
                              f"{[n for n, t in TRANSPORTS.items() if not t.in_process]}")
+        if self.sampler.weight_updates == "in_flight" and not engine.in_flight_updates:
+            raise ValueError(f"sampler.weight_updates=in_flight: sampler.engine={self.sampler.engine} switches weights "
+                             "only between batches; use engine=jax or weight_updates=between_batches")
+        if self.sampler.weight_updates == "in_flight" and self.sampler.max_groups_per_version is not None:
+            raise ValueError("sampler.weight_updates=in_flight mixes versions within a batch; synchronous mode "
+                             "(sampler.max_groups_per_version) needs weight_updates=between_batches")
         return self
 
     @model_validator(mode="after")

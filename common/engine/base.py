@@ -2,8 +2,10 @@
 
 An engine takes a batch of token-id prompts and the policy's parameters and returns completions with the policy's
 per-token logprobs (the behaviour logprobs the trainer's importance correction needs). Every engine switches to a
-new weight version only when it is handed new parameters between batches, so the sampler's version and staleness
-rules do not depend on the engine. Engines are chosen by sampler.engine in registry.py.
+new weight version when it is handed new parameters between batches; an engine registered with in_flight_updates
+(registry.py) also takes `refresh` and `version`: it calls refresh() at its scheduling points, switches to the
+(params, version) it returns for every live sequence, and records in Generation.versions the version of each token
+(sampler.weight_updates=in_flight). Engines are chosen by sampler.engine in registry.py.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ class Generation:
     logprobs: np.ndarray    # [B, C] float32, 0 after EOS
     lengths: np.ndarray     # [B] completion length, EOS included
     finished: np.ndarray    # [B] bool: ended with EOS
+    versions: np.ndarray | None = None  # [B, C] int32: weight version that sampled each token (-1 after the end);
+    # None: the engine generated every token with the params it was given
 
 
 class GenerationEngine(Protocol):
@@ -27,6 +31,8 @@ class GenerationEngine(Protocol):
     max_new_tokens: int
     fixed_shape: bool  # True: batches must keep one shape (one compiled program per shape); callers pad them
 
-    def generate(self, params: Any, prompts: list[list[int]], rng: Any, greedy: bool = False) -> Generation:
+    def generate(self, params: Any, prompts: list[list[int]], rng: Any, greedy: bool = False,
+                 max_new_tokens: list[int] | None = None) -> Generation:
         """Completions of `prompts` (token ids, each at most max_prompt_tokens) with weights `params`, sampled at
-        the configured temperature (`rng`: a JAX key) or greedy."""
+        the configured temperature (`rng`: a JAX key) or greedy; `max_new_tokens`: per-row token budgets (default
+        max_new_tokens for every row)."""

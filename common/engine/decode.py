@@ -146,8 +146,9 @@ def forward(model: PolicyModel, w: DecodeWeights, tokens: jax.Array, positions: 
             slot: jax.Array | int, key_valid: jax.Array) -> tuple[jax.Array, tuple]:
     """Logits [B, T, V] (float32) for `tokens` [B, T], writing their keys/values at cache slots slot..slot+T-1.
 
-    `positions` [B, T] are RoPE positions; `key_valid` [B, T, S] says which cache
-    slots each query may attend to (the caller's causal and padding mask).
+    `positions` [B, T] are RoPE positions; `key_valid` [B, T, S] says which of the
+    first S cache slots each query may attend to (the caller's causal and padding
+    mask; S may be shorter than the cache). `slot`: a scalar, or per row [B] when T = 1.
     """
     arch = model.arch
     if arch.family in ("gemma2", "gemma3"):
@@ -179,19 +180,31 @@ def forward(model: PolicyModel, w: DecodeWeights, tokens: jax.Array, positions: 
 
 def _attention(q, k, v, keys, values, slot, key_valid, kv: int, softcap: float | None, scale: float | None = None):
     """Write k, v at `slot` of the cache and attend: q [B, T, H, D] -> [B, T, H * D] (q scaled by `scale`,
-    default 1/sqrt(D))."""
+    default 1/sqrt(D)).
+
+    `slot`: one cache slot for every row (an int or scalar), or one per row ([B] array, T = 1: the continuous
+    engine's slots each sit at their own length). Attention reads only the first key_valid.shape[-1] slots, so a
+    caller that knows no row is longer attends over that window, not the whole cache.
+    """
     b, t, heads, d = q.shape
     group = heads // kv
-    keys = jax.lax.dynamic_update_slice(keys, k.transpose(0, 2, 1, 3).astype(keys.dtype), (0, 0, slot, 0))
-    values = jax.lax.dynamic_update_slice(values, v.transpose(0, 2, 1, 3).astype(values.dtype), (0, 0, slot, 0))
+    if jnp.ndim(slot) == 1:
+        rows = jnp.arange(b)
+        keys = keys.at[rows, :, slot].set(k[:, 0].astype(keys.dtype), mode="drop")
+        values = values.at[rows, :, slot].set(v[:, 0].astype(values.dtype), mode="drop")
+    else:
+        keys = jax.lax.dynamic_update_slice(keys, k.transpose(0, 2, 1, 3).astype(keys.dtype), (0, 0, slot, 0))
+        values = jax.lax.dynamic_update_slice(values, v.transpose(0, 2, 1, 3).astype(values.dtype), (0, 0, slot, 0))
+    window = key_valid.shape[-1]
+    seen_keys, seen_values = keys[:, :, :window], values[:, :, :window]
     # queries of one KV head side by side: [B, KV, group * T, D]
     qg = q.reshape(b, t, kv, group, d).transpose(0, 2, 3, 1, 4).reshape(b, kv, group * t, d)
-    scores = jnp.einsum("bkqd,bksd->bkqs", qg * (d ** -0.5 if scale is None else scale), keys)
+    scores = jnp.einsum("bkqd,bksd->bkqs", qg * (d ** -0.5 if scale is None else scale), seen_keys)
     if softcap is not None:
         scores = jnp.tanh(scores / softcap) * softcap
     scores = jnp.where(key_valid[:, None, None], scores.reshape(b, kv, group, t, -1), MASKED)
     probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(q.dtype)
-    attn = jnp.einsum("bkqs,bksd->bkqd", probs.reshape(b, kv, group * t, -1), values)
+    attn = jnp.einsum("bkqs,bksd->bkqd", probs.reshape(b, kv, group * t, -1), seen_values)
     return attn.reshape(b, kv, group, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, heads * d), keys, values
 
 

@@ -20,7 +20,7 @@ from typing import Any, Sequence
 import jax
 
 from grpo_stream.common.tasks.answers import extract_answer, same_number
-from grpo_stream.common.engine.jax_engine import Engine
+from grpo_stream.common.engine.base import GenerationEngine
 from grpo_stream.common.tasks.rewards import answer_correct, answer_format
 
 
@@ -67,19 +67,20 @@ def majority_correct(answers: Sequence[str | None], reference: str) -> bool:
     return same_number(groups[best][0], reference)
 
 
-def _generate(engine: Engine, params: Any, tokenizer, prompts: list[list[int]], batch_size: int, rng, greedy: bool):
-    """Completion texts for `prompts`, generated `batch_size` at a time (last batch padded: one compiled shape)."""
+def _generate(engine: GenerationEngine, params: Any, tokenizer, prompts: list[list[int]], batch_size: int, rng, greedy: bool):
+    """Completion texts for `prompts`, generated `batch_size` at a time (a fixed-shape engine's last batch padded:
+    one compiled shape)."""
     texts = []
     for i in range(0, len(prompts), batch_size):
         chunk = prompts[i:i + batch_size]
-        padded = chunk + [chunk[-1]] * (batch_size - len(chunk))
+        padded = chunk + [chunk[-1]] * (batch_size - len(chunk)) if engine.fixed_shape else chunk
         rng, sub = jax.random.split(rng)
         out = engine.generate(params, padded, sub, greedy=greedy)
         texts += [tokenizer.decode(out.tokens[j, :out.lengths[j]].tolist()) for j in range(len(chunk))]
     return texts
 
 
-def evaluate(engine: Engine, params: Any, tokenizer, problems: list, batch_size: int, num_examples: int = 3,
+def evaluate(engine: GenerationEngine, params: Any, tokenizer, problems: list, batch_size: int, num_examples: int = 3,
              samples: int = 0, ks: Sequence[int] = (), seed: int = 0) -> EvalResult:
     """Greedy pass@1 on `problems` (each has .prompt and .answer); with `samples` > 0 also pass@k and maj@k.
 
@@ -120,7 +121,7 @@ def evaluate(engine: Engine, params: Any, tokenizer, problems: list, batch_size:
     return result
 
 
-def greedy_probe(engine: Engine, params: Any, tokenizer, problems: list, batch_size: int) -> list[str]:
+def greedy_probe(engine: GenerationEngine, params: Any, tokenizer, problems: list, batch_size: int) -> list[str]:
     """Greedy completions of the problems whose prompts fit: what two copies of the same weights must agree on."""
     prompts = [ids for ids in (tokenizer.encode(p.prompt) for p in problems) if len(ids) <= engine.max_prompt_tokens]
     return _generate(engine, params, tokenizer, prompts, batch_size, jax.random.key(0), greedy=True) if prompts else []

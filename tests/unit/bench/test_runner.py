@@ -13,12 +13,15 @@ def test_targets_compare_in_the_right_direction():
 
 def test_table_gets_one_header_and_a_row_per_result(tmp_path):
     table = tmp_path / "sub" / "results.md"
-    ok = {"quick": False, "seconds": 12.5, "targets": check_targets("sampler", {"ratio_vs_hf": 3.1})}
+    result = {"longtail": {"ratio_vs_static": 9.0, "ratio_vs_vllm": 0.5}, "fixed": {"ratio_vs_vllm": 0.9,
+                                                                                     "ratio_vs_hf": 3.1}}
+    ok = {"quick": False, "seconds": 12.5, "targets": check_targets("sampler", result)}
     append_row(table, table_row("sampler", ok, "2026-11-22 10:00", "abc1234"))
     append_row(table, table_row("async", {"quick": True, "error": "RuntimeError: boom", "seconds": 1.0},
                                 "2026-11-22 10:05", "abc1234"))
     text = table.read_text()
     assert text.count(TABLE_HEADER) == 1
     rows = text.splitlines()[-2:]
-    assert rows[0] == "| 2026-11-22 10:00 | abc1234 | sampler | full | ratio_vs_hf 3.1 | 1/1 | 12.5 |"
+    assert rows[0] == ("| 2026-11-22 10:00 | abc1234 | sampler | full | longtail.ratio_vs_static 9.0, "
+                       "longtail.ratio_vs_vllm 0.5, fixed.ratio_vs_vllm 0.9, fixed.ratio_vs_hf 3.1 | 3/4 | 12.5 |")
     assert rows[1] == "| 2026-11-22 10:05 | abc1234 | async | quick | RuntimeError: boom | error | 1.0 |"

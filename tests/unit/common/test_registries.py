@@ -66,7 +66,7 @@ def test_a_new_transport_is_one_module_and_one_registry_line(monkeypatch, tiny_p
 _NAMES = set(TRANSPORTS) | set(ENGINES) | set(BUFFERS) | set(TASKS)
 _ALLOWED = {"common/weights/registry.py", "common/engine/registry.py", "common/rollouts/registry.py",
             "common/weights/grpc_transport.py", "common/weights/checkpoint_transport.py",
-            "common/weights/local_transport.py", "common/engine/jax_engine.py", "common/engine/vllm_engine.py",
+            "common/weights/local_transport.py", "common/engine/continuous.py", "common/engine/vllm_engine.py",
             "common/weights/snapshot.py",  # the manifest's default transport field
             }
 

@@ -43,3 +43,20 @@ def test_row_count_must_match(tiny_parts):
     out = Generation(np.zeros((3, 4), np.int32), np.zeros((3, 4), np.float32), np.ones(3, int), np.ones(3, bool))
     with pytest.raises(ValueError, match="3 completions for 1 prompts x 2"):
         list(build_groups([(task.train_problem(0), [1])], out, 2, tok, RewardSet(DEFAULT_WEIGHTS), 0, "s", ["g"]))
+
+
+def test_a_group_of_mixed_versions_counts_as_its_oldest_token(tiny_parts):
+    """sampler.weight_updates=in_flight: per-token versions go with each completion, and the group's
+    policy_version (what staleness is judged by) is the oldest of them."""
+    _, _, tok, _ = tiny_parts
+    task = ArithTask(10, 99, 0.1, seed=0)
+    problems = [task.train_problem(0), task.train_problem(1)]
+    batch = [(p, tok.encode(p.prompt)) for p in problems]
+    tokens = np.full((4, 4), 5, np.int32)
+    versions = np.array([[8, 8, 9, 9], [8, 9, 9, 9], [9, 9, 9, 10], [9, 10, -1, -1]], np.int32)
+    out = Generation(tokens, -np.ones((4, 4), np.float32), np.array([4, 4, 4, 2]), np.zeros(4, bool),
+                     versions=versions)
+    groups = list(build_groups(batch, out, 2, tok, RewardSet(DEFAULT_WEIGHTS), policy_version=10,
+                               sampler_id="sampler-0", group_ids=["a", "b"]))
+    assert [g.policy_version for g in groups] == [8, 9]
+    assert groups[1].completions[1].versions.tolist() == [9, 10]

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from grpo_stream.common.config.learning import AlgoSection
-from grpo_stream.common.engine.jax_engine import Engine
+from grpo_stream.common.engine.continuous import ContinuousEngine
 from grpo_stream.common.rollouts.wire import CompletionData, GroupData
 from grpo_stream.trainer_service.batching import build_batch
 from grpo_stream.trainer_service.rl_update import PolicyUpdater
@@ -16,7 +16,7 @@ def rollout(tiny_parts):
     """Groups sampled by the engine with the model's own weights (staleness 0)."""
     cfg, task, tok, model = tiny_parts
     gen = cfg.generation
-    engine = Engine(model, tok.pad_id, tok.eos_id, gen.max_prompt_tokens, gen.max_new_tokens, gen.temperature)
+    engine = ContinuousEngine(model, tok.pad_id, tok.eos_id, gen.max_prompt_tokens, gen.max_new_tokens, gen.temperature)
     n, problems = gen.num_generations, [task.train_problem(i) for i in range(4)]
     prompts = [tok.encode(p.prompt) for p in problems]
     out = engine.generate(model.params, [ids for ids in prompts for _ in range(n)], jax.random.key(0))

@@ -167,6 +167,11 @@ def test_samplers_send_rollouts_to_the_ingest_address():
      "weight_install=iterator needs tensor_parallel_size 1"),
     (["sampler.vllm.gpu_memory_utilization=1.5"], "sampler.vllm.gpu_memory_utilization: Input should be less"),
     (["sampler.engine=vllm", "weights.transport=local"], "sampler.engine=vllm runs each sampler as its own process"),
+    (["sampler.engine=vllm", "sampler.weight_updates=in_flight"], "sampler.weight_updates=in_flight: "
+     "sampler.engine=vllm switches weights only between batches"),
+    (["sampler.weight_updates=in_flight", "sampler.max_groups_per_version=8"], "synchronous mode "
+     "(sampler.max_groups_per_version) needs weight_updates=between_batches"),
+    (["sampler.weight_updates=always"], "sampler.weight_updates: Input should be 'between_batches' or 'in_flight'"),
 ])
 def test_vllm_engine_settings_name_the_field(overrides, message):
     with pytest.raises(ConfigError) as err:

@@ -6,7 +6,7 @@ import random
 import pytest
 
 from grpo_stream.common.engine.evaluation import evaluate, majority_correct, pass_at_k
-from grpo_stream.common.engine.jax_engine import Engine
+from grpo_stream.common.engine.continuous import ContinuousEngine
 
 
 def test_pass_at_k_matches_enumeration_of_all_subsets():
@@ -39,7 +39,7 @@ def test_majority_vote(answers, reference, correct):
 
 def test_evaluate_reports_pass_and_maj_at_k_on_the_engine(tiny_parts):
     cfg, task, tok, model = tiny_parts
-    engine = Engine(model, tok.pad_id, tok.eos_id, cfg.generation.max_prompt_tokens, cfg.generation.max_new_tokens,
+    engine = ContinuousEngine(model, tok.pad_id, tok.eos_id, cfg.generation.max_prompt_tokens, cfg.generation.max_new_tokens,
                     temperature=1.0)
     problems = task.heldout(6)
     result = evaluate(engine, model.params, tok, problems, batch_size=8, samples=4, ks=(1, 2, 4))

@@ -191,28 +191,28 @@ def test_unsupported_configs_name_the_field(tmp_path, edit, message):
 
 
 def test_gemma2_sequences_longer_than_the_sliding_window_are_refused(tmp_path):
-    from grpo_stream.common.engine.jax_engine import Engine
+    from grpo_stream.common.engine.continuous import ContinuousEngine
 
     cls_name, extra = FAMILIES["gemma2-gqa"]
     config = getattr(transformers, cls_name)(**{**SHAPE, **extra, "sliding_window": 32})
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
     model = load_hf_model(str(tmp_path), "float32")
-    Engine(model, pad_id=0, eos_id=1, max_prompt_tokens=16, max_new_tokens=16, temperature=1.0)  # 32 fits
+    ContinuousEngine(model, pad_id=0, eos_id=1, max_prompt_tokens=16, max_new_tokens=16, temperature=1.0)  # 32 fits
     with pytest.raises(ValueError, match=r"max_new_tokens = 40 exceeds the model's sliding_window=32"):
-        Engine(model, pad_id=0, eos_id=1, max_prompt_tokens=24, max_new_tokens=16, temperature=1.0)
+        ContinuousEngine(model, pad_id=0, eos_id=1, max_prompt_tokens=24, max_new_tokens=16, temperature=1.0)
 
 
 @pytest.mark.parametrize("family", ["llama3.1-untied", "qwen2.5-tied", "qwen3-tied-5e6", "gemma2-gqa", "gemma3-gqa"])
 def test_engine_logprobs_equal_the_trainers_recomputation(tmp_path, family):
     """KV-cached sampling with the decode forward agrees with the training module on every family."""
-    from grpo_stream.common.engine.jax_engine import Engine
+    from grpo_stream.common.engine.continuous import ContinuousEngine
     from grpo_stream.common.model.policy import sequence_logprobs
     from grpo_stream.trainer_service.batching import layout
 
     make_hf_model(tmp_path, family, 5)
     model = load_hf_model(str(tmp_path), "float32")
     p, c = 12, 10
-    engine = Engine(model, pad_id=0, eos_id=1, max_prompt_tokens=p, max_new_tokens=c, temperature=0.8)
+    engine = ContinuousEngine(model, pad_id=0, eos_id=1, max_prompt_tokens=p, max_new_tokens=c, temperature=0.8)
     rng = np.random.default_rng()
     prompts = [rng.integers(2, SHAPE["vocab_size"], rng.integers(3, p + 1)).tolist() for _ in range(6)]
     out = engine.generate(model.params, prompts, jax.random.key(int(rng.integers(1 << 30))))

@@ -86,3 +86,34 @@ def test_out_of_vocab_and_empty_ids():
 def test_status_code_values_match_grpc():
     assert grpc.StatusCode.INVALID_ARGUMENT.value[0] == 3
     assert grpc.StatusCode.RESOURCE_EXHAUSTED.value[0] == 8
+
+
+def test_per_token_versions_travel_run_length_encoded():
+    """In-flight weight updates: each token's version crosses the wire as runs; one version throughout is said
+    once (the group's policy_version, its oldest) and costs no bytes per completion."""
+    mixed = CompletionData(np.array([3, 4, 5, 6, 7], np.int32), -np.ones(5, np.float32), 1.0, False,
+                           versions=np.array([3, 3, 4, 4, 6]))
+    same = CompletionData(np.array([8, 9], np.int32), -np.ones(2, np.float32), 0.0, True, versions=np.array([3, 3]))
+    msg = to_proto(make_group(completions=[mixed, same]))
+    assert list(msg.completions[0].version_runs) == [3, 4, 6]
+    assert list(msg.completions[0].version_run_lengths) == [2, 2, 1]
+    assert not msg.completions[1].version_runs
+    assert validate_group(msg, LIMITS) == []
+    back = decode_group(msg.SerializeToString())
+    assert back.completions[0].versions.tolist() == [3, 3, 4, 4, 6] and back.completions[1].versions is None
+
+
+def test_bad_version_runs_are_named():
+    msg = to_proto(make_group())
+    c = msg.completions[0]  # 3 tokens, group policy_version 3
+    c.version_runs[:] = [3, 4]
+    c.version_run_lengths[:] = [1]
+    assert any("completions[0].version_run_lengths: 1 lengths for 2" in e for e in validate_group(msg, LIMITS))
+    c.version_run_lengths[:] = [1, 1]
+    assert any("sum to the 3 tokens" in e for e in validate_group(msg, LIMITS))
+    c.version_runs[:] = [2, 4]
+    c.version_run_lengths[:] = [1, 2]
+    assert any("completions[0].version_runs: must be non-decreasing and >= the group's policy_version 3" in e
+               for e in validate_group(msg, LIMITS))
+    c.version_runs[:] = [5, 4]
+    assert any("non-decreasing" in e for e in validate_group(msg, LIMITS))

@@ -1,4 +1,9 @@
-"""The JAX sampling engine: KV-cached decoding that returns per-token logprobs.
+"""The static JAX engine: grpo-stream's first sampling engine, kept only as `bench sampler`'s baseline.
+
+It decodes a whole batch in one `lax.scan` of max_new_tokens steps: every row
+runs to the end even after it stopped, the longest completion holds the batch,
+each of a group's rows prefills the same prompt, and every step attends over
+the whole cache. The continuous engine (`grpo_stream.common.engine.continuous`) replaces it.
 
 Prompts are left-padded to `max_prompt_tokens`, completions occupy the next
 `max_new_tokens` cache slots; one compiled program per (batch, lengths,
@@ -23,7 +28,7 @@ from grpo_stream.common.engine.base import Generation
 from grpo_stream.common.model.policy import PolicyModel, causal_mask, policy_log_softmax, positions_from_mask
 
 
-class Engine:
+class StaticEngine:
     """Generates completions for batches of token-id prompts with one model's weights."""
 
     fixed_shape = True  # one compiled program per batch shape: callers pad batches to one size
@@ -51,16 +56,21 @@ class Engine:
             mask[i, p - len(ids):] = True
         return tokens, mask
 
-    def generate(self, params: Any, prompts: list[list[int]], rng: jax.Array, greedy: bool = False) -> Generation:
+    def generate(self, params: Any, prompts: list[list[int]], rng: jax.Array, greedy: bool = False,
+                 max_new_tokens: list[int] | None = None) -> Generation:
+        """`max_new_tokens`: per-row budgets; a row stops there, but the batch still runs max_new_tokens steps."""
         tokens, mask = self.left_pad(prompts)
+        budgets = np.full(len(prompts), self.max_new_tokens, np.int32) if max_new_tokens is None else np.asarray(
+            max_new_tokens, np.int32)
         if self._relaid[0] is not params:
             self._relaid = (None, None)  # free the previous version's copy first
             self._relaid = (params, self._relayout(params))
         out_tokens, out_logprobs, lengths, finished = jax.device_get(
-            self._generate(self._relaid[1], jnp.asarray(tokens), jnp.asarray(mask), rng, greedy=greedy))
+            self._generate(self._relaid[1], jnp.asarray(tokens), jnp.asarray(mask), jnp.asarray(budgets), rng,
+                           greedy=greedy))
         return Generation(np.asarray(out_tokens), np.asarray(out_logprobs), np.asarray(lengths), np.asarray(finished))
 
-    def _generate_impl(self, weights, prompt_tokens, prompt_mask, rng, greedy: bool):
+    def _generate_impl(self, weights, prompt_tokens, prompt_mask, budgets, rng, greedy: bool):
         batch, p = prompt_tokens.shape
         c = self.max_new_tokens
         total = p + c
@@ -84,7 +94,7 @@ class Engine:
             tok_logp = jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
             out_tok = jnp.where(done, self.pad_id, tok)
             out_logp = jnp.where(done, 0.0, tok_logp)
-            done_next = done | jnp.isin(tok, jnp.asarray(self.eos_ids, jnp.int32))
+            done_next = done | jnp.isin(tok, jnp.asarray(self.eos_ids, jnp.int32)) | (t + 1 >= budgets)
             key_valid = key_valid.at[:, p + t].set(True)
             attn = (key_valid & (slots <= p + t)[None, :])[:, None, :]
             pos = (prompt_len + t)[:, None]
@@ -98,9 +108,3 @@ class Engine:
         lengths = (~was_done).sum(axis=1).astype(jnp.int32)
         return toks, logps, lengths, done
 
-
-def build(cfg, model: PolicyModel, tokenizer, index: int = 0) -> Engine:
-    """The engine registry's entry (sampler.engine=jax)."""
-    gen = cfg.generation
-    return Engine(model, tokenizer.pad_id, tokenizer.eos_ids, gen.max_prompt_tokens, gen.max_new_tokens,
-                  gen.temperature)

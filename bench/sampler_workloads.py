@@ -1,0 +1,138 @@
+"""The workloads of `bench sampler` and the engines it times on them: the continuous JAX engine, the static JAX
+engine it replaced, Hugging Face `generate`, and vLLM (in its own environment, bench/vllm_decode.py).
+
+A workload is a request set: rows of (prompt token ids, completion budget). The model's EOS is disabled (an id
+no engine can draw), so every row generates exactly its budget on every engine, and `useful tokens` (tokens up
+to and including EOS, or up to the budget) is the sum of the budgets. Each engine reports useful tokens per
+second of wall time and the cores it kept busy (process CPU seconds over wall seconds).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import resource
+import statistics
+import subprocess
+import tempfile
+import time
+
+import jax
+import numpy as np
+
+NO_EOS = -1  # an id no sampler can draw, so every row runs to its budget on every engine
+
+
+def longtail_budgets(rows: int, max_new_tokens: int, median: float, sigma: float, seed: int) -> list[int]:
+    """Completion lengths with a GSM8K-like long tail: log-normal around `median`, clipped to 4..max_new_tokens
+    (with median = max/4 and sigma 0.9 a few per cent of rows run to the limit)."""
+    rng = np.random.default_rng(seed)
+    draws = np.exp(np.log(median) + sigma * rng.standard_normal(rows))
+    return np.clip(np.round(draws), 4, max_new_tokens).astype(int).tolist()
+
+
+def make_prompts(num_prompts: int, generations: int, low: int, high: int, vocab: int, seed: int) -> list[list[int]]:
+    """`num_prompts` random prompts of low..high tokens, each repeated `generations` times (a GRPO group's rows)."""
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(2, vocab, int(rng.integers(low, high + 1))).tolist() for _ in range(num_prompts)]
+    return [p for p in prompts for _ in range(generations)]
+
+
+class Busy:
+    """Wall seconds and cores kept busy (CPU seconds of this process and its children / wall) over a block."""
+
+    def __enter__(self):
+        self._cpu, self._wall = self._cpu_now(), time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        self.seconds = time.perf_counter() - self._wall
+        self.cores = (self._cpu_now() - self._cpu) / max(self.seconds, 1e-9)
+
+    @staticmethod
+    def _cpu_now() -> float:
+        own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def summarize(useful: int, runs: list[Busy], extra: dict | None = None) -> dict:
+    """Median useful tokens/s over the runs, with the cores busy in the median run."""
+    rates = [useful / r.seconds for r in runs]
+    median = statistics.median(rates)
+    middle = min(runs, key=lambda r: abs(useful / r.seconds - median))
+    return {"tokens_per_second": round(median, 1), "runs_tokens_per_second": [round(x, 1) for x in rates],
+            "cores_busy": round(middle.cores, 2), **(extra or {})}
+
+
+def time_jax_engine(engine, params, prompts: list[list[int]], budgets: list[int], repeats: int) -> dict:
+    """A JAX engine (continuous or static) on the request set: one untimed run compiles, then `repeats` runs."""
+    with Busy() as first:
+        out = engine.generate(params, prompts, jax.random.key(0), max_new_tokens=budgets)
+    if list(out.lengths) != list(budgets):
+        raise RuntimeError("the engine's completion lengths differ from the budgets; EOS was meant to be disabled")
+    runs = []
+    for r in range(repeats):
+        with Busy() as run:
+            engine.generate(params, prompts, jax.random.key(r + 1), max_new_tokens=budgets)
+        runs.append(run)
+    compile_s = max(0.0, first.seconds - statistics.median(r.seconds for r in runs))
+    return summarize(sum(budgets), runs, {"compile_seconds": round(compile_s, 1)})
+
+
+def time_hf(hf, prompts: list[list[int]], budgets: list[int], repeats: int) -> dict:
+    """Hugging Face `generate` over the whole request set in one call (static batching: left-padded prompts, the
+    batch runs to its longest budget; tokens past a row's budget are not useful), sampling at temperature 1 from
+    the full distribution, without per-token logprobs (its faster mode; with 512 rows x 512 steps the scores it
+    would keep for them take gigabytes)."""
+    import torch
+
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros((len(prompts), width), dtype=torch.int64)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    steps = max(budgets)
+
+    def once(seed: int) -> None:
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            out = hf.generate(ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                              max_new_tokens=steps, min_new_tokens=steps, eos_token_id=None, pad_token_id=0)
+        if out.shape != (len(prompts), width + steps):
+            raise RuntimeError(f"HF generated {tuple(out.shape)}, not the full length")
+
+    torch.manual_seed(0)  # warm-up on a slice (allocator, kernels): a full untimed run would double the cost
+    with torch.no_grad():
+        hf.generate(ids[:8], attention_mask=mask[:8], do_sample=True, top_k=0, max_new_tokens=4, min_new_tokens=4,
+                    eos_token_id=None, pad_token_id=0)
+    runs = []
+    for r in range(repeats):
+        with Busy() as run:
+            once(r + 1)
+        runs.append(run)
+    return summarize(sum(budgets), runs, {"torch_threads": torch.get_num_threads()})
+
+
+def time_vllm(model, cases: dict[str, tuple[list[list[int]], list[int]]], repeats: int, max_num_seqs: int) -> dict:
+    """vLLM on each case's request set (name -> (prompts, budgets)), one engine for all of them, in the vLLM
+    environment: name -> result; each {"missing": why} without that environment."""
+    from grpo_stream.common.model.hf_checkpoint import export_hf
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    python = pathlib.Path(os.environ.get("GRPO_STREAM_VLLM_PYTHON", root / ".venv-vllm" / "bin" / "python"))
+    if not python.exists():
+        return {name: {"missing": f"no vLLM environment at {python} (requirements/install-vllm-env.sh)"}
+                for name in cases}
+    with tempfile.TemporaryDirectory(prefix="bench-vllm-") as tmp:
+        export_hf(tmp, model.arch, model.to_named_numpy())
+        workload = pathlib.Path(tmp) / "workload.json"
+        workload.write_text(json.dumps({"cases": {name: {"prompts": prompts, "budgets": budgets}
+                                                  for name, (prompts, budgets) in cases.items()},
+                                        "repeats": repeats, "max_num_seqs": max_num_seqs}))
+        proc = subprocess.run([str(python), "-m", "grpo_stream.bench.vllm_decode", tmp, str(workload)], cwd=root,
+                              capture_output=True, text=True, timeout=3600)
+    if proc.returncode:
+        raise RuntimeError(f"the vLLM measurement failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])

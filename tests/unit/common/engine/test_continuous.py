@@ -1,0 +1,200 @@
+"""The continuous-batching JAX engine: exact behaviour logprobs, slot refill, shared prefill, live-length
+attention windows, compaction, and in-flight weight updates with per-token versions."""
+
+import jax
+import numpy as np
+import pytest
+
+from grpo_stream.bench.static_engine import StaticEngine
+from grpo_stream.common.engine.continuous import ContinuousEngine
+from grpo_stream.common.model.policy import sequence_logprobs
+from grpo_stream.trainer_service.batching import layout
+
+NO_EOS = -1  # no token ends a completion: lengths are the budgets
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_parts):
+    cfg, task, tok, model = tiny_parts
+    return ContinuousEngine(model, tok.pad_id, tok.eos_id, cfg.generation.max_prompt_tokens,
+                            cfg.generation.max_new_tokens, temperature=0.7, slots=8, chunk_steps=4)
+
+
+def _prompts(task, tok, n, copies=1):
+    return [tok.encode(task.train_problem(i).prompt) for i in range(n) for _ in range(copies)]
+
+
+def _recomputed(model, params, prompts, out, p, c, pad_id, temperature):
+    rows = [layout(np.array(pr), out.tokens[i, :out.lengths[i]], p, c, pad_id) for i, pr in enumerate(prompts)]
+    tokens, valid = np.stack([r[0] for r in rows]), np.stack([r[1] for r in rows])
+    return np.asarray(sequence_logprobs(model, params, tokens, valid, temperature, pad_id))[:, p - 1:]
+
+
+def test_behaviour_logprobs_equal_the_trainers_recomputation(tiny_parts, engine):
+    cfg, task, tok, model = tiny_parts
+    prompts = _prompts(task, tok, 6, copies=4)  # 24 rows through 8 slots: refills happen
+    out = engine.generate(model.params, prompts, jax.random.key(np.random.randint(1 << 30)))
+    p, c = cfg.generation.max_prompt_tokens, cfg.generation.max_new_tokens
+    recomputed = _recomputed(model, model.params, prompts, out, p, c, tok.pad_id, 0.7)
+    diffs = np.concatenate([np.abs(recomputed[i, :n] - out.logprobs[i, :n]) for i, n in enumerate(out.lengths)])
+    assert diffs.mean() <= 1e-5 and diffs.max() <= 1e-4
+    assert (out.logprobs <= 0).all() and out.versions is None  # one version throughout: none recorded
+
+
+def test_pad_is_never_sampled_and_eos_ends_completions(tiny_parts, engine):
+    cfg, task, tok, model = tiny_parts
+    out = engine.generate(model.params, _prompts(task, tok, 16), jax.random.key(1))
+    for i in range(16):
+        n = out.lengths[i]
+        assert tok.pad_id not in out.tokens[i, :n].tolist()
+        assert (out.tokens[i, n:] == tok.pad_id).all() and (out.logprobs[i, n:] == 0).all()
+        if out.finished[i]:
+            assert out.tokens[i, n - 1] == tok.eos_id
+        else:
+            assert n == cfg.generation.max_new_tokens
+
+
+def test_results_do_not_depend_on_slots_or_chunks(tiny_parts, engine):
+    """Each row samples with its own key: the same tokens whether it ran in 8 slots of 4-step chunks or 3 of 2,
+    alone or among other prompts, and greedy ignores the key."""
+    cfg, task, tok, model = tiny_parts
+    prompts = _prompts(task, tok, 5, copies=3)
+    other = ContinuousEngine(model, tok.pad_id, tok.eos_id, cfg.generation.max_prompt_tokens,
+                             cfg.generation.max_new_tokens, temperature=0.7, slots=3, chunk_steps=2)
+    a = engine.generate(model.params, prompts, jax.random.key(5))
+    b = other.generate(model.params, prompts, jax.random.key(5))
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+    g1 = engine.generate(model.params, prompts, jax.random.key(1), greedy=True)
+    g2 = other.generate(model.params, prompts[-1:], jax.random.key(2), greedy=True)
+    np.testing.assert_array_equal(g1.tokens[-1], g2.tokens[0])
+
+
+def test_refilled_slots_finish_one_long_and_many_short_in_few_steps(tiny_parts):
+    """One 64-token completion and 31 of 4 tokens through 4 slots: the static engine needs 8 batches of 64 steps
+    (512); refilling the slots whose rows ended keeps the short rows flowing beside the long one."""
+    cfg, task, tok, model = tiny_parts
+    prompts = _prompts(task, tok, 32)
+    budgets = [64] + [4] * 31
+    engine = ContinuousEngine(model, tok.pad_id, NO_EOS, cfg.generation.max_prompt_tokens, 64, 1.0, slots=4,
+                              chunk_steps=8)
+    out = engine.generate(model.params, prompts, jax.random.key(0), max_new_tokens=budgets)
+    assert out.lengths.tolist() == budgets
+    static_steps = -(-len(prompts) // 4) * 64
+    assert engine.stats["decode_steps"] <= 64 + 2 * 8 < static_steps // 6
+    assert engine.stats["prefill_rows"] == 32
+    # the long row's tail ran in a compacted single slot
+    assert ("compact", 4, 1) in engine.programs or ("compact", 2, 1) in engine.programs
+
+
+def test_a_group_prefills_its_prompt_once(tiny_parts):
+    cfg, task, tok, model = tiny_parts
+    engine = ContinuousEngine(model, tok.pad_id, tok.eos_id, cfg.generation.max_prompt_tokens,
+                              cfg.generation.max_new_tokens, 1.0, slots=16, chunk_steps=4)
+    engine.generate(model.params, _prompts(task, tok, 4, copies=4), jax.random.key(0))
+    assert engine.stats["prefills"] == 4 and engine.stats["prefill_rows"] == 16
+
+
+def test_attention_windows_follow_live_lengths(tiny_parts):
+    """Short sequences in a long cache attend over a short window; only a long one widens it."""
+    cfg, task, tok, model = tiny_parts
+    engine = ContinuousEngine(model, tok.pad_id, NO_EOS, cfg.generation.max_prompt_tokens, 200, 1.0, slots=4,
+                              chunk_steps=8)
+    assert engine.cache_len >= 224
+    engine.generate(model.params, _prompts(task, tok, 4), jax.random.key(0), max_new_tokens=[8] * 4)
+    assert {w for kind, *rest in engine.programs if kind == "decode" for w in rest[1:2]} == {64}
+    engine.generate(model.params, _prompts(task, tok, 2), jax.random.key(0), max_new_tokens=[200, 8])
+    windows = sorted({rest[1] for kind, *rest in engine.programs if kind == "decode"})
+    assert windows[0] == 64 and windows[-1] == engine.cache_len and len(windows) <= 4
+
+
+def _mixed_version_logprobs(model, versions_params, prompt, tokens, token_versions, temperature, pad_id):
+    """One row, one token at a time, no slots or chunks: token j's logprob under the weights of the version it
+    records, which also wrote token j-1's key and value (the prompt's: the version of token 0), as documented."""
+    from grpo_stream.common.engine import decode
+    from grpo_stream.common.model.policy import policy_log_softmax
+
+    p = len(prompt)
+    cache = decode.init_cache(model, 1, p + len(tokens))
+    weights = [decode.decode_weights(model, params) for params in versions_params]
+    step = jax.jit(lambda w, t, at, cache, valid: decode.forward(model, w, t, at[None, None], cache, at, valid))
+    w = weights[token_versions[0]]
+    mask = np.tril(np.ones((p, p), bool))[None]
+    mask = np.pad(mask, ((0, 0), (0, 0), (0, len(tokens))))
+    logits, cache = decode.forward(model, w, np.asarray([prompt]), np.arange(p)[None], cache, 0, mask)
+    out = []
+    for j, tok in enumerate(tokens):
+        if j:
+            w = weights[token_versions[j]]
+            at = p + j - 1
+            valid = (np.arange(p + len(tokens)) <= at)[None, None]
+            logits, cache = step(w, np.asarray([[tokens[j - 1]]]), np.int32(at), cache, valid)
+        logp = policy_log_softmax(logits[:, -1], temperature, pad_id)
+        out.append(float(logp[0, tok]))
+    return np.asarray(out)
+
+
+def test_in_flight_updates_record_the_version_of_every_token(tiny_parts):
+    """A clearly different version every other chunk: live slots go on with the new weights, every token records
+    the version whose weights drew it, and its logprob is that version's (recomputed one token at a time)."""
+    cfg, task, tok, model = tiny_parts
+    p, c = cfg.generation.max_prompt_tokens, 16
+    engine = ContinuousEngine(model, tok.pad_id, NO_EOS, p, c, 1.0, slots=4, chunk_steps=2)
+    versions = [model.params] + [jax.tree_util.tree_map(lambda x, k=k: x * (1.0 + 0.3 * k), model.params)
+                                 for k in range(1, 10)]
+    calls = {"n": 0}
+
+    def refresh():
+        calls["n"] += 1
+        v = calls["n"] // 2
+        return (versions[v], v) if calls["n"] % 2 == 0 and v < len(versions) else None
+
+    prompts = _prompts(task, tok, 6)  # 6 rows in 4 slots: rows admitted under later versions too
+    budgets = [c, c, 9, c, 5, c]
+    out = engine.generate(model.params, prompts, jax.random.key(0), max_new_tokens=budgets, refresh=refresh)
+    assert out.lengths.tolist() == budgets
+    recorded = [out.versions[i, :n] for i, n in enumerate(budgets)]
+    assert all((np.diff(v) >= 0).all() for v in recorded)
+    assert sum(len(np.unique(v)) > 1 for v in recorded) >= 4  # versions changed mid-sequence
+    for i, n in enumerate(budgets):
+        reference = _mixed_version_logprobs(model, versions, prompts[i], out.tokens[i, :n].tolist(),
+                                            recorded[i].tolist(), 1.0, tok.pad_id)
+        np.testing.assert_allclose(out.logprobs[i, :n], reference, atol=1e-4)
+        # the newest weights alone would give other logprobs: the versions are clearly different
+        if len(np.unique(recorded[i])) > 1:
+            assert np.abs(reference - _mixed_version_logprobs(model, versions, prompts[i], out.tokens[i, :n].tolist(),
+                                                               [int(recorded[i][-1])] * n, 1.0, tok.pad_id)).max() > 1e-2
+
+
+def test_budgets_and_prompts_are_checked(tiny_parts, engine):
+    cfg, _, _, model = tiny_parts
+    with pytest.raises(ValueError, match="max_prompt_tokens"):
+        engine.generate(model.params, [[5] * (cfg.generation.max_prompt_tokens + 1)], jax.random.key(0))
+    with pytest.raises(ValueError, match="generation.max_new_tokens"):
+        engine.generate(model.params, [[5, 6]], jax.random.key(0), max_new_tokens=[cfg.generation.max_new_tokens + 1])
+
+
+def test_the_static_baseline_generates_the_same_distribution_interface(tiny_parts):
+    """The benchmark's baseline honours per-row budgets and returns the policy's logprobs too."""
+    cfg, task, tok, model = tiny_parts
+    p, c = cfg.generation.max_prompt_tokens, cfg.generation.max_new_tokens
+    static = StaticEngine(model, tok.pad_id, NO_EOS, p, c, 0.7)
+    prompts = _prompts(task, tok, 4)
+    out = static.generate(model.params, prompts, jax.random.key(3), max_new_tokens=[3, 5, c, 1])
+    assert out.lengths.tolist() == [3, 5, c, 1]
+    recomputed = _recomputed(model, model.params, prompts, out, p, c, tok.pad_id, 0.7)
+    for i, n in enumerate(out.lengths):
+        np.testing.assert_allclose(recomputed[i, :n], out.logprobs[i, :n], atol=1e-4)
+
+
+def test_named_numpy_roundtrip(tiny_parts):
+    _, _, _, model = tiny_parts
+    named = model.to_named_numpy()
+    assert "layers.0.attn.q_proj.w" in named
+    back = model.to_named_numpy(model.from_named_numpy(named))
+    for k in named:
+        np.testing.assert_array_equal(named[k], back[k])
+    bad = dict(named)
+    bad["layers.0.attn.q_proj.w"] = bad["layers.0.attn.q_proj.w"][:1]
+    with pytest.raises(ValueError, match="layers.0.attn.q_proj.w"):
+        model.from_named_numpy(bad)
