@@ -80,6 +80,14 @@ class VllmEngine:
         if current_platform.is_tpu():
             raise RuntimeError("sampler.engine=vllm on TPU: installing published weights into tpu-inference's JAX "
                                "model state is not implemented; use sampler.engine=jax, the TPU-native engine")
+        engine_args = dict(settings.engine_args)
+        if current_platform.is_cpu() and "enable_chunked_prefill" not in engine_args:
+            # vLLM's CPU backend crashes ("CPU Generator does not use offset") when a seeded request's prompt is
+            # prefilled over several steps: it rewinds the request's generator, which a CPU generator cannot do.
+            # Every sampled request is seeded, so prompts are prefilled whole (the step budget must hold one)
+            engine_args["enable_chunked_prefill"] = False
+            engine_args["max_num_batched_tokens"] = max(engine_args.get("max_num_batched_tokens", 0),
+                                                        max_prompt_tokens + max_new_tokens, 4096)
         started = time.monotonic()
         self.llm = LLM(model=str(model_dir), skip_tokenizer_init=True, load_format="dummy",
                        logprobs_mode="processed_logprobs", dtype=dtype,
@@ -87,7 +95,7 @@ class VllmEngine:
                        gpu_memory_utilization=settings.gpu_memory_utilization,
                        tensor_parallel_size=settings.tensor_parallel_size, max_num_seqs=settings.max_num_seqs,
                        enforce_eager=settings.enforce_eager, enable_prefix_caching=settings.prefix_caching,
-                       seed=seed, **settings.engine_args)
+                       seed=seed, **engine_args)
         log.info("vLLM engine up in %.1fs (%s, weights installed by %s)", time.monotonic() - started, model_dir,
                  self.install_mode)
         self._installed: Any = None
