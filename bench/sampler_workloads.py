@@ -26,9 +26,11 @@ NO_EOS = -1  # an id no sampler can draw, so every row runs to its budget on eve
 
 def longtail_budgets(rows: int, max_new_tokens: int, median: float, sigma: float, seed: int) -> list[int]:
     """Completion lengths with a GSM8K-like long tail: log-normal around `median`, clipped to 4..max_new_tokens
-    (with median = max/4 and sigma 0.9 a few per cent of rows run to the limit)."""
+    (with median = max/4 and sigma 0.9 a few per cent of rows run to the limit; the longest always does, so a
+    small set has its tail too)."""
     rng = np.random.default_rng(seed)
     draws = np.exp(np.log(median) + sigma * rng.standard_normal(rows))
+    draws[np.argmax(draws)] = max_new_tokens
     return np.clip(np.round(draws), 4, max_new_tokens).astype(int).tolist()
 
 

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from grpo_stream.common.engine import decode
-from grpo_stream.common.engine.base import Generation
+from grpo_stream.common.engine.base import Generation, check_request
 from grpo_stream.common.model.policy import PolicyModel, causal_mask, policy_log_softmax, positions_from_mask
 
 
@@ -50,8 +50,6 @@ class StaticEngine:
         tokens = np.full((len(prompts), p), self.pad_id, np.int32)
         mask = np.zeros((len(prompts), p), np.bool_)
         for i, ids in enumerate(prompts):
-            if not 0 < len(ids) <= p:
-                raise ValueError(f"prompt {i} has {len(ids)} tokens; generation.max_prompt_tokens={p}")
             tokens[i, p - len(ids):] = ids
             mask[i, p - len(ids):] = True
         return tokens, mask
@@ -59,9 +57,8 @@ class StaticEngine:
     def generate(self, params: Any, prompts: list[list[int]], rng: jax.Array, greedy: bool = False,
                  max_new_tokens: list[int] | None = None) -> Generation:
         """`max_new_tokens`: per-row budgets; a row stops there, but the batch still runs max_new_tokens steps."""
+        budgets = check_request(prompts, max_new_tokens, self.max_prompt_tokens, self.max_new_tokens)
         tokens, mask = self.left_pad(prompts)
-        budgets = np.full(len(prompts), self.max_new_tokens, np.int32) if max_new_tokens is None else np.asarray(
-            max_new_tokens, np.int32)
         if self._relaid[0] is not params:
             self._relaid = (None, None)  # free the previous version's copy first
             self._relaid = (params, self._relayout(params))

@@ -170,7 +170,7 @@ class Sampler:
         started = time.monotonic()
         while not self.stop_event.is_set() and not self.final:
             # a finished background fetch is installed at once (before the next batch), not a poll interval later
-            if time.monotonic() - self.last_poll >= cfg.sampler.weight_poll_s or self.sync.has_result():
+            if self._poll_due():
                 self._poll_weights()
                 if self.final:
                     break
@@ -259,7 +259,9 @@ class Sampler:
         result = {"sampler_id": self.sampler_id, "groups": groups_sent, "injected_groups": self.injected_done,
                   "versions": self.installed_versions,
                   "waited_for_weights_s": round(self.waited_for_weights_s, 3), "fetch_seconds": self.fetch_seconds,
-                  "final_weights": verified}
+                  "final_weights": verified,
+                  # the JAX engine's compiled shapes (slots, windows, prompt buckets): each costs a compilation
+                  "engine_programs": sorted(map(list, getattr(engine, "programs", ())))}
         if self.run_dir is not None:
             (self.run_dir / f"{self.sampler_id}.json").write_text(json.dumps(result, indent=2))
         return result
@@ -349,10 +351,14 @@ class Sampler:
                         got.nbytes / 1e6, got.fetch_seconds, " [final]" if got.final else "")
         self.final = got.final
 
+    def _poll_due(self) -> bool:
+        """A weight check is due: the poll interval passed, or a background fetch finished (installed at once)."""
+        return time.monotonic() - self.last_poll >= self.cfg.sampler.weight_poll_s or self.sync.has_result()
+
     def _refresh_in_flight(self):
         """sampler.weight_updates=in_flight: the engine asks between decode chunks; a newly installed version is
         returned as (params, version) and continues every live sequence."""
-        if time.monotonic() - self.last_poll < self.cfg.sampler.weight_poll_s and not self.sync.has_result():
+        if not self._poll_due():
             return None
         before = self.version
         self._poll_weights()

@@ -36,3 +36,18 @@ class GenerationEngine(Protocol):
         """Completions of `prompts` (token ids, each at most max_prompt_tokens) with weights `params`, sampled at
         the configured temperature (`rng`: a JAX key) or greedy; `max_new_tokens`: per-row token budgets (default
         max_new_tokens for every row)."""
+
+
+def check_request(prompts: list[list[int]], budgets: list[int] | None, max_prompt_tokens: int,
+                  max_new_tokens: int) -> np.ndarray:
+    """Every engine's input check: each prompt 1..max_prompt_tokens tokens, each budget 1..max_new_tokens.
+    Returns the per-row budgets (max_new_tokens for every row when `budgets` is None)."""
+    for i, ids in enumerate(prompts):
+        if not 0 < len(ids) <= max_prompt_tokens:
+            raise ValueError(f"prompt {i} has {len(ids)} tokens; generation.max_prompt_tokens={max_prompt_tokens}")
+    if budgets is None:
+        return np.full(len(prompts), max_new_tokens, np.int32)
+    if len(budgets) != len(prompts) or not all(1 <= b <= max_new_tokens for b in budgets):
+        raise ValueError(f"max_new_tokens: one budget per prompt, each in 1..{max_new_tokens} "
+                         "(generation.max_new_tokens)")
+    return np.asarray(budgets, np.int32)

@@ -17,8 +17,8 @@ set ends when its last sequence ends, never at max_new_tokens for its own sake.
   length 100 reads 128 keys, not the whole cache.
 - The slot count follows the work: S is the smallest power of two (at most
   `slots`) holding the request set, and once no row is pending and at most
-  half the slots are live, the live ones are compacted into S/2 slots, so a
-  long tail does not pay for the whole batch.
+  half the slots are live, the live ones are compacted into S/2 slots (down
+  to 8), so a long tail does not pay for the whole batch.
 - Compiled programs: one per (slots, window, greedy) for decoding, per
   (prompts, prompt-length bucket) for prefill and per slot count for
   admission and compaction; `programs` lists the shapes compiled so far.
@@ -55,10 +55,11 @@ import numpy as np
 from flax import struct
 
 from grpo_stream.common.engine import decode
-from grpo_stream.common.engine.base import Generation
+from grpo_stream.common.engine.base import Generation, check_request
 from grpo_stream.common.model.policy import PolicyModel, policy_log_softmax
 
 MIN_WINDOW = 64
+MIN_SLOTS = 8  # compaction stops here: below it a step costs little more, and each size is another program
 
 
 @struct.dataclass
@@ -196,25 +197,13 @@ class ContinuousEngine:
             self._relaid = (params, self._relayout(params))
         return self._relaid[1]
 
-    def _check(self, prompts: list[list[int]], budgets: list[int] | None) -> np.ndarray:
-        for i, ids in enumerate(prompts):
-            if not 0 < len(ids) <= self.max_prompt_tokens:
-                raise ValueError(f"prompt {i} has {len(ids)} tokens; generation.max_prompt_tokens="
-                                 f"{self.max_prompt_tokens}")
-        if budgets is None:
-            return np.full(len(prompts), self.max_new_tokens, np.int32)
-        if len(budgets) != len(prompts) or not all(1 <= b <= self.max_new_tokens for b in budgets):
-            raise ValueError(f"max_new_tokens: one budget per prompt, each in 1..{self.max_new_tokens} "
-                             "(generation.max_new_tokens)")
-        return np.asarray(budgets, np.int32)
-
     def generate(self, params: Any, prompts: list[list[int]], rng: jax.Array, greedy: bool = False,
                  max_new_tokens: list[int] | None = None,
                  refresh: Callable[[], tuple[Any, int] | None] | None = None, version: int = 0) -> Generation:
         """Completions of `prompts` under `params` (weight version `version`); `max_new_tokens`: a per-row token
         budget (default generation.max_new_tokens for all); `refresh`: called at chunk boundaries, returns newer
         (params, version) to continue with, or None; with it, `Generation.versions` records each token's version."""
-        budgets = self._check(prompts, max_new_tokens)
+        budgets = check_request(prompts, max_new_tokens, self.max_prompt_tokens, self.max_new_tokens)
         rows = len(prompts)
         out = Generation(tokens=np.full((rows, self.max_new_tokens), self.pad_id, np.int32),
                          logprobs=np.zeros((rows, self.max_new_tokens), np.float32),
@@ -230,7 +219,7 @@ class ContinuousEngine:
         pending = collections.deque(range(rows))
         slot_row = np.full(size, -1, np.int64)       # row each slot serves, -1: free
         produced = np.zeros(size, np.int64)            # tokens already copied out, per slot
-        lengths = np.zeros(size, np.int64)             # cache length per slot (host mirror)
+        prompt_lens = np.array([len(p) for p in prompts])
         # version of the weights that computed each slot's next-token logits: the first token of a chunk after an
         # update was drawn from logits the previous weights computed, so it records their version
         logits_version = np.zeros(size, np.int64)
@@ -242,13 +231,14 @@ class ContinuousEngine:
                     weights = self._weights(params)
             free = np.flatnonzero(slot_row < 0)
             if pending and len(free):
-                state = self._admit_pending(weights, state, pending, free, prompts, budgets, row_keys, slot_row,
-                                            produced, lengths)
-                logits_version[free[:int((slot_row[free] >= 0).sum())]] = version
+                state, admitted = self._admit_pending(weights, state, pending, free, prompts, budgets, row_keys,
+                                                      slot_row, produced)
+                logits_version[admitted] = version
             live = slot_row >= 0
             if not live.any():
                 return out
-            window = min(self.cache_len, _pow2_at_least(int(lengths[live].max()) + self.chunk_steps, MIN_WINDOW))
+            longest = int((prompt_lens[slot_row[live]] + produced[live]).max())  # tokens in the fullest live cache
+            window = min(self.cache_len, _pow2_at_least(longest + self.chunk_steps, MIN_WINDOW))
             want_free = min(len(pending), max(1, size // 8)) if pending else size + 1
             self.programs.add(("decode", size, window, greedy))
             state, toks, lps, steps = self._decode(weights, state, jnp.int32(want_free), greedy=greedy, window=window)
@@ -264,19 +254,18 @@ class ContinuousEngine:
                     out.versions[row, start] = logits_version[s]
                     out.versions[row, start + 1:end] = version
                     logits_version[s] = version
-                lengths[s] += end - start
                 produced[s] = end
                 if not active[s]:
                     out.lengths[row] = end
                     out.finished[row] = end > 0 and int(out.tokens[row, end - 1]) in self.eos_ids
                     slot_row[s] = -1
-            if not pending and size > 1 and (slot_row >= 0).sum() <= size // 2:
-                state, slot_row, produced, lengths, logits_version = self._shrink(state, slot_row, produced, lengths,
-                                                                                   logits_version)
+            if not pending and size > MIN_SLOTS and (slot_row >= 0).sum() <= size // 2:
+                state, slot_row, produced, logits_version = self._shrink(state, slot_row, produced, logits_version)
                 size = len(slot_row)
 
-    def _admit_pending(self, weights, state, pending, free, prompts, budgets, row_keys, slot_row, produced, lengths):
-        """Prefill the next pending rows' prompts (each distinct prompt once) into the free slots."""
+    def _admit_pending(self, weights, state, pending, free, prompts, budgets, row_keys, slot_row, produced):
+        """Prefill the next pending rows' prompts (each distinct prompt once) into the free slots; returns the new
+        state and the slots filled."""
         size = len(slot_row)
         take = [pending.popleft() for _ in range(min(len(free), len(pending)))]
         unique: dict[tuple, int] = {}
@@ -299,16 +288,18 @@ class ContinuousEngine:
         keys = np.zeros((size, *row_keys.shape[1:]), np.uint32)
         for i, (row, s) in enumerate(zip(take, free)):
             slots[i], src[i], lens[i], buds[i], keys[i] = s, source[i], len(prompts[row]), budgets[row], row_keys[row]
-            slot_row[s], produced[s], lengths[s] = row, 0, len(prompts[row])
+            slot_row[s], produced[s] = row, 0
         self.programs.add(("admit", size, count, width))
-        return self._admit(state, prompt_cache, prompt_logits, jnp.asarray(slots), jnp.asarray(src),
-                           jnp.asarray(lens), jnp.asarray(buds), jnp.asarray(keys))
+        state = self._admit(state, prompt_cache, prompt_logits, jnp.asarray(slots), jnp.asarray(src),
+                            jnp.asarray(lens), jnp.asarray(buds), jnp.asarray(keys))
+        return state, free[:len(take)]
 
     def _shrink(self, state, slot_row, *per_slot):
-        """Move the live slots into the smallest power-of-two slot count that holds them."""
+        """Move the live slots (at most half) into half as many slots. Halving, not jumping to the smallest size
+        that fits, keeps the compiled shapes to one chain (S, S/2, ..., MIN_SLOTS)."""
         size = len(slot_row)
         live = np.flatnonzero(slot_row >= 0)
-        new_size = _pow2_at_least(max(1, len(live)))
+        new_size = size // 2
         order = np.concatenate([live, np.flatnonzero(slot_row < 0)]).astype(np.int32)
         self.programs.add(("compact", size, new_size))
         state = self._compact(state, jnp.asarray(order), size=new_size)

@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from grpo_stream.common.engine.base import Generation
+from grpo_stream.common.engine.base import Generation, check_request
 from grpo_stream.common.model.hf_checkpoint import to_hf_names, write_safetensors
 
 log = logging.getLogger(__name__)
@@ -133,16 +133,9 @@ class VllmEngine:
                  max_new_tokens: list[int] | None = None) -> Generation:
         """Completions for `prompts` (token ids) under `params`; `rng` (a JAX key or an int) seeds each row;
         `max_new_tokens`: per-row budgets (default generation.max_new_tokens)."""
+        budgets = check_request(prompts, max_new_tokens, self.max_prompt_tokens, self.max_new_tokens).tolist()
         if params is not self._installed:
             self.install(params)
-        for i, ids in enumerate(prompts):
-            if not 0 < len(ids) <= self.max_prompt_tokens:
-                raise ValueError(f"prompt {i} has {len(ids)} tokens; generation.max_prompt_tokens="
-                                 f"{self.max_prompt_tokens}")
-        budgets = max_new_tokens or [self.max_new_tokens] * len(prompts)
-        if len(budgets) != len(prompts) or not all(1 <= b <= self.max_new_tokens for b in budgets):
-            raise ValueError(f"max_new_tokens: one budget per prompt, each in 1..{self.max_new_tokens} "
-                             "(generation.max_new_tokens)")
         base = _seed_of(rng)
         requests = [{"prompt_token_ids": list(ids)} for ids in prompts]
         outputs = self.llm.generate(requests, [self.sampling_params((base + i) % 2**63, greedy, budgets[i])

@@ -83,8 +83,24 @@ def test_refilled_slots_finish_one_long_and_many_short_in_few_steps(tiny_parts):
     static_steps = -(-len(prompts) // 4) * 64
     assert engine.stats["decode_steps"] <= 64 + 2 * 8 < static_steps // 6
     assert engine.stats["prefill_rows"] == 32
-    # the long row's tail ran in a compacted single slot
-    assert ("compact", 4, 1) in engine.programs or ("compact", 2, 1) in engine.programs
+    # 4 slots are below the compaction floor: the set ran in one slot count, no compaction programs
+    assert not any(kind == "compact" for kind, *_ in engine.programs)
+
+
+def test_a_long_tail_is_compacted_into_fewer_slots(tiny_parts):
+    """32 rows in 32 slots, one of them long: once the short ones end, the long one's tail runs in halved slot
+    counts down to the floor of 8 (one chain of compiled shapes), with the same tokens as without compaction."""
+    cfg, task, tok, model = tiny_parts
+    prompts = _prompts(task, tok, 32)
+    budgets = [48] + [4] * 31
+    engine = ContinuousEngine(model, tok.pad_id, NO_EOS, cfg.generation.max_prompt_tokens, 48, 1.0, slots=32,
+                              chunk_steps=4)
+    out = engine.generate(model.params, prompts, jax.random.key(0), max_new_tokens=budgets)
+    assert out.lengths.tolist() == budgets
+    assert {tuple(p) for p in engine.programs if p[0] == "compact"} == {("compact", 32, 16), ("compact", 16, 8)}
+    assert ("decode", 8, 64, False) in engine.programs
+    alone = engine.generate(model.params, prompts[:1], jax.random.key(0), max_new_tokens=budgets[:1])
+    np.testing.assert_array_equal(alone.tokens[0], out.tokens[0])
 
 
 def test_a_group_prefills_its_prompt_once(tiny_parts):
