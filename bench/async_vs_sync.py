@@ -85,6 +85,8 @@ def run_mode(mode: str, steps: int, run_dir: pathlib.Path, pinned: bool) -> dict
     steady = (times[-1] - times[WARMUP_STEPS - 1]) / (len(times) - WARMUP_STEPS)
     return {"rl_seconds": summary["rl_seconds"], "steady_seconds_per_step": round(steady, 4),
             "groups_dropped_stale": summary["groups_dropped_stale"],
+            "groups_generated": summary["groups_generated"],
+            "generation_wasted_fraction": summary["generation_wasted_fraction"],
             "staleness_mean": round(sum(r["train/staleness_mean"] for r in rows) / len(rows), 3),
             "staleness_max": max(int(r["train/staleness_max"]) for r in rows)}
 
@@ -108,5 +110,8 @@ def run(quick: bool = False) -> dict:
         "steady_seconds_per_step": {mode: round(v, 4) for mode, v in steady.items()},
         "async_over_sync": round(steady["async"] / steady["sync"], 3),
         "async_over_sync_total": round(median["async"] / median["sync"], 3),
+        # groups generated for training but never trained (admission control keeps it near 0 in both modes)
+        "generation_wasted_fraction": {mode: max(r["generation_wasted_fraction"] for r in rs)
+                                       for mode, rs in runs.items()},
         "runs": runs,
     }

@@ -27,6 +27,7 @@ from grpo_stream.common.config.loading import load_config, to_yaml
 from grpo_stream.common.config.schema import RunConfig
 from grpo_stream.common.config.access import TOKEN_ENV, TOKEN_FILE_ENV, TOKENS_ENV
 from grpo_stream.common.weights.registry import transport_spec
+from grpo_stream.trainer_service.run_outputs import wasted_fraction
 from grpo_stream.common.rollouts.redis_server import EmbeddedRedis, RedisConnectError, connect, credentials, free_port
 
 ENDPOINTS_FILE = "endpoints.json"  # in RUN_DIR: where `grpo-stream submit --run-dir` sends prompts
@@ -214,6 +215,13 @@ def run_up(config_path: pathlib.Path | None, overrides: list[str], cfg: RunConfi
     summary["wall_seconds"] = round(time.time() - started, 2)
     summary["sampler_exit_codes"] = sampler_codes
     summary["samplers"] = {path.stem: json.loads(path.read_text()) for path in sorted(run_dir.glob("sampler-*.json"))}
+    if summary["samplers"] and all("groups_generated" in s for s in summary["samplers"].values()):
+        # the samplers' own final counts (their last reports to the trainer may miss the last batches)
+        generated = sum(s["groups_generated"] for s in summary["samplers"].values())
+        summary["groups_generated"] = generated
+        summary["generation_wasted_fraction"] = wasted_fraction(
+            generated, (summary["steps"] - (summary["resumed_from"] or {}).get("step", 0))
+            * cfg.trainer.groups_per_step)
     summary_path.write_text(json.dumps(summary, indent=2))
     dropped = sum(summary[f"groups_dropped_{kind}"] for kind in ("stale", "invalid", "filtered", "duplicate"))
     print(f"[up] done in {summary['wall_seconds']:.0f}s: {summary['steps']} steps, groups ingested "

@@ -126,3 +126,27 @@ class ClaimedPrompts(_message.Message):
     PROMPTS_FIELD_NUMBER: _ClassVar[int]
     prompts: _containers.RepeatedCompositeFieldContainer[InjectedPrompt]
     def __init__(self, prompts: _Optional[_Iterable[_Union[InjectedPrompt, _Mapping]]] = ...) -> None: ...
+
+class AdmitRequest(_message.Message):
+    __slots__ = ("sampler_id", "groups", "policy_version", "in_flight")
+    SAMPLER_ID_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    sampler_id: str
+    groups: int
+    policy_version: int
+    in_flight: int
+    def __init__(self, sampler_id: _Optional[str] = ..., groups: _Optional[int] = ..., policy_version: _Optional[int] = ..., in_flight: _Optional[int] = ...) -> None: ...
+
+class AdmitReply(_message.Message):
+    __slots__ = ("granted", "retry_after_ms", "trainer_step", "queued")
+    GRANTED_FIELD_NUMBER: _ClassVar[int]
+    RETRY_AFTER_MS_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_STEP_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    granted: int
+    retry_after_ms: int
+    trainer_step: int
+    queued: int
+    def __init__(self, granted: _Optional[int] = ..., retry_after_ms: _Optional[int] = ..., trainer_step: _Optional[int] = ..., queued: _Optional[int] = ...) -> None: ...

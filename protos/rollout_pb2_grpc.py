@@ -54,6 +54,11 @@ class RolloutIngestStub:
                 request_serializer=grpo__stream_dot_protos_dot_rollout__pb2.ClaimRequest.SerializeToString,
                 response_deserializer=grpo__stream_dot_protos_dot_rollout__pb2.ClaimedPrompts.FromString,
                 _registered_method=True)
+        self.Admit = channel.unary_unary(
+                '/grpo_stream.v1.RolloutIngest/Admit',
+                request_serializer=grpo__stream_dot_protos_dot_rollout__pb2.AdmitRequest.SerializeToString,
+                response_deserializer=grpo__stream_dot_protos_dot_rollout__pb2.AdmitReply.FromString,
+                _registered_method=True)
 
 
 class RolloutIngestServicer:
@@ -94,6 +99,15 @@ class RolloutIngestServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Admit(self, request, context):
+        """Admission control: how many of the groups a sampler wants to start now
+        can still be trained within trainer.max_staleness (and are still needed
+        by trainer.steps). UNAVAILABLE while the buffer's Redis is down.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RolloutIngestServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -116,6 +130,11 @@ def add_RolloutIngestServicer_to_server(servicer, server):
                     servicer.ClaimPrompts,
                     request_deserializer=grpo__stream_dot_protos_dot_rollout__pb2.ClaimRequest.FromString,
                     response_serializer=grpo__stream_dot_protos_dot_rollout__pb2.ClaimedPrompts.SerializeToString,
+            ),
+            'Admit': grpc.unary_unary_rpc_method_handler(
+                    servicer.Admit,
+                    request_deserializer=grpo__stream_dot_protos_dot_rollout__pb2.AdmitRequest.FromString,
+                    response_serializer=grpo__stream_dot_protos_dot_rollout__pb2.AdmitReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -226,6 +245,33 @@ class RolloutIngest:
             '/grpo_stream.v1.RolloutIngest/ClaimPrompts',
             grpo__stream_dot_protos_dot_rollout__pb2.ClaimRequest.SerializeToString,
             grpo__stream_dot_protos_dot_rollout__pb2.ClaimedPrompts.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Admit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/grpo_stream.v1.RolloutIngest/Admit',
+            grpo__stream_dot_protos_dot_rollout__pb2.AdmitRequest.SerializeToString,
+            grpo__stream_dot_protos_dot_rollout__pb2.AdmitReply.FromString,
             options,
             channel_credentials,
             insecure,

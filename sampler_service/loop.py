@@ -36,6 +36,7 @@ from grpo_stream.common.model.sharding import make_mesh
 from grpo_stream.common.weights.snapshot import digest
 from grpo_stream.common.rollouts.wire import to_proto
 from grpo_stream.protos import rollout_pb2, rollout_pb2_grpc
+from grpo_stream.sampler_service.admission_client import AdmissionClient
 from grpo_stream.sampler_service.connect import resume_position, trainer_serving, wait_for_trainer
 from grpo_stream.sampler_service.grouping import build_groups
 from grpo_stream.sampler_service.rollout_client import RolloutClient
@@ -61,6 +62,7 @@ class Slot:
     rewards: RewardSet
     group_id: str
     position: int | None
+    train: bool = True  # False: an injected prompt asked for evaluation only (its group is answered, not trained)
 
 
 class Sampler:
@@ -81,6 +83,8 @@ class Sampler:
         self.params, self.version, self.final, self.last_poll = None, -1, False, 0.0
         self.groups_at_version = 0  # groups generated with the installed version
         self.waited_for_weights_s = 0.0
+        self.groups_generated = 0  # groups for training generated, sent or not (the run's waste is counted from these)
+        self.admission: AdmissionClient | None = None
         self.fetch_seconds: list[float] = []
         self.sync: WeightSync | None = None
         self.client: RolloutClient | None = None
@@ -159,6 +163,7 @@ class Sampler:
                  cfg.trainer_address(), cfg.ingest_address(), tokenizer.fingerprint(), start)
 
         self.sync = sync
+        self.admission = AdmissionClient(self.ingest_stub, self.sampler_id, cfg.sampler.admission, self.stop_event)
         self._await_first_weights(health)
 
         # data position p = the p-th prompt of this sampler's stream; it names the group and seeds its sampling,
@@ -187,6 +192,10 @@ class Sampler:
                 if wanted <= 0:
                     self._await_newer_version(started_wait=time.monotonic())
                     continue
+            full = wanted  # a fixed-shape engine keeps this batch shape when fewer groups are admitted
+            wanted = self.admission.admit(wanted, self.version, client.unacked)
+            if wanted == 0:  # nothing trainable now: check for weights (or the final version) and ask again
+                continue
             batch = self._injected_slots(wanted * gen.num_generations, rewards)
             rows = sum(slot.rows for slot in batch)
             skipped_in_a_row = 0
@@ -209,7 +218,7 @@ class Sampler:
             # vLLM takes any batch size, so it gets no padding rows
             flat = [slot.ids for slot in batch for _ in range(slot.rows)]
             if engine.fixed_shape:
-                flat += [batch[0].ids] * (wanted * gen.num_generations - len(flat))
+                flat += [batch[0].ids] * (full * gen.num_generations - len(flat))
             version = self.version
             # the key follows the first data position (as before injection existed); a batch of injected prompts
             # only draws from a stream of its own
@@ -226,6 +235,8 @@ class Sampler:
                                   [slot.position for slot in batch], sizes=[slot.rows for slot in batch],
                                   reward_sets=[slot.rewards for slot in batch],
                                   injected=[slot.position is None for slot in batch])
+            self.groups_generated += sum(slot.train for slot in batch)
+            self.sync.groups_generated = self.groups_generated
             for group in groups:
                 if not self._push(client, to_proto(group)):
                     break
@@ -256,7 +267,9 @@ class Sampler:
                  "versions installed %s, %.1fs waiting for weights", self.sampler_id, groups_sent,
                  groups_sent / max(elapsed, 1e-9), dict(client.stats), drained, count_and_range(self.installed_versions),
                  self.waited_for_weights_s)
-        result = {"sampler_id": self.sampler_id, "groups": groups_sent, "injected_groups": self.injected_done,
+        result = {"sampler_id": self.sampler_id, "groups": groups_sent, "groups_generated": self.groups_generated,
+                  "injected_groups": self.injected_done,
+                  "waited_for_admission_s": round(self.admission.waited_s, 3),
                   "versions": self.installed_versions,
                   "waited_for_weights_s": round(self.waited_for_weights_s, 3), "fetch_seconds": self.fetch_seconds,
                   "final_weights": verified,
@@ -297,7 +310,7 @@ class Sampler:
             problem = types.SimpleNamespace(prompt_id=p.prompt_id, answer=p.reference_answer)
             slots.append(Slot(problem, list(p.prompt_token_ids), p.num_generations,
                               self._rewards_for(list(p.rewards), default), f"{self.cfg.run.name}/inj/{p.prompt_id}",
-                              None))
+                              None, p.train))
             rows += p.num_generations
         self.injected_done += len(slots)
         return slots

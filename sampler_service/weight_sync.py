@@ -56,6 +56,7 @@ class WeightSync:
             model.names(), jax.tree_util.tree_leaves(model.params), jax.tree_util.tree_leaves(shardings))}
         self._report_stub = None if channel is None else weights_pb2_grpc.WeightServiceStub(channel)
         self.throughput = (0.0, 0.0)  # (groups/s, tokens/s) the sampler reports with its version
+        self.groups_generated = 0  # reported too: the trainer's summary counts the run's wasted generation
         self.installed_version, self.installed_epoch = -1, ""
         self.latest_seen = -1  # newest version seen from the installed version's trainer epoch
         self.failures, self._next_attempt = 0, 0.0
@@ -149,7 +150,8 @@ class WeightSync:
         try:
             reply = self._report_stub.ReportVersion(weights_pb2.VersionReport(
                 sampler_id=self.sampler_id, installed_version=self.installed_version, fetch_failures=self.failures,
-                trainer_epoch=self.installed_epoch, groups_per_s=self.throughput[0], tokens_per_s=self.throughput[1]),
+                trainer_epoch=self.installed_epoch, groups_per_s=self.throughput[0], tokens_per_s=self.throughput[1],
+                groups_generated=self.groups_generated),
                 timeout=2)
             if reply.latest_version >= 0:
                 self.latest_seen = max(self.latest_seen, reply.latest_version)

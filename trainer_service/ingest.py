@@ -8,6 +8,7 @@ refused with INVALID_ARGUMENT naming the field; the service stays up.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import threading
@@ -16,6 +17,7 @@ import grpc
 import numpy as np
 
 from grpo_stream.common.rollouts.buffer import BufferUnavailable, Incoming, RedisStreamBuffer
+from grpo_stream.trainer_service.admission import RETRY_AFTER_MS, AdmissionControl
 from grpo_stream.trainer_service.prompt_queue import PromptQueue
 from grpo_stream.common.rollouts.wire import GroupLimits, validate_group
 from grpo_stream.protos import rollout_pb2, rollout_pb2_grpc
@@ -43,10 +45,11 @@ class Injection:
 
 class IngestServicer(rollout_pb2_grpc.RolloutIngestServicer):
     def __init__(self, buffer: RedisStreamBuffer, limits: GroupLimits, max_groups: int, retry_after_ms: int,
-                 injection: Injection | None = None):
+                 injection: Injection | None = None, admission: AdmissionControl | None = None):
+        """`admission`: the samplers' admission control (None: every Admit request is granted in full)."""
         self.buffer, self.limits = buffer, limits
         self.max_groups, self.retry_after_ms = max_groups, retry_after_ms
-        self.injection = injection
+        self.injection, self.admission = injection, admission
         self._lock = threading.Lock()
         self.stats = {"accepted": 0, "duplicate": 0, "invalid": 0, "full": 0, "unavailable": 0, "claimed": 0}
 
@@ -133,6 +136,13 @@ class IngestServicer(rollout_pb2_grpc.RolloutIngestServicer):
                 self.stats[_STAT[ack.code]] += 1
             self.stats["accepted"] -= duplicates
             self.stats["duplicate"] += duplicates
+        if self.admission is not None:  # answered for good: no longer in flight at its sampler
+            done = collections.defaultdict(list)
+            for g, ack in zip(groups, acks):
+                if ack.code in (0, _INVALID):
+                    done[g.sampler_id].append(g.policy_version)
+            for sampler_id, versions in done.items():
+                self.admission.answered(sampler_id, versions)
         return acks
 
     def StreamBatches(self, request_iterator, context):
@@ -172,3 +182,22 @@ class IngestServicer(rollout_pb2_grpc.RolloutIngestServicer):
         with self._lock:
             self.stats["claimed"] += len(raw)
         return rollout_pb2.ClaimedPrompts(prompts=[rollout_pb2.InjectedPrompt.FromString(r) for r in raw])
+
+    def Admit(self, request, context):
+        if not request.sampler_id or len(request.sampler_id) > self.limits.max_id_length:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"sampler_id: must be 1..{self.limits.max_id_length} characters")
+        if not 0 <= request.groups <= MAX_CLAIM:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"groups: {request.groups} outside 0..{MAX_CLAIM}")
+        if request.in_flight < 0 or request.policy_version < 0:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "in_flight and policy_version: must not be negative")
+        if self.admission is None:
+            return rollout_pb2.AdmitReply(granted=request.groups)
+        try:
+            state = self.buffer.admission_state()
+        except BufferUnavailable as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"rollout buffer unavailable ({exc}); retry with backoff")
+        granted, queued = self.admission.admit(state, request.sampler_id, request.groups, request.policy_version,
+                                               request.in_flight)
+        return rollout_pb2.AdmitReply(granted=granted, retry_after_ms=0 if granted else RETRY_AFTER_MS,
+                                      trainer_step=state.trainer_step, queued=queued)

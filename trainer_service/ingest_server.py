@@ -24,6 +24,7 @@ from grpo_stream.common.rollouts.redis_server import connect, credentials
 from grpo_stream.common.runtime.process import build_task_and_tokenizer, stop_on_signals
 from grpo_stream.common.rollouts.wire import GroupLimits
 from grpo_stream.protos import prompts_pb2, rollout_pb2  # noqa: F401 - registers the services' descriptors
+from grpo_stream.trainer_service.admission import AdmissionControl, AdmissionLimits
 from grpo_stream.trainer_service.ingest import IngestServicer, Injection
 from grpo_stream.trainer_service.prompt_service import PromptServicer
 
@@ -38,7 +39,9 @@ def ingest_servicers(cfg: RunConfig, buffer: RedisStreamBuffer, task, tokenizer,
     limits = GroupLimits(gen.num_generations, gen.max_prompt_tokens, gen.max_new_tokens, tokenizer.vocab_size)
     queue = PromptQueue(buffer.client, cfg.run.name)
     injection = Injection(queue, cfg.run.name, cfg.prompts.claim_lease_s, cfg.prompts.result_retention_s)
-    ingest = IngestServicer(buffer, limits, cfg.buffer.max_groups, cfg.buffer.retry_after_ms, injection)
+    admission = AdmissionControl(AdmissionLimits(cfg.trainer.groups_per_step, cfg.trainer.max_staleness,
+                                                 cfg.trainer.steps, cfg.sampler.admission_lease_s))
+    ingest = IngestServicer(buffer, limits, cfg.buffer.max_groups, cfg.buffer.retry_after_ms, injection, admission)
     return ingest, PromptServicer(cfg, queue, tokenizer, task, None if security is None else security.table)
 
 

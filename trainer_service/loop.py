@@ -266,7 +266,8 @@ class Trainer:
                              by_sampler=by_sampler, publisher=self.publisher, durability=self.durability,
                              agreement=self.agreement, mesh_shape=dict(self.mesh.shape),
                              final_weights=self.final_weights, carried=carried, eval_after=eval_after,
-                             rl_seconds=rl_seconds, started=self.started, resumed_from=self.resumed_from)
+                             rl_seconds=rl_seconds, started=self.started, resumed_from=self.resumed_from,
+                             trained_here=(steps_done - self.durability.resumed_step) * cfg.trainer.groups_per_step)
 
     def _track_agreement(self, m: dict) -> None:
         """Run-long sampler-trainer logprob agreement over tokens generated at version lag 0."""

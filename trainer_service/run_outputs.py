@@ -39,9 +39,17 @@ def export_policy(cfg: RunConfig, run_dir: pathlib.Path, name: str, what: str, m
     log.info("exported the %s model to %s", what, run_dir / name)
 
 
+def wasted_fraction(generated: int, trained: int) -> float | None:
+    """Share of the groups generated for training that were never trained (None before any was generated)."""
+    return round(min(1.0, max(0.0, 1.0 - trained / generated)), 4) if generated else None
+
+
 def write_summary(path: pathlib.Path, cfg: RunConfig, *, steps: int, counters: dict, by_sampler: dict, publisher,
                   durability, agreement: dict, mesh_shape: dict, final_weights: dict | None, carried: dict,
-                  eval_after: dict | None, rl_seconds: float, started: float, resumed_from: dict | None) -> dict:
+                  eval_after: dict | None, rl_seconds: float, started: float, resumed_from: dict | None,
+                  trained_here: int) -> dict:
+    """`trained_here`: groups this trainer process trained (a resumed run's earlier ones are not its samplers')."""
+    generated = publisher.groups_generated()
     summary = {
         "run": cfg.run.name,
         "steps": steps,
@@ -49,6 +57,10 @@ def write_summary(path: pathlib.Path, cfg: RunConfig, *, steps: int, counters: d
         "trainer_epoch": durability.epoch,
         "resumed_from": resumed_from,
         "checkpoints_saved": durability.checkpointed,
+        # generated for training (the samplers' reports while this trainer ran; `up` puts the samplers' exact
+        # final counts here) and the share of them never trained: dropped, refused, or left in a queue at the end
+        "groups_generated": generated,
+        "generation_wasted_fraction": wasted_fraction(generated, trained_here),
         "groups_ingested": counters["ingested"],
         "groups_trained": counters["trained"],
         # sampler.weight_updates=in_flight: trained groups with a completion drawn by more than one weight version

@@ -143,6 +143,13 @@ class SamplerSection(Strict):
         "between_batches", description="When a newly fetched weight version takes effect: between generation "
         "batches, or 'in_flight': at the next decode-chunk boundary for every live sequence (engine=jax), keeping "
         "the KV of earlier tokens; each token records its version and a group counts as its oldest token's.")
+    admission: bool = Field(True, description="Ask the ingest before each batch how many groups can still be trained "
+                            "within trainer.max_staleness (and are still needed by trainer.steps), and start only "
+                            "those; pause while none can. False: generate without asking (groups the trainer "
+                            "cannot use are dropped as stale, wasted).")
+    admission_lease_s: float = Field(600.0, gt=0, le=86_400, description="The ingest counts a sampler's admitted "
+                                     "groups as in flight until they arrive, or until it has not heard from the "
+                                     "sampler for this long (it died). Keep above one generation batch's time.")
     rpc_timeout_s: float = Field(30.0, gt=0, le=3600, description="Deadline of one weight fetch.")
     connect_timeout_s: float = Field(120.0, gt=0, le=3600, description="How long a sampler waits for an unreachable "
                                      "or silent trainer before it exits. A trainer that answers but has not published "

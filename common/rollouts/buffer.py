@@ -189,6 +189,18 @@ class RolloutBuffer(Protocol):
 
     def ingested_by_sampler(self) -> dict[str, int]: ...
 
+    def admission_state(self) -> "AdmissionState": ...
+
+
+@dataclasses.dataclass(frozen=True)
+class AdmissionState:
+    """What admission control reads from the buffer, in one round trip."""
+
+    waiting: int  # groups not trained yet: waiting, or read for the step in progress
+    trained: int
+    dropped_filtered: int  # passed over for zero reward variance (dynamic sampling): they take no step's place
+    trainer_step: int  # the last step the trainer logged (0 before the first)
+
 
 def keys(prefix: str, run_name: str) -> dict[str, str]:
     base = f"{prefix}:{run_name}"
@@ -349,3 +361,15 @@ class RedisStreamBuffer:
     def ingested_by_sampler(self) -> dict[str, int]:
         raw = self._call(lambda: self.client.hgetall(self.k["by_sampler"]))
         return {k.decode(): int(v) for k, v in raw.items()}
+
+    def admission_state(self) -> AdmissionState:
+        def run():
+            pipe = self.client.pipeline(transaction=True)
+            pipe.xlen(self.stream)
+            pipe.get(self.k["held"])
+            pipe.hmget(self.k["counters"], "trained", "dropped_filtered")
+            pipe.xrevrange(self.k["audit:steps"], count=1)
+            depth, held, (trained, filtered), last = pipe.execute()
+            step = int(last[0][1][b"step"]) if last else 0
+            return AdmissionState(max(0, int(depth) - int(held or 0)), int(trained or 0), int(filtered or 0), step)
+        return self._call(run)

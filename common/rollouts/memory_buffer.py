@@ -10,7 +10,7 @@ import threading
 import time
 from collections.abc import Iterable, Sequence
 
-from grpo_stream.common.rollouts.buffer import COUNTERS, OUTCOMES, REFUSALS, BufferEntry, Incoming
+from grpo_stream.common.rollouts.buffer import COUNTERS, OUTCOMES, REFUSALS, AdmissionState, BufferEntry, Incoming
 
 
 class InMemoryBuffer:
@@ -123,3 +123,8 @@ class InMemoryBuffer:
     def ingested_by_sampler(self) -> dict[str, int]:
         with self._lock:
             return dict(self._by_sampler)
+
+    def admission_state(self) -> AdmissionState:
+        with self._lock:
+            return AdmissionState(len(self._stream) - self._held, self._counts["trained"],
+                                  self._counts["dropped_filtered"], self.steps[-1]["step"] if self.steps else 0)

@@ -39,6 +39,7 @@ ROLES_BY_METHOD: dict[str, frozenset[str]] = {
     "/grpo_stream.v1.RolloutIngest/PushGroup": SAMPLER,
     "/grpo_stream.v1.RolloutIngest/GetDataPosition": SAMPLER,
     "/grpo_stream.v1.RolloutIngest/ClaimPrompts": SAMPLER,
+    "/grpo_stream.v1.RolloutIngest/Admit": SAMPLER,
     "/grpo_stream.v1.WeightService/GetManifest": SAMPLER,
     "/grpo_stream.v1.WeightService/FetchSlices": SAMPLER,
     "/grpo_stream.v1.WeightService/ReportVersion": SAMPLER,

@@ -54,6 +54,8 @@ def test_bench_all_quick_writes_json_and_table_rows(tmp_path):
     assert all(r["staleness_max"] == 0 and r["groups_dropped_stale"] == 0 for r in asynchronous["runs"]["sync"])
     assert asynchronous["async_over_sync"] > 0 and asynchronous["async_over_sync_total"] > 0
     assert all(r["steady_seconds_per_step"] > 0 for rs in asynchronous["runs"].values() for r in rs)
+    assert all(r["groups_generated"] >= 6 * 16 and 0 <= r["generation_wasted_fraction"] < 1
+               for rs in asynchronous["runs"].values() for r in rs)
 
     weights = results["weights"]
     # every case moved the same model's bytes (bf16 half of f32) into another process, and the stall phase

@@ -38,6 +38,9 @@ DEMO_MIN_GREEDY_GAIN = 0.11
 # - GSPO (400 steps, minibatches=2, from the demo's warm start), sampled pass@1 gain: runs +0.062 to +0.131, mean
 #   0.094, sd 0.025, bound 0.021. FFR <= 1%. A run that does not learn passes it with about 6% (the gain's evaluation
 #   noise has sd 0.013).
+# - demo, generation_wasted_fraction (groups generated for training but never trained): the acceptance bound of
+#   issue 21 (admission control), not a fitted bar.
+DEMO_MAX_WASTE = 0.03
 GSPO_STEPS = 400
 GSPO_MIN_SAMPLED_GAIN = 0.02
 # - GSPO, greedy accuracy gain: runs +0.040 to +0.151, mean 0.088, sd 0.033, bound -0.010: too spread for a learning
@@ -88,6 +91,8 @@ def test_demo_accounts_for_every_group_and_both_samplers_follow_the_weights(demo
     # one optimizer step per batch: the trainer's importance ratio is exactly 1 (the GSPO run below is where not)
     rows = [r for r in demo.metrics() if "train/ratio_max" in r]
     assert len(rows) == 400 and all(r["train/ratio_max"] == r["train/ratio_min"] == 1.0 for r in rows)
+    # admission control: samplers generated (nearly) only what the trainer could use
+    assert summary["generation_wasted_fraction"] <= DEMO_MAX_WASTE, (summary["groups_generated"], summary["samplers"])
     # versions reached the samplers all along the run, not only at its ends
     for versions in summary["sampler_weight_versions"].values():
         assert len(versions) >= 3

@@ -34,6 +34,10 @@ def check_run(summary: dict, replicas: int, steps: int) -> None:
         assert versions == sorted(versions) and versions[-1] == steps
         assert set(versions) <= set(published)
     assert all(code == 0 for code in summary["sampler_exit_codes"].values())
+    # what the samplers generated for training: every trained group, and the waste is what was not trained
+    generated = sum(s["groups_generated"] for s in summary["samplers"].values())
+    assert summary["groups_generated"] == generated >= summary["groups_trained"]
+    assert summary["generation_wasted_fraction"] == round(1 - summary["groups_trained"] / generated, 4)
 
 
 def tensorboard_tags(event_dir: pathlib.Path) -> dict[str, str]:

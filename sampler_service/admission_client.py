@@ -1,0 +1,63 @@
+"""The sampler's side of admission control: ask the ingest before each batch how many groups it may start.
+
+The ingest (trainer_service/admission.py) admits a group only if the trainer can still train it within
+trainer.max_staleness, counting the buffer and every sampler's groups in flight. A sampler refused waits the
+reply's retry hint, then checks for newer weights and asks again, so it pauses instead of generating groups that
+would be dropped as stale.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import grpc
+
+from grpo_stream.common.runtime.console import detail_logger
+from grpo_stream.protos import rollout_pb2
+
+log = logging.getLogger(__name__)
+detail = detail_logger(__name__)
+OUTAGE_RETRY_S = 1.0
+
+
+class AdmissionClient:
+    def __init__(self, stub, sampler_id: str, enabled: bool, stop_event: threading.Event):
+        """`stub`: the ingest's RolloutIngestStub; `enabled`: sampler.admission."""
+        self.stub, self.sampler_id, self.stop_event = stub, sampler_id, stop_event
+        self.enabled = enabled  # turned off for an ingest that predates Admit
+        self.waited_s = 0.0
+        self.refusals = 0
+        self._warned = False
+
+    def admit(self, wanted: int, version: int, in_flight: int) -> int:
+        """How many of `wanted` groups of weight `version` may start now, `in_flight` being this sampler's groups
+        the ingest has not answered yet. 0 after waiting out a refusal (the caller checks its weights and asks
+        again). While the ingest cannot answer nothing is admitted; an ingest without Admit admits everything."""
+        if not self.enabled:
+            return wanted
+        started, retry_s = time.monotonic(), OUTAGE_RETRY_S
+        try:
+            reply = self.stub.Admit(rollout_pb2.AdmitRequest(sampler_id=self.sampler_id, groups=wanted,
+                                                             policy_version=version, in_flight=in_flight), timeout=5)
+            self._warned = False
+            if reply.granted:
+                return min(wanted, reply.granted)
+            retry_s = max(reply.retry_after_ms, 10) / 1000
+            detail.info("%s: no group admitted (version %d, trainer at step %d, %d groups queued); waiting",
+                        self.sampler_id, version, reply.trainer_step, reply.queued)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                log.warning("%s: the ingest does not implement Admit (an older version); generating without "
+                            "admission control", self.sampler_id)
+                self.enabled = False
+                return wanted
+            if not self._warned:
+                log.warning("%s: admission request failed (%s); generation pauses until the ingest answers",
+                            self.sampler_id, exc.code().name)
+                self._warned = True
+        self.refusals += 1
+        self.stop_event.wait(retry_s)
+        self.waited_s += time.monotonic() - started
+        return 0

@@ -1,0 +1,119 @@
+"""Admission control on a real gRPC ingest with a real Redis buffer, asked by the sampler's AdmissionClient."""
+
+import threading
+
+import grpc
+import numpy as np
+import pytest
+
+from grpo_stream.common.rollouts.buffer import RedisStreamBuffer
+from grpo_stream.common.rollouts.redis_server import connect
+from grpo_stream.common.rollouts.wire import CompletionData, GroupData, GroupLimits, to_proto
+from grpo_stream.common.rpc.grpc_util import CHANNEL_OPTIONS
+from grpo_stream.protos import rollout_pb2, rollout_pb2_grpc
+from grpo_stream.sampler_service.admission_client import AdmissionClient
+from grpo_stream.trainer_service.admission import AdmissionControl, AdmissionLimits
+from grpo_stream.trainer_service.ingest import IngestServicer
+from grpo_stream.trainer_service.publisher import WeightPublisher
+from grpo_stream.trainer_service.server import TrainerServer
+
+pytestmark = pytest.mark.redis
+LIMITS = GroupLimits(num_generations=2, max_prompt_tokens=8, max_new_tokens=6, vocab_size=50)
+GROUPS_PER_STEP, MAX_STALENESS = 4, 1  # room for (1 + 1) * 4 = 8 groups of the trainer's current version
+
+
+def group(i: int, sampler: str, version: int = 0):
+    comps = [CompletionData(np.array([3, 4], np.int32), np.array([-0.5, -1.0], np.float32), float(j), False)
+             for j in range(2)]
+    return to_proto(GroupData(f"{sampler}/g{i}", f"p{i}", np.array([1, 2], np.int32), comps, version, sampler))
+
+
+@pytest.fixture
+def ingest(shared_redis, run_name):
+    buffer = RedisStreamBuffer(connect(shared_redis.url, 5), run_name)
+    control = AdmissionControl(AdmissionLimits(GROUPS_PER_STEP, MAX_STALENESS, steps=3))
+    server = TrainerServer(IngestServicer(buffer, LIMITS, 100, 20, admission=control), WeightPublisher(),
+                           "127.0.0.1", 0)
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.start()}", options=CHANNEL_OPTIONS)
+    try:
+        yield buffer, rollout_pb2_grpc.RolloutIngestStub(channel)
+    finally:
+        channel.close()
+        server.stop(0)
+
+
+def test_grants_follow_the_trainers_steps_and_stop_at_its_last(ingest):
+    buffer, stub = ingest
+    a = AdmissionClient(stub, "sampler-0", True, threading.Event())
+    b = AdmissionClient(stub, "sampler-1", True, threading.Event())
+    assert a.admit(6, version=0, in_flight=0) == 6
+    assert b.admit(6, version=0, in_flight=0) == 2  # sampler-0's 6 in flight are ahead
+    assert b.admit(6, version=0, in_flight=2) == 0 and b.refusals == 1 and b.waited_s > 0
+    for i in range(6):  # sampler-0's groups arrive: the buffer holds them now, so still no room
+        assert stub.PushGroup(group(i, "sampler-0")).code == 0
+    assert b.admit(6, version=0, in_flight=2) == 0
+    # the trainer trains step 1 (4 groups, version 0) and publishes version 1
+    entries = buffer.read(4, block_ms=100)
+    buffer.settle([(e.entry_id, e.group_id, "trained", 1) for e in entries])
+    buffer.log_step("epoch", 1, [e.group_id for e in entries])
+    assert b.admit(6, version=0, in_flight=2) == 0  # version 0 is now one behind: nothing more of it fits
+    # while sampler-1's version-0 groups are in flight, version-1 groups could overtake them: none are admitted
+    assert b.admit(6, version=1, in_flight=2) == 0
+    for i in range(2):
+        assert stub.PushGroup(group(i, "sampler-1")).code == 0
+    assert b.admit(6, version=1, in_flight=0) == 4  # 4 waiting + 4 = two steps' worth of version 1
+    reply = stub.Admit(rollout_pb2.AdmitRequest(sampler_id="sampler-1", groups=6, policy_version=1, in_flight=4))
+    assert (reply.granted, reply.trainer_step, reply.queued, reply.retry_after_ms) == (0, 1, 8, 100)
+    # two more steps end the run (trainer.steps=3): nothing is admitted after the last one
+    entries = buffer.read(8, block_ms=100)
+    buffer.settle([(e.entry_id, e.group_id, "trained", 3) for e in entries])
+    buffer.log_step("epoch", 3, [])
+    assert a.admit(6, version=3, in_flight=0) == 0
+
+
+def test_bad_requests_name_the_field(ingest):
+    _, stub = ingest
+    for request, field in [(rollout_pb2.AdmitRequest(groups=1), "sampler_id"),
+                           (rollout_pb2.AdmitRequest(sampler_id="s", groups=-1), "groups"),
+                           (rollout_pb2.AdmitRequest(sampler_id="s", groups=1, in_flight=-3), "in_flight")]:
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Admit(request)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in err.value.details()
+
+
+def test_the_sampler_pauses_while_redis_is_down_and_resumes(redis_server):
+    from grpo_stream.common.rollouts.redis_server import EmbeddedRedis
+
+    buffer = RedisStreamBuffer(connect(redis_server.url, 5), "admission-outage")
+    control = AdmissionControl(AdmissionLimits(GROUPS_PER_STEP, MAX_STALENESS, steps=10))
+    server = TrainerServer(IngestServicer(buffer, LIMITS, 100, 20, admission=control), WeightPublisher(),
+                           "127.0.0.1", 0)
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.start()}", options=CHANNEL_OPTIONS)
+    client = AdmissionClient(rollout_pb2_grpc.RolloutIngestStub(channel), "sampler-0", True, threading.Event())
+    revived = None
+    try:
+        redis_server.stop()
+        assert client.admit(4, version=0, in_flight=0) == 0 and client.waited_s >= 0.9  # paused, not generating
+        revived = EmbeddedRedis(port=redis_server.port).start()
+        assert client.admit(4, version=0, in_flight=0) == 4
+    finally:
+        channel.close()
+        server.stop(0)
+        if revived is not None:
+            revived.stop()
+
+
+def test_an_ingest_without_admit_admits_everything():
+    """An older ingest (no Admit method): the sampler generates as before instead of waiting forever."""
+    server = grpc.server(__import__("concurrent.futures").futures.ThreadPoolExecutor(2))
+    rollout_pb2_grpc.add_RolloutIngestServicer_to_server(rollout_pb2_grpc.RolloutIngestServicer(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        client = AdmissionClient(rollout_pb2_grpc.RolloutIngestStub(channel), "sampler-0", True, threading.Event())
+        assert client.admit(5, version=3, in_flight=2) == 5 and not client.enabled
+        assert client.admit(7, version=3, in_flight=2) == 7
+    finally:
+        channel.close()
+        server.stop(0)

@@ -1,0 +1,129 @@
+"""Admission control: a sampler starts a group only if the trainer can still train it within trainer.max_staleness.
+
+The trainer trains groups in buffer order, `groups_per_step` per step, and step s uses the weights of version s-1,
+so a group of version v trained at step s has staleness (s-1) - v. When the trainer has finished step S and
+`queued` groups are ahead of a group started now (waiting in the buffer, read for the step in progress, or in
+flight at any sampler), that group is trained at step S + 1 + queued // groups_per_step, with staleness
+S - v + queued // groups_per_step. It is therefore trainable when
+
+    queued < (max_staleness - (S - v) + 1) * groups_per_step
+
+(AReaL's bound on the samples in flight, counted from the buffer instead of a global sample counter, so that a
+group dropped or rejected anywhere frees its place). Two more limits: the trainer needs only
+(steps - S) * groups_per_step more groups, and groups dynamic sampling passes over (zero reward variance) take no
+step's place, so both bounds are divided by the fraction of groups that were trained rather than filtered.
+
+Groups in flight are what each sampler reported with its last request plus what it was granted, less the groups
+of it the ingest answered since; a sampler silent for `lease_s` (dead) no longer holds any, and a restarted one
+reports its own count. Groups a sampler starts now may still reach the buffer before groups another sampler
+started earlier (a shorter batch), which then train later than counted. So a grant is checked against the oldest
+version in flight anywhere, not only the asking sampler's: whatever order the groups arrive in, each one in flight
+stays within the bound. What is left over (a group past the bound because a dynamic-sampling filter rate changed,
+or a trainer restarted) shows in the summary's generation_wasted_fraction.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import threading
+import time
+
+from grpo_stream.common.rollouts.buffer import AdmissionState
+
+RETRY_AFTER_MS = 100  # a refused sampler asks again this soon: the trainer frees groups_per_step places per step
+
+
+@dataclasses.dataclass(frozen=True)
+class AdmissionLimits:
+    groups_per_step: int
+    max_staleness: int
+    steps: int  # trainer.steps: the trainer needs no groups after its last step
+    lease_s: float = 600.0
+
+
+def admissible(state: AdmissionState, queued: int, policy_version: int, limits: AdmissionLimits) -> int:
+    """How many more groups of `policy_version` can start now, with `queued` groups in flight at the samplers
+    (the buffer's waiting groups are added here); 0 when none."""
+    lag = max(0, state.trainer_step - policy_version)
+    horizon = (limits.max_staleness - lag + 1) * limits.groups_per_step
+    needed = (limits.steps - state.trainer_step) * limits.groups_per_step
+    seen = state.trained + state.dropped_filtered
+    kept = state.trained / seen if seen else 1.0  # share of groups that take a step's place
+    bound = min(horizon, needed) / max(kept, 0.05)
+    return max(0, math.floor(bound) - state.waiting - queued)
+
+
+class AdmissionControl:
+    """The ingest's grants: per sampler, its groups in flight by weight version, and when it was last heard from."""
+
+    def __init__(self, limits: AdmissionLimits, clock=time.monotonic):
+        self.limits, self.clock = limits, clock
+        self._versions: dict[str, collections.Counter] = {}  # sampler -> {version: groups in flight}
+        self._seen: dict[str, float] = {}
+        self._lock = threading.Lock()
+        self.stats = {"requests": 0, "granted": 0, "refused": 0}
+
+    def in_flight(self) -> dict[str, int]:
+        """Groups in flight per sampler whose lease has not run out."""
+        with self._lock:
+            self._expire(self.clock())
+            return {sid: sum(c.values()) for sid, c in self._versions.items()}
+
+    def _expire(self, now: float) -> None:
+        for sid in [s for s, seen in self._seen.items() if now - seen > self.limits.lease_s]:
+            del self._seen[sid], self._versions[sid]
+
+    def admit(self, state: AdmissionState, sampler_id: str, wanted: int, policy_version: int,
+              reported_in_flight: int) -> tuple[int, int]:
+        """Grant up to `wanted` groups to `sampler_id`; returns (granted, groups queued ahead of them)."""
+        now = self.clock()
+        with self._lock:
+            self._expire(now)
+            own = self._versions.setdefault(sampler_id, collections.Counter())
+            _reconcile(own, reported_in_flight, policy_version)
+            queued = sum(sum(c.values()) for c in self._versions.values())
+            # the new groups may reach the buffer before groups started earlier anywhere: every group in flight
+            # must still fit behind them, so the bound is that of the oldest version in flight
+            oldest = min([policy_version] + [v for c in self._versions.values() for v, n in c.items() if n > 0])
+            granted = min(wanted, admissible(state, queued, oldest, self.limits))
+            if granted:
+                own[policy_version] += granted
+            self._seen[sampler_id] = now
+            self.stats["requests"] += 1
+            self.stats["granted"] += granted
+            self.stats["refused"] += granted == 0
+        return granted, state.waiting + queued
+
+    def answered(self, sampler_id: str, versions: list[int]) -> None:
+        """Groups of `sampler_id` with these weight versions were answered for good (accepted, duplicate or
+        rejected): they are in the buffer, or nowhere, now."""
+        with self._lock:
+            own = self._versions.get(sampler_id)
+            if own is None:
+                return
+            for version in versions:
+                if own[version] <= 0:  # not a version we granted (e.g. granted before an ingest restart)
+                    version = min((v for v, n in own.items() if n > 0), default=None)
+                    if version is None:
+                        break
+                own[version] -= 1
+            self._seen[sampler_id] = self.clock()
+
+
+def _reconcile(own: collections.Counter, reported: int, version: int) -> None:
+    """Make the count the ingest holds for a sampler match the sampler's own (which groups it still holds it knows
+    exactly): groups it discarded are taken from the oldest versions, ones the ingest never granted (e.g. before
+    an ingest restart) are put at `version`."""
+    for v in [v for v, n in own.items() if n <= 0]:
+        del own[v]
+    extra = sum(own.values()) - reported
+    for v in sorted(own):
+        if extra <= 0:
+            break
+        take = min(extra, own[v])
+        own[v] -= take
+        extra -= take
+    if extra < 0:
+        own[version] += -extra
