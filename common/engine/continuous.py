@@ -11,17 +11,19 @@ set ends when its last sequence ends, never at max_new_tokens for its own sake.
 - Shared prompt prefill: identical prompts among the rows being admitted (the
   G completions of a GRPO group) are prefilled once; the prompt's keys and
   values are copied into each of their slots.
-- Attention follows live lengths: a chunk attends over the first W cache
-  slots only, W the smallest length bucket (64, 128, 256, ... the cache
-  length) holding every live sequence to the chunk's end, so a step at live
-  length 100 reads 128 keys, not the whole cache.
+- Attention follows live lengths: the slots' caches hold W positions, W the
+  smallest length bucket (64, 128, 256, ... the longest sequence allowed)
+  holding every live sequence to the chunk's end, so a step at live length
+  100 reads 128 keys, not the whole cache. The cache is resized to a new
+  bucket between chunks (rarely: buckets double), and is never sliced inside
+  a chunk: a slice of the cache is a copy of it on every step.
 - The slot count follows the work: S is the smallest power of two (at most
   `slots`) holding the request set, and once no row is pending and at most
   half the slots are live, the live ones are compacted into S/2 slots (down
   to 8), so a long tail does not pay for the whole batch.
 - Compiled programs: one per (slots, window, greedy) for decoding, per
-  (prompts, prompt-length bucket) for prefill and per slot count for
-  admission and compaction; `programs` lists the shapes compiled so far.
+  (prompts, prompt-length bucket) for prefill, per (slots, window) for
+  admission, compaction and resizing; `programs` lists the shapes compiled.
 
 Layout and numerics: a slot's prompt occupies cache slots 0..P-1 with RoPE
 positions 0..P-1 and its completion follows, which is what the trainer's
@@ -64,7 +66,7 @@ MIN_SLOTS = 8  # compaction stops here: below it a step costs little more, and e
 
 @struct.dataclass
 class SlotState:
-    cache: tuple             # per layer (keys, values), each [S, KV, L, D]
+    cache: tuple             # per layer keys [S, KV, D, W], values [S, KV, W, D]: W the coming chunk's window
     last_logits: jax.Array   # [S, V] float32: logits for the slot's next token
     length: jax.Array        # [S] int32: tokens in the slot's cache = next write slot = next RoPE position
     produced: jax.Array      # [S] int32: completion tokens sampled so far
@@ -104,23 +106,23 @@ class ContinuousEngine:
         self._prefill = jax.jit(self._prefill_prompts)
         self._admit = jax.jit(self._admit_rows, donate_argnums=(0,))
         self._compact = jax.jit(self._compact_slots, static_argnames=("size",))
-        self._empty = jax.jit(self._empty_state, static_argnames=("size",))
+        self._empty = jax.jit(self._empty_state, static_argnames=("size", "window"))
+        self._resize = jax.jit(self._resize_window, static_argnames=("window",))
 
     # ---- device programs -------------------------------------------------------------------------------------
 
-    def _empty_state(self, size: int) -> SlotState:
+    def _empty_state(self, size: int, window: int) -> SlotState:
         arch = self.model.arch
-        shape = (size, arch.num_kv_heads, self.cache_len, arch.head_dim)
         key_shape = jax.random.key_data(jax.random.key(0)).shape
         zeros = jnp.zeros((size,), jnp.int32)
-        return SlotState(cache=tuple((jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype))
-                                     for _ in range(arch.num_layers)),
+        return SlotState(cache=decode.init_cache(self.model, size, window, self.dtype),
                          last_logits=jnp.zeros((size, arch.vocab_size), jnp.float32), length=zeros, produced=zeros,
                          budget=zeros, active=jnp.zeros((size,), jnp.bool_),
                          keys=jnp.zeros((size, *key_shape), jnp.uint32))
 
     def _prefill_prompts(self, weights, tokens: jax.Array, lengths: jax.Array):
-        """Keys/values [n, KV, P, D] per layer and next-token logits [n, V] of prompts right-padded to P."""
+        """Per layer keys [n, KV, D, P] and values [n, KV, P, D], and next-token logits [n, V], of prompts
+        right-padded to P."""
         n, p = tokens.shape
         valid = jnp.arange(p)[None, :] < lengths[:, None]
         mask = jnp.tril(jnp.ones((p, p), jnp.bool_))[None] & valid[:, None, :]
@@ -131,8 +133,9 @@ class ContinuousEngine:
 
     def _admit_rows(self, state: SlotState, prompt_cache, prompt_logits, slots, source, lengths, budgets, keys):
         """Put prompt `source[i]`'s prefill into slot `slots[i]` (slots padded with S: ignored)."""
-        p = prompt_cache[0][0].shape[2]
-        cache = tuple((k.at[slots, :, :p].set(pk[source], mode="drop"), v.at[slots, :, :p].set(pv[source], mode="drop"))
+        p = prompt_cache[0][1].shape[2]
+        cache = tuple((k.at[slots, :, :, :p].set(pk[source], mode="drop"),
+                       v.at[slots, :, :p].set(pv[source], mode="drop"))
                       for (k, v), (pk, pv) in zip(state.cache, prompt_cache))
         return SlotState(cache=cache, last_logits=state.last_logits.at[slots].set(prompt_logits[source], mode="drop"),
                          length=state.length.at[slots].set(lengths, mode="drop"),
@@ -140,6 +143,16 @@ class ContinuousEngine:
                          budget=state.budget.at[slots].set(budgets, mode="drop"),
                          active=state.active.at[slots].set(True, mode="drop"),
                          keys=state.keys.at[slots].set(keys, mode="drop"))
+
+    def _resize_window(self, state: SlotState, window: int) -> SlotState:
+        """The caches cut or zero-padded to `window` positions (no live sequence is longer than the new window)."""
+        def fit(x, axis):
+            have = x.shape[axis]
+            if have >= window:
+                return jax.lax.slice_in_dim(x, 0, window, axis=axis)
+            return jnp.pad(x, [(0, window - have if a == axis else 0) for a in range(x.ndim)])
+        return state.replace(cache=tuple((fit(k, decode.KEY_SLOT_AXIS), fit(v, decode.VALUE_SLOT_AXIS))
+                                         for k, v in state.cache))
 
     def _compact_slots(self, state: SlotState, order: jax.Array, size: int) -> SlotState:
         return jax.tree_util.tree_map(lambda x: x[order[:size]], state)
@@ -152,6 +165,7 @@ class ContinuousEngine:
         steps = self.chunk_steps
         eos = jnp.asarray(self.eos_ids, jnp.int32)
         columns = jnp.arange(window)
+        assert state.cache[0][1].shape[2] == window, "resize the cache to the chunk's window first"
 
         def sample(st: SlotState):
             logp = policy_log_softmax(st.last_logits, self.temperature, self.pad_id)
@@ -173,7 +187,7 @@ class ContinuousEngine:
             ended = live & (jnp.isin(tok, eos) | (produced >= st.budget))
             # every slot runs the step; an idle or ended slot's write lands at its own length, which nothing reads
             # (a refill overwrites the prompt part and masks the rest by length)
-            at = jnp.minimum(st.length, self.cache_len - 1)
+            at = jnp.minimum(st.length, window - 1)
             key_valid = (columns[None, :] <= at[:, None])[:, None, :]
             logits, cache = decode.forward(self.model, weights, tok[:, None], at[:, None], st.cache, at, key_valid)
             st = st.replace(cache=cache, last_logits=logits[:, 0], length=st.length + live, produced=produced,
@@ -214,8 +228,9 @@ class ContinuousEngine:
         weights = self._weights(params)
         row_keys = np.asarray(jax.random.key_data(jax.vmap(lambda i: jax.random.fold_in(rng, i))(jnp.arange(rows))))
         size = min(self.slots, _pow2_at_least(rows))
-        state = self._empty(size=size)
-        self.programs.add(("empty", size))
+        window = MIN_WINDOW
+        state = self._empty(size=size, window=window)
+        self.programs.add(("empty", size, window))
         pending = collections.deque(range(rows))
         slot_row = np.full(size, -1, np.int64)       # row each slot serves, -1: free
         produced = np.zeros(size, np.int64)            # tokens already copied out, per slot
@@ -230,15 +245,22 @@ class ContinuousEngine:
                     params, version = update
                     weights = self._weights(params)
             free = np.flatnonzero(slot_row < 0)
-            if pending and len(free):
+            coming = [pending[i] for i in range(min(len(free), len(pending)))]  # rows admitted before this chunk
+            live = slot_row >= 0
+            if not live.any() and not coming:
+                return out
+            # tokens in the fullest cache this chunk starts with
+            longest = max(([int((prompt_lens[slot_row[live]] + produced[live]).max())] if live.any() else [])
+                          + [int(prompt_lens[r]) for r in coming])
+            fits = min(self.cache_len, _pow2_at_least(longest + self.chunk_steps, MIN_WINDOW))
+            if fits != window:
+                self.programs.add(("resize", size, window, fits))
+                state, window = self._resize(state, window=fits), fits
+            if coming:
                 state, admitted = self._admit_pending(weights, state, pending, free, prompts, budgets, row_keys,
                                                       slot_row, produced)
                 logits_version[admitted] = version
             live = slot_row >= 0
-            if not live.any():
-                return out
-            longest = int((prompt_lens[slot_row[live]] + produced[live]).max())  # tokens in the fullest live cache
-            window = min(self.cache_len, _pow2_at_least(longest + self.chunk_steps, MIN_WINDOW))
             want_free = min(len(pending), max(1, size // 8)) if pending else size + 1
             self.programs.add(("decode", size, window, greedy))
             state, toks, lps, steps = self._decode(weights, state, jnp.int32(want_free), greedy=greedy, window=window)
@@ -289,7 +311,7 @@ class ContinuousEngine:
         for i, (row, s) in enumerate(zip(take, free)):
             slots[i], src[i], lens[i], buds[i], keys[i] = s, source[i], len(prompts[row]), budgets[row], row_keys[row]
             slot_row[s], produced[s] = row, 0
-        self.programs.add(("admit", size, count, width))
+        self.programs.add(("admit", size, state.cache[0][1].shape[2], count, width))
         state = self._admit(state, prompt_cache, prompt_logits, jnp.asarray(slots), jnp.asarray(src),
                             jnp.asarray(lens), jnp.asarray(buds), jnp.asarray(keys))
         return state, free[:len(take)]
@@ -301,7 +323,7 @@ class ContinuousEngine:
         live = np.flatnonzero(slot_row >= 0)
         new_size = size // 2
         order = np.concatenate([live, np.flatnonzero(slot_row < 0)]).astype(np.int32)
-        self.programs.add(("compact", size, new_size))
+        self.programs.add(("compact", size, state.cache[0][1].shape[2], new_size))
         state = self._compact(state, jnp.asarray(order), size=new_size)
         keep = order[:new_size]
         return (state, slot_row[keep].copy(), *(x[keep].copy() for x in per_slot))

@@ -10,8 +10,11 @@ parameters, laid out for decoding:
   and up into one [embed, 2*hidden] matmul, the output projection flattened
   to [q*head_dim, embed]; done once per weight version (`DecodeWeights`), not
   per token.
-- The cache is [batch, kv_heads, slots, head_dim] so grouped-query attention is
-  two batched matmuls over slots with no transposes of the cache.
+- The cache holds keys as [batch, kv_heads, head_dim, slots] and values as
+  [batch, kv_heads, slots, head_dim], so both products of grouped-query
+  attention (q.k over head_dim, p.v over slots) are plain row-major matrix
+  products over the cache with no transposes of it: on XLA:CPU the keys'
+  [.., slots, head_dim] layout made the score product several times slower.
 
 It reproduces the numerics of Tunix's modules with grpo-stream's RoPE
 (`grpo_stream.common.model.architectures.rope_of`): float32 RMSNorm, RoPE on split halves,
@@ -128,12 +131,17 @@ def decode_weights(model: PolicyModel, params: Any) -> DecodeWeights:
                          rope_timescale=rope_timescale(arch))
 
 
+KEY_SLOT_AXIS, VALUE_SLOT_AXIS = 3, 2  # the cache-position axis of keys [B, KV, D, S] and values [B, KV, S, D]
+
+
 def init_cache(model: PolicyModel, batch: int, slots: int, dtype: Any = None) -> tuple:
-    """Per layer (keys, values), each [batch, kv_heads, slots, head_dim], zeros (in the parameters' dtype)."""
+    """Per layer (keys [batch, kv_heads, head_dim, slots], values [batch, kv_heads, slots, head_dim]), zeros (in
+    the parameters' dtype)."""
     arch = model.arch
     dtype = dtype or jax.tree_util.tree_leaves(model.params)[0].dtype
-    shape = (batch, arch.num_kv_heads, slots, arch.head_dim)
-    return tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(arch.num_layers))
+    b, kv, d = batch, arch.num_kv_heads, arch.head_dim
+    return tuple((jnp.zeros((b, kv, d, slots), dtype), jnp.zeros((b, kv, slots, d), dtype))
+                 for _ in range(arch.num_layers))
 
 
 def _rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
@@ -190,16 +198,18 @@ def _attention(q, k, v, keys, values, slot, key_valid, kv: int, softcap: float |
     group = heads // kv
     if jnp.ndim(slot) == 1:
         rows = jnp.arange(b)
-        keys = keys.at[rows, :, slot].set(k[:, 0].astype(keys.dtype), mode="drop")
+        keys = keys.at[rows, :, :, slot].set(k[:, 0].astype(keys.dtype), mode="drop")
         values = values.at[rows, :, slot].set(v[:, 0].astype(values.dtype), mode="drop")
     else:
-        keys = jax.lax.dynamic_update_slice(keys, k.transpose(0, 2, 1, 3).astype(keys.dtype), (0, 0, slot, 0))
+        keys = jax.lax.dynamic_update_slice(keys, k.transpose(0, 2, 3, 1).astype(keys.dtype), (0, 0, 0, slot))
         values = jax.lax.dynamic_update_slice(values, v.transpose(0, 2, 1, 3).astype(values.dtype), (0, 0, slot, 0))
     window = key_valid.shape[-1]
-    seen_keys, seen_values = keys[:, :, :window], values[:, :, :window]
+    # a window shorter than the cache is a slice, which XLA copies: callers in a hot loop size the cache to it
+    seen_keys = keys if window == keys.shape[3] else keys[..., :window]
+    seen_values = values if window == values.shape[2] else values[:, :, :window]
     # queries of one KV head side by side: [B, KV, group * T, D]
     qg = q.reshape(b, t, kv, group, d).transpose(0, 2, 3, 1, 4).reshape(b, kv, group * t, d)
-    scores = jnp.einsum("bkqd,bksd->bkqs", qg * (d ** -0.5 if scale is None else scale), seen_keys)
+    scores = jnp.einsum("bkqd,bkds->bkqs", qg * (d ** -0.5 if scale is None else scale), seen_keys)
     if softcap is not None:
         scores = jnp.tanh(scores / softcap) * softcap
     scores = jnp.where(key_valid[:, None, None], scores.reshape(b, kv, group, t, -1), MASKED)

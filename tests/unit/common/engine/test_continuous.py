@@ -97,7 +97,7 @@ def test_a_long_tail_is_compacted_into_fewer_slots(tiny_parts):
                               chunk_steps=4)
     out = engine.generate(model.params, prompts, jax.random.key(0), max_new_tokens=budgets)
     assert out.lengths.tolist() == budgets
-    assert {tuple(p) for p in engine.programs if p[0] == "compact"} == {("compact", 32, 16), ("compact", 16, 8)}
+    assert {tuple(p) for p in engine.programs if p[0] == "compact"} == {("compact", 32, 64, 16), ("compact", 16, 64, 8)}
     assert ("decode", 8, 64, False) in engine.programs
     alone = engine.generate(model.params, prompts[:1], jax.random.key(0), max_new_tokens=budgets[:1])
     np.testing.assert_array_equal(alone.tokens[0], out.tokens[0])
@@ -122,6 +122,9 @@ def test_attention_windows_follow_live_lengths(tiny_parts):
     engine.generate(model.params, _prompts(task, tok, 2), jax.random.key(0), max_new_tokens=[200, 8])
     windows = sorted({rest[1] for kind, *rest in engine.programs if kind == "decode"})
     assert windows[0] == 64 and windows[-1] == engine.cache_len and len(windows) <= 4
+    # the caches grew with the window between chunks (decoding never slices them): 64 -> ... -> cache_len
+    grown = sorted((old, new) for kind, _, old, new in (p for p in engine.programs if p[0] == "resize") if new > old)
+    assert [new for _, new in grown] == windows[1:] and grown[0][0] == 64
 
 
 def _mixed_version_logprobs(model, versions_params, prompt, tokens, token_versions, temperature, pad_id):
