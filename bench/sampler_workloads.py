@@ -82,20 +82,26 @@ def time_jax_engine(engine, params, prompts: list[list[int]], budgets: list[int]
     return summarize(sum(budgets), runs, {"compile_seconds": round(compile_s, 1)})
 
 
-def time_hf(hf, prompts: list[list[int]], budgets: list[int], repeats: int) -> dict:
+def time_hf(hf, prompts: list[list[int]], cases: dict[str, list[int]], repeats: int) -> dict:
     """Hugging Face `generate` over the whole request set in one call (static batching: left-padded prompts, the
     batch runs to its longest budget; tokens past a row's budget are not useful), sampling at temperature 1 from
     the full distribution, without per-token logprobs (its faster mode; with 512 rows x 512 steps the scores it
-    would keep for them take gigabytes)."""
+    would keep for them take gigabytes).
+
+    `cases`: name -> budgets for the same prompts. Static batching makes every case with the same longest budget
+    the same work (same prompts, same number of steps), so the set is timed once and each case's rate is its own
+    useful tokens over those seconds: name -> result."""
     import torch
 
+    steps = max(max(b) for b in cases.values())
+    if any(max(b) != steps for b in cases.values()):
+        raise ValueError("time_hf: every case must share the longest budget (the work is then the same)")
     width = max(len(p) for p in prompts)
     ids = torch.zeros((len(prompts), width), dtype=torch.int64)
     mask = torch.zeros_like(ids)
     for i, p in enumerate(prompts):
         ids[i, width - len(p):] = torch.tensor(p)
         mask[i, width - len(p):] = 1
-    steps = max(budgets)
 
     def once(seed: int) -> None:
         torch.manual_seed(seed)
@@ -114,7 +120,8 @@ def time_hf(hf, prompts: list[list[int]], budgets: list[int], repeats: int) -> d
         with Busy() as run:
             once(r + 1)
         runs.append(run)
-    return summarize(sum(budgets), runs, {"torch_threads": torch.get_num_threads()})
+    extra = {"torch_threads": torch.get_num_threads(), "timed_with": sorted(cases)}
+    return {name: summarize(sum(budgets), runs, extra) for name, budgets in cases.items()}
 
 
 def time_vllm(model, cases: dict[str, tuple[list[list[int]], list[int]]], repeats: int, max_num_seqs: int) -> dict:
