@@ -167,12 +167,17 @@ class IngestServicer(rollout_pb2_grpc.RolloutIngestServicer):
             context.abort(grpc.StatusCode.UNAVAILABLE, f"rollout buffer unavailable ({exc}); retry with backoff")
         return rollout_pb2.DataPosition(known=position is not None, position=position or 0)
 
-    def ClaimPrompts(self, request, context):
-        if not request.sampler_id or len(request.sampler_id) > self.limits.max_id_length:
+    def _check_request_count(self, context, sampler_id: str, field: str, count: int) -> None:
+        """Abort with INVALID_ARGUMENT unless the sampler id is 1..max_id_length characters and `field` (a count
+        of prompts or groups) is within 0..MAX_CLAIM."""
+        if not sampler_id or len(sampler_id) > self.limits.max_id_length:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"sampler_id: must be 1..{self.limits.max_id_length} characters")
-        if not 0 <= request.max_prompts <= MAX_CLAIM:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"max_prompts: {request.max_prompts} outside 0..{MAX_CLAIM}")
+        if not 0 <= count <= MAX_CLAIM:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: {count} outside 0..{MAX_CLAIM}")
+
+    def ClaimPrompts(self, request, context):
+        self._check_request_count(context, request.sampler_id, "max_prompts", request.max_prompts)
         if self.injection is None:
             return rollout_pb2.ClaimedPrompts()
         try:
@@ -184,11 +189,7 @@ class IngestServicer(rollout_pb2_grpc.RolloutIngestServicer):
         return rollout_pb2.ClaimedPrompts(prompts=[rollout_pb2.InjectedPrompt.FromString(r) for r in raw])
 
     def Admit(self, request, context):
-        if not request.sampler_id or len(request.sampler_id) > self.limits.max_id_length:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"sampler_id: must be 1..{self.limits.max_id_length} characters")
-        if not 0 <= request.groups <= MAX_CLAIM:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"groups: {request.groups} outside 0..{MAX_CLAIM}")
+        self._check_request_count(context, request.sampler_id, "groups", request.groups)
         if request.in_flight < 0 or request.policy_version < 0:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "in_flight and policy_version: must not be negative")
         if self.admission is None:
