@@ -4,11 +4,6 @@ The ingest (trainer_service/admission.py) admits a group only if the trainer can
 trainer.max_staleness, counting the buffer and every sampler's groups in flight. A sampler refused waits the
 reply's retry hint, then checks for newer weights and asks again, so it pauses instead of generating groups that
 would be dropped as stale.
-
-While the ingest cannot answer (the trainer restarting, Redis down), the trainer does not advance either, so groups
-of the installed version stay trainable: the sampler keeps generating into its backlog until it holds
-`outage_cap` unanswered groups (its share of what the trainer can take within max_staleness), then pauses. A
-restarted trainer finds work ready instead of waiting for the samplers' next batches.
 """
 
 from __future__ import annotations
@@ -28,11 +23,9 @@ OUTAGE_RETRY_S = 1.0
 
 
 class AdmissionClient:
-    def __init__(self, stub, sampler_id: str, enabled: bool, stop_event: threading.Event, outage_cap: int = 0):
-        """`stub`: the ingest's RolloutIngestStub; `enabled`: sampler.admission; `outage_cap`: unanswered groups
-        this sampler may hold while the ingest cannot answer (0: pause at once)."""
+    def __init__(self, stub, sampler_id: str, enabled: bool, stop_event: threading.Event):
+        """`stub`: the ingest's RolloutIngestStub; `enabled`: sampler.admission."""
         self.stub, self.sampler_id, self.stop_event = stub, sampler_id, stop_event
-        self.outage_cap = outage_cap
         self.enabled = enabled  # turned off for an ingest that predates Admit
         self.waited_s = 0.0
         self.refusals = 0
@@ -60,14 +53,10 @@ class AdmissionClient:
                             "admission control", self.sampler_id)
                 self.enabled = False
                 return wanted
-            room = self.outage_cap - in_flight
             if not self._warned:
-                log.warning("%s: admission request failed (%s); generating into the backlog up to %d unanswered "
-                            "groups, then pausing until the ingest answers", self.sampler_id, exc.code().name,
-                            self.outage_cap)
+                log.warning("%s: admission request failed (%s); generation pauses until the ingest answers",
+                            self.sampler_id, exc.code().name)
                 self._warned = True
-            if room > 0:
-                return min(wanted, room)
         self.refusals += 1
         self.stop_event.wait(retry_s)
         self.waited_s += time.monotonic() - started

@@ -16,7 +16,6 @@ import dataclasses
 import itertools
 import json
 import logging
-import math
 import pathlib
 import threading
 import time
@@ -164,11 +163,7 @@ class Sampler:
                  cfg.trainer_address(), cfg.ingest_address(), tokenizer.fingerprint(), start)
 
         self.sync = sync
-        # during an ingest outage: this sampler's share of the groups the trainer can take within max_staleness
-        outage_cap = min(cfg.sampler.backlog_max_groups, (cfg.trainer.max_staleness + 1) * math.ceil(
-            cfg.trainer.groups_per_step / cfg.sampler.replicas))
-        self.admission = AdmissionClient(self.ingest_stub, self.sampler_id, cfg.sampler.admission, self.stop_event,
-                                         outage_cap)
+        self.admission = AdmissionClient(self.ingest_stub, self.sampler_id, cfg.sampler.admission, self.stop_event)
         self._await_first_weights(health)
 
         # data position p = the p-th prompt of this sampler's stream; it names the group and seeds its sampling,

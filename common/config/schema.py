@@ -145,9 +145,7 @@ class SamplerSection(Strict):
         "the KV of earlier tokens; each token records its version and a group counts as its oldest token's.")
     admission: bool = Field(True, description="Ask the ingest before each batch how many groups can still be trained "
                             "within trainer.max_staleness (and are still needed by trainer.steps), and start only "
-                            "those; pause while none can. While the ingest cannot answer, a sampler keeps generating "
-                            "into its backlog up to its share of (trainer.max_staleness + 1) steps of groups, then "
-                            "pauses. False: generate without asking (groups the trainer "
+                            "those; pause while none can. False: generate without asking (groups the trainer "
                             "cannot use are dropped as stale, wasted).")
     admission_lease_s: float = Field(600.0, gt=0, le=86_400, description="The ingest counts a sampler's admitted "
                                      "groups as in flight until they arrive, or until it has not heard from the "

@@ -81,7 +81,7 @@ def test_bad_requests_name_the_field(ingest):
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in err.value.details()
 
 
-def test_while_redis_is_down_the_sampler_fills_its_backlog_to_the_cap_then_pauses_and_resumes(redis_server):
+def test_the_sampler_pauses_while_redis_is_down_and_resumes(redis_server):
     from grpo_stream.common.rollouts.redis_server import EmbeddedRedis
 
     buffer = RedisStreamBuffer(connect(redis_server.url, 5), "admission-outage")
@@ -89,15 +89,11 @@ def test_while_redis_is_down_the_sampler_fills_its_backlog_to_the_cap_then_pause
     server = TrainerServer(IngestServicer(buffer, LIMITS, 100, 20, admission=control), WeightPublisher(),
                            "127.0.0.1", 0)
     channel = grpc.insecure_channel(f"127.0.0.1:{server.start()}", options=CHANNEL_OPTIONS)
-    client = AdmissionClient(rollout_pb2_grpc.RolloutIngestStub(channel), "sampler-0", True, threading.Event(),
-                             outage_cap=6)
+    client = AdmissionClient(rollout_pb2_grpc.RolloutIngestStub(channel), "sampler-0", True, threading.Event())
     revived = None
     try:
         redis_server.stop()
-        # the trainer cannot advance either: groups of this version stay trainable, up to the cap
-        assert client.admit(4, version=0, in_flight=0) == 4 and client.waited_s == 0
-        assert client.admit(4, version=0, in_flight=4) == 2
-        assert client.admit(4, version=0, in_flight=6) == 0 and client.waited_s >= 0.9  # paused, not generating
+        assert client.admit(4, version=0, in_flight=0) == 0 and client.waited_s >= 0.9  # paused, not generating
         revived = EmbeddedRedis(port=redis_server.port).start()
         assert client.admit(4, version=0, in_flight=0) == 4
     finally:
