@@ -6,8 +6,8 @@
    they agree to float32 noise, and disagree under the neighbouring versions. A group that switched weights
    part-way would match neither.
 2. Killing the trainer (kill -9) in the middle of a slow weight transfer: the samplers keep their installed
-   version, start no new batch while the ingest cannot admit one, count fetch failures, and install the restarted trainer's versions; the
-   restarted run completes.
+   version, start no new batch while the ingest cannot admit one, count fetch failures, and install the
+   restarted trainer's versions; the restarted run completes.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 
