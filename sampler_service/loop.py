@@ -12,14 +12,12 @@ its backlog is acknowledged or a drain timeout passes.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import itertools
 import json
 import logging
 import pathlib
 import threading
 import time
-import types
 
 import grpc
 import jax
@@ -35,8 +33,9 @@ from grpo_stream.common.runtime.process import build_policy, build_task_and_toke
 from grpo_stream.common.model.sharding import make_mesh
 from grpo_stream.common.weights.snapshot import digest
 from grpo_stream.common.rollouts.wire import to_proto
-from grpo_stream.protos import rollout_pb2, rollout_pb2_grpc
+from grpo_stream.protos import rollout_pb2_grpc
 from grpo_stream.sampler_service.admission_client import AdmissionClient
+from grpo_stream.sampler_service.batches import BatchBuilder
 from grpo_stream.sampler_service.connect import resume_position, trainer_serving, wait_for_trainer
 from grpo_stream.sampler_service.grouping import build_groups
 from grpo_stream.sampler_service.rollout_client import RolloutClient
@@ -47,22 +46,7 @@ from grpo_stream.sampler_service.weight_sync import WeightSync
 
 log = logging.getLogger(__name__)
 detail = detail_logger(__name__)
-MAX_SKIPPED_PROMPTS = 1000  # consecutive over-long prompts before the sampler gives up (config is wrong)
 INJECTED_ONLY = 2**31 - 1  # sampling-key stream of batches made of injected prompts only
-
-
-@dataclasses.dataclass
-class Slot:
-    """One prompt of a generation batch: `rows` completions scored by `rewards`, sent as group `group_id`;
-    `position` is its index in the data stream (None: an injected prompt)."""
-
-    problem: object
-    ids: list[int]
-    rows: int
-    rewards: RewardSet
-    group_id: str
-    position: int | None
-    train: bool = True  # False: an injected prompt asked for evaluation only (its group is answered, not trained)
 
 
 class Sampler:
@@ -89,11 +73,9 @@ class Sampler:
         self.sync: WeightSync | None = None
         self.client: RolloutClient | None = None
         self.ingest_stub = None
-        self.pending: collections.deque = collections.deque()  # claimed injected prompts not generated yet
-        self.injected_done = 0
-        self._reward_sets: dict[tuple[str, ...], RewardSet] = {}
+        self.batches: BatchBuilder | None = None
         self._rate: collections.deque = collections.deque(maxlen=4096)  # (time, tokens) per group sent
-        self._batches, self._last_report, self._last_line, self._claim_warned = 0, 0.0, time.monotonic(), False
+        self._batches, self._last_report, self._last_line = 0, 0.0, time.monotonic()
 
     def _await_first_weights(self, stub: health_pb2_grpc.HealthStub) -> None:
         """Install the trainer's first version before generating. A trainer that is up but has not published yet
@@ -169,6 +151,8 @@ class Sampler:
         # data position p = the p-th prompt of this sampler's stream; it names the group and seeds its sampling,
         # so a restarted sampler continues the same sequence after its last accepted group
         prompts = zip(itertools.count(start), task.train_stream(self.index, cfg.sampler.replicas, start))
+        self.batches = BatchBuilder(cfg, self.sampler_id, tokenizer, prompts, rewards)
+        self.batches.ingest_stub = self.ingest_stub
         rng = jax.random.key(cfg.run.seed * 1000 + self.index + 1)
         groups_sent = 0
         cap = cfg.sampler.max_groups_per_version
@@ -196,24 +180,7 @@ class Sampler:
             wanted = self.admission.admit(wanted, self.version, client.unacked)
             if wanted == 0:  # nothing trainable now: check for weights (or the final version) and ask again
                 continue
-            batch = self._injected_slots(wanted * gen.num_generations, rewards)
-            rows = sum(slot.rows for slot in batch)
-            skipped_in_a_row = 0
-            while rows + gen.num_generations <= wanted * gen.num_generations:
-                position, problem = next(prompts)
-                ids = tokenizer.encode(problem.prompt)
-                if len(ids) > gen.max_prompt_tokens:
-                    skipped_in_a_row += 1
-                    if skipped_in_a_row > MAX_SKIPPED_PROMPTS:
-                        raise ValueError(f"generation.max_prompt_tokens={gen.max_prompt_tokens}: the last "
-                                         f"{skipped_in_a_row} prompts were all longer; raise it")
-                    log.warning("prompt %s has %d tokens > generation.max_prompt_tokens; skipped", problem.prompt_id,
-                                len(ids))
-                    continue
-                skipped_in_a_row = 0
-                batch.append(Slot(problem, ids, gen.num_generations, rewards, f"{cfg.run.name}/{self.sampler_id}/"
-                                  f"{position}", position))
-                rows += gen.num_generations
+            batch = self.batches.next_batch(wanted, self.version)
             # one program shape per run: rows injected prompts leave unused are padding (the first prompt again);
             # vLLM takes any batch size, so it gets no padding rows
             flat = [slot.ids for slot in batch for _ in range(slot.rows)]
@@ -268,7 +235,7 @@ class Sampler:
                  groups_sent / max(elapsed, 1e-9), dict(client.stats), drained, count_and_range(self.installed_versions),
                  self.waited_for_weights_s)
         result = {"sampler_id": self.sampler_id, "groups": groups_sent, "groups_generated": self.groups_generated,
-                  "injected_groups": self.injected_done,
+                  "injected_groups": self.batches.injected_done,
                   "waited_for_admission_s": round(self.admission.waited_s, 3),
                   "versions": self.installed_versions,
                   "waited_for_weights_s": round(self.waited_for_weights_s, 3), "fetch_seconds": self.fetch_seconds,
@@ -278,42 +245,6 @@ class Sampler:
         if self.run_dir is not None:
             (self.run_dir / f"{self.sampler_id}.json").write_text(json.dumps(result, indent=2))
         return result
-
-    def _rewards_for(self, names: list[str], default: RewardSet) -> RewardSet:
-        """The run's rewards, or the named subset an injected prompt asked for (the run's weight, else 1)."""
-        if not names:
-            return default
-        key = tuple(names)
-        if key not in self._reward_sets:
-            weights = self.cfg.task.rewards
-            self._reward_sets[key] = RewardSet({n: weights.get(n, 1.0) for n in names})
-        return self._reward_sets[key]
-
-    def _injected_slots(self, free_rows: int, default: RewardSet) -> list[Slot]:
-        """Injected prompts for the next batch (they go before dataset prompts): what is left from the last claim,
-        topped up by a new one. A prompt that does not fit the rows left waits for the next batch."""
-        if len(self.pending) < self.cfg.sampler.prompts_per_batch and self.ingest_stub is not None:
-            try:
-                reply = self.ingest_stub.ClaimPrompts(rollout_pb2.ClaimRequest(
-                    sampler_id=self.sampler_id, max_prompts=self.cfg.sampler.prompts_per_batch - len(self.pending),
-                    policy_version=self.version), timeout=5)
-                self.pending.extend(reply.prompts)
-                self._claim_warned = False
-            except grpc.RpcError as exc:  # the ingest is away: dataset prompts go on; claims resume later
-                if not self._claim_warned:
-                    log.warning("%s: cannot claim injected prompts (%s); generating dataset prompts", self.sampler_id,
-                                exc.code().name)
-                    self._claim_warned = True
-        slots, rows = [], 0
-        while self.pending and rows + self.pending[0].num_generations <= free_rows:
-            p = self.pending.popleft()
-            problem = types.SimpleNamespace(prompt_id=p.prompt_id, answer=p.reference_answer)
-            slots.append(Slot(problem, list(p.prompt_token_ids), p.num_generations,
-                              self._rewards_for(list(p.rewards), default), f"{self.cfg.run.name}/inj/{p.prompt_id}",
-                              None, p.train))
-            rows += p.num_generations
-        self.injected_done += len(slots)
-        return slots
 
     def _report_throughput(self, groups_sent: int) -> None:
         """Every few seconds: groups/s and tokens/s over the last minute, reported to the trainer with the installed

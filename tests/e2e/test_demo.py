@@ -58,6 +58,20 @@ class Run:
         return [json.loads(line) for line in (self.dir / "metrics-trainer.jsonl").read_text().splitlines()]
 
 
+def trajectory(run: Run, every: int = 50) -> str:
+    """What a failed learning check prints: per `every` steps the mean training accuracy, staleness, entropy and
+    gradient norm, and the smallest importance weight, so a run that fell apart shows when and how."""
+    rows = [r for r in run.metrics() if "train/accuracy" in r]
+    parts = []
+    for i in range(0, len(rows), every):
+        chunk = rows[i:i + every]
+        mean = lambda key: sum(r[key] for r in chunk) / len(chunk)  # noqa: E731
+        parts.append(f"steps {chunk[0]['step']}-{chunk[-1]['step']}: acc {mean('train/accuracy'):.3f} staleness "
+                     f"{mean('train/staleness_mean'):.2f} entropy {mean('train/entropy'):.4f} grad_norm "
+                     f"{mean('train/grad_norm'):.3f} is_weight_min {min(r['train/is_weight_min'] for r in chunk):.3f}")
+    return "\n".join(parts)
+
+
 def up(run_dir: pathlib.Path, *overrides: str) -> Run:
     proc = run_cli("up", "--config", "configs/tiny_arith.yaml", "--run-dir", str(run_dir), *overrides, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -85,8 +99,8 @@ def test_demo_raises_heldout_accuracy(demo):
     greedy_gain = after["accuracy"] - before["accuracy"]
     print(f"demo: greedy {before['accuracy']:.3f} -> {after['accuracy']:.3f}, sampled pass@1 "
           f"{before['pass_at_k']['1']:.3f} -> {after['pass_at_k']['1']:.3f}, wall {demo.summary['wall_seconds']}s")
-    assert sampled_gain >= DEMO_MIN_SAMPLED_GAIN, (before["pass_at_k"], after["pass_at_k"])
-    assert greedy_gain >= DEMO_MIN_GREEDY_GAIN, (before["accuracy"], after["accuracy"])
+    assert sampled_gain >= DEMO_MIN_SAMPLED_GAIN, (before["pass_at_k"], after["pass_at_k"], trajectory(demo))
+    assert greedy_gain >= DEMO_MIN_GREEDY_GAIN, (before["accuracy"], after["accuracy"], trajectory(demo))
 
 
 def test_demo_accounts_for_every_group_and_both_samplers_follow_the_weights(demo):
@@ -156,5 +170,6 @@ def test_gspo_learns_where_its_objective_differs_from_grpo(demo, tmp_path):
     gain = after["pass_at_k"]["1"] - before["pass_at_k"]["1"]
     print(f"gspo: sampled pass@1 {before['pass_at_k']['1']:.3f} -> {after['pass_at_k']['1']:.3f}, greedy "
           f"{before['accuracy']:.3f} -> {after['accuracy']:.3f}, wall {run.summary['wall_seconds']}s")
-    assert gain >= GSPO_MIN_SAMPLED_GAIN, (before["pass_at_k"], after["pass_at_k"])
-    assert after["accuracy"] - before["accuracy"] >= GSPO_MIN_GREEDY_GAIN, (before["accuracy"], after["accuracy"])
+    assert gain >= GSPO_MIN_SAMPLED_GAIN, (before["pass_at_k"], after["pass_at_k"], trajectory(run))
+    assert after["accuracy"] - before["accuracy"] >= GSPO_MIN_GREEDY_GAIN, (before["accuracy"], after["accuracy"],
+                                                                             trajectory(run))
