@@ -145,7 +145,8 @@ class Trainer:
     def _updater(self) -> PolicyUpdater:
         cfg = self.cfg
         return PolicyUpdater(self.model, self.params, cfg.algo, cfg.trainer.learning_rate, cfg.trainer.max_grad_norm,
-                             cfg.generation.temperature, self.tokenizer.pad_id, self.mesh)
+                             cfg.generation.temperature, self.tokenizer.pad_id, self.mesh, cfg.trainer.optimizer,
+                             cfg.trainer.steps)
 
     def _start(self) -> tuple[PolicyUpdater, int, dict]:
         """Resume from the newest valid checkpoint, or warm start and evaluate a new run; publish the weights.

@@ -15,23 +15,28 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from grpo_stream.common.config.learning import AlgoSection
+from grpo_stream.common.config.learning import AlgoSection, OptimizerSection
 from grpo_stream.common.model.policy import PolicyModel, sequence_logprobs
 from grpo_stream.common.model.sharding import rows_sharding
 from grpo_stream.trainer_service.batching import TrainBatch
 from grpo_stream.trainer_service.loss import policy_loss, truncated_is_weights
-from grpo_stream.trainer_service.train_step import make_optimizer
+from grpo_stream.trainer_service.train_step import learning_rate_schedule, make_optimizer
 
 
 class PolicyUpdater:
     """Params, optimizer state and (only when beta > 0) a frozen reference copy of the params."""
 
     def __init__(self, model: PolicyModel, params: Any, algo: AlgoSection, learning_rate: float,
-                 max_grad_norm: float, temperature: float, pad_id: int, mesh: jax.sharding.Mesh | None = None):
+                 max_grad_norm: float, temperature: float, pad_id: int, mesh: jax.sharding.Mesh | None = None,
+                 optimizer: OptimizerSection | None = None, total_steps: int = 1):
         """`params` already placed on `mesh` (if any); the optimizer state takes their shardings, and each
-        batch's rows are split over the mesh's fsdp axis (data parallel)."""
+        batch's rows are split over the mesh's fsdp axis (data parallel). `optimizer` (trainer.optimizer; None:
+        Adam at a constant rate) with its schedule over `total_steps` trainer steps."""
         self.model, self.algo, self.temperature, self.pad_id, self.mesh = model, algo, temperature, pad_id, mesh
-        self.optimizer = make_optimizer(learning_rate, max_grad_norm)
+        self.learning_rate = learning_rate_schedule(learning_rate, optimizer, total_steps,
+                                                    algo.num_iterations * algo.minibatches)
+        self.optimizer = make_optimizer(learning_rate, max_grad_norm, optimizer, total_steps,
+                                        algo.num_iterations * algo.minibatches)
         self.params = params
         self.opt_state = self.optimizer.init(params)
         self.ref_params = jax.tree.map(jnp.copy, params) if algo.beta > 0 else None
@@ -64,6 +69,14 @@ class PolicyUpdater:
         metrics["loss"] = loss
         metrics["grad_norm"] = optax.global_norm(grads)
         return params, opt_state, metrics
+
+    def current_learning_rate(self) -> float:
+        """The rate of the next optimizer update (the schedule read at the optimizer's update count)."""
+        if not callable(self.learning_rate):
+            return float(self.learning_rate)
+        is_schedule = lambda x: isinstance(x, optax.ScaleByScheduleState)  # noqa: E731
+        counts = [s.count for s in jax.tree.leaves(self.opt_state, is_leaf=is_schedule) if is_schedule(s)]
+        return float(self.learning_rate(int(counts[0]) if counts else 0))
 
     def update(self, batch: TrainBatch) -> dict[str, float]:
         """Run num_iterations passes of `minibatches` optimizer steps over `batch`; return averaged metrics."""
@@ -102,6 +115,7 @@ class PolicyUpdater:
                 count += 1
         out = {key: v if key.endswith(("_max", "_min")) else v / count for key, v in sums.items()}
         out["optimizer_steps"] = count
+        out["learning_rate"] = self.current_learning_rate()
         out["fresh_tokens"] = agreement["fresh_tokens"]
         if agreement["fresh_tokens"]:
             out["logprob_diff_mean"] = agreement["lp_diff_sum"] / agreement["fresh_tokens"]

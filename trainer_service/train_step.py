@@ -6,11 +6,37 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from grpo_stream.common.config.learning import OptimizerSection
 from grpo_stream.common.model.policy import PolicyModel, sequence_logprobs
 
 
-def make_optimizer(learning_rate: float, max_grad_norm: float) -> optax.GradientTransformation:
-    return optax.chain(optax.clip_by_global_norm(max_grad_norm), optax.adam(learning_rate))
+def learning_rate_schedule(learning_rate: float, opt: OptimizerSection | None, total_steps: int,
+                           updates_per_step: int = 1) -> float | optax.Schedule:
+    """trainer.learning_rate shaped by trainer.optimizer's schedule, as a function of the optimizer update count
+    (a trainer step is `updates_per_step` updates); a plain float when constant, so the optimizer state keeps the
+    layout it has without a schedule."""
+    if opt is None or opt.schedule == "constant":
+        return learning_rate
+    warmup = opt.warmup_steps * updates_per_step
+    if opt.schedule == "warmup_constant":
+        return optax.join_schedules([optax.linear_schedule(0.0, learning_rate, warmup),
+                                     optax.constant_schedule(learning_rate)], [warmup])
+    decay = (opt.decay_steps or total_steps) * updates_per_step
+    return optax.warmup_cosine_decay_schedule(0.0, learning_rate, warmup, decay, learning_rate * opt.end_lr_factor)
+
+
+def make_optimizer(learning_rate: float, max_grad_norm: float, opt: OptimizerSection | None = None,
+                   total_steps: int = 1, updates_per_step: int = 1) -> optax.GradientTransformation:
+    """Global-norm clip, then Adam (the warm start, and trainer.optimizer.name=adam) or AdamW with decoupled weight
+    decay, at `learning_rate` shaped by `opt`'s schedule over `total_steps` trainer steps."""
+    rate = learning_rate_schedule(learning_rate, opt, total_steps, updates_per_step)
+    if opt is None:
+        return optax.chain(optax.clip_by_global_norm(max_grad_norm), optax.adam(rate))
+    if opt.name == "adamw":
+        inner = optax.adamw(rate, b1=opt.b1, b2=opt.b2, eps=opt.eps, weight_decay=opt.weight_decay)
+    else:
+        inner = optax.adam(rate, b1=opt.b1, b2=opt.b2, eps=opt.eps)
+    return optax.chain(optax.clip_by_global_norm(max_grad_norm), inner)
 
 
 def make_sft_step(model: PolicyModel, optimizer: optax.GradientTransformation, pad_id: int):

@@ -151,3 +151,42 @@ class AlgoSection(Strict):
     @property
     def eps_high(self) -> float:
         return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+
+class OptimizerSection(Strict):
+    """The RL phase's optimizer (trainer.optimizer): a global-norm clip (trainer.max_grad_norm), then Adam or AdamW,
+    at trainer.learning_rate shaped by a schedule. Schedule lengths are in trainer steps; with several optimizer
+    updates per step (algo.num_iterations x algo.minibatches) each step advances the schedule that many updates."""
+
+    name: Literal["adam", "adamw"] = Field("adam", description="'adam', or 'adamw': Adam with decoupled weight "
+                                           "decay (Loshchilov & Hutter), as MaxText and Tunix's RL recipes use.")
+    weight_decay: float = Field(0.0, ge=0, le=1, description="AdamW's decoupled weight decay, applied to every "
+                                "parameter at each update, scaled by the scheduled rate (0.1 is common). Only "
+                                "with name=adamw.")
+    b1: float = Field(0.9, ge=0, lt=1, description="Adam's first-moment decay.")
+    b2: float = Field(0.999, ge=0, lt=1, description="Adam's second-moment decay (0.99 or 0.95 are common for RL "
+                      "on large models).")
+    eps: float = Field(1e-8, gt=0, le=1e-2, description="Adam's denominator epsilon.")
+    schedule: Literal["constant", "warmup_constant", "warmup_cosine"] = Field(
+        "constant", description="Learning-rate schedule: 'constant'; 'warmup_constant': linear warmup from 0 over "
+        "warmup_steps, then constant; 'warmup_cosine': linear warmup, then cosine decay to "
+        "end_lr_factor x learning_rate at decay_steps.")
+    warmup_steps: int = Field(0, ge=0, le=10_000_000, description="Trainer steps of linear warmup (schedules "
+                              "'warmup_*').")
+    decay_steps: int | None = Field(None, ge=1, le=10_000_000, description="'warmup_cosine': trainer step at which "
+                                    "the decay ends (warmup included); null = trainer.steps.")
+    end_lr_factor: float = Field(0.0, ge=0, le=1, description="'warmup_cosine': final rate as a fraction of "
+                                 "trainer.learning_rate.")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "OptimizerSection":
+        if self.weight_decay and self.name != "adamw":
+            raise ValueError(f"trainer.optimizer.weight_decay={self.weight_decay} needs trainer.optimizer.name=adamw "
+                             "(plain Adam has no decoupled decay)")
+        if self.schedule == "constant" and self.warmup_steps:
+            raise ValueError(f"trainer.optimizer.warmup_steps={self.warmup_steps} with schedule=constant: choose "
+                             "schedule warmup_constant or warmup_cosine")
+        if self.schedule == "warmup_cosine" and self.decay_steps is not None and self.decay_steps <= self.warmup_steps:
+            raise ValueError(f"trainer.optimizer.decay_steps={self.decay_steps} must be above warmup_steps="
+                             f"{self.warmup_steps} (the step where decay ends, warmup included)")
+        return self

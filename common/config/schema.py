@@ -20,7 +20,8 @@ from pydantic import Field, model_validator
 from grpo_stream.common.config.access import (REDIS_PASSWORD_ENV, AuthSection, PromptsSection, RedisAuthSection,
                                               TlsSection)
 from grpo_stream.common.config.base import ConfigError, Strict
-from grpo_stream.common.config.learning import AlgoSection, GenerationSection, ModelSection, TaskSection
+from grpo_stream.common.config.learning import (AlgoSection, GenerationSection, ModelSection, OptimizerSection,
+                                               TaskSection)
 from grpo_stream.common.config.names import EngineName, TransportName
 from grpo_stream.common.config.process import LoggingSection, RuntimeSection
 from grpo_stream.common.engine.registry import engine_spec
@@ -168,8 +169,10 @@ class TrainerSection(Strict):
     port: int = Field(50151, ge=0, le=65535, description="Port of the trainer's gRPC server; `up` picks a free one.")
     steps: int = Field(60, ge=1, le=10_000_000, description="RL optimizer steps to run.")
     groups_per_step: int = Field(16, ge=1, le=100_000, description="Rollout groups in one optimizer step.")
-    learning_rate: float = Field(1e-3, gt=0, le=1, description="Adam learning rate of the RL phase.")
+    learning_rate: float = Field(1e-3, gt=0, le=1, description="Peak learning rate of the RL phase.")
     max_grad_norm: float = Field(1.0, gt=0, description="Global gradient-norm clip.")
+    optimizer: OptimizerSection = Field(default_factory=OptimizerSection, description="Adam or AdamW, and the "
+                                        "learning-rate schedule.")
     max_staleness: int = Field(4, ge=0, le=10_000, description="Groups whose policy_version is more than this many "
                                "trainer steps behind are dropped (counted). 0 = fully on-policy.")
     publish_every: int = Field(1, ge=1, le=100_000, description="Publish weights every this many steps.")
@@ -189,6 +192,10 @@ class TrainerSection(Strict):
             raise ValueError(
                 f"trainer.max_staleness={self.max_staleness} < trainer.publish_every-1={self.publish_every - 1}: "
                 "groups from the newest published weights would be dropped; raise max_staleness")
+        opt = self.optimizer
+        if opt.schedule == "warmup_cosine" and opt.decay_steps is None and self.steps <= opt.warmup_steps:
+            raise ValueError(f"trainer.optimizer.warmup_steps={opt.warmup_steps} leaves no cosine decay within "
+                             f"trainer.steps={self.steps}: lower it or set trainer.optimizer.decay_steps")
         return self
 
 

@@ -131,11 +131,15 @@ def test_model_task_and_eval_settings_name_the_field(overrides, message):
         load_config(None, overrides)
 
 
-def test_presets_mirror_the_maxtext_demo_settings():
+def test_presets_mirror_the_maxtext_and_tunix_demo_settings():
     for name in ("llama3.1_8b_gsm8k_tpu_host", "llama3.1_70b_gsm8k_split_slices", "qwen2.5_1.5b_gsm8k_gpu"):
         cfg = load_config(CONFIGS / f"{name}.yaml")
         assert cfg.model.kind == "hf" and cfg.task.name == "gsm8k", name
         assert (cfg.algo.beta, cfg.algo.epsilon, cfg.trainer.learning_rate) == (0.08, 0.2, 3e-6), name
+        opt = cfg.trainer.optimizer  # AdamW, warmup over the first tenth, cosine to 0, clip 0.1 (Tunix's recipe)
+        assert (opt.name, opt.weight_decay, opt.b1, opt.b2, opt.schedule, opt.end_lr_factor, cfg.trainer.max_grad_norm
+                ) == ("adamw", 0.1, 0.9, 0.99, "warmup_cosine", 0.0, 0.1), name
+        assert opt.warmup_steps == cfg.trainer.steps // 10, name
         assert (cfg.generation.max_prompt_tokens, cfg.generation.max_prompt_tokens + cfg.generation.max_new_tokens
                 ) == (256, 768), name
 
