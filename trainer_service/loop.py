@@ -146,7 +146,7 @@ class Trainer:
         cfg = self.cfg
         return PolicyUpdater(self.model, self.params, cfg.algo, cfg.trainer.learning_rate, cfg.trainer.max_grad_norm,
                              cfg.generation.temperature, self.tokenizer.pad_id, self.mesh, cfg.trainer.optimizer,
-                             cfg.trainer.steps)
+                             cfg.trainer.steps, cfg.trainer.micro_batch_size)
 
     def _start(self) -> tuple[PolicyUpdater, int, dict]:
         """Resume from the newest valid checkpoint, or warm start and evaluate a new run; publish the weights.

@@ -42,14 +42,25 @@ LOG_RATIO_LIMIT = 20.0
 GSPO_LOG_RATIO_MAX = 10.0
 
 
-def aggregate(per_token: jnp.ndarray, mask: jnp.ndarray, mode: str) -> jnp.ndarray:
-    """Reduce [B, T] per-token values to a scalar over the masked tokens (see module docstring)."""
+def normalizers(mask: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """(masked tokens, non-empty sequences) of a [B, T] mask: the denominators of the aggregations. Gradient
+    accumulation computes them over the whole minibatch and passes them to every micro-batch's loss, so the
+    micro-batch losses add up to the minibatch's."""
+    mask = mask.astype(jnp.float32)
+    return mask.sum(), (mask.sum(axis=-1) > 0).sum().astype(jnp.float32)
+
+
+def aggregate(per_token: jnp.ndarray, mask: jnp.ndarray, mode: str,
+              norm: tuple[jnp.ndarray, jnp.ndarray] | None = None) -> jnp.ndarray:
+    """Reduce [B, T] per-token values to a scalar over the masked tokens (see module docstring). `norm`: the
+    (tokens, sequences) denominators of a larger batch this one is part of (default: this batch's own)."""
     per_token = per_token.astype(jnp.float32)
     mask = mask.astype(jnp.float32)
     tokens_per_seq = mask.sum(axis=-1)
-    nonempty = jnp.maximum((tokens_per_seq > 0).sum(), 1)
+    total_tokens, nonempty = normalizers(mask) if norm is None else norm
+    nonempty = jnp.maximum(nonempty, 1.0)
     if mode == "token-mean":
-        return (per_token * mask).sum() / jnp.maximum(mask.sum(), 1.0)
+        return (per_token * mask).sum() / jnp.maximum(total_tokens, 1.0)
     if mode == "sequence-mean-token-mean":
         return ((per_token * mask).sum(axis=-1) / jnp.maximum(tokens_per_seq, 1.0)).sum() / nonempty
     if mode == "sequence-mean-token-sum-norm":
@@ -75,15 +86,16 @@ def truncated_is_weights(old_logprobs: jnp.ndarray, behaviour_logprobs: jnp.ndar
     return jax.lax.stop_gradient(jnp.minimum(jnp.exp(log_w), cap))
 
 
-def _masked_mean(x, mask):
+def _masked_mean(x, mask, tokens=None):
     mask = mask.astype(jnp.float32)
-    return (x * mask).sum() / (mask.sum() + 1e-8)
+    return (x * mask).sum() / ((mask.sum() if tokens is None else tokens) + 1e-8)
 
 
 def policy_loss(logprobs: jnp.ndarray, old_logprobs: jnp.ndarray | None, advantages: jnp.ndarray,
                 mask: jnp.ndarray, *, loss_algo: str, eps_low: float, eps_high: float, agg_mode: str,
                 is_weights: jnp.ndarray | None = None, ref_logprobs: jnp.ndarray | None = None, beta: float = 0.0,
-                kl_estimator: str = "k3", entropy: jnp.ndarray | None = None) -> tuple[jnp.ndarray, dict]:
+                kl_estimator: str = "k3", entropy: jnp.ndarray | None = None,
+                norm: tuple[jnp.ndarray, jnp.ndarray] | None = None) -> tuple[jnp.ndarray, dict]:
     """The objective of the module docstring.
 
     Args:
@@ -98,6 +110,9 @@ def policy_loss(logprobs: jnp.ndarray, old_logprobs: jnp.ndarray | None, advanta
       ref_logprobs: [B, T] g; required when beta > 0.
       beta, kl_estimator: KL penalty weight and estimator.
       entropy: [B, T] per-token policy entropy, only reported.
+      norm: (tokens, sequences) of the minibatch this is a micro-batch of (see `normalizers`): the loss and the
+        mean metrics are then this micro-batch's share, and summing them over the micro-batches gives the
+        minibatch's (the _max/_min metrics combine by max/min).
 
     Returns:
       (loss, metrics): pg_loss, clip_fraction (share of tokens where the clipped term is
@@ -108,7 +123,8 @@ def policy_loss(logprobs: jnp.ndarray, old_logprobs: jnp.ndarray | None, advanta
     old = jax.lax.stop_gradient(logprobs) if old_logprobs is None else old_logprobs.astype(jnp.float32)
     mask = mask.astype(jnp.float32)
     log_ratio = logprobs - old
-    ppo_kl = _masked_mean(-log_ratio, mask)
+    tokens = None if norm is None else norm[0]
+    ppo_kl = _masked_mean(-log_ratio, mask, tokens)
     log_ratio = jnp.clip(log_ratio, -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
     if loss_algo == "gspo-token":
         seq_log_ratio = (log_ratio * mask).sum(axis=-1) / jnp.maximum(mask.sum(axis=-1), 1.0)
@@ -123,27 +139,27 @@ def policy_loss(logprobs: jnp.ndarray, old_logprobs: jnp.ndarray | None, advanta
     per_token = jnp.maximum(unclipped, clipped)
     if is_weights is not None:
         per_token = per_token * is_weights.astype(jnp.float32)
-    pg_loss = aggregate(per_token, mask, agg_mode)
+    pg_loss = aggregate(per_token, mask, agg_mode, norm)
     loss = pg_loss
     metrics = {
         "pg_loss": pg_loss,
-        "clip_fraction": _masked_mean((clipped > unclipped).astype(jnp.float32), mask),
-        "ratio_mean": _masked_mean(ratio, mask),
+        "clip_fraction": _masked_mean((clipped > unclipped).astype(jnp.float32), mask, tokens),
+        "ratio_mean": _masked_mean(ratio, mask, tokens),
         "ratio_max": jnp.max(jnp.where(mask > 0, ratio, 0.0)),
         "ratio_min": jnp.min(jnp.where(mask > 0, ratio, jnp.inf)),
         "ppo_kl": ppo_kl,
     }
     if is_weights is not None:
-        metrics["is_weight_mean"] = _masked_mean(is_weights, mask)
+        metrics["is_weight_mean"] = _masked_mean(is_weights, mask, tokens)
         metrics["is_weight_min"] = jnp.min(jnp.where(mask > 0, is_weights, jnp.inf))
     if ref_logprobs is not None:
         kl = kl_per_token(logprobs, ref_logprobs, kl_estimator)
-        metrics["kl"] = _masked_mean(kl, mask)
-        metrics["kl_loss"] = aggregate(kl, mask, agg_mode)
+        metrics["kl"] = _masked_mean(kl, mask, tokens)
+        metrics["kl_loss"] = aggregate(kl, mask, agg_mode, norm)
         if beta:
             loss = loss + beta * metrics["kl_loss"]
     elif beta:
         raise ValueError("algo.beta > 0 needs reference logprobs")
     if entropy is not None:
-        metrics["entropy"] = aggregate(jax.lax.stop_gradient(entropy), mask, agg_mode)
+        metrics["entropy"] = aggregate(jax.lax.stop_gradient(entropy), mask, agg_mode, norm)
     return loss, metrics

@@ -19,7 +19,7 @@ from grpo_stream.common.config.learning import AlgoSection, OptimizerSection
 from grpo_stream.common.model.policy import PolicyModel, sequence_logprobs
 from grpo_stream.common.model.sharding import rows_sharding
 from grpo_stream.trainer_service.batching import TrainBatch
-from grpo_stream.trainer_service.loss import policy_loss, truncated_is_weights
+from grpo_stream.trainer_service.loss import normalizers, policy_loss, truncated_is_weights
 from grpo_stream.trainer_service.train_step import learning_rate_schedule, make_optimizer
 
 
@@ -28,11 +28,14 @@ class PolicyUpdater:
 
     def __init__(self, model: PolicyModel, params: Any, algo: AlgoSection, learning_rate: float,
                  max_grad_norm: float, temperature: float, pad_id: int, mesh: jax.sharding.Mesh | None = None,
-                 optimizer: OptimizerSection | None = None, total_steps: int = 1):
+                 optimizer: OptimizerSection | None = None, total_steps: int = 1, micro_batch_size: int | None = None):
         """`params` already placed on `mesh` (if any); the optimizer state takes their shardings, and each
         batch's rows are split over the mesh's fsdp axis (data parallel). `optimizer` (trainer.optimizer; None:
-        Adam at a constant rate) with its schedule over `total_steps` trainer steps."""
+        Adam at a constant rate) with its schedule over `total_steps` trainer steps. `micro_batch_size`
+        (trainer.micro_batch_size; None: the whole minibatch in one pass): sequences per forward and backward
+        pass; the gradients of a minibatch's micro-batches are summed before its one optimizer update."""
         self.model, self.algo, self.temperature, self.pad_id, self.mesh = model, algo, temperature, pad_id, mesh
+        self.micro_batch_size = micro_batch_size
         self.learning_rate = learning_rate_schedule(learning_rate, optimizer, total_steps,
                                                     algo.num_iterations * algo.minibatches)
         self.optimizer = make_optimizer(learning_rate, max_grad_norm, optimizer, total_steps,
@@ -44,29 +47,61 @@ class PolicyUpdater:
                                                                             pad_id))
         self._step = jax.jit(self._step_impl)
 
-    def _step_impl(self, params, opt_state, batch: TrainBatch, old, ref):
+    def _loss(self, params, batch: TrainBatch, old, ref, norm):
+        """(loss, metrics) of `batch`; with `norm` (the minibatch's denominators) the share of a micro-batch."""
         algo = self.algo
+        logprobs, entropy = sequence_logprobs(self.model, params, batch.tokens, batch.valid, self.temperature,
+                                              self.pad_id, with_entropy=True)
+        proximal = jax.lax.stop_gradient(logprobs) if old is None else old
+        weights = (truncated_is_weights(proximal, batch.behaviour_logprobs, algo.tis_cap)
+                   if algo.tis_cap is not None else None)
+        loss, m = policy_loss(logprobs, old, batch.advantages, batch.loss_mask, loss_algo=algo.loss_algo,
+                              eps_low=algo.epsilon, eps_high=algo.eps_high, agg_mode=algo.loss_agg_mode,
+                              is_weights=weights, ref_logprobs=ref, beta=algo.beta,
+                              kl_estimator=algo.kl_estimator, entropy=entropy, norm=norm)
+        # sampler-trainer agreement on sequences generated with exactly these weights
+        fresh = batch.loss_mask * batch.fresh[:, None]
+        diff = jnp.abs(proximal - batch.behaviour_logprobs) * fresh
+        m.update(lp_diff_sum=diff.sum(), lp_diff_max=diff.max(), fresh_tokens=fresh.sum(), loss=loss)
+        return loss, m
 
-        def loss_fn(p):
-            logprobs, entropy = sequence_logprobs(self.model, p, batch.tokens, batch.valid, self.temperature,
-                                                  self.pad_id, with_entropy=True)
-            proximal = jax.lax.stop_gradient(logprobs) if old is None else old
-            weights = (truncated_is_weights(proximal, batch.behaviour_logprobs, algo.tis_cap)
-                       if algo.tis_cap is not None else None)
-            loss, m = policy_loss(logprobs, old, batch.advantages, batch.loss_mask, loss_algo=algo.loss_algo,
-                                  eps_low=algo.epsilon, eps_high=algo.eps_high, agg_mode=algo.loss_agg_mode,
-                                  is_weights=weights, ref_logprobs=ref, beta=algo.beta,
-                                  kl_estimator=algo.kl_estimator, entropy=entropy)
-            # sampler-trainer agreement on sequences generated with exactly these weights
-            fresh = batch.loss_mask * batch.fresh[:, None]
-            diff = jnp.abs(proximal - batch.behaviour_logprobs) * fresh
-            m.update(lp_diff_sum=diff.sum(), lp_diff_max=diff.max(), fresh_tokens=fresh.sum())
-            return loss, m
+    def _accumulated(self, params, batch: TrainBatch, old, ref, micro: int):
+        """Gradients and metrics of `batch` summed over micro-batches of `micro` rows, one at a time (lax.scan:
+        one compiled pass, activations of one micro-batch live at once). Micro-batch j takes rows j, j + k, ...
+        (k micro-batches), so with rows sharded over the fsdp axis every micro-batch stays spread over it."""
+        rows = batch.tokens.shape[0]
+        k = rows // micro
+        norm = normalizers(batch.loss_mask)
+        split = lambda x: None if x is None else jnp.swapaxes(x.reshape(micro, k, *x.shape[1:]), 0, 1)  # noqa: E731
+        parts = (jax.tree.map(split, batch), split(old), split(ref))
+        grad_fn = jax.value_and_grad(lambda p, b, o, r: self._loss(p, b, o, r, norm), has_aux=True)
+        shapes = jax.eval_shape(lambda: grad_fn(params, *jax.tree.map(lambda x: x[0], parts))[0][1])
+        start = {key: jnp.full(v.shape, -jnp.inf if key.endswith("_max") else jnp.inf if key.endswith("_min")
+                               else 0.0, v.dtype) for key, v in shapes.items()}
 
-        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        def body(carry, part):
+            grads, metrics = carry
+            (_, m), g = grad_fn(params, *part)
+            merged = {key: jnp.maximum(metrics[key], v) if key.endswith("_max") else
+                      jnp.minimum(metrics[key], v) if key.endswith("_min") else metrics[key] + v
+                      for key, v in m.items()}
+            return (jax.tree.map(jnp.add, grads, g), merged), None
+
+        (grads, metrics), _ = jax.lax.scan(body, (jax.tree.map(jnp.zeros_like, params), start), parts)
+        return grads, metrics
+
+    def gradients(self, params, batch: TrainBatch, old=None, ref=None):
+        """(gradients, metrics) of one minibatch: in one pass, or summed over micro-batches."""
+        micro = self.micro_batch_size
+        if micro is None or micro >= batch.tokens.shape[0]:
+            (_, metrics), grads = jax.value_and_grad(self._loss, has_aux=True)(params, batch, old, ref, None)
+            return grads, metrics
+        return self._accumulated(params, batch, old, ref, micro)
+
+    def _step_impl(self, params, opt_state, batch: TrainBatch, old, ref):
+        grads, metrics = self.gradients(params, batch, old, ref)
         updates, opt_state = self.optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
-        metrics["loss"] = loss
         metrics["grad_norm"] = optax.global_norm(grads)
         return params, opt_state, metrics
 
@@ -94,10 +129,10 @@ class PolicyUpdater:
         for iteration in range(algo.num_iterations):
             for k in range(algo.minibatches):
                 part = slice(k * size, (k + 1) * size)
-                sub = jax.tree.map(lambda x: x[part], batch)
-                self.params, self.opt_state, m = self._step(
-                    self.params, self.opt_state, sub, None if old is None else old[part],
-                    None if ref is None else ref[part])
+                sub, sub_old, sub_ref = _fill_micro_batches(
+                    jax.tree.map(lambda x: x[part], batch), None if old is None else old[part],
+                    None if ref is None else ref[part], self.micro_batch_size)
+                self.params, self.opt_state, m = self._step(self.params, self.opt_state, sub, sub_old, sub_ref)
                 m = {key: float(v) for key, v in jax.device_get(m).items()}
                 if iteration == 0:  # later passes see the same old logprobs again
                     agreement["lp_diff_sum"] += m["lp_diff_sum"]
@@ -121,3 +156,17 @@ class PolicyUpdater:
             out["logprob_diff_mean"] = agreement["lp_diff_sum"] / agreement["fresh_tokens"]
             out["logprob_diff_max"] = agreement["lp_diff_max"]
         return out
+
+
+def _fill_micro_batches(batch: TrainBatch, old, ref, micro: int | None):
+    """Rows added to a minibatch whose size is not a multiple of `micro` (a step with injected groups of another
+    size): copies of its first row with nothing in the loss (loss mask and freshness 0), so every micro-batch has
+    the compiled shape and the sums are unchanged."""
+    rows = batch.tokens.shape[0]
+    if micro is None or micro >= rows or rows % micro == 0:
+        return batch, old, ref
+    extra = micro - rows % micro
+    pad = lambda x: None if x is None else jnp.concatenate([x, jnp.repeat(x[:1], extra, axis=0)])  # noqa: E731
+    padded = jax.tree.map(pad, batch)
+    padded = padded.replace(loss_mask=padded.loss_mask.at[rows:].set(0.0), fresh=padded.fresh.at[rows:].set(0.0))
+    return padded, pad(old), pad(ref)

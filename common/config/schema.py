@@ -173,6 +173,10 @@ class TrainerSection(Strict):
     max_grad_norm: float = Field(1.0, gt=0, description="Global gradient-norm clip.")
     optimizer: OptimizerSection = Field(default_factory=OptimizerSection, description="Adam or AdamW, and the "
                                         "learning-rate schedule.")
+    micro_batch_size: int | None = Field(None, ge=1, le=1_000_000, description="Gradient accumulation: sequences "
+                                         "per forward/backward pass, summed into each minibatch's one update "
+                                         "(same update, less activation memory); must divide the minibatch. Null: "
+                                         "the whole minibatch at once.")
     max_staleness: int = Field(4, ge=0, le=10_000, description="Groups whose policy_version is more than this many "
                                "trainer steps behind are dropped (counted). 0 = fully on-policy.")
     publish_every: int = Field(1, ge=1, le=100_000, description="Publish weights every this many steps.")
@@ -380,6 +384,11 @@ class RunConfig(Strict):
         if rows % self.algo.minibatches:
             raise ValueError(f"algo.minibatches={self.algo.minibatches} must divide the {rows} sequences of a step "
                              "(trainer.groups_per_step x generation.num_generations)")
+        micro = self.trainer.micro_batch_size
+        if micro is not None and (rows // self.algo.minibatches) % micro:
+            raise ValueError(f"trainer.micro_batch_size={micro} must divide the {rows // self.algo.minibatches} "
+                             "sequences of a minibatch (trainer.groups_per_step x generation.num_generations / "
+                             "algo.minibatches)")
         if self.algo.overlong_buffer_tokens > self.generation.max_new_tokens:
             raise ValueError(f"algo.overlong_buffer_tokens={self.algo.overlong_buffer_tokens} exceeds "
                              f"generation.max_new_tokens={self.generation.max_new_tokens}")

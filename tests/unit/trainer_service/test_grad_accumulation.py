@@ -1,0 +1,82 @@
+"""trainer.micro_batch_size: summing the gradients of micro-batches gives the same optimizer update as one pass
+over the minibatch, for every aggregation (whose denominators are the minibatch's), with the same metrics; a
+minibatch that does not split evenly (injected groups of another size) is filled with rows that count for
+nothing; a micro-batch size that does not divide the configured minibatch is refused, naming the field."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from grpo_stream.common.config.base import ConfigError
+from grpo_stream.common.config.learning import AlgoSection
+from grpo_stream.common.config.loading import load_config
+from grpo_stream.trainer_service.batching import build_batch
+from grpo_stream.trainer_service.rl_update import PolicyUpdater, _fill_micro_batches
+from tests.unit.trainer_service.test_rl_update import rollout  # noqa: F401  (module fixture: real engine groups)
+
+REL = 1e-5
+
+
+def updater_and_batch(tiny_parts, groups, micro, **algo):
+    cfg, _, tok, model = tiny_parts
+    a = AlgoSection(tis_cap=2.0, **algo)
+    batch, _ = build_batch(groups, cfg.generation.max_prompt_tokens, cfg.generation.max_new_tokens, tok.pad_id, a,
+                           held_version=0)
+    # behaviour logprobs off the trainer's (a stale sampler) so the importance weights are not all 1
+    batch = batch.replace(behaviour_logprobs=batch.behaviour_logprobs - 0.05 * batch.loss_mask)
+    updater = PolicyUpdater(model, model.params, a, 1e-2, 1.0, cfg.generation.temperature, tok.pad_id,
+                            micro_batch_size=micro)
+    return updater, batch
+
+
+def gradients(tiny_parts, groups, micro, **algo):
+    """The minibatch's gradients and metrics, in one pass or summed over micro-batches."""
+    updater, batch = updater_and_batch(tiny_parts, groups, micro, **algo)
+    batch, _, _ = _fill_micro_batches(batch, None, None, micro)
+    grads, metrics = jax.jit(updater.gradients)(updater.params, batch)
+    return grads, {k: float(v) for k, v in metrics.items()}
+
+
+def assert_same(a, b):
+    """Gradients equal to 1e-5 of their global norm, every metric to 1e-5 relative."""
+    (ga, ma), (gb, mb) = a, b
+    diff = optax.global_norm(jax.tree.map(lambda x, y: x - y, ga, gb))
+    assert float(diff) <= REL * float(optax.global_norm(gb)), (float(diff), float(optax.global_norm(gb)))
+    assert ma.keys() == mb.keys()
+    for key in ma:
+        assert ma[key] == pytest.approx(mb[key], rel=REL, abs=1e-7), key
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "sequence-mean-token-mean", "sequence-mean-token-sum-norm"])
+def test_micro_batches_give_the_update_of_one_pass(tiny_parts, rollout, agg):  # noqa: F811
+    whole = gradients(tiny_parts, rollout, None, loss_agg_mode=agg)
+    assert_same(gradients(tiny_parts, rollout, 4, loss_agg_mode=agg), whole)
+    assert_same(gradients(tiny_parts, rollout, 2, loss_agg_mode=agg), whole)
+
+
+def test_an_update_of_several_minibatches_with_gspo_matches_too(tiny_parts, rollout):  # noqa: F811
+    """Whole updates (two passes of two minibatches, GSPO's ratio off 1 after the first): the same metrics, and
+    parameters within Adam's sensitivity (a first Adam step divides each gradient by its own size)."""
+    algo = dict(loss_algo="gspo-token", minibatches=2, num_iterations=2)
+    runs = []
+    for micro in (2, None):
+        updater, batch = updater_and_batch(tiny_parts, rollout, micro, **algo)
+        runs.append((updater.update(batch), updater.params))
+    (m_acc, p_acc), (m_one, p_one) = runs
+    assert m_acc.keys() == m_one.keys() and m_acc["optimizer_steps"] == 4
+    for key in m_one:
+        assert m_acc[key] == pytest.approx(m_one[key], rel=1e-4, abs=1e-6), key
+    for x, y in zip(jax.tree.leaves(p_acc), jax.tree.leaves(p_one)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-5)
+
+
+def test_an_uneven_minibatch_is_filled_with_rows_that_count_for_nothing(tiny_parts, rollout):  # noqa: F811
+    groups = rollout[:3]  # 3 groups of 4 rows: 12 rows, micro-batches of 8 need 4 more
+    assert_same(gradients(tiny_parts, groups, 8), gradients(tiny_parts, groups, None))
+
+
+def test_a_micro_batch_size_that_does_not_divide_the_minibatch_is_refused():
+    with pytest.raises(ConfigError, match="trainer.micro_batch_size=3 must divide the 64 sequences of a minibatch"):
+        load_config(None, ["trainer.groups_per_step=16", "generation.num_generations=8", "algo.minibatches=2",
+                           "trainer.micro_batch_size=3"])
