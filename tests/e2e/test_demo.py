@@ -22,30 +22,34 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 # Each bar is the one-sided 99% lower prediction bound for one new run, mean - t(0.99, 9) * sd * sqrt(1 + 1/10),
 # from 10 measured runs of the same setup (tests/e2e/calibration/*.json, made with
-# `python -m grpo_stream.bench.learning_spread`; 2026-11-23/24, some inside CI's test suite, the others beside other
-# test runs or idle), rounded down: if a healthy run's gain is normal, it fails a bar with probability <= 1%
-# (expected false-failure rate of each check <= 1%).
-# - demo, sampled pass@1 gain: runs +0.129 to +0.181, mean 0.158, sd 0.017, bound 0.107. FFR <= 1%.
+# `python -m grpo_stream.bench.learning_spread`), rounded down: if a healthy run's gain is normal, it fails a bar
+# with probability <= 1% (expected false-failure rate of each check <= 1%).
+# The demo as shipped (admission control on, continuous engine; calibration/demo-admission.json, 2026-11-25: one idle
+# run, eight run two at once as CI's two workers run them, one beside GSPO runs):
+# - sampled pass@1 gain: runs +0.156 to +0.200, mean 0.180, sd 0.012, bound 0.146. FFR <= 1% (bar kept at 0.10).
 DEMO_MIN_SAMPLED_GAIN = 0.10
-# - demo, greedy accuracy gain: runs +0.132 to +0.178, mean 0.162, sd 0.015, bound 0.118. FFR <= 1%. Greedy decoding
-#   is deterministic (a model RL did not change scores exactly +0), so a bar above 0 needs learning.
-# The demo bars were kept when the continuous-batching engine replaced the static one (issue 21): 10 idle runs with
-# it (calibration/demo-continuous-engine.json) gave sampled +0.158 to +0.211 (mean 0.171, sd 0.015, bound 0.126) and
-# greedy +0.147 to +0.204 (mean 0.171, sd 0.015, bound 0.127), so the bars above are at least as safe. Two runs
-# outside that calibration (one in a full suite run, one by hand while the engine was changing) gave greedy +0.134
-# and +0.112: the second is the lowest seen with any engine, 0.002 above the bar.
-DEMO_MIN_GREEDY_GAIN = 0.11
-# - GSPO (400 steps, minibatches=2, from the demo's warm start), sampled pass@1 gain: runs +0.062 to +0.131, mean
-#   0.094, sd 0.025, bound 0.021. FFR <= 1%. A run that does not learn passes it with about 6% (the gain's evaluation
-#   noise has sd 0.013).
-# - generation_wasted_fraction (groups generated for training but never trained) of a run with admission control:
-#   the acceptance bound of issue 21, not a fitted bar.
-MAX_WASTE = 0.03
+# - greedy accuracy gain: runs +0.150 to +0.220, mean 0.174, sd 0.022, bound 0.109. FFR <= 1%. Greedy decoding is
+#   deterministic (a model RL did not change scores exactly +0), so a bar above 0 needs learning.
+DEMO_MIN_GREEDY_GAIN = 0.10
+# Earlier setups (calibration/demo.json: static engine, no admission, mean sampled gain 0.158;
+# demo-continuous-engine.json: no admission, 0.171) learned less. Outside every calibration, one run inside CI's suite
+# (2026-11-25, admission on) gained only +0.090 sampled, 7 sd under this setup's mean: see the GSPO note below.
+# GSPO (400 steps, minibatches=2, from the demo's warm start; admission on, continuous engine;
+# calibration/gspo-admission.json, 2026-11-25: one idle run, six run two at once, three beside a demo run or idle):
+# - sampled pass@1 gain: runs +0.039 to +0.142, mean 0.110, sd 0.030, bound 0.021. FFR <= 1%. A run that does not
+#   learn passes it with about 6% (the gain's evaluation noise has sd 0.013).
 GSPO_STEPS = 400
 GSPO_MIN_SAMPLED_GAIN = 0.02
-# - GSPO, greedy accuracy gain: runs +0.040 to +0.151, mean 0.088, sd 0.033, bound -0.010: too spread for a learning
-#   bar at 1%, so greedy accuracy is only held to not falling by more than 0.01 (a diverging run fails it). FFR <= 1%.
-GSPO_MIN_GREEDY_GAIN = -0.01
+# - greedy accuracy gain: runs +0.005 to +0.142, mean 0.091, sd 0.044, bound -0.041: too spread for a learning bar at
+#   1%, so greedy accuracy is only held to not falling by more than 0.04 (a diverging run fails it). FFR <= 1%.
+GSPO_MIN_GREEDY_GAIN = -0.04
+# Outside the calibrations, one GSPO run inside CI's suite (fresh clone of 8c84c3f) fell from 0.465 to 0.333 sampled
+# pass@1 (greedy 0.565 -> 0.379), and one demo run there gained +0.090 (above). Nothing like either was seen in the
+# 20 runs of these calibrations outside CI; the cause is not found yet, so a failing learning check prints the run's
+# trajectory (accuracy, staleness, entropy, gradient norm, smallest importance weight per 50 steps) to find it.
+# - generation_wasted_fraction (groups generated for training but never trained), with admission control on: the
+#   acceptance bound of issue 21, not a fitted bar.
+MAX_WASTE = 0.03
 
 
 @dataclasses.dataclass
@@ -80,14 +84,9 @@ def up(run_dir: pathlib.Path, *overrides: str) -> Run:
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory) -> Run:
-    """The shipped demo (one optimizer step per batch, grpo), which also exports its warm start for the GSPO run.
-
-    Run without admission control (`sampler.admission=false`), the setup the learning bars above were calibrated
-    on. With admission (the default since issue 21) two idle runs gained +0.19 and +0.21 sampled pass@1 (greedy
-    +0.18 and +0.21), but one run inside CI's suite gained +0.090, under the 0.10 bar: its spread under load is not
-    measured yet, so its learning is not held to these bars until 10 runs calibrate it. Admission's waste is checked
-    on the GSPO run below, which uses it."""
-    return up(tmp_path_factory.mktemp("demo") / "run", "warmstart.export=true", "sampler.admission=false")
+    """The shipped demo as a user runs it (one optimizer step per batch, grpo, admission control on), which also
+    exports its warm start for the GSPO run."""
+    return up(tmp_path_factory.mktemp("demo") / "run", "warmstart.export=true")
 
 
 def test_demo_raises_heldout_accuracy(demo):
@@ -101,6 +100,9 @@ def test_demo_raises_heldout_accuracy(demo):
           f"{before['pass_at_k']['1']:.3f} -> {after['pass_at_k']['1']:.3f}, wall {demo.summary['wall_seconds']}s")
     assert sampled_gain >= DEMO_MIN_SAMPLED_GAIN, (before["pass_at_k"], after["pass_at_k"], trajectory(demo))
     assert greedy_gain >= DEMO_MIN_GREEDY_GAIN, (before["accuracy"], after["accuracy"], trajectory(demo))
+    # admission control: the samplers generated (nearly) only what the trainer could use (issue 21's bound)
+    assert demo.summary["generation_wasted_fraction"] <= MAX_WASTE, (demo.summary["groups_generated"],
+                                                                     demo.summary["samplers"])
 
 
 def test_demo_accounts_for_every_group_and_both_samplers_follow_the_weights(demo):
