@@ -144,7 +144,7 @@ class Trainer:
 
     def _updater(self) -> PolicyUpdater:
         cfg = self.cfg
-        return PolicyUpdater(self.model, self.params, cfg.algo, cfg.trainer.learning_rate, cfg.trainer.max_grad_norm,
+        return PolicyUpdater(self.model.with_remat(cfg.trainer.remat), self.params, cfg.algo, cfg.trainer.learning_rate, cfg.trainer.max_grad_norm,
                              cfg.generation.temperature, self.tokenizer.pad_id, self.mesh, cfg.trainer.optimizer,
                              cfg.trainer.steps, cfg.trainer.micro_batch_size)
 

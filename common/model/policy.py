@@ -85,6 +85,17 @@ class PolicyModel:
         return {f"layer_{i}": {"k": jnp.zeros(shape, cfg.dtype), "v": jnp.zeros(shape, cfg.dtype),
                                "end_index": jnp.zeros((batch,), jnp.int32)} for i in range(cfg.num_layers)}
 
+    def with_remat(self, mode: str) -> "PolicyModel":
+        """The same model and parameters, with activations rematerialised in the backward pass (trainer.remat:
+        'attention' or 'full' decoder layers; 'none' returns self). Only the trainer's update uses it: sampling
+        and evaluation take no gradients."""
+        if mode == "none":
+            return self
+        cfg = architectures.with_remat(self.arch, self.config, mode)
+        cls = architectures.module_class(self.arch)
+        graphdef, _ = nnx.split(nnx.eval_shape(lambda: cls(cfg, rngs=nnx.Rngs(0))))
+        return dataclasses.replace(self, graphdef=graphdef, config=cfg)
+
     def num_params(self) -> int:
         return int(sum(np.prod(x.shape) for x in jax.tree_util.tree_leaves(self.params)))
 

@@ -69,7 +69,12 @@ WATCHED_SCALARS = (
 
 def test_up_smoke_run(tmp_path):
     run_dir = tmp_path / "run"
-    proc = run_cli("up", "--config", "configs/tiny_arith_smoke.yaml", "--run-dir", str(run_dir))
+    # the training features of real model sizes ride along (their exactness has unit tests): AdamW with a warmup
+    # and cosine schedule, gradient accumulation over two micro-batches of 8 sequences, whole-layer remat
+    proc = run_cli("up", "--config", "configs/tiny_arith_smoke.yaml", "--run-dir", str(run_dir),
+                   "trainer.optimizer.name=adamw", "trainer.optimizer.weight_decay=0.01",
+                   "trainer.optimizer.schedule=warmup_cosine", "trainer.optimizer.warmup_steps=2",
+                   "trainer.micro_batch_size=8", "trainer.remat=full")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     check_run(summary, replicas=2, steps=8)
@@ -87,6 +92,10 @@ def test_up_smoke_run(tmp_path):
     assert {p.name for p in (run_dir / "logs").iterdir()} == {"trainer.log", "sampler-0.log", "sampler-1.log"}
     rows = [json.loads(line) for line in (run_dir / "metrics-trainer.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "train/loss" in r] == list(range(1, 9))
+    rates = [r["train/learning_rate"] for r in rows if "train/loss" in r]  # the rate of the next update
+    lr = 1e-3  # trainer.learning_rate's default
+    assert rates[0] == pytest.approx(lr / 2) and rates[1] == pytest.approx(lr), rates  # warmup over 2 steps
+    assert all(a > b for a, b in zip(rates[1:], rates[2:])) and rates[-1] == pytest.approx(0.0, abs=1e-9), rates
     # the report command turns the run into plots and a markdown summary
     rep = run_cli("report", str(run_dir), timeout=120)
     assert rep.returncode == 0, rep.stderr
