@@ -396,23 +396,3 @@ def to_hf_config(arch: Architecture, dtype: str = "float32") -> dict:
             config["rope_scaling"]["original_max_position_embeddings"])
     return config
 
-
-# trainer.remat -> the Tunix RematConfig member: 'attention' recomputes each layer's attention block in the backward
-# pass, 'full' the whole decoder layer (attention and MLP); the families Tunix gives no remat switch are refused
-REMAT_MEMBERS = {"attention": "BLOCK", "full": "DECODER"}
-REMAT_FAMILIES = ("llama3", "qwen2", "qwen3")
-
-
-def with_remat(arch: Architecture, config: Any, mode: str) -> Any:
-    """`config` (a Tunix ModelConfig of `arch`) with rematerialisation `mode` ('none', 'attention' or 'full')."""
-    if mode == "none":
-        return config
-    if arch.family not in REMAT_FAMILIES:
-        raise ValueError(f"trainer.remat={mode}: the {arch.family} model has no rematerialisation switch (families "
-                         f"with one: {', '.join(REMAT_FAMILIES)}); use trainer.remat=none or micro-batches "
-                         "(trainer.micro_batch_size) to save activation memory")
-    module = type(config).__module__
-    import importlib  # noqa: PLC0415
-
-    remat = getattr(importlib.import_module(module).RematConfig, REMAT_MEMBERS[mode])
-    return dataclasses.replace(config, remat_config=remat)

@@ -11,6 +11,7 @@ function, so they agree to float rounding.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from typing import Any
 
 import jax
@@ -91,7 +92,7 @@ class PolicyModel:
         and evaluation take no gradients."""
         if mode == "none":
             return self
-        cfg = architectures.with_remat(self.arch, self.config, mode)
+        cfg = remat_config(self.arch, self.config, mode)
         cls = architectures.module_class(self.arch)
         graphdef, _ = nnx.split(nnx.eval_shape(lambda: cls(cfg, rngs=nnx.Rngs(0))))
         return dataclasses.replace(self, graphdef=graphdef, config=cfg)
@@ -223,3 +224,22 @@ def sequence_logprobs(model: PolicyModel, params: Any, tokens: jax.Array, valid:
     probs = jnp.exp(logp)
     entropy = -jnp.sum(jnp.where(probs > 0, probs * logp, 0.0), axis=-1)
     return chosen, entropy
+
+
+# trainer.remat -> the Tunix RematConfig member: 'attention' recomputes each layer's attention block in the backward
+# pass, 'full' the whole decoder layer (attention and MLP); the families Tunix gives no remat switch are refused
+REMAT_MEMBERS = {"attention": "BLOCK", "full": "DECODER"}
+REMAT_FAMILIES = ("llama3", "qwen2", "qwen3")
+
+
+def remat_config(arch: Architecture, config: Any, mode: str) -> Any:
+    """`config` (a Tunix ModelConfig of `arch`) with rematerialisation `mode` ('none', 'attention' or 'full')."""
+    if mode == "none":
+        return config
+    if arch.family not in REMAT_FAMILIES:
+        raise ValueError(f"trainer.remat={mode}: the {arch.family} model has no rematerialisation switch (families "
+                         f"with one: {', '.join(REMAT_FAMILIES)}); use trainer.remat=none or micro-batches "
+                         "(trainer.micro_batch_size) to save activation memory")
+    module = type(config).__module__
+    remat = getattr(importlib.import_module(module).RematConfig, REMAT_MEMBERS[mode])
+    return dataclasses.replace(config, remat_config=remat)

@@ -10,8 +10,7 @@ import numpy as np
 import optax
 import pytest
 
-from grpo_stream.common.model import architectures
-from grpo_stream.common.model.policy import sequence_logprobs
+from grpo_stream.common.model.policy import remat_config, sequence_logprobs
 
 
 def loss_and_grads(model, params, tokens, valid):
@@ -39,4 +38,4 @@ def test_a_family_without_a_remat_switch_is_refused(tiny_parts):
     _, _, _, model = tiny_parts
     gemma = dataclasses.replace(model.arch, family="gemma3")
     with pytest.raises(ValueError, match="trainer.remat=full: the gemma3 model has no rematerialisation switch"):
-        architectures.with_remat(gemma, model.config, "full")
+        remat_config(gemma, model.config, "full")
