@@ -36,7 +36,7 @@ from grpo_stream.trainer_service.loop import Trainer
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs" / "tiny_arith.yaml"
-PHASES = ("collect_seconds", "batch_seconds", "compute_seconds", "handoff_seconds")
+PHASES = ("collect_seconds", "batch_seconds", "publish_wait_seconds", "compute_seconds", "handoff_seconds")
 
 
 def _random_group(rng: np.random.Generator, cfg, vocab: int, pad_id: int, index: int, version: int) -> GroupData:

@@ -7,6 +7,7 @@
     grpo-stream audit   RUN_DIR [--redis-url URL] [--group ID] [--json PATH]
     grpo-stream colocated --config C --run-dir DIR [key=value ...]   (weights.transport=local)
     grpo-stream eval    --config C [--split test] [--limit N] [--json PATH] [key=value ...]
+    grpo-stream plan    --config C [--json PATH] [key=value ...]     (memory per device vs hardware:, before a run)
     grpo-stream submit  FILE.jsonl [--follow] [--run-dir DIR | --address HOST:PORT] [--token-file F]
     grpo-stream status  [--run-dir DIR | --address HOST:PORT] [--token-file F]
     grpo-stream tokens  --out DIR
@@ -99,6 +100,10 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--split", default="test", help="test (held-out, default) or train")
     ev.add_argument("--limit", type=_positive_int, help="problems to score (default eval.num_problems)")
     ev.add_argument("--json", type=pathlib.Path, help="write the result here")
+    pl = sub.add_parser("plan", help="compile the run's trainer and sampler programs for the target device count "
+                        "on CPU and report memory per device against hardware: (exit 1 when it does not fit)")
+    common(pl)
+    pl.add_argument("--json", type=pathlib.Path, help="also write the report here")
     add_submit_parsers(sub, common)
     cf = sub.add_parser("config", help="describe the config fields, or show a resolved config")
     cf_sub = cf.add_subparsers(dest="config_command", required=True, metavar="ACTION")
@@ -218,6 +223,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{doc['split']}: {doc['num_problems']} problems, greedy pass@1 {doc['accuracy']:.3f}"
               + (f", {ks}" if ks else "") + (f"; wrote {args.json}" if args.json else ""))
         return 0
+    if args.command == "plan":
+        from grpo_stream.plan_command import run_plan
+
+        setup_logging(cfg.logging.level, "plan", cfg.logging.format, cfg.logging.verbose)
+        try:
+            return run_plan(cfg, args.json)
+        except ValueError as exc:  # a config plan cannot size: the field is named
+            _error(args, exc, what="config error")
+            return 2
+        except (OSError, RuntimeError) as exc:
+            _error(args, exc)
+            return 2
     if args.command == "up":
         from grpo_stream.up import run_up
 

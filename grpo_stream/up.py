@@ -84,6 +84,15 @@ def host_devices_needed(cfg: RunConfig) -> tuple[int, int]:
     raise ValueError("weights.*_devices_fraction: no device count fits the trainer and sampler meshes")
 
 
+def with_shared_devices(cfg: RunConfig, env: dict[str, str]) -> dict[str, str]:
+    """`env` for processes that share their accelerators (hardware.shared_devices: trainer and samplers on one
+    GPU): JAX's default of taking 75% of a GPU's memory at start would leave the second process nothing, so each
+    allocates what it uses instead (XLA_PYTHON_CLIENT_PREALLOCATE=false, unless the environment already says)."""
+    if not cfg.hardware.shared_devices or "XLA_PYTHON_CLIENT_PREALLOCATE" in env:
+        return env
+    return {**env, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+
+
 def with_host_devices(env: dict[str, str], count: int) -> dict[str, str]:
     """`env` with XLA's host platform showing `count` devices (fake CPU devices; GPUs and TPUs are unaffected),
     unless XLA_FLAGS already sets a count."""
@@ -138,7 +147,7 @@ def run_up(config_path: pathlib.Path | None, overrides: list[str], cfg: RunConfi
         extra.append(f"weights.checkpoint_dir={(run_dir / 'weights').resolve()}")
     base = [sys.executable, "-m", "grpo_stream"]
     cfg_args = ["--config", str(config_path)] if config_path else []
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = with_shared_devices(cfg, {**os.environ, "PYTHONUNBUFFERED": "1"})
     server_env, sampler_env, client_token = with_run_tokens(cfg, run_dir, env)
     (run_dir / ENDPOINTS_FILE).write_text(json.dumps({"prompts": prompts_address, "tls": cfg.tls.enabled,
                                                       "client_token_file": client_token}))

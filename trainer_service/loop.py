@@ -59,6 +59,7 @@ class Trainer:
         """`devices`: the trainer mesh's devices (default: all); `hub`: in-process weight hub (transport local)."""
         self.cfg, self.run_dir = cfg, run_dir
         self.devices, self.hub = devices, hub
+        self.donate = not transport_spec(cfg.weights.transport).in_process  # see _updater
         self.stop_event = threading.Event()
         self.mixed_version_groups = 0  # trained groups whose completions mix weight versions (in-flight updates)
         self.started = time.time()
@@ -144,9 +145,12 @@ class Trainer:
 
     def _updater(self) -> PolicyUpdater:
         cfg = self.cfg
-        return PolicyUpdater(self.model.with_remat(cfg.trainer.remat), self.params, cfg.algo, cfg.trainer.learning_rate, cfg.trainer.max_grad_norm,
-                             cfg.generation.temperature, self.tokenizer.pad_id, self.mesh, cfg.trainer.optimizer,
-                             cfg.trainer.steps, cfg.trainer.micro_batch_size)
+        t = cfg.trainer
+        # donation: each update step writes the new parameters and optimizer state over the old ones, unless
+        # in-process samplers (weights.transport=local) hold the published arrays themselves
+        return PolicyUpdater(self.model.with_remat(t.remat), self.params, cfg.algo, t.learning_rate, t.max_grad_norm,
+                             cfg.generation.temperature, self.tokenizer.pad_id, self.mesh, t.optimizer, t.steps,
+                             t.micro_batch_size, donate=self.donate)
 
     def _start(self) -> tuple[PolicyUpdater, int, dict]:
         """Resume from the newest valid checkpoint, or warm start and evaluate a new run; publish the weights.
@@ -211,6 +215,10 @@ class Trainer:
             self.mixed_version_groups += sum(any(c.versions is not None and c.versions[0] != c.versions[-1]
                                                  for c in g.completions) for g in groups)
             t_batch = time.time()
+            # the previous step's publication reads its parameters, which this update overwrites when donating
+            if self._after_step is not None and self.donate:
+                self._after_step.result()
+            t_published = time.time()
             m = updater.update(batch)
             self.params = updater.params
             t_compute = time.time()
@@ -222,7 +230,7 @@ class Trainer:
                 saved = step
             self.durability.settle_committed()
             phases = {"collect_seconds": t_collect - t0, "batch_seconds": t_batch - t_collect,
-                      "compute_seconds": t_compute - t_batch}
+                      "publish_wait_seconds": t_published - t_batch, "compute_seconds": t_compute - t_published}
             tokens_per_s, groups_per_s = self.reporter.rates(int(np.asarray(batch.loss_mask).sum()), len(groups))
             # Publication and reporting run on a worker thread while the next step collects and computes (XLA
             # releases the GIL); at most one step behind.

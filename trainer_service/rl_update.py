@@ -8,6 +8,7 @@ correction. With more passes the old logprobs are computed once, before any upda
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -20,7 +21,8 @@ from grpo_stream.common.model.policy import PolicyModel, sequence_logprobs
 from grpo_stream.common.model.sharding import rows_sharding
 from grpo_stream.trainer_service.batching import TrainBatch
 from grpo_stream.trainer_service.loss import normalizers, policy_loss, truncated_is_weights
-from grpo_stream.trainer_service.train_step import learning_rate_schedule, make_optimizer
+from grpo_stream.trainer_service.train_step import (apply_optimizer, init_optimizer_state, learning_rate_schedule,
+                                                   make_optimizer, uses_master_weights)
 
 
 class PolicyUpdater:
@@ -28,12 +30,16 @@ class PolicyUpdater:
 
     def __init__(self, model: PolicyModel, params: Any, algo: AlgoSection, learning_rate: float,
                  max_grad_norm: float, temperature: float, pad_id: int, mesh: jax.sharding.Mesh | None = None,
-                 optimizer: OptimizerSection | None = None, total_steps: int = 1, micro_batch_size: int | None = None):
+                 optimizer: OptimizerSection | None = None, total_steps: int = 1, micro_batch_size: int | None = None,
+                 donate: bool = False):
         """`params` already placed on `mesh` (if any); the optimizer state takes their shardings, and each
         batch's rows are split over the mesh's fsdp axis (data parallel). `optimizer` (trainer.optimizer; None:
         Adam at a constant rate) with its schedule over `total_steps` trainer steps. `micro_batch_size`
         (trainer.micro_batch_size; None: the whole minibatch in one pass): sequences per forward and backward
-        pass; the gradients of a minibatch's micro-batches are summed before its one optimizer update."""
+        pass; the gradients of a minibatch's micro-batches are summed before its one optimizer update. `donate`: the
+        update step reuses the buffers of the parameters and optimizer state it replaces (one copy of each on the
+        devices, not two), so after `update` the previous `params` are deleted: only for a caller that keeps no
+        other reference to them in use (not with weights shared in-process with samplers)."""
         self.model, self.algo, self.temperature, self.pad_id, self.mesh = model, algo, temperature, pad_id, mesh
         self.micro_batch_size = micro_batch_size
         self.learning_rate = learning_rate_schedule(learning_rate, optimizer, total_steps,
@@ -41,11 +47,20 @@ class PolicyUpdater:
         self.optimizer = make_optimizer(learning_rate, max_grad_norm, optimizer, total_steps,
                                         algo.num_iterations * algo.minibatches)
         self.params = params
-        self.opt_state = self.optimizer.init(params)
-        self.ref_params = jax.tree.map(jnp.copy, params) if algo.beta > 0 else None
+        # gradients are pinned to the parameters' shardings: left to XLA's propagation, the micro-batch loop's
+        # gradient sum can come out replicated on every device (the whole model's gradients per device)
+        self._param_shardings = jax.tree.map(lambda x: x.sharding, params) if mesh is not None else None
+        self.master = uses_master_weights(params, optimizer.state_dtype if optimizer is not None else "float32")
+        init = functools.partial(init_optimizer_state, self.optimizer, master=self.master)
+        if is_abstract(params):  # `grpo-stream plan`: shapes, dtypes and shardings only, nothing allocated
+            self.opt_state = abstract_optimizer_state(init, params, mesh)
+            self.ref_params = params if algo.beta > 0 else None
+        else:
+            self.opt_state = init(params)
+            self.ref_params = jax.tree.map(jnp.copy, params) if algo.beta > 0 else None
         self._logprobs = jax.jit(lambda p, tokens, valid: sequence_logprobs(model, p, tokens, valid, temperature,
                                                                             pad_id))
-        self._step = jax.jit(self._step_impl)
+        self._step = jax.jit(self._step_impl, donate_argnums=(0, 1) if donate else ())
 
     def _loss(self, params, batch: TrainBatch, old, ref, norm):
         """(loss, metrics) of `batch`; with `norm` (the minibatch's denominators) the share of a micro-batch."""
@@ -82,28 +97,45 @@ class PolicyUpdater:
         def body(carry, part):
             grads, metrics = carry
             (_, m), g = grad_fn(params, *part)
+            g = self._pin(g)
             merged = {key: jnp.maximum(metrics[key], v) if key.endswith("_max") else
                       jnp.minimum(metrics[key], v) if key.endswith("_min") else metrics[key] + v
                       for key, v in m.items()}
             return (jax.tree.map(jnp.add, grads, g), merged), None
 
-        (grads, metrics), _ = jax.lax.scan(body, (jax.tree.map(jnp.zeros_like, params), start), parts)
+        zeros = self._pin(jax.tree.map(jnp.zeros_like, params))
+        (grads, metrics), _ = jax.lax.scan(body, (zeros, start), parts)
         return grads, metrics
+
+    def _pin(self, grads):
+        """`grads` constrained to the parameters' shardings (a no-op without a mesh)."""
+        if self._param_shardings is None:
+            return grads
+        return jax.lax.with_sharding_constraint(grads, self._param_shardings)
 
     def gradients(self, params, batch: TrainBatch, old=None, ref=None):
         """(gradients, metrics) of one minibatch: in one pass, or summed over micro-batches."""
         micro = self.micro_batch_size
         if micro is None or micro >= batch.tokens.shape[0]:
             (_, metrics), grads = jax.value_and_grad(self._loss, has_aux=True)(params, batch, old, ref, None)
-            return grads, metrics
+            return self._pin(grads), metrics
         return self._accumulated(params, batch, old, ref, micro)
 
     def _step_impl(self, params, opt_state, batch: TrainBatch, old, ref):
         grads, metrics = self.gradients(params, batch, old, ref)
-        updates, opt_state = self.optimizer.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
+        params, opt_state = apply_optimizer(self.optimizer, grads, opt_state, params, self.master)
         metrics["grad_norm"] = optax.global_norm(grads)
         return params, opt_state, metrics
+
+    def logprobs(self, params, tokens, valid):
+        """Per-token logprobs of a step's batch under `params` (old or reference policy), in passes of
+        micro_batch_size rows when that is set, so they never hold more activations than an update pass."""
+        micro, rows = self.micro_batch_size, tokens.shape[0]
+        if micro is None or micro >= rows or rows % micro:
+            return self._logprobs(params, tokens, valid)
+        k = rows // micro  # pass i takes rows i, i + k, ...: spread over the fsdp axis as the micro-batches are
+        parts = [self._logprobs(params, tokens[i::k], valid[i::k]) for i in range(k)]
+        return jnp.stack(parts, axis=1).reshape(rows, -1)
 
     def current_learning_rate(self) -> float:
         """The rate of the next optimizer update (the schedule read at the optimizer's update count)."""
@@ -119,8 +151,8 @@ class PolicyUpdater:
         if self.mesh is not None:
             batch = jax.device_put(batch, rows_sharding(self.mesh, batch.tokens.shape[0] // algo.minibatches))
         needs_old = algo.num_iterations > 1 or algo.minibatches > 1
-        old = self._logprobs(self.params, batch.tokens, batch.valid) if needs_old else None
-        ref = self._logprobs(self.ref_params, batch.tokens, batch.valid) if self.ref_params is not None else None
+        old = self.logprobs(self.params, batch.tokens, batch.valid) if needs_old else None
+        ref = self.logprobs(self.ref_params, batch.tokens, batch.valid) if self.ref_params is not None else None
         rows = batch.tokens.shape[0]
         size = rows // algo.minibatches
         sums: dict[str, float] = {}
@@ -156,6 +188,28 @@ class PolicyUpdater:
             out["logprob_diff_mean"] = agreement["lp_diff_sum"] / agreement["fresh_tokens"]
             out["logprob_diff_max"] = agreement["lp_diff_max"]
         return out
+
+
+def is_abstract(tree: Any) -> bool:
+    """True when `tree`'s leaves are jax.ShapeDtypeStructs (a model that was never allocated)."""
+    return any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(tree))
+
+
+def abstract_optimizer_state(init, params: Any, mesh: jax.sharding.Mesh | None) -> Any:
+    """The optimizer state `init` would make for the abstract `params`, as ShapeDtypeStructs: moments (subtrees
+    shaped like the params) take the params' shardings, as optimizer.init gives them on real arrays; the rest
+    (step counts) is replicated. jax.eval_shape alone drops shardings."""
+    shapes = jax.eval_shape(init, params)
+    tree = jax.tree.structure(params)
+    replicated = (jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()) if mesh is not None else None)
+    like_params = lambda x: jax.tree.structure(x) == tree  # noqa: E731
+
+    def shard(sub):
+        if like_params(sub):
+            return jax.tree.map(lambda o, p: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=p.sharding), sub, params)
+        return jax.tree.map(lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=replicated), sub)
+
+    return jax.tree.map(shard, shapes, is_leaf=like_params)
 
 
 def _fill_micro_batches(batch: TrainBatch, old, ref, micro: int | None):

@@ -14,7 +14,8 @@ from grpo_stream.common.model.policy import PolicyModel
 from grpo_stream.common.tasks.arith import ArithTask
 from grpo_stream.common.model.tokenizer import TextTokenizer
 from grpo_stream.trainer_service.batching import layout
-from grpo_stream.trainer_service.train_step import make_optimizer, make_sft_step
+from grpo_stream.trainer_service.train_step import (init_optimizer_state, make_optimizer, make_sft_step,
+                                                   uses_master_weights)
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +42,9 @@ def warm_start(model: PolicyModel, params: Any, task: ArithTask, tokenizer: Text
     """Run cfg.warmstart.steps supervised steps from `params` (fewer if `stop_event` is set); return params, report."""
     ws = cfg.warmstart
     optimizer = make_optimizer(ws.learning_rate, cfg.trainer.max_grad_norm)
-    opt_state = optimizer.init(params)
-    step_fn = make_sft_step(model, optimizer, tokenizer.pad_id)
+    master = uses_master_weights(params, cfg.trainer.optimizer.state_dtype)
+    opt_state = init_optimizer_state(optimizer, params, master)
+    step_fn = make_sft_step(model, optimizer, tokenizer.pad_id, master)
     rng = random.Random(f"{cfg.run.seed}/warmstart")
     start, loss = time.time(), float("nan")
     step = 0

@@ -37,7 +37,10 @@ class ModelSection(Strict):
     path: str | None = Field(None, description="kind=hf: a local directory with config.json, *.safetensors and the "
                              "tokenizer files (Llama 3.x, Qwen2/2.5, Qwen3, Gemma 2, Gemma 3 text), or a hub id "
                              "(org/name) taken from the Hugging Face cache or downloaded where a network exists.")
-    dtype: Literal["float32", "bfloat16"] = Field("float32", description="kind=hf: parameter dtype after loading.")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="Parameter (and compute) dtype: the tiny "
+                                                  "model's at init, a checkpoint's after loading. With bfloat16 the "
+                                                  "trainer's optimizer keeps float32 state (trainer.optimizer."
+                                                  "state_dtype).")
     pad_token: str | None = Field(None, description="kind=hf: token used for padding when the tokenizer defines none "
                                   "(it must not be an end-of-sequence token; Llama 3: <|finetune_right_pad_id|>). "
                                   "Null: the tokenizer's pad token.")
@@ -177,6 +180,11 @@ class OptimizerSection(Strict):
                                     "the decay ends (warmup included); null = trainer.steps.")
     end_lr_factor: float = Field(0.0, ge=0, le=1, description="'warmup_cosine': final rate as a fraction of "
                                  "trainer.learning_rate.")
+    state_dtype: Literal["float32", "params"] = Field(
+        "float32", description="With parameters below float32 (model.dtype=bfloat16): 'float32' keeps a float32 "
+        "master copy of the parameters and float32 moments in the optimizer state (updates below bfloat16's "
+        "resolution accumulate instead of rounding away; 6 more bytes per parameter than 'params'); 'params': "
+        "moments in the parameters' dtype, no copy. Float32 parameters are unaffected.")
 
     @model_validator(mode="after")
     def _consistent(self) -> "OptimizerSection":

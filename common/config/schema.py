@@ -22,13 +22,15 @@ from grpo_stream.common.config.access import (REDIS_PASSWORD_ENV, AuthSection, P
 from grpo_stream.common.config.base import ConfigError, Strict
 from grpo_stream.common.config.learning import (AlgoSection, GenerationSection, ModelSection, OptimizerSection,
                                                TaskSection)
-from grpo_stream.common.config.names import EngineName, TransportName
+from grpo_stream.common.config.names import EngineName
+from grpo_stream.common.config.hardware import HardwareSection
 from grpo_stream.common.config.process import LoggingSection, RuntimeSection
+from grpo_stream.common.config.weights import DistributedSection, WeightsSection
 from grpo_stream.common.engine.registry import engine_spec
 from grpo_stream.common.tasks.registry import TASKS, task_spec
 from grpo_stream.common.weights.registry import TRANSPORTS, transport_spec
 
-__all__ = ["ConfigError", "RunConfig", "Strict"]
+__all__ = ["ConfigError", "DistributedSection", "RunConfig", "Strict", "WeightsSection"]
 
 
 class RunSection(Strict):
@@ -243,64 +245,6 @@ class IngestSection(Strict):
                                 "when standalone, else the trainer's address.")
 
 
-class WeightsSection(Strict):
-    """How published weights travel from the trainer to the samplers (see README, "Weight publication")."""
-
-    transport: TransportName = Field(
-        "grpc", description="'grpc': samplers fetch the slices their devices need from the trainer's WeightService "
-        "(separate deployments); 'checkpoint': Orbax saves to weights.checkpoint_dir (shared disk or gs://) with a "
-        "completion marker, samplers restore into their sharding; 'local': trainer and samplers in one JAX process "
-        "(`grpo-stream up` then runs one process), weights move by jax.device_put.")
-    wire_dtype: Literal["model", "float32", "bfloat16"] = Field(
-        "model", description="Dtype of published tensors: 'model' keeps the trainer's; 'bfloat16' halves the bytes "
-        "of a float32 model (samplers cast back to model.dtype).")
-    data_plane: Literal["tcp", "grpc"] = Field(
-        "tcp", description="grpc transport: how slice bytes travel. 'tcp': the trainer also serves them on a plain "
-        "TCP port (weights.data_port) without gRPC framing, about twice gRPC's bytes/s (BENCHMARKS.md); samplers "
-        "that cannot reach that port fall back to gRPC. 'grpc': FetchSlices streams only (one port to open).")
-    data_port: int = Field(0, ge=0, le=65535, description="grpc transport, data_plane tcp: the trainer's data-plane "
-                           "port; 0 = a free port (announced to samplers in the manifest). Fix it when a firewall "
-                           "or a Kubernetes Service must list it.")
-    chunk_bytes: int = Field(4 << 20, ge=64 << 10, le=32 << 20, description="grpc: bytes per streamed chunk.")
-    fetch_streams: int = Field(2, ge=1, le=32, description="grpc: parallel FetchSlices streams per fetch.")
-    max_serve_mb_s: float | None = Field(None, gt=0, le=1e6, description="grpc: cap on the bytes/s of each fetch "
-                                         "lane (a fetch uses fetch_streams lanes) as the trainer serves it (leave "
-                                         "room for rollout traffic); null = no cap.")
-    checkpoint_dir: str | None = Field(None, description="checkpoint: directory (local, NFS or gs://) that holds "
-                                       "published versions; `up` uses RUN_DIR/weights when null.")
-    keep_versions: int = Field(3, ge=2, le=10_000, description="checkpoint: versions kept on disk (older are "
-                               "deleted; a sampler still restoring one retries with the newest).")
-    background_fetch: bool = Field(True, description="Samplers fetch a new version on a background thread while "
-                                   "they keep generating with the installed one, and switch between batches (needs "
-                                   "device memory for a second copy of the weights); false = fetch in the "
-                                   "generation loop (one copy, generation pauses during the transfer).")
-    retry_initial_s: float = Field(0.5, gt=0, le=600, description="First back-off after a failed fetch; doubles "
-                                   "per failure.")
-    retry_max_s: float = Field(10.0, gt=0, le=3600, description="Longest back-off between fetch attempts.")
-    trainer_devices_fraction: float = Field(1.0, gt=0, le=1, description="local: share of the process's devices "
-                                            "the trainer mesh uses (the first ones).")
-    sampler_devices_fraction: float = Field(1.0, gt=0, le=1, description="local: share the samplers use (the last "
-                                            "ones, split between sampler.replicas); both 1.0 = one shared mesh.")
-    verify_prompts: int = Field(0, ge=0, le=1024, description="After the final version, the trainer and every "
-                                "sampler record a SHA-256 of their parameters and greedy completions of this many "
-                                "held-out prompts (in summary.json / sampler-N.json) to check weights arrived "
-                                "exactly; 0 = off.")
-
-    @model_validator(mode="after")
-    def _backoff(self) -> "WeightsSection":
-        if self.retry_max_s < self.retry_initial_s:
-            raise ValueError(f"weights.retry_max_s={self.retry_max_s} < weights.retry_initial_s="
-                             f"{self.retry_initial_s}; raise retry_max_s")
-        return self
-
-
-class DistributedSection(Strict):
-    initialize: Literal["auto", "always", "never"] = Field(
-        "auto", description="jax.distributed.initialize at start-up: 'auto' when the environment describes a "
-        "multi-process job (JAX_COORDINATOR_ADDRESS + JAX_NUM_PROCESSES + JAX_PROCESS_ID, multi-host TPU, SLURM), "
-        "'always', or 'never'.")
-
-
 class WarmStartSection(Strict):
     steps: int = Field(0, ge=0, le=1_000_000, description="Supervised steps before RL (0 = none).")
     batch_size: int = Field(64, ge=1, le=65536, description="Demonstrations per supervised step.")
@@ -347,6 +291,8 @@ class RunConfig(Strict):
     auth: AuthSection = Field(default_factory=AuthSection, description="Bearer tokens and roles on every RPC.")
     tls: TlsSection = Field(default_factory=TlsSection, description="TLS (and mutual TLS) for every server.")
     prompts: PromptsSection = Field(default_factory=PromptsSection, description="Prompt injection limits.")
+    hardware: HardwareSection = Field(default_factory=HardwareSection, description="The accelerators the run is "
+                                      "sized for, which `grpo-stream plan` checks the memory of.")
 
     @model_validator(mode="after")
     def _task_and_model(self) -> "RunConfig":

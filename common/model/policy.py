@@ -138,7 +138,8 @@ def build_model(section: ModelSection, vocab_size: int, seed: int | None) -> Pol
 
     Samplers build the abstract model and receive every weight from the trainer.
     """
-    return build_from_architecture(tiny_architecture(section, vocab_size), seed)
+    dtype = jnp.bfloat16 if section.dtype == "bfloat16" else jnp.float32
+    return build_from_architecture(tiny_architecture(section, vocab_size), seed, dtype)
 
 
 def build_from_architecture(arch: Architecture, seed: int | None, dtype: Any = jnp.float32) -> PolicyModel:

@@ -4,6 +4,7 @@ minibatch that does not split evenly (injected groups of another size) is filled
 nothing; a micro-batch size that does not divide the configured minibatch is refused, naming the field."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -80,3 +81,17 @@ def test_a_micro_batch_size_that_does_not_divide_the_minibatch_is_refused():
     with pytest.raises(ConfigError, match="trainer.micro_batch_size=3 must divide the 64 sequences of a minibatch"):
         load_config(None, ["trainer.groups_per_step=16", "generation.num_generations=8", "algo.minibatches=2",
                            "trainer.micro_batch_size=3"])
+
+
+def test_old_and_reference_logprobs_in_micro_batches_equal_one_pass(tiny_parts):
+    """The logprobs of a whole step's batch (old policy, KL reference) computed in passes of micro_batch_size rows
+    (strided, as the micro-batches are) come back in row order, equal to one pass."""
+    cfg, _, tok, model = tiny_parts
+    rng = np.random.default_rng(1)
+    rows, length = 12, cfg.generation.max_prompt_tokens + cfg.generation.max_new_tokens
+    tokens = jnp.asarray(rng.integers(1, tok.vocab_size, (rows, length)), jnp.int32)
+    valid = jnp.ones((rows, length), bool)
+    whole = PolicyUpdater(model, model.params, AlgoSection(beta=0.1), 1e-3, 1.0, 1.0, tok.pad_id)
+    parts = PolicyUpdater(model, model.params, AlgoSection(beta=0.1), 1e-3, 1.0, 1.0, tok.pad_id, micro_batch_size=3)
+    np.testing.assert_allclose(np.asarray(parts.logprobs(model.params, tokens, valid)),
+                               np.asarray(whole.logprobs(model.params, tokens, valid)), rtol=1e-6, atol=1e-6)

@@ -1,6 +1,7 @@
 """The RL update with a real tiny model and real engine rollouts."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -77,3 +78,28 @@ def test_beta_zero_holds_no_reference_model(tiny_parts, rollout):
     assert ref_bytes - plain_bytes == param_bytes
     m = with_ref.update(batch)
     assert m["kl"] == pytest.approx(0.0, abs=1e-6)  # reference == policy before the first update
+
+
+def test_donation_updates_in_place_with_the_same_result(tiny_parts, rollout):
+    """With donation the update step writes the new parameters and optimizer state over the old buffers: the same
+    numbers as without, the replaced parameters are gone, and no second copy of the state stays alive."""
+    cfg, _, tok, model = tiny_parts
+    a = AlgoSection(num_iterations=2, minibatches=2)
+    batch, _ = build_batch(rollout, cfg.generation.max_prompt_tokens, cfg.generation.max_new_tokens, tok.pad_id, a,
+                           held_version=0)
+    results = {}
+    for donate in (False, True):
+        params = jax.tree.map(jnp.copy, model.params)  # the fixture's own arrays must survive
+        updater = PolicyUpdater(model, params, a, 1e-3, 1.0, cfg.generation.temperature, tok.pad_id, donate=donate)
+        updater.update(batch)  # compiles; then measure a second update
+        before = updater.params
+        start = _live_bytes()
+        updater.update(batch)
+        grown = _live_bytes() - start
+        assert all(x.is_deleted() for x in jax.tree.leaves(before)) == donate
+        results[donate] = (jax.tree.map(np.asarray, updater.params), grown)
+    param_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(model.params))
+    for x, y in zip(jax.tree.leaves(results[False][0]), jax.tree.leaves(results[True][0])):
+        np.testing.assert_array_equal(x, y)
+    # without donation the caller's old parameters stay alive beside the new ones; with it nothing grows
+    assert results[False][1] >= param_bytes and results[True][1] < param_bytes

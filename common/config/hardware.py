@@ -1,0 +1,59 @@
+"""The hardware a run is meant for (`hardware:`), as `grpo-stream plan` checks it: which accelerator the trainer's
+and the samplers' devices are, how much memory each has, and the margin a plan must leave free.
+
+Nothing at run time reads this section: it states what the config was sized for, so `plan` can say before the
+hardware exists whether the programs fit. Memory per device is what the runtime can hand out (HBM per TPU chip, or
+per GPU as nvidia-smi reports it), from the vendors' published figures.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from grpo_stream.common.config.base import Strict
+
+GIB = 1 << 30
+
+# accelerator -> bytes of memory per device (a TPU chip, or a GPU)
+CHIP_MEMORY_BYTES: dict[str, int] = {
+    "tpu-v4": 32 * GIB,
+    "tpu-v5e": 16 * GIB,
+    "tpu-v5p": 95 * GIB,
+    "tpu-v6e": 32 * GIB,
+    "a100-40gb": 40 * GIB,
+    "a100-80gb": 80 * GIB,
+    "h100-80gb": 80 * GIB,
+    "h200": 141 * 10**9,
+}
+ChipName = Literal["tpu-v4", "tpu-v5e", "tpu-v5p", "tpu-v6e", "a100-40gb", "a100-80gb", "h100-80gb", "h200"]
+
+
+class HardwareSection(Strict):
+    """What the run is sized for; `grpo-stream plan` checks the config's programs against it."""
+
+    trainer_chip: ChipName | None = Field(None, description="Accelerator of each trainer device (trainer.mesh "
+                                          "fsdp x tp of them). Null: plan reports sizes without a fit verdict unless "
+                                          "trainer_memory_gib is given.")
+    sampler_chip: ChipName | None = Field(None, description="Accelerator of each sampler device (sampler.mesh.tp "
+                                          "per sampler). Null: as trainer_chip.")
+    trainer_memory_gib: float | None = Field(None, gt=0, le=4096, description="Memory per trainer device in GiB, "
+                                             "overriding trainer_chip's figure (e.g. what is left beside other "
+                                             "work).")
+    sampler_memory_gib: float | None = Field(None, gt=0, le=4096, description="Memory per sampler device in GiB, "
+                                             "overriding the sampler chip's figure.")
+    shared_devices: bool = Field(False, description="The trainer and every sampler use the same devices (one GPU, "
+                                 "or one TPU host with weights.transport=local): plan checks the trainer's total "
+                                 "plus sampler.replicas samplers' against one device's memory.")
+    margin: float = Field(0.1, ge=0, lt=1, description="Share of each device's memory a plan leaves free (runtime "
+                          "reservations, fragmentation, what a CPU-compiled estimate misses); plan reports a fit "
+                          "only below (1 - margin) x memory.")
+
+    def device_memory_bytes(self, role: Literal["trainer", "sampler"]) -> int | None:
+        """Memory per device of `role`'s devices, or None when the section names neither a chip nor a size."""
+        gib = self.trainer_memory_gib if role == "trainer" else self.sampler_memory_gib
+        if gib is not None:
+            return int(gib * GIB)
+        chip = self.trainer_chip if role == "trainer" else (self.sampler_chip or self.trainer_chip)
+        return CHIP_MEMORY_BYTES[chip] if chip else None

@@ -1,0 +1,167 @@
+"""`grpo-stream plan --config C [k=v ...] [--json F]`: does the config fit its hardware, before the hardware exists?
+
+The run's programs are compiled on this machine's CPU for fake devices of the target count (plan_programs.py, in a
+child process started with --xla_force_host_platform_device_count), and XLA's memory analysis of each gives the
+bytes per device by category: parameters, optimizer state, gradients, activations, KV cache. Those are compared with
+the memory of the chips `hardware:` names, less `hardware.margin`. Exit 0 when trainer and sampler fit, 1 when
+either does not (the report names the cheapest fixes), 2 when the config cannot be planned.
+
+The figures are XLA's own for these programs, partitioned as on the real mesh, but compiled by the CPU backend:
+TPU and GPU compilers fuse more and reuse buffers differently, so treat them as an estimate (on CPU the estimate
+matched a measured step within a few percent; see README "Planning memory").
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+from grpo_stream.common.config.hardware import GIB
+from grpo_stream.common.config.schema import RunConfig
+
+ESTIMATE_NOTE = ("CPU-compiled estimate: XLA's memory analysis of the real programs, partitioned for the target "
+                 "device count, but compiled by the CPU backend, whose fusion and buffer reuse differ from TPU and "
+                 "GPU compilers (on CPU itself the estimate was within 5% of a measured step).")
+
+
+def child_env(devices: int) -> dict[str, str]:
+    """This environment with JAX on CPU and `devices` fake devices (any earlier device-count flag replaced)."""
+    env = dict(os.environ)
+    flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", "")).strip()
+    env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}".strip()
+    env["JAX_PLATFORMS"] = "cpu"
+    return env
+
+
+def compile_programs(cfg: RunConfig) -> dict:
+    """The child's report: every program compiled for abstract inputs on fake devices of the target count."""
+    devices = max(cfg.trainer.mesh.fsdp * cfg.trainer.mesh.tp, cfg.sampler.mesh.tp)
+    proc = subprocess.run([sys.executable, "-m", "grpo_stream.plan_programs"], input=cfg.model_dump_json(),
+                          capture_output=False, stdout=subprocess.PIPE, text=True, env=child_env(devices))
+    if proc.returncode != 0:
+        raise RuntimeError(f"compiling the run's programs for {devices} fake devices failed (exit "
+                           f"{proc.returncode}); its error is printed above")
+    return json.loads(proc.stdout)
+
+
+def gib(n: float) -> str:
+    return f"{n / GIB:,.2f} GiB" if n >= GIB / 10 else f"{n / (1 << 20):,.1f} MiB"
+
+
+def trainer_fixes(cfg: RunConfig, sizes: dict) -> list[str]:
+    """Changes that shrink the trainer's largest categories, cheapest (no more hardware) first."""
+    t, fixes = cfg.trainer, []
+    rows = t.groups_per_step * cfg.generation.num_generations // cfg.algo.minibatches
+    activations = sizes["activations_and_temporaries"]
+    state = sizes["parameters"] + sizes["optimizer_state"] + sizes["gradients"] + sizes["updated_state"]
+    if activations > 0.2 * sizes["total"]:
+        if t.remat == "none":
+            fixes.append(f"trainer.remat=full: recompute each decoder layer in the backward pass (activations and "
+                         f"temporaries are {gib(activations)} per device)")
+        micro = t.micro_batch_size or rows
+        if micro > t.mesh.fsdp and rows % t.mesh.fsdp == 0:
+            fixes.append(f"trainer.micro_batch_size={t.mesh.fsdp}: one sequence per device per pass, gradients "
+                         f"accumulated (now {micro} sequences per pass)")
+        fixes.append(f"generation.max_new_tokens below {cfg.generation.max_new_tokens}: activations grow with the "
+                     "sequence length")
+    if cfg.algo.beta > 0:
+        fixes.append(f"algo.beta=0: no reference copy of the parameters (saves {gib(sizes['reference_parameters'])})")
+    if cfg.model.dtype == "float32":
+        fixes.append("model.dtype=bfloat16: halves parameters and gradients (the optimizer keeps float32 state)")
+    elif cfg.trainer.optimizer.state_dtype == "float32":
+        fixes.append(f"trainer.optimizer.state_dtype=params: bfloat16 moments and no float32 master copy (saves "
+                     f"{gib(sizes['optimizer_state'] * 4 // 10)}; updates below bfloat16's resolution are lost)")
+    fixes.append(f"trainer.mesh.fsdp={2 * t.mesh.fsdp}: twice the devices share parameters, optimizer state and "
+                 f"gradients (saves about {gib(state / 2)} per device) and the batch rows")
+    return fixes
+
+
+def sampler_fixes(cfg: RunConfig, sizes: dict, slots: int) -> list[str]:
+    fixes = []
+    if cfg.weights.background_fetch:
+        fixes.append(f"weights.background_fetch=false: no second copy while a version arrives (saves "
+                     f"{gib(sizes['fetch_buffer'])}; generation pauses during each fetch)")
+    if sizes["kv_cache"] > 0.2 * sizes["total"] and slots > 8:
+        fixes.append(f"generation.decode_slots={slots // 2} (or fewer sampler.prompts_per_batch): half the KV cache "
+                     f"of {gib(sizes['kv_cache'])}")
+    if cfg.model.dtype == "float32":
+        fixes.append("model.dtype=bfloat16: halves weights and KV cache")
+    fixes.append(f"sampler.mesh.tp={2 * cfg.sampler.mesh.tp}: twice the devices share the weights")
+    return fixes
+
+
+def verdict(cfg: RunConfig, role: str, report: dict) -> dict:
+    """`report` (one role's part of the child's output) with its memory, usable share, fit and fixes added."""
+    hw = cfg.hardware
+    memory = hw.device_memory_bytes(role)
+    chip = hw.trainer_chip if role == "trainer" else (hw.sampler_chip or hw.trainer_chip)
+    total = report["per_device_bytes"]["total"]
+    report["chip"] = chip
+    report["device_memory_bytes"] = memory
+    report["usable_bytes"] = int(memory * (1 - hw.margin))
+    report["fits"] = total <= report["usable_bytes"]
+    if not report["fits"]:
+        report["fixes"] = (trainer_fixes(cfg, report["per_device_bytes"]) if role == "trainer"
+                           else sampler_fixes(cfg, report["per_device_bytes"], report["slots"]))
+    return report
+
+
+def render(cfg: RunConfig, doc: dict) -> str:
+    lines = [f"model: {doc['trainer']['parameters'] / 1e9:.3g}B parameters ({doc['architecture']['family']}, "
+             f"{cfg.model.dtype}); {ESTIMATE_NOTE}"]
+    for role in ("trainer", "sampler"):
+        r = doc.get(role)
+        if r is None:
+            lines.append(f"\nsampler: not planned: sampler.engine={cfg.sampler.engine} sizes its own memory "
+                         "(sampler.vllm.gpu_memory_utilization)")
+            continue
+        mesh = " x ".join(f"{k} {v}" for k, v in r["mesh"].items())
+        lines.append(f"\n{role}: {r['devices']} x {r['chip'] or 'device'} ({gib(r['device_memory_bytes'])} each, "
+                     f"{gib(r['usable_bytes'])} usable at margin {cfg.hardware.margin}), mesh {mesh}; per device:")
+        for name, n in r["per_device_bytes"].items():
+            if name != "total":
+                lines.append(f"  {name:<28} {gib(n):>14}")
+        share = r["per_device_bytes"]["total"] / r["usable_bytes"]
+        lines.append(f"  {'total':<28} {gib(r['per_device_bytes']['total']):>14}  {share:.0%} of usable: "
+                     f"{'fits' if r['fits'] else 'DOES NOT FIT'} (peak in {r['peak_program']})")
+        for fix in r.get("fixes", []):
+            lines.append(f"    fix: {fix}")
+    shared = doc.get("shared_devices")
+    if shared:
+        lines.append(f"\nshared devices (hardware.shared_devices): trainer + {cfg.sampler.replicas} sampler(s) "
+                     f"{gib(shared['total_bytes'])} of {gib(shared['usable_bytes'])} usable: "
+                     f"{'fits' if shared['fits'] else 'DOES NOT FIT'}")
+    lines.append(f"\n{'fits' if doc['fits'] else 'does not fit'}")
+    return "\n".join(lines)
+
+
+def run_plan(cfg: RunConfig, json_path: pathlib.Path | None) -> int:
+    for role in ("trainer", "sampler"):
+        if cfg.hardware.device_memory_bytes(role) is None:
+            raise ValueError(f"hardware.{role}_chip: plan needs the accelerator the run is sized for (one of "
+                             "tpu-v4, tpu-v5e, tpu-v5p, tpu-v6e, a100-40gb, a100-80gb, h100-80gb, h200), or "
+                             f"hardware.{role}_memory_gib")
+    from grpo_stream.plan_programs import architecture  # noqa: PLC0415  (JAX only once the config is sound)
+
+    architecture(cfg)  # a model plan cannot size fails here, with model.path named, before any compiling
+    doc = compile_programs(cfg)
+    doc["trainer"] = verdict(cfg, "trainer", doc["trainer"])
+    if "sampler" in doc:
+        doc["sampler"] = verdict(cfg, "sampler", doc["sampler"])
+    doc["fits"] = all(doc[r]["fits"] for r in ("trainer", "sampler") if r in doc)
+    if cfg.hardware.shared_devices and "sampler" in doc:  # one set of devices holds the trainer and every sampler
+        together = doc["trainer"]["per_device_bytes"]["total"] + (
+            cfg.sampler.replicas * doc["sampler"]["per_device_bytes"]["total"])
+        doc["shared_devices"] = {"total_bytes": together, "usable_bytes": doc["trainer"]["usable_bytes"],
+                                 "fits": together <= doc["trainer"]["usable_bytes"]}
+        doc["fits"] = doc["fits"] and doc["shared_devices"]["fits"]
+    doc["estimate_note"] = ESTIMATE_NOTE
+    print(render(cfg, doc))
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(doc, indent=1))
+    return 0 if doc["fits"] else 1

@@ -1,0 +1,195 @@
+"""`grpo-stream plan`, the part that runs in a child process on fake CPU devices: build the run's model as abstract
+arrays (shapes, dtypes and shardings, nothing allocated), compile the trainer's update step on the trainer mesh and
+the sampler engine's programs on one sampler's mesh, and report per device what XLA's `memory_analysis()` of each
+compiled program says, split into the categories a user can act on.
+
+The parent (plan_command.py) starts this module with
+XLA_FLAGS=--xla_force_host_platform_device_count=N, so the programs are partitioned exactly as on N real devices;
+only the backend differs (CPU, not TPU or GPU), which changes fusion and buffer reuse: the figures are an estimate.
+Input: the resolved config as JSON on stdin. Output: one JSON document on stdout; progress on stderr.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import sys
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
+
+from grpo_stream.common.config.schema import RunConfig
+from grpo_stream.common.engine import continuous
+from grpo_stream.common.engine.registry import engine_spec
+from grpo_stream.common.model.architectures import Architecture
+from grpo_stream.common.model.policy import PolicyModel, build_from_architecture, tiny_architecture
+from grpo_stream.common.model.sharding import make_mesh, param_shardings, rows_sharding
+from grpo_stream.common.weights.registry import transport_spec
+from grpo_stream.trainer_service.batching import TrainBatch
+from grpo_stream.trainer_service.rl_update import PolicyUpdater
+
+
+def progress(message: str) -> None:
+    print(f"plan: {message}", file=sys.stderr, flush=True)
+
+
+def architecture(cfg: RunConfig) -> Architecture:
+    """The model's shape: the tiny model's, the checkpoint's config.json, or a known checkpoint's by name."""
+    if cfg.model.kind == "tiny":
+        return tiny_architecture(cfg.model, cfg.model.tiny.vocab_size)
+    import pathlib  # noqa: PLC0415
+
+    from grpo_stream.common.model.hf_checkpoint import read_architecture  # noqa: PLC0415
+    from grpo_stream.common.model.known_architectures import KNOWN_CONFIGS, known_architecture  # noqa: PLC0415
+
+    if (pathlib.Path(cfg.model.path) / "config.json").is_file():
+        return read_architecture(cfg.model.path)
+    arch = known_architecture(cfg.model.path)
+    if arch is None:
+        raise ValueError(f"model.path={cfg.model.path}: no config.json there and not a checkpoint plan knows by name "
+                         f"({', '.join(KNOWN_CONFIGS)}); point model.path at a directory holding the model's "
+                         "config.json (the weights are not read)")
+    return arch
+
+
+def shard_bytes(tree: Any) -> int:
+    """Bytes one device holds of the abstract arrays in `tree` (the largest shard, for uneven splits)."""
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        shape = leaf.sharding.shard_shape(leaf.shape) if getattr(leaf, "sharding", None) is not None else leaf.shape
+        total += math.prod(shape) * jnp.dtype(leaf.dtype).itemsize
+    return total
+
+
+def analysed(compiled) -> dict[str, int]:
+    """XLA's memory analysis of one compiled program, per device; `peak` = arguments + outputs - aliased + temp."""
+    m = compiled.memory_analysis()
+    out = {"arguments": int(m.argument_size_in_bytes), "outputs": int(m.output_size_in_bytes),
+           "aliased": int(m.alias_size_in_bytes), "temporaries": int(m.temp_size_in_bytes),
+           "code": int(m.generated_code_size_in_bytes)}
+    out["peak"] = out["arguments"] + out["outputs"] - out["aliased"] + out["temporaries"]
+    return out
+
+
+def abstract_model(arch: Architecture, dtype: Any, mesh) -> PolicyModel:
+    model = build_from_architecture(arch, None, dtype)
+    shardings = param_shardings(model.params, mesh)
+    params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), model.params, shardings)
+    return dataclasses.replace(model, params=params)
+
+
+def model_dtype(cfg: RunConfig):
+    return jnp.bfloat16 if cfg.model.dtype == "bfloat16" else jnp.float32
+
+
+def trainer_programs(cfg: RunConfig, arch: Architecture) -> dict:
+    """Compile the update step (and the logprob pass the old/reference logprobs need) on the trainer mesh."""
+    t, gen, algo = cfg.trainer, cfg.generation, cfg.algo
+    mesh = make_mesh(t.mesh.fsdp, t.mesh.tp, jax.devices(), "trainer.mesh")
+    model = abstract_model(arch, model_dtype(cfg), mesh)
+    donate = not transport_spec(cfg.weights.transport).in_process  # as the trainer decides it
+    updater = PolicyUpdater(model.with_remat(t.remat), model.params, algo, t.learning_rate, t.max_grad_norm,
+                            gen.temperature, 0, mesh, t.optimizer, t.steps, t.micro_batch_size, donate=donate)
+    rows = t.groups_per_step * gen.num_generations
+    minibatch = rows // algo.minibatches
+    length = gen.max_prompt_tokens + gen.max_new_tokens
+
+    def arrays(n: int, shape: tuple, dtype) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct((n, *shape), dtype, sharding=rows_sharding(mesh, minibatch))
+
+    batch = TrainBatch(tokens=arrays(minibatch, (length,), jnp.int32), valid=arrays(minibatch, (length,), jnp.bool_),
+                       loss_mask=arrays(minibatch, (length - 1,), jnp.float32),
+                       behaviour_logprobs=arrays(minibatch, (length - 1,), jnp.float32),
+                       advantages=arrays(minibatch, (), jnp.float32), fresh=arrays(minibatch, (), jnp.float32))
+    needs_old = algo.num_iterations > 1 or algo.minibatches > 1
+    old = arrays(minibatch, (length - 1,), jnp.float32) if needs_old else None
+    ref = arrays(minibatch, (length - 1,), jnp.float32) if algo.beta > 0 else None
+    started = time.time()
+    progress(f"trainer: compiling the update step ({model.num_params() / 1e9:.3g}B parameters, mesh fsdp "
+             f"{t.mesh.fsdp} x tp {t.mesh.tp}, {minibatch} sequences of {length} tokens)")
+    step = analysed(updater._step.lower(updater.params, updater.opt_state, batch, old, ref).compile())
+    progress(f"trainer: update step compiled in {time.time() - started:.0f} s")
+    params, opt_state = shard_bytes(updater.params), shard_bytes(updater.opt_state)
+    reference = params if algo.beta > 0 else 0
+    programs = {"update_step": step}
+    if needs_old or algo.beta > 0:  # the old / reference logprobs of the step's batch, before the updates
+        chunk = rows if t.micro_batch_size is None or rows % t.micro_batch_size else t.micro_batch_size
+        full = rows_sharding(mesh, minibatch)  # as update() places the batch; a slice of it keeps that layout
+        tokens = jax.ShapeDtypeStruct((chunk, length), jnp.int32, sharding=full)
+        valid = jax.ShapeDtypeStruct((chunk, length), jnp.bool_, sharding=full)
+        programs["logprobs"] = analysed(updater._logprobs.lower(updater.params, tokens, valid).compile())
+    gradients = params  # gradients have the parameters' shapes, dtypes and shardings; XLA counts them in temp
+    step_extra = step["arguments"] - params - opt_state + step["temporaries"] + step["outputs"] - step["aliased"]
+    logprob_extra = (programs["logprobs"]["peak"] - params) if "logprobs" in programs else 0
+    per_device = {"parameters": params, "optimizer_state": opt_state, "reference_parameters": reference,
+                  "batch": step["arguments"] - params - opt_state,
+                  "gradients": min(gradients, step["temporaries"]),
+                  "activations_and_temporaries": max(0, step["temporaries"] - gradients),
+                  "updated_state": step["outputs"] - step["aliased"]}
+    per_device["total"] = params + opt_state + reference + max(step_extra, logprob_extra)
+    return {"devices": t.mesh.fsdp * t.mesh.tp, "mesh": {"fsdp": t.mesh.fsdp, "tp": t.mesh.tp},
+            "parameters": model.num_params(), "per_device_bytes": per_device, "programs": programs,
+            "peak_program": "update_step" if step_extra >= logprob_extra else "logprobs"}
+
+
+def sampler_programs(cfg: RunConfig, arch: Architecture) -> dict:
+    """Compile the JAX engine's weight re-layout, prompt prefill and decode chunk for the largest request set a
+    sampler makes (sampler.prompts_per_batch prompts x generation.num_generations rows) on one sampler's mesh."""
+    gen, s = cfg.generation, cfg.sampler
+    mesh = make_mesh(1, s.mesh.tp, jax.devices(), "sampler.mesh.tp")
+    model = abstract_model(arch, model_dtype(cfg), mesh)
+    engine = continuous.ContinuousEngine(model, 0, 1, gen.max_prompt_tokens, gen.max_new_tokens, gen.temperature,
+                                         slots=gen.decode_slots, chunk_steps=gen.decode_chunk_steps)
+    slots = min(engine.slots, continuous._pow2_at_least(s.prompts_per_batch * gen.num_generations))
+    window = engine.cache_len
+    replicated = NamedSharding(mesh, PartitionSpec())
+    progress(f"sampler: compiling re-layout, prefill and decode ({slots} slots, {window}-token cache, tp "
+             f"{s.mesh.tp})")
+    started = time.time()
+    relayout_compiled = engine._relayout.lower(model.params).compile()
+    weights = jax.tree.map(lambda o, sh: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=sh),
+                           jax.eval_shape(engine._relayout, model.params), relayout_compiled.output_shardings)
+    # the engine's slot state starts uncommitted (made by a program without inputs), so the decode program takes
+    # it replicated over the mesh
+    state = jax.tree.map(lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=replicated),
+                         jax.eval_shape(lambda: engine._empty_state(slots, window)))
+    scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
+    decode = analysed(engine._decode.lower(weights, state, scalar, greedy=False, window=window).compile())
+    prompts = continuous._pow2_at_least(s.prompts_per_batch)
+    width = min(engine.cache_len, continuous._pow2_at_least(gen.max_prompt_tokens, 16))
+    prefill = analysed(engine._prefill.lower(
+        weights, jax.ShapeDtypeStruct((prompts, width), jnp.int32, sharding=replicated),
+        jax.ShapeDtypeStruct((prompts,), jnp.int32, sharding=replicated)).compile())
+    relayout = analysed(relayout_compiled)
+    progress(f"sampler: compiled in {time.time() - started:.0f} s")
+    params, relaid, kv = shard_bytes(model.params), shard_bytes(weights), shard_bytes(state)
+    fetch = params if cfg.weights.background_fetch else 0  # the next version arrives beside the installed one
+    extra = {"decode_chunk": decode["outputs"] - decode["aliased"] + decode["temporaries"],
+             "prefill": prefill["peak"] - relaid,
+             "relayout": relayout["outputs"] + relayout["temporaries"] - relaid}  # the old copy is freed first
+    per_device = {"parameters": params, "fetch_buffer": fetch, "decode_weights": relaid, "kv_cache": kv,
+                  "temporaries": max(extra.values())}
+    per_device["total"] = params + fetch + relaid + kv + per_device["temporaries"]
+    return {"devices": s.mesh.tp, "mesh": {"tp": s.mesh.tp}, "slots": slots, "cache_tokens": window,
+            "per_device_bytes": per_device, "programs": {"relayout": relayout, "prefill": prefill,
+                                                         "decode_chunk": decode},
+            "peak_program": max(extra, key=extra.get)}
+
+
+def main() -> int:
+    cfg = RunConfig.model_validate(json.loads(sys.stdin.read()))
+    arch = architecture(cfg)
+    out: dict[str, Any] = {"architecture": dataclasses.asdict(arch), "backend": jax.default_backend(),
+                           "jax": jax.__version__, "trainer": trainer_programs(cfg, arch)}
+    if engine_spec(cfg.sampler.engine).jax_mesh:  # the JAX engine; vLLM sizes its own memory
+        out["sampler"] = sampler_programs(cfg, arch)
+    json.dump(out, sys.stdout)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""`grpo-stream plan` as a user runs it: a child process compiles the run's programs for fake CPU devices and the
+report says, per device and category, whether the trainer and the sampler fit the config's hardware."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from grpo_stream.common.config.loading import load_config
+from grpo_stream.plan_command import child_env, verdict
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+# a tiny-model config large enough that the step's buffers dwarf the interpreter's own allocations
+MEASURED = ["model.tiny.vocab_size=4096", "model.tiny.embed_dim=256", "model.tiny.num_layers=4",
+            "model.tiny.hidden_dim=1024", "generation.max_prompt_tokens=64", "generation.max_new_tokens=64",
+            "trainer.groups_per_step=8"]
+
+
+def plan(tmp_path: pathlib.Path, config: str, *overrides: str) -> tuple[int, str, dict | None]:
+    out = tmp_path / "plan.json"
+    proc = subprocess.run([sys.executable, "-m", "grpo_stream.cli", "plan", "--config", config, "--json", str(out),
+                           *overrides], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    return proc.returncode, proc.stdout + proc.stderr, json.loads(out.read_text()) if out.exists() else None
+
+
+def test_tiny_run_on_two_devices_fits_and_reports_every_category(tmp_path):
+    code, output, doc = plan(tmp_path, "configs/tiny_arith.yaml", "trainer.mesh.fsdp=2", "sampler.mesh.tp=2",
+                             "hardware.trainer_memory_gib=2", "hardware.sampler_memory_gib=1")
+    assert code == 0, output
+    assert doc["fits"] is True and "does not fit" not in output
+    trainer, sampler = doc["trainer"], doc["sampler"]
+    assert trainer["devices"] == 2 and sampler["devices"] == 2
+    assert trainer["device_memory_bytes"] == 2 << 30 and sampler["device_memory_bytes"] == 1 << 30
+    params = trainer["per_device_bytes"]["parameters"]
+    # fsdp=2 holds half of the float32 parameters per device (within the dimensions fsdp does not divide)
+    assert 0.45 * 434_944 * 4 <= params <= 0.6 * 434_944 * 4
+    assert trainer["per_device_bytes"]["optimizer_state"] >= 2 * params  # Adam's two moments
+    for role in (trainer, sampler):
+        sizes = role["per_device_bytes"]
+        assert sizes["total"] >= sum(v for k, v in sizes.items() if k not in ("total", "gradients", "batch",
+                                                                                "updated_state",
+                                                                                "activations_and_temporaries"))
+    assert sampler["per_device_bytes"]["kv_cache"] > 0 and sampler["programs"]["decode_chunk"]["peak"] > 0
+
+    # the same programs against a device too small: no fit, fixes named by their fields
+    cfg = load_config(ROOT / "configs/tiny_arith.yaml", ["hardware.trainer_memory_gib=0.01"])
+    small = verdict(cfg, "trainer", dict(trainer))
+    assert small["fits"] is False
+    assert any(f.startswith("trainer.remat=full") for f in small["fixes"])
+    assert any(f.startswith("trainer.mesh.fsdp=") for f in small["fixes"])
+
+
+def test_too_small_a_device_exits_1_and_names_fixes(tmp_path):
+    code, output, doc = plan(tmp_path, "configs/tiny_arith.yaml", "hardware.trainer_memory_gib=0.05",
+                             "hardware.sampler_memory_gib=1")
+    assert code == 1, output
+    assert doc["fits"] is False and doc["trainer"]["fits"] is False and doc["sampler"]["fits"] is True
+    assert "DOES NOT FIT" in output and "fix: trainer.remat=full" in output
+
+
+def test_no_hardware_is_a_config_error_naming_the_field(tmp_path):
+    code, output, doc = plan(tmp_path, "configs/tiny_arith.yaml")
+    assert code == 2 and doc is None
+    assert "hardware.trainer_chip" in output
+
+
+def test_plan_total_agrees_with_a_measured_step(tmp_path):
+    """The trainer total against one real update step on CPU: its input arrays' bytes plus the resident-memory
+    growth while it runs (outputs and temporaries), within 25%."""
+    code, output, doc = plan(tmp_path, "configs/tiny_arith.yaml", *MEASURED, "hardware.trainer_memory_gib=64",
+                             "hardware.sampler_memory_gib=64")
+    assert code == 0, output
+    cfg = load_config(ROOT / "configs/tiny_arith.yaml", MEASURED)
+    proc = subprocess.run([sys.executable, str(ROOT / "tests/e2e/plan_step_measure.py")],
+                          input=cfg.model_dump_json(), capture_output=True, text=True, timeout=600,
+                          env=child_env(1), cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    measured = json.loads(proc.stdout)
+    held = measured["inputs_bytes"] + measured["step_growth_bytes"]
+    planned = doc["trainer"]["per_device_bytes"]["total"]
+    assert planned > 500 << 20  # large enough to measure
+    assert abs(held - planned) <= 0.25 * planned, (held, planned, measured)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["qwen2.5_1.5b_gsm8k_gpu.yaml", "llama3.1_8b_gsm8k_tpu_host.yaml"])
+def test_shipped_presets_fit_their_declared_hardware(tmp_path, preset):
+    code, output, doc = plan(tmp_path, f"configs/{preset}")
+    assert code == 0, output
+    assert doc["fits"] and doc["trainer"]["fits"] and doc["sampler"]["fits"]
+    assert doc["trainer"]["parameters"] > 1e9
+
+
+def test_an_unknown_checkpoint_without_config_json_names_model_path(tmp_path):
+    code, output, doc = plan(tmp_path, "configs/qwen2.5_1.5b_gsm8k_gpu.yaml", f"model.path={tmp_path}/my-model")
+    assert code == 2 and doc is None
+    assert "model.path" in output and "config.json" in output

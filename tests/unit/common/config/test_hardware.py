@@ -1,0 +1,43 @@
+"""hardware: what a run is sized for, as `grpo-stream plan` reads it."""
+
+import pytest
+
+from grpo_stream.common.config.base import ConfigError
+from grpo_stream.common.config.hardware import CHIP_MEMORY_BYTES, GIB
+from grpo_stream.common.config.loading import load_config
+
+
+def test_chips_give_their_memory_and_the_sampler_defaults_to_the_trainer_chip():
+    hw = load_config(None, ["hardware.trainer_chip=tpu-v5p"]).hardware
+    assert hw.device_memory_bytes("trainer") == hw.device_memory_bytes("sampler") == 95 * GIB
+    hw = load_config(None, ["hardware.trainer_chip=tpu-v6e", "hardware.sampler_chip=h200"]).hardware
+    assert hw.device_memory_bytes("trainer") == 32 * GIB and hw.device_memory_bytes("sampler") == 141 * 10**9
+
+
+def test_a_memory_override_wins_and_nothing_stated_is_none():
+    hw = load_config(None, ["hardware.trainer_chip=h100-80gb", "hardware.trainer_memory_gib=60"]).hardware
+    assert hw.device_memory_bytes("trainer") == 60 * GIB and hw.device_memory_bytes("sampler") == 80 * GIB
+    assert load_config(None, []).hardware.device_memory_bytes("trainer") is None
+
+
+@pytest.mark.parametrize("override, field", [("hardware.trainer_chip=tpu-v9", "hardware.trainer_chip"),
+                                             ("hardware.margin=1.0", "hardware.margin"),
+                                             ("hardware.sampler_memory_gib=0", "hardware.sampler_memory_gib")])
+def test_bad_values_name_the_field(override, field):
+    with pytest.raises(ConfigError, match=field):
+        load_config(None, [override])
+
+
+def test_every_chip_of_the_table_is_accepted():
+    for chip in CHIP_MEMORY_BYTES:
+        assert load_config(None, [f"hardware.trainer_chip={chip}"]).hardware.device_memory_bytes("trainer") > 0
+
+
+def test_up_turns_off_gpu_preallocation_only_for_shared_devices():
+    from grpo_stream.up import with_shared_devices
+
+    shared = load_config(None, ["hardware.shared_devices=true"])
+    assert with_shared_devices(shared, {})["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
+    assert with_shared_devices(shared, {"XLA_PYTHON_CLIENT_PREALLOCATE": "true"}) == {
+        "XLA_PYTHON_CLIENT_PREALLOCATE": "true"}  # the user's choice stands
+    assert "XLA_PYTHON_CLIENT_PREALLOCATE" not in with_shared_devices(load_config(None, []), {})
