@@ -28,7 +28,6 @@ import math
 from typing import Any
 
 import jax.numpy as jnp
-import numpy as np
 
 FAMILIES = {"llama": "llama3", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",  # HF model_type -> ours
             "gemma3_text": "gemma3"}

@@ -4,7 +4,6 @@ report says, per device and category, whether the trainer and the sampler fit th
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
