@@ -95,3 +95,60 @@ def test_old_and_reference_logprobs_in_micro_batches_equal_one_pass(tiny_parts):
     parts = PolicyUpdater(model, model.params, AlgoSection(beta=0.1), 1e-3, 1.0, 1.0, tok.pad_id, micro_batch_size=3)
     np.testing.assert_allclose(np.asarray(parts.logprobs(model.params, tokens, valid)),
                                np.asarray(whole.logprobs(model.params, tokens, valid)), rtol=1e-6, atol=1e-6)
+
+
+MESH_SCRIPT = """
+import jax, jax.numpy as jnp, numpy as np, optax
+from grpo_stream.common.config.learning import AlgoSection
+from grpo_stream.common.config.loading import load_config
+from grpo_stream.common.model.policy import build_model
+from grpo_stream.common.model.sharding import make_mesh, place, rows_sharding
+from grpo_stream.trainer_service.batching import TrainBatch
+from grpo_stream.trainer_service.rl_update import PolicyUpdater
+
+cfg = load_config('configs/tiny_arith.yaml', [])
+model = build_model(cfg.model, cfg.model.tiny.vocab_size, seed=0)
+mesh = make_mesh(2, 2, jax.devices(), 'trainer.mesh')
+rng = np.random.default_rng(0)
+rows, length = 8, 24
+batch = TrainBatch(tokens=jnp.asarray(rng.integers(1, 150, (rows, length)), jnp.int32),
+                   valid=jnp.ones((rows, length), bool), loss_mask=jnp.ones((rows, length - 1)),
+                   behaviour_logprobs=jnp.full((rows, length - 1), -4.0), advantages=jnp.asarray(rng.normal(size=rows)),
+                   fresh=jnp.zeros(rows))
+batch = jax.device_put(batch, rows_sharding(mesh, rows))
+grads = {}
+for micro in (None, 2):
+    params = place(model.params, mesh)
+    shardings = [x.sharding for x in jax.tree.leaves(params)]
+    updater = PolicyUpdater(model, params, AlgoSection(beta=0.1, minibatches=2), 1e-2, 1.0, 1.0, 0, mesh,
+                            micro_batch_size=micro, donate=True)
+    ref = updater.logprobs(updater.ref_params, batch.tokens, batch.valid)
+    g, _ = jax.jit(updater.gradients)(updater.params, batch, None, ref)
+    for x, s in zip(jax.tree.leaves(g), shardings):  # gradients are laid out as the parameters
+        assert x.sharding.is_equivalent_to(s, x.ndim), (x.shape, x.sharding, s)
+    grads[micro] = jax.tree.map(np.asarray, g)
+    updater.update(batch)  # two minibatches, micro-batched, donating: the update keeps the layout
+    updater.update(batch)
+    for x, s in zip(jax.tree.leaves(updater.params), shardings):
+        assert x.sharding.is_equivalent_to(s, x.ndim), (x.shape, x.sharding, s)
+diff = optax.global_norm(jax.tree.map(lambda a, b: a - b, grads[None], grads[2]))
+assert float(diff) <= 1e-5 * float(optax.global_norm(grads[None])), float(diff)
+print('ok')
+"""
+
+
+def test_micro_batches_on_a_four_device_mesh_give_the_update_of_one_pass(tmp_path):
+    """fsdp=2 x tp=2 on fake CPU devices: gradients summed over micro-batches of 2 rows (one per fsdp device) equal
+    one pass's to 1e-5 of their norm and are laid out as the parameters; updates (a KL reference, two minibatches,
+    donation) keep the parameters' layout."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4 "
+           "--xla_cpu_collective_call_terminate_timeout_seconds=240"}
+    root = pathlib.Path(__file__).resolve().parents[3]
+    proc = subprocess.run([sys.executable, "-c", MESH_SCRIPT], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
