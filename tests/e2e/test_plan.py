@@ -13,6 +13,7 @@ import pytest
 from grpo_stream.common.config.loading import load_config
 from grpo_stream.plan_command import child_env, verdict
 
+pytestmark = pytest.mark.e2e  # `grpo-stream plan` as a process, with its child
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 # a tiny-model config large enough that the step's buffers dwarf the interpreter's own allocations
 MEASURED = ["model.tiny.vocab_size=4096", "model.tiny.embed_dim=256", "model.tiny.num_layers=4",
@@ -95,6 +96,7 @@ def test_shipped_presets_fit_their_declared_hardware(tmp_path, preset):
     assert doc["trainer"]["parameters"] > 1e9
 
 
+@pytest.mark.slow
 @pytest.mark.heavy
 def test_the_70b_preset_is_planned_and_its_verdict_names_fixes(tmp_path):
     """The 70B preset's plan runs to the end (its update step compiles for 17 minutes on 2 cores: 80 layers on 32
