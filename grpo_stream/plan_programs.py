@@ -82,8 +82,9 @@ def abstract_model(arch: Architecture, dtype: Any, mesh) -> PolicyModel:
     return dataclasses.replace(model, params=params)
 
 
-def model_dtype(cfg: RunConfig):
-    return jnp.bfloat16 if cfg.model.dtype == "bfloat16" else jnp.float32
+def model_dtype(cfg: RunConfig, role: str = "trainer"):
+    dtype = cfg.model.dtype if role == "trainer" else cfg.sampler_dtype()
+    return jnp.bfloat16 if dtype == "bfloat16" else jnp.float32
 
 
 def trainer_programs(cfg: RunConfig, arch: Architecture) -> dict:
@@ -141,7 +142,7 @@ def sampler_programs(cfg: RunConfig, arch: Architecture) -> dict:
     sampler makes (sampler.prompts_per_batch prompts x generation.num_generations rows) on one sampler's mesh."""
     gen, s = cfg.generation, cfg.sampler
     mesh = make_mesh(1, s.mesh.tp, jax.devices(), "sampler.mesh.tp")
-    model = abstract_model(arch, model_dtype(cfg), mesh)
+    model = abstract_model(arch, model_dtype(cfg, "sampler"), mesh)
     engine = continuous.ContinuousEngine(model, 0, 1, gen.max_prompt_tokens, gen.max_new_tokens, gen.temperature,
                                          slots=gen.decode_slots, chunk_steps=gen.decode_chunk_steps)
     slots = min(engine.slots, continuous._pow2_at_least(s.prompts_per_batch * gen.num_generations))

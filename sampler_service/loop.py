@@ -109,7 +109,7 @@ class Sampler:
         run_started = time.monotonic()
         cfg, gen = self.cfg, self.cfg.generation
         task, tokenizer = build_task_and_tokenizer(cfg)
-        model = build_policy(cfg, tokenizer.vocab_size, seed=None)
+        model = build_policy(cfg, tokenizer.vocab_size, seed=None, dtype=cfg.sampler_dtype())
         engine = build_engine(cfg, model, tokenizer, self.index)
         rewards = RewardSet(cfg.task.rewards)
         prom = ServiceMetrics(self.sampler_id)

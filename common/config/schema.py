@@ -142,6 +142,11 @@ class SamplerSection(Strict):
                                                "groups with one weight version, wait for a newer one. Null: "
                                                "never wait (asynchronous). Synchronous GRPO: trainer.max_staleness"
                                                "=0 and this = trainer.groups_per_step / sampler.replicas.")
+    dtype: Literal["model", "float32", "bfloat16"] = Field("model", description="The samplers' parameter and compute "
+                                                           "dtype, independent of the trainer's: 'model' = model.dtype; "
+                                                           "each published version is cast on arrival. Behaviour "
+                                                           "logprobs then differ from the trainer's by the precision "
+                                                           "gap, which algo.tis_cap corrects like staleness.")
     weight_updates: Literal["between_batches", "in_flight"] = Field(
         "between_batches", description="When a newly fetched weight version takes effect: between generation "
         "batches, or 'in_flight': at the next decode-chunk boundary for every live sequence (engine=jax), keeping "
@@ -349,6 +354,10 @@ class RunConfig(Strict):
                              f"trainer.groups_per_step x trainer.publish_every = {need}: the samplers would wait "
                              "for weights the trainer cannot make; raise max_groups_per_version")
         return self
+
+    def sampler_dtype(self) -> str:
+        """The samplers' parameter dtype: sampler.dtype, or model.dtype when that says 'model'."""
+        return self.model.dtype if self.sampler.dtype == "model" else self.sampler.dtype
 
     def trainer_address(self) -> str:
         return self.sampler.trainer_address or f"127.0.0.1:{self.trainer.port}"

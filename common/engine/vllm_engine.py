@@ -211,6 +211,6 @@ def build(cfg, model, tokenizer, index: int = 0) -> VllmEngine:
         model_dir = resolve_model_dir(cfg.model.path)
     else:  # the tiny model has no directory: vLLM builds it from the config.json it would be exported with
         model_dir = pathlib.Path(tempfile.mkdtemp(prefix="grpo-vllm-model-"))
-        write_hf_config(model_dir, model.arch, cfg.model.dtype, tokenizer.eos_ids, tokenizer.pad_id)
+        write_hf_config(model_dir, model.arch, cfg.sampler_dtype(), tokenizer.eos_ids, tokenizer.pad_id)
     return VllmEngine(model_dir, model, tokenizer.pad_id, tokenizer.eos_ids, gen.max_prompt_tokens, gen.max_new_tokens,
-                      gen.temperature, cfg.sampler.vllm, dtype=cfg.model.dtype, seed=cfg.run.seed * 1000 + index)
+                      gen.temperature, cfg.sampler.vllm, dtype=cfg.sampler_dtype(), seed=cfg.run.seed * 1000 + index)

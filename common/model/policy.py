@@ -133,12 +133,13 @@ def tunix_config(section: ModelSection, vocab_size: int):
     return architectures.tunix_config(tiny_architecture(section, vocab_size))
 
 
-def build_model(section: ModelSection, vocab_size: int, seed: int | None) -> PolicyModel:
-    """Random-init model from `seed`, or an abstract one (shapes only) when seed is None.
+def build_model(section: ModelSection, vocab_size: int, seed: int | None, dtype: str | None = None) -> PolicyModel:
+    """Random-init model from `seed`, or an abstract one (shapes only) when seed is None, in `dtype` (default
+    model.dtype).
 
     Samplers build the abstract model and receive every weight from the trainer.
     """
-    dtype = jnp.bfloat16 if section.dtype == "bfloat16" else jnp.float32
+    dtype = jnp.bfloat16 if (dtype or section.dtype) == "bfloat16" else jnp.float32
     return build_from_architecture(tiny_architecture(section, vocab_size), seed, dtype)
 
 

@@ -185,22 +185,24 @@ def build_task_and_tokenizer(cfg: RunConfig):
     return build_task_for(cfg, hf_tokenizer)
 
 
-def build_policy(cfg: RunConfig, vocab_size: int, seed: int | None):
+def build_policy(cfg: RunConfig, vocab_size: int, seed: int | None, dtype: str | None = None):
     """The policy model: tiny (random init from `seed`) or the checkpoint at model.path; abstract when seed is None
-    (samplers receive every weight from the trainer)."""
+    (samplers receive every weight from the trainer), in `dtype` when given (the samplers': cfg.sampler_dtype())
+    instead of model.dtype."""
     from grpo_stream.common.model import policy as model_lib  # noqa: PLC0415
 
+    dtype = dtype or cfg.model.dtype
     if cfg.model.kind == "tiny":
-        return model_lib.build_model(cfg.model, vocab_size, seed)
+        return model_lib.build_model(cfg.model, vocab_size, seed, dtype)
     import jax.numpy as jnp  # noqa: PLC0415
 
     from grpo_stream.common.model.hf_checkpoint import read_architecture, resolve_model_dir  # noqa: PLC0415
 
     directory = resolve_model_dir(cfg.model.path)
     if seed is None:
-        dtype = jnp.float32 if cfg.model.dtype == "float32" else jnp.bfloat16
-        return model_lib.build_from_architecture(read_architecture(directory), None, dtype)
-    return model_lib.load_hf_model(str(directory), cfg.model.dtype)
+        return model_lib.build_from_architecture(read_architecture(directory), None,
+                                                 jnp.float32 if dtype == "float32" else jnp.bfloat16)
+    return model_lib.load_hf_model(str(directory), dtype)
 
 
 def stop_on_signals(stop_event, what: str) -> None:

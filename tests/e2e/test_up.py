@@ -416,3 +416,18 @@ def test_in_flight_weight_updates_run_end_to_end(tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     check_run(summary, replicas=2, steps=8)
     assert 0 <= summary["groups_trained_mixed_versions"] <= summary["groups_trained"]
+
+
+def test_samplers_generate_in_their_own_dtype(tmp_path):
+    """sampler.dtype=bfloat16 beside a float32 trainer: every published version is cast on arrival, the run's
+    accounting holds, and the behaviour logprobs differ from the trainer's float32 recomputation at version lag 0 by
+    bfloat16's precision (which a float32 sampler matches to 1e-5: tests/e2e/test_demo.py)."""
+    run_dir = tmp_path / "run"
+    proc = run_cli("up", "--config", "configs/tiny_arith_smoke.yaml", "--run-dir", str(run_dir),
+                   "sampler.dtype=bfloat16", "trainer.eval_before=false")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    check_run(summary, replicas=2, steps=8)
+    agreement = summary["logprob_agreement_lag0"]
+    assert agreement["tokens"] > 0
+    assert 1e-4 < agreement["mean_abs"] < 0.5, agreement
