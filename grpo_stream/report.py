@@ -31,6 +31,8 @@ CONSTANT_BECAUSE = {
     "train/staleness_max": "every group was within trainer.max_staleness and it was reached every step",
     "train/truncated_fraction": "no completion reached generation.max_new_tokens, or every one did",
     "train/is_weight_min": "the importance weights were never below their floor",
+    "train/groups_dropped_stale": "the count of groups dropped as too stale did not change during RL (with "
+                                  "sampler.admission, samplers start only groups the trainer can use in time)",
 }
 
 
