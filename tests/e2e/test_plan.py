@@ -53,6 +53,12 @@ def test_tiny_run_on_two_devices_fits_and_reports_every_category(tmp_path):
     assert small["fits"] is False
     assert any(f.startswith("trainer.remat=full") for f in small["fixes"])
     assert any(f.startswith("trainer.mesh.fsdp=") for f in small["fixes"])
+    cfg = load_config(ROOT / "configs/tiny_arith.yaml", ["hardware.trainer_chip=h100-80gb",
+                                                          "hardware.sampler_memory_gib=0.001"])
+    small = verdict(cfg, "sampler", dict(sampler))
+    assert small["fits"] is False and small["device_memory_bytes"] == 2 ** 30 // 1000
+    assert any(f.startswith("sampler.dtype=bfloat16") for f in small["fixes"])
+    assert any(f.startswith("weights.background_fetch=false") for f in small["fixes"])
 
 
 def test_too_small_a_device_exits_1_and_names_fixes(tmp_path):
