@@ -20,7 +20,7 @@ import re
 import subprocess
 import sys
 
-from grpo_stream.common.config.hardware import GIB
+from grpo_stream.common.config.hardware import CHIP_MEMORY_BYTES, GIB
 from grpo_stream.common.config.schema import RunConfig
 
 ESTIMATE_NOTE = ("CPU-compiled estimate: XLA's memory analysis of the real programs, partitioned for the target "
@@ -99,9 +99,8 @@ def verdict(cfg: RunConfig, role: str, report: dict) -> dict:
     """`report` (one role's part of the child's output) with its memory, usable share, fit and fixes added."""
     hw = cfg.hardware
     memory = hw.device_memory_bytes(role)
-    chip = hw.trainer_chip if role == "trainer" else (hw.sampler_chip or hw.trainer_chip)
     total = report["per_device_bytes"]["total"]
-    report["chip"] = chip
+    report["chip"] = hw.chip(role)
     report["device_memory_bytes"] = memory
     report["usable_bytes"] = int(memory * (1 - hw.margin))
     report["fits"] = total <= report["usable_bytes"]
@@ -144,8 +143,7 @@ def run_plan(cfg: RunConfig, json_path: pathlib.Path | None) -> int:
     for role in ("trainer", "sampler"):
         if cfg.hardware.device_memory_bytes(role) is None:
             raise ValueError(f"hardware.{role}_chip: plan needs the accelerator the run is sized for (one of "
-                             "tpu-v4, tpu-v5e, tpu-v5p, tpu-v6e, a100-40gb, a100-80gb, h100-80gb, h200), or "
-                             f"hardware.{role}_memory_gib")
+                             f"{', '.join(CHIP_MEMORY_BYTES)}), or hardware.{role}_memory_gib")
     from grpo_stream.plan_programs import architecture  # noqa: PLC0415  (JAX only once the config is sound)
 
     architecture(cfg)  # a model plan cannot size fails here, with model.path named, before any compiling

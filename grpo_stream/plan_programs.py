@@ -30,7 +30,7 @@ from grpo_stream.common.model.policy import PolicyModel, build_from_architecture
 from grpo_stream.common.model.sharding import make_mesh, param_shardings, rows_sharding
 from grpo_stream.common.weights.registry import transport_spec
 from grpo_stream.trainer_service.batching import TrainBatch
-from grpo_stream.trainer_service.rl_update import PolicyUpdater
+from grpo_stream.trainer_service.rl_update import PolicyUpdater, donates_updates
 
 
 def progress(message: str) -> None:
@@ -92,7 +92,7 @@ def trainer_programs(cfg: RunConfig, arch: Architecture) -> dict:
     t, gen, algo = cfg.trainer, cfg.generation, cfg.algo
     mesh = make_mesh(t.mesh.fsdp, t.mesh.tp, jax.devices(), "trainer.mesh")
     model = abstract_model(arch, model_dtype(cfg), mesh)
-    donate = not transport_spec(cfg.weights.transport).in_process  # as the trainer decides it
+    donate = donates_updates(transport_spec(cfg.weights.transport).in_process)
     updater = PolicyUpdater(model.with_remat(t.remat), model.params, algo, t.learning_rate, t.max_grad_norm,
                             gen.temperature, 0, mesh, t.optimizer, t.steps, t.micro_batch_size, donate=donate)
     rows = t.groups_per_step * gen.num_generations
@@ -123,14 +123,14 @@ def trainer_programs(cfg: RunConfig, arch: Architecture) -> dict:
         tokens = jax.ShapeDtypeStruct((chunk, length), jnp.int32, sharding=full)
         valid = jax.ShapeDtypeStruct((chunk, length), jnp.bool_, sharding=full)
         programs["logprobs"] = analysed(updater._logprobs.lower(updater.params, tokens, valid).compile())
-    gradients = params  # gradients have the parameters' shapes, dtypes and shardings; XLA counts them in temp
-    step_extra = step["arguments"] - params - opt_state + step["temporaries"] + step["outputs"] - step["aliased"]
-    logprob_extra = (programs["logprobs"]["peak"] - params) if "logprobs" in programs else 0
+    gradients = min(params, step["temporaries"])  # the parameters' shapes and dtypes; XLA counts them in temp
     per_device = {"parameters": params, "optimizer_state": opt_state, "reference_parameters": reference,
-                  "batch": step["arguments"] - params - opt_state,
-                  "gradients": min(gradients, step["temporaries"]),
-                  "activations_and_temporaries": max(0, step["temporaries"] - gradients),
+                  "batch": step["arguments"] - params - opt_state, "gradients": gradients,
+                  "activations_and_temporaries": step["temporaries"] - gradients,
                   "updated_state": step["outputs"] - step["aliased"]}
+    # beyond what stays resident: the step's batch, temporaries and not-in-place outputs, or the logprob pass's
+    step_extra = per_device["batch"] + step["temporaries"] + per_device["updated_state"]
+    logprob_extra = (programs["logprobs"]["peak"] - params) if "logprobs" in programs else 0
     per_device["total"] = params + opt_state + reference + max(step_extra, logprob_extra)
     return {"devices": t.mesh.fsdp * t.mesh.tp, "mesh": {"fsdp": t.mesh.fsdp, "tp": t.mesh.tp},
             "parameters": model.num_params(), "per_device_bytes": per_device, "programs": programs,

@@ -45,7 +45,7 @@ from grpo_stream.trainer_service.metrics import MetricsWriter
 from grpo_stream.trainer_service.prompt_queue import PromptQueue
 from grpo_stream.trainer_service.prompt_service import StatusWriter
 from grpo_stream.trainer_service.publisher import WeightPublisher
-from grpo_stream.trainer_service.rl_update import PolicyUpdater
+from grpo_stream.trainer_service.rl_update import PolicyUpdater, donates_updates
 from grpo_stream.trainer_service.run_outputs import evaluate_heldout, export_policy, write_summary
 from grpo_stream.trainer_service.server import TrainerServer
 from grpo_stream.trainer_service.step_report import StepReporter
@@ -59,7 +59,7 @@ class Trainer:
         """`devices`: the trainer mesh's devices (default: all); `hub`: in-process weight hub (transport local)."""
         self.cfg, self.run_dir = cfg, run_dir
         self.devices, self.hub = devices, hub
-        self.donate = not transport_spec(cfg.weights.transport).in_process  # see _updater
+        self.donate = donates_updates(transport_spec(cfg.weights.transport).in_process)
         self.stop_event = threading.Event()
         self.mixed_version_groups = 0  # trained groups whose completions mix weight versions (in-flight updates)
         self.started = time.time()
@@ -146,8 +146,6 @@ class Trainer:
     def _updater(self) -> PolicyUpdater:
         cfg = self.cfg
         t = cfg.trainer
-        # donation: each update step writes the new parameters and optimizer state over the old ones, unless
-        # in-process samplers (weights.transport=local) hold the published arrays themselves
         return PolicyUpdater(self.model.with_remat(t.remat), self.params, cfg.algo, t.learning_rate, t.max_grad_norm,
                              cfg.generation.temperature, self.tokenizer.pad_id, self.mesh, t.optimizer, t.steps,
                              t.micro_batch_size, donate=self.donate)

@@ -190,6 +190,12 @@ class PolicyUpdater:
         return out
 
 
+def donates_updates(transport_in_process: bool) -> bool:
+    """Whether the trainer's update step donates its parameters and optimizer state: yes, unless the weight
+    transport shares the published arrays with in-process samplers (weights.transport=local)."""
+    return not transport_in_process
+
+
 def is_abstract(tree: Any) -> bool:
     """True when `tree`'s leaves are jax.ShapeDtypeStructs (a model that was never allocated)."""
     return any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(tree))

@@ -27,14 +27,14 @@ CHIP_MEMORY_BYTES: dict[str, int] = {
     "h100-80gb": 80 * GIB,
     "h200": 141 * 10**9,
 }
-ChipName = Literal["tpu-v4", "tpu-v5e", "tpu-v5p", "tpu-v6e", "a100-40gb", "a100-80gb", "h100-80gb", "h200"]
+ChipName = Literal[tuple(CHIP_MEMORY_BYTES)]
 
 
 class HardwareSection(Strict):
     """What the run is sized for; `grpo-stream plan` checks the config's programs against it."""
 
     trainer_chip: ChipName | None = Field(None, description="Accelerator of each trainer device (trainer.mesh "
-                                          "fsdp x tp of them). Null: plan reports sizes without a fit verdict unless "
+                                          "fsdp x tp of them). Null: plan stops and asks for it, unless "
                                           "trainer_memory_gib is given.")
     sampler_chip: ChipName | None = Field(None, description="Accelerator of each sampler device (sampler.mesh.tp "
                                           "per sampler). Null: as trainer_chip.")
@@ -50,10 +50,14 @@ class HardwareSection(Strict):
                           "reservations, fragmentation, what a CPU-compiled estimate misses); plan reports a fit "
                           "only below (1 - margin) x memory.")
 
+    def chip(self, role: Literal["trainer", "sampler"]) -> str | None:
+        """The accelerator of `role`'s devices (the sampler's defaults to the trainer's)."""
+        return self.trainer_chip if role == "trainer" else (self.sampler_chip or self.trainer_chip)
+
     def device_memory_bytes(self, role: Literal["trainer", "sampler"]) -> int | None:
         """Memory per device of `role`'s devices, or None when the section names neither a chip nor a size."""
         gib = self.trainer_memory_gib if role == "trainer" else self.sampler_memory_gib
         if gib is not None:
             return int(gib * GIB)
-        chip = self.trainer_chip if role == "trainer" else (self.sampler_chip or self.trainer_chip)
+        chip = self.chip(role)
         return CHIP_MEMORY_BYTES[chip] if chip else None
