@@ -21,10 +21,16 @@ def main(model_dir: str, workload_path: str) -> dict:
     cases = work["cases"]
     model = load_hf_model(model_dir)
     started = time.perf_counter()
-    engine = VllmEngine(model_dir, model, pad_id=0, eos_ids=[],
-                        max_prompt_tokens=max(len(p) for c in cases.values() for p in c["prompts"]),
-                        max_new_tokens=max(b for c in cases.values() for b in c["budgets"]), temperature=1.0,
-                        settings=VllmSection(gpu_memory_utilization=0.3, max_num_seqs=work["max_num_seqs"]))
+    max_prompt = max(len(p) for c in cases.values() for p in c["prompts"])
+    max_new = max(b for c in cases.values() for b in c["budgets"])
+    # a KV cache that holds max_num_seqs whole sequences at once (what the JAX engine's slots hold), sized to the
+    # work instead of a share of the host's memory, so the benchmark does not commit gigabytes it never uses
+    arch = model.arch
+    token_bytes = arch.num_layers * 2 * arch.num_kv_heads * arch.head_dim * 4  # float32 keys and values
+    kv_bytes = work["max_num_seqs"] * (max_prompt + max_new) * token_bytes
+    engine = VllmEngine(model_dir, model, pad_id=0, eos_ids=[], max_prompt_tokens=max_prompt, max_new_tokens=max_new,
+                        temperature=1.0, settings=VllmSection(max_num_seqs=work["max_num_seqs"],
+                                                              kv_cache_gib=1.25 * kv_bytes / 2**30 + 0.0625))
     start_seconds = time.perf_counter() - started
     import vllm  # noqa: PLC0415
 

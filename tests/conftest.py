@@ -115,9 +115,66 @@ def tiny_parts(small_cfg):
 _FOLDER_SECONDS: dict[str, float] = {}
 
 
+_TEST_SPANS: list[tuple[float, float, str]] = []  # (start, stop, nodeid) of every test phase, as reported
+
+
 def pytest_runtest_logreport(report):
     folder = "/".join(report.nodeid.split("::")[0].split("/")[:2])
     _FOLDER_SECONDS[folder] = _FOLDER_SECONDS.get(folder, 0.0) + report.duration
+    _TEST_SPANS.append((report.start, report.stop, report.nodeid))
+
+
+class _MemoryWatch:
+    """The machine's lowest available memory over the run (/proc/meminfo, sampled each second in the process that
+    prints the summary) and the largest processes at that moment. Why: tests that hold gigabytes at once on a
+    24 GiB machine made a whole CI run crawl (page-cache thrashing) and fail; the summary names the tests that
+    overlapped at the low point, so the next such run says what to separate."""
+
+    def __init__(self):
+        import threading
+
+        self.lowest: tuple[float, float, str] | None = None  # (available GiB, time, largest processes)
+        self.total_gib = self._meminfo().get("MemTotal", 0) / 2**20
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="memory-watch", daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _meminfo() -> dict[str, int]:
+        try:
+            lines = pathlib.Path("/proc/meminfo").read_text().splitlines()
+        except OSError:  # not Linux: nothing to watch
+            return {}
+        return {line.split(":")[0]: int(line.split()[1]) for line in lines}  # kB
+
+    def _run(self):
+        import subprocess
+        import time
+
+        while not self._stop.wait(1.0):
+            available = self._meminfo().get("MemAvailable", 0) / 2**20
+            if self.lowest is None or available < self.lowest[0] - 0.25:
+                top = subprocess.run(["ps", "-eo", "rss=,args=", "--sort=-rss"], capture_output=True, text=True)
+                largest = "; ".join(f"{int(rss) / 2**20:.1f} GiB {cmd[:90]}" for rss, cmd in
+                                    (line.split(None, 1) for line in top.stdout.splitlines()[:4]))
+                self.lowest = (available, time.time(), largest)
+
+    def report(self) -> dict | None:
+        self._stop.set()
+        if self.lowest is None:
+            return None
+        available, at, largest = self.lowest
+        running = sorted({nodeid for start, stop, nodeid in _TEST_SPANS if start <= at <= stop})
+        return {"available_gib": round(available, 2), "total_gib": round(self.total_gib, 1), "running": running,
+                "largest_processes": largest}
+
+
+_MEMORY = pytest.StashKey[_MemoryWatch]()
+
+
+def pytest_sessionstart(session):
+    if not hasattr(session.config, "workerinput"):  # the process that prints the summary (xdist's controller)
+        session.config.stash[_MEMORY] = _MemoryWatch()
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -126,6 +183,12 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.section("test time by folder")
     for folder, seconds in sorted(_FOLDER_SECONDS.items(), key=lambda kv: -kv[1]):
         terminalreporter.write_line(f"{folder:<20} {seconds:8.1f} s")
+    watch = terminalreporter.config.stash.get(_MEMORY, None)
+    memory = watch.report() if watch else None
+    if memory:
+        terminalreporter.write_line(f"lowest available memory: {memory['available_gib']} of {memory['total_gib']} "
+                                    f"GiB, while {', '.join(memory['running']) or 'no test'} ran; largest "
+                                    f"processes then: {memory['largest_processes']}")
     if os.environ.get("GRPO_STREAM_PHASE_TIMES"):
         import json
 

@@ -80,6 +80,7 @@ class SamplerMeshSection(Strict):
 
 
 VLLM_RESERVED_ARGS = {"model", "logprobs_mode", "skip_tokenizer_init", "load_format", "gpu_memory_utilization",
+                      "kv_cache_memory_bytes",
                       "tensor_parallel_size", "max_num_seqs", "enforce_eager", "enable_prefix_caching",
                       "max_model_len", "dtype", "seed"}
 
@@ -90,6 +91,10 @@ class VllmSection(Strict):
     gpu_memory_utilization: float = Field(0.5, gt=0, le=0.99, description="Share of accelerator memory (on CPU: of "
                                           "a NUMA node's memory) vLLM takes for weights and KV cache; CPU hosts fail "
                                           "at start near the default 0.92 of vLLM itself.")
+    kv_cache_gib: float | None = Field(None, gt=0, le=4096, description="KV cache size in GiB (vLLM's "
+                                       "kv_cache_memory_bytes); set, it replaces the gpu_memory_utilization sizing. "
+                                       "Size it to the work where vLLM shares a host or a GPU with other processes: on "
+                                       "CPU a share of the node's memory is committed in full at start.")
     tensor_parallel_size: int = Field(1, ge=1, le=64, description="Devices one vLLM engine shards the model over.")
     max_num_seqs: int = Field(256, ge=1, le=65536, description="Most sequences vLLM decodes at once.")
     enforce_eager: bool = Field(False, description="No CUDA graphs / compilation: faster start, slower decoding.")

@@ -88,6 +88,8 @@ class VllmEngine:
             engine_args["enable_chunked_prefill"] = False
             engine_args["max_num_batched_tokens"] = max(engine_args.get("max_num_batched_tokens", 0),
                                                         max_prompt_tokens + max_new_tokens, 4096)
+        if settings.kv_cache_gib is not None:
+            engine_args["kv_cache_memory_bytes"] = int(settings.kv_cache_gib * 2**30)
         started = time.monotonic()
         self.llm = LLM(model=str(model_dir), skip_tokenizer_init=True, load_format="dummy",
                        logprobs_mode="processed_logprobs", dtype=dtype,

@@ -25,7 +25,7 @@ def test_up_with_a_vllm_sampler(tmp_path):
                  # synchronous: every group is made with the trainer's current version, so every token's behaviour
                  # logprob is compared with the trainer's recomputation
                  "trainer.max_staleness=0", "sampler.max_groups_per_version=4",
-                 "sampler.engine=vllm", f"sampler.python={python}", "sampler.vllm.gpu_memory_utilization=0.3",
+                 "sampler.engine=vllm", f"sampler.python={python}", "sampler.vllm.kv_cache_gib=0.25",
                  "sampler.vllm.enforce_eager=true", "task.rewards={tests.e2e.vllm_rewards:longer_is_better: 1.0}",
                  "generation.max_prompt_tokens=24", "generation.max_new_tokens=16", "weights.verify_prompts=8",
                  "eval.num_problems=8", "eval.batch_size=8", "trainer.final_wait_s=120"]

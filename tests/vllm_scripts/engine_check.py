@@ -28,7 +28,7 @@ def main(model_dir: str, mode: str, out_path: str) -> None:
     prompt_tokens, new_tokens, temperature = 24, 16, 0.9
     started = time.monotonic()
     engine = VllmEngine(model_dir, model, tok.pad_id, tok.eos_ids, prompt_tokens, new_tokens, temperature,
-                        VllmSection(gpu_memory_utilization=0.3, enforce_eager=True, weight_install=mode))
+                        VllmSection(kv_cache_gib=0.25, enforce_eager=True, weight_install=mode))
     start_s = time.monotonic() - started
     prompts = [tok.encode(p.prompt) for p in ArithTask(10, 99, 0.1, seed=0).heldout(6)]
     rows = [ids for ids in prompts for _ in range(4)]
@@ -60,6 +60,7 @@ def main(model_dir: str, mode: str, out_path: str) -> None:
     result = {
         "mode": engine.install_mode, "tied_heads_loaded": engine.tied_heads_loaded, "engine_start_s": start_s,
         "installs_s": engine.install_seconds,
+        "kv_cache_memory_bytes": engine.llm.llm_engine.vllm_config.cache_config.kv_cache_memory_bytes,
         "tokens_scored": int(in_completion.sum()), "logprob_max_abs_diff": float(diff.max()),
         "logprob_mean": float(np.where(in_completion, out.logprobs, 0).sum() / in_completion.sum()),
         "finished": int(out.finished.sum()), "same_seed_same_tokens": bool((again.tokens == out.tokens).all()),

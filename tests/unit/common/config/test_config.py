@@ -167,6 +167,8 @@ def test_samplers_send_rollouts_to_the_ingest_address():
     (["sampler.engine=tgi"], "sampler.engine: unknown engine 'tgi'; choose one of ['jax', 'vllm']"),
     (["sampler.vllm.engine_args={model: x}"], "sampler.vllm.engine_args sets ['model']"),
     (["sampler.vllm.engine_args={max_model_len: 64, swap_space: 0}"], "sets ['max_model_len']"),
+    (["sampler.vllm.engine_args={kv_cache_memory_bytes: 1024}"], "sets ['kv_cache_memory_bytes']"),
+    (["sampler.vllm.kv_cache_gib=0"], "sampler.vllm.kv_cache_gib: Input should be greater than 0"),
     (["sampler.vllm.weight_install=iterator", "sampler.vllm.tensor_parallel_size=2"],
      "weight_install=iterator needs tensor_parallel_size 1"),
     (["sampler.vllm.gpu_memory_utilization=1.5"], "sampler.vllm.gpu_memory_utilization: Input should be less"),
