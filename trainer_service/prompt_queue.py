@@ -29,7 +29,7 @@ from typing import Callable
 
 import redis
 
-from grpo_stream.common.rollouts.buffer import BufferUnavailable
+from grpo_stream.common.rollouts.redis_errors import redis_call
 
 ACTIVE_SAMPLER_S = 60.0
 
@@ -152,10 +152,7 @@ class PromptQueue:
         self._cancel = client.register_script(_CANCEL)
 
     def _call(self, fn):
-        try:
-            return fn()
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
-            raise BufferUnavailable(f"redis: {exc}") from exc
+        return redis_call(fn)
 
     def prompt_key(self, prompt_id: str) -> str:
         return f"{self.base}:prompt:{prompt_id}"

@@ -256,8 +256,17 @@ class StatusWriter:
             pass
 
     def _loop(self) -> None:
+        # the thread outlives any one failure: a status that stops for the rest of the run after one bad reply
+        # looks like a hung trainer to `grpo-stream status`; each new kind of failure is logged once
+        seen: set[str] = set()
         while not self._stop.wait(self.every_s):
-            self.write()
+            try:
+                self.write()
+            except Exception as exc:  # noqa: BLE001
+                if type(exc).__name__ not in seen:
+                    seen.add(type(exc).__name__)
+                    log.warning("status record not written (%s: %s); trying again every %.0fs", type(exc).__name__,
+                                exc, self.every_s)
 
     def stop(self) -> None:
         self._stop.set()

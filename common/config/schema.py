@@ -235,8 +235,8 @@ class CheckpointSection(Strict):
     every: int = Field(25, ge=1, le=1_000_000, description="Checkpoint every this many RL steps (and at the last "
                        "step and on SIGTERM). Groups are acknowledged in the buffer only once a checkpoint holding "
                        "their update is saved, so a crash replays at most this many steps.")
-    keep: int = Field(3, ge=1, le=1000, description="Checkpoints kept (older ones are deleted); a corrupt newest one "
-                      "falls back to the one before.")
+    keep: int = Field(3, ge=2, le=1000, description="Checkpoints kept (older ones are deleted), at least 2: a "
+                      "corrupt newest one falls back to the one before, which the acknowledged groups need.")
     resume: bool = Field(True, description="Start from the newest valid checkpoint in `dir` when there is one "
                          "(false: refuse to start over an existing one, so a new run cannot mix with an old).")
     verify: bool = Field(True, description="Store a SHA-256 of the parameters and optimizer state with each "

@@ -33,6 +33,8 @@ from typing import Protocol
 
 import redis
 
+from grpo_stream.common.rollouts.redis_errors import BufferUnavailable, redis_call  # noqa: F401 (the interface's error)
+
 COUNTERS = ("ingested", "trained", "dropped_stale", "dropped_invalid", "dropped_filtered", "dropped_duplicate")
 REFUSALS = ("refused_invalid", "refused_duplicate", "refused_full")
 OUTCOMES = COUNTERS[1:]
@@ -135,10 +137,6 @@ return n
 """
 
 
-class BufferUnavailable(Exception):
-    """The backend cannot be reached; nothing was written."""
-
-
 @dataclasses.dataclass(frozen=True)
 class BufferEntry:
     entry_id: str
@@ -228,14 +226,7 @@ class RedisStreamBuffer:
         self._recover_after: str | None = "0"
 
     def _call(self, fn):
-        try:
-            return fn()
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
-            raise BufferUnavailable(f"redis: {exc}") from exc
-        except redis.ResponseError as exc:
-            if "LOADING" in str(exc) or "MASTERDOWN" in str(exc):  # a restarted Redis replaying its AOF
-                raise BufferUnavailable(f"redis: {exc}") from exc
-            raise
+        return redis_call(fn)
 
     # -- the ingest's side ---------------------------------------------------------
     def append_many(self, items: Sequence[Incoming], max_groups: int, refused_invalid: int = 0,

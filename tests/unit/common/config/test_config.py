@@ -149,6 +149,8 @@ def test_presets_mirror_the_maxtext_and_tunix_demo_settings():
     (["redis.connect_timeout_s=0"], "redis.connect_timeout_s"),
     (["checkpoint.every=0"], "checkpoint.every"),
     (["checkpoint.keep=0"], "checkpoint.keep"),
+    # one checkpoint leaves nothing to fall back to when the newest is corrupt: the run could not restart
+    (["checkpoint.keep=1"], "checkpoint.keep: Input should be greater than or equal to 2"),
     (["ingest.standalone=true", "weights.transport=local"], "ingest.standalone: weights.transport=local"),
 ])
 def test_durability_settings_name_the_field(overrides, message):

@@ -1,0 +1,56 @@
+"""Which Redis failures mean "unavailable, back off and try again": one rule for every caller of Redis.
+
+The buffer, the prompt queue, the ingest's health watch and the trainer's status writer all call Redis; each
+of them used to decide on its own which errors were passing, and the copies drifted (one missed replies sent
+while a restarted Redis replays its AOF, none knew out-of-memory). What counts as passing here:
+
+- no connection, a timeout, or a reply a server sends while it cannot serve yet: LOADING (replaying its AOF or
+  RDB after a restart), MASTERDOWN (a replica that lost its primary);
+- OOM: the server is at `maxmemory` and refuses writes (under `noeviction`, the only safe policy for the
+  buffer); the writer must wait until the trainer settles groups or an operator adds memory, never crash;
+- READONLY: a replica answered (a failover under way, or the URL names a replica); writes succeed once the
+  URL reaches a primary again.
+
+redis-py maps some of these to classes (BusyLoadingError, OutOfMemoryError, ReadOnlyError), but an error raised
+by a command inside a Lua script reaches the client as a plain ResponseError whose text carries the code after a
+'-' (e.g. "... @user_script:12: -OOM command not allowed ..."), so the codes are matched in the text too.
+Every other error (a wrong type, a script bug, a refused password) is a real fault and propagates.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Callable, TypeVar
+
+import redis
+
+T = TypeVar("T")
+
+PASSING_CODES = ("LOADING", "MASTERDOWN", "OOM", "READONLY")
+_PASSING_CLASSES = (redis.exceptions.BusyLoadingError, redis.exceptions.MasterDownError,
+                    redis.exceptions.OutOfMemoryError, redis.exceptions.ReadOnlyError)
+_PASSING = re.compile(r"(?:^|[\s\-:])(" + "|".join(PASSING_CODES) + r")\b")
+
+
+class BufferUnavailable(Exception):
+    """The backend cannot be reached or cannot take writes right now; nothing was written. Back off and retry."""
+
+
+def is_unavailable(exc: BaseException) -> bool:
+    """True when `exc` is a Redis failure that passes (see the module's docstring); False for real faults."""
+    if isinstance(exc, (redis.exceptions.AuthenticationError, redis.exceptions.AuthorizationError)):
+        return False  # ConnectionErrors to redis-py, but a wrong password or ACL is fixed by an operator, not time
+    if isinstance(exc, (redis.ConnectionError, redis.TimeoutError, *_PASSING_CLASSES)):
+        return True
+    # the parser strips a known code from the text of its class's errors, but not from a script's error
+    return isinstance(exc, redis.ResponseError) and bool(_PASSING.search(str(exc)))
+
+
+def redis_call(fn: Callable[[], T]) -> T:
+    """fn(), with a passing Redis failure raised as BufferUnavailable (its text kept) and any other one as is."""
+    try:
+        return fn()
+    except redis.RedisError as exc:
+        if is_unavailable(exc):
+            raise BufferUnavailable(f"redis: {exc}") from exc
+        raise
