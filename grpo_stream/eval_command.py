@@ -24,7 +24,6 @@ def run_eval(cfg: RunConfig, split: str, limit: int | None, json_path: pathlib.P
 
     task, tokenizer = build_task_and_tokenizer(cfg)
     model = build_policy(cfg, tokenizer.vocab_size, seed=cfg.run.seed)
-    gen = cfg.generation
     engine = continuous.build(cfg, model, tokenizer)
     problems = task.split_problems(split, limit or cfg.eval.num_problems)
     log.info("evaluating %s on %d %s problems (greedy%s)", cfg.model.path or "the tiny model", len(problems), split,

@@ -11,6 +11,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from grpo_stream.common.config.schema import RunConfig
 from grpo_stream.protos import rollout_pb2, rollout_pb2_grpc
+from grpo_stream.common.runtime.backoff import Backoff
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +25,7 @@ def trainer_serving(stub: health_pb2_grpc.HealthStub) -> bool:
 def wait_for_trainer(cfg: RunConfig, stub: health_pb2_grpc.HealthStub, stop_event: threading.Event) -> None:
     """Until the trainer answers its health check; ConnectionError after sampler.connect_timeout_s of silence."""
     deadline = time.monotonic() + cfg.sampler.connect_timeout_s
-    delay = 0.2
+    backoff = Backoff(0.2, 2.0)
     while not stop_event.is_set():
         try:
             if trainer_serving(stub):
@@ -35,10 +36,9 @@ def wait_for_trainer(cfg: RunConfig, stub: health_pb2_grpc.HealthStub, stop_even
                     f"sampler.trainer_address={cfg.trainer_address()}: trainer not reachable after "
                     f"{cfg.sampler.connect_timeout_s:.0f}s ({exc.code()}); start the trainer or fix the "
                     "address") from None
-        if delay >= 2.0 or delay == 0.2:
+        if backoff.attempts == 0 or backoff.at_cap:
             log.info("waiting for the trainer at %s", cfg.trainer_address())
-        time.sleep(delay)
-        delay = min(delay * 2, 2.0)
+        time.sleep(backoff.next())
 
 
 def resume_position(cfg: RunConfig, sampler_id: str, stub: rollout_pb2_grpc.RolloutIngestStub,
@@ -46,7 +46,7 @@ def resume_position(cfg: RunConfig, sampler_id: str, stub: rollout_pb2_grpc.Roll
     """The data position after this sampler's last accepted group (0 for a new run), asked of the ingest. Waits
     with back-off while the ingest's Redis is down (as long as the ingest answers), or while the ingest itself
     is unreachable, for up to sampler.connect_timeout_s of silence."""
-    heard, delay = time.monotonic(), 0.2
+    heard, backoff = time.monotonic(), Backoff(0.2, 5.0)
     while True:
         try:
             reply = stub.GetDataPosition(rollout_pb2.DataPositionRequest(sampler_id=sampler_id), timeout=10)
@@ -62,7 +62,7 @@ def resume_position(cfg: RunConfig, sampler_id: str, stub: rollout_pb2_grpc.Roll
                     f"ingest at {cfg.ingest_address()} (ingest.address): cannot get this sampler's data "
                     f"position ({exc.code()}: {exc.details()}); start the ingest / its Redis or fix the address"
                 ) from None
+            delay = backoff.next()
             log.warning("%s: ingest at %s not ready (%s: %s); retrying in %.1fs", sampler_id,
                         cfg.ingest_address(), exc.code().name, exc.details(), delay)
             time.sleep(delay)
-            delay = min(delay * 2, 5.0)

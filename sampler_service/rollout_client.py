@@ -26,6 +26,7 @@ import time
 import grpc
 
 from grpo_stream.protos import rollout_pb2, rollout_pb2_grpc
+from grpo_stream.common.runtime.backoff import Backoff
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +125,7 @@ class RolloutClient:
 
     def _run(self) -> None:
         pending: list[rollout_pb2.RolloutGroup] = []  # taken from the backlog, not yet acknowledged
-        delay = 0.1
+        backoff = Backoff(0.1, 5.0)
         while not self._stop.is_set():
             try:
                 requests: queue.Queue = queue.Queue()
@@ -144,7 +145,7 @@ class RolloutClient:
                             continue
                         requests.put(rollout_pb2.RolloutBatch(groups=pending))
                         pending, retry_ms = self._settle(pending, next(call).acks)
-                        delay = 0.1
+                        backoff.reset()
                         if pending:  # buffer full or unavailable: the same groups again, in order
                             time.sleep(retry_ms / 1000)
                 finally:
@@ -155,7 +156,7 @@ class RolloutClient:
                     break
                 self.stats["reconnects"] += 1
                 code = exc.code() if isinstance(exc, grpc.RpcError) else (str(exc) or "stream closed")
+                delay = backoff.next()
                 log.warning("rollout stream to ingest failed (%s); retrying in %.1fs with %d groups in hand", code,
                             delay, len(pending))
                 time.sleep(delay)
-                delay = min(delay * 2, 5.0)

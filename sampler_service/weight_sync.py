@@ -25,6 +25,7 @@ from grpo_stream.common.runtime.console import detail_logger
 from grpo_stream.common.model.policy import PolicyModel
 from grpo_stream.common.model.sharding import param_shardings
 from grpo_stream.protos import weights_pb2, weights_pb2_grpc
+from grpo_stream.common.runtime.backoff import Backoff
 
 log = logging.getLogger(__name__)
 detail = detail_logger(__name__)
@@ -50,7 +51,8 @@ class WeightSync:
                  channel: grpc.Channel | None = None, background: bool = False,
                  clock: Callable[[], float] = time.monotonic):
         self.fetcher, self.model, self.sampler_id, self.clock = fetcher, model, sampler_id, clock
-        self.retry_initial_s, self.retry_max_s, self.max_staleness = retry_initial_s, retry_max_s, max_staleness
+        self.max_staleness = max_staleness
+        self._backoff = Backoff(retry_initial_s, retry_max_s)
         shardings = param_shardings(model.params, mesh)
         self.targets = {name: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=s) for name, leaf, s in zip(
             model.names(), jax.tree_util.tree_leaves(model.params), jax.tree_util.tree_leaves(shardings))}
@@ -98,7 +100,7 @@ class WeightSync:
             got = attempt()
         except Exception as exc:  # noqa: BLE001 - whatever a fetch meets, the sampler keeps its version
             self.failures += 1
-            delay = min(self.retry_initial_s * 2 ** (self.failures - 1), self.retry_max_s)
+            delay = self._backoff.next()
             self._next_attempt = self.clock() + delay
             detail = (f"{exc.code()}: {exc.details()}" if isinstance(exc, grpc.RpcError)
                       else f"{type(exc).__name__}: {exc}")
@@ -108,6 +110,7 @@ class WeightSync:
             return None
         if got is not None and got.params is not None:
             self.failures = 0
+            self._backoff.reset()
         return got
 
     def _check_and_fetch(self) -> Installed | None:

@@ -11,21 +11,28 @@ which saves have finished, so the trainer acknowledges groups only once their up
 
 Restore walks from the newest step down: a checkpoint that fails to load or whose arrays do not match
 their digest is moved aside to `corrupt-<step>-<time>` (kept for inspection) and the one before is used.
+A failure that only says the storage did not answer (a timeout, a dropped connection, a stale NFS handle,
+tensorstore's UNAVAILABLE) says nothing about the checkpoint: it is retried with back-off and, if it lasts,
+the restore stops with CheckpointUnavailable and moves nothing, since moving a sound checkpoint aside on a
+network blip, twice in a row, would lose the window of groups it holds.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import logging
+import re
 import time
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+from grpo_stream.common.runtime.backoff import Backoff
 from grpo_stream.common.weights.snapshot import raw_bytes
 
 log = logging.getLogger(__name__)
@@ -64,10 +71,42 @@ class CheckpointMismatch(ValueError):
     """A sound checkpoint of a different model or optimizer layout (a config change): never used, never moved."""
 
 
+class CheckpointUnavailable(RuntimeError):
+    """The checkpoint storage kept failing to answer while a checkpoint was read: nothing was moved aside."""
+
+
+class _StorageBlip(Exception):
+    """A read failed for a reason that passes (see is_transient); the checkpoint may well be sound."""
+
+
+# errors of the storage, not of the data: local disks rarely give them, network file systems (NFS, gcsfuse) do
+TRANSIENT_ERRNOS = frozenset({errno.EAGAIN, errno.EINTR, errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNREFUSED,
+                              errno.ECONNABORTED, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ENETDOWN, errno.ESTALE,
+                              errno.EBUSY, errno.ENOLCK, errno.EIO})
+# tensorstore (which Orbax reads arrays with) reports absl status codes in its errors' text
+_TRANSIENT_STATUS = re.compile(r"\b(UNAVAILABLE|DEADLINE_EXCEEDED|RESOURCE_EXHAUSTED|ABORTED)\b")
+
+
+def is_transient(exc: BaseException) -> bool:
+    """True when `exc`, or an error it wraps, says the storage did not answer rather than that the data is bad."""
+    seen = 0
+    while exc is not None and seen < 10:
+        if isinstance(exc, (TimeoutError, ConnectionError, InterruptedError, BlockingIOError)):
+            return True
+        if isinstance(exc, OSError) and exc.errno in TRANSIENT_ERRNOS:
+            return True
+        if _TRANSIENT_STATUS.search(str(exc)):
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
+
+
 class TrainerCheckpoints:
-    def __init__(self, directory: str, keep: int, verify: bool):
+    def __init__(self, directory: str, keep: int, verify: bool, read_attempts: int = 5,
+                 sleep: Callable[[float], None] = time.sleep):
+        """`read_attempts`: tries at reading one checkpoint while its storage fails to answer (with back-off)."""
         self.directory = epath.Path(directory)
-        self.verify = verify
+        self.verify, self.read_attempts, self._sleep = verify, read_attempts, sleep
         self.directory.mkdir(parents=True, exist_ok=True)
         self._manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
             max_to_keep=keep, enable_async_checkpointing=True, cleanup_tmp_directories=True))
@@ -107,7 +146,7 @@ class TrainerCheckpoints:
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state_like)
         for step in sorted(self._manager.all_steps(), reverse=True):
             try:
-                restored = self._restore(step, abstract)
+                restored = self._restore_retrying(step, abstract)
             except CheckpointRejected as exc:
                 aside = self.directory / f"corrupt-{step}-{int(time.time())}"
                 log.error("checkpoint of step %d in %s is unusable (%s); moved to %s, trying the one before", step,
@@ -119,11 +158,32 @@ class TrainerCheckpoints:
             return restored
         return None
 
+    def _restore_retrying(self, step: int, abstract: Any) -> Restored:
+        backoff = Backoff(1.0, 15.0)
+        for attempt in range(1, self.read_attempts + 1):
+            try:
+                return self._restore(step, abstract)
+            except _StorageBlip as blip:
+                cause = blip.__cause__
+                if attempt == self.read_attempts:
+                    raise CheckpointUnavailable(
+                        f"checkpoint.dir {self.directory}: reading the checkpoint of step {step} failed "
+                        f"{attempt} times because the storage did not answer ({type(cause).__name__}: "
+                        f"{str(cause)[:300]}); nothing was moved aside. Check the storage, then start the trainer "
+                        "again") from cause
+                delay = backoff.next()
+                log.warning("checkpoint of step %d: the storage did not answer (%s: %s); attempt %d of %d in %.1fs",
+                            step, type(cause).__name__, str(cause)[:200], attempt + 1, self.read_attempts, delay)
+                self._sleep(delay)
+        raise AssertionError("unreachable")
+
     def _restore(self, step: int, abstract: Any) -> Restored:
         # the small JSON record first: a partial checkpoint or another layout is told apart before any array is read
         try:
             record = self._manager.restore(step, args=ocp.args.Composite(record=ocp.args.JsonRestore()))["record"]
         except Exception as exc:  # noqa: BLE001 - an unreadable record is a partial or damaged checkpoint
+            if is_transient(exc):
+                raise _StorageBlip() from exc
             raise CheckpointRejected(f"its record is unreadable: {type(exc).__name__}: {str(exc)[:300]}") from exc
         if not isinstance(record, dict) or record.get("step") != step:
             raise CheckpointRejected(f"its record names step {record.get('step') if isinstance(record, dict) else None}")
@@ -135,7 +195,9 @@ class TrainerCheckpoints:
         try:
             state = self._manager.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(abstract)))["state"]
-        except Exception as exc:  # noqa: BLE001 - any failure to read means "use the previous one"
+        except Exception as exc:  # noqa: BLE001 - any other failure to read means "use the previous one"
+            if is_transient(exc):
+                raise _StorageBlip() from exc
             raise CheckpointRejected(f"{type(exc).__name__}: {str(exc)[:300]}") from exc
         if self.verify and "digest" in record and tree_digest(state) != record["digest"]:
             raise CheckpointRejected("its arrays do not match the SHA-256 saved with them")

@@ -12,6 +12,7 @@ from grpo_stream.common.runtime.console import detail_logger
 from grpo_stream.common.rollouts.buffer import BufferEntry, BufferUnavailable, RolloutBuffer
 from grpo_stream.common.rollouts.wire import GroupData, decode_group
 from grpo_stream.trainer_service.selection import select_batch
+from grpo_stream.common.runtime.backoff import Backoff
 
 log = logging.getLogger(__name__)
 detail = detail_logger(__name__)
@@ -20,14 +21,14 @@ T = TypeVar("T")
 
 def when_available(what: str, fn: Callable[[], T], sleep: Callable[[float], None] = time.sleep) -> T:
     """fn() once the buffer answers: while its store is down (restarting, failing over) wait with back-off, logging."""
-    delay = 0.5
+    backoff = Backoff(0.5, 10.0)
     while True:
         try:
             return fn()
         except BufferUnavailable as exc:
+            delay = backoff.next()
             log.error("%s: Redis unavailable (%s); retrying in %.1fs", what, exc, delay)
             sleep(delay)
-            delay = min(delay * 2, 10.0)
 
 
 class GroupCollector:

@@ -12,6 +12,7 @@ import tempfile
 import time
 
 import redis
+from grpo_stream.common.runtime.backoff import Backoff
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +68,7 @@ def connect(url: str, timeout_s: float | None, log_retries: bool = True, **optio
         raise RedisConnectError(f"redis.url={where!r} is not a redis:// URL ({exc}); e.g. redis://host:6379/0") \
             from None
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    delay, last = 0.2, None
+    backoff, last = Backoff(0.2, 10.0), None
     while True:
         try:
             client.ping()
@@ -86,10 +87,10 @@ def connect(url: str, timeout_s: float | None, log_retries: bool = True, **optio
             raise RedisConnectError(f"redis.url={where}: not reachable after {timeout_s:.0f}s ({last}); start Redis "
                                     "there, fix redis.url, raise redis.connect_timeout_s, or leave redis.url null "
                                     "under `grpo-stream up` for an embedded one")
+        delay = backoff.next()
         if log_retries:
             log.warning("Redis at %s (redis.url) not reachable (%s); retrying in %.1fs", where, last, delay)
         time.sleep(delay)
-        delay = min(delay * 2, 10.0)
 
 
 def wait_serving(proc: subprocess.Popen, url: str, timeout_s: float, **options) -> None:

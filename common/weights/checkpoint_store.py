@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import Any
 
 import jax
 import numpy as np

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from tests.e2e.test_up import ROOT, check_run, run_cli
+from tests.e2e.test_up import check_run, run_cli
 
 pytestmark = pytest.mark.e2e
 

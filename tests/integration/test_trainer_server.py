@@ -251,16 +251,17 @@ def test_a_restarted_trainer_is_followed_and_failures_back_off(stack, tiny_parts
     got = sync.poll()
     assert got is not None and got.version == 0 and got.epoch == restarted.epoch
     sync.mark_installed(got)
-    # the trainer goes away: the fetch fails, the version stays, the next attempt waits for the back-off
+    # the trainer goes away: the fetch fails, the version stays, the next attempt waits for the back-off, a
+    # jittered wait within [d/2, d] of the step d
     server.stop(0)
     assert sync.poll() is None and sync.failures == 1 and sync.installed_version == 0
-    clock.advance(0.29)
+    clock.advance(0.14)
     assert sync.poll() is None and sync.failures == 1  # inside the back-off: no new attempt
-    clock.advance(0.02)
+    clock.advance(0.17)
     assert sync.poll() is None and sync.failures == 2
-    clock.advance(0.59)  # the back-off doubles, up to retry_max_s
+    clock.advance(0.29)  # the step doubles, up to retry_max_s
     assert sync.poll() is None and sync.failures == 2
-    clock.advance(0.02)
+    clock.advance(0.32)
     assert sync.poll() is None and sync.failures == 3
     sync.latest_seen = 3
     assert sync.lag() == 3 and sync.too_stale()

@@ -1,12 +1,16 @@
 """Trainer checkpoints on a real Orbax directory: newest valid one wins, damaged or partial ones are set aside,
-a different layout is refused, commits are reported in order."""
+a different layout is refused, a storage that does not answer is retried and never makes a checkpoint move,
+commits are reported in order."""
+
+import errno
 
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 
-from grpo_stream.trainer_service.checkpoints import CheckpointMismatch, TrainerCheckpoints, tree_digest
+from grpo_stream.trainer_service.checkpoints import (CheckpointMismatch, CheckpointUnavailable, TrainerCheckpoints,
+                                                     is_transient, tree_digest)
 
 
 def state(shift: float) -> dict:
@@ -65,6 +69,52 @@ def test_a_checkpoint_of_another_layout_is_refused_and_kept(tmp_path):
     with pytest.raises(CheckpointMismatch, match="holds a different model or optimizer state"):
         TrainerCheckpoints(str(tmp_path), keep=3, verify=True).restore_latest(other)
     assert (tmp_path / "2").is_dir()
+
+
+def flaky_storage(ckpt: TrainerCheckpoints, failures: int, error: Exception) -> list[int]:
+    """Make the next `failures` reads of arrays fail with `error` (the storage not answering); returns the count
+    of reads tried, which grows as the restore retries."""
+    real, tried = ckpt._manager.restore, []
+
+    def restore(step, args):
+        if "state" in args.keys():
+            tried.append(step)
+            if len(tried) <= failures:
+                raise ValueError("restore failed") from error  # Orbax wraps what tensorstore or the OS raised
+        return real(step, args=args)
+    ckpt._manager.restore = restore
+    return tried
+
+
+@pytest.mark.parametrize("error", [OSError(errno.ETIMEDOUT, "Connection timed out"),
+                                   OSError(errno.ESTALE, "Stale file handle"),
+                                   ValueError("UNAVAILABLE: Error reading gs://bucket/ckpt/6/state: 503")])
+def test_a_storage_that_does_not_answer_is_retried_and_nothing_is_moved(tmp_path, error):
+    saved(tmp_path)
+    waits = []
+    ckpt = TrainerCheckpoints(str(tmp_path), keep=3, verify=True, read_attempts=4, sleep=waits.append)
+    tried = flaky_storage(ckpt, failures=2, error=error)
+    got = ckpt.restore_latest(state(0.0))
+    assert got.step == 6 and tried == [6, 6, 6] and len(waits) == 2  # the newest, on its third read
+    assert not list(tmp_path.glob("corrupt-*")) and (tmp_path / "6").is_dir()
+
+
+def test_a_storage_down_for_good_stops_the_restore_without_moving_anything(tmp_path):
+    saved(tmp_path)
+    ckpt = TrainerCheckpoints(str(tmp_path), keep=3, verify=True, read_attempts=3, sleep=lambda s: None)
+    tried = flaky_storage(ckpt, failures=10, error=OSError(errno.EIO, "Input/output error"))
+    with pytest.raises(CheckpointUnavailable, match="step 6 failed 3 times .* nothing was moved aside"):
+        ckpt.restore_latest(state(0.0))
+    assert tried == [6, 6, 6]  # never fell back to an older checkpoint on a storage failure
+    assert not list(tmp_path.glob("corrupt-*")) and all((tmp_path / str(s)).is_dir() for s in (2, 4, 6))
+
+
+def test_only_storage_failures_count_as_transient():
+    assert is_transient(TimeoutError()) and is_transient(ConnectionResetError())
+    assert is_transient(ValueError("DEADLINE_EXCEEDED: read of gs://b/x"))
+    assert not is_transient(FileNotFoundError(errno.ENOENT, "No such file"))
+    assert not is_transient(ValueError("DATA_LOSS: Error reading chunk: checksum mismatch"))
+    assert not is_transient(ValueError("NOT_FOUND: Error opening \"zarr\" driver"))
 
 
 def test_commits_are_reported_once_in_order(tmp_path):
