@@ -106,13 +106,16 @@ def run_tokens(args) -> int:
         # a restarted deployment keeps the secrets its running services hold
         print(f"{args.out / 'tokens.yaml'} exists; kept (--keep)")
         return 0
-    paths = write_tokens(args.out)
+    paths = write_tokens(args.out, samplers=args.samplers)
     if args.redis_password:
         write_private(args.out / "redis.password", new_token() + "\n")
         print(f"redis password (redis.auth.password_file): {args.out / 'redis.password'}")
     print(f"token table (servers: $GRPO_STREAM_TOKENS_FILE or auth.tokens_file): {paths['table']}")
     for role in ("sampler", "client", "admin"):
         print(f"{role} token ($GRPO_STREAM_TOKEN_FILE or auth.token_file): {paths[role]}")
+    if args.samplers:
+        print(f"per-sampler tokens (sampler i uses sampler-<i>.token; each sends only as its own id): "
+              f"{args.out / 'sampler-0.token'} .. {paths[f'sampler-{args.samplers - 1}'].name}")
     return 0
 
 
@@ -137,6 +140,8 @@ def add_parsers(sub, common) -> None:
     to.add_argument("--out", type=pathlib.Path, required=True, help="directory for tokens.yaml and <role>.token")
     to.add_argument("--keep", action="store_true", help="do nothing when DIR already holds a token table (a "
                     "deployment's init step, run at every start)")
+    to.add_argument("--samplers", type=int, default=0, metavar="N", help="also one token per sampler "
+                    "(sampler-0 .. sampler-N-1): each may push, claim and admit under its own sampler id only")
     to.add_argument("--redis-password", action="store_true", help="also write redis.password: a random password "
                     "for the buffer's Redis (requirepass) and the services (redis.auth.password_file)")
 

@@ -105,16 +105,25 @@ def with_host_devices(env: dict[str, str], count: int) -> dict[str, str]:
 def with_run_tokens(cfg: RunConfig, run_dir: pathlib.Path, env: dict[str, str]) -> tuple[dict, dict, str]:
     """(servers' env, samplers' env, client token file or ''). With auth.mode=tokens and no token table given, the
     run gets its own in RUN_DIR/auth (kept, so a resumed run and its clients keep their tokens): servers read the
-    table, samplers the sampler token; `grpo-stream submit --run-dir` finds the client token there."""
+    table, each sampler its own token (`sampler_token_env`); `grpo-stream submit --run-dir` finds the client token
+    there."""
     if cfg.auth.mode == "none" or env.get(TOKENS_ENV) or cfg.auth.tokens_file:
         return env, dict(env), ""
     auth_dir = (run_dir / "auth").resolve()
     if not (auth_dir / "tokens.yaml").is_file():
-        write_tokens(auth_dir)
+        write_tokens(auth_dir, samplers=cfg.sampler.replicas)
         print(f"[up] made this run's tokens in {auth_dir} (client token: {auth_dir / 'client.token'})", flush=True)
     samplers = {k: v for k, v in env.items() if k != TOKEN_ENV}
     samplers[TOKEN_FILE_ENV] = str(auth_dir / "sampler.token")
     return {**env, TOKENS_ENV: str(auth_dir / "tokens.yaml")}, samplers, str(auth_dir / "client.token")
+
+
+def sampler_token_env(env: dict[str, str], index: int) -> dict[str, str]:
+    """Sampler `index`'s environment: its own token (sampler-<index>.token beside the shared one, when the run made
+    one: it can send only as its own id) or else the shared sampler token."""
+    shared = env.get(TOKEN_FILE_ENV)
+    own = pathlib.Path(shared).with_name(f"sampler-{index}.token") if shared else None
+    return {**env, TOKEN_FILE_ENV: str(own)} if own is not None and own.is_file() else env
 
 
 def run_up(config_path: pathlib.Path | None, overrides: list[str], cfg: RunConfig, run_dir: pathlib.Path) -> int:
@@ -182,7 +191,8 @@ def run_up(config_path: pathlib.Path | None, overrides: list[str], cfg: RunConfi
         sampler_base = [cfg.sampler.python or sys.executable, "-m", "grpo_stream"]  # e.g. the vLLM environment's
         samplers = [] if colocated else [
             _Child(f"sampler-{i}", [*sampler_base, "sampler", *cfg_args, "--index", str(i), "--run-dir", str(run_dir),
-                                    *extra], log_dir, with_host_devices(sampler_env, sampler_devices))
+                                    *extra], log_dir, with_host_devices(sampler_token_env(sampler_env, i),
+                                                                        sampler_devices))
             for i in range(cfg.sampler.replicas)]
         children.extend(samplers)
         failed = None

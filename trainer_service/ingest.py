@@ -17,6 +17,7 @@ import grpc
 import numpy as np
 
 from grpo_stream.common.rollouts.buffer import BufferUnavailable, Incoming, RedisStreamBuffer
+from grpo_stream.common.rpc.auth import TokenTable, caller_of, may_act_as
 from grpo_stream.trainer_service.admission import RETRY_AFTER_MS, AdmissionControl
 from grpo_stream.trainer_service.prompt_queue import PromptQueue
 from grpo_stream.common.rollouts.wire import GroupLimits, validate_group
@@ -45,9 +46,11 @@ class Injection:
 
 class IngestServicer(rollout_pb2_grpc.RolloutIngestServicer):
     def __init__(self, buffer: RedisStreamBuffer, limits: GroupLimits, max_groups: int, retry_after_ms: int,
-                 injection: Injection | None = None, admission: AdmissionControl | None = None):
-        """`admission`: the samplers' admission control (None: every Admit request is granted in full)."""
-        self.buffer, self.limits = buffer, limits
+                 injection: Injection | None = None, admission: AdmissionControl | None = None,
+                 table: TokenTable | None = None):
+        """`admission`: the samplers' admission control (None: every Admit request is granted in full); `table`:
+        the servers' token table, which binds each sampler token to its sampler ids (None: no auth)."""
+        self.buffer, self.limits, self.table = buffer, limits, table
         self.max_groups, self.retry_after_ms = max_groups, retry_after_ms
         self.injection, self.admission = injection, admission
         self._lock = threading.Lock()
@@ -145,11 +148,40 @@ class IngestServicer(rollout_pb2_grpc.RolloutIngestServicer):
                 self.admission.answered(sampler_id, versions)
         return acks
 
+    def _check_identity(self, context, groups) -> None:
+        """Abort with PERMISSION_DENIED unless the caller may speak for every group's sampler id, and each dataset
+        group's id is the one that sampler makes for its data position ('<run>/<sampler id>/<position>'): a group
+        id is the buffer's de-duplication key, so a sampler that could send another's ids would have the real
+        sampler's groups refused as duplicates."""
+        caller = caller_of(context, self.table)
+        if caller.role == "admin":
+            return
+        for k, g in enumerate(groups):
+            if not g.sampler_id:
+                continue  # refused by validation, naming the field
+            if not may_act_as(caller, g.sampler_id):
+                context.abort(grpc.StatusCode.PERMISSION_DENIED, f"groups[{k}].sampler_id: {g.sampler_id[:64]!r} is "
+                              f"not this token's ({caller.name!r} may send as {caller.name!r} or "
+                              f"'{caller.name}-<k>'); give each sampler its own token or fix sampler ids")
+            own = f"/{g.sampler_id}/{g.data_position}" if g.HasField("data_position") else f"/{g.sampler_id}/"
+            if not g.injected and not (g.group_id.endswith(own) if g.HasField("data_position") else own in g.group_id):
+                context.abort(grpc.StatusCode.PERMISSION_DENIED, f"groups[{k}].group_id: {g.group_id[:64]!r} is not "
+                              f"sampler {g.sampler_id[:64]!r}'s id for data position {g.data_position} "
+                              "('<run>/<sampler id>/<position>')")
+
+    def _check_sampler(self, context, sampler_id: str) -> None:
+        caller = caller_of(context, self.table)
+        if not may_act_as(caller, sampler_id):
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, f"sampler_id: {sampler_id[:64]!r} is not this token's "
+                          f"({caller.name!r} may act as {caller.name!r} or '{caller.name}-<k>')")
+
     def StreamBatches(self, request_iterator, context):
         for batch in request_iterator:
+            self._check_identity(context, batch.groups)
             yield rollout_pb2.BatchAck(acks=self.handle_batch(batch.groups))
 
     def PushGroup(self, request, context):
+        self._check_identity(context, [request])
         ack = self.handle_batch([request])[0]
         if ack.code:
             code = next(c for c in grpc.StatusCode if c.value[0] == ack.code)
@@ -161,6 +193,7 @@ class IngestServicer(rollout_pb2_grpc.RolloutIngestServicer):
     def GetDataPosition(self, request, context):
         if not request.sampler_id:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "sampler_id: must not be empty")
+        self._check_sampler(context, request.sampler_id)
         try:
             position = self.buffer.data_position(request.sampler_id)
         except BufferUnavailable as exc:
@@ -175,6 +208,7 @@ class IngestServicer(rollout_pb2_grpc.RolloutIngestServicer):
                           f"sampler_id: must be 1..{self.limits.max_id_length} characters")
         if not 0 <= count <= MAX_CLAIM:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: {count} outside 0..{MAX_CLAIM}")
+        self._check_sampler(context, sampler_id)
 
     def ClaimPrompts(self, request, context):
         self._check_request_count(context, request.sampler_id, "max_prompts", request.max_prompts)

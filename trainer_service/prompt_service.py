@@ -136,11 +136,13 @@ class PromptServicer(prompts_pb2_grpc.PromptServiceServicer):
             out.reward_mean = float(np.mean([c.reward for c in group.completions])) if group.completions else 0.0
         return out
 
-    def _finished(self, pids: list[str], records=None, tag: str | None = None):
-        """Results of the prompts among `pids` that are finished (and carry `tag`); `records`: theirs, if read."""
+    def _finished(self, pids: list[str], records=None, tag: str | None = None, owner: str | None = None):
+        """Results of the prompts among `pids` that are finished (and carry `tag`, and were submitted by `owner`
+        unless None); `records`: theirs, if read."""
         for pid, record in zip(pids, self.queue.records(pids) if records is None else records):
             if record is not None and record.get(b"state") in (b"done", b"cancelled") and (
-                    tag is None or tag in json.loads(record.get(b"tags", b"[]"))):
+                    tag is None or tag in json.loads(record.get(b"tags", b"[]"))) and (
+                    owner is None or record.get(b"client", b"").decode() == owner):
                 yield self._result(pid, record)
 
     def StreamResults(self, request, context):
@@ -154,6 +156,9 @@ class PromptServicer(prompts_pb2_grpc.PromptServiceServicer):
             self._followers.release()
 
     def _stream_results(self, request, context):
+        # a client follows its own prompts only (their answers are its data); an admin follows anyone's
+        caller = caller_of(context, self.table)
+        owner = None if caller.role == "admin" else caller.name
         ids, tag = list(request.prompt_ids), request.tag
         if bool(ids) == bool(tag):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "give either prompt_ids or tag")
@@ -170,13 +175,22 @@ class PromptServicer(prompts_pb2_grpc.PromptServiceServicer):
                     if record is None:
                         context.abort(grpc.StatusCode.NOT_FOUND, f"prompt_ids[{k}]: no prompt {pid[:64]!r} (unknown, "
                                       "or expired after prompts.result_retention_s)")
+                    if owner is not None and record.get(b"client", b"").decode() != owner:
+                        context.abort(grpc.StatusCode.PERMISSION_DENIED, f"prompt_ids[{k}]: {pid[:64]!r} was submitted "
+                                      "by another client; only its submitter or an admin may follow it")
                 waiting = set(ids)
                 for result in self._finished(ids, records):
                     waiting.discard(result.prompt_id)
                     yield result
             else:
                 waiting = None
-                done = sorted(self._finished(self.queue.tagged(tag)), key=lambda r: r.finished_unix)
+                tagged = self.queue.tagged(tag)
+                records = self.queue.records(tagged)
+                submitters = {r.get(b"client", b"").decode() for r in records if r is not None}
+                if owner is not None and submitters and owner not in submitters:
+                    context.abort(grpc.StatusCode.PERMISSION_DENIED, f"tag: {tag!r} is on other clients' prompts only; "
+                                  "follow your own tags or prompt ids, or use an admin token")
+                done = sorted(self._finished(tagged, records, owner=owner), key=lambda r: r.finished_unix)
                 yield from done
                 if not request.follow:
                     return
@@ -187,7 +201,7 @@ class PromptServicer(prompts_pb2_grpc.PromptServiceServicer):
                     waiting.difference_update(new)
                 else:
                     new = list(dict.fromkeys(finished))
-                yield from self._finished(new, tag=tag or None)
+                yield from self._finished(new, tag=tag or None, owner=owner)
         except BufferUnavailable as exc:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"prompt queue unavailable ({exc}); call again to resume")
 

@@ -172,6 +172,22 @@ def caller_of(context: grpc.ServicerContext, table: TokenTable | None) -> Caller
     return found or Caller("anonymous", "none")
 
 
+def may_act_as(caller: Caller, sampler_id: str) -> bool:
+    """Whether `caller` may speak for sampler `sampler_id` (push its groups, claim and admit under its id, read its
+    data position). A sampler token named N acts for the sampler id N, or N-<k> (one token shared by samplers N-0,
+    N-1, ...: what `grpo-stream tokens` and `up` hand out by default as 'sampler'); per-sampler tokens named
+    sampler-0, sampler-1, ... (`grpo-stream tokens --samplers N`, and `up`) keep each sampler to its own id. Without
+    this, any sampler token could push groups under another sampler's ids, which the buffer then refuses from the
+    real sampler as duplicates: its groups would silently never be trained. Admins (and a server without auth)
+    act for anyone."""
+    if caller.role == "admin":
+        return True
+    if caller.role != "sampler":
+        return False
+    suffix = sampler_id[len(caller.name) + 1:]
+    return sampler_id == caller.name or (sampler_id.startswith(caller.name + "-") and suffix.isdigit())
+
+
 def refusal(table: TokenTable, token: str | None, method: str) -> tuple[grpc.StatusCode, str] | None:
     """Why a call of `method` (a ROLES_BY_METHOD key) with `token` is refused, or None when it may proceed."""
     caller = table.lookup(token) if token else None
@@ -223,17 +239,21 @@ def new_token() -> str:
     return secrets.token_urlsafe(32)
 
 
-def write_tokens(out_dir: pathlib.Path, names: dict[str, str] | None = None) -> dict[str, pathlib.Path]:
+def write_tokens(out_dir: pathlib.Path, names: dict[str, str] | None = None, samplers: int = 0
+                 ) -> dict[str, pathlib.Path]:
     """A token table `tokens.yaml` plus one `<role>.token` file per role in `out_dir` (mode 0600); returns the
-    paths by role and 'table'. `names`: role -> caller name (default: the role)."""
+    paths by role and 'table'. `names`: role -> caller name (default: the role). `samplers`: also one token per
+    sampler, `sampler-<i>.token` named sampler-<i>, each good for that sampler's id only (`may_act_as`)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     os.chmod(out_dir, 0o700)
     rows, paths = [], {}
-    for role in ROLES:
+    entries = [((names or {}).get(role, role), role, role) for role in ROLES]
+    entries += [(f"sampler-{i}", "sampler", f"sampler-{i}") for i in range(samplers)]
+    for name, role, key in entries:
         token = new_token()
-        rows.append({"name": (names or {}).get(role, role), "role": role, "token": token})
-        paths[role] = out_dir / f"{role}.token"
-        write_private(paths[role], token + "\n")
+        rows.append({"name": name, "role": role, "token": token})
+        paths[key] = out_dir / f"{key}.token"
+        write_private(paths[key], token + "\n")
     paths["table"] = out_dir / "tokens.yaml"
     write_private(paths["table"], yaml.safe_dump(rows, sort_keys=False))
     return paths

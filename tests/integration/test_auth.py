@@ -6,6 +6,7 @@ import socket
 import ssl
 
 import grpc
+import numpy as np
 import pytest
 from google.protobuf import descriptor_pool, message_factory
 from grpc_health.v1 import health_pb2  # noqa: F401 - registers grpc.health.v1
@@ -13,17 +14,17 @@ from grpc_reflection.v1alpha import reflection_pb2  # noqa: F401 - registers the
 
 from grpo_stream.common.weights import tcp_wire as weight_bulk
 from grpo_stream.common.rpc.auth import ROLES, ROLES_BY_METHOD
-from grpo_stream.protos import prompts_pb2, rollout_pb2, weights_pb2
+from grpo_stream.protos import prompts_pb2, rollout_pb2, rollout_pb2_grpc, weights_pb2
 from tests.pki import make_pki
-from tests.support import serve, with_run_name
+from tests.support import answer, serve, with_run_name
 
 pytestmark = pytest.mark.redis
 SERVICES = ("grpo_stream.v1.RolloutIngest", "grpo_stream.v1.WeightService", "grpo_stream.v1.PromptService",
             "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection")
 REQUESTS = {  # a small request per method; an allowed caller gets past auth with it
     "StreamBatches": rollout_pb2.RolloutBatch(), "PushGroup": rollout_pb2.RolloutGroup(),
-    "GetDataPosition": rollout_pb2.DataPositionRequest(sampler_id="s"),
-    "ClaimPrompts": rollout_pb2.ClaimRequest(sampler_id="s"),
+    "GetDataPosition": rollout_pb2.DataPositionRequest(sampler_id="sampler-0"),
+    "ClaimPrompts": rollout_pb2.ClaimRequest(sampler_id="sampler-0"),
     "GetManifest": weights_pb2.GetManifestRequest(sampler_id="s"),
     "FetchSlices": weights_pb2.FetchSlicesRequest(sampler_id="s", version=99),
     "ReportVersion": weights_pb2.VersionReport(sampler_id="s"),
@@ -174,3 +175,89 @@ def test_mutual_tls_requires_a_client_certificate_from_the_ca(tiny_parts, shared
         assert status_code(stack, tls_cfg(cfg, pki)) == grpc.StatusCode.UNAVAILABLE  # no client certificate
         rogue = tls_cfg(cfg, pki, client_cert_file=str(pki["rogue_cert"]), client_key_file=str(pki["rogue_key"]))
         assert status_code(stack, rogue) == grpc.StatusCode.UNAVAILABLE
+
+
+@pytest.fixture
+def named_stack(tiny_parts, shared_redis, run_name, tmp_path):
+    """A server whose table has per-sampler tokens (sampler-0, sampler-1) beside the shared sampler token, and a
+    second client, alice, beside the default client."""
+    from grpo_stream.common.rpc.auth import write_tokens  # noqa: PLC0415
+
+    cfg, task, tokenizer, _ = tiny_parts
+    paths = write_tokens(tmp_path / "table", samplers=2)
+    paths["table"].write_text(paths["table"].read_text() + "- {name: alice, role: client, token: alice-token-0123456789}\n")
+    cfg = with_run_name(cfg, run_name)
+    cfg = cfg.model_copy(update={"auth": cfg.auth.model_copy(update={"tokens_file": str(paths["table"])})})
+    with serve(cfg, shared_redis.url, tmp_path / "unused", task, tokenizer) as stack:
+        stack.tokens = paths
+        yield stack
+
+
+def dataset_group(run: str, sampler_id: str, position: int, id_of: str | None = None):
+    from grpo_stream.common.rollouts.wire import CompletionData, GroupData, to_proto  # noqa: PLC0415
+
+    comps = [CompletionData(np.array([5, 6, 7], np.int32), np.array([-0.1, -0.2, -0.3], np.float32), float(i), False)
+             for i in range(4)]
+    return to_proto(GroupData(f"{run}/{id_of or sampler_id}/{position}", f"q{position}", np.array([3, 4], np.int32),
+                              comps, 0, sampler_id, data_position=position))
+
+
+def test_a_sampler_token_speaks_only_for_its_own_sampler_id(named_stack):
+    run = named_stack.cfg.run.name
+    stub = lambda key: rollout_pb2_grpc.RolloutIngestStub(named_stack.channel(None, named_stack.token(key)))  # noqa
+    denied = {
+        "push as another sampler": lambda: stub("sampler-1").PushGroup(dataset_group(run, "sampler-0", 1)),
+        "another sampler's group id": lambda: stub("sampler-0").PushGroup(
+            dataset_group(run, "sampler-0", 1, id_of="sampler-1")),
+        "stream as another sampler": lambda: list(stub("sampler-1").StreamBatches(
+            iter([rollout_pb2.RolloutBatch(groups=[dataset_group(run, "sampler-0", 2)])]))),
+        "data position": lambda: stub("sampler-1").GetDataPosition(rollout_pb2.DataPositionRequest(
+            sampler_id="sampler-0")),
+        "claim": lambda: stub("sampler-1").ClaimPrompts(rollout_pb2.ClaimRequest(sampler_id="sampler-0")),
+        "admit": lambda: stub("sampler-0").Admit(rollout_pb2.AdmitRequest(sampler_id="sampler-1", groups=1)),
+    }
+    for what, attempt in denied.items():
+        with pytest.raises(grpc.RpcError) as err:
+            attempt()
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED, what
+        assert "sampler_id" in err.value.details() or "group_id" in err.value.details(), what
+    assert named_stack.buffer.counters()["ingested"] == 0  # nothing spoofed reached the buffer
+    # each sampler sends as itself; the shared token acts for every sampler-<k>; an admin for anyone
+    assert stub("sampler-0").PushGroup(dataset_group(run, "sampler-0", 1)).code == 0
+    assert stub("sampler").PushGroup(dataset_group(run, "sampler-1", 1)).code == 0
+    assert stub("admin").PushGroup(dataset_group(run, "other", 1)).code == 0
+    assert stub("sampler-1").GetDataPosition(rollout_pb2.DataPositionRequest(sampler_id="sampler-1")).position == 1
+    assert named_stack.buffer.ingested_by_sampler() == {"sampler-0": 1, "sampler-1": 1, "other": 1}
+
+
+def test_a_client_follows_only_its_own_prompts_and_tags(named_stack):
+    from grpo_stream.common.rpc.grpc_util import ClientSecurity  # noqa: PLC0415
+    from grpo_stream.prompt_client import PromptClient  # noqa: PLC0415
+
+    alice = PromptClient(named_stack.address, ClientSecurity("alice-token-0123456789"))
+    bob = PromptClient(named_stack.address, ClientSecurity(named_stack.token("client")))
+    admin = PromptClient(named_stack.address, ClientSecurity(named_stack.token("admin")))
+    ids = alice.submit([{"text": "Q: 1 + 2 A:", "tags": ["alice-eval"]}])
+    bob.submit([{"text": "Q: 2 + 2 A:", "tags": ["shared"]}])
+    alice.submit([{"text": "Q: 3 + 2 A:", "tags": ["shared"]}])
+    for attempt in (lambda: list(bob.results(tag="alice-eval", follow=False)),
+                    lambda: list(bob.results(ids, timeout_s=5))):
+        with pytest.raises(grpc.RpcError) as err:
+            attempt()
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "another client" in err.value.details() or "other clients" in err.value.details()
+    # answer all three prompts (a sampler claims and pushes them), then follow by tag
+    from grpo_stream.common.rollouts.wire import to_proto  # noqa: PLC0415
+
+    sampler = rollout_pb2_grpc.RolloutIngestStub(named_stack.channel(None, named_stack.token("sampler-0")))
+    claimed = sampler.ClaimPrompts(rollout_pb2.ClaimRequest(sampler_id="sampler-0", max_prompts=8)).prompts
+    assert len(claimed) == 3
+    for prompt in claimed:
+        assert sampler.PushGroup(to_proto(answer(prompt, named_stack.cfg.run.name, "sampler-0"))).code == 0
+    texts = lambda results: sorted(r.prompt_text for r in results)  # noqa: E731
+    assert texts(alice.results(tag="alice-eval", follow=False)) == ["Q: 1 + 2 A:"]
+    # a tag both use: each follows only the prompts it submitted, an admin all of them
+    assert texts(bob.results(tag="shared", follow=False)) == ["Q: 2 + 2 A:"]
+    assert texts(alice.results(tag="shared", follow=False)) == ["Q: 3 + 2 A:"]
+    assert texts(admin.results(tag="shared", follow=False)) == ["Q: 2 + 2 A:", "Q: 3 + 2 A:"]
+    assert [r.prompt_id for r in admin.results(ids, timeout_s=10)] == ids
