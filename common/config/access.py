@@ -43,6 +43,10 @@ class TlsSection(Strict):
     client_key_file: str | None = Field(None, description="Clients, mutual TLS: PEM private key of client_cert_file.")
     server_name: str | None = Field(None, description="Clients: host name expected in the server certificate when it "
                                     "differs from the address dialled (e.g. an IP address).")
+    plaintext_bind: Literal["warn", "refuse"] = Field(
+        "warn", description="Servers without TLS asked to listen beyond loopback (e.g. 0.0.0.0) send bearer tokens "
+        "and rollouts in the clear: 'warn' logs a warning at every such bind, 'refuse' stops the server naming this "
+        "field. Loopback binds (127.0.0.1, ::1, localhost) are never warned about.")
 
     @model_validator(mode="after")
     def _pairs(self) -> "TlsSection":

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import ipaddress
+import logging
 import pathlib
 import ssl
 from concurrent import futures
@@ -15,6 +17,8 @@ from concurrent import futures
 import grpc
 
 from grpo_stream.common.rpc.auth import AuthError, AuthInterceptor, TokenTable, load_table, own_token
+
+log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 64 << 20
 
@@ -53,6 +57,7 @@ class ServerSecurity:
     open_health: bool = False
     tls: grpc.ServerCredentials | None = None
     ssl_context: ssl.SSLContext | None = None  # the same certificate for the weights TCP data plane
+    plaintext_bind: str = "warn"  # tls.plaintext_bind: what a plaintext bind beyond loopback does
 
     @classmethod
     def from_config(cls, cfg) -> "ServerSecurity":
@@ -68,7 +73,7 @@ class ServerSecurity:
             context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cadata=ca.decode() if ca else None)
             context.load_cert_chain(tls.cert_file, tls.key_file)
             context.verify_mode = ssl.CERT_REQUIRED if tls.require_client_cert else ssl.CERT_NONE
-        return cls(load_table(cfg.auth), cfg.auth.open_health, creds, context)
+        return cls(load_table(cfg.auth), cfg.auth.open_health, creds, context, tls.plaintext_bind)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,8 +108,33 @@ def new_server(security: ServerSecurity | None, workers: int = 16) -> grpc.Serve
                        interceptors=interceptors)
 
 
+def is_loopback(host: str) -> bool:
+    """Whether a listen address reaches this machine only (0.0.0.0, '::' and '' listen on every interface)."""
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve anywhere
+        return False
+
+
+def check_plaintext_bind(host: str, security: ServerSecurity | None, setting: str) -> None:
+    """Warn (or, with tls.plaintext_bind=refuse, raise naming it) when a server without TLS listens beyond
+    loopback: its clients' bearer tokens, rollouts and weights cross the network in the clear."""
+    if is_loopback(host) or (security is not None and (security.tls is not None or security.ssl_context is not None)):
+        return
+    what = (f"{setting} listens on {host or 'every interface'} without TLS: bearer tokens, rollouts and weights "
+            "cross the network in plaintext")
+    if security is not None and security.plaintext_bind == "refuse":
+        raise OSError(f"{what}; turn on tls.enabled (with tls.cert_file and tls.key_file), bind a loopback "
+                      "address, or set tls.plaintext_bind=warn on a network you trust")
+    log.warning("%s; turn on tls.enabled, or set tls.plaintext_bind=refuse to make this an error", what)
+
+
 def bind(server: grpc.Server, host: str, port: int, security: ServerSecurity | None, setting: str) -> int:
     """Listen on host:port (TLS when configured); OSError naming `setting` when the port cannot be bound."""
+    check_plaintext_bind(host, security, setting)
     address = f"{host}:{port}"
     bound = (server.add_secure_port(address, security.tls) if security is not None and security.tls is not None
              else server.add_insecure_port(address))

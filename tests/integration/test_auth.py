@@ -261,3 +261,29 @@ def test_a_client_follows_only_its_own_prompts_and_tags(named_stack):
     assert texts(alice.results(tag="shared", follow=False)) == ["Q: 3 + 2 A:"]
     assert texts(admin.results(tag="shared", follow=False)) == ["Q: 2 + 2 A:", "Q: 3 + 2 A:"]
     assert [r.prompt_id for r in admin.results(ids, timeout_s=10)] == ids
+
+
+def test_plaintext_beyond_loopback_is_warned_about_or_refused(tiny_parts, shared_redis, run_name, tmp_path, caplog):
+    import dataclasses  # noqa: PLC0415
+
+    from grpo_stream.common.rpc.grpc_util import ServerSecurity, is_loopback  # noqa: PLC0415
+    from grpo_stream.trainer_service.server import TrainerServer  # noqa: PLC0415
+    from grpo_stream.trainer_service.publisher import WeightPublisher  # noqa: PLC0415
+
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("[::1]") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("") and not is_loopback("10.1.2.3")
+    cfg, *_ = tiny_parts
+    security = ServerSecurity.from_config(with_run_name(cfg, run_name).model_copy(update={"auth": cfg.auth.model_copy(
+        update={"mode": "none"})}))
+    quiet = TrainerServer(None, WeightPublisher(), "127.0.0.1", 0, security=security)
+    with caplog.at_level("WARNING"):
+        quiet.start()
+        quiet.stop(0)
+        assert "plaintext" not in caplog.text
+        loud = TrainerServer(None, WeightPublisher(), "0.0.0.0", 0, security=security)
+        loud.start()
+        loud.stop(0)
+    assert "trainer.port listens on 0.0.0.0 without TLS" in caplog.text
+    strict = dataclasses.replace(security, plaintext_bind="refuse")
+    with pytest.raises(OSError, match="tls.plaintext_bind"):
+        TrainerServer(None, WeightPublisher(), "0.0.0.0", 0, security=strict).start()
