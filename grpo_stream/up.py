@@ -5,7 +5,8 @@ file lives in RUN_DIR/redis), then the trainer, the ingest when it runs on
 its own, and `sampler.replicas` samplers with exactly the commands a
 multi-host deployment runs (`python -m grpo_stream trainer|ingest|sampler
 ...`), relays their output with a prefix (and into RUN_DIR/logs/), stops
-everything on Ctrl-C or when a process fails, and completes
+everything on Ctrl-C, restarts a process that fails (up.restart; grpo_stream/supervise.py) and stops
+everything when one fails past up.max_restarts, and completes
 RUN_DIR/summary.json. Running it again on the same RUN_DIR resumes: the
 buffer is still in RUN_DIR/redis and the trainer's checkpoints in
 RUN_DIR/checkpoints.
@@ -21,6 +22,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Callable
 
 from grpo_stream.common.rpc.auth import write_tokens
 from grpo_stream.common.config.loading import load_config, to_yaml
@@ -29,22 +31,30 @@ from grpo_stream.common.config.access import TOKEN_ENV, TOKEN_FILE_ENV, TOKENS_E
 from grpo_stream.common.weights.registry import transport_spec
 from grpo_stream.trainer_service.run_outputs import wasted_fraction
 from grpo_stream.common.rollouts.redis_server import EmbeddedRedis, RedisConnectError, connect, credentials, free_port
+from grpo_stream.supervise import Supervisor
 
 ENDPOINTS_FILE = "endpoints.json"  # in RUN_DIR: where `grpo-stream submit --run-dir` sends prompts
 
 
 class _Child:
     def __init__(self, name: str, cmd: list[str], log_dir: pathlib.Path, env: dict[str, str]):
-        self.name = name
+        self.name, self.cmd, self.env = name, cmd, env
         self.log_path = log_dir / f"{name}.log"
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
-                                     bufsize=1, start_new_session=True)
-        self._relay = threading.Thread(target=self._pump, daemon=True)
+        self.starts = 0
+        self.start()
+
+    def start(self) -> None:
+        """Start the process (again, after a failure: its log goes on in the same file)."""
+        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=self.env,
+                                     text=True, bufsize=1, start_new_session=True)
+        self._relay = threading.Thread(target=self._pump, args=(self.proc, "w" if self.starts == 0 else "a"),
+                                       daemon=True)
+        self.starts += 1
         self._relay.start()
 
-    def _pump(self) -> None:
-        with open(self.log_path, "w") as log_file:
-            for line in self.proc.stdout:
+    def _pump(self, proc: subprocess.Popen, mode: str) -> None:
+        with open(self.log_path, mode) as log_file:
+            for line in proc.stdout:
                 log_file.write(line)
                 log_file.flush()
                 sys.stdout.write(f"[{self.name}] {line}")
@@ -195,17 +205,7 @@ def run_up(config_path: pathlib.Path | None, overrides: list[str], cfg: RunConfi
                                                                         sampler_devices))
             for i in range(cfg.sampler.replicas)]
         children.extend(samplers)
-        failed = None
-        while trainer.proc.poll() is None:
-            for child in samplers + helpers:
-                if child.proc.poll() not in (None, 0):
-                    failed = child
-            if failed:
-                print(f"[up] {failed.name} exited with code {failed.proc.returncode}; stopping the run", flush=True)
-                for child in children:
-                    child.terminate()
-                break
-            time.sleep(0.2)
+        supervisor = supervise(cfg, trainer, helpers + samplers, redis_server, children, lambda: interrupted)
         trainer_code = trainer.wait(timeout_s=120)
         sampler_codes = {}
         for child in samplers:
@@ -233,6 +233,8 @@ def run_up(config_path: pathlib.Path | None, overrides: list[str], cfg: RunConfi
     summary["trainer_wall_seconds"] = summary.pop("wall_seconds")
     summary["wall_seconds"] = round(time.time() - started, 2)
     summary["sampler_exit_codes"] = sampler_codes
+    summary["restarts"] = {name: supervisor.restarts[name] for name in
+                           ["redis"] * (redis_server is not None) + [child.name for child in children]}
     summary["samplers"] = {path.stem: json.loads(path.read_text()) for path in sorted(run_dir.glob("sampler-*.json"))}
     if summary["samplers"] and all("groups_generated" in s for s in summary["samplers"].values()):
         # the samplers' own final counts (their last reports to the trainer may miss the last batches)
@@ -250,6 +252,40 @@ def run_up(config_path: pathlib.Path | None, overrides: list[str], cfg: RunConfi
     if interrupted:
         return 130
     return 0 if all(code == 0 for code in sampler_codes.values()) else 1
+
+
+def supervise(cfg: RunConfig, trainer: _Child, others: list[_Child], redis_server: EmbeddedRedis | None,
+              children: list[_Child], interrupted: Callable[[], bool]) -> Supervisor:
+    """Watch the processes until the trainer finishes (exit 0), restarting failed ones per cfg.up; returns the
+    supervisor (its restart counts). Stops every process when one fails past its restarts or on Ctrl-C."""
+    supervisor = Supervisor(cfg.up)
+    by_name = {child.name: child for child in [trainer, *others]}
+    while not interrupted():
+        if trainer.proc.poll() == 0 and not supervisor.waiting(trainer.name):
+            return supervisor
+        failed = [c.name for c in [trainer, *others]
+                  if c.proc.poll() not in (None, 0) and not supervisor.waiting(c.name)]
+        if redis_server is not None and redis_server.proc.poll() is not None and not supervisor.waiting("redis"):
+            failed.append("redis")
+        for name in failed:
+            code = redis_server.proc.returncode if name == "redis" else by_name[name].proc.returncode
+            delay = supervisor.failed(name)
+            if delay is None:
+                print(f"[up] {name} exited with code {code}; stopping the run (up.restart={cfg.up.restart}, "
+                      f"{supervisor.restarts[name]} of up.max_restarts={cfg.up.max_restarts} restarts made)",
+                      flush=True)
+                for child in children:
+                    child.terminate()
+                return supervisor
+            print(f"[up] {name} exited with code {code}; restarting it in {delay:.1f}s (restart "
+                  f"{supervisor.restarts[name] + 1} of {cfg.up.max_restarts})", flush=True)
+        for name in supervisor.due():
+            if name == "redis":
+                redis_server.start()  # same port and data directory: it replays its AOF
+            else:
+                by_name[name].start()
+        time.sleep(0.2)
+    return supervisor
 
 
 def _eval_change(summary: dict) -> str:

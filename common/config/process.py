@@ -1,4 +1,5 @@
-"""The config sections of how every process runs: logging and the console, and the JAX compilation cache."""
+"""The config sections of how every process runs: logging and the console, the JAX compilation cache, and how
+`up` supervises the processes it starts."""
 
 from __future__ import annotations
 
@@ -11,6 +12,20 @@ from pydantic import Field, field_validator
 from grpo_stream.common.config.base import Strict
 
 COMPILATION_CACHE_ENV = "GRPO_STREAM_COMPILATION_CACHE_DIR"  # the cache directory when the config sets none
+
+
+class UpSection(Strict):
+    """How `grpo-stream up` keeps its processes running, as Kubernetes restarts a failed pod."""
+
+    restart: Literal["on-failure", "never"] = Field(
+        "on-failure", description="'on-failure': a sampler, the standalone ingest, the trainer or the embedded Redis "
+        "that exits with an error or is killed is started again (the trainer resumes from its newest checkpoint, "
+        "Redis from its AOF, a sampler from its data position) and the run goes on; 'never': the first failure "
+        "stops the run. Ctrl-C always stops everything.")
+    max_restarts: int = Field(5, ge=0, le=10_000, description="Restarts allowed per process; one more failure "
+                              "stops the run (a crash loop is a bug to read in RUN_DIR/logs, not to retry forever).")
+    restart_backoff_s: float = Field(1.0, gt=0, le=600, description="First wait before a restart; it doubles per "
+                                     "restart of the same process (jittered), up to 30 s.")
 
 
 class LoggingSection(Strict):

@@ -24,7 +24,7 @@ from grpo_stream.common.config.learning import (AlgoSection, GenerationSection, 
                                                TaskSection)
 from grpo_stream.common.config.names import EngineName
 from grpo_stream.common.config.hardware import HardwareSection
-from grpo_stream.common.config.process import LoggingSection, RuntimeSection
+from grpo_stream.common.config.process import LoggingSection, RuntimeSection, UpSection
 from grpo_stream.common.config.weights import DistributedSection, WeightsSection
 from grpo_stream.common.engine.registry import engine_spec
 from grpo_stream.common.tasks.registry import TASKS, task_spec
@@ -295,6 +295,7 @@ class RunConfig(Strict):
     warmstart: WarmStartSection = Field(default_factory=WarmStartSection, description="Supervised warm start.")
     eval: EvalSection = Field(default_factory=EvalSection, description="Held-out evaluation.")
     logging: LoggingSection = Field(default_factory=LoggingSection, description="Logging.")
+    up: UpSection = Field(default_factory=UpSection, description="How `up` restarts the processes it starts.")
     # default validated like a given section, so a bad $GRPO_STREAM_COMPILATION_CACHE_DIR names runtime.<field>
     runtime: RuntimeSection = Field(default_factory=dict, validate_default=True, description="Process runtime: "
                                     "the persistent compilation cache.")
