@@ -234,7 +234,7 @@ def run_up(config_path: pathlib.Path | None, overrides: list[str], cfg: RunConfi
     summary["wall_seconds"] = round(time.time() - started, 2)
     summary["sampler_exit_codes"] = sampler_codes
     summary["restarts"] = {name: supervisor.restarts[name] for name in
-                           ["redis"] * (redis_server is not None) + [child.name for child in children]}
+                           ["redis-server"] * (redis_server is not None) + [child.name for child in children]}
     summary["samplers"] = {path.stem: json.loads(path.read_text()) for path in sorted(run_dir.glob("sampler-*.json"))}
     if summary["samplers"] and all("groups_generated" in s for s in summary["samplers"].values()):
         # the samplers' own final counts (their last reports to the trainer may miss the last batches)
@@ -265,10 +265,11 @@ def supervise(cfg: RunConfig, trainer: _Child, others: list[_Child], redis_serve
             return supervisor
         failed = [c.name for c in [trainer, *others]
                   if c.proc.poll() not in (None, 0) and not supervisor.waiting(c.name)]
-        if redis_server is not None and redis_server.proc.poll() is not None and not supervisor.waiting("redis"):
-            failed.append("redis")
+        redis_died = redis_server is not None and redis_server.proc.poll() is not None
+        if redis_died and not supervisor.waiting("redis-server"):
+            failed.append("redis-server")
         for name in failed:
-            code = redis_server.proc.returncode if name == "redis" else by_name[name].proc.returncode
+            code = redis_server.proc.returncode if name == "redis-server" else by_name[name].proc.returncode
             delay = supervisor.failed(name)
             if delay is None:
                 print(f"[up] {name} exited with code {code}; stopping the run (up.restart={cfg.up.restart}, "
@@ -280,7 +281,7 @@ def supervise(cfg: RunConfig, trainer: _Child, others: list[_Child], redis_serve
             print(f"[up] {name} exited with code {code}; restarting it in {delay:.1f}s (restart "
                   f"{supervisor.restarts[name] + 1} of {cfg.up.max_restarts})", flush=True)
         for name in supervisor.due():
-            if name == "redis":
+            if name == "redis-server":
                 redis_server.start()  # same port and data directory: it replays its AOF
             else:
                 by_name[name].start()

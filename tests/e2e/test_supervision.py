@@ -46,14 +46,14 @@ def test_up_restarts_what_dies_and_the_run_completes(tmp_path):
         env={**os.environ, "PYTHONUNBUFFERED": "1"})
     # (process to kill, how to find it, the trainer step after which to kill it)
     faults = [("sampler-0", (" sampler ", "--index 0", name), 3), ("trainer", (" trainer ", name), 7),
-              ("redis", ("redis-server", "address unknown"), 11), ("ingest", (" ingest ", name), 15)]
+              ("redis-server", ("redis-server", "address unknown"), 11), ("ingest", (" ingest ", name), 15)]
     lines, done, deadline = [], [], time.monotonic() + 600
     try:
         for line in proc.stdout:
             lines.append(line)
             if line.startswith("[up] embedded Redis at redis://"):  # redis-server retitles itself 'HOST:PORT'
                 address = line.split("redis://")[1].split("/")[0]
-                faults[2] = ("redis", ("redis-server", address), faults[2][2])
+                faults[2] = ("redis-server", ("redis-server", address), faults[2][2])
             if "[trainer]" in line and "step " in line and faults:
                 who, words, after = faults[0]
                 step = next((int(w.split("/")[0]) for w in line.split() if "/" in w and w.split("/")[0].isdigit()),
@@ -71,7 +71,7 @@ def test_up_restarts_what_dies_and_the_run_completes(tmp_path):
             proc.kill()
     text = "".join(lines)
     assert proc.returncode == 0, text[-6000:]
-    assert done == ["sampler-0", "trainer", "redis", "ingest"], text[-6000:]
+    assert done == ["sampler-0", "trainer", "redis-server", "ingest"], text[-6000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == STEPS and summary["resumed_from"] is not None  # the restarted trainer resumed
     restarts = summary["restarts"]
