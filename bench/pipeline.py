@@ -51,7 +51,9 @@ def _random_group(rng: np.random.Generator, cfg, vocab: int, pad_id: int, index:
         correct = float(rng.random() < 0.5)
         completions.append(CompletionData(tokens, -rng.random(n, dtype=np.float32) * 3, correct, n == gen.max_new_tokens,
                                           {"answer_correct": correct}))
-    return GroupData(f"bench/{index}", f"p{index}", prompt, completions, version, "bench-producer")
+    # a sampler's ids, as its token allows: sampler id sampler-0, group ids '<run>/sampler-0/<data position>'
+    return GroupData(f"bench/sampler-0/{index}", f"p{index}", prompt, completions, version, "sampler-0",
+                     data_position=index)
 
 
 def _produce(trainer: Trainer, stop: threading.Event, errors: list) -> None:
@@ -70,7 +72,8 @@ def _produce(trainer: Trainer, stop: threading.Event, errors: list) -> None:
         index = 0
         while not stop.is_set():
             group = templates[index % len(templates)]
-            group.group_id, group.policy_version = f"bench/{index}", trainer.publisher.latest_version or 0
+            group.group_id, group.data_position = f"bench/sampler-0/{index}", index
+            group.policy_version = trainer.publisher.latest_version or 0
             if client.put(to_proto(group), timeout_s=0.1):
                 index += 1
         client.close()

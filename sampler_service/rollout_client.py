@@ -48,13 +48,17 @@ class RolloutClient:
         self._unacked = 0
         self._lock = threading.Lock()
         self.min_version = 0
+        self.refused: str | None = None  # why the ingest refuses this sender for good (its token or its ids)
 
     def start(self) -> "RolloutClient":
         self._thread.start()
         return self
 
     def put(self, group: rollout_pb2.RolloutGroup, timeout_s: float) -> bool:
-        """Queue a group, waiting up to timeout_s while the backlog is full; False (not queued) on timeout."""
+        """Queue a group, waiting up to timeout_s while the backlog is full; False (not queued) on timeout.
+        PermissionError once the ingest has refused this sender's token or sampler ids: retrying cannot help."""
+        if self.refused is not None:
+            raise PermissionError(self.refused)
         try:
             self._backlog.put(group, timeout=timeout_s)
         except queue.Full:
@@ -153,6 +157,12 @@ class RolloutClient:
                     call.cancel()
             except (grpc.RpcError, StopIteration, _BadReply) as exc:
                 if self._stop.is_set():
+                    break
+                if isinstance(exc, grpc.RpcError) and exc.code() in (grpc.StatusCode.PERMISSION_DENIED,
+                                                                     grpc.StatusCode.UNAUTHENTICATED):
+                    self.refused = (f"the ingest refused this sampler's groups ({exc.code().name}: {exc.details()}); "
+                                    "check its token (auth.token_file, $GRPO_STREAM_TOKEN_FILE) and its sampler id")
+                    log.error("%s; %d groups not sent", self.refused, len(pending) + self._backlog.qsize())
                     break
                 self.stats["reconnects"] += 1
                 code = exc.code() if isinstance(exc, grpc.RpcError) else (str(exc) or "stream closed")

@@ -4,6 +4,7 @@ TLS with certificates made in the test."""
 
 import socket
 import ssl
+import time
 
 import grpc
 import numpy as np
@@ -287,3 +288,22 @@ def test_plaintext_beyond_loopback_is_warned_about_or_refused(tiny_parts, shared
     strict = dataclasses.replace(security, plaintext_bind="refuse")
     with pytest.raises(OSError, match="tls.plaintext_bind"):
         TrainerServer(None, WeightPublisher(), "0.0.0.0", 0, security=strict).start()
+
+
+def test_a_sampler_refused_for_its_ids_stops_sending_with_the_reason(named_stack):
+    from grpo_stream.common.rpc.grpc_util import ClientSecurity, open_channel  # noqa: PLC0415
+    from grpo_stream.sampler_service.rollout_client import RolloutClient  # noqa: PLC0415
+
+    channel = open_channel(named_stack.address, ClientSecurity(named_stack.token("sampler-1")))
+    client = RolloutClient(channel, backlog_max_groups=4).start()
+    try:
+        client.put(dataset_group(named_stack.cfg.run.name, "sampler-0", 1), timeout_s=5)  # another sampler's group
+        deadline = time.monotonic() + 20
+        while client.refused is None:
+            assert time.monotonic() < deadline, "the client kept retrying a refusal"
+            time.sleep(0.02)
+        with pytest.raises(PermissionError, match="PERMISSION_DENIED.*sampler_id"):
+            client.put(dataset_group(named_stack.cfg.run.name, "sampler-1", 2), timeout_s=1)
+    finally:
+        client.close()
+        channel.close()
