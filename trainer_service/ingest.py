@@ -163,8 +163,13 @@ class IngestServicer(rollout_pb2_grpc.RolloutIngestServicer):
                 context.abort(grpc.StatusCode.PERMISSION_DENIED, f"groups[{k}].sampler_id: {g.sampler_id[:64]!r} is "
                               f"not this token's ({caller.name!r} may send as {caller.name!r} or "
                               f"'{caller.name}-<k>'); give each sampler its own token or fix sampler ids")
-            own = f"/{g.sampler_id}/{g.data_position}" if g.HasField("data_position") else f"/{g.sampler_id}/"
-            if not g.injected and not (g.group_id.endswith(own) if g.HasField("data_position") else own in g.group_id):
+            if g.injected:
+                continue  # an injected answer's id is checked against its prompt (_check_injected)
+            if g.HasField("data_position"):
+                own = g.group_id.endswith(f"/{g.sampler_id}/{g.data_position}")
+            else:
+                own = f"/{g.sampler_id}/" in g.group_id
+            if not own:
                 context.abort(grpc.StatusCode.PERMISSION_DENIED, f"groups[{k}].group_id: {g.group_id[:64]!r} is not "
                               f"sampler {g.sampler_id[:64]!r}'s id for data position {g.data_position} "
                               "('<run>/<sampler id>/<position>')")
