@@ -24,6 +24,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from grpo_stream.common.config.schema import RunConfig
 from grpo_stream.common.engine import continuous
+from grpo_stream.common.engine.slot_programs import pow2_at_least
 from grpo_stream.common.engine.registry import engine_spec
 from grpo_stream.common.model.architectures import Architecture
 from grpo_stream.common.model.policy import PolicyModel, build_from_architecture, tiny_architecture
@@ -145,7 +146,7 @@ def sampler_programs(cfg: RunConfig, arch: Architecture) -> dict:
     model = abstract_model(arch, model_dtype(cfg, "sampler"), mesh)
     engine = continuous.ContinuousEngine(model, 0, 1, gen.max_prompt_tokens, gen.max_new_tokens, gen.temperature,
                                          slots=gen.decode_slots, chunk_steps=gen.decode_chunk_steps)
-    slots = min(engine.slots, continuous._pow2_at_least(s.prompts_per_batch * gen.num_generations))
+    slots = min(engine.slots, pow2_at_least(s.prompts_per_batch * gen.num_generations))
     window = engine.cache_len
     replicated = NamedSharding(mesh, PartitionSpec())
     progress(f"sampler: compiling re-layout, prefill and decode ({slots} slots, {window}-token cache, tp "
@@ -159,9 +160,9 @@ def sampler_programs(cfg: RunConfig, arch: Architecture) -> dict:
     state = jax.tree.map(lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=replicated),
                          jax.eval_shape(lambda: engine._empty_state(slots, window)))
     scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
-    decode = analysed(engine._decode.lower(weights, state, scalar, greedy=False, window=window).compile())
-    prompts = continuous._pow2_at_least(s.prompts_per_batch)
-    width = min(engine.cache_len, continuous._pow2_at_least(gen.max_prompt_tokens, 16))
+    decode = analysed(engine._decode.lower(weights, (state,), scalar, greedy=False, windows=(window,)).compile())
+    prompts = pow2_at_least(s.prompts_per_batch)
+    width = min(engine.cache_len, pow2_at_least(gen.max_prompt_tokens, 16))
     prefill = analysed(engine._prefill.lower(
         weights, jax.ShapeDtypeStruct((prompts, width), jnp.int32, sharding=replicated),
         jax.ShapeDtypeStruct((prompts,), jnp.int32, sharding=replicated)).compile())

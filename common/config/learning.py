@@ -107,6 +107,10 @@ class GenerationSection(Strict):
     decode_chunk_steps: int = Field(16, ge=1, le=4096, description="JAX engine: most decode steps the device runs "
                                     "between two host scheduling points (refills, weight updates); a chunk ends "
                                     "early when rows wait for slots.")
+    decode_length_groups: int = Field(2, ge=1, le=2, description="JAX engine: 2 lets sequences that outgrow the "
+                                      "attention window of the others move to a second slot group with a longer "
+                                      "window (chosen by a cost model), so a few long completions do not make "
+                                      "every slot attend over their length; 1 keeps one window for all slots.")
 
 
 class AlgoSection(Strict):

@@ -1,36 +1,50 @@
 """The JAX sampling engine (sampler.engine: jax): continuous batching over a fixed set of decode slots.
 
-A request set (`generate`'s prompts, one row each) is served by S decode slots,
-each holding one sequence's KV cache. The device runs jitted chunks of up to
-`chunk_steps` decode steps over all slots (no host round trip per token); at
-the chunk boundaries the host takes the new tokens, frees the slots whose
-sequence ended (EOS or its token budget) and refills them from the pending
-rows, while the other slots keep their caches and go on decoding. A request
-set ends when its last sequence ends, never at max_new_tokens for its own sake.
+A request set (`generate`'s prompts, one row each) is served by at most
+`slots` decode slots, each holding one sequence's KV cache. The device runs
+jitted chunks of up to `chunk_steps` decode steps (slot_programs.py; no host
+round trip per token); at the chunk boundaries the host takes the new tokens,
+frees the slots whose sequence ended (EOS or its token budget) and refills
+them from the pending rows, while the other slots keep their caches and go on
+decoding. A request set ends when its last sequence ends, never at
+max_new_tokens for its own sake.
 
 - Shared prompt prefill: identical prompts among the rows being admitted (the
   G completions of a GRPO group) are prefilled once; the prompt's keys and
   values are copied into each of their slots.
-- Attention follows live lengths: the slots' caches hold W positions, W the
-  smallest length bucket (64, 128, 256, ... the longest sequence allowed)
-  holding every live sequence to the chunk's end, so a step at live length
-  100 reads 128 keys, not the whole cache. The cache is resized to a new
-  bucket between chunks (rarely: buckets double), and is never sliced inside
-  a chunk: a slice of the cache is a copy of it on every step.
-- The slot count follows the work: S is the smallest power of two (at most
-  `slots`) holding the request set, and once no row is pending and at most
-  half the slots are live, the live ones are compacted into S/2 slots (down
-  to 8), so a long tail does not pay for the whole batch.
+- Attention follows live lengths. Slots live in groups whose caches share a
+  window W: the smallest length bucket (64, 128, 256, ... the longest sequence
+  allowed) holding each of the group's sequences to the chunk's end, so a step
+  at live length 100 reads 128 keys, not the whole cache. Windows change
+  between chunks (rarely: buckets double), never inside one (a slice of the
+  cache inside a chunk is a copy of it on every step). With
+  `length_groups=2` (the default) a sequence that outgrows the main group's
+  window can move to a second, long-window group instead of widening the
+  window of every slot: in a long-tailed request set a few long completions
+  would otherwise make hundreds of short ones attend over their length. The
+  choice is made by a cost model (`step_cost`): every slot pays its row's
+  work and its window; both groups decode in one program, one weight pass
+  per step, the matmuls over all rows and attention per group. This is the CPU and reference form of
+  ragged attention; an accelerator kernel over a paged cache would give every
+  row its own window.
+- The slot count follows the work: the main group has the smallest power of
+  two (at most `slots`) slots holding the request set, and once no row is
+  pending and at most half its slots are live, the live ones are compacted
+  into half as many (down to 8); the long group grows and shrinks the same
+  way. KV memory stays within `slots` x the longest sequence: at most `slots`
+  sequences are live at once, and a layout over that memory merges the two
+  groups instead.
 - Compiled programs: one per (slots, window, greedy) for decoding, per
-  (prompts, prompt-length bucket) for prefill, per (slots, window) for
-  admission, compaction and resizing; `programs` lists the shapes compiled.
+  (prompts, prompt-length bucket) for prefill, per group shapes for admission,
+  compaction, resizing and moving; `programs` lists the shapes compiled.
 
 Layout and numerics: a slot's prompt occupies cache slots 0..P-1 with RoPE
 positions 0..P-1 and its completion follows, which is what the trainer's
 left-padded layout gives the same tokens (`positions_from_mask`), so
 behaviour logprobs equal the trainer's recomputation to float rounding. Each
 row samples with its own key, fold_in(rng, row), and its n-th token with
-fold_in(that, n): results do not depend on how rows were scheduled onto slots.
+fold_in(that, n): results do not depend on how rows were scheduled onto slots
+or groups.
 
 In-flight weight updates: `generate(..., refresh=f)` calls f() at every chunk
 boundary; when it returns new (params, version) every live slot continues
@@ -48,162 +62,72 @@ its version's given the cache as it was, and a completion can mix versions
 from __future__ import annotations
 
 import collections
-import functools
+import dataclasses
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import struct
 
 from grpo_stream.common.engine import decode
 from grpo_stream.common.engine.base import Generation, check_request
-from grpo_stream.common.model.policy import PolicyModel, policy_log_softmax
-
-MIN_WINDOW = 64
-MIN_SLOTS = 8  # compaction stops here: below it a step costs little more, and each size is another program
+from grpo_stream.common.engine.slot_programs import MIN_SLOTS, MIN_WINDOW, SlotPrograms, SlotState, pow2_at_least
+from grpo_stream.common.model.policy import PolicyModel
 
 
-@struct.dataclass
-class SlotState:
-    cache: tuple             # per layer keys [S, KV, D, W], values [S, KV, W, D]: W the coming chunk's window
-    last_logits: jax.Array   # [S, V] float32: logits for the slot's next token
-    length: jax.Array        # [S] int32: tokens in the slot's cache = next write slot = next RoPE position
-    produced: jax.Array      # [S] int32: completion tokens sampled so far
-    budget: jax.Array        # [S] int32: completion token limit of the slot's row
-    active: jax.Array        # [S] bool: the slot holds a sequence that has not ended
-    keys: jax.Array          # [S, ...] uint32: the row's PRNG key data
+@dataclasses.dataclass
+class SlotGroup:
+    """The host's view of one slot group: its device state and, per slot, the row it serves."""
+    state: SlotState
+    window: int
+    row: np.ndarray             # row each slot serves, -1: free
+    produced: np.ndarray        # completion tokens copied out so far
+    logits_version: np.ndarray  # version of the weights that computed the slot's next-token logits
+
+    @property
+    def size(self) -> int:
+        return len(self.row)
+
+    @property
+    def live(self) -> np.ndarray:
+        return self.row >= 0
 
 
-def _pow2_at_least(n: int, low: int = 1) -> int:
-    return max(low, 1 << max(0, (n - 1).bit_length()))
+def step_cost(layout: list[tuple[int, int]], row_work: float) -> float:
+    """Relative cost of one decode step over slot groups of (slots, window), in units of one slot attending over
+    one cache position: every slot pays `row_work` (its share of the weight matmuls and sampling) and its window.
+    The groups share one weight pass per step, so a second group costs only its own slots."""
+    return sum(size * (row_work + window) for size, window in layout)
 
 
-class ContinuousEngine:
+class ContinuousEngine(SlotPrograms):
     """Generates completions for request sets of token-id prompts with continuous batching."""
 
     fixed_shape = False  # any number of rows: slot counts are bucketed inside, callers need no padding rows
 
     def __init__(self, model: PolicyModel, pad_id: int, eos_id: int | list[int], max_prompt_tokens: int,
-                 max_new_tokens: int, temperature: float, slots: int = 256, chunk_steps: int = 16):
+                 max_new_tokens: int, temperature: float, slots: int = 256, chunk_steps: int = 16,
+                 length_groups: int = 2):
         """`eos_id`: the stop token, or all of them; `slots`: most sequences decoded at once (KV-cache memory
-        grows with it); `chunk_steps`: most decode steps between two host scheduling points."""
-        if slots < 1 or chunk_steps < 1:
-            raise ValueError(f"slots={slots} and chunk_steps={chunk_steps} must be >= 1")
-        self.model, self.pad_id = model, pad_id
-        self.eos_ids = tuple(eos_id) if isinstance(eos_id, (list, tuple)) else (eos_id,)
-        self.max_prompt_tokens, self.max_new_tokens, self.temperature = max_prompt_tokens, max_new_tokens, temperature
-        self.slots, self.chunk_steps = slots, chunk_steps
+        grows with it); `chunk_steps`: most decode steps between two host scheduling points; `length_groups`: 1
+        (every slot attends over the longest live sequence's window) or 2 (long sequences may move to their own
+        group)."""
+        if slots < 1 or chunk_steps < 1 or length_groups not in (1, 2):
+            raise ValueError(f"slots={slots} and chunk_steps={chunk_steps} must be >= 1, length_groups="
+                             f"{length_groups} 1 or 2")
+        eos_ids = tuple(eos_id) if isinstance(eos_id, (list, tuple)) else (eos_id,)
+        super().__init__(model, pad_id, eos_ids, temperature, chunk_steps)
+        self.max_prompt_tokens, self.max_new_tokens = max_prompt_tokens, max_new_tokens
+        self.slots, self.length_groups = slots, length_groups
         decode.check_sequence_fits(model, max_prompt_tokens + max_new_tokens)
         # a completion's last token is sampled, never written: the cache needs prompt + max_new_tokens - 1 slots
         self.cache_len = -(-(max_prompt_tokens + max_new_tokens) // MIN_WINDOW) * MIN_WINDOW
-        self.dtype = jax.tree_util.tree_leaves(model.params)[0].dtype
-        self.programs: set[tuple] = set()
-        self.stats = collections.Counter()  # decode_steps, slot_steps, live_slot_steps, prefills, prefill_rows
-        self._relayout = jax.jit(functools.partial(decode.decode_weights, model))
+        arch = model.arch
+        # a row's work outside attention in cache positions: the parameters over one position's keys and values
+        # (2 x KV x D x layers numbers) is the ratio of their memory traffic; measured on CPU (bench sampler's
+        # model: 1.0 ms per row and 1.1 us per position at 256 slots) the matmul side is 16x cheaper than that
+        self.row_work = model.num_params() / (2 * arch.num_kv_heads * arch.head_dim * arch.num_layers) / 16
         self._relaid: tuple[Any, Any] = (None, None)
-        self._decode = jax.jit(self._decode_chunk, static_argnames=("greedy", "window"), donate_argnums=(1,))
-        self._prefill = jax.jit(self._prefill_prompts)
-        self._admit = jax.jit(self._admit_rows, donate_argnums=(0,))
-        self._compact = jax.jit(self._compact_slots, static_argnames=("size",))
-        self._empty = jax.jit(self._empty_state, static_argnames=("size", "window"))
-        self._resize = jax.jit(self._resize_window, static_argnames=("window",))
-
-    # ---- device programs -------------------------------------------------------------------------------------
-
-    def _empty_state(self, size: int, window: int) -> SlotState:
-        arch = self.model.arch
-        key_shape = jax.random.key_data(jax.random.key(0)).shape
-        zeros = jnp.zeros((size,), jnp.int32)
-        return SlotState(cache=decode.init_cache(self.model, size, window, self.dtype),
-                         last_logits=jnp.zeros((size, arch.vocab_size), jnp.float32), length=zeros, produced=zeros,
-                         budget=zeros, active=jnp.zeros((size,), jnp.bool_),
-                         keys=jnp.zeros((size, *key_shape), jnp.uint32))
-
-    def _prefill_prompts(self, weights, tokens: jax.Array, lengths: jax.Array):
-        """Per layer keys [n, KV, D, P] and values [n, KV, P, D], and next-token logits [n, V], of prompts
-        right-padded to P."""
-        n, p = tokens.shape
-        valid = jnp.arange(p)[None, :] < lengths[:, None]
-        mask = jnp.tril(jnp.ones((p, p), jnp.bool_))[None] & valid[:, None, :]
-        positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (n, p))
-        cache = decode.init_cache(self.model, n, p, self.dtype)
-        logits, cache = decode.forward(self.model, weights, tokens, positions, cache, 0, mask)
-        return cache, logits[jnp.arange(n), lengths - 1]
-
-    def _admit_rows(self, state: SlotState, prompt_cache, prompt_logits, slots, source, lengths, budgets, keys):
-        """Put prompt `source[i]`'s prefill into slot `slots[i]` (slots padded with S: ignored)."""
-        p = prompt_cache[0][1].shape[2]
-        cache = tuple((k.at[slots, :, :, :p].set(pk[source], mode="drop"),
-                       v.at[slots, :, :p].set(pv[source], mode="drop"))
-                      for (k, v), (pk, pv) in zip(state.cache, prompt_cache))
-        return SlotState(cache=cache, last_logits=state.last_logits.at[slots].set(prompt_logits[source], mode="drop"),
-                         length=state.length.at[slots].set(lengths, mode="drop"),
-                         produced=state.produced.at[slots].set(0, mode="drop"),
-                         budget=state.budget.at[slots].set(budgets, mode="drop"),
-                         active=state.active.at[slots].set(True, mode="drop"),
-                         keys=state.keys.at[slots].set(keys, mode="drop"))
-
-    def _resize_window(self, state: SlotState, window: int) -> SlotState:
-        """The caches cut or zero-padded to `window` positions (no live sequence is longer than the new window)."""
-        def fit(x, axis):
-            have = x.shape[axis]
-            if have >= window:
-                return jax.lax.slice_in_dim(x, 0, window, axis=axis)
-            return jnp.pad(x, [(0, window - have if a == axis else 0) for a in range(x.ndim)])
-        return state.replace(cache=tuple((fit(k, decode.KEY_SLOT_AXIS), fit(v, decode.VALUE_SLOT_AXIS))
-                                         for k, v in state.cache))
-
-    def _compact_slots(self, state: SlotState, order: jax.Array, size: int) -> SlotState:
-        return jax.tree_util.tree_map(lambda x: x[order[:size]], state)
-
-    def _decode_chunk(self, weights, state: SlotState, want_free: jax.Array, greedy: bool, window: int):
-        """Up to chunk_steps decode steps over every slot; stops early once `want_free` slots are free (rows are
-        waiting for them) or none is live. Returns the state, tokens and logprobs [S, chunk_steps] (a slot's new
-        tokens are its first produced-after minus produced-before columns) and the steps taken."""
-        size = state.length.shape[0]
-        steps = self.chunk_steps
-        eos = jnp.asarray(self.eos_ids, jnp.int32)
-        columns = jnp.arange(window)
-        assert state.cache[0][1].shape[2] == window, "resize the cache to the chunk's window first"
-
-        def sample(st: SlotState):
-            logp = policy_log_softmax(st.last_logits, self.temperature, self.pad_id)
-            if greedy:
-                tok = jnp.argmax(logp, axis=-1).astype(jnp.int32)
-            else:
-                u = jax.vmap(lambda kd, n: jax.random.uniform(jax.random.fold_in(jax.random.wrap_key_data(kd), n)))(
-                    st.keys, st.produced)
-                tok = decode.inverse_cdf_index(1.0 - u, logp)
-            return tok, jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
-
-        def body(carry):
-            t, st, toks, lps = carry
-            tok, tok_logp = sample(st)
-            live = st.active
-            toks = toks.at[:, t].set(jnp.where(live, tok, self.pad_id))
-            lps = lps.at[:, t].set(jnp.where(live, tok_logp, 0.0))
-            produced = st.produced + live
-            ended = live & (jnp.isin(tok, eos) | (produced >= st.budget))
-            # every slot runs the step; an idle or ended slot's write lands at its own length, which nothing reads
-            # (a refill overwrites the prompt part and masks the rest by length)
-            at = jnp.minimum(st.length, window - 1)
-            key_valid = (columns[None, :] <= at[:, None])[:, None, :]
-            logits, cache = decode.forward(self.model, weights, tok[:, None], at[:, None], st.cache, at, key_valid)
-            st = st.replace(cache=cache, last_logits=logits[:, 0], length=st.length + live, produced=produced,
-                            active=live & ~ended)
-            return t + 1, st, toks, lps
-
-        def cond(carry):
-            t, st, _, _ = carry
-            return (t < steps) & st.active.any() & ((size - st.active.sum()) < want_free)
-
-        toks = jnp.full((size, steps), self.pad_id, jnp.int32)
-        lps = jnp.zeros((size, steps), jnp.float32)
-        t, state, toks, lps = jax.lax.while_loop(cond, body, (jnp.int32(0), state, toks, lps))
-        return state, toks, lps, t
-
-    # ---- host scheduling -------------------------------------------------------------------------------------
 
     def _weights(self, params: Any):
         if self._relaid[0] is not params:
@@ -227,74 +151,183 @@ class ContinuousEngine:
             return out
         weights = self._weights(params)
         row_keys = np.asarray(jax.random.key_data(jax.vmap(lambda i: jax.random.fold_in(rng, i))(jnp.arange(rows))))
-        size = min(self.slots, _pow2_at_least(rows))
-        window = MIN_WINDOW
-        state = self._empty(size=size, window=window)
-        self.programs.add(("empty", size, window))
+        self._prompt_lens = np.array([len(p) for p in prompts])
+        main, long = self._group(min(self.slots, pow2_at_least(rows)), MIN_WINDOW), None
         pending = collections.deque(range(rows))
-        slot_row = np.full(size, -1, np.int64)       # row each slot serves, -1: free
-        produced = np.zeros(size, np.int64)            # tokens already copied out, per slot
-        prompt_lens = np.array([len(p) for p in prompts])
-        # version of the weights that computed each slot's next-token logits: the first token of a chunk after an
-        # update was drawn from logits the previous weights computed, so it records their version
-        logits_version = np.zeros(size, np.int64)
         while True:
             if refresh is not None:
                 update = refresh()
                 if update is not None:
                     params, version = update
                     weights = self._weights(params)
-            free = np.flatnonzero(slot_row < 0)
-            coming = [pending[i] for i in range(min(len(free), len(pending)))]  # rows admitted before this chunk
-            live = slot_row >= 0
-            if not live.any() and not coming:
+            live_total = int(main.live.sum()) + (int(long.live.sum()) if long else 0)
+            free = np.flatnonzero(~main.live)
+            coming = [pending[i] for i in range(min(len(free), len(pending), self.slots - live_total))]
+            if not live_total and not coming:
                 return out
-            # tokens in the fullest cache this chunk starts with
-            longest = max(([int((prompt_lens[slot_row[live]] + produced[live]).max())] if live.any() else [])
-                          + [int(prompt_lens[r]) for r in coming])
-            fits = min(self.cache_len, _pow2_at_least(longest + self.chunk_steps, MIN_WINDOW))
-            if fits != window:
-                self.programs.add(("resize", size, window, fits))
-                state, window = self._resize(state, window=fits), fits
+            main, long = self._fit_windows(main, long, coming)
             if coming:
-                state, admitted = self._admit_pending(weights, state, pending, free, prompts, budgets, row_keys,
-                                                      slot_row, produced)
-                logits_version[admitted] = version
-            live = slot_row >= 0
-            want_free = min(len(pending), max(1, size // 8)) if pending else size + 1
-            self.programs.add(("decode", size, window, greedy))
-            state, toks, lps, steps = self._decode(weights, state, jnp.int32(want_free), greedy=greedy, window=window)
-            toks, lps, now_produced, active, steps = jax.device_get((toks, lps, state.produced, state.active, steps))
-            self.stats["decode_steps"] += int(steps)
-            self.stats["slot_steps"] += int(steps) * size
-            self.stats["live_slot_steps"] += int(now_produced[live].sum() - produced[live].sum())
-            for s in np.flatnonzero(live):
-                row, start, end = slot_row[s], produced[s], now_produced[s]
-                out.tokens[row, start:end] = toks[s, :end - start]
-                out.logprobs[row, start:end] = lps[s, :end - start]
-                if end > start and out.versions is not None:
-                    out.versions[row, start] = logits_version[s]
-                    out.versions[row, start + 1:end] = version
-                    logits_version[s] = version
-                produced[s] = end
-                if not active[s]:
-                    out.lengths[row] = end
-                    out.finished[row] = end > 0 and int(out.tokens[row, end - 1]) in self.eos_ids
-                    slot_row[s] = -1
-            if not pending and size > MIN_SLOTS and (slot_row >= 0).sum() <= size // 2:
-                state, slot_row, produced, logits_version = self._shrink(state, slot_row, produced, logits_version)
-                size = len(slot_row)
+                admitted = self._admit_pending(weights, main, pending, free[:len(coming)], prompts, budgets,
+                                               row_keys)
+                main.logits_version[admitted] = version
+            held = main.size * main.window + (long.size * long.window if long is not None else 0)
+            self.stats["peak_cache_positions"] = max(self.stats["peak_cache_positions"], held)
+            groups = [g for g in (main, long) if g is not None and g.live.any()]
+            if groups[0] is main and pending:  # stop early once enough slots are free for waiting rows
+                want_free = int((~main.live).sum()) + min(len(pending), max(1, main.size // 8))
+            else:
+                want_free = groups[0].size + 1
+            windows = tuple(g.window for g in groups)
+            self.programs.add(("decode", tuple((g.size, g.window) for g in groups), greedy))
+            states, toks, lps, steps = self._decode(weights, tuple(g.state for g in groups), jnp.int32(want_free),
+                                                    greedy=greedy, windows=windows)
+            fetched = jax.device_get((toks, lps, tuple((s.produced, s.active) for s in states), steps))
+            for i, group in enumerate(groups):
+                group.state = states[i]
+                self._collect(group, out, fetched[0][i], fetched[1][i], *fetched[2][i], fetched[3], version)
+            self.stats["decode_steps"] += int(fetched[3])
+            main, long = self._compact_groups(main, long, pending)
 
-    def _admit_pending(self, weights, state, pending, free, prompts, budgets, row_keys, slot_row, produced):
-        """Prefill the next pending rows' prompts (each distinct prompt once) into the free slots; returns the new
-        state and the slots filled."""
-        size = len(slot_row)
-        take = [pending.popleft() for _ in range(min(len(free), len(pending)))]
+    def _collect(self, group: SlotGroup, out: Generation, toks, lps, now_produced, active, steps, version: int):
+        """Copy a chunk's new tokens out and free the slots whose sequence ended."""
+        live = group.live
+        self.stats["slot_steps"] += int(steps) * group.size
+        self.stats["cache_positions_read"] += int(steps) * group.size * group.window
+        self.stats["live_slot_steps"] += int(now_produced[live].sum() - group.produced[live].sum())
+        for s in np.flatnonzero(live):
+            row, start, end = group.row[s], group.produced[s], now_produced[s]
+            out.tokens[row, start:end] = toks[s, :end - start]
+            out.logprobs[row, start:end] = lps[s, :end - start]
+            if end > start and out.versions is not None:
+                out.versions[row, start] = group.logits_version[s]
+                out.versions[row, start + 1:end] = version
+                group.logits_version[s] = version
+            group.produced[s] = end
+            if not active[s]:
+                out.lengths[row] = end
+                out.finished[row] = end > 0 and int(out.tokens[row, end - 1]) in self.eos_ids
+                group.row[s] = -1
+
+    # ---- windows and groups ----------------------------------------------------------------------------------
+
+    def _need(self, tokens: np.ndarray | int) -> np.ndarray:
+        """The window that holds sequences of `tokens` tokens to the end of the coming chunk."""
+        buckets = np.maximum(MIN_WINDOW, 2 ** np.ceil(np.log2(np.asarray(tokens) + self.chunk_steps)))
+        return np.minimum(self.cache_len, buckets).astype(np.int64)
+
+    def _needs(self, group: SlotGroup) -> np.ndarray:
+        """Per slot: the window its sequence needs this chunk (0 for a free slot)."""
+        lengths = self._prompt_lens[np.maximum(group.row, 0)] + group.produced
+        return np.where(group.live, self._need(lengths), 0)
+
+    def _fit_windows(self, main: SlotGroup, long: SlotGroup | None, coming: list[int]):
+        """Give every group the window its sequences need this chunk. Main-group sequences that outgrow its window
+        either widen it or move to the long group, whichever `step_cost` says is cheaper within the memory of
+        `slots` whole sequences; when neither fits, the groups merge."""
+        long_window = max(MIN_WINDOW, int(self._needs(long).max())) if long is not None else 0
+        needs = self._needs(main)
+        coming_need = int(self._need(self._prompt_lens[coming]).max()) if coming else MIN_WINDOW
+        outgrown = np.flatnonzero(needs > main.window)
+        keep = max(coming_need, int(needs[needs <= main.window].max(initial=MIN_WINDOW)))
+        widen = max(keep, int(needs.max(initial=0)))
+        others = [(long.size, long_window)] if long is not None else []
+        layouts = {"widen": [(main.size, widen)] + others}
+        if outgrown.size and self.length_groups > 1:
+            long_live = int(long.live.sum()) if long is not None else 0
+            size = max(long.size if long is not None else 0, pow2_at_least(long_live + outgrown.size, MIN_SLOTS))
+            if size <= self.slots:
+                layouts["move"] = [(main.size, keep), (size, max(long_window, int(needs[outgrown].max())))]
+        budget = self.slots * self.cache_len
+        feasible = {k: v for k, v in layouts.items() if sum(s * w for s, w in v) <= budget}
+        if not feasible:  # one group of every live sequence always fits: at most `slots` are live
+            return self._merge(main, long, max(widen, long_window)), None
+        choice = min(feasible, key=lambda k: step_cost(feasible[k], self.row_work))
+        if long is not None:
+            long = self._set_window(long, long_window)
+        if choice == "widen":
+            return self._set_window(main, widen), long
+        size, window = layouts["move"][1]
+        long = self._group(size, window) if long is None else self._regroup(self._set_window(long, window), size)
+        self._transfer(main, long, outgrown, np.flatnonzero(~long.live)[:outgrown.size])
+        return self._set_window(main, keep), long
+
+    def _group(self, size: int, window: int) -> SlotGroup:
+        self.programs.add(("empty", size, window))
+        return SlotGroup(self._empty(size=size, window=window), window, np.full(size, -1, np.int64),
+                         np.zeros(size, np.int64), np.zeros(size, np.int64))
+
+    def _set_window(self, group: SlotGroup, window: int) -> SlotGroup:
+        if window != group.window:
+            self.programs.add(("resize", group.size, group.window, window))
+            group.state, group.window = self._resize(group.state, window=window), window
+        return group
+
+    def _regroup(self, group: SlotGroup, size: int) -> SlotGroup:
+        """`group` with `size` slots (at least its live ones), its live sequences moved in."""
+        if size == group.size:
+            return group
+        bigger = self._group(size, group.window)
+        live = np.flatnonzero(group.live)
+        self._transfer(group, bigger, live, np.arange(live.size))
+        return bigger
+
+    def _merge(self, main: SlotGroup, long: SlotGroup | None, window: int) -> SlotGroup:
+        """One group holding every live sequence at `window`."""
+        main = self._set_window(main, window)
+        if long is None:
+            return main
+        total = int(main.live.sum() + long.live.sum())
+        main = self._regroup(main, max(main.size, min(self.slots, pow2_at_least(total))))
+        self._transfer(long, main, np.flatnonzero(long.live), np.flatnonzero(~main.live)[:int(long.live.sum())])
+        self.stats["merges"] += 1
+        return main
+
+    def _transfer(self, src: SlotGroup, dst: SlotGroup, src_slots: np.ndarray, dst_slots: np.ndarray) -> None:
+        """Move sequences from src slots to free dst slots, on the device and in the host's bookkeeping."""
+        n, width = len(src_slots), min(src.size, dst.size)
+        assert len(dst_slots) == n <= width, "not enough free slots to move into"
+        src_idx, dst_idx = np.full(width, src.size, np.int32), np.full(width, dst.size, np.int32)
+        src_idx[:n], dst_idx[:n] = src_slots, dst_slots
+        self.programs.add(("move", src.size, src.window, dst.size, dst.window))
+        dst.state, active = self._move(src.state, dst.state, jnp.asarray(src_idx), jnp.asarray(dst_idx))
+        src.state = src.state.replace(active=active)
+        for name in ("row", "produced", "logits_version"):
+            getattr(dst, name)[dst_slots] = getattr(src, name)[src_slots]
+        src.row[src_slots] = -1
+        self.stats["moved_rows"] += n
+
+    def _compact_groups(self, main: SlotGroup, long: SlotGroup | None, pending) -> tuple:
+        if long is not None and not long.live.any():
+            long = None
+        if long is not None and not main.live.any() and not pending:
+            main, long = long, None  # only long sequences are left: their group carries on alone
+        if not pending and main.size > MIN_SLOTS and main.live.sum() <= main.size // 2:
+            main = self._shrink(main)
+        if long is not None and long.size > MIN_SLOTS and long.live.sum() <= long.size // 2:
+            long = self._shrink(long)
+        return main, long
+
+    def _shrink(self, group: SlotGroup) -> SlotGroup:
+        """The live slots (at most half) moved into half as many slots. Halving, not jumping to the smallest size
+        that fits, keeps the compiled shapes to one chain (S, S/2, ..., MIN_SLOTS)."""
+        live = np.flatnonzero(group.live)
+        new_size = group.size // 2
+        order = np.concatenate([live, np.flatnonzero(~group.live)]).astype(np.int32)
+        self.programs.add(("compact", group.size, group.window, new_size))
+        state = self._compact(group.state, jnp.asarray(order), size=new_size)
+        keep = order[:new_size]
+        return SlotGroup(state, group.window, group.row[keep].copy(), group.produced[keep].copy(),
+                         group.logits_version[keep].copy())
+
+    def _admit_pending(self, weights, main: SlotGroup, pending, free, prompts, budgets, row_keys) -> np.ndarray:
+        """Prefill the next pending rows' prompts (each distinct prompt once) into the main group's free slots
+        `free`; returns the slots filled."""
+        take = [pending.popleft() for _ in range(len(free))]
         unique: dict[tuple, int] = {}
         source = [unique.setdefault(tuple(prompts[r]), len(unique)) for r in take]
         distinct = list(unique)
-        width = min(self.cache_len, _pow2_at_least(max(len(p) for p in distinct), 16))
-        count = _pow2_at_least(len(distinct))
+        width = min(self.cache_len, pow2_at_least(max(len(p) for p in distinct), 16))
+        count = pow2_at_least(len(distinct))
         tokens = np.full((count, width), self.pad_id, np.int32)
         plens = np.ones((count,), np.int32)
         for i, ids in enumerate(distinct):
@@ -303,34 +336,22 @@ class ContinuousEngine:
         prompt_cache, prompt_logits = self._prefill(weights, jnp.asarray(tokens), jnp.asarray(plens))
         self.stats["prefills"] += len(distinct)
         self.stats["prefill_rows"] += len(take)
+        size = main.size
         slots = np.full((size,), size, np.int32)   # out of range: dropped
-        src = np.zeros((size,), np.int32)
-        lens = np.zeros((size,), np.int32)
-        buds = np.zeros((size,), np.int32)
+        src, lens, buds = (np.zeros((size,), np.int32) for _ in range(3))
         keys = np.zeros((size, *row_keys.shape[1:]), np.uint32)
         for i, (row, s) in enumerate(zip(take, free)):
             slots[i], src[i], lens[i], buds[i], keys[i] = s, source[i], len(prompts[row]), budgets[row], row_keys[row]
-            slot_row[s], produced[s] = row, 0
-        self.programs.add(("admit", size, state.cache[0][1].shape[2], count, width))
-        state = self._admit(state, prompt_cache, prompt_logits, jnp.asarray(slots), jnp.asarray(src),
-                            jnp.asarray(lens), jnp.asarray(buds), jnp.asarray(keys))
-        return state, free[:len(take)]
-
-    def _shrink(self, state, slot_row, *per_slot):
-        """Move the live slots (at most half) into half as many slots. Halving, not jumping to the smallest size
-        that fits, keeps the compiled shapes to one chain (S, S/2, ..., MIN_SLOTS)."""
-        size = len(slot_row)
-        live = np.flatnonzero(slot_row >= 0)
-        new_size = size // 2
-        order = np.concatenate([live, np.flatnonzero(slot_row < 0)]).astype(np.int32)
-        self.programs.add(("compact", size, state.cache[0][1].shape[2], new_size))
-        state = self._compact(state, jnp.asarray(order), size=new_size)
-        keep = order[:new_size]
-        return (state, slot_row[keep].copy(), *(x[keep].copy() for x in per_slot))
+            main.row[s], main.produced[s] = row, 0
+        self.programs.add(("admit", size, main.window, count, width))
+        main.state = self._admit(main.state, prompt_cache, prompt_logits, jnp.asarray(slots), jnp.asarray(src),
+                                 jnp.asarray(lens), jnp.asarray(buds), jnp.asarray(keys))
+        return np.asarray(free)
 
 
 def build(cfg, model: PolicyModel, tokenizer, index: int = 0) -> ContinuousEngine:
     """The engine registry's entry (sampler.engine=jax)."""
     gen = cfg.generation
     return ContinuousEngine(model, tokenizer.pad_id, tokenizer.eos_ids, gen.max_prompt_tokens, gen.max_new_tokens,
-                            gen.temperature, slots=gen.decode_slots, chunk_steps=gen.decode_chunk_steps)
+                            gen.temperature, slots=gen.decode_slots, chunk_steps=gen.decode_chunk_steps,
+                            length_groups=gen.decode_length_groups)

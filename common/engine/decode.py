@@ -158,14 +158,23 @@ def forward(model: PolicyModel, w: DecodeWeights, tokens: jax.Array, positions: 
     first S cache slots each query may attend to (the caller's causal and padding
     mask; S may be shorter than the cache). `slot`: a scalar, or per row [B] when T = 1.
     """
+    logits, (cache,) = forward_groups(model, w, tokens, positions, (cache,), (slot,), (key_valid,))
+    return logits, cache
+
+
+def forward_groups(model: PolicyModel, w: DecodeWeights, tokens: jax.Array, positions: jax.Array, caches: tuple,
+                   slots: tuple, key_valids: tuple) -> tuple[jax.Array, tuple]:
+    """`forward` over rows that come in groups, each with its own cache (and so its own attention window): the rows
+    of `tokens` are the groups' rows one group after another (group g has key_valids[g].shape[0] rows), the weight
+    matmuls run once over all of them and attention per group. Returns the logits and the groups' caches."""
+    if model.arch.family in ("gemma2", "gemma3"):
+        return _forward_gemma(model, w, tokens, positions, caches, slots, key_valids)
     arch = model.arch
-    if arch.family in ("gemma2", "gemma3"):
-        return _forward_gemma(model, w, tokens, positions, cache, slot, key_valid)
     b, t = tokens.shape
     heads, kv, d, eps = arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.norm_eps
     x = w.embedding[tokens]
-    new_cache = []
-    for layer, (keys, values) in zip(w.layers, cache):
+    new_caches = [[] for _ in caches]
+    for i, layer in enumerate(w.layers):
         h = _rms_norm(x, layer.input_norm, eps)
         qkv = h @ layer.qkv
         if layer.qkv_bias is not None:
@@ -175,15 +184,27 @@ def forward(model: PolicyModel, w: DecodeWeights, tokens: jax.Array, positions: 
         if layer.q_norm is not None:
             q, k = _rms_norm(q, layer.q_norm, eps), _rms_norm(k, layer.k_norm, eps)
         q, k = apply_rope(q, positions, w.rope_timescale), apply_rope(k, positions, w.rope_timescale)
-        attn, keys, values = _attention(q, k, v, keys, values, slot, key_valid, kv, None)
-        new_cache.append((keys, values))
+        attn = _attend_groups(q, k, v, caches, i, slots, key_valids, new_caches, kv, None, None)
         x = x + attn @ layer.out
         h = _rms_norm(x, layer.post_norm, eps)
         gate_up = h @ layer.gate_up
         hidden = gate_up.shape[-1] // 2
         x = x + (jax.nn.silu(gate_up[..., :hidden]) * gate_up[..., hidden:]) @ layer.down
     x = _rms_norm(x, w.final_norm, eps)
-    return (x @ w.lm_head).astype(jnp.float32), tuple(new_cache)
+    return (x @ w.lm_head).astype(jnp.float32), tuple(tuple(c) for c in new_caches)
+
+
+def _attend_groups(q, k, v, caches, layer: int, slots, key_valids, new_caches, kv, softcap, scale):
+    """Attention of each group's rows over its own cache of `layer`; appends the written caches to new_caches."""
+    outs, start = [], 0
+    for g, (cache, slot, valid) in enumerate(zip(caches, slots, key_valids)):
+        n = valid.shape[0]
+        rows = slice(start, start + n) if len(caches) > 1 else slice(None)
+        attn, keys, values = _attention(q[rows], k[rows], v[rows], *cache[layer], slot, valid, kv, softcap, scale)
+        outs.append(attn)
+        new_caches[g].append((keys, values))
+        start += n
+    return outs[0] if len(outs) == 1 else jnp.concatenate(outs)
 
 
 def _attention(q, k, v, keys, values, slot, key_valid, kv: int, softcap: float | None, scale: float | None = None):
@@ -218,7 +239,7 @@ def _attention(q, k, v, keys, values, slot, key_valid, kv: int, softcap: float |
     return attn.reshape(b, kv, group, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, heads * d), keys, values
 
 
-def _forward_gemma(model: PolicyModel, w: DecodeWeights, tokens, positions, cache, slot, key_valid):
+def _forward_gemma(model: PolicyModel, w: DecodeWeights, tokens, positions, caches, slots, key_valids):
     """Gemma 2 and 3: scaled embedding, (1 + w) norms around attention and MLP, tanh-GELU; Gemma 2 soft-caps
     logits, Gemma 3 normalises q and k and uses per-layer RoPE bases.
 
@@ -231,16 +252,15 @@ def _forward_gemma(model: PolicyModel, w: DecodeWeights, tokens, positions, cach
     x = w.embedding[tokens]
     x = x * jnp.sqrt(jnp.float32(arch.embed_dim)).astype(x.dtype)
     scale = (arch.query_pre_attn_scalar or d) ** -0.5
-    new_cache = []
-    for layer, (keys, values) in zip(w.layers, cache):
+    new_caches = [[] for _ in caches]
+    for i, layer in enumerate(w.layers):
         h = _rms_norm(x, layer.pre_attn_norm, eps)
         qkv = (h @ layer.qkv).reshape(b, t, heads + 2 * kv, d)
         q, k, v = qkv[:, :, :heads], qkv[:, :, heads:heads + kv], qkv[:, :, heads + kv:]
         if layer.q_norm is not None:
             q, k = _rms_norm(q, layer.q_norm, eps), _rms_norm(k, layer.k_norm, eps)
         q, k = apply_rope(q, positions, layer.rope_timescale), apply_rope(k, positions, layer.rope_timescale)
-        attn, keys, values = _attention(q, k, v, keys, values, slot, key_valid, kv, arch.attn_softcap, scale)
-        new_cache.append((keys, values))
+        attn = _attend_groups(q, k, v, caches, i, slots, key_valids, new_caches, kv, arch.attn_softcap, scale)
         x = x + _rms_norm(attn @ layer.out, layer.post_attn_norm, eps)
         h = _rms_norm(x, layer.pre_ffw_norm, eps)
         gate_up = h @ layer.gate_up
@@ -250,7 +270,7 @@ def _forward_gemma(model: PolicyModel, w: DecodeWeights, tokens, positions, cach
     logits = (_rms_norm(x, w.final_norm, eps) @ w.lm_head).astype(jnp.float32)
     if arch.final_softcap is not None:
         logits = jnp.tanh(logits / arch.final_softcap) * arch.final_softcap
-    return logits, tuple(new_cache)
+    return logits, tuple(tuple(c) for c in new_caches)
 
 
 def check_sequence_fits(model: PolicyModel, total_tokens: int) -> None:

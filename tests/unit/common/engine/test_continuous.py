@@ -98,7 +98,7 @@ def test_a_long_tail_is_compacted_into_fewer_slots(tiny_parts):
     out = engine.generate(model.params, prompts, jax.random.key(0), max_new_tokens=budgets)
     assert out.lengths.tolist() == budgets
     assert {tuple(p) for p in engine.programs if p[0] == "compact"} == {("compact", 32, 64, 16), ("compact", 16, 64, 8)}
-    assert ("decode", 8, 64, False) in engine.programs
+    assert ("decode", ((8, 64),), False) in engine.programs
     alone = engine.generate(model.params, prompts[:1], jax.random.key(0), max_new_tokens=budgets[:1])
     np.testing.assert_array_equal(alone.tokens[0], out.tokens[0])
 
@@ -118,9 +118,9 @@ def test_attention_windows_follow_live_lengths(tiny_parts):
                               chunk_steps=8)
     assert engine.cache_len >= 224
     engine.generate(model.params, _prompts(task, tok, 4), jax.random.key(0), max_new_tokens=[8] * 4)
-    assert {w for kind, *rest in engine.programs if kind == "decode" for w in rest[1:2]} == {64}
+    assert {w for p in engine.programs if p[0] == "decode" for _, w in p[1]} == {64}
     engine.generate(model.params, _prompts(task, tok, 2), jax.random.key(0), max_new_tokens=[200, 8])
-    windows = sorted({rest[1] for kind, *rest in engine.programs if kind == "decode"})
+    windows = sorted({w for p in engine.programs if p[0] == "decode" for _, w in p[1]})
     assert windows[0] == 64 and windows[-1] == engine.cache_len and len(windows) <= 4
     # the caches grew with the window between chunks (decoding never slices them): 64 -> ... -> cache_len
     grown = sorted((old, new) for kind, _, old, new in (p for p in engine.programs if p[0] == "resize") if new > old)
@@ -217,3 +217,51 @@ def test_named_numpy_roundtrip(tiny_parts):
     bad["layers.0.attn.q_proj.w"] = bad["layers.0.attn.q_proj.w"][:1]
     with pytest.raises(ValueError, match="layers.0.attn.q_proj.w"):
         model.from_named_numpy(bad)
+
+
+def _engine(tiny_parts, slots, chunk_steps, max_new, groups):
+    cfg, _, tok, model = tiny_parts
+    return ContinuousEngine(model, tok.pad_id, NO_EOS, cfg.generation.max_prompt_tokens, max_new, 1.0, slots=slots,
+                            chunk_steps=chunk_steps, length_groups=groups)
+
+
+def test_long_sequences_move_to_a_long_window_group(tiny_parts):
+    """Two 200-token completions among 600 short ones in 64 slots: once the long ones outgrow the short ones'
+    window they move to a group of their own instead of making 64 slots attend over their length. Same tokens and
+    logprobs as with one group, exact against the trainer, and far fewer cache positions read (counted)."""
+    cfg, task, tok, model = tiny_parts
+    prompts = _prompts(task, tok, 602)
+    budgets = [200, 200] + [4 + i % 24 for i in range(600)]
+    runs = {}
+    for groups in (1, 2):
+        engine = _engine(tiny_parts, 64, 8, 200, groups)
+        runs[groups] = (engine.generate(model.params, prompts, jax.random.key(4), max_new_tokens=budgets),
+                        engine.stats)
+    (one, one_stats), (two, two_stats) = runs[1], runs[2]
+    assert two.lengths.tolist() == budgets
+    np.testing.assert_array_equal(one.tokens, two.tokens)
+    np.testing.assert_allclose(one.logprobs, two.logprobs, atol=1e-5)
+    assert two_stats["moved_rows"] >= 2 and one_stats["moved_rows"] == 0
+    assert two_stats["cache_positions_read"] < 0.6 * one_stats["cache_positions_read"]
+    recomputed = _recomputed(model, model.params, prompts[:2], two, cfg.generation.max_prompt_tokens, 200,
+                             tok.pad_id, 1.0)
+    diffs = np.abs(recomputed[:, :200] - two.logprobs[:2])
+    assert diffs.mean() <= 1e-5 and diffs.max() <= 1e-4
+
+
+def test_groups_merge_when_two_would_exceed_the_cache_memory(tiny_parts):
+    """With no row work in the cost model (it then prefers moving whenever that saves positions), 32 long
+    rows with staggered prompt lengths in 32 slots move to the long group as they outgrow the window, until two groups would
+    hold more than 32 whole sequences' cache: then they merge. The cache never exceeds that memory, and the tokens are those of one group."""
+    _, task, tok, model = tiny_parts
+    prompts = [(p * 2)[:3 + i % 21] for i, p in enumerate(_prompts(task, tok, 32))]  # staggered lengths
+    budgets = [120] * 32
+    two = _engine(tiny_parts, 32, 4, 120, 2)
+    two.row_work = 0.0
+    out = two.generate(model.params, prompts, jax.random.key(9), max_new_tokens=budgets)
+    assert out.lengths.tolist() == budgets
+    one = _engine(tiny_parts, 32, 4, 120, 1).generate(model.params, prompts, jax.random.key(9),
+                                                       max_new_tokens=budgets)
+    np.testing.assert_array_equal(out.tokens, one.tokens)
+    assert two.stats["moved_rows"] > 0 and two.stats["merges"] >= 1
+    assert two.stats["peak_cache_positions"] <= 32 * two.cache_len

@@ -1,0 +1,190 @@
+"""The continuous engine's device programs: decode slots and what can be done to them.
+
+A slot group (`SlotState`) is S decode slots whose caches share one window W:
+per layer keys [S, KV, D, W] and values [S, KV, W, D]. The host loop
+(continuous.py) keeps one or two groups and drives them with these jitted
+programs, each compiled once per shape and listed in `programs`:
+
+- `_prefill`: a batch of distinct prompts' keys, values and next-token logits;
+- `_admit`: put prefilled prompts into free slots of a group;
+- `_decode`: a chunk of up to `chunk_steps` decode steps over one or more groups, one weight pass per step
+  for all of them (the matmuls see every row, attention runs per group over its own window);
+- `_resize`: change a group's window (between chunks: a slice inside a chunk is a copy per step);
+- `_compact`: gather a group's live slots into fewer slots;
+- `_move`: copy slots of one group into free slots of another (a longer sequence joining the long-window
+  group, or two groups merging), clearing them in the source.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from grpo_stream.common.engine import decode
+from grpo_stream.common.model.policy import PolicyModel, policy_log_softmax
+
+MIN_WINDOW = 64
+MIN_SLOTS = 8  # compaction stops here: below it a step costs little more, and each size is another program
+
+
+@struct.dataclass
+class SlotState:
+    cache: tuple             # per layer keys [S, KV, D, W], values [S, KV, W, D]: W the coming chunk's window
+    last_logits: jax.Array   # [S, V] float32: logits for the slot's next token
+    length: jax.Array        # [S] int32: tokens in the slot's cache = next write slot = next RoPE position
+    produced: jax.Array      # [S] int32: completion tokens sampled so far
+    budget: jax.Array        # [S] int32: completion token limit of the slot's row
+    active: jax.Array        # [S] bool: the slot holds a sequence that has not ended
+    keys: jax.Array          # [S, ...] uint32: the row's PRNG key data
+
+
+def pow2_at_least(n: int, low: int = 1) -> int:
+    return max(low, 1 << max(0, (n - 1).bit_length()))
+
+
+def window_of(state: SlotState) -> int:
+    return state.cache[0][1].shape[decode.VALUE_SLOT_AXIS]
+
+
+class SlotPrograms:
+    """The jitted programs over slot groups of one model; `programs` records every shape compiled."""
+
+    def __init__(self, model: PolicyModel, pad_id: int, eos_ids: tuple[int, ...], temperature: float,
+                 chunk_steps: int):
+        self.model, self.pad_id, self.eos_ids = model, pad_id, eos_ids
+        self.temperature, self.chunk_steps = temperature, chunk_steps
+        self.dtype = jax.tree_util.tree_leaves(model.params)[0].dtype
+        self.programs: set[tuple] = set()
+        self.stats = collections.Counter()  # decode_steps, slot_steps, live_slot_steps, prefills, prefill_rows, ...
+        self._relayout = jax.jit(functools.partial(decode.decode_weights, model))
+        self._decode = jax.jit(self._decode_chunk, static_argnames=("greedy", "windows"), donate_argnums=(1,))
+        self._prefill = jax.jit(self._prefill_prompts)
+        self._admit = jax.jit(self._admit_rows, donate_argnums=(0,))
+        self._compact = jax.jit(self._compact_slots, static_argnames=("size",))
+        self._empty = jax.jit(self._empty_state, static_argnames=("size", "window"))
+        self._resize = jax.jit(self._resize_window, static_argnames=("window",))
+        self._move = jax.jit(self._move_slots, donate_argnums=(1,))
+
+    def _empty_state(self, size: int, window: int) -> SlotState:
+        arch = self.model.arch
+        key_shape = jax.random.key_data(jax.random.key(0)).shape
+        zeros = jnp.zeros((size,), jnp.int32)
+        return SlotState(cache=decode.init_cache(self.model, size, window, self.dtype),
+                         last_logits=jnp.zeros((size, arch.vocab_size), jnp.float32), length=zeros, produced=zeros,
+                         budget=zeros, active=jnp.zeros((size,), jnp.bool_),
+                         keys=jnp.zeros((size, *key_shape), jnp.uint32))
+
+    def _prefill_prompts(self, weights, tokens: jax.Array, lengths: jax.Array):
+        """Per layer keys [n, KV, D, P] and values [n, KV, P, D], and next-token logits [n, V], of prompts
+        right-padded to P."""
+        n, p = tokens.shape
+        valid = jnp.arange(p)[None, :] < lengths[:, None]
+        mask = jnp.tril(jnp.ones((p, p), jnp.bool_))[None] & valid[:, None, :]
+        positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (n, p))
+        cache = decode.init_cache(self.model, n, p, self.dtype)
+        logits, cache = decode.forward(self.model, weights, tokens, positions, cache, 0, mask)
+        return cache, logits[jnp.arange(n), lengths - 1]
+
+    def _admit_rows(self, state: SlotState, prompt_cache, prompt_logits, slots, source, lengths, budgets, keys):
+        """Put prompt `source[i]`'s prefill into slot `slots[i]` (slots padded with S: ignored)."""
+        p = prompt_cache[0][1].shape[2]
+        cache = tuple((k.at[slots, :, :, :p].set(pk[source], mode="drop"),
+                       v.at[slots, :, :p].set(pv[source], mode="drop"))
+                      for (k, v), (pk, pv) in zip(state.cache, prompt_cache))
+        return SlotState(cache=cache, last_logits=state.last_logits.at[slots].set(prompt_logits[source], mode="drop"),
+                         length=state.length.at[slots].set(lengths, mode="drop"),
+                         produced=state.produced.at[slots].set(0, mode="drop"),
+                         budget=state.budget.at[slots].set(budgets, mode="drop"),
+                         active=state.active.at[slots].set(True, mode="drop"),
+                         keys=state.keys.at[slots].set(keys, mode="drop"))
+
+    def _resize_window(self, state: SlotState, window: int) -> SlotState:
+        """The caches cut or zero-padded to `window` positions (no live sequence is longer than the new window)."""
+        def fit(x, axis):
+            have = x.shape[axis]
+            if have >= window:
+                return jax.lax.slice_in_dim(x, 0, window, axis=axis)
+            return jnp.pad(x, [(0, window - have if a == axis else 0) for a in range(x.ndim)])
+        return state.replace(cache=tuple((fit(k, decode.KEY_SLOT_AXIS), fit(v, decode.VALUE_SLOT_AXIS))
+                                         for k, v in state.cache))
+
+    def _compact_slots(self, state: SlotState, order: jax.Array, size: int) -> SlotState:
+        return jax.tree_util.tree_map(lambda x: x[order[:size]], state)
+
+    def _move_slots(self, src: SlotState, dst: SlotState, src_slots: jax.Array, dst_slots: jax.Array):
+        """Copy slot src_slots[i] of `src` into slot dst_slots[i] of `dst` (index vectors padded with each group's
+        size: ignored). Copies the first min(W_src, W_dst) cache positions, which hold every moved sequence (the
+        caller makes sure). Returns the new `dst` and src's `active` with the moved slots cleared; src's caches
+        are left as they are (returning them would copy them)."""
+        n_src = src.length.shape[0]
+        take = jnp.minimum(src_slots, n_src - 1)  # padding gathers a real slot; its write is dropped
+        m = min(window_of(src), window_of(dst))
+        cache = tuple((dk.at[dst_slots, :, :, :m].set(sk[take][..., :m], mode="drop"),
+                       dv.at[dst_slots, :, :m].set(sv[take][:, :, :m], mode="drop"))
+                      for (dk, dv), (sk, sv) in zip(dst.cache, src.cache))
+        moved = {name: getattr(dst, name).at[dst_slots].set(getattr(src, name)[take], mode="drop")
+                 for name in ("last_logits", "length", "produced", "budget", "active", "keys")}
+        return dst.replace(cache=cache, **moved), src.active.at[src_slots].set(False, mode="drop")
+
+    def _decode_chunk(self, weights, groups: tuple, want_free: jax.Array, greedy: bool, windows: tuple):
+        """Up to chunk_steps decode steps over every slot of the slot groups `groups` (SlotStates with the windows
+        `windows`), one weight pass per step for all of them; stops early once `want_free` slots of the first group
+        are free (rows are waiting for them) or none is live. Returns the groups, and per group the tokens and
+        logprobs [S, chunk_steps] (a slot's new tokens are its first produced-after minus produced-before
+        columns); and the steps taken."""
+        steps = self.chunk_steps
+        eos = jnp.asarray(self.eos_ids, jnp.int32)
+        assert tuple(window_of(g) for g in groups) == windows, "resize the caches to the chunk's windows first"
+
+        def sample(st: SlotState):
+            logp = policy_log_softmax(st.last_logits, self.temperature, self.pad_id)
+            if greedy:
+                tok = jnp.argmax(logp, axis=-1).astype(jnp.int32)
+            else:
+                u = jax.vmap(lambda kd, n: jax.random.uniform(jax.random.fold_in(jax.random.wrap_key_data(kd), n)))(
+                    st.keys, st.produced)
+                tok = decode.inverse_cdf_index(1.0 - u, logp)
+            return tok, jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
+
+        def body(carry):
+            t, sts, toks, lps = carry
+            drawn, ats, valids, toks_out, lps_out = [], [], [], [], []
+            for st, window, tk, lp in zip(sts, windows, toks, lps):
+                tok, tok_logp = sample(st)
+                toks_out.append(tk.at[:, t].set(jnp.where(st.active, tok, self.pad_id)))
+                lps_out.append(lp.at[:, t].set(jnp.where(st.active, tok_logp, 0.0)))
+                # every slot runs the step; an idle or ended slot's write lands at its own length, which nothing
+                # reads (a refill overwrites the prompt part and masks the rest by length)
+                at = jnp.minimum(st.length, window - 1)
+                drawn.append(tok)
+                ats.append(at)
+                valids.append((jnp.arange(window)[None, :] <= at[:, None])[:, None, :])
+            tok_all, at_all = jnp.concatenate(drawn), jnp.concatenate(ats)
+            logits, caches = decode.forward_groups(self.model, weights, tok_all[:, None], at_all[:, None],
+                                                   tuple(st.cache for st in sts), tuple(ats), tuple(valids))
+            new, start = [], 0
+            for st, tok, cache in zip(sts, drawn, caches):
+                n = st.length.shape[0]
+                live = st.active
+                produced = st.produced + live
+                ended = live & (jnp.isin(tok, eos) | (produced >= st.budget))
+                new.append(st.replace(cache=cache, last_logits=logits[start:start + n, 0], length=st.length + live,
+                                      produced=produced, active=live & ~ended))
+                start += n
+            return t + 1, tuple(new), tuple(toks_out), tuple(lps_out)
+
+        def cond(carry):
+            t, sts, _, _ = carry
+            first = sts[0].active
+            live = jnp.any(jnp.stack([st.active.any() for st in sts]))
+            return (t < steps) & live & ((first.shape[0] - first.sum()) < want_free)
+
+        toks = tuple(jnp.full((g.length.shape[0], steps), self.pad_id, jnp.int32) for g in groups)
+        lps = tuple(jnp.zeros((g.length.shape[0], steps), jnp.float32) for g in groups)
+        t, groups, toks, lps = jax.lax.while_loop(cond, body, (jnp.int32(0), tuple(groups), toks, lps))
+        return groups, toks, lps, t
