@@ -76,6 +76,10 @@ def run_case(name: str, model, p: dict, prompts: list[list[int]], budgets: list[
     ours["decode_steps_per_run"] = engine.stats["decode_steps"] // runs
     ours["slot_use"] = round(engine.stats["live_slot_steps"] / max(engine.stats["slot_steps"], 1), 3)
     ours["prefills_per_run"] = engine.stats["prefills"] // runs
+    # attention work: slot x window positions over the steps, and the long-window group's traffic
+    ours["cache_positions_read_per_run"] = engine.stats["cache_positions_read"] // runs
+    ours["rows_moved_per_run"] = engine.stats["moved_rows"] // runs
+    ours["group_merges_per_run"] = engine.stats["merges"] // runs
     engines = {"ours": ours}
     if name == "longtail":  # the static engine's cost is the same with every row at the limit: timed on longtail
         engines["static"] = time_jax_engine(StaticEngine(*args), model.params, prompts, budgets, p["repeats"])

@@ -27,11 +27,11 @@ max_new_tokens for its own sake.
   per step, the matmuls over all rows and attention per group. This is the CPU and reference form of
   ragged attention; an accelerator kernel over a paged cache would give every
   row its own window.
-- The slot count follows the work: the main group has the smallest power of
-  two (at most `slots`) slots holding the request set, and once no row is
-  pending and at most half its slots are live, the live ones are compacted
-  into half as many (down to 8); the long group grows and shrinks the same
-  way. KV memory stays within `slots` x the longest sequence: at most `slots`
+- The slot count follows the work: the main group has the smallest size on a
+  ladder of slot counts (8, 12, 16, 24, 32, 48, ... at most `slots`) holding
+  the request set, and once no row is pending and its live sequences fit the
+  next size down, they are compacted into it (down to 8); the long group
+  grows and shrinks the same way. KV memory stays within `slots` x the longest sequence: at most `slots`
   sequences are live at once, and a layout over that memory merges the two
   groups instead.
 - Compiled programs: one per (slots, window, greedy) for decoding, per
@@ -61,6 +61,7 @@ its version's given the cache as it was, and a completion can mix versions
 
 from __future__ import annotations
 
+import bisect
 import collections
 import dataclasses
 from typing import Any, Callable
@@ -71,7 +72,8 @@ import numpy as np
 
 from grpo_stream.common.engine import decode
 from grpo_stream.common.engine.base import Generation, check_request
-from grpo_stream.common.engine.slot_programs import MIN_SLOTS, MIN_WINDOW, SlotPrograms, SlotState, pow2_at_least
+from grpo_stream.common.engine.slot_programs import (MIN_SLOTS, MIN_WINDOW, SlotPrograms, SlotState, pow2_at_least,
+                                                      slot_ladder)
 from grpo_stream.common.model.policy import PolicyModel
 
 
@@ -119,6 +121,7 @@ class ContinuousEngine(SlotPrograms):
         super().__init__(model, pad_id, eos_ids, temperature, chunk_steps)
         self.max_prompt_tokens, self.max_new_tokens = max_prompt_tokens, max_new_tokens
         self.slots, self.length_groups = slots, length_groups
+        self.ladder = slot_ladder(slots)
         decode.check_sequence_fits(model, max_prompt_tokens + max_new_tokens)
         # a completion's last token is sampled, never written: the cache needs prompt + max_new_tokens - 1 slots
         self.cache_len = -(-(max_prompt_tokens + max_new_tokens) // MIN_WINDOW) * MIN_WINDOW
@@ -152,7 +155,7 @@ class ContinuousEngine(SlotPrograms):
         weights = self._weights(params)
         row_keys = np.asarray(jax.random.key_data(jax.vmap(lambda i: jax.random.fold_in(rng, i))(jnp.arange(rows))))
         self._prompt_lens = np.array([len(p) for p in prompts])
-        main, long = self._group(min(self.slots, pow2_at_least(rows)), MIN_WINDOW), None
+        main, long = self._group(self._size_for(rows), MIN_WINDOW), None
         pending = collections.deque(range(rows))
         while True:
             if refresh is not None:
@@ -234,7 +237,7 @@ class ContinuousEngine(SlotPrograms):
         layouts = {"widen": [(main.size, widen)] + others}
         if outgrown.size and self.length_groups > 1:
             long_live = int(long.live.sum()) if long is not None else 0
-            size = max(long.size if long is not None else 0, pow2_at_least(long_live + outgrown.size, MIN_SLOTS))
+            size = max(long.size if long is not None else 0, self._size_for(long_live + outgrown.size, MIN_SLOTS))
             if size <= self.slots:
                 layouts["move"] = [(main.size, keep), (size, max(long_window, int(needs[outgrown].max())))]
         budget = self.slots * self.cache_len
@@ -277,7 +280,7 @@ class ContinuousEngine(SlotPrograms):
         if long is None:
             return main
         total = int(main.live.sum() + long.live.sum())
-        main = self._regroup(main, max(main.size, min(self.slots, pow2_at_least(total))))
+        main = self._regroup(main, max(main.size, self._size_for(total)))
         self._transfer(long, main, np.flatnonzero(long.live), np.flatnonzero(~main.live)[:int(long.live.sum())])
         self.stats["merges"] += 1
         return main
@@ -296,22 +299,28 @@ class ContinuousEngine(SlotPrograms):
         src.row[src_slots] = -1
         self.stats["moved_rows"] += n
 
+    def _size_for(self, n: int, low: int = 1) -> int:
+        """The smallest slot count on the ladder holding n sequences (at least `low`, at most `slots`)."""
+        return self.ladder[min(bisect.bisect_left(self.ladder, max(n, low)), len(self.ladder) - 1)]
+
     def _compact_groups(self, main: SlotGroup, long: SlotGroup | None, pending) -> tuple:
         if long is not None and not long.live.any():
             long = None
         if long is not None and not main.live.any() and not pending:
             main, long = long, None  # only long sequences are left: their group carries on alone
-        if not pending and main.size > MIN_SLOTS and main.live.sum() <= main.size // 2:
+        if not pending:
             main = self._shrink(main)
-        if long is not None and long.size > MIN_SLOTS and long.live.sum() <= long.size // 2:
-            long = self._shrink(long)
-        return main, long
+        return main, (self._shrink(long) if long is not None else None)
 
     def _shrink(self, group: SlotGroup) -> SlotGroup:
-        """The live slots (at most half) moved into half as many slots. Halving, not jumping to the smallest size
-        that fits, keeps the compiled shapes to one chain (S, S/2, ..., MIN_SLOTS)."""
+        """The group one step down the slot ladder (not below MIN_SLOTS) if its live sequences fit there, else as
+        it is. One step per chunk, not a jump to the smallest size that fits, keeps the compiled shapes to one
+        chain (S, ..., 12, 8)."""
+        i = bisect.bisect_left(self.ladder, group.size)
+        new_size = self.ladder[i - 1] if i > 0 and self.ladder[i] == group.size else 0
+        if new_size < MIN_SLOTS or group.live.sum() > new_size:
+            return group
         live = np.flatnonzero(group.live)
-        new_size = group.size // 2
         order = np.concatenate([live, np.flatnonzero(~group.live)]).astype(np.int32)
         self.programs.add(("compact", group.size, group.window, new_size))
         state = self._compact(group.state, jnp.asarray(order), size=new_size)

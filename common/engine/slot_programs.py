@@ -47,6 +47,17 @@ def pow2_at_least(n: int, low: int = 1) -> int:
     return max(low, 1 << max(0, (n - 1).bit_length()))
 
 
+def slot_ladder(most: int) -> list[int]:
+    """The slot counts a group may have, up to `most`: powers of two, and from 8 on also 1.5x them (8, 12, 16, 24,
+    32, 48, ...). Steps of 1.5x / 1.33x instead of 2x keep more of a shrinking tail's slots live, at the price of
+    one more compiled shape per octave."""
+    sizes, p = set(), 1
+    while p < 2 * most:
+        sizes.update((p, p + p // 2) if p >= MIN_SLOTS else (p,))
+        p *= 2
+    return sorted({min(s, most) for s in sizes})
+
+
 def window_of(state: SlotState) -> int:
     return state.cache[0][1].shape[decode.VALUE_SLOT_AXIS]
 

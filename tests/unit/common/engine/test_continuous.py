@@ -88,8 +88,9 @@ def test_refilled_slots_finish_one_long_and_many_short_in_few_steps(tiny_parts):
 
 
 def test_a_long_tail_is_compacted_into_fewer_slots(tiny_parts):
-    """32 rows in 32 slots, one of them long: once the short ones end, the long one's tail runs in halved slot
-    counts down to the floor of 8 (one chain of compiled shapes), with the same tokens as without compaction."""
+    """32 rows in 32 slots, one of them long: once the short ones end, the long one's tail runs in ever fewer
+    slots, one step of the ladder at a time down to the floor of 8 (one chain of compiled shapes), with the same
+    tokens as without compaction."""
     cfg, task, tok, model = tiny_parts
     prompts = _prompts(task, tok, 32)
     budgets = [48] + [4] * 31
@@ -97,7 +98,8 @@ def test_a_long_tail_is_compacted_into_fewer_slots(tiny_parts):
                               chunk_steps=4)
     out = engine.generate(model.params, prompts, jax.random.key(0), max_new_tokens=budgets)
     assert out.lengths.tolist() == budgets
-    assert {tuple(p) for p in engine.programs if p[0] == "compact"} == {("compact", 32, 64, 16), ("compact", 16, 64, 8)}
+    assert {tuple(p) for p in engine.programs if p[0] == "compact"} == {
+        ("compact", 32, 64, 24), ("compact", 24, 64, 16), ("compact", 16, 64, 12), ("compact", 12, 64, 8)}
     assert ("decode", ((8, 64),), False) in engine.programs
     alone = engine.generate(model.params, prompts[:1], jax.random.key(0), max_new_tokens=budgets[:1])
     np.testing.assert_array_equal(alone.tokens[0], out.tokens[0])
