@@ -102,15 +102,18 @@ class GenerationSection(Strict):
                                "logprobs at the same temperature.")
     decode_slots: int = Field(256, ge=1, le=65536, description="JAX engine: most sequences decoded at once (its "
                               "KV cache holds this many x (max_prompt_tokens + max_new_tokens) tokens); a request "
-                              "set uses the smallest power of two that holds it, and ended sequences' slots are "
+                              "set uses the smallest slot count of a ladder (8, 12, 16, 24, ...) that holds it, and "
+                              "ended sequences' slots are "
                               "refilled from the pending rows.")
     decode_chunk_steps: int = Field(16, ge=1, le=4096, description="JAX engine: most decode steps the device runs "
                                     "between two host scheduling points (refills, weight updates); a chunk ends "
                                     "early when rows wait for slots.")
-    decode_length_groups: int = Field(2, ge=1, le=2, description="JAX engine: 2 lets sequences that outgrow the "
+    decode_length_groups: int = Field(1, ge=1, le=2, description="JAX engine: 2 lets sequences that outgrow the "
                                       "attention window of the others move to a second slot group with a longer "
-                                      "window (chosen by a cost model), so a few long completions do not make "
-                                      "every slot attend over their length; 1 keeps one window for all slots.")
+                                      "window (chosen by a cost model; one weight pass for both), so a few long "
+                                      "completions do not make every slot attend over their length: fewer "
+                                      "cache reads, more compiled programs (BENCHMARKS.md); 1 keeps one window "
+                                      "for all slots.")
 
 
 class AlgoSection(Strict):

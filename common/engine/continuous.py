@@ -18,15 +18,17 @@ max_new_tokens for its own sake.
   at live length 100 reads 128 keys, not the whole cache. Windows change
   between chunks (rarely: buckets double), never inside one (a slice of the
   cache inside a chunk is a copy of it on every step). With
-  `length_groups=2` (the default) a sequence that outgrows the main group's
-  window can move to a second, long-window group instead of widening the
-  window of every slot: in a long-tailed request set a few long completions
-  would otherwise make hundreds of short ones attend over their length. The
+  `length_groups=2` a sequence that outgrows the main group's window can move
+  to a second, long-window group instead of widening the window of every
+  slot: in a long-tailed request set a few long completions would otherwise
+  make hundreds of short ones attend over their length. The
   choice is made by a cost model (`step_cost`): every slot pays its row's
   work and its window; both groups decode in one program, one weight pass
   per step, the matmuls over all rows and attention per group. This is the CPU and reference form of
   ragged attention; an accelerator kernel over a paged cache would give every
-  row its own window.
+  row its own window. It is off by default: on the 2-core CPU it cut the
+  cache positions read by 11% without a measurable speed-up (a row's matmul
+  work dominates there) and compiles more programs (BENCHMARKS.md).
 - The slot count follows the work: the main group has the smallest size on a
   ladder of slot counts (8, 12, 16, 24, 32, 48, ... at most `slots`) holding
   the request set, and once no row is pending and its live sequences fit the
@@ -109,7 +111,7 @@ class ContinuousEngine(SlotPrograms):
 
     def __init__(self, model: PolicyModel, pad_id: int, eos_id: int | list[int], max_prompt_tokens: int,
                  max_new_tokens: int, temperature: float, slots: int = 256, chunk_steps: int = 16,
-                 length_groups: int = 2):
+                 length_groups: int = 1):
         """`eos_id`: the stop token, or all of them; `slots`: most sequences decoded at once (KV-cache memory
         grows with it); `chunk_steps`: most decode steps between two host scheduling points; `length_groups`: 1
         (every slot attends over the longest live sequence's window) or 2 (long sequences may move to their own
