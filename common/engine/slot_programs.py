@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import collections
 import functools
-from typing import Any
 
 import jax
 import jax.numpy as jnp
