@@ -247,10 +247,8 @@ class ContinuousEngine(SlotPrograms):
         if not feasible:  # one group of every live sequence always fits: at most `slots` are live
             return self._merge(main, long, max(widen, long_window)), None
         choice = min(feasible, key=lambda k: step_cost(feasible[k], self.row_work))
-        if long is not None:
-            long = self._set_window(long, long_window)
         if choice == "widen":
-            return self._set_window(main, widen), long
+            return self._set_window(main, widen), (self._set_window(long, long_window) if long is not None else None)
         size, window = layouts["move"][1]
         long = self._group(size, window) if long is None else self._regroup(self._set_window(long, window), size)
         self._transfer(main, long, outgrown, np.flatnonzero(~long.live)[:outgrown.size])
