@@ -47,8 +47,10 @@ def build_model(p: dict):
     return build_from_architecture(arch, seed=0)
 
 
-def load_hf(model):
-    """`transformers`' model of the same architecture with the same weights, and its largest logit difference."""
+def load_hf(model, dtype: str = "float32", device: str = "cpu"):
+    """`transformers`' model of the same architecture with the same weights (in `dtype`, on `device`), and the
+    largest difference of its logits from ours over their largest magnitude (relative: a bfloat16 model's logits
+    round differently on each side; a wrong architecture differs by O(1))."""
     import torch
     import transformers
 
@@ -56,14 +58,15 @@ def load_hf(model):
     from grpo_stream.common.model.policy import causal_mask, positions_from_mask
 
     with tempfile.TemporaryDirectory(prefix="bench-hf-") as tmp:
-        export_hf(tmp, model.arch, model.to_named_numpy())
-        hf = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
+        export_hf(tmp, model.arch, model.to_named_numpy(), dtype=dtype)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=getattr(torch, dtype)).to(device).eval()
     tokens = np.random.default_rng(0).integers(2, model.arch.vocab_size, (2, 24)).astype(np.int32)
     valid = np.ones(tokens.shape, np.bool_)
     ours, _ = model.apply(model.params, tokens, positions_from_mask(valid), None, causal_mask(valid))
+    ours = np.asarray(ours, np.float32)
     with torch.no_grad():
-        theirs = hf(torch.from_numpy(tokens.astype(np.int64))).logits.numpy()
-    return hf, float(np.max(np.abs(np.asarray(ours) - theirs)))
+        theirs = hf(torch.from_numpy(tokens.astype(np.int64)).to(device)).logits.float().cpu().numpy()
+    return hf, float(np.max(np.abs(ours - theirs)) / max(float(np.max(np.abs(theirs))), 1e-6))
 
 
 def run_case(name: str, model, p: dict, prompts: list[list[int]], budgets: list[int], hf: dict,
@@ -104,14 +107,15 @@ def run(quick: bool = False) -> dict:
     model = build_model(p)
     hf, diff = load_hf(model)
     if diff > 1e-3:
-        raise RuntimeError(f"ours and transformers disagree (logits differ by {diff:.2e}); the comparison is unfair")
+        raise RuntimeError(f"ours and transformers disagree (logits differ by {diff:.2e} of their largest); the "
+                           "comparison is unfair")
     prompts = make_prompts(p["prompts"], p["generations"], p["prompt_low"], p["prompt_high"], p["vocab_size"], 0)
     longtail = longtail_budgets(len(prompts), p["max_new_tokens"], p["max_new_tokens"] / 4, 0.9, seed=1)
     fixed = [p["max_new_tokens"]] * len(prompts)
     hf_runs = time_hf(hf, prompts, {"longtail": longtail, "fixed": fixed}, p["repeats"])
     vllm = time_vllm(model, {"longtail": (prompts, longtail), "fixed": (prompts, fixed)}, p["repeats"], p["slots"])
     result = {"benchmark": "sampler", "quick": quick, "params": model.num_params(),
-              "model": {k: p[k] for k in SHAPE_KEYS}, "logits_max_abs_diff": diff,
+              "model": {k: p[k] for k in SHAPE_KEYS}, "logits_max_rel_diff": diff,
               **{k: p[k] for k in ("prompts", "generations", "max_new_tokens", "repeats", "slots", "chunk_steps")},
               "longtail": run_case("longtail", model, p, prompts, longtail, hf_runs["longtail"], vllm["longtail"]),
               "fixed": run_case("fixed", model, p, prompts, fixed, hf_runs["fixed"], vllm["fixed"]),

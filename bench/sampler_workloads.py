@@ -58,6 +58,11 @@ class Busy:
         return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
+def time_left_for(seconds: float, deadline: float | None) -> bool:
+    """Whether a run as long as the last one (`seconds`) ends before `deadline` (None: no deadline)."""
+    return deadline is None or time.perf_counter() + 1.2 * seconds < deadline
+
+
 def summarize(useful: int, runs: list[Busy], extra: dict | None = None) -> dict:
     """Median useful tokens/s over the runs, with the cores busy in the median run."""
     rates = [useful / r.seconds for r in runs]
@@ -67,14 +72,18 @@ def summarize(useful: int, runs: list[Busy], extra: dict | None = None) -> dict:
             "cores_busy": round(middle.cores, 2), **(extra or {})}
 
 
-def time_jax_engine(engine, params, prompts: list[list[int]], budgets: list[int], repeats: int) -> dict:
-    """A JAX engine (continuous or static) on the request set: one untimed run compiles, then `repeats` runs."""
+def time_jax_engine(engine, params, prompts: list[list[int]], budgets: list[int], repeats: int,
+                    deadline: float | None = None) -> dict:
+    """A JAX engine (continuous or static) on the request set: one untimed run compiles, then `repeats` runs
+    (fewer, at least one, where the next would end past `deadline`, a time.perf_counter() value)."""
     with Busy() as first:
         out = engine.generate(params, prompts, jax.random.key(0), max_new_tokens=budgets)
     if list(out.lengths) != list(budgets):
         raise RuntimeError("the engine's completion lengths differ from the budgets; EOS was meant to be disabled")
     runs = []
     for r in range(repeats):
+        if runs and not time_left_for(runs[-1].seconds, deadline):
+            break
         with Busy() as run:
             engine.generate(params, prompts, jax.random.key(r + 1), max_new_tokens=budgets)
         runs.append(run)
@@ -82,12 +91,14 @@ def time_jax_engine(engine, params, prompts: list[list[int]], budgets: list[int]
     return summarize(sum(budgets), runs, {"compile_seconds": round(compile_s, 1)})
 
 
-def time_hf(hf, prompts: list[list[int]], cases: dict[str, list[int]], repeats: int) -> dict:
+def time_hf(hf, prompts: list[list[int]], cases: dict[str, list[int]], repeats: int, device: str = "cpu",
+            deadline: float | None = None) -> dict:
     """Hugging Face `generate` over the whole request set in one call (static batching: left-padded prompts, the
     batch runs to its longest budget; tokens past a row's budget are not useful), sampling at temperature 1 from
     the full distribution, without per-token logprobs (its faster mode; with 512 rows x 512 steps the scores it
     would keep for them take gigabytes).
 
+    `device`: where `hf` lives ("cpu", "cuda"); `deadline` as in time_jax_engine.
     `cases`: name -> budgets for the same prompts. Static batching makes every case with the same longest budget
     the same work (same prompts, same number of steps), so the set is timed once and each case's rate is its own
     useful tokens over those seconds: name -> result."""
@@ -102,12 +113,15 @@ def time_hf(hf, prompts: list[list[int]], cases: dict[str, list[int]], repeats: 
     for i, p in enumerate(prompts):
         ids[i, width - len(p):] = torch.tensor(p)
         mask[i, width - len(p):] = 1
+    ids, mask = ids.to(device), mask.to(device)
 
     def once(seed: int) -> None:
         torch.manual_seed(seed)
         with torch.no_grad():
             out = hf.generate(ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
                               max_new_tokens=steps, min_new_tokens=steps, eos_token_id=None, pad_token_id=0)
+        if device != "cpu":
+            torch.cuda.synchronize()
         if out.shape != (len(prompts), width + steps):
             raise RuntimeError(f"HF generated {tuple(out.shape)}, not the full length")
 
@@ -117,10 +131,12 @@ def time_hf(hf, prompts: list[list[int]], cases: dict[str, list[int]], repeats: 
                     eos_token_id=None, pad_token_id=0)
     runs = []
     for r in range(repeats):
+        if runs and not time_left_for(runs[-1].seconds, deadline):
+            break
         with Busy() as run:
             once(r + 1)
         runs.append(run)
-    extra = {"torch_threads": torch.get_num_threads(), "timed_with": sorted(cases)}
+    extra = {"torch_threads": torch.get_num_threads(), "timed_with": sorted(cases), "device": device}
     return {name: summarize(sum(budgets), runs, extra) for name, budgets in cases.items()}
 
 

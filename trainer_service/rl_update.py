@@ -52,15 +52,25 @@ class PolicyUpdater:
         self._param_shardings = jax.tree.map(lambda x: x.sharding, params) if mesh is not None else None
         self.master = uses_master_weights(params, optimizer.state_dtype if optimizer is not None else "float32")
         init = functools.partial(init_optimizer_state, self.optimizer, master=self.master)
+        layout = abstract_optimizer_state(init, params, mesh)
         if is_abstract(params):  # `grpo-stream plan`: shapes, dtypes and shardings only, nothing allocated
-            self.opt_state = abstract_optimizer_state(init, params, mesh)
+            self.opt_state = layout
             self.ref_params = params if algo.beta > 0 else None
         else:
             self.opt_state = init(params)
             self.ref_params = jax.tree.map(jnp.copy, params) if algo.beta > 0 else None
         self._logprobs = jax.jit(lambda p, tokens, valid: sequence_logprobs(model, p, tokens, valid, temperature,
                                                                             pad_id))
-        self._step = jax.jit(self._step_impl, donate_argnums=(0, 1) if donate else ())
+        out_shardings = None
+        if mesh is not None:
+            # the step returns parameters and optimizer state in the layout it takes them in (step counts placed
+            # replicated from the start): left to XLA, outputs come back spelt differently (P() for P(None, None))
+            # or uncommitted, and the second step compiles the whole update again
+            opt_shardings = jax.tree.map(lambda x: x.sharding, layout)
+            if not is_abstract(params):
+                self.opt_state = jax.device_put(self.opt_state, opt_shardings)
+            out_shardings = (self._param_shardings, opt_shardings, None)
+        self._step = jax.jit(self._step_impl, donate_argnums=(0, 1) if donate else (), out_shardings=out_shardings)
 
     def _loss(self, params, batch: TrainBatch, old, ref, norm):
         """(loss, metrics) of `batch`; with `norm` (the minibatch's denominators) the share of a micro-batch."""
