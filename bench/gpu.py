@@ -41,7 +41,7 @@ QUICK_TRAINER = ["model.kind=tiny", "model.tiny.num_layers=2", "model.tiny.embed
                  "model.tiny.num_heads=2", "model.tiny.num_kv_heads=1", "model.tiny.head_dim=32", "model.dtype=float32",
                  "generation.max_prompt_tokens=16", "generation.max_new_tokens=16", "trainer.groups_per_step=2",
                  "generation.num_generations=2"]
-QUICK_SAMPLER = {"prompts": 4, "generations": 4, "prompt_low": 8, "prompt_high": 24, "max_new_tokens": 32,
+QUICK_SAMPLER = {"prompts": 2, "generations": 4, "prompt_low": 8, "prompt_high": 16, "max_new_tokens": 16,
                  "repeats": 1, "slots": 8, "chunk_steps": 8}
 FULL_SAMPLER = {"prompts": 64, "generations": 8, "prompt_low": 32, "prompt_high": 128, "max_new_tokens": 512,
                 "repeats": 3, "slots": 512, "chunk_steps": 16}

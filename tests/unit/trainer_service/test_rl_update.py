@@ -103,3 +103,23 @@ def test_donation_updates_in_place_with_the_same_result(tiny_parts, rollout):
         np.testing.assert_array_equal(x, y)
     # without donation the caller's old parameters stay alive beside the new ones; with it nothing grows
     assert results[False][1] >= param_bytes and results[True][1] < param_bytes
+
+
+def test_the_update_step_compiles_once_over_several_steps(tiny_parts, rollout):
+    """On a mesh, the step hands back parameters and optimizer state in the layout it took them in: the second
+    and later steps reuse the first step's program. (XLA's own output shardings spelt replicated axes differently,
+    and the optimizer's step counts started uncommitted, so the whole update compiled twice: minutes on a large
+    model.)"""
+    from grpo_stream.common.model.sharding import make_mesh, place, rows_sharding
+
+    cfg, _, tok, model = tiny_parts
+    mesh = make_mesh(1, 1, jax.devices()[:1], "trainer.mesh")
+    a = AlgoSection(beta=0.04)
+    batch, _ = build_batch(rollout, cfg.generation.max_prompt_tokens, cfg.generation.max_new_tokens, tok.pad_id, a,
+                           held_version=0)
+    updater = PolicyUpdater(model, place(jax.tree.map(jnp.copy, model.params), mesh), a, 1e-3, 1.0,
+                            cfg.generation.temperature, tok.pad_id, mesh, donate=True)
+    for _ in range(3):
+        updater.update(jax.device_put(batch, rows_sharding(mesh, batch.tokens.shape[0])))
+    assert updater._step._cache_size() == 1
+    assert updater._logprobs._cache_size() == 1
