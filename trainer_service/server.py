@@ -23,6 +23,7 @@ class TrainerServer:
                  data_port: int | None = None, security: ServerSecurity | None = None, prompts=None):
         """`prompts`: a PromptServicer to serve beside the ingest (None: none)."""
         self.ingest, self.publisher, self.security = ingest, publisher, security
+        publisher.table = None if security is None else security.table
         self.data = None if data_port is None else WeightDataServer(
             publisher, host, data_port, table=None if security is None else security.table,
             ssl_context=None if security is None else security.ssl_context)

@@ -15,7 +15,7 @@ from grpc_reflection.v1alpha import reflection_pb2  # noqa: F401 - registers the
 
 from grpo_stream.common.weights import tcp_wire as weight_bulk
 from grpo_stream.common.rpc.auth import ROLES, ROLES_BY_METHOD
-from grpo_stream.protos import prompts_pb2, rollout_pb2, rollout_pb2_grpc, weights_pb2
+from grpo_stream.protos import prompts_pb2, rollout_pb2, rollout_pb2_grpc, weights_pb2, weights_pb2_grpc
 from tests.pki import make_pki
 from tests.support import answer, serve, with_run_name
 
@@ -26,9 +26,9 @@ REQUESTS = {  # a small request per method; an allowed caller gets past auth wit
     "StreamBatches": rollout_pb2.RolloutBatch(), "PushGroup": rollout_pb2.RolloutGroup(),
     "GetDataPosition": rollout_pb2.DataPositionRequest(sampler_id="sampler-0"),
     "ClaimPrompts": rollout_pb2.ClaimRequest(sampler_id="sampler-0"),
-    "GetManifest": weights_pb2.GetManifestRequest(sampler_id="s"),
+    "GetManifest": weights_pb2.GetManifestRequest(sampler_id="sampler-0"),
     "FetchSlices": weights_pb2.FetchSlicesRequest(sampler_id="s", version=99),
-    "ReportVersion": weights_pb2.VersionReport(sampler_id="s"),
+    "ReportVersion": weights_pb2.VersionReport(sampler_id="sampler-0"),
     "Submit": prompts_pb2.SubmitRequest(prompts=[prompts_pb2.PromptSpec(text="Q: 1 + 1 A:")]),
     "StreamResults": prompts_pb2.ResultsRequest(prompt_ids=["p-unknown"]),
     "Cancel": prompts_pb2.CancelRequest(prompt_ids=["p-unknown"]), "GetStatus": prompts_pb2.StatusRequest(),
@@ -206,6 +206,7 @@ def dataset_group(run: str, sampler_id: str, position: int, id_of: str | None = 
 def test_a_sampler_token_speaks_only_for_its_own_sampler_id(named_stack):
     run = named_stack.cfg.run.name
     stub = lambda key: rollout_pb2_grpc.RolloutIngestStub(named_stack.channel(None, named_stack.token(key)))  # noqa
+    weights = lambda key: weights_pb2_grpc.WeightServiceStub(named_stack.channel(None, named_stack.token(key)))  # noqa
     denied = {
         "push as another sampler": lambda: stub("sampler-1").PushGroup(dataset_group(run, "sampler-0", 1)),
         "another sampler's group id": lambda: stub("sampler-0").PushGroup(
@@ -216,6 +217,10 @@ def test_a_sampler_token_speaks_only_for_its_own_sampler_id(named_stack):
             sampler_id="sampler-0")),
         "claim": lambda: stub("sampler-1").ClaimPrompts(rollout_pb2.ClaimRequest(sampler_id="sampler-0")),
         "admit": lambda: stub("sampler-0").Admit(rollout_pb2.AdmitRequest(sampler_id="sampler-1", groups=1)),
+        "report another sampler's weight version": lambda: weights("sampler-1").ReportVersion(
+            weights_pb2.VersionReport(sampler_id="sampler-0", installed_version=0, groups_generated=99)),
+        "ask for the manifest as another sampler": lambda: weights("sampler-1").GetManifest(
+            weights_pb2.GetManifestRequest(sampler_id="sampler-0", installed_version=0)),
     }
     for what, attempt in denied.items():
         with pytest.raises(grpc.RpcError) as err:
@@ -223,6 +228,10 @@ def test_a_sampler_token_speaks_only_for_its_own_sampler_id(named_stack):
         assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED, what
         assert "sampler_id" in err.value.details() or "group_id" in err.value.details(), what
     assert named_stack.buffer.counters()["ingested"] == 0  # nothing spoofed reached the buffer
+    assert "sampler-0" not in named_stack.publisher.installed and named_stack.publisher.groups_generated() == 0
+    weights("sampler-0").ReportVersion(weights_pb2.VersionReport(sampler_id="sampler-0", installed_version=0,
+                                                                  groups_generated=3))
+    assert named_stack.publisher.installed["sampler-0"] == [0] and named_stack.publisher.groups_generated() == 3
     # each sampler sends as itself; the shared token acts for every sampler-<k>; an admin for anyone
     assert stub("sampler-0").PushGroup(dataset_group(run, "sampler-0", 1)).code == 0
     assert stub("sampler").PushGroup(dataset_group(run, "sampler-1", 1)).code == 0
