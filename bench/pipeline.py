@@ -90,7 +90,7 @@ def run(quick: bool = False) -> dict:
         with tempfile.TemporaryDirectory(prefix="grpo-stream-bench-") as tmp:
             tokens = write_tokens(pathlib.Path(tmp) / "auth")  # auth on, as in a deployment
             cfg = load_config(CONFIG, [
-                f"auth.tokens_file={tokens['table']}", f"redis.url={embedded.url}", "run.name=bench-pipeline", "trainer.port=0", "trainer.metrics_port=null",
+                f"auth.tokens_file={tokens['table']}", f"redis.url={embedded.url}", "redis.allow_unsafe_persistence=true", "run.name=bench-pipeline", "trainer.port=0", "trainer.metrics_port=null",
                 "warmstart.steps=0", "trainer.eval_before=false", "trainer.eval_after=false",
                 f"trainer.steps={steps}", "trainer.final_wait_s=0", "buffer.max_groups=48", "buffer.retry_after_ms=5"])
             trainer = Trainer(cfg, pathlib.Path(tmp))

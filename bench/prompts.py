@@ -109,7 +109,7 @@ def run(quick: bool = False) -> dict:
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="bench-prompts-"))
     tokens = write_tokens(tmp / "auth")
     port = free_port()
-    overrides = [f"redis.url={redis.url}", "ingest.standalone=true", f"ingest.port={port}", "run.name=bench-prompts",
+    overrides = [f"redis.url={redis.url}", "redis.allow_unsafe_persistence=true", "ingest.standalone=true", f"ingest.port={port}", "run.name=bench-prompts",
                  "prompts.max_pending_per_client=100000", "prompts.max_queued=100000", "logging.level=WARNING"]
     cfg = load_config(ROOT / "configs" / "tiny_arith.yaml", overrides)
     server = subprocess.Popen([sys.executable, "-m", "grpo_stream", "ingest", "--config",

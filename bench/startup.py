@@ -109,7 +109,7 @@ def run(quick: bool = False) -> dict:
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="bench-startup-"))
     tokens = write_tokens(tmp / "auth")
     redis = EmbeddedRedis().start()
-    overrides = [f"redis.url={redis.url}", f"trainer.port={free_port()}", "sampler.replicas=1",
+    overrides = [f"redis.url={redis.url}", "redis.allow_unsafe_persistence=true", f"trainer.port={free_port()}", "sampler.replicas=1",
                  "warmstart.steps=0", "trainer.eval_before=false", "trainer.eval_after=false",
                  f"trainer.groups_per_step={IDLE_STEP_GROUPS}", f"buffer.max_groups={4 * IDLE_STEP_GROUPS}",
                  "trainer.metrics_port=null", "sampler.metrics_port=null", "run.name=bench-startup"]

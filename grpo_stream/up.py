@@ -30,7 +30,7 @@ from grpo_stream.common.config.schema import RunConfig
 from grpo_stream.common.config.access import TOKEN_ENV, TOKEN_FILE_ENV, TOKENS_ENV
 from grpo_stream.common.weights.registry import transport_spec
 from grpo_stream.trainer_service.run_outputs import wasted_fraction
-from grpo_stream.common.rollouts.redis_server import EmbeddedRedis, RedisConnectError, connect, credentials, free_port
+from grpo_stream.common.rollouts.redis_server import EmbeddedRedis, RedisConnectError, connect_durable, free_port
 from grpo_stream.supervise import Supervisor
 
 ENDPOINTS_FILE = "endpoints.json"  # in RUN_DIR: where `grpo-stream submit --run-dir` sends prompts
@@ -148,8 +148,8 @@ def run_up(config_path: pathlib.Path | None, overrides: list[str], cfg: RunConfi
             redis_server = EmbeddedRedis(data_dir=(run_dir / "redis").resolve()).start()
             extra.append(f"redis.url={redis_server.url}")
             print(f"[up] embedded Redis at {redis_server.url}", flush=True)
-        else:  # fail before starting any process when the given Redis is not there
-            connect(cfg.redis.url, cfg.redis.connect_timeout_s, **credentials(cfg.redis)).close()
+        else:  # fail before starting any process when the given Redis is not there, or can lose data
+            connect_durable(cfg.redis, "run").close()
     except RedisConnectError as exc:
         print(f"grpo-stream up: error: {exc}", file=sys.stderr)
         return 1

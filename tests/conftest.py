@@ -60,7 +60,7 @@ def pytest_unconfigure(config):
 def redis_server():
     """A private redis-server for one test (started and stopped by the test): for tests that stop, kill or
     reconfigure Redis. Every other test takes `shared_redis` and its own `run_name`."""
-    server = EmbeddedRedis().start()
+    server = EmbeddedRedis(appendonly=True, fsync="everysec").start()  # settings the services accept
     try:
         yield server
     finally:
@@ -72,7 +72,7 @@ def shared_redis():
     """One redis-server for the whole test run. A test on it keeps to its own run name (`run_name`): the buffer's
     and the prompt queue's keys all live under grpo-stream:<run name>:, so tests never see each other's data.
     Never stop, kill, flush or reconfigure it (take `redis_server` for that), nor count keys across runs."""
-    with EmbeddedRedis() as server:
+    with EmbeddedRedis(appendonly=True, fsync="everysec") as server:  # settings the services accept
         yield server
 
 

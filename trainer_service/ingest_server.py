@@ -20,7 +20,7 @@ from grpo_stream.common.config.schema import RunConfig
 from grpo_stream.common.rpc.grpc_util import ServerSecurity, bind, enable_reflection, new_server
 from grpo_stream.trainer_service.prompt_queue import PromptQueue
 from grpo_stream.trainer_service.proto_decode import add_service
-from grpo_stream.common.rollouts.redis_server import connect, credentials
+from grpo_stream.common.rollouts.redis_server import connect_durable
 from grpo_stream.common.runtime.process import build_task_and_tokenizer, stop_on_signals
 from grpo_stream.common.rollouts.wire import GroupLimits
 from grpo_stream.protos import prompts_pb2, rollout_pb2  # noqa: F401 - registers the services' descriptors
@@ -93,10 +93,10 @@ class IngestServer:
 def run_ingest(cfg: RunConfig) -> dict:
     if cfg.redis.url is None:
         raise ValueError("redis.url is null: the ingest needs the buffer's Redis URL (e.g. redis.url=redis://host:6379/0)")
+    security = ServerSecurity.from_config(cfg)  # a missing token table or certificate fails before any wait
+    client = connect_durable(cfg.redis, "ingest")
     stop = threading.Event()
     stop_on_signals(stop, "in-flight calls")
-    security = ServerSecurity.from_config(cfg)  # a missing token table or certificate fails before any wait
-    client = connect(cfg.redis.url, cfg.redis.connect_timeout_s, **credentials(cfg.redis))
     task, tokenizer = build_task_and_tokenizer(cfg)  # token limits, and the template of injected questions
     server = IngestServer(cfg, client, task, tokenizer, security)
     port = server.start()

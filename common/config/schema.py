@@ -53,6 +53,11 @@ class RedisSection(Strict):
                                             "a missing database fail at once.")
     auth: RedisAuthSection = Field(default_factory=RedisAuthSection, description="ACL user, password source and "
                                    "TLS files for Redis.")
+    allow_unsafe_persistence: bool = Field(False, description="Run on a Redis whose settings can lose acknowledged "
+                                           "groups (append-only file off, appendfsync no, or an eviction policy "
+                                           "other than noeviction), with a warning. False: the trainer, the "
+                                           "standalone ingest and `up` refuse such a server at start-up, naming "
+                                           "the setting. Only for runs whose data may be lost.")
 
     @model_validator(mode="after")
     def _scheme(self) -> "RedisSection":

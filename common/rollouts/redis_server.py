@@ -93,6 +93,49 @@ def connect(url: str, timeout_s: float | None, log_retries: bool = True, **optio
         time.sleep(delay)
 
 
+def durability_problems(client: redis.Redis) -> list[str]:
+    """What in a Redis server's settings can lose groups it has acknowledged: no append-only file (a restart
+    loses everything since the last snapshot), `appendfsync no` (the OS decides when writes reach disk), or an
+    eviction policy (under memory pressure Redis deletes keys: streams, the accepted set). `appendfsync everysec`
+    passes: it loses at most the last second to a host crash, not to a Redis crash. Reads INFO, which managed
+    Redis services allow; CONFIG GET only where permitted."""
+    problems = []
+    persistence, memory = client.info("persistence"), client.info("memory")
+    if str(persistence.get("aof_enabled", "0")) != "1":
+        problems.append("the append-only file is off (appendonly no): a restart loses every group since the last "
+                        "snapshot; set appendonly yes")
+    try:
+        fsync = client.config_get("appendfsync").get("appendfsync")
+    except redis.ResponseError:  # CONFIG renamed or refused by ACL (managed services): not known, not refused
+        fsync = None
+    if fsync == "no":
+        problems.append("appendfsync no: the OS decides when acknowledged writes reach disk; set appendfsync "
+                        "always or everysec")
+    policy = str(memory.get("maxmemory_policy", "noeviction"))
+    if policy != "noeviction":
+        problems.append(f"maxmemory-policy {policy}: under memory pressure Redis deletes keys (the rollout streams, "
+                        "the accepted set) instead of refusing writes; set maxmemory-policy noeviction")
+    return problems
+
+
+def connect_durable(section, role: str) -> redis.Redis:
+    """`connect` to a config's redis.url, then refuse (RedisConnectError naming the fields) a server whose
+    settings can lose acknowledged groups, unless redis.allow_unsafe_persistence; then only warn. `role` names
+    the process in the messages (trainer, ingest)."""
+    client = connect(section.url, section.connect_timeout_s, **credentials(section))
+    problems = durability_problems(client)
+    if problems:
+        where = redacted(section.url)
+        if not section.allow_unsafe_persistence:
+            client.close()
+            raise RedisConnectError(f"redis.url={where}: the {role} refuses this Redis, which can lose acknowledged "
+                                    f"groups: {'; '.join(problems)}. Fix the server's settings, or set "
+                                    "redis.allow_unsafe_persistence=true for a run whose data may be lost")
+        log.warning("Redis at %s (redis.url) can lose acknowledged groups (%s); running anyway because "
+                    "redis.allow_unsafe_persistence is true", where, "; ".join(problems))
+    return client
+
+
 def wait_serving(proc: subprocess.Popen, url: str, timeout_s: float, **options) -> None:
     """Return once the redis-server `proc` answers PING at `url` (`options`: credentials, TLS files, as for
     redis.Redis). Polls every 10 ms; RedisConnectError as soon as the process exits (a port in use, a config it
@@ -151,9 +194,12 @@ class EmbeddedRedis:
     temporary directory that `stop()` removes.
     """
 
-    def __init__(self, port: int | None = None, appendonly: bool = False, data_dir: str | os.PathLike | None = None):
+    def __init__(self, port: int | None = None, appendonly: bool = False, data_dir: str | os.PathLike | None = None,
+                 fsync: str = "always"):
+        """`fsync`: appendfsync with the append-only file (always, everysec or no)."""
         self.port = port or free_port()
         self.appendonly = appendonly or data_dir is not None
+        self.fsync = fsync
         self.keep = data_dir is not None
         # absolute: redis-server changes into --dir before it opens --logfile, so a relative path (a run directory
         # given as runs/demo) would name a file that is not there and the server would exit at once
@@ -167,7 +213,7 @@ class EmbeddedRedis:
 
     def start(self, timeout_s: float = 10.0) -> "EmbeddedRedis":
         cmd = [find_redis_server(), "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.dir,
-               "--save", "", "--appendonly", "yes" if self.appendonly else "no", "--appendfsync", "always",
+               "--save", "", "--appendonly", "yes" if self.appendonly else "no", "--appendfsync", self.fsync,
                "--daemonize", "no",
                "--logfile", os.path.join(self.dir, "redis.log")]
         # what the server says before its log file is open (a bad argument, a log it cannot open) goes to stderr:

@@ -12,13 +12,12 @@ from grpo_stream.common.rollouts.buffer import RolloutBuffer
 
 def _redis(cfg) -> RolloutBuffer:
     from grpo_stream.common.rollouts.buffer import RedisStreamBuffer  # noqa: PLC0415
-    from grpo_stream.common.rollouts.redis_server import connect, credentials  # noqa: PLC0415
+    from grpo_stream.common.rollouts.redis_server import connect_durable  # noqa: PLC0415
 
     if cfg.redis.url is None:
         raise ValueError("redis.url is null: give the buffer's Redis URL (e.g. redis.url=redis://host:6379/0), or "
                          "run `grpo-stream up`, which starts an embedded Redis")
-    return RedisStreamBuffer(connect(cfg.redis.url, cfg.redis.connect_timeout_s, **credentials(cfg.redis)),
-                             cfg.run.name)
+    return RedisStreamBuffer(connect_durable(cfg.redis, "trainer"), cfg.run.name)
 
 
 def _memory(cfg) -> RolloutBuffer:
