@@ -64,7 +64,8 @@ def trainer_fixes(cfg: RunConfig, sizes: dict) -> list[str]:
     if activations > 0.2 * sizes["total"]:
         if t.remat == "none":
             fixes.append(f"trainer.remat=full: recompute each decoder layer in the backward pass (activations and "
-                         f"temporaries are {gib(activations)} per device)")
+                         f"temporaries are {gib(activations)} per device); trainer.remat=save_dots keeps the "
+                         "layers' matrix-product outputs: less saved, less recomputed")
         micro = t.micro_batch_size or rows
         if micro > t.mesh.fsdp and rows % t.mesh.fsdp == 0:
             fixes.append(f"trainer.micro_batch_size={t.mesh.fsdp}: one sequence per device per pass, gradients "

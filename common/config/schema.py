@@ -194,10 +194,11 @@ class TrainerSection(Strict):
                                          "per forward/backward pass, summed into each minibatch's one update "
                                          "(same update, less activation memory); must divide the minibatch. Null: "
                                          "the whole minibatch at once.")
-    remat: Literal["none", "attention", "full"] = Field("none", description="Rematerialisation in the update step: "
-                                                        "recompute each layer's attention block ('attention') or whole "
-                                                        "decoder layer ('full') in the backward pass instead of "
-                                                        "keeping its activations (Tunix's switch; llama3, qwen2, qwen3).")
+    remat: Literal["none", "attention", "full", "save_dots"] = Field(
+        "none", description="Rematerialisation in the update step: recompute each layer's attention block "
+        "('attention') or whole decoder layer ('full') in the backward pass instead of keeping its activations, or "
+        "the whole layer except the outputs of its weight matrix products ('save_dots': most of full's saving, "
+        "recomputing only elementwise work) (Tunix's switch; llama3, qwen2, qwen3).")
     max_staleness: int = Field(4, ge=0, le=10_000, description="Groups whose policy_version is more than this many "
                                "trainer steps behind are dropped (counted). 0 = fully on-policy.")
     publish_every: int = Field(1, ge=1, le=100_000, description="Publish weights every this many steps.")

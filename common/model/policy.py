@@ -33,6 +33,7 @@ class PolicyModel:
     params: Any  # nnx.State of arrays (or ShapeDtypeStructs when abstract)
     config: Any  # tunix ModelConfig
     arch: Architecture  # family and shapes, as a Hugging Face config.json states them
+    remat_mode: str = "none"  # trainer.remat this graph was built for (with_remat)
 
     def names(self) -> list[str]:
         return [_path_name(p) for p, _ in jax.tree_util.tree_leaves_with_path(self.params)]
@@ -77,7 +78,8 @@ class PolicyModel:
 
     def apply(self, params: Any, tokens, positions, cache, attention_mask):
         model = nnx.merge(self.graphdef, params)
-        with architectures.rope_of(self.arch):
+        with architectures.rope_of(self.arch), architectures.remat_policy(self.arch.family,
+                                                                           REMAT_POLICIES.get(self.remat_mode)):
             return model(tokens, positions, cache, attention_mask)
 
     def init_cache(self, batch: int, length: int) -> dict:
@@ -88,14 +90,14 @@ class PolicyModel:
 
     def with_remat(self, mode: str) -> "PolicyModel":
         """The same model and parameters, with activations rematerialised in the backward pass (trainer.remat:
-        'attention' or 'full' decoder layers; 'none' returns self). Only the trainer's update uses it: sampling
-        and evaluation take no gradients."""
+        'attention' or 'full' decoder layers, or 'save_dots': full layers except their matrix products' outputs;
+        'none' returns self). Only the trainer's update uses it: sampling and evaluation take no gradients."""
         if mode == "none":
             return self
         cfg = remat_config(self.arch, self.config, mode)
         cls = architectures.module_class(self.arch)
         graphdef, _ = nnx.split(nnx.eval_shape(lambda: cls(cfg, rngs=nnx.Rngs(0))))
-        return dataclasses.replace(self, graphdef=graphdef, config=cfg)
+        return dataclasses.replace(self, graphdef=graphdef, config=cfg, remat_mode=mode)
 
     def num_params(self) -> int:
         return int(sum(np.prod(x.shape) for x in jax.tree_util.tree_leaves(self.params)))
@@ -230,12 +232,17 @@ def sequence_logprobs(model: PolicyModel, params: Any, tokens: jax.Array, valid:
 
 # trainer.remat -> the Tunix RematConfig member: 'attention' recomputes each layer's attention block in the backward
 # pass, 'full' the whole decoder layer (attention and MLP); the families Tunix gives no remat switch are refused
-REMAT_MEMBERS = {"attention": "BLOCK", "full": "DECODER"}
+REMAT_MEMBERS = {"attention": "BLOCK", "full": "DECODER", "save_dots": "DECODER"}
+# modes that save some of a rematerialised layer's values: 'save_dots' keeps the outputs of matrix products with
+# the weights (no batch dimension: not attention's scores), so the backward pass recomputes only the cheap
+# elementwise work between them (norms, activations, RoPE): most of 'full's saving at a fraction of its recompute
+REMAT_POLICIES = {"save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 REMAT_FAMILIES = ("llama3", "qwen2", "qwen3")
 
 
 def remat_config(arch: Architecture, config: Any, mode: str) -> Any:
-    """`config` (a Tunix ModelConfig of `arch`) with rematerialisation `mode` ('none', 'attention' or 'full')."""
+    """`config` (a Tunix ModelConfig of `arch`) with rematerialisation `mode` ('none', 'attention', 'full' or
+    'save_dots', whose checkpoint policy PolicyModel.apply supplies)."""
     if mode == "none":
         return config
     if arch.family not in REMAT_FAMILIES:
