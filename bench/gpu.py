@@ -1,6 +1,7 @@
 """The accelerator checks of issues 21 and 22, on whatever device JAX (and PyTorch) see:
 
     python -m grpo_stream.bench.gpu trainer [--quick] [--out F] [--plan-json P] [--deadline-s S] [--config C]
+                                            [--set KEY=VALUE ...]
     python -m grpo_stream.bench.gpu sampler [--quick] [--out F] [--deadline-s S]
 
 `trainer`: one update step of a Llama-3.2-1B-shaped model (random init) under the GPU preset's trainer settings
@@ -79,7 +80,8 @@ def model_flops_per_token(arch, context: int, backward: bool) -> float:
     return 3 * per_token if backward else per_token
 
 
-def trainer(config: pathlib.Path, quick: bool, plan_json: pathlib.Path | None, deadline: float, write) -> dict:
+def trainer(config: pathlib.Path, quick: bool, plan_json: pathlib.Path | None, deadline: float, write,
+            overrides: list[str] | None = None) -> dict:
     from grpo_stream.common.config.loading import load_config
     from grpo_stream.common.model.policy import build_from_architecture
     from grpo_stream.common.model.sharding import make_mesh, place
@@ -92,11 +94,11 @@ def trainer(config: pathlib.Path, quick: bool, plan_json: pathlib.Path | None, d
     # same program, lowered from abstract arrays as `plan` lowers it) reads it back instead of compiling again
     cache = tempfile.mkdtemp(prefix="bench-gpu-jax-cache-")
     cfg = load_config(config, (QUICK_TRAINER if quick else [f"model.path={SHAPE}"])
-                      + [f"runtime.compilation_cache_dir={cache}"])
+                      + [f"runtime.compilation_cache_dir={cache}", *(overrides or [])])
     cache_stats = enable_compilation_cache(cfg)
     t, gen = cfg.trainer, cfg.generation
     arch = architecture(cfg)
-    out: dict = {"config": str(config), "shape": "tiny" if quick else SHAPE, **device_facts()}
+    out: dict = {"config": str(config), "overrides": overrides or [], "shape": "tiny" if quick else SHAPE, **device_facts()}
     if plan_json is not None:
         out["plan_cpu_estimate"] = json.loads(plan_json.read_text())["trainer"]["per_device_bytes"]
     mesh = make_mesh(t.mesh.fsdp, t.mesh.tp, jax.devices(), "trainer.mesh")
@@ -225,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", type=pathlib.Path, default=PRESET, help="trainer: the run config whose trainer "
                         "settings are measured (model.path is set to the Llama-3.2-1B shape)")
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("runs/bench/gpu.json"))
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="trainer: a config override (e.g. trainer.remat=save_dots); repeatable")
     parser.add_argument("--plan-json", type=pathlib.Path, help="`grpo-stream plan --json` of the same config (CPU)")
     parser.add_argument("--deadline-s", type=float, default=3600.0, help="start no stage after this many seconds")
     args = parser.parse_args(argv)
@@ -235,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         args.out.write_text(json.dumps(doc, indent=2) + "\n")
 
     if args.part == "trainer":
-        write(trainer(args.config, args.quick, args.plan_json, deadline, write))
+        write(trainer(args.config, args.quick, args.plan_json, deadline, write, args.set))
     else:
         write(sampler(args.quick, deadline, write))
     progress(f"wrote {args.out}")
