@@ -209,9 +209,13 @@ def run_up(config_path: pathlib.Path | None, overrides: list[str], cfg: RunConfi
         trainer_code = trainer.wait(timeout_s=120)
         sampler_codes = {}
         for child in samplers:
-            if trainer_code != 0:
-                child.terminate()
-            sampler_codes[child.name] = child.wait(timeout_s=60 if trainer_code == 0 else 20)
+            if trainer_code == 0:  # a sampler stops by itself at the final version; one that missed it is told to
+                try:
+                    child.proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    print(f"[up] {child.name} still running 30s after the trainer finished; stopping it", flush=True)
+            child.terminate()
+            sampler_codes[child.name] = child.wait(timeout_s=30 if trainer_code == 0 else 20)
             if sampler_codes[child.name] is None or child.proc.poll() is None:
                 child.terminate()
         for child in helpers:  # the ingest serves until the samplers are done

@@ -298,10 +298,13 @@ class Trainer:
             future.result()
 
     def _await_samplers(self, final_version: int) -> None:
+        """Until every sampler installed the final version (so each stops by itself), or trainer.final_wait_s.
+        Every one means at least sampler.replicas: a restarted trainer knows only the samplers that reported to it
+        since, and one backing off after the restart (up to 10 s) would otherwise be left behind, never told."""
         deadline = time.time() + self.cfg.trainer.final_wait_s
         while time.time() < deadline and not self.stop_event.is_set():
             at = self.publisher.samplers_at(final_version)
-            if at and all(at.values()):
+            if at and all(at.values()) and len(at) >= self.cfg.sampler.replicas:
                 log.info("every sampler (%d) installed the final version %d", len(at), final_version)
                 return
             time.sleep(0.2)
