@@ -87,7 +87,7 @@ class SamplerMeshSection(Strict):
 VLLM_RESERVED_ARGS = {"model", "logprobs_mode", "skip_tokenizer_init", "load_format", "gpu_memory_utilization",
                       "kv_cache_memory_bytes",
                       "tensor_parallel_size", "max_num_seqs", "enforce_eager", "enable_prefix_caching",
-                      "max_model_len", "dtype", "seed"}
+                      "max_model_len", "dtype", "seed", "worker_extension_cls"}
 
 
 class VllmSection(Strict):

@@ -21,7 +21,9 @@ them in place with `load_into_worker` (below). Two ways to reach the workers:
             process: VLLM_ENABLE_V1_MULTIPROCESSING=0);
   files     one safetensors file in `stage_dir`; every worker reads it
             (tensor_parallel_size > 1: workers are other processes, and a
-            path is all that crosses to them).
+            path is all that crosses to them: the workers carry a loading
+            method of ours (vllm_worker.py, vLLM's worker_extension_cls),
+            called by name, so vLLM never pickles code to them).
 After an install the prefix cache is reset: a cached prompt's keys and
 values were computed with the old weights.
 """
@@ -39,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from grpo_stream.common.engine.base import Generation, check_request
+from grpo_stream.common.engine.vllm_worker import EXTENSION
 from grpo_stream.common.model.hf_checkpoint import to_hf_names, write_safetensors
 
 log = logging.getLogger(__name__)
@@ -63,10 +66,6 @@ class VllmEngine:
         if self.install_mode == "iterator":
             # the engine core in this process: tensors reach the model without serialization
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        else:
-            # the workers are this engine's own processes; vLLM sends them the loading function (a reference to
-            # load_into_worker below) pickled over its local IPC sockets, which it refuses unless told
-            os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         self._stage_root = (pathlib.Path(settings.stage_dir or tempfile.mkdtemp(prefix="grpo-vllm-"))
                             if self.install_mode == "files" else None)
         try:
@@ -88,6 +87,8 @@ class VllmEngine:
             engine_args["enable_chunked_prefill"] = False
             engine_args["max_num_batched_tokens"] = max(engine_args.get("max_num_batched_tokens", 0),
                                                         max_prompt_tokens + max_new_tokens, 4096)
+        if self.install_mode == "files":  # the workers' loading method, called by name (vllm_worker.py)
+            engine_args["worker_extension_cls"] = EXTENSION
         if settings.kv_cache_gib is not None:
             engine_args["kv_cache_memory_bytes"] = int(settings.kv_cache_gib * 2**30)
         started = time.monotonic()
@@ -115,7 +116,7 @@ class VllmEngine:
             stage.mkdir(parents=True, exist_ok=True)
             write_safetensors(stage / "model.safetensors", named)
             try:
-                loaded = self.llm.collective_rpc(load_into_worker, kwargs={"path": str(stage / "model.safetensors")})
+                loaded = self.llm.collective_rpc("load_grpo_weights", kwargs={"path": str(stage / "model.safetensors")})
             finally:
                 shutil.rmtree(stage, ignore_errors=True)
         self.tied_heads_loaded = loaded[0]

@@ -5,6 +5,7 @@ against the JAX policy on the same weights. Writes the measurements as JSON; the
 """
 
 import json
+import os
 import pathlib
 import sys
 import time
@@ -67,6 +68,8 @@ def main(model_dir: str, mode: str, out_path: str) -> None:
         "greedy_before": before.tokens.tolist(), "greedy_after": after.tokens.tolist(),
         "greedy_jax_after": reference.tokens.tolist(), "greedy_lengths_after": ends,
         "greedy_jax_lengths_after": [int(n) for n in reference.lengths],
+        # the workers got the weights without vLLM's pickle fallback (which would let its IPC run any code)
+        "insecure_serialization": os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION"),
     }
     pathlib.Path(out_path).write_text(json.dumps(result))
 
