@@ -130,9 +130,14 @@ def test_compose_services_run_as_local_processes(tmp_path):
     password = pathlib.Path(secrets, "redis.password").read_text().strip()
     assert len(password) >= 32 and "kept (--keep)" in (tmp_path / "secrets.log").read_text()
 
-    # 2. Redis: the embedded default binary with the shipped config's password requirement
-    redis = subprocess.Popen([find_redis_server(), "--port", str(ports["REDIS_PORT"]), "--bind", "127.0.0.1",
-                              "--save", "", "--appendonly", "no", "--requirepass", password],
+    # 2. Redis: the embedded default binary with the shipped config (AOF, no eviction: the services check it),
+    #    its data directory and port here, and the password requirement
+    (tmp_path / "redis-data").mkdir()
+    conf = (ROOT / "compose" / "redis" / "redis.conf").read_text()
+    assert "\ndir /data\n" in conf  # the volume's mount point, which redis-server checks as it reads the file
+    (tmp_path / "redis.conf").write_text(conf.replace("\ndir /data\n", f"\ndir {tmp_path / 'redis-data'}\n"))
+    redis = subprocess.Popen([find_redis_server(), str(tmp_path / "redis.conf"), "--port", str(ports["REDIS_PORT"]),
+                              "--bind", "127.0.0.1", "--requirepass", password],
                              stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     procs: dict[str, subprocess.Popen] = {}
     try:
