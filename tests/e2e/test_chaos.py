@@ -56,7 +56,7 @@ def test_twenty_random_faults_and_the_run_completes_by_itself(tmp_path):
     assert len(plan) >= FAULTS and {t for _, t, k, _ in plan if k == "kill"} == set(TARGETS)
     proc = subprocess.Popen(
         [sys.executable, "-m", "grpo_stream", "up", "--config", "configs/tiny_arith_smoke.yaml", "--run-dir",
-         str(run_dir), f"run.name={name}", "trainer.steps=300", "checkpoint.every=5", "ingest.standalone=true",
+         str(run_dir), f"run.name={name}", "trainer.steps=400", "checkpoint.every=5", "ingest.standalone=true",
          "sampler.replicas=2", "logging.step_every=5", "trainer.eval_after=false", "up.restart_backoff_s=0.5",
          "up.max_restarts=30"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -79,7 +79,9 @@ def test_twenty_random_faults_and_the_run_completes_by_itself(tmp_path):
     try:
         assert started.wait(300), "".join(lines[-60:])
         t0 = time.monotonic()
-        for at, target, kind, pause_s in plan:
+        queue = list(plan)
+        while queue:
+            at, target, kind, pause_s = queue.pop(0)
             time.sleep(max(0.0, t0 + at - time.monotonic()))
             for pid, until in [p for p in paused if p[1] <= time.monotonic()]:  # pauses that are over
                 os.kill(pid, signal.SIGCONT)
@@ -88,7 +90,10 @@ def test_twenty_random_faults_and_the_run_completes_by_itself(tmp_path):
                 break
             pid = pid_of(*words_of(target, name, redis_address[0]))
             if pid is None or any(p == pid for p, _ in paused):
-                continue  # between a kill and its restart, or already paused: the next fault comes soon
+                # between a kill and its restart, or paused now: the same fault again in 3 s
+                queue.insert(0, (at + 3.0, target, kind, pause_s))
+                queue.sort(key=lambda f: f[0])
+                continue
             if kind == "kill":
                 os.kill(pid, signal.SIGCONT)  # a stopped process dies only once it runs again
                 os.kill(pid, signal.SIGKILL)
@@ -120,9 +125,11 @@ def test_twenty_random_faults_and_the_run_completes_by_itself(tmp_path):
     text = "".join(lines)
     print(f"chaos: {len(applied)} faults applied: {applied}")
     assert len(applied) >= FAULTS, (applied, text[-4000:])
+    assert all(sum(1 for _, who, k, _ in applied if who == t and k == kind) >= 2 for t in TARGETS
+               for kind in ("kill", "pause")), applied  # every process killed and paused, twice each
     assert proc.returncode == 0, text[-6000:]
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["steps"] == 300
+    assert summary["steps"] == 400
     kills = {t: sum(1 for _, who, k, _ in applied if who == t and k == "kill") for t in TARGETS}
     assert all(summary["restarts"][t] >= kills[t] for t in TARGETS), (summary["restarts"], kills)
     audit = run_cli("audit", str(run_dir), timeout=120)
