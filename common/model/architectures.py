@@ -275,51 +275,6 @@ def rope_of(arch: Architecture):
         _CURRENT.reset(token)
 
 
-# Tunix's decoder modules call nnx.remat without a checkpoint policy (save nothing, recompute everything). For
-# trainer.remat=save_dots the module's `nnx` is swapped for this proxy, whose `remat` adds the policy of the
-# innermost `remat_policy` block while the model is traced; outside such a block it is nnx.remat unchanged.
-_REMAT_POLICY: contextvars.ContextVar[Any] = contextvars.ContextVar("grpo_stream_remat_policy", default=None)
-_TUNIX_MODULES = {"llama3": "tunix.models.llama3.model", "qwen2": "tunix.models.qwen2.model",
-                  "qwen3": "tunix.models.qwen3.model"}
-
-
-class _NnxWithRematPolicy:
-    """flax.nnx as a Tunix model module sees it, except `remat`, which takes the current checkpoint policy."""
-
-    def __getattr__(self, name: str) -> Any:
-        from flax import nnx  # noqa: PLC0415
-
-        return getattr(nnx, name)
-
-    @staticmethod
-    def remat(f: Any = None, **kwargs: Any) -> Any:
-        from flax import nnx  # noqa: PLC0415
-
-        policy = _REMAT_POLICY.get()
-        if policy is not None and kwargs.get("policy") is None:
-            kwargs["policy"] = policy
-        return nnx.remat(**kwargs) if f is None else nnx.remat(f, **kwargs)
-
-
-@contextlib.contextmanager
-def remat_policy(family: str, policy: Any):
-    """While tracing a Tunix `family` module with remat on inside this block, its nnx.remat saves what `policy`
-    (a jax.checkpoint_policies member) allows; None: Tunix's default (nothing saved)."""
-    if policy is None:
-        yield
-        return
-    import importlib  # noqa: PLC0415
-
-    module = importlib.import_module(_TUNIX_MODULES[family])
-    if not isinstance(module.nnx, _NnxWithRematPolicy):
-        module.nnx = _NnxWithRematPolicy()
-    token = _REMAT_POLICY.set(policy)
-    try:
-        yield
-    finally:
-        _REMAT_POLICY.reset(token)
-
-
 def _patch_tunix(family: str) -> None:
     if family not in ("llama3", "qwen3") or family in _PATCHED:
         return  # Qwen2's Tunix code reads rope_theta itself

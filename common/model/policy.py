@@ -20,6 +20,7 @@ import numpy as np
 from flax import nnx
 from grpo_stream.common.model import architectures, hf_checkpoint
 from grpo_stream.common.model.architectures import Architecture
+from grpo_stream.common.model.remat_policy import remat_policy_of
 from grpo_stream.common.config.learning import ModelSection
 
 NEG_INF = -1e30
@@ -78,8 +79,7 @@ class PolicyModel:
 
     def apply(self, params: Any, tokens, positions, cache, attention_mask):
         model = nnx.merge(self.graphdef, params)
-        with architectures.rope_of(self.arch), architectures.remat_policy(self.arch.family,
-                                                                           REMAT_POLICIES.get(self.remat_mode)):
+        with architectures.rope_of(self.arch), remat_policy_of(self.arch.family, self.remat_mode):
             return model(tokens, positions, cache, attention_mask)
 
     def init_cache(self, batch: int, length: int) -> dict:
@@ -232,11 +232,8 @@ def sequence_logprobs(model: PolicyModel, params: Any, tokens: jax.Array, valid:
 
 # trainer.remat -> the Tunix RematConfig member: 'attention' recomputes each layer's attention block in the backward
 # pass, 'full' the whole decoder layer (attention and MLP); the families Tunix gives no remat switch are refused
+# ('save_dots': 'full' with the checkpoint policy of remat_policy.py)
 REMAT_MEMBERS = {"attention": "BLOCK", "full": "DECODER", "save_dots": "DECODER"}
-# modes that save some of a rematerialised layer's values: 'save_dots' keeps the outputs of matrix products with
-# the weights (no batch dimension: not attention's scores), so the backward pass recomputes only the cheap
-# elementwise work between them (norms, activations, RoPE): most of 'full's saving at a fraction of its recompute
-REMAT_POLICIES = {"save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 REMAT_FAMILIES = ("llama3", "qwen2", "qwen3")
 
 

@@ -1,0 +1,60 @@
+"""Checkpoint policies for Tunix's rematerialised decoder layers (trainer.remat=save_dots).
+
+Tunix's decoder modules call nnx.remat without a policy (save nothing, recompute everything). While a model whose
+remat mode has a policy is traced inside `remat_policy_of`, the Tunix module's `nnx` is a proxy whose `remat` adds
+that policy; outside such a block it is nnx.remat unchanged (the same approach as architectures.rope_of).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import importlib
+from typing import Any
+
+import jax
+
+# trainer.remat modes that save some of a rematerialised layer's values: 'save_dots' keeps the outputs of matrix
+# products with the weights (no batch dimension: not attention's scores), so the backward pass recomputes only the
+# cheap elementwise work between them (norms, activations, RoPE): most of 'full's saving at a fraction of its
+# recompute (H200, README "Planning memory")
+REMAT_POLICIES = {"save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+_TUNIX_MODULES = {"llama3": "tunix.models.llama3.model", "qwen2": "tunix.models.qwen2.model",
+                  "qwen3": "tunix.models.qwen3.model"}
+_POLICY: contextvars.ContextVar[Any] = contextvars.ContextVar("grpo_stream_remat_policy", default=None)
+
+
+class _NnxWithRematPolicy:
+    """flax.nnx as a Tunix model module sees it, except `remat`, which takes the current checkpoint policy."""
+
+    def __getattr__(self, name: str) -> Any:
+        from flax import nnx  # noqa: PLC0415
+
+        return getattr(nnx, name)
+
+    @staticmethod
+    def remat(f: Any = None, **kwargs: Any) -> Any:
+        from flax import nnx  # noqa: PLC0415
+
+        policy = _POLICY.get()
+        if policy is not None and kwargs.get("policy") is None:
+            kwargs["policy"] = policy
+        return nnx.remat(**kwargs) if f is None else nnx.remat(f, **kwargs)
+
+
+@contextlib.contextmanager
+def remat_policy_of(family: str, mode: str):
+    """While tracing a Tunix `family` model built for trainer.remat `mode` inside this block, its nnx.remat saves
+    what the mode's policy allows; modes without one ('none', 'attention', 'full') change nothing."""
+    policy = REMAT_POLICIES.get(mode)
+    if policy is None:
+        yield
+        return
+    module = importlib.import_module(_TUNIX_MODULES[family])
+    if not isinstance(module.nnx, _NnxWithRematPolicy):
+        module.nnx = _NnxWithRematPolicy()
+    token = _POLICY.set(policy)
+    try:
+        yield
+    finally:
+        _POLICY.reset(token)
