@@ -82,6 +82,7 @@ def model_flops_per_token(arch, context: int, backward: bool) -> float:
 
 def trainer(config: pathlib.Path, quick: bool, plan_json: pathlib.Path | None, deadline: float, write,
             overrides: list[str] | None = None) -> dict:
+    from grpo_stream.bench.sampler_workloads import time_left_for
     from grpo_stream.common.config.loading import load_config
     from grpo_stream.common.model.policy import build_from_architecture
     from grpo_stream.common.model.sharding import make_mesh, place
@@ -120,7 +121,7 @@ def trainer(config: pathlib.Path, quick: bool, plan_json: pathlib.Path | None, d
     updater.update(batch)  # compiles the reference-logprob pass and the update step
     out["first_step_seconds"] = round(time.perf_counter() - first, 1)
     times = []
-    while len(times) < 3 and (not times or time.perf_counter() + 1.5 * times[-1] < deadline):
+    while len(times) < 3 and (not times or time_left_for(times[-1], deadline)):
         began = time.perf_counter()
         metrics = updater.update(batch)
         times.append(time.perf_counter() - began)
