@@ -20,23 +20,29 @@ from tests.e2e.test_up import check_run, run_cli
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-# Each bar is the one-sided 99% lower prediction bound for one new run, mean - t(0.99, 9) * sd * sqrt(1 + 1/10),
+# The GSPO bars are the one-sided 99% lower prediction bound for one new run, mean - t(0.99, 9) * sd * sqrt(1 + 1/10),
 # from 10 measured runs of the same setup (tests/e2e/calibration/*.json, made with
 # `python -m grpo_stream.bench.learning_spread`), rounded down: if a healthy run's gain is normal, it fails a bar
 # with probability <= 1% (expected false-failure rate of each check <= 1%).
-# The demo as shipped (admission control on, continuous engine; calibration/demo-admission.json, 2026-11-25: 12 runs,
-# three idle, eight two at once as CI's two workers run them, one beside GSPO runs):
-# - sampled pass@1 gain: runs +0.143 to +0.200, mean 0.175, sd 0.016, bound 0.130. FFR <= 1% (bar kept at 0.10).
-DEMO_MIN_SAMPLED_GAIN = 0.10
-# - greedy accuracy gain: runs +0.132 to +0.220, mean 0.168, sd 0.024, bound 0.099. FFR <= 1%. Greedy decoding is
-#   deterministic (a model RL did not change scores exactly +0), so a bar above 0 needs learning.
-DEMO_MIN_GREEDY_GAIN = 0.09
+# The demo's bars are set differently (below). The demo as shipped (admission control on, continuous engine; calibration/demo-admission.json, 2026-11-25: 12 runs,
+# three idle, eight two at once as CI's two workers run them, one beside GSPO runs): sampled pass@1 gain +0.143 to
+# +0.200 (mean 0.175, sd 0.016), greedy gain +0.132 to +0.220 (mean 0.168, sd 0.024).
+# Those runs (one machine, mostly idle) did not show the spread of CI's suite, where the demo shares two cores with
+# every other test: inside it one run gained +0.090 sampled (8c84c3f) and one +0.123 sampled, +0.0885 greedy (32f9be9,
+# failing the earlier greedy bar of 0.09, the calibration's 99% bound). An idle run on a slower AMD machine (2026-11-26,
+# other float rounding: its warm start scores 0.430 sampled, not 0.465) gained +0.176 sampled, +0.198 greedy.
+# So the bars are set against a run that does not learn, with room below every healthy run seen:
+# - sampled pass@1: a run whose policy did not move scores the same up to evaluation noise (sd 0.013 over 3072
+#   completions), so 0.06 is 4.6 of that sd above no change, and 2/3 of the lowest healthy gain seen (0.090).
+DEMO_MIN_SAMPLED_GAIN = 0.06
+# - greedy accuracy: deterministic (a model RL did not change scores exactly +0), and it moves in jumps on a
+#   0.4M-parameter model (one carry habit flips many problems at once): 0.04 is below every healthy run (lowest 0.0885).
+DEMO_MIN_GREEDY_GAIN = 0.04
 # In a same-session idle A/B (two runs each, alternating) the demo without admission gained more (sampled +0.175,
 # +0.189 against +0.158, +0.143; greedy +0.165, +0.182 against +0.146, +0.132) in the same wall time (252, 253 s
 # against 255, 260 s) while wasting 13.5% of its generation (admission: 0.4%, 0.25%).
 # Earlier setups (calibration/demo.json: static engine, no admission, mean sampled gain 0.158;
-# demo-continuous-engine.json: no admission, 0.171). Outside every calibration, one run inside CI's suite
-# (2026-11-25, admission on) gained only +0.090 sampled, 5 sd under this setup's mean: see the GSPO note below.
+# demo-continuous-engine.json: no admission, 0.171).
 # GSPO (400 steps, minibatches=2, from the demo's warm start; admission on, continuous engine;
 # calibration/gspo-admission.json, 2026-11-25: one idle run, six run two at once, three beside a demo run or idle):
 # - sampled pass@1 gain: runs +0.039 to +0.142, mean 0.110, sd 0.030, bound 0.021. FFR <= 1%. A run that does not
