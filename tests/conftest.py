@@ -109,6 +109,28 @@ def tiny_parts(small_cfg):
     return small_cfg, task, tokenizer, model
 
 
+# The longest test files, longest first (measured: `bash .ci/run` on a fresh clone, 2026-11-26, seconds on a slow
+# 2-core machine). Collection puts them first and pyproject.toml turns off xdist's own order (files with the most
+# tests first), so the two workers start on the long files and end on short unit files instead of one worker
+# finishing the demo or `bench all` alone while the other core idles (seen: the last 10 minutes of a 53-minute run).
+LONGEST_FIRST = (
+    "tests/e2e/test_demo.py",  # ~1,270 s: the demo run and a short GSPO run
+    "tests/e2e/test_plan.py",  # 570 s: plans of the shipped presets
+    "tests/bench/test_bench_all_quick.py",  # 410 s
+    "tests/e2e/test_up.py",  # 330 s
+    "tests/unit/common/engine/test_continuous.py",  # 290 s
+    "tests/unit/trainer_service/test_grad_accumulation.py",  # 220 s
+    "tests/e2e/test_weight_faults.py",  # 200 s
+    "tests/unit/common/engine/test_vllm_engine.py",  # 200 s
+    "tests/e2e/test_weight_meshes.py",  # 190 s
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: the rest keep their order
+
+
 # Test time by folder (tests/unit, tests/integration, ...): printed after the run, and written as JSON to
 # $GRPO_STREAM_PHASE_TIMES where set (.ci/run's phase table). Setup, call and teardown all count, so a module
 # fixture's run counts where it is first used.

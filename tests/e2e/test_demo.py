@@ -56,6 +56,12 @@ GSPO_MIN_GREEDY_GAIN = -0.04
 # pass@1 (greedy 0.565 -> 0.379), and one demo run there gained +0.090 (above). Nothing like either was seen in the
 # 20 runs of these calibrations outside CI; the cause is not found yet, so a failing learning check prints the run's
 # trajectory (accuracy, staleness, entropy, gradient norm, smallest importance weight per 50 steps) to find it.
+# The default lane runs GSPO for 100 steps only (CI's 25-minute budget) and holds it to not collapsing: sampled pass@1
+# and greedy accuracy may not fall by more than 0.05 and 0.08 (evaluation noise of a difference: sd 0.018 sampled;
+# the collapse seen fell 0.13 and 0.19). The 400-step learning check above runs in the learning lane (`-m learning`).
+GSPO_SHORT_STEPS = 100
+GSPO_SHORT_MIN_SAMPLED_GAIN = -0.05
+GSPO_SHORT_MIN_GREEDY_GAIN = -0.08
 # - generation_wasted_fraction (groups generated for training but never trained), with admission control on: the
 #   acceptance bound of issue 21, not a fitted bar.
 MAX_WASTE = 0.03
@@ -157,15 +163,16 @@ def test_demo_closing_line_and_report_show_both_measures(demo):
     assert len(demo.stdout.splitlines()) <= 400, f"{len(demo.stdout.splitlines())} console lines"
 
 
-def test_gspo_learns_where_its_objective_differs_from_grpo(demo, tmp_path):
-    """With one optimizer step per batch (the demo) the importance ratio is exactly 1 and GSPO's gradient equals
-    GRPO's up to rounding (README, "The objective"). With two steps per batch (minibatches=2) the second one's
-    ratio is off 1, and GSPO's sequence-level ratio (a geometric mean) differs from GRPO's token ratios: learning must
-    hold up there. The run starts from the demo's exported warm start instead of repeating it."""
+def gspo_run(demo: Run, tmp_path: pathlib.Path, steps: int) -> Run:
+    """GSPO where its objective differs from GRPO's, from the demo's exported warm start (instead of repeating it),
+    checked for what any length of such a run must show. With one optimizer step per batch (the demo) the
+    importance ratio is exactly 1 and GSPO's gradient equals GRPO's up to rounding (README, "The objective"); with
+    two steps per batch (minibatches=2) the second one's ratio is off 1, and GSPO's sequence-level ratio (a geometric
+    mean) differs from GRPO's token ratios."""
     warm = demo.dir / "warmstart-model"
     run = up(tmp_path / "run", "model.kind=hf", f"model.path={warm}", "warmstart.steps=0", "algo.loss_algo=gspo-token",
-             "algo.minibatches=2", f"trainer.steps={GSPO_STEPS}")
-    check_run(run.summary, replicas=2, steps=GSPO_STEPS)
+             "algo.minibatches=2", f"trainer.steps={steps}")
+    check_run(run.summary, replicas=2, steps=steps)
     assert run.summary["algo"]["loss_algo"] == "gspo-token" and run.summary["algo"]["minibatches"] == 2
     # admission control (on by default): samplers generated (nearly) only what the trainer could use
     assert run.summary["generation_wasted_fraction"] <= MAX_WASTE, (run.summary["groups_generated"],
@@ -176,13 +183,33 @@ def test_gspo_learns_where_its_objective_differs_from_grpo(demo, tmp_path):
     assert before["examples"] == demo.summary["eval_before"]["examples"]
     assert before["accuracy"] == demo.summary["eval_before"]["accuracy"]
     rows = [r for r in run.metrics() if "train/ratio_max" in r]
-    assert len(rows) == GSPO_STEPS
+    assert len(rows) == steps
     # the ratio left 1 within steps: this run exercised what sets GSPO apart (the demo's ratio is exactly 1)
-    assert sum(r["train/ratio_max"] > 1.0 + 1e-4 for r in rows) >= GSPO_STEPS // 2, [r["train/ratio_max"] for r in rows]
+    assert sum(r["train/ratio_max"] > 1.0 + 1e-4 for r in rows) >= steps // 2, [r["train/ratio_max"] for r in rows]
     after = run.summary["eval_after"]
+    print(f"gspo ({steps} steps): sampled pass@1 {before['pass_at_k']['1']:.3f} -> {after['pass_at_k']['1']:.3f}, "
+          f"greedy {before['accuracy']:.3f} -> {after['accuracy']:.3f}, wall {run.summary['wall_seconds']}s")
+    return run
+
+
+def test_gspo_where_its_objective_differs_from_grpo_runs_and_holds_up(demo, tmp_path):
+    """The default lane's GSPO run: 100 steps, long enough to collapse if the sequence-level ratio or its clipping
+    were wrong (the one collapse seen, in CI at 8c84c3f, fell 0.13 sampled and 0.19 greedy), short enough for CI's
+    time budget. Learning itself is judged over 400 steps in the learning lane (the next test)."""
+    run = gspo_run(demo, tmp_path, GSPO_SHORT_STEPS)
+    before, after = run.summary["eval_before"], run.summary["eval_after"]
+    assert after["pass_at_k"]["1"] - before["pass_at_k"]["1"] >= GSPO_SHORT_MIN_SAMPLED_GAIN, (
+        before["pass_at_k"], after["pass_at_k"], trajectory(run))
+    assert after["accuracy"] - before["accuracy"] >= GSPO_SHORT_MIN_GREEDY_GAIN, (
+        before["accuracy"], after["accuracy"], trajectory(run))
+
+
+@pytest.mark.learning
+def test_gspo_learns_where_its_objective_differs_from_grpo(demo, tmp_path):
+    """GSPO's learning over the calibrated 400 steps (`-m learning`; about 7 minutes on 2 cores)."""
+    run = gspo_run(demo, tmp_path, GSPO_STEPS)
+    before, after = run.summary["eval_before"], run.summary["eval_after"]
     gain = after["pass_at_k"]["1"] - before["pass_at_k"]["1"]
-    print(f"gspo: sampled pass@1 {before['pass_at_k']['1']:.3f} -> {after['pass_at_k']['1']:.3f}, greedy "
-          f"{before['accuracy']:.3f} -> {after['accuracy']:.3f}, wall {run.summary['wall_seconds']}s")
     assert gain >= GSPO_MIN_SAMPLED_GAIN, (before["pass_at_k"], after["pass_at_k"], trajectory(run))
     assert after["accuracy"] - before["accuracy"] >= GSPO_MIN_GREEDY_GAIN, (before["accuracy"], after["accuracy"],
                                                                              trajectory(run))

@@ -12,7 +12,10 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 
-@pytest.mark.parametrize("family", ["Qwen2Config", "LlamaConfig"])
+# One family end to end: the loop does not depend on the architecture, and every family's load, bfloat16 logits and
+# export round trip have unit tests (tests/unit/common/model/test_hf_checkpoint.py); the Llama run that was here
+# too cost 100 s of CI's budget and covered nothing more.
+@pytest.mark.parametrize("family", ["Qwen2Config"])
 def test_up_with_a_bfloat16_checkpoint(tmp_path, family):
     from grpo_stream.common.tasks.arith import ArithTask
     from grpo_stream.common.model.tokenizer import train_bpe
