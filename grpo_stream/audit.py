@@ -12,6 +12,10 @@ checkpoint, and so on. Steps a crash rolled back are not in it. Then, per accept
   waiting     still in the buffer, in no lineage step (a continued run trains or drops it)
   lost        none of these (the guarantee is broken)
 
+Groups and steps the trainer compacted (common/rollouts/audit_compaction.py: settled behind the acknowledged
+checkpoint, checked as above when compacted) are counted from P:R:audit:compacted; the lineage is rebuilt for the
+steps after it.
+
 Answers to injected prompts submitted with train=false are kept apart (P:R:audit:eval) and never enter the
 rollout stream; the audit checks that no trained step, of any trainer, lists one (else it is BROKEN), and counts
 the injected train=true groups trained.
@@ -27,6 +31,7 @@ import sys
 
 import redis
 
+from grpo_stream.common.rollouts.audit_compaction import lineage, read_compacted
 from grpo_stream.common.rollouts.buffer import COUNTERS, REFUSALS, RUN_FILE, keys
 from grpo_stream.common.config.access import REDIS_PASSWORD_ENV
 
@@ -49,27 +54,6 @@ def _stream(client: redis.Redis, key: str, only: tuple[str, ...] | None = None) 
         start = f"{ms}-{seq + 1}"
 
 
-def lineage(trainers: list[dict], steps: list[dict], checkpoints: list[dict]) -> tuple[dict[int, list[str]], int]:
-    """{step: group ids} of the final model's history, and its last step (see the module docstring)."""
-    if not trainers:
-        return {}, 0
-    by_epoch = {t["epoch"]: t for t in trainers}
-    epoch = trainers[-1]["epoch"]
-    saved = [int(c["step"]) for c in checkpoints if c["epoch"] == epoch]
-    upto = max(saved, default=int(by_epoch[epoch]["from_step"]))
-    final, out = upto, {}
-    while epoch:
-        start = by_epoch[epoch]
-        for rec in steps:
-            step = int(rec["step"])
-            if rec["epoch"] == epoch and int(start["from_step"]) < step <= upto:
-                out[step] = json.loads(rec["groups"])
-        upto, epoch = int(start["from_step"]), start["from_epoch"]
-        if epoch and epoch not in by_epoch:
-            raise ValueError(f"the audit trail names trainer {epoch} but has no start record for it")
-    return out, final
-
-
 def build_audit(client: redis.Redis, run_name: str, prefix: str = "grpo-stream") -> dict:
     k = keys(prefix, run_name)
     accepted = {_text(g): json.loads(v) for g, v in client.hscan_iter(k["audit:accepted"], count=1000)}
@@ -79,6 +63,8 @@ def build_audit(client: redis.Redis, run_name: str, prefix: str = "grpo-stream")
     trainers, steps, checkpoints = (_stream(client, k[name]) for name in (
         "audit:trainers", "audit:steps", "audit:checkpoints"))
     history, final_step = lineage(trainers, steps, checkpoints)
+    # what compaction folded (audit_compaction.py): steps up to `through` were checked then, as below
+    through, compacted, _ = read_compacted(client, k["audit:compacted"])
     times = collections.Counter(g for groups in history.values() for g in groups)
     evaluated = {_text(g): json.loads(v) for g, v in client.hscan_iter(k["audit:eval"], count=1000)}
     ever_trained = {g for rec in steps for g in json.loads(rec["groups"])}  # rolled-back steps included
@@ -99,18 +85,19 @@ def build_audit(client: redis.Redis, run_name: str, prefix: str = "grpo-stream")
     counts = collections.Counter(outcome.values())
     raw = client.hgetall(k["counters"])
     counters = {name: int(raw.get(name.encode(), 0)) for name in COUNTERS + REFUSALS}
-    missing_steps = sorted(set(range(1, final_step + 1)) - set(history))
+    missing_steps = sorted(set(range(through + 1, final_step + 1)) - set(history))
     injected_train = [g for g, rec in accepted.items() if rec.get("prompt")]
     return {
         "run": run_name,
-        "groups_accepted": len(accepted),
-        "groups_trained": counts["trained"],
-        "groups_dropped": {name: counts[name] for name in ("dropped_stale", "dropped_invalid", "dropped_filtered")},
+        "groups_accepted": len(accepted) + compacted["accepted"],
+        "groups_trained": counts["trained"] + compacted["trained"],
+        "groups_dropped": {name: counts[name] + compacted[name]
+                           for name in ("dropped_stale", "dropped_invalid", "dropped_filtered")},
         "groups_waiting": counts["waiting"],
         "groups_lost": counts["lost"],
         "groups_trained_twice": counts["duplicated"],
         "second_copies_refused_by_ingest": counters["refused_duplicate"],
-        "second_copies_dropped_by_trainer": sum(second_copies.values()),
+        "second_copies_dropped_by_trainer": sum(second_copies.values()) + compacted["second_copies_dropped"],
         "trained_but_not_accepted": sorted(set(times) - set(accepted))[:20],
         "lost_ids": sorted(g for g, o in outcome.items() if o == "lost")[:20],
         "trained_twice_ids": sorted(g for g, o in outcome.items() if o == "duplicated")[:20],
@@ -118,19 +105,22 @@ def build_audit(client: redis.Redis, run_name: str, prefix: str = "grpo-stream")
         "lineage_missing_steps": missing_steps[:20],
         "trainer_starts": len(trainers),
         "trainer_resumes": sum(1 for t in trainers if t["from_epoch"]),
-        "steps_rolled_back": len(steps) - len(history),
+        "steps_rolled_back": len(steps) - len(history) + compacted["steps_rolled_back"],
+        "compacted": {"through_step": through, "groups": compacted["accepted"]},
         "checkpoints_saved": len(checkpoints),
         "counters": counters,
-        "injected": {"evaluation_only": len(evaluated), "evaluation_only_trained": len(eval_trained),
-                     "evaluation_only_trained_ids": eval_trained[:20], "train": len(injected_train),
-                     "train_trained": sum(outcome[g] == "trained" for g in injected_train)},
+        "injected": {"evaluation_only": len(evaluated) + compacted["evaluation_only"],
+                     "evaluation_only_trained": len(eval_trained), "evaluation_only_trained_ids": eval_trained[:20],
+                     "train": len(injected_train) + compacted["injected_train"],
+                     "train_trained": sum(outcome[g] == "trained" for g in injected_train)
+                     + compacted["injected_train_trained"]},
         "ok": not counts["lost"] and not counts["duplicated"] and not missing_steps and not (set(times) - set(accepted))
         and not eval_trained,
     }
 
 
 def group_history(client: redis.Redis, run_name: str, group_id: str, prefix: str = "grpo-stream") -> dict:
-    """Everything the trail says about one group, rolled-back steps included."""
+    """Everything the trail says about one group, rolled-back steps included (nothing, once compacted)."""
     k = keys(prefix, run_name)
     acc, sett = client.hget(k["audit:accepted"], group_id), client.hget(k["audit:settled"], group_id)
     trained_in = [{"epoch": r["epoch"], "step": int(r["step"])} for r in _stream(client, k["audit:steps"])

@@ -88,6 +88,13 @@ class Durability:
                 (eid, gid, "trained", s) for s, pairs in done for eid, gid in pairs))
             self.unsettled = [(s, pairs) for s, pairs in self.unsettled if s > upto]
             when_available("updating the held count", lambda: self.buffer.set_held(self.held()))
+        # the trail of what is now final folds into counts; not at a run's end (the newest step record stays, and
+        # a continued run compacts it at its first checkpoint)
+        if self.cfg.buffer.compact_audit and not everything and upto > 0:
+            plan = when_available("compacting the audit trail", lambda: self.buffer.compact_audit(upto))
+            if plan.held_back:
+                log.warning("audit trail not compacted through step %d: %s (`grpo-stream audit` shows it)", upto,
+                            plan.held_back)
 
     def resume(self, updater_like: dict) -> Resumed | None:
         """Restore the newest valid checkpoint (there is at least one) and settle the groups it holds; None when

@@ -231,6 +231,10 @@ class BufferSection(Strict):
                             "trained but held until a checkpoint (up to about 2 x checkpoint.every x "
                             "trainer.groups_per_step) stay in Redis too but do not count.")
     retry_after_ms: int = Field(200, ge=1, le=60_000, description="Back-off the ingest suggests when full.")
+    compact_audit: bool = Field(True, description="After each acknowledged checkpoint, fold the audit trail of the "
+                                "groups settled up to it into counts (P:R:audit:compacted), so a run's Redis memory "
+                                "stays bounded; `audit` still proves exactly-once over the whole run. false keeps "
+                                "every group's record (`audit --group` then finds any group of the run).")
 
 
 class CheckpointSection(Strict):

@@ -15,6 +15,8 @@ Redis layout for run R (prefix P):
   P:R:audit:checkpoints stream: per saved checkpoint, its step and epoch
   P:R:audit:eval       hash: group id -> {prompt, sampler, version, t} of injected train=false answers (never
                        appended to the stream; see trainer_service/prompt_queue.py for the injection keys)
+  P:R:audit:compacted  hash: the records settled behind the acknowledged checkpoint, folded into counts, and
+                       per sampler the data position below which every group is compacted (audit_compaction.py)
 
 Appending and settling are Lua scripts, so each is atomic and at any moment
     ingested == trained + dropped_stale + dropped_invalid + dropped_filtered + dropped_duplicate + XLEN(rollouts).
@@ -33,6 +35,7 @@ from typing import Protocol
 
 import redis
 
+from grpo_stream.common.rollouts.audit_compaction import CompactionPlan, compact_redis
 from grpo_stream.common.rollouts.redis_errors import BufferUnavailable, redis_call  # noqa: F401 (the interface's error)
 
 COUNTERS = ("ingested", "trained", "dropped_stale", "dropped_invalid", "dropped_filtered", "dropped_duplicate")
@@ -42,7 +45,8 @@ RUN_FILE = "run.json"  # in RUN_DIR: the run name and (password-free) Redis URL,
 
 # One call appends a batch in order. Room is counted in groups not yet trained: those the trainer trained but
 # holds unacknowledged until a checkpoint are not a backlog. A group id already accepted is answered `dup` and
-# not written again: a sampler that resends after a lost acknowledgement creates no second copy.
+# not written again: a sampler that resends after a lost acknowledgement creates no second copy; nor is one at or
+# below its sampler's compacted data position (its accepted record was folded into counts).
 _APPEND = """
 redis.replicate_commands()
 local waiting = redis.call('XLEN', KEYS[1]) - tonumber(redis.call('GET', KEYS[6]) or '0')
@@ -62,7 +66,8 @@ for i = 7, #ARGV, 6 do
     out[#out + 1] = 'unknown'
   elseif state == 'cancelled' then
     out[#out + 1] = 'cancelled'
-  elseif state == 'done' or redis.call('HEXISTS', KEYS[4], gid) == 1 then
+  elseif state == 'done' or redis.call('HEXISTS', KEYS[4], gid) == 1 or
+      (position >= 0 and position <= tonumber(redis.call('HGET', KEYS[8], 'below:' .. sampler) or '-1')) then
     dups = dups + 1
     out[#out + 1] = 'dup'
   elseif train and (full or room <= 0) then
@@ -181,6 +186,8 @@ class RolloutBuffer(Protocol):
 
     def log_checkpoint(self, epoch: str, step: int) -> None: ...
 
+    def compact_audit(self, through_step: int) -> "CompactionPlan": ...
+
     def depth(self) -> int: ...
 
     def counters(self) -> dict[str, int]: ...
@@ -204,7 +211,7 @@ def keys(prefix: str, run_name: str) -> dict[str, str]:
     base = f"{prefix}:{run_name}"
     return {name: f"{base}:{name}" for name in (
         "rollouts", "counters", "by_sampler", "positions", "held", "audit:accepted", "audit:settled", "audit:duplicates",
-        "audit:steps", "audit:trainers", "audit:checkpoints", "audit:eval")}
+        "audit:steps", "audit:trainers", "audit:checkpoints", "audit:eval", "audit:compacted")}
 
 
 class RedisStreamBuffer:
@@ -245,7 +252,7 @@ class RedisStreamBuffer:
         k = self.k
         reply = self._call(lambda: self._append(
             keys=[self.stream, k["counters"], k["by_sampler"], k["audit:accepted"], k["positions"], k["held"],
-                  k["audit:eval"]], args=args))
+                  k["audit:eval"], k["audit:compacted"]], args=args))
         waiting, *statuses = (r.decode() if isinstance(r, bytes) else r for r in reply)
         return statuses, int(waiting)
 
@@ -332,6 +339,10 @@ class RedisStreamBuffer:
         """Audit: trainer `epoch` saved a checkpoint of `step` (so steps up to it survive a crash)."""
         self._call(lambda: self.client.xadd(self.k["audit:checkpoints"], {"epoch": epoch, "step": step}))
 
+    def compact_audit(self, through_step: int) -> CompactionPlan:
+        """Fold the trail of groups settled up to `through_step` (acknowledged: never rolled back) into counts."""
+        return self._call(lambda: compact_redis(self.client, self.k, through_step))
+
     # -- both ----------------------------------------------------------------------
     def depth(self) -> int:
         """Entries in the stream: waiting, read, and trained but not yet checkpointed."""
@@ -360,7 +371,8 @@ class RedisStreamBuffer:
             pipe.get(self.k["held"])
             pipe.hmget(self.k["counters"], "trained", "dropped_filtered")
             pipe.xrevrange(self.k["audit:steps"], count=1)
-            depth, held, (trained, filtered), last = pipe.execute()
-            step = int(last[0][1][b"step"]) if last else 0
+            pipe.hget(self.k["audit:compacted"], "through_step")
+            depth, held, (trained, filtered), last, compacted = pipe.execute()
+            step = max(int(last[0][1][b"step"]) if last else 0, int(compacted or 0))
             return AdmissionState(max(0, int(depth) - int(held or 0)), int(trained or 0), int(filtered or 0), step)
         return self._call(run)

@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Iterable, Sequence
 
+from grpo_stream.common.rollouts.audit_compaction import COMPACTED_COUNTS, CompactionPlan, plan_compaction
 from grpo_stream.common.rollouts.buffer import COUNTERS, OUTCOMES, REFUSALS, AdmissionState, BufferEntry, Incoming
 
 
@@ -22,9 +23,12 @@ class InMemoryBuffer:
         self._counts = dict.fromkeys(COUNTERS + REFUSALS, 0)
         self._by_sampler: dict[str, int] = {}
         self._positions: dict[str, int] = {}
-        self._accepted: set[str] = set()
+        self._accepted: dict[str, dict] = {}  # group id -> {sampler, position}; the de-duplication set
+        self.compacted = {"through_step": 0, **dict.fromkeys(COMPACTED_COUNTS, 0)}
+        self.below: dict[str, int] = {}  # sampler -> data position at or below which every group is compacted
         self.settled: dict[str, dict] = {}  # group id -> {outcome, step, entry}
         self.steps: list[dict] = []
+        self._step_records = 0
         self.trainers: list[dict] = []
         self.checkpoints: list[dict] = []
         self._held = 0
@@ -38,7 +42,8 @@ class InMemoryBuffer:
             for item in items:
                 if item.injected_prompt:
                     statuses.append("unknown")
-                elif item.group_id in self._accepted:
+                elif item.group_id in self._accepted or 0 <= item.data_position <= self.below.get(
+                        item.sampler_id, -1):
                     statuses.append("dup")
                     self._counts["refused_duplicate"] += 1
                 elif room <= 0:
@@ -48,7 +53,7 @@ class InMemoryBuffer:
                     self._next += 1
                     entry_id = f"{self._next}-0"
                     self._stream[entry_id] = BufferEntry(entry_id, item.group_id, item.payload)
-                    self._accepted.add(item.group_id)
+                    self._accepted[item.group_id] = {"sampler": item.sampler_id, "position": item.data_position}
                     self._counts["ingested"] += 1
                     self._by_sampler[item.sampler_id] = self._by_sampler.get(item.sampler_id, 0) + 1
                     if item.data_position >= 0:
@@ -104,13 +109,31 @@ class InMemoryBuffer:
             self._held = count
 
     def log_step(self, epoch: str, step: int, group_ids: list[str]) -> None:
-        self.steps.append({"epoch": epoch, "step": step, "groups": list(group_ids)})
+        self._step_records += 1
+        self.steps.append({"id": f"{int(time.time() * 1000)}-{self._step_records}", "epoch": epoch, "step": step,
+                           "groups": list(group_ids)})
 
     def log_trainer(self, epoch: str, from_step: int, from_epoch: str) -> None:
         self.trainers.append({"epoch": epoch, "from_step": from_step, "from_epoch": from_epoch})
 
     def log_checkpoint(self, epoch: str, step: int) -> None:
         self.checkpoints.append({"epoch": epoch, "step": step})
+
+    def compact_audit(self, through_step: int) -> CompactionPlan:
+        with self._lock:
+            plan = plan_compaction(through_step, self.compacted["through_step"], self._accepted, self.settled, {},
+                                   self.steps, self.trainers, self.checkpoints, {}, self.below)
+            if plan.through_step > self.compacted["through_step"]:
+                for name, n in plan.counts.items():
+                    self.compacted[name] += n
+                self.compacted["through_step"] = plan.through_step
+                self.below.update(plan.below)
+                for gid in plan.group_ids:
+                    del self._accepted[gid]
+                    self.settled.pop(gid, None)
+                gone = set(plan.step_records)
+                self.steps = [rec for rec in self.steps if rec["id"] not in gone]
+            return plan
 
     def depth(self) -> int:
         with self._lock:
@@ -127,4 +150,5 @@ class InMemoryBuffer:
     def admission_state(self) -> AdmissionState:
         with self._lock:
             return AdmissionState(len(self._stream) - self._held, self._counts["trained"],
-                                  self._counts["dropped_filtered"], self.steps[-1]["step"] if self.steps else 0)
+                                  self._counts["dropped_filtered"], max(self.steps[-1]["step"] if self.steps else 0,
+                                                                           self.compacted["through_step"]))

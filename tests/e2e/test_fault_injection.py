@@ -175,6 +175,10 @@ def test_kill_everything_lose_nothing(tmp_path):
     dropped = sum(report["groups_dropped"].values())
     assert report["groups_accepted"] == report["groups_trained"] + dropped + report["groups_waiting"]
     assert report["trainer_starts"] == 3 and report["trainer_resumes"] == 2
+    # the audit trail was compacted behind the acknowledged checkpoints while the faults hit, and the verdict above
+    # counts the compacted groups (buffer.compact_audit, on by default)
+    assert STEPS - 3 * EVERY <= report["compacted"]["through_step"] < STEPS, report["compacted"]
+    assert report["compacted"]["groups"] > 0
     for i in range(2):  # a restarted sampler continues its prompt stream after its last accepted group
         for k in range(2, cluster.starts[f"sampler-{i}"] + 1):
             text = (run_dir / "logs" / f"sampler-{i}.{k}.log").read_text()

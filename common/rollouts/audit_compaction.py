@@ -1,0 +1,194 @@
+"""Audit-trail retention: the records of groups settled behind the acknowledged checkpoint fold into counters.
+
+Without it the trail grows by ~250 bytes per group for the whole run, and under `noeviction` a long run ends in OOM
+replies. Steps up to the acknowledged checkpoint (`through_step`: the trainer acknowledges a step's groups only once
+the checkpoint after the one holding it is on disk, and keeps at least two) can no longer be rolled back, so what
+`grpo-stream audit` would conclude about their groups is final. Compaction checks it then, exactly as the audit
+does, and keeps the verdict as counts in P:R:audit:compacted:
+
+  through_step               lineage steps up to here are compacted
+  accepted, trained, dropped_stale, dropped_invalid, dropped_filtered, second_copies_dropped, steps_rolled_back,
+  evaluation_only, injected_train, injected_train_trained
+  below:<sampler>            every group of that sampler at or below this data position is compacted
+
+Only groups the audit would call settled are removed: trained in exactly one lineage step up to `through_step`, or
+dropped (a drop is final). A group that is waiting, lost, trained twice or trained later stays, and so does every
+later group of its sampler, so `below:<sampler>` stays exact and the ingest refuses a late second copy of a
+compacted group as a duplicate (the accepted hash, the de-duplication set, no longer holds it). Injected answers
+(no data position) are refused again by their prompt's state. A step the lineage lacks stops compaction there: the
+audit must see it.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+
+DROPS = ("dropped_stale", "dropped_invalid", "dropped_filtered")
+COMPACTED_COUNTS = ("accepted", "trained", *DROPS, "second_copies_dropped", "steps_rolled_back", "evaluation_only",
+                    "injected_train", "injected_train_trained")
+
+
+def lineage(trainers: list[dict], steps: list[dict], checkpoints: list[dict]) -> tuple[dict[int, list[str]], int]:
+    """{step: group ids} of the final model's history, and its last step: the steps of the last trainer up to its
+    last checkpoint, then those of the trainer it resumed from up to that checkpoint, and so on. Steps a crash
+    rolled back are not in it. Step records are dicts with epoch, step and groups (a JSON list or a list)."""
+    if not trainers:
+        return {}, 0
+    by_epoch = {t["epoch"]: t for t in trainers}
+    epoch = trainers[-1]["epoch"]
+    saved = [int(c["step"]) for c in checkpoints if c["epoch"] == epoch]
+    upto = max(saved, default=int(by_epoch[epoch]["from_step"]))
+    final, out = upto, {}
+    while epoch:
+        start = by_epoch[epoch]
+        for rec in steps:
+            step = int(rec["step"])
+            if rec["epoch"] == epoch and int(start["from_step"]) < step <= upto:
+                groups = rec["groups"]
+                out[step] = json.loads(groups) if isinstance(groups, str) else list(groups)
+        upto, epoch = int(start["from_step"]), start["from_epoch"]
+        if epoch and epoch not in by_epoch:
+            raise ValueError(f"the audit trail names trainer {epoch} but has no start record for it")
+    return out, final
+
+
+@dataclasses.dataclass
+class CompactionPlan:
+    """What one compaction removes and adds. `counts` are increments; `below` the new per-sampler watermarks."""
+
+    through_step: int
+    group_ids: list[str]
+    step_records: list[str]  # ids of step records removed (lineage steps compacted, and rolled-back ones)
+    evaluation_only: list[str]
+    counts: dict[str, int]
+    below: dict[str, int]
+    held_back: str = ""  # why compaction stopped short of through_step, if it did
+
+
+def plan_compaction(through_step: int, previous_through: int, accepted: dict[str, dict], settled: dict[str, dict],
+                    second_copies: dict[str, int], steps: list[dict], trainers: list[dict], checkpoints: list[dict],
+                    evaluation_only: dict[str, dict], below: dict[str, int]) -> CompactionPlan:
+    """The pure decision: which records of the trail can fold into counts once steps up to `through_step` are final.
+    Step records carry their record id as `id`; evaluation-only records their time `t` (seconds)."""
+    empty = CompactionPlan(previous_through, [], [], [], dict.fromkeys(COMPACTED_COUNTS, 0), {})
+    if through_step <= previous_through:
+        return empty
+    history, _ = lineage(trainers, steps, checkpoints)
+    missing = [s for s in range(previous_through + 1, through_step + 1) if s not in history]
+    if missing:
+        empty.held_back = f"lineage steps {missing[:5]} have no record"
+        return empty
+    final = {s: gids for s, gids in history.items() if s <= through_step}
+    times = collections.Counter(g for gids in final.values() for g in gids)
+
+    def settled_now(gid: str) -> bool:
+        rec = settled.get(gid)
+        if rec is None:
+            return False
+        if rec["outcome"] == "trained":
+            return times.get(gid, 0) == 1
+        return times.get(gid, 0) == 0 and rec["outcome"] in DROPS
+
+    # per sampler, in data-position order, up to the first group that must stay
+    by_sampler: dict[str, list[tuple[int, str]]] = collections.defaultdict(list)
+    chosen: list[str] = []
+    for gid, rec in accepted.items():
+        position = int(rec.get("position", -1))
+        if position >= 0:
+            by_sampler[rec["sampler"]].append((position, gid))
+        elif settled_now(gid):
+            chosen.append(gid)
+    new_below: dict[str, int] = {}
+    for sampler, groups in by_sampler.items():
+        for position, gid in sorted(groups):
+            if not settled_now(gid):
+                break
+            chosen.append(gid)
+            new_below[sampler] = max(position, below.get(sampler, -1))
+    counts = dict.fromkeys(COMPACTED_COUNTS, 0)
+    for gid in chosen:
+        outcome = settled[gid]["outcome"]
+        counts["accepted"] += 1
+        counts[outcome] += 1
+        counts["second_copies_dropped"] += second_copies.get(gid, 0)
+        if accepted[gid].get("prompt"):
+            counts["injected_train"] += 1
+            counts["injected_train_trained"] += outcome == "trained"
+    # step records: the compacted lineage steps, and those a crash rolled back at or below through_step (the
+    # lineage holds the one record of each such step that counts); an evaluation-only answer in any of them is a
+    # broken guarantee the audit must show, so compaction leaves everything then
+    # A lineage record goes only once every group it lists is compacted (now or before): the audit still needs
+    # the record of a group that stays.
+    lineage_ids = {(rec["epoch"], int(rec["step"])) for rec in steps if int(rec["step"]) in final
+                   and final[int(rec["step"])] == _groups(rec)}
+    gone = set(chosen)
+    rolled_back = [rec for rec in steps if int(rec["step"]) <= through_step
+                   and (rec["epoch"], int(rec["step"])) not in lineage_ids]
+    removed = rolled_back + [rec for rec in steps if (rec["epoch"], int(rec["step"])) in lineage_ids
+                             and all(g in gone or g not in accepted for g in _groups(rec))]
+    listed = {g for rec in removed for g in _groups(rec)}
+    if listed & set(evaluation_only):
+        empty.held_back = f"evaluation-only answers {sorted(listed & set(evaluation_only))[:5]} were trained"
+        return empty
+    counts["steps_rolled_back"] = len(rolled_back)
+    newest = max((_record_time(rec["id"]) for rec in removed), default=0.0)
+    old_evals = [gid for gid, rec in evaluation_only.items() if float(rec.get("t", 0)) <= newest]
+    counts["evaluation_only"] = len(old_evals)
+    return CompactionPlan(through_step, chosen, [rec["id"] for rec in removed], old_evals, counts, new_below)
+
+
+def _groups(rec: dict) -> list[str]:
+    groups = rec["groups"]
+    return json.loads(groups) if isinstance(groups, str) else list(groups)
+
+
+def _record_time(record_id: str) -> float:
+    """A Redis stream id starts with its time in milliseconds."""
+    return int(str(record_id).split("-")[0]) / 1000
+
+
+def read_compacted(client, key: str) -> tuple[int, dict[str, int], dict[str, int]]:
+    """(through_step, counts, below) from P:R:audit:compacted (zeros for a run never compacted)."""
+    raw = {_text(k): int(v) for k, v in client.hgetall(key).items()}
+    counts = {name: raw.get(name, 0) for name in COMPACTED_COUNTS}
+    below = {k[len("below:"):]: v for k, v in raw.items() if k.startswith("below:")}
+    return raw.get("through_step", 0), counts, below
+
+
+def compact_redis(client, k: dict[str, str], through_step: int) -> CompactionPlan:
+    """Read the run's trail, plan, and apply the plan in one MULTI/EXEC (readers never see half of it; the ingest's
+    append sees the new watermarks as soon as the accepted records are gone)."""
+    previous, _, below = read_compacted(client, k["audit:compacted"])
+    accepted = {_text(g): json.loads(v) for g, v in client.hscan_iter(k["audit:accepted"], count=1000)}
+    settled = {_text(g): json.loads(v) for g, v in client.hscan_iter(k["audit:settled"], count=1000)}
+    second = {_text(g): int(v) for g, v in client.hscan_iter(k["audit:duplicates"], count=1000)}
+    evaluation = {_text(g): json.loads(v) for g, v in client.hscan_iter(k["audit:eval"], count=1000)}
+    steps = [{"id": _text(i), **{_text(a): _text(b) for a, b in f.items()}}
+             for i, f in client.xrange(k["audit:steps"])]
+    trainers, checkpoints = ([{_text(a): _text(b) for a, b in f.items()} for _, f in client.xrange(k[name])]
+                             for name in ("audit:trainers", "audit:checkpoints"))
+    plan = plan_compaction(through_step, previous, accepted, settled, second, steps, trainers, checkpoints,
+                           evaluation, below)
+    if plan.through_step <= previous:
+        return plan
+    pipe = client.pipeline(transaction=True)
+    for name, n in plan.counts.items():
+        if n:
+            pipe.hincrby(k["audit:compacted"], name, n)
+    pipe.hset(k["audit:compacted"], mapping={"through_step": plan.through_step,
+                                             **{f"below:{s}": p for s, p in plan.below.items()}})
+    for key, ids in ((k["audit:accepted"], plan.group_ids), (k["audit:settled"], plan.group_ids),
+                     (k["audit:duplicates"], [g for g in plan.group_ids if g in second]),
+                     (k["audit:eval"], plan.evaluation_only)):
+        for i in range(0, len(ids), 1000):
+            pipe.hdel(key, *ids[i:i + 1000])
+    for i in range(0, len(plan.step_records), 1000):
+        pipe.xdel(k["audit:steps"], *plan.step_records[i:i + 1000])
+    pipe.execute()
+    return plan
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

@@ -1,0 +1,133 @@
+"""Audit-trail retention against a real redis-server (and the in-memory backend): records of groups settled behind
+the acknowledged checkpoint fold into counts, Redis memory per run stays bounded over a long run, `audit` reaches
+the same verdict as on the full trail, a late second copy of a compacted group is still refused, and what the audit
+must see (a lost group) is left in place, with every later group of its sampler. The pure decision has unit tests
+(tests/unit/common/rollouts/test_audit_compaction.py)."""
+
+import pytest
+
+from grpo_stream.audit import build_audit
+from grpo_stream.common.rollouts.buffer import Incoming, RedisStreamBuffer
+from grpo_stream.common.rollouts.redis_server import connect
+from grpo_stream.common.rollouts.registry import BUFFERS, open_buffer
+
+pytestmark = pytest.mark.redis
+
+VERDICT = ("groups_accepted", "groups_trained", "groups_dropped", "groups_waiting", "groups_lost",
+           "groups_trained_twice", "final_step", "lineage_missing_steps", "steps_rolled_back", "ok")
+
+
+class Producer:
+    """Two samplers' groups in data-position order, as the ingest appends them."""
+
+    def __init__(self):
+        self.next = {"s0": 0, "s1": 0}
+
+    def groups(self, n: int) -> list[Incoming]:
+        out = []
+        for i in range(n):
+            sampler = f"s{i % 2}"
+            pos = self.next[sampler]
+            self.next[sampler] += 1
+            out.append(Incoming(f"run/{sampler}/{pos}", sampler, 0, pos, b"x"))
+        return out
+
+
+def train(buf, producer: Producer, epoch: str, steps: range, per_step: int = 4, every: int = 5,
+          acked: list[int] | None = None) -> tuple[list[int], list[tuple]]:
+    """What the trainer does to the trail: per step read, log and hold its groups (one dropped as stale); at each
+    checkpoint acknowledge the groups of the checkpoint before it and compact through that step. Returns the
+    acknowledged checkpoints and the groups still held."""
+    acked = [] if acked is None else acked
+    held = []
+    for step in steps:
+        buf.append_many(producer.groups(per_step), 1000)
+        got = buf.read(per_step, 100)
+        buf.settle([(got[0].entry_id, got[0].group_id, "dropped_stale", step)])
+        buf.log_step(epoch, step, [e.group_id for e in got[1:]])
+        held += [(e.entry_id, e.group_id, "trained", step) for e in got[1:]]
+        if step % every == 0:
+            buf.log_checkpoint(epoch, step)
+            upto = acked[-1] if acked else 0
+            buf.settle([r for r in held if r[3] <= upto])
+            held = [r for r in held if r[3] > upto]
+            if upto:
+                buf.compact_audit(upto)
+            acked.append(step)
+    return acked, held
+
+
+@pytest.fixture(params=sorted(BUFFERS))
+def any_buf(request, shared_redis, run_name):
+    if request.param == "redis":
+        return RedisStreamBuffer(connect(shared_redis.url, 5), run_name)
+    return open_buffer(None, request.param)
+
+
+def test_a_long_run_keeps_a_bounded_trail_and_refuses_late_copies(any_buf):
+    producer = Producer()
+    any_buf.log_trainer("a", 0, "")
+    train(any_buf, producer, "a", range(1, 101))
+    # 400 groups accepted; what is left of the trail is about two checkpoint windows (steps 91-100 and the
+    # entries still held), not the whole run
+    if isinstance(any_buf, RedisStreamBuffer):
+        k = any_buf.k
+        accepted = any_buf.client.hlen(k["audit:accepted"])
+        settled, steps = any_buf.client.hlen(k["audit:settled"]), any_buf.client.xlen(k["audit:steps"])
+        compacted = {key.decode(): int(v) for key, v in any_buf.client.hgetall(k["audit:compacted"]).items()}
+    else:
+        accepted, settled, steps = len(any_buf._accepted), len(any_buf.settled), len(any_buf.steps)
+        compacted = {**any_buf.compacted, **{f"below:{s}": p for s, p in any_buf.below.items()}}
+    assert accepted <= 10 * 4 and settled <= 10 * 4 and steps <= 10, (accepted, settled, steps)
+    # steps 1-95 (285 trained, 95 dropped) and step 96's dropped group, the first of s0's: a drop is final
+    assert compacted["through_step"] == 95 and compacted["accepted"] == 381
+    assert compacted["trained"] == 285 and compacted["dropped_stale"] == 96
+    assert compacted["below:s0"] == 190 and compacted["below:s1"] == 189
+    # a sampler resending a group whose record was compacted (a lost acknowledgement) creates no second copy
+    statuses, _ = any_buf.append_many([Incoming("run/s0/17", "s0", 0, 17, b"x")], 1000)
+    assert statuses == ["dup"]
+    assert any_buf.counters()["refused_duplicate"] == 1
+    assert any_buf.admission_state().trainer_step == 100
+
+
+def test_the_audit_reaches_the_same_verdict_on_a_compacted_trail(shared_redis, run_name):
+    full = RedisStreamBuffer(connect(shared_redis.url, 5), run_name + "-full")
+    kept = RedisStreamBuffer(connect(shared_redis.url, 5), run_name)
+    for buf, compact in ((full, False), (kept, True)):
+        if not compact:
+            buf.compact_audit = lambda through: None  # the same run, never compacted
+        producer = Producer()
+        buf.log_trainer("a", 0, "")
+        acked, held = train(buf, producer, "a", range(1, 33))  # crashes after step 32: steps 31-32 roll back
+        # trainer b resumes from a's checkpoint of step 30: it acknowledges the groups that checkpoint holds, and
+        # takes back what a read after it (the groups of the rolled-back steps) to train them again
+        buf.log_trainer("b", 30, "a")
+        buf.settle([r for r in held if r[3] <= 30])
+        buf._recover_after = "0"
+        train(buf, producer, "b", range(31, 61), acked=acked)
+    before, after = build_audit(full.client, run_name + "-full"), build_audit(kept.client, run_name)
+    assert before["ok"] and before["steps_rolled_back"] == 2
+    assert {key: after[key] for key in VERDICT} == {key: before[key] for key in VERDICT}
+    assert after["compacted"]["through_step"] == 55 and after["compacted"]["groups"] >= 150, after["compacted"]
+
+
+def test_a_lost_group_stays_visible_and_holds_its_samplers_later_groups(buf_pair):
+    buf, run_name = buf_pair
+    producer = Producer()
+    buf.log_trainer("a", 0, "")
+    buf.append_many(producer.groups(2), 1000)
+    lost, other = buf.read(2, 100)  # s0's first group vanishes without a record; s1's is dropped
+    buf.client.xdel(buf.stream, lost.entry_id)
+    buf.settle([(other.entry_id, other.group_id, "dropped_stale", 0)])
+    train(buf, producer, "a", range(1, 21))
+    report = build_audit(buf.client, run_name)
+    assert report["groups_lost"] == 1 and report["lost_ids"] == [lost.group_id] and not report["ok"]
+    compacted = {key.decode(): int(v) for key, v in buf.client.hgetall(buf.k["audit:compacted"]).items()}
+    # s0's watermark cannot pass the lost group, so none of s0's groups is compacted; s1's are
+    assert "below:s0" not in compacted and compacted["below:s1"] >= 10
+    assert buf.client.hexists(buf.k["audit:accepted"], "run/s0/5")
+
+
+@pytest.fixture
+def buf_pair(shared_redis, run_name):
+    return RedisStreamBuffer(connect(shared_redis.url, 5), run_name), run_name
