@@ -45,6 +45,7 @@ class Durability:
         self.resumed_step = 0
         self.data_position: dict[str, int] = {}  # sampler -> highest data position trained
         self.buffer_position = "0-0"  # newest stream entry trained
+        self.compacted_through = 0  # the audit trail was compacted through this step (by this process)
 
     def held(self) -> int:
         """Groups trained but not yet acknowledged (waiting for their checkpoint to be safe)."""
@@ -90,8 +91,9 @@ class Durability:
             when_available("updating the held count", lambda: self.buffer.set_held(self.held()))
         # the trail of what is now final folds into counts; not at a run's end (the newest step record stays, and
         # a continued run compacts it at its first checkpoint)
-        if self.cfg.buffer.compact_audit and not everything and upto > 0:
+        if self.cfg.buffer.compact_audit and not everything and upto > self.compacted_through:
             plan = when_available("compacting the audit trail", lambda: self.buffer.compact_audit(upto))
+            self.compacted_through = upto  # once per acknowledged checkpoint (this runs every step)
             if plan.held_back:
                 log.warning("audit trail not compacted through step %d: %s (`grpo-stream audit` shows it)", upto,
                             plan.held_back)

@@ -160,7 +160,9 @@ def read_compacted(client, key: str) -> tuple[int, dict[str, int], dict[str, int
 def compact_redis(client, k: dict[str, str], through_step: int) -> CompactionPlan:
     """Read the run's trail, plan, and apply the plan in one MULTI/EXEC (readers never see half of it; the ingest's
     append sees the new watermarks as soon as the accepted records are gone)."""
-    previous, _, below = read_compacted(client, k["audit:compacted"])
+    previous, counts, below = read_compacted(client, k["audit:compacted"])
+    if through_step <= previous:
+        return CompactionPlan(previous, [], [], [], dict.fromkeys(counts, 0), {})
     accepted = {_text(g): json.loads(v) for g, v in client.hscan_iter(k["audit:accepted"], count=1000)}
     settled = {_text(g): json.loads(v) for g, v in client.hscan_iter(k["audit:settled"], count=1000)}
     second = {_text(g): int(v) for g, v in client.hscan_iter(k["audit:duplicates"], count=1000)}
