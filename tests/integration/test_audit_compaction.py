@@ -9,7 +9,7 @@ import pytest
 from grpo_stream.audit import build_audit
 from grpo_stream.common.rollouts.buffer import Incoming, RedisStreamBuffer
 from grpo_stream.common.rollouts.redis_server import connect
-from grpo_stream.common.rollouts.registry import BUFFERS, open_buffer
+from tests.integration.test_redis_buffer import any_buf  # noqa: F401 (the fixture: each backend of the registry)
 
 pytestmark = pytest.mark.redis
 
@@ -57,14 +57,7 @@ def train(buf, producer: Producer, epoch: str, steps: range, per_step: int = 4, 
     return acked, held
 
 
-@pytest.fixture(params=sorted(BUFFERS))
-def any_buf(request, shared_redis, run_name):
-    if request.param == "redis":
-        return RedisStreamBuffer(connect(shared_redis.url, 5), run_name)
-    return open_buffer(None, request.param)
-
-
-def test_a_long_run_keeps_a_bounded_trail_and_refuses_late_copies(any_buf):
+def test_a_long_run_keeps_a_bounded_trail_and_refuses_late_copies(any_buf):  # noqa: F811
     producer = Producer()
     any_buf.log_trainer("a", 0, "")
     train(any_buf, producer, "a", range(1, 101))
