@@ -116,11 +116,10 @@ def plan_compaction(through_step: int, previous_through: int, accepted: dict[str
         if accepted[gid].get("prompt"):
             counts["injected_train"] += 1
             counts["injected_train_trained"] += outcome == "trained"
-    # step records: the compacted lineage steps, and those a crash rolled back at or below through_step (the
-    # lineage holds the one record of each such step that counts); an evaluation-only answer in any of them is a
-    # broken guarantee the audit must show, so compaction leaves everything then
-    # A lineage record goes only once every group it lists is compacted (now or before): the audit still needs
-    # the record of a group that stays.
+    # Step records that go: those a crash rolled back at or below through_step (the lineage holds the one record
+    # of each such step that counts), and lineage records whose every group is compacted, now or before (the
+    # audit still needs the record of a group that stays). An evaluation-only answer listed in any of them is a
+    # broken guarantee the audit must show, so compaction then leaves everything.
     lineage_ids = {(rec["epoch"], int(rec["step"])) for rec in steps if int(rec["step"]) in final
                    and final[int(rec["step"])] == _groups(rec)}
     gone = set(chosen)
