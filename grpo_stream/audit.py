@@ -31,42 +31,22 @@ import sys
 
 import redis
 
-from grpo_stream.common.rollouts.audit_compaction import lineage, read_compacted
+from grpo_stream.common.rollouts.audit_compaction import lineage, read_compacted, read_trail, stream_records
 from grpo_stream.common.rollouts.buffer import COUNTERS, REFUSALS, RUN_FILE, keys
 from grpo_stream.common.config.access import REDIS_PASSWORD_ENV
 
 
-def _text(value) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
-def _stream(client: redis.Redis, key: str, only: tuple[str, ...] | None = None) -> list[dict[str, str]]:
-    """Every entry of a stream as text fields (`only` these, e.g. to skip binary payloads), in chunks."""
-    out, start = [], "-"
-    while True:
-        chunk = client.xrange(key, min=start, count=1000)
-        out += [{_text(k): _text(v) for k, v in fields.items() if only is None or _text(k) in only}
-                for _, fields in chunk]
-        if len(chunk) < 1000:
-            return out
-        last = _text(chunk[-1][0])
-        ms, seq = map(int, last.split("-"))
-        start = f"{ms}-{seq + 1}"
-
-
 def build_audit(client: redis.Redis, run_name: str, prefix: str = "grpo-stream") -> dict:
     k = keys(prefix, run_name)
-    accepted = {_text(g): json.loads(v) for g, v in client.hscan_iter(k["audit:accepted"], count=1000)}
-    settled = {_text(g): json.loads(v) for g, v in client.hscan_iter(k["audit:settled"], count=1000)}
-    second_copies = {_text(g): int(v) for g, v in client.hscan_iter(k["audit:duplicates"], count=1000)}
-    waiting = {rec["id"] for rec in _stream(client, k["rollouts"], only=("id",))}
-    trainers, steps, checkpoints = (_stream(client, k[name]) for name in (
-        "audit:trainers", "audit:steps", "audit:checkpoints"))
+    trail = read_trail(client, k)
+    accepted, settled, second_copies, evaluated = (trail[name] for name in (
+        "accepted", "settled", "second_copies", "evaluation_only"))
+    trainers, steps, checkpoints = trail["trainers"], trail["steps"], trail["checkpoints"]
+    waiting = {rec["id"] for rec in stream_records(client, k["rollouts"], only=("id",))}
     history, final_step = lineage(trainers, steps, checkpoints)
     # what compaction folded (audit_compaction.py): steps up to `through` were checked then, as below
     through, compacted, _ = read_compacted(client, k["audit:compacted"])
     times = collections.Counter(g for groups in history.values() for g in groups)
-    evaluated = {_text(g): json.loads(v) for g, v in client.hscan_iter(k["audit:eval"], count=1000)}
     ever_trained = {g for rec in steps for g in json.loads(rec["groups"])}  # rolled-back steps included
     eval_trained = sorted(set(evaluated) & ever_trained)
     outcome: dict[str, str] = {}
@@ -123,7 +103,7 @@ def group_history(client: redis.Redis, run_name: str, group_id: str, prefix: str
     """Everything the trail says about one group, rolled-back steps included (nothing, once compacted)."""
     k = keys(prefix, run_name)
     acc, sett = client.hget(k["audit:accepted"], group_id), client.hget(k["audit:settled"], group_id)
-    trained_in = [{"epoch": r["epoch"], "step": int(r["step"])} for r in _stream(client, k["audit:steps"])
+    trained_in = [{"epoch": r["epoch"], "step": int(r["step"])} for r in stream_records(client, k["audit:steps"])
                   if group_id in json.loads(r["groups"])]
     evaluated = client.hget(k["audit:eval"], group_id)
     return {"group_id": group_id, "accepted": json.loads(acc) if acc else None,

@@ -46,8 +46,7 @@ def lineage(trainers: list[dict], steps: list[dict], checkpoints: list[dict]) ->
         for rec in steps:
             step = int(rec["step"])
             if rec["epoch"] == epoch and int(start["from_step"]) < step <= upto:
-                groups = rec["groups"]
-                out[step] = json.loads(groups) if isinstance(groups, str) else list(groups)
+                out[step] = _groups(rec)
         upto, epoch = int(start["from_step"]), start["from_epoch"]
         if epoch and epoch not in by_epoch:
             raise ValueError(f"the audit trail names trainer {epoch} but has no start record for it")
@@ -148,9 +147,42 @@ def _record_time(record_id: str) -> float:
     return int(str(record_id).split("-")[0]) / 1000
 
 
+def text(value) -> str:
+    """A Redis reply value as text."""
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def stream_records(client, key: str, only: tuple[str, ...] | None = None, record_ids: bool = False) -> list[dict]:
+    """Every entry of a stream as text fields (`only` these, e.g. to skip binary payloads), in chunks of 1,000;
+    `record_ids`: each with its stream id as `id`."""
+    out, start = [], "-"
+    while True:
+        chunk = client.xrange(key, min=start, count=1000)
+        out += [{**({"id": text(i)} if record_ids else {}),
+                 **{text(a): text(b) for a, b in fields.items() if only is None or text(a) in only}}
+                for i, fields in chunk]
+        if len(chunk) < 1000:
+            return out
+        ms, seq = map(int, text(chunk[-1][0]).split("-"))
+        start = f"{ms}-{seq + 1}"
+
+
+def read_trail(client, k: dict[str, str]) -> dict:
+    """The audit trail of one run (keys `k`): accepted, settled, second_copies and evaluation_only by group id;
+    trainers, steps (with their stream ids) and checkpoints as records. What `audit` and compaction both read."""
+    def hash_of(key: str, value=json.loads) -> dict:
+        return {text(g): value(v) for g, v in client.hscan_iter(key, count=1000)}
+
+    return {"accepted": hash_of(k["audit:accepted"]), "settled": hash_of(k["audit:settled"]),
+            "second_copies": hash_of(k["audit:duplicates"], int), "evaluation_only": hash_of(k["audit:eval"]),
+            "trainers": stream_records(client, k["audit:trainers"]),
+            "steps": stream_records(client, k["audit:steps"], record_ids=True),
+            "checkpoints": stream_records(client, k["audit:checkpoints"])}
+
+
 def read_compacted(client, key: str) -> tuple[int, dict[str, int], dict[str, int]]:
     """(through_step, counts, below) from P:R:audit:compacted (zeros for a run never compacted)."""
-    raw = {_text(k): int(v) for k, v in client.hgetall(key).items()}
+    raw = {text(k): int(v) for k, v in client.hgetall(key).items()}
     counts = {name: raw.get(name, 0) for name in COMPACTED_COUNTS}
     below = {k[len("below:"):]: v for k, v in raw.items() if k.startswith("below:")}
     return raw.get("through_step", 0), counts, below
@@ -162,16 +194,9 @@ def compact_redis(client, k: dict[str, str], through_step: int) -> CompactionPla
     previous, counts, below = read_compacted(client, k["audit:compacted"])
     if through_step <= previous:
         return CompactionPlan(previous, [], [], [], dict.fromkeys(counts, 0), {})
-    accepted = {_text(g): json.loads(v) for g, v in client.hscan_iter(k["audit:accepted"], count=1000)}
-    settled = {_text(g): json.loads(v) for g, v in client.hscan_iter(k["audit:settled"], count=1000)}
-    second = {_text(g): int(v) for g, v in client.hscan_iter(k["audit:duplicates"], count=1000)}
-    evaluation = {_text(g): json.loads(v) for g, v in client.hscan_iter(k["audit:eval"], count=1000)}
-    steps = [{"id": _text(i), **{_text(a): _text(b) for a, b in f.items()}}
-             for i, f in client.xrange(k["audit:steps"])]
-    trainers, checkpoints = ([{_text(a): _text(b) for a, b in f.items()} for _, f in client.xrange(k[name])]
-                             for name in ("audit:trainers", "audit:checkpoints"))
-    plan = plan_compaction(through_step, previous, accepted, settled, second, steps, trainers, checkpoints,
-                           evaluation, below)
+    trail = read_trail(client, k)
+    plan = plan_compaction(through_step, previous, trail["accepted"], trail["settled"], trail["second_copies"],
+                           trail["steps"], trail["trainers"], trail["checkpoints"], trail["evaluation_only"], below)
     if plan.through_step <= previous:
         return plan
     pipe = client.pipeline(transaction=True)
@@ -181,7 +206,7 @@ def compact_redis(client, k: dict[str, str], through_step: int) -> CompactionPla
     pipe.hset(k["audit:compacted"], mapping={"through_step": plan.through_step,
                                              **{f"below:{s}": p for s, p in plan.below.items()}})
     for key, ids in ((k["audit:accepted"], plan.group_ids), (k["audit:settled"], plan.group_ids),
-                     (k["audit:duplicates"], [g for g in plan.group_ids if g in second]),
+                     (k["audit:duplicates"], [g for g in plan.group_ids if g in trail["second_copies"]]),
                      (k["audit:eval"], plan.evaluation_only)):
         for i in range(0, len(ids), 1000):
             pipe.hdel(key, *ids[i:i + 1000])
@@ -190,6 +215,3 @@ def compact_redis(client, k: dict[str, str], through_step: int) -> CompactionPla
     pipe.execute()
     return plan
 
-
-def _text(value) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
