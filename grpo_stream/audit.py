@@ -89,7 +89,7 @@ def build_audit(client: redis.Redis, run_name: str, prefix: str = "grpo-stream")
         "compacted": {"through_step": through, "groups": compacted["accepted"]},
         "checkpoints_saved": len(checkpoints),
         "counters": counters,
-        "injected": {"evaluation_only": len(evaluated) + compacted["evaluation_only"],
+        "injected": {"evaluation_only": len(evaluated),
                      "evaluation_only_trained": len(eval_trained), "evaluation_only_trained_ids": eval_trained[:20],
                      "train": len(injected_train) + compacted["injected_train"],
                      "train_trained": sum(outcome[g] == "trained" for g in injected_train)

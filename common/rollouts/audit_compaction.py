@@ -8,7 +8,7 @@ does, and keeps the verdict as counts in P:R:audit:compacted:
 
   through_step               lineage steps up to here are compacted
   accepted, trained, dropped_stale, dropped_invalid, dropped_filtered, second_copies_dropped, steps_rolled_back,
-  evaluation_only, injected_train, injected_train_trained
+  injected_train, injected_train_trained
   below:<sampler>            every group of that sampler at or below this data position is compacted
 
 Only groups the audit would call settled are removed: trained in exactly one lineage step up to `through_step`, or
@@ -26,8 +26,8 @@ import dataclasses
 import json
 
 DROPS = ("dropped_stale", "dropped_invalid", "dropped_filtered")
-COMPACTED_COUNTS = ("accepted", "trained", *DROPS, "second_copies_dropped", "steps_rolled_back", "evaluation_only",
-                    "injected_train", "injected_train_trained")
+COMPACTED_COUNTS = ("accepted", "trained", *DROPS, "second_copies_dropped", "steps_rolled_back", "injected_train",
+                    "injected_train_trained")
 
 
 def lineage(trainers: list[dict], steps: list[dict], checkpoints: list[dict]) -> tuple[dict[int, list[str]], int]:
@@ -60,7 +60,6 @@ class CompactionPlan:
     through_step: int
     group_ids: list[str]
     step_records: list[str]  # ids of step records removed (lineage steps compacted, and rolled-back ones)
-    evaluation_only: list[str]
     counts: dict[str, int]
     below: dict[str, int]
     held_back: str = ""  # why compaction stopped short of through_step, if it did
@@ -70,8 +69,9 @@ def plan_compaction(through_step: int, previous_through: int, accepted: dict[str
                     second_copies: dict[str, int], steps: list[dict], trainers: list[dict], checkpoints: list[dict],
                     evaluation_only: dict[str, dict], below: dict[str, int]) -> CompactionPlan:
     """The pure decision: which records of the trail can fold into counts once steps up to `through_step` are final.
-    Step records carry their record id as `id`; evaluation-only records their time `t` (seconds)."""
-    empty = CompactionPlan(previous_through, [], [], [], dict.fromkeys(COMPACTED_COUNTS, 0), {})
+    Step records carry their record id as `id`. Evaluation-only answers (P:R:audit:eval) are only checked, never
+    removed: `audit --group` finds a probe's answer for as long as its prompt keeps its result."""
+    empty = CompactionPlan(previous_through, [], [], dict.fromkeys(COMPACTED_COUNTS, 0), {})
     if through_step <= previous_through:
         return empty
     history, _ = lineage(trainers, steps, checkpoints)
@@ -131,20 +131,12 @@ def plan_compaction(through_step: int, previous_through: int, accepted: dict[str
         empty.held_back = f"evaluation-only answers {sorted(listed & set(evaluation_only))[:5]} were trained"
         return empty
     counts["steps_rolled_back"] = len(rolled_back)
-    newest = max((_record_time(rec["id"]) for rec in removed), default=0.0)
-    old_evals = [gid for gid, rec in evaluation_only.items() if float(rec.get("t", 0)) <= newest]
-    counts["evaluation_only"] = len(old_evals)
-    return CompactionPlan(through_step, chosen, [rec["id"] for rec in removed], old_evals, counts, new_below)
+    return CompactionPlan(through_step, chosen, [rec["id"] for rec in removed], counts, new_below)
 
 
 def _groups(rec: dict) -> list[str]:
     groups = rec["groups"]
     return json.loads(groups) if isinstance(groups, str) else list(groups)
-
-
-def _record_time(record_id: str) -> float:
-    """A Redis stream id starts with its time in milliseconds."""
-    return int(str(record_id).split("-")[0]) / 1000
 
 
 def text(value) -> str:
@@ -193,7 +185,7 @@ def compact_redis(client, k: dict[str, str], through_step: int) -> CompactionPla
     append sees the new watermarks as soon as the accepted records are gone)."""
     previous, counts, below = read_compacted(client, k["audit:compacted"])
     if through_step <= previous:
-        return CompactionPlan(previous, [], [], [], dict.fromkeys(counts, 0), {})
+        return CompactionPlan(previous, [], [], dict.fromkeys(counts, 0), {})
     trail = read_trail(client, k)
     plan = plan_compaction(through_step, previous, trail["accepted"], trail["settled"], trail["second_copies"],
                            trail["steps"], trail["trainers"], trail["checkpoints"], trail["evaluation_only"], below)
@@ -206,8 +198,7 @@ def compact_redis(client, k: dict[str, str], through_step: int) -> CompactionPla
     pipe.hset(k["audit:compacted"], mapping={"through_step": plan.through_step,
                                              **{f"below:{s}": p for s, p in plan.below.items()}})
     for key, ids in ((k["audit:accepted"], plan.group_ids), (k["audit:settled"], plan.group_ids),
-                     (k["audit:duplicates"], [g for g in plan.group_ids if g in trail["second_copies"]]),
-                     (k["audit:eval"], plan.evaluation_only)):
+                     (k["audit:duplicates"], [g for g in plan.group_ids if g in trail["second_copies"]])):
         for i in range(0, len(ids), 1000):
             pipe.hdel(key, *ids[i:i + 1000])
     for i in range(0, len(plan.step_records), 1000):
