@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import time
 from collections.abc import Iterable, Sequence
 from typing import Protocol
@@ -42,6 +43,12 @@ COUNTERS = ("ingested", "trained", "dropped_stale", "dropped_invalid", "dropped_
 REFUSALS = ("refused_invalid", "refused_duplicate", "refused_full")
 OUTCOMES = COUNTERS[1:]
 RUN_FILE = "run.json"  # in RUN_DIR: the run name and (password-free) Redis URL, for `grpo-stream audit`
+log = logging.getLogger(__name__)
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
 
 # One call appends a batch in order. Room is counted in groups not yet trained: those the trainer trained but
 # holds unacknowledged until a checkpoint are not a backlog. A group id already accepted is answered `dup` and
@@ -218,6 +225,7 @@ class RedisStreamBuffer:
     """Where ingested groups wait for the trainer; see the module docstring for the layout and guarantees."""
 
     GROUP = "trainer"
+    PENDING_CHECK_S = 5.0
 
     def __init__(self, client: redis.Redis, run_name: str, prefix: str = "grpo-stream", consumer: str = "trainer-0"):
         self.client = client
@@ -231,6 +239,11 @@ class RedisStreamBuffer:
         # a restarted trainer (same consumer name) first takes back what its predecessor read but never settled,
         # oldest first, so it sees the groups in the order the stream holds them
         self._recover_after: str | None = "0"
+        # entries this consumer returned and has not settled: what its pending list should hold. An entry Redis
+        # delivered whose reply never arrived (the connection died mid-reply; redis-py then retries the read) is
+        # pending too but unknown here, so no read returns it again: `_lost_deliveries` takes those back.
+        self._delivered: set[str] = set()
+        self._next_pending_check = 0.0
 
     def _call(self, fn):
         return redis_call(fn)
@@ -279,22 +292,47 @@ class RedisStreamBuffer:
         def run():
             self._ensure_group()
             if self._recover_after is not None:  # this consumer's unsettled entries, each once, oldest first
-                out = self._entries(self.client.xreadgroup(self.GROUP, self.consumer,
-                                                           {self.stream: self._recover_after}, count=max_count))
-                if out:
-                    self._recover_after = out[-1].entry_id
-                    return out
+                reply = self.client.xreadgroup(self.GROUP, self.consumer, {self.stream: self._recover_after},
+                                               count=max_count)
+                if reply and reply[0][1]:  # advance past entries deleted while pending too, not only live ones
+                    self._recover_after = _text(reply[0][1][-1][0])
+                    return self._entries(reply)
                 self._recover_after = None
-            return self._entries(self.client.xreadgroup(self.GROUP, self.consumer, {self.stream: ">"},
-                                                        count=max_count, block=block_ms or None))
+            out = self._entries(self.client.xreadgroup(self.GROUP, self.consumer, {self.stream: ">"},
+                                                       count=max_count, block=block_ms or None))
+            return out or self._lost_deliveries()
         entries = self._call(run)
         if not entries:
             return entries
+        self._delivered.update(e.entry_id for e in entries)
         seen = self._call(lambda: self.client.hmget(self.k["audit:settled"], [e.group_id for e in entries]))
         again = [e for e, s in zip(entries, seen) if s is not None]
         if again:
             self.settle((e.entry_id, e.group_id, "dropped_duplicate", -1) for e in again)
         return [e for e, s in zip(entries, seen) if s is None]
+
+    def _lost_deliveries(self) -> list[BufferEntry]:
+        """Entries pending for this consumer that it never returned, oldest first (checked at most every
+        PENDING_CHECK_S, when no new entry came). Without this a lost reply strands its entries: they count in the
+        depth that admission control reads, so samplers are refused places the trainer can never fill."""
+        now = time.monotonic()
+        if now < self._next_pending_check:
+            return []
+        self._next_pending_check = now + self.PENDING_CHECK_S
+        summary = self.client.xpending(self.stream, self.GROUP)
+        mine = sum(int(c["pending"]) for c in summary.get("consumers") or []
+                   if _text(c["name"]) == self.consumer)
+        if mine <= len(self._delivered):
+            return []
+        rows = self.client.xpending_range(self.stream, self.GROUP, "-", "+", mine, consumername=self.consumer)
+        lost = [_text(r["message_id"]) for r in rows if _text(r["message_id"]) not in self._delivered]
+        if not lost:
+            return []
+        # claiming them for this same consumer returns them, and drops from the pending list any deleted since
+        out = self._entries([(self.stream, self.client.xclaim(self.stream, self.GROUP, self.consumer, 0, lost))])
+        log.warning("took back %d buffer entries Redis delivered to %s whose reply was lost (a connection failure "
+                    "mid-read): %s", len(out), self.consumer, [e.entry_id for e in out][:5])
+        return out
 
     @staticmethod
     def _entries(reply) -> list[BufferEntry]:
@@ -303,8 +341,7 @@ class RedisStreamBuffer:
             for entry_id, fields in entries:
                 if not fields:  # deleted while pending
                     continue
-                eid = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-                out.append(BufferEntry(eid, fields.get(b"id", b"").decode(), fields.get(b"g", b"")))
+                out.append(BufferEntry(_text(entry_id), fields.get(b"id", b"").decode(), fields.get(b"g", b"")))
         return out
 
     def settle(self, records: Iterable[tuple[str, str, str, int]]) -> int:
@@ -318,8 +355,10 @@ class RedisStreamBuffer:
         if len(args) == 2:
             return 0
         k = self.k
-        return int(self._call(lambda: self._settle(
+        counted = int(self._call(lambda: self._settle(
             keys=[self.stream, k["counters"], k["audit:settled"], k["audit:duplicates"]], args=args)))
+        self._delivered.difference_update(args[2::4])
+        return counted
 
     def set_held(self, count: int) -> None:
         """How many entries the trainer trained and holds unacknowledged (not counted against max_groups)."""

@@ -131,6 +131,38 @@ def test_a_restarted_trainer_takes_back_what_its_predecessor_read_but_never_sett
     assert second.depth() == 5 and identity_holds(second.counters())
 
 
+def test_a_restarted_trainer_reads_past_entries_deleted_while_pending(shared_redis, run_name):
+    first = RedisStreamBuffer(connect(shared_redis.url, 5), run_name)
+    first.append_many([inc(i) for i in range(6)], max_groups=6)
+    taken = first.read(4, block_ms=100)
+    first.client.xdel(first.stream, taken[0].entry_id, taken[1].entry_id)  # e.g. an operator's XDEL
+    second = RedisStreamBuffer(connect(shared_redis.url, 5), run_name)
+    second.PENDING_CHECK_S = 3600.0  # the order of the recovery itself, not the check for lost replies
+    got = [e.payload for _ in range(4) for e in second.read(2, block_ms=100)]
+    assert got == [b"g2", b"g3", b"g4", b"g5"]
+
+
+def test_entries_whose_read_reply_was_lost_come_back_once(shared_redis, run_name):
+    """Redis carried out a read but its reply never arrived (the server killed mid-reply, then redis-py retried
+    the read): the entries are pending for the trainer's consumer and count in the depth admission control reads,
+    yet no new read returns them, so a run near its last step waited forever. The buffer takes them back when
+    nothing new comes, and never returns twice what it already holds."""
+    buf = RedisStreamBuffer(connect(shared_redis.url, 5), run_name)
+    buf.PENDING_CHECK_S = 0.0
+    buf.append_many([inc(i) for i in range(6)], max_groups=6)
+    held = buf.read(2, block_ms=100)  # g0, g1: trained, held until a checkpoint
+    lost = buf.client.xreadgroup(buf.GROUP, buf.consumer, {buf.stream: ">"}, count=3)  # g2..g4, reply lost
+    assert len(lost[0][1]) == 3
+    assert [e.payload for e in buf.read(10, block_ms=50)] == [b"g5"]
+    back = buf.read(10, block_ms=50)
+    assert [e.payload for e in back] == [b"g2", b"g3", b"g4"]
+    assert buf.read(10, block_ms=50) == []
+    # once settled they are gone for good: nothing is pending that the trainer does not know
+    everything = held + back
+    assert buf.settle([(e.entry_id, e.group_id, "trained", 1) for e in everything]) == 5
+    assert buf.read(10, block_ms=50) == [] and buf.depth() == 1 and identity_holds(buf.counters())
+
+
 def test_accepted_groups_survive_a_redis_crash(tmp_path):
     """AOF with fsync on every write: what append_many acknowledged is there after kill -9 and a restart."""
     server = EmbeddedRedis(data_dir=tmp_path / "redis").start()
