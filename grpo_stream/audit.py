@@ -33,6 +33,7 @@ import redis
 
 from grpo_stream.common.rollouts.audit_compaction import lineage, read_compacted, read_trail, stream_records
 from grpo_stream.common.rollouts.buffer import COUNTERS, REFUSALS, RUN_FILE, keys
+from grpo_stream.common.rollouts.kept_results import RELEASED_FIELD
 from grpo_stream.common.config.access import REDIS_PASSWORD_ENV
 
 
@@ -46,6 +47,8 @@ def build_audit(client: redis.Redis, run_name: str, prefix: str = "grpo-stream")
     history, final_step = lineage(trainers, steps, checkpoints)
     # what compaction folded (audit_compaction.py): steps up to `through` were checked then, as below
     through, compacted, _ = read_compacted(client, k["audit:compacted"])
+    # train=false answers whose prompts have left Redis (kept_results.py): counted, no longer checked against steps
+    released = int(client.hget(k["audit:compacted"], RELEASED_FIELD) or 0)
     times = collections.Counter(g for groups in history.values() for g in groups)
     ever_trained = {g for rec in steps for g in json.loads(rec["groups"])}  # rolled-back steps included
     eval_trained = sorted(set(evaluated) & ever_trained)
@@ -89,7 +92,7 @@ def build_audit(client: redis.Redis, run_name: str, prefix: str = "grpo-stream")
         "compacted": {"through_step": through, "groups": compacted["accepted"]},
         "checkpoints_saved": len(checkpoints),
         "counters": counters,
-        "injected": {"evaluation_only": len(evaluated),
+        "injected": {"evaluation_only": len(evaluated) + released, "evaluation_only_released": released,
                      "evaluation_only_trained": len(eval_trained), "evaluation_only_trained_ids": eval_trained[:20],
                      "train": len(injected_train) + compacted["injected_train"],
                      "train_trained": sum(outcome[g] == "trained" for g in injected_train)

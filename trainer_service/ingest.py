@@ -42,6 +42,7 @@ class Injection:
     run_name: str
     claim_lease_s: float = 300.0
     retention_s: int = 7 * 86_400
+    max_kept: int = 10_000
 
 
 class IngestServicer(rollout_pb2_grpc.RolloutIngestServicer):
@@ -113,7 +114,8 @@ class IngestServicer(rollout_pb2_grpc.RolloutIngestServicer):
                 [Incoming(g.group_id, g.sampler_id, g.policy_version, g.data_position if g.HasField("data_position")
                           else -1, g.SerializeToString(), g.prompt_id if g.injected else "") for _, g in valid],
                 self.max_groups, refused_invalid=sum(a is not None and a.code == _INVALID for a in acks),
-                retention_s=7 * 86_400 if self.injection is None else self.injection.retention_s)
+                **({} if self.injection is None else {"retention_s": self.injection.retention_s,
+                                                      "max_kept": self.injection.max_kept}))
         except BufferUnavailable as exc:
             log.error("buffer unavailable: %s", exc)
             for slot, g in valid:

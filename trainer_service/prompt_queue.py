@@ -3,7 +3,8 @@
 Layout for run R (prefix P, next to the rollout buffer's keys):
   P:R:prompt:<id>        hash: req (InjectedPrompt bytes), spec (PromptSpec bytes), client, state (queued | claimed
                          | done | cancelled), train, score, submitted, tags; once done: result (RolloutGroup bytes),
-                         version, sampler, group, finished. Expires prompts.result_retention_s after it finishes.
+                         version, sampler, group, finished. Kept prompts.result_retention_s after it finishes, or
+                         until prompts.max_kept_results newer ones finished (common/rollouts/kept_results.py).
   P:R:inject:queue       sorted set of queued ids; score = (max_priority - priority) * 2^32 + sequence, so higher
                          priority first and first come first served within a priority
   P:R:inject:claimed     sorted set of claimed ids by claim time (a claim older than the lease is queued again)
@@ -29,6 +30,7 @@ from typing import Callable
 
 import redis
 
+from grpo_stream.common.rollouts.kept_results import FINISH_PROMPT_LUA, group_id_prefix
 from grpo_stream.common.rollouts.redis_errors import redis_call
 
 ACTIVE_SAMPLER_S = 60.0
@@ -101,16 +103,17 @@ return out
 """
 
 # All or nothing: an unknown id or someone else's prompt (unless admin) refuses the whole call before any change.
-_CANCEL = """
+_CANCEL = FINISH_PROMPT_LUA + """
 local base, client, admin, now, retention = ARGV[1], ARGV[2], ARGV[3] == '1', tonumber(ARGV[4]), tonumber(ARGV[5])
-for i = 6, #ARGV do
+local keep, gid_prefix = tonumber(ARGV[6]), ARGV[7]
+for i = 8, #ARGV do
   local pkey = base .. ':prompt:' .. ARGV[i]
   local owner = redis.call('HGET', pkey, 'client')
   if not owner then return {'unknown', ARGV[i]} end
   if owner ~= client and not admin then return {'denied', ARGV[i]} end
 end
 local out = {'ok'}
-for i = 6, #ARGV do
+for i = 8, #ARGV do
   local pid = ARGV[i]
   local pkey = base .. ':prompt:' .. pid
   local state = redis.call('HGET', pkey, 'state')
@@ -119,8 +122,7 @@ for i = 6, #ARGV do
     redis.call('ZREM', KEYS[1], pid)
     redis.call('ZREM', KEYS[2], pid)
     redis.call('HINCRBY', KEYS[3], redis.call('HGET', pkey, 'client'), -1)
-    redis.call('XADD', KEYS[4], 'MAXLEN', '~', '100000', '*', 'id', pid)
-    redis.call('EXPIRE', pkey, retention)
+    finish_prompt(base, gid_prefix, pid, now, retention, keep)
     out[#out + 1] = 'cancelled'
   else
     out[#out + 1] = 'finished'
@@ -141,7 +143,7 @@ class PromptQueue:
 
     def __init__(self, client: redis.Redis, run_name: str, prefix: str = "grpo-stream",
                  clock: Callable[[], float] = time.time):
-        self.client, self.clock = client, clock
+        self.client, self.clock, self.run_name = client, clock, run_name
         self.base = f"{prefix}:{run_name}"
         k = self.base
         self.queue, self.claimed = f"{k}:inject:queue", f"{k}:inject:claimed"
@@ -183,12 +185,15 @@ class PromptQueue:
         return self._call(lambda: self._claim(keys=[self.queue, self.claimed, self.samplers], args=[
             self.base, sampler_id, want, self.clock(), lease_s, ACTIVE_SAMPLER_S]))
 
-    def cancel(self, client_name: str, admin: bool, prompt_ids: list[str], retention_s: int) -> dict[str, str]:
+    def cancel(self, client_name: str, admin: bool, prompt_ids: list[str], retention_s: int,
+               max_kept: int = 10_000) -> dict[str, str]:
         """id -> 'cancelled' | 'finished'. Raises KeyError(id) for an unknown id, PermissionError(id) for another
-        client's prompt (unless admin); then nothing is cancelled."""
+        client's prompt (unless admin); then nothing is cancelled. A cancelled prompt is kept as a finished one is
+        (common/rollouts/kept_results.py)."""
         reply = [x.decode() for x in self._call(lambda: self._cancel(
             keys=[self.queue, self.claimed, self.pending, self.results],
-            args=[self.base, client_name, int(admin), self.clock(), retention_s, *prompt_ids]))]
+            args=[self.base, client_name, int(admin), self.clock(), retention_s, max_kept,
+                  group_id_prefix(self.run_name), *prompt_ids]))]
         if reply[0] == "unknown":
             raise KeyError(reply[1])
         if reply[0] == "denied":

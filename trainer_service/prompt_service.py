@@ -174,7 +174,7 @@ class PromptServicer(prompts_pb2_grpc.PromptServiceServicer):
                 for k, (pid, record) in enumerate(zip(ids, records)):
                     if record is None:
                         context.abort(grpc.StatusCode.NOT_FOUND, f"prompt_ids[{k}]: no prompt {pid[:64]!r} (unknown, "
-                                      "or expired after prompts.result_retention_s)")
+                                      "or gone: prompts.result_retention_s, prompts.max_kept_results)")
                     if owner is not None and record.get(b"client", b"").decode() != owner:
                         context.abort(grpc.StatusCode.PERMISSION_DENIED, f"prompt_ids[{k}]: {pid[:64]!r} was submitted "
                                       "by another client; only its submitter or an admin may follow it")
@@ -213,7 +213,8 @@ class PromptServicer(prompts_pb2_grpc.PromptServiceServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"prompt_ids: {len(ids)} given, must be 1..{self.limits.max_batch} (prompts.max_batch)")
         try:
-            states = self.queue.cancel(caller.name, caller.role == "admin", ids, self.limits.result_retention_s)
+            states = self.queue.cancel(caller.name, caller.role == "admin", ids, self.limits.result_retention_s,
+                                      self.limits.max_kept_results)
         except KeyError as exc:
             context.abort(grpc.StatusCode.NOT_FOUND, f"prompt_ids: no prompt {str(exc.args[0])[:64]!r}; nothing "
                           "was cancelled")

@@ -88,4 +88,8 @@ class PromptsSection(Strict):
                                "Beyond it StreamResults answers RESOURCE_EXHAUSTED.")
     retry_after_ms: int = Field(1000, ge=1, le=600_000, description="Back-off suggested with RESOURCE_EXHAUSTED.")
     result_retention_s: int = Field(7 * 86_400, ge=60, le=365 * 86_400, description="Finished prompts and their "
-                                    "results are kept this long in Redis.")
+                                    "results are kept this long in Redis (or fewer: max_kept_results).")
+    max_kept_results: int = Field(10_000, ge=1, le=10_000_000, description="At most this many finished prompts "
+                                  "(and their results) are kept in Redis; the oldest go first. Each holds its answer "
+                                  "group: ~2 KB for the CPU demo, num_generations x completion tokens x ~10 bytes "
+                                  "for real models, so size it to Redis's memory.")

@@ -37,6 +37,7 @@ from typing import Protocol
 import redis
 
 from grpo_stream.common.rollouts.audit_compaction import CompactionPlan, compact_redis
+from grpo_stream.common.rollouts.kept_results import FINISH_PROMPT_LUA, group_id_prefix
 from grpo_stream.common.rollouts.redis_errors import BufferUnavailable, redis_call  # noqa: F401 (the interface's error)
 
 COUNTERS = ("ingested", "trained", "dropped_stale", "dropped_invalid", "dropped_filtered", "dropped_duplicate")
@@ -54,14 +55,14 @@ def _text(value: bytes | str) -> str:
 # holds unacknowledged until a checkpoint are not a backlog. A group id already accepted is answered `dup` and
 # not written again: a sampler that resends after a lost acknowledgement creates no second copy; nor is one at or
 # below its sampler's compacted data position (its accepted record was folded into counts).
-_APPEND = """
+_APPEND = FINISH_PROMPT_LUA + """
 redis.replicate_commands()
 local waiting = redis.call('XLEN', KEYS[1]) - tonumber(redis.call('GET', KEYS[6]) or '0')
 local room = tonumber(ARGV[2]) - waiting
 if tonumber(ARGV[4]) > 0 then redis.call('HINCRBY', KEYS[2], 'refused_invalid', ARGV[4]) end
 local out, full, dups, fulls, added, per_sampler, top = {}, false, 0, 0, 0, {}, {}
-local base, retention = ARGV[5], tonumber(ARGV[6])
-for i = 7, #ARGV, 6 do
+local base, retention, keep, gid_prefix = ARGV[5], tonumber(ARGV[6]), tonumber(ARGV[7]), ARGV[8]
+for i = 9, #ARGV, 6 do
   local gid, sampler, position, pid = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 3]), ARGV[i + 5]
   local pkey, state, train = nil, nil, true
   if pid ~= '' then  -- an injected prompt's answer: its prompt decides whether it is trained on
@@ -100,8 +101,7 @@ for i = 7, #ARGV, 6 do
       redis.call('ZREM', base .. ':inject:claimed', pid)
       redis.call('ZREM', base .. ':inject:queue', pid)  -- a late answer to a claim that was queued again
       redis.call('HINCRBY', base .. ':inject:pending', redis.call('HGET', pkey, 'client'), -1)
-      redis.call('XADD', base .. ':results', 'MAXLEN', '~', '100000', '*', 'id', pid)
-      redis.call('EXPIRE', pkey, retention)
+      finish_prompt(base, gid_prefix, pid, tonumber(ARGV[3]), retention, keep)
     end
     out[#out + 1] = id
   end
@@ -177,7 +177,7 @@ class RolloutBuffer(Protocol):
     and settles idempotently."""
 
     def append_many(self, items: Sequence["Incoming"], max_groups: int, refused_invalid: int = 0,
-                    retention_s: int = 7 * 86_400) -> tuple[list[str], int]: ...
+                    retention_s: int = 7 * 86_400, max_kept: int = 10_000) -> tuple[list[str], int]: ...
 
     def data_position(self, sampler_id: str) -> int | None: ...
 
@@ -230,7 +230,7 @@ class RedisStreamBuffer:
     def __init__(self, client: redis.Redis, run_name: str, prefix: str = "grpo-stream", consumer: str = "trainer-0"):
         self.client = client
         self.k = keys(prefix, run_name)
-        self.base = f"{prefix}:{run_name}"
+        self.base, self.run_name = f"{prefix}:{run_name}", run_name
         self.stream = self.k["rollouts"]
         self.consumer = consumer
         self._append = client.register_script(_APPEND)
@@ -250,15 +250,17 @@ class RedisStreamBuffer:
 
     # -- the ingest's side ---------------------------------------------------------
     def append_many(self, items: Sequence[Incoming], max_groups: int, refused_invalid: int = 0,
-                    retention_s: int = 7 * 86_400) -> tuple[list[str], int]:
+                    retention_s: int = 7 * 86_400, max_kept: int = 10_000) -> tuple[list[str], int]:
         """Append groups in order while fewer than max_groups wait to be trained. Returns one status per item (an entry
         id: appended; 'dup': this group id was accepted before, nothing written; 'full': not written, send again
         later) and how many groups then wait. Raises BufferUnavailable (nothing written) when Redis is down.
 
-        An injected prompt's answer (item.injected_prompt) is recorded as its result (kept `retention_s`) and only
+        An injected prompt's answer (item.injected_prompt) is recorded as its result (kept `retention_s`, or until
+        `max_kept` newer prompts finished: common/rollouts/kept_results.py) and only
         appended when the prompt was submitted with train=true ('eval' otherwise); 'cancelled': the prompt was
         cancelled, nothing kept; 'unknown': no such prompt (expired or never submitted)."""
-        args: list = [self.GROUP, max_groups, time.time(), refused_invalid, self.base, retention_s]
+        args: list = [self.GROUP, max_groups, time.time(), refused_invalid, self.base, retention_s, max_kept,
+                      group_id_prefix(self.run_name)]
         for item in items:
             args += [item.group_id, item.sampler_id, item.policy_version, item.data_position, item.payload,
                      item.injected_prompt]

@@ -34,7 +34,7 @@ class InMemoryBuffer:
         self._held = 0
 
     def append_many(self, items: Sequence[Incoming], max_groups: int, refused_invalid: int = 0,
-                    retention_s: int = 7 * 86_400) -> tuple[list[str], int]:
+                    retention_s: int = 7 * 86_400, max_kept: int = 10_000) -> tuple[list[str], int]:
         with self._lock:
             self._counts["refused_invalid"] += refused_invalid
             room = max_groups - (len(self._stream) - self._held)

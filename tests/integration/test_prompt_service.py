@@ -8,6 +8,7 @@ import time
 import grpc
 import pytest
 
+from grpo_stream.audit import build_audit
 from grpo_stream.prompt_client import PromptClient
 from grpo_stream.common.rpc.grpc_util import ClientSecurity
 from grpo_stream.common.rollouts.wire import to_proto
@@ -130,6 +131,38 @@ def test_cancel_discards_the_answer_and_only_the_owner_or_an_admin_may_cancel(st
     assert list(other_stub.Cancel(prompts_pb2.CancelRequest(prompt_ids=[ids[1]])).cancelled) == [ids[1]]
     assert list(client.cancel([ids[0]]).finished) == [ids[0]]
 
+
+
+def test_finished_prompts_beyond_max_kept_results_leave_redis_oldest_first(tiny_parts, shared_redis, run_name,
+                                                                           tmp_path):
+    """The soak's Redis grew ~2.3 KB per answered prompt under a week's retention; with a count bound the oldest
+    finished prompts leave, with their tag memberships and evaluation records, and Redis stays flat."""
+    cfg, task, tokenizer, _ = tiny_parts
+    cfg = cfg.model_copy(update={"prompts": cfg.prompts.model_copy(update={"max_kept_results": 3})})
+    with serve(with_run_name(cfg, run_name), shared_redis.url, tmp_path / "auth", task, tokenizer) as stack:
+        client, ingest = clients(stack)
+        ids = client.submit([{"text": f"Q: {i} A:", "tags": ["probe"]} for i in range(4)]
+                            + [{"text": "Q: t A:", "train": True, "answer": "1", "tags": ["probe"]},
+                               {"text": "Q: c A:", "tags": ["probe"]}])
+        prompts = {p.prompt_id: p for p in claim(ingest, "sampler-0", n=6)}
+        for pid in ids[:5]:  # answered in submission order; the last is cancelled, which finishes it too
+            assert ingest.PushGroup(to_proto(answer(prompts[pid], stack.cfg.run.name))).code == 0
+        assert list(client.cancel([ids[5]]).cancelled) == [ids[5]]
+        r, base = stack.buffer.client, stack.buffer.base
+        kept = ids[3:]
+        assert sorted(k.decode().rsplit(":", 1)[1] for k in r.keys(f"{base}:prompt:*")) == sorted(kept)
+        assert sorted(m.decode() for m in r.smembers(f"{base}:tag:probe")) == sorted(kept)
+        assert [r.prompt_id for r in client.results(tag="probe", follow=False)] == kept
+        with pytest.raises(grpc.RpcError) as err:
+            list(client.results([ids[0]]))
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND and "max_kept_results" in err.value.details()
+        # the train=false answers that left took their evaluation records along; the audit still counts them
+        evaluated = {k.decode() for k in r.hkeys(stack.buffer.k["audit:eval"])}
+        assert evaluated == {f"{stack.cfg.run.name}/inj/{ids[3]}"}
+        report = build_audit(r, stack.cfg.run.name)
+        assert report["injected"]["evaluation_only"] == 4 and report["injected"]["evaluation_only_released"] == 3
+        # the train=true answer is in the rollout stream still: leaving the prompt records never touches training
+        assert [f[b"id"].decode() for _, f in r.xrange(stack.buffer.stream)] == [f"{stack.cfg.run.name}/inj/{ids[4]}"]
 
 def test_cancelling_another_clients_prompt_is_permission_denied(tiny_parts, shared_redis, run_name, tmp_path):
     cfg, task, tokenizer, _ = tiny_parts

@@ -1,0 +1,51 @@
+"""How long a finished injected prompt stays in Redis: `prompts.result_retention_s`, or until
+`prompts.max_kept_results` newer prompts have finished, whichever comes first.
+
+A time bound alone lets a busy run fill Redis: the soak benchmark's 32 clients finished ~800 prompts a minute at
+~2.3 KB each (the answer group rides in the prompt's hash), so a week's retention never ends within a run. The
+count bound keeps Redis memory flat under any injection rate. Both scripts that finish a prompt (the rollout
+buffer's append, on an answer; the prompt queue's cancel) call `finish_prompt` from FINISH_PROMPT_LUA, in the same
+atomic step, so the bound holds whichever way prompts finish.
+
+Layout (run R, prefix P):
+  P:R:inject:finished  sorted set: finished prompt id -> time it finished; the oldest go first
+What leaves with a prompt: its hash, its id in its tags' sets, its entry in the results stream (trimmed to the
+same count), and, for a train=false answer, its record in P:R:audit:eval (counted in P:R:audit:compacted as
+`evaluation_only_released`, so `grpo-stream audit` still reports how many there were).
+"""
+
+FINISHED_KEY = "inject:finished"
+RELEASED_FIELD = "evaluation_only_released"
+EVICT_PER_CALL = 100  # a lowered bound (a restart with a smaller max) drains over several calls, never one long one
+
+FINISH_PROMPT_LUA = """
+local function finish_prompt(base, gid_prefix, pid, now, retention, keep)
+  redis.call('EXPIRE', base .. ':prompt:' .. pid, retention)
+  redis.call('XADD', base .. ':results', 'MAXLEN', '~', keep, '*', 'id', pid)
+  local finished = base .. ':%(finished)s'
+  redis.call('ZADD', finished, now, pid)
+  local over = math.min(redis.call('ZCARD', finished) - keep, %(per_call)d)
+  local old = {}
+  if over > 0 then old = redis.call('ZRANGE', finished, 0, over - 1) end
+  for _, p in ipairs(redis.call('ZRANGEBYSCORE', finished, '-inf', now - retention, 'LIMIT', 0, %(per_call)d)) do
+    old[#old + 1] = p
+  end
+  local released = 0
+  for _, p in ipairs(old) do
+    local pkey = base .. ':prompt:' .. p
+    local tags = redis.call('HGET', pkey, 'tags')  -- gone already when its time ran out
+    if tags then
+      for _, tag in ipairs(cjson.decode(tags)) do redis.call('SREM', base .. ':tag:' .. tag, p) end
+    end
+    redis.call('DEL', pkey)
+    released = released + redis.call('HDEL', base .. ':audit:eval', gid_prefix .. p)
+    redis.call('ZREM', finished, p)
+  end
+  if released > 0 then redis.call('HINCRBY', base .. ':audit:compacted', '%(released)s', released) end
+end
+""" % {"finished": FINISHED_KEY, "per_call": EVICT_PER_CALL, "released": RELEASED_FIELD}
+
+
+def group_id_prefix(run_name: str) -> str:
+    """An injected prompt's answer has group id `<run>/inj/<prompt id>` (the sampler names it so)."""
+    return f"{run_name}/inj/"
