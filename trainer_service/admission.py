@@ -26,12 +26,14 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import math
 import threading
 import time
 
 from grpo_stream.common.rollouts.buffer import AdmissionState
 
+log = logging.getLogger(__name__)
 RETRY_AFTER_MS = 100  # a refused sampler asks again this soon: the trainer frees groups_per_step places per step
 
 
@@ -41,6 +43,7 @@ class AdmissionLimits:
     max_staleness: int
     steps: int  # trainer.steps: the trainer needs no groups after its last step
     lease_s: float = 600.0
+    max_samplers: int = 1024  # sampler ids counted at once; a token may speak for `<name>-<n>`, any n
 
 
 def admissible(state: AdmissionState, queued: int, policy_version: int, limits: AdmissionLimits) -> int:
@@ -91,10 +94,20 @@ class AdmissionControl:
             if granted:
                 own[policy_version] += granted
             self._seen[sampler_id] = now
+            if len(self._seen) > self.limits.max_samplers:
+                self._forget_longest_silent()
             self.stats["requests"] += 1
             self.stats["granted"] += granted
             self.stats["refused"] += granted == 0
         return granted, state.waiting + queued
+
+    def _forget_longest_silent(self) -> None:
+        """Past max_samplers ids, the one heard from longest ago goes (as if its lease ran out): its own next
+        request reports what it holds, so only its groups still in flight go uncounted meanwhile."""
+        quiet = min(self._seen, key=self._seen.__getitem__)
+        log.warning("admission: more than %d sampler ids (sampler.admission_max_samplers); forgetting %r, silent "
+                    "for %.0fs", self.limits.max_samplers, quiet[:64], self.clock() - self._seen[quiet])
+        del self._seen[quiet], self._versions[quiet]
 
     def answered(self, sampler_id: str, versions: list[int]) -> None:
         """Groups of `sampler_id` with these weight versions were answered for good (accepted, duplicate or

@@ -41,7 +41,8 @@ def ingest_servicers(cfg: RunConfig, buffer: RedisStreamBuffer, task, tokenizer,
     injection = Injection(queue, cfg.run.name, cfg.prompts.claim_lease_s, cfg.prompts.result_retention_s,
                           cfg.prompts.max_kept_results)
     admission = AdmissionControl(AdmissionLimits(cfg.trainer.groups_per_step, cfg.trainer.max_staleness,
-                                                 cfg.trainer.steps, cfg.sampler.admission_lease_s))
+                                                 cfg.trainer.steps, cfg.sampler.admission_lease_s,
+                                                 cfg.sampler.admission_max_samplers))
     table = None if security is None else security.table
     ingest = IngestServicer(buffer, limits, cfg.buffer.max_groups, cfg.buffer.retry_after_ms, injection, admission,
                             table)

@@ -168,6 +168,10 @@ class SamplerSection(Strict):
     admission_lease_s: float = Field(600.0, gt=0, le=86_400, description="The ingest counts a sampler's admitted "
                                      "groups as in flight until they arrive, or until it has not heard from the "
                                      "sampler for this long (it died). Keep above one generation batch's time.")
+    admission_max_samplers: int = Field(1024, ge=1, le=1_000_000, description="Sampler ids the ingest counts at "
+                                        "once; beyond it the one silent longest is forgotten (a sampler token may "
+                                        "speak for any `<name>-<n>`, so ids are not bounded otherwise). Keep above "
+                                        "the number of sampler processes.")
     rpc_timeout_s: float = Field(30.0, gt=0, le=3600, description="Deadline of one weight fetch.")
     connect_timeout_s: float = Field(120.0, gt=0, le=3600, description="How long a sampler waits for an unreachable "
                                      "or silent trainer before it exits. A trainer that answers but has not published "

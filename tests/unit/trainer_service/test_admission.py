@@ -68,6 +68,20 @@ def test_a_silent_sampler_stops_holding_places_after_its_lease():
     assert "dead" not in control.in_flight()
 
 
+def test_sampler_ids_beyond_the_bound_forget_the_one_silent_longest():
+    """A token may speak for any `<name>-<n>`: the map of sampler ids stays bounded however many are invented."""
+    clock = FakeClock()
+    control = AdmissionControl(AdmissionLimits(4, 2, 100, max_samplers=3), clock=clock)
+    state = AdmissionState(0, 40, 0, 10)
+    for i in range(1000):
+        control.admit(state, f"s-{i}", 0, 10, 0)
+        clock.advance(1)
+    assert set(control.in_flight()) == {"s-997", "s-998", "s-999"}
+    control.admit(state, "s-997", 0, 10, 0)  # heard from again: now the newest
+    control.admit(state, "s-1000", 0, 10, 0)
+    assert set(control.in_flight()) == {"s-997", "s-999", "s-1000"}
+
+
 def test_groups_started_now_must_not_push_older_groups_in_flight_past_the_bound():
     """A fresh sampler's groups may arrive before a lagging sampler's: they are admitted only as far as the
     lagging sampler's groups still train in time behind them."""
