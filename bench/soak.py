@@ -3,11 +3,13 @@ submit and follow prompts; the memory of every process and Redis's `used_memory`
 
 Each client thread has its own channel and loops: Submit one prompt (alternately train=true and train=false), then
 StreamResults until the samplers answer it. Snapshots: after --baseline-minutes of RL (start-up, compilation and the
-first checkpoints are behind it) and at the end: the resident set of each process `up` started (trainer, samplers,
-embedded Redis) and Redis INFO used_memory, with the audit trail's sizes. Target: every end value within 15% of its
-baseline. Afterwards `up` is stopped with Ctrl-C (exit 130) and `grpo-stream audit` must find the run clean.
+first checkpoints are behind it), then every minute to the end: the resident set and thread count of each process
+`up` started (trainer, samplers, embedded Redis) and Redis INFO used_memory, with the audit trail's sizes. Target:
+every value within 15% of its baseline, judged on peaks: the peak over the last third of the measured span
+against the peak over its first third (`envelope_growth`; the two single samples' ratio is kept as point_growth). Afterwards `up` is stopped with Ctrl-C (exit 130) and `grpo-stream audit` must find the run clean.
 
     python -m grpo_stream.bench.soak [--minutes 20] [--clients 32] [--baseline-minutes 5] [--out F] [--quick]
+                                     [--set KEY=VALUE ...]
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from grpo_stream.protos import prompts_pb2, prompts_pb2_grpc
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 GROWTH_BOUND = 1.15
+SAMPLE_S = 20.0
 
 
 def _children(pid: int) -> list[int]:
@@ -67,30 +70,73 @@ def _name(pid: int) -> str:
     return " ".join(words[:3])[:40]
 
 
-def _rss_mb(pid: int) -> float:
+def _status(pid: int) -> tuple[float, int]:
+    """(resident set in MB, threads) of `pid`."""
+    rss, threads = 0.0, 0
     for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
+            rss = int(line.split()[1]) / 1024
+        elif line.startswith("Threads:"):
+            threads = int(line.split()[1])
+    return rss, threads
 
 
 def snapshot(up_pid: int, client: redis.Redis, run: str) -> dict:
-    rss = {"up": round(_rss_mb(up_pid), 1)}
+    rss, threads = {"up": round(_status(up_pid)[0], 1)}, {}
     for pid in _children(up_pid):
         try:
             name = _name(pid)
             if name in ("trainer", "ingest", "redis") or name.startswith("sampler"):
-                rss[name] = round(_rss_mb(pid), 1)
+                mb, n = _status(pid)
+                rss[name], threads[name] = round(mb, 1), n
         except (OSError, ValueError, IndexError):  # exited meanwhile
             continue
     k = keys("grpo-stream", run)
     info = client.info("memory")
     last = client.xrevrange(k["audit:steps"], count=1)
-    return {"t": time.time(), "rss_mb": rss, "redis_used_memory": int(info["used_memory"]),
+    return {"t": time.time(), "rss_mb": rss, "threads": threads, "redis_used_memory": int(info["used_memory"]),
             "audit_accepted": client.hlen(k["audit:accepted"]), "audit_settled": client.hlen(k["audit:settled"]),
             "audit_steps": client.xlen(k["audit:steps"]), "trainer_step": int(last[0][1][b"step"]) if last else 0,
             "counters": {
                 key.decode(): int(v) for key, v in client.hgetall(k["counters"]).items()}}
+
+
+def _values(snap: dict) -> dict[str, float]:
+    return {**snap["rss_mb"], "redis_used_memory": snap["redis_used_memory"]}
+
+
+def envelope_growth(series: list[dict]) -> dict[str, float]:
+    """Per process (and Redis used_memory): the peak over the last third of the measured span over the peak over
+    its first third. The trainer's resident set swings by ~230 MB within minutes (measured: 565-795 MB, a
+    sawtooth), so the end-over-baseline ratio of two single samples says which phase each fell in, not whether
+    memory grows; the envelope's peaks do."""
+    t0, t1 = series[0]["t"], series[-1]["t"]
+    third = (t1 - t0) / 3
+    first = [_values(s) for s in series if s["t"] <= t0 + third]
+    last = [_values(s) for s in series if s["t"] >= t1 - third]
+    out = {}
+    for name in first[0]:
+        early = max(v.get(name, 0.0) for v in first)
+        late = max(v.get(name, 0.0) for v in last)
+        if early > 0:
+            out[name] = round(late / early, 3)
+    return out
+
+
+def completion_lengths(metrics: pathlib.Path, every: int = 100) -> list[dict]:
+    """Mean completion length and truncated share per `every` RL steps: what each kept prompt's result holds grows
+    with it, so Redis under the count bound moves with the policy's lengths (seen: 7 -> 18 tokens at step ~1350)."""
+    if not metrics.exists():
+        return []
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if "response_length_mean" in line]
+    out = []
+    for start in range(0, max((r["step"] for r in rows), default=0) + 1, every):
+        window = [r for r in rows if start <= r["step"] < start + every]
+        if window:
+            out.append({"from_step": start, "length": round(sum(r["train/response_length_mean"] for r in window)
+                                                            / len(window), 2),
+                        "truncated": round(sum(r["train/truncated_fraction"] for r in window) / len(window), 3)})
+    return out
 
 
 def _client(address: str, token: str, stop: threading.Event, out: dict, index: int) -> None:
@@ -122,14 +168,15 @@ def _wait(what: str, check, seconds: float, proc: subprocess.Popen, log: pathlib
         time.sleep(1)
 
 
-def run(minutes: float = 20.0, clients: int = 32, baseline_minutes: float = 5.0, quick: bool = False) -> dict:
-    if quick:
-        minutes, clients, baseline_minutes = 1.5, 4, 0.5
+def run(minutes: float = 20.0, clients: int = 32, baseline_minutes: float = 5.0, quick: bool = False,
+        extra: list[str] | None = None) -> dict:
+    if quick:  # a check that it works: memory figures need the full run, learning none of it
+        minutes, clients, baseline_minutes = 1.0, 4, 0.5
     run_dir = pathlib.Path(tempfile.mkdtemp(prefix="bench-soak-")) / "run"
     log = run_dir.parent / "up.log"
     overrides = ["trainer.steps=10000000", "warmstart.steps=50", "trainer.eval_before=false",
                  "trainer.eval_after=false", "trainer.metrics_port=null", "sampler.metrics_port=null",
-                 "prompts.max_pending_per_client=1000"]
+                 "prompts.max_pending_per_client=1000", *(["warmstart.steps=5"] if quick else []), *(extra or [])]
     with log.open("w") as out:
         up = subprocess.Popen([sys.executable, "-m", "grpo_stream", "up", "--config", str(ROOT / "configs" /
                                                                                           "tiny_arith.yaml"),
@@ -154,11 +201,16 @@ def run(minutes: float = 20.0, clients: int = 32, baseline_minutes: float = 5.0,
               flush=True)
         time.sleep(baseline_minutes * 60)
         baseline = snapshot(up.pid, client, info["run"])
+        series, printed = [baseline], time.monotonic()  # two points cannot tell a sawtooth from a climb
         while (left := minutes * 60 - (time.monotonic() - started)) > 0:
-            time.sleep(min(60.0, left))
-            print(f"[soak] {(time.monotonic() - started) / 60:.1f} min: "
-                  f"answered {sum(c['answered'] for c in counts)}", flush=True)
-        end = snapshot(up.pid, client, info["run"])
+            time.sleep(min(SAMPLE_S, left))
+            series.append(snapshot(up.pid, client, info["run"]))
+            if time.monotonic() - printed >= 59 or left <= SAMPLE_S:
+                printed = time.monotonic()
+                print(f"[soak] {(printed - started) / 60:.1f} min: answered {sum(c['answered'] for c in counts)}, "
+                      f"RSS MB {series[-1]['rss_mb']}, threads {series[-1]['threads']}, Redis used_memory "
+                      f"{series[-1]['redis_used_memory'] / 2**20:.1f} MB", flush=True)
+        end = series[-1]
     finally:
         stop.set()
         for t in threads:
@@ -170,11 +222,14 @@ def run(minutes: float = 20.0, clients: int = 32, baseline_minutes: float = 5.0,
             up.kill()
     audit = subprocess.run([sys.executable, "-m", "grpo_stream", "audit", str(run_dir)], cwd=ROOT,
                            capture_output=True, text=True, timeout=300)
-    growth = {name: round(end["rss_mb"][name] / mb, 3) for name, mb in baseline["rss_mb"].items()
-              if name in end["rss_mb"] and mb > 0}
-    growth["redis_used_memory"] = round(end["redis_used_memory"] / baseline["redis_used_memory"], 3)
+    point_growth = {name: round(end["rss_mb"][name] / mb, 3) for name, mb in baseline["rss_mb"].items()
+                    if name in end["rss_mb"] and mb > 0}
+    point_growth["redis_used_memory"] = round(end["redis_used_memory"] / baseline["redis_used_memory"], 3)
+    growth = envelope_growth(series)
+    lengths = completion_lengths(run_dir / "metrics-trainer.jsonl")
     return {"benchmark": "soak", "quick": quick, "minutes": minutes, "clients": clients,
-            "baseline_minutes": baseline_minutes, "baseline": baseline, "end": end, "growth": growth,
+            "baseline_minutes": baseline_minutes, "overrides": overrides, "baseline": baseline, "end": end,
+            "series": series, "growth": growth, "point_growth": point_growth, "completion_lengths": lengths,
             "max_growth": max(growth.values()), "steps_between": end["trainer_step"] - baseline["trainer_step"],
             "prompts_answered": sum(c["answered"] for c in counts),
             "prompts_unanswered": sum(c["unanswered"] for c in counts),
@@ -190,10 +245,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--minutes", type=float, default=20.0)
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--baseline-minutes", type=float, default=5.0)
-    parser.add_argument("--quick", action="store_true", help="1.5 minutes, 4 clients, baseline at 30 s (a check)")
+    parser.add_argument("--quick", action="store_true", help="1 minute, 4 clients, baseline at 30 s, 5 warm-start "
+                        "steps (a check)")
     parser.add_argument("--out", type=pathlib.Path)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="another config override for the run (repeatable)")
     args = parser.parse_args(argv)
-    result = run(args.minutes, args.clients, args.baseline_minutes, args.quick)
+    result = run(args.minutes, args.clients, args.baseline_minutes, args.quick, args.set)
     text = json.dumps(result, indent=2)
     if args.out:
         args.out.write_text(text)

@@ -17,8 +17,10 @@ def test_soak_quick_snapshots_every_process_and_ends_with_a_clean_audit(tmp_path
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
+    assert len(result["series"]) >= 2 and result["series"][-1] == result["end"]
     for snap in (result["baseline"], result["end"]):
         assert {"up", "trainer", "sampler-0", "sampler-1", "redis"} <= set(snap["rss_mb"]), snap["rss_mb"]
+        assert snap["threads"]["trainer"] > 1
         assert snap["redis_used_memory"] > 0
     assert result["steps_between"] > 0 and result["prompts_answered"] > 0
     assert result["client_errors"] == 0, result["last_client_error"]
