@@ -1,0 +1,101 @@
+"""The rollout buffer's two Lua scripts (common/rollouts/buffer.py runs them): appending a batch and settling
+entries, each atomic in Redis. The key layout they work on is in buffer.py's docstring."""
+
+from grpo_stream.common.rollouts.kept_results import FINISH_PROMPT_LUA
+
+# One call appends a batch in order. Room is counted in groups not yet trained: those the trainer trained but
+# holds unacknowledged until a checkpoint are not a backlog. A group id already accepted is answered `dup` and
+# not written again: a sampler that resends after a lost acknowledgement creates no second copy; nor is one at or
+# below its sampler's compacted data position (its accepted record was folded into counts).
+APPEND = FINISH_PROMPT_LUA + """
+redis.replicate_commands()
+local waiting = redis.call('XLEN', KEYS[1]) - tonumber(redis.call('GET', KEYS[6]) or '0')
+local room = tonumber(ARGV[2]) - waiting
+if tonumber(ARGV[4]) > 0 then redis.call('HINCRBY', KEYS[2], 'refused_invalid', ARGV[4]) end
+local out, full, dups, fulls, added, per_sampler, top = {}, false, 0, 0, 0, {}, {}
+local base, retention, keep, gid_prefix = ARGV[5], tonumber(ARGV[6]), tonumber(ARGV[7]), ARGV[8]
+for i = 9, #ARGV, 6 do
+  local gid, sampler, position, pid = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 3]), ARGV[i + 5]
+  local pkey, state, train = nil, nil, true
+  if pid ~= '' then  -- an injected prompt's answer: its prompt decides whether it is trained on
+    pkey = base .. ':prompt:' .. pid
+    state = redis.call('HGET', pkey, 'state')
+    train = redis.call('HGET', pkey, 'train') == '1'
+  end
+  if pid ~= '' and not state then
+    out[#out + 1] = 'unknown'
+  elseif state == 'cancelled' then
+    out[#out + 1] = 'cancelled'
+  elseif state == 'done' or redis.call('HEXISTS', KEYS[4], gid) == 1 or
+      (position >= 0 and position <= tonumber(redis.call('HGET', KEYS[8], 'below:' .. sampler) or '-1')) then
+    dups = dups + 1
+    out[#out + 1] = 'dup'
+  elseif train and (full or room <= 0) then
+    full = true
+    fulls = fulls + 1
+    out[#out + 1] = 'full'
+  else
+    local id = 'eval'
+    if train then
+      id = redis.call('XADD', KEYS[1], '*', 'g', ARGV[i + 4], 'id', gid)
+      redis.call('HSET', KEYS[4], gid, cjson.encode({entry = id, sampler = sampler, version = tonumber(ARGV[i + 2]),
+                                                    position = position, t = tonumber(ARGV[3]), prompt = pid}))
+      per_sampler[sampler] = (per_sampler[sampler] or 0) + 1
+      if position >= 0 and position > (top[sampler] or -1) then top[sampler] = position end
+      added, room, waiting = added + 1, room - 1, waiting + 1
+    else
+      redis.call('HSET', KEYS[7], gid, cjson.encode({prompt = pid, sampler = sampler, version = tonumber(ARGV[i + 2]),
+                                                    t = tonumber(ARGV[3])}))
+    end
+    if pkey then
+      redis.call('HSET', pkey, 'state', 'done', 'result', ARGV[i + 4], 'version', ARGV[i + 2], 'sampler', sampler,
+                 'group', gid, 'finished', ARGV[3])
+      redis.call('ZREM', base .. ':inject:claimed', pid)
+      redis.call('ZREM', base .. ':inject:queue', pid)  -- a late answer to a claim that was queued again
+      redis.call('HINCRBY', base .. ':inject:pending', redis.call('HGET', pkey, 'client'), -1)
+      finish_prompt(base, gid_prefix, pid, tonumber(ARGV[3]), retention, keep)
+    end
+    out[#out + 1] = id
+  end
+end
+-- counters once per call, not per group
+if dups > 0 then redis.call('HINCRBY', KEYS[2], 'refused_duplicate', dups) end
+if fulls > 0 then redis.call('HINCRBY', KEYS[2], 'refused_full', fulls) end
+if added > 0 then redis.call('HINCRBY', KEYS[2], 'ingested', added) end
+for sampler, n in pairs(per_sampler) do redis.call('HINCRBY', KEYS[3], sampler, n) end
+for sampler, position in pairs(top) do
+  if position > tonumber(redis.call('HGET', KEYS[5], sampler) or '-1') then
+    redis.call('HSET', KEYS[5], sampler, position)
+  end
+end
+table.insert(out, 1, tostring(waiting))
+return out
+"""
+
+# Records are (entry id, group id, outcome, step). Only entries still in the stream count, so settling twice is
+# harmless. A duplicate never overwrites the record of the copy that was settled first.
+SETTLE = """
+local n, entries, counts = 0, {}, {}
+for i = 3, #ARGV, 4 do
+  entries[#entries + 1] = ARGV[i]
+  if #entries == 500 or i + 4 > #ARGV then  -- acknowledged in chunks: unpack has a stack limit
+    redis.call('XACK', KEYS[1], ARGV[1], unpack(entries))
+    entries = {}
+  end
+end
+for i = 3, #ARGV, 4 do
+  local entry, gid, outcome = ARGV[i], ARGV[i + 1], ARGV[i + 2]
+  if redis.call('XDEL', KEYS[1], entry) == 1 then
+    counts[outcome] = (counts[outcome] or 0) + 1
+    if outcome == 'dropped_duplicate' then
+      redis.call('HINCRBY', KEYS[4], gid, 1)
+    else
+      redis.call('HSET', KEYS[3], gid, cjson.encode({outcome = outcome, step = tonumber(ARGV[i + 3]), entry = entry,
+                                                    t = tonumber(ARGV[2])}))
+    end
+    n = n + 1
+  end
+end
+for outcome, c in pairs(counts) do redis.call('HINCRBY', KEYS[2], outcome, c) end
+return n
+"""
