@@ -113,7 +113,7 @@ def trainer_programs(cfg: RunConfig, arch: Architecture) -> dict:
     started = time.time()
     progress(f"trainer: compiling the update step ({model.num_params() / 1e9:.3g}B parameters, mesh fsdp "
              f"{t.mesh.fsdp} x tp {t.mesh.tp}, {minibatch} sequences of {length} tokens)")
-    step = analysed(updater._step.lower(updater.params, updater.opt_state, batch, old, ref).compile())
+    step = analysed(updater._step.lower(*updater.split(updater.params), updater.opt_state, batch, old, ref).compile())
     progress(f"trainer: update step compiled in {time.time() - started:.0f} s")
     params, opt_state = shard_bytes(updater.params), shard_bytes(updater.opt_state)
     reference = params if algo.beta > 0 else 0

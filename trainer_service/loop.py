@@ -27,6 +27,7 @@ import numpy as np
 from grpo_stream.common.config.schema import RunConfig
 from grpo_stream.common.engine.evaluation import greedy_probe
 from grpo_stream.common.engine import continuous
+from grpo_stream.common.model.lora import LoraPolicy, apply_lora
 from grpo_stream.common.model.sharding import make_mesh, place
 from grpo_stream.common.rollouts.buffer import RUN_FILE
 from grpo_stream.common.rollouts.redis_server import redacted
@@ -70,6 +71,7 @@ class Trainer:
         self.epoch = new_epoch()  # this trainer process; also the weight publisher's epoch
         self.resumed_from: dict | None = None
         self.final_weights: dict | None = None
+        self.lora: LoraPolicy | None = None  # model.lora: the adapted model the updater trains
 
     # -- set-up -----------------------------------------------------------------
     def _setup(self) -> None:
@@ -115,16 +117,23 @@ class Trainer:
         self.metrics = MetricsWriter(self.run_dir, "trainer")
         self.reporter = StepReporter(cfg, self.metrics, self.buffer, self.publisher, self.durability.held)
 
+    def _plain(self, params):
+        """The plain model's params, what samplers, evaluation and export run: with LoRA, the adapted params merged
+        (W + alpha/rank A B); before the adapters exist (warm start, eval_before) and without LoRA, `params`."""
+        if self.lora is None or jax.tree.structure(params) == jax.tree.structure(self.model.params):
+            return params
+        return self._merge(params)
+
     def _publish(self, version: int, params=None, final: bool = False) -> None:
         params = self.params if params is None else params
-        stats = self.publisher.publish_arrays(version, self.model.named_arrays(params), final=final)
+        stats = self.publisher.publish_arrays(version, self.model.named_arrays(self._plain(params)), final=final)
         log.debug("published version %d (%.1f MB) in %.3fs", version, stats.nbytes / 1e6, stats.seconds)
 
     def _evaluate(self, label: str) -> dict:
-        return evaluate_heldout(self.cfg, self.engine, self.params, self.task, self.tokenizer, label)
+        return evaluate_heldout(self.cfg, self.engine, self._plain(self.params), self.task, self.tokenizer, label)
 
     def _export_hf(self, name: str, what: str) -> None:
-        export_policy(self.cfg, self.run_dir, name, what, self.model, self.params, self.tokenizer)
+        export_policy(self.cfg, self.run_dir, name, what, self.model, self._plain(self.params), self.tokenizer)
 
     # -- the run ------------------------------------------------------------------
     def run(self) -> dict:
@@ -144,11 +153,21 @@ class Trainer:
         return summary
 
     def _updater(self) -> PolicyUpdater:
+        """The updater of the plain params at hand (the warm-started or initial model): with model.lora, of the
+        adapted model built around them, training the adapters only."""
         cfg = self.cfg
         t = cfg.trainer
-        return PolicyUpdater(self.model.with_remat(t.remat), self.params, cfg.algo, t.learning_rate, t.max_grad_norm,
-                             cfg.generation.temperature, self.tokenizer.pad_id, self.mesh, t.optimizer, t.steps,
-                             t.micro_batch_size, donate=self.donate)
+        model, params, trainable = self.model.with_remat(t.remat), self.params, None
+        if cfg.model.lora is not None:
+            self.lora = apply_lora(model, self.params, cfg.model.lora, cfg.run.seed)
+            self._merge = jax.jit(self.lora.merged)
+            model, params, trainable = self.lora.adapted, self.lora.adapted.params, self.lora.trainable()
+            log.info("LoRA rank %d on %d weights: %d adapter parameters (%.2f%% of the model's) are trained",
+                     cfg.model.lora.rank, len(self.lora.weights), self.lora.adapter_count(),
+                     100 * self.lora.adapter_count() / self.model.num_params())
+        return PolicyUpdater(model, params, cfg.algo, t.learning_rate, t.max_grad_norm, cfg.generation.temperature,
+                             self.tokenizer.pad_id, self.mesh, t.optimizer, t.steps, t.micro_batch_size,
+                             donate=self.donate, trainable=trainable)
 
     def _start(self) -> tuple[PolicyUpdater, int, dict]:
         """Resume from the newest valid checkpoint, or warm start and evaluate a new run; publish the weights.
@@ -183,6 +202,7 @@ class Trainer:
             carried = {"warmstart": warm,
                        "eval_before": self._evaluate("eval_before") if cfg.trainer.eval_before else None}
             updater = self._updater()
+            self.params = updater.params
             when_available("auditing the start", lambda: self.buffer.log_trainer(self.epoch, 0, ""))
         when_available("updating the held count", lambda: self.buffer.set_held(0))  # a dead predecessor's count
         start = self.durability.resumed_step
@@ -263,9 +283,9 @@ class Trainer:
             if cfg.weights.verify_prompts:
                 problems = self.task.heldout(cfg.weights.verify_prompts)
                 self.final_weights = {"version": self.publisher.latest_version,
-                                      "sha256": digest(self.model.to_named_numpy(self.params)),
-                                      "greedy": greedy_probe(self.engine, self.params, self.tokenizer, problems,
-                                                             cfg.eval.batch_size)}
+                                      "sha256": digest(self.model.to_named_numpy(self._plain(self.params))),
+                                      "greedy": greedy_probe(self.engine, self._plain(self.params), self.tokenizer,
+                                                             problems, cfg.eval.batch_size)}
         counters = {**when_available("reading the buffer counters", self.buffer.counters),
                     "trained_mixed_versions": self.mixed_version_groups}
         by_sampler = when_available("reading the buffer counters", self.buffer.ingested_by_sampler)
@@ -274,7 +294,17 @@ class Trainer:
                              agreement=self.agreement, mesh_shape=dict(self.mesh.shape),
                              final_weights=self.final_weights, carried=carried, eval_after=eval_after,
                              rl_seconds=rl_seconds, started=self.started, resumed_from=self.resumed_from,
-                             trained_here=(steps_done - self.durability.resumed_step) * cfg.trainer.groups_per_step)
+                             trained_here=(steps_done - self.durability.resumed_step) * cfg.trainer.groups_per_step,
+                             trainer_state=self._state_report(updater))
+
+    def _state_report(self, updater: PolicyUpdater) -> dict:
+        """Bytes the updater holds (all devices together) and what it trains: every parameter, or LoRA's adapters."""
+        nbytes = lambda tree: int(sum(x.nbytes for x in jax.tree.leaves(tree)))  # noqa: E731
+        trained = self.lora.adapter_count() if self.lora else self.model.num_params()
+        lora = self.cfg.model.lora
+        return {"params_bytes": nbytes(updater.params), "optimizer_bytes": nbytes(updater.opt_state),
+                "model_parameters": self.model.num_params(), "trained_parameters": trained,
+                "lora": None if lora is None else {**lora.model_dump(), "weights": len(self.lora.weights)}}
 
     def _track_agreement(self, m: dict) -> None:
         """Run-long sampler-trainer logprob agreement over tokens generated at version lag 0."""

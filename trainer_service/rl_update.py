@@ -31,7 +31,7 @@ class PolicyUpdater:
     def __init__(self, model: PolicyModel, params: Any, algo: AlgoSection, learning_rate: float,
                  max_grad_norm: float, temperature: float, pad_id: int, mesh: jax.sharding.Mesh | None = None,
                  optimizer: OptimizerSection | None = None, total_steps: int = 1, micro_batch_size: int | None = None,
-                 donate: bool = False):
+                 donate: bool = False, trainable: tuple[bool, ...] | None = None):
         """`params` already placed on `mesh` (if any); the optimizer state takes their shardings, and each
         batch's rows are split over the mesh's fsdp axis (data parallel). `optimizer` (trainer.optimizer; None:
         Adam at a constant rate) with its schedule over `total_steps` trainer steps. `micro_batch_size`
@@ -39,7 +39,9 @@ class PolicyUpdater:
         pass; the gradients of a minibatch's micro-batches are summed before its one optimizer update. `donate`: the
         update step reuses the buffers of the parameters and optimizer state it replaces (one copy of each on the
         devices, not two), so after `update` the previous `params` are deleted: only for a caller that keeps no
-        other reference to them in use (not with weights shared in-process with samplers)."""
+        other reference to them in use (not with weights shared in-process with samplers). `trainable` (LoRA: one
+        flag per leaf of `params`, flattened order; None: all): only those leaves get gradients and optimizer state;
+        the others are passed through each step unchanged and never donated."""
         self.model, self.algo, self.temperature, self.pad_id, self.mesh = model, algo, temperature, pad_id, mesh
         self.micro_batch_size = micro_batch_size
         self.learning_rate = learning_rate_schedule(learning_rate, optimizer, total_steps,
@@ -47,18 +49,23 @@ class PolicyUpdater:
         self.optimizer = make_optimizer(learning_rate, max_grad_norm, optimizer, total_steps,
                                         algo.num_iterations * algo.minibatches)
         self.params = params
+        self._trainable, self._treedef = trainable, jax.tree.structure(params)
+        if trainable is not None and len(trainable) != self._treedef.num_leaves:
+            raise ValueError(f"trainable: {len(trainable)} flags for {self._treedef.num_leaves} parameters")
+        train, frozen = self.split(params)
         # gradients are pinned to the parameters' shardings: left to XLA's propagation, the micro-batch loop's
         # gradient sum can come out replicated on every device (the whole model's gradients per device)
-        self._param_shardings = jax.tree.map(lambda x: x.sharding, params) if mesh is not None else None
-        self.master = uses_master_weights(params, optimizer.state_dtype if optimizer is not None else "float32")
+        self._param_shardings = jax.tree.map(lambda x: x.sharding, train) if mesh is not None else None
+        self.master = uses_master_weights(train, optimizer.state_dtype if optimizer is not None else "float32")
         init = functools.partial(init_optimizer_state, self.optimizer, master=self.master)
-        layout = abstract_optimizer_state(init, params, mesh)
+        layout = abstract_optimizer_state(init, train, mesh)
         if is_abstract(params):  # `grpo-stream plan`: shapes, dtypes and shardings only, nothing allocated
             self.opt_state = layout
             self.ref_params = params if algo.beta > 0 else None
         else:
-            self.opt_state = init(params)
-            self.ref_params = jax.tree.map(jnp.copy, params) if algo.beta > 0 else None
+            self.opt_state = init(train)
+            # the frozen part is shared with the reference copy: it is never donated, so it stays valid
+            self.ref_params = self.join(jax.tree.map(jnp.copy, train), frozen) if algo.beta > 0 else None
         self._logprobs = jax.jit(lambda p, tokens, valid: sequence_logprobs(model, p, tokens, valid, temperature,
                                                                             pad_id))
         out_shardings = None
@@ -70,11 +77,28 @@ class PolicyUpdater:
             if not is_abstract(params):
                 self.opt_state = jax.device_put(self.opt_state, opt_shardings)
             out_shardings = (self._param_shardings, opt_shardings, None)
-        self._step = jax.jit(self._step_impl, donate_argnums=(0, 1) if donate else (), out_shardings=out_shardings)
+        self._step = jax.jit(self._step_impl, donate_argnums=(0, 2) if donate else (), out_shardings=out_shardings)
 
-    def _loss(self, params, batch: TrainBatch, old, ref, norm):
+    def split(self, params) -> tuple[Any, Any]:
+        """(trained, frozen) parts of `params`: (params, None) when everything trains; with `trainable`, two tuples
+        of leaves in flattened order."""
+        if self._trainable is None:
+            return params, None
+        leaves = jax.tree.leaves(params)
+        return (tuple(x for x, t in zip(leaves, self._trainable) if t),
+                tuple(x for x, t in zip(leaves, self._trainable) if not t))
+
+    def join(self, train, frozen) -> Any:
+        """The params tree from the parts `split` made."""
+        if frozen is None:
+            return train
+        train, frozen = iter(train), iter(frozen)
+        return jax.tree.unflatten(self._treedef, [next(train) if t else next(frozen) for t in self._trainable])
+
+    def _loss(self, train, frozen, batch: TrainBatch, old, ref, norm):
         """(loss, metrics) of `batch`; with `norm` (the minibatch's denominators) the share of a micro-batch."""
         algo = self.algo
+        params = self.join(train, frozen)
         logprobs, entropy = sequence_logprobs(self.model, params, batch.tokens, batch.valid, self.temperature,
                                               self.pad_id, with_entropy=True)
         proximal = jax.lax.stop_gradient(logprobs) if old is None else old
@@ -90,7 +114,7 @@ class PolicyUpdater:
         m.update(lp_diff_sum=diff.sum(), lp_diff_max=diff.max(), fresh_tokens=fresh.sum(), loss=loss)
         return loss, m
 
-    def _accumulated(self, params, batch: TrainBatch, old, ref, micro: int):
+    def _accumulated(self, train, frozen, batch: TrainBatch, old, ref, micro: int):
         """Gradients and metrics of `batch` summed over micro-batches of `micro` rows, one at a time (lax.scan:
         one compiled pass, activations of one micro-batch live at once). Micro-batch j takes rows j, j + k, ...
         (k micro-batches), so with rows sharded over the fsdp axis every micro-batch stays spread over it."""
@@ -99,21 +123,21 @@ class PolicyUpdater:
         norm = normalizers(batch.loss_mask)
         split = lambda x: None if x is None else jnp.swapaxes(x.reshape(micro, k, *x.shape[1:]), 0, 1)  # noqa: E731
         parts = (jax.tree.map(split, batch), split(old), split(ref))
-        grad_fn = jax.value_and_grad(lambda p, b, o, r: self._loss(p, b, o, r, norm), has_aux=True)
-        shapes = jax.eval_shape(lambda: grad_fn(params, *jax.tree.map(lambda x: x[0], parts))[0][1])
+        grad_fn = jax.value_and_grad(lambda p, b, o, r: self._loss(p, frozen, b, o, r, norm), has_aux=True)
+        shapes = jax.eval_shape(lambda: grad_fn(train, *jax.tree.map(lambda x: x[0], parts))[0][1])
         start = {key: jnp.full(v.shape, -jnp.inf if key.endswith("_max") else jnp.inf if key.endswith("_min")
                                else 0.0, v.dtype) for key, v in shapes.items()}
 
         def body(carry, part):
             grads, metrics = carry
-            (_, m), g = grad_fn(params, *part)
+            (_, m), g = grad_fn(train, *part)
             g = self._pin(g)
             merged = {key: jnp.maximum(metrics[key], v) if key.endswith("_max") else
                       jnp.minimum(metrics[key], v) if key.endswith("_min") else metrics[key] + v
                       for key, v in m.items()}
             return (jax.tree.map(jnp.add, grads, g), merged), None
 
-        zeros = self._pin(jax.tree.map(jnp.zeros_like, params))
+        zeros = self._pin(jax.tree.map(jnp.zeros_like, train))
         (grads, metrics), _ = jax.lax.scan(body, (zeros, start), parts)
         return grads, metrics
 
@@ -123,19 +147,20 @@ class PolicyUpdater:
             return grads
         return jax.lax.with_sharding_constraint(grads, self._param_shardings)
 
-    def gradients(self, params, batch: TrainBatch, old=None, ref=None):
-        """(gradients, metrics) of one minibatch: in one pass, or summed over micro-batches."""
+    def gradients(self, train, frozen, batch: TrainBatch, old=None, ref=None):
+        """(gradients of the trained part, metrics) of one minibatch: in one pass, or summed over micro-batches."""
         micro = self.micro_batch_size
         if micro is None or micro >= batch.tokens.shape[0]:
-            (_, metrics), grads = jax.value_and_grad(self._loss, has_aux=True)(params, batch, old, ref, None)
+            (_, metrics), grads = jax.value_and_grad(self._loss, has_aux=True)(train, frozen, batch, old, ref, None)
             return self._pin(grads), metrics
-        return self._accumulated(params, batch, old, ref, micro)
+        return self._accumulated(train, frozen, batch, old, ref, micro)
 
-    def _step_impl(self, params, opt_state, batch: TrainBatch, old, ref):
-        grads, metrics = self.gradients(params, batch, old, ref)
-        params, opt_state = apply_optimizer(self.optimizer, grads, opt_state, params, self.master)
+    def _step_impl(self, train, frozen, opt_state, batch: TrainBatch, old, ref):
+        """One optimizer update: returns the trained part (the frozen part is the caller's, unchanged)."""
+        grads, metrics = self.gradients(train, frozen, batch, old, ref)
+        train, opt_state = apply_optimizer(self.optimizer, grads, opt_state, train, self.master)
         metrics["grad_norm"] = optax.global_norm(grads)
-        return params, opt_state, metrics
+        return train, opt_state, metrics
 
     def logprobs(self, params, tokens, valid):
         """Per-token logprobs of a step's batch under `params` (old or reference policy), in passes of
@@ -174,7 +199,9 @@ class PolicyUpdater:
                 sub, sub_old, sub_ref = _fill_micro_batches(
                     jax.tree.map(lambda x: x[part], batch), None if old is None else old[part],
                     None if ref is None else ref[part], self.micro_batch_size)
-                self.params, self.opt_state, m = self._step(self.params, self.opt_state, sub, sub_old, sub_ref)
+                train, frozen = self.split(self.params)
+                train, self.opt_state, m = self._step(train, frozen, self.opt_state, sub, sub_old, sub_ref)
+                self.params = self.join(train, frozen)
                 m = {key: float(v) for key, v in jax.device_get(m).items()}
                 if iteration == 0:  # later passes see the same old logprobs again
                     agreement["lp_diff_sum"] += m["lp_diff_sum"]

@@ -47,8 +47,9 @@ def wasted_fraction(generated: int, trained: int) -> float | None:
 def write_summary(path: pathlib.Path, cfg: RunConfig, *, steps: int, counters: dict, by_sampler: dict, publisher,
                   durability, agreement: dict, mesh_shape: dict, final_weights: dict | None, carried: dict,
                   eval_after: dict | None, rl_seconds: float, started: float, resumed_from: dict | None,
-                  trained_here: int) -> dict:
-    """`trained_here`: groups this trainer process trained (a resumed run's earlier ones are not its samplers')."""
+                  trained_here: int, trainer_state: dict | None = None) -> dict:
+    """`trained_here`: groups this trainer process trained (a resumed run's earlier ones are not its samplers').
+    `trainer_state`: what the updater holds (bytes of parameters and optimizer state, what is trained)."""
     generated = publisher.groups_generated()
     summary = {
         "run": cfg.run.name,
@@ -80,6 +81,7 @@ def write_summary(path: pathlib.Path, cfg: RunConfig, *, steps: int, counters: d
         "weight_publish_seconds_mean": (round(float(np.mean(publisher.publish_seconds)), 4)
                                         if publisher.publish_seconds else None),
         "trainer_mesh": mesh_shape,
+        "trainer_state": trainer_state,
         "final_weights": final_weights,
         "sampler_weight_versions": publisher.installed,
         "algo": cfg.algo.model_dump(mode="json"),

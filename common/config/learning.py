@@ -3,6 +3,7 @@ objective. The deployment sections (processes, transports, storage) and the whol
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 from pydantic import Field, model_validator
@@ -30,6 +31,28 @@ class TinyModelSection(Strict):
         return self
 
 
+LORA_DEFAULT_TARGETS = ".*/(q_proj|k_proj|v_proj|o_proj|q_einsum|kv_einsum|attn_vec_einsum|gate_proj|up_proj|down_proj)"
+
+
+class LoraSection(Strict):
+    """Low-rank adapters (qwix, the library Tunix uses): W + (alpha / rank) A B on the weights of the modules
+    `targets` matches; only A and B are trained and held by the optimizer."""
+
+    rank: int = Field(16, ge=1, le=1024, description="Rank r of each adapter (A: [in, r], B: [r, out]).")
+    alpha: float = Field(32.0, gt=0, le=1e4, description="Adapter scale numerator: the update is (alpha / rank) A B.")
+    targets: str = Field(LORA_DEFAULT_TARGETS, min_length=1, description="Regular expression, matched in full "
+                         "against module paths such as 'layers/3/attn/q_proj' or 'layers/3/mlp/down_proj': the "
+                         "projections that get adapters. Embeddings and the output head are never adapted.")
+
+    @model_validator(mode="after")
+    def _regex(self) -> "LoraSection":
+        try:
+            re.compile(self.targets)
+        except re.error as exc:
+            raise ValueError(f"model.lora.targets: not a regular expression ({exc}); e.g. '.*/(q_proj|v_proj)'")
+        return self
+
+
 class ModelSection(Strict):
     kind: Literal["tiny", "hf"] = Field("tiny", description="'tiny': Qwen3-style model built from scratch for CPU "
                                         "runs; 'hf': a Hugging Face checkpoint directory (model.path).")
@@ -44,6 +67,9 @@ class ModelSection(Strict):
     pad_token: str | None = Field(None, description="kind=hf: token used for padding when the tokenizer defines none "
                                   "(it must not be an end-of-sequence token; Llama 3: <|finetune_right_pad_id|>). "
                                   "Null: the tokenizer's pad token.")
+    lora: LoraSection | None = Field(None, description="LoRA fine-tuning: null trains every parameter; a section "
+                                     "(e.g. model.lora.rank=8) freezes the base and trains adapters only. Samplers, "
+                                     "evaluation and the exported model get the merged weights W + (alpha/rank) A B.")
 
     @model_validator(mode="after")
     def _path(self) -> "ModelSection":

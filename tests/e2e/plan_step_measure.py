@@ -45,7 +45,7 @@ def main() -> None:
         rows_sharding(mesh, rows))
     # a first step compiles and warms the allocator; the second is measured
     updater.params, updater.opt_state, _ = jax.block_until_ready(
-        updater._step(updater.params, updater.opt_state, batch, None, None))
+        updater._step(*updater.split(updater.params), updater.opt_state, batch, None, None))
     gc.collect()
     inputs = sum(x.nbytes for x in jax.tree.leaves((updater.params, updater.opt_state, batch)))
     base = peak = resident_bytes()
@@ -59,8 +59,9 @@ def main() -> None:
 
     watcher = threading.Thread(target=poll)
     watcher.start()
-    jax.block_until_ready(updater._step(updater.params, updater.opt_state, batch, None, None))  # donates, as the
-    done.set()  # trainer does with a transport that copies the weights off the devices
+    # donates, as the trainer does with a transport that copies the weights off the devices
+    jax.block_until_ready(updater._step(*updater.split(updater.params), updater.opt_state, batch, None, None))
+    done.set()
     watcher.join()
     print(json.dumps({"inputs_bytes": inputs, "step_growth_bytes": peak - base,
                       "devices": t.mesh.fsdp * t.mesh.tp}))

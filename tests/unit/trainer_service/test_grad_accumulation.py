@@ -35,7 +35,7 @@ def gradients(tiny_parts, groups, micro, **algo):
     """The minibatch's gradients and metrics, in one pass or summed over micro-batches."""
     updater, batch = updater_and_batch(tiny_parts, groups, micro, **algo)
     batch, _, _ = _fill_micro_batches(batch, None, None, micro)
-    grads, metrics = jax.jit(updater.gradients)(updater.params, batch)
+    grads, metrics = jax.jit(updater.gradients)(*updater.split(updater.params), batch)
     return grads, {k: float(v) for k, v in metrics.items()}
 
 
@@ -123,7 +123,7 @@ for micro in (None, 2):
     updater = PolicyUpdater(model, params, AlgoSection(beta=0.1, minibatches=2), 1e-2, 1.0, 1.0, 0, mesh,
                             micro_batch_size=micro, donate=True)
     ref = updater.logprobs(updater.ref_params, batch.tokens, batch.valid)
-    g, _ = jax.jit(updater.gradients)(updater.params, batch, None, ref)
+    g, _ = jax.jit(updater.gradients)(*updater.split(updater.params), batch, None, ref)
     for x, s in zip(jax.tree.leaves(g), shardings):  # gradients are laid out as the parameters
         assert x.sharding.is_equivalent_to(s, x.ndim), (x.shape, x.sharding, s)
     grads[micro] = jax.tree.map(np.asarray, g)

@@ -1,0 +1,134 @@
+"""LoRA (model.lora): low-rank adapters on the policy's projections, added by qwix, the library Tunix uses.
+
+qwix intercepts the matrix products of the modules `targets` matches and gives each weight W two new parameters,
+A (its input side and the rank) and B (the rank and its output side): the module then computes
+x W + (alpha / rank) (x A) B. B starts at zero, so the adapted model starts equal to the base.
+
+The trainer trains A and B only (`LoraPolicy.trainable`): the optimizer holds moments for the adapters, not for
+the base. Everything else in the system keeps running the plain model: samplers, evaluation and the exported
+checkpoint get the merged weights W + (alpha / rank) A B (`LoraPolicy.merged`), so neither engine (JAX or vLLM)
+needs to know about adapters. Merging rounds once more than the adapted forward pass does (one extra addition in
+the parameters' dtype); in float32 the trainer's and samplers' logprobs still agree to ~1e-6.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from grpo_stream.common.config.learning import LoraSection
+from grpo_stream.common.model import architectures
+from grpo_stream.common.model.policy import PolicyModel, causal_mask
+
+ADAPTER_SUFFIXES = ("_lora_a", "_lora_b")
+
+
+def is_adapter(name: str) -> bool:
+    """True for an adapter parameter's name (layers.0.attn.q_proj.w_lora_a), False for a base weight's."""
+    return name.endswith(ADAPTER_SUFFIXES)
+
+
+@dataclasses.dataclass(frozen=True)
+class AdaptedWeight:
+    """One base weight with its two adapters, and the einsum that turns A and B into a delta of W's layout."""
+
+    weight: str   # layers.0.attn.q_proj.w
+    a: str        # layers.0.attn.q_proj.w_lora_a
+    b: str        # layers.0.attn.q_proj.w_lora_b
+    spec: str     # e.g. 'Dr,rNH->DNH' for q_proj's 'BTD,DNH->BTNH'
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraPolicy:
+    """The adapted model (what the trainer differentiates) beside the plain one (what everything else runs)."""
+
+    base: PolicyModel      # the plain model: its graph, and its names for the merged weights
+    adapted: PolicyModel   # the graph with adapters; its params hold the base weights and the adapters
+    weights: tuple[AdaptedWeight, ...]
+    scale: float           # alpha / rank
+
+    def trainable(self) -> tuple[bool, ...]:
+        """Per leaf of the adapted params (flattened order): True for the adapters."""
+        return tuple(is_adapter(name) for name in self.adapted.names())
+
+    def merged(self, params: Any) -> Any:
+        """The plain model's params from the adapted model's `params`: W + scale * delta(A, B) for each adapted
+        weight, the other weights as they are. Traceable (jit it for placed arrays)."""
+        named = self.adapted.named_arrays(params)
+        out = {name: named[name] for name in self.base.names()}
+        for w in self.weights:
+            base = named[w.weight]
+            delta = jnp.einsum(w.spec, named[w.a].astype(jnp.float32), named[w.b].astype(jnp.float32))
+            out[w.weight] = (base.astype(jnp.float32) + self.scale * delta).astype(base.dtype)
+        return self.base.params_from_arrays(out)
+
+    def adapter_count(self) -> int:
+        """Parameters the adapters add (what the optimizer holds moments for)."""
+        return sum(int(leaf.size) for name, leaf in self.adapted.named_arrays().items() if is_adapter(name))
+
+
+def apply_lora(model: PolicyModel, params: Any, section: LoraSection, seed: int) -> LoraPolicy:
+    """`model` with adapters on the weights of the modules `section.targets` matches, built around `params` (the
+    base weights, placed; the adapters take their shardings from the weights they adapt). A is initialised from
+    `seed`, B at zero. qwix finds the products to adapt by running the model once on a two-token input."""
+    import qwix  # noqa: PLC0415 - only LoRA runs need it
+
+    module = nnx.merge(model.graphdef, params)
+    provider = qwix.LoraProvider(module_path=section.targets, rank=section.rank, alpha=section.alpha)
+    tokens = jnp.zeros((1, 2), jnp.int32)
+    valid = jnp.ones((1, 2), jnp.bool_)
+    with architectures.rope_of(model.arch):
+        adapted_module = qwix.apply_lora_to_model(module, provider, tokens, jnp.arange(2)[None], None,
+                                                  causal_mask(valid), rngs=nnx.Rngs(seed))
+    graphdef, adapted_params = nnx.split(adapted_module)
+    adapted = dataclasses.replace(model, graphdef=graphdef, params=adapted_params)
+    weights = _adapted_weights(adapted_module, section.rank)
+    if not weights:
+        raise ValueError(f"model.lora.targets={section.targets!r} matched no projection of the {model.arch.family} "
+                         "model; module paths look like 'layers/0/attn/q_proj' (see grpo-stream config describe "
+                         "model for the default)")
+    return LoraPolicy(base=model, adapted=adapted, weights=tuple(weights), scale=section.alpha / section.rank)
+
+
+def _adapted_weights(module: nnx.Module, rank: int) -> list[AdaptedWeight]:
+    """Every adapted weight of `module`, with the einsum that rebuilds its delta from A and B: qwix records the
+    adapted einsum of an Einsum module ('BTD,Dr,rNH->BTNH'), whose operands' letters give the weight's own order;
+    a Linear kernel [in, out] takes A [in, r] @ B [r, out]."""
+    out = []
+    for path, node in nnx.iter_graph(module):
+        if not isinstance(node, nnx.Module):
+            continue
+        prefix = ".".join(str(p) for p in path)
+        for attr in sorted(vars(node)):
+            if not attr.endswith("_lora_a"):
+                continue
+            weight = attr.removesuffix("_lora_a")
+            w = getattr(node, weight)
+            names = [f"{prefix}.{n}" if prefix else n for n in (weight, attr, weight + "_lora_b")]
+            lora_str = getattr(node, weight + "_lora_einsum_str", None)
+            if lora_str is not None:
+                spec = _einsum_delta(node.einsum_str, lora_str)
+            elif w.ndim == 2:
+                spec = "ir,ro->io"
+            else:
+                raise ValueError(f"model.lora.targets: {prefix}.{weight} is a {w.ndim}-d weight used by a product "
+                                 "this merge does not know; leave that module out of the targets")
+            shape = jax.eval_shape(lambda a, b, s=spec: jnp.einsum(s, a, b), getattr(node, attr),
+                                   getattr(node, weight + "_lora_b")).shape
+            if tuple(shape) != tuple(w.shape):
+                raise ValueError(f"model.lora: {prefix}.{weight}: adapters of rank {rank} give a delta of shape "
+                                 f"{list(shape)} for a weight of {list(w.shape)}; leave that module out of "
+                                 "model.lora.targets")
+            out.append(AdaptedWeight(*names, spec=spec))
+    return out
+
+
+def _einsum_delta(einsum_str: str, lora_str: str) -> str:
+    """'Dr,rNH->DNH' from the module's 'BTD,DNH->BTNH' and qwix's 'BTD,Dr,rNH->BTNH'."""
+    rhs = einsum_str.split("->")[0].split(",")[1]
+    _, a, b = lora_str.split("->")[0].split(",")
+    return f"{a},{b}->{rhs}"

@@ -1,0 +1,107 @@
+"""model.lora: qwix adapters on the tiny model, their merge into plain weights, and the updater training them only."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from grpo_stream.common.config.learning import AlgoSection, LoraSection, ModelSection
+from grpo_stream.common.config.loading import ConfigError, load_config
+from grpo_stream.common.model.lora import apply_lora, is_adapter
+from grpo_stream.common.model.policy import build_model, sequence_logprobs
+from grpo_stream.trainer_service.batching import TrainBatch
+from grpo_stream.trainer_service.rl_update import PolicyUpdater
+
+VOCAB = 160
+
+
+@pytest.fixture(scope="module")
+def base():
+    """The tiny model with every weight drawn at random: Tunix initialises the MLP's kernels at zero, where the MLP's
+    adapters (B = 0 too) have no gradient at all, a saddle the demo's warm start leaves before LoRA begins."""
+    model = build_model(ModelSection(), VOCAB, seed=0)
+    rng = np.random.default_rng(0)
+    named = {k: jnp.asarray(rng.normal(0, 0.1, v.shape).astype(np.float32)) if not np.any(v) else v
+             for k, v in model.to_named_numpy().items()}
+    return dataclasses.replace(model, params=model.from_named_numpy(named))
+
+
+def with_random_b(lora, seed=0):
+    """The adapted params with B drawn at random (B starts at zero, which would make every check trivial)."""
+    rng = np.random.default_rng(seed)
+    named = {k: jnp.asarray(rng.normal(0, 0.05, v.shape).astype(np.float32)) if k.endswith("_lora_b") else v
+             for k, v in lora.adapted.named_arrays().items()}
+    return lora.adapted.params_from_arrays(named)
+
+
+def batch(rows=8, length=12, seed=0):
+    rng = np.random.default_rng(seed)
+    return TrainBatch(tokens=jnp.asarray(rng.integers(1, VOCAB, (rows, length)), jnp.int32),
+                      valid=jnp.ones((rows, length), bool), loss_mask=jnp.ones((rows, length - 1), jnp.float32),
+                      behaviour_logprobs=jnp.full((rows, length - 1), -5.0, jnp.float32),
+                      advantages=jnp.asarray(rng.normal(size=rows), jnp.float32), fresh=jnp.zeros(rows, jnp.float32))
+
+
+def test_adapters_start_at_the_base_and_merge_to_the_adapted_forward_pass(base):
+    lora = apply_lora(base, base.params, LoraSection(rank=4, alpha=8.0), seed=1)
+    assert {w.weight.split(".")[-2] for w in lora.weights} == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                              "up_proj", "down_proj"}
+    assert len(lora.weights) == 7 * 2  # every projection of both layers; embeddings and head are never adapted
+    b = batch()
+    plain = sequence_logprobs(base, base.params, b.tokens, b.valid, 1.0, 0)
+    # B = 0 at the start: the adapted model is the base, and so is the merge
+    start = sequence_logprobs(lora.adapted, lora.adapted.params, b.tokens, b.valid, 1.0, 0)
+    assert float(jnp.abs(start - plain).max()) == 0.0
+    params = with_random_b(lora)
+    adapted = sequence_logprobs(lora.adapted, params, b.tokens, b.valid, 1.0, 0)
+    merged = sequence_logprobs(base, lora.merged(params), b.tokens, b.valid, 1.0, 0)
+    assert float(jnp.abs(adapted - plain).max()) > 0.1  # the adapters matter...
+    assert float(jnp.abs(adapted - merged).max()) < 1e-5  # ...and the samplers' merged weights compute the same
+
+
+def test_targets_choose_the_projections_and_a_target_matching_nothing_is_refused(base):
+    attention = apply_lora(base, base.params, LoraSection(rank=2, targets=".*/(q_proj|v_proj)"), seed=1)
+    assert sorted({w.weight.split(".")[-2] for w in attention.weights}) == ["q_proj", "v_proj"]
+    with pytest.raises(ValueError, match="model.lora.targets=.*matched no projection"):
+        apply_lora(base, base.params, LoraSection(targets=".*/nothing_here"), seed=1)
+    with pytest.raises(ConfigError, match="model.lora.targets: not a regular expression"):
+        load_config(None, ["model.lora.targets=(unclosed"])
+    assert load_config(None, ["model.lora.rank=8"]).model.lora.alpha == 32.0  # a dotted key creates the section
+
+
+def test_the_updater_trains_the_adapters_only_with_optimizer_state_under_5_percent(base):
+    lora = apply_lora(base, base.params, LoraSection(rank=4, alpha=8.0), seed=1)
+    full = PolicyUpdater(base, base.params, AlgoSection(), 1e-3, 1.0, 1.0, 0)
+    updater = PolicyUpdater(lora.adapted, lora.adapted.params, AlgoSection(), 1e-2, 1.0, 1.0, 0,
+                            trainable=lora.trainable())
+    nbytes = lambda tree: sum(x.nbytes for x in jax.tree.leaves(tree))  # noqa: E731
+    assert nbytes(updater.opt_state) <= 0.05 * nbytes(full.opt_state)  # the demo model at rank 4: about 4.5%
+    before = lora.adapted.to_named_numpy(updater.params)
+    b = batch()
+    first = updater.update(b)
+    for _ in range(4):
+        last = updater.update(b)
+    after = lora.adapted.to_named_numpy(updater.params)
+    for name in before:
+        changed = not np.array_equal(before[name], after[name])
+        # A moves once B is no longer zero (its gradient is x^T dy B^T): after five updates both have
+        assert changed == is_adapter(name), name
+    assert last["loss"] < first["loss"]  # it learns the batch
+
+
+def test_adapters_give_the_same_gradients_with_and_without_rematerialisation(base):
+    section = LoraSection(rank=4, alpha=8.0)
+    b = batch()
+    grads = []
+    for mode in ("none", "full"):
+        lora = apply_lora(base.with_remat(mode), base.params, section, seed=1)
+        updater = PolicyUpdater(lora.adapted, with_random_b(lora), AlgoSection(), 1e-3, 1.0, 1.0, 0,
+                                trainable=lora.trainable())
+        g, _ = jax.jit(updater.gradients)(*updater.split(updater.params), b)
+        grads.append(g)
+    norm = float(jnp.sqrt(sum(jnp.sum(x * x) for x in jax.tree.leaves(grads[0]))))
+    assert norm > 0 and len(jax.tree.leaves(grads[0])) == 28  # A and B of 14 weights, nothing of the base
+    diff = max(float(jnp.abs(a - b).max()) for a, b in zip(jax.tree.leaves(grads[0]), jax.tree.leaves(grads[1])))
+    assert diff <= 1e-5 * norm
