@@ -104,11 +104,19 @@ def trainer(config: pathlib.Path, quick: bool, plan_json: pathlib.Path | None, d
         out["plan_cpu_estimate"] = json.loads(plan_json.read_text())["trainer"]["per_device_bytes"]
     mesh = make_mesh(t.mesh.fsdp, t.mesh.tp, jax.devices(), "trainer.mesh")
     model = build_from_architecture(arch, 0, model_dtype(cfg))
-    updater = PolicyUpdater(model.with_remat(t.remat), place(model.params, mesh), cfg.algo, t.learning_rate,
-                            t.max_grad_norm, gen.temperature, 0, mesh, t.optimizer, t.steps, t.micro_batch_size,
-                            donate=True)
+    step_model, params, trainable, lora = model.with_remat(t.remat), place(model.params, mesh), None, None
+    if cfg.model.lora is not None:  # --set model.lora.rank=R: adapters only, as the trainer trains them
+        from grpo_stream.common.model.lora import apply_lora
+        lora = apply_lora(step_model, params, cfg.model.lora, 0)
+        step_model, params, trainable = lora.adapted, lora.adapted.params, lora.trainable()
+    updater = PolicyUpdater(step_model, params, cfg.algo, t.learning_rate, t.max_grad_norm, gen.temperature, 0, mesh,
+                            t.optimizer, t.steps, t.micro_batch_size, donate=True, trainable=trainable)
     model_params = model.num_params()
-    del model
+    nbytes = lambda tree: int(sum(x.nbytes for x in jax.tree.leaves(tree)))  # noqa: E731
+    out.update({"model_parameters": model_params, "trained_parameters": lora.adapter_count() if lora else model_params,
+                "params_bytes": nbytes(updater.params), "optimizer_bytes": nbytes(updater.opt_state),
+                "lora": None if lora is None else cfg.model.lora.model_dump()})
+    del model, params
     rows, length = t.groups_per_step * gen.num_generations, gen.max_prompt_tokens + gen.max_new_tokens
     rng = np.random.default_rng(0)
     batch = TrainBatch(tokens=rng.integers(1, arch.vocab_size, (rows, length)).astype(np.int32),
@@ -133,14 +141,17 @@ def trainer(config: pathlib.Path, quick: bool, plan_json: pathlib.Path | None, d
     out.update({"rows": rows, "tokens_per_step": tokens, "remat": t.remat, "micro_batch_size": t.micro_batch_size,
                 "step_seconds": [round(x, 3) for x in times], "step_seconds_median": round(step, 3),
                 "model_flops_per_step": flops, "achieved_tflops": round(flops / step / 1e12, 1),
-                "mfu": round(flops / step / peak, 3) if peak else None, "peak_bf16_flops": peak,
+                # LoRA computes no weight gradients of the base: the full fine-tuning FLOPs would overstate its work
+                "mfu": round(flops / step / peak, 3) if peak and lora is None else None, "peak_bf16_flops": peak,
                 "loss_finite": bool(np.isfinite(metrics["loss"])),
                 "memory_before_step": resident, "memory_after_steps": memory_stats()})
     measured = out["memory_after_steps"].get("peak_bytes_in_use")
     if measured and "plan_cpu_estimate" in out:
         out["measured_peak_over_plan_cpu"] = round(measured / out["plan_cpu_estimate"]["total"], 3)
     write(out)
-    if time.perf_counter() < deadline:
+    if lora is not None:  # plan compiles the full fine-tuning step: nothing to compare with
+        out["xla_this_backend"] = {"skipped": "model.lora (plan models full fine-tuning)"}
+    elif time.perf_counter() < deadline:
         progress("trainer: XLA's memory analysis of the same step, compiled for this backend")
         started = time.perf_counter()
         planned = trainer_programs(cfg, arch)  # compiled for this backend, as `plan` compiles it for CPU

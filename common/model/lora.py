@@ -91,7 +91,27 @@ def apply_lora(model: PolicyModel, params: Any, section: LoraSection, seed: int)
         raise ValueError(f"model.lora.targets={section.targets!r} matched no projection of the {model.arch.family} "
                          "model; module paths look like 'layers/0/attn/q_proj' (see grpo-stream config describe "
                          "model for the default)")
+    adapted = dataclasses.replace(adapted, params=_placed_like_weights(adapted, weights))
     return LoraPolicy(base=model, adapted=adapted, weights=tuple(weights), scale=section.alpha / section.rank)
+
+
+def _placed_like_weights(adapted: PolicyModel, weights: list[AdaptedWeight]) -> Any:
+    """The adapted params with each adapter on its weight's mesh: A split as the weight's input side is, B as its
+    output side, the rank never. qwix leaves them on one device when the weights are sharded, and the update step,
+    which returns them on the mesh, would then compile a second time for its second call."""
+    named = adapted.named_arrays()
+    for w in weights:
+        sharding = getattr(named[w.weight], "sharding", None)
+        if not isinstance(sharding, jax.sharding.NamedSharding):
+            continue
+        inputs, letters = w.spec.split("->")
+        spec = tuple(sharding.spec) + (None,) * (len(letters) - len(sharding.spec))
+        axis_of = dict(zip(letters, spec))
+        for name, operand in zip((w.a, w.b), inputs.split(",")):
+            target = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(
+                *(axis_of.get(c) for c in operand)))
+            named[name] = jax.device_put(named[name], target)
+    return adapted.params_from_arrays(named)
 
 
 def _adapted_weights(module: nnx.Module, rank: int) -> list[AdaptedWeight]:

@@ -44,3 +44,12 @@ def test_sampler_part_times_every_engine_on_both_request_sets(tmp_path):
 def test_stages_past_the_deadline_are_reported_as_skipped(tmp_path):
     doc = run(tmp_path, "sampler", "--deadline-s", "0")
     assert all(e == {"skipped": "deadline"} for case in ("longtail", "fixed") for e in doc[case]["engines"].values())
+
+
+def test_trainer_part_with_lora_trains_the_adapters_only(tmp_path):
+    doc = run(tmp_path, "trainer", "--set", "model.lora.rank=2")
+    assert doc["loss_finite"] and doc["lora"]["rank"] == 2 and len(doc["step_seconds"]) == 3
+    assert 0 < doc["trained_parameters"] < 0.1 * doc["model_parameters"]
+    # Adam's moments (and the float32 master copy when parameters are bfloat16) of the adapters alone
+    assert doc["optimizer_bytes"] < 0.1 * doc["params_bytes"]
+    assert doc["mfu"] is None and "skipped" in doc["xla_this_backend"]

@@ -105,3 +105,20 @@ def test_adapters_give_the_same_gradients_with_and_without_rematerialisation(bas
     assert norm > 0 and len(jax.tree.leaves(grads[0])) == 28  # A and B of 14 weights, nothing of the base
     diff = max(float(jnp.abs(a - b).max()) for a, b in zip(jax.tree.leaves(grads[0]), jax.tree.leaves(grads[1])))
     assert diff <= 1e-5 * norm
+
+
+def test_adapters_sit_on_their_weights_mesh_so_the_update_compiles_once(base):
+    from grpo_stream.common.model.sharding import make_mesh, place
+
+    mesh = make_mesh(1, 1, jax.devices()[:1], "trainer.mesh")
+    lora = apply_lora(base, place(base.params, mesh), LoraSection(rank=4), seed=1)
+    named = lora.adapted.named_arrays()
+    for w in lora.weights:
+        for name in (w.a, w.b):
+            assert isinstance(named[name].sharding, jax.sharding.NamedSharding), name
+            assert named[name].sharding.mesh == named[w.weight].sharding.mesh
+    updater = PolicyUpdater(lora.adapted, lora.adapted.params, AlgoSection(), 1e-3, 1.0, 1.0, 0, mesh, donate=True,
+                            trainable=lora.trainable())
+    for _ in range(2):
+        updater.update(batch())
+    assert updater._step._cache_size() == 1  # the step takes back the adapters in the layout it returns them in
