@@ -19,7 +19,7 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class WeightManifest(_message.Message):
-    __slots__ = ("version", "tensors", "final", "total_bytes", "published_unix", "chunk_bytes", "trainer_epoch", "transport", "location", "data_port")
+    __slots__ = ("version", "tensors", "final", "total_bytes", "published_unix", "chunk_bytes", "trainer_epoch", "transport", "location", "data_port", "adapters")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     FINAL_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +30,7 @@ class WeightManifest(_message.Message):
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     LOCATION_FIELD_NUMBER: _ClassVar[int]
     DATA_PORT_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     version: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     final: bool
@@ -40,7 +41,30 @@ class WeightManifest(_message.Message):
     transport: str
     location: str
     data_port: int
-    def __init__(self, version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., final: _Optional[bool] = ..., total_bytes: _Optional[int] = ..., published_unix: _Optional[float] = ..., chunk_bytes: _Optional[int] = ..., trainer_epoch: _Optional[str] = ..., transport: _Optional[str] = ..., location: _Optional[str] = ..., data_port: _Optional[int] = ...) -> None: ...
+    adapters: AdapterVersion
+    def __init__(self, version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., final: _Optional[bool] = ..., total_bytes: _Optional[int] = ..., published_unix: _Optional[float] = ..., chunk_bytes: _Optional[int] = ..., trainer_epoch: _Optional[str] = ..., transport: _Optional[str] = ..., location: _Optional[str] = ..., data_port: _Optional[int] = ..., adapters: _Optional[_Union[AdapterVersion, _Mapping]] = ...) -> None: ...
+
+class AdapterVersion(_message.Message):
+    __slots__ = ("base", "merges", "scale")
+    BASE_FIELD_NUMBER: _ClassVar[int]
+    MERGES_FIELD_NUMBER: _ClassVar[int]
+    SCALE_FIELD_NUMBER: _ClassVar[int]
+    base: WeightManifest
+    merges: _containers.RepeatedCompositeFieldContainer[LoraMerge]
+    scale: float
+    def __init__(self, base: _Optional[_Union[WeightManifest, _Mapping]] = ..., merges: _Optional[_Iterable[_Union[LoraMerge, _Mapping]]] = ..., scale: _Optional[float] = ...) -> None: ...
+
+class LoraMerge(_message.Message):
+    __slots__ = ("weight", "a", "b", "spec")
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    A_FIELD_NUMBER: _ClassVar[int]
+    B_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    weight: str
+    a: str
+    b: str
+    spec: str
+    def __init__(self, weight: _Optional[str] = ..., a: _Optional[str] = ..., b: _Optional[str] = ..., spec: _Optional[str] = ...) -> None: ...
 
 class GetManifestRequest(_message.Message):
     __slots__ = ("sampler_id", "installed_version")

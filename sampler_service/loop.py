@@ -70,6 +70,7 @@ class Sampler:
         self.groups_generated = 0  # groups for training generated, sent or not (the run's waste is counted from these)
         self.admission: AdmissionClient | None = None
         self.fetch_seconds: list[float] = []
+        self.fetch_bytes: list[int] = []  # per installed version (with LoRA: the adapters, and the base when fetched)
         self.sync: WeightSync | None = None
         self.client: RolloutClient | None = None
         self.ingest_stub = None
@@ -239,6 +240,7 @@ class Sampler:
                   "waited_for_admission_s": round(self.admission.waited_s, 3),
                   "versions": self.installed_versions,
                   "waited_for_weights_s": round(self.waited_for_weights_s, 3), "fetch_seconds": self.fetch_seconds,
+                  "fetch_bytes": self.fetch_bytes,
                   "final_weights": verified,
                   # the JAX engine's compiled shapes (slots, windows, prompt buckets): each costs a compilation
                   "engine_programs": sorted(map(list, getattr(engine, "programs", ())))}
@@ -290,6 +292,7 @@ class Sampler:
                 self.client.min_version = max(0, got.version - self.cfg.trainer.max_staleness)
             self.installed_versions.append(got.version)
             self.fetch_seconds.append(round(got.fetch_seconds, 4))
+            self.fetch_bytes.append(got.nbytes)
             self.version_gauge.set(got.version)
             detail.info("%s installed weight version %d (%.1f MB, fetch %.2fs)%s", self.sampler_id, got.version,
                         got.nbytes / 1e6, got.fetch_seconds, " [final]" if got.final else "")

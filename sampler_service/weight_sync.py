@@ -20,8 +20,10 @@ from typing import Any, Callable
 
 import grpc
 import jax
+import numpy as np
 
 from grpo_stream.common.runtime.console import detail_logger
+from grpo_stream.common.model.lora import merge_named
 from grpo_stream.common.model.policy import PolicyModel
 from grpo_stream.common.model.sharding import param_shardings
 from grpo_stream.protos import weights_pb2, weights_pb2_grpc
@@ -56,6 +58,8 @@ class WeightSync:
         shardings = param_shardings(model.params, mesh)
         self.targets = {name: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=s) for name, leaf, s in zip(
             model.names(), jax.tree_util.tree_leaves(model.params), jax.tree_util.tree_leaves(shardings))}
+        self._replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        self._base: tuple[str, dict, Any] | None = None  # LoRA: (trainer epoch, its frozen base, the jitted merge)
         self._report_stub = None if channel is None else weights_pb2_grpc.WeightServiceStub(channel)
         self.throughput = (0.0, 0.0)  # (groups/s, tokens/s) the sampler reports with its version
         self.groups_generated = 0  # reported too: the trainer's summary counts the run's wasted generation
@@ -128,11 +132,33 @@ class WeightSync:
         detail.info("%s fetching weight version %d (%.1f MB, %s)", self.sampler_id, manifest.version,
                  manifest.total_bytes / 1e6, manifest.transport)
         start = time.monotonic()
-        named = self.fetcher.fetch(manifest, self.targets)
+        if manifest.HasField("adapters"):
+            named, nbytes = self._merged(manifest)
+        else:
+            named, nbytes = self.fetcher.fetch(manifest, self.targets), manifest.total_bytes
         params = self.model.params_from_arrays(named)
         jax.block_until_ready(params)
-        return Installed(manifest.version, params, manifest.final, time.monotonic() - start, manifest.total_bytes,
+        return Installed(manifest.version, params, manifest.final, time.monotonic() - start, nbytes,
                          manifest.trainer_epoch)
+
+    def _merged(self, manifest: weights_pb2.WeightManifest) -> tuple[dict[str, Any], int]:
+        """LoRA: the version's adapters (replicated: they are small) merged into the frozen base of its trainer
+        epoch, which is fetched whole once per epoch and kept on the devices beside the merged weights; (weights,
+        bytes fetched)."""
+        lora, nbytes = manifest.adapters, manifest.total_bytes
+        if self._base is None or self._base[0] != manifest.trainer_epoch:
+            self._base = None  # another epoch's base: never merged into again
+            detail.info("%s fetching the frozen base of trainer epoch %s (%.1f MB)", self.sampler_id,
+                        manifest.trainer_epoch, lora.base.total_bytes / 1e6)
+            base = self.fetcher.fetch(lora.base, self.targets)
+            merges, scale = tuple(lora.merges), lora.scale
+            merge = jax.jit(lambda b, a: merge_named(b, a, merges, scale),
+                            out_shardings={name: t.sharding for name, t in self.targets.items()})
+            self._base, nbytes = (manifest.trainer_epoch, base, merge), nbytes + lora.base.total_bytes
+        targets = {t.name: jax.ShapeDtypeStruct(tuple(t.shape), np.dtype(t.dtype), sharding=self._replicated)
+                   for t in manifest.tensors}
+        _, base, merge = self._base
+        return merge(base, self.fetcher.fetch(manifest, targets)), nbytes
 
     def close(self) -> None:
         """Stop background fetching (a fetch in flight ends at its deadline; its result is dropped)."""

@@ -37,6 +37,7 @@ from grpo_stream.common.runtime.process import build_policy, build_task_and_toke
 from grpo_stream.common.weights.registry import transport_spec, weight_sink
 from grpo_stream.common.weights.snapshot import digest, new_epoch
 from grpo_stream.common.weights.transport import SinkContext
+from grpo_stream.protos import weights_pb2
 from grpo_stream.trainer_service.batching import build_batch
 from grpo_stream.trainer_service.checkpoints import TrainerCheckpoints
 from grpo_stream.trainer_service.collector import GroupCollector, when_available
@@ -72,6 +73,7 @@ class Trainer:
         self.resumed_from: dict | None = None
         self.final_weights: dict | None = None
         self.lora: LoraPolicy | None = None  # model.lora: the adapted model the updater trains
+        self._base_published = False  # LoRA: the frozen base goes out once, before the first adapters-only version
 
     # -- set-up -----------------------------------------------------------------
     def _setup(self) -> None:
@@ -125,8 +127,17 @@ class Trainer:
         return self._merge(params)
 
     def _publish(self, version: int, params=None, final: bool = False) -> None:
+        """Publish `params` (default: the trainer's) as `version`. With LoRA each version carries the adapters
+        only, and the frozen base goes out once per trainer process before the first of them."""
         params = self.params if params is None else params
-        stats = self.publisher.publish_arrays(version, self.model.named_arrays(self._plain(params)), final=final)
+        if self.lora is None or jax.tree.structure(params) == jax.tree.structure(self.model.params):
+            stats = self.publisher.publish_arrays(version, self.model.named_arrays(params), final=final)
+        else:
+            base, adapters = self.lora.split_named(params)
+            if not self._base_published:
+                self.publisher.publish_base(base)
+                self._base_published = True
+            stats = self.publisher.publish_arrays(version, adapters, final=final, adapters=self._adapter_version)
         log.debug("published version %d (%.1f MB) in %.3fs", version, stats.nbytes / 1e6, stats.seconds)
 
     def _evaluate(self, label: str) -> dict:
@@ -161,6 +172,8 @@ class Trainer:
         if cfg.model.lora is not None:
             self.lora = apply_lora(model, self.params, cfg.model.lora, cfg.run.seed)
             self._merge = jax.jit(self.lora.merged)
+            self._adapter_version = weights_pb2.AdapterVersion(scale=self.lora.scale, merges=[
+                weights_pb2.LoraMerge(weight=w.weight, a=w.a, b=w.b, spec=w.spec) for w in self.lora.weights])
             model, params, trainable = self.lora.adapted, self.lora.adapted.params, self.lora.trainable()
             log.info("LoRA rank %d on %d weights: %d adapter parameters (%.2f%% of the model's) are trained",
                      cfg.model.lora.rank, len(self.lora.weights), self.lora.adapter_count(),

@@ -24,8 +24,8 @@ import numpy as np
 from grpo_stream.common.config.schema import WeightsSection
 from grpo_stream.common.rpc.auth import TokenTable, caller_of, may_act_as
 from grpo_stream.common.weights.registry import transport_spec, weight_sink
-from grpo_stream.common.weights.snapshot import (DEFAULT_CHUNK_BYTES, WeightSnapshot, WeightTransferError,
-                                                 box_from_proto, new_epoch, stream_box)
+from grpo_stream.common.weights.snapshot import (BASE_VERSION, DEFAULT_CHUNK_BYTES, WeightSnapshot,
+                                                 WeightTransferError, box_from_proto, new_epoch, stream_box)
 from grpo_stream.common.weights.transport import SinkContext, WeightSink
 from grpo_stream.protos import weights_pb2, weights_pb2_grpc
 
@@ -68,6 +68,9 @@ class WeightPublisher(weights_pb2_grpc.WeightServiceServicer):
         self._lock = threading.Lock()
         self._snapshot: WeightSnapshot | None = None
         self._manifest: weights_pb2.WeightManifest | None = None
+        # LoRA: the frozen base (version BASE_VERSION of this epoch), published once and served beside the latest
+        self._base_snapshot: WeightSnapshot | None = None
+        self._base_manifest: weights_pb2.WeightManifest | None = None
         self.published: list[int] = []
         self.publish_seconds: list[float] = []
         self.installed: dict[str, list[int]] = {}
@@ -81,18 +84,44 @@ class WeightPublisher(weights_pb2_grpc.WeightServiceServicer):
         self._next_sweep = 0.0
 
     # -- publishing -------------------------------------------------------------------------------------------
-    def publish_arrays(self, version: int, named: dict[str, Any], final: bool = False) -> PublishStats:
-        """Publish device (or host) arrays `named` as `version` over the configured transport."""
+    def publish_arrays(self, version: int, named: dict[str, Any], final: bool = False,
+                       adapters: weights_pb2.AdapterVersion | None = None) -> PublishStats:
+        """Publish device (or host) arrays `named` as `version` over the configured transport. With `adapters`
+        (LoRA), `named` holds the adapters only and the manifest tells samplers how to merge them into the base
+        that `publish_base` made available."""
         start = time.monotonic()
         self._check_newer(version, final)
-        if self.wire_dtype != "model":
-            dtype = jnp.dtype(self.wire_dtype)
-            named = {n: a.astype(dtype) if a.dtype != dtype else a for n, a in named.items()}
-        manifest, snapshot = self.sink.put(version, named, final, self.epoch, time.time())
+        if adapters is not None and self._base_manifest is None:
+            raise ValueError("an adapters-only version needs the base published first (publish_base)")
+        if adapters is None:
+            manifest, snapshot = self.sink.put(version, self._wire(named), final, self.epoch, time.time())
+        else:
+            adapters = weights_pb2.AdapterVersion(base=self._base_manifest, merges=adapters.merges,
+                                                  scale=adapters.scale)
+            manifest, snapshot = self.sink.put(version, self._wire(named), final, self.epoch, time.time(),
+                                               adapters=adapters)
         self._switch(manifest, snapshot)
         seconds = time.monotonic() - start
         self.publish_seconds.append(seconds)
         return PublishStats(version, seconds, manifest.total_bytes)
+
+    def publish_base(self, named: dict[str, Any]) -> PublishStats:
+        """LoRA: make the frozen base weights `named` (the plain model's names) available as version BASE_VERSION of
+        this epoch, for the adapters-only versions after it; once per trainer process, before those versions."""
+        start = time.monotonic()
+        manifest, snapshot = self.sink.put(BASE_VERSION, self._wire(named), False, self.epoch, time.time())
+        if snapshot is not None:
+            manifest.data_port = self.data_port
+        with self._lock:
+            self._base_snapshot, self._base_manifest = snapshot, manifest
+        return PublishStats(BASE_VERSION, time.monotonic() - start, manifest.total_bytes)
+
+    def _wire(self, named: dict[str, Any]) -> dict[str, Any]:
+        """`named` cast to weights.wire_dtype (on device, before the transport copies it)."""
+        if self.wire_dtype == "model":
+            return named
+        dtype = jnp.dtype(self.wire_dtype)
+        return {n: a.astype(dtype) if a.dtype != dtype else a for n, a in named.items()}
 
     def publish(self, snapshot: WeightSnapshot) -> None:
         """Publish a prepared host snapshot (a transport whose bytes the trainer serves)."""
@@ -212,7 +241,7 @@ class WeightPublisher(weights_pb2_grpc.WeightServiceServicer):
         """(tensor index, slice index, host array, box) per requested slice of the version held now; raises
         FetchRefused with the status a fetch gets (gRPC and the TCP data plane answer alike)."""
         with self._lock:
-            snapshot = self._snapshot
+            snapshot = self._base_snapshot if request.version == BASE_VERSION else self._snapshot
         if not transport_spec(self.transport).trainer_serves:
             raise FetchRefused(grpc.StatusCode.FAILED_PRECONDITION,
                                f"weights.transport={self.transport}: the trainer does not serve version bytes; "

@@ -59,16 +59,30 @@ class LoraPolicy:
         """The plain model's params from the adapted model's `params`: W + scale * delta(A, B) for each adapted
         weight, the other weights as they are. Traceable (jit it for placed arrays)."""
         named = self.adapted.named_arrays(params)
-        out = {name: named[name] for name in self.base.names()}
-        for w in self.weights:
-            base = named[w.weight]
-            delta = jnp.einsum(w.spec, named[w.a].astype(jnp.float32), named[w.b].astype(jnp.float32))
-            out[w.weight] = (base.astype(jnp.float32) + self.scale * delta).astype(base.dtype)
-        return self.base.params_from_arrays(out)
+        base = {name: named[name] for name in self.base.names()}
+        return self.base.params_from_arrays(merge_named(base, named, self.weights, self.scale))
+
+    def split_named(self, params: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(frozen base weights under the plain model's names, adapters by name) of the adapted `params`."""
+        named = self.adapted.named_arrays(params)
+        return ({name: named[name] for name in self.base.names()},
+                {name: x for name, x in named.items() if is_adapter(name)})
 
     def adapter_count(self) -> int:
         """Parameters the adapters add (what the optimizer holds moments for)."""
         return sum(int(leaf.size) for name, leaf in self.adapted.named_arrays().items() if is_adapter(name))
+
+
+def merge_named(base: dict[str, Any], adapters: dict[str, Any], weights, scale: float) -> dict[str, Any]:
+    """`base` (name -> weight) with W + scale * einsum(spec, A, B) for each of `weights` (AdaptedWeight or any
+    object with .weight, .a, .b, .spec), computed in float32 and rounded once to W's dtype: the trainer's merge
+    and a sampler's merge of the same arrays give the same weights. Traceable."""
+    out = dict(base)
+    for w in weights:
+        weight = base[w.weight]
+        delta = jnp.einsum(w.spec, adapters[w.a].astype(jnp.float32), adapters[w.b].astype(jnp.float32))
+        out[w.weight] = (weight.astype(jnp.float32) + scale * delta).astype(weight.dtype)
+    return out
 
 
 def apply_lora(model: PolicyModel, params: Any, section: LoraSection, seed: int) -> LoraPolicy:

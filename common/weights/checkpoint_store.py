@@ -6,6 +6,8 @@ Layout under `weights.checkpoint_dir` (local disk, NFS or gs://):
     v0000000012-<epoch>/COMPLETE  JSON {version, final, epoch, published_unix, tensors}, written after Orbax
                                   has finished: a directory without it is never read
     LATEST                        JSON of the newest complete version, replaced atomically (write + rename)
+    base-<epoch>/                 LoRA: the frozen base weights of a trainer epoch, which its adapters-only
+                                  versions name in their manifests; replaced by the next epoch's
 
 Samplers read LATEST (a few hundred bytes) to poll and restore straight into
 their own sharding; they never see a partly written version. The trainer
@@ -23,6 +25,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
+
+from grpo_stream.common.weights.snapshot import BASE_VERSION
 
 log = logging.getLogger(__name__)
 MARKER, LATEST = "COMPLETE", "LATEST"
@@ -44,18 +48,25 @@ class CheckpointWeightStore:
         self._checkpointer = ocp.StandardCheckpointer()
 
     # -- trainer side ---------------------------------------------------------------------------------------
-    def save(self, version: int, named: dict[str, jax.Array], final: bool, epoch: str) -> dict:
-        """Write `named` (device arrays, any sharding) as `version`; return its COMPLETE record."""
+    def save(self, version: int, named: dict[str, jax.Array], final: bool, epoch: str,
+             extra: dict | None = None) -> dict:
+        """Write `named` (device arrays, any sharding) as `version`; return its COMPLETE record (with `extra`'s
+        JSON fields: LoRA's merge)."""
         self.root.mkdir(parents=True, exist_ok=True)
-        path = self.root / f"v{version:010d}-{epoch}"
+        base = version == BASE_VERSION  # LoRA's frozen base: beside the versions, never LATEST, never pruned by them
+        path = self.root / (f"base-{epoch}" if base else f"v{version:010d}-{epoch}")
         if (path / MARKER).exists():  # the final re-publication of an already saved version
             return json.loads((path / MARKER).read_text())
         self._checkpointer.save(path, {_key(n): a for n, a in named.items()}, force=True)
         self._checkpointer.wait_until_finished()
         record = {"version": version, "final": final, "epoch": epoch, "published_unix": time.time(),
                   "location": str(path),
-                  "tensors": [[n, list(a.shape), np.dtype(a.dtype).name] for n, a in named.items()]}
+                  "tensors": [[n, list(a.shape), np.dtype(a.dtype).name] for n, a in named.items()], **(extra or {})}
         (path / MARKER).write_text(json.dumps(record))
+        if base:  # the bases of earlier trainer processes: their samplers follow this epoch now
+            for old in [p for p in self.root.iterdir() if p.name.startswith("base-") and p != path]:
+                self._remove(old)
+            return record
         tmp = self.root / f"{LATEST}.{epoch}.tmp"
         tmp.write_text(json.dumps(record))
         tmp.replace(self.root / LATEST)  # atomic on POSIX; on object stores a copy, read whole or not at all
@@ -65,10 +76,14 @@ class CheckpointWeightStore:
     def _prune(self, newest: epath.Path) -> None:
         versions = sorted(p for p in self.root.iterdir() if p.name.startswith("v") and (p / MARKER).exists())
         for old in [p for p in versions if p != newest][: max(0, len(versions) - self.keep)]:
-            try:
-                old.rmtree()
-            except OSError as exc:  # another process may be reading it; the next publish retries
-                log.warning("could not delete old weight version %s: %s", old, exc)
+            self._remove(old)
+
+    @staticmethod
+    def _remove(old: epath.Path) -> None:
+        try:
+            old.rmtree()
+        except OSError as exc:  # another process may be reading it; the next publish retries
+            log.warning("could not delete old weight version %s: %s", old, exc)
 
     # -- sampler side ---------------------------------------------------------------------------------------
     def latest(self) -> dict | None:

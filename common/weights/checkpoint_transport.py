@@ -4,6 +4,8 @@ Works when samplers cannot reach the trainer's ports, and keeps the last weights
 
 from __future__ import annotations
 
+import base64
+
 import numpy as np
 
 from grpo_stream.common.weights.checkpoint_store import CheckpointWeightStore
@@ -23,10 +25,19 @@ class CheckpointSink:
     def __init__(self, store: CheckpointWeightStore):
         self.store = store
 
-    def put(self, version, named, final, epoch, now):
+    def put(self, version, named, final, epoch, now, *, adapters=None):
         specs = {n: (tuple(a.shape), np.dtype(a.dtype)) for n, a in named.items()}
-        record = self.store.save(version, named, final, epoch)
-        return manifest_of(version, specs, final, epoch, now, 0, "checkpoint", record["location"]), None
+        extra = None if adapters is None else {"adapters": base64.b64encode(adapters.SerializeToString()).decode()}
+        record = self.store.save(version, named, final, epoch, extra)
+        return _with_adapters(manifest_of(version, specs, final, epoch, now, 0, "checkpoint", record["location"]),
+                              record), None
+
+
+def _with_adapters(manifest: weights_pb2.WeightManifest, record: dict) -> weights_pb2.WeightManifest:
+    """`manifest` with the LoRA merge its COMPLETE record carries (a proto message, base64)."""
+    if record.get("adapters"):
+        manifest.adapters.ParseFromString(base64.b64decode(record["adapters"]))
+    return manifest
 
 
 def make_sink(ctx: SinkContext) -> CheckpointSink:
@@ -46,8 +57,8 @@ class CheckpointFetcher:
         if record is None:
             return None
         specs = {n: (s, np.dtype(d)) for n, s, d in record["tensors"]}
-        return manifest_of(record["version"], specs, record["final"], record["epoch"], record["published_unix"], 0,
-                           "checkpoint", record["location"])
+        return _with_adapters(manifest_of(record["version"], specs, record["final"], record["epoch"],
+                                          record["published_unix"], 0, "checkpoint", record["location"]), record)
 
     def fetch(self, manifest: weights_pb2.WeightManifest, targets: dict) -> dict:
         check_names(manifest, targets)

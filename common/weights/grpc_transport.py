@@ -37,10 +37,13 @@ class GrpcSink:
     def __init__(self, chunk_bytes: int):
         self.chunk_bytes = chunk_bytes
 
-    def put(self, version, named, final, epoch, now):
+    def put(self, version, named, final, epoch, now, *, adapters=None):
         host = {n: np.asarray(a) for n, a in zip(named, jax.device_get(list(named.values())))}
         snapshot = WeightSnapshot(version, host, final, epoch, now)
-        return snapshot.manifest(self.chunk_bytes, "grpc"), snapshot
+        manifest = snapshot.manifest(self.chunk_bytes, "grpc")
+        if adapters is not None:  # samplers read it from GetManifest, which serves this manifest
+            manifest.adapters.CopyFrom(adapters)
+        return manifest, snapshot
 
 
 def make_sink(ctx: SinkContext) -> GrpcSink:

@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from grpo_stream.common.weights.snapshot import WeightTransferError, manifest_of
+from grpo_stream.common.weights.snapshot import BASE_VERSION, WeightTransferError, manifest_of
 from grpo_stream.common.weights.transport import SinkContext, SourceContext
 from grpo_stream.protos import weights_pb2
 
@@ -29,6 +29,7 @@ class LocalVersion:
     final: bool
     epoch: str
     published_unix: float
+    adapters: weights_pb2.AdapterVersion | None = None  # LoRA: how these adapters merge into the base
 
 
 class LocalWeightHub:
@@ -37,12 +38,21 @@ class LocalWeightHub:
     def __init__(self):
         self._lock = threading.Lock()
         self._latest: LocalVersion | None = None
+        self._base: LocalVersion | None = None  # LoRA: the frozen base beside the adapters-only versions
 
-    def publish(self, version: int, named: dict[str, jax.Array], final: bool, epoch: str) -> LocalVersion:
-        entry = LocalVersion(version, dict(named), final, epoch, time.time())
+    def publish(self, version: int, named: dict[str, jax.Array], final: bool, epoch: str,
+                adapters: weights_pb2.AdapterVersion | None = None) -> LocalVersion:
+        entry = LocalVersion(version, dict(named), final, epoch, time.time(), adapters)
         with self._lock:
-            self._latest = entry
+            if version == BASE_VERSION:
+                self._base = entry
+            else:
+                self._latest = entry
         return entry
+
+    def base(self) -> LocalVersion | None:
+        with self._lock:
+            return self._base
 
     def latest(self) -> LocalVersion | None:
         with self._lock:
@@ -60,6 +70,12 @@ class LocalWeightHub:
         return out
 
 
+def _with_adapters(manifest: weights_pb2.WeightManifest, adapters) -> weights_pb2.WeightManifest:
+    if adapters is not None:
+        manifest.adapters.CopyFrom(adapters)
+    return manifest
+
+
 def _hub(ctx) -> LocalWeightHub:
     if ctx.hub is None:
         raise ValueError("weights.transport=local runs the samplers inside the trainer's process: start the run with "
@@ -71,10 +87,10 @@ class LocalSink:
     def __init__(self, hub: LocalWeightHub):
         self.hub = hub
 
-    def put(self, version, named, final, epoch, now):
+    def put(self, version, named, final, epoch, now, *, adapters=None):
         specs = {n: (tuple(a.shape), np.dtype(a.dtype)) for n, a in named.items()}
-        self.hub.publish(version, named, final, epoch)
-        return manifest_of(version, specs, final, epoch, now, 0, "local"), None
+        self.hub.publish(version, named, final, epoch, adapters)
+        return _with_adapters(manifest_of(version, specs, final, epoch, now, 0, "local"), adapters), None
 
 
 def make_sink(ctx: SinkContext) -> LocalSink:
@@ -95,10 +111,11 @@ class LocalFetcher:
         if entry is None:
             return None
         specs = {n: (tuple(a.shape), np.dtype(a.dtype)) for n, a in entry.named.items()}
-        return manifest_of(entry.version, specs, entry.final, entry.epoch, entry.published_unix, 0, "local")
+        return _with_adapters(manifest_of(entry.version, specs, entry.final, entry.epoch, entry.published_unix, 0,
+                                          "local"), entry.adapters)
 
     def fetch(self, manifest: weights_pb2.WeightManifest, targets: dict[str, jax.ShapeDtypeStruct]) -> dict:
-        entry = self._entry
+        entry = self.hub.base() if manifest.version == BASE_VERSION else self._entry
         if entry is None or entry.version != manifest.version or entry.epoch != manifest.trainer_epoch:
             raise WeightTransferError(f"version {manifest.version} was replaced while installing; poll again")
         return LocalWeightHub.install(entry, targets)

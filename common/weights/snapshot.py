@@ -23,6 +23,7 @@ import numpy as np
 from grpo_stream.protos import weights_pb2
 
 DEFAULT_CHUNK_BYTES = 4 << 20
+BASE_VERSION = -1  # LoRA: the frozen base weights of a trainer epoch, beside its adapters-only versions
 Box = tuple[slice, ...]
 
 

@@ -31,10 +31,11 @@ class TransportSpec:
 class WeightSink(Protocol):
     """Trainer side."""
 
-    def put(self, version: int, named: dict[str, Any], final: bool, epoch: str,
-            now: float) -> tuple[weights_pb2.WeightManifest, Any]:
+    def put(self, version: int, named: dict[str, Any], final: bool, epoch: str, now: float, *,
+            adapters: weights_pb2.AdapterVersion | None = None) -> tuple[weights_pb2.WeightManifest, Any]:
         """Make `named` (device or host arrays) available as `version`; return its manifest and, for a transport
-        whose bytes the trainer serves, the host snapshot to serve them from (else None)."""
+        whose bytes the trainer serves, the host snapshot to serve them from (else None). `adapters` (LoRA: `named`
+        holds adapters only) goes into the manifest, and into whatever samplers read manifests from."""
 
 
 class WeightSource(Protocol):

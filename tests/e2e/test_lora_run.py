@@ -1,10 +1,10 @@
-"""model.lora in a real run: `grpo-stream up` with an fsdp=2 trainer training rank-2 adapters.
+"""model.lora in a real run: `grpo-stream up` with an fsdp=2 trainer training rank-2 adapters, over each transport.
 
-The trainer holds optimizer state for the adapters only; the samplers, the final check and the exported Hugging
-Face model all get the merged weights W + (alpha/rank) A B: the samplers' behaviour logprobs agree with the
-trainer's adapted model at version lag 0, their final parameters hash the same as the trainer's merge, and the
-export, loaded back, hashes the same again. The base stays frozen: outside the adapted projections the exported
-model equals the warm-started one.
+The trainer holds optimizer state for the adapters only. The frozen base is published once; every version after
+it carries the adapters alone, and each sampler (tp=2 over the grpc transport) merges them into the base itself:
+W + (alpha/rank) A B. The samplers' behaviour logprobs agree with the trainer's adapted model at version lag 0,
+their final parameters hash the same as the trainer's own merge, and so does the exported Hugging Face model,
+loaded back. The base stays frozen: outside the adapted projections the export equals the warm-started model.
 
 The adapters go on the attention projections only: the tiny model's MLP kernels start at zero (Tunix's init), where
 gate and up have no gradient, so from-scratch training never moves them and neither would their adapters.
@@ -22,12 +22,18 @@ from tests.e2e.test_up import run_cli
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
-def test_lora_run_trains_adapters_and_everything_downstream_runs_the_merged_weights(tmp_path):
+@pytest.mark.parametrize("transport", ["grpc", "checkpoint", "local"])
+def test_lora_run_publishes_adapters_and_samplers_merge_them_into_the_base(tmp_path, transport):
     run_dir = tmp_path / "run"
+    meshes = ["trainer.mesh.fsdp=2", "sampler.mesh.tp=2"] if transport == "grpc" else []
     proc = run_cli("up", "--config", "configs/tiny_arith_smoke.yaml", "--run-dir", str(run_dir),
+                   f"weights.transport={transport}", *meshes,
                    "model.lora.rank=2", "model.lora.alpha=4",
-                   "model.lora.targets=.*/(q_proj|k_proj|v_proj|o_proj)", "trainer.learning_rate=0.003", "trainer.mesh.fsdp=2",
+                   "model.lora.targets=.*/(q_proj|k_proj|v_proj|o_proj)", "trainer.learning_rate=0.003",
                    "trainer.steps=4", "trainer.eval_before=false", "trainer.eval_after=false",
+                   # synchronous: groups of the trainer's current version, so every step compares behaviour
+                   # logprobs (the samplers' merge) with the trainer's adapted model at lag 0
+                   "trainer.publish_every=1", "trainer.max_staleness=0", "sampler.max_groups_per_version=2",
                    "weights.verify_prompts=4", "warmstart.export=true", "trainer.metrics_port=null",
                    "sampler.metrics_port=null")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -41,9 +47,14 @@ def test_lora_run_trains_adapters_and_everything_downstream_runs_the_merged_weig
     agreement = summary["logprob_agreement_lag0"]
     assert agreement["tokens"] > 0 and agreement["mean_abs"] < 1e-5 and agreement["max_abs"] < 1e-4
     final = summary["final_weights"]
+    full_bytes = state["params_bytes"] * (state["model_parameters"] / (state["model_parameters"]
+                                                                       + state["trained_parameters"]))
     for name, doc in summary["samplers"].items():
         assert doc["final_weights"]["sha256"] == final["sha256"], f"{name} runs other weights than the merge"
         assert doc["final_weights"]["greedy"] == final["greedy"]
+        # the first install brings the base and the adapters; every later one the adapters alone
+        first, *later = doc["fetch_bytes"]
+        assert later and first > full_bytes and all(n <= 0.05 * full_bytes for n in later), doc["fetch_bytes"]
     exported = load_hf_model(str(run_dir / "model")).to_named_numpy()
     assert digest(exported) == final["sha256"]  # the export is the merge
     warm = load_hf_model(str(run_dir / "warmstart-model")).to_named_numpy()
