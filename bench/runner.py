@@ -33,7 +33,7 @@ TARGETS = {
     "async": [("async_over_sync", "<=", 0.75), ("generation_wasted_fraction.async", "<=", 0.03),
               ("generation_wasted_fraction.sync", "<=", 0.03)],
     "weights": [("fraction_of_raw_f32", ">=", 0.5), ("fraction_of_raw_bf16", ">=", 0.5),
-                ("stall_share_of_step", "<=", 0.05)],
+                ("stall_share_of_step", "<=", 0.05), ("lora_version_fraction", "<=", 0.05)],
     "prompts": [("errors", "<=", 0)],
     "startup": [("cold_over_warm", ">=", 1.5)],  # the compilation cache (runtime.compilation_cache_dir)
 }

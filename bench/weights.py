@@ -35,9 +35,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from grpo_stream.common.model.architectures import Architecture
-from grpo_stream.common.config.learning import AlgoSection
+from grpo_stream.common.config.learning import AlgoSection, LoraSection
 from grpo_stream.common.config.schema import WeightsSection
 from grpo_stream.common.rpc.grpc_util import SERVER_OPTIONS
+from grpo_stream.common.model.lora import apply_lora
 from grpo_stream.common.model.policy import build_from_architecture
 from grpo_stream.common.weights.registry import transport_spec, weight_sink
 from grpo_stream.common.weights.transport import SinkContext
@@ -89,8 +90,9 @@ def _serve(publisher: WeightPublisher) -> tuple[grpc.Server, int]:
 
 
 def _case(named: dict, arch: dict, transport: str, dtype: str, repeats: int, raw_repeats: int,
-          streams: int, data_plane: str = "grpc") -> dict:
-    """`named`: the model's arrays (their dtype is the model's); `dtype`: weights.wire_dtype."""
+          streams: int, data_plane: str = "grpc", lora=None) -> dict:
+    """`named`: the model's arrays (their dtype is the model's); `dtype`: weights.wire_dtype. With `lora` (a
+    LoraPolicy), `named` are its adapters: the base is published once first, and each version carries `named`."""
     model_dtype = jnp.dtype(next(iter(named.values())).dtype).name
     tmp = tempfile.TemporaryDirectory(prefix="bench-weights-")
     weights = WeightsSection(transport=transport, checkpoint_dir=tmp.name, keep_versions=2)
@@ -115,11 +117,14 @@ def _case(named: dict, arch: dict, transport: str, dtype: str, repeats: int, raw
         raw = [peer.next()["raw_seconds"] for _ in range(raw_repeats)]
         del host, payload
         assert peer.next() == {"ready": True}
-        totals, publish, fetch = [], [], []
+        if lora is not None:
+            publisher.publish_base(lora.split_named(lora.adapted.params)[0])
+        totals, publish, fetch, fetched = [], [], [], []
         for version in range(repeats + 1):  # version 0 warms up (first install allocates), not counted
             start = time.time()
-            stats = publisher.publish_arrays(version, named)
+            stats = publisher.publish_arrays(version, named, adapters=None if lora is None else lora.adapter_version())
             event = peer.next()
+            fetched.append(event["fetch_bytes"])
             assert event["version"] == version, event
             if version > 0:
                 totals.append(event["installed_unix"] - start)
@@ -137,7 +142,7 @@ def _case(named: dict, arch: dict, transport: str, dtype: str, repeats: int, raw
            "model_dtype": model_dtype, "wire_dtype": wire.name, "bytes": nbytes,
            "publish_to_installed_s": round(ours, 3), "publish_call_s": round(statistics.median(publish), 3),
            "sampler_fetch_s": round(statistics.median(fetch), 3),
-           "mb_per_s": round(nbytes / ours / 1e6, 1)}
+           "mb_per_s": round(nbytes / ours / 1e6, 1), "sampler_fetch_bytes": fetched}
     if raw_s:
         out.update(raw_copy_s=round(raw_s, 4), raw_mb_per_s=round(nbytes / raw_s / 1e6, 1),
                    fraction_of_raw=round(raw_s / ours, 3))
@@ -208,14 +213,25 @@ def run(quick: bool = False) -> dict:
     cases = {(plane, kind): _case(arrays, arch, "grpc", wire, repeats, repeats, 2, plane)
              for plane in ("tcp", "grpc") for kind, (arrays, wire) in kinds.items()}
     cases[("checkpoint", "float32")] = _case(f32, arch, "checkpoint", "model", repeats, 0, 2)
+    # model.lora (rank 16 on every projection): the base goes once, each version carries the adapters alone
+    lora = apply_lora(model, model.params, LoraSection(rank=16), seed=0)
+    adapters = lora.split_named(lora.adapted.params)[1]
+    cases[("tcp", "float32_lora_r16")] = _case(adapters, arch, "grpc", "model", repeats, 0, 2, "tcp", lora=lora)
     del bf16
     stall = _stall(model, arch, steps=2 if quick else 4, rows=2, length=32 if quick else 64)
+    lora_case = cases[("tcp", "float32_lora_r16")]
+    full_bytes = cases[("tcp", "float32")]["bytes"]
     out = {"benchmark": "weights", "quick": quick, "params": model.num_params(),
+           # bytes of each LoRA version after the first against the whole float32 model's (issue 22: <= 0.05)
+           "lora_version_fraction": round(max(lora_case["sampler_fetch_bytes"][1:]) / full_bytes, 4),
+           "lora_first_install_bytes": lora_case["sampler_fetch_bytes"][0],
            "devices": [str(d) for d in jax.devices()], "cases": list(cases.values()), "stall": stall,
            "stall_share_of_step": stall["stall_share_of_step"]}
     # the default path (weights.transport=grpc, data_plane=tcp) against the raw copy; then gRPC streams only
     short = {"float32": "f32", "bfloat16": "bf16"}  # the two with targets (bench/runner.py)
     for (plane, kind), case in cases.items():
+        if "fraction_of_raw" not in case:  # LoRA's adapters: no raw copy of the whole model to compare with
+            continue
         if plane == "tcp":
             out[f"fraction_of_raw_{short.get(kind, kind)}"] = case["fraction_of_raw"]
         elif plane == "grpc":

@@ -70,7 +70,7 @@ def main() -> int:
             continue
         jax.block_until_ready(got.params)
         print(json.dumps({"version": got.version, "installed_unix": time.time(),
-                          "fetch_seconds": got.fetch_seconds}), flush=True)
+                          "fetch_seconds": got.fetch_seconds, "fetch_bytes": got.nbytes}), flush=True)
         sync.mark_installed(got)
         installed = got.version
         del got

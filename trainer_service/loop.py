@@ -37,7 +37,6 @@ from grpo_stream.common.runtime.process import build_policy, build_task_and_toke
 from grpo_stream.common.weights.registry import transport_spec, weight_sink
 from grpo_stream.common.weights.snapshot import digest, new_epoch
 from grpo_stream.common.weights.transport import SinkContext
-from grpo_stream.protos import weights_pb2
 from grpo_stream.trainer_service.batching import build_batch
 from grpo_stream.trainer_service.checkpoints import TrainerCheckpoints
 from grpo_stream.trainer_service.collector import GroupCollector, when_available
@@ -172,8 +171,7 @@ class Trainer:
         if cfg.model.lora is not None:
             self.lora = apply_lora(model, self.params, cfg.model.lora, cfg.run.seed)
             self._merge = jax.jit(self.lora.merged)
-            self._adapter_version = weights_pb2.AdapterVersion(scale=self.lora.scale, merges=[
-                weights_pb2.LoraMerge(weight=w.weight, a=w.a, b=w.b, spec=w.spec) for w in self.lora.weights])
+            self._adapter_version = self.lora.adapter_version()
             model, params, trainable = self.lora.adapted, self.lora.adapted.params, self.lora.trainable()
             log.info("LoRA rank %d on %d weights: %d adapter parameters (%.2f%% of the model's) are trained",
                      cfg.model.lora.rank, len(self.lora.weights), self.lora.adapter_count(),

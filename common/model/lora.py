@@ -68,6 +68,13 @@ class LoraPolicy:
         return ({name: named[name] for name in self.base.names()},
                 {name: x for name, x in named.items() if is_adapter(name)})
 
+    def adapter_version(self):
+        """The merge a sampler applies to each adapters-only version (the publisher fills in the base)."""
+        from grpo_stream.protos import weights_pb2  # noqa: PLC0415 - the model code needs no protos otherwise
+
+        return weights_pb2.AdapterVersion(scale=self.scale, merges=[
+            weights_pb2.LoraMerge(weight=w.weight, a=w.a, b=w.b, spec=w.spec) for w in self.weights])
+
     def adapter_count(self) -> int:
         """Parameters the adapters add (what the optimizer holds moments for)."""
         return sum(int(leaf.size) for name, leaf in self.adapted.named_arrays().items() if is_adapter(name))
