@@ -24,6 +24,9 @@ import sys
 from grpo_stream.common.config.hardware import CHIP_MEMORY_BYTES, GIB
 from grpo_stream.common.config.schema import RunConfig
 
+LORA_NOTE = ("model.lora is set, but this plan compiles full fine-tuning: the trainer's optimizer state and gradients "
+             "here are the whole model's, an upper bound (LoRA's are those of the adapters, ~1% at rank 16), and a "
+             "sampler holds one more copy of the weights than shown (the frozen base beside the merged weights)")
 ESTIMATE_NOTE = ("CPU-compiled estimate: XLA's memory analysis of the real programs, partitioned for the target "
                  "device count, but compiled by the CPU backend, whose fusion and buffer reuse differ from TPU and "
                  "GPU compilers (on CPU itself the estimate was within 5% of a measured step; on an H200 a "
@@ -117,6 +120,8 @@ def verdict(cfg: RunConfig, role: str, report: dict) -> dict:
 def render(cfg: RunConfig, doc: dict) -> str:
     lines = [f"model: {doc['trainer']['parameters'] / 1e9:.3g}B parameters ({doc['architecture']['family']}, "
              f"{cfg.model.dtype}, samplers {cfg.sampler_dtype()}); {ESTIMATE_NOTE}"]
+    if "lora_note" in doc:
+        lines.append(doc["lora_note"])
     for role in ("trainer", "sampler"):
         r = doc.get(role)
         if r is None:
@@ -163,6 +168,8 @@ def run_plan(cfg: RunConfig, json_path: pathlib.Path | None) -> int:
                                  "fits": together <= doc["trainer"]["usable_bytes"]}
         doc["fits"] = doc["fits"] and doc["shared_devices"]["fits"]
     doc["estimate_note"] = ESTIMATE_NOTE
+    if cfg.model.lora is not None:
+        doc["lora_note"] = LORA_NOTE
     print(render(cfg, doc))
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)

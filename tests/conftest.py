@@ -123,6 +123,7 @@ LONGEST_FIRST = (
     "tests/e2e/test_weight_faults.py",  # 200 s
     "tests/unit/common/engine/test_vllm_engine.py",  # 200 s
     "tests/e2e/test_weight_meshes.py",  # 190 s
+    "tests/e2e/test_lora_run.py",  # ~120 s: three LoRA runs, one per weight transport
 )
 
 

@@ -63,10 +63,13 @@ def test_tiny_run_on_two_devices_fits_and_reports_every_category(tmp_path):
 
 def test_too_small_a_device_exits_1_and_names_fixes(tmp_path):
     code, output, doc = plan(tmp_path, "configs/tiny_arith.yaml", "hardware.trainer_memory_gib=0.05",
-                             "hardware.sampler_memory_gib=1")
+                             "hardware.sampler_memory_gib=1", "model.lora.rank=4")
     assert code == 1, output
     assert doc["fits"] is False and doc["trainer"]["fits"] is False and doc["sampler"]["fits"] is True
     assert "DOES NOT FIT" in output and "fix: trainer.remat=full" in output
+    # with model.lora the plan says it is one of full fine-tuning, an upper bound
+    assert "model.lora is set, but this plan compiles full fine-tuning" in output
+    assert "upper bound" in doc["lora_note"]
 
 
 def test_no_hardware_is_a_config_error_naming_the_field(tmp_path):
