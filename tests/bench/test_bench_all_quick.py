@@ -65,13 +65,18 @@ def test_bench_all_quick_writes_json_and_table_rows(tmp_path):
     weights = results["weights"]
     # every case moved the same model's bytes (bf16 half of f32) into another process, and the stall phase
     # really published while stepping: the peer installed the last version
-    cases = {(c["transport"], c["data_plane"], c["model_dtype"], c["wire_dtype"]): c for c in weights["cases"]}
-    assert len(cases) == 7 and ("checkpoint", None, "float32", "float32") in cases
+    cases = {(c["transport"], c["data_plane"], c["model_dtype"], c["wire_dtype"], c["lora_rank"]): c
+             for c in weights["cases"]}
+    assert len(cases) == 8 and ("checkpoint", None, "float32", "float32", None) in cases
     f32_bytes = weights["params"] * 4
     for plane in ("tcp", "grpc"):
-        assert cases[("grpc", plane, "float32", "float32")]["bytes"] == f32_bytes
-        assert cases[("grpc", plane, "bfloat16", "bfloat16")]["bytes"] * 2 == f32_bytes
-        assert cases[("grpc", plane, "float32", "bfloat16")]["bytes"] * 2 == f32_bytes
+        assert cases[("grpc", plane, "float32", "float32", None)]["bytes"] == f32_bytes
+        assert cases[("grpc", plane, "bfloat16", "bfloat16", None)]["bytes"] * 2 == f32_bytes
+        assert cases[("grpc", plane, "float32", "bfloat16", None)]["bytes"] * 2 == f32_bytes
+    # LoRA: the first install brings the base (and adapters), every later one the adapters alone
+    first, *later = cases[("grpc", "tcp", "float32", "float32", 16)]["sampler_fetch_bytes"]
+    assert first > f32_bytes and later and all(n < 0.05 * f32_bytes for n in later)
+    assert weights["lora_version_fraction"] == round(max(later) / f32_bytes, 4)
     assert all(c["publish_to_installed_s"] > 0 for c in cases.values())
     assert all(weights[f"fraction_of_raw_{k}"] > 0 for k in ("f32", "bf16", "float32_as_bfloat16",
                                                             "grpc_stream_float32", "grpc_stream_bfloat16"))

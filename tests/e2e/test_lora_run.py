@@ -22,12 +22,8 @@ from tests.e2e.test_up import run_cli
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
-@pytest.mark.parametrize("transport", ["grpc", "checkpoint", "local"])
-def test_lora_run_publishes_adapters_and_samplers_merge_them_into_the_base(tmp_path, transport):
-    run_dir = tmp_path / "run"
-    meshes = ["trainer.mesh.fsdp=2", "sampler.mesh.tp=2"] if transport == "grpc" else []
-    proc = run_cli("up", "--config", "configs/tiny_arith_smoke.yaml", "--run-dir", str(run_dir),
-                   f"weights.transport={transport}", *meshes,
+def lora_run(run_dir, *extra):
+    return run_cli("up", "--config", "configs/tiny_arith_smoke.yaml", "--run-dir", str(run_dir), *extra,
                    "model.lora.rank=2", "model.lora.alpha=4",
                    "model.lora.targets=.*/(q_proj|k_proj|v_proj|o_proj)", "trainer.learning_rate=0.003",
                    "trainer.steps=4", "trainer.eval_before=false", "trainer.eval_after=false",
@@ -36,6 +32,13 @@ def test_lora_run_publishes_adapters_and_samplers_merge_them_into_the_base(tmp_p
                    "trainer.publish_every=1", "trainer.max_staleness=0", "sampler.max_groups_per_version=2",
                    "weights.verify_prompts=4", "warmstart.export=true", "trainer.metrics_port=null",
                    "sampler.metrics_port=null")
+
+
+@pytest.mark.parametrize("transport", ["grpc", "checkpoint", "local"])
+def test_lora_run_publishes_adapters_and_samplers_merge_them_into_the_base(tmp_path, transport):
+    run_dir = tmp_path / "run"
+    meshes = ["trainer.mesh.fsdp=2", "sampler.mesh.tp=2"] if transport == "grpc" else []
+    proc = lora_run(run_dir, f"weights.transport={transport}", *meshes)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 4 and summary["groups_trained"] >= 4
@@ -63,3 +66,20 @@ def test_lora_run_publishes_adapters_and_samplers_merge_them_into_the_base(tmp_p
     for name in warm:
         same = np.array_equal(warm[name], exported[name])
         assert same == (name not in adapted), f"{name}: {'unchanged' if same else 'changed'}"
+
+
+def test_a_lora_run_resumes_with_its_trained_adapters(tmp_path):
+    """The checkpoint holds the adapted params and the adapters' optimizer state: `up` again on the finished run
+    restores them, publishes the base again under its new trainer epoch, and the samplers end with exactly the
+    weights the first run ended with."""
+    run_dir = tmp_path / "run"
+    first = lora_run(run_dir)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    before = json.loads((run_dir / "summary.json").read_text())
+    again = lora_run(run_dir)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    after = json.loads((run_dir / "summary.json").read_text())
+    assert after["resumed_from"]["step"] == 4 and after["trainer_epoch"] != before["trainer_epoch"]
+    assert after["final_weights"]["sha256"] == before["final_weights"]["sha256"]
+    for name, doc in after["samplers"].items():
+        assert doc["final_weights"]["sha256"] == before["final_weights"]["sha256"], name
