@@ -5,10 +5,11 @@ A (its input side and the rank) and B (the rank and its output side): the module
 x W + (alpha / rank) (x A) B. B starts at zero, so the adapted model starts equal to the base.
 
 The trainer trains A and B only (`LoraPolicy.trainable`): the optimizer holds moments for the adapters, not for
-the base. Everything else in the system keeps running the plain model: samplers, evaluation and the exported
-checkpoint get the merged weights W + (alpha / rank) A B (`LoraPolicy.merged`), so neither engine (JAX or vLLM)
-needs to know about adapters. Merging rounds once more than the adapted forward pass does (one extra addition in
-the parameters' dtype); in float32 the trainer's and samplers' logprobs still agree to ~1e-6.
+the base. Everything else in the system keeps running the plain model with the merged weights W + (alpha / rank) A B,
+so neither engine (JAX or vLLM) needs to know about adapters: the trainer merges for evaluation and export
+(`LoraPolicy.merged`); the samplers receive the frozen base once and the adapters with every version, and merge them
+with the same function (`merge_named`), so both sides hold the same weights. Merging rounds once more than the
+adapted forward pass does; in float32 the trainer's and samplers' logprobs agree to ~1e-7 on average.
 """
 
 from __future__ import annotations
