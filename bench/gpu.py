@@ -89,7 +89,7 @@ def trainer(config: pathlib.Path, quick: bool, plan_json: pathlib.Path | None, d
     from grpo_stream.common.runtime.process import enable_compilation_cache
     from grpo_stream.plan_programs import architecture, model_dtype, trainer_programs
     from grpo_stream.trainer_service.batching import TrainBatch
-    from grpo_stream.trainer_service.rl_update import PolicyUpdater
+    from grpo_stream.trainer_service.rl_update import PolicyUpdater, state_report
 
     # a fresh persistent compilation cache: the step compiles cold for the run, and the analysis after it (the
     # same program, lowered from abstract arrays as `plan` lowers it) reads it back instead of compiling again
@@ -112,10 +112,7 @@ def trainer(config: pathlib.Path, quick: bool, plan_json: pathlib.Path | None, d
     updater = PolicyUpdater(step_model, params, cfg.algo, t.learning_rate, t.max_grad_norm, gen.temperature, 0, mesh,
                             t.optimizer, t.steps, t.micro_batch_size, donate=True, trainable=trainable)
     model_params = model.num_params()
-    nbytes = lambda tree: int(sum(x.nbytes for x in jax.tree.leaves(tree)))  # noqa: E731
-    out.update({"model_parameters": model_params, "trained_parameters": lora.adapter_count() if lora else model_params,
-                "params_bytes": nbytes(updater.params), "optimizer_bytes": nbytes(updater.opt_state),
-                "lora": None if lora is None else cfg.model.lora.model_dump()})
+    out.update(state_report(updater, model_params, lora))
     del model, params
     rows, length = t.groups_per_step * gen.num_generations, gen.max_prompt_tokens + gen.max_new_tokens
     rng = np.random.default_rng(0)

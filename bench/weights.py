@@ -139,7 +139,7 @@ def _case(named: dict, arch: dict, transport: str, dtype: str, repeats: int, raw
         tmp.cleanup()
     ours, raw_s = statistics.median(totals), statistics.median(raw) if raw else None
     out = {"transport": transport, "data_plane": data_plane if transport == "grpc" else None,
-           "lora_rank": None if lora is None else lora.adapted.named_arrays()[lora.weights[0].a].shape[-1],
+           "lora_rank": None if lora is None else lora.rank,
            "model_dtype": model_dtype, "wire_dtype": wire.name, "bytes": nbytes,
            "publish_to_installed_s": round(ours, 3), "publish_call_s": round(statistics.median(publish), 3),
            "sampler_fetch_s": round(statistics.median(fetch), 3),

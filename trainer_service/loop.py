@@ -46,7 +46,7 @@ from grpo_stream.trainer_service.metrics import MetricsWriter
 from grpo_stream.trainer_service.prompt_queue import PromptQueue
 from grpo_stream.trainer_service.prompt_service import StatusWriter
 from grpo_stream.trainer_service.publisher import WeightPublisher
-from grpo_stream.trainer_service.rl_update import PolicyUpdater, donates_updates
+from grpo_stream.trainer_service.rl_update import PolicyUpdater, donates_updates, state_report
 from grpo_stream.trainer_service.run_outputs import evaluate_heldout, export_policy, write_summary
 from grpo_stream.trainer_service.server import TrainerServer
 from grpo_stream.trainer_service.step_report import StepReporter
@@ -118,18 +118,21 @@ class Trainer:
         self.metrics = MetricsWriter(self.run_dir, "trainer")
         self.reporter = StepReporter(cfg, self.metrics, self.buffer, self.publisher, self.durability.held)
 
+    def _adapted(self, params) -> bool:
+        """Whether `params` are LoRA's adapted params (base and adapters), not yet the plain model's: before the
+        adapters exist (warm start, eval_before) and without LoRA they are plain."""
+        return self.lora is not None and jax.tree.structure(params) != jax.tree.structure(self.model.params)
+
     def _plain(self, params):
-        """The plain model's params, what samplers, evaluation and export run: with LoRA, the adapted params merged
-        (W + alpha/rank A B); before the adapters exist (warm start, eval_before) and without LoRA, `params`."""
-        if self.lora is None or jax.tree.structure(params) == jax.tree.structure(self.model.params):
-            return params
-        return self._merge(params)
+        """The plain model's params, what samplers, evaluation and export run: adapted params merged
+        (W + alpha/rank A B), plain ones as they are."""
+        return self._merge(params) if self._adapted(params) else params
 
     def _publish(self, version: int, params=None, final: bool = False) -> None:
         """Publish `params` (default: the trainer's) as `version`. With LoRA each version carries the adapters
         only, and the frozen base goes out once per trainer process before the first of them."""
         params = self.params if params is None else params
-        if self.lora is None or jax.tree.structure(params) == jax.tree.structure(self.model.params):
+        if not self._adapted(params):
             stats = self.publisher.publish_arrays(version, self.model.named_arrays(params), final=final)
         else:
             base, adapters = self.lora.split_named(params)
@@ -306,16 +309,7 @@ class Trainer:
                              final_weights=self.final_weights, carried=carried, eval_after=eval_after,
                              rl_seconds=rl_seconds, started=self.started, resumed_from=self.resumed_from,
                              trained_here=(steps_done - self.durability.resumed_step) * cfg.trainer.groups_per_step,
-                             trainer_state=self._state_report(updater))
-
-    def _state_report(self, updater: PolicyUpdater) -> dict:
-        """Bytes the updater holds (all devices together) and what it trains: every parameter, or LoRA's adapters."""
-        nbytes = lambda tree: int(sum(x.nbytes for x in jax.tree.leaves(tree)))  # noqa: E731
-        trained = self.lora.adapter_count() if self.lora else self.model.num_params()
-        lora = self.cfg.model.lora
-        return {"params_bytes": nbytes(updater.params), "optimizer_bytes": nbytes(updater.opt_state),
-                "model_parameters": self.model.num_params(), "trained_parameters": trained,
-                "lora": None if lora is None else {**lora.model_dump(), "weights": len(self.lora.weights)}}
+                             trainer_state=state_report(updater, self.model.num_params(), self.lora))
 
     def _track_agreement(self, m: dict) -> None:
         """Run-long sampler-trainer logprob agreement over tokens generated at version lag 0."""

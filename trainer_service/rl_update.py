@@ -227,6 +227,17 @@ class PolicyUpdater:
         return out
 
 
+def state_report(updater: PolicyUpdater, model_parameters: int, lora=None) -> dict:
+    """What `updater` holds (bytes on all devices together) and what it trains: every one of `model_parameters`, or
+    the adapters of `lora` (a LoraPolicy)."""
+    nbytes = lambda tree: int(sum(x.nbytes for x in jax.tree.leaves(tree)))  # noqa: E731
+    return {"params_bytes": nbytes(updater.params), "optimizer_bytes": nbytes(updater.opt_state),
+            "model_parameters": model_parameters,
+            "trained_parameters": lora.adapter_count() if lora is not None else model_parameters,
+            "lora": None if lora is None else {"rank": lora.rank, "alpha": lora.rank * lora.scale,
+                                               "weights": len(lora.weights)}}
+
+
 def donates_updates(transport_in_process: bool) -> bool:
     """Whether the trainer's update step donates its parameters and optimizer state: yes, unless the weight
     transport shares the published arrays with in-process samplers (weights.transport=local)."""

@@ -50,6 +50,7 @@ class LoraPolicy:
     base: PolicyModel      # the plain model: its graph, and its names for the merged weights
     adapted: PolicyModel   # the graph with adapters; its params hold the base weights and the adapters
     weights: tuple[AdaptedWeight, ...]
+    rank: int
     scale: float           # alpha / rank
 
     def trainable(self) -> tuple[bool, ...]:
@@ -59,9 +60,8 @@ class LoraPolicy:
     def merged(self, params: Any) -> Any:
         """The plain model's params from the adapted model's `params`: W + scale * delta(A, B) for each adapted
         weight, the other weights as they are. Traceable (jit it for placed arrays)."""
-        named = self.adapted.named_arrays(params)
-        base = {name: named[name] for name in self.base.names()}
-        return self.base.params_from_arrays(merge_named(base, named, self.weights, self.scale))
+        base, adapters = self.split_named(params)
+        return self.base.params_from_arrays(merge_named(base, adapters, self.weights, self.scale))
 
     def split_named(self, params: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         """(frozen base weights under the plain model's names, adapters by name) of the adapted `params`."""
@@ -114,7 +114,8 @@ def apply_lora(model: PolicyModel, params: Any, section: LoraSection, seed: int)
                          "model; module paths look like 'layers/0/attn/q_proj' (see grpo-stream config describe "
                          "model for the default)")
     adapted = dataclasses.replace(adapted, params=_placed_like_weights(adapted, weights))
-    return LoraPolicy(base=model, adapted=adapted, weights=tuple(weights), scale=section.alpha / section.rank)
+    return LoraPolicy(base=model, adapted=adapted, weights=tuple(weights), rank=section.rank,
+                      scale=section.alpha / section.rank)
 
 
 def _placed_like_weights(adapted: PolicyModel, weights: list[AdaptedWeight]) -> Any:
