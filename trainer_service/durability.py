@@ -30,10 +30,16 @@ class Resumed:
 
 
 def updater_state(updater: PolicyUpdater) -> dict:
-    """What a checkpoint holds of the optimisation: parameters, optimizer state, and the KL reference if any."""
-    state = {"params": updater.params, "opt_state": updater.opt_state}
+    """What a checkpoint holds of the optimisation: parameters, optimizer state, and the KL reference if any. With
+    LoRA the trained part only (`adapters`, `ref_adapters`): the frozen base is saved once (`save_base`)."""
+    train, frozen = updater.split(updater.params)
+    state = {"params": updater.params} if frozen is None else {"adapters": train}
+    state["opt_state"] = updater.opt_state
     if updater.ref_params is not None:  # the KL reference is the policy RL started from, not the resumed one
-        state["ref_params"] = updater.ref_params
+        if frozen is None:
+            state["ref_params"] = updater.ref_params
+        else:
+            state["ref_adapters"] = updater.split(updater.ref_params)[0]
     return state
 
 
@@ -46,6 +52,7 @@ class Durability:
         self.data_position: dict[str, int] = {}  # sampler -> highest data position trained
         self.buffer_position = "0-0"  # newest stream entry trained
         self.compacted_through = 0  # the audit trail was compacted through this step (by this process)
+        self.base_saved = False  # LoRA: the frozen base is in the checkpoint directory (written or found there)
 
     def held(self) -> int:
         """Groups trained but not yet acknowledged (waiting for their checkpoint to be safe)."""
@@ -66,6 +73,10 @@ class Durability:
     def checkpoint(self, step: int, updater: PolicyUpdater, extra: dict) -> None:
         """Start saving `step`; its groups and everything before are listed so a resume can settle them."""
         unsettled = [[eid, gid, s] for s, pairs in self.unsettled if s <= step for eid, gid in pairs]
+        frozen = updater.split(updater.params)[1]
+        if frozen is not None and not self.base_saved:
+            self.base_saved = True
+            self.checkpoints.save_base(frozen)
         self.checkpoints.save(step, updater_state(updater), {
             "run": self.cfg.run.name, "epoch": self.epoch, "weight_version": step, "unsettled": unsettled,
             "data_position": dict(self.data_position), "buffer_position": self.buffer_position, **extra},
@@ -98,10 +109,12 @@ class Durability:
                 log.warning("audit trail not compacted through step %d: %s (`grpo-stream audit` shows it)", upto,
                             plan.held_back)
 
-    def resume(self, updater_like: dict) -> Resumed | None:
+    def resume(self, updater: PolicyUpdater) -> Resumed | None:
         """Restore the newest valid checkpoint (there is at least one) and settle the groups it holds; None when
-        every one was unusable."""
+        every one was unusable. The state comes back as full trees (`params`, `opt_state`, `ref_params` when a KL
+        reference is held): with LoRA the adapters joined with the frozen base read from `lora-base/`."""
         cfg = self.cfg
+        updater_like = updater_state(updater)
         if not cfg.checkpoint.resume:
             raise ValueError(f"checkpoint.dir {self.checkpoints.directory} holds checkpoints (steps "
                              f"{self.checkpoints.steps()}) and checkpoint.resume=false: choose a new checkpoint.dir "
@@ -114,6 +127,14 @@ class Durability:
             raise ValueError(f"checkpoint.dir {self.checkpoints.directory}: its checkpoints belong to run "
                              f"{record.get('run')!r}, not run.name={cfg.run.name!r}; use that run's name or another "
                              "dir")
+        # the base before any group is settled: without it the run cannot go on from here
+        state = dict(restored.state)
+        if "adapters" in state:
+            frozen = self.checkpoints.restore_base(updater.split(updater.params)[1])
+            self.base_saved = True
+            state["params"] = updater.join(state.pop("adapters"), frozen)
+            if "ref_adapters" in state:
+                state["ref_params"] = updater.join(state.pop("ref_adapters"), frozen)
         settled = when_available("settling the resumed checkpoint's groups", lambda: self.buffer.settle(
             (eid, gid, "trained", s) for eid, gid, s in record["unsettled"]))
         self.data_position = dict(record.get("data_position", {}))
@@ -121,4 +142,4 @@ class Durability:
         self.resumed_step = restored.step
         log.info("resumed at step %d (written by trainer %s); acknowledged %d groups it already held", restored.step,
                  record["epoch"], settled)
-        return Resumed(restored.step, restored.state, record)
+        return Resumed(restored.step, state, record)

@@ -40,7 +40,7 @@ from grpo_stream.common.weights.transport import SinkContext
 from grpo_stream.trainer_service.batching import build_batch
 from grpo_stream.trainer_service.checkpoints import TrainerCheckpoints
 from grpo_stream.trainer_service.collector import GroupCollector, when_available
-from grpo_stream.trainer_service.durability import Durability, updater_state
+from grpo_stream.trainer_service.durability import Durability
 from grpo_stream.trainer_service.ingest_server import ingest_servicers
 from grpo_stream.trainer_service.metrics import MetricsWriter
 from grpo_stream.trainer_service.prompt_queue import PromptQueue
@@ -190,7 +190,7 @@ class Trainer:
         resumed = None
         if self.checkpoints.steps():
             updater = self._updater()
-            resumed = self.durability.resume(updater_state(updater))
+            resumed = self.durability.resume(updater)
         if resumed is not None:
             state, record = resumed.state, resumed.record
             updater.params, updater.opt_state = state["params"], state["opt_state"]

@@ -126,3 +126,54 @@ def test_commits_are_reported_once_in_order(tmp_path):
     assert [t for _, t in first + rest] == ["a", "b"] and ckpt.committed(wait=True) == []
     got = ckpt.restore_latest(state(0.0))
     assert got.step == 2 and np.array_equal(np.asarray(got.state["params"]["w"]), np.asarray(state(2.0)["params"]["w"]))
+
+
+def frozen(shift: float) -> tuple:
+    """A LoRA run's frozen base as the updater splits it: a tuple of the non-trained leaves."""
+    return (jnp.arange(4096, dtype=jnp.float32).reshape(64, 64) + shift, jnp.full((64,), shift))
+
+
+def tree_bytes(path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def test_a_lora_base_is_written_once_and_restored_exactly(tmp_path):
+    ckpt = TrainerCheckpoints(str(tmp_path), keep=3, verify=True)
+    assert ckpt.save_base(frozen(1.0))
+    assert not ckpt.save_base(frozen(2.0))  # a resumed run finds it there and leaves it
+    adapters = {"adapters": (jnp.ones((64, 2)), jnp.zeros((2, 64)))}
+    for step in (1, 2):
+        ckpt.save(step, adapters, {}, token=step)
+    ckpt.committed(wait=True)
+    # the step checkpoints hold the adapters only
+    assert all(tree_bytes(tmp_path / str(s)) < 0.5 * tree_bytes(tmp_path / "lora-base") for s in (1, 2))
+    again = TrainerCheckpoints(str(tmp_path), keep=3, verify=True)
+    assert again.steps() == [1, 2]  # the base directory is not taken for a step
+    got = again.restore_base(frozen(0.0))
+    assert tree_digest(got) == tree_digest(frozen(1.0))
+
+
+def test_a_missing_lora_base_stops_the_resume_and_names_the_directory(tmp_path):
+    ckpt = TrainerCheckpoints(str(tmp_path), keep=3, verify=True)
+    with pytest.raises(CheckpointMismatch, match="lora-base.* is missing"):
+        ckpt.restore_base(frozen(0.0))
+    ckpt.save_base(frozen(1.0))
+    (tmp_path / "lora-base" / "record.json").unlink()  # a save cut off before its record: written again next time
+    with pytest.raises(CheckpointMismatch, match="is missing or was cut off"):
+        ckpt.restore_base(frozen(0.0))
+    assert ckpt.save_base(frozen(1.0))
+    assert tree_digest(ckpt.restore_base(frozen(0.0))) == tree_digest(frozen(1.0))
+
+
+def test_a_lora_base_of_another_model_or_damaged_is_refused(tmp_path):
+    ckpt = TrainerCheckpoints(str(tmp_path), keep=3, verify=True)
+    ckpt.save_base(frozen(1.0))
+    with pytest.raises(CheckpointMismatch, match="is of another model"):
+        ckpt.restore_base((jnp.zeros((64, 32)), jnp.zeros((64,))))
+    chunk = max((p for p in (tmp_path / "lora-base" / "arrays").rglob("*") if p.is_file()),
+                key=lambda p: p.stat().st_size)
+    data = bytearray(chunk.read_bytes())
+    data[len(data) // 2:len(data) // 2 + 32] = bytes(b ^ 0xFF for b in data[len(data) // 2:len(data) // 2 + 32])
+    chunk.write_bytes(bytes(data))
+    with pytest.raises(CheckpointMismatch):  # tensorstore's checksum or the saved SHA-256 catches it
+        ckpt.restore_base(frozen(0.0))
