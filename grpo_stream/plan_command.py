@@ -7,9 +7,9 @@ the memory of the chips `hardware:` names, less `hardware.margin`. Exit 0 when t
 either does not (the report names the cheapest fixes), 2 when the config cannot be planned.
 
 The figures are XLA's own for these programs, partitioned as on the real mesh, but compiled by the CPU backend:
-TPU and GPU compilers fuse more and reuse buffers differently, so treat them as an estimate (on CPU the estimate
-matched a measured step within a few percent; on an H200 the measured peak of a 1.24B-parameter update step was
-half of it; see README "Planning memory").
+TPU and GPU compilers fuse more and reuse buffers differently, so treat them as an estimate. The child compiles with
+CPU_PLAN_FLAGS, which turn off two CPU habits the accelerators' compilers do not share (below). On an H200 the
+measured peak of a 1.24B-parameter update step was 0.81 of this estimate; see README "Planning memory".
 """
 
 from __future__ import annotations
@@ -24,21 +24,34 @@ import sys
 from grpo_stream.common.config.hardware import CHIP_MEMORY_BYTES, GIB
 from grpo_stream.common.config.schema import RunConfig
 
-LORA_NOTE = ("model.lora is set, but this plan compiles full fine-tuning: the trainer's optimizer state and gradients "
-             "here are the whole model's, an upper bound (LoRA's are those of the adapters, ~1% at rank 16), and a "
-             "sampler holds one more copy of the weights than shown (the frozen base beside the merged weights)")
+LORA_NOTE = ("model.lora: rank {rank} adapters, {trained:,} trained parameters ({share:.2%} of the model): the "
+             "trainer's optimizer state, gradients and reference copy are the adapters'; a sampler keeps the frozen "
+             "base on its devices beside the merged weights (lora_base) and merges each version into it (lora_merge)")
 ESTIMATE_NOTE = ("CPU-compiled estimate: XLA's memory analysis of the real programs, partitioned for the target "
                  "device count, but compiled by the CPU backend, whose fusion and buffer reuse differ from TPU and "
-                 "GPU compilers (on CPU itself the estimate was within 5% of a measured step; on an H200 a "
-                 "Llama-3.2-1B update step peaked at 0.51 of this estimate, the difference all in activations: "
-                 "README \"Planning memory\").")
+                 "GPU compilers (on an H200 a Llama-3.2-1B update step peaked at 0.81 of this estimate, the "
+                 "difference in activations and temporaries; no TPU measurement exists: README \"Planning memory\").")
+
+
+# Two habits of XLA's CPU backend that TPU and GPU compilers do not share, turned off for the plan's compiles:
+# - it orders a program's instructions for concurrency, starting independent work early and keeping its buffers
+#   alive: a Llama-3.2-1B update step's temporaries came to 23.2 GiB against 1.6 measured on an H200; the
+#   memory-minimising order, which TPU and GPU schedulers approximate under their memory limit, gives 8.1 GiB;
+# - it merges every all-reduce of a step into one (`cpu-all-reduce-combiner`), so with FSDP the float32 gradient of
+#   every weight is whole on each device at once (the CPU has no reduce-scatter: each weight's is an all-reduce and a
+#   slice); TPU and GPU reduce-scatter each layer's and combine only up to a size threshold. The same step on fsdp=8
+#   kept 14.9 GiB of temporaries per device with the merge, 9.8 without.
+CPU_PLAN_FLAGS = ("--xla_cpu_scheduler_type=CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED",
+                  "--xla_disable_hlo_passes=cpu-all-reduce-combiner")
 
 
 def child_env(devices: int) -> dict[str, str]:
-    """This environment with JAX on CPU and `devices` fake devices (any earlier device-count flag replaced)."""
+    """This environment with JAX on CPU, `devices` fake devices (any earlier device-count flag replaced) and the
+    CPU_PLAN_FLAGS."""
     env = dict(os.environ)
-    flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", "")).strip()
-    env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}".strip()
+    flags = re.sub(r"--xla_force_host_platform_device_count=\S+|--xla_cpu_scheduler_type=\S+", "",
+                   env.get("XLA_FLAGS", "")).strip()
+    env["XLA_FLAGS"] = " ".join([flags, f"--xla_force_host_platform_device_count={devices}", *CPU_PLAN_FLAGS]).strip()
     env["JAX_PLATFORMS"] = "cpu"
     return env
 
@@ -75,6 +88,10 @@ def trainer_fixes(cfg: RunConfig, sizes: dict) -> list[str]:
                          f"accumulated (now {micro} sequences per pass)")
         fixes.append(f"generation.max_new_tokens below {cfg.generation.max_new_tokens}: activations grow with the "
                      "sequence length")
+    if cfg.model.lora is None and sizes["optimizer_state"] > 0.2 * sizes["total"]:
+        fixes.append(f"model.lora.rank=16: train low-rank adapters only; optimizer state, gradients and the "
+                     f"reference copy shrink to the adapters' (about 1% of the model's: the optimizer state is now "
+                     f"{gib(sizes['optimizer_state'])})")
     if cfg.algo.beta > 0:
         fixes.append(f"algo.beta=0: no reference copy of the parameters (saves {gib(sizes['reference_parameters'])})")
     if cfg.model.dtype == "float32":
@@ -169,7 +186,9 @@ def run_plan(cfg: RunConfig, json_path: pathlib.Path | None) -> int:
         doc["fits"] = doc["fits"] and doc["shared_devices"]["fits"]
     doc["estimate_note"] = ESTIMATE_NOTE
     if cfg.model.lora is not None:
-        doc["lora_note"] = LORA_NOTE
+        t = doc["trainer"]
+        doc["lora_note"] = LORA_NOTE.format(rank=cfg.model.lora.rank, trained=t["trained_parameters"],
+                                            share=t["trained_parameters"] / t["parameters"])
     print(render(cfg, doc))
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)

@@ -27,6 +27,7 @@ from grpo_stream.common.engine import continuous
 from grpo_stream.common.engine.slot_programs import pow2_at_least
 from grpo_stream.common.engine.registry import engine_spec
 from grpo_stream.common.model.architectures import Architecture
+from grpo_stream.common.model.lora import abstract_lora, merge_named
 from grpo_stream.common.model.policy import PolicyModel, build_from_architecture, tiny_architecture
 from grpo_stream.common.model.sharding import make_mesh, param_shardings, rows_sharding
 from grpo_stream.common.weights.registry import transport_spec
@@ -94,8 +95,12 @@ def trainer_programs(cfg: RunConfig, arch: Architecture) -> dict:
     mesh = make_mesh(t.mesh.fsdp, t.mesh.tp, jax.devices(), "trainer.mesh")
     model = abstract_model(arch, model_dtype(cfg), mesh)
     donate = donates_updates(transport_spec(cfg.weights.transport).in_process)
-    updater = PolicyUpdater(model.with_remat(t.remat), model.params, algo, t.learning_rate, t.max_grad_norm,
-                            gen.temperature, 0, mesh, t.optimizer, t.steps, t.micro_batch_size, donate=donate)
+    trained, trainable, lora = model.with_remat(t.remat), None, None
+    if cfg.model.lora is not None:  # the adapted model, training the adapters only, as the trainer builds it
+        lora = abstract_lora(trained, cfg.model.lora, cfg.run.seed)
+        trained, trainable = lora.adapted, lora.trainable()
+    updater = PolicyUpdater(trained, trained.params, algo, t.learning_rate, t.max_grad_norm, gen.temperature, 0,
+                            mesh, t.optimizer, t.steps, t.micro_batch_size, donate=donate, trainable=trainable)
     rows = t.groups_per_step * gen.num_generations
     minibatch = rows // algo.minibatches
     length = gen.max_prompt_tokens + gen.max_new_tokens
@@ -116,7 +121,8 @@ def trainer_programs(cfg: RunConfig, arch: Architecture) -> dict:
     step = analysed(updater._step.lower(*updater.split(updater.params), updater.opt_state, batch, old, ref).compile())
     progress(f"trainer: update step compiled in {time.time() - started:.0f} s")
     params, opt_state = shard_bytes(updater.params), shard_bytes(updater.opt_state)
-    reference = params if algo.beta > 0 else 0
+    train_bytes = shard_bytes(updater.split(updater.params)[0])  # with LoRA the adapters; else all parameters
+    reference = train_bytes if algo.beta > 0 else 0  # with LoRA the reference shares the frozen base
     programs = {"update_step": step}
     if needs_old or algo.beta > 0:  # the old / reference logprobs of the step's batch, before the updates
         chunk = rows if t.micro_batch_size is None or rows % t.micro_batch_size else t.micro_batch_size
@@ -124,7 +130,7 @@ def trainer_programs(cfg: RunConfig, arch: Architecture) -> dict:
         tokens = jax.ShapeDtypeStruct((chunk, length), jnp.int32, sharding=full)
         valid = jax.ShapeDtypeStruct((chunk, length), jnp.bool_, sharding=full)
         programs["logprobs"] = analysed(updater._logprobs.lower(updater.params, tokens, valid).compile())
-    gradients = min(params, step["temporaries"])  # the parameters' shapes and dtypes; XLA counts them in temp
+    gradients = min(train_bytes, step["temporaries"])  # the trained parameters' shapes; XLA counts them in temp
     per_device = {"parameters": params, "optimizer_state": opt_state, "reference_parameters": reference,
                   "batch": step["arguments"] - params - opt_state, "gradients": gradients,
                   "activations_and_temporaries": step["temporaries"] - gradients,
@@ -134,7 +140,8 @@ def trainer_programs(cfg: RunConfig, arch: Architecture) -> dict:
     logprob_extra = (programs["logprobs"]["peak"] - params) if "logprobs" in programs else 0
     per_device["total"] = params + opt_state + reference + max(step_extra, logprob_extra)
     return {"devices": t.mesh.fsdp * t.mesh.tp, "mesh": {"fsdp": t.mesh.fsdp, "tp": t.mesh.tp},
-            "parameters": model.num_params(), "per_device_bytes": per_device, "programs": programs,
+            "parameters": model.num_params(), "trained_parameters": lora.adapter_count() if trainable else
+            model.num_params(), "per_device_bytes": per_device, "programs": programs,
             "peak_program": "update_step" if step_extra >= logprob_extra else "logprobs"}
 
 
@@ -167,19 +174,38 @@ def sampler_programs(cfg: RunConfig, arch: Architecture) -> dict:
         weights, jax.ShapeDtypeStruct((prompts, width), jnp.int32, sharding=replicated),
         jax.ShapeDtypeStruct((prompts,), jnp.int32, sharding=replicated)).compile())
     relayout = analysed(relayout_compiled)
-    progress(f"sampler: compiled in {time.time() - started:.0f} s")
+    programs = {"relayout": relayout, "prefill": prefill, "decode_chunk": decode}
     params, relaid, kv = shard_bytes(model.params), shard_bytes(weights), shard_bytes(state)
     fetch = params if cfg.weights.background_fetch else 0  # the next version arrives beside the installed one
     extra = {"decode_chunk": decode["outputs"] - decode["aliased"] + decode["temporaries"],
              "prefill": prefill["peak"] - relaid,
              "relayout": relayout["outputs"] + relayout["temporaries"] - relaid}  # the old copy is freed first
-    per_device = {"parameters": params, "fetch_buffer": fetch, "decode_weights": relaid, "kv_cache": kv,
-                  "temporaries": max(extra.values())}
-    per_device["total"] = params + fetch + relaid + kv + per_device["temporaries"]
+    base = 0
+    if cfg.model.lora is not None:  # the frozen base stays beside the merged weights; each version is merged into it
+        base = params
+        programs["lora_merge"] = lora_merge_program(cfg, model)
+        extra["lora_merge"] = programs["lora_merge"]["arguments"] - params + programs["lora_merge"]["temporaries"]
+    progress(f"sampler: compiled in {time.time() - started:.0f} s")
+    per_device = {"parameters": params, "fetch_buffer": fetch, "lora_base": base, "decode_weights": relaid,
+                  "kv_cache": kv, "temporaries": max(extra.values())}
+    per_device["total"] = params + fetch + base + relaid + kv + per_device["temporaries"]
     return {"devices": s.mesh.tp, "mesh": {"tp": s.mesh.tp}, "slots": slots, "cache_tokens": window,
-            "per_device_bytes": per_device, "programs": {"relayout": relayout, "prefill": prefill,
-                                                         "decode_chunk": decode},
+            "per_device_bytes": per_device, "programs": programs,
             "peak_program": max(extra, key=extra.get)}
+
+
+def lora_merge_program(cfg: RunConfig, model: PolicyModel) -> dict[str, int]:
+    """A sampler's merge of one adapters-only version (replicated adapters) into the frozen base, compiled as the
+    sampler compiles it: outputs placed like the installed weights."""
+    lora = abstract_lora(model, cfg.model.lora, cfg.run.seed)
+    _, adapters = lora.split_named(lora.adapted.params)
+    mesh = next(x.sharding.mesh for x in jax.tree.leaves(model.params))
+    replicated = NamedSharding(mesh, PartitionSpec())
+    adapters = {n: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated) for n, x in adapters.items()}
+    base = model.named_arrays()
+    merge = jax.jit(lambda b, a: merge_named(b, a, lora.weights, lora.scale),
+                    out_shardings={name: x.sharding for name, x in base.items()})
+    return analysed(merge.lower(base, adapters).compile())
 
 
 def main() -> int:

@@ -17,6 +17,7 @@ import numpy as np
 import optax
 
 from grpo_stream.common.config.learning import AlgoSection, OptimizerSection
+from grpo_stream.common.model.activation_sharding import activation_sharding
 from grpo_stream.common.model.policy import PolicyModel, sequence_logprobs
 from grpo_stream.common.model.sharding import rows_sharding
 from grpo_stream.trainer_service.batching import TrainBatch
@@ -66,8 +67,7 @@ class PolicyUpdater:
             self.opt_state = init(train)
             # the frozen part is shared with the reference copy: it is never donated, so it stays valid
             self.ref_params = self.join(jax.tree.map(jnp.copy, train), frozen) if algo.beta > 0 else None
-        self._logprobs = jax.jit(lambda p, tokens, valid: sequence_logprobs(model, p, tokens, valid, temperature,
-                                                                            pad_id))
+        self._logprobs = jax.jit(self._logprobs_impl)
         out_shardings = None
         if mesh is not None:
             # the step returns parameters and optimizer state in the layout it takes them in (step counts placed
@@ -123,14 +123,18 @@ class PolicyUpdater:
         norm = normalizers(batch.loss_mask)
         split = lambda x: None if x is None else jnp.swapaxes(x.reshape(micro, k, *x.shape[1:]), 0, 1)  # noqa: E731
         parts = (jax.tree.map(split, batch), split(old), split(ref))
-        grad_fn = jax.value_and_grad(lambda p, b, o, r: self._loss(p, frozen, b, o, r, norm), has_aux=True)
-        shapes = jax.eval_shape(lambda: grad_fn(train, *jax.tree.map(lambda x: x[0], parts))[0][1])
+        grad_fn = jax.value_and_grad(lambda p, f, b, o, r: self._loss(p, f, b, o, r, norm), has_aux=True)
+        shapes = jax.eval_shape(lambda: grad_fn(train, frozen, *jax.tree.map(lambda x: x[0], parts))[0][1])
         start = {key: jnp.full(v.shape, -jnp.inf if key.endswith("_max") else jnp.inf if key.endswith("_min")
                                else 0.0, v.dtype) for key, v in shapes.items()}
 
         def body(carry, part):
             grads, metrics = carry
-            (_, m), g = grad_fn(train, *part)
+            # the weights pass through a barrier with this micro-batch, so they are gathered (FSDP) inside each pass,
+            # a layer at a time: XLA would otherwise hoist every layer's all-gather out of the loop as loop-invariant
+            # and keep the whole model gathered for the whole step (the 70B preset's plan: ~270 GiB per chip more)
+            weights, fixed, part = jax.lax.optimization_barrier((train, frozen, part))
+            (_, m), g = grad_fn(weights, fixed, *part)
             g = self._pin(g)
             merged = {key: jnp.maximum(metrics[key], v) if key.endswith("_max") else
                       jnp.minimum(metrics[key], v) if key.endswith("_min") else metrics[key] + v
@@ -155,9 +159,14 @@ class PolicyUpdater:
             return self._pin(grads), metrics
         return self._accumulated(train, frozen, batch, old, ref, micro)
 
+    def _logprobs_impl(self, params, tokens, valid):
+        with activation_sharding(self.mesh):  # traced with the model's activation constraints on the mesh
+            return sequence_logprobs(self.model, params, tokens, valid, self.temperature, self.pad_id)
+
     def _step_impl(self, train, frozen, opt_state, batch: TrainBatch, old, ref):
         """One optimizer update: returns the trained part (the frozen part is the caller's, unchanged)."""
-        grads, metrics = self.gradients(train, frozen, batch, old, ref)
+        with activation_sharding(self.mesh):  # traced with the model's activation constraints on the mesh
+            grads, metrics = self.gradients(train, frozen, batch, old, ref)
         train, opt_state = apply_optimizer(self.optimizer, grads, opt_state, train, self.master)
         metrics["grad_norm"] = optax.global_norm(grads)
         return train, opt_state, metrics

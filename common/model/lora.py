@@ -118,11 +118,12 @@ def apply_lora(model: PolicyModel, params: Any, section: LoraSection, seed: int)
                       scale=section.alpha / section.rank)
 
 
-def _placed_like_weights(adapted: PolicyModel, weights: list[AdaptedWeight]) -> Any:
-    """The adapted params with each adapter on its weight's mesh: A split as the weight's input side is, B as its
-    output side, the rank never. qwix leaves them on one device when the weights are sharded, and the update step,
-    which returns them on the mesh, would then compile a second time for its second call."""
-    named = adapted.named_arrays()
+def adapter_shardings(adapted: PolicyModel, weights, named: dict[str, Any] | None = None) -> dict[str, Any]:
+    """adapter name -> its place on the mesh of the weight it adapts: A split as the weight's input side is, B as its
+    output side, the rank never. Weights that are not on a mesh give nothing. `named`: name -> the weights (arrays
+    or abstract arrays with shardings); default the adapted model's own."""
+    named = adapted.named_arrays() if named is None else named
+    out = {}
     for w in weights:
         sharding = getattr(named[w.weight], "sharding", None)
         if not isinstance(sharding, jax.sharding.NamedSharding):
@@ -131,10 +132,39 @@ def _placed_like_weights(adapted: PolicyModel, weights: list[AdaptedWeight]) -> 
         spec = tuple(sharding.spec) + (None,) * (len(letters) - len(sharding.spec))
         axis_of = dict(zip(letters, spec))
         for name, operand in zip((w.a, w.b), inputs.split(",")):
-            target = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(
+            out[name] = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(
                 *(axis_of.get(c) for c in operand)))
-            named[name] = jax.device_put(named[name], target)
+    return out
+
+
+def _placed_like_weights(adapted: PolicyModel, weights: list[AdaptedWeight]) -> Any:
+    """The adapted params with each adapter on its weight's mesh (`adapter_shardings`). qwix leaves them on one device
+    when the weights are sharded, and the update step, which returns them on the mesh, would then compile a second
+    time for its second call."""
+    named = adapted.named_arrays()
+    for name, target in adapter_shardings(adapted, weights, named).items():
+        named[name] = jax.device_put(named[name], target)
     return adapted.params_from_arrays(named)
+
+
+def abstract_lora(model: PolicyModel, section: LoraSection, seed: int) -> LoraPolicy:
+    """`apply_lora` for a model whose params are abstract (shapes, dtypes and shardings, as `grpo-stream plan` builds
+    them): the adapted params come back abstract too, each adapter with its weight's sharding; nothing is
+    allocated."""
+    built = {}
+
+    def adapted_params(params):
+        built["policy"] = apply_lora(model, params, section, seed)
+        return built["policy"].adapted.params
+
+    shapes = jax.eval_shape(adapted_params, model.params)
+    policy = built["policy"]
+    adapted = dataclasses.replace(policy.adapted, params=shapes)
+    named = {**adapted.named_arrays(), **model.named_arrays()}  # the base weights keep their shardings
+    placed = adapter_shardings(adapted, policy.weights, named)
+    named = {name: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=placed.get(name, getattr(x, "sharding", None)))
+             for name, x in named.items()}
+    return dataclasses.replace(policy, adapted=dataclasses.replace(adapted, params=adapted.params_from_arrays(named)))
 
 
 def _adapted_weights(module: nnx.Module, rank: int) -> list[AdaptedWeight]:

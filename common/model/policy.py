@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from grpo_stream.common.model import architectures, hf_checkpoint
+from grpo_stream.common.model.activation_sharding import LOGITS_SPEC, constrain
 from grpo_stream.common.model.architectures import Architecture
 from grpo_stream.common.model.remat_policy import remat_policy_of
 from grpo_stream.common.config.learning import ModelSection
@@ -221,6 +222,7 @@ def sequence_logprobs(model: PolicyModel, params: Any, tokens: jax.Array, valid:
     With `with_entropy`, also the policy's entropy at each of those positions ([B, L-1]).
     """
     logits, _ = model.apply(params, tokens, positions_from_mask(valid), None, causal_mask(valid))
+    logits = constrain(logits, LOGITS_SPEC)  # inside activation_sharding: rows over fsdp, vocabulary over tp
     logp = policy_log_softmax(logits[:, :-1], temperature, pad_id)
     chosen = jnp.take_along_axis(logp, tokens[:, 1:, None].astype(jnp.int32), axis=-1)[..., 0]
     if not with_entropy:

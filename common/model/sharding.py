@@ -35,7 +35,7 @@ def make_mesh(fsdp: int, tp: int, devices: Sequence[jax.Device], field: str) -> 
     return Mesh(grid, AXES, axis_types=(jax.sharding.AxisType.Auto,) * 2)
 
 
-def _fit(spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
+def fit_spec(spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
     """`spec` with every mesh axis that does not divide its dimension removed."""
     fitted = []
     for dim, axes in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
@@ -51,7 +51,7 @@ def _fit(spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh) -> PartitionSp
 def param_shardings(params: Any, mesh: Mesh) -> Any:
     """A pytree like `params` of NamedShardings from Tunix's (fsdp, tp) annotations, fitted to the shapes."""
     annotated = nnx.get_named_sharding(params, mesh)
-    return jax.tree.map(lambda leaf, s: NamedSharding(mesh, _fit(s.spec, tuple(leaf.shape), mesh)), params,
+    return jax.tree.map(lambda leaf, s: NamedSharding(mesh, fit_spec(s.spec, tuple(leaf.shape), mesh)), params,
                         annotated)
 
 
