@@ -9,9 +9,10 @@ Saves are asynchronous: `save` returns once the arrays are copied off the device
 in the background (the directory appears under its final name only when complete). `committed()` says
 which saves have finished, so the trainer acknowledges groups only once their update is on disk.
 
-With LoRA the frozen base is written once, to `lora-base/` (`save_base`), and each step's checkpoint holds the
-adapters and their optimizer state only: a 70B model's base is 140 GB in bfloat16, its rank-16 adapters under 1 GB.
-A resume reads the base back from there (`restore_base`), checked against the layout and digest saved with it.
+With LoRA the frozen base is written once per run, to `lora-base/` (`save_base`), and each step's checkpoint
+holds the adapters and their optimizer state only: a 70B model's base is 140 GB in bfloat16, its rank-16 adapters
+under 1 GB. A resume reads the base back from there (`restore_base`), checked against the layout and digest saved
+with it.
 
 Restore walks from the newest step down: a checkpoint that fails to load or whose arrays do not match
 their digest is moved aside to `corrupt-<step>-<time>` (kept for inspection) and the one before is used.
@@ -213,11 +214,11 @@ class TrainerCheckpoints:
     def base_directory(self) -> epath.Path:
         return self.directory / BASE_DIR
 
-    def save_base(self, frozen: Any) -> bool:
-        """Write the frozen base weights (LoRA) once, synchronously, unless `lora-base/` already holds them (a resumed
-        run); True when written. The step checkpoints that follow hold the adapters only."""
-        if (self.base_directory / "record.json").exists():
-            return False
+    def save_base(self, frozen: Any) -> None:
+        """Write the frozen base weights (LoRA), synchronously, replacing any earlier one (a run that starts afresh
+        in this directory may have warm-started another base; a resumed run reads it and never writes it). The step
+        checkpoints that follow hold the adapters only."""
+        (self.base_directory / "record.json").unlink(missing_ok=True)  # from here until the new record: no base
         started = time.time()
         record = {"layout": tree_layout(frozen), "saved_unix": started}
         if self.verify:
@@ -230,8 +231,7 @@ class TrainerCheckpoints:
         tmp = self.base_directory / "record.json.tmp"
         tmp.write_text(json.dumps(record))
         tmp.rename(self.base_directory / "record.json")
-        log.info("LoRA: frozen base written once to %s (%.1f s)", self.base_directory, time.time() - started)
-        return True
+        log.info("LoRA: frozen base written to %s (%.1f s)", self.base_directory, time.time() - started)
 
     def restore_base(self, frozen_like: Any) -> Any:
         """The frozen base `save_base` wrote, placed like `frozen_like`; raises CheckpointMismatch when it is

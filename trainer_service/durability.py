@@ -52,7 +52,7 @@ class Durability:
         self.data_position: dict[str, int] = {}  # sampler -> highest data position trained
         self.buffer_position = "0-0"  # newest stream entry trained
         self.compacted_through = 0  # the audit trail was compacted through this step (by this process)
-        self.base_saved = False  # LoRA: the frozen base is in the checkpoint directory (written or found there)
+        self.base_saved = False  # LoRA: this run's frozen base is in the checkpoint directory (written or read)
 
     def held(self) -> int:
         """Groups trained but not yet acknowledged (waiting for their checkpoint to be safe)."""

@@ -139,8 +139,8 @@ def tree_bytes(path) -> int:
 
 def test_a_lora_base_is_written_once_and_restored_exactly(tmp_path):
     ckpt = TrainerCheckpoints(str(tmp_path), keep=3, verify=True)
-    assert ckpt.save_base(frozen(1.0))
-    assert not ckpt.save_base(frozen(2.0))  # a resumed run finds it there and leaves it
+    ckpt.save_base(frozen(2.0))  # e.g. a run that stopped before its first checkpoint
+    ckpt.save_base(frozen(1.0))  # the run that starts afresh in the directory writes its own
     adapters = {"adapters": (jnp.ones((64, 2)), jnp.zeros((2, 64)))}
     for step in (1, 2):
         ckpt.save(step, adapters, {}, token=step)
@@ -161,7 +161,7 @@ def test_a_missing_lora_base_stops_the_resume_and_names_the_directory(tmp_path):
     (tmp_path / "lora-base" / "record.json").unlink()  # a save cut off before its record: written again next time
     with pytest.raises(CheckpointMismatch, match="is missing or was cut off"):
         ckpt.restore_base(frozen(0.0))
-    assert ckpt.save_base(frozen(1.0))
+    ckpt.save_base(frozen(1.0))
     assert tree_digest(ckpt.restore_base(frozen(0.0))) == tree_digest(frozen(1.0))
 
 
