@@ -7,8 +7,9 @@ held at that moment. Per family (llama3, qwen2, qwen3) a tiny policy of that fam
 versions) through VllmTpuWeightWriter, and the checks' outcomes are printed as one JSON document.
 """
 
-import dataclasses
+import importlib
 import json
+import re
 import sys
 
 import jax
@@ -75,11 +76,9 @@ def engine_layout(family: str, named: dict, mesh: Mesh):
     """The engine's state for a policy with weights `named`: the vLLM-JAX names, K/V heads repeated to the tensor
     parallel width, the embedding held transposed (what the map's transpose declares), bfloat16, sharded by the
     map's specs on 'model'. Returns (state, the expected engine array per target)."""
-    names, transposes = family_mapping(family)
-    from tunix.models import llama3, qwen2, qwen3  # noqa: F401 - the maps' specs
-
-    specs = {src: spec for src, (dst, spec) in __import__(
-        f"tunix.models.{family}.mapping_vllm_jax", fromlist=["x"]).VLLM_JAX_MAPPING["to_hf_mappings"].items()}
+    names, _ = family_mapping(family)
+    module = importlib.import_module(f"tunix.models.{family}.mapping_vllm_jax")
+    specs = {src: spec for src, (_, spec) in module.VLLM_JAX_MAPPING["to_hf_mappings"].items()}
     flat, expected = {}, {}
     for source, x in named.items():
         key = next(k for k in names if _matches(k, source))
@@ -100,8 +99,6 @@ def engine_layout(family: str, named: dict, mesh: Mesh):
 
 
 def _matches(pattern: str, name: str) -> bool:
-    import re
-
     return re.fullmatch(re.escape(pattern).replace(r"\*", r"\d+"), name) is not None
 
 
