@@ -34,6 +34,7 @@ import numpy as np
 
 RUNNER_PATH = ("llm_engine", "model_executor", "driver_worker", "model_runner")
 FAMILIES = ("llama3", "qwen2", "qwen3")  # those Tunix ships a vLLM-JAX name map for
+KV_NAME = re.compile(r"\.(k_proj|v_proj)\.|\.(k_bias|v_bias)$")
 
 
 class VllmTpuWeightError(ValueError):
@@ -131,9 +132,11 @@ def fitted(source: str, x: Any, like: Any, transpose: tuple[int, ...] | None) ->
     shape = tuple(like.shape)
     if transpose is not None and tuple(x.shape) != shape and tuple(np.shape(x)[i] for i in transpose) == shape:
         x = jnp.transpose(x, transpose)
-    if tuple(x.shape) != shape and len(x.shape) == len(shape):
+    if tuple(x.shape) != shape and len(x.shape) == len(shape) and KV_NAME.search(source):
+        # K/V heads (never the last axis, the head dimension) repeated to the engine's count: each query head then
+        # meets the same K/V values as in the model; anything else that differs (a padded head dimension) is refused
         differ = [i for i, (a, b) in enumerate(zip(x.shape, shape)) if a != b]
-        if len(differ) == 1 and shape[differ[0]] % x.shape[differ[0]] == 0:
+        if len(differ) == 1 and differ[0] != len(shape) - 1 and shape[differ[0]] % x.shape[differ[0]] == 0:
             x = jnp.repeat(x, shape[differ[0]] // x.shape[differ[0]], axis=differ[0])
     if tuple(x.shape) != shape:
         raise VllmTpuWeightError(f"{source}: shape {list(np.shape(x))} does not fit the engine's {list(shape)}")

@@ -47,6 +47,7 @@ def test_a_version_that_does_not_fit_is_refused_by_name_and_changes_nothing(repo
     assert "layers.7.attn.q_proj.w" in errors["state_lacks_a_target"]
     assert "norm" in errors["state_leaf_unfilled"] and "dummy" in errors["state_leaf_unfilled"]
     assert "final_norm.w" in errors["shape_mismatch"] and "[63]" in errors["shape_mismatch"]
+    assert "k_proj.w: shape [64, 8, 8] does not fit the engine's [64, 8, 16]" in errors["head_dim_differs"]
     assert r["version_after_errors"] == 4 and r["calls_after_errors"] == 6 and r["values_after_errors"]
 
 

@@ -139,6 +139,9 @@ def run(family: str) -> dict:
         "state_lacks_a_target": lambda: VllmTpuWeightWriter(llm, family, [*named, "layers.7.attn.q_proj.w"]),
         "state_leaf_unfilled": lambda: VllmTpuWeightWriter(llm, family, [n for n in named if n != "final_norm.w"]),
         "shape_mismatch": lambda: writer.install({**named, "final_norm.w": np.zeros(63, np.float32)}, 6, "e1"),
+        # half the engine's head dimension: a multiple, but never repeated (a padded head dimension is not K/V heads)
+        "head_dim_differs": lambda: writer.install({**named, "layers.0.attn.k_proj.w": np.zeros((64, TP, 8),
+                                                                                             np.float32)}, 7, "e1"),
     }.items():
         try:
             fn()
