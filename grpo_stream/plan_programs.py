@@ -184,7 +184,11 @@ def sampler_programs(cfg: RunConfig, arch: Architecture) -> dict:
     if cfg.model.lora is not None:  # the frozen base stays beside the merged weights; each version is merged into it
         base = params
         programs["lora_merge"] = lora_merge_program(cfg, model)
-        extra["lora_merge"] = programs["lora_merge"]["arguments"] - params + programs["lora_merge"]["temporaries"]
+        merge = programs["lora_merge"]
+        # the version's adapters and the merge's temporaries, and its output beside the installed weights unless
+        # the fetch buffer already stands for that copy
+        extra["lora_merge"] = (merge["arguments"] - params + merge["temporaries"]
+                               + (0 if cfg.weights.background_fetch else merge["outputs"]))
     progress(f"sampler: compiled in {time.time() - started:.0f} s")
     per_device = {"parameters": params, "fetch_buffer": fetch, "lora_base": base, "decode_weights": relaid,
                   "kv_cache": kv, "temporaries": max(extra.values())}
