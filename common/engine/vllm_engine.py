@@ -25,18 +25,40 @@ them in place with `load_into_worker` (below). Two ways to reach the workers:
             method of ours (vllm_worker.py, vLLM's worker_extension_cls),
             called by name, so vLLM never pickles code to them).
 After an install the prefix cache is reset: a cached prompt's keys and
-values were computed with the old weights.
+values were computed with the old weights. Every request also carries the
+installed version's `cache_salt` (vLLM keys cached blocks by it), so no
+request can reuse another version's KV even where a reset cannot run.
+
+On TPU (tpu-inference) the model is an nnx State of JAX arrays, not a torch
+module: versions are written into it in place by `vllm_tpu.VllmTpuWeightWriter`
+(the engine core in this process).
+
+In-flight updates (sampler.weight_updates: in_flight): `generate(...,
+refresh=f)` drives the engine a step at a time (`LLMEngine.step`, one token
+per live request), admits requests as slots free up, and every
+`steps_between_updates` steps calls f(); on a new (params, version) it pauses
+the scheduler keeping every request (`sleep(level=0, mode="keep")`), writes the
+weights in place (the KV cache stays: earlier tokens keep the keys and values
+older weights computed, as the JAX engine and PipelineRL do), and resumes
+(`wake_up(["scheduling"])`). A token returned by a step after the write was
+sampled from the new weights' logits, so `Generation.versions` records it as
+the new version; requests admitted afterwards carry the new cache salt.
+Asynchronous scheduling is turned off for this mode: with it a step's batch
+can be launched before the previous step's tokens are returned, and a token
+could be counted under the wrong version.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import pathlib
 import shutil
 import tempfile
 import time
-from typing import Any
+import uuid
+from typing import Any, Callable
 
 import numpy as np
 
@@ -54,10 +76,12 @@ class VllmEngine:
     fixed_shape = False  # any batch size costs no recompilation: no padding rows are needed
 
     def __init__(self, model_dir: str | pathlib.Path, model, pad_id: int, eos_ids: list[int], max_prompt_tokens: int,
-                 max_new_tokens: int, temperature: float, settings, dtype: str = "float32", seed: int = 0):
+                 max_new_tokens: int, temperature: float, settings, dtype: str = "float32", seed: int = 0,
+                 in_flight: bool = False):
         """`model_dir`: a Hugging Face directory whose config.json vLLM builds the model from (its weights are not
-        read); `model`: the policy model (`grpo_stream.common.model.policy.PolicyModel`, abstract is enough) whose params `generate`
-        gets; `settings`: the sampler.vllm config section."""
+        read); `model`: the policy model (`grpo_stream.common.model.policy.PolicyModel`, abstract is enough) whose
+        params `generate` gets; `settings`: the sampler.vllm config section; `in_flight`: weights may change
+        mid-generation (sampler.weight_updates=in_flight)."""
         self.model, self.pad_id, self.eos_ids = model, pad_id, list(eos_ids)
         self.max_prompt_tokens, self.max_new_tokens, self.temperature = max_prompt_tokens, max_new_tokens, temperature
         self.settings = settings
@@ -77,9 +101,13 @@ class VllmEngine:
         from vllm.platforms import current_platform  # noqa: PLC0415
 
         if current_platform.is_tpu():
-            raise RuntimeError("sampler.engine=vllm on TPU: installing published weights into tpu-inference's JAX "
-                               "model state is not implemented; use sampler.engine=jax, the TPU-native engine")
+            # tpu-inference's runner holds the model as JAX arrays; they are written in place (vllm_tpu.py), which
+            # needs the engine core in this process (its mesh spans the host's chips from here, any tp)
+            self.install_mode = "tpu_state"
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         engine_args = dict(settings.engine_args)
+        if in_flight:
+            engine_args["async_scheduling"] = False  # a step's tokens come back before the next step is launched
         if current_platform.is_cpu() and "enable_chunked_prefill" not in engine_args:
             # vLLM's CPU backend crashes ("CPU Generator does not use offset") when a seeded request's prompt is
             # prefilled over several steps: it rewinds the request's generator, which a CPU generator cannot do.
@@ -104,10 +132,31 @@ class VllmEngine:
         self._installed: Any = None
         self.install_seconds: list[float] = []
         self.tied_heads_loaded = 0  # output heads tied to the embedding, given its new tensor at the last install
+        self._epoch = uuid.uuid4().hex[:8]  # this engine's installs: salts never repeat across engine restarts
+        self._requests = 0  # request ids of the in-flight path
+        self.pauses = 0  # in-flight weight writes (scheduler paused with its requests kept)
+        self.cached_prompt_tokens: list[int] = []  # per row of the last batch: prompt tokens read from the prefix cache
+        self._tpu_writer = None
+        if self.install_mode == "tpu_state":
+            from grpo_stream.common.engine.vllm_tpu import VllmTpuWeightWriter  # noqa: PLC0415
 
-    def install(self, params: Any) -> None:
-        """Put `params` into the running engine (whole: the next batch uses only these weights)."""
+            self._tpu_writer = VllmTpuWeightWriter(self.llm, model.arch.family, list(model.names()))
+
+    @property
+    def cache_salt(self) -> str:
+        """The prefix-cache salt of requests under the installed version (one per install)."""
+        return f"{self._epoch}:{len(self.install_seconds)}"
+
+    def install(self, params: Any, keep_requests: bool = False) -> None:
+        """Put `params` into the running engine (whole: the next batch uses only these weights). `keep_requests`:
+        live requests go on with their KV cache (the scheduler is paused around the call)."""
         started = time.monotonic()
+        if self._tpu_writer is not None:
+            self._tpu_writer.install(self.model.named_arrays(params), len(self.install_seconds) + 1, self._epoch,
+                                     keep_kv=keep_requests)
+            self._installed = params
+            self.install_seconds.append(time.monotonic() - started)
+            return
         named = to_hf_names(self.model.arch, self.model.to_named_numpy(params))
         if self.install_mode == "iterator":
             loaded = self.llm.collective_rpc(load_into_worker, kwargs={"tensors": named})
@@ -120,43 +169,101 @@ class VllmEngine:
             finally:
                 shutil.rmtree(stage, ignore_errors=True)
         self.tied_heads_loaded = loaded[0]
-        self.llm.reset_prefix_cache()
+        self.llm.reset_prefix_cache()  # refused (False) while requests hold blocks: the new salt covers that
         self._installed = params
         self.install_seconds.append(time.monotonic() - started)
         log.info("vLLM engine: weights installed in %.2fs (%s)", self.install_seconds[-1], self.install_mode)
 
-    def sampling_params(self, seed: int | None, greedy: bool, max_tokens: int | None = None):
+    def sampling_params(self, seed: int | None, greedy: bool, max_tokens: int | None = None, delta: bool = False):
         from vllm import SamplingParams  # noqa: PLC0415
+        from vllm.sampling_params import RequestOutputKind  # noqa: PLC0415
 
         return SamplingParams(n=1, temperature=0.0 if greedy else self.temperature, top_p=1.0, top_k=0, min_p=0.0,
                               max_tokens=max_tokens or self.max_new_tokens, stop_token_ids=self.eos_ids, logprobs=0,
-                              logit_bias={self.pad_id: PAD_BIAS}, seed=None if greedy else seed, detokenize=False)
+                              logit_bias={self.pad_id: PAD_BIAS}, seed=None if greedy else seed, detokenize=False,
+                              output_kind=RequestOutputKind.DELTA if delta else RequestOutputKind.CUMULATIVE)
+
+    def _request(self, ids: list[int]) -> dict:
+        return {"prompt_token_ids": list(ids), "cache_salt": self.cache_salt}
 
     def generate(self, params: Any, prompts: list[list[int]], rng: Any, greedy: bool = False,
-                 max_new_tokens: list[int] | None = None) -> Generation:
-        """Completions for `prompts` (token ids) under `params`; `rng` (a JAX key or an int) seeds each row;
-        `max_new_tokens`: per-row budgets (default generation.max_new_tokens)."""
+                 max_new_tokens: list[int] | None = None, refresh: Callable[[], tuple[Any, int] | None] | None = None,
+                 version: int = 0) -> Generation:
+        """Completions for `prompts` (token ids) under `params` (weight version `version`); `rng` (a JAX key or an
+        int) seeds each row; `max_new_tokens`: per-row budgets (default generation.max_new_tokens); `refresh`:
+        called every sampler.vllm.steps_between_updates steps, returns newer (params, version) to go on with, or
+        None; with it, `Generation.versions` records each token's version."""
         budgets = check_request(prompts, max_new_tokens, self.max_prompt_tokens, self.max_new_tokens).tolist()
         if params is not self._installed:
             self.install(params)
         base = _seed_of(rng)
-        requests = [{"prompt_token_ids": list(ids)} for ids in prompts]
-        outputs = self.llm.generate(requests, [self.sampling_params((base + i) % 2**63, greedy, budgets[i])
-                                               for i in range(len(prompts))], use_tqdm=False)
-        batch, width = len(prompts), self.max_new_tokens
-        tokens = np.full((batch, width), self.pad_id, np.int32)
-        logprobs = np.zeros((batch, width), np.float32)
-        lengths = np.zeros((batch,), np.int32)
-        finished = np.zeros((batch,), np.bool_)
-        for row, out in enumerate(outputs):
-            done = out.outputs[0]
-            ids = list(done.token_ids)[:width]
-            tokens[row, :len(ids)] = ids
-            logprobs[row, :len(ids)] = [step[tok].logprob for step, tok in zip(done.logprobs, ids)]
-            lengths[row] = len(ids)
-            # the stop token is part of the completion, as in the JAX engine
-            finished[row] = bool(ids) and ids[-1] in self.eos_ids
-        return Generation(tokens, logprobs, lengths, finished)
+        sampling = [self.sampling_params((base + i) % 2**63, greedy, budgets[i], delta=refresh is not None)
+                    for i in range(len(prompts))]
+        if refresh is not None:
+            return self._generate_in_flight(prompts, sampling, refresh, version)
+        outputs = self.llm.generate([self._request(ids) for ids in prompts], sampling, use_tqdm=False)
+        done = [out.outputs[0] for out in outputs]
+        self.cached_prompt_tokens = [out.num_cached_tokens or 0 for out in outputs]
+        return self._generation([list(d.token_ids) for d in done],
+                                [[step[t].logprob for step, t in zip(d.logprobs, d.token_ids)] for d in done])
+
+    def _generate_in_flight(self, prompts: list[list[int]], sampling: list, refresh, version: int) -> Generation:
+        """One step at a time: admit rows while the engine has room, collect each step's new tokens under the
+        version that sampled them, and switch versions in place between steps (module docstring)."""
+        engine, rows = self.llm.llm_engine, len(prompts)
+        tokens: list[list[int]] = [[] for _ in range(rows)]
+        logprobs: list[list[float]] = [[] for _ in range(rows)]
+        versions: list[list[int]] = [[] for _ in range(rows)]
+        pending, live = collections.deque(range(rows)), {}
+        self.cached_prompt_tokens = [0] * rows
+        steps = 0
+        while pending or live:
+            while pending and len(live) < self.settings.max_num_seqs:
+                row = pending.popleft()
+                self._requests += 1
+                request_id = f"grpo-{self._requests}"  # outputs carry this id (vLLM adds a suffix inside)
+                engine.add_request(request_id, self._request(prompts[row]), sampling[row])
+                live[request_id] = row
+            for out in engine.step():
+                row = live.get(out.request_id)
+                if row is None:
+                    continue
+                new = out.outputs[0]
+                self.cached_prompt_tokens[row] = max(self.cached_prompt_tokens[row], out.num_cached_tokens or 0)
+                tokens[row] += new.token_ids
+                logprobs[row] += [step[t].logprob for step, t in zip(new.logprobs, new.token_ids)]
+                versions[row] += [version] * len(new.token_ids)
+                if out.finished:
+                    del live[out.request_id]
+            steps += 1
+            if live and not engine.has_unfinished_requests():
+                raise RuntimeError(f"vLLM finished every request but returned none of {sorted(live)[:3]}")
+            if live and steps % self.settings.steps_between_updates == 0:
+                update = refresh()
+                if update is not None and update[0] is not self._installed:
+                    self.llm.sleep(level=0, mode="keep")  # every request kept, none scheduled until wake_up
+                    try:
+                        self.install(update[0], keep_requests=True)
+                    finally:
+                        self.llm.wake_up(tags=["scheduling"])
+                    self.pauses += 1
+                if update is not None:
+                    version = update[1]
+        return self._generation(tokens, logprobs, versions)
+
+    def _generation(self, tokens: list[list[int]], logprobs: list[list[float]],
+                    versions: list[list[int]] | None = None) -> Generation:
+        batch, width = len(tokens), self.max_new_tokens
+        out = Generation(np.full((batch, width), self.pad_id, np.int32), np.zeros((batch, width), np.float32),
+                         np.zeros((batch,), np.int32), np.zeros((batch,), np.bool_),
+                         None if versions is None else np.full((batch, width), -1, np.int32))
+        for row, ids in enumerate(tokens):
+            n = min(len(ids), width)
+            out.tokens[row, :n], out.logprobs[row, :n], out.lengths[row] = ids[:n], logprobs[row][:n], n
+            if versions is not None:
+                out.versions[row, :n] = versions[row][:n]
+            out.finished[row] = n > 0 and ids[n - 1] in self.eos_ids  # the stop token is part of the completion
+        return out
 
 
 def load_into_worker(worker, tensors: dict[str, np.ndarray] | None = None, path: str | None = None) -> int:
@@ -216,4 +323,5 @@ def build(cfg, model, tokenizer, index: int = 0) -> VllmEngine:
         model_dir = pathlib.Path(tempfile.mkdtemp(prefix="grpo-vllm-model-"))
         write_hf_config(model_dir, model.arch, cfg.sampler_dtype(), tokenizer.eos_ids, tokenizer.pad_id)
     return VllmEngine(model_dir, model, tokenizer.pad_id, tokenizer.eos_ids, gen.max_prompt_tokens, gen.max_new_tokens,
-                      gen.temperature, cfg.sampler.vllm, dtype=cfg.sampler_dtype(), seed=cfg.run.seed * 1000 + index)
+                      gen.temperature, cfg.sampler.vllm, dtype=cfg.sampler_dtype(), seed=cfg.run.seed * 1000 + index,
+                      in_flight=cfg.sampler.weight_updates == "in_flight")

@@ -13,6 +13,8 @@ programs are called with. A version is installed by replacing those arrays, in t
    compiled against, and the old buffer deleted at once;
 4. `state_leaves` rebuilt from the state (the runner's programs take the flat tuple, not the state);
 5. `collective_rpc("reinitialize_kv_cache")`.
+With in-flight updates (`keep_kv`) steps 2 and 5 are left out: live requests keep their cache, and each leaf's old
+buffer is freed as its new one is placed, so a leaf, not the model, is the most held twice.
 
 Each installed version gets its own `cache_salt` (trainer epoch and version): vLLM keys its prefix cache by it, so
 no request of one version can reuse KV computed under another, even if a reset were missed.
@@ -157,8 +159,10 @@ class VllmTpuWeightWriter:
         """The prefix-cache salt of every request generated with the installed version."""
         return None if self.version is None else f"{self.epoch}:{self.version}"
 
-    def install(self, named: dict[str, Any], version: int, epoch: str) -> None:
-        """Write `named` (the policy's name -> array) into the engine as `version` of trainer `epoch`."""
+    def install(self, named: dict[str, Any], version: int, epoch: str, keep_kv: bool = False) -> None:
+        """Write `named` (the policy's name -> array) into the engine as `version` of trainer `epoch`. `keep_kv`: live
+        requests keep their KV cache (in-flight updates, the scheduler paused with its requests kept): the cache is
+        neither freed nor rebuilt, so one leaf's old and new copies are the most held at once beside it."""
         missing = [t.source for t in self.targets if t.source not in named]
         if missing:
             raise VllmTpuWeightError(f"version {version} lacks {', '.join(missing[:5])}: not a whole version")
@@ -167,8 +171,9 @@ class VllmTpuWeightWriter:
             like = _leaf_array(flat[t.target])
             jax.eval_shape(lambda x, t=t, like=like: fitted(t.source, x, like, t.transpose),
                            jax.ShapeDtypeStruct(np.shape(named[t.source]), named[t.source].dtype))
-        self.llm.reset_prefix_cache()
-        self.llm.collective_rpc("delete_kv_cache")
+        self.llm.reset_prefix_cache()  # refused while requests hold blocks (keep_kv): the version's salt covers that
+        if not keep_kv:
+            self.llm.collective_rpc("delete_kv_cache")
         jax.effects_barrier()
         for t in self.targets:
             leaf = flat[t.target]
@@ -183,7 +188,8 @@ class VllmTpuWeightWriter:
             old.delete()  # the engine's old copy goes now, not when Python next collects
         if hasattr(self.runner, "state_leaves"):
             self.runner.state_leaves = tuple(jax.tree_util.tree_leaves(self.runner.state))
-        self.llm.collective_rpc("reinitialize_kv_cache")
+        if not keep_kv:
+            self.llm.collective_rpc("reinitialize_kv_cache")
         self.version, self.epoch = version, epoch
 
 

@@ -175,8 +175,8 @@ def test_samplers_send_rollouts_to_the_ingest_address():
      "weight_install=iterator needs tensor_parallel_size 1"),
     (["sampler.vllm.gpu_memory_utilization=1.5"], "sampler.vllm.gpu_memory_utilization: Input should be less"),
     (["sampler.engine=vllm", "weights.transport=local"], "sampler.engine=vllm runs each sampler as its own process"),
-    (["sampler.engine=vllm", "sampler.weight_updates=in_flight"], "sampler.weight_updates=in_flight: "
-     "sampler.engine=vllm switches weights only between batches"),
+    (["sampler.vllm.steps_between_updates=0"],
+     "sampler.vllm.steps_between_updates: Input should be greater than or equal to 1"),
     (["sampler.weight_updates=in_flight", "sampler.max_groups_per_version=8"], "synchronous mode "
      "(sampler.max_groups_per_version) needs weight_updates=between_batches"),
     (["sampler.weight_updates=always"], "sampler.weight_updates: Input should be 'between_batches' or 'in_flight'"),

@@ -9,6 +9,7 @@ from grpo_stream.bench.static_engine import StaticEngine
 from grpo_stream.common.engine.continuous import ContinuousEngine
 from grpo_stream.common.model.policy import sequence_logprobs
 from grpo_stream.trainer_service.batching import layout
+from tests.mixed_versions import mixed_version_logprobs
 
 NO_EOS = -1  # no token ends a completion: lengths are the budgets
 
@@ -129,32 +130,6 @@ def test_attention_windows_follow_live_lengths(tiny_parts):
     assert [new for _, new in grown] == windows[1:] and grown[0][0] == 64
 
 
-def _mixed_version_logprobs(model, versions_params, prompt, tokens, token_versions, temperature, pad_id):
-    """One row, one token at a time, no slots or chunks: token j's logprob under the weights of the version it
-    records, which also wrote token j-1's key and value (the prompt's: the version of token 0), as documented."""
-    from grpo_stream.common.engine import decode
-    from grpo_stream.common.model.policy import policy_log_softmax
-
-    p = len(prompt)
-    cache = decode.init_cache(model, 1, p + len(tokens))
-    weights = [decode.decode_weights(model, params) for params in versions_params]
-    step = jax.jit(lambda w, t, at, cache, valid: decode.forward(model, w, t, at[None, None], cache, at, valid))
-    w = weights[token_versions[0]]
-    mask = np.tril(np.ones((p, p), bool))[None]
-    mask = np.pad(mask, ((0, 0), (0, 0), (0, len(tokens))))
-    logits, cache = decode.forward(model, w, np.asarray([prompt]), np.arange(p)[None], cache, 0, mask)
-    out = []
-    for j, tok in enumerate(tokens):
-        if j:
-            w = weights[token_versions[j]]
-            at = p + j - 1
-            valid = (np.arange(p + len(tokens)) <= at)[None, None]
-            logits, cache = step(w, np.asarray([[tokens[j - 1]]]), np.int32(at), cache, valid)
-        logp = policy_log_softmax(logits[:, -1], temperature, pad_id)
-        out.append(float(logp[0, tok]))
-    return np.asarray(out)
-
-
 def test_in_flight_updates_record_the_version_of_every_token(tiny_parts):
     """A clearly different version every other chunk: live slots go on with the new weights, every token records
     the version whose weights drew it, and its logprob is that version's (recomputed one token at a time)."""
@@ -178,12 +153,12 @@ def test_in_flight_updates_record_the_version_of_every_token(tiny_parts):
     assert all((np.diff(v) >= 0).all() for v in recorded)
     assert sum(len(np.unique(v)) > 1 for v in recorded) >= 4  # versions changed mid-sequence
     for i, n in enumerate(budgets):
-        reference = _mixed_version_logprobs(model, versions, prompts[i], out.tokens[i, :n].tolist(),
+        reference = mixed_version_logprobs(model, versions, prompts[i], out.tokens[i, :n].tolist(),
                                             recorded[i].tolist(), 1.0, tok.pad_id)
         np.testing.assert_allclose(out.logprobs[i, :n], reference, atol=1e-4)
         # the newest weights alone would give other logprobs: the versions are clearly different
         if len(np.unique(recorded[i])) > 1:
-            assert np.abs(reference - _mixed_version_logprobs(model, versions, prompts[i], out.tokens[i, :n].tolist(),
+            assert np.abs(reference - mixed_version_logprobs(model, versions, prompts[i], out.tokens[i, :n].tolist(),
                                                                [int(recorded[i][-1])] * n, 1.0, tok.pad_id)).max() > 1e-2
 
 

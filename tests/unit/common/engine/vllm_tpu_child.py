@@ -154,6 +154,13 @@ def run(family: str) -> dict:
     out["calls_after_errors"] = len(recorder.calls)
     out["values_after_errors"] = all(np.allclose(np.asarray(flat_state(runner.state)[t].get_value().astype(
         jnp.float32)), 2 * e, rtol=1e-2) for t, (e, _) in expected.items())
+    # an in-flight write (live requests keep their KV): the cache is neither freed nor rebuilt
+    kept = len(recorder.calls)
+    writer.install({n: x * 3 for n, x in named.items()}, version=5, epoch="e1", keep_kv=True)
+    out["keep_kv_calls"] = [name for name, _ in recorder.calls[kept:]]
+    out["keep_kv_values"] = all(np.allclose(np.asarray(flat_state(runner.state)[t].get_value().astype(jnp.float32)),
+                                            3 * e, rtol=1e-2) for t, (e, _) in expected.items())
+    out["keep_kv_salt"] = writer.cache_salt
     return out
 
 
