@@ -191,8 +191,9 @@ def run_up(config_path: pathlib.Path | None, overrides: list[str], cfg: RunConfi
         # the trainer process (or the single controller) and each sampler see the devices their meshes need
         trainer = _Child("colocated" if colocated else "trainer",
                          [*base, "colocated" if colocated else "trainer", *cfg_args, "--run-dir", str(run_dir),
-                          *extra], log_dir, with_host_devices(server_env if not colocated else {**server_env,
-                                                                             **sampler_env}, trainer_devices))
+                          *extra], log_dir, with_host_devices({**(server_env if not colocated else {**server_env,
+                                                                               **sampler_env}),
+                                                               **cfg.hardware.trainer_env}, trainer_devices))
         children.append(trainer)
         # (the config refuses ingest.standalone with weights.transport=local)
         helpers = ([_Child("ingest", [*base, "ingest", *cfg_args, *extra], log_dir, server_env)]
@@ -201,8 +202,8 @@ def run_up(config_path: pathlib.Path | None, overrides: list[str], cfg: RunConfi
         sampler_base = [cfg.sampler.python or sys.executable, "-m", "grpo_stream"]  # e.g. the vLLM environment's
         samplers = [] if colocated else [
             _Child(f"sampler-{i}", [*sampler_base, "sampler", *cfg_args, "--index", str(i), "--run-dir", str(run_dir),
-                                    *extra], log_dir, with_host_devices(sampler_token_env(sampler_env, i),
-                                                                        sampler_devices))
+                                    *extra], log_dir, with_host_devices({**sampler_token_env(sampler_env, i),
+                                                                         **cfg.hardware.sampler_env}, sampler_devices))
             for i in range(cfg.sampler.replicas)]
         children.extend(samplers)
         supervisor = supervise(cfg, trainer, helpers + samplers, redis_server, children, lambda: interrupted)

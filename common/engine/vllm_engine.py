@@ -156,6 +156,8 @@ class VllmEngine:
                                      keep_kv=keep_requests)
             self._installed = params
             self.install_seconds.append(time.monotonic() - started)
+            log.info("vLLM engine: weights installed in %.2fs (tpu_state%s)", self.install_seconds[-1],
+                     ", in flight" if keep_requests else "")
             return
         named = to_hf_names(self.model.arch, self.model.to_named_numpy(params))
         if self.install_mode == "iterator":

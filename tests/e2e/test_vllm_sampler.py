@@ -5,6 +5,8 @@ installs each version, every behaviour logprob agrees with the trainer's recompu
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -28,7 +30,9 @@ def test_up_with_a_vllm_sampler(tmp_path):
                  "sampler.engine=vllm", f"sampler.python={python}", "sampler.vllm.kv_cache_gib=0.25",
                  "sampler.vllm.enforce_eager=true", "task.rewards={tests.e2e.vllm_rewards:longer_is_better: 1.0}",
                  "generation.max_prompt_tokens=24", "generation.max_new_tokens=16", "weights.verify_prompts=8",
-                 "eval.num_problems=8", "eval.batch_size=8", "trainer.final_wait_s=120"]
+                 "eval.num_problems=8", "eval.batch_size=8", "trainer.final_wait_s=120",
+                 # each role's own environment (how one TPU VM's chips are split between trainer and sampler)
+                 "hardware.trainer_env={JAX_LOG_COMPILES: '1'}", "hardware.sampler_env={VLLM_LOGGING_LEVEL: DEBUG}"]
     env = {"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = run_cli("up", "--config", "configs/tiny_arith_smoke.yaml", "--run-dir", str(run_dir), *overrides,
                    env=env, timeout=900)
@@ -46,4 +50,21 @@ def test_up_with_a_vllm_sampler(tmp_path):
     assert vllm_final["greedy"] == trainer_final["greedy"]  # the vLLM engine runs the trainer's final model
     assert len(set(trainer_final["greedy"])) > 1 and all(trainer_final["greedy"]), trainer_final["greedy"]
     log = (run_dir / "logs" / "sampler-0.log").read_text()
+    assert " DEBUG " in log and " DEBUG " not in (run_dir / "logs" / "trainer.log").read_text()
+    assert "Compiling" in (run_dir / "logs" / "trainer.log").read_text() and "Compiling" not in log
     assert "vLLM engine up" in log and log.count("vLLM engine: weights installed") == len(sampler["versions"])
+
+    # the smoke report a TPU user sends back (scripts/tpu-vllm-smoke.sh), made from this run: what ran, on what
+    out = tmp_path / "smoke.json"
+    proc = subprocess.run([sys.executable, "-m", "grpo_stream.smoke_report", str(run_dir), "--python", sys.executable,
+                           "--python", python, "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    smoke = json.loads(out.read_text())
+    assert smoke["format"] == "grpo-stream-smoke/1" and smoke["passed"], smoke["checks"]
+    assert smoke["checks"]["trainer_steps"]["value"] == steps and smoke["run"]["engine"] == "vllm"
+    assert smoke["run"]["versions_installed"] == sampler["versions"] and smoke["run"]["final_greedy_equal"] is True
+    assert smoke["run"]["weight_installs_logged"] == len(sampler["versions"])
+    trainer_env, vllm_env = smoke["environments"]
+    assert trainer_env["vllm"] is None and vllm_env["vllm"] == "0.32.0" and vllm_env["jax"] and trainer_env["jax"]
+    assert trainer_env["device_count"] >= 1 and vllm_env["tpu_inference"] is None

@@ -1,0 +1,121 @@
+"""The result of a smoke run (scripts/tpu-vllm-smoke.sh): one JSON document a user on hardware we do not have can
+send back, saying what ran, on what, and whether the loop held.
+
+    python -m grpo_stream.smoke_report RUN_DIR [--python PY ...] [--out F]
+
+RUN_DIR is an `up` run directory. Each --python (the trainer's and the sampler's interpreters) is asked which jax,
+vLLM and tpu-inference it has and which devices it sees. The format (`"format": "grpo-stream-smoke/1"`):
+
+  passed         every check below ok
+  checks         name -> {value, want, ok}: the trainer finished its steps; the sampler installed the final
+                 version; no group was refused as invalid; the sampler's behaviour logprobs agree with the
+                 trainer's recomputation at version lag 0 (mean absolute difference, where any token was compared)
+  run            engine, weight_updates, steps, groups trained / generated / wasted share, mixed-version groups,
+                 versions published and installed, weight installs logged, seconds, the agreement figures, held-out
+                 accuracy before and after, and whether the final greedy completions equal the trainer's (reported,
+                 not required: bfloat16 kernels may break ties differently)
+  environments   per interpreter: python, platform, jax, vllm, tpu_inference versions, device kind and count
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import subprocess
+import sys
+
+import yaml
+
+FORMAT = "grpo-stream-smoke/1"
+AGREEMENT_MEAN_ABS = 0.05  # bfloat16 engines: a few hundredths of a nat on average; a wrong weight map gives whole nats
+PROBE = """
+import importlib, json, platform, sys
+out = {"python": sys.version.split()[0], "platform": platform.platform()}
+for name in ("jax", "vllm", "tpu_inference"):
+    try:
+        out[name] = getattr(importlib.import_module(name), "__version__", "unknown")
+    except Exception as exc:
+        out[name] = None
+try:
+    import jax
+    devices = jax.devices()
+    out["device_kind"], out["device_count"] = devices[0].device_kind, len(devices)
+except Exception as exc:
+    out["device_error"] = repr(exc)[:300]
+print(json.dumps(out))
+"""
+
+
+def probe(python: str) -> dict:
+    """What interpreter `python` runs with (versions, devices), or the error that stopped it."""
+    try:
+        proc = subprocess.run([python, "-c", PROBE], capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return {"interpreter": python, "error": repr(exc)[:300]}
+    if proc.returncode != 0:
+        return {"interpreter": python, "error": proc.stderr.strip()[-300:]}
+    return {"interpreter": python, **json.loads(proc.stdout.strip().splitlines()[-1])}
+
+
+def _check(value, want: str, ok: bool) -> dict:
+    return {"value": value, "want": want, "ok": bool(ok)}
+
+
+def report(run_dir: pathlib.Path, pythons: list[str]) -> dict:
+    """The smoke result of the `up` run in `run_dir` (module docstring)."""
+    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+    summary_path = run_dir / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    sampler_path = run_dir / "sampler-0.json"
+    sampler = json.loads(sampler_path.read_text()) if sampler_path.exists() else {}
+    log_path = run_dir / "logs" / "sampler-0.log"
+    installs = log_path.read_text(errors="replace").count("vLLM engine: weights installed") if log_path.exists() else 0
+    steps, agreement = cfg["trainer"]["steps"], summary.get("logprob_agreement_lag0") or {}
+    trainer_final, sampler_final = summary.get("final_weights") or {}, sampler.get("final_weights") or {}
+    versions = sampler.get("versions") or []
+    checks = {
+        "trainer_steps": _check(summary.get("steps"), f"== {steps}", summary.get("steps") == steps),
+        "final_version_installed": _check(versions[-1] if versions else None, f"== {steps}",
+                                          bool(versions) and versions[-1] == steps),
+        "groups_dropped_invalid": _check(summary.get("groups_dropped_invalid"), "== 0",
+                                         summary.get("groups_dropped_invalid") == 0),
+        "logprob_agreement_lag0_mean_abs": _check(agreement.get("mean_abs"), f"<= {AGREEMENT_MEAN_ABS} (or no token "
+                                                  "at lag 0)", agreement.get("tokens", 0) == 0
+                                                  or agreement["mean_abs"] <= AGREEMENT_MEAN_ABS),
+    }
+    greedy = trainer_final.get("greedy"), sampler_final.get("greedy")
+    accuracy = {k: (summary.get(k) or {}).get("accuracy") for k in ("eval_before", "eval_after")}
+    run = {"engine": cfg["sampler"]["engine"], "weight_updates": cfg["sampler"]["weight_updates"],
+           "model": cfg["model"].get("path"), "steps": summary.get("steps"),
+           "groups_trained": summary.get("groups_trained"), "groups_generated": summary.get("groups_generated"),
+           "generation_wasted_fraction": summary.get("generation_wasted_fraction"),
+           "groups_trained_mixed_versions": summary.get("groups_trained_mixed_versions"),
+           "weight_versions_published": summary.get("weight_versions_published"), "versions_installed": versions,
+           "weight_installs_logged": installs, "rl_seconds": summary.get("rl_seconds"),
+           "wall_seconds": summary.get("wall_seconds"), "logprob_agreement_lag0": agreement,
+           "heldout_accuracy": accuracy,
+           "final_greedy_equal": None if None in greedy else greedy[0] == greedy[1]}
+    return {"format": FORMAT, "passed": all(c["ok"] for c in checks.values()), "checks": checks, "run": run,
+            "environments": [probe(p) for p in pythons]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m grpo_stream.smoke_report", description=__doc__.split("\n")[0])
+    parser.add_argument("run_dir", type=pathlib.Path)
+    parser.add_argument("--python", action="append", default=[], help="an interpreter to describe (repeatable)")
+    parser.add_argument("--out", type=pathlib.Path, help="write the JSON here (default: stdout)")
+    args = parser.parse_args(argv)
+    if not (args.run_dir / "config.yaml").exists():
+        print(f"{args.run_dir}: no config.yaml; not an `up` run directory", file=sys.stderr)
+        return 2
+    text = json.dumps(report(args.run_dir, args.python or [sys.executable]), indent=2)
+    if args.out:
+        args.out.write_text(text + "\n")
+    else:
+        print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
