@@ -5,6 +5,7 @@ sum with `grpo-stream plan`'s total for the same config. Input: the resolved con
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import json
 import os
@@ -47,6 +48,10 @@ def main() -> None:
     updater.params, updater.opt_state, _ = jax.block_until_ready(
         updater._step(*updater.split(updater.params), updater.opt_state, batch, None, None))
     gc.collect()
+    # what the first step freed goes back to the system now, so the growth below is the measured step's own (glibc
+    # keeps freed heap pages, and raises its mmap threshold after large frees, unless told otherwise: the test runs
+    # this with a fixed MALLOC_MMAP_THRESHOLD_, so large buffers are mapped and unmapped as they come and go)
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
     inputs = sum(x.nbytes for x in jax.tree.leaves((updater.params, updater.opt_state, batch)))
     base = peak = resident_bytes()
     done = threading.Event()

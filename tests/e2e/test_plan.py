@@ -94,7 +94,7 @@ def test_plan_total_agrees_with_a_measured_step(tmp_path):
     cfg = load_config(ROOT / "configs/tiny_arith.yaml", MEASURED)
     proc = subprocess.run([sys.executable, str(ROOT / "tests/e2e/plan_step_measure.py")],
                           input=cfg.model_dump_json(), capture_output=True, text=True, timeout=600,
-                          env=child_env(1), cwd=ROOT)
+                          env={**child_env(1), "MALLOC_MMAP_THRESHOLD_": str(1 << 17)}, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     measured = json.loads(proc.stdout)
     held = measured["inputs_bytes"] + measured["step_growth_bytes"]
