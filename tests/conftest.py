@@ -115,8 +115,8 @@ def tiny_parts(small_cfg):
 # finishing the demo or `bench all` alone while the other core idles (seen: the last 10 minutes of a 53-minute run).
 LONGEST_FIRST = (
     "tests/e2e/test_demo.py",  # ~1,270 s: the demo run and a short GSPO run
-    "tests/e2e/test_plan.py",  # 570 s: plans of the shipped presets
     "tests/bench/test_bench_all_quick.py",  # 410 s
+    "tests/e2e/test_plan.py",  # ~200 s: the tiny config's plans (the presets' are in the heavy lane)
     "tests/e2e/test_up.py",  # 330 s
     "tests/unit/common/engine/test_continuous.py",  # 290 s
     "tests/unit/trainer_service/test_grad_accumulation.py",  # 220 s

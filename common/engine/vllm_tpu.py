@@ -76,7 +76,9 @@ def flat_state(state: Any) -> dict[str, Any]:
     """'model.layers.0.self_attn.q_proj.kernel' -> the leaf (an nnx Variable or a bare array) of an nnx State."""
     from flax import nnx  # noqa: PLC0415
 
-    return {".".join(str(k) for k in path): leaf for path, leaf in nnx.to_flat_state(state)}
+    # tpu-inference's Llama keeps an nnx.Rngs in its state (rng.default.key/count): not a weight, never written
+    return {".".join(str(k) for k in path): leaf for path, leaf in nnx.to_flat_state(state)
+            if str(path[0]) not in ("rng", "rngs")}
 
 
 def _leaf_array(leaf: Any) -> Any:

@@ -104,6 +104,7 @@ def test_plan_total_agrees_with_a_measured_step(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # 5-7 minutes of compiling each on 2 cores; the tiny config's plan tests stay in the default lane
 @pytest.mark.parametrize("preset", ["qwen2.5_1.5b_gsm8k_gpu.yaml", "llama3.1_8b_gsm8k_tpu_host.yaml"])
 def test_shipped_presets_fit_their_declared_hardware(tmp_path, preset):
     code, output, doc = plan(tmp_path, f"configs/{preset}")
