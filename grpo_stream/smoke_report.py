@@ -35,7 +35,7 @@ out = {"python": sys.version.split()[0], "platform": platform.platform()}
 for name in ("jax", "vllm", "tpu_inference"):
     try:
         out[name] = getattr(importlib.import_module(name), "__version__", "unknown")
-    except Exception as exc:
+    except Exception:
         out[name] = None
 try:
     import jax

@@ -6,6 +6,23 @@ import jax
 import numpy as np
 
 
+def scaled_versions(params, count: int, step: float):
+    """`count` clearly different versions: version k is every weight times (1 + step * k), version 0 `params`."""
+    return [params] + [jax.tree_util.tree_map(lambda x, k=k: x * (1.0 + step * k), params) for k in range(1, count)]
+
+
+def every_other_call(versions):
+    """An engine's `refresh`: the next version at every second call (while there is one), None otherwise."""
+    calls = {"n": 0}
+
+    def refresh():
+        calls["n"] += 1
+        v = calls["n"] // 2
+        return (versions[v], v) if calls["n"] % 2 == 0 and v < len(versions) else None
+
+    return refresh
+
+
 class MixedVersionReference:
     """One row at a time, one token at a time, no slots or chunks: token j's logprob under the weights of the
     version it records, which also wrote token j-1's key and value (the prompt's: the version of token 0), as the

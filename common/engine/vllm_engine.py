@@ -154,11 +154,16 @@ class VllmEngine:
         if self._tpu_writer is not None:
             self._tpu_writer.install(self.model.named_arrays(params), len(self.install_seconds) + 1, self._epoch,
                                      keep_kv=keep_requests)
-            self._installed = params
-            self.install_seconds.append(time.monotonic() - started)
-            log.info("vLLM engine: weights installed in %.2fs (tpu_state%s)", self.install_seconds[-1],
-                     ", in flight" if keep_requests else "")
-            return
+        else:
+            self._load_torch_weights(params)
+        self._installed = params
+        self.install_seconds.append(time.monotonic() - started)
+        log.info("vLLM engine: weights installed in %.2fs (%s%s)", self.install_seconds[-1], self.install_mode,
+                 ", in flight" if keep_requests else "")
+
+    def _load_torch_weights(self, params: Any) -> None:
+        """GPU and CPU: the Hugging Face-named tensors into every worker's torch model, then the prefix cache reset
+        (refused while requests hold blocks: the new version's salt covers that)."""
         named = to_hf_names(self.model.arch, self.model.to_named_numpy(params))
         if self.install_mode == "iterator":
             loaded = self.llm.collective_rpc(load_into_worker, kwargs={"tensors": named})
@@ -171,10 +176,7 @@ class VllmEngine:
             finally:
                 shutil.rmtree(stage, ignore_errors=True)
         self.tied_heads_loaded = loaded[0]
-        self.llm.reset_prefix_cache()  # refused (False) while requests hold blocks: the new salt covers that
-        self._installed = params
-        self.install_seconds.append(time.monotonic() - started)
-        log.info("vLLM engine: weights installed in %.2fs (%s)", self.install_seconds[-1], self.install_mode)
+        self.llm.reset_prefix_cache()
 
     def sampling_params(self, seed: int | None, greedy: bool, max_tokens: int | None = None, delta: bool = False):
         from vllm import SamplingParams  # noqa: PLC0415
@@ -242,15 +244,15 @@ class VllmEngine:
                 raise RuntimeError(f"vLLM finished every request but returned none of {sorted(live)[:3]}")
             if live and steps % self.settings.steps_between_updates == 0:
                 update = refresh()
-                if update is not None and update[0] is not self._installed:
-                    self.llm.sleep(level=0, mode="keep")  # every request kept, none scheduled until wake_up
-                    try:
-                        self.install(update[0], keep_requests=True)
-                    finally:
-                        self.llm.wake_up(tags=["scheduling"])
-                    self.pauses += 1
                 if update is not None:
-                    version = update[1]
+                    params, version = update
+                    if params is not self._installed:
+                        self.llm.sleep(level=0, mode="keep")  # every request kept, none scheduled until wake_up
+                        try:
+                            self.install(params, keep_requests=True)
+                        finally:
+                            self.llm.wake_up(tags=["scheduling"])
+                        self.pauses += 1
         return self._generation(tokens, logprobs, versions)
 
     def _generation(self, tokens: list[list[int]], logprobs: list[list[float]],

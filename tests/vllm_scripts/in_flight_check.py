@@ -33,7 +33,7 @@ def main(model_dir: str, out_path: str) -> None:
     from grpo_stream.common.model.policy import load_hf_model
     from grpo_stream.common.model.tokenizer import HFTokenizer
     from grpo_stream.common.tasks.arith import ArithTask
-    from tests.mixed_versions import MixedVersionReference
+    from tests.mixed_versions import MixedVersionReference, every_other_call, scaled_versions
 
     tok = HFTokenizer(model_dir)
     model = load_hf_model(model_dir)
@@ -55,17 +55,9 @@ def main(model_dir: str, out_path: str) -> None:
     result["paused_logprob_max_diff"] = float(np.abs(paused.logprobs - plain.logprobs).max())
     result["plain_versions"] = sorted({int(v) for v in np.unique(plain.versions) if v >= 0})
 
-    versions = [model.params] + [jax.tree_util.tree_map(lambda x, k=k: x * (1.0 + 0.15 * k), model.params)
-                                 for k in range(1, 8)]
-    calls = {"n": 0}
-
-    def refresh():
-        calls["n"] += 1
-        v = calls["n"] // 2
-        return (versions[v], v) if calls["n"] % 2 == 0 and v < len(versions) else None
-
+    versions = scaled_versions(model.params, 8, 0.15)
     engine.generate(model.params, rows, 7)  # the first version installed again
-    mixed = engine.generate(model.params, rows, 11, max_new_tokens=budgets, refresh=refresh)
+    mixed = engine.generate(model.params, rows, 11, max_new_tokens=budgets, refresh=every_other_call(versions))
     reference_of = MixedVersionReference(model, versions, 24 + new_tokens)
     diffs, newest_only, rows_mixed, monotone = [], [], 0, True
     for i, ids in enumerate(rows):

@@ -9,7 +9,7 @@ from grpo_stream.bench.static_engine import StaticEngine
 from grpo_stream.common.engine.continuous import ContinuousEngine
 from grpo_stream.common.model.policy import sequence_logprobs
 from grpo_stream.trainer_service.batching import layout
-from tests.mixed_versions import mixed_version_logprobs
+from tests.mixed_versions import every_other_call, mixed_version_logprobs, scaled_versions
 
 NO_EOS = -1  # no token ends a completion: lengths are the budgets
 
@@ -136,18 +136,11 @@ def test_in_flight_updates_record_the_version_of_every_token(tiny_parts):
     cfg, task, tok, model = tiny_parts
     p, c = cfg.generation.max_prompt_tokens, 16
     engine = ContinuousEngine(model, tok.pad_id, NO_EOS, p, c, 1.0, slots=4, chunk_steps=2)
-    versions = [model.params] + [jax.tree_util.tree_map(lambda x, k=k: x * (1.0 + 0.3 * k), model.params)
-                                 for k in range(1, 10)]
-    calls = {"n": 0}
-
-    def refresh():
-        calls["n"] += 1
-        v = calls["n"] // 2
-        return (versions[v], v) if calls["n"] % 2 == 0 and v < len(versions) else None
-
+    versions = scaled_versions(model.params, 10, 0.3)
     prompts = _prompts(task, tok, 6)  # 6 rows in 4 slots: rows admitted under later versions too
     budgets = [c, c, 9, c, 5, c]
-    out = engine.generate(model.params, prompts, jax.random.key(0), max_new_tokens=budgets, refresh=refresh)
+    out = engine.generate(model.params, prompts, jax.random.key(0), max_new_tokens=budgets,
+                          refresh=every_other_call(versions))
     assert out.lengths.tolist() == budgets
     recorded = [out.versions[i, :n] for i, n in enumerate(budgets)]
     assert all((np.diff(v) >= 0).all() for v in recorded)
