@@ -14,6 +14,9 @@ stall is the time the step loop itself spends handing a publication off (waiting
 to finish + submitting), as a share of the step time measured without publishing. The step-time
 slowdown is reported too: on a 2-core machine the peer and the serving threads compete with XLA for
 cores, which is not a stall of the loop but is what a user would see.
+
+Multi-source (bench/weights_multisource.py): a trainer of 2 JAX processes, each serving only its own shards, to
+one sampler process, against the same harness with 1 trainer process (`multi_source_over_single`).
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from grpo_stream.trainer_service.batching import TrainBatch
 from grpo_stream.trainer_service.publisher import WeightPublisher
 from grpo_stream.trainer_service.rl_update import PolicyUpdater
 from grpo_stream.trainer_service.weight_data_server import WeightDataServer
+from grpo_stream.bench import weights_multisource
 
 FULL = dict(vocab_size=32_000, num_layers=8, embed_dim=768, hidden_dim=2048, num_heads=12, num_kv_heads=4,
             head_dim=64)
@@ -220,6 +224,8 @@ def run(quick: bool = False) -> dict:
     cases[("tcp", "float32_lora_r16")] = _case(adapters, arch, "grpc", "model", repeats, 0, 2, "tcp", lora=lora)
     del bf16
     stall = _stall(model, arch, steps=2 if quick else 4, rows=2, length=32 if quick else 64)
+    # a trainer of 2 JAX processes, each serving its own shards, to one sampler; against 1 process, same harness
+    multi = weights_multisource.run(arch, repeats)
     lora_case = cases[("tcp", "float32_lora_r16")]
     full_bytes = cases[("tcp", "float32")]["bytes"]
     out = {"benchmark": "weights", "quick": quick, "params": model.num_params(),
@@ -227,7 +233,8 @@ def run(quick: bool = False) -> dict:
            "lora_version_fraction": round(max(lora_case["sampler_fetch_bytes"][1:]) / full_bytes, 4),
            "lora_first_install_bytes": lora_case["sampler_fetch_bytes"][0],
            "devices": [str(d) for d in jax.devices()], "cases": list(cases.values()), "stall": stall,
-           "stall_share_of_step": stall["stall_share_of_step"]}
+           "stall_share_of_step": stall["stall_share_of_step"], "multi_source": multi,
+           "multi_source_over_single": multi["two_processes_over_single"]}
     # the default path (weights.transport=grpc, data_plane=tcp) against the raw copy; then gRPC streams only
     short = {"float32": "f32", "bfloat16": "bf16"}  # the two with targets (bench/runner.py)
     for (plane, kind), case in cases.items():

@@ -18,6 +18,7 @@ import json
 import os
 import pathlib
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -31,17 +32,19 @@ from grpo_stream.common.config.access import TOKEN_ENV, TOKEN_FILE_ENV, TOKENS_E
 from grpo_stream.common.weights.registry import transport_spec
 from grpo_stream.trainer_service.run_outputs import wasted_fraction
 from grpo_stream.common.rollouts.redis_server import EmbeddedRedis, RedisConnectError, connect_durable, free_port
+from grpo_stream.trainer_service.multihost import ADVERTISE_ENV
 from grpo_stream.supervise import Supervisor
 
 ENDPOINTS_FILE = "endpoints.json"  # in RUN_DIR: where `grpo-stream submit --run-dir` sends prompts
 
 
 class _Child:
-    def __init__(self, name: str, cmd: list[str], log_dir: pathlib.Path, env: dict[str, str]):
+    def __init__(self, name: str, cmd: list[str], log_dir: pathlib.Path, env: dict[str, str], start: bool = True):
         self.name, self.cmd, self.env = name, cmd, env
         self.log_path = log_dir / f"{name}.log"
         self.starts = 0
-        self.start()
+        if start:
+            self.start()
 
     def start(self) -> None:
         """Start the process (again, after a failure: its log goes on in the same file)."""
@@ -73,6 +76,68 @@ class _Child:
             code = self.proc.wait()
         self._relay.join(timeout=5)
         return code
+
+
+class _TrainerJob:
+    """A trainer of trainer.processes JAX processes, supervised as one process (a JobSet restarts all its pods):
+    when one fails the others are killed (they would wait in their collectives for ever) and a restart starts
+    them all again, on a fresh coordinator port. Logs: logs/trainer.log (process 0) and logs/trainer-<k>.log."""
+
+    def __init__(self, processes: int, cmd: list[str], log_dir: pathlib.Path, env: dict[str, str]):
+        self.name, self.log_path, self.starts = "trainer", log_dir / "trainer.log", 0
+        self.members = [_Child("trainer" if k == 0 else f"trainer-{k}", cmd, log_dir, self._env(env, k, processes),
+                               start=False) for k in range(processes)]
+        self.proc = self
+        self.start()
+
+    @staticmethod
+    def _env(env: dict[str, str], k: int, n: int) -> dict[str, str]:
+        return {**env, "JAX_NUM_PROCESSES": str(n), "JAX_PROCESS_ID": str(k), ADVERTISE_ENV: "127.0.0.1"}
+
+    def start(self) -> None:
+        coordinator = f"127.0.0.1:{free_port()}"
+        for member in self.members:
+            member.env = {**member.env, "JAX_COORDINATOR_ADDRESS": coordinator}
+            member.start()
+        self.starts += 1
+
+    # the Popen calls `up` makes on a process
+    @property
+    def returncode(self) -> int | None:
+        return self.poll()
+
+    def poll(self) -> int | None:
+        codes = [m.proc.poll() for m in self.members]
+        failed = [c for c in codes if c not in (None, 0)]
+        if failed:  # one failed: the others cannot go on without it
+            for m in self.members:
+                if m.proc.poll() is None:
+                    m.proc.kill()
+                    m.proc.wait()
+            return failed[0]
+        return 0 if all(c == 0 for c in codes) else None
+
+    def terminate(self) -> None:
+        for m in self.members:
+            m.terminate()
+
+    def wait(self, timeout_s: float) -> int:
+        deadline = time.time() + timeout_s
+        codes = [m.wait(max(1.0, deadline - time.time())) for m in self.members]
+        return next((c for c in codes if c != 0), 0)
+
+
+def free_ports(count: int) -> int:
+    """A port p with p .. p+count-1 free on this machine."""
+    while True:
+        base = free_port()
+        try:
+            for k in range(1, count):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", base + k))
+            return base
+        except OSError:
+            continue
 
 
 def host_devices_needed(cfg: RunConfig) -> tuple[int, int]:
@@ -153,7 +218,7 @@ def run_up(config_path: pathlib.Path | None, overrides: list[str], cfg: RunConfi
     except RedisConnectError as exc:
         print(f"grpo-stream up: error: {exc}", file=sys.stderr)
         return 1
-    trainer_port = free_port()
+    trainer_port = free_ports(cfg.trainer.processes)  # trainer process k serves on trainer.port + k
     extra.append(f"trainer.port={trainer_port}")
     prompts_address = f"127.0.0.1:{trainer_port}"
     if cfg.ingest.standalone and not cfg.ingest.address:
@@ -189,11 +254,11 @@ def run_up(config_path: pathlib.Path | None, overrides: list[str], cfg: RunConfi
             f"# resolved by `grpo-stream up` from --config {config_path} with overrides {extra}\n"
             + to_yaml(load_config(config_path, extra)))
         # the trainer process (or the single controller) and each sampler see the devices their meshes need
-        trainer = _Child("colocated" if colocated else "trainer",
-                         [*base, "colocated" if colocated else "trainer", *cfg_args, "--run-dir", str(run_dir),
-                          *extra], log_dir, with_host_devices({**(server_env if not colocated else {**server_env,
-                                                                               **sampler_env}),
-                                                               **cfg.hardware.trainer_env}, trainer_devices))
+        trainer_env = with_host_devices({**(server_env if not colocated else {**server_env, **sampler_env}),
+                                         **cfg.hardware.trainer_env}, trainer_devices // cfg.trainer.processes)
+        trainer_cmd = [*base, "colocated" if colocated else "trainer", *cfg_args, "--run-dir", str(run_dir), *extra]
+        trainer = (_TrainerJob(cfg.trainer.processes, trainer_cmd, log_dir, trainer_env) if cfg.trainer.processes > 1
+                   else _Child("colocated" if colocated else "trainer", trainer_cmd, log_dir, trainer_env))
         children.append(trainer)
         # (the config refuses ingest.standalone with weights.transport=local)
         helpers = ([_Child("ingest", [*base, "ingest", *cfg_args, *extra], log_dir, server_env)]

@@ -24,35 +24,39 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n grpo_stream/protos/weights.proto\x12\x0egrpo_stream.v1\"T\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0e\n\x06nbytes\x18\x04 \x01(\x03J\x04\x08\x05\x10\x06J\x04\x08\x06\x10\x07\"\xa0\x02\n\x0eWeightManifest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12+\n\x07tensors\x18\x02 \x03(\x0b\x32\x1a.grpo_stream.v1.TensorSpec\x12\r\n\x05\x66inal\x18\x03 \x01(\x08\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x03\x12\x16\n\x0epublished_unix\x18\x05 \x01(\x01\x12\x13\n\x0b\x63hunk_bytes\x18\x06 \x01(\x05\x12\x15\n\rtrainer_epoch\x18\x07 \x01(\t\x12\x11\n\ttransport\x18\x08 \x01(\t\x12\x10\n\x08location\x18\t \x01(\t\x12\x11\n\tdata_port\x18\n \x01(\x05\x12\x30\n\x08\x61\x64\x61pters\x18\x0b \x01(\x0b\x32\x1e.grpo_stream.v1.AdapterVersion\"x\n\x0e\x41\x64\x61pterVersion\x12,\n\x04\x62\x61se\x18\x01 \x01(\x0b\x32\x1e.grpo_stream.v1.WeightManifest\x12)\n\x06merges\x18\x02 \x03(\x0b\x32\x19.grpo_stream.v1.LoraMerge\x12\r\n\x05scale\x18\x03 \x01(\x01\"?\n\tLoraMerge\x12\x0e\n\x06weight\x18\x01 \x01(\t\x12\t\n\x01\x61\x18\x02 \x01(\t\x12\t\n\x01\x62\x18\x03 \x01(\t\x12\x0c\n\x04spec\x18\x04 \x01(\t\"C\n\x12GetManifestRequest\x12\x12\n\nsampler_id\x18\x01 \x01(\t\x12\x19\n\x11installed_version\x18\x02 \x01(\x03\")\n\nSliceRange\x12\r\n\x05start\x18\x01 \x03(\x03\x12\x0c\n\x04stop\x18\x02 \x03(\x03\"P\n\x0cTensorSlices\x12\x14\n\x0ctensor_index\x18\x01 \x01(\x05\x12*\n\x06slices\x18\x02 \x03(\x0b\x32\x1a.grpo_stream.v1.SliceRange\"\x7f\n\x12\x46\x65tchSlicesRequest\x12\x12\n\nsampler_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x15\n\rtrainer_epoch\x18\x03 \x01(\t\x12-\n\x07tensors\x18\x04 \x03(\x0b\x32\x1c.grpo_stream.v1.TensorSlices\"r\n\nSliceChunk\x12\x14\n\x0ctensor_index\x18\x01 \x01(\x05\x12\x13\n\x0bslice_index\x18\x02 \x01(\x05\x12\x0e\n\x06offset\x18\x03 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x0c\n\x04last\x18\x05 \x01(\x08\x12\r\n\x05\x63rc32\x18\x06 \x01(\r\"\xb3\x01\n\rVersionReport\x12\x12\n\nsampler_id\x18\x01 \x01(\t\x12\x19\n\x11installed_version\x18\x02 \x01(\x03\x12\x16\n\x0e\x66\x65tch_failures\x18\x03 \x01(\x05\x12\x15\n\rtrainer_epoch\x18\x04 \x01(\t\x12\x14\n\x0cgroups_per_s\x18\x05 \x01(\x01\x12\x14\n\x0ctokens_per_s\x18\x06 \x01(\x01\x12\x18\n\x10groups_generated\x18\x07 \x01(\x03\",\n\x12VersionReportReply\x12\x16\n\x0elatest_version\x18\x01 \x01(\x03\x32\x87\x02\n\rWeightService\x12Q\n\x0bGetManifest\x12\".grpo_stream.v1.GetManifestRequest\x1a\x1e.grpo_stream.v1.WeightManifest\x12O\n\x0b\x46\x65tchSlices\x12\".grpo_stream.v1.FetchSlicesRequest\x1a\x1a.grpo_stream.v1.SliceChunk0\x01\x12R\n\rReportVersion\x12\x1d.grpo_stream.v1.VersionReport\x1a\".grpo_stream.v1.VersionReportReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n grpo_stream/protos/weights.proto\x12\x0egrpo_stream.v1\"\x82\x01\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0e\n\x06nbytes\x18\x04 \x01(\x03\x12,\n\x07sources\x18\x07 \x03(\x0b\x32\x1b.grpo_stream.v1.SliceSourceJ\x04\x08\x05\x10\x06J\x04\x08\x06\x10\x07\"D\n\x0bSliceSource\x12\'\n\x03\x62ox\x18\x01 \x01(\x0b\x32\x1a.grpo_stream.v1.SliceRange\x12\x0c\n\x04host\x18\x02 \x01(\x05\">\n\nWeightHost\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0c\n\x04port\x18\x02 \x01(\x05\x12\x11\n\tdata_port\x18\x03 \x01(\x05\"\xcb\x02\n\x0eWeightManifest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12+\n\x07tensors\x18\x02 \x03(\x0b\x32\x1a.grpo_stream.v1.TensorSpec\x12\r\n\x05\x66inal\x18\x03 \x01(\x08\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x03\x12\x16\n\x0epublished_unix\x18\x05 \x01(\x01\x12\x13\n\x0b\x63hunk_bytes\x18\x06 \x01(\x05\x12\x15\n\rtrainer_epoch\x18\x07 \x01(\t\x12\x11\n\ttransport\x18\x08 \x01(\t\x12\x10\n\x08location\x18\t \x01(\t\x12\x11\n\tdata_port\x18\n \x01(\x05\x12\x30\n\x08\x61\x64\x61pters\x18\x0b \x01(\x0b\x32\x1e.grpo_stream.v1.AdapterVersion\x12)\n\x05hosts\x18\x0c \x03(\x0b\x32\x1a.grpo_stream.v1.WeightHost\"x\n\x0e\x41\x64\x61pterVersion\x12,\n\x04\x62\x61se\x18\x01 \x01(\x0b\x32\x1e.grpo_stream.v1.WeightManifest\x12)\n\x06merges\x18\x02 \x03(\x0b\x32\x19.grpo_stream.v1.LoraMerge\x12\r\n\x05scale\x18\x03 \x01(\x01\"?\n\tLoraMerge\x12\x0e\n\x06weight\x18\x01 \x01(\t\x12\t\n\x01\x61\x18\x02 \x01(\t\x12\t\n\x01\x62\x18\x03 \x01(\t\x12\x0c\n\x04spec\x18\x04 \x01(\t\"C\n\x12GetManifestRequest\x12\x12\n\nsampler_id\x18\x01 \x01(\t\x12\x19\n\x11installed_version\x18\x02 \x01(\x03\")\n\nSliceRange\x12\r\n\x05start\x18\x01 \x03(\x03\x12\x0c\n\x04stop\x18\x02 \x03(\x03\"P\n\x0cTensorSlices\x12\x14\n\x0ctensor_index\x18\x01 \x01(\x05\x12*\n\x06slices\x18\x02 \x03(\x0b\x32\x1a.grpo_stream.v1.SliceRange\"\x7f\n\x12\x46\x65tchSlicesRequest\x12\x12\n\nsampler_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x15\n\rtrainer_epoch\x18\x03 \x01(\t\x12-\n\x07tensors\x18\x04 \x03(\x0b\x32\x1c.grpo_stream.v1.TensorSlices\"r\n\nSliceChunk\x12\x14\n\x0ctensor_index\x18\x01 \x01(\x05\x12\x13\n\x0bslice_index\x18\x02 \x01(\x05\x12\x0e\n\x06offset\x18\x03 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x0c\n\x04last\x18\x05 \x01(\x08\x12\r\n\x05\x63rc32\x18\x06 \x01(\r\"\xb3\x01\n\rVersionReport\x12\x12\n\nsampler_id\x18\x01 \x01(\t\x12\x19\n\x11installed_version\x18\x02 \x01(\x03\x12\x16\n\x0e\x66\x65tch_failures\x18\x03 \x01(\x05\x12\x15\n\rtrainer_epoch\x18\x04 \x01(\t\x12\x14\n\x0cgroups_per_s\x18\x05 \x01(\x01\x12\x14\n\x0ctokens_per_s\x18\x06 \x01(\x01\x12\x18\n\x10groups_generated\x18\x07 \x01(\x03\",\n\x12VersionReportReply\x12\x16\n\x0elatest_version\x18\x01 \x01(\x03\x32\x87\x02\n\rWeightService\x12Q\n\x0bGetManifest\x12\".grpo_stream.v1.GetManifestRequest\x1a\x1e.grpo_stream.v1.WeightManifest\x12O\n\x0b\x46\x65tchSlices\x12\".grpo_stream.v1.FetchSlicesRequest\x1a\x1a.grpo_stream.v1.SliceChunk0\x01\x12R\n\rReportVersion\x12\x1d.grpo_stream.v1.VersionReport\x1a\".grpo_stream.v1.VersionReportReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'grpo_stream.protos.weights_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TENSORSPEC']._serialized_start=52
-  _globals['_TENSORSPEC']._serialized_end=136
-  _globals['_WEIGHTMANIFEST']._serialized_start=139
-  _globals['_WEIGHTMANIFEST']._serialized_end=427
-  _globals['_ADAPTERVERSION']._serialized_start=429
-  _globals['_ADAPTERVERSION']._serialized_end=549
-  _globals['_LORAMERGE']._serialized_start=551
-  _globals['_LORAMERGE']._serialized_end=614
-  _globals['_GETMANIFESTREQUEST']._serialized_start=616
-  _globals['_GETMANIFESTREQUEST']._serialized_end=683
-  _globals['_SLICERANGE']._serialized_start=685
-  _globals['_SLICERANGE']._serialized_end=726
-  _globals['_TENSORSLICES']._serialized_start=728
-  _globals['_TENSORSLICES']._serialized_end=808
-  _globals['_FETCHSLICESREQUEST']._serialized_start=810
-  _globals['_FETCHSLICESREQUEST']._serialized_end=937
-  _globals['_SLICECHUNK']._serialized_start=939
-  _globals['_SLICECHUNK']._serialized_end=1053
-  _globals['_VERSIONREPORT']._serialized_start=1056
-  _globals['_VERSIONREPORT']._serialized_end=1235
-  _globals['_VERSIONREPORTREPLY']._serialized_start=1237
-  _globals['_VERSIONREPORTREPLY']._serialized_end=1281
-  _globals['_WEIGHTSERVICE']._serialized_start=1284
-  _globals['_WEIGHTSERVICE']._serialized_end=1547
+  _globals['_TENSORSPEC']._serialized_start=53
+  _globals['_TENSORSPEC']._serialized_end=183
+  _globals['_SLICESOURCE']._serialized_start=185
+  _globals['_SLICESOURCE']._serialized_end=253
+  _globals['_WEIGHTHOST']._serialized_start=255
+  _globals['_WEIGHTHOST']._serialized_end=317
+  _globals['_WEIGHTMANIFEST']._serialized_start=320
+  _globals['_WEIGHTMANIFEST']._serialized_end=651
+  _globals['_ADAPTERVERSION']._serialized_start=653
+  _globals['_ADAPTERVERSION']._serialized_end=773
+  _globals['_LORAMERGE']._serialized_start=775
+  _globals['_LORAMERGE']._serialized_end=838
+  _globals['_GETMANIFESTREQUEST']._serialized_start=840
+  _globals['_GETMANIFESTREQUEST']._serialized_end=907
+  _globals['_SLICERANGE']._serialized_start=909
+  _globals['_SLICERANGE']._serialized_end=950
+  _globals['_TENSORSLICES']._serialized_start=952
+  _globals['_TENSORSLICES']._serialized_end=1032
+  _globals['_FETCHSLICESREQUEST']._serialized_start=1034
+  _globals['_FETCHSLICESREQUEST']._serialized_end=1161
+  _globals['_SLICECHUNK']._serialized_start=1163
+  _globals['_SLICECHUNK']._serialized_end=1277
+  _globals['_VERSIONREPORT']._serialized_start=1280
+  _globals['_VERSIONREPORT']._serialized_end=1459
+  _globals['_VERSIONREPORTREPLY']._serialized_start=1461
+  _globals['_VERSIONREPORTREPLY']._serialized_end=1505
+  _globals['_WEIGHTSERVICE']._serialized_start=1508
+  _globals['_WEIGHTSERVICE']._serialized_end=1771
 # @@protoc_insertion_point(module_scope)

@@ -7,19 +7,39 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class TensorSpec(_message.Message):
-    __slots__ = ("name", "shape", "dtype", "nbytes")
+    __slots__ = ("name", "shape", "dtype", "nbytes", "sources")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
     name: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     dtype: str
     nbytes: int
-    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., nbytes: _Optional[int] = ...) -> None: ...
+    sources: _containers.RepeatedCompositeFieldContainer[SliceSource]
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., nbytes: _Optional[int] = ..., sources: _Optional[_Iterable[_Union[SliceSource, _Mapping]]] = ...) -> None: ...
+
+class SliceSource(_message.Message):
+    __slots__ = ("box", "host")
+    BOX_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    box: SliceRange
+    host: int
+    def __init__(self, box: _Optional[_Union[SliceRange, _Mapping]] = ..., host: _Optional[int] = ...) -> None: ...
+
+class WeightHost(_message.Message):
+    __slots__ = ("address", "port", "data_port")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    port: int
+    data_port: int
+    def __init__(self, address: _Optional[str] = ..., port: _Optional[int] = ..., data_port: _Optional[int] = ...) -> None: ...
 
 class WeightManifest(_message.Message):
-    __slots__ = ("version", "tensors", "final", "total_bytes", "published_unix", "chunk_bytes", "trainer_epoch", "transport", "location", "data_port", "adapters")
+    __slots__ = ("version", "tensors", "final", "total_bytes", "published_unix", "chunk_bytes", "trainer_epoch", "transport", "location", "data_port", "adapters", "hosts")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     FINAL_FIELD_NUMBER: _ClassVar[int]
@@ -31,6 +51,7 @@ class WeightManifest(_message.Message):
     LOCATION_FIELD_NUMBER: _ClassVar[int]
     DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    HOSTS_FIELD_NUMBER: _ClassVar[int]
     version: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     final: bool
@@ -42,7 +63,8 @@ class WeightManifest(_message.Message):
     location: str
     data_port: int
     adapters: AdapterVersion
-    def __init__(self, version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., final: _Optional[bool] = ..., total_bytes: _Optional[int] = ..., published_unix: _Optional[float] = ..., chunk_bytes: _Optional[int] = ..., trainer_epoch: _Optional[str] = ..., transport: _Optional[str] = ..., location: _Optional[str] = ..., data_port: _Optional[int] = ..., adapters: _Optional[_Union[AdapterVersion, _Mapping]] = ...) -> None: ...
+    hosts: _containers.RepeatedCompositeFieldContainer[WeightHost]
+    def __init__(self, version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., final: _Optional[bool] = ..., total_bytes: _Optional[int] = ..., published_unix: _Optional[float] = ..., chunk_bytes: _Optional[int] = ..., trainer_epoch: _Optional[str] = ..., transport: _Optional[str] = ..., location: _Optional[str] = ..., data_port: _Optional[int] = ..., adapters: _Optional[_Union[AdapterVersion, _Mapping]] = ..., hosts: _Optional[_Iterable[_Union[WeightHost, _Mapping]]] = ...) -> None: ...
 
 class AdapterVersion(_message.Message):
     __slots__ = ("base", "merges", "scale")

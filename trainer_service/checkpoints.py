@@ -38,6 +38,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+from grpo_stream.common.model.sharding import host_copy
 from grpo_stream.common.runtime.backoff import Backoff
 from grpo_stream.common.weights.snapshot import raw_bytes
 
@@ -49,7 +50,7 @@ def tree_digest(tree: Any) -> str:
     """SHA-256 over every leaf's path, dtype, shape and bytes (gathered to the host)."""
     h = hashlib.sha256()
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        arr = np.ascontiguousarray(jax.device_get(leaf))
+        arr = np.ascontiguousarray(host_copy(leaf))  # gathered on a multi-process trainer (every process calls)
         h.update(f"{jax.tree_util.keystr(path)}:{arr.dtype.name}:{list(arr.shape)};".encode())
         h.update(raw_bytes(arr))
     return h.hexdigest()
@@ -156,10 +157,11 @@ class TrainerCheckpoints:
                 restored = self._restore_retrying(step, abstract)
             except CheckpointRejected as exc:
                 aside = self.directory / f"corrupt-{step}-{int(time.time())}"
-                log.error("checkpoint of step %d in %s is unusable (%s); moved to %s, trying the one before", step,
-                          self.directory, exc, aside)
-                (self.directory / str(step)).rename(aside)
-                self._manager.reload()
+                if jax.process_index() == 0:  # a multi-process trainer: all reject it, process 0 moves it
+                    log.error("checkpoint of step %d in %s is unusable (%s); moved to %s, trying the one before",
+                              step, self.directory, exc, aside)
+                    (self.directory / str(step)).rename(aside)
+                    self._manager.reload()
                 continue
             log.info("resuming from the checkpoint of step %d (%s)", step, self.directory / str(step))
             return restored

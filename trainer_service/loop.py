@@ -43,6 +43,7 @@ from grpo_stream.trainer_service.collector import GroupCollector, when_available
 from grpo_stream.trainer_service.durability import Durability
 from grpo_stream.trainer_service.ingest_server import ingest_servicers
 from grpo_stream.trainer_service.metrics import MetricsWriter
+from grpo_stream.trainer_service.multihost import PUBLISH_WAIT_S, TrainerGroup, ignore_signals, start_group
 from grpo_stream.trainer_service.prompt_queue import PromptQueue
 from grpo_stream.trainer_service.prompt_service import StatusWriter
 from grpo_stream.trainer_service.publisher import WeightPublisher
@@ -56,9 +57,11 @@ log = logging.getLogger(__name__)
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig, run_dir: pathlib.Path, devices=None, hub=None):
-        """`devices`: the trainer mesh's devices (default: all); `hub`: in-process weight hub (transport local)."""
-        self.cfg, self.run_dir = cfg, run_dir
+    def __init__(self, cfg: RunConfig, run_dir: pathlib.Path, devices=None, hub=None, group: TrainerGroup | None = None):
+        """`devices`: the trainer mesh's devices (default: all); `hub`: in-process weight hub (transport local);
+        `group`: this process's place in a multi-process trainer (trainer.processes > 1; this class runs process 0,
+        follower.py the others)."""
+        self.cfg, self.run_dir, self.group = cfg, run_dir, group
         self.devices, self.hub = devices, hub
         self.donate = donates_updates(transport_spec(cfg.weights.transport).in_process)
         self.stop_event = threading.Event()
@@ -75,6 +78,21 @@ class Trainer:
         self._base_published = False  # LoRA: the frozen base goes out once, before the first adapters-only version
 
     # -- set-up -----------------------------------------------------------------
+    def _setup_model(self) -> None:
+        """The task, tokenizer and model on the trainer's mesh (with trainer.processes > 1, over every process's
+        devices), and the evaluation engine: what every trainer process holds."""
+        cfg = self.cfg
+        self.task, self.tokenizer = build_task_and_tokenizer(cfg)
+        self.model = build_policy(cfg, self.tokenizer.vocab_size, seed=cfg.run.seed)
+        m = cfg.trainer.mesh
+        self.mesh = make_mesh(m.fsdp, m.tp, self.devices or jax.devices(), "trainer.mesh")
+        self.params = place(self.model.params, self.mesh)
+        log.info("trainer mesh %s on %s", dict(self.mesh.shape), [d.id for d in self.mesh.devices.flat])
+        self.model = dataclasses.replace(self.model, params=self.params)
+        log.info("model: %d parameters, vocab %d, tokenizer %s", self.model.num_params(), self.tokenizer.vocab_size,
+                 self.tokenizer.fingerprint())
+        self.engine = continuous.build(self.cfg, self.model, self.tokenizer)
+
     def _setup(self) -> None:
         cfg = self.cfg
         security = ServerSecurity.from_config(cfg)  # a missing token table or certificate fails before any wait
@@ -86,17 +104,8 @@ class Trainer:
         # where `grpo-stream audit RUN_DIR` finds the trail (the password stays out of the file)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / RUN_FILE).write_text(json.dumps({"run": cfg.run.name, "redis_url": redacted(cfg.redis.url)}))
-        self.task, self.tokenizer = build_task_and_tokenizer(cfg)
+        self._setup_model()
         self.tokenizer.save(self.run_dir / "model")
-        self.model = build_policy(cfg, self.tokenizer.vocab_size, seed=cfg.run.seed)
-        m = cfg.trainer.mesh
-        self.mesh = make_mesh(m.fsdp, m.tp, self.devices or jax.devices(), "trainer.mesh")
-        self.params = place(self.model.params, self.mesh)
-        log.info("trainer mesh %s on %s", dict(self.mesh.shape), [d.id for d in self.mesh.devices.flat])
-        self.model = dataclasses.replace(self.model, params=self.params)
-        log.info("model: %d parameters, vocab %d, tokenizer %s", self.model.num_params(), self.tokenizer.vocab_size,
-                 self.tokenizer.fingerprint())
-        self.engine = continuous.build(self.cfg, self.model, self.tokenizer)
         self.ingest, prompts = (None, None) if cfg.ingest.standalone else ingest_servicers(
             cfg, self.buffer, self.task, self.tokenizer, security)
         w, transport = cfg.weights, transport_spec(cfg.weights.transport)
@@ -107,6 +116,8 @@ class Trainer:
                                     data_port=w.data_port if tcp else None, security=security, prompts=prompts,
                                     workers=16 + cfg.prompts.max_followers)
         port = self.server.start()
+        if self.group is not None:  # the manifest lists every process's slices, once all of them serve a version
+            self.publisher.gather_hosts = self._gather_hosts
         self.status = StatusWriter(PromptQueue(self.buffer.client, cfg.run.name), self.publisher,
                                    cfg.trainer.steps).start()
         log.info("gRPC server (%sweights, health, reflection; auth %s%s) on %s:%d%s",
@@ -188,6 +199,8 @@ class Trainer:
         Returns (updater, the step the weights are at, what the checkpoints carry along)."""
         cfg = self.cfg
         resumed = None
+        if self.group is not None:
+            self.group.send("start", {"epoch": self.epoch})
         if self.checkpoints.steps():
             updater = self._updater()
             resumed = self.durability.resume(updater)
@@ -244,6 +257,7 @@ class Trainer:
             batch, stats = build_batch(groups, cfg.generation.max_prompt_tokens, cfg.generation.max_new_tokens,
                                        self.tokenizer.pad_id, cfg.algo, held_version=step - 1)
             staleness = np.array([step - 1 - g.policy_version for g in groups])
+            self._share_batch(step, batch)
             self.mixed_version_groups += sum(any(c.versions is not None and c.versions[0] != c.versions[-1]
                                                  for c in g.completions) for g in groups)
             t_batch = time.time()
@@ -280,6 +294,8 @@ class Trainer:
         publication and the samplers' confirmation; then summary.json."""
         cfg = self.cfg
         complete = steps_done == cfg.trainer.steps
+        if self.group is not None:  # the others mirror what follows (follower.py)
+            self.group.send("finish", {"steps": steps_done, "complete": complete})
         if steps_done > saved:  # stopped by a signal between checkpoints: keep what was trained
             self.durability.checkpoint(steps_done, updater, carried)
         self.durability.settle_committed(wait=True, everything=complete)
@@ -293,6 +309,8 @@ class Trainer:
             if self.publisher.latest_version != steps_done or steps_done == self.durability.resumed_step:
                 self._publish(steps_done, final=True)  # a resumed, already complete run: tell samplers to stop
             self._await_samplers(steps_done)
+            if self.group is not None:  # the other processes may stop serving their slices
+                self.group.send("done")
             self.server.stop()
             if cfg.weights.verify_prompts:
                 problems = self.task.heldout(cfg.weights.verify_prompts)
@@ -310,6 +328,22 @@ class Trainer:
                              rl_seconds=rl_seconds, started=self.started, resumed_from=self.resumed_from,
                              trained_here=(steps_done - self.durability.resumed_step) * cfg.trainer.groups_per_step,
                              trainer_state=state_report(updater, self.model.num_params(), self.lora))
+
+    def _share_batch(self, step: int, batch) -> None:
+        """Send the step's batch to the other trainer processes (trainer.processes > 1) and, with
+        trainer.record_batches, write it to RUN_DIR/batches."""
+        arrays = {f.name: np.asarray(getattr(batch, f.name)) for f in dataclasses.fields(batch)}
+        if self.group is not None:
+            self.group.send("step", {"step": step}, arrays)
+        if self.cfg.trainer.record_batches:
+            (self.run_dir / "batches").mkdir(exist_ok=True)
+            np.savez(self.run_dir / "batches" / f"step-{step:06d}.npz", **arrays)
+
+    def _gather_hosts(self, manifest) -> None:
+        """Process 0 of a multi-process trainer: announce its own slices of the version, then wait for the others'."""
+        self.group.announce(manifest.trainer_epoch, manifest.version, self.server.port,
+                            self.server.data.port if self.server.data is not None else 0)
+        self.group.hosts_of(manifest, PUBLISH_WAIT_S)
 
     def _track_agreement(self, m: dict) -> None:
         """Run-long sampler-trainer logprob agreement over tokens generated at version lag 0."""
@@ -347,7 +381,16 @@ class Trainer:
                     self.publisher.samplers_at(final_version))
 
 
-def run_trainer(cfg: RunConfig, run_dir: pathlib.Path) -> dict:
-    trainer = Trainer(cfg, run_dir)
+def run_trainer(cfg: RunConfig, run_dir: pathlib.Path) -> dict | None:
+    """Run this trainer process; the summary (None on trainer processes other than 0 of a multi-process trainer)."""
+    group = start_group(cfg)
+    if group is not None and not group.leader:
+        from grpo_stream.trainer_service.follower import FollowerTrainer  # noqa: PLC0415
+
+        # a signal stops the job through process 0, which tells the others: alone, one would leave the rest waiting
+        ignore_signals()
+        FollowerTrainer(cfg, run_dir, group=group).run()
+        return None
+    trainer = Trainer(cfg, run_dir, group=group)
     stop_on_signals(trainer.stop_event, "step")
     return trainer.run()

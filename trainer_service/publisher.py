@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import grpc
 import jax.numpy as jnp
@@ -65,6 +65,9 @@ class WeightPublisher(weights_pb2_grpc.WeightServiceServicer):
         self.chunk_bytes, self.max_serve_mb_s, self.wire_dtype = chunk_bytes, max_serve_mb_s, wire_dtype
         self.epoch = epoch or new_epoch()
         self.data_port = 0  # set by a WeightDataServer serving this publisher's snapshots
+        # multi-host trainer, process 0: called with each new manifest before it is served; waits until every
+        # process serves its slices of that version and lists them in `manifest.hosts` (trainer_service/multihost.py)
+        self.gather_hosts: Callable[[weights_pb2.WeightManifest], None] | None = None
         self._lock = threading.Lock()
         self._snapshot: WeightSnapshot | None = None
         self._manifest: weights_pb2.WeightManifest | None = None
@@ -139,6 +142,8 @@ class WeightPublisher(weights_pb2_grpc.WeightServiceServicer):
     def _switch(self, manifest: weights_pb2.WeightManifest, snapshot: WeightSnapshot | None) -> None:
         if snapshot is not None:
             manifest.data_port = self.data_port
+        if self.gather_hosts is not None:
+            self.gather_hosts(manifest)
         with self._lock:
             self._snapshot, self._manifest = snapshot, manifest
             if not self.published or self.published[-1] != manifest.version:
@@ -260,8 +265,11 @@ class WeightPublisher(weights_pb2_grpc.WeightServiceServicer):
                                               f"{len(arrays)} tensors")
                 arr = arrays[tensor.tensor_index]
                 for k, rng in enumerate(tensor.slices):
-                    plan.append((tensor.tensor_index, k, arr, box_from_proto(rng, arr.shape, f"tensor "
-                                                                             f"{tensor.tensor_index} slice {k}")))
+                    box = box_from_proto(rng, arr.shape, f"tensor {tensor.tensor_index} slice {k}")
+                    if hasattr(arr, "holds") and not arr.holds(box):  # a multi-host trainer's share (HeldBoxes)
+                        raise WeightTransferError(f"tensor {tensor.tensor_index} slice {k}: not served by this "
+                                                  "trainer process; ask the host the manifest's sources name")
+                    plan.append((tensor.tensor_index, k, arr, box))
             asked = sum(int(np.prod([b.stop - b.start for b in box])) * arr.itemsize for _, _, arr, box in plan)
             held = sum(a.nbytes for a in arrays)
             if asked > held:  # each device's slices are disjoint: more than the version means repeats

@@ -54,6 +54,7 @@ def write_summary(path: pathlib.Path, cfg: RunConfig, *, steps: int, counters: d
     summary = {
         "run": cfg.run.name,
         "steps": steps,
+        "trainer_processes": cfg.trainer.processes,
         "stopped_early": steps < cfg.trainer.steps,
         "trainer_epoch": durability.epoch,
         "resumed_from": resumed_from,

@@ -221,6 +221,13 @@ class TrainerSection(Strict):
                                      "0 = a free port, null = off.")
     eval_before: bool = Field(True, description="Evaluate on the held-out split when RL starts.")
     eval_after: bool = Field(True, description="Evaluate on the held-out split when RL ends.")
+    processes: int = Field(1, ge=1, le=4096, description="JAX processes the trainer spans (multi-controller: one per "
+                           "host of a TPU slice or GPU node; trainer.mesh covers all their devices), joined by "
+                           "distributed.initialize. Process 0 leads (ingest, buffer, status); every process serves "
+                           "its slices of each weight version. `up` starts them on this machine (README: a "
+                           "multi-host trainer).")
+    record_batches: bool = Field(False, description="Write each step's batch to RUN_DIR/batches/step-N.npz (to "
+                                 "inspect or replay a run's updates).")
 
     @model_validator(mode="after")
     def _staleness(self) -> "TrainerSection":
@@ -357,6 +364,13 @@ class RunConfig(Strict):
         if self.sampler.weight_updates == "in_flight" and self.sampler.max_groups_per_version is not None:
             raise ValueError("sampler.weight_updates=in_flight mixes versions within a batch; synchronous mode "
                              "(sampler.max_groups_per_version) needs weight_updates=between_batches")
+        n, mesh = self.trainer.processes, self.trainer.mesh
+        if n > 1 and (not transport.trainer_serves or self.model.lora is not None
+                      or (mesh.fsdp * mesh.tp) % n):
+            raise ValueError(f"trainer.processes={n} needs weights.transport=grpc (each process serves its slices), "
+                             f"no model.lora, and trainer.mesh (fsdp x tp = {mesh.fsdp * mesh.tp} devices) spread "
+                             "evenly over the processes; got weights.transport="
+                             f"{self.weights.transport}, model.lora {'set' if self.model.lora else 'unset'}")
         return self
 
     @model_validator(mode="after")

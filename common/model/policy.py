@@ -22,6 +22,7 @@ from grpo_stream.common.model import architectures, hf_checkpoint
 from grpo_stream.common.model.activation_sharding import LOGITS_SPEC, constrain
 from grpo_stream.common.model.architectures import Architecture
 from grpo_stream.common.model.remat_policy import remat_policy_of
+from grpo_stream.common.model.sharding import host_copy
 from grpo_stream.common.config.learning import ModelSection
 
 NEG_INF = -1e30
@@ -43,7 +44,11 @@ class PolicyModel:
     def to_named_numpy(self, params: Any | None = None) -> dict[str, np.ndarray]:
         """Host copy of `params` (default: own params) as name -> array, in a stable order."""
         tree = self.params if params is None else params
-        leaves = jax.device_get(jax.tree_util.tree_leaves(tree))
+        leaves = jax.tree_util.tree_leaves(tree)
+        if all(not isinstance(x, jax.Array) or x.is_fully_addressable for x in leaves):
+            leaves = jax.device_get(leaves)  # one batched transfer
+        else:  # a multi-process trainer: every process takes part in gathering each leaf
+            leaves = [host_copy(leaf) for leaf in leaves]
         return {name: np.asarray(leaf) for name, leaf in zip(self.names(), leaves)}
 
     def named_arrays(self, params: Any | None = None) -> dict[str, Any]:

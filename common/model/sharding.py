@@ -57,7 +57,23 @@ def param_shardings(params: Any, mesh: Mesh) -> Any:
 
 def place(params: Any, mesh: Mesh) -> Any:
     """`params` (host or device arrays) moved onto their shardings on `mesh`."""
-    return jax.device_put(params, param_shardings(params, mesh))
+    if not mesh.is_multi_process:
+        return jax.device_put(params, param_shardings(params, mesh))
+    # a mesh over several processes (multi-process trainer): from host copies, which every process holds alike.
+    # (jax 0.10 device_put of a one-device array onto a sharding replicated over processes of one device each
+    # builds an array whose shards cannot be read back.)
+    host = jax.tree.map(lambda x: np.asarray(x) if isinstance(x, jax.Array) and x.is_fully_addressable else x, params)
+    return jax.device_put(host, param_shardings(params, mesh))
+
+
+def host_copy(arr: Any) -> np.ndarray:
+    """The whole of `arr` as a host array. An array spread over several processes (a multi-process trainer's
+    mesh) is gathered, a collective: every process calls this for the same arrays in the same order."""
+    if isinstance(arr, jax.Array) and not arr.is_fully_addressable:
+        from jax.experimental import multihost_utils  # noqa: PLC0415
+
+        return np.asarray(multihost_utils.process_allgather(arr, tiled=True))
+    return np.asarray(jax.device_get(arr))
 
 
 def rows_sharding(mesh: Mesh, rows: int) -> NamedSharding:
@@ -111,6 +127,7 @@ def initialize_distributed(mode: str) -> bool:
                                  "of JAX_NUM_PROCESSES / JAX_PROCESS_ID, or unset JAX_COORDINATOR_ADDRESS")
             kwargs[key] = int(os.environ[env])
         kwargs["coordinator_address"] = coordinator
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU devices of several processes: over TCP
     jax.distributed.initialize(**kwargs)
     log.info("jax.distributed: process %d of %d, %d local / %d global devices", jax.process_index(),
              jax.process_count(), jax.local_device_count(), jax.device_count())

@@ -20,8 +20,9 @@ import jax
 import numpy as np
 
 from grpo_stream.common.model.sharding import needed_slices
-from grpo_stream.common.rpc.grpc_util import ClientSecurity
+from grpo_stream.common.rpc.grpc_util import ClientSecurity, open_channel
 from grpo_stream.common.weights import tcp_wire
+from grpo_stream.common.weights.host_shards import add_sources, assemble, host_shard_snapshot, split_box
 from grpo_stream.common.weights.receive_buffers import ReceiveBuffers
 from grpo_stream.common.weights.snapshot import (SliceAssembler, WeightSnapshot, WeightTransferError, box_shape,
                                                  box_to_proto)
@@ -38,9 +39,15 @@ class GrpcSink:
         self.chunk_bytes = chunk_bytes
 
     def put(self, version, named, final, epoch, now, *, adapters=None):
-        host = {n: np.asarray(a) for n, a in zip(named, jax.device_get(list(named.values())))}
+        sources = None
+        if any(isinstance(a, jax.Array) and not a.is_fully_addressable for a in named.values()):
+            host, sources = host_shard_snapshot(named)  # a multi-host trainer: this process's boxes only
+        else:
+            host = {n: np.asarray(a) for n, a in zip(named, jax.device_get(list(named.values())))}
         snapshot = WeightSnapshot(version, host, final, epoch, now)
         manifest = snapshot.manifest(self.chunk_bytes, "grpc")
+        if sources is not None:
+            add_sources(manifest, sources)
         if adapters is not None:  # samplers read it from GetManifest, which serves this manifest
             manifest.adapters.CopyFrom(adapters)
         return manifest, snapshot
@@ -65,6 +72,11 @@ def _box_key(box: tuple[slice, ...]) -> tuple:
     return tuple((s.start, s.stop) for s in box)
 
 
+def _pieces(_t: int, pieces: dict) -> dict:
+    """A `place` that keeps a lane's received slices as host arrays (multi-host: assembled after every host's)."""
+    return pieces
+
+
 def _index_key(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple:
     return tuple(s.indices(n)[:2] for s, n in zip(index, shape))
 
@@ -81,6 +93,8 @@ class GrpcFetcher:
         self.sampler_id, self.streams, self.timeout_s, self.data_host = sampler_id, streams, timeout_s, data_host
         self._warned = False
         self._buffers = ReceiveBuffers()  # what the data plane receives into (see receive_buffers.py)
+        self._host_stubs: dict[str, weights_pb2_grpc.WeightServiceStub] = {}  # a multi-host trainer's other hosts
+        self._multi_host_logged = False
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=streams, thread_name_prefix="fetch")
 
     def latest(self, installed_version: int) -> weights_pb2.WeightManifest | None:
@@ -95,6 +109,8 @@ class GrpcFetcher:
     def fetch(self, manifest: weights_pb2.WeightManifest, targets: dict[str, jax.ShapeDtypeStruct]) -> dict:
         index = {t.name: i for i, t in enumerate(manifest.tensors)}
         check_names(manifest, targets)
+        if len(manifest.hosts) > 1:
+            return self._fetch_hosts(manifest, targets, index)
         plan = []  # (bytes, tensor index, boxes)
         for name, target in targets.items():
             spec = manifest.tensors[index[name]]
@@ -127,19 +143,73 @@ class GrpcFetcher:
         jax.block_until_ready(list(out.values()))
         return out
 
-    def _stream(self, manifest, lane, place) -> dict[int, jax.Array]:
-        """The lane's slices over FetchSlices, placed: tensor index -> array."""
+    def _host_stub(self, manifest, host: int):
+        """The WeightService stub of trainer process `host` (0: the trainer this sampler was pointed at)."""
+        if host == 0:
+            return self._stub
+        where = manifest.hosts[host]
+        address = f"{where.address}:{where.port}"
+        if address not in self._host_stubs:
+            self._host_stubs[address] = weights_pb2_grpc.WeightServiceStub(open_channel(address, self.security))
+        return self._host_stubs[address]
+
+    def _fetch_hosts(self, manifest, targets, index) -> dict:
+        """A multi-host trainer's version: each box this sampler's devices need is split along the hosts that
+        serve its parts (the manifest's sources), every host's parts are fetched in parallel (over its data plane
+        when it has one), and the boxes are assembled and placed."""
+        if not self._multi_host_logged:
+            log.info("%s: weights from %d trainer processes (%s)", self.sampler_id, len(manifest.hosts),
+                     ", ".join(f"{h.address}:{h.port}" for h in manifest.hosts))
+            self._multi_host_logged = True
+        wanted: dict[int, list] = {}  # tensor index -> [(box, [(host, part)])]
+        per_host: dict[int, dict[int, list]] = {}  # host -> tensor index -> parts
+        for name, target in targets.items():
+            t = index[name]
+            spec = manifest.tensors[t]
+            for box in needed_slices(tuple(spec.shape), target.sharding):
+                parts = split_box(box, spec, len(manifest.hosts))
+                wanted.setdefault(t, []).append((box, parts))
+                for host, part in parts:
+                    per_host.setdefault(host, {}).setdefault(t, []).append(part)
+        futures = []
+        for host, tensors in per_host.items():
+            lane = [(0, t, boxes) for t, boxes in tensors.items()]
+            where = manifest.hosts[host]
+            data_host = (self.data_host if host == 0 else where.address) if self.data_host else None
+            if data_host and where.data_port:
+                futures.append(self._pool.submit(self._stream_tcp, manifest, lane, _pieces, data_host,
+                                                 where.data_port, self._host_stub(manifest, host)))
+            else:
+                futures.append(self._pool.submit(self._stream, manifest, lane, _pieces, self._host_stub(manifest, host)))
+        got: dict[int, dict] = {}
+        for future in futures:
+            for t, pieces in future.result(timeout=self.timeout_s + 5).items():
+                got.setdefault(t, {}).update(pieces)
+        out = {}
+        for name, target in targets.items():
+            t, shape = index[name], tuple(target.shape)
+            dtype = np.dtype(manifest.tensors[t].dtype)
+            boxes = {_box_key(box): assemble(box, dtype, [(part, got[t][_box_key(part)]) for _, part in parts])
+                     for box, parts in wanted[t]}
+            arr = jax.make_array_from_callback(shape, target.sharding, lambda idx: boxes[_index_key(idx, shape)])
+            out[name] = arr if arr.dtype == target.dtype else _cast(arr, target.dtype)
+        jax.block_until_ready(list(out.values()))
+        return out
+
+    def _stream(self, manifest, lane, place, stub=None) -> dict[int, jax.Array]:
+        """The lane's slices over FetchSlices (of `stub`'s trainer process; default the trainer's), placed:
+        tensor index -> array."""
         request = self._request(manifest, lane)
         assembler = SliceAssembler(manifest, {t: boxes for _, t, boxes in lane})
-        for chunk in self._stub.FetchSlices(request, timeout=self.timeout_s):
+        for chunk in (stub or self._stub).FetchSlices(request, timeout=self.timeout_s):
             assembler.add(chunk)
         arrays = assembler.arrays()
         return {t: place(t, {_box_key(box): arr for box, arr in zip(boxes, arrays[t])}) for _, t, boxes in lane}
 
-    def _fall_back(self, manifest, why: str) -> None:
+    def _fall_back(self, host: str, port: int, why: str) -> None:
         if not self._warned:
             log.warning("%s: weights data plane %s:%d unusable (%s); fetching over gRPC instead",
-                        self.sampler_id, self.data_host, manifest.data_port, why)
+                        self.sampler_id, host, port, why)
             self._warned = True
 
     def _request(self, manifest, lane) -> weights_pb2.FetchSlicesRequest:
@@ -148,27 +218,29 @@ class GrpcFetcher:
             tensors=[weights_pb2.TensorSlices(tensor_index=t, slices=[box_to_proto(b) for b in boxes])
                      for _, t, boxes in lane])
 
-    def _stream_tcp(self, manifest, lane, place) -> dict[int, jax.Array]:
-        """The lane's slices over the TCP data plane, each received straight into its array and checked; each
-        tensor is placed on the devices as soon as its slices are in (while the other lanes still receive)."""
+    def _stream_tcp(self, manifest, lane, place, host=None, port=None, stub=None) -> dict[int, jax.Array]:
+        """The lane's slices over the TCP data plane (of the trainer process at `host`:`port`; default the
+        trainer's), each received straight into its array and checked; each tensor is placed on the devices as
+        soon as its slices are in (while the other lanes still receive). Falls back to FetchSlices of `stub`."""
         deadline = time.monotonic() + self.timeout_s
+        host, port = host or self.data_host, port or manifest.data_port
         sock = None
         try:
-            sock = socket.create_connection((self.data_host, manifest.data_port), timeout=min(5, self.timeout_s))
+            sock = socket.create_connection((host, port), timeout=min(5, self.timeout_s))
             security = self.security or ClientSecurity()
             if security.ssl_context is not None:
-                sock = security.ssl_context.wrap_socket(sock, server_hostname=security.server_name or self.data_host)
+                sock = security.ssl_context.wrap_socket(sock, server_hostname=security.server_name or host)
             sock.sendall(tcp_wire.encode_request(self._request(manifest, lane).SerializeToString(),
                                                     security.token))
             code, message = tcp_wire.read_status(sock, min(deadline, time.monotonic() + 10))
         except (OSError, WeightTransferError) as exc:  # port unreachable (firewall, Service without it) or silent
             if sock is not None:
                 sock.close()
-            self._fall_back(manifest, f"{type(exc).__name__}: {exc}")
-            return self._stream(manifest, lane, place)
+            self._fall_back(host, port, f"{type(exc).__name__}: {exc}")
+            return self._stream(manifest, lane, place, stub)
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]:  # all data-plane transfers busy
             sock.close()
-            return self._stream(manifest, lane, place)
+            return self._stream(manifest, lane, place, stub)
         with sock:
             if code:
                 name = next((c.name for c in grpc.StatusCode if c.value[0] == code), str(code))

@@ -81,6 +81,11 @@ def test_bench_all_quick_writes_json_and_table_rows(tmp_path):
     assert all(weights[f"fraction_of_raw_{k}"] > 0 for k in ("f32", "bf16", "float32_as_bfloat16",
                                                             "grpc_stream_float32", "grpc_stream_bfloat16"))
     assert weights["stall"]["versions_installed"][-1] == 1 and weights["stall"]["step_s"] > 0
+    # multi-source: the whole model reached the sampler from 2 trainer processes, as from 1
+    multi = weights["multi_source"]
+    assert multi["single_process"]["bytes"] == multi["two_processes"]["bytes"] == f32_bytes
+    assert weights["multi_source_over_single"] == round(multi["two_processes"]["mb_per_s"]
+                                                        / multi["single_process"]["mb_per_s"], 3) > 0
 
     prompts = results["prompts"]
     # every prompt submitted was answered once and followed to its result, through a real ingest process

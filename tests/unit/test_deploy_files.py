@@ -199,6 +199,47 @@ def test_jobset_commands_are_valid_runs_and_wired_to_each_other():
     assert env["GRPO_STREAM_TOKEN_FILE"] == "/secrets/sampler.token"
 
 
+def parsed_command(container: dict):
+    """The config the container's grpo-stream command would run (every override key must exist)."""
+    from grpo_stream.common.config.loading import load_config  # noqa: PLC0415
+
+    argv = container["command"]
+    skip = {i for i, a in enumerate(argv) if a.startswith("--")} | {i + 1 for i, a in enumerate(argv)
+                                                                       if a.startswith("--")}
+    return load_config(ROOT / argv[argv.index("--config") + 1], [a for i, a in enumerate(argv[2:], 2) if i not in skip])
+
+
+def test_multihost_trainer_jobset_runs_one_process_per_host_and_serves_samplers():
+    docs = yaml.safe_load_all((COMPOSE / "k8s" / "trainer-multihost.yaml").read_text())
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in docs if d}
+    trainer_set = docs[("JobSet", "grpo-mh-trainer")]
+    trainer_job = trainer_set["spec"]["replicatedJobs"][0]
+    pod = trainer_job["template"]["spec"]
+    container = pod["template"]["spec"]["containers"][0]
+    trainer = parsed_command(container)
+    hosts = pod["parallelism"]
+    # one JAX process per host of the slice, all started together, the mesh over every host's chips
+    assert hosts == pod["completions"] == trainer.trainer.processes == 2 and pod["completionMode"] == "Indexed"
+    chips = int(container["resources"]["limits"]["google.com/tpu"])
+    topology = pod["template"]["spec"]["nodeSelector"]["cloud.google.com/gke-tpu-topology"]
+    assert trainer.trainer.mesh.fsdp * trainer.trainer.mesh.tp == hosts * chips == \
+        eval("*".join(topology.split("x")))  # noqa: S307 - "2x2x2" -> 8 chips in the slice
+    # a failed pod restarts the whole trainer, which resumes from checkpoints every host reads
+    assert trainer_set["spec"]["failurePolicy"]["maxRestarts"] >= 1 and pod["backoffLimit"] == 0
+    assert trainer.checkpoint.dir.startswith("gs://") and trainer.distributed.initialize == "auto"
+    env = {e["name"]: e for e in container["env"]}
+    assert env["GRPO_STREAM_ADVERTISE_HOST"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    # samplers reach process 0 through the Service (its pod only) and fetch slices from every pod's ports
+    service = docs[("Service", "grpo-mh-trainer")]
+    assert service["spec"]["selector"]["batch.kubernetes.io/job-completion-index"] == "0"
+    assert {p["port"] for p in service["spec"]["ports"]} == {trainer.trainer.port, trainer.weights.data_port}
+    assert {p["containerPort"] for p in container["ports"]} == {trainer.trainer.port, trainer.weights.data_port}
+    sampler_job = docs[("JobSet", "grpo-mh-samplers")]["spec"]["replicatedJobs"][0]
+    sampler = parsed_command(sampler_job["template"]["spec"]["template"]["spec"]["containers"][0])
+    assert sampler.trainer_address() == f"{service['metadata']['name']}:{trainer.trainer.port}"
+    assert sampler_job["replicas"] == sampler.sampler.replicas == trainer.sampler.replicas
+
+
 def test_tokens_command_writes_every_secret_the_manifests_mount(tmp_path):
     """`grpo-stream tokens --out DIR --redis-password` makes exactly the files the Secret is created from."""
     proc = subprocess.run([sys.executable, "-m", "grpo_stream", "tokens", "--out", str(tmp_path / "s"),

@@ -1,0 +1,110 @@
+"""A trainer of two JAX processes (issue 23): multi-controller JAX on CPU, 2 processes x 2 fake devices (fsdp=4),
+started by `up` as a multi-host slice would run it, with two tensor-parallel samplers (tp=2) fetching every
+version's slices from both trainer processes.
+
+The first run is the smoke config end to end: the samplers' final parameters have the trainer's SHA-256, and the
+final parameters equal a one-process, four-device replay of the same groups (the run records each step's batch;
+tests/e2e/multihost_reference.py replays them). The second kills trainer process 1 (SIGKILL) mid-run: `up` stops
+the job and starts both processes again, they resume from the newest checkpoint, and the audit finds no group
+lost and none trained twice.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from tests.e2e.test_up import ROOT, run_cli
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+CONFIG = "configs/tiny_arith_smoke.yaml"
+TWO_HOSTS = ["trainer.processes=2", "trainer.mesh.fsdp=4", "sampler.mesh.tp=2", "weights.verify_prompts=8"]
+
+
+def test_two_process_trainer_matches_one_process_and_every_sampler(tmp_path):
+    run_dir = tmp_path / "run"
+    out = run_cli("up", "--config", CONFIG, "--run-dir", str(run_dir), *TWO_HOSTS, "trainer.record_batches=true")
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["trainer_processes"] == 2 and summary["trainer_mesh"] == {"fsdp": 4, "tp": 1}
+    assert summary["steps"] == 8 and summary["groups_trained"] == 32
+    final = summary["final_weights"]
+    assert final["version"] == 8 and any(final["greedy"])
+    for name, doc in summary["samplers"].items():
+        assert doc["final_weights"]["sha256"] == final["sha256"], f"{name}: parameters differ from the trainer's"
+        assert doc["final_weights"]["greedy"] == final["greedy"], f"{name}: greedy outputs differ"
+    for i in range(2):  # each sampler took its slices from both trainer processes
+        assert "weights from 2 trainer processes" in (run_dir / "logs" / f"sampler-{i}.log").read_text()
+    follower = (run_dir / "logs" / "trainer-1.log").read_text()
+    assert "trainer process 1 of 2" in follower and "trainer process 1 done at step 8" in follower
+    reference = subprocess.run([sys.executable, "-m", "tests.e2e.multihost_reference", str(run_dir)], cwd=ROOT,
+                               capture_output=True, text=True, timeout=300,
+                               env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"})
+    assert reference.returncode == 0, reference.stdout[-2000:] + reference.stderr[-3000:]
+    result = json.loads(reference.stdout.strip().splitlines()[-1])
+    assert result["steps_replayed"] == 8 and result["checkpoint_step"] == 8
+    assert result["rl_moved_rel"] > 1e-3, result  # RL changed the parameters: the comparison means something
+    assert result["max_rel_diff"] <= 1e-5, result
+
+
+def process_with_env(marker: str, variable: str) -> int | None:
+    """The trainer process whose command line holds `marker` and whose environment holds `variable`."""
+    for proc in pathlib.Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            env = (proc / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if " trainer " in cmdline and marker in cmdline and variable.encode() in env:
+            return int(proc.name)
+    return None
+
+
+def test_killing_trainer_process_1_restarts_the_job_from_its_checkpoint(tmp_path):
+    run_dir, name, steps = tmp_path / "run", f"mh-{uuid.uuid4().hex[:8]}", 12
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "grpo_stream", "up", "--config", CONFIG, "--run-dir", str(run_dir), *TWO_HOSTS,
+         f"run.name={name}", f"trainer.steps={steps}", "checkpoint.every=2", "logging.step_every=1",
+         "trainer.eval_after=false", "up.restart_backoff_s=0.5"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    lines, killed, deadline = [], None, time.monotonic() + 600
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if killed is None and line.startswith("[trainer] ") and " step 5/" in line:
+                killed = process_with_env(name, "JAX_PROCESS_ID=1")
+                assert killed is not None, "no trainer process 1"
+                os.kill(killed, signal.SIGKILL)
+            assert time.monotonic() < deadline, "".join(lines[-60:])
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    text = "".join(lines)
+    assert killed is not None and proc.returncode == 0, text[-6000:]
+    assert "[up] trainer exited with code" in text and "restarting it in" in text, text[-6000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == steps and summary["restarts"]["trainer"] == 1
+    assert summary["resumed_from"] is not None and summary["resumed_from"]["step"] >= 4  # from a checkpoint
+    final = summary["final_weights"]
+    for name_, doc in summary["samplers"].items():
+        assert doc["final_weights"]["sha256"] == final["sha256"], f"{name_}: parameters differ from the trainer's"
+    follower = (run_dir / "logs" / "trainer-1.log").read_text()
+    assert follower.count("trainer process 1 of 2") == 2  # its log goes on across the restart
+    audit = run_cli("audit", str(run_dir), timeout=120)
+    assert audit.returncode == 0 and "0 lost; 0 trained twice" in audit.stdout, audit.stdout + audit.stderr

@@ -1,0 +1,61 @@
+"""The messages trainer process 0 sends the others (multi-process trainer), and the config's limits. The real
+key-value store and the two-process job run in tests/e2e/test_multihost_trainer.py; here a dict stands in for
+the store (logic only)."""
+
+import numpy as np
+import pytest
+
+from grpo_stream.common.config.loading import load_config
+from grpo_stream.trainer_service.multihost import KEEP_MESSAGES, TrainerGroup
+
+
+class Store:
+    """The key-value calls TrainerGroup makes, on a dict; a missing key times out as the runtime's does."""
+
+    def __init__(self):
+        self.values = {}
+
+    def key_value_set_bytes(self, key, value):
+        self.values[key] = value
+
+    def blocking_key_value_get_bytes(self, key, timeout_ms):
+        if key not in self.values:
+            raise RuntimeError("DEADLINE_EXCEEDED: Barrier timed out")
+        return self.values[key]
+
+    def key_value_delete(self, key):
+        self.values.pop(key, None)
+
+
+def test_messages_arrive_in_order_with_their_arrays_and_old_ones_are_dropped():
+    store = Store()
+    leader, follower = TrainerGroup(2, 0, store), TrainerGroup(2, 1, store)
+    leader.send("start", {"epoch": "abc"})
+    tokens = np.arange(12, dtype=np.int32).reshape(3, 4)
+    leader.send("step", {"step": 1}, {"tokens": tokens, "valid": tokens > 3})
+    fields, arrays = follower.receive()
+    assert fields == {"kind": "start", "epoch": "abc"} and arrays == {}
+    fields, arrays = follower.receive()
+    assert fields == {"kind": "step", "step": 1}
+    np.testing.assert_array_equal(arrays["tokens"], tokens)
+    assert arrays["valid"].dtype == np.bool_ and arrays["valid"].sum() == 8
+    for k in range(2, 10):
+        leader.send("step", {"step": k})
+    assert len(store.values) == KEEP_MESSAGES
+
+
+def test_a_follower_whose_leader_is_gone_stops_with_a_clear_error():
+    class Gone(Store):
+        def blocking_key_value_get_bytes(self, key, timeout_ms):
+            raise RuntimeError("UNAVAILABLE: failed to connect to all addresses")
+
+    with pytest.raises(RuntimeError, match="lost trainer process 0 .* restarts from its newest checkpoint"):
+        TrainerGroup(2, 1, Gone()).receive()
+
+
+@pytest.mark.parametrize("extra, word", [(["weights.transport=checkpoint"], "weights.transport=grpc"),
+                                         (["trainer.mesh.fsdp=3"], "fsdp x tp = 3 devices")])
+def test_a_multi_process_trainer_refuses_what_it_cannot_run(extra, word):
+    with pytest.raises(ValueError, match="trainer.processes=2") as err:
+        load_config(None, ["trainer.processes=2", "trainer.mesh.fsdp=4", *extra])
+    assert word in str(err.value)
