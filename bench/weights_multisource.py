@@ -61,9 +61,10 @@ def _serve(spec: dict) -> int:
         stats = publisher.publish_arrays(int(line), named)
         print(json.dumps({"published": stats.version, "seconds": stats.seconds}), flush=True)
     server.stop(0)
-    if n > 1:
-        jax.distributed.shutdown()  # together: process 0 hosts the coordination service the other talks to
-    return 0
+    sys.stdout.flush()
+    # no distributed shutdown: the harness stops process 1 before process 0 (whose coordination service the other
+    # polls), and JAX's at-exit shutdown would wait for a barrier the other process no longer joins
+    os._exit(0)
 
 
 def _event(proc: subprocess.Popen) -> dict:
@@ -109,7 +110,7 @@ def _case(arch: dict, processes: int, repeats: int) -> dict:
     finally:
         if peer is not None:
             peer.close()
-        for t in trainers:
+        for t in trainers[::-1]:  # process 0 last: it hosts the coordination service
             t.stdin.close()
             try:
                 t.wait(timeout=30)

@@ -19,6 +19,7 @@ from grpo_stream.trainer_service.checkpoints import TrainerCheckpoints
 from grpo_stream.trainer_service.durability import updater_state
 from grpo_stream.trainer_service.loop import Trainer
 from grpo_stream.trainer_service.metrics import MetricsWriter
+from grpo_stream.trainer_service.multihost import advertised_host
 from grpo_stream.trainer_service.publisher import WeightPublisher
 from grpo_stream.trainer_service.rl_update import PolicyUpdater
 from grpo_stream.trainer_service.server import TrainerServer
@@ -36,10 +37,12 @@ class FollowerTrainer(Trainer):
         w = cfg.weights
         self.publisher = WeightPublisher(weight_sink(w.transport, SinkContext(w)), w.transport, w.chunk_bytes,
                                          w.max_serve_mb_s, w.wire_dtype)
-        # its own ports beside process 0's (trainer.port + index), so that processes can share a machine
-        self.server = TrainerServer(None, self.publisher, cfg.trainer.host, cfg.trainer.port + index if
+        # process 0's ports on a host of its own; processes sharing a machine (advertised on loopback, as `up` runs
+        # them) take trainer.port + index and weights.data_port + index
+        offset = index if advertised_host().startswith("127.") else 0
+        self.server = TrainerServer(None, self.publisher, cfg.trainer.host, cfg.trainer.port + offset if
                                     cfg.trainer.port else 0, security=ServerSecurity.from_config(cfg),
-                                    data_port=(w.data_port + index if w.data_port else 0) if w.data_plane == "tcp"
+                                    data_port=(w.data_port + offset if w.data_port else 0) if w.data_plane == "tcp"
                                     else None)
         self.server.start()
         self.publisher.gather_hosts = lambda manifest: self.group.announce(

@@ -22,7 +22,7 @@ import numpy as np
 from grpo_stream.common.model.sharding import needed_slices
 from grpo_stream.common.rpc.grpc_util import ClientSecurity, open_channel
 from grpo_stream.common.weights import tcp_wire
-from grpo_stream.common.weights.host_shards import add_sources, assemble, host_shard_snapshot, split_box
+from grpo_stream.common.weights.host_shards import add_sources, host_shard_snapshot, split_box
 from grpo_stream.common.weights.receive_buffers import ReceiveBuffers
 from grpo_stream.common.weights.snapshot import (SliceAssembler, WeightSnapshot, WeightTransferError, box_shape,
                                                  box_to_proto)
@@ -161,16 +161,22 @@ class GrpcFetcher:
             log.info("%s: weights from %d trainer processes (%s)", self.sampler_id, len(manifest.hosts),
                      ", ".join(f"{h.address}:{h.port}" for h in manifest.hosts))
             self._multi_host_logged = True
-        wanted: dict[int, list] = {}  # tensor index -> [(box, [(host, part)])]
+        wanted: dict[int, list] = {}  # tensor index -> [(box, [(host, part)], assembled array)]
         per_host: dict[int, dict[int, list]] = {}  # host -> tensor index -> parts
+        into: dict[tuple, np.ndarray] = {}  # (tensor, part): where in an assembled box the data plane receives it
         for name, target in targets.items():
             t = index[name]
             spec = manifest.tensors[t]
             for box in needed_slices(tuple(spec.shape), target.sharding):
                 parts = split_box(box, spec, len(manifest.hosts))
-                wanted.setdefault(t, []).append((box, parts))
+                # an aligned buffer that becomes the parameter on CPU (as the one-host path's receive buffers)
+                out = self._buffers.take((t, _box_key(box)), box_shape(box), spec.dtype)
+                wanted.setdefault(t, []).append((box, parts, out))
                 for host, part in parts:
                     per_host.setdefault(host, {}).setdefault(t, []).append(part)
+                    view = out[tuple(slice(p.start - b.start, p.stop - b.start) for p, b in zip(part, box))]
+                    if view.flags.c_contiguous:  # e.g. rows of an fsdp-sharded weight: no copy after receiving
+                        into[(t, _box_key(part))] = view
         futures = []
         for host, tensors in per_host.items():
             lane = [(0, t, boxes) for t, boxes in tensors.items()]
@@ -178,7 +184,7 @@ class GrpcFetcher:
             data_host = (self.data_host if host == 0 else where.address) if self.data_host else None
             if data_host and where.data_port:
                 futures.append(self._pool.submit(self._stream_tcp, manifest, lane, _pieces, data_host,
-                                                 where.data_port, self._host_stub(manifest, host)))
+                                                 where.data_port, self._host_stub(manifest, host), into))
             else:
                 futures.append(self._pool.submit(self._stream, manifest, lane, _pieces, self._host_stub(manifest, host)))
         got: dict[int, dict] = {}
@@ -188,11 +194,15 @@ class GrpcFetcher:
         out = {}
         for name, target in targets.items():
             t, shape = index[name], tuple(target.shape)
-            dtype = np.dtype(manifest.tensors[t].dtype)
-            boxes = {_box_key(box): assemble(box, dtype, [(part, got[t][_box_key(part)]) for _, part in parts])
-                     for box, parts in wanted[t]}
-            arr = jax.make_array_from_callback(shape, target.sharding, lambda idx: boxes[_index_key(idx, shape)])
-            out[name] = arr if arr.dtype == target.dtype else _cast(arr, target.dtype)
+            boxes = {}
+            for box, parts, arr in wanted[t]:
+                for _, part in parts:  # parts not received in place (gRPC, or not contiguous) are copied in
+                    piece = got[t][_box_key(part)]
+                    if into.get((t, _box_key(part))) is not piece:
+                        arr[tuple(slice(p.start - b.start, p.stop - b.start) for p, b in zip(part, box))] = piece
+                boxes[_box_key(box)] = arr
+            placed = jax.make_array_from_callback(shape, target.sharding, lambda idx: boxes[_index_key(idx, shape)])
+            out[name] = placed if placed.dtype == target.dtype else _cast(placed, target.dtype)
         jax.block_until_ready(list(out.values()))
         return out
 
@@ -218,10 +228,12 @@ class GrpcFetcher:
             tensors=[weights_pb2.TensorSlices(tensor_index=t, slices=[box_to_proto(b) for b in boxes])
                      for _, t, boxes in lane])
 
-    def _stream_tcp(self, manifest, lane, place, host=None, port=None, stub=None) -> dict[int, jax.Array]:
+    def _stream_tcp(self, manifest, lane, place, host=None, port=None, stub=None, into=None) -> dict[int, jax.Array]:
         """The lane's slices over the TCP data plane (of the trainer process at `host`:`port`; default the
         trainer's), each received straight into its array and checked; each tensor is placed on the devices as
-        soon as its slices are in (while the other lanes still receive). Falls back to FetchSlices of `stub`."""
+        soon as its slices are in (while the other lanes still receive). Falls back to FetchSlices of `stub`.
+        `into`: (tensor index, box key) -> the array to receive that slice into (multi-host: inside its assembled
+        box); others go to receive buffers."""
         deadline = time.monotonic() + self.timeout_s
         host, port = host or self.data_host, port or manifest.data_port
         sock = None
@@ -251,7 +263,9 @@ class GrpcFetcher:
                 pieces = {}
                 for k, box in enumerate(boxes):
                     key = _box_key(box)
-                    arr = self._buffers.take((t, key), box_shape(box), spec.dtype)
+                    arr = (into or {}).get((t, key))
+                    if arr is None:
+                        arr = self._buffers.take((t, key), box_shape(box), spec.dtype)
                     tcp_wire.receive_slice(sock, t, k, arr, spec.name, deadline)
                     pieces[key] = arr
                 placed[t] = place(t, pieces)

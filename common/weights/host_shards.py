@@ -10,7 +10,7 @@ assembles its boxes (common/weights/grpc_transport.py).
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Sequence
 
 import jax
 import numpy as np
@@ -111,13 +111,3 @@ def split_box(box: Box, spec: weights_pb2.TensorSpec, hosts: int) -> list[tuple[
         raise WeightTransferError(f"{spec.name}: the manifest's sources cover {covered} of the "
                                   f"{int(np.prod(box_shape(box)))} elements of slice {_key(box)}")
     return parts
-
-
-def assemble(box: Box, dtype: Any, parts: list[tuple[Box, np.ndarray]]) -> np.ndarray:
-    """The array of `box` from `parts` (global boxes within it and their arrays)."""
-    if len(parts) == 1 and _key(parts[0][0]) == _key(box):
-        return parts[0][1]
-    out = np.empty(box_shape(box), dtype)
-    for part, arr in parts:
-        out[tuple(slice(p.start - b.start, p.stop - b.start) for p, b in zip(part, box))] = arr
-    return out

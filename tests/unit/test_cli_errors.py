@@ -39,3 +39,12 @@ def test_a_config_error_stays_one_line_without_a_traceback_file(tmp_path, capsys
     assert err == ["grpo-stream config: config error: trainer.stepz: unknown key; remove it or check its spelling "
                    "(see --print-config for valid keys)"]
     assert not list(tmp_path.iterdir())
+
+
+def test_a_multi_process_trainer_started_alone_says_how_to_join_the_others(tmp_path, capsys):
+    """trainer.processes=2 without the distributed environment: one line naming the variables, before any wait."""
+    assert main(["trainer", "--run-dir", str(tmp_path), "trainer.processes=2", "trainer.mesh.fsdp=2",
+                 "distributed.initialize=never"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "trainer.processes=2, but this process is in a JAX job of 1 processes" in err
+    assert "JAX_COORDINATOR_ADDRESS" in err and "JAX_PROCESS_ID" in err
