@@ -75,14 +75,12 @@ class FollowerTrainer(Trainer):
                 self._evaluate("eval_before")
             updater = self._updater()
             self.params = updater.params
-        self.resumed_step = start
         self._publish(start)
         return updater, start, {}
 
     def _run(self) -> dict:
         cfg = self.cfg
         updater, steps_done, _ = self._start()
-        saved = steps_done
         while True:
             fields, arrays = self.group.receive()
             if fields["kind"] != "step":
@@ -93,36 +91,32 @@ class FollowerTrainer(Trainer):
             updater.update(TrainBatch(**arrays))
             self.params = updater.params
             steps_done = step
-            if step % cfg.checkpoint.every == 0 or step == cfg.trainer.steps:
+            if fields["checkpoint"]:
                 self.checkpoints.save(step, updater_state(updater), {"process": self.group.index})
-                saved = step
             self.checkpoints.committed()
             if self._after_step is not None:
                 self._after_step.result()
-            self._after_step = self._worker.submit(self._publish_due, step, self.params)
+            if fields["publish"]:
+                self._after_step = self._worker.submit(self._publish, step, self.params,
+                                                       final=step == cfg.trainer.steps)
         assert fields["kind"] == "finish" and fields["steps"] == steps_done, (fields, steps_done)
         self._finish_background()
-        return self._finish_follower(updater, steps_done, saved, fields["complete"])
+        return self._finish_follower(updater, fields)
 
-    def _publish_due(self, step: int, params) -> None:
-        final = step == self.cfg.trainer.steps
-        if step % self.cfg.trainer.publish_every == 0 or final:
-            self._publish(step, params, final=final)
-
-    def _finish_follower(self, updater: PolicyUpdater, steps_done: int, saved: int, complete: bool) -> dict:
+    def _finish_follower(self, updater: PolicyUpdater, finish: dict) -> dict:
         """Mirrors Trainer._finish: the last checkpoint, and for a completed run the final evaluation, export and
         publication, serving until process 0 says every sampler has the final version, then the final check."""
-        cfg = self.cfg
-        if steps_done > saved:
+        cfg, steps_done = self.cfg, finish["steps"]
+        if finish["checkpoint"]:
             self.checkpoints.save(steps_done, updater_state(updater), {"process": self.group.index})
         self.checkpoints.committed(wait=True)
-        if not complete:
+        if not finish["complete"]:
             self.server.stop()
             return {}
         if cfg.trainer.eval_after:
             self._evaluate("eval_after")
         self.model.to_named_numpy(self._plain(self.params))  # process 0 exports: its gathers need every process
-        if self.publisher.latest_version != steps_done or steps_done == self.resumed_step:
+        if finish["publish"]:
             self._publish(steps_done, final=True)
         fields, _ = self.group.receive()
         assert fields["kind"] == "done", fields
@@ -138,6 +132,10 @@ class FollowerTrainer(Trainer):
         try:
             self._setup()
             return self._run()
+        except BaseException:
+            if getattr(self, "server", None) is not None:  # its threads would keep the process alive
+                self.server.stop(grace_s=0)
+            raise
         finally:
             self._worker.shutdown(wait=True)
             if getattr(self, "checkpoints", None) is not None:

@@ -222,9 +222,11 @@ class Trainer:
                     "(or --run-dir) at that run's checkpoints to resume it, or choose a new run.name")
             warm = None
             if cfg.warmstart.steps:
+                # several processes run the warm start in lockstep: a signal takes effect after it, at a step
+                stop = self.stop_event if self.group is None else threading.Event()
                 self.params, warm = warm_start(self.model, self.params, self.task, self.tokenizer, cfg, self.metrics,
-                                              self.stop_event)
-                if cfg.warmstart.export and not self.stop_event.is_set():
+                                              stop)
+                if cfg.warmstart.export and not stop.is_set():
                     self._export_hf("warmstart-model", "warm-started")
             carried = {"warmstart": warm,
                        "eval_before": self._evaluate("eval_before") if cfg.trainer.eval_before else None}
@@ -257,7 +259,11 @@ class Trainer:
             batch, stats = build_batch(groups, cfg.generation.max_prompt_tokens, cfg.generation.max_new_tokens,
                                        self.tokenizer.pad_id, cfg.algo, held_version=step - 1)
             staleness = np.array([step - 1 - g.policy_version for g in groups])
-            self._share_batch(step, batch)
+            # what this step does besides the update; the other trainer processes are told, not left to work it out
+            last = step == cfg.trainer.steps
+            todo = {"checkpoint": step % cfg.checkpoint.every == 0 or last,
+                    "publish": step % cfg.trainer.publish_every == 0 or last}
+            self._share_batch(step, batch, todo)
             self.mixed_version_groups += sum(any(c.versions is not None and c.versions[0] != c.versions[-1]
                                                  for c in g.completions) for g in groups)
             t_batch = time.time()
@@ -271,7 +277,7 @@ class Trainer:
             self._track_agreement(m)
             self.durability.trained(step, picked)
             steps_done = self.status.step = step
-            if step % cfg.checkpoint.every == 0 or step == cfg.trainer.steps:
+            if todo["checkpoint"]:
                 self.durability.checkpoint(step, updater, carried)
                 saved = step
             self.durability.settle_committed()
@@ -282,7 +288,8 @@ class Trainer:
             # releases the GIL); at most one step behind.
             if self._after_step is not None:
                 self._after_step.result()
-            self._after_step = self._worker.submit(self._publish_and_report, step, self.params, groups, staleness,
+            self._after_step = self._worker.submit(self._publish_and_report, step, todo["publish"], self.params, groups,
+                                                   staleness,
                                                    stats, m, phases, tokens_per_s, groups_per_s)
             last_end = time.time()
             self.step_times.append({**phases, "handoff_seconds": last_end - t_compute, "step_seconds": last_end - t0})
@@ -294,8 +301,11 @@ class Trainer:
         publication and the samplers' confirmation; then summary.json."""
         cfg = self.cfg
         complete = steps_done == cfg.trainer.steps
+        final_publish = complete and (self.publisher.latest_version != steps_done
+                                      or steps_done == self.durability.resumed_step)  # (a resumed complete run)
         if self.group is not None:  # the others mirror what follows (follower.py)
-            self.group.send("finish", {"steps": steps_done, "complete": complete})
+            self.group.send("finish", {"steps": steps_done, "complete": complete, "checkpoint": steps_done > saved,
+                                       "publish": final_publish})
         if steps_done > saved:  # stopped by a signal between checkpoints: keep what was trained
             self.durability.checkpoint(steps_done, updater, carried)
         self.durability.settle_committed(wait=True, everything=complete)
@@ -306,7 +316,7 @@ class Trainer:
         else:
             eval_after = self._evaluate("eval_after") if cfg.trainer.eval_after else None
             self._export_hf("model", "trained")  # serve it, or `eval` it
-            if self.publisher.latest_version != steps_done or steps_done == self.durability.resumed_step:
+            if final_publish:
                 self._publish(steps_done, final=True)  # a resumed, already complete run: tell samplers to stop
             self._await_samplers(steps_done)
             if self.group is not None:  # the other processes may stop serving their slices
@@ -329,12 +339,12 @@ class Trainer:
                              trained_here=(steps_done - self.durability.resumed_step) * cfg.trainer.groups_per_step,
                              trainer_state=state_report(updater, self.model.num_params(), self.lora))
 
-    def _share_batch(self, step: int, batch) -> None:
+    def _share_batch(self, step: int, batch, todo: dict) -> None:
         """Send the step's batch to the other trainer processes (trainer.processes > 1) and, with
         trainer.record_batches, write it to RUN_DIR/batches."""
         arrays = {f.name: np.asarray(getattr(batch, f.name)) for f in dataclasses.fields(batch)}
         if self.group is not None:
-            self.group.send("step", {"step": step}, arrays)
+            self.group.send("step", {"step": step, **todo}, arrays)
         if self.cfg.trainer.record_batches:
             (self.run_dir / "batches").mkdir(exist_ok=True)
             np.savez(self.run_dir / "batches" / f"step-{step:06d}.npz", **arrays)
@@ -353,11 +363,10 @@ class Trainer:
             a["abs_sum"] += m["logprob_diff_mean"] * m["fresh_tokens"]
             a["max_abs"] = max(a["max_abs"], m["logprob_diff_max"])
 
-    def _publish_and_report(self, step, params, groups, staleness, stats, m, phases, tokens_per_second,
+    def _publish_and_report(self, step, publish, params, groups, staleness, stats, m, phases, tokens_per_second,
                             groups_per_second) -> None:
-        final = step == self.cfg.trainer.steps
-        if step % self.cfg.trainer.publish_every == 0 or final:
-            self._publish(step, params, final=final)
+        if publish:
+            self._publish(step, params, final=step == self.cfg.trainer.steps)
         self.reporter.report(step, groups, staleness, stats, m, phases, tokens_per_second, groups_per_second)
 
     def _finish_background(self) -> None:

