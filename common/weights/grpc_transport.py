@@ -174,7 +174,8 @@ class GrpcFetcher:
                 wanted.setdefault(t, []).append((box, parts, out))
                 for host, part in parts:
                     per_host.setdefault(host, {}).setdefault(t, []).append(part)
-                    view = out[tuple(slice(p.start - b.start, p.stop - b.start) for p, b in zip(part, box))]
+                    rel = tuple(slice(p.start - b.start, p.stop - b.start) for p, b in zip(part, box))
+                    view = out[rel] if rel else out  # (indexing a 0-d array with () gives a scalar copy, not a view)
                     if view.flags.c_contiguous:  # e.g. rows of an fsdp-sharded weight: no copy after receiving
                         into[(t, _box_key(part))] = view
         futures = []

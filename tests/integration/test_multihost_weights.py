@@ -27,8 +27,8 @@ BOXES = {"w": [((slice(0, 3), slice(0, 6)), 0), ((slice(3, 8), slice(0, 6)), 1)]
          "s": [((), 1)]}
 
 
-def held(host: int) -> dict[str, HeldBoxes]:
-    return {name: HeldBoxes(arr.shape, arr.dtype, {tuple((s.start, s.stop) for s in box): (box, arr[box].copy())
+def held(host: int, scale: float = 1.0) -> dict[str, HeldBoxes]:
+    return {name: HeldBoxes(arr.shape, arr.dtype, {tuple((s.start, s.stop) for s in box): (box, arr[box] * scale)
                                                    for box, h in BOXES[name] if h == host})
             for name, arr in FULL.items()}
 
@@ -57,27 +57,31 @@ def two_hosts(request):
             s.stop(0)
 
 
-def publish(publishers, version: int) -> None:
+def publish(publishers, version: int, scale: float = 1.0) -> None:
     for host in (1, 0):  # process 0 switches its manifest last
-        publishers[host].publish(WeightSnapshot(version, held(host), epoch="e1"))
+        publishers[host].publish(WeightSnapshot(version, held(host, scale), epoch="e1"))
 
 
 def test_a_sampler_assembles_each_tensor_from_both_trainer_processes(two_hosts):
     publishers, servers, channel, tcp = two_hosts
-    publish(publishers, 3)
     fetcher = GrpcFetcher(channel, "sampler-0", streams=2, timeout_s=10, data_host="127.0.0.1" if tcp else None)
-    manifest = fetcher.latest(-1)
-    assert manifest.version == 3 and len(manifest.hosts) == 2
-    assert [len(t.sources) for t in manifest.tensors] == [2, 1, 1]
     mesh = make_mesh(1, 1, jax.devices(), "sampler.mesh")
     targets = {name: jax.ShapeDtypeStruct(arr.shape, arr.dtype, sharding=NamedSharding(mesh, PartitionSpec()))
                for name, arr in FULL.items()}
-    got = fetcher.fetch(manifest, targets)
-    for name, arr in FULL.items():
-        np.testing.assert_array_equal(np.asarray(got[name]), arr)
-    if tcp:  # both data planes served their share
-        assert servers[0].data.served_bytes == 3 * 6 * 4
-        assert servers[1].data.served_bytes == (5 * 6 + 6 + 1) * 4
+    installed = []
+    for version, scale in ((3, 1.0), (4, -2.0)):  # the second reuses receive buffers the first one does not hold
+        publish(publishers, version, scale)
+        manifest = fetcher.latest(-1)
+        assert manifest.version == version and len(manifest.hosts) == 2
+        assert [len(t.sources) for t in manifest.tensors] == [2, 1, 1]
+        installed.append(fetcher.fetch(manifest, targets))
+        for name, arr in FULL.items():
+            np.testing.assert_array_equal(np.asarray(installed[-1][name]), arr * scale)
+    for name, arr in FULL.items():  # the first version's arrays are untouched by the second's fetch
+        np.testing.assert_array_equal(np.asarray(installed[0][name]), arr)
+    if tcp:  # both data planes served their share of both versions
+        assert servers[0].data.served_bytes == 2 * 3 * 6 * 4
+        assert servers[1].data.served_bytes == 2 * (5 * 6 + 6 + 1) * 4
 
 
 def test_a_host_refuses_slices_it_does_not_serve_and_keeps_serving(two_hosts):
