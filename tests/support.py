@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import pathlib
+import subprocess
 import time
 
 import numpy as np
@@ -20,6 +21,17 @@ from grpo_stream.common.rollouts.wire import CompletionData, GroupData
 from grpo_stream.trainer_service.ingest_server import ingest_servicers
 from grpo_stream.trainer_service.publisher import WeightPublisher
 from grpo_stream.trainer_service.server import TrainerServer
+
+
+def stop_process(proc, grace_s: float = 60.0) -> None:
+    """SIGTERM a process still running (`up` stops its children, which run in their own sessions, before exiting),
+    then SIGKILL it after `grace_s`."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.05):

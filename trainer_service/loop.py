@@ -288,9 +288,8 @@ class Trainer:
             # releases the GIL); at most one step behind.
             if self._after_step is not None:
                 self._after_step.result()
-            self._after_step = self._worker.submit(self._publish_and_report, step, todo["publish"], self.params, groups,
-                                                   staleness,
-                                                   stats, m, phases, tokens_per_s, groups_per_s)
+            self._after_step = self._worker.submit(self._publish_and_report, step, todo["publish"], self.params,
+                                                   groups, staleness, stats, m, phases, tokens_per_s, groups_per_s)
             last_end = time.time()
             self.step_times.append({**phases, "handoff_seconds": last_end - t_compute, "step_seconds": last_end - t0})
         self._finish_background()

@@ -20,6 +20,7 @@ import uuid
 import pytest
 
 from tests.e2e.test_supervision import pid_of
+from tests.support import stop_process
 from tests.e2e.test_up import ROOT, run_cli
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.chaos]
@@ -115,12 +116,7 @@ def test_twenty_random_faults_and_the_run_completes_by_itself(tmp_path):
                 os.kill(pid, signal.SIGCONT)
             except ProcessLookupError:
                 pass
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_process(proc)
         reader.join(timeout=10)
     text = "".join(lines)
     print(f"chaos: {len(applied)} faults applied: {applied}")

@@ -22,6 +22,7 @@ import uuid
 
 import pytest
 
+from tests.support import stop_process
 from tests.e2e.test_up import ROOT, run_cli
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -75,26 +76,25 @@ def test_killing_trainer_process_1_restarts_the_job_from_its_checkpoint(tmp_path
     proc = subprocess.Popen(
         [sys.executable, "-m", "grpo_stream", "up", "--config", CONFIG, "--run-dir", str(run_dir), *TWO_HOSTS,
          f"run.name={name}", f"trainer.steps={steps}", "checkpoint.every=2", "logging.step_every=1",
+         "logging.verbose=true",
          "trainer.eval_after=false", "up.restart_backoff_s=0.5"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    lines, killed, deadline = [], None, time.monotonic() + 600
+    lines, killed, saved, deadline = [], None, False, time.monotonic() + 600
     try:
         for line in proc.stdout:
             lines.append(line)
-            if killed is None and line.startswith("[trainer] ") and " step 5/" in line:
+            # kill it mid-run once the checkpoint of step 4 is on disk (saves are asynchronous), after step 5
+            saved = saved or (line.startswith("[trainer] ") and "checkpoint of step 4 saved" in line)
+            if killed is None and saved and line.startswith("[trainer] ") and " step " in line and any(
+                    f" step {k}/" in line for k in range(5, steps)):
                 killed = process_with_env(name, "JAX_PROCESS_ID=1")
                 assert killed is not None, "no trainer process 1"
                 os.kill(killed, signal.SIGKILL)
             assert time.monotonic() < deadline, "".join(lines[-60:])
         proc.wait(timeout=120)
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_process(proc)
     text = "".join(lines)
     assert killed is not None and proc.returncode == 0, text[-6000:]
     assert "[up] trainer exited with code" in text and "restarting it in" in text, text[-6000:]

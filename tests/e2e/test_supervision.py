@@ -16,6 +16,7 @@ import uuid
 
 import pytest
 
+from tests.support import stop_process
 from tests.e2e.test_up import ROOT, run_cli
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -67,12 +68,7 @@ def test_up_restarts_what_dies_and_the_run_completes(tmp_path):
             assert time.monotonic() < deadline, "".join(lines[-60:])
         proc.wait(timeout=120)
     finally:
-        if proc.poll() is None:  # SIGTERM: `up` stops its children (they run in their own sessions) before exiting
-            proc.terminate()
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_process(proc)
     text = "".join(lines)
     assert proc.returncode == 0, text[-6000:]
     assert done == ["sampler-0", "trainer", "redis-server", "ingest"], text[-6000:]

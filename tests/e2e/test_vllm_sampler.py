@@ -17,20 +17,25 @@ from tests.vllm_support import tiny_qwen2_dir, vllm_python
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.slow]
 
 
+def vllm_run(model_dir, python: str, steps: int) -> list[str]:
+    """Overrides of a short run of the tiny Qwen2 checkpoint with one vLLM sampler in the vLLM environment."""
+    return ["model.kind=hf", f"model.path={model_dir}", "warmstart.steps=0", f"trainer.steps={steps}",
+            "trainer.learning_rate=0.005", "trainer.publish_every=1", "sampler.replicas=1", "sampler.engine=vllm",
+            f"sampler.python={python}", "sampler.vllm.kv_cache_gib=0.25", "sampler.vllm.enforce_eager=true",
+            "task.rewards={tests.e2e.vllm_rewards:longer_is_better: 1.0}", "generation.max_prompt_tokens=24",
+            "weights.verify_prompts=8", "trainer.final_wait_s=120"]
+
+
 def test_up_with_a_vllm_sampler(tmp_path):
     python = vllm_python()
     model_dir = tiny_qwen2_dir(tmp_path / "model", tied=True)
     run_dir = tmp_path / "run"
     steps = 4
-    overrides = ["model.kind=hf", f"model.path={model_dir}", "warmstart.steps=0", f"trainer.steps={steps}",
-                 "trainer.learning_rate=0.005", "trainer.publish_every=1", "sampler.replicas=1",
+    overrides = [*vllm_run(model_dir, python, steps),
                  # synchronous: every group is made with the trainer's current version, so every token's behaviour
                  # logprob is compared with the trainer's recomputation
-                 "trainer.max_staleness=0", "sampler.max_groups_per_version=4",
-                 "sampler.engine=vllm", f"sampler.python={python}", "sampler.vllm.kv_cache_gib=0.25",
-                 "sampler.vllm.enforce_eager=true", "task.rewards={tests.e2e.vllm_rewards:longer_is_better: 1.0}",
-                 "generation.max_prompt_tokens=24", "generation.max_new_tokens=16", "weights.verify_prompts=8",
-                 "eval.num_problems=8", "eval.batch_size=8", "trainer.final_wait_s=120",
+                 "trainer.max_staleness=0", "sampler.max_groups_per_version=4", "generation.max_new_tokens=16",
+                 "eval.num_problems=8", "eval.batch_size=8",
                  # each role's own environment (how one TPU VM's chips are split between trainer and sampler)
                  "hardware.trainer_env={JAX_LOG_COMPILES: '1'}", "hardware.sampler_env={VLLM_LOGGING_LEVEL: DEBUG}"]
     env = {"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -81,14 +86,9 @@ def test_up_with_a_vllm_sampler_updating_weights_in_flight(tmp_path):
     model_dir = tiny_qwen2_dir(tmp_path / "model", tied=True)
     run_dir = tmp_path / "run"
     steps = 6
-    overrides = ["model.kind=hf", f"model.path={model_dir}", "warmstart.steps=0", f"trainer.steps={steps}",
-                 "trainer.learning_rate=0.005", "trainer.publish_every=1", "trainer.max_staleness=2",
-                 "sampler.replicas=1", "sampler.engine=vllm", f"sampler.python={python}",
-                 "sampler.weight_updates=in_flight", "sampler.vllm.steps_between_updates=1",
-                 "sampler.vllm.kv_cache_gib=0.25", "sampler.vllm.enforce_eager=true",
-                 "task.rewards={tests.e2e.vllm_rewards:longer_is_better: 1.0}", "generation.max_prompt_tokens=24",
-                 "generation.max_new_tokens=24", "weights.verify_prompts=8", "trainer.eval_before=false",
-                 "trainer.eval_after=false", "trainer.final_wait_s=120"]
+    overrides = [*vllm_run(model_dir, python, steps), "trainer.max_staleness=2", "sampler.weight_updates=in_flight",
+                 "sampler.vllm.steps_between_updates=1", "generation.max_new_tokens=24", "trainer.eval_before=false",
+                 "trainer.eval_after=false"]
     env = {"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = run_cli("up", "--config", "configs/tiny_arith_smoke.yaml", "--run-dir", str(run_dir), *overrides,
                    env=env, timeout=900)
