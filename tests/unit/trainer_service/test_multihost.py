@@ -20,7 +20,7 @@ class Store:
 
     def blocking_key_value_get_bytes(self, key, timeout_ms):
         if key not in self.values:
-            raise RuntimeError("DEADLINE_EXCEEDED: Barrier timed out")
+            raise RuntimeError(f"DEADLINE_EXCEEDED: GetKeyValue() timed out with key: {key} and duration: 60s")
         return self.values[key]
 
     def key_value_delete(self, key):
@@ -42,6 +42,23 @@ def test_messages_arrive_in_order_with_their_arrays_and_old_ones_are_dropped():
     for k in range(2, 10):
         leader.send("step", {"step": k})
     assert len(store.values) == KEEP_MESSAGES
+
+
+def test_a_follower_waits_through_timeouts_for_a_slow_leader():
+    """A step can take process 0 longer than one wait on the store (samplers slow to deliver groups)."""
+    class Slow(Store):
+        waits = 0
+
+        def blocking_key_value_get_bytes(self, key, timeout_ms):
+            self.waits += 1
+            if self.waits == 3:  # the message arrives during the third wait
+                TrainerGroup(2, 0, self).send("step", {"step": 7})
+            # the runtime's timeout error reads "DEADLINE_EXCEEDED: GetKeyValue() timed out with key: ..."
+            return super().blocking_key_value_get_bytes(key, timeout_ms)
+
+    store = Slow()
+    fields, _ = TrainerGroup(2, 1, store).receive()
+    assert fields == {"kind": "step", "step": 7} and store.waits == 3
 
 
 def test_a_follower_whose_leader_is_gone_stops_with_a_clear_error():
