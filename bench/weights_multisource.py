@@ -33,7 +33,7 @@ def _serve(spec: dict) -> int:
     from grpo_stream.common.model.sharding import initialize_distributed, make_mesh, place  # noqa: PLC0415
     from grpo_stream.common.weights.registry import weight_sink  # noqa: PLC0415
     from grpo_stream.common.weights.transport import SinkContext  # noqa: PLC0415
-    from grpo_stream.trainer_service.multihost import PUBLISH_WAIT_S, TrainerGroup  # noqa: PLC0415
+    from grpo_stream.trainer_service.multihost import TrainerGroup  # noqa: PLC0415
     from grpo_stream.trainer_service.publisher import WeightPublisher  # noqa: PLC0415
     from grpo_stream.trainer_service.server import TrainerServer  # noqa: PLC0415
 
@@ -49,13 +49,7 @@ def _serve(spec: dict) -> int:
     if n > 1:
         from jax._src.distributed import global_state  # noqa: PLC0415
 
-        group = TrainerGroup(n, jax.process_index(), global_state.client)
-
-        def gather(manifest):
-            group.announce(manifest.trainer_epoch, manifest.version, port, server.data.port)
-            if group.leader:
-                group.hosts_of(manifest, PUBLISH_WAIT_S)
-        publisher.gather_hosts = gather
+        TrainerGroup(n, jax.process_index(), global_state.client).serve_versions(publisher, port, server.data.port)
     print(json.dumps({"port": port, "data_port": server.data.port}), flush=True)
     for line in sys.stdin:
         stats = publisher.publish_arrays(int(line), named)

@@ -44,12 +44,10 @@ class FollowerTrainer(Trainer):
                                     cfg.trainer.port else 0, security=ServerSecurity.from_config(cfg),
                                     data_port=(w.data_port + offset if w.data_port else 0) if w.data_plane == "tcp"
                                     else None)
-        self.server.start()
-        self.publisher.gather_hosts = lambda manifest: self.group.announce(
-            manifest.trainer_epoch, manifest.version, self.server.port,
-            self.server.data.port if self.server.data is not None else 0)
+        port = self.server.start()
+        self.group.serve_versions(self.publisher, port, self.server.data.port if self.server.data else 0)
         self.metrics = MetricsWriter(self.run_dir, f"trainer-{index}")  # its warm start's own curve
-        log.info("trainer process %d serves its weight slices on port %d", index, self.server.port)
+        log.info("trainer process %d serves its weight slices on port %d", index, port)
 
     def _start(self) -> tuple[PolicyUpdater, int, dict]:
         cfg = self.cfg

@@ -43,7 +43,7 @@ from grpo_stream.trainer_service.collector import GroupCollector, when_available
 from grpo_stream.trainer_service.durability import Durability
 from grpo_stream.trainer_service.ingest_server import ingest_servicers
 from grpo_stream.trainer_service.metrics import MetricsWriter
-from grpo_stream.trainer_service.multihost import PUBLISH_WAIT_S, TrainerGroup, ignore_signals, start_group
+from grpo_stream.trainer_service.multihost import TrainerGroup, ignore_signals, start_group
 from grpo_stream.trainer_service.prompt_queue import PromptQueue
 from grpo_stream.trainer_service.prompt_service import StatusWriter
 from grpo_stream.trainer_service.publisher import WeightPublisher
@@ -117,7 +117,7 @@ class Trainer:
                                     workers=16 + cfg.prompts.max_followers)
         port = self.server.start()
         if self.group is not None:  # the manifest lists every process's slices, once all of them serve a version
-            self.publisher.gather_hosts = self._gather_hosts
+            self.group.serve_versions(self.publisher, port, self.server.data.port if self.server.data else 0)
         self.status = StatusWriter(PromptQueue(self.buffer.client, cfg.run.name), self.publisher,
                                    cfg.trainer.steps).start()
         log.info("gRPC server (%sweights, health, reflection; auth %s%s) on %s:%d%s",
@@ -341,18 +341,14 @@ class Trainer:
     def _share_batch(self, step: int, batch, todo: dict) -> None:
         """Send the step's batch to the other trainer processes (trainer.processes > 1) and, with
         trainer.record_batches, write it to RUN_DIR/batches."""
+        if self.group is None and not self.cfg.trainer.record_batches:
+            return
         arrays = {f.name: np.asarray(getattr(batch, f.name)) for f in dataclasses.fields(batch)}
         if self.group is not None:
             self.group.send("step", {"step": step, **todo}, arrays)
         if self.cfg.trainer.record_batches:
             (self.run_dir / "batches").mkdir(exist_ok=True)
             np.savez(self.run_dir / "batches" / f"step-{step:06d}.npz", **arrays)
-
-    def _gather_hosts(self, manifest) -> None:
-        """Process 0 of a multi-process trainer: announce its own slices of the version, then wait for the others'."""
-        self.group.announce(manifest.trainer_epoch, manifest.version, self.server.port,
-                            self.server.data.port if self.server.data is not None else 0)
-        self.group.hosts_of(manifest, PUBLISH_WAIT_S)
 
     def _track_agreement(self, m: dict) -> None:
         """Run-long sampler-trainer logprob agreement over tokens generated at version lag 0."""

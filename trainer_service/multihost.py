@@ -87,6 +87,16 @@ class TrainerGroup:
         where = {"address": advertised_host(), "port": port, "data_port": data_port}
         self._client.key_value_set(f"grpo/weights/{epoch}/{version}/{self.index}", json.dumps(where))
 
+    def serve_versions(self, publisher: Any, port: int, data_port: int) -> None:
+        """Hook `publisher` (a WeightPublisher) so that each version it switches to is announced as served by this
+        process at `port`/`data_port`, and on process 0 so that its manifest switches only once every process serves
+        the version, listing them all."""
+        def switch(manifest: weights_pb2.WeightManifest) -> None:
+            self.announce(manifest.trainer_epoch, manifest.version, port, data_port)
+            if self.leader:
+                self.hosts_of(manifest, PUBLISH_WAIT_S)
+        publisher.gather_hosts = switch
+
     def hosts_of(self, manifest: weights_pb2.WeightManifest, timeout_s: float) -> None:
         """Process 0: wait until every process serves `manifest`'s version, then list them in `manifest.hosts`."""
         manifest.ClearField("hosts")

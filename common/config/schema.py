@@ -1,5 +1,5 @@
 """Run configuration: the strict pydantic RunConfig and its deployment sections (what is learned and how:
-learning.py; reading files and overrides: loading.py).
+learning.py; the vLLM engine's settings: vllm_settings.py; reading files and overrides: loading.py).
 
 One file configures a whole run; every process (trainer, samplers, `up`)
 reads the same file plus the same `key.sub=value` overrides, so a
@@ -13,7 +13,7 @@ that names the dotted field and says how to fix it.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
@@ -25,12 +25,13 @@ from grpo_stream.common.config.learning import (AlgoSection, GenerationSection, 
 from grpo_stream.common.config.names import EngineName
 from grpo_stream.common.config.hardware import HardwareSection
 from grpo_stream.common.config.process import LoggingSection, RuntimeSection, UpSection
+from grpo_stream.common.config.vllm_settings import VllmSection
 from grpo_stream.common.config.weights import DistributedSection, WeightsSection
 from grpo_stream.common.engine.registry import engine_spec
 from grpo_stream.common.tasks.registry import TASKS, task_spec
 from grpo_stream.common.weights.registry import TRANSPORTS, transport_spec
 
-__all__ = ["ConfigError", "DistributedSection", "RunConfig", "Strict", "WeightsSection"]
+__all__ = ["ConfigError", "DistributedSection", "RunConfig", "Strict", "VllmSection", "WeightsSection"]
 
 
 class RunSection(Strict):
@@ -82,55 +83,6 @@ class SamplerMeshSection(Strict):
     """One sampler's device mesh; replicas are separate samplers, each with its own mesh."""
 
     tp: int = Field(1, ge=1, le=1024, description="Tensor-parallel devices of one sampler.")
-
-
-VLLM_RESERVED_ARGS = {"model", "logprobs_mode", "skip_tokenizer_init", "load_format", "gpu_memory_utilization",
-                      "kv_cache_memory_bytes",
-                      "tensor_parallel_size", "max_num_seqs", "enforce_eager", "enable_prefix_caching",
-                      "max_model_len", "dtype", "seed", "worker_extension_cls"}
-
-
-class VllmSection(Strict):
-    """The vLLM engine of a sampler (sampler.engine: vllm); see common/engine/vllm_engine.py."""
-
-    gpu_memory_utilization: float = Field(0.5, gt=0, le=0.99, description="Share of accelerator memory (on CPU: of "
-                                          "a NUMA node's memory) vLLM takes for weights and KV cache; CPU hosts fail "
-                                          "at start near the default 0.92 of vLLM itself.")
-    kv_cache_gib: float | None = Field(None, gt=0, le=4096, description="KV cache size in GiB (vLLM's "
-                                       "kv_cache_memory_bytes); set, it replaces the gpu_memory_utilization sizing. "
-                                       "Size it to the work where vLLM shares a host or a GPU with other processes: on "
-                                       "CPU a share of the node's memory is committed in full at start.")
-    tensor_parallel_size: int = Field(1, ge=1, le=64, description="Devices one vLLM engine shards the model over.")
-    max_num_seqs: int = Field(256, ge=1, le=65536, description="Most sequences vLLM decodes at once.")
-    enforce_eager: bool = Field(False, description="No CUDA graphs / compilation: faster start, slower decoding.")
-    prefix_caching: bool = Field(True, description="Share the prompt's KV cache among a group's completions (reset "
-                                 "at every weight install, so no completion reads another version's cache).")
-    weight_install: Literal["auto", "iterator", "files"] = Field(
-        "auto", description="How a published version enters the engine. 'iterator': tensors handed to the model's "
-        "load_weights in this process (tensor_parallel_size 1); 'files': written as safetensors to "
-        "sampler.vllm.stage_dir, then every vLLM worker reloads from there (any tensor_parallel_size); 'auto': "
-        "iterator when tensor_parallel_size is 1, else files.")
-    steps_between_updates: int = Field(8, ge=1, le=4096, description="sampler.weight_updates=in_flight: engine "
-                                       "steps (one token per live request each) between checks for a newly "
-                                       "installed version; a new one is written in place with the scheduler "
-                                       "paused, live requests kept.")
-    stage_dir: str | None = Field(None, description="weight_install files: a directory on fast local storage (e.g. "
-                                  "/dev/shm) for one version's safetensors. Null: a temporary directory.")
-    engine_args: dict[str, Any] = Field(default_factory=dict, description="More keyword arguments for vllm.LLM "
-                                        "(e.g. {swap_space: 0}); vLLM checks them at start. The ones set above, "
-                                        "and model, logprobs_mode, skip_tokenizer_init and load_format, cannot be "
-                                        "given here.")
-
-    @model_validator(mode="after")
-    def _check(self):
-        taken = sorted(set(self.engine_args) & VLLM_RESERVED_ARGS)
-        if taken:
-            raise ValueError(f"sampler.vllm.engine_args sets {taken}: use the sampler.vllm fields for them (model, "
-                             "logprobs_mode, skip_tokenizer_init and load_format are the engine's own)")
-        if self.weight_install == "iterator" and self.tensor_parallel_size > 1:
-            raise ValueError("sampler.vllm.weight_install=iterator needs tensor_parallel_size 1 (the tensors are "
-                             "handed over in this process); use files or auto")
-        return self
 
 
 class SamplerSection(Strict):
@@ -221,13 +173,9 @@ class TrainerSection(Strict):
                                      "0 = a free port, null = off.")
     eval_before: bool = Field(True, description="Evaluate on the held-out split when RL starts.")
     eval_after: bool = Field(True, description="Evaluate on the held-out split when RL ends.")
-    processes: int = Field(1, ge=1, le=4096, description="JAX processes the trainer spans (multi-controller: one per "
-                           "host of a TPU slice or GPU node; trainer.mesh covers all their devices), joined by "
-                           "distributed.initialize. Process 0 leads (ingest, buffer, status); every process serves "
-                           "its slices of each weight version. `up` starts them on this machine (README: a "
-                           "multi-host trainer).")
-    record_batches: bool = Field(False, description="Write each step's batch to RUN_DIR/batches/step-N.npz (to "
-                                 "inspect or replay a run's updates).")
+    processes: int = Field(1, ge=1, le=4096, description="JAX processes (one per host; trainer.mesh spans all their "
+                           "devices) joined by distributed.initialize; process 0 leads (README: a multi-host trainer).")
+    record_batches: bool = Field(False, description="Write each step's batch to RUN_DIR/batches/step-N.npz.")
 
     @model_validator(mode="after")
     def _staleness(self) -> "TrainerSection":
@@ -364,13 +312,12 @@ class RunConfig(Strict):
         if self.sampler.weight_updates == "in_flight" and self.sampler.max_groups_per_version is not None:
             raise ValueError("sampler.weight_updates=in_flight mixes versions within a batch; synchronous mode "
                              "(sampler.max_groups_per_version) needs weight_updates=between_batches")
-        n, mesh = self.trainer.processes, self.trainer.mesh
-        if n > 1 and (not transport.trainer_serves or self.model.lora is not None
-                      or (mesh.fsdp * mesh.tp) % n):
-            raise ValueError(f"trainer.processes={n} needs weights.transport=grpc (each process serves its slices), "
-                             f"no model.lora, and trainer.mesh (fsdp x tp = {mesh.fsdp * mesh.tp} devices) spread "
-                             "evenly over the processes; got weights.transport="
-                             f"{self.weights.transport}, model.lora {'set' if self.model.lora else 'unset'}")
+        n, devices = self.trainer.processes, self.trainer.mesh.fsdp * self.trainer.mesh.tp
+        if n > 1 and (not transport.trainer_serves or self.model.lora is not None or devices % n):
+            raise ValueError(f"trainer.processes={n} needs weights.transport=grpc (each process serves its slices), no "
+                             f"model.lora, and trainer.mesh (fsdp x tp = {devices} devices) spread evenly over the "
+                             f"processes; got weights.transport={self.weights.transport}, model.lora "
+                             f"{'set' if self.model.lora else 'unset'}")
         return self
 
     @model_validator(mode="after")

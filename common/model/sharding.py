@@ -86,9 +86,14 @@ def needed_slices(shape: tuple[int, ...], sharding: jax.sharding.Sharding) -> li
     """The distinct index slices this process's devices hold of an array of `shape` (normalised, in order)."""
     seen: dict[tuple, tuple[slice, ...]] = {}
     for index in sharding.addressable_devices_indices_map(shape).values():
-        norm = tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape))
+        norm = normalized(index, shape)
         seen.setdefault(tuple((s.start, s.stop) for s in norm), norm)
     return list(seen.values())
+
+
+def normalized(index: tuple[slice, ...], shape: Sequence[int]) -> tuple[slice, ...]:
+    """A device's index of an array of `shape` with explicit starts and stops (no None)."""
+    return tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape))
 
 
 def split_devices(devices: Sequence[jax.Device], trainer_fraction: float,

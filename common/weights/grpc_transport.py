@@ -22,10 +22,10 @@ import numpy as np
 from grpo_stream.common.model.sharding import needed_slices
 from grpo_stream.common.rpc.grpc_util import ClientSecurity, open_channel
 from grpo_stream.common.weights import tcp_wire
-from grpo_stream.common.weights.host_shards import add_sources, host_shard_snapshot, split_box
+from grpo_stream.common.weights.host_shards import add_sources, host_shard_snapshot, relative, split_box
 from grpo_stream.common.weights.receive_buffers import ReceiveBuffers
-from grpo_stream.common.weights.snapshot import (SliceAssembler, WeightSnapshot, WeightTransferError, box_shape,
-                                                 box_to_proto)
+from grpo_stream.common.weights.snapshot import (SliceAssembler, WeightSnapshot, WeightTransferError, box_key,
+                                                 box_shape, box_to_proto)
 from grpo_stream.common.weights.transport import SinkContext, SourceContext, check_names
 from grpo_stream.protos import weights_pb2, weights_pb2_grpc
 
@@ -66,10 +66,6 @@ def make_source(ctx: SourceContext) -> "GrpcFetcher":
 @functools.partial(jax.jit, static_argnums=1)
 def _cast(arr: jax.Array, dtype) -> jax.Array:
     return arr.astype(dtype)
-
-
-def _box_key(box: tuple[slice, ...]) -> tuple:
-    return tuple((s.start, s.stop) for s in box)
 
 
 def _pieces(_t: int, pieces: dict) -> dict:
@@ -170,14 +166,14 @@ class GrpcFetcher:
             for box in needed_slices(tuple(spec.shape), target.sharding):
                 parts = split_box(box, spec, len(manifest.hosts))
                 # an aligned buffer that becomes the parameter on CPU (as the one-host path's receive buffers)
-                out = self._buffers.take((t, _box_key(box)), box_shape(box), spec.dtype)
+                out = self._buffers.take((t, box_key(box)), box_shape(box), spec.dtype)
                 wanted.setdefault(t, []).append((box, parts, out))
                 for host, part in parts:
                     per_host.setdefault(host, {}).setdefault(t, []).append(part)
-                    rel = tuple(slice(p.start - b.start, p.stop - b.start) for p, b in zip(part, box))
+                    rel = relative(part, box)
                     view = out[rel] if rel else out  # (indexing a 0-d array with () gives a scalar copy, not a view)
                     if view.flags.c_contiguous:  # e.g. rows of an fsdp-sharded weight: no copy after receiving
-                        into[(t, _box_key(part))] = view
+                        into[(t, box_key(part))] = view
         futures = []
         for host, tensors in per_host.items():
             lane = [(0, t, boxes) for t, boxes in tensors.items()]
@@ -198,10 +194,10 @@ class GrpcFetcher:
             boxes = {}
             for box, parts, arr in wanted[t]:
                 for _, part in parts:  # parts not received in place (gRPC, or not contiguous) are copied in
-                    piece = got[t][_box_key(part)]
-                    if into.get((t, _box_key(part))) is not piece:
-                        arr[tuple(slice(p.start - b.start, p.stop - b.start) for p, b in zip(part, box))] = piece
-                boxes[_box_key(box)] = arr
+                    piece = got[t][box_key(part)]
+                    if into.get((t, box_key(part))) is not piece:
+                        arr[relative(part, box)] = piece
+                boxes[box_key(box)] = arr
             placed = jax.make_array_from_callback(shape, target.sharding, lambda idx: boxes[_index_key(idx, shape)])
             out[name] = placed if placed.dtype == target.dtype else _cast(placed, target.dtype)
         jax.block_until_ready(list(out.values()))
@@ -215,7 +211,7 @@ class GrpcFetcher:
         for chunk in (stub or self._stub).FetchSlices(request, timeout=self.timeout_s):
             assembler.add(chunk)
         arrays = assembler.arrays()
-        return {t: place(t, {_box_key(box): arr for box, arr in zip(boxes, arrays[t])}) for _, t, boxes in lane}
+        return {t: place(t, {box_key(box): arr for box, arr in zip(boxes, arrays[t])}) for _, t, boxes in lane}
 
     def _fall_back(self, host: str, port: int, why: str) -> None:
         if not self._warned:
@@ -263,7 +259,7 @@ class GrpcFetcher:
                 spec = manifest.tensors[t]
                 pieces = {}
                 for k, box in enumerate(boxes):
-                    key = _box_key(box)
+                    key = box_key(box)
                     arr = (into or {}).get((t, key))
                     if arr is None:
                         arr = self._buffers.take((t, key), box_shape(box), spec.dtype)

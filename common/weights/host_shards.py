@@ -15,16 +15,14 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from grpo_stream.common.weights.snapshot import Box, WeightTransferError, box_shape
+from grpo_stream.common.model.sharding import normalized
+from grpo_stream.common.weights.snapshot import Box, WeightTransferError, box_key, box_shape
 from grpo_stream.protos import weights_pb2
 
 
-def _norm(index: tuple[slice, ...], shape: Sequence[int]) -> Box:
-    return tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape))
-
-
-def _key(box: Box) -> tuple:
-    return tuple((s.start, s.stop) for s in box)
+def relative(part: Box, box: Box) -> Box:
+    """`part` (a box inside `box`) as an index into the array of `box`."""
+    return tuple(slice(p.start - b.start, p.stop - b.start) for p, b in zip(part, box))
 
 
 def serving_boxes(shape: Sequence[int], sharding: jax.sharding.Sharding, tensor_index: int) -> list[tuple[Box, int]]:
@@ -33,8 +31,8 @@ def serving_boxes(shape: Sequence[int], sharding: jax.sharding.Sharding, tensor_
     replicated axis) goes to one of them in turn, by tensor and box, so the serving load spreads over the hosts."""
     holders: dict[tuple, tuple[Box, set[int]]] = {}
     for device, index in sharding.devices_indices_map(tuple(shape)).items():
-        box = _norm(index, shape)
-        holders.setdefault(_key(box), (box, set()))[1].add(device.process_index)
+        box = normalized(index, shape)
+        holders.setdefault(box_key(box), (box, set()))[1].add(device.process_index)
     out = []
     for k, key in enumerate(sorted(holders)):
         box, processes = holders[key]
@@ -68,7 +66,7 @@ class HeldBoxes:
             raise WeightTransferError(f"slice {[(s.start, s.stop) for s in box]} is not served by this trainer "
                                       "process; ask the host the manifest's sources name")
         held, arr = found
-        return arr[tuple(slice(b.start - h.start, b.stop - h.start) for h, b in zip(held, box))]
+        return arr[relative(box, held)]
 
 
 def host_shard_snapshot(named: dict[str, jax.Array]) -> tuple[dict[str, HeldBoxes], dict[str, list[tuple[Box, int]]]]:
@@ -79,12 +77,12 @@ def host_shard_snapshot(named: dict[str, jax.Array]) -> tuple[dict[str, HeldBoxe
     for t, (name, arr) in enumerate(named.items()):
         boxes = serving_boxes(arr.shape, arr.sharding, t)
         sources[name] = boxes
-        mine = {_key(box) for box, process in boxes if process == me}
+        mine = {box_key(box) for box, process in boxes if process == me}
         pieces: dict[tuple, tuple[Box, np.ndarray]] = {}
         for shard in arr.addressable_shards:
-            box = _norm(shard.index, arr.shape)
-            if _key(box) in mine and _key(box) not in pieces:
-                pieces[_key(box)] = (box, np.asarray(shard.data))
+            box = normalized(shard.index, arr.shape)
+            if box_key(box) in mine and box_key(box) not in pieces:
+                pieces[box_key(box)] = (box, np.asarray(shard.data))
         held[name] = HeldBoxes(arr.shape, arr.dtype, pieces)
     return held, sources
 
@@ -109,5 +107,5 @@ def split_box(box: Box, spec: weights_pb2.TensorSpec, hosts: int) -> list[tuple[
             covered += int(np.prod(box_shape(part), dtype=np.int64))
     if covered != int(np.prod(box_shape(box), dtype=np.int64)):
         raise WeightTransferError(f"{spec.name}: the manifest's sources cover {covered} of the "
-                                  f"{int(np.prod(box_shape(box)))} elements of slice {_key(box)}")
+                                  f"{int(np.prod(box_shape(box)))} elements of slice {box_key(box)}")
     return parts

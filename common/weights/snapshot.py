@@ -79,6 +79,11 @@ def box_from_proto(rng: weights_pb2.SliceRange, shape: Sequence[int], where: str
     return tuple(slice(a, b) for a, b in zip(rng.start, rng.stop))
 
 
+def box_key(box: Box) -> tuple:
+    """A box as a hashable ((start, stop), ...)."""
+    return tuple((s.start, s.stop) for s in box)
+
+
 def box_shape(box: Box) -> tuple[int, ...]:
     return tuple(s.stop - s.start for s in box)
 
