@@ -77,11 +77,12 @@ def test_a_sampler_assembles_each_tensor_from_both_trainer_processes(two_hosts):
         installed.append(fetcher.fetch(manifest, targets))
         for name, arr in FULL.items():
             np.testing.assert_array_equal(np.asarray(installed[-1][name]), arr * scale)
+        if tcp and version == 3:  # both data planes served their share (later fetches may find a plane still busy
+            # with the previous transfer and go over gRPC instead, by design)
+            assert servers[0].data.served_bytes == 3 * 6 * 4
+            assert servers[1].data.served_bytes == (5 * 6 + 6 + 1) * 4
     for name, arr in FULL.items():  # the first version's arrays are untouched by the second's fetch
         np.testing.assert_array_equal(np.asarray(installed[0][name]), arr)
-    if tcp:  # both data planes served their share of both versions
-        assert servers[0].data.served_bytes == 2 * 3 * 6 * 4
-        assert servers[1].data.served_bytes == 2 * (5 * 6 + 6 + 1) * 4
 
 
 def test_a_host_refuses_slices_it_does_not_serve_and_keeps_serving(two_hosts):
