@@ -52,13 +52,14 @@ def _commit() -> str:
 
 def check_targets(name: str, result: dict) -> dict:
     """{key: {"value", "target", "met"}} for this benchmark's targets."""
-    def value(key: str):  # "a.b": result["a"]["b"]
+    def value(key: str):  # "a.b": result["a"]["b"]; None where that engine or case was not timed
         node = result
         for part in key.split("."):
-            node = node[part]
+            node = node.get(part) if isinstance(node, dict) else None
         return node
 
-    return {key: {"value": value(key), "target": f"{op} {target}", "met": bool(_OPS[op](value(key), target))}
+    return {key: {"value": value(key), "target": f"{op} {target}",
+                  "met": value(key) is not None and bool(_OPS[op](value(key), target))}
             for key, op, target in TARGETS[name]}
 
 

@@ -15,10 +15,14 @@ Each engine compiles or warms up once untimed, then runs the set `repeats` times
 useful tokens/s and the cores it kept busy. The static engine and HF `generate` batch statically, so both cases are
 the same work for them (every row runs to the longest budget, 512 in both); each is timed on one case and its rate
 on the other is that case's useful tokens over the same seconds. `ratio_vs_X` = ours / X, the targets of issue 21.
+
+`GRPO_STREAM_BENCH_ENGINES` (comma-separated, of ours, static, vllm, hf; default all) times only those engines:
+HF `generate` takes about an hour of a full run on 2 cores, and the other engines' ratios do not need it.
 """
 
 from __future__ import annotations
 
+import os
 import tempfile
 
 import jax
@@ -37,6 +41,7 @@ FULL = {"vocab_size": 8192, "num_layers": 8, "embed_dim": 512, "hidden_dim": 140
 QUICK = {**FULL, "num_layers": 2, "embed_dim": 128, "hidden_dim": 256, "num_heads": 4, "head_dim": 32,
          "prompts": 4, "generations": 4, "prompt_low": 8, "prompt_high": 24, "max_new_tokens": 32, "repeats": 1,
          "slots": 8, "chunk_steps": 8}
+ENGINES = ("ours", "static", "vllm", "hf")
 SHAPE_KEYS = ("vocab_size", "num_layers", "embed_dim", "hidden_dim", "num_heads", "num_kv_heads", "head_dim")
 
 
@@ -84,10 +89,9 @@ def run_case(name: str, model, p: dict, prompts: list[list[int]], budgets: list[
     ours["rows_moved_per_run"] = engine.stats["moved_rows"] // runs
     ours["group_merges_per_run"] = engine.stats["merges"] // runs
     engines = {"ours": ours}
-    if name == "longtail":  # the static engine's cost is the same with every row at the limit: timed on longtail
+    if name == "longtail" and "static" in selected_engines():  # the same cost with every row at the limit
         engines["static"] = time_jax_engine(StaticEngine(*args), model.params, prompts, budgets, p["repeats"])
-    engines["hf"] = hf
-    engines["vllm"] = vllm
+    engines.update({k: v for k, v in (("hf", hf), ("vllm", vllm)) if v is not None})
     rate = {k: v["tokens_per_second"] for k, v in engines.items() if "tokens_per_second" in v}
     result = {"rows": len(prompts), "useful_tokens": int(sum(budgets)),
               "budget_median": int(np.median(budgets)), "budget_mean": round(float(np.mean(budgets)), 1),
@@ -99,11 +103,22 @@ def run_case(name: str, model, p: dict, prompts: list[list[int]], budgets: list[
     return result
 
 
+def selected_engines() -> tuple[str, ...]:
+    """The engines to time (GRPO_STREAM_BENCH_ENGINES, default all); "ours" always."""
+    raw = os.environ.get("GRPO_STREAM_BENCH_ENGINES", "")
+    chosen = {e.strip() for e in raw.split(",") if e.strip()} or set(ENGINES)
+    unknown = chosen - set(ENGINES)
+    if unknown:
+        raise ValueError(f"GRPO_STREAM_BENCH_ENGINES: unknown {sorted(unknown)}; choose from {list(ENGINES)}")
+    return tuple(e for e in ENGINES if e in chosen | {"ours"})
+
+
 def run(quick: bool = False) -> dict:
     import torch
     import transformers
 
     p = QUICK if quick else FULL
+    engines = selected_engines()
     model = build_model(p)
     hf, diff = load_hf(model)
     if diff > 1e-3:
@@ -112,16 +127,20 @@ def run(quick: bool = False) -> dict:
     prompts = make_prompts(p["prompts"], p["generations"], p["prompt_low"], p["prompt_high"], p["vocab_size"], 0)
     longtail = longtail_budgets(len(prompts), p["max_new_tokens"], p["max_new_tokens"] / 4, 0.9, seed=1)
     fixed = [p["max_new_tokens"]] * len(prompts)
-    hf_runs = time_hf(hf, prompts, {"longtail": longtail, "fixed": fixed}, p["repeats"])
-    vllm = time_vllm(model, {"longtail": (prompts, longtail), "fixed": (prompts, fixed)}, p["repeats"], p["slots"])
+    skipped = {"longtail": None, "fixed": None}
+    hf_runs = (time_hf(hf, prompts, {"longtail": longtail, "fixed": fixed}, p["repeats"]) if "hf" in engines
+               else skipped)
+    vllm = (time_vllm(model, {"longtail": (prompts, longtail), "fixed": (prompts, fixed)}, p["repeats"], p["slots"])
+            if "vllm" in engines else skipped)
     result = {"benchmark": "sampler", "quick": quick, "params": model.num_params(),
               "model": {k: p[k] for k in SHAPE_KEYS}, "logits_max_rel_diff": diff,
               **{k: p[k] for k in ("prompts", "generations", "max_new_tokens", "repeats", "slots", "chunk_steps")},
+              "engines_timed": list(engines),
               "longtail": run_case("longtail", model, p, prompts, longtail, hf_runs["longtail"], vllm["longtail"]),
               "fixed": run_case("fixed", model, p, prompts, fixed, hf_runs["fixed"], vllm["fixed"]),
               "versions": {"jax": jax.__version__, "torch": torch.__version__,
                            "transformers": transformers.__version__}}
-    if "missing" in vllm["longtail"]:  # no vLLM environment: the targets against it read as unmet, with the reason
+    if vllm["longtail"] is not None and "missing" in vllm["longtail"]:  # no vLLM environment: the targets against it read as unmet, with the reason
         for case in ("longtail", "fixed"):
             result[case]["ratio_vs_vllm"] = 0.0
     return result

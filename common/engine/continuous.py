@@ -72,7 +72,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from grpo_stream.common.engine import decode
+from grpo_stream.common.engine import cpu_attention, decode
 from grpo_stream.common.engine.base import Generation, check_request
 from grpo_stream.common.engine.slot_programs import (MIN_SLOTS, MIN_WINDOW, SlotPrograms, SlotState, pow2_at_least,
                                                       slot_ladder)
@@ -111,18 +111,19 @@ class ContinuousEngine(SlotPrograms):
 
     def __init__(self, model: PolicyModel, pad_id: int, eos_id: int | list[int], max_prompt_tokens: int,
                  max_new_tokens: int, temperature: float, slots: int = 256, chunk_steps: int = 16,
-                 length_groups: int = 1):
+                 length_groups: int = 1, ragged_attention: bool = True):
         """`eos_id`: the stop token, or all of them; `slots`: most sequences decoded at once (KV-cache memory
         grows with it); `chunk_steps`: most decode steps between two host scheduling points; `length_groups`: 1
         (every slot attends over the longest live sequence's window) or 2 (long sequences may move to their own
-        group)."""
+        group); `ragged_attention`: on one CPU device in float32, attention reads each slot's own positions through
+        the CPU kernel (cpu_attention.py) where it builds."""
         if slots < 1 or chunk_steps < 1 or length_groups not in (1, 2):
             raise ValueError(f"slots={slots} and chunk_steps={chunk_steps} must be >= 1, length_groups="
                              f"{length_groups} 1 or 2")
         eos_ids = tuple(eos_id) if isinstance(eos_id, (list, tuple)) else (eos_id,)
         super().__init__(model, pad_id, eos_ids, temperature, chunk_steps)
         self.max_prompt_tokens, self.max_new_tokens = max_prompt_tokens, max_new_tokens
-        self.slots, self.length_groups = slots, length_groups
+        self.slots, self.length_groups, self.ragged_attention = slots, length_groups, ragged_attention
         self.ladder = slot_ladder(slots)
         decode.check_sequence_fits(model, max_prompt_tokens + max_new_tokens)
         # a completion's last token is sampled, never written: the cache needs prompt + max_new_tokens - 1 slots
@@ -139,6 +140,16 @@ class ContinuousEngine(SlotPrograms):
             self._relaid = (None, None)  # free the previous version's copy first
             self._relaid = (params, self._relayout(params))
         return self._relaid[1]
+
+    def _ragged(self, weights) -> bool:
+        """Whether decode attention can read each slot's own positions (cpu_attention.py): float32 weights on one
+        CPU device (a mesh of several would need the kernel partitioned) and the kernel built."""
+        if not self.ragged_attention:
+            return False
+        leaf = jax.tree_util.tree_leaves(weights)[0]
+        devices = leaf.sharding.device_set
+        return (leaf.dtype == jnp.float32 and len(devices) == 1 and next(iter(devices)).platform == "cpu"
+                and cpu_attention.available())
 
     def generate(self, params: Any, prompts: list[list[int]], rng: jax.Array, greedy: bool = False,
                  max_new_tokens: list[int] | None = None,
@@ -182,10 +193,10 @@ class ContinuousEngine(SlotPrograms):
                 want_free = int((~main.live).sum()) + min(len(pending), max(1, main.size // 8))
             else:
                 want_free = groups[0].size + 1
-            windows = tuple(g.window for g in groups)
-            self.programs.add(("decode", tuple((g.size, g.window) for g in groups), greedy))
+            windows, ragged = tuple(g.window for g in groups), self._ragged(weights)
+            self.programs.add(("decode", tuple((g.size, g.window) for g in groups), greedy, ragged))
             states, toks, lps, steps = self._decode(weights, tuple(g.state for g in groups), jnp.int32(want_free),
-                                                    greedy=greedy, windows=windows)
+                                                    greedy=greedy, windows=windows, ragged=ragged)
             fetched = jax.device_get((toks, lps, tuple((s.produced, s.active) for s in states), steps))
             for i, group in enumerate(groups):
                 group.state = states[i]

@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from grpo_stream.common.engine import cpu_attention
 from grpo_stream.common.model.architectures import apply_rope, gemma3_timescales, rope_timescale
 from grpo_stream.common.model.policy import PolicyModel
 
@@ -163,12 +164,16 @@ def forward(model: PolicyModel, w: DecodeWeights, tokens: jax.Array, positions: 
 
 
 def forward_groups(model: PolicyModel, w: DecodeWeights, tokens: jax.Array, positions: jax.Array, caches: tuple,
-                   slots: tuple, key_valids: tuple) -> tuple[jax.Array, tuple]:
+                   slots: tuple, key_valids: tuple, ragged: bool = False) -> tuple[jax.Array, tuple]:
     """`forward` over rows that come in groups, each with its own cache (and so its own attention window): the rows
     of `tokens` are the groups' rows one group after another (group g has key_valids[g].shape[0] rows), the weight
-    matmuls run once over all of them and attention per group. Returns the logits and the groups' caches."""
+    matmuls run once over all of them and attention per group. Returns the logits and the groups' caches.
+
+    `ragged` (one token per row, per-row `slots`, key_valids[g] = positions up to the row's slot, float32 on one
+    CPU device): attention reads each row's own positions through the CPU kernel (cpu_attention.py) instead of the
+    group's whole window."""
     if model.arch.family in ("gemma2", "gemma3"):
-        return _forward_gemma(model, w, tokens, positions, caches, slots, key_valids)
+        return _forward_gemma(model, w, tokens, positions, caches, slots, key_valids, ragged)
     arch = model.arch
     b, t = tokens.shape
     heads, kv, d, eps = arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.norm_eps
@@ -184,7 +189,7 @@ def forward_groups(model: PolicyModel, w: DecodeWeights, tokens: jax.Array, posi
         if layer.q_norm is not None:
             q, k = _rms_norm(q, layer.q_norm, eps), _rms_norm(k, layer.k_norm, eps)
         q, k = apply_rope(q, positions, w.rope_timescale), apply_rope(k, positions, w.rope_timescale)
-        attn = _attend_groups(q, k, v, caches, i, slots, key_valids, new_caches, kv, None, None)
+        attn = _attend_groups(q, k, v, caches, i, slots, key_valids, new_caches, kv, None, None, ragged)
         x = x + attn @ layer.out
         h = _rms_norm(x, layer.post_norm, eps)
         gate_up = h @ layer.gate_up
@@ -194,26 +199,29 @@ def forward_groups(model: PolicyModel, w: DecodeWeights, tokens: jax.Array, posi
     return (x @ w.lm_head).astype(jnp.float32), tuple(tuple(c) for c in new_caches)
 
 
-def _attend_groups(q, k, v, caches, layer: int, slots, key_valids, new_caches, kv, softcap, scale):
+def _attend_groups(q, k, v, caches, layer: int, slots, key_valids, new_caches, kv, softcap, scale, ragged=False):
     """Attention of each group's rows over its own cache of `layer`; appends the written caches to new_caches."""
     outs, start = [], 0
     for g, (cache, slot, valid) in enumerate(zip(caches, slots, key_valids)):
         n = valid.shape[0]
         rows = slice(start, start + n) if len(caches) > 1 else slice(None)
-        attn, keys, values = _attention(q[rows], k[rows], v[rows], *cache[layer], slot, valid, kv, softcap, scale)
+        attn, keys, values = _attention(q[rows], k[rows], v[rows], *cache[layer], slot, valid, kv, softcap, scale,
+                                        ragged)
         outs.append(attn)
         new_caches[g].append((keys, values))
         start += n
     return outs[0] if len(outs) == 1 else jnp.concatenate(outs)
 
 
-def _attention(q, k, v, keys, values, slot, key_valid, kv: int, softcap: float | None, scale: float | None = None):
+def _attention(q, k, v, keys, values, slot, key_valid, kv: int, softcap: float | None, scale: float | None = None,
+               ragged: bool = False):
     """Write k, v at `slot` of the cache and attend: q [B, T, H, D] -> [B, T, H * D] (q scaled by `scale`,
     default 1/sqrt(D)).
 
     `slot`: one cache slot for every row (an int or scalar), or one per row ([B] array, T = 1: the continuous
     engine's slots each sit at their own length). Attention reads only the first key_valid.shape[-1] slots, so a
-    caller that knows no row is longer attends over that window, not the whole cache.
+    caller that knows no row is longer attends over that window, not the whole cache. `ragged` (per-row slots,
+    key_valid = positions 0..slot): each row reads only its own positions, through the CPU kernel.
     """
     b, t, heads, d = q.shape
     group = heads // kv
@@ -224,13 +232,18 @@ def _attention(q, k, v, keys, values, slot, key_valid, kv: int, softcap: float |
     else:
         keys = jax.lax.dynamic_update_slice(keys, k.transpose(0, 2, 3, 1).astype(keys.dtype), (0, 0, 0, slot))
         values = jax.lax.dynamic_update_slice(values, v.transpose(0, 2, 1, 3).astype(values.dtype), (0, 0, slot, 0))
+    scaled = q * (d ** -0.5 if scale is None else scale)
+    if ragged:
+        assert t == 1 and jnp.ndim(slot) == 1, "ragged attention serves one token per row at per-row slots"
+        out = cpu_attention.ragged_attention(scaled.reshape(b, kv, group, d), keys, values, slot + 1, softcap)
+        return out.astype(q.dtype).reshape(b, t, heads * d), keys, values
     window = key_valid.shape[-1]
     # a window shorter than the cache is a slice, which XLA copies: callers in a hot loop size the cache to it
     seen_keys = keys if window == keys.shape[3] else keys[..., :window]
     seen_values = values if window == values.shape[2] else values[:, :, :window]
     # queries of one KV head side by side: [B, KV, group * T, D]
-    qg = q.reshape(b, t, kv, group, d).transpose(0, 2, 3, 1, 4).reshape(b, kv, group * t, d)
-    scores = jnp.einsum("bkqd,bkds->bkqs", qg * (d ** -0.5 if scale is None else scale), seen_keys)
+    qg = scaled.reshape(b, t, kv, group, d).transpose(0, 2, 3, 1, 4).reshape(b, kv, group * t, d)
+    scores = jnp.einsum("bkqd,bkds->bkqs", qg, seen_keys)
     if softcap is not None:
         scores = jnp.tanh(scores / softcap) * softcap
     scores = jnp.where(key_valid[:, None, None], scores.reshape(b, kv, group, t, -1), MASKED)
@@ -239,7 +252,7 @@ def _attention(q, k, v, keys, values, slot, key_valid, kv: int, softcap: float |
     return attn.reshape(b, kv, group, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, heads * d), keys, values
 
 
-def _forward_gemma(model: PolicyModel, w: DecodeWeights, tokens, positions, caches, slots, key_valids):
+def _forward_gemma(model: PolicyModel, w: DecodeWeights, tokens, positions, caches, slots, key_valids, ragged=False):
     """Gemma 2 and 3: scaled embedding, (1 + w) norms around attention and MLP, tanh-GELU; Gemma 2 soft-caps
     logits, Gemma 3 normalises q and k and uses per-layer RoPE bases.
 
@@ -260,7 +273,8 @@ def _forward_gemma(model: PolicyModel, w: DecodeWeights, tokens, positions, cach
         if layer.q_norm is not None:
             q, k = _rms_norm(q, layer.q_norm, eps), _rms_norm(k, layer.k_norm, eps)
         q, k = apply_rope(q, positions, layer.rope_timescale), apply_rope(k, positions, layer.rope_timescale)
-        attn = _attend_groups(q, k, v, caches, i, slots, key_valids, new_caches, kv, arch.attn_softcap, scale)
+        attn = _attend_groups(q, k, v, caches, i, slots, key_valids, new_caches, kv, arch.attn_softcap, scale,
+                              ragged)
         x = x + _rms_norm(attn @ layer.out, layer.post_attn_norm, eps)
         h = _rms_norm(x, layer.pre_ffw_norm, eps)
         gate_up = h @ layer.gate_up

@@ -72,7 +72,8 @@ class SlotPrograms:
         self.programs: set[tuple] = set()
         self.stats = collections.Counter()  # decode_steps, slot_steps, live_slot_steps, prefills, prefill_rows, ...
         self._relayout = jax.jit(functools.partial(decode.decode_weights, model))
-        self._decode = jax.jit(self._decode_chunk, static_argnames=("greedy", "windows"), donate_argnums=(1,))
+        self._decode = jax.jit(self._decode_chunk, static_argnames=("greedy", "windows", "ragged"),
+                               donate_argnums=(1,))
         self._prefill = jax.jit(self._prefill_prompts)
         self._admit = jax.jit(self._admit_rows, donate_argnums=(0,))
         self._compact = jax.jit(self._compact_slots, static_argnames=("size",))
@@ -141,12 +142,13 @@ class SlotPrograms:
                  for name in ("last_logits", "length", "produced", "budget", "active", "keys")}
         return dst.replace(cache=cache, **moved), src.active.at[src_slots].set(False, mode="drop")
 
-    def _decode_chunk(self, weights, groups: tuple, want_free: jax.Array, greedy: bool, windows: tuple):
+    def _decode_chunk(self, weights, groups: tuple, want_free: jax.Array, greedy: bool, windows: tuple,
+                      ragged: bool = False):
         """Up to chunk_steps decode steps over every slot of the slot groups `groups` (SlotStates with the windows
         `windows`), one weight pass per step for all of them; stops early once `want_free` slots of the first group
         are free (rows are waiting for them) or none is live. Returns the groups, and per group the tokens and
         logprobs [S, chunk_steps] (a slot's new tokens are its first produced-after minus produced-before
-        columns); and the steps taken."""
+        columns); and the steps taken. `ragged`: attention reads each slot's own positions (the CPU kernel)."""
         steps = self.chunk_steps
         eos = jnp.asarray(self.eos_ids, jnp.int32)
         assert tuple(window_of(g) for g in groups) == windows, "resize the caches to the chunk's windows first"
@@ -168,15 +170,16 @@ class SlotPrograms:
                 tok, tok_logp = sample(st)
                 toks_out.append(tk.at[:, t].set(jnp.where(st.active, tok, self.pad_id)))
                 lps_out.append(lp.at[:, t].set(jnp.where(st.active, tok_logp, 0.0)))
-                # every slot runs the step; an idle or ended slot's write lands at its own length, which nothing
-                # reads (a refill overwrites the prompt part and masks the rest by length)
-                at = jnp.minimum(st.length, window - 1)
+                # every slot runs the step; an idle or ended slot writes at position 0 and attends over it alone
+                # (ragged attention then reads nothing else of it); nothing reads an idle slot's cache, and a refill
+                # overwrites the prompt part and masks the rest by length
+                at = jnp.where(st.active, jnp.minimum(st.length, window - 1), 0)
                 drawn.append(tok)
                 ats.append(at)
                 valids.append((jnp.arange(window)[None, :] <= at[:, None])[:, None, :])
             tok_all, at_all = jnp.concatenate(drawn), jnp.concatenate(ats)
             logits, caches = decode.forward_groups(self.model, weights, tok_all[:, None], at_all[:, None],
-                                                   tuple(st.cache for st in sts), tuple(ats), tuple(valids))
+                                                   tuple(st.cache for st in sts), tuple(ats), tuple(valids), ragged)
             new, start = [], 0
             for st, tok, cache in zip(sts, drawn, caches):
                 n = st.length.shape[0]
