@@ -140,6 +140,12 @@ class GenerationSection(Strict):
                                       "completions do not make every slot attend over their length: fewer "
                                       "cache reads, more compiled programs (BENCHMARKS.md); 1 keeps one window "
                                       "for all slots.")
+    decode_attention: Literal["auto", "dense"] = Field("auto", description="JAX engine: 'auto' lets a float32 "
+                                                       "sampler on one CPU device attend over each slot's own "
+                                                       "positions with a C++ kernel built on first use (the "
+                                                       "system's c++ compiler; without one it says so and stays "
+                                                       "dense); 'dense' is XLA's attention over the slot group's "
+                                                       "whole window, what GPUs and TPUs use.")
 
 
 class AlgoSection(Strict):

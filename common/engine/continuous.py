@@ -24,11 +24,14 @@ max_new_tokens for its own sake.
   make hundreds of short ones attend over their length. The
   choice is made by a cost model (`step_cost`): every slot pays its row's
   work and its window; both groups decode in one program, one weight pass
-  per step, the matmuls over all rows and attention per group. This is the CPU and reference form of
-  ragged attention; an accelerator kernel over a paged cache would give every
-  row its own window. It is off by default: on the 2-core CPU it cut the
-  cache positions read by 11% without a measurable speed-up (a row's matmul
-  work dominates there) and compiles more programs (BENCHMARKS.md).
+  per step, the matmuls over all rows and attention per group. It is off by
+  default: it cut the cache positions read by 11% without a measurable
+  speed-up on CPU and compiles more programs (BENCHMARKS.md).
+- Ragged attention on CPU: on one CPU device in float32 every slot reads
+  only its own positions (cpu_attention.py: a C++ XLA FFI kernel over the
+  same caches; the windows then bound memory, not reads). Elsewhere, or
+  without a compiler, attention reads the group's window (an accelerator's
+  ragged paged-attention kernel would go behind the same switch).
 - The slot count follows the work: the main group has the smallest size on a
   ladder of slot counts (8, 12, 16, 24, 32, 48, ... at most `slots`) holding
   the request set, and once no row is pending and its live sequences fit the
@@ -374,4 +377,5 @@ def build(cfg, model: PolicyModel, tokenizer, index: int = 0) -> ContinuousEngin
     gen = cfg.generation
     return ContinuousEngine(model, tokenizer.pad_id, tokenizer.eos_ids, gen.max_prompt_tokens, gen.max_new_tokens,
                             gen.temperature, slots=gen.decode_slots, chunk_steps=gen.decode_chunk_steps,
-                            length_groups=gen.decode_length_groups)
+                            length_groups=gen.decode_length_groups,
+                            ragged_attention=gen.decode_attention == "auto")

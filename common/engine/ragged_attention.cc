@@ -97,10 +97,12 @@ void Scores(const float* q, int64_t d_n, const float* keys, int64_t w, int64_t l
   }
 }
 
-// out[g, :] = sum_s p[g, s] values[s, :] for GN (<= 4) queries and 16 of the D outputs at a time.
+// out[g, :] = sum_s p[g, s] values[s, :] for GN (<= 4) queries, 16 of the D outputs at a time, then 8, then one
+// (head dims that are not multiples of 16, as small test models have).
 template <int GN>
 void Mix(const float* probs, int64_t stride, const float* values, int64_t d_n, int64_t len, float* out) {
-  for (int64_t d0 = 0; d0 < d_n; d0 += 16) {
+  int64_t d0 = 0;
+  for (; d0 + 16 <= d_n; d0 += 16) {
     v8 acc[GN][2] = {};
     for (int64_t s = 0; s < len; ++s) {
       const v8 v0 = Load(values + s * d_n + d0), v1 = Load(values + s * d_n + d0 + 8);
@@ -113,6 +115,22 @@ void Mix(const float* probs, int64_t stride, const float* values, int64_t d_n, i
     for (int g = 0; g < GN; ++g) {
       Store(out + g * d_n + d0, acc[g][0]);
       Store(out + g * d_n + d0 + 8, acc[g][1]);
+    }
+  }
+  if (d0 + 8 <= d_n) {
+    v8 acc[GN] = {};
+    for (int64_t s = 0; s < len; ++s) {
+      const v8 v0 = Load(values + s * d_n + d0);
+      for (int g = 0; g < GN; ++g) acc[g] += Splat(probs[g * stride + s]) * v0;
+    }
+    for (int g = 0; g < GN; ++g) Store(out + g * d_n + d0, acc[g]);
+    d0 += 8;
+  }
+  for (; d0 < d_n; ++d0) {
+    for (int g = 0; g < GN; ++g) {
+      float acc = 0.0f;
+      for (int64_t s = 0; s < len; ++s) acc += probs[g * stride + s] * values[s * d_n + d0];
+      out[g * d_n + d0] = acc;
     }
   }
 }
@@ -226,8 +244,8 @@ ffi::Error RaggedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
     return ffi::Error::InvalidArgument("ragged_attention: q, keys, values must be rank 4 and lengths rank 1");
   }
   const int64_t rows = qd[0], kv = qd[1], group = qd[2], dim = qd[3], window = kd[3];
-  if (dim % 16 != 0 || window % 16 != 0) {
-    return ffi::Error::InvalidArgument("ragged_attention: head_dim and the window must be multiples of 16");
+  if (window % 16 != 0) {  // scores are computed 16 positions at a time, up to the window
+    return ffi::Error::InvalidArgument("ragged_attention: the window must be a multiple of 16");
   }
   if (kd[0] != rows || kd[1] != kv || kd[2] != dim || vd[0] != rows || vd[1] != kv || vd[2] != window ||
       vd[3] != dim || lengths.dimensions()[0] != rows) {

@@ -1,0 +1,94 @@
+"""The ragged CPU decode attention kernel: the dense attention's numbers, read only up to each row's length; the
+engine uses it where it can and falls back to the dense form, saying so, where it cannot build."""
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from grpo_stream.common.engine import cpu_attention, decode
+from grpo_stream.common.engine.continuous import ContinuousEngine
+
+pytestmark = pytest.mark.skipif(cpu_attention._compiler() is None, reason="no C++ compiler to build the kernel")
+NO_EOS = -1
+
+
+def _dense(q, keys, values, lengths, softcap):
+    """decode._attention's dense form on the same inputs (t = 1), the new key/value already in the caches."""
+    b, kv, g, d = q.shape
+    valid = (jnp.arange(keys.shape[3])[None] < lengths[:, None])[:, None, :]
+    at = lengths - 1
+    k_new = jnp.take_along_axis(keys, at[:, None, None, None], axis=3)[..., 0][:, None]
+    v_new = jnp.take_along_axis(values, at[:, None, None, None], axis=2)[:, :, 0][:, None]
+    out, _, _ = decode._attention(q.reshape(b, 1, kv * g, d), k_new, v_new, keys, values, at, valid, kv, softcap,
+                                  scale=1.0)
+    return out.reshape(b, kv, g, d)
+
+
+@pytest.mark.parametrize("group,head_dim,softcap", [(4, 64, None), (1, 16, None), (3, 32, 30.0), (8, 128, None),
+                                                    (5, 64, 50.0), (2, 8, None), (4, 28, None)])
+def test_kernel_equals_dense_attention_and_reads_nothing_past_a_rows_length(group, head_dim, softcap):
+    rng = np.random.default_rng(group * head_dim)
+    rows, kv, window = 9, 2, 128
+    lengths = np.array([1, 17, 64, 100, window, 33, 2, 127, 80], np.int32)
+    q = (rng.standard_normal((rows, kv, group, head_dim)) * head_dim ** -0.5).astype(np.float32)  # scaled, as used
+    keys = rng.standard_normal((rows, kv, head_dim, window)).astype(np.float32)
+    values = rng.standard_normal((rows, kv, window, head_dim)).astype(np.float32)
+    want = _dense(jnp.asarray(q), jnp.asarray(keys), jnp.asarray(values), jnp.asarray(lengths), softcap)
+    for r, n in enumerate(lengths):  # what lies past a row's length must not matter: poison it
+        keys[r, :, :, n:] = np.nan
+        values[r, :, n:] = np.nan
+    assert cpu_attention.available()
+    got = jax.jit(cpu_attention.ragged_attention, static_argnums=4)(q, keys, values, lengths, softcap)
+    assert np.isfinite(np.asarray(got)).all()
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)  # float32 sums reordered
+
+
+def test_kernel_refuses_shapes_that_disagree():
+    q = jnp.zeros((2, 2, 4, 64))
+    keys, values = jnp.zeros((2, 2, 64, 128)), jnp.zeros((2, 2, 64, 64))  # values' window is not keys'
+    with pytest.raises(Exception, match="shapes disagree"):
+        jax.block_until_ready(cpu_attention.ragged_attention(q, keys, values, jnp.ones((2,), jnp.int32), None))
+
+
+def test_engine_decodes_the_same_with_the_kernel_as_with_dense_attention(tiny_parts):
+    """Same tokens (greedy) and logprobs to float rounding, on a request set with refills, compaction and windows
+    that grow; the kernel's programs are recorded as ragged."""
+    cfg, task, tok, model = tiny_parts
+    prompts = [tok.encode(task.train_problem(i).prompt) for i in range(6) for _ in range(3)]
+    budgets = [70, 5, 12, 3, 40, 9] * 3
+    outs = {}
+    for ragged in (True, False):
+        engine = ContinuousEngine(model, tok.pad_id, NO_EOS, cfg.generation.max_prompt_tokens, 80, 1.0, slots=8,
+                                  chunk_steps=4, ragged_attention=ragged)
+        outs[ragged] = engine.generate(model.params, prompts, jax.random.key(0), greedy=True, max_new_tokens=budgets)
+        assert {p[3] for p in engine.programs if p[0] == "decode"} == {ragged}
+    np.testing.assert_array_equal(outs[True].tokens, outs[False].tokens)
+    np.testing.assert_allclose(outs[True].logprobs, outs[False].logprobs, atol=1e-5)
+
+
+def _probe(env: dict, cache: pathlib.Path) -> subprocess.CompletedProcess:
+    code = ("import logging; logging.basicConfig(level=logging.INFO)\n"
+            "from grpo_stream.common.engine import cpu_attention\n"
+            "print('available', cpu_attention.available())\n")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "XDG_CACHE_HOME": str(cache), **env})
+
+
+def test_the_build_is_cached_and_a_failed_build_falls_back_to_dense_attention(tmp_path):
+    first = _probe({}, tmp_path)
+    assert "available True" in first.stdout, first.stderr
+    built = list((tmp_path / "grpo-stream" / "kernels").glob("ragged_attention-*.so"))
+    assert len(built) == 1
+    stamp = built[0].stat().st_mtime_ns
+    assert "available True" in _probe({}, tmp_path).stdout and built[0].stat().st_mtime_ns == stamp  # reused
+    broken = _probe({"CXX": "/bin/false"}, tmp_path / "other")
+    assert "available False" in broken.stdout
+    assert "could not be built" in broken.stderr and "XLA's dense form" in broken.stderr
+    chosen = _probe({cpu_attention.ENV: "dense"}, tmp_path / "third")
+    assert "available False" in chosen.stdout and not (tmp_path / "third" / "grpo-stream").exists()
