@@ -86,6 +86,8 @@ def run_case(name: str, model, p: dict, prompts: list[list[int]], budgets: list[
     ours["prefills_per_run"] = engine.stats["prefills"] // runs
     # attention work: slot x window positions over the steps, and the long-window group's traffic
     ours["cache_positions_read_per_run"] = engine.stats["cache_positions_read"] // runs
+    # what attention read: the slots' own positions with the ragged CPU kernel, else the windows
+    ours["attention_positions_read_per_run"] = engine.stats["attention_positions_read"] // runs
     ours["rows_moved_per_run"] = engine.stats["moved_rows"] // runs
     ours["group_merges_per_run"] = engine.stats["merges"] // runs
     engines = {"ours": ours}

@@ -36,7 +36,8 @@ def count(case: str, length_groups: int) -> dict:
     s = engine.stats
     return {"case": case, "length_groups": length_groups, "decode_steps": s["decode_steps"],
             "slot_steps": s["slot_steps"], "live_share": round(s["live_slot_steps"] / s["slot_steps"], 3),
-            "cache_positions_read": s["cache_positions_read"], "rows_moved": s["moved_rows"],
+            "cache_positions_read": s["cache_positions_read"],
+            "attention_positions_read": s["attention_positions_read"], "rows_moved": s["moved_rows"],
             "merges": s["merges"], "programs": len(engine.programs)}
 
 

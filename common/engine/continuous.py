@@ -203,15 +203,23 @@ class ContinuousEngine(SlotPrograms):
             fetched = jax.device_get((toks, lps, tuple((s.produced, s.active) for s in states), steps))
             for i, group in enumerate(groups):
                 group.state = states[i]
-                self._collect(group, out, fetched[0][i], fetched[1][i], *fetched[2][i], fetched[3], version)
+                self._collect(group, out, fetched[0][i], fetched[1][i], *fetched[2][i], fetched[3], version, ragged)
             self.stats["decode_steps"] += int(fetched[3])
             main, long = self._compact_groups(main, long, pending)
 
-    def _collect(self, group: SlotGroup, out: Generation, toks, lps, now_produced, active, steps, version: int):
+    def _collect(self, group: SlotGroup, out: Generation, toks, lps, now_produced, active, steps, version: int,
+                 ragged: bool):
         """Copy a chunk's new tokens out and free the slots whose sequence ended."""
         live = group.live
         self.stats["slot_steps"] += int(steps) * group.size
         self.stats["cache_positions_read"] += int(steps) * group.size * group.window
+        if ragged:  # the step that samples token j of a row with prompt P attends over P + j + 1 positions; idle: 1
+            first = self._prompt_lens[group.row[live]] + group.produced[live] + 1
+            made = now_produced[live] - group.produced[live]
+            read = int((made * first + made * (made - 1) // 2).sum())
+            self.stats["attention_positions_read"] += read + int(steps) * group.size - int(made.sum())
+        else:
+            self.stats["attention_positions_read"] += int(steps) * group.size * group.window
         self.stats["live_slot_steps"] += int(now_produced[live].sum() - group.produced[live].sum())
         for s in np.flatnonzero(live):
             row, start, end = group.row[s], group.produced[s], now_produced[s]

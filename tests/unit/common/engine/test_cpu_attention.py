@@ -62,14 +62,22 @@ def test_engine_decodes_the_same_with_the_kernel_as_with_dense_attention(tiny_pa
     cfg, task, tok, model = tiny_parts
     prompts = [tok.encode(task.train_problem(i).prompt) for i in range(6) for _ in range(3)]
     budgets = [70, 5, 12, 3, 40, 9] * 3
-    outs = {}
+    outs, stats = {}, {}
     for ragged in (True, False):
         engine = ContinuousEngine(model, tok.pad_id, NO_EOS, cfg.generation.max_prompt_tokens, 80, 1.0, slots=8,
                                   chunk_steps=4, ragged_attention=ragged)
         outs[ragged] = engine.generate(model.params, prompts, jax.random.key(0), greedy=True, max_new_tokens=budgets)
         assert {p[3] for p in engine.programs if p[0] == "decode"} == {ragged}
+        stats[ragged] = engine.stats
     np.testing.assert_array_equal(outs[True].tokens, outs[False].tokens)
     np.testing.assert_allclose(outs[True].logprobs, outs[False].logprobs, atol=1e-5)
+    # dense attention reads every slot's window; ragged reads each live row's own positions (the step sampling
+    # token j of a prompt of P tokens reads P + j + 1) and one position of an idle slot
+    assert stats[False]["attention_positions_read"] == stats[False]["cache_positions_read"]
+    own = sum(sum(len(p) + j + 1 for j in range(n)) for p, n in zip(prompts, budgets))
+    idle = stats[True]["slot_steps"] - sum(budgets)
+    assert stats[True]["attention_positions_read"] == own + idle
+    assert own + idle < 0.6 * stats[True]["cache_positions_read"]
 
 
 def _probe(env: dict, cache: pathlib.Path) -> subprocess.CompletedProcess:

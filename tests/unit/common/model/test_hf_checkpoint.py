@@ -212,16 +212,18 @@ def test_engine_logprobs_equal_the_trainers_recomputation(tmp_path, family):
     make_hf_model(tmp_path, family, 5)
     model = load_hf_model(str(tmp_path), "float32")
     p, c = 12, 10
-    engine = ContinuousEngine(model, pad_id=0, eos_id=1, max_prompt_tokens=p, max_new_tokens=c, temperature=0.8)
     rng = np.random.default_rng()
     prompts = [rng.integers(2, SHAPE["vocab_size"], rng.integers(3, p + 1)).tolist() for _ in range(6)]
-    out = engine.generate(model.params, prompts, jax.random.key(int(rng.integers(1 << 30))))
-    rows = [layout(np.array(pr), out.tokens[i, :out.lengths[i]], p, c, 0) for i, pr in enumerate(prompts)]
-    tokens, valid = np.stack([r[0] for r in rows]), np.stack([r[1] for r in rows])
-    recomputed = np.asarray(sequence_logprobs(model, model.params, tokens, valid, 0.8, 0))[:, p - 1:]
-    for i in range(len(prompts)):
-        n = out.lengths[i]
-        np.testing.assert_allclose(recomputed[i, :n], out.logprobs[i, :n], atol=1e-4)
+    for ragged in (True, False):  # the CPU kernel's attention over each slot's own positions, and XLA's dense one
+        engine = ContinuousEngine(model, pad_id=0, eos_id=1, max_prompt_tokens=p, max_new_tokens=c, temperature=0.8,
+                                  ragged_attention=ragged)
+        out = engine.generate(model.params, prompts, jax.random.key(int(rng.integers(1 << 30))))
+        assert {program[3] for program in engine.programs if program[0] == "decode"} == {ragged}
+        rows = [layout(np.array(pr), out.tokens[i, :out.lengths[i]], p, c, 0) for i, pr in enumerate(prompts)]
+        tokens, valid = np.stack([r[0] for r in rows]), np.stack([r[1] for r in rows])
+        recomputed = np.asarray(sequence_logprobs(model, model.params, tokens, valid, 0.8, 0))[:, p - 1:]
+        diffs = np.concatenate([np.abs(recomputed[i, :n] - out.logprobs[i, :n]) for i, n in enumerate(out.lengths)])
+        assert diffs.mean() <= 1e-5 and diffs.max() <= 1e-4, (ragged, diffs.mean(), diffs.max())
 
 
 def test_hub_ids_resolve_through_the_local_cache_offline(tmp_path, monkeypatch):
