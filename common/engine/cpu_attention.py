@@ -1,16 +1,17 @@
 """The continuous engine's ragged decode attention on CPU (ragged_attention.cc, an XLA FFI custom call).
 
-On CPU a decode step is bound by reading the KV cache, and XLA's dense
-attention reads every slot's whole window: in a long-tailed request set most
-rows are far shorter than the longest live one. The kernel reads each row's
-own positions only, and spreads rows over XLA's intra-op threads.
+On CPU a decode step's attention is bound by reading the KV cache, and XLA's
+dense attention reads every slot's whole window (on one thread): in a
+long-tailed request set most rows are far shorter than the longest live one.
+The kernel reads each row's own positions only, and spreads rows over XLA's
+intra-op threads.
 
 It is built on first use with the system's C++ compiler (`c++`, or $CXX)
 against the XLA FFI headers that jaxlib ships, into a per-user cache keyed by
 the source, jaxlib's version and the compiler's target, so one build serves
 every process of a run. Where no compiler is found or the build fails, the
 engine keeps XLA's dense attention and says so once in the log
-(`GRPO_STREAM_CPU_ATTENTION=dense` chooses that path on purpose). It serves
+(`generation.decode_attention: dense` chooses that path on purpose). It serves
 only single-device float32 CPU programs with one query token per row; GPUs
 and TPUs use the dense path (an accelerator's ragged paged-attention kernel
 would go behind the same switch).
@@ -37,7 +38,6 @@ log = logging.getLogger(__name__)
 
 SOURCE = pathlib.Path(__file__).with_name("ragged_attention.cc")
 TARGET = "grpo_stream_ragged_attention"
-ENV = "GRPO_STREAM_CPU_ATTENTION"  # "dense": never use the kernel
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
@@ -77,9 +77,7 @@ def available() -> bool:
         if "ok" in _state:
             return bool(_state["ok"])
         ok = False
-        if os.environ.get(ENV, "").lower() == "dense":
-            log.info("%s=dense: the CPU decode attention stays XLA's dense form", ENV)
-        elif (compiler := _compiler()) is None:
+        if (compiler := _compiler()) is None:
             log.warning("no C++ compiler found (set CXX): the CPU decode attention stays XLA's dense form, which "
                         "reads every slot's whole window")
         else:

@@ -98,5 +98,16 @@ def test_the_build_is_cached_and_a_failed_build_falls_back_to_dense_attention(tm
     broken = _probe({"CXX": "/bin/false"}, tmp_path / "other")
     assert "available False" in broken.stdout
     assert "could not be built" in broken.stderr and "XLA's dense form" in broken.stderr
-    chosen = _probe({cpu_attention.ENV: "dense"}, tmp_path / "third")
-    assert "available False" in chosen.stdout and not (tmp_path / "third" / "grpo-stream").exists()
+
+
+def test_the_config_chooses_the_attention(tiny_parts):
+    from grpo_stream.common.config.loading import load_config
+    from grpo_stream.common.engine import continuous
+    from tests.conftest import CONFIGS
+
+    _, _, tok, model = tiny_parts
+    for choice, ragged in (("auto", True), ("dense", False)):
+        cfg = load_config(CONFIGS / "tiny_arith.yaml", [f"generation.decode_attention={choice}"])
+        assert continuous.build(cfg, model, tok).ragged_attention is ragged
+    with pytest.raises(Exception, match="decode_attention"):
+        load_config(CONFIGS / "tiny_arith.yaml", ["generation.decode_attention=paged"])
