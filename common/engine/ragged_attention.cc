@@ -2,8 +2,8 @@
 //
 // One query token per row attends over the first `lengths[b]` positions of its own cache, and reads nothing
 // beyond them. XLA's dense form (decode.py: _attention) reads the slot group's whole window for every row; in
-// a long-tailed request set most rows are far shorter than the longest, and a decode step is bound by reading
-// the cache, so the positions not read are the time saved. Rows x KV heads are spread over XLA's intra-op
+// a long-tailed request set most rows are far shorter than the longest, and attention is bound by reading the
+// cache, so the positions not read are the time saved. Rows x KV heads are spread over XLA's intra-op
 // thread pool (XLA:CPU runs its batched attention dots on one thread).
 //
 // Layouts (decode.py's cache):
