@@ -136,23 +136,21 @@ class ContinuousEngine(SlotPrograms):
         # (2 x KV x D x layers numbers) is the ratio of their memory traffic; measured on CPU (bench sampler's
         # model: 1.0 ms per row and 1.1 us per position at 256 slots) the matmul side is 16x cheaper than that
         self.row_work = model.num_params() / (2 * arch.num_kv_heads * arch.head_dim * arch.num_layers) / 16
-        self._relaid: tuple[Any, Any] = (None, None)
+        self._relaid: tuple[Any, Any, bool] = (None, None, False)  # params, their decode layout, ragged
 
     def _weights(self, params: Any):
+        """`params` laid out for decoding, made once per weight version, and whether its decode attention reads each
+        slot's own positions (cpu_attention.py): float32 weights on one CPU device (a mesh of several would need the
+        kernel partitioned) and the kernel built."""
         if self._relaid[0] is not params:
-            self._relaid = (None, None)  # free the previous version's copy first
-            self._relaid = (params, self._relayout(params))
+            self._relaid = (None, None, False)  # free the previous version's copy first
+            weights = self._relayout(params)
+            leaf = jax.tree_util.tree_leaves(weights)[0]
+            devices = leaf.sharding.device_set
+            ragged = (self.ragged_attention and leaf.dtype == jnp.float32 and len(devices) == 1
+                      and next(iter(devices)).platform == "cpu" and cpu_attention.available())
+            self._relaid = (params, weights, ragged)
         return self._relaid[1]
-
-    def _ragged(self, weights) -> bool:
-        """Whether decode attention can read each slot's own positions (cpu_attention.py): float32 weights on one
-        CPU device (a mesh of several would need the kernel partitioned) and the kernel built."""
-        if not self.ragged_attention:
-            return False
-        leaf = jax.tree_util.tree_leaves(weights)[0]
-        devices = leaf.sharding.device_set
-        return (leaf.dtype == jnp.float32 and len(devices) == 1 and next(iter(devices)).platform == "cpu"
-                and cpu_attention.available())
 
     def generate(self, params: Any, prompts: list[list[int]], rng: jax.Array, greedy: bool = False,
                  max_new_tokens: list[int] | None = None,
@@ -196,7 +194,7 @@ class ContinuousEngine(SlotPrograms):
                 want_free = int((~main.live).sum()) + min(len(pending), max(1, main.size // 8))
             else:
                 want_free = groups[0].size + 1
-            windows, ragged = tuple(g.window for g in groups), self._ragged(weights)
+            windows, ragged = tuple(g.window for g in groups), self._relaid[2]
             self.programs.add(("decode", tuple((g.size, g.window) for g in groups), greedy, ragged))
             states, toks, lps, steps = self._decode(weights, tuple(g.state for g in groups), jnp.int32(want_free),
                                                     greedy=greedy, windows=windows, ragged=ragged)
