@@ -8,6 +8,7 @@
     grpo-stream colocated --config C --run-dir DIR [key=value ...]   (weights.transport=local)
     grpo-stream eval    --config C [--split test] [--limit N] [--json PATH] [key=value ...]
     grpo-stream plan    --config C [--json PATH] [key=value ...]     (memory per device vs hardware:, before a run)
+    grpo-stream devices --config C [--gpus N] [--compose] [key=value ...]   (each process's GPUs and memory settings)
     grpo-stream submit  FILE.jsonl [--follow] [--run-dir DIR | --address HOST:PORT] [--token-file F]
     grpo-stream status  [--run-dir DIR | --address HOST:PORT] [--token-file F]
     grpo-stream tokens  --out DIR
@@ -104,6 +105,13 @@ def _parser() -> argparse.ArgumentParser:
                         "on CPU and report memory per device against hardware: (exit 1 when it does not fit)")
     common(pl)
     pl.add_argument("--json", type=pathlib.Path, help="also write the report here")
+    dv = sub.add_parser("devices", help="which GPUs and memory settings each process of the run gets (as `up` gives "
+                        "them), or compose/.env lines for them (--compose)")
+    common(dv)
+    dv.add_argument("--gpus", type=int, help="lay out on a host of this many GPUs (default: this host's, as `up`)")
+    dv.add_argument("--gpu-memory-gib", type=float, help="memory per GPU (default: nvidia-smi's, or hardware:)")
+    dv.add_argument("--compose", action="store_true", help="print compose/.env settings for this layout")
+    dv.add_argument("--json", type=pathlib.Path, help="also write the plan here")
     add_submit_parsers(sub, common)
     cf = sub.add_parser("config", help="describe the config fields, or show a resolved config")
     cf_sub = cf.add_subparsers(dest="config_command", required=True, metavar="ACTION")
@@ -235,6 +243,10 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, RuntimeError) as exc:
             _error(args, exc)
             return 2
+    if args.command == "devices":
+        from grpo_stream.devices_command import run_devices
+
+        return run_devices(cfg, args.gpus, args.gpu_memory_gib, args.compose, args.json)
     if args.command == "up":
         from grpo_stream.up import run_up
 
@@ -248,6 +260,9 @@ def main(argv: list[str] | None = None) -> int:
         return run_up(args.config, args.overrides, cfg, run_dir)
     setup_logging(cfg.logging.level, args.command if args.command != "sampler" else f"sampler-{args.index}",
                   cfg.logging.format, cfg.logging.verbose)
+    from grpo_stream.common.runtime.device_plan import own_process_env
+
+    os.environ.update(own_process_env(cfg, args.command, os.environ))  # before JAX starts: it reads them once
     if cfg.run.deterministic:  # before JAX starts: XLA reads its flags once
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_gpu_deterministic_ops=true".strip()
     if args.command == "ingest":  # no JAX in this process (Redis and gRPC only): no compilation cache

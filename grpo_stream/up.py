@@ -34,6 +34,8 @@ from grpo_stream.trainer_service.run_outputs import wasted_fraction
 from grpo_stream.common.rollouts.redis_server import EmbeddedRedis, RedisConnectError, connect_durable, free_port
 from grpo_stream.trainer_service.multihost import ADVERTISE_ENV
 from grpo_stream.supervise import Supervisor
+from grpo_stream.common.runtime.device_plan import (DeviceLayoutError, DevicePlan, ProcessPlan, detect_gpus,
+                                                    host_devices_needed, load_figures, plan_devices)
 
 ENDPOINTS_FILE = "endpoints.json"  # in RUN_DIR: where `grpo-stream submit --run-dir` sends prompts
 
@@ -83,10 +85,11 @@ class _TrainerJob:
     when one fails the others are killed (they would wait in their collectives for ever) and a restart starts
     them all again, on a fresh coordinator port. Logs: logs/trainer.log (process 0) and logs/trainer-<k>.log."""
 
-    def __init__(self, processes: int, cmd: list[str], log_dir: pathlib.Path, env: dict[str, str]):
+    def __init__(self, cmd: list[str], log_dir: pathlib.Path, envs: list[dict[str, str]]):
+        """`envs`: each process's environment (its GPUs differ)."""
         self.name, self.log_path, self.starts = "trainer", log_dir / "trainer.log", 0
-        self.members = [_Child("trainer" if k == 0 else f"trainer-{k}", cmd, log_dir, self._env(env, k, processes),
-                               start=False) for k in range(processes)]
+        self.members = [_Child("trainer" if k == 0 else f"trainer-{k}", cmd, log_dir, self._env(env, k, len(envs)),
+                               start=False) for k, env in enumerate(envs)]
         self.proc = self
         self.start()
 
@@ -140,32 +143,11 @@ def free_ports(count: int) -> int:
             continue
 
 
-def host_devices_needed(cfg: RunConfig) -> tuple[int, int]:
-    """(trainer process, sampler process) device counts the configured meshes need.
-
-    With weights.transport=local the first number is for the single process holding the trainer and samplers.
-    """
-    trainer = cfg.trainer.mesh.fsdp * cfg.trainer.mesh.tp
-    tp, w = cfg.sampler.mesh.tp, cfg.weights
-    if not transport_spec(w.transport).in_process:
-        return trainer, tp
-    if w.trainer_devices_fraction == 1.0 and w.sampler_devices_fraction == 1.0:
-        return max(trainer, tp), tp
-    for n in range(2, 1 << 16):
-        if (round(n * w.trainer_devices_fraction) >= trainer and round(n * w.sampler_devices_fraction)
-                >= cfg.sampler.replicas * tp and round(n * w.trainer_devices_fraction)
-                + round(n * w.sampler_devices_fraction) <= n):
-            return n, tp
-    raise ValueError("weights.*_devices_fraction: no device count fits the trainer and sampler meshes")
-
-
-def with_shared_devices(cfg: RunConfig, env: dict[str, str]) -> dict[str, str]:
-    """`env` for processes that share their accelerators (hardware.shared_devices: trainer and samplers on one
-    GPU): JAX's default of taking 75% of a GPU's memory at start would leave the second process nothing, so each
-    allocates what it uses instead (XLA_PYTHON_CLIENT_PREALLOCATE=false, unless the environment already says)."""
-    if not cfg.hardware.shared_devices or "XLA_PYTHON_CLIENT_PREALLOCATE" in env:
-        return env
-    return {**env, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+def with_device_plan(env: dict[str, str], proc: ProcessPlan) -> dict[str, str]:
+    """`env` with what the device plan gives process `proc`: its GPUs (CUDA_VISIBLE_DEVICES), and its memory settings
+    unless the environment `up` was started with sets them (the user's choice stands)."""
+    given = {k: v for k, v in proc.env.items() if k.startswith("CUDA_") or k not in env}
+    return {**env, **given}
 
 
 def with_host_devices(env: dict[str, str], count: int) -> dict[str, str]:
@@ -201,9 +183,40 @@ def sampler_token_env(env: dict[str, str], index: int) -> dict[str, str]:
     return {**env, TOKEN_FILE_ENV: str(own)} if own is not None and own.is_file() else env
 
 
+def device_plan(cfg: RunConfig, run_dir: pathlib.Path) -> DevicePlan:
+    """The run's GPUs per process (common/runtime/device_plan.py), printed and kept in RUN_DIR/devices.json."""
+    gpu_ids, memory = detect_gpus(cfg, os.environ)
+    plan = plan_devices(cfg, gpu_ids, memory, load_figures(cfg))
+    for line in plan.lines():
+        print(f"[up] {line}", flush=True)
+    (run_dir / "devices.json").write_text(json.dumps(plan.to_json(), indent=1))
+    return plan
+
+
+def process_envs(cfg: RunConfig, plan: DevicePlan, server_env: dict[str, str],
+                 sampler_env: dict[str, str]) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
+    """(each trainer process's environment, each sampler's): the run's tokens, the device plan's GPUs and memory
+    settings, the fake CPU devices their meshes need, then hardware.trainer_env / sampler_env over all."""
+    trainer_devices, sampler_devices = host_devices_needed(cfg)
+    colocated = plan.processes[0].role == "colocated"  # one process holds the trainer and the samplers
+    trainer_base = {**server_env, **sampler_env} if colocated else server_env
+    trainers = [p for p in plan.processes if p.role != "sampler"]
+    trainer_envs = [with_host_devices({**with_device_plan(trainer_base, p), **cfg.hardware.trainer_env},
+                                      trainer_devices // cfg.trainer.processes) for p in trainers]
+    sampler_envs = [with_host_devices({**with_device_plan(sampler_token_env(sampler_env, i),
+                                                          plan.process(f"sampler-{i}")), **cfg.hardware.sampler_env},
+                                      sampler_devices) for i in range(0 if colocated else cfg.sampler.replicas)]
+    return trainer_envs, sampler_envs
+
+
 def run_up(config_path: pathlib.Path | None, overrides: list[str], cfg: RunConfig, run_dir: pathlib.Path) -> int:
     started = time.time()
     run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        devices = device_plan(cfg, run_dir)
+    except DeviceLayoutError as exc:
+        print(f"grpo-stream up: error: {exc}", file=sys.stderr)
+        return 2
     log_dir = run_dir / "logs"
     log_dir.mkdir(exist_ok=True)
     redis_server = None
@@ -231,12 +244,11 @@ def run_up(config_path: pathlib.Path | None, overrides: list[str], cfg: RunConfi
         extra.append(f"weights.checkpoint_dir={(run_dir / 'weights').resolve()}")
     base = [sys.executable, "-m", "grpo_stream"]
     cfg_args = ["--config", str(config_path)] if config_path else []
-    env = with_shared_devices(cfg, {**os.environ, "PYTHONUNBUFFERED": "1"})
-    server_env, sampler_env, client_token = with_run_tokens(cfg, run_dir, env)
+    server_env, sampler_env, client_token = with_run_tokens(cfg, run_dir, {**os.environ, "PYTHONUNBUFFERED": "1"})
     (run_dir / ENDPOINTS_FILE).write_text(json.dumps({"prompts": prompts_address, "tls": cfg.tls.enabled,
                                                       "client_token_file": client_token}))
     colocated = transport_spec(cfg.weights.transport).in_process
-    trainer_devices, sampler_devices = host_devices_needed(cfg)
+    trainer_envs, sampler_envs = process_envs(cfg, devices, server_env, sampler_env)
     children: list[_Child] = []
     interrupted = False
 
@@ -253,12 +265,9 @@ def run_up(config_path: pathlib.Path | None, overrides: list[str], cfg: RunConfi
         (run_dir / "config.yaml").write_text(
             f"# resolved by `grpo-stream up` from --config {config_path} with overrides {extra}\n"
             + to_yaml(load_config(config_path, extra)))
-        # the trainer process (or the single controller) and each sampler see the devices their meshes need
-        trainer_env = with_host_devices({**(server_env if not colocated else {**server_env, **sampler_env}),
-                                         **cfg.hardware.trainer_env}, trainer_devices // cfg.trainer.processes)
         trainer_cmd = [*base, "colocated" if colocated else "trainer", *cfg_args, "--run-dir", str(run_dir), *extra]
-        trainer = (_TrainerJob(cfg.trainer.processes, trainer_cmd, log_dir, trainer_env) if cfg.trainer.processes > 1
-                   else _Child("colocated" if colocated else "trainer", trainer_cmd, log_dir, trainer_env))
+        trainer = (_TrainerJob(trainer_cmd, log_dir, trainer_envs) if cfg.trainer.processes > 1
+                   else _Child("colocated" if colocated else "trainer", trainer_cmd, log_dir, trainer_envs[0]))
         children.append(trainer)
         # (the config refuses ingest.standalone with weights.transport=local)
         helpers = ([_Child("ingest", [*base, "ingest", *cfg_args, *extra], log_dir, server_env)]
@@ -267,8 +276,7 @@ def run_up(config_path: pathlib.Path | None, overrides: list[str], cfg: RunConfi
         sampler_base = [cfg.sampler.python or sys.executable, "-m", "grpo_stream"]  # e.g. the vLLM environment's
         samplers = [] if colocated else [
             _Child(f"sampler-{i}", [*sampler_base, "sampler", *cfg_args, "--index", str(i), "--run-dir", str(run_dir),
-                                    *extra], log_dir, with_host_devices({**sampler_token_env(sampler_env, i),
-                                                                         **cfg.hardware.sampler_env}, sampler_devices))
+                                    *extra, *devices.process(f"sampler-{i}").overrides], log_dir, sampler_envs[i])
             for i in range(cfg.sampler.replicas)]
         children.extend(samplers)
         supervisor = supervise(cfg, trainer, helpers + samplers, redis_server, children, lambda: interrupted)

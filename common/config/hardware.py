@@ -1,16 +1,17 @@
 """The hardware a run is meant for (`hardware:`), as `grpo-stream plan` checks it: which accelerator the trainer's
 and the samplers' devices are, how much memory each has, and the margin a plan must leave free.
 
-Nothing at run time reads this section: it states what the config was sized for, so `plan` can say before the
-hardware exists whether the programs fit. Memory per device is what the runtime can hand out (HBM per TPU chip, or
-per GPU as nvidia-smi reports it), from the vendors' published figures.
+`plan` reads it to say before the hardware exists whether the programs fit. `up` reads the GPU layout fields
+(`gpus`, `trainer_devices`, `sampler_devices`, `plan_json`) to give each process its GPUs and memory settings
+(common/runtime/device_plan.py), and `trainer_env` / `sampler_env`. Memory per device is what the runtime can hand
+out (HBM per TPU chip, or per GPU as nvidia-smi reports it), from the vendors' published figures.
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from grpo_stream.common.config.base import Strict
 
@@ -43,6 +44,20 @@ class HardwareSection(Strict):
                                              "work).")
     sampler_memory_gib: float | None = Field(None, gt=0, le=4096, description="Memory per sampler device in GiB, "
                                              "overriding the sampler chip's figure.")
+    gpus: int | None = Field(None, ge=0, le=256, description="GPUs `up` lays the processes out on. Null: the GPUs "
+                             "nvidia-smi lists, less those CUDA_VISIBLE_DEVICES hides (none without nvidia-smi, or "
+                             "when JAX_PLATFORMS names no GPU platform); 0: run on the CPU.")
+    trainer_devices: list[int] | None = Field(None, description="GPU indices (among those `up` sees) of the "
+                                              "trainer: trainer.mesh fsdp x tp of them, process k of "
+                                              "trainer.processes taking its share in order. Null: the first ones.")
+    sampler_devices: list[list[int]] | None = Field(None, description="GPU indices of each sampler, one list per "
+                                                    "sampler index (sampler.mesh.tp of them, or "
+                                                    "sampler.vllm.tensor_parallel_size for vLLM), e.g. [[1], [2]]. "
+                                                    "Null: the GPUs after the trainer's, shared round-robin when "
+                                                    "there are too few, else the trainer's.")
+    plan_json: str | None = Field(None, description="The JSON of `grpo-stream plan --json` for this config: where "
+                                  "processes share a GPU, their memory caps follow its per-device figures. Null: "
+                                  "the trainer gets twice a sampler's share of a shared GPU.")
     shared_devices: bool = Field(False, description="The trainer and every sampler use the same devices (one GPU, "
                                  "or one TPU host with weights.transport=local): plan checks the trainer's total "
                                  "plus sampler.replicas samplers' against one device's memory.")
@@ -54,6 +69,22 @@ class HardwareSection(Strict):
     margin: float = Field(0.1, ge=0, lt=1, description="Share of each device's memory a plan leaves free (runtime "
                           "reservations, fragmentation, what a CPU-compiled estimate misses); plan reports a fit "
                           "only below (1 - margin) x memory.")
+
+    @field_validator("trainer_devices")
+    @classmethod
+    def _no_repeats(cls, ids: list[int] | None) -> list[int] | None:
+        if ids is not None and (len(set(ids)) != len(ids) or any(i < 0 for i in ids)):
+            raise ValueError(f"lists a GPU twice or a negative index ({ids}); give distinct indices from 0")
+        return ids
+
+    @field_validator("sampler_devices")
+    @classmethod
+    def _no_repeats_per_sampler(cls, lists: list[list[int]] | None) -> list[list[int]] | None:
+        for k, ids in enumerate(lists or []):
+            if not ids or len(set(ids)) != len(ids) or any(i < 0 for i in ids):
+                raise ValueError(f"sampler {k}'s list {ids} is empty, repeats a GPU or has a negative index; give "
+                                 "distinct indices from 0")
+        return lists
 
     def chip(self, role: Literal["trainer", "sampler"]) -> str | None:
         """The accelerator of `role`'s devices (the sampler's defaults to the trainer's)."""

@@ -33,11 +33,18 @@ def test_every_chip_of_the_table_is_accepted():
         assert load_config(None, [f"hardware.trainer_chip={chip}"]).hardware.device_memory_bytes("trainer") > 0
 
 
-def test_up_turns_off_gpu_preallocation_only_for_shared_devices():
-    from grpo_stream.up import with_shared_devices
+def test_shared_devices_turns_off_preallocation_on_a_cpu_host_too():
+    """hardware.shared_devices (e.g. a TPU host with weights.transport=local) keeps its meaning without GPUs."""
+    from grpo_stream.common.runtime.device_plan import plan_devices
 
-    shared = load_config(None, ["hardware.shared_devices=true"])
-    assert with_shared_devices(shared, {})["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
-    assert with_shared_devices(shared, {"XLA_PYTHON_CLIENT_PREALLOCATE": "true"}) == {
-        "XLA_PYTHON_CLIENT_PREALLOCATE": "true"}  # the user's choice stands
-    assert "XLA_PYTHON_CLIENT_PREALLOCATE" not in with_shared_devices(load_config(None, []), {})
+    shared = plan_devices(load_config(None, ["hardware.shared_devices=true"]), [])
+    assert all(p.env == {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"} for p in shared.processes)
+    assert all(p.env == {} for p in plan_devices(load_config(None, []), []).processes)
+
+
+@pytest.mark.parametrize("override, field", [("hardware.trainer_devices=[0,0]", "hardware.trainer_devices"),
+                                             ("hardware.sampler_devices=[[1],[]]", "hardware.sampler_devices"),
+                                             ("hardware.gpus=-1", "hardware.gpus")])
+def test_bad_gpu_lists_name_the_field(override, field):
+    with pytest.raises(ConfigError, match=field):
+        load_config(None, [override])
