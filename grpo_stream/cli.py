@@ -260,9 +260,11 @@ def main(argv: list[str] | None = None) -> int:
         return run_up(args.config, args.overrides, cfg, run_dir)
     setup_logging(cfg.logging.level, args.command if args.command != "sampler" else f"sampler-{args.index}",
                   cfg.logging.format, cfg.logging.verbose)
-    from grpo_stream.common.runtime.device_plan import own_process_env
+    from grpo_stream.common.runtime.device_plan import device_env, own_process_env
 
     os.environ.update(own_process_env(cfg, args.command, os.environ))  # before JAX starts: it reads them once
+    if device_env(os.environ):
+        log.info("device settings: %s", " ".join(f"{k}={v}" for k, v in device_env(os.environ).items()))
     if cfg.run.deterministic:  # before JAX starts: XLA reads its flags once
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_gpu_deterministic_ops=true".strip()
     if args.command == "ingest":  # no JAX in this process (Redis and gRPC only): no compilation cache

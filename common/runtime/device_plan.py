@@ -350,6 +350,12 @@ def _nvidia_smi() -> list[tuple[str, str, int]]:
     return [(r[0], r[1], int(r[2]) << 20) for r in rows if len(r) == 3 and r[2].isdigit()]
 
 
+def device_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The settings of `environ` that decide which devices a process uses and how much of them (for its log)."""
+    keys = ("CUDA_VISIBLE_DEVICES", PREALLOCATE, MEM_FRACTION, "JAX_PLATFORMS")
+    return {k: environ[k] for k in keys if k in environ}
+
+
 def own_process_env(cfg: RunConfig, command: str, environ: Mapping[str, str]) -> dict[str, str]:
     """What a process started without `up` (compose, Kubernetes) sets for itself before JAX starts: a vLLM sampler's
     own JAX on the CPU unless JAX_PLATFORMS says otherwise or the host is a TPU VM (vllm-tpu's model is JAX)."""

@@ -18,7 +18,10 @@ import sys
 import pytest
 import yaml
 
+from grpo_stream.common.config.loading import load_config
 from grpo_stream.common.rollouts.redis_server import connect, find_redis_server, free_port
+from grpo_stream.common.runtime.device_plan import plan_devices
+from grpo_stream.devices_command import compose_env
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.e2e
@@ -54,23 +57,71 @@ def resolved(env: pathlib.Path) -> dict:
     return yaml.safe_load(proc.stdout)
 
 
-def test_compose_file_is_valid_offline():
+def gpu_settings(service: dict) -> dict:
+    env = service["environment"]
+    return {k: str(env[k]) for k in ("CUDA_VISIBLE_DEVICES", "XLA_PYTHON_CLIENT_PREALLOCATE",
+                                     "XLA_PYTHON_CLIENT_MEM_FRACTION")}
+
+
+def dockerfile_stages(name: str) -> dict[str, str]:
+    """Stage name -> its text, of compose/Dockerfile.<name>."""
+    stages, current = {}, None
+    for line in (ROOT / "compose" / f"Dockerfile.{name}").read_text().splitlines():
+        words = line.split()
+        if len(words) >= 4 and words[0] == "FROM" and words[2].upper() == "AS":
+            current = words[3]
+            stages[current] = ""
+        if current:
+            stages[current] += line + "\n"
+    return stages
+
+
+def test_compose_runs_on_a_one_gpu_host_by_default():
     proc = subprocess.run([compose_binary(), "-f", str(COMPOSE_FILE), "--env-file",
                            str(ROOT / "compose" / ".env.example"), "config", "-q"], capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 0, proc.stderr
     services = resolved(ROOT / "compose" / ".env.example")["services"]
-    assert {"secrets", "redis", "trainer", "sampler-0", "sampler-1", "tensorboard"} <= set(services)
+    assert {"secrets", "redis", "trainer", "sampler-0", "sampler-1", "sampler-2", "tensorboard"} <= set(services)
     assert services["tensorboard"]["profiles"] == ["tensorboard"]
+    assert "profiles" not in services["sampler-0"] and services["sampler-2"]["profiles"] == ["sampler-2"]
     redis = services["redis"]
     assert any(v.startswith("redis-data:/data") for v in redis["volumes"])
     assert "requirepass" in " ".join(redis["command"])
-    for name in ("trainer", "sampler-0", "sampler-1"):  # each on its own GPU by default
+    for name in ("trainer", "sampler-0", "sampler-1", "sampler-2"):  # no GPU named that a host may lack
         devices = services[name]["deploy"]["resources"]["reservations"]["devices"]
-        assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
-    gpus = [services[n]["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"][0]
-            for n in ("trainer", "sampler-0", "sampler-1")]
-    assert len(set(gpus)) == 3
+        assert devices == [{"driver": "nvidia", "count": "all", "capabilities": ["gpu"]}]
+        assert gpu_settings(services[name])["CUDA_VISIBLE_DEVICES"] == "0"
+        assert any(v.startswith("compile-cache:/cache") for v in services[name]["volumes"])
+    assert services["sampler-0"]["shm_size"] in ("8gb", "8g", 8 << 30)
+    # the defaults are the device plan's for one GPU shared by the trainer and one sampler
+    cfg = load_config(ROOT / "configs" / "tiny_arith.yaml", ["sampler.replicas=1"])
+    planned = compose_env(cfg, plan_devices(cfg, ["0"]))
+    for name, key in (("trainer", "TRAINER"), ("sampler-0", "SAMPLER0")):
+        assert gpu_settings(services[name]) == {"CUDA_VISIBLE_DEVICES": planned[f"{key}_GPUS"],
+                                                "XLA_PYTHON_CLIENT_PREALLOCATE": planned[f"{key}_GPU_PREALLOCATE"],
+                                                "XLA_PYTHON_CLIENT_MEM_FRACTION": planned[f"{key}_GPU_MEM_FRACTION"]}
+    assert "--index 0" in services["sampler-0"]["command"] and "sampler.replicas=1" in services["sampler-0"]["command"]
+
+
+@pytest.mark.parametrize("engine", ["jax", "vllm"])
+def test_compose_takes_the_device_plans_settings_for_several_gpus(tmp_path, engine):
+    cfg = load_config(ROOT / "configs" / "tiny_arith.yaml", ["sampler.replicas=3", f"sampler.engine={engine}"])
+    plan = plan_devices(cfg, ["0", "1", "2"])  # trainer alone on 0, samplers 1, 2, 1
+    services = resolved(env_file(tmp_path / "gpus.env", **compose_env(cfg, plan)))["services"]
+    cuda = dockerfile_stages("cuda")
+    assert "jax[cuda13]" in cuda["jax"] or "cuda.txt" in cuda["jax"]  # the trainer's and JAX samplers' stage
+    assert "install-vllm-env.sh" in cuda["vllm"] and re.search(r"\b(g\+\+|gcc|build-essential)\b", cuda["vllm"])
+    assert services["trainer"]["build"]["target"] == "jax"
+    for i in range(3):
+        service, planned = services[f"sampler-{i}"], plan.process(f"sampler-{i}")
+        assert service["build"]["target"] == engine and service["image"].endswith(f"-{engine}")
+        assert gpu_settings(service)["CUDA_VISIBLE_DEVICES"] == planned.env["CUDA_VISIBLE_DEVICES"]
+        assert f"sampler.engine={engine}" in service["command"] and "sampler.replicas=3" in service["command"]
+        if engine == "vllm":  # its share as vLLM's own limit
+            assert f"sampler.vllm.gpu_memory_utilization={planned.share or 0.5}" in service["command"]
+    assert gpu_settings(services["trainer"]) == {"CUDA_VISIBLE_DEVICES": "0", "XLA_PYTHON_CLIENT_PREALLOCATE": "true",
+                                                 "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.75"}
 
 
 class Mounts:
@@ -109,6 +160,7 @@ def test_compose_services_run_as_local_processes(tmp_path):
     ports = {k: free_port() for k in ("REDIS_PORT", "TRAINER_PORT", "WEIGHTS_DATA_PORT", "TRAINER_METRICS_PORT")}
     env_path = env_file(tmp_path / "test.env", CONFIG="configs/tiny_arith_smoke.yaml", RUN_NAME="compose",
                         IMAGE_FLAVOR="cpu", SAMPLER_ENGINE="jax", REDIS_HOST="127.0.0.1", TRAINER_HOST="127.0.0.1",
+                        SAMPLER_REPLICAS="2", COMPOSE_PROFILES="sampler-1",
                         RUN_OVERRIDES=f"trainer.steps={STEPS} warmstart.steps=4 eval.num_problems=8 "
                                       "eval.batch_size=8 weights.verify_prompts=4",
                         **{k: str(v) for k, v in ports.items()})

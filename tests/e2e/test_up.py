@@ -70,12 +70,19 @@ WATCHED_SCALARS = (
 def test_up_smoke_run(tmp_path):
     run_dir = tmp_path / "run"
     # the training features of real model sizes ride along (their exactness has unit tests): AdamW with a warmup
-    # and cosine schedule, gradient accumulation over two micro-batches of 8 sequences, whole-layer remat
+    # and cosine schedule, gradient accumulation over two micro-batches of 8 sequences, whole-layer remat; and the
+    # device plan of a one-GPU host (hardware.gpus=1: every process on GPU 0 with its memory cap), whose settings
+    # JAX's CPU backend ignores
     proc = run_cli("up", "--config", "configs/tiny_arith_smoke.yaml", "--run-dir", str(run_dir),
                    "trainer.optimizer.name=adamw", "trainer.optimizer.weight_decay=0.01",
                    "trainer.optimizer.schedule=warmup_cosine", "trainer.optimizer.warmup_steps=2",
-                   "trainer.micro_batch_size=8", "trainer.remat=full")
+                   "trainer.micro_batch_size=8", "trainer.remat=full", "hardware.gpus=1")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    devices = json.loads((run_dir / "devices.json").read_text())
+    assert devices["sharing"] == {"0": ["trainer", "sampler-0", "sampler-1"]}
+    for name, cap in (("trainer", "0.450"), ("sampler-0", "0.225"), ("sampler-1", "0.225")):
+        assert (f"device settings: CUDA_VISIBLE_DEVICES=0 XLA_PYTHON_CLIENT_PREALLOCATE=false "
+                f"XLA_PYTHON_CLIENT_MEM_FRACTION={cap}") in (run_dir / "logs" / f"{name}.log").read_text()
     summary = json.loads((run_dir / "summary.json").read_text())
     check_run(summary, replicas=2, steps=8)
     # weights reached the samplers mid-run too, not only at the start and the end. Per sampler that depends on

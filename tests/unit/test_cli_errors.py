@@ -48,3 +48,11 @@ def test_a_multi_process_trainer_started_alone_says_how_to_join_the_others(tmp_p
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert "trainer.processes=2, but this process is in a JAX job of 1 processes" in err
     assert "JAX_COORDINATOR_ADDRESS" in err and "JAX_PROCESS_ID" in err
+
+
+def test_up_refuses_a_layout_the_gpus_cannot_hold_before_starting_anything(tmp_path, capsys):
+    assert main(["up", "--run-dir", str(tmp_path), "hardware.gpus=2", "trainer.mesh.fsdp=4"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["grpo-stream up: error: trainer.mesh (fsdp x tp): the trainer's need 4 GPUs but this host shows 2 "
+                   "(nvidia-smi, CUDA_VISIBLE_DEVICES or hardware.gpus); make the mesh smaller or use a host with 4"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no Redis, no logs: nothing was started
