@@ -134,6 +134,19 @@ def verdict(cfg: RunConfig, role: str, report: dict) -> dict:
     return report
 
 
+def device_fit(cfg: RunConfig, doc: dict) -> dict:
+    """The device plan of hardware.gpus GPUs with this report's figures (common/runtime/device_plan.py): each
+    process's GPUs and share, or why the layout cannot work."""
+    from grpo_stream.common.runtime.device_plan import DeviceLayoutError, plan_devices  # noqa: PLC0415
+
+    try:
+        plan = plan_devices(cfg, [str(g) for g in range(cfg.hardware.gpus)], cfg.hardware.device_memory_bytes(
+            "trainer"), doc)
+    except DeviceLayoutError as exc:
+        return {"fits": False, "error": str(exc)}
+    return {"fits": True, "lines": plan.lines(), **plan.to_json()}
+
+
 def render(cfg: RunConfig, doc: dict) -> str:
     lines = [f"model: {doc['trainer']['parameters'] / 1e9:.3g}B parameters ({doc['architecture']['family']}, "
              f"{cfg.model.dtype}, samplers {cfg.sampler_dtype()}); {ESTIMATE_NOTE}"]
@@ -161,6 +174,10 @@ def render(cfg: RunConfig, doc: dict) -> str:
         lines.append(f"\nshared devices (hardware.shared_devices): trainer + {cfg.sampler.replicas} sampler(s) "
                      f"{gib(shared['total_bytes'])} of {gib(shared['usable_bytes'])} usable: "
                      f"{'fits' if shared['fits'] else 'DOES NOT FIT'}")
+    devices = doc.get("devices")
+    if devices:
+        lines.append(f"\non {cfg.hardware.gpus} GPU(s) (hardware.gpus), as `up` would lay the processes out:")
+        lines.extend(devices["lines"] if devices["fits"] else [f"  DOES NOT FIT: {devices['error']}"])
     lines.append(f"\n{'fits' if doc['fits'] else 'does not fit'}")
     return "\n".join(lines)
 
@@ -184,6 +201,9 @@ def run_plan(cfg: RunConfig, json_path: pathlib.Path | None) -> int:
         doc["shared_devices"] = {"total_bytes": together, "usable_bytes": doc["trainer"]["usable_bytes"],
                                  "fits": together <= doc["trainer"]["usable_bytes"]}
         doc["fits"] = doc["fits"] and doc["shared_devices"]["fits"]
+    if cfg.hardware.gpus:  # the processes `up` would start on that many GPUs, with these figures as their needs
+        doc["devices"] = device_fit(cfg, doc)
+        doc["fits"] = doc["fits"] and doc["devices"]["fits"]
     doc["estimate_note"] = ESTIMATE_NOTE
     if cfg.model.lora is not None:
         t = doc["trainer"]

@@ -30,8 +30,14 @@ def plan(tmp_path: pathlib.Path, config: str, *overrides: str) -> tuple[int, str
 
 def test_tiny_run_on_two_devices_fits_and_reports_every_category(tmp_path):
     code, output, doc = plan(tmp_path, "configs/tiny_arith.yaml", "trainer.mesh.fsdp=2", "sampler.mesh.tp=2",
-                             "hardware.trainer_memory_gib=2", "hardware.sampler_memory_gib=1")
+                             "hardware.trainer_memory_gib=2", "hardware.sampler_memory_gib=1", "hardware.gpus=2")
     assert code == 0, output
+    # on two GPUs the samplers' tp=2 groups are the trainer's GPUs: shares of each from these figures, filling 90%
+    shares = {p["name"]: p["share"] for p in doc["devices"]["processes"]}
+    assert doc["devices"]["sharing"] == {"0": ["trainer", "sampler-0", "sampler-1"],
+                                         "1": ["trainer", "sampler-0", "sampler-1"]}
+    assert sum(shares.values()) == pytest.approx(0.9, abs=0.003) and shares["sampler-0"] == shares["sampler-1"]
+    assert "on 2 GPU(s) (hardware.gpus)" in output
     assert doc["fits"] is True and "does not fit" not in output
     trainer, sampler = doc["trainer"], doc["sampler"]
     assert trainer["devices"] == 2 and sampler["devices"] == 2
