@@ -320,8 +320,10 @@ def detect_gpus(cfg: RunConfig, environ: Mapping[str, str]) -> tuple[list[str], 
     visible = environ.get("CUDA_VISIBLE_DEVICES")
     listed = None if visible is None else [v.strip() for v in visible.split(",") if v.strip() not in ("", "-1")]
     if cfg.hardware.gpus is not None:
-        ids = listed if listed is not None and len(listed) >= cfg.hardware.gpus else [str(i) for i in
-                                                                                     range(cfg.hardware.gpus)]
+        if listed is not None and len(listed) < cfg.hardware.gpus:
+            raise DeviceLayoutError(f"hardware.gpus={cfg.hardware.gpus}, but CUDA_VISIBLE_DEVICES={visible} shows "
+                                    f"{len(listed)}; lower hardware.gpus or show more GPUs")
+        ids = listed if listed is not None else [str(i) for i in range(cfg.hardware.gpus)]
         return ids[:cfg.hardware.gpus], memory
     platforms = environ.get("JAX_PLATFORMS", "")
     if platforms and not any(k in platforms for k in ("cuda", "gpu")):
