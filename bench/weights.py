@@ -15,6 +15,12 @@ to finish + submitting), as a share of the step time measured without publishing
 slowdown is reported too: on a 2-core machine the peer and the serving threads compete with XLA for
 cores, which is not a stall of the loop but is what a user would see.
 
+Staging: the grpc sink's host copy of one version of the float32 model on this backend, by how it is taken
+(common/weights/host_staging.py): `device_get` (fresh host arrays per version, the sink's path before reused
+buffers; on CPU views of the device buffers, no copy), `pooled` (asynchronous copies gathered into two sets of host
+buffers taken in turn) and, where the devices offer pinned host memory, `pooled_pinned`; `default` names the one
+the sink takes here.
+
 Multi-source (bench/weights_multisource.py): a trainer of 2 JAX processes, each serving only its own shards, to
 one sampler process, against the same harness with 1 trainer process (`multi_source_over_single`).
 """
@@ -43,6 +49,7 @@ from grpo_stream.common.config.schema import WeightsSection
 from grpo_stream.common.rpc.grpc_util import SERVER_OPTIONS
 from grpo_stream.common.model.lora import apply_lora
 from grpo_stream.common.model.policy import build_from_architecture
+from grpo_stream.common.weights.host_staging import HostStaging, offers_pinned
 from grpo_stream.common.weights.registry import transport_spec, weight_sink
 from grpo_stream.common.weights.transport import SinkContext
 from grpo_stream.protos import weights_pb2_grpc
@@ -206,6 +213,24 @@ def _stall(model, arch: dict, steps: int, rows: int, length: int) -> dict:
             "step_slowdown": round(statistics.median(with_publish) / step, 3), "versions_installed": installed}
 
 
+def _staging(named: dict, repeats: int) -> dict:
+    """Median seconds of the sink's host copy per mode, over `repeats` versions after a first that allocates."""
+    first = next(iter(named.values()))
+    accelerator = next(iter(first.devices())).platform != "cpu"
+    modes = {"device_get": HostStaging(pooled=False), "pooled": HostStaging(pooled=True, pinned=False)}
+    if offers_pinned(first):
+        modes["pooled_pinned"] = HostStaging(pooled=True, pinned=True)
+    out = {"default": ("pooled_pinned" if offers_pinned(first) else "pooled") if accelerator else "device_get"}
+    for mode, staging in modes.items():
+        held, times = [], []
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            held = [staging.to_host(named)] + held[:1]  # the served version and the one before stay referenced
+            times.append(time.perf_counter() - start)
+        out[f"{mode}_s"] = round(statistics.median(times[1:]), 4)
+    return out
+
+
 def run(quick: bool = False) -> dict:
     shape = QUICK if quick else FULL
     arch = dict(family="qwen3", norm_eps=1e-6, rope_theta=1_000_000, tied_embeddings=False, **shape)
@@ -223,6 +248,7 @@ def run(quick: bool = False) -> dict:
     adapters = lora.split_named(lora.adapted.params)[1]
     cases[("tcp", "float32_lora_r16")] = _case(adapters, arch, "grpc", "model", repeats, 0, 2, "tcp", lora=lora)
     del bf16
+    staging = _staging(f32, repeats + 2)
     stall = _stall(model, arch, steps=2 if quick else 4, rows=2, length=32 if quick else 64)
     # a trainer of 2 JAX processes, each serving its own shards, to one sampler; against 1 process, same harness
     multi = weights_multisource.run(arch, repeats)
@@ -232,7 +258,8 @@ def run(quick: bool = False) -> dict:
            # bytes of each LoRA version after the first against the whole float32 model's (issue 22: <= 0.05)
            "lora_version_fraction": round(max(lora_case["sampler_fetch_bytes"][1:]) / full_bytes, 4),
            "lora_first_install_bytes": lora_case["sampler_fetch_bytes"][0],
-           "devices": [str(d) for d in jax.devices()], "cases": list(cases.values()), "stall": stall,
+           "devices": [str(d) for d in jax.devices()], "cases": list(cases.values()), "staging": staging,
+           "stall": stall,
            "stall_share_of_step": stall["stall_share_of_step"], "multi_source": multi,
            "multi_source_over_single": multi["two_processes_over_single"]}
     # the default path (weights.transport=grpc, data_plane=tcp) against the raw copy; then gRPC streams only

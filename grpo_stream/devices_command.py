@@ -35,7 +35,7 @@ def compose_env(cfg: RunConfig, plan: DevicePlan) -> dict[str, str]:
     for p in plan.processes:
         key = "TRAINER" if p.role == "trainer" else f"SAMPLER{p.name.split('-')[1]}"
         env[f"{key}_GPUS"] = ",".join(plan.gpu_ids[g] for g in p.gpus)
-        if p.engine == "vllm":
+        if not p.jax_on_gpu:
             env[f"{key}_GPU_PREALLOCATE"] = "false"  # its JAX is on the CPU: nothing to preallocate
             env[f"{key}_GPU_MEM_FRACTION"] = str(p.share if p.share is not None
                                                  else cfg.sampler.vllm.gpu_memory_utilization)

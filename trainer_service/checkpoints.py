@@ -3,19 +3,25 @@
 A checkpoint of step s holds the parameters and optimizer state (each device writes its own shards, and
 restore places them straight into the trainer mesh's shardings) and a JSON record: step, weight version,
 the trainer epoch that wrote it, the groups trained but not yet acknowledged in the buffer, the data and
-buffer positions, earlier evaluation results, and a SHA-256 of the arrays.
+buffer positions, and earlier evaluation results. With checkpoint.verify, the SHA-256s of its files are
+written beside them once it is committed (checkpoint_digest.py), on a background thread.
 
 Saves are asynchronous: `save` returns once the arrays are copied off the devices and Orbax commits
 in the background (the directory appears under its final name only when complete). `committed()` says
-which saves have finished, so the trainer acknowledges groups only once their update is on disk.
+which saves have finished, digest included, so the trainer acknowledges groups only once their update is on disk
+and verifiable. A step waits for a digest only when it starts a save while the digest of a checkpoint older than
+the newest one is still being written (at most one digest is ever behind the saves, and none is pruned mid-hash).
 
 With LoRA the frozen base is written once per run, to `lora-base/` (`save_base`), and each step's checkpoint
 holds the adapters and their optimizer state only: a 70B model's base is 140 GB in bfloat16, its rank-16 adapters
 under 1 GB. A resume reads the base back from there (`restore_base`), checked against the layout and digest saved
 with it.
 
-Restore walks from the newest step down: a checkpoint that fails to load or whose arrays do not match
-their digest is moved aside to `corrupt-<step>-<time>` (kept for inspection) and the one before is used.
+Restore walks from the newest step down: a checkpoint that fails to load or whose files do not match
+their digest is moved aside to `corrupt-<step>-<time>` (kept for inspection) and the one before is used. With
+verify on, one without its digest (the process died after the commit, before the digest was written) is moved
+to `unverified-<step>-<time>` and the one before is used too: nothing is lost, as groups are acknowledged only
+through the checkpoint before the newest committed one.
 A failure that only says the storage did not answer (a timeout, a dropped connection, a stale NFS handle,
 tensorstore's UNAVAILABLE) says nothing about the checkpoint: it is retried with back-off and, if it lasts,
 the restore stops with CheckpointUnavailable and moves nothing, since moving a sound checkpoint aside on a
@@ -24,6 +30,7 @@ network blip, twice in a row, would lose the window of groups it holds.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import errno
 import hashlib
@@ -41,6 +48,7 @@ from etils import epath
 from grpo_stream.common.model.sharding import host_copy
 from grpo_stream.common.runtime.backoff import Backoff
 from grpo_stream.common.weights.snapshot import raw_bytes
+from grpo_stream.trainer_service.checkpoint_digest import DigestMissing, DigestWriter, check_digest
 
 log = logging.getLogger(__name__)
 BASE_DIR = "lora-base"  # the frozen base of a LoRA run, written once
@@ -72,7 +80,11 @@ class Restored:
 
 
 class CheckpointRejected(RuntimeError):
-    """A checkpoint directory that cannot be used (unreadable, partial, or its arrays do not match)."""
+    """A checkpoint directory that cannot be used (unreadable, partial, or its files do not match their digest)."""
+
+
+class CheckpointUnverified(CheckpointRejected):
+    """A checkpoint saved with checkpoint.verify whose digest was never (completely) written."""
 
 
 class CheckpointMismatch(ValueError):
@@ -119,34 +131,62 @@ class TrainerCheckpoints:
         self._manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
             max_to_keep=keep, enable_async_checkpointing=True, cleanup_tmp_directories=True))
         self._in_flight: list[tuple[int, Any]] = []  # (step, token) of saves not yet known to be committed
+        # (step, token, digest being written or None) of committed saves not yet reported; only process 0 writes
+        # digests (the directory is shared), the others report their saves once committed
+        self._digesting: list[tuple[int, Any, concurrent.futures.Future | None]] = []
+        self._digests = DigestWriter() if verify and jax.process_index() == 0 else None
+        self._newest_saved: int | None = None
 
     def steps(self) -> list[int]:
         return sorted(self._manager.all_steps())
 
     def save(self, step: int, state: dict, record: dict, token: Any = None) -> None:
         """Start saving `state` (a pytree of arrays) as step `step`; `token` comes back from `committed()` once
-        it is on disk."""
+        it is on disk (and its digest written)."""
         record = {**record, "step": step, "saved_unix": time.time(), "layout": tree_layout(state)}
         if self.verify:
-            record["digest"] = tree_digest(state)
+            record["files_digest"] = True  # a restore with verify on needs the digest file (checkpoint_digest.py)
+        self._collect()
+        # the backlog stays at one digest: the newest checkpoint's may still be written while this save runs, an
+        # older one's must be done (this save's commit may prune that checkpoint)
+        for older, _, digest in self._digesting:
+            if digest is not None and self._newest_saved is not None and older < self._newest_saved:
+                digest.result()
         self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                          record=ocp.args.JsonSave(record)))
         self._in_flight.append((step, token))
+        self._newest_saved = step
 
     def committed(self, wait: bool = False) -> list[tuple[int, Any]]:
-        """(step, token) of saves that finished since the last call, oldest first; `wait` blocks until all have.
-        Raises what a background save raised."""
+        """(step, token) of saves that finished since the last call, digest included, oldest first; `wait` blocks
+        until all have. Raises what a background save or digest raised."""
+        self._collect(wait)
+        done = []
+        while self._digesting:
+            step, token, digest = self._digesting[0]
+            if digest is not None:
+                if not (wait or digest.done()):
+                    break
+                digest.result()
+            done.append((step, token))
+            self._digesting.pop(0)
+        return done
+
+    def _collect(self, wait: bool = False) -> None:
+        """Start the digests of saves Orbax has committed since the last look (all of them after waiting)."""
         if not self._in_flight:
-            return []
+            return
         if wait:
             self._manager.wait_until_finished()
-        elif self._manager.is_saving_in_progress():
+        if not wait and self._manager.is_saving_in_progress():
             # saves finish in order: all but the newest are done once a newer one has started
             done, self._in_flight = self._in_flight[:-1], self._in_flight[-1:]
-            return done
-        self._manager.check_for_errors()
-        done, self._in_flight = self._in_flight, []
-        return done
+        else:
+            self._manager.check_for_errors()
+            done, self._in_flight = self._in_flight, []
+        for step, token in done:
+            digest = None if self._digests is None else self._digests.submit(self.directory / str(step))
+            self._digesting.append((step, token, digest))
 
     def restore_latest(self, state_like: dict) -> Restored | None:
         """The newest checkpoint that loads and verifies, placed like `state_like` (arrays with shardings); None
@@ -156,10 +196,12 @@ class TrainerCheckpoints:
             try:
                 restored = self._restore_retrying(step, abstract)
             except CheckpointRejected as exc:
-                aside = self.directory / f"corrupt-{step}-{int(time.time())}"
+                unverified = isinstance(exc, CheckpointUnverified)
+                aside = self.directory / f"{'unverified' if unverified else 'corrupt'}-{step}-{int(time.time())}"
                 if jax.process_index() == 0:  # a multi-process trainer: all reject it, process 0 moves it
-                    log.error("checkpoint of step %d in %s is unusable (%s); moved to %s, trying the one before",
-                              step, self.directory, exc, aside)
+                    log.log(logging.WARNING if unverified else logging.ERROR, "checkpoint of step %d in %s is "
+                            "%s (%s); moved to %s, trying the one before", step, self.directory,
+                            "unverified" if unverified else "unusable", exc, aside)
                     (self.directory / str(step)).rename(aside)
                     self._manager.reload()
                 continue
@@ -201,6 +243,8 @@ class TrainerCheckpoints:
                 f"checkpoint.dir {self.directory}: the checkpoint of step {step} holds a different model or optimizer "
                 "state (parameter shapes, dtypes or the KL reference of algo.beta changed); restore the run's config "
                 "or start a new run with another checkpoint.dir")
+        if self.verify and record.get("files_digest"):
+            self._check_files(step)  # before any array is read onto the devices
         try:
             state = self._manager.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(abstract)))["state"]
@@ -208,9 +252,25 @@ class TrainerCheckpoints:
             if is_transient(exc):
                 raise _StorageBlip() from exc
             raise CheckpointRejected(f"{type(exc).__name__}: {str(exc)[:300]}") from exc
-        if self.verify and "digest" in record and tree_digest(state) != record["digest"]:
+        # checkpoints written before the files' digest carry a SHA-256 of their arrays in the record
+        if self.verify and isinstance(record.get("digest"), str) and tree_digest(state) != record["digest"]:
             raise CheckpointRejected("its arrays do not match the SHA-256 saved with them")
         return Restored(step, state, record)
+
+    def _check_files(self, step: int) -> None:
+        """Raises CheckpointRejected when a file of the checkpoint differs from its digest, CheckpointUnverified
+        when the digest file is missing, _StorageBlip when the storage did not answer."""
+        try:
+            problem = check_digest(self.directory / str(step))
+        except DigestMissing as exc:
+            raise CheckpointUnverified(f"saved with checkpoint.verify, but {exc} (the trainer stopped before "
+                                       "writing it)") from exc
+        except Exception as exc:  # noqa: BLE001 - as reading the arrays: the storage, or a damaged checkpoint
+            if is_transient(exc):
+                raise _StorageBlip() from exc
+            raise CheckpointRejected(f"its files cannot be read: {type(exc).__name__}: {str(exc)[:300]}") from exc
+        if problem is not None:
+            raise CheckpointRejected(problem)
 
     @property
     def base_directory(self) -> epath.Path:
@@ -269,5 +329,12 @@ class TrainerCheckpoints:
         return frozen
 
     def close(self) -> None:
-        self._manager.wait_until_finished()
-        self._manager.close()
+        """Wait for the saves and their digests (a committed checkpoint without its digest would be set aside by
+        the next restore)."""
+        try:
+            self._manager.wait_until_finished()
+            self.committed(wait=True)
+        finally:
+            if self._digests is not None:
+                self._digests.close()
+            self._manager.close()

@@ -214,8 +214,12 @@ class CheckpointSection(Strict):
                       "corrupt newest one falls back to the one before, which the acknowledged groups need.")
     resume: bool = Field(True, description="Start from the newest valid checkpoint in `dir` when there is one "
                          "(false: refuse to start over an existing one, so a new run cannot mix with an old).")
-    verify: bool = Field(True, description="Store a SHA-256 of the parameters and optimizer state with each "
-                         "checkpoint and check it on restore (reads every byte back once on the host).")
+    verify: bool = Field(True, description="Write the SHA-256s of each checkpoint's files beside it once it is "
+                         "saved (hashed on a background thread while training goes on) and check them on restore "
+                         "before reading the arrays; a checkpoint that differs is set aside as corrupt-<step>-<time>, "
+                         "one whose digest was never written (the trainer died right after the save) as "
+                         "unverified-<step>-<time>, and the one before is used (its groups are still in the buffer, "
+                         "so nothing is lost). Groups are acknowledged only once their checkpoint's digest is written.")
 
 
 class IngestSection(Strict):

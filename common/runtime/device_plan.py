@@ -49,8 +49,9 @@ class ProcessPlan:
 
     name: str                      # trainer, trainer-<k>, sampler-<i>, colocated
     role: str                      # trainer | sampler | colocated
-    engine: str                    # jax | vllm
+    engine: str                    # the sampler.engine it runs (the trainer: jax)
     gpus: tuple[int, ...]
+    jax_on_gpu: bool = True        # its own JAX uses the GPUs; else an engine that manages them itself (vLLM)
     share: float | None = None     # fraction of each of its GPUs it may use; None: the runtime's own default
     need_bytes: int | None = None  # per GPU, from plan's figures, when known
     env: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -142,8 +143,9 @@ def _layout(cfg: RunConfig, n: int) -> list[ProcessPlan]:
     per = len(trainer) // cfg.trainer.processes if n else 0
     procs = [ProcessPlan("trainer" if k == 0 else f"trainer-{k}", "trainer", "jax",
                          tuple(trainer[k * per:(k + 1) * per])) for k in range(cfg.trainer.processes)]
-    return procs + [ProcessPlan(f"sampler-{i}", "sampler", engine, g) for i, g in enumerate(_sampler_gpus(cfg, n,
-                                                                                                          trainer))]
+    jax_mesh = engine_spec(engine).jax_mesh
+    return procs + [ProcessPlan(f"sampler-{i}", "sampler", engine, g, jax_mesh)
+                    for i, g in enumerate(_sampler_gpus(cfg, n, trainer))]
 
 
 def _first(count: int, n: int, who: str, fix_field: str) -> tuple[int, ...]:
@@ -250,14 +252,14 @@ def _need_bytes(cfg: RunConfig, p: ProcessPlan, figures: dict | None) -> int | N
         return None
     if p.role in ("trainer", "colocated"):
         return int(figures["trainer"]["per_device_bytes"]["total"])
-    if p.engine == "jax":
+    if p.jax_on_gpu:
         return int(figures["sampler"]["per_device_bytes"]["total"]) if "sampler" in figures else None
     weights = figures["trainer"]["parameters"] * (2 if cfg.sampler_dtype() == "bfloat16" else 4)
     return int(VLLM_HEADROOM * (weights + vllm_kv_bytes(cfg, figures["architecture"])) / len(p.gpus))
 
 
 def _known_share(cfg: RunConfig, p: ProcessPlan, need: int | None, memory: int | None) -> float | None:
-    if p.engine == "vllm" and "gpu_memory_utilization" in cfg.sampler.vllm.model_fields_set:
+    if not p.jax_on_gpu and "gpu_memory_utilization" in cfg.sampler.vllm.model_fields_set:
         return cfg.sampler.vllm.gpu_memory_utilization  # the user's choice
     return need / memory if need is not None and memory else None
 
@@ -279,7 +281,7 @@ def _with_env(cfg: RunConfig, p: ProcessPlan, gpu_ids: tuple[str, ...], shared: 
     if gpu_ids:  # indices as nvidia-smi numbers them (CUDA's own default order puts the fastest GPU first)
         env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
         env["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_ids[g] for g in p.gpus)
-    if p.engine == "vllm":
+    if not p.jax_on_gpu:  # vLLM
         if gpu_ids:  # its own JAX only assembles weights on one CPU device: it must not take the GPU from vLLM
             env["JAX_PLATFORMS"] = "cpu"
         if p.share is not None and "gpu_memory_utilization" not in cfg.sampler.vllm.model_fields_set:
@@ -362,6 +364,6 @@ def own_process_env(cfg: RunConfig, command: str, environ: Mapping[str, str]) ->
     """What a process started without `up` (compose, Kubernetes) sets for itself before JAX starts: a vLLM sampler's
     own JAX on the CPU unless JAX_PLATFORMS says otherwise or the host is a TPU VM (vllm-tpu's model is JAX)."""
     tpu_host = any(pathlib.Path(p).exists() for p in ("/dev/accel0", "/dev/vfio/0"))
-    if command == "sampler" and cfg.sampler.engine == "vllm" and "JAX_PLATFORMS" not in environ and not tpu_host:
+    if command == "sampler" and not engine_spec(cfg.sampler.engine).jax_mesh and "JAX_PLATFORMS" not in environ and not tpu_host:
         return {"JAX_PLATFORMS": "cpu"}
     return {}

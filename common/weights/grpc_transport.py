@@ -1,10 +1,12 @@
 """The `grpc` weight transport: samplers take from the trainer only the slices their devices hold.
 
-The trainer keeps a host copy of each published version (a WeightSnapshot) and serves it from its WeightService
-(FetchSlices, chunked and checksummed) and, with weights.data_plane=tcp, from a raw TCP data plane on another port
-(tcp_wire.py) that a sampler falls back from to gRPC when it cannot reach it. A sampler asks over
-`weights.fetch_streams` parallel streams, balanced by bytes, and places each slice on its devices
-(jax.make_array_from_callback): nothing else is copied.
+The trainer keeps a host copy of each published version (a WeightSnapshot, taken by host_staging.py: asynchronous
+copies, through pinned memory where the accelerator has it, into host buffers reused across versions) and serves it
+from its WeightService (FetchSlices, chunked and checksummed) and, with weights.data_plane=tcp, from a raw TCP data
+plane on another port (tcp_wire.py) that a sampler falls back from to gRPC when it cannot reach it. A sampler asks
+over `weights.fetch_streams` parallel streams, balanced by bytes, receives each slice into an aligned buffer reused
+across versions (receive_buffers.py) and places it on its devices with one batched transfer per array
+(jax.make_array_from_callback, the target's sharding): nothing else is copied, and on CPU not even that.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import numpy as np
 from grpo_stream.common.model.sharding import needed_slices
 from grpo_stream.common.rpc.grpc_util import ClientSecurity, open_channel
 from grpo_stream.common.weights import tcp_wire
+from grpo_stream.common.weights.host_staging import HostStaging
 from grpo_stream.common.weights.host_shards import add_sources, host_shard_snapshot, relative, split_box
 from grpo_stream.common.weights.receive_buffers import ReceiveBuffers
 from grpo_stream.common.weights.snapshot import (SliceAssembler, WeightSnapshot, WeightTransferError, box_key,
@@ -33,17 +36,19 @@ log = logging.getLogger(__name__)
 
 
 class GrpcSink:
-    """A host copy of the version; the trainer's WeightService serves its bytes."""
+    """A host copy of the version; the trainer's WeightService serves its bytes. `staging`: how the copy is taken
+    (host_staging.py: asynchronous copies into host buffers reused across versions on accelerators)."""
 
-    def __init__(self, chunk_bytes: int):
+    def __init__(self, chunk_bytes: int, staging: HostStaging | None = None):
         self.chunk_bytes = chunk_bytes
+        self.staging = staging or HostStaging()
 
     def put(self, version, named, final, epoch, now, *, adapters=None):
         sources = None
         if any(isinstance(a, jax.Array) and not a.is_fully_addressable for a in named.values()):
             host, sources = host_shard_snapshot(named)  # a multi-host trainer: this process's boxes only
         else:
-            host = {n: np.asarray(a) for n, a in zip(named, jax.device_get(list(named.values())))}
+            host = self.staging.to_host(named)
         snapshot = WeightSnapshot(version, host, final, epoch, now)
         manifest = snapshot.manifest(self.chunk_bytes, "grpc")
         if sources is not None:
@@ -165,8 +170,9 @@ class GrpcFetcher:
             spec = manifest.tensors[t]
             for box in needed_slices(tuple(spec.shape), target.sharding):
                 parts = split_box(box, spec, len(manifest.hosts))
-                # an aligned buffer that becomes the parameter on CPU (as the one-host path's receive buffers)
-                out = self._buffers.take((t, box_key(box)), box_shape(box), spec.dtype)
+                # an aligned buffer that becomes the parameter on CPU (as the one-host path's receive buffers); its
+                # own key: a part received over gRPC (a separate buffer, copied in) may have the box's bounds
+                out = self._buffers.take((t, box_key(box), "assembled"), box_shape(box), spec.dtype)
                 wanted.setdefault(t, []).append((box, parts, out))
                 for host, part in parts:
                     per_host.setdefault(host, {}).setdefault(t, []).append(part)
@@ -207,7 +213,8 @@ class GrpcFetcher:
         """The lane's slices over FetchSlices (of `stub`'s trainer process; default the trainer's), placed:
         tensor index -> array."""
         request = self._request(manifest, lane)
-        assembler = SliceAssembler(manifest, {t: boxes for _, t, boxes in lane})
+        # into aligned buffers reused across versions, as the data plane's: placed without a copy on CPU
+        assembler = SliceAssembler(manifest, {t: boxes for _, t, boxes in lane}, take=self._buffers.take)
         for chunk in (stub or self._stub).FetchSlices(request, timeout=self.timeout_s):
             assembler.add(chunk)
         arrays = assembler.arrays()

@@ -71,19 +71,22 @@ class HeldBoxes:
 
 def host_shard_snapshot(named: dict[str, jax.Array]) -> tuple[dict[str, HeldBoxes], dict[str, list[tuple[Box, int]]]]:
     """(this process's served boxes per tensor, every tensor's sources) of global arrays `named`: each served box
-    is copied to the host from the local device that holds it."""
+    is copied to the host from the local device that holds it, every copy started before the first is waited on."""
     me = jax.process_index()
-    held, sources = {}, {}
+    copying, sources = {}, {}
     for t, (name, arr) in enumerate(named.items()):
         boxes = serving_boxes(arr.shape, arr.sharding, t)
         sources[name] = boxes
         mine = {box_key(box) for box, process in boxes if process == me}
-        pieces: dict[tuple, tuple[Box, np.ndarray]] = {}
+        pieces: dict[tuple, tuple[Box, jax.Array]] = {}
         for shard in arr.addressable_shards:
             box = normalized(shard.index, arr.shape)
             if box_key(box) in mine and box_key(box) not in pieces:
-                pieces[box_key(box)] = (box, np.asarray(shard.data))
-        held[name] = HeldBoxes(arr.shape, arr.dtype, pieces)
+                shard.data.copy_to_host_async()
+                pieces[box_key(box)] = (box, shard.data)
+        copying[name] = (arr, pieces)
+    held = {name: HeldBoxes(arr.shape, arr.dtype, {k: (box, np.asarray(data)) for k, (box, data) in pieces.items()})
+            for name, (arr, pieces) in copying.items()}
     return held, sources
 
 

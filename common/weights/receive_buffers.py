@@ -1,5 +1,8 @@
 """Host buffers that the weights data plane receives slices into, refilled only when nothing else uses them.
 
+Both ends of the grpc transport use them: a sampler receives slices into them (over the data plane or FetchSlices),
+and on an accelerator the trainer's sink gathers each published version into them (host_staging.py).
+
 Buffers are 64-byte aligned, so XLA's CPU client places them without a copy: the received bytes become the
 parameters, which saves a full copy of the model per version (BENCHMARKS.md, "weights"). On GPU/TPU placing
 copies to the device, and JAX holds the host buffer only until that copy is done.

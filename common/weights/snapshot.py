@@ -15,7 +15,7 @@ import hashlib
 import time
 import uuid
 import zlib
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import ml_dtypes  # noqa: F401 - registers numpy dtype names such as "bfloat16"
 import numpy as np
@@ -106,18 +106,25 @@ class WeightTransferError(ValueError):
 
 
 class SliceAssembler:
-    """Receives the chunks of requested boxes into preallocated buffers and checks each box's size and CRC."""
+    """Receives the chunks of requested boxes into preallocated buffers and checks each box's size and CRC.
+    `take(key, shape, dtype)`: where a box's buffer comes from (the fetcher's ReceiveBuffers, keyed by (tensor
+    index, box key)); None = a fresh array per box."""
 
-    def __init__(self, manifest: weights_pb2.WeightManifest, request: dict[int, list[Box]]):
+    def __init__(self, manifest: weights_pb2.WeightManifest, request: dict[int, list[Box]],
+                 take: Callable[[tuple, tuple[int, ...], np.dtype], np.ndarray] | None = None):
         self.manifest = manifest
         self.boxes = request
-        self.buffers: dict[tuple[int, int], np.ndarray] = {}
+        self.buffers: dict[tuple[int, int], np.ndarray] = {}  # each box's bytes (flat uint8 views)
+        self.typed: dict[tuple[int, int], np.ndarray] = {}  # the same buffers in the box's shape and wire dtype
         self.filled: dict[tuple[int, int], int] = {}
         self.done: set[tuple[int, int]] = set()
         for t, boxes in request.items():
-            item = np.dtype(manifest.tensors[t].dtype).itemsize
+            dtype = np.dtype(manifest.tensors[t].dtype)
             for k, box in enumerate(boxes):
-                self.buffers[(t, k)] = np.empty(int(np.prod(box_shape(box), dtype=np.int64)) * item, np.uint8)
+                typed = (take((t, box_key(box)), box_shape(box), dtype) if take is not None
+                         else np.empty(box_shape(box), dtype))
+                self.typed[(t, k)] = typed
+                self.buffers[(t, k)] = typed.reshape(-1).view(np.uint8)
                 self.filled[(t, k)] = 0
 
     def add(self, chunk: weights_pb2.SliceChunk) -> None:
@@ -146,11 +153,7 @@ class SliceAssembler:
         missing = [self.manifest.tensors[t].name for (t, _k) in self.buffers if (t, _k) not in self.done]
         if missing:
             raise WeightTransferError(f"{len(missing)} slices never completed (e.g. {missing[0]})")
-        out: dict[int, list[np.ndarray]] = {}
-        for t, boxes in self.boxes.items():
-            dtype = np.dtype(self.manifest.tensors[t].dtype)
-            out[t] = [self.buffers[(t, k)].view(dtype).reshape(box_shape(b)) for k, b in enumerate(boxes)]
-        return out
+        return {t: [self.typed[(t, k)] for k in range(len(boxes))] for t, boxes in self.boxes.items()}
 
 
 def digest(named: dict[str, np.ndarray]) -> str:
