@@ -7,11 +7,12 @@ dir=${1:?usage: install-vllm-env.sh DIR cpu|gpu|tpu}
 flavor=${2:?usage: install-vllm-env.sh DIR cpu|gpu|tpu}
 root="$(cd "$(dirname "$0")/.." && pwd)"
 case "$flavor" in cpu|gpu|tpu) ;; *) echo "flavor must be cpu, gpu or tpu, not '$flavor'" >&2; exit 2;; esac
-# tpu: jax 0.11.2 (tpu-inference's pin) needs Python >= 3.12; PYTHON picks the interpreter for a new DIR
-python=${PYTHON:-$([ "$flavor" = tpu ] && echo python3.12 || echo python3)}
+# gpu and tpu: jax 0.11.2 (the GPU stack's, requirements/gpu-stack-cpu.txt; tpu-inference's pin) needs Python >= 3.12;
+# PYTHON picks the interpreter for a new DIR
+python=${PYTHON:-$([ "$flavor" = cpu ] && echo python3 || echo python3.12)}
 [ -x "$dir/bin/python" ] || "$python" -m venv "$dir"
-if [ "$flavor" = tpu ] && ! "$dir/bin/python" -c 'import sys; sys.exit(sys.version_info < (3, 12))'; then
-  echo "$dir: the tpu environment needs Python >= 3.12 (jax 0.11.2); make DIR with python3.12 or set PYTHON" >&2
+if [ "$flavor" != cpu ] && ! "$dir/bin/python" -c 'import sys; sys.exit(sys.version_info < (3, 12))'; then
+  echo "$dir: the $flavor environment needs Python >= 3.12 (jax 0.11.2); make DIR with python3.12 or set PYTHON" >&2
   exit 2
 fi
 pip=("$dir/bin/python" -m pip --quiet --disable-pip-version-check)

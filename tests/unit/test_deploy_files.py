@@ -271,8 +271,112 @@ def test_dockerfiles_copy_what_exists_and_install_declared_extras(dockerfile):
         if "install-vllm-env.sh" in line:
             flavor = line.split("install-vllm-env.sh")[1].split()[1]
             assert (ROOT / "requirements" / f"vllm-{flavor}.txt").exists()
+        if "install-env.sh" in line and "install-vllm-env.sh" not in line:
+            flavor = line.split("install-env.sh")[1].split()[1]
+            assert (ROOT / "requirements" / f"{flavor}.txt").exists()
+        for listed in re.findall(r"-r (requirements/\S+)", line):
+            assert (ROOT / listed).exists(), f"{dockerfile.name}: {line.strip()}"
     compose = yaml.safe_load((COMPOSE / "docker-compose.yml").read_text())
     for service in compose["services"].values():
         build = service.get("build")
         if isinstance(build, dict) and build.get("dockerfile") == f"compose/{dockerfile.name}":
             assert build.get("target") is None or build["target"] in stages, (dockerfile.name, build)
+
+
+# ---- the NVIDIA images: one GPU stack ----------------------------------------------------------------------------
+
+def dockerfile_stages(path: pathlib.Path) -> dict[str, dict]:
+    """Stage name -> {"base": what its FROM names, "lines": its instructions}, continuation lines joined."""
+    stages: dict[str, dict] = {}
+    current = None
+    for line in re.sub(r"\\\n\s*", " ", path.read_text()).splitlines():
+        words = line.split()
+        if not words or words[0].startswith("#"):
+            continue
+        if words[0] == "FROM":
+            assert len(words) == 4 and words[2].upper() == "AS", f"{path.name}: an unnamed stage: {line}"
+            current = stages[words[3]] = {"base": words[1], "lines": []}
+        elif current is not None:
+            current["lines"].append(line)
+    return stages
+
+
+def stage_lines(stages: dict[str, dict], name: str) -> list[str]:
+    """A stage's instructions with those of the stages it is built FROM, the earliest first."""
+    stage = stages[name]
+    return (stage_lines(stages, stage["base"]) if stage["base"] in stages else []) + stage["lines"]
+
+
+def stage_env(lines: list[str]) -> dict[str, str]:
+    import shlex  # noqa: PLC0415
+
+    env = {}
+    for line in lines:
+        if line.startswith("ENV "):
+            env.update(item.split("=", 1) for item in shlex.split(line[4:]))
+    return env
+
+
+def requirement_files(lines: list[str]) -> set[str]:
+    """The requirement files a stage installs: `-r requirements/X.txt`, or an install script's flavor."""
+    files = set()
+    for line in lines:
+        files |= set(re.findall(r"-r requirements/(\S+)", line))
+        for script, prefix in (("install-vllm-env.sh", "vllm-"), ("install-env.sh", "")):
+            for flavor in re.findall(rf"(?<![-\w]){re.escape(script)} \S+ (\S+)", line):
+                files.add(f"{prefix}{flavor}.txt")
+    return files
+
+
+def pins(path: pathlib.Path) -> dict[str, str]:
+    """Requirement (normalised name, extras kept) -> exact version, of a pinned file and the files it `-r` includes;
+    every line must be an exact pin."""
+    found = {}
+    for line in path.read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if not line:
+            continue
+        if line.startswith("-r "):
+            found.update(pins(path.parent / line[3:].strip()))
+            continue
+        name, sep, version = line.partition("==")
+        assert sep and version, f"{path.name}: {line!r} is not an exact pin"
+        found[re.sub(r"[-_.]+", "-", name.strip().lower())] = version.strip()
+    return found
+
+
+def test_cuda_images_are_one_gpu_stack_on_cuda_13_and_python_3_12():
+    """compose/Dockerfile.cuda: the `jax` stage installs JAX with its CUDA 13 plugin, the `vllm` stage vLLM's CUDA
+    environment with a C compiler (Triton compiles at run time) on the same pins; one CUDA major, one driver floor
+    and Python 3.12 everywhere; every stage keeps its compiled programs under /cache, where compose mounts a volume."""
+    from grpo_stream.common.config.process import COMPILATION_CACHE_ENV  # noqa: PLC0415
+
+    dockerfile = COMPOSE / "Dockerfile.cuda"
+    stages = dockerfile_stages(dockerfile)
+    assert {"jax", "vllm"} <= set(stages)
+    assert list(stages)[-1] == "jax"  # a build without --target makes the trainer's image
+    for name, stage in stages.items():  # every base image is Python 3.12 (jax 0.11.2 needs it)
+        assert stage["base"] in stages or re.fullmatch(r"python:3\.12(\.\d+)?(-slim)?", stage["base"]), (name, stage)
+    jax_lines, vllm_lines = stage_lines(stages, "jax"), stage_lines(stages, "vllm")
+    jax_files, vllm_files = requirement_files(jax_lines), requirement_files(vllm_lines)
+    assert jax_files == {"cuda.txt"} and vllm_files == {"vllm-gpu.txt"}, (jax_files, vllm_files)
+    jax_pins, vllm_pins = pins(ROOT / "requirements" / "cuda.txt"), pins(ROOT / "requirements" / "vllm-gpu.txt")
+    cuda_extras = {n for n in jax_pins if re.fullmatch(r"jax\[cuda\d+\]", n)}
+    assert cuda_extras == {"jax[cuda13]"} and jax_pins["jax[cuda13]"] == jax_pins["jax"] == jax_pins["jaxlib"]
+    assert not any("cuda" in n for n in vllm_pins)  # the vLLM sampler's JAX is the CPU build: vLLM holds the GPU
+    assert any(re.search(r"apt-get install .*\b(build-essential|gcc)\b", line) for line in vllm_lines)
+    # one stack: every package both environments name has one version (jax, flax, transformers, ...)
+    shared = set(jax_pins) & set(vllm_pins)
+    assert {"jax", "jaxlib", "flax", "transformers", "numpy"} <= shared
+    assert {n: jax_pins[n] for n in shared} == {n: vllm_pins[n] for n in shared}
+    # one CUDA major and one driver floor in the Dockerfile and both files' headers and pins
+    texts = [dockerfile.read_text()] + [(ROOT / "requirements" / f).read_text() for f in ("cuda.txt", "vllm-gpu.txt")]
+    majors = {m for text in texts for m in re.findall(r"\bCUDA (\d+)", text)}
+    majors |= {re.sub(r"\D", "", n) for n in cuda_extras}
+    assert majors == {"13"}, majors
+    assert all("driver >= 580" in re.sub(r"\s+", " ", text.replace("#", "")) for text in texts)
+    # compiled programs of every kind under /cache (compose's `compile-cache` volume)
+    for lines in (jax_lines, vllm_lines):
+        env = stage_env(lines)
+        for key in (COMPILATION_CACHE_ENV, "VLLM_CACHE_ROOT", "TRITON_CACHE_DIR"):
+            assert env.get(key, "").startswith("/cache/"), (key, env)
