@@ -58,10 +58,16 @@ def _common(steps: int) -> list[str]:
             f"buffer.max_groups={2 * GROUPS_PER_STEP}"]
 
 
-MODES = {
-    "async": ["trainer.max_staleness=4"],
-    "sync": ["trainer.max_staleness=0", f"sampler.max_groups_per_version={GROUPS_PER_STEP // REPLICAS}"],
-}
+def mode_overrides(mode: str, groups_per_step: int, replicas: int, async_staleness: int = 4) -> list[str]:
+    """The config overrides of one mode: `async` lets the trainer take groups up to `async_staleness` versions old;
+    `sync` makes each sampler generate its share of a step with one version and wait for the next, and the trainer
+    take only groups of the version it holds (scripts/gpu-check.sh runs both modes on a GPU)."""
+    if mode == "async":
+        return [f"trainer.max_staleness={async_staleness}"]
+    return ["trainer.max_staleness=0", f"sampler.max_groups_per_version={groups_per_step // replicas}"]
+
+
+MODES = {mode: mode_overrides(mode, GROUPS_PER_STEP, REPLICAS) for mode in ("async", "sync")}
 
 
 def _pinning() -> list[str]:
@@ -83,22 +89,44 @@ def run_mode(mode: str, steps: int, run_dir: pathlib.Path, pinned: bool) -> dict
     summary = json.loads(summary_path.read_text())
     if summary["steps"] != steps:
         raise RuntimeError(f"{mode} run stopped after {summary['steps']} of {steps} steps")
-    rows = [json.loads(line) for line in (run_dir / "metrics-trainer.jsonl").read_text().splitlines()
-            if '"train/staleness_mean"' in line]
+    rows = step_rows(run_dir)
     if len(rows) != steps:
         raise RuntimeError(f"{mode} run logged {len(rows)} step rows for {steps} steps")
-    times = [r["time"] for r in rows]
-    steady = (times[-1] - times[WARMUP_STEPS - 1]) / (len(times) - WARMUP_STEPS)
-    compute = statistics.median(r["train/compute_seconds"] for r in rows[WARMUP_STEPS:])
-    # the trainer's own work per step: every phase but waiting for data (batching, publication, the update)
-    busy = statistics.median(r["train/step_seconds"] - r["train/wait_seconds"] for r in rows[WARMUP_STEPS:])
-    return {"rl_seconds": summary["rl_seconds"], "steady_seconds_per_step": round(steady, 4),
-            "trainer_compute_seconds": round(compute, 4), "trainer_busy_seconds": round(busy, 4),
+    return {"rl_seconds": summary["rl_seconds"], **step_figures(rows),
             "groups_dropped_stale": summary["groups_dropped_stale"],
             "groups_generated": summary["groups_generated"],
-            "generation_wasted_fraction": summary["generation_wasted_fraction"],
+            "generation_wasted_fraction": summary["generation_wasted_fraction"]}
+
+
+def step_rows(run_dir: pathlib.Path) -> list[dict]:
+    """The trainer's per-step rows of metrics-trainer.jsonl (one per RL step)."""
+    return [json.loads(line) for line in (run_dir / "metrics-trainer.jsonl").read_text().splitlines()
+            if '"train/staleness_mean"' in line]
+
+
+def step_figures(rows: list[dict], warmup: int = WARMUP_STEPS) -> dict:
+    """Steady-state figures of a run's step rows (more than `warmup` of them): wall time per step from the end of
+    step `warmup` on, and the medians of the trainer's phases over those steps."""
+    times, steady_rows = [r["time"] for r in rows], rows[warmup:]
+    steady = (times[-1] - times[warmup - 1]) / (len(times) - warmup)
+    compute = statistics.median(r["train/compute_seconds"] for r in steady_rows)
+    wait = statistics.median(r["train/wait_seconds"] for r in steady_rows)
+    # the trainer's own work per step: every phase but waiting for data (batching, publication, the update)
+    busy = statistics.median(r["train/step_seconds"] - r["train/wait_seconds"] for r in steady_rows)
+    return {"steady_seconds_per_step": round(steady, 4), "trainer_compute_seconds": round(compute, 4),
+            "trainer_wait_seconds": round(wait, 4), "trainer_busy_seconds": round(busy, 4),
             "staleness_mean": round(sum(r["train/staleness_mean"] for r in rows) / len(rows), 3),
             "staleness_max": max(int(r["train/staleness_max"]) for r in rows)}
+
+
+def overlap_bound(sync_steady: float, sync_busy: float) -> dict:
+    """What overlap can give at best, from a synchronous run: its step is the trainer's own work T (`sync_busy`: the
+    update, batching, publication, every phase but waiting for data) plus the rest G (generation and hand-off); run
+    side by side on their own devices the step can shrink to max(T, G), no further. Returns the bound max(T, G) /
+    (T + G) and G's share of the synchronous step."""
+    other = max(sync_steady - sync_busy, 0.0)
+    return {"async_over_sync_bound": round(max(sync_busy, other) / sync_steady, 3),
+            "generation_share_sync": round(other / sync_steady, 3)}
 
 
 def run(quick: bool = False) -> dict:
@@ -110,11 +138,8 @@ def run(quick: bool = False) -> dict:
                 runs[mode].append(run_mode(mode, steps, pathlib.Path(tmp) / f"{mode}-{k}", pinned=True))
     median = {mode: statistics.median(r["rl_seconds"] for r in rs) for mode, rs in runs.items()}
     steady = {mode: statistics.median(r["steady_seconds_per_step"] for r in rs) for mode, rs in runs.items()}
-    # What overlap can give at best: in sync mode a step is the trainer's own work T (the update, batching,
-    # publication: every phase but waiting for data) plus the rest (generation and hand-off, G); run side by side on
-    # their own cores the step can shrink to max(T, G), no further.
-    train = statistics.median(r["trainer_busy_seconds"] for r in runs["sync"])
-    other = max(steady["sync"] - train, 0.0)
+    # what overlap can give at best (overlap_bound), from the synchronous runs' trainer work
+    bound = overlap_bound(steady["sync"], statistics.median(r["trainer_busy_seconds"] for r in runs["sync"]))
     if any(r["staleness_max"] for r in runs["sync"]):
         raise RuntimeError(f"synchronous mode trained on stale groups: {runs['sync']}")
     return {
@@ -125,8 +150,7 @@ def run(quick: bool = False) -> dict:
         "steady_seconds_per_step": {mode: round(v, 4) for mode, v in steady.items()},
         "async_over_sync": round(steady["async"] / steady["sync"], 3),
         "async_over_sync_total": round(median["async"] / median["sync"], 3),
-        "generation_share_sync": round(other / steady["sync"], 3),
-        "async_over_sync_bound": round(max(train, other) / steady["sync"], 3),
+        **bound,
         # groups generated for training but never trained (admission control keeps it near 0 in both modes)
         "generation_wasted_fraction": {mode: max(r["generation_wasted_fraction"] for r in rs)
                                        for mode, rs in runs.items()},

@@ -24,6 +24,7 @@ import jax
 from grpc_health.v1 import health_pb2_grpc
 
 from grpo_stream.common.runtime.console import count_and_range, detail_logger
+from grpo_stream.common.runtime.device_memory import device_memory
 from grpo_stream.common.config.schema import RunConfig
 from grpo_stream.common.engine.evaluation import greedy_probe
 from grpo_stream.common.rpc.grpc_util import ClientSecurity, open_channel
@@ -71,6 +72,9 @@ class Sampler:
         self.admission: AdmissionClient | None = None
         self.fetch_seconds: list[float] = []
         self.fetch_bytes: list[int] = []  # per installed version (with LoRA: the adapters, and the base when fetched)
+        self.publish_to_install_s: list[float] = []  # per installed version: trainer's publication -> installed here
+        self.tokens_generated = 0  # completion tokens of the groups generated
+        self.generate_seconds = 0.0  # time inside the engine's generate calls
         self.sync: WeightSync | None = None
         self.client: RolloutClient | None = None
         self.ingest_stub = None
@@ -194,10 +198,12 @@ class Sampler:
             key = jax.random.fold_in(rng, seed) if seed is not None else jax.random.fold_in(
                 jax.random.fold_in(rng, INJECTED_ONLY), self._batches)
             self._batches += 1
+            generating = time.monotonic()
             if cfg.sampler.weight_updates == "in_flight":  # newer weights take over live sequences mid-batch
                 out = engine.generate(self.params, flat, key, refresh=self._refresh_in_flight, version=version)
             else:
                 out = engine.generate(self.params, flat, key)
+            self.generate_seconds += time.monotonic() - generating
             groups = build_groups([(slot.problem, slot.ids) for slot in batch], out, gen.num_generations, tokenizer,
                                   rewards, version, self.sampler_id, [slot.group_id for slot in batch],
                                   [slot.position for slot in batch], sizes=[slot.rows for slot in batch],
@@ -205,7 +211,8 @@ class Sampler:
                                   injected=[slot.position is None for slot in batch])
             self.groups_generated += sum(slot.train for slot in batch)
             self.sync.groups_generated = self.groups_generated
-            for group in groups:
+            for group in groups:  # (a generator: each group is scored as it is taken)
+                self.tokens_generated += sum(len(c.token_ids) for c in group.completions)
                 if not self._push(client, to_proto(group)):
                     break
                 groups_sent += 1
@@ -240,8 +247,12 @@ class Sampler:
                   "waited_for_admission_s": round(self.admission.waited_s, 3),
                   "versions": self.installed_versions,
                   "waited_for_weights_s": round(self.waited_for_weights_s, 3), "fetch_seconds": self.fetch_seconds,
-                  "fetch_bytes": self.fetch_bytes,
+                  "fetch_bytes": self.fetch_bytes, "publish_to_install_seconds": self.publish_to_install_s,
                   "final_weights": verified,
+                  # completion tokens generated, the time spent generating them, and the time since the first weights
+                  "tokens_generated": self.tokens_generated, "generate_seconds": round(self.generate_seconds, 3),
+                  "sampling_seconds": round(time.monotonic() - started, 3),
+                  "device_memory": device_memory(self.devices[0] if self.devices else None),
                   # the JAX engine's compiled shapes (slots, windows, prompt buckets): each costs a compilation
                   "engine_programs": sorted(map(list, getattr(engine, "programs", ())))}
         if self.run_dir is not None:
@@ -293,6 +304,8 @@ class Sampler:
             self.installed_versions.append(got.version)
             self.fetch_seconds.append(round(got.fetch_seconds, 4))
             self.fetch_bytes.append(got.nbytes)
+            if got.published_unix:
+                self.publish_to_install_s.append(round(time.time() - got.published_unix, 4))
             self.version_gauge.set(got.version)
             detail.info("%s installed weight version %d (%.1f MB, fetch %.2fs)%s", self.sampler_id, got.version,
                         got.nbytes / 1e6, got.fetch_seconds, " [final]" if got.final else "")

@@ -42,6 +42,7 @@ class Installed:
     fetch_seconds: float
     nbytes: int
     epoch: str = ""
+    published_unix: float = 0.0  # when the trainer published it (the manifest's clock): publish -> installed time
 
 
 class WeightSync:
@@ -139,7 +140,7 @@ class WeightSync:
         params = self.model.params_from_arrays(named)
         jax.block_until_ready(params)
         return Installed(manifest.version, params, manifest.final, time.monotonic() - start, nbytes,
-                         manifest.trainer_epoch)
+                         manifest.trainer_epoch, manifest.published_unix)
 
     def _merged(self, manifest: weights_pb2.WeightManifest) -> tuple[dict[str, Any], int]:
         """LoRA: the version's adapters (replicated: they are small) merged into the frozen base of its trainer

@@ -13,6 +13,7 @@ import numpy as np
 from grpo_stream.common.config.schema import RunConfig
 from grpo_stream.common.engine.evaluation import evaluate
 from grpo_stream.common.model.hf_checkpoint import export_hf, resolve_model_dir
+from grpo_stream.common.runtime.device_memory import device_memory
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +84,8 @@ def write_summary(path: pathlib.Path, cfg: RunConfig, *, steps: int, counters: d
                                         if publisher.publish_seconds else None),
         "trainer_mesh": mesh_shape,
         "trainer_state": trainer_state,
+        # this process's peak device memory (None on CPU): scripts/gpu-check.sh compares it with `plan`'s figure
+        "device_memory": device_memory(),
         "final_weights": final_weights,
         "sampler_weight_versions": publisher.installed,
         "algo": cfg.algo.model_dump(mode="json"),

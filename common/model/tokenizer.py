@@ -11,10 +11,15 @@ from __future__ import annotations
 import hashlib
 import json
 import pathlib
+import threading
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
+# transformers' lazy top-level module is not safe to import from two threads at once (the second one can get
+# "cannot import name 'AutoTokenizer'"): weights.transport=local's trainer and sampler threads load their tokenizers
+# together
+_TRANSFORMERS_IMPORT = threading.Lock()
 
 
 class TextTokenizer:
@@ -71,7 +76,8 @@ class HFTokenizer:
     """
 
     def __init__(self, directory: str | pathlib.Path, pad_token: str | None = None, vocab_size: int | None = None):
-        from transformers import AutoTokenizer, PreTrainedTokenizerFast  # noqa: PLC0415 - heavy; only for kind=hf
+        with _TRANSFORMERS_IMPORT:
+            from transformers import AutoTokenizer, PreTrainedTokenizerFast  # noqa: PLC0415 - heavy; only for kind=hf
 
         directory = pathlib.Path(directory)
         config = directory / "tokenizer_config.json"

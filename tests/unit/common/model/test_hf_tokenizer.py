@@ -76,3 +76,18 @@ def test_a_plain_tokenizer_next_to_a_qwen_config_keeps_its_own_pre_tokenizer(tok
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
     text = "Q: Zoe found 18 books and then 72 more. How many in all? A:"
     assert HFTokenizer(tmp_path).encode(text) == tiny.encode(text)
+
+
+def test_threads_can_load_tokenizers_at_once_in_a_fresh_process(tok_dir):
+    """weights.transport=local's trainer and sampler threads load their tokenizers together; transformers' lazy
+    module, imported from two threads at once, made one of them fail with "cannot import name 'AutoTokenizer'"."""
+    import subprocess
+    import sys
+
+    directory, _ = tok_dir
+    code = ("import sys, threading\nfrom grpo_stream.common.model.tokenizer import HFTokenizer\nerrors = []\n"
+            "def load():\n    try:\n        HFTokenizer(sys.argv[1])\n    except Exception as exc:\n"
+            "        errors.append(repr(exc))\nthreads = [threading.Thread(target=load) for _ in range(3)]\n"
+            "[t.start() for t in threads]\n[t.join() for t in threads]\nprint(errors)\n")
+    proc = subprocess.run([sys.executable, "-c", code, str(directory)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr[-2000:]

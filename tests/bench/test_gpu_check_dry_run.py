@@ -1,0 +1,90 @@
+"""`scripts/gpu-check.sh --dry-run`: every phase of the GPU check (environment, the demo, the ~1B-shaped model
+asynchronous, synchronous and in one process, the plan) at tiny shapes on the CPU, so the script a GPU session runs
+cannot rot while no GPU is at hand. CI has no GPU: this proves the phases run and the JSON holds every figure the
+lead reads from a GPU run (BENCHMARKS.md), not what the figures are there."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.redis]
+
+
+@pytest.fixture(scope="module")
+def check(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu-check")
+    proc = subprocess.run(["bash", "scripts/gpu-check.sh", "--dry-run", "--out", str(out / "out"), "--work",
+                           str(out / "work")], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "GPU_CHECK_PYTHON": sys.executable})
+    doc = json.loads((out / "out" / "gpu-check.json").read_text())
+    return proc, doc, out
+
+
+def test_every_phase_ran_and_every_figure_is_there(check):
+    proc, doc, out = check
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert doc["passed"] and doc["missing_figures"] == [] and doc["dry_run"]
+    phases = doc["phases"]
+    assert {p: phases[p]["status"] for p in ("environment", "demo", "async", "sync", "colocated", "plan")} == {
+        p: "ok" for p in ("environment", "demo", "async", "sync", "colocated", "plan")}
+    env = phases["environment"]
+    assert env["backend"] == "cpu" and env["devices"] and env["versions"]["jax"] and env["python"]
+    # each run's output comes back beside the JSON
+    assert {p.name for p in (out / "out").iterdir()} >= {"gpu-check.json", "demo.log", "async.log", "sync.log",
+                                                        "colocated.log"}
+
+
+@pytest.mark.parametrize("phase", ["async", "sync", "colocated"])
+def test_runs_report_rates_hand_offs_and_agreement(check, phase):
+    _, doc, _ = check
+    run = doc["phases"][phase]["figures"]
+    assert run["steps"] == run["steps_asked"] == 6
+    assert run["steps_per_second"] > 0 and run["steady_seconds_per_step"] > 0
+    assert 0 < run["trainer_compute_seconds"] <= run["trainer_busy_seconds"] + 1e-9
+    assert run["trainer_wait_seconds"] >= 0 and 0 < run["trainer_compute_share"] <= 1
+    assert run["sampler_tokens_per_second"] > 0
+    sampler = run["samplers"]["sampler-0"]
+    assert sampler["tokens_per_second_generating"] >= sampler["tokens_per_second"] > 0
+    # every version after the first: publication -> installation, and the fetch's rate
+    assert len(sampler["per_version"]) == sampler["versions_installed"] - 1 >= 3
+    assert all(v["publish_to_install_s"] >= 0 for v in sampler["per_version"])
+    assert run["weights"]["publish_to_install_seconds_median"] >= 0 and run["weights"]["fetch_gb_per_s_median"] > 0
+    assert run["weights"]["transport"] == ("local" if phase == "colocated" else "grpc")
+    # the samplers' logprobs agree with the trainer's at lag 0 (bfloat16 on both sides)
+    agreement = run["logprob_agreement_lag0"]
+    assert agreement["tokens"] > 0 and agreement["mean_abs"] < 0.05
+    # on the CPU there is no peak device memory; the plan's figures are there to set it against on a GPU
+    assert run["memory"]["trainer"] is None and run["memory"]["plan_trainer_bytes"] > 0
+    assert run["groups"]["groups_trained"] == 6 * 4
+
+
+def test_sync_trains_fresh_groups_and_the_ratio_sits_beside_its_bound(check):
+    _, doc, _ = check
+    assert doc["phases"]["sync"]["figures"]["staleness_max"] == 0
+    compared = doc["phases"]["comparison"]
+    assert 0 < compared["async_over_sync"] < 2 and 0 < compared["async_over_sync_bound"] < 2
+    assert 0 <= compared["generation_share_sync"] <= 1 and compared["colocated_over_async"] > 0
+
+
+def test_demo_reports_learning_without_gating_on_it_and_plan_sizes_the_runs(check):
+    _, doc, _ = check
+    learning = doc["phases"]["demo"]["learning"]
+    assert learning["gain_points"] is not None and learning["passed"] is None and learning["bar_points"] is None
+    plan = doc["phases"]["plan"]
+    assert plan["trainer_bytes"] > 0 and plan["sampler_bytes"] > 0 and plan["fits"]
+    assert doc["checkpoint"]["shape"] == "tiny" and doc["checkpoint"]["params"] > 0
+
+
+def test_a_phase_past_the_deadline_is_recorded_as_skipped(tmp_path):
+    proc = subprocess.run(["bash", "scripts/gpu-check.sh", "--dry-run", "--deadline-s", "0", "--out", str(tmp_path),
+                           "--work", str(tmp_path / "work")], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "GPU_CHECK_PYTHON": sys.executable})
+    doc = json.loads((tmp_path / "gpu-check.json").read_text())
+    assert proc.returncode == 1 and not doc["passed"]
+    assert doc["phases"]["environment"]["status"] == "ok"
+    assert all(doc["phases"][p]["status"] == "skipped" for p in ("demo", "async", "sync", "colocated"))
