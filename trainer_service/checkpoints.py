@@ -147,6 +147,11 @@ class TrainerCheckpoints:
         if self.verify:
             record["files_digest"] = True  # a restore with verify on needs the digest file (checkpoint_digest.py)
         self._collect()
+        if step in self._manager.all_steps() and not (self.directory / str(step)).exists():
+            # another process of a multi-process trainer set this step's checkpoint aside (restore_latest) after
+            # this manager listed it: without a fresh listing Orbax would skip the save here while the others save,
+            # and their save would wait for this process for ever
+            self._manager.reload()
         # the backlog stays at one digest: the newest checkpoint's may still be written while this save runs, an
         # older one's must be done (this save's commit may prune that checkpoint)
         for older, _, digest in self._digesting:
@@ -203,7 +208,7 @@ class TrainerCheckpoints:
                             "%s (%s); moved to %s, trying the one before", step, self.directory,
                             "unverified" if unverified else "unusable", exc, aside)
                     (self.directory / str(step)).rename(aside)
-                    self._manager.reload()
+                self._manager.reload()  # every process: the step is gone (or going) from the listing
                 continue
             log.info("resuming from the checkpoint of step %d (%s)", step, self.directory / str(step))
             return restored

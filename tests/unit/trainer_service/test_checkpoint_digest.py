@@ -121,3 +121,20 @@ def test_files_added_beside_a_checkpoint_do_not_reject_it(tmp_path):
     saved(tmp_path)
     (tmp_path / "6" / "state" / ".nfs000000001").write_bytes(b"left by NFS")
     assert TrainerCheckpoints(str(tmp_path), keep=3, verify=True).restore_latest(state(0.0)).step == 6
+
+
+def test_a_step_another_process_set_aside_is_saved_again_here(tmp_path):
+    """A multi-process trainer: process 0 moves an unverified checkpoint aside while process 1's manager still lists
+    it; at that step's next save process 1 must write it (Orbax skips a step it lists), or process 0's save waits
+    for it for ever (seen in the kill -9 test of a 2-process trainer)."""
+    first = TrainerCheckpoints(str(tmp_path), keep=5, verify=False)
+    for step in (2, 4, 6):
+        first.save(step, state(float(step)), {}, token=step)
+    assert [s for s, _ in first.committed(wait=True)] == [2, 4, 6]
+    first.close()
+    follower = TrainerCheckpoints(str(tmp_path), keep=5, verify=False)  # lists 2, 4, 6
+    (tmp_path / "6").rename(tmp_path / "unverified-6-0")  # what process 0 does with a checkpoint without digest
+    follower.save(6, state(60.0), {}, token="again")
+    assert follower.committed(wait=True) == [(6, "again")]
+    assert (tmp_path / "6").is_dir() and follower.steps() == [2, 4, 6]
+    follower.close()
