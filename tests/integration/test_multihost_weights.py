@@ -5,6 +5,8 @@ job itself runs in tests/e2e/test_multihost_trainer.py."""
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import jax
 import numpy as np
@@ -62,6 +64,13 @@ def publish(publishers, version: int, scale: float = 1.0) -> None:
         publishers[host].publish(WeightSnapshot(version, held(host, scale), epoch="e1"))
 
 
+def served_by(servers, expected: tuple[int, ...], within_s: float) -> None:
+    """Return once each server's data plane has counted at least its `expected` bytes, or after `within_s`."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline and any(s.data.served_bytes < n for s, n in zip(servers, expected)):
+        time.sleep(0.01)
+
+
 def test_a_sampler_assembles_each_tensor_from_both_trainer_processes(two_hosts):
     publishers, servers, channel, tcp = two_hosts
     fetcher = GrpcFetcher(channel, "sampler-0", streams=2, timeout_s=10, data_host="127.0.0.1" if tcp else None)
@@ -79,8 +88,11 @@ def test_a_sampler_assembles_each_tensor_from_both_trainer_processes(two_hosts):
             np.testing.assert_array_equal(np.asarray(installed[-1][name]), arr * scale)
         if tcp and version == 3:  # both data planes served their share (later fetches may find a plane still busy
             # with the previous transfer and go over gRPC instead, by design)
-            assert servers[0].data.served_bytes == 3 * 6 * 4
-            assert servers[1].data.served_bytes == (5 * 6 + 6 + 1) * 4
+            # a data plane counts a transfer once its last send returned, which can come after the sampler has
+            # read every byte (CI at 359b289 read 0 under load): wait for the count, do not race it
+            expected = (3 * 6 * 4, (5 * 6 + 6 + 1) * 4)
+            served_by(servers, expected, within_s=30)
+            assert (servers[0].data.served_bytes, servers[1].data.served_bytes) == expected
     for name, arr in FULL.items():  # the first version's arrays are untouched by the second's fetch
         np.testing.assert_array_equal(np.asarray(installed[0][name]), arr)
 
