@@ -14,7 +14,7 @@
 #   3. async: a Llama-3.2-1B-shaped model (1.24B parameters, random init, bfloat16; the shape bench/gpu.py
 #      measures) on GSM8K prompts (GSM8K-shaped ones when no GSM8K files are at hand), the GPU preset's trainer
 #      settings (configs/qwen2.5_1.5b_gsm8k_gpu.yaml: full remat, micro-batches of 2, a KL reference, 8 groups of 4,
-#      256 new tokens), 30 asynchronous steps under `up`, one trainer and one JAX sampler sharing the GPU (their
+#      256 new tokens), 20 asynchronous steps under `up`, one trainer and one JAX sampler sharing the GPU (their
 #      shares from the plan's figures, hardware.plan_json, when the plan below ended in time; else up's default).
 #   4. sync: the same, synchronous (trainer.max_staleness=0; the sampler makes one step's groups per version).
 #   5. colocated, if time remains: the same as 3 in one process (weights.transport=local).
