@@ -30,6 +30,7 @@ import grpc
 import redis
 
 from grpo_stream.common.rollouts.buffer import keys
+from grpo_stream.common.rollouts.redis_server import read_password
 from grpo_stream.common.rpc.grpc_util import ClientSecurity, open_channel
 from grpo_stream.protos import prompts_pb2, prompts_pb2_grpc
 
@@ -190,7 +191,7 @@ def run(minutes: float = 20.0, clients: int = 32, baseline_minutes: float = 5.0,
         _wait("the first RL step", lambda: "step 1/" in log.read_text(), 900, up, log)
         address = re.search(r"gRPC server \(ingest, prompts[^)]*\) on (\S+:\d+)", log.read_text()).group(1)
         info = json.loads((run_dir / "run.json").read_text())
-        client = redis.Redis.from_url(info["redis_url"])
+        client = redis.Redis.from_url(info["redis_url"], password=read_password(run_dir / "redis"))  # up's is protected
         token = (run_dir / "auth" / "client.token").read_text().strip()
         threads = [threading.Thread(target=_client, args=(address, token, stop, counts[i], i),
                                     daemon=True) for i in range(clients)]

@@ -21,6 +21,7 @@ import sys
 import time
 
 from grpo_stream.common.rollouts.redis_server import free_port
+from grpo_stream.trainer_service.control_messages import SECRET_ENV, new_secret
 
 
 def _serve(spec: dict) -> int:
@@ -33,7 +34,7 @@ def _serve(spec: dict) -> int:
     from grpo_stream.common.model.sharding import initialize_distributed, make_mesh, place  # noqa: PLC0415
     from grpo_stream.common.weights.registry import weight_sink  # noqa: PLC0415
     from grpo_stream.common.weights.transport import SinkContext  # noqa: PLC0415
-    from grpo_stream.trainer_service.multihost import TrainerGroup  # noqa: PLC0415
+    from grpo_stream.trainer_service.multihost import join_group  # noqa: PLC0415
     from grpo_stream.trainer_service.publisher import WeightPublisher  # noqa: PLC0415
     from grpo_stream.trainer_service.server import TrainerServer  # noqa: PLC0415
 
@@ -49,7 +50,7 @@ def _serve(spec: dict) -> int:
     if n > 1:
         from jax._src.distributed import global_state  # noqa: PLC0415
 
-        TrainerGroup(n, jax.process_index(), global_state.client).serve_versions(publisher, port, server.data.port)
+        join_group(n, jax.process_index(), global_state.client).serve_versions(publisher, port, server.data.port)
     print(json.dumps({"port": port, "data_port": server.data.port}), flush=True)
     for line in sys.stdin:
         stats = publisher.publish_arrays(int(line), named)
@@ -73,7 +74,8 @@ def _event(proc: subprocess.Popen) -> dict:
 
 def _case(arch: dict, processes: int, repeats: int) -> dict:
     coordinator = f"127.0.0.1:{free_port()}"
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "", "GRPO_STREAM_ADVERTISE_HOST": "127.0.0.1"}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "", "GRPO_STREAM_ADVERTISE_HOST": "127.0.0.1",
+           SECRET_ENV: new_secret()}  # the processes' announcements are sealed with it, as a trainer's are
     trainers = [subprocess.Popen(
         [sys.executable, "-m", "grpo_stream.bench.weights_multisource", "serve",
          json.dumps({"arch": arch, "processes": processes})], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,

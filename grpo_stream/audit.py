@@ -117,7 +117,8 @@ def group_history(client: redis.Redis, run_name: str, group_id: str, prefix: str
 def _client_for(run_dir: pathlib.Path, redis_url: str | None):
     """(client, run name, embedded server or None): the URL given, else the run's own Redis if it answers, else an
     embedded Redis started on the run's data directory (RUN_DIR/redis, written by `up`)."""
-    from grpo_stream.common.rollouts.redis_server import EmbeddedRedis, RedisConnectError, connect  # noqa: PLC0415
+    from grpo_stream.common.rollouts.redis_server import (EmbeddedRedis, RedisConnectError, connect,  # noqa: PLC0415
+                                                          read_password)
 
     info_path = run_dir / RUN_FILE
     if not info_path.is_file():
@@ -127,15 +128,17 @@ def _client_for(run_dir: pathlib.Path, redis_url: str | None):
     login = {"password": os.environ[REDIS_PASSWORD_ENV]} if os.environ.get(REDIS_PASSWORD_ENV) else {}
     if redis_url:
         return connect(redis_url, 10, **login), info["run"], None
+    # the run's own Redis: an embedded one (`up`) keeps its password in its data directory, for the run's clients
+    own = login or ({"password": password} if (password := read_password(run_dir / "redis")) else {})
     try:
-        return connect(info["redis_url"], 1, log_retries=False, **login), info["run"], None
+        return connect(info["redis_url"], 1, log_retries=False, **own), info["run"], None
     except RedisConnectError as exc:
         data = run_dir / "redis"
         if not data.is_dir():
             raise RedisConnectError(f"{exc}; pass --redis-url (and $GRPO_STREAM_REDIS_PASSWORD) to audit a run whose "
                                     "Redis is elsewhere") from None
-    server = EmbeddedRedis(data_dir=data).start()
-    return connect(server.url, 30), info["run"], server
+    server = EmbeddedRedis(data_dir=data, protected=True).start()
+    return connect(server.url, 30, **server.client_options()), info["run"], server
 
 
 def run_audit(run_dir: pathlib.Path, redis_url: str | None, group: str | None, json_path: pathlib.Path | None) -> int:

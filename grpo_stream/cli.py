@@ -260,6 +260,9 @@ def main(argv: list[str] | None = None) -> int:
         return run_up(args.config, args.overrides, cfg, run_dir)
     setup_logging(cfg.logging.level, args.command if args.command != "sampler" else f"sampler-{args.index}",
                   cfg.logging.format, cfg.logging.verbose)
+    from grpo_stream.common.runtime.parent_death import watch_parent
+
+    watch_parent()  # a child of `up` stops when `up` is gone (common/runtime/parent_death.py)
     from grpo_stream.common.runtime.device_plan import device_env, own_process_env
 
     os.environ.update(own_process_env(cfg, args.command, os.environ))  # before JAX starts: it reads them once

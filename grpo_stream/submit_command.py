@@ -71,6 +71,7 @@ def result_json(result) -> dict:
     return {"prompt_id": result.prompt_id, "state": result.state, "policy_version": result.policy_version,
             "sampler_id": result.sampler_id, "group_id": result.group_id, "train": result.train,
             "tags": list(result.tags), "reward_mean": round(result.reward_mean, 6),
+            **({"error": result.error} if result.error else {}),
             "completions": [{"text": c.text, "reward": round(c.reward, 6), "truncated": c.truncated}
                             for c in result.completions]}
 

@@ -1,15 +1,17 @@
 """`grpo-stream up`: the whole loop on one machine, as separate OS processes.
 
 Starts an embedded redis-server (unless redis.url is set; its append-only
-file lives in RUN_DIR/redis), then the trainer, the ingest when it runs on
+file lives in RUN_DIR/redis; a random password, given to the trainer and
+ingest in their environment; common/rollouts/redis_server.py), then the trainer, the ingest when it runs on
 its own, and `sampler.replicas` samplers with exactly the commands a
 multi-host deployment runs (`python -m grpo_stream trainer|ingest|sampler
 ...`), relays their output with a prefix (and into RUN_DIR/logs/), stops
-everything on Ctrl-C, restarts a process that fails (up.restart; grpo_stream/supervise.py) and stops
-everything when one fails past up.max_restarts, and completes
+everything on Ctrl-C, SIGTERM or SIGHUP, restarts a process that fails (up.restart; grpo_stream/supervise.py) and stops
+everything when one crash-loops (up.restart_limit_burst), and completes
 RUN_DIR/summary.json. Running it again on the same RUN_DIR resumes: the
 buffer is still in RUN_DIR/redis and the trainer's checkpoints in
-RUN_DIR/checkpoints.
+RUN_DIR/checkpoints. One `up` at a time owns a RUN_DIR, and its processes die
+with it (grpo_stream/up_guard.py).
 """
 
 from __future__ import annotations
@@ -25,15 +27,16 @@ import threading
 import time
 from typing import Callable
 
-from grpo_stream.common.rpc.auth import write_tokens
 from grpo_stream.common.config.loading import load_config, to_yaml
 from grpo_stream.common.config.schema import RunConfig
-from grpo_stream.common.config.access import TOKEN_ENV, TOKEN_FILE_ENV, TOKENS_ENV
 from grpo_stream.common.weights.registry import transport_spec
 from grpo_stream.trainer_service.run_outputs import wasted_fraction
 from grpo_stream.common.rollouts.redis_server import EmbeddedRedis, RedisConnectError, connect_durable, free_port
 from grpo_stream.trainer_service.multihost import ADVERTISE_ENV
+from grpo_stream.trainer_service.control_messages import SECRET_ENV, SECRET_FILE_ENV, new_secret
 from grpo_stream.supervise import Supervisor
+from grpo_stream.up_guard import STOP_SIGNALS, child_popen, lock_run_dir, redis_popen
+from grpo_stream.up_secrets import sampler_token_env, with_redis_password, with_run_tokens
 from grpo_stream.common.runtime.device_plan import (DeviceLayoutError, DevicePlan, ProcessPlan, detect_gpus,
                                                     host_devices_needed, load_figures, plan_devices)
 
@@ -50,8 +53,8 @@ class _Child:
 
     def start(self) -> None:
         """Start the process (again, after a failure: its log goes on in the same file)."""
-        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=self.env,
-                                     text=True, bufsize=1, start_new_session=True)
+        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                                     start_new_session=True, **child_popen(self.env))  # it dies with `up`
         self._relay = threading.Thread(target=self._pump, args=(self.proc, "w" if self.starts == 0 else "a"),
                                        daemon=True)
         self.starts += 1
@@ -98,9 +101,14 @@ class _TrainerJob:
         return {**env, "JAX_NUM_PROCESSES": str(n), "JAX_PROCESS_ID": str(k), ADVERTISE_ENV: "127.0.0.1"}
 
     def start(self) -> None:
-        coordinator = f"127.0.0.1:{free_port()}"
+        # the coordinator listens on loopback only (JAX binds every interface unless told), and each start's
+        # processes share a fresh secret that seals their messages (trainer_service/control_messages.py); it goes in
+        # their environment, never a command line (`ps` shows those to every user)
+        coordinator, secret = f"127.0.0.1:{free_port()}", new_secret()
         for member in self.members:
-            member.env = {**member.env, "JAX_COORDINATOR_ADDRESS": coordinator}
+            member.env = {**{k: v for k, v in member.env.items() if k != SECRET_FILE_ENV},
+                          "JAX_COORDINATOR_ADDRESS": coordinator, "JAX_COORDINATOR_BIND_ADDRESS": coordinator,
+                          SECRET_ENV: secret}
             member.start()
         self.starts += 1
 
@@ -159,30 +167,6 @@ def with_host_devices(env: dict[str, str], count: int) -> dict[str, str]:
     return {**env, "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={count}".strip()}
 
 
-def with_run_tokens(cfg: RunConfig, run_dir: pathlib.Path, env: dict[str, str]) -> tuple[dict, dict, str]:
-    """(servers' env, samplers' env, client token file or ''). With auth.mode=tokens and no token table given, the
-    run gets its own in RUN_DIR/auth (kept, so a resumed run and its clients keep their tokens): servers read the
-    table, each sampler its own token (`sampler_token_env`); `grpo-stream submit --run-dir` finds the client token
-    there."""
-    if cfg.auth.mode == "none" or env.get(TOKENS_ENV) or cfg.auth.tokens_file:
-        return env, dict(env), ""
-    auth_dir = (run_dir / "auth").resolve()
-    if not (auth_dir / "tokens.yaml").is_file():
-        write_tokens(auth_dir, samplers=cfg.sampler.replicas)
-        print(f"[up] made this run's tokens in {auth_dir} (client token: {auth_dir / 'client.token'})", flush=True)
-    samplers = {k: v for k, v in env.items() if k != TOKEN_ENV}
-    samplers[TOKEN_FILE_ENV] = str(auth_dir / "sampler.token")
-    return {**env, TOKENS_ENV: str(auth_dir / "tokens.yaml")}, samplers, str(auth_dir / "client.token")
-
-
-def sampler_token_env(env: dict[str, str], index: int) -> dict[str, str]:
-    """Sampler `index`'s environment: its own token (sampler-<index>.token beside the shared one, when the run made
-    one: it can send only as its own id) or else the shared sampler token."""
-    shared = env.get(TOKEN_FILE_ENV)
-    own = pathlib.Path(shared).with_name(f"sampler-{index}.token") if shared else None
-    return {**env, TOKEN_FILE_ENV: str(own)} if own is not None and own.is_file() else env
-
-
 def device_plan(cfg: RunConfig, run_dir: pathlib.Path) -> DevicePlan:
     """The run's GPUs per process (common/runtime/device_plan.py), printed and kept in RUN_DIR/devices.json."""
     gpu_ids, memory = detect_gpus(cfg, os.environ)
@@ -212,6 +196,9 @@ def process_envs(cfg: RunConfig, plan: DevicePlan, server_env: dict[str, str],
 def run_up(config_path: pathlib.Path | None, overrides: list[str], cfg: RunConfig, run_dir: pathlib.Path) -> int:
     started = time.time()
     run_dir.mkdir(parents=True, exist_ok=True)
+    run_lock = lock_run_dir(run_dir)  # one run per directory: before anything in it is written or started
+    if run_lock is None:
+        return 1
     try:
         devices = device_plan(cfg, run_dir)
     except DeviceLayoutError as exc:
@@ -223,9 +210,10 @@ def run_up(config_path: pathlib.Path | None, overrides: list[str], cfg: RunConfi
     extra = list(overrides)
     try:
         if cfg.redis.url is None:
-            redis_server = EmbeddedRedis(data_dir=(run_dir / "redis").resolve()).start()
+            redis_server = EmbeddedRedis(data_dir=(run_dir / "redis").resolve(), protected=True,
+                                         popen_options=redis_popen(run_lock)).start()
             extra.append(f"redis.url={redis_server.url}")
-            print(f"[up] embedded Redis at {redis_server.url}", flush=True)
+            print(f"[up] embedded Redis at {redis_server.url} ({redis_server.describe()})", flush=True)
         else:  # fail before starting any process when the given Redis is not there, or can lose data
             connect_durable(cfg.redis, "run").close()
     except RedisConnectError as exc:
@@ -245,10 +233,12 @@ def run_up(config_path: pathlib.Path | None, overrides: list[str], cfg: RunConfi
     base = [sys.executable, "-m", "grpo_stream"]
     cfg_args = ["--config", str(config_path)] if config_path else []
     server_env, sampler_env, client_token = with_run_tokens(cfg, run_dir, {**os.environ, "PYTHONUNBUFFERED": "1"})
+    server_env, sampler_env = with_redis_password(server_env, sampler_env, redis_server)
     (run_dir / ENDPOINTS_FILE).write_text(json.dumps({"prompts": prompts_address, "tls": cfg.tls.enabled,
                                                       "client_token_file": client_token}))
     colocated = transport_spec(cfg.weights.transport).in_process
     trainer_envs, sampler_envs = process_envs(cfg, devices, server_env, sampler_env)
+    trainer_envs = [run_lock.child_env(env) for env in trainer_envs]  # the trainer holds the run's lock too
     children: list[_Child] = []
     interrupted = False
 
@@ -259,7 +249,7 @@ def run_up(config_path: pathlib.Path | None, overrides: list[str], cfg: RunConfi
         for child in children:
             child.terminate()
 
-    previous = {s: signal.signal(s, _interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
+    previous = {s: signal.signal(s, _interrupt) for s in STOP_SIGNALS}
     try:
         # the resolved config every process runs (file, overrides and what `up` added), and how it was asked for
         (run_dir / "config.yaml").write_text(
@@ -302,11 +292,12 @@ def run_up(config_path: pathlib.Path | None, overrides: list[str], cfg: RunConfi
             signal.signal(s, handler)
         if redis_server is not None:
             redis_server.stop()
+        run_lock.release()
 
     summary_path = run_dir / "summary.json"
     if trainer_code != 0 or not summary_path.exists():
         print(f"grpo-stream up: trainer exited with code {trainer_code}; see {trainer.log_path}", file=sys.stderr)
-        return trainer_code or 1
+        return 130 if interrupted else (trainer_code or 1)
     summary = json.loads(summary_path.read_text())
     summary["trainer_wall_seconds"] = summary.pop("wall_seconds")
     summary["wall_seconds"] = round(time.time() - started, 2)
@@ -350,14 +341,13 @@ def supervise(cfg: RunConfig, trainer: _Child, others: list[_Child], redis_serve
             code = redis_server.proc.returncode if name == "redis-server" else by_name[name].proc.returncode
             delay = supervisor.failed(name)
             if delay is None:
-                print(f"[up] {name} exited with code {code}; stopping the run (up.restart={cfg.up.restart}, "
-                      f"{supervisor.restarts[name]} of up.max_restarts={cfg.up.max_restarts} restarts made)",
+                print(f"[up] {name} exited with code {code}; stopping the run ({supervisor.budget(name)})",
                       flush=True)
                 for child in children:
                     child.terminate()
                 return supervisor
-            print(f"[up] {name} exited with code {code}; restarting it in {delay:.1f}s (restart "
-                  f"{supervisor.restarts[name] + 1} of {cfg.up.max_restarts})", flush=True)
+            print(f"[up] {name} exited with code {code}; restarting it in {delay:.1f}s ({supervisor.budget(name)})",
+                  flush=True)
         for name in supervisor.due():
             if name == "redis-server":
                 redis_server.start()  # same port and data directory: it replays its AOF

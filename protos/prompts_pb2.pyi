@@ -72,9 +72,10 @@ class ScoredCompletion(_message.Message):
     def __init__(self, text: _Optional[str] = ..., reward: _Optional[float] = ..., reward_components: _Optional[_Mapping[str, float]] = ..., truncated: _Optional[bool] = ..., num_tokens: _Optional[int] = ...) -> None: ...
 
 class PromptResult(_message.Message):
-    __slots__ = ("prompt_id", "state", "policy_version", "sampler_id", "completions", "reward_mean", "tags", "train", "submitted_unix", "finished_unix", "group_id", "prompt_text")
+    __slots__ = ("prompt_id", "state", "error", "policy_version", "sampler_id", "completions", "reward_mean", "tags", "train", "submitted_unix", "finished_unix", "group_id", "prompt_text")
     PROMPT_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     SAMPLER_ID_FIELD_NUMBER: _ClassVar[int]
     COMPLETIONS_FIELD_NUMBER: _ClassVar[int]
@@ -87,6 +88,7 @@ class PromptResult(_message.Message):
     PROMPT_TEXT_FIELD_NUMBER: _ClassVar[int]
     prompt_id: str
     state: str
+    error: str
     policy_version: int
     sampler_id: str
     completions: _containers.RepeatedCompositeFieldContainer[ScoredCompletion]
@@ -97,7 +99,7 @@ class PromptResult(_message.Message):
     finished_unix: float
     group_id: str
     prompt_text: str
-    def __init__(self, prompt_id: _Optional[str] = ..., state: _Optional[str] = ..., policy_version: _Optional[int] = ..., sampler_id: _Optional[str] = ..., completions: _Optional[_Iterable[_Union[ScoredCompletion, _Mapping]]] = ..., reward_mean: _Optional[float] = ..., tags: _Optional[_Iterable[str]] = ..., train: _Optional[bool] = ..., submitted_unix: _Optional[float] = ..., finished_unix: _Optional[float] = ..., group_id: _Optional[str] = ..., prompt_text: _Optional[str] = ...) -> None: ...
+    def __init__(self, prompt_id: _Optional[str] = ..., state: _Optional[str] = ..., error: _Optional[str] = ..., policy_version: _Optional[int] = ..., sampler_id: _Optional[str] = ..., completions: _Optional[_Iterable[_Union[ScoredCompletion, _Mapping]]] = ..., reward_mean: _Optional[float] = ..., tags: _Optional[_Iterable[str]] = ..., train: _Optional[bool] = ..., submitted_unix: _Optional[float] = ..., finished_unix: _Optional[float] = ..., group_id: _Optional[str] = ..., prompt_text: _Optional[str] = ...) -> None: ...
 
 class CancelRequest(_message.Message):
     __slots__ = ("prompt_ids",)

@@ -3,6 +3,10 @@
 Injected prompts go first so a researcher steering a live run sees results within a batch; each keeps its own
 group size and rewards. Dataset prompts fill the rows left, in the order of this sampler's data stream, whose
 position names the group and seeds its sampling (a restarted sampler continues the same sequence).
+
+An injected prompt's reward names come from whoever wrote the prompt (the ingest checks them, but Redis can be written
+by others): they are looked up among the run's rewards only (`RunRewards`), never imported, and a prompt naming
+another is skipped, not generated.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from typing import Iterator
 import grpc
 
 from grpo_stream.common.config.schema import RunConfig
-from grpo_stream.common.tasks.rewards import RewardSet
+from grpo_stream.common.tasks.rewards import RewardSet, RunRewards, UnknownReward
 from grpo_stream.protos import rollout_pb2
 
 log = logging.getLogger(__name__)
@@ -46,8 +50,8 @@ class BatchBuilder:
                                                                                  default)
         self.ingest_stub = None
         self.pending: collections.deque = collections.deque()  # claimed injected prompts not generated yet
-        self.injected_done = 0
-        self._reward_sets: dict[tuple[str, ...], RewardSet] = {}
+        self.injected_done = self.injected_refused = 0
+        self.rewards = RunRewards(default, cfg.task.rewards)
         self._claim_warned = False
 
     def next_batch(self, groups: int, version: int) -> list[Slot]:
@@ -93,19 +97,16 @@ class BatchBuilder:
         slots, rows = [], 0
         while self.pending and rows + self.pending[0].num_generations <= free_rows:
             p = self.pending.popleft()
+            try:
+                rewards = self.rewards.subset(list(p.rewards))
+            except UnknownReward as exc:
+                self.injected_refused += 1
+                log.warning("%s: injected prompt %r not generated: %s (the ingest refuses these: does its "
+                            "task.rewards differ from this sampler's?)", self.sampler_id, p.prompt_id[:64], exc)
+                continue
             problem = types.SimpleNamespace(prompt_id=p.prompt_id, answer=p.reference_answer)
-            slots.append(Slot(problem, list(p.prompt_token_ids), p.num_generations, self._rewards_for(list(p.rewards)),
+            slots.append(Slot(problem, list(p.prompt_token_ids), p.num_generations, rewards,
                               f"{self.cfg.run.name}/inj/{p.prompt_id}", None, p.train))
             rows += p.num_generations
         self.injected_done += len(slots)
         return slots
-
-    def _rewards_for(self, names: list[str]) -> RewardSet:
-        """The run's rewards, or the named subset an injected prompt asked for (the run's weight, else 1)."""
-        if not names:
-            return self.default
-        key = tuple(names)
-        if key not in self._reward_sets:
-            weights = self.cfg.task.rewards
-            self._reward_sets[key] = RewardSet({n: weights.get(n, 1.0) for n in names})
-        return self._reward_sets[key]

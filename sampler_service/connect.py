@@ -38,7 +38,7 @@ def wait_for_trainer(cfg: RunConfig, stub: health_pb2_grpc.HealthStub, stop_even
                     "address") from None
         if backoff.attempts == 0 or backoff.at_cap:
             log.info("waiting for the trainer at %s", cfg.trainer_address())
-        time.sleep(backoff.next())
+        stop_event.wait(backoff.next())  # a stop ends the wait at once
 
 
 def resume_position(cfg: RunConfig, sampler_id: str, stub: rollout_pb2_grpc.RolloutIngestStub,
@@ -65,4 +65,5 @@ def resume_position(cfg: RunConfig, sampler_id: str, stub: rollout_pb2_grpc.Roll
             delay = backoff.next()
             log.warning("%s: ingest at %s not ready (%s: %s); retrying in %.1fs", sampler_id,
                         cfg.ingest_address(), exc.code().name, exc.details(), delay)
-            time.sleep(delay)
+            if stop_event.wait(delay):  # stopping before the first batch: the position no longer matters
+                return 0

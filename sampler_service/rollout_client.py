@@ -151,7 +151,7 @@ class RolloutClient:
                         pending, retry_ms = self._settle(pending, next(call).acks)
                         backoff.reset()
                         if pending:  # buffer full or unavailable: the same groups again, in order
-                            time.sleep(retry_ms / 1000)
+                            self._stop.wait(retry_ms / 1000)  # (close() ends the wait)
                 finally:
                     requests.put(None)
                     call.cancel()
@@ -169,4 +169,4 @@ class RolloutClient:
                 delay = backoff.next()
                 log.warning("rollout stream to ingest failed (%s); retrying in %.1fs with %d groups in hand", code,
                             delay, len(pending))
-                time.sleep(delay)
+                self._stop.wait(delay)

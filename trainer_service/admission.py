@@ -13,13 +13,21 @@ group dropped or rejected anywhere frees its place). Two more limits: the traine
 (steps - S) * groups_per_step more groups, and groups dynamic sampling passes over (zero reward variance) take no
 step's place, so both bounds are divided by the fraction of groups that were trained rather than filtered.
 
-Groups in flight are what each sampler reported with its last request plus what it was granted, less the groups
-of it the ingest answered since; a sampler silent for `lease_s` (dead) no longer holds any, and a restarted one
-reports its own count. Groups a sampler starts now may still reach the buffer before groups another sampler
-started earlier (a shorter batch), which then train later than counted. So a grant is checked against the oldest
-version in flight anywhere, not only the asking sampler's: whatever order the groups arrive in, each one in flight
-stays within the bound. What is left over (a group past the bound because a dynamic-sampling filter rate changed,
-or a trainer restarted) shows in the summary's generation_wasted_fraction.
+Groups in flight are what the ingest granted each sampler, less the groups of it the ingest answered since and those
+the sampler says it no longer holds; a sampler silent for `lease_s` (dead) no longer holds any, and a restarted one
+reports its own count. What a sampler reports only ever lowers its own count: a report of more groups than it was
+granted (`in_flight=2**31-1`), or of a weight version older than one it asked with before, would otherwise hold every
+other sampler's grants at 0 (one Admit call stopped every sampler for the lease, renewably). The price: after an
+ingest restart, groups started before it are not counted until they arrive (at most a batch and a backlog per
+sampler), so a few of them may train later than counted, or be dropped as stale.
+
+Groups a sampler starts now may still reach the buffer before groups another sampler started earlier (a shorter
+batch), which then train later than counted. So a grant is checked against the oldest version in flight anywhere,
+not only the asking sampler's: whatever order the groups arrive in, each one in flight stays within the bound.
+Groups in flight of a version the trainer has already passed by more than max_staleness will be dropped whenever they
+arrive: they hold no place and bound nothing, so grants a sampler holds without ever sending their groups stop
+holding back the others once the trainer has moved past them. What is left over (a group past the bound because a
+dynamic-sampling filter rate changed, or a trainer restarted) shows in the summary's generation_wasted_fraction.
 """
 
 from __future__ import annotations
@@ -64,6 +72,8 @@ class AdmissionControl:
     def __init__(self, limits: AdmissionLimits, clock=time.monotonic):
         self.limits, self.clock = limits, clock
         self._versions: dict[str, collections.Counter] = {}  # sampler -> {version: groups in flight}
+        self._newest: dict[str, int] = {}  # sampler -> the newest weight version it asked with in its lease
+        self._last_grant: dict[str, int] = {}  # sampler -> its last grant (> 0): the size of the batch it fills next
         self._seen: dict[str, float] = {}
         self._lock = threading.Lock()
         self.stats = {"requests": 0, "granted": 0, "refused": 0}
@@ -76,7 +86,18 @@ class AdmissionControl:
 
     def _expire(self, now: float) -> None:
         for sid in [s for s, seen in self._seen.items() if now - seen > self.limits.lease_s]:
-            del self._seen[sid], self._versions[sid]
+            self._drop(sid)
+
+    def _drop(self, sampler_id: str) -> None:
+        del self._seen[sampler_id], self._versions[sampler_id]
+        self._newest.pop(sampler_id, None)
+        self._last_grant.pop(sampler_id, None)
+
+    def last_granted(self, sampler_id: str) -> int | None:
+        """The groups last granted to `sampler_id` in its lease (None: none): a sampler claims injected prompts for
+        the batch it was just granted, so this is that batch's size in groups."""
+        with self._lock:
+            return self._last_grant.get(sampler_id)
 
     def admit(self, state: AdmissionState, sampler_id: str, wanted: int, policy_version: int,
               reported_in_flight: int) -> tuple[int, int]:
@@ -85,14 +106,22 @@ class AdmissionControl:
         with self._lock:
             self._expire(now)
             own = self._versions.setdefault(sampler_id, collections.Counter())
-            _reconcile(own, reported_in_flight, policy_version)
-            queued = sum(sum(c.values()) for c in self._versions.values())
+            _reconcile(own, reported_in_flight)
+            # a sampler installs versions in order: a request with an older one than it asked with before is
+            # counted at that newer one, so a false version misjudges only the asking sampler's own groups
+            version = self._newest[sampler_id] = max(policy_version, self._newest.get(sampler_id, policy_version))
+            counted = collections.Counter()  # version -> groups in flight that can still be trained
+            for c in self._versions.values():
+                counted.update({v: n for v, n in c.items()
+                                if n > 0 and state.trainer_step - v <= self.limits.max_staleness})
+            queued = sum(counted.values())
             # the new groups may reach the buffer before groups started earlier anywhere: every group in flight
             # must still fit behind them, so the bound is that of the oldest version in flight
-            oldest = min([policy_version] + [v for c in self._versions.values() for v, n in c.items() if n > 0])
+            oldest = min([version, *counted])
             granted = min(wanted, admissible(state, queued, oldest, self.limits))
             if granted:
-                own[policy_version] += granted
+                own[version] += granted
+                self._last_grant[sampler_id] = granted
             self._seen[sampler_id] = now
             if len(self._seen) > self.limits.max_samplers:
                 self._forget_longest_silent()
@@ -107,7 +136,7 @@ class AdmissionControl:
         quiet = min(self._seen, key=self._seen.__getitem__)
         log.warning("admission: more than %d sampler ids (sampler.admission_max_samplers); forgetting %r, silent "
                     "for %.0fs", self.limits.max_samplers, quiet[:64], self.clock() - self._seen[quiet])
-        del self._seen[quiet], self._versions[quiet]
+        self._drop(quiet)
 
     def answered(self, sampler_id: str, versions: list[int]) -> None:
         """Groups of `sampler_id` with these weight versions were answered for good (accepted, duplicate or
@@ -125,10 +154,10 @@ class AdmissionControl:
             self._seen[sampler_id] = self.clock()
 
 
-def _reconcile(own: collections.Counter, reported: int, version: int) -> None:
-    """Make the count the ingest holds for a sampler match the sampler's own (which groups it still holds it knows
-    exactly): groups it discarded are taken from the oldest versions, ones the ingest never granted (e.g. before
-    an ingest restart) are put at `version`."""
+def _reconcile(own: collections.Counter, reported: int) -> None:
+    """Make the count the ingest holds for a sampler match the sampler's own where that is lower (which groups it
+    still holds it knows exactly): groups it discarded are taken from the oldest versions. A report of more than the
+    ingest granted and has not seen answered changes nothing: the ingest counts what it granted, never more."""
     for v in [v for v, n in own.items() if n <= 0]:
         del own[v]
     extra = sum(own.values()) - reported
@@ -138,5 +167,3 @@ def _reconcile(own: collections.Counter, reported: int, version: int) -> None:
         take = min(extra, own[v])
         own[v] -= take
         extra -= take
-    if extra < 0:
-        own[version] += -extra

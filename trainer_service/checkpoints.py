@@ -26,17 +26,18 @@ A failure that only says the storage did not answer (a timeout, a dropped connec
 tensorstore's UNAVAILABLE) says nothing about the checkpoint: it is retried with back-off and, if it lasts,
 the restore stops with CheckpointUnavailable and moves nothing, since moving a sound checkpoint aside on a
 network blip, twice in a row, would lose the window of groups it holds.
+In a trainer of several processes, process 0 alone walks the steps (`choose_step`) and every process restores the
+step it chose (`agree_step`): a process that cannot read that step stops the job with CheckpointDisagreement
+rather than restore another, as processes holding shards of different steps would train on a mix of both.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import errno
 import hashlib
 import json
 import logging
-import re
 import time
 from typing import Any, Callable
 
@@ -49,9 +50,14 @@ from grpo_stream.common.model.sharding import host_copy
 from grpo_stream.common.runtime.backoff import Backoff
 from grpo_stream.common.weights.snapshot import raw_bytes
 from grpo_stream.trainer_service.checkpoint_digest import DigestMissing, DigestWriter, check_digest
+from grpo_stream.trainer_service.checkpoint_errors import (CheckpointDisagreement, CheckpointMismatch,  # noqa: F401
+                                                           CheckpointRejected, CheckpointUnavailable,
+                                                           CheckpointUnverified, StorageBlip, is_transient)
 
 log = logging.getLogger(__name__)
 BASE_DIR = "lora-base"  # the frozen base of a LoRA run, written once
+RECORD_FILE = "record/metadata"  # where Orbax's JsonSave of item `record` writes it (its default file name)
+_UNAGREED = object()  # a multi-process trainer's restore step before process 0 chose it
 
 
 def tree_digest(tree: Any) -> str:
@@ -79,48 +85,6 @@ class Restored:
     record: dict
 
 
-class CheckpointRejected(RuntimeError):
-    """A checkpoint directory that cannot be used (unreadable, partial, or its files do not match their digest)."""
-
-
-class CheckpointUnverified(CheckpointRejected):
-    """A checkpoint saved with checkpoint.verify whose digest was never (completely) written."""
-
-
-class CheckpointMismatch(ValueError):
-    """A sound checkpoint of a different model or optimizer layout (a config change): never used, never moved."""
-
-
-class CheckpointUnavailable(RuntimeError):
-    """The checkpoint storage kept failing to answer while a checkpoint was read: nothing was moved aside."""
-
-
-class _StorageBlip(Exception):
-    """A read failed for a reason that passes (see is_transient); the checkpoint may well be sound."""
-
-
-# errors of the storage, not of the data: local disks rarely give them, network file systems (NFS, gcsfuse) do
-TRANSIENT_ERRNOS = frozenset({errno.EAGAIN, errno.EINTR, errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNREFUSED,
-                              errno.ECONNABORTED, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ENETDOWN, errno.ESTALE,
-                              errno.EBUSY, errno.ENOLCK, errno.EIO})
-# tensorstore (which Orbax reads arrays with) reports absl status codes in its errors' text
-_TRANSIENT_STATUS = re.compile(r"\b(UNAVAILABLE|DEADLINE_EXCEEDED|RESOURCE_EXHAUSTED|ABORTED)\b")
-
-
-def is_transient(exc: BaseException) -> bool:
-    """True when `exc`, or an error it wraps, says the storage did not answer rather than that the data is bad."""
-    seen = 0
-    while exc is not None and seen < 10:
-        if isinstance(exc, (TimeoutError, ConnectionError, InterruptedError, BlockingIOError)):
-            return True
-        if isinstance(exc, OSError) and exc.errno in TRANSIENT_ERRNOS:
-            return True
-        if _TRANSIENT_STATUS.search(str(exc)):
-            return True
-        exc, seen = exc.__cause__ or exc.__context__, seen + 1
-    return False
-
-
 class TrainerCheckpoints:
     def __init__(self, directory: str, keep: int, verify: bool, read_attempts: int = 5,
                  sleep: Callable[[float], None] = time.sleep):
@@ -136,6 +100,7 @@ class TrainerCheckpoints:
         self._digesting: list[tuple[int, Any, concurrent.futures.Future | None]] = []
         self._digests = DigestWriter() if verify and jax.process_index() == 0 else None
         self._newest_saved: int | None = None
+        self._agreed: Any = _UNAGREED  # the step every process restores (a trainer of several processes)
 
     def steps(self) -> list[int]:
         return sorted(self._manager.all_steps())
@@ -195,31 +160,98 @@ class TrainerCheckpoints:
 
     def restore_latest(self, state_like: dict) -> Restored | None:
         """The newest checkpoint that loads and verifies, placed like `state_like` (arrays with shardings); None
-        when there is none. Rejected ones are moved aside and logged."""
+        when there is none. Rejected ones are moved aside and logged. In a trainer of several processes: the step
+        process 0 chose for all (`choose_step` / `agree_step`), or an error."""
+        if jax.process_count() > 1:
+            return self._restore_agreed(state_like)
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state_like)
         for step in sorted(self._manager.all_steps(), reverse=True):
             try:
-                restored = self._restore_retrying(step, abstract)
+                restored = self._retrying(step, lambda: self._restore(step, abstract))
             except CheckpointRejected as exc:
-                unverified = isinstance(exc, CheckpointUnverified)
-                aside = self.directory / f"{'unverified' if unverified else 'corrupt'}-{step}-{int(time.time())}"
-                if jax.process_index() == 0:  # a multi-process trainer: all reject it, process 0 moves it
-                    log.log(logging.WARNING if unverified else logging.ERROR, "checkpoint of step %d in %s is "
-                            "%s (%s); moved to %s, trying the one before", step, self.directory,
-                            "unverified" if unverified else "unusable", exc, aside)
-                    (self.directory / str(step)).rename(aside)
-                self._manager.reload()  # every process: the step is gone (or going) from the listing
+                self._set_aside(step, exc)
                 continue
             log.info("resuming from the checkpoint of step %d (%s)", step, self.directory / str(step))
             return restored
         return None
 
-    def _restore_retrying(self, step: int, abstract: Any) -> Restored:
+    # -- a trainer of several processes: one step for all ---------------------------------------------------------
+    # Each process reads its own shards, and Orbax ends every restore at a barrier counted per process; were each to
+    # walk the steps itself, one that fails to read step N (a read error on its host only) would go on to N-1 while
+    # the others restore N, the barriers would still pair up, and the collectives would then run on mixed shards.
+    # So process 0 alone judges the steps (record and files, read directly: no barrier), every process restores the
+    # step it chose, and one that cannot read it stops the job instead of restoring another.
+    def choose_step(self) -> int | None:
+        """Process 0: the newest step whose record reads and, with checkpoint.verify, whose files match their digest
+        (rejected ones are moved aside, as restore_latest does); None when there is none. Send it to the others, who
+        call `agree_step` with it; every process's restore_latest then restores it."""
+        self._agreed = None
+        for step in sorted(self._manager.all_steps(), reverse=True):
+            try:
+                self._retrying(step, lambda: self._check_step(step))
+            except CheckpointRejected as exc:
+                self._set_aside(step, exc)
+                continue
+            self._agreed = step
+            break
+        return self._agreed
+
+    def agree_step(self, step: int | None) -> None:
+        """Processes other than 0: restore_latest restores `step` (process 0's `choose_step`), whatever this process
+        lists, or stops with CheckpointDisagreement when it cannot."""
+        self._manager.reload()  # process 0 may have moved newer steps aside since this manager listed them
+        if step is not None and step not in self._manager.all_steps():
+            raise CheckpointDisagreement(
+                f"trainer process {jax.process_index()}: checkpoint.dir {self.directory} does not hold the checkpoint "
+                f"of step {step}, which trainer process 0 chose for every process (it holds {self.steps()}): every "
+                "host must see the same checkpoint.dir (shared storage); the job stops rather than restore another "
+                "step")
+        self._agreed = step
+
+    def _restore_agreed(self, state_like: dict) -> Restored | None:
+        step = self._agreed
+        if step is _UNAGREED:
+            raise RuntimeError("a trainer of several processes restores only the step process 0 chose: call "
+                               "choose_step (process 0) or agree_step (the others) first")
+        if step is None:
+            return None
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state_like)
+        process = jax.process_index()
+        # nothing is moved aside here: process 0 judged the step (record, and the files' digest with verify) before
+        # choosing it, and a read that fails now may be a peer's failure (a process that died makes the restore's
+        # collectives fail here), which says nothing about the checkpoint
+        try:
+            restored = self._retrying(step, lambda: self._restore(step, abstract, check_files=False))
+        except CheckpointRejected as exc:
+            raise CheckpointDisagreement(
+                f"trainer process {process} cannot read the checkpoint of step {step} in {self.directory}, which "
+                f"trainer process 0 chose for every process ({exc}); the job stops rather than let its processes "
+                "restore different steps. If another trainer process failed first, its log says why; else make "
+                "this checkpoint readable from this host" + ("" if self.verify else
+                                                              " (checkpoint.verify would have set a damaged one aside)")
+            ) from exc
+        log.info("resuming from the checkpoint of step %d (%s), as every trainer process", step,
+                 self.directory / str(step))
+        return restored
+
+    def _set_aside(self, step: int, exc: CheckpointRejected) -> None:
+        """Move a rejected checkpoint aside (process 0 only: the directory is shared) and forget it."""
+        unverified = isinstance(exc, CheckpointUnverified)
+        aside = self.directory / f"{'unverified' if unverified else 'corrupt'}-{step}-{int(time.time())}"
+        if jax.process_index() == 0:
+            log.log(logging.WARNING if unverified else logging.ERROR, "checkpoint of step %d in %s is %s (%s); moved "
+                    "to %s, trying the one before", step, self.directory, "unverified" if unverified else "unusable",
+                    exc, aside)
+            (self.directory / str(step)).rename(aside)
+        self._manager.reload()  # the step is gone (or going) from the listing
+
+    def _retrying(self, step: int, read: Callable[[], Any]) -> Any:
+        """`read()` of the checkpoint of `step`, tried again with back-off while the storage does not answer."""
         backoff = Backoff(1.0, 15.0)
         for attempt in range(1, self.read_attempts + 1):
             try:
-                return self._restore(step, abstract)
-            except _StorageBlip as blip:
+                return read()
+            except StorageBlip as blip:
                 cause = blip.__cause__
                 if attempt == self.read_attempts:
                     raise CheckpointUnavailable(
@@ -233,38 +265,47 @@ class TrainerCheckpoints:
                 self._sleep(delay)
         raise AssertionError("unreachable")
 
-    def _restore(self, step: int, abstract: Any) -> Restored:
-        # the small JSON record first: a partial checkpoint or another layout is told apart before any array is read
-        try:
-            record = self._manager.restore(step, args=ocp.args.Composite(record=ocp.args.JsonRestore()))["record"]
+    def _check_step(self, step: int, abstract: Any = None, check_files: bool = True) -> dict:
+        """The record of `step`, checked before any array is read: it names the step, the layout matches
+        `abstract` (when given), and with verify the files match their digest (when `check_files`)."""
+        path = self.directory / str(step) / RECORD_FILE
+        try:  # read directly, not through Orbax: its restores are collective (see choose_step)
+            record = json.loads(path.read_text())
         except Exception as exc:  # noqa: BLE001 - an unreadable record is a partial or damaged checkpoint
             if is_transient(exc):
-                raise _StorageBlip() from exc
+                raise StorageBlip() from exc
             raise CheckpointRejected(f"its record is unreadable: {type(exc).__name__}: {str(exc)[:300]}") from exc
         if not isinstance(record, dict) or record.get("step") != step:
-            raise CheckpointRejected(f"its record names step {record.get('step') if isinstance(record, dict) else None}")
-        if record.get("layout") not in (None, tree_layout(abstract)):
+            named = record.get("step") if isinstance(record, dict) else None
+            raise CheckpointRejected(f"its record names step {named}")
+        if abstract is not None and record.get("layout") not in (None, tree_layout(abstract)):
             raise CheckpointMismatch(
                 f"checkpoint.dir {self.directory}: the checkpoint of step {step} holds a different model or optimizer "
                 "state (parameter shapes, dtypes or the KL reference of algo.beta changed); restore the run's config "
                 "or start a new run with another checkpoint.dir")
-        if self.verify and record.get("files_digest"):
+        if check_files and self.verify and record.get("files_digest"):
             self._check_files(step)  # before any array is read onto the devices
+        return record
+
+    def _restore(self, step: int, abstract: Any, check_files: bool = True) -> Restored:
+        # the small JSON record first: a partial checkpoint or another layout is told apart before any array is read
+        record = self._check_step(step, abstract, check_files)
         try:
             state = self._manager.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(abstract)))["state"]
         except Exception as exc:  # noqa: BLE001 - any other failure to read means "use the previous one"
             if is_transient(exc):
-                raise _StorageBlip() from exc
+                raise StorageBlip() from exc
             raise CheckpointRejected(f"{type(exc).__name__}: {str(exc)[:300]}") from exc
-        # checkpoints written before the files' digest carry a SHA-256 of their arrays in the record
+        # checkpoints written before the files' digest carry a SHA-256 of their arrays in the record (a gather: every
+        # process of a multi-process trainer computes it, in the same order)
         if self.verify and isinstance(record.get("digest"), str) and tree_digest(state) != record["digest"]:
             raise CheckpointRejected("its arrays do not match the SHA-256 saved with them")
         return Restored(step, state, record)
 
     def _check_files(self, step: int) -> None:
         """Raises CheckpointRejected when a file of the checkpoint differs from its digest, CheckpointUnverified
-        when the digest file is missing, _StorageBlip when the storage did not answer."""
+        when the digest file is missing, StorageBlip when the storage did not answer."""
         try:
             problem = check_digest(self.directory / str(step))
         except DigestMissing as exc:
@@ -272,7 +313,7 @@ class TrainerCheckpoints:
                                        "writing it)") from exc
         except Exception as exc:  # noqa: BLE001 - as reading the arrays: the storage, or a damaged checkpoint
             if is_transient(exc):
-                raise _StorageBlip() from exc
+                raise StorageBlip() from exc
             raise CheckpointRejected(f"its files cannot be read: {type(exc).__name__}: {str(exc)[:300]}") from exc
         if problem is not None:
             raise CheckpointRejected(problem)

@@ -12,23 +12,28 @@ from grpo_stream.common.runtime.console import detail_logger
 from grpo_stream.common.rollouts.buffer import BufferEntry, BufferUnavailable, RolloutBuffer
 from grpo_stream.common.rollouts.wire import GroupData, decode_group
 from grpo_stream.trainer_service.selection import select_batch
-from grpo_stream.common.runtime.backoff import Backoff
+from grpo_stream.common.runtime.backoff import Backoff, StopRequested, wait
 
 log = logging.getLogger(__name__)
 detail = detail_logger(__name__)
 T = TypeVar("T")
 
 
-def when_available(what: str, fn: Callable[[], T], sleep: Callable[[float], None] = time.sleep) -> T:
-    """fn() once the buffer answers: while its store is down (restarting, failing over) wait with back-off, logging."""
+def when_available(what: str, fn: Callable[[], T], stop: threading.Event | None = None) -> T:
+    """fn() once the buffer answers: while its store is down (restarting, failing over) wait with back-off, logging.
+    When the process is asked to stop (`stop` set) while the store is down, StopRequested at once instead: a stop
+    must not wait for Redis (which `up` does not restart while it stops the run); what was not written is redone
+    when the trainer resumes (its checkpoint lists the groups it has not acknowledged)."""
     backoff = Backoff(0.5, 10.0)
     while True:
         try:
             return fn()
         except BufferUnavailable as exc:
+            if stop is not None and stop.is_set():
+                raise StopRequested(f"{what}: Redis unavailable ({exc}) while stopping; not retried") from None
             delay = backoff.next()
             log.error("%s: Redis unavailable (%s); retrying in %.1fs", what, exc, delay)
-            sleep(delay)
+            wait(delay, stop)
 
 
 class GroupCollector:
@@ -50,7 +55,7 @@ class GroupCollector:
             if stale or flat:
                 when_available("settling dropped groups", lambda: self.buffer.settle(
                     [(e.entry_id, e.group_id, "dropped_stale", step) for e, _ in stale]
-                    + [(e.entry_id, e.group_id, "dropped_filtered", step) for e, _ in flat]))
+                    + [(e.entry_id, e.group_id, "dropped_filtered", step) for e, _ in flat]), self.stop_event)
             if stale:
                 detail.info("dropped %d stale groups (versions %s, trainer at %d, max_staleness %d)", len(stale),
                             sorted({g.policy_version for _, g in stale}), step - 1, holding)
@@ -64,7 +69,7 @@ class GroupCollector:
                 entries = self.buffer.read(max_count=need * 2, block_ms=500)
             except BufferUnavailable as exc:
                 log.error("buffer read failed: Redis unavailable (%s); retrying in 1s", exc)
-                time.sleep(1.0)
+                self.stop_event.wait(1.0)
                 continue
             undecodable = []
             for entry in entries:
@@ -74,9 +79,10 @@ class GroupCollector:
                     log.error("undecodable buffer entry %s dropped: %s", entry.entry_id, exc)
                     undecodable.append((entry.entry_id, entry.group_id, "dropped_invalid", step))
             if undecodable:
-                when_available("settling undecodable groups", lambda: self.buffer.settle(undecodable))
+                when_available("settling undecodable groups", lambda: self.buffer.settle(undecodable),
+                               self.stop_event)
             if time.time() - last_note > 10:
-                depth = when_available("reading the buffer depth", self.buffer.depth)
+                depth = when_available("reading the buffer depth", self.buffer.depth, self.stop_event)
                 log.info("step %d waiting for rollouts: %d/%d groups, %d more waiting in the buffer", step,
                          len(self.pending), need, depth - self.held() - len(self.pending))
                 last_note = time.time()

@@ -9,7 +9,9 @@ already holds. Every step, checkpoint and trainer start is written to the buffer
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
+import threading
 
 from grpo_stream.common.runtime.console import detail_logger
 from grpo_stream.common.config.schema import RunConfig
@@ -44,8 +46,11 @@ def updater_state(updater: PolicyUpdater) -> dict:
 
 
 class Durability:
-    def __init__(self, cfg: RunConfig, buffer: RolloutBuffer, checkpoints: TrainerCheckpoints, epoch: str):
+    def __init__(self, cfg: RunConfig, buffer: RolloutBuffer, checkpoints: TrainerCheckpoints, epoch: str,
+                 stop: threading.Event | None = None):
+        """`stop`: the process's stop event; a Redis outage during a stop ends the wait (StopRequested)."""
         self.cfg, self.buffer, self.checkpoints, self.epoch = cfg, buffer, checkpoints, epoch
+        self.available = functools.partial(when_available, stop=stop)
         self.unsettled: list[tuple[int, list[tuple[str, str]]]] = []  # (step, [(entry id, group id)]) not acked
         self.checkpointed: list[int] = []  # steps whose checkpoint is committed, by this process
         self.resumed_step = 0
@@ -61,9 +66,9 @@ class Durability:
     def trained(self, step: int, picked) -> None:
         """Record a step's groups: audit trail, held count, and the data and buffer positions they reach. Groups are
         picked in stream order, so the last one holds the buffer position."""
-        when_available("auditing a step", lambda: self.buffer.log_step(self.epoch, step, [e.group_id for e, _ in picked]))
+        self.available("auditing a step", lambda: self.buffer.log_step(self.epoch, step, [e.group_id for e, _ in picked]))
         self.unsettled.append((step, [(e.entry_id, e.group_id) for e, _ in picked]))
-        when_available("updating the held count", lambda: self.buffer.set_held(self.held()))
+        self.available("updating the held count", lambda: self.buffer.set_held(self.held()))
         for _, group in picked:
             if group.data_position is not None:
                 self.data_position[group.sampler_id] = max(self.data_position.get(group.sampler_id, -1),
@@ -87,7 +92,7 @@ class Durability:
         committed one (so a corrupt newest checkpoint still finds its groups in the buffer), or, at the end of a
         completed run (`everything`), up to the newest."""
         for step, _ in self.checkpoints.committed(wait=wait):
-            when_available("auditing a checkpoint", lambda: self.buffer.log_checkpoint(self.epoch, step))
+            self.available("auditing a checkpoint", lambda: self.buffer.log_checkpoint(self.epoch, step))
             self.checkpointed.append(step)
             detail.info("checkpoint of step %d saved", step)
         if not self.checkpointed:
@@ -96,14 +101,14 @@ class Durability:
                                                           else self.resumed_step)
         done = [(s, pairs) for s, pairs in self.unsettled if s <= upto]
         if done:
-            when_available("acknowledging trained groups", lambda: self.buffer.settle(
+            self.available("acknowledging trained groups", lambda: self.buffer.settle(
                 (eid, gid, "trained", s) for s, pairs in done for eid, gid in pairs))
             self.unsettled = [(s, pairs) for s, pairs in self.unsettled if s > upto]
-            when_available("updating the held count", lambda: self.buffer.set_held(self.held()))
+            self.available("updating the held count", lambda: self.buffer.set_held(self.held()))
         # the trail of what is now final folds into counts; not at a run's end (the newest step record stays, and
         # a continued run compacts it at its first checkpoint)
         if self.cfg.buffer.compact_audit and not everything and upto > self.compacted_through:
-            plan = when_available("compacting the audit trail", lambda: self.buffer.compact_audit(upto))
+            plan = self.available("compacting the audit trail", lambda: self.buffer.compact_audit(upto))
             self.compacted_through = upto  # once per acknowledged checkpoint (this runs every step)
             if plan.held_back:
                 log.warning("audit trail not compacted through step %d: %s (`grpo-stream audit` shows it)", upto,
@@ -135,7 +140,7 @@ class Durability:
             state["params"] = updater.join(state.pop("adapters"), frozen)
             if "ref_adapters" in state:
                 state["ref_params"] = updater.join(state.pop("ref_adapters"), frozen)
-        settled = when_available("settling the resumed checkpoint's groups", lambda: self.buffer.settle(
+        settled = self.available("settling the resumed checkpoint's groups", lambda: self.buffer.settle(
             (eid, gid, "trained", s) for eid, gid, s in record["unsettled"]))
         self.data_position = dict(record.get("data_position", {}))
         self.buffer_position = record.get("buffer_position", "0-0")

@@ -3,12 +3,17 @@
 A follower holds its shards, runs every program process 0 runs in the same order, serves its slices of each
 weight version, and saves its part of each checkpoint (Orbax writes every process's shards into the one
 checkpoint). It has no buffer, ingest or status: the steps' batches and the run's end come from process 0. Every
-method here mirrors one of loop.py's `Trainer`, and must launch the same collectives in the same order.
+method here mirrors one of loop.py's `Trainer`, and must launch the same collectives in the same order. It checks
+what it receives (typed, sealed messages in protocol order; the step process 0 chose to restore) and, on any error,
+ends at once (`stop_now`) so that the job stops instead of waiting for it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
+import sys
 
 from grpo_stream.common.engine.evaluation import greedy_probe
 from grpo_stream.common.rpc.grpc_util import ServerSecurity
@@ -16,6 +21,7 @@ from grpo_stream.common.weights.registry import weight_sink
 from grpo_stream.common.weights.transport import SinkContext
 from grpo_stream.trainer_service.batching import TrainBatch
 from grpo_stream.trainer_service.checkpoints import TrainerCheckpoints
+from grpo_stream.trainer_service.control_messages import ControlMessageError, Finish
 from grpo_stream.trainer_service.durability import updater_state
 from grpo_stream.trainer_service.loop import Trainer
 from grpo_stream.trainer_service.metrics import MetricsWriter
@@ -51,18 +57,19 @@ class FollowerTrainer(Trainer):
 
     def _start(self) -> tuple[PolicyUpdater, int, dict]:
         cfg = self.cfg
-        fields, _ = self.group.receive()
-        assert fields["kind"] == "start", fields
-        self.epoch = self.publisher.epoch = fields["epoch"]  # the versions are process 0's
-        restored, start = None, 0
-        if self.checkpoints.steps():
+        start, _ = self.group.receive("start")
+        self.epoch = self.publisher.epoch = start.epoch  # the versions are process 0's
+        # the step to restore is process 0's choice, whatever this process lists (checkpoints.py: choose_step)
+        self.checkpoints.agree_step(start.restore)
+        restored, start_step = None, 0
+        if start.restore is not None:
             updater = self._updater()
             restored = self.checkpoints.restore_latest(updater_state(updater))
         if restored is not None:
             state = restored.state
             updater.params, updater.opt_state = state["params"], state["opt_state"]
             updater.ref_params = state.get("ref_params", updater.ref_params)
-            self.params, start = updater.params, restored.step
+            self.params, start_step = updater.params, restored.step
         else:
             if cfg.warmstart.steps:
                 self.params, _ = warm_start(self.model, self.params, self.task, self.tokenizer, cfg, self.metrics,
@@ -73,51 +80,56 @@ class FollowerTrainer(Trainer):
                 self._evaluate("eval_before")
             updater = self._updater()
             self.params = updater.params
-        self._publish(start)
-        return updater, start, {}
+        self._publish(start_step)
+        return updater, start_step, {}
 
     def _run(self) -> dict:
         cfg = self.cfg
         updater, steps_done, _ = self._start()
         while True:
-            fields, arrays = self.group.receive()
-            if fields["kind"] != "step":
+            message, arrays = self.group.receive("step", "finish")
+            if message.kind == "finish":
                 break
-            step = fields["step"]
+            step = message.step
+            if step != steps_done + 1:
+                raise ControlMessageError(f"trainer process {self.group.index}: process 0 sent step {step} after "
+                                          f"step {steps_done}")
+            batch = train_batch(arrays)
             if self._after_step is not None and self.donate:  # as process 0: publication reads the old params
                 self._after_step.result()
-            updater.update(TrainBatch(**arrays))
+            updater.update(batch)
             self.params = updater.params
             steps_done = step
-            if fields["checkpoint"]:
+            if message.checkpoint:
                 self.checkpoints.save(step, updater_state(updater), {"process": self.group.index})
             self.checkpoints.committed()
             if self._after_step is not None:
                 self._after_step.result()
-            if fields["publish"]:
+            if message.publish:
                 self._after_step = self._worker.submit(self._publish, step, self.params,
                                                        final=step == cfg.trainer.steps)
-        assert fields["kind"] == "finish" and fields["steps"] == steps_done, (fields, steps_done)
+        if message.steps != steps_done:
+            raise ControlMessageError(f"trainer process {self.group.index}: process 0 finished at step "
+                                      f"{message.steps}, this process is at step {steps_done}")
         self._finish_background()
-        return self._finish_follower(updater, fields)
+        return self._finish_follower(updater, message)
 
-    def _finish_follower(self, updater: PolicyUpdater, finish: dict) -> dict:
+    def _finish_follower(self, updater: PolicyUpdater, finish: Finish) -> dict:
         """Mirrors Trainer._finish: the last checkpoint, and for a completed run the final evaluation, export and
         publication, serving until process 0 says every sampler has the final version, then the final check."""
-        cfg, steps_done = self.cfg, finish["steps"]
-        if finish["checkpoint"]:
+        cfg, steps_done = self.cfg, finish.steps
+        if finish.checkpoint:
             self.checkpoints.save(steps_done, updater_state(updater), {"process": self.group.index})
         self.checkpoints.committed(wait=True)
-        if not finish["complete"]:
+        if not finish.complete:
             self.server.stop()
             return {}
         if cfg.trainer.eval_after:
             self._evaluate("eval_after")
         self.model.to_named_numpy(self._plain(self.params))  # process 0 exports: its gathers need every process
-        if finish["publish"]:
+        if finish.publish:
             self._publish(steps_done, final=True)
-        fields, _ = self.group.receive()
-        assert fields["kind"] == "done", fields
+        self.group.receive("done")
         self.server.stop()
         if cfg.weights.verify_prompts:
             self.model.to_named_numpy(self._plain(self.params))
@@ -130,11 +142,36 @@ class FollowerTrainer(Trainer):
         try:
             self._setup()
             return self._run()
-        except BaseException:
+        except BaseException as exc:
             if getattr(self, "server", None) is not None:  # its threads would keep the process alive
                 self.server.stop(grace_s=0)
+            stop_now(self.group.index, exc)
             raise
         finally:
             self._worker.shutdown(wait=True)
             if getattr(self, "checkpoints", None) is not None:
                 self.checkpoints.close()
+
+
+def train_batch(arrays: dict) -> TrainBatch:
+    """The step's batch from process 0's arrays: exactly TrainBatch's fields."""
+    names = {f.name for f in dataclasses.fields(TrainBatch)}
+    if set(arrays) != names:
+        raise ControlMessageError(f"a step message from trainer process 0 holds arrays {sorted(arrays)}, not "
+                                  f"{sorted(names)}: the processes run different versions of grpo-stream")
+    return TrainBatch(**arrays)
+
+
+def stop_now(index: int, exc: BaseException) -> None:
+    """End this process at once after an error that process 0 did not cause (a forged message, a checkpoint it
+    cannot read): process 0 waits for it in a collective or a barrier, and JAX's at-exit shutdown would wait for
+    process 0 at another barrier for up to 5 minutes, so `up` (or a JobSet) would see a live process and a job that
+    hangs. Exiting lets the supervisor stop the job and restart it from its newest checkpoint."""
+    if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+        return
+    log.error("trainer process %d stops: %s: %s", index, type(exc).__name__, exc, exc_info=exc)
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)

@@ -19,7 +19,9 @@ import numpy as np
 from grpo_stream.common.rollouts.buffer import BufferUnavailable, Incoming, RedisStreamBuffer
 from grpo_stream.common.rpc.auth import TokenTable, caller_of, may_act_as
 from grpo_stream.trainer_service.admission import RETRY_AFTER_MS, AdmissionControl
-from grpo_stream.trainer_service.prompt_queue import PromptQueue
+from grpo_stream.trainer_service.claim_check import checked_claim
+from grpo_stream.trainer_service.prompt_queue import InjectedShare, PromptQueue
+from grpo_stream.common.tasks.rewards import allowed_names
 from grpo_stream.common.rollouts.wire import GroupLimits, validate_group
 from grpo_stream.protos import rollout_pb2, rollout_pb2_grpc
 
@@ -43,6 +45,9 @@ class Injection:
     claim_lease_s: float = 300.0
     retention_s: int = 7 * 86_400
     max_kept: int = 10_000
+    # reward names an injected prompt may ask for (built-ins and task.rewards); other prompts are refused at the claim
+    rewards: frozenset[str] = frozenset(allowed_names(()))
+    share: InjectedShare | None = None  # the injected share of each sampler's rows (None: no limit)
 
 
 class IngestServicer(rollout_pb2_grpc.RolloutIngestServicer):
@@ -222,12 +227,17 @@ class IngestServicer(rollout_pb2_grpc.RolloutIngestServicer):
         if self.injection is None:
             return rollout_pb2.ClaimedPrompts()
         try:
-            raw = self.injection.queue.claim(request.sampler_id, request.max_prompts, self.injection.claim_lease_s)
+            inj = self.injection
+            # the batch this claim fills is the one the sampler was just admitted for (a replica that did not
+            # admit it assumes a full batch)
+            batch = None if self.admission is None else self.admission.last_granted(request.sampler_id)
+            raw = inj.queue.claim(request.sampler_id, request.max_prompts, inj.claim_lease_s, inj.share, batch)
+            prompts = checked_claim(inj.queue, raw, inj.rewards, inj.retention_s, inj.max_kept)
         except BufferUnavailable as exc:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"prompt queue unavailable ({exc}); retry with backoff")
         with self._lock:
             self.stats["claimed"] += len(raw)
-        return rollout_pb2.ClaimedPrompts(prompts=[rollout_pb2.InjectedPrompt.FromString(r) for r in raw])
+        return rollout_pb2.ClaimedPrompts(prompts=prompts)
 
     def Admit(self, request, context):
         self._check_request_count(context, request.sampler_id, "groups", request.groups)

@@ -18,7 +18,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpo_stream.common.rollouts.buffer import RedisStreamBuffer
 from grpo_stream.common.config.schema import RunConfig
 from grpo_stream.common.rpc.grpc_util import ServerSecurity, bind, enable_reflection, new_server
-from grpo_stream.trainer_service.prompt_queue import PromptQueue
+from grpo_stream.trainer_service.prompt_queue import InjectedShare, PromptQueue
+from grpo_stream.common.tasks.rewards import allowed_names
 from grpo_stream.trainer_service.proto_decode import add_service
 from grpo_stream.common.rollouts.redis_server import connect_durable
 from grpo_stream.common.runtime.process import build_task_and_tokenizer, stop_on_signals
@@ -39,7 +40,9 @@ def ingest_servicers(cfg: RunConfig, buffer: RedisStreamBuffer, task, tokenizer,
     limits = GroupLimits(gen.num_generations, gen.max_prompt_tokens, gen.max_new_tokens, tokenizer.vocab_size)
     queue = PromptQueue(buffer.client, cfg.run.name)
     injection = Injection(queue, cfg.run.name, cfg.prompts.claim_lease_s, cfg.prompts.result_retention_s,
-                          cfg.prompts.max_kept_results)
+                          cfg.prompts.max_kept_results, frozenset(allowed_names(cfg.task.rewards)),
+                          InjectedShare(cfg.prompts.max_injected_fraction, cfg.sampler.prompts_per_batch,
+                                        gen.num_generations))
     admission = AdmissionControl(AdmissionLimits(cfg.trainer.groups_per_step, cfg.trainer.max_staleness,
                                                  cfg.trainer.steps, cfg.sampler.admission_lease_s,
                                                  cfg.sampler.admission_max_samplers))
@@ -50,13 +53,12 @@ def ingest_servicers(cfg: RunConfig, buffer: RedisStreamBuffer, task, tokenizer,
 
 
 class IngestServer:
-    def __init__(self, cfg: RunConfig, client: redis.Redis, task, tokenizer, security: ServerSecurity | None = None,
-                 workers: int = 16):
+    def __init__(self, cfg: RunConfig, client: redis.Redis, task, tokenizer, security: ServerSecurity | None = None):
         self.cfg, self.client, self.security = cfg, client, security
         self.servicer, self.prompts = ingest_servicers(cfg, RedisStreamBuffer(client, cfg.run.name), task, tokenizer,
                                                        security)
         self.health = health.HealthServicer()
-        self._server = new_server(security, workers + cfg.prompts.max_followers)  # followers hold a thread each
+        self._server = new_server(security)  # its call limits: cfg.rpc and cfg.prompts.max_followers
         add_service(self._server, self.servicer, SERVICE)
         add_service(self._server, self.prompts, PROMPTS)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
@@ -96,9 +98,9 @@ def run_ingest(cfg: RunConfig) -> dict:
     if cfg.redis.url is None:
         raise ValueError("redis.url is null: the ingest needs the buffer's Redis URL (e.g. redis.url=redis://host:6379/0)")
     security = ServerSecurity.from_config(cfg)  # a missing token table or certificate fails before any wait
-    client = connect_durable(cfg.redis, "ingest")
     stop = threading.Event()
-    stop_on_signals(stop, "in-flight calls")
+    stop_on_signals(stop, "in-flight calls")  # before the wait for Redis, which a stop ends
+    client = connect_durable(cfg.redis, "ingest", stop)
     task, tokenizer = build_task_and_tokenizer(cfg)  # token limits, and the template of injected questions
     server = IngestServer(cfg, client, task, tokenizer, security)
     port = server.start()

@@ -31,7 +31,7 @@ from grpo_stream.common.model.lora import LoraPolicy, apply_lora
 from grpo_stream.common.model.sharding import make_mesh, place
 from grpo_stream.common.rollouts.buffer import RUN_FILE
 from grpo_stream.common.rollouts.redis_server import redacted
-from grpo_stream.common.rollouts.registry import open_buffer
+from grpo_stream.common.rollouts.trainer_lease import open_leased_buffer
 from grpo_stream.common.rpc.grpc_util import ServerSecurity
 from grpo_stream.common.runtime.process import build_policy, build_task_and_tokenizer, stop_on_signals
 from grpo_stream.common.weights.registry import transport_spec, weight_sink
@@ -39,7 +39,7 @@ from grpo_stream.common.weights.snapshot import digest, new_epoch
 from grpo_stream.common.weights.transport import SinkContext
 from grpo_stream.trainer_service.batching import build_batch
 from grpo_stream.trainer_service.checkpoints import TrainerCheckpoints
-from grpo_stream.trainer_service.collector import GroupCollector, when_available
+from grpo_stream.trainer_service.collector import GroupCollector
 from grpo_stream.trainer_service.durability import Durability
 from grpo_stream.trainer_service.ingest_server import ingest_servicers
 from grpo_stream.trainer_service.metrics import MetricsWriter
@@ -96,10 +96,10 @@ class Trainer:
     def _setup(self) -> None:
         cfg = self.cfg
         security = ServerSecurity.from_config(cfg)  # a missing token table or certificate fails before any wait
-        self.buffer = open_buffer(cfg)
+        self.buffer, self.lease = open_leased_buffer(cfg, self.stop_event)  # one trainer per run, before any write
         self.durability = Durability(cfg, self.buffer, TrainerCheckpoints(
             cfg.checkpoint.dir or str((self.run_dir / "checkpoints").resolve()), cfg.checkpoint.keep,
-            cfg.checkpoint.verify), self.epoch)
+            cfg.checkpoint.verify), self.epoch, self.stop_event)
         self.checkpoints = self.durability.checkpoints
         # where `grpo-stream audit RUN_DIR` finds the trail (the password stays out of the file)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -113,8 +113,7 @@ class Trainer:
                                          w.max_serve_mb_s, w.wire_dtype, epoch=self.epoch)
         tcp = transport.trainer_serves and w.data_plane == "tcp"
         self.server = TrainerServer(self.ingest, self.publisher, cfg.trainer.host, cfg.trainer.port,
-                                    data_port=w.data_port if tcp else None, security=security, prompts=prompts,
-                                    workers=16 + cfg.prompts.max_followers)
+                                    data_port=w.data_port if tcp else None, security=security, prompts=prompts)
         port = self.server.start()
         if self.group is not None:  # the manifest lists every process's slices, once all of them serve a version
             self.group.serve_versions(self.publisher, port, self.server.data.port if self.server.data else 0)
@@ -171,7 +170,8 @@ class Trainer:
             raise
         finally:
             self._worker.shutdown(wait=True)
-            for part, closer in (("status", "stop"), ("checkpoints", "close"), ("reporter", "close")):
+            for part, closer in (("status", "stop"), ("checkpoints", "close"), ("reporter", "close"),
+                                 ("lease", "release")):
                 if getattr(self, part, None) is not None:
                     getattr(getattr(self, part), closer)()
         return summary
@@ -199,8 +199,8 @@ class Trainer:
         Returns (updater, the step the weights are at, what the checkpoints carry along)."""
         cfg = self.cfg
         resumed = None
-        if self.group is not None:
-            self.group.send("start", {"epoch": self.epoch})
+        if self.group is not None:  # process 0 chooses the checkpoint every process restores (checkpoints.py)
+            self.group.send("start", {"epoch": self.epoch, "restore": self.checkpoints.choose_step()})
         if self.checkpoints.steps():
             updater = self._updater()
             resumed = self.durability.resume(updater)
@@ -211,10 +211,10 @@ class Trainer:
             self.params = updater.params
             self.resumed_from = {"step": resumed.step, "epoch": record["epoch"]}
             carried = {"warmstart": record.get("warmstart"), "eval_before": record.get("eval_before")}
-            when_available("auditing the start", lambda: self.buffer.log_trainer(self.epoch, resumed.step,
-                                                                                 record["epoch"]))
+            self.durability.available("auditing the start", lambda: self.buffer.log_trainer(
+                self.epoch, resumed.step, record["epoch"]))
         else:
-            trained = when_available("reading the buffer counters", self.buffer.counters)["trained"]
+            trained = self.durability.available("reading the buffer counters", self.buffer.counters)["trained"]
             if trained:  # acknowledged groups exist only once a checkpoint held them: this run has one elsewhere
                 raise ValueError(
                     f"Redis already holds run {cfg.run.name!r} with {trained} trained groups, but "
@@ -232,8 +232,8 @@ class Trainer:
                        "eval_before": self._evaluate("eval_before") if cfg.trainer.eval_before else None}
             updater = self._updater()
             self.params = updater.params
-            when_available("auditing the start", lambda: self.buffer.log_trainer(self.epoch, 0, ""))
-        when_available("updating the held count", lambda: self.buffer.set_held(0))  # a dead predecessor's count
+            self.durability.available("auditing the start", lambda: self.buffer.log_trainer(self.epoch, 0, ""))
+        self.durability.available("updating the held count", lambda: self.buffer.set_held(0))  # a dead one's count
         start = self.durability.resumed_step
         self._publish(start)
         self.status.step = start
@@ -327,9 +327,9 @@ class Trainer:
                                       "sha256": digest(self.model.to_named_numpy(self._plain(self.params))),
                                       "greedy": greedy_probe(self.engine, self._plain(self.params), self.tokenizer,
                                                              problems, cfg.eval.batch_size)}
-        counters = {**when_available("reading the buffer counters", self.buffer.counters),
+        counters = {**self.durability.available("reading the buffer counters", self.buffer.counters),
                     "trained_mixed_versions": self.mixed_version_groups}
-        by_sampler = when_available("reading the buffer counters", self.buffer.ingested_by_sampler)
+        by_sampler = self.durability.available("reading the buffer counters", self.buffer.ingested_by_sampler)
         return write_summary(self.run_dir / "summary.json", cfg, steps=steps_done, counters=counters,
                              by_sampler=by_sampler, publisher=self.publisher, durability=self.durability,
                              agreement=self.agreement, mesh_shape=dict(self.mesh.shape),

@@ -6,7 +6,13 @@ NCCL on GPUs, Gloo between CPU processes). Process 0 leads: it alone serves the 
 the buffer and acknowledges groups, and it sends every other process what they cannot decide alone, in order:
 each step's batch and whether that step checkpoints and publishes, and the end of the run. The messages travel
 through the key-value store of JAX's distributed runtime (the coordination service process 0 runs), not through a
-device collective: a batch's shape changes from step to step and would compile a broadcast per shape.
+device collective: a batch's shape changes from step to step and would compile a broadcast per shape. That store
+takes writes from anything reaching the coordinator port, so every message and announcement is sealed with the
+job's secret and checked on receipt (control_messages.py): a forged, overwritten or replayed one is never acted
+on (the process that reads it stops the job with an error naming it), and the keys' names cannot be guessed (so a
+key written ahead cannot be read first, nor make the writer fail). Process 0 also decides the checkpoint step every
+process restores and sends it in the first message (checkpoints.py: a process that cannot read that step stops
+instead of restoring another).
 
 Each process serves its own slices of each published version (common/weights/host_shards.py); process 0's
 manifest lists every process's address and switches to a version only once all of them serve it.
@@ -17,8 +23,6 @@ and restarts from the newest checkpoint, as a JobSet restarts its pods and `up` 
 
 from __future__ import annotations
 
-import io
-import json
 import logging
 import os
 import socket
@@ -29,6 +33,7 @@ import numpy as np
 
 from grpo_stream.common.config.schema import RunConfig
 from grpo_stream.protos import weights_pb2
+from grpo_stream.trainer_service.control_messages import STREAMS, ControlCodec, ControlMessageError, Hosts, load_secret
 
 log = logging.getLogger(__name__)
 
@@ -39,10 +44,11 @@ KEEP_MESSAGES = 4  # messages kept in the store: each one's work meets a collect
 
 
 class TrainerGroup:
-    """This process's place in a multi-process trainer and the channel from process 0 to the others."""
+    """This process's place in a multi-process trainer and the channel from process 0 to the others. Every value it
+    writes into the store is sealed by `codec` (control_messages.py) and every value it reads is opened by it."""
 
-    def __init__(self, processes: int, index: int, client: Any):
-        self.processes, self.index, self._client = processes, index, client
+    def __init__(self, processes: int, index: int, client: Any, codec: ControlCodec):
+        self.processes, self.index, self._client, self._codec = processes, index, client, codec
         self._sent = self._received = 0
         self._announced: list[tuple[str, int]] = []  # (epoch, version) whose announcements process 0 read
 
@@ -52,20 +58,25 @@ class TrainerGroup:
 
     # -- messages: process 0 -> every other process, in order --------------------------------------------------
     def send(self, kind: str, fields: dict | None = None, arrays: dict[str, np.ndarray] | None = None) -> None:
-        """Process 0: send message `kind` with JSON `fields` and numpy `arrays` to every other process."""
-        header = json.dumps({"kind": kind, **(fields or {})}).encode()
-        body = io.BytesIO()
-        np.savez(body, **(arrays or {}))
-        self._client.key_value_set_bytes(f"grpo/msg/{self._sent}", len(header).to_bytes(8, "little") + header
-                                         + body.getvalue())
-        if self._sent >= KEEP_MESSAGES:
-            self._client.key_value_delete(f"grpo/msg/{self._sent - KEEP_MESSAGES}")
+        """Process 0: send message `kind` (control_messages.py: start, step, finish, done) with its `fields` and numpy
+        `arrays` to every other process."""
+        message = STREAMS["msg"].validate_python({"kind": kind, **(fields or {})})
+        seq = self._sent
+        # overwriting: a key can only exist already if something wrote it in the job's name, and it is never read
+        # before this write (its name is unguessable); refusing to write would stop the job (ALREADY_EXISTS)
+        self._client.key_value_set_bytes(self._codec.key("msg", seq), self._codec.seal("msg", seq, message, arrays),
+                                         allow_overwrite=True)
+        if seq >= KEEP_MESSAGES:
+            self._client.key_value_delete(self._codec.key("msg", seq - KEEP_MESSAGES))
         self._sent += 1
 
-    def receive(self) -> tuple[dict, dict[str, np.ndarray]]:
-        """Another process: the next message from process 0, (fields with "kind", arrays); waits as long as needed
-        and raises when process 0 is gone (its coordination service answers no more)."""
-        key = f"grpo/msg/{self._received}"
+    def receive(self, *kinds: str) -> tuple[Any, dict[str, np.ndarray]]:
+        """Another process: the next message from process 0, (message, arrays), one of `kinds`; waits as long as
+        needed. Raises ControlMessageError when the value there is not process 0's next message (forged, replayed,
+        overwritten or of another kind than the protocol expects here: the job stops rather than act on it), and
+        RuntimeError when process 0 is gone (its coordination service answers no more)."""
+        seq = self._received
+        key = self._codec.key("msg", seq)
         while True:
             try:
                 raw = self._client.blocking_key_value_get_bytes(key, WAIT_MS)
@@ -74,18 +85,21 @@ class TrainerGroup:
                 if "DEADLINE_EXCEEDED" not in str(exc):
                     raise RuntimeError(f"trainer process {self.index}: lost trainer process 0 ({exc}); the job "
                                        "stops and restarts from its newest checkpoint") from exc
+        message, arrays = self._codec.open("msg", seq, raw, f"key {key} of the coordination service")
+        if kinds and message.kind not in kinds:
+            raise ControlMessageError(f"trainer process {self.index}: message {seq} from trainer process 0 is "
+                                      f"{message.kind!r} where {' or '.join(kinds)} comes in the protocol: the "
+                                      "processes run different versions of grpo-stream")
         self._received += 1
-        size = int.from_bytes(raw[:8], "little")
-        fields = json.loads(raw[8:8 + size])
-        with np.load(io.BytesIO(raw[8 + size:]), allow_pickle=False) as npz:  # never unpickles
-            arrays = {name: npz[name] for name in npz.files}
-        return fields, arrays
+        return message, arrays
 
     # -- weight publication from every process ------------------------------------------------------------------
     def announce(self, epoch: str, version: int, port: int, data_port: int) -> None:
         """Every process: it serves its slices of `version` of trainer epoch `epoch` at its address."""
-        where = {"address": advertised_host(), "port": port, "data_port": data_port}
-        self._client.key_value_set(f"grpo/weights/{epoch}/{version}/{self.index}", json.dumps(where))
+        where = Hosts(epoch=epoch, version=version, process=self.index, address=advertised_host(), port=port,
+                      data_port=data_port)
+        self._client.key_value_set_bytes(self._codec.key("hosts", version, epoch, self.index),
+                                         self._codec.seal("hosts", version, where), allow_overwrite=True)
 
     def serve_versions(self, publisher: Any, port: int, data_port: int) -> None:
         """Hook `publisher` (a WeightPublisher) so that each version it switches to is announced as served by this
@@ -98,30 +112,39 @@ class TrainerGroup:
         publisher.gather_hosts = switch
 
     def hosts_of(self, manifest: weights_pb2.WeightManifest, timeout_s: float) -> None:
-        """Process 0: wait until every process serves `manifest`'s version, then list them in `manifest.hosts`."""
+        """Process 0: wait until every process serves `manifest`'s version, then list them in `manifest.hosts`.
+        Raises ControlMessageError when an announcement is not authentic (samplers would send their tokens to
+        whoever wrote it)."""
         manifest.ClearField("hosts")
+        epoch, version = manifest.trainer_epoch, manifest.version
         for p in range(self.processes):
-            key = f"grpo/weights/{manifest.trainer_epoch}/{manifest.version}/{p}"
+            key = self._codec.key("hosts", version, epoch, p)
             try:
-                where = json.loads(self._client.blocking_key_value_get(key, int(timeout_s * 1000)))
+                raw = self._client.blocking_key_value_get_bytes(key, int(timeout_s * 1000))
             except Exception as exc:  # noqa: BLE001
-                raise RuntimeError(f"trainer process {p} did not serve weight version {manifest.version} within "
+                raise RuntimeError(f"trainer process {p} did not serve weight version {version} within "
                                    f"{timeout_s:.0f}s ({exc})") from exc
-            manifest.hosts.add(**where)
-        self._announced.append((manifest.trainer_epoch, manifest.version))
+            where, _ = self._codec.open("hosts", version, raw, f"key {key} (trainer process {p}'s address for "
+                                        f"weight version {version})")
+            if (where.epoch, where.version, where.process) != (epoch, version, p):
+                raise ControlMessageError(f"key {key}: the announcement names trainer process {where.process}, "
+                                          f"version {where.version} of epoch {where.epoch!r}, where trainer process "
+                                          f"{p}'s of version {version} of epoch {epoch!r} was expected")
+            manifest.hosts.add(address=where.address, port=where.port, data_port=where.data_port)
+        self._announced.append((epoch, version))
         if len(self._announced) > 2:  # older announcements are never read again
-            epoch, version = self._announced.pop(0)
+            old_epoch, old_version = self._announced.pop(0)
             for p in range(self.processes):
-                self._client.key_value_delete(f"grpo/weights/{epoch}/{version}/{p}")
+                self._client.key_value_delete(self._codec.key("hosts", old_version, old_epoch, p))
 
 
 def ignore_signals() -> None:
-    """Trainer processes other than 0 ignore SIGTERM/SIGINT: process 0 stops the job (a checkpoint by all of them),
-    and they exit when it tells them or when it is gone."""
+    """Trainer processes other than 0 ignore SIGTERM/SIGINT/SIGHUP: process 0 stops the job (a checkpoint by all of
+    them), and they exit when it tells them or when it is gone."""
     import signal  # noqa: PLC0415
 
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def advertised_host() -> str:
@@ -145,7 +168,24 @@ def start_group(cfg: RunConfig) -> TrainerGroup | None:
                          "auto, and set trainer.processes to the number of hosts")
     from jax._src.distributed import global_state  # noqa: PLC0415 - the runtime's key-value store (Orbax uses it too)
 
-    group = TrainerGroup(n, jax.process_index(), global_state.client)
+    group = join_group(n, jax.process_index(), global_state.client)
     log.info("trainer process %d of %d (%d local devices of %d)", group.index, n, jax.local_device_count(),
              jax.device_count())
     return group
+
+
+def join_group(processes: int, index: int, client: Any) -> TrainerGroup:
+    """This process's TrainerGroup in a JAX job that has joined already: the shared secret from the environment
+    (control_messages.load_secret) and this start's incarnation, which every process calls for together."""
+    secret = load_secret()  # before the collective: a process without it stops here, naming the setting
+    return TrainerGroup(processes, index, client, ControlCodec(secret, agree_incarnation()))
+
+
+def agree_incarnation() -> bytes:
+    """16 random bytes of process 0, the same in every process: broadcast over the job's own collective (not the
+    key-value store, where anyone reaching the coordinator could plant an old incarnation to replay old messages
+    into). A collective: every process calls it once, at the same point of its start."""
+    from jax.experimental import multihost_utils  # noqa: PLC0415
+
+    mine = np.frombuffer(os.urandom(16), np.uint8)
+    return np.asarray(multihost_utils.broadcast_one_to_all(mine), np.uint8).tobytes()

@@ -7,9 +7,14 @@ Layout for run R (prefix P, next to the rollout buffer's keys):
                          until prompts.max_kept_results newer ones finished (common/rollouts/kept_results.py).
   P:R:inject:queue       sorted set of queued ids; score = (max_priority - priority) * 2^32 + sequence, so higher
                          priority first and first come first served within a priority
+  P:R:inject:q:<client>  the same, one client's queued ids only: the order of that client's own prompts
+  P:R:inject:turns       sorted set: client with queued prompts -> the virtual time its next prompt starts at
+  P:R:inject:finish      hash: client -> virtual time its last claimed prompt ended at; P:R:inject:vtime: the
+                         virtual time now (fair queuing across clients, below)
   P:R:inject:claimed     sorted set of claimed ids by claim time (a claim older than the lease is queued again)
   P:R:inject:pending     hash: client name -> its unfinished prompts (the per-client quota)
   P:R:inject:samplers    hash: sampler id -> time of its last claim (samplers active in the last minute share)
+  P:R:inject:credit      hash: sampler id -> injected rows it may still claim (the injected share of its batches)
   P:R:inject:seq         counter
   P:R:tag:<tag>          set of ids carrying the tag (expires the retention after its newest prompt)
   P:R:results            stream: one entry (`id`) per prompt that finished (done or cancelled), for followers
@@ -17,12 +22,25 @@ Layout for run R (prefix P, next to the rollout buffer's keys):
                          rollout stream; the audit checks no trained step lists one)
   P:R:status             the trainer's status (JSON), rewritten every second
 
+Two shares keep one client from starving training (a client token could otherwise fill every batch: injected
+prompts go into a batch before dataset prompts, sampler_service/batches.py). Across clients, claims are weighted fair
+queuing (start-time fair queuing): the client whose turn starts first is served, and a prompt of priority p moves its
+client's next turn on by 1 / (1 + p), so a client flooding at priority 9 takes at most 10 of every 11 prompts claimed
+while another client waits at priority 0, never all of them; a client that had nothing queued joins at the current
+virtual time (idleness earns no credit). Priority orders a client's own prompts strictly. And per sampler, injected
+prompts take at most prompts.max_injected_fraction of the rows of the batches it claims for: each claim adds that
+fraction of the batch's rows (the sampler's last admission grant, else sampler.prompts_per_batch, times
+generation.num_generations) to its credit, capped at one full batch's share, and each prompt claimed spends its rows
+(a prompt larger than the credit is taken while any is left, and repaid by later claims), so dataset prompts keep the
+rest however many prompts wait.
+
 Answers are recorded by the rollout buffer's append script (common/rollouts/buffer.py) in the same atomic step that puts a
 train=true group into the rollout stream, so an answer is recorded once and trained at most once.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
@@ -35,51 +53,83 @@ from grpo_stream.common.rollouts.redis_errors import redis_call
 
 ACTIVE_SAMPLER_S = 60.0
 
-_SUBMIT = """
+# Shared by the scripts: a client with queued prompts holds a turn; one that had none joins at the virtual time now
+# or where its last prompt ended, whichever is later.
+_TURNS = """
+local function enter_turns(base, client)
+  local turns = base .. ':inject:turns'
+  if redis.call('ZSCORE', turns, client) then return end
+  local start = math.max(tonumber(redis.call('GET', base .. ':inject:vtime') or '0'),
+                         tonumber(redis.call('HGET', base .. ':inject:finish', client) or '0'))
+  redis.call('ZADD', turns, start, client)
+end
+"""
+
+_SUBMIT = _TURNS + """
 local base, client, now = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local max_queued, max_pending, maxp = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
 local retention = tonumber(ARGV[7])
-local n = (#ARGV - 7) / 6
+local n = (#ARGV - 7) / 7
 local queued = redis.call('ZCARD', KEYS[1]) + redis.call('ZCARD', KEYS[2])
 if queued + n > max_queued then return {'full', tostring(queued)} end
 local pending = tonumber(redis.call('HGET', KEYS[3], client) or '0')
 if pending + n > max_pending then return {'quota', tostring(pending)} end
-for i = 8, #ARGV, 6 do
+for i = 8, #ARGV, 7 do
   local pid, priority = ARGV[i], tonumber(ARGV[i + 1])
   local seq = redis.call('INCR', KEYS[4]) % 4294967296
   local score = (maxp - priority) * 4294967296 + seq
   local pkey = base .. ':prompt:' .. pid
   redis.call('HSET', pkey, 'req', ARGV[i + 2], 'spec', ARGV[i + 3], 'client', client, 'state', 'queued',
-             'train', ARGV[i + 4], 'score', score, 'submitted', now, 'tags', ARGV[i + 5])
+             'train', ARGV[i + 4], 'score', score, 'submitted', now, 'tags', ARGV[i + 5], 'rows', ARGV[i + 6],
+             'priority', priority)
   redis.call('ZADD', KEYS[1], score, pid)
+  redis.call('ZADD', base .. ':inject:q:' .. client, score, pid)
   for _, tag in ipairs(cjson.decode(ARGV[i + 5])) do
     redis.call('SADD', base .. ':tag:' .. tag, pid)
     redis.call('EXPIRE', base .. ':tag:' .. tag, retention)  -- a tag outlives its last prompt by the retention
   end
 end
+enter_turns(base, client)
 redis.call('HINCRBY', KEYS[3], client, n)
 return {'ok', tostring(queued + n)}
 """
 
 # Expired claims go back to the queue first; then this sampler takes at most its share of the unfinished prompts
 # (queued or claimed) among the samplers that claimed in the last minute, less what it holds already, so an
-# injection spreads evenly over the samplers.
-_CLAIM = """
+# injection spreads evenly over the samplers; and no more rows than its credit (the injected share of its batches).
+# Each prompt comes from the client whose turn starts first (the fair queuing in the module docstring). Prompts
+# queued by a version without per-client queues are moved into them first.
+_CLAIM = _TURNS + """
 local base, sampler, want, now = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
 local lease, window = tonumber(ARGV[5]), tonumber(ARGV[6])
+local grant_rows, burst_rows, default_rows = tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
+local function requeue(pid, pkey)
+  local client = redis.call('HGET', pkey, 'client') or ''
+  local score = tonumber(redis.call('HGET', pkey, 'score') or '0')
+  redis.call('ZADD', KEYS[1], score, pid)
+  redis.call('ZADD', base .. ':inject:q:' .. client, score, pid)
+  enter_turns(base, client)
+end
+if redis.call('ZCARD', KEYS[4]) == 0 and redis.call('ZCARD', KEYS[1]) > 0 then
+  for _, pid in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do requeue(pid, base .. ':prompt:' .. pid) end
+end
 for _, pid in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now - lease)) do
   redis.call('ZREM', KEYS[2], pid)
   local pkey = base .. ':prompt:' .. pid
   if redis.call('HGET', pkey, 'state') == 'claimed' then
     redis.call('HSET', pkey, 'state', 'queued')
-    redis.call('ZADD', KEYS[1], tonumber(redis.call('HGET', pkey, 'score')), pid)
+    requeue(pid, pkey)
   end
 end
 redis.call('HSET', KEYS[3], sampler, now)
 local active, seen = 0, redis.call('HGETALL', KEYS[3])
 for i = 1, #seen, 2 do
-  if now - tonumber(seen[i + 1]) <= window then active = active + 1 else redis.call('HDEL', KEYS[3], seen[i]) end
+  if now - tonumber(seen[i + 1]) <= window then active = active + 1 else
+    redis.call('HDEL', KEYS[3], seen[i])
+    redis.call('HDEL', KEYS[5], seen[i])
+  end
 end
+local credit = math.min(tonumber(redis.call('HGET', KEYS[5], sampler) or '0') + grant_rows, burst_rows)
 local queued, held = redis.call('ZCARD', KEYS[1]), 0
 local claimed = redis.call('ZRANGE', KEYS[2], 0, -1)
 for _, pid in ipairs(claimed) do
@@ -87,18 +137,36 @@ for _, pid in ipairs(claimed) do
 end
 -- a share of everything unfinished (queued or claimed), less what this sampler already holds
 local take = math.min(want, queued, math.ceil((queued + #claimed) / math.max(active, 1)) - held)
-local out = {}
-if take <= 0 then return out end
-local popped = redis.call('ZPOPMIN', KEYS[1], take)
-for i = 1, #popped, 2 do
-  local pid = popped[i]
-  local pkey = base .. ':prompt:' .. pid
-  if redis.call('HGET', pkey, 'state') == 'queued' then  -- never hand out a finished prompt again
-    redis.call('HSET', pkey, 'state', 'claimed', 'sampler', sampler, 'claimed', now)
-    redis.call('ZADD', KEYS[2], now, pid)
-    out[#out + 1] = redis.call('HGET', pkey, 'req')
+local out, turns = {}, base .. ':inject:turns'
+while #out < take and credit > 0 do
+  local head = redis.call('ZRANGE', turns, 0, 0, 'WITHSCORES')
+  if #head == 0 then break end
+  local client, start = head[1], tonumber(head[2])
+  local cq = base .. ':inject:q:' .. client
+  local popped = redis.call('ZPOPMIN', cq)
+  if #popped == 0 then
+    redis.call('ZREM', turns, client)
+  else
+    local pid = popped[1]
+    local pkey = base .. ':prompt:' .. pid
+    redis.call('ZREM', KEYS[1], pid)
+    if redis.call('HGET', pkey, 'state') == 'queued' then  -- never hand out a finished prompt again
+      local finish = start + 1 / (1 + tonumber(redis.call('HGET', pkey, 'priority') or '0'))
+      redis.call('SET', base .. ':inject:vtime', start)
+      if redis.call('ZCARD', cq) > 0 then
+        redis.call('ZADD', turns, finish, client)
+      else
+        redis.call('ZREM', turns, client)
+        redis.call('HSET', base .. ':inject:finish', client, finish)
+      end
+      redis.call('HSET', pkey, 'state', 'claimed', 'sampler', sampler, 'claimed', now)
+      redis.call('ZADD', KEYS[2], now, pid)
+      out[#out + 1] = redis.call('HGET', pkey, 'req')
+      credit = credit - tonumber(redis.call('HGET', pkey, 'rows') or default_rows)
+    end
   end
 end
+redis.call('HSET', KEYS[5], sampler, credit)
 return out
 """
 
@@ -120,6 +188,7 @@ for i = 8, #ARGV do
   if state == 'queued' or state == 'claimed' then
     redis.call('HSET', pkey, 'state', 'cancelled', 'finished', now)
     redis.call('ZREM', KEYS[1], pid)
+    redis.call('ZREM', base .. ':inject:q:' .. redis.call('HGET', pkey, 'client'), pid)
     redis.call('ZREM', KEYS[2], pid)
     redis.call('HINCRBY', KEYS[3], redis.call('HGET', pkey, 'client'), -1)
     finish_prompt(base, gid_prefix, pid, now, retention, keep)
@@ -130,6 +199,23 @@ for i = 8, #ARGV do
 end
 return out
 """
+
+
+@dataclasses.dataclass(frozen=True)
+class InjectedShare:
+    """The injected share of a sampler's batches: `fraction` (prompts.max_injected_fraction) of the rows of each
+    batch it claims for, a full batch being `prompts_per_batch` prompts of `group_rows` (generation.num_generations)
+    rows each."""
+
+    fraction: float
+    prompts_per_batch: int
+    group_rows: int
+
+    def rows(self, batch_groups: int | None) -> tuple[float, float]:
+        """(credit one claim adds, the most credit kept) for a batch of `batch_groups` groups (None: a full one)."""
+        full = self.fraction * self.prompts_per_batch * self.group_rows
+        groups = self.prompts_per_batch if batch_groups is None else min(batch_groups, self.prompts_per_batch)
+        return self.fraction * groups * self.group_rows, full
 
 
 class QueueFull(Exception):
@@ -148,6 +234,7 @@ class PromptQueue:
         k = self.base
         self.queue, self.claimed = f"{k}:inject:queue", f"{k}:inject:claimed"
         self.pending, self.samplers, self.seq = f"{k}:inject:pending", f"{k}:inject:samplers", f"{k}:inject:seq"
+        self.turns, self.credit = f"{k}:inject:turns", f"{k}:inject:credit"
         self.results, self.status_key, self.rollouts = f"{k}:results", f"{k}:status", f"{k}:rollouts"
         self._submit = client.register_script(_SUBMIT)
         self._claim = client.register_script(_CLAIM)
@@ -163,13 +250,14 @@ class PromptQueue:
     def new_id() -> str:
         return f"p-{uuid.uuid4().hex[:16]}"
 
-    def submit(self, client_name: str, items: list[tuple[str, int, bytes, bytes, bool, list[str]]], max_queued: int,
-               max_pending: int, max_priority: int, retention_s: int = 7 * 86_400) -> int:
-        """Queue (id, priority, InjectedPrompt bytes, PromptSpec bytes, train, tags) items, all or none. Returns the
-        queue length after; raises QueueFull (nothing queued) when the queue or the client's quota has no room."""
+    def submit(self, client_name: str, items: list[tuple[str, int, bytes, bytes, bool, list[str], int]],
+               max_queued: int, max_pending: int, max_priority: int, retention_s: int = 7 * 86_400) -> int:
+        """Queue (id, priority, InjectedPrompt bytes, PromptSpec bytes, train, tags, rows) items, all or none; `rows`:
+        the completions the prompt asks for (its num_generations). Returns the queue length after; raises QueueFull
+        (nothing queued) when the queue or the client's quota has no room."""
         args: list = [self.base, client_name, self.clock(), max_queued, max_pending, max_priority, retention_s]
-        for pid, priority, req, spec, train, tags in items:
-            args += [pid, priority, req, spec, int(train), json.dumps(tags)]
+        for pid, priority, req, spec, train, tags, rows in items:
+            args += [pid, priority, req, spec, int(train), json.dumps(tags), rows]
         status, count = (x.decode() for x in self._call(lambda: self._submit(
             keys=[self.queue, self.claimed, self.pending, self.seq], args=args)))
         if status == "full":
@@ -180,10 +268,16 @@ class PromptQueue:
                             f"(prompts.max_pending_per_client={max_pending}); {len(items)} more exceed it")
         return int(count)
 
-    def claim(self, sampler_id: str, want: int, lease_s: float) -> list[bytes]:
-        """InjectedPrompt bytes of up to `want` prompts for this sampler (its fair share of the queue)."""
-        return self._call(lambda: self._claim(keys=[self.queue, self.claimed, self.samplers], args=[
-            self.base, sampler_id, want, self.clock(), lease_s, ACTIVE_SAMPLER_S]))
+    def claim(self, sampler_id: str, want: int, lease_s: float, share: InjectedShare | None = None,
+              batch_groups: int | None = None) -> list[bytes]:
+        """InjectedPrompt bytes of up to `want` prompts for this sampler (its fair share of the queue), taken from the
+        clients in fair turns, within the injected share of its rows (`share`; None: no limit) for a batch of
+        `batch_groups` groups (None: a full batch)."""
+        share = share or InjectedShare(1.0, 1 << 20, 1)
+        grant_rows, burst_rows = share.rows(batch_groups)
+        return self._call(lambda: self._claim(keys=[self.queue, self.claimed, self.samplers, self.turns, self.credit],
+                                              args=[self.base, sampler_id, want, self.clock(), lease_s,
+                                                    ACTIVE_SAMPLER_S, grant_rows, burst_rows, share.group_rows]))
 
     def cancel(self, client_name: str, admin: bool, prompt_ids: list[str], retention_s: int,
                max_kept: int = 10_000) -> dict[str, str]:

@@ -20,7 +20,7 @@ from grpo_stream.common.rpc.auth import TokenTable, caller_of
 from grpo_stream.common.rollouts.buffer import BufferUnavailable
 from grpo_stream.common.config.schema import RunConfig
 from grpo_stream.trainer_service.prompt_queue import PromptQueue, QueueFull
-from grpo_stream.common.tasks.rewards import REWARDS
+from grpo_stream.common.tasks.rewards import allowed_names, unknown_reward
 from grpo_stream.protos import prompts_pb2, prompts_pb2_grpc, rollout_pb2
 
 log = logging.getLogger(__name__)
@@ -35,15 +35,15 @@ class PromptServicer(prompts_pb2_grpc.PromptServiceServicer):
         self.cfg, self.queue, self.tokenizer, self.task, self.table = cfg, queue, tokenizer, task, table
         self.limits = cfg.prompts
         # rewards a client may name: built-ins and the run's own; never an import path from the network
-        self.rewards = sorted(set(REWARDS) | set(cfg.task.rewards))
+        self.rewards = allowed_names(cfg.task.rewards)
         self._followers = threading.BoundedSemaphore(cfg.prompts.max_followers)
 
     # -- Submit -----------------------------------------------------------------------------------------------------
     def _render(self, spec: prompts_pb2.PromptSpec) -> str:
         return spec.text if spec.WhichOneof("input") == "text" else self.task.render_question(spec.question)
 
-    def _check(self, i: int, spec: prompts_pb2.PromptSpec) -> tuple[str | None, list[int]]:
-        """(error naming the field and limit, prompt token ids)."""
+    def _check(self, i: int, spec: prompts_pb2.PromptSpec, ceiling: int | None = None) -> tuple[str | None, list[int]]:
+        """(error naming the field and limit, prompt token ids); `ceiling`: the caller token's max_priority."""
         lim, at, n_run = self.limits, f"prompts[{i}]", self.cfg.generation.num_generations
         which = spec.WhichOneof("input")
         if which is None:
@@ -60,9 +60,9 @@ class PromptServicer(prompts_pb2_grpc.PromptServiceServicer):
             return f"{at}.reference_answer: required when train is true (the rewards score against it)", []
         if len(spec.rewards) > MAX_REWARDS:
             return f"{at}.rewards: {len(spec.rewards)} names, limit {MAX_REWARDS}", []
-        for k, name in enumerate(spec.rewards):
-            if name not in self.rewards:
-                return f"{at}.rewards[{k}]: {name[:64]!r} is not one of this run's rewards {self.rewards}", []
+        unknown = unknown_reward(spec.rewards, self.rewards)
+        if unknown:
+            return f"{at}.{unknown} (task.rewards and the built-ins; never an import path)", []
         most = min(lim.max_generations, self.cfg.sampler.prompts_per_batch * n_run)
         if not 0 <= spec.num_generations <= most:
             return (f"{at}.num_generations: {spec.num_generations} outside 0..{most} (prompts.max_generations, and "
@@ -72,6 +72,9 @@ class PromptServicer(prompts_pb2_grpc.PromptServiceServicer):
                     "(the trainer's groups have one size); give 0 or set train=false"), []
         if not 0 <= spec.priority <= lim.max_priority:
             return f"{at}.priority: {spec.priority} outside 0..{lim.max_priority} (prompts.max_priority)", []
+        if ceiling is not None and spec.priority > ceiling:
+            return (f"{at}.priority: {spec.priority} above {ceiling}, this token's max_priority (its entry in the "
+                    "token table); submit at or below it, or ask an admin to raise it"), []
         if len(spec.tags) > lim.max_tags:
             return f"{at}.tags: {len(spec.tags)} tags, limit {lim.max_tags} (prompts.max_tags)", []
         for k, tag in enumerate(spec.tags):
@@ -94,7 +97,7 @@ class PromptServicer(prompts_pb2_grpc.PromptServiceServicer):
         items, ids = [], []
         n_run = self.cfg.generation.num_generations
         for i, spec in enumerate(request.prompts):
-            error, tokens = self._check(i, spec)
+            error, tokens = self._check(i, spec, caller.max_priority)
             if error:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
             pid = self.queue.new_id()
@@ -102,7 +105,7 @@ class PromptServicer(prompts_pb2_grpc.PromptServiceServicer):
                 prompt_id=pid, prompt_token_ids=tokens, reference_answer=spec.reference_answer,
                 rewards=list(spec.rewards), num_generations=spec.num_generations or n_run, train=spec.train)
             items.append((pid, spec.priority, injected.SerializeToString(), spec.SerializeToString(), spec.train,
-                          list(spec.tags)))
+                          list(spec.tags), injected.num_generations))
             ids.append(pid)
         try:
             queued = self.queue.submit(caller.name, items, self.limits.max_queued, self.limits.max_pending_per_client,
@@ -124,7 +127,8 @@ class PromptServicer(prompts_pb2_grpc.PromptServiceServicer):
         out = prompts_pb2.PromptResult(
             prompt_id=pid, state=state, tags=json.loads(record.get(b"tags", b"[]")), train=record.get(b"train") == b"1",
             submitted_unix=float(record.get(b"submitted", 0)), finished_unix=float(record.get(b"finished", 0)),
-            prompt_text=self._render(spec) if spec.WhichOneof("input") else "", policy_version=-1)
+            prompt_text=self._render(spec) if spec.WhichOneof("input") else "", policy_version=-1,
+            error=record.get(b"error", b"").decode(errors="replace"))
         if state == "done":
             group = rollout_pb2.RolloutGroup.FromString(record[b"result"])
             out.policy_version, out.sampler_id, out.group_id = group.policy_version, group.sampler_id, group.group_id

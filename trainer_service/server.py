@@ -19,9 +19,10 @@ INGEST, WEIGHTS, PROMPTS = "grpo_stream.v1.RolloutIngest", "grpo_stream.v1.Weigh
 class TrainerServer:
     """Owns a grpc.Server; `start()` binds and returns the port, `stop()` drains in-flight calls."""
 
-    def __init__(self, ingest: IngestServicer | None, publisher: WeightPublisher, host: str, port: int, workers: int = 16,
+    def __init__(self, ingest: IngestServicer | None, publisher: WeightPublisher, host: str, port: int,
                  data_port: int | None = None, security: ServerSecurity | None = None, prompts=None):
-        """`prompts`: a PromptServicer to serve beside the ingest (None: none)."""
+        """`prompts`: a PromptServicer to serve beside the ingest (None: none). How many calls it serves at once,
+        by kind: `security.limits` (config rpc; defaults without `security`)."""
         self.ingest, self.publisher, self.security = ingest, publisher, security
         publisher.table = None if security is None else security.table
         self.data = None if data_port is None else WeightDataServer(
@@ -29,7 +30,7 @@ class TrainerServer:
             ssl_context=None if security is None else security.ssl_context)
         self.host, self.port = host, port
         self.health = health.HealthServicer()
-        self._server = new_server(security, workers)
+        self._server = new_server(security)
         self.services = [WEIGHTS]
         if ingest is not None:
             add_service(self._server, ingest, INGEST)

@@ -10,10 +10,11 @@ import numpy as np
 
 from grpo_stream.common.config.schema import RunConfig
 from grpo_stream.common.rollouts.buffer import BufferUnavailable, RolloutBuffer
-from grpo_stream.common.runtime.prometheus import ServiceMetrics
+from grpo_stream.common.runtime.prometheus import OTHER, BoundedGauge, ServiceMetrics, bounded_series
 from grpo_stream.trainer_service.metrics import MetricsWriter
 
 log = logging.getLogger(__name__)
+MAX_LAG_SERIES = 64  # sampler_weight_lag series (at least sampler.replicas); the rest share one
 
 _GAUGES = (("trainer_step", "RL steps completed"), ("weight_version", "latest published weight version"),
            ("buffer_depth", "groups waiting in the buffer to be trained"),
@@ -33,8 +34,12 @@ class StepReporter:
         self.prom = ServiceMetrics("trainer")
         self.gauges = {name: self.prom.gauge(name, doc) for name, doc in _GAUGES}
         self.groups_gauge = self.prom.gauge("groups", "rollout groups by outcome (buffer counters)", ("outcome",))
-        self.lag_gauge = self.prom.gauge("sampler_weight_lag", "latest version minus the sampler's installed version",
-                                         ("sampler",))
+        # one series per sampler the publisher still knows, up to a bound; later ones share the `(other)` series
+        self.max_lag_series = max(MAX_LAG_SERIES, cfg.sampler.replicas)
+        self.lag_gauge = BoundedGauge(self.prom.gauge(
+            "sampler_weight_lag", f"latest version minus the sampler's installed version (the first "
+            f"{self.max_lag_series} samplers heard from; {OTHER}: the largest lag of the rest)", ("sampler",)),
+            self.max_lag_series)
         self.prom.start(cfg.trainer.host, cfg.trainer.metrics_port)
         self._counters: dict[str, int] = {}
         self._last_line = 0.0
@@ -74,7 +79,7 @@ class StepReporter:
         self.metrics.scalars(step, row, prefix="train/")
         self._export(step, row, counters)
         self.metrics.histogram(step, "train/staleness", staleness)
-        lags = self.sampler_lags()
+        lags = bounded_series(self.sampler_lags(), self.max_lag_series)
         if lags:
             self.metrics.scalars(step, lags, prefix="sampler_weight_lag/", jsonl=False)
         if self._show(step):
@@ -103,8 +108,11 @@ class StepReporter:
             self.gauges[name].set(row[name])
         for outcome, value in counters.items():
             self.groups_gauge.labels(outcome).set(value)
-        for sampler, lag in self.sampler_lags().items():
-            self.lag_gauge.labels(sampler).set(lag)
+        self.export_sampler_lags()
+
+    def export_sampler_lags(self) -> None:
+        """The sampler_weight_lag series: the samplers the publisher knows now (it forgets silent ones), bounded."""
+        self.lag_gauge.replace(self.sampler_lags())
 
     def sampler_lags(self) -> dict[str, int]:
         """Per sampler: newest published version minus the version it reports installed."""

@@ -1,6 +1,7 @@
-"""Config sections for who may talk to the services and how: auth tokens, TLS, Redis credentials, and the limits
-of prompt injection. Secrets never live in a config file: sections name files or environment variables that hold
-them (a config is committed and printed; a token file is mounted from a secret store)."""
+"""Config sections for who may talk to the services and how: auth tokens, TLS, Redis credentials, the calls a server
+serves at once, and the limits of prompt injection. Secrets never live in a config file: sections name files or
+environment variables that hold them (a config is committed and printed; a token file is mounted from a secret
+store)."""
 
 from __future__ import annotations
 
@@ -72,7 +73,13 @@ class PromptsSection(Strict):
     max_batch: int = Field(256, ge=1, le=100_000, description="Prompts in one Submit call.")
     max_generations: int = Field(64, ge=1, le=4096, description="Largest num_generations a train=false prompt may "
                                  "ask for (a train=true prompt uses generation.num_generations).")
-    max_priority: int = Field(9, ge=0, le=1_000_000, description="Priorities run 0..max_priority; higher first.")
+    max_priority: int = Field(9, ge=0, le=1_000_000, description="Priorities run 0..max_priority. A client's own "
+                              "prompts go highest first; across clients a prompt of priority p weighs 1 + p in the "
+                              "fair turns (a client at 9 gets 10 prompts to one at 0, never all). A token table "
+                              "entry's max_priority lowers the ceiling for that token.")
+    max_injected_fraction: float = Field(0.5, gt=0, le=1, description="The most of each sampler batch's rows injected "
+                                         "prompts may take (over successive batches; the rest are dataset prompts), "
+                                         "so no client can fill training with its own prompts. 1: no limit.")
     max_tags: int = Field(8, ge=0, le=256, description="Tags per prompt.")
     max_tag_chars: int = Field(64, ge=1, le=1024, description="Characters per tag.")
     max_text_chars: int = Field(32_768, ge=1, le=10_000_000, description="Characters of a prompt, question or "
@@ -93,3 +100,29 @@ class PromptsSection(Strict):
                                   "(and their results) are kept in Redis; the oldest go first. Each holds its answer "
                                   "group: ~2 KB for the CPU demo, num_generations x completion tokens x ~10 bytes "
                                   "for real models, so size it to Redis's memory.")
+
+
+class RpcSection(Strict):
+    """How many calls each gRPC server serves at once, by kind of call, so one kind of caller cannot take the
+    threads another needs (common/rpc/call_guard.py). Beyond a limit a call is answered RESOURCE_EXHAUSTED at once;
+    every open call holds a server thread. StreamResults calls count against prompts.max_followers."""
+
+    sampler_calls: int = Field(256, ge=1, le=100_000, description="Samplers' rollout and weight-control calls "
+                               "(StreamBatches, PushGroup, Admit, ClaimPrompts, GetDataPosition, GetManifest, "
+                               "ReportVersion) open at once on one server. A sampler holds about 4 (its rollout "
+                               "stream among them): raise it past ~4 x the samplers of a run.")
+    weight_fetches: int = Field(64, ge=1, le=100_000, description="FetchSlices calls (bulk weight bytes over gRPC) "
+                                "open at once on one server; a sampler's fetch opens weights.fetch_streams of them.")
+    prompt_calls: int = Field(32, ge=1, le=100_000, description="Prompt clients' Submit, Cancel and GetStatus calls "
+                              "open at once on one server.")
+    ops_calls: int = Field(16, ge=1, le=100_000, description="Health checks and reflection calls open at once on one "
+                           "server.")
+    calls_per_caller: int = Field(32, ge=1, le=100_000, description="Calls one token (by its name) may have open of "
+                                  "each kind above, so one token cannot take a whole kind. A token shared by N "
+                                  "samplers counts as one caller: give each sampler its own (`up` does) or raise "
+                                  "this past ~4 x N. Not applied with auth.mode=none (no identities).")
+    first_message_timeout_s: float = Field(30.0, gt=0, le=3600, description="A unary call (every RPC but the "
+                                           "streams) whose request has not fully arrived this long after the call "
+                                           "opened is cancelled, freeing its thread.")
+    streams_per_connection: int = Field(128, ge=1, le=100_000, description="HTTP/2 streams (calls) one client "
+                                        "connection may have open at once; more wait in the client.")

@@ -7,7 +7,7 @@ import os
 import pathlib
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from grpo_stream.common.config.base import Strict
 
@@ -15,17 +15,44 @@ COMPILATION_CACHE_ENV = "GRPO_STREAM_COMPILATION_CACHE_DIR"  # the cache directo
 
 
 class UpSection(Strict):
-    """How `grpo-stream up` keeps its processes running, as Kubernetes restarts a failed pod."""
+    """How `grpo-stream up` keeps its processes running: a restart budget per time window, reset by healthy uptime
+    (systemd's StartLimitIntervalSec/StartLimitBurst; Kubernetes' CrashLoopBackOff), so a week-long run survives
+    any number of preemptions spread over time while a crash loop still stops the run."""
 
     restart: Literal["on-failure", "never"] = Field(
         "on-failure", description="'on-failure': a sampler, the standalone ingest, the trainer or the embedded Redis "
         "that exits with an error or is killed is started again (the trainer resumes from its newest checkpoint, "
         "Redis from its AOF, a sampler from its data position) and the run goes on; 'never': the first failure "
-        "stops the run. Ctrl-C always stops everything.")
-    max_restarts: int = Field(5, ge=0, le=10_000, description="Restarts allowed per process; one more failure "
-                              "stops the run (a crash loop is a bug to read in RUN_DIR/logs, not to retry forever).")
+        "stops the run. Ctrl-C (SIGINT), SIGTERM and SIGHUP always stop everything.")
+    restart_limit_burst: int = Field(5, ge=0, le=10_000, description="Restarts of one process allowed within "
+                                     "up.restart_limit_interval_s; a failure past them stops the run (a crash loop is "
+                                     "a bug to read in RUN_DIR/logs, not to retry for ever). Only restarts since the "
+                                     "process last stayed up for up.healthy_after_s count.")
+    restart_limit_interval_s: float = Field(300.0, gt=0, le=7 * 86_400, description="The window, in seconds, over "
+                                            "which up.restart_limit_burst counts a process's restarts.")
+    healthy_after_s: float = Field(30.0, gt=0, le=86_400, description="A process that has run this long since its "
+                                   "(re)start is healthy: its earlier restarts stop counting against "
+                                   "up.restart_limit_burst and its back-off starts again at up.restart_backoff_s.")
     restart_backoff_s: float = Field(1.0, gt=0, le=600, description="First wait before a restart; it doubles per "
-                                     "restart of the same process (jittered), up to 30 s.")
+                                     "restart of the same process (jittered) up to up.restart_backoff_max_s, and "
+                                     "starts again from here once the process was healthy.")
+    restart_backoff_max_s: float = Field(30.0, gt=0, le=3600, description="The longest wait before a restart.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _replaced(cls, data):
+        if isinstance(data, dict) and "max_restarts" in data:
+            raise ValueError("up.max_restarts (a count over the whole run, which a long run with preemptions "
+                             "exhausts) was replaced by a budget per time window: set up.restart_limit_burst (restarts "
+                             "of one process) and up.restart_limit_interval_s (within how many seconds) instead")
+        return data
+
+    @model_validator(mode="after")
+    def _backoff_cap(self) -> "UpSection":
+        if self.restart_backoff_max_s < self.restart_backoff_s:
+            raise ValueError(f"up.restart_backoff_max_s={self.restart_backoff_max_s} < up.restart_backoff_s="
+                             f"{self.restart_backoff_s}: the cap must be at least the first wait; raise it")
+        return self
 
 
 class LoggingSection(Strict):

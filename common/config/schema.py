@@ -18,7 +18,7 @@ from typing import Annotated, Literal
 from pydantic import Field, model_validator
 
 from grpo_stream.common.config.access import (REDIS_PASSWORD_ENV, AuthSection, PromptsSection, RedisAuthSection,
-                                              TlsSection)
+                                              RpcSection, TlsSection)
 from grpo_stream.common.config.base import ConfigError, Strict
 from grpo_stream.common.config.learning import (AlgoSection, GenerationSection, ModelSection, OptimizerSection,
                                                TaskSection)
@@ -176,6 +176,10 @@ class TrainerSection(Strict):
     processes: int = Field(1, ge=1, le=4096, description="JAX processes (one per host; trainer.mesh spans all their "
                            "devices) joined by distributed.initialize; process 0 leads (README: a multi-host trainer).")
     record_batches: bool = Field(False, description="Write each step's batch to RUN_DIR/batches/step-N.npz.")
+    lease_ttl_s: float = Field(15.0, ge=1, le=3600, description="The trainer's lease on its run in Redis (one trainer "
+                               "per run; common/rollouts/trainer_lease.py): renewed every third of this while the "
+                               "trainer runs. A new trainer waits up to this long after one that stopped without "
+                               "releasing it on another machine (on the same machine a dead holder is seen at once).")
 
     @model_validator(mode="after")
     def _staleness(self) -> "TrainerSection":
@@ -281,6 +285,7 @@ class RunConfig(Strict):
     auth: AuthSection = Field(default_factory=AuthSection, description="Bearer tokens and roles on every RPC.")
     tls: TlsSection = Field(default_factory=TlsSection, description="TLS (and mutual TLS) for every server.")
     prompts: PromptsSection = Field(default_factory=PromptsSection, description="Prompt injection limits.")
+    rpc: RpcSection = Field(default_factory=RpcSection, description="Calls each gRPC server serves at once.")
     hardware: HardwareSection = Field(default_factory=HardwareSection, description="The accelerators the run is "
                                       "sized for, which `grpo-stream plan` checks the memory of.")
 

@@ -10,10 +10,11 @@ dropped for that dimension: the dimension is replicated rather than refused.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import math
 import os
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -111,6 +112,23 @@ def split_devices(devices: Sequence[jax.Device], trainer_fraction: float,
     return list(devices[:n_train]), list(devices[n - n_sample:])
 
 
+def coordinator_bind_address(coordinator: str, environ: Mapping[str, str]) -> str | None:
+    """Where process 0's coordination service listens. JAX binds every interface ([::]:port) unless told, and its
+    key-value store takes writes from anyone who reaches it, so: JAX_COORDINATOR_BIND_ADDRESS when set (e.g. the pod
+    IP and port), else the coordinator address itself when that is a loopback one (all processes on this host, as
+    `up` runs them); None leaves JAX's default, which a job across hosts needs (keep that port inside the job with a
+    network policy)."""
+    if environ.get("JAX_COORDINATOR_BIND_ADDRESS"):
+        return environ["JAX_COORDINATOR_BIND_ADDRESS"]
+    host = coordinator.rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return coordinator
+    try:
+        return coordinator if ipaddress.ip_address(host).is_loopback else None
+    except ValueError:  # a host name
+        return None
+
+
 def initialize_distributed(mode: str) -> bool:
     """Multi-host JAX start-up from the environment; True when this process joined a multi-process job.
 
@@ -132,6 +150,9 @@ def initialize_distributed(mode: str) -> bool:
                                  "of JAX_NUM_PROCESSES / JAX_PROCESS_ID, or unset JAX_COORDINATOR_ADDRESS")
             kwargs[key] = int(os.environ[env])
         kwargs["coordinator_address"] = coordinator
+        bind = coordinator_bind_address(coordinator, os.environ)
+        if bind:
+            kwargs["coordinator_bind_address"] = bind
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU devices of several processes: over TCP
     jax.distributed.initialize(**kwargs)
     log.info("jax.distributed: process %d of %d, %d local / %d global devices", jax.process_index(),

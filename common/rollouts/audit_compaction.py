@@ -9,7 +9,9 @@ does, and keeps the verdict as counts in P:R:audit:compacted:
   through_step               lineage steps up to here are compacted
   accepted, trained, dropped_stale, dropped_invalid, dropped_filtered, second_copies_dropped, steps_rolled_back,
   injected_train, injected_train_trained
-  below:<sampler>            every group of that sampler at or below this data position is compacted
+  below:<sampler>            every group of that sampler at or below this data position is compacted, except at
+  holes:<sampler>            the positions the watermark passed that never held an accepted group (intervals
+                             "lo-hi,..."): a late group there is accepted, not refused (compaction_holes.py)
 
 Only groups the audit would call settled are removed: trained in exactly one lineage step up to `through_step`, or
 dropped (a drop is final). A group that is waiting, lost, trained twice or trained later stays, and so does every
@@ -24,6 +26,11 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+
+import redis
+
+from grpo_stream.common.rollouts import compaction_holes
+from grpo_stream.common.rollouts.trainer_lease import STALE_CODE, StaleTrainer
 
 DROPS = ("dropped_stale", "dropped_invalid", "dropped_filtered")
 COMPACTED_COUNTS = ("accepted", "trained", *DROPS, "second_copies_dropped", "steps_rolled_back", "injected_train",
@@ -63,14 +70,17 @@ class CompactionPlan:
     counts: dict[str, int]
     below: dict[str, int]
     held_back: str = ""  # why compaction stopped short of through_step, if it did
+    holes: dict[str, str] = dataclasses.field(default_factory=dict)  # sampler -> its holes now (compaction_holes)
 
 
 def plan_compaction(through_step: int, previous_through: int, accepted: dict[str, dict], settled: dict[str, dict],
                     second_copies: dict[str, int], steps: list[dict], trainers: list[dict], checkpoints: list[dict],
-                    evaluation_only: dict[str, dict], below: dict[str, int]) -> CompactionPlan:
+                    evaluation_only: dict[str, dict], below: dict[str, int], holes: dict[str, str] | None = None
+                    ) -> CompactionPlan:
     """The pure decision: which records of the trail can fold into counts once steps up to `through_step` are final.
     Step records carry their record id as `id`. Evaluation-only answers (P:R:audit:eval) are only checked, never
-    removed: `audit --group` finds a probe's answer for as long as its prompt keeps its result."""
+    removed: `audit --group` finds a probe's answer for as long as its prompt keeps its result. `holes`: each
+    sampler's positions below its watermark never accepted (as stored; compaction_holes.py)."""
     empty = CompactionPlan(previous_through, [], [], dict.fromkeys(COMPACTED_COUNTS, 0), {})
     if through_step <= previous_through:
         return empty
@@ -100,12 +110,20 @@ def plan_compaction(through_step: int, previous_through: int, accepted: dict[str
         elif settled_now(gid):
             chosen.append(gid)
     new_below: dict[str, int] = {}
+    new_holes: dict[str, str] = {}
     for sampler, groups in by_sampler.items():
+        passed = []
         for position, gid in sorted(groups):
             if not settled_now(gid):
                 break
             chosen.append(gid)
             new_below[sampler] = max(position, below.get(sampler, -1))
+            passed.append(position)
+        # positions the watermark jumps over may still arrive: they are not duplicates; ones filled are
+        old = below.get(sampler, -1)
+        gaps, filled = compaction_holes.passed_over(old, passed), [p for p in passed if p <= old]
+        if gaps or filled:
+            new_holes[sampler] = compaction_holes.updated((holes or {}).get(sampler), gaps, filled)
     counts = dict.fromkeys(COMPACTED_COUNTS, 0)
     for gid in chosen:
         outcome = settled[gid]["outcome"]
@@ -131,7 +149,7 @@ def plan_compaction(through_step: int, previous_through: int, accepted: dict[str
         empty.held_back = f"evaluation-only answers {sorted(listed & set(evaluation_only))[:5]} were trained"
         return empty
     counts["steps_rolled_back"] = len(rolled_back)
-    return CompactionPlan(through_step, chosen, [rec["id"] for rec in removed], counts, new_below)
+    return CompactionPlan(through_step, chosen, [rec["id"] for rec in removed], counts, new_below, holes=new_holes)
 
 
 def _groups(rec: dict) -> list[str]:
@@ -174,35 +192,69 @@ def read_trail(client, k: dict[str, str]) -> dict:
 
 def read_compacted(client, key: str) -> tuple[int, dict[str, int], dict[str, int]]:
     """(through_step, counts, below) from P:R:audit:compacted (zeros for a run never compacted)."""
-    raw = {text(k): int(v) for k, v in client.hgetall(key).items()}
+    raw = {text(k): int(v) for k, v in client.hgetall(key).items() if not text(k).startswith("holes:")}
     counts = {name: raw.get(name, 0) for name in COMPACTED_COUNTS}
     below = {k[len("below:"):]: v for k, v in raw.items() if k.startswith("below:")}
     return raw.get("through_step", 0), counts, below
 
 
-def compact_redis(client, k: dict[str, str], through_step: int) -> CompactionPlan:
+def compact_redis(client, k: dict[str, str], through_step: int, fence: tuple[str, str] | None = None
+                  ) -> CompactionPlan:
     """Read the run's trail, plan, and apply the plan in one MULTI/EXEC (readers never see half of it; the ingest's
-    append sees the new watermarks as soon as the accepted records are gone)."""
+    append sees the new watermarks as soon as the accepted records are gone). `fence`: (the fence key, the trainer's
+    fencing number): the transaction WATCHes the key and applies only while it holds that number, else raises
+    StaleTrainer (trainer_lease.py)."""
+    if fence is not None:  # a stale trainer learns it before the reading, not only at the write
+        _check_fence(client.get(fence[0]), fence[1])
     previous, counts, below = read_compacted(client, k["audit:compacted"])
     if through_step <= previous:
         return CompactionPlan(previous, [], [], dict.fromkeys(counts, 0), {})
     trail = read_trail(client, k)
+    holes = {text(f)[len("holes:"):]: text(v) for f, v in client.hgetall(k["audit:compacted"]).items()
+             if text(f).startswith("holes:")}
     plan = plan_compaction(through_step, previous, trail["accepted"], trail["settled"], trail["second_copies"],
-                           trail["steps"], trail["trainers"], trail["checkpoints"], trail["evaluation_only"], below)
+                           trail["steps"], trail["trainers"], trail["checkpoints"], trail["evaluation_only"], below,
+                           holes)
     if plan.through_step <= previous:
         return plan
     pipe = client.pipeline(transaction=True)
+    if fence is not None:
+        _watch_fence(pipe, *fence)
     for name, n in plan.counts.items():
         if n:
             pipe.hincrby(k["audit:compacted"], name, n)
     pipe.hset(k["audit:compacted"], mapping={"through_step": plan.through_step,
-                                             **{f"below:{s}": p for s, p in plan.below.items()}})
+                                             **{f"below:{s}": p for s, p in plan.below.items()},
+                                             **{f"holes:{s}": h for s, h in plan.holes.items() if h}})
+    if any(not h for h in plan.holes.values()):
+        pipe.hdel(k["audit:compacted"], *[f"holes:{s}" for s, h in plan.holes.items() if not h])
     for key, ids in ((k["audit:accepted"], plan.group_ids), (k["audit:settled"], plan.group_ids),
                      (k["audit:duplicates"], [g for g in plan.group_ids if g in trail["second_copies"]])):
         for i in range(0, len(ids), 1000):
             pipe.hdel(key, *ids[i:i + 1000])
     for i in range(0, len(plan.step_records), 1000):
         pipe.xdel(k["audit:steps"], *plan.step_records[i:i + 1000])
-    pipe.execute()
+    try:
+        pipe.execute()
+    except redis.WatchError:  # a trainer started (the fence moved) between the check and EXEC
+        raise StaleTrainer(f"{STALE_CODE} the run's fence moved past {fence[1]} during compaction: a newer trainer "
+                           "took the run over") from None
     return plan
+
+
+def _watch_fence(pipe, key: str, fence: str) -> None:
+    """WATCH the fence key and check it holds `fence` (StaleTrainer if not), then start the transaction."""
+    pipe.watch(key)
+    try:
+        _check_fence(pipe.get(key), fence)
+    except StaleTrainer:
+        pipe.reset()
+        raise
+    pipe.multi()
+
+
+def _check_fence(current, fence: str) -> None:
+    if current is None or text(current) != fence:
+        raise StaleTrainer(f"{STALE_CODE} this trainer holds fence {fence} but the run is at fence "
+                           f"{text(current) if current is not None else 'none'}: a newer trainer took the run over")
 

@@ -17,12 +17,15 @@ Redis layout for run R (prefix P):
                        appended to the stream; see trainer_service/prompt_queue.py for the injection keys)
   P:R:audit:compacted  hash: the records settled behind the acknowledged checkpoint, folded into counts, and
                        per sampler the data position below which every group is compacted (audit_compaction.py)
+  P:R:trainer:fence    the fencing number of the newest trainer start; P:R:trainer:lease its lease (trainer_lease.py)
 
 Appending and settling are Lua scripts (buffer_scripts.py), so each is atomic and at any moment
     ingested == trained + dropped_stale + dropped_invalid + dropped_filtered + dropped_duplicate + XLEN(rollouts).
 Settling is idempotent: only an entry that is still in the stream is counted (a trainer that re-settles after a
 crash counts nothing twice). The trainer settles trained groups only after the checkpoint holding their update is
 saved; until then they stay pending in the consumer group and a restarted trainer reads them again.
+Every write of a trainer carries its fencing number (`use_fence`), which the scripts check: a trainer that a newer
+one took the run from is refused (StaleTrainer) and stops.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import json
 import logging
 import time
 from collections.abc import Iterable, Sequence
-from typing import Protocol
+from typing import Callable, Protocol
 
 import redis
 
@@ -40,6 +43,7 @@ from grpo_stream.common.rollouts.audit_compaction import CompactionPlan, compact
 from grpo_stream.common.rollouts.buffer_scripts import APPEND, SETTLE
 from grpo_stream.common.rollouts.kept_results import group_id_prefix
 from grpo_stream.common.rollouts.redis_errors import BufferUnavailable, redis_call  # noqa: F401 (the interface's error)
+from grpo_stream.common.rollouts.trainer_lease import FENCED_CALL, StaleTrainer, is_stale_reply
 
 COUNTERS = ("ingested", "trained", "dropped_stale", "dropped_invalid", "dropped_filtered", "dropped_duplicate")
 REFUSALS = ("refused_invalid", "refused_duplicate", "refused_full")
@@ -119,7 +123,8 @@ def keys(prefix: str, run_name: str) -> dict[str, str]:
     base = f"{prefix}:{run_name}"
     return {name: f"{base}:{name}" for name in (
         "rollouts", "counters", "by_sampler", "positions", "held", "audit:accepted", "audit:settled", "audit:duplicates",
-        "audit:steps", "audit:trainers", "audit:checkpoints", "audit:eval", "audit:compacted")}
+        "audit:steps", "audit:trainers", "audit:checkpoints", "audit:eval", "audit:compacted", "trainer:fence",
+        "trainer:lease")}
 
 
 class RedisStreamBuffer:
@@ -136,6 +141,9 @@ class RedisStreamBuffer:
         self.consumer = consumer
         self._append = client.register_script(APPEND)
         self._settle = client.register_script(SETTLE)
+        self._fenced = client.register_script(FENCED_CALL)
+        self.fence = ""  # this writer's fencing number ('': not a trainer's writes, unchecked)
+        self._on_stale: Callable[[str], None] | None = None
         self._group_ready = False
         # a restarted trainer (same consumer name) first takes back what its predecessor read but never settled,
         # oldest first, so it sees the groups in the order the stream holds them
@@ -147,7 +155,25 @@ class RedisStreamBuffer:
         self._next_pending_check = 0.0
 
     def _call(self, fn):
-        return redis_call(fn)
+        try:
+            return redis_call(fn)
+        except (redis.ResponseError, StaleTrainer) as exc:
+            if not is_stale_reply(exc):
+                raise
+            message = f"trainer of run {self.run_name}: {exc}"
+            if self._on_stale is not None:
+                self._on_stale(message)  # the trainer stops here
+            raise StaleTrainer(message) from None
+
+    def use_fence(self, fence: str, on_stale: Callable[[str], None] | None = None) -> None:
+        """Make every write carry fencing number `fence` (the trainer's lease, trainer_lease.py); a write refused as
+        stale calls `on_stale(message)` (the trainer's: stop the process), then raises StaleTrainer."""
+        self.fence, self._on_stale = fence, on_stale
+
+    def _fenced_call(self, key: str, *command) -> object:
+        """One command on `key` (SET, XADD: `command` is its name and the arguments after the key), made only while
+        this writer's fence is the run's (one script call: the check and the write are atomic)."""
+        return self._call(lambda: self._fenced(keys=[self.k["trainer:fence"], key], args=[self.fence, *command]))
 
     # -- the ingest's side ---------------------------------------------------------
     def append_many(self, items: Sequence[Incoming], max_groups: int, refused_invalid: int = 0,
@@ -161,14 +187,14 @@ class RedisStreamBuffer:
         appended when the prompt was submitted with train=true ('eval' otherwise); 'cancelled': the prompt was
         cancelled, nothing kept; 'unknown': no such prompt (expired or never submitted)."""
         args: list = [self.GROUP, max_groups, time.time(), refused_invalid, self.base, retention_s, max_kept,
-                      group_id_prefix(self.run_name)]
+                      group_id_prefix(self.run_name), self.fence]
         for item in items:
             args += [item.group_id, item.sampler_id, item.policy_version, item.data_position, item.payload,
                      item.injected_prompt]
         k = self.k
         reply = self._call(lambda: self._append(
             keys=[self.stream, k["counters"], k["by_sampler"], k["audit:accepted"], k["positions"], k["held"],
-                  k["audit:eval"], k["audit:compacted"]], args=args))
+                  k["audit:eval"], k["audit:compacted"], k["trainer:fence"]], args=args))
         waiting, *statuses = (text(r) for r in reply)
         return statuses, int(waiting)
 
@@ -250,40 +276,42 @@ class RedisStreamBuffer:
     def settle(self, records: Iterable[tuple[str, str, str, int]]) -> int:
         """Remove entries for good, recording (entry id, group id, outcome, step) each; outcome is one of OUTCOMES.
         Idempotent; returns how many were still in the stream (and so counted now)."""
-        args: list = [self.GROUP, time.time()]
+        args: list = [self.GROUP, time.time(), self.fence]
         for entry_id, group_id, outcome, step in records:
             if outcome not in OUTCOMES:
                 raise ValueError(f"settle: unknown outcome {outcome!r}; one of {OUTCOMES}")
             args += [entry_id, group_id, outcome, step]
-        if len(args) == 2:
+        if len(args) == 3:
             return 0
         k = self.k
         counted = int(self._call(lambda: self._settle(
-            keys=[self.stream, k["counters"], k["audit:settled"], k["audit:duplicates"]], args=args)))
-        self._delivered.difference_update(args[2::4])
+            keys=[self.stream, k["counters"], k["audit:settled"], k["audit:duplicates"], k["trainer:fence"]],
+            args=args)))
+        self._delivered.difference_update(args[3::4])
         return counted
 
     def set_held(self, count: int) -> None:
         """How many entries the trainer trained and holds unacknowledged (not counted against max_groups)."""
-        self._call(lambda: self.client.set(self.k["held"], count))
+        self._fenced_call(self.k["held"], "SET", count)
 
     def log_step(self, epoch: str, step: int, group_ids: list[str]) -> None:
         """Audit: the groups trainer `epoch` trained at `step` (before any checkpoint holds it)."""
-        self._call(lambda: self.client.xadd(self.k["audit:steps"], {
-            "epoch": epoch, "step": step, "groups": json.dumps(group_ids)}))
+        self._fenced_call(self.k["audit:steps"], "XADD", "*", "epoch", epoch, "step", step, "groups",
+                          json.dumps(group_ids))
 
     def log_trainer(self, epoch: str, from_step: int, from_epoch: str) -> None:
         """Audit: trainer `epoch` started from the checkpoint of `from_step` written by `from_epoch` ('' = fresh)."""
-        self._call(lambda: self.client.xadd(self.k["audit:trainers"], {
-            "epoch": epoch, "from_step": from_step, "from_epoch": from_epoch, "t": time.time()}))
+        self._fenced_call(self.k["audit:trainers"], "XADD", "*", "epoch", epoch, "from_step", from_step,
+                          "from_epoch", from_epoch, "t", time.time())
 
     def log_checkpoint(self, epoch: str, step: int) -> None:
         """Audit: trainer `epoch` saved a checkpoint of `step` (so steps up to it survive a crash)."""
-        self._call(lambda: self.client.xadd(self.k["audit:checkpoints"], {"epoch": epoch, "step": step}))
+        self._fenced_call(self.k["audit:checkpoints"], "XADD", "*", "epoch", epoch, "step", step)
 
     def compact_audit(self, through_step: int) -> CompactionPlan:
         """Fold the trail of groups settled up to `through_step` (acknowledged: never rolled back) into counts."""
-        return self._call(lambda: compact_redis(self.client, self.k, through_step))
+        fence = (self.k["trainer:fence"], self.fence) if self.fence else None
+        return self._call(lambda: compact_redis(self.client, self.k, through_step, fence))
 
     # -- both ----------------------------------------------------------------------
     def depth(self) -> int:

@@ -1,20 +1,27 @@
 """The rollout buffer's two Lua scripts (common/rollouts/buffer.py runs them): appending a batch and settling
-entries, each atomic in Redis. The key layout they work on is in buffer.py's docstring."""
+entries, each atomic in Redis. The key layout they work on is in buffer.py's docstring. Both first check the
+writer's fencing number (trainer_lease.py): a trainer that a newer one took the run from writes nothing."""
 
+from grpo_stream.common.rollouts.compaction_holes import HOLES_LUA
 from grpo_stream.common.rollouts.kept_results import FINISH_PROMPT_LUA
+from grpo_stream.common.rollouts.trainer_lease import FENCE_LUA
 
 # One call appends a batch in order. Room is counted in groups not yet trained: those the trainer trained but
 # holds unacknowledged until a checkpoint are not a backlog. A group id already accepted is answered `dup` and
 # not written again: a sampler that resends after a lost acknowledgement creates no second copy; nor is one at or
-# below its sampler's compacted data position (its accepted record was folded into counts).
-APPEND = FINISH_PROMPT_LUA + """
+# below its sampler's compacted data position (its accepted record was folded into counts), unless compaction
+# passed over that position without a group there (compaction_holes.py).
+# KEYS[9]/ARGV[9]: the fence key and the writer's fence ('' for a standalone ingest); the groups from ARGV[10] on.
+APPEND = FINISH_PROMPT_LUA + FENCE_LUA + HOLES_LUA + """
 redis.replicate_commands()
+local refused = stale(KEYS[9], ARGV[9])
+if refused then return refused end
 local waiting = redis.call('XLEN', KEYS[1]) - tonumber(redis.call('GET', KEYS[6]) or '0')
 local room = tonumber(ARGV[2]) - waiting
 if tonumber(ARGV[4]) > 0 then redis.call('HINCRBY', KEYS[2], 'refused_invalid', ARGV[4]) end
 local out, full, dups, fulls, added, per_sampler, top = {}, false, 0, 0, 0, {}, {}
 local base, retention, keep, gid_prefix = ARGV[5], tonumber(ARGV[6]), tonumber(ARGV[7]), ARGV[8]
-for i = 9, #ARGV, 6 do
+for i = 10, #ARGV, 6 do
   local gid, sampler, position, pid = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 3]), ARGV[i + 5]
   local pkey, state, train = nil, nil, true
   if pid ~= '' then  -- an injected prompt's answer: its prompt decides whether it is trained on
@@ -22,12 +29,12 @@ for i = 9, #ARGV, 6 do
     state = redis.call('HGET', pkey, 'state')
     train = redis.call('HGET', pkey, 'train') == '1'
   end
+  local past = compacted_position(KEYS[8], sampler, position)  -- at or below the compacted watermark?
   if pid ~= '' and not state then
     out[#out + 1] = 'unknown'
   elseif state == 'cancelled' then
     out[#out + 1] = 'cancelled'
-  elseif state == 'done' or redis.call('HEXISTS', KEYS[4], gid) == 1 or
-      (position >= 0 and position <= tonumber(redis.call('HGET', KEYS[8], 'below:' .. sampler) or '-1')) then
+  elseif state == 'done' or redis.call('HEXISTS', KEYS[4], gid) == 1 or past == 'dup' then
     dups = dups + 1
     out[#out + 1] = 'dup'
   elseif train and (full or room <= 0) then
@@ -41,6 +48,7 @@ for i = 9, #ARGV, 6 do
       redis.call('HSET', KEYS[4], gid, cjson.encode({entry = id, sampler = sampler, version = tonumber(ARGV[i + 2]),
                                                     position = position, t = tonumber(ARGV[3]), prompt = pid}))
       per_sampler[sampler] = (per_sampler[sampler] or 0) + 1
+      if past == 'hole' then fill_hole(KEYS[8], sampler, position) end  -- a position compaction passed over
       if position >= 0 and position > (top[sampler] or -1) then top[sampler] = position end
       added, room, waiting = added + 1, room - 1, waiting + 1
     else
@@ -74,16 +82,19 @@ return out
 
 # Records are (entry id, group id, outcome, step). Only entries still in the stream count, so settling twice is
 # harmless. A duplicate never overwrites the record of the copy that was settled first.
-SETTLE = """
+# ARGV: consumer group, time, the writer's fence (KEYS[5] its key), then the records.
+SETTLE = FENCE_LUA + """
+local refused = stale(KEYS[5], ARGV[3])
+if refused then return refused end
 local n, entries, counts = 0, {}, {}
-for i = 3, #ARGV, 4 do
+for i = 4, #ARGV, 4 do
   entries[#entries + 1] = ARGV[i]
   if #entries == 500 or i + 4 > #ARGV then  -- acknowledged in chunks: unpack has a stack limit
     redis.call('XACK', KEYS[1], ARGV[1], unpack(entries))
     entries = {}
   end
 end
-for i = 3, #ARGV, 4 do
+for i = 4, #ARGV, 4 do
   local entry, gid, outcome = ARGV[i], ARGV[i + 1], ARGV[i + 2]
   if redis.call('XDEL', KEYS[1], entry) == 1 then
     counts[outcome] = (counts[outcome] or 0) + 1

@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Iterable, Sequence
 
+from grpo_stream.common.rollouts import compaction_holes
 from grpo_stream.common.rollouts.audit_compaction import COMPACTED_COUNTS, CompactionPlan, plan_compaction
 from grpo_stream.common.rollouts.buffer import COUNTERS, OUTCOMES, REFUSALS, AdmissionState, BufferEntry, Incoming
 
@@ -26,6 +27,7 @@ class InMemoryBuffer:
         self._accepted: dict[str, dict] = {}  # group id -> {sampler, position}; the de-duplication set
         self.compacted = {"through_step": 0, **dict.fromkeys(COMPACTED_COUNTS, 0)}
         self.below: dict[str, int] = {}  # sampler -> data position at or below which every group is compacted
+        self.holes: dict[str, str] = {}  # sampler -> positions below it never accepted (compaction_holes.py)
         self.settled: dict[str, dict] = {}  # group id -> {outcome, step, entry}
         self.steps: list[dict] = []
         self._step_records = 0
@@ -40,10 +42,11 @@ class InMemoryBuffer:
             room = max_groups - (len(self._stream) - self._held)
             statuses = []
             for item in items:
+                past = compaction_holes.compacted_position(self.below, self.holes, item.sampler_id,
+                                                           item.data_position)
                 if item.injected_prompt:
                     statuses.append("unknown")
-                elif item.group_id in self._accepted or 0 <= item.data_position <= self.below.get(
-                        item.sampler_id, -1):
+                elif item.group_id in self._accepted or past == "dup":
                     statuses.append("dup")
                     self._counts["refused_duplicate"] += 1
                 elif room <= 0:
@@ -54,6 +57,8 @@ class InMemoryBuffer:
                     entry_id = f"{self._next}-0"
                     self._stream[entry_id] = BufferEntry(entry_id, item.group_id, item.payload)
                     self._accepted[item.group_id] = {"sampler": item.sampler_id, "position": item.data_position}
+                    if past == "hole":
+                        compaction_holes.fill_hole(self.holes, item.sampler_id, item.data_position)
                     self._counts["ingested"] += 1
                     self._by_sampler[item.sampler_id] = self._by_sampler.get(item.sampler_id, 0) + 1
                     if item.data_position >= 0:
@@ -122,12 +127,15 @@ class InMemoryBuffer:
     def compact_audit(self, through_step: int) -> CompactionPlan:
         with self._lock:
             plan = plan_compaction(through_step, self.compacted["through_step"], self._accepted, self.settled, {},
-                                   self.steps, self.trainers, self.checkpoints, {}, self.below)
+                                   self.steps, self.trainers, self.checkpoints, {}, self.below, self.holes)
             if plan.through_step > self.compacted["through_step"]:
                 for name, n in plan.counts.items():
                     self.compacted[name] += n
                 self.compacted["through_step"] = plan.through_step
                 self.below.update(plan.below)
+                self.holes.update(plan.holes)
+                for sampler in [s for s, h in self.holes.items() if not h]:
+                    del self.holes[sampler]
                 for gid in plan.group_ids:
                     del self._accepted[gid]
                     self.settled.pop(gid, None)

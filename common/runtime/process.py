@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import datetime
 import json
 import logging
 import os
+import shutil
 import sys
 import tempfile
 
 from grpo_stream.common.tasks.registry import build_task_for
 from grpo_stream.common.runtime.console import show_detail
+from grpo_stream.common.runtime.private_dir import fix_hint, make_private_dir
 from grpo_stream.common.config.process import COMPILATION_CACHE_ENV, default_compilation_cache_dir
 from grpo_stream.common.config.schema import RunConfig
 from grpo_stream.common.tasks.arith import ArithTask
@@ -74,18 +77,20 @@ CACHE_MIN_ENTRY_BYTES = -1
 
 
 def compilation_cache_dir(cfg: RunConfig) -> str | None:
-    """runtime.compilation_cache_dir, created and checked writable; None when disabled.
+    """runtime.compilation_cache_dir, created (0700) and checked writable and private; None when disabled.
 
     A directory that was asked for (the config or $GRPO_STREAM_COMPILATION_CACHE_DIR) and cannot be written raises
     ValueError naming the field: the user expects the cache, and JAX itself would only warn once per program. The
     built-in default (under the user's cache directory, e.g. a read-only home in a container) logs a warning and
-    the process runs without the cache. Imports no JAX, so `up` checks it before it starts any process.
+    the process runs without the cache. A compiled program is loaded as code, so a directory another user owns or
+    may write (common/runtime/private_dir.py) is not used: the process compiles into a private temporary directory
+    (removed at exit) and logs why, with the fix. Imports no JAX, so `up` checks it before it starts any process.
     """
     path = cfg.runtime.compilation_cache_dir
     if path is None:
         return None
     try:
-        os.makedirs(path, exist_ok=True)
+        reason = make_private_dir(path)
         with tempfile.NamedTemporaryFile(dir=path, prefix=".write-check-"):
             pass
     except OSError as exc:
@@ -99,6 +104,13 @@ def compilation_cache_dir(cfg: RunConfig) -> str | None:
             return None
         raise ValueError(f"{problem}; choose a writable directory, or set runtime.compilation_cache_dir=none to "
                          "compile without a cache") from None
+    if reason is not None:
+        private = tempfile.mkdtemp(prefix="grpo-stream-jax-cache-")  # 0700, this user's
+        atexit.register(shutil.rmtree, private, ignore_errors=True)
+        logging.getLogger("grpo_stream.runtime").warning(
+            "runtime.compilation_cache_dir=%s is not private to this user: %s. Compiled programs are not loaded from "
+            "it; this process caches in %s (removed at exit) instead; %s", path, reason, private, fix_hint(path))
+        return private
     return path
 
 
@@ -205,8 +217,12 @@ def build_policy(cfg: RunConfig, vocab_size: int, seed: int | None, dtype: str |
     return model_lib.load_hf_model(str(directory), dtype)
 
 
+STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP")  # SIGHUP: a closed terminal or ssh session stops, never kills
+
+
 def stop_on_signals(stop_event, what: str) -> None:
-    """SIGTERM/SIGINT set `stop_event`: the process finishes `what` and exits cleanly."""
+    """SIGTERM, SIGINT and SIGHUP set `stop_event`: the process finishes `what` and exits cleanly (every retry loop
+    waits on the same event, so a stop is not held up by a dependency that is down)."""
     import signal
 
     log = logging.getLogger("grpo_stream.signals")
@@ -215,5 +231,5 @@ def stop_on_signals(stop_event, what: str) -> None:
         log.warning("signal %d: finishing the current %s, then stopping", signum, what)
         stop_event.set()
 
-    signal.signal(signal.SIGTERM, _stop)
-    signal.signal(signal.SIGINT, _stop)
+    for name in STOP_SIGNALS:
+        signal.signal(getattr(signal, name), _stop)

@@ -6,12 +6,20 @@ component is kept by name. A reward is either a built-in name below or an
 import path `package.module:function` to a function with the same signature,
 so users plug in their own without touching grpo-stream. Accuracy is always
 `answer_correct`, whatever the weights.
+
+Only the operator's config may name an import path: an injected prompt (read
+from the network or from Redis) may ask for a subset of the run's rewards by
+name, resolved by `RunRewards` from the built-ins and the functions the
+config already resolved, never by importing a name it carries (an import runs
+the module's code: `os:system` from Redis would run on every sampler).
 """
 
 from __future__ import annotations
 
+import collections
 import importlib
 import re
+from typing import Collection, Iterable, Mapping, Sequence
 
 from grpo_stream.common.tasks.answers import extract_answer, parse_number, same_number
 from grpo_stream.common.tasks.base import RewardFn
@@ -48,8 +56,28 @@ REWARDS: dict[str, RewardFn] = {
 DEFAULT_WEIGHTS = {"answer_correct": 1.0, "answer_format": 0.1}
 
 
+class UnknownReward(ValueError):
+    """A reward name outside the run's (built-ins and task.rewards): refused, never imported."""
+
+
+def allowed_names(configured: Iterable[str]) -> list[str]:
+    """The reward names a prompt may ask for: the built-ins and the run's own (task.rewards, which the operator
+    wrote), sorted."""
+    return sorted(set(REWARDS) | set(configured))
+
+
+def unknown_reward(names: Iterable[str], allowed: Collection[str]) -> str | None:
+    """`rewards[k]: 'name' is not one of this run's rewards [...]` for the first of `names` outside `allowed` (the
+    name cut to 64 characters: it may come from anyone), else None."""
+    for k, name in enumerate(names):
+        if name not in allowed:
+            return f"rewards[{k}]: {name[:64]!r} is not one of this run's rewards {sorted(allowed)}"
+    return None
+
+
 def resolve(name: str) -> RewardFn:
-    """A built-in reward by name, or the function at import path `package.module:function`."""
+    """A built-in reward by name, or the function at import path `package.module:function`. Imports: call it on
+    the operator's config only (task.rewards), never on a name read from the network or Redis (`RunRewards`)."""
     if name in REWARDS:
         return REWARDS[name]
     module_name, sep, attr = name.partition(":")
@@ -68,12 +96,18 @@ def resolve(name: str) -> RewardFn:
 class RewardSet:
     """Weighted rewards resolved once; `score` is what samplers call per completion."""
 
-    def __init__(self, weights: dict[str, float]):
+    def __init__(self, weights: dict[str, float], functions: Mapping[str, RewardFn] | None = None):
+        """`weights` from the operator's config (import paths are imported); `functions`: already resolved
+        functions by name to take instead (every name of `weights` must be there, or be a built-in)."""
         if not weights:
             raise ValueError("task.rewards: give at least one reward, e.g. {answer_correct: 1.0}")
         # answer_correct is always computed (weight 0 when not listed): it is the accuracy the trainer reports
         self.weights = {"answer_correct": 0.0, **weights}
-        self.functions = {name: resolve(name) for name in self.weights}
+        self.functions = {name: resolve(name) if functions is None else functions.get(name, REWARDS.get(name))
+                          for name in self.weights}
+        missing = [name for name, fn in self.functions.items() if fn is None]
+        if missing:
+            raise UnknownReward(f"rewards: {missing[0][:64]!r} was not resolved")
 
     def score(self, text: str, reference: str) -> tuple[float, dict[str, float]]:
         """Total weighted reward and each component by name; a reward that raises or returns a non-finite
@@ -88,6 +122,37 @@ class RewardSet:
                 raise ValueError(f"task.rewards.{name} returned {value}; rewards must be finite")
             components[name] = value
         return sum(self.weights[n] * v for n, v in components.items()), components
+
+
+class RunRewards:
+    """A run's rewards (`default`: task.rewards, resolved once from the operator's config) and the subsets injected
+    prompts ask for by name. A subset is made of the built-ins and the functions `default` already resolved: a name
+    outside them raises UnknownReward and nothing is imported. The last `max_cached` subsets are kept (a prompt
+    stream naming many orders of the names must not grow a sampler's memory)."""
+
+    def __init__(self, default: RewardSet, configured: Mapping[str, float], max_cached: int = 32):
+        self.default, self.configured, self.max_cached = default, dict(configured), max_cached
+        self.functions = {**REWARDS, **default.functions}
+        self.allowed = allowed_names(self.functions)
+        self.cached: collections.OrderedDict[tuple[str, ...], RewardSet] = collections.OrderedDict()
+
+    def subset(self, names: Sequence[str]) -> RewardSet:
+        """The run's rewards (no names), or the named ones at the run's weight (1 for a built-in the run does not
+        weight). UnknownReward for a name outside the run's."""
+        if not names:
+            return self.default
+        key = tuple(dict.fromkeys(names))
+        found = self.cached.get(key)
+        if found is None:
+            error = unknown_reward(names, self.allowed)
+            if error:
+                raise UnknownReward(error)
+            found = RewardSet({n: self.configured.get(n, 1.0) for n in key}, self.functions)
+            self.cached[key] = found
+            while len(self.cached) > self.max_cached:
+                self.cached.popitem(last=False)
+        self.cached.move_to_end(key)
+        return found
 
 
 def score(text: str, reference: str, weights: dict[str, float] = DEFAULT_WEIGHTS) -> tuple[float, dict[str, float]]:

@@ -11,7 +11,8 @@ One connection per fetch lane:
                     then, if OK, for every requested slice in request order:
                     u32 tensor_index, u32 slice_index, u64 nbytes, nbytes raw C-order bytes, u64 XXH3-64 of them.
 With tls.enabled the connection is TLS with the gRPC server's certificate; the token is checked as for
-FetchSlices (UNAUTHENTICATED / PERMISSION_DENIED before any byte of weights is sent).
+FetchSlices (UNAUTHENTICATED / PERMISSION_DENIED before any byte of weights is sent), as soon as it arrived and
+before the request is read; a connection takes a transfer slot only once its token passed and its request is in.
 The checksum trails the bytes so both sides hash piece by piece while the bytes stream (XXH3 runs at ~20 GB/s
 here, CRC-32 at ~4 GB/s, which would cost as much as the copy itself).
 """
@@ -81,20 +82,51 @@ def encode_request(request_bytes: bytes, token: str | None = None) -> bytes:
     return MAGIC + _TOKEN_LEN.pack(len(raw_token)) + raw_token + _LEN.pack(len(request_bytes)) + request_bytes
 
 
-def read_request(sock: socket.socket, deadline: float) -> tuple[str, bytes]:
-    """(bearer token, serialized FetchSlicesRequest) a client sent; WeightTransferError for anything else."""
-    head = recv_exact(sock, len(MAGIC) + _TOKEN_LEN.size, deadline)
-    if head[:len(MAGIC)] != MAGIC:
-        raise WeightTransferError("not a grpo-stream weights data-plane request (bad magic); is the client pointed "
-                                  "at the right port, and of the same grpo-stream version?")
-    (token_length,) = _TOKEN_LEN.unpack(head[len(MAGIC):])
-    if token_length > MAX_TOKEN_BYTES:
-        raise WeightTransferError(f"token of {token_length} bytes exceeds {MAX_TOKEN_BYTES}")
-    token = recv_exact(sock, token_length, deadline).decode(errors="replace")
-    (length,) = _LEN.unpack(recv_exact(sock, _LEN.size, deadline))
-    if length > MAX_REQUEST_BYTES:
-        raise WeightTransferError(f"request of {length} bytes exceeds {MAX_REQUEST_BYTES}")
-    return token, recv_exact(sock, length, deadline)
+class RequestReader:
+    """A request parsed as its bytes arrive (the server reads every connection that has not yet asked on one thread,
+    without blocking): `feed` at most `wanted` bytes at a time; `token` is set as soon as the token is in, so the
+    server checks it before it reads (or buffers) a request, and `request` (a serialized FetchSlicesRequest) once
+    all of it is. WeightTransferError for anything that is not such a request."""
+
+    _HEAD, _TOKEN, _LENGTH, _REQUEST = range(4)
+
+    def __init__(self):
+        self.token: str | None = None
+        self.request: bytes | None = None
+        self._buf = bytearray()
+        self._stage, self._need = self._HEAD, len(MAGIC) + _TOKEN_LEN.size
+
+    @property
+    def wanted(self) -> int:
+        """Bytes still to read before the next part is complete (0 once the request is)."""
+        return 0 if self.request is not None else self._need - len(self._buf)
+
+    def feed(self, data: bytes) -> None:
+        self._buf += data
+        while self.request is None and len(self._buf) >= self._need:
+            part = bytes(self._buf[:self._need])
+            del self._buf[:self._need]
+            self._advance(part)
+
+    def _advance(self, part: bytes) -> None:
+        if self._stage == self._HEAD:
+            if part[:len(MAGIC)] != MAGIC:
+                raise WeightTransferError("not a grpo-stream weights data-plane request (bad magic); is the client "
+                                          "pointed at the right port, and of the same grpo-stream version?")
+            (token_length,) = _TOKEN_LEN.unpack(part[len(MAGIC):])
+            if token_length > MAX_TOKEN_BYTES:
+                raise WeightTransferError(f"token of {token_length} bytes exceeds {MAX_TOKEN_BYTES}")
+            self._stage, self._need = self._TOKEN, token_length
+        elif self._stage == self._TOKEN:
+            self.token = part.decode(errors="replace")
+            self._stage, self._need = self._LENGTH, _LEN.size
+        elif self._stage == self._LENGTH:
+            (length,) = _LEN.unpack(part)
+            if length > MAX_REQUEST_BYTES:
+                raise WeightTransferError(f"request of {length} bytes exceeds {MAX_REQUEST_BYTES}")
+            self._stage, self._need = self._REQUEST, length
+        else:
+            self.request = part
 
 
 def encode_status(code: int, message: str = "") -> bytes:

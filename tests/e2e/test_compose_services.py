@@ -216,3 +216,22 @@ def test_compose_services_run_as_local_processes(tmp_path):
         assert sampler["groups"] > 0
         assert sampler["versions"][-1] == STEPS  # the final version reached every sampler
         assert sampler["final_weights"]["sha256"] == summary["final_weights"]["sha256"]
+
+
+def test_each_sampler_has_its_own_token_and_nothing_is_published_beyond_loopback():
+    """Issue 41: one token shared by every sampler lets any of them send as another (common/rpc/auth.py:
+    may_act_as), and ports published on every interface carry tokens and rollouts in plaintext."""
+    services = resolved(ROOT / "compose" / ".env.example")["services"]
+    made = shlex.split(services["secrets"]["command"] if isinstance(services["secrets"]["command"], str)
+                       else " ".join(services["secrets"]["command"]))
+    samplers = sorted(name for name in services if name.startswith("sampler-"))
+    assert int(made[made.index("--samplers") + 1]) >= len(samplers)
+    for name in samplers:
+        assert services[name]["environment"]["GRPO_STREAM_TOKEN_FILE"] == f"/secrets/{name}.token"
+    for name, service in services.items():
+        for port in service.get("ports", []):
+            host = port.get("host_ip") if isinstance(port, dict) else str(port).rsplit(":", 2)[0]
+            assert host == "127.0.0.1", (name, port)
+        command = service.get("command") or ""
+        assert "0.0.0.0" not in (command if isinstance(command, str) else " ".join(command)), name
+    assert "ports" not in services["redis"]

@@ -9,6 +9,7 @@ import pytest
 from grpo_stream.common.rollouts.buffer import RedisStreamBuffer
 from grpo_stream.common.rollouts.redis_server import connect
 from grpo_stream.common.rollouts.wire import CompletionData, GroupData, GroupLimits, to_proto
+from grpo_stream.common.rpc.auth import write_tokens
 from grpo_stream.common.rpc.grpc_util import CHANNEL_OPTIONS
 from grpo_stream.protos import rollout_pb2, rollout_pb2_grpc
 from grpo_stream.sampler_service.admission_client import AdmissionClient
@@ -16,6 +17,7 @@ from grpo_stream.trainer_service.admission import AdmissionControl, AdmissionLim
 from grpo_stream.trainer_service.ingest import IngestServicer
 from grpo_stream.trainer_service.publisher import WeightPublisher
 from grpo_stream.trainer_service.server import TrainerServer
+from tests.support import serve, with_run_name
 
 pytestmark = pytest.mark.redis
 LIMITS = GroupLimits(num_generations=2, max_prompt_tokens=8, max_new_tokens=6, vocab_size=50)
@@ -117,3 +119,45 @@ def test_an_ingest_without_admit_admits_everything():
     finally:
         channel.close()
         server.stop(0)
+
+
+@pytest.fixture
+def two_tokens(tiny_parts, shared_redis, run_name, tmp_path):
+    """A trainer server with auth: sampler-0 and sampler-1 each hold their own token (sampler-1's holder is hostile),
+    and admission as a run configures it (groups_per_step 4, max_staleness 1)."""
+    cfg, task, tokenizer, _ = tiny_parts
+    tokens = write_tokens(tmp_path / "tokens", samplers=2)
+    cfg = cfg.model_copy(update={
+        "trainer": cfg.trainer.model_copy(update={"groups_per_step": GROUPS_PER_STEP, "max_staleness": MAX_STALENESS,
+                                                  "steps": 100}),
+        "auth": cfg.auth.model_copy(update={"mode": "tokens", "tokens_file": str(tokens["table"])})})
+    with serve(with_run_name(cfg, run_name), shared_redis.url, tmp_path / "unused", task, tokenizer) as stack:
+        def stub(name):
+            return rollout_pb2_grpc.RolloutIngestStub(stack.channel(None, tokens[name].read_text().strip()))
+        yield stack, stub("sampler-1"), AdmissionClient(stub("sampler-0"), "sampler-0", True, threading.Event())
+
+
+@pytest.mark.parametrize("in_flight,version", [(2**31 - 1, 5), (1, 0), (2**31 - 1, 0), (4096, 4)],
+                         ids=["in_flight_max", "version_0", "both", "in_flight_at_an_old_version"])
+def test_a_hostile_samplers_reports_stop_only_its_own_grants(two_tokens, in_flight, version):
+    stack, hostile, honest = two_tokens
+    stack.buffer.log_step("epoch", 5, [])  # the trainer finished step 5: version 5 is current, 0 long stale
+    for _ in range(3):  # the lie, repeated (each request would renew a lease of sampler.admission_lease_s)
+        hostile.Admit(rollout_pb2.AdmitRequest(sampler_id="sampler-1", groups=0, policy_version=version,
+                                               in_flight=in_flight))
+    assert honest.admit(4, version=5, in_flight=0) == 4
+    # the liar itself is not granted past the bound either: the honest sampler's 4 stay counted
+    reply = hostile.Admit(rollout_pb2.AdmitRequest(sampler_id="sampler-1", groups=8, policy_version=5, in_flight=0))
+    assert reply.granted == 2 * GROUPS_PER_STEP - 4 and reply.queued == 4
+
+
+def test_grants_held_past_max_staleness_do_not_hold_back_the_others(two_tokens):
+    """A sampler that takes grants and never sends the groups (nor lets its lease run out) holds places only while
+    those groups could still be trained; once the trainer is past them, the others are admitted again."""
+    stack, hostile, honest = two_tokens
+    stack.buffer.log_step("epoch", 5, [])
+    assert hostile.Admit(rollout_pb2.AdmitRequest(sampler_id="sampler-1", groups=8, policy_version=5)).granted == 8
+    assert honest.admit(4, version=5, in_flight=0) == 0  # every place is the hostile sampler's
+    stack.buffer.log_step("epoch", 7, [])  # the trainer went on (it had other groups): version 5 is now too stale
+    hostile.Admit(rollout_pb2.AdmitRequest(sampler_id="sampler-1", groups=0, policy_version=7, in_flight=8))
+    assert honest.admit(4, version=7, in_flight=0) == 4

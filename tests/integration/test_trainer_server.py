@@ -381,21 +381,41 @@ def test_busy_data_plane_sends_fetches_over_grpc(stack, tiny_parts):
     from grpo_stream.common.weights.grpc_transport import GrpcFetcher
     from grpo_stream.trainer_service.weight_data_server import WeightDataServer
 
+    from grpo_stream.common.weights import tcp_wire
+    from grpo_stream.protos import weights_pb2
+
     _, _, publisher, _, channel = stack
     _, _, _, model = tiny_parts
     named = model.to_named_numpy()
-    data = WeightDataServer(publisher, "127.0.0.1", 0, workers=1, request_timeout_s=30)
+    release = threading.Event()
+
+    class Held:  # the publisher, whose transfers wait at their first piece until released
+        data_port = 0
+        plan = staticmethod(publisher.plan)
+
+        @staticmethod
+        def pace(sent, start):
+            release.wait(30)
+
+    data = WeightDataServer(Held(), "127.0.0.1", 0, workers=1)
     port = data.start()
+    publisher.data_port = port
     try:
         publisher.publish(WeightSnapshot(version=6, arrays=named))
-        idle = socket.create_connection(("127.0.0.1", port))  # takes the only transfer slot, asks nothing
-        wait_for(lambda: data.active_transfers == 1, 30, "the data plane to give its only slot to the idle connection")
+        holder = socket.create_connection(("127.0.0.1", port))  # asks for a slice and takes the only slot
+        shape = list(publisher._manifest.tensors[0].shape)
+        holder.sendall(tcp_wire.encode_request(weights_pb2.FetchSlicesRequest(version=6, tensors=[
+            weights_pb2.TensorSlices(tensor_index=0, slices=[weights_pb2.SliceRange(start=[0] * len(shape),
+                                                                                    stop=shape)])]
+        ).SerializeToString()))
+        wait_for(lambda: data.active_transfers == 1, 30, "the data plane to give its only slot to the first request")
         fetcher = GrpcFetcher(channel, "sampler-6", streams=2, timeout_s=10, data_host="127.0.0.1")
         sync = WeightSync(fetcher, model, make_mesh(1, 1, jax.devices(), "sampler.mesh.tp"), "sampler-6")
         got = sync.poll()
         assert got is not None and got.version == 6 and data.served_bytes == 0
         for k, arr in model.to_named_numpy(got.params).items():
             np.testing.assert_array_equal(arr, named[k])
-        idle.close()
+        holder.close()
     finally:
+        release.set()
         data.stop()

@@ -55,4 +55,4 @@ def test_up_refuses_a_layout_the_gpus_cannot_hold_before_starting_anything(tmp_p
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["grpo-stream up: error: trainer.mesh (fsdp x tp): the trainer's need 4 GPUs but this host shows 2 "
                    "(nvidia-smi, CUDA_VISIBLE_DEVICES or hardware.gpus); make the mesh smaller or use a host with 4"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no Redis, no logs: nothing was started
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.lock"]  # no Redis, no logs: only the directory's lock

@@ -229,6 +229,7 @@ def test_multihost_trainer_jobset_runs_one_process_per_host_and_serves_samplers(
     assert trainer.checkpoint.dir.startswith("gs://") and trainer.distributed.initialize == "auto"
     env = {e["name"]: e for e in container["env"]}
     assert env["GRPO_STREAM_ADVERTISE_HOST"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    assert env["GRPO_STREAM_TRAINER_SECRET_FILE"]["value"].startswith("/secrets/")  # seals their messages
     # samplers reach process 0 through the Service (its pod only) and fetch slices from every pod's ports
     service = docs[("Service", "grpo-mh-trainer")]
     assert service["spec"]["selector"]["batch.kubernetes.io/job-completion-index"] == "0"

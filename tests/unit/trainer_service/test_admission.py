@@ -93,9 +93,9 @@ def test_groups_started_now_must_not_push_older_groups_in_flight_past_the_bound(
     assert control.admit(AdmissionState(2, 40, 0, 10), "fresh", 8, 10, 2) == (8, 4)
 
 
-def test_the_ingest_follows_the_samplers_own_count():
+def test_the_ingest_follows_the_samplers_own_count_downwards_only():
     """Groups a sampler discarded (or that arrived while it asked) are taken from the oldest version; a report of
-    more than was granted (an ingest restart) counts the extra at the asking version."""
+    more than was granted (a lie, or an ingest restart) counts nothing: another sampler's grants never depend on it."""
     control = AdmissionControl(LIMITS, clock=FakeClock())
     state = AdmissionState(0, 40, 0, 10)
     assert control.admit(state, "a", 3, 9, 0)[0] == 3
@@ -103,7 +103,7 @@ def test_the_ingest_follows_the_samplers_own_count():
     control.admit(state, "a", 0, 10, 3)  # the sampler holds only 3 now: the version-9 ones are gone
     assert control.admit(state, "b", 12, 10, 0)[0] == 12 - 3
     fresh = AdmissionControl(LIMITS, clock=FakeClock())
-    assert fresh.admit(state, "a", 12, 10, 5) == (7, 5)
+    assert fresh.admit(state, "a", 12, 10, 5) == (12, 0)
 
 
 def test_a_sampler_report_replaces_what_the_ingest_counted_for_it():
@@ -112,3 +112,21 @@ def test_a_sampler_report_replaces_what_the_ingest_counted_for_it():
     state = AdmissionState(0, 40, 0, 10)
     assert control.admit(state, "a", 12, 10, 0)[0] == 12
     assert control.admit(state, "a", 12, 10, 0)[0] == 12
+
+
+def test_an_older_version_than_the_sampler_asked_with_before_counts_as_the_newer_one():
+    """A sampler installs versions in order: asking at an old version (which would bound every other sampler's
+    grants by it) is counted at the newest version it asked with."""
+    control = AdmissionControl(LIMITS, clock=FakeClock())
+    state = AdmissionState(0, 40, 0, 10)
+    assert control.admit(state, "a", 2, 10, 0) == (2, 0)
+    assert control.admit(state, "a", 2, 8, 2) == (2, 2)  # counted at version 10: room for 12, not for 4
+    assert control.admit(state, "b", 12, 10, 0) == (8, 4)
+
+
+def test_groups_in_flight_past_max_staleness_hold_no_place():
+    """They will be dropped whenever they arrive: neither their count nor their version bounds a new grant."""
+    control = AdmissionControl(LIMITS, clock=FakeClock())
+    assert control.admit(AdmissionState(0, 40, 0, 10), "idle", 12, 10, 0) == (12, 0)
+    assert control.admit(AdmissionState(0, 52, 0, 13), "b", 12, 13, 0) == (12, 0)  # lag 3 > max_staleness 2
+    assert control.in_flight() == {"idle": 12, "b": 12}

@@ -6,7 +6,14 @@ import numpy as np
 import pytest
 
 from grpo_stream.common.config.loading import load_config
+from grpo_stream.trainer_service.control_messages import ControlCodec, ControlMessageError
 from grpo_stream.trainer_service.multihost import KEEP_MESSAGES, TrainerGroup
+
+CODEC = ControlCodec(b"k" * 64, b"\x07" * 16)
+
+
+def group(index: int, store) -> TrainerGroup:
+    return TrainerGroup(2, index, store, CODEC)
 
 
 class Store:
@@ -15,7 +22,8 @@ class Store:
     def __init__(self):
         self.values = {}
 
-    def key_value_set_bytes(self, key, value):
+    def key_value_set_bytes(self, key, value, allow_overwrite=False):
+        assert allow_overwrite or key not in self.values
         self.values[key] = value
 
     def blocking_key_value_get_bytes(self, key, timeout_ms):
@@ -29,18 +37,18 @@ class Store:
 
 def test_messages_arrive_in_order_with_their_arrays_and_old_ones_are_dropped():
     store = Store()
-    leader, follower = TrainerGroup(2, 0, store), TrainerGroup(2, 1, store)
-    leader.send("start", {"epoch": "abc"})
+    leader, follower = group(0, store), group(1, store)
+    leader.send("start", {"epoch": "abc", "restore": 4})
     tokens = np.arange(12, dtype=np.int32).reshape(3, 4)
-    leader.send("step", {"step": 1}, {"tokens": tokens, "valid": tokens > 3})
-    fields, arrays = follower.receive()
-    assert fields == {"kind": "start", "epoch": "abc"} and arrays == {}
-    fields, arrays = follower.receive()
-    assert fields == {"kind": "step", "step": 1}
+    leader.send("step", {"step": 1, "checkpoint": False, "publish": True}, {"tokens": tokens, "valid": tokens > 3})
+    message, arrays = follower.receive("start")
+    assert (message.kind, message.epoch, message.restore) == ("start", "abc", 4) and arrays == {}
+    message, arrays = follower.receive("step", "finish")
+    assert (message.kind, message.step, message.checkpoint, message.publish) == ("step", 1, False, True)
     np.testing.assert_array_equal(arrays["tokens"], tokens)
     assert arrays["valid"].dtype == np.bool_ and arrays["valid"].sum() == 8
     for k in range(2, 10):
-        leader.send("step", {"step": k})
+        leader.send("step", {"step": k, "checkpoint": False, "publish": False})
     assert len(store.values) == KEEP_MESSAGES
 
 
@@ -52,13 +60,13 @@ def test_a_follower_waits_through_timeouts_for_a_slow_leader():
         def blocking_key_value_get_bytes(self, key, timeout_ms):
             self.waits += 1
             if self.waits == 3:  # the message arrives during the third wait
-                TrainerGroup(2, 0, self).send("step", {"step": 7})
+                group(0, self).send("step", {"step": 7, "checkpoint": True, "publish": True})
             # the runtime's timeout error reads "DEADLINE_EXCEEDED: GetKeyValue() timed out with key: ..."
             return super().blocking_key_value_get_bytes(key, timeout_ms)
 
     store = Slow()
-    fields, _ = TrainerGroup(2, 1, store).receive()
-    assert fields == {"kind": "step", "step": 7} and store.waits == 3
+    message, _ = group(1, store).receive("step")
+    assert (message.kind, message.step) == ("step", 7) and store.waits == 3
 
 
 def test_a_follower_whose_leader_is_gone_stops_with_a_clear_error():
@@ -67,7 +75,7 @@ def test_a_follower_whose_leader_is_gone_stops_with_a_clear_error():
             raise RuntimeError("UNAVAILABLE: failed to connect to all addresses")
 
     with pytest.raises(RuntimeError, match="lost trainer process 0 .* restarts from its newest checkpoint"):
-        TrainerGroup(2, 1, Gone()).receive()
+        group(1, Gone()).receive()
 
 
 @pytest.mark.parametrize("extra, word", [(["weights.transport=checkpoint"], "weights.transport=grpc"),
@@ -76,3 +84,12 @@ def test_a_multi_process_trainer_refuses_what_it_cannot_run(extra, word):
     with pytest.raises(ValueError, match="trainer.processes=2") as err:
         load_config(None, ["trainer.processes=2", "trainer.mesh.fsdp=4", *extra])
     assert word in str(err.value)
+
+
+def test_an_authentic_message_out_of_protocol_order_stops_the_follower():
+    """Process 0 and this process disagree on where they are (e.g. different grpo-stream versions): a clear error,
+    never a silent mismatch of collectives."""
+    store = Store()
+    group(0, store).send("step", {"step": 1, "checkpoint": False, "publish": False})
+    with pytest.raises(ControlMessageError, match="message 0 from trainer process 0 is 'step' where start comes"):
+        group(1, store).receive("start")

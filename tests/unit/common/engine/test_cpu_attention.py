@@ -3,6 +3,7 @@ engine uses it where it can and falls back to the dense form, saying so, where i
 
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -80,8 +81,8 @@ def test_engine_decodes_the_same_with_the_kernel_as_with_dense_attention(tiny_pa
     assert own + idle < 0.6 * stats[True]["cache_positions_read"]
 
 
-def _probe(env: dict, cache: pathlib.Path) -> subprocess.CompletedProcess:
-    code = ("import logging; logging.basicConfig(level=logging.INFO)\n"
+def _probe(env: dict, cache: pathlib.Path, prelude: str = "") -> subprocess.CompletedProcess:
+    code = (prelude + "import logging; logging.basicConfig(level=logging.INFO)\n"
             "from grpo_stream.common.engine import cpu_attention\n"
             "print('available', cpu_attention.available())\n")
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
@@ -111,3 +112,61 @@ def test_the_config_chooses_the_attention(tiny_parts):
         assert continuous.build(cfg, model, tok).ragged_attention is ragged
     with pytest.raises(Exception, match="decode_attention"):
         load_config(CONFIGS / "tiny_arith.yaml", ["generation.decode_attention=paged"])
+
+
+# A library that announces being loaded: its constructor runs at dlopen, before any symbol is looked up.
+PLANTED = r"""
+#include <stdio.h>
+#include <stdlib.h>
+__attribute__((constructor)) static void planted(void) {
+  FILE *f = fopen(getenv("PLANTED_MARKER"), "w");
+  if (f) { fputs("planted code ran", f); fclose(f); }
+}
+void GrpoStreamRaggedAttention(void) {}
+"""
+
+
+def _plant(tmp_path: pathlib.Path) -> tuple[pathlib.Path, dict]:
+    """Build the genuine kernel into the cache under tmp_path (its file name is the key for this CPU and jaxlib),
+    then put a planted library in its place; returns the cached path and the environment that names the marker."""
+    assert "available True" in _probe({}, tmp_path).stdout
+    [built] = (tmp_path / "grpo-stream" / "kernels").glob("ragged_attention-*.so")
+    source = tmp_path / "planted.c"
+    source.write_text(PLANTED)
+    subprocess.run([cpu_attention._compiler(), "-x", "c", "-shared", "-fPIC", str(source), "-o", str(built)],
+                   check=True)
+    return built, {"PLANTED_MARKER": str(tmp_path / "marker")}
+
+
+def test_a_library_planted_in_a_kernel_cache_others_can_write_is_not_loaded(tmp_path):
+    built, env = _plant(tmp_path)
+    os.chmod(built.parent, 0o770)  # group-writable: anyone in the group could have put it there
+    probe = _probe(env, tmp_path)
+    assert not (tmp_path / "marker").exists(), "the planted library was loaded"
+    assert "available True" in probe.stdout, probe.stderr  # the kernel is built privately instead
+    assert "writable by group or others (mode 0770)" in probe.stderr
+    assert "private temporary directory" in probe.stderr and f"chmod 700 {built.parent}" in probe.stderr
+    os.chmod(built.parent, 0o700)  # the control: in a private cache this user's own library is what is loaded
+    assert "available True" in _probe(env, tmp_path).stdout and (tmp_path / "marker").exists()
+
+
+def test_a_library_planted_in_a_kernel_cache_of_another_owner_is_not_loaded(tmp_path):
+    built, env = _plant(tmp_path)
+    # the cache's owner is this user; the probe believes it runs as another one (any other uid)
+    probe = _probe(env, tmp_path, prelude="import os; _uid = os.getuid() + 4242; os.getuid = lambda: _uid\n")
+    assert not (tmp_path / "marker").exists(), "the planted library was loaded"
+    assert f"is owned by uid {built.parent.stat().st_uid}, not by this user" in probe.stderr
+
+
+@pytest.mark.parametrize("compiler,cpu", [("g++", "-march="), ("clang++", "-target-cpu=")])
+def test_the_cache_key_holds_the_cpus_features_for_gcc_and_clang(compiler, cpu):
+    """A home shared by machines of different CPUs must not serve one a build for another (SIGILL): the key holds
+    -march=native's expansion, which gcc and clang both print with -### (gcc's -Q --help=target has no clang form,
+    so with clang the key had no CPU part), and /proc/cpuinfo's flags."""
+    if shutil.which(compiler) is None:
+        pytest.skip(f"{compiler} is not installed")
+    features = cpu_attention._cpu_features(compiler)
+    target, cpuinfo = features.split("\n")
+    assert cpu in target and ("avx" in target or "neon" in target or "sse" in target), target
+    assert cpuinfo or not os.path.exists("/proc/cpuinfo")
+    assert cpu_attention._cpu_features(compiler) == features  # nothing that differs between calls (temporary files)

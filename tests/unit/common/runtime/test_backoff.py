@@ -35,3 +35,17 @@ def test_samplers_failing_together_spread_their_retries():
 def test_bad_bounds_are_refused():
     with pytest.raises(ValueError, match="initial_s"):
         Backoff(2.0, 1.0)
+
+
+def test_a_wait_ends_at_once_when_the_process_is_asked_to_stop():
+    """Every retry loop sleeps through `wait`: a stop (SIGTERM) must not sit out a 10 s back-off step."""
+    import threading
+    import time
+
+    from grpo_stream.common.runtime.backoff import wait
+
+    stop = threading.Event()
+    threading.Timer(0.1, stop.set).start()
+    started = time.monotonic()
+    assert wait(10.0, stop) is True and time.monotonic() - started < 2.0
+    assert wait(0.01, threading.Event()) is False and wait(0.01, None) is False

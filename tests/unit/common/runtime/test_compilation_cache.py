@@ -1,9 +1,13 @@
 """runtime.compilation_cache_dir: where it comes from (config > $GRPO_STREAM_COMPILATION_CACHE_DIR > the user's cache
-directory), `none`, bad values, and directories that cannot be written. No JAX here: the directory check runs before
-JAX loads (and this process's own cache, set up by conftest, is left alone)."""
+directory), `none`, bad values, directories that cannot be written, and directories others could have written (their
+compiled programs are never loaded: checked in real processes that compile). No JAX in this process: the directory
+check runs before JAX loads (and this process's own cache, set up by conftest, is left alone)."""
 
+import json
 import logging
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -105,3 +109,52 @@ def test_stats_count_jax_cache_events():
     assert stats.summary() == "compilation cache /c: 1 of 2 programs loaded, 1 compiled and written"
     assert CompilationCacheStats(None).summary() == "compilation cache off"
     assert os.environ[COMPILATION_CACHE_ENV]  # conftest gave the whole test run one directory
+
+
+def test_a_cache_directory_others_can_write_is_replaced_by_a_private_one(no_env, caplog):
+    shared = no_env / "shared-cache"
+    shared.mkdir(mode=0o775)
+    os.chmod(shared, 0o775)  # whatever the umask
+    with caplog.at_level(logging.WARNING, logger="grpo_stream.runtime"):
+        used = compilation_cache_dir(load_config(None, [f"{FIELD}={shared}"]))
+    assert used != str(shared) and os.stat(used).st_mode & 0o777 == 0o700
+    assert f"{FIELD}={shared} is not private to this user: it is writable by group or others (mode 0775)" in caplog.text
+    assert f"chmod 700 {shared}" in caplog.text
+    created = no_env / "new-cache"
+    assert compilation_cache_dir(load_config(None, [f"{FIELD}={created}"])) == str(created)
+    assert os.stat(created).st_mode & 0o777 == 0o700  # a directory it creates is private from the start
+
+
+def _compile(cache, prelude: str = "") -> tuple[dict, str]:
+    """A real process that sets up the cache at `cache` and compiles one program: (the cache JAX used, the
+    programs loaded from it and written to it), and its log."""
+    code = prelude + f"""
+import json, logging
+logging.basicConfig(level=logging.WARNING)
+import jax, jax.numpy as jnp
+from grpo_stream.common.config.loading import load_config
+from grpo_stream.common.runtime.process import enable_compilation_cache
+stats = enable_compilation_cache(load_config(None, ["{FIELD}={cache}"]))
+jax.jit(lambda x: x * 3 + 1)(jnp.arange(7.0)).block_until_ready()
+print(json.dumps({{"dir": jax.config.jax_compilation_cache_dir, "hits": stats.hits, "writes": stats.writes}}))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
+
+
+def test_compiled_programs_in_a_cache_others_could_write_are_not_loaded(tmp_path):
+    cache = tmp_path / "cache"
+    first, _ = _compile(cache)
+    assert first["dir"] == str(cache) and first["hits"] == 0 and first["writes"] >= 1, first
+    os.chmod(cache, 0o770)  # from now on anyone in the group could have replaced the program with their own
+    shared, log = _compile(cache)
+    assert shared["hits"] == 0 and shared["dir"] != str(cache), shared
+    assert "is not private to this user" in log
+    # another user's directory: the process believes it runs as some other uid
+    os.chmod(cache, 0o700)
+    foreign, log = _compile(cache, prelude="import os; _uid = os.getuid() + 4242; os.getuid = lambda: _uid\n")
+    assert foreign["hits"] == 0 and foreign["dir"] != str(cache) and "is owned by uid" in log
+    mine, _ = _compile(cache)  # the control: private again, the programs compiled at first are loaded
+    assert mine == {"dir": str(cache), "hits": first["writes"], "writes": 0}

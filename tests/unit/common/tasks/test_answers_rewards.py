@@ -1,11 +1,13 @@
 """Final-answer extraction, number normalisation and pluggable rewards."""
 
+import itertools
 import math
 
 import pytest
 
 from grpo_stream.common.tasks.answers import extract_answer, parse_number, reference_answer, same_number
-from grpo_stream.common.tasks.rewards import RewardSet, reasoning_answer_format, resolve, score
+from grpo_stream.common.tasks.rewards import (DEFAULT_WEIGHTS, REWARDS, RewardSet, RunRewards, UnknownReward,
+                                              reasoning_answer_format, resolve, score)
 
 # (written by a model, reference, equal?)
 TRICKY = [
@@ -97,3 +99,30 @@ def answer_format_of(text: str) -> float:
     from grpo_stream.common.tasks.rewards import answer_format
 
     return answer_format(text, "")
+
+
+def test_injected_reward_names_resolve_among_the_runs_only():
+    """A prompt may name the built-ins and the run's own rewards (an import path the operator configured included)
+    but no other import path: it is refused by name, never imported."""
+    configured = {"answer_correct": 1.0, f"{__name__}:length_penalty": 2.0}
+    run = RunRewards(RewardSet(configured), configured)
+    assert run.subset([]) is run.default
+    chosen = run.subset([f"{__name__}:length_penalty", "reasoning_answer_format"])
+    assert chosen.weights == {"answer_correct": 0.0, f"{__name__}:length_penalty": 2.0, "reasoning_answer_format": 1.0}
+    for name in ("os:system", "json:loads", "math:sqrt"):
+        with pytest.raises(UnknownReward, match=rf"rewards\[1\]: '{name}' is not one of this run's rewards "):
+            run.subset(["answer_format", name])
+
+
+def test_the_reward_subsets_a_sampler_keeps_are_bounded():
+    """A stream of prompts naming the run's rewards in every order keeps at most `max_cached` sets, the most
+    recently used; a set asked for again is the same object (resolved once)."""
+    run = RunRewards(RewardSet(DEFAULT_WEIGHTS), DEFAULT_WEIGHTS, max_cached=4)
+    names = sorted(REWARDS)
+    orders = [list(p) for k in range(1, len(names) + 1) for p in itertools.permutations(names, k)]
+    assert len(orders) == 15
+    for order in orders * 3:
+        run.subset(order)
+    assert list(run.cached) == [tuple(o) for o in orders[-4:]]
+    assert run.subset(orders[-1]) is run.cached[tuple(orders[-1])]
+    assert run.subset(["answer_format", "answer_format"]) is run.subset(["answer_format"])  # duplicates: one set

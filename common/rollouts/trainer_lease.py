@@ -1,0 +1,255 @@
+"""The trainer's lease on a run's buffer, with a fencing number: one trainer writes a run at a time.
+
+Every trainer of a run reads as the one consumer `trainer-0`, so two trainers on one run (a second `up` on the same
+run, a Kubernetes pod restarted while the old one still terminates, a trainer paused or cut off from Redis while a
+new one started) would read the same groups, train them both, and both write the audit trail. So:
+
+- Each trainer start takes the lease P:R:trainer:lease (a value naming the holder, with a TTL of
+  trainer.lease_ttl_s) and increments the fencing number P:R:trainer:fence (never expires). It waits while a live
+  trainer holds the lease; a holder on this machine whose process is gone (a kill -9) is taken over at once, one
+  elsewhere when its lease expires.
+- A thread renews the lease every third of its TTL while the trainer runs. A lease that lapsed (Redis away, the
+  process paused) is taken again as long as the fence is still this trainer's.
+- Every write a trainer makes carries its fence: appends of its ingest, settles, step/start/checkpoint records, the
+  held count, audit compaction. The Lua scripts (buffer_scripts.py) compare it with P:R:trainer:fence and refuse a
+  stale one with a STALETRAINER error; the trainer then stops at once, writing nothing more (no checkpoint either:
+  the newer trainer owns the run). Its unsettled groups stay pending in the stream for the newer trainer.
+
+A standalone ingest writes with no fence (it is not a trainer; appends are de-duplicated by group id).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from typing import Callable
+
+from grpo_stream.common.runtime.backoff import Backoff, StopRequested, wait
+from grpo_stream.common.rollouts.redis_errors import BufferUnavailable, redis_call
+
+log = logging.getLogger(__name__)
+
+STALE_CODE = "STALETRAINER"
+EXIT_FENCED = 3  # the exit code of a trainer stopped because a newer one took its run over
+
+# The check every trainer write makes first; `fence` '' (a standalone ingest, a test's buffer) is not checked.
+FENCE_LUA = """
+local function stale(key, fence)
+  if fence == '' then return nil end
+  local current = redis.call('GET', key)
+  if current == fence then return nil end
+  return redis.error_reply('""" + STALE_CODE + """ this trainer holds fence ' .. fence .. ' but the run is at fence '
+    .. (current or 'none') .. ': a newer trainer took the run over')
+end
+"""
+
+# A single command (XADD, SET) on KEYS[2], made only by the current trainer. ARGV: fence, command, its arguments.
+FENCED_CALL = FENCE_LUA + """
+local refused = stale(KEYS[1], ARGV[1])
+if refused then return refused end
+return redis.call(ARGV[2], KEYS[2], unpack(ARGV, 3))
+"""
+
+# KEYS: lease, fence. ARGV: holder (JSON), TTL ms, the value of a lease whose holder is known to be dead ('' none).
+# Returns {1, value, fence} when taken, else {0, the holder's value, its remaining TTL in ms}.
+TAKE = """
+local current = redis.call('GET', KEYS[1])
+if current and current ~= ARGV[3] then
+  return {0, current, redis.call('PTTL', KEYS[1])}
+end
+local fence = redis.call('INCR', KEYS[2])
+local value = fence .. ' ' .. ARGV[1]
+redis.call('SET', KEYS[1], value, 'PX', ARGV[2])
+return {1, value, fence}
+"""
+
+RENEW = FENCE_LUA + """
+local refused = stale(KEYS[2], ARGV[1])
+if refused then return refused end
+redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+return 1
+"""
+
+RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
+class StaleTrainer(RuntimeError):
+    """A newer trainer took this trainer's run over (its fence is not the run's): this one must stop."""
+
+
+def is_stale_reply(exc: BaseException) -> bool:
+    return STALE_CODE in str(exc)
+
+
+def fenced_exit(message: str) -> None:
+    """Stop this trainer process at once: a stale trainer must not write anything more, not even a checkpoint."""
+    log.critical("%s; stopping now without writing anything more (the newer trainer goes on with this run's groups)",
+                 message)
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    sys.stdout.flush()
+    os._exit(EXIT_FENCED)
+
+
+def this_process() -> dict:
+    """Who holds a lease: enough to tell, on the same machine and pid namespace, whether that process still runs."""
+    return {"pid": os.getpid(), "host": socket.gethostname(), "boot": _read("/proc/sys/kernel/random/boot_id"),
+            "pidns": _link("/proc/self/ns/pid"), "start": _start_ticks(os.getpid()), "t": round(time.time(), 1)}
+
+
+def holder_is_gone(holder: dict) -> bool:
+    """True only when the holder ran on this machine, in this pid namespace, and its process no longer exists (or
+    its pid now belongs to a process started at another time)."""
+    me = this_process()
+    if not me["boot"] or not me["pidns"] or holder.get("boot") != me["boot"] or holder.get("pidns") != me["pidns"]:
+        return False
+    pid = holder.get("pid")
+    return not isinstance(pid, int) or _start_ticks(pid) != holder.get("start")
+
+
+def parse_value(value: str) -> tuple[int, dict]:
+    """(fence, holder) of a lease value 'FENCE JSON'."""
+    fence, _, holder = value.partition(" ")
+    try:
+        return int(fence), json.loads(holder)
+    except ValueError:
+        return -1, {}
+
+
+class TrainerLease:
+    """This trainer's lease and fence on the run of `buffer` (a RedisStreamBuffer); see the module docstring."""
+
+    def __init__(self, buffer, ttl_s: float, on_stale: Callable[[str], None] = fenced_exit):
+        self.buffer, self.client, self.ttl_s, self.on_stale = buffer, buffer.client, ttl_s, on_stale
+        self.lease_key, self.fence_key = buffer.k["trainer:lease"], buffer.k["trainer:fence"]
+        self.fence, self.value = -1, ""
+        self._take, self._renew = self.client.register_script(TAKE), self.client.register_script(RENEW)
+        self._release = self.client.register_script(RELEASE)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @classmethod
+    def take(cls, buffer, ttl_s: float, stop: threading.Event | None, on_stale: Callable[[str], None] = fenced_exit,
+             renew: bool = True) -> "TrainerLease":
+        """Take the run's lease (waiting while a live trainer holds it; StopRequested when `stop` is set first),
+        fence the buffer's writes with the new fencing number and, with `renew`, keep the lease renewed."""
+        lease = cls(buffer, ttl_s, on_stale)
+        lease._acquire(stop)
+        buffer.use_fence(str(lease.fence), on_stale)
+        if renew:
+            lease._thread = threading.Thread(target=lease._renew_loop, name="trainer-lease", daemon=True)
+            lease._thread.start()
+        return lease
+
+    def _acquire(self, stop: threading.Event | None) -> None:
+        backoff, dead, noted = Backoff(0.2, 2.0), "", 0.0
+        holder_json = json.dumps(this_process())
+        while True:
+            if stop is not None and stop.is_set():
+                raise StopRequested(f"stopped while waiting for the trainer lease of run {self.buffer.run_name}")
+            try:
+                taken, value, extra = redis_call(lambda: self._take(
+                    keys=[self.lease_key, self.fence_key], args=[holder_json, int(self.ttl_s * 1000), dead]))
+            except BufferUnavailable as exc:
+                delay = backoff.next()
+                log.error("taking the trainer lease: Redis unavailable (%s); retrying in %.1fs", exc, delay)
+                wait(delay, stop)
+                continue
+            value = _text(value)
+            if int(taken):
+                self.fence, self.value = int(extra), value
+                log.info("trainer lease of run %s taken: fence %d%s", self.buffer.run_name, self.fence,
+                         " (its previous holder's process was gone)" if dead else "")
+                return
+            fence, holder = parse_value(value)
+            if holder_is_gone(holder):
+                dead = value  # taken over at the next try, only if the lease still holds this very value
+                continue
+            if time.monotonic() - noted > max(10.0, self.ttl_s):
+                noted = time.monotonic()
+                log.warning("run %s: trainer lease held by fence %d (pid %s on %s), %.1fs left unless renewed: "
+                            "another trainer runs this run; waiting for it to stop", self.buffer.run_name, fence,
+                            holder.get("pid"), holder.get("host"), int(extra) / 1000)
+            wait(min(max(int(extra), 100) / 1000, self.ttl_s / 3), stop)
+
+    def renew(self) -> None:
+        """Extend the lease (taking it again if it lapsed); StaleTrainer when a newer trainer has the run."""
+        try:
+            redis_call(lambda: self._renew(keys=[self.lease_key, self.fence_key],
+                                           args=[self.fence, self.value, int(self.ttl_s * 1000)]))
+        except Exception as exc:  # noqa: BLE001 - only the fence's refusal is turned into StaleTrainer
+            if is_stale_reply(exc):
+                raise StaleTrainer(f"trainer lease of run {self.buffer.run_name}: {exc}") from None
+            raise
+
+    def _renew_loop(self) -> None:
+        while not self._stop.wait(self.ttl_s / 3):
+            try:
+                self.renew()
+            except BufferUnavailable as exc:  # the lease may lapse; the fence still holds until another start
+                log.warning("renewing the trainer lease: Redis unavailable (%s)", exc)
+            except StaleTrainer as exc:
+                self.on_stale(str(exc))
+                return
+            except Exception as exc:  # noqa: BLE001 - the renewal outlives a surprise; the writes still check the fence
+                log.error("renewing the trainer lease failed: %s: %s", type(exc).__name__, exc)
+
+    def release(self) -> None:
+        """Stop renewing and let the next trainer take the lease at once (the fence stays: it only grows)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        try:
+            redis_call(lambda: self._release(keys=[self.lease_key], args=[self.value]))
+        except BufferUnavailable as exc:  # it expires by itself
+            log.warning("releasing the trainer lease: Redis unavailable (%s); it expires in %.0fs", exc, self.ttl_s)
+
+
+def open_leased_buffer(cfg, stop: threading.Event | None) -> tuple[object, TrainerLease | None]:
+    """(the run's buffer, this trainer's lease on it), the lease taken before the trainer writes anything (the
+    buffer, or the checkpoint directory it shares with any other trainer of the run). No lease for a backend that
+    needs none (in memory: the buffer lives and dies with its one process). `stop` ends the waits."""
+    # registry imports buffer.py, which imports this module
+    from grpo_stream.common.rollouts.registry import open_buffer  # noqa: PLC0415
+
+    buffer = open_buffer(cfg, stop=stop)
+    lease = TrainerLease.take(buffer, cfg.trainer.lease_ttl_s, stop) if hasattr(buffer, "use_fence") else None
+    return buffer, lease
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _link(path: str) -> str:
+    try:
+        return os.readlink(path)
+    except OSError:
+        return ""
+
+
+def _start_ticks(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (field 22 of /proc/PID/stat); None when it is gone or a
+    zombie (dead, not yet reaped)."""
+    fields = _read(f"/proc/{pid}/stat").rpartition(")")[2].split()
+    try:
+        return None if fields[0] == "Z" else int(fields[19])
+    except (IndexError, ValueError):
+        return None
+

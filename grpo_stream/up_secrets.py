@@ -1,0 +1,46 @@
+"""What each child of `grpo-stream up` is handed to authenticate: the run's token table and tokens, and the embedded
+Redis's password. Secrets travel in the environment or in 0600 files, never on a command line (`ps` shows those to
+every user of the machine)."""
+
+from __future__ import annotations
+
+import pathlib
+
+from grpo_stream.common.config.access import REDIS_PASSWORD_ENV, TOKEN_ENV, TOKEN_FILE_ENV, TOKENS_ENV
+from grpo_stream.common.config.schema import RunConfig
+from grpo_stream.common.rollouts.redis_server import EmbeddedRedis
+from grpo_stream.common.rpc.auth import write_tokens
+
+
+def with_run_tokens(cfg: RunConfig, run_dir: pathlib.Path, env: dict[str, str]) -> tuple[dict, dict, str]:
+    """(servers' env, samplers' env, client token file or ''). With auth.mode=tokens and no token table given, the
+    run gets its own in RUN_DIR/auth (kept, so a resumed run and its clients keep their tokens): servers read the
+    table, each sampler its own token (`sampler_token_env`); `grpo-stream submit --run-dir` finds the client token
+    there."""
+    if cfg.auth.mode == "none" or env.get(TOKENS_ENV) or cfg.auth.tokens_file:
+        return env, dict(env), ""
+    auth_dir = (run_dir / "auth").resolve()
+    if not (auth_dir / "tokens.yaml").is_file():
+        write_tokens(auth_dir, samplers=cfg.sampler.replicas)
+        print(f"[up] made this run's tokens in {auth_dir} (client token: {auth_dir / 'client.token'})", flush=True)
+    samplers = {k: v for k, v in env.items() if k != TOKEN_ENV}
+    samplers[TOKEN_FILE_ENV] = str(auth_dir / "sampler.token")
+    return {**env, TOKENS_ENV: str(auth_dir / "tokens.yaml")}, samplers, str(auth_dir / "client.token")
+
+
+def with_redis_password(server_env: dict[str, str], sampler_env: dict[str, str], redis_server: EmbeddedRedis | None
+                        ) -> tuple[dict[str, str], dict[str, str]]:
+    """(servers' env, samplers' env) with the embedded Redis's password: in the environment of the processes that
+    use Redis (trainer, ingest), as the URL is in their overrides; samplers never talk to Redis and get none."""
+    if redis_server is None:
+        return server_env, sampler_env
+    return ({**server_env, REDIS_PASSWORD_ENV: redis_server.password},
+            {k: v for k, v in sampler_env.items() if k != REDIS_PASSWORD_ENV})
+
+
+def sampler_token_env(env: dict[str, str], index: int) -> dict[str, str]:
+    """Sampler `index`'s environment: its own token (sampler-<index>.token beside the shared one, when the run made
+    one: it can send only as its own id) or else the shared sampler token."""
+    shared = env.get(TOKEN_FILE_ENV)
+    own = pathlib.Path(shared).with_name(f"sampler-{index}.token") if shared else None
+    return {**env, TOKEN_FILE_ENV: str(own)} if own is not None and own.is_file() else env

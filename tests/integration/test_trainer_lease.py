@@ -1,0 +1,148 @@
+"""One trainer per run (issue 41, finding 5): the trainer's lease and fencing number in a real Redis.
+
+The fault: two trainers on one run (a second `up`, a trainer paused or cut off past its lease while a new one
+started) both read as consumer `trainer-0` and both settle, log and compact. Here a stale trainer (an older fence)
+is refused every write and its groups go to the newer trainer; a dead holder is taken over at once; a live one is
+waited for; a real process that finds itself fenced off stops at once with a clear message."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from grpo_stream.common.rollouts.buffer import Incoming, RedisStreamBuffer
+from grpo_stream.common.rollouts.redis_server import connect
+from grpo_stream.common.rollouts.trainer_lease import EXIT_FENCED, StaleTrainer, TrainerLease
+from grpo_stream.common.runtime.backoff import StopRequested
+from tests.e2e.test_up import ROOT
+from tests.support import wait_for
+
+pytestmark = pytest.mark.redis
+
+
+def groups(n: int, start: int = 0) -> list[Incoming]:
+    return [Incoming(f"run/s0/{i}", "s0", 0, i, f"g{i}".encode()) for i in range(start, start + n)]
+
+
+def trainer_buffer(url: str, run: str) -> RedisStreamBuffer:
+    return RedisStreamBuffer(connect(url, 5), run)
+
+
+def test_a_stale_trainer_cannot_settle_append_log_or_compact_and_its_groups_go_to_the_newer_one(shared_redis,
+                                                                                                run_name):
+    ingest = trainer_buffer(shared_redis.url, run_name)  # a standalone ingest: no fence
+    old, new = trainer_buffer(shared_redis.url, run_name), trainer_buffer(shared_redis.url, run_name)
+    refused: list[str] = []
+    # the old trainer stops renewing (paused, or cut off from Redis) past its 1 s lease
+    stale = TrainerLease.take(old, 1.0, None, on_stale=refused.append, renew=False)
+    ingest.append_many(groups(4), max_groups=100)
+    read = old.read(4, block_ms=100)
+    assert len(read) == 4
+    started = time.monotonic()
+    fresh = TrainerLease.take(new, 5.0, None, on_stale=refused.append, renew=False)  # waits for the old lease
+    assert time.monotonic() - started >= 0.3 and fresh.fence == stale.fence + 1
+    before = ingest.counters()
+
+    records = [(e.entry_id, e.group_id, "trained", 1) for e in read]
+    writes = {"settle": lambda: old.settle(records), "append": lambda: old.append_many(groups(2, 10), 100),
+              "log_step": lambda: old.log_step("old", 1, [e.group_id for e in read]),
+              "log_checkpoint": lambda: old.log_checkpoint("old", 1), "set_held": lambda: old.set_held(4),
+              "log_trainer": lambda: old.log_trainer("old", 0, ""), "compact_audit": lambda: old.compact_audit(1),
+              "renew": stale.renew}
+    for what, write in writes.items():
+        with pytest.raises(StaleTrainer, match=f"fence {stale.fence} but the run is at fence {fresh.fence}"):
+            write()
+        assert ingest.counters() == before, what  # nothing written
+    assert len(refused) == 7  # every refused buffer write told the trainer (its handler stops the process)
+    assert not old.client.exists(old.k["audit:steps"], old.k["audit:checkpoints"], old.k["held"])
+
+    # the newer trainer takes back what the stale one read and never settled, and settles it
+    again = new.read(10, block_ms=100)
+    assert sorted(e.group_id for e in again) == sorted(e.group_id for e in read)
+    assert new.settle([(e.entry_id, e.group_id, "trained", 1) for e in again]) == 4
+    new.log_step("new", 1, [e.group_id for e in again])
+    assert ingest.counters()["trained"] == 4
+    fresh.release()
+    assert not new.client.exists(new.k["trainer:lease"])
+
+
+def test_a_lease_that_lapsed_is_its_trainers_again_while_no_newer_one_started(shared_redis, run_name):
+    """A trainer SIGSTOPped (or cut off from Redis) longer than its lease goes on when it resumes, if nobody took
+    the run meanwhile: the chaos schedule pauses the trainer for up to 20 s."""
+    buf = trainer_buffer(shared_redis.url, run_name)
+    lease = TrainerLease.take(buf, 1.0, None, renew=False)
+    wait_for(lambda: not buf.client.exists(buf.k["trainer:lease"]), 5, "the lease to lapse")
+    lease.renew()
+    assert buf.client.pttl(buf.k["trainer:lease"]) > 0
+    trainer_buffer(shared_redis.url, run_name).append_many(groups(1), 10)
+    entry = buf.read(1, block_ms=100)[0]
+    assert buf.settle([(entry.entry_id, entry.group_id, "trained", 1)]) == 1
+
+
+def test_a_live_holder_is_waited_for_and_a_stop_ends_the_wait(shared_redis, run_name):
+    holder = TrainerLease.take(trainer_buffer(shared_redis.url, run_name), 30.0, None)  # renewed: alive
+    stop = threading.Event()
+    threading.Timer(0.5, stop.set).start()
+    started = time.monotonic()
+    with pytest.raises(StopRequested, match="trainer lease"):
+        TrainerLease.take(trainer_buffer(shared_redis.url, run_name), 30.0, stop)
+    assert time.monotonic() - started < 3.0
+    holder.release()
+
+
+LEASE_HOLDER = """
+import sys, time
+from grpo_stream.common.rollouts.buffer import RedisStreamBuffer
+from grpo_stream.common.rollouts.redis_server import connect
+from grpo_stream.common.rollouts.trainer_lease import TrainerLease
+import logging; logging.basicConfig(level=logging.INFO, stream=sys.stdout)
+lease = TrainerLease.take(RedisStreamBuffer(connect(sys.argv[1], 5), sys.argv[2]), float(sys.argv[3]), None)
+print("fence", lease.fence, flush=True)
+time.sleep(600)
+"""
+
+
+def holder_process(url: str, run: str, ttl_s: float) -> tuple[subprocess.Popen, int]:
+    """A process that took the run's lease and renews it (a trainer, less the training); (it, its fence)."""
+    proc = subprocess.Popen([sys.executable, "-c", LEASE_HOLDER, url, run, str(ttl_s)], cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    seen = []
+    for line in proc.stdout:  # ends when the process does
+        seen.append(line)
+        if line.startswith("fence "):
+            return proc, int(line.split()[1])
+    raise AssertionError(f"the lease holder exited with code {proc.wait()}: {''.join(seen)}")
+
+
+def test_a_holder_killed_on_this_machine_is_taken_over_at_once(shared_redis, run_name):
+    proc, fence = holder_process(shared_redis.url, run_name, 60.0)
+    proc.kill()
+    proc.wait()
+    started = time.monotonic()
+    lease = TrainerLease.take(trainer_buffer(shared_redis.url, run_name), 60.0, None, renew=False)
+    assert time.monotonic() - started < 5.0 and lease.fence == fence + 1  # not the 60 s of its lease
+
+
+def test_a_trainer_process_fenced_off_stops_at_once_with_the_reason(shared_redis, run_name):
+    """A real process holding the lease is paused past it, a newer trainer takes the run, and when the old one
+    resumes its renewal is refused: it exits with EXIT_FENCED and says why, writing nothing more."""
+    proc, fence = holder_process(shared_redis.url, run_name, 1.0)
+    try:
+        os.kill(proc.pid, signal.SIGSTOP)
+        newer = TrainerLease.take(trainer_buffer(shared_redis.url, run_name), 30.0, None, renew=False)
+        assert newer.fence == fence + 1
+        os.kill(proc.pid, signal.SIGCONT)
+        out, _ = proc.communicate(timeout=10)
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGCONT)
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == EXIT_FENCED, out
+    assert f"holds fence {fence} but the run is at fence {fence + 1}" in out and "stopping now" in out

@@ -1,0 +1,101 @@
+"""The run directory's lock and children that die with their parent, with real OS processes (issue 41, finding 5):
+the lock outlives the process that took it while a child holds its descriptor, a refusal names the processes to
+stop, and a child whose parent is gone stops even where PR_SET_PDEATHSIG is missing."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from grpo_stream.common.runtime.parent_death import PARENT_PID_ENV
+from grpo_stream.common.runtime.run_lock import RunDirBusy, RunLock
+from tests.support import wait_for
+
+ROOT = pathlib.Path(__file__).resolve().parents[4]
+
+# takes the lock, hands its descriptor to a child that sleeps (as `up` hands it to the trainer and Redis), exits
+TAKER = textwrap.dedent("""
+    import subprocess, sys
+    from grpo_stream.common.runtime.run_lock import RunLock
+    lock = RunLock.acquire(sys.argv[1], "grpo-stream up")
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], pass_fds=(lock.fd,),
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    print(child.pid, flush=True)
+""")
+
+
+def test_the_lock_outlives_its_taker_while_a_child_holds_it_and_the_refusal_names_that_child(tmp_path):
+    taker = subprocess.run([sys.executable, "-c", TAKER, str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                           timeout=60, check=True)
+    holder = int(taker.stdout.split()[0])
+    try:
+        with pytest.raises(RunDirBusy) as refused:
+            RunLock.acquire(tmp_path, "grpo-stream up")
+        message = str(refused.value)
+        assert f"run directory {tmp_path.resolve()} was locked by grpo-stream up (pid " in message
+        assert "which has exited, but its processes still hold it" in message and f"{holder} (" in message
+    finally:
+        os.kill(holder, 9)  # (not this process's child: its parent exited, so it is reaped elsewhere)
+    wait_for(lambda: _free(tmp_path), 10, "the lock to be free once its last holder died")
+
+
+def _free(run_dir) -> bool:
+    try:
+        RunLock.acquire(run_dir, "test").release()
+        return True
+    except RunDirBusy:
+        return False
+
+
+def test_a_live_taker_is_named_with_its_pid(tmp_path):
+    lock = RunLock.acquire(tmp_path, "grpo-stream up")
+    try:
+        with pytest.raises(RunDirBusy, match=rf"is in use by grpo-stream up \(pid {os.getpid()}, started .*kill -TERM "
+                                             rf"{os.getpid()}.*another --run-dir"):
+            RunLock.acquire(tmp_path, "grpo-stream up")
+    finally:
+        lock.release()
+    RunLock.acquire(tmp_path, "grpo-stream up").release()
+
+
+# the child: watches its parent, without PR_SET_PDEATHSIG (as where the kernel lacks it)
+WATCHER = textwrap.dedent("""
+    import os, time
+    from grpo_stream.common.runtime import parent_death
+    parent_death.set_parent_death_signal = lambda sig=None: False
+    parent_death.watch_parent(every_s=0.1, on_gone=lambda pid: (print("parent", pid, "gone", flush=True), os._exit(7)))
+    print("watching", flush=True)
+    time.sleep(60)
+""")
+# the parent: starts the watcher (both write to the file argv[1]), waits until it watches, prints its pid and exits
+ORPHANING_PARENT = textwrap.dedent("""
+    import os, subprocess, sys, time
+    out, code = sys.argv[1], sys.argv[2]
+    with open(out, "a") as sink:
+        child = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "%s": str(os.getpid())},
+                                 stdout=sink)
+    deadline = time.monotonic() + 30
+    while "watching" not in open(out).read() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    print(child.pid)
+""" % PARENT_PID_ENV)
+
+
+def test_a_child_notices_its_parent_is_gone_without_the_kernels_signal(tmp_path):
+    out = tmp_path / "out"
+    parent = subprocess.run([sys.executable, "-c", ORPHANING_PARENT, str(out), WATCHER], cwd=ROOT,
+                            capture_output=True, text=True, timeout=60, check=True)
+    child = int(parent.stdout.split()[0])
+    try:
+        wait_for(lambda: "gone" in out.read_text(), 20, "the orphan to notice its parent is gone")
+    finally:
+        try:
+            os.kill(child, 9)
+        except ProcessLookupError:
+            pass
+    assert out.read_text().startswith("watching")
