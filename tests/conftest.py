@@ -124,6 +124,9 @@ LONGEST_FIRST = (
     "tests/unit/common/engine/test_vllm_engine.py",  # 200 s
     "tests/e2e/test_weight_meshes.py",  # 190 s
     "tests/e2e/test_lora_run.py",  # ~120 s: three LoRA runs, one per weight transport
+    "tests/e2e/test_multihost_trainer.py",  # ~150 s: two 2-process trainer runs
+    "tests/e2e/test_multihost_restore_step.py",  # ~60 s
+    "tests/e2e/test_run_dir_guard.py",  # ~45 s
 )
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from tests.e2e.test_up import ROOT
 
-pytestmark = [pytest.mark.redis, pytest.mark.slow]
+pytestmark = [pytest.mark.redis, pytest.mark.slow, pytest.mark.bench]  # the bench lane (-m bench)
 
 
 def test_bench_all_quick_writes_json_and_table_rows(tmp_path):

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.e2e]
+pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.bench]  # the bench lane (-m bench)
 
 
 def test_soak_quick_snapshots_every_process_and_ends_with_a_clean_audit(tmp_path):
