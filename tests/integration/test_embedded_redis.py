@@ -10,6 +10,7 @@ import redis
 
 from grpo_stream.common.rollouts import redis_server as redis_util
 from grpo_stream.common.rollouts.redis_server import PASSWORD_FILE, EmbeddedRedis, connect, read_password
+from tests.support import command_lines
 
 pytestmark = pytest.mark.redis
 
@@ -100,12 +101,7 @@ def test_admin_commands_are_unknown_even_to_a_client_with_the_password(protected
 
 def test_the_password_is_in_no_command_line(protected):
     """Every process's argv is readable by every user (ps); the password goes in on redis-server's stdin."""
-    seen = []
-    for cmdline in pathlib.Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            seen.append(cmdline.read_bytes())
-        except OSError:  # exited meanwhile
-            continue
+    seen = command_lines()
     server = pathlib.Path(f"/proc/{protected.proc.pid}/cmdline").read_bytes()
     assert f"127.0.0.1:{protected.port}".encode() in server and server in seen  # it retitles itself HOST:PORT
     assert not [args for args in seen if protected.password.encode() in args]

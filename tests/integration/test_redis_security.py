@@ -23,7 +23,7 @@ from grpo_stream.common.rollouts.redis_server import (EmbeddedRedis, RedisConnec
                                                       credentials, find_redis_server, free_port, wait_serving)
 from tests.conftest import ROOT
 from tests.pki import make_pki
-from tests.support import wait_for
+from tests.support import command_lines, wait_for
 
 pytestmark = pytest.mark.redis
 
@@ -154,17 +154,6 @@ def compose_redis(tmp_path: pathlib.Path, secrets: pathlib.Path, port: int) -> s
     # its own process group: `sh` runs redis-server in a pipeline's subshell, which outlives a signal to sh alone
     return subprocess.Popen(argv, env={**os.environ, "PATH": path}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
-
-
-def command_lines() -> list[bytes]:
-    """Every process's argv, as `ps` shows them to any user."""
-    out = []
-    for path in pathlib.Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            out.append(path.read_bytes())
-        except OSError:  # exited meanwhile
-            continue
-    return out
 
 
 def test_compose_redis_is_published_on_loopback_and_needs_the_password(tmp_path):
