@@ -37,8 +37,8 @@
 # On a machine where the project is not installed (the GPU machine: Python 3.12 with jax, flax, transformers and
 # grpcio preinstalled, no network), it runs from this checkout: the packages the image lacks come as wheels in .whl
 # (`bash scripts/gpu-wheels.sh` here, once; the folder travels with the tree), installed into a private directory
-# ($GPU_CHECK_SITE, default /tmp/grpo-stream-gpu-check-site), and the package folders are linked there under the
-# one name grpo_stream as pyproject's package-dir maps them. Python: $GPU_CHECK_PYTHON, else .venv/bin/python when
+# ($GPU_CHECK_SITE, default /tmp/grpo-stream-gpu-check-site), and the checkout's root goes on PYTHONPATH (its
+# grpo_stream/ links every package folder). Python: $GPU_CHECK_PYTHON, else .venv/bin/python when
 # it has the project, else python3. The GPU layout and memory settings of each process are `up`'s (its device
 # planner), not this script's.
 set -euo pipefail
@@ -73,22 +73,8 @@ if ! ready; then
     export PYTHONPATH="$site/wheels${PYTHONPATH:+:$PYTHONPATH}"
     export GPU_CHECK_WHEELS="$(cd "$wheels" && ls ./*.whl | sed 's|^\./||' | tr '\n' ' ')"
   fi
-  # the package folders under the one name grpo_stream (pyproject's [tool.setuptools.package-dir]), as links
-  rm -rf "$site/src" && mkdir -p "$site/src"
-  "$py" - "$root" "$site/src" <<'EOF'
-import pathlib, sys, tomllib
-root, src = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
-dirs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
-package = src / "grpo_stream"
-package.mkdir()
-for name, folder in dirs.items():
-    if name == "grpo_stream":
-        for entry in (root / folder).iterdir():
-            (package / entry.name).symlink_to(entry)
-    else:
-        (package / name.split(".", 1)[1]).symlink_to(root / folder)
-EOF
-  export PYTHONPATH="$site/src${PYTHONPATH:+:$PYTHONPATH}"
+  # the checkout's root: grpo_stream/ there links every package folder (pyproject.toml says why)
+  export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
   if ! ready; then
     echo "gpu-check: $py cannot import the project and what it needs at run time; here is why:" >&2
     ready_err=$("$py" -c "import grpc_health, grpc_reflection, pydantic, redis, tensorboardX, tunix.models.llama3.model

@@ -1,0 +1,38 @@
+"""Progress beats: a process touches RUN_DIR/heartbeats/NAME whenever it makes progress, and a supervisor (`up`)
+reads the file's age to tell a job that works slowly from one that hangs (a collective waiting for a process that
+will never join, a deadlock). A file's mtime, not a socket: it survives the supervisor's restarts, costs one
+syscall per beat, and a reader needs nothing but the run directory."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import time
+
+HEARTBEATS_DIR = "heartbeats"
+
+
+def beat_path(run_dir: pathlib.Path | str, name: str) -> pathlib.Path:
+    return pathlib.Path(run_dir) / HEARTBEATS_DIR / name
+
+
+def beat(run_dir: pathlib.Path | str | None, name: str) -> None:
+    """Record that process `name` made progress now; never raises (a full disk must not stop training)."""
+    if run_dir is None:
+        return
+    path = beat_path(run_dir, name)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.touch()
+        os.utime(path)
+    except OSError:
+        pass
+
+
+def seconds_since_beat(run_dir: pathlib.Path | str, name: str, now: float | None = None) -> float | None:
+    """Seconds since `name` last beat, or None when it never did (in this run directory)."""
+    try:
+        mtime = beat_path(run_dir, name).stat().st_mtime
+    except OSError:
+        return None
+    return max(0.0, (time.time() if now is None else now) - mtime)
