@@ -9,6 +9,7 @@ RL learning rates (1e-6 to 1e-5) is nearly all of them.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -80,15 +81,18 @@ def apply_optimizer(optimizer: optax.GradientTransformation, grads: Any, opt_sta
     return jax.tree.map(lambda c, p: c.astype(p.dtype), copy, params), MasterWeights(copy, inner)
 
 
-def make_sft_step(model: PolicyModel, optimizer: optax.GradientTransformation, pad_id: int, master: bool = False):
+def make_sft_step(model: PolicyModel, optimizer: optax.GradientTransformation, pad_id: int, master: bool = False,
+                  out_shardings: Any = None):
     """step(params, opt_state, tokens, valid, loss_mask) -> (params, opt_state, loss): token-mean cross-entropy;
-    `master`: opt_state is init_optimizer_state(..., master=True)'s."""
+    `master`: opt_state is init_optimizer_state(..., master=True)'s; `out_shardings`: (params, opt_state, loss)
+    placements, which a mesh over several processes needs (left to XLA, the loss may land on one process's device
+    only, where the others cannot read it)."""
 
     def loss_fn(params, tokens, valid, loss_mask):
         logprobs = sequence_logprobs(model, params, tokens, valid, 1.0, pad_id)
         return -(logprobs * loss_mask).sum() / jnp.maximum(loss_mask.sum(), 1.0)
 
-    @jax.jit
+    @functools.partial(jax.jit, out_shardings=out_shardings)
     def step(params, opt_state, tokens, valid, loss_mask):
         loss, grads = jax.value_and_grad(loss_fn)(params, tokens, valid, loss_mask)
         params, opt_state = apply_optimizer(optimizer, grads, opt_state, params, master)

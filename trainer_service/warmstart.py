@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
 import time
 from typing import Any
 
+import jax
 import numpy as np
 
 from grpo_stream.common.config.schema import RunConfig
 from grpo_stream.common.model.policy import PolicyModel
+from grpo_stream.common.model.sharding import host_copy
 from grpo_stream.common.tasks.arith import ArithTask
 from grpo_stream.common.model.tokenizer import TextTokenizer
 from grpo_stream.trainer_service.batching import layout
+from grpo_stream.trainer_service.rl_update import abstract_optimizer_state
 from grpo_stream.trainer_service.train_step import (init_optimizer_state, make_optimizer, make_sft_step,
                                                    uses_master_weights)
 
@@ -37,6 +41,18 @@ def demonstration_batch(task: ArithTask, tokenizer: TextTokenizer, cfg: RunConfi
     return tokens, valid, loss_mask
 
 
+def placements(optimizer, params: Any, master: bool) -> tuple | None:
+    """(params', optimizer state's, replicated) shardings on the mesh `params` live on, or None off a mesh."""
+    sharding = getattr(jax.tree.leaves(params)[0], "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None:
+        return None
+    init = functools.partial(init_optimizer_state, optimizer, master=master)
+    opt_like = abstract_optimizer_state(init, params, mesh)
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return (jax.tree.map(lambda x: x.sharding, params), jax.tree.map(lambda x: x.sharding, opt_like), replicated)
+
+
 def warm_start(model: PolicyModel, params: Any, task: ArithTask, tokenizer: TextTokenizer, cfg: RunConfig,
                metrics=None, stop_event=None) -> tuple[Any, dict]:
     """Run cfg.warmstart.steps supervised steps from `params` (fewer if `stop_event` is set); return params, report."""
@@ -44,7 +60,10 @@ def warm_start(model: PolicyModel, params: Any, task: ArithTask, tokenizer: Text
     optimizer = make_optimizer(ws.learning_rate, cfg.trainer.max_grad_norm)
     master = uses_master_weights(params, cfg.trainer.optimizer.state_dtype)
     opt_state = init_optimizer_state(optimizer, params, master)
-    step_fn = make_sft_step(model, optimizer, tokenizer.pad_id, master)
+    placed = placements(optimizer, params, master)
+    if placed is not None:  # a mesh: every input and output on it, as every trainer process sees it
+        opt_state = jax.device_put(opt_state, placed[1])
+    step_fn = make_sft_step(model, optimizer, tokenizer.pad_id, master, out_shardings=placed)
     rng = random.Random(f"{cfg.run.seed}/warmstart")
     start, loss = time.time(), float("nan")
     step = 0
@@ -53,9 +72,13 @@ def warm_start(model: PolicyModel, params: Any, task: ArithTask, tokenizer: Text
             log.warning("warm start interrupted at step %d", step)
             break
         batch = demonstration_batch(task, tokenizer, cfg, rng, first_index=10_000_000 + step * ws.batch_size)
+        if placed is not None:
+            batch = jax.device_put(batch, placed[2])
         params, opt_state, loss_arr = step_fn(params, opt_state, *batch)
         if step % 50 == 0 or step == ws.steps:
-            loss = float(loss_arr)
+            # a multi-process trainer's loss lives on one process's device: every process gathers it (host_copy is
+            # a collective there, reached by all of them at the same step)
+            loss = float(host_copy(loss_arr))
             log.info("warm start %d/%d  loss %.4f  (%.0fs)", step, ws.steps, loss, time.time() - start)
             if metrics is not None:
                 metrics.scalars(step, {"loss": loss}, prefix="warmstart/")

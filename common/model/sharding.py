@@ -32,8 +32,27 @@ def make_mesh(fsdp: int, tp: int, devices: Sequence[jax.Device], field: str) -> 
         raise ValueError(f"{field}: fsdp x tp = {fsdp} x {tp} = {need} devices, but this process has "
                          f"{len(devices)} ({devices[0].platform}); lower the mesh or give the process more devices "
                          "(on CPU: XLA_FLAGS=--xla_force_host_platform_device_count=N)")
-    grid = np.asarray(list(devices)[:need], dtype=object).reshape(fsdp, tp)
+    grid = np.asarray(spread_over_processes(devices, need), dtype=object).reshape(fsdp, tp)
     return Mesh(grid, AXES, axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+def spread_over_processes(devices: Sequence[jax.Device], need: int) -> list[jax.Device]:
+    """`need` of `devices`, an equal share from every process they belong to (each process's first ones): a mesh of
+    a multi-process trainer must hold devices of every process, also where a process sees more devices than its
+    share (XLA_FLAGS' host device count set for all processes alike). One process: the first `need`."""
+    processes = sorted({d.process_index for d in devices})
+    if len(processes) == 1 or need % len(processes):
+        return list(devices)[:need]
+    share = need // len(processes)
+    picked = []
+    for p in processes:
+        own = [d for d in devices if d.process_index == p]
+        if len(own) < share:
+            raise ValueError(f"trainer process {p} has {len(own)} devices, fewer than its share of the mesh "
+                             f"({need} devices over {len(processes)} processes = {share} each): give every process "
+                             "as many devices (on CPU: XLA_FLAGS=--xla_force_host_platform_device_count=N)")
+        picked.extend(own[:share])
+    return picked
 
 
 def fit_spec(spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
@@ -70,6 +89,8 @@ def place(params: Any, mesh: Mesh) -> Any:
 def host_copy(arr: Any) -> np.ndarray:
     """The whole of `arr` as a host array. An array spread over several processes (a multi-process trainer's
     mesh) is gathered, a collective: every process calls this for the same arrays in the same order."""
+    if isinstance(arr, jax.Array) and not arr.is_fully_addressable and arr.is_fully_replicated:
+        return np.asarray(arr.addressable_data(0))  # every process holds all of it: no collective needed
     if isinstance(arr, jax.Array) and not arr.is_fully_addressable:
         from jax.experimental import multihost_utils  # noqa: PLC0415
 
