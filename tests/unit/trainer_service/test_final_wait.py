@@ -6,7 +6,7 @@ import threading
 import time
 import types
 
-from grpo_stream.trainer_service.loop import Trainer
+from grpo_stream.trainer_service.plan_sources import await_samplers
 from grpo_stream.trainer_service.publisher import WeightPublisher
 
 
@@ -22,7 +22,7 @@ def test_the_wait_ends_only_when_every_replica_is_at_the_final_version():
     late = threading.Timer(1.0, lambda: trainer.publisher.record("sampler-0", 24))  # back from its back-off
     late.start()
     started = time.monotonic()
-    Trainer._await_samplers(trainer, 24)
+    await_samplers(trainer.cfg, trainer.publisher, trainer.stop_event, 24)
     waited = time.monotonic() - started
     assert 0.9 <= waited < 4.0, waited  # it waited for sampler-0, and no longer
 
@@ -31,5 +31,5 @@ def test_a_sampler_that_never_comes_back_is_waited_for_final_wait_s_only():
     trainer = waiter(replicas=2, final_wait_s=0.6)
     trainer.publisher.record("sampler-1", 24)
     started = time.monotonic()
-    Trainer._await_samplers(trainer, 24)
+    await_samplers(trainer.cfg, trainer.publisher, trainer.stop_event, 24)
     assert 0.6 <= time.monotonic() - started < 3.0

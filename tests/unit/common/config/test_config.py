@@ -192,3 +192,20 @@ def test_vllm_engine_settings_pass_through():
                                                     "sampler.vllm.tensor_parallel_size=4"])
     assert cfg.sampler.engine == "vllm" and cfg.sampler.vllm.engine_args == {"swap_space": 0}
     assert cfg.sampler.vllm.weight_install == "auto"
+
+
+@pytest.mark.parametrize("overrides, rule, fix", [
+    # a 1-device mesh over two processes: the mesh rule alone, not the other two rules of multi-process trainers
+    (["trainer.processes=2"], "must spread evenly over the processes", "make fsdp x tp a multiple of 2"),
+    (["trainer.processes=2", "trainer.mesh.fsdp=2", "weights.transport=checkpoint"], "serves its own slices",
+     "set weights.transport=grpc"),
+    (["trainer.processes=2", "trainer.mesh.fsdp=2", "model.lora.rank=4"], "saves and publishes the frozen LoRA base",
+     "trainer.processes=1"),
+])
+def test_a_multi_process_config_error_names_the_one_rule_broken_and_its_fix(overrides, rule, fix):
+    with pytest.raises(ConfigError) as caught:
+        load_config(None, overrides)
+    message = str(caught.value)
+    assert rule in message and fix in message
+    rules = ("must spread evenly", "serves its own slices", "frozen LoRA base")
+    assert sum(r in message for r in rules) == 1  # the one broken, not the whole list

@@ -1,0 +1,254 @@
+"""TrainerCore: the only trainer code that touches devices, the same in every trainer process.
+
+It applies plans (plans.py) and nothing else decides what it does: process 0 and the others of a multi-process
+trainer run this one class on the same plans, so they launch the same programs and collectives in the same order by
+construction, not by keeping two copies of the code alike. What differs between processes stays outside, device-free:
+where plans come from (plan_sources.py), the checkpoint bookkeeping (`keeper`: process 0's Durability acknowledges
+groups; the others save their shards) and process 0's hooks (audit, status, reports, summary).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import pathlib
+import threading
+import time
+from typing import Any, Protocol
+
+import jax
+
+from grpo_stream.common.config.schema import RunConfig
+from grpo_stream.common.engine import continuous
+from grpo_stream.common.engine.evaluation import greedy_probe
+from grpo_stream.common.model.hf_checkpoint import export_hf, resolve_model_dir
+from grpo_stream.common.model.sharding import make_mesh, place
+from grpo_stream.common.runtime.process import build_policy, build_task_and_tokenizer
+from grpo_stream.common.weights.snapshot import digest
+from grpo_stream.trainer_service.durability import Resumed
+from grpo_stream.trainer_service.params_policy import params_policy
+from grpo_stream.trainer_service.plans import DonePlan, FinishPlan, Plan, StartPlan, StepPlan
+from grpo_stream.trainer_service.rl_update import PolicyUpdater, state_report
+from grpo_stream.trainer_service.run_outputs import evaluate_heldout
+from grpo_stream.trainer_service.warmstart import warm_start
+
+log = logging.getLogger(__name__)
+BACKGROUND_WAIT_S = 1800.0  # the longest a step waits for the previous one's publication (a stuck transfer)
+
+
+class CheckpointKeeper(Protocol):
+    """Checkpoints as one trainer process keeps them: process 0's Durability (records, acknowledgements, audit) or
+    a follower's shards (follower.py: ShardKeeper)."""
+
+    def restore(self, step: int, updater: PolicyUpdater) -> Resumed | None: ...
+
+    def begin_new_run(self) -> None: ...
+
+    def save(self, step: int, updater: PolicyUpdater, carried: dict) -> None: ...
+
+    def committed(self, wait: bool = False, everything: bool = False) -> None: ...
+
+
+class CoreHooks:
+    """Device-free effects around the core's work; process 0 overrides them (plan_sources.LeaderSource)."""
+
+    def trained(self, plan: StepPlan, metrics: dict) -> None:
+        """After the update of `plan`, before its checkpoint (which records what this says)."""
+
+    def report(self, plan: StepPlan, metrics: dict, phases: dict) -> None:
+        """On the background worker, after the step's publication."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    metrics: dict  # the update's (host values)
+    phases: dict  # seconds: waiting for the previous publication, computing, handing off to the worker
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelParts:
+    """What every trainer process holds: the task, tokenizer, model (params placed on the trainer mesh, which spans
+    every process's devices) and the evaluation engine."""
+    task: Any
+    tokenizer: Any
+    model: Any
+    mesh: jax.sharding.Mesh
+    engine: Any
+
+
+def build_model_parts(cfg: RunConfig, devices=None) -> ModelParts:
+    task, tokenizer = build_task_and_tokenizer(cfg)
+    model = build_policy(cfg, tokenizer.vocab_size, seed=cfg.run.seed)
+    m = cfg.trainer.mesh
+    mesh = make_mesh(m.fsdp, m.tp, devices or jax.devices(), "trainer.mesh")
+    model = dataclasses.replace(model, params=place(model.params, mesh))
+    log.info("trainer mesh %s on %s", dict(mesh.shape), [d.id for d in mesh.devices.flat])
+    log.info("model: %d parameters, vocab %d, tokenizer %s", model.num_params(), tokenizer.vocab_size,
+             tokenizer.fingerprint())
+    return ModelParts(task, tokenizer, model, mesh, continuous.build(cfg, model, tokenizer))
+
+
+class TrainerCore:
+    def __init__(self, cfg: RunConfig, run_dir: pathlib.Path, parts: ModelParts, publisher, keeper: CheckpointKeeper,
+                 *, donate: bool, metrics=None, hooks: CoreHooks | None = None, writes_files: bool = True,
+                 warm_stop: threading.Event | None = None):
+        """`writes_files`: this process writes exports (process 0; the others take part in their gathers);
+        `warm_stop`: ends the warm start early (a one-process trainer's stop event; several processes run it
+        in lockstep, so a signal takes effect after it)."""
+        self.cfg, self.run_dir, self.parts, self.publisher, self.keeper = cfg, run_dir, parts, publisher, keeper
+        self.donate, self.metrics, self.hooks = donate, metrics, hooks or CoreHooks()
+        self.writes_files, self.warm_stop = writes_files, warm_stop
+        self.model, self.params = parts.model, parts.model.params
+        self.policy = params_policy(cfg)
+        self.updater: PolicyUpdater | None = None
+        self.carried: dict = {}  # what checkpoints carry along: the warm start's report, eval_before
+        self.start_step = 0
+        self.resumed_from: dict | None = None
+        self.final_weights: dict | None = None
+        self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="publish-report")
+        self._pending: list[concurrent.futures.Future] = []
+
+    def apply(self, plan: Plan) -> Any:
+        if isinstance(plan, StartPlan):
+            return self.start(plan)
+        if isinstance(plan, StepPlan):
+            return self.step(plan)
+        if isinstance(plan, FinishPlan):
+            return self.finish(plan)
+        if isinstance(plan, DonePlan):
+            return self.done(plan)
+        raise TypeError(f"TrainerCore applies StartPlan, StepPlan, FinishPlan or DonePlan, not {type(plan).__name__}")
+
+    # -- start --------------------------------------------------------------------------------------------------
+    def start(self, plan: StartPlan) -> int:
+        """Restore `plan.restore`, or warm start and evaluate a new run; publish the weights. Returns the step the
+        weights are at."""
+        self.publisher.epoch = plan.epoch  # the versions are process 0's
+        resumed = None
+        if plan.restore is not None:
+            self.updater = self._new_updater()
+            resumed = self.keeper.restore(plan.restore, self.updater)
+        if resumed is not None:
+            state = resumed.state
+            self.updater.params, self.updater.opt_state = state["params"], state["opt_state"]
+            self.updater.ref_params = state.get("ref_params", self.updater.ref_params)
+            self.params, self.start_step = self.updater.params, resumed.step
+            self.resumed_from = {"step": resumed.step, "epoch": resumed.record.get("epoch")}
+            self.carried = {"warmstart": resumed.record.get("warmstart"),
+                            "eval_before": resumed.record.get("eval_before")}
+        else:
+            self.keeper.begin_new_run()
+            self._new_run(plan)
+        self._publish(self.start_step, self.params)
+        log.info("published weight version %d; RL %s", self.start_step,
+                 f"resumes at step {self.start_step + 1}" if resumed else "starts")
+        return self.start_step
+
+    def _new_run(self, plan: StartPlan) -> None:
+        warm = None
+        if plan.warm_start:
+            p = self.parts
+            self.params, warm = warm_start(self.model, self.params, p.task, p.tokenizer, self.cfg, self.metrics,
+                                           self.warm_stop)
+            if plan.export_warm and not (self.warm_stop is not None and self.warm_stop.is_set()):
+                self._export("warmstart-model", "warm-started")
+        self.carried = {"warmstart": warm, "eval_before": self.evaluate("eval_before") if plan.eval_before else None}
+        self.updater = self._new_updater()
+        self.params = self.updater.params
+
+    def _new_updater(self) -> PolicyUpdater:
+        """The updater of the plain params at hand (initial, warm-started): with model.lora, of the adapted model
+        built around them (params_policy.py)."""
+        cfg, t = self.cfg, self.cfg.trainer
+        model, params, trainable = self.policy.trained(self.model.with_remat(t.remat), self.params)
+        return PolicyUpdater(model, params, cfg.algo, t.learning_rate, t.max_grad_norm, cfg.generation.temperature,
+                             self.parts.tokenizer.pad_id, self.parts.mesh, t.optimizer, t.steps, t.micro_batch_size,
+                             donate=self.donate, trainable=trainable)
+
+    # -- steps --------------------------------------------------------------------------------------------------
+    def step(self, plan: StepPlan) -> StepResult:
+        """One update, its checkpoint, and its publication (with process 0's report) on the background worker,
+        which runs while the next step collects and computes (XLA releases the GIL): at most one step behind."""
+        t0 = time.time()
+        if self.donate:  # the previous publication reads the parameters this update overwrites
+            self.wait_background()
+        t_published = time.time()
+        metrics = self.updater.update(plan.batch)
+        self.params = self.updater.params
+        t_compute = time.time()
+        self.hooks.trained(plan, metrics)
+        if plan.checkpoint:
+            self.keeper.save(plan.step, self.updater, self.carried)
+        self.keeper.committed()
+        self.wait_background()
+        phases = {"publish_wait_seconds": t_published - t0, "compute_seconds": t_compute - t_published,
+                  "handoff_seconds": time.time() - t_compute}
+        self._pending.append(self._worker.submit(self._publish_and_report, plan, self.params, metrics, phases))
+        return StepResult(metrics, phases)
+
+    def _publish_and_report(self, plan: StepPlan, params, metrics: dict, phases: dict) -> None:
+        if plan.publish:
+            self._publish(plan.step, params, final=plan.final)
+        self.hooks.report(plan, metrics, phases)
+
+    def wait_background(self) -> None:
+        """Until the background publications and reports are done; re-raises what failed there."""
+        while self._pending:
+            self._pending.pop(0).result(timeout=BACKGROUND_WAIT_S)
+
+    # -- the end ------------------------------------------------------------------------------------------------
+    def finish(self, plan: FinishPlan) -> dict | None:
+        """The last checkpoint and, for a complete run, evaluation, export and the final publication. Returns the
+        final evaluation (None when there is none)."""
+        self.wait_background()
+        if plan.checkpoint:  # stopped by a signal between checkpoints: keep what was trained
+            self.keeper.save(plan.steps, self.updater, self.carried)
+        self.keeper.committed(wait=True, everything=plan.complete)
+        if not plan.complete:
+            log.info("stopped at step %d with a checkpoint; start the trainer again to resume", plan.steps)
+            return None
+        eval_after = self.evaluate("eval_after") if plan.eval_after else None
+        self._export("model", "trained")  # serve it, or `eval` it
+        if plan.publish:  # a resumed, already complete run: tell samplers to stop
+            self._publish(plan.steps, self.params, final=True)
+        return eval_after
+
+    def done(self, plan: DonePlan) -> dict | None:
+        """The final weights' digest and greedy outputs on weights.verify_prompts problems (samplers compare
+        theirs); a gather and a generation every process takes part in."""
+        if not plan.verify:
+            return None
+        plain, p = self.policy.plain(self.params), self.parts
+        self.final_weights = {"version": self.publisher.latest_version, "sha256": digest(self.model.to_named_numpy(plain)),
+                              "greedy": greedy_probe(p.engine, plain, p.tokenizer, p.task.heldout(plan.verify),
+                                                     self.cfg.eval.batch_size)}
+        return self.final_weights
+
+    # -- shared by the phases -----------------------------------------------------------------------------------
+    def evaluate(self, label: str) -> dict:
+        p = self.parts
+        return evaluate_heldout(self.cfg, p.engine, self.policy.plain(self.params), p.task, p.tokenizer, label)
+
+    def _export(self, name: str, what: str) -> None:
+        """RUN_DIR/name as a Hugging Face directory: every process takes part in the gather, process 0 writes."""
+        named = self.model.to_named_numpy(self.policy.plain(self.params))
+        if not self.writes_files:
+            return
+        cfg, tokenizer = self.cfg, self.parts.tokenizer
+        source = resolve_model_dir(cfg.model.path) if cfg.model.kind == "hf" else None
+        if source is None:
+            tokenizer.save(self.run_dir / name)  # the tiny model's own tokenizer (an hf source brings its own)
+        export_hf(self.run_dir / name, self.model.arch, named, tokenizer_dir=source, dtype=cfg.model.dtype,
+                  eos_ids=tokenizer.eos_ids, pad_id=tokenizer.pad_id)
+        log.info("exported the %s model to %s", what, self.run_dir / name)
+
+    def _publish(self, version: int, params, final: bool = False) -> None:
+        stats = self.policy.publish(self.publisher, self.model, version, params, final)
+        log.debug("published version %d (%.1f MB) in %.3fs", version, stats.nbytes / 1e6, stats.seconds)
+
+    def state_report(self) -> dict:
+        return state_report(self.updater, self.model.num_params(), self.policy.lora)
+
+    def close(self) -> None:
+        self._worker.shutdown(wait=True)

@@ -1,0 +1,203 @@
+"""Where a trainer process's plans come from: process 0 makes them (LeaderSource; with trainer.processes > 1 it
+sends each to the others before applying it), the others receive them (FollowerSource).
+
+Every process runs `drive(source, core)`: for each plan, the core applies it and the source sees the result
+(`applied`). Process 0's source is also the core's hooks: the device-free effects of a step (audit trail, held
+count, status, metrics) happen here, never in the core.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import pathlib
+import threading
+import time
+from typing import Iterator
+
+import numpy as np
+
+from grpo_stream.common.config.schema import RunConfig
+from grpo_stream.common.runtime.heartbeat import beat
+from grpo_stream.trainer_service.batching import build_batch
+from grpo_stream.trainer_service.control_messages import ControlMessageError
+from grpo_stream.trainer_service.core import CoreHooks, StepResult, TrainerCore
+from grpo_stream.trainer_service.plans import (DonePlan, FinishPlan, Plan, StartPlan, StepPlan, done_plan, finish_plan,
+                                              from_message, start_plan, step_plan, to_message)
+
+log = logging.getLogger(__name__)
+
+
+def drive(source, core: TrainerCore, run_dir: pathlib.Path, name: str) -> None:
+    """Apply every plan of `source` with `core`; a heartbeat after each (`up` restarts a job that stops beating)."""
+    beat(run_dir, name)
+    for plan in source:
+        result = core.apply(plan)
+        source.applied(plan, result)
+        beat(run_dir, name)
+
+
+@dataclasses.dataclass
+class _StepContext:
+    """What process 0 knows of a step beyond its plan: the groups, and when its phases began."""
+    picked: list
+    staleness: np.ndarray
+    stats: dict
+    t0: float
+    phases: dict
+
+
+class LeaderSource(CoreHooks):
+    """Process 0 (or the only process): plans from the config, the checkpoints and the rollout buffer."""
+
+    def __init__(self, cfg: RunConfig, run_dir: pathlib.Path, services, group=None):
+        """`services`: process 0's device-free parts (loop.LeaderServices: buffer, durability, collector, publisher,
+        reporter, status, stop event); `group`: the other processes to send every plan to (multihost.py)."""
+        self.cfg, self.run_dir, self.s, self.group = cfg, run_dir, services, group
+        self.steps_done = self.saved = self.start_step = 0
+        self.eval_after: dict | None = None
+        self.rl_seconds = 0.0
+        self.mixed_version_groups = 0  # trained groups whose completions mix weight versions (in-flight updates)
+        self.agreement = {"tokens": 0.0, "abs_sum": 0.0, "max_abs": 0.0}
+        self.step_times: list[dict[str, float]] = []  # per RL step: phase seconds and step_seconds (bench/)
+        self._context: dict[int, _StepContext] = {}
+
+    def _send(self, plan: Plan) -> Plan:
+        if self.group is not None:
+            kind, fields, arrays = to_message(plan)
+            self.group.send(kind, fields, None if arrays is None else {k: np.asarray(v) for k, v in arrays.items()})
+        return plan
+
+    def __iter__(self) -> Iterator[Plan]:
+        s, cfg = self.s, self.cfg
+        # process 0 chooses the checkpoint every process restores (checkpoints.py: choose_step)
+        restore = s.checkpoints.choose_step() if self.group is not None else (s.checkpoints.steps() or [None])[-1]
+        yield self._send(start_plan(cfg, s.epoch, restore))
+        rl_start, last_end = time.time(), time.time()
+        for step in range(self.steps_done + 1, cfg.trainer.steps + 1):
+            if s.stop_event.is_set():  # SIGTERM: stop between steps even when groups are at hand
+                break
+            plan = self._step_plan(step, last_end)
+            if plan is None:
+                break
+            yield self._send(plan)
+            last_end = time.time()
+        self.rl_seconds = time.time() - rl_start
+        complete = self.steps_done == cfg.trainer.steps
+        yield self._send(finish_plan(cfg, self.steps_done, complete, checkpoint=self.steps_done > self.saved,
+                                     publish=complete and self.steps_done == self.start_step))
+        if complete:
+            self.await_samplers(self.steps_done)
+            yield self._send(done_plan(cfg))
+
+    def _step_plan(self, step: int, t0: float) -> StepPlan | None:
+        """The step's plan from the groups the collector picks (None: stopped while waiting for them)."""
+        s, cfg = self.s, self.cfg
+        picked = s.collector.collect(step)
+        if picked is None:
+            return None
+        t_collect = time.time()
+        groups = [g for _, g in picked]
+        batch, stats = build_batch(groups, cfg.generation.max_prompt_tokens, cfg.generation.max_new_tokens,
+                                   s.pad_id, cfg.algo, held_version=step - 1)
+        plan = step_plan(cfg, step, batch)
+        if cfg.trainer.record_batches:
+            (self.run_dir / "batches").mkdir(exist_ok=True)
+            np.savez(self.run_dir / "batches" / f"step-{step:06d}.npz",
+                     **{f.name: np.asarray(getattr(batch, f.name)) for f in dataclasses.fields(batch)})
+        self.mixed_version_groups += sum(any(c.versions is not None and c.versions[0] != c.versions[-1]
+                                             for c in g.completions) for g in groups)
+        staleness = np.array([step - 1 - g.policy_version for g in groups])
+        for old in [s for s in self._context if s < step - 2]:  # reported: the worker is at most one step behind
+            del self._context[old]
+        self._context[step] = _StepContext(picked, staleness, stats, t0, {
+            "collect_seconds": t_collect - t0, "batch_seconds": time.time() - t_collect})
+        return plan
+
+    # -- results and hooks ----------------------------------------------------------------------------------------
+    def applied(self, plan: Plan, result) -> None:
+        if isinstance(plan, StartPlan):
+            self.steps_done = self.saved = self.start_step = result
+            self.s.status.step = result
+        elif isinstance(plan, StepPlan):
+            self.steps_done = self.s.status.step = plan.step
+            self.saved = plan.step if plan.checkpoint else self.saved
+            context = self._context[plan.step]
+            self.step_times.append({**context.phases, **result.phases, "step_seconds": time.time() - context.t0})
+        elif isinstance(plan, FinishPlan):
+            self.eval_after = result
+            if not plan.complete:
+                self.s.server.stop()  # samplers keep their weights and wait for the resumed run
+
+    def trained(self, plan: StepPlan, metrics: dict) -> None:
+        self.s.durability.trained(plan.step, self._context[plan.step].picked)
+        if metrics["fresh_tokens"]:  # run-long sampler-trainer logprob agreement at version lag 0
+            a = self.agreement
+            a["tokens"] += metrics["fresh_tokens"]
+            a["abs_sum"] += metrics["logprob_diff_mean"] * metrics["fresh_tokens"]
+            a["max_abs"] = max(a["max_abs"], metrics["logprob_diff_max"])
+
+    def report(self, plan: StepPlan, metrics: dict, phases: dict) -> None:
+        context = self._context[plan.step]
+        groups = [g for _, g in context.picked]
+        tokens_per_s, groups_per_s = self.s.reporter.rates(int(np.asarray(plan.batch.loss_mask).sum()), len(groups))
+        self.s.reporter.report(plan.step, groups, context.staleness, context.stats, metrics,
+                               {**context.phases, "publish_wait_seconds": phases["publish_wait_seconds"],
+                                "compute_seconds": phases["compute_seconds"]}, tokens_per_s, groups_per_s)
+
+    def await_samplers(self, final_version: int) -> None:
+        await_samplers(self.cfg, self.s.publisher, self.s.stop_event, final_version)
+
+
+def await_samplers(cfg: RunConfig, publisher, stop: threading.Event, final_version: int) -> None:
+    """Until every sampler installed the final version (so each stops by itself), or trainer.final_wait_s. Every one
+    means at least sampler.replicas: a restarted trainer knows only the samplers that reported to it since, and one
+    backing off after the restart (up to 10 s) would otherwise be left behind, never told."""
+    deadline = time.time() + cfg.trainer.final_wait_s
+    while time.time() < deadline and not stop.is_set():
+        at = publisher.samplers_at(final_version)
+        if at and all(at.values()) and len(at) >= cfg.sampler.replicas:
+            log.info("every sampler (%d) installed the final version %d", len(at), final_version)
+            return
+        time.sleep(0.2)
+    log.warning("samplers not at final version %d after %.0fs: %s", final_version, cfg.trainer.final_wait_s,
+                publisher.samplers_at(final_version))
+
+
+class FollowerSource:
+    """Trainer processes 1..N-1: process 0's plans, checked for their order (a step after the one before; the end
+    at the step this process is at)."""
+
+    def __init__(self, cfg: RunConfig, group):
+        self.cfg, self.group = cfg, group
+        self.steps_done: int | None = None
+
+    def _next(self, *kinds: str) -> Plan:
+        message, arrays = self.group.receive(*kinds)
+        return from_message(self.cfg, message, arrays)
+
+    def __iter__(self) -> Iterator[Plan]:
+        yield self._next("start")
+        while True:
+            plan = self._next("step", "finish")
+            if isinstance(plan, FinishPlan):
+                break
+            if plan.step != self.steps_done + 1:
+                raise ControlMessageError(f"trainer process {self.group.index}: process 0 sent step {plan.step} "
+                                          f"after step {self.steps_done}")
+            yield plan
+        if plan.steps != self.steps_done:
+            raise ControlMessageError(f"trainer process {self.group.index}: process 0 finished at step "
+                                      f"{plan.steps}, this process is at step {self.steps_done}")
+        yield plan
+        if plan.complete:
+            yield self._next("done")
+
+    def applied(self, plan: Plan, result) -> None:
+        if isinstance(plan, StartPlan):
+            self.steps_done = result
+        elif isinstance(plan, StepPlan):
+            self.steps_done = plan.step
+
+
+__all__ = ["DonePlan", "FollowerSource", "LeaderSource", "StepResult", "await_samplers", "drive"]

@@ -1,0 +1,116 @@
+"""What a trainer process does, as typed, frozen plans: the only input of `TrainerCore` (core.py).
+
+Every trainer process runs `for plan in source: core.apply(plan)`. A one-process trainer makes its plans itself
+(plan_sources.LocalSource); in a trainer of several processes process 0 makes them and sends each to the others
+(LeaderSource), which receive them (FollowerSource). So the processes cannot drift apart: every device program, every
+collective and every checkpoint save follows from the same plan, applied by the same code.
+
+What a plan does not carry is the same in every process by construction: the config (each process reads the same
+one; `start_plan` and `finish_plan` derive the config-given parts in one place) and what the core computes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Union
+
+from grpo_stream.common.config.schema import RunConfig
+from grpo_stream.trainer_service.batching import TrainBatch
+from grpo_stream.trainer_service.control_messages import ControlMessageError, Done, Finish, Start, Step
+
+
+@dataclasses.dataclass(frozen=True)
+class StartPlan:
+    """Bring the model to where RL starts or resumes, then publish it."""
+    epoch: str  # process 0's trainer epoch: the versions every process publishes are its
+    restore: int | None  # the checkpoint step every process restores (process 0's choice); None: a new run
+    warm_start: bool  # a new run: the supervised warm start first (warmstart.steps > 0)
+    export_warm: bool  # ... and its model exported to RUN_DIR/warmstart-model
+    eval_before: bool  # a new run: held-out evaluation before RL
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    """One RL update on `batch`, then what the step does besides."""
+    step: int
+    batch: TrainBatch
+    checkpoint: bool  # save a checkpoint of this step
+    publish: bool  # publish the weights as version `step`
+    final: bool  # the run's last step: its publication tells samplers to stop
+
+
+@dataclasses.dataclass(frozen=True)
+class FinishPlan:
+    """The end of the run (complete, or stopped by a signal)."""
+    steps: int  # the step the weights are at
+    complete: bool  # every configured step done: evaluate, export, publish the final version
+    checkpoint: bool  # a checkpoint of `steps` is still missing (stopped between checkpoints)
+    publish: bool  # the final version still has to go out (a resumed, already complete run)
+    eval_after: bool  # complete and trainer.eval_after
+
+
+@dataclasses.dataclass(frozen=True)
+class DonePlan:
+    """Every sampler has the final version (or the wait ended): stop serving and check the final weights."""
+    verify: int  # weights.verify_prompts: greedy probes of the final weights (0: none)
+
+
+Plan = Union[StartPlan, StepPlan, FinishPlan, DonePlan]
+
+
+def start_plan(cfg: RunConfig, epoch: str, restore: int | None) -> StartPlan:
+    return StartPlan(epoch=epoch, restore=restore, warm_start=cfg.warmstart.steps > 0,
+                     export_warm=cfg.warmstart.steps > 0 and cfg.warmstart.export, eval_before=cfg.trainer.eval_before)
+
+
+def step_plan(cfg: RunConfig, step: int, batch: TrainBatch) -> StepPlan:
+    last = step == cfg.trainer.steps
+    return StepPlan(step=step, batch=batch, checkpoint=step % cfg.checkpoint.every == 0 or last,
+                    publish=step % cfg.trainer.publish_every == 0 or last, final=last)
+
+
+def finish_plan(cfg: RunConfig, steps: int, complete: bool, checkpoint: bool, publish: bool) -> FinishPlan:
+    return FinishPlan(steps=steps, complete=complete, checkpoint=checkpoint, publish=publish,
+                      eval_after=complete and cfg.trainer.eval_after)
+
+
+def done_plan(cfg: RunConfig) -> DonePlan:
+    return DonePlan(verify=cfg.weights.verify_prompts)
+
+
+# -- plans as control messages (multihost.py carries them, sealed) ---------------------------------------------------
+def to_message(plan: Plan) -> tuple[str, dict, dict | None]:
+    """(kind, fields, arrays) of the message that carries `plan` to the other processes: what they cannot derive
+    from the config themselves."""
+    if isinstance(plan, StartPlan):
+        return "start", {"epoch": plan.epoch, "restore": plan.restore}, None
+    if isinstance(plan, StepPlan):
+        arrays = {f.name: getattr(plan.batch, f.name) for f in dataclasses.fields(plan.batch)}
+        return "step", {"step": plan.step, "checkpoint": plan.checkpoint, "publish": plan.publish}, arrays
+    if isinstance(plan, FinishPlan):
+        return "finish", {"steps": plan.steps, "complete": plan.complete, "checkpoint": plan.checkpoint,
+                          "publish": plan.publish}, None
+    return "done", {}, None
+
+
+def from_message(cfg: RunConfig, message, arrays: dict) -> Plan:
+    """The plan a message from process 0 carries, with the config-given parts derived as process 0 derived them."""
+    if isinstance(message, Start):
+        return start_plan(cfg, message.epoch, message.restore)
+    if isinstance(message, Step):
+        plan = step_plan(cfg, message.step, train_batch(arrays))
+        return dataclasses.replace(plan, checkpoint=message.checkpoint, publish=message.publish)
+    if isinstance(message, Finish):
+        return finish_plan(cfg, message.steps, message.complete, message.checkpoint, message.publish)
+    if isinstance(message, Done):
+        return done_plan(cfg)
+    raise ControlMessageError(f"no plan is carried by a message of kind {getattr(message, 'kind', message)!r}")
+
+
+def train_batch(arrays: dict) -> TrainBatch:
+    """The step's batch from process 0's arrays: exactly TrainBatch's fields."""
+    names = {f.name for f in dataclasses.fields(TrainBatch)}
+    if set(arrays) != names:
+        raise ControlMessageError(f"a step message from trainer process 0 holds arrays {sorted(arrays)}, not "
+                                  f"{sorted(names)}: the processes run different versions of grpo-stream")
+    return TrainBatch(**arrays)
