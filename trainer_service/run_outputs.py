@@ -12,7 +12,6 @@ import numpy as np
 
 from grpo_stream.common.config.schema import RunConfig
 from grpo_stream.common.engine.evaluation import evaluate
-from grpo_stream.common.model.hf_checkpoint import export_hf, resolve_model_dir
 from grpo_stream.common.runtime.device_memory import device_memory
 
 log = logging.getLogger(__name__)
@@ -28,16 +27,6 @@ def evaluate_heldout(cfg: RunConfig, engine, params, task, tokenizer, label: str
     log.info("%s: held-out greedy accuracy %.3f%s on %d problems (%.1fs); e.g. %r", label, result.accuracy, sampled,
              result.num_problems, result.seconds, result.examples[0]["completion"] if result.examples else "")
     return result.as_dict()
-
-
-def export_policy(cfg: RunConfig, run_dir: pathlib.Path, name: str, what: str, model, params, tokenizer) -> None:
-    """The policy `params` as a Hugging Face directory RUN_DIR/name, next to the tokenizer files."""
-    source = resolve_model_dir(cfg.model.path) if cfg.model.kind == "hf" else None
-    if source is None:
-        tokenizer.save(run_dir / name)  # the tiny model's own tokenizer (an hf source brings its own)
-    export_hf(run_dir / name, model.arch, model.to_named_numpy(params), tokenizer_dir=source, dtype=cfg.model.dtype,
-              eos_ids=tokenizer.eos_ids, pad_id=tokenizer.pad_id)
-    log.info("exported the %s model to %s", what, run_dir / name)
 
 
 def wasted_fraction(generated: int, trained: int) -> float | None:
