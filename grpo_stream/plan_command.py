@@ -8,8 +8,8 @@ either does not (the report names the cheapest fixes), 2 when the config cannot 
 
 The figures are XLA's own for these programs, partitioned as on the real mesh, but compiled by the CPU backend:
 TPU and GPU compilers fuse more and reuse buffers differently, so treat them as an estimate. The child compiles with
-CPU_PLAN_FLAGS, which turn off two CPU habits the accelerators' compilers do not share (below). On an H200 the
-measured peak of a 1.24B-parameter update step was 0.81 of this estimate; see README "Planning memory".
+CPU_PLAN_FLAGS, which turn off two CPU habits the accelerators' compilers do not share (below). How to read the
+report: docs/plan.md. How the estimate compares with measured peaks (an H200, the CPU): BENCHMARKS.md, "plan".
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ LORA_NOTE = ("model.lora: rank {rank} adapters, {trained:,} trained parameters (
              "base on its devices beside the merged weights (lora_base) and merges each version into it (lora_merge)")
 ESTIMATE_NOTE = ("CPU-compiled estimate: XLA's memory analysis of the real programs, partitioned for the target "
                  "device count, but compiled by the CPU backend, whose fusion and buffer reuse differ from TPU and "
-                 "GPU compilers (on an H200 a Llama-3.2-1B update step peaked at 0.81 of this estimate, the "
-                 "difference in activations and temporaries; no TPU measurement exists: README \"Planning memory\").")
+                 "GPU compilers (on an H200 a Llama-3.2-1B update step peaked below this estimate, the difference in "
+                 "activations and temporaries; no TPU measurement exists: docs/plan.md, and BENCHMARKS.md, \"plan\").")
 
 
 # Two habits of XLA's CPU backend that TPU and GPU compilers do not share, turned off for the plan's compiles:

@@ -3,8 +3,8 @@
 # GSM8K on Qwen2.5 0.5B Instruct, the JAX trainer on the first half of the chips and a vllm-tpu sampler
 # (sampler.engine=vllm, tpu-inference) on the other half; once with weights installed between batches and once in
 # flight (the scheduler paused with its requests kept). Writes OUT/between_batches.json and OUT/in_flight.json in the
-# smoke format (grpo_stream/smoke_report.py; README, "vLLM on TPU"). Please send both files back (an issue on the
-# project): nothing of the TPU path has run on a TPU before.
+# smoke format (grpo_stream/smoke_report.py; docs/tpu.md, "The check to run on a TPU VM"). Please send both files
+# back (an issue on the project): nothing of the TPU path has run on a TPU before.
 #
 #   bash scripts/tpu-vllm-smoke.sh [OUT] [MODEL_DIR]
 #

@@ -149,7 +149,7 @@ class GenerationSection(Strict):
 
 
 class AlgoSection(Strict):
-    """The policy-gradient objective; see trainer_service/loss.py and the README for the formula."""
+    """The policy-gradient objective; see trainer_service/loss.py and docs/objective.md for the formula."""
 
     loss_algo: Literal["grpo", "gspo-token"] = Field("grpo", description="'grpo': per-token importance ratio; "
                                                      "'gspo-token': GSPO's sequence-level ratio (geometric mean of the "

@@ -11,7 +11,8 @@ from grpo_stream.common.config.names import TransportName
 
 
 class WeightsSection(Strict):
-    """How published weights travel from the trainer to the samplers (see README, "Weight publication")."""
+    """How published weights travel from the trainer to the samplers (see docs/rollouts-and-weights.md, "Weight
+    publication")."""
 
     transport: TransportName = Field(
         "grpc", description="'grpc': samplers fetch the slices their devices need from the trainer's WeightService "

@@ -8,7 +8,7 @@ The supervised warm start uses demonstrations that forget the carry from
 the units into the tens with probability `carry_drop_prob` (47 + 38 = 75). A model trained on them is
 right on carry-free problems, often wrong on carry problems under greedy
 decoding, and sometimes right when sampling: the regime where GRPO has a
-signal and can raise held-out accuracy (see README, "The CPU demo").
+signal and can raise held-out accuracy (see docs/operations.md, "The CPU demo").
 """
 
 from __future__ import annotations

@@ -172,9 +172,9 @@ def test_demo_closing_line_and_report_show_both_measures(demo):
 def gspo_run(demo: Run, tmp_path: pathlib.Path, steps: int) -> Run:
     """GSPO where its objective differs from GRPO's, from the demo's exported warm start (instead of repeating it),
     checked for what any length of such a run must show. With one optimizer step per batch (the demo) the
-    importance ratio is exactly 1 and GSPO's gradient equals GRPO's up to rounding (README, "The objective"); with
-    two steps per batch (minibatches=2) the second one's ratio is off 1, and GSPO's sequence-level ratio (a geometric
-    mean) differs from GRPO's token ratios."""
+    importance ratio is exactly 1 and GSPO's gradient equals GRPO's up to rounding (docs/objective.md, "What each
+    option changes"); with two steps per batch (minibatches=2) the second one's ratio is off 1, and GSPO's
+    sequence-level ratio (a geometric mean) differs from GRPO's token ratios."""
     warm = demo.dir / "warmstart-model"
     run = up(tmp_path / "run", "model.kind=hf", f"model.path={warm}", "warmstart.steps=0", "algo.loss_algo=gspo-token",
              "algo.minibatches=2", f"trainer.steps={steps}")

