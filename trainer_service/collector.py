@@ -40,7 +40,10 @@ class GroupCollector:
     """Reads the buffer until a step has `groups_per_step` usable groups; keeps the rest for later steps."""
 
     def __init__(self, buffer: RolloutBuffer, groups_per_step: int, max_staleness: int, dynamic_sampling: bool,
-                 stop_event: threading.Event, held: Callable[[], int]):
+                 stop_event: threading.Event, held: Callable[[], int], waiting: Callable[[], None] | None = None):
+        """`waiting`: called every 10 s while a step waits for groups (a heartbeat: waiting for samplers is not
+        hanging)."""
+        self.waiting = waiting
         self.buffer, self.need, self.max_staleness = buffer, groups_per_step, max_staleness
         self.dynamic_sampling, self.stop_event, self.held = dynamic_sampling, stop_event, held
         self.pending: list[tuple[BufferEntry, GroupData]] = []
@@ -86,3 +89,5 @@ class GroupCollector:
                 log.info("step %d waiting for rollouts: %d/%d groups, %d more waiting in the buffer", step,
                          len(self.pending), need, depth - self.held() - len(self.pending))
                 last_note = time.time()
+                if self.waiting is not None:
+                    self.waiting()

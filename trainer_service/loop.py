@@ -27,6 +27,7 @@ from grpo_stream.common.rollouts.buffer import RUN_FILE
 from grpo_stream.common.rollouts.redis_server import redacted
 from grpo_stream.common.rollouts.trainer_lease import open_leased_buffer
 from grpo_stream.common.rpc.grpc_util import ServerSecurity
+from grpo_stream.common.runtime.heartbeat import beat
 from grpo_stream.common.runtime.process import stop_on_signals
 from grpo_stream.common.weights.registry import transport_spec, weight_sink
 from grpo_stream.common.weights.snapshot import new_epoch
@@ -121,7 +122,8 @@ class Trainer:
         s.pad_id = parts.tokenizer.pad_id
         self._serve(parts, security)
         s.collector = GroupCollector(s.buffer, cfg.trainer.groups_per_step, cfg.trainer.max_staleness,
-                                     cfg.algo.dynamic_sampling, self.stop_event, s.durability.held)
+                                     cfg.algo.dynamic_sampling, self.stop_event, s.durability.held,
+                                     waiting=lambda: beat(self.run_dir, "trainer-0"))
         s.metrics = MetricsWriter(self.run_dir, "trainer")
         s.reporter = StepReporter(cfg, s.metrics, s.buffer, s.publisher, s.durability.held)
         self.source = LeaderSource(cfg, self.run_dir, s, self.group)
