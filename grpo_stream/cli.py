@@ -3,7 +3,7 @@
     grpo-stream up      --config configs/tiny_arith.yaml [--run-dir DIR] [key.sub=value ...]
     grpo-stream trainer --config C --run-dir DIR [key=value ...]
     grpo-stream sampler --config C --index I [--run-dir DIR] [key=value ...]
-    grpo-stream ingest  --config C [key=value ...]                   (ingest.standalone)
+    grpo-stream ingest  --config C [--run-dir DIR] [key=value ...]   (ingest.standalone)
     grpo-stream audit   RUN_DIR [--redis-url URL] [--group ID] [--json PATH]
     grpo-stream colocated --config C --run-dir DIR [key=value ...]   (weights.transport=local)
     grpo-stream eval    --config C [--split test] [--limit N] [--json PATH] [key=value ...]
@@ -15,9 +15,24 @@
     grpo-stream config  describe [PREFIX]          (every field: type, default, limits, doc)
     grpo-stream config  show --config C [key=value ...]   (the resolved config, as `up` saves it)
 
-Expected errors (a bad config, an unreachable service, a bad file) print one line; the full traceback goes to
+Exit codes, one policy for every command (the constants of common/runtime/errors.py; `dispatch` below is the one
+place that maps what a command raises to them):
+  0    done
+  1    a runtime failure a restart may fix (a service unreachable, a device error, a bug); also a command's own
+       verdict: audit found groups lost or trained twice, plan found a config that does not fit, a benchmark failed
+  2    usage or config error: a config that does not load or validate (the field and the fix named), or input the
+       command cannot use (a missing run directory or prompts file); nothing ran. audit and plan exit 2 on any
+       error that kept them from a verdict, so that 1 keeps meaning the verdict
+  3    a permanent failure (common.runtime.errors.PermanentError): restarting cannot fix it. A process `up` runs
+       (trainer-<k>, sampler-<index>, ingest) writes RUN_DIR/failures/NAME.json first, and `up` stops the run
+       naming it instead of restarting it (docs/supervision.md)
+  130  interrupted (Ctrl-C)
+argparse's own usage errors exit 2 too.
+
+Errors print one line: a config error just the line; any other error also keeps its full traceback in
 RUN_DIR/error-COMMAND.log (or the temporary directory's grpo-stream-error-COMMAND.log without a run directory), and
-`--debug` (before or after the command) prints it too.
+`--debug` (before or after the command) prints it. An unexpected exception (a bug: not a ValueError, OSError,
+RuntimeError or gRPC error) prints its traceback as well.
 """
 
 from __future__ import annotations
@@ -27,11 +42,16 @@ import os
 import pathlib
 import sys
 import tempfile
-import time
 import traceback
 
 from grpo_stream.bench.runner import BENCHMARKS
+from grpo_stream.commands import COMMANDS, EXPECTED_ERRORS, Command
+from grpo_stream.common.runtime.errors import (EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_PERMANENT, EXIT_USAGE,
+                                               PermanentError, record_permanent)
 from grpo_stream.submit_command import add_parsers as add_submit_parsers
+
+EXIT_CODES = ("exit codes: 0 done; 1 runtime failure (or audit/plan/bench's verdict); 2 usage or config error; "
+              "3 permanent failure (restarting cannot fix it); 130 interrupted")
 
 
 def _positive_int(text: str) -> int:
@@ -41,43 +61,64 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _common(p: argparse.ArgumentParser) -> None:
+    """The arguments of every command that runs a config."""
+    p.add_argument("--config", type=pathlib.Path, help="YAML run config (default: built-in defaults)")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    p.add_argument("-v", "--verbose", action="store_true", help="detail lines: every trainer step, every weight "
+                   "version a sampler fetches and installs (logging.verbose=true)")
+    p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="dotted config overrides")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="grpo-stream", description="Asynchronous GRPO post-training: samplers "
-                                     "stream rollout groups over gRPC into Redis; the trainer learns off-policy.")
+                                     "stream rollout groups over gRPC into Redis; the trainer learns off-policy.",
+                                     epilog=EXIT_CODES)
     parser.add_argument("--debug", action="store_true", help="print full tracebacks of errors (they always go to "
                         "the run's error-COMMAND.log)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    _add_parser = sub.add_parser
+    add_parser = sub.add_parser
 
-    def add_parser(name: str, **kwargs) -> argparse.ArgumentParser:  # every command also takes --debug after it
-        p = _add_parser(name, **kwargs)
+    def with_debug(name: str, **kwargs) -> argparse.ArgumentParser:  # every command also takes --debug after it
+        p = add_parser(name, **kwargs)
         p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
         return p
 
-    sub.add_parser = add_parser
+    sub.add_parser = with_debug
+    _process_parsers(sub)
+    _tool_parsers(sub)
+    add_submit_parsers(sub, _common)
+    _config_parsers(sub)
+    return parser
 
-    def common(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--config", type=pathlib.Path, help="YAML run config (default: built-in defaults)")
-        p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
-        p.add_argument("-v", "--verbose", action="store_true", help="detail lines: every trainer step, every weight "
-                       "version a sampler fetches and installs (logging.verbose=true)")
-        p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="dotted config overrides")
 
+def _process_parsers(sub) -> None:
+    """The processes of a run: up, and what it starts (trainer, sampler, ingest, colocated)."""
     up = sub.add_parser("up", help="run the whole loop locally: Redis, trainer and samplers as processes")
-    common(up)
+    _common(up)
     up.add_argument("--run-dir", type=pathlib.Path, help="where logs, TensorBoard and summary.json go "
                     "(default runs/<run.name>-<time>)")
     tr = sub.add_parser("trainer", help="run the trainer (ingest + weights server, GRPO steps)")
-    common(tr)
+    _common(tr)
     tr.add_argument("--run-dir", type=pathlib.Path, required=False, help="output directory")
     sa = sub.add_parser("sampler", help="run one sampler (generation, rewards, rollout stream)")
-    common(sa)
+    _common(sa)
     sa.add_argument("--index", type=int, default=0, help="this sampler's index in 0..sampler.replicas-1 "
                     "(its data shard and id)")
     sa.add_argument("--run-dir", type=pathlib.Path, help="write sampler-<index>.json here at exit")
     ing = sub.add_parser("ingest", help="run the rollout ingest on its own (ingest.standalone): samplers keep "
                          "delivering into Redis while the trainer restarts")
-    common(ing)
+    _common(ing)
+    ing.add_argument("--run-dir", type=pathlib.Path, help="the run's directory: a permanent failure is recorded in "
+                     "RUN_DIR/failures/ingest.json (what `up` reports)")
+    co = sub.add_parser("colocated", help="trainer and samplers in one JAX process with weights.transport=local "
+                        "(what `up` runs then; also the single-controller mode on a TPU VM or Pathways)")
+    _common(co)
+    co.add_argument("--run-dir", type=pathlib.Path, required=False, help="output directory")
+
+
+def _tool_parsers(sub) -> None:
+    """The commands around a run: audit, bench, eval, plan, devices, report."""
     au = sub.add_parser("audit", help="account for every accepted rollout group: trained once, dropped, waiting, "
                         "or lost / trained twice (exit 1)")
     au.add_argument("run_dir", type=pathlib.Path, help="a directory a trainer wrote (holds run.json)")
@@ -85,10 +126,6 @@ def _parser() -> argparse.ArgumentParser:
                     "RUN_DIR/redis)")
     au.add_argument("--group", help="print one group's history instead")
     au.add_argument("--json", type=pathlib.Path, help="where the report goes (default RUN_DIR/audit.json)")
-    co = sub.add_parser("colocated", help="trainer and samplers in one JAX process with weights.transport=local "
-                        "(what `up` runs then; also the single-controller mode on a TPU VM or Pathways)")
-    common(co)
-    co.add_argument("--run-dir", type=pathlib.Path, required=False, help="output directory")
     be = sub.add_parser("bench", help="benchmarks against baselines in the same run (writes JSON)")
     be.add_argument("name", choices=[*BENCHMARKS, "all"], help="which benchmark ('all': each in turn)")
     be.add_argument("--json", type=pathlib.Path, help="write the result here (for 'all': a directory, one NAME.json "
@@ -97,217 +134,138 @@ def _parser() -> argparse.ArgumentParser:
                     help="markdown table to append a row to per benchmark (default runs/bench/results.md)")
     be.add_argument("--quick", action="store_true", help="a few seconds, only to check that it works")
     ev = sub.add_parser("eval", help="greedy pass@1, pass@k and maj@k of the config's model on a split")
-    common(ev)
+    _common(ev)
     ev.add_argument("--split", default="test", help="test (held-out, default) or train")
     ev.add_argument("--limit", type=_positive_int, help="problems to score (default eval.num_problems)")
     ev.add_argument("--json", type=pathlib.Path, help="write the result here")
     pl = sub.add_parser("plan", help="compile the run's trainer and sampler programs for the target device count "
                         "on CPU and report memory per device against hardware: (exit 1 when it does not fit)")
-    common(pl)
+    _common(pl)
     pl.add_argument("--json", type=pathlib.Path, help="also write the report here")
     dv = sub.add_parser("devices", help="which GPUs and memory settings each process of the run gets (as `up` gives "
                         "them), or compose/.env lines for them (--compose)")
-    common(dv)
+    _common(dv)
     dv.add_argument("--gpus", type=int, help="lay out on a host of this many GPUs (default: this host's, as `up`)")
     dv.add_argument("--gpu-memory-gib", type=float, help="memory per GPU (default: nvidia-smi's, or hardware:)")
     dv.add_argument("--compose", action="store_true", help="print compose/.env settings for this layout")
     dv.add_argument("--json", type=pathlib.Path, help="also write the plan here")
-    add_submit_parsers(sub, common)
+    rep = sub.add_parser("report", help="PNG plots and a markdown summary of a run directory")
+    rep.add_argument("run_dir", type=pathlib.Path, help="a directory written by `up` or `trainer`")
+
+
+def _config_parsers(sub) -> None:
     cf = sub.add_parser("config", help="describe the config fields, or show a resolved config")
     cf_sub = cf.add_subparsers(dest="config_command", required=True, metavar="ACTION")
     de = cf_sub.add_parser("describe", help="every field with its type, default, limits and documentation")
     de.add_argument("prefix", nargs="?", default="", help="only fields whose dotted name starts with this "
                     "(e.g. trainer. or weights.transport)")
     sh = cf_sub.add_parser("show", help="the resolved config (file, then overrides, then defaults) as YAML")
-    common(sh)
-    rep = sub.add_parser("report", help="PNG plots and a markdown summary of a run directory")
-    rep.add_argument("run_dir", type=pathlib.Path, help="a directory written by `up` or `trainer`")
-    return parser
+    _common(sh)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse, then run the command through its entry in grpo_stream/commands.py: COMMANDS."""
+    args = _parser().parse_args(argv)
+    args.debug = args.debug or os.environ.get("GRPO_STREAM_DEBUG", "") not in ("", "0")
+    return dispatch(COMMANDS[args.command], args)
+
+
+def dispatch(command: Command, args: argparse.Namespace) -> int:
+    """Run `command` and turn what it returns or raises into the exit code: the CLI's one policy (module doc)."""
+    cfg, loading = None, command.config
+    try:
+        if command.config:
+            cfg = _load(args)
+            loading = False
+            if args.print_config:
+                from grpo_stream.common.config.loading import to_yaml
+
+                print(to_yaml(cfg), end="")
+                return EXIT_OK
+        code = command.run(args, cfg)
+        return EXIT_OK if code is None else code
+    except KeyboardInterrupt:
+        print(f"grpo-stream {args.command}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as exc:  # noqa: BLE001 - the one place exceptions become exit codes
+        code, what = exit_code(exc, command, loading)
+        if code == EXIT_PERMANENT and command.process is not None:
+            record_permanent(getattr(args, "run_dir", None), command.process(args), exc)
+        _error(args, exc, _error_dir(args), what, expected=_expected(exc, command))
+        return code
+
+
+def _load(args: argparse.Namespace):
+    from grpo_stream.common.config.loading import load_config
+
+    if getattr(args, "verbose", False):
+        args.overrides.append("logging.verbose=true")
+    return load_config(args.config, args.overrides)
+
+
+def exit_code(exc: BaseException, command: Command, loading_config: bool = False) -> tuple[int, str]:
+    """(exit code, what to call it in the message) for `exc` raised by `command`; `loading_config`: while its config
+    was read and validated."""
+    if _is_config_error(exc) or (loading_config and isinstance(exc, ValueError)):
+        return EXIT_USAGE, "config error"
+    if isinstance(exc, PermanentError):
+        return EXIT_PERMANENT, "permanent error"
+    if isinstance(exc, command.usage_errors):
+        return EXIT_USAGE, "error"
+    return EXIT_FAILURE, "error"
+
+
+def _is_config_error(exc: BaseException) -> bool:
+    from pydantic import ValidationError
+
+    from grpo_stream.common.config.base import ConfigError
+
+    return isinstance(exc, (ConfigError, ValidationError))
+
+
+def _expected(exc: BaseException, command: Command) -> bool:
+    """An error the one-line message says enough about; anything else is a bug, whose traceback is printed too."""
+    rpc_error = callable(getattr(exc, "code", None)) and callable(getattr(exc, "details", None))  # grpc.RpcError
+    return rpc_error or isinstance(exc, (*EXPECTED_ERRORS, *command.usage_errors))
+
+
+def _error_dir(args: argparse.Namespace) -> pathlib.Path | None:
+    """Where the traceback goes: the run directory the command was given, when there is one."""
+    run_dir = getattr(args, "run_dir", None)
+    return run_dir if isinstance(run_dir, pathlib.Path) and run_dir.is_dir() else None
+
+
+def _message(exc: BaseException) -> str:
+    if callable(getattr(exc, "code", None)) and callable(getattr(exc, "details", None)):  # grpc.RpcError
+        try:
+            return f"{exc.code().name}: {exc.details()}"
+        except Exception:  # noqa: BLE001 - an RpcError without a status
+            pass
+    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 def _error(args: argparse.Namespace, exc: BaseException, run_dir: pathlib.Path | None = None,
-           what: str = "error") -> None:
-    """One line for the user; the whole traceback in a file (and on stderr with --debug), never lost."""
+           what: str = "error", expected: bool = True) -> None:
+    """One line for the user; the whole traceback in a file (and on stderr with --debug, or for an unexpected
+    error), never lost. A config error names the field and the fix: its traceback would say nothing more."""
     trace = "".join(traceback.format_exception(exc))
-    if what == "config error":  # the user's input, named field and fix: the traceback would say nothing more
+    if what == "config error":
         if args.debug:
             print(trace, file=sys.stderr, end="")
-        print(f"grpo-stream {args.command}: {what}: {exc}", file=sys.stderr)
+        print(f"grpo-stream {args.command}: {what}: {_message(exc)}", file=sys.stderr)
         return
     name = f"error-{args.command}.log" if run_dir is not None else f"grpo-stream-error-{args.command}.log"
     path = (run_dir if run_dir is not None else pathlib.Path(tempfile.gettempdir())) / name
+    show = args.debug or not expected
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(trace)
         where = f" (traceback in {path})"
     except OSError:
-        where, args.debug = "", True  # nowhere to keep it: print it
-    if args.debug:
+        where, show = "", True  # nowhere to keep it: print it
+    if show:
         print(trace, file=sys.stderr, end="")
-    print(f"grpo-stream {args.command}: {what}: {exc}{'' if args.debug else where}", file=sys.stderr)
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    args.debug = args.debug or os.environ.get("GRPO_STREAM_DEBUG", "") not in ("", "0")
-    if args.command == "bench":
-        from grpo_stream.bench.runner import run_benchmarks
-
-        return run_benchmarks(args.name, args.json, args.table, args.quick)
-    if args.command == "report":
-        from grpo_stream.report import make_report
-
-        try:
-            out = make_report(args.run_dir)
-        except (FileNotFoundError, ValueError) as exc:
-            _error(args, exc, args.run_dir if args.run_dir.is_dir() else None)
-            return 1
-        print(f"report written to {out}/report.md")
-        return 0
-    if args.command == "config":
-        from grpo_stream.common.config.describe import describe
-        from grpo_stream.common.config.loading import load_config, to_yaml
-        from grpo_stream.common.config.schema import RunConfig
-
-        try:
-            if args.config_command == "describe":
-                print(describe(RunConfig, args.prefix), end="")
-            else:
-                print(to_yaml(load_config(args.config, args.overrides)), end="")
-        except ValueError as exc:  # ConfigError is a ValueError
-            _error(args, exc, what="config error")
-            return 2
-        return 0
-    if args.command in ("submit", "status", "tokens"):
-        from grpo_stream.common.config.schema import ConfigError
-        from grpo_stream.submit_command import run
-
-        try:
-            return run(args)
-        except ConfigError as exc:
-            _error(args, exc, what="config error")
-            return 2
-    if args.command == "audit":
-        from grpo_stream.common.rollouts.redis_server import RedisConnectError
-        from grpo_stream.audit import run_audit
-
-        try:
-            return run_audit(args.run_dir, args.redis_url, args.group, args.json)
-        except (FileNotFoundError, ValueError, RedisConnectError) as exc:
-            _error(args, exc, args.run_dir if args.run_dir.is_dir() else None)
-            return 2
-    from grpo_stream.common.config.loading import load_config, to_yaml
-    from grpo_stream.common.config.schema import ConfigError
-
-    if getattr(args, "verbose", False):
-        args.overrides.append("logging.verbose=true")
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as exc:
-        _error(args, exc, what="config error")
-        return 2
-    if args.print_config:
-        print(to_yaml(cfg), end="")
-        return 0
-    import logging
-
-    from grpo_stream.common.runtime.process import (compilation_cache_dir, enable_compilation_cache, import_tensorboardx_without_torch,
-                                pin_to_cpus, setup_logging)
-
-    log = logging.getLogger("grpo_stream.cli")
-    if args.command == "eval":
-        from grpo_stream.eval_command import run_eval
-
-        setup_logging(cfg.logging.level, "eval", cfg.logging.format, cfg.logging.verbose)
-        try:
-            import_tensorboardx_without_torch()
-            cache = enable_compilation_cache(cfg)
-            doc = run_eval(cfg, args.split, args.limit, args.json)
-        except (ValueError, OSError, RuntimeError) as exc:  # RuntimeError: XLA and device errors
-            _error(args, exc)
-            return 1
-        log.info("%s", cache.summary())
-        ks = ", ".join(f"pass@{k} {doc['pass_at_k'][k]:.3f}, maj@{k} {doc['maj_at_k'][k]:.3f}" for k in doc["pass_at_k"])
-        print(f"{doc['split']}: {doc['num_problems']} problems, greedy pass@1 {doc['accuracy']:.3f}"
-              + (f", {ks}" if ks else "") + (f"; wrote {args.json}" if args.json else ""))
-        return 0
-    if args.command == "plan":
-        from grpo_stream.plan_command import run_plan
-
-        setup_logging(cfg.logging.level, "plan", cfg.logging.format, cfg.logging.verbose)
-        try:
-            return run_plan(cfg, args.json)
-        except ValueError as exc:  # a config plan cannot size: the field is named
-            _error(args, exc, what="config error")
-            return 2
-        except (OSError, RuntimeError) as exc:
-            _error(args, exc)
-            return 2
-    if args.command == "devices":
-        from grpo_stream.devices_command import run_devices
-
-        return run_devices(cfg, args.gpus, args.gpu_memory_gib, args.compose, args.json)
-    if args.command == "up":
-        from grpo_stream.up import run_up
-
-        setup_logging(cfg.logging.level, "up", cfg.logging.format, cfg.logging.verbose)
-        try:  # `up` compiles nothing itself; a bad cache directory stops it before any process starts
-            compilation_cache_dir(cfg)
-        except ValueError as exc:
-            _error(args, exc)
-            return 1
-        run_dir = args.run_dir or pathlib.Path("runs") / f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-        return run_up(args.config, args.overrides, cfg, run_dir)
-    setup_logging(cfg.logging.level, args.command if args.command != "sampler" else f"sampler-{args.index}",
-                  cfg.logging.format, cfg.logging.verbose)
-    from grpo_stream.common.runtime.parent_death import watch_parent
-
-    watch_parent()  # a child of `up` stops when `up` is gone (common/runtime/parent_death.py)
-    from grpo_stream.common.runtime.device_plan import device_env, own_process_env
-
-    os.environ.update(own_process_env(cfg, args.command, os.environ))  # before JAX starts: it reads them once
-    if device_env(os.environ):
-        log.info("device settings: %s", " ".join(f"{k}={v}" for k, v in device_env(os.environ).items()))
-    if cfg.run.deterministic:  # before JAX starts: XLA reads its flags once
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_gpu_deterministic_ops=true".strip()
-    if args.command == "ingest":  # no JAX in this process (Redis and gRPC only): no compilation cache
-        from grpo_stream.trainer_service.ingest_server import run_ingest
-
-        try:
-            run_ingest(cfg)
-        except (ValueError, OSError, RuntimeError) as exc:
-            _error(args, exc)
-            return 1
-        return 0
-    try:
-        pin_to_cpus(*((cfg.sampler.cpu_affinity, "sampler.cpu_affinity") if args.command == "sampler" else
-                      (cfg.trainer.cpu_affinity, "trainer.cpu_affinity")))
-        import_tensorboardx_without_torch()
-        cache = enable_compilation_cache(cfg)
-        from grpo_stream.common.model.sharding import initialize_distributed
-
-        initialize_distributed(cfg.distributed.initialize)
-        if args.command == "colocated":
-            from grpo_stream.colocated import run_colocated
-
-            run_dir = args.run_dir or pathlib.Path("runs") / cfg.run.name
-            run_dir.mkdir(parents=True, exist_ok=True)
-            run_colocated(cfg, run_dir)
-        elif args.command == "trainer":
-            from grpo_stream.trainer_service.loop import run_trainer
-
-            run_dir = args.run_dir or pathlib.Path("runs") / cfg.run.name
-            run_dir.mkdir(parents=True, exist_ok=True)
-            run_trainer(cfg, run_dir)
-        else:
-            from grpo_stream.sampler_service.loop import run_sampler
-
-            run_sampler(cfg, args.index, args.run_dir)
-    except (ValueError, ConnectionError, OSError, RuntimeError) as exc:  # RedisConnectError is a RuntimeError;
-        _error(args, exc, getattr(args, "run_dir", None))  # XLA and device errors too: their traceback is kept
-        return 1
-    log.info("%s", cache.summary())
-    return 0
+    print(f"grpo-stream {args.command}: {what}: {_message(exc)}{'' if show else where}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -12,16 +12,33 @@ loop: more than restart_limit_burst restarts of one process within restart_limit
 by healthy_after_s of uptime (systemd's StartLimitBurst/StartLimitIntervalSec; Kubernetes resets CrashLoopBackOff
 once a container ran 10 minutes). A process that ran healthy_after_s also starts its back-off again from the
 first wait.
+
+Two exits are not restarts:
+- a process that exits EXIT_PERMANENT (3) met a failure a restart cannot fix (common/runtime/errors.py): the run
+  stops, naming the process and the reason it recorded in RUN_DIR/failures/NAME.json (else its log). Before every
+  (re)start of a process its old record is removed, so a record always speaks for the latest attempt.
+- a trainer job whose processes all run but make no progress (the newest of their heartbeats,
+  common/runtime/heartbeat.py, older than up.trainer_stall_s, and never older than the job's start) is hung: it is
+  killed and restarted exactly as after a trainer failure, against the same budget (`StallWatch`). It counts as
+  healthy (up.healthy_after_s) only for as long as it made progress, so a job that hangs at the same point after
+  every restart stops the run like a crash loop.
+
+`Watch` is the loop that applies all of this to the processes `up` started (grpo_stream/up.py); it knows them only
+through the small `Unit` interface, so tests drive it with any child process.
 """
 
 from __future__ import annotations
 
 import collections
+import pathlib
 import time
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Protocol, Sequence
 
 from grpo_stream.common.config.process import UpSection
 from grpo_stream.common.runtime.backoff import Backoff
+from grpo_stream.common.runtime.errors import EXIT_PERMANENT, clear_permanent, read_permanent
+from grpo_stream.common.runtime.heartbeat import seconds_since_beat
 
 
 class Supervisor:
@@ -36,14 +53,17 @@ class Supervisor:
         self._since = clock()  # every process started before the supervisor was made
         self._started: dict[str, float] = {}
 
-    def failed(self, name: str) -> float | None:
+    def failed(self, name: str, healthy_s: float | None = None) -> float | None:
         """Process `name` failed (exit code not 0, or killed): the seconds until it restarts, or None when the run
-        must stop instead (restart: never, or the burst used up within the window). Call once per failure."""
+        must stop instead (restart: never, or the burst used up within the window). Call once per failure.
+        `healthy_s`: how long it ran healthy, where the caller knows better than its uptime (a stalled trainer job:
+        until its last progress)."""
         if self.policy.restart == "never":
             return None
         now = self.clock()
         counted = self._counted[name]
-        if now - self._started.get(name, self._since) >= self.policy.healthy_after_s:
+        ran = now - self._started.get(name, self._since) if healthy_s is None else healthy_s
+        if ran >= self.policy.healthy_after_s:
             counted.clear()  # it ran healthy: earlier restarts were not a loop, and the back-off starts again
             self._backoff.pop(name, None)
         while counted and now - counted[0] >= self.policy.restart_limit_interval_s:
@@ -79,3 +99,148 @@ class Supervisor:
             self._counted[name].append(now)
             self._started[name] = now
         return ready
+
+
+class StallWatch:
+    """The stall watchdog's decision (up.trainer_stall_s), on its own clock: how long the trainer job has made no
+    progress. Progress is the newest beat of any of its processes (`names`), never earlier than the job's latest
+    (re)start: a beat from before a restart says nothing of the new processes, and a job that has not beaten yet
+    (compiling, waiting for its first rollouts) is measured from its start. `clock`: wall time, as heartbeat files'
+    modification times are."""
+
+    def __init__(self, run_dir: pathlib.Path, names: Sequence[str], stall_s: float,
+                 clock: Callable[[], float] = time.time):
+        self.run_dir, self.names, self.stall_s, self.clock = run_dir, tuple(names), stall_s, clock
+        self.started_at = clock()
+
+    def restarted(self) -> None:
+        """The job was (re)started now."""
+        self.started_at = self.clock()
+
+    def idle_s(self) -> float:
+        """Seconds since the job last made progress (or started)."""
+        now = self.clock()
+        ages = [seconds_since_beat(self.run_dir, name, now) for name in self.names]
+        return min([now - self.started_at, *(age for age in ages if age is not None)])
+
+    def progress_s(self) -> float:
+        """Seconds from the job's (re)start to its last progress: how long it ran healthy before a stall."""
+        return max(0.0, self.clock() - self.started_at - self.idle_s())
+
+    def stalled(self) -> float | None:
+        """The seconds without progress when they exceed up.trainer_stall_s, else None (and always None with 0)."""
+        if self.stall_s <= 0:
+            return None
+        idle = self.idle_s()
+        return idle if idle > self.stall_s else None
+
+
+class Unit(Protocol):
+    """What `Watch` supervises: one process, or a job of them restarted together (the multi-process trainer)."""
+
+    name: str                # its key in the restart budget and summary.json's restarts; its log is logs/NAME.log
+    records: tuple[str, ...]  # its processes' names in RUN_DIR/failures and RUN_DIR/heartbeats (none: not ours)
+    must_run: bool           # any exit, even 0, is a failure (the embedded Redis)
+
+    def start(self) -> None: ...
+    def poll(self) -> int | None: ...   # the exit code once it ended (a job: its first failing process's)
+    def alive(self) -> bool: ...        # every process of it runs
+    def terminate(self) -> None: ...    # SIGTERM: stop cleanly
+    def kill(self) -> None: ...         # SIGKILL and reap
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """Why the watch ended. reason: 'done' (the trainer finished), 'interrupted' (a stop signal), 'gave_up' (a
+    failure past the restart budget, or up.restart=never) or 'permanent' (a process exited EXIT_PERMANENT);
+    process and message say which and why."""
+
+    reason: str
+    process: str = ""
+    message: str = ""
+
+
+class Watch:
+    """`up`'s supervision loop: restarts what fails per the policy, stops on a permanent failure or a used-up
+    budget, and restarts a stalled trainer job. `log`: where its one-line decisions go."""
+
+    def __init__(self, policy: UpSection, run_dir: pathlib.Path, trainer: Unit, others: Sequence[Unit],
+                 log: Callable[[str], None] = lambda line: print(line, flush=True),
+                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time):
+        self.run_dir, self.trainer, self.log = run_dir, trainer, log
+        self.units = {unit.name: unit for unit in [trainer, *others]}
+        self.supervisor = Supervisor(policy, clock)
+        self.stall = StallWatch(run_dir, trainer.records, policy.trainer_stall_s, wall)
+
+    def launch(self, unit: Unit) -> None:
+        """(Re)start `unit`, its old permanent-failure records removed first."""
+        for name in unit.records:
+            clear_permanent(self.run_dir, name)
+        unit.start()
+        if unit is self.trainer:
+            self.stall.restarted()
+
+    def run(self, interrupted: Callable[[], bool], poll_s: float = 0.2) -> Outcome:
+        """Watch until the trainer finishes, the run must stop, or `interrupted()`."""
+        while not interrupted():
+            outcome = self.check()
+            if outcome is not None:
+                return outcome
+            time.sleep(poll_s)
+        return Outcome("interrupted")
+
+    def check(self) -> Outcome | None:
+        """One look at every unit: handle the failed and the stalled, start those whose restart is due."""
+        waiting = self.supervisor.waiting
+        if self.trainer.poll() == 0 and not waiting(self.trainer.name):
+            return Outcome("done")
+        for unit in self.units.values():
+            code = None if waiting(unit.name) else unit.poll()
+            if code is not None and (code != 0 or unit.must_run):
+                outcome = self._failed(unit, code)
+                if outcome is not None:
+                    return outcome
+        outcome = self._check_stall()
+        if outcome is not None:
+            return outcome
+        for name in self.supervisor.due():
+            self.launch(self.units[name])
+        return None
+
+    def permanent_reason(self, unit: Unit) -> str:
+        """What `unit`'s processes recorded about their permanent failure, else where to read about it."""
+        for name in unit.records:
+            record = read_permanent(self.run_dir, name)
+            if record is not None:
+                return " ".join(record["message"].split()) or record.get("error", "")
+        return f"see {self.run_dir / 'logs' / f'{unit.name}.log'}"
+
+    def _failed(self, unit: Unit, code: int) -> Outcome | None:
+        if code == EXIT_PERMANENT and unit.records:  # our processes' code for "a restart cannot fix this"
+            reason = self.permanent_reason(unit)
+            self.log(f"[up] {unit.name} failed permanently (exit code {code}), so it is not restarted; stopping the "
+                     f"run: {reason}")
+            return Outcome("permanent", unit.name, reason)
+        return self._restart_or_stop(unit, f"exited with code {code}")
+
+    def _restart_or_stop(self, unit: Unit, what: str, healthy_s: float | None = None) -> Outcome | None:
+        delay = self.supervisor.failed(unit.name, healthy_s)
+        budget = self.supervisor.budget(unit.name)
+        if delay is None:
+            self.log(f"[up] {unit.name} {what}; stopping the run ({budget})")
+            return Outcome("gave_up", unit.name, f"{what} ({budget})")
+        self.log(f"[up] {unit.name} {what}; restarting it in {delay:.1f}s ({budget})")
+        return None
+
+    def _check_stall(self) -> Outcome | None:
+        trainer = self.trainer
+        if self.supervisor.waiting(trainer.name) or not trainer.alive():
+            return None
+        idle = self.stall.stalled()
+        if idle is None:
+            return None
+        trainer.kill()  # SIGKILL: a process hung in a collective does not answer SIGTERM
+        # healthy for as long as it made progress, not for its uptime: a job that hangs at the same point after
+        # each restart is a crash loop however long each hang lasts
+        return self._restart_or_stop(trainer, f"job made no progress for {idle:.0f}s "
+                                     f"(up.trainer_stall_s={self.stall.stall_s:g})", self.stall.progress_s())

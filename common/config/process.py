@@ -17,7 +17,9 @@ COMPILATION_CACHE_ENV = "GRPO_STREAM_COMPILATION_CACHE_DIR"  # the cache directo
 class UpSection(Strict):
     """How `grpo-stream up` keeps its processes running: a restart budget per time window, reset by healthy uptime
     (systemd's StartLimitIntervalSec/StartLimitBurst; Kubernetes' CrashLoopBackOff), so a week-long run survives
-    any number of preemptions spread over time while a crash loop still stops the run."""
+    any number of preemptions spread over time while a crash loop still stops the run. A process that exits 3 (a
+    permanent failure) is never restarted: the run stops, naming it; a trainer job that makes no progress for
+    up.trainer_stall_s is restarted like a failed one (docs/supervision.md)."""
 
     restart: Literal["on-failure", "never"] = Field(
         "on-failure", description="'on-failure': a sampler, the standalone ingest, the trainer or the embedded Redis "
@@ -37,6 +39,13 @@ class UpSection(Strict):
                                      "restart of the same process (jittered) up to up.restart_backoff_max_s, and "
                                      "starts again from here once the process was healthy.")
     restart_backoff_max_s: float = Field(30.0, gt=0, le=3600, description="The longest wait before a restart.")
+    trainer_stall_s: float = Field(1800.0, ge=0, le=7 * 86_400, description="The stall watchdog: when every process "
+                                   "of the trainer job is running but none has made progress (its heartbeat, "
+                                   "RUN_DIR/heartbeats/trainer-<k>, touched at every step) for this many seconds, "
+                                   "counted from the job's (re)start until its first beat, `up` kills the job and "
+                                   "restarts it as after a trainer failure (it counts against "
+                                   "up.restart_limit_burst): a collective waiting for a process that never joins, a "
+                                   "deadlock. Leave room for compilation and the first rollouts; 0 turns it off.")
 
     @model_validator(mode="before")
     @classmethod

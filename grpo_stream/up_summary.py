@@ -1,0 +1,111 @@
+"""The end of `grpo-stream up`: its part of RUN_DIR/summary.json, its last lines and its exit code.
+
+The trainer writes RUN_DIR/summary.json at its exit (steps, groups, weight versions, evaluations); `RunSummary` is
+the one place in `up` that writes it after that, adding what only `up` knows: the whole run's wall time, each
+process's restarts, the samplers' exit codes and final reports, and, when a failure stopped the run, which process
+and why ("failure"). When the trainer itself failed there is no summary of this run to complete: `up` says so on
+stderr and exits non-zero.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+import time
+from dataclasses import dataclass
+
+from grpo_stream.common.config.schema import RunConfig
+from grpo_stream.common.runtime.errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_PERMANENT
+from grpo_stream.supervise import Outcome
+from grpo_stream.trainer_service.run_outputs import wasted_fraction
+
+
+@dataclass(frozen=True)
+class RunEnd:
+    """How the processes of a run ended: the watch's outcome, the trainer's exit code, each sampler's, the restarts
+    per process and the trainer's log."""
+
+    outcome: Outcome
+    trainer_code: int | None
+    sampler_codes: dict[str, int | None]
+    restarts: dict[str, int]
+    trainer_log: pathlib.Path
+
+    def failure(self) -> dict | None:
+        """The failure that stopped the run, for summary.json: the process, what kind, why; None when none did."""
+        kinds = {"permanent": "permanent failure", "gave_up": "restart budget used up"}
+        if self.outcome.reason not in kinds:
+            return None
+        return {"process": self.outcome.process, "kind": kinds[self.outcome.reason], "message": self.outcome.message}
+
+    def exit_code(self, summary_written: bool) -> int:
+        """`up`'s exit code (grpo_stream/up.py's module doc)."""
+        if self.outcome.reason == "interrupted":
+            return EXIT_INTERRUPTED
+        if self.outcome.reason == "permanent":
+            return EXIT_PERMANENT
+        if not summary_written or self.outcome.reason == "gave_up":
+            return EXIT_FAILURE
+        return EXIT_OK if all(code == 0 for code in self.sampler_codes.values()) else EXIT_FAILURE
+
+
+class RunSummary:
+    """The owner of `up`'s part of RUN_DIR/summary.json (module doc)."""
+
+    def __init__(self, cfg: RunConfig, run_dir: pathlib.Path, started: float):
+        self.cfg, self.path, self.started = cfg, run_dir / "summary.json", started
+
+    def finish(self, end: RunEnd) -> int:
+        """Complete the summary when the trainer wrote one, print the run's last lines, return the exit code."""
+        written = end.trainer_code == 0 and self.path.exists()
+        if written:
+            summary = self.complete(json.loads(self.path.read_text()), end)
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(summary, indent=2))
+            tmp.replace(self.path)
+            print(done_line(summary, self.path), flush=True)
+        elif end.outcome.reason != "permanent":
+            print(f"grpo-stream up: trainer exited with code {end.trainer_code}; see {end.trainer_log}",
+                  file=sys.stderr)
+        if end.outcome.reason == "permanent":
+            print(f"grpo-stream up: {end.outcome.process} failed permanently: {end.outcome.message}", file=sys.stderr)
+        return end.exit_code(written)
+
+    def complete(self, summary: dict, end: RunEnd) -> dict:
+        """The trainer's `summary` with up's fields added."""
+        summary["trainer_wall_seconds"] = summary.pop("wall_seconds")
+        summary["wall_seconds"] = round(time.time() - self.started, 2)
+        summary["sampler_exit_codes"] = end.sampler_codes
+        summary["restarts"] = end.restarts
+        if end.failure() is not None:
+            summary["failure"] = end.failure()
+        run_dir = self.path.parent
+        summary["samplers"] = {p.stem: json.loads(p.read_text()) for p in sorted(run_dir.glob("sampler-*.json"))}
+        if summary["samplers"] and all("groups_generated" in s for s in summary["samplers"].values()):
+            # the samplers' own final counts (their last reports to the trainer may miss the last batches)
+            generated = sum(s["groups_generated"] for s in summary["samplers"].values())
+            summary["groups_generated"] = generated
+            summary["generation_wasted_fraction"] = wasted_fraction(
+                generated, (summary["steps"] - (summary["resumed_from"] or {}).get("step", 0))
+                * self.cfg.trainer.groups_per_step)
+        return summary
+
+
+def done_line(summary: dict, path: pathlib.Path) -> str:
+    dropped = sum(summary[f"groups_dropped_{kind}"] for kind in ("stale", "invalid", "filtered", "duplicate"))
+    return (f"[up] done in {summary['wall_seconds']:.0f}s: {summary['steps']} steps, groups ingested "
+            f"{summary['groups_ingested']} = trained {summary['groups_trained']} + dropped {dropped} + left "
+            f"{summary['groups_left_in_buffer']}; held-out {_eval_change(summary)}; summary: {path}")
+
+
+def _eval_change(summary: dict) -> str:
+    """'greedy accuracy 0.525 -> 0.759, sampled pass@1 0.413 -> 0.603' (pass@1 when eval.samples > 0)."""
+    before, after = summary.get("eval_before") or {}, summary.get("eval_after") or {}
+
+    def fmt(value) -> str:
+        return f"{value:.3f}" if isinstance(value, float) else str(value)
+    text = f"greedy accuracy {fmt(before.get('accuracy'))} -> {fmt(after.get('accuracy'))}"
+    if (before.get("pass_at_k") or {}).get("1") is not None:
+        text += f", sampled pass@1 {fmt(before['pass_at_k']['1'])} -> {fmt((after.get('pass_at_k') or {}).get('1'))}"
+    return text

@@ -1,0 +1,215 @@
+"""`up`'s supervision loop (grpo_stream/supervise.py: Watch, StallWatch): a permanent failure stops the run naming
+the process and its reason and is never restarted; a trainer job that makes no progress for up.trainer_stall_s is
+killed and restarted against the restart budget. Decisions on fake clocks and fake processes, then real child
+processes standing in for the trainer and a sampler."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from grpo_stream.common.config.process import UpSection
+from grpo_stream.common.runtime.errors import PermanentError, failure_path, read_permanent, record_permanent
+from grpo_stream.common.runtime.heartbeat import beat, beat_path
+from grpo_stream.supervise import StallWatch, Watch
+from grpo_stream.up import _Child
+from grpo_stream.up_plan import ProcessSpec
+from tests.support import FakeClock
+
+
+def beat_at(run_dir, name: str, when: float) -> None:
+    beat(run_dir, name)
+    os.utime(beat_path(run_dir, name), (when, when))
+
+
+def test_the_stall_clock_runs_from_the_start_until_the_first_beat_then_from_the_newest_beat(tmp_path):
+    clock = FakeClock()
+    watch = StallWatch(tmp_path, ["trainer-0", "trainer-1"], stall_s=100, clock=clock)
+    clock.advance(100)
+    assert watch.stalled() is None  # compiling: 100 s since the start is not more than 100
+    clock.advance(1)
+    assert watch.stalled() == 101  # never beat: measured from the job's start
+    beat_at(tmp_path, "trainer-1", clock.now - 10)  # one process of the job made progress 10 s ago
+    beat_at(tmp_path, "trainer-0", clock.now - 500)
+    assert watch.idle_s() == 10 and watch.stalled() is None
+    clock.advance(95)
+    assert watch.stalled() == 105
+
+
+def test_a_beat_from_before_a_restart_does_not_count_against_the_new_job(tmp_path):
+    clock = FakeClock()
+    beat_at(tmp_path, "trainer-0", clock.now - 5000)  # the last beat of a job that hung, or of an earlier `up`
+    watch = StallWatch(tmp_path, ["trainer-0"], stall_s=60, clock=clock)
+    assert watch.stalled() is None and watch.idle_s() == 0
+    clock.advance(61)
+    assert watch.stalled() == 61
+    watch.restarted()
+    assert watch.stalled() is None
+
+
+def test_zero_turns_the_watchdog_off(tmp_path):
+    clock = FakeClock()
+    watch = StallWatch(tmp_path, ["trainer-0"], stall_s=0, clock=clock)
+    clock.advance(10 ** 6)
+    assert watch.stalled() is None
+
+
+def test_the_setting_is_validated():
+    assert UpSection().trainer_stall_s == 1800
+    for bad in (-1, "soon"):
+        try:
+            UpSection(trainer_stall_s=bad)
+        except ValueError:
+            continue
+        raise AssertionError(f"trainer_stall_s={bad!r} accepted")
+
+
+class FakeUnit:
+    """A supervised unit whose exit code the test sets."""
+
+    must_run = False
+
+    def __init__(self, name: str, record: str):
+        self.name, self.records, self.code, self.starts, self.killed = name, (record,), None, 0, 0
+
+    def start(self):
+        self.starts, self.code = self.starts + 1, None
+
+    def poll(self):
+        return self.code
+
+    def alive(self):
+        return self.code is None
+
+    def terminate(self):
+        pass
+
+    def kill(self):
+        self.killed, self.code = self.killed + 1, -9
+
+
+def fake_run(tmp_path, **policy):
+    clock, lines = FakeClock(), []
+    trainer, sampler = FakeUnit("trainer", "trainer-0"), FakeUnit("sampler-0", "sampler-0")
+    watch = Watch(UpSection(restart_backoff_s=1, **policy), tmp_path, trainer, [sampler], log=lines.append,
+                  clock=clock, wall=clock)
+    for unit in (trainer, sampler):
+        watch.launch(unit)
+    return watch, clock, trainer, sampler, lines
+
+
+def test_a_permanent_failure_stops_the_run_with_its_reason_and_is_not_restarted(tmp_path):
+    record_permanent(tmp_path, "sampler-0", PermanentError("an old attempt's reason"))
+    watch, clock, trainer, sampler, lines = fake_run(tmp_path)
+    assert read_permanent(tmp_path, "sampler-0") is None  # cleared before the start: it spoke for an old attempt
+    record_permanent(tmp_path, "sampler-0", PermanentError("model.path holds 2 layers,\nthe trainer's 4"))
+    sampler.code = 3
+    outcome = watch.check()
+    assert (outcome.reason, outcome.process, outcome.message) == (
+        "permanent", "sampler-0", "model.path holds 2 layers, the trainer's 4")
+    assert lines == ["[up] sampler-0 failed permanently (exit code 3), so it is not restarted; stopping the run: "
+                     "model.path holds 2 layers, the trainer's 4"]
+    assert sampler.starts == 1 and not watch.supervisor.waiting("sampler-0")
+
+
+def test_a_permanent_failure_without_a_record_points_at_the_log(tmp_path):
+    watch, _, trainer, _, _ = fake_run(tmp_path)
+    trainer.code = 3
+    outcome = watch.check()
+    assert outcome.reason == "permanent" and outcome.message == f"see {tmp_path / 'logs' / 'trainer.log'}"
+
+
+def test_a_stalled_trainer_is_killed_and_restarted_within_the_budget(tmp_path):
+    watch, clock, trainer, sampler, lines = fake_run(tmp_path, trainer_stall_s=60, restart_limit_burst=1)
+    beat_at(tmp_path, "trainer-0", clock.now)
+    clock.advance(59)
+    assert watch.check() is None and trainer.killed == 0
+    clock.advance(2)  # 61 s since its last beat
+    assert watch.check() is None and trainer.killed == 1
+    assert lines[-1].startswith("[up] trainer job made no progress for 61s (up.trainer_stall_s=60); restarting it in")
+    clock.advance(1.0)
+    assert watch.check() is None and trainer.starts == 2 and watch.supervisor.restarts["trainer"] == 1
+    clock.advance(30)
+    assert watch.check() is None  # the restarted job gets its own 60 s (the old beat is from before it)
+    clock.advance(31)
+    # stalled again without any progress since its restart: its 61 s of uptime were not healthy (it hangs at the
+    # same point), so past the burst of 1 the run stops like a crash loop
+    outcome = watch.check()
+    assert outcome.reason == "gave_up" and outcome.process == "trainer" and trainer.killed == 2
+    assert "stopping the run (1 of up.restart_limit_burst=1" in lines[-1]
+    assert sampler.starts == 1  # the samplers were left alone
+
+
+def test_a_job_that_made_progress_for_a_while_before_it_stalled_was_healthy(tmp_path):
+    watch, clock, trainer, _, lines = fake_run(tmp_path, trainer_stall_s=60, restart_limit_burst=1,
+                                               healthy_after_s=100)
+    for _ in range(3):  # each time: 150 s of steps (past up.healthy_after_s), then a hang
+        for _ in range(3):
+            clock.advance(50)
+            beat_at(tmp_path, "trainer-0", clock.now)
+            assert watch.check() is None
+        clock.advance(61)
+        assert watch.check() is None and "restarting it in" in lines[-1]
+        clock.advance(1.0)
+        assert watch.check() is None
+    assert trainer.starts == 4 and watch.supervisor.restarts["trainer"] == 3
+
+
+def test_a_trainer_that_beats_is_never_stalled_and_a_finished_one_ends_the_watch(tmp_path):
+    watch, clock, trainer, _, _ = fake_run(tmp_path, trainer_stall_s=60)
+    for _ in range(20):
+        clock.advance(50)
+        beat_at(tmp_path, "trainer-0", clock.now)
+        assert watch.check() is None
+    trainer.code = 0
+    assert watch.check().reason == "done" and trainer.killed == 0
+
+
+def child(tmp_path, name: str, record: str, code: str) -> _Child:
+    (tmp_path / "logs").mkdir(exist_ok=True)
+    return _Child(ProcessSpec(name, (sys.executable, "-c", code, str(tmp_path)), dict(os.environ), "x", record),
+                  tmp_path / "logs")
+
+
+SLEEPER = "import time; time.sleep(60)"
+BEATER = ("import sys, time; from grpo_stream.common.runtime.heartbeat import beat\n"
+          "for _ in range(12):\n    beat(sys.argv[1], 'trainer-0'); time.sleep(0.25)")
+REFUSER = ("import sys; from grpo_stream.common.runtime.errors import PermanentError, record_permanent\n"
+           "record_permanent(sys.argv[1], 'sampler-0', PermanentError('sampler.model differs from the trainer'))\n"
+           "sys.exit(3)")
+
+
+def watch_real(tmp_path, trainer, others, **policy):
+    lines = []
+    watch = Watch(UpSection(restart_backoff_s=0.1, restart_backoff_max_s=0.2, **policy), tmp_path, trainer, others,
+                  log=lines.append)
+    try:
+        for unit in (trainer, *others):
+            watch.launch(unit)
+        return watch.run(lambda: False, poll_s=0.05), lines
+    finally:
+        for unit in (trainer, *others):
+            unit.kill()
+
+
+def test_real_processes_a_hung_trainer_is_restarted_until_the_budget_stops_the_run(tmp_path):
+    trainer = child(tmp_path, "trainer", "trainer-0", SLEEPER)  # alive, never beats: hung
+    outcome, lines = watch_real(tmp_path, trainer, [], trainer_stall_s=1.0, restart_limit_burst=1)
+    assert outcome.reason == "gave_up" and trainer.starts == 2, lines
+    assert sum("trainer job made no progress for" in line for line in lines) == 2, lines
+    assert trainer.proc.returncode == -9  # killed, not asked
+
+
+def test_real_processes_a_beating_trainer_runs_to_its_end(tmp_path):
+    trainer = child(tmp_path, "trainer", "trainer-0", BEATER)  # 3 s of work, a beat every 0.25 s
+    outcome, lines = watch_real(tmp_path, trainer, [], trainer_stall_s=1.0)
+    assert outcome.reason == "done" and trainer.starts == 1 and not lines
+
+
+def test_real_processes_a_permanent_sampler_failure_stops_the_run(tmp_path):
+    trainer, sampler = child(tmp_path, "trainer", "trainer-0", SLEEPER), child(tmp_path, "sampler-0", "sampler-0",
+                                                                                REFUSER)
+    outcome, lines = watch_real(tmp_path, trainer, [sampler])
+    assert (outcome.reason, outcome.process, outcome.message) == (
+        "permanent", "sampler-0", "sampler.model differs from the trainer"), lines
+    assert sampler.starts == 1 and failure_path(tmp_path, "sampler-0").is_file()

@@ -1,0 +1,59 @@
+"""The end of `up` (grpo_stream/up_summary.py): its part of summary.json, which failure stopped the run, and its exit
+code: 0 done, 1 a failure, 3 a permanent failure, 130 interrupted."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from grpo_stream.common.config.loading import load_config
+from grpo_stream.supervise import Outcome
+from grpo_stream.up_summary import RunEnd, RunSummary
+
+TRAINER_SUMMARY = {"wall_seconds": 12.0, "steps": 4, "groups_ingested": 10, "groups_trained": 8,
+                   "groups_dropped_stale": 1, "groups_dropped_invalid": 0, "groups_dropped_filtered": 0,
+                   "groups_dropped_duplicate": 0, "groups_left_in_buffer": 1, "resumed_from": None}
+
+
+def finish(tmp_path, outcome: Outcome, trainer_code: int | None = 0, sampler_codes=None, written: bool = True):
+    if written:
+        (tmp_path / "summary.json").write_text(json.dumps(TRAINER_SUMMARY))
+    end = RunEnd(outcome, trainer_code, sampler_codes or {"sampler-0": 0}, {"trainer": 0, "sampler-0": 0},
+                 tmp_path / "logs" / "trainer.log")
+    code = RunSummary(load_config(None, []), tmp_path, started=0.0).finish(end)
+    summary = json.loads((tmp_path / "summary.json").read_text()) if written else None
+    return code, summary
+
+
+def test_a_finished_run_completes_the_trainers_summary(tmp_path, capsys):
+    code, summary = finish(tmp_path, Outcome("done"))
+    assert code == 0 and summary["trainer_wall_seconds"] == 12.0 and summary["sampler_exit_codes"] == {"sampler-0": 0}
+    assert "failure" not in summary and summary["restarts"] == {"trainer": 0, "sampler-0": 0}
+    assert capsys.readouterr().out.startswith("[up] done in ")
+
+
+def test_a_permanent_sampler_failure_is_in_the_summary_and_exits_3(tmp_path, capsys):
+    code, summary = finish(tmp_path, Outcome("permanent", "sampler-0", "sampler.model differs"), 0, {"sampler-0": 3})
+    assert code == 3
+    assert summary["failure"] == {"process": "sampler-0", "kind": "permanent failure",
+                                  "message": "sampler.model differs"}
+    assert capsys.readouterr().err.strip() == "grpo-stream up: sampler-0 failed permanently: sampler.model differs"
+
+
+def test_a_permanent_trainer_failure_leaves_no_summary_and_says_why(tmp_path, capsys):
+    code, _ = finish(tmp_path, Outcome("permanent", "trainer", "a newer trainer took the run over"), 3, written=False)
+    assert code == 3 and not (tmp_path / "summary.json").exists()
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "grpo-stream up: trainer failed permanently: a newer trainer took the run over"]
+
+
+@pytest.mark.parametrize("outcome, trainer_code, samplers, expected", [
+    (Outcome("gave_up", "sampler-1", "exited with code 1 (...)"), 0, {"sampler-0": 0}, 1),  # crash loop, trainer ok
+    (Outcome("done"), 0, {"sampler-0": 1}, 1),
+    (Outcome("gave_up", "trainer", "exited with code -9"), -9, {"sampler-0": 0}, 1),  # not 247
+    (Outcome("interrupted"), 0, {"sampler-0": 0}, 130),
+])
+def test_exit_codes(tmp_path, outcome, trainer_code, samplers, expected):
+    code, _ = finish(tmp_path, outcome, trainer_code, samplers, written=trainer_code == 0)
+    assert code == expected
