@@ -3,7 +3,8 @@
 The ingest (trainer_service/admission.py) admits a group only if the trainer can still train it within
 trainer.max_staleness, counting the buffer and every sampler's groups in flight. A sampler refused waits the
 reply's retry hint, then checks for newer weights and asks again, so it pauses instead of generating groups that
-would be dropped as stale.
+would be dropped as stale. An ingest that cannot answer now is asked again; one that refuses the request in a way no
+retry changes (a token or sampler id refused) stops the sampler with a PermanentError.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import time
 import grpc
 
 from grpo_stream.common.runtime.console import detail_logger
+from grpo_stream.common.runtime.errors import PermanentError, is_transient
 from grpo_stream.protos import rollout_pb2
 
 log = logging.getLogger(__name__)
@@ -53,6 +55,9 @@ class AdmissionClient:
                             "admission control", self.sampler_id)
                 self.enabled = False
                 return wanted
+            if not is_transient(exc):
+                raise PermanentError(f"{self.sampler_id}: the ingest refuses admission requests ({exc.code().name}: "
+                                     f"{exc.details()}); check the sampler's token and sampler id") from None
             if not self._warned:
                 log.warning("%s: admission request failed (%s); generation pauses until the ingest answers",
                             self.sampler_id, exc.code().name)

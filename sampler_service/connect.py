@@ -1,4 +1,8 @@
-"""A sampler's start-up contacts: the trainer's health check, and where in its data stream it resumes."""
+"""A sampler's start-up contacts: the trainer's health check, and where in its data stream it resumes.
+
+Both wait with back-off for what a later call may not meet (a trainer or ingest not up yet, restarting, its Redis
+away) and raise a PermanentError at once for what every call would meet again (a token refused, a server that is
+not a grpo-stream trainer)."""
 
 from __future__ import annotations
 
@@ -10,15 +14,25 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from grpo_stream.common.config.schema import RunConfig
-from grpo_stream.protos import rollout_pb2, rollout_pb2_grpc
 from grpo_stream.common.runtime.backoff import Backoff
+from grpo_stream.common.runtime.errors import PermanentError, is_transient
+from grpo_stream.protos import rollout_pb2, rollout_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 
-def trainer_serving(stub: health_pb2_grpc.HealthStub) -> bool:
-    """The trainer answers its health check as SERVING (raises grpc.RpcError when it does not answer)."""
-    reply = stub.Check(health_pb2.HealthCheckRequest(service="grpo_stream.v1.WeightService"), timeout=5)
+def trainer_serving(stub: health_pb2_grpc.HealthStub, address: str = "") -> bool:
+    """The trainer answers its health check as SERVING. grpc.RpcError when it does not answer now (down, starting:
+    NOT_FOUND until its server has marked the service); PermanentError when it answers what a retry would answer
+    again (a token refused, no health service: not a grpo-stream trainer)."""
+    try:
+        reply = stub.Check(health_pb2.HealthCheckRequest(service="grpo_stream.v1.WeightService"), timeout=5)
+    except grpc.RpcError as exc:
+        if is_transient(exc) or exc.code() == grpc.StatusCode.NOT_FOUND:
+            raise
+        raise PermanentError(f"sampler.trainer_address={address}: the trainer's health check answered "
+                             f"{exc.code().name} ({exc.details()}); check the sampler's token (auth.token_file, "
+                             "$GRPO_STREAM_TOKEN_FILE) and that the address is a grpo-stream trainer") from None
     return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
@@ -28,7 +42,7 @@ def wait_for_trainer(cfg: RunConfig, stub: health_pb2_grpc.HealthStub, stop_even
     backoff = Backoff(0.2, 2.0)
     while not stop_event.is_set():
         try:
-            if trainer_serving(stub):
+            if trainer_serving(stub, cfg.trainer_address()):
                 return
         except grpc.RpcError as exc:
             if time.monotonic() > deadline:
@@ -54,10 +68,13 @@ def resume_position(cfg: RunConfig, sampler_id: str, stub: rollout_pb2_grpc.Roll
         except grpc.RpcError as exc:
             if stop_event.is_set():  # stopping before the first batch: the position no longer matters
                 return 0
-            retryable = exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-            if retryable and "buffer unavailable" in (exc.details() or ""):
+            if not is_transient(exc):
+                raise PermanentError(
+                    f"ingest at {cfg.ingest_address()} (ingest.address): it refuses this sampler's data position "
+                    f"request ({exc.code().name}: {exc.details()}); check the sampler's token and sampler id") from None
+            if "buffer unavailable" in (exc.details() or ""):
                 heard = time.monotonic()  # the ingest answers; its Redis is away
-            if not retryable or time.monotonic() - heard > cfg.sampler.connect_timeout_s:
+            if time.monotonic() - heard > cfg.sampler.connect_timeout_s:
                 raise ConnectionError(
                     f"ingest at {cfg.ingest_address()} (ingest.address): cannot get this sampler's data "
                     f"position ({exc.code()}: {exc.details()}); start the ingest / its Redis or fix the address"

@@ -6,8 +6,15 @@ backlog holds, up to max_groups_per_message) in flight at a time, and keeps
 each group until the ingest acknowledges it:
   OK                  -> done
   RESOURCE_EXHAUSTED  -> buffer full: wait retry_after_ms, send it again
-  UNAVAILABLE / error -> reconnect with exponential backoff, send it again
   INVALID_ARGUMENT    -> the group can never be accepted: logged and counted
+A stream that fails in a way a later one may not (UNAVAILABLE, a reset, no reply
+within `ack_timeout_s`, a reply that does not match) is reconnected with
+exponential back-off and the groups in hand are sent again. A failure no retry
+fixes (the ingest refuses this sampler's token or ids, a call it does not
+implement) stops the sender with a PermanentError; so does, as a
+SenderStopped, anything else that ends the sender thread. Either is raised by
+the next `put` or `check`, so the sampler stops instead of generating into a
+backlog nobody sends.
 `put` blocks while the backlog is full, which pauses generation instead of
 dropping work. Groups whose weight version fell below `min_version` (set by the
 sampler to the newest version it installed minus trainer.max_staleness) are
@@ -25,21 +32,42 @@ import time
 
 import grpc
 
-from grpo_stream.protos import rollout_pb2, rollout_pb2_grpc
 from grpo_stream.common.runtime.backoff import Backoff
+from grpo_stream.common.runtime.errors import PermanentError, TransientError, is_transient
+from grpo_stream.protos import rollout_pb2, rollout_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 _OK, _INVALID, _EXHAUSTED = 0, grpc.StatusCode.INVALID_ARGUMENT.value[0], grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+# How long the sender waits for the ingest to acknowledge one batch before it gives the stream up and reconnects.
+# The ingest answers every batch at once (a full buffer is an immediate RESOURCE_EXHAUSTED ack, Redis calls have
+# their own timeouts), so a minute of silence is a stream that hangs (a half-open connection, a peer that froze).
+ACK_TIMEOUT_S = 60.0
+CLOSE_TIMEOUT_S = 5.0  # close() waits this long for the sender thread (a daemon: it cannot hold up the exit)
 
 
-class _BadReply(Exception):
+class _BadReply(TransientError):
     """The ingest's answer does not match what was sent: reconnect and send again."""
 
 
+class _NoAck(TransientError):
+    """No acknowledgement within the ack deadline: reconnect and send again."""
+
+
+class IngestRefused(PermanentError, PermissionError):
+    """The ingest refuses this sender for good (its token, its sampler ids): retrying cannot help. A PermissionError
+    too, as before errors were classified."""
+
+
+class SenderStopped(RuntimeError):
+    """The sender thread ended on an error that is neither a refusal nor retried (a bug): the sampler stops."""
+
+
 class RolloutClient:
-    def __init__(self, channel: grpc.Channel, backlog_max_groups: int, max_groups_per_message: int = 16):
+    def __init__(self, channel: grpc.Channel, backlog_max_groups: int, max_groups_per_message: int = 16,
+                 ack_timeout_s: float = ACK_TIMEOUT_S):
         self._max_per_message = max_groups_per_message
+        self._ack_timeout_s = ack_timeout_s
         self._stub = rollout_pb2_grpc.RolloutIngestStub(channel)
         self._backlog: queue.Queue[rollout_pb2.RolloutGroup] = queue.Queue(maxsize=backlog_max_groups)
         self._stop = threading.Event()
@@ -49,16 +77,33 @@ class RolloutClient:
         self._lock = threading.Lock()
         self.min_version = 0
         self.refused: str | None = None  # why the ingest refuses this sender for good (its token or its ids)
+        self.error: BaseException | None = None  # what ended the sender thread (None while it runs or after close)
+        self._in_hand: list[rollout_pb2.RolloutGroup] = []  # taken from the backlog, not yet acknowledged
+        self._call = None  # the StreamBatches call in use (close() cancels it)
+        self._awaiting: tuple[float, object] | None = None  # (since when, call) while an ack is awaited
+        self._expired = None  # the call the ack watch cancelled
+        self._watch = threading.Thread(target=self._watch_acks, name="rollout-ack-watch", daemon=True)
 
     def start(self) -> "RolloutClient":
         self._thread.start()
+        self._watch.start()
         return self
+
+    def check(self) -> None:
+        """Raise what stopped the sender thread, if it stopped on an error: IngestRefused (or another
+        PermanentError) as it is, anything else as SenderStopped."""
+        exc = self.error
+        if exc is None:
+            return
+        if isinstance(exc, PermanentError):
+            raise exc
+        raise SenderStopped(f"the rollout sender thread stopped: {type(exc).__name__}: {exc}") from exc
 
     def put(self, group: rollout_pb2.RolloutGroup, timeout_s: float) -> bool:
         """Queue a group, waiting up to timeout_s while the backlog is full; False (not queued) on timeout.
-        PermissionError once the ingest has refused this sender's token or sampler ids: retrying cannot help."""
-        if self.refused is not None:
-            raise PermissionError(self.refused)
+        Raises what stopped the sender (`check`): IngestRefused once the ingest has refused this sender's token or
+        sampler ids, SenderStopped after the thread died of anything else."""
+        self.check()
         try:
             self._backlog.put(group, timeout=timeout_s)
         except queue.Full:
@@ -75,13 +120,20 @@ class RolloutClient:
     def drain(self, timeout_s: float) -> bool:
         """Wait until every queued group is acknowledged; True if it happened in time."""
         deadline = time.monotonic() + timeout_s
-        while self.unacked and time.monotonic() < deadline:
+        while self.unacked and time.monotonic() < deadline and self._thread.is_alive():
             time.sleep(0.05)
         return self.unacked == 0
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
+        """Stop the sender: an ack awaited is abandoned (its call cancelled); waits up to timeout_s."""
         self._stop.set()
-        self._thread.join(timeout=5)
+        call = self._call
+        if call is not None:
+            call.cancel()
+        deadline = time.monotonic() + timeout_s
+        for thread in (self._thread, self._watch):
+            if thread.is_alive():
+                thread.join(timeout=max(0.0, deadline - time.monotonic()))
 
     def _take(self, pending: list) -> list:
         """Groups to send next: the ones still in hand, else what the backlog holds (waits briefly); too stale
@@ -128,45 +180,94 @@ class RolloutClient:
         return again, retry_ms
 
     def _run(self) -> None:
-        pending: list[rollout_pb2.RolloutGroup] = []  # taken from the backlog, not yet acknowledged
+        """The sender thread: streams until close(); whatever ends it otherwise is kept for `check`."""
+        try:
+            self._send_until_closed()
+        except BaseException as exc:  # noqa: BLE001 - handed to the generation loop, which stops the sampler
+            if not isinstance(exc, PermanentError):
+                log.exception("rollout sender thread failed; the sampler stops")
+            self.error = exc
+
+    def _send_until_closed(self) -> None:
+        """One stream after another: a stream that fails in a way a later one may not is reconnected after a
+        back-off, with the groups in hand sent again; a permanent failure is raised."""
         backoff = Backoff(0.1, 5.0)
         while not self._stop.is_set():
             try:
-                requests: queue.Queue = queue.Queue()
-
-                def request_iter():
-                    while True:
-                        item = requests.get()
-                        if item is None:
-                            return
-                        yield item
-
-                call = self._stub.StreamBatches(request_iter())
-                try:
-                    while not self._stop.is_set():
-                        pending = self._take(pending)
-                        if not pending:
-                            continue
-                        requests.put(rollout_pb2.RolloutBatch(groups=pending))
-                        pending, retry_ms = self._settle(pending, next(call).acks)
-                        backoff.reset()
-                        if pending:  # buffer full or unavailable: the same groups again, in order
-                            self._stop.wait(retry_ms / 1000)  # (close() ends the wait)
-                finally:
-                    requests.put(None)
-                    call.cancel()
-            except (grpc.RpcError, StopIteration, _BadReply) as exc:
+                self._stream(backoff)
+            except (grpc.RpcError, StopIteration, TransientError) as exc:
                 if self._stop.is_set():
-                    break
-                if isinstance(exc, grpc.RpcError) and exc.code() in (grpc.StatusCode.PERMISSION_DENIED,
-                                                                     grpc.StatusCode.UNAUTHENTICATED):
-                    self.refused = (f"the ingest refused this sampler's groups ({exc.code().name}: {exc.details()}); "
-                                    "check its token (auth.token_file, $GRPO_STREAM_TOKEN_FILE) and its sampler id")
-                    log.error("%s; %d groups not sent", self.refused, len(pending) + self._backlog.qsize())
-                    break
+                    return
+                if isinstance(exc, grpc.RpcError) and not is_transient(exc):
+                    raise self._refusal(exc) from None
                 self.stats["reconnects"] += 1
                 code = exc.code() if isinstance(exc, grpc.RpcError) else (str(exc) or "stream closed")
                 delay = backoff.next()
                 log.warning("rollout stream to ingest failed (%s); retrying in %.1fs with %d groups in hand", code,
-                            delay, len(pending))
+                            delay, len(self._in_hand))
                 self._stop.wait(delay)
+
+    def _stream(self, backoff: Backoff) -> None:
+        """Send over one StreamBatches call until close() or until the call fails (raises); `self._in_hand` keeps
+        the groups not yet acknowledged, in order, for the next call."""
+        requests: queue.Queue = queue.Queue()
+
+        def request_iter():
+            while True:
+                item = requests.get()
+                if item is None:
+                    return
+                yield item
+
+        call = self._call = self._stub.StreamBatches(request_iter())
+        try:
+            while not self._stop.is_set():
+                self._in_hand = self._take(self._in_hand)
+                if not self._in_hand:
+                    continue
+                requests.put(rollout_pb2.RolloutBatch(groups=self._in_hand))
+                self._in_hand, retry_ms = self._settle(self._in_hand, self._await_ack(call).acks)
+                backoff.reset()
+                if self._in_hand:  # buffer full or unavailable: the same groups again, in order
+                    self._stop.wait(retry_ms / 1000)  # (close() ends the wait)
+        finally:
+            requests.put(None)
+            call.cancel()
+
+    def _await_ack(self, call) -> rollout_pb2.BatchAck:
+        """The next acknowledgement of `call`; _NoAck (transient) when none comes within the ack deadline (the
+        ack watch cancels the call)."""
+        self._awaiting = (time.monotonic(), call)
+        try:
+            return next(call)
+        except grpc.RpcError:
+            if self._expired is call:
+                raise _NoAck(f"no acknowledgement within {self._ack_timeout_s:g}s (ACK_TIMEOUT_S)") from None
+            raise
+        finally:
+            self._awaiting = None
+
+    def _watch_acks(self) -> None:
+        """The ack watch (one thread per client, not a timer per message): cancels a call whose awaited ack is
+        later than the ack deadline, which ends the sender's wait with _NoAck."""
+        while not self._stop.wait(min(1.0, self._ack_timeout_s / 4)):
+            awaiting = self._awaiting
+            if awaiting is not None and time.monotonic() - awaiting[0] > self._ack_timeout_s:
+                if self._awaiting is awaiting:  # still the same wait (not an ack that came meanwhile)
+                    self._expired = awaiting[1]
+                    awaiting[1].cancel()
+
+    def _refusal(self, exc: grpc.RpcError) -> PermanentError:
+        """The error a non-retryable status of the stream ends the sender with (the groups in hand are lost); set
+        as `error` before `refused`, so whoever sees `refused` gets the error from put()."""
+        if exc.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED):
+            why = (f"the ingest refused this sampler's groups ({exc.code().name}: {exc.details()}); check its token "
+                   "(auth.token_file, $GRPO_STREAM_TOKEN_FILE) and its sampler id")
+            error: PermanentError = IngestRefused(why)
+        else:
+            why = (f"the ingest ended the rollout stream with {exc.code().name} ({exc.details()}), an answer no retry "
+                   "changes")
+            error = PermanentError(why)
+        log.error("%s; %d groups not sent", why, len(self._in_hand) + self._backlog.qsize())
+        self.error, self.refused = error, why
+        return error

@@ -8,6 +8,11 @@ when complete, so the caller switches between batches), a new
 trainer epoch (restarted trainer) is followed even when its numbers are lower,
 failed fetches back off exponentially (the sampler keeps its version), and
 `too_stale` says when generating would only make groups the trainer drops.
+
+Only failures a later poll may not meet are retried (`retryable`): the trainer away or restarting, a deadline
+passed, a version replaced while it was fetched. Anything else (a version whose shapes are not this sampler's
+model, a token the trainer refuses, a transport the trainer does not serve) is raised from `poll`, at the first
+attempt, and stops the sampler: retrying would only warn for ever.
 """
 
 from __future__ import annotations
@@ -26,12 +31,29 @@ from grpo_stream.common.runtime.console import detail_logger
 from grpo_stream.common.model.lora import merge_named
 from grpo_stream.common.model.policy import PolicyModel
 from grpo_stream.common.model.sharding import param_shardings
-from grpo_stream.protos import weights_pb2, weights_pb2_grpc
 from grpo_stream.common.runtime.backoff import Backoff
+from grpo_stream.common.runtime.errors import PermanentError, is_transient
+from grpo_stream.common.weights.snapshot import WeightTransferError
+from grpo_stream.common.weights.transport import check_names
+from grpo_stream.protos import weights_pb2, weights_pb2_grpc
 
 log = logging.getLogger(__name__)
 detail = detail_logger(__name__)
 QUICK_WAIT_S = 0.5  # how long poll() waits for a background check or fetch before generation goes on
+
+
+def retryable(exc: BaseException) -> bool:
+    """Whether a weight check or fetch that raised `exc` may succeed at a later poll: what is_transient says, and
+    also a WeightTransferError (a version replaced while it was installed, a slice cut short or failing its
+    checksum) and NOT_FOUND from the trainer (it published a newer version while this one was fetched: ask for the
+    manifest again). A PermanentError never is."""
+    if isinstance(exc, PermanentError):
+        return False
+    if isinstance(exc, WeightTransferError):
+        return True
+    if isinstance(exc, grpc.RpcError) and exc.code() == grpc.StatusCode.NOT_FOUND:
+        return True
+    return is_transient(exc)
 
 
 @dataclasses.dataclass
@@ -47,13 +69,16 @@ class Installed:
 
 class WeightSync:
     """Polls a fetcher and installs newer versions whole; reports the installed version to the trainer. `clock`
-    (time.monotonic by default) times the back-off after a failed fetch; a test moves it instead of waiting."""
+    (time.monotonic by default) times the back-off after a failed fetch; a test moves it instead of waiting.
+    `fit_hint`: what the error says to do when a published version does not fit `model` (which setting to give the
+    sampler)."""
 
     def __init__(self, fetcher, model: PolicyModel, mesh: jax.sharding.Mesh, sampler_id: str,
                  retry_initial_s: float = 0.5, retry_max_s: float = 10.0, max_staleness: int | None = None,
                  channel: grpc.Channel | None = None, background: bool = False,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, fit_hint: str = ""):
         self.fetcher, self.model, self.sampler_id, self.clock = fetcher, model, sampler_id, clock
+        self.fit_hint = fit_hint
         self.max_staleness = max_staleness
         self._backoff = Backoff(retry_initial_s, retry_max_s)
         shardings = param_shardings(model.params, mesh)
@@ -80,8 +105,8 @@ class WeightSync:
 
     def poll(self) -> Installed | None:
         """A newer version fetched whole, or None (nothing newer, still fetching in the background, backing off,
-        or the fetch failed). Never raises on transport errors: the sampler keeps its version and retries after a
-        back-off."""
+        or the fetch failed in a way a later poll may not: the sampler keeps its version and retries after a
+        back-off). Raises what cannot be retried (`retryable`), e.g. WeightsMismatch."""
         if self._pending is None:
             if self.clock() < self._next_attempt:
                 return None
@@ -103,7 +128,9 @@ class WeightSync:
     def _settle(self, attempt) -> Installed | None:
         try:
             got = attempt()
-        except Exception as exc:  # noqa: BLE001 - whatever a fetch meets, the sampler keeps its version
+        except Exception as exc:  # noqa: BLE001 - classified: only what a later poll may not meet is retried
+            if not retryable(exc):
+                raise
             self.failures += 1
             delay = self._backoff.next()
             self._next_attempt = self.clock() + delay
@@ -130,8 +157,11 @@ class WeightSync:
             return None
         if not new_epoch and manifest.version == self.installed_version:
             return Installed(manifest.version, None, True, 0.0, 0, manifest.trainer_epoch)
+        # before any byte moves: a version of another model stops the sampler, however it is transported
+        check_names(manifest.adapters.base if manifest.HasField("adapters") else manifest, self.targets,
+                    self.fit_hint, manifest.version)
         detail.info("%s fetching weight version %d (%.1f MB, %s)", self.sampler_id, manifest.version,
-                 manifest.total_bytes / 1e6, manifest.transport)
+                    manifest.total_bytes / 1e6, manifest.transport)
         start = time.monotonic()
         if manifest.HasField("adapters"):
             named, nbytes = self._merged(manifest)
@@ -162,9 +192,13 @@ class WeightSync:
         return merge(base, self.fetcher.fetch(manifest, targets)), nbytes
 
     def close(self) -> None:
-        """Stop background fetching (a fetch in flight ends at its deadline; its result is dropped)."""
+        """Stop background fetching and the fetcher's threads, without waiting (a fetch in flight ends at its
+        deadline; its result is dropped)."""
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
+        close = getattr(self.fetcher, "close", None)
+        if callable(close):
+            close()
 
     def mark_installed(self, got: Installed) -> None:
         if got.epoch != self.installed_epoch:

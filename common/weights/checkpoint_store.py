@@ -26,7 +26,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+from grpo_stream.common.runtime.errors import TransientError
 from grpo_stream.common.weights.snapshot import BASE_VERSION
+from grpo_stream.common.weights.transport import WeightsMismatch
 
 log = logging.getLogger(__name__)
 MARKER, LATEST = "COMPLETE", "LATEST"
@@ -37,8 +39,10 @@ def _key(name: str) -> str:
     return name.replace(".", "__")
 
 
-class CheckpointError(RuntimeError):
-    """A version directory that is missing, incomplete or does not match the model."""
+class CheckpointError(TransientError):
+    """A version directory that is missing or incomplete (deleted by the trainer's pruning while a sampler read it,
+    LATEST rewritten meanwhile): the sampler polls LATEST again. A version that does not fit the model raises
+    WeightsMismatch instead (permanent)."""
 
 
 class CheckpointWeightStore:
@@ -106,12 +110,12 @@ class CheckpointWeightStore:
         missing = sorted(set(targets) - set(stored))
         extra = sorted(set(stored) - set(targets))
         if missing or extra:
-            raise CheckpointError(f"{path}: parameter names differ from the model (missing {missing[:3]}, "
+            raise WeightsMismatch(f"{path}: parameter names differ from the model (missing {missing[:3]}, "
                                   f"unexpected {extra[:3]}); is weights.checkpoint_dir shared with another run?")
         for name, target in targets.items():
             if tuple(target.shape) != stored[name][0]:
-                raise CheckpointError(f"{path}: {name} has shape {list(stored[name][0])}, the model wants "
-                                      f"{list(target.shape)}")
+                raise WeightsMismatch(f"{path}: {name} is {stored[name][0]} there and {tuple(target.shape)} here; "
+                                      "start the sampler with the trainer's model settings")
         try:
             restored = self._checkpointer.restore(path, {_key(n): t for n, t in targets.items()})
         except (FileNotFoundError, ValueError, OSError) as exc:

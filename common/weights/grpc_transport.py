@@ -95,6 +95,7 @@ class GrpcFetcher:
         self._warned = False
         self._buffers = ReceiveBuffers()  # what the data plane receives into (see receive_buffers.py)
         self._host_stubs: dict[str, weights_pb2_grpc.WeightServiceStub] = {}  # a multi-host trainer's other hosts
+        self._host_channels: list[grpc.Channel] = []  # their channels (closed by close())
         self._multi_host_logged = False
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=streams, thread_name_prefix="fetch")
 
@@ -144,6 +145,13 @@ class GrpcFetcher:
         jax.block_until_ready(list(out.values()))
         return out
 
+    def close(self) -> None:
+        """Stop the fetch threads and close the channels to a multi-host trainer's other hosts (a fetch in flight
+        ends at its deadline; nothing waits for it)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        for channel in self._host_channels:
+            channel.close()
+
     def _host_stub(self, manifest, host: int):
         """The WeightService stub of trainer process `host` (0: the trainer this sampler was pointed at)."""
         if host == 0:
@@ -151,7 +159,9 @@ class GrpcFetcher:
         where = manifest.hosts[host]
         address = f"{where.address}:{where.port}"
         if address not in self._host_stubs:
-            self._host_stubs[address] = weights_pb2_grpc.WeightServiceStub(open_channel(address, self.security))
+            channel = open_channel(address, self.security)
+            self._host_channels.append(channel)
+            self._host_stubs[address] = weights_pb2_grpc.WeightServiceStub(channel)
         return self._host_stubs[address]
 
     def _fetch_hosts(self, manifest, targets, index) -> dict:

@@ -7,7 +7,10 @@ WeightPublisher (trainer_service/publisher.py) numbers versions, serves manifest
 sampler installed; a sampler's WeightSync (sampler_service/weight_sync.py) installs a version whole or not at all,
 follows a restarted trainer's epoch and backs off after failures.
 
-A transport is one module with `make_sink(ctx)` and `make_source(ctx)` and one line in registry.py.
+A transport is one module with `make_sink(ctx)` and `make_source(ctx)` and one line in registry.py. A source's
+failures say whether polling again can help (common/runtime/errors.py): a version that does not fit the sampler's
+model raises WeightsMismatch, a PermanentError that stops the sampler; a version replaced or cut short while it was
+fetched raises WeightTransferError or a TransientError, and the sampler fetches again after a back-off.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Protocol
 
-from grpo_stream.common.weights.snapshot import WeightTransferError
+from grpo_stream.common.runtime.errors import PermanentError
 from grpo_stream.protos import weights_pb2
 
 
@@ -65,14 +68,37 @@ class SourceContext:
     hub: Any = None            # the in-process hub (in_process transports)
 
 
-def check_names(manifest: weights_pb2.WeightManifest, targets: dict[str, Any]) -> None:
-    """The published tensors must be exactly the sampler model's, with the same shapes."""
-    specs = {t.name: t for t in manifest.tensors}
+DEFAULT_FIT_HINT = "start the sampler with the trainer's model settings (model.kind, model.path, model.tiny)"
+
+
+class WeightsMismatch(PermanentError):
+    """A published version whose tensors are not this sampler's model's (names or shapes): trainer and sampler were
+    started with different models, and no retry changes that."""
+
+
+def mismatch(manifest: weights_pb2.WeightManifest, targets: dict[str, Any]) -> str | None:
+    """How the published tensors differ from the sampler model's (`targets`: name -> anything with .shape), naming
+    a parameter and both shapes; None when names and shapes are the same (dtypes may differ: the sampler casts)."""
+    specs = {t.name: tuple(t.shape) for t in manifest.tensors}
     missing, extra = sorted(set(targets) - set(specs)), sorted(set(specs) - set(targets))
     if missing or extra:
-        raise WeightTransferError(f"published parameters differ from this sampler's model (missing {missing[:3]}, "
-                                  f"unexpected {extra[:3]}); do both services use the same model config?")
-    for name, target in targets.items():
-        if tuple(specs[name].shape) != tuple(target.shape):
-            raise WeightTransferError(f"{name}: published shape {list(specs[name].shape)}, this sampler's model "
-                                      f"wants {list(target.shape)}")
+        return (f"{len(missing)} of its parameters are not published (e.g. {missing[:3]}) and {len(extra)} published "
+                f"ones are not in it (e.g. {extra[:3]})")
+    wrong = [(name, specs[name], tuple(t.shape)) for name, t in targets.items() if specs[name] != tuple(t.shape)]
+    if not wrong:
+        return None
+    name, there, here = wrong[0]
+    more = f" ({len(wrong) - 1} more parameters differ)" if len(wrong) > 1 else ""
+    return f"{name} is {there} there and {here} here{more}"
+
+
+def check_names(manifest: weights_pb2.WeightManifest, targets: dict[str, Any], hint: str = "",
+                version: int | None = None) -> None:
+    """The published tensors must be exactly the sampler model's, with the same shapes; WeightsMismatch (permanent)
+    naming both shapes and `hint` (how to start the sampler instead) when not. `version`: the version to name
+    (default the manifest's; LoRA checks the base manifest of an adapters version)."""
+    why = mismatch(manifest, targets)
+    if why is not None:
+        version = manifest.version if version is None else version
+        raise WeightsMismatch(f"weights version {version} from the trainer do not fit this sampler's model: {why}; "
+                              f"{hint or DEFAULT_FIT_HINT}")

@@ -1,0 +1,174 @@
+"""The rollout sender's failures (issue 42): a stream that fails in a way a later one may not (UNAVAILABLE, no ack
+within the deadline) is reconnected and its groups sent again; a refusal no retry changes stops the sender with a
+PermanentError; a sender thread that dies of anything else stops the sampler too, instead of leaving it to generate
+into a backlog nobody sends until the final version."""
+
+import threading
+import time
+import types
+
+import grpc
+import pytest
+
+from grpo_stream.common.config.loading import load_config
+from grpo_stream.common.runtime.errors import PermanentError, is_transient
+from grpo_stream.protos import rollout_pb2
+from grpo_stream.sampler_service.loop import Sampler
+from grpo_stream.sampler_service.rollout_client import IngestRefused, RolloutClient, SenderStopped
+from tests.support import wait_for
+from tests.unit.sampler_service.test_weight_sync import RpcError
+
+
+def ack_all(batch, call):
+    return rollout_pb2.BatchAck(acks=[rollout_pb2.GroupAck(group_id=g.group_id) for g in batch.groups])
+
+
+def never(batch, call):
+    """An ingest that takes the batch and never answers (a frozen peer): only a cancel ends the wait."""
+    call.cancelled.wait()
+    raise RpcError(grpc.StatusCode.CANCELLED, "cancelled by the client")
+
+
+def failing(error, after_s: float = 0.0):
+    def answer(batch, call):
+        call.cancelled.wait(after_s)
+        raise error
+    return answer
+
+
+class Call:
+    """One StreamBatches call: each reply is `answer(batch, call)` for the next batch the client sends."""
+
+    def __init__(self, requests, answer):
+        self.requests, self.answer, self.cancelled = requests, answer, threading.Event()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return self.answer(next(self.requests), self)
+
+    def cancel(self):
+        self.cancelled.set()
+
+
+class Stub:
+    """Answers call k with answers[k] (the last one for every later call)."""
+
+    def __init__(self, *answers):
+        self.answers, self.calls = answers, 0
+
+    def StreamBatches(self, requests):
+        answer = self.answers[min(self.calls, len(self.answers) - 1)]
+        self.calls += 1
+        return Call(iter(requests), answer)
+
+
+@pytest.fixture
+def make_client():
+    made = []
+    channel = grpc.insecure_channel("127.0.0.1:1")  # never dialled: the stub is replaced
+
+    def make(stub, **kw) -> RolloutClient:
+        client = RolloutClient(channel, kw.pop("backlog_max_groups", 8), **kw)
+        client._stub = stub
+        made.append(client)
+        return client.start()
+
+    yield make
+    for client in made:
+        client.close()
+    channel.close()
+
+
+def group(i: int) -> rollout_pb2.RolloutGroup:
+    return rollout_pb2.RolloutGroup(group_id=f"g{i}", sampler_id="sampler-0", policy_version=0)
+
+
+def test_an_unavailable_stream_is_reconnected_and_nothing_is_lost(make_client):
+    stub = Stub(failing(RpcError(grpc.StatusCode.UNAVAILABLE, "ingest restarting")), ack_all)
+    client = make_client(stub)
+    assert client.put(group(0), timeout_s=1)
+    assert client.drain(10) and client.stats["reconnects"] == 1 and client.stats["accepted"] == 1
+    client.check()  # still sending: nothing to raise
+
+
+def test_a_stream_without_an_ack_within_the_deadline_is_given_up_and_sent_again(make_client, caplog):
+    stub = Stub(never, ack_all)
+    client = make_client(stub, ack_timeout_s=0.3)
+    started = time.monotonic()
+    assert client.put(group(0), timeout_s=1)
+    assert client.drain(10), "the group was never acknowledged on a new stream"
+    assert time.monotonic() - started >= 0.3 and stub.calls == 2 and client.stats["reconnects"] == 1
+    assert client.stats["accepted"] == 1 and "no acknowledgement within 0.3s (ACK_TIMEOUT_S)" in caplog.text
+
+
+@pytest.mark.parametrize("code, kind, message", [
+    (grpc.StatusCode.PERMISSION_DENIED, IngestRefused, "PERMISSION_DENIED: groups.0..sampler_id.*check its token"),
+    (grpc.StatusCode.UNAUTHENTICATED, IngestRefused, "UNAUTHENTICATED"),
+    (grpc.StatusCode.UNIMPLEMENTED, PermanentError, "UNIMPLEMENTED .*no retry changes"),
+])
+def test_a_refusal_no_retry_changes_stops_the_sender_with_a_permanent_error(make_client, code, kind, message):
+    details = "groups[0].sampler_id: not this token's" if code == grpc.StatusCode.PERMISSION_DENIED else "no"
+    stub = Stub(failing(RpcError(code, details)), ack_all)
+    client = make_client(stub)
+    assert client.put(group(0), timeout_s=1)
+    wait_for(lambda: client.error is not None, 10, "the sender to stop on the refusal")
+    assert stub.calls == 1 and not is_transient(client.error)  # not retried
+    with pytest.raises(kind, match=message):
+        client.put(group(1), timeout_s=1)
+    with pytest.raises(kind, match=message):
+        client.check()
+    assert isinstance(client.error, PermissionError) == (kind is IngestRefused)  # as before issue 42
+
+
+def test_a_sender_thread_dying_of_anything_else_is_raised_and_ends_a_drain_at_once(make_client):
+    client = make_client(Stub(failing(KeyError("acks"))))
+    assert client.put(group(0), timeout_s=1)
+    wait_for(lambda: client.error is not None, 10, "the sender thread to die")
+    started = time.monotonic()
+    assert not client.drain(30) and time.monotonic() - started < 5  # nobody will acknowledge: no 30 s wait
+    with pytest.raises(SenderStopped, match="rollout sender thread stopped: KeyError: 'acks'") as err:
+        client.put(group(1), timeout_s=1)
+    assert isinstance(err.value.__cause__, KeyError)
+
+
+class QuietSync:
+    """Weights that never change (the test is about the sender)."""
+
+    failures, groups_generated = 0, 0
+
+    def poll(self):
+        return None
+
+    def lag(self):
+        return 0
+
+    def too_stale(self):
+        return False
+
+    def has_result(self):
+        return False
+
+
+def sampler_with(client) -> Sampler:
+    cfg = load_config(None, ["sampler.weight_poll_s=0.1"])
+    sampler = Sampler(cfg, 0)
+    sampler.client, sampler.sync, sampler.version, sampler.params = client, QuietSync(), 0, object()
+    return sampler
+
+
+def test_a_sender_that_dies_while_the_backlog_is_full_stops_the_sampler(make_client):
+    """The sampler pushes into a full backlog while the sender waits for an ack; the sender then dies: the push
+    raises within seconds instead of checking weights until the final version."""
+    client = make_client(Stub(failing(RuntimeError("bug in the sender"), after_s=0.5)), backlog_max_groups=1)
+    assert client.put(group(0), timeout_s=1)
+    wait_for(lambda: client.put(group(1), timeout_s=0.1), 10, "the sender to take group 0 (the backlog holds 1)")
+    sampler = sampler_with(client)
+    started = time.monotonic()
+    with pytest.raises(SenderStopped, match="RuntimeError: bug in the sender"):
+        sampler._push(client, group(2))
+    assert time.monotonic() - started < 10
+    # the batch loop raises it too, before generating another batch
+    with pytest.raises(SenderStopped):
+        sampler._generate_until_done(types.SimpleNamespace(client=client))

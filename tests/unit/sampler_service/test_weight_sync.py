@@ -1,0 +1,118 @@
+"""The sampler's weight checks retry only what a later poll may not meet (issue 42): a trainer away, a deadline, a
+version replaced while it was fetched are retried after a back-off; a version of another model, a refused token, a
+bug are raised at the first attempt, so a sampler started with the wrong model stops instead of warning for ever."""
+
+import grpc
+import jax
+import numpy as np
+import pytest
+
+from grpo_stream.common.model.sharding import make_mesh
+from grpo_stream.common.runtime.errors import PermanentError, TransientError
+from grpo_stream.common.weights.snapshot import WeightTransferError, manifest_of
+from grpo_stream.common.weights.transport import WeightsMismatch
+from grpo_stream.sampler_service.weight_sync import WeightSync, retryable
+from tests.support import FakeClock
+
+
+class RpcError(grpc.RpcError):
+    """What a gRPC call raises, with a status."""
+
+    def __init__(self, code: grpc.StatusCode, details: str = ""):
+        super().__init__(details)
+        self._code, self._details = code, details
+
+    def code(self):
+        return self._code
+
+    def details(self):
+        return self._details
+
+
+class Fetcher:
+    """Publishes `named` as version 0; each fetch raises the next of `errors` (then succeeds)."""
+
+    def __init__(self, named: dict[str, np.ndarray], errors=()):
+        self.named, self.errors, self.fetches = named, list(errors), 0
+        self.manifest = manifest_of(0, {n: (a.shape, a.dtype) for n, a in named.items()}, False, "e1", 0.0, 0, "fake")
+
+    def latest(self, installed_version):
+        return self.manifest
+
+    def fetch(self, manifest, targets):
+        self.fetches += 1
+        if self.errors:
+            raise self.errors.pop(0)
+        return {n: jax.device_put(self.named[n].astype(t.dtype), t.sharding) for n, t in targets.items()}
+
+
+def sync_for(model, fetcher, **kw) -> WeightSync:
+    mesh = make_mesh(1, 1, jax.devices()[:1], "sampler.mesh.tp")
+    return WeightSync(fetcher, model, mesh, "sampler-0", retry_initial_s=1.0, retry_max_s=4.0, **kw)
+
+
+TRANSIENT = [RpcError(grpc.StatusCode.UNAVAILABLE, "connection refused"),
+             RpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline"),
+             RpcError(grpc.StatusCode.NOT_FOUND, "version 0 is not held; ask for the manifest again"),
+             WeightTransferError("w: CRC mismatch in slice 0"), TransientError("LATEST rewritten"),
+             ConnectionResetError("reset by peer"), TimeoutError("fetch lane")]
+PERMANENT = [RpcError(grpc.StatusCode.PERMISSION_DENIED, "sampler_id: not this token's"),
+             RpcError(grpc.StatusCode.FAILED_PRECONDITION, "the trainer does not serve version bytes"),
+             PermanentError("wrong model"), ValueError("parameter x: got float32[3], model wants float32[4]"),
+             KeyError("layers.0")]
+
+
+@pytest.mark.parametrize("error", TRANSIENT, ids=lambda e: type(e).__name__ + ":" + str(e)[:20])
+def test_a_transient_failure_is_retried_after_a_back_off(tiny_parts, error):
+    _, _, _, model = tiny_parts
+    clock = FakeClock()
+    fetcher = Fetcher(model.to_named_numpy(), [error])
+    sync = sync_for(model, fetcher, clock=clock)
+    assert retryable(error)
+    assert sync.poll() is None and sync.failures == 1 and fetcher.fetches == 1  # kept, not raised
+    assert sync.poll() is None and fetcher.fetches == 1  # inside the back-off: no attempt
+    clock.advance(1.0)
+    got = sync.poll()
+    assert got is not None and got.version == 0 and sync.failures == 0 and fetcher.fetches == 2
+
+
+@pytest.mark.parametrize("error", PERMANENT, ids=lambda e: type(e).__name__ + ":" + str(e)[:20])
+def test_a_permanent_failure_is_raised_at_the_first_attempt(tiny_parts, error):
+    _, _, _, model = tiny_parts
+    fetcher = Fetcher(model.to_named_numpy(), [error])
+    sync = sync_for(model, fetcher)
+    assert not retryable(error)
+    with pytest.raises(type(error)):
+        sync.poll()
+    assert sync.failures == 0 and fetcher.fetches == 1
+
+
+def test_a_permanent_failure_of_a_background_fetch_is_raised_by_poll(tiny_parts):
+    _, _, _, model = tiny_parts
+    sync = sync_for(model, Fetcher(model.to_named_numpy(), [PermanentError("wrong model")]), background=True)
+    try:
+        with pytest.raises(PermanentError, match="wrong model"):
+            for _ in range(100):  # QUICK_WAIT_S per poll: the fetch fails within the first
+                sync.poll()
+    finally:
+        sync.close()
+
+
+def test_weights_of_another_shape_stop_the_sampler_before_any_byte_is_fetched(tiny_parts):
+    _, _, _, model = tiny_parts
+    named = model.to_named_numpy()
+    other = {n: (np.zeros((a.shape[0] * 2, *a.shape[1:]), a.dtype) if n == "final_norm.w" else a)
+             for n, a in named.items()}
+    fetcher = Fetcher(other)
+    sync = sync_for(model, fetcher, fit_hint="start the sampler with the trainer's model.path (here: /m/small)")
+    size = named["final_norm.w"].shape[0]
+    with pytest.raises(WeightsMismatch) as err:
+        sync.poll()
+    assert str(err.value) == (
+        f"weights version 0 from the trainer do not fit this sampler's model: final_norm.w is ({2 * size},) there "
+        f"and ({size},) here; start the sampler with the trainer's model.path (here: /m/small)")
+    assert isinstance(err.value, PermanentError) and fetcher.fetches == 0
+
+    missing = {n: a for n, a in named.items() if n != "lm_head.w"}
+    with pytest.raises(WeightsMismatch, match=r"1 of its parameters are not published \(e.g. \['lm_head.w'\]\)"):
+        sync_for(model, Fetcher(missing)).poll()
