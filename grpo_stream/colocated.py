@@ -25,6 +25,7 @@ from grpo_stream.common.weights.local_transport import LocalWeightHub
 from grpo_stream.common.weights.registry import TRANSPORTS, transport_spec
 from grpo_stream.sampler_service.loop import Sampler
 from grpo_stream.trainer_service.loop import Trainer
+from grpo_stream.common.runtime.errors import PermanentError
 
 log = logging.getLogger(__name__)
 
@@ -84,5 +85,7 @@ def run_colocated(cfg: RunConfig, run_dir: pathlib.Path) -> dict:
         for thread in threads:
             thread.join(timeout=60)
     if failures:
+        if isinstance(failures[0], PermanentError):  # as it is: the CLI exits 3 and up does not restart it
+            raise failures[0]
         raise RuntimeError(f"a sampler failed: {failures[0]}") from failures[0]
     return summary
