@@ -16,7 +16,8 @@ parameters, laid out for decoding:
   products over the cache with no transposes of it: on XLA:CPU the keys'
   [.., slots, head_dim] layout made the score product several times slower.
 
-It reproduces the numerics of Tunix's modules with grpo-stream's RoPE
+Which layout and options a model takes is its family record's `DecodeSpec`
+(`grpo_stream.common.model.families`). It reproduces the numerics of Tunix's modules with grpo-stream's RoPE
 (`grpo_stream.common.model.architectures.rope_of`): float32 RMSNorm, RoPE on split halves,
 Qwen2's QKV biases, Qwen3's q/k norms before RoPE, tied heads, masked logits
 set to the same constant before a float32 softmax (in bfloat16, Tunix's
@@ -37,6 +38,7 @@ from flax import struct
 
 from grpo_stream.common.engine import cpu_attention
 from grpo_stream.common.model.architectures import apply_rope, gemma3_timescales, rope_timescale
+from grpo_stream.common.model.families import family_of
 from grpo_stream.common.model.policy import PolicyModel
 
 MASKED = -2.3819763e38  # Tunix's masked-logit value, so softmax rounding matches
@@ -82,12 +84,12 @@ class GemmaLayerWeights:
 def _gemma_weights(model: PolicyModel, named: dict) -> DecodeWeights:
     arch = model.arch
     e = arch.embed_dim
-    gemma3 = arch.family == "gemma3"
-    local, full = gemma3_timescales(arch) if gemma3 else (rope_timescale(arch),) * 2
+    spec = family_of(arch).decode
+    local, full = gemma3_timescales(arch) if spec.per_layer_rope else (rope_timescale(arch),) * 2
     layers = []
     for i in range(arch.num_layers):
         p = f"layers.{i}."
-        post_attn = named[f"{p}post_attention_norm.scale" if gemma3 else f"{p}post_attn_norm.scale"]
+        post_attn = named[f"{p}{spec.post_attn_norm}.scale"]
         if f"{p}attn.qkv_einsum.w" in named:
             q, k, v = named[f"{p}attn.qkv_einsum.w"]
         else:
@@ -99,8 +101,8 @@ def _gemma_weights(model: PolicyModel, named: dict) -> DecodeWeights:
             pre_ffw_norm=1 + named[f"{p}pre_ffw_norm.scale"],
             gate_up=jnp.concatenate([named[f"{p}mlp.gate_proj.kernel"], named[f"{p}mlp.up_proj.kernel"]], axis=1),
             down=named[f"{p}mlp.down_proj.kernel"], post_ffw_norm=1 + named[f"{p}post_ffw_norm.scale"],
-            q_norm=1 + named[f"{p}attn._query_norm.scale"] if gemma3 else None,
-            k_norm=1 + named[f"{p}attn._key_norm.scale"] if gemma3 else None,
+            q_norm=1 + named[f"{p}attn._query_norm.scale"] if spec.qk_norm else None,
+            k_norm=1 + named[f"{p}attn._key_norm.scale"] if spec.qk_norm else None,
             rope_timescale=full if arch.layer_types[i] == "full_attention" else local))
     embedding = named["embedder.input_embedding"]
     return DecodeWeights(embedding=embedding, layers=tuple(layers), final_norm=1 + named["final_norm.scale"],
@@ -111,7 +113,7 @@ def decode_weights(model: PolicyModel, params: Any) -> DecodeWeights:
     """Re-lay `params` (the trainer's Tunix pytree) for decoding. Traceable; run it inside jit."""
     named = dict(zip(model.names(), jax.tree_util.tree_leaves(params)))
     arch = model.arch
-    if arch.family in ("gemma2", "gemma3"):
+    if family_of(arch).decode.layout == "gemma":
         return _gemma_weights(model, named)
     layers = []
     for i in range(arch.num_layers):
@@ -172,7 +174,7 @@ def forward_groups(model: PolicyModel, w: DecodeWeights, tokens: jax.Array, posi
     `ragged` (one token per row, per-row `slots`, key_valids[g] = positions up to the row's slot, float32 on one
     CPU device): attention reads each row's own positions through the CPU kernel (cpu_attention.py) instead of the
     group's whole window."""
-    if model.arch.family in ("gemma2", "gemma3"):
+    if family_of(model.arch).decode.layout == "gemma":
         return _forward_gemma(model, w, tokens, positions, caches, slots, key_valids, ragged)
     arch = model.arch
     b, t = tokens.shape
@@ -290,7 +292,7 @@ def _forward_gemma(model: PolicyModel, w: DecodeWeights, tokens, positions, cach
 def check_sequence_fits(model: PolicyModel, total_tokens: int) -> None:
     """Gemma's sliding-window layers are exact here only for sequences within the window."""
     window = model.arch.sliding_window
-    if model.arch.family in ("gemma2", "gemma3") and window is not None and total_tokens > window:
+    if family_of(model.arch).decode.layout == "gemma" and window is not None and total_tokens > window:
         raise ValueError(f"generation.max_prompt_tokens + generation.max_new_tokens = {total_tokens} exceeds the "
                          f"model's sliding_window={window}; shorten them (sliding windows are not implemented)")
 

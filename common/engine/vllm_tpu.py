@@ -7,10 +7,10 @@ programs are called with. A version is installed by replacing those arrays, in t
 
 1. `reset_prefix_cache()`: cached prompt KV was computed with the old weights;
 2. `collective_rpc("delete_kv_cache")`: frees the KV cache, so the old and new weights are never both beside it;
-3. every mapped leaf written: renamed (the family's Tunix -> vLLM-JAX name map, shipped with Tunix), transposed
-   where the map says and the shapes ask for it, KV heads repeated where the engine keeps more heads than the model
-   has (tensor parallelism wider than the KV heads), cast to the engine's dtype, placed on the sharding the engine
-   compiled against, and the old buffer deleted at once;
+3. every mapped leaf written: renamed (the family's Tunix -> vLLM-JAX name map, shipped with Tunix and named by the
+   family's record, `ModelFamily.vllm_tpu`), transposed where the map says and the shapes ask for it, KV heads
+   repeated where the engine keeps more heads than the model has (tensor parallelism wider than the KV heads), cast
+   to the engine's dtype, placed on the sharding the engine compiled against, and the old buffer deleted at once;
 4. `state_leaves` rebuilt from the state (the runner's programs take the flat tuple, not the state);
 5. `collective_rpc("reinitialize_kv_cache")`.
 With in-flight updates (`keep_kv`) steps 2 and 5 are left out: live requests keep their cache, and each leaf's old
@@ -20,7 +20,7 @@ Each installed version gets its own `cache_salt` (trainer epoch and version): vL
 no request of one version can reuse KV computed under another, even if a reset were missed.
 
 Nothing here can run on this project's machines as on a TPU: the writer is tested against a stand-in of that object
-graph on fake CPU devices (tests/unit/common/engine/test_vllm_tpu.py); the README says what ran where.
+graph on fake CPU devices (tests/unit/common/engine/test_vllm_tpu.py); docs/tpu.md says what ran where.
 """
 
 from __future__ import annotations
@@ -34,8 +34,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from grpo_stream.common.model import families as family_records
+
 RUNNER_PATH = ("llm_engine", "model_executor", "driver_worker", "model_runner")
-FAMILIES = ("llama3", "qwen2", "qwen3")  # those Tunix ships a vLLM-JAX name map for
+# the families whose record names a vLLM-JAX name map (those Tunix ships one for)
+FAMILIES = tuple(f.family for f in family_records.FAMILIES if isinstance(f.vllm_tpu, family_records.VllmTpuSupport))
 KV_NAME = re.compile(r"\.(k_proj|v_proj)\.|\.(k_bias|v_bias)$")
 
 
@@ -59,11 +62,16 @@ def model_runner(llm: Any) -> Any:
 
 
 def family_mapping(family: str) -> tuple[dict[str, str], dict[str, tuple[int, ...]]]:
-    """(Tunix name pattern -> vLLM-JAX name pattern, name fragment -> transpose axes) for `family`."""
-    if family not in FAMILIES:
-        raise VllmTpuWeightError(f"model family {family!r}: the TPU weight writer maps {', '.join(FAMILIES)} (the "
-                                 "families Tunix ships a vLLM-JAX name map for)")
-    mapping = importlib.import_module(f"tunix.models.{family}.mapping_vllm_jax").VLLM_JAX_MAPPING
+    """(Tunix name pattern -> vLLM-JAX name pattern, name fragment -> transpose axes) for `family`, from the map its
+    record names (`ModelFamily.vllm_tpu`); a family without one is refused with the record's reason."""
+    try:
+        support = family_records.family_named(family).vllm_tpu
+    except ValueError as exc:
+        raise VllmTpuWeightError(str(exc)) from None
+    if isinstance(support, family_records.Unsupported):
+        raise VllmTpuWeightError(f"model family {family!r}: the TPU weight writer cannot serve it: {support.reason} "
+                                 f"(families with a vLLM-JAX name map: {', '.join(FAMILIES)})")
+    mapping = importlib.import_module(support.mapping_module).VLLM_JAX_MAPPING
     names = {src: dst for src, (dst, _spec) in mapping["to_hf_mappings"].items()}
     return names, dict(mapping.get("to_hf_transpose_keys") or {})
 
@@ -97,26 +105,31 @@ class Target:
     transpose: tuple[int, ...] | None
 
 
-def plan_targets(source_names: list[str], state: Any, family: str) -> list[Target]:
-    """The target of every name in `source_names` (the policy's parameter names) in the engine's `state`. A source
-    name the map does not know, a target the state lacks, or a state leaf no source fills is an error naming it."""
+def map_names(source_names: list[str], family: str) -> tuple[list[Target], list[str]]:
+    """(the engine-side target of each of `source_names` the family's vLLM-JAX map knows, the names it does not)."""
     names, transposes = family_mapping(family)
     patterns = [(_pattern(src), dst) for src, dst in names.items()]
-    flat = flat_state(state)
-    targets, unknown, absent = [], [], []
+    targets, unknown = [], []
     for source in source_names:
         for pattern, dst in patterns:
             match = pattern.match(source)
             if match is None:
                 continue
             target = dst.replace("*", match.group(1)) if match.groups() else dst
-            if target not in flat:
-                absent.append(f"{source} -> {target}")
             axes = next((axes for key, axes in transposes.items() if key in source or key in target), None)
             targets.append(Target(source, target, axes))
             break
         else:
             unknown.append(source)
+    return targets, unknown
+
+
+def plan_targets(source_names: list[str], state: Any, family: str) -> list[Target]:
+    """The target of every name in `source_names` (the policy's parameter names) in the engine's `state`. A source
+    name the map does not know, a target the state lacks, or a state leaf no source fills is an error naming it."""
+    targets, unknown = map_names(source_names, family)
+    flat = flat_state(state)
+    absent = [f"{t.source} -> {t.target}" for t in targets if t.target not in flat]
     if unknown:
         raise VllmTpuWeightError(f"the {family} vLLM-JAX name map has no entry for {', '.join(unknown[:5])}"
                                  f"{' and more' if len(unknown) > 5 else ''}: a model of another shape or family")

@@ -8,8 +8,9 @@ to replicate them: a Llama-3.2-1B update step with two sequences per device kept
 on one device, 22.1 GiB on fsdp=4 and 36.1 GiB on fsdp=8 (`grpo-stream plan`, CPU-compiled). With the constraints
 applied, fsdp=8 came to 14.9 GiB.
 
-`activation_sharding(mesh)` makes Tunix's `shard()` (every family's, and `tunix.utils.sharding_utils` that Gemma 3
-uses) apply the constraint on `mesh` while a program is traced inside it, on every platform, so the CPU tests and
+`activation_sharding(mesh)` makes Tunix's `shard()` (of the modules the family records name in
+`TunixPatches.shard_modules`: every family's own, and `tunix.utils.sharding_utils` that Gemma 3 uses) apply the
+constraint on `mesh` while a program is traced inside it, on every platform, so the CPU tests and
 `grpo-stream plan` compile the layout TPU and GPU runs get. Outside the block Tunix's own function runs unchanged.
 A mesh axis that does not divide a dimension is dropped for it (as for the parameters).
 """
@@ -24,11 +25,12 @@ from typing import Any, Iterator
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from grpo_stream.common.model.families import FAMILIES
 from grpo_stream.common.model.sharding import fit_spec
 
-# the Tunix modules whose `shard(x, spec)` each family's layers call at trace time
-TUNIX_SHARD_MODULES = ("tunix.models.llama3.model", "tunix.models.qwen2.model", "tunix.models.qwen3.model",
-                       "tunix.models.gemma.model", "tunix.utils.sharding_utils")
+# the Tunix modules whose `shard(x, spec)` each family's layers call at trace time (each record's
+# TunixPatches.shard_modules): all are routed, whatever family a process runs, as the hook itself is family-blind
+TUNIX_SHARD_MODULES = tuple(dict.fromkeys(m for f in FAMILIES for m in f.tunix_patches.shard_modules))
 LOGITS_SPEC = ("fsdp", None, "tp")  # [B, T, V]: rows as the hidden states, the vocabulary as the embedding's rows
 
 _MESH: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar("grpo_stream_activation_mesh", default=None)

@@ -21,6 +21,7 @@ framework in between, and files are memory-mapped.
 
 from __future__ import annotations
 
+import functools
 import json
 import mmap
 import pathlib
@@ -33,6 +34,7 @@ import ml_dtypes
 import numpy as np
 
 from grpo_stream.common.model.architectures import Architecture, ArchitectureError, from_hf_config, to_hf_config
+from grpo_stream.common.model.families import family_of
 
 DTYPES = {"F32": np.dtype(np.float32), "BF16": np.dtype(ml_dtypes.bfloat16), "F16": np.dtype(np.float16),
           "F64": np.dtype(np.float64)}
@@ -107,75 +109,12 @@ def checkpoint_files(directory: pathlib.Path) -> list[pathlib.Path]:
 
 
 # ---- names and layouts ----------------------------------------------------------------------------------------
+# each family's names and layouts are its record's NameMap (grpo_stream.common.model.families); these apply them
 
-_PENDING_QKV = re.compile(r"\.attn\._[qkv]$")  # Gemma q/k/v read but not yet assembled
-
-
-def _gemma_norms(arch: Architecture) -> dict[str, str]:
-    """HF layer norm name -> Tunix module name (Gemma 2 and 3 name the post-attention norm differently)."""
-    return {"input_layernorm": "pre_attention_norm",
-            "post_attention_layernorm": "post_attn_norm" if arch.family == "gemma2" else "post_attention_norm",
-            "pre_feedforward_layernorm": "pre_ffw_norm", "post_feedforward_layernorm": "post_ffw_norm"}
-
-
-def _gemma_rules(arch: Architecture) -> list:
-    e, h, d = arch.embed_dim, arch.num_heads, arch.head_dim
-    L = r"model\.layers\.(\d+)\."
-    qk_norms = [(L + r"self_attn\.q_norm\.weight", "layers.{0}.attn._query_norm.scale", lambda w: w),
-                (L + r"self_attn\.k_norm\.weight", "layers.{0}.attn._key_norm.scale", lambda w: w)]
-    return [*(qk_norms if arch.family == "gemma3" else []),
-        (r"model\.embed_tokens\.weight", "embedder.input_embedding", lambda w: w),
-        (r"model\.norm\.weight", "final_norm.scale", lambda w: w),
-        # q/k/v become Tunix's einsum tensors once all three are read (_assemble_gemma): [heads, embed, head_dim]
-        (L + r"self_attn\.(q|k|v)_proj\.weight", "layers.{0}.attn._{1}", lambda w: w.reshape(-1, d, e).transpose(0, 2, 1)),
-        (L + r"self_attn\.o_proj\.weight", "layers.{0}.attn.attn_vec_einsum.w", lambda w: w.T.reshape(h, d, e)),
-        (L + r"mlp\.(gate|up|down)_proj\.weight", "layers.{0}.mlp.{1}_proj.kernel", lambda w: w.T),
-        *[(L + hf + r"\.weight", "layers.{0}." + ours + ".scale", lambda w: w) for hf, ours in _gemma_norms(arch).items()],
-    ]
-
-
-def _assemble_gemma(named: dict[str, np.ndarray], arch: Architecture) -> dict[str, np.ndarray]:
-    """Per-layer q, k, v -> Tunix's qkv_einsum [3, N, E, H] (when heads == kv heads) or q_einsum + kv_einsum."""
-    out = {k: v for k, v in named.items() if not _PENDING_QKV.search(k)}
-    for i in range(arch.num_layers):
-        parts = [named.get(f"layers.{i}.attn._{x}") for x in "qkv"]
-        if any(p is None for p in parts):
-            continue  # reported as missing parameters by the caller
-        if arch.num_heads == arch.num_kv_heads:
-            out[f"layers.{i}.attn.qkv_einsum.w"] = np.stack(parts)
-        else:
-            out[f"layers.{i}.attn.q_einsum.w"] = parts[0]
-            out[f"layers.{i}.attn.kv_einsum.w"] = np.stack(parts[1:])
-    return out
-
-
-def _hf_rules(arch: Architecture) -> list[tuple[re.Pattern, Callable[[re.Match], str], Callable]]:
-    """(HF name pattern, our name, HF array -> our layout) for every tensor of the family."""
-    if arch.family in ("gemma2", "gemma3"):
-        return [(re.compile(p + "$"), (lambda m, t=t: t.format(*m.groups())), f) for p, t, f in _gemma_rules(arch)]
-    e, h, kv, d = arch.embed_dim, arch.num_heads, arch.num_kv_heads, arch.head_dim
-
-    def attn(heads):
-        return lambda w: w.T.reshape(e, heads, d)
-    rules = [
-        (r"model\.embed_tokens\.weight", "embedder.input_embedding", lambda w: w),
-        (r"model\.norm\.weight", "final_norm.w", lambda w: w),
-        (r"lm_head\.weight", "lm_head.w", lambda w: w.T),
-        (r"model\.layers\.(\d+)\.self_attn\.q_proj\.weight", "layers.{0}.attn.q_proj.w", attn(h)),
-        (r"model\.layers\.(\d+)\.self_attn\.k_proj\.weight", "layers.{0}.attn.k_proj.w", attn(kv)),
-        (r"model\.layers\.(\d+)\.self_attn\.v_proj\.weight", "layers.{0}.attn.v_proj.w", attn(kv)),
-        (r"model\.layers\.(\d+)\.self_attn\.o_proj\.weight", "layers.{0}.attn.o_proj.w", lambda w: w.T.reshape(h, d, e)),
-        (r"model\.layers\.(\d+)\.mlp\.(gate|up|down)_proj\.weight", "layers.{0}.mlp.{1}_proj.kernel", lambda w: w.T),
-        (r"model\.layers\.(\d+)\.(input_layernorm|post_attention_layernorm)\.weight", "layers.{0}.{1}.w",
-         lambda w: w),
-    ]
-    if arch.qk_norm:
-        rules.append((r"model\.layers\.(\d+)\.self_attn\.(q|k)_norm\.weight", "layers.{0}.attn.{1}_norm.w",
-                      lambda w: w))
-    if arch.qkv_bias:
-        rules.append((r"model\.layers\.(\d+)\.self_attn\.(q|k|v)_proj\.bias", "layers.{0}.attn.{1}_bias",
-                      lambda w: w))
-    return [(re.compile(p + "$"), (lambda m, t=t: t.format(*m.groups())), f) for p, t, f in rules]
+@functools.lru_cache(maxsize=16)
+def _hf_rules(arch: Architecture) -> list[tuple[re.Pattern, str, Callable]]:
+    """(compiled HF name pattern, our name template, HF array -> our layout) for every tensor of `arch`."""
+    return [(re.compile(p + "$"), template, layout) for p, template, layout in family_of(arch).names.from_hf(arch)]
 
 
 def to_our_names(arch: Architecture, hf_name: str) -> tuple[str, Callable] | None:
@@ -184,69 +123,23 @@ def to_our_names(arch: Architecture, hf_name: str) -> tuple[str, Callable] | Non
         return None
     if arch.tied_embeddings and hf_name == "lm_head.weight":
         return None  # tied: the head is the embedding; some exports still write a copy
-    for pattern, name, layout in _hf_rules(arch):
+    for pattern, template, layout in _hf_rules(arch):
         match = pattern.match(hf_name)
         if match:
-            return name(match), layout
+            return template.format(*match.groups()), layout
     raise CheckpointError(f"tensor {hf_name}: not part of a {arch.family} model as config.json describes it "
                           "(check model_type, tie_word_embeddings, attention_bias)")
 
 
 def to_hf_names(arch: Architecture, named: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The inverse of `to_our_names`: HF names and [out, in] layouts."""
-    if arch.family in ("gemma2", "gemma3"):
-        return _gemma_to_hf(arch, named)
-    out = {}
-    for name, w in named.items():
-        parts = name.split(".")
-        if name == "embedder.input_embedding":
-            out["model.embed_tokens.weight"] = w
-        elif name == "final_norm.w":
-            out["model.norm.weight"] = w
-        elif name == "lm_head.w":
-            out["lm_head.weight"] = w.T
-        elif parts[2] == "attn" and parts[3].endswith("_proj"):
-            hf = f"model.layers.{parts[1]}.self_attn.{parts[3]}.weight"
-            out[hf] = w.reshape(w.shape[0] * w.shape[1], -1).T if parts[3] == "o_proj" else w.reshape(w.shape[0], -1).T
-        elif parts[2] == "attn" and parts[3].endswith("_norm"):
-            out[f"model.layers.{parts[1]}.self_attn.{parts[3]}.weight"] = w
-        elif parts[2] == "attn" and parts[3].endswith("_bias"):
-            out[f"model.layers.{parts[1]}.self_attn.{parts[3][0]}_proj.bias"] = w
-        elif parts[2] == "mlp":
-            out[f"model.layers.{parts[1]}.mlp.{parts[3]}.weight"] = w.T
-        elif parts[2] in ("input_layernorm", "post_attention_layernorm"):
-            out[f"model.layers.{parts[1]}.{parts[2]}.weight"] = w
-        else:
-            raise ValueError(f"parameter {name} has no Hugging Face name for {arch.family}")
-    return {k: np.ascontiguousarray(v) for k, v in out.items()}
+    return {k: np.ascontiguousarray(v) for k, v in family_of(arch).names.to_hf(arch, named).items()}
 
 
-def _gemma_to_hf(arch: Architecture, named: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    out, e = {}, arch.embed_dim
-    to_hf_norm = {v: k for k, v in _gemma_norms(arch).items()}
-    for name, w in named.items():
-        parts = name.split(".")
-        if name == "embedder.input_embedding":
-            out["model.embed_tokens.weight"] = w
-        elif name == "final_norm.scale":
-            out["model.norm.weight"] = w
-        elif parts[2] == "attn":
-            prefix = f"model.layers.{parts[1]}.self_attn."
-            if parts[3] == "attn_vec_einsum":
-                out[prefix + "o_proj.weight"] = w.reshape(-1, e).T
-                continue
-            if parts[3] in ("_query_norm", "_key_norm"):
-                out[prefix + f"{parts[3][1]}_norm.weight"] = w
-                continue
-            stacked = {"q_einsum": ("q",), "kv_einsum": ("k", "v"), "qkv_einsum": ("q", "k", "v")}[parts[3]]
-            tensors = [w] if parts[3] == "q_einsum" else list(w)
-            for x, t in zip(stacked, tensors):  # [heads, embed, head_dim] -> [heads * head_dim, embed]
-                out[prefix + f"{x}_proj.weight"] = t.transpose(0, 2, 1).reshape(-1, e)
-        elif parts[2] == "mlp":
-            out[f"model.layers.{parts[1]}.mlp.{parts[3]}.weight"] = w.T
-        else:
-            out[f"model.layers.{parts[1]}.{to_hf_norm[parts[2]]}.weight"] = w
-    return {k: np.ascontiguousarray(v) for k, v in out.items()}
+def _is_pending(arch: Architecture, name: str) -> bool:
+    """True for a name read in parts that the family's NameMap assembles after reading (Gemma's q/k/v)."""
+    pending = family_of(arch).names.pending
+    return pending is not None and re.search(pending, name) is not None
 
 
 # ---- directories ----------------------------------------------------------------------------------------------
@@ -297,7 +190,7 @@ def read_named(directory: str | pathlib.Path, arch: Architecture, expected: dict
             name, layout = mapped
             if name in named:
                 raise CheckpointError(f"tensor {hf_name} appears in both {source[name].name} and {path.name}")
-            if name not in expected and not _PENDING_QKV.search(name):
+            if name not in expected and not _is_pending(arch, name):
                 raise CheckpointError(f"{path.name}: tensor {hf_name} has no place in the model config.json "
                                       f"describes (num_hidden_layers={arch.num_layers}?)")
             try:
@@ -308,8 +201,9 @@ def read_named(directory: str | pathlib.Path, arch: Architecture, expected: dict
                 raise CheckpointError(f"{path.name}: tensor {hf_name} has shape {list(array.shape)}; config.json "
                                       f"implies {list(expected[name])} in our layout for {name}")
             named[name], source[name] = value.astype(dtype, copy=False), path
-    if arch.family in ("gemma2", "gemma3"):
-        named = _assemble_gemma(named, arch)
+    assemble = family_of(arch).names.assemble
+    if assemble is not None:
+        named = assemble(named, arch)
         for name, value in named.items():
             if tuple(value.shape) != tuple(expected.get(name, value.shape)):
                 raise CheckpointError(f"{directory}: {name} assembled to shape {list(value.shape)}; config.json "

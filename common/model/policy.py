@@ -21,6 +21,7 @@ from flax import nnx
 from grpo_stream.common.model import architectures, hf_checkpoint
 from grpo_stream.common.model.activation_sharding import LOGITS_SPEC, constrain
 from grpo_stream.common.model.architectures import Architecture
+from grpo_stream.common.model.families import FAMILIES, RematSupport, Unsupported, family_of
 from grpo_stream.common.model.remat_policy import remat_policy_of
 from grpo_stream.common.model.sharding import host_copy
 from grpo_stream.common.config.learning import ModelSection
@@ -237,22 +238,17 @@ def sequence_logprobs(model: PolicyModel, params: Any, tokens: jax.Array, valid:
     return chosen, entropy
 
 
-# trainer.remat -> the Tunix RematConfig member: 'attention' recomputes each layer's attention block in the backward
-# pass, 'full' the whole decoder layer (attention and MLP); the families Tunix gives no remat switch are refused
-# ('save_dots': 'full' with the checkpoint policy of remat_policy.py)
-REMAT_MEMBERS = {"attention": "BLOCK", "full": "DECODER", "save_dots": "DECODER"}
-REMAT_FAMILIES = ("llama3", "qwen2", "qwen3")
-
-
 def remat_config(arch: Architecture, config: Any, mode: str) -> Any:
     """`config` (a Tunix ModelConfig of `arch`) with rematerialisation `mode` ('none', 'attention', 'full' or
-    'save_dots', whose checkpoint policy PolicyModel.apply supplies)."""
+    'save_dots', whose checkpoint policy PolicyModel.apply supplies), as the family's record (`remat`) allows."""
     if mode == "none":
         return config
-    if arch.family not in REMAT_FAMILIES:
-        raise ValueError(f"trainer.remat={mode}: the {arch.family} model has no rematerialisation switch (families "
-                         f"with one: {', '.join(REMAT_FAMILIES)}); use trainer.remat=none or micro-batches "
+    remat = family_of(arch).remat
+    if isinstance(remat, Unsupported) or mode not in remat.members:
+        with_switch = [f.family for f in FAMILIES if isinstance(f.remat, RematSupport)]
+        why = remat.reason if isinstance(remat, Unsupported) else f"the family's Tunix code has no {mode} member"
+        raise ValueError(f"trainer.remat={mode}: the {arch.family} model has no rematerialisation switch ({why}; "
+                         f"families with one: {', '.join(with_switch)}); use trainer.remat=none or micro-batches "
                          "(trainer.micro_batch_size) to save activation memory")
-    module = type(config).__module__
-    remat = getattr(importlib.import_module(module).RematConfig, REMAT_MEMBERS[mode])
-    return dataclasses.replace(config, remat_config=remat)
+    member = getattr(importlib.import_module(family_of(arch).tunix_module).RematConfig, remat.members[mode])
+    return dataclasses.replace(config, **{remat.field: member})

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from grpo_stream.common.engine.vllm_tpu import VllmTpuWeightError, model_runner
+from grpo_stream.common.engine.vllm_tpu import FAMILIES, VllmTpuWeightError, model_runner
 from grpo_stream.plan_command import child_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[4]
@@ -25,7 +25,7 @@ def report() -> dict:
     return json.loads(proc.stdout)
 
 
-@pytest.mark.parametrize("family", ["llama3", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_every_leaf_is_written_in_the_engines_layout_in_the_required_order(report, family):
     r = report[family]
     assert r["targets"] == r["leaves"] > 20
@@ -40,7 +40,7 @@ def test_every_leaf_is_written_in_the_engines_layout_in_the_required_order(repor
     assert r["keep_kv_calls"] == ["reset_prefix_cache"] and r["keep_kv_values"] and r["keep_kv_salt"] == "e1:5"
 
 
-@pytest.mark.parametrize("family", ["llama3", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_a_version_that_does_not_fit_is_refused_by_name_and_changes_nothing(report, family):
     r = report[family]
     errors = r["errors"]

@@ -3,8 +3,8 @@
 A stand-in of the object graph Tunix's vLLM sampler writes into on TPU: llm.llm_engine.model_executor.driver_worker
 .model_runner with an nnx State of the engine's weights, sharded over a mesh axis named 'model' (tpu-inference's),
 a flat `state_leaves` tuple, and `collective_rpc` / `reset_prefix_cache` that record each call and what the state
-held at that moment. Per family (llama3, qwen2, qwen3) a tiny policy of that family is installed twice (two
-versions) through VllmTpuWeightWriter, and the checks' outcomes are printed as one JSON document.
+held at that moment. Per family with a vLLM-JAX name map (vllm_tpu.FAMILIES) a tiny policy of that family is
+installed twice (two versions) through VllmTpuWeightWriter, and the checks' outcomes are printed as one JSON document.
 """
 
 import importlib
@@ -18,8 +18,10 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from grpo_stream.common.engine.vllm_tpu import VllmTpuWeightError, VllmTpuWeightWriter, family_mapping, flat_state
+from grpo_stream.common.engine.vllm_tpu import (FAMILIES, VllmTpuWeightError, VllmTpuWeightWriter, family_mapping,
+                                                flat_state)
 from grpo_stream.common.model.architectures import Architecture
+from grpo_stream.common.model.families import family_named
 from grpo_stream.common.model.policy import build_from_architecture
 from grpo_stream.common.model.sharding import fit_spec
 
@@ -77,7 +79,7 @@ def engine_layout(family: str, named: dict, mesh: Mesh):
     parallel width, the embedding held transposed (what the map's transpose declares), bfloat16, sharded by the
     map's specs on 'model'. Returns (state, the expected engine array per target)."""
     names, _ = family_mapping(family)
-    module = importlib.import_module(f"tunix.models.{family}.mapping_vllm_jax")
+    module = importlib.import_module(family_named(family).vllm_tpu.mapping_module)
     specs = {src: spec for src, (_, spec) in module.VLLM_JAX_MAPPING["to_hf_mappings"].items()}
     flat, expected = {}, {}
     for source, x in named.items():
@@ -165,7 +167,7 @@ def run(family: str) -> dict:
 
 
 def main() -> int:
-    json.dump({family: run(family) for family in ("llama3", "qwen2", "qwen3")}, sys.stdout)
+    json.dump({family: run(family) for family in FAMILIES}, sys.stdout)
     return 0
 
 
