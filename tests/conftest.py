@@ -127,6 +127,8 @@ LONGEST_FIRST = (
     "tests/e2e/test_multihost_trainer.py",  # ~150 s: two 2-process trainer runs
     "tests/e2e/test_multihost_restore_step.py",  # ~60 s
     "tests/e2e/test_run_dir_guard.py",  # ~45 s
+    "tests/unit/common/model/test_families.py",  # ~60 s: every family x every feature
+    "tests/unit/trainer_service/test_trainer_core.py",  # ~40 s
 )
 
 
