@@ -15,9 +15,11 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 import threading
+import time
 import uuid
 
 import pytest
@@ -94,6 +96,63 @@ def test_a_follower_that_raises_mid_run_restarts_the_job_from_its_checkpoint(tmp
     assert summary["steps"] == steps and summary["restarts"]["trainer"] == 1
     # from a checkpoint: step 4's, or step 2's when step 4's asynchronous save had not committed on both processes
     assert summary["resumed_from"] is not None and summary["resumed_from"]["step"] in (2, 4), summary["resumed_from"]
+    final = summary["final_weights"]
+    for name_, doc in summary["samplers"].items():
+        assert doc["final_weights"]["sha256"] == final["sha256"], f"{name_}: parameters differ from the trainer's"
+    follower = (run_dir / "logs" / "trainer-1.log").read_text()
+    assert follower.count("trainer process 1 of 2") == 2  # its log goes on across the restart
+    audit = run_cli("audit", str(run_dir), timeout=120)
+    assert audit.returncode == 0 and "0 lost; 0 trained twice" in audit.stdout, audit.stdout + audit.stderr
+
+
+def process_with_env(marker: str, variable: str) -> int | None:
+    """The trainer process whose command line holds `marker` and whose environment holds `variable`."""
+    for proc in pathlib.Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            env = (proc / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if " trainer " in cmdline and marker in cmdline and variable.encode() in env:
+            return int(proc.name)
+    return None
+
+
+@pytest.mark.chaos
+def test_killing_trainer_process_1_restarts_the_job_from_its_checkpoint(tmp_path):
+    """SIGKILL (a preempted host) instead of an exception: the same restart from the newest checkpoint. In the chaos
+    lane: the raising follower above covers the default lane's restart."""
+    run_dir, name, steps = tmp_path / "run", f"mh-{uuid.uuid4().hex[:8]}", 12
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "grpo_stream", "up", "--config", CONFIG, "--run-dir", str(run_dir), *TWO_HOSTS,
+         f"run.name={name}", f"trainer.steps={steps}", "checkpoint.every=2", "logging.step_every=1",
+         "logging.verbose=true",
+         "trainer.eval_after=false", "up.restart_backoff_s=0.5"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    lines, killed, saved, deadline = [], None, False, time.monotonic() + 600
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            # kill it mid-run once the checkpoint of step 4 is on disk (saves are asynchronous), after step 5
+            saved = saved or (line.startswith("[trainer] ") and "checkpoint of step 4 saved" in line)
+            if killed is None and saved and line.startswith("[trainer] ") and " step " in line and any(
+                    f" step {k}/" in line for k in range(5, steps)):
+                killed = process_with_env(name, "JAX_PROCESS_ID=1")
+                assert killed is not None, "no trainer process 1"
+                os.kill(killed, signal.SIGKILL)
+            assert time.monotonic() < deadline, "".join(lines[-60:])
+        proc.wait(timeout=120)
+    finally:
+        stop_process(proc)
+    text = "".join(lines)
+    assert killed is not None and proc.returncode == 0, text[-6000:]
+    assert "[up] trainer exited with code" in text and "restarting it in" in text, text[-6000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == steps and summary["restarts"]["trainer"] == 1
+    assert summary["resumed_from"] is not None and summary["resumed_from"]["step"] >= 4  # from a checkpoint
     final = summary["final_weights"]
     for name_, doc in summary["samplers"].items():
         assert doc["final_weights"]["sha256"] == final["sha256"], f"{name_}: parameters differ from the trainer's"
