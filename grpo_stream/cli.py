@@ -189,7 +189,7 @@ def dispatch(command: Command, args: argparse.Namespace) -> int:
         return EXIT_INTERRUPTED
     except Exception as exc:  # noqa: BLE001 - the one place exceptions become exit codes
         code, what = exit_code(exc, command, loading)
-        if code == EXIT_PERMANENT and command.process is not None:
+        if code in (EXIT_PERMANENT, EXIT_USAGE) and command.process is not None:  # up reports it, restarts nothing
             record_permanent(getattr(args, "run_dir", None), command.process(args), exc)
         _error(args, exc, _error_dir(args), what, expected=_expected(exc, command))
         return code

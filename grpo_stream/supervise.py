@@ -37,7 +37,7 @@ from typing import Callable, Protocol, Sequence
 
 from grpo_stream.common.config.process import UpSection
 from grpo_stream.common.runtime.backoff import Backoff
-from grpo_stream.common.runtime.errors import EXIT_PERMANENT, clear_permanent, read_permanent
+from grpo_stream.common.runtime.errors import EXIT_PERMANENT, EXIT_USAGE, clear_permanent, read_permanent
 from grpo_stream.common.runtime.heartbeat import seconds_since_beat
 
 
@@ -216,7 +216,8 @@ class Watch:
         return f"see {self.run_dir / 'logs' / f'{unit.name}.log'}"
 
     def _failed(self, unit: Unit, code: int) -> Outcome | None:
-        if code == EXIT_PERMANENT and unit.records:  # our processes' code for "a restart cannot fix this"
+        # our processes' codes for "a restart cannot fix this": a permanent failure, a config or usage error
+        if code in (EXIT_PERMANENT, EXIT_USAGE) and unit.records:
             reason = self.permanent_reason(unit)
             self.log(f"[up] {unit.name} failed permanently (exit code {code}), so it is not restarted; stopping the "
                      f"run: {reason}")

@@ -6,6 +6,8 @@ from __future__ import annotations
 import errno
 import re
 
+from grpo_stream.common.runtime.errors import PermanentError
+
 
 class CheckpointRejected(RuntimeError):
     """A checkpoint directory that cannot be used (unreadable, partial, or its files do not match their digest)."""
@@ -15,8 +17,14 @@ class CheckpointUnverified(CheckpointRejected):
     """A checkpoint saved with checkpoint.verify whose digest was never (completely) written."""
 
 
-class CheckpointMismatch(ValueError):
-    """A sound checkpoint of a different model or optimizer layout (a config change): never used, never moved."""
+class CheckpointMismatch(PermanentError, ValueError):
+    """A sound checkpoint of a different model or optimizer layout (a config change): never used, never moved; a
+    restart meets it again, so `up` stops the run instead."""
+
+
+class RunRefused(PermanentError, ValueError):
+    """The trainer will not start this run as configured (its checkpoints belong to another run, resume is off, its
+    acknowledged groups' checkpoints are elsewhere, the JAX job has another size): a restart meets it again."""
 
 
 class CheckpointUnavailable(RuntimeError):

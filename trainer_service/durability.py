@@ -16,6 +16,7 @@ import threading
 from grpo_stream.common.runtime.console import detail_logger
 from grpo_stream.common.config.schema import RunConfig
 from grpo_stream.common.rollouts.buffer import RolloutBuffer
+from grpo_stream.trainer_service.checkpoint_errors import RunRefused
 from grpo_stream.trainer_service.checkpoints import TrainerCheckpoints
 from grpo_stream.trainer_service.collector import when_available
 from grpo_stream.trainer_service.rl_update import PolicyUpdater
@@ -121,7 +122,7 @@ class Durability:
         cfg = self.cfg
         updater_like = updater_state(updater)
         if not cfg.checkpoint.resume:
-            raise ValueError(f"checkpoint.dir {self.checkpoints.directory} holds checkpoints (steps "
+            raise RunRefused(f"checkpoint.dir {self.checkpoints.directory} holds checkpoints (steps "
                              f"{self.checkpoints.steps()}) and checkpoint.resume=false: choose a new checkpoint.dir "
                              "(and run.name) or resume")
         restored = self.checkpoints.restore_latest(updater_like)
@@ -129,7 +130,7 @@ class Durability:
             return None
         record = restored.record
         if record.get("run") != cfg.run.name:
-            raise ValueError(f"checkpoint.dir {self.checkpoints.directory}: its checkpoints belong to run "
+            raise RunRefused(f"checkpoint.dir {self.checkpoints.directory}: its checkpoints belong to run "
                              f"{record.get('run')!r}, not run.name={cfg.run.name!r}; use that run's name or another "
                              "dir")
         # the base before any group is settled: without it the run cannot go on from here
@@ -164,7 +165,7 @@ class Durability:
         """A run without a checkpoint: refuse one whose groups were acknowledged (its checkpoints are elsewhere)."""
         trained = self.available("reading the buffer counters", self.buffer.counters)["trained"]
         if trained:  # acknowledged groups exist only once a checkpoint held them: this run has one elsewhere
-            raise ValueError(
+            raise RunRefused(
                 f"Redis already holds run {self.cfg.run.name!r} with {trained} trained groups, but "
                 f"{self.checkpoints.directory} (checkpoint.dir) has no checkpoint of it: point checkpoint.dir "
                 "(or --run-dir) at that run's checkpoints to resume it, or choose a new run.name")

@@ -33,6 +33,7 @@ import numpy as np
 
 from grpo_stream.common.config.schema import RunConfig
 from grpo_stream.protos import weights_pb2
+from grpo_stream.trainer_service.checkpoint_errors import RunRefused
 from grpo_stream.trainer_service.control_messages import STREAMS, ControlCodec, ControlMessageError, Hosts, load_secret
 
 log = logging.getLogger(__name__)
@@ -161,7 +162,7 @@ def start_group(cfg: RunConfig) -> TrainerGroup | None:
     if n == 1:
         return None
     if not jax.distributed.is_initialized() or jax.process_count() != n:
-        raise ValueError(f"trainer.processes={n}, but this process is in a JAX job of "
+        raise RunRefused(f"trainer.processes={n}, but this process is in a JAX job of "
                          f"{jax.process_count() if jax.distributed.is_initialized() else 1} processes: start one "
                          "trainer process per host with JAX_COORDINATOR_ADDRESS (process 0's host:port), "
                          "JAX_NUM_PROCESSES and JAX_PROCESS_ID set, or on a TPU slice with distributed.initialize "

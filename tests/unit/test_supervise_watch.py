@@ -112,6 +112,16 @@ def test_a_permanent_failure_stops_the_run_with_its_reason_and_is_not_restarted(
     assert sampler.starts == 1 and not watch.supervisor.waiting("sampler-0")
 
 
+def test_a_config_error_of_a_child_is_not_restarted_either(tmp_path):
+    """Exit 2: the child's config or arguments were refused; its next start would read the same ones."""
+    watch, _, _, sampler, lines = fake_run(tmp_path)
+    record_permanent(tmp_path, "sampler-0", ValueError("sampler.prompts_per_batch: must be at least 1"))
+    sampler.code = 2
+    outcome = watch.check()
+    assert outcome.reason == "permanent" and "prompts_per_batch" in outcome.message
+    assert sampler.starts == 1 and "not restarted" in lines[0]
+
+
 def test_a_permanent_failure_without_a_record_points_at_the_log(tmp_path):
     watch, _, trainer, _, _ = fake_run(tmp_path)
     trainer.code = 3
