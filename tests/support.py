@@ -23,6 +23,21 @@ from grpo_stream.trainer_service.publisher import WeightPublisher
 from grpo_stream.trainer_service.server import TrainerServer
 
 
+def child_report(module: str, devices: int) -> dict:
+    """The JSON a test helper module prints when run as its own process with `devices` fake CPU devices (a device
+    count is fixed per process, so tests of meshes run their body there)."""
+    import json  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    from grpo_stream.plan_command import child_env  # noqa: PLC0415
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-m", module], cwd=root, env=child_env(devices), capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout)
+
+
 def stop_process(proc, grace_s: float = 60.0) -> None:
     """SIGTERM a process still running (`up` stops its children, which run in their own sessions, before exiting),
     then SIGKILL it after `grace_s`."""

@@ -66,6 +66,22 @@ def test_two_process_trainer_matches_one_process_and_every_sampler(tmp_path):
     assert result["max_rel_diff"] <= 1e-5, result
 
 
+def check_restarted_job(run_dir: pathlib.Path, steps: int, resumed: tuple[int, ...]) -> None:
+    """A job restarted once finished every step from one of the checkpoint steps `resumed`, both processes logged
+    across the restart, every sampler ended with the trainer's parameters, and the audit finds nothing lost or
+    trained twice."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == steps and summary["restarts"]["trainer"] == 1
+    assert summary["resumed_from"] is not None and summary["resumed_from"]["step"] in resumed, summary["resumed_from"]
+    final = summary["final_weights"]
+    for name, doc in summary["samplers"].items():
+        assert doc["final_weights"]["sha256"] == final["sha256"], f"{name}: parameters differ from the trainer's"
+    follower = (run_dir / "logs" / "trainer-1.log").read_text()
+    assert follower.count("trainer process 1 of 2") == 2  # its log goes on across the restart
+    audit = run_cli("audit", str(run_dir), timeout=120)
+    assert audit.returncode == 0 and "0 lost; 0 trained twice" in audit.stdout, audit.stdout + audit.stderr
+
+
 def test_a_follower_that_raises_mid_run_restarts_the_job_from_its_checkpoint(tmp_path):
     run_dir, name, steps = tmp_path / "run", f"mh-{uuid.uuid4().hex[:8]}", 12
     marker = tmp_path / "fault-injected"
@@ -92,17 +108,8 @@ def test_a_follower_that_raises_mid_run_restarts_the_job_from_its_checkpoint(tmp
     assert marker.exists() and proc.returncode == 0, text[-6000:]
     assert "injected fault: trainer process 1 fails at step 6" in text, text[-6000:]
     assert "[up] trainer exited with code" in text and "restarting it in" in text, text[-6000:]
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["steps"] == steps and summary["restarts"]["trainer"] == 1
     # from a checkpoint: step 4's, or step 2's when step 4's asynchronous save had not committed on both processes
-    assert summary["resumed_from"] is not None and summary["resumed_from"]["step"] in (2, 4), summary["resumed_from"]
-    final = summary["final_weights"]
-    for name_, doc in summary["samplers"].items():
-        assert doc["final_weights"]["sha256"] == final["sha256"], f"{name_}: parameters differ from the trainer's"
-    follower = (run_dir / "logs" / "trainer-1.log").read_text()
-    assert follower.count("trainer process 1 of 2") == 2  # its log goes on across the restart
-    audit = run_cli("audit", str(run_dir), timeout=120)
-    assert audit.returncode == 0 and "0 lost; 0 trained twice" in audit.stdout, audit.stdout + audit.stderr
+    check_restarted_job(run_dir, steps, resumed=(2, 4))
 
 
 def process_with_env(marker: str, variable: str) -> int | None:
@@ -150,13 +157,4 @@ def test_killing_trainer_process_1_restarts_the_job_from_its_checkpoint(tmp_path
     text = "".join(lines)
     assert killed is not None and proc.returncode == 0, text[-6000:]
     assert "[up] trainer exited with code" in text and "restarting it in" in text, text[-6000:]
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["steps"] == steps and summary["restarts"]["trainer"] == 1
-    assert summary["resumed_from"] is not None and summary["resumed_from"]["step"] >= 4  # from a checkpoint
-    final = summary["final_weights"]
-    for name_, doc in summary["samplers"].items():
-        assert doc["final_weights"]["sha256"] == final["sha256"], f"{name_}: parameters differ from the trainer's"
-    follower = (run_dir / "logs" / "trainer-1.log").read_text()
-    assert follower.count("trainer process 1 of 2") == 2  # its log goes on across the restart
-    audit = run_cli("audit", str(run_dir), timeout=120)
-    assert audit.returncode == 0 and "0 lost; 0 trained twice" in audit.stdout, audit.stdout + audit.stderr
+    check_restarted_job(run_dir, steps, resumed=(4, 6, 8, 10))  # it was killed once step 4's save was on disk

@@ -4,25 +4,15 @@ fake CPU devices on a 'model' axis (K/V heads repeated to the tensor-parallel wi
 the family's vLLM-JAX map declares), and `collective_rpc` / `reset_prefix_cache` that record each call. No TPU and no
 tpu-inference run here: this checks the writer's side of the contract (docs/tpu.md, "vLLM on TPU (vllm-tpu)")."""
 
-import json
-import pathlib
-import subprocess
-import sys
-
 import pytest
 
 from grpo_stream.common.engine.vllm_tpu import FAMILIES, VllmTpuWeightError, model_runner
-from grpo_stream.plan_command import child_env
-
-ROOT = pathlib.Path(__file__).resolve().parents[4]
+from tests.support import child_report
 
 
 @pytest.fixture(scope="module")
 def report() -> dict:
-    proc = subprocess.run([sys.executable, "-m", "tests.unit.common.engine.vllm_tpu_child"], cwd=ROOT,
-                          env=child_env(8), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout)
+    return child_report("tests.unit.common.engine.vllm_tpu_child", 8)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -8,10 +8,7 @@ be declared `Unsupported` with a reason, and the tests check that the operator t
 
 import importlib
 import json
-import pathlib
 import re
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -25,9 +22,8 @@ from grpo_stream.common.model.families import (FAMILIES, REGISTRY, RematSupport,
                                                VllmTpuSupport, family_for_hf_config)
 from grpo_stream.common.model.policy import build_from_architecture, causal_mask, positions_from_mask, remat_config
 from grpo_stream.common.model.policy import sequence_logprobs
-from grpo_stream.plan_command import child_env
+from tests.support import child_report
 
-ROOT = pathlib.Path(__file__).resolve().parents[4]
 NAMES = [f.family for f in FAMILIES]
 _MODELS: dict = {}
 
@@ -136,10 +132,7 @@ def test_remat_rules_apply_or_the_family_is_refused_with_its_reason(record):
 
 @pytest.fixture(scope="module")
 def sharding_report() -> dict:
-    proc = subprocess.run([sys.executable, "-m", "tests.unit.common.model.families_child"], cwd=ROOT,
-                          env=child_env(2), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout)
+    return child_report("tests.unit.common.model.families_child", 2)
 
 
 def test_activation_sharding_reaches_the_family_model_code(record, sharding_report):
