@@ -114,7 +114,7 @@ def tiny_parts(small_cfg):
 # tests first), so the two workers start on the long files and end on short unit files instead of one worker
 # finishing the demo or `bench all` alone while the other core idles (seen: the last 10 minutes of a 53-minute run).
 LONGEST_FIRST = (
-    "tests/e2e/test_demo.py",  # ~1,270 s: the demo run and a short GSPO run
+    "tests/e2e/test_demo.py",  # ~1,100 s: the demo run
     "tests/bench/test_bench_all_quick.py",  # 410 s
     "tests/e2e/test_plan.py",  # ~200 s: the tiny config's plans (the presets' are in the heavy lane)
     "tests/e2e/test_up.py",  # 330 s
@@ -123,7 +123,7 @@ LONGEST_FIRST = (
     "tests/e2e/test_weight_faults.py",  # 200 s
     "tests/unit/common/engine/test_vllm_engine.py",  # 200 s
     "tests/e2e/test_weight_meshes.py",  # 190 s
-    "tests/e2e/test_lora_run.py",  # ~120 s: three LoRA runs, one per weight transport
+    "tests/e2e/test_lora_run.py",  # ~90 s: a LoRA run over grpc, and its resume
     "tests/e2e/test_multihost_trainer.py",  # ~150 s: two 2-process trainer runs
     "tests/e2e/test_multihost_restore_step.py",  # ~60 s
     "tests/e2e/test_run_dir_guard.py",  # ~45 s

@@ -12,7 +12,8 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.redis]
+# the bench lane (-m bench; ~2 min): run it before scripts/gpu-check.sh goes to a lent GPU
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.redis, pytest.mark.bench]
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.bench]  # the bench lane (-m bench): run it before a GPU run
 
 
 def run(tmp_path, *args):

@@ -198,6 +198,7 @@ def gspo_run(demo: Run, tmp_path: pathlib.Path, steps: int) -> Run:
     return run
 
 
+@pytest.mark.learning  # ~2 min beside the demo; GSPO's objective itself is unit-tested (test_loss.py)
 def test_gspo_where_its_objective_differs_from_grpo_runs_and_holds_up(demo, tmp_path):
     """The default lane's GSPO run: 100 steps, long enough to collapse if the sequence-level ratio or its clipping
     were wrong, short enough for CI's time budget; held to no gross fall (the bars above say why they are wide).

@@ -38,7 +38,9 @@ def lora_run(run_dir, *extra):
                    "sampler.metrics_port=null")
 
 
-@pytest.mark.parametrize("transport", ["grpc", "checkpoint", "local"])
+# the default lane runs the grpc transport (the deployments' one); the others are in the heavy lane
+@pytest.mark.parametrize("transport", ["grpc", pytest.param("checkpoint", marks=pytest.mark.heavy),
+                                       pytest.param("local", marks=pytest.mark.heavy)])
 def test_lora_run_publishes_adapters_and_samplers_merge_them_into_the_base(tmp_path, transport):
     run_dir = tmp_path / "run"
     meshes = ["trainer.mesh.fsdp=2", "sampler.mesh.tp=2"] if transport == "grpc" else []

@@ -107,6 +107,7 @@ def test_tunix_patch_hooks_name_attributes_the_pinned_tunix_has(record):
         assert callable(importlib.import_module(name).shard), name
 
 
+@pytest.mark.heavy  # ~30 s of compiles; test_remat.py checks remat in the default lane
 def test_remat_rules_apply_or_the_family_is_refused_with_its_reason(record):
     arch, model = tiny(record)
     if isinstance(record.remat, Unsupported):
@@ -135,6 +136,7 @@ def sharding_report() -> dict:
     return child_report("tests.unit.common.model.families_child", 2)
 
 
+@pytest.mark.heavy  # a process of its own on a fake mesh; test_activation_sharding.py is in the default lane
 def test_activation_sharding_reaches_the_family_model_code(record, sharding_report):
     """On an fsdp=2 mesh of fake CPU devices: outside the block Tunix's shard() does nothing; inside, the model's own
     constraints (hidden states, heads, MLP of every layer) are in the program, not only the logits'."""
