@@ -42,9 +42,10 @@ def test_a_config_error_stays_one_line_without_a_traceback_file(tmp_path, capsys
 
 
 def test_a_multi_process_trainer_started_alone_says_how_to_join_the_others(tmp_path, capsys):
-    """trainer.processes=2 without the distributed environment: one line naming the variables, before any wait."""
+    """trainer.processes=2 without the distributed environment: one line naming the variables, before any wait; a
+    permanent failure (exit 3), which `up` does not restart into the same wall."""
     assert main(["trainer", "--run-dir", str(tmp_path), "trainer.processes=2", "trainer.mesh.fsdp=2",
-                 "distributed.initialize=never"]) == 1
+                 "distributed.initialize=never"]) == 3
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert "trainer.processes=2, but this process is in a JAX job of 1 processes" in err
     assert "JAX_COORDINATOR_ADDRESS" in err and "JAX_PROCESS_ID" in err
