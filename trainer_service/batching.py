@@ -73,6 +73,9 @@ def build_batch(groups: list[GroupData], max_prompt: int, max_new: int, pad_id: 
         "advantage_mean": float(advantages.mean()), "advantage_abs_mean": float(np.abs(advantages).mean()),
         "advantage_max": float(advantages.max()), "advantage_min": float(advantages.min()),
         "response_length_mean": float(lengths.mean()), "truncated_fraction": float(truncated.mean()),
+        # the share of the laid-out tokens that are padding: what every sequence at max_prompt + max_new costs the
+        # update's forward and backward passes
+        "padding_fraction": float(1.0 - valid.sum() / valid.size), "real_tokens": int(valid.sum()),
     }
     batch = TrainBatch(tokens=jnp.asarray(tokens), valid=jnp.asarray(valid), loss_mask=jnp.asarray(loss_mask),
                        behaviour_logprobs=jnp.asarray(behaviour), advantages=jnp.asarray(advantages),

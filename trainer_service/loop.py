@@ -162,7 +162,7 @@ class Trainer:
                              final_weights=core.final_weights, carried=core.carried, eval_after=source.eval_after,
                              rl_seconds=source.rl_seconds, started=self.started, resumed_from=core.resumed_from,
                              trained_here=(source.steps_done - s.durability.resumed_step) * cfg.trainer.groups_per_step,
-                             trainer_state=core.state_report())
+                             trainer_state=core.state_report(), tokens=source.tokens)
 
 
 def run_trainer(cfg: RunConfig, run_dir: pathlib.Path) -> dict | None:

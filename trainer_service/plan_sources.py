@@ -60,6 +60,7 @@ class LeaderSource(CoreHooks):
         self.mixed_version_groups = 0  # trained groups whose completions mix weight versions (in-flight updates)
         self.agreement = {"tokens": 0.0, "abs_sum": 0.0, "max_abs": 0.0}
         self.step_times: list[dict[str, float]] = []  # per RL step: phase seconds and step_seconds (bench/)
+        self.tokens = {"real": 0, "laid_out": 0}  # of the batches trained: the padding fraction in summary.json
         self._context: dict[int, _StepContext] = {}
 
     def _send(self, plan: Plan) -> Plan:
@@ -101,6 +102,8 @@ class LeaderSource(CoreHooks):
         batch, stats = build_batch(groups, cfg.generation.max_prompt_tokens, cfg.generation.max_new_tokens,
                                    s.pad_id, cfg.algo, held_version=step - 1)
         plan = step_plan(cfg, step, batch)
+        self.tokens["real"] += stats["real_tokens"]
+        self.tokens["laid_out"] += int(np.asarray(batch.valid).size)
         if cfg.trainer.record_batches:
             (self.run_dir / "batches").mkdir(exist_ok=True)
             np.savez(self.run_dir / "batches" / f"step-{step:06d}.npz",

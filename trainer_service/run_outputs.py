@@ -37,9 +37,10 @@ def wasted_fraction(generated: int, trained: int) -> float | None:
 def write_summary(path: pathlib.Path, cfg: RunConfig, *, steps: int, counters: dict, by_sampler: dict, publisher,
                   durability, agreement: dict, mesh_shape: dict, final_weights: dict | None, carried: dict,
                   eval_after: dict | None, rl_seconds: float, started: float, resumed_from: dict | None,
-                  trained_here: int, trainer_state: dict | None = None) -> dict:
+                  trained_here: int, trainer_state: dict | None = None, tokens: dict | None = None) -> dict:
     """`trained_here`: groups this trainer process trained (a resumed run's earlier ones are not its samplers').
-    `trainer_state`: what the updater holds (bytes of parameters and optimizer state, what is trained)."""
+    `trainer_state`: what the updater holds (bytes of parameters and optimizer state, what is trained). `tokens`:
+    the real and laid-out tokens of the batches this process trained (the padding the update computed over)."""
     generated = publisher.groups_generated()
     summary = {
         "run": cfg.run.name,
@@ -73,6 +74,8 @@ def write_summary(path: pathlib.Path, cfg: RunConfig, *, steps: int, counters: d
                                         if publisher.publish_seconds else None),
         "trainer_mesh": mesh_shape,
         "trainer_state": trainer_state,
+        "trainer_tokens": None if not tokens or not tokens["laid_out"] else {
+            **tokens, "padding_fraction": round(1.0 - tokens["real"] / tokens["laid_out"], 4)},
         # this process's peak device memory (None on CPU): scripts/gpu-check.sh compares it with `plan`'s figure
         "device_memory": device_memory(),
         "final_weights": final_weights,

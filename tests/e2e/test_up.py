@@ -90,6 +90,9 @@ def test_up_smoke_run(tmp_path):
     installed = summary["sampler_weight_versions"].values()
     assert set().union(*installed) - {0, 8}, summary["sampler_weight_versions"]
     assert 0.0 <= summary["eval_before"]["accuracy"] <= 1.0 and summary["eval_after"]["num_problems"] == 32
+    tokens = summary["trainer_tokens"]  # every step laid out 16 sequences of 24 + 18 tokens
+    assert tokens["laid_out"] == 8 * 16 * 42 and 0 < tokens["real"] < tokens["laid_out"]
+    assert tokens["padding_fraction"] == round(1 - tokens["real"] / tokens["laid_out"], 4)
     # progress lines, TensorBoard event files and per-process logs exist
     assert "step 8/8" in proc.stdout and "reward" in proc.stdout
     tags = tensorboard_tags(run_dir / "tb" / "trainer")

@@ -29,6 +29,8 @@ def test_targets_and_behaviour_logprobs_are_aligned():
     np.testing.assert_allclose(beh[1][mask[1] > 0], [-0.1, -0.2, -0.3], rtol=1e-6)
     assert np.asarray(batch.advantages)[0] > 0 > np.asarray(batch.advantages)[1]
     assert stats["reward_mean"] == 0.5 and stats["response_length_mean"] == 2.5
+    # 3 + 2 and 3 + 3 real tokens of 2 x 8 laid out: the padding the update computes over
+    assert stats["real_tokens"] == 11 and stats["padding_fraction"] == 1 - 11 / 16
 
 
 def test_fresh_marks_groups_made_with_the_held_version():
