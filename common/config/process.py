@@ -41,7 +41,8 @@ class UpSection(Strict):
     restart_backoff_max_s: float = Field(30.0, gt=0, le=3600, description="The longest wait before a restart.")
     trainer_stall_s: float = Field(1800.0, ge=0, le=7 * 86_400, description="The stall watchdog: when every process "
                                    "of the trainer job is running but none has made progress (its heartbeat, "
-                                   "RUN_DIR/heartbeats/trainer-<k>, touched at every step) for this many seconds, "
+                                   "RUN_DIR/heartbeats/trainer-<k>, touched at every step and every 10 s while "
+                                   "process 0 waits for rollouts) for this many seconds, "
                                    "counted from the job's (re)start until its first beat, `up` kills the job and "
                                    "restarts it as after a trainer failure (it counts against "
                                    "up.restart_limit_burst): a collective waiting for a process that never joins, a "
