@@ -217,7 +217,9 @@ class Watch:
 
     def _failed(self, unit: Unit, code: int) -> Outcome | None:
         # our processes' codes for "a restart cannot fix this": a permanent failure, a config or usage error
-        if code in (EXIT_PERMANENT, EXIT_USAGE) and unit.records:
+        # (or any process of a job recorded one: the first of them to exit may be another, killed or failing after it)
+        if unit.records and (code in (EXIT_PERMANENT, EXIT_USAGE)
+                             or any(read_permanent(self.run_dir, name) for name in unit.records)):
             reason = self.permanent_reason(unit)
             self.log(f"[up] {unit.name} failed permanently (exit code {code}), so it is not restarted; stopping the "
                      f"run: {reason}")

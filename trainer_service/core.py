@@ -15,7 +15,7 @@ import logging
 import pathlib
 import threading
 import time
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import jax
 
@@ -106,6 +106,7 @@ class TrainerCore:
         self.start_step = 0
         self.resumed_from: dict | None = None
         self.final_weights: dict | None = None
+        self.progress: Callable[[], None] | None = None  # a heartbeat for long phases (plan_sources.drive sets it)
         self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="publish-report")
         self._pending: list[concurrent.futures.Future] = []
 
@@ -150,7 +151,7 @@ class TrainerCore:
         if plan.warm_start:
             p = self.parts
             self.params, warm = warm_start(self.model, self.params, p.task, p.tokenizer, self.cfg, self.metrics,
-                                           self.warm_stop)
+                                           self.warm_stop, progress=self.progress)
             if plan.export_warm and not (self.warm_stop is not None and self.warm_stop.is_set()):
                 self._export("warmstart-model", "warm-started")
         self.carried = {"warmstart": warm, "eval_before": self.evaluate("eval_before") if plan.eval_before else None}
@@ -222,13 +223,14 @@ class TrainerCore:
         plain, p = self.policy.plain(self.params), self.parts
         self.final_weights = {"version": self.publisher.latest_version, "sha256": digest(self.model.to_named_numpy(plain)),
                               "greedy": greedy_probe(p.engine, plain, p.tokenizer, p.task.heldout(plan.verify),
-                                                     self.cfg.eval.batch_size)}
+                                                     self.cfg.eval.batch_size, progress=self.progress)}
         return self.final_weights
 
     # -- shared by the phases -----------------------------------------------------------------------------------
     def evaluate(self, label: str) -> dict:
         p = self.parts
-        return evaluate_heldout(self.cfg, p.engine, self.policy.plain(self.params), p.task, p.tokenizer, label)
+        return evaluate_heldout(self.cfg, p.engine, self.policy.plain(self.params), p.task, p.tokenizer, label,
+                                progress=self.progress)
 
     def _export(self, name: str, what: str) -> None:
         """RUN_DIR/name as a Hugging Face directory: every process takes part in the gather, process 0 writes."""
@@ -250,5 +252,7 @@ class TrainerCore:
     def state_report(self) -> dict:
         return state_report(self.updater, self.model.num_params(), self.policy.lora)
 
-    def close(self) -> None:
-        self._worker.shutdown(wait=True)
+    def close(self, failed: bool = False) -> None:
+        """Stop the background worker: after a failure without waiting for it (a stuck publication must not hold
+        the process, which has its error to report)."""
+        self._worker.shutdown(wait=not failed, cancel_futures=failed)

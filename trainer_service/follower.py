@@ -16,6 +16,7 @@ import sys
 
 from grpo_stream.common.config.schema import RunConfig
 from grpo_stream.common.rpc.grpc_util import ServerSecurity
+from grpo_stream.common.runtime.errors import EXIT_FAILURE, EXIT_PERMANENT, PermanentError, record_permanent
 from grpo_stream.common.weights.registry import transport_spec, weight_sink
 from grpo_stream.common.weights.transport import SinkContext
 from grpo_stream.trainer_service.checkpoints import TrainerCheckpoints
@@ -94,7 +95,7 @@ def run_follower(cfg: RunConfig, run_dir: pathlib.Path, group: TrainerGroup) -> 
     except BaseException as exc:
         if server is not None:  # its threads would keep the process alive
             server.stop(grace_s=0)
-        stop_now(index, exc)
+        stop_now(index, exc, run_dir)
         raise
     finally:
         if core is not None:
@@ -102,11 +103,12 @@ def run_follower(cfg: RunConfig, run_dir: pathlib.Path, group: TrainerGroup) -> 
         checkpoints.close()
 
 
-def stop_now(index: int, exc: BaseException) -> None:
+def stop_now(index: int, exc: BaseException, run_dir: pathlib.Path | None = None) -> None:
     """End this process at once after an error that process 0 did not cause (a forged message, a checkpoint it
     cannot read): process 0 waits for it in a collective or a barrier, and JAX's at-exit shutdown would wait for
     process 0 at another barrier for up to 5 minutes, so `up` (or a JobSet) would see a live process and a job that
-    hangs. Exiting lets the supervisor stop the job and restart it from its newest checkpoint."""
+    hangs. Exiting lets the supervisor stop the job and restart it from its newest checkpoint; a permanent failure
+    (a checkpoint of another layout) is recorded and exits 3, so that the supervisor stops the run instead."""
     if isinstance(exc, (KeyboardInterrupt, SystemExit)):
         return
     log.error("trainer process %d stops: %s: %s", index, type(exc).__name__, exc, exc_info=exc)
@@ -114,4 +116,7 @@ def stop_now(index: int, exc: BaseException) -> None:
         handler.flush()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(1)
+    permanent = isinstance(exc, PermanentError)
+    if permanent:
+        record_permanent(run_dir, f"trainer-{index}", exc)
+    os._exit(EXIT_PERMANENT if permanent else EXIT_FAILURE)

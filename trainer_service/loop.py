@@ -89,11 +89,13 @@ class Trainer:
     resumed_from = property(lambda self: self.core.resumed_from)
 
     def run(self) -> dict:
+        failed = True
         try:
             self._setup()
             drive(self.source, self.core, self.run_dir, "trainer-0")
             self.s.server.stop()  # a stopped run's samplers keep their weights and wait for the resumed one
-            return self._summary()
+            summary, failed = self._summary(), False
+            return summary
         except BaseException:
             # a failed run must still release its gRPC threads, or the process never exits
             if self.s.server is not None:
@@ -101,7 +103,7 @@ class Trainer:
             raise
         finally:
             if self.core is not None:
-                self.core.close()
+                self.core.close(failed)
             for part, closer in (("status", "stop"), ("checkpoints", "close"), ("reporter", "close"),
                                  ("lease", "release")):
                 if getattr(self.s, part) is not None:

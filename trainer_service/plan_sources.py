@@ -18,7 +18,7 @@ from typing import Iterator
 import numpy as np
 
 from grpo_stream.common.config.schema import RunConfig
-from grpo_stream.common.runtime.heartbeat import beat
+from grpo_stream.common.runtime.heartbeat import Heartbeat
 from grpo_stream.trainer_service.batching import build_batch
 from grpo_stream.trainer_service.control_messages import ControlMessageError
 from grpo_stream.trainer_service.core import CoreHooks, StepResult, TrainerCore
@@ -29,12 +29,15 @@ log = logging.getLogger(__name__)
 
 
 def drive(source, core: TrainerCore, run_dir: pathlib.Path, name: str) -> None:
-    """Apply every plan of `source` with `core`; a heartbeat after each (`up` restarts a job that stops beating)."""
-    beat(run_dir, name)
+    """Apply every plan of `source` with `core`; a heartbeat after each, and during the long ones (a warm start's
+    steps, an evaluation's batches): `up` restarts a job that stops beating (up.trainer_stall_s)."""
+    heartbeat = Heartbeat(run_dir, name)
+    core.progress = heartbeat
+    heartbeat.now()
     for plan in source:
         result = core.apply(plan)
         source.applied(plan, result)
-        beat(run_dir, name)
+        heartbeat.now()
 
 
 @dataclasses.dataclass
@@ -149,16 +152,19 @@ class LeaderSource(CoreHooks):
                                 "compute_seconds": phases["compute_seconds"]}, tokens_per_s, groups_per_s)
 
     def await_samplers(self, final_version: int) -> None:
-        await_samplers(self.cfg, self.s.publisher, self.s.stop_event, final_version)
+        await_samplers(self.cfg, self.s.publisher, self.s.stop_event, final_version,
+                       progress=Heartbeat(self.run_dir, "trainer-0"))
 
 
-def await_samplers(cfg: RunConfig, publisher, stop: threading.Event, final_version: int) -> None:
+def await_samplers(cfg: RunConfig, publisher, stop: threading.Event, final_version: int, progress=None) -> None:
     """Until every sampler installed the final version (so each stops by itself), or trainer.final_wait_s. Every one
     means at least sampler.replicas: a restarted trainer knows only the samplers that reported to it since, and one
     backing off after the restart (up to 10 s) would otherwise be left behind, never told."""
     deadline = time.time() + cfg.trainer.final_wait_s
     while time.time() < deadline and not stop.is_set():
         at = publisher.samplers_at(final_version)
+        if progress is not None:
+            progress()
         if at and all(at.values()) and len(at) >= cfg.sampler.replicas:
             log.info("every sampler (%d) installed the final version %d", len(at), final_version)
             return

@@ -17,11 +17,11 @@ from grpo_stream.common.runtime.device_memory import device_memory
 log = logging.getLogger(__name__)
 
 
-def evaluate_heldout(cfg: RunConfig, engine, params, task, tokenizer, label: str) -> dict:
+def evaluate_heldout(cfg: RunConfig, engine, params, task, tokenizer, label: str, progress=None) -> dict:
     """Greedy accuracy (and sampled pass@k / maj@k with eval.samples) on eval.num_problems held-out problems."""
     problems = task.heldout(cfg.eval.num_problems)
     result = evaluate(engine, params, tokenizer, problems, cfg.eval.batch_size, samples=cfg.eval.samples,
-                      ks=cfg.eval.ks, seed=cfg.run.seed)
+                      ks=cfg.eval.ks, seed=cfg.run.seed, progress=progress)
     sampled = (f", sampled pass@1 {result.pass_at_k['1']:.3f} ({cfg.eval.samples} samples)"
                if "1" in result.pass_at_k else "")
     log.info("%s: held-out greedy accuracy %.3f%s on %d problems (%.1fs); e.g. %r", label, result.accuracy, sampled,

@@ -54,8 +54,9 @@ def placements(optimizer, params: Any, master: bool) -> tuple | None:
 
 
 def warm_start(model: PolicyModel, params: Any, task: ArithTask, tokenizer: TextTokenizer, cfg: RunConfig,
-               metrics=None, stop_event=None) -> tuple[Any, dict]:
-    """Run cfg.warmstart.steps supervised steps from `params` (fewer if `stop_event` is set); return params, report."""
+               metrics=None, stop_event=None, progress=None) -> tuple[Any, dict]:
+    """Run cfg.warmstart.steps supervised steps from `params` (fewer if `stop_event` is set); return params, report.
+    `progress`: called after every step (a heartbeat)."""
     ws = cfg.warmstart
     optimizer = make_optimizer(ws.learning_rate, cfg.trainer.max_grad_norm)
     master = uses_master_weights(params, cfg.trainer.optimizer.state_dtype)
@@ -75,6 +76,8 @@ def warm_start(model: PolicyModel, params: Any, task: ArithTask, tokenizer: Text
         if placed is not None:
             batch = jax.device_put(batch, placed[2])
         params, opt_state, loss_arr = step_fn(params, opt_state, *batch)
+        if progress is not None:
+            progress()
         if step % 50 == 0 or step == ws.steps:
             # a multi-process trainer's loss lives on one process's device: every process gathers it (host_copy is
             # a collective there, reached by all of them at the same step)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 
@@ -67,9 +67,10 @@ def majority_correct(answers: Sequence[str | None], reference: str) -> bool:
     return same_number(groups[best][0], reference)
 
 
-def _generate(engine: GenerationEngine, params: Any, tokenizer, prompts: list[list[int]], batch_size: int, rng, greedy: bool):
+def _generate(engine: GenerationEngine, params: Any, tokenizer, prompts: list[list[int]], batch_size: int, rng, greedy: bool,
+              progress: Callable[[], None] | None = None):
     """Completion texts for `prompts`, generated `batch_size` at a time (a fixed-shape engine's last batch padded:
-    one compiled shape)."""
+    one compiled shape); `progress` is called after each batch (a heartbeat)."""
     texts = []
     for i in range(0, len(prompts), batch_size):
         chunk = prompts[i:i + batch_size]
@@ -77,14 +78,18 @@ def _generate(engine: GenerationEngine, params: Any, tokenizer, prompts: list[li
         rng, sub = jax.random.split(rng)
         out = engine.generate(params, padded, sub, greedy=greedy)
         texts += [tokenizer.decode(out.tokens[j, :out.lengths[j]].tolist()) for j in range(len(chunk))]
+        if progress is not None:
+            progress()
     return texts
 
 
 def evaluate(engine: GenerationEngine, params: Any, tokenizer, problems: list, batch_size: int, num_examples: int = 3,
-             samples: int = 0, ks: Sequence[int] = (), seed: int = 0) -> EvalResult:
+             samples: int = 0, ks: Sequence[int] = (), seed: int = 0,
+             progress: Callable[[], None] | None = None) -> EvalResult:
     """Greedy pass@1 on `problems` (each has .prompt and .answer); with `samples` > 0 also pass@k and maj@k.
 
-    Problems whose prompt exceeds the engine's max_prompt_tokens are skipped and counted."""
+    Problems whose prompt exceeds the engine's max_prompt_tokens are skipped and counted. `progress`: called after
+    every generated batch (a heartbeat)."""
     start = time.time()
     if not problems:
         raise ValueError("no problems to evaluate (eval.num_problems / --limit, and the split's size)")
@@ -95,7 +100,8 @@ def evaluate(engine: GenerationEngine, params: Any, tokenizer, problems: list, b
     if not problems:
         raise ValueError(f"generation.max_prompt_tokens={engine.max_prompt_tokens}: every evaluation prompt is "
                          "longer; raise it")
-    greedy = _generate(engine, params, tokenizer, prompts, batch_size, jax.random.key(seed), greedy=True)
+    greedy = _generate(engine, params, tokenizer, prompts, batch_size, jax.random.key(seed), greedy=True,
+                       progress=progress)
     correct = [answer_correct(t, p.answer) for t, p in zip(greedy, problems)]
     formatted = [answer_format(t, p.answer) for t, p in zip(greedy, problems)]
     examples = [{"prompt": p.prompt, "completion": t, "answer": p.answer, "correct": bool(c)}
@@ -108,7 +114,8 @@ def evaluate(engine: GenerationEngine, params: Any, tokenizer, problems: list, b
         if bad:
             raise ValueError(f"eval.ks={list(ks)}: each k must be in 1..eval.samples={samples}")
         repeated = [ids for ids in prompts for _ in range(samples)]
-        texts = _generate(engine, params, tokenizer, repeated, batch_size, jax.random.key(seed + 1), greedy=False)
+        texts = _generate(engine, params, tokenizer, repeated, batch_size, jax.random.key(seed + 1), greedy=False,
+                          progress=progress)
         per_problem = [texts[i * samples:(i + 1) * samples] for i in range(n)]
         for k in ks:
             result.pass_at_k[str(k)] = sum(
@@ -121,7 +128,9 @@ def evaluate(engine: GenerationEngine, params: Any, tokenizer, problems: list, b
     return result
 
 
-def greedy_probe(engine: GenerationEngine, params: Any, tokenizer, problems: list, batch_size: int) -> list[str]:
+def greedy_probe(engine: GenerationEngine, params: Any, tokenizer, problems: list, batch_size: int,
+                 progress: Callable[[], None] | None = None) -> list[str]:
     """Greedy completions of the problems whose prompts fit: what two copies of the same weights must agree on."""
     prompts = [ids for ids in (tokenizer.encode(p.prompt) for p in problems) if len(ids) <= engine.max_prompt_tokens]
-    return _generate(engine, params, tokenizer, prompts, batch_size, jax.random.key(0), greedy=True) if prompts else []
+    return (_generate(engine, params, tokenizer, prompts, batch_size, jax.random.key(0), greedy=True, progress=progress)
+            if prompts else [])

@@ -36,3 +36,21 @@ def seconds_since_beat(run_dir: pathlib.Path | str, name: str, now: float | None
     except OSError:
         return None
     return max(0.0, (time.time() if now is None else now) - mtime)
+
+
+class Heartbeat:
+    """`beat(run_dir, name)` as a callable for long loops (a warm start's steps, an evaluation's batches), at most
+    once every `every_s` seconds; `now()` beats whatever the interval."""
+
+    def __init__(self, run_dir: pathlib.Path | str | None, name: str, every_s: float = 5.0):
+        self.run_dir, self.name, self.every_s = run_dir, name, every_s
+        self._last = float("-inf")
+
+    def __call__(self) -> None:
+        if time.monotonic() - self._last >= self.every_s:
+            self.now()
+
+    def now(self) -> None:
+        beat(self.run_dir, self.name)
+        self._last = time.monotonic()
+

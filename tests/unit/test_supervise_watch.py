@@ -122,6 +122,17 @@ def test_a_config_error_of_a_child_is_not_restarted_either(tmp_path):
     assert sampler.starts == 1 and "not restarted" in lines[0]
 
 
+def test_a_job_whose_member_recorded_a_permanent_failure_is_not_restarted_whatever_code_came_first(tmp_path):
+    """A 2-process trainer: the process that recorded the permanent failure may still be shutting down when its
+    peer, now without it, exits 1 (or is killed); the record decides."""
+    watch, _, trainer, _, lines = fake_run(tmp_path)
+    record_permanent(tmp_path, "trainer-0", PermanentError("checkpoint.dir holds a different model"))
+    trainer.code = 1
+    outcome = watch.check()
+    assert outcome.reason == "permanent" and outcome.message == "checkpoint.dir holds a different model"
+    assert trainer.starts == 1 and "not restarted" in lines[0]
+
+
 def test_a_permanent_failure_without_a_record_points_at_the_log(tmp_path):
     watch, _, trainer, _, _ = fake_run(tmp_path)
     trainer.code = 3
