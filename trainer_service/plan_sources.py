@@ -132,8 +132,6 @@ class LeaderSource(CoreHooks):
             self.step_times.append({**context.phases, **result.phases, "step_seconds": time.time() - context.t0})
         elif isinstance(plan, FinishPlan):
             self.eval_after = result
-            if not plan.complete:
-                self.s.server.stop()  # samplers keep their weights and wait for the resumed run
 
     def trained(self, plan: StepPlan, metrics: dict) -> None:
         self.s.durability.trained(plan.step, self._context[plan.step].picked)
