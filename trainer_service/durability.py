@@ -76,7 +76,7 @@ class Durability:
                                                            group.data_position)
         self.buffer_position = picked[-1][0].entry_id
 
-    def checkpoint(self, step: int, updater: PolicyUpdater, extra: dict) -> None:
+    def save(self, step: int, updater: PolicyUpdater, extra: dict) -> None:
         """Start saving `step`; its groups and everything before are listed so a resume can settle them."""
         unsettled = [[eid, gid, s] for s, pairs in self.unsettled if s <= step for eid, gid in pairs]
         frozen = updater.split(updater.params)[1]
@@ -88,7 +88,7 @@ class Durability:
             "data_position": dict(self.data_position), "buffer_position": self.buffer_position, **extra},
             token=step)
 
-    def settle_committed(self, wait: bool = False, everything: bool = False) -> None:
+    def committed(self, wait: bool = False, everything: bool = False) -> None:
         """Acknowledge groups whose update is safe on disk: those of steps up to the checkpoint *before* the newest
         committed one (so a corrupt newest checkpoint still finds its groups in the buffer), or, at the end of a
         completed run (`everything`), up to the newest."""
@@ -171,10 +171,3 @@ class Durability:
                 "(or --run-dir) at that run's checkpoints to resume it, or choose a new run.name")
         self.available("auditing the start", lambda: self.buffer.log_trainer(self.epoch, 0, ""))
         self.available("updating the held count", lambda: self.buffer.set_held(0))
-
-    def save(self, step: int, updater: PolicyUpdater, carried: dict) -> None:
-        self.checkpoint(step, updater, carried)
-
-    def committed(self, wait: bool = False, everything: bool = False) -> None:
-        self.settle_committed(wait=wait, everything=everything)
-

@@ -11,7 +11,6 @@ difference of any parameter, and how far RL moved the parameters from where it s
 import json
 import pathlib
 import sys
-import threading
 
 import numpy as np
 
