@@ -5,7 +5,6 @@ syscall per beat, and a reader needs nothing but the run directory."""
 
 from __future__ import annotations
 
-import os
 import pathlib
 import time
 
@@ -23,8 +22,7 @@ def beat(run_dir: pathlib.Path | str | None, name: str) -> None:
     path = beat_path(run_dir, name)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.touch()
-        os.utime(path)
+        path.touch()  # creates it, or sets its mtime to now
     except OSError:
         pass
 
