@@ -82,8 +82,14 @@ def trainer_fixes(cfg: RunConfig, sizes: dict) -> list[str]:
             fixes.append(f"trainer.remat=full: recompute each decoder layer in the backward pass (activations and "
                          f"temporaries are {gib(activations)} per device); trainer.remat=save_dots keeps the "
                          "layers' matrix-product outputs: less saved, less recomputed")
+        packing = sizes.get("packing")
+        if packing is not None and packing["rows"] > t.mesh.fsdp:
+            smaller = max(t.mesh.fsdp, packing["rows"] // 2) * packing["row_tokens"]
+            fixes.append(f"trainer.tokens_per_micro_batch={smaller}: smaller packed passes, gradients accumulated "
+                         f"(now {packing['tokens_per_pass']} tokens, {packing['rows']} rows of "
+                         f"{packing['row_tokens']}, per pass); activations follow this budget")
         micro = t.micro_batch_size or rows
-        if micro > t.mesh.fsdp and rows % t.mesh.fsdp == 0:
+        if packing is None and micro > t.mesh.fsdp and rows % t.mesh.fsdp == 0:
             fixes.append(f"trainer.micro_batch_size={t.mesh.fsdp}: one sequence per device per pass, gradients "
                          f"accumulated (now {micro} sequences per pass)")
         fixes.append(f"generation.max_new_tokens below {cfg.generation.max_new_tokens}: activations grow with the "
@@ -129,7 +135,8 @@ def verdict(cfg: RunConfig, role: str, report: dict) -> dict:
     report["usable_bytes"] = int(memory * (1 - hw.margin))
     report["fits"] = total <= report["usable_bytes"]
     if not report["fits"]:
-        report["fixes"] = (trainer_fixes(cfg, report["per_device_bytes"]) if role == "trainer"
+        report["fixes"] = (trainer_fixes(cfg, {**report["per_device_bytes"], "packing": report.get("packing")})
+                           if role == "trainer"
                            else sampler_fixes(cfg, report["per_device_bytes"], report["slots"]))
     return report
 
@@ -159,8 +166,12 @@ def render(cfg: RunConfig, doc: dict) -> str:
                          "(sampler.vllm.gpu_memory_utilization)")
             continue
         mesh = " x ".join(f"{k} {v}" for k, v in r["mesh"].items())
+        packed = r.get("packing")
+        passes = (f", packed passes of {packed['rows']} rows x {packed['row_tokens']} tokens "
+                  f"({packed['tokens_per_pass']:,} per pass)" if packed else "")
         lines.append(f"\n{role}: {r['devices']} x {r['chip'] or 'device'} ({gib(r['device_memory_bytes'])} each, "
-                     f"{gib(r['usable_bytes'])} usable at margin {cfg.hardware.margin}), mesh {mesh}; per device:")
+                     f"{gib(r['usable_bytes'])} usable at margin {cfg.hardware.margin}), mesh {mesh}{passes}; "
+                     "per device:")
         for name, n in r["per_device_bytes"].items():
             if name != "total":
                 lines.append(f"  {name:<28} {gib(n):>14}")

@@ -32,6 +32,7 @@ from grpo_stream.common.model.policy import PolicyModel, build_from_architecture
 from grpo_stream.common.model.sharding import make_mesh, param_shardings, rows_sharding
 from grpo_stream.common.weights.registry import transport_spec
 from grpo_stream.trainer_service.batching import TrainBatch
+from grpo_stream.trainer_service.packing import PackedMicroBatch, packing_layout
 from grpo_stream.trainer_service.rl_update import PolicyUpdater, donates_updates
 
 
@@ -90,7 +91,9 @@ def model_dtype(cfg: RunConfig, role: str = "trainer"):
 
 
 def trainer_programs(cfg: RunConfig, arch: Architecture) -> dict:
-    """Compile the update step (and the logprob pass the old/reference logprobs need) on the trainer mesh."""
+    """Compile the update step (and the logprob pass the old/reference logprobs need) on the trainer mesh: with
+    trainer.packing, one packed pass's gradient accumulation and the optimizer update, whose activations follow the
+    pass's token budget; else the padded minibatch's step."""
     t, gen, algo = cfg.trainer, cfg.generation, cfg.algo
     mesh = make_mesh(t.mesh.fsdp, t.mesh.tp, jax.devices(), "trainer.mesh")
     model = abstract_model(arch, model_dtype(cfg), mesh)
@@ -99,8 +102,48 @@ def trainer_programs(cfg: RunConfig, arch: Architecture) -> dict:
     if cfg.model.lora is not None:  # the adapted model, training the adapters only, as the trainer builds it
         lora = abstract_lora(trained, cfg.model.lora, cfg.run.seed)
         trained, trainable = lora.adapted, lora.trainable()
+    layout = packing_layout(cfg, t.mesh.fsdp, arch)
     updater = PolicyUpdater(trained, trained.params, algo, t.learning_rate, t.max_grad_norm, gen.temperature, 0,
-                            mesh, t.optimizer, t.steps, t.micro_batch_size, donate=donate, trainable=trainable)
+                            mesh, t.optimizer, t.steps, t.micro_batch_size, donate=donate, trainable=trainable,
+                            packing=layout)
+    needs_old = algo.num_iterations > 1 or algo.minibatches > 1
+    started = time.time()
+    shape = (f"passes of {layout.rows} packed rows of {layout.row_tokens} tokens" if layout is not None else
+             f"{t.groups_per_step * gen.num_generations // algo.minibatches} sequences of "
+             f"{gen.max_prompt_tokens + gen.max_new_tokens} tokens")
+    progress(f"trainer: compiling the update step ({model.num_params() / 1e9:.3g}B parameters, mesh fsdp "
+             f"{t.mesh.fsdp} x tp {t.mesh.tp}, {shape})")
+    compile_step = packed_step_programs if layout is not None else padded_step_programs
+    step, logprobs, batch_bytes = compile_step(cfg, updater, mesh, needs_old)
+    progress(f"trainer: update step compiled in {time.time() - started:.0f} s")
+    params, opt_state = shard_bytes(updater.params), shard_bytes(updater.opt_state)
+    train_bytes = shard_bytes(updater.split(updater.params)[0])  # with LoRA the adapters; else all parameters
+    reference = train_bytes if algo.beta > 0 else 0  # with LoRA the reference shares the frozen base
+    programs = {"update_step": step}
+    if logprobs is not None:
+        programs["logprobs"] = logprobs
+    gradients = min(train_bytes, step["temporaries"])  # the trained parameters' shapes; XLA counts them in temp
+    per_device = {"parameters": params, "optimizer_state": opt_state, "reference_parameters": reference,
+                  "batch": batch_bytes, "gradients": gradients,
+                  "activations_and_temporaries": step["temporaries"] - gradients,
+                  "updated_state": step["outputs"] - step["aliased"]}
+    # beyond what stays resident: the step's batch, temporaries and not-in-place outputs, or the logprob pass's
+    step_extra = per_device["batch"] + step["temporaries"] + per_device["updated_state"]
+    logprob_extra = (programs["logprobs"]["peak"] - params) if "logprobs" in programs else 0
+    per_device["total"] = params + opt_state + reference + max(step_extra, logprob_extra)
+    packing = None if layout is None else {"rows": layout.rows, "row_tokens": layout.row_tokens,
+                                           "tokens_per_pass": layout.rows * layout.row_tokens,
+                                           "segments_per_row": layout.segments_per_row}
+    return {"devices": t.mesh.fsdp * t.mesh.tp, "mesh": {"fsdp": t.mesh.fsdp, "tp": t.mesh.tp},
+            "parameters": model.num_params(), "trained_parameters": lora.adapter_count() if trainable else
+            model.num_params(), "per_device_bytes": per_device, "programs": programs, "packing": packing,
+            "peak_program": "update_step" if step_extra >= logprob_extra else "logprobs"}
+
+
+def padded_step_programs(cfg: RunConfig, updater: PolicyUpdater, mesh, needs_old: bool):
+    """(update step, logprob pass or None, batch bytes per device) of the padded layout: the whole minibatch's
+    step (micro-batches scanned inside it)."""
+    t, gen, algo = cfg.trainer, cfg.generation, cfg.algo
     rows = t.groups_per_step * gen.num_generations
     minibatch = rows // algo.minibatches
     length = gen.max_prompt_tokens + gen.max_new_tokens
@@ -112,39 +155,53 @@ def trainer_programs(cfg: RunConfig, arch: Architecture) -> dict:
                        loss_mask=arrays(minibatch, (length - 1,), jnp.float32),
                        behaviour_logprobs=arrays(minibatch, (length - 1,), jnp.float32),
                        advantages=arrays(minibatch, (), jnp.float32), fresh=arrays(minibatch, (), jnp.float32))
-    needs_old = algo.num_iterations > 1 or algo.minibatches > 1
     old = arrays(minibatch, (length - 1,), jnp.float32) if needs_old else None
     ref = arrays(minibatch, (length - 1,), jnp.float32) if algo.beta > 0 else None
-    started = time.time()
-    progress(f"trainer: compiling the update step ({model.num_params() / 1e9:.3g}B parameters, mesh fsdp "
-             f"{t.mesh.fsdp} x tp {t.mesh.tp}, {minibatch} sequences of {length} tokens)")
     step = analysed(updater._step.lower(*updater.split(updater.params), updater.opt_state, batch, old, ref).compile())
-    progress(f"trainer: update step compiled in {time.time() - started:.0f} s")
-    params, opt_state = shard_bytes(updater.params), shard_bytes(updater.opt_state)
-    train_bytes = shard_bytes(updater.split(updater.params)[0])  # with LoRA the adapters; else all parameters
-    reference = train_bytes if algo.beta > 0 else 0  # with LoRA the reference shares the frozen base
-    programs = {"update_step": step}
+    logprobs = None
     if needs_old or algo.beta > 0:  # the old / reference logprobs of the step's batch, before the updates
         chunk = rows if t.micro_batch_size is None or rows % t.micro_batch_size else t.micro_batch_size
         full = rows_sharding(mesh, minibatch)  # as update() places the batch; a slice of it keeps that layout
         tokens = jax.ShapeDtypeStruct((chunk, length), jnp.int32, sharding=full)
         valid = jax.ShapeDtypeStruct((chunk, length), jnp.bool_, sharding=full)
-        programs["logprobs"] = analysed(updater._logprobs.lower(updater.params, tokens, valid).compile())
-    gradients = min(train_bytes, step["temporaries"])  # the trained parameters' shapes; XLA counts them in temp
-    per_device = {"parameters": params, "optimizer_state": opt_state, "reference_parameters": reference,
-                  "batch": step["arguments"] - params - opt_state, "gradients": gradients,
-                  "activations_and_temporaries": step["temporaries"] - gradients,
-                  "updated_state": step["outputs"] - step["aliased"]}
-    # beyond what stays resident: the step's batch, temporaries and not-in-place outputs, or the logprob pass's
-    step_extra = per_device["batch"] + step["temporaries"] + per_device["updated_state"]
-    logprob_extra = (programs["logprobs"]["peak"] - params) if "logprobs" in programs else 0
-    per_device["total"] = params + opt_state + reference + max(step_extra, logprob_extra)
-    return {"devices": t.mesh.fsdp * t.mesh.tp, "mesh": {"fsdp": t.mesh.fsdp, "tp": t.mesh.tp},
-            "parameters": model.num_params(), "trained_parameters": lora.adapter_count() if trainable else
-            model.num_params(), "per_device_bytes": per_device, "programs": programs,
-            "peak_program": "update_step" if step_extra >= logprob_extra else "logprobs"}
+        logprobs = analysed(updater._logprobs.lower(updater.params, tokens, valid).compile())
+    return step, logprobs, step["arguments"] - shard_bytes(updater.params) - shard_bytes(updater.opt_state)
 
 
+def packed_step_programs(cfg: RunConfig, updater: PolicyUpdater, mesh, needs_old: bool):
+    """padded_step_programs' triple for trainer.packing: one pass's gradient accumulation (the activations, at the
+    pass's token budget) with the optimizer update's state (the larger of the two programs' peaks counts)."""
+    layout, packed, algo = updater.packed.layout, updater.packed, cfg.algo
+    sharding = rows_sharding(mesh, layout.rows)
+    m, t, slots = layout.rows, layout.row_tokens, layout.segments_per_row * layout.completion_tokens
+    arr = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)  # noqa: E731
+    mb = PackedMicroBatch(tokens=arr((m, t), jnp.int32), positions=arr((m, t), jnp.int32),
+                          segments=arr((m, t), jnp.int32), index=arr((m, slots), jnp.int32),
+                          loss_mask=arr((m, slots), jnp.float32), behaviour=arr((m, slots), jnp.float32),
+                          advantages=arr((m, layout.segments_per_row), jnp.float32),
+                          fresh=arr((m, layout.segments_per_row), jnp.float32))
+    per_sequence = jax.ShapeDtypeStruct((m * layout.segments_per_row, layout.completion_tokens), jnp.float32,
+                                        sharding=sharding)
+    old = per_sequence if needs_old else None
+    ref = per_sequence if algo.beta > 0 else None
+    train, frozen = updater.split(updater.params)
+    norm = (jax.ShapeDtypeStruct((), jnp.float32),) * 2
+    keys = packed.keys(train, frozen, mb, old, ref, norm)
+    acc = jax.eval_shape(lambda x: packed._start_impl(x, keys), train)
+    acc = (jax.tree.map(lambda a, p: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=p.sharding), acc[0], train),
+           acc[1])
+    accumulate = analysed(packed._accumulate.lower(train, frozen, acc, mb, old, ref, norm).compile())
+    apply = analysed(packed._apply.lower(train, updater.opt_state, acc[0]).compile())
+    params = shard_bytes(updater.params)
+    # the accumulate pass holds the gradient sum as an argument and output (aliased); the update's temporaries and
+    # outputs are the optimizer's: a step is the larger of the two on top of what stays resident
+    grads = shard_bytes(acc[0])
+    step = {key: max(accumulate[key], apply[key]) for key in accumulate}
+    step["temporaries"] = max(accumulate["temporaries"] + grads, apply["temporaries"])
+    step["outputs"], step["aliased"] = apply["outputs"], apply["aliased"]
+    logprobs = analysed(packed._logprobs.lower(updater.params, mb).compile()) if needs_old or algo.beta else None
+    batch = accumulate["arguments"] - params - grads - shard_bytes(acc[1])
+    return step, logprobs, max(batch, 0)
 def sampler_programs(cfg: RunConfig, arch: Architecture) -> dict:
     """Compile the JAX engine's weight re-layout, prompt prefill and decode chunk for the largest request set a
     sampler makes (sampler.prompts_per_batch prompts x generation.num_generations rows) on one sampler's mesh."""

@@ -29,6 +29,7 @@ from grpo_stream.common.weights.snapshot import digest
 from grpo_stream.trainer_service.durability import Resumed
 from grpo_stream.trainer_service.params_policy import params_policy
 from grpo_stream.trainer_service.plans import DonePlan, FinishPlan, Plan, StartPlan, StepPlan
+from grpo_stream.trainer_service.packing import packing_layout
 from grpo_stream.trainer_service.rl_update import PolicyUpdater, state_report
 from grpo_stream.trainer_service.run_outputs import evaluate_heldout
 from grpo_stream.trainer_service.warmstart import warm_start
@@ -163,9 +164,11 @@ class TrainerCore:
         built around them (params_policy.py)."""
         cfg, t = self.cfg, self.cfg.trainer
         model, params, trainable = self.policy.trained(self.model.with_remat(t.remat), self.params)
+        mesh = self.parts.mesh
+        packing = packing_layout(cfg, mesh.shape["fsdp"] if mesh is not None else 1, self.model.arch)
         return PolicyUpdater(model, params, cfg.algo, t.learning_rate, t.max_grad_norm, cfg.generation.temperature,
-                             self.parts.tokenizer.pad_id, self.parts.mesh, t.optimizer, t.steps, t.micro_batch_size,
-                             donate=self.donate, trainable=trainable)
+                             self.parts.tokenizer.pad_id, mesh, t.optimizer, t.steps, t.micro_batch_size,
+                             donate=self.donate, trainable=trainable, packing=packing)
 
     # -- steps --------------------------------------------------------------------------------------------------
     def step(self, plan: StepPlan) -> StepResult:

@@ -63,7 +63,9 @@ class LeaderSource(CoreHooks):
         self.mixed_version_groups = 0  # trained groups whose completions mix weight versions (in-flight updates)
         self.agreement = {"tokens": 0.0, "abs_sum": 0.0, "max_abs": 0.0}
         self.step_times: list[dict[str, float]] = []  # per RL step: phase seconds and step_seconds (bench/)
-        self.tokens = {"real": 0, "laid_out": 0}  # of the batches trained: the padding fraction in summary.json
+        # of the batches trained: what the update computed over (packed or padded rows) and what the padded layout
+        # would have laid out: the padding fractions in summary.json
+        self.tokens = {"real": 0, "laid_out": 0, "padded_laid_out": 0}
         self._context: dict[int, _StepContext] = {}
 
     def _send(self, plan: Plan) -> Plan:
@@ -105,8 +107,7 @@ class LeaderSource(CoreHooks):
         batch, stats = build_batch(groups, cfg.generation.max_prompt_tokens, cfg.generation.max_new_tokens,
                                    s.pad_id, cfg.algo, held_version=step - 1)
         plan = step_plan(cfg, step, batch)
-        self.tokens["real"] += stats["real_tokens"]
-        self.tokens["laid_out"] += int(np.asarray(batch.valid).size)
+        self.tokens["padded_laid_out"] += int(np.asarray(batch.valid).size)
         if cfg.trainer.record_batches:
             (self.run_dir / "batches").mkdir(exist_ok=True)
             np.savez(self.run_dir / "batches" / f"step-{step:06d}.npz",
@@ -135,6 +136,8 @@ class LeaderSource(CoreHooks):
 
     def trained(self, plan: StepPlan, metrics: dict) -> None:
         self.s.durability.trained(plan.step, self._context[plan.step].picked)
+        self.tokens["real"] += int(metrics["update_tokens_real"])
+        self.tokens["laid_out"] += int(metrics["update_tokens_laid_out"])
         if metrics["fresh_tokens"]:  # run-long sampler-trainer logprob agreement at version lag 0
             a = self.agreement
             a["tokens"] += metrics["fresh_tokens"]

@@ -22,6 +22,8 @@ from grpo_stream.common.model.policy import PolicyModel, sequence_logprobs
 from grpo_stream.common.model.sharding import rows_sharding
 from grpo_stream.trainer_service.batching import TrainBatch
 from grpo_stream.trainer_service.loss import normalizers, policy_loss, truncated_is_weights
+from grpo_stream.trainer_service.packed_update import PackedPrograms, merge_metrics, metric_start
+from grpo_stream.trainer_service.packing import PackingLayout, pack_minibatch
 from grpo_stream.trainer_service.train_step import (apply_optimizer, init_optimizer_state, learning_rate_schedule,
                                                    make_optimizer, uses_master_weights)
 
@@ -32,7 +34,8 @@ class PolicyUpdater:
     def __init__(self, model: PolicyModel, params: Any, algo: AlgoSection, learning_rate: float,
                  max_grad_norm: float, temperature: float, pad_id: int, mesh: jax.sharding.Mesh | None = None,
                  optimizer: OptimizerSection | None = None, total_steps: int = 1, micro_batch_size: int | None = None,
-                 donate: bool = False, trainable: tuple[bool, ...] | None = None):
+                 donate: bool = False, trainable: tuple[bool, ...] | None = None,
+                 packing: PackingLayout | None = None):
         """`params` already placed on `mesh` (if any); the optimizer state takes their shardings, and each
         batch's rows are split over the mesh's fsdp axis (data parallel). `optimizer` (trainer.optimizer; None:
         Adam at a constant rate) with its schedule over `total_steps` trainer steps. `micro_batch_size`
@@ -42,7 +45,9 @@ class PolicyUpdater:
         devices, not two), so after `update` the previous `params` are deleted: only for a caller that keeps no
         other reference to them in use (not with weights shared in-process with samplers). `trainable` (LoRA: one
         flag per leaf of `params`, flattened order; None: all): only those leaves get gradients and optimizer state;
-        the others are passed through each step unchanged and never donated."""
+        the others are passed through each step unchanged and never donated. `packing` (trainer.packing): the
+        update packs each minibatch's sequences into rows of that layout (packing.py) and sums the gradients of its
+        passes, `micro_batch_size` then unused; None: every sequence in its own padded row."""
         self.model, self.algo, self.temperature, self.pad_id, self.mesh = model, algo, temperature, pad_id, mesh
         self.micro_batch_size = micro_batch_size
         self.learning_rate = learning_rate_schedule(learning_rate, optimizer, total_steps,
@@ -77,7 +82,9 @@ class PolicyUpdater:
             if not is_abstract(params):
                 self.opt_state = jax.device_put(self.opt_state, opt_shardings)
             out_shardings = (self._param_shardings, opt_shardings, None)
+        self._apply_shardings = out_shardings
         self._step = jax.jit(self._step_impl, donate_argnums=(0, 2) if donate else (), out_shardings=out_shardings)
+        self.packed = PackedPrograms(self, packing, donate) if packing is not None else None
 
     def split(self, params) -> tuple[Any, Any]:
         """(trained, frozen) parts of `params`: (params, None) when everything trains; with `trainable`, two tuples
@@ -97,21 +104,25 @@ class PolicyUpdater:
 
     def _loss(self, train, frozen, batch: TrainBatch, old, ref, norm):
         """(loss, metrics) of `batch`; with `norm` (the minibatch's denominators) the share of a micro-batch."""
+        logprobs, entropy = sequence_logprobs(self.model, self.join(train, frozen), batch.tokens, batch.valid,
+                                              self.temperature, self.pad_id, with_entropy=True)
+        return self.objective(logprobs, entropy, batch.loss_mask, batch.behaviour_logprobs, batch.advantages,
+                              batch.fresh, old, ref, norm)
+
+    def objective(self, logprobs, entropy, loss_mask, behaviour, advantages, fresh, old, ref, norm):
+        """(loss, metrics) from per-sequence [B, T] logprobs and entropies (padded rows, or a packed pass's
+        sequences gathered into their completion windows): the policy loss (loss.py) and the sampler-trainer
+        agreement on sequences generated with exactly these weights."""
         algo = self.algo
-        params = self.join(train, frozen)
-        logprobs, entropy = sequence_logprobs(self.model, params, batch.tokens, batch.valid, self.temperature,
-                                              self.pad_id, with_entropy=True)
         proximal = jax.lax.stop_gradient(logprobs) if old is None else old
-        weights = (truncated_is_weights(proximal, batch.behaviour_logprobs, algo.tis_cap)
-                   if algo.tis_cap is not None else None)
-        loss, m = policy_loss(logprobs, old, batch.advantages, batch.loss_mask, loss_algo=algo.loss_algo,
+        weights = truncated_is_weights(proximal, behaviour, algo.tis_cap) if algo.tis_cap is not None else None
+        loss, m = policy_loss(logprobs, old, advantages, loss_mask, loss_algo=algo.loss_algo,
                               eps_low=algo.epsilon, eps_high=algo.eps_high, agg_mode=algo.loss_agg_mode,
                               is_weights=weights, ref_logprobs=ref, beta=algo.beta,
                               kl_estimator=algo.kl_estimator, entropy=entropy, norm=norm)
-        # sampler-trainer agreement on sequences generated with exactly these weights
-        fresh = batch.loss_mask * batch.fresh[:, None]
-        diff = jnp.abs(proximal - batch.behaviour_logprobs) * fresh
-        m.update(lp_diff_sum=diff.sum(), lp_diff_max=diff.max(), fresh_tokens=fresh.sum(), loss=loss)
+        mask = loss_mask * fresh[:, None]
+        diff = jnp.abs(proximal - behaviour) * mask
+        m.update(lp_diff_sum=diff.sum(), lp_diff_max=diff.max(), fresh_tokens=mask.sum(), loss=loss)
         return loss, m
 
     def _accumulated(self, train, frozen, batch: TrainBatch, old, ref, micro: int):
@@ -125,8 +136,6 @@ class PolicyUpdater:
         parts = (jax.tree.map(split, batch), split(old), split(ref))
         grad_fn = jax.value_and_grad(lambda p, f, b, o, r: self._loss(p, f, b, o, r, norm), has_aux=True)
         shapes = jax.eval_shape(lambda: grad_fn(train, frozen, *jax.tree.map(lambda x: x[0], parts))[0][1])
-        start = {key: jnp.full(v.shape, -jnp.inf if key.endswith("_max") else jnp.inf if key.endswith("_min")
-                               else 0.0, v.dtype) for key, v in shapes.items()}
 
         def body(carry, part):
             grads, metrics = carry
@@ -135,17 +144,13 @@ class PolicyUpdater:
             # and keep the whole model gathered for the whole step (the 70B preset's plan: ~270 GiB per chip more)
             weights, fixed, part = jax.lax.optimization_barrier((train, frozen, part))
             (_, m), g = grad_fn(weights, fixed, *part)
-            g = self._pin(g)
-            merged = {key: jnp.maximum(metrics[key], v) if key.endswith("_max") else
-                      jnp.minimum(metrics[key], v) if key.endswith("_min") else metrics[key] + v
-                      for key, v in m.items()}
-            return (jax.tree.map(jnp.add, grads, g), merged), None
+            return (jax.tree.map(jnp.add, grads, self.pin(g)), merge_metrics(metrics, m)), None
 
-        zeros = self._pin(jax.tree.map(jnp.zeros_like, train))
-        (grads, metrics), _ = jax.lax.scan(body, (zeros, start), parts)
+        zeros = self.pin(jax.tree.map(jnp.zeros_like, train))
+        (grads, metrics), _ = jax.lax.scan(body, (zeros, metric_start(shapes)), parts)
         return grads, metrics
 
-    def _pin(self, grads):
+    def pin(self, grads):
         """`grads` constrained to the parameters' shardings (a no-op without a mesh)."""
         if self._param_shardings is None:
             return grads
@@ -156,7 +161,7 @@ class PolicyUpdater:
         micro = self.micro_batch_size
         if micro is None or micro >= batch.tokens.shape[0]:
             (_, metrics), grads = jax.value_and_grad(self._loss, has_aux=True)(train, frozen, batch, old, ref, None)
-            return self._pin(grads), metrics
+            return self.pin(grads), metrics
         return self._accumulated(train, frozen, batch, old, ref, micro)
 
     def _logprobs_impl(self, params, tokens, valid):
@@ -190,26 +195,18 @@ class PolicyUpdater:
         return float(self.learning_rate(int(counts[0]) if counts else 0))
 
     def update(self, batch: TrainBatch) -> dict[str, float]:
-        """Run num_iterations passes of `minibatches` optimizer steps over `batch`; return averaged metrics."""
+        """Run num_iterations passes of `minibatches` optimizer steps over `batch`; return averaged metrics, with
+        the real and laid-out tokens of one pass over the batch (`update_tokens_real`, `update_tokens_laid_out`:
+        what the update's forward and backward passes computed over)."""
         algo = self.algo
-        if self.mesh is not None:
-            batch = jax.device_put(batch, rows_sharding(self.mesh, batch.tokens.shape[0] // algo.minibatches))
-        needs_old = algo.num_iterations > 1 or algo.minibatches > 1
-        old = self.logprobs(self.params, batch.tokens, batch.valid) if needs_old else None
-        ref = self.logprobs(self.ref_params, batch.tokens, batch.valid) if self.ref_params is not None else None
-        rows = batch.tokens.shape[0]
-        size = rows // algo.minibatches
+        run, tokens = self._packed_runner(batch) if self.packed is not None else self._padded_runner(batch)
         sums: dict[str, float] = {}
         agreement = {"lp_diff_sum": 0.0, "lp_diff_max": 0.0, "fresh_tokens": 0.0}
         count = 0
         for iteration in range(algo.num_iterations):
             for k in range(algo.minibatches):
-                part = slice(k * size, (k + 1) * size)
-                sub, sub_old, sub_ref = _fill_micro_batches(
-                    jax.tree.map(lambda x: x[part], batch), None if old is None else old[part],
-                    None if ref is None else ref[part], self.micro_batch_size)
                 train, frozen = self.split(self.params)
-                train, self.opt_state, m = self._step(train, frozen, self.opt_state, sub, sub_old, sub_ref)
+                train, self.opt_state, m = run(k, train, frozen)
                 self.params = self.join(train, frozen)
                 m = {key: float(v) for key, v in jax.device_get(m).items()}
                 if iteration == 0:  # later passes see the same old logprobs again
@@ -233,8 +230,48 @@ class PolicyUpdater:
         if agreement["fresh_tokens"]:
             out["logprob_diff_mean"] = agreement["lp_diff_sum"] / agreement["fresh_tokens"]
             out["logprob_diff_max"] = agreement["lp_diff_max"]
+        out["update_tokens_real"], out["update_tokens_laid_out"] = tokens
         return out
 
+    def _padded_runner(self, batch: TrainBatch):
+        """(run(k, train, frozen) -> (train, opt_state, metrics) of minibatch k in the padded layout, (real,
+        laid-out) tokens)."""
+        algo = self.algo
+        if self.mesh is not None:
+            batch = jax.device_put(batch, rows_sharding(self.mesh, batch.tokens.shape[0] // algo.minibatches))
+        needs_old = algo.num_iterations > 1 or algo.minibatches > 1
+        old = self.logprobs(self.params, batch.tokens, batch.valid) if needs_old else None
+        ref = self.logprobs(self.ref_params, batch.tokens, batch.valid) if self.ref_params is not None else None
+        size = batch.tokens.shape[0] // algo.minibatches
+
+        def run(k: int, train, frozen):
+            part = slice(k * size, (k + 1) * size)
+            sub, sub_old, sub_ref = _fill_micro_batches(
+                jax.tree.map(lambda x: x[part], batch), None if old is None else old[part],
+                None if ref is None else ref[part], self.micro_batch_size)
+            return self._step(train, frozen, self.opt_state, sub, sub_old, sub_ref)
+
+        return run, (int(np.asarray(batch.valid).sum()), int(np.prod(batch.valid.shape)))
+
+    def _packed_runner(self, batch: TrainBatch):
+        """_padded_runner's pair for the packed layout: each minibatch packed (packing.py), its passes placed, and
+        the old and reference logprobs of every pass computed before any update."""
+        algo, packed = self.algo, self.packed
+        host = jax.device_get(batch)
+        size = host.tokens.shape[0] // algo.minibatches
+        fields = (host.tokens, host.valid, host.loss_mask, host.behaviour_logprobs, host.advantages, host.fresh)
+        packs = [pack_minibatch(*(np.asarray(x)[k * size:(k + 1) * size] for x in fields), packed.layout,
+                                self.pad_id) for k in range(algo.minibatches)]
+        passes = [packed.place(p) for p in packs]
+        needs_old = algo.num_iterations > 1 or algo.minibatches > 1
+        old = [packed.logprobs(self.params, p) for p in passes] if needs_old else None
+        ref = [packed.logprobs(self.ref_params, p) for p in passes] if self.ref_params is not None else None
+
+        def run(k: int, train, frozen):
+            return packed.minibatch_step(train, frozen, self.opt_state, passes[k], None if old is None else old[k],
+                                         None if ref is None else ref[k], packs[k].normalizers)
+
+        return run, (sum(p.real_tokens() for p in packs), sum(p.laid_out_tokens() for p in packs))
 
 def state_report(updater: PolicyUpdater, model_parameters: int, lora=None) -> dict:
     """What `updater` holds (bytes on all devices together) and what it trains: every one of `model_parameters`, or

@@ -40,7 +40,8 @@ def write_summary(path: pathlib.Path, cfg: RunConfig, *, steps: int, counters: d
                   trained_here: int, trainer_state: dict | None = None, tokens: dict | None = None) -> dict:
     """`trained_here`: groups this trainer process trained (a resumed run's earlier ones are not its samplers').
     `trainer_state`: what the updater holds (bytes of parameters and optimizer state, what is trained). `tokens`:
-    the real and laid-out tokens of the batches this process trained (the padding the update computed over)."""
+    the real and laid-out tokens of the batches this process trained (the padding the update computed over, packed
+    or not), and the tokens the padded layout lays out (`padded_laid_out`)."""
     generated = publisher.groups_generated()
     summary = {
         "run": cfg.run.name,
@@ -75,7 +76,9 @@ def write_summary(path: pathlib.Path, cfg: RunConfig, *, steps: int, counters: d
         "trainer_mesh": mesh_shape,
         "trainer_state": trainer_state,
         "trainer_tokens": None if not tokens or not tokens["laid_out"] else {
-            **tokens, "padding_fraction": round(1.0 - tokens["real"] / tokens["laid_out"], 4)},
+            **tokens, "padding_fraction": round(1.0 - tokens["real"] / tokens["laid_out"], 4),
+            "laid_out_vs_padded": round(tokens["laid_out"] / tokens["padded_laid_out"], 4)
+            if tokens.get("padded_laid_out") else None},
         # this process's peak device memory (None on CPU): scripts/gpu-check.sh compares it with `plan`'s figure
         "device_memory": device_memory(),
         "final_weights": final_weights,

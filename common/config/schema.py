@@ -153,9 +153,23 @@ class TrainerSection(Strict):
     optimizer: OptimizerSection = Field(default_factory=OptimizerSection, description="Adam or AdamW, and the "
                                         "learning-rate schedule.")
     micro_batch_size: int | None = Field(None, ge=1, le=1_000_000, description="Gradient accumulation: sequences "
-                                         "per forward/backward pass, summed into each minibatch's one update "
-                                         "(same update, less activation memory); must divide the minibatch. Null: "
-                                         "the whole minibatch at once.")
+                                         "per forward/backward pass (with trainer.packing and no "
+                                         "tokens_per_micro_batch: packed rows per pass), summed into each "
+                                         "minibatch's one update (same update, less activation memory); without "
+                                         "packing it must divide the minibatch. Null: the whole minibatch at once "
+                                         "(with packing, rows for a quarter of its sequences per pass).")
+    packing: bool = Field(True, description="Pack the update's sequences several to a row of "
+                          "generation.max_prompt_tokens + max_new_tokens tokens (attention within each sequence, "
+                          "positions restarting), so its forward and backward passes compute real tokens rather than "
+                          "padding; the loss, gradients and statistics are the padded layout's (docs/packing.md). "
+                          "false: each sequence in its own padded row.")
+    tokens_per_micro_batch: int | None = Field(None, ge=2, le=1_000_000_000, description="With packing: tokens of "
+                                               "one forward/backward pass over the whole mesh, in rows of "
+                                               "max_prompt_tokens + max_new_tokens (this // that rows, rounded up to "
+                                               "a multiple of trainer.mesh.fsdp); a minibatch's passes are summed "
+                                               "into its one update. The update's activation memory follows it. "
+                                               "Null: trainer.micro_batch_size rows, or a quarter of a minibatch's "
+                                               "sequences.")
     remat: Literal["none", "attention", "full", "save_dots"] = Field(
         "none", description="Rematerialisation in the update step: recompute each layer's attention block "
         "('attention') or whole decoder layer ('full') in the backward pass instead of keeping its activations, or "
@@ -343,7 +357,16 @@ class RunConfig(Strict):
             raise ValueError(f"algo.minibatches={self.algo.minibatches} must divide the {rows} sequences of a step "
                              "(trainer.groups_per_step x generation.num_generations)")
         micro = self.trainer.micro_batch_size
-        if micro is not None and (rows // self.algo.minibatches) % micro:
+        length = self.generation.max_prompt_tokens + self.generation.max_new_tokens
+        budget = self.trainer.tokens_per_micro_batch
+        if budget is not None and not self.trainer.packing:
+            raise ValueError(f"trainer.tokens_per_micro_batch={budget} sizes packed passes; with trainer.packing=false "
+                             "use trainer.micro_batch_size, or drop trainer.packing=false")
+        if budget is not None and budget < length:
+            raise ValueError(f"trainer.tokens_per_micro_batch={budget} is below one row of generation."
+                             f"max_prompt_tokens + generation.max_new_tokens = {length} tokens; raise it to at least "
+                             f"{length}")
+        if micro is not None and not self.trainer.packing and (rows // self.algo.minibatches) % micro:
             raise ValueError(f"trainer.micro_batch_size={micro} must divide the {rows // self.algo.minibatches} "
                              "sequences of a minibatch (trainer.groups_per_step x generation.num_generations / "
                              "algo.minibatches)")

@@ -221,13 +221,30 @@ def causal_mask(valid: jax.Array) -> jax.Array:
     return causal[None] & valid[:, None, :].astype(jnp.bool_)
 
 
+def segment_mask(segments: jax.Array) -> jax.Array:
+    """[B, L, L] attention mask of packed rows: causal within each segment (ids > 0; 0 is padding). A token of one
+    segment sees none of another's, so a packed sequence's logits are those it has alone in a padded row."""
+    length = segments.shape[-1]
+    causal = jnp.tril(jnp.ones((length, length), dtype=jnp.bool_))
+    same = segments[:, :, None] == segments[:, None, :]
+    return causal[None] & same & (segments[:, None, :] > 0)
+
+
 def sequence_logprobs(model: PolicyModel, params: Any, tokens: jax.Array, valid: jax.Array,
                       temperature: float, pad_id: int, with_entropy: bool = False):
     """logprob of tokens[:, 1:] given their prefixes: [B, L-1]. Full forward, no cache.
 
     With `with_entropy`, also the policy's entropy at each of those positions ([B, L-1]).
     """
-    logits, _ = model.apply(params, tokens, positions_from_mask(valid), None, causal_mask(valid))
+    return row_logprobs(model, params, tokens, positions_from_mask(valid), causal_mask(valid), temperature, pad_id,
+                        with_entropy)
+
+
+def row_logprobs(model: PolicyModel, params: Any, tokens: jax.Array, positions: jax.Array, mask: jax.Array,
+                 temperature: float, pad_id: int, with_entropy: bool = False):
+    """sequence_logprobs for rows with explicit `positions` and attention `mask` ([B, L, L]): a padded row's
+    (positions_from_mask, causal_mask) or a packed row's (positions restarting per segment, segment_mask)."""
+    logits, _ = model.apply(params, tokens, positions, None, mask)
     logits = constrain(logits, LOGITS_SPEC)  # inside activation_sharding: rows over fsdp, vocabulary over tp
     logp = policy_log_softmax(logits[:, :-1], temperature, pad_id)
     chosen = jnp.take_along_axis(logp, tokens[:, 1:, None].astype(jnp.int32), axis=-1)[..., 0]

@@ -78,9 +78,12 @@ def test_an_uneven_minibatch_is_filled_with_rows_that_count_for_nothing(tiny_par
 
 
 def test_a_micro_batch_size_that_does_not_divide_the_minibatch_is_refused():
+    """Without packing (packed passes are rows, not sequences, and need not divide anything)."""
     with pytest.raises(ConfigError, match="trainer.micro_batch_size=3 must divide the 64 sequences of a minibatch"):
         load_config(None, ["trainer.groups_per_step=16", "generation.num_generations=8", "algo.minibatches=2",
-                           "trainer.micro_batch_size=3"])
+                           "trainer.micro_batch_size=3", "trainer.packing=false"])
+    load_config(None, ["trainer.groups_per_step=16", "generation.num_generations=8", "algo.minibatches=2",
+                       "trainer.micro_batch_size=3"])
 
 
 def test_old_and_reference_logprobs_in_micro_batches_equal_one_pass(tiny_parts):

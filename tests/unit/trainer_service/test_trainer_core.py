@@ -9,6 +9,7 @@ import pytest
 from grpo_stream.common.config.loading import load_config
 from grpo_stream.common.rollouts.wire import CompletionData, GroupData
 from grpo_stream.trainer_service.batching import build_batch
+from grpo_stream.trainer_service.packing import packing_layout
 from grpo_stream.trainer_service.checkpoints import CheckpointDisagreement, TrainerCheckpoints
 from grpo_stream.trainer_service.core import CoreHooks, TrainerCore, build_model_parts
 from grpo_stream.trainer_service.follower import ShardKeeper
@@ -78,7 +79,7 @@ def test_scripted_plans_train_as_the_plain_update_loop_and_resume_from_the_check
     t, model = cfg.trainer, build_model_parts(cfg).model
     reference = PolicyUpdater(model.with_remat(t.remat), model.params, cfg.algo, t.learning_rate, t.max_grad_norm,
                               cfg.generation.temperature, 0, core.parts.mesh, t.optimizer, t.steps,
-                              t.micro_batch_size, donate=False)
+                              t.micro_batch_size, donate=False, packing=packing_layout(cfg, 1, model.arch))
     for n, batch in enumerate(data, start=1):
         core.apply(step(n, batch, checkpoint=n == 2, publish=n % 2 == 0))
         reference.update(batch)

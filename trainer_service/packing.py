@@ -1,0 +1,200 @@
+"""Sequence packing for the update: a minibatch's sequences placed into rows of fixed length, several to a row.
+
+The padded layout (batching.py) gives every sequence its own row of P + C tokens (P = max_prompt_tokens, C =
+max_new_tokens); on long-tailed completions most of those tokens are padding, and the update's forward and
+backward passes pay for them. Here each sequence keeps its tokens (prompt, then completion) as one *segment* of a
+row of the same length T = P + C; a row holds as many segments as fit (first-fit decreasing), attention stays within
+a segment (segment ids -> a block-diagonal causal mask) and positions restart at 0 in each segment, so each
+sequence's logits are exactly those of its padded row. Rows are grouped into micro-batches of a fixed number of rows:
+one compiled shape for the whole run, whatever the lengths.
+
+The objective is computed per sequence, as in the padded layout: each micro-batch carries, for each of its
+`segments_per_row` sequence slots per row, the C completion positions of that sequence (`index`: where in its row
+the logprob of completion token j sits) with the sequence's loss mask, behaviour logprobs, advantage and freshness
+in the padded layout's completion window. The update gathers the row logprobs into that [slots, C] layout and runs
+the same loss (loss.py) with the minibatch's normalisers, so every aggregation, GSPO's sequence ratio, the KL and
+TIS terms and every statistic come out as the padded step's.
+
+Sequences with nothing in the loss (an empty completion, or one masked out by algo.overlong=filter) add nothing to
+the loss, its gradient or any statistic, so they are left out of the rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+from flax import struct
+
+
+@dataclasses.dataclass(frozen=True)
+class PackingLayout:
+    """The shapes of the packed update: rows of `row_tokens` = P + C tokens, `rows` rows per micro-batch,
+    `segments_per_row` sequence slots per row; `prompt_tokens` = P locates the completion window of the padded
+    layout."""
+
+    prompt_tokens: int
+    row_tokens: int
+    rows: int
+    segments_per_row: int
+
+    @property
+    def completion_tokens(self) -> int:
+        return self.row_tokens - self.prompt_tokens
+
+
+def segments_per_row(row_tokens: int) -> int:
+    """Sequence slots of one row: enough for rows of short sequences (one every 64 tokens, at least 4), at most one
+    per 2 tokens (a sequence in the loss has a prompt token and a completion token) and at most 64. A row whose slots
+    are full is closed even with tokens to spare; each slot costs C floats per per-token array, far below the
+    vocabulary-wide logits of the row's tokens."""
+    return max(1, min(64, row_tokens // 2, max(4, row_tokens // 64)))
+
+
+def rows_per_micro_batch(tokens_per_micro_batch: int | None, micro_batch_size: int | None, minibatch: int,
+                         row_tokens: int, data_parallel: int) -> int:
+    """Rows of one packed forward/backward pass: tokens_per_micro_batch // row_tokens when set, else
+    micro_batch_size (the padded layout's sequences per pass: the same activation memory), else a quarter of the
+    minibatch's sequences; rounded up to a multiple of the data-parallel size so every device gets whole rows."""
+    if tokens_per_micro_batch is not None:
+        if tokens_per_micro_batch < row_tokens:
+            raise ValueError(f"trainer.tokens_per_micro_batch={tokens_per_micro_batch} is below one row of "
+                             f"generation.max_prompt_tokens + generation.max_new_tokens = {row_tokens} tokens; "
+                             f"raise it to at least {row_tokens}")
+        rows = tokens_per_micro_batch // row_tokens
+    else:
+        rows = micro_batch_size if micro_batch_size is not None else max(1, math.ceil(minibatch / 4))
+    return data_parallel * math.ceil(rows / data_parallel)
+
+
+def packing_layout(cfg, data_parallel: int, arch=None) -> PackingLayout | None:
+    """The packed layout of `cfg` (a RunConfig) on a mesh with `data_parallel` fsdp devices; None with
+    trainer.packing=false. `arch` (the model's Architecture), when known, is checked: Gemma 2's Tunix code places its
+    sliding window by each token's position against its index in the row, which holds in a packed row only when
+    rows are no longer than the window."""
+    t, gen = cfg.trainer, cfg.generation
+    if not t.packing:
+        return None
+    row = gen.max_prompt_tokens + gen.max_new_tokens
+    window = getattr(arch, "sliding_window", None)
+    if arch is not None and arch.family == "gemma2" and window is not None and row > window:
+        raise ValueError(f"trainer.packing: Gemma 2's sliding window of {window} tokens is shorter than a packed row "
+                         f"of {row} (generation.max_prompt_tokens + max_new_tokens); set trainer.packing=false")
+    minibatch = t.groups_per_step * gen.num_generations // cfg.algo.minibatches
+    rows = rows_per_micro_batch(t.tokens_per_micro_batch, t.micro_batch_size, minibatch, row, data_parallel)
+    return PackingLayout(gen.max_prompt_tokens, row, rows, segments_per_row(row))
+
+
+@struct.dataclass
+class PackedMicroBatch:
+    """One packed pass (host numpy or device arrays); m rows, S = segments_per_row slots per row, C completion
+    positions. Slot (r, s) is the s-th sequence of row r; an empty slot has loss mask 0."""
+
+    tokens: np.ndarray      # [m, T] int32, pad where no segment
+    positions: np.ndarray   # [m, T] int32, 0 at each segment's first token
+    segments: np.ndarray    # [m, T] int32, s + 1 on the tokens of slot s, 0 on padding
+    index: np.ndarray       # [m, S * C] int32: position in the row's T - 1 logprobs of each slot's completion token j
+    loss_mask: np.ndarray   # [m, S * C] float32
+    behaviour: np.ndarray   # [m, S * C] float32, sampler logprobs
+    advantages: np.ndarray  # [m, S] float32
+    fresh: np.ndarray       # [m, S] float32
+
+
+@dataclasses.dataclass
+class PackedMinibatch:
+    """A minibatch as packed passes, with the minibatch's loss normalisers (masked tokens, sequences with any) and,
+    for each pass, which sequence of the minibatch each slot holds (-1: empty)."""
+
+    micro_batches: list[PackedMicroBatch]
+    normalizers: tuple[float, float]
+    sources: list[np.ndarray]  # per pass, [m, S] int
+
+    def real_tokens(self) -> int:
+        return int(sum((mb.segments > 0).sum() for mb in self.micro_batches))
+
+    def laid_out_tokens(self) -> int:
+        return int(sum(mb.segments.size for mb in self.micro_batches))
+
+
+def first_fit_decreasing(lengths: np.ndarray, capacity: int, slots: int) -> list[list[int]]:
+    """Rows of sequence indices: longest first, each into the first row with room for its tokens and a free slot.
+    Deterministic (ties by index), so every trainer process packs a batch alike."""
+    order = np.argsort(-lengths, kind="stable")
+    room = np.zeros(len(lengths), np.int64)
+    used = np.zeros(len(lengths), np.int64)
+    rows: list[list[int]] = []
+    for i in order:
+        n = int(lengths[i])
+        if n > capacity:
+            raise ValueError(f"a sequence of {n} tokens does not fit a packed row of {capacity}")
+        fits = np.flatnonzero((room[:len(rows)] >= n) & (used[:len(rows)] < slots))
+        r = int(fits[0]) if len(fits) else len(rows)
+        if r == len(rows):
+            rows.append([])
+            room[r] = capacity
+        rows[r].append(int(i))
+        room[r] -= n
+        used[r] += 1
+    return rows
+
+
+def pack_minibatch(tokens: np.ndarray, valid: np.ndarray, loss_mask: np.ndarray, behaviour: np.ndarray,
+                   advantages: np.ndarray, fresh: np.ndarray, layout: PackingLayout, pad_id: int) -> PackedMinibatch:
+    """Pack one minibatch given in the padded layout ([N, T] tokens and valid, [N, T - 1] loss mask and behaviour
+    logprobs, [N] advantages and freshness) into passes of `layout.rows` rows; at least one pass, so a minibatch
+    with nothing in the loss still makes its (zero-gradient) optimizer update as the padded step does."""
+    p, c = layout.prompt_tokens, layout.completion_tokens
+    n, t = tokens.shape
+    if t != layout.row_tokens:
+        raise ValueError(f"batch rows of {t} tokens, packed layout of {layout.row_tokens}")
+    if loss_mask[:, :p - 1].any():
+        raise ValueError("the loss mask covers prompt positions; packing keeps only the completion window")
+    prompt_len = valid[:, :p].sum(axis=1)
+    completion_len = valid[:, p:].sum(axis=1)
+    window_mask = loss_mask[:, p - 1:p - 1 + c]
+    if (window_mask * (np.arange(c)[None, :] >= completion_len[:, None])).any():
+        raise ValueError("the loss mask covers positions past a sequence's completion")
+    live = np.flatnonzero(window_mask.sum(axis=1) > 0)
+    rows = [[int(live[i]) for i in row] for row in
+            first_fit_decreasing((prompt_len + completion_len)[live], t, layout.segments_per_row)]
+    norm = (float(loss_mask.sum()), float((loss_mask.sum(axis=1) > 0).sum()))
+    passes = max(1, math.ceil(len(rows) / layout.rows))
+    rows += [[] for _ in range(passes * layout.rows - len(rows))]
+    micro, sources = [], []
+    for k in range(passes):
+        part = rows[k * layout.rows:(k + 1) * layout.rows]
+        mb, src = _pack_rows(part, tokens, valid, window_mask, behaviour[:, p - 1:p - 1 + c], advantages, fresh,
+                             prompt_len, completion_len, layout, pad_id)
+        micro.append(mb)
+        sources.append(src)
+    return PackedMinibatch(micro, norm, sources)
+
+
+def _pack_rows(rows: list[list[int]], tokens, valid, window_mask, window_behaviour, advantages, fresh, prompt_len,
+               completion_len, layout: PackingLayout, pad_id: int) -> tuple[PackedMicroBatch, np.ndarray]:
+    m, t, s, c = len(rows), layout.row_tokens, layout.segments_per_row, layout.completion_tokens
+    out = PackedMicroBatch(tokens=np.full((m, t), pad_id, np.int32), positions=np.zeros((m, t), np.int32),
+                           segments=np.zeros((m, t), np.int32), index=np.zeros((m, s * c), np.int32),
+                           loss_mask=np.zeros((m, s * c), np.float32), behaviour=np.zeros((m, s * c), np.float32),
+                           advantages=np.zeros((m, s), np.float32), fresh=np.zeros((m, s), np.float32))
+    sources = np.full((m, s), -1, np.int64)
+    for r, row in enumerate(rows):
+        offset = 0
+        for slot, i in enumerate(row):
+            plen, clen = int(prompt_len[i]), int(completion_len[i])
+            length = plen + clen
+            # the sequence's tokens: the valid span of its padded row (left-padded prompt, then completion)
+            out.tokens[r, offset:offset + length] = tokens[i][valid[i]]
+            out.positions[r, offset:offset + length] = np.arange(length)
+            out.segments[r, offset:offset + length] = slot + 1
+            window = slice(slot * c, (slot + 1) * c)
+            # completion token j sits at offset + plen + j; the logprob that predicts it at one before
+            out.index[r, window][:clen] = offset + plen - 1 + np.arange(clen)
+            out.loss_mask[r, window] = window_mask[i]
+            out.behaviour[r, window] = window_behaviour[i]
+            out.advantages[r, slot] = advantages[i]
+            out.fresh[r, slot] = fresh[i]
+            sources[r, slot] = i
+            offset += length
+    return out, sources
