@@ -32,7 +32,7 @@ from grpo_stream.common.model.policy import PolicyModel, build_from_architecture
 from grpo_stream.common.model.sharding import make_mesh, param_shardings, rows_sharding
 from grpo_stream.common.weights.registry import transport_spec
 from grpo_stream.trainer_service.batching import TrainBatch
-from grpo_stream.trainer_service.packing import PackedMicroBatch, packing_layout
+from grpo_stream.trainer_service.packing import PackedPasses, packing_layout
 from grpo_stream.trainer_service.rl_update import PolicyUpdater, donates_updates
 
 
@@ -169,39 +169,28 @@ def padded_step_programs(cfg: RunConfig, updater: PolicyUpdater, mesh, needs_old
 
 
 def packed_step_programs(cfg: RunConfig, updater: PolicyUpdater, mesh, needs_old: bool):
-    """padded_step_programs' triple for trainer.packing: one pass's gradient accumulation (the activations, at the
-    pass's token budget) with the optimizer update's state (the larger of the two programs' peaks counts)."""
+    """padded_step_programs' triple for trainer.packing: a minibatch's update over its stacked passes (one pass's
+    activations at a time, in the pass's token budget) and the logprob pass."""
     layout, packed, algo = updater.packed.layout, updater.packed, cfg.algo
-    sharding = rows_sharding(mesh, layout.rows)
-    m, t, slots = layout.rows, layout.row_tokens, layout.segments_per_row * layout.completion_tokens
-    arr = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)  # noqa: E731
-    mb = PackedMicroBatch(tokens=arr((m, t), jnp.int32), positions=arr((m, t), jnp.int32),
-                          segments=arr((m, t), jnp.int32), index=arr((m, slots), jnp.int32),
-                          loss_mask=arr((m, slots), jnp.float32), behaviour=arr((m, slots), jnp.float32),
-                          advantages=arr((m, layout.segments_per_row), jnp.float32),
-                          fresh=arr((m, layout.segments_per_row), jnp.float32))
-    per_sequence = jax.ShapeDtypeStruct((m * layout.segments_per_row, layout.completion_tokens), jnp.float32,
-                                        sharding=sharding)
-    old = per_sequence if needs_old else None
-    ref = per_sequence if algo.beta > 0 else None
-    train, frozen = updater.split(updater.params)
-    norm = (jax.ShapeDtypeStruct((), jnp.float32),) * 2
-    keys = packed.keys(train, frozen, mb, old, ref, norm)
-    acc = jax.eval_shape(lambda x: packed._start_impl(x, keys), train)
-    acc = (jax.tree.map(lambda a, p: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=p.sharding), acc[0], train),
-           acc[1])
-    accumulate = analysed(packed._accumulate.lower(train, frozen, acc, mb, old, ref, norm).compile())
-    apply = analysed(packed._apply.lower(train, updater.opt_state, acc[0]).compile())
-    params = shard_bytes(updater.params)
-    # the accumulate pass holds the gradient sum as an argument and output (aliased); the update's temporaries and
-    # outputs are the optimizer's: a step is the larger of the two on top of what stays resident
-    grads = shard_bytes(acc[0])
-    step = {key: max(accumulate[key], apply[key]) for key in accumulate}
-    step["temporaries"] = max(accumulate["temporaries"] + grads, apply["temporaries"])
-    step["outputs"], step["aliased"] = apply["outputs"], apply["aliased"]
-    logprobs = analysed(packed._logprobs.lower(updater.params, mb).compile()) if needs_old or algo.beta else None
-    batch = accumulate["arguments"] - params - grads - shard_bytes(acc[1])
-    return step, logprobs, max(batch, 0)
+    k, m, t, s = layout.passes, layout.rows, layout.row_tokens, layout.segments_per_row
+    arr = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=packed.sharding)  # noqa: E731
+    passes = PackedPasses(tokens=arr((k, m, t), jnp.int32), positions=arr((k, m, t), jnp.int32),
+                          segments=arr((k, m, t), jnp.int32), loss_mask=arr((k, m, t - 1), jnp.float32),
+                          behaviour=arr((k, m, t - 1), jnp.float32), starts=arr((k, m, s), jnp.int32),
+                          lengths=arr((k, m, s), jnp.int32), advantages=arr((k, m, s), jnp.float32),
+                          fresh=arr((k, m, s), jnp.float32))
+    rows = arr((k, m, t - 1), jnp.float32)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    count = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
+    norm = (jax.ShapeDtypeStruct((), jnp.float32, sharding=replicated),) * 2
+    step = analysed(packed._step.lower(*updater.split(updater.params), updater.opt_state, passes, count,
+                                       rows if needs_old else None, rows if algo.beta > 0 else None,
+                                       norm).compile())
+    logprobs = (analysed(packed._logprobs.lower(updater.params, passes, count).compile())
+                if needs_old or algo.beta > 0 else None)
+    return step, logprobs, step["arguments"] - shard_bytes(updater.params) - shard_bytes(updater.opt_state)
+
+
 def sampler_programs(cfg: RunConfig, arch: Architecture) -> dict:
     """Compile the JAX engine's weight re-layout, prompt prefill and decode chunk for the largest request set a
     sampler makes (sampler.prompts_per_batch prompts x generation.num_generations rows) on one sampler's mesh."""

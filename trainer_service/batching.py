@@ -2,8 +2,9 @@
 
 Layout (identical to the sampler's): the prompt is left-padded to
 P = generation.max_prompt_tokens, the completion follows and is
-right-padded to C = generation.max_new_tokens. Fixed shapes mean one
-compiled update for the whole run.
+right-padded to C = generation.max_new_tokens. This is the step's data as
+it travels (to trainer followers, to RUN_DIR/batches); with trainer.packing
+the update repacks it, several sequences to a row (packing.py).
 """
 
 from __future__ import annotations

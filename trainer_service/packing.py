@@ -30,14 +30,16 @@ from flax import struct
 
 @dataclasses.dataclass(frozen=True)
 class PackingLayout:
-    """The shapes of the packed update: rows of `row_tokens` = P + C tokens, `rows` rows per micro-batch,
-    `segments_per_row` sequence slots per row; `prompt_tokens` = P locates the completion window of the padded
-    layout."""
+    """The shapes of the packed update: rows of `row_tokens` = P + C tokens, `rows` rows per pass,
+    `segments_per_row` sequence slots per row, and room for `passes` passes a minibatch (enough for one sequence a
+    row: a minibatch of more sequences than the configured one gets more); `prompt_tokens` = P locates the
+    completion window of the padded layout."""
 
     prompt_tokens: int
     row_tokens: int
     rows: int
     segments_per_row: int
+    passes: int = 1
 
     @property
     def completion_tokens(self) -> int:
@@ -83,38 +85,42 @@ def packing_layout(cfg, data_parallel: int, arch=None) -> PackingLayout | None:
                          f"of {row} (generation.max_prompt_tokens + max_new_tokens); set trainer.packing=false")
     minibatch = t.groups_per_step * gen.num_generations // cfg.algo.minibatches
     rows = rows_per_micro_batch(t.tokens_per_micro_batch, t.micro_batch_size, minibatch, row, data_parallel)
-    return PackingLayout(gen.max_prompt_tokens, row, rows, segments_per_row(row))
+    return PackingLayout(gen.max_prompt_tokens, row, rows, segments_per_row(row), math.ceil(minibatch / rows))
 
 
 @struct.dataclass
-class PackedMicroBatch:
-    """One packed pass (host numpy or device arrays); m rows, S = segments_per_row slots per row, C completion
-    positions. Slot (r, s) is the s-th sequence of row r; an empty slot has loss mask 0."""
+class PackedPasses:
+    """A minibatch's packed passes, stacked: [K, m, ...] for K = PackingLayout.passes passes of m rows of T tokens,
+    S slots a row; the first `count` passes hold the sequences, the rest are never computed. Per-token inputs stay
+    in row layout (compact whatever S); slot (r, s) is the s-th sequence of row r, its completion token j's logprob
+    at row position starts[r, s] + j for j < lengths[r, s] (an empty slot has length 0)."""
 
-    tokens: np.ndarray      # [m, T] int32, pad where no segment
-    positions: np.ndarray   # [m, T] int32, 0 at each segment's first token
-    segments: np.ndarray    # [m, T] int32, s + 1 on the tokens of slot s, 0 on padding
-    index: np.ndarray       # [m, S * C] int32: position in the row's T - 1 logprobs of each slot's completion token j
-    loss_mask: np.ndarray   # [m, S * C] float32
-    behaviour: np.ndarray   # [m, S * C] float32, sampler logprobs
-    advantages: np.ndarray  # [m, S] float32
-    fresh: np.ndarray       # [m, S] float32
+    tokens: np.ndarray      # [K, m, T] int32, pad where no segment
+    positions: np.ndarray   # [K, m, T] int32, 0 at each segment's first token
+    segments: np.ndarray    # [K, m, T] int32, s + 1 on the tokens of slot s, 0 on padding
+    loss_mask: np.ndarray   # [K, m, T - 1] float32 at the logprob positions of the completion tokens
+    behaviour: np.ndarray   # [K, m, T - 1] float32, sampler logprobs at the same positions
+    starts: np.ndarray      # [K, m, S] int32
+    lengths: np.ndarray     # [K, m, S] int32
+    advantages: np.ndarray  # [K, m, S] float32
+    fresh: np.ndarray       # [K, m, S] float32
 
 
 @dataclasses.dataclass
 class PackedMinibatch:
-    """A minibatch as packed passes, with the minibatch's loss normalisers (masked tokens, sequences with any) and,
-    for each pass, which sequence of the minibatch each slot holds (-1: empty)."""
+    """A minibatch as packed passes (`count` of them in use), the minibatch's loss normalisers (masked tokens,
+    sequences with any) and which sequence of the minibatch each slot holds ([K, m, S], -1: empty)."""
 
-    micro_batches: list[PackedMicroBatch]
+    passes: PackedPasses
+    count: int
     normalizers: tuple[float, float]
-    sources: list[np.ndarray]  # per pass, [m, S] int
+    sources: np.ndarray
 
     def real_tokens(self) -> int:
-        return int(sum((mb.segments > 0).sum() for mb in self.micro_batches))
+        return int((self.passes.segments[:self.count] > 0).sum())
 
     def laid_out_tokens(self) -> int:
-        return int(sum(mb.segments.size for mb in self.micro_batches))
+        return int(self.passes.segments[:self.count].size)
 
 
 def first_fit_decreasing(lengths: np.ndarray, capacity: int, slots: int) -> list[list[int]]:
@@ -152,49 +158,38 @@ def pack_minibatch(tokens: np.ndarray, valid: np.ndarray, loss_mask: np.ndarray,
         raise ValueError("the loss mask covers prompt positions; packing keeps only the completion window")
     prompt_len = valid[:, :p].sum(axis=1)
     completion_len = valid[:, p:].sum(axis=1)
-    window_mask = loss_mask[:, p - 1:p - 1 + c]
-    if (window_mask * (np.arange(c)[None, :] >= completion_len[:, None])).any():
+    if (loss_mask[:, p - 1:] * (np.arange(c)[None, :] >= completion_len[:, None])).any():
         raise ValueError("the loss mask covers positions past a sequence's completion")
-    live = np.flatnonzero(window_mask.sum(axis=1) > 0)
+    live = np.flatnonzero(loss_mask.sum(axis=1) > 0)
     rows = [[int(live[i]) for i in row] for row in
             first_fit_decreasing((prompt_len + completion_len)[live], t, layout.segments_per_row)]
-    norm = (float(loss_mask.sum()), float((loss_mask.sum(axis=1) > 0).sum()))
-    passes = max(1, math.ceil(len(rows) / layout.rows))
-    rows += [[] for _ in range(passes * layout.rows - len(rows))]
-    micro, sources = [], []
-    for k in range(passes):
-        part = rows[k * layout.rows:(k + 1) * layout.rows]
-        mb, src = _pack_rows(part, tokens, valid, window_mask, behaviour[:, p - 1:p - 1 + c], advantages, fresh,
-                             prompt_len, completion_len, layout, pad_id)
-        micro.append(mb)
-        sources.append(src)
-    return PackedMinibatch(micro, norm, sources)
-
-
-def _pack_rows(rows: list[list[int]], tokens, valid, window_mask, window_behaviour, advantages, fresh, prompt_len,
-               completion_len, layout: PackingLayout, pad_id: int) -> tuple[PackedMicroBatch, np.ndarray]:
-    m, t, s, c = len(rows), layout.row_tokens, layout.segments_per_row, layout.completion_tokens
-    out = PackedMicroBatch(tokens=np.full((m, t), pad_id, np.int32), positions=np.zeros((m, t), np.int32),
-                           segments=np.zeros((m, t), np.int32), index=np.zeros((m, s * c), np.int32),
-                           loss_mask=np.zeros((m, s * c), np.float32), behaviour=np.zeros((m, s * c), np.float32),
-                           advantages=np.zeros((m, s), np.float32), fresh=np.zeros((m, s), np.float32))
-    sources = np.full((m, s), -1, np.int64)
+    count = max(1, math.ceil(len(rows) / layout.rows))
+    k, m, s = max(layout.passes, count), layout.rows, layout.segments_per_row
+    out = PackedPasses(tokens=np.full((k * m, t), pad_id, np.int32), positions=np.zeros((k * m, t), np.int32),
+                       segments=np.zeros((k * m, t), np.int32), loss_mask=np.zeros((k * m, t - 1), np.float32),
+                       behaviour=np.zeros((k * m, t - 1), np.float32), starts=np.zeros((k * m, s), np.int32),
+                       lengths=np.zeros((k * m, s), np.int32), advantages=np.zeros((k * m, s), np.float32),
+                       fresh=np.zeros((k * m, s), np.float32))
+    sources = np.full((k * m, s), -1, np.int64)
     for r, row in enumerate(rows):
         offset = 0
         for slot, i in enumerate(row):
             plen, clen = int(prompt_len[i]), int(completion_len[i])
-            length = plen + clen
+            span = slice(offset, offset + plen + clen)
             # the sequence's tokens: the valid span of its padded row (left-padded prompt, then completion)
-            out.tokens[r, offset:offset + length] = tokens[i][valid[i]]
-            out.positions[r, offset:offset + length] = np.arange(length)
-            out.segments[r, offset:offset + length] = slot + 1
-            window = slice(slot * c, (slot + 1) * c)
-            # completion token j sits at offset + plen + j; the logprob that predicts it at one before
-            out.index[r, window][:clen] = offset + plen - 1 + np.arange(clen)
-            out.loss_mask[r, window] = window_mask[i]
-            out.behaviour[r, window] = window_behaviour[i]
-            out.advantages[r, slot] = advantages[i]
-            out.fresh[r, slot] = fresh[i]
+            out.tokens[r, span] = tokens[i][valid[i]]
+            out.positions[r, span] = np.arange(plen + clen)
+            out.segments[r, span] = slot + 1
+            # completion token j sits at offset + plen + j; the logprob that predicts it at one before, as the
+            # padded row's at p + j - 1
+            first = offset + plen - 1
+            out.loss_mask[r, first:first + clen] = loss_mask[i, p - 1:p - 1 + clen]
+            out.behaviour[r, first:first + clen] = behaviour[i, p - 1:p - 1 + clen]
+            out.starts[r, slot], out.lengths[r, slot] = first, clen
+            out.advantages[r, slot], out.fresh[r, slot] = advantages[i], fresh[i]
             sources[r, slot] = i
-            offset += length
-    return out, sources
+            offset += plen + clen
+    norm = (float(loss_mask.sum()), float(len(live)))
+    stacked = PackedPasses(**{f.name: getattr(out, f.name).reshape(k, m, *getattr(out, f.name).shape[1:])
+                              for f in dataclasses.fields(out)})
+    return PackedMinibatch(stacked, count, norm, sources.reshape(k, m, s))

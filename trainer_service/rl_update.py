@@ -264,14 +264,17 @@ class PolicyUpdater:
                                 self.pad_id) for k in range(algo.minibatches)]
         passes = [packed.place(p) for p in packs]
         needs_old = algo.num_iterations > 1 or algo.minibatches > 1
-        old = [packed.logprobs(self.params, p) for p in passes] if needs_old else None
-        ref = [packed.logprobs(self.ref_params, p) for p in passes] if self.ref_params is not None else None
+        old = [packed.logprobs(self.params, x, p.count) for x, p in zip(passes, packs)] if needs_old else None
+        ref = ([packed.logprobs(self.ref_params, x, p.count) for x, p in zip(passes, packs)]
+               if self.ref_params is not None else None)
 
         def run(k: int, train, frozen):
-            return packed.minibatch_step(train, frozen, self.opt_state, passes[k], None if old is None else old[k],
-                                         None if ref is None else ref[k], packs[k].normalizers)
+            return packed.minibatch_step(train, frozen, self.opt_state, passes[k], packs[k].count,
+                                         None if old is None else old[k], None if ref is None else ref[k],
+                                         packs[k].normalizers)
 
         return run, (sum(p.real_tokens() for p in packs), sum(p.laid_out_tokens() for p in packs))
+
 
 def state_report(updater: PolicyUpdater, model_parameters: int, lora=None) -> dict:
     """What `updater` holds (bytes on all devices together) and what it trains: every one of `model_parameters`, or

@@ -70,13 +70,13 @@ WATCHED_SCALARS = (
 def test_up_smoke_run(tmp_path):
     run_dir = tmp_path / "run"
     # the training features of real model sizes ride along (their exactness has unit tests): AdamW with a warmup
-    # and cosine schedule, gradient accumulation over two micro-batches of 8 sequences, whole-layer remat; and the
+    # and cosine schedule, gradient accumulation over packed passes of 4 rows (168 tokens), whole-layer remat; and the
     # device plan of a one-GPU host (hardware.gpus=1: every process on GPU 0 with its memory cap), whose settings
     # JAX's CPU backend ignores
     proc = run_cli("up", "--config", "configs/tiny_arith_smoke.yaml", "--run-dir", str(run_dir),
                    "trainer.optimizer.name=adamw", "trainer.optimizer.weight_decay=0.01",
                    "trainer.optimizer.schedule=warmup_cosine", "trainer.optimizer.warmup_steps=2",
-                   "trainer.micro_batch_size=8", "trainer.remat=full", "hardware.gpus=1")
+                   "trainer.tokens_per_micro_batch=168", "trainer.remat=full", "hardware.gpus=1")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     devices = json.loads((run_dir / "devices.json").read_text())
     assert devices["sharing"] == {"0": ["trainer", "sampler-0", "sampler-1"]}
@@ -90,8 +90,10 @@ def test_up_smoke_run(tmp_path):
     installed = summary["sampler_weight_versions"].values()
     assert set().union(*installed) - {0, 8}, summary["sampler_weight_versions"]
     assert 0.0 <= summary["eval_before"]["accuracy"] <= 1.0 and summary["eval_after"]["num_problems"] == 32
-    tokens = summary["trainer_tokens"]  # every step laid out 16 sequences of 24 + 18 tokens
-    assert tokens["laid_out"] == 8 * 16 * 42 and 0 < tokens["real"] < tokens["laid_out"]
+    tokens = summary["trainer_tokens"]  # padded, every step would lay out 16 sequences of 24 + 18 tokens
+    assert tokens["padded_laid_out"] == 8 * 16 * 42 and 0 < tokens["real"] < tokens["laid_out"]
+    # packed (the default): whole passes of 4 rows of 42 tokens, fewer than the padded layout's
+    assert tokens["laid_out"] % (4 * 42) == 0 and tokens["laid_out"] < tokens["padded_laid_out"]
     assert tokens["padding_fraction"] == round(1 - tokens["real"] / tokens["laid_out"], 4)
     # progress lines, TensorBoard event files and per-process logs exist
     assert "step 8/8" in proc.stdout and "reward" in proc.stdout

@@ -67,8 +67,10 @@ def random_batch(seed: int, n: int = SEQUENCES) -> TrainBatch:
                       advantages=jnp.asarray(rng.normal(size=n), jnp.float32))
 
 
-def layout(rows: int = 4) -> PackingLayout:
-    return PackingLayout(PROMPT, PROMPT + COMPLETION, rows, segments_per_row(PROMPT + COMPLETION))
+def layout(rows: int = 4, sequences: int = SEQUENCES) -> PackingLayout:
+    """The packed layout of these batches: passes of `rows` rows, room for a minibatch of `sequences`."""
+    return PackingLayout(PROMPT, PROMPT + COMPLETION, rows, segments_per_row(PROMPT + COMPLETION),
+                         -(-sequences // rows))
 
 
 def noisy(params, seed: int, scale: float):
@@ -104,9 +106,11 @@ def compare(case: tuple, mesh=None, seed: int = 0) -> tuple[float, dict[str, tup
     pack = pack_minibatch(*(np.asarray(x) for x in (host.tokens, host.valid, host.loss_mask, host.behaviour_logprobs,
                                                     host.advantages, host.fresh)), packed.packed.layout, 0)
     passes = packed.packed.place(pack)
-    p_old = packed.packed.logprobs(old_params, passes)
-    p_ref = packed.packed.logprobs(ref_params, passes) if beta else None
-    g_pack, m_pack = packed.packed.gradients(*packed.split(packed.params), passes, p_old, p_ref, pack.normalizers)
+    p_old = packed.packed.logprobs(old_params, passes, pack.count)
+    p_ref = packed.packed.logprobs(ref_params, passes, pack.count) if beta else None
+    norm = tuple(jnp.float32(x) for x in pack.normalizers)
+    g_pack, m_pack = packed.packed.gradients(*packed.split(packed.params), passes, jnp.int32(pack.count), p_old,
+                                             p_ref, norm)
     diff = optax.global_norm(jax.tree.map(lambda a, b: a - b, g_pack, g_pad))
     metrics = {k: (float(m_pad[k]), float(m_pack[k])) for k in m_pad.keys() | m_pack.keys()
                if k in m_pad and k in m_pack}

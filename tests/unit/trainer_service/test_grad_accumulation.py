@@ -49,8 +49,11 @@ def assert_same(a, b):
         assert ma[key] == pytest.approx(mb[key], rel=REL, abs=1e-7), key
 
 
-@pytest.mark.parametrize("agg", ["token-mean", "sequence-mean-token-mean", "sequence-mean-token-sum-norm"])
+@pytest.mark.parametrize("agg", ["token-mean", pytest.param("sequence-mean-token-mean", marks=pytest.mark.heavy),
+                                 pytest.param("sequence-mean-token-sum-norm", marks=pytest.mark.heavy)])
 def test_micro_batches_give_the_update_of_one_pass(tiny_parts, rollout, agg):  # noqa: F811
+    """The padded layout's micro-batches (trainer.packing=false; the packed passes' exactness is
+    test_packed_update.py's): the default lane takes token-mean, -m heavy the other aggregations."""
     whole = gradients(tiny_parts, rollout, None, loss_agg_mode=agg)
     assert_same(gradients(tiny_parts, rollout, 4, loss_agg_mode=agg), whole)
     assert_same(gradients(tiny_parts, rollout, 2, loss_agg_mode=agg), whole)

@@ -34,35 +34,43 @@ def test_first_fit_decreasing_respects_the_row_length_and_slots_and_is_determini
 def test_each_live_sequence_is_one_segment_with_its_tokens_positions_and_completion_window():
     (tokens, valid, mask, behaviour, advantages, fresh), pack = packed()
     live = set(np.flatnonzero(mask.sum(axis=1) > 0))
-    seen = []
-    for mb, sources in zip(pack.micro_batches, pack.sources):
-        assert mb.tokens.shape == (4, PROMPT + COMPLETION)
-        for r, s in zip(*np.nonzero(sources >= 0)):
-            i = sources[r, s]
-            seen.append(i)
-            where = mb.segments[r] == s + 1
-            np.testing.assert_array_equal(mb.tokens[r][where], tokens[i][valid[i]])  # whole, in order
-            np.testing.assert_array_equal(mb.positions[r][where], np.arange(where.sum()))  # from 0
-            window = slice(s * COMPLETION, (s + 1) * COMPLETION)
-            c = int(valid[i, PROMPT:].sum())
-            # the logprob at index predicts the token after it: completion token j of sequence i
-            np.testing.assert_array_equal(mb.tokens[r][mb.index[r, window][:c] + 1], tokens[i, PROMPT:PROMPT + c])
-            np.testing.assert_array_equal(mb.loss_mask[r, window], mask[i, PROMPT - 1:PROMPT - 1 + COMPLETION])
-            np.testing.assert_array_equal(mb.behaviour[r, window], behaviour[i, PROMPT - 1:PROMPT - 1 + COMPLETION])
-            assert mb.advantages[r, s] == advantages[i] and mb.fresh[r, s] == fresh[i]
-        # empty slots count for nothing
-        assert not mb.loss_mask.reshape(4, -1, COMPLETION)[sources < 0].any()
+    x, seen = pack.passes, []
+    assert x.tokens.shape == (6, 4, PROMPT + COMPLETION)  # room for one sequence a row: 24 / 4 passes
+    assert 1 <= pack.count < 6 and not x.segments[pack.count:].any()  # the rest of the stack is never used
+    for k, r, s in zip(*np.nonzero(pack.sources >= 0)):
+        i = pack.sources[k, r, s]
+        seen.append(i)
+        where = x.segments[k, r] == s + 1
+        np.testing.assert_array_equal(x.tokens[k, r][where], tokens[i][valid[i]])  # whole, in order
+        np.testing.assert_array_equal(x.positions[k, r][where], np.arange(where.sum()))  # from 0
+        c = int(valid[i, PROMPT:].sum())
+        assert x.lengths[k, r, s] == c
+        at = x.starts[k, r, s] + np.arange(c)
+        # the logprob at a position predicts the token after it: completion token j of sequence i
+        np.testing.assert_array_equal(x.tokens[k, r][at + 1], tokens[i, PROMPT:PROMPT + c])
+        np.testing.assert_array_equal(x.loss_mask[k, r][at], mask[i, PROMPT - 1:PROMPT - 1 + c])
+        np.testing.assert_array_equal(x.behaviour[k, r][at], behaviour[i, PROMPT - 1:PROMPT - 1 + c])
+        assert x.advantages[k, r, s] == advantages[i] and x.fresh[k, r, s] == fresh[i]
+    assert not x.lengths[pack.sources < 0].any()  # empty slots count for nothing
+    assert x.loss_mask.sum() == mask.sum()  # and no token is in the loss twice
     assert sorted(seen) == sorted(live)  # sequences with nothing in the loss are left out, the rest placed once
     assert pack.normalizers == (float(mask.sum()), float(len(live)))
     assert pack.real_tokens() == int(valid[sorted(live)].sum())
-    assert pack.laid_out_tokens() == len(pack.micro_batches) * 4 * (PROMPT + COMPLETION)
+    assert pack.laid_out_tokens() == pack.count * 4 * (PROMPT + COMPLETION)
 
 
 def test_a_minibatch_with_nothing_in_the_loss_still_makes_one_empty_pass():
     (tokens, valid, mask, behaviour, advantages, fresh), _ = packed()
     pack = pack_minibatch(tokens, valid, np.zeros_like(mask), behaviour, advantages, fresh, layout(), pad_id=0)
-    assert len(pack.micro_batches) == 1 and not pack.micro_batches[0].segments.any()
+    assert pack.count == 1 and not pack.passes.segments.any()
     assert pack.normalizers == (0.0, 0.0)
+
+
+def test_a_minibatch_larger_than_the_configured_one_gets_more_passes():
+    b = random_batch(0, n=48)
+    fields = [np.asarray(x) for x in (b.tokens, b.valid, b.loss_mask, b.behaviour_logprobs, b.advantages, b.fresh)]
+    pack = pack_minibatch(*fields, layout(rows=2, sequences=8), pad_id=0)
+    assert pack.passes.tokens.shape[0] == pack.count > 4
 
 
 def test_a_loss_mask_outside_the_completion_window_is_refused():
@@ -85,6 +93,7 @@ def test_the_pass_size_follows_the_token_budget_and_the_mesh():
     assert rows_per_micro_batch(None, None, 64, 1024, 1) == 16  # a quarter of the minibatch's sequences
     cfg = load_config("configs/tiny_arith.yaml", ["trainer.tokens_per_micro_batch=420"])
     assert packing_layout(cfg, 1).rows == 10 and packing_layout(cfg, 4).rows == 12
+    assert packing_layout(cfg, 1).passes == 13  # 128 sequences a minibatch, one a row at most
     assert packing_layout(load_config("configs/tiny_arith.yaml", ["trainer.packing=false"]), 1) is None
 
 
