@@ -59,6 +59,11 @@ def test_tiny_run_on_two_devices_fits_and_reports_every_category(tmp_path):
     assert small["fits"] is False
     assert any(f.startswith("trainer.remat=full") for f in small["fixes"])
     assert any(f.startswith("trainer.mesh.fsdp=") for f in small["fixes"])
+    # packed (the default): the step compiled is a pass of a quarter of the 128 sequences' rows, and a smaller
+    # token budget is a fix
+    assert trainer["packing"] == {"rows": 32, "row_tokens": 42, "tokens_per_pass": 1344, "segments_per_row": 4}
+    assert "packed passes of 32 rows x 42 tokens" in output
+    assert any(f.startswith("trainer.tokens_per_micro_batch=672:") for f in small["fixes"])
     cfg = load_config(ROOT / "configs/tiny_arith.yaml", ["hardware.trainer_chip=h100-80gb",
                                                           "hardware.sampler_memory_gib=0.001"])
     small = verdict(cfg, "sampler", dict(sampler))
@@ -73,6 +78,11 @@ def test_too_small_a_device_exits_1_and_names_fixes(tmp_path):
     assert code == 1, output
     assert doc["fits"] is False and doc["trainer"]["fits"] is False and doc["sampler"]["fits"] is True
     assert "DOES NOT FIT" in output and "fix: trainer.remat=full" in output
+    # the update's activations follow the packed passes' token budget, not the minibatch
+    _, _, quarter = plan(tmp_path, "configs/tiny_arith.yaml", "hardware.trainer_memory_gib=0.05",
+                         "hardware.sampler_memory_gib=1", "model.lora.rank=4", "trainer.tokens_per_micro_batch=336")
+    activations = [d["trainer"]["per_device_bytes"]["activations_and_temporaries"] for d in (doc, quarter)]
+    assert activations[1] < 0.5 * activations[0], activations
     # LoRA is planned as the trainer runs it: the optimizer holds the adapters' moments (and float32 copies) only,
     # the reference copy is the adapters'; a sampler keeps the frozen base beside the merged weights
     trainer, sampler = doc["trainer"], doc["sampler"]

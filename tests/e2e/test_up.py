@@ -92,8 +92,9 @@ def test_up_smoke_run(tmp_path):
     assert 0.0 <= summary["eval_before"]["accuracy"] <= 1.0 and summary["eval_after"]["num_problems"] == 32
     tokens = summary["trainer_tokens"]  # padded, every step would lay out 16 sequences of 24 + 18 tokens
     assert tokens["padded_laid_out"] == 8 * 16 * 42 and 0 < tokens["real"] < tokens["laid_out"]
-    # packed (the default): whole passes of 4 rows of 42 tokens, fewer than the padded layout's
-    assert tokens["laid_out"] % (4 * 42) == 0 and tokens["laid_out"] < tokens["padded_laid_out"]
+    # packed (the default): whole passes of 4 rows of 42 tokens, no more than the padded layout's (the demo's
+    # sequences are near a row's length: mostly one a row)
+    assert tokens["laid_out"] % (4 * 42) == 0 and tokens["laid_out"] <= tokens["padded_laid_out"]
     assert tokens["padding_fraction"] == round(1 - tokens["real"] / tokens["laid_out"], 4)
     # progress lines, TensorBoard event files and per-process logs exist
     assert "step 8/8" in proc.stdout and "reward" in proc.stdout
