@@ -20,6 +20,7 @@ from grpo_stream.common.config.schema import RunConfig
 from grpo_stream.common.model.policy import build_model
 from grpo_stream.common.model.sharding import make_mesh, place, rows_sharding
 from grpo_stream.trainer_service.batching import TrainBatch
+from grpo_stream.trainer_service.packing import pack_minibatch, packing_layout
 from grpo_stream.trainer_service.rl_update import PolicyUpdater
 
 
@@ -34,19 +35,31 @@ def main() -> None:
     mesh = make_mesh(t.mesh.fsdp, t.mesh.tp, jax.devices(), "trainer.mesh")
     model = build_model(cfg.model, vocab, seed=0)
     params = place(model.params, mesh)
+    layout = packing_layout(cfg, t.mesh.fsdp)
     updater = PolicyUpdater(model.with_remat(t.remat), params, cfg.algo, t.learning_rate, t.max_grad_norm,
-                            gen.temperature, 0, mesh, t.optimizer, t.steps, t.micro_batch_size, donate=True)
-    rows, length = t.groups_per_step * gen.num_generations, gen.max_prompt_tokens + gen.max_new_tokens
+                            gen.temperature, 0, mesh, t.optimizer, t.steps, t.micro_batch_size, donate=True,
+                            packing=layout)
+    rows, prompt, length = t.groups_per_step * gen.num_generations, gen.max_prompt_tokens, gen.max_prompt_tokens + \
+        gen.max_new_tokens
     rng = np.random.default_rng(0)
-    batch = jax.device_put(TrainBatch(
-        tokens=rng.integers(1, vocab, (rows, length)).astype(np.int32), valid=np.ones((rows, length), bool),
-        loss_mask=np.ones((rows, length - 1), np.float32), behaviour_logprobs=np.full((rows, length - 1), -3.0,
-                                                                                      np.float32),
-        advantages=rng.normal(size=rows).astype(np.float32), fresh=np.ones(rows, np.float32)),
-        rows_sharding(mesh, rows))
+    loss_mask = np.zeros((rows, length - 1), np.float32)
+    loss_mask[:, prompt - 1:] = 1.0  # every sequence at full length: prompt, then a completion at the limit
+    batch = TrainBatch(tokens=rng.integers(1, vocab, (rows, length)).astype(np.int32),
+                       valid=np.ones((rows, length), bool), loss_mask=loss_mask,
+                       behaviour_logprobs=np.full((rows, length - 1), -3.0, np.float32),
+                       advantages=rng.normal(size=rows).astype(np.float32), fresh=np.ones(rows, np.float32))
+    if layout is None:
+        batch = jax.device_put(batch, rows_sharding(mesh, rows))
+        step = lambda: updater._step(*updater.split(updater.params), updater.opt_state, batch, None, None)  # noqa: E731
+    else:  # the packed update, as the trainer runs it by default
+        packed = pack_minibatch(batch.tokens, batch.valid, batch.loss_mask, batch.behaviour_logprobs,
+                                batch.advantages, batch.fresh, layout, 0)
+        batch = updater.packed.place(packed)
+        norm = tuple(np.float32(x) for x in packed.normalizers)
+        step = lambda: updater.packed._step(*updater.split(updater.params), updater.opt_state, batch,  # noqa: E731
+                                            np.int32(packed.count), None, None, norm)
     # a first step compiles and warms the allocator; the second is measured
-    updater.params, updater.opt_state, _ = jax.block_until_ready(
-        updater._step(*updater.split(updater.params), updater.opt_state, batch, None, None))
+    updater.params, updater.opt_state, _ = jax.block_until_ready(step())
     gc.collect()
     # what the first step freed goes back to the system now, so the growth below is the measured step's own (glibc
     # keeps freed heap pages, and raises its mmap threshold after large frees, unless told otherwise: the test runs
@@ -65,7 +78,7 @@ def main() -> None:
     watcher = threading.Thread(target=poll)
     watcher.start()
     # donates, as the trainer does with a transport that copies the weights off the devices
-    jax.block_until_ready(updater._step(*updater.split(updater.params), updater.opt_state, batch, None, None))
+    jax.block_until_ready(step())
     done.set()
     watcher.join()
     print(json.dumps({"inputs_bytes": inputs, "step_growth_bytes": peak - base,

@@ -18,7 +18,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 # a tiny-model config large enough that the step's buffers dwarf the interpreter's own allocations
 MEASURED = ["model.tiny.vocab_size=4096", "model.tiny.embed_dim=256", "model.tiny.num_layers=4",
             "model.tiny.hidden_dim=1024", "generation.max_prompt_tokens=64", "generation.max_new_tokens=64",
-            "trainer.groups_per_step=8"]
+            "trainer.groups_per_step=8", "trainer.tokens_per_micro_batch=8192"]  # packed: one pass of all 64 rows
 
 
 def plan(tmp_path: pathlib.Path, config: str, *overrides: str) -> tuple[int, str, dict | None]:
