@@ -59,6 +59,7 @@ def test_micro_batches_give_the_update_of_one_pass(tiny_parts, rollout, agg):  #
     assert_same(gradients(tiny_parts, rollout, 2, loss_agg_mode=agg), whole)
 
 
+@pytest.mark.heavy  # the padded layout's (trainer.packing=false); the packed passes' are default-lane
 def test_an_update_of_several_minibatches_with_gspo_matches_too(tiny_parts, rollout):  # noqa: F811
     """Whole updates (two passes of two minibatches, GSPO's ratio off 1 after the first): the same metrics, and
     parameters within Adam's sensitivity (a first Adam step divides each gradient by its own size)."""
@@ -75,6 +76,7 @@ def test_an_update_of_several_minibatches_with_gspo_matches_too(tiny_parts, roll
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-5)
 
 
+@pytest.mark.heavy  # the padded layout's (trainer.packing=false); the packed passes' are default-lane
 def test_an_uneven_minibatch_is_filled_with_rows_that_count_for_nothing(tiny_parts, rollout):  # noqa: F811
     groups = rollout[:3]  # 3 groups of 4 rows: 12 rows, micro-batches of 8 need 4 more
     assert_same(gradients(tiny_parts, groups, 8), gradients(tiny_parts, groups, None))
@@ -143,6 +145,7 @@ print('ok')
 """
 
 
+@pytest.mark.heavy  # the padded layout's (trainer.packing=false); the packed passes' are default-lane
 def test_micro_batches_on_a_four_device_mesh_give_the_update_of_one_pass(tmp_path):
     """fsdp=2 x tp=2 on fake CPU devices: gradients summed over micro-batches of 2 rows (one per fsdp device) equal
     one pass's to 1e-5 of their norm and are laid out as the parameters; updates (a KL reference, two minibatches,
