@@ -59,12 +59,8 @@ def rows_per_micro_batch(tokens_per_micro_batch: int | None, micro_batch_size: i
     """Rows of one packed forward/backward pass: tokens_per_micro_batch // row_tokens when set, else
     micro_batch_size (the padded layout's sequences per pass: the same activation memory), else a quarter of the
     minibatch's sequences; rounded up to a multiple of the data-parallel size so every device gets whole rows."""
-    if tokens_per_micro_batch is not None:
-        if tokens_per_micro_batch < row_tokens:
-            raise ValueError(f"trainer.tokens_per_micro_batch={tokens_per_micro_batch} is below one row of "
-                             f"generation.max_prompt_tokens + generation.max_new_tokens = {row_tokens} tokens; "
-                             f"raise it to at least {row_tokens}")
-        rows = tokens_per_micro_batch // row_tokens
+    if tokens_per_micro_batch is not None:  # at least one row: the config schema refuses less
+        rows = max(1, tokens_per_micro_batch // row_tokens)
     else:
         rows = micro_batch_size if micro_batch_size is not None else max(1, math.ceil(minibatch / 4))
     return data_parallel * math.ceil(rows / data_parallel)

@@ -237,6 +237,8 @@ class PolicyUpdater:
         """(run(k, train, frozen) -> (train, opt_state, metrics) of minibatch k in the padded layout, (real,
         laid-out) tokens)."""
         algo = self.algo
+        # counted before placing: a batch placed on a mesh over several processes is not readable whole here
+        tokens = (int(np.asarray(batch.valid).sum()), int(np.prod(batch.valid.shape)))
         if self.mesh is not None:
             batch = jax.device_put(batch, rows_sharding(self.mesh, batch.tokens.shape[0] // algo.minibatches))
         needs_old = algo.num_iterations > 1 or algo.minibatches > 1
@@ -251,7 +253,7 @@ class PolicyUpdater:
                 None if ref is None else ref[part], self.micro_batch_size)
             return self._step(train, frozen, self.opt_state, sub, sub_old, sub_ref)
 
-        return run, (int(np.asarray(batch.valid).sum()), int(np.prod(batch.valid.shape)))
+        return run, tokens
 
     def _packed_runner(self, batch: TrainBatch):
         """_padded_runner's pair for the packed layout: each minibatch packed (packing.py), its passes placed, and
