@@ -35,6 +35,9 @@ SETUPS = {
     "demo": ["--config", "configs/tiny_arith.yaml", "warmstart.export=true"],
     "gspo": ["--config", "configs/tiny_arith.yaml", "model.kind=hf", "model.path={warmstart}", "warmstart.steps=0",
              "algo.loss_algo=gspo-token", "algo.minibatches=2", "trainer.steps=400"],
+    # the default lane's shorter GSPO check (tests/e2e/test_demo.py, GSPO_SHORT_STEPS)
+    "gspo-100": ["--config", "configs/tiny_arith.yaml", "model.kind=hf", "model.path={warmstart}",
+                 "warmstart.steps=0", "algo.loss_algo=gspo-token", "algo.minibatches=2", "trainer.steps=100"],
 }
 
 # one-sided 99% quantile of Student's t with n - 1 degrees of freedom
@@ -69,7 +72,15 @@ def run_once(setup: str, run_dir: pathlib.Path, timeout: int, warmstart: pathlib
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}: {proc.stderr[-2000:]}")
-    return figures(json.loads((run_dir / "summary.json").read_text()))
+    out = figures(json.loads((run_dir / "summary.json").read_text()))
+    # how off-policy the run was (the load of the machine sets it): mean staleness and per-group ESS over its steps
+    rows = [json.loads(line) for line in (run_dir / "metrics-trainer.jsonl").read_text().splitlines()
+            if '"train/loss"' in line]
+    for key in ("staleness_mean", "is_ess_group_mean", "mismatch_kl_k3"):
+        values = [r[f"train/{key}"] for r in rows if f"train/{key}" in r]
+        if values:
+            out[key] = round(statistics.mean(values), 4)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmstart", type=pathlib.Path, help="gspo: the warm-started model to start from (a demo "
                    "run's RUN_DIR/warmstart-model, e.g. from --keep-warmstart)")
     args = p.parse_args(argv)
-    if args.setup == "gspo" and not (args.warmstart and (args.warmstart / "config.json").is_file()):
+    if args.setup.startswith("gspo") and not (args.warmstart and (args.warmstart / "config.json").is_file()):
         raise SystemExit("gspo starts from a demo run's warm start: pass --warmstart DIR (made by "
                          "`demo --keep-warmstart DIR`)")
     doc = json.loads(args.out.read_text()) if args.out.exists() else {"setup": args.setup, "runs": []}

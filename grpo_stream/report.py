@@ -11,29 +11,69 @@ import pathlib
 
 # plot name -> (title, series). Every series is plotted only if it moves; one that is constant over the run is
 # listed in report.md with its value and, where CONSTANT_BECAUSE knows, why (and the plots.json index says so).
+# A series ending in "*" stands for every logged key it prefixes (per-lag series: their number follows
+# trainer.max_staleness), in numeric order; so may a CONSTANT_BECAUSE key.
 PLOTS = {
     "reward_accuracy": ("Reward and accuracy (training batches)", ["train/reward_mean", "train/accuracy"]),
     "off_policy": ("Off-policy correction", ["train/is_weight_mean", "train/is_weight_min", "train/ratio_max",
-                                             "train/ratio_min", "train/clip_fraction", "train/ppo_kl"]),
+                                             "train/ratio_min", "train/clip_fraction", "train/clip_fraction_low",
+                                             "train/clip_fraction_high", "train/ppo_kl"]),
     "staleness": ("Staleness of trained groups (steps)", ["train/staleness_mean", "train/staleness_max"]),
     "update": ("Policy update", ["train/grad_norm", "train/entropy", "train/advantage_abs_mean"]),
     "lengths": ("Completions", ["train/response_length_mean", "train/truncated_fraction"]),
     # groups/s is tokens/s over the mean length (the lengths plot), and on this axis it would be a flat line
     "throughput": ("Completion tokens trained per second (30 s window)", ["train/tokens_per_second"]),
     "buffer": ("Rollout buffer", ["train/buffer_depth", "train/groups_dropped_stale"]),
+    # trainer_service/off_policy_health.py; docs/objective.md, "Off-policy health"
+    "off_policy_health": ("Off-policy health: importance-weight ESS, sampler-trainer KL, ratio quantiles",
+                          ["train/is_ess_group_mean", "train/is_ess_group_min", "train/is_ess_sequence",
+                           "train/is_ess_token", "train/mismatch_kl_k3", "train/mismatch_kl_k1",
+                           "train/is_ratio_p01", "train/is_ratio_p10", "train/is_ratio_p50", "train/is_ratio_p90",
+                           "train/is_ratio_p99", "train/is_truncated_fraction"]),
+    "staleness_by_version": ("Share of trained tokens by version lag (steps)",
+                             ["train/staleness_tokens_lag*", "train/mixed_version_tokens_lag*"]),
+    "mixed_versions": ("Trained groups whose tokens mix weight versions", ["train/mixed_version_groups"]),
 }
 CONSTANT_BECAUSE = {
     "train/ratio_max": "one optimizer step per batch (algo.num_iterations=1, algo.minibatches=1): the new/old ratio "
                        "is 1 by construction",
     "train/ratio_min": "as ratio_max",
     "train/clip_fraction": "the ratio is 1, so nothing is clipped",
+    "train/clip_fraction_low": "as clip_fraction",
+    "train/clip_fraction_high": "as clip_fraction",
     "train/ppo_kl": "the ratio is 1, so the policy has not moved within a step",
     "train/staleness_max": "every group was within trainer.max_staleness and it was reached every step",
     "train/truncated_fraction": "no completion reached generation.max_new_tokens, or every one did",
     "train/is_weight_min": "the importance weights were never below their floor",
     "train/groups_dropped_stale": "the count of groups dropped as too stale did not change during RL (with "
                                   "sampler.admission, samplers start only groups the trainer can use in time)",
+    "train/is_truncated_fraction": "no token's importance ratio exceeded algo.tis_cap (or truncation is off)",
+    "train/mixed_version_groups": "versions mix within a group only with sampler.weight_updates=in_flight",
+    "train/mixed_version_tokens_lag*": "no group mixed versions (sampler.weight_updates=between_batches), or every "
+                                       "mixed one had this share",
+    "train/staleness_tokens_lag*": "no trained token was ever drawn at this lag (with sampler.admission the "
+                                   "samplers may keep every group under trainer.max_staleness), or every one was",
 }
+
+
+def _expand(keys: list[str], rows: list[dict]) -> list[str]:
+    """`keys` with each "prefix*" replaced by the logged keys it prefixes, by their numeric suffix."""
+    out = []
+    for key in keys:
+        if not key.endswith("*"):
+            out.append(key)
+            continue
+        found = {k for r in rows for k in r if k.startswith(key[:-1])}
+        out += sorted(found, key=lambda k: (len(k), k))  # lag2 before lag10
+    return out
+
+
+def why_constant(key: str) -> str | None:
+    """The reason CONSTANT_BECAUSE gives for `key`, exactly or by a "prefix*" entry."""
+    if key in CONSTANT_BECAUSE:
+        return CONSTANT_BECAUSE[key]
+    return next((why for pattern, why in CONSTANT_BECAUSE.items()
+                 if pattern.endswith("*") and key.startswith(pattern[:-1])), None)
 
 
 def _fmt(value) -> str:
@@ -82,7 +122,7 @@ def make_report(run_dir: pathlib.Path) -> pathlib.Path:
     images, index, constant = [], {}, {}
     for name, (title, keys) in PLOTS.items():
         series = {}
-        for key in keys:
+        for key in _expand(keys, rows):
             points = [(s, r[key]) for s, r in zip(steps, rows) if key in r]
             if not points:
                 continue
@@ -109,7 +149,7 @@ def make_report(run_dir: pathlib.Path) -> pathlib.Path:
         index[name] = {key: {"points": len(points), "min": min(y for _, y in points), "max": max(y for _, y in points)}
                        for key, points in series.items()}
     (out / "plots.json").write_text(json.dumps({"plots": index, "constant": {
-        key: {"value": value, "why": CONSTANT_BECAUSE.get(key)} for key, value in constant.items()}}, indent=2))
+        key: {"value": value, "why": why_constant(key)} for key, value in constant.items()}}, indent=2))
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     lines = [f"# Run report: {summary.get('run', run_dir.name)}", ""]
@@ -136,8 +176,8 @@ def make_report(run_dir: pathlib.Path) -> pathlib.Path:
     lines += [f"![{name}]({name})" for name in images]
     if constant:
         lines += ["", "Constant over the run (not plotted):", ""]
-        lines += [f"- {key.removeprefix('train/')} = {_fmt(value)}" + (f": {CONSTANT_BECAUSE[key]}"
-                                                                      if key in CONSTANT_BECAUSE else "")
+        lines += [f"- {key.removeprefix('train/')} = {_fmt(value)}" + (f": {why_constant(key)}"
+                                                                      if why_constant(key) else "")
                   for key, value in constant.items()]
     (out / "report.md").write_text("\n".join(lines) + "\n")
     return out

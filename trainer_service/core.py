@@ -178,7 +178,7 @@ class TrainerCore:
         if self.donate:  # the previous publication reads the parameters this update overwrites
             self.wait_background()
         t_published = time.time()
-        metrics = self.updater.update(plan.batch)
+        metrics = self.updater.update(plan.batch, plan.group_index)
         self.params = self.updater.params
         t_compute = time.time()
         self.hooks.trained(plan, metrics)

@@ -37,7 +37,7 @@ from grpo_stream.trainer_service.collector import GroupCollector
 from grpo_stream.trainer_service.core import ModelParts, TrainerCore, build_model_parts
 from grpo_stream.trainer_service.durability import Durability
 from grpo_stream.trainer_service.ingest_server import ingest_servicers
-from grpo_stream.trainer_service.metrics import MetricsWriter
+from grpo_stream.trainer_service.metrics import MetricsWriter, final_figures, open_trackers
 from grpo_stream.trainer_service.multihost import TrainerGroup, ignore_signals, start_group
 from grpo_stream.trainer_service.plan_sources import LeaderSource, drive
 from grpo_stream.trainer_service.prompt_queue import PromptQueue
@@ -94,7 +94,9 @@ class Trainer:
             self._setup()
             drive(self.source, self.core, self.run_dir, "trainer-0")
             self.s.server.stop()  # a stopped run's samplers keep their weights and wait for the resumed one
-            summary, failed = self._summary(), False
+            summary = self._summary()
+            self.s.metrics.summary(final_figures(summary, self.run_dir, self.started))
+            failed = False
             return summary
         except BaseException:
             # a failed run must still release its gRPC threads, or the process never exits
@@ -104,10 +106,10 @@ class Trainer:
         finally:
             if self.core is not None:
                 self.core.close(failed)
-            for part, closer in (("status", "stop"), ("checkpoints", "close"), ("reporter", "close"),
-                                 ("lease", "release")):
+            for part, close in (("status", lambda p: p.stop()), ("checkpoints", lambda p: p.close()),
+                                ("reporter", lambda p: p.close(failed)), ("lease", lambda p: p.release())):
                 if getattr(self.s, part) is not None:
-                    getattr(getattr(self.s, part), closer)()
+                    close(getattr(self.s, part))
 
     def _setup(self) -> None:
         cfg, s = self.cfg, self.s
@@ -126,8 +128,8 @@ class Trainer:
         s.collector = GroupCollector(s.buffer, cfg.trainer.groups_per_step, cfg.trainer.max_staleness,
                                      cfg.algo.dynamic_sampling, self.stop_event, s.durability.held,
                                      waiting=lambda: beat(self.run_dir, "trainer-0"))
-        s.metrics = MetricsWriter(self.run_dir, "trainer")
-        s.reporter = StepReporter(cfg, s.metrics, s.buffer, s.publisher, s.durability.held)
+        s.metrics = open_trackers(cfg, self.run_dir)  # W&B too when tracking.wandb.enabled: process 0 only
+        s.reporter = StepReporter(cfg, s.metrics, s.buffer, s.publisher, s.durability.held, parts.tokenizer)
         self.source = LeaderSource(cfg, self.run_dir, s, self.group)
         # several processes run the warm start in lockstep: a signal takes effect after it, at a step
         self.core = TrainerCore(cfg, self.run_dir, parts, s.publisher, s.durability, hooks=self.source,

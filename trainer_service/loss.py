@@ -116,8 +116,8 @@ def policy_loss(logprobs: jnp.ndarray, old_logprobs: jnp.ndarray | None, advanta
 
     Returns:
       (loss, metrics): pg_loss, clip_fraction (share of tokens where the clipped term is
-      taken), ratio_mean/min/max, ppo_kl (mean o - l), kl and kl_loss (when ref_logprobs is
-      given), entropy, is_weight_mean/min.
+      taken) and its parts clip_fraction_low / clip_fraction_high, ratio_mean/min/max,
+      ppo_kl (mean o - l), kl and kl_loss (when ref_logprobs is given), entropy, is_weight_mean/min.
     """
     logprobs = logprobs.astype(jnp.float32)
     old = jax.lax.stop_gradient(logprobs) if old_logprobs is None else old_logprobs.astype(jnp.float32)
@@ -141,9 +141,14 @@ def policy_loss(logprobs: jnp.ndarray, old_logprobs: jnp.ndarray | None, advanta
         per_token = per_token * is_weights.astype(jnp.float32)
     pg_loss = aggregate(per_token, mask, agg_mode, norm)
     loss = pg_loss
+    taken = clipped > unclipped  # the clipped term is the larger loss: this token's gradient is cut
     metrics = {
         "pg_loss": pg_loss,
-        "clip_fraction": _masked_mean((clipped > unclipped).astype(jnp.float32), mask, tokens),
+        "clip_fraction": _masked_mean(taken.astype(jnp.float32), mask, tokens),
+        # which side cut it: the ratio fell below 1 - eps_low on a negative advantage, or rose above 1 + eps_high on
+        # a positive one (clip-higher makes the two differ)
+        "clip_fraction_low": _masked_mean((taken & (ratio < 1.0)).astype(jnp.float32), mask, tokens),
+        "clip_fraction_high": _masked_mean((taken & (ratio > 1.0)).astype(jnp.float32), mask, tokens),
         "ratio_mean": _masked_mean(ratio, mask, tokens),
         "ratio_max": jnp.max(jnp.where(mask > 0, ratio, 0.0)),
         "ratio_min": jnp.min(jnp.where(mask > 0, ratio, jnp.inf)),

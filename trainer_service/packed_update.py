@@ -25,6 +25,8 @@ from grpo_stream.trainer_service.train_step import apply_optimizer
 if TYPE_CHECKING:
     from grpo_stream.trainer_service.rl_update import PolicyUpdater
 
+LOG_RATIO = "proximal_log_ratio"  # the metrics key of the per-token o - b (PolicyUpdater.objective), not a statistic
+
 
 def metric_start(shapes: dict) -> dict:
     """The accumulator's start for metrics shaped like `shapes`: -inf for `_max`, +inf for `_min`, else 0."""
@@ -61,7 +63,7 @@ class PackedPrograms:
                                        else PartitionSpec()) if mesh is not None else None)
         self._step = jax.jit(self._step_impl, donate_argnums=(0, 2) if donate else (),
                              out_shardings=updater._apply_shardings)
-        self.gradients = jax.jit(self._accumulated)
+        self.gradients = jax.jit(self._gradients)
         self._logprobs = jax.jit(self._logprobs_impl, out_shardings=self.sharding)
 
     def _loss(self, train, frozen, mb: PackedPasses, old, ref, norm):
@@ -81,20 +83,31 @@ class PackedPrograms:
         shapes = jax.eval_shape(lambda: grad_fn(train, frozen, *pick((passes, old, ref), 0), norm)[0][1])
 
         def body(i, carry):
-            grads, metrics = carry
+            grads, metrics, ratios = carry
             # as the padded layout's scan: the weights pass a barrier with each pass's data, so FSDP gathers them
             # layer by layer inside the pass instead of hoisting every layer's all-gather out of the loop
             weights, fixed, part = jax.lax.optimization_barrier((train, frozen, pick((passes, old, ref), i)))
             (_, m), g = grad_fn(weights, fixed, *part, norm)
-            return jax.tree.map(jnp.add, grads, u.pin(g)), merge_metrics(metrics, m)
+            ratios = ratios.at[i].set(m.pop(LOG_RATIO))
+            return jax.tree.map(jnp.add, grads, u.pin(g)), merge_metrics(metrics, m), ratios
 
+        ratio_shape = shapes.pop(LOG_RATIO).shape  # [m * S, C]: pass i's slots' o - b, at [i] (sources: whose)
         with activation_sharding(u.mesh):  # traced with the model's activation constraints on the mesh
             zeros = u.pin(jax.tree.map(jnp.zeros_like, train))
-            return jax.lax.fori_loop(0, count, body, (zeros, metric_start(shapes)))
+            grads, metrics, ratios = jax.lax.fori_loop(
+                0, count, body, (zeros, metric_start(shapes), jnp.zeros((passes.tokens.shape[0], *ratio_shape))))
+            return grads, {**metrics, LOG_RATIO: ratios}
+
+    def _gradients(self, train, frozen, passes: PackedPasses, count, old, ref, norm):
+        """_accumulated's gradients and statistics (tests, `plan`)."""
+        grads, metrics = self._accumulated(train, frozen, passes, count, old, ref, norm)
+        metrics.pop(LOG_RATIO)
+        return grads, metrics
 
     def _step_impl(self, train, frozen, opt_state, passes: PackedPasses, count, old, ref, norm):
         grads, metrics = self._accumulated(train, frozen, passes, count, old, ref, norm)
         train, opt_state = apply_optimizer(self.u.optimizer, grads, opt_state, train, self.u.master)
+        metrics[LOG_RATIO] = self.u.replicated(metrics[LOG_RATIO])
         return train, opt_state, {**metrics, "grad_norm": optax.global_norm(grads)}
 
     def _logprobs_impl(self, params, passes: PackedPasses, count):

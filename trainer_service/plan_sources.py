@@ -22,6 +22,7 @@ from grpo_stream.common.runtime.heartbeat import Heartbeat
 from grpo_stream.trainer_service.batching import build_batch
 from grpo_stream.trainer_service.control_messages import ControlMessageError
 from grpo_stream.trainer_service.core import CoreHooks, StepResult, TrainerCore
+from grpo_stream.trainer_service.off_policy_health import HealthMonitor, group_index_of, version_diagnostics
 from grpo_stream.trainer_service.plans import (DonePlan, FinishPlan, Plan, StartPlan, StepPlan, done_plan, finish_plan,
                                               from_message, start_plan, step_plan, to_message)
 
@@ -67,6 +68,7 @@ class LeaderSource(CoreHooks):
         # would have laid out: the padding fractions in summary.json
         self.tokens = {"real": 0, "laid_out": 0, "padded_laid_out": 0}
         self._context: dict[int, _StepContext] = {}
+        self.health = HealthMonitor()  # warns when the run's off-policy diagnostics leave trainer.health's band
 
     def _send(self, plan: Plan) -> Plan:
         if self.group is not None:
@@ -106,7 +108,7 @@ class LeaderSource(CoreHooks):
         groups = [g for _, g in picked]
         batch, stats = build_batch(groups, cfg.generation.max_prompt_tokens, cfg.generation.max_new_tokens,
                                    s.pad_id, cfg.algo, held_version=step - 1)
-        plan = step_plan(cfg, step, batch)
+        plan = step_plan(cfg, step, batch, group_index_of(groups))
         self.tokens["padded_laid_out"] += int(np.asarray(batch.valid).size)
         if cfg.trainer.record_batches:
             (self.run_dir / "batches").mkdir(exist_ok=True)
@@ -147,6 +149,11 @@ class LeaderSource(CoreHooks):
     def report(self, plan: StepPlan, metrics: dict, phases: dict) -> None:
         context = self._context[plan.step]
         groups = [g for _, g in context.picked]
+        metrics = {**metrics, **version_diagnostics(groups, plan.step - 1, self.cfg.trainer.max_staleness)}
+        warning = self.health.observe(plan.step, metrics, self.cfg)
+        if warning:
+            log.warning("%s", warning)
+        metrics.update(self.health.metrics())
         tokens_per_s, groups_per_s = self.s.reporter.rates(int(np.asarray(plan.batch.loss_mask).sum()), len(groups))
         self.s.reporter.report(plan.step, groups, context.staleness, context.stats, metrics,
                                {**context.phases, "publish_wait_seconds": phases["publish_wait_seconds"],

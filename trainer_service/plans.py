@@ -14,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Union
 
+import numpy as np
+
 from grpo_stream.common.config.schema import RunConfig
 from grpo_stream.trainer_service.batching import TrainBatch
 from grpo_stream.trainer_service.control_messages import ControlMessageError, Done, Finish, Start, Step
@@ -37,6 +39,9 @@ class StepPlan:
     checkpoint: bool  # save a checkpoint of this step
     publish: bool  # publish the weights as version `step`
     final: bool  # the run's last step: its publication tells samplers to stop
+    # [B] the group of each batch row: process 0's off-policy diagnostics (per-group ESS); not sent to the others,
+    # which report nothing
+    group_index: np.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,10 +68,10 @@ def start_plan(cfg: RunConfig, epoch: str, restore: int | None) -> StartPlan:
                      export_warm=cfg.warmstart.steps > 0 and cfg.warmstart.export, eval_before=cfg.trainer.eval_before)
 
 
-def step_plan(cfg: RunConfig, step: int, batch: TrainBatch) -> StepPlan:
+def step_plan(cfg: RunConfig, step: int, batch: TrainBatch, group_index: np.ndarray | None = None) -> StepPlan:
     last = step == cfg.trainer.steps
     return StepPlan(step=step, batch=batch, checkpoint=step % cfg.checkpoint.every == 0 or last,
-                    publish=step % cfg.trainer.publish_every == 0 or last, final=last)
+                    publish=step % cfg.trainer.publish_every == 0 or last, final=last, group_index=group_index)
 
 
 def finish_plan(cfg: RunConfig, steps: int, complete: bool, checkpoint: bool, publish: bool) -> FinishPlan:

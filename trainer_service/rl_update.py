@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import NamedSharding, PartitionSpec
 
 from grpo_stream.common.config.learning import AlgoSection, OptimizerSection
 from grpo_stream.common.model.activation_sharding import activation_sharding
@@ -22,7 +23,8 @@ from grpo_stream.common.model.policy import PolicyModel, sequence_logprobs
 from grpo_stream.common.model.sharding import rows_sharding
 from grpo_stream.trainer_service.batching import TrainBatch
 from grpo_stream.trainer_service.loss import normalizers, policy_loss, truncated_is_weights
-from grpo_stream.trainer_service.packed_update import PackedPrograms, merge_metrics, metric_start
+from grpo_stream.trainer_service.off_policy_health import importance_diagnostics
+from grpo_stream.trainer_service.packed_update import LOG_RATIO, PackedPrograms, merge_metrics, metric_start
 from grpo_stream.trainer_service.packing import PackingLayout, pack_minibatch
 from grpo_stream.trainer_service.train_step import (apply_optimizer, init_optimizer_state, learning_rate_schedule,
                                                    make_optimizer, uses_master_weights)
@@ -115,14 +117,25 @@ class PolicyUpdater:
         agreement on sequences generated with exactly these weights."""
         algo = self.algo
         proximal = jax.lax.stop_gradient(logprobs) if old is None else old
-        weights = truncated_is_weights(proximal, behaviour, algo.tis_cap) if algo.tis_cap is not None else None
-        loss, m = policy_loss(logprobs, old, advantages, loss_mask, loss_algo=algo.loss_algo,
-                              eps_low=algo.epsilon, eps_high=algo.eps_high, agg_mode=algo.loss_agg_mode,
+        if algo.loss_algo == "gspo-token":
+            # GSPO's sequence ratio is taken against the policy that drew the sequence (the sampler's, b), as in
+            # the GSPO paper: its narrow clip then bounds how far the update moves from that policy, staleness
+            # included, and the ratio itself is the importance weight (no TIS). Against the trainer's own o the
+            # clip never saw staleness, and stale sequences were corrected only token by token (issue 44).
+            base, weights = behaviour, None
+        else:
+            base = old
+            weights = truncated_is_weights(proximal, behaviour, algo.tis_cap) if algo.tis_cap is not None else None
+        loss, m = policy_loss(logprobs, base, advantages, loss_mask, loss_algo=algo.loss_algo,
+                              eps_low=algo.eps_low, eps_high=algo.eps_high, agg_mode=algo.loss_agg_mode,
                               is_weights=weights, ref_logprobs=ref, beta=algo.beta,
                               kl_estimator=algo.kl_estimator, entropy=entropy, norm=norm)
         mask = loss_mask * fresh[:, None]
         diff = jnp.abs(proximal - behaviour) * mask
         m.update(lp_diff_sum=diff.sum(), lp_diff_max=diff.max(), fresh_tokens=mask.sum(), loss=loss)
+        # per token, not a statistic: the host's off-policy diagnostics (off_policy_health.py) need every token's
+        # o - b, which with one minibatch exists only here (o is these very logprobs)
+        m[LOG_RATIO] = jax.lax.stop_gradient(proximal - behaviour) * loss_mask
         return loss, m
 
     def _accumulated(self, train, frozen, batch: TrainBatch, old, ref, micro: int):
@@ -144,10 +157,14 @@ class PolicyUpdater:
             # and keep the whole model gathered for the whole step (the 70B preset's plan: ~270 GiB per chip more)
             weights, fixed, part = jax.lax.optimization_barrier((train, frozen, part))
             (_, m), g = grad_fn(weights, fixed, *part)
-            return (jax.tree.map(jnp.add, grads, self.pin(g)), merge_metrics(metrics, m)), None
+            ratio = m.pop(LOG_RATIO)
+            return (jax.tree.map(jnp.add, grads, self.pin(g)), merge_metrics(metrics, m)), ratio
 
         zeros = self.pin(jax.tree.map(jnp.zeros_like, train))
-        (grads, metrics), _ = jax.lax.scan(body, (zeros, metric_start(shapes)), parts)
+        shapes.pop(LOG_RATIO)
+        (grads, metrics), ratios = jax.lax.scan(body, (zeros, metric_start(shapes)), parts)
+        # micro-batch j held rows j, j + k, ...: back to row order
+        metrics[LOG_RATIO] = jnp.swapaxes(ratios, 0, 1).reshape(rows, -1)
         return grads, metrics
 
     def pin(self, grads):
@@ -158,11 +175,23 @@ class PolicyUpdater:
 
     def gradients(self, train, frozen, batch: TrainBatch, old=None, ref=None):
         """(gradients of the trained part, metrics) of one minibatch: in one pass, or summed over micro-batches."""
+        grads, metrics = self._gradients(train, frozen, batch, old, ref)
+        metrics.pop(LOG_RATIO)
+        return grads, metrics
+
+    def _gradients(self, train, frozen, batch: TrainBatch, old, ref):
+        """`gradients`, with the minibatch's per-token o - b in its metrics (LOG_RATIO, [rows, T - 1])."""
         micro = self.micro_batch_size
         if micro is None or micro >= batch.tokens.shape[0]:
             (_, metrics), grads = jax.value_and_grad(self._loss, has_aux=True)(train, frozen, batch, old, ref, None)
             return self.pin(grads), metrics
         return self._accumulated(train, frozen, batch, old, ref, micro)
+
+    def replicated(self, x):
+        """`x` replicated on the mesh (a no-op without one): per-token outputs every process can read whole."""
+        if self.mesh is None:
+            return x
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, PartitionSpec()))
 
     def _logprobs_impl(self, params, tokens, valid):
         with activation_sharding(self.mesh):  # traced with the model's activation constraints on the mesh
@@ -171,9 +200,10 @@ class PolicyUpdater:
     def _step_impl(self, train, frozen, opt_state, batch: TrainBatch, old, ref):
         """One optimizer update: returns the trained part (the frozen part is the caller's, unchanged)."""
         with activation_sharding(self.mesh):  # traced with the model's activation constraints on the mesh
-            grads, metrics = self.gradients(train, frozen, batch, old, ref)
+            grads, metrics = self._gradients(train, frozen, batch, old, ref)
         train, opt_state = apply_optimizer(self.optimizer, grads, opt_state, train, self.master)
         metrics["grad_norm"] = optax.global_norm(grads)
+        metrics[LOG_RATIO] = self.replicated(metrics[LOG_RATIO])
         return train, opt_state, metrics
 
     def logprobs(self, params, tokens, valid):
@@ -194,12 +224,16 @@ class PolicyUpdater:
         counts = [s.count for s in jax.tree.leaves(self.opt_state, is_leaf=is_schedule) if is_schedule(s)]
         return float(self.learning_rate(int(counts[0]) if counts else 0))
 
-    def update(self, batch: TrainBatch) -> dict[str, float]:
+    def update(self, batch: TrainBatch, group_index: np.ndarray | None = None) -> dict[str, float]:
         """Run num_iterations passes of `minibatches` optimizer steps over `batch`; return averaged metrics, with
         the real and laid-out tokens of one pass over the batch (`update_tokens_real`, `update_tokens_laid_out`:
-        what the update's forward and backward passes computed over)."""
+        what the update's forward and backward passes computed over). With `group_index` ([B]: each row's group)
+        also the importance-sampling diagnostics of the batch (off_policy_health.importance_diagnostics) from
+        every token's o - b at the step's start."""
         algo = self.algo
-        run, tokens = self._packed_runner(batch) if self.packed is not None else self._padded_runner(batch)
+        mask = None if group_index is None else np.asarray(jax.device_get(batch.loss_mask), np.float32)
+        run, tokens, place = self._packed_runner(batch) if self.packed is not None else self._padded_runner(batch)
+        log_ratio = None if mask is None else np.zeros_like(mask)
         sums: dict[str, float] = {}
         agreement = {"lp_diff_sum": 0.0, "lp_diff_max": 0.0, "fresh_tokens": 0.0}
         count = 0
@@ -208,20 +242,17 @@ class PolicyUpdater:
                 train, frozen = self.split(self.params)
                 train, self.opt_state, m = run(k, train, frozen)
                 self.params = self.join(train, frozen)
+                ratio = m.pop(LOG_RATIO)
+                if iteration == 0 and log_ratio is not None:  # later passes see the same old logprobs again
+                    place(k, np.asarray(jax.device_get(ratio)), log_ratio)
                 m = {key: float(v) for key, v in jax.device_get(m).items()}
-                if iteration == 0:  # later passes see the same old logprobs again
+                if iteration == 0:
                     agreement["lp_diff_sum"] += m["lp_diff_sum"]
                     agreement["fresh_tokens"] += m["fresh_tokens"]
                     agreement["lp_diff_max"] = max(agreement["lp_diff_max"], m["lp_diff_max"])
                 for key in ("lp_diff_sum", "lp_diff_max", "fresh_tokens"):
                     m.pop(key)
-                for key, v in m.items():
-                    if key.endswith("_max"):
-                        sums[key] = max(sums.get(key, -np.inf), v)
-                    elif key.endswith("_min"):
-                        sums[key] = min(sums.get(key, np.inf), v)
-                    else:
-                        sums[key] = sums.get(key, 0.0) + v
+                _accumulate(sums, m)
                 count += 1
         out = {key: v if key.endswith(("_max", "_min")) else v / count for key, v in sums.items()}
         out["optimizer_steps"] = count
@@ -231,11 +262,13 @@ class PolicyUpdater:
             out["logprob_diff_mean"] = agreement["lp_diff_sum"] / agreement["fresh_tokens"]
             out["logprob_diff_max"] = agreement["lp_diff_max"]
         out["update_tokens_real"], out["update_tokens_laid_out"] = tokens
+        if log_ratio is not None:
+            out.update(importance_diagnostics(log_ratio, mask, np.asarray(group_index), algo.tis_cap))
         return out
 
     def _padded_runner(self, batch: TrainBatch):
         """(run(k, train, frozen) -> (train, opt_state, metrics) of minibatch k in the padded layout, (real,
-        laid-out) tokens)."""
+        laid-out) tokens, place(k, ratio, out): minibatch k's per-token o - b into the batch's [B, T - 1] `out`)."""
         algo = self.algo
         # counted before placing: a batch placed on a mesh over several processes is not readable whole here
         tokens = (int(np.asarray(batch.valid).sum()), int(np.prod(batch.valid.shape)))
@@ -253,7 +286,10 @@ class PolicyUpdater:
                 None if ref is None else ref[part], self.micro_batch_size)
             return self._step(train, frozen, self.opt_state, sub, sub_old, sub_ref)
 
-        return run, tokens
+        def place(k: int, ratio: np.ndarray, out: np.ndarray) -> None:
+            out[k * size:(k + 1) * size] = ratio[:size]  # rows past `size` filled the last micro-batch
+
+        return run, tokens, place
 
     def _packed_runner(self, batch: TrainBatch):
         """_padded_runner's pair for the packed layout: each minibatch packed (packing.py), its passes placed, and
@@ -275,7 +311,25 @@ class PolicyUpdater:
                                          None if old is None else old[k], None if ref is None else ref[k],
                                          packs[k].normalizers)
 
-        return run, (sum(p.real_tokens() for p in packs), sum(p.laid_out_tokens() for p in packs))
+        def place(k: int, ratio: np.ndarray, out: np.ndarray) -> None:
+            # slot (pass, row, s) holds sequence sources[...] of minibatch k, its completion window at P - 1
+            sources = packs[k].sources.reshape(ratio.shape[0], -1)
+            at, (p, c) = np.nonzero(sources >= 0), (packed.layout.prompt_tokens, packed.layout.completion_tokens)
+            out[k * size + sources[at], p - 1:p - 1 + c] = ratio[at]
+
+        return run, (sum(p.real_tokens() for p in packs), sum(p.laid_out_tokens() for p in packs)), place
+
+
+def _accumulate(sums: dict[str, float], m: dict[str, float]) -> None:
+    """Fold one optimizer step's metrics into `sums`: `_max` by max, `_min` by min, the rest summed (averaged by
+    the caller)."""
+    for key, v in m.items():
+        if key.endswith("_max"):
+            sums[key] = max(sums.get(key, -np.inf), v)
+        elif key.endswith("_min"):
+            sums[key] = min(sums.get(key, np.inf), v)
+        else:
+            sums[key] = sums.get(key, 0.0) + v
 
 
 def state_report(updater: PolicyUpdater, model_parameters: int, lora=None) -> dict:

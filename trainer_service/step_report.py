@@ -11,7 +11,7 @@ import numpy as np
 from grpo_stream.common.config.schema import RunConfig
 from grpo_stream.common.rollouts.buffer import BufferUnavailable, RolloutBuffer
 from grpo_stream.common.runtime.prometheus import OTHER, BoundedGauge, ServiceMetrics, bounded_series
-from grpo_stream.trainer_service.metrics import MetricsWriter
+from grpo_stream.trainer_service.metrics import Tracker, sample_rows
 
 log = logging.getLogger(__name__)
 MAX_LAG_SERIES = 64  # sampler_weight_lag series (at least sampler.replicas); the rest share one
@@ -24,15 +24,21 @@ _GAUGES = (("trainer_step", "RL steps completed"), ("weight_version", "latest pu
            ("tokens_per_second", "completion tokens trained per second over the last window"),
            ("groups_per_second", "rollout groups trained per second over the last window"),
            ("compute_share", "share of the last step's wall time spent in the jitted update"))
+# off-policy health (off_policy_health.py), exported when the step's metrics have them
+_HEALTH_GAUGES = (("is_ess_group_mean", "per-group sequence importance-weight ESS of the last batch, in (0, 1]"),
+                  ("mismatch_kl_k3", "k3 estimate of KL(sampler || trainer) per token of the last batch, nats"),
+                  ("is_truncated_fraction", "share of the last batch's tokens whose importance ratio exceeded "
+                                            "algo.tis_cap"))
 
 
 class StepReporter:
-    def __init__(self, cfg: RunConfig, metrics: MetricsWriter, buffer: RolloutBuffer, publisher, held):
+    def __init__(self, cfg: RunConfig, metrics: Tracker, buffer: RolloutBuffer, publisher, held, tokenizer=None):
         """`publisher`: the weight publisher (latest version, samplers' installed versions); `held()`: groups trained
-        but not yet acknowledged."""
+        but not yet acknowledged; `tokenizer`: the trainer's, for the text of sample tables (None: token ids)."""
         self.cfg, self.metrics, self.buffer, self.publisher, self.held = cfg, metrics, buffer, publisher, held
+        self.decode = tokenizer.decode if tokenizer is not None else None
         self.prom = ServiceMetrics("trainer")
-        self.gauges = {name: self.prom.gauge(name, doc) for name, doc in _GAUGES}
+        self.gauges = {name: self.prom.gauge(name, doc) for name, doc in _GAUGES + _HEALTH_GAUGES}
         self.groups_gauge = self.prom.gauge("groups", "rollout groups by outcome (buffer counters)", ("outcome",))
         # one series per sampler the publisher still knows, up to a bound; later ones share the `(other)` series
         self.max_lag_series = max(MAX_LAG_SERIES, cfg.sampler.replicas)
@@ -81,7 +87,10 @@ class StepReporter:
         self.metrics.histogram(step, "train/staleness", staleness)
         lags = bounded_series(self.sampler_lags(), self.max_lag_series)
         if lags:
-            self.metrics.scalars(step, lags, prefix="sampler_weight_lag/", jsonl=False)
+            self.metrics.samplers(step, {sampler: {"weight_lag": lag} for sampler, lag in lags.items()})
+        wanted = self.metrics.samples_wanted(step)  # detokenize only for a tracker that keeps the text
+        if wanted:
+            self.metrics.samples(step, sample_rows(groups, staleness, wanted, self.decode))
         if self._show(step):
             lp_diff = f"{m['logprob_diff_max']:.1e}" if "logprob_diff_max" in m else "-"
             log.info("step %d/%d reward %.3f acc %.3f staleness %.1f/%d buffer %d dropped-stale %d version %d "
@@ -106,6 +115,9 @@ class StepReporter:
         for name in ("weight_version", "buffer_depth", "reward_mean", "accuracy", "staleness_mean", "step_seconds",
                      "wait_seconds", "tokens_per_second", "groups_per_second", "compute_share"):
             self.gauges[name].set(row[name])
+        for name, _ in _HEALTH_GAUGES:
+            if row.get(name) is not None:
+                self.gauges[name].set(row[name])
         for outcome, value in counters.items():
             self.groups_gauge.labels(outcome).set(value)
         self.export_sampler_lags()
@@ -120,6 +132,6 @@ class StepReporter:
         return {sampler: latest - versions[-1] for sampler, versions in dict(self.publisher.installed).items()
                 if versions}
 
-    def close(self) -> None:
-        self.metrics.close()
+    def close(self, failed: bool = False) -> None:
+        self.metrics.close(failed)
         self.prom.stop()

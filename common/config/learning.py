@@ -148,15 +148,27 @@ class GenerationSection(Strict):
                                                        "whole window, what GPUs and TPUs use.")
 
 
+# (epsilon, epsilon_high) of each loss when the config sets neither: PPO's 0.2 for GRPO's token ratios; for GSPO's
+# length-normalised sequence ratio, the GSPO paper's ranges (Zheng et al. 2025: 3e-4 / 4e-4)
+CLIP_DEFAULTS = {"grpo": (0.2, 0.2), "gspo-token": (3e-4, 4e-4)}
+GSPO_CLIP_LIMIT = 0.1  # a GSPO clip range at least this wide is GRPO's scale, and refused
+
+
 class AlgoSection(Strict):
     """The policy-gradient objective; see trainer_service/loss.py and docs/objective.md for the formula."""
 
-    loss_algo: Literal["grpo", "gspo-token"] = Field("grpo", description="'grpo': per-token importance ratio; "
-                                                     "'gspo-token': GSPO's sequence-level ratio (geometric mean of the "
-                                                     "token ratios) with per-token gradients.")
-    epsilon: float = Field(0.2, gt=0, lt=1, description="Lower clip range of the ratio (1-epsilon).")
-    epsilon_high: float | None = Field(None, gt=0, lt=10, description="Upper clip range (1+epsilon_high), "
-                                       ">= epsilon ('clip-higher'); null = epsilon.")
+    loss_algo: Literal["grpo", "gspo-token"] = Field("grpo", description="'grpo': per-token ratio against the "
+                                                     "trainer's weights at the step's start, with truncated importance "
+                                                     "weights (tis_cap) for the sampler's staleness; 'gspo-token': "
+                                                     "GSPO's sequence-level ratio (geometric mean of the token ratios) "
+                                                     "against the sampler's policy, with per-token gradients.")
+    epsilon: float | None = Field(None, gt=0, lt=1, description="Lower clip range of the ratio (1 - epsilon). "
+                                  "null = the loss's own: 0.2 for grpo; 3e-4 for gspo-token, whose ratio is a "
+                                  "length-normalised sequence ratio against the sampler's policy (the GSPO paper's "
+                                  "range: at 0.2 it almost never binds, and stale sequences train unclipped).")
+    epsilon_high: float | None = Field(None, gt=0, lt=10, description="Upper clip range (1 + epsilon_high), "
+                                       ">= epsilon ('clip-higher'); null = epsilon when that is set, else the loss's "
+                                       "own: 0.2 for grpo, 4e-4 for gspo-token.")
     loss_agg_mode: Literal["token-mean", "sequence-mean-token-mean", "sequence-mean-token-sum-norm"] = Field(
         "token-mean", description="How per-token losses become one number: mean over all tokens; mean over "
         "sequences of each sequence's token mean; or Dr.GRPO's token sum divided by the number of sequences.")
@@ -170,7 +182,8 @@ class AlgoSection(Strict):
                                                    "k1 = -d, k2 = d^2/2, k3 = exp(d) - d - 1.")
     tis_cap: float | None = Field(2.0, gt=0, le=1e6, description="Truncated importance weight min(exp(old - "
                                   "behaviour), tis_cap) per token, correcting for the sampler's (stale) policy; "
-                                  "null = off.")
+                                  "null = off. grpo only: gspo-token's ratio is taken against the sampler's policy "
+                                  "itself, so it is the importance weight.")
     num_iterations: int = Field(1, ge=1, le=64, description="Optimizer passes over each batch (PPO epochs).")
     minibatches: int = Field(1, ge=1, le=4096, description="Optimizer steps per pass; must divide the batch's "
                              "sequences (trainer.groups_per_step x generation.num_generations).")
@@ -185,14 +198,28 @@ class AlgoSection(Strict):
 
     @model_validator(mode="after")
     def _clip(self) -> "AlgoSection":
-        if self.epsilon_high is not None and self.epsilon_high < self.epsilon:
-            raise ValueError(f"algo.epsilon_high={self.epsilon_high} < algo.epsilon={self.epsilon}: the upper clip "
+        if self.epsilon_high is not None and self.epsilon_high < self.eps_low:
+            raise ValueError(f"algo.epsilon_high={self.epsilon_high} < algo.epsilon={self.eps_low}: the upper clip "
                              "range must be at least the lower one (clip-higher); raise epsilon_high or set it null")
+        if self.loss_algo == "gspo-token" and max(self.eps_low, self.eps_high) >= GSPO_CLIP_LIMIT:
+            raise ValueError(f"algo.epsilon={self.epsilon}, epsilon_high={self.epsilon_high} with "
+                             f"loss_algo=gspo-token: GSPO clips the mean per-token log-ratio against the sampler's "
+                             f"policy, which a clip range of {GSPO_CLIP_LIMIT} or more almost never bounds, so stale "
+                             "sequences train unclipped (docs/objective.md); set both null for GSPO's own 3e-4 / "
+                             "4e-4, or values below 0.1")
         return self
 
     @property
+    def eps_low(self) -> float:
+        """The lower clip range in effect: epsilon, or the loss's own (CLIP_DEFAULTS)."""
+        return self.epsilon if self.epsilon is not None else CLIP_DEFAULTS[self.loss_algo][0]
+
+    @property
     def eps_high(self) -> float:
-        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+        """The upper clip range in effect: epsilon_high; else epsilon when set; else the loss's own."""
+        if self.epsilon_high is not None:
+            return self.epsilon_high
+        return self.epsilon if self.epsilon is not None else CLIP_DEFAULTS[self.loss_algo][1]
 
 
 class OptimizerSection(Strict):

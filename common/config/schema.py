@@ -24,7 +24,9 @@ from grpo_stream.common.config.learning import (AlgoSection, GenerationSection, 
                                                TaskSection)
 from grpo_stream.common.config.names import EngineName
 from grpo_stream.common.config.hardware import HardwareSection
+from grpo_stream.common.config.health import HealthSection
 from grpo_stream.common.config.process import LoggingSection, RuntimeSection, UpSection
+from grpo_stream.common.config.tracking import TrackingSection
 from grpo_stream.common.config.vllm_settings import VllmSection
 from grpo_stream.common.config.weights import DistributedSection, WeightsSection
 from grpo_stream.common.engine.registry import engine_spec
@@ -194,6 +196,8 @@ class TrainerSection(Strict):
                                "per run; common/rollouts/trainer_lease.py): renewed every third of this while the "
                                "trainer runs. A new trainer waits up to this long after one that stopped without "
                                "releasing it on another machine (on the same machine a dead holder is seen at once).")
+    health: HealthSection = Field(default_factory=HealthSection, description="When to warn that training is too "
+                                  "off-policy (docs/objective.md, \"Off-policy health\").")
 
     @model_validator(mode="after")
     def _staleness(self) -> "TrainerSection":
@@ -293,6 +297,7 @@ class RunConfig(Strict):
     warmstart: WarmStartSection = Field(default_factory=WarmStartSection, description="Supervised warm start.")
     eval: EvalSection = Field(default_factory=EvalSection, description="Held-out evaluation.")
     logging: LoggingSection = Field(default_factory=LoggingSection, description="Logging.")
+    tracking: TrackingSection = Field(default_factory=TrackingSection, description="Trackers beyond the files: W&B.")
     up: UpSection = Field(default_factory=UpSection, description="How `up` restarts the processes it starts.")
     # default validated like a given section, so a bad $GRPO_STREAM_COMPILATION_CACHE_DIR names runtime.<field>
     runtime: RuntimeSection = Field(default_factory=dict, validate_default=True, description="Process runtime: "

@@ -84,16 +84,18 @@ class Run:
 
 
 def trajectory(run: Run, every: int = 50) -> str:
-    """What a failed learning check prints: per `every` steps the mean training accuracy, staleness, entropy and
-    gradient norm, and the smallest importance weight, so a run that fell apart shows when and how."""
+    """What a failed learning check prints: per `every` steps the mean training accuracy, staleness, entropy,
+    gradient norm, clip fraction and off-policy health (per-group ESS of the importance weights, mismatch KL), so
+    a run that fell apart shows when and how."""
     rows = [r for r in run.metrics() if "train/accuracy" in r]
     parts = []
     for i in range(0, len(rows), every):
         chunk = rows[i:i + every]
-        mean = lambda key: sum(r[key] for r in chunk) / len(chunk)  # noqa: E731
+        mean = lambda key: sum(r.get(key, float("nan")) for r in chunk) / len(chunk)  # noqa: E731
         parts.append(f"steps {chunk[0]['step']}-{chunk[-1]['step']}: acc {mean('train/accuracy'):.3f} staleness "
                      f"{mean('train/staleness_mean'):.2f} entropy {mean('train/entropy'):.4f} grad_norm "
-                     f"{mean('train/grad_norm'):.3f} is_weight_min {min(r['train/is_weight_min'] for r in chunk):.3f}")
+                     f"{mean('train/grad_norm'):.3f} clip {mean('train/clip_fraction'):.3f} ess "
+                     f"{mean('train/is_ess_group_mean'):.3f} mismatch_kl {mean('train/mismatch_kl_k3'):.4f}")
     return "\n".join(parts)
 
 
@@ -155,26 +157,31 @@ def test_demo_closing_line_and_report_show_both_measures(demo):
             f"{after['pass_at_k']['1']:.3f} |") in report, report
     # every plot shows series that move over the demo; what stays constant is listed with its reason, and only
     # what is constant by construction in the default config (one optimizer step per batch) may be, or by design:
-    # with admission control a whole run may drop no group as stale (seen in CI at 32a869c)
+    # with admission control a whole run may drop no group as stale (seen in CI at 32a869c), and may keep every
+    # group under trainer.max_staleness (4), so no token is trained at lag 4; versions mix within a group only with
+    # sampler.weight_updates=in_flight (the demo switches between batches), so the mixed-version series are all 0
+    # and their plot ("mixed_versions") is not drawn
     index = json.loads((demo.dir / "report" / "plots.json").read_text())
     assert set(index["plots"]) == {"reward_accuracy", "off_policy", "staleness", "update", "lengths", "throughput",
-                                   "buffer"}, index
+                                   "buffer", "off_policy_health", "staleness_by_version"}, index
     for plot, series in index["plots"].items():
         for key, spread in series.items():
             assert spread["max"] > spread["min"] and spread["points"] == demo.summary["steps"], (plot, key, spread)
     assert set(index["constant"]) <= {"train/ratio_max", "train/ratio_min", "train/clip_fraction", "train/ppo_kl",
+                                      "train/clip_fraction_low", "train/clip_fraction_high",
                                       "train/staleness_max", "train/truncated_fraction", "train/is_weight_min",
-                                      "train/groups_dropped_stale"}, index
+                                      "train/groups_dropped_stale", "train/staleness_tokens_lag4",
+                                      "train/mixed_version_groups",
+                                      *(f"train/mixed_version_tokens_lag{s}" for s in range(5))}, index
     assert all(c["why"] for c in index["constant"].values()), index["constant"]
     assert len(demo.stdout.splitlines()) <= 400, f"{len(demo.stdout.splitlines())} console lines"
 
 
 def gspo_run(demo: Run, tmp_path: pathlib.Path, steps: int) -> Run:
-    """GSPO where its objective differs from GRPO's, from the demo's exported warm start (instead of repeating it),
-    checked for what any length of such a run must show. With one optimizer step per batch (the demo) the
-    importance ratio is exactly 1 and GSPO's gradient equals GRPO's up to rounding (docs/objective.md, "What each
-    option changes"); with two steps per batch (minibatches=2) the second one's ratio is off 1, and GSPO's
-    sequence-level ratio (a geometric mean) differs from GRPO's token ratios."""
+    """GSPO from the demo's exported warm start (instead of repeating it), with two optimizer steps per batch
+    (minibatches=2), checked for what any length of such a run must show. GSPO's sequence ratio is taken against
+    the sampler's policy (docs/objective.md), so it is off 1 on stale sequences and after the first minibatch, and
+    its clip (GSPO's 3e-4 / 4e-4) acts on a large share of them."""
     warm = demo.dir / "warmstart-model"
     run = up(tmp_path / "run", "model.kind=hf", f"model.path={warm}", "warmstart.steps=0", "algo.loss_algo=gspo-token",
              "algo.minibatches=2", f"trainer.steps={steps}")
@@ -190,8 +197,9 @@ def gspo_run(demo: Run, tmp_path: pathlib.Path, steps: int) -> Run:
     assert before["accuracy"] == demo.summary["eval_before"]["accuracy"]
     rows = [r for r in run.metrics() if "train/ratio_max" in r]
     assert len(rows) == steps
-    # the ratio left 1 within steps: this run exercised what sets GSPO apart (the demo's ratio is exactly 1)
+    # the ratio left 1 and the clip acted: this run exercised what sets GSPO apart (the demo's ratio is exactly 1)
     assert sum(r["train/ratio_max"] > 1.0 + 1e-4 for r in rows) >= steps // 2, [r["train/ratio_max"] for r in rows]
+    assert sum(r["train/clip_fraction"] > 0 for r in rows) >= steps // 2, [r["train/clip_fraction"] for r in rows]
     after = run.summary["eval_after"]
     print(f"gspo ({steps} steps): sampled pass@1 {before['pass_at_k']['1']:.3f} -> {after['pass_at_k']['1']:.3f}, "
           f"greedy {before['accuracy']:.3f} -> {after['accuracy']:.3f}, wall {run.summary['wall_seconds']}s")

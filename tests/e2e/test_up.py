@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from tests.e2e.wandb_checks import WANDB_OFFLINE, check_wandb_run, wandb_env
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.e2e
 
@@ -72,11 +74,12 @@ def test_up_smoke_run(tmp_path):
     # the training features of real model sizes ride along (their exactness has unit tests): AdamW with a warmup
     # and cosine schedule, gradient accumulation over packed passes of 4 rows (168 tokens), whole-layer remat; and the
     # device plan of a one-GPU host (hardware.gpus=1: every process on GPU 0 with its memory cap), whose settings
-    # JAX's CPU backend ignores
+    # JAX's CPU backend ignores; and the trainer's W&B run, offline (a few seconds more than another run's minutes)
     proc = run_cli("up", "--config", "configs/tiny_arith_smoke.yaml", "--run-dir", str(run_dir),
                    "trainer.optimizer.name=adamw", "trainer.optimizer.weight_decay=0.01",
                    "trainer.optimizer.schedule=warmup_cosine", "trainer.optimizer.warmup_steps=2",
-                   "trainer.tokens_per_micro_batch=168", "trainer.remat=full", "hardware.gpus=1")
+                   "trainer.tokens_per_micro_batch=168", "trainer.remat=full", "hardware.gpus=1", *WANDB_OFFLINE,
+                   env=wandb_env(tmp_path))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     devices = json.loads((run_dir / "devices.json").read_text())
     assert devices["sharing"] == {"0": ["trainer", "sampler-0", "sampler-1"]}
@@ -109,6 +112,7 @@ def test_up_smoke_run(tmp_path):
     lr = 1e-3  # trainer.learning_rate's default
     assert rates[0] == pytest.approx(lr / 2) and rates[1] == pytest.approx(lr), rates  # warmup over 2 steps
     assert all(a > b for a, b in zip(rates[1:], rates[2:])) and rates[-1] == pytest.approx(0.0, abs=1e-9), rates
+    check_wandb_run(run_dir, steps=8, samplers=["sampler-0", "sampler-1"])
     # the report command turns the run into plots and a markdown summary
     rep = run_cli("report", str(run_dir), timeout=120)
     assert rep.returncode == 0, rep.stderr

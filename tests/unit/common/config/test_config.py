@@ -96,8 +96,19 @@ def test_bad_objective_settings_name_the_field(override, message):
 
 
 def test_tis_can_be_turned_off_and_eps_high_defaults_to_epsilon():
-    cfg = load_config(CONFIGS / "tiny_arith.yaml", ["algo.tis_cap=null", "algo.epsilon_high=null"])
-    assert cfg.algo.tis_cap is None and cfg.algo.eps_high == cfg.algo.epsilon
+    cfg = load_config(CONFIGS / "tiny_arith.yaml", ["algo.tis_cap=null", "algo.epsilon=0.1"])
+    assert cfg.algo.tis_cap is None and cfg.algo.eps_high == cfg.algo.eps_low == 0.1
+
+
+def test_each_loss_has_its_own_clip_unless_the_config_sets_one():
+    grpo = load_config(CONFIGS / "tiny_arith.yaml").algo
+    gspo = load_config(CONFIGS / "tiny_arith.yaml", ["algo.loss_algo=gspo-token"]).algo
+    assert (grpo.eps_low, grpo.eps_high) == (0.2, 0.2) and (gspo.eps_low, gspo.eps_high) == (3e-4, 4e-4)
+    wide = load_config(CONFIGS / "tiny_arith.yaml", ["algo.loss_algo=gspo-token", "algo.epsilon=0.001"]).algo
+    assert (wide.eps_low, wide.eps_high) == (0.001, 0.001)
+    # GRPO's scale on GSPO's sequence ratio is the trap of issue 44: refused, naming the fix
+    with pytest.raises(ConfigError, match=r"algo.epsilon=0.2.*loss_algo=gspo-token.*set both null"):
+        load_config(CONFIGS / "tiny_arith.yaml", ["algo.loss_algo=gspo-token", "algo.epsilon=0.2"])
 
 
 def test_synchronous_sampler_cap_must_feed_a_whole_step():

@@ -1,0 +1,83 @@
+"""The W&B backend for real: wandb (and its wandb-core service process) writes an offline run, which the test reads
+back from the run's .wandb transaction log (tests/wandb_offline.py). Offline mode: nothing goes to the network."""
+
+import sys
+
+import numpy as np
+import pytest
+
+from grpo_stream.common.config.loading import load_config
+from grpo_stream.common.runtime.errors import PermanentError
+from grpo_stream.trainer_service.metrics import open_trackers, sample_rows
+from grpo_stream.trainer_service.wandb_tracker import SAMPLE_COLUMNS, SAMPLES_KEY, WandbTracker
+from tests.unit.trainer_service.test_tracking import group
+from tests.wandb_offline import offline_runs, read_run
+
+OFFLINE = ["tracking.wandb.enabled=true", "tracking.wandb.mode=offline", "tracking.wandb.project=grpo-stream-test",
+           "run.name=wb-test"]
+
+
+@pytest.fixture
+def wandb_home(tmp_path, monkeypatch):
+    """W&B's own settings, cache and artifact staging in the test's directory, not the user's home."""
+    for var, sub in (("WANDB_CONFIG_DIR", "config"), ("WANDB_CACHE_DIR", "cache"), ("WANDB_DATA_DIR", "data")):
+        monkeypatch.setenv(var, str(tmp_path / "wandb-home" / sub))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    return tmp_path
+
+
+def test_an_offline_run_holds_the_config_every_family_of_scalars_the_sample_tables_and_the_summary(wandb_home):
+    cfg = load_config(None, [*OFFLINE, "tracking.wandb.samples_every=2", "tracking.wandb.samples_max_rows=4"])
+    run_dir = wandb_home / "run"
+    trackers = open_trackers(cfg, run_dir)
+    trackers.scalars(10, {"loss": 2.0}, prefix="warmstart/")  # warm-start steps count from 1 like RL steps
+    groups = [group("g0", "sampler-0", 1, [1.0, 0.0, 0.0]), group("g1", "sampler-1", 0, [0.0, 0.0, 1.0])]
+    tables = {}
+    for step in range(1, 5):
+        trackers.scalars(step, {"loss": 1.0 / step, "reward_mean": 0.25 * step}, prefix="train/")
+        trackers.histogram(step, "train/staleness", np.array([0, 1]))
+        trackers.samplers(step, {"sampler-0": {"weight_lag": step % 2}, "sampler-1": {"weight_lag": 0}})
+        if trackers.samples_wanted(step):
+            tables[step] = sample_rows(groups, [0, 1], trackers.samples_wanted(step), lambda ids: f"<{len(ids)}>")
+            trackers.samples(step, tables[step])
+    trackers.summary({"steps": 4, "groups_trained": 16, "eval_after": {"accuracy": 0.5}})
+    trackers.close()
+
+    (directory,) = offline_runs(run_dir)  # tracking.wandb.dir null: under the run directory
+    assert list(directory.glob("run-*.wandb")) and (run_dir / "metrics-trainer.jsonl").exists()
+    run = read_run(directory)
+    assert {k: run.run[k] for k in ("project", "group", "name", "exit_code")} == {
+        "project": "grpo-stream-test", "group": "wb-test", "name": "wb-test", "exit_code": 0}
+    resolved = cfg.model_dump(mode="json")
+    assert {k: run.config[k] for k in resolved} == resolved
+    assert [(r["train/step"], r["train/loss"]) for r in run.history if "train/loss" in r] == [
+        (s, pytest.approx(1.0 / s)) for s in range(1, 5)]
+    assert run.column("warmstart/loss") == [2.0] and run.column("warmstart/step") == [10]
+    assert [r["train/staleness"]["_type"] for r in run.history if "train/staleness" in r] == ["histogram"] * 4
+    lags = [(r["sampler/step"], r["sampler/sampler-0/weight_lag"]) for r in run.history if "sampler/step" in r]
+    assert lags == [(1, 1), (2, 0), (3, 1), (4, 0)]
+    logged = [(r["samples/step"], r[SAMPLES_KEY]) for r in run.history if SAMPLES_KEY in r]
+    assert [step for step, _ in logged] == [2, 4]  # every tracking.wandb.samples_every steps
+    for step, value in logged:
+        rows = run.table(value)
+        assert len(rows) == 4 and list(rows[0]) == list(SAMPLE_COLUMNS)
+        assert rows == [{**row, "step": step} for row in tables[step]]
+    assert rows[0]["prompt"] == "<2>" and rows[3]["group_id"] == "g1"
+    assert run.summary["steps"] == 4 and run.summary["eval_after"] == {"accuracy": 0.5}
+    assert run.summary["train/loss"] == pytest.approx(0.25)  # and W&B's own last values
+
+
+def test_a_failed_run_ends_its_wandb_run_with_a_nonzero_exit_code(wandb_home):
+    trackers = open_trackers(load_config(None, [*OFFLINE, "tracking.wandb.samples_every=0"]), wandb_home / "run")
+    assert trackers.samples_wanted(50) == 0  # samples_every=0: never a table
+    trackers.scalars(1, {"loss": 1.0}, prefix="train/")
+    trackers.close(failed=True)
+    (directory,) = offline_runs(wandb_home / "run")
+    assert read_run(directory).run["exit_code"] == 1
+
+
+def test_wandb_missing_from_the_environment_is_a_permanent_error_naming_the_extra(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # what `import wandb` meets where the extra is not installed
+    with pytest.raises(PermanentError, match=r"pip install 'grpo-stream\[wandb\]'.*tracking.wandb.enabled=false"):
+        WandbTracker(load_config(None, OFFLINE), tmp_path)
