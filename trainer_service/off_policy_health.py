@@ -270,5 +270,7 @@ class HealthMonitor:
         remedies.append(f"take smaller steps (trainer.learning_rate={trainer.learning_rate:g})")
         behind = "" if mean_lag is None else f"Tokens are {mean_lag:.1f} versions behind on average. "
         options = remedies[0] if len(remedies) == 1 else ", ".join(remedies[:-1]) + ", or " + remedies[-1]
-        return (f"{behind}{options[0].upper()}{options[1:]}; algo.tis_cap={cfg.algo.tis_cap} bounds each token's "
-                "weight meanwhile.")
+        algo = cfg.algo
+        bound = (f"algo.tis_cap={algo.tis_cap} bounds each token's weight" if algo.loss_algo == "grpo" else
+                 f"GSPO's clip ({algo.eps_low:g} / {algo.eps_high:g}) bounds each sequence's ratio")
+        return f"{behind}{options[0].upper()}{options[1:]}; {bound} meanwhile."

@@ -263,7 +263,8 @@ class PolicyUpdater:
             out["logprob_diff_max"] = agreement["lp_diff_max"]
         out["update_tokens_real"], out["update_tokens_laid_out"] = tokens
         if log_ratio is not None:
-            out.update(importance_diagnostics(log_ratio, mask, np.asarray(group_index), algo.tis_cap))
+            cap = algo.tis_cap if algo.loss_algo == "grpo" else None  # gspo-token weighs by its ratio, not TIS
+            out.update(importance_diagnostics(log_ratio, mask, np.asarray(group_index), cap))
         return out
 
     def _padded_runner(self, batch: TrainBatch):

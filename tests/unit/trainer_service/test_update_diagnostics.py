@@ -27,12 +27,16 @@ def stale_batch(tiny_parts, groups, algo):
     return batch.replace(behaviour_logprobs=batch.behaviour_logprobs + shift * batch.loss_mask)
 
 
-@pytest.mark.parametrize("minibatches", [1, 2])
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+# the default lane takes one split per layout; -m heavy the other three
+CASES = [pytest.param(layout, minibatches, marks=() if (layout == "padded") == (minibatches == 1) else pytest.mark.heavy)
+         for layout in LAYOUTS for minibatches in (1, 2)]
+
+
+@pytest.mark.parametrize("layout,minibatches", CASES)
 def test_the_update_reports_the_diagnostics_of_its_starting_policy(tiny_parts, rollout, layout, minibatches):  # noqa: F811
     cfg, _, tok, model = tiny_parts
     gen = cfg.generation
-    algo = AlgoSection(tis_cap=2.0, minibatches=minibatches, loss_algo="gspo-token")
+    algo = AlgoSection(tis_cap=2.0, minibatches=minibatches)
     batch = stale_batch(tiny_parts, rollout, algo)
     options = dict(LAYOUTS[layout])
     if options.pop("packing", False):
