@@ -82,6 +82,7 @@ def check_restarted_job(run_dir: pathlib.Path, steps: int, resumed: tuple[int, .
     assert audit.returncode == 0 and "0 lost; 0 trained twice" in audit.stdout, audit.stdout + audit.stderr
 
 
+@pytest.mark.chaos  # ~3 minutes of a worker in CI (2026-11-28): beside its SIGKILL variant, out of the default lane
 def test_a_follower_that_raises_mid_run_restarts_the_job_from_its_checkpoint(tmp_path):
     run_dir, name, steps = tmp_path / "run", f"mh-{uuid.uuid4().hex[:8]}", 12
     marker = tmp_path / "fault-injected"
