@@ -114,8 +114,6 @@ class LeaderSource(CoreHooks):
             (self.run_dir / "batches").mkdir(exist_ok=True)
             np.savez(self.run_dir / "batches" / f"step-{step:06d}.npz",
                      **{f.name: np.asarray(getattr(batch, f.name)) for f in dataclasses.fields(batch)})
-        self.mixed_version_groups += sum(any(c.versions is not None and c.versions[0] != c.versions[-1]
-                                             for c in g.completions) for g in groups)
         staleness = np.array([step - 1 - g.policy_version for g in groups])
         for old in [s for s in self._context if s < step - 2]:  # reported: the worker is at most one step behind
             del self._context[old]
@@ -150,6 +148,7 @@ class LeaderSource(CoreHooks):
         context = self._context[plan.step]
         groups = [g for _, g in context.picked]
         metrics = {**metrics, **version_diagnostics(groups, plan.step - 1, self.cfg.trainer.max_staleness)}
+        self.mixed_version_groups += int(metrics["mixed_version_groups"])  # summary.json's run-long count
         warning = self.health.observe(plan.step, metrics, self.cfg)
         if warning:
             log.warning("%s", warning)

@@ -57,7 +57,7 @@ def write_summary(path: pathlib.Path, cfg: RunConfig, *, steps: int, counters: d
         "generation_wasted_fraction": wasted_fraction(generated, trained_here),
         "groups_ingested": counters["ingested"],
         "groups_trained": counters["trained"],
-        # sampler.weight_updates=in_flight: trained groups with a completion drawn by more than one weight version
+        # sampler.weight_updates=in_flight: trained groups whose tokens span more than one weight version
         "groups_trained_mixed_versions": counters.get("trained_mixed_versions", 0),
         "groups_dropped_stale": counters["dropped_stale"],
         "groups_dropped_invalid": counters["dropped_invalid"],
