@@ -51,3 +51,56 @@ def check_request(prompts: list[list[int]], budgets: list[int] | None, max_promp
         raise ValueError(f"max_new_tokens: one budget per prompt, each in 1..{max_new_tokens} "
                          "(generation.max_new_tokens)")
     return np.asarray(budgets, np.int32)
+
+
+@dataclasses.dataclass
+class Request:
+    """One sequence to decode: its prompt (for a later turn of an episode, the conversation so far, token ids as
+    sampled and as the environment wrote them, never re-encoded), its budget of new tokens, its PRNG key data and
+    the caller's handle."""
+    ids: list[int]
+    budget: int
+    key: Any
+    tag: Any = None
+
+
+class RequestSource(Protocol):
+    """Where a serving engine (`serve`) takes requests from and hands finished sequences back to."""
+
+    def take(self) -> list[Request]:
+        """Every request ready now (none: nothing is ready yet); never blocks."""
+
+    def finish(self, request: Request, tokens: np.ndarray, logprobs: np.ndarray, versions: np.ndarray | None,
+               finished: bool) -> None:
+        """`request` ended: its sampled tokens, their logprobs and versions (None: no in-flight updates), and
+        whether it stopped at a stop token (else at its budget). Called on the engine's thread: must be quick."""
+
+    def open(self) -> bool:
+        """Whether requests may still come (an environment is answering an episode's turn)."""
+
+    def wait(self, timeout: float) -> None:
+        """Block until a request is ready, the source closes or `timeout` seconds pass."""
+
+
+class FixedRequests:
+    """A fixed request set whose results fill a Generation (row = request.tag): `generate` as a `serve`."""
+
+    def __init__(self, requests: list[Request], out: Generation):
+        self.requests, self.out = requests, out
+
+    def take(self) -> list[Request]:
+        taken, self.requests = self.requests, []
+        return taken
+
+    def finish(self, request: Request, tokens, logprobs, versions, finished: bool) -> None:
+        row, n = request.tag, len(tokens)
+        self.out.tokens[row, :n], self.out.logprobs[row, :n] = tokens, logprobs
+        if versions is not None and self.out.versions is not None:
+            self.out.versions[row, :n] = versions
+        self.out.lengths[row], self.out.finished[row] = n, finished
+
+    def open(self) -> bool:
+        return False
+
+    def wait(self, timeout: float) -> None:
+        return None

@@ -76,7 +76,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from grpo_stream.common.engine import cpu_attention, decode
-from grpo_stream.common.engine.base import Generation, check_request
+from grpo_stream.common.engine.base import FixedRequests, Generation, Request, RequestSource, check_request
 from grpo_stream.common.engine.slot_programs import (MIN_SLOTS, MIN_WINDOW, SlotPrograms, SlotState, pow2_at_least,
                                                       slot_ladder)
 from grpo_stream.common.model.policy import PolicyModel
@@ -166,48 +166,83 @@ class ContinuousEngine(SlotPrograms):
                          versions=np.full((rows, self.max_new_tokens), -1, np.int32) if refresh else None)
         if not rows:
             return out
-        weights = self._weights(params)
         row_keys = np.asarray(jax.random.key_data(jax.vmap(lambda i: jax.random.fold_in(rng, i))(jnp.arange(rows))))
-        self._prompt_lens = np.array([len(p) for p in prompts])
-        main, long = self._group(self._size_for(rows), MIN_WINDOW), None
-        pending = collections.deque(range(rows))
+        requests = [Request(list(p), int(b), k, i) for i, (p, b, k) in enumerate(zip(prompts, budgets, row_keys))]
+        self.serve(params, FixedRequests(requests, out), greedy, refresh, version)
+        return out
+
+    def serve(self, params: Any, source: RequestSource, greedy: bool = False,
+              refresh: Callable[[], tuple[Any, int] | None] | None = None, version: int = 0) -> None:
+        """Decode the requests `source` hands out until it has none left and none will come: each chunk boundary
+        takes the requests ready then (a multi-turn episode's next turn enters when its environment has answered,
+        while the other slots keep decoding) and hands every ended sequence back through `source.finish`."""
+        weights = self._weights(params)
+        self._requests: list[Request] = []
+        self._row_out: list[tuple | None] = []
+        self._prompt_lens = np.zeros((0,), np.int64)
+        self._source = source
+        main, long = None, None
+        pending: collections.deque = collections.deque()
         while True:
             if refresh is not None:
                 update = refresh()
                 if update is not None:
                     params, version = update
                     weights = self._weights(params)
-            live_total = int(main.live.sum()) + (int(long.live.sum()) if long else 0)
+            pending.extend(self._register(r, refresh is not None) for r in source.take())
+            live_total = (int(main.live.sum()) if main else 0) + (int(long.live.sum()) if long else 0)
+            if pending:  # the main group grows to hold what waits (a fixed request set: sized once, at the start)
+                need = self._size_for(min(self.slots, (int(main.live.sum()) if main else 0) + len(pending)))
+                main = self._group(need, MIN_WINDOW) if main is None else self._regroup(main, max(need, main.size))
+            if not live_total and not pending:
+                if not source.open():
+                    return
+                source.wait(0.5)
+                continue
             free = np.flatnonzero(~main.live)
             coming = [pending[i] for i in range(min(len(free), len(pending), self.slots - live_total))]
-            if not live_total and not coming:
-                return out
             main, long = self._fit_windows(main, long, coming)
             if coming:
-                admitted = self._admit_pending(weights, main, pending, free[:len(coming)], prompts, budgets,
-                                               row_keys)
+                admitted = self._admit_pending(weights, main, pending, free[:len(coming)])
                 main.logits_version[admitted] = version
-            held = main.size * main.window + (long.size * long.window if long is not None else 0)
-            self.stats["peak_cache_positions"] = max(self.stats["peak_cache_positions"], held)
-            groups = [g for g in (main, long) if g is not None and g.live.any()]
-            if groups[0] is main and pending:  # stop early once enough slots are free for waiting rows
-                want_free = int((~main.live).sum()) + min(len(pending), max(1, main.size // 8))
-            else:
-                want_free = groups[0].size + 1
-            windows, ragged = tuple(g.window for g in groups), self._relaid[2]
-            self.programs.add(("decode", tuple((g.size, g.window) for g in groups), greedy, ragged))
-            states, toks, lps, steps = self._decode(weights, tuple(g.state for g in groups), jnp.int32(want_free),
-                                                    greedy=greedy, windows=windows, ragged=ragged)
-            fetched = jax.device_get((toks, lps, tuple((s.produced, s.active) for s in states), steps))
-            for i, group in enumerate(groups):
-                group.state = states[i]
-                self._collect(group, out, fetched[0][i], fetched[1][i], *fetched[2][i], fetched[3], version, ragged)
-            self.stats["decode_steps"] += int(fetched[3])
+            self._decode_and_collect(weights, main, long, len(pending), greedy, version)
             main, long = self._compact_groups(main, long, pending)
 
-    def _collect(self, group: SlotGroup, out: Generation, toks, lps, now_produced, active, steps, version: int,
-                 ragged: bool):
-        """Copy a chunk's new tokens out and free the slots whose sequence ended."""
+    def _register(self, request: Request, versions: bool) -> int:
+        """A row for a request taken from the source: its output buffers, and its prompt length for the windows."""
+        if not 0 < len(request.ids) < self.cache_len or not 1 <= request.budget <= self.max_new_tokens or \
+                len(request.ids) + request.budget > self.cache_len:
+            raise ValueError(f"request of {len(request.ids)} prompt tokens and a budget of {request.budget} does not "
+                             f"fit the cache of {self.cache_len} positions (generation.max_prompt_tokens + "
+                             "generation.max_new_tokens)")
+        self._requests.append(request)
+        self._row_out.append((np.full(request.budget, self.pad_id, np.int32), np.zeros(request.budget, np.float32),
+                              np.full(request.budget, -1, np.int32) if versions else None))
+        self._prompt_lens = np.append(self._prompt_lens, len(request.ids))
+        return len(self._requests) - 1
+
+    def _decode_and_collect(self, weights, main: SlotGroup, long: SlotGroup | None, waiting: int, greedy: bool,
+                            version: int) -> None:
+        """One decode chunk over the live groups, its tokens copied out."""
+        held = main.size * main.window + (long.size * long.window if long is not None else 0)
+        self.stats["peak_cache_positions"] = max(self.stats["peak_cache_positions"], held)
+        groups = [g for g in (main, long) if g is not None and g.live.any()]
+        if groups[0] is main and waiting:  # stop early once enough slots are free for waiting rows
+            want_free = int((~main.live).sum()) + min(waiting, max(1, main.size // 8))
+        else:
+            want_free = groups[0].size + 1
+        windows, ragged = tuple(g.window for g in groups), self._relaid[2]
+        self.programs.add(("decode", tuple((g.size, g.window) for g in groups), greedy, ragged))
+        states, toks, lps, steps = self._decode(weights, tuple(g.state for g in groups), jnp.int32(want_free),
+                                                greedy=greedy, windows=windows, ragged=ragged)
+        fetched = jax.device_get((toks, lps, tuple((s.produced, s.active) for s in states), steps))
+        for i, group in enumerate(groups):
+            group.state = states[i]
+            self._collect(group, fetched[0][i], fetched[1][i], *fetched[2][i], fetched[3], version, ragged)
+        self.stats["decode_steps"] += int(fetched[3])
+
+    def _collect(self, group: SlotGroup, toks, lps, now_produced, active, steps, version: int, ragged: bool):
+        """Copy a chunk's new tokens out and free the slots whose sequence ended (handing it to its source)."""
         live = group.live
         self.stats["slot_steps"] += int(steps) * group.size
         self.stats["cache_positions_read"] += int(steps) * group.size * group.window
@@ -221,17 +256,24 @@ class ContinuousEngine(SlotPrograms):
         self.stats["live_slot_steps"] += int(now_produced[live].sum() - group.produced[live].sum())
         for s in np.flatnonzero(live):
             row, start, end = group.row[s], group.produced[s], now_produced[s]
-            out.tokens[row, start:end] = toks[s, :end - start]
-            out.logprobs[row, start:end] = lps[s, :end - start]
-            if end > start and out.versions is not None:
-                out.versions[row, start] = group.logits_version[s]
-                out.versions[row, start + 1:end] = version
+            tokens, logprobs, versions = self._row_out[row]
+            tokens[start:end] = toks[s, :end - start]
+            logprobs[start:end] = lps[s, :end - start]
+            if end > start and versions is not None:
+                versions[start] = group.logits_version[s]
+                versions[start + 1:end] = version
                 group.logits_version[s] = version
             group.produced[s] = end
             if not active[s]:
-                out.lengths[row] = end
-                out.finished[row] = end > 0 and int(out.tokens[row, end - 1]) in self.eos_ids
+                finished = end > 0 and int(tokens[end - 1]) in self.eos_ids
+                self._source_finish(row, end, finished)
                 group.row[s] = -1
+
+    def _source_finish(self, row: int, end: int, finished: bool) -> None:
+        tokens, logprobs, versions = self._row_out[row]
+        self._source.finish(self._requests[row], tokens[:end], logprobs[:end],
+                               None if versions is None else versions[:end], finished)
+        self._row_out[row] = None  # the source owns the arrays now
 
     # ---- windows and groups ----------------------------------------------------------------------------------
 
@@ -348,10 +390,11 @@ class ContinuousEngine(SlotPrograms):
         return SlotGroup(state, group.window, group.row[keep].copy(), group.produced[keep].copy(),
                          group.logits_version[keep].copy())
 
-    def _admit_pending(self, weights, main: SlotGroup, pending, free, prompts, budgets, row_keys) -> np.ndarray:
+    def _admit_pending(self, weights, main: SlotGroup, pending, free) -> np.ndarray:
         """Prefill the next pending rows' prompts (each distinct prompt once) into the main group's free slots
         `free`; returns the slots filled."""
         take = [pending.popleft() for _ in range(len(free))]
+        prompts = {r: self._requests[r].ids for r in take}
         unique: dict[tuple, int] = {}
         source = [unique.setdefault(tuple(prompts[r]), len(unique)) for r in take]
         distinct = list(unique)
@@ -368,9 +411,10 @@ class ContinuousEngine(SlotPrograms):
         size = main.size
         slots = np.full((size,), size, np.int32)   # out of range: dropped
         src, lens, buds = (np.zeros((size,), np.int32) for _ in range(3))
-        keys = np.zeros((size, *row_keys.shape[1:]), np.uint32)
+        keys = np.zeros((size, *np.shape(self._requests[take[0]].key)), np.uint32)
         for i, (row, s) in enumerate(zip(take, free)):
-            slots[i], src[i], lens[i], buds[i], keys[i] = s, source[i], len(prompts[row]), budgets[row], row_keys[row]
+            request = self._requests[row]
+            slots[i], src[i], lens[i], buds[i], keys[i] = s, source[i], len(request.ids), request.budget, request.key
             main.row[s], main.produced[s] = row, 0
         self.programs.add(("admit", size, main.window, count, width))
         main.state = self._admit(main.state, prompt_cache, prompt_logits, jnp.asarray(slots), jnp.asarray(src),

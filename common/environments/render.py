@@ -1,0 +1,74 @@
+"""Observations as tokens: rendered by the model's chat template, tokenized once, appended after the model's turn.
+
+The model ended its turn by sampling a stop token (Qwen's <|im_end|>, Llama 3's <|eot_id|>, Gemma's
+<end_of_turn>), which stays in the sequence as sampled. What follows it is what the chat template writes after an
+assistant message's stop token, the observation's message, and the header of the next assistant turn: found as
+the difference between the template's rendering of a conversation with and without the observation, around a
+sentinel assistant message, so each family's own template decides (a tool message in Qwen's <tool_response>, Llama
+3's ipython header, a user turn for Gemma, whose template has no tool role). The tiny CPU model has no chat
+template: its observations are written as the environment phrases them (`PlainRenderer`).
+"""
+
+from __future__ import annotations
+
+from grpo_stream.common.environments.base import Observation
+
+_SENTINEL = "\u2063grpo-stream-sentinel-turn\u2063"
+
+
+class ChatTemplateRenderer:
+    """Observation -> token ids by a Hugging Face tokenizer's chat template (model.kind=hf)."""
+
+    def __init__(self, tokenizer):
+        if not hasattr(tokenizer, "render_chat"):
+            raise ValueError("environment: this tokenizer has no chat template; environments need one for an hf "
+                             "model (or use the tiny model, whose observations are plain text)")
+        self.tokenizer = tokenizer
+        self._stop_texts = tokenizer.stop_texts()
+
+    def text(self, observation: Observation) -> str:
+        """The text that follows the model's stop token: the template's end of the assistant turn, the observation
+        message and the next assistant turn's header."""
+        chat = [{"role": "user", "content": "q"}, {"role": "assistant", "content": _SENTINEL}]
+        before = self.tokenizer.render_chat(chat, add_generation_prompt=False)
+        message = {"role": observation.role, "content": observation.content}
+        try:
+            after = self.tokenizer.render_chat(chat + [message], add_generation_prompt=True)
+        except Exception:  # noqa: BLE001 - jinja raises for roles a template refuses (Gemma has no tool role)
+            if observation.role == "user":
+                raise
+            after = self.tokenizer.render_chat(chat + [{"role": "user", "content": observation.content}],
+                                               add_generation_prompt=True)
+        if not after.startswith(before[:before.index(_SENTINEL) + len(_SENTINEL)]):
+            raise ValueError("environment: the chat template renders earlier turns differently once an observation "
+                             "follows; observations cannot be appended token-exactly with it")
+        tail = before[before.index(_SENTINEL) + len(_SENTINEL):]
+        for stop in self._stop_texts:  # the stop token was sampled, not written: it is already in the sequence
+            if tail.startswith(stop):
+                tail = tail[len(stop):]
+                break
+        return tail + after[len(before):]
+
+    def render(self, observation: Observation) -> list[int]:
+        return self.tokenizer.encode(self.text(observation))
+
+
+class PlainRenderer:
+    """Observation -> token ids for a tokenizer without a chat template (the tiny CPU model): its content as the
+    environment wrote it, after a line break."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def text(self, observation: Observation) -> str:
+        return " " + observation.content
+
+    def render(self, observation: Observation) -> list[int]:
+        return self.tokenizer.encode(self.text(observation))
+
+
+def renderer_for(tokenizer):
+    """The chat template's renderer when the tokenizer has one, else plain text."""
+    if getattr(tokenizer, "has_chat_template", False):
+        return ChatTemplateRenderer(tokenizer)
+    return PlainRenderer(tokenizer)

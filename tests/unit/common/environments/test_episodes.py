@@ -1,0 +1,115 @@
+"""Multi-turn episodes on the continuous engine: token in, token out, observations carry no logprob, and the
+trainer's recomputation at lag 0 equals the behaviour logprobs on every model token."""
+
+import concurrent.futures
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from grpo_stream.common.engine.continuous import ContinuousEngine
+from grpo_stream.common.environments.base import Observation, Turn
+from grpo_stream.common.environments.episodes import EpisodeSettings, run_episodes
+from grpo_stream.common.environments.render import PlainRenderer
+from grpo_stream.common.model.policy import sequence_logprobs
+from grpo_stream.trainer_service.batching import layout
+
+P, C = 24, 40
+
+
+class Scripted:
+    """Answers every turn with `= <turn number>` until `turns` turns, on a pool thread after `delay` seconds."""
+
+    def __init__(self, turns, delay=0.0):
+        self.turns, self.delay, self.seen, self.threads = turns, delay, [], set()
+
+    def start(self, problem):
+        env = self
+
+        class Episode:
+            count = 0
+
+            def step(self, text):
+                env.threads.add(threading.current_thread().name)
+                env.seen.append(text)
+                time.sleep(env.delay)
+                self.count += 1
+                return Turn(Observation(f"= {self.count}") if self.count < env.turns else None, reward=0.5)
+        return Episode()
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_parts):
+    cfg, task, tok, model = tiny_parts
+    return ContinuousEngine(model, tok.pad_id, tok.eos_id, P, C, temperature=1.0, slots=8, chunk_steps=4)
+
+
+def _run(tiny_parts, engine, n, env, settings, rng=0, greedy=False):
+    cfg, task, tok, model = tiny_parts
+    problems = [task.train_problem(i) for i in range(n)]
+    prompts = [tok.encode(p.prompt) for p in problems]
+    with concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="environment") as pool:
+        results, figures = run_episodes(engine, model.params, prompts, [env.start(p) for p in problems],
+                                        jax.random.key(rng), settings, tok, PlainRenderer(tok), pool, greedy=greedy)
+    return prompts, results, figures
+
+
+def test_model_tokens_are_exact_and_observations_carry_no_loss(tiny_parts, engine):
+    cfg, task, tok, model = tiny_parts
+    settings = EpisodeSettings(max_turns=3, turn_max_new_tokens=8, episode_tokens=C)
+    prompts, results, figures = _run(tiny_parts, engine, 12, Scripted(turns=3), settings)
+    assert figures["turns"] > 12  # episodes went past their first turn
+    rows = [layout(np.array(p), np.array(r.tokens), P, C, tok.pad_id) for p, r in zip(prompts, results)]
+    tokens, valid = np.stack([r[0] for r in rows]), np.stack([r[1] for r in rows])
+    recomputed = np.asarray(sequence_logprobs(model, model.params, tokens, valid, 1.0, tok.pad_id))[:, P - 1:]
+    diffs = []
+    for i, r in enumerate(results):
+        mask = np.array(r.model_mask)
+        assert len(r.tokens) == len(r.logprobs) == len(mask) <= C and mask[0]
+        assert (np.array(r.logprobs)[~mask] == 0).all()
+        diffs.append(np.abs(recomputed[i, :len(mask)][mask] - np.array(r.logprobs)[mask]))
+        # each observation is the renderer's ids, whole, after a model turn (a cut turn's stop token first)
+        obs_runs = np.split(np.array(r.tokens)[~mask], np.flatnonzero(np.diff(np.flatnonzero(~mask)) > 1) + 1)
+        for k, run in enumerate(o for o in obs_runs if len(o)):
+            expected = tok.encode(f" = {k + 1}")
+            assert run.tolist() in (expected, [tok.eos_id] + expected)
+        assert r.turns <= 3 and len(r.turn_rewards) == min(r.turns, 2 if r.turns == 3 else r.turns)
+    diffs = np.concatenate(diffs)
+    assert diffs.mean() <= 1e-5 and diffs.max() <= 1e-4
+
+
+def test_environment_steps_run_off_the_decode_thread_while_other_episodes_decode(tiny_parts, engine):
+    """With a 0.2 s tool, 16 episodes of 3 turns take far less than 16 x 2 x 0.2 s: the waits overlap each other
+    and the decoding of other episodes."""
+    settings = EpisodeSettings(max_turns=3, turn_max_new_tokens=6, episode_tokens=C)
+    env = Scripted(turns=3, delay=0.2)
+    _, results, figures = _run(tiny_parts, engine, 16, env, settings, rng=1)
+    assert all(name.startswith("environment") for name in env.threads)
+    assert figures["environment_seconds"] >= 0.2 * (figures["turns"] - 16)
+    assert figures["seconds"] < 0.75 * figures["environment_seconds"]
+
+
+def test_episodes_are_reproducible_and_end_at_their_budget(tiny_parts, engine):
+    settings = EpisodeSettings(max_turns=8, turn_max_new_tokens=8, episode_tokens=20)
+    _, a, _ = _run(tiny_parts, engine, 6, Scripted(turns=8), settings, rng=3)
+    _, b, _ = _run(tiny_parts, engine, 6, Scripted(turns=8, delay=0.01), settings, rng=3)
+    assert [r.tokens for r in a] == [r.tokens for r in b]  # scheduling does not change what is sampled
+    for r in a:
+        assert len(r.tokens) <= 20
+        if r.turns < 8:
+            assert not r.finished  # ran out of tokens before the environment ended it
+
+
+def test_an_environment_that_raises_ends_only_its_episode(tiny_parts, engine):
+    class Broken(Scripted):
+        def start(self, problem):
+            episode = super().start(problem)
+            if problem.prompt_id.endswith("-1"):
+                episode.step = lambda text: 1 / 0
+            return episode
+    settings = EpisodeSettings(max_turns=3, turn_max_new_tokens=6, episode_tokens=C)
+    _, results, _ = _run(tiny_parts, engine, 4, Broken(turns=3), settings)
+    assert "ZeroDivisionError" in results[1].error and not results[1].finished and results[1].turns == 1
+    assert all(r.error is None and r.turns == 3 for k, r in enumerate(results) if k != 1)
