@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n grpo_stream/protos/rollout.proto\x12\x0egrpo_stream.v1\"\xc0\x02\n\nCompletion\x12\x14\n\x0ctoken_ids_le\x18\x07 \x01(\x0c\x12\x13\n\x0blogprobs_le\x18\x08 \x01(\x0c\x12\x0e\n\x06reward\x18\x03 \x01(\x02\x12\x11\n\ttruncated\x18\x04 \x01(\x08\x12K\n\x11reward_components\x18\x05 \x03(\x0b\x32\x30.grpo_stream.v1.Completion.RewardComponentsEntry\x12\x14\n\x0cversion_runs\x18\t \x03(\x03\x12\x1b\n\x13version_run_lengths\x18\n \x03(\r\x1a\x37\n\x15RewardComponentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01J\x04\x08\x01\x10\x02J\x04\x08\x02\x10\x03J\x04\x08\x06\x10\x07R\ttoken_idsR\x08logprobsR\x04text\"\x9a\x02\n\x0cRolloutGroup\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x11\n\tprompt_id\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12/\n\x0b\x63ompletions\x18\x04 \x03(\x0b\x32\x1a.grpo_stream.v1.Completion\x12\x16\n\x0epolicy_version\x18\x05 \x01(\x03\x12\x12\n\nsampler_id\x18\x06 \x01(\t\x12\x14\n\x0c\x63reated_unix\x18\x07 \x01(\x01\x12\x18\n\x10reference_answer\x18\x08 \x01(\t\x12\x1a\n\rdata_position\x18\t \x01(\x03H\x00\x88\x01\x01\x12\x10\n\x08injected\x18\n \x01(\x08\x42\x10\n\x0e_data_position\"i\n\x08GroupAck\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x16\n\x0eretry_after_ms\x18\x04 \x01(\x05\x12\x14\n\x0c\x62uffer_depth\x18\x05 \x01(\x03\"<\n\x0cRolloutBatch\x12,\n\x06groups\x18\x01 \x03(\x0b\x32\x1c.grpo_stream.v1.RolloutGroup\"2\n\x08\x42\x61tchAck\x12&\n\x04\x61\x63ks\x18\x01 \x03(\x0b\x32\x18.grpo_stream.v1.GroupAck\")\n\x13\x44\x61taPositionRequest\x12\x12\n\nsampler_id\x18\x01 \x01(\t\"/\n\x0c\x44\x61taPosition\x12\r\n\x05known\x18\x01 \x01(\x08\x12\x10\n\x08position\x18\x02 \x01(\x03\"O\n\x0c\x43laimRequest\x12\x12\n\nsampler_id\x18\x01 \x01(\t\x12\x13\n\x0bmax_prompts\x18\x02 \x01(\x05\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x03\"\x90\x01\n\x0eInjectedPrompt\x12\x11\n\tprompt_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x18\n\x10reference_answer\x18\x03 \x01(\t\x12\x0f\n\x07rewards\x18\x04 \x03(\t\x12\x17\n\x0fnum_generations\x18\x05 \x01(\x05\x12\r\n\x05train\x18\x06 \x01(\x08\"A\n\x0e\x43laimedPrompts\x12/\n\x07prompts\x18\x01 \x03(\x0b\x32\x1e.grpo_stream.v1.InjectedPrompt\"]\n\x0c\x41\x64mitRequest\x12\x12\n\nsampler_id\x18\x01 \x01(\t\x12\x0e\n\x06groups\x18\x02 \x01(\x05\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x03\x12\x11\n\tin_flight\x18\x04 \x01(\x05\"[\n\nAdmitReply\x12\x0f\n\x07granted\x18\x01 \x01(\x05\x12\x16\n\x0eretry_after_ms\x18\x02 \x01(\x05\x12\x14\n\x0ctrainer_step\x18\x03 \x01(\x03\x12\x0e\n\x06queued\x18\x04 \x01(\x03\x32\x88\x03\n\rRolloutIngest\x12K\n\rStreamBatches\x12\x1c.grpo_stream.v1.RolloutBatch\x1a\x18.grpo_stream.v1.BatchAck(\x01\x30\x01\x12\x43\n\tPushGroup\x12\x1c.grpo_stream.v1.RolloutGroup\x1a\x18.grpo_stream.v1.GroupAck\x12T\n\x0fGetDataPosition\x12#.grpo_stream.v1.DataPositionRequest\x1a\x1c.grpo_stream.v1.DataPosition\x12L\n\x0c\x43laimPrompts\x12\x1c.grpo_stream.v1.ClaimRequest\x1a\x1e.grpo_stream.v1.ClaimedPrompts\x12\x41\n\x05\x41\x64mit\x12\x1c.grpo_stream.v1.AdmitRequest\x1a\x1a.grpo_stream.v1.AdmitReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n grpo_stream/protos/rollout.proto\x12\x0egrpo_stream.v1\"\xda\x02\n\nCompletion\x12\x14\n\x0ctoken_ids_le\x18\x07 \x01(\x0c\x12\x13\n\x0blogprobs_le\x18\x08 \x01(\x0c\x12\x0e\n\x06reward\x18\x03 \x01(\x02\x12\x11\n\ttruncated\x18\x04 \x01(\x08\x12K\n\x11reward_components\x18\x05 \x03(\x0b\x32\x30.grpo_stream.v1.Completion.RewardComponentsEntry\x12\x14\n\x0cversion_runs\x18\t \x03(\x03\x12\x1b\n\x13version_run_lengths\x18\n \x03(\r\x12\x18\n\x10model_token_mask\x18\x0b \x01(\x0c\x1a\x37\n\x15RewardComponentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01J\x04\x08\x01\x10\x02J\x04\x08\x02\x10\x03J\x04\x08\x06\x10\x07R\ttoken_idsR\x08logprobsR\x04text\"\x9a\x02\n\x0cRolloutGroup\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x11\n\tprompt_id\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12/\n\x0b\x63ompletions\x18\x04 \x03(\x0b\x32\x1a.grpo_stream.v1.Completion\x12\x16\n\x0epolicy_version\x18\x05 \x01(\x03\x12\x12\n\nsampler_id\x18\x06 \x01(\t\x12\x14\n\x0c\x63reated_unix\x18\x07 \x01(\x01\x12\x18\n\x10reference_answer\x18\x08 \x01(\t\x12\x1a\n\rdata_position\x18\t \x01(\x03H\x00\x88\x01\x01\x12\x10\n\x08injected\x18\n \x01(\x08\x42\x10\n\x0e_data_position\"i\n\x08GroupAck\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x16\n\x0eretry_after_ms\x18\x04 \x01(\x05\x12\x14\n\x0c\x62uffer_depth\x18\x05 \x01(\x03\"<\n\x0cRolloutBatch\x12,\n\x06groups\x18\x01 \x03(\x0b\x32\x1c.grpo_stream.v1.RolloutGroup\"2\n\x08\x42\x61tchAck\x12&\n\x04\x61\x63ks\x18\x01 \x03(\x0b\x32\x18.grpo_stream.v1.GroupAck\")\n\x13\x44\x61taPositionRequest\x12\x12\n\nsampler_id\x18\x01 \x01(\t\"/\n\x0c\x44\x61taPosition\x12\r\n\x05known\x18\x01 \x01(\x08\x12\x10\n\x08position\x18\x02 \x01(\x03\"O\n\x0c\x43laimRequest\x12\x12\n\nsampler_id\x18\x01 \x01(\t\x12\x13\n\x0bmax_prompts\x18\x02 \x01(\x05\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x03\"\x90\x01\n\x0eInjectedPrompt\x12\x11\n\tprompt_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x18\n\x10reference_answer\x18\x03 \x01(\t\x12\x0f\n\x07rewards\x18\x04 \x03(\t\x12\x17\n\x0fnum_generations\x18\x05 \x01(\x05\x12\r\n\x05train\x18\x06 \x01(\x08\"A\n\x0e\x43laimedPrompts\x12/\n\x07prompts\x18\x01 \x03(\x0b\x32\x1e.grpo_stream.v1.InjectedPrompt\"]\n\x0c\x41\x64mitRequest\x12\x12\n\nsampler_id\x18\x01 \x01(\t\x12\x0e\n\x06groups\x18\x02 \x01(\x05\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x03\x12\x11\n\tin_flight\x18\x04 \x01(\x05\"[\n\nAdmitReply\x12\x0f\n\x07granted\x18\x01 \x01(\x05\x12\x16\n\x0eretry_after_ms\x18\x02 \x01(\x05\x12\x14\n\x0ctrainer_step\x18\x03 \x01(\x03\x12\x0e\n\x06queued\x18\x04 \x01(\x03\x32\x88\x03\n\rRolloutIngest\x12K\n\rStreamBatches\x12\x1c.grpo_stream.v1.RolloutBatch\x1a\x18.grpo_stream.v1.BatchAck(\x01\x30\x01\x12\x43\n\tPushGroup\x12\x1c.grpo_stream.v1.RolloutGroup\x1a\x18.grpo_stream.v1.GroupAck\x12T\n\x0fGetDataPosition\x12#.grpo_stream.v1.DataPositionRequest\x1a\x1c.grpo_stream.v1.DataPosition\x12L\n\x0c\x43laimPrompts\x12\x1c.grpo_stream.v1.ClaimRequest\x1a\x1e.grpo_stream.v1.ClaimedPrompts\x12\x41\n\x05\x41\x64mit\x12\x1c.grpo_stream.v1.AdmitRequest\x1a\x1a.grpo_stream.v1.AdmitReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,31 +34,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_COMPLETION_REWARDCOMPONENTSENTRY']._loaded_options = None
   _globals['_COMPLETION_REWARDCOMPONENTSENTRY']._serialized_options = b'8\001'
   _globals['_COMPLETION']._serialized_start=53
-  _globals['_COMPLETION']._serialized_end=373
-  _globals['_COMPLETION_REWARDCOMPONENTSENTRY']._serialized_start=273
-  _globals['_COMPLETION_REWARDCOMPONENTSENTRY']._serialized_end=328
-  _globals['_ROLLOUTGROUP']._serialized_start=376
-  _globals['_ROLLOUTGROUP']._serialized_end=658
-  _globals['_GROUPACK']._serialized_start=660
-  _globals['_GROUPACK']._serialized_end=765
-  _globals['_ROLLOUTBATCH']._serialized_start=767
-  _globals['_ROLLOUTBATCH']._serialized_end=827
-  _globals['_BATCHACK']._serialized_start=829
-  _globals['_BATCHACK']._serialized_end=879
-  _globals['_DATAPOSITIONREQUEST']._serialized_start=881
-  _globals['_DATAPOSITIONREQUEST']._serialized_end=922
-  _globals['_DATAPOSITION']._serialized_start=924
-  _globals['_DATAPOSITION']._serialized_end=971
-  _globals['_CLAIMREQUEST']._serialized_start=973
-  _globals['_CLAIMREQUEST']._serialized_end=1052
-  _globals['_INJECTEDPROMPT']._serialized_start=1055
-  _globals['_INJECTEDPROMPT']._serialized_end=1199
-  _globals['_CLAIMEDPROMPTS']._serialized_start=1201
-  _globals['_CLAIMEDPROMPTS']._serialized_end=1266
-  _globals['_ADMITREQUEST']._serialized_start=1268
-  _globals['_ADMITREQUEST']._serialized_end=1361
-  _globals['_ADMITREPLY']._serialized_start=1363
-  _globals['_ADMITREPLY']._serialized_end=1454
-  _globals['_ROLLOUTINGEST']._serialized_start=1457
-  _globals['_ROLLOUTINGEST']._serialized_end=1849
+  _globals['_COMPLETION']._serialized_end=399
+  _globals['_COMPLETION_REWARDCOMPONENTSENTRY']._serialized_start=299
+  _globals['_COMPLETION_REWARDCOMPONENTSENTRY']._serialized_end=354
+  _globals['_ROLLOUTGROUP']._serialized_start=402
+  _globals['_ROLLOUTGROUP']._serialized_end=684
+  _globals['_GROUPACK']._serialized_start=686
+  _globals['_GROUPACK']._serialized_end=791
+  _globals['_ROLLOUTBATCH']._serialized_start=793
+  _globals['_ROLLOUTBATCH']._serialized_end=853
+  _globals['_BATCHACK']._serialized_start=855
+  _globals['_BATCHACK']._serialized_end=905
+  _globals['_DATAPOSITIONREQUEST']._serialized_start=907
+  _globals['_DATAPOSITIONREQUEST']._serialized_end=948
+  _globals['_DATAPOSITION']._serialized_start=950
+  _globals['_DATAPOSITION']._serialized_end=997
+  _globals['_CLAIMREQUEST']._serialized_start=999
+  _globals['_CLAIMREQUEST']._serialized_end=1078
+  _globals['_INJECTEDPROMPT']._serialized_start=1081
+  _globals['_INJECTEDPROMPT']._serialized_end=1225
+  _globals['_CLAIMEDPROMPTS']._serialized_start=1227
+  _globals['_CLAIMEDPROMPTS']._serialized_end=1292
+  _globals['_ADMITREQUEST']._serialized_start=1294
+  _globals['_ADMITREQUEST']._serialized_end=1387
+  _globals['_ADMITREPLY']._serialized_start=1389
+  _globals['_ADMITREPLY']._serialized_end=1480
+  _globals['_ROLLOUTINGEST']._serialized_start=1483
+  _globals['_ROLLOUTINGEST']._serialized_end=1875
 # @@protoc_insertion_point(module_scope)

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Completion(_message.Message):
-    __slots__ = ("token_ids_le", "logprobs_le", "reward", "truncated", "reward_components", "version_runs", "version_run_lengths")
+    __slots__ = ("token_ids_le", "logprobs_le", "reward", "truncated", "reward_components", "version_runs", "version_run_lengths", "model_token_mask")
     class RewardComponentsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -22,6 +22,7 @@ class Completion(_message.Message):
     REWARD_COMPONENTS_FIELD_NUMBER: _ClassVar[int]
     VERSION_RUNS_FIELD_NUMBER: _ClassVar[int]
     VERSION_RUN_LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_TOKEN_MASK_FIELD_NUMBER: _ClassVar[int]
     token_ids_le: bytes
     logprobs_le: bytes
     reward: float
@@ -29,7 +30,8 @@ class Completion(_message.Message):
     reward_components: _containers.ScalarMap[str, float]
     version_runs: _containers.RepeatedScalarFieldContainer[int]
     version_run_lengths: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, token_ids_le: _Optional[bytes] = ..., logprobs_le: _Optional[bytes] = ..., reward: _Optional[float] = ..., truncated: _Optional[bool] = ..., reward_components: _Optional[_Mapping[str, float]] = ..., version_runs: _Optional[_Iterable[int]] = ..., version_run_lengths: _Optional[_Iterable[int]] = ...) -> None: ...
+    model_token_mask: bytes
+    def __init__(self, token_ids_le: _Optional[bytes] = ..., logprobs_le: _Optional[bytes] = ..., reward: _Optional[float] = ..., truncated: _Optional[bool] = ..., reward_components: _Optional[_Mapping[str, float]] = ..., version_runs: _Optional[_Iterable[int]] = ..., version_run_lengths: _Optional[_Iterable[int]] = ..., model_token_mask: _Optional[bytes] = ...) -> None: ...
 
 class RolloutGroup(_message.Message):
     __slots__ = ("group_id", "prompt_id", "prompt_token_ids", "completions", "policy_version", "sampler_id", "created_unix", "reference_answer", "data_position", "injected")

@@ -28,6 +28,7 @@ import jax
 
 from grpo_stream.common.config.schema import RunConfig
 from grpo_stream.common.engine.evaluation import greedy_probe
+from grpo_stream.common.environments.runner import EpisodeRunner, episode_runner
 from grpo_stream.common.rollouts.wire import to_proto
 from grpo_stream.common.runtime.console import count_and_range, detail_logger
 from grpo_stream.common.runtime.device_memory import device_memory
@@ -36,6 +37,7 @@ from grpo_stream.common.weights.registry import transport_spec
 from grpo_stream.common.weights.snapshot import digest
 from grpo_stream.sampler_service.admission_client import AdmissionClient
 from grpo_stream.sampler_service.batches import BatchBuilder, Slot
+from grpo_stream.sampler_service.episode_groups import episode_groups
 from grpo_stream.sampler_service.grouping import build_groups
 from grpo_stream.sampler_service.lifecycle import Parts, SamplerMetrics, open_sampler
 from grpo_stream.sampler_service.rollout_client import RolloutClient
@@ -69,6 +71,8 @@ class Sampler(WeightsInUse):
         self._batches, self._last_report, self._last_line = 0, 0.0, time.monotonic()
         self._run_started: float | None = None  # until the first group is sent (start-up time is logged then)
         self._rng = None
+        self.episodes: EpisodeRunner | None = None  # environment.name: multi-turn episodes
+        self.environment_seconds = 0.0  # environment steps (tool calls), run beside decoding
 
     def run(self) -> dict:
         """Set up, generate until the final version (or a stop), drain, tear down; the run's summary."""
@@ -77,7 +81,11 @@ class Sampler(WeightsInUse):
             self._attach(parts)
             self._await_first_weights(parts.health)
             started = time.monotonic()
-            self._generate_until_done(parts)
+            try:
+                self._generate_until_done(parts)
+            finally:
+                if self.episodes is not None:
+                    self.episodes.close()
             # after the final version the trainer consumes no more: do not wait long for acks
             drained = parts.client.drain(timeout_s=2.0 if self.final else 10.0)
             parts.client.check()  # a sender that died while draining lost groups: the run does not end cleanly
@@ -96,6 +104,7 @@ class Sampler(WeightsInUse):
         self.batches = BatchBuilder(self.cfg, self.sampler_id, parts.tokenizer, prompts, parts.rewards)
         self.batches.ingest_stub = parts.ingest_stub
         self._rng = jax.random.key(self.cfg.run.seed * 1000 + self.index + 1)
+        self.episodes = episode_runner(self.cfg, parts.task, parts.tokenizer)
 
     def _generate_until_done(self, parts: Parts) -> None:
         """The batch loop: until the final version is installed or a stop is asked for. Raises what stopped the
@@ -148,6 +157,9 @@ class Sampler(WeightsInUse):
             jax.random.fold_in(self._rng, INJECTED_ONLY), self._batches)
         self._batches += 1
         generating = time.monotonic()
+        if self.episodes is not None:
+            self._generate_episodes(parts, batch, key, version)
+            return
         if self.cfg.sampler.weight_updates == "in_flight":  # newer weights take over live sequences mid-batch
             out = engine.generate(self.params, flat, key, refresh=self._refresh_in_flight, version=version)
         else:
@@ -161,6 +173,21 @@ class Sampler(WeightsInUse):
         self.groups_generated += sum(slot.train for slot in batch)
         self.sync.groups_generated = self.groups_generated
         self._send(parts.client, parts.metrics, groups, version)
+
+    def _generate_episodes(self, parts: Parts, batch: list[Slot], key, version: int) -> None:
+        """A batch of multi-turn episodes (environment.name): slot k's rows are its group's episodes."""
+        generating = time.monotonic()
+        refresh = self._refresh_in_flight if self.cfg.sampler.weight_updates == "in_flight" else None
+        problems = [slot.problem for slot in batch for _ in range(slot.rows)]
+        prompts = [slot.ids for slot in batch for _ in range(slot.rows)]
+        results, figures = self.episodes.run(parts.engine, self.params, problems, prompts, key, refresh=refresh,
+                                             version=version)
+        self.generate_seconds += time.monotonic() - generating
+        self.environment_seconds += figures.get("environment_seconds", 0.0)
+        self.groups_generated += sum(slot.train for slot in batch)
+        self.sync.groups_generated = self.groups_generated
+        self._send(parts.client, parts.metrics, episode_groups(batch, results, version, self.sampler_id,
+                                                               self.cfg.environment.turn_reward_weight), version)
 
     def _send(self, client: RolloutClient, metrics: SamplerMetrics, groups, version: int) -> None:
         """Hand a batch's groups to the sender (a generator: each group is scored as it is taken)."""
@@ -196,6 +223,7 @@ class Sampler(WeightsInUse):
                   "final_weights": verified,
                   # completion tokens generated, the time spent generating them, and the time since the first weights
                   "tokens_generated": self.tokens_generated, "generate_seconds": round(self.generate_seconds, 3),
+                  "environment_seconds": round(self.environment_seconds, 3),
                   "sampling_seconds": round(elapsed, 3),
                   "device_memory": device_memory(self.devices[0] if self.devices else None),
                   # the JAX engine's compiled shapes (slots, windows, prompt buckets): each costs a compilation

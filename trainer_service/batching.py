@@ -5,6 +5,13 @@ P = generation.max_prompt_tokens, the completion follows and is
 right-padded to C = generation.max_new_tokens. This is the step's data as
 it travels (to trainer followers, to RUN_DIR/batches); with trainer.packing
 the update repacks it, several sequences to a row (packing.py).
+
+A multi-turn completion holds observation tokens the environment wrote
+between the model's turns (CompletionData.model_mask). They stay in the
+sequence (the model reads them) but carry no loss and behaviour logprob 0, so
+everything computed under the loss mask (the objective, GSPO's sequence
+ratio, the sampler-trainer agreement, the off-policy diagnostics) sees model
+tokens only, in both layouts.
 """
 
 from __future__ import annotations
@@ -24,7 +31,8 @@ class TrainBatch:
 
     tokens: jnp.ndarray              # [B, L] int32
     valid: jnp.ndarray               # [B, L] bool, real (non-pad) tokens
-    loss_mask: jnp.ndarray           # [B, L-1] float32, 1 where the target is a completion token that counts
+    loss_mask: jnp.ndarray           # [B, L-1] float32, 1 where the target is a model-sampled completion token that
+                                     # counts (0 on observation tokens, and on a filtered sequence's)
     behaviour_logprobs: jnp.ndarray  # [B, L-1] float32, sampler logprobs at the same positions
     advantages: jnp.ndarray          # [B] float32
     fresh: jnp.ndarray               # [B] float32, 1 for sequences made with exactly the weights being updated
@@ -62,18 +70,22 @@ def build_batch(groups: list[GroupData], max_prompt: int, max_new: int, pad_id: 
     valid = np.zeros((len(rows), length), np.bool_)
     loss_mask = np.zeros((len(rows), length - 1), np.float32)
     behaviour = np.zeros((len(rows), length - 1), np.float32)
+    model_tokens = 0
     for i, (prompt, c) in enumerate(rows):
         tokens[i], valid[i] = layout(prompt, c.token_ids, max_prompt, max_new, pad_id)
-        k = len(c.token_ids)
-        # target position t predicts tokens[t + 1]; completion tokens sit at P..P+k-1
-        loss_mask[i, max_prompt - 1:max_prompt - 1 + k] = float(keep[i])
-        behaviour[i, max_prompt - 1:max_prompt - 1 + k] = c.logprobs
+        k, model = len(c.token_ids), c.model_tokens()
+        model_tokens += int(model.sum())
+        # target position t predicts tokens[t + 1]; completion tokens sit at P..P+k-1; observation tokens take no loss
+        loss_mask[i, max_prompt - 1:max_prompt - 1 + k] = model * float(keep[i])
+        behaviour[i, max_prompt - 1:max_prompt - 1 + k] = np.where(model, c.logprobs, 0.0)
     fresh = np.repeat([g.policy_version == held_version for g in groups], n).astype(np.float32)
     stats = {
         "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
         "advantage_mean": float(advantages.mean()), "advantage_abs_mean": float(np.abs(advantages).mean()),
         "advantage_max": float(advantages.max()), "advantage_min": float(advantages.min()),
         "response_length_mean": float(lengths.mean()), "truncated_fraction": float(truncated.mean()),
+        # the share of completion tokens the model sampled (1.0 single-turn; the rest are observation tokens)
+        "model_token_fraction": model_tokens / max(int(lengths.sum()), 1),
         # the share of the laid-out tokens that are padding: what every sequence at max_prompt + max_new costs the
         # update's forward and backward passes
         "padding_fraction": float(1.0 - valid.sum() / valid.size), "real_tokens": int(valid.sum()),

@@ -152,7 +152,8 @@ def version_diagnostics(groups: list[GroupData], held_version: int, max_stalenes
     0..max_staleness. A lag outside that range is counted at the nearest end (below 0 only for versions made by an
     earlier trainer process that got further before a restart).
 
-      staleness_tokens_lag{s}   share of all completion tokens (those masked out of the loss too) drawn at lag s,
+      staleness_tokens_lag{s}   share of all sampled completion tokens (those masked out of the loss too, but not
+                                a multi-turn completion's observation tokens, which no version drew) drawn at lag s,
                                 s = 0..max_staleness, zeros included, so the series are continuous; all zero when
                                 there are no tokens.
       mixed_version_groups      groups whose tokens span more than one version (only with
@@ -165,7 +166,7 @@ def version_diagnostics(groups: list[GroupData], held_version: int, max_stalenes
     for group in groups:
         if not group.completions:
             continue
-        versions = np.concatenate([token_versions(group, c) for c in group.completions])
+        versions = np.concatenate([token_versions(group, c)[c.model_tokens()] for c in group.completions])
         if versions.size == 0:
             continue
         lags = np.clip(held_version - versions, 0, max_staleness)

@@ -12,6 +12,7 @@ import numpy as np
 
 from grpo_stream.common.config.schema import RunConfig
 from grpo_stream.common.engine.evaluation import evaluate
+from grpo_stream.common.environments.runner import episode_runner
 from grpo_stream.common.runtime.device_memory import device_memory
 
 log = logging.getLogger(__name__)
@@ -20,8 +21,13 @@ log = logging.getLogger(__name__)
 def evaluate_heldout(cfg: RunConfig, engine, params, task, tokenizer, label: str, progress=None) -> dict:
     """Greedy accuracy (and sampled pass@k / maj@k with eval.samples) on eval.num_problems held-out problems."""
     problems = task.heldout(cfg.eval.num_problems)
-    result = evaluate(engine, params, tokenizer, problems, cfg.eval.batch_size, samples=cfg.eval.samples,
-                      ks=cfg.eval.ks, seed=cfg.run.seed, progress=progress)
+    runner = episode_runner(cfg, task, tokenizer)  # environment.name: each problem is a multi-turn episode
+    try:
+        result = evaluate(engine, params, tokenizer, problems, cfg.eval.batch_size, samples=cfg.eval.samples,
+                          ks=cfg.eval.ks, seed=cfg.run.seed, progress=progress, episodes=runner)
+    finally:
+        if runner is not None:
+            runner.close()
     sampled = (f", sampled pass@1 {result.pass_at_k['1']:.3f} ({cfg.eval.samples} samples)"
                if "1" in result.pass_at_k else "")
     log.info("%s: held-out greedy accuracy %.3f%s on %d problems (%.1fs); e.g. %r", label, result.accuracy, sampled,

@@ -35,10 +35,26 @@ def demonstration_batch(task: ArithTask, tokenizer: TextTokenizer, cfg: RunConfi
         problem = task.train_problem(first_index + i)
         drop = rng.random() < cfg.warmstart.carry_drop_prob
         prompt = tokenizer.encode(problem.prompt)
-        completion = (tokenizer.encode(problem.demonstration(drop_carry=drop)) + [tokenizer.eos_id])[:c]
+        completion, learn = demonstration_tokens(problem, tokenizer, drop, rng, cfg.warmstart.tool_prob)
+        completion, learn = completion[:c], learn[:c]
         tokens[i], valid[i] = layout(prompt, completion, p, c, tokenizer.pad_id)
-        loss_mask[i, p - 1:p - 1 + len(completion)] = 1.0
+        loss_mask[i, p - 1:p - 1 + len(completion)] = learn
     return tokens, valid, loss_mask
+
+
+def demonstration_tokens(problem, tokenizer: TextTokenizer, drop: bool, rng: random.Random,
+                         tool_prob: float) -> tuple[list[int], list[float]]:
+    """A demonstration's completion ids and which of them are learned: every model turn ends with the stop token;
+    a multi-turn demonstration's observation tokens (what the environment writes) are not learned."""
+    if not hasattr(problem, "demonstration_segments"):
+        ids = tokenizer.encode(problem.demonstration(drop_carry=drop)) + [tokenizer.eos_id]
+        return ids, [1.0] * len(ids)
+    ids, learn = [], []
+    for text, by_model in problem.demonstration_segments(use_tool=rng.random() < tool_prob, drop_carry=drop):
+        part = tokenizer.encode(text) + ([tokenizer.eos_id] if by_model else [])
+        ids += part
+        learn += [float(by_model)] * len(part)
+    return ids, learn
 
 
 def placements(optimizer, params: Any, master: bool) -> tuple | None:
@@ -86,4 +102,4 @@ def warm_start(model: PolicyModel, params: Any, task: ArithTask, tokenizer: Text
             if metrics is not None:
                 metrics.scalars(step, {"loss": loss}, prefix="warmstart/")
     return params, {"steps": step, "final_loss": loss, "seconds": round(time.time() - start, 2),
-                    "carry_drop_prob": ws.carry_drop_prob}
+                    "carry_drop_prob": ws.carry_drop_prob, "tool_prob": ws.tool_prob}

@@ -20,6 +20,7 @@ from pydantic import Field, model_validator
 from grpo_stream.common.config.access import (REDIS_PASSWORD_ENV, AuthSection, PromptsSection, RedisAuthSection,
                                               RpcSection, TlsSection)
 from grpo_stream.common.config.base import ConfigError, Strict
+from grpo_stream.common.config.environment import EnvironmentSection
 from grpo_stream.common.config.learning import (AlgoSection, GenerationSection, ModelSection, OptimizerSection,
                                                TaskSection)
 from grpo_stream.common.config.names import EngineName
@@ -263,6 +264,8 @@ class WarmStartSection(Strict):
     learning_rate: float = Field(2e-3, gt=0, le=1, description="Adam learning rate of the warm start.")
     carry_drop_prob: float = Field(0.6, ge=0, le=1, description="Arith demonstrations forget the units carry with this "
                                    "probability: a systematic error that RL can fix.")
+    tool_prob: float = Field(0.5, ge=0, le=1, description="task.name=arith_tools: demonstrations call the calculator "
+                             "tool with this probability (else they answer at once, as arith's do).")
     export: bool = Field(False, description="Also write the warm-started model as a Hugging Face directory, "
                          "RUN_DIR/warmstart-model: later runs start RL from it with model.kind=hf, "
                          "model.path=RUN_DIR/warmstart-model and warmstart.steps=0, without repeating the warm start.")
@@ -298,6 +301,8 @@ class RunConfig(Strict):
     eval: EvalSection = Field(default_factory=EvalSection, description="Held-out evaluation.")
     logging: LoggingSection = Field(default_factory=LoggingSection, description="Logging.")
     tracking: TrackingSection = Field(default_factory=TrackingSection, description="Trackers beyond the files: W&B.")
+    environment: EnvironmentSection = Field(default_factory=EnvironmentSection, description="Multi-turn episodes "
+                                            "with tools (null name: single-turn tasks).")
     up: UpSection = Field(default_factory=UpSection, description="How `up` restarts the processes it starts.")
     # default validated like a given section, so a bad $GRPO_STREAM_COMPILATION_CACHE_DIR names runtime.<field>
     runtime: RuntimeSection = Field(default_factory=dict, validate_default=True, description="Process runtime: "
@@ -323,6 +328,22 @@ class RunConfig(Strict):
                              "to 0")
         if self.eval.samples and max(self.eval.ks) > self.eval.samples:
             raise ValueError(f"eval.ks={self.eval.ks}: each k must be at most eval.samples={self.eval.samples}")
+        return self
+
+    @model_validator(mode="after")
+    def _environment(self) -> "RunConfig":
+        from grpo_stream.common.environments.registry import environment_spec  # noqa: PLC0415 - imports tools
+
+        env = self.environment
+        if env.name is None:
+            return self
+        spec = environment_spec(env.name)
+        if self.task.name not in spec.tasks:
+            raise ValueError(f"environment.name={env.name} takes the problems of task.name in {list(spec.tasks)}; "
+                             f"set task.name to one of them")
+        if env.turn_max_new_tokens is not None and env.turn_max_new_tokens > self.generation.max_new_tokens:
+            raise ValueError(f"environment.turn_max_new_tokens={env.turn_max_new_tokens} exceeds "
+                             f"generation.max_new_tokens={self.generation.max_new_tokens}, the whole episode's budget")
         return self
 
     @model_validator(mode="after")

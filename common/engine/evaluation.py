@@ -68,16 +68,21 @@ def majority_correct(answers: Sequence[str | None], reference: str) -> bool:
 
 
 def _generate(engine: GenerationEngine, params: Any, tokenizer, prompts: list[list[int]], batch_size: int, rng, greedy: bool,
-              progress: Callable[[], None] | None = None):
+              progress: Callable[[], None] | None = None, episodes=None, problems: list | None = None):
     """Completion texts for `prompts`, generated `batch_size` at a time (a fixed-shape engine's last batch padded:
-    one compiled shape); `progress` is called after each batch (a heartbeat)."""
+    one compiled shape); `progress` is called after each batch (a heartbeat). With `episodes` (an EpisodeRunner:
+    environment.name) each prompt is a multi-turn episode of problems[i] and its text is its model turns'."""
     texts = []
     for i in range(0, len(prompts), batch_size):
         chunk = prompts[i:i + batch_size]
-        padded = chunk + [chunk[-1]] * (batch_size - len(chunk)) if engine.fixed_shape else chunk
         rng, sub = jax.random.split(rng)
-        out = engine.generate(params, padded, sub, greedy=greedy)
-        texts += [tokenizer.decode(out.tokens[j, :out.lengths[j]].tolist()) for j in range(len(chunk))]
+        if episodes is not None:
+            results, _ = episodes.run(engine, params, problems[i:i + batch_size], chunk, sub, greedy=greedy)
+            texts += [r.model_text for r in results]
+        else:
+            padded = chunk + [chunk[-1]] * (batch_size - len(chunk)) if engine.fixed_shape else chunk
+            out = engine.generate(params, padded, sub, greedy=greedy)
+            texts += [tokenizer.decode(out.tokens[j, :out.lengths[j]].tolist()) for j in range(len(chunk))]
         if progress is not None:
             progress()
     return texts
@@ -85,11 +90,11 @@ def _generate(engine: GenerationEngine, params: Any, tokenizer, prompts: list[li
 
 def evaluate(engine: GenerationEngine, params: Any, tokenizer, problems: list, batch_size: int, num_examples: int = 3,
              samples: int = 0, ks: Sequence[int] = (), seed: int = 0,
-             progress: Callable[[], None] | None = None) -> EvalResult:
+             progress: Callable[[], None] | None = None, episodes=None) -> EvalResult:
     """Greedy pass@1 on `problems` (each has .prompt and .answer); with `samples` > 0 also pass@k and maj@k.
 
     Problems whose prompt exceeds the engine's max_prompt_tokens are skipped and counted. `progress`: called after
-    every generated batch (a heartbeat)."""
+    every generated batch (a heartbeat); `episodes`: an EpisodeRunner, each problem a multi-turn episode."""
     start = time.time()
     if not problems:
         raise ValueError("no problems to evaluate (eval.num_problems / --limit, and the split's size)")
@@ -101,7 +106,7 @@ def evaluate(engine: GenerationEngine, params: Any, tokenizer, problems: list, b
         raise ValueError(f"generation.max_prompt_tokens={engine.max_prompt_tokens}: every evaluation prompt is "
                          "longer; raise it")
     greedy = _generate(engine, params, tokenizer, prompts, batch_size, jax.random.key(seed), greedy=True,
-                       progress=progress)
+                       progress=progress, episodes=episodes, problems=problems)
     correct = [answer_correct(t, p.answer) for t, p in zip(greedy, problems)]
     formatted = [answer_format(t, p.answer) for t, p in zip(greedy, problems)]
     examples = [{"prompt": p.prompt, "completion": t, "answer": p.answer, "correct": bool(c)}
@@ -115,7 +120,7 @@ def evaluate(engine: GenerationEngine, params: Any, tokenizer, problems: list, b
             raise ValueError(f"eval.ks={list(ks)}: each k must be in 1..eval.samples={samples}")
         repeated = [ids for ids in prompts for _ in range(samples)]
         texts = _generate(engine, params, tokenizer, repeated, batch_size, jax.random.key(seed + 1), greedy=False,
-                          progress=progress)
+                          progress=progress, episodes=episodes, problems=[p for p in problems for _ in range(samples)])
         per_problem = [texts[i * samples:(i + 1) * samples] for i in range(n)]
         for k in ks:
             result.pass_at_k[str(k)] = sum(

@@ -29,8 +29,7 @@ class ChatTemplateRenderer:
     def text(self, observation: Observation) -> str:
         """The text that follows the model's stop token: the template's end of the assistant turn, the observation
         message and the next assistant turn's header."""
-        chat = [{"role": "user", "content": "q"}, {"role": "assistant", "content": _SENTINEL}]
-        before = self.tokenizer.render_chat(chat, add_generation_prompt=False)
+        chat, before = self._sentinel_chat()
         message = {"role": observation.role, "content": observation.content}
         try:
             after = self.tokenizer.render_chat(chat + [message], add_generation_prompt=True)
@@ -42,12 +41,26 @@ class ChatTemplateRenderer:
         if not after.startswith(before[:before.index(_SENTINEL) + len(_SENTINEL)]):
             raise ValueError("environment: the chat template renders earlier turns differently once an observation "
                              "follows; observations cannot be appended token-exactly with it")
+        stop, tail = self._turn_end(before)
+        return tail[len(stop):] + after[len(before):]  # the stop token was sampled: it is already in the sequence
+
+    def end_of_turn_ids(self) -> list[int]:
+        """The ids of the stop token the template writes after an assistant message (Qwen's <|im_end|>, Llama 3's
+        <|eot_id|>, Gemma's <end_of_turn>; not necessarily the tokenizer's first stop id: Llama 3.1 also stops on
+        <|end_of_text|> and <|eom_id|>, Gemma on <eos>): what closes a turn cut at its budget before an
+        observation. The tokenizer's first stop id where the template writes none of its stop tokens."""
+        stop, _ = self._turn_end(self._sentinel_chat()[1])
+        return self.tokenizer.encode(stop) if stop else [self.tokenizer.eos_ids[0]]
+
+    def _sentinel_chat(self) -> tuple[list[dict], str]:
+        chat = [{"role": "user", "content": "q"}, {"role": "assistant", "content": _SENTINEL}]
+        return chat, self.tokenizer.render_chat(chat, add_generation_prompt=False)
+
+    def _turn_end(self, before: str) -> tuple[str, str]:
+        """(the stop token's text the template writes after the sentinel assistant message, or "" when it writes
+        none; everything the template writes after that message)."""
         tail = before[before.index(_SENTINEL) + len(_SENTINEL):]
-        for stop in self._stop_texts:  # the stop token was sampled, not written: it is already in the sequence
-            if tail.startswith(stop):
-                tail = tail[len(stop):]
-                break
-        return tail + after[len(before):]
+        return next((stop for stop in self._stop_texts if tail.startswith(stop)), ""), tail
 
     def render(self, observation: Observation) -> list[int]:
         return self.tokenizer.encode(self.text(observation))
@@ -62,6 +75,9 @@ class PlainRenderer:
 
     def text(self, observation: Observation) -> str:
         return " " + observation.content
+
+    def end_of_turn_ids(self) -> list[int]:
+        return [self.tokenizer.eos_ids[0]]
 
     def render(self, observation: Observation) -> list[int]:
         return self.tokenizer.encode(self.text(observation))

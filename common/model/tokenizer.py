@@ -128,6 +128,19 @@ class HFTokenizer:
             raise ValueError("task.prompt_template: this tokenizer has no chat template; use 'plain'")
         return self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self._tok, "chat_template", None))
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None) -> str:
+        """The chat template's text for `messages` (multi-turn environments render observations with it)."""
+        return self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                             tools=tools)
+
+    def stop_texts(self) -> list[str]:
+        """The stop tokens as text, longest first."""
+        return sorted((self._tok.convert_ids_to_tokens(i) for i in self._eos), key=len, reverse=True)
+
     def fingerprint(self) -> str:
         digest = hashlib.sha256()
         for name in ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json"):

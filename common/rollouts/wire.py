@@ -4,6 +4,11 @@ Only protobuf bytes cross process boundaries: token ids and logprobs as raw
 little-endian int32 / float32 arrays in `bytes` fields, so encoding and
 decoding are memory copies. `validate_group` is the single gate used by the
 ingest server; its messages name the offending field and the limit.
+
+A multi-turn completion is everything after the prompt: model turns with the
+observation tokens an environment wrote between them. `model_mask` says which
+tokens the model sampled; only those have behaviour logprobs (observations
+carry 0) and only those are trained on.
 """
 
 from __future__ import annotations
@@ -24,6 +29,13 @@ class CompletionData:
     truncated: bool
     reward_components: dict[str, float] = dataclasses.field(default_factory=dict)
     versions: np.ndarray | None = None  # int64 [n]: version that drew each token; None: the group's policy_version
+    model_mask: np.ndarray | None = None  # bool [n]: True where the model sampled the token; None: every token
+
+    def model_tokens(self) -> np.ndarray:
+        """[n] bool, True on the tokens the model sampled (all of them without a model_mask)."""
+        if self.model_mask is None:
+            return np.ones(len(self.token_ids), np.bool_)
+        return np.asarray(self.model_mask, np.bool_)
 
 
 def version_runs(versions: np.ndarray) -> tuple[list[int], list[int]]:
@@ -76,10 +88,13 @@ def to_proto(group: GroupData) -> rollout_pb2.RolloutGroup:
         runs, lengths = ([], []) if c.versions is None else version_runs(c.versions)
         if runs == [group.policy_version]:
             runs, lengths = [], []  # one version throughout: the group's, said once
+        mask = None if c.model_mask is None else np.asarray(c.model_mask)
         msg.completions.append(rollout_pb2.Completion(
             token_ids_le=np.asarray(c.token_ids, _I32).tobytes(), logprobs_le=np.asarray(c.logprobs, _F32).tobytes(),
             reward=c.reward, truncated=c.truncated, reward_components=c.reward_components, version_runs=runs,
-            version_run_lengths=lengths))
+            version_run_lengths=lengths,
+            # every token the model's: nothing sent, as a single-turn completion
+            model_token_mask=b"" if mask is None or mask.all() else mask.astype(np.uint8).tobytes()))
     return msg
 
 
@@ -93,6 +108,14 @@ def logprobs_of(c: rollout_pb2.Completion) -> np.ndarray:
     return np.frombuffer(c.logprobs_le, _F32)
 
 
+def model_mask_of(c: rollout_pb2.Completion) -> np.ndarray | None:
+    """The completion's model-token mask as bool [n] (True: the model sampled it), None when every token is the
+    model's (no model_token_mask sent)."""
+    if not c.model_token_mask:
+        return None
+    return np.frombuffer(c.model_token_mask, np.uint8).astype(np.bool_)
+
+
 def from_proto(msg: rollout_pb2.RolloutGroup) -> GroupData:
     """Decode a validated message (lengths are whole int32 / float32 arrays)."""
     return GroupData(
@@ -101,7 +124,7 @@ def from_proto(msg: rollout_pb2.RolloutGroup) -> GroupData:
         completions=[CompletionData(
             token_ids=token_ids_of(c), logprobs=logprobs_of(c),
             reward=c.reward, truncated=c.truncated, reward_components=dict(c.reward_components),
-            versions=versions_of(c))
+            versions=versions_of(c), model_mask=model_mask_of(c))
             for c in msg.completions],
         policy_version=msg.policy_version, sampler_id=msg.sampler_id,
         created_unix=msg.created_unix, reference_answer=msg.reference_answer,
@@ -174,19 +197,46 @@ def validate_group(msg: rollout_pb2.RolloutGroup, limits: GroupLimits) -> list[s
         if not math.isfinite(c.reward):
             errors.append(f"{where}.reward: must be finite")
         errors.extend(_version_run_errors(c, n_tok, msg.policy_version, where))
+        if c.model_token_mask and len(c.model_token_mask) != n_tok:
+            errors.append(f"{where}.model_token_mask: {len(c.model_token_mask)} bytes for {n_tok} tokens; send one "
+                          "byte per token (1 = the model sampled it, 0 = an observation), or none when every token is "
+                          "the model's")
+            continue
         shaped.append((where, c))
     if shaped:
-        bounds = np.cumsum([len(c.token_ids_le) // 4 for _, c in shaped])[:-1]
-        ids = np.frombuffer(b"".join(c.token_ids_le for _, c in shaped), _I32)
-        ids_ok = (ids >= 0) & (ids < limits.vocab_size)
-        logprobs = np.frombuffer(b"".join(c.logprobs_le for _, c in shaped), _F32)
-        logprobs_ok = np.isfinite(logprobs) & (logprobs <= 0.0)
-        if not ids_ok.all():
-            errors.extend(f"{where}.token_ids_le: ids must be in [0, {limits.vocab_size})"
-                          for (where, _), ok in zip(shaped, np.split(ids_ok, bounds)) if not ok.all())
-        if not logprobs_ok.all():
-            errors.extend(f"{where}.logprobs_le: must be finite and <= 0"
-                          for (where, _), ok in zip(shaped, np.split(logprobs_ok, bounds)) if not ok.all())
+        errors.extend(_value_errors(shaped, limits.vocab_size))
+    return errors
+
+
+def _value_errors(shaped: list[tuple[str, rollout_pb2.Completion]], vocab_size: int) -> list[str]:
+    """Token ids, logprobs and model-token masks of completions whose shapes are valid, checked all at once; the
+    completions are searched one by one only when something is wrong."""
+    errors: list[str] = []
+    sizes = np.array([len(c.token_ids_le) // 4 for _, c in shaped])
+    bounds = np.cumsum(sizes)[:-1]
+    starts = np.r_[0, bounds]
+
+    def report(ok: np.ndarray, message: str) -> None:
+        if not ok.all():
+            errors.extend(f"{where}.{message}" for (where, _), good in zip(shaped, np.split(ok, bounds))
+                          if not good.all())
+
+    ids = np.frombuffer(b"".join(c.token_ids_le for _, c in shaped), _I32)
+    report((ids >= 0) & (ids < vocab_size), f"token_ids_le: ids must be in [0, {vocab_size})")
+    logprobs = np.frombuffer(b"".join(c.logprobs_le for _, c in shaped), _F32)
+    report(np.isfinite(logprobs) & (logprobs <= 0.0), "logprobs_le: must be finite and <= 0")
+    if not any(c.model_token_mask for _, c in shaped):
+        return errors  # single-turn: every token is the model's
+    mask = np.frombuffer(b"".join(c.model_token_mask or b"\x01" * n for (_, c), n in zip(shaped, sizes)), np.uint8)
+    report(mask <= 1, "model_token_mask: values must be 0 (an observation token) or 1 (a token the model sampled)")
+    model = mask == 1
+    any_model = np.add.reduceat(model, starts) > 0
+    report(np.repeat(any_model, sizes), "model_token_mask: no token is the model's; a completion holds at least one "
+           "token the model sampled (mark it 1)")
+    report(np.repeat(model[starts] | ~any_model, sizes), "model_token_mask: the first token is an observation; a "
+           "completion starts with the model's turn (what the environment wrote before it belongs in the prompt)")
+    report(model | (mask > 1) | (logprobs == 0.0), "logprobs_le: observation tokens (model_token_mask 0) must carry "
+           "logprob exactly 0 (they were not sampled)")
     return errors
 
 

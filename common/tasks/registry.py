@@ -18,6 +18,8 @@ class TaskSpec:
 TASKS: dict[str, TaskSpec] = {
     # generated addition word problems (the CPU demo)
     "arith": TaskSpec("grpo_stream.common.tasks.arith", warmstart=True),
+    # the same problems answered with a calculator tool (the multi-turn CPU demo; environment.name=arith_tools)
+    "arith_tools": TaskSpec("grpo_stream.common.tasks.arith_tools", warmstart=True),
     # math word problems from a dataset (task.dataset)
     "gsm8k": TaskSpec("grpo_stream.common.tasks.gsm8k", dataset=True),
 }

@@ -124,6 +124,35 @@ def test_a_resent_group_is_acknowledged_without_a_second_copy_and_positions_are_
     assert "data_position: -3 is negative" in err.value.details()
 
 
+def test_a_multi_turn_group_is_accepted_with_its_mask_and_a_bad_mask_is_named(stack):
+    """Multi-turn completions (model turn, observation tokens the environment wrote, model turn) through the real
+    ingest: accepted on the sampler's stream and stored with their model-token mask; a mask that does not fit its
+    tokens is refused with INVALID_ARGUMENT naming model_token_mask, and the stream stays open."""
+    buffer, ingest, *_, channel = stack
+    multi = group(0)
+    multi.completions[0] = CompletionData(np.array([3, 4, 30, 31, 5], np.int32),
+                                          np.array([-0.5, -1.0, 0.0, 0.0, -0.25], np.float32), 1.0, False,
+                                          model_mask=np.array([1, 1, 0, 0, 1], np.bool_))
+    bad = to_proto(group(1))
+    bad.completions[1].model_token_mask = bytes([1])  # one byte for two tokens
+    stub = rollout_pb2_grpc.RolloutIngestStub(channel)
+    (reply,) = stub.StreamBatches(iter([rollout_pb2.RolloutBatch(groups=[to_proto(multi), bad])]))
+    assert [a.code for a in reply.acks] == [0, grpc.StatusCode.INVALID_ARGUMENT.value[0]]
+    assert reply.acks[1].message.startswith("completions[1].model_token_mask: 1 bytes for 2 tokens")
+    (stored,) = [decode_group(e.payload) for e in buffer.read(10, 100)]
+    assert stored.completions[0].model_mask.tolist() == [True, True, False, False, True]
+    assert stored.completions[1].model_mask is None and ingest.stats["invalid"] == 1
+    # the unary path: a real gRPC status; an observation token with a logprob is refused too
+    bad = to_proto(multi)
+    bad.group_id = "g-bad"
+    bad.completions[0].logprobs_le = np.array([-0.5, -1.0, -0.3, 0.0, -0.25], "<f4").tobytes()
+    with pytest.raises(grpc.RpcError) as err:
+        stub.PushGroup(bad)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "completions[0].logprobs_le: observation tokens (model_token_mask 0) must carry logprob exactly 0" in \
+        err.value.details()
+
+
 def test_ingest_answers_unavailable_while_redis_is_down_and_recovers(redis_server):
     from grpo_stream.common.rollouts.redis_server import EmbeddedRedis
 

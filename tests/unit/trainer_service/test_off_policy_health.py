@@ -212,6 +212,16 @@ def test_a_group_whose_completions_differ_in_version_is_mixed():
     assert d["mixed_version_tokens_lag0"] == d["mixed_version_tokens_lag1"] == 0.5
 
 
+def test_observation_tokens_are_not_in_the_version_histogram():
+    # multi-turn, policy 3, trainer holding 4: model turn [3, 3], observation [3, 3, 3] (the turn before's version),
+    # model turn [4]; no version drew the observation tokens, so only the 3 model tokens count: 2 at lag 1, 1 at 0
+    multi = completion(6, [3, 3, 3, 3, 3, 4])
+    multi.model_mask = np.array([1, 1, 0, 0, 0, 1], np.bool_)
+    d = version_diagnostics([group(3, multi)], held_version=4, max_staleness=2)
+    assert [d[f"staleness_tokens_lag{s}"] for s in range(3)] == pytest.approx([1 / 3, 2 / 3, 0.0])
+    assert [d[f"mixed_version_tokens_lag{s}"] for s in range(3)] == pytest.approx([1 / 3, 2 / 3, 0.0])
+
+
 def test_group_index_follows_the_batch_rows():
     groups = [group(0, completion(1), completion(1)), group(0, completion(1), completion(1), completion(1))]
     assert group_index_of(groups).tolist() == [0, 0, 1, 1, 1]

@@ -1,7 +1,8 @@
 import grpc
 import numpy as np
 
-from grpo_stream.common.rollouts.wire import CompletionData, GroupData, GroupLimits, decode_group, encode_group, to_proto, validate_group
+from grpo_stream.common.rollouts.wire import (CompletionData, GroupData, GroupLimits, decode_group, encode_group,
+                                              model_mask_of, to_proto, validate_group)
 
 LIMITS = GroupLimits(num_generations=2, max_prompt_tokens=8, max_new_tokens=6, vocab_size=50)
 
@@ -117,3 +118,85 @@ def test_bad_version_runs_are_named():
                for e in validate_group(msg, LIMITS))
     c.version_runs[:] = [5, 4]
     assert any("non-decreasing" in e for e in validate_group(msg, LIMITS))
+
+
+# -- multi-turn completions: model_token_mask ---------------------------------------------------------------------
+
+def multi_turn(mask=(1, 1, 0, 0, 1), logprobs=(-0.5, -1.0, 0.0, 0.0, -0.25)) -> CompletionData:
+    """A model turn of 2 tokens, 2 observation tokens the environment wrote, a model turn of 1."""
+    return CompletionData(np.array([3, 4, 30, 31, 5], np.int32), np.array(logprobs, np.float32), 1.0, False,
+                          model_mask=np.array(mask, np.bool_))
+
+
+def test_model_token_mask_round_trips():
+    single = CompletionData(np.array([7], np.int32), np.array([-2.0], np.float32), 0.0, True)
+    msg = to_proto(make_group(completions=[multi_turn(), single]))
+    assert msg.completions[0].model_token_mask == bytes([1, 1, 0, 0, 1]) and not msg.completions[1].model_token_mask
+    assert validate_group(msg, LIMITS) == []
+    back = decode_group(msg.SerializeToString())
+    assert back.completions[0].model_mask.dtype == np.bool_
+    assert back.completions[0].model_mask.tolist() == [True, True, False, False, True]
+    assert back.completions[1].model_mask is None
+    assert back.completions[0].model_tokens().tolist() == [True, True, False, False, True]
+    assert back.completions[1].model_tokens().tolist() == [True]
+    assert model_mask_of(msg.completions[0]).tolist() == [True, True, False, False, True]
+    assert model_mask_of(msg.completions[1]) is None
+
+
+def test_an_all_model_mask_sends_no_bytes():
+    """Every token the model's (a single-turn completion that says so): the message is the one without a mask."""
+    ones = CompletionData(np.array([3, 4, 5], np.int32), np.array([-0.5, -1.0, -0.25], np.float32), 1.0, False,
+                          {"answer_correct": 1.0}, model_mask=np.ones(3, np.bool_))
+    with_mask = make_group(completions=[ones, make_group().completions[1]])
+    assert encode_group(with_mask) == encode_group(make_group())
+    assert not to_proto(with_mask).completions[0].model_token_mask
+    assert decode_group(encode_group(with_mask)).completions[0].model_mask is None
+
+
+def test_model_token_mask_length_must_match_the_tokens():
+    msg = to_proto(make_group(completions=[multi_turn(), make_group().completions[1]]))
+    msg.completions[0].model_token_mask = bytes([1, 0, 1])
+    assert validate_group(msg, LIMITS) == [
+        "completions[0].model_token_mask: 3 bytes for 5 tokens; send one byte per token (1 = the model sampled it, "
+        "0 = an observation), or none when every token is the model's"]
+
+
+def mask_errors(mask, logprobs=(-0.5, -1.0, 0.0, 0.0, -0.25)) -> list[str]:
+    msg = to_proto(make_group(completions=[make_group().completions[1], multi_turn()]))
+    msg.completions[1].model_token_mask = bytes(mask)
+    msg.completions[1].logprobs_le = np.array(logprobs, "<f4").tobytes()
+    return validate_group(msg, LIMITS)
+
+
+def test_model_token_mask_values_are_zero_or_one():
+    assert mask_errors([1, 1, 0, 2, 1]) == [
+        "completions[1].model_token_mask: values must be 0 (an observation token) or 1 (a token the model sampled)"]
+
+
+def test_the_first_token_is_the_models():
+    assert mask_errors([0, 1, 0, 0, 1], logprobs=(0.0, -1.0, 0.0, 0.0, -0.25)) == [
+        "completions[1].model_token_mask: the first token is an observation; a completion starts with the model's "
+        "turn (what the environment wrote before it belongs in the prompt)"]
+
+
+def test_a_completion_has_a_model_token():
+    assert mask_errors([0, 0, 0, 0, 0], logprobs=(0.0,) * 5) == [
+        "completions[1].model_token_mask: no token is the model's; a completion holds at least one token the model "
+        "sampled (mark it 1)"]
+
+
+def test_observation_tokens_carry_logprob_zero():
+    assert mask_errors([1, 1, 0, 0, 1], logprobs=(-0.5, -1.0, -0.1, 0.0, -0.25)) == [
+        "completions[1].logprobs_le: observation tokens (model_token_mask 0) must carry logprob exactly 0 (they were "
+        "not sampled)"]
+    # a model token may have logprob 0 too (a token the sampler was certain of)
+    assert mask_errors([1, 1, 0, 0, 1], logprobs=(0.0, -1.0, 0.0, 0.0, -0.25)) == []
+
+
+def test_every_completion_with_a_bad_mask_is_named():
+    msg = to_proto(make_group(completions=[multi_turn(), multi_turn()]))
+    msg.completions[0].model_token_mask = bytes([0, 1, 0, 0, 1])
+    msg.completions[0].logprobs_le = np.zeros(5, "<f4").tobytes()
+    msg.completions[1].model_token_mask = bytes([1, 1, 3, 0, 1])
+    assert [e.split(":")[0] for e in validate_group(msg, LIMITS)] == ["completions[1].model_token_mask",
+                                                                     "completions[0].model_token_mask"]

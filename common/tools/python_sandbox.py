@@ -1,0 +1,311 @@
+"""The Python tool: the model's code runs in a separate, confined, resource-limited process (docs/tools.md).
+
+Each call gets a fresh temporary working directory (the only place it may write) and a fresh interpreter,
+`python -I -S -u -c BOOTSTRAP`, in its own session, with a minimal environment and no inherited descriptors. The
+child confines itself before the code runs (sandbox_child.py: rlimits, no_new_privs, Landlock, nobody when started
+as root, seccomp); this side writes the code to its stdin, reads its output up to a cap, enforces the wall time,
+kills the whole process group at the end and removes the directory. Whatever the code does comes back as a
+SandboxResult, never as an exception: `python_tool` turns it into the model's observation.
+
+Without Landlock (Linux < 5.13, or landlock not among the kernel's LSMs) or on a machine without a seccomp filter
+here, the tool refuses to run (fail closed) unless SandboxLimits.allow_unconfined (environment.python_tool.
+allow_unconfined) is set: then it runs with the resource limits, no_new_privs and (as root) the uid drop only, and
+the code can read whatever that uid can read.
+
+Thread-safe: the sampler calls it from a worker pool. Nothing runs between fork and exec in the parent
+(no preexec_fn), every call has its own directory, pipes and selector, and no module state is written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import os
+import pathlib
+import pwd
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+from grpo_stream.common.tools import sandbox_child
+from grpo_stream.common.tools.functions import Tool, tool_from_function
+
+BOOTSTRAP = pathlib.Path(sandbox_child.__file__).read_text()
+UNCONFINED_SETTING = "environment.python_tool.allow_unconfined"
+_CHUNK = 65536
+_TAIL_LINES = 20
+
+
+@dataclasses.dataclass(frozen=True)
+class SandboxLimits:
+    """Limits of one call. The field names match config environment.python_tool (PythonToolSection)."""
+
+    cpu_seconds: float = 2.0  # RLIMIT_CPU, rounded up to whole seconds; the hard stop is one second later
+    wall_seconds: float = 5.0  # from start to the process group's SIGKILL
+    memory_mb: int = 256  # RLIMIT_AS: the address space, so a large allocation fails with MemoryError
+    output_bytes: int = 8192  # per stream (stdout, stderr); more stops the program
+    file_mb: int = 16  # RLIMIT_FSIZE: the largest file the code may write in its directory
+    max_processes: int = 0  # RLIMIT_NPROC: 0 forbids fork and threads; see docs/tools.md before raising it
+    allow_unconfined: bool = False  # run without Landlock/seccomp where the kernel lacks them (see module doc)
+
+    def __post_init__(self):
+        for name, kind, low, high in (("cpu_seconds", float, 0.001, 600), ("wall_seconds", float, 0.001, 600),
+                                      ("memory_mb", int, 32, 65536), ("output_bytes", int, 64, 1 << 20),
+                                      ("file_mb", int, 1, 65536), ("max_processes", int, 0, 64)):
+            value = getattr(self, name)
+            kinds = (int, float) if kind is float else (int,)
+            if isinstance(value, bool) or not isinstance(value, kinds) or not low <= value <= high:
+                what = "a number" if kind is float else "an integer"
+                raise ValueError(f"environment.python_tool.{name}={value!r}: must be {what} from {low} to {high}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SandboxResult:
+    """What one call did: its output (each cut at output_bytes), its exit code (negative: killed by that signal;
+    None: it never started), and `error`, None when it ran to a zero exit, else what stopped it, in words."""
+
+    stdout: str
+    stderr: str
+    exit_code: int | None
+    error: str | None
+
+
+@dataclasses.dataclass
+class _Exchange:
+    stdout: bytearray
+    stderr: bytearray
+    timed_out: bool = False
+    cut: bool = False
+
+
+def python_tool(limits: SandboxLimits | None = None) -> Tool:
+    """The "python" tool: runs a program in the sandbox and returns what it prints, or an "error: ..." text that
+    names the limit it hit (with its output and the last lines of its traceback)."""
+    limits = limits or SandboxLimits()
+
+    def python(code: str) -> str:
+        """Runs a Python program.
+
+        Args:
+            code: a complete Python 3 program; print() the values you want to see.
+        """
+        return observation(run_python(code, limits))
+
+    description = (f"Run a Python 3 program in a fresh sandboxed interpreter and return what it prints. It has the "
+                   f"standard library (math, fractions, itertools, ...), {limits.cpu_seconds:g} s of CPU, "
+                   f"{limits.memory_mb} MB of memory, no network and no files outside its own working directory; "
+                   "nothing is kept between calls.")
+    return tool_from_function(python, description=description)
+
+
+def observation(result: SandboxResult) -> str:
+    """The model's view of a call: its stdout (and stderr, if any), or "error: <what stopped it>" followed by
+    whatever it printed and the last lines of its stderr (the traceback)."""
+    parts = [] if result.error is None else [f"error: {result.error}"]
+    stdout = result.stdout if result.error is None else (f"stdout:\n{result.stdout}" if result.stdout else "")
+    if stdout:
+        parts.append(stdout.rstrip("\n"))
+    if result.stderr.strip():
+        tail = result.stderr.rstrip("\n").splitlines()[-_TAIL_LINES:]
+        parts.append("stderr (last lines):\n" + "\n".join(tail))
+    return "\n".join(parts) if parts else "(no output: print() the values you want to see)"
+
+
+def run_python(code: str, limits: SandboxLimits | None = None) -> SandboxResult:
+    """Runs `code` in a new confined process under `limits` and returns what happened. Never raises for anything
+    the code does; a refusal (no Landlock and allow_unconfined off) or a failed start is a result with an error."""
+    limits = limits or SandboxLimits()
+    problem = confinement_problem()
+    if problem and not limits.allow_unconfined:
+        return SandboxResult("", "", None, f"the Python tool is disabled: {problem}. Set {UNCONFINED_SETTING}=true "
+                             "to run it with resource limits only (the code could then read this user's files)")
+    try:
+        workdir = tempfile.mkdtemp(prefix="grpo-stream-python-")
+    except OSError as exc:
+        return SandboxResult("", "", None, f"could not create the sandbox's directory: {exc}")
+    try:
+        return _run_in(workdir, code, limits, confine=problem is None)
+    finally:
+        _remove_tree(workdir)
+
+
+def _run_in(workdir: str, code: str, limits: SandboxLimits, confine: bool) -> SandboxResult:
+    user = _sandbox_user()
+    command = [sys.executable, "-I", "-S", "-u", "-c", BOOTSTRAP,
+               json.dumps(child_settings(limits, workdir, user, confine))]
+    environment = {"PATH": "/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8"}
+    try:
+        if user is not None:
+            os.chown(workdir, *user)
+        process = subprocess.Popen(command, cwd=workdir, env=environment, stdin=subprocess.PIPE,
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                                   close_fds=True)
+    except OSError as exc:
+        return SandboxResult("", "", None, f"could not start the sandbox ({sys.executable}): {exc}")
+    try:
+        exchange = _exchange(process, code.encode("utf-8", "replace"), limits)
+    finally:
+        _stop(process)
+    return _result(exchange, process.returncode, limits)
+
+
+@functools.cache
+def confinement_problem() -> str | None:
+    """Why this machine cannot confine the child (no Landlock, no seccomp filter for this machine), or None."""
+    if sandbox_child.landlock_abi() < 1:
+        return ("this kernel has no Landlock (Linux >= 5.13 with landlock in the LSM list: "
+                "cat /sys/kernel/security/lsm)")
+    if os.uname().machine not in sandbox_child.SECCOMP_ARCHES:
+        return f"no seccomp filter is written for {os.uname().machine} (common/tools/sandbox_child.py)"
+    return None
+
+
+def _sandbox_user() -> tuple[int, int] | None:
+    """(uid, gid) of nobody when this process is root (root ignores RLIMIT_NPROC and may read any file), else None:
+    the child keeps this process's uid."""
+    if os.geteuid() != 0:
+        return None
+    try:
+        entry = pwd.getpwnam("nobody")
+        return entry.pw_uid, entry.pw_gid
+    except KeyError:
+        return 65534, 65534
+
+
+def child_settings(limits: SandboxLimits, workdir: str, user: tuple[int, int] | None, confine: bool) -> dict:
+    """The child's argv[1] (sandbox_child.py): limits in its units, its directory, the uid/gid to drop to, and
+    whether to apply Landlock and seccomp."""
+    return {"cpu_seconds": max(1, math.ceil(limits.cpu_seconds)), "memory_bytes": limits.memory_mb << 20,
+            "file_bytes": limits.file_mb << 20, "max_processes": limits.max_processes, "workdir": workdir,
+            "user": list(user) if user else None, "confine": confine, "seccomp": confine}
+
+
+def _exchange(process: subprocess.Popen, code: bytes, limits: SandboxLimits) -> _Exchange:
+    """Writes the code to the child's stdin and reads its stdout and stderr (each up to output_bytes) until both
+    close and it exits, or the wall time runs out, or an output passes its cap. Never blocks past the deadline."""
+    deadline = time.monotonic() + limits.wall_seconds
+    exchange = _Exchange(bytearray(), bytearray())
+    buffers = {process.stdout.fileno(): exchange.stdout, process.stderr.fileno(): exchange.stderr}
+    stdin, pending = process.stdin.fileno(), memoryview(code)
+    os.set_blocking(stdin, False)
+    with selectors.DefaultSelector() as selector:
+        selector.register(stdin, selectors.EVENT_WRITE)
+        for fd in buffers:
+            selector.register(fd, selectors.EVENT_READ)
+        while selector.get_map():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                exchange.timed_out = True
+                return exchange
+            for key, _ in selector.select(remaining):
+                if key.fd == stdin:
+                    pending = _write_some(stdin, pending)
+                    if not pending:
+                        selector.unregister(stdin)
+                        process.stdin.close()
+                    continue
+                chunk = os.read(key.fd, _CHUNK)
+                if not chunk:
+                    selector.unregister(key.fd)
+                    continue
+                buffer = buffers[key.fd]
+                buffer += chunk
+                if len(buffer) > limits.output_bytes:
+                    del buffer[limits.output_bytes:]
+                    exchange.cut = True
+                    return exchange
+    exchange.timed_out = not _exited(process.pid, deadline)  # it may close its output and keep running
+    return exchange
+
+
+def _exited(pid: int, deadline: float) -> bool:
+    """Waits until the child exits or the deadline passes, without reaping it: while it is an unreaped zombie its
+    pid (and so its process group id) cannot be reused, so _stop's killpg cannot reach another process."""
+    while True:
+        try:
+            if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+                return True
+        except ChildProcessError:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.005)
+
+
+def _write_some(fd: int, pending: memoryview) -> memoryview:
+    try:
+        return pending[os.write(fd, pending[:_CHUNK]):]
+    except BlockingIOError:
+        return pending
+    except BrokenPipeError:  # the child stopped reading (it died): the rest cannot be delivered
+        return pending[len(pending):]
+
+
+def _stop(process: subprocess.Popen) -> None:
+    """SIGKILL to the child's process group (it cannot leave it: setsid/setpgid are denied), then reap it. The
+    child is not reaped before this (_exited), so its pid still names its own group."""
+    if process.returncode is None:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass  # the group is gone
+    try:
+        process.wait(timeout=10)
+    except subprocess.TimeoutExpired:  # stuck in the kernel; Popen reaps it later
+        pass
+    for stream in (process.stdin, process.stdout, process.stderr):
+        try:
+            stream.close()
+        except OSError:
+            pass
+
+
+def _result(exchange: _Exchange, exit_code: int | None, limits: SandboxLimits) -> SandboxResult:
+    stdout = exchange.stdout.decode("utf-8", "replace")
+    stderr = exchange.stderr.decode("utf-8", "replace")
+    return SandboxResult(stdout, stderr, exit_code, _failure(exchange, exit_code, stderr, limits))
+
+
+def _failure(exchange: _Exchange, exit_code: int | None, stderr: str, limits: SandboxLimits) -> str | None:
+    """What stopped the program, in words the model can act on; None for a clean exit."""
+    if exchange.cut:
+        return f"output cut at {limits.output_bytes} bytes (the program was stopped)"
+    if exchange.timed_out:
+        return f"timed out after {limits.wall_seconds:g} s wall time"
+    if exit_code == 0:
+        return None
+    last_line = stderr.rstrip("\n").rsplit("\n", 1)[-1]
+    cpu = max(1, math.ceil(limits.cpu_seconds))
+    if exit_code == sandbox_child.SETUP_FAILED and last_line.startswith("sandbox: "):
+        return f"the sandbox could not be set up ({last_line.removeprefix('sandbox: ')}); the code did not run"
+    if exit_code in (-signal.SIGXCPU, -signal.SIGKILL):  # SIGKILL unsent by us: RLIMIT_CPU's hard stop
+        return f"CPU limit ({cpu} s of CPU time) reached"
+    if last_line.startswith("MemoryError"):
+        return f"memory limit ({limits.memory_mb} MB) reached: MemoryError"
+    if exit_code is not None and exit_code < 0:
+        return f"killed by signal {signal.Signals(-exit_code).name}"
+    if "Traceback (most recent call last)" in stderr or "Error" in last_line:
+        return f"the code raised {last_line}"
+    return f"exited with code {exit_code}"
+
+
+def _remove_tree(path: str) -> None:
+    """Removes the working directory whoever owns what is in it (nobody, when started as root). A non-root owner
+    first gives itself back the permissions the code may have taken away; symlinks are never followed."""
+    if os.geteuid() != 0:
+        try:
+            os.chmod(path, 0o700)
+            for root, dirs, _ in os.walk(path):
+                for name in dirs:
+                    full = os.path.join(root, name)
+                    if not os.path.islink(full):
+                        os.chmod(full, 0o700)
+        except OSError:
+            pass
+    shutil.rmtree(path, ignore_errors=True)

@@ -1,0 +1,227 @@
+"""The Python tool's child process: confines itself, then runs the model's code (docs/tools.md, threat model).
+
+python_sandbox.py runs this file's text as `python -I -S -u -c <text> <settings JSON>` in a fresh working directory
+and writes the code to its stdin. It is stdlib only and imports nothing of grpo_stream: -I and -S keep the sampler's
+environment and site-packages off sys.path. Everything is done here, in the child, rather than in a preexec_fn,
+because the sampler forks from a thread pool, where a preexec_fn can deadlock on a lock another thread held.
+
+The order matters:
+1. read the code (stdin) and import the modules the code may use (PRELOAD): once the uid is dropped, an installation
+   only root can read (pyenv under /root) cannot be read any more, so what is imported now is what works;
+2. resource limits (CPU, address space, file size, open files, no core, processes);
+3. no_new_privs, then Landlock (needs it): read beneath the Python installation and the shared-library folders,
+   read/write beneath the working directory only, no TCP bind/connect (ABI >= 4), signals and abstract unix sockets
+   scoped to the sandbox (ABI >= 6). The rules are built while still root: the paths must be opened to be named;
+4. as root: drop to nobody (setgroups, setresgid, setresuid); root ignores RLIMIT_NPROC, and nobody owns nothing;
+5. a seccomp filter: no socket(), io_uring, setsid/setpgid (the process group kill must reach every process) or
+   unshare (new user namespaces add kernel attack surface);
+6. run the code in a fresh namespace; a traceback is printed without this file's frames.
+
+Exit code SETUP_FAILED with a line "sandbox: ..." on stderr: a step failed and the code did not run (fail closed).
+"""
+
+import builtins
+import ctypes
+import json
+import linecache
+import os
+import resource
+import stat
+import sys
+import traceback  # imported before confinement, like PRELOAD: run() needs it after the uid drop
+
+SETUP_FAILED = 125
+# What the code may import even where the installation is unreadable to nobody (step 1): computation, text, data.
+PRELOAD = ("array", "base64", "bisect", "calendar", "cmath", "collections", "copy", "dataclasses", "datetime",
+           "decimal", "enum", "fractions", "functools", "hashlib", "heapq", "itertools", "json", "math", "numbers",
+           "operator", "pprint", "random", "re", "statistics", "string", "struct", "textwrap", "time", "typing",
+           "unicodedata")
+LANDLOCK_CREATE_RULESET, LANDLOCK_ADD_RULE, LANDLOCK_RESTRICT_SELF = 444, 445, 446  # the same on every arch
+LANDLOCK_CREATE_RULESET_VERSION, LANDLOCK_RULE_PATH_BENEATH = 1, 1
+(FS_EXECUTE, FS_WRITE_FILE, FS_READ_FILE, FS_READ_DIR, FS_REMOVE_DIR, FS_REMOVE_FILE, FS_MAKE_CHAR, FS_MAKE_DIR,
+ FS_MAKE_REG, FS_MAKE_SOCK, FS_MAKE_FIFO, FS_MAKE_BLOCK, FS_MAKE_SYM, FS_REFER, FS_TRUNCATE, FS_IOCTL_DEV) = (
+    1 << bit for bit in range(16))
+FILE_RIGHTS = FS_EXECUTE | FS_WRITE_FILE | FS_READ_FILE | FS_TRUNCATE | FS_IOCTL_DEV  # all a rule on a file may hold
+PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 38, 22, 2
+SECCOMP_RET_KILL_PROCESS, SECCOMP_RET_ERRNO, SECCOMP_RET_ALLOW, EPERM = 0x80000000, 0x00050000, 0x7FFF0000, 1
+X32_SYSCALL_BIT = 0x40000000
+# machine: (AUDIT_ARCH_*, denied syscalls socket, io_uring_setup, setsid, setpgid, unshare)
+SECCOMP_ARCHES = {"x86_64": (0xC000003E, (41, 425, 112, 109, 272)),
+                  "aarch64": (0xC00000B7, (198, 425, 157, 154, 97))}
+SHARED_LIBRARY_DIRS = ("/lib", "/lib64", "/usr/lib", "/usr/lib64")
+
+
+class RulesetAttr(ctypes.Structure):
+    _fields_ = [("handled_access_fs", ctypes.c_uint64), ("handled_access_net", ctypes.c_uint64),
+                ("scoped", ctypes.c_uint64)]
+
+
+class PathBeneathAttr(ctypes.Structure):
+    _pack_ = 1
+    _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
+
+
+class SockFilter(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8), ("k", ctypes.c_uint32)]
+
+
+class SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(SockFilter))]
+
+
+def libc():
+    library = ctypes.CDLL(None, use_errno=True)
+    library.syscall.restype = ctypes.c_long
+    return library
+
+
+def syscall(library, number, *args):
+    """A raw syscall; every integer is passed as a full long (the variadic ABI leaves a C int's upper bits open)."""
+    values = [ctypes.c_long(a) if isinstance(a, int) else a for a in args]
+    result = library.syscall(ctypes.c_long(number), *values)
+    if result < 0:
+        raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+    return result
+
+
+def landlock_abi():
+    """The kernel's Landlock ABI version; 0 where there is none (old kernel, or landlock not among the LSMs)."""
+    try:
+        return syscall(libc(), LANDLOCK_CREATE_RULESET, None, 0, LANDLOCK_CREATE_RULESET_VERSION)
+    except OSError:
+        return 0
+
+
+def fail(message):
+    sys.stderr.write(f"sandbox: {message}\n")
+    sys.stderr.flush()
+    os._exit(SETUP_FAILED)
+
+
+def lower_limit(which, value):
+    soft, hard = resource.getrlimit(which)
+    value = value if hard == resource.RLIM_INFINITY else min(value, hard)
+    resource.setrlimit(which, (value, value))
+
+
+def set_limits(settings):
+    cpu = settings["cpu_seconds"]
+    soft, hard = resource.getrlimit(resource.RLIMIT_CPU)
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1 if hard == resource.RLIM_INFINITY else min(cpu + 1, hard)))
+    lower_limit(resource.RLIMIT_AS, settings["memory_bytes"])
+    lower_limit(resource.RLIMIT_FSIZE, settings["file_bytes"])
+    lower_limit(resource.RLIMIT_NOFILE, 64)
+    lower_limit(resource.RLIMIT_CORE, 0)
+    lower_limit(resource.RLIMIT_NPROC, settings["max_processes"])
+
+
+def landlock_rules(abi, workdir):
+    """(path, rights) pairs: read beneath the interpreter's import path and the shared libraries, read/write beneath
+    the working directory, /dev/null and /dev/urandom; nothing else (no /tmp, /proc, home or run directory)."""
+    read = FS_READ_FILE | FS_READ_DIR
+    write = (read | FS_WRITE_FILE | FS_REMOVE_DIR | FS_REMOVE_FILE | FS_MAKE_DIR | FS_MAKE_REG | FS_MAKE_SYM
+             | (FS_REFER if abi >= 2 else 0) | (FS_TRUNCATE if abi >= 3 else 0))
+    library = os.path.join(sys.base_prefix, "lib")  # libpython and what the build linked beside it
+    reads = [p for p in (*sys.path, library, *SHARED_LIBRARY_DIRS) if p and os.path.isabs(p)]
+    return ([(path, read) for path in reads] + [("/dev/urandom", FS_READ_FILE)]
+            + [("/dev/null", FS_READ_FILE | FS_WRITE_FILE | (FS_TRUNCATE if abi >= 3 else 0)), (workdir, write)])
+
+
+def apply_landlock(workdir):
+    abi = landlock_abi()
+    if abi < 1:
+        fail("this kernel has no Landlock")
+    handled_fs = (1 << 13) - 1 | (FS_REFER if abi >= 2 else 0) | (FS_TRUNCATE if abi >= 3 else 0) | (
+        FS_IOCTL_DEV if abi >= 5 else 0)
+    attr = RulesetAttr(handled_fs, 0b11 if abi >= 4 else 0, 0b11 if abi >= 6 else 0)  # TCP bind+connect; scopes
+    library = libc()
+    size = 8 if abi < 4 else 16 if abi < 6 else 24  # the fields this ABI knows (later ones must not be sent)
+    ruleset = syscall(library, LANDLOCK_CREATE_RULESET, ctypes.byref(attr), size, 0)
+    for path, rights in landlock_rules(abi, workdir):
+        try:
+            fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+        except OSError:
+            if path == workdir:
+                raise
+            continue  # a folder this system does not have (/lib64, python311.zip)
+        try:
+            if not stat.S_ISDIR(os.fstat(fd).st_mode):
+                rights &= FILE_RIGHTS
+            rule = PathBeneathAttr(rights & handled_fs, fd)
+            syscall(library, LANDLOCK_ADD_RULE, ruleset, LANDLOCK_RULE_PATH_BENEATH, ctypes.byref(rule), 0)
+        finally:
+            os.close(fd)
+    syscall(library, LANDLOCK_RESTRICT_SELF, ruleset, 0)
+    os.close(ruleset)
+
+
+def apply_seccomp():
+    audit_arch, denied = SECCOMP_ARCHES[os.uname().machine]
+    deny_at = 6 + len(denied)  # the index of the ERRNO return, the program's last instruction
+    program = [(0x20, 0, 0, 4), (0x15, 1, 0, audit_arch), (0x06, 0, 0, SECCOMP_RET_KILL_PROCESS),  # other ABI: kill
+               (0x20, 0, 0, 0), (0x35, deny_at - 5, 0, X32_SYSCALL_BIT)]  # load nr; x32 calls are denied
+    program += [(0x15, deny_at - index - 1, 0, number) for index, number in enumerate(denied, start=5)]
+    program += [(0x06, 0, 0, SECCOMP_RET_ALLOW), (0x06, 0, 0, SECCOMP_RET_ERRNO | EPERM)]
+    filters = (SockFilter * len(program))(*[SockFilter(*instruction) for instruction in program])
+    fprog = SockFprog(len(program), filters)
+    if libc().prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(fprog), 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "seccomp: " + os.strerror(ctypes.get_errno()))
+
+
+def confine(settings):
+    set_limits(settings)
+    if libc().prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+        fail("prctl(PR_SET_NO_NEW_PRIVS) failed")
+    if settings["confine"]:
+        apply_landlock(settings["workdir"])
+    if settings["user"] is not None:
+        uid, gid = settings["user"]
+        os.setgroups([])
+        os.setresgid(gid, gid, gid)
+        os.setresuid(uid, uid, uid)
+        if os.getuid() != uid or os.geteuid() != uid:
+            fail(f"could not drop to uid {uid}")
+    if settings["seccomp"]:  # off only in tests that check the Landlock layer alone
+        apply_seccomp()
+
+
+def run(code):
+    """Runs the code as a __main__ module; an exception prints its traceback (the code's frames only), exit 1."""
+    linecache.cache["<code>"] = (len(code), None, code.splitlines(True), "<code>")  # source lines in tracebacks
+    builtins.exit = builtins.quit = sys.exit  # -S leaves them out; models call them
+    sys.argv = ["<code>"]
+    namespace = {"__name__": "__main__", "__builtins__": builtins}
+    try:
+        exec(compile(code, "<code>", "exec"), namespace)
+    except SystemExit:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - whatever the code raised is reported, not re-raised
+        namespace.clear()  # a MemoryError's data goes first, so that the traceback can be printed
+        frames = exc.__traceback__
+        while frames is not None and frames.tb_frame.f_code.co_filename != "<code>":
+            frames = frames.tb_next
+        try:
+            traceback.clear_frames(frames)
+            traceback.print_exception(type(exc), exc, frames)
+        except MemoryError:
+            os.write(2, f"{type(exc).__name__}\n".encode())
+        sys.exit(1)
+
+
+def main():
+    settings = json.loads(sys.argv[1])
+    code = sys.stdin.buffer.read().decode("utf-8", "replace")
+    for name in PRELOAD:
+        try:
+            __import__(name)
+        except ImportError:
+            pass  # a build without it (no _decimal, no _hashlib): the code cannot use it either way
+    try:
+        confine(settings)
+    except (OSError, ValueError) as exc:
+        fail(f"{type(exc).__name__}: {exc}")
+    run(code)
+
+
+if __name__ == "__main__":
+    main()
