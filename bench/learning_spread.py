@@ -6,6 +6,7 @@ of the same command, so the chance that a healthy run fails the check is known:
 
     python -m grpo_stream.bench.learning_spread demo --runs 10 --out tests/e2e/calibration/demo.json --keep-warmstart W
     python -m grpo_stream.bench.learning_spread gspo --runs 10 --out tests/e2e/calibration/gspo.json --warmstart W
+    python -m grpo_stream.bench.learning_spread tools --runs 10 --out tests/e2e/calibration/multi-turn-tools.json
 
 For each figure the threshold is the one-sided 99% lower prediction bound for one new run,
 mean - t(0.99, n-1) * sd * sqrt(1 + 1/n), with the run-to-run standard deviation sd of the n runs: if the figure is
@@ -38,6 +39,8 @@ SETUPS = {
     # the default lane's shorter GSPO check (tests/e2e/test_demo.py, GSPO_SHORT_STEPS)
     "gspo-100": ["--config", "configs/tiny_arith.yaml", "model.kind=hf", "model.path={warmstart}",
                  "warmstart.steps=0", "algo.loss_algo=gspo-token", "algo.minibatches=2", "trainer.steps=100"],
+    # the multi-turn demo: tool calls and the environment's answers (issue 45; tests/e2e/test_multi_turn_demo.py)
+    "tools": ["--config", "configs/tiny_arith_tools.yaml"],
 }
 
 # one-sided 99% quantile of Student's t with n - 1 degrees of freedom

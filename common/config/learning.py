@@ -99,10 +99,11 @@ class TaskSection(Strict):
                                             "task.dataset.")
     dataset: DatasetSection = Field(default_factory=DatasetSection, description="task.name=gsm8k: where the "
                                     "problems come from.")
-    prompt_template: Literal["plain", "chat", "reasoning"] = Field(
+    prompt_template: Literal["plain", "chat", "reasoning", "tools"] = Field(
         "plain", description="'plain': 'Q: <question> A:' (the arith task always uses it); 'chat': the tokenizer's "
         "chat template with the question as the user turn; 'reasoning': chat template with a system prompt asking "
-        "for <reasoning>...</reasoning><answer>...</answer> (the Tunix GSM8K demo format).")
+        "for <reasoning>...</reasoning><answer>...</answer> (the Tunix GSM8K demo format); 'tools': chat template "
+        "listing environment.name=gsm8k_tools's tools, asking for a final '#### N'.")
     rewards: dict[str, float] = Field(
         default_factory=lambda: {"answer_correct": 1.0, "answer_format": 0.1}, min_length=1,
         description="Reward -> weight. Built-ins: answer_correct, answer_format (#### N), reasoning_answer_format; "

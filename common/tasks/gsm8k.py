@@ -199,5 +199,10 @@ def build(cfg, hf_tokenizer):
                                  d.limit) for split in (d.train_split, d.test_split))
     tokenizer = hf_tokenizer or train_bpe([f"{p.question} {p.solution}" for p in train[:TOKENIZER_CORPUS_SIZE]],
                                           cfg.model.tiny.vocab_size)
-    return Gsm8kTask(train, test, lambda q: prompts.render(q, cfg.task.prompt_template, tokenizer),
+    tools = None
+    if cfg.task.prompt_template == "tools":  # the environment's tools, listed by the chat template
+        from grpo_stream.common.environments.gsm8k_tools import tool_schemas  # noqa: PLC0415
+
+        tools = tool_schemas(cfg)
+    return Gsm8kTask(train, test, lambda q: prompts.render(q, cfg.task.prompt_template, tokenizer, tools),
                      cfg.run.seed, (d.train_split, d.test_split)), tokenizer

@@ -1,0 +1,96 @@
+"""GSM8K with tools: a calculator and a sandboxed Python tool, called in the model family's format.
+
+Each model turn is searched for tool calls in environment.tool_format (qwen, llama3, gemma; common/tools/calls.py).
+Calls are run and their results are the observation (one result per line, in call order); a malformed call is
+answered with an error that says what is wrong, so the model can correct itself; a turn without a call ends the
+episode and the run's rewards score its model turns (`#### N` or the task's answer format). The prompt lists the
+tools through the chat template's `tools=` (task.prompt_template=tools).
+"""
+
+from __future__ import annotations
+
+import ast
+import operator
+
+from grpo_stream.common.environments.base import Observation, Turn
+from grpo_stream.common.tools.calls import MalformedToolCall, parse_tool_calls
+from grpo_stream.common.tools.functions import ToolSet, tool_from_function
+from grpo_stream.common.tools.python_sandbox import SandboxLimits, python_tool
+
+_OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+              ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow,
+              ast.USub: operator.neg, ast.UAdd: operator.pos}
+MAX_EXPONENT = 64  # 10**64 is plenty for word problems; 9**9**9 would take the worker for minutes
+MAX_EXPRESSION = 500
+
+
+def calculator(expression: str) -> str:
+    """Evaluate an arithmetic expression with + - * / // % ** and parentheses.
+
+    Args:
+        expression: the expression, e.g. "(48 + 12) * 3 / 4".
+    """
+    if len(expression) > MAX_EXPRESSION:
+        return f"error: expression longer than {MAX_EXPRESSION} characters"
+    try:
+        value = _evaluate(ast.parse(expression, mode="eval").body)
+    except ZeroDivisionError:
+        return "error: division by zero"
+    except (SyntaxError, ValueError, TypeError, OverflowError) as exc:
+        return f"error: {exc}; use numbers, + - * / // % ** and parentheses"
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return str(round(value, 10) if isinstance(value, float) else value)
+
+
+def _evaluate(node: ast.expr):
+    """The value of an arithmetic syntax tree; anything but numbers and the operators above is refused."""
+    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+        return node.value
+    if isinstance(node, ast.UnaryOp) and type(node.op) in _OPERATORS:
+        return _OPERATORS[type(node.op)](_evaluate(node.operand))
+    if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
+        left, right = _evaluate(node.left), _evaluate(node.right)
+        if isinstance(node.op, ast.Pow) and abs(right) > MAX_EXPONENT:
+            raise ValueError(f"exponent {right} is larger than {MAX_EXPONENT}")
+        return _OPERATORS[type(node.op)](left, right)
+    raise ValueError(f"{type(node).__name__} is not allowed")
+
+
+class ToolEpisode:
+    def __init__(self, tools: ToolSet, tool_format: str):
+        self.tools, self.tool_format = tools, tool_format
+
+    def step(self, turn_text: str) -> Turn:
+        try:
+            calls = parse_tool_calls(turn_text, self.tool_format)
+        except MalformedToolCall as exc:
+            return Turn(Observation(exc.message))
+        if not calls:
+            return Turn(None)
+        return Turn(Observation("\n".join(self.tools.run(call) for call in calls)))
+
+
+class Gsm8kToolsEnvironment:
+    def __init__(self, tool_format: str, limits: SandboxLimits):
+        self.tools = ToolSet([tool_from_function(calculator), python_tool(limits)])
+        self.tool_format = tool_format
+
+    def start(self, problem) -> ToolEpisode:
+        return ToolEpisode(self.tools, self.tool_format)
+
+
+def tool_schemas(cfg) -> list[dict]:
+    """The tools' JSON schemas, for the prompt (task.prompt_template=tools)."""
+    return environment_for(cfg).tools.schemas()
+
+
+def environment_for(cfg) -> Gsm8kToolsEnvironment:
+    return Gsm8kToolsEnvironment(cfg.environment.tool_format,
+                                 SandboxLimits(**cfg.environment.python_tool.model_dump()))
+
+
+def build(cfg, task, tokenizer) -> Gsm8kToolsEnvironment:
+    """The environment registry's entry (environment.name=gsm8k_tools)."""
+    del task, tokenizer
+    return environment_for(cfg)
