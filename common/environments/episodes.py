@@ -127,8 +127,8 @@ class EpisodeRequests:
             turn = self.episodes[i].step(result.turn_texts[-1])
             result.turn_rewards.append(float(turn.reward))
             ids = self.renderer.render(turn.observation) if turn.observation is not None else None
-            if ids is not None and not result.turn_closed[-1]:  # the turn was cut: close it as the model would have
-                ids = [self.tokenizer.eos_ids[0]] + ids
+            if ids is not None and not result.turn_closed[-1]:  # the turn was cut: close it as the template does
+                ids = self.renderer.end_of_turn_ids() + ids
         except Exception as exc:  # noqa: BLE001 - an environment's bug ends its episode, never the sampler
             result.error = f"{type(exc).__name__}: {exc}"[:500]
             ids = None
