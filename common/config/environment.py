@@ -34,6 +34,10 @@ class EnvironmentSection(Strict):
         "plain", description="How tool calls are written in the model's turns: the chat template family's format "
         "('qwen': <tool_call>{json}</tool_call>; 'llama3': a JSON object; 'gemma': ```tool_code``` python calls; "
         "'plain': <call>f(...)</call>, the tiny model's).")
+    kv_cache: Literal["reprefill", "hold"] = Field(
+        "reprefill", description="Between an episode's turns: 'reprefill' frees its decode slot while the environment "
+        "answers and prefills the conversation again for the next turn; 'hold' keeps the slot and its cache and feeds "
+        "it only the observation (sampler.engine=jax; held slots are given up when other rows need them).")
     workers: int = Field(16, ge=1, le=1024, description="Threads running environment steps (tool calls) while the "
                          "engine decodes other episodes.")
     turn_reward_weight: float = Field(1.0, ge=0, le=1000, description="Weight of the sum of an episode's per-turn "

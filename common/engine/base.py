@@ -62,6 +62,10 @@ class Request:
     budget: int
     key: Any
     tag: Any = None
+    # multi-turn episodes on an engine that can hold a sequence's KV cache between turns (environment.kv_cache=hold):
+    hold_key: Any = None             # keep this sequence's cache when it ends, under this key
+    resume: Any = None               # continue the sequence held under this key: feed it `forced`, then sample
+    forced: list[int] | None = None  # the ids that follow the held sequence: the last len(forced) of `ids`
 
 
 class RequestSource(Protocol):
@@ -72,8 +76,9 @@ class RequestSource(Protocol):
 
     def finish(self, request: Request, tokens: np.ndarray, logprobs: np.ndarray, versions: np.ndarray | None,
                finished: bool) -> None:
-        """`request` ended: its sampled tokens, their logprobs and versions (None: no in-flight updates), and
-        whether it stopped at a stop token (else at its budget). Called on the engine's thread: must be quick."""
+        """`request` ended: its sampled tokens (after `ids`, whether the engine resumed a held cache or prefilled
+        them), their logprobs and versions (None: no in-flight updates), and whether it stopped at a stop token (else
+        at its budget). Called on the engine's thread: must be quick."""
 
     def open(self) -> bool:
         """Whether requests may still come (an environment is answering an episode's turn)."""

@@ -77,6 +77,7 @@ import numpy as np
 
 from grpo_stream.common.engine import cpu_attention, decode
 from grpo_stream.common.engine.base import FixedRequests, Generation, Request, RequestSource, check_request
+from grpo_stream.common.engine.held_turns import HeldTurns
 from grpo_stream.common.engine.slot_programs import (MIN_SLOTS, MIN_WINDOW, SlotPrograms, SlotState, pow2_at_least,
                                                       slot_ladder)
 from grpo_stream.common.model.policy import PolicyModel
@@ -107,7 +108,7 @@ def step_cost(layout: list[tuple[int, int]], row_work: float) -> float:
     return sum(size * (row_work + window) for size, window in layout)
 
 
-class ContinuousEngine(SlotPrograms):
+class ContinuousEngine(HeldTurns, SlotPrograms):
     """Generates completions for request sets of token-id prompts with continuous batching."""
 
     fixed_shape = False  # any number of rows: slot counts are bucketed inside, callers need no padding rows
@@ -124,7 +125,7 @@ class ContinuousEngine(SlotPrograms):
             raise ValueError(f"slots={slots} and chunk_steps={chunk_steps} must be >= 1, length_groups="
                              f"{length_groups} 1 or 2")
         eos_ids = tuple(eos_id) if isinstance(eos_id, (list, tuple)) else (eos_id,)
-        super().__init__(model, pad_id, eos_ids, temperature, chunk_steps)
+        super().__init__(model, pad_id, eos_ids, temperature, chunk_steps, max_forced=max_new_tokens)
         self.max_prompt_tokens, self.max_new_tokens = max_prompt_tokens, max_new_tokens
         self.slots, self.length_groups, self.ragged_attention = slots, length_groups, ragged_attention
         self.ladder = slot_ladder(slots)
@@ -179,8 +180,11 @@ class ContinuousEngine(SlotPrograms):
         weights = self._weights(params)
         self._requests: list[Request] = []
         self._row_out: list[tuple | None] = []
+        self._row_base: list[int] = []
         self._prompt_lens = np.zeros((0,), np.int64)
         self._source = source
+        self._held: dict = {}  # hold key -> the row whose slot keeps its cache
+        self._resumed_rows: set[int] = set()
         main, long = None, None
         pending: collections.deque = collections.deque()
         while True:
@@ -189,23 +193,29 @@ class ContinuousEngine(SlotPrograms):
                 if update is not None:
                     params, version = update
                     weights = self._weights(params)
-            pending.extend(self._register(r, refresh is not None) for r in source.take())
-            live_total = (int(main.live.sum()) if main else 0) + (int(long.live.sum()) if long else 0)
+            self._release_held(main, long, source)
+            taken = self._resume_held(main, long, source.take(), refresh is not None)
+            pending.extend(self._register(r, refresh is not None) for r in taken)
+            running = self._running(main) + self._running(long)
             if pending:  # the main group grows to hold what waits (a fixed request set: sized once, at the start)
+                self._evict_held(main, long, len(pending))
                 need = self._size_for(min(self.slots, (int(main.live.sum()) if main else 0) + len(pending)))
                 main = self._group(need, MIN_WINDOW) if main is None else self._regroup(main, max(need, main.size))
-            if not live_total and not pending:
+            if not running and not pending:
                 if not source.open():
+                    self._held.clear()
                     return
                 source.wait(0.5)
                 continue
+            live_total = int(main.live.sum()) + (int(long.live.sum()) if long else 0)
             free = np.flatnonzero(~main.live)
             coming = [pending[i] for i in range(min(len(free), len(pending), self.slots - live_total))]
             main, long = self._fit_windows(main, long, coming)
             if coming:
                 admitted = self._admit_pending(weights, main, pending, free[:len(coming)])
                 main.logits_version[admitted] = version
-            self._decode_and_collect(weights, main, long, len(pending), greedy, version)
+            if running or coming:
+                self._decode_and_collect(weights, main, long, len(pending), greedy, version)
             main, long = self._compact_groups(main, long, pending)
 
     def _register(self, request: Request, versions: bool) -> int:
@@ -216,8 +226,10 @@ class ContinuousEngine(SlotPrograms):
                              f"fit the cache of {self.cache_len} positions (generation.max_prompt_tokens + "
                              "generation.max_new_tokens)")
         self._requests.append(request)
-        self._row_out.append((np.full(request.budget, self.pad_id, np.int32), np.zeros(request.budget, np.float32),
-                              np.full(request.budget, -1, np.int32) if versions else None))
+        size = request.budget + (len(request.forced) if request.resume is not None and request.forced else 0)
+        self._row_out.append((np.full(size, self.pad_id, np.int32), np.zeros(size, np.float32),
+                              np.full(size, -1, np.int32) if versions else None))
+        self._row_base.append(0)
         self._prompt_lens = np.append(self._prompt_lens, len(request.ids))
         return len(self._requests) - 1
 
@@ -256,23 +268,32 @@ class ContinuousEngine(SlotPrograms):
         self.stats["live_slot_steps"] += int(now_produced[live].sum() - group.produced[live].sum())
         for s in np.flatnonzero(live):
             row, start, end = group.row[s], group.produced[s], now_produced[s]
+            if self._row_out[row] is None:  # held: its turn ended, its cache waits for the next one
+                continue
+            base = self._row_base[row]
             tokens, logprobs, versions = self._row_out[row]
-            tokens[start:end] = toks[s, :end - start]
-            logprobs[start:end] = lps[s, :end - start]
+            tokens[start - base:end - base] = toks[s, :end - start]
+            logprobs[start - base:end - base] = lps[s, :end - start]
             if end > start and versions is not None:
-                versions[start] = group.logits_version[s]
-                versions[start + 1:end] = version
+                versions[start - base] = group.logits_version[s]
+                versions[start - base + 1:end - base] = version
                 group.logits_version[s] = version
             group.produced[s] = end
             if not active[s]:
-                finished = end > 0 and int(tokens[end - 1]) in self.eos_ids
-                self._source_finish(row, end, finished)
-                group.row[s] = -1
+                finished = end > base and int(tokens[end - base - 1]) in self.eos_ids
+                self._source_finish(row, end - base, finished)
+                if self._requests[row].hold_key is None:
+                    group.row[s] = -1
+                else:  # kept with its cache: the episode's next turn may resume it (held_turns.py)
+                    self._held[self._requests[row].hold_key] = row
 
     def _source_finish(self, row: int, end: int, finished: bool) -> None:
+        """Hand an ended row to its source; a resumed row's forced ids (fed from its cache) are not returned."""
         tokens, logprobs, versions = self._row_out[row]
-        self._source.finish(self._requests[row], tokens[:end], logprobs[:end],
-                               None if versions is None else versions[:end], finished)
+        request = self._requests[row]
+        skip = len(request.forced) if request.resume is not None and self._resumed(row) else 0
+        self._source.finish(request, tokens[skip:end], logprobs[skip:end],
+                            None if versions is None else versions[skip:end], finished)
         self._row_out[row] = None  # the source owns the arrays now
 
     # ---- windows and groups ----------------------------------------------------------------------------------
@@ -417,8 +438,10 @@ class ContinuousEngine(SlotPrograms):
             slots[i], src[i], lens[i], buds[i], keys[i] = s, source[i], len(request.ids), request.budget, request.key
             main.row[s], main.produced[s] = row, 0
         self.programs.add(("admit", size, main.window, count, width))
+        holds = np.zeros((size,), np.bool_)
+        holds[:len(take)] = [self._requests[r].hold_key is not None for r in take]
         main.state = self._admit(main.state, prompt_cache, prompt_logits, jnp.asarray(slots), jnp.asarray(src),
-                                 jnp.asarray(lens), jnp.asarray(buds), jnp.asarray(keys))
+                                 jnp.asarray(lens), jnp.asarray(buds), jnp.asarray(keys), jnp.asarray(holds))
         return np.asarray(free)
 
 

@@ -12,7 +12,9 @@ programs, each compiled once per shape and listed in `programs`:
 - `_resize`: change a group's window (between chunks: a slice inside a chunk is a copy per step);
 - `_compact`: gather a group's live slots into fewer slots;
 - `_move`: copy slots of one group into free slots of another (a longer sequence joining the long-window
-  group, or two groups merging), clearing them in the source.
+  group, or two groups merging), clearing them in the source;
+- `_resume`: wake held slots (a multi-turn episode whose turn ended and whose cache was kept) with forced tokens
+  (the environment's observation), which decoding feeds in one per step before it samples again.
 """
 
 from __future__ import annotations
@@ -40,6 +42,11 @@ class SlotState:
     budget: jax.Array        # [S] int32: completion token limit of the slot's row
     active: jax.Array        # [S] bool: the slot holds a sequence that has not ended
     keys: jax.Array          # [S, ...] uint32: the row's PRNG key data
+    forced: jax.Array        # [S, F] int32: tokens the slot is fed instead of sampling (an observation appended to
+    #                          a held episode's cache), from forced_at on, forced_left of them
+    forced_at: jax.Array     # [S] int32
+    forced_left: jax.Array   # [S] int32
+    hold: jax.Array          # [S] bool: keep the cache when the sequence ends (an episode's next turn may resume it)
 
 
 def pow2_at_least(n: int, low: int = 1) -> int:
@@ -65,9 +72,9 @@ class SlotPrograms:
     """The jitted programs over slot groups of one model; `programs` records every shape compiled."""
 
     def __init__(self, model: PolicyModel, pad_id: int, eos_ids: tuple[int, ...], temperature: float,
-                 chunk_steps: int):
+                 chunk_steps: int, max_forced: int = 1):
         self.model, self.pad_id, self.eos_ids = model, pad_id, eos_ids
-        self.temperature, self.chunk_steps = temperature, chunk_steps
+        self.temperature, self.chunk_steps, self.max_forced = temperature, chunk_steps, max_forced
         self.dtype = jax.tree_util.tree_leaves(model.params)[0].dtype
         self.programs: set[tuple] = set()
         self.stats = collections.Counter()  # decode_steps, slot_steps, live_slot_steps, prefills, prefill_rows, ...
@@ -80,6 +87,7 @@ class SlotPrograms:
         self._empty = jax.jit(self._empty_state, static_argnames=("size", "window"))
         self._resize = jax.jit(self._resize_window, static_argnames=("window",))
         self._move = jax.jit(self._move_slots, donate_argnums=(1,))
+        self._resume = jax.jit(self._resume_slots, donate_argnums=(0,))
 
     def _empty_state(self, size: int, window: int) -> SlotState:
         arch = self.model.arch
@@ -88,7 +96,9 @@ class SlotPrograms:
         return SlotState(cache=decode.init_cache(self.model, size, window, self.dtype),
                          last_logits=jnp.zeros((size, arch.vocab_size), jnp.float32), length=zeros, produced=zeros,
                          budget=zeros, active=jnp.zeros((size,), jnp.bool_),
-                         keys=jnp.zeros((size, *key_shape), jnp.uint32))
+                         keys=jnp.zeros((size, *key_shape), jnp.uint32),
+                         forced=jnp.zeros((size, self.max_forced), jnp.int32), forced_at=zeros, forced_left=zeros,
+                         hold=jnp.zeros((size,), jnp.bool_))
 
     def _prefill_prompts(self, weights, tokens: jax.Array, lengths: jax.Array):
         """Per layer keys [n, KV, D, P] and values [n, KV, P, D], and next-token logits [n, V], of prompts
@@ -101,7 +111,7 @@ class SlotPrograms:
         logits, cache = decode.forward(self.model, weights, tokens, positions, cache, 0, mask)
         return cache, logits[jnp.arange(n), lengths - 1]
 
-    def _admit_rows(self, state: SlotState, prompt_cache, prompt_logits, slots, source, lengths, budgets, keys):
+    def _admit_rows(self, state: SlotState, prompt_cache, prompt_logits, slots, source, lengths, budgets, keys, holds):
         """Put prompt `source[i]`'s prefill into slot `slots[i]` (slots padded with S: ignored)."""
         p = prompt_cache[0][1].shape[2]
         cache = tuple((k.at[slots, :, :, :p].set(pk[source], mode="drop"),
@@ -112,7 +122,18 @@ class SlotPrograms:
                          produced=state.produced.at[slots].set(0, mode="drop"),
                          budget=state.budget.at[slots].set(budgets, mode="drop"),
                          active=state.active.at[slots].set(True, mode="drop"),
-                         keys=state.keys.at[slots].set(keys, mode="drop"))
+                         keys=state.keys.at[slots].set(keys, mode="drop"), forced=state.forced,
+                         forced_at=state.forced_at, forced_left=state.forced_left.at[slots].set(0, mode="drop"),
+                         hold=state.hold.at[slots].set(holds, mode="drop"))
+
+    def _resume_slots(self, state: SlotState, slots, forced, counts, budgets) -> SlotState:
+        """Wake held slots `slots[i]` (padded with S: ignored): feed them forced[i, :counts[i]] before sampling again,
+        and let them produce until `budgets[i]` tokens in all (the forced ones count)."""
+        return state.replace(forced=state.forced.at[slots].set(forced, mode="drop"),
+                             forced_at=state.forced_at.at[slots].set(0, mode="drop"),
+                             forced_left=state.forced_left.at[slots].set(counts, mode="drop"),
+                             budget=state.budget.at[slots].set(budgets, mode="drop"),
+                             active=state.active.at[slots].set(True, mode="drop"))
 
     def _resize_window(self, state: SlotState, window: int) -> SlotState:
         """The caches cut or zero-padded to `window` positions (no live sequence is longer than the new window)."""
@@ -139,7 +160,8 @@ class SlotPrograms:
                        dv.at[dst_slots, :, :m].set(sv[take][:, :, :m], mode="drop"))
                       for (dk, dv), (sk, sv) in zip(dst.cache, src.cache))
         moved = {name: getattr(dst, name).at[dst_slots].set(getattr(src, name)[take], mode="drop")
-                 for name in ("last_logits", "length", "produced", "budget", "active", "keys")}
+                 for name in ("last_logits", "length", "produced", "budget", "active", "keys", "forced", "forced_at",
+                              "forced_left", "hold")}
         return dst.replace(cache=cache, **moved), src.active.at[src_slots].set(False, mode="drop")
 
     def _decode_chunk(self, weights, groups: tuple, want_free: jax.Array, greedy: bool, windows: tuple,
@@ -168,12 +190,17 @@ class SlotPrograms:
             drawn, ats, valids, toks_out, lps_out = [], [], [], [], []
             for st, window, tk, lp in zip(sts, windows, toks, lps):
                 tok, tok_logp = sample(st)
+                # a held slot first takes its forced tokens (an observation): fed, not sampled, with no logprob
+                forcing = st.forced_left > 0
+                fed = jnp.take_along_axis(st.forced, jnp.minimum(st.forced_at, self.max_forced - 1)[:, None], 1)[:, 0]
+                tok, tok_logp = jnp.where(forcing, fed, tok), jnp.where(forcing, 0.0, tok_logp)
                 toks_out.append(tk.at[:, t].set(jnp.where(st.active, tok, self.pad_id)))
                 lps_out.append(lp.at[:, t].set(jnp.where(st.active, tok_logp, 0.0)))
                 # every slot runs the step; an idle or ended slot writes at position 0 and attends over it alone
                 # (ragged attention then reads nothing else of it); nothing reads an idle slot's cache, and a refill
-                # overwrites the prompt part and masks the rest by length
-                at = jnp.where(st.active, jnp.minimum(st.length, window - 1), 0)
+                # overwrites the prompt part and masks the rest by length. A held slot's cache is kept: it writes at
+                # its next position, which its first forced token overwrites
+                at = jnp.where(st.active | st.hold, jnp.minimum(st.length, window - 1), 0)
                 drawn.append(tok)
                 ats.append(at)
                 valids.append((jnp.arange(window)[None, :] <= at[:, None])[:, None, :])
@@ -184,10 +211,12 @@ class SlotPrograms:
             for st, tok, cache in zip(sts, drawn, caches):
                 n = st.length.shape[0]
                 live = st.active
+                forcing = live & (st.forced_left > 0)
                 produced = st.produced + live
-                ended = live & (jnp.isin(tok, eos) | (produced >= st.budget))
+                ended = live & ~forcing & (jnp.isin(tok, eos) | (produced >= st.budget))
                 new.append(st.replace(cache=cache, last_logits=logits[start:start + n, 0], length=st.length + live,
-                                      produced=produced, active=live & ~ended))
+                                      produced=produced, active=live & ~ended, forced_at=st.forced_at + forcing,
+                                      forced_left=st.forced_left - forcing))
                 start += n
             return t + 1, tuple(new), tuple(toks_out), tuple(lps_out)
 

@@ -9,9 +9,25 @@ the pad token carries vLLM's strongest logit bias (-100: its probability is
 scaled by e^-100, far below the 1e-3 the tests hold the two engines to).
 No top-k / top-p / min-p, so sampling follows that distribution exactly.
 
+Serving (`serve(params, source)`, the contract of common/engine/base.py that
+multi-turn episodes run on; `generate` is a serve of a fixed request set):
+the engine is driven a step at a time (`LLMEngine.add_request` and `step`,
+one token per live request), and before every step the requests ready then
+enter it (vLLM queues what passes sampler.vllm.max_num_seqs; with in-flight
+updates they wait here instead, to take the salt of the version they start
+under). A request is a token-id
+prompt (`TokensPrompt`), never text: an episode's later turn is the whole
+conversation so far, ids as sampled plus the observation's, and with prefix
+caching on (sampler.vllm.prefix_caching) it reads the blocks of the earlier
+turns still cached instead of prefilling them (`cached_prompt_tokens`). Its
+prompt may pass generation.max_prompt_tokens: max_model_len holds
+max_prompt_tokens + max_new_tokens. Each request samples with a seed of its
+own key (vLLM keeps a generator per seeded request): a request set served
+again samples the same tokens.
+
 Weights: the engine starts with random ("dummy") weights, which costs no
-checkpoint read, and takes every weight from the trainer: `generate` with a
-params object it has not seen installs it first (between batches, as the
+checkpoint read, and takes every weight from the trainer: `generate` (or
+`serve`) with a params object it has not seen installs it first (between batches, as the
 JAX engine's re-layout), so the sampler's version rules apply unchanged. The
 policy's parameter names are mapped to Hugging Face names
 (`grpo_stream.common.model.hf_checkpoint.to_hf_names`), which is what every vLLM model's
@@ -33,10 +49,10 @@ On TPU (tpu-inference) the model is an nnx State of JAX arrays, not a torch
 module: versions are written into it in place by `vllm_tpu.VllmTpuWeightWriter`
 (the engine core in this process).
 
-In-flight updates (sampler.weight_updates: in_flight): `generate(...,
-refresh=f)` drives the engine a step at a time (`LLMEngine.step`, one token
-per live request), admits requests as slots free up, and every
-`steps_between_updates` steps calls f(); on a new (params, version) it pauses
+In-flight updates (sampler.weight_updates: in_flight): `generate` or `serve`
+with `refresh=f` calls f() every `steps_between_updates` steps (and while
+every request of a serve waits on its source: then a new version goes in
+without a pause); on a new (params, version) between steps it pauses
 the scheduler keeping every request (`sleep(level=0, mode="keep")`), writes the
 weights in place (the KV cache stays: earlier tokens keep the keys and values
 older weights computed, as the JAX engine and PipelineRL do), and resumes
@@ -62,7 +78,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from grpo_stream.common.engine.base import Generation, check_request
+from grpo_stream.common.engine.base import FixedRequests, Generation, Request, RequestSource, check_request
 from grpo_stream.common.engine.vllm_worker import EXTENSION
 from grpo_stream.common.model.hf_checkpoint import to_hf_names, write_safetensors
 
@@ -179,13 +195,15 @@ class VllmEngine:
         self.llm.reset_prefix_cache()
 
     def sampling_params(self, seed: int | None, greedy: bool, max_tokens: int | None = None, delta: bool = False):
+        """One request's sampling: the policy's distribution (module docstring); `delta`: every step returns the
+        request's new tokens (else only its finished output)."""
         from vllm import SamplingParams  # noqa: PLC0415
         from vllm.sampling_params import RequestOutputKind  # noqa: PLC0415
 
         return SamplingParams(n=1, temperature=0.0 if greedy else self.temperature, top_p=1.0, top_k=0, min_p=0.0,
                               max_tokens=max_tokens or self.max_new_tokens, stop_token_ids=self.eos_ids, logprobs=0,
                               logit_bias={self.pad_id: PAD_BIAS}, seed=None if greedy else seed, detokenize=False,
-                              output_kind=RequestOutputKind.DELTA if delta else RequestOutputKind.CUMULATIVE)
+                              output_kind=RequestOutputKind.DELTA if delta else RequestOutputKind.FINAL_ONLY)
 
     def _request(self, ids: list[int]) -> dict:
         return {"prompt_token_ids": list(ids), "cache_salt": self.cache_salt}
@@ -194,80 +212,125 @@ class VllmEngine:
                  max_new_tokens: list[int] | None = None, refresh: Callable[[], tuple[Any, int] | None] | None = None,
                  version: int = 0) -> Generation:
         """Completions for `prompts` (token ids) under `params` (weight version `version`); `rng` (a JAX key or an
-        int) seeds each row; `max_new_tokens`: per-row budgets (default generation.max_new_tokens); `refresh`:
-        called every sampler.vllm.steps_between_updates steps, returns newer (params, version) to go on with, or
-        None; with it, `Generation.versions` records each token's version."""
+        int) seeds row i with seed(rng) + i; `max_new_tokens`: per-row budgets (default generation.max_new_tokens);
+        `refresh`: called every sampler.vllm.steps_between_updates steps, returns newer (params, version) to go on
+        with, or None; with it, `Generation.versions` records each token's version. A `serve` of a fixed set."""
         budgets = check_request(prompts, max_new_tokens, self.max_prompt_tokens, self.max_new_tokens).tolist()
+        rows, width = len(prompts), self.max_new_tokens
+        out = Generation(np.full((rows, width), self.pad_id, np.int32), np.zeros((rows, width), np.float32),
+                         np.zeros((rows,), np.int32), np.zeros((rows,), np.bool_),
+                         None if refresh is None else np.full((rows, width), -1, np.int32))
+        base = _seed_of(rng)
+        requests = [Request(list(ids), budgets[i], (base + i) % 2**63, i) for i, ids in enumerate(prompts)]
+        self.serve(params, FixedRequests(requests, out), greedy, refresh, version)
+        return out
+
+    def serve(self, params: Any, source: RequestSource, greedy: bool = False,
+              refresh: Callable[[], tuple[Any, int] | None] | None = None, version: int = 0) -> None:
+        """Generate the requests `source` hands out until it has none left and none will come, one engine step
+        (a token per live request) at a time: before every step the requests ready then enter the engine (a
+        multi-turn episode's next turn enters while the others decode; its prompt, the conversation so far, reads
+        the earlier turns' blocks from the prefix cache), and every ended request goes back through
+        `source.finish`. Each request samples with the seed of its key; `refresh` as in `generate`, and also
+        called while every request waits on the source (a new version then goes in without a pause). A request's
+        hold/resume fields (environment.kv_cache=hold, the JAX engine's) need nothing here: its ids are the whole
+        conversation, and the prefix cache keeps the earlier turns' blocks."""
         if params is not self._installed:
             self.install(params)
-        base = _seed_of(rng)
-        sampling = [self.sampling_params((base + i) % 2**63, greedy, budgets[i], delta=refresh is not None)
-                    for i in range(len(prompts))]
-        if refresh is not None:
-            return self._generate_in_flight(prompts, sampling, refresh, version)
-        outputs = self.llm.generate([self._request(ids) for ids in prompts], sampling, use_tqdm=False)
-        done = [out.outputs[0] for out in outputs]
-        self.cached_prompt_tokens = [out.num_cached_tokens or 0 for out in outputs]
-        return self._generation([list(d.token_ids) for d in done],
-                                [[step[t].logprob for step, t in zip(d.logprobs, d.token_ids)] for d in done])
-
-    def _generate_in_flight(self, prompts: list[list[int]], sampling: list, refresh, version: int) -> Generation:
-        """One step at a time: admit rows while the engine has room, collect each step's new tokens under the
-        version that sampled them, and switch versions in place between steps (module docstring)."""
-        engine, rows = self.llm.llm_engine, len(prompts)
-        tokens: list[list[int]] = [[] for _ in range(rows)]
-        logprobs: list[list[float]] = [[] for _ in range(rows)]
-        versions: list[list[int]] = [[] for _ in range(rows)]
-        pending, live = collections.deque(range(rows)), {}
-        self.cached_prompt_tokens = [0] * rows
+        engine, per_step = self.llm.llm_engine, refresh is not None
+        pending: collections.deque = collections.deque()
+        live: dict[str, _Live] = {}
+        self.cached_prompt_tokens = []
         steps = 0
-        while pending or live:
-            while pending and len(live) < self.settings.max_num_seqs:
-                row = pending.popleft()
-                self._requests += 1
-                request_id = f"grpo-{self._requests}"  # outputs carry this id (vLLM adds a suffix inside)
-                engine.add_request(request_id, self._request(prompts[row]), sampling[row])
-                live[request_id] = row
-            for out in engine.step():
-                row = live.get(out.request_id)
-                if row is None:
+        try:
+            while True:
+                for request in source.take():
+                    pending.append(self._check(request))
+                if not pending and not live:
+                    if not source.open():
+                        return
+                    if refresh is not None:  # nothing live: no pause needed
+                        update = refresh()
+                        if update is not None and update[0] is not self._installed:
+                            self.install(update[0])
+                        version = version if update is None else update[1]
+                    source.wait(0.5)
                     continue
-                new = out.outputs[0]
-                self.cached_prompt_tokens[row] = max(self.cached_prompt_tokens[row], out.num_cached_tokens or 0)
-                tokens[row] += new.token_ids
-                logprobs[row] += [step[t].logprob for step, t in zip(new.logprobs, new.token_ids)]
-                versions[row] += [version] * len(new.token_ids)
-                if out.finished:
-                    del live[out.request_id]
-            steps += 1
-            if live and not engine.has_unfinished_requests():
-                raise RuntimeError(f"vLLM finished every request but returned none of {sorted(live)[:3]}")
-            if live and steps % self.settings.steps_between_updates == 0:
-                update = refresh()
-                if update is not None:
-                    params, version = update
-                    if params is not self._installed:
-                        self.llm.sleep(level=0, mode="keep")  # every request kept, none scheduled until wake_up
-                        try:
-                            self.install(params, keep_requests=True)
-                        finally:
-                            self.llm.wake_up(tags=["scheduling"])
-                        self.pauses += 1
-        return self._generation(tokens, logprobs, versions)
+                # in-flight updates: no more than vLLM runs at once, so none waits inside it with an old salt
+                while pending and (refresh is None or len(live) < self.settings.max_num_seqs):
+                    request = pending.popleft()
+                    self._requests += 1
+                    request_id = f"grpo-{self._requests}"  # outputs carry this id (vLLM adds a suffix inside)
+                    sampling = self.sampling_params(_seed_of(request.key) % 2**63, greedy, request.budget, per_step)
+                    engine.add_request(request_id, self._request(request.ids), sampling)
+                    live[request_id] = _Live(request, len(self.cached_prompt_tokens), per_step)
+                    self.cached_prompt_tokens.append(0)
+                for out in engine.step():
+                    entry = live.get(out.request_id)
+                    if entry is None:
+                        continue
+                    self.cached_prompt_tokens[entry.index] = max(self.cached_prompt_tokens[entry.index],
+                                                                 out.num_cached_tokens or 0)
+                    entry.add(out.outputs[0], version)
+                    if out.finished:
+                        del live[out.request_id]
+                        self._finish(source, entry)
+                steps += 1
+                if live and not engine.has_unfinished_requests():
+                    raise RuntimeError(f"vLLM finished every request but returned none of {sorted(live)[:3]}")
+                if refresh is not None and live and steps % self.settings.steps_between_updates == 0:
+                    update = refresh()
+                    if update is not None:
+                        version = update[1]
+                        if update[0] is not self._installed:
+                            self._install_in_flight(update[0])
+        finally:
+            if live:  # an error left requests in the engine: the next serve must not get their outputs
+                engine.abort_request(list(live))
 
-    def _generation(self, tokens: list[list[int]], logprobs: list[list[float]],
-                    versions: list[list[int]] | None = None) -> Generation:
-        batch, width = len(tokens), self.max_new_tokens
-        out = Generation(np.full((batch, width), self.pad_id, np.int32), np.zeros((batch, width), np.float32),
-                         np.zeros((batch,), np.int32), np.zeros((batch,), np.bool_),
-                         None if versions is None else np.full((batch, width), -1, np.int32))
-        for row, ids in enumerate(tokens):
-            n = min(len(ids), width)
-            out.tokens[row, :n], out.logprobs[row, :n], out.lengths[row] = ids[:n], logprobs[row][:n], n
-            if versions is not None:
-                out.versions[row, :n] = versions[row][:n]
-            out.finished[row] = n > 0 and ids[n - 1] in self.eos_ids  # the stop token is part of the completion
-        return out
+    def _check(self, request: Request) -> Request:
+        """A request fits: a prompt of 1 or more tokens, a budget in 1..max_new_tokens, both within max_model_len
+        (a later turn's prompt may pass max_prompt_tokens: the conversation so far)."""
+        room = self.max_prompt_tokens + self.max_new_tokens
+        if not len(request.ids) or not 1 <= request.budget <= self.max_new_tokens or \
+                len(request.ids) + request.budget > room:
+            raise ValueError(f"request of {len(request.ids)} prompt tokens and a budget of {request.budget} does not "
+                             f"fit the engine's {room} tokens (generation.max_prompt_tokens + "
+                             "generation.max_new_tokens)")
+        return request
+
+    def _finish(self, source: RequestSource, entry: "_Live") -> None:
+        tokens = np.asarray(entry.tokens, np.int32)
+        source.finish(entry.request, tokens, np.asarray(entry.logprobs, np.float32),
+                      None if entry.versions is None else np.asarray(entry.versions, np.int32),
+                      bool(len(tokens)) and int(tokens[-1]) in self.eos_ids)  # the stop token ends the completion
+
+    def _install_in_flight(self, params: Any) -> None:
+        """A new version while requests run: the scheduler paused with every request kept (none scheduled until
+        wake_up), the weights written in place, scheduling resumed."""
+        self.llm.sleep(level=0, mode="keep")
+        try:
+            self.install(params, keep_requests=True)
+        finally:
+            self.llm.wake_up(tags=["scheduling"])
+        self.pauses += 1
+
+
+class _Live:
+    """A request in the engine: what it has produced so far (`per_step`: outputs come a step's tokens at a time,
+    each recorded under the version that sampled it; else once, whole, when it ends)."""
+
+    def __init__(self, request: Request, index: int, per_step: bool):
+        self.request, self.index = request, index
+        self.tokens: list[int] = []
+        self.logprobs: list[float] = []
+        self.versions: list[int] | None = [] if per_step else None
+
+    def add(self, out, version: int) -> None:
+        self.tokens += out.token_ids
+        self.logprobs += [step[t].logprob for step, t in zip(out.logprobs, out.token_ids)]
+        if self.versions is not None:
+            self.versions += [version] * len(out.token_ids)
 
 
 def load_into_worker(worker, tensors: dict[str, np.ndarray] | None = None, path: str | None = None) -> int:
@@ -307,12 +370,15 @@ def load_into_worker(worker, tensors: dict[str, np.ndarray] | None = None, path:
 
 
 def _seed_of(rng: Any) -> int:
-    """An integer seed from a JAX PRNG key (its raw bits) or an int."""
+    """An integer seed from a JAX PRNG key (its raw bits), a key's data (a serving request's key) or an int."""
     if isinstance(rng, (int, np.integer)):
         return int(rng)
-    import jax  # noqa: PLC0415
+    if isinstance(rng, np.ndarray) and rng.dtype == np.uint32:
+        bits = rng.astype(np.uint64).ravel()
+    else:
+        import jax  # noqa: PLC0415
 
-    bits = np.asarray(jax.random.key_data(rng)).astype(np.uint64).ravel()
+        bits = np.asarray(jax.random.key_data(rng)).astype(np.uint64).ravel()
     return int(bits[0] << np.uint64(32) | bits[-1]) & (2**63 - 1)
 
 

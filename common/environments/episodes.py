@@ -4,8 +4,10 @@ Each episode is one completion of a group. Its first turn is a request whose pro
 a turn ends (the model sampled its stop token) the engine frees the slot at once and hands the turn back
 (`EpisodeRequests.finish`, on the engine's thread); the environment's step runs on a worker thread while the other
 slots keep decoding; its observation is rendered and tokenized once and appended, and the next turn enters the
-engine as a request whose prompt is the whole conversation so far, ids exactly as sampled and as rendered. The
-engine prefills that prompt again (the turn's slot was freed for other work while the environment answered).
+engine as a request whose prompt is the whole conversation so far, ids exactly as sampled and as rendered. By default
+(environment.kv_cache=reprefill) the engine prefills that prompt again: the turn's slot was freed for other work
+while the environment answered. With kv_cache=hold the slot keeps the episode's cache while it waits and the next
+turn feeds it only the observation (common/engine/held_turns.py); held slots are given up when rows need them.
 
 An episode ends when the environment returns no observation, after environment.max_turns model turns, or when its
 tokens (model and observation tokens after the prompt) would pass its budget (generation.max_new_tokens; then it is
@@ -38,6 +40,7 @@ class EpisodeSettings:
     turn_max_new_tokens: int       # most tokens of one model turn
     episode_tokens: int            # most tokens after the prompt, model and observation tokens together
     tool_latency_s: float = 0.0    # added to every environment step (benchmarks: a simulated slow tool)
+    hold_kv: bool = False          # keep a waiting episode's cache in its slot (engines that can: held_turns.py)
 
 
 @dataclasses.dataclass
@@ -73,18 +76,32 @@ class EpisodeRequests:
         self.tokenizer, self.renderer, self.pool, self.versioned = tokenizer, renderer, pool, versioned
         self.results = [EpisodeResult() for _ in episodes]
         self._ready: list[Request] = []
+        self._released: list[int] = []
         self._outstanding = len(episodes)  # episodes not ended yet
         self._cond = threading.Condition()
         self.env_seconds = 0.0
         for i in range(len(episodes)):
             self._ready.append(self._request(i))
 
-    def _request(self, i: int) -> Request:
+    def _request(self, i: int, observation: list[int] | None = None) -> Request:
+        """Episode i's next turn: its prompt is the conversation so far; with settings.hold_kv it also names the
+        held cache it continues (`resume`, fed the observation) and asks for its own cache to be held unless it is
+        the last turn allowed."""
         result, s = self.results[i], self.settings
         budget = min(s.turn_max_new_tokens, s.episode_tokens - len(result.tokens))
         key = np.asarray(jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(self.keys[i]),
                                                                 result.turns)))
-        return Request(ids=list(self.prompts[i]) + result.tokens, budget=budget, key=key, tag=i)
+        request = Request(ids=list(self.prompts[i]) + result.tokens, budget=budget, key=key, tag=i)
+        if s.hold_kv:
+            request.hold_key = i if result.turns + 1 < s.max_turns else None
+            request.resume, request.forced = (i, observation) if observation else (None, None)
+        return request
+
+    def released(self) -> list[int]:
+        """Episodes ended since the last call: their held caches will not be resumed."""
+        with self._cond:
+            ended, self._released = self._released, []
+        return ended
 
     def take(self) -> list[Request]:
         with self._cond:
@@ -144,13 +161,14 @@ class EpisodeRequests:
             if result.versions:
                 result.versions += [result.versions[-1]] * len(ids)
             with self._cond:
-                self._ready.append(self._request(i))
+                self._ready.append(self._request(i, ids))
                 self._cond.notify_all()
 
     def _end(self, i: int, finished: bool) -> None:
         self.results[i].finished = finished and self.results[i].error is None
         with self._cond:
             self._outstanding -= 1
+            self._released.append(i)
             self._cond.notify_all()
 
 

@@ -40,6 +40,7 @@ def episode_runner(cfg, task, tokenizer) -> EpisodeRunner | None:
         return None
     gen = cfg.generation
     settings = EpisodeSettings(max_turns=env.max_turns, turn_max_new_tokens=env.turn_max_new_tokens or gen.max_new_tokens,
-                               episode_tokens=gen.max_new_tokens, tool_latency_s=env.tool_latency_s)
+                               episode_tokens=gen.max_new_tokens, tool_latency_s=env.tool_latency_s,
+                               hold_kv=env.kv_cache == "hold")
     pool = concurrent.futures.ThreadPoolExecutor(env.workers, thread_name_prefix="environment")
     return EpisodeRunner(build_environment(cfg, task, tokenizer), renderer_for(tokenizer), settings, tokenizer, pool)

@@ -56,10 +56,17 @@ def _run(tiny_parts, engine, n, env, settings, rng=0, greedy=False):
     return prompts, results, figures
 
 
-def test_model_tokens_are_exact_and_observations_carry_no_loss(tiny_parts, engine):
+@pytest.mark.parametrize("hold_kv", [False, True], ids=["reprefill", "hold"])
+def test_model_tokens_are_exact_and_observations_carry_no_loss(tiny_parts, engine, hold_kv):
+    """Whether the next turn re-prefills the conversation or resumes the held cache fed with the observation."""
     cfg, task, tok, model = tiny_parts
-    settings = EpisodeSettings(max_turns=3, turn_max_new_tokens=8, episode_tokens=C)
+    settings = EpisodeSettings(max_turns=3, turn_max_new_tokens=8, episode_tokens=C, hold_kv=hold_kv)
+    before = dict(engine.stats)
     prompts, results, figures = _run(tiny_parts, engine, 12, Scripted(turns=3), settings)
+    resumed = engine.stats["resumed_turns"] - before.get("resumed_turns", 0)
+    given_up = engine.stats["held_given_up"] - before.get("held_given_up", 0)
+    # every later turn resumed its held cache, or was prefilled because its slot went to a waiting row (8 slots)
+    assert (resumed > 0 and resumed + given_up == figures["turns"] - 12) if hold_kv else resumed == given_up == 0
     assert figures["turns"] > 12  # episodes went past their first turn
     rows = [layout(np.array(p), np.array(r.tokens), P, C, tok.pad_id) for p, r in zip(prompts, results)]
     tokens, valid = np.stack([r[0] for r in rows]), np.stack([r[1] for r in rows])
@@ -89,6 +96,23 @@ def test_environment_steps_run_off_the_decode_thread_while_other_episodes_decode
     assert all(name.startswith("environment") for name in env.threads)
     assert figures["environment_seconds"] >= 0.2 * (figures["turns"] - 16)
     assert figures["seconds"] < 0.75 * figures["environment_seconds"]
+
+
+def test_held_caches_are_given_up_when_rows_need_their_slots(tiny_parts):
+    """3 slots for 9 episodes: held slots are given up for waiting rows, and those episodes' next turns are
+    prefilled; the tokens stay exact either way."""
+    cfg, task, tok, model = tiny_parts
+    small = ContinuousEngine(model, tok.pad_id, tok.eos_id, P, C, temperature=1.0, slots=3, chunk_steps=4)
+    settings = EpisodeSettings(max_turns=3, turn_max_new_tokens=6, episode_tokens=C, hold_kv=True)
+    prompts, results, figures = _run(tiny_parts, small, 9, Scripted(turns=3, delay=0.05), settings)
+    assert small.stats["held_given_up"] > 0 and small.stats["resumed_turns"] > 0
+    assert figures["turns"] == 27
+    rows = [layout(np.array(p), np.array(r.tokens), P, C, tok.pad_id) for p, r in zip(prompts, results)]
+    tokens, valid = np.stack([r[0] for r in rows]), np.stack([r[1] for r in rows])
+    recomputed = np.asarray(sequence_logprobs(model, model.params, tokens, valid, 1.0, tok.pad_id))[:, P - 1:]
+    for i, r in enumerate(results):
+        mask = np.array(r.model_mask)
+        assert np.abs(recomputed[i, :len(mask)][mask] - np.array(r.logprobs)[mask]).max() <= 1e-4
 
 
 def test_episodes_are_reproducible_and_end_at_their_budget(tiny_parts, engine):
