@@ -137,3 +137,27 @@ def test_an_environment_that_raises_ends_only_its_episode(tiny_parts, engine):
     _, results, _ = _run(tiny_parts, engine, 4, Broken(turns=3), settings)
     assert "ZeroDivisionError" in results[1].error and not results[1].finished and results[1].turns == 1
     assert all(r.error is None and r.turns == 3 for k, r in enumerate(results) if k != 1)
+
+
+@pytest.mark.parametrize("hold_kv", [False, True], ids=["reprefill", "hold"])
+def test_in_flight_weight_updates_go_on_across_turns(tiny_parts, hold_kv):
+    """A new version every other chunk: every token of an episode records its version (an observation token the
+    version of the model token before it), versions never go back, and episodes span several versions."""
+    from tests.mixed_versions import every_other_call, scaled_versions
+
+    cfg, task, tok, model = tiny_parts
+    engine = ContinuousEngine(model, tok.pad_id, tok.eos_id, P, C, temperature=1.0, slots=4, chunk_steps=2)
+    problems = [task.train_problem(i) for i in range(6)]
+    prompts = [tok.encode(p.prompt) for p in problems]
+    env = Scripted(turns=3)
+    settings = EpisodeSettings(max_turns=3, turn_max_new_tokens=6, episode_tokens=C, hold_kv=hold_kv)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        results, _ = run_episodes(engine, model.params, prompts, [env.start(p) for p in problems], jax.random.key(0),
+                                  settings, tok, PlainRenderer(tok), pool,
+                                  refresh=every_other_call(scaled_versions(model.params, 30, 0.01)))
+    for r in results:
+        versions, mask = np.array(r.versions), np.array(r.model_mask)
+        assert len(versions) == len(r.tokens) and (np.diff(versions) >= 0).all()
+        after_model = np.flatnonzero(~mask[1:] & mask[:-1]) + 1  # each observation's first token
+        assert (versions[after_model] == versions[after_model - 1]).all()
+    assert sum(len(set(r.versions)) > 1 for r in results) >= 3
