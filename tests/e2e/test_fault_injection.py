@@ -29,7 +29,7 @@ from grpo_stream.common.rollouts.redis_server import EmbeddedRedis, connect, fre
 from tests.e2e.test_up import ROOT
 from tests.support import wait_for
 
-pytestmark = [pytest.mark.e2e, pytest.mark.redis, pytest.mark.slow]
+pytestmark = [pytest.mark.e2e, pytest.mark.redis, pytest.mark.slow, pytest.mark.chaos]  # beside the 40-fault run
 CONFIG = ROOT / "configs" / "tiny_arith.yaml"
 STEPS, EVERY = 60, 5
 FAULTS = ["trainer", "trainer", "sampler", "sampler", "ingest", "redis"]
