@@ -86,11 +86,12 @@ class HeldTurns:
         slots = np.full((size,), size, np.int32)
         forced = np.zeros((size, self.max_forced), np.int32)
         counts, budgets = np.zeros((size,), np.int32), np.zeros((size,), np.int32)
+        keys = np.zeros((size, *np.shape(items[0][1].key)), np.uint32)
         for i, (slot, request) in enumerate(items):
-            slots[i], counts[i] = slot, len(request.forced)
+            slots[i], counts[i], keys[i] = slot, len(request.forced), request.key
             forced[i, :counts[i]] = request.forced
             budgets[i] = int(group.produced[slot]) + counts[i] + request.budget
         self.programs.add(("resume", size))
-        group.state = self._resume(group.state, slots, forced, counts, budgets)
+        group.state = self._resume(group.state, slots, forced, counts, budgets, keys)
         self.stats["resumed_turns"] += len(items)
         self.stats["forced_tokens"] += int(counts.sum())

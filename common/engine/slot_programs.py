@@ -47,6 +47,8 @@ class SlotState:
     forced_at: jax.Array     # [S] int32
     forced_left: jax.Array   # [S] int32
     hold: jax.Array          # [S] bool: keep the cache when the sequence ends (an episode's next turn may resume it)
+    key_base: jax.Array      # [S] int32: token n of the slot samples with fold_in(key, n - key_base) (a resumed turn
+    #                          starts its own key's stream where its forced tokens end, as if it had been prefilled)
 
 
 def pow2_at_least(n: int, low: int = 1) -> int:
@@ -98,7 +100,7 @@ class SlotPrograms:
                          budget=zeros, active=jnp.zeros((size,), jnp.bool_),
                          keys=jnp.zeros((size, *key_shape), jnp.uint32),
                          forced=jnp.zeros((size, self.max_forced), jnp.int32), forced_at=zeros, forced_left=zeros,
-                         hold=jnp.zeros((size,), jnp.bool_))
+                         hold=jnp.zeros((size,), jnp.bool_), key_base=zeros)
 
     def _prefill_prompts(self, weights, tokens: jax.Array, lengths: jax.Array):
         """Per layer keys [n, KV, D, P] and values [n, KV, P, D], and next-token logits [n, V], of prompts
@@ -124,16 +126,20 @@ class SlotPrograms:
                          active=state.active.at[slots].set(True, mode="drop"),
                          keys=state.keys.at[slots].set(keys, mode="drop"), forced=state.forced,
                          forced_at=state.forced_at, forced_left=state.forced_left.at[slots].set(0, mode="drop"),
-                         hold=state.hold.at[slots].set(holds, mode="drop"))
+                         hold=state.hold.at[slots].set(holds, mode="drop"),
+                         key_base=state.key_base.at[slots].set(0, mode="drop"))
 
-    def _resume_slots(self, state: SlotState, slots, forced, counts, budgets) -> SlotState:
+    def _resume_slots(self, state: SlotState, slots, forced, counts, budgets, keys) -> SlotState:
         """Wake held slots `slots[i]` (padded with S: ignored): feed them forced[i, :counts[i]] before sampling again,
         and let them produce until `budgets[i]` tokens in all (the forced ones count)."""
         return state.replace(forced=state.forced.at[slots].set(forced, mode="drop"),
                              forced_at=state.forced_at.at[slots].set(0, mode="drop"),
                              forced_left=state.forced_left.at[slots].set(counts, mode="drop"),
                              budget=state.budget.at[slots].set(budgets, mode="drop"),
-                             active=state.active.at[slots].set(True, mode="drop"))
+                             active=state.active.at[slots].set(True, mode="drop"),
+                             keys=state.keys.at[slots].set(keys, mode="drop"),
+                             key_base=state.key_base.at[slots].set(
+                                 state.produced[jnp.minimum(slots, state.produced.shape[0] - 1)] + counts, mode="drop"))
 
     def _resize_window(self, state: SlotState, window: int) -> SlotState:
         """The caches cut or zero-padded to `window` positions (no live sequence is longer than the new window)."""
@@ -161,7 +167,7 @@ class SlotPrograms:
                       for (dk, dv), (sk, sv) in zip(dst.cache, src.cache))
         moved = {name: getattr(dst, name).at[dst_slots].set(getattr(src, name)[take], mode="drop")
                  for name in ("last_logits", "length", "produced", "budget", "active", "keys", "forced", "forced_at",
-                              "forced_left", "hold")}
+                              "forced_left", "hold", "key_base")}
         return dst.replace(cache=cache, **moved), src.active.at[src_slots].set(False, mode="drop")
 
     def _decode_chunk(self, weights, groups: tuple, want_free: jax.Array, greedy: bool, windows: tuple,
@@ -181,7 +187,7 @@ class SlotPrograms:
                 tok = jnp.argmax(logp, axis=-1).astype(jnp.int32)
             else:
                 u = jax.vmap(lambda kd, n: jax.random.uniform(jax.random.fold_in(jax.random.wrap_key_data(kd), n)))(
-                    st.keys, st.produced)
+                    st.keys, st.produced - st.key_base)
                 tok = decode.inverse_cdf_index(1.0 - u, logp)
             return tok, jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
 

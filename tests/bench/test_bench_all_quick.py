@@ -101,5 +101,5 @@ def test_bench_all_quick_writes_json_and_table_rows(tmp_path):
 
     rows = [line for line in table.read_text().splitlines() if line.startswith("| 20")]
     assert [row.split(" | ")[2] for row in rows] == ["transport", "pipeline", "sampler", "async", "weights", "prompts",
-                                                     "startup"]
+                                                     "startup", "trainer", "multiturn"]
     assert all(" | quick | " in row for row in rows)

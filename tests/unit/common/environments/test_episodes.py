@@ -161,3 +161,14 @@ def test_in_flight_weight_updates_go_on_across_turns(tiny_parts, hold_kv):
         after_model = np.flatnonzero(~mask[1:] & mask[:-1]) + 1  # each observation's first token
         assert (versions[after_model] == versions[after_model - 1]).all()
     assert sum(len(set(r.versions)) > 1 for r in results) >= 3
+
+
+def test_holding_the_cache_samples_the_same_episodes_as_prefilling_it(tiny_parts, engine):
+    """A resumed turn samples from its own key from the first token after the observation, as a prefilled turn does:
+    the same episodes either way (a token could differ only where the two caches' last-bit rounding moves a sample
+    across a boundary of the inverse CDF: about 1e-6 per token)."""
+    runs = {}
+    for hold_kv in (False, True):
+        settings = EpisodeSettings(max_turns=3, turn_max_new_tokens=8, episode_tokens=C, hold_kv=hold_kv)
+        runs[hold_kv] = [r.tokens for r in _run(tiny_parts, engine, 8, Scripted(turns=3), settings, rng=7)[1]]
+    assert runs[False] == runs[True]
