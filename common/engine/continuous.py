@@ -208,9 +208,10 @@ class ContinuousEngine(HeldTurns, SlotPrograms):
                 source.wait(0.5)
                 continue
             live_total = int(main.live.sum()) + (int(long.live.sum()) if long else 0)
-            free = np.flatnonzero(~main.live)
-            coming = [pending[i] for i in range(min(len(free), len(pending), self.slots - live_total))]
+            coming = [pending[i] for i in range(min(int((~main.live).sum()), len(pending), self.slots - live_total))]
             main, long = self._fit_windows(main, long, coming)
+            free = np.flatnonzero(~main.live)  # after fitting: a merge or regroup moves live sequences into slots
+            coming = coming[:len(free)]
             if coming:
                 admitted = self._admit_pending(weights, main, pending, free[:len(coming)])
                 main.logits_version[admitted] = version
@@ -248,6 +249,7 @@ class ContinuousEngine(HeldTurns, SlotPrograms):
         states, toks, lps, steps = self._decode(weights, tuple(g.state for g in groups), jnp.int32(want_free),
                                                 greedy=greedy, windows=windows, ragged=ragged)
         fetched = jax.device_get((toks, lps, tuple((s.produced, s.active) for s in states), steps))
+        self._groups_now = (main, long)
         for i, group in enumerate(groups):
             group.state = states[i]
             self._collect(group, fetched[0][i], fetched[1][i], *fetched[2][i], fetched[3], version, ragged)
@@ -285,6 +287,7 @@ class ContinuousEngine(HeldTurns, SlotPrograms):
                 if self._requests[row].hold_key is None:
                     group.row[s] = -1
                 else:  # kept with its cache: the episode's next turn may resume it (held_turns.py)
+                    self._drop_held(self._groups_now, self._requests[row].hold_key)  # an older hold: not resumed
                     self._held[self._requests[row].hold_key] = row
 
     def _source_finish(self, row: int, end: int, finished: bool) -> None:

@@ -53,9 +53,8 @@ class HeldTurns:
     def _evict_held(self, main, long, waiting: int) -> None:
         """Give up held slots, oldest first, while rows wait and no slot is free for them."""
         while self._held:
-            live = int(main.live.sum()) + (int(long.live.sum()) if long is not None else 0) if main is not None else 0
-            free = min(int((~main.live).sum()) if main is not None else self.slots, self.slots - live)
-            if free >= waiting:
+            live = (int(main.live.sum()) if main is not None else 0) + (int(long.live.sum()) if long is not None else 0)
+            if self.slots - live >= waiting:  # the main group can grow into the slots left
                 return
             self._drop_held((main, long), next(iter(self._held)))
 

@@ -94,7 +94,8 @@ class EpisodeRequests:
         request = Request(ids=list(self.prompts[i]) + result.tokens, budget=budget, key=key, tag=i)
         if s.hold_kv:
             request.hold_key = i if result.turns + 1 < s.max_turns else None
-            request.resume, request.forced = (i, observation) if observation else (None, None)
+            if result.turns:  # the cache held after the last turn (an empty observation: nothing to feed, prefilled)
+                request.resume, request.forced = i, list(observation or [])
         return request
 
     def released(self) -> list[int]:
@@ -136,33 +137,52 @@ class EpisodeRequests:
             self.pool.submit(self._step, i)
 
     def _step(self, i: int) -> None:
-        """The environment's answer to episode i's last turn (a pool thread): end it, or queue its next turn."""
-        result, started = self.results[i], time.monotonic()
+        """The environment's answer to episode i's last turn (a pool thread): end it, or queue its next turn. Nothing
+        it raises escapes: an episode that is neither ended nor queued would keep `serve` waiting for ever."""
+        started = time.monotonic()
         try:
-            if self.settings.tool_latency_s:
-                time.sleep(self.settings.tool_latency_s)
-            turn = self.episodes[i].step(result.turn_texts[-1])
-            result.turn_rewards.append(float(turn.reward))
-            ids = self.renderer.render(turn.observation) if turn.observation is not None else None
-            if ids is not None and not result.turn_closed[-1]:  # the turn was cut: close it as the template does
-                ids = self.renderer.end_of_turn_ids() + ids
+            ids = self._answer(i)
         except Exception as exc:  # noqa: BLE001 - an environment's bug ends its episode, never the sampler
-            result.error = f"{type(exc).__name__}: {exc}"[:500]
+            self.results[i].error = f"{type(exc).__name__}: {exc}"[:500]
             ids = None
-        self.env_seconds += time.monotonic() - started
-        if ids is None:
-            self._end(i, finished=True)
-        elif len(result.tokens) + len(ids) >= self.settings.episode_tokens:
-            self._end(i, finished=False)  # no room for the observation and a model token after it
-        else:
-            result.tokens += ids
-            result.logprobs += [0.0] * len(ids)
-            result.model_mask += [False] * len(ids)
-            if result.versions:
-                result.versions += [result.versions[-1]] * len(ids)
-            with self._cond:
-                self._ready.append(self._request(i, ids))
-                self._cond.notify_all()
+        with self._cond:
+            self.env_seconds += time.monotonic() - started
+        result = self.results[i]
+        try:
+            if ids is None:
+                self._end(i, finished=True)
+            elif len(result.tokens) + len(ids) >= self.settings.episode_tokens:
+                self._end(i, finished=False)  # no room for the observation and a model token after it
+            else:
+                self._append_observation(i, ids)
+        except Exception as exc:  # noqa: BLE001
+            result.error = f"{type(exc).__name__}: {exc}"[:500]
+            self._end(i, finished=False)
+
+    def _answer(self, i: int) -> list[int] | None:
+        """The ids of the environment's observation after episode i's last turn (None: the episode ends)."""
+        result = self.results[i]
+        if self.settings.tool_latency_s:
+            time.sleep(self.settings.tool_latency_s)
+        turn = self.episodes[i].step(result.turn_texts[-1])
+        result.turn_rewards.append(float(turn.reward))
+        if turn.observation is None:
+            return None
+        ids = self.renderer.render(turn.observation)
+        if not result.turn_closed[-1]:  # the turn was cut: close it as the template does
+            ids = self.renderer.end_of_turn_ids() + ids
+        return ids
+
+    def _append_observation(self, i: int, ids: list[int]) -> None:
+        result = self.results[i]
+        result.tokens += ids
+        result.logprobs += [0.0] * len(ids)
+        result.model_mask += [False] * len(ids)
+        if result.versions:
+            result.versions += [result.versions[-1]] * len(ids)
+        with self._cond:
+            self._ready.append(self._request(i, ids))
+            self._cond.notify_all()
 
     def _end(self, i: int, finished: bool) -> None:
         self.results[i].finished = finished and self.results[i].error is None

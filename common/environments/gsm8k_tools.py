@@ -22,6 +22,19 @@ _OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.m
               ast.USub: operator.neg, ast.UAdd: operator.pos}
 MAX_EXPONENT = 64  # 10**64 is plenty for word problems; 9**9**9 would take the worker for minutes
 MAX_EXPRESSION = 500
+MAX_BITS = 4096  # integers the calculator makes: (3**64)**64 nested further would hold the sampler's GIL for hours
+
+
+def _check_size(op: ast.operator, left, right) -> None:
+    """Refuse an integer power or product whose result would pass MAX_BITS, before computing it (the exponent bound
+    alone does not bound nested powers)."""
+    if not (isinstance(left, int) and isinstance(right, int)):
+        return  # floats overflow (OverflowError) in constant time
+    bits = left.bit_length()
+    if isinstance(op, ast.Pow) and right > 0 and bits * right > MAX_BITS:
+        raise ValueError(f"the result would have more than {MAX_BITS} bits")
+    if isinstance(op, ast.Mult) and bits + right.bit_length() > MAX_BITS:
+        raise ValueError(f"the result would have more than {MAX_BITS} bits")
 
 
 def calculator(expression: str) -> str:
@@ -53,6 +66,7 @@ def _evaluate(node: ast.expr):
         left, right = _evaluate(node.left), _evaluate(node.right)
         if isinstance(node.op, ast.Pow) and abs(right) > MAX_EXPONENT:
             raise ValueError(f"exponent {right} is larger than {MAX_EXPONENT}")
+        _check_size(node.op, left, right)
         return _OPERATORS[type(node.op)](left, right)
     raise ValueError(f"{type(node).__name__} is not allowed")
 

@@ -25,18 +25,20 @@ class ChatTemplateRenderer:
                              "model (or use the tiny model, whose observations are plain text)")
         self.tokenizer = tokenizer
         self._stop_texts = tokenizer.stop_texts()
+        self._specials = sorted(tokenizer.special_texts(), key=len, reverse=True)
 
     def text(self, observation: Observation) -> str:
         """The text that follows the model's stop token: the template's end of the assistant turn, the observation
         message and the next assistant turn's header."""
         chat, before = self._sentinel_chat()
-        message = {"role": observation.role, "content": observation.content}
+        content = self.defused(observation.content)
+        message = {"role": observation.role, "content": content}
         try:
             after = self.tokenizer.render_chat(chat + [message], add_generation_prompt=True)
         except Exception:  # noqa: BLE001 - jinja raises for roles a template refuses (Gemma has no tool role)
             if observation.role == "user":
                 raise
-            after = self.tokenizer.render_chat(chat + [{"role": "user", "content": observation.content}],
+            after = self.tokenizer.render_chat(chat + [{"role": "user", "content": content}],
                                                add_generation_prompt=True)
         if not after.startswith(before[:before.index(_SENTINEL) + len(_SENTINEL)]):
             raise ValueError("environment: the chat template renders earlier turns differently once an observation "
@@ -64,6 +66,14 @@ class ChatTemplateRenderer:
 
     def render(self, observation: Observation) -> list[int]:
         return self.tokenizer.encode(self.text(observation))
+
+    def defused(self, content: str) -> str:
+        """`content` with every special token's text broken by a word joiner (U+2060), so a tool's output (code the
+        model wrote printing `<|im_end|><|im_start|>assistant`) cannot become turn structure when tokenized."""
+        for special in self._specials:
+            if special in content:
+                content = content.replace(special, special[0] + "\u2060" + special[1:])
+        return content
 
 
 class PlainRenderer:

@@ -137,6 +137,12 @@ class HFTokenizer:
         return self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
                                              tools=tools)
 
+    def special_texts(self) -> list[str]:
+        """Every special token's text (the chat template's structure: <|im_start|>, <|eot_id|>, <start_of_turn>...)."""
+        added = getattr(self._tok, "added_tokens_decoder", {}) or {}
+        return sorted({t.content for t in added.values() if getattr(t, "special", False)} |
+                      set(self._tok.all_special_tokens))
+
     def stop_texts(self) -> list[str]:
         """The stop tokens as text, longest first."""
         return sorted((self._tok.convert_ids_to_tokens(i) for i in self._eos), key=len, reverse=True)

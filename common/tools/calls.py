@@ -119,6 +119,9 @@ def _parse_llama3(text: str) -> list[ToolCall]:
         except json.JSONDecodeError as exc:
             raise MalformedToolCall(f"error: tool call is not valid JSON: {exc.msg} (character {exc.pos}); write "
                                     f"{_EXAMPLES['llama3']}") from None
+        except (ValueError, RecursionError):  # an integer of over 4,300 digits, nesting past the recursion limit
+            raise MalformedToolCall(f"error: tool call JSON is too large or too deep; write "
+                                    f"{_EXAMPLES['llama3']}") from None
         calls.append(_call_from_object(value, ("parameters", "arguments"), "llama3"))
         rest = content[position:].lstrip()
         if not rest.lstrip(";").strip():
@@ -157,6 +160,8 @@ def _json_call(body: str, argument_keys: tuple[str, ...], family: str) -> ToolCa
     except json.JSONDecodeError as exc:
         raise MalformedToolCall(f"error: tool call is not valid JSON: {exc.msg} (line {exc.lineno}, column "
                                 f"{exc.colno}); write {_EXAMPLES[family]}") from None
+    except (ValueError, RecursionError):  # an integer of over 4,300 digits, nesting past the recursion limit
+        raise MalformedToolCall(f"error: tool call JSON is too large or too deep; write {_EXAMPLES[family]}") from None
     return _call_from_object(value, argument_keys, family)
 
 
@@ -174,9 +179,9 @@ def _call_from_object(value: Any, argument_keys: tuple[str, ...], family: str) -
     if isinstance(arguments, str):  # some templates and models write the arguments object as a JSON string
         try:
             arguments = json.loads(arguments) if arguments.strip() else {}
-        except json.JSONDecodeError as exc:
+        except (ValueError, RecursionError) as exc:  # JSONDecodeError, or too large / too deep
             raise MalformedToolCall(f'error: "{key}" of the call of {name!r} is a string that is not a JSON '
-                                    f"object: {exc.msg}; write {example}") from None
+                                    f"object: {getattr(exc, 'msg', 'too large or too deep')}; write {example}") from None
     if not isinstance(arguments, dict):
         raise MalformedToolCall(f'error: "{key}" of the call of {name!r} must be a JSON object of name: value, '
                                 f"got {type(arguments).__name__}; write {example}")

@@ -14,7 +14,10 @@ The order matters:
    scoped to the sandbox (ABI >= 6). The rules are built while still root: the paths must be opened to be named;
 4. as root: drop to nobody (setgroups, setresgid, setresuid); root ignores RLIMIT_NPROC, and nobody owns nothing;
 5. a seccomp filter: no socket(), io_uring, setsid/setpgid (the process group kill must reach every process) or
-   unshare (new user namespaces add kernel attack surface);
+   unshare (new user namespaces add kernel attack surface); nothing that acts on another process by pid or pidfd
+   (prlimit, kill, setpriority, sched_*, ptrace, ...): a non-root sampler's child keeps its uid, and the kernel
+   lets a process of the same uid change the sampler's limits or priority, or signal it (Landlock scopes signals
+   only from ABI 6 and has no hook for prlimit or setpriority);
 6. run the code in a fresh namespace; a traceback is printed without this file's frames.
 
 Exit code SETUP_FAILED with a line "sandbox: ..." on stderr: a step failed and the code did not run (fail closed).
@@ -45,9 +48,37 @@ FILE_RIGHTS = FS_EXECUTE | FS_WRITE_FILE | FS_READ_FILE | FS_TRUNCATE | FS_IOCTL
 PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 38, 22, 2
 SECCOMP_RET_KILL_PROCESS, SECCOMP_RET_ERRNO, SECCOMP_RET_ALLOW, EPERM = 0x80000000, 0x00050000, 0x7FFF0000, 1
 X32_SYSCALL_BIT = 0x40000000
-# machine: (AUDIT_ARCH_*, denied syscalls socket, io_uring_setup, setsid, setpgid, unshare)
-SECCOMP_ARCHES = {"x86_64": (0xC000003E, (41, 425, 112, 109, 272)),
-                  "aarch64": (0xC00000B7, (198, 425, 157, 154, 97))}
+BPF_LD_W_ABS, BPF_JEQ_K, BPF_JGE_K, BPF_RET_K = 0x20, 0x15, 0x35, 0x06
+# machine: (AUDIT_ARCH_*, its column in SYSCALL_NUMBERS)
+SECCOMP_ARCHES = {"x86_64": (0xC000003E, 0), "aarch64": (0xC00000B7, 1)}
+# name: (x86_64, aarch64), from asm/unistd_64.h and asm-generic/unistd.h (tests check them against the headers)
+SYSCALL_NUMBERS = {
+    "socket": (41, 198), "io_uring_setup": (425, 425), "setsid": (112, 157), "setpgid": (109, 154),
+    "unshare": (272, 97), "ptrace": (101, 117), "process_vm_readv": (310, 270), "process_vm_writev": (311, 271),
+    "kcmp": (312, 272), "process_madvise": (440, 440), "pidfd_open": (434, 434), "pidfd_send_signal": (424, 424),
+    "pidfd_getfd": (438, 438), "perf_event_open": (298, 241), "kill": (62, 129), "tkill": (200, 130),
+    "tgkill": (234, 131), "rt_sigqueueinfo": (129, 138), "rt_tgsigqueueinfo": (297, 240),
+    "sched_setparam": (142, 118), "sched_setscheduler": (144, 119), "sched_setaffinity": (203, 122),
+    "sched_setattr": (314, 274), "migrate_pages": (256, 238), "move_pages": (279, 239), "setpriority": (141, 140),
+    "ioprio_set": (251, 30), "prlimit64": (302, 261)}
+# Always EPERM: no network, io_uring, leaving the process group, namespaces; and every call that reaches another
+# process through a pid or pidfd without a use for computation (ptrace, reading its memory, perf, pidfds).
+SECCOMP_DENIED = ("socket", "io_uring_setup", "setsid", "setpgid", "unshare", "ptrace", "process_vm_readv",
+                  "process_vm_writev", "kcmp", "process_madvise", "pidfd_open", "pidfd_send_signal", "pidfd_getfd",
+                  "perf_event_open")
+PRIO_PROCESS, IOPRIO_WHO_PROCESS = 0, 1
+# Calls that act on the process a pid names, allowed only on the sandbox itself: name: (the pid's argument, whether
+# the child's own pid is allowed besides 0, the value arg0 must hold (the "which" of setpriority/ioprio_set: one
+# process, not a group or a user) or None). A same-uid sampler could otherwise have its limits, priority, affinity
+# or scheduling changed, or be signalled where Landlock's signal scoping (ABI >= 6) is missing. prlimit64 only on
+# pid 0: getrlimit/setrlimit use that.
+SECCOMP_OWN_PID = {"kill": (0, True, None), "tkill": (0, True, None), "tgkill": (0, True, None),
+                   "rt_sigqueueinfo": (0, True, None), "rt_tgsigqueueinfo": (0, True, None),
+                   "sched_setparam": (0, True, None), "sched_setscheduler": (0, True, None),
+                   "sched_setaffinity": (0, True, None), "sched_setattr": (0, True, None),
+                   "migrate_pages": (0, True, None), "move_pages": (0, True, None),
+                   "setpriority": (1, True, PRIO_PROCESS), "ioprio_set": (1, True, IOPRIO_WHO_PROCESS),
+                   "prlimit64": (0, False, None)}
 SHARED_LIBRARY_DIRS = ("/lib", "/lib64", "/usr/lib", "/usr/lib64")
 
 
@@ -155,13 +186,52 @@ def apply_landlock(workdir):
     os.close(ruleset)
 
 
+def seccomp_program(machine, own_pid):
+    """The filter as (code, jt, jf, k) instructions. Another ABI than the machine's kills the process; x32 calls and
+    SECCOMP_DENIED fail with EPERM; a SECCOMP_OWN_PID call is allowed only when its pid argument is 0 or own_pid
+    (where allowed) and its "which" is one process; everything else is allowed. BPF sees a 64-bit argument as two
+    32-bit halves (low half first on these little-endian ABIs): both are compared, so -1 (every process), -pgid
+    (a process group) and a pid with stray high bits are all refused."""
+    audit_arch, column = SECCOMP_ARCHES[machine]
+    number = {name: numbers[column] for name, numbers in SYSCALL_NUMBERS.items()}
+    program = [(BPF_LD_W_ABS, 0, 0, 4), (BPF_JEQ_K, 1, 0, audit_arch), (BPF_RET_K, 0, 0, SECCOMP_RET_KILL_PROCESS),
+               (BPF_LD_W_ABS, 0, 0, 0), (BPF_JGE_K, "deny", 0, X32_SYSCALL_BIT)]  # load nr; x32: deny
+    program += [(BPF_JEQ_K, "deny", 0, number[name]) for name in SECCOMP_DENIED]
+    program += [(BPF_JEQ_K, name, 0, number[name]) for name in SECCOMP_OWN_PID]
+    program.append((BPF_RET_K, 0, 0, SECCOMP_RET_ALLOW))
+    for name, (argument, own_allowed, which) in SECCOMP_OWN_PID.items():
+        program.append(name)  # a label: the checks of this call
+        if which is not None:
+            program += [(BPF_LD_W_ABS, 0, 0, 20), (BPF_JEQ_K, 0, "deny", 0),  # args[0]: high half 0, low == which
+                        (BPF_LD_W_ABS, 0, 0, 16), (BPF_JEQ_K, 0, "deny", which)]
+        low = 16 + 8 * argument  # offsetof(struct seccomp_data, args[argument])
+        program += [(BPF_LD_W_ABS, 0, 0, low + 4), (BPF_JEQ_K, 0, "deny", 0), (BPF_LD_W_ABS, 0, 0, low),
+                    (BPF_JEQ_K, "allow", 0 if own_allowed else "deny", 0)]
+        if own_allowed:
+            program.append((BPF_JEQ_K, "allow", "deny", own_pid))
+    program += ["allow", (BPF_RET_K, 0, 0, SECCOMP_RET_ALLOW), "deny", (BPF_RET_K, 0, 0, SECCOMP_RET_ERRNO | EPERM)]
+    return resolve_labels(program)
+
+
+def resolve_labels(program):
+    """Replaces the string labels in a program (and in its jump fields) by BPF's forward jump offsets (0..255)."""
+    targets, instructions = {}, []
+    for item in program:
+        if isinstance(item, str):
+            targets[item] = len(instructions)
+        else:
+            instructions.append(item)
+    resolved = []
+    for index, (code, jt, jf, k) in enumerate(instructions):
+        jt, jf = (targets[j] - index - 1 if isinstance(j, str) else j for j in (jt, jf))
+        if not (0 <= jt <= 255 and 0 <= jf <= 255):
+            raise ValueError(f"seccomp: jump out of range at instruction {index}")
+        resolved.append((code, jt, jf, k))
+    return resolved
+
+
 def apply_seccomp():
-    audit_arch, denied = SECCOMP_ARCHES[os.uname().machine]
-    deny_at = 6 + len(denied)  # the index of the ERRNO return, the program's last instruction
-    program = [(0x20, 0, 0, 4), (0x15, 1, 0, audit_arch), (0x06, 0, 0, SECCOMP_RET_KILL_PROCESS),  # other ABI: kill
-               (0x20, 0, 0, 0), (0x35, deny_at - 5, 0, X32_SYSCALL_BIT)]  # load nr; x32 calls are denied
-    program += [(0x15, deny_at - index - 1, 0, number) for index, number in enumerate(denied, start=5)]
-    program += [(0x06, 0, 0, SECCOMP_RET_ALLOW), (0x06, 0, 0, SECCOMP_RET_ERRNO | EPERM)]
+    program = seccomp_program(os.uname().machine, os.getpid())
     filters = (SockFilter * len(program))(*[SockFilter(*instruction) for instruction in program])
     fprog = SockFprog(len(program), filters)
     if libc().prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(fprog), 0, 0) != 0:

@@ -91,6 +91,7 @@ def test_environment_steps_run_off_the_decode_thread_while_other_episodes_decode
     """With a 0.2 s tool, 16 episodes of 3 turns take far less than 16 x 2 x 0.2 s: the waits overlap each other
     and the decoding of other episodes."""
     settings = EpisodeSettings(max_turns=3, turn_max_new_tokens=6, episode_tokens=C)
+    _run(tiny_parts, engine, 16, Scripted(turns=3), settings, rng=1)  # compiles the programs this workload needs
     env = Scripted(turns=3, delay=0.2)
     _, results, figures = _run(tiny_parts, engine, 16, env, settings, rng=1)
     assert all(name.startswith("environment") for name in env.threads)

@@ -115,3 +115,13 @@ def test_unknown_family_and_what_a_format_cannot_carry():
     with pytest.raises(ValueError, match="cannot be written as a tool argument"):
         render_tool_call(ToolCall("add", {"a": float("nan")}), "plain")
     assert render_tool_call(ToolCall("add", {"a": 1}, (2,)), "plain") == "<call>add(2, a=1)</call>"
+
+
+@pytest.mark.parametrize("family", ["qwen", "llama3"])
+@pytest.mark.parametrize("payload", ["9" * 5000, "[" * 100_000 + "]" * 100_000])
+def test_json_too_large_or_too_deep_is_a_malformed_call_not_a_crash(family, payload):
+    body = '{"name": "f", "arguments": {"x": ' + payload + '}}'
+    text = f"<tool_call>\n{body}\n</tool_call>" if family == "qwen" else body
+    with pytest.raises(MalformedToolCall) as caught:
+        parse_tool_calls(text, family)
+    assert caught.value.message.startswith("error:")
