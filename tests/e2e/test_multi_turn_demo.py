@@ -3,8 +3,8 @@ observations the environment writes between the model's turns, trained on the mo
 
 The default lane runs a short smoke of the whole path (no warm start: the random model's turns get the tool's error
 answers, so every completion is multi-turn); the `learning` lane runs the shipped demo and checks it learns, with
-bars from 10 measured runs (tests/e2e/calibration/multi-turn-tools.json, made with
-`python -m grpo_stream.bench.learning_spread tools --runs 10 --out ...`; see the constants)."""
+bars from 15 measured runs (tests/e2e/calibration/multi-turn-tools.json, made with
+`python -m grpo_stream.bench.learning_spread tools --runs N --out ...`; see the constants)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,16 @@ from tests.e2e.test_up import check_run, run_cli
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 CONFIG = "configs/tiny_arith_tools.yaml"
-CALIBRATION = pathlib.Path(__file__).parent / "calibration" / "multi-turn-tools.json"
+# The learning bars (calibration/multi-turn-tools.json, 2026-11-28, 15 runs on a 2-core AMD machine): 10 runs beside
+# other work (173-303 s each; greedy gain 0.953-0.957, sampled pass@1 gain 0.611-0.629) and 5 on the idle machine as
+# this lane runs (95-107 s; greedy gain 0.941-0.953, sampled 0.596-0.627: a faster trainer is less off-policy, and
+# these spread more). Each bar is the 99% one-sided lower prediction bound of the 5 idle runs, mean - t(0.99, 4) x sd x
+# sqrt(1 + 1/5): a healthy idle run falls below it with probability about 1% per figure, if the figure is normal; every
+# loaded run is above it. The warm start is deterministic on one machine (sampled pass@1 0.346 before RL here, greedy
+# 0.043; an H200 starts at 0.035), so the spread is the RL phase's. One idle run of this test: greedy 0.043 -> 0.996,
+# sampled 0.346 -> 0.949, 123 s.
+MIN_GREEDY_GAIN = 0.927
+MIN_SAMPLED_GAIN = 0.564
 
 
 def up(run_dir: pathlib.Path, *overrides: str) -> dict:
@@ -52,13 +61,6 @@ def test_multi_turn_episodes_flow_from_samplers_to_the_trainer(tmp_path):
 
 @pytest.mark.learning
 def test_the_multi_turn_demo_learns_to_call_its_tool(tmp_path):
-    # each bar: the 99% one-sided lower prediction bound of 10 runs (a healthy run falls below it with probability
-    # about 1% per figure, if the figure is normal): 2026-11-28, 10 runs beside other work on a 2-core AMD machine,
-    # greedy gain 0.953-0.957 (mean 0.956, sd 0.002, bar 0.950), sampled pass@1 0.346 -> 0.959-0.975 (gain mean
-    # 0.621, bar 0.601), 173-303 s each. The warm start is deterministic on one machine, so the spread is the RL phase's; another
-    # kind of machine starts elsewhere (an H200: greedy 0.035 -> 0.996)
-    spread = json.loads(CALIBRATION.read_text())["spread"]
-    bars = {key: spread[key]["bound_99"] for key in ("sampled_pass1_gain", "greedy_gain")}
     run_dir = tmp_path / "run"
     summary = up(run_dir)
     check_run(summary, replicas=2, steps=summary["steps"])
@@ -68,5 +70,5 @@ def test_the_multi_turn_demo_learns_to_call_its_tool(tmp_path):
     greedy_gain = after["accuracy"] - before["accuracy"]
     print(f"multi-turn demo: greedy {before['accuracy']:.3f} -> {after['accuracy']:.3f}, sampled pass@1 "
           f"{before['pass_at_k']['1']:.3f} -> {after['pass_at_k']['1']:.3f}, wall {summary['wall_seconds']}s")
-    assert sampled_gain >= bars["sampled_pass1_gain"] and greedy_gain >= bars["greedy_gain"], (before, after)
+    assert sampled_gain >= MIN_SAMPLED_GAIN and greedy_gain >= MIN_GREEDY_GAIN, (before, after)
     assert "<call>add(" in after["examples"][0]["completion"]  # what it learned: to call the tool
