@@ -21,8 +21,8 @@ from grpo_stream.common.config.access import (REDIS_PASSWORD_ENV, AuthSection, P
                                               RpcSection, TlsSection)
 from grpo_stream.common.config.base import ConfigError, Strict
 from grpo_stream.common.config.environment import EnvironmentSection
-from grpo_stream.common.config.learning import (AlgoSection, GenerationSection, ModelSection, OptimizerSection,
-                                               TaskSection)
+from grpo_stream.common.config.learning import (AlgoSection, EvalSection, GenerationSection, ModelSection,
+                                               OptimizerSection, TaskSection, WarmStartSection)
 from grpo_stream.common.config.names import EngineName
 from grpo_stream.common.config.hardware import HardwareSection
 from grpo_stream.common.config.health import HealthSection
@@ -256,28 +256,6 @@ class IngestSection(Strict):
     port: int = Field(50152, ge=0, le=65535, description="standalone: port of the ingest; `up` picks a free one.")
     address: str | None = Field(None, description="host:port samplers send rollouts to. Null: 127.0.0.1:<ingest.port> "
                                 "when standalone, else the trainer's address.")
-
-
-class WarmStartSection(Strict):
-    steps: int = Field(0, ge=0, le=1_000_000, description="Supervised steps before RL (0 = none).")
-    batch_size: int = Field(64, ge=1, le=65536, description="Demonstrations per supervised step.")
-    learning_rate: float = Field(2e-3, gt=0, le=1, description="Adam learning rate of the warm start.")
-    carry_drop_prob: float = Field(0.6, ge=0, le=1, description="Arith demonstrations forget the units carry with this "
-                                   "probability: a systematic error that RL can fix.")
-    tool_prob: float = Field(0.5, ge=0, le=1, description="task.name=arith_tools: demonstrations call the calculator "
-                             "tool with this probability (else they answer at once, as arith's do).")
-    export: bool = Field(False, description="Also write the warm-started model as a Hugging Face directory, "
-                         "RUN_DIR/warmstart-model: later runs start RL from it with model.kind=hf, "
-                         "model.path=RUN_DIR/warmstart-model and warmstart.steps=0, without repeating the warm start.")
-
-
-class EvalSection(Strict):
-    num_problems: int = Field(256, ge=1, le=100_000, description="Held-out problems scored (greedy pass@1).")
-    batch_size: int = Field(128, ge=1, le=65536, description="Problems per generation call.")
-    samples: int = Field(0, ge=0, le=1024, description="Sampled completions per problem for pass@k and maj@k "
-                         "(at generation.temperature); 0 = greedy pass@1 only.")
-    ks: list[Annotated[int, Field(ge=1)]] = Field([1], min_length=1, description="The k of pass@k and maj@k; each "
-                                                  "at most eval.samples.")
 
 
 class RunConfig(Strict):

@@ -78,6 +78,7 @@ import numpy as np
 from grpo_stream.common.engine import cpu_attention, decode
 from grpo_stream.common.engine.base import FixedRequests, Generation, Request, RequestSource, check_request
 from grpo_stream.common.engine.held_turns import HeldTurns
+from grpo_stream.common.engine.request_rows import RequestRows
 from grpo_stream.common.engine.slot_programs import (MIN_SLOTS, MIN_WINDOW, SlotPrograms, SlotState, pow2_at_least,
                                                       slot_ladder)
 from grpo_stream.common.model.policy import PolicyModel
@@ -108,7 +109,7 @@ def step_cost(layout: list[tuple[int, int]], row_work: float) -> float:
     return sum(size * (row_work + window) for size, window in layout)
 
 
-class ContinuousEngine(HeldTurns, SlotPrograms):
+class ContinuousEngine(RequestRows, HeldTurns, SlotPrograms):
     """Generates completions for request sets of token-id prompts with continuous batching."""
 
     fixed_shape = False  # any number of rows: slot counts are bucketed inside, callers need no padding rows
@@ -184,7 +185,6 @@ class ContinuousEngine(HeldTurns, SlotPrograms):
         self._prompt_lens = np.zeros((0,), np.int64)
         self._source = source
         self._held: dict = {}  # hold key -> the row whose slot keeps its cache
-        self._resumed_rows: set[int] = set()
         main, long = None, None
         pending: collections.deque = collections.deque()
         while True:
@@ -219,21 +219,6 @@ class ContinuousEngine(HeldTurns, SlotPrograms):
                 self._decode_and_collect(weights, main, long, len(pending), greedy, version)
             main, long = self._compact_groups(main, long, pending)
 
-    def _register(self, request: Request, versions: bool) -> int:
-        """A row for a request taken from the source: its output buffers, and its prompt length for the windows."""
-        if not 0 < len(request.ids) < self.cache_len or not 1 <= request.budget <= self.max_new_tokens or \
-                len(request.ids) + request.budget > self.cache_len:
-            raise ValueError(f"request of {len(request.ids)} prompt tokens and a budget of {request.budget} does not "
-                             f"fit the cache of {self.cache_len} positions (generation.max_prompt_tokens + "
-                             "generation.max_new_tokens)")
-        self._requests.append(request)
-        size = request.budget + (len(request.forced) if request.resume is not None and request.forced else 0)
-        self._row_out.append((np.full(size, self.pad_id, np.int32), np.zeros(size, np.float32),
-                              np.full(size, -1, np.int32) if versions else None))
-        self._row_base.append(0)
-        self._prompt_lens = np.append(self._prompt_lens, len(request.ids))
-        return len(self._requests) - 1
-
     def _decode_and_collect(self, weights, main: SlotGroup, long: SlotGroup | None, waiting: int, greedy: bool,
                             version: int) -> None:
         """One decode chunk over the live groups, its tokens copied out."""
@@ -255,49 +240,6 @@ class ContinuousEngine(HeldTurns, SlotPrograms):
             self._collect(group, fetched[0][i], fetched[1][i], *fetched[2][i], fetched[3], version, ragged)
         self.stats["decode_steps"] += int(fetched[3])
 
-    def _collect(self, group: SlotGroup, toks, lps, now_produced, active, steps, version: int, ragged: bool):
-        """Copy a chunk's new tokens out and free the slots whose sequence ended (handing it to its source)."""
-        live = group.live
-        self.stats["slot_steps"] += int(steps) * group.size
-        self.stats["cache_positions_read"] += int(steps) * group.size * group.window
-        if ragged:  # the step that samples token j of a row with prompt P attends over P + j + 1 positions; idle: 1
-            first = self._prompt_lens[group.row[live]] + group.produced[live] + 1
-            made = now_produced[live] - group.produced[live]
-            read = int((made * first + made * (made - 1) // 2).sum())
-            self.stats["attention_positions_read"] += read + int(steps) * group.size - int(made.sum())
-        else:
-            self.stats["attention_positions_read"] += int(steps) * group.size * group.window
-        self.stats["live_slot_steps"] += int(now_produced[live].sum() - group.produced[live].sum())
-        for s in np.flatnonzero(live):
-            row, start, end = group.row[s], group.produced[s], now_produced[s]
-            if self._row_out[row] is None:  # held: its turn ended, its cache waits for the next one
-                continue
-            base = self._row_base[row]
-            tokens, logprobs, versions = self._row_out[row]
-            tokens[start - base:end - base] = toks[s, :end - start]
-            logprobs[start - base:end - base] = lps[s, :end - start]
-            if end > start and versions is not None:
-                versions[start - base] = group.logits_version[s]
-                versions[start - base + 1:end - base] = version
-                group.logits_version[s] = version
-            group.produced[s] = end
-            if not active[s]:
-                finished = end > base and int(tokens[end - base - 1]) in self.eos_ids
-                self._source_finish(row, end - base, finished)
-                if self._requests[row].hold_key is None:
-                    group.row[s] = -1
-                else:  # kept with its cache: the episode's next turn may resume it (held_turns.py)
-                    self._drop_held(self._groups_now, self._requests[row].hold_key)  # an older hold: not resumed
-                    self._held[self._requests[row].hold_key] = row
-
-    def _source_finish(self, row: int, end: int, finished: bool) -> None:
-        """Hand an ended row to its source; a resumed row's forced ids (fed from its cache) are not returned."""
-        tokens, logprobs, versions = self._row_out[row]
-        request = self._requests[row]
-        skip = len(request.forced) if request.resume is not None and self._resumed(row) else 0
-        self._source.finish(request, tokens[skip:end], logprobs[skip:end],
-                            None if versions is None else versions[skip:end], finished)
-        self._row_out[row] = None  # the source owns the arrays now
 
     # ---- windows and groups ----------------------------------------------------------------------------------
 

@@ -23,9 +23,6 @@ class HeldTurns:
             return 0
         return sum(1 for row in group.row[group.live] if self._row_out[row] is not None)
 
-    def _resumed(self, row: int) -> bool:
-        return row in self._resumed_rows
-
     def _locate(self, groups, row: int):
         for group in groups:
             if group is not None:
@@ -72,8 +69,7 @@ class HeldTurns:
             del self._held[request.resume]
             new = self._register(request, versioned)
             self._prompt_lens[new] = self._prompt_lens[row]
-            self._row_base[new] = int(group.produced[slot])
-            self._resumed_rows.add(new)
+            self._row_base[new] = int(group.produced[slot])  # > 0: a turn produced tokens before it was held
             group.row[slot] = new
             woken.setdefault(id(group), (group, []))[1].append((slot, request))
         for group, items in woken.values():

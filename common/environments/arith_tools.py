@@ -7,9 +7,8 @@ answer the run's rewards score. The tiny model's tokenizer is trained on this te
 
 from __future__ import annotations
 
-from grpo_stream.common.environments.base import Observation, Turn
+from grpo_stream.common.environments.tool_episode import ToolEpisode
 from grpo_stream.common.tasks.arith_tools import TOOL_NAME, result_text
-from grpo_stream.common.tools.calls import MalformedToolCall, parse_tool_calls
 from grpo_stream.common.tools.functions import ToolSet, tool_from_function
 
 
@@ -23,19 +22,9 @@ def add(a: int, b: int) -> int:
     return a + b
 
 
-class CalculatorEpisode:
-    def __init__(self, tools: ToolSet, tool_format: str):
-        self.tools, self.tool_format = tools, tool_format
-
-    def step(self, turn_text: str) -> Turn:
-        try:
-            calls = parse_tool_calls(turn_text, self.tool_format)
-        except MalformedToolCall:
-            return Turn(Observation(result_text("error")))
-        if not calls:
-            return Turn(None)
-        answer = self.tools.run(calls[0])
-        return Turn(Observation(result_text("error" if answer.startswith("error") else answer)))
+def phrase_first(answers: list[str]) -> str:
+    """The demo's observation: the first call's sum, or ` = error` (the tiny tokenizer knows no other words)."""
+    return result_text("error" if answers[0].startswith("error") else answers[0])
 
 
 class ArithToolsEnvironment:
@@ -44,8 +33,8 @@ class ArithToolsEnvironment:
         self.tool_format = tool_format
         assert TOOL_NAME in self.tools.names()
 
-    def start(self, problem) -> CalculatorEpisode:
-        return CalculatorEpisode(self.tools, self.tool_format)
+    def start(self, problem) -> ToolEpisode:
+        return ToolEpisode(self.tools, self.tool_format, phrase_first)
 
 
 def build(cfg, task, tokenizer) -> ArithToolsEnvironment:

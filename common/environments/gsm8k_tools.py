@@ -12,8 +12,7 @@ from __future__ import annotations
 import ast
 import operator
 
-from grpo_stream.common.environments.base import Observation, Turn
-from grpo_stream.common.tools.calls import MalformedToolCall, parse_tool_calls
+from grpo_stream.common.environments.tool_episode import ToolEpisode
 from grpo_stream.common.tools.functions import ToolSet, tool_from_function
 from grpo_stream.common.tools.python_sandbox import SandboxLimits, python_tool
 
@@ -69,20 +68,6 @@ def _evaluate(node: ast.expr):
         _check_size(node.op, left, right)
         return _OPERATORS[type(node.op)](left, right)
     raise ValueError(f"{type(node).__name__} is not allowed")
-
-
-class ToolEpisode:
-    def __init__(self, tools: ToolSet, tool_format: str):
-        self.tools, self.tool_format = tools, tool_format
-
-    def step(self, turn_text: str) -> Turn:
-        try:
-            calls = parse_tool_calls(turn_text, self.tool_format)
-        except MalformedToolCall as exc:
-            return Turn(Observation(exc.message))
-        if not calls:
-            return Turn(None)
-        return Turn(Observation("\n".join(self.tools.run(call) for call in calls)))
 
 
 class Gsm8kToolsEnvironment:
