@@ -145,3 +145,16 @@ def open_sampler(cfg: RunConfig, index: int, sampler_id: str, stop_event, device
         admission = AdmissionClient(ingest_stub, sampler_id, cfg.sampler.admission, stop_event)
         yield Parts(task, tokenizer, model, engine, RewardSet(cfg.task.rewards), metrics, health, ingest_stub, sync,
                     client, admission, start)
+
+
+@contextlib.contextmanager
+def served_over_http(cfg: RunConfig, index: int, sampler_id: str, parts: Parts, current, run_dir) -> Iterator:
+    """The sampler's OpenAI-compatible endpoint while the block runs (sampler.openai.port; None when off). FastAPI
+    and uvicorn are imported only for a sampler that serves it."""
+    if cfg.sampler.openai.port is None:
+        yield None
+        return
+    from grpo_stream.sampler_service.openai_server import openai_endpoint  # noqa: PLC0415 - only when served
+
+    with openai_endpoint(cfg, index, sampler_id, parts.engine, parts.tokenizer, current, run_dir) as endpoint:
+        yield endpoint

@@ -39,7 +39,7 @@ from grpo_stream.sampler_service.admission_client import AdmissionClient
 from grpo_stream.sampler_service.batches import BatchBuilder, Slot
 from grpo_stream.sampler_service.episode_groups import episode_groups
 from grpo_stream.sampler_service.grouping import build_groups
-from grpo_stream.sampler_service.lifecycle import Parts, SamplerMetrics, open_sampler
+from grpo_stream.sampler_service.lifecycle import Parts, SamplerMetrics, open_sampler, served_over_http
 from grpo_stream.sampler_service.rollout_client import RolloutClient
 from grpo_stream.sampler_service.weights_in_use import WeightsInUse
 
@@ -77,7 +77,9 @@ class Sampler(WeightsInUse):
     def run(self) -> dict:
         """Set up, generate until the final version (or a stop), drain, tear down; the run's summary."""
         self._run_started = time.monotonic()
-        with open_sampler(self.cfg, self.index, self.sampler_id, self.stop_event, self.devices, self.hub) as parts:
+        with open_sampler(self.cfg, self.index, self.sampler_id, self.stop_event, self.devices, self.hub) as parts, \
+                served_over_http(self.cfg, self.index, self.sampler_id, parts, self._installed,
+                                 self.run_dir) as endpoint:
             self._attach(parts)
             self._await_first_weights(parts.health)
             started = time.monotonic()
@@ -91,7 +93,11 @@ class Sampler(WeightsInUse):
             parts.client.check()  # a sender that died while draining lost groups: the run does not end cleanly
             parts.sync.report()
             verified = self._verify(parts) if self.cfg.weights.verify_prompts and self.final else None
-        return self._summary(parts, started, drained, verified)
+        return self._summary(parts, started, drained, verified, endpoint)
+
+    def _installed(self) -> tuple:
+        """The weights the endpoint's idle serves use: the installed (params, version)."""
+        return self.params, self.version
 
     def _attach(self, parts: Parts) -> None:
         """Take the parts the loop uses; the data stream resumes at `parts.start`."""
@@ -207,7 +213,7 @@ class Sampler(WeightsInUse):
                      time.monotonic() - self._run_started)
             self._run_started = None
 
-    def _summary(self, parts: Parts, started: float, drained: bool, verified: dict | None) -> dict:
+    def _summary(self, parts: Parts, started: float, drained: bool, verified: dict | None, endpoint) -> dict:
         """The run's figures: logged, returned, and written to RUN_DIR/sampler-<index>.json."""
         elapsed, client = time.monotonic() - started, parts.client
         log.info("%s stopping: %d groups generated (%.2f groups/s), stream stats %s, backlog drained: %s, "
@@ -227,7 +233,8 @@ class Sampler(WeightsInUse):
                   "sampling_seconds": round(elapsed, 3),
                   "device_memory": device_memory(self.devices[0] if self.devices else None),
                   # the JAX engine's compiled shapes (slots, windows, prompt buckets): each costs a compilation
-                  "engine_programs": sorted(map(list, getattr(parts.engine, "programs", ())))}
+                  "engine_programs": sorted(map(list, getattr(parts.engine, "programs", ()))),
+                  "openai": endpoint.figures() if endpoint is not None else None}
         if self.run_dir is not None:
             (self.run_dir / f"{self.sampler_id}.json").write_text(json.dumps(result, indent=2))
         return result

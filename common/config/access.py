@@ -69,6 +69,35 @@ class RedisAuthSection(Strict):
     tls_key_file: str | None = Field(None, description="rediss:// with client certificates: PEM private key.")
 
 
+class RedisSection(Strict):
+    url: str | None = Field(None, description="redis://host:port/db (rediss:// for TLS, unix:///path); no password "
+                            "here: see redis.auth. "
+                            "Null: `up` starts an embedded redis-server (AOF on, data in RUN_DIR/redis) and hands "
+                            "the trainer and samplers its URL.")
+    connect_timeout_s: float | None = Field(None, gt=0, le=86_400, description="How long a service waits (with "
+                                            "back-off, logging each retry) for an unreachable Redis before it exits; "
+                                            "null = wait as long as it takes. A malformed URL, a wrong password or "
+                                            "a missing database fail at once.")
+    auth: RedisAuthSection = Field(default_factory=RedisAuthSection, description="ACL user, password source and "
+                                   "TLS files for Redis.")
+    allow_unsafe_persistence: bool = Field(False, description="Run on a Redis whose settings can lose acknowledged "
+                                           "groups (append-only file off, appendfsync no, or an eviction policy "
+                                           "other than noeviction), with a warning. False: the trainer, the "
+                                           "standalone ingest and `up` refuse such a server at start-up, naming "
+                                           "the setting. Only for runs whose data may be lost.")
+
+    @model_validator(mode="after")
+    def _scheme(self) -> "RedisSection":
+        if self.url is not None and not self.url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"redis.url={self.url!r} must start with redis://, rediss:// or unix:// "
+                             "(e.g. redis://127.0.0.1:6379/0), or be null for an embedded Redis")
+        if self.url is not None and "@" in self.url.split("://", 1)[1].split("/", 1)[0]:
+            raise ValueError(f"redis.url: carries credentials; configs are committed and printed, so put the password "
+                             f"in ${REDIS_PASSWORD_ENV} or a file named by redis.auth.password_file, and the user in "
+                             "redis.auth.username")
+        return self
+
+
 class PromptsSection(Strict):
     max_batch: int = Field(256, ge=1, le=100_000, description="Prompts in one Submit call.")
     max_generations: int = Field(64, ge=1, le=4096, description="Largest num_generations a train=false prompt may "

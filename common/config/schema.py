@@ -17,8 +17,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from grpo_stream.common.config.access import (REDIS_PASSWORD_ENV, AuthSection, PromptsSection, RedisAuthSection,
-                                              RpcSection, TlsSection)
+from grpo_stream.common.config.access import AuthSection, PromptsSection, RedisSection, RpcSection, TlsSection
 from grpo_stream.common.config.base import ConfigError, Strict
 from grpo_stream.common.config.environment import EnvironmentSection
 from grpo_stream.common.config.learning import (AlgoSection, EvalSection, GenerationSection, ModelSection,
@@ -26,6 +25,7 @@ from grpo_stream.common.config.learning import (AlgoSection, EvalSection, Genera
 from grpo_stream.common.config.names import EngineName
 from grpo_stream.common.config.hardware import HardwareSection
 from grpo_stream.common.config.health import HealthSection
+from grpo_stream.common.config.serving import OpenAISection
 from grpo_stream.common.config.process import LoggingSection, RuntimeSection, UpSection
 from grpo_stream.common.config.tracking import TrackingSection
 from grpo_stream.common.config.vllm_settings import VllmSection
@@ -44,35 +44,6 @@ class RunSection(Strict):
     deterministic: bool = Field(False, description="Ask XLA for deterministic kernels on GPU (slower scatter and "
                                 "reductions; CPU and TPU are deterministic already), so a resumed trainer fed the "
                                 "same groups reproduces an uninterrupted one bit for bit.")
-
-
-class RedisSection(Strict):
-    url: str | None = Field(None, description="redis://host:port/db (rediss:// for TLS, unix:///path); no password "
-                            "here: see redis.auth. "
-                            "Null: `up` starts an embedded redis-server (AOF on, data in RUN_DIR/redis) and hands "
-                            "the trainer and samplers its URL.")
-    connect_timeout_s: float | None = Field(None, gt=0, le=86_400, description="How long a service waits (with "
-                                            "back-off, logging each retry) for an unreachable Redis before it exits; "
-                                            "null = wait as long as it takes. A malformed URL, a wrong password or "
-                                            "a missing database fail at once.")
-    auth: RedisAuthSection = Field(default_factory=RedisAuthSection, description="ACL user, password source and "
-                                   "TLS files for Redis.")
-    allow_unsafe_persistence: bool = Field(False, description="Run on a Redis whose settings can lose acknowledged "
-                                           "groups (append-only file off, appendfsync no, or an eviction policy "
-                                           "other than noeviction), with a warning. False: the trainer, the "
-                                           "standalone ingest and `up` refuse such a server at start-up, naming "
-                                           "the setting. Only for runs whose data may be lost.")
-
-    @model_validator(mode="after")
-    def _scheme(self) -> "RedisSection":
-        if self.url is not None and not self.url.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(f"redis.url={self.url!r} must start with redis://, rediss:// or unix:// "
-                             "(e.g. redis://127.0.0.1:6379/0), or be null for an embedded Redis")
-        if self.url is not None and "@" in self.url.split("://", 1)[1].split("/", 1)[0]:
-            raise ValueError(f"redis.url: carries credentials; configs are committed and printed, so put the password "
-                             f"in ${REDIS_PASSWORD_ENV} or a file named by redis.auth.password_file, and the user in "
-                             "redis.auth.username")
-        return self
 
 
 class TrainerMeshSection(Strict):
@@ -143,6 +114,8 @@ class SamplerSection(Strict):
     cpu_affinity: list[Annotated[int, Field(ge=0)]] | None = Field(
         None, min_length=1, description="CPU cores the sampler processes run on (Linux sched_setaffinity), e.g. to "
         "keep generation off the trainer's cores on a CPU host; null = all cores.")
+    openai: OpenAISection = Field(default_factory=OpenAISection, description="Each sampler's OpenAI-compatible "
+                                  "HTTP endpoint over its engine and current weights (off unless openai.port is set).")
 
 
 class TrainerSection(Strict):

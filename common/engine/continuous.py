@@ -76,6 +76,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from grpo_stream.common.engine import cpu_attention, decode
+from grpo_stream.common.engine.side_requests import SideServing
 from grpo_stream.common.engine.base import FixedRequests, Generation, Request, RequestSource, check_request
 from grpo_stream.common.engine.held_turns import HeldTurns
 from grpo_stream.common.engine.request_rows import RequestRows
@@ -109,7 +110,7 @@ def step_cost(layout: list[tuple[int, int]], row_work: float) -> float:
     return sum(size * (row_work + window) for size, window in layout)
 
 
-class ContinuousEngine(RequestRows, HeldTurns, SlotPrograms):
+class ContinuousEngine(SideServing, RequestRows, HeldTurns, SlotPrograms):
     """Generates completions for request sets of token-id prompts with continuous batching."""
 
     fixed_shape = False  # any number of rows: slot counts are bucketed inside, callers need no padding rows
@@ -173,8 +174,8 @@ class ContinuousEngine(RequestRows, HeldTurns, SlotPrograms):
         self.serve(params, FixedRequests(requests, out), greedy, refresh, version)
         return out
 
-    def serve(self, params: Any, source: RequestSource, greedy: bool = False,
-              refresh: Callable[[], tuple[Any, int] | None] | None = None, version: int = 0) -> None:
+    def _serve(self, params: Any, source: RequestSource, greedy: bool = False,
+               refresh: Callable[[], tuple[Any, int] | None] | None = None, version: int = 0) -> None:
         """Decode the requests `source` hands out until it has none left and none will come: each chunk boundary
         takes the requests ready then (a multi-turn episode's next turn enters when its environment has answered,
         while the other slots keep decoding) and hands every ended sequence back through `source.finish`."""

@@ -78,6 +78,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from grpo_stream.common.engine.side_requests import SideServing
 from grpo_stream.common.engine.base import FixedRequests, Generation, Request, RequestSource, check_request
 from grpo_stream.common.engine.vllm_worker import EXTENSION
 from grpo_stream.common.model.hf_checkpoint import to_hf_names, write_safetensors
@@ -86,7 +87,7 @@ log = logging.getLogger(__name__)
 PAD_BIAS = -100.0  # vLLM clamps logit_bias to [-100, 100]
 
 
-class VllmEngine:
+class VllmEngine(SideServing):
     """Generates completions with vLLM; installs the trainer's weights when `generate` gets new params."""
 
     fixed_shape = False  # any batch size costs no recompilation: no padding rows are needed
@@ -225,8 +226,8 @@ class VllmEngine:
         self.serve(params, FixedRequests(requests, out), greedy, refresh, version)
         return out
 
-    def serve(self, params: Any, source: RequestSource, greedy: bool = False,
-              refresh: Callable[[], tuple[Any, int] | None] | None = None, version: int = 0) -> None:
+    def _serve(self, params: Any, source: RequestSource, greedy: bool = False,
+               refresh: Callable[[], tuple[Any, int] | None] | None = None, version: int = 0) -> None:
         """Generate the requests `source` hands out until it has none left and none will come, one engine step
         (a token per live request) at a time: before every step the requests ready then enter the engine (a
         multi-turn episode's next turn enters while the others decode; its prompt, the conversation so far, reads

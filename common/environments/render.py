@@ -54,6 +54,12 @@ class ChatTemplateRenderer:
         stop, _ = self._turn_end(self._sentinel_chat()[1])
         return self.tokenizer.encode(stop) if stop else [self.tokenizer.eos_ids[0]]
 
+    def after_answer(self, closed: bool) -> str:
+        """What the template writes after an assistant answer's sampled tokens: what follows its stop token when the
+        model sampled one (`closed`), else the stop token too."""
+        stop, tail = self._turn_end(self._sentinel_chat()[1])
+        return tail[len(stop):] if closed else tail
+
     def _sentinel_chat(self) -> tuple[list[dict], str]:
         chat = [{"role": "user", "content": "q"}, {"role": "assistant", "content": _SENTINEL}]
         return chat, self.tokenizer.render_chat(chat, add_generation_prompt=False)

@@ -50,6 +50,10 @@ ROLES_BY_METHOD: dict[str, frozenset[str]] = {
     "/grpo_stream.v1.PromptService/Cancel": CLIENT,
     "/grpo_stream.v1.PromptService/GetStatus": CLIENT,
     **{method: ANY for method in HEALTH},
+    # a sampler's OpenAI-compatible HTTP endpoint (sampler.openai): routes by "VERB path"
+    "GET /v1/models": CLIENT,
+    "POST /v1/completions": CLIENT,
+    "POST /v1/chat/completions": CLIENT,
     # reflection describes every service and message: for operators (grpcurl list/describe), not every token
     "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo": ADMIN,
     "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo": ADMIN,
@@ -170,6 +174,23 @@ def bearer(metadata) -> str | None:
         if key == "authorization" and isinstance(value, str) and value.startswith("Bearer "):
             return value[len("Bearer "):]
     return None
+
+
+def bearer_value(header: str | None) -> str | None:
+    """The token of an HTTP Authorization header ("Bearer <token>"), or None."""
+    if isinstance(header, str) and header.startswith("Bearer ") and len(header) > len("Bearer "):
+        return header[len("Bearer "):].strip()
+    return None
+
+
+def caller_refusal_http(caller: Caller | None, route: str) -> tuple[int, str] | None:
+    """`caller_refusal` for an HTTP route ("VERB path"): (401 or 403, why), or None when it may proceed."""
+    why = caller_refusal(caller, route)
+    if why is None:
+        return None
+    if why[0] == grpc.StatusCode.UNAUTHENTICATED:
+        return 401, "missing or unknown bearer token: send the header 'Authorization: Bearer <token>'"
+    return 403, why[1]
 
 
 def caller_of(context: grpc.ServicerContext, table: TokenTable | None) -> Caller:

@@ -1,0 +1,32 @@
+"""The config section of a sampler's OpenAI-compatible HTTP endpoint (sampler_service/openai_server.py;
+docs/openai-endpoint.md): evaluation harnesses, agent frameworks and `verifiers` environments call the live policy
+through it, on the sampler's engine and weights."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from grpo_stream.common.config.base import Strict
+
+
+class OpenAISection(Strict):
+    port: int | None = Field(None, ge=0, le=65535, description="Port of sampler 0's endpoint (sampler i serves on "
+                             "port + i); 0: a free port (written to RUN_DIR/openai-<sampler id>.json); null: no "
+                             "endpoint.")
+    host: str = Field("127.0.0.1", description="Address the endpoint binds. Beyond loopback serve it over TLS "
+                      "(tls.*, the gRPC servers' certificate); tls.plaintext_bind applies as to them.")
+    model_name: str | None = Field(None, max_length=256, description="The model id `/v1/models` lists and requests "
+                                   "name; null: run.name.")
+    max_concurrent: int = Field(64, ge=1, le=100_000, description="Requests decoding or waiting for the engine at "
+                                "once; beyond it a request is answered 429 with Retry-After.")
+    max_queued: int = Field(256, ge=1, le=1_000_000, description="Sequences (a request's n choices each count) "
+                            "waiting for the engine; beyond it 429.")
+    max_n: int = Field(64, ge=1, le=4096, description="Largest `n` (choices per request).")
+    request_timeout_s: float = Field(600.0, gt=0, le=86_400, description="A request not answered in this time is "
+                                     "answered 504 (its sequences are withdrawn when they have not started).")
+    max_body_bytes: int = Field(4 << 20, ge=1024, le=1 << 30, description="Largest request body; beyond it 413.")
+    tool_format: Literal["qwen", "llama3", "gemma", "plain"] | None = Field(
+        None, description="How the model writes tool calls, parsed into a chat completion's `tool_calls` when the "
+        "request lists tools; null: environment.tool_format.")

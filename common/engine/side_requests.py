@@ -1,0 +1,238 @@
+"""Requests from outside a sampler's own work (its OpenAI-compatible endpoint) served by the same engine, in the
+same continuous batch.
+
+A sampler's engine is busy with its own batches most of the time, and a second engine would need a second copy of
+the weights. So an endpoint request is queued here (`SideQueue.submit`), and whichever `serve` runs next takes it:
+- while the sampler decodes a batch, its `serve` takes queued requests at every scheduling point beside its own
+  rows (`merged`): they share the batch, the weights and the weight version of the sampler's work;
+- while the sampler does not use the engine (it waits for admission, for weights, or sends groups), an idle server
+  (`serve_idle`, a thread of the endpoint) runs `serve` over queued requests alone, with the weights installed then.
+The engine runs one `serve` at a time (`SideQueue.engine`, a lock). An idle serve stops taking requests as soon as
+the sampler asks for the engine, so the sampler waits at most for the requests already decoding.
+
+An engine samples every row of one `serve` the same way (the configured temperature, or greedy for all), so greedy
+requests (temperature 0) are served by idle serves, or by the sampler's own greedy serves (evaluation probes).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import logging
+import threading
+import time
+from typing import Any, Callable, Iterator
+
+import numpy as np
+
+from grpo_stream.common.engine.base import Request
+
+log = logging.getLogger(__name__)
+IDLE_POLL_S = 0.02  # how often a waiting serve looks for endpoint requests (their added latency at most)
+
+
+class QueueFull(RuntimeError):
+    """The endpoint's queue holds as many requests as it may (sampler.openai.max_queued)."""
+
+
+@dataclasses.dataclass(eq=False)
+class SideRequest:
+    """One sequence an endpoint asked for, and, once `done` is set, its result."""
+    ids: list[int]
+    budget: int
+    key: np.ndarray                  # PRNG key data (jax.random.key_data)
+    greedy: bool = False
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    finished: bool = False           # ended at a stop token (else at its budget)
+    version: int = -1                # the weight version that drew its last token
+    error: str | None = None         # the engine failed: no tokens
+    notify: Callable[[], None] | None = None  # called (on the engine's thread) once it is done
+
+    def complete(self) -> None:
+        self.done.set()
+        if self.notify is not None:
+            self.notify()
+
+
+class SideQueue:
+    """Endpoint requests waiting for the engine, and the engine's lock. Thread-safe."""
+
+    def __init__(self, max_queued: int):
+        self.max_queued = max_queued
+        self.engine = threading.Lock()             # one serve at a time, the sampler's or an idle one
+        self.sampler_waiting = threading.Event()   # the sampler wants the engine: idle serves take nothing more
+        self._waiting: collections.deque[SideRequest] = collections.deque()
+        self._cond = threading.Condition()
+        self.served = 0                            # requests finished (figures)
+        self.served_in_sampler_batches = 0         # ... of which inside the sampler's own serves
+
+    def submit(self, request: SideRequest) -> None:
+        with self._cond:
+            if len(self._waiting) >= self.max_queued:
+                raise QueueFull(f"{len(self._waiting)} requests are waiting (sampler.openai.max_queued)")
+            self._waiting.append(request)
+            self._cond.notify_all()
+
+    def withdraw(self, request: SideRequest) -> bool:
+        """Take back a request not yet taken by the engine (its caller went away); whether it was still waiting."""
+        with self._cond:
+            try:
+                self._waiting.remove(request)
+                return True
+            except ValueError:
+                return False
+
+    def has(self, greedy: bool | None = None) -> bool:
+        with self._cond:
+            return any(greedy is None or r.greedy == greedy for r in self._waiting)
+
+    def wait_for_any(self, timeout: float) -> bool:
+        with self._cond:
+            if not self._waiting:
+                self._cond.wait(timeout)
+            return bool(self._waiting)
+
+    def take(self, greedy: bool) -> list[SideRequest]:
+        """Every waiting request sampled the way `greedy` says, oldest first."""
+        with self._cond:
+            taken = [r for r in self._waiting if r.greedy == greedy]
+            for r in taken:
+                self._waiting.remove(r)
+        return taken
+
+    def fail_waiting(self, why: str) -> None:
+        """End every waiting request with an error (the sampler is stopping)."""
+        with self._cond:
+            failed, self._waiting = list(self._waiting), collections.deque()
+        for r in failed:
+            r.error = why
+            r.complete()
+
+    @contextlib.contextmanager
+    def sampler_turn(self) -> Iterator[None]:
+        """The sampler's hold on the engine: an idle serve running now stops taking requests and ends when its
+        requests are done."""
+        self.sampler_waiting.set()
+        with self.engine:
+            self.sampler_waiting.clear()
+            yield
+
+
+class MergedSource:
+    """A serve's own request source plus the endpoint's queued requests (see the module docstring). `idle`: a serve
+    of endpoint requests only, which stops taking them once the sampler waits for the engine."""
+
+    def __init__(self, inner, side: SideQueue, greedy: bool, version: int, idle: bool = False):
+        self.inner, self.side, self.greedy, self.version, self.idle = inner, side, greedy, version, idle
+        self._live: set[SideRequest] = set()  # taken by the engine, not finished yet
+
+    def _may_take(self) -> bool:
+        return not (self.idle and self.side.sampler_waiting.is_set())
+
+    def take(self) -> list[Request]:
+        taken = self.inner.take()
+        if self._may_take():
+            side = self.side.take(self.greedy)
+            self._live.update(side)
+            taken += [Request(ids=r.ids, budget=r.budget, key=r.key, tag=r) for r in side]
+        return taken
+
+    def fail_live(self, why: str) -> None:
+        """The serve failed: end the endpoint requests it had taken with an error (their callers are waiting)."""
+        for r in self._live:
+            r.error = why
+            r.complete()
+        self._live.clear()
+
+    def finish(self, request: Request, tokens, logprobs, versions, finished: bool) -> None:
+        side = request.tag
+        if not isinstance(side, SideRequest):
+            self.inner.finish(request, tokens, logprobs, versions, finished)
+            return
+        side.tokens = np.asarray(tokens).tolist()
+        side.logprobs = np.asarray(logprobs, np.float32).tolist()
+        side.finished = bool(finished)
+        side.version = int(versions[-1]) if versions is not None and len(versions) else self.version
+        self.side.served += 1
+        self.side.served_in_sampler_batches += not self.idle
+        self._live.discard(side)
+        side.complete()
+
+    def open(self) -> bool:
+        return self.inner.open()
+
+    def wait(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._may_take() and self.side.has(self.greedy):
+                return
+            self.inner.wait(min(IDLE_POLL_S, max(0.0, deadline - time.monotonic())))
+            if not self.inner.open():
+                return
+
+
+class NoRequests:
+    """The own source of an idle serve: nothing, and closed (the serve ends when the endpoint's requests do)."""
+
+    def take(self) -> list[Request]:
+        return []
+
+    def finish(self, request, tokens, logprobs, versions, finished) -> None:
+        raise AssertionError("an idle serve has no requests of its own")
+
+    def open(self) -> bool:
+        return False
+
+    def wait(self, timeout: float) -> None:
+        return None
+
+
+class SideServing:
+    """Mixed into a serving engine: `serve` runs under the side queue's lock and takes its requests too. Engines
+    implement `_serve`; with no side queue attached (`side` None) `serve` is `_serve`."""
+
+    side: SideQueue | None = None
+
+    def serve(self, params: Any, source, greedy: bool = False, refresh: Callable | None = None,
+              version: int = 0) -> None:
+        if self.side is None:
+            return self._serve(params, source, greedy, refresh, version)
+        with self.side.sampler_turn():
+            serve_merged(self, params, MergedSource(source, self.side, greedy, version), greedy, refresh, version)
+
+    def _serve(self, params, source, greedy, refresh, version) -> None:
+        raise NotImplementedError
+
+
+def serve_merged(engine, params, merged: MergedSource, greedy: bool, refresh, version: int) -> None:
+    try:
+        engine._serve(params, merged, greedy, refresh, version)
+    except BaseException as exc:
+        merged.fail_live(f"the engine failed: {type(exc).__name__}: {exc}"[:300])
+        raise
+
+
+def serve_idle(engine, side: SideQueue, current: Callable[[], tuple[Any, int]], stop: threading.Event) -> None:
+    """Serve endpoint requests while the sampler leaves the engine alone, until `stop` (a thread's body).
+    `current()`: the installed (params, version); (None, -1) before the first weights, when requests wait."""
+    while not stop.is_set():
+        if not side.wait_for_any(0.1):
+            continue
+        params, version = current()
+        if params is None or side.sampler_waiting.is_set():  # no weights yet, or the sampler's turn: wait
+            stop.wait(IDLE_POLL_S)
+            continue
+        if not side.engine.acquire(timeout=IDLE_POLL_S):
+            continue  # the sampler serves: its serve takes the requests
+        try:
+            for greedy in (True, False):
+                if side.has(greedy) and not side.sampler_waiting.is_set():
+                    serve_merged(engine, params, MergedSource(NoRequests(), side, greedy, version, idle=True),
+                                 greedy, None, version)
+        except Exception:  # noqa: BLE001 - its requests were answered with the error; the endpoint keeps serving
+            log.exception("serving endpoint requests failed")
+        finally:
+            side.engine.release()

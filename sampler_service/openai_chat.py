@@ -1,0 +1,126 @@
+"""Chat messages -> prompt token ids for the OpenAI-compatible endpoint, token-exact across the turns of a
+conversation.
+
+A chat client (an agent loop, a `verifiers` environment) sends the whole conversation each turn, the model's
+earlier answers as text. Rendering and tokenizing that text again can give other ids than the ones the model
+sampled (a merge across the turn boundary, a normalised space), and a trainer scoring those would score tokens the
+policy never drew. So the endpoint remembers each answer it gave, keyed by the conversation up to and including that
+answer as the client will send it back (`ChatPrompts.remember`): when a request continues a remembered conversation,
+its prompt is the remembered ids (prompt and sampled answer, exactly) followed by the rest of the conversation
+rendered by the model's chat template the way common/environments/render.py renders an observation (what the
+template writes after an assistant message's stop token, the new messages, the next assistant header). A request
+that continues no remembered conversation, or whose template renders earlier turns differently once later ones
+follow, is rendered whole (counted in `rendered_whole`).
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import threading
+from typing import Any
+
+from grpo_stream.common.environments.render import ChatTemplateRenderer
+from grpo_stream.sampler_service.openai_protocol import RequestError
+
+REMEMBERED = 4096  # conversations kept (least recently used dropped): one per choice of a recent request
+
+
+def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """OpenAI messages as Hugging Face chat templates take them: text parts joined, 'developer' as 'system', and
+    tool-call arguments as objects (the templates write them with `tojson`)."""
+    out = []
+    for i, m in enumerate(messages):
+        message = {"role": "system" if m["role"] == "developer" else m["role"], "content": _text(m.get("content"), i)}
+        if m.get("tool_calls"):
+            message["tool_calls"] = [_template_call(call, i) for call in m["tool_calls"]]
+        for key in ("name", "tool_call_id"):
+            if isinstance(m.get(key), str):
+                message[key] = m[key]
+        out.append(message)
+    return out
+
+
+def _text(content, i: int) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+        return "".join(str(p.get("text", "")) for p in content)
+    raise RequestError(f"messages[{i}].content: a string or a list of text parts (this policy reads text only)")
+
+
+def _template_call(call: dict, i: int) -> dict:
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise RequestError(f"messages[{i}].tool_calls: each needs function.name and function.arguments")
+    arguments = fn.get("arguments") or {}
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            raise RequestError(f"messages[{i}].tool_calls: function.arguments is not JSON") from None
+    return {"type": "function", "function": {"name": fn["name"], "arguments": arguments}}
+
+
+def conversation_key(messages: list[dict[str, Any]], tools: list[dict] | None) -> str:
+    """A digest of a conversation as the template sees it (tool-call ids and message names left out)."""
+    canonical = [{"role": m["role"], "content": m["content"], "tool_calls": [c["function"] for c in m.get("tool_calls", [])]}
+                 for m in messages]
+    blob = json.dumps([canonical, tools or []], sort_keys=True, ensure_ascii=False)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+class ChatPrompts:
+    """Prompt ids for chat requests, reusing the exact ids of remembered conversations. Thread-safe."""
+
+    def __init__(self, tokenizer):
+        if not getattr(tokenizer, "has_chat_template", False):
+            self.renderer = None
+        else:
+            self.renderer = ChatTemplateRenderer(tokenizer)
+        self.tokenizer = tokenizer
+        self._remembered: collections.OrderedDict[str, tuple[list[int], bool]] = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self.continued = self.rendered_whole = 0
+
+    def ids(self, messages: list[dict[str, Any]], tools: list[dict] | None) -> list[int]:
+        """The prompt of a chat request (template_messages form) ending in the assistant header."""
+        if self.renderer is None:
+            raise RequestError("messages: this model's tokenizer has no chat template (the tiny CPU model); use "
+                               "/v1/completions with a text prompt")
+        for cut in range(len(messages) - 1, 0, -1):
+            if messages[cut - 1]["role"] != "assistant":
+                continue
+            with self._lock:
+                found = self._remembered.get(conversation_key(messages[:cut], tools))
+                if found is not None:
+                    self._remembered.move_to_end(conversation_key(messages[:cut], tools))
+            if found is not None:
+                tail = self._continuation(messages, cut, tools, closed=found[1])
+                if tail is not None:
+                    self.continued += 1
+                    return found[0] + self.tokenizer.encode(tail)
+            break  # only the last assistant answer can be continued from
+        self.rendered_whole += 1
+        return self.tokenizer.encode(self.tokenizer.render_chat(messages, add_generation_prompt=True, tools=tools))
+
+    def _continuation(self, messages, cut: int, tools, closed: bool) -> str | None:
+        """What follows the remembered answer's last sampled token, or None when the template renders the earlier
+        turns differently once the new messages follow."""
+        before = self.tokenizer.render_chat(messages[:cut], add_generation_prompt=False, tools=tools)
+        after = self.tokenizer.render_chat(messages, add_generation_prompt=True, tools=tools)
+        if not after.startswith(before):
+            return None
+        return self.renderer.after_answer(closed) + after[len(before):]
+
+    def remember(self, messages: list[dict[str, Any]], answer: dict[str, Any], tools: list[dict] | None,
+                 ids: list[int], closed: bool) -> None:
+        """Conversation `messages` + the assistant `answer` (as returned to the client) has exactly `ids`; `closed`:
+        the answer ended with a stop token (else the template's end of turn is written before what follows)."""
+        key = conversation_key(messages + template_messages([answer]), tools)
+        with self._lock:
+            self._remembered[key] = (list(ids), closed)
+            self._remembered.move_to_end(key)
+            while len(self._remembered) > REMEMBERED:
+                self._remembered.popitem(last=False)

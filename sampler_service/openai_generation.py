@@ -1,0 +1,201 @@
+"""Serving the OpenAI-compatible endpoint's requests on the sampler's engine: requests -> sequences on the engine's
+side queue (common/engine/side_requests.py) -> `chat.completion` and `text_completion` answers.
+
+Each choice of a request is one engine sequence whose key is fold_in(key(seed), i) (i: the choice's index across
+the request), the key the engine's own `generate` gives row i of a batch generated with key(seed), so a seeded
+request returns exactly what the engine generates. Stop strings are applied to the finished text (the engine stops
+at the model's stop tokens only): the answer's text, token ids and logprobs end at the token that completes the
+first stop string, as vLLM's do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+import uuid
+from typing import Any
+
+import jax
+import numpy as np
+
+from grpo_stream.common.engine.side_requests import SideQueue, SideRequest
+from grpo_stream.common.tools.calls import MalformedToolCall, parse_tool_calls
+from grpo_stream.sampler_service.openai_chat import ChatPrompts, template_messages
+from grpo_stream.sampler_service.openai_protocol import ChatRequest, CompletionRequest, RequestError
+
+CALL_OPENINGS = {"qwen": "<tool_call>", "gemma": "```tool_code", "plain": "<call>", "llama3": ""}
+
+
+class Unavailable(RuntimeError):
+    """The engine could not answer (it failed, or the sampler is stopping): answered 503."""
+
+
+def sequence_keys(seed: int | None, count: int) -> list[np.ndarray]:
+    """Key data of a request's `count` sequences: fold_in(key(seed), i)."""
+    base = jax.random.key(secrets.randbits(31) if seed is None else seed)
+    return [np.asarray(jax.random.key_data(jax.random.fold_in(base, i))) for i in range(count)]
+
+
+def cut_at_stop(tokenizer, tokens: list[int], stops: list[str]) -> tuple[int, str, bool]:
+    """(tokens kept, their text, whether a stop string ended them): the shortest token prefix whose text holds a
+    stop string, its text cut before that string; all tokens and their text when none occurs."""
+    text = tokenizer.decode(tokens)
+    if not stops or not any(s in text for s in stops):
+        return len(tokens), text, False
+    low, high = 1, len(tokens)  # a prefix holding a stop string keeps holding it as it grows: bisect
+    while low < high:
+        mid = (low + high) // 2
+        if any(s in tokenizer.decode(tokens[:mid]) for s in stops):
+            high = mid
+        else:
+            low = mid + 1
+    kept = tokenizer.decode(tokens[:low])
+    return low, kept[:min(kept.index(s) for s in stops if s in kept)], True
+
+
+class EndpointCore:
+    """What the HTTP routes call: token ids in, engine sequences, answers out."""
+
+    def __init__(self, queue: SideQueue, tokenizer, model_name: str, max_prompt_tokens: int, max_new_tokens: int,
+                 temperature: float, tool_format: str, max_n: int, timeout_s: float):
+        self.queue, self.tokenizer, self.model_name = queue, tokenizer, model_name
+        self.max_prompt_tokens, self.max_new_tokens, self.temperature = max_prompt_tokens, max_new_tokens, temperature
+        self.tool_format, self.max_n, self.timeout_s = tool_format, max_n, timeout_s
+        self.chat_prompts = ChatPrompts(tokenizer)
+
+    def _check_model_and_n(self, request) -> None:
+        if request.model != self.model_name:
+            raise RequestError(f"model={request.model!r}: this endpoint serves {self.model_name!r} (GET /v1/models)")
+        if request.n > self.max_n:
+            raise RequestError(f"n={request.n}: at most sampler.openai.max_n={self.max_n}")
+
+    def _check_prompt(self, ids: list[int], where: str) -> None:
+        if not 0 < len(ids) <= self.max_prompt_tokens:
+            raise RequestError(f"{where}: {len(ids)} tokens; this sampler takes 1..generation.max_prompt_tokens="
+                               f"{self.max_prompt_tokens}")
+        if any(not 0 <= t < self.tokenizer.vocab_size for t in ids):
+            raise RequestError(f"{where}: token ids must lie in 0..{self.tokenizer.vocab_size - 1}")
+
+    async def _generate(self, prompts: list[list[int]], n: int, greedy: bool, budget: int,
+                        seed: int | None) -> list[SideRequest]:
+        """Queue n sequences per prompt and wait for all of them."""
+        loop = asyncio.get_running_loop()
+        keys = sequence_keys(seed, len(prompts) * n)
+        waits, sequences = [], []
+        for i, key in enumerate(keys):
+            done = loop.create_future()
+            notify = (lambda fut: lambda: loop.call_soon_threadsafe(
+                lambda: fut.done() or fut.set_result(None)))(done)
+            sequence = SideRequest(ids=list(prompts[i // n]), budget=budget, key=key, greedy=greedy, notify=notify)
+            sequences.append(sequence)
+            waits.append(done)
+        for sequence in sequences:
+            self.queue.submit(sequence)
+        try:
+            await asyncio.wait_for(asyncio.gather(*waits), self.timeout_s)
+        except (asyncio.TimeoutError, asyncio.CancelledError):
+            for sequence in sequences:
+                self.queue.withdraw(sequence)
+            raise
+        failed = next((s.error for s in sequences if s.error), None)
+        if failed:
+            raise Unavailable(failed)
+        return sequences
+
+    async def completion(self, request: CompletionRequest) -> dict[str, Any]:
+        request.check()
+        self._check_model_and_n(request)
+        prompts = []
+        for i, prompt in enumerate(request.prompts()):
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            self._check_prompt(ids, f"prompt[{i}]" if not isinstance(request.prompt, (str,)) else "prompt")
+            prompts.append(ids)
+        greedy = request.greedy(self.temperature)
+        budget = request.budget(self.max_new_tokens, 16)
+        sequences = await self._generate(prompts, request.n, greedy, budget, request.seed)
+        choices = []
+        for i, seq in enumerate(sequences):
+            kept, text, stopped = cut_at_stop(self.tokenizer, seq.tokens, request.stop)
+            choice = {"index": i, "text": text, "finish_reason": _finish(seq, stopped, kept),
+                      "logprobs": self._completion_logprobs(seq, kept) if request.logprobs is not None else None,
+                      "policy_version": seq.version, "completion_tokens": kept}
+            if request.return_token_ids:
+                choice["prompt_token_ids"], choice["token_ids"] = seq.ids, seq.tokens[:kept]
+            choices.append(choice)
+        return self._answer("text_completion", "cmpl", choices, prompts, request.n, sequences)
+
+    async def chat(self, request: ChatRequest) -> dict[str, Any]:
+        request.check()
+        self._check_model_and_n(request)
+        messages = template_messages(request.messages)
+        tools = request.tools or None
+        ids = self.chat_prompts.ids(messages, tools)
+        self._check_prompt(ids, "messages")
+        greedy = request.greedy(self.temperature)
+        budget = request.budget(self.max_new_tokens, self.max_new_tokens)
+        sequences = await self._generate([ids], request.n, greedy, budget, request.seed)
+        as_ids = bool((request.model_extra or {}).get("return_tokens_as_token_ids"))
+        choices = []
+        for i, seq in enumerate(sequences):
+            kept, text, stopped = cut_at_stop(self.tokenizer, seq.tokens, request.stop)
+            message, calls = self._message(text, tools if request.tool_choice != "none" else None)
+            choice = {"index": i, "message": message,
+                      "finish_reason": "tool_calls" if calls else _finish(seq, stopped, kept),
+                      "logprobs": {"content": self._chat_logprobs(seq, kept, as_ids)} if request.logprobs else None,
+                      "policy_version": seq.version, "completion_tokens": kept}
+            if request.return_token_ids:
+                choice["token_ids"] = seq.tokens[:kept]
+            choices.append(choice)
+            closed = kept == len(seq.tokens) and seq.finished
+            self.chat_prompts.remember(messages, message, tools, ids + seq.tokens[:kept], closed)
+        answer = self._answer("chat.completion", "chatcmpl", choices, [ids], request.n, sequences)
+        if request.return_token_ids:
+            answer["prompt_token_ids"] = ids
+        return answer
+
+    def _message(self, text: str, tools) -> tuple[dict[str, Any], bool]:
+        """The assistant message of a choice: with tools listed, the calls it makes as `tool_calls`."""
+        calls = []
+        if tools:
+            try:
+                calls = parse_tool_calls(text, self.tool_format)
+            except MalformedToolCall:
+                calls = []  # the text is returned as it is: the caller sees what the model wrote
+        if not calls:
+            return {"role": "assistant", "content": text}, False
+        opening = CALL_OPENINGS[self.tool_format]
+        content = text[:text.index(opening)].strip() if opening and opening in text else ""
+        tool_calls = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                       "function": {"name": c.name, "arguments": json.dumps(
+                           {**dict(c.arguments), **({"_positional": list(c.positional)} if c.positional else {})})}}
+                      for c in calls]
+        return {"role": "assistant", "content": content or None, "tool_calls": tool_calls}, True
+
+    def _chat_logprobs(self, seq: SideRequest, kept: int, as_ids: bool) -> list[dict[str, Any]]:
+        out = []
+        for token, logprob in zip(seq.tokens[:kept], seq.logprobs[:kept]):
+            text = f"token_id:{token}" if as_ids else self.tokenizer.decode([token])
+            out.append({"token": text, "logprob": logprob, "bytes": list(text.encode()), "top_logprobs": []})
+        return out
+
+    def _completion_logprobs(self, seq: SideRequest, kept: int) -> dict[str, Any]:
+        tokens = [self.tokenizer.decode([t]) for t in seq.tokens[:kept]]
+        offsets = np.cumsum([0] + [len(t) for t in tokens[:-1]]).tolist() if tokens else []
+        return {"tokens": tokens, "token_logprobs": seq.logprobs[:kept], "top_logprobs": None,
+                "text_offset": offsets}
+
+    def _answer(self, kind: str, prefix: str, choices: list, prompts: list[list[int]], n: int,
+                sequences: list[SideRequest]) -> dict[str, Any]:
+        completion_tokens = sum(c.pop("completion_tokens") for c in choices)
+        prompt_tokens = sum(len(p) for p in prompts)
+        versions = [s.version for s in sequences]
+        return {"id": f"{prefix}-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()),
+                "model": self.model_name, "system_fingerprint": f"policy-v{min(versions)}", "choices": choices,
+                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                          "total_tokens": prompt_tokens + completion_tokens}}
+
+
+def _finish(seq: SideRequest, stopped: bool, kept: int) -> str:
+    return "stop" if stopped or (seq.finished and kept == len(seq.tokens)) else "length"

@@ -1,0 +1,133 @@
+"""The OpenAI-compatible endpoint's requests and answers: what is accepted, how a request becomes token ids and
+engine sequences, and how finished sequences become `chat.completion` / `text_completion` objects.
+
+What the endpoint serves is the live policy as the sampler samples it, so a request may ask for what the engine
+does and nothing else; anything else is refused with a 400 that names the field (never silently ignored):
+- temperature: omitted or generation.temperature (the engine's; its logprobs are the policy's at that temperature,
+  the behaviour logprobs the trainer uses), or 0 for greedy. top_p: omitted or 1. No penalties, logit_bias, echo,
+  suffix, best_of or streaming.
+- logprobs: the sampled token's logprob (chat: `logprobs: true`, `top_logprobs` 0; completions: `logprobs` 0).
+- seed: sequence i of a request with seed s samples with key fold_in(key(s), i), as the engine's own `generate`
+  samples row i of a batch with key(s): the same tokens and logprobs.
+vLLM's RL extensions are answered as vLLM answers them: with `return_token_ids: true`, `prompt_token_ids` (at the
+top of a chat completion, per choice of a text completion) and each choice's `token_ids`, so a caller never
+re-tokenizes text. A text completion's `prompt` may be token ids (a list of ints, or a list of such lists).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+ZERO_OR_NONE = (None, 0, 0.0)
+
+
+class RequestError(ValueError):
+    """A request the endpoint cannot serve: answered 400 with this message (it names the field and the fix)."""
+
+
+class _Common(BaseModel):
+    # OpenAI clients send fields this endpoint never needs (user, metadata, store...): ignored unless they would
+    # change what is generated, which _refuse_unsupported checks by name
+    model_config = ConfigDict(extra="allow")
+
+    model: str = Field(..., min_length=1, max_length=256)
+    n: int = Field(1, ge=1)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    return_token_ids: bool = False
+    max_tokens: int | None = Field(None, ge=1)
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, value):
+        stops = [value] if isinstance(value, str) else list(value or [])
+        if len(stops) > 4 or any(not s or len(s) > 256 for s in stops):
+            raise ValueError("stop: at most 4 non-empty strings of at most 256 characters")
+        return stops
+
+    def refuse_unsupported(self) -> None:
+        extra = self.model_extra or {}
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+            if extra.get(name) not in ZERO_OR_NONE:
+                raise RequestError(f"{name}: not served; the endpoint samples the policy as the sampler does (leave "
+                                   "it out or 0)")
+        for name in ("logit_bias", "suffix", "top_k", "min_p", "guided_json", "guided_regex", "response_format"):
+            if extra.get(name) not in (None, {}, -1) and not (name == "response_format" and
+                                                                extra.get(name) == {"type": "text"}):
+                raise RequestError(f"{name}: not served; the endpoint samples the policy as the sampler does")
+        if self.stream:
+            raise RequestError("stream: streaming is not served; send stream=false (the default)")
+        if self.top_p not in (None, 1, 1.0):
+            raise RequestError("top_p: only 1 (or leaving it out); the endpoint samples the whole distribution")
+
+    def greedy(self, temperature: float) -> bool:
+        """Whether to decode greedily; the temperature must be the engine's (or 0)."""
+        if self.temperature is None or abs(self.temperature - temperature) < 1e-6:
+            return False
+        if self.temperature == 0:
+            return True
+        raise RequestError(f"temperature={self.temperature}: this endpoint samples at the policy's temperature "
+                           f"generation.temperature={temperature} (its logprobs are the policy's at it) or greedy (0); "
+                           "send one of these or leave it out")
+
+    def budget(self, limit: int, default: int) -> int:
+        asked = self.max_tokens or default
+        if asked > limit:
+            raise RequestError(f"max_tokens={asked}: more than this sampler's generation.max_new_tokens={limit}")
+        return asked
+
+
+class ChatRequest(_Common):
+    messages: list[dict[str, Any]] = Field(..., min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+
+    def check(self) -> None:
+        self.refuse_unsupported()
+        if self.top_logprobs:
+            raise RequestError("top_logprobs: only 0; the endpoint returns each sampled token's logprob, not "
+                               "alternatives")
+        if self.tool_choice not in (None, "auto", "none"):
+            raise RequestError("tool_choice: only 'auto' or 'none'; the model decides whether to call a tool")
+        if self.max_completion_tokens is not None:
+            self.max_tokens = self.max_completion_tokens
+        for i, message in enumerate(self.messages):
+            if message.get("role") not in ("system", "developer", "user", "assistant", "tool"):
+                raise RequestError(f"messages[{i}].role={message.get('role')!r}: one of system, developer, user, "
+                                   "assistant, tool")
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+    best_of: int | None = None
+
+    def check(self) -> None:
+        self.refuse_unsupported()
+        if self.logprobs:
+            raise RequestError("logprobs: only 0; the endpoint returns each sampled token's logprob, not alternatives")
+        if self.echo:
+            raise RequestError("echo: not served (the endpoint scores no prompt tokens)")
+        if self.best_of not in (None, self.n):
+            raise RequestError("best_of: not served; ask for n choices and pick among them")
+
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: texts or token-id lists (at least one, none empty)."""
+        p = self.prompt
+        prompts = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
+        if not prompts or any(len(x) == 0 for x in prompts):
+            raise RequestError("prompt: give a non-empty text, a list of texts, token ids, or a list of token-id lists")
+        return prompts
+
+
+FinishReason = Literal["stop", "length", "tool_calls"]

@@ -1,0 +1,167 @@
+"""The sampler's OpenAI-compatible endpoint over real HTTP, called with the real `openai` client: a tiny Qwen-family
+chat model (tests/chat_families.py) on the JAX engine, the endpoint's uvicorn server on loopback, bearer tokens.
+
+What a user relies on: a seeded chat or text completion returns exactly the engine's own generation for that seed
+(text, token ids, logprobs); a conversation continued over the endpoint keeps the model's sampled ids (no
+re-tokenization); tool calls come back as `tool_calls`; what the endpoint cannot serve is refused naming the field;
+a call without a token, or with a sampler's, is refused; requests share the engine with the sampler's own batches.
+"""
+
+import concurrent.futures
+import threading
+
+import httpx
+import jax
+import numpy as np
+import openai
+import pytest
+
+from grpo_stream.common.config.loading import load_config
+from grpo_stream.common.engine import continuous
+from grpo_stream.common.rpc.auth import write_tokens
+from grpo_stream.common.runtime.process import build_policy, build_task_and_tokenizer
+from grpo_stream.sampler_service.openai_server import openai_endpoint
+from tests.chat_families import chat_family_dirs  # noqa: F401 - a fixture
+from tests.conftest import CONFIGS
+
+P, C, VERSION = 96, 24, 3
+
+
+@pytest.fixture(scope="module")
+def served(chat_family_dirs, tmp_path_factory):  # noqa: F811
+    tokens = write_tokens(tmp_path_factory.mktemp("auth"))
+    cfg = load_config(CONFIGS / "tiny_arith.yaml", [
+        "model.kind=hf", f"model.path={chat_family_dirs['qwen']}", "model.dtype=float32",
+        f"generation.max_prompt_tokens={P}", f"generation.max_new_tokens={C}", "generation.temperature=0.9",
+        "generation.decode_slots=16", "generation.decode_chunk_steps=4", "warmstart.steps=0",
+        "sampler.openai.port=0", "sampler.openai.model_name=policy", "environment.tool_format=qwen",
+        f"auth.tokens_file={tokens['table']}"])
+    _, tok = build_task_and_tokenizer(cfg)
+    model = build_policy(cfg, tok.vocab_size, seed=0)
+    engine = continuous.build(cfg, model, tok)
+    with openai_endpoint(cfg, 0, "sampler-0", engine, tok, lambda: (model.params, VERSION), None) as endpoint:
+        client = openai.OpenAI(base_url=endpoint.url, api_key=tokens["client"].read_text().strip(), max_retries=0)
+        yield endpoint, client, engine, model, tok, tokens
+
+
+def _engine(engine, model, prompt: list[int], n: int, seed: int, greedy: bool = False):
+    out = engine.generate(model.params, [prompt] * n, jax.random.key(seed), greedy=greedy)
+    return [(out.tokens[i, :out.lengths[i]].tolist(), out.logprobs[i, :out.lengths[i]]) for i in range(n)]
+
+
+def test_seeded_chat_returns_the_engines_own_generation(served):
+    endpoint, client, engine, model, tok, _ = served
+    messages = [{"role": "user", "content": "Add 12 and 30."}]
+    reply = client.chat.completions.create(model="policy", messages=messages, n=3, seed=11, logprobs=True,
+                                           extra_body={"return_token_ids": True})
+    prompt = reply.model_extra["prompt_token_ids"]
+    assert prompt == tok.encode(tok.render_chat(messages, add_generation_prompt=True))
+    for choice, (tokens, logprobs) in zip(reply.choices, _engine(engine, model, prompt, 3, 11)):
+        assert choice.model_extra["token_ids"] == tokens
+        assert np.allclose([t.logprob for t in choice.logprobs.content], logprobs, atol=1e-5)
+        assert choice.message.content == tok.decode(tokens)
+        assert choice.finish_reason == ("stop" if tokens[-1] in tok.eos_ids else "length")
+    assert reply.system_fingerprint == f"policy-v{VERSION}" and reply.usage.prompt_tokens == len(prompt)
+    greedy = client.chat.completions.create(model="policy", messages=messages, temperature=0, max_tokens=8,
+                                            extra_body={"return_token_ids": True})
+    expected = engine.generate(model.params, [prompt], jax.random.key(0), greedy=True, max_new_tokens=[8])
+    assert greedy.choices[0].model_extra["token_ids"] == expected.tokens[0, :expected.lengths[0]].tolist()
+
+
+def test_completions_take_text_or_token_ids_and_cut_at_stop_strings(served):
+    endpoint, client, engine, model, tok, _ = served
+    ids = tok.encode("The sum of 4 and 5 is")
+    by_text = client.completions.create(model="policy", prompt="The sum of 4 and 5 is", max_tokens=C, seed=5,
+                                        logprobs=0, extra_body={"return_token_ids": True})
+    by_ids = client.completions.create(model="policy", prompt=ids, max_tokens=C, seed=5, logprobs=0,
+                                       extra_body={"return_token_ids": True})
+    (tokens, logprobs), = _engine(engine, model, ids, 1, 5)
+    for reply in (by_text, by_ids):
+        choice = reply.choices[0]
+        assert choice.model_extra["prompt_token_ids"] == ids and choice.model_extra["token_ids"] == tokens
+        assert np.allclose(choice.logprobs.token_logprobs, logprobs, atol=1e-5)
+    text = tok.decode(tokens)
+    stop = next((text[i:i + 2] for i in range(len(text) // 2, len(text) - 1) if text[i:i + 2].strip()), None)
+    if stop is not None:  # cut: the text before the stop string, the ids up to the token that completes it
+        cut = client.completions.create(model="policy", prompt=ids, max_tokens=C, seed=5, stop=[stop],
+                                        extra_body={"return_token_ids": True}).choices[0]
+        assert cut.text == text[:text.index(stop)] and cut.finish_reason == "stop"
+        kept = cut.model_extra["token_ids"]
+        assert kept == tokens[:len(kept)] and stop in tok.decode(kept) and stop not in tok.decode(kept[:-1])
+
+
+def test_a_continued_conversation_keeps_the_sampled_ids(served):
+    endpoint, client, engine, model, tok, _ = served
+    messages = [{"role": "user", "content": "Add 7 and 8."}]
+    first = client.chat.completions.create(model="policy", messages=messages, seed=2, max_tokens=12,
+                                           extra_body={"return_token_ids": True})
+    answer = first.choices[0].message
+    follow = messages + [answer.model_dump(exclude_none=True, include={"role", "content", "tool_calls"}),
+                         {"role": "user", "content": "And 9 more?"}]
+    second = client.chat.completions.create(model="policy", messages=follow, seed=3, max_tokens=8,
+                                            extra_body={"return_token_ids": True})
+    so_far = first.model_extra["prompt_token_ids"] + first.choices[0].model_extra["token_ids"]
+    assert second.model_extra["prompt_token_ids"][:len(so_far)] == so_far
+    assert endpoint.core.chat_prompts.continued >= 1
+
+
+def test_tool_calls_come_back_as_tool_calls(served):
+    endpoint, _, _, _, _, _ = served
+    message, calls = endpoint.core._message('Let me add.\n<tool_call>\n{"name": "add", "arguments": {"a": 1, '
+                                            '"b": 2}}\n</tool_call>', [{"type": "function"}])
+    assert calls and message["content"] == "Let me add."
+    assert message["tool_calls"][0]["function"] == {"name": "add", "arguments": '{"a": 1, "b": 2}'}
+    plain, calls = endpoint.core._message("no call here", [{"type": "function"}])
+    assert not calls and plain == {"role": "assistant", "content": "no call here"}
+
+
+@pytest.mark.parametrize("ask, field", [
+    ({"temperature": 0.5}, "temperature"), ({"top_p": 0.9}, "top_p"), ({"max_tokens": C + 1}, "max_tokens"),
+    ({"n": 65}, "n"), ({"model": "other"}, "model"), ({"extra_body": {"top_logprobs": 3}}, "top_logprobs"),
+    ({"presence_penalty": 0.5}, "presence_penalty"),
+])
+def test_what_cannot_be_served_is_refused_naming_the_field(served, ask, field):
+    _, client, _, _, _, _ = served
+    kwargs = {"model": "policy", "messages": [{"role": "user", "content": "hi"}], **ask}
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(**kwargs)
+    assert caught.value.status_code == 400 and field in caught.value.body["message"]
+
+
+def test_calls_without_a_client_token_are_refused(served):
+    endpoint, _, _, _, _, tokens = served
+    bare = httpx.post(endpoint.url + "/chat/completions", json={"model": "policy", "messages": []})
+    assert bare.status_code == 401 and "Bearer" in bare.json()["error"]["message"]
+    for key, status in (("not-a-token-at-all-xxxx", 401), (tokens["sampler"].read_text().strip(), 403)):
+        with pytest.raises(openai.APIStatusError) as caught:
+            openai.OpenAI(base_url=endpoint.url, api_key=key, max_retries=0).models.list()
+        assert caught.value.status_code == status
+    listed = openai.OpenAI(base_url=endpoint.url, api_key=tokens["admin"].read_text().strip()).models.list()
+    assert [m.id for m in listed.data] == ["policy"]
+
+
+def test_concurrent_requests_share_the_engine_with_the_samplers_batches(served):
+    """64 requests at once while a 'sampler' thread keeps generating batches on the same engine: every request is
+    answered, and some of them inside the sampler's own batches."""
+    endpoint, client, engine, model, tok, _ = served
+    stop, batches = threading.Event(), []
+    prompts = [tok.encode(tok.render_chat([{"role": "user", "content": f"Add {i} and 2."}],
+                                          add_generation_prompt=True)) for i in range(8)]
+
+    def sampler():
+        while not stop.is_set():
+            batches.append(engine.generate(model.params, prompts, jax.random.key(len(batches))))
+
+    before = endpoint.queue.served_in_sampler_batches
+    thread = threading.Thread(target=sampler)
+    thread.start()
+    try:
+        with concurrent.futures.ThreadPoolExecutor(64) as pool:
+            replies = list(pool.map(lambda i: client.chat.completions.create(
+                model="policy", messages=[{"role": "user", "content": f"Add {i} and {i}."}], max_tokens=8,
+                extra_body={"return_token_ids": True}), range(64)))
+    finally:
+        stop.set()
+        thread.join()
+    assert len(replies) == 64 and all(1 <= len(r.choices[0].model_extra["token_ids"]) <= 8 for r in replies)
+    assert len(batches) >= 1 and endpoint.queue.served_in_sampler_batches > before
