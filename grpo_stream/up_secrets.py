@@ -4,12 +4,15 @@ every user of the machine)."""
 
 from __future__ import annotations
 
+import hashlib
 import pathlib
+
+import yaml
 
 from grpo_stream.common.config.access import REDIS_PASSWORD_ENV, TOKEN_ENV, TOKEN_FILE_ENV, TOKENS_ENV
 from grpo_stream.common.config.schema import RunConfig
 from grpo_stream.common.rollouts.redis_server import EmbeddedRedis
-from grpo_stream.common.rpc.auth import write_tokens
+from grpo_stream.common.rpc.auth import write_private, write_tokens
 
 
 def with_run_tokens(cfg: RunConfig, run_dir: pathlib.Path, env: dict[str, str]) -> tuple[dict, dict, str]:
@@ -25,7 +28,21 @@ def with_run_tokens(cfg: RunConfig, run_dir: pathlib.Path, env: dict[str, str]) 
         print(f"[up] made this run's tokens in {auth_dir} (client token: {auth_dir / 'client.token'})", flush=True)
     samplers = {k: v for k, v in env.items() if k != TOKEN_ENV}
     samplers[TOKEN_FILE_ENV] = str(auth_dir / "sampler.token")
+    if cfg.sampler.openai.port is not None:  # the samplers' endpoints check client tokens: by digest only
+        samplers[TOKENS_ENV] = str(endpoint_table(auth_dir))
     return {**env, TOKENS_ENV: str(auth_dir / "tokens.yaml")}, samplers, str(auth_dir / "client.token")
+
+
+def endpoint_table(auth_dir: pathlib.Path) -> pathlib.Path:
+    """RUN_DIR/auth/endpoint-tokens.yaml: the client and admin entries of the run's table as SHA-256 digests, for
+    the samplers' OpenAI-compatible endpoints. A sampler holds only its own token otherwise; it never gets another
+    token that it could present elsewhere."""
+    rows = yaml.safe_load((auth_dir / "tokens.yaml").read_text())
+    kept = [{"name": r["name"], "role": r["role"], "sha256": hashlib.sha256(r["token"].encode()).hexdigest()}
+            for r in rows if r["role"] in ("client", "admin") and "token" in r]
+    path = auth_dir / "endpoint-tokens.yaml"
+    write_private(path, yaml.safe_dump(kept, sort_keys=False))
+    return path
 
 
 def with_redis_password(server_env: dict[str, str], sampler_env: dict[str, str], redis_server: EmbeddedRedis | None
