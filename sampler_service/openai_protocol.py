@@ -36,7 +36,7 @@ class _Common(BaseModel):
     n: int = Field(1, ge=1)
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
-    seed: int | None = Field(None, ge=0, lt=2**63)
+    seed: int | None = Field(None, ge=0, lt=2**31)
     stop: str | list[str] | None = None
     stream: bool = False
     return_token_ids: bool = False
