@@ -93,7 +93,9 @@ def _eval(args, cfg) -> None:
     doc = run_eval(cfg, args.split, args.limit, args.json)
     log.info("%s", cache.summary())
     ks = ", ".join(f"pass@{k} {doc['pass_at_k'][k]:.3f}, maj@{k} {doc['maj_at_k'][k]:.3f}" for k in doc["pass_at_k"])
-    print(f"{doc['split']}: {doc['num_problems']} problems, greedy pass@1 {doc['accuracy']:.3f}"
+    # the task's own figures (IFEval's four) when it has them, else greedy pass@1 (answer_correct)
+    head = ", ".join(f"{name} {value:.4f}" for name, value in doc["task_metrics"].items())
+    print(f"{doc['split']}: {doc['num_problems']} problems, " + (head or f"greedy pass@1 {doc['accuracy']:.3f}")
           + (f", {ks}" if ks else "") + (f"; wrote {args.json}" if args.json else ""))
 
 

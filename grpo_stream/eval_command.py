@@ -2,7 +2,8 @@
 
 The policy is the config's model: a Hugging Face directory (model.kind=hf,
 e.g. a run's exported `RUN_DIR/model`), or the tiny model at its seeded
-initialisation. Greedy pass@1 always; pass@k and maj@k when eval.samples > 0.
+initialisation. Greedy pass@1 always; pass@k and maj@k when eval.samples > 0; the task's own figures when it has
+them (`eval_metrics`: IFEval's four, under "task_metrics").
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ def run_eval(cfg: RunConfig, split: str, limit: int | None, json_path: pathlib.P
     log.info("evaluating %s on %d %s problems (greedy%s)", cfg.model.path or "the tiny model", len(problems), split,
              f" + {cfg.eval.samples} samples each" if cfg.eval.samples else "")
     result = evaluate(engine, model.params, tokenizer, problems, cfg.eval.batch_size, samples=cfg.eval.samples,
-                      ks=cfg.eval.ks, seed=cfg.run.seed).as_dict()
+                      ks=cfg.eval.ks, seed=cfg.run.seed, task_metrics=getattr(task, "eval_metrics", None)).as_dict()
     doc = {"model": cfg.model.path or "tiny", "task": cfg.task.name, "split": split,
            "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), **result}
     if json_path:

@@ -22,6 +22,7 @@ import jax
 from grpc_health.v1 import health_pb2_grpc
 
 from grpo_stream.common.config.schema import RunConfig
+from grpo_stream.common.config.serving import serves_endpoint
 from grpo_stream.common.engine.registry import build_engine, engine_spec
 from grpo_stream.common.model.sharding import make_mesh
 from grpo_stream.common.rpc.grpc_util import ClientSecurity, open_channel
@@ -149,9 +150,10 @@ def open_sampler(cfg: RunConfig, index: int, sampler_id: str, stop_event, device
 
 @contextlib.contextmanager
 def served_over_http(cfg: RunConfig, index: int, sampler_id: str, parts: Parts, current, run_dir) -> Iterator:
-    """The sampler's OpenAI-compatible endpoint while the block runs (sampler.openai.port; None when off). FastAPI
-    and uvicorn are imported only for a sampler that serves it."""
-    if cfg.sampler.openai.port is None:
+    """The sampler's OpenAI-compatible endpoint while the block runs (sampler.openai.port; None when off; a
+    task.name=verifiers run always serves it, on a free port when none is set: its rollouts call it). FastAPI and
+    uvicorn are imported only for a sampler that serves it."""
+    if not serves_endpoint(cfg):
         yield None
         return
     from grpo_stream.sampler_service.openai_server import openai_endpoint  # noqa: PLC0415 - only when served

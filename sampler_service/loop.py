@@ -41,6 +41,7 @@ from grpo_stream.sampler_service.episode_groups import episode_groups
 from grpo_stream.sampler_service.grouping import build_groups
 from grpo_stream.sampler_service.lifecycle import Parts, SamplerMetrics, open_sampler, served_over_http
 from grpo_stream.sampler_service.rollout_client import RolloutClient
+from grpo_stream.sampler_service.verifiers_groups import verifiers_rollouts
 from grpo_stream.sampler_service.weights_in_use import WeightsInUse
 
 log = logging.getLogger(__name__)
@@ -73,6 +74,7 @@ class Sampler(WeightsInUse):
         self._rng = None
         self.episodes: EpisodeRunner | None = None  # environment.name: multi-turn episodes
         self.environment_seconds = 0.0  # environment steps (tool calls), run beside decoding
+        self.verifiers = None  # task.name=verifiers: the environment's rollouts (verifiers_groups.py)
 
     def run(self) -> dict:
         """Set up, generate until the final version (or a stop), drain, tear down; the run's summary."""
@@ -80,14 +82,15 @@ class Sampler(WeightsInUse):
         with open_sampler(self.cfg, self.index, self.sampler_id, self.stop_event, self.devices, self.hub) as parts, \
                 served_over_http(self.cfg, self.index, self.sampler_id, parts, self._installed,
                                  self.run_dir) as endpoint:
-            self._attach(parts)
+            self._attach(parts, endpoint)
             self._await_first_weights(parts.health)
             started = time.monotonic()
             try:
                 self._generate_until_done(parts)
             finally:
-                if self.episodes is not None:
-                    self.episodes.close()
+                for driver in (self.episodes, self.verifiers):
+                    if driver is not None:
+                        driver.close()
             # after the final version the trainer consumes no more: do not wait long for acks
             drained = parts.client.drain(timeout_s=2.0 if self.final else 10.0)
             parts.client.check()  # a sender that died while draining lost groups: the run does not end cleanly
@@ -99,7 +102,7 @@ class Sampler(WeightsInUse):
         """The weights the endpoint's idle serves use: the installed (params, version)."""
         return self.params, self.version
 
-    def _attach(self, parts: Parts) -> None:
+    def _attach(self, parts: Parts, endpoint) -> None:
         """Take the parts the loop uses; the data stream resumes at `parts.start`."""
         self.sync, self.client, self.metrics, self.admission = parts.sync, parts.client, parts.metrics, parts.admission
         self.ingest_stub = parts.ingest_stub
@@ -111,6 +114,7 @@ class Sampler(WeightsInUse):
         self.batches.ingest_stub = parts.ingest_stub
         self._rng = jax.random.key(self.cfg.run.seed * 1000 + self.index + 1)
         self.episodes = episode_runner(self.cfg, parts.task, parts.tokenizer)
+        self.verifiers = verifiers_rollouts(self.cfg, parts.task, endpoint)
 
     def _generate_until_done(self, parts: Parts) -> None:
         """The batch loop: until the final version is installed or a stop is asked for. Raises what stopped the
@@ -149,6 +153,11 @@ class Sampler(WeightsInUse):
     def _generate_batch(self, parts: Parts, batch: list[Slot], full: int) -> None:
         """Generate one batch and hand its groups to the sender. `full`: the groups the batch was sized for (a
         fixed-shape engine keeps that shape when fewer were admitted)."""
+        if self.verifiers is not None:  # the environment's rows run its rollouts; injected prompts the engine's way
+            self._generate_verifiers(parts, [slot for slot in batch if hasattr(slot.problem, "row")])
+            batch = [slot for slot in batch if not hasattr(slot.problem, "row")]
+            if not batch:
+                return
         gen, engine = self.cfg.generation, parts.engine
         # one program shape per run: rows injected prompts leave unused are padding (the first prompt again);
         # vLLM takes any batch size, so it gets no padding rows
@@ -194,6 +203,16 @@ class Sampler(WeightsInUse):
         self.sync.groups_generated = self.groups_generated
         self._send(parts.client, parts.metrics, episode_groups(batch, results, version, self.sampler_id,
                                                                self.cfg.environment.turn_reward_weight), version)
+
+    def _generate_verifiers(self, parts: Parts, batch: list[Slot]) -> None:
+        """A batch of a verifiers environment's rollouts (task.name=verifiers), run against this sampler's endpoint;
+        the sampler's weights stay as they are until the batch ends."""
+        generating = time.monotonic()
+        groups = self.verifiers.run(batch, self.version, self.sampler_id)
+        self.generate_seconds += time.monotonic() - generating
+        self.groups_generated += sum(slot.train for slot in batch)
+        self.sync.groups_generated = self.groups_generated
+        self._send(parts.client, parts.metrics, groups, self.version)
 
     def _send(self, client: RolloutClient, metrics: SamplerMetrics, groups, version: int) -> None:
         """Hand a batch's groups to the sender (a generator: each group is scored as it is taken)."""

@@ -71,12 +71,23 @@ class EndpointCore:
         if request.n > self.max_n:
             raise RequestError(f"n={request.n}: at most sampler.openai.max_n={self.max_n}")
 
-    def _check_prompt(self, ids: list[int], where: str) -> None:
-        if not 0 < len(ids) <= self.max_prompt_tokens:
-            raise RequestError(f"{where}: {len(ids)} tokens; this sampler takes 1..generation.max_prompt_tokens="
-                               f"{self.max_prompt_tokens}")
-        if any(not 0 <= t < self.tokenizer.vocab_size for t in ids):
-            raise RequestError(f"{where}: token ids must lie in 0..{self.tokenizer.vocab_size - 1}")
+    def _budget(self, request, prompts: list[list[int]], where: str, default: int | None) -> int:
+        """The new-token budget of every sequence, checked with its prompt against the engine's context
+        (generation.max_prompt_tokens + max_new_tokens; later turns of a conversation are longer prompts)."""
+        context = self.max_prompt_tokens + self.max_new_tokens
+        longest = max(len(ids) for ids in prompts)
+        for ids in prompts:
+            if any(not 0 <= t < self.tokenizer.vocab_size for t in ids):
+                raise RequestError(f"{where}: token ids must lie in 0..{self.tokenizer.vocab_size - 1}")
+        # worded as vLLM words it: clients (verifiers, agent loops) recognise it and end an episode as truncated
+        if longest >= context:
+            raise RequestError(f"{where}: this model's maximum context length is {context} tokens "
+                               f"(generation.max_prompt_tokens + generation.max_new_tokens); the prompt has {longest}")
+        budget = request.budget(self.max_new_tokens, default or min(self.max_new_tokens, context - longest))
+        if longest + budget > context:
+            raise RequestError(f"max_tokens={budget}: this model's maximum context length is {context} tokens and "
+                               f"the prompt has {longest}; ask for at most {context - longest}")
+        return budget
 
     async def _generate(self, prompts: list[list[int]], n: int, greedy: bool, budget: int,
                         seed: int | None) -> list[SideRequest]:
@@ -107,13 +118,9 @@ class EndpointCore:
     async def completion(self, request: CompletionRequest) -> dict[str, Any]:
         request.check()
         self._check_model_and_n(request)
-        prompts = []
-        for i, prompt in enumerate(request.prompts()):
-            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-            self._check_prompt(ids, f"prompt[{i}]" if not isinstance(request.prompt, (str,)) else "prompt")
-            prompts.append(ids)
+        prompts = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in request.prompts()]
         greedy = request.greedy(self.temperature)
-        budget = request.budget(self.max_new_tokens, 16)
+        budget = self._budget(request, prompts, "prompt", 16)
         sequences = await self._generate(prompts, request.n, greedy, budget, request.seed)
         choices = []
         for i, seq in enumerate(sequences):
@@ -132,9 +139,8 @@ class EndpointCore:
         messages = template_messages(request.messages)
         tools = request.tools or None
         ids = self.chat_prompts.ids(messages, tools)
-        self._check_prompt(ids, "messages")
         greedy = request.greedy(self.temperature)
-        budget = request.budget(self.max_new_tokens, self.max_new_tokens)
+        budget = self._budget(request, [ids], "messages", None)
         sequences = await self._generate([ids], request.n, greedy, budget, request.seed)
         as_ids = bool((request.model_extra or {}).get("return_tokens_as_token_ids"))
         choices = []

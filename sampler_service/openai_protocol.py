@@ -76,7 +76,7 @@ class _Common(BaseModel):
                            "send one of these or leave it out")
 
     def budget(self, limit: int, default: int) -> int:
-        asked = self.max_tokens or default
+        asked = self.max_tokens or min(default, limit)
         if asked > limit:
             raise RequestError(f"max_tokens={asked}: more than this sampler's generation.max_new_tokens={limit}")
         return asked

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
 import pathlib
+import secrets
 import ssl
 import threading
 import time
@@ -83,16 +85,23 @@ class Gate:
                     self.served += 1
 
 
-def build_app(core: EndpointCore, table: TokenTable | None, settings) -> FastAPI:
+def build_app(core: EndpointCore, table: TokenTable | None, settings, internal_token: str,
+              open_access: bool = False) -> FastAPI:
+    """The routes. `table`: the tokens callers present (None: no caller but the sampler itself); `internal_token`:
+    the sampler's own (its `verifiers` rollouts call the endpoint with it), held in memory only and accepted as a
+    client's; `open_access`: auth.mode=none, anyone who reaches the port."""
     app = FastAPI(title="grpo-stream sampler", docs_url=None, redoc_url=None, openapi_url=None)
     gate = Gate(settings.max_concurrent)
     app.state.gate = gate
 
     def refused(request: Request, route: str) -> JSONResponse | None:
-        caller = Caller("anonymous", "admin") if table is None else None
-        if table is not None:
-            token = bearer_value(request.headers.get("authorization"))
-            caller = table.lookup(token) if token else None
+        token = bearer_value(request.headers.get("authorization"))
+        if token and hmac.compare_digest(token.encode(), internal_token.encode()):
+            caller = Caller("sampler-internal", "client")
+        elif open_access:
+            caller = Caller("anonymous", "admin")
+        else:
+            caller = table.lookup(token) if token and table is not None else None
         why = caller_refusal_http(caller, route)
         return None if why is None else _error(why[0], why[1], "authentication_error" if why[0] == 401 else
                                                "permission_error")
@@ -164,7 +173,11 @@ class Endpoint:
                                  gen.max_new_tokens, gen.temperature,
                                  settings.tool_format or cfg.environment.tool_format, settings.max_n,
                                  settings.request_timeout_s)
-        self.app = build_app(self.core, load_table(cfg.auth), settings)
+        self.internal_token = secrets.token_urlsafe(32)
+        # sampler.openai.port unset (a verifiers run's own endpoint): on a free port, for this sampler's token only
+        public = settings.port is not None
+        self.app = build_app(self.core, load_table(cfg.auth) if public and cfg.auth.mode != "none" else None,
+                             settings, self.internal_token, open_access=public and cfg.auth.mode == "none")
         if not cfg.tls.enabled:
             check_plaintext_bind(settings.host, types.SimpleNamespace(tls=None, ssl_context=None,
                                                                       plaintext_bind=cfg.tls.plaintext_bind),

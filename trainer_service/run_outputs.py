@@ -24,14 +24,16 @@ def evaluate_heldout(cfg: RunConfig, engine, params, task, tokenizer, label: str
     runner = episode_runner(cfg, task, tokenizer)  # environment.name: each problem is a multi-turn episode
     try:
         result = evaluate(engine, params, tokenizer, problems, cfg.eval.batch_size, samples=cfg.eval.samples,
-                          ks=cfg.eval.ks, seed=cfg.run.seed, progress=progress, episodes=runner)
+                          ks=cfg.eval.ks, seed=cfg.run.seed, progress=progress, episodes=runner,
+                          task_metrics=getattr(task, "eval_metrics", None))
     finally:
         if runner is not None:
             runner.close()
     sampled = (f", sampled pass@1 {result.pass_at_k['1']:.3f} ({cfg.eval.samples} samples)"
                if "1" in result.pass_at_k else "")
-    log.info("%s: held-out greedy accuracy %.3f%s on %d problems (%.1fs); e.g. %r", label, result.accuracy, sampled,
-             result.num_problems, result.seconds, result.examples[0]["completion"] if result.examples else "")
+    own = "".join(f", {name} {value:.3f}" for name, value in result.task_metrics.items())  # e.g. IFEval's four
+    log.info("%s: held-out greedy accuracy %.3f%s%s on %d problems (%.1fs); e.g. %r", label, result.accuracy, sampled,
+             own, result.num_problems, result.seconds, result.examples[0]["completion"] if result.examples else "")
     return result.as_dict()
 
 

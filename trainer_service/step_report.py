@@ -31,6 +31,16 @@ _HEALTH_GAUGES = (("is_ess_group_mean", "per-group sequence importance-weight ES
                                             "algo.tis_cap"))
 
 
+def component_means(groups) -> dict[str, float]:
+    """`reward/<name>`: the mean of each reward component (task.rewards, weighted 0 or not) over the completions
+    that have it, so a run shows each reward it computes (e.g. ifeval_strict beside ifeval_loose)."""
+    values: dict[str, list[float]] = {}
+    for c in (c for g in groups for c in g.completions):
+        for name, value in c.reward_components.items():
+            values.setdefault(name, []).append(value)
+    return {f"reward/{name}": float(np.mean(v)) for name, v in sorted(values.items())}
+
+
 class StepReporter:
     def __init__(self, cfg: RunConfig, metrics: Tracker, buffer: RolloutBuffer, publisher, held, tokenizer=None):
         """`publisher`: the weight publisher (latest version, samplers' installed versions); `held()`: groups trained
@@ -81,7 +91,7 @@ class StepReporter:
                "groups_per_second": groups_per_second, "step_seconds": sum(phases.values()),
                "compute_share": phases["compute_seconds"] / max(sum(phases.values()), 1e-9),
                "zero_variance_groups": int(sum(np.ptp(g.rewards) == 0 for g in groups)),
-               "weight_version": self.publisher.latest_version or 0}
+               "weight_version": self.publisher.latest_version or 0, **component_means(groups)}
         self.metrics.scalars(step, row, prefix="train/")
         self._export(step, row, counters)
         self.metrics.histogram(step, "train/staleness", staleness)

@@ -8,8 +8,10 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
+from grpo_stream.common.config.verifiers_settings import VerifiersSection
 from grpo_stream.common.config.base import Strict
 from grpo_stream.common.config.names import TaskName
+from grpo_stream.common.tasks.registry import task_spec
 
 
 class TinyModelSection(Strict):
@@ -79,7 +81,7 @@ class ModelSection(Strict):
 
 
 class DatasetSection(Strict):
-    source: str | None = Field(None, description="task.name=gsm8k: a directory with {split}.jsonl or "
+    source: str | None = Field(None, description="task.name=gsm8k or ifeval: a directory with {split}.jsonl or "
                                "{split}.parquet, one such file, or a Hugging Face datasets name (openai/gsm8k; "
                                "downloads, where a network exists).")
     hub_config: str | None = Field("main", description="The datasets config of a hub source (GSM8K: main).")
@@ -96,7 +98,8 @@ class DatasetSection(Strict):
 class TaskSection(Strict):
     name: TaskName = Field("arith", description="'arith': generated addition word problems, GSM8K "
                                             "answer format (`#### N`); 'gsm8k': math word problems from "
-                                            "task.dataset.")
+                                            "task.dataset; 'ifeval': google/IFEval's prompts from task.dataset, "
+                                            "scored by lm-eval's instruction checks.")
     dataset: DatasetSection = Field(default_factory=DatasetSection, description="task.name=gsm8k: where the "
                                     "problems come from.")
     prompt_template: Literal["plain", "chat", "reasoning", "tools"] = Field(
@@ -106,8 +109,11 @@ class TaskSection(Strict):
         "listing environment.name=gsm8k_tools's tools, asking for a final '#### N'.")
     rewards: dict[str, float] = Field(
         default_factory=lambda: {"answer_correct": 1.0, "answer_format": 0.1}, min_length=1,
-        description="Reward -> weight. Built-ins: answer_correct, answer_format (#### N), reasoning_answer_format; "
+        description="Reward -> weight. Built-ins: answer_correct, answer_format (#### N), reasoning_answer_format, "
+        "ifeval_strict and ifeval_loose (task.name=ifeval: share of a prompt's instructions followed); "
         "or 'package.module:function' taking (completion_text, reference_answer) -> float.")
+    verifiers: VerifiersSection = Field(default_factory=VerifiersSection, description="task.name=verifiers: the "
+                                        "environment and its arguments.")
     min_operand: int = Field(10, ge=0, le=10**6, description="Smallest operand of a problem.")
     max_operand: int = Field(99, ge=1, le=10**6, description="Largest operand of a problem.")
     heldout_fraction: float = Field(0.1, gt=0, lt=0.5,
@@ -117,6 +123,8 @@ class TaskSection(Strict):
     def _range(self) -> "TaskSection":
         if self.max_operand <= self.min_operand:
             raise ValueError(f"task.max_operand={self.max_operand} must exceed task.min_operand={self.min_operand}")
+        if task_spec(self.name).own_rollouts and not self.verifiers.environment:
+            raise ValueError(f"task.name={self.name} needs task.verifiers.environment (an environment id or module)")
         return self
 
 

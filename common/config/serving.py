@@ -30,3 +30,12 @@ class OpenAISection(Strict):
     tool_format: Literal["qwen", "llama3", "gemma", "plain"] | None = Field(
         None, description="How the model writes tool calls, parsed into a chat completion's `tool_calls` when the "
         "request lists tools; null: environment.tool_format.")
+
+
+def serves_endpoint(cfg) -> bool:
+    """Whether the samplers serve the endpoint: sampler.openai.port is set, or the run trains on a verifiers
+    environment (its rollouts call it; on a free loopback port, for the sampler's own token only, when no port is
+    set)."""
+    from grpo_stream.common.tasks.registry import task_spec  # noqa: PLC0415 - the registry imports no config
+
+    return cfg.sampler.openai.port is not None or task_spec(cfg.task.name).own_rollouts

@@ -8,6 +8,7 @@
   (numbers compared after normalisation, `grpo_stream.common.tasks.answers`); a problem counts
   when the most frequent answer is correct, ties going to the answer seen
   first. Completions that state no answer do not vote.
+- task metrics: a task's own figures of the greedy completions (`task_metrics`, e.g. IFEval's four).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class EvalResult:
     skipped_long_prompts: int = 0         # problems not scored: prompt longer than generation.max_prompt_tokens
     pass_at_k: dict[str, float] = dataclasses.field(default_factory=dict)
     maj_at_k: dict[str, float] = dataclasses.field(default_factory=dict)
+    task_metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # the task's own figures (greedy)
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -90,11 +92,13 @@ def _generate(engine: GenerationEngine, params: Any, tokenizer, prompts: list[li
 
 def evaluate(engine: GenerationEngine, params: Any, tokenizer, problems: list, batch_size: int, num_examples: int = 3,
              samples: int = 0, ks: Sequence[int] = (), seed: int = 0,
-             progress: Callable[[], None] | None = None, episodes=None) -> EvalResult:
+             progress: Callable[[], None] | None = None, episodes=None,
+             task_metrics: Callable[[list, list[str]], dict[str, float]] | None = None) -> EvalResult:
     """Greedy pass@1 on `problems` (each has .prompt and .answer); with `samples` > 0 also pass@k and maj@k.
 
     Problems whose prompt exceeds the engine's max_prompt_tokens are skipped and counted. `progress`: called after
-    every generated batch (a heartbeat); `episodes`: an EpisodeRunner, each problem a multi-turn episode."""
+    every generated batch (a heartbeat); `episodes`: an EpisodeRunner, each problem a multi-turn episode;
+    `task_metrics(problems, greedy completions)`: the task's own figures (a task's `eval_metrics`)."""
     start = time.time()
     if not problems:
         raise ValueError("no problems to evaluate (eval.num_problems / --limit, and the split's size)")
@@ -113,7 +117,8 @@ def evaluate(engine: GenerationEngine, params: Any, tokenizer, problems: list, b
                 for p, t, c in list(zip(problems, greedy, correct))[:num_examples]]
     n = len(problems)
     result = EvalResult(accuracy=sum(correct) / n, format_rate=sum(formatted) / n, num_problems=n,
-                        seconds=0.0, examples=examples, samples=samples, skipped_long_prompts=skipped)
+                        seconds=0.0, examples=examples, samples=samples, skipped_long_prompts=skipped,
+                        task_metrics=task_metrics(problems, greedy) if task_metrics else {})
     if samples:
         bad = [k for k in ks if not 0 < k <= samples]
         if bad:

@@ -30,6 +30,9 @@ from grpo_stream.common.engine.base import Request
 
 log = logging.getLogger(__name__)
 IDLE_POLL_S = 0.02  # how often a waiting serve looks for endpoint requests (their added latency at most)
+# an idle serve stays open this long after its last request came, so the next turn of a conversation (a client's
+# round trip away) joins it instead of starting a serve of its own (each serve lays the weights out anew)
+IDLE_LINGER_S = 0.25
 
 
 class QueueFull(RuntimeError):
@@ -128,6 +131,7 @@ class MergedSource:
     def __init__(self, inner, side: SideQueue, greedy: bool, version: int, idle: bool = False):
         self.inner, self.side, self.greedy, self.version, self.idle = inner, side, greedy, version, idle
         self._live: set[SideRequest] = set()  # taken by the engine, not finished yet
+        self._last_taken = time.monotonic()
 
     def _may_take(self) -> bool:
         return not (self.idle and self.side.sampler_waiting.is_set())
@@ -136,6 +140,8 @@ class MergedSource:
         taken = self.inner.take()
         if self._may_take():
             side = self.side.take(self.greedy)
+            if side:
+                self._last_taken = time.monotonic()
             self._live.update(side)
             taken += [Request(ids=r.ids, budget=r.budget, key=r.key, tag=r) for r in side]
         return taken
@@ -162,6 +168,8 @@ class MergedSource:
         side.complete()
 
     def open(self) -> bool:
+        if self.idle:
+            return self._may_take() and time.monotonic() - self._last_taken < IDLE_LINGER_S
         return self.inner.open()
 
     def wait(self, timeout: float) -> None:

@@ -21,6 +21,7 @@ import pathlib
 from typing import Iterable, Literal
 
 from grpo_stream.common.tasks.answers import parse_number, reference_answer
+from grpo_stream.common.tasks.streams import shuffled_shard
 
 log = logging.getLogger(__name__)
 
@@ -84,12 +85,21 @@ def load_problems(source: str, split: str, question_field: str = "question", ans
                   on_bad_row: Literal["skip", "error"] = "skip", hub_config: str | None = "main",
                   limit: int | None = None) -> list[MathProblem]:
     """The problems of one split, in file order (up to `limit`)."""
-    problems: list[MathProblem] = []
+    return load_rows(source, split, lambda row, index: _problem(row, split, index, question_field, answer_field),
+                     on_bad_row, hub_config, limit)
+
+
+def load_rows(source: str, split: str, parse, on_bad_row: Literal["skip", "error"] = "skip",
+              hub_config: str | None = "main", limit: int | None = None) -> list:
+    """The items `parse(row, index) -> (item, None) | (None, why)` makes of one split's rows, in file order (up to
+    `limit`); a row it refuses is skipped and logged with its place, or stops the load (`on_bad_row`). Every dataset
+    task reads its rows through here, so sources, bad rows and limits behave the same for all of them."""
+    problems: list = []
     skipped = 0
     for index, (where, row) in enumerate(_source_rows(source, split, hub_config)):
         if limit is not None and len(problems) >= limit:
             break
-        problem, why = _problem(row, split, index, question_field, answer_field)
+        problem, why = parse(row, index)
         if problem is not None:
             problems.append(problem)
             continue
@@ -165,23 +175,10 @@ class Gsm8kTask:
     def train_stream(self, index: int, count: int, start: int = 0):
         """Sampler `index` of `count`: its shard, reshuffled every pass, from position `start` on (a restarted
         sampler resumes where its accepted groups end)."""
-        import random  # noqa: PLC0415
-
-        mine = shard(self.train, index, count)
-        if not mine:
+        if not self.train[index::count]:
             raise DatasetError(f"sampler {index} of sampler.replicas={count} has no training problems: the split has "
                                f"{len(self.train)} (task.dataset.limit?)")
-        rng = random.Random(self.seed * 1_000_003 + index)
-        passes, skip = divmod(start, len(mine))
-        while True:
-            order = list(range(len(mine)))
-            rng.shuffle(order)
-            if passes:  # the shuffles of passes already done, to keep the order an uninterrupted sampler has
-                passes -= 1
-                continue
-            for i in order[skip:]:
-                yield self._prompted(mine[i])
-            skip = 0
+        return (self._prompted(p) for p in shuffled_shard(self.train, index, count, self.seed, start, "task.dataset"))
 
     def heldout(self, n: int) -> list[PromptedProblem]:
         return [self._prompted(p) for p in self.test[:n]]

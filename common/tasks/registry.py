@@ -13,6 +13,8 @@ class TaskSpec:
     module: str              # defines build(cfg, hf_tokenizer)
     dataset: bool = False    # reads task.dataset (its source must be given)
     warmstart: bool = False  # has the supervised warm start's demonstrations (tiny model only)
+    # runs its own rollouts against the samplers' OpenAI-compatible endpoint (sampler_service/verifiers_groups.py)
+    own_rollouts: bool = False
 
 
 TASKS: dict[str, TaskSpec] = {
@@ -22,6 +24,10 @@ TASKS: dict[str, TaskSpec] = {
     "arith_tools": TaskSpec("grpo_stream.common.tasks.arith_tools", warmstart=True),
     # math word problems from a dataset (task.dataset)
     "gsm8k": TaskSpec("grpo_stream.common.tasks.gsm8k", dataset=True),
+    # instruction-following prompts of google/IFEval, scored by lm-eval's checks (task.dataset; the `ifeval` extra)
+    "ifeval": TaskSpec("grpo_stream.common.tasks.ifeval", dataset=True),
+    # a `verifiers` environment (task.verifiers): its dataset, multi-turn rollouts and rubric (the `verifiers` extra)
+    "verifiers": TaskSpec("grpo_stream.common.tasks.verifiers_task", own_rollouts=True),
 }
 
 

@@ -23,6 +23,7 @@ from typing import Collection, Iterable, Mapping, Sequence
 
 from grpo_stream.common.tasks.answers import extract_answer, parse_number, same_number
 from grpo_stream.common.tasks.base import RewardFn
+from grpo_stream.common.tasks.ifeval_checks import ifeval_loose, ifeval_strict
 
 _REASONING_ANSWER = re.compile(r"^\s*<reasoning>.+?</reasoning>\s*<answer>.+?</answer>\s*$", re.S)
 
@@ -52,6 +53,8 @@ REWARDS: dict[str, RewardFn] = {
     "answer_correct": answer_correct,
     "answer_format": answer_format,
     "reasoning_answer_format": reasoning_answer_format,
+    "ifeval_strict": ifeval_strict,  # task.name=ifeval: share of the prompt's instructions followed (lm-eval)
+    "ifeval_loose": ifeval_loose,
 }
 DEFAULT_WEIGHTS = {"answer_correct": 1.0, "answer_format": 0.1}
 

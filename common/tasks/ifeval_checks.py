@@ -1,0 +1,166 @@
+"""IFEval's verifiable instruction checks as rewards and metrics, scored by lm-eval's own IFEval code.
+
+The checks are lm-eval's (`lm_eval.tasks.ifeval`: Google's instruction-following checks, as `lm_eval --tasks
+ifeval` scores them), called rather than copied, so a reward is what lm-eval would score. Each instruction of a
+prompt is checked on its own through lm-eval's `test_instruction_following_strict` / `_loose`: a check that raises
+on some completion (a bug of a check, a strange text) counts that instruction as not followed and is logged once,
+instead of failing the sampler's whole batch.
+
+Rewards (task.rewards):
+- ifeval_strict: the share of the prompt's instructions the completion follows as it is (lm-eval's strict test).
+- ifeval_loose: the same with lm-eval's loose test (a completion passes if one of its variants without the first
+  line, the last line or the `*` marks passes), so >= ifeval_strict.
+The share, not all-or-nothing: a prompt has 1-3 instructions, and following two of three is worth more than one,
+which a group's advantages can only see with a graded reward (the prompt-level figure is in `metrics`).
+
+Offline: lm-eval's instructions_util downloads nltk's `punkt_tab` model when it is missing; this module puts the
+English model that grpo-stream ships (`nltk_data/`, its README says where it comes from) at the end of nltk's search
+path before importing lm-eval, so nothing is downloaded. langdetect, which the language checks use, is seeded (0):
+unseeded, as lm-eval leaves it, a short or mixed text may get a different language, so a different reward, on two
+calls.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import pathlib
+
+log = logging.getLogger(__name__)
+
+NLTK_DATA = pathlib.Path(__file__).resolve().parent / "nltk_data"
+METRICS = ("prompt_level_strict_acc", "inst_level_strict_acc", "prompt_level_loose_acc", "inst_level_loose_acc")
+_warned: set[str] = set()
+
+
+class IfevalUnavailable(RuntimeError):
+    """lm-eval's IFEval code, or a package it needs, is not installed."""
+
+
+@functools.cache
+def lm_eval_ifeval():
+    """lm-eval's IFEval modules `(utils, instructions_registry, mean)`, imported once (about a second: lm-eval's
+    task package comes with it), after nltk can find the shipped Punkt model."""
+    try:
+        import langdetect  # noqa: PLC0415
+        import nltk  # noqa: PLC0415
+
+        if str(NLTK_DATA) not in nltk.data.path:
+            nltk.data.path.append(str(NLTK_DATA))
+        langdetect.DetectorFactory.seed = 0
+        from lm_eval.api.metrics import mean  # noqa: PLC0415
+        from lm_eval.tasks.ifeval import instructions_registry, utils  # noqa: PLC0415
+    except ImportError as exc:
+        raise IfevalUnavailable(f"the ifeval task needs lm-eval's IFEval checks ({exc}); install them with "
+                                "pip install 'grpo-stream[ifeval]' (or -e '.[ifeval]' in a checkout)") from exc
+    return utils, instructions_registry, mean
+
+
+def make_reference(key: int | None, prompt: str, instruction_ids: list[str], kwargs: list[dict]) -> str:
+    """The reference answer of an IFEval prompt: compact JSON of what the checks read (google/IFEval's fields),
+    kwargs without their None values (lm-eval drops them too). Samplers score with it; it travels as the answer."""
+    doc = {"key": key, "prompt": prompt, "instruction_id_list": instruction_ids,
+           "kwargs": [{k: v for k, v in kw.items() if v is not None} for kw in kwargs]}
+    return json.dumps(doc, ensure_ascii=False, separators=(",", ":"))
+
+
+def _warn_once(what: str, message: str, *args) -> None:
+    if what not in _warned:
+        _warned.add(what)
+        log.warning(message, *args)
+
+
+@functools.lru_cache(maxsize=4096)
+def _example(reference: str):
+    """lm-eval's InputExample of a reference (make_reference), None when it is not one."""
+    try:
+        doc = json.loads(reference)
+    except ValueError:
+        return None
+    if not (isinstance(doc, dict) and isinstance(doc.get("prompt"), str)
+            and isinstance(doc.get("instruction_id_list"), list) and isinstance(doc.get("kwargs"), list)
+            and len(doc["instruction_id_list"]) == len(doc["kwargs"]) > 0):
+        return None
+    utils = lm_eval_ifeval()[0]
+    return utils.InputExample(key=doc.get("key"), instruction_id_list=doc["instruction_id_list"],
+                              prompt=doc["prompt"], kwargs=doc["kwargs"])
+
+
+def _check(test, example, text: str) -> bool:
+    """lm-eval's `test` of a one-instruction example; a check that raises is an instruction not followed."""
+    try:
+        return bool(test(example, text).follow_instruction_list[0])
+    except Exception as exc:  # noqa: BLE001 - any failure of a check scores 0, never stops the batch
+        instruction = example.instruction_id_list[0]
+        _warn_once(instruction, "IFEval check %s raised %s: %s; scored as not followed (logged once per "
+                   "instruction)", instruction, type(exc).__name__, exc)
+        return False
+
+
+@functools.lru_cache(maxsize=64)  # the rewards of one completion ask one after the other; texts may be long
+def followed(text: str, reference: str) -> tuple[tuple[bool, ...], tuple[bool, ...]] | None:
+    """(strict, loose): whether `text` follows each instruction of `reference`, by lm-eval's tests; None when the
+    reference is not an IFEval one (cached: both rewards of a completion ask)."""
+    example = _example(reference)
+    if example is None:
+        _warn_once("reference", "an IFEval reward got a reference that is not an IFEval prompt's (%r...): scored 0; "
+                   "the ifeval rewards go with task.name=ifeval", reference[:64])
+        return None
+    utils = lm_eval_ifeval()[0]
+    strict, loose = [], []
+    for instruction, kwargs in zip(example.instruction_id_list, example.kwargs):
+        one = utils.InputExample(key=example.key, instruction_id_list=[instruction], prompt=example.prompt,
+                                 kwargs=[kwargs])
+        strict.append(_check(utils.test_instruction_following_strict, one, text))
+        loose.append(_check(utils.test_instruction_following_loose, one, text))
+    return tuple(strict), tuple(loose)
+
+
+def ifeval_strict(text: str, reference: str) -> float:
+    """Share of the prompt's instructions that `text` follows, by lm-eval's strict test."""
+    got = followed(text, reference)
+    return sum(got[0]) / len(got[0]) if got else 0.0
+
+
+def ifeval_loose(text: str, reference: str) -> float:
+    """Share of the prompt's instructions that `text` follows, by lm-eval's loose test."""
+    got = followed(text, reference)
+    return sum(got[1]) / len(got[1]) if got else 0.0
+
+
+def doc_results(text: str, reference: str) -> dict:
+    """One prompt's figures as lm-eval's `process_results` gives them (prompt-level bools, instruction-level lists)."""
+    strict, loose = followed(text, reference) or ((False,), (False,))
+    return {"prompt_level_strict_acc": all(strict), "inst_level_strict_acc": list(strict),
+            "prompt_level_loose_acc": all(loose), "inst_level_loose_acc": list(loose)}
+
+
+def metrics(references: list[str], completions: list[str]) -> dict[str, float]:
+    """IFEval's four figures over prompts, aggregated as lm-eval's ifeval.yaml does: the prompt-level ones with
+    `mean`, the instruction-level ones with `agg_inst_level_acc` (over all instructions of all prompts)."""
+    utils, _, mean = lm_eval_ifeval()
+    per_doc = [doc_results(text, ref) for text, ref in zip(completions, references, strict=True)]
+    return {name: float((mean if name.startswith("prompt") else utils.agg_inst_level_acc)([d[name] for d in per_doc]))
+            for name in METRICS}
+
+
+def instructions_problem(instruction_ids: list[str], kwargs: list[dict]) -> str | None:
+    """Why lm-eval could not check these instructions as a dataset row gives them, or None: an id it does not know,
+    arguments its instruction refuses, or one missing (lm-eval would draw a random value for it at every check)."""
+    registry = lm_eval_ifeval()[1].INSTRUCTION_DICT
+    for i, (instruction_id, given) in enumerate(zip(instruction_ids, kwargs)):
+        if instruction_id not in registry:
+            return (f"field 'instruction_id_list'[{i}]: {instruction_id!r} is not one of lm-eval's IFEval "
+                    f"instructions (e.g. {sorted(registry)[:3]})")
+        used = {k: v for k, v in given.items() if v}  # lm-eval's own filter
+        instruction = registry[instruction_id](instruction_id)
+        try:
+            instruction.build_description(**used)
+        except (TypeError, ValueError) as exc:
+            return f"field 'kwargs'[{i}] of {instruction_id!r}: {exc}"
+        missing = [k for k in instruction.get_instruction_args_keys() if k not in used]
+        if missing:
+            return (f"field 'kwargs'[{i}] of {instruction_id!r} lacks {missing} (lm-eval would draw a random value "
+                    "at every check); give them")
+    return None
