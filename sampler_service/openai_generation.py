@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from grpo_stream.common.engine.side_requests import SideQueue, SideRequest
+from grpo_stream.common.engine.side_requests import QueueFull, SideQueue, SideRequest
 from grpo_stream.common.tools.calls import MalformedToolCall, parse_tool_calls
 from grpo_stream.sampler_service.openai_chat import ChatPrompts, template_messages
 from grpo_stream.sampler_service.openai_protocol import ChatRequest, CompletionRequest, RequestError
@@ -32,10 +32,10 @@ class Unavailable(RuntimeError):
     """The engine could not answer (it failed, or the sampler is stopping): answered 503."""
 
 
-def sequence_keys(seed: int | None, count: int) -> list[np.ndarray]:
-    """Key data of a request's `count` sequences: fold_in(key(seed), i)."""
-    base = jax.random.key(secrets.randbits(31) if seed is None else seed)
-    return [np.asarray(jax.random.key_data(jax.random.fold_in(base, i))) for i in range(count)]
+def sequence_keys(engine, seed: int | None, count: int) -> list:
+    """The keys of a request's `count` sequences: those the engine gives the rows of a batch it generates with
+    key(seed) (a random seed when none is asked for)."""
+    return engine.request_keys(jax.random.key(secrets.randbits(31) if seed is None else seed), count)
 
 
 def cut_at_stop(tokenizer, tokens: list[int], stops: list[str]) -> tuple[int, str, bool]:
@@ -58,9 +58,9 @@ def cut_at_stop(tokenizer, tokens: list[int], stops: list[str]) -> tuple[int, st
 class EndpointCore:
     """What the HTTP routes call: token ids in, engine sequences, answers out."""
 
-    def __init__(self, queue: SideQueue, tokenizer, model_name: str, max_prompt_tokens: int, max_new_tokens: int,
+    def __init__(self, engine, queue: SideQueue, tokenizer, model_name: str, max_prompt_tokens: int, max_new_tokens: int,
                  temperature: float, tool_format: str, max_n: int, timeout_s: float):
-        self.queue, self.tokenizer, self.model_name = queue, tokenizer, model_name
+        self.engine, self.queue, self.tokenizer, self.model_name = engine, queue, tokenizer, model_name
         self.max_prompt_tokens, self.max_new_tokens, self.temperature = max_prompt_tokens, max_new_tokens, temperature
         self.tool_format, self.max_n, self.timeout_s = tool_format, max_n, timeout_s
         self.chat_prompts = ChatPrompts(tokenizer)
@@ -93,7 +93,7 @@ class EndpointCore:
                         seed: int | None) -> list[SideRequest]:
         """Queue n sequences per prompt and wait for all of them."""
         loop = asyncio.get_running_loop()
-        keys = sequence_keys(seed, len(prompts) * n)
+        keys = sequence_keys(self.engine, seed, len(prompts) * n)
         waits, sequences = [], []
         for i, key in enumerate(keys):
             done = loop.create_future()
@@ -102,8 +102,13 @@ class EndpointCore:
             sequence = SideRequest(ids=list(prompts[i // n]), budget=budget, key=key, greedy=greedy, notify=notify)
             sequences.append(sequence)
             waits.append(done)
-        for sequence in sequences:
-            self.queue.submit(sequence)
+        try:
+            for sequence in sequences:
+                self.queue.submit(sequence)
+        except QueueFull:  # none of a refused request's sequences is generated
+            for sequence in sequences:
+                self.queue.withdraw(sequence)
+            raise
         try:
             await asyncio.wait_for(asyncio.gather(*waits), self.timeout_s)
         except (asyncio.TimeoutError, asyncio.CancelledError):
@@ -118,6 +123,9 @@ class EndpointCore:
     async def completion(self, request: CompletionRequest) -> dict[str, Any]:
         request.check()
         self._check_model_and_n(request)
+        if len(request.prompts()) * request.n > self.max_n:
+            raise RequestError(f"prompt: {len(request.prompts())} prompts x n={request.n} sequences; at most "
+                               f"sampler.openai.max_n={self.max_n} per request")
         prompts = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in request.prompts()]
         greedy = request.greedy(self.temperature)
         budget = self._budget(request, prompts, "prompt", 16)

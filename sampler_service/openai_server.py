@@ -169,7 +169,7 @@ class Endpoint:
         self.queue = SideQueue(settings.max_queued)
         engine.side = self.queue
         self.engine, self.sampler_id, self.stop = engine, sampler_id, threading.Event()
-        self.core = EndpointCore(self.queue, tokenizer, settings.model_name or cfg.run.name, gen.max_prompt_tokens,
+        self.core = EndpointCore(engine, self.queue, tokenizer, settings.model_name or cfg.run.name, gen.max_prompt_tokens,
                                  gen.max_new_tokens, gen.temperature,
                                  settings.tool_format or cfg.environment.tool_format, settings.max_n,
                                  settings.request_timeout_s)

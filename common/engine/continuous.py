@@ -169,10 +169,14 @@ class ContinuousEngine(SideServing, RequestRows, HeldTurns, SlotPrograms):
                          versions=np.full((rows, self.max_new_tokens), -1, np.int32) if refresh else None)
         if not rows:
             return out
-        row_keys = np.asarray(jax.random.key_data(jax.vmap(lambda i: jax.random.fold_in(rng, i))(jnp.arange(rows))))
-        requests = [Request(list(p), int(b), k, i) for i, (p, b, k) in enumerate(zip(prompts, budgets, row_keys))]
+        requests = [Request(list(p), int(b), k, i)
+                    for i, (p, b, k) in enumerate(zip(prompts, budgets, self.request_keys(rng, rows)))]
         self.serve(params, FixedRequests(requests, out), greedy, refresh, version)
         return out
+
+    def request_keys(self, rng: jax.Array, rows: int) -> list:
+        """The key of each row of a batch generated with `rng`: row i samples with fold_in(rng, i)."""
+        return list(np.asarray(jax.random.key_data(jax.vmap(lambda i: jax.random.fold_in(rng, i))(jnp.arange(rows)))))
 
     def _serve(self, params: Any, source: RequestSource, greedy: bool = False,
                refresh: Callable[[], tuple[Any, int] | None] | None = None, version: int = 0) -> None:

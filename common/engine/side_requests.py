@@ -44,7 +44,7 @@ class SideRequest:
     """One sequence an endpoint asked for, and, once `done` is set, its result."""
     ids: list[int]
     budget: int
-    key: np.ndarray                  # PRNG key data (jax.random.key_data)
+    key: Any                         # the engine's per-sequence key (engine.request_keys)
     greedy: bool = False
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
     tokens: list[int] = dataclasses.field(default_factory=list)

@@ -221,10 +221,15 @@ class VllmEngine(SideServing):
         out = Generation(np.full((rows, width), self.pad_id, np.int32), np.zeros((rows, width), np.float32),
                          np.zeros((rows,), np.int32), np.zeros((rows,), np.bool_),
                          None if refresh is None else np.full((rows, width), -1, np.int32))
-        base = _seed_of(rng)
-        requests = [Request(list(ids), budgets[i], (base + i) % 2**63, i) for i, ids in enumerate(prompts)]
+        keys = self.request_keys(rng, rows)
+        requests = [Request(list(ids), budgets[i], keys[i], i) for i, ids in enumerate(prompts)]
         self.serve(params, FixedRequests(requests, out), greedy, refresh, version)
         return out
+
+    def request_keys(self, rng: Any, rows: int) -> list[int]:
+        """The seed of each row of a batch generated with `rng`: row i samples with seed(rng) + i."""
+        base = _seed_of(rng)
+        return [(base + i) % 2**63 for i in range(rows)]
 
     def _serve(self, params: Any, source: RequestSource, greedy: bool = False,
                refresh: Callable[[], tuple[Any, int] | None] | None = None, version: int = 0) -> None:

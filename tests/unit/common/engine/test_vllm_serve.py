@@ -38,3 +38,17 @@ def test_vllm_serves_multi_turn_episodes_token_exact_with_the_prefix_cache(tmp_p
     assert r["same_tokens_again"]
     # a new version mid-run: every model and observation token has a version, never going back
     assert r["versions_seen"] == [0, 1] and r["versions_complete"] and r["versions_monotone"]
+
+
+def test_the_samplers_endpoint_serves_from_the_vllm_engine(tmp_path):
+    """The OpenAI-compatible endpoint over vLLM: a seeded request is the engine's own generation, and requests
+    share the engine with a sampler's batches (tests/vllm_scripts/endpoint_check.py)."""
+    python = vllm_python()
+    model_dir = tiny_qwen2_dir(tmp_path / "model", tied=True)
+    out = tmp_path / "out.json"
+    proc = subprocess.run([python, "-m", "tests.vllm_scripts.endpoint_check", str(model_dir), str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r = json.loads(out.read_text())
+    assert r["seeded_tokens_equal"] and r["seeded_logprob_max_diff"] < 1e-5, r
+    assert r["answered"] == 16 and r["sampler_batches"] >= 1 and r["in_sampler_batches"] >= 1, r
