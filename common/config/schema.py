@@ -279,6 +279,12 @@ class RunConfig(Strict):
                              "to 0")
         if self.eval.samples and max(self.eval.ks) > self.eval.samples:
             raise ValueError(f"eval.ks={self.eval.ks}: each k must be at most eval.samples={self.eval.samples}")
+        if task.own_rollouts and (self.trainer.eval_before or self.trainer.eval_after):
+            raise ValueError(f"trainer.eval_before/eval_after: task.name={self.task.name} is scored by its environment, "
+                             "which the trainer's evaluation does not run; set both to false and evaluate against a "
+                             "sampler's OpenAI endpoint (docs/verifiers.md)")
+        if task.own_rollouts and self.environment.name is not None:
+            raise ValueError(f"environment.name: task.name={self.task.name} runs its own episodes; leave it unset")
         return self
 
     @model_validator(mode="after")

@@ -42,3 +42,15 @@ def test_an_episode_over_the_budget_is_cut_and_marked_truncated():
 def test_what_is_not_one_token_sequence_is_refused(out, why):
     with pytest.raises(RolloutError, match=why):
         completion_of(out, max_tokens=64)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["task.name=verifiers"], "task.verifiers.environment"),
+    (["task.name=verifiers", "task.verifiers.environment=x", "trainer.eval_before=true"], "trainer.eval_before"),
+])
+def test_a_verifiers_run_is_configured_completely(overrides, message):
+    from grpo_stream.common.config.loading import load_config
+    from grpo_stream.common.config.schema import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
