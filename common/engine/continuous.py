@@ -174,10 +174,6 @@ class ContinuousEngine(SideServing, RequestRows, HeldTurns, SlotPrograms):
         self.serve(params, FixedRequests(requests, out), greedy, refresh, version)
         return out
 
-    def request_keys(self, rng: jax.Array, rows: int) -> list:
-        """The key of each row of a batch generated with `rng`: row i samples with fold_in(rng, i)."""
-        return list(np.asarray(jax.random.key_data(jax.vmap(lambda i: jax.random.fold_in(rng, i))(jnp.arange(rows)))))
-
     def _serve(self, params: Any, source: RequestSource, greedy: bool = False,
                refresh: Callable[[], tuple[Any, int] | None] | None = None, version: int = 0) -> None:
         """Decode the requests `source` hands out until it has none left and none will come: each chunk boundary

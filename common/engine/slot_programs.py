@@ -24,6 +24,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from grpo_stream.common.engine import decode
@@ -90,6 +91,10 @@ class SlotPrograms:
         self._resize = jax.jit(self._resize_window, static_argnames=("window",))
         self._move = jax.jit(self._move_slots, donate_argnums=(1,))
         self._resume = jax.jit(self._resume_slots, donate_argnums=(0,))
+
+    def request_keys(self, rng: jax.Array, rows: int) -> list:
+        """The key of each row of a batch generated with `rng`: row i samples with fold_in(rng, i)."""
+        return list(np.asarray(jax.random.key_data(jax.vmap(lambda i: jax.random.fold_in(rng, i))(jnp.arange(rows)))))
 
     def _empty_state(self, size: int, window: int) -> SlotState:
         arch = self.model.arch

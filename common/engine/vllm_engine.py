@@ -228,8 +228,7 @@ class VllmEngine(SideServing):
 
     def request_keys(self, rng: Any, rows: int) -> list[int]:
         """The seed of each row of a batch generated with `rng`: row i samples with seed(rng) + i."""
-        base = _seed_of(rng)
-        return [(base + i) % 2**63 for i in range(rows)]
+        return [(_seed_of(rng) + i) % 2**63 for i in range(rows)]
 
     def _serve(self, params: Any, source: RequestSource, greedy: bool = False,
                refresh: Callable[[], tuple[Any, int] | None] | None = None, version: int = 0) -> None:
