@@ -130,6 +130,8 @@ LONGEST_FIRST = (
     "tests/e2e/test_run_dir_guard.py",  # ~45 s
     "tests/unit/common/model/test_families.py",  # ~60 s: every family x every feature
     "tests/unit/trainer_service/test_trainer_core.py",  # ~40 s
+    "tests/e2e/test_verifiers_run.py",  # ~90 s: two `up` runs on verifiers environments
+    "tests/e2e/test_ifeval_run.py",  # ~50 s
 )
 
 

@@ -35,6 +35,7 @@ def served(chat_family_dirs, tmp_path_factory):  # noqa: F811
         f"generation.max_prompt_tokens={P}", f"generation.max_new_tokens={C}", "generation.temperature=0.9",
         "generation.decode_slots=16", "generation.decode_chunk_steps=4", "warmstart.steps=0",
         "sampler.openai.port=0", "sampler.openai.model_name=policy", "environment.tool_format=qwen",
+        "sampler.openai.max_body_bytes=65536",
         f"auth.tokens_file={tokens['table']}"])
     _, tok = build_task_and_tokenizer(cfg)
     model = build_policy(cfg, tok.vocab_size, seed=0)
@@ -165,3 +166,44 @@ def test_concurrent_requests_share_the_engine_with_the_samplers_batches(served):
         thread.join()
     assert len(replies) == 64 and all(1 <= len(r.choices[0].model_extra["token_ids"]) <= 8 for r in replies)
     assert len(batches) >= 1 and endpoint.queue.served_in_sampler_batches > before
+
+
+def test_a_full_queue_or_an_oversized_body_is_refused_at_once(served):
+    endpoint, client, _, _, _, _ = served
+    limit = endpoint.queue.max_queued
+    endpoint.queue.max_queued = 1
+    try:
+        with pytest.raises(openai.RateLimitError) as caught:  # 2 sequences > 1 place: none is queued
+            client.completions.create(model="policy", prompt="Add 2 and 3.", n=2, max_tokens=4)
+        assert caught.value.response.headers["retry-after"] == "1" and not endpoint.queue.has()
+    finally:
+        endpoint.queue.max_queued = limit
+    token = client.api_key
+    big = httpx.post(endpoint.url + "/completions", headers={"Authorization": f"Bearer {token}"},
+                     content=b'{"model": "policy", "prompt": "' + b"x" * (70 << 10) + b'"}')
+    assert big.status_code == 413 and "max_body_bytes" in big.json()["error"]["message"]
+
+
+def test_tls_serves_with_the_grpc_servers_certificate(chat_family_dirs, tmp_path):  # noqa: F811
+    """tls.enabled: the endpoint speaks HTTPS with tls.cert_file; a client trusting another CA is refused."""
+    from tests.pki import make_pki
+
+    pki = make_pki(tmp_path / "pki")
+    tokens = write_tokens(tmp_path / "auth")
+    cfg = load_config(CONFIGS / "tiny_arith.yaml", [
+        "warmstart.steps=0", "sampler.openai.port=0", "sampler.openai.model_name=tiny",
+        f"auth.tokens_file={tokens['table']}", "tls.enabled=true", f"tls.cert_file={pki['server_cert']}",
+        f"tls.key_file={pki['server_key']}", f"tls.ca_file={pki['ca']}"])
+    _, tok = build_task_and_tokenizer(cfg)
+    model = build_policy(cfg, tok.vocab_size, seed=0)
+    with openai_endpoint(cfg, 0, "sampler-0", continuous.build(cfg, model, tok), tok, lambda: (model.params, 0),
+                         None) as endpoint:
+        assert endpoint.url.startswith("https://127.0.0.1:")
+        key = tokens["client"].read_text().strip()
+        trusted = openai.OpenAI(base_url=endpoint.url, api_key=key, max_retries=0,
+                                http_client=httpx.Client(verify=str(pki["ca"])))
+        reply = trusted.completions.create(model="tiny", prompt="Q: Tom has 3 apples. A:", max_tokens=4, seed=1)
+        assert reply.choices[0].text is not None
+        with pytest.raises(openai.APIConnectionError):
+            openai.OpenAI(base_url=endpoint.url, api_key=key, max_retries=0,
+                          http_client=httpx.Client(verify=str(pki["rogue_ca"]))).models.list()
