@@ -103,13 +103,22 @@ class ChatPrompts:
                     return found[0] + self.tokenizer.encode(tail)
             break  # only the last assistant answer can be continued from
         self.rendered_whole += 1
-        return self.tokenizer.encode(self.tokenizer.render_chat(messages, add_generation_prompt=True, tools=tools))
+        return self.tokenizer.encode(self._render(messages, True, tools))
+
+    def _render(self, messages, add_generation_prompt: bool, tools) -> str:
+        """The template's text; what it refuses (roles out of order, a tool role it has none of) is the request's
+        error."""
+        try:
+            return self.tokenizer.render_chat(messages, add_generation_prompt=add_generation_prompt, tools=tools)
+        except Exception as exc:  # noqa: BLE001 - jinja raises what the template raises (TemplateError, TypeError...)
+            raise RequestError(f"messages: this model's chat template refused them ({type(exc).__name__}: "
+                               f"{str(exc)[:200]})") from None
 
     def _continuation(self, messages, cut: int, tools, closed: bool) -> str | None:
         """What follows the remembered answer's last sampled token, or None when the template renders the earlier
         turns differently once the new messages follow."""
-        before = self.tokenizer.render_chat(messages[:cut], add_generation_prompt=False, tools=tools)
-        after = self.tokenizer.render_chat(messages, add_generation_prompt=True, tools=tools)
+        before = self._render(messages[:cut], False, tools)
+        after = self._render(messages, True, tools)
         if not after.startswith(before):
             return None
         return self.renderer.after_answer(closed) + after[len(before):]

@@ -207,3 +207,10 @@ def test_tls_serves_with_the_grpc_servers_certificate(chat_family_dirs, tmp_path
         with pytest.raises(openai.APIConnectionError):
             openai.OpenAI(base_url=endpoint.url, api_key=key, max_retries=0,
                           http_client=httpx.Client(verify=str(pki["rogue_ca"]))).models.list()
+
+
+def test_messages_this_policy_cannot_read_are_a_400(served):
+    _, client, _, _, _, _ = served
+    with pytest.raises(openai.BadRequestError) as caught:  # an image part: the policy reads text only
+        client.chat.completions.create(model="policy", messages=[{"role": "user", "content": [{"type": "image_url"}]}])
+    assert "messages[0].content" in caught.value.body["message"]
