@@ -100,7 +100,7 @@ class Sampler(WeightsInUse):
 
     def _installed(self) -> tuple:
         """The weights the endpoint's idle serves use: the installed (params, version)."""
-        return self.params, self.version
+        return self.installed
 
     def _attach(self, parts: Parts, endpoint) -> None:
         """Take the parts the loop uses; the data stream resumes at `parts.start`."""

@@ -21,10 +21,12 @@ import json
 import threading
 from typing import Any
 
+import numpy as np
+
 from grpo_stream.common.environments.render import ChatTemplateRenderer
 from grpo_stream.sampler_service.openai_protocol import RequestError
 
-REMEMBERED = 4096  # conversations kept (least recently used dropped): one per choice of a recent request
+REMEMBERED_TOKENS = 16 << 20  # ids of remembered conversations kept in all (64 MiB as int32), oldest dropped first
 
 
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -60,48 +62,57 @@ def _template_call(call: dict, i: int) -> dict:
             arguments = json.loads(arguments)
         except json.JSONDecodeError:
             raise RequestError(f"messages[{i}].tool_calls: function.arguments is not JSON") from None
-    return {"type": "function", "function": {"name": fn["name"], "arguments": arguments}}
+    return {"id": str(call.get("id") or ""), "type": "function",
+            "function": {"name": fn["name"], "arguments": arguments}}
 
 
-def conversation_key(messages: list[dict[str, Any]], tools: list[dict] | None) -> str:
-    """A digest of a conversation as the template sees it (tool-call ids and message names left out)."""
-    canonical = [{"role": m["role"], "content": m["content"], "tool_calls": [c["function"] for c in m.get("tool_calls", [])]}
+def conversation_key(messages: list[dict[str, Any]], tools: list[dict] | None, caller: str) -> str:
+    """A digest of one caller's conversation as the template sees it, with the ids of its tool calls (unique to
+    each answer the endpoint gave, so two answers calling the same tool are told apart)."""
+    canonical = [{"role": m["role"], "content": m["content"],
+                  "tool_calls": [{"id": c.get("id", ""), **c["function"]} for c in m.get("tool_calls", [])]}
                  for m in messages]
-    blob = json.dumps([canonical, tools or []], sort_keys=True, ensure_ascii=False)
+    blob = json.dumps([caller, canonical, tools or []], sort_keys=True, ensure_ascii=False)
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
 class ChatPrompts:
-    """Prompt ids for chat requests, reusing the exact ids of remembered conversations. Thread-safe."""
+    """Prompt ids for chat requests, reusing the exact ids of remembered conversations. Thread-safe. Each caller
+    (token name) continues only its own conversations: a caller cannot make another's prompt start with ids the
+    visible text does not show. Answers the same caller got twice with the same text but other ids (n > 1) are
+    ambiguous: such a conversation is rendered whole."""
 
-    def __init__(self, tokenizer):
-        if not getattr(tokenizer, "has_chat_template", False):
-            self.renderer = None
-        else:
-            self.renderer = ChatTemplateRenderer(tokenizer)
-        self.tokenizer = tokenizer
-        self._remembered: collections.OrderedDict[str, tuple[list[int], bool]] = collections.OrderedDict()
+    def __init__(self, tokenizer, max_tokens: int = REMEMBERED_TOKENS):
+        self.renderer = ChatTemplateRenderer(tokenizer) if getattr(tokenizer, "has_chat_template", False) else None
+        self.tokenizer, self.max_tokens = tokenizer, max_tokens
+        self._remembered: collections.OrderedDict[str, tuple[np.ndarray, bool] | None] = collections.OrderedDict()
+        self._tokens = 0  # ids held
         self._lock = threading.Lock()
         self.continued = self.rendered_whole = 0
 
-    def ids(self, messages: list[dict[str, Any]], tools: list[dict] | None) -> list[int]:
+    def defused(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Tool results with special-token text broken (render.py's `defused`): a tool's output cannot become turn
+        structure in the prompt, nor in the episodes a run trains on."""
+        if self.renderer is None:
+            return messages
+        return [dict(m, content=self.renderer.defused(m["content"])) if m["role"] == "tool" else m for m in messages]
+
+    def ids(self, messages: list[dict[str, Any]], tools: list[dict] | None, caller: str = "") -> list[int]:
         """The prompt of a chat request (template_messages form) ending in the assistant header."""
         if self.renderer is None:
             raise RequestError("messages: this model's tokenizer has no chat template (the tiny CPU model); use "
                                "/v1/completions with a text prompt")
-        for cut in range(len(messages) - 1, 0, -1):
-            if messages[cut - 1]["role"] != "assistant":
-                continue
+        cut = next((c for c in range(len(messages) - 1, 0, -1) if messages[c - 1]["role"] == "assistant"), None)
+        if cut is not None:  # only the last assistant answer can be continued from
+            key = conversation_key(messages[:cut], tools, caller)
             with self._lock:
-                found = self._remembered.get(conversation_key(messages[:cut], tools))
+                found = self._remembered.get(key)
                 if found is not None:
-                    self._remembered.move_to_end(conversation_key(messages[:cut], tools))
-            if found is not None:
-                tail = self._continuation(messages, cut, tools, closed=found[1])
-                if tail is not None:
-                    self.continued += 1
-                    return found[0] + self.tokenizer.encode(tail)
-            break  # only the last assistant answer can be continued from
+                    self._remembered.move_to_end(key)
+            tail = self._continuation(messages, cut, tools, closed=found[1]) if found is not None else None
+            if tail is not None:
+                self.continued += 1
+                return found[0].tolist() + self.tokenizer.encode(tail)
         self.rendered_whole += 1
         return self.tokenizer.encode(self._render(messages, True, tools))
 
@@ -124,12 +135,21 @@ class ChatPrompts:
         return self.renderer.after_answer(closed) + after[len(before):]
 
     def remember(self, messages: list[dict[str, Any]], answer: dict[str, Any], tools: list[dict] | None,
-                 ids: list[int], closed: bool) -> None:
+                 ids: list[int], closed: bool, caller: str = "") -> None:
         """Conversation `messages` + the assistant `answer` (as returned to the client) has exactly `ids`; `closed`:
-        the answer ended with a stop token (else the template's end of turn is written before what follows)."""
-        key = conversation_key(messages + template_messages([answer]), tools)
+        the answer ended with a stop token (else the template's end of turn is written before what follows). The
+        oldest conversations are forgotten beyond REMEMBERED_TOKENS ids in all."""
+        key = conversation_key(messages + template_messages([answer]), tools, caller)
+        held = np.asarray(ids, np.int32)
         with self._lock:
-            self._remembered[key] = (list(ids), closed)
-            self._remembered.move_to_end(key)
-            while len(self._remembered) > REMEMBERED:
-                self._remembered.popitem(last=False)
+            if key in self._remembered:  # the same visible answer twice: ambiguous unless the ids agree
+                earlier = self._remembered.pop(key)
+                self._tokens -= 0 if earlier is None else len(earlier[0])
+                same = earlier is not None and earlier[1] == closed and np.array_equal(earlier[0], held)
+                self._remembered[key] = (held, closed) if same else None
+            else:
+                self._remembered[key] = (held, closed)
+            self._tokens += len(held) if self._remembered[key] is not None else 0
+            while self._tokens > self.max_tokens and self._remembered:
+                dropped = self._remembered.popitem(last=False)[1]
+                self._tokens -= 0 if dropped is None else len(dropped[0])

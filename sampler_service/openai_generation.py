@@ -20,11 +20,12 @@ from typing import Any
 import jax
 import numpy as np
 
-from grpo_stream.common.engine.side_requests import QueueFull, SideQueue, SideRequest
+from grpo_stream.common.engine.side_requests import SideQueue, SideRequest
 from grpo_stream.common.tools.calls import MalformedToolCall, parse_tool_calls
 from grpo_stream.sampler_service.openai_chat import ChatPrompts, template_messages
 from grpo_stream.sampler_service.openai_protocol import ChatRequest, CompletionRequest, RequestError
 
+INTERNAL = "sampler-internal"  # the caller name of the sampler's own rollouts (openai_server.py)
 CALL_OPENINGS = {"qwen": "<tool_call>", "gemma": "```tool_code", "plain": "<call>", "llama3": ""}
 
 
@@ -35,7 +36,8 @@ class Unavailable(RuntimeError):
 def sequence_keys(engine, seed: int | None, count: int) -> list:
     """The keys of a request's `count` sequences: those the engine gives the rows of a batch it generates with
     key(seed) (a random seed when none is asked for)."""
-    return engine.request_keys(jax.random.key(secrets.randbits(31) if seed is None else seed), count)
+    with jax.default_device(jax.devices("cpu")[0]):  # never queued behind the engine's work on an accelerator
+        return engine.request_keys(jax.random.key(secrets.randbits(31) if seed is None else seed), count)
 
 
 def cut_at_stop(tokenizer, tokens: list[int], stops: list[str]) -> tuple[int, str, bool]:
@@ -76,6 +78,8 @@ class EndpointCore:
         (generation.max_prompt_tokens + max_new_tokens; later turns of a conversation are longer prompts)."""
         context = self.max_prompt_tokens + self.max_new_tokens
         longest = max(len(ids) for ids in prompts)
+        if min(len(ids) for ids in prompts) == 0:
+            raise RequestError(f"{where}: encodes to no tokens; send a non-empty prompt")
         for ids in prompts:
             if any(not 0 <= t < self.tokenizer.vocab_size for t in ids):
                 raise RequestError(f"{where}: token ids must lie in 0..{self.tokenizer.vocab_size - 1}")
@@ -90,8 +94,9 @@ class EndpointCore:
         return budget
 
     async def _generate(self, prompts: list[list[int]], n: int, greedy: bool, budget: int,
-                        seed: int | None) -> list[SideRequest]:
-        """Queue n sequences per prompt and wait for all of them."""
+                        seed: int | None, bounded: bool = True) -> list[SideRequest]:
+        """Queue n sequences per prompt and wait for all of them; `bounded`: refused beyond max_queued (the
+        sampler's own verifiers rollouts are not: it sizes its batches itself)."""
         loop = asyncio.get_running_loop()
         keys = sequence_keys(self.engine, seed, len(prompts) * n)
         waits, sequences = [], []
@@ -102,25 +107,18 @@ class EndpointCore:
             sequence = SideRequest(ids=list(prompts[i // n]), budget=budget, key=key, greedy=greedy, notify=notify)
             sequences.append(sequence)
             waits.append(done)
-        try:
-            for sequence in sequences:
-                self.queue.submit(sequence)
-        except QueueFull:  # none of a refused request's sequences is generated
-            for sequence in sequences:
-                self.queue.withdraw(sequence)
-            raise
+        self.queue.submit(sequences, bounded=bounded)  # all or none (QueueFull)
         try:
             await asyncio.wait_for(asyncio.gather(*waits), self.timeout_s)
         except (asyncio.TimeoutError, asyncio.CancelledError):
-            for sequence in sequences:
-                self.queue.withdraw(sequence)
+            self.queue.withdraw(sequences)
             raise
         failed = next((s.error for s in sequences if s.error), None)
         if failed:
             raise Unavailable(failed)
         return sequences
 
-    async def completion(self, request: CompletionRequest) -> dict[str, Any]:
+    async def completion(self, request: CompletionRequest, caller: str = "") -> dict[str, Any]:
         request.check()
         self._check_model_and_n(request)
         if len(request.prompts()) * request.n > self.max_n:
@@ -129,7 +127,7 @@ class EndpointCore:
         prompts = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in request.prompts()]
         greedy = request.greedy(self.temperature)
         budget = self._budget(request, prompts, "prompt", 16)
-        sequences = await self._generate(prompts, request.n, greedy, budget, request.seed)
+        sequences = await self._generate(prompts, request.n, greedy, budget, request.seed, caller != INTERNAL)
         choices = []
         for i, seq in enumerate(sequences):
             kept, text, stopped = cut_at_stop(self.tokenizer, seq.tokens, request.stop)
@@ -141,15 +139,15 @@ class EndpointCore:
             choices.append(choice)
         return self._answer("text_completion", "cmpl", choices, prompts, request.n, sequences)
 
-    async def chat(self, request: ChatRequest) -> dict[str, Any]:
+    async def chat(self, request: ChatRequest, caller: str = "") -> dict[str, Any]:
         request.check()
         self._check_model_and_n(request)
-        messages = template_messages(request.messages)
+        messages = self.chat_prompts.defused(template_messages(request.messages))
         tools = request.tools or None
-        ids = self.chat_prompts.ids(messages, tools)
+        ids = self.chat_prompts.ids(messages, tools, caller)
         greedy = request.greedy(self.temperature)
         budget = self._budget(request, [ids], "messages", None)
-        sequences = await self._generate([ids], request.n, greedy, budget, request.seed)
+        sequences = await self._generate([ids], request.n, greedy, budget, request.seed, caller != INTERNAL)
         as_ids = bool((request.model_extra or {}).get("return_tokens_as_token_ids"))
         choices = []
         for i, seq in enumerate(sequences):
@@ -163,7 +161,7 @@ class EndpointCore:
                 choice["token_ids"] = seq.tokens[:kept]
             choices.append(choice)
             closed = kept == len(seq.tokens) and seq.finished
-            self.chat_prompts.remember(messages, message, tools, ids + seq.tokens[:kept], closed)
+            self.chat_prompts.remember(messages, message, tools, ids + seq.tokens[:kept], closed, caller)
         answer = self._answer("chat.completion", "chatcmpl", choices, [ids], request.n, sequences)
         if request.return_token_ids:
             answer["prompt_token_ids"] = ids

@@ -60,6 +60,14 @@ class _Common(BaseModel):
             if extra.get(name) not in (None, {}, -1) and not (name == "response_format" and
                                                                 extra.get(name) == {"type": "text"}):
                 raise RequestError(f"{name}: not served; the endpoint samples the policy as the sampler does")
+        # vLLM's sampling extensions: served only at the value that changes nothing
+        for name, neutral in (("ignore_eos", False), ("min_tokens", 0), ("stop_token_ids", []),
+                              ("include_stop_str_in_output", False), ("skip_special_tokens", True),
+                              ("prompt_logprobs", None), ("chat_template_kwargs", {}),
+                              ("continue_final_message", False), ("add_generation_prompt", True),
+                              ("spaces_between_special_tokens", True)):
+            if name in extra and extra[name] not in (neutral, None):
+                raise RequestError(f"{name}={extra[name]!r}: not served; leave it out (or {neutral!r})")
         if self.stream:
             raise RequestError("stream: streaming is not served; send stream=false (the default)")
         if self.top_p not in (None, 1, 1.0):

@@ -32,7 +32,7 @@ from fastapi.responses import JSONResponse
 from grpo_stream.common.engine.side_requests import QueueFull, SideQueue, serve_idle
 from grpo_stream.common.rpc.auth import Caller, TokenTable, bearer_value, caller_refusal_http, load_table
 from grpo_stream.common.rpc.grpc_util import check_plaintext_bind
-from grpo_stream.sampler_service.openai_generation import EndpointCore, Unavailable
+from grpo_stream.sampler_service.openai_generation import INTERNAL, EndpointCore, Unavailable
 from grpo_stream.sampler_service.openai_protocol import ChatRequest, CompletionRequest, RequestError
 
 log = logging.getLogger(__name__)
@@ -71,9 +71,10 @@ class Gate:
         self._lock = threading.Lock()
 
     @contextlib.contextmanager
-    def enter(self) -> Iterator[bool]:
+    def enter(self, bypass: bool = False) -> Iterator[bool]:
+        """Whether a request may proceed now; `bypass`: the sampler's own (its batches are sized by its config)."""
         with self._lock:
-            admitted = self.open < self.limit
+            admitted = bypass or self.open < self.limit
             self.open += admitted
             self.refused += not admitted
         try:
@@ -94,30 +95,33 @@ def build_app(core: EndpointCore, table: TokenTable | None, settings, internal_t
     gate = Gate(settings.max_concurrent)
     app.state.gate = gate
 
-    def refused(request: Request, route: str) -> JSONResponse | None:
+    def authorized(request: Request, route: str) -> tuple[Caller | None, JSONResponse | None]:
+        """(the caller, None) or (None, the refusal)."""
         token = bearer_value(request.headers.get("authorization"))
         if token and hmac.compare_digest(token.encode(), internal_token.encode()):
-            caller = Caller("sampler-internal", "client")
+            caller = Caller(INTERNAL, "client")
         elif open_access:
             caller = Caller("anonymous", "admin")
         else:
             caller = table.lookup(token) if token and table is not None else None
         why = caller_refusal_http(caller, route)
-        return None if why is None else _error(why[0], why[1], "authentication_error" if why[0] == 401 else
-                                               "permission_error")
+        if why is None:
+            return caller, None
+        return None, _error(why[0], why[1], "authentication_error" if why[0] == 401 else "permission_error")
 
     @app.get("/v1/models")
     async def models(request: Request):
-        if (denied := refused(request, "GET /v1/models")) is not None:
+        if (denied := authorized(request, "GET /v1/models")[1]) is not None:
             return denied
         return {"object": "list", "data": [{"id": core.model_name, "object": "model", "created": int(time.time()),
                                             "owned_by": "grpo-stream", "max_model_len":
                                             core.max_prompt_tokens + core.max_new_tokens}]}
 
     async def serve(request: Request, route: str, model: type[pydantic.BaseModel], handler) -> JSONResponse:
-        if (denied := refused(request, route)) is not None:
+        caller, denied = authorized(request, route)
+        if denied is not None:
             return denied
-        with gate.enter() as admitted:
+        with gate.enter(bypass=caller.name == INTERNAL) as admitted:
             if not admitted:
                 return _error(429, f"{gate.limit} requests are open (sampler.openai.max_concurrent); retry later",
                               "rate_limit_error", headers={"Retry-After": "1"})
@@ -126,7 +130,7 @@ def build_app(core: EndpointCore, table: TokenTable | None, settings, internal_t
                 return _error(413, f"request body over sampler.openai.max_body_bytes={settings.max_body_bytes}")
             try:
                 parsed = model.model_validate(json.loads(body or b"null"))
-                return JSONResponse(await handler(parsed))
+                return JSONResponse(await handler(parsed, caller.name))
             except json.JSONDecodeError as exc:
                 return _error(400, f"the body is not JSON ({exc.msg} at position {exc.pos})")
             except pydantic.ValidationError as exc:

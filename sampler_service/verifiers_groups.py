@@ -83,17 +83,22 @@ def completion_of(output: dict[str, Any], max_tokens: int) -> tuple[list[int], C
 
 
 class VerifiersRollouts:
-    """Runs a batch's groups on the environment against this sampler's endpoint (`url`, `token`)."""
+    """Runs a batch's groups on the environment against this sampler's endpoint (its routes `app`, `token`)."""
 
-    def __init__(self, env, url: str, token: str, model: str, sampling_args: dict[str, Any], max_tokens: int,
+    def __init__(self, env, app, token: str, model: str, sampling_args: dict[str, Any], max_tokens: int,
                  timeout_s: float):
+        import httpx  # noqa: PLC0415
         import verifiers as vf  # noqa: PLC0415 - the `verifiers` extra
         from openai import AsyncOpenAI  # noqa: PLC0415
 
         self.env, self.model, self.max_tokens, self.sampling_args = env, model, max_tokens, sampling_args
-        # one event loop and one HTTP client for the sampler's life: connections are kept between batches
+        # one event loop and one client for the sampler's life. The client reaches the endpoint's routes in this
+        # process (httpx's ASGI transport): the same routes, token and checks as over HTTP, without a socket, so a
+        # TLS setup whose certificate names another host changes nothing here
         self._loop = asyncio.new_event_loop()
-        self._http = AsyncOpenAI(base_url=url, api_key=token, max_retries=0, timeout=timeout_s)
+        transport = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), timeout=timeout_s)
+        self._http = AsyncOpenAI(base_url="http://sampler/v1", api_key=token, max_retries=0, timeout=timeout_s,
+                                 http_client=transport)
         self._client = vf.OpenAIChatCompletionsClient(self._http)
         self.failed_groups = self._failed_in_a_row = 0
 
@@ -149,5 +154,5 @@ def verifiers_rollouts(cfg, task, endpoint) -> VerifiersRollouts | None:
                 "logprobs": True}
     sampling.update({k: v for k, v in extra.items() if k != "extra_body"})
     sampling["extra_body"] = {**dict(extra.get("extra_body") or {}), "return_token_ids": True}
-    return VerifiersRollouts(task.env, endpoint.url, endpoint.internal_token, endpoint.core.model_name, sampling,
+    return VerifiersRollouts(task.env, endpoint.app, endpoint.internal_token, endpoint.core.model_name, sampling,
                              gen.max_new_tokens, cfg.sampler.openai.request_timeout_s)

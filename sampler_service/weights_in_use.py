@@ -31,6 +31,7 @@ class WeightsInUse:
     def __init__(self, cfg: RunConfig, sampler_id: str, stop_event: threading.Event):
         self.cfg, self.sampler_id, self.stop_event = cfg, sampler_id, stop_event
         self.params, self.version, self.final, self.last_poll = None, -1, False, 0.0
+        self.installed: tuple = (None, -1)  # (params, version), for threads other than the loop's
         self.groups_at_version = 0  # groups generated with the installed version
         self.installed_versions: list[int] = []
         self.fetch_seconds: list[float] = []
@@ -120,6 +121,7 @@ class WeightsInUse:
 
     def _install(self, got) -> None:
         self.params, self.version, self.groups_at_version = got.params, got.version, 0
+        self.installed = (got.params, got.version)  # one assignment: other threads read the pair whole
         self.sync.mark_installed(got)
         if self.client is not None:  # queued groups the trainer would now drop as stale are not sent
             self.client.min_version = max(0, got.version - self.cfg.trainer.max_staleness)

@@ -53,58 +53,73 @@ class SideRequest:
     version: int = -1                # the weight version that drew its last token
     error: str | None = None         # the engine failed: no tokens
     notify: Callable[[], None] | None = None  # called (on the engine's thread) once it is done
+    cancelled: bool = False          # its caller went away: not started if it has not been
 
     def complete(self) -> None:
         self.done.set()
         if self.notify is not None:
-            self.notify()
+            try:
+                self.notify()
+            except RuntimeError:  # the caller's event loop is closed (the endpoint is stopping): nobody waits
+                pass
 
 
 class SideQueue:
     """Endpoint requests waiting for the engine, and the engine's lock. Thread-safe."""
 
     def __init__(self, max_queued: int):
-        self.max_queued = max_queued
+        self.max_queued = max_queued  # waiting, and again as many inside the engine (taken, not finished)
         self.engine = threading.Lock()             # one serve at a time, the sampler's or an idle one
         self.sampler_waiting = threading.Event()   # the sampler wants the engine: idle serves take nothing more
         self._waiting: collections.deque[SideRequest] = collections.deque()
         self._cond = threading.Condition()
+        self.in_engine = 0                         # taken by a serve, not finished
         self.served = 0                            # requests finished (figures)
         self.served_in_sampler_batches = 0         # ... of which inside the sampler's own serves
 
-    def submit(self, request: SideRequest) -> None:
+    def submit(self, requests: list[SideRequest], bounded: bool = True) -> None:
+        """Queue all of `requests` or none (QueueFull when they do not fit max_queued and `bounded`)."""
         with self._cond:
-            if len(self._waiting) >= self.max_queued:
-                raise QueueFull(f"{len(self._waiting)} requests are waiting (sampler.openai.max_queued)")
-            self._waiting.append(request)
+            if bounded and len(self._waiting) + len(requests) > self.max_queued:
+                raise QueueFull(f"{len(self._waiting)} sequences are waiting and this request brings "
+                                f"{len(requests)} (sampler.openai.max_queued={self.max_queued})")
+            self._waiting.extend(requests)
             self._cond.notify_all()
 
-    def withdraw(self, request: SideRequest) -> bool:
-        """Take back a request not yet taken by the engine (its caller went away); whether it was still waiting."""
+    def withdraw(self, requests: list[SideRequest]) -> None:
+        """Their caller went away: those still waiting leave the queue; those a serve has taken decode to their end
+        (at most max_queued are inside the engine at once)."""
         with self._cond:
-            try:
-                self._waiting.remove(request)
-                return True
-            except ValueError:
-                return False
+            for r in requests:
+                r.cancelled = True
+                if r in self._waiting:
+                    self._waiting.remove(r)
 
     def has(self, greedy: bool | None = None) -> bool:
         with self._cond:
             return any(greedy is None or r.greedy == greedy for r in self._waiting)
 
-    def wait_for_any(self, timeout: float) -> bool:
+    def wait_for(self, greedy: bool | None, timeout: float) -> bool:
+        """Block until a request sampled the way `greedy` says waits (None: any), or `timeout` passes."""
         with self._cond:
-            if not self._waiting:
+            if not any(greedy is None or r.greedy == greedy for r in self._waiting):
                 self._cond.wait(timeout)
-            return bool(self._waiting)
+            return any(greedy is None or r.greedy == greedy for r in self._waiting)
 
     def take(self, greedy: bool) -> list[SideRequest]:
-        """Every waiting request sampled the way `greedy` says, oldest first."""
+        """Waiting requests sampled the way `greedy` says, oldest first, while fewer than max_queued are inside
+        the engine (the engine's own list of pending rows stays bounded too)."""
         with self._cond:
-            taken = [r for r in self._waiting if r.greedy == greedy]
+            room = max(0, self.max_queued - self.in_engine)
+            taken = [r for r in self._waiting if r.greedy == greedy][:room]
             for r in taken:
                 self._waiting.remove(r)
+            self.in_engine += len(taken)
         return taken
+
+    def left_engine(self, count: int = 1) -> None:
+        with self._cond:
+            self.in_engine -= count
 
     def fail_waiting(self, why: str) -> None:
         """End every waiting request with an error (the sampler is stopping)."""
@@ -128,16 +143,28 @@ class MergedSource:
     """A serve's own request source plus the endpoint's queued requests (see the module docstring). `idle`: a serve
     of endpoint requests only, which stops taking them once the sampler waits for the engine."""
 
-    def __init__(self, inner, side: SideQueue, greedy: bool, version: int, idle: bool = False):
+    def __init__(self, inner, side: SideQueue, greedy: bool, version: int, idle: bool = False,
+                 current: Callable[[], tuple[Any, int]] | None = None):
+        """`current`: an idle serve's source of the installed weights; it takes nothing once they are newer than
+        its own (a request must be drawn by the version installed when it is served, which a sampler's verifiers
+        batch records for its groups)."""
         self.inner, self.side, self.greedy, self.version, self.idle = inner, side, greedy, version, idle
+        self.current = current
         self._live: set[SideRequest] = set()  # taken by the engine, not finished yet
+        self._own_live = 0  # the serve's own requests taken and not finished
         self._last_taken = time.monotonic()
 
     def _may_take(self) -> bool:
-        return not (self.idle and self.side.sampler_waiting.is_set())
+        """An idle serve takes endpoint requests until the sampler wants the engine; the sampler's own serve while
+        its own work is unfinished (so endpoint traffic can never keep the sampler's batch from ending)."""
+        if self.idle:
+            return not self.side.sampler_waiting.is_set() and (self.current is None or
+                                                               self.current()[1] == self.version)
+        return self._own_live > 0 or self.inner.open()
 
     def take(self) -> list[Request]:
         taken = self.inner.take()
+        self._own_live += len(taken)
         if self._may_take():
             side = self.side.take(self.greedy)
             if side:
@@ -151,11 +178,13 @@ class MergedSource:
         for r in self._live:
             r.error = why
             r.complete()
+        self.side.left_engine(len(self._live))
         self._live.clear()
 
     def finish(self, request: Request, tokens, logprobs, versions, finished: bool) -> None:
         side = request.tag
         if not isinstance(side, SideRequest):
+            self._own_live -= 1
             self.inner.finish(request, tokens, logprobs, versions, finished)
             return
         side.tokens = np.asarray(tokens).tolist()
@@ -165,6 +194,7 @@ class MergedSource:
         self.side.served += 1
         self.side.served_in_sampler_batches += not self.idle
         self._live.discard(side)
+        self.side.left_engine()
         side.complete()
 
     def open(self) -> bool:
@@ -173,6 +203,10 @@ class MergedSource:
         return self.inner.open()
 
     def wait(self, timeout: float) -> None:
+        if self.idle:  # nothing of its own to wait for: the next endpoint request, or the end of the linger
+            linger = IDLE_LINGER_S - (time.monotonic() - self._last_taken)
+            self.side.wait_for(self.greedy, max(0.0, min(timeout, linger)))
+            return
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self._may_take() and self.side.has(self.greedy):
@@ -227,20 +261,23 @@ def serve_idle(engine, side: SideQueue, current: Callable[[], tuple[Any, int]], 
     """Serve endpoint requests while the sampler leaves the engine alone, until `stop` (a thread's body).
     `current()`: the installed (params, version); (None, -1) before the first weights, when requests wait."""
     while not stop.is_set():
-        if not side.wait_for_any(0.1):
+        if not side.wait_for(None, 0.1):
             continue
-        params, version = current()
-        if params is None or side.sampler_waiting.is_set():  # no weights yet, or the sampler's turn: wait
-            stop.wait(IDLE_POLL_S)
+        if side.sampler_waiting.is_set() or not side.engine.acquire(timeout=IDLE_POLL_S):
+            stop.wait(IDLE_POLL_S)  # the sampler's turn: its serve takes the requests
             continue
-        if not side.engine.acquire(timeout=IDLE_POLL_S):
-            continue  # the sampler serves: its serve takes the requests
+        params = None
         try:
+            params, version = current()  # read under the lock: the weights installed now, not before a wait
+            if params is None:  # no weights yet: requests wait for the first version
+                continue
             for greedy in (True, False):
                 if side.has(greedy) and not side.sampler_waiting.is_set():
-                    serve_merged(engine, params, MergedSource(NoRequests(), side, greedy, version, idle=True),
-                                 greedy, None, version)
+                    serve_merged(engine, params, MergedSource(NoRequests(), side, greedy, version, idle=True,
+                                                              current=current), greedy, None, version)
         except Exception:  # noqa: BLE001 - its requests were answered with the error; the endpoint keeps serving
             log.exception("serving endpoint requests failed")
         finally:
             side.engine.release()
+            if params is None:
+                stop.wait(0.1)
