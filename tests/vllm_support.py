@@ -45,3 +45,17 @@ def tiny_qwen2_dir(directory: pathlib.Path, tied: bool = True, seed: int = 0) ->
     named = {k: v * 0.05 if "embed" in k else v for k, v in named.items()}
     export_hf(directory, arch, named, tokenizer_dir=directory, eos_ids=tok.eos_ids, pad_id=tok.pad_id)
     return directory
+
+
+def script_result(module: str, tmp_path: pathlib.Path, tied: bool = True) -> dict:
+    """Run `python -m tests.vllm_scripts.<module> MODEL_DIR OUT.json` in the vLLM environment on a tiny Qwen2
+    checkpoint (tied embeddings or not) and return the measurements it wrote; its stderr when it fails."""
+    import json  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+
+    model_dir = tiny_qwen2_dir(tmp_path / "model", tied=tied)
+    out = tmp_path / "out.json"
+    proc = subprocess.run([vllm_python(), "-m", f"tests.vllm_scripts.{module}", str(model_dir), str(out)],
+                          cwd=pathlib.Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text())

@@ -53,6 +53,22 @@ def check_request(prompts: list[list[int]], budgets: list[int] | None, max_promp
     return np.asarray(budgets, np.int32)
 
 
+def generate_by_serving(engine, params: Any, prompts: list[list[int]], rng: Any, greedy: bool,
+                        max_new_tokens: list[int] | None, refresh, version: int) -> Generation:
+    """An engine's `generate` as a `serve` of a fixed request set: row i samples with the engine's key for row i of
+    `rng` (engine.request_keys), so a request served elsewhere with that key draws the same tokens."""
+    budgets = check_request(prompts, max_new_tokens, engine.max_prompt_tokens, engine.max_new_tokens)
+    rows, width = len(prompts), engine.max_new_tokens
+    out = Generation(np.full((rows, width), engine.pad_id, np.int32), np.zeros((rows, width), np.float32),
+                     np.zeros((rows,), np.int32), np.zeros((rows,), np.bool_),
+                     None if refresh is None else np.full((rows, width), -1, np.int32))
+    if rows:
+        keys = engine.request_keys(rng, rows)
+        requests = [Request(list(p), int(b), k, i) for i, (p, b, k) in enumerate(zip(prompts, budgets, keys))]
+        engine.serve(params, FixedRequests(requests, out), greedy, refresh, version)
+    return out
+
+
 @dataclasses.dataclass
 class Request:
     """One sequence to decode: its prompt (for a later turn of an episode, the conversation so far, token ids as

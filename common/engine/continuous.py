@@ -77,7 +77,7 @@ import numpy as np
 
 from grpo_stream.common.engine import cpu_attention, decode
 from grpo_stream.common.engine.side_requests import SideServing
-from grpo_stream.common.engine.base import FixedRequests, Generation, Request, RequestSource, check_request
+from grpo_stream.common.engine.base import Generation, Request, RequestSource, generate_by_serving
 from grpo_stream.common.engine.held_turns import HeldTurns
 from grpo_stream.common.engine.request_rows import RequestRows
 from grpo_stream.common.engine.slot_programs import (MIN_SLOTS, MIN_WINDOW, SlotPrograms, SlotState, pow2_at_least,
@@ -161,18 +161,7 @@ class ContinuousEngine(SideServing, RequestRows, HeldTurns, SlotPrograms):
         """Completions of `prompts` under `params` (weight version `version`); `max_new_tokens`: a per-row token
         budget (default generation.max_new_tokens for all); `refresh`: called at chunk boundaries, returns newer
         (params, version) to continue with, or None; with it, `Generation.versions` records each token's version."""
-        budgets = check_request(prompts, max_new_tokens, self.max_prompt_tokens, self.max_new_tokens)
-        rows = len(prompts)
-        out = Generation(tokens=np.full((rows, self.max_new_tokens), self.pad_id, np.int32),
-                         logprobs=np.zeros((rows, self.max_new_tokens), np.float32),
-                         lengths=np.zeros((rows,), np.int32), finished=np.zeros((rows,), np.bool_),
-                         versions=np.full((rows, self.max_new_tokens), -1, np.int32) if refresh else None)
-        if not rows:
-            return out
-        requests = [Request(list(p), int(b), k, i)
-                    for i, (p, b, k) in enumerate(zip(prompts, budgets, self.request_keys(rng, rows)))]
-        self.serve(params, FixedRequests(requests, out), greedy, refresh, version)
-        return out
+        return generate_by_serving(self, params, prompts, rng, greedy, max_new_tokens, refresh, version)
 
     def _serve(self, params: Any, source: RequestSource, greedy: bool = False,
                refresh: Callable[[], tuple[Any, int] | None] | None = None, version: int = 0) -> None:

@@ -79,7 +79,7 @@ from typing import Any, Callable
 import numpy as np
 
 from grpo_stream.common.engine.side_requests import SideServing
-from grpo_stream.common.engine.base import FixedRequests, Generation, Request, RequestSource, check_request
+from grpo_stream.common.engine.base import Generation, Request, RequestSource, generate_by_serving
 from grpo_stream.common.engine.vllm_worker import EXTENSION
 from grpo_stream.common.model.hf_checkpoint import to_hf_names, write_safetensors
 
@@ -216,19 +216,12 @@ class VllmEngine(SideServing):
         int) seeds row i with seed(rng) + i; `max_new_tokens`: per-row budgets (default generation.max_new_tokens);
         `refresh`: called every sampler.vllm.steps_between_updates steps, returns newer (params, version) to go on
         with, or None; with it, `Generation.versions` records each token's version. A `serve` of a fixed set."""
-        budgets = check_request(prompts, max_new_tokens, self.max_prompt_tokens, self.max_new_tokens).tolist()
-        rows, width = len(prompts), self.max_new_tokens
-        out = Generation(np.full((rows, width), self.pad_id, np.int32), np.zeros((rows, width), np.float32),
-                         np.zeros((rows,), np.int32), np.zeros((rows,), np.bool_),
-                         None if refresh is None else np.full((rows, width), -1, np.int32))
-        keys = self.request_keys(rng, rows)
-        requests = [Request(list(ids), budgets[i], keys[i], i) for i, ids in enumerate(prompts)]
-        self.serve(params, FixedRequests(requests, out), greedy, refresh, version)
-        return out
+        return generate_by_serving(self, params, prompts, rng, greedy, max_new_tokens, refresh, version)
 
     def request_keys(self, rng: Any, rows: int) -> list[int]:
         """The seed of each row of a batch generated with `rng`: row i samples with seed(rng) + i."""
-        return [(_seed_of(rng) + i) % 2**63 for i in range(rows)]
+        base = _seed_of(rng)  # once: a JAX key's bits are read back from the device
+        return [(base + i) % 2**63 for i in range(rows)]
 
     def _serve(self, params: Any, source: RequestSource, greedy: bool = False,
                refresh: Callable[[], tuple[Any, int] | None] | None = None, version: int = 0) -> None:

@@ -8,7 +8,7 @@ import subprocess
 import pytest
 
 from tests.conftest import ROOT
-from tests.vllm_support import tiny_qwen2_dir, vllm_python
+from tests.vllm_support import script_result, tiny_qwen2_dir, vllm_python
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -42,13 +42,7 @@ def test_vllm_in_flight_updates_keep_live_requests_and_never_share_kv_across_ver
     TPU (vllm-tpu)"): pausing with every request kept and resuming changes nothing; tokens record the version that
     sampled them and their logprobs are that version's given the cache as it was; a request of a new version never
     reads the prompt blocks the previous version computed, though they are still cached."""
-    python = vllm_python()
-    model_dir = tiny_qwen2_dir(tmp_path / "model", tied=False)
-    out = tmp_path / "out.json"
-    proc = subprocess.run([python, "-m", "tests.vllm_scripts.in_flight_check", str(model_dir), str(out)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    r = json.loads(out.read_text())
+    r = script_result("in_flight_check", tmp_path, tied=False)
     # a pause every 2 steps that writes the same weights again: the uninterrupted run's tokens and logprobs
     assert r["pauses"] >= 5 and r["paused_same_tokens"] and r["paused_logprob_max_diff"] <= 1e-6
     assert r["plain_versions"] == [0]

