@@ -30,7 +30,7 @@ import numpy as np
 
 from grpo_stream.common.config.loading import load_config
 from grpo_stream.common.config.schema import RunConfig
-from grpo_stream.common.engine.evaluation import evaluate
+from grpo_stream.common.episodes.evaluation import evaluate
 from grpo_stream.common.rollouts.wire import CompletionData, GroupData
 from grpo_stream.common.tasks.rewards import RewardSet
 from grpo_stream.trainer_service.batching import build_batch

@@ -2,8 +2,9 @@
 
 The policy is the config's model: a Hugging Face directory (model.kind=hf,
 e.g. a run's exported `RUN_DIR/model`), or the tiny model at its seeded
-initialisation. Greedy pass@1 always; pass@k and maj@k when eval.samples > 0; the task's own figures when it has
-them (`eval_metrics`: IFEval's four, under "task_metrics").
+initialisation. Each problem is made by the run's rollout kind (single turn, an environment's episodes, a verifiers
+environment's rollouts). Greedy pass@1 and mean reward by task.rewards (or the rubric) always; pass@k and maj@k when
+eval.samples > 0; the task's own figures when it has them (`eval_metrics`: IFEval's four, under "task_metrics").
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ log = logging.getLogger("grpo_stream.eval")
 
 
 def run_eval(cfg: RunConfig, split: str, limit: int | None, json_path: pathlib.Path | None) -> dict:
-    from grpo_stream.common.engine.evaluation import evaluate  # noqa: PLC0415 - imports JAX
+    from grpo_stream.common.episodes.evaluation import evaluate_run  # noqa: PLC0415 - imports JAX
     from grpo_stream.common.engine import continuous  # noqa: PLC0415
     from grpo_stream.common.runtime.process import build_policy, build_task_and_tokenizer  # noqa: PLC0415
 
@@ -29,8 +30,7 @@ def run_eval(cfg: RunConfig, split: str, limit: int | None, json_path: pathlib.P
     problems = task.split_problems(split, limit or cfg.eval.num_problems)
     log.info("evaluating %s on %d %s problems (greedy%s)", cfg.model.path or "the tiny model", len(problems), split,
              f" + {cfg.eval.samples} samples each" if cfg.eval.samples else "")
-    result = evaluate(engine, model.params, tokenizer, problems, cfg.eval.batch_size, samples=cfg.eval.samples,
-                      ks=cfg.eval.ks, seed=cfg.run.seed, task_metrics=getattr(task, "eval_metrics", None)).as_dict()
+    result = evaluate_run(cfg, engine, model.params, task, tokenizer, problems).as_dict()
     doc = {"model": cfg.model.path or "tiny", "task": cfg.task.name, "split": split,
            "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), **result}
     if json_path:

@@ -173,7 +173,7 @@ class Runner:
                 f"task.dataset.source={gsm8k}", "task.prompt_template=plain", f"trainer.steps={m.steps}",
                 f"trainer.optimizer.warmup_steps={max(1, m.steps // 10)}", "trainer.eval_before=false",
                 "trainer.eval_after=false", "sampler.replicas=1", f"trainer.groups_per_step={g}",
-                f"sampler.prompts_per_batch={g}", f"buffer.max_groups={2 * g}", "sampler.weight_poll_s=0.02",
+                f"buffer.max_groups={2 * g}", "sampler.weight_poll_s=0.02",
                 "checkpoint.every=1000000", "checkpoint.verify=false", "trainer.final_wait_s=30", *m.big]
 
     def main(self) -> int:

@@ -117,7 +117,7 @@ def sampler_fixes(cfg: RunConfig, sizes: dict, slots: int) -> list[str]:
         fixes.append(f"weights.background_fetch=false: no second copy while a version arrives (saves "
                      f"{gib(sizes['fetch_buffer'])}; generation pauses during each fetch)")
     if sizes["kv_cache"] > 0.2 * sizes["total"] and slots > 8:
-        fixes.append(f"generation.decode_slots={slots // 2} (or fewer sampler.prompts_per_batch): half the KV cache "
+        fixes.append(f"generation.decode_slots={slots // 2} (or fewer sampler.rows_in_flight): half the KV cache "
                      f"of {gib(sizes['kv_cache'])}")
     if cfg.sampler_dtype() == "float32":
         fixes.append("sampler.dtype=bfloat16: halves the samplers' weights and KV cache (the trainer's dtype stays)")

@@ -192,14 +192,16 @@ def packed_step_programs(cfg: RunConfig, updater: PolicyUpdater, mesh, needs_old
 
 
 def sampler_programs(cfg: RunConfig, arch: Architecture) -> dict:
-    """Compile the JAX engine's weight re-layout, prompt prefill and decode chunk for the largest request set a
-    sampler makes (sampler.prompts_per_batch prompts x generation.num_generations rows) on one sampler's mesh."""
+    """Compile the JAX engine's weight re-layout, prompt prefill and decode chunk at the most rows a sampler decodes
+    at once (its rows in flight, at most generation.decode_slots; the slot ladder's size holding them) and the most
+    distinct prompts it admits at once (a group's rows share one), on one sampler's mesh."""
     gen, s = cfg.generation, cfg.sampler
     mesh = make_mesh(1, s.mesh.tp, jax.devices(), "sampler.mesh.tp")
     model = abstract_model(arch, model_dtype(cfg, "sampler"), mesh)
     engine = continuous.ContinuousEngine(model, 0, 1, gen.max_prompt_tokens, gen.max_new_tokens, gen.temperature,
                                          slots=gen.decode_slots, chunk_steps=gen.decode_chunk_steps)
-    slots = min(engine.slots, pow2_at_least(s.prompts_per_batch * gen.num_generations))
+    rows = min(engine.slots, cfg.rows_in_flight())
+    slots = engine._size_for(rows)
     window = engine.cache_len
     replicated = NamedSharding(mesh, PartitionSpec())
     progress(f"sampler: compiling re-layout, prefill and decode ({slots} slots, {window}-token cache, tp "
@@ -213,8 +215,8 @@ def sampler_programs(cfg: RunConfig, arch: Architecture) -> dict:
     state = jax.tree.map(lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=replicated),
                          jax.eval_shape(lambda: engine._empty_state(slots, window)))
     scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
-    decode = analysed(engine._decode.lower(weights, (state,), scalar, greedy=False, windows=(window,)).compile())
-    prompts = pow2_at_least(s.prompts_per_batch)
+    decode = analysed(engine._decode.lower(weights, (state,), scalar, windows=(window,)).compile())
+    prompts = pow2_at_least(max(1, rows // gen.num_generations))
     width = min(engine.cache_len, pow2_at_least(gen.max_prompt_tokens, 16))
     prefill = analysed(engine._prefill.lower(
         weights, jax.ShapeDtypeStruct((prompts, width), jnp.int32, sharding=replicated),

@@ -90,6 +90,8 @@ class WeightSync:
         self.throughput = (0.0, 0.0)  # (groups/s, tokens/s) the sampler reports with its version
         self.groups_generated = 0  # reported too: the trainer's summary counts the run's wasted generation
         self.installed_version, self.installed_epoch = -1, ""
+        # the newest version fetched whole (installed, or handed over and waiting for the engine): never fetched again
+        self.fetched_version, self.fetched_epoch = -1, ""
         self.latest_seen = -1  # newest version seen from the installed version's trainer epoch
         self.failures, self._next_attempt = 0, 0.0
         self._pool = (concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-fetch")
@@ -143,19 +145,20 @@ class WeightSync:
         if got is not None and got.params is not None:
             self.failures = 0
             self._backoff.reset()
+            self.fetched_version, self.fetched_epoch = got.version, got.epoch
         return got
 
     def _check_and_fetch(self) -> Installed | None:
-        manifest = self.fetcher.latest(self.installed_version)
+        manifest = self.fetcher.latest(self.fetched_version)
         if manifest is None:
             return None
-        new_epoch = manifest.trainer_epoch != self.installed_epoch
+        new_epoch = manifest.trainer_epoch != self.fetched_epoch
         if not new_epoch:
             self.latest_seen = max(self.latest_seen, manifest.version)
-        if not new_epoch and (manifest.version < self.installed_version or (
-                manifest.version == self.installed_version and not manifest.final)):
+        if not new_epoch and (manifest.version < self.fetched_version or (
+                manifest.version == self.fetched_version and not manifest.final)):
             return None
-        if not new_epoch and manifest.version == self.installed_version:
+        if not new_epoch and manifest.version == self.fetched_version:
             return Installed(manifest.version, None, True, 0.0, 0, manifest.trainer_epoch)
         # before any byte moves: a version of another model stops the sampler, however it is transported
         check_names(manifest.adapters.base if manifest.HasField("adapters") else manifest, self.targets,
@@ -200,12 +203,15 @@ class WeightSync:
         if callable(close):
             close()
 
-    def mark_installed(self, got: Installed) -> None:
+    def mark_installed(self, got: Installed, report: bool = True) -> None:
+        """`got` is in use now; `report`: tell the trainer at once (else the caller reports later, off the engine's
+        thread)."""
         if got.epoch != self.installed_epoch:
             self.latest_seen = got.version
         self.installed_version, self.installed_epoch = got.version, got.epoch
         self.latest_seen = max(self.latest_seen, got.version)
-        self.report()
+        if report:
+            self.report()
 
     def report(self) -> None:
         """Tell the trainer which version runs here and how fetching goes (best effort, short deadline)."""

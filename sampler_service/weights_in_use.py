@@ -1,14 +1,19 @@
-"""Which weights a sampler generates with, and its waits for them: the first version, a version fresh enough for
-the trainer's staleness bound, a newer version in synchronous mode, and weight checks while the backlog is full.
+"""Which weights a sampler generates with: its first version, newer ones as they arrive, and when they take over.
 
-`WeightsInUse` is the sampler loop's base (loop.py): it holds the installed parameters and their history, and
-installs what `WeightSync.poll` returns. Every wait here ends at once on a stop request, and raises what stopped the
-rollout sender (RolloutClient.check) and what a weight check cannot retry (WeightSync.poll): a sampler never waits
-for weights while nothing can send what it would make, nor retries weights of another model.
+`WeightsInUse` is the sampler loop's base (loop.py). The feeder's thread polls the weight sync (`_poll_weights`):
+before the rollout stream runs (the first version) a fetched version is installed at once; while it runs, it is
+staged, and the engine installs it at its next scheduling point (`_refresh`, on the engine's thread): at once with
+sampler.weight_updates=in_flight (every live sequence continues with it, each token recording its version), or,
+with drain, once no group of the old version is in flight (the feeder starts none meanwhile, and endpoint requests
+from outside wait). The final version is installed by the feeder after the stream is cancelled: nothing generated
+after it could be trained. Every wait here ends at once on a stop request, and raises what stopped the rollout
+sender and what a weight check cannot retry (WeightSync.poll): a sampler never waits for weights while nothing can
+send what it would make, nor retries weights of another model.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -25,20 +30,24 @@ LOG_WAIT_EVERY_S = 30.0  # how often a wait for the trainer's first weights is l
 
 
 class WeightsInUse:
-    """The installed version and its waits. `sync` (WeightSync), `client` (RolloutClient) and `metrics`
-    (lifecycle.SamplerMetrics) are set once the sampler is set up."""
+    """The installed version, the one staged to follow it, and the first wait. `sync` (WeightSync), `client`
+    (RolloutClient) and `metrics` (lifecycle.SamplerMetrics) are set once the sampler is set up; `stream` (the
+    RolloutStream) while it runs."""
 
     def __init__(self, cfg: RunConfig, sampler_id: str, stop_event: threading.Event):
         self.cfg, self.sampler_id, self.stop_event = cfg, sampler_id, stop_event
         self.params, self.version, self.final, self.last_poll = None, -1, False, 0.0
         self.installed: tuple = (None, -1)  # (params, version), for threads other than the loop's
-        self.groups_at_version = 0  # groups generated with the installed version
+        self.groups_at_version = 0  # groups started with the installed version
         self.installed_versions: list[int] = []
         self.fetch_seconds: list[float] = []
         self.fetch_bytes: list[int] = []  # per installed version (with LoRA: the adapters, and the base when fetched)
         self.publish_to_install_s: list[float] = []  # per installed version: trainer's publication -> installed here
         self.waited_for_weights_s = 0.0
-        self.sync = self.client = self.metrics = None
+        self.sync = self.client = self.metrics = self.stream = self.engine_side = None
+        self.staged = None  # a fetched version the engine has not taken yet (while the stream runs)
+        self._staging = threading.Lock()
+        self._reported_version = -1
 
     def _await_first_weights(self, stub) -> None:
         """Install the trainer's first version before generating. A trainer that is up but has not published yet
@@ -68,46 +77,9 @@ class WeightsInUse:
                          "warm start or eval_before)", self.sampler_id, now - started)
             self.stop_event.wait(0.05 if self.cfg.weights.background_fetch else 0.5)
 
-    def _await_fresh_weights(self) -> None:
-        """The installed version is more than trainer.max_staleness behind the newest: the trainer would drop what
-        is generated now, so wait for newer weights (or the final version, or a stop)."""
-        log.warning("%s: version %d is %d behind the newest (trainer.max_staleness %d); waiting for weights",
-                    self.sampler_id, self.version, self.sync.lag(), self.cfg.trainer.max_staleness)
-        while self.sync.too_stale() and not self.stop_event.is_set() and not self.final:
-            self._check_sender()
-            self.stop_event.wait(self.cfg.sampler.weight_poll_s)
-            self._poll_weights()
-
-    def _await_newer_version(self, started_wait: float) -> None:
-        """Synchronous mode: poll until a newer (or final) version is installed, or a stop is asked for."""
-        version = self.version
-        while self.version == version and not self.final and not self.stop_event.is_set():
-            self._check_sender()
-            pause = self.cfg.sampler.weight_poll_s - (time.monotonic() - self.last_poll)
-            if pause > 0:
-                self.stop_event.wait(pause)
-            self._poll_weights()
-        self.waited_for_weights_s += time.monotonic() - started_wait
-
-    def _push(self, client, group) -> bool:
-        """Hand a group to the sender; while its backlog is full keep checking for new (or final) weights.
-        False when the sampler must stop instead (signal or final version); raises what stopped the sender."""
-        while not client.put(group, timeout_s=0.5):
-            if self.stop_event.is_set():
-                return False
-            if time.monotonic() - self.last_poll >= self.cfg.sampler.weight_poll_s:
-                self._poll_weights()
-                if self.final:
-                    return False
-        return True
-
-    def _check_sender(self) -> None:
-        if self.client is not None:
-            self.client.check()
-
     def _poll_weights(self) -> None:
-        """Install a newer published version if there is one (only ever between generation batches, or at the
-        engine's refresh points with weight_updates=in_flight)."""
+        """Check for a newer published version: installed at once while no stream runs, else staged for the engine
+        (a newer one replaces a staged one the engine has not taken)."""
         self.last_poll = time.monotonic()
         got = self.sync.poll()
         if self.metrics is not None:
@@ -115,14 +87,25 @@ class WeightsInUse:
             self.metrics.failures.set(self.sync.failures)
         if got is None:
             return
-        if got.params is not None:
+        if got.params is None:  # the newest version fetched, now marked final
+            with self._staging:
+                if self.staged is not None and self.staged.version == got.version:
+                    self.staged = dataclasses.replace(self.staged, final=True)
+                    return
+            self.final = self.final or got.final
+            return
+        if self.stream is None:
             self._install(got)
-        self.final = got.final
+            self.final = got.final
+            return
+        with self._staging:
+            self.staged = got
 
     def _install(self, got) -> None:
+        """Make `got` the version in use (any thread: nothing here waits on the network)."""
         self.params, self.version, self.groups_at_version = got.params, got.version, 0
         self.installed = (got.params, got.version)  # one assignment: other threads read the pair whole
-        self.sync.mark_installed(got)
+        self.sync.mark_installed(got, report=False)  # reported by the feeder's thread (_report_installed)
         if self.client is not None:  # queued groups the trainer would now drop as stale are not sent
             self.client.min_version = max(0, got.version - self.cfg.trainer.max_staleness)
         self.installed_versions.append(got.version)
@@ -135,15 +118,36 @@ class WeightsInUse:
         detail.info("%s installed weight version %d (%.1f MB, fetch %.2fs)%s", self.sampler_id, got.version,
                     got.nbytes / 1e6, got.fetch_seconds, " [final]" if got.final else "")
 
-    def _poll_due(self) -> bool:
-        """A weight check is due: the poll interval passed, or a background fetch finished (installed at once)."""
-        return time.monotonic() - self.last_poll >= self.cfg.sampler.weight_poll_s or self.sync.has_result()
+    def _report_installed(self) -> None:
+        """Tell the trainer about a version the engine installed since the last report (the feeder's thread)."""
+        if self.version != self._reported_version:
+            self._reported_version = self.version
+            self.sync.report()
 
-    def _refresh_in_flight(self):
-        """sampler.weight_updates=in_flight: the engine asks between decode chunks; a newly installed version is
-        returned as (params, version) and continues every live sequence."""
-        if not self._poll_due():
-            return None
-        before = self.version
-        self._poll_weights()
-        return (self.params, self.version) if self.version != before else None
+    def _refresh(self):
+        """The engine's scheduling points (its thread): the staged version as (params, version) when it may take
+        over now (module docstring), else None. A final version is left to the feeder."""
+        with self._staging:
+            got = self.staged
+            if got is None or got.final:
+                return None
+            if self.cfg.sampler.weight_updates == "drain" and not self._drained():
+                self.stream.set_accepting(False)
+                return None
+            self.staged = None
+        self._install(got)
+        self.stream.set_accepting(True)
+        return got.params, got.version
+
+    def _drained(self) -> bool:
+        """No group of the installed version is in flight, nor an outside endpoint request inside the engine."""
+        return self.stream.episodes_in_flight == 0 and (self.engine_side is None or self.engine_side.in_engine == 0)
+
+    def _staged_final(self):
+        """The final version, fetched and not installed yet (or None)."""
+        with self._staging:
+            return self.staged if self.staged is not None and self.staged.final else None
+
+    def _poll_due(self) -> bool:
+        """A weight check is due: the poll interval passed, or a background fetch finished."""
+        return time.monotonic() - self.last_poll >= self.cfg.sampler.weight_poll_s or self.sync.has_result()

@@ -73,7 +73,7 @@ class AdmissionControl:
         self.limits, self.clock = limits, clock
         self._versions: dict[str, collections.Counter] = {}  # sampler -> {version: groups in flight}
         self._newest: dict[str, int] = {}  # sampler -> the newest weight version it asked with in its lease
-        self._last_grant: dict[str, int] = {}  # sampler -> its last grant (> 0): the size of the batch it fills next
+        self._granted: dict[str, int] = {}  # sampler -> groups granted since its last claim of injected prompts
         self._seen: dict[str, float] = {}
         self._lock = threading.Lock()
         self.stats = {"requests": 0, "granted": 0, "refused": 0}
@@ -91,13 +91,14 @@ class AdmissionControl:
     def _drop(self, sampler_id: str) -> None:
         del self._seen[sampler_id], self._versions[sampler_id]
         self._newest.pop(sampler_id, None)
-        self._last_grant.pop(sampler_id, None)
+        self._granted.pop(sampler_id, None)
 
-    def last_granted(self, sampler_id: str) -> int | None:
-        """The groups last granted to `sampler_id` in its lease (None: none): a sampler claims injected prompts for
-        the batch it was just granted, so this is that batch's size in groups."""
+    def take_granted(self, sampler_id: str) -> int | None:
+        """The groups granted to `sampler_id` since the last call (None: none in its lease): a sampler claims
+        injected prompts for the groups it was granted, so this is how many groups its claim may fill; counted
+        from 0 again."""
         with self._lock:
-            return self._last_grant.get(sampler_id)
+            return self._granted.pop(sampler_id, None)
 
     def admit(self, state: AdmissionState, sampler_id: str, wanted: int, policy_version: int,
               reported_in_flight: int) -> tuple[int, int]:
@@ -121,7 +122,7 @@ class AdmissionControl:
             granted = min(wanted, admissible(state, queued, oldest, self.limits))
             if granted:
                 own[version] += granted
-                self._last_grant[sampler_id] = granted
+                self._granted[sampler_id] = self._granted.get(sampler_id, 0) + granted
             self._seen[sampler_id] = now
             if len(self._seen) > self.limits.max_samplers:
                 self._forget_longest_silent()

@@ -21,7 +21,7 @@ import jax
 
 from grpo_stream.common.config.schema import RunConfig
 from grpo_stream.common.engine import continuous
-from grpo_stream.common.engine.evaluation import greedy_probe
+from grpo_stream.common.episodes.evaluation import greedy_probe
 from grpo_stream.common.model.hf_checkpoint import export_hf, resolve_model_dir
 from grpo_stream.common.model.sharding import make_mesh, place
 from grpo_stream.common.runtime.process import build_policy, build_task_and_tokenizer

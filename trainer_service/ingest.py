@@ -230,7 +230,7 @@ class IngestServicer(rollout_pb2_grpc.RolloutIngestServicer):
             inj = self.injection
             # the batch this claim fills is the one the sampler was just admitted for (a replica that did not
             # admit it assumes a full batch)
-            batch = None if self.admission is None else self.admission.last_granted(request.sampler_id)
+            batch = None if self.admission is None else self.admission.take_granted(request.sampler_id)
             raw = inj.queue.claim(request.sampler_id, request.max_prompts, inj.claim_lease_s, inj.share, batch)
             prompts = checked_claim(inj.queue, raw, inj.rewards, inj.retention_s, inj.max_kept)
         except BufferUnavailable as exc:

@@ -41,8 +41,8 @@ def ingest_servicers(cfg: RunConfig, buffer: RedisStreamBuffer, task, tokenizer,
     queue = PromptQueue(buffer.client, cfg.run.name)
     injection = Injection(queue, cfg.run.name, cfg.prompts.claim_lease_s, cfg.prompts.result_retention_s,
                           cfg.prompts.max_kept_results, frozenset(allowed_names(cfg.task.rewards)),
-                          InjectedShare(cfg.prompts.max_injected_fraction, cfg.sampler.prompts_per_batch,
-                                        gen.num_generations))
+                          InjectedShare(cfg.prompts.max_injected_fraction,
+                                        max(1, cfg.rows_in_flight() // gen.num_generations), gen.num_generations))
     admission = AdmissionControl(AdmissionLimits(cfg.trainer.groups_per_step, cfg.trainer.max_staleness,
                                                  cfg.trainer.steps, cfg.sampler.admission_lease_s,
                                                  cfg.sampler.admission_max_samplers))

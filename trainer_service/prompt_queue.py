@@ -23,16 +23,16 @@ Layout for run R (prefix P, next to the rollout buffer's keys):
   P:R:status             the trainer's status (JSON), rewritten every second
 
 Two shares keep one client from starving training (a client token could otherwise fill every batch: injected
-prompts go into a batch before dataset prompts, sampler_service/batches.py). Across clients, claims are weighted fair
+prompts start before dataset prompts, sampler_service/group_source.py). Across clients, claims are weighted fair
 queuing (start-time fair queuing): the client whose turn starts first is served, and a prompt of priority p moves its
 client's next turn on by 1 / (1 + p), so a client flooding at priority 9 takes at most 10 of every 11 prompts claimed
 while another client waits at priority 0, never all of them; a client that had nothing queued joins at the current
 virtual time (idleness earns no credit). Priority orders a client's own prompts strictly. And per sampler, injected
-prompts take at most prompts.max_injected_fraction of the rows of the batches it claims for: each claim adds that
-fraction of the batch's rows (the sampler's last admission grant, else sampler.prompts_per_batch, times
-generation.num_generations) to its credit, capped at one full batch's share, and each prompt claimed spends its rows
-(a prompt larger than the credit is taken while any is left, and repaid by later claims), so dataset prompts keep the
-rest however many prompts wait.
+prompts take at most prompts.max_injected_fraction of the rows of the groups it claims for: each claim adds that
+fraction of the rows of the groups admission granted the sampler since its last claim (else all it keeps in flight,
+sampler.rows_in_flight) to its credit, capped at the share of all it keeps in flight, and each prompt claimed spends
+its rows (a prompt larger than the credit is taken while any is left, and repaid by later claims), so dataset
+prompts keep the rest however many prompts wait.
 
 Answers are recorded by the rollout buffer's append script (common/rollouts/buffer.py) in the same atomic step that puts a
 train=true group into the rollout stream, so an answer is recorded once and trained at most once.
@@ -203,18 +203,19 @@ return out
 
 @dataclasses.dataclass(frozen=True)
 class InjectedShare:
-    """The injected share of a sampler's batches: `fraction` (prompts.max_injected_fraction) of the rows of each
-    batch it claims for, a full batch being `prompts_per_batch` prompts of `group_rows` (generation.num_generations)
-    rows each."""
+    """The injected share of a sampler's groups: `fraction` (prompts.max_injected_fraction) of the rows of the groups
+    it was granted since its last claim, at most `groups_in_flight` groups' worth (sampler.rows_in_flight /
+    generation.num_generations: all it holds at once) of `group_rows` (generation.num_generations) rows each."""
 
     fraction: float
-    prompts_per_batch: int
+    groups_in_flight: int
     group_rows: int
 
     def rows(self, batch_groups: int | None) -> tuple[float, float]:
-        """(credit one claim adds, the most credit kept) for a batch of `batch_groups` groups (None: a full one)."""
-        full = self.fraction * self.prompts_per_batch * self.group_rows
-        groups = self.prompts_per_batch if batch_groups is None else min(batch_groups, self.prompts_per_batch)
+        """(credit one claim adds, the most credit kept) for a claim after `batch_groups` granted groups (None: a
+        stream's full capacity)."""
+        full = self.fraction * self.groups_in_flight * self.group_rows
+        groups = self.groups_in_flight if batch_groups is None else min(batch_groups, self.groups_in_flight)
         return self.fraction * groups * self.group_rows, full
 
 

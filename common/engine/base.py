@@ -1,17 +1,20 @@
 """The generation-engine link: what a sampler generates with.
 
-An engine takes a batch of token-id prompts and the policy's parameters and returns completions with the policy's
-per-token logprobs (the behaviour logprobs the trainer's importance correction needs). Every engine switches to a
-new weight version when it is handed new parameters between batches; an engine registered with in_flight_updates
-(registry.py) also takes `refresh` and `version`: it calls refresh() at its scheduling points, switches to the
-(params, version) it returns for every live sequence, and records in Generation.versions the version of each token
-(sampler.weight_updates=in_flight). Engines are chosen by sampler.engine in registry.py.
+An engine serves requests (token-id prompts, each with its budget, its PRNG key and its sampling mode: greedy or the
+policy's temperature) with the policy's parameters and hands back completions with the policy's per-token logprobs
+(the behaviour logprobs the trainer's importance correction needs). `serve(params, source)` is the engine: it takes
+requests from a `RequestSource` as they become ready and hands each finished sequence back, for as long as the source
+is open (a sampler's rollout stream keeps one serve for its whole life, common/episodes/stream.py). `generate` is a
+serve of a fixed request set. `refresh`, called at the engine's scheduling points, may return newer (params,
+version): every live sequence continues with them, and each token records the version that drew it (in-flight
+weight updates; an engine registered without in_flight_updates takes new weights only between serves). Engines are
+chosen by sampler.engine in registry.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import numpy as np
 
@@ -29,7 +32,12 @@ class Generation:
 class GenerationEngine(Protocol):
     max_prompt_tokens: int
     max_new_tokens: int
-    fixed_shape: bool  # True: batches must keep one shape (one compiled program per shape); callers pad them
+
+    def serve(self, params: Any, source: "RequestSource", refresh: Callable | None = None, version: int = 0) -> None:
+        """Decode the requests `source` hands out until it is closed and none is left, or it is cancelled."""
+
+    def request_keys(self, rng: Any, rows: int) -> list:
+        """The key of each row of a request set sampled with `rng` (a JAX key): what `generate` gives row i."""
 
     def generate(self, params: Any, prompts: list[list[int]], rng: Any, greedy: bool = False,
                  max_new_tokens: list[int] | None = None) -> Generation:
@@ -64,20 +72,23 @@ def generate_by_serving(engine, params: Any, prompts: list[list[int]], rng: Any,
                      None if refresh is None else np.full((rows, width), -1, np.int32))
     if rows:
         keys = engine.request_keys(rng, rows)
-        requests = [Request(list(p), int(b), k, i) for i, (p, b, k) in enumerate(zip(prompts, budgets, keys))]
-        engine.serve(params, FixedRequests(requests, out), greedy, refresh, version)
+        requests = [Request(list(p), int(b), k, i, greedy=greedy)
+                    for i, (p, b, k) in enumerate(zip(prompts, budgets, keys))]
+        engine.serve(params, FixedRequests(requests, out), refresh, version)
     return out
 
 
 @dataclasses.dataclass
 class Request:
     """One sequence to decode: its prompt (for a later turn of an episode, the conversation so far, token ids as
-    sampled and as the environment wrote them, never re-encoded), its budget of new tokens, its PRNG key data and
-    the caller's handle."""
+    sampled and as the environment wrote them, never re-encoded), its budget of new tokens, its PRNG key data, the
+    caller's handle, and how it samples: greedy, or the policy's temperature. Every request of one serve may sample
+    its own way (a greedy evaluation probe or endpoint request rides beside the sampler's own rows)."""
     ids: list[int]
     budget: int
     key: Any
     tag: Any = None
+    greedy: bool = False
     # multi-turn episodes on an engine that can hold a sequence's KV cache between turns (environment.kv_cache=hold):
     hold_key: Any = None             # keep this sequence's cache when it ends, under this key
     resume: Any = None               # continue the sequence held under this key: feed it `forced`, then sample
@@ -102,6 +113,17 @@ class RequestSource(Protocol):
     def wait(self, timeout: float) -> None:
         """Block until a request is ready, the source closes or `timeout` seconds pass."""
 
+    def accepting(self) -> bool:
+        """Whether work from outside the source (endpoint requests) may join the serve now; False while a sampler
+        drains its stream for a weight install (only its own rollouts' requests are taken then)."""
+
+    def released(self) -> list:
+        """Hold keys (Request.hold_key) whose episodes ended since the last call: their held caches are freed."""
+
+    def cancelled(self) -> bool:
+        """Whether the caller gave up on every request it handed out: the serve ends at its next scheduling point,
+        finishing none of them (a sampler stopping, or past its final version)."""
+
 
 class FixedRequests:
     """A fixed request set whose results fill a Generation (row = request.tag): `generate` as a `serve`."""
@@ -125,3 +147,12 @@ class FixedRequests:
 
     def wait(self, timeout: float) -> None:
         return None
+
+    def accepting(self) -> bool:
+        return True
+
+    def released(self) -> list:
+        return []
+
+    def cancelled(self) -> bool:
+        return False

@@ -39,7 +39,8 @@ max_new_tokens for its own sake.
   grows and shrinks the same way. KV memory stays within `slots` x the longest sequence: at most `slots`
   sequences are live at once, and a layout over that memory merges the two
   groups instead.
-- Compiled programs: one per (slots, window, greedy) for decoding, per
+- Compiled programs: one per (slots, window) for decoding (each slot samples
+  its own request's way, greedy or at the temperature), per
   (prompts, prompt-length bucket) for prefill, per group shapes for admission,
   compaction, resizing and moving; `programs` lists the shapes compiled.
 
@@ -77,7 +78,7 @@ import numpy as np
 
 from grpo_stream.common.engine import cpu_attention, decode
 from grpo_stream.common.engine.side_requests import SideServing
-from grpo_stream.common.engine.base import Generation, Request, RequestSource, generate_by_serving
+from grpo_stream.common.engine.base import Generation, RequestSource, generate_by_serving
 from grpo_stream.common.engine.held_turns import HeldTurns
 from grpo_stream.common.engine.request_rows import RequestRows
 from grpo_stream.common.engine.slot_programs import (MIN_SLOTS, MIN_WINDOW, SlotPrograms, SlotState, pow2_at_least,
@@ -112,8 +113,6 @@ def step_cost(layout: list[tuple[int, int]], row_work: float) -> float:
 
 class ContinuousEngine(SideServing, RequestRows, HeldTurns, SlotPrograms):
     """Generates completions for request sets of token-id prompts with continuous batching."""
-
-    fixed_shape = False  # any number of rows: slot counts are bucketed inside, callers need no padding rows
 
     def __init__(self, model: PolicyModel, pad_id: int, eos_id: int | list[int], max_prompt_tokens: int,
                  max_new_tokens: int, temperature: float, slots: int = 256, chunk_steps: int = 16,
@@ -163,21 +162,20 @@ class ContinuousEngine(SideServing, RequestRows, HeldTurns, SlotPrograms):
         (params, version) to continue with, or None; with it, `Generation.versions` records each token's version."""
         return generate_by_serving(self, params, prompts, rng, greedy, max_new_tokens, refresh, version)
 
-    def _serve(self, params: Any, source: RequestSource, greedy: bool = False,
+    def _serve(self, params: Any, source: RequestSource,
                refresh: Callable[[], tuple[Any, int] | None] | None = None, version: int = 0) -> None:
-        """Decode the requests `source` hands out until it has none left and none will come: each chunk boundary
-        takes the requests ready then (a multi-turn episode's next turn enters when its environment has answered,
-        while the other slots keep decoding) and hands every ended sequence back through `source.finish`."""
+        """Decode the requests `source` hands out until it has none left and none will come (or it is cancelled):
+        each chunk boundary takes the requests ready then (a multi-turn episode's next turn enters when its
+        environment has answered, a sampler's next group when one ended, while the other slots keep decoding) and
+        hands every ended sequence back through `source.finish`. A serve may last a sampler's life: rows are
+        recycled once their sequence is handed back."""
         weights = self._weights(params)
-        self._requests: list[Request] = []
-        self._row_out: list[tuple | None] = []
-        self._row_base: list[int] = []
-        self._prompt_lens = np.zeros((0,), np.int64)
+        self._reset_rows()
         self._source = source
         self._held: dict = {}  # hold key -> the row whose slot keeps its cache
         main, long = None, None
         pending: collections.deque = collections.deque()
-        while True:
+        while not source.cancelled():
             if refresh is not None:
                 update = refresh()
                 if update is not None:
@@ -206,10 +204,10 @@ class ContinuousEngine(SideServing, RequestRows, HeldTurns, SlotPrograms):
                 admitted = self._admit_pending(weights, main, pending, free[:len(coming)])
                 main.logits_version[admitted] = version
             if running or coming:
-                self._decode_and_collect(weights, main, long, len(pending), greedy, version)
+                self._decode_and_collect(weights, main, long, len(pending), version)
             main, long = self._compact_groups(main, long, pending)
 
-    def _decode_and_collect(self, weights, main: SlotGroup, long: SlotGroup | None, waiting: int, greedy: bool,
+    def _decode_and_collect(self, weights, main: SlotGroup, long: SlotGroup | None, waiting: int,
                             version: int) -> None:
         """One decode chunk over the live groups, its tokens copied out."""
         held = main.size * main.window + (long.size * long.window if long is not None else 0)
@@ -220,9 +218,9 @@ class ContinuousEngine(SideServing, RequestRows, HeldTurns, SlotPrograms):
         else:
             want_free = groups[0].size + 1
         windows, ragged = tuple(g.window for g in groups), self._relaid[2]
-        self.programs.add(("decode", tuple((g.size, g.window) for g in groups), greedy, ragged))
+        self.programs.add(("decode", tuple((g.size, g.window) for g in groups), ragged))
         states, toks, lps, steps = self._decode(weights, tuple(g.state for g in groups), jnp.int32(want_free),
-                                                greedy=greedy, windows=windows, ragged=ragged)
+                                                windows=windows, ragged=ragged)
         fetched = jax.device_get((toks, lps, tuple((s.produced, s.active) for s in states), steps))
         self._groups_now = (main, long)
         for i, group in enumerate(groups):
@@ -373,10 +371,12 @@ class ContinuousEngine(SideServing, RequestRows, HeldTurns, SlotPrograms):
             slots[i], src[i], lens[i], buds[i], keys[i] = s, source[i], len(request.ids), request.budget, request.key
             main.row[s], main.produced[s] = row, 0
         self.programs.add(("admit", size, main.window, count, width))
-        holds = np.zeros((size,), np.bool_)
+        holds, greedy = np.zeros((size,), np.bool_), np.zeros((size,), np.bool_)
         holds[:len(take)] = [self._requests[r].hold_key is not None for r in take]
+        greedy[:len(take)] = [self._requests[r].greedy for r in take]
         main.state = self._admit(main.state, prompt_cache, prompt_logits, jnp.asarray(slots), jnp.asarray(src),
-                                 jnp.asarray(lens), jnp.asarray(buds), jnp.asarray(keys), jnp.asarray(holds))
+                                 jnp.asarray(lens), jnp.asarray(buds), jnp.asarray(keys), jnp.asarray(holds),
+                                 jnp.asarray(greedy))
         return np.asarray(free)
 
 

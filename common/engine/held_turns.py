@@ -38,14 +38,17 @@ class HeldTurns:
             if group is not None:
                 group.row[slot] = -1
                 self.stats["held_given_up"] += 1
+            self._free_row(row)
 
     def _release_held(self, main, long, source) -> None:
         """Free the held slots whose episodes ended."""
-        for key in getattr(source, "released", lambda: [])():
+        for key in source.released():
             row = self._held.pop(key, None)
             group, slot = self._locate((main, long), row) if row is not None else (None, None)
             if group is not None:
                 group.row[slot] = -1
+            if row is not None:
+                self._free_row(row)
 
     def _evict_held(self, main, long, waiting: int) -> None:
         """Give up held slots, oldest first, while rows wait and no slot is free for them."""
@@ -71,6 +74,7 @@ class HeldTurns:
             self._prompt_lens[new] = self._prompt_lens[row]
             self._row_base[new] = int(group.produced[slot])  # > 0: a turn produced tokens before it was held
             group.row[slot] = new
+            self._free_row(row)
             woken.setdefault(id(group), (group, []))[1].append((slot, request))
         for group, items in woken.values():
             self._wake(group, items)
@@ -82,11 +86,12 @@ class HeldTurns:
         forced = np.zeros((size, self.max_forced), np.int32)
         counts, budgets = np.zeros((size,), np.int32), np.zeros((size,), np.int32)
         keys = np.zeros((size, *np.shape(items[0][1].key)), np.uint32)
+        greedy = np.zeros((size,), np.bool_)
         for i, (slot, request) in enumerate(items):
-            slots[i], counts[i], keys[i] = slot, len(request.forced), request.key
+            slots[i], counts[i], keys[i], greedy[i] = slot, len(request.forced), request.key, request.greedy
             forced[i, :counts[i]] = request.forced
             budgets[i] = int(group.produced[slot]) + counts[i] + request.budget
         self.programs.add(("resume", size))
-        group.state = self._resume(group.state, slots, forced, counts, budgets, keys)
+        group.state = self._resume(group.state, slots, forced, counts, budgets, keys, greedy)
         self.stats["resumed_turns"] += len(items)
         self.stats["forced_tokens"] += int(counts.sum())

@@ -15,7 +15,20 @@ if TYPE_CHECKING:
 
 
 class RequestRows:
-    """Mixed into ContinuousEngine: `_requests`, `_row_out`, `_row_base` and `_prompt_lens` are indexed by row."""
+    """Mixed into ContinuousEngine: `_requests`, `_row_out`, `_row_base` and `_prompt_lens` are indexed by row. A row
+    is recycled once its sequence is handed back and its slot no longer holds it, so a serve that lasts a sampler's
+    life keeps as many rows as it has sequences in flight, not one per request it ever took."""
+
+    def _reset_rows(self) -> None:
+        self._requests: list[Request | None] = []
+        self._row_out: list[tuple | None] = []
+        self._row_base: list[int] = []
+        self._prompt_lens = np.zeros((64,), np.int64)  # capacity doubles as rows are added
+        self._free_rows: list[int] = []
+
+    def _free_row(self, row: int) -> None:
+        self._requests[row], self._row_out[row] = None, None
+        self._free_rows.append(row)
 
     def _register(self, request: Request, versions: bool) -> int:
         """A row for a request taken from the source: its output buffers, and its prompt length for the windows."""
@@ -24,13 +37,21 @@ class RequestRows:
             raise ValueError(f"request of {len(request.ids)} prompt tokens and a budget of {request.budget} does not "
                              f"fit the cache of {self.cache_len} positions (generation.max_prompt_tokens + "
                              "generation.max_new_tokens)")
-        self._requests.append(request)
         size = request.budget + (len(request.forced) if request.resume is not None and request.forced else 0)
-        self._row_out.append((np.full(size, self.pad_id, np.int32), np.zeros(size, np.float32),
-                              np.full(size, -1, np.int32) if versions else None))
-        self._row_base.append(0)
-        self._prompt_lens = np.append(self._prompt_lens, len(request.ids))
-        return len(self._requests) - 1
+        out = (np.full(size, self.pad_id, np.int32), np.zeros(size, np.float32),
+               np.full(size, -1, np.int32) if versions else None)
+        if self._free_rows:
+            row = self._free_rows.pop()
+            self._requests[row], self._row_out[row], self._row_base[row] = request, out, 0
+        else:
+            row = len(self._requests)
+            self._requests.append(request)
+            self._row_out.append(out)
+            self._row_base.append(0)
+            if row >= len(self._prompt_lens):
+                self._prompt_lens = np.concatenate([self._prompt_lens, np.zeros_like(self._prompt_lens)])
+        self._prompt_lens[row] = len(request.ids)
+        return row
 
     def _collect(self, group: SlotGroup, toks, lps, now_produced, active, steps, version: int, ragged: bool):
         """Copy a chunk's new tokens out and free the slots whose sequence ended (handing it to its source)."""
@@ -63,6 +84,7 @@ class RequestRows:
                 self._source_finish(row, end - base, finished)
                 if self._requests[row].hold_key is None:
                     group.row[s] = -1
+                    self._free_row(row)
                 else:  # kept with its cache: the episode's next turn may resume it (held_turns.py)
                     self._drop_held(self._groups_now, self._requests[row].hold_key)  # an older hold: not resumed
                     self._held[self._requests[row].hold_key] = row

@@ -1,17 +1,19 @@
 """Requests from outside a sampler's own work (its OpenAI-compatible endpoint) served by the same engine, in the
 same continuous batch.
 
-A sampler's engine is busy with its own batches most of the time, and a second engine would need a second copy of
-the weights. So an endpoint request is queued here (`SideQueue.submit`), and whichever `serve` runs next takes it:
-- while the sampler decodes a batch, its `serve` takes queued requests at every scheduling point beside its own
-  rows (`merged`): they share the batch, the weights and the weight version of the sampler's work;
-- while the sampler does not use the engine (it waits for admission, for weights, or sends groups), an idle server
+A sampler's engine is busy with its own rollout stream most of the time, and a second engine would need a second
+copy of the weights. So an endpoint request is queued here (`SideQueue.submit`), and whichever `serve` runs takes it:
+- while the sampler's stream runs (from its first weights to its last), its `serve` takes queued requests at every
+  scheduling point beside its own rows (`merged`): they share the engine, the weights and the weight version of the
+  sampler's work, each sampling its own way (greedy or at the policy's temperature, per request);
+- before the stream starts or after it ends (or in a process whose engine has no stream), an idle server
   (`serve_idle`, a thread of the endpoint) runs `serve` over queued requests alone, with the weights installed then.
 The engine runs one `serve` at a time (`SideQueue.engine`, a lock). An idle serve stops taking requests as soon as
 the sampler asks for the engine, so the sampler waits at most for the requests already decoding.
 
-An engine samples every row of one `serve` the same way (the configured temperature, or greedy for all), so greedy
-requests (temperature 0) are served by idle serves, or by the sampler's own greedy serves (evaluation probes).
+A request may belong to one of the sampler's own rollouts (`owned`: a `verifiers` environment's model call): while a
+sampler drains its stream for a weight install it takes only those (they are part of the groups it waits for), and
+outside requests wait for the new version.
 """
 
 from __future__ import annotations
@@ -54,6 +56,8 @@ class SideRequest:
     error: str | None = None         # the engine failed: no tokens
     notify: Callable[[], None] | None = None  # called (on the engine's thread) once it is done
     cancelled: bool = False          # its caller went away: not started if it has not been
+    owned: bool = False              # made by one of the sampler's own rollouts (a verifiers episode's model call)
+    versions: list[int] = dataclasses.field(default_factory=list)  # per token: the weight version that drew it
 
     def complete(self) -> None:
         self.done.set()
@@ -73,16 +77,18 @@ class SideQueue:
         self.sampler_waiting = threading.Event()   # the sampler wants the engine: idle serves take nothing more
         self._waiting: collections.deque[SideRequest] = collections.deque()
         self._cond = threading.Condition()
-        self.in_engine = 0                         # taken by a serve, not finished
+        self.in_engine = 0                         # outside requests taken by a serve, not finished
         self.served = 0                            # requests finished (figures)
         self.served_in_sampler_batches = 0         # ... of which inside the sampler's own serves
 
-    def submit(self, requests: list[SideRequest], bounded: bool = True) -> None:
-        """Queue all of `requests` or none (QueueFull when they do not fit max_queued and `bounded`)."""
+    def submit(self, requests: list[SideRequest]) -> None:
+        """Queue all of `requests` or none: QueueFull when outside requests would pass max_queued waiting (the
+        process's own rollouts' are never refused: the rollout stream bounds them)."""
         with self._cond:
-            if bounded and len(self._waiting) + len(requests) > self.max_queued:
-                raise QueueFull(f"{len(self._waiting)} sequences are waiting and this request brings "
-                                f"{len(requests)} (sampler.openai.max_queued={self.max_queued})")
+            waiting, coming = sum(not r.owned for r in self._waiting), sum(not r.owned for r in requests)
+            if coming and waiting + coming > self.max_queued:
+                raise QueueFull(f"{waiting} sequences are waiting and this request brings "
+                                f"{coming} (sampler.openai.max_queued={self.max_queued})")
             self._waiting.extend(requests)
             self._cond.notify_all()
 
@@ -95,31 +101,38 @@ class SideQueue:
                 if r in self._waiting:
                     self._waiting.remove(r)
 
-    def has(self, greedy: bool | None = None) -> bool:
+    def has(self, owned_only: bool = False) -> bool:
         with self._cond:
-            return any(greedy is None or r.greedy == greedy for r in self._waiting)
+            return any(r.owned or not owned_only for r in self._waiting)
 
-    def wait_for(self, greedy: bool | None, timeout: float) -> bool:
-        """Block until a request sampled the way `greedy` says waits (None: any), or `timeout` passes."""
+    def wait_for(self, timeout: float, owned_only: bool = False) -> bool:
+        """Block until a request waits (`owned_only`: one of the sampler's own rollouts'), or `timeout` passes."""
         with self._cond:
-            if not any(greedy is None or r.greedy == greedy for r in self._waiting):
+            if not any(r.owned or not owned_only for r in self._waiting):
                 self._cond.wait(timeout)
-            return any(greedy is None or r.greedy == greedy for r in self._waiting)
+            return any(r.owned or not owned_only for r in self._waiting)
 
-    def take(self, greedy: bool) -> list[SideRequest]:
-        """Waiting requests sampled the way `greedy` says, oldest first, while fewer than max_queued are inside
-        the engine (the engine's own list of pending rows stays bounded too)."""
+    def take(self, owned_only: bool = False) -> list[SideRequest]:
+        """Waiting requests, oldest first (`owned_only`: the sampler's own rollouts' only): outside requests while
+        fewer than max_queued are inside the engine (the engine's own list of pending rows stays bounded too); the
+        process's own rollouts' always (their number is the rollout stream's to bound)."""
         with self._cond:
             room = max(0, self.max_queued - self.in_engine)
-            taken = [r for r in self._waiting if r.greedy == greedy][:room]
+            taken = []
+            for r in self._waiting:
+                if r.owned:
+                    taken.append(r)
+                elif not owned_only and room > 0:
+                    taken.append(r)
+                    room -= 1
             for r in taken:
                 self._waiting.remove(r)
-            self.in_engine += len(taken)
+            self.in_engine += sum(not r.owned for r in taken)
         return taken
 
-    def left_engine(self, count: int = 1) -> None:
+    def left_engine(self, requests: list[SideRequest]) -> None:
         with self._cond:
-            self.in_engine -= count
+            self.in_engine -= sum(not r.owned for r in requests)
 
     def fail_waiting(self, why: str) -> None:
         """End every waiting request with an error (the sampler is stopping)."""
@@ -143,20 +156,18 @@ class MergedSource:
     """A serve's own request source plus the endpoint's queued requests (see the module docstring). `idle`: a serve
     of endpoint requests only, which stops taking them once the sampler waits for the engine."""
 
-    def __init__(self, inner, side: SideQueue, greedy: bool, version: int, idle: bool = False,
+    def __init__(self, inner, side: SideQueue, version: int, idle: bool = False,
                  current: Callable[[], tuple[Any, int]] | None = None):
         """`current`: an idle serve's source of the installed weights; it takes nothing once they are newer than
-        its own (a request must be drawn by the version installed when it is served, which a sampler's verifiers
-        batch records for its groups)."""
-        self.inner, self.side, self.greedy, self.version, self.idle = inner, side, greedy, version, idle
-        self.current = current
+        its own (a request must be drawn by the version installed when it is served)."""
+        self.inner, self.side, self.version, self.idle, self.current = inner, side, version, idle, current
         self._live: set[SideRequest] = set()  # taken by the engine, not finished yet
         self._own_live = 0  # the serve's own requests taken and not finished
         self._last_taken = time.monotonic()
 
     def _may_take(self) -> bool:
         """An idle serve takes endpoint requests until the sampler wants the engine; the sampler's own serve while
-        its own work is unfinished (so endpoint traffic can never keep the sampler's batch from ending)."""
+        its own work is unfinished (so endpoint traffic can never keep a finite request set from ending)."""
         if self.idle:
             return not self.side.sampler_waiting.is_set() and (self.current is None or
                                                                self.current()[1] == self.version)
@@ -166,11 +177,11 @@ class MergedSource:
         taken = self.inner.take()
         self._own_live += len(taken)
         if self._may_take():
-            side = self.side.take(self.greedy)
+            side = self.side.take(owned_only=not self.inner.accepting())
             if side:
                 self._last_taken = time.monotonic()
             self._live.update(side)
-            taken += [Request(ids=r.ids, budget=r.budget, key=r.key, tag=r) for r in side]
+            taken += [Request(ids=r.ids, budget=r.budget, key=r.key, tag=r, greedy=r.greedy) for r in side]
         return taken
 
     def fail_live(self, why: str) -> None:
@@ -178,7 +189,7 @@ class MergedSource:
         for r in self._live:
             r.error = why
             r.complete()
-        self.side.left_engine(len(self._live))
+        self.side.left_engine(list(self._live))
         self._live.clear()
 
     def finish(self, request: Request, tokens, logprobs, versions, finished: bool) -> None:
@@ -190,11 +201,13 @@ class MergedSource:
         side.tokens = np.asarray(tokens).tolist()
         side.logprobs = np.asarray(logprobs, np.float32).tolist()
         side.finished = bool(finished)
-        side.version = int(versions[-1]) if versions is not None and len(versions) else self.version
+        side.versions = (np.asarray(versions).tolist() if versions is not None and len(versions)
+                         else [self.version] * len(side.tokens))
+        side.version = side.versions[-1] if side.versions else self.version
         self.side.served += 1
         self.side.served_in_sampler_batches += not self.idle
         self._live.discard(side)
-        self.side.left_engine()
+        self.side.left_engine([side])
         side.complete()
 
     def open(self) -> bool:
@@ -202,17 +215,26 @@ class MergedSource:
             return self._may_take() and time.monotonic() - self._last_taken < IDLE_LINGER_S
         return self.inner.open()
 
+    def accepting(self) -> bool:
+        return self.inner.accepting()
+
+    def released(self) -> list:
+        return self.inner.released()
+
+    def cancelled(self) -> bool:
+        return self.inner.cancelled()
+
     def wait(self, timeout: float) -> None:
         if self.idle:  # nothing of its own to wait for: the next endpoint request, or the end of the linger
             linger = IDLE_LINGER_S - (time.monotonic() - self._last_taken)
-            self.side.wait_for(self.greedy, max(0.0, min(timeout, linger)))
+            self.side.wait_for(max(0.0, min(timeout, linger)))
             return
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self._may_take() and self.side.has(self.greedy):
+            if self._may_take() and self.side.has(owned_only=not self.inner.accepting()):
                 return
             self.inner.wait(min(IDLE_POLL_S, max(0.0, deadline - time.monotonic())))
-            if not self.inner.open():
+            if not self.inner.open() or self.inner.cancelled():
                 return
 
 
@@ -228,6 +250,15 @@ class NoRequests:
     def open(self) -> bool:
         return False
 
+    def accepting(self) -> bool:
+        return True
+
+    def released(self) -> list:
+        return []
+
+    def cancelled(self) -> bool:
+        return False
+
     def wait(self, timeout: float) -> None:
         return None
 
@@ -238,20 +269,21 @@ class SideServing:
 
     side: SideQueue | None = None
 
-    def serve(self, params: Any, source, greedy: bool = False, refresh: Callable | None = None,
-              version: int = 0) -> None:
+    def serve(self, params: Any, source, refresh: Callable | None = None, version: int = 0) -> None:
+        """Decode what `source` hands out (base.RequestSource), each request sampling its own way; `refresh`:
+        called at scheduling points, returns newer (params, version) for every live sequence, or None."""
         if self.side is None:
-            return self._serve(params, source, greedy, refresh, version)
+            return self._serve(params, source, refresh, version)
         with self.side.sampler_turn():
-            serve_merged(self, params, MergedSource(source, self.side, greedy, version), greedy, refresh, version)
+            serve_merged(self, params, MergedSource(source, self.side, version), refresh, version)
 
-    def _serve(self, params, source, greedy, refresh, version) -> None:
+    def _serve(self, params, source, refresh, version) -> None:
         raise NotImplementedError
 
 
-def serve_merged(engine, params, merged: MergedSource, greedy: bool, refresh, version: int) -> None:
+def serve_merged(engine, params, merged: MergedSource, refresh, version: int) -> None:
     try:
-        engine._serve(params, merged, greedy, refresh, version)
+        engine._serve(params, merged, refresh, version)
     except BaseException as exc:
         merged.fail_live(f"the engine failed: {type(exc).__name__}: {exc}"[:300])
         raise
@@ -261,7 +293,7 @@ def serve_idle(engine, side: SideQueue, current: Callable[[], tuple[Any, int]], 
     """Serve endpoint requests while the sampler leaves the engine alone, until `stop` (a thread's body).
     `current()`: the installed (params, version); (None, -1) before the first weights, when requests wait."""
     while not stop.is_set():
-        if not side.wait_for(None, 0.1):
+        if not side.wait_for(0.1):
             continue
         if side.sampler_waiting.is_set() or not side.engine.acquire(timeout=IDLE_POLL_S):
             stop.wait(IDLE_POLL_S)  # the sampler's turn: its serve takes the requests
@@ -271,10 +303,9 @@ def serve_idle(engine, side: SideQueue, current: Callable[[], tuple[Any, int]], 
             params, version = current()  # read under the lock: the weights installed now, not before a wait
             if params is None:  # no weights yet: requests wait for the first version
                 continue
-            for greedy in (True, False):
-                if side.has(greedy) and not side.sampler_waiting.is_set():
-                    serve_merged(engine, params, MergedSource(NoRequests(), side, greedy, version, idle=True,
-                                                              current=current), greedy, None, version)
+            if side.has() and not side.sampler_waiting.is_set():
+                serve_merged(engine, params, MergedSource(NoRequests(), side, version, idle=True, current=current),
+                             None, version)
         except Exception:  # noqa: BLE001 - its requests were answered with the error; the endpoint keeps serving
             log.exception("serving endpoint requests failed")
         finally:

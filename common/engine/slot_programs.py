@@ -50,6 +50,7 @@ class SlotState:
     hold: jax.Array          # [S] bool: keep the cache when the sequence ends (an episode's next turn may resume it)
     key_base: jax.Array      # [S] int32: token n of the slot samples with fold_in(key, n - key_base) (a resumed turn
     #                          starts its own key's stream where its forced tokens end, as if it had been prefilled)
+    greedy: jax.Array        # [S] bool: the slot's row takes the most likely token (else samples at the temperature)
 
 
 def pow2_at_least(n: int, low: int = 1) -> int:
@@ -82,7 +83,7 @@ class SlotPrograms:
         self.programs: set[tuple] = set()
         self.stats = collections.Counter()  # decode_steps, slot_steps, live_slot_steps, prefills, prefill_rows, ...
         self._relayout = jax.jit(functools.partial(decode.decode_weights, model))
-        self._decode = jax.jit(self._decode_chunk, static_argnames=("greedy", "windows", "ragged"),
+        self._decode = jax.jit(self._decode_chunk, static_argnames=("windows", "ragged"),
                                donate_argnums=(1,))
         self._prefill = jax.jit(self._prefill_prompts)
         self._admit = jax.jit(self._admit_rows, donate_argnums=(0,))
@@ -105,7 +106,7 @@ class SlotPrograms:
                          budget=zeros, active=jnp.zeros((size,), jnp.bool_),
                          keys=jnp.zeros((size, *key_shape), jnp.uint32),
                          forced=jnp.zeros((size, self.max_forced), jnp.int32), forced_at=zeros, forced_left=zeros,
-                         hold=jnp.zeros((size,), jnp.bool_), key_base=zeros)
+                         hold=jnp.zeros((size,), jnp.bool_), key_base=zeros, greedy=jnp.zeros((size,), jnp.bool_))
 
     def _prefill_prompts(self, weights, tokens: jax.Array, lengths: jax.Array):
         """Per layer keys [n, KV, D, P] and values [n, KV, P, D], and next-token logits [n, V], of prompts
@@ -118,7 +119,8 @@ class SlotPrograms:
         logits, cache = decode.forward(self.model, weights, tokens, positions, cache, 0, mask)
         return cache, logits[jnp.arange(n), lengths - 1]
 
-    def _admit_rows(self, state: SlotState, prompt_cache, prompt_logits, slots, source, lengths, budgets, keys, holds):
+    def _admit_rows(self, state: SlotState, prompt_cache, prompt_logits, slots, source, lengths, budgets, keys, holds,
+                    greedy):
         """Put prompt `source[i]`'s prefill into slot `slots[i]` (slots padded with S: ignored)."""
         p = prompt_cache[0][1].shape[2]
         cache = tuple((k.at[slots, :, :, :p].set(pk[source], mode="drop"),
@@ -132,9 +134,10 @@ class SlotPrograms:
                          keys=state.keys.at[slots].set(keys, mode="drop"), forced=state.forced,
                          forced_at=state.forced_at, forced_left=state.forced_left.at[slots].set(0, mode="drop"),
                          hold=state.hold.at[slots].set(holds, mode="drop"),
-                         key_base=state.key_base.at[slots].set(0, mode="drop"))
+                         key_base=state.key_base.at[slots].set(0, mode="drop"),
+                         greedy=state.greedy.at[slots].set(greedy, mode="drop"))
 
-    def _resume_slots(self, state: SlotState, slots, forced, counts, budgets, keys) -> SlotState:
+    def _resume_slots(self, state: SlotState, slots, forced, counts, budgets, keys, greedy) -> SlotState:
         """Wake held slots `slots[i]` (padded with S: ignored): feed them forced[i, :counts[i]] before sampling again,
         and let them produce until `budgets[i]` tokens in all (the forced ones count)."""
         return state.replace(forced=state.forced.at[slots].set(forced, mode="drop"),
@@ -143,6 +146,7 @@ class SlotPrograms:
                              budget=state.budget.at[slots].set(budgets, mode="drop"),
                              active=state.active.at[slots].set(True, mode="drop"),
                              keys=state.keys.at[slots].set(keys, mode="drop"),
+                             greedy=state.greedy.at[slots].set(greedy, mode="drop"),
                              key_base=state.key_base.at[slots].set(
                                  state.produced[jnp.minimum(slots, state.produced.shape[0] - 1)] + counts, mode="drop"))
 
@@ -172,11 +176,10 @@ class SlotPrograms:
                       for (dk, dv), (sk, sv) in zip(dst.cache, src.cache))
         moved = {name: getattr(dst, name).at[dst_slots].set(getattr(src, name)[take], mode="drop")
                  for name in ("last_logits", "length", "produced", "budget", "active", "keys", "forced", "forced_at",
-                              "forced_left", "hold", "key_base")}
+                              "forced_left", "hold", "key_base", "greedy")}
         return dst.replace(cache=cache, **moved), src.active.at[src_slots].set(False, mode="drop")
 
-    def _decode_chunk(self, weights, groups: tuple, want_free: jax.Array, greedy: bool, windows: tuple,
-                      ragged: bool = False):
+    def _decode_chunk(self, weights, groups: tuple, want_free: jax.Array, windows: tuple, ragged: bool = False):
         """Up to chunk_steps decode steps over every slot of the slot groups `groups` (SlotStates with the windows
         `windows`), one weight pass per step for all of them; stops early once `want_free` slots of the first group
         are free (rows are waiting for them) or none is live. Returns the groups, and per group the tokens and
@@ -187,13 +190,13 @@ class SlotPrograms:
         assert tuple(window_of(g) for g in groups) == windows, "resize the caches to the chunk's windows first"
 
         def sample(st: SlotState):
+            # each slot samples its own row's way: greedy rows (evaluation probes, greedy endpoint requests) beside
+            # sampled ones in one program, so no row waits for a serve of its kind
             logp = policy_log_softmax(st.last_logits, self.temperature, self.pad_id)
-            if greedy:
-                tok = jnp.argmax(logp, axis=-1).astype(jnp.int32)
-            else:
-                u = jax.vmap(lambda kd, n: jax.random.uniform(jax.random.fold_in(jax.random.wrap_key_data(kd), n)))(
-                    st.keys, st.produced - st.key_base)
-                tok = decode.inverse_cdf_index(1.0 - u, logp)
+            u = jax.vmap(lambda kd, n: jax.random.uniform(jax.random.fold_in(jax.random.wrap_key_data(kd), n)))(
+                st.keys, st.produced - st.key_base)
+            tok = jnp.where(st.greedy, jnp.argmax(logp, axis=-1).astype(jnp.int32),
+                            decode.inverse_cdf_index(1.0 - u, logp))
             return tok, jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
 
         def body(carry):

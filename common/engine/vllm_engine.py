@@ -85,12 +85,11 @@ from grpo_stream.common.model.hf_checkpoint import to_hf_names, write_safetensor
 
 log = logging.getLogger(__name__)
 PAD_BIAS = -100.0  # vLLM clamps logit_bias to [-100, 100]
+MAX_RECORDED = 1 << 16  # requests of one serve whose prefix-cache hits are kept (cached_prompt_tokens)
 
 
 class VllmEngine(SideServing):
     """Generates completions with vLLM; installs the trainer's weights when `generate` gets new params."""
-
-    fixed_shape = False  # any batch size costs no recompilation: no padding rows are needed
 
     def __init__(self, model_dir: str | pathlib.Path, model, pad_id: int, eos_ids: list[int], max_prompt_tokens: int,
                  max_new_tokens: int, temperature: float, settings, dtype: str = "float32", seed: int = 0,
@@ -223,13 +222,14 @@ class VllmEngine(SideServing):
         base = _seed_of(rng)  # once: a JAX key's bits are read back from the device
         return [(base + i) % 2**63 for i in range(rows)]
 
-    def _serve(self, params: Any, source: RequestSource, greedy: bool = False,
+    def _serve(self, params: Any, source: RequestSource,
                refresh: Callable[[], tuple[Any, int] | None] | None = None, version: int = 0) -> None:
         """Generate the requests `source` hands out until it has none left and none will come, one engine step
         (a token per live request) at a time: before every step the requests ready then enter the engine (a
         multi-turn episode's next turn enters while the others decode; its prompt, the conversation so far, reads
         the earlier turns' blocks from the prefix cache), and every ended request goes back through
-        `source.finish`. Each request samples with the seed of its key; `refresh` as in `generate`, and also
+        `source.finish`. Each request samples its own way (greedy, or with the seed of its key); a cancelled source
+        ends the serve at the next step, its live requests aborted. `refresh` as in `generate`, and also
         called while every request waits on the source (a new version then goes in without a pause). A request's
         hold/resume fields (environment.kv_cache=hold, the JAX engine's) need nothing here: its ids are the whole
         conversation, and the prefix cache keeps the earlier turns' blocks."""
@@ -241,7 +241,7 @@ class VllmEngine(SideServing):
         self.cached_prompt_tokens = []
         steps = 0
         try:
-            while True:
+            while not source.cancelled():
                 for request in source.take():
                     pending.append(self._check(request))
                 if not pending and not live:
@@ -259,16 +259,22 @@ class VllmEngine(SideServing):
                     request = pending.popleft()
                     self._requests += 1
                     request_id = f"grpo-{self._requests}"  # outputs carry this id (vLLM adds a suffix inside)
-                    sampling = self.sampling_params(_seed_of(request.key) % 2**63, greedy, request.budget, per_step)
+                    sampling = self.sampling_params(_seed_of(request.key) % 2**63, request.greedy, request.budget,
+                                                    per_step)
                     engine.add_request(request_id, self._request(request.ids), sampling)
-                    live[request_id] = _Live(request, len(self.cached_prompt_tokens), per_step)
-                    self.cached_prompt_tokens.append(0)
+                    # cache hits are recorded for a serve's first requests (tests, benchmarks): a serve that lasts a
+                    # sampler's life must not keep one number per request it ever took
+                    index = len(self.cached_prompt_tokens) if len(self.cached_prompt_tokens) < MAX_RECORDED else None
+                    live[request_id] = _Live(request, index, per_step)
+                    if index is not None:
+                        self.cached_prompt_tokens.append(0)
                 for out in engine.step():
                     entry = live.get(out.request_id)
                     if entry is None:
                         continue
-                    self.cached_prompt_tokens[entry.index] = max(self.cached_prompt_tokens[entry.index],
-                                                                 out.num_cached_tokens or 0)
+                    if entry.index is not None:
+                        self.cached_prompt_tokens[entry.index] = max(self.cached_prompt_tokens[entry.index],
+                                                                     out.num_cached_tokens or 0)
                     entry.add(out.outputs[0], version)
                     if out.finished:
                         del live[out.request_id]
@@ -318,7 +324,7 @@ class _Live:
     """A request in the engine: what it has produced so far (`per_step`: outputs come a step's tokens at a time,
     each recorded under the version that sampled it; else once, whole, when it ends)."""
 
-    def __init__(self, request: Request, index: int, per_step: bool):
+    def __init__(self, request: Request, index: int | None, per_step: bool):
         self.request, self.index = request, index
         self.tokens: list[int] = []
         self.logprobs: list[float] = []

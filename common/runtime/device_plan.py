@@ -265,9 +265,10 @@ def _known_share(cfg: RunConfig, p: ProcessPlan, need: int | None, memory: int |
 
 
 def vllm_kv_bytes(cfg: RunConfig, arch: Mapping) -> int:
-    """The KV cache a vLLM sampler's largest request set needs: its sequences x the model length x per-token KV."""
+    """The KV cache a vLLM sampler needs for the sequences it decodes at once (its rows in flight, at most
+    sampler.vllm.max_num_seqs) x the model length x per-token KV."""
     s, gen = cfg.sampler, cfg.generation
-    seqs = min(s.vllm.max_num_seqs, s.prompts_per_batch * gen.num_generations)
+    seqs = min(s.vllm.max_num_seqs, cfg.rows_in_flight())
     per_token = 2 * arch["num_layers"] * arch["num_kv_heads"] * arch["head_dim"] * (
         2 if cfg.sampler_dtype() == "bfloat16" else 4)
     return seqs * (gen.max_prompt_tokens + gen.max_new_tokens) * per_token

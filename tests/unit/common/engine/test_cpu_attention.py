@@ -68,7 +68,7 @@ def test_engine_decodes_the_same_with_the_kernel_as_with_dense_attention(tiny_pa
         engine = ContinuousEngine(model, tok.pad_id, NO_EOS, cfg.generation.max_prompt_tokens, 80, 1.0, slots=8,
                                   chunk_steps=4, ragged_attention=ragged)
         outs[ragged] = engine.generate(model.params, prompts, jax.random.key(0), greedy=True, max_new_tokens=budgets)
-        assert {p[3] for p in engine.programs if p[0] == "decode"} == {ragged}
+        assert {p[2] for p in engine.programs if p[0] == "decode"} == {ragged}
         stats[ragged] = engine.stats
     np.testing.assert_array_equal(outs[True].tokens, outs[False].tokens)
     np.testing.assert_allclose(outs[True].logprobs, outs[False].logprobs, atol=1e-5)

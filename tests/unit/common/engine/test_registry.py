@@ -13,7 +13,7 @@ from grpo_stream.common.engine.vllm_engine import _seed_of
 def test_jax_engine_is_the_default(tiny_parts):
     cfg, _, tokenizer, model = tiny_parts
     engine = build_engine(cfg, model, tokenizer)
-    assert isinstance(engine, ContinuousEngine) and not engine.fixed_shape
+    assert isinstance(engine, ContinuousEngine)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed in this environment")

@@ -1,8 +1,9 @@
 """The side queue's rules (logic only; the engines serve it for real in tests/integration/test_openai_endpoint.py
-and the vLLM endpoint check): a request is drawn by the weights installed when it is served; the sampler's own serve
-takes endpoint requests only while its own work is unfinished, so endpoint traffic never keeps its batch from ending;
-an idle serve stops taking them when the sampler wants the engine; what is inside the engine stays bounded; a
-refused request queues none of its sequences."""
+and the vLLM endpoint check): a request is drawn by the weights installed when it is served; a serve of a fixed
+request set takes endpoint requests only while its own work is unfinished, so endpoint traffic never keeps it from
+ending; an idle serve stops taking them when the sampler wants the engine; what is inside the engine stays bounded; a
+refused request queues none of its sequences; each request keeps its own sampling mode; while the sampler drains its
+stream only its own rollouts' requests are taken, and those are never refused nor bounded by the endpoint's limits."""
 
 import numpy as np
 import pytest
@@ -25,16 +26,16 @@ def test_an_idle_serve_takes_nothing_once_newer_weights_are_installed():
     queue = SideQueue(8)
     queue.submit(side())
     installed = [(None, 1)]
-    source = MergedSource(NoRequests(), queue, greedy=False, version=1, idle=True, current=lambda: installed[0])
+    source = MergedSource(NoRequests(), queue, version=1, idle=True, current=lambda: installed[0])
     installed[0] = (None, 2)  # the sampler installed version 2 while this serve lingered
     assert source.take() == [] and not source.open() and queue.has()
-    fresh = MergedSource(NoRequests(), queue, greedy=False, version=2, idle=True, current=lambda: installed[0])
+    fresh = MergedSource(NoRequests(), queue, version=2, idle=True, current=lambda: installed[0])
     assert len(fresh.take()) == 1
 
 
 def test_the_samplers_serve_takes_endpoint_requests_only_while_its_own_rows_run():
     queue = SideQueue(8)
-    source = MergedSource(own_rows(2), queue, greedy=False, version=0)
+    source = MergedSource(own_rows(2), queue, version=0)
     queue.submit(side())
     first = source.take()
     assert len(first) == 3  # its 2 rows and the endpoint's
@@ -49,7 +50,7 @@ def test_an_idle_serve_stops_taking_when_the_sampler_waits():
     queue = SideQueue(8)
     queue.submit(side())
     queue.sampler_waiting.set()
-    assert MergedSource(NoRequests(), queue, greedy=False, version=0, idle=True).take() == []
+    assert MergedSource(NoRequests(), queue, version=0, idle=True).take() == []
 
 
 def test_what_is_inside_the_engine_stays_bounded_and_a_refused_request_queues_nothing():
@@ -58,8 +59,38 @@ def test_what_is_inside_the_engine_stays_bounded_and_a_refused_request_queues_no
         queue.submit(side(3))
     assert not queue.has()
     queue.submit(side(2))
-    assert len(queue.take(False)) == 2
+    taken = queue.take()
+    assert len(taken) == 2
     queue.submit(side(2))
-    assert queue.take(False) == []  # 2 inside the engine already
-    queue.left_engine(1)
-    assert len(queue.take(False)) == 1
+    assert queue.take() == []  # 2 inside the engine already
+    queue.left_engine(taken[:1])
+    assert len(queue.take()) == 1
+
+
+class Draining(FixedRequests):
+    """A fixed request set that, like a sampler draining its stream for a weight install, takes no outside work."""
+
+    def accepting(self) -> bool:
+        return False
+
+
+def test_requests_keep_their_own_sampling_mode_and_a_drain_takes_only_the_samplers_own():
+    queue = SideQueue(1)
+    greedy, sampled = SideRequest(ids=[1], budget=2, key=0, greedy=True), SideRequest(ids=[2], budget=2, key=1)
+    owned = [SideRequest(ids=[3], budget=2, key=2, owned=True) for _ in range(3)]
+    queue.submit([greedy])
+    queue.submit(owned)  # the sampler's own rollouts: beyond max_queued, never refused
+    with pytest.raises(QueueFull):
+        queue.submit([sampled])
+    source = MergedSource(Draining([], own_rows(1).out), queue, version=0)
+    source.inner.requests = own_rows(1).requests
+    taken = source.take()
+    assert [r.tag for r in taken[1:]] == owned  # draining: the outside (greedy) request waits
+    assert queue.has() and not queue.has(owned_only=True)
+    for request in taken:
+        source.finish(request, [5, 6], [-0.1, -0.2], np.array([3, 4]), True)
+    assert [r.versions for r in owned] == [[3, 4]] * 3 and all(r.version == 4 for r in owned)
+    assert queue.in_engine == 0  # owned requests never counted against the endpoint's bound
+    free = MergedSource(own_rows(1), queue, version=0)
+    (_, request), = [(r, r) for r in free.take() if r.tag is greedy]
+    assert request.greedy

@@ -218,7 +218,7 @@ def test_engine_logprobs_equal_the_trainers_recomputation(tmp_path, family):
         engine = ContinuousEngine(model, pad_id=0, eos_id=1, max_prompt_tokens=p, max_new_tokens=c, temperature=0.8,
                                   ragged_attention=ragged)
         out = engine.generate(model.params, prompts, jax.random.key(int(rng.integers(1 << 30))))
-        assert {program[3] for program in engine.programs if program[0] == "decode"} == {ragged}
+        assert {program[2] for program in engine.programs if program[0] == "decode"} == {ragged}
         rows = [layout(np.array(pr), out.tokens[i, :out.lengths[i]], p, c, 0) for i, pr in enumerate(prompts)]
         tokens, valid = np.stack([r[0] for r in rows]), np.stack([r[1] for r in rows])
         recomputed = np.asarray(sequence_logprobs(model, model.params, tokens, valid, 0.8, 0))[:, p - 1:]

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from grpo_stream.common.engine.evaluation import evaluate, majority_correct, pass_at_k
+from grpo_stream.common.episodes.evaluation import evaluate, majority_correct, pass_at_k
 from grpo_stream.common.engine.continuous import ContinuousEngine
 
 

@@ -11,8 +11,10 @@ first stop string, as vLLM's do.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import secrets
+import threading
 import time
 import uuid
 from typing import Any
@@ -22,10 +24,11 @@ import numpy as np
 
 from grpo_stream.common.engine.side_requests import SideQueue, SideRequest
 from grpo_stream.common.tools.calls import MalformedToolCall, parse_tool_calls
-from grpo_stream.sampler_service.openai_chat import ChatPrompts, template_messages
-from grpo_stream.sampler_service.openai_protocol import ChatRequest, CompletionRequest, RequestError
+from grpo_stream.common.endpoint.chat import ChatPrompts, template_messages
+from grpo_stream.common.endpoint.protocol import ChatRequest, CompletionRequest, RequestError
 
-INTERNAL = "sampler-internal"  # the caller name of the sampler's own rollouts (openai_server.py)
+INTERNAL = "sampler-internal"  # the caller name of the process's own rollouts (app.py)
+ROLLOUT_FIELD = "grpo_rollout"  # an internal request's extra field: the rollout group its model call belongs to
 CALL_OPENINGS = {"qwen": "<tool_call>", "gemma": "```tool_code", "plain": "<call>", "llama3": ""}
 
 
@@ -57,6 +60,36 @@ def cut_at_stop(tokenizer, tokens: list[int], stops: list[str]) -> tuple[int, st
     return low, kept[:min(kept.index(s) for s in stops if s in kept)], True
 
 
+class RolloutVersions:
+    """The weight version of every token answered to the process's own rollouts (a `verifiers` group's model calls,
+    tagged with ROLLOUT_FIELD), which a trajectory does not keep and the group builder needs (a group is as stale as
+    its oldest token; with in-flight updates one answer may mix versions). Kept per group until it is taken, when the
+    group ends; keyed by the answer's prompt and completion ids."""
+
+    def __init__(self):
+        self._by_group: dict[str, dict[tuple[bytes, bytes], list[int]]] = {}
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def key(prompt_ids: list[int], completion_ids: list[int]) -> tuple[bytes, bytes]:
+        return (hashlib.sha256(np.asarray(prompt_ids, np.int64).tobytes()).digest(),
+                hashlib.sha256(np.asarray(completion_ids, np.int64).tobytes()).digest())
+
+    def open(self, group: str) -> None:
+        with self._lock:
+            self._by_group[group] = {}
+
+    def record(self, group: str, prompt_ids: list[int], completion_ids: list[int], versions: list[int]) -> None:
+        with self._lock:
+            found = self._by_group.get(group)
+            if found is not None:  # a group that ended (or never opened) keeps nothing
+                found[self.key(prompt_ids, completion_ids)] = list(versions)
+
+    def take(self, group: str) -> dict[tuple[bytes, bytes], list[int]]:
+        with self._lock:
+            return self._by_group.pop(group, {})
+
+
 class EndpointCore:
     """What the HTTP routes call: token ids in, engine sequences, answers out."""
 
@@ -66,6 +99,7 @@ class EndpointCore:
         self.max_prompt_tokens, self.max_new_tokens, self.temperature = max_prompt_tokens, max_new_tokens, temperature
         self.tool_format, self.max_n, self.timeout_s = tool_format, max_n, timeout_s
         self.chat_prompts = ChatPrompts(tokenizer)
+        self.rollout_versions = RolloutVersions()
 
     def _check_model_and_n(self, request) -> None:
         if request.model != self.model_name:
@@ -94,9 +128,9 @@ class EndpointCore:
         return budget
 
     async def _generate(self, prompts: list[list[int]], n: int, greedy: bool, budget: int,
-                        seed: int | None, bounded: bool = True) -> list[SideRequest]:
-        """Queue n sequences per prompt and wait for all of them; `bounded`: refused beyond max_queued (the
-        sampler's own verifiers rollouts are not: it sizes its batches itself)."""
+                        seed: int | None, owned: bool = False) -> list[SideRequest]:
+        """Queue n sequences per prompt and wait for all of them; `owned`: the process's own rollouts' (never
+        refused for a full queue: the rollout stream sizes their work itself)."""
         loop = asyncio.get_running_loop()
         keys = sequence_keys(self.engine, seed, len(prompts) * n)
         waits, sequences = [], []
@@ -104,10 +138,11 @@ class EndpointCore:
             done = loop.create_future()
             notify = (lambda fut: lambda: loop.call_soon_threadsafe(
                 lambda: fut.done() or fut.set_result(None)))(done)
-            sequence = SideRequest(ids=list(prompts[i // n]), budget=budget, key=key, greedy=greedy, notify=notify)
+            sequence = SideRequest(ids=list(prompts[i // n]), budget=budget, key=key, greedy=greedy, notify=notify,
+                                   owned=owned)
             sequences.append(sequence)
             waits.append(done)
-        self.queue.submit(sequences, bounded=bounded)  # all or none (QueueFull)
+        self.queue.submit(sequences)  # all or none (QueueFull)
         try:
             await asyncio.wait_for(asyncio.gather(*waits), self.timeout_s)
         except (asyncio.TimeoutError, asyncio.CancelledError):
@@ -127,10 +162,13 @@ class EndpointCore:
         prompts = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in request.prompts()]
         greedy = request.greedy(self.temperature)
         budget = self._budget(request, prompts, "prompt", 16)
-        sequences = await self._generate(prompts, request.n, greedy, budget, request.seed, caller != INTERNAL)
+        sequences = await self._generate(prompts, request.n, greedy, budget, request.seed, caller == INTERNAL)
+        rollout = self._rollout(request, caller)
         choices = []
         for i, seq in enumerate(sequences):
             kept, text, stopped = cut_at_stop(self.tokenizer, seq.tokens, request.stop)
+            if rollout is not None:
+                self.rollout_versions.record(rollout, seq.ids, seq.tokens[:kept], seq.versions[:kept])
             choice = {"index": i, "text": text, "finish_reason": _finish(seq, stopped, kept),
                       "logprobs": self._completion_logprobs(seq, kept) if request.logprobs is not None else None,
                       "policy_version": seq.version, "completion_tokens": kept}
@@ -147,11 +185,14 @@ class EndpointCore:
         ids = self.chat_prompts.ids(messages, tools, caller)
         greedy = request.greedy(self.temperature)
         budget = self._budget(request, [ids], "messages", None)
-        sequences = await self._generate([ids], request.n, greedy, budget, request.seed, caller != INTERNAL)
+        sequences = await self._generate([ids], request.n, greedy, budget, request.seed, caller == INTERNAL)
         as_ids = bool((request.model_extra or {}).get("return_tokens_as_token_ids"))
+        rollout = self._rollout(request, caller)
         choices = []
         for i, seq in enumerate(sequences):
             kept, text, stopped = cut_at_stop(self.tokenizer, seq.tokens, request.stop)
+            if rollout is not None:
+                self.rollout_versions.record(rollout, ids, seq.tokens[:kept], seq.versions[:kept])
             message, calls = self._message(text, tools if request.tool_choice != "none" else None)
             choice = {"index": i, "message": message,
                       "finish_reason": "tool_calls" if calls else _finish(seq, stopped, kept),
@@ -166,6 +207,12 @@ class EndpointCore:
         if request.return_token_ids:
             answer["prompt_token_ids"] = ids
         return answer
+
+    @staticmethod
+    def _rollout(request, caller: str) -> str | None:
+        """The rollout group an internal request's model call belongs to (ROLLOUT_FIELD; ignored from others)."""
+        tag = (request.model_extra or {}).get(ROLLOUT_FIELD) if caller == INTERNAL else None
+        return tag if isinstance(tag, str) else None
 
     def _message(self, text: str, tools) -> tuple[dict[str, Any], bool]:
         """The assistant message of a choice: with tools listed, the calls it makes as `tool_calls`."""

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from grpo_stream.common.environments.render import ChatTemplateRenderer
-from grpo_stream.sampler_service.openai_protocol import RequestError
+from grpo_stream.common.endpoint.protocol import RequestError
 
 REMEMBERED_TOKENS = 16 << 20  # ids of remembered conversations kept in all (64 MiB as int32), oldest dropped first
 

@@ -1,0 +1,178 @@
+"""Evaluation on held-out problems with the sampling engine, through the rollout stream of any rollout kind
+(common/episodes): greedy pass@1, and pass@k / maj@k from k samples.
+
+- pass@1 (greedy): share of problems whose greedy completion is correct.
+- pass@k: the unbiased estimator of Chen et al. (2021) from n = `samples`
+  completions per problem of which c are correct: 1 - C(n-c, k) / C(n, k),
+  averaged over problems, for every k in `ks` (k <= n).
+- maj@k: majority vote over the final answers of the first k samples
+  (numbers compared after normalisation, `grpo_stream.common.tasks.answers`); a problem counts
+  when the most frequent answer is correct, ties going to the answer seen
+  first. Completions that state no answer do not vote.
+- reward: the mean reward of the greedy episodes by the run's rewards (task.rewards), or by the rubric of a kind
+  that scores its own episodes (a verifiers environment).
+- task metrics: a task's own figures of the greedy completions (`task_metrics`, e.g. IFEval's four).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+
+from grpo_stream.common.engine.base import GenerationEngine
+from grpo_stream.common.episodes.finite import run_groups
+from grpo_stream.common.episodes.registry import ROLLOUTS, build_rollouts, rollout_kind
+from grpo_stream.common.episodes.groups import episode_text, score_episode
+from grpo_stream.common.episodes.result import EpisodeResult, GroupWork
+from grpo_stream.common.episodes.single_turn import SingleTurn
+from grpo_stream.common.tasks.answers import extract_answer, same_number
+from grpo_stream.common.tasks.rewards import RewardSet, answer_correct, answer_format
+
+
+@dataclasses.dataclass
+class EvalResult:
+    accuracy: float                       # greedy pass@1
+    format_rate: float                    # greedy completions stating `#### N`
+    num_problems: int
+    seconds: float
+    examples: list[dict]
+    samples: int = 0                      # sampled completions per problem (0: greedy only)
+    skipped_long_prompts: int = 0         # problems not scored: prompt longer than generation.max_prompt_tokens
+    pass_at_k: dict[str, float] = dataclasses.field(default_factory=dict)
+    maj_at_k: dict[str, float] = dataclasses.field(default_factory=dict)
+    task_metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # the task's own figures (greedy)
+    reward: float = 0.0                   # mean reward of the greedy episodes by the run's rewards (or rubric)
+    rewards: list[str] = dataclasses.field(default_factory=list)  # the rewards `reward` weighs
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Probability that at least one of k completions drawn without replacement from n (c correct) is correct."""
+    if not 0 < k <= n or not 0 <= c <= n:
+        raise ValueError(f"pass@k needs 0 < k <= n and 0 <= c <= n; got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def majority_correct(answers: Sequence[str | None], reference: str) -> bool:
+    """Whether the most frequent stated answer (numbers normalised; first seen wins ties) is the reference."""
+    groups: list[tuple[str, int]] = []  # (representative answer, votes), in order of first appearance
+    for ans in answers:
+        if ans is None:
+            continue
+        for i, (rep, votes) in enumerate(groups):
+            if same_number(ans, rep):
+                groups[i] = (rep, votes + 1)
+                break
+        else:
+            groups.append((ans, 1))
+    if not groups:
+        return False
+    best = max(range(len(groups)), key=lambda i: (groups[i][1], -i))
+    return same_number(groups[best][0], reference)
+
+
+def _episodes(engine, params: Any, problems: list, prompts: list[list[int]], rollouts, rows: int, rng, greedy: bool,
+              max_rows: int, progress: Callable[[], None] | None, rewards
+              ) -> tuple[list[GroupWork], list[list[EpisodeResult]]]:
+    """`rows` episodes of each problem, made by `rollouts` on one serve of `engine` (at most `max_rows` in flight):
+    problem i's group samples with fold_in(rng, i), as a sampler's group of that key would."""
+    with jax.default_device(jax.devices("cpu")[0]):
+        keys = [jax.random.fold_in(rng, i) for i in range(len(problems))]
+    works = [GroupWork(p, ids, rows, rewards, f"eval/{i}", i, key, greedy=greedy)
+             for i, (p, ids, key) in enumerate(zip(problems, prompts, keys))]
+    return works, run_groups(engine, params, works, rollouts, max_rows=max(max_rows, rows), progress=progress)
+
+
+def evaluate(engine: GenerationEngine, params: Any, tokenizer, problems: list, batch_size: int, num_examples: int = 3,
+             samples: int = 0, ks: Sequence[int] = (), seed: int = 0,
+             progress: Callable[[], None] | None = None, rollouts=None, rewards: RewardSet | None = None,
+             turn_weight: float = 0.0, task_metrics: Callable[[list, list[str]], dict[str, float]] | None = None) -> EvalResult:
+    """Greedy pass@1 on `problems` (each has .prompt and .answer); with `samples` > 0 also pass@k and maj@k.
+
+    Each problem is a group of episodes made by `rollouts` (the run's rollout kind, common/episodes/registry.py:
+    single turns by default, an environment's episodes, a verifiers environment's rollouts), `batch_size` episodes
+    in flight at a time. Problems whose prompt exceeds the engine's max_prompt_tokens are skipped and counted.
+    `progress`: called as groups end (a heartbeat); `rewards`: the run's rewards (task.rewards), whose mean over the
+    greedy episodes (with `turn_weight` x their turn rewards) is `reward` (a kind that scores its own episodes, a
+    verifiers rubric, gives its own);
+    `task_metrics(problems, greedy completions)`: the task's own figures (a task's `eval_metrics`)."""
+    start = time.time()
+    if not problems:
+        raise ValueError("no problems to evaluate (eval.num_problems / --limit, and the split's size)")
+    encoded = [tokenizer.encode(p.prompt) for p in problems]
+    keep = [i for i, ids in enumerate(encoded) if len(ids) <= engine.max_prompt_tokens]
+    skipped = len(problems) - len(keep)  # longer than generation.max_prompt_tokens: not scored, counted
+    problems, prompts = [problems[i] for i in keep], [encoded[i] for i in keep]
+    if not problems:
+        raise ValueError(f"generation.max_prompt_tokens={engine.max_prompt_tokens}: every evaluation prompt is "
+                         "longer; raise it")
+    rollouts = rollouts or SingleTurn(engine.max_new_tokens)
+    rewards = rewards or RewardSet({"answer_correct": 1.0})
+    works, made = _episodes(engine, params, problems, prompts, rollouts, 1, jax.random.key(seed), True, batch_size,
+                            progress, rewards)
+    greedy = [episode_text(group[0], tokenizer) for group in made]
+    scored = [score_episode(group[0], work, tokenizer, turn_weight)[0] for work, group in zip(works, made)]
+    correct = [answer_correct(t, p.answer) for t, p in zip(greedy, problems)]
+    formatted = [answer_format(t, p.answer) for t, p in zip(greedy, problems)]
+    examples = [{"prompt": p.prompt, "completion": t, "answer": p.answer, "correct": bool(c)}
+                for p, t, c in list(zip(problems, greedy, correct))[:num_examples]]
+    n = len(problems)
+    result = EvalResult(accuracy=sum(correct) / n, format_rate=sum(formatted) / n, num_problems=n,
+                        seconds=0.0, examples=examples, samples=samples, skipped_long_prompts=skipped,
+                        reward=sum(scored) / n, rewards=sorted(k for k, w in rewards.weights.items() if w),
+                        task_metrics=task_metrics(problems, greedy) if task_metrics else {})
+    if samples:
+        bad = [k for k in ks if not 0 < k <= samples]
+        if bad:
+            raise ValueError(f"eval.ks={list(ks)}: each k must be in 1..eval.samples={samples}")
+        _, made = _episodes(engine, params, problems, prompts, rollouts, samples, jax.random.key(seed + 1), False,
+                            batch_size, progress, rewards)
+        per_problem = [[episode_text(r, tokenizer) for r in group] for group in made]
+        for k in ks:
+            result.pass_at_k[str(k)] = sum(
+                pass_at_k(samples, int(sum(answer_correct(t, p.answer) for t in texts_i)), k)
+                for p, texts_i in zip(problems, per_problem)) / n
+            result.maj_at_k[str(k)] = sum(
+                majority_correct([extract_answer(t) for t in texts_i[:k]], p.answer)
+                for p, texts_i in zip(problems, per_problem)) / n
+    result.seconds = round(time.time() - start, 3)
+    return result
+
+
+def greedy_probe(engine: GenerationEngine, params: Any, tokenizer, problems: list, batch_size: int,
+                 progress: Callable[[], None] | None = None) -> list[str]:
+    """Greedy single-turn completions of the problems whose prompts fit: what two copies of the same weights must
+    agree on."""
+    kept = [(p, ids) for p, ids in ((p, tokenizer.encode(p.prompt)) for p in problems)
+            if len(ids) <= engine.max_prompt_tokens]
+    _, made = _episodes(engine, params, [p for p, _ in kept], [ids for _, ids in kept],
+                        SingleTurn(engine.max_new_tokens), 1, jax.random.key(0), True, batch_size, progress,
+                        RewardSet({"answer_correct": 1.0}))
+    return [episode_text(group[0], tokenizer) for group in made]
+
+
+def evaluate_run(cfg, engine, params, task, tokenizer, problems: list,
+                 progress: Callable[[], None] | None = None) -> EvalResult:
+    """`evaluate` of a run's config: its rollout kind (an environment's episodes; a verifiers environment's rollouts
+    against in-process routes over `engine`, scored by its rubric), rewards and eval section."""
+    with contextlib.ExitStack() as stack:
+        routes = None
+        if ROLLOUTS[rollout_kind(cfg)].needs_routes:
+            from grpo_stream.common.endpoint.app import in_process_routes  # noqa: PLC0415 - FastAPI, only for these
+
+            routes = stack.enter_context(in_process_routes(cfg, engine, tokenizer))
+        rollouts = build_rollouts(cfg, task, tokenizer, routes)
+        stack.callback(rollouts.close)
+        return evaluate(engine, params, tokenizer, problems, cfg.eval.batch_size, samples=cfg.eval.samples,
+                        ks=cfg.eval.ks, seed=cfg.run.seed, progress=progress, rollouts=rollouts,
+                        rewards=RewardSet(cfg.task.rewards), turn_weight=cfg.environment.turn_reward_weight,
+                        task_metrics=getattr(task, "eval_metrics", None))

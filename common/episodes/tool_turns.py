@@ -1,0 +1,158 @@
+"""Multi-turn rollouts with an environment (environment.name): model turns, and between them the environment's
+observations (tool results, replies), with the environment's steps off the decode path.
+
+Each episode is one row of its group. Its first turn is a request whose prompt is the problem's prompt; when a turn
+ends (the model sampled its stop token, or its budget ran out) the engine frees the slot at once and hands the turn
+back on its thread (`turn_done`: bookkeeping only); the rest runs on a worker of the pool (environment.workers): the
+turn's text is decoded, the environment's step runs, its observation is rendered and tokenized once and appended,
+and the next turn enters the stream as a request whose prompt is the whole conversation so far, ids exactly as
+sampled and as rendered. By default (environment.kv_cache=reprefill) the engine prefills that prompt again: the
+turn's slot went to other work while the environment answered. With kv_cache=hold the slot keeps the episode's cache
+while it waits and the next turn feeds it only the observation (common/engine/held_turns.py).
+
+An episode ends when the environment returns no observation, after environment.max_turns model turns, or when its
+tokens (model and observation tokens after the prompt) would pass its budget (generation.max_new_tokens; then it is
+truncated). A turn that reaches its own budget (environment.turn_max_new_tokens) without a stop token is answered
+like any other (the environment sees what the model wrote); its stop token is written before the observation, as an
+observation token, so the chat template's turn structure holds. An environment that raises ends its episode there
+(the error is kept on the episode); nothing it does escapes into the stream.
+
+Versions: each model token records the version that drew it, an observation token the version of the model token
+before it (it was written in reply to that turn).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import threading
+import time
+
+from grpo_stream.common.engine.base import Request
+from grpo_stream.common.environments.registry import build_environment
+from grpo_stream.common.environments.render import renderer_for
+from grpo_stream.common.episodes.result import EpisodeResult
+from grpo_stream.common.episodes.stream import GroupRun
+
+
+@dataclasses.dataclass(frozen=True)
+class EpisodeSettings:
+    max_turns: int                 # most model turns per episode
+    turn_max_new_tokens: int       # most tokens of one model turn
+    episode_tokens: int            # most tokens after the prompt, model and observation tokens together
+    tool_latency_s: float = 0.0    # added to every environment step (benchmarks: a simulated slow tool)
+    hold_kv: bool = False          # keep a waiting episode's cache in its slot (engines that can: held_turns.py)
+
+
+class _Episode:
+    """One row's episode: the environment's episode, its result so far, and its turns' requests."""
+
+    def __init__(self, kind: "ToolTurns", run: GroupRun, row: int, env_episode):
+        self.kind, self.run, self.row, self.env_episode = kind, run, row, env_episode
+        self.result = EpisodeResult()
+        self.hold_key = run.stream.hold_key() if kind.settings.hold_kv else None
+        self._turn_ids: list[int] = []
+
+    def next_turn(self, observation: list[int] | None = None) -> None:
+        """Submit the episode's next turn: its prompt is the conversation so far; with settings.hold_kv it also
+        names the held cache it continues (`resume`, fed the observation) and asks for its own cache to be held
+        unless it is the last turn allowed."""
+        result, s, work = self.result, self.kind.settings, self.run.work
+        budget = min(s.turn_max_new_tokens, s.episode_tokens - len(result.tokens))
+        request = Request(ids=list(work.prompt_ids) + result.tokens, budget=budget,
+                          key=self.run.key(self.row, result.turns), tag=self, greedy=work.greedy)
+        if s.hold_kv:
+            request.hold_key = self.hold_key if result.turns + 1 < s.max_turns else None
+            if result.turns:  # the cache held after the last turn (an empty observation: nothing to feed, prefilled)
+                request.resume, request.forced = self.hold_key, list(observation or [])
+        self.run.stream.submit(request)
+
+    def turn_done(self, request: Request, tokens, logprobs, versions, finished: bool) -> None:
+        """The engine's thread: record the turn, then let a worker decide what follows."""
+        self.result.add_turn(tokens, logprobs, versions, finished)
+        self._turn_ids = self.result.tokens[len(self.result.tokens) - len(tokens):]
+        self.kind.pool.submit(self._after_turn)
+
+    def _after_turn(self) -> None:
+        """A worker: decode the turn, end the episode or answer it. Nothing escapes: an episode neither ended nor
+        continued would keep its group in flight for ever."""
+        result, s = self.result, self.kind.settings
+        try:
+            stops = set(self.kind.tokenizer.eos_ids)
+            result.turn_texts.append(self.kind.tokenizer.decode([t for t in self._turn_ids if t not in stops]))
+            if len(result.tokens) >= s.episode_tokens:  # out of tokens: cut, whatever the turn was doing
+                self._end(finished=result.turn_closed[-1] and result.turns >= s.max_turns)
+            elif result.turns >= s.max_turns:
+                self._end(finished=True)
+            else:  # a turn cut at environment.turn_max_new_tokens is answered too, as verifiers-style ones are
+                self._step()
+        except Exception as exc:  # noqa: BLE001 - a bug here ends this episode, never the sampler
+            result.error = result.error or f"{type(exc).__name__}: {exc}"[:500]
+            self._end(finished=False)
+
+    def _step(self) -> None:
+        started = time.monotonic()
+        try:
+            ids = self._answer()
+        except Exception as exc:  # noqa: BLE001 - an environment's bug ends its episode, never the sampler
+            self.result.error = f"{type(exc).__name__}: {exc}"[:500]
+            ids = None
+        self.kind.add_environment_seconds(time.monotonic() - started)
+        if ids is None:
+            self._end(finished=True)
+        elif len(self.result.tokens) + len(ids) >= self.kind.settings.episode_tokens:
+            self._end(finished=False)  # no room for the observation and a model token after it
+        else:
+            self.result.add_observation(ids)
+            self.next_turn(ids)
+
+    def _answer(self) -> list[int] | None:
+        """The ids of the environment's observation after the last turn (None: the episode ends)."""
+        result = self.result
+        if self.kind.settings.tool_latency_s:
+            time.sleep(self.kind.settings.tool_latency_s)
+        turn = self.env_episode.step(result.turn_texts[-1])
+        result.turn_rewards.append(float(turn.reward))
+        if turn.observation is None:
+            return None
+        ids = self.kind.renderer.render(turn.observation)
+        if not result.turn_closed[-1]:  # the turn was cut: close it as the template does
+            ids = self.kind.renderer.end_of_turn_ids() + ids
+        return ids
+
+    def _end(self, finished: bool) -> None:
+        self.result.finished = finished and self.result.error is None
+        if self.hold_key is not None:
+            self.run.stream.release(self.hold_key)
+        self.run.episode_done(self.row, self.result)
+
+
+class ToolTurns:
+    """The rollout kind of environments: `environment` (common/environments/base.py) starts each row's episode,
+    `renderer` writes observations in the model's chat template, steps run on `workers` threads."""
+
+    def __init__(self, environment, renderer, settings: EpisodeSettings, tokenizer, workers: int):
+        self.environment, self.renderer, self.settings, self.tokenizer = environment, renderer, settings, tokenizer
+        self.pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="environment")
+        self.environment_seconds = 0.0  # environment steps (tool calls), summed over the workers
+        self._lock = threading.Lock()
+
+    def start(self, run: GroupRun) -> None:
+        for row in range(run.work.rows):
+            _Episode(self, run, row, self.environment.start(run.work.problem)).next_turn()
+
+    def add_environment_seconds(self, seconds: float) -> None:
+        with self._lock:
+            self.environment_seconds += seconds
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def build(cfg, task, tokenizer, routes=None) -> ToolTurns:
+    """The rollout registry's entry (environment): the run's environment, renderer and settings."""
+    env, gen = cfg.environment, cfg.generation
+    settings = EpisodeSettings(max_turns=env.max_turns, turn_max_new_tokens=env.turn_max_new_tokens or gen.max_new_tokens,
+                               episode_tokens=gen.max_new_tokens, tool_latency_s=env.tool_latency_s,
+                               hold_kv=env.kv_cache == "hold")
+    return ToolTurns(build_environment(cfg, task, tokenizer), renderer_for(tokenizer), settings, tokenizer, env.workers)

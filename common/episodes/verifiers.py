@@ -1,0 +1,146 @@
+"""Rollouts of a `verifiers` environment (task.name=verifiers): the environment runs its own episodes, unchanged.
+
+A group is `env.run_group` over `rows` copies of its dataset row, on an event loop of this kind's own thread; the
+environment's model calls go to this process's OpenAI-compatible routes in memory (httpx's ASGI transport, the
+internal token), whose requests join the same rollout stream as every other kind's turns (they are the stream's own
+work: taken even while it drains, never refused for a full queue). The endpoint answers with the engine's token
+ids and logprobs (`return_token_ids`) and continues each conversation from the ids it sampled
+(common/endpoint/chat.py), so turn k+1's prompt ids start with turn k's prompt and completion ids: an episode is its
+first prompt, then per turn the ids the environment's messages added (observation tokens, logprob 0, not trained
+on) and the ids the model sampled. Each call carries its group's tag, under which the endpoint records the version
+of every token it answered (common/endpoint/generation.py RolloutVersions): the trajectory does not keep them, and a
+group is as stale as its oldest token. The rubric's weighted reward is the reward; its per-function scores are kept
+as reward components.
+
+A rollout the environment ended with an error (a model call that failed, a tool that raised and stopped it), or
+whose turns are not one token sequence, fails (`EpisodeResult.failed`): its whole group is left out by the sampler
+(a partly scored group would bias its advantages). An episode longer than generation.max_new_tokens is cut there
+and marked truncated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+from grpo_stream.common.endpoint.generation import ROLLOUT_FIELD, RolloutVersions
+from grpo_stream.common.episodes.result import EpisodeResult
+from grpo_stream.common.episodes.stream import GroupRun
+
+
+class RolloutError(ValueError):
+    """A rollout that cannot become a completion; the message says why."""
+
+
+def episode_of(output: dict[str, Any], versions: dict) -> EpisodeResult:
+    """One rollout's episode from its trajectory's token records and the versions the endpoint recorded."""
+    steps = output.get("trajectory") or []
+    if not steps:
+        raise RolloutError("no model call")
+    result = EpisodeResult(prompt_ids=[])
+    for k, step in enumerate(steps):
+        record = step.get("tokens")
+        if not record:
+            raise RolloutError(f"turn {k}: the endpoint's answer had no token ids")
+        ids, sampled = list(record["prompt_ids"]), list(record["completion_ids"])
+        drawn = versions.get(RolloutVersions.key(ids, sampled))
+        if drawn is None or len(drawn) != len(sampled):
+            raise RolloutError(f"turn {k}: the endpoint recorded no versions for its answer")
+        if k == 0:
+            result.prompt_ids = ids
+        else:
+            so_far = result.prompt_ids + result.tokens
+            if ids[:len(so_far)] != so_far:
+                raise RolloutError(f"turn {k}: its prompt does not continue the earlier turns' ids (the endpoint "
+                                   "rendered the conversation anew)")
+            result.add_observation(ids[len(so_far):])
+        logprobs = [float(x) for x in record["completion_logprobs"]]
+        if len(logprobs) != len(sampled):
+            raise RolloutError(f"turn {k}: logprobs and token ids differ in length")
+        result.add_turn(sampled, logprobs, drawn, closed=True)
+    return result
+
+
+def result_of(output: dict[str, Any], versions: dict, max_tokens: int) -> EpisodeResult:
+    """The episode of one rollout, scored by its rubric; raises RolloutError."""
+    if output.get("error"):
+        raise RolloutError(f"the environment reported {str(output['error'])[:300]}")
+    result = episode_of(output, versions)
+    cut = len(result.tokens) > max_tokens
+    if cut:
+        for name in ("tokens", "logprobs", "model_mask", "versions"):
+            setattr(result, name, getattr(result, name)[:max_tokens])
+    result.finished = not (cut or bool(output.get("is_truncated")))
+    result.reward = float(output.get("reward") or 0.0)
+    result.reward_components = {k: float(v) for k, v in (output.get("metrics") or {}).items()
+                                if isinstance(v, (int, float))}
+    return result
+
+
+class VerifiersRollouts:
+    """The rollout kind of task.name=verifiers: `env` runs each group against the routes `app` (with `token`);
+    `versions`: the endpoint core's RolloutVersions."""
+
+    def __init__(self, env, app, token: str, model: str, sampling_args: dict[str, Any], max_tokens: int,
+                 timeout_s: float, versions: RolloutVersions):
+        import httpx  # noqa: PLC0415 - the `verifiers` extra
+        import verifiers as vf  # noqa: PLC0415
+        from openai import AsyncOpenAI  # noqa: PLC0415
+
+        self.env, self.model, self.max_tokens, self.sampling_args = env, model, max_tokens, sampling_args
+        self.versions = versions
+        self.environment_seconds = 0.0  # the environment's own time is inside its rollouts: not measured apart
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="verifiers-rollouts", daemon=True)
+        self._thread.start()
+        transport = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), timeout=timeout_s)
+        self._http = AsyncOpenAI(base_url="http://sampler/v1", api_key=token, max_retries=0, timeout=timeout_s,
+                                 http_client=transport)
+        self._client = vf.OpenAIChatCompletionsClient(self._http)
+
+    def start(self, run: GroupRun) -> None:
+        self.versions.open(run.work.group_id)
+        asyncio.run_coroutine_threadsafe(self._group(run), self._loop)
+
+    async def _group(self, run: GroupRun) -> None:
+        work = run.work
+        args = dict(self.sampling_args)
+        args["extra_body"] = {**dict(args.get("extra_body") or {}), ROLLOUT_FIELD: work.group_id}
+        if work.greedy:
+            args["temperature"] = 0.0
+        try:
+            outputs = await self.env.run_group([work.problem.row] * work.rows, self._client, self.model, args,
+                                               state_columns=["trajectory"])
+            failed = None
+        except Exception as exc:  # noqa: BLE001 - an environment's failure fails its group, never the sampler
+            outputs, failed = [{}] * work.rows, f"run_group raised {type(exc).__name__}: {exc}"
+        versions = self.versions.take(work.group_id)
+        for row in range(work.rows):
+            try:
+                if failed:
+                    raise RolloutError(failed)
+                result = result_of(outputs[row], versions, self.max_tokens)
+            except RolloutError as exc:
+                result = EpisodeResult(failed=str(exc)[:500])
+            run.episode_done(row, result)
+
+    def close(self) -> None:
+        future = asyncio.run_coroutine_threadsafe(self._http.close(), self._loop)
+        try:
+            future.result(timeout=5)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=5)
+
+
+def build(cfg, task, tokenizer, routes) -> VerifiersRollouts:
+    """The rollout registry's entry (verifiers): the run's sampling (the engine's temperature, a turn's token budget,
+    logprobs and token ids on) under task.verifiers.sampling_args, against `routes` (InProcessRoutes)."""
+    gen, extra = cfg.generation, dict(cfg.task.verifiers.sampling_args)
+    sampling = {"temperature": gen.temperature, "max_tokens": cfg.environment.turn_max_new_tokens or gen.max_new_tokens,
+                "logprobs": True}
+    sampling.update({k: v for k, v in extra.items() if k != "extra_body"})
+    sampling["extra_body"] = {**dict(extra.get("extra_body") or {}), "return_token_ids": True}
+    return VerifiersRollouts(task.env, routes.app, routes.token, routes.model_name, sampling, gen.max_new_tokens,
+                             cfg.sampler.openai.request_timeout_s, routes.versions)

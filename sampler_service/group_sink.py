@@ -1,0 +1,105 @@
+"""Where a sampler's finished groups go: scored, built and handed to the rollout sender, one by one as each group's
+last episode ends, on a thread of its own (never the engine's, never the feeder's).
+
+The rollout stream calls `put` with a finished group (a quick hand-over on whichever thread ended it); the sink's
+thread builds it with the one group builder (common/episodes/groups.py: rewards, the version rule), and puts it on
+the sender's backlog, waiting while the backlog is full (the feeder starts no group meanwhile). A group one of whose
+episodes failed to become a completion (a verifiers rollout that raised, turns that are not one sequence) is logged
+and left out; after MAX_FAILED_IN_A_ROW such groups in a row the sampler stops with the last reason (the
+environment or the run's settings are wrong: generating more would fail the same way). Rewards run here, so a slow
+reward delays only the sending of groups, never decoding.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import threading
+import time
+from typing import Callable
+
+from grpo_stream.common.episodes.groups import build_group
+from grpo_stream.common.episodes.stream import GroupRun
+from grpo_stream.common.rollouts.wire import to_proto
+
+log = logging.getLogger(__name__)
+MAX_FAILED_IN_A_ROW = 64  # groups failed one after another before the sampler stops (a wrong setup, not bad luck)
+PUT_WAIT_S = 0.5
+
+
+class GroupSink:
+    """See the module docstring. `client`: the RolloutClient; `metrics`: lifecycle.SamplerMetrics; `abandon()`: True
+    when groups are no longer wanted (a stop, or the final version installed)."""
+
+    def __init__(self, client, metrics, tokenizer, sampler_id: str, turn_weight: float, abandon: Callable[[], bool]):
+        self.client, self.metrics, self.tokenizer, self.sampler_id = client, metrics, tokenizer, sampler_id
+        self.turn_weight, self.abandon = turn_weight, abandon
+        self.groups_sent = self.groups_generated = self.tokens_generated = 0
+        self.groups_failed = self._failed_in_a_row = 0
+        self.rate: collections.deque = collections.deque(maxlen=4096)  # (time, tokens) per group sent
+        self.first_sent: float | None = None
+        self._queue: queue.Queue[GroupRun | None] = queue.Queue()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=f"{sampler_id}-groups", daemon=True)
+        self._thread.start()
+
+    def put(self, run: GroupRun) -> None:
+        """A group ended (the rollout stream's on_group)."""
+        self._queue.put(run)
+
+    def pending(self) -> int:
+        """Groups ended and not yet on the sender's backlog."""
+        return self._queue.qsize()
+
+    def check(self) -> None:
+        """Raise what stopped the sink (too many failed groups, a bug)."""
+        if self._error is not None:
+            raise self._error
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop after the groups already handed over (each waits PUT_WAIT_S at a time while the backlog is full)."""
+        self._queue.put(None)
+        self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        while True:
+            run = self._queue.get()
+            if run is None:
+                return
+            try:
+                self._send(run)
+            except BaseException as exc:  # noqa: BLE001 - raised on the feeder's thread by check()
+                self._error = exc
+                return
+
+    def _send(self, run: GroupRun) -> None:
+        work = run.work
+        self.groups_generated += work.train  # the run's waste is counted from these
+        failed = next((r.failed for r in run.results if r.failed), None)
+        if failed:
+            self._failed(work.group_id, failed)
+            return
+        self._failed_in_a_row = 0
+        group = build_group(work, run.results, self.sampler_id, self.tokenizer, self.turn_weight,
+                            run.version_at_start)
+        tokens = sum(len(c.token_ids) for c in group.completions)
+        message = to_proto(group)
+        while not self.client.put(message, timeout_s=PUT_WAIT_S):
+            if self.abandon():
+                return
+        self.groups_sent += 1
+        self.tokens_generated += tokens
+        self.metrics.groups.inc()
+        self.metrics.tokens.inc(tokens)
+        self.rate.append((time.monotonic(), tokens))
+        if self.first_sent is None:
+            self.first_sent = time.monotonic()
+
+    def _failed(self, group_id: str, why: str) -> None:
+        self.groups_failed += 1
+        self._failed_in_a_row += 1
+        log.warning("%s: group %s not sent: %s", self.sampler_id, group_id, why[:500])
+        if self._failed_in_a_row >= MAX_FAILED_IN_A_ROW:
+            raise ValueError(f"the last {self._failed_in_a_row} groups all failed, the last with: {why[:500]}; fix "
+                             "the environment or the run's settings")

@@ -1,0 +1,118 @@
+"""The groups a sampler starts next, as room frees in its rollout stream: injected prompts first (claimed from the
+ingest), then dataset prompts.
+
+Injected prompts go first so a researcher steering a live run sees results as soon as rows free; each keeps its own
+group size and rewards. Dataset prompts fill the rows left, in the order of this sampler's data stream, whose
+position names the group and seeds its sampling: its key is fold_in(sampler key, position), so a restarted sampler
+continues the same sequence and a group samples the same whatever else the engine decodes beside it.
+
+An injected prompt's reward names come from whoever wrote the prompt (the ingest checks them, but Redis can be written
+by others): they are looked up among the run's rewards only (`RunRewards`), never imported, and a prompt naming
+another is skipped, not generated.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+import types
+from typing import Iterator
+
+import grpc
+import jax
+
+from grpo_stream.common.config.schema import RunConfig
+from grpo_stream.common.episodes.result import GroupWork
+from grpo_stream.common.tasks.rewards import RewardSet, RunRewards, UnknownReward
+from grpo_stream.protos import rollout_pb2
+
+log = logging.getLogger(__name__)
+MAX_SKIPPED_PROMPTS = 1000  # consecutive over-long prompts before the sampler gives up (config is wrong)
+INJECTED_KEYS = 2**31 - 1  # the key stream of injected groups (fold_in of the sampler's key; data positions are less)
+CLAIM_EVERY_S = 0.25  # most often the ingest is asked for injected prompts while none is held
+
+
+class GroupSource:
+    """Makes one sampler's groups. `prompts` yields (data position, problem) from the sampler's stream; `key`: the
+    sampler's JAX key; `ingest_stub` (set once connected; None: no injected prompts) is where injected prompts are
+    claimed."""
+
+    def __init__(self, cfg: RunConfig, sampler_id: str, tokenizer, prompts: Iterator, default: RewardSet, key):
+        self.cfg, self.sampler_id, self.tokenizer, self.prompts, self.default = (cfg, sampler_id, tokenizer, prompts,
+                                                                                 default)
+        self.key = key
+        self.ingest_stub = None
+        self.pending: collections.deque = collections.deque()  # claimed injected prompts not started yet
+        self.injected_done = self.injected_refused = 0
+        self.rewards = RunRewards(default, cfg.task.rewards)
+        self._claim_warned = False
+        self._last_claim = -CLAIM_EVERY_S
+
+    def _key(self, stream: int, index: int):
+        with jax.default_device(jax.devices("cpu")[0]):  # never queued behind the engine's work
+            base = self.key if stream < 0 else jax.random.fold_in(self.key, stream)
+            return jax.random.fold_in(base, index)
+
+    def next_groups(self, groups: int, rows: int, version: int) -> list[GroupWork]:
+        """At most `groups` groups of at most `rows` rows in all (a dataset group has generation.num_generations):
+        injected prompts that fit, then dataset prompts. Prompts over generation.max_prompt_tokens are skipped with
+        a warning."""
+        gen = self.cfg.generation
+        rows = min(rows, groups * gen.num_generations)
+        batch = self.injected_groups(rows, groups, version)
+        used = sum(work.rows for work in batch)
+        skipped_in_a_row = 0
+        while len(batch) < groups and used + gen.num_generations <= rows:
+            position, problem = next(self.prompts)
+            ids = self.tokenizer.encode(problem.prompt)
+            if len(ids) > gen.max_prompt_tokens:
+                skipped_in_a_row += 1
+                if skipped_in_a_row > MAX_SKIPPED_PROMPTS:
+                    raise ValueError(f"generation.max_prompt_tokens={gen.max_prompt_tokens}: the last "
+                                     f"{skipped_in_a_row} prompts were all longer; raise it")
+                log.warning("prompt %s has %d tokens > generation.max_prompt_tokens; skipped", problem.prompt_id,
+                            len(ids))
+                continue
+            skipped_in_a_row = 0
+            batch.append(GroupWork(problem, ids, gen.num_generations, self.default,
+                                   f"{self.cfg.run.name}/{self.sampler_id}/{position}", position,
+                                   self._key(-1, position)))
+            used += gen.num_generations
+        return batch
+
+    def injected_groups(self, free_rows: int, groups: int, version: int) -> list[GroupWork]:
+        """Injected prompts to start now: what is left from the last claim, topped up by a new one (at most every
+        CLAIM_EVERY_S). A prompt that does not fit the rows left waits for rows to free; an
+        unreachable ingest only means dataset prompts (claims resume later)."""
+        wanted = groups - len(self.pending)
+        now = time.monotonic()
+        if wanted > 0 and self.ingest_stub is not None and now - self._last_claim >= CLAIM_EVERY_S:
+            self._last_claim = now
+            try:
+                reply = self.ingest_stub.ClaimPrompts(rollout_pb2.ClaimRequest(
+                    sampler_id=self.sampler_id, max_prompts=wanted, policy_version=version), timeout=5)
+                self.pending.extend(reply.prompts)
+                self._claim_warned = False
+            except grpc.RpcError as exc:
+                if not self._claim_warned:
+                    log.warning("%s: cannot claim injected prompts (%s); generating dataset prompts", self.sampler_id,
+                                exc.code().name)
+                    self._claim_warned = True
+        works, rows = [], 0
+        while self.pending and len(works) < groups and rows + self.pending[0].num_generations <= free_rows:
+            p = self.pending.popleft()
+            try:
+                rewards = self.rewards.subset(list(p.rewards))
+            except UnknownReward as exc:
+                self.injected_refused += 1
+                log.warning("%s: injected prompt %r not generated: %s (the ingest refuses these: does its "
+                            "task.rewards differ from this sampler's?)", self.sampler_id, p.prompt_id[:64], exc)
+                continue
+            problem = types.SimpleNamespace(prompt_id=p.prompt_id, answer=p.reference_answer, prompt="")
+            works.append(GroupWork(problem, list(p.prompt_token_ids), p.num_generations, rewards,
+                                   f"{self.cfg.run.name}/inj/{p.prompt_id}", None,
+                                   self._key(INJECTED_KEYS, self.injected_done + len(works)), train=p.train))
+            rows += p.num_generations
+        self.injected_done += len(works)
+        return works
