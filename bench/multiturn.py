@@ -1,11 +1,12 @@
 """Benchmark (issue 45): multi-turn episodes with a slow tool. Useful tokens/s with 100 ms per tool call against
-the same episodes with an instant tool, on the continuous JAX engine's `serve()` (common/environments/episodes.py).
+the same episodes with an instant tool, on the continuous JAX engine's `serve()` of a rollout stream
+(common/episodes/tool_turns.py; the sampler's whole stream with a slow tool: `bench rollouts`).
 
     grpo-stream bench multiturn [--quick] [--json F]
     python -m grpo_stream.bench.multiturn [--quick] [--out F] [--set KEY=VALUE ...]   # KEY: a FULL/QUICK entry
 
-Workload, the shape of one default sampler batch (sampler.prompts_per_batch 8 x generation.num_generations 8 = 64
-episodes; quick: 4 x 4): the CPU demo's addition prompts and tokenizer (configs/tiny_arith.yaml), each prompt's G
+Workload, the CPU demo's rows in flight (sampler.rows_in_flight 64: 8 prompts x generation.num_generations 8 = 64
+episodes, all started at once; quick: 4 x 4): the CPU demo's addition prompts and tokenizer (configs/tiny_arith.yaml), each prompt's G
 episodes together, on the sampler benchmark's Qwen3-shaped decoder (8 layers, width 512, MLP 1408, 8/2 heads of 64,
 float32, random init) with the demo tokenizer's 160-token vocabulary (the sampler benchmark's 8192 would leave no
 text to decode): 22.7M parameters. Each episode's number of model turns, 3..5, is drawn from a seeded RNG; the
@@ -38,13 +39,13 @@ from __future__ import annotations
 
 import argparse
 import collections
-import concurrent.futures
 import hashlib
 import json
 import pathlib
 import statistics
 import sys
 import time
+import types
 
 import jax
 import numpy as np
@@ -56,8 +57,9 @@ from grpo_stream.common.config.learning import GenerationSection
 from grpo_stream.common.config.loading import load_config
 from grpo_stream.common.engine.continuous import ContinuousEngine
 from grpo_stream.common.environments.base import Observation, Turn
-from grpo_stream.common.environments.episodes import EpisodeSettings, run_episodes
 from grpo_stream.common.environments.render import PlainRenderer
+from grpo_stream.common.episodes.finite import run_episodes
+from grpo_stream.common.episodes.tool_turns import EpisodeSettings, ToolTurns
 from grpo_stream.common.model.architectures import Architecture
 from grpo_stream.common.model.policy import TUNIX_ROPE_THETA, build_from_architecture
 from grpo_stream.common.runtime.process import build_task, build_tokenizer
@@ -95,8 +97,9 @@ class Watched:
 
     def __init__(self, engine):
         self.engine, self.idle_seconds, self.prompt_tokens = engine, 0.0, 0
+        self.request_keys = engine.request_keys
 
-    def serve(self, params, source, **kwargs):
+    def serve(self, params, source, refresh=None, version=0):
         watched = self
 
         class Source:
@@ -111,14 +114,20 @@ class Watched:
             def open(self):
                 return source.open()
 
+            def accepting(self):
+                return source.accepting()
+
             def released(self):  # environment.kv_cache=hold: the held caches it will not resume
-                return getattr(source, "released", list)()
+                return source.released()
+
+            def cancelled(self):
+                return source.cancelled()
 
             def wait(self, timeout):
                 started = time.perf_counter()
                 source.wait(timeout)
                 watched.idle_seconds += time.perf_counter() - started
-        return self.engine.serve(params, Source(), **kwargs)
+        return self.engine.serve(params, Source(), refresh, version)
 
 
 def build_model(p: dict, vocab_size: int, max_positions: int):
@@ -128,17 +137,31 @@ def build_model(p: dict, vocab_size: int, max_positions: int):
     return build_from_architecture(arch, seed=0)
 
 
-def run_arm(engine, params, prompts, turns, p: dict, latency: float, tokenizer, pool) -> dict:
+class ScriptedTools:
+    """The environment of the workload: episode i (problem.index) makes turns[i] model turns."""
+
+    def __init__(self, turns: list[int]):
+        self.turns = turns
+
+    def start(self, problem):
+        return ToolEpisode(self.turns[problem.index])
+
+
+def run_arm(engine, params, prompts, turns, p: dict, latency: float, tokenizer) -> dict:
     """One run of the episodes with `latency` seconds per tool call: wall time, useful tokens/s, engine counters."""
     settings = EpisodeSettings(max_turns=p["turns_high"], turn_max_new_tokens=p["turn_tokens"],
                                episode_tokens=p["episode_tokens"], tool_latency_s=latency,
                                hold_kv=bool(p["hold_kv"]))
     before, programs = collections.Counter(engine.stats), len(engine.programs)
     watched = Watched(engine)
-    with Busy() as busy:
-        results, figures = run_episodes(watched, params, prompts, [ToolEpisode(t) for t in turns],
-                                        jax.random.key(p["seed"]), settings, tokenizer, PlainRenderer(tokenizer),
-                                        pool)
+    kind = ToolTurns(ScriptedTools(turns), PlainRenderer(tokenizer), settings, tokenizer, p["workers"])
+    problems = [types.SimpleNamespace(index=i, prompt_id=str(i), answer="") for i in range(len(prompts))]
+    try:
+        with Busy() as busy:
+            results = run_episodes(watched, params, problems, prompts, kind, jax.random.key(p["seed"]))
+    finally:
+        kind.close()
+    figures = {"turns": sum(r.turns for r in results), "environment_seconds": kind.environment_seconds}
     seconds = busy.seconds
     stats = {k: engine.stats[k] - before[k] for k in ("prefills", "prefill_rows", "decode_steps", "slot_steps",
                                                        "live_slot_steps")}
@@ -176,17 +199,16 @@ def time_arms(engine, params, prompts, turns, p: dict, tokenizer) -> tuple[dict,
     """Untimed rounds of both arms (until one compiles nothing), then `repeats` alternating timed rounds."""
     arms = {"zero": 0.0, "latency": p["tool_latency_s"]}
     warmup, runs = {}, {arm: [] for arm in arms}
-    with concurrent.futures.ThreadPoolExecutor(p["workers"], thread_name_prefix="environment") as pool:
-        for round_ in range(1, p["warmup_rounds"] + 1):  # timing shifts the shapes: rounds until nothing compiles
-            for arm, latency in arms.items():
-                warmup[arm] = run_arm(engine, params, prompts, turns, p, latency, tokenizer, pool)
-                _say(_line(f"{arm} warm-up {round_} (compiles)", warmup[arm]))
-            if not any(w["new_programs"] for w in warmup.values()):
-                break
-        for i in range(p["repeats"]):
-            for arm, latency in arms.items():
-                runs[arm].append(run_arm(engine, params, prompts, turns, p, latency, tokenizer, pool))
-                _say(_line(f"{arm} run {i + 1}/{p['repeats']}", runs[arm][-1]))
+    for round_ in range(1, p["warmup_rounds"] + 1):  # timing shifts the shapes: rounds until nothing compiles
+        for arm, latency in arms.items():
+            warmup[arm] = run_arm(engine, params, prompts, turns, p, latency, tokenizer)
+            _say(_line(f"{arm} warm-up {round_} (compiles)", warmup[arm]))
+        if not any(w["new_programs"] for w in warmup.values()):
+            break
+    for i in range(p["repeats"]):
+        for arm, latency in arms.items():
+            runs[arm].append(run_arm(engine, params, prompts, turns, p, latency, tokenizer))
+            _say(_line(f"{arm} run {i + 1}/{p['repeats']}", runs[arm][-1]))
     return warmup, runs
 
 

@@ -266,7 +266,7 @@ class HealthMonitor:
         if trainer.publish_every > 1:
             remedies.append(f"publish weights more often (trainer.publish_every={trainer.publish_every})")
         if cfg.sampler.weight_updates != "in_flight":
-            remedies.append(f"let samplers switch weights mid-batch (sampler.weight_updates=in_flight, now "
+            remedies.append(f"let samplers switch weights mid-group (sampler.weight_updates=in_flight, now "
                             f"{cfg.sampler.weight_updates})")
         remedies.append(f"take smaller steps (trainer.learning_rate={trainer.learning_rate:g})")
         behind = "" if mean_lag is None else f"Tokens are {mean_lag:.1f} versions behind on average. "

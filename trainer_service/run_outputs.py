@@ -24,9 +24,10 @@ def evaluate_heldout(cfg: RunConfig, engine, params, task, tokenizer, label: str
     sampled = (f", sampled pass@1 {result.pass_at_k['1']:.3f} ({cfg.eval.samples} samples)"
                if "1" in result.pass_at_k else "")
     own = "".join(f", {name} {value:.3f}" for name, value in result.task_metrics.items())  # e.g. IFEval's four
+    parts = ", ".join(f"{name} {value:.3f}" for name, value in result.reward_components.items())
     log.info("%s: held-out greedy accuracy %.3f, reward %.3f (%s)%s%s on %d problems (%.1fs); e.g. %r", label,
-             result.accuracy, result.reward, "+".join(result.rewards), sampled, own, result.num_problems,
-             result.seconds, result.examples[0]["completion"] if result.examples else "")
+             result.accuracy, result.reward, parts, sampled, own, result.num_problems, result.seconds,
+             result.examples[0]["completion"] if result.examples else "")
     return result.as_dict()
 
 

@@ -13,6 +13,7 @@ that names the dotted field and says how to fix it.
 
 from __future__ import annotations
 
+import operator
 from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
@@ -294,9 +295,11 @@ class RunConfig(Strict):
                              "for weights the trainer cannot make; raise max_groups_per_version")
         return self
 
-    def engine_slots(self) -> int:
-        """Sequences a sampler's engine decodes at once: generation.decode_slots (jax), sampler.vllm.max_num_seqs."""
-        return self.generation.decode_slots if self.sampler.engine == "jax" else self.sampler.vllm.max_num_seqs
+    def engine_slots(self) -> tuple[str, int]:
+        """(the field, its value) of the most sequences a sampler's engine decodes at once (its KV cache holds them):
+        generation.decode_slots for the JAX engine, sampler.vllm.max_num_seqs for vLLM (the engine registry's)."""
+        field = engine_spec(self.sampler.engine).slots
+        return field, operator.attrgetter(field)(self)
 
     def rows_in_flight(self) -> int:
         """The episodes each sampler keeps in flight: sampler.rows_in_flight, or what fills its engine (twice that
@@ -304,12 +307,11 @@ class RunConfig(Strict):
         if self.sampler.rows_in_flight is not None:
             return self.sampler.rows_in_flight
         multi_turn = self.environment.name is not None or task_spec(self.task.name).own_rollouts
-        return self.engine_slots() * (2 if multi_turn else 1)
+        return self.engine_slots()[1] * (2 if multi_turn else 1)
 
     @model_validator(mode="after")
     def _rows_in_flight(self) -> "RunConfig":
-        rows, slots, group = self.rows_in_flight(), self.engine_slots(), self.generation.num_generations
-        where = "generation.decode_slots" if self.sampler.engine == "jax" else "sampler.vllm.max_num_seqs"
+        (where, slots), rows, group = self.engine_slots(), self.rows_in_flight(), self.generation.num_generations
         if rows < group:
             raise ValueError(f"sampler.rows_in_flight={rows} holds no group of generation.num_generations={group}; "
                              f"raise it to at least {group}")

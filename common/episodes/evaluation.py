@@ -47,7 +47,10 @@ class EvalResult:
     maj_at_k: dict[str, float] = dataclasses.field(default_factory=dict)
     task_metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # the task's own figures (greedy)
     reward: float = 0.0                   # mean reward of the greedy episodes by the run's rewards (or rubric)
-    rewards: list[str] = dataclasses.field(default_factory=list)  # the rewards `reward` weighs
+    reward_components: dict[str, float] = dataclasses.field(default_factory=dict)  # each component's mean
+    failed_episodes: int = 0              # episodes that could not be made (a verifiers rollout that raised): 0
+    sampled_reward: float | None = None   # the same over the sampled episodes (with `samples`)
+    sampled_reward_components: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -92,19 +95,28 @@ def _episodes(engine, params: Any, problems: list, prompts: list[list[int]], rol
     return works, run_groups(engine, params, works, rollouts, max_rows=max(max_rows, rows), progress=progress)
 
 
+def _scores(works: list[GroupWork], made: list[list[EpisodeResult]], tokenizer, turn_weight: float):
+    """(mean reward, each component's mean, episodes that failed) over every episode of `made`."""
+    scored = [score_episode(r, work, tokenizer, turn_weight) for work, group in zip(works, made) for r in group]
+    n, names = max(1, len(scored)), sorted({name for _, parts in scored for name in parts})
+    return (sum(r for r, _ in scored) / n, {k: sum(parts.get(k, 0.0) for _, parts in scored) / n for k in names},
+            sum(bool(r.failed) for group in made for r in group))
+
+
 def evaluate(engine: GenerationEngine, params: Any, tokenizer, problems: list, batch_size: int, num_examples: int = 3,
              samples: int = 0, ks: Sequence[int] = (), seed: int = 0,
              progress: Callable[[], None] | None = None, rollouts=None, rewards: RewardSet | None = None,
-             turn_weight: float = 0.0, task_metrics: Callable[[list, list[str]], dict[str, float]] | None = None) -> EvalResult:
+             turn_weight: float = 0.0, task_metrics: Callable[[list, list[str]], dict[str, float]] | None = None
+             ) -> EvalResult:
     """Greedy pass@1 on `problems` (each has .prompt and .answer); with `samples` > 0 also pass@k and maj@k.
 
     Each problem is a group of episodes made by `rollouts` (the run's rollout kind, common/episodes/registry.py:
     single turns by default, an environment's episodes, a verifiers environment's rollouts), `batch_size` episodes
     in flight at a time. Problems whose prompt exceeds the engine's max_prompt_tokens are skipped and counted.
     `progress`: called as groups end (a heartbeat); `rewards`: the run's rewards (task.rewards), whose mean over the
-    greedy episodes (with `turn_weight` x their turn rewards) is `reward` (a kind that scores its own episodes, a
-    verifiers rubric, gives its own);
-    `task_metrics(problems, greedy completions)`: the task's own figures (a task's `eval_metrics`)."""
+    greedy (and sampled) episodes, with `turn_weight` x their turn rewards, is `reward` (`sampled_reward`); a kind
+    that scores its own episodes (a verifiers rubric) gives its own. `task_metrics(problems, greedy completions)`:
+    the task's own figures (a task's `eval_metrics`)."""
     start = time.time()
     if not problems:
         raise ValueError("no problems to evaluate (eval.num_problems / --limit, and the split's size)")
@@ -120,32 +132,39 @@ def evaluate(engine: GenerationEngine, params: Any, tokenizer, problems: list, b
     works, made = _episodes(engine, params, problems, prompts, rollouts, 1, jax.random.key(seed), True, batch_size,
                             progress, rewards)
     greedy = [episode_text(group[0], tokenizer) for group in made]
-    scored = [score_episode(group[0], work, tokenizer, turn_weight)[0] for work, group in zip(works, made)]
     correct = [answer_correct(t, p.answer) for t, p in zip(greedy, problems)]
     formatted = [answer_format(t, p.answer) for t, p in zip(greedy, problems)]
     examples = [{"prompt": p.prompt, "completion": t, "answer": p.answer, "correct": bool(c)}
                 for p, t, c in list(zip(problems, greedy, correct))[:num_examples]]
     n = len(problems)
+    reward, components, failed = _scores(works, made, tokenizer, turn_weight)
     result = EvalResult(accuracy=sum(correct) / n, format_rate=sum(formatted) / n, num_problems=n,
                         seconds=0.0, examples=examples, samples=samples, skipped_long_prompts=skipped,
-                        reward=sum(scored) / n, rewards=sorted(k for k, w in rewards.weights.items() if w),
+                        reward=reward, reward_components=components, failed_episodes=failed,
                         task_metrics=task_metrics(problems, greedy) if task_metrics else {})
     if samples:
         bad = [k for k in ks if not 0 < k <= samples]
         if bad:
             raise ValueError(f"eval.ks={list(ks)}: each k must be in 1..eval.samples={samples}")
-        _, made = _episodes(engine, params, problems, prompts, rollouts, samples, jax.random.key(seed + 1), False,
-                            batch_size, progress, rewards)
-        per_problem = [[episode_text(r, tokenizer) for r in group] for group in made]
-        for k in ks:
-            result.pass_at_k[str(k)] = sum(
-                pass_at_k(samples, int(sum(answer_correct(t, p.answer) for t in texts_i)), k)
-                for p, texts_i in zip(problems, per_problem)) / n
-            result.maj_at_k[str(k)] = sum(
-                majority_correct([extract_answer(t) for t in texts_i[:k]], p.answer)
-                for p, texts_i in zip(problems, per_problem)) / n
+        works, made = _episodes(engine, params, problems, prompts, rollouts, samples, jax.random.key(seed + 1), False,
+                                batch_size, progress, rewards)
+        result.sampled_reward, result.sampled_reward_components, failed = _scores(works, made, tokenizer, turn_weight)
+        result.failed_episodes += failed
+        _sampled_figures(result, problems, [[episode_text(r, tokenizer) for r in group] for group in made], ks)
     result.seconds = round(time.time() - start, 3)
     return result
+
+
+def _sampled_figures(result: EvalResult, problems: list, per_problem: list[list[str]], ks: Sequence[int]) -> None:
+    """pass@k and maj@k of each problem's sampled completions."""
+    n, samples = len(problems), len(per_problem[0])
+    for k in ks:
+        result.pass_at_k[str(k)] = sum(
+            pass_at_k(samples, int(sum(answer_correct(t, p.answer) for t in texts_i)), k)
+            for p, texts_i in zip(problems, per_problem)) / n
+        result.maj_at_k[str(k)] = sum(
+            majority_correct([extract_answer(t) for t in texts_i[:k]], p.answer)
+            for p, texts_i in zip(problems, per_problem)) / n
 
 
 def greedy_probe(engine: GenerationEngine, params: Any, tokenizer, problems: list, batch_size: int,

@@ -10,6 +10,8 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable
 
+import jax
+
 from grpo_stream.common.episodes.result import EpisodeResult, GroupWork
 from grpo_stream.common.episodes.stream import RolloutStream
 
@@ -63,3 +65,14 @@ def run_groups(engine, params: Any, works: list[GroupWork], rollouts, max_rows: 
     if missing:
         raise RuntimeError(f"the serve ended with groups unfinished: {missing[:3]}")
     return done
+
+
+def run_episodes(engine, params: Any, problems: list, prompts: list[list[int]], rollouts, rng, greedy: bool = False,
+                 refresh: Callable | None = None, version: int = 0, rewards=None) -> list[EpisodeResult]:
+    """One episode per problem (problems[i] from prompts[i], a group of one row keyed fold_in(rng, i)), all in flight
+    at once: what benchmarks and tests of a rollout kind run."""
+    with jax.default_device(jax.devices("cpu")[0]):
+        keys = [jax.random.fold_in(rng, i) for i in range(len(problems))]
+    works = [GroupWork(p, list(ids), 1, rewards, f"episode/{i}", i, key, greedy=greedy)
+             for i, (p, ids, key) in enumerate(zip(problems, prompts, keys))]
+    return [group[0] for group in run_groups(engine, params, works, rollouts, version=version, refresh=refresh)]

@@ -36,7 +36,9 @@ def episode_text(result: EpisodeResult, tokenizer) -> str:
 
 
 def score_episode(result: EpisodeResult, work: GroupWork, tokenizer, turn_weight: float) -> tuple[float, dict]:
-    """(reward, components) of one episode (module docstring)."""
+    """(reward, components) of one episode (module docstring); one that failed to become a completion scores 0."""
+    if result.failed:
+        return 0.0, {}
     if result.reward is not None:
         return float(result.reward), dict(result.reward_components)
     text = episode_text(result, tokenizer)

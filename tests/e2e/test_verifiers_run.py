@@ -30,7 +30,7 @@ def test_a_verifiers_environment_trains_through_the_samplers_endpoint(tmp_path, 
         f"model.path={chat_family_dirs['qwen']}", "model.dtype=float32", "task.name=verifiers",
         "task.verifiers.environment=grpo-test-arith", f"task.verifiers.args.kind={kind}",
         "generation.max_prompt_tokens=448", "generation.max_new_tokens=96", "environment.turn_max_new_tokens=16",
-        "environment.tool_format=qwen", "generation.num_generations=4", "sampler.prompts_per_batch=2", "sampler.replicas=1",
+        "environment.tool_format=qwen", "generation.num_generations=4", "sampler.rows_in_flight=8", "sampler.replicas=1",
         f"trainer.steps={STEPS}", "trainer.groups_per_step=2", "warmstart.steps=0", "trainer.eval_before=false",
         "trainer.eval_after=false", "weights.verify_prompts=0", "checkpoint.every=2",
         timeout=900, env={"PYTHONPATH": str(ENVS)})

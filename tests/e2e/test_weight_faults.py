@@ -1,12 +1,12 @@
 """Weight versions under churn and faults (issue 6), with real sampler and trainer processes.
 
-1. No group mixes versions: this test serves weights (a real TrainerServer on loopback, ingest into a real
-   Redis) and publishes a new, clearly different version every 0.3 s while a `grpo-stream sampler` process
-   generates. Every group's behaviour logprobs are recomputed under the version the group says it used:
+1. No group mixes versions (sampler.weight_updates=drain): this test serves weights (a real TrainerServer on
+   loopback, ingest into a real Redis) and publishes a new, clearly different version every 0.3 s while a
+   `grpo-stream sampler` process generates. Every group's behaviour logprobs are recomputed under the version the group says it used:
    they agree to float32 noise, and disagree under the neighbouring versions. A group that switched weights
    part-way would match neither.
 2. Killing the trainer (kill -9) in the middle of a slow weight transfer: the samplers keep their installed
-   version, start no new batch while the ingest cannot admit one, count fetch failures, and install the
+   version, start no new group while the ingest cannot admit one, count fetch failures, and install the
    restarted trainer's versions; the restarted run completes.
 """
 
@@ -64,7 +64,8 @@ def recomputed(model, params, group, cfg, pad_id) -> np.ndarray:
 
 def test_no_group_mixes_weight_versions(tmp_path, shared_redis, run_name):
     overrides = ["sampler.replicas=1", "sampler.weight_poll_s=0.05", "trainer.max_staleness=1000",
-                 "sampler.prompts_per_batch=2", "sampler.backlog_max_groups=256", "sampler.metrics_port=null"]
+                 "sampler.rows_in_flight=8", "sampler.weight_updates=drain", "sampler.backlog_max_groups=256",
+                 "sampler.metrics_port=null"]
     cfg = load_config(CONFIG, overrides)
     task, tokenizer = build_task_and_tokenizer(cfg)
     model = build_policy(cfg, tokenizer.vocab_size, seed=0)

@@ -1,12 +1,13 @@
 """A client token cannot starve training (issue 41, finding 7): injected prompts take at most
 prompts.max_injected_fraction of a sampler's rows, clients take fair turns at the queue whatever priority one of them
 floods at, and a token table entry's max_priority bounds what that token may submit. Against a real Redis, the real
-trainer server (ingest + PromptService, with auth) and the sampler's own batch builder (injected prompts first)."""
+trainer server (ingest + PromptService, with auth) and the sampler's own group source (injected prompts first)."""
 
 import itertools
 import types
 
 import grpc
+import jax
 import pytest
 import yaml
 
@@ -14,7 +15,8 @@ from grpo_stream.common.rpc.auth import AuthError, TokenTable, new_token
 from grpo_stream.common.rollouts.wire import to_proto
 from grpo_stream.common.tasks.rewards import RewardSet
 from grpo_stream.protos import prompts_pb2, prompts_pb2_grpc, rollout_pb2, rollout_pb2_grpc
-from grpo_stream.sampler_service.batches import BatchBuilder
+from grpo_stream.sampler_service import group_source
+from grpo_stream.sampler_service.group_source import GroupSource
 from tests.support import answer, serve, with_run_name
 
 pytestmark = pytest.mark.redis
@@ -43,30 +45,31 @@ def submit(stub, n: int, priority: int, tag: str) -> list[str]:
     return list(stub.Submit(prompts_pb2.SubmitRequest(prompts=specs)).prompt_ids)
 
 
-def test_a_client_flooding_at_max_priority_starves_neither_other_clients_nor_the_dataset(stack):
+def test_a_client_flooding_at_max_priority_starves_neither_other_clients_nor_the_dataset(stack, monkeypatch):
     s, task, tokenizer, stubs = stack
     cfg, top = s.cfg, s.cfg.prompts.max_priority
-    batch_rows = cfg.sampler.prompts_per_batch * cfg.generation.num_generations
-    builder = BatchBuilder(cfg, "sampler-0", tokenizer, zip(itertools.count(), task.train_stream(0, 1)),
-                           RewardSet(cfg.task.rewards))
-    builder.ingest_stub = stubs["ingest"]
+    monkeypatch.setattr(group_source, "CLAIM_EVERY_S", 0.0)  # every refill claims (the test does not wait it out)
+    rows = cfg.rows_in_flight()
+    source = GroupSource(cfg, "sampler-0", tokenizer, zip(itertools.count(), task.train_stream(0, 1)),
+                         RewardSet(cfg.task.rewards), jax.random.key(0))
+    source.ingest_stub = stubs["ingest"]
     flooded = submit(stubs["flood"], 40, top, "flood")  # its whole quota, at the highest priority
     alice = set(submit(stubs["alice"], 3, 0, "alice"))
     served, injected_rows = set(), []
-    for _ in range(10):  # ten generation batches of a sampler granted full batches
-        batch = builder.next_batch(cfg.sampler.prompts_per_batch, version=0)
-        injected = [slot for slot in batch if slot.position is None]
-        injected_rows.append(sum(slot.rows for slot in injected))
-        assert sum(slot.rows for slot in batch) == batch_rows
-        for slot in injected:  # answered: each frees a place in its client's quota
-            prompt = types.SimpleNamespace(prompt_id=slot.problem.prompt_id, num_generations=slot.rows,
-                                           prompt_token_ids=slot.ids)
+    for _ in range(10):  # ten times the sampler's stream fills all the rows it keeps in flight
+        works = source.next_groups(rows // cfg.generation.num_generations, rows, version=0)
+        injected = [w for w in works if w.injected]
+        injected_rows.append(sum(w.rows for w in injected))
+        assert sum(w.rows for w in works) == rows
+        for work in injected:  # answered: each frees a place in its client's quota
+            prompt = types.SimpleNamespace(prompt_id=work.problem.prompt_id, num_generations=work.rows,
+                                           prompt_token_ids=work.prompt_ids)
             assert stubs["ingest"].PushGroup(to_proto(answer(prompt, cfg.run.name))).code == 0
-            served.add(slot.problem.prompt_id)
+            served.add(work.problem.prompt_id)
         room = 40 - (len(flooded) - len(served & set(flooded)))  # keep the flooding client's quota full
         flooded += submit(stubs["flood"], room, top, "flood") if room else []
-    # injected prompts (all 4 rows here) took half of every batch; dataset prompts the rest
-    assert injected_rows == [batch_rows // 2] * 10, injected_rows
+    # injected prompts (all 4 rows here) took half of the rows every time; dataset prompts the rest
+    assert injected_rows == [rows // 2] * 10, injected_rows
     assert alice <= served, "a client at priority 0 must get turns while another floods at the top priority"
     assert len(served & set(flooded)) >= 3 * len(alice)  # the higher priority still takes most turns
 

@@ -33,7 +33,8 @@ def served(chat_family_dirs, tmp_path_factory):  # noqa: F811
     cfg = load_config(CONFIGS / "tiny_arith.yaml", [
         "model.kind=hf", f"model.path={chat_family_dirs['qwen']}", "model.dtype=float32",
         f"generation.max_prompt_tokens={P}", f"generation.max_new_tokens={C}", "generation.temperature=0.9",
-        "generation.decode_slots=16", "generation.decode_chunk_steps=4", "warmstart.steps=0",
+        "generation.decode_slots=16", "sampler.rows_in_flight=16", "generation.decode_chunk_steps=4",
+        "warmstart.steps=0",
         "sampler.openai.port=0", "sampler.openai.model_name=policy", "environment.tool_format=qwen",
         "sampler.openai.max_body_bytes=65536",
         f"auth.tokens_file={tokens['table']}"])

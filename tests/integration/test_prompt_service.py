@@ -198,7 +198,7 @@ def test_quota_and_queue_limits_answer_resource_exhausted_with_a_retry_hint(stac
     ({"text": "Q: 1 + 1 = ? " * 40}, "prompts[0].text:"),
     ({"text": "x", "priority": 10}, "prompts[0].priority: 10 outside 0..9"),
     ({"text": "x", "priority": -1}, "prompts[0].priority"),
-    ({"text": "x", "num_generations": 65}, "prompts[0].num_generations: 65 outside 0..32"),
+    ({"text": "x", "num_generations": 65}, "prompts[0].num_generations: 65 outside 0..64"),
     ({"text": "x", "train": True}, "prompts[0].reference_answer: required"),
     ({"text": "x", "train": True, "answer": "1", "num_generations": 2}, "generation.num_generations=4"),
     ({"text": "x", "tags": ["a b"]}, "prompts[0].tags[0]"),

@@ -1,6 +1,6 @@
 """Reward names in injected prompts never reach an import (issue 41, finding 1), on a real Redis and the real ingest
 gRPC server: prompts written straight into the run's Redis, as anyone who can reach it could, bypassing
-PromptService.Submit, naming `os:system` or a module whose import leaves a file behind. A sampler's batch builder
+PromptService.Submit, naming `os:system` or a module whose import leaves a file behind. A sampler's group source
 claims through the ingest as a sampler does. Nothing is imported, the client sees an error result, the prompt is
 not handed out again, and the sampler goes on generating."""
 
@@ -10,6 +10,7 @@ import time
 from concurrent import futures
 
 import grpc
+import jax
 import pytest
 
 from grpo_stream.common.rpc.grpc_util import ClientSecurity
@@ -17,7 +18,8 @@ from grpo_stream.common.runtime.process import build_task, build_tokenizer
 from grpo_stream.common.tasks.rewards import RewardSet
 from grpo_stream.prompt_client import PromptClient
 from grpo_stream.protos import prompts_pb2, rollout_pb2, rollout_pb2_grpc
-from grpo_stream.sampler_service.batches import BatchBuilder
+from grpo_stream.sampler_service import group_source
+from grpo_stream.sampler_service.group_source import GroupSource
 from grpo_stream.trainer_service.prompt_queue import PromptQueue
 from tests.support import serve, with_run_name
 
@@ -58,12 +60,21 @@ def plant_prompt(queue: PromptQueue, pid: str, rewards: list[str], client: str =
     queue.client.hincrby(queue.pending, client, 1)
 
 
-def sampler(cfg, task, tokenizer, channel) -> BatchBuilder:
-    """Sampler 0's batch builder (loop.py's, without an engine), claiming through the ingest over gRPC."""
+@pytest.fixture(autouse=True)
+def claim_every_time(monkeypatch):
+    monkeypatch.setattr(group_source, "CLAIM_EVERY_S", 0.0)  # every call may claim (the tests do not wait it out)
+
+
+def sampler(cfg, task, tokenizer, channel) -> GroupSource:
+    """Sampler 0's group source (loop.py's, without an engine), claiming through the ingest over gRPC."""
     stream = zip(itertools.count(), task.train_stream(0, 1))
-    builder = BatchBuilder(cfg, "sampler-0", tokenizer, stream, RewardSet(cfg.task.rewards))
+    builder = GroupSource(cfg, "sampler-0", tokenizer, stream, RewardSet(cfg.task.rewards), jax.random.key(0))
     builder.ingest_stub = rollout_pb2_grpc.RolloutIngestStub(channel)
     return builder
+
+
+def next_groups(builder, groups: int, version: int):
+    return builder.next_groups(groups, groups * builder.cfg.generation.num_generations, version)
 
 
 def test_prompts_in_redis_naming_import_paths_are_refused_and_nothing_is_imported(stack, planted):
@@ -75,9 +86,9 @@ def test_prompts_in_redis_naming_import_paths_are_refused_and_nothing_is_importe
     builder = sampler(s.cfg, task, tokenizer, s.channel("sampler"))
     g = s.cfg.generation.num_generations
 
-    batch = builder.next_batch(groups=3, version=0)
+    batch = next_groups(builder, 3, 0)
     assert not planted.exists() and PLANTED not in sys.modules  # nothing imported, nothing ran
-    injected = [slot for slot in batch if slot.position is None]
+    injected = [slot for slot in batch if slot.injected]
     assert [slot.problem.prompt_id for slot in injected] == ["p-ok-3"]  # the valid one is generated as before
     assert len(batch) == 3 and all(slot.rows == g for slot in batch[1:])  # dataset prompts fill the rest
 
@@ -95,7 +106,7 @@ def test_prompts_in_redis_naming_import_paths_are_refused_and_nothing_is_importe
     assert queue.counts() == (0, 1)
 
     # the sampler goes on: the next batches are dataset prompts, and a later claim hands out nothing refused
-    assert all(slot.position is not None for slot in builder.next_batch(groups=2, version=1))
+    assert all(not slot.injected for slot in next_groups(builder, 2, 1))
     assert not planted.exists() and PLANTED not in sys.modules
 
 
@@ -123,10 +134,10 @@ def test_a_sampler_skips_a_name_outside_its_config_even_when_an_ingest_hands_it_
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             builder = sampler(small_cfg, task, tokenizer, channel)
-            batch = builder.next_batch(groups=2, version=0)
+            batch = next_groups(builder, 2, 0)
             assert not planted.exists() and PLANTED not in sys.modules
-            assert all(slot.position is not None for slot in batch) and builder.injected_refused == 1
+            assert all(not slot.injected for slot in batch) and builder.injected_refused == 1
             assert "'p-evil' not generated: rewards[0]" in caplog.text
-            assert all(slot.position is not None for slot in builder.next_batch(groups=2, version=1))  # goes on
+            assert all(not slot.injected for slot in next_groups(builder, 2, 1))  # goes on
     finally:
         server.stop(0)

@@ -8,6 +8,10 @@ import tempfile
 import jax
 import pytest
 
+from grpo_stream.common.episodes.finite import run_groups
+from grpo_stream.common.episodes.groups import build_group
+from grpo_stream.common.episodes.result import GroupWork
+from grpo_stream.common.episodes.single_turn import SingleTurn
 from grpo_stream.common.rollouts.buffer import Incoming, RedisStreamBuffer
 from grpo_stream.common.rpc.auth import write_tokens
 from grpo_stream.common.config.loading import load_config
@@ -17,7 +21,6 @@ from grpo_stream.common.tasks.rewards import RewardSet
 from grpo_stream.common.weights.snapshot import digest
 from grpo_stream.common.rollouts.wire import to_proto
 from grpo_stream.audit import build_audit
-from grpo_stream.sampler_service.grouping import build_groups
 from tests.conftest import CONFIGS
 from grpo_stream.trainer_service.loop import Trainer
 
@@ -53,13 +56,11 @@ def groups(tiny_parts):
     model = build_policy(cfg, tokenizer.vocab_size, seed=cfg.run.seed)
     gen = cfg.generation
     engine = ContinuousEngine(model, tokenizer.pad_id, tokenizer.eos_ids, gen.max_prompt_tokens, gen.max_new_tokens, 1.0)
-    batch = [(task.train_problem(i), tokenizer.encode(task.train_problem(i).prompt))
-             for i in range(STEPS * GROUPS_PER_STEP)]
-    out = engine.generate(model.params, [ids for _, ids in batch for _ in range(gen.num_generations)],
-                          jax.random.key(7))
-    made = build_groups(batch, out, gen.num_generations, tokenizer, RewardSet(cfg.task.rewards), 0, "sampler-0",
-                        [f"g{i}" for i in range(len(batch))], list(range(len(batch))))
-    return [to_proto(g) for g in made]
+    problems = [task.train_problem(i) for i in range(STEPS * GROUPS_PER_STEP)]
+    works = [GroupWork(p, tokenizer.encode(p.prompt), gen.num_generations, RewardSet(cfg.task.rewards), f"g{i}", i,
+                       jax.random.fold_in(jax.random.key(7), i)) for i, p in enumerate(problems)]
+    made = run_groups(engine, model.params, works, SingleTurn(gen.max_new_tokens))
+    return [to_proto(build_group(work, results, "sampler-0", tokenizer)) for work, results in zip(works, made)]
 
 
 def fill(url: str, run: str, groups) -> RedisStreamBuffer:

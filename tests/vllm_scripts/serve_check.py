@@ -1,5 +1,5 @@
 """Runs in the vLLM environment (started by tests/unit/common/engine/test_vllm_serve.py): multi-turn episodes
-(`run_episodes`) on the vLLM engine's `serve`. Writes the measurements as JSON; the test asserts on them.
+(the environment rollout kind, `run_episodes`) on the vLLM engine's `serve` of a rollout stream. Writes the measurements as JSON; the test asserts on them.
 
     python -m tests.vllm_scripts.serve_check MODEL_DIR OUT.json      (from the repository root)
 
@@ -11,7 +11,6 @@
 - a new version while episodes run (refresh): every model token records a version, in order.
 """
 
-import concurrent.futures
 import json
 import pathlib
 import sys
@@ -49,7 +48,10 @@ class Recorder:
     def __init__(self, engine):
         self.engine, self.taken, self.sampled = engine, [], {}
 
-    def serve(self, params, source, **kwargs):
+    def request_keys(self, rng, rows):
+        return self.engine.request_keys(rng, rows)
+
+    def serve(self, params, source, refresh=None, version=0):
         outer = self
 
         class Source:
@@ -65,11 +67,20 @@ class Recorder:
             def open(self):
                 return source.open()
 
+            def accepting(self):
+                return source.accepting()
+
+            def released(self):
+                return source.released()
+
+            def cancelled(self):
+                return source.cancelled()
+
             def wait(self, timeout):
                 source.wait(timeout)
 
         self.taken, self.sampled = [], {}
-        self.engine.serve(params, Source(), **kwargs)
+        self.engine.serve(params, Source(), refresh, version)
 
 
 def main(model_dir: str, out_path: str) -> None:
@@ -78,8 +89,9 @@ def main(model_dir: str, out_path: str) -> None:
 
     from grpo_stream.common.config.schema import VllmSection
     from grpo_stream.common.engine.vllm_engine import VllmEngine
-    from grpo_stream.common.environments.episodes import EpisodeSettings, run_episodes
     from grpo_stream.common.environments.render import PlainRenderer
+    from grpo_stream.common.episodes.finite import run_episodes
+    from grpo_stream.common.episodes.tool_turns import EpisodeSettings, ToolTurns
     from grpo_stream.common.model.policy import load_hf_model, sequence_logprobs
     from grpo_stream.common.model.tokenizer import HFTokenizer
     from grpo_stream.common.tasks.arith import ArithTask
@@ -98,11 +110,18 @@ def main(model_dir: str, out_path: str) -> None:
     prompts = [tok.encode(p.prompt) for p in problems]
     settings = EpisodeSettings(max_turns=4, turn_max_new_tokens=16, episode_tokens=C)
 
-    def episodes(delay: float, rng: int = 5, **kwargs):
-        env = Scripted(turns=4, delay=delay)
-        with concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="environment") as pool:
-            return run_episodes(recorder, model.params, prompts, [env.start(p) for p in problems],
-                                jax.random.key(rng), settings, tok, PlainRenderer(tok), pool, **kwargs)
+    def episodes(delay: float, rng: int = 5, refresh=None):
+        kind = ToolTurns(Scripted(turns=4, delay=delay), PlainRenderer(tok), settings, tok, workers=4)
+        started = time.monotonic()
+        try:
+            made = run_episodes(recorder, model.params, problems, prompts, kind, jax.random.key(rng), refresh=refresh)
+        finally:
+            kind.close()
+        return made, {"turns": sum(r.turns for r in made), "episodes": len(made),
+                      "seconds": time.monotonic() - started}
+
+    def episode_of(request) -> int:  # one group of one row per problem, at its index
+        return request.tag.run.work.position
 
     results, figures = episodes(0.02)
     result.update(turns=figures["turns"], episodes=figures["episodes"], serve_s=figures["seconds"])
@@ -110,7 +129,7 @@ def main(model_dir: str, out_path: str) -> None:
     # token in, token out: turn t + 1's prompt = turn t's prompt + its sampled ids + the observation's ids
     by_episode: dict[int, list] = {}
     for request, cached in zip(recorder.taken, engine.cached_prompt_tokens):
-        by_episode.setdefault(request.tag, []).append((request, cached))
+        by_episode.setdefault(episode_of(request), []).append((request, cached))
     later, prefix_exact, observation_ids, cache_hits, cache_expected, longest_prompt = 0, True, True, [], [], 0
     for i, turns in by_episode.items():
         final = list(prompts[i]) + results[i].tokens
@@ -130,7 +149,7 @@ def main(model_dir: str, out_path: str) -> None:
     result.update(later_turns=later, prefix_exact=bool(prefix_exact), observation_ids=bool(observation_ids),
                   cache_hits=cache_hits, cache_expected=cache_expected, longest_later_prompt=longest_prompt,
                   first_turn_cache_hits=[int(c) for r, c in zip(recorder.taken, engine.cached_prompt_tokens)
-                                         if len(r.ids) == len(prompts[r.tag])])
+                                         if len(r.ids) == len(prompts[episode_of(r)])])
 
     # the trainer's recomputation of each whole episode (prompt left-padded to P, then the episode's tokens)
     tokens = np.full((len(prompts), P + C), tok.pad_id, np.int32)

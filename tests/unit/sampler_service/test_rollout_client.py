@@ -10,10 +10,13 @@ import types
 import grpc
 import pytest
 
-from grpo_stream.common.config.loading import load_config
+from grpo_stream.common.episodes.result import EpisodeResult, GroupWork
+from grpo_stream.common.episodes.stream import GroupRun
 from grpo_stream.common.runtime.errors import PermanentError, is_transient
+from grpo_stream.common.tasks.rewards import RewardSet
 from grpo_stream.protos import rollout_pb2
-from grpo_stream.sampler_service.loop import Sampler
+from grpo_stream.sampler_service.group_sink import GroupSink
+from grpo_stream.sampler_service.lifecycle import SamplerMetrics
 from grpo_stream.sampler_service.rollout_client import IngestRefused, RolloutClient, SenderStopped
 from tests.support import wait_for
 from tests.unit.sampler_service.test_weight_sync import RpcError
@@ -133,42 +136,41 @@ def test_a_sender_thread_dying_of_anything_else_is_raised_and_ends_a_drain_at_on
     assert isinstance(err.value.__cause__, KeyError)
 
 
-class QuietSync:
-    """Weights that never change (the test is about the sender)."""
-
-    failures, groups_generated = 0, 0
-
-    def poll(self):
-        return None
-
-    def lag(self):
-        return 0
-
-    def too_stale(self):
-        return False
-
-    def has_result(self):
-        return False
+class Letters:
+    def decode(self, ids):
+        return " ".join(map(str, ids))
 
 
-def sampler_with(client) -> Sampler:
-    cfg = load_config(None, ["sampler.weight_poll_s=0.1"])
-    sampler = Sampler(cfg, 0)
-    sampler.client, sampler.sync, sampler.version, sampler.params = client, QuietSync(), 0, object()
-    return sampler
+def finished_group(index: int) -> GroupRun:
+    """A group whose episodes all ended, as the rollout stream hands it to the sink."""
+    work = GroupWork(types.SimpleNamespace(prompt_id=f"p{index}", answer="3"), [1, 2], 2,
+                     RewardSet({"answer_correct": 1.0}), f"run/sampler-0/{index}", index, None)
+    run = GroupRun(work, stream=None, version=0)
+    for row in range(2):
+        result = EpisodeResult(finished=True)
+        result.add_turn([3, 4], [-0.1, -0.2], [0, 0], True)
+        run.results[row] = result
+    return run
 
 
 def test_a_sender_that_dies_while_the_backlog_is_full_stops_the_sampler(make_client):
-    """The sampler pushes into a full backlog while the sender waits for an ack; the sender then dies: the push
-    raises within seconds instead of checking weights until the final version."""
+    """The group sink pushes into a full backlog while the sender waits for an ack; the sender then dies: the sink
+    stops with the sender's error within seconds (instead of waiting for room for ever), and the sampler's feeder
+    raises it at its next look."""
     client = make_client(Stub(failing(RuntimeError("bug in the sender"), after_s=0.5)), backlog_max_groups=1)
     assert client.put(group(0), timeout_s=1)
     wait_for(lambda: client.put(group(1), timeout_s=0.1), 10, "the sender to take group 0 (the backlog holds 1)")
-    sampler = sampler_with(client)
+    sink = GroupSink(client, SamplerMetrics("sampler-0"), Letters(), "sampler-0", 0.0, abandon=lambda: False)
     started = time.monotonic()
-    with pytest.raises(SenderStopped, match="RuntimeError: bug in the sender"):
-        sampler._push(client, group(2))
+    sink.put(finished_group(2))
+
+    def stopped() -> bool:
+        try:
+            sink.check()
+        except SenderStopped:
+            return True
+        return False
+    wait_for(stopped, 10, "the sink to stop with the sender's error")
     assert time.monotonic() - started < 10
-    # the batch loop raises it too, before generating another batch
-    with pytest.raises(SenderStopped):
-        sampler._generate_until_done(types.SimpleNamespace(client=client))
+    with pytest.raises(SenderStopped, match="RuntimeError: bug in the sender"):
+        client.check()  # what the feeder checks first at every look

@@ -230,7 +230,8 @@ def test_group_index_follows_the_batch_rows():
 # -- health monitor ---------------------------------------------------------------------------------------------
 
 def config(*overrides):
-    return load_config(None, ["trainer.health.window_steps=3", "trainer.health.warn_every_steps=5", *overrides])
+    return load_config(None, ["trainer.health.window_steps=3", "trainer.health.warn_every_steps=5",
+                              "sampler.weight_updates=drain", *overrides])
 
 
 def healthy(**changes):
@@ -245,8 +246,8 @@ def test_monitor_warns_only_when_the_window_mean_leaves_the_band():
     assert message.startswith("step 3: training is too off-policy: per-group ESS 0.10 (mean of the last 3 steps) "
                               "< trainer.health.min_ess 0.5"), message
     assert message.endswith("Tokens are 0.5 versions behind on average. Lower trainer.max_staleness (now 4), let "
-                            "samplers switch weights mid-batch (sampler.weight_updates=in_flight, now "
-                            "between_batches), or take smaller steps (trainer.learning_rate=0.001); algo.tis_cap=2.0 "
+                            "samplers switch weights mid-group (sampler.weight_updates=in_flight, now "
+                            "drain), or take smaller steps (trainer.learning_rate=0.001); algo.tis_cap=2.0 "
                             "bounds each token's weight meanwhile."), message
     assert monitor.metrics() == {"health_warnings": 1.0, "health_out_of_band_steps": 1.0}
 
@@ -309,7 +310,7 @@ def test_advice_names_only_remedies_not_taken_and_steps_without_keys_are_skipped
         assert said[:2] == [None, None] and said[2] is not None
         return said[2]
 
-    # synchronous-style settings: nothing to lower, versions already switch mid-batch
+    # nothing to lower, versions already switch mid-group
     assert warning("sampler.weight_updates=in_flight", "trainer.max_staleness=0").endswith(
         "Take smaller steps (trainer.learning_rate=0.001); algo.tis_cap=2.0 bounds each token's weight meanwhile.")
     assert "Lower trainer.max_staleness (now 4), publish weights more often (trainer.publish_every=2), let samplers" \

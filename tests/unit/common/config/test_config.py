@@ -113,10 +113,11 @@ def test_each_loss_has_its_own_clip_unless_the_config_sets_one():
 
 def test_synchronous_sampler_cap_must_feed_a_whole_step():
     # 2 replicas x 7 groups per version cannot fill a 16-group step: the run would deadlock
+    sync = ["trainer.max_staleness=0", "sampler.weight_updates=drain"]
     with pytest.raises(ConfigError) as err:
-        load_config(CONFIGS / "tiny_arith.yaml", ["sampler.max_groups_per_version=7", "trainer.max_staleness=0"])
+        load_config(CONFIGS / "tiny_arith.yaml", ["sampler.max_groups_per_version=7", *sync])
     assert "sampler.max_groups_per_version=7 x sampler.replicas=2 < trainer.groups_per_step" in str(err.value)
-    cfg = load_config(CONFIGS / "tiny_arith.yaml", ["sampler.max_groups_per_version=8", "trainer.max_staleness=0"])
+    cfg = load_config(CONFIGS / "tiny_arith.yaml", ["sampler.max_groups_per_version=8", *sync])
     assert cfg.sampler.max_groups_per_version == 8
 
 
@@ -193,8 +194,16 @@ def test_samplers_send_rollouts_to_the_ingest_address():
     (["sampler.vllm.steps_between_updates=0"],
      "sampler.vllm.steps_between_updates: Input should be greater than or equal to 1"),
     (["sampler.weight_updates=in_flight", "sampler.max_groups_per_version=8"], "synchronous mode "
-     "(sampler.max_groups_per_version) needs weight_updates=between_batches"),
-    (["sampler.weight_updates=always"], "sampler.weight_updates: Input should be 'between_batches' or 'in_flight'"),
+     "(sampler.max_groups_per_version) needs weight_updates=drain"),
+    (["sampler.weight_updates=always"], "sampler.weight_updates: Input should be 'in_flight' or 'drain'"),
+    # what earlier versions called these is refused with what replaced it
+    (["sampler.weight_updates=between_batches"], "sampler.weight_updates=between_batches: there are no batches any "
+     "more: 'drain' stops starting groups"),
+    (["sampler.prompts_per_batch=8"], "sampler.prompts_per_batch: a sampler no longer generates in batches"),
+    (["sampler.rows_in_flight=300"], "sampler.rows_in_flight=300: the engine decodes at most "
+     "generation.decode_slots=256 sequences at once"),
+    (["sampler.engine=vllm", "sampler.rows_in_flight=300"], "lower it to 256 or raise sampler.vllm.max_num_seqs"),
+    (["sampler.rows_in_flight=4"], "sampler.rows_in_flight=4 holds no group of generation.num_generations=8"),
 ])
 def test_vllm_engine_settings_name_the_field(overrides, message):
     with pytest.raises(ConfigError) as err:

@@ -3,10 +3,10 @@ loaded by the project's own code: observations are what each family's chat templ
 token, the episodes are token-exact against the trainer's recomputation (the acceptance criterion of issue 45), and
 decoding and re-encoding a sampled episode would give other ids (why the token-exact path matters)."""
 
-import concurrent.futures
 import dataclasses
 import json
 import pathlib
+import types
 
 import jax
 import jinja2
@@ -18,8 +18,9 @@ from grpo_stream.common.config.learning import AlgoSection
 from grpo_stream.common.config.loading import load_config
 from grpo_stream.common.engine import continuous
 from grpo_stream.common.environments.base import Observation, Turn
-from grpo_stream.common.environments.episodes import EpisodeSettings, run_episodes
 from grpo_stream.common.environments.render import ChatTemplateRenderer, renderer_for
+from grpo_stream.common.episodes.finite import run_episodes
+from grpo_stream.common.episodes.tool_turns import EpisodeSettings, ToolTurns
 from grpo_stream.common.model.policy import sequence_logprobs
 from grpo_stream.common.rollouts.wire import CompletionData, GroupData
 from grpo_stream.common.runtime.process import build_policy, build_task_and_tokenizer
@@ -96,7 +97,8 @@ def families(chat_family_dirs):  # noqa: F811 - the fixture imported above
             cfg = load_config(CONFIGS / "tiny_arith.yaml", [
                 "model.kind=hf", f"model.path={chat_family_dirs[name]}", "model.dtype=float32",
                 f"generation.max_prompt_tokens={P}", f"generation.max_new_tokens={C}",
-                "generation.decode_slots=8", "generation.decode_chunk_steps=4", "warmstart.steps=0"])
+                "generation.decode_slots=8", "sampler.rows_in_flight=8", "generation.decode_chunk_steps=4",
+                "warmstart.steps=0"])
             _, tok = build_task_and_tokenizer(cfg)
             model = build_policy(cfg, tok.vocab_size, seed=0)
             renderer = renderer_for(tok)
@@ -115,10 +117,14 @@ def sampled(family: Family) -> tuple:
                    for g in range(GROUPS) for _ in range(GROUP_SIZE)]
         assert max(len(p) for p in prompts) <= P
         episodes = [ToolEpisode(family.name) for _ in prompts]
-        with concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="environment") as pool:
-            results, figures = run_episodes(family.engine, family.model.params, prompts, episodes,
-                                            jax.random.key(0), SETTINGS, tok, family.renderer, pool)
-        assert figures["turns"] > len(prompts) and not any(r.error for r in results)
+        problems = [types.SimpleNamespace(prompt_id=str(i), answer="", episode=e) for i, e in enumerate(episodes)]
+        kind = ToolTurns(types.SimpleNamespace(start=lambda problem: problem.episode), family.renderer, SETTINGS, tok,
+                         workers=2)
+        try:
+            results = run_episodes(family.engine, family.model.params, problems, prompts, kind, jax.random.key(0))
+        finally:
+            kind.close()
+        assert sum(r.turns for r in results) > len(prompts) and not any(r.error for r in results)
         family.episodes = (prompts, results, episodes)
     return family.episodes
 

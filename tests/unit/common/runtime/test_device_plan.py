@@ -110,7 +110,7 @@ def test_plan_figures_size_the_shares_and_a_vllm_cache(tmp_path):
     plan = plan_devices(cfg, ["0"], H100, plan_report(20, 10))
     assert plan.process("trainer").share == 0.6 and plan.process("sampler-0").share == 0.3  # 2:1, filling 90%
     assert plan.process("trainer").need_bytes == 20 * GIB
-    vllm = config("sampler.replicas=1", "sampler.engine=vllm", "sampler.prompts_per_batch=8",
+    vllm = config("sampler.replicas=1", "sampler.engine=vllm", "sampler.rows_in_flight=64",
                   "generation.num_generations=8", "generation.max_prompt_tokens=256", "generation.max_new_tokens=768",
                   "sampler.dtype=bfloat16")
     s = plan_devices(vllm, ["0"], H100, plan_report(20, 10)).process("sampler-0")

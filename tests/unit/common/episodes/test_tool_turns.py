@@ -1,7 +1,7 @@
-"""Multi-turn episodes on the continuous engine: token in, token out, observations carry no logprob, and the
-trainer's recomputation at lag 0 equals the behaviour logprobs on every model token."""
+"""Multi-turn episodes (the environment rollout kind) on the continuous engine's stream: token in, token out,
+observations carry no logprob, and the trainer's recomputation at lag 0 equals the behaviour logprobs on every model
+token."""
 
-import concurrent.futures
 import threading
 import time
 
@@ -11,8 +11,9 @@ import pytest
 
 from grpo_stream.common.engine.continuous import ContinuousEngine
 from grpo_stream.common.environments.base import Observation, Turn
-from grpo_stream.common.environments.episodes import EpisodeSettings, run_episodes
 from grpo_stream.common.environments.render import PlainRenderer
+from grpo_stream.common.episodes.finite import run_episodes
+from grpo_stream.common.episodes.tool_turns import EpisodeSettings, ToolTurns
 from grpo_stream.common.model.policy import sequence_logprobs
 from grpo_stream.trainer_service.batching import layout
 
@@ -46,14 +47,18 @@ def engine(tiny_parts):
     return ContinuousEngine(model, tok.pad_id, tok.eos_id, P, C, temperature=1.0, slots=8, chunk_steps=4)
 
 
-def _run(tiny_parts, engine, n, env, settings, rng=0, greedy=False):
+def _run(tiny_parts, engine, n, env, settings, rng=0, refresh=None, workers=4):
     cfg, task, tok, model = tiny_parts
     problems = [task.train_problem(i) for i in range(n)]
     prompts = [tok.encode(p.prompt) for p in problems]
-    with concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="environment") as pool:
-        results, figures = run_episodes(engine, model.params, prompts, [env.start(p) for p in problems],
-                                        jax.random.key(rng), settings, tok, PlainRenderer(tok), pool, greedy=greedy)
-    return prompts, results, figures
+    kind = ToolTurns(env, PlainRenderer(tok), settings, tok, workers)
+    started = time.monotonic()
+    try:
+        results = run_episodes(engine, model.params, problems, prompts, kind, jax.random.key(rng), refresh=refresh)
+    finally:
+        kind.close()
+    return prompts, results, {"turns": sum(r.turns for r in results), "seconds": time.monotonic() - started,
+                              "environment_seconds": kind.environment_seconds}
 
 
 @pytest.mark.parametrize("hold_kv", [False, True], ids=["reprefill", "hold"])
@@ -148,14 +153,9 @@ def test_in_flight_weight_updates_go_on_across_turns(tiny_parts, hold_kv):
 
     cfg, task, tok, model = tiny_parts
     engine = ContinuousEngine(model, tok.pad_id, tok.eos_id, P, C, temperature=1.0, slots=4, chunk_steps=2)
-    problems = [task.train_problem(i) for i in range(6)]
-    prompts = [tok.encode(p.prompt) for p in problems]
-    env = Scripted(turns=3)
     settings = EpisodeSettings(max_turns=3, turn_max_new_tokens=6, episode_tokens=C, hold_kv=hold_kv)
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        results, _ = run_episodes(engine, model.params, prompts, [env.start(p) for p in problems], jax.random.key(0),
-                                  settings, tok, PlainRenderer(tok), pool,
-                                  refresh=every_other_call(scaled_versions(model.params, 30, 0.01)))
+    _, results, _ = _run(tiny_parts, engine, 6, Scripted(turns=3), settings, workers=2,
+                         refresh=every_other_call(scaled_versions(model.params, 30, 0.01)))
     for r in results:
         versions, mask = np.array(r.versions), np.array(r.model_mask)
         assert len(versions) == len(r.tokens) and (np.diff(versions) >= 0).all()

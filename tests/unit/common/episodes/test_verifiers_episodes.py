@@ -1,0 +1,74 @@
+"""A verifiers rollout's per-turn token records -> one episode: the model's ids with their logprobs and the versions
+the endpoint recorded for them, the ids the environment's messages added between turns as observation tokens (not
+trained on), truncation at the episode budget, and refusal of what cannot be one token sequence (logic only: the real
+package and endpoint run in tests/e2e/test_verifiers_run.py)."""
+
+import numpy as np
+import pytest
+
+from grpo_stream.common.endpoint.generation import RolloutVersions
+from grpo_stream.common.episodes.verifiers import RolloutError, result_of
+
+
+def turn(prompt, completion, logprobs=None):
+    return {"tokens": {"prompt_ids": prompt, "completion_ids": completion,
+                       "completion_logprobs": logprobs or [-0.5] * len(completion)}}
+
+
+def versions_of(out, version=3):
+    log = RolloutVersions()
+    log.open("g")
+    for step in out.get("trajectory") or []:
+        if step.get("tokens"):
+            ids = step["tokens"]["completion_ids"]
+            log.record("g", step["tokens"]["prompt_ids"], ids, [version + i % 2 for i in range(len(ids))])
+    return log.take("g")
+
+
+def test_turns_become_model_tokens_with_observations_between_them():
+    out = {"trajectory": [turn([1, 2, 3], [10, 11], [-0.1, -0.2]),
+                          turn([1, 2, 3, 10, 11, 50, 51], [12], [-0.3])],
+           "reward": 1.25, "metrics": {"correct_answer": 1.0, "brevity": 1.0, "label": "x"}}
+    r = result_of(out, versions_of(out), max_tokens=64)
+    assert r.prompt_ids == [1, 2, 3]
+    assert r.tokens == [10, 11, 50, 51, 12]
+    assert r.model_mask == [True, True, False, False, True]
+    assert np.allclose(r.logprobs, [-0.1, -0.2, 0.0, 0.0, -0.3])
+    assert r.versions == [3, 4, 4, 4, 3]  # an observation takes the version of the turn it answers
+    assert r.reward == 1.25 and r.reward_components == {"correct_answer": 1.0, "brevity": 1.0}
+    assert r.finished
+
+
+def test_an_episode_over_the_budget_is_cut_and_marked_truncated():
+    out = {"trajectory": [turn([1], [5, 6, 7, 8])], "reward": 0.0, "is_truncated": False}
+    r = result_of(out, versions_of(out), max_tokens=3)
+    assert r.tokens == [5, 6, 7] and len(r.versions) == 3 and not r.finished
+
+
+@pytest.mark.parametrize("out, why", [
+    ({"trajectory": [turn([1, 2], [3]), turn([1, 9, 3, 4], [5])]}, "does not continue"),
+    ({"trajectory": [{"tokens": None}]}, "no token ids"),
+    ({"trajectory": []}, "no model call"),
+    ({"trajectory": [turn([1], [2])], "error": "ModelError: refused"}, "ModelError"),
+])
+def test_what_is_not_one_token_sequence_is_refused(out, why):
+    with pytest.raises(RolloutError, match=why):
+        result_of(out, versions_of(out), max_tokens=64)
+
+
+def test_an_answer_the_endpoint_kept_no_versions_for_is_refused():
+    out = {"trajectory": [turn([1], [2, 3])], "reward": 1.0}
+    with pytest.raises(RolloutError, match="recorded no versions"):
+        result_of(out, {}, max_tokens=64)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["task.name=verifiers"], "task.verifiers.environment"),
+    (["task.name=verifiers", "task.verifiers.environment=x", "environment.name=arith_tools"], "environment.name"),
+])
+def test_a_verifiers_run_is_configured_completely(overrides, message):
+    from grpo_stream.common.config.loading import load_config
+    from grpo_stream.common.config.schema import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)

@@ -1,0 +1,119 @@
+"""Which groups a sampler starts as room frees: claimed injected prompts first, in order, each with its own size and
+rewards; one that does not fit the rows left waits for rows to free; dataset prompts fill the rest in stream order,
+named and keyed by their data position (the same key whatever else is in flight); over-long prompts are skipped, and
+a stream of nothing but over-long prompts is a config error that names the field; an unreachable ingest only means
+dataset prompts; the ingest is asked for injected prompts at most every CLAIM_EVERY_S."""
+
+import itertools
+import types
+
+import grpc
+import jax
+import numpy as np
+import pytest
+
+from grpo_stream.common.tasks.rewards import RewardSet
+from grpo_stream.protos import rollout_pb2
+from grpo_stream.sampler_service import group_source
+from grpo_stream.sampler_service.group_source import GroupSource
+
+
+class Unavailable(grpc.RpcError):
+    def code(self):
+        return grpc.StatusCode.UNAVAILABLE
+
+
+class FakeIngest:
+    def __init__(self, claims, fail=False):
+        self.claims, self.fail, self.asked = list(claims), fail, []
+
+    def ClaimPrompts(self, request, timeout):
+        self.asked.append((request.max_prompts, request.policy_version))
+        if self.fail:
+            raise Unavailable()
+        return rollout_pb2.ClaimedPrompts(prompts=self.claims.pop(0) if self.claims else [])
+
+
+class WordTokenizer:
+    def encode(self, text):
+        return [len(word) for word in text.split()]
+
+
+def prompt(pid, n, rewards=()):
+    return rollout_pb2.InjectedPrompt(prompt_id=pid, prompt_token_ids=[1, 2, 3], reference_answer="5",
+                                      rewards=list(rewards), num_generations=n, train=False)
+
+
+def stream(texts):
+    problems = (types.SimpleNamespace(prompt_id=f"p{i}", prompt=t, answer="1") for i, t in enumerate(texts))
+    return zip(itertools.count(100), problems)
+
+
+def builder(cfg, texts=(), claims=(), fail=False, monkeypatch=None):
+    b = GroupSource(cfg, "sampler-0", WordTokenizer(), stream(itertools.cycle(texts) if texts else iter(())),
+                    RewardSet(cfg.task.rewards), jax.random.key(7))
+    b.ingest_stub = FakeIngest(claims, fail)
+    if monkeypatch is not None:  # every call may claim (the tests do not wait out CLAIM_EVERY_S)
+        monkeypatch.setattr(group_source, "CLAIM_EVERY_S", 0.0)
+    return b
+
+
+def test_injected_prompts_fill_rows_in_order_and_the_rest_waits(small_cfg, monkeypatch):
+    b = builder(small_cfg, claims=[[prompt("a", 4), prompt("b", 2, ["answer_format"]), prompt("c", 16)]],
+                monkeypatch=monkeypatch)
+    works = b.injected_groups(free_rows=12, groups=4, version=3)
+    assert [(w.problem.prompt_id, w.rows, w.position, w.injected) for w in works] == [("a", 4, None, True),
+                                                                                      ("b", 2, None, True)]
+    assert works[0].group_id == f"{small_cfg.run.name}/inj/a" and not works[0].train
+    assert works[0].rewards is b.default and set(works[1].rewards.weights) == {"answer_correct", "answer_format"}
+    assert [p.prompt_id for p in b.pending] == ["c"]  # 16 rows do not fit the 6 left
+    assert b.ingest_stub.asked == [(4, 3)]
+    works = b.injected_groups(free_rows=32, groups=4, version=3)
+    assert [w.problem.prompt_id for w in works] == ["c"] and b.injected_done == 3
+
+
+def test_dataset_prompts_fill_the_rows_injected_ones_leave_in_stream_order(small_cfg, monkeypatch):
+    g = small_cfg.generation.num_generations
+    b = builder(small_cfg, texts=["one two", "three four five"], claims=[[prompt("a", g)]], monkeypatch=monkeypatch)
+    works = b.next_groups(groups=3, rows=3 * g, version=0)
+    assert [w.position for w in works] == [None, 100, 101]
+    assert [w.group_id for w in works[1:]] == [f"{small_cfg.run.name}/sampler-0/100",
+                                               f"{small_cfg.run.name}/sampler-0/101"]
+    assert works[2].prompt_ids == [5, 4, 4] and all(w.rows == g for w in works)
+    assert [w.position for w in b.next_groups(groups=2, rows=10 * g, version=0)] == [102, 103]  # the stream goes on
+    assert [w.position for w in b.next_groups(groups=5, rows=g, version=0)] == [104]  # rows bound the groups too
+
+
+def test_a_groups_key_is_its_data_positions_whatever_else_is_in_flight(small_cfg):
+    g = small_cfg.generation.num_generations
+    a = builder(small_cfg, texts=["a b"], fail=True).next_groups(groups=4, rows=4 * g, version=0)
+    b = builder(small_cfg, texts=["a b"], fail=True)
+    later = [w for _ in range(4) for w in b.next_groups(groups=1, rows=g, version=0)]
+    assert [w.position for w in a] == [w.position for w in later]
+    for x, y in zip(a, later):
+        assert np.array_equal(jax.random.key_data(x.key), jax.random.key_data(y.key))
+    assert len({tuple(np.asarray(jax.random.key_data(w.key)).tolist()) for w in a}) == 4
+
+
+def test_the_ingest_is_asked_for_injected_prompts_at_most_every_claim_interval(small_cfg):
+    b = builder(small_cfg, texts=["a b"])
+    for _ in range(5):
+        b.next_groups(groups=1, rows=small_cfg.generation.num_generations, version=0)
+    assert len(b.ingest_stub.asked) == 1
+
+
+def test_over_long_prompts_are_skipped_and_a_stream_of_only_those_is_a_config_error(small_cfg, monkeypatch):
+    limit = small_cfg.generation.max_prompt_tokens
+    g = small_cfg.generation.num_generations
+    b = builder(small_cfg, texts=["x " * (limit + 1), "short one"], fail=True)
+    assert [w.position for w in b.next_groups(groups=2, rows=2 * g, version=0)] == [101, 103]
+    monkeypatch.setattr(group_source, "MAX_SKIPPED_PROMPTS", 5)
+    with pytest.raises(ValueError, match="generation.max_prompt_tokens"):
+        builder(small_cfg, texts=["x " * (limit + 1)], fail=True).next_groups(groups=1, rows=g, version=0)
+
+
+def test_an_unreachable_ingest_leaves_the_rows_to_dataset_prompts(small_cfg, monkeypatch):
+    g = small_cfg.generation.num_generations
+    b = builder(small_cfg, texts=["a b"], fail=True, monkeypatch=monkeypatch)
+    assert b.injected_groups(free_rows=32, groups=4, version=0) == []
+    assert [w.position for w in b.next_groups(groups=2, rows=2 * g, version=0)] == [100, 101]
