@@ -17,6 +17,10 @@ disabled so every row makes its budget: useful tokens = the budgets' sum, the sa
   `validate_group`) and acknowledges it; the time runs to the last acknowledgement;
 - `batch_loop`: the loop the stream replaced: 32 rows (4 groups, the presets' 8 x 4) generated at a time, each
   batch waiting for its longest row, then scored and sunk, batch after batch.
+And the cost of `drain` (sampler.weight_updates) against `in_flight`: the stream again with a new weight version
+every `version_every_s` (10 s: a few per run), installed at the engine's next scheduling point (`updates_in_flight`)
+or once the groups in flight have ended, no group starting meanwhile (`updates_drain`); `drain_over_in_flight`.
+
 Untimed rounds of every arm come first, until one compiles nothing (or `warmup_rounds` ran), then `repeats` rounds
 alternate the arms (a drift of the machine's speed reaches all); medians, and the programs each timed run still
 compiled (`new_programs`). `stream_over_all_at_once` (issue 55: >= 0.9) and `stream_over_batch_loop` (>= 2).
@@ -38,6 +42,7 @@ import json
 import pathlib
 import statistics
 import sys
+import threading
 import time
 import types
 
@@ -61,16 +66,18 @@ from grpo_stream.common.tasks.rewards import DEFAULT_WEIGHTS, RewardSet
 from grpo_stream.sampler_service.engine_thread import EngineThread
 from grpo_stream.sampler_service.group_sink import GroupSink
 from grpo_stream.sampler_service.lifecycle import SamplerMetrics
+from grpo_stream.sampler_service.weight_sync import Installed
+from grpo_stream.sampler_service.weights_in_use import StagedWeights
 
 FULL = {"vocab_size": 8192, "num_layers": 8, "embed_dim": 512, "hidden_dim": 1408, "num_heads": 8,
         "num_kv_heads": 2, "head_dim": 64, "prompts": 64, "generations": 8, "prompt_low": 32, "prompt_high": 128,
         "max_new_tokens": 512, "median": 96, "sigma": 0.9, "slots": 256, "chunk_steps": 16, "rows_in_flight": 256,
-        "batch_rows": 32, "repeats": 3, "warmup_rounds": 3, "seed": 0,
+        "batch_rows": 32, "version_every_s": 10.0, "repeats": 3, "warmup_rounds": 3, "seed": 0,
         "mt_groups": 32, "mt_slots": 64, "mt_rows_in_flight": 128, "mt_latency_s": 0.1, "mt_turn_tokens": 16,
         "mt_episode_tokens": 128, "mt_workers": 64}
 QUICK = {**FULL, "num_layers": 2, "embed_dim": 128, "hidden_dim": 256, "num_heads": 4, "head_dim": 32, "prompts": 8,
          "generations": 4, "prompt_low": 8, "prompt_high": 24, "max_new_tokens": 48, "median": 12, "slots": 16,
-         "rows_in_flight": 16, "batch_rows": 8, "repeats": 1, "mt_groups": 4, "mt_slots": 8, "mt_rows_in_flight": 16,
+         "rows_in_flight": 16, "batch_rows": 8, "version_every_s": 0.1, "repeats": 1, "mt_groups": 4, "mt_slots": 8, "mt_rows_in_flight": 16,
          "mt_workers": 16}
 DEMO = pathlib.Path(__file__).resolve().parent.parent / "configs" / "tiny_arith.yaml"
 
@@ -108,16 +115,51 @@ def single_turn_works(p: dict, prompts: list[list[int]], budgets: list[int]) -> 
                       budgets=budgets[k * g:(k + 1) * g]) for k in range(len(prompts) // g)]
 
 
-def stream_arm(engine, params, works: list[GroupWork], rollouts, rows_in_flight: int, tokenizer, limits) -> dict:
-    """The sampler's stream over `works`, fed as room frees, scored and sunk group by group."""
+class NewVersions:
+    """A new weight version every `every_s` seconds (a copy of the weights, so the engine lays it out anew, as it
+    does a real one), staged as the sampler stages fetched ones (sampler_service/weights_in_use.py StagedWeights)."""
+
+    def __init__(self, params, every_s: float, mode: str):
+        self.params, self.every_s, self.installed = params, every_s, 0
+        self.staged = StagedWeights(mode, self._install, lambda: self.staged.stream.episodes_in_flight == 0)
+        self._stop = threading.Event()
+
+    def _install(self, got) -> None:
+        self.installed += 1
+
+    def run(self) -> None:
+        version = 0
+        while not self._stop.wait(self.every_s):
+            version += 1
+            params = jax.tree_util.tree_map(lambda x: x * 1.0, self.params)
+            self.staged.stage(Installed(version, params, False, 0.0, 0))
+
+    def __enter__(self):
+        self._thread = threading.Thread(target=self.run, name="bench-versions", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
+def stream_arm(engine, params, works: list[GroupWork], rollouts, rows_in_flight: int, tokenizer, limits,
+               versions: NewVersions | None = None) -> dict:
+    """The sampler's stream over `works`, fed as room frees (none while a drain waits for a new version), scored
+    and sunk group by group; `versions`: new weight versions arriving while it runs."""
     sink_client = AckingSink(limits)
     sink = GroupSink(sink_client, SamplerMetrics("bench"), tokenizer, "sampler-0", 0.0, abandon=lambda: False)
     stream = RolloutStream(engine.request_keys, sink.put)
+    refresh = lambda: None  # noqa: E731 - a sampler always hands the engine its weight check
+    if versions is not None:
+        versions.staged.stream, refresh = stream, versions.staged.refresh
     pending = collections.deque(works)
     with Busy() as busy:
-        engine_thread = EngineThread(engine, params, stream, lambda: None, 0, "bench-engine")
+        engine_thread = EngineThread(engine, params, stream, refresh, 0, "bench-engine")
         while pending or stream.episodes_in_flight:
-            while pending and rows_in_flight - stream.episodes_in_flight >= pending[0].rows:
+            while pending and rows_in_flight - stream.episodes_in_flight >= pending[0].rows and not (
+                    versions is not None and versions.staged.waiting()):
                 stream.start(pending.popleft(), rollouts)
             stream.wait_change(0.02)
             engine_thread.check()
@@ -128,7 +170,13 @@ def stream_arm(engine, params, works: list[GroupWork], rollouts, rows_in_flight:
     if sink_client.acked != len(works):
         raise RuntimeError(f"the stream acknowledged {sink_client.acked} of {len(works)} groups")
     return {"seconds": round(busy.seconds, 3), "tokens": sink_client.tokens, "cores_busy": round(busy.cores, 2),
-            "engine_idle_seconds": round(stream.idle_seconds, 3)}
+            "engine_idle_seconds": round(stream.idle_seconds, 3),
+            **({"versions_installed": versions.installed} if versions is not None else {})}
+
+
+def updating_arm(engine, params, works, rollouts, p: dict, tokenizer, limits, mode: str) -> dict:
+    with NewVersions(params, p["version_every_s"], mode) as versions:
+        return stream_arm(engine, params, works, rollouts, p["rows_in_flight"], tokenizer, limits, versions)
 
 
 def batch_arm(engine, params, works: list[GroupWork], batch_rows: int, tokenizer, limits) -> dict:
@@ -174,13 +222,19 @@ def single_turn(p: dict) -> dict:
     arms = {"all_at_once": lambda: all_at_once_arm(engine, model.params, works),
             "stream": lambda: stream_arm(engine, model.params, works, rollouts, p["rows_in_flight"], tokenizer,
                                          limits),
-            "batch_loop": lambda: batch_arm(engine, model.params, works, p["batch_rows"], tokenizer, limits)}
+            "batch_loop": lambda: batch_arm(engine, model.params, works, p["batch_rows"], tokenizer, limits),
+            "updates_in_flight": lambda: updating_arm(engine, model.params, works, rollouts, p, tokenizer, limits,
+                                                      "in_flight"),
+            "updates_drain": lambda: updating_arm(engine, model.params, works, rollouts, p, tokenizer, limits,
+                                                  "drain")}
     runs = _alternate(arms, p["repeats"], "single turn", engine, p["warmup_rounds"])
     rate = {arm: statistics.median(r["tokens"] / r["seconds"] for r in rs) for arm, rs in runs.items()}
     return {"useful_tokens": int(sum(budgets)), "rows": len(prompts), "budget_median": int(np.median(budgets)),
             "budget_max": int(max(budgets)), "tokens_per_second": {a: round(v, 1) for a, v in rate.items()},
             "stream_over_all_at_once": round(rate["stream"] / rate["all_at_once"], 3),
             "stream_over_batch_loop": round(rate["stream"] / rate["batch_loop"], 3),
+            "drain_over_in_flight": round(rate["updates_drain"] / rate["updates_in_flight"], 3),
+            "version_every_s": p["version_every_s"],
             "stream_engine_idle_share": round(statistics.median(r["engine_idle_seconds"] / r["seconds"]
                                                                 for r in runs["stream"]), 4),
             "runs": runs, "engine": {"slots": p["slots"], "chunk_steps": p["chunk_steps"],

@@ -124,9 +124,9 @@ class Sampler(WeightsInUse):
         cannot retry."""
         if self.stop_event.is_set() or self.final:
             return
-        self.stream = RolloutStream(parts.engine.request_keys, self.sink.put)
+        self.stream = self.staged.stream = RolloutStream(parts.engine.request_keys, self.sink.put)
         self.engine_side = parts.engine.side
-        engine = EngineThread(parts.engine, self.params, self.stream, self._refresh, self.version,
+        engine = EngineThread(parts.engine, self.params, self.stream, self.staged.refresh, self.version,
                               f"{self.sampler_id}-engine")
         started = time.monotonic()
         try:
@@ -137,7 +137,7 @@ class Sampler(WeightsInUse):
                 if self._poll_due():
                     self._poll_weights()
                 self._report_installed()
-                if self._staged_final() is not None:
+                if self.staged.final() is not None:
                     break
                 self._feed(parts)
                 self._report_throughput()
@@ -148,10 +148,10 @@ class Sampler(WeightsInUse):
             engine.join()
             self.sink.close()
             self.serve_seconds, self.engine_idle_seconds = time.monotonic() - started, self.stream.idle_seconds
-            self.stream = None
+            self.stream = self.staged.stream = None
         if engine.error is not None:
             raise engine.error
-        final = self._staged_final()
+        final = self.staged.final()
         if final is not None:
             self._install(final)
             self.final = True
@@ -180,7 +180,7 @@ class Sampler(WeightsInUse):
             return True
         cap = self.cfg.sampler.max_groups_per_version
         held = (self.sync.too_stale() or (cap is not None and self.groups_at_version >= cap)
-                or (self.cfg.sampler.weight_updates == "drain" and self.staged is not None))
+                or self.staged.waiting())
         now = time.monotonic()
         if held and self._held_since is None:
             self._held_since = now

@@ -2,7 +2,7 @@
 
 `WeightsInUse` is the sampler loop's base (loop.py). The feeder's thread polls the weight sync (`_poll_weights`):
 before the rollout stream runs (the first version) a fetched version is installed at once; while it runs, it is
-staged, and the engine installs it at its next scheduling point (`_refresh`, on the engine's thread): at once with
+staged, and the engine installs it at its next scheduling point (`StagedWeights.refresh`, on its thread): at once with
 sampler.weight_updates=in_flight (every live sequence continues with it, each token recording its version), or,
 with drain, once no group of the old version is in flight (the feeder starts none meanwhile, and endpoint requests
 from outside wait). The final version is installed by the feeder after the stream is cancelled: nothing generated
@@ -17,6 +17,7 @@ import dataclasses
 import logging
 import threading
 import time
+from typing import Callable
 
 import grpc
 
@@ -27,6 +28,59 @@ from grpo_stream.sampler_service.connect import trainer_serving
 log = logging.getLogger(__name__)
 detail = detail_logger(__name__)
 LOG_WAIT_EVERY_S = 30.0  # how often a wait for the trainer's first weights is logged
+
+
+class StagedWeights:
+    """A fetched version waiting for the engine, and when it may take over (sampler.weight_updates: 'in_flight', at
+    the engine's next scheduling point; 'drain', once `drained()` says no group of the installed version is in
+    flight). `install(got)` makes a version the one in use; `stream` (a RolloutStream, set while it runs) is told to
+    stop taking outside work while a drain waits. Thread-safe: the feeder stages, the engine takes."""
+
+    def __init__(self, mode: str, install: Callable, drained: Callable[[], bool]):
+        self.mode, self.install, self.drained = mode, install, drained
+        self.stream = None
+        self._got = None
+        self._lock = threading.Lock()
+
+    def stage(self, got) -> None:
+        """A newer fetched version (it replaces one the engine has not taken)."""
+        with self._lock:
+            self._got = got
+
+    def mark_final(self, version: int) -> bool:
+        """The staged version, if it is `version`, marked final (the trainer's last); whether it was."""
+        with self._lock:
+            if self._got is None or self._got.version != version:
+                return False
+            self._got = dataclasses.replace(self._got, final=True)
+            return True
+
+    def final(self):
+        """The final version, staged and not installed (or None): the feeder installs it after the stream ends."""
+        with self._lock:
+            return self._got if self._got is not None and self._got.final else None
+
+    def waiting(self) -> bool:
+        """A drain waits for the groups in flight: no group may start."""
+        with self._lock:
+            return self.mode == "drain" and self._got is not None
+
+    def refresh(self):
+        """The engine's scheduling points (its thread): the staged version as (params, version) when it may take
+        over now, else None. A final version is left to the feeder."""
+        with self._lock:
+            got = self._got
+            if got is None or got.final:
+                return None
+            if self.mode == "drain" and not self.drained():
+                if self.stream is not None:
+                    self.stream.set_accepting(False)
+                return None
+            self._got = None
+        self.install(got)
+        if self.stream is not None:
+            self.stream.set_accepting(True)
+        return got.params, got.version
 
 
 class WeightsInUse:
@@ -45,8 +99,8 @@ class WeightsInUse:
         self.publish_to_install_s: list[float] = []  # per installed version: trainer's publication -> installed here
         self.waited_for_weights_s = 0.0
         self.sync = self.client = self.metrics = self.stream = self.engine_side = None
-        self.staged = None  # a fetched version the engine has not taken yet (while the stream runs)
-        self._staging = threading.Lock()
+        # a fetched version the engine has not taken yet (while the stream runs)
+        self.staged = StagedWeights(cfg.sampler.weight_updates, self._install, self._drained)
         self._reported_version = -1
 
     def _await_first_weights(self, stub) -> None:
@@ -88,18 +142,14 @@ class WeightsInUse:
         if got is None:
             return
         if got.params is None:  # the newest version fetched, now marked final
-            with self._staging:
-                if self.staged is not None and self.staged.version == got.version:
-                    self.staged = dataclasses.replace(self.staged, final=True)
-                    return
-            self.final = self.final or got.final
+            if not (got.final and self.staged.mark_final(got.version)):
+                self.final = self.final or got.final
             return
         if self.stream is None:
             self._install(got)
             self.final = got.final
             return
-        with self._staging:
-            self.staged = got
+        self.staged.stage(got)
 
     def _install(self, got) -> None:
         """Make `got` the version in use (any thread: nothing here waits on the network)."""
@@ -124,29 +174,9 @@ class WeightsInUse:
             self._reported_version = self.version
             self.sync.report()
 
-    def _refresh(self):
-        """The engine's scheduling points (its thread): the staged version as (params, version) when it may take
-        over now (module docstring), else None. A final version is left to the feeder."""
-        with self._staging:
-            got = self.staged
-            if got is None or got.final:
-                return None
-            if self.cfg.sampler.weight_updates == "drain" and not self._drained():
-                self.stream.set_accepting(False)
-                return None
-            self.staged = None
-        self._install(got)
-        self.stream.set_accepting(True)
-        return got.params, got.version
-
     def _drained(self) -> bool:
         """No group of the installed version is in flight, nor an outside endpoint request inside the engine."""
         return self.stream.episodes_in_flight == 0 and (self.engine_side is None or self.engine_side.in_engine == 0)
-
-    def _staged_final(self):
-        """The final version, fetched and not installed yet (or None)."""
-        with self._staging:
-            return self.staged if self.staged is not None and self.staged.final else None
 
     def _poll_due(self) -> bool:
         """A weight check is due: the poll interval passed, or a background fetch finished."""

@@ -44,7 +44,8 @@ class SamplerSection(Strict):
     rows_in_flight: int | None = Field(None, ge=1, le=1_000_000, description="Episodes (rows: a group has "
                                        "generation.num_generations) each sampler keeps in flight: its rollout stream "
                                        "starts a group whenever that leaves room for it and admission grants it, and "
-                                       "sends each group as soon as its last episode ends. Null: what fills the "
+                                       "sends each group as soon as its last episode ends (a row counts until its own "
+                                       "episode ends, so a group's long tail holds no room). Null: what fills the "
                                        "engine (engine=jax: generation.decode_slots; vllm: sampler.vllm.max_num_seqs), "
                                        "twice that for multi-turn episodes (one waiting for a tool holds no slot). "
                                        "Single-turn: at most what the engine decodes at once.")

@@ -78,8 +78,7 @@ class GroupRun:
             self.results[row] = result
             self._left -= 1
             done = self._left == 0
-        if done:
-            self.stream._group_done(self)
+        self.stream._episode_done(self if done else None)
 
 
 class RolloutStream:
@@ -92,7 +91,9 @@ class RolloutStream:
         self._ready: collections.deque[Request] = collections.deque()
         self._released: list = []
         self._runs: set[GroupRun] = set()
-        self.episodes_in_flight = 0   # started, not ended (waiting for the engine, decoding, or for a tool)
+        # episodes started and not ended (waiting for the engine, decoding, or for a tool): a group whose other rows
+        # ended holds room for its last one only, so a long-tailed group never keeps the engine's slots idle
+        self.episodes_in_flight = 0
         self.turns_in_engine = 0      # taken by the engine, not finished
         self.groups_started = self.groups_done = 0
         self._closing = self._cancelled = False
@@ -165,14 +166,15 @@ class RolloutStream:
         with self._cond:
             self._released.append(hold_key)
 
-    def _group_done(self, run: GroupRun) -> None:
+    def _episode_done(self, run: GroupRun | None) -> None:
+        """An episode ended; `run`: its group, when that was the group's last."""
         with self._cond:
-            if run not in self._runs:
+            self.episodes_in_flight -= 1
+            self._cond.notify_all()
+            if run is None or run not in self._runs:
                 return
             self._runs.discard(run)
-            self.episodes_in_flight -= run.work.rows
             self.groups_done += 1
-            self._cond.notify_all()
             if self._cancelled:
                 return
         self.on_group(run)
