@@ -49,7 +49,7 @@ CONSTANT_BECAUSE = {
                                   "sampler.admission, samplers start only groups the trainer can use in time)",
     "train/is_truncated_fraction": "no token's importance ratio exceeded algo.tis_cap (or truncation is off)",
     "train/mixed_version_groups": "versions mix within a group only with sampler.weight_updates=in_flight",
-    "train/mixed_version_tokens_lag*": "no group mixed versions (sampler.weight_updates=between_batches), or every "
+    "train/mixed_version_tokens_lag*": "no group mixed versions (sampler.weight_updates=drain), or every "
                                        "mixed one had this share",
     "train/staleness_tokens_lag*": "no trained token was ever drawn at this lag (with sampler.admission the "
                                    "samplers may keep every group under trainer.max_staleness), or every one was",

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # vLLM on TPU, the check for a single-host Cloud TPU VM (v5e-8, v6e-8, v5p-8, ...; 4 or 8 chips): 2 RL steps of
 # GSM8K on Qwen2.5 0.5B Instruct, the JAX trainer on the first half of the chips and a vllm-tpu sampler
-# (sampler.engine=vllm, tpu-inference) on the other half; once with weights installed between batches and once in
-# flight (the scheduler paused with its requests kept). Writes OUT/between_batches.json and OUT/in_flight.json in the
+# (sampler.engine=vllm, tpu-inference) on the other half; once with weights installed after a drain (no request
+# live) and once in flight (the scheduler paused with its requests kept). Writes OUT/drain.json and OUT/in_flight.json in the
 # smoke format (grpo_stream/smoke_report.py; docs/tpu.md, "The check to run on a TPU VM"). Please send both files
 # back (an issue on the project): nothing of the TPU path has run on a TPU before.
 #
@@ -34,7 +34,7 @@ sampler_chips=${SAMPLER_CHIPS:-$(seq -s, "$half" $((chips - 1)))}
 bounds=${CHIP_BOUNDS:-$bounds_default}
 echo "[smoke] $chips chips: trainer $trainer_chips, sampler $sampler_chips (bounds $bounds each)"
 
-for mode in between_batches in_flight; do
+for mode in drain in_flight; do
   run="$out/run-$mode"
   rm -rf "$run"
   .venv/bin/grpo-stream up --config configs/qwen2.5_0.5b_tpu_vllm_smoke.yaml --run-dir "$run" \
@@ -47,4 +47,4 @@ for mode in between_batches in_flight; do
     --out "$out/$mode.json"
   .venv/bin/python -c "import json, sys; r = json.load(open(sys.argv[1])); print('[smoke]', sys.argv[2], 'passed' if r['passed'] else 'FAILED', {k: c['value'] for k, c in r['checks'].items()})" "$out/$mode.json" "$mode"
 done
-echo "[smoke] results: $out/between_batches.json $out/in_flight.json (logs under $out/run-*/logs)"
+echo "[smoke] results: $out/drain.json $out/in_flight.json (logs under $out/run-*/logs)"

@@ -92,6 +92,13 @@ class SideQueue:
             self._waiting.extend(requests)
             self._cond.notify_all()
 
+    def requeue(self, requests: list[SideRequest]) -> None:
+        """Requests a serve took and did not finish: waiting again, first, and no longer inside the engine."""
+        with self._cond:
+            self.in_engine -= sum(not r.owned for r in requests)
+            self._waiting.extendleft(reversed([r for r in requests if not r.cancelled]))
+            self._cond.notify_all()
+
     def withdraw(self, requests: list[SideRequest]) -> None:
         """Their caller went away: those still waiting leave the queue; those a serve has taken decode to their end
         (at most max_queued are inside the engine at once)."""
@@ -183,6 +190,12 @@ class MergedSource:
             self._live.update(side)
             taken += [Request(ids=r.ids, budget=r.budget, key=r.key, tag=r, greedy=r.greedy) for r in side]
         return taken
+
+    def requeue_live(self) -> None:
+        """The serve ended with endpoint requests unfinished (its own source was cancelled: the sampler is stopping or
+        past its final version): they go back to the front of the queue for the next serve, from their start."""
+        self.side.requeue(list(self._live))
+        self._live.clear()
 
     def fail_live(self, why: str) -> None:
         """The serve failed: end the endpoint requests it had taken with an error (their callers are waiting)."""
@@ -287,6 +300,7 @@ def serve_merged(engine, params, merged: MergedSource, refresh, version: int) ->
     except BaseException as exc:
         merged.fail_live(f"the engine failed: {type(exc).__name__}: {exc}"[:300])
         raise
+    merged.requeue_live()  # a cancelled source ends the serve with endpoint requests still decoding
 
 
 def serve_idle(engine, side: SideQueue, current: Callable[[], tuple[Any, int]], stop: threading.Event) -> None:

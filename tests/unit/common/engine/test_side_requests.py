@@ -94,3 +94,16 @@ def test_requests_keep_their_own_sampling_mode_and_a_drain_takes_only_the_sample
     free = MergedSource(own_rows(1), queue, version=0)
     (_, request), = [(r, r) for r in free.take() if r.tag is greedy]
     assert request.greedy
+
+
+def test_endpoint_requests_a_cancelled_serve_leaves_unfinished_wait_for_the_next_one():
+    """The sampler stops (or passes its final version) while endpoint requests decode in its stream's serve: they go
+    back to the front of the queue, out of the engine's count, for the idle serve to answer from their start."""
+    queue = SideQueue(4)
+    first, second = side(2)
+    queue.submit([first])
+    source = MergedSource(own_rows(1), queue, version=0)
+    assert [r.tag for r in source.take()[1:]] == [first] and queue.in_engine == 1
+    queue.submit([second])
+    source.requeue_live()
+    assert queue.in_engine == 0 and queue.take() == [first, second]
