@@ -20,11 +20,12 @@ import sys
 import time
 import traceback
 
-BENCHMARKS = ("transport", "pipeline", "sampler", "async", "weights", "prompts", "startup", "trainer", "multiturn")
+BENCHMARKS = ("transport", "pipeline", "sampler", "async", "weights", "prompts", "startup", "trainer", "multiturn",
+              "rollouts")
 MODULES = {"transport": "grpo_stream.bench.transport", "pipeline": "grpo_stream.bench.pipeline", "sampler": "grpo_stream.bench.sampler",
            "async": "grpo_stream.bench.async_vs_sync", "weights": "grpo_stream.bench.weights", "prompts": "grpo_stream.bench.prompts",
            "startup": "grpo_stream.bench.startup", "trainer": "grpo_stream.bench.trainer",
-           "multiturn": "grpo_stream.bench.multiturn"}
+           "multiturn": "grpo_stream.bench.multiturn", "rollouts": "grpo_stream.bench.rollouts"}
 # (result key, comparison, target): ours against the baseline measured in the same run.
 TARGETS = {
     "transport": [("ratio_vs_json", ">=", 5.0), ("fraction_of_raw_redis", ">=", 0.25)],
@@ -39,6 +40,9 @@ TARGETS = {
     "startup": [("cold_over_warm", ">=", 1.5)],  # the compilation cache (runtime.compilation_cache_dir)
     "trainer": [("trainer.ratio_vs_padded", ">=", 2.0)],  # sequence packing (issue 43)
     "multiturn": [("ratio_latency_over_zero", ">=", 0.8)],  # tool latency hidden by other episodes (issue 45)
+    # the sampler's rollout stream keeps its engine full (issue 55)
+    "rollouts": [("stream_over_all_at_once", ">=", 0.9), ("stream_over_batch_loop", ">=", 2.0),
+                 ("multiturn.ratio_latency_over_zero", ">=", 0.8), ("multiturn.engine_idle_share", "<=", 0.05)],
 }
 _OPS = {">=": operator.ge, "<=": operator.le}
 TABLE_HEADER = ("| date (UTC) | commit | benchmark | mode | result | targets met | seconds |\n"

@@ -23,7 +23,7 @@ import grpc
 import jax
 
 from grpo_stream.common.config.schema import RunConfig
-from grpo_stream.common.episodes.result import GroupWork
+from grpo_stream.common.episodes.result import GroupWork, on_host
 from grpo_stream.common.tasks.rewards import RewardSet, RunRewards, UnknownReward
 from grpo_stream.protos import rollout_pb2
 
@@ -50,9 +50,8 @@ class GroupSource:
         self._last_claim = -CLAIM_EVERY_S
 
     def _key(self, stream: int, index: int):
-        with jax.default_device(jax.devices("cpu")[0]):  # never queued behind the engine's work
-            base = self.key if stream < 0 else jax.random.fold_in(self.key, stream)
-            return jax.random.fold_in(base, index)
+        key = on_host(self.key)
+        return jax.random.fold_in(key if stream < 0 else jax.random.fold_in(key, stream), index)
 
     def next_groups(self, groups: int, rows: int, version: int) -> list[GroupWork]:
         """At most `groups` groups of at most `rows` rows in all (a dataset group has generation.num_generations):

@@ -168,7 +168,9 @@ class WeightPublisher(weights_pb2_grpc.WeightServiceServicer):
             if sampler_id not in self.installed:
                 self._make_room(now)
             history = self.installed.setdefault(sampler_id, [])
-            if installed_version >= 0 and (not history or history[-1] != installed_version):
+            # a sampler's versions only move forward within an epoch: a lower one is a report that a later one
+            # overtook (each is a unary call with a short deadline; a late one may still be served)
+            if installed_version >= 0 and (not history or history[-1] < installed_version):
                 history.append(installed_version)
                 del history[:-MAX_VERSION_HISTORY]
             self.fetch_failures[sampler_id] = failures

@@ -247,9 +247,6 @@ class RunConfig(Strict):
         if self.sampler.weight_updates == "in_flight" and not engine.in_flight_updates:
             raise ValueError(f"sampler.weight_updates=in_flight: sampler.engine={self.sampler.engine} switches weights "
                              "only between serves; use engine=jax or weight_updates=drain")
-        if self.sampler.weight_updates == "in_flight" and self.sampler.max_groups_per_version is not None:
-            raise ValueError("sampler.weight_updates=in_flight mixes versions within a group; synchronous mode "
-                             "(sampler.max_groups_per_version) needs weight_updates=drain")
         n, devices = self.trainer.processes, self.trainer.mesh.fsdp * self.trainer.mesh.tp
         if n > 1 and devices % n:
             raise ValueError(f"trainer.processes={n}: the trainer mesh (trainer.mesh fsdp x tp = {devices} devices) "

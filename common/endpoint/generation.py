@@ -39,7 +39,7 @@ class Unavailable(RuntimeError):
 def sequence_keys(engine, seed: int | None, count: int) -> list:
     """The keys of a request's `count` sequences: those the engine gives the rows of a batch it generates with
     key(seed) (a random seed when none is asked for)."""
-    with jax.default_device(jax.devices("cpu")[0]):  # never queued behind the engine's work on an accelerator
+    with jax.default_device(jax.local_devices(backend="cpu")[0]):  # never queued behind an accelerator's work
         return engine.request_keys(jax.random.key(secrets.randbits(31) if seed is None else seed), count)
 
 

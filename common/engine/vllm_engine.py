@@ -151,7 +151,7 @@ class VllmEngine(SideServing):
         self._epoch = uuid.uuid4().hex[:8]  # this engine's installs: salts never repeat across engine restarts
         self._requests = 0  # request ids of the in-flight path
         self.pauses = 0  # in-flight weight writes (scheduler paused with its requests kept)
-        self.cached_prompt_tokens: list[int] = []  # per row of the last batch: prompt tokens read from the prefix cache
+        self.cached_prompt_tokens: list[int] = []  # per request of the last serve: prompt tokens the prefix cache gave
         self._tpu_writer = None
         if self.install_mode == "tpu_state":
             from grpo_stream.common.engine.vllm_tpu import VllmTpuWeightWriter  # noqa: PLC0415
@@ -262,8 +262,7 @@ class VllmEngine(SideServing):
                     sampling = self.sampling_params(_seed_of(request.key) % 2**63, request.greedy, request.budget,
                                                     per_step)
                     engine.add_request(request_id, self._request(request.ids), sampling)
-                    # cache hits are recorded for a serve's first requests (tests, benchmarks): a serve that lasts a
-                    # sampler's life must not keep one number per request it ever took
+                    # a serve's first MAX_RECORDED requests only: one lasting a sampler's life must not keep them all
                     index = len(self.cached_prompt_tokens) if len(self.cached_prompt_tokens) < MAX_RECORDED else None
                     live[request_id] = _Live(request, index, per_step)
                     if index is not None:

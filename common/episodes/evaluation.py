@@ -28,7 +28,7 @@ from grpo_stream.common.engine.base import GenerationEngine
 from grpo_stream.common.episodes.finite import run_groups
 from grpo_stream.common.episodes.registry import ROLLOUTS, build_rollouts, rollout_kind
 from grpo_stream.common.episodes.groups import episode_text, score_episode
-from grpo_stream.common.episodes.result import EpisodeResult, GroupWork
+from grpo_stream.common.episodes.result import EpisodeResult, GroupWork, on_host
 from grpo_stream.common.episodes.single_turn import SingleTurn
 from grpo_stream.common.tasks.answers import extract_answer, same_number
 from grpo_stream.common.tasks.rewards import RewardSet, answer_correct, answer_format
@@ -88,8 +88,7 @@ def _episodes(engine, params: Any, problems: list, prompts: list[list[int]], rol
               ) -> tuple[list[GroupWork], list[list[EpisodeResult]]]:
     """`rows` episodes of each problem, made by `rollouts` on one serve of `engine` (at most `max_rows` in flight):
     problem i's group samples with fold_in(rng, i), as a sampler's group of that key would."""
-    with jax.default_device(jax.devices("cpu")[0]):
-        keys = [jax.random.fold_in(rng, i) for i in range(len(problems))]
+    keys = [jax.random.fold_in(on_host(rng), i) for i in range(len(problems))]
     works = [GroupWork(p, ids, rows, rewards, f"eval/{i}", i, key, greedy=greedy)
              for i, (p, ids, key) in enumerate(zip(problems, prompts, keys))]
     return works, run_groups(engine, params, works, rollouts, max_rows=max(max_rows, rows), progress=progress)

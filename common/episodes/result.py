@@ -44,9 +44,17 @@ class GroupWork:
         return self.position is None
 
 
+def on_host(key: Any) -> Any:
+    """`key` on the host's CPU: what is derived from it there never queues behind the engine's work on an
+    accelerator. (Placing the key, rather than a default-device context, keeps one compiled program per key
+    operation: a context is part of jit's cache key, and the same program would be compiled again under it.)"""
+    return jax.device_put(key, jax.local_devices(backend="cpu")[0])
+
+
 def turn_rng(work_key: Any, turn: int) -> Any:
     """The key whose engine.request_keys give a group's rows their turn `turn` (turn 0: the group's own key)."""
-    return work_key if turn == 0 else jax.random.fold_in(work_key, turn)
+    key = on_host(work_key)
+    return key if turn == 0 else jax.random.fold_in(key, turn)
 
 
 @dataclasses.dataclass

@@ -23,7 +23,6 @@ import threading
 import time
 from typing import Any, Callable, Protocol
 
-import jax
 import numpy as np
 
 from grpo_stream.common.engine.base import Request
@@ -65,8 +64,7 @@ class GroupRun:
         with self._lock:
             keys = self._keys.get(turn)
         if keys is None:
-            with jax.default_device(jax.devices("cpu")[0]):  # never queued behind the engine's work
-                keys = self.stream.request_keys(turn_rng(self.work.key, turn), self.work.rows)
+            keys = self.stream.request_keys(turn_rng(self.work.key, turn), self.work.rows)  # on the host
             with self._lock:
                 self._keys[turn] = keys
         return keys[row]

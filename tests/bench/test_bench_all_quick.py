@@ -99,7 +99,20 @@ def test_bench_all_quick_writes_json_and_table_rows(tmp_path):
     assert warm["loaded"] == warm["programs"] > 0 and warm["written"] == 0 and warm["entries"] == cold["entries"]
     assert startup["cold_seconds"] > 0 and startup["warm_seconds"] > 0
 
+    rollouts = results["rollouts"]
+    single = rollouts["single_turn"]
+    # every arm made the same useful tokens (every row its whole budget) and the stream acknowledged every group
+    assert all(r["tokens"] == single["useful_tokens"] for runs in single["runs"].values() for r in runs)
+    assert set(single["runs"]) == {"all_at_once", "stream", "batch_loop", "updates_in_flight", "updates_drain"}
+    assert all(r["versions_installed"] >= 1 for arm in ("updates_in_flight", "updates_drain")
+               for r in single["runs"][arm])
+    assert rollouts["stream_over_all_at_once"] == pytest.approx(
+        single["tokens_per_second"]["stream"] / single["tokens_per_second"]["all_at_once"], rel=0.01)
+    multi = rollouts["multiturn"]
+    assert len({r["tokens"] for runs in multi["runs"].values() for r in runs}) == 1  # the same episodes, either tool
+    assert 0 <= multi["engine_idle_share"] < 1 and multi["tool_latency_s"] == 0.1
+
     rows = [line for line in table.read_text().splitlines() if line.startswith("| 20")]
     assert [row.split(" | ")[2] for row in rows] == ["transport", "pipeline", "sampler", "async", "weights", "prompts",
-                                                     "startup", "trainer", "multiturn"]
+                                                     "startup", "trainer", "multiturn", "rollouts"]
     assert all(" | quick | " in row for row in rows)

@@ -160,12 +160,11 @@ def test_demo_closing_line_and_report_show_both_measures(demo):
     # every plot shows series that move over the demo; what stays constant is listed with its reason, and only
     # what is constant by construction in the default config (one optimizer step per batch) may be, or by design:
     # with admission control a whole run may drop no group as stale (seen in CI at 32a869c), and may keep every
-    # group under trainer.max_staleness (4), so no token is trained at lag 4; versions mix within a group only with
-    # sampler.weight_updates=in_flight (the demo switches between batches), so the mixed-version series are all 0
-    # and their plot ("mixed_versions") is not drawn
+    # group under trainer.max_staleness (4), so no token is trained at lag 4; the demo's samplers take each version
+    # in flight (sampler.weight_updates' default), so groups mix versions and their plot ("mixed_versions") is drawn
     index = json.loads((demo.dir / "report" / "plots.json").read_text())
     assert set(index["plots"]) == {"reward_accuracy", "off_policy", "staleness", "update", "lengths", "throughput",
-                                   "buffer", "off_policy_health", "staleness_by_version"}, index
+                                   "buffer", "off_policy_health", "staleness_by_version", "mixed_versions"}, index
     for plot, series in index["plots"].items():
         for key, spread in series.items():
             assert spread["max"] > spread["min"] and spread["points"] == demo.summary["steps"], (plot, key, spread)

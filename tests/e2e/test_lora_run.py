@@ -11,13 +11,14 @@ gate and up have no gradient, so from-scratch training never moves them and neit
 """
 
 import json
+import os
 
 import numpy as np
 import pytest
 
 from grpo_stream.common.model.policy import load_hf_model
 from grpo_stream.common.weights.snapshot import digest
-from tests.e2e.test_up import run_cli
+from tests.e2e.test_up import ROOT, run_cli
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -27,7 +28,11 @@ def tree_bytes(path) -> int:
 
 
 def lora_run(run_dir, *extra):
+    # a reward every group varies in (longer completions score higher: tests/e2e/vllm_rewards.py), so every step
+    # moves the adapters whatever the smoke model happens to sample (its arithmetic rewards are mostly all zero)
+    env = {"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     return run_cli("up", "--config", "configs/tiny_arith_smoke.yaml", "--run-dir", str(run_dir), *extra,
+                   "task.rewards={tests.e2e.vllm_rewards:longer_is_better: 1.0}",
                    "model.lora.rank=2", "model.lora.alpha=4",
                    "model.lora.targets=.*/(q_proj|k_proj|v_proj|o_proj)", "trainer.learning_rate=0.003",
                    "trainer.steps=4", "trainer.eval_before=false", "trainer.eval_after=false",
@@ -35,7 +40,7 @@ def lora_run(run_dir, *extra):
                    # logprobs (the samplers' merge) with the trainer's adapted model at lag 0
                    "trainer.publish_every=1", "trainer.max_staleness=0", "sampler.max_groups_per_version=2",
                    "weights.verify_prompts=4", "warmstart.export=true", "trainer.metrics_port=null",
-                   "sampler.metrics_port=null")
+                   "sampler.metrics_port=null", env=env)
 
 
 # the default lane runs the grpc transport (the deployments' one); the others are in the heavy lane

@@ -9,6 +9,7 @@ a call without a token, or with a sampler's, is refused; requests share the engi
 
 import concurrent.futures
 import threading
+import types
 
 import httpx
 import jax
@@ -18,8 +19,12 @@ import pytest
 
 from grpo_stream.common.config.loading import load_config
 from grpo_stream.common.engine import continuous
+from grpo_stream.common.episodes.result import GroupWork
+from grpo_stream.common.episodes.single_turn import SingleTurn
+from grpo_stream.common.episodes.stream import RolloutStream
 from grpo_stream.common.rpc.auth import write_tokens
 from grpo_stream.common.runtime.process import build_policy, build_task_and_tokenizer
+from grpo_stream.common.tasks.rewards import RewardSet
 from grpo_stream.sampler_service.openai_server import openai_endpoint
 from tests.chat_families import chat_family_dirs  # noqa: F401 - a fixture
 from tests.conftest import CONFIGS
@@ -167,6 +172,44 @@ def test_concurrent_requests_share_the_engine_with_the_samplers_batches(served):
         thread.join()
     assert len(replies) == 64 and all(1 <= len(r.choices[0].model_extra["token_ids"]) <= 8 for r in replies)
     assert len(batches) >= 1 and endpoint.queue.served_in_sampler_batches > before
+
+
+def test_greedy_requests_ride_a_busy_samplers_stream(served):
+    """A sampler's rollout stream keeps the engine busy (long sampled groups, started as others end) while greedy and
+    sampled requests arrive: both are answered inside the stream's serve (no pause needed), the greedy one exactly
+    the engine's greedy generation."""
+    endpoint, client, engine, model, tok, _ = served
+    prompt = tok.encode(tok.render_chat([{"role": "user", "content": "Add 3 and 4."}], add_generation_prompt=True))
+    stop, started = threading.Event(), []
+    stream = RolloutStream(engine.request_keys, lambda run: None)
+    serve = threading.Thread(target=engine.serve, args=(model.params, stream, lambda: None, VERSION))
+    serve.start()
+    before = endpoint.queue.served_in_sampler_batches
+    try:
+        def feed():
+            while not stop.is_set():
+                if stream.episodes_in_flight <= 8:
+                    work = GroupWork(types.SimpleNamespace(prompt_id="p", answer="7"), prompt, 4,
+                                     RewardSet({"answer_correct": 1.0}), f"g{len(started)}", len(started),
+                                     jax.random.key(len(started)))
+                    started.append(stream.start(work, SingleTurn(C)))
+                stream.wait_change(0.01)
+        feeder = threading.Thread(target=feed)
+        feeder.start()
+        messages = [{"role": "user", "content": "Add 12 and 30."}]
+        greedy = client.chat.completions.create(model="policy", messages=messages, temperature=0, max_tokens=8,
+                                                extra_body={"return_token_ids": True})
+        sampled = client.chat.completions.create(model="policy", messages=messages, max_tokens=8, seed=3)
+    finally:
+        stop.set()
+        feeder.join()
+        stream.close()
+        serve.join(60)
+    ids = greedy.model_extra["prompt_token_ids"]
+    expected = engine.generate(model.params, [ids], jax.random.key(0), greedy=True, max_new_tokens=[8])
+    assert greedy.choices[0].model_extra["token_ids"] == expected.tokens[0, :expected.lengths[0]].tolist()
+    assert sampled.choices[0].message.content is not None
+    assert endpoint.queue.served_in_sampler_batches - before == 2 and len(started) >= 3
 
 
 def test_a_full_queue_or_an_oversized_body_is_refused_at_once(served):

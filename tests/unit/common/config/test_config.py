@@ -113,7 +113,7 @@ def test_each_loss_has_its_own_clip_unless_the_config_sets_one():
 
 def test_synchronous_sampler_cap_must_feed_a_whole_step():
     # 2 replicas x 7 groups per version cannot fill a 16-group step: the run would deadlock
-    sync = ["trainer.max_staleness=0", "sampler.weight_updates=drain"]
+    sync = ["trainer.max_staleness=0"]
     with pytest.raises(ConfigError) as err:
         load_config(CONFIGS / "tiny_arith.yaml", ["sampler.max_groups_per_version=7", *sync])
     assert "sampler.max_groups_per_version=7 x sampler.replicas=2 < trainer.groups_per_step" in str(err.value)
@@ -193,8 +193,6 @@ def test_samplers_send_rollouts_to_the_ingest_address():
     (["sampler.engine=vllm", "weights.transport=local"], "sampler.engine=vllm runs each sampler as its own process"),
     (["sampler.vllm.steps_between_updates=0"],
      "sampler.vllm.steps_between_updates: Input should be greater than or equal to 1"),
-    (["sampler.weight_updates=in_flight", "sampler.max_groups_per_version=8"], "synchronous mode "
-     "(sampler.max_groups_per_version) needs weight_updates=drain"),
     (["sampler.weight_updates=always"], "sampler.weight_updates: Input should be 'in_flight' or 'drain'"),
     # what earlier versions called these is refused with what replaced it
     (["sampler.weight_updates=between_batches"], "sampler.weight_updates=between_batches: there are no batches any "
