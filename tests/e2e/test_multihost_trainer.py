@@ -39,8 +39,12 @@ def test_two_process_trainer_matches_one_process_and_every_sampler(tmp_path):
     # sign with the order of the float sums (two processes against one); one such flip in a small tensor is ~1e-4
     # of its norm (CI at 449224b: 9.8e-5, the losses equal to 8 digits; usually 4e-7). A larger eps makes the update
     # continuous at 0, so the comparison sees the arithmetic, not that discontinuity
+    # the reward every group varies in (tests/e2e/vllm_rewards.py): every step moves the weights, whatever the smoke
+    # model happens to sample (its arithmetic rewards are mostly all zero), so the replay compares real updates
     out = run_cli("up", "--config", CONFIG, "--run-dir", str(run_dir), *TWO_HOSTS, "trainer.record_batches=true",
-                  "trainer.optimizer.eps=1e-5", env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4"})
+                  "trainer.optimizer.eps=1e-5", "task.rewards={tests.e2e.vllm_rewards:longer_is_better: 1.0}",
+                  env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+                       "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")})
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["trainer_processes"] == 2 and summary["trainer_mesh"] == {"fsdp": 4, "tp": 1}

@@ -53,7 +53,9 @@ def test_up_with_a_vllm_sampler(tmp_path):
     trainer_final, vllm_final = summary["final_weights"], sampler["final_weights"]
     assert vllm_final["version"] == trainer_final["version"] == steps
     assert vllm_final["greedy"] == trainer_final["greedy"]  # the vLLM engine runs the trainer's final model
-    assert len(set(trainer_final["greedy"])) > 1 and all(trainer_final["greedy"]), trainer_final["greedy"]
+    # non-empty completions (the reward pushes the policy away from stopping at once; trained for length it may say
+    # one phrase to every prompt, so distinct texts are not asked for: equal token-for-token under one model is)
+    assert all(len(g) >= 8 for g in trainer_final["greedy"]), trainer_final["greedy"]
     log = (run_dir / "logs" / "sampler-0.log").read_text()
     assert " DEBUG " in log and " DEBUG " not in (run_dir / "logs" / "trainer.log").read_text()
     assert "Compiling" in (run_dir / "logs" / "trainer.log").read_text() and "Compiling" not in log
