@@ -16,7 +16,10 @@ does, and keeps the verdict as counts in P:R:audit:compacted:
 Only groups the audit would call settled are removed: trained in exactly one lineage step up to `through_step`, or
 dropped (a drop is final). A group that is waiting, lost, trained twice or trained later stays, and so does every
 later group of its sampler, so `below:<sampler>` stays exact and the ingest refuses a late second copy of a
-compacted group as a duplicate (the accepted hash, the de-duplication set, no longer holds it). Injected answers
+compacted group as a duplicate (the accepted hash, the de-duplication set, no longer holds it). And a group goes only
+with every group its lineage step lists: a step's record stays while any of them does, and the audit counts every
+group a kept record lists (samplers send groups as they end, out of data-position order, so one step can hold groups
+on both sides of a sampler's watermark). Injected answers
 (no data position) are refused again by their prompt's state. A step the lineage lacks stops compaction there: the
 audit must see it.
 """
@@ -100,28 +103,24 @@ def plan_compaction(through_step: int, previous_through: int, accepted: dict[str
             return times.get(gid, 0) == 1
         return times.get(gid, 0) == 0 and rec["outcome"] in DROPS
 
-    # per sampler, in data-position order, up to the first group that must stay
-    by_sampler: dict[str, list[tuple[int, str]]] = collections.defaultdict(list)
-    chosen: list[str] = []
-    for gid, rec in accepted.items():
-        position = int(rec.get("position", -1))
-        if position >= 0:
-            by_sampler[rec["sampler"]].append((position, gid))
-        elif settled_now(gid):
-            chosen.append(gid)
-    new_below: dict[str, int] = {}
+    # a step's record stays while any of its groups does, and the audit then counts every group it lists: so a
+    # group goes only with all of its step's (samplers send groups as they end, out of data-position order, so a
+    # step can hold groups on both sides of a sampler's watermark); a group held back holds back its step's others
+    step_of = {g: s for s, gids in final.items() for g in gids}
+    held: set[str] = set()
+    while True:
+        chosen, new_below, passed = _chosen(accepted, lambda g: settled_now(g) and step_of.get(g) not in held, below)
+        gone = set(chosen)
+        mixed = {s for s, gids in final.items() if s not in held and any(g in gone for g in gids)
+                 and any(g not in gone and g in accepted for g in gids)}
+        if not mixed:
+            break
+        held |= mixed
     new_holes: dict[str, str] = {}
-    for sampler, groups in by_sampler.items():
-        passed = []
-        for position, gid in sorted(groups):
-            if not settled_now(gid):
-                break
-            chosen.append(gid)
-            new_below[sampler] = max(position, below.get(sampler, -1))
-            passed.append(position)
+    for sampler, positions in passed.items():
         # positions the watermark jumps over may still arrive: they are not duplicates; ones filled are
         old = below.get(sampler, -1)
-        gaps, filled = compaction_holes.passed_over(old, passed), [p for p in passed if p <= old]
+        gaps, filled = compaction_holes.passed_over(old, positions), [p for p in positions if p <= old]
         if gaps or filled:
             new_holes[sampler] = compaction_holes.updated((holes or {}).get(sampler), gaps, filled)
     counts = dict.fromkeys(COMPACTED_COUNTS, 0)
@@ -150,6 +149,30 @@ def plan_compaction(through_step: int, previous_through: int, accepted: dict[str
         return empty
     counts["steps_rolled_back"] = len(rolled_back)
     return CompactionPlan(through_step, chosen, [rec["id"] for rec in removed], counts, new_below, holes=new_holes)
+
+
+def _chosen(accepted: dict[str, dict], goes, below: dict[str, int]
+            ) -> tuple[list[str], dict[str, int], dict[str, list[int]]]:
+    """(groups that go, each sampler's new watermark, the positions it passed): per sampler in data-position order
+    up to the first group that must stay; groups without a position (injected answers) each on their own."""
+    by_sampler: dict[str, list[tuple[int, str]]] = collections.defaultdict(list)
+    chosen: list[str] = []
+    for gid, rec in accepted.items():
+        position = int(rec.get("position", -1))
+        if position >= 0:
+            by_sampler[rec["sampler"]].append((position, gid))
+        elif goes(gid):
+            chosen.append(gid)
+    new_below: dict[str, int] = {}
+    passed: dict[str, list[int]] = {}
+    for sampler, groups in by_sampler.items():
+        for position, gid in sorted(groups):
+            if not goes(gid):
+                break
+            chosen.append(gid)
+            new_below[sampler] = max(position, below.get(sampler, -1))
+            passed.setdefault(sampler, []).append(position)
+    return chosen, new_below, passed
 
 
 def _groups(rec: dict) -> list[str]:

@@ -195,6 +195,7 @@ def _engine(tiny_parts, slots, chunk_steps, max_new, groups):
                             chunk_steps=chunk_steps, length_groups=groups)
 
 
+@pytest.mark.heavy  # generation.decode_length_groups=2 is off by default (BENCHMARKS.md): its check is in the heavy lane
 def test_long_sequences_move_to_a_long_window_group(tiny_parts):
     """Two 200-token completions among 600 short ones in 64 slots: once the long ones outgrow the short ones'
     window they move to a group of their own instead of making 64 slots attend over their length. Same tokens and

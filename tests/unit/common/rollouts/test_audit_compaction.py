@@ -31,7 +31,27 @@ def test_only_groups_in_exactly_one_lineage_step_or_dropped_fold_and_the_waterma
     steps = [{"id": "1000-0", "epoch": "a", "step": "1", "groups": json.dumps(["g0", "g2", "g2"])},
              {"id": "2000-0", "epoch": "a", "step": "2", "groups": json.dumps(["g4"])}]
     plan = plan_compaction(1, 0, accepted, settled, {"g1": 2}, steps, TRAINER_A, [{"epoch": "a", "step": "2"}], {}, {})
-    assert plan.through_step == 1 and plan.group_ids == ["g0", "g1"] and plan.below == {"s0": 1}
+    # step 1's record stays (it lists g2, which stays), so g0, which it lists too, stays with it (the audit counts
+    # every group a kept record lists); and the watermark stops there
+    assert plan.through_step == 1 and plan.group_ids == [] and plan.below == {} and plan.step_records == []
+    steps[0]["groups"] = json.dumps(["g0"])  # g2 was never trained: step 1 holds g0 alone
+    plan = plan_compaction(1, 0, accepted, settled, {"g1": 2}, steps, TRAINER_A, [{"epoch": "a", "step": "2"}], {}, {})
+    assert plan.group_ids == ["g0", "g1"] and plan.below == {"s0": 1} and plan.step_records == ["1000-0"]
     counts = plan.counts
     assert counts["trained"] == 1 and counts["dropped_stale"] == 1 and counts["second_copies_dropped"] == 2
-    assert plan.step_records == []  # step 1 lists g2, which stays
+
+
+def test_a_step_whose_groups_straddle_a_watermark_goes_whole_or_not_at_all():
+    """Samplers send groups as they end, out of data-position order: step 1 trains s0's positions 0 and 2 while
+    position 1 still decodes. Position 2 cannot fold (the watermark stops at 1), so neither does 0: the step's record
+    stays and lists only groups the audit still finds accepted. Once position 1 is trained (step 2), all go."""
+    accepted = {f"g{p}": {"sampler": "s0", "position": p} for p in range(3)}
+    settled = {"g0": {"outcome": "trained", "step": 1}, "g2": {"outcome": "trained", "step": 1}}
+    steps = [{"id": "1000-0", "epoch": "a", "step": "1", "groups": json.dumps(["g0", "g2"])}]
+    plan = plan_compaction(1, 0, accepted, settled, {}, steps, TRAINER_A, [{"epoch": "a", "step": "1"}], {}, {})
+    assert plan.group_ids == [] and plan.step_records == [] and plan.below == {}
+    settled["g1"] = {"outcome": "trained", "step": 2}
+    steps.append({"id": "2000-0", "epoch": "a", "step": "2", "groups": json.dumps(["g1"])})
+    plan = plan_compaction(2, 0, accepted, settled, {}, steps, TRAINER_A, [{"epoch": "a", "step": "2"}], {}, {})
+    assert plan.group_ids == ["g0", "g1", "g2"] and plan.below == {"s0": 2}
+    assert sorted(plan.step_records) == ["1000-0", "2000-0"]
