@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from grpo_stream.common.engine.base import Request
+from grpo_stream.common.engine.base import FixedRequests, Request
 
 log = logging.getLogger(__name__)
 IDLE_POLL_S = 0.02  # how often a waiting serve looks for endpoint requests (their added latency at most)
@@ -251,29 +251,14 @@ class MergedSource:
                 return
 
 
-class NoRequests:
+class NoRequests(FixedRequests):
     """The own source of an idle serve: nothing, and closed (the serve ends when the endpoint's requests do)."""
 
-    def take(self) -> list[Request]:
-        return []
+    def __init__(self):
+        super().__init__([], None)
 
     def finish(self, request, tokens, logprobs, versions, finished) -> None:
         raise AssertionError("an idle serve has no requests of its own")
-
-    def open(self) -> bool:
-        return False
-
-    def accepting(self) -> bool:
-        return True
-
-    def released(self) -> list:
-        return []
-
-    def cancelled(self) -> bool:
-        return False
-
-    def wait(self, timeout: float) -> None:
-        return None
 
 
 class SideServing:
