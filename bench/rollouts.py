@@ -26,9 +26,11 @@ alternate the arms (a drift of the machine's speed reaches all); medians, and th
 compiled (`new_programs`). `stream_over_all_at_once` (issue 55: >= 0.9) and `stream_over_batch_loop` (>= 2).
 
 Multi-turn. A shape whose turn decodes faster than the tool: the multi-turn benchmark's quick decoder (2 layers,
-width 128; the CPU demo's 160-token vocabulary and addition prompts), episodes of 3-5 model turns of at most 16
-tokens, each answered by a simulated tool; 32 groups of 8 episodes streamed with rows_in_flight 128 (twice the
-engine's 64 slots: the default for episodes, which leave their slot while a tool answers). Arms: the tool answers at
+width 128; the CPU demo's 160-token vocabulary and addition prompts), episodes of 3-5 model turns of at most 4
+tokens within 48 (decode chunks of 4 steps; `turn_seconds`: a turn's steps at the measured step time, its prefill
+included, below the tool's 100 ms), each answered by a simulated tool; 128 groups of 8 episodes streamed as a sampler streams them: at most rows_in_flight 256 (four times
+the engine's 64 slots, the default for episodes, which leave their slot while a tool answers), a group starting
+while fewer turns than slots want the engine. Arms: the tool answers at
 once (`zero`) or after 100 ms (`latency`), the same episodes (same keys). `multiturn.ratio_latency_over_zero`
 (>= 0.8) and `multiturn.engine_idle_share` (the share of the latency run the engine waited with nothing to decode,
 <= 0.05).
@@ -73,11 +75,12 @@ FULL = {"vocab_size": 8192, "num_layers": 8, "embed_dim": 512, "hidden_dim": 140
         "num_kv_heads": 2, "head_dim": 64, "prompts": 64, "generations": 8, "prompt_low": 32, "prompt_high": 128,
         "max_new_tokens": 512, "median": 96, "sigma": 0.9, "slots": 256, "chunk_steps": 16, "rows_in_flight": 256,
         "batch_rows": 32, "version_every_s": 10.0, "repeats": 3, "warmup_rounds": 3, "seed": 0,
-        "mt_groups": 32, "mt_slots": 64, "mt_rows_in_flight": 128, "mt_latency_s": 0.1, "mt_turn_tokens": 16,
-        "mt_episode_tokens": 128, "mt_workers": 64}
+        "mt_groups": 128, "mt_slots": 64, "mt_rows_in_flight": 256, "mt_warmup_rounds": 6, "mt_latency_s": 0.1,
+        "mt_turn_tokens": 4, "mt_chunk_steps": 4, "mt_episode_tokens": 48, "mt_workers": 256}
 QUICK = {**FULL, "num_layers": 2, "embed_dim": 128, "hidden_dim": 256, "num_heads": 4, "head_dim": 32, "prompts": 8,
          "generations": 4, "prompt_low": 8, "prompt_high": 24, "max_new_tokens": 48, "median": 12, "slots": 16,
-         "rows_in_flight": 16, "batch_rows": 8, "version_every_s": 0.1, "repeats": 1, "mt_groups": 4, "mt_slots": 8, "mt_rows_in_flight": 16,
+         "rows_in_flight": 16, "batch_rows": 8, "version_every_s": 0.1, "repeats": 1, "mt_groups": 4, "mt_slots": 8,
+         "mt_rows_in_flight": 16, "mt_warmup_rounds": 1,
          "mt_workers": 16}
 DEMO = pathlib.Path(__file__).resolve().parent.parent / "configs" / "tiny_arith.yaml"
 
@@ -146,6 +149,7 @@ class NewVersions:
 
 def stream_arm(engine, params, works: list[GroupWork], rollouts, rows_in_flight: int, tokenizer, limits,
                versions: NewVersions | None = None) -> dict:
+    slots = engine.slots
     """The sampler's stream over `works`, fed as room frees (none while a drain waits for a new version), scored
     and sunk group by group; `versions`: new weight versions arriving while it runs."""
     sink_client = AckingSink(limits)
@@ -158,7 +162,7 @@ def stream_arm(engine, params, works: list[GroupWork], rollouts, rows_in_flight:
     with Busy() as busy:
         engine_thread = EngineThread(engine, params, stream, refresh, 0, "bench-engine")
         while pending or stream.episodes_in_flight:
-            while pending and rows_in_flight - stream.episodes_in_flight >= pending[0].rows and not (
+            while pending and stream.room(rows_in_flight, slots) >= pending[0].rows and not (
                     versions is not None and versions.staged.waiting()):
                 stream.start(pending.popleft(), rollouts)
             stream.wait_change(0.02)
@@ -251,7 +255,7 @@ def multi_turn(p: dict) -> dict:
     max_prompt, g = cfg.generation.max_prompt_tokens, p["generations"]
     model = multiturn.build_model(shape, tokenizer.vocab_size, max_prompt + p["mt_episode_tokens"])
     engine = ContinuousEngine(model, tokenizer.pad_id, tokenizer.eos_ids, max_prompt, p["mt_episode_tokens"], 1.0,
-                              slots=p["mt_slots"], chunk_steps=p["chunk_steps"])
+                              slots=p["mt_slots"], chunk_steps=p["mt_chunk_steps"])
     problems = [task.train_problem(i) for i in range(p["mt_groups"])]
     turns = np.random.default_rng(p["seed"]).integers(3, 6, len(problems) * g).tolist()
     works = [GroupWork(types.SimpleNamespace(index=k * g, prompt_id=pr.prompt_id, prompt=pr.prompt, answer=pr.answer),
@@ -263,15 +267,21 @@ def multi_turn(p: dict) -> dict:
         settings = EpisodeSettings(max_turns=5, turn_max_new_tokens=p["mt_turn_tokens"],
                                    episode_tokens=p["mt_episode_tokens"], tool_latency_s=latency)
         kind = ToolTurns(RowTools(turns), PlainRenderer(tokenizer), settings, tokenizer, p["mt_workers"])
+        steps = engine.stats["decode_steps"]
         try:
-            return stream_arm(engine, model.params, works, kind, p["mt_rows_in_flight"], tokenizer, limits)
+            run = stream_arm(engine, model.params, works, kind, p["mt_rows_in_flight"], tokenizer, limits)
         finally:
             kind.close()
+        # a turn's decode time: its steps at the run's mean step time (the engine's time over its decode steps)
+        step_s = (run["seconds"] - run["engine_idle_seconds"]) / max(1, engine.stats["decode_steps"] - steps)
+        return {**run, "step_seconds": round(step_s, 5), "turn_seconds": round(step_s * p["mt_turn_tokens"], 4)}
 
     runs = _alternate({"zero": lambda: arm(0.0), "latency": lambda: arm(p["mt_latency_s"])}, p["repeats"],
-                      "multi-turn", engine, p["warmup_rounds"])
+                      "multi-turn", engine, p["mt_warmup_rounds"])
     rate = {a: statistics.median(r["tokens"] / r["seconds"] for r in rs) for a, rs in runs.items()}
     return {"ratio_latency_over_zero": round(rate["latency"] / rate["zero"], 3),
+            # the shape: a turn decodes faster than the tool answers (zero-latency runs' step time x turn tokens)
+            "turn_seconds": statistics.median(r["turn_seconds"] for r in runs["zero"]),
             "engine_idle_share": round(statistics.median(r["engine_idle_seconds"] / r["seconds"]
                                                          for r in runs["latency"]), 4),
             "tokens_per_second": {a: round(v, 1) for a, v in rate.items()}, "episodes": len(works) * g,
@@ -315,12 +325,13 @@ def _say(message: str) -> None:
     print(f"bench rollouts: {message}", file=sys.stderr, flush=True)
 
 
-def run(quick: bool = False) -> dict:
+def run(quick: bool = False, parts: tuple[str, ...] = ("single_turn", "multiturn")) -> dict:
     p = QUICK if quick else FULL
-    single, multi = single_turn(p), multi_turn(p)
+    single = single_turn(p) if "single_turn" in parts else {}
+    multi = multi_turn(p) if "multiturn" in parts else {}
     return {"benchmark": "rollouts", "quick": quick,
-            "stream_over_all_at_once": single["stream_over_all_at_once"],
-            "stream_over_batch_loop": single["stream_over_batch_loop"], "single_turn": single, "multiturn": multi,
+            "stream_over_all_at_once": single.get("stream_over_all_at_once"),
+            "stream_over_batch_loop": single.get("stream_over_batch_loop"), "single_turn": single, "multiturn": multi,
             "workload": {k: v for k, v in p.items() if k not in multiturn.SHAPE_KEYS}}
 
 
@@ -328,14 +339,16 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small models and workloads, one run per arm")
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("runs/bench/rollouts.json"))
+    parser.add_argument("--only", choices=["single_turn", "multiturn"], help="run one part (default: both)")
     args = parser.parse_args(argv)
-    result = run(args.quick)
+    result = run(args.quick, (args.only,) if args.only else ("single_turn", "multiturn"))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
+    multi = result["multiturn"]
     _say(f"stream / all at once {result['stream_over_all_at_once']} (>= 0.9), stream / batch loop "
          f"{result['stream_over_batch_loop']} (>= 2), multi-turn latency / zero "
-         f"{result['multiturn']['ratio_latency_over_zero']} (>= 0.8), engine idle "
-         f"{result['multiturn']['engine_idle_share']} (<= 0.05); wrote {args.out}")
+         f"{multi.get('ratio_latency_over_zero')} (>= 0.8), engine idle {multi.get('engine_idle_share')} (<= 0.05); "
+         f"wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 
 There is no generation batch. The engine runs one `serve` over the sampler's rollout stream (common/episodes/
 stream.py) on a thread of its own, from the first weights to the last; this thread (the feeder) starts groups
-whenever the stream has room (sampler.rows_in_flight episodes in flight) and the ingest's admission grants them
+whenever the stream has room (at most sampler.rows_in_flight episodes in flight, and fewer turns wanting the engine
+than it has slots) and the ingest's admission grants them
 (groups trainable within trainer.max_staleness): injected prompts first, then the sampler's data stream. A group's
 rows enter the engine at its next scheduling point, beside whatever else decodes (the endpoint's requests included),
 and when its last episode ends it is scored and sent at once (group_sink.py), whatever the other groups in flight
@@ -64,7 +65,7 @@ class Sampler(WeightsInUse):
                              "another weights.transport")
         super().__init__(cfg, f"sampler-{index}", threading.Event())
         self.index, self.devices, self.hub, self.run_dir = index, devices, hub, run_dir
-        self.rows_in_flight = cfg.rows_in_flight()
+        self.rows_in_flight, self.slots = cfg.rows_in_flight(), cfg.engine_slots()[1]
         self.admission = self.source = self.sink = self.rollouts = self.injected_rollouts = None
         self.ingest_stub = None
         self.serve_seconds = self.engine_idle_seconds = 0.0
@@ -160,7 +161,7 @@ class Sampler(WeightsInUse):
     def _feed(self, parts: Parts) -> None:
         """Start the groups the stream has room for and admission grants: injected prompts first."""
         gen, stream = self.cfg.generation, self.stream
-        room = self.rows_in_flight - stream.episodes_in_flight
+        room = stream.room(self.rows_in_flight, self.slots)
         wanted = room // gen.num_generations
         if wanted <= 0 or self._held_back():
             return

@@ -47,7 +47,8 @@ class SamplerSection(Strict):
                                        "sends each group as soon as its last episode ends (a row counts until its own "
                                        "episode ends, so a group's long tail holds no room). Null: what fills the "
                                        "engine (engine=jax: generation.decode_slots; vllm: sampler.vllm.max_num_seqs), "
-                                       "twice that for multi-turn episodes (one waiting for a tool holds no slot). "
+                                       "four times that for multi-turn episodes (one waiting for a tool holds no slot; "
+                                       "groups start only while fewer turns than slots want the engine). "
                                        "Single-turn: at most what the engine decodes at once.")
     backlog_max_groups: int = Field(64, ge=1, le=100_000, description="Groups a sampler holds while the ingest is "
                                     "busy or away; generation pauses when full.")

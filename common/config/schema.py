@@ -34,6 +34,12 @@ from grpo_stream.common.engine.registry import engine_spec
 from grpo_stream.common.tasks.registry import TASKS, task_spec
 from grpo_stream.common.weights.registry import TRANSPORTS, transport_spec
 
+# multi-turn rows in flight per engine slot by default: an episode waits for its environment (a tool, a user) for
+# part of its life; the stream starts groups only while fewer turns than slots want the engine, so this is a bound on
+# the host's memory and on staleness more than a target (BENCHMARKS.md, "rollouts": with it, a 100 ms tool slower
+# than a turn cost 12% of the useful tokens/s and the engine idled 2% of the run)
+MULTI_TURN_ROWS = 4
+
 __all__ = ["ConfigError", "DistributedSection", "RunConfig", "Strict", "VllmSection", "WeightsSection"]
 
 
@@ -299,12 +305,13 @@ class RunConfig(Strict):
         return field, operator.attrgetter(field)(self)
 
     def rows_in_flight(self) -> int:
-        """The episodes each sampler keeps in flight: sampler.rows_in_flight, or what fills its engine (twice that
-        for multi-turn episodes, which leave their slots while an environment answers)."""
+        """The most episodes each sampler keeps in flight: sampler.rows_in_flight, or what fills its engine (for
+        multi-turn episodes, which leave their slots while an environment answers, MULTI_TURN_ROWS times that: the
+        stream then starts groups while fewer turns than slots want the engine)."""
         if self.sampler.rows_in_flight is not None:
             return self.sampler.rows_in_flight
         multi_turn = self.environment.name is not None or task_spec(self.task.name).own_rollouts
-        return self.engine_slots()[1] * (2 if multi_turn else 1)
+        return self.engine_slots()[1] * (MULTI_TURN_ROWS if multi_turn else 1)
 
     @model_validator(mode="after")
     def _rows_in_flight(self) -> "RunConfig":

@@ -144,6 +144,13 @@ class RolloutStream:
         with self._cond:
             return len(self._ready) + self.turns_in_engine
 
+    def room(self, rows_in_flight: int, slots: int) -> int:
+        """Rows a maker may start now: fewer than `rows_in_flight` episodes in flight in all, and fewer than the
+        engine's `slots` wanting it (an episode waiting for its tool holds no slot, so multi-turn episodes beyond the
+        slots keep the engine full while others wait)."""
+        with self._cond:
+            return min(rows_in_flight - self.episodes_in_flight, slots - len(self._ready) - self.turns_in_engine)
+
     # ---- the rollout kinds' side ---------------------------------------------------------------------------
 
     def submit(self, request: Request) -> None:
