@@ -6,8 +6,9 @@ thread builds it with the one group builder (common/episodes/groups.py: rewards,
 the sender's backlog, waiting while the backlog is full (the feeder starts no group meanwhile). A group one of whose
 episodes failed to become a completion (a verifiers rollout that raised, turns that are not one sequence) is logged
 and left out; after MAX_FAILED_IN_A_ROW such groups in a row the sampler stops with the last reason (the
-environment or the run's settings are wrong: generating more would fail the same way). Rewards run here, so a slow
-reward delays only the sending of groups, never decoding.
+environment or the run's settings are wrong: generating more would fail the same way). Rewards are called from here,
+each in a worker process with a deadline (common/tasks/reward_workers.py), so a slow reward delays only the sending
+of groups, never decoding, and one that never ends scores 0.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Callable
 from grpo_stream.common.episodes.groups import build_group
 from grpo_stream.common.episodes.stream import GroupRun
 from grpo_stream.common.rollouts.wire import to_proto
+from grpo_stream.common.tasks.reward_workers import RewardWorker
 
 log = logging.getLogger(__name__)
 MAX_FAILED_IN_A_ROW = 64  # groups failed one after another before the sampler stops (a wrong setup, not bad luck)
@@ -32,9 +34,10 @@ class GroupSink:
     """See the module docstring. `client`: the RolloutClient; `metrics`: lifecycle.SamplerMetrics; `abandon()`: True
     when groups are no longer wanted (a stop, or the final version installed)."""
 
-    def __init__(self, client, metrics, tokenizer, sampler_id: str, turn_weight: float, abandon: Callable[[], bool]):
+    def __init__(self, client, metrics, tokenizer, sampler_id: str, turn_weight: float, abandon: Callable[[], bool],
+                 rewards: RewardWorker):
         self.client, self.metrics, self.tokenizer, self.sampler_id = client, metrics, tokenizer, sampler_id
-        self.turn_weight, self.abandon = turn_weight, abandon
+        self.turn_weight, self.abandon, self.rewards = turn_weight, abandon, rewards
         self.groups_sent = self.groups_generated = self.tokens_generated = 0
         self.groups_failed = self._failed_in_a_row = 0
         self.rate: collections.deque = collections.deque(maxlen=4096)  # (time, tokens) per group sent
@@ -61,6 +64,7 @@ class GroupSink:
         """Stop after the groups already handed over (each waits PUT_WAIT_S at a time while the backlog is full)."""
         self._queue.put(None)
         self._thread.join(timeout_s)
+        self.rewards.close()
 
     def _run(self) -> None:
         while True:
@@ -82,7 +86,7 @@ class GroupSink:
             return
         self._failed_in_a_row = 0
         group = build_group(work, run.results, self.sampler_id, self.tokenizer, self.turn_weight,
-                            run.version_at_start)
+                            run.version_at_start, self.rewards.call)
         tokens = sum(len(c.token_ids) for c in group.completions)
         message = to_proto(group)
         while not self.client.put(message, timeout_s=PUT_WAIT_S):

@@ -45,7 +45,7 @@ class GroupSource:
         self.ingest_stub = None
         self.pending: collections.deque = collections.deque()  # claimed injected prompts not started yet
         self.injected_done = self.injected_refused = 0
-        self.rewards = RunRewards(default, cfg.task.rewards)
+        self.rewards = RunRewards(default, cfg.task.rewards, task_name=cfg.task.name)
         self._claim_warned = False
         self._last_claim = -CLAIM_EVERY_S
 

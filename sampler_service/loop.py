@@ -43,6 +43,7 @@ from grpo_stream.common.runtime.process import stop_on_signals
 from grpo_stream.common.weights.registry import transport_spec
 from grpo_stream.common.weights.snapshot import digest
 from grpo_stream.sampler_service.engine_thread import EngineThread
+from grpo_stream.common.tasks.reward_workers import RewardWorker
 from grpo_stream.sampler_service.group_sink import GroupSink
 from grpo_stream.sampler_service.group_source import GroupSource
 from grpo_stream.sampler_service.lifecycle import Parts, open_sampler, served_over_http
@@ -117,7 +118,8 @@ class Sampler(WeightsInUse):
                                                  kind=injected_kind(self.cfg)))
         self.sink = GroupSink(parts.client, parts.metrics, parts.tokenizer, self.sampler_id,
                               self.cfg.environment.turn_reward_weight,
-                              abandon=lambda: self.stop_event.is_set() or self.final)
+                              abandon=lambda: self.stop_event.is_set() or self.final,
+                              rewards=RewardWorker(self.source.rewards.allowed, self.cfg.task.reward_timeout_s))
 
     def _stream_until_done(self, parts: Parts) -> None:
         """Feed the stream until the final version is fetched or a stop is asked for; then install the final

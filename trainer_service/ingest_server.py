@@ -40,7 +40,7 @@ def ingest_servicers(cfg: RunConfig, buffer: RedisStreamBuffer, task, tokenizer,
     limits = GroupLimits(gen.num_generations, gen.max_prompt_tokens, gen.max_new_tokens, tokenizer.vocab_size)
     queue = PromptQueue(buffer.client, cfg.run.name)
     injection = Injection(queue, cfg.run.name, cfg.prompts.claim_lease_s, cfg.prompts.result_retention_s,
-                          cfg.prompts.max_kept_results, frozenset(allowed_names(cfg.task.rewards)),
+                          cfg.prompts.max_kept_results, frozenset(allowed_names(cfg.task.rewards, cfg.task.name)),
                           InjectedShare(cfg.prompts.max_injected_fraction,
                                         max(1, cfg.rows_in_flight() // gen.num_generations), gen.num_generations))
     admission = AdmissionControl(AdmissionLimits(cfg.trainer.groups_per_step, cfg.trainer.max_staleness,

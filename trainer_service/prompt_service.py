@@ -20,7 +20,7 @@ from grpo_stream.common.rpc.auth import TokenTable, caller_of
 from grpo_stream.common.rollouts.buffer import BufferUnavailable
 from grpo_stream.common.config.schema import RunConfig
 from grpo_stream.trainer_service.prompt_queue import PromptQueue, QueueFull
-from grpo_stream.common.tasks.rewards import allowed_names, unknown_reward
+from grpo_stream.common.tasks.rewards import TASK_REWARDS, allowed_names, unknown_reward
 from grpo_stream.protos import prompts_pb2, prompts_pb2_grpc, rollout_pb2
 
 log = logging.getLogger(__name__)
@@ -35,7 +35,7 @@ class PromptServicer(prompts_pb2_grpc.PromptServiceServicer):
         self.cfg, self.queue, self.tokenizer, self.task, self.table = cfg, queue, tokenizer, task, table
         self.limits = cfg.prompts
         # rewards a client may name: built-ins and the run's own; never an import path from the network
-        self.rewards = allowed_names(cfg.task.rewards)
+        self.rewards = allowed_names(cfg.task.rewards, cfg.task.name)
         self._followers = threading.BoundedSemaphore(cfg.prompts.max_followers)
 
     # -- Submit -----------------------------------------------------------------------------------------------------
@@ -63,6 +63,8 @@ class PromptServicer(prompts_pb2_grpc.PromptServiceServicer):
         unknown = unknown_reward(spec.rewards, self.rewards)
         if unknown:
             return f"{at}.{unknown} (task.rewards and the built-ins; never an import path)", []
+        if (bad := self._reference_problem(spec)) is not None:
+            return f"{at}.{bad}", []
         most = min(lim.max_generations, self.cfg.rows_in_flight())
         if not 0 <= spec.num_generations <= most:
             return (f"{at}.num_generations: {spec.num_generations} outside 0..{most} (prompts.max_generations, and "
@@ -87,6 +89,16 @@ class PromptServicer(prompts_pb2_grpc.PromptServiceServicer):
             return (f"{at}.{which}: {len(ids)} tokens, must be 1..{self.cfg.generation.max_prompt_tokens} "
                     "(generation.max_prompt_tokens)"), []
         return None, ids
+
+    def _reference_problem(self, spec: prompts_pb2.PromptSpec) -> str | None:
+        """Why an IFEval reward could not check the prompt's reference_answer (it runs lm-eval's checks on what the
+        client sent: refused here rather than scored 0 on a sampler), or None."""
+        scored_by = spec.rewards or self.cfg.task.rewards
+        if not spec.reference_answer or not any(name in TASK_REWARDS for name in scored_by):
+            return None
+        from grpo_stream.common.tasks.ifeval_checks import reference_problem  # noqa: PLC0415 - lm-eval, IFEval only
+
+        return reference_problem(spec.reference_answer)
 
     def Submit(self, request, context):
         caller = caller_of(context, self.table)

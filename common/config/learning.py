@@ -112,6 +112,10 @@ class TaskSection(Strict):
         description="Reward -> weight. Built-ins: answer_correct, answer_format (#### N), reasoning_answer_format, "
         "ifeval_strict and ifeval_loose (task.name=ifeval: share of a prompt's instructions followed); "
         "or 'package.module:function' taking (completion_text, reference_answer) -> float.")
+    reward_timeout_s: float = Field(10.0, gt=0, le=600, description="Longest a reward may take on one completion. "
+                                    "Rewards run in a worker process (the completion and its reference are anyone's "
+                                    "input): one that overruns scores 0, is logged once per reward, and its worker "
+                                    "is restarted.")
     verifiers: VerifiersSection = Field(default_factory=VerifiersSection, description="task.name=verifiers: the "
                                         "environment and its arguments.")
     min_operand: int = Field(10, ge=0, le=10**6, description="Smallest operand of a problem.")

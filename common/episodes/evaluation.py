@@ -28,6 +28,7 @@ from grpo_stream.common.engine.base import GenerationEngine
 from grpo_stream.common.episodes.finite import run_groups
 from grpo_stream.common.episodes.registry import ROLLOUTS, build_rollouts, rollout_kind
 from grpo_stream.common.episodes.groups import episode_text, score_episode
+from grpo_stream.common.tasks.reward_workers import RewardWorker
 from grpo_stream.common.episodes.result import EpisodeResult, GroupWork, on_host
 from grpo_stream.common.episodes.single_turn import SingleTurn
 from grpo_stream.common.tasks.answers import extract_answer, same_number
@@ -94,9 +95,10 @@ def _episodes(engine, params: Any, problems: list, prompts: list[list[int]], rol
     return works, run_groups(engine, params, works, rollouts, max_rows=max(max_rows, rows), progress=progress)
 
 
-def _scores(works: list[GroupWork], made: list[list[EpisodeResult]], tokenizer, turn_weight: float):
-    """(mean reward, each component's mean, episodes that failed) over every episode of `made`."""
-    scored = [score_episode(r, work, tokenizer, turn_weight) for work, group in zip(works, made) for r in group]
+def _scores(works: list[GroupWork], made: list[list[EpisodeResult]], tokenizer, turn_weight: float, call=None):
+    """(mean reward, each component's mean, episodes that failed) over every episode of `made`; `call`: how each
+    reward runs (RewardSet.score)."""
+    scored = [score_episode(r, work, tokenizer, turn_weight, call) for work, group in zip(works, made) for r in group]
     n, names = max(1, len(scored)), sorted({name for _, parts in scored for name in parts})
     return (sum(r for r, _ in scored) / n, {k: sum(parts.get(k, 0.0) for _, parts in scored) / n for k in names},
             sum(bool(r.failed) for group in made for r in group))
@@ -105,8 +107,8 @@ def _scores(works: list[GroupWork], made: list[list[EpisodeResult]], tokenizer, 
 def evaluate(engine: GenerationEngine, params: Any, tokenizer, problems: list, batch_size: int, num_examples: int = 3,
              samples: int = 0, ks: Sequence[int] = (), seed: int = 0,
              progress: Callable[[], None] | None = None, rollouts=None, rewards: RewardSet | None = None,
-             turn_weight: float = 0.0, task_metrics: Callable[[list, list[str]], dict[str, float]] | None = None
-             ) -> EvalResult:
+             turn_weight: float = 0.0, task_metrics: Callable[[list, list[str]], dict[str, float]] | None = None,
+             score_call=None) -> EvalResult:
     """Greedy pass@1 on `problems` (each has .prompt and .answer); with `samples` > 0 also pass@k and maj@k.
 
     Each problem is a group of episodes made by `rollouts` (the run's rollout kind, common/episodes/registry.py:
@@ -115,7 +117,8 @@ def evaluate(engine: GenerationEngine, params: Any, tokenizer, problems: list, b
     `progress`: called as groups end (a heartbeat); `rewards`: the run's rewards (task.rewards), whose mean over the
     greedy (and sampled) episodes, with `turn_weight` x their turn rewards, is `reward` (`sampled_reward`); a kind
     that scores its own episodes (a verifiers rubric) gives its own. `task_metrics(problems, greedy completions)`:
-    the task's own figures (a task's `eval_metrics`)."""
+    the task's own figures (a task's `eval_metrics`). `score_call`: how each reward runs (RewardSet.score; a run's:
+    in a worker with a deadline)."""
     start = time.time()
     if not problems:
         raise ValueError("no problems to evaluate (eval.num_problems / --limit, and the split's size)")
@@ -136,7 +139,7 @@ def evaluate(engine: GenerationEngine, params: Any, tokenizer, problems: list, b
     examples = [{"prompt": p.prompt, "completion": t, "answer": p.answer, "correct": bool(c)}
                 for p, t, c in list(zip(problems, greedy, correct))[:num_examples]]
     n = len(problems)
-    reward, components, failed = _scores(works, made, tokenizer, turn_weight)
+    reward, components, failed = _scores(works, made, tokenizer, turn_weight, score_call)
     result = EvalResult(accuracy=sum(correct) / n, format_rate=sum(formatted) / n, num_problems=n,
                         seconds=0.0, examples=examples, samples=samples, skipped_long_prompts=skipped,
                         reward=reward, reward_components=components, failed_episodes=failed,
@@ -147,7 +150,8 @@ def evaluate(engine: GenerationEngine, params: Any, tokenizer, problems: list, b
             raise ValueError(f"eval.ks={list(ks)}: each k must be in 1..eval.samples={samples}")
         works, made = _episodes(engine, params, problems, prompts, rollouts, samples, jax.random.key(seed + 1), False,
                                 batch_size, progress, rewards)
-        result.sampled_reward, result.sampled_reward_components, failed = _scores(works, made, tokenizer, turn_weight)
+        result.sampled_reward, result.sampled_reward_components, failed = _scores(works, made, tokenizer, turn_weight,
+                                                                                 score_call)
         result.failed_episodes += failed
         _sampled_figures(result, problems, [[episode_text(r, tokenizer) for r in group] for group in made], ks)
     result.seconds = round(time.time() - start, 3)
@@ -190,7 +194,10 @@ def evaluate_run(cfg, engine, params, task, tokenizer, problems: list,
             routes = stack.enter_context(in_process_routes(cfg, engine, tokenizer))
         rollouts = build_rollouts(cfg, task, tokenizer, routes)
         stack.callback(rollouts.close)
+        rewards = RewardSet(cfg.task.rewards)
+        worker = RewardWorker(rewards.functions, cfg.task.reward_timeout_s)
+        stack.callback(worker.close)
         return evaluate(engine, params, tokenizer, problems, cfg.eval.batch_size, samples=cfg.eval.samples,
                         ks=cfg.eval.ks, seed=cfg.run.seed, progress=progress, rollouts=rollouts,
-                        rewards=RewardSet(cfg.task.rewards), turn_weight=cfg.environment.turn_reward_weight,
-                        task_metrics=getattr(task, "eval_metrics", None))
+                        rewards=rewards, turn_weight=cfg.environment.turn_reward_weight,
+                        task_metrics=getattr(task, "eval_metrics", None), score_call=worker.call)

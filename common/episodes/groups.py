@@ -35,14 +35,16 @@ def episode_text(result: EpisodeResult, tokenizer) -> str:
     return tokenizer.decode([t for t, m in zip(result.tokens, result.model_mask) if m])
 
 
-def score_episode(result: EpisodeResult, work: GroupWork, tokenizer, turn_weight: float) -> tuple[float, dict]:
-    """(reward, components) of one episode (module docstring); one that failed to become a completion scores 0."""
+def score_episode(result: EpisodeResult, work: GroupWork, tokenizer, turn_weight: float,
+                  call=None) -> tuple[float, dict]:
+    """(reward, components) of one episode (module docstring); one that failed to become a completion scores 0.
+    `call`: how each reward runs (RewardSet.score; a sampler's: in a worker with a deadline)."""
     if result.failed:
         return 0.0, {}
     if result.reward is not None:
         return float(result.reward), dict(result.reward_components)
     text = episode_text(result, tokenizer)
-    reward, parts = work.rewards.score(text, work.problem.answer)
+    reward, parts = work.rewards.score(text, work.problem.answer, call)
     if result.turn_rewards:
         turn = turn_weight * float(sum(result.turn_rewards))
         reward, parts = reward + turn, {**parts, TURN_REWARD: turn}
@@ -50,13 +52,13 @@ def score_episode(result: EpisodeResult, work: GroupWork, tokenizer, turn_weight
 
 
 def build_group(work: GroupWork, results: list[EpisodeResult], sampler_id: str, tokenizer, turn_weight: float = 0.0,
-                fallback_version: int = 0) -> GroupData:
-    """`work`'s group from its episodes (one per row, in row order)."""
+                fallback_version: int = 0, call=None) -> GroupData:
+    """`work`'s group from its episodes (one per row, in row order); `call`: as score_episode's."""
     if len(results) != work.rows:
         raise ValueError(f"group {work.group_id}: {len(results)} episodes for {work.rows} rows")
     completions = []
     for result in results:
-        reward, parts = score_episode(result, work, tokenizer, turn_weight)
+        reward, parts = score_episode(result, work, tokenizer, turn_weight, call)
         completions.append(CompletionData(
             token_ids=np.asarray(result.tokens, np.int32), logprobs=np.asarray(result.logprobs, np.float32),
             reward=reward, truncated=not result.finished, reward_components=parts,

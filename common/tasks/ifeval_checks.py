@@ -26,12 +26,18 @@ import functools
 import json
 import logging
 import pathlib
+import re
 
 log = logging.getLogger(__name__)
 
 NLTK_DATA = pathlib.Path(__file__).resolve().parent / "nltk_data"
 METRICS = ("prompt_level_strict_acc", "inst_level_strict_acc", "prompt_level_loose_acc", "inst_level_loose_acc")
 _warned: set[str] = set()
+# lm-eval pastes these arguments into regular expressions; a dataset row or an injected prompt chose them, so a
+# pattern that backtracks for minutes could freeze whoever scores it. Escaped before every check: a word, a phrase or
+# a marker matches as the text it is (google/IFEval's values are plain text, so their scores are unchanged).
+REGEX_ARGUMENTS = ("keywords", "forbidden_words", "keyword", "section_spliter", "postscript_marker", "starter")
+LM_EVAL_MARKERS = ("P.S.", "P.P.S")  # postscript markers lm-eval matches with its own patterns: left as they are
 
 
 class IfevalUnavailable(RuntimeError):
@@ -82,9 +88,45 @@ def _example(reference: str):
             and isinstance(doc.get("instruction_id_list"), list) and isinstance(doc.get("kwargs"), list)
             and len(doc["instruction_id_list"]) == len(doc["kwargs"]) > 0):
         return None
+    if not all(isinstance(kwargs, dict) for kwargs in doc["kwargs"]):
+        return None
     utils = lm_eval_ifeval()[0]
     return utils.InputExample(key=doc.get("key"), instruction_id_list=doc["instruction_id_list"],
-                              prompt=doc["prompt"], kwargs=doc["kwargs"])
+                              prompt=doc["prompt"], kwargs=[literal_arguments(kw) for kw in doc["kwargs"]])
+
+
+def literal_arguments(kwargs: dict) -> dict:
+    """An instruction's arguments with those lm-eval puts into regular expressions (REGEX_ARGUMENTS) escaped."""
+    def literal(name, value):
+        if name == "postscript_marker" and value in LM_EVAL_MARKERS:
+            return value
+        if isinstance(value, str):
+            return re.escape(value)
+        if isinstance(value, list):
+            return [re.escape(v) if isinstance(v, str) else v for v in value]
+        return value
+
+    return {k: literal(k, v) if k in REGEX_ARGUMENTS else v for k, v in kwargs.items()}
+
+
+def reference_problem(reference: str) -> str | None:
+    """Why `reference` is not an IFEval prompt's reference (make_reference's JSON of google/IFEval's fields) whose
+    instructions lm-eval can check, naming the field; None when it is one. What `Submit` asks of an injected
+    prompt scored by an IFEval reward."""
+    try:
+        doc = json.loads(reference)
+    except ValueError as exc:
+        return f"reference_answer: not JSON ({exc}); an IFEval reward reads make_reference's JSON of " \
+               "'prompt', 'instruction_id_list' and 'kwargs'"
+    if not isinstance(doc, dict) or not isinstance(doc.get("prompt"), str):
+        return "reference_answer: give an object with a string 'prompt'"
+    ids, kwargs = doc.get("instruction_id_list"), doc.get("kwargs")
+    if not isinstance(ids, list) or not ids or not all(isinstance(i, str) for i in ids):
+        return "reference_answer.instruction_id_list: give a non-empty list of lm-eval instruction ids"
+    if not isinstance(kwargs, list) or len(kwargs) != len(ids) or not all(isinstance(k, dict) for k in kwargs):
+        return f"reference_answer.kwargs: give a list of one object per instruction ({len(ids)})"
+    why = instructions_problem(ids, kwargs)
+    return f"reference_answer: {why}" if why else None
 
 
 def _check(test, example, text: str) -> bool:

@@ -57,16 +57,20 @@ REWARDS: dict[str, RewardFn] = {
     "ifeval_loose": ifeval_loose,
 }
 DEFAULT_WEIGHTS = {"answer_correct": 1.0, "answer_format": 0.1}
+TASK_REWARDS = {"ifeval_strict": "ifeval", "ifeval_loose": "ifeval"}  # built-ins offered only to that task's runs
 
 
 class UnknownReward(ValueError):
     """A reward name outside the run's (built-ins and task.rewards): refused, never imported."""
 
 
-def allowed_names(configured: Iterable[str]) -> list[str]:
-    """The reward names a prompt may ask for: the built-ins and the run's own (task.rewards, which the operator
-    wrote), sorted."""
-    return sorted(set(REWARDS) | set(configured))
+def allowed_names(configured: Iterable[str], task_name: str | None = None) -> list[str]:
+    """The reward names a prompt may ask for, sorted: the run's own (task.rewards, which the operator wrote) and the
+    built-ins, less those that belong to another task than `task_name` (TASK_REWARDS: the IFEval checks read an
+    IFEval reference, parse it and run lm-eval's code on what a client sent; a run of another task never offers
+    them)."""
+    offered = {n for n in REWARDS if TASK_REWARDS.get(n, task_name) == task_name}
+    return sorted(offered | set(configured))
 
 
 def unknown_reward(names: Iterable[str], allowed: Collection[str]) -> str | None:
@@ -112,13 +116,14 @@ class RewardSet:
         if missing:
             raise UnknownReward(f"rewards: {missing[0][:64]!r} was not resolved")
 
-    def score(self, text: str, reference: str) -> tuple[float, dict[str, float]]:
+    def score(self, text: str, reference: str, call=None) -> tuple[float, dict[str, float]]:
         """Total weighted reward and each component by name; a reward that raises or returns a non-finite
-        value is an error naming it (a bad user reward must not be silently scored 0)."""
+        value is an error naming it (a bad user reward must not be silently scored 0). `call(name, fn, text,
+        reference)` runs each reward (reward_workers.RewardWorker.call: in a worker with a deadline); None: here."""
         components = {}
         for name, fn in self.functions.items():
             try:
-                value = float(fn(text, reference))
+                value = float(fn(text, reference) if call is None else call(name, fn, text, reference))
             except Exception as exc:  # noqa: BLE001 - re-raised with the reward's name
                 raise ValueError(f"task.rewards.{name} raised {type(exc).__name__}: {exc}") from exc
             if value != value or value in (float("inf"), float("-inf")):
@@ -133,10 +138,11 @@ class RunRewards:
     outside them raises UnknownReward and nothing is imported. The last `max_cached` subsets are kept (a prompt
     stream naming many orders of the names must not grow a sampler's memory)."""
 
-    def __init__(self, default: RewardSet, configured: Mapping[str, float], max_cached: int = 32):
+    def __init__(self, default: RewardSet, configured: Mapping[str, float], max_cached: int = 32,
+                 task_name: str | None = None):
         self.default, self.configured, self.max_cached = default, dict(configured), max_cached
-        self.functions = {**REWARDS, **default.functions}
-        self.allowed = allowed_names(self.functions)
+        self.allowed = allowed_names(default.functions, task_name)
+        self.functions = {n: fn for n, fn in {**REWARDS, **default.functions}.items() if n in self.allowed}
         self.cached: collections.OrderedDict[tuple[str, ...], RewardSet] = collections.OrderedDict()
 
     def subset(self, names: Sequence[str]) -> RewardSet:

@@ -112,12 +112,17 @@ def test_injected_reward_names_resolve_among_the_runs_only():
     for name in ("os:system", "json:loads", "math:sqrt"):
         with pytest.raises(UnknownReward, match=rf"rewards\[1\]: '{name}' is not one of this run's rewards "):
             run.subset(["answer_format", name])
+    # the IFEval checks run lm-eval's code on the prompt's reference: offered to an IFEval run only
+    with pytest.raises(UnknownReward, match="'ifeval_strict' is not one of this run's rewards"):
+        run.subset(["ifeval_strict"])
+    assert "ifeval_strict" in RunRewards(RewardSet(configured), configured, task_name="ifeval").subset(
+        ["ifeval_strict"]).weights
 
 
 def test_the_reward_subsets_a_sampler_keeps_are_bounded():
     """A stream of prompts naming the run's rewards in every order keeps at most `max_cached` sets, the most
     recently used; a set asked for again is the same object (resolved once)."""
-    run = RunRewards(RewardSet(DEFAULT_WEIGHTS), DEFAULT_WEIGHTS, max_cached=4)
+    run = RunRewards(RewardSet(DEFAULT_WEIGHTS), DEFAULT_WEIGHTS, max_cached=4, task_name="ifeval")
     names = sorted(REWARDS)
     orders = [list(p) for k in range(1, len(names) + 1) for p in itertools.permutations(names, k)]
     assert len(orders) > 4 * len(names)  # every order of every subset of the built-ins: many more than are kept

@@ -7,6 +7,7 @@ import json
 import logging
 import pathlib
 import re
+import time
 
 import pytest
 
@@ -251,3 +252,35 @@ def test_the_trainer_reports_each_reward_component():
     groups = [Group([Completion({"ifeval_strict": 1.0, "ifeval_loose": 1.0}), Completion({"ifeval_strict": 0.0,
                                                                                           "ifeval_loose": 0.5})])]
     assert component_means(groups) == {"reward/ifeval_loose": 0.75, "reward/ifeval_strict": 0.5}
+
+
+@pytest.mark.parametrize("instruction, kwargs", [
+    ("keywords:existence", {"keywords": ["(?:[\\s\\S]*){200}\x00"]}),
+    ("keywords:forbidden_words", {"forbidden_words": ["(a|aa)*$"]}),
+    ("keywords:frequency", {"keyword": "(a+)+$", "frequency": 1, "relation": "at least"}),
+    ("detectable_format:multiple_sections", {"section_spliter": "(a|a)*b", "num_sections": 2}),
+    ("detectable_content:postscript", {"postscript_marker": "(x+x+)+y"}),
+])
+def test_arguments_lm_eval_puts_into_regular_expressions_match_as_text(instruction, kwargs):
+    """A dataset row's or a client's argument is matched as the text it is: a pattern that would backtrack for
+    minutes (what froze samplers) is scored at once, and the text itself is still found."""
+    reference = ifeval_checks.make_reference(None, "p", [instruction], [kwargs])
+    text = "a" * 40 + "!" + " " + "x" * 30
+    started = time.monotonic()
+    ifeval_checks.ifeval_strict(text, reference)
+    assert time.monotonic() - started < 5  # unescaped: minutes (the nested quantifiers on 40 a's)
+    if instruction != "keywords:forbidden_words":  # lm-eval wraps those in \\b, which punctuation never meets
+        value = next(v for k, v in kwargs.items() if k not in ("frequency", "relation", "num_sections"))
+        literal = value[0] if isinstance(value, list) else value
+        assert ifeval_checks.followed(f"{literal} {literal}\n{literal} 1 x {literal} 2 y", reference)[0] == (True,)
+
+
+def test_submit_refuses_a_reference_the_checks_cannot_read():
+    good = ifeval_checks.make_reference(None, "p", ["punctuation:no_comma"], [{}])
+    assert ifeval_checks.reference_problem(good) is None
+    for reference, field in (("{", "reference_answer: not JSON"), ("4", "give an object"),
+                             ('{"prompt": 1}', "string 'prompt'"),
+                             ('{"prompt": "p", "instruction_id_list": [], "kwargs": []}', "instruction_id_list"),
+                             ('{"prompt": "p", "instruction_id_list": ["a:b"], "kwargs": [{}]}',
+                              "'a:b' is not one of lm-eval's IFEval instructions")):
+        assert field in ifeval_checks.reference_problem(reference)

@@ -1,0 +1,166 @@
+"""Rewards run in a worker process with a deadline: a reward is the operator's code, but what it reads (the model's
+completion, a dataset row's or an injected prompt's reference) is anyone's, and one pathological input (a regular
+expression that backtracks for minutes, holding the GIL) must not freeze a sampler or the trainer's evaluation.
+
+`RewardWorker.call(name, fn, text, reference)` is what `RewardSet.score` calls per reward: the worker process
+(`python -m grpo_stream.common.tasks.reward_workers`, started on first use and again after a kill) resolves the
+reward by name (a built-in, or an import path among the run's own `task.rewards`: nothing else is ever imported)
+and answers with its value. A call that has not answered within `deadline_s` kills the worker and scores 0: logged
+once per reward name, counted in `overruns`. A reward that raises is an error naming it, as in-process
+(RewardSet.score). Messages are length-prefixed JSON on the worker's stdin/stdout (nothing is unpickled), and the
+worker dies with the thread that started it (PR_SET_PDEATHSIG) or when its stdin closes.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import json
+import logging
+import os
+import select
+import signal
+import struct
+import subprocess
+import sys
+import threading
+import time
+from typing import Iterable
+
+log = logging.getLogger(__name__)
+_HEADER = struct.Struct("<I")
+PR_SET_PDEATHSIG = 1
+STARTUP_S = 120.0  # a worker's start (imports, lm-eval for the IFEval rewards) is not held to a reward's deadline
+
+
+class RewardWorker:
+    """One worker process scoring rewards for one thread at a time (calls are serialised by a lock)."""
+
+    def __init__(self, allowed: Iterable[str], deadline_s: float):
+        self.allowed, self.deadline_s = sorted(set(allowed)), float(deadline_s)
+        self.overruns: collections.Counter[str] = collections.Counter()
+        self._process: subprocess.Popen | None = None
+        self._lock = threading.Lock()
+
+    def call(self, name: str, fn, text: str, reference: str) -> float:
+        """`fn(text, reference)` by its name in the worker; 0.0 when it overruns the deadline (the worker is killed
+        and started again on the next call)."""
+        del fn  # the worker resolves the same function by name
+        with self._lock:
+            process = self._process if self._process and self._process.poll() is None else self._start()
+            _send(process.stdin, {"name": name, "text": text, "reference": reference})
+            answer = _receive(process.stdout, time.monotonic() + self.deadline_s)
+            if answer is None:
+                self._kill()
+                self._overran(name)
+                return 0.0
+        if "error" in answer:
+            raise RuntimeError(answer["error"])
+        return float(answer["value"])
+
+    def close(self) -> None:
+        with self._lock:
+            self._kill()
+
+    def _overran(self, name: str) -> None:
+        if not self.overruns[name]:
+            log.warning("reward %s did not answer within task.reward_timeout_s=%g s: scored 0 (its worker was "
+                        "restarted; logged once per reward)", name[:64], self.deadline_s)
+        self.overruns[name] += 1
+
+    def _start(self) -> subprocess.Popen:
+        self._kill()
+        settings = json.dumps({"allowed": self.allowed, "path": [p for p in sys.path if p], "parent": os.getpid()})
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", "grpo_stream.common.tasks.reward_workers", settings], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, close_fds=True)
+        ready = _receive(self._process.stdout, time.monotonic() + max(STARTUP_S, self.deadline_s))
+        if ready is None or "error" in ready:
+            self._kill()
+            raise RuntimeError("the reward worker did not start: "
+                               + (ready["error"] if ready else f"no answer within {STARTUP_S} s"))
+        return self._process
+
+    def _kill(self) -> None:
+        process, self._process = self._process, None
+        if process is None:
+            return
+        if process.poll() is None:
+            process.send_signal(signal.SIGKILL)
+        process.wait()
+        for stream in (process.stdin, process.stdout):
+            try:
+                stream.close()
+            except OSError:
+                pass
+
+
+def _send(stream, message: dict) -> None:
+    data = json.dumps(message).encode()
+    try:
+        stream.write(_HEADER.pack(len(data)) + data)
+        stream.flush()
+    except BrokenPipeError:
+        pass  # the worker died: _receive sees its stdout close
+
+
+def _receive(stream, deadline: float) -> dict | None:
+    """The next message, or None when the deadline passes (or the worker died) first."""
+    data, wanted, header = b"", _HEADER.size, True
+    fd = stream.fileno()
+    while True:
+        while len(data) < wanted:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
+                return None
+            chunk = os.read(fd, wanted - len(data))
+            if not chunk:
+                return {"error": "the reward worker exited (see its stderr above)"}
+            data += chunk
+        if not header:
+            return json.loads(data)
+        wanted, data, header = _HEADER.unpack(data)[0], b"", False
+
+
+def _worker(settings: dict) -> None:
+    """The worker's loop: one reward call per message until stdin closes."""
+    try:
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass  # not Linux: the closed stdin still ends it
+    if os.getppid() != settings["parent"]:
+        return  # the parent died before prctl
+    sys.path[:0] = [p for p in settings["path"] if p not in sys.path]
+    from grpo_stream.common.tasks.rewards import resolve  # noqa: PLC0415 - after sys.path is the parent's
+
+    stdin, stdout = sys.stdin.buffer, os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)  # what a reward prints goes to stderr, never into the answers
+    sys.stdout = sys.stderr
+    try:
+        functions = {name: resolve(name) for name in settings["allowed"]}
+        if any(name.startswith("ifeval_") for name in functions):
+            from grpo_stream.common.tasks.ifeval_checks import lm_eval_ifeval  # noqa: PLC0415
+
+            lm_eval_ifeval()  # imported now, not inside the first call's deadline
+    except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises it
+        _send(stdout, {"error": f"{type(exc).__name__}: {exc}"})
+        return
+    _send(stdout, {"ready": True})
+    while True:
+        header = stdin.read(_HEADER.size)
+        if len(header) < _HEADER.size:
+            return
+        message = json.loads(stdin.read(_HEADER.unpack(header)[0]))
+        name = message["name"]
+        try:
+            fn = functions.get(name)
+            if fn is None:
+                raise ValueError(f"{name[:64]!r} is not one of this run's rewards")
+            answer = {"value": float(fn(message["text"], message["reference"]))}
+        except Exception as exc:  # noqa: BLE001 - sent back, raised in the caller with the reward's name
+            answer = {"error": f"{type(exc).__name__}: {exc}"}
+        _send(stdout, answer)
+
+
+if __name__ == "__main__":
+    _worker(json.loads(sys.argv[1]))

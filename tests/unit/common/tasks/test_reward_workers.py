@@ -1,0 +1,106 @@
+"""Rewards in a worker process with a deadline (common/tasks/reward_workers.py), with real worker processes: a reward
+that never answers scores 0 within the deadline and is logged once, the worker comes back for the next call, a
+reward that raises is an error naming it, what a reward prints cannot corrupt the answers, and a worker never
+outlives the process that started it."""
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from grpo_stream.common.tasks.reward_workers import RewardWorker
+from grpo_stream.common.tasks.rewards import RewardSet
+
+REWARDS = textwrap.dedent('''
+    import re, time
+
+    def forever(text, reference):
+        while True:
+            pass
+
+    def backtracks(text, reference):  # the shape of the IFEval keyword that froze samplers: holds the GIL
+        return float(bool(re.search(reference, text)))
+
+    def noisy(text, reference):
+        print("a reward that prints", flush=True)
+        return 0.5
+
+    def broken(text, reference):
+        raise KeyError("no such field")
+''')
+
+
+@pytest.fixture
+def rewards_module(tmp_path, monkeypatch):
+    (tmp_path / "hostile_rewards.py").write_text(REWARDS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return "hostile_rewards"
+
+
+def test_a_reward_that_never_answers_scores_zero_at_its_deadline_and_the_worker_comes_back(rewards_module, caplog):
+    names = {"answer_correct": 1.0, f"{rewards_module}:forever": 1.0, f"{rewards_module}:backtracks": 1.0}
+    rewards = RewardSet(names)
+    worker = RewardWorker(rewards.functions, deadline_s=1.0)
+    try:
+        assert rewards.score("#### 4", "4", worker.call) == (2.0, {
+            "answer_correct": 1.0, f"{rewards_module}:forever": 0.0, f"{rewards_module}:backtracks": 1.0})
+        with caplog.at_level(logging.WARNING):
+            started = time.monotonic()
+            total, parts = rewards.score("aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa!", "(a|aa)*$", worker.call)
+            took = time.monotonic() - started
+            rewards.score("#### 4", "4", worker.call)
+        # two overruns (about 1 s each: forever and backtracks) and the worker started again twice, not the minutes the pattern takes
+        assert took < 20 and parts[f"{rewards_module}:backtracks"] == 0.0 and total == 0.0
+        assert worker.overruns == {f"{rewards_module}:forever": 3, f"{rewards_module}:backtracks": 1}
+        overran = [r.getMessage() for r in caplog.records if "did not answer" in r.getMessage()]
+        assert len(overran) == 2 and "forever" in overran[0] and "backtracks" in overran[1]  # once per reward
+        assert "task.reward_timeout_s=1 s" in overran[1]
+    finally:
+        worker.close()
+
+
+def test_a_raising_reward_is_an_error_naming_it_and_prints_do_not_corrupt_answers(rewards_module):
+    rewards = RewardSet({f"{rewards_module}:noisy": 2.0})
+    worker = RewardWorker(rewards.functions, deadline_s=5.0)
+    try:
+        assert [rewards.score("x", "y", worker.call)[0] for _ in range(3)] == [1.0, 1.0, 1.0]
+        broken = RewardSet({f"{rewards_module}:broken": 1.0})
+        with pytest.raises(ValueError, match=f"task.rewards.{rewards_module}:broken raised .*KeyError"):
+            broken.score("x", "y", RewardWorker(broken.functions, 5.0).call)
+        with pytest.raises(ValueError, match="'os:system' is not one of this run's rewards"):
+            rewards.score("x", "y", lambda name, fn, t, r: worker.call("os:system", fn, t, r))
+    finally:
+        worker.close()
+
+
+def test_the_worker_dies_with_the_process_that_started_it(tmp_path):
+    script = textwrap.dedent('''
+        import json, sys
+        from grpo_stream.common.tasks.reward_workers import RewardWorker
+        worker = RewardWorker(["answer_correct"], 5.0)
+        worker.call("answer_correct", None, "4", "4")
+        print(worker._process.pid, flush=True)
+        sys.stdin.read()
+    ''')
+    parent = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        worker_pid = int(parent.stdout.readline())
+        os.kill(worker_pid, 0)  # alive while its parent is
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                os.kill(worker_pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.05)
+        else:
+            pytest.fail(f"reward worker {worker_pid} outlived its parent")
+    finally:
+        parent.kill()
