@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import json
+import logging
 import math
 import os
 import pathlib
 import pwd
 import selectors
-import shutil
 import signal
 import subprocess
 import sys
@@ -36,6 +37,7 @@ import time
 from grpo_stream.common.tools import sandbox_child
 from grpo_stream.common.tools.functions import Tool, tool_from_function
 
+log = logging.getLogger(__name__)
 BOOTSTRAP = pathlib.Path(sandbox_child.__file__).read_text()
 UNCONFINED_SETTING = "environment.python_tool.allow_unconfined"
 _CHUNK = 65536
@@ -52,12 +54,15 @@ class SandboxLimits:
     output_bytes: int = 8192  # per stream (stdout, stderr); more stops the program
     file_mb: int = 16  # RLIMIT_FSIZE: the largest file the code may write in its directory
     max_processes: int = 0  # RLIMIT_NPROC: 0 forbids fork and threads; see docs/tools.md before raising it
+    disk_mb: int = 64  # as root: the size of the call's tmpfs working directory (all its files together)
+    max_files: int = 1024  # as root: files and directories the call may create (the tmpfs's inodes)
     allow_unconfined: bool = False  # run without Landlock/seccomp where the kernel lacks them (see module doc)
 
     def __post_init__(self):
         for name, kind, low, high in (("cpu_seconds", float, 0.001, 600), ("wall_seconds", float, 0.001, 600),
                                       ("memory_mb", int, 32, 65536), ("output_bytes", int, 64, 1 << 20),
-                                      ("file_mb", int, 1, 65536), ("max_processes", int, 0, 64)):
+                                      ("file_mb", int, 1, 65536), ("max_processes", int, 0, 64),
+                                      ("disk_mb", int, 1, 65536), ("max_files", int, 16, 1 << 20)):
             value = getattr(self, name)
             kinds = (int, float) if kind is float else (int,)
             if isinstance(value, bool) or not isinstance(value, kinds) or not low <= value <= high:
@@ -131,8 +136,13 @@ def run_python(code: str, limits: SandboxLimits | None = None) -> SandboxResult:
         return SandboxResult("", "", None, f"could not create the sandbox's directory: {exc}")
     try:
         return _run_in(workdir, code, limits, confine=problem is None)
+    except OSError as exc:  # the pipes or the wait failed: a result, never an exception in the model's turn
+        return SandboxResult("", "", None, f"the sandbox failed: {exc}")
     finally:
-        _remove_tree(workdir)
+        try:
+            _remove_tree(workdir)
+        except OSError as exc:  # never raised to the model's turn; the directory is named for the operator
+            log.warning("the Python tool could not remove %s: %s", workdir, exc)
 
 
 def _run_in(workdir: str, code: str, limits: SandboxLimits, confine: bool) -> SandboxResult:
@@ -183,6 +193,7 @@ def child_settings(limits: SandboxLimits, workdir: str, user: tuple[int, int] | 
     whether to apply Landlock and seccomp."""
     return {"cpu_seconds": max(1, math.ceil(limits.cpu_seconds)), "memory_bytes": limits.memory_mb << 20,
             "file_bytes": limits.file_mb << 20, "max_processes": limits.max_processes, "workdir": workdir,
+            "disk_bytes": limits.disk_mb << 20, "max_files": limits.max_files,
             "user": list(user) if user else None, "confine": confine, "seccomp": confine}
 
 
@@ -296,16 +307,33 @@ def _failure(exchange: _Exchange, exit_code: int | None, stderr: str, limits: Sa
 
 
 def _remove_tree(path: str) -> None:
-    """Removes the working directory whoever owns what is in it (nobody, when started as root). A non-root owner
-    first gives itself back the permissions the code may have taken away; symlinks are never followed."""
-    if os.geteuid() != 0:
-        try:
-            os.chmod(path, 0o700)
-            for root, dirs, _ in os.walk(path):
-                for name in dirs:
-                    full = os.path.join(root, name)
-                    if not os.path.islink(full):
-                        os.chmod(full, 0o700)
-        except OSError:
-            pass
-    shutil.rmtree(path, ignore_errors=True)
+    """Removes the working directory, however deep, whoever owns what is in it (nobody, when started as root), without
+    recursion and without following a symlink: each pass lifts the contents of every directory at the top into the
+    top (renames relative to open directories, so no path grows long), removes what is empty or not a directory, and
+    ends when the top is empty. A non-root owner first gives itself back the permissions the code may have taken."""
+    top = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    lifted = itertools.count()
+    try:
+        while True:
+            with os.scandir(top) as entries:
+                names = [(e.name, e.is_dir(follow_symlinks=False)) for e in entries]
+            if not names:
+                break
+            for name, is_dir in names:
+                if not is_dir:
+                    os.unlink(name, dir_fd=top)
+                    continue
+                if os.geteuid() != 0:
+                    os.chmod(name, 0o700, dir_fd=top)  # a directory: chmod follows no symlink here
+                inner = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=top)
+                try:
+                    children = os.listdir(inner)
+                    for child in children:
+                        os.rename(child, f".lifted-{next(lifted)}", src_dir_fd=inner, dst_dir_fd=top)
+                finally:
+                    os.close(inner)
+                if not children:
+                    os.rmdir(name, dir_fd=top)
+    finally:
+        os.close(top)
+    os.rmdir(path)

@@ -8,12 +8,13 @@ because the sampler forks from a thread pool, where a preexec_fn can deadlock on
 The order matters:
 1. read the code (stdin) and import the modules the code may use (PRELOAD): once the uid is dropped, an installation
    only root can read (pyenv under /root) cannot be read any more, so what is imported now is what works;
-2. resource limits (CPU, address space, file size, open files, no core, processes);
+2. resource limits (CPU, address space, file size, open files, no core, processes); as root, a fresh IPC namespace
+   and the working directory as a bounded tmpfs in a private mount namespace (private_workdir);
 3. no_new_privs, then Landlock (needs it): read beneath the Python installation and the shared-library folders,
    read/write beneath the working directory only, no TCP bind/connect (ABI >= 4), signals and abstract unix sockets
    scoped to the sandbox (ABI >= 6). The rules are built while still root: the paths must be opened to be named;
 4. as root: drop to nobody (setgroups, setresgid, setresuid); root ignores RLIMIT_NPROC, and nobody owns nothing;
-5. a seccomp filter: no socket(), io_uring, setsid/setpgid (the process group kill must reach every process) or
+5. a seccomp filter: no socket(), SysV IPC, POSIX message queues, keys, io_uring, setsid/setpgid (the process group kill must reach every process) or
    unshare (new user namespaces add kernel attack surface); nothing that acts on another process by pid or pidfd
    (prlimit, kill, setpriority, sched_*, ptrace, ...): a non-root sampler's child keeps its uid, and the kernel
    lets a process of the same uid change the sampler's limits or priority, or signal it (Landlock scopes signals
@@ -60,12 +61,22 @@ SYSCALL_NUMBERS = {
     "tgkill": (234, 131), "rt_sigqueueinfo": (129, 138), "rt_tgsigqueueinfo": (297, 240),
     "sched_setparam": (142, 118), "sched_setscheduler": (144, 119), "sched_setaffinity": (203, 122),
     "sched_setattr": (314, 274), "migrate_pages": (256, 238), "move_pages": (279, 239), "setpriority": (141, 140),
-    "ioprio_set": (251, 30), "prlimit64": (302, 261)}
-# Always EPERM: no network, io_uring, leaving the process group, namespaces; and every call that reaches another
-# process through a pid or pidfd without a use for computation (ptrace, reading its memory, perf, pidfds).
+    "ioprio_set": (251, 30), "prlimit64": (302, 261),
+    "shmget": (29, 194), "shmat": (30, 196), "shmctl": (31, 195), "semget": (64, 190), "semop": (65, 193),
+    "semctl": (66, 191), "semtimedop": (220, 192), "msgget": (68, 186), "msgsnd": (69, 189), "msgrcv": (70, 188),
+    "msgctl": (71, 187), "mq_open": (240, 180), "mq_unlink": (241, 181), "mq_timedsend": (242, 182),
+    "mq_timedreceive": (243, 183), "mq_notify": (244, 184), "mq_getsetattr": (245, 185), "add_key": (248, 217),
+    "request_key": (249, 218), "keyctl": (250, 219)}
+# Always EPERM: no network, io_uring, leaving the process group, namespaces; every call that reaches another
+# process through a pid or pidfd without a use for computation (ptrace, reading its memory, perf, pidfds); and the
+# kernel objects that outlive a process and that Landlock does not cover: SysV shared memory, semaphores and message
+# queues, POSIX message queues, keys (a segment left behind stays resident for the machine's life, and a later call
+# could read it back).
 SECCOMP_DENIED = ("socket", "io_uring_setup", "setsid", "setpgid", "unshare", "ptrace", "process_vm_readv",
                   "process_vm_writev", "kcmp", "process_madvise", "pidfd_open", "pidfd_send_signal", "pidfd_getfd",
-                  "perf_event_open")
+                  "perf_event_open", "shmget", "shmat", "shmctl", "semget", "semop", "semctl", "semtimedop", "msgget",
+                  "msgsnd", "msgrcv", "msgctl", "mq_open", "mq_unlink", "mq_timedsend", "mq_timedreceive",
+                  "mq_notify", "mq_getsetattr", "add_key", "request_key", "keyctl")
 PRIO_PROCESS, IOPRIO_WHO_PROCESS = 0, 1
 # Calls that act on the process a pid names, allowed only on the sandbox itself: name: (the pid's argument, whether
 # the child's own pid is allowed besides 0, the value arg0 must hold (the "which" of setpriority/ioprio_set: one
@@ -238,8 +249,34 @@ def apply_seccomp():
         raise OSError(ctypes.get_errno(), "seccomp: " + os.strerror(ctypes.get_errno()))
 
 
+CLONE_NEWNS, CLONE_NEWIPC = 0x00020000, 0x08000000
+MS_NOSUID, MS_NODEV, MS_REC, MS_PRIVATE = 2, 4, 1 << 14, 1 << 18
+
+
+def private_workdir(settings):
+    """As root: a fresh IPC namespace (no SysV object of the machine is visible, none made here outlives the call)
+    and a mount namespace in which the working directory is a tmpfs of `disk_bytes` and `max_files` inodes (files
+    and directories), owned by the user the code runs as. Both end with the call's last process: nothing it wrote
+    stays. False where the kernel refuses (a container without CAP_SYS_ADMIN): the call then writes to the plain
+    directory, which the parent removes."""
+    library = libc()
+    if library.unshare(CLONE_NEWNS | CLONE_NEWIPC) != 0:
+        return False
+    if library.mount(None, b"/", None, MS_REC | MS_PRIVATE, None) != 0:  # no mount reaches the machine's namespace
+        fail("could not make the call's mounts private: " + os.strerror(ctypes.get_errno()))
+    uid, gid = settings["user"]
+    options = (f"size={settings['disk_bytes']},nr_inodes={settings['max_files']},mode=0700,uid={uid},gid={gid}")
+    workdir = settings["workdir"].encode()
+    if library.mount(b"tmpfs", workdir, b"tmpfs", MS_NOSUID | MS_NODEV, options.encode()) != 0:
+        fail("could not mount the call's tmpfs: " + os.strerror(ctypes.get_errno()))
+    os.chdir(settings["workdir"])  # the cwd was the directory beneath the mount
+    return True
+
+
 def confine(settings):
     set_limits(settings)
+    if settings["user"] is not None:
+        private_workdir(settings)
     if libc().prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
         fail("prctl(PR_SET_NO_NEW_PRIVS) failed")
     if settings["confine"]:
