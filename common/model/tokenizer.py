@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import pathlib
+import re
 import threading
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -21,6 +22,8 @@ PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
 # together
 _TRANSFORMERS_IMPORT = threading.Lock()
 
+
+_MARKUP = re.compile(r"[<>\[\]|]")  # what an added token holds when it is markup, not a word or spaces
 
 class TextTokenizer:
     """What the services need of a tokenizer: ids in, ids out, and the special ids."""
@@ -138,10 +141,15 @@ class HFTokenizer:
                                              tools=tools)
 
     def special_texts(self) -> list[str]:
-        """Every special token's text (the chat template's structure: <|im_start|>, <|eot_id|>, <start_of_turn>...)."""
+        """Every token text that is structure rather than prose: the special tokens (<|im_start|>, <|eot_id|>,
+        <start_of_turn>...) and the added tokens written as markup though not "special" (Qwen's <tool_call>,
+        </tool_call>, <tool_response>, <think>: a decoded turn keeps them, and a tool's output that printed one would
+        otherwise tokenize to the real token). Added tokens of plain text or whitespace (runs of spaces some
+        tokenizers add) are prose."""
         added = getattr(self._tok, "added_tokens_decoder", {}) or {}
-        return sorted({t.content for t in added.values() if getattr(t, "special", False)} |
-                      set(self._tok.all_special_tokens))
+        markup = {t.content for t in added.values()
+                  if getattr(t, "special", False) or _MARKUP.search(t.content or "")}
+        return sorted(markup | set(self._tok.all_special_tokens))
 
     def stop_texts(self) -> list[str]:
         """The stop tokens as text, longest first."""
