@@ -151,8 +151,8 @@ def open_sampler(cfg: RunConfig, index: int, sampler_id: str, stop_event, device
 @contextlib.contextmanager
 def served_over_http(cfg: RunConfig, index: int, sampler_id: str, parts: Parts, current, run_dir) -> Iterator:
     """The sampler's OpenAI-compatible endpoint while the block runs (sampler.openai.port; None when off; a
-    task.name=verifiers run always serves it, on a free port when none is set: its rollouts call it). FastAPI and
-    uvicorn are imported only for a sampler that serves it."""
+    task.name=verifiers run always has its routes, which its rollouts call in memory; without a port nothing
+    listens). FastAPI and uvicorn are imported only for a sampler that serves it."""
     if not serves_endpoint(cfg):
         yield None
         return

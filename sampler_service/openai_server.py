@@ -23,6 +23,7 @@ from grpo_stream.common.endpoint.app import InProcessRoutes, build_app, endpoint
 from grpo_stream.common.engine.side_requests import SideQueue, serve_idle
 from grpo_stream.common.rpc.auth import load_table
 from grpo_stream.common.rpc.grpc_util import check_plaintext_bind
+from grpo_stream.sampler_service.endpoint_listener import ConnectionLimits, guarded_protocol, raise_open_files
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +38,9 @@ def _ssl_options(tls) -> dict[str, Any]:
 
 
 class Endpoint:
-    """The running endpoint of one sampler: its HTTP server thread and its idle-serving thread."""
+    """The running endpoint of one sampler: its HTTP server thread (when sampler.openai.port is set) and its
+    idle-serving thread. The listener's app never accepts the internal token; the sampler's own rollouts call a
+    second app over the same core in memory (`routes`)."""
 
     def __init__(self, cfg, index: int, sampler_id: str, engine, tokenizer, current, run_dir: pathlib.Path | None):
         settings = cfg.sampler.openai
@@ -46,33 +49,44 @@ class Endpoint:
         self.engine, self.sampler_id, self.stop = engine, sampler_id, threading.Event()
         self.core = endpoint_core(cfg, engine, self.queue, tokenizer)
         self.internal_token = secrets.token_urlsafe(32)
-        # sampler.openai.port unset (a verifiers run's own endpoint): on a free port, for this sampler's token only
-        public = settings.port is not None
-        self.app = build_app(self.core, load_table(cfg.auth) if public and cfg.auth.mode != "none" else None,
-                             settings, self.internal_token, open_access=public and cfg.auth.mode == "none")
+        self.private_app = build_app(self.core, None, settings, self.internal_token)
+        self._threads = [threading.Thread(target=serve_idle, args=(engine, self.queue, current, self.stop),
+                                          name=f"{sampler_id}-openai-idle", daemon=True)]
+        self.app, self.server, self.url, self.limits = self.private_app, None, None, None
+        if settings.port is not None:  # else a verifiers run's own routes only: nothing listens
+            self._listen(cfg, index)
+        for thread in self._threads:
+            thread.start()
+        if self.server is not None:
+            self.url = self._await_started(settings.host, cfg.tls.enabled)
+            log.info("%s serves the OpenAI API at %s (model %r)", sampler_id, self.url, self.core.model_name)
+            if run_dir is not None:
+                (run_dir / f"openai-{sampler_id}.json").write_text(json.dumps(
+                    {"url": self.url, "model": self.core.model_name}) + "\n")
+
+    def _listen(self, cfg, index: int) -> None:
+        """The public app (client tokens; never the internal one) behind the guarded listener."""
+        settings = cfg.sampler.openai
+        self.app = build_app(self.core, load_table(cfg.auth) if cfg.auth.mode != "none" else None, settings, None,
+                             open_access=cfg.auth.mode == "none")
         if not cfg.tls.enabled:
             check_plaintext_bind(settings.host, types.SimpleNamespace(tls=None, ssl_context=None,
                                                                       plaintext_bind=cfg.tls.plaintext_bind),
                                  "sampler.openai.host")
-        port = settings.port + index if settings.port else 0
-        config = uvicorn.Config(self.app, host=settings.host, port=port, log_level="warning", access_log=False,
-                                lifespan="off", timeout_graceful_shutdown=2, **_ssl_options(cfg.tls))
+        connections = raise_open_files(settings.max_connections)
+        self.limits = ConnectionLimits(settings.header_timeout_s, connections,
+                                       min(connections, settings.max_connections_per_address))
+        config = uvicorn.Config(self.app, host=settings.host, port=settings.port + index if settings.port else 0,
+                                log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=2,
+                                http=guarded_protocol(self.limits), backlog=min(2048, connections),
+                                **_ssl_options(cfg.tls))
         self.server = uvicorn.Server(config)
-        self._threads = [threading.Thread(target=self.server.run, name=f"{sampler_id}-openai", daemon=True),
-                         threading.Thread(target=serve_idle, args=(engine, self.queue, current, self.stop),
-                                          name=f"{sampler_id}-openai-idle", daemon=True)]
-        for thread in self._threads:
-            thread.start()
-        self.url = self._await_started(settings.host, cfg.tls.enabled)
-        log.info("%s serves the OpenAI API at %s (model %r)", sampler_id, self.url, self.core.model_name)
-        if run_dir is not None:
-            (run_dir / f"openai-{sampler_id}.json").write_text(json.dumps(
-                {"url": self.url, "model": self.core.model_name}) + "\n")
+        self._threads.append(threading.Thread(target=self.server.run, name=f"{self.sampler_id}-openai", daemon=True))
 
     def _await_started(self, host: str, tls: bool) -> str:
         deadline = time.monotonic() + 30
         while not self.server.started:
-            if not self._threads[0].is_alive() or time.monotonic() > deadline:
+            if not self._threads[-1].is_alive() or time.monotonic() > deadline:
                 raise RuntimeError(f"sampler.openai: the endpoint did not start on {host} (port in use?)")
             time.sleep(0.01)
         port = self.server.servers[0].sockets[0].getsockname()[1]
@@ -82,11 +96,14 @@ class Endpoint:
     @property
     def routes(self) -> InProcessRoutes:
         """The routes as the sampler's own rollouts call them (in memory, the internal token)."""
-        return InProcessRoutes(self.app, self.internal_token, self.core.model_name, self.core.rollout_versions)
+        return InProcessRoutes(self.private_app, self.internal_token, self.core.model_name,
+                               self.core.rollout_versions)
 
     def figures(self) -> dict:
         gate = self.app.state.gate
-        return {"url": self.url, "requests": gate.served, "refused_busy": gate.refused,
+        listener = {} if self.limits is None else {"connections_refused": self.limits.refused,
+                                                   "connections_timed_out": self.limits.timed_out}
+        return {"url": self.url, "requests": gate.served, "refused_busy": gate.refused, **listener,
                 "sequences": self.queue.served, "sequences_in_sampler_batches": self.queue.served_in_sampler_batches,
                 "chat_turns_continued": self.core.chat_prompts.continued,
                 "chat_prompts_rendered_whole": self.core.chat_prompts.rendered_whole}
@@ -94,7 +111,8 @@ class Endpoint:
     def close(self) -> None:
         self.stop.set()
         self.queue.fail_waiting("the sampler is stopping")
-        self.server.should_exit = True
+        if self.server is not None:
+            self.server.should_exit = True
         for thread in self._threads:
             thread.join(timeout=5)
         self.engine.side = None

@@ -27,6 +27,18 @@ class OpenAISection(Strict):
     request_timeout_s: float = Field(600.0, gt=0, le=86_400, description="A request not answered in this time is "
                                      "answered 504 (its sequences are withdrawn when they have not started).")
     max_body_bytes: int = Field(4 << 20, ge=1024, le=1 << 30, description="Largest request body; beyond it 413.")
+    max_prompt_chars: int | None = Field(None, ge=64, le=1 << 30, description="Most characters of a request's "
+                                         "prompts or messages, refused (400) before anything is tokenized; null: 16 x "
+                                         "generation.max_prompt_tokens.")
+    header_timeout_s: float = Field(10.0, gt=0, le=3600, description="A connection whose first request head is not "
+                                    "complete in this time is closed.")
+    body_timeout_s: float = Field(30.0, gt=0, le=3600, description="A request whose body has not arrived in this "
+                                  "time is answered 408 (it holds no place among max_concurrent meanwhile).")
+    max_connections: int = Field(1024, ge=16, le=1_000_000, description="Open connections in all; beyond it a new "
+                                 "one is closed as it is accepted. The sampler raises its open-file limit to fit them "
+                                 "beside its own descriptors.")
+    max_connections_per_address: int = Field(128, ge=1, le=1_000_000, description="Open connections from one client "
+                                             "address; beyond it a new one is closed as it is accepted.")
     tool_format: Literal["qwen", "llama3", "gemma", "plain"] | None = Field(
         None, description="How the model writes tool calls, parsed into a chat completion's `tool_calls` when the "
         "request lists tools; null: environment.tool_format.")
@@ -34,8 +46,7 @@ class OpenAISection(Strict):
 
 def serves_endpoint(cfg) -> bool:
     """Whether the samplers serve the endpoint: sampler.openai.port is set, or the run trains on a verifiers
-    environment (its rollouts call it; on a free loopback port, for the sampler's own token only, when no port is
-    set)."""
+    environment (its rollouts call its routes in memory; nothing listens when no port is set)."""
     from grpo_stream.common.tasks.registry import task_spec  # noqa: PLC0415 - the registry imports no config
 
     return cfg.sampler.openai.port is not None or task_spec(cfg.task.name).own_rollouts

@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import hmac
 import json
+import logging
 import secrets
 import threading
 import time
@@ -25,11 +26,19 @@ from typing import Any, Iterator
 import pydantic
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from starlette.requests import ClientDisconnect
 
 from grpo_stream.common.endpoint.generation import INTERNAL, EndpointCore, RolloutVersions, Unavailable
 from grpo_stream.common.endpoint.protocol import ChatRequest, CompletionRequest, RequestError
 from grpo_stream.common.engine.side_requests import QueueFull, SideQueue
 from grpo_stream.common.rpc.auth import Caller, TokenTable, bearer_value, caller_refusal_http
+
+
+log = logging.getLogger(__name__)
+
+
+def _peer(request: Request) -> str:
+    return f"{request.client.host}:{request.client.port}" if request.client else "a client"
 
 
 def _error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
@@ -57,6 +66,16 @@ async def _read_body(request: Request, limit: int) -> bytes | None:
     return bytes(body)
 
 
+def _parse(body: bytes):
+    """The body's JSON; ValueError for one that is not JSON or nests deeper than Python's parser goes."""
+    try:
+        return json.loads(body or b"null")
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"the body is not JSON ({exc.msg} at position {exc.pos})") from None
+    except RecursionError:
+        raise ValueError("the body's JSON nests too deep") from None
+
+
 class Gate:
     """Requests open at once, bounded (sampler.openai.max_concurrent); counted for /metrics and the summary."""
 
@@ -80,11 +99,11 @@ class Gate:
                     self.served += 1
 
 
-def build_app(core: EndpointCore, table: TokenTable | None, settings, internal_token: str,
+def build_app(core: EndpointCore, table: TokenTable | None, settings, internal_token: str | None,
               open_access: bool = False) -> FastAPI:
-    """The routes. `table`: the tokens callers present (None: no caller but the sampler itself); `internal_token`:
-    the sampler's own (its `verifiers` rollouts call the endpoint with it), held in memory only and accepted as a
-    client's; `open_access`: auth.mode=none, anyone who reaches the port."""
+    """The routes. `table`: the tokens callers present (None: no caller but the process itself); `internal_token`:
+    the process's own (its `verifiers` rollouts call these routes in memory with it), held in memory only; None for
+    the app a listener serves, which never accepts it; `open_access`: auth.mode=none, anyone who reaches the port."""
     app = FastAPI(title="grpo-stream sampler", docs_url=None, redoc_url=None, openapi_url=None)
     gate = Gate(settings.max_concurrent)
     app.state.gate = gate
@@ -92,7 +111,7 @@ def build_app(core: EndpointCore, table: TokenTable | None, settings, internal_t
     def authorized(request: Request, route: str) -> tuple[Caller | None, JSONResponse | None]:
         """(the caller, None) or (None, the refusal)."""
         token = bearer_value(request.headers.get("authorization"))
-        if token and hmac.compare_digest(token.encode(), internal_token.encode()):
+        if token and internal_token and hmac.compare_digest(token.encode(), internal_token.encode()):
             caller = Caller(INTERNAL, "client")
         elif open_access:
             caller = Caller("anonymous", "admin")
@@ -115,20 +134,27 @@ def build_app(core: EndpointCore, table: TokenTable | None, settings, internal_t
         caller, denied = authorized(request, route)
         if denied is not None:
             return denied
+        try:  # read before the gate: a stalled body holds no place among max_concurrent
+            body = await asyncio.wait_for(_read_body(request, settings.max_body_bytes), settings.body_timeout_s)
+        except asyncio.TimeoutError:
+            return _error(408, f"the body did not arrive within sampler.openai.body_timeout_s={settings.body_timeout_s}")
+        except ClientDisconnect:
+            log.info("endpoint: %s left before sending its whole body", _peer(request))
+            return _error(400, "the client left before sending its whole body")
+        if body is None:
+            return _error(413, f"request body over sampler.openai.max_body_bytes={settings.max_body_bytes}")
         with gate.enter(bypass=caller.name == INTERNAL) as admitted:
             if not admitted:
                 return _error(429, f"{gate.limit} requests are open (sampler.openai.max_concurrent); retry later",
                               "rate_limit_error", headers={"Retry-After": "1"})
-            body = await _read_body(request, settings.max_body_bytes)
-            if body is None:
-                return _error(413, f"request body over sampler.openai.max_body_bytes={settings.max_body_bytes}")
             try:
-                parsed = model.model_validate(json.loads(body or b"null"))
-                return JSONResponse(await handler(parsed, caller.name))
-            except json.JSONDecodeError as exc:
-                return _error(400, f"the body is not JSON ({exc.msg} at position {exc.pos})")
+                parsed = model.model_validate(_parse(body))
             except pydantic.ValidationError as exc:
                 return _error(400, *_validation_message(exc))
+            except (ValueError, RecursionError) as exc:  # not JSON; nested deeper than a model can be read
+                return _error(400, str(exc) if isinstance(exc, ValueError) else "the body's JSON nests too deep")
+            try:
+                return JSONResponse(await handler(parsed, caller.name))
             except RequestError as exc:
                 return _error(400, str(exc), param=str(exc).split(":", 1)[0].split("=", 1)[0])
             except QueueFull as exc:
@@ -165,7 +191,7 @@ def endpoint_core(cfg, engine, queue: SideQueue, tokenizer) -> EndpointCore:
     settings, gen = cfg.sampler.openai, cfg.generation
     return EndpointCore(engine, queue, tokenizer, settings.model_name or cfg.run.name, gen.max_prompt_tokens,
                         gen.max_new_tokens, gen.temperature, settings.tool_format or cfg.environment.tool_format,
-                        settings.max_n, settings.request_timeout_s)
+                        settings.max_n, settings.request_timeout_s, settings.max_prompt_chars)
 
 
 @contextlib.contextmanager

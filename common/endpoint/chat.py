@@ -26,7 +26,8 @@ import numpy as np
 from grpo_stream.common.environments.render import ChatTemplateRenderer
 from grpo_stream.common.endpoint.protocol import RequestError
 
-REMEMBERED_TOKENS = 16 << 20  # ids of remembered conversations kept in all (64 MiB as int32), oldest dropped first
+REMEMBERED_BYTES = 64 << 20  # memory of remembered conversations in all, oldest dropped first
+ENTRY_BYTES = 400  # one remembered entry beside its ids and key (dict node, tuple, array header): 282 B measured
 
 
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -80,13 +81,14 @@ class ChatPrompts:
     """Prompt ids for chat requests, reusing the exact ids of remembered conversations. Thread-safe. Each caller
     (token name) continues only its own conversations: a caller cannot make another's prompt start with ids the
     visible text does not show. Answers the same caller got twice with the same text but other ids (n > 1) are
-    ambiguous: such a conversation is rendered whole."""
+    ambiguous: such a conversation is rendered whole, and its entry (no ids) is counted and evicted like the others.
+    What is held is bounded in bytes (`max_bytes`: ids, keys and each entry's own cost)."""
 
-    def __init__(self, tokenizer, max_tokens: int = REMEMBERED_TOKENS):
+    def __init__(self, tokenizer, max_bytes: int = REMEMBERED_BYTES):
         self.renderer = ChatTemplateRenderer(tokenizer) if getattr(tokenizer, "has_chat_template", False) else None
-        self.tokenizer, self.max_tokens = tokenizer, max_tokens
+        self.tokenizer, self.max_bytes = tokenizer, max_bytes
         self._remembered: collections.OrderedDict[str, tuple[np.ndarray, bool] | None] = collections.OrderedDict()
-        self._tokens = 0  # ids held
+        self._bytes = 0  # held, by _cost
         self._lock = threading.Lock()
         self.continued = self.rendered_whole = 0
 
@@ -138,18 +140,27 @@ class ChatPrompts:
                  ids: list[int], closed: bool, caller: str = "") -> None:
         """Conversation `messages` + the assistant `answer` (as returned to the client) has exactly `ids`; `closed`:
         the answer ended with a stop token (else the template's end of turn is written before what follows). The
-        oldest conversations are forgotten beyond REMEMBERED_TOKENS ids in all."""
+        oldest conversations are forgotten beyond `max_bytes` in all."""
         key = conversation_key(messages + template_messages([answer]), tools, caller)
         held = np.asarray(ids, np.int32)
         with self._lock:
             if key in self._remembered:  # the same visible answer twice: ambiguous unless the ids agree
                 earlier = self._remembered.pop(key)
-                self._tokens -= 0 if earlier is None else len(earlier[0])
+                self._bytes -= _cost(key, earlier)
                 same = earlier is not None and earlier[1] == closed and np.array_equal(earlier[0], held)
                 self._remembered[key] = (held, closed) if same else None
             else:
                 self._remembered[key] = (held, closed)
-            self._tokens += len(held) if self._remembered[key] is not None else 0
-            while self._tokens > self.max_tokens and self._remembered:
-                dropped = self._remembered.popitem(last=False)[1]
-                self._tokens -= 0 if dropped is None else len(dropped[0])
+            self._bytes += _cost(key, self._remembered[key])
+            while self._bytes > self.max_bytes and self._remembered:
+                dropped_key, dropped = self._remembered.popitem(last=False)
+                self._bytes -= _cost(dropped_key, dropped)
+
+    @property
+    def held_bytes(self) -> int:
+        return self._bytes
+
+
+def _cost(key: str, entry: tuple[np.ndarray, bool] | None) -> int:
+    """What one remembered entry holds: its ids, its key and the entry itself (an ambiguous one: no ids)."""
+    return ENTRY_BYTES + len(key) + (0 if entry is None else entry[0].nbytes)

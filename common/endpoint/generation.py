@@ -94,8 +94,9 @@ class EndpointCore:
     """What the HTTP routes call: token ids in, engine sequences, answers out."""
 
     def __init__(self, engine, queue: SideQueue, tokenizer, model_name: str, max_prompt_tokens: int, max_new_tokens: int,
-                 temperature: float, tool_format: str, max_n: int, timeout_s: float):
+                 temperature: float, tool_format: str, max_n: int, timeout_s: float, max_prompt_chars: int | None = None):
         self.engine, self.queue, self.tokenizer, self.model_name = engine, queue, tokenizer, model_name
+        self.max_prompt_chars = max_prompt_chars or 16 * max_prompt_tokens
         self.max_prompt_tokens, self.max_new_tokens, self.temperature = max_prompt_tokens, max_new_tokens, temperature
         self.tool_format, self.max_n, self.timeout_s = tool_format, max_n, timeout_s
         self.chat_prompts = ChatPrompts(tokenizer)
@@ -106,6 +107,13 @@ class EndpointCore:
             raise RequestError(f"model={request.model!r}: this endpoint serves {self.model_name!r} (GET /v1/models)")
         if request.n > self.max_n:
             raise RequestError(f"n={request.n}: at most sampler.openai.max_n={self.max_n}")
+
+    def _check_chars(self, chars: int, where: str) -> None:
+        """Refuse a prompt by its characters before it is tokenized (tokenizing megabytes holds the GIL for seconds:
+        every other request and the sampler's own decoding wait)."""
+        if chars > self.max_prompt_chars:
+            raise RequestError(f"{where}: {chars} characters, at most sampler.openai.max_prompt_chars="
+                               f"{self.max_prompt_chars} (the context is {self.max_prompt_tokens} prompt tokens)")
 
     def _budget(self, request, prompts: list[list[int]], where: str, default: int | None) -> int:
         """The new-token budget of every sequence, checked with its prompt against the engine's context
@@ -159,7 +167,9 @@ class EndpointCore:
         if len(request.prompts()) * request.n > self.max_n:
             raise RequestError(f"prompt: {len(request.prompts())} prompts x n={request.n} sequences; at most "
                                f"sampler.openai.max_n={self.max_n} per request")
-        prompts = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in request.prompts()]
+        self._check_chars(sum(len(p) for p in request.prompts() if isinstance(p, str)), "prompt")
+        prompts = await asyncio.to_thread(
+            lambda: [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in request.prompts()])
         greedy = request.greedy(self.temperature)
         budget = self._budget(request, prompts, "prompt", 16)
         sequences = await self._generate(prompts, request.n, greedy, budget, request.seed, caller == INTERNAL)
@@ -182,7 +192,9 @@ class EndpointCore:
         self._check_model_and_n(request)
         messages = self.chat_prompts.defused(template_messages(request.messages))
         tools = request.tools or None
-        ids = self.chat_prompts.ids(messages, tools, caller)
+        self._check_chars(sum(len(json.dumps(m, ensure_ascii=False)) for m in messages)
+                          + len(json.dumps(tools or [], ensure_ascii=False)), "messages")
+        ids = await asyncio.to_thread(self.chat_prompts.ids, messages, tools, caller)
         greedy = request.greedy(self.temperature)
         budget = self._budget(request, [ids], "messages", None)
         sequences = await self._generate([ids], request.n, greedy, budget, request.seed, caller == INTERNAL)

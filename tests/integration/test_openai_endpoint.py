@@ -9,6 +9,7 @@ a call without a token, or with a sampler's, is refused; requests share the engi
 
 import concurrent.futures
 import threading
+import time
 import types
 
 import httpx
@@ -196,6 +197,9 @@ def test_greedy_requests_ride_a_busy_samplers_stream(served):
                 stream.wait_change(0.01)
         feeder = threading.Thread(target=feed)
         feeder.start()
+        deadline = time.monotonic() + 120
+        while len(started) < 3 and time.monotonic() < deadline:  # the stream is busy before the requests come
+            time.sleep(0.01)
         messages = [{"role": "user", "content": "Add 12 and 30."}]
         greedy = client.chat.completions.create(model="policy", messages=messages, temperature=0, max_tokens=8,
                                                 extra_body={"return_token_ids": True})

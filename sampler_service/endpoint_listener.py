@@ -1,0 +1,106 @@
+"""The endpoint's listener against strangers: uvicorn's HTTP protocol with a deadline for a connection's first request
+head and caps on open connections (in all, and per client address), and the sampler's open-file limit raised so
+that what the endpoint may hold never takes the descriptors its own work needs (weight fetches, gRPC, Redis).
+
+uvicorn closes an idle keep-alive connection after `timeout_keep_alive`, but a connection that never completes its
+first request head is held for ever, and it accepts every connection: about a thousand token-less half-requests took a
+sampler to its 1,024 descriptors (its clients reset, its weight fetch failing with "Too many open files"). Here a
+connection beyond a cap is closed as it is accepted, and one whose first head is not complete within
+`header_timeout_s` is closed then. Bodies have their own deadline in the app (common/endpoint/app.py).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import resource
+
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+log = logging.getLogger(__name__)
+OWN_DESCRIPTORS = 512  # kept for the sampler's own work, whatever the endpoint's caps say
+
+
+@dataclasses.dataclass
+class ConnectionLimits:
+    """The caps, and the connections open now by client address (shared by every connection of one server; uvicorn
+    runs them on one event loop thread, so no lock)."""
+
+    header_timeout_s: float
+    max_connections: int
+    max_per_address: int
+    open_by_address: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    refused: int = 0
+    timed_out: int = 0
+
+    def open_now(self) -> int:
+        return sum(self.open_by_address.values())
+
+
+def guarded_protocol(limits: ConnectionLimits) -> type[H11Protocol]:
+    """uvicorn's h11 protocol class with `limits` (uvicorn.Config(http=...) takes the class)."""
+
+    class GuardedH11Protocol(H11Protocol):
+        _address: str | None = None
+        _head_deadline = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            address = self.client[0] if self.client else "unknown"
+            if (limits.open_now() >= limits.max_connections
+                    or limits.open_by_address[address] >= limits.max_per_address):
+                limits.refused += 1
+                if limits.refused in (1, 100, 10_000):
+                    log.warning("endpoint: connection from %s closed at once: %d open (sampler.openai."
+                                "max_connections=%d), %d from it (max_connections_per_address=%d); %d refused so far",
+                                address, limits.open_now(), limits.max_connections, limits.open_by_address[address],
+                                limits.max_per_address, limits.refused)
+                transport.abort()
+                return
+            self._address = address
+            limits.open_by_address[address] += 1
+            self._head_deadline = self.loop.call_later(limits.header_timeout_s, self._head_overdue)
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self.cycle is not None and self._head_deadline is not None:  # the first head is complete
+                self._head_deadline.cancel()
+                self._head_deadline = None
+
+        def connection_lost(self, exc) -> None:
+            if self._head_deadline is not None:
+                self._head_deadline.cancel()
+                self._head_deadline = None
+            if self._address is not None:
+                limits.open_by_address[self._address] -= 1
+                if limits.open_by_address[self._address] <= 0:
+                    del limits.open_by_address[self._address]
+                self._address = None
+            super().connection_lost(exc)
+
+        def _head_overdue(self) -> None:
+            self._head_deadline = None
+            if self.cycle is None and not self.transport.is_closing():
+                limits.timed_out += 1
+                self.transport.abort()
+
+    return GuardedH11Protocol
+
+
+def raise_open_files(wanted_connections: int) -> int:
+    """Raises this process's soft RLIMIT_NOFILE toward its hard limit so that `wanted_connections` fit beside
+    OWN_DESCRIPTORS; returns how many connections the endpoint may hold (fewer than wanted where the hard limit is
+    too low, logged)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = wanted_connections + OWN_DESCRIPTORS
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        soft = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    allowed = wanted_connections if soft == resource.RLIM_INFINITY else max(16, min(wanted_connections,
+                                                                                  soft - OWN_DESCRIPTORS))
+    if allowed < wanted_connections:
+        log.warning("endpoint: the open-file limit (%d, hard %d) leaves room for %d connections, not "
+                    "sampler.openai.max_connections=%d (raise the hard limit: ulimit -Hn)", soft, hard, allowed,
+                    wanted_connections)
+    return allowed

@@ -1,0 +1,173 @@
+"""The sampler's OpenAI-compatible endpoint attacked as a stranger and as a heavy client, over real HTTP on loopback
+(the tiny Qwen-family chat model on the JAX engine, the endpoint's own uvicorn server): unfinished request heads,
+stalled bodies, floods of connections, megabyte prompts, JSON nested past the parser, the in-memory token of the
+sampler's own rollouts, a sampler's token. Each is refused or closed by its limit, and a legitimate client is served
+meanwhile."""
+
+import logging
+import resource
+import socket
+import time
+import tracemalloc
+
+import httpx
+import numpy as np
+import pytest
+
+from grpo_stream.common.config.loading import load_config
+from grpo_stream.common.endpoint.chat import ChatPrompts
+from grpo_stream.common.engine import continuous
+from grpo_stream.common.rpc.auth import write_tokens
+from grpo_stream.common.runtime.process import build_policy, build_task_and_tokenizer
+from grpo_stream.sampler_service.endpoint_listener import OWN_DESCRIPTORS
+from grpo_stream.sampler_service.openai_server import openai_endpoint
+from tests.chat_families import chat_family_dirs  # noqa: F401 - a fixture
+from tests.conftest import CONFIGS
+
+HEADER_TIMEOUT_S, BODY_TIMEOUT_S, PER_ADDRESS = 1.5, 1.5, 24
+
+
+@pytest.fixture(scope="module")
+def served(chat_family_dirs, tmp_path_factory):  # noqa: F811
+    tokens = write_tokens(tmp_path_factory.mktemp("auth"))
+    cfg = load_config(CONFIGS / "tiny_arith.yaml", [
+        "model.kind=hf", f"model.path={chat_family_dirs['qwen']}", "model.dtype=float32",
+        "generation.max_prompt_tokens=96", "generation.max_new_tokens=8", "generation.decode_slots=8",
+        "sampler.rows_in_flight=8", "generation.decode_chunk_steps=4", "warmstart.steps=0",
+        "sampler.openai.port=0", "sampler.openai.model_name=policy", "sampler.openai.max_concurrent=4",
+        f"sampler.openai.header_timeout_s={HEADER_TIMEOUT_S}", f"sampler.openai.body_timeout_s={BODY_TIMEOUT_S}",
+        f"sampler.openai.max_connections_per_address={PER_ADDRESS}", "sampler.openai.max_connections=1024",
+        f"auth.tokens_file={tokens['table']}"])
+    _, tok = build_task_and_tokenizer(cfg)
+    model = build_policy(cfg, tok.vocab_size, seed=0)
+    engine = continuous.build(cfg, model, tok)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(1024, hard), hard))  # the default a sampler starts with
+    try:
+        with openai_endpoint(cfg, 0, "sampler-0", engine, tok, lambda: (model.params, 1), None) as endpoint:
+            yield endpoint, {role: tokens[role].read_text().strip() for role in ("client", "sampler")}
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, resource.getrlimit(resource.RLIMIT_NOFILE)[0]), hard))
+
+
+def address(endpoint) -> tuple[str, int]:
+    return "127.0.0.1", int(endpoint.url.rsplit(":", 1)[1].split("/")[0])
+
+
+def completion(endpoint, token: str, **body) -> httpx.Response:
+    return httpx.post(endpoint.url + "/completions", headers={"Authorization": f"Bearer {token}"}, timeout=60,
+                      json={"model": "policy", "prompt": "Add 2 and 3.", "max_tokens": 2, **body})
+
+
+def closed_by_server(sock: socket.socket, within_s: float) -> bool:
+    sock.settimeout(within_s)
+    try:
+        return sock.recv(1) == b""
+    except (socket.timeout, TimeoutError):
+        return False
+    except ConnectionResetError:
+        return True
+
+
+def test_the_open_file_limit_leaves_room_for_the_connections_and_the_samplers_own_work(served):
+    assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] >= 1024 + OWN_DESCRIPTORS
+
+
+def test_unfinished_heads_are_closed_and_a_flood_is_capped_per_address(served):
+    endpoint, tokens = served
+    stalled = []
+    try:
+        for _ in range(PER_ADDRESS):
+            sock = socket.create_connection(address(endpoint))
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # a head never finished
+            stalled.append(sock)
+        time.sleep(0.2)
+        extra = socket.create_connection(address(endpoint))
+        assert closed_by_server(extra, 5), "a connection beyond the per-address cap was kept"
+        extra.close()
+        # the head deadline closes every stalled connection (uvicorn alone keeps them for ever)
+        assert all(closed_by_server(sock, HEADER_TIMEOUT_S + 5) for sock in stalled)
+        assert endpoint.limits.timed_out >= PER_ADDRESS and endpoint.limits.refused >= 1
+        assert completion(endpoint, tokens["client"]).status_code == 200
+    finally:
+        for sock in stalled:
+            sock.close()
+
+
+def test_stalled_bodies_hold_no_place_and_are_answered_408(served, caplog):
+    endpoint, tokens = served
+    stalled = []
+    try:
+        for _ in range(8):  # twice sampler.openai.max_concurrent
+            sock = socket.create_connection(address(endpoint))
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                         + tokens["client"].encode() + b"\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 100\r\n\r\n{")
+            stalled.append(sock)
+        time.sleep(0.3)
+        assert completion(endpoint, tokens["client"]).status_code == 200  # the gate was not taken by them
+        for sock in stalled:
+            sock.settimeout(BODY_TIMEOUT_S + 10)
+            assert sock.recv(4096).startswith(b"HTTP/1.1 408")
+        # a client that leaves mid-body is one line in the log, not a traceback
+        with caplog.at_level(logging.INFO):
+            sock = socket.create_connection(address(endpoint))
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                         + tokens["client"].encode() + b"\r\nContent-Length: 100\r\n\r\n{")
+            time.sleep(0.3)
+            sock.close()
+            time.sleep(0.5)
+        assert not any(r.exc_info for r in caplog.records)
+        assert any("left before sending its whole body" in r.getMessage() for r in caplog.records)
+    finally:
+        for sock in stalled:
+            sock.close()
+
+
+def test_a_megabyte_prompt_is_refused_by_its_characters_before_tokenizing(served):
+    endpoint, tokens = served
+    answer = completion(endpoint, tokens["client"], prompt="12 + 7 = ? " * 350_000)
+    assert answer.status_code == 400 and "prompt: 3850000 characters" in answer.json()["error"]["message"]
+    big = httpx.post(endpoint.url + "/chat/completions", headers={"Authorization": f"Bearer {tokens['client']}"},
+                     json={"model": "policy", "messages": [{"role": "user", "content": "x" * 200_000}]}, timeout=60)
+    assert big.status_code == 400 and "messages: 2000" in big.json()["error"]["message"] \
+        and "max_prompt_chars=1536" in big.json()["error"]["message"]
+
+
+def test_json_nested_past_the_parser_is_a_400(served):
+    endpoint, tokens = served
+    deep = b"[" * 200_000 + b"]" * 200_000
+    answer = httpx.post(endpoint.url + "/completions", headers={"Authorization": f"Bearer {tokens['client']}"},
+                        content=deep, timeout=60)
+    assert answer.status_code in (400, 413) and "error" in answer.json()
+    nested = b'{"model": "policy", "prompt": ' + b"[" * 5000 + b"1" + b"]" * 5000 + b"}"
+    answer = httpx.post(endpoint.url + "/completions", headers={"Authorization": f"Bearer {tokens['client']}"},
+                        content=nested, timeout=60)
+    assert answer.status_code == 400 and "nests too deep" in answer.json()["error"]["message"]
+
+
+def test_the_internal_token_is_refused_on_the_listener_and_a_sampler_token_is_forbidden(served):
+    endpoint, tokens = served
+    assert completion(endpoint, endpoint.internal_token).status_code == 401
+    refused = completion(endpoint, tokens["sampler"])
+    assert refused.status_code == 403 and refused.json()["error"]["type"] == "permission_error"
+
+
+def test_remembered_chats_are_bounded_in_bytes_ambiguous_ones_included():
+    class Plain:
+        has_chat_template = False
+
+    chats = ChatPrompts(Plain(), max_bytes=2 << 20)
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    for i in range(20_000):
+        messages = [{"role": "user", "content": f"question {i}"}]
+        answer = {"role": "assistant", "content": "the same answer"}
+        chats.remember(messages, answer, None, list(range(40)), True, caller="c")
+        if i % 2:  # the same visible answer with other ids: an ambiguous entry, kept without ids
+            chats.remember(messages, answer, None, list(range(41)), True, caller="c")
+    held = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    assert chats.held_bytes <= 2 << 20 and held <= 1.25 * (2 << 20), held
+    assert sum(entry is None for entry in chats._remembered.values()) > 0
+    assert np.array_equal(next(e for e in reversed(chats._remembered.values()) if e is not None)[0], np.arange(40))
