@@ -19,7 +19,8 @@ Two exits are not restarts:
   (re)start of a process its old record is removed, so a record always speaks for the latest attempt.
 - a trainer job whose processes all run but make no progress (the newest of their heartbeats,
   common/runtime/heartbeat.py, older than up.trainer_stall_s, and never older than the job's start) is hung: it is
-  killed and restarted exactly as after a trainer failure, against the same budget (`StallWatch`). It counts as
+  killed and restarted exactly as after a trainer failure, against the same budget (`StallWatch`). A sampler whose
+  heartbeat is older than up.sampler_stall_s the same. It counts as
   healthy (up.healthy_after_s) only for as long as it made progress, so a job that hangs at the same point after
   every restart stops the run like a crash loop.
 
@@ -166,19 +167,25 @@ class Watch:
 
     def __init__(self, policy: UpSection, run_dir: pathlib.Path, trainer: Unit, others: Sequence[Unit],
                  log: Callable[[str], None] = lambda line: print(line, flush=True),
-                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time,
+                 samplers: Sequence[Unit] = ()):
+        """`samplers`: units among `others` watched for stalls with up.sampler_stall_s (the trainer's with
+        up.trainer_stall_s)."""
         self.run_dir, self.trainer, self.log = run_dir, trainer, log
         self.units = {unit.name: unit for unit in [trainer, *others]}
         self.supervisor = Supervisor(policy, clock)
         self.stall = StallWatch(run_dir, trainer.records, policy.trainer_stall_s, wall)
+        self.stalls = {trainer.name: (self.stall, "up.trainer_stall_s"),
+                       **{unit.name: (StallWatch(run_dir, unit.records, policy.sampler_stall_s, wall),
+                                      "up.sampler_stall_s") for unit in samplers}}
 
     def launch(self, unit: Unit) -> None:
         """(Re)start `unit`, its old permanent-failure records removed first."""
         for name in unit.records:
             clear_permanent(self.run_dir, name)
         unit.start()
-        if unit is self.trainer:
-            self.stall.restarted()
+        if unit.name in self.stalls:
+            self.stalls[unit.name][0].restarted()
 
     def run(self, interrupted: Callable[[], bool], poll_s: float = 0.2) -> Outcome:
         """Watch until the trainer finishes, the run must stop, or `interrupted()`."""
@@ -236,14 +243,19 @@ class Watch:
         return None
 
     def _check_stall(self) -> Outcome | None:
-        trainer = self.trainer
-        if self.supervisor.waiting(trainer.name) or not trainer.alive():
-            return None
-        idle = self.stall.stalled()
-        if idle is None:
-            return None
-        trainer.kill()  # SIGKILL: a process hung in a collective does not answer SIGTERM
-        # healthy for as long as it made progress, not for its uptime: a job that hangs at the same point after
-        # each restart is a crash loop however long each hang lasts
-        return self._restart_or_stop(trainer, f"job made no progress for {idle:.0f}s "
-                                     f"(up.trainer_stall_s={self.stall.stall_s:g})", self.stall.progress_s())
+        for name, (stall, setting) in self.stalls.items():
+            unit = self.units[name]
+            if self.supervisor.waiting(name) or not unit.alive():
+                continue
+            idle = stall.stalled()
+            if idle is None:
+                continue
+            unit.kill()  # SIGKILL: a process hung in a collective (or holding the GIL) does not answer SIGTERM
+            # healthy for as long as it made progress, not for its uptime: a unit that hangs at the same point after
+            # each restart is a crash loop however long each hang lasts
+            what = "job" if unit is self.trainer else "process"
+            outcome = self._restart_or_stop(unit, f"{what} made no progress for {idle:.0f}s ({setting}="
+                                            f"{stall.stall_s:g})", stall.progress_s())
+            if outcome is not None:
+                return outcome
+        return None

@@ -6,9 +6,9 @@ processes of grpo_stream/up_plan.py: the trainer, the ingest when it runs on its
 samplers, with exactly the commands a multi-host deployment runs (`python -m grpo_stream trainer|ingest|sampler
 ...`). It relays their output with a prefix (and into RUN_DIR/logs/), and supervises them (grpo_stream/supervise.py):
 a process that fails is restarted (up.restart) until one crash-loops (up.restart_limit_burst), one that exits 3 (a
-permanent failure) stops the run naming it, a trainer job that makes no progress for up.trainer_stall_s is
-restarted; Ctrl-C, SIGTERM or SIGHUP stop everything. At the end it completes RUN_DIR/summary.json
-(grpo_stream/up_summary.py). Running it again on the same RUN_DIR resumes: the buffer is still in RUN_DIR/redis and
+permanent failure) stops the run naming it, a trainer job that makes no progress for up.trainer_stall_s (a sampler:
+up.sampler_stall_s) is restarted; Ctrl-C, SIGTERM or SIGHUP stop everything. At the end it completes
+RUN_DIR/summary.json (grpo_stream/up_summary.py). Running it again on the same RUN_DIR resumes: the buffer is still in RUN_DIR/redis and
 the trainer's checkpoints in RUN_DIR/checkpoints. One `up` at a time owns a RUN_DIR, and its processes die with it
 (grpo_stream/up_guard.py).
 
@@ -282,7 +282,7 @@ def _run_processes(cfg: RunConfig, run_dir: pathlib.Path, specs: list[ProcessSpe
     samplers = [_Child(s, log_dir) for s in specs if s.role == "sampler"]
     children = [trainer, *helpers, *samplers]
     watch = Watch(cfg.up, run_dir, trainer, [*([_RedisUnit(redis_server)] if redis_server else []), *helpers,
-                                             *samplers])
+                                             *samplers], samplers=samplers)
     stop = _StopSignals(children)
     try:
         for child in children:

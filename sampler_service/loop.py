@@ -39,6 +39,7 @@ from grpo_stream.common.episodes.registry import build_rollouts, injected_kind, 
 from grpo_stream.common.episodes.stream import RolloutStream
 from grpo_stream.common.runtime.console import count_and_range, detail_logger
 from grpo_stream.common.runtime.device_memory import device_memory
+from grpo_stream.common.runtime.heartbeat import Heartbeat
 from grpo_stream.common.runtime.process import stop_on_signals
 from grpo_stream.common.weights.registry import transport_spec
 from grpo_stream.common.weights.snapshot import digest
@@ -129,11 +130,13 @@ class Sampler(WeightsInUse):
             return
         self.stream = self.staged.stream = RolloutStream(parts.engine.request_keys, self.sink.put)
         self.engine_side = parts.engine.side
-        engine = EngineThread(parts.engine, self.params, self.stream, self.staged.refresh, self.version,
+        progress = EngineProgress(self.staged.refresh, Heartbeat(self.run_dir, self.sampler_id))
+        engine = EngineThread(parts.engine, self.params, self.stream, progress.refresh, self.version,
                               f"{self.sampler_id}-engine")
         started = time.monotonic()
         try:
             while not self.stop_event.is_set():
+                progress.beat_if_alive(not self.stream.in_flight())
                 parts.client.check()
                 self.sink.check()
                 engine.check()
@@ -253,6 +256,25 @@ class Sampler(WeightsInUse):
         problems = parts.task.heldout(self.cfg.weights.verify_prompts)
         return {"version": self.version, "sha256": digest(parts.model.to_named_numpy(self.params)),
                 "greedy": greedy_probe(parts.engine, self.params, parts.tokenizer, problems, self.cfg.eval.batch_size)}
+
+
+class EngineProgress:
+    """The sampler's heartbeat (RUN_DIR/heartbeats/<sampler id>, `up`'s stall watch: up.sampler_stall_s): beaten from
+    the feeder's loop while the engine reaches its scheduling points (`refresh`, which it calls between chunks) or
+    has nothing to do. A hung engine, or a loop that stopped, leaves it to age."""
+
+    def __init__(self, refresh, heartbeat: Heartbeat):
+        self._refresh, self.heartbeat = refresh, heartbeat
+        self.points = self._seen = 0
+
+    def refresh(self):
+        self.points += 1
+        return self._refresh()
+
+    def beat_if_alive(self, idle: bool) -> None:
+        if idle or self.points != self._seen:
+            self._seen = self.points
+            self.heartbeat()
 
 
 def run_sampler(cfg: RunConfig, index: int, run_dir: pathlib.Path | None = None) -> dict:

@@ -47,6 +47,13 @@ class UpSection(Strict):
                                    "restarts it as after a trainer failure (it counts against "
                                    "up.restart_limit_burst): a collective waiting for a process that never joins, a "
                                    "deadlock. Leave room for compilation and the first rollouts; 0 turns it off.")
+    sampler_stall_s: float = Field(1800.0, ge=0, le=7 * 86_400, description="The samplers' stall watchdog: a "
+                                   "sampler whose heartbeat (RUN_DIR/heartbeats/sampler-<i>, touched while its engine "
+                                   "makes progress or has nothing to do) is older than this, counted from its "
+                                   "(re)start until its first beat, is killed and restarted as after a failure (it "
+                                   "counts against up.restart_limit_burst); what it held goes back (its admission "
+                                   "grants and claimed prompts at their leases, its data position from the ingest). "
+                                   "0: off.")
 
     @model_validator(mode="before")
     @classmethod

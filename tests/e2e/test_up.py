@@ -106,6 +106,8 @@ def test_up_smoke_run(tmp_path):
     missing = [t for t in WATCHED_SCALARS if tags.get(t) != "scalar"]
     assert not missing, f"missing TensorBoard scalars {missing}; have {sorted(tags)}"
     assert {p.name for p in (run_dir / "logs").iterdir()} == {"trainer.log", "sampler-0.log", "sampler-1.log"}
+    # every process beat for `up`'s stall watches (up.trainer_stall_s, up.sampler_stall_s)
+    assert {"trainer-0", "sampler-0", "sampler-1"} <= {p.name for p in (run_dir / "heartbeats").iterdir()}
     rows = [json.loads(line) for line in (run_dir / "metrics-trainer.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "train/loss" in r] == list(range(1, 9))
     rates = [r["train/learning_rate"] for r in rows if "train/loss" in r]  # the rate of the next update

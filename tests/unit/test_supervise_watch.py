@@ -92,7 +92,7 @@ def fake_run(tmp_path, **policy):
     clock, lines = FakeClock(), []
     trainer, sampler = FakeUnit("trainer", "trainer-0"), FakeUnit("sampler-0", "sampler-0")
     watch = Watch(UpSection(restart_backoff_s=1, **policy), tmp_path, trainer, [sampler], log=lines.append,
-                  clock=clock, wall=clock)
+                  clock=clock, wall=clock, samplers=[sampler])
     for unit in (trainer, sampler):
         watch.launch(unit)
     return watch, clock, trainer, sampler, lines
@@ -186,6 +186,19 @@ def test_a_trainer_that_beats_is_never_stalled_and_a_finished_one_ends_the_watch
     assert watch.check().reason == "done" and trainer.killed == 0
 
 
+def test_a_stalled_sampler_is_killed_and_restarted_and_the_trainer_left_alone(tmp_path):
+    watch, clock, trainer, sampler, lines = fake_run(tmp_path, sampler_stall_s=60, trainer_stall_s=0)
+    beat_at(tmp_path, "sampler-0", clock.now)
+    clock.advance(59)
+    assert watch.check() is None and sampler.killed == 0
+    clock.advance(2)
+    assert watch.check() is None and sampler.killed == 1 and trainer.killed == 0
+    assert lines[-1].startswith("[up] sampler-0 process made no progress for 61s (up.sampler_stall_s=60); "
+                                "restarting it in")
+    clock.advance(1.0)
+    assert watch.check() is None and sampler.starts == 2 and watch.supervisor.restarts["sampler-0"] == 1
+
+
 def child(tmp_path, name: str, record: str, code: str) -> _Child:
     (tmp_path / "logs").mkdir(exist_ok=True)
     return _Child(ProcessSpec(name, (sys.executable, "-c", code, str(tmp_path)), dict(os.environ), "x", record),
@@ -200,10 +213,10 @@ REFUSER = ("import sys; from grpo_stream.common.runtime.errors import PermanentE
            "sys.exit(3)")
 
 
-def watch_real(tmp_path, trainer, others, **policy):
+def watch_real(tmp_path, trainer, others, samplers=(), **policy):
     lines = []
     watch = Watch(UpSection(restart_backoff_s=0.1, restart_backoff_max_s=0.2, **policy), tmp_path, trainer, others,
-                  log=lines.append)
+                  log=lines.append, samplers=samplers)
     try:
         for unit in (trainer, *others):
             watch.launch(unit)
@@ -225,6 +238,21 @@ def test_real_processes_a_beating_trainer_runs_to_its_end(tmp_path):
     trainer = child(tmp_path, "trainer", "trainer-0", BEATER)  # 3 s of work, a beat every 0.25 s
     outcome, lines = watch_real(tmp_path, trainer, [], trainer_stall_s=1.0)
     assert outcome.reason == "done" and trainer.starts == 1 and not lines
+
+
+FROZEN_SAMPLER = ("import re, sys, time; from grpo_stream.common.runtime.heartbeat import beat\n"
+                  "for _ in range(4):\n    beat(sys.argv[1], 'sampler-0'); time.sleep(0.1)\n"
+                  "re.match('(a|aa)*$', 'a' * 64 + '!')  # holds the GIL for hours: no thread of it can beat")
+
+
+def test_real_processes_a_sampler_frozen_by_a_regular_expression_is_restarted(tmp_path):
+    trainer = child(tmp_path, "trainer", "trainer-0", SLEEPER)
+    sampler = child(tmp_path, "sampler-0", "sampler-0", FROZEN_SAMPLER)
+    outcome, lines = watch_real(tmp_path, trainer, [sampler], trainer_stall_s=0, sampler_stall_s=1.0,
+                                restart_limit_burst=1, samplers=[sampler])
+    assert (outcome.reason, outcome.process) == ("gave_up", "sampler-0") and sampler.starts == 2, lines
+    assert sum("sampler-0 process made no progress for" in line for line in lines) == 2, lines
+    assert sampler.proc.returncode == -9 and trainer.starts == 1
 
 
 def test_real_processes_a_permanent_sampler_failure_stops_the_run(tmp_path):
