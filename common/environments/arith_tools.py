@@ -7,7 +7,7 @@ answer the run's rewards score. The tiny model's tokenizer is trained on this te
 
 from __future__ import annotations
 
-from grpo_stream.common.environments.tool_episode import ToolEpisode
+from grpo_stream.common.environments.tool_episode import ToolEpisode, TurnLimits
 from grpo_stream.common.tasks.arith_tools import TOOL_NAME, result_text
 from grpo_stream.common.tools.functions import ToolSet, tool_from_function
 
@@ -28,16 +28,16 @@ def phrase_first(answers: list[str]) -> str:
 
 
 class ArithToolsEnvironment:
-    def __init__(self, tool_format: str):
+    def __init__(self, tool_format: str, limits: TurnLimits = TurnLimits()):
         self.tools = ToolSet([tool_from_function(add)])
-        self.tool_format = tool_format
+        self.tool_format, self.limits = tool_format, limits
         assert TOOL_NAME in self.tools.names()
 
     def start(self, problem) -> ToolEpisode:
-        return ToolEpisode(self.tools, self.tool_format, phrase_first)
+        return ToolEpisode(self.tools, self.tool_format, phrase_first, self.limits)
 
 
 def build(cfg, task, tokenizer) -> ArithToolsEnvironment:
     """The environment registry's entry (environment.name=arith_tools)."""
     del task, tokenizer
-    return ArithToolsEnvironment(cfg.environment.tool_format)
+    return ArithToolsEnvironment(cfg.environment.tool_format, TurnLimits.of(cfg))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import ast
 import operator
 
-from grpo_stream.common.environments.tool_episode import ToolEpisode
+from grpo_stream.common.environments.tool_episode import ToolEpisode, TurnLimits
 from grpo_stream.common.tools.functions import ToolSet, tool_from_function
 from grpo_stream.common.tools.python_sandbox import SandboxLimits, python_tool
 
@@ -71,12 +71,12 @@ def _evaluate(node: ast.expr):
 
 
 class Gsm8kToolsEnvironment:
-    def __init__(self, tool_format: str, limits: SandboxLimits):
+    def __init__(self, tool_format: str, limits: SandboxLimits, turn: TurnLimits = TurnLimits()):
         self.tools = ToolSet([tool_from_function(calculator), python_tool(limits)])
-        self.tool_format = tool_format
+        self.tool_format, self.turn = tool_format, turn
 
     def start(self, problem) -> ToolEpisode:
-        return ToolEpisode(self.tools, self.tool_format)
+        return ToolEpisode(self.tools, self.tool_format, limits=self.turn)
 
 
 def tool_schemas(cfg) -> list[dict]:
@@ -86,7 +86,7 @@ def tool_schemas(cfg) -> list[dict]:
 
 def environment_for(cfg) -> Gsm8kToolsEnvironment:
     return Gsm8kToolsEnvironment(cfg.environment.tool_format,
-                                 SandboxLimits(**cfg.environment.python_tool.model_dump()))
+                                 SandboxLimits(**cfg.environment.python_tool.model_dump()), TurnLimits.of(cfg))
 
 
 def build(cfg, task, tokenizer) -> Gsm8kToolsEnvironment:

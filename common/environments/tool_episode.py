@@ -3,6 +3,8 @@ ends the episode."""
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from typing import Callable
 
 from grpo_stream.common.environments.base import Observation, Turn
@@ -15,12 +17,26 @@ def one_per_line(answers: list[str]) -> str:
     return "\n".join(answers)
 
 
-class ToolEpisode:
-    """Calls in `tool_format` (common/tools/calls.py) are run by `tools`; `phrase` turns the answers (or the parser's
-    error for a malformed call, alone) into the observation's text."""
+@dataclasses.dataclass(frozen=True)
+class TurnLimits:
+    """What one model turn's tool calls may take (environment.max_calls_per_turn, environment.turn_tool_seconds): a
+    turn of k calls would otherwise hold a worker k times each call's own wall limit."""
 
-    def __init__(self, tools: ToolSet, tool_format: str, phrase: Callable[[list[str]], str] = one_per_line):
-        self.tools, self.tool_format, self.phrase = tools, tool_format, phrase
+    max_calls: int = 8
+    seconds: float = 30.0
+
+    @classmethod
+    def of(cls, cfg) -> "TurnLimits":
+        return cls(cfg.environment.max_calls_per_turn, cfg.environment.turn_tool_seconds)
+
+
+class ToolEpisode:
+    """Calls in `tool_format` (common/tools/calls.py) are run by `tools`, within `limits`; `phrase` turns the answers
+    (or the parser's error for a malformed call, alone) into the observation's text."""
+
+    def __init__(self, tools: ToolSet, tool_format: str, phrase: Callable[[list[str]], str] = one_per_line,
+                 limits: TurnLimits = TurnLimits()):
+        self.tools, self.tool_format, self.phrase, self.limits = tools, tool_format, phrase, limits
 
     def step(self, turn_text: str) -> Turn:
         try:
@@ -29,4 +45,18 @@ class ToolEpisode:
             return Turn(Observation(self.phrase([exc.message])))
         if not calls:
             return Turn(None)
-        return Turn(Observation(self.phrase([self.tools.run(call) for call in calls])))
+        return Turn(Observation(self.phrase(self._run(calls))))
+
+    def _run(self, calls: list) -> list[str]:
+        """Each call's answer in call order; those past the turn's limits answered with an error, not run."""
+        deadline, answers = time.monotonic() + self.limits.seconds, []
+        for k, call in enumerate(calls):
+            if k >= self.limits.max_calls:
+                answers.append(f"error: at most {self.limits.max_calls} tool calls a turn "
+                               "(environment.max_calls_per_turn); this one was not run")
+            elif time.monotonic() >= deadline:
+                answers.append(f"error: this turn's tool time ({self.limits.seconds:g} s, "
+                               "environment.turn_tool_seconds) is spent; this call was not run")
+            else:
+                answers.append(self.tools.run(call))
+        return answers

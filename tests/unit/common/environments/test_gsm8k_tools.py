@@ -69,3 +69,19 @@ def test_the_demo_environment_answers_calls_and_errors():
     assert episode.step(" <call>add(37 48)</call>").observation.content == "= error"
     assert episode.step(" <call>mul(3, 4)</call>").observation.content == "= error"
     assert episode.step(" #### 85").observation is None
+
+
+@pytest.mark.skipif(confinement_problem() is not None, reason=f"cannot confine: {confinement_problem()}")
+def test_a_turn_runs_at_most_its_calls_within_its_tool_time():
+    """A turn of 12 sandboxed calls that each sleep to their wall limit would hold a worker 12 x that limit: it runs
+    environment.max_calls_per_turn calls at most, and none once environment.turn_tool_seconds is spent."""
+    cfg = load_config(None, ["environment.tool_format=qwen", "environment.max_calls_per_turn=5",
+                             "environment.turn_tool_seconds=2.5", "environment.python_tool.wall_seconds=1"])
+    episode = environment_for(cfg).start(None)
+    sleeper = render_tool_call(ToolCall("python", {"code": "import time\ntime.sleep(5)"}), "qwen")
+    answers = episode.step("\n".join([sleeper] * 12)).observation.content.splitlines()
+    ran = [a for a in answers if a.startswith("error: timed out after 1 s")]
+    spent = [a for a in answers if "environment.turn_tool_seconds" in a]
+    capped = [a for a in answers if "environment.max_calls_per_turn" in a]
+    # 5 at most, of which the calls started within 2.5 s ran (each takes its 1 s and a start: 3 on an idle machine)
+    assert len(capped) == 7 and len(ran) + len(spent) == 5 and 1 <= len(ran) <= 3 and len(spent) >= 2, answers
