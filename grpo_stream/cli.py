@@ -180,7 +180,7 @@ def dispatch(command: Command, args: argparse.Namespace) -> int:
             if args.print_config:
                 from grpo_stream.common.config.loading import to_yaml
 
-                print(to_yaml(cfg), end="")
+                print(to_yaml(cfg, redact=True), end="")
                 return EXIT_OK
         code = command.run(args, cfg)
         return EXIT_OK if code is None else code

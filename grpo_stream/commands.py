@@ -61,7 +61,7 @@ def _config(args, _cfg) -> None:
     from grpo_stream.common.config.schema import RunConfig
 
     if args.config_command == "show":
-        print(to_yaml(load_config(args.config, args.overrides)), end="")
+        print(to_yaml(load_config(args.config, args.overrides), redact=True), end="")
         return
     try:
         text = describe(RunConfig, args.prefix)

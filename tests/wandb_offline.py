@@ -13,6 +13,7 @@ import dataclasses
 import json
 import pathlib
 import struct
+import time
 import zlib
 
 _BLOCK = 32768
@@ -83,17 +84,31 @@ class OfflineRun:
         return [dict(zip(table["columns"], row)) for row in table["data"]]
 
 
+def finished_records(path: pathlib.Path, timeout_s: float = 60.0) -> list:
+    """The .wandb file's records once its exit record is there: wandb-core's service process writes the log on its
+    own after `finish()` returns (on a loaded machine the file was still empty when read at once)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = records(path)
+        if any(r.WhichOneof("record_type") == "exit" for r in found) or time.monotonic() > deadline:
+            return found
+        time.sleep(0.1)
+
+
 def read_run(directory: pathlib.Path) -> OfflineRun:
     """The offline run in `directory` (an `offline-run-*` folder), from its .wandb file."""
     directory = pathlib.Path(directory)
     (path,) = directory.glob("run-*.wandb")
     run, config, history, summary = {}, {}, [], {}
-    for record in records(path):
+    kinds = []
+    for record in finished_records(path):
         kind = record.WhichOneof("record_type")
+        kinds.append(kind)
         if kind == "run":
             r = record.run
-            run = {"id": r.run_id, "project": r.project, "entity": r.entity, "group": r.run_group,
-                   "name": r.display_name}
+            # wandb-core may write the run record again, after others (the exit record included): merge
+            run.update({"id": r.run_id, "project": r.project, "entity": r.entity, "group": r.run_group,
+                        "name": r.display_name})
             for item in r.config.update:
                 _put(config, item)
         elif kind == "config":
@@ -108,6 +123,7 @@ def read_run(directory: pathlib.Path) -> OfflineRun:
                 _put(summary, item)
         elif kind == "exit":
             run["exit_code"] = record.exit.exit_code
+    assert "project" in run, f"no run record in {path}: {kinds}"
     return OfflineRun(directory, run, config, history, summary)
 
 

@@ -16,6 +16,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
+from grpo_stream.common.config.redact import redacted
 from grpo_stream.common.config.schema import RunConfig
 
 log = logging.getLogger(__name__)
@@ -167,20 +168,22 @@ def open_trackers(cfg: RunConfig, run_dir: pathlib.Path, name: str = "trainer") 
 
         extra.append(WandbTracker(cfg, run_dir))
     trackers = MetricsWriter(run_dir, name, extra)
-    trackers.config(cfg.model_dump(mode="json"))
+    trackers.config(redacted(cfg.model_dump(mode="json")))
     return trackers
 
 
-def sample_rows(groups, staleness, max_rows: int, decode=None) -> list[dict[str, Any]]:
+def sample_rows(groups, staleness, max_rows: int, decode=None, injected: bool = False) -> list[dict[str, Any]]:
     """Up to `max_rows` completions of a step's groups (whole groups in order, the last cut at the cap): the prompt
     and completion as text (`decode(ids)`: the trainer's tokenizer; None: the token ids), reward, staleness, the
-    version that made it and the sampler."""
+    version that made it and the sampler. Groups of injected prompts (a client's text) only with `injected`."""
     def text(ids) -> str:
         ids = [int(i) for i in np.asarray(ids)]
         return decode(ids) if decode is not None else " ".join(map(str, ids))
 
     rows: list[dict[str, Any]] = []
     for group, stale in zip(groups, staleness):
+        if group.injected and not injected:
+            continue
         prompt = text(group.prompt_token_ids)  # once per group: every completion shares it
         for completion in group.completions:
             if len(rows) == max_rows:

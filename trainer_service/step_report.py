@@ -100,7 +100,8 @@ class StepReporter:
             self.metrics.samplers(step, {sampler: {"weight_lag": lag} for sampler, lag in lags.items()})
         wanted = self.metrics.samples_wanted(step)  # detokenize only for a tracker that keeps the text
         if wanted:
-            self.metrics.samples(step, sample_rows(groups, staleness, wanted, self.decode))
+            self.metrics.samples(step, sample_rows(groups, staleness, wanted, self.decode,
+                                                   self.cfg.tracking.wandb.samples_injected))
         if self._show(step):
             lp_diff = f"{m['logprob_diff_max']:.1e}" if "logprob_diff_max" in m else "-"
             log.info("step %d/%d reward %.3f acc %.3f staleness %.1f/%d buffer %d dropped-stale %d version %d "

@@ -10,6 +10,7 @@ import yaml
 from pydantic import ValidationError
 
 from grpo_stream.common.config.base import ConfigError
+from grpo_stream.common.config.redact import redacted
 from grpo_stream.common.config.schema import RunConfig
 
 
@@ -71,5 +72,8 @@ def load_config(path: str | pathlib.Path | None, overrides: list[str] | None = N
         raise ConfigError(_format_errors(exc)) from None
 
 
-def to_yaml(cfg: RunConfig) -> str:
-    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+def to_yaml(cfg: RunConfig, redact: bool = False) -> str:
+    """The config as YAML; `redact`: secret-looking values of its free-form dicts hidden (config/redact.py), for
+    what a person reads."""
+    data = cfg.model_dump(mode="json")
+    return yaml.safe_dump(redacted(data) if redact else data, sort_keys=False)

@@ -37,6 +37,8 @@ class WandbSection(Strict):
                                "version, sampler); 0: never.")
     samples_max_rows: int = Field(64, ge=1, le=10_000, description="Rows (completions) of each sample table at "
                                   "most: whole groups in the step's order, the last one cut at the cap.")
+    samples_injected: bool = Field(False, description="Put groups of injected prompts (what clients sent through "
+                                   "PromptService) in the sample tables too; off: the run's own prompts only.")
 
     @field_validator("project")
     @classmethod

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from grpo_stream.common.config.loading import load_config
+from grpo_stream.common.config.redact import redacted
 from grpo_stream.common.runtime.errors import PermanentError
 from grpo_stream.trainer_service.metrics import open_trackers, sample_rows
 from grpo_stream.trainer_service.wandb_tracker import SAMPLE_COLUMNS, SAMPLES_KEY, WandbTracker
@@ -28,7 +29,8 @@ def wandb_home(tmp_path, monkeypatch):
 
 
 def test_an_offline_run_holds_the_config_every_family_of_scalars_the_sample_tables_and_the_summary(wandb_home):
-    cfg = load_config(None, [*OFFLINE, "tracking.wandb.samples_every=2", "tracking.wandb.samples_max_rows=4"])
+    cfg = load_config(None, [*OFFLINE, "tracking.wandb.samples_every=2", "tracking.wandb.samples_max_rows=4",
+                             "task.verifiers.args.api_key=sk-live-secret", "sampler.vllm.engine_args.hf_token=hf_secret"])
     run_dir = wandb_home / "run"
     trackers = open_trackers(cfg, run_dir)
     trackers.scalars(10, {"loss": 2.0}, prefix="warmstart/")  # warm-start steps count from 1 like RL steps
@@ -49,8 +51,10 @@ def test_an_offline_run_holds_the_config_every_family_of_scalars_the_sample_tabl
     run = read_run(directory)
     assert {k: run.run[k] for k in ("project", "group", "name", "exit_code")} == {
         "project": "grpo-stream-test", "group": "wb-test", "name": "wb-test", "exit_code": 0}
-    resolved = cfg.model_dump(mode="json")
+    resolved = redacted(cfg.model_dump(mode="json"))  # an environment's API key never reaches W&B
     assert {k: run.config[k] for k in resolved} == resolved
+    assert run.config["task"]["verifiers"]["args"]["api_key"] == "<redacted>"
+    assert "secret" not in b"".join(p.read_bytes() for p in directory.rglob("*") if p.is_file()).decode("latin-1")
     assert [(r["train/step"], r["train/loss"]) for r in run.history if "train/loss" in r] == [
         (s, pytest.approx(1.0 / s)) for s in range(1, 5)]
     assert run.column("warmstart/loss") == [2.0] and run.column("warmstart/step") == [10]

@@ -131,6 +131,10 @@ def test_sample_rows_take_whole_groups_in_order_up_to_the_cap_as_text():
     # without a tokenizer the table still shows what was sampled: the token ids
     assert sample_rows(groups, [1, 2], max_rows=1)[0]["completion"] == "7 0"
     assert len(sample_rows(groups, [1, 2], max_rows=100)) == 6
+    # a client's injected prompt and its completions stay out of the tables unless asked for
+    groups[0].injected = True
+    assert [r["group_id"] for r in sample_rows(groups, [1, 2], max_rows=100)] == ["g1"] * 3
+    assert len(sample_rows(groups, [1, 2], max_rows=100, injected=True)) == 6
 
 
 def test_final_figures_add_each_samplers_figures_from_what_this_trainer_knows_and_its_fresh_reports(tmp_path):
