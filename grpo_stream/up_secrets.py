@@ -34,12 +34,13 @@ def with_run_tokens(cfg: RunConfig, run_dir: pathlib.Path, env: dict[str, str]) 
 
 
 def endpoint_table(auth_dir: pathlib.Path) -> pathlib.Path:
-    """RUN_DIR/auth/endpoint-tokens.yaml: the client and admin entries of the run's table as SHA-256 digests, for
-    the samplers' OpenAI-compatible endpoints. A sampler holds only its own token otherwise; it never gets another
-    token that it could present elsewhere."""
+    """RUN_DIR/auth/endpoint-tokens.yaml: the run's table as SHA-256 digests, for the samplers' OpenAI-compatible
+    endpoints. A sampler holds only its own token otherwise; it never gets another token that it could present
+    elsewhere. The sampler entries are there so that a sampler's token is answered 403 (a known token of a role the
+    routes refuse), not 401 as an unknown one."""
     rows = yaml.safe_load((auth_dir / "tokens.yaml").read_text())
     kept = [{"name": r["name"], "role": r["role"], "sha256": hashlib.sha256(r["token"].encode()).hexdigest()}
-            for r in rows if r["role"] in ("client", "admin") and "token" in r]
+            for r in rows if r["role"] in ("client", "admin", "sampler") and "token" in r]
     path = auth_dir / "endpoint-tokens.yaml"
     write_private(path, yaml.safe_dump(kept, sort_keys=False))
     return path
