@@ -23,7 +23,7 @@ WINDOW_S = 25.0
 # Measured over 10 runs (see BENCHMARKS.md "endpoint flood"); set below the lowest with margin.
 MIN_TOKENS_SHARE, MIN_STEPS_SHARE = 0.2, 0.2
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.chaos]  # ~2.5 min of `up`: the chaos lane
 
 
 def free_port() -> int:
