@@ -3,7 +3,6 @@ that never answers scores 0 within the deadline and is logged once, the worker c
 reward that raises is an error naming it, what a reward prints cannot corrupt the answers, and a worker never
 outlives the process that started it."""
 
-import json
 import logging
 import os
 import subprocess
