@@ -15,6 +15,7 @@ transformers = pytest.importorskip("transformers")
 # One family end to end: the loop does not depend on the architecture, and every family's load, bfloat16 logits and
 # export round trip have unit tests (tests/unit/common/model/test_hf_checkpoint.py); the Llama run that was here
 # too cost 100 s of CI's budget and covered nothing more.
+@pytest.mark.heavy  # 2 minutes of `up` on a real shape; the tiny hf checkpoint runs stay in the default lane
 @pytest.mark.parametrize("family", ["Qwen2Config"])
 def test_up_with_a_bfloat16_checkpoint(tmp_path, family):
     from grpo_stream.common.tasks.arith import ArithTask

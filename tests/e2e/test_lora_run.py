@@ -79,6 +79,7 @@ def test_lora_run_publishes_adapters_and_samplers_merge_them_into_the_base(tmp_p
         assert same == (name not in adapted), f"{name}: {'unchanged' if same else 'changed'}"
 
 
+@pytest.mark.heavy  # a second LoRA `up` run (45 s); the LoRA run over grpc stays in the default lane
 def test_a_lora_run_resumes_with_its_trained_adapters(tmp_path):
     """The checkpoints hold the adapters and their optimizer state, beside the frozen base written once: `up` again on
     the finished run restores both, publishes the base again under its new trainer epoch, and the samplers end with exactly the

@@ -55,6 +55,7 @@ def start_job(config_file: pathlib.Path, run_dir: pathlib.Path, checkpoint_dirs:
              "GRPO_STREAM_ADVERTISE_HOST": "127.0.0.1", SECRET_ENV: secret}) for k in range(2)]
 
 
+@pytest.mark.chaos  # restarts of a 2-process trainer (70 s), beside the chaos lane's other multi-host faults
 def test_every_process_restores_the_step_process_0_chose_or_the_job_stops(groups, shared_redis, run_name,  # noqa: F811
                                                                           tmp_path):
     fill(shared_redis.url, run_name, groups)

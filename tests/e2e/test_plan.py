@@ -101,6 +101,7 @@ def test_no_hardware_is_a_config_error_naming_the_field(tmp_path):
     assert "hardware.trainer_chip" in output
 
 
+@pytest.mark.heavy  # a measured update step (about a minute); the plan's arithmetic tests stay in the default lane
 def test_plan_total_agrees_with_a_measured_step(tmp_path):
     """The trainer total against one real update step on CPU: its input arrays' bytes plus the resident-memory
     growth while it runs (outputs and temporaries), within 25%."""

@@ -437,6 +437,7 @@ def test_in_flight_weight_updates_run_end_to_end(tmp_path):
     assert 0 <= summary["groups_trained_mixed_versions"] <= summary["groups_trained"]
 
 
+@pytest.mark.heavy  # another `up` run (50 s); the dtype casts have unit tests in the default lane
 def test_samplers_generate_in_their_own_dtype(tmp_path):
     """sampler.dtype=bfloat16 beside a float32 trainer: every published version is cast on arrival, the run's
     accounting holds, and the behaviour logprobs differ from the trainer's float32 recomputation at version lag 0 by

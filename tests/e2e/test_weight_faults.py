@@ -145,6 +145,7 @@ def scrape(port: int) -> dict[str, float]:
 STEPS = 20
 
 
+@pytest.mark.chaos  # a killed trainer mid-transfer (75 s); the transfer faults of one side stay in the default lane
 def test_trainer_killed_mid_transfer_samplers_wait_then_follow_the_restart(tmp_path, shared_redis, run_name):
     """With admission control a sampler starts no new batch while the ingest cannot answer (the trainer that judges
     what is trainable is gone); it keeps its groups in hand, survives the failed weight fetch, and follows the

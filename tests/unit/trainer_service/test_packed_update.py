@@ -86,6 +86,7 @@ def run_on_mesh(cases: list[int]) -> subprocess.CompletedProcess:
                           cwd=root, env=env, capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.heavy  # 4 fake devices, 40 s; packing's exactness on one device stays in the default lane
 def test_on_a_four_device_fsdp_mesh_packing_is_exact_too():
     """Rows split over fsdp=4 (one packed row per device per pass): LoRA with GRPO, beta > 0, TIS and Dr.GRPO's
     aggregation (every pairwise case on the mesh: -m heavy)."""

