@@ -5,10 +5,11 @@ expression that backtracks for minutes, holding the GIL) must not freeze a sampl
 `RewardWorker.call(name, fn, text, reference)` is what `RewardSet.score` calls per reward: the worker process
 (`python -m grpo_stream.common.tasks.reward_workers`, started on first use and again after a kill) resolves the
 reward by name (a built-in, or an import path among the run's own `task.rewards`: nothing else is ever imported)
-and answers with its value. A call that has not answered within `deadline_s` kills the worker and scores 0: logged
-once per reward name, counted in `overruns`. A reward that raises is an error naming it, as in-process
-(RewardSet.score). Messages are length-prefixed JSON on the worker's stdin/stdout (nothing is unpickled), and the
-worker dies with the thread that started it (PR_SET_PDEATHSIG) or when its stdin closes.
+and answers with its value. A call that has not answered within `deadline_s`, or whose worker died on it (killed
+for memory, a crash in native code), kills the worker and scores 0: logged once per reward name, counted in
+`overruns`. A reward that raises is an error naming it, as in-process (RewardSet.score). Messages are
+length-prefixed JSON on the worker's stdin/stdout (nothing is unpickled), and the worker dies with the thread that
+started it (PR_SET_PDEATHSIG) or when its stdin closes.
 """
 
 from __future__ import annotations
@@ -50,9 +51,9 @@ class RewardWorker:
             process = self._process if self._process and self._process.poll() is None else self._start()
             _send(process.stdin, {"name": name, "text": text, "reference": reference})
             answer = _receive(process.stdout, time.monotonic() + self.deadline_s)
-            if answer is None:
+            if answer is None or answer.get("exited"):  # overran, or died on this input (killed for memory, a crash)
                 self._kill()
-                self._overran(name)
+                self._failed(name, "died" if answer else "overran")
                 return 0.0
         if "error" in answer:
             raise RuntimeError(answer["error"])
@@ -62,10 +63,11 @@ class RewardWorker:
         with self._lock:
             self._kill()
 
-    def _overran(self, name: str) -> None:
+    def _failed(self, name: str, how: str) -> None:
         if not self.overruns[name]:
-            log.warning("reward %s did not answer within task.reward_timeout_s=%g s: scored 0 (its worker was "
-                        "restarted; logged once per reward)", name[:64], self.deadline_s)
+            what = (f"did not answer within task.reward_timeout_s={self.deadline_s:g} s" if how == "overran" else
+                    "made its worker exit (killed for memory, or a crash: see its stderr)")
+            log.warning("reward %s %s: scored 0 (its worker was restarted; logged once per reward)", name[:64], what)
         self.overruns[name] += 1
 
     def _start(self) -> subprocess.Popen:
@@ -75,10 +77,11 @@ class RewardWorker:
             [sys.executable, "-m", "grpo_stream.common.tasks.reward_workers", settings], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, close_fds=True)
         ready = _receive(self._process.stdout, time.monotonic() + max(STARTUP_S, self.deadline_s))
-        if ready is None or "error" in ready:
+        if ready is None or not ready.get("ready"):
             self._kill()
-            raise RuntimeError("the reward worker did not start: "
-                               + (ready["error"] if ready else f"no answer within {STARTUP_S} s"))
+            why = (ready or {}).get("error") or ("it exited (see its stderr)" if ready
+                                                 else f"no answer in {STARTUP_S} s")
+            raise RuntimeError(f"the reward worker did not start: {why}")
         return self._process
 
     def _kill(self) -> None:
@@ -115,7 +118,7 @@ def _receive(stream, deadline: float) -> dict | None:
                 return None
             chunk = os.read(fd, wanted - len(data))
             if not chunk:
-                return {"error": "the reward worker exited (see its stderr above)"}
+                return {"exited": True}
             data += chunk
         if not header:
             return json.loads(data)

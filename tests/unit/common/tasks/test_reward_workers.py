@@ -31,6 +31,10 @@ REWARDS = textwrap.dedent('''
 
     def broken(text, reference):
         raise KeyError("no such field")
+
+    def crashes(text, reference):  # a reward killed on some input (the kernel's OOM killer, a native crash)
+        import os
+        os._exit(9)
 ''')
 
 
@@ -73,6 +77,18 @@ def test_a_raising_reward_is_an_error_naming_it_and_prints_do_not_corrupt_answer
             broken.score("x", "y", RewardWorker(broken.functions, 5.0).call)
         with pytest.raises(ValueError, match="'os:system' is not one of this run's rewards"):
             rewards.score("x", "y", lambda name, fn, t, r: worker.call("os:system", fn, t, r))
+    finally:
+        worker.close()
+
+
+def test_a_reward_whose_worker_dies_scores_zero_and_the_worker_comes_back(rewards_module):
+    rewards = RewardSet({"answer_correct": 1.0, f"{rewards_module}:crashes": 1.0})
+    worker = RewardWorker(rewards.functions, deadline_s=5.0)
+    try:
+        for _ in range(2):
+            assert rewards.score("#### 4", "4", worker.call) == (1.0, {"answer_correct": 1.0,
+                                                                       f"{rewards_module}:crashes": 0.0})
+        assert worker.overruns == {f"{rewards_module}:crashes": 2}
     finally:
         worker.close()
 
