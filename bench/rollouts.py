@@ -64,6 +64,7 @@ from grpo_stream.common.episodes.stream import RolloutStream
 from grpo_stream.common.episodes.tool_turns import EpisodeSettings, ToolTurns
 from grpo_stream.common.rollouts.wire import GroupLimits, to_proto, validate_group
 from grpo_stream.common.runtime.process import build_task, build_tokenizer
+from grpo_stream.common.tasks.reward_workers import RewardWorker
 from grpo_stream.common.tasks.rewards import DEFAULT_WEIGHTS, RewardSet
 from grpo_stream.sampler_service.engine_thread import EngineThread
 from grpo_stream.sampler_service.group_sink import GroupSink
@@ -149,11 +150,13 @@ class NewVersions:
 
 def stream_arm(engine, params, works: list[GroupWork], rollouts, rows_in_flight: int, tokenizer, limits,
                versions: NewVersions | None = None) -> dict:
-    slots = engine.slots
     """The sampler's stream over `works`, fed as room frees (none while a drain waits for a new version), scored
-    and sunk group by group; `versions`: new weight versions arriving while it runs."""
+    (in a reward worker, as a sampler scores) and sunk group by group; `versions`: new weight versions arriving while
+    it runs."""
+    slots = engine.slots
     sink_client = AckingSink(limits)
-    sink = GroupSink(sink_client, SamplerMetrics("bench"), tokenizer, "sampler-0", 0.0, abandon=lambda: False)
+    sink = GroupSink(sink_client, SamplerMetrics("bench"), tokenizer, "sampler-0", 0.0, abandon=lambda: False,
+                     rewards=RewardWorker(RewardSet(DEFAULT_WEIGHTS).functions, 10.0))
     stream = RolloutStream(engine.request_keys, sink.put)
     refresh = lambda: None  # noqa: E731 - a sampler always hands the engine its weight check
     if versions is not None:

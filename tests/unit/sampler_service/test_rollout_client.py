@@ -13,6 +13,7 @@ import pytest
 from grpo_stream.common.episodes.result import EpisodeResult, GroupWork
 from grpo_stream.common.episodes.stream import GroupRun
 from grpo_stream.common.runtime.errors import PermanentError, is_transient
+from grpo_stream.common.tasks.reward_workers import RewardWorker
 from grpo_stream.common.tasks.rewards import RewardSet
 from grpo_stream.protos import rollout_pb2
 from grpo_stream.sampler_service.group_sink import GroupSink
@@ -160,7 +161,8 @@ def test_a_sender_that_dies_while_the_backlog_is_full_stops_the_sampler(make_cli
     client = make_client(Stub(failing(RuntimeError("bug in the sender"), after_s=0.5)), backlog_max_groups=1)
     assert client.put(group(0), timeout_s=1)
     wait_for(lambda: client.put(group(1), timeout_s=0.1), 10, "the sender to take group 0 (the backlog holds 1)")
-    sink = GroupSink(client, SamplerMetrics("sampler-0"), Letters(), "sampler-0", 0.0, abandon=lambda: False)
+    sink = GroupSink(client, SamplerMetrics("sampler-0"), Letters(), "sampler-0", 0.0, abandon=lambda: False,
+                     rewards=RewardWorker(["answer_correct"], 10.0))
     started = time.monotonic()
     sink.put(finished_group(2))
 
@@ -174,3 +176,4 @@ def test_a_sender_that_dies_while_the_backlog_is_full_stops_the_sampler(make_cli
     assert time.monotonic() - started < 10
     with pytest.raises(SenderStopped, match="RuntimeError: bug in the sender"):
         client.check()  # what the feeder checks first at every look
+    sink.rewards.close()
