@@ -19,9 +19,11 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 WINDOW_S = 25.0
-# The flood window's share of the baseline's figures, at least (the attacker's own threads share the 2 cores).
-# Measured over 10 runs (see BENCHMARKS.md "endpoint flood"); set below the lowest with margin.
-MIN_TOKENS_SHARE, MIN_STEPS_SHARE = 0.2, 0.2
+# The flood window's share of the baseline's figures, at least. Over 10 runs on 2 cores (BENCHMARKS.md "endpoint
+# flood", 2026-11-29): sampler tokens/s 1.094-1.267, trainer steps/s 1.021-1.195 (the baseline window, right after
+# the third step, still carries warm-up). 0.5 is about 10 standard deviations below the lowest: no false failure
+# expected; a sampler the flood froze or starved (what the attacks did before issue 56) scores far below it.
+MIN_TOKENS_SHARE, MIN_STEPS_SHARE = 0.5, 0.5
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.chaos]  # ~2.5 min of `up`: the chaos lane
 
