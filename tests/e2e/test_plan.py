@@ -72,6 +72,7 @@ def test_tiny_run_on_two_devices_fits_and_reports_every_category(tmp_path):
     assert any(f.startswith("weights.background_fetch=false") for f in small["fixes"])
 
 
+@pytest.mark.heavy  # a plan that compiles its programs (45 s); the arithmetic refusals stay in the default lane
 def test_too_small_a_device_exits_1_and_names_fixes(tmp_path):
     code, output, doc = plan(tmp_path, "configs/tiny_arith.yaml", "hardware.trainer_memory_gib=0.05",
                              "hardware.sampler_memory_gib=1", "model.lora.rank=4")

@@ -21,7 +21,7 @@ ENVS = pathlib.Path(__file__).resolve().parents[1] / "verifiers_envs"
 STEPS = 4
 
 
-@pytest.mark.parametrize("kind", ["single", "tools"])
+@pytest.mark.parametrize("kind", ["single", pytest.param("tools", marks=pytest.mark.heavy)])  # tools: 40 s more
 def test_a_verifiers_environment_trains_through_the_samplers_endpoint(tmp_path, chat_family_dirs, kind):  # noqa: F811
     pytest.importorskip("verifiers")
     run_dir = tmp_path / "run"
