@@ -174,8 +174,8 @@ class Watch:
         self.run_dir, self.trainer, self.log = run_dir, trainer, log
         self.units = {unit.name: unit for unit in [trainer, *others]}
         self.supervisor = Supervisor(policy, clock)
-        self.stall = StallWatch(run_dir, trainer.records, policy.trainer_stall_s, wall)
-        self.stalls = {trainer.name: (self.stall, "up.trainer_stall_s"),
+        self.stalls = {trainer.name: (StallWatch(run_dir, trainer.records, policy.trainer_stall_s, wall),
+                                      "up.trainer_stall_s"),
                        **{unit.name: (StallWatch(run_dir, unit.records, policy.sampler_stall_s, wall),
                                       "up.sampler_stall_s") for unit in samplers}}
 

@@ -67,13 +67,12 @@ async def _read_body(request: Request, limit: int) -> bytes | None:
 
 
 def _parse(body: bytes):
-    """The body's JSON; ValueError for one that is not JSON or nests deeper than Python's parser goes."""
+    """The body's JSON; ValueError naming the position for one that is not JSON (RecursionError for one nested
+    deeper than Python's parser goes)."""
     try:
         return json.loads(body or b"null")
     except json.JSONDecodeError as exc:
         raise ValueError(f"the body is not JSON ({exc.msg} at position {exc.pos})") from None
-    except RecursionError:
-        raise ValueError("the body's JSON nests too deep") from None
 
 
 class Gate:
@@ -151,8 +150,10 @@ def build_app(core: EndpointCore, table: TokenTable | None, settings, internal_t
                 parsed = model.model_validate(_parse(body))
             except pydantic.ValidationError as exc:
                 return _error(400, *_validation_message(exc))
-            except (ValueError, RecursionError) as exc:  # not JSON; nested deeper than a model can be read
-                return _error(400, str(exc) if isinstance(exc, ValueError) else "the body's JSON nests too deep")
+            except RecursionError:  # nested deeper than the parser, or pydantic, goes
+                return _error(400, "the body's JSON nests too deep")
+            except ValueError as exc:  # not JSON
+                return _error(400, str(exc))
             try:
                 return JSONResponse(await handler(parsed, caller.name))
             except RequestError as exc:
