@@ -88,8 +88,8 @@ def trainer(config: pathlib.Path, quick: bool, plan_json: pathlib.Path | None, d
     from grpo_stream.common.model.sharding import make_mesh, place
     from grpo_stream.common.runtime.process import enable_compilation_cache
     from grpo_stream.plan_programs import architecture, model_dtype, trainer_programs
-    from grpo_stream.trainer_service.batching import TrainBatch
-    from grpo_stream.trainer_service.rl_update import PolicyUpdater, state_report
+    from grpo_stream.trainer_service.learning.batching import TrainBatch
+    from grpo_stream.trainer_service.learning.rl_update import PolicyUpdater, state_report
 
     # a fresh persistent compilation cache: the step compiles cold for the run, and the analysis after it (the
     # same program, lowered from abstract arrays as `plan` lowers it) reads it back instead of compiling again

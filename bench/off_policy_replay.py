@@ -33,12 +33,12 @@ from grpo_stream.common.config.schema import RunConfig
 from grpo_stream.common.episodes.evaluation import evaluate
 from grpo_stream.common.rollouts.wire import CompletionData, GroupData
 from grpo_stream.common.tasks.rewards import RewardSet
-from grpo_stream.trainer_service.batching import build_batch
+from grpo_stream.trainer_service.learning.batching import build_batch
 from grpo_stream.trainer_service.core import build_model_parts
-from grpo_stream.trainer_service.off_policy_health import group_index_of
-from grpo_stream.trainer_service.packing import packing_layout
-from grpo_stream.trainer_service.rl_update import PolicyUpdater
-from grpo_stream.trainer_service.warmstart import warm_start
+from grpo_stream.trainer_service.learning.off_policy_health import group_index_of
+from grpo_stream.trainer_service.learning.packing import packing_layout
+from grpo_stream.trainer_service.learning.rl_update import PolicyUpdater
+from grpo_stream.trainer_service.learning.warmstart import warm_start
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs" / "tiny_arith.yaml"

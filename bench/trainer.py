@@ -28,9 +28,9 @@ from grpo_stream.bench.sampler_workloads import longtail_budgets
 from grpo_stream.common.config.learning import AlgoSection
 from grpo_stream.common.model.architectures import Architecture
 from grpo_stream.common.model.policy import TUNIX_ROPE_THETA, build_from_architecture
-from grpo_stream.trainer_service.batching import TrainBatch
-from grpo_stream.trainer_service.packing import PackingLayout, segments_per_row
-from grpo_stream.trainer_service.rl_update import PolicyUpdater
+from grpo_stream.trainer_service.learning.batching import TrainBatch
+from grpo_stream.trainer_service.learning.packing import PackingLayout, segments_per_row
+from grpo_stream.trainer_service.learning.rl_update import PolicyUpdater
 
 FULL = {"vocab_size": 8192, "num_layers": 8, "embed_dim": 512, "hidden_dim": 1408, "num_heads": 8,
         "num_kv_heads": 2, "head_dim": 64, "groups": 4, "generations": 8, "prompt_low": 60, "prompt_high": 250,

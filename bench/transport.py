@@ -25,8 +25,8 @@ from grpo_stream.common.rpc.grpc_util import CHANNEL_OPTIONS
 from grpo_stream.common.rollouts.redis_server import EmbeddedRedis, connect
 from grpo_stream.common.rollouts.wire import CompletionData, GroupData, GroupLimits, decode_group, encode_group, to_proto
 from grpo_stream.sampler_service.rollout_client import RolloutClient
-from grpo_stream.trainer_service.ingest import IngestServicer
-from grpo_stream.trainer_service.publisher import WeightPublisher
+from grpo_stream.trainer_service.ingest.rollout_ingest import IngestServicer
+from grpo_stream.trainer_service.publication.publisher import WeightPublisher
 from grpo_stream.trainer_service.server import TrainerServer
 
 

@@ -53,10 +53,10 @@ from grpo_stream.common.weights.host_staging import HostStaging, offers_pinned
 from grpo_stream.common.weights.registry import transport_spec, weight_sink
 from grpo_stream.common.weights.transport import SinkContext
 from grpo_stream.protos import weights_pb2_grpc
-from grpo_stream.trainer_service.batching import TrainBatch
-from grpo_stream.trainer_service.publisher import WeightPublisher
-from grpo_stream.trainer_service.rl_update import PolicyUpdater
-from grpo_stream.trainer_service.weight_data_server import WeightDataServer
+from grpo_stream.trainer_service.learning.batching import TrainBatch
+from grpo_stream.trainer_service.publication.publisher import WeightPublisher
+from grpo_stream.trainer_service.learning.rl_update import PolicyUpdater
+from grpo_stream.trainer_service.publication.grpc_transport_server.data_plane import WeightDataServer
 from grpo_stream.bench import weights_multisource
 
 FULL = dict(vocab_size=32_000, num_layers=8, embed_dim=768, hidden_dim=2048, num_heads=12, num_kv_heads=4,

@@ -35,7 +35,7 @@ def _serve(spec: dict) -> int:
     from grpo_stream.common.weights.registry import weight_sink  # noqa: PLC0415
     from grpo_stream.common.weights.transport import SinkContext  # noqa: PLC0415
     from grpo_stream.trainer_service.multihost import join_group  # noqa: PLC0415
-    from grpo_stream.trainer_service.publisher import WeightPublisher  # noqa: PLC0415
+    from grpo_stream.trainer_service.publication.publisher import WeightPublisher  # noqa: PLC0415
     from grpo_stream.trainer_service.server import TrainerServer  # noqa: PLC0415
 
     n = spec["processes"]

@@ -172,7 +172,7 @@ def _jax_process(args, cfg) -> None:
 
 def _ingest(args, cfg) -> None:
     """The standalone ingest: Redis and gRPC only, no JAX, so no compilation cache."""
-    from grpo_stream.trainer_service.ingest_server import run_ingest
+    from grpo_stream.trainer_service.ingest.server import run_ingest
 
     _prepare_process(args, cfg, "ingest")
     run_ingest(cfg)

@@ -31,9 +31,9 @@ from grpo_stream.common.model.lora import abstract_lora, merge_named
 from grpo_stream.common.model.policy import PolicyModel, build_from_architecture, tiny_architecture
 from grpo_stream.common.model.sharding import make_mesh, param_shardings, rows_sharding
 from grpo_stream.common.weights.registry import transport_spec
-from grpo_stream.trainer_service.batching import TrainBatch
-from grpo_stream.trainer_service.packing import PackedPasses, packing_layout
-from grpo_stream.trainer_service.rl_update import PolicyUpdater, donates_updates
+from grpo_stream.trainer_service.learning.batching import TrainBatch
+from grpo_stream.trainer_service.learning.packing import PackedPasses, packing_layout
+from grpo_stream.trainer_service.learning.rl_update import PolicyUpdater, donates_updates
 
 
 def progress(message: str) -> None:

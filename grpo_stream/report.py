@@ -24,7 +24,7 @@ PLOTS = {
     # groups/s is tokens/s over the mean length (the lengths plot), and on this axis it would be a flat line
     "throughput": ("Completion tokens trained per second (30 s window)", ["train/tokens_per_second"]),
     "buffer": ("Rollout buffer", ["train/buffer_depth", "train/groups_dropped_stale"]),
-    # trainer_service/off_policy_health.py; docs/objective.md, "Off-policy health"
+    # trainer_service/learning/off_policy_health.py; docs/objective.md, "Off-policy health"
     "off_policy_health": ("Off-policy health: importance-weight ESS, sampler-trainer KL, ratio quantiles",
                           ["train/is_ess_group_mean", "train/is_ess_group_min", "train/is_ess_sequence",
                            "train/is_ess_token", "train/mismatch_kl_k3", "train/mismatch_kl_k1",

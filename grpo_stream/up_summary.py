@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from grpo_stream.common.config.schema import RunConfig
 from grpo_stream.common.runtime.errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_PERMANENT
 from grpo_stream.supervise import Outcome
-from grpo_stream.trainer_service.run_outputs import wasted_fraction
+from grpo_stream.trainer_service.reports.run_outputs import wasted_fraction
 
 
 @dataclass(frozen=True)

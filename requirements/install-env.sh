@@ -41,6 +41,6 @@ EOF
   "${pip[@]}" install "${pins[@]}"
 fi
 # Tunix's model families as the project imports them: a module missing from Tunix's unlisted dependencies shows here
-"$dir/bin/python" -c "import jax, flax, grpo_stream.trainer_service.train_step, tunix.models.llama3.model, \
+"$dir/bin/python" -c "import jax, flax, grpo_stream.trainer_service.learning.train_step, tunix.models.llama3.model, \
 tunix.models.qwen2.model, tunix.models.qwen3.model, tunix.models.gemma.model, tunix.models.gemma3.model, \
 tunix.rl.algo_core; print('jax', jax.__version__, 'flax', flax.__version__, 'environment ready')"

@@ -1,6 +1,6 @@
 """The sampler's side of admission control: ask the ingest before each batch how many groups it may start.
 
-The ingest (trainer_service/admission.py) admits a group only if the trainer can still train it within
+The ingest (trainer_service/ingest/admission.py) admits a group only if the trainer can still train it within
 trainer.max_staleness, counting the buffer and every sampler's groups in flight. A sampler refused waits the
 reply's retry hint, then checks for newer weights and asks again, so it pauses instead of generating groups that
 would be dropped as stale. An ingest that cannot answer now is asked again; one that refuses the request in a way no

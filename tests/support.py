@@ -18,8 +18,8 @@ from grpo_stream.common.rpc.grpc_util import ClientSecurity, ServerSecurity, ope
 from grpo_stream.common.rollouts.redis_server import connect
 from grpo_stream.common.weights.snapshot import WeightSnapshot
 from grpo_stream.common.rollouts.wire import CompletionData, GroupData
-from grpo_stream.trainer_service.ingest_server import ingest_servicers
-from grpo_stream.trainer_service.publisher import WeightPublisher
+from grpo_stream.trainer_service.ingest.server import ingest_servicers
+from grpo_stream.trainer_service.publication.publisher import WeightPublisher
 from grpo_stream.trainer_service.server import TrainerServer
 
 

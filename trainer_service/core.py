@@ -26,13 +26,13 @@ from grpo_stream.common.model.hf_checkpoint import export_hf, resolve_model_dir
 from grpo_stream.common.model.sharding import make_mesh, place
 from grpo_stream.common.runtime.process import build_policy, build_task_and_tokenizer
 from grpo_stream.common.weights.snapshot import digest
-from grpo_stream.trainer_service.durability import Resumed
-from grpo_stream.trainer_service.params_policy import params_policy
+from grpo_stream.trainer_service.checkpoints.durability import Resumed
+from grpo_stream.trainer_service.learning.params_policy import params_policy
 from grpo_stream.trainer_service.plans import DonePlan, FinishPlan, Plan, StartPlan, StepPlan
-from grpo_stream.trainer_service.packing import packing_layout
-from grpo_stream.trainer_service.rl_update import PolicyUpdater, state_report
-from grpo_stream.trainer_service.run_outputs import evaluate_heldout
-from grpo_stream.trainer_service.warmstart import warm_start
+from grpo_stream.trainer_service.learning.packing import packing_layout
+from grpo_stream.trainer_service.learning.rl_update import PolicyUpdater, state_report
+from grpo_stream.trainer_service.reports.run_outputs import evaluate_heldout
+from grpo_stream.trainer_service.learning.warmstart import warm_start
 
 log = logging.getLogger(__name__)
 BACKGROUND_WAIT_S = 1800.0  # the longest a step waits for the previous one's publication (a stuck transfer)
@@ -161,7 +161,7 @@ class TrainerCore:
 
     def _new_updater(self) -> PolicyUpdater:
         """The updater of the plain params at hand (initial, warm-started): with model.lora, of the adapted model
-        built around them (params_policy.py)."""
+        built around them (learning/params_policy.py)."""
         cfg, t = self.cfg, self.cfg.trainer
         model, params, trainable = self.policy.trained(self.model.with_remat(t.remat), self.params)
         mesh = self.parts.mesh

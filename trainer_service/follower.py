@@ -19,15 +19,15 @@ from grpo_stream.common.rpc.grpc_util import ServerSecurity
 from grpo_stream.common.runtime.errors import EXIT_FAILURE, EXIT_PERMANENT, PermanentError, record_permanent
 from grpo_stream.common.weights.registry import transport_spec, weight_sink
 from grpo_stream.common.weights.transport import SinkContext
-from grpo_stream.trainer_service.checkpoints import TrainerCheckpoints
+from grpo_stream.trainer_service.checkpoints.store import TrainerCheckpoints
 from grpo_stream.trainer_service.control_messages import ControlMessageError
 from grpo_stream.trainer_service.core import TrainerCore, build_model_parts
-from grpo_stream.trainer_service.durability import Resumed, updater_state
-from grpo_stream.trainer_service.metrics import MetricsWriter
+from grpo_stream.trainer_service.checkpoints.durability import Resumed, updater_state
+from grpo_stream.trainer_service.reports.metrics import MetricsWriter
 from grpo_stream.trainer_service.multihost import TrainerGroup, advertised_host
 from grpo_stream.trainer_service.plan_sources import FollowerSource, drive
-from grpo_stream.trainer_service.publisher import WeightPublisher
-from grpo_stream.trainer_service.rl_update import PolicyUpdater, donates_updates
+from grpo_stream.trainer_service.publication.publisher import WeightPublisher
+from grpo_stream.trainer_service.learning.rl_update import PolicyUpdater, donates_updates
 from grpo_stream.trainer_service.server import TrainerServer
 
 log = logging.getLogger(__name__)
@@ -35,13 +35,13 @@ log = logging.getLogger(__name__)
 
 class ShardKeeper:
     """A follower's checkpoints: its shards of the steps process 0 saves and restores; process 0 keeps the records
-    and acknowledges the groups (durability.py)."""
+    and acknowledges the groups (checkpoints/durability.py)."""
 
     def __init__(self, checkpoints: TrainerCheckpoints, index: int):
         self.checkpoints, self.index = checkpoints, index
 
     def restore(self, step: int, updater: PolicyUpdater) -> Resumed | None:
-        # the step to restore is process 0's choice, whatever this process lists (checkpoints.py: choose_step)
+        # the step to restore is process 0's choice, whatever this process lists (checkpoints/store.py: choose_step)
         self.checkpoints.agree_step(step)
         restored = self.checkpoints.restore_agreed(updater_state(updater))  # that step, never another
         if restored is None:

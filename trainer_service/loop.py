@@ -9,7 +9,8 @@ dropped, counted and logged, never trained on.
 This module sets up process 0 (or the only process) of the trainer: its services (buffer lease, durability, ingest,
 weight publication, status), the core and the plan source, then writes summary.json. What runs on the devices:
 core.py (the same in every process); what happens when: plans.py and plan_sources.py; where a step's groups come
-from: collector.py; exactly-once across crashes: durability.py; what a step reports: step_report.py.
+from: learning/collector.py; exactly-once across crashes: checkpoints/durability.py; what a step reports:
+reports/step_report.py.
 """
 
 from __future__ import annotations
@@ -32,21 +33,21 @@ from grpo_stream.common.runtime.process import stop_on_signals
 from grpo_stream.common.weights.registry import transport_spec, weight_sink
 from grpo_stream.common.weights.snapshot import new_epoch
 from grpo_stream.common.weights.transport import SinkContext
-from grpo_stream.trainer_service.checkpoints import TrainerCheckpoints
-from grpo_stream.trainer_service.collector import GroupCollector
+from grpo_stream.trainer_service.checkpoints.store import TrainerCheckpoints
+from grpo_stream.trainer_service.learning.collector import GroupCollector
 from grpo_stream.trainer_service.core import ModelParts, TrainerCore, build_model_parts
-from grpo_stream.trainer_service.durability import Durability
-from grpo_stream.trainer_service.ingest_server import ingest_servicers
-from grpo_stream.trainer_service.metrics import MetricsWriter, final_figures, open_trackers
+from grpo_stream.trainer_service.checkpoints.durability import Durability
+from grpo_stream.trainer_service.ingest.server import ingest_servicers
+from grpo_stream.trainer_service.reports.metrics import MetricsWriter, final_figures, open_trackers
 from grpo_stream.trainer_service.multihost import TrainerGroup, ignore_signals, start_group
 from grpo_stream.trainer_service.plan_sources import LeaderSource, drive
-from grpo_stream.trainer_service.prompt_queue import PromptQueue
-from grpo_stream.trainer_service.prompt_service import StatusWriter
-from grpo_stream.trainer_service.publisher import WeightPublisher
-from grpo_stream.trainer_service.rl_update import donates_updates
-from grpo_stream.trainer_service.run_outputs import write_summary
+from grpo_stream.trainer_service.ingest.prompt_queue import PromptQueue
+from grpo_stream.trainer_service.ingest.prompt_service import StatusWriter
+from grpo_stream.trainer_service.publication.publisher import WeightPublisher
+from grpo_stream.trainer_service.learning.rl_update import donates_updates
+from grpo_stream.trainer_service.reports.run_outputs import write_summary
 from grpo_stream.trainer_service.server import TrainerServer
-from grpo_stream.trainer_service.step_report import StepReporter
+from grpo_stream.trainer_service.reports.step_report import StepReporter
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ takes writes from anything reaching the coordinator port, so every message and a
 job's secret and checked on receipt (control_messages.py): a forged, overwritten or replayed one is never acted
 on (the process that reads it stops the job with an error naming it), and the keys' names cannot be guessed (so a
 key written ahead cannot be read first, nor make the writer fail). Process 0 also decides the checkpoint step every
-process restores and sends it in the first message (checkpoints.py: a process that cannot read that step stops
+process restores and sends it in the first message (checkpoints/store.py: a process that cannot read that step stops
 instead of restoring another).
 
 Each process serves its own slices of each published version (common/weights/host_shards.py); process 0's
@@ -33,7 +33,7 @@ import numpy as np
 
 from grpo_stream.common.config.schema import RunConfig
 from grpo_stream.protos import weights_pb2
-from grpo_stream.trainer_service.checkpoint_errors import RunRefused
+from grpo_stream.trainer_service.checkpoints.errors import RunRefused
 from grpo_stream.trainer_service.control_messages import STREAMS, ControlCodec, ControlMessageError, Hosts, load_secret
 
 log = logging.getLogger(__name__)

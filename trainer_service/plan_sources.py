@@ -19,10 +19,10 @@ import numpy as np
 
 from grpo_stream.common.config.schema import RunConfig
 from grpo_stream.common.runtime.heartbeat import Heartbeat
-from grpo_stream.trainer_service.batching import build_batch
+from grpo_stream.trainer_service.learning.batching import build_batch
 from grpo_stream.trainer_service.control_messages import ControlMessageError
 from grpo_stream.trainer_service.core import CoreHooks, StepResult, TrainerCore
-from grpo_stream.trainer_service.off_policy_health import HealthMonitor, group_index_of, version_diagnostics
+from grpo_stream.trainer_service.learning.off_policy_health import HealthMonitor, group_index_of, version_diagnostics
 from grpo_stream.trainer_service.plans import (DonePlan, FinishPlan, Plan, StartPlan, StepPlan, done_plan, finish_plan,
                                               from_message, start_plan, step_plan, to_message)
 
@@ -78,7 +78,7 @@ class LeaderSource(CoreHooks):
 
     def __iter__(self) -> Iterator[Plan]:
         s, cfg = self.s, self.cfg
-        # process 0 chooses the checkpoint every process restores (checkpoints.py: choose_step)
+        # process 0 chooses the checkpoint every process restores (checkpoints/store.py: choose_step)
         restore = s.checkpoints.choose_step() if self.group is not None else (s.checkpoints.steps() or [None])[-1]
         yield self._send(start_plan(cfg, s.epoch, restore))
         rl_start, last_end = time.time(), time.time()

@@ -17,7 +17,7 @@ from typing import Union
 import numpy as np
 
 from grpo_stream.common.config.schema import RunConfig
-from grpo_stream.trainer_service.batching import TrainBatch
+from grpo_stream.trainer_service.learning.batching import TrainBatch
 from grpo_stream.trainer_service.control_messages import ControlMessageError, Done, Finish, Start, Step
 
 

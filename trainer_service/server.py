@@ -7,11 +7,11 @@ from __future__ import annotations
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from grpo_stream.common.rpc.grpc_util import ServerSecurity, bind, enable_reflection, new_server
-from grpo_stream.trainer_service.proto_decode import add_service
+from grpo_stream.trainer_service.ingest.proto_decode import add_service
 from grpo_stream.protos import prompts_pb2, rollout_pb2, weights_pb2  # noqa: F401 - registers the services' descriptors
-from grpo_stream.trainer_service.ingest import IngestServicer
-from grpo_stream.trainer_service.publisher import WeightPublisher
-from grpo_stream.trainer_service.weight_data_server import WeightDataServer
+from grpo_stream.trainer_service.ingest.rollout_ingest import IngestServicer
+from grpo_stream.trainer_service.publication.publisher import WeightPublisher
+from grpo_stream.trainer_service.publication.grpc_transport_server.data_plane import WeightDataServer
 
 INGEST, WEIGHTS, PROMPTS = "grpo_stream.v1.RolloutIngest", "grpo_stream.v1.WeightService", "grpo_stream.v1.PromptService"
 

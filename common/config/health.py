@@ -1,5 +1,5 @@
-"""trainer.health: the band that off-policy health diagnostics are judged against (trainer_service/off_policy_health.py;
-docs/objective.md, "Off-policy health")."""
+"""trainer.health: the band that off-policy health diagnostics are judged against
+(trainer_service/learning/off_policy_health.py; docs/objective.md, "Off-policy health")."""
 
 from __future__ import annotations
 

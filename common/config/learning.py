@@ -168,7 +168,7 @@ GSPO_CLIP_LIMIT = 0.1  # a GSPO clip range at least this wide is GRPO's scale, a
 
 
 class AlgoSection(Strict):
-    """The policy-gradient objective; see trainer_service/loss.py and docs/objective.md for the formula."""
+    """The policy-gradient objective; see trainer_service/learning/loss.py and docs/objective.md for the formula."""
 
     loss_algo: Literal["grpo", "gspo-token"] = Field("grpo", description="'grpo': per-token ratio against the "
                                                      "trainer's weights at the step's start, with truncated importance "

@@ -1,6 +1,6 @@
 """The config section of experiment trackers beyond the files every run writes (TensorBoard events and
 metrics-<process>.jsonl in RUN_DIR): Weights & Biases, which the trainer feeds when `tracking.wandb.enabled`
-(trainer_service/metrics.py: the tracker interface; docs/tracking.md)."""
+(trainer_service/reports/metrics.py: the tracker interface; docs/tracking.md)."""
 
 from __future__ import annotations
 

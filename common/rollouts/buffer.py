@@ -14,7 +14,7 @@ Redis layout for run R (prefix P):
   P:R:audit:trainers   stream: per trainer process, its epoch and the checkpoint (step, epoch) it resumed from
   P:R:audit:checkpoints stream: per saved checkpoint, its step and epoch
   P:R:audit:eval       hash: group id -> {prompt, sampler, version, t} of injected train=false answers (never
-                       appended to the stream; see trainer_service/prompt_queue.py for the injection keys)
+                       appended to the stream; see trainer_service/ingest/prompt_queue.py for the injection keys)
   P:R:audit:compacted  hash: the records settled behind the acknowledged checkpoint, folded into counts, and
                        per sampler the data position below which every group is compacted (audit_compaction.py)
   P:R:trainer:fence    the fencing number of the newest trainer start; P:R:trainer:lease its lease (trainer_lease.py)

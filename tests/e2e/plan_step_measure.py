@@ -19,9 +19,9 @@ import numpy as np
 from grpo_stream.common.config.schema import RunConfig
 from grpo_stream.common.model.policy import build_model
 from grpo_stream.common.model.sharding import make_mesh, place, rows_sharding
-from grpo_stream.trainer_service.batching import TrainBatch
-from grpo_stream.trainer_service.packing import pack_minibatch, packing_layout
-from grpo_stream.trainer_service.rl_update import PolicyUpdater
+from grpo_stream.trainer_service.learning.batching import TrainBatch
+from grpo_stream.trainer_service.learning.packing import pack_minibatch, packing_layout
+from grpo_stream.trainer_service.learning.rl_update import PolicyUpdater
 
 
 def resident_bytes() -> int:

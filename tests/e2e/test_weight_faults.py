@@ -33,8 +33,8 @@ from grpo_stream.common.runtime.process import build_policy, build_task_and_toke
 from grpo_stream.common.rollouts.wire import GroupLimits, decode_group
 from tests.e2e.test_up import ROOT
 from tests.support import deployment_auth, wait_for
-from grpo_stream.trainer_service.ingest import IngestServicer
-from grpo_stream.trainer_service.publisher import WeightPublisher
+from grpo_stream.trainer_service.ingest.rollout_ingest import IngestServicer
+from grpo_stream.trainer_service.publication.publisher import WeightPublisher
 from grpo_stream.trainer_service.server import TrainerServer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.redis, pytest.mark.slow]

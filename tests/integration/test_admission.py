@@ -13,9 +13,9 @@ from grpo_stream.common.rpc.auth import write_tokens
 from grpo_stream.common.rpc.grpc_util import CHANNEL_OPTIONS
 from grpo_stream.protos import rollout_pb2, rollout_pb2_grpc
 from grpo_stream.sampler_service.admission_client import AdmissionClient
-from grpo_stream.trainer_service.admission import AdmissionControl, AdmissionLimits
-from grpo_stream.trainer_service.ingest import IngestServicer
-from grpo_stream.trainer_service.publisher import WeightPublisher
+from grpo_stream.trainer_service.ingest.admission import AdmissionControl, AdmissionLimits
+from grpo_stream.trainer_service.ingest.rollout_ingest import IngestServicer
+from grpo_stream.trainer_service.publication.publisher import WeightPublisher
 from grpo_stream.trainer_service.server import TrainerServer
 from tests.support import serve, with_run_name
 

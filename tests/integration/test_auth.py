@@ -278,7 +278,7 @@ def test_plaintext_beyond_loopback_is_warned_about_or_refused(tiny_parts, shared
 
     from grpo_stream.common.rpc.grpc_util import ServerSecurity, is_loopback  # noqa: PLC0415
     from grpo_stream.trainer_service.server import TrainerServer  # noqa: PLC0415
-    from grpo_stream.trainer_service.publisher import WeightPublisher  # noqa: PLC0415
+    from grpo_stream.trainer_service.publication.publisher import WeightPublisher  # noqa: PLC0415
 
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("[::1]") and is_loopback("localhost")
     assert not is_loopback("0.0.0.0") and not is_loopback("") and not is_loopback("10.1.2.3")

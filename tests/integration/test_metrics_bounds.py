@@ -9,8 +9,8 @@ import pytest
 
 from grpo_stream.protos import weights_pb2, weights_pb2_grpc
 from grpo_stream.trainer_service import publisher as publisher_module
-from grpo_stream.trainer_service.metrics import MetricsWriter
-from grpo_stream.trainer_service.step_report import MAX_LAG_SERIES, StepReporter
+from grpo_stream.trainer_service.reports.metrics import MetricsWriter
+from grpo_stream.trainer_service.reports.step_report import MAX_LAG_SERIES, StepReporter
 from tests.support import serve, with_run_name
 
 pytestmark = pytest.mark.redis

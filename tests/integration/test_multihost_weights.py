@@ -19,7 +19,7 @@ from grpo_stream.common.weights.grpc_transport import GrpcFetcher
 from grpo_stream.common.weights.host_shards import HeldBoxes, add_sources
 from grpo_stream.common.weights.snapshot import WeightSnapshot, WeightTransferError
 from grpo_stream.protos import weights_pb2, weights_pb2_grpc
-from grpo_stream.trainer_service.publisher import WeightPublisher
+from grpo_stream.trainer_service.publication.publisher import WeightPublisher
 from grpo_stream.trainer_service.server import TrainerServer
 
 FULL = {"w": np.arange(48, dtype=np.float32).reshape(8, 6) / 7, "b": np.arange(6, dtype=np.float32) - 2.5,

@@ -13,7 +13,7 @@ from grpo_stream.prompt_client import PromptClient
 from grpo_stream.common.rpc.grpc_util import ClientSecurity
 from grpo_stream.common.rollouts.wire import to_proto
 from grpo_stream.protos import prompts_pb2, prompts_pb2_grpc, rollout_pb2, rollout_pb2_grpc
-from grpo_stream.trainer_service.prompt_service import StatusWriter
+from grpo_stream.trainer_service.ingest.prompt_service import StatusWriter
 from tests.support import FakeClock, answer, serve, with_run_name
 
 pytestmark = pytest.mark.redis

@@ -8,7 +8,7 @@ import pytest
 
 from grpo_stream.common.rollouts.redis_server import EmbeddedRedis, RedisConnectError, connect
 from grpo_stream.common.rollouts.registry import open_buffer
-from grpo_stream.trainer_service.ingest_server import run_ingest
+from grpo_stream.trainer_service.ingest.server import run_ingest
 from tests.support import with_run_name
 
 pytestmark = pytest.mark.redis

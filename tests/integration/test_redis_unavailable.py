@@ -11,8 +11,8 @@ import redis
 
 from grpo_stream.common.rollouts.buffer import BufferUnavailable, Incoming, RedisStreamBuffer
 from grpo_stream.common.rollouts.redis_server import EmbeddedRedis, connect
-from grpo_stream.trainer_service.prompt_queue import PromptQueue
-from grpo_stream.trainer_service.prompt_service import StatusWriter
+from grpo_stream.trainer_service.ingest.prompt_queue import PromptQueue
+from grpo_stream.trainer_service.ingest.prompt_service import StatusWriter
 
 pytestmark = pytest.mark.redis
 

@@ -20,7 +20,7 @@ from grpo_stream.prompt_client import PromptClient
 from grpo_stream.protos import prompts_pb2, rollout_pb2, rollout_pb2_grpc
 from grpo_stream.sampler_service import group_source
 from grpo_stream.sampler_service.group_source import GroupSource
-from grpo_stream.trainer_service.prompt_queue import PromptQueue
+from grpo_stream.trainer_service.ingest.prompt_queue import PromptQueue
 from tests.support import serve, with_run_name
 
 pytestmark = pytest.mark.redis

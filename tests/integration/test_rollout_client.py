@@ -10,8 +10,8 @@ from grpo_stream.common.rollouts.wire import decode_group, to_proto
 from grpo_stream.sampler_service.rollout_client import RolloutClient
 from tests.integration.test_trainer_server import LIMITS, group
 from tests.support import wait_for
-from grpo_stream.trainer_service.ingest import IngestServicer
-from grpo_stream.trainer_service.publisher import WeightPublisher
+from grpo_stream.trainer_service.ingest.rollout_ingest import IngestServicer
+from grpo_stream.trainer_service.publication.publisher import WeightPublisher
 from grpo_stream.trainer_service.server import TrainerServer
 
 pytestmark = pytest.mark.redis

@@ -15,7 +15,7 @@ import pytest
 from grpo_stream.common.rollouts.buffer import RedisStreamBuffer
 from grpo_stream.common.rollouts.redis_server import EmbeddedRedis, RedisConnectError, connect, free_port
 from grpo_stream.common.runtime.backoff import StopRequested
-from grpo_stream.trainer_service.collector import when_available
+from grpo_stream.trainer_service.learning.collector import when_available
 from tests.e2e.test_up import ROOT, run_cli
 from tests.support import wait_for
 

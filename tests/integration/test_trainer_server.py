@@ -17,8 +17,8 @@ from grpo_stream.protos import rollout_pb2, rollout_pb2_grpc
 from grpo_stream.sampler_service.rollout_client import RolloutClient
 from grpo_stream.sampler_service.weight_sync import WeightSync
 from tests.support import FakeClock, wait_for
-from grpo_stream.trainer_service.ingest import IngestServicer
-from grpo_stream.trainer_service.publisher import WeightPublisher
+from grpo_stream.trainer_service.ingest.rollout_ingest import IngestServicer
+from grpo_stream.trainer_service.publication.publisher import WeightPublisher
 from grpo_stream.trainer_service.server import TrainerServer
 
 pytestmark = pytest.mark.redis
@@ -331,7 +331,7 @@ def test_tcp_data_plane_moves_versions_exactly_and_refuses_bad_requests(stack, t
     from grpo_stream.common.model.sharding import make_mesh
     from grpo_stream.protos import weights_pb2
     from grpo_stream.common.weights.grpc_transport import GrpcFetcher
-    from grpo_stream.trainer_service.weight_data_server import WeightDataServer
+    from grpo_stream.trainer_service.publication.grpc_transport_server.data_plane import WeightDataServer
 
     _, _, publisher, _, channel = stack
     _, _, _, model = tiny_parts
@@ -408,7 +408,7 @@ def test_busy_data_plane_sends_fetches_over_grpc(stack, tiny_parts):
 
     from grpo_stream.common.model.sharding import make_mesh
     from grpo_stream.common.weights.grpc_transport import GrpcFetcher
-    from grpo_stream.trainer_service.weight_data_server import WeightDataServer
+    from grpo_stream.trainer_service.publication.grpc_transport_server.data_plane import WeightDataServer
 
     from grpo_stream.common.weights import tcp_wire
     from grpo_stream.protos import weights_pb2

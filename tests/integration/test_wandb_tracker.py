@@ -9,9 +9,9 @@ import pytest
 from grpo_stream.common.config.loading import load_config
 from grpo_stream.common.config.redact import redacted
 from grpo_stream.common.runtime.errors import PermanentError
-from grpo_stream.trainer_service.metrics import open_trackers, sample_rows
-from grpo_stream.trainer_service.wandb_tracker import SAMPLE_COLUMNS, SAMPLES_KEY, WandbTracker
-from tests.unit.trainer_service.test_tracking import group
+from grpo_stream.trainer_service.reports.metrics import open_trackers, sample_rows
+from grpo_stream.trainer_service.reports.wandb_tracker import SAMPLE_COLUMNS, SAMPLES_KEY, WandbTracker
+from tests.unit.trainer_service.reports.test_tracking import group
 from tests.wandb_offline import offline_runs, read_run
 
 OFFLINE = ["tracking.wandb.enabled=true", "tracking.wandb.mode=offline", "tracking.wandb.project=grpo-stream-test",

@@ -21,7 +21,7 @@ from grpo_stream.common.tasks.rewards import REWARDS
 from grpo_stream.common.weights.registry import TRANSPORTS, weight_sink, weight_source
 from grpo_stream.common.weights.transport import SinkContext, SourceContext, TransportSpec
 from grpo_stream.sampler_service.weight_sync import WeightSync
-from grpo_stream.trainer_service.publisher import WeightPublisher
+from grpo_stream.trainer_service.publication.publisher import WeightPublisher
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 

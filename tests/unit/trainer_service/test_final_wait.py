@@ -7,7 +7,7 @@ import time
 import types
 
 from grpo_stream.trainer_service.plan_sources import await_samplers
-from grpo_stream.trainer_service.publisher import WeightPublisher
+from grpo_stream.trainer_service.publication.publisher import WeightPublisher
 
 
 def waiter(replicas: int, final_wait_s: float = 5.0):

@@ -11,7 +11,7 @@ from grpo_stream.common.runtime.errors import EXIT_FAILURE, EXIT_PERMANENT, read
 
 CODE = """
 import pathlib, sys
-from grpo_stream.trainer_service.checkpoint_errors import CheckpointMismatch
+from grpo_stream.trainer_service.checkpoints.errors import CheckpointMismatch
 from grpo_stream.trainer_service.follower import stop_now
 error = CheckpointMismatch("checkpoint.dir holds a different model") if sys.argv[2] == "permanent" else \\
     RuntimeError("lost trainer process 0")

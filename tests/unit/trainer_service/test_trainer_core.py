@@ -8,14 +8,14 @@ import pytest
 
 from grpo_stream.common.config.loading import load_config
 from grpo_stream.common.rollouts.wire import CompletionData, GroupData
-from grpo_stream.trainer_service.batching import build_batch
-from grpo_stream.trainer_service.packing import packing_layout
-from grpo_stream.trainer_service.checkpoints import CheckpointDisagreement, TrainerCheckpoints
+from grpo_stream.trainer_service.learning.batching import build_batch
+from grpo_stream.trainer_service.learning.packing import packing_layout
+from grpo_stream.trainer_service.checkpoints.store import CheckpointDisagreement, TrainerCheckpoints
 from grpo_stream.trainer_service.core import CoreHooks, TrainerCore, build_model_parts
 from grpo_stream.trainer_service.follower import ShardKeeper
 from grpo_stream.trainer_service.plans import DonePlan, FinishPlan, StartPlan, StepPlan
-from grpo_stream.trainer_service.publisher import WeightPublisher
-from grpo_stream.trainer_service.rl_update import PolicyUpdater
+from grpo_stream.trainer_service.publication.publisher import WeightPublisher
+from grpo_stream.trainer_service.learning.rl_update import PolicyUpdater
 from tests.conftest import CONFIGS
 
 STEPS = 4

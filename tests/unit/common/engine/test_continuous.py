@@ -8,7 +8,7 @@ import pytest
 from grpo_stream.bench.static_engine import StaticEngine
 from grpo_stream.common.engine.continuous import ContinuousEngine
 from grpo_stream.common.model.policy import sequence_logprobs
-from grpo_stream.trainer_service.batching import layout
+from grpo_stream.trainer_service.learning.batching import layout
 from tests.mixed_versions import every_other_call, mixed_version_logprobs, scaled_versions
 
 NO_EOS = -1  # no token ends a completion: lengths are the budgets

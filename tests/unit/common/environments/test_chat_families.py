@@ -26,7 +26,7 @@ from grpo_stream.common.rollouts.wire import CompletionData, GroupData
 from grpo_stream.common.runtime.process import build_policy, build_task_and_tokenizer
 from grpo_stream.common.tools.calls import MalformedToolCall, ToolCall, parse_tool_calls, render_tool_call
 from grpo_stream.common.tools.functions import ToolSet
-from grpo_stream.trainer_service.batching import build_batch, layout
+from grpo_stream.trainer_service.learning.batching import build_batch, layout
 from tests.chat_families import FAMILIES, chat_family_dirs  # noqa: F401 - chat_family_dirs is a fixture
 from tests.conftest import CONFIGS
 

@@ -15,7 +15,7 @@ from grpo_stream.common.environments.render import PlainRenderer
 from grpo_stream.common.episodes.finite import run_episodes
 from grpo_stream.common.episodes.tool_turns import EpisodeSettings, ToolTurns
 from grpo_stream.common.model.policy import sequence_logprobs
-from grpo_stream.trainer_service.batching import layout
+from grpo_stream.trainer_service.learning.batching import layout
 
 P, C = 24, 40
 

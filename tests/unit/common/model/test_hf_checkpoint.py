@@ -207,7 +207,7 @@ def test_engine_logprobs_equal_the_trainers_recomputation(tmp_path, family):
     """KV-cached sampling with the decode forward agrees with the training module on every family."""
     from grpo_stream.common.engine.continuous import ContinuousEngine
     from grpo_stream.common.model.policy import sequence_logprobs
-    from grpo_stream.trainer_service.batching import layout
+    from grpo_stream.trainer_service.learning.batching import layout
 
     make_hf_model(tmp_path, family, 5)
     model = load_hf_model(str(tmp_path), "float32")

@@ -11,8 +11,8 @@ from grpo_stream.common.config.learning import AlgoSection, LoraSection, ModelSe
 from grpo_stream.common.config.loading import ConfigError, load_config
 from grpo_stream.common.model.lora import apply_lora, is_adapter
 from grpo_stream.common.model.policy import build_model, sequence_logprobs
-from grpo_stream.trainer_service.batching import TrainBatch
-from grpo_stream.trainer_service.rl_update import PolicyUpdater
+from grpo_stream.trainer_service.learning.batching import TrainBatch
+from grpo_stream.trainer_service.learning.rl_update import PolicyUpdater
 
 VOCAB = 160
 

@@ -239,7 +239,7 @@ def test_chat_renders_the_prompt_as_the_user_turn():
 
 
 def test_the_trainer_reports_each_reward_component():
-    from grpo_stream.trainer_service.step_report import component_means
+    from grpo_stream.trainer_service.reports.step_report import component_means
 
     @dataclasses.dataclass
     class Completion:

@@ -23,8 +23,8 @@ from grpo_stream.common.rpc.grpc_util import CHANNEL_OPTIONS, SERVER_OPTIONS
 from grpo_stream.common.weights.grpc_transport import GrpcFetcher, GrpcSink
 from grpo_stream.common.weights.host_staging import HostStaging
 from grpo_stream.protos import weights_pb2_grpc
-from grpo_stream.trainer_service.publisher import WeightPublisher
-from grpo_stream.trainer_service.weight_data_server import WeightDataServer
+from grpo_stream.trainer_service.publication.publisher import WeightPublisher
+from grpo_stream.trainer_service.publication.grpc_transport_server.data_plane import WeightDataServer
 
 assert jax.device_count() == 2
 mesh = Mesh(np.array(jax.devices()), ("tp",))

@@ -10,7 +10,7 @@ from grpo_stream.common.weights.grpc_transport import GrpcSink
 from grpo_stream.common.weights.host_staging import HostStaging
 from grpo_stream.common.weights.snapshot import SliceAssembler, box_from_proto
 from grpo_stream.protos import weights_pb2
-from grpo_stream.trainer_service.publisher import WeightPublisher
+from grpo_stream.trainer_service.publication.publisher import WeightPublisher
 
 CHUNK = 1 << 16
 

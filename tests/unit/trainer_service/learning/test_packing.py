@@ -1,0 +1,111 @@
+"""The packer (trainer_service/learning/packing.py): every live sequence placed once, whole, in a row it fits, attending
+only to itself with positions from 0; the per-sequence windows point at each completion token's logprob; the pass
+size follows trainer.tokens_per_micro_batch; bad settings are refused naming the field."""
+
+import numpy as np
+import pytest
+
+from grpo_stream.common.config.base import ConfigError
+from grpo_stream.common.config.loading import load_config
+from grpo_stream.common.model.families.record import Architecture
+from grpo_stream.trainer_service.learning.packing import (first_fit_decreasing, pack_minibatch, packing_layout,
+                                                 rows_per_micro_batch)
+from tests.unit.trainer_service.learning.packing_cases import COMPLETION, PROMPT, layout, random_batch
+
+
+def packed(seed=0, rows=4):
+    b = random_batch(seed)
+    fields = [np.asarray(x) for x in (b.tokens, b.valid, b.loss_mask, b.behaviour_logprobs, b.advantages, b.fresh)]
+    return fields, pack_minibatch(*fields, layout(rows), pad_id=0)
+
+
+def test_first_fit_decreasing_respects_the_row_length_and_slots_and_is_deterministic():
+    rng = np.random.default_rng(1)
+    lengths = rng.integers(1, 40, 200)
+    rows = first_fit_decreasing(lengths, 64, 5)
+    assert sorted(i for row in rows for i in row) == list(range(200))
+    assert all(lengths[row].sum() <= 64 and len(row) <= 5 for row in rows)
+    assert rows == first_fit_decreasing(lengths, 64, 5)
+    assert len(rows) <= np.ceil(lengths.sum() / 64) * 11 / 9 + 1  # FFD's bound: 11/9 OPT + 6/9
+    with pytest.raises(ValueError, match="a sequence of 65 tokens does not fit a packed row of 64"):
+        first_fit_decreasing(np.array([65]), 64, 5)
+
+
+def test_each_live_sequence_is_one_segment_with_its_tokens_positions_and_completion_window():
+    (tokens, valid, mask, behaviour, advantages, fresh), pack = packed()
+    live = set(np.flatnonzero(mask.sum(axis=1) > 0))
+    x, seen = pack.passes, []
+    assert x.tokens.shape == (6, 4, PROMPT + COMPLETION)  # room for one sequence a row: 24 / 4 passes
+    assert 1 <= pack.count < 6 and not x.segments[pack.count:].any()  # the rest of the stack is never used
+    for k, r, s in zip(*np.nonzero(pack.sources >= 0)):
+        i = pack.sources[k, r, s]
+        seen.append(i)
+        where = x.segments[k, r] == s + 1
+        np.testing.assert_array_equal(x.tokens[k, r][where], tokens[i][valid[i]])  # whole, in order
+        np.testing.assert_array_equal(x.positions[k, r][where], np.arange(where.sum()))  # from 0
+        c = int(valid[i, PROMPT:].sum())
+        assert x.lengths[k, r, s] == c
+        at = x.starts[k, r, s] + np.arange(c)
+        # the logprob at a position predicts the token after it: completion token j of sequence i
+        np.testing.assert_array_equal(x.tokens[k, r][at + 1], tokens[i, PROMPT:PROMPT + c])
+        np.testing.assert_array_equal(x.loss_mask[k, r][at], mask[i, PROMPT - 1:PROMPT - 1 + c])
+        np.testing.assert_array_equal(x.behaviour[k, r][at], behaviour[i, PROMPT - 1:PROMPT - 1 + c])
+        assert x.advantages[k, r, s] == advantages[i] and x.fresh[k, r, s] == fresh[i]
+    assert not x.lengths[pack.sources < 0].any()  # empty slots count for nothing
+    assert x.loss_mask.sum() == mask.sum()  # and no token is in the loss twice
+    assert sorted(seen) == sorted(live)  # sequences with nothing in the loss are left out, the rest placed once
+    assert pack.normalizers == (float(mask.sum()), float(len(live)))
+    assert pack.real_tokens() == int(valid[sorted(live)].sum())
+    assert pack.laid_out_tokens() == pack.count * 4 * (PROMPT + COMPLETION)
+
+
+def test_a_minibatch_with_nothing_in_the_loss_still_makes_one_empty_pass():
+    (tokens, valid, mask, behaviour, advantages, fresh), _ = packed()
+    pack = pack_minibatch(tokens, valid, np.zeros_like(mask), behaviour, advantages, fresh, layout(), pad_id=0)
+    assert pack.count == 1 and not pack.passes.segments.any()
+    assert pack.normalizers == (0.0, 0.0)
+
+
+def test_a_minibatch_larger_than_the_configured_one_gets_more_passes():
+    b = random_batch(0, n=48)
+    fields = [np.asarray(x) for x in (b.tokens, b.valid, b.loss_mask, b.behaviour_logprobs, b.advantages, b.fresh)]
+    pack = pack_minibatch(*fields, layout(rows=2, sequences=8), pad_id=0)
+    assert pack.passes.tokens.shape[0] == pack.count > 4
+
+
+def test_a_loss_mask_outside_the_completion_window_is_refused():
+    (tokens, valid, mask, behaviour, advantages, fresh), _ = packed()
+    prompt = mask.copy()
+    prompt[0, 2] = 1.0
+    with pytest.raises(ValueError, match="covers prompt positions"):
+        pack_minibatch(tokens, valid, prompt, behaviour, advantages, fresh, layout(), pad_id=0)
+    past = mask.copy()
+    short = int(np.argmin(valid[:, PROMPT:].sum(axis=1)))
+    past[short, PROMPT - 1 + COMPLETION - 1] = 1.0
+    with pytest.raises(ValueError, match="past a sequence's completion"):
+        pack_minibatch(tokens, valid, past, behaviour, advantages, fresh, layout(), pad_id=0)
+
+
+def test_the_pass_size_follows_the_token_budget_and_the_mesh():
+    assert rows_per_micro_batch(4096, None, 64, 1024, 1) == 4
+    assert rows_per_micro_batch(5000, 2, 64, 1024, 1) == 4  # the budget wins over micro_batch_size
+    assert rows_per_micro_batch(None, 6, 64, 1024, 4) == 8  # rounded up to whole rows per fsdp device
+    assert rows_per_micro_batch(None, None, 64, 1024, 1) == 16  # a quarter of the minibatch's sequences
+    cfg = load_config("configs/tiny_arith.yaml", ["trainer.tokens_per_micro_batch=420"])
+    assert packing_layout(cfg, 1).rows == 10 and packing_layout(cfg, 4).rows == 12
+    assert packing_layout(cfg, 1).passes == 13  # 128 sequences a minibatch, one a row at most
+    assert packing_layout(load_config("configs/tiny_arith.yaml", ["trainer.packing=false"]), 1) is None
+
+
+def test_bad_packing_settings_are_refused_naming_the_field_and_the_fix():
+    with pytest.raises(ConfigError, match=r"trainer.tokens_per_micro_batch=40 is below one row of .* = 42 tokens; "
+                                          "raise it to at least 42"):
+        load_config("configs/tiny_arith.yaml", ["trainer.tokens_per_micro_batch=40"])
+    with pytest.raises(ConfigError, match="with trainer.packing=false use trainer.micro_batch_size"):
+        load_config("configs/tiny_arith.yaml", ["trainer.tokens_per_micro_batch=420", "trainer.packing=false"])
+    gemma2 = Architecture(family="gemma2", vocab_size=256, num_layers=2, embed_dim=64, hidden_dim=128, num_heads=2,
+                          num_kv_heads=1, head_dim=32, norm_eps=1e-6, rope_theta=1e4, tied_embeddings=True,
+                          sliding_window=32)
+    with pytest.raises(ValueError, match="sliding window of 32 tokens is shorter than a packed row of 42.*"
+                                         "set trainer.packing=false"):
+        packing_layout(load_config("configs/tiny_arith.yaml", []), 1, gemma2)

@@ -1,0 +1,125 @@
+"""The RL update with a real tiny model and real engine rollouts."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from grpo_stream.common.config.learning import AlgoSection
+from grpo_stream.common.engine.continuous import ContinuousEngine
+from grpo_stream.common.rollouts.wire import CompletionData, GroupData
+from grpo_stream.trainer_service.learning.batching import build_batch
+from grpo_stream.trainer_service.learning.rl_update import PolicyUpdater
+
+
+@pytest.fixture(scope="module")
+def rollout(tiny_parts):
+    """Groups sampled by the engine with the model's own weights (staleness 0)."""
+    cfg, task, tok, model = tiny_parts
+    gen = cfg.generation
+    engine = ContinuousEngine(model, tok.pad_id, tok.eos_id, gen.max_prompt_tokens, gen.max_new_tokens, gen.temperature)
+    n, problems = gen.num_generations, [task.train_problem(i) for i in range(4)]
+    prompts = [tok.encode(p.prompt) for p in problems]
+    out = engine.generate(model.params, [ids for ids in prompts for _ in range(n)], jax.random.key(0))
+    rng = np.random.default_rng(0)
+    groups = []
+    for k, ids in enumerate(prompts):
+        comps = [CompletionData(out.tokens[j, :out.lengths[j]], out.logprobs[j, :out.lengths[j]],
+                                float(rng.integers(0, 2)), not out.finished[j]) for j in range(k * n, (k + 1) * n)]
+        comps[0].reward, comps[1].reward = 1.0, 0.0  # every group has signal
+        groups.append(GroupData(f"g{k}", f"p{k}", np.array(ids, np.int32), comps, 0, "s"))
+    return groups
+
+
+def make(tiny_parts, rollout, **algo):
+    cfg, _, tok, model = tiny_parts
+    a = AlgoSection(**algo)
+    batch, _ = build_batch(rollout, cfg.generation.max_prompt_tokens, cfg.generation.max_new_tokens, tok.pad_id, a,
+                           held_version=0)
+    return PolicyUpdater(model, model.params, a, 1e-3, 1.0, cfg.generation.temperature, tok.pad_id), batch
+
+
+def test_zero_staleness_one_pass_ratio_is_one_and_weights_are_one(tiny_parts, rollout):
+    updater, batch = make(tiny_parts, rollout, tis_cap=2.0)
+    m = updater.update(batch)
+    assert m["ratio_min"] == m["ratio_max"] == 1.0
+    assert abs(m["is_weight_mean"] - 1.0) < 1e-5 and abs(m["is_weight_min"] - 1.0) < 1e-5
+    # sampler-trainer agreement at version lag 0, float32
+    assert m["fresh_tokens"] > 0 and m["logprob_diff_mean"] < 1e-5 and m["logprob_diff_max"] < 1e-4
+    assert m["optimizer_steps"] == 1
+
+
+def test_several_passes_use_old_logprobs_from_before_the_first_update(tiny_parts, rollout):
+    updater, batch = make(tiny_parts, rollout, num_iterations=2, minibatches=2)
+    before = jax.tree_util.tree_leaves(updater.params)[0].copy()
+    m = updater.update(batch)
+    assert m["optimizer_steps"] == 4
+    assert m["ratio_max"] > 1.0 or m["ratio_min"] < 1.0  # later minibatches are off the old policy
+    assert not np.array_equal(before, jax.tree_util.tree_leaves(updater.params)[0])
+
+
+def _live_bytes():
+    return sum(a.nbytes for a in jax.live_arrays())
+
+
+def test_beta_zero_holds_no_reference_model(tiny_parts, rollout):
+    _, _, _, model = tiny_parts
+    param_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(model.params))
+    start = _live_bytes()
+    plain, _ = make(tiny_parts, rollout, beta=0.0)
+    plain_bytes = _live_bytes() - start
+    assert plain.ref_params is None
+    start = _live_bytes()
+    with_ref, batch = make(tiny_parts, rollout, beta=0.1)
+    ref_bytes = _live_bytes() - start
+    assert with_ref.ref_params is not None
+    # the reference costs exactly one more copy of the parameters (measured on live device buffers);
+    # the batch built by `make` is the same size both times
+    assert ref_bytes - plain_bytes == param_bytes
+    m = with_ref.update(batch)
+    assert m["kl"] == pytest.approx(0.0, abs=1e-6)  # reference == policy before the first update
+
+
+def test_donation_updates_in_place_with_the_same_result(tiny_parts, rollout):
+    """With donation the update step writes the new parameters and optimizer state over the old buffers: the same
+    numbers as without, the replaced parameters are gone, and no second copy of the state stays alive."""
+    cfg, _, tok, model = tiny_parts
+    a = AlgoSection(num_iterations=2, minibatches=2)
+    batch, _ = build_batch(rollout, cfg.generation.max_prompt_tokens, cfg.generation.max_new_tokens, tok.pad_id, a,
+                           held_version=0)
+    results = {}
+    for donate in (False, True):
+        params = jax.tree.map(jnp.copy, model.params)  # the fixture's own arrays must survive
+        updater = PolicyUpdater(model, params, a, 1e-3, 1.0, cfg.generation.temperature, tok.pad_id, donate=donate)
+        updater.update(batch)  # compiles; then measure a second update
+        before = updater.params
+        start = _live_bytes()
+        updater.update(batch)
+        grown = _live_bytes() - start
+        assert all(x.is_deleted() for x in jax.tree.leaves(before)) == donate
+        results[donate] = (jax.tree.map(np.asarray, updater.params), grown)
+    param_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(model.params))
+    for x, y in zip(jax.tree.leaves(results[False][0]), jax.tree.leaves(results[True][0])):
+        np.testing.assert_array_equal(x, y)
+    # without donation the caller's old parameters stay alive beside the new ones; with it nothing grows
+    assert results[False][1] >= param_bytes and results[True][1] < param_bytes
+
+
+def test_the_update_step_compiles_once_over_several_steps(tiny_parts, rollout):
+    """On a mesh, the step hands back parameters and optimizer state in the layout it took them in: the second
+    and later steps reuse the first step's program. (XLA's own output shardings spelt replicated axes differently,
+    and the optimizer's step counts started uncommitted, so the whole update compiled twice: minutes on a large
+    model.)"""
+    from grpo_stream.common.model.sharding import make_mesh, place, rows_sharding
+
+    cfg, _, tok, model = tiny_parts
+    mesh = make_mesh(1, 1, jax.devices()[:1], "trainer.mesh")
+    a = AlgoSection(beta=0.04)
+    batch, _ = build_batch(rollout, cfg.generation.max_prompt_tokens, cfg.generation.max_new_tokens, tok.pad_id, a,
+                           held_version=0)
+    updater = PolicyUpdater(model, place(jax.tree.map(jnp.copy, model.params), mesh), a, 1e-3, 1.0,
+                            cfg.generation.temperature, tok.pad_id, mesh, donate=True)
+    for _ in range(3):
+        updater.update(jax.device_put(batch, rows_sharding(mesh, batch.tokens.shape[0])))
+    assert updater._step._cache_size() == 1
+    assert updater._logprobs._cache_size() == 1

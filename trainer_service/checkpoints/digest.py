@@ -1,0 +1,91 @@
+"""SHA-256s of a committed checkpoint's files, written beside them off the step's path and checked before a restore.
+
+With checkpoint.verify a checkpoint's files get their SHA-256s in `<step>/sha256.json` once Orbax has committed
+the save. Hashing the files, not the arrays, keeps the step loop and the devices out of it: no second copy of the
+parameters and optimizer state off the devices (the update donates them, so a copy read later could find them
+gone), no collective on a thread of a multi-process trainer (gathering a sharded array is one, and would interleave
+with the step's), and it checks the very bytes a restore reads. `DigestWriter` hashes on one background thread
+while the trainer keeps stepping.
+
+A restore checks every listed file before reading any array. A file that differs or is gone rejects the checkpoint.
+A checkpoint whose digest file is missing (the process died between Orbax's commit and the digest) or cut off is
+unverified; trainer_service/checkpoints/store.py sets it aside like a damaged one.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import json
+from typing import Iterator
+
+from etils import epath
+
+DIGEST_FILE = "sha256.json"
+_PIECE = 16 << 20  # bytes hashed per read: bounded host memory whatever the checkpoint's size
+
+
+class DigestMissing(Exception):
+    """The checkpoint has no (complete) digest file."""
+
+
+def _files(root: epath.Path, under: epath.Path) -> Iterator[epath.Path]:
+    for path in sorted(under.iterdir(), key=lambda p: p.name):
+        if path.is_dir():
+            yield from _files(root, path)
+        elif not (under == root and path.name.startswith(DIGEST_FILE)):  # the digest and its temporary file
+            yield path
+
+
+def _sha256(path: epath.Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while piece := f.read(_PIECE):
+            h.update(piece)
+    return h.hexdigest()
+
+
+def files_digest(step_dir: epath.Path) -> dict[str, str]:
+    """Relative path -> SHA-256 of every file of the checkpoint in `step_dir` (but the digest file)."""
+    return {str(p.relative_to(step_dir)): _sha256(p) for p in _files(step_dir, step_dir)}
+
+
+def write_digest(step_dir: epath.Path) -> None:
+    """Hash `step_dir`'s files and write the digest file beside them; the write is atomic (a process killed while
+    writing leaves no digest file, which a restore treats as a missing digest)."""
+    record = {"sha256": files_digest(step_dir)}
+    tmp = step_dir / f"{DIGEST_FILE}.tmp"
+    tmp.write_text(json.dumps(record, indent=0, sort_keys=True))
+    tmp.rename(step_dir / DIGEST_FILE)
+
+
+def check_digest(step_dir: epath.Path) -> str | None:
+    """None when every file the digest lists is there with its SHA-256; else what differs. Raises DigestMissing when
+    there is no complete digest file. Files added since (an NFS `.nfs*` leftover) are not the checkpoint's: ignored."""
+    path = step_dir / DIGEST_FILE
+    if not path.exists():
+        raise DigestMissing(f"no {DIGEST_FILE}")
+    try:
+        listed = json.loads(path.read_text())["sha256"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise DigestMissing(f"{DIGEST_FILE} is incomplete ({type(exc).__name__})") from exc
+    for name, expected in sorted(listed.items()):
+        file = step_dir / name
+        if not file.exists():
+            return f"its file {name} is gone"
+        if _sha256(file) != expected:
+            return f"its file {name} does not match the SHA-256 saved with it"
+    return None
+
+
+class DigestWriter:
+    """Writes digest files on one background thread, in the order asked."""
+
+    def __init__(self):
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-digest")
+
+    def submit(self, step_dir: epath.Path) -> concurrent.futures.Future:
+        return self._pool.submit(write_digest, step_dir)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)

@@ -1,0 +1,173 @@
+"""Exactly-once training across crashes: which groups a checkpoint holds, when they are acknowledged, and resuming.
+
+The groups of a step are acknowledged ("trained") in the buffer only after the checkpoint *after* the one holding
+their update is on disk, so a crash, or a corrupt newest checkpoint, replays them from the buffer instead of losing
+them; a restarted trainer resumes from the newest valid checkpoint and first settles the groups that checkpoint
+already holds. Every step, checkpoint and trainer start is written to the buffer's audit trail.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import threading
+
+from grpo_stream.common.runtime.console import detail_logger
+from grpo_stream.common.config.schema import RunConfig
+from grpo_stream.common.rollouts.buffer import RolloutBuffer
+from grpo_stream.trainer_service.checkpoints.errors import RunRefused
+from grpo_stream.trainer_service.checkpoints.store import TrainerCheckpoints
+from grpo_stream.trainer_service.learning.collector import when_available
+from grpo_stream.trainer_service.learning.rl_update import PolicyUpdater
+
+log = logging.getLogger(__name__)
+detail = detail_logger(__name__)
+
+
+@dataclasses.dataclass
+class Resumed:
+    step: int
+    state: dict
+    record: dict
+
+
+def updater_state(updater: PolicyUpdater) -> dict:
+    """What a checkpoint holds of the optimisation: parameters, optimizer state, and the KL reference if any. With
+    LoRA the trained part only (`adapters`, `ref_adapters`): the frozen base is saved once (`save_base`)."""
+    train, frozen = updater.split(updater.params)
+    state = {"params": updater.params} if frozen is None else {"adapters": train}
+    state["opt_state"] = updater.opt_state
+    if updater.ref_params is not None:  # the KL reference is the policy RL started from, not the resumed one
+        if frozen is None:
+            state["ref_params"] = updater.ref_params
+        else:
+            state["ref_adapters"] = updater.split(updater.ref_params)[0]
+    return state
+
+
+class Durability:
+    def __init__(self, cfg: RunConfig, buffer: RolloutBuffer, checkpoints: TrainerCheckpoints, epoch: str,
+                 stop: threading.Event | None = None):
+        """`stop`: the process's stop event; a Redis outage during a stop ends the wait (StopRequested)."""
+        self.cfg, self.buffer, self.checkpoints, self.epoch = cfg, buffer, checkpoints, epoch
+        self.available = functools.partial(when_available, stop=stop)
+        self.unsettled: list[tuple[int, list[tuple[str, str]]]] = []  # (step, [(entry id, group id)]) not acked
+        self.checkpointed: list[int] = []  # steps whose checkpoint is committed, by this process
+        self.resumed_step = 0
+        self.data_position: dict[str, int] = {}  # sampler -> highest data position trained
+        self.buffer_position = "0-0"  # newest stream entry trained
+        self.compacted_through = 0  # the audit trail was compacted through this step (by this process)
+        self.base_saved = False  # LoRA: this run's frozen base is in the checkpoint directory (written or read)
+
+    def held(self) -> int:
+        """Groups trained but not yet acknowledged (waiting for their checkpoint to be safe)."""
+        return sum(len(pairs) for _, pairs in self.unsettled)
+
+    def trained(self, step: int, picked) -> None:
+        """Record a step's groups: audit trail, held count, and the data and buffer positions they reach. Groups are
+        picked in stream order, so the last one holds the buffer position."""
+        self.available("auditing a step", lambda: self.buffer.log_step(self.epoch, step, [e.group_id for e, _ in picked]))
+        self.unsettled.append((step, [(e.entry_id, e.group_id) for e, _ in picked]))
+        self.available("updating the held count", lambda: self.buffer.set_held(self.held()))
+        for _, group in picked:
+            if group.data_position is not None:
+                self.data_position[group.sampler_id] = max(self.data_position.get(group.sampler_id, -1),
+                                                           group.data_position)
+        self.buffer_position = picked[-1][0].entry_id
+
+    def save(self, step: int, updater: PolicyUpdater, extra: dict) -> None:
+        """Start saving `step`; its groups and everything before are listed so a resume can settle them."""
+        unsettled = [[eid, gid, s] for s, pairs in self.unsettled if s <= step for eid, gid in pairs]
+        frozen = updater.split(updater.params)[1]
+        if frozen is not None and not self.base_saved:
+            self.base_saved = True
+            self.checkpoints.save_base(frozen)
+        self.checkpoints.save(step, updater_state(updater), {
+            "run": self.cfg.run.name, "epoch": self.epoch, "weight_version": step, "unsettled": unsettled,
+            "data_position": dict(self.data_position), "buffer_position": self.buffer_position, **extra},
+            token=step)
+
+    def committed(self, wait: bool = False, everything: bool = False) -> None:
+        """Acknowledge groups whose update is safe on disk: those of steps up to the checkpoint *before* the newest
+        committed one (so a corrupt newest checkpoint still finds its groups in the buffer), or, at the end of a
+        completed run (`everything`), up to the newest."""
+        for step, _ in self.checkpoints.committed(wait=wait):
+            self.available("auditing a checkpoint", lambda: self.buffer.log_checkpoint(self.epoch, step))
+            self.checkpointed.append(step)
+            detail.info("checkpoint of step %d saved", step)
+        if not self.checkpointed:
+            return
+        upto = self.checkpointed[-1] if everything else (self.checkpointed[-2] if len(self.checkpointed) > 1
+                                                          else self.resumed_step)
+        done = [(s, pairs) for s, pairs in self.unsettled if s <= upto]
+        if done:
+            self.available("acknowledging trained groups", lambda: self.buffer.settle(
+                (eid, gid, "trained", s) for s, pairs in done for eid, gid in pairs))
+            self.unsettled = [(s, pairs) for s, pairs in self.unsettled if s > upto]
+            self.available("updating the held count", lambda: self.buffer.set_held(self.held()))
+        # the trail of what is now final folds into counts; not at a run's end (the newest step record stays, and
+        # a continued run compacts it at its first checkpoint)
+        if self.cfg.buffer.compact_audit and not everything and upto > self.compacted_through:
+            plan = self.available("compacting the audit trail", lambda: self.buffer.compact_audit(upto))
+            self.compacted_through = upto  # once per acknowledged checkpoint (this runs every step)
+            if plan.held_back:
+                log.warning("audit trail not compacted through step %d: %s (`grpo-stream audit` shows it)", upto,
+                            plan.held_back)
+
+    def resume(self, updater: PolicyUpdater) -> Resumed | None:
+        """Restore the newest valid checkpoint (there is at least one) and settle the groups it holds; None when
+        every one was unusable. The state comes back as full trees (`params`, `opt_state`, `ref_params` when a KL
+        reference is held): with LoRA the adapters joined with the frozen base read from `lora-base/`."""
+        cfg = self.cfg
+        updater_like = updater_state(updater)
+        if not cfg.checkpoint.resume:
+            raise RunRefused(f"checkpoint.dir {self.checkpoints.directory} holds checkpoints (steps "
+                             f"{self.checkpoints.steps()}) and checkpoint.resume=false: choose a new checkpoint.dir "
+                             "(and run.name) or resume")
+        restored = self.checkpoints.restore_latest(updater_like)
+        if restored is None:
+            return None
+        record = restored.record
+        if record.get("run") != cfg.run.name:
+            raise RunRefused(f"checkpoint.dir {self.checkpoints.directory}: its checkpoints belong to run "
+                             f"{record.get('run')!r}, not run.name={cfg.run.name!r}; use that run's name or another "
+                             "dir")
+        # the base before any group is settled: without it the run cannot go on from here
+        state = dict(restored.state)
+        if "adapters" in state:
+            frozen = self.checkpoints.restore_base(updater.split(updater.params)[1])
+            self.base_saved = True
+            state["params"] = updater.join(state.pop("adapters"), frozen)
+            if "ref_adapters" in state:
+                state["ref_params"] = updater.join(state.pop("ref_adapters"), frozen)
+        settled = self.available("settling the resumed checkpoint's groups", lambda: self.buffer.settle(
+            (eid, gid, "trained", s) for eid, gid, s in record["unsettled"]))
+        self.data_position = dict(record.get("data_position", {}))
+        self.buffer_position = record.get("buffer_position", "0-0")
+        self.resumed_step = restored.step
+        log.info("resumed at step %d (written by trainer %s); acknowledged %d groups it already held", restored.step,
+                 record["epoch"], settled)
+        return Resumed(restored.step, state, record)
+
+    # -- the core's CheckpointKeeper (core.py): process 0's checkpoints, with their bookkeeping -------------------
+    def restore(self, step: int, updater: PolicyUpdater) -> Resumed | None:
+        """The checkpoint process 0 chose (`step`: the newest; with one process an older one when it is unusable),
+        its groups settled and the start audited; None when every one was unusable."""
+        resumed = self.resume(updater)
+        if resumed is not None:
+            self.available("auditing the start", lambda: self.buffer.log_trainer(
+                self.epoch, resumed.step, resumed.record["epoch"]))
+            self.available("updating the held count", lambda: self.buffer.set_held(0))  # a dead one's count
+        return resumed
+
+    def begin_new_run(self) -> None:
+        """A run without a checkpoint: refuse one whose groups were acknowledged (its checkpoints are elsewhere)."""
+        trained = self.available("reading the buffer counters", self.buffer.counters)["trained"]
+        if trained:  # acknowledged groups exist only once a checkpoint held them: this run has one elsewhere
+            raise RunRefused(
+                f"Redis already holds run {self.cfg.run.name!r} with {trained} trained groups, but "
+                f"{self.checkpoints.directory} (checkpoint.dir) has no checkpoint of it: point checkpoint.dir "
+                "(or --run-dir) at that run's checkpoints to resume it, or choose a new run.name")
+        self.available("auditing the start", lambda: self.buffer.log_trainer(self.epoch, 0, ""))
+        self.available("updating the held count", lambda: self.buffer.set_held(0))

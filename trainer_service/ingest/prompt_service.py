@@ -1,0 +1,305 @@
+"""PromptService: clients inject prompts into a live run, follow their scored results, cancel them, read the status.
+
+Served next to the ingest (which holds the Redis connection and the tokenizer). Every request is checked against
+the `prompts` limits before anything is queued; a refusal names the field and the limit. The queue itself, and
+the recording of answers, live in Redis (prompt_queue.py), so any number of ingest replicas serve one run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+import time
+
+import grpc
+import numpy as np
+
+from grpo_stream.common.rpc.auth import TokenTable, caller_of
+from grpo_stream.common.rollouts.buffer import BufferUnavailable
+from grpo_stream.common.config.schema import RunConfig
+from grpo_stream.trainer_service.ingest.prompt_queue import PromptQueue, QueueFull
+from grpo_stream.common.tasks.rewards import TASK_REWARDS, allowed_names, unknown_reward
+from grpo_stream.protos import prompts_pb2, prompts_pb2_grpc, rollout_pb2
+
+log = logging.getLogger(__name__)
+TAG = re.compile(r"^[\w.:/@+-]+$")
+MAX_IDS = 10_000
+MAX_REWARDS = 16
+FOLLOW_POLL_MS = 1000
+
+
+class PromptServicer(prompts_pb2_grpc.PromptServiceServicer):
+    def __init__(self, cfg: RunConfig, queue: PromptQueue, tokenizer, task, table: TokenTable | None):
+        self.cfg, self.queue, self.tokenizer, self.task, self.table = cfg, queue, tokenizer, task, table
+        self.limits = cfg.prompts
+        # rewards a client may name: built-ins and the run's own; never an import path from the network
+        self.rewards = allowed_names(cfg.task.rewards, cfg.task.name)
+        self._followers = threading.BoundedSemaphore(cfg.prompts.max_followers)
+
+    # -- Submit -----------------------------------------------------------------------------------------------------
+    def _render(self, spec: prompts_pb2.PromptSpec) -> str:
+        return spec.text if spec.WhichOneof("input") == "text" else self.task.render_question(spec.question)
+
+    def _check(self, i: int, spec: prompts_pb2.PromptSpec, ceiling: int | None = None) -> tuple[str | None, list[int]]:
+        """(error naming the field and limit, prompt token ids); `ceiling`: the caller token's max_priority."""
+        lim, at, n_run = self.limits, f"prompts[{i}]", self.cfg.generation.num_generations
+        which = spec.WhichOneof("input")
+        if which is None:
+            return f"{at}: give `text` (used as is) or `question` (rendered with the run's template)", []
+        value = getattr(spec, which)
+        if not value.strip():
+            return f"{at}.{which}: must not be empty", []
+        if len(value) > lim.max_text_chars:
+            return f"{at}.{which}: {len(value)} characters, limit {lim.max_text_chars} (prompts.max_text_chars)", []
+        if len(spec.reference_answer) > lim.max_text_chars:
+            return (f"{at}.reference_answer: {len(spec.reference_answer)} characters, limit {lim.max_text_chars} "
+                    "(prompts.max_text_chars)"), []
+        if spec.train and not spec.reference_answer.strip():
+            return f"{at}.reference_answer: required when train is true (the rewards score against it)", []
+        if len(spec.rewards) > MAX_REWARDS:
+            return f"{at}.rewards: {len(spec.rewards)} names, limit {MAX_REWARDS}", []
+        unknown = unknown_reward(spec.rewards, self.rewards)
+        if unknown:
+            return f"{at}.{unknown} (task.rewards and the built-ins; never an import path)", []
+        if (bad := self._reference_problem(spec)) is not None:
+            return f"{at}.{bad}", []
+        most = min(lim.max_generations, self.cfg.rows_in_flight())
+        if not 0 <= spec.num_generations <= most:
+            return (f"{at}.num_generations: {spec.num_generations} outside 0..{most} (prompts.max_generations, and "
+                    "the rows a sampler keeps in flight: sampler.rows_in_flight; 0 = the run's)"), []
+        if spec.train and spec.num_generations not in (0, n_run):
+            return (f"{at}.num_generations: a train=true prompt uses the run's generation.num_generations={n_run} "
+                    "(the trainer's groups have one size); give 0 or set train=false"), []
+        if not 0 <= spec.priority <= lim.max_priority:
+            return f"{at}.priority: {spec.priority} outside 0..{lim.max_priority} (prompts.max_priority)", []
+        if ceiling is not None and spec.priority > ceiling:
+            return (f"{at}.priority: {spec.priority} above {ceiling}, this token's max_priority (its entry in the "
+                    "token table); submit at or below it, or ask an admin to raise it"), []
+        if len(spec.tags) > lim.max_tags:
+            return f"{at}.tags: {len(spec.tags)} tags, limit {lim.max_tags} (prompts.max_tags)", []
+        for k, tag in enumerate(spec.tags):
+            if not 0 < len(tag) <= lim.max_tag_chars:
+                return f"{at}.tags[{k}]: {len(tag)} characters, must be 1..{lim.max_tag_chars} (prompts.max_tag_chars)", []
+            if not TAG.match(tag):
+                return f"{at}.tags[{k}]: {tag!r} may hold letters, digits and . : / @ + - _ only", []
+        ids = self.tokenizer.encode(self._render(spec))
+        if not 0 < len(ids) <= self.cfg.generation.max_prompt_tokens:
+            return (f"{at}.{which}: {len(ids)} tokens, must be 1..{self.cfg.generation.max_prompt_tokens} "
+                    "(generation.max_prompt_tokens)"), []
+        return None, ids
+
+    def _reference_problem(self, spec: prompts_pb2.PromptSpec) -> str | None:
+        """Why an IFEval reward could not check the prompt's reference_answer (it runs lm-eval's checks on what the
+        client sent: refused here rather than scored 0 on a sampler), or None."""
+        scored_by = spec.rewards or self.cfg.task.rewards
+        if not spec.reference_answer or not any(name in TASK_REWARDS for name in scored_by):
+            return None
+        from grpo_stream.common.tasks.ifeval_checks import reference_problem  # noqa: PLC0415 - lm-eval, IFEval only
+
+        return reference_problem(spec.reference_answer)
+
+    def Submit(self, request, context):
+        caller = caller_of(context, self.table)
+        count = len(request.prompts)
+        if not 0 < count <= self.limits.max_batch:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"prompts: {count} given, must be 1..{self.limits.max_batch} (prompts.max_batch)")
+        items, ids = [], []
+        n_run = self.cfg.generation.num_generations
+        for i, spec in enumerate(request.prompts):
+            error, tokens = self._check(i, spec, caller.max_priority)
+            if error:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
+            pid = self.queue.new_id()
+            injected = rollout_pb2.InjectedPrompt(
+                prompt_id=pid, prompt_token_ids=tokens, reference_answer=spec.reference_answer,
+                rewards=list(spec.rewards), num_generations=spec.num_generations or n_run, train=spec.train)
+            items.append((pid, spec.priority, injected.SerializeToString(), spec.SerializeToString(), spec.train,
+                          list(spec.tags), injected.num_generations))
+            ids.append(pid)
+        try:
+            queued = self.queue.submit(caller.name, items, self.limits.max_queued, self.limits.max_pending_per_client,
+                                       self.limits.max_priority, self.limits.result_retention_s)
+        except QueueFull as exc:
+            context.set_trailing_metadata((("retry-after-ms", str(self.limits.retry_after_ms)),))
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"{exc}; retry after {self.limits.retry_after_ms} ms")
+        except BufferUnavailable as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"prompt queue unavailable ({exc}); retry with backoff")
+        log.info("%s (%s) queued %d prompts (%d train); queue %d", caller.name, caller.role, count,
+                 sum(s.train for s in request.prompts), queued)
+        return prompts_pb2.SubmitReply(prompt_ids=ids, queued=queued)
+
+    # -- StreamResults ----------------------------------------------------------------------------------------------
+    def _result(self, pid: str, record: dict[bytes, bytes]) -> prompts_pb2.PromptResult:
+        spec = prompts_pb2.PromptSpec.FromString(record.get(b"spec", b""))
+        state = record[b"state"].decode()
+        out = prompts_pb2.PromptResult(
+            prompt_id=pid, state=state, tags=json.loads(record.get(b"tags", b"[]")), train=record.get(b"train") == b"1",
+            submitted_unix=float(record.get(b"submitted", 0)), finished_unix=float(record.get(b"finished", 0)),
+            prompt_text=self._render(spec) if spec.WhichOneof("input") else "", policy_version=-1,
+            error=record.get(b"error", b"").decode(errors="replace"))
+        if state == "done":
+            group = rollout_pb2.RolloutGroup.FromString(record[b"result"])
+            out.policy_version, out.sampler_id, out.group_id = group.policy_version, group.sampler_id, group.group_id
+            for c in group.completions:
+                ids = np.frombuffer(c.token_ids_le, "<i4")
+                out.completions.add(text=self.tokenizer.decode(ids.tolist()), reward=c.reward,
+                                    reward_components=dict(c.reward_components), truncated=c.truncated,
+                                    num_tokens=len(ids))
+            out.reward_mean = float(np.mean([c.reward for c in group.completions])) if group.completions else 0.0
+        return out
+
+    def _finished(self, pids: list[str], records=None, tag: str | None = None, owner: str | None = None):
+        """Results of the prompts among `pids` that are finished (and carry `tag`, and were submitted by `owner`
+        unless None); `records`: theirs, if read."""
+        for pid, record in zip(pids, self.queue.records(pids) if records is None else records):
+            if record is not None and record.get(b"state") in (b"done", b"cancelled") and (
+                    tag is None or tag in json.loads(record.get(b"tags", b"[]"))) and (
+                    owner is None or record.get(b"client", b"").decode() == owner):
+                yield self._result(pid, record)
+
+    def StreamResults(self, request, context):
+        if not self._followers.acquire(blocking=False):
+            context.set_trailing_metadata((("retry-after-ms", str(self.limits.retry_after_ms)),))
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self.limits.max_followers} StreamResults calls are "
+                          "open (prompts.max_followers); retry later or follow by tag")
+        try:
+            yield from self._stream_results(request, context)
+        finally:
+            self._followers.release()
+
+    def _stream_results(self, request, context):
+        # a client follows its own prompts only (their answers are its data); an admin follows anyone's
+        caller = caller_of(context, self.table)
+        owner = None if caller.role == "admin" else caller.name
+        ids, tag = list(request.prompt_ids), request.tag
+        if bool(ids) == bool(tag):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "give either prompt_ids or tag")
+        if len(ids) > MAX_IDS:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"prompt_ids: {len(ids)} given, limit {MAX_IDS}")
+        if tag and not (len(tag) <= self.limits.max_tag_chars and TAG.match(tag)):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"tag: not a valid tag (1..{self.limits.max_tag_chars} "
+                          "letters, digits and . : / @ + - _)")
+        try:
+            after = self.queue.results_tail()  # before reading what is finished, so nothing falls in between
+            if ids:
+                records = self.queue.records(ids)
+                for k, (pid, record) in enumerate(zip(ids, records)):
+                    if record is None:
+                        context.abort(grpc.StatusCode.NOT_FOUND, f"prompt_ids[{k}]: no prompt {pid[:64]!r} (unknown, "
+                                      "or gone: prompts.result_retention_s, prompts.max_kept_results)")
+                    if owner is not None and record.get(b"client", b"").decode() != owner:
+                        context.abort(grpc.StatusCode.PERMISSION_DENIED, f"prompt_ids[{k}]: {pid[:64]!r} was submitted "
+                                      "by another client; only its submitter or an admin may follow it")
+                waiting = set(ids)
+                for result in self._finished(ids, records):
+                    waiting.discard(result.prompt_id)
+                    yield result
+            else:
+                waiting = None
+                tagged = self.queue.tagged(tag)
+                records = self.queue.records(tagged)
+                submitters = {r.get(b"client", b"").decode() for r in records if r is not None}
+                if owner is not None and submitters and owner not in submitters:
+                    context.abort(grpc.StatusCode.PERMISSION_DENIED, f"tag: {tag!r} is on other clients' prompts only; "
+                                  "follow your own tags or prompt ids, or use an admin token")
+                done = sorted(self._finished(tagged, records, owner=owner), key=lambda r: r.finished_unix)
+                yield from done
+                if not request.follow:
+                    return
+            while (waiting is None or waiting) and context.is_active():
+                after, finished = self.queue.wait_finished(after, FOLLOW_POLL_MS)
+                if waiting is not None:
+                    new = [p for p in dict.fromkeys(finished) if p in waiting]
+                    waiting.difference_update(new)
+                else:
+                    new = list(dict.fromkeys(finished))
+                yield from self._finished(new, tag=tag or None, owner=owner)
+        except BufferUnavailable as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"prompt queue unavailable ({exc}); call again to resume")
+
+    # -- Cancel, GetStatus ------------------------------------------------------------------------------------------
+    def Cancel(self, request, context):
+        caller = caller_of(context, self.table)
+        ids = list(request.prompt_ids)
+        if not 0 < len(ids) <= self.limits.max_batch:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"prompt_ids: {len(ids)} given, must be 1..{self.limits.max_batch} (prompts.max_batch)")
+        try:
+            states = self.queue.cancel(caller.name, caller.role == "admin", ids, self.limits.result_retention_s,
+                                      self.limits.max_kept_results)
+        except KeyError as exc:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"prompt_ids: no prompt {str(exc.args[0])[:64]!r}; nothing "
+                          "was cancelled")
+        except PermissionError as exc:
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, f"prompt_ids: {str(exc.args[0])[:64]!r} was submitted "
+                          "by another client; only its submitter or an admin may cancel it (nothing was cancelled)")
+        except BufferUnavailable as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"prompt queue unavailable ({exc}); retry with backoff")
+        return prompts_pb2.CancelReply(cancelled=[p for p, s in states.items() if s == "cancelled"],
+                                       finished=[p for p, s in states.items() if s == "finished"])
+
+    def GetStatus(self, request, context):
+        try:
+            status = self.queue.read_status()
+            queued, claimed = self.queue.counts()
+            depth = self.queue.buffer_depth()
+        except BufferUnavailable as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"status unavailable ({exc}); retry with backoff")
+        reply = prompts_pb2.RunStatus(
+            run_name=self.cfg.run.name, trainer_step=status.get("step", 0),
+            total_steps=status.get("total_steps", self.cfg.trainer.steps),
+            latest_weight_version=status.get("latest_version", -1), buffer_depth=depth, injection_queued=queued,
+            injection_claimed=claimed, trainer_updated_unix=status.get("updated_unix", 0.0))
+        for s in status.get("samplers", []):
+            reply.samplers.add(**s)
+        return reply
+
+
+def status_of(step: int, total_steps: int, latest_version: int | None, samplers: list[dict]) -> dict:
+    """The trainer's status record, as GetStatus reads it."""
+    return {"step": step, "total_steps": total_steps, "latest_version": -1 if latest_version is None else
+            latest_version, "samplers": samplers, "updated_unix": time.time()}
+
+
+class StatusWriter:
+    """The trainer's side of GetStatus: rewrites its status record in Redis every `every_s` (best effort: a Redis
+    outage only makes the status stale, which `trainer_updated_unix` shows)."""
+
+    def __init__(self, queue: PromptQueue, publisher, total_steps: int, every_s: float = 1.0):
+        self.queue, self.publisher, self.total_steps, self.every_s = queue, publisher, total_steps, every_s
+        self.step = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="status", daemon=True)
+
+    def start(self) -> "StatusWriter":
+        self._thread.start()
+        return self
+
+    def write(self) -> None:
+        try:
+            self.queue.write_status(status_of(self.step, self.total_steps, self.publisher.latest_version,
+                                              self.publisher.sampler_status()))
+        except BufferUnavailable:
+            pass
+
+    def _loop(self) -> None:
+        # the thread outlives any one failure: a status that stops for the rest of the run after one bad reply
+        # looks like a hung trainer to `grpo-stream status`; each new kind of failure is logged once
+        seen: set[str] = set()
+        while not self._stop.wait(self.every_s):
+            try:
+                self.write()
+            except Exception as exc:  # noqa: BLE001
+                if type(exc).__name__ not in seen:
+                    seen.add(type(exc).__name__)
+                    log.warning("status record not written (%s: %s); trying again every %.0fs", type(exc).__name__,
+                                exc, self.every_s)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.write()

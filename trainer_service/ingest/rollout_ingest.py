@@ -1,0 +1,255 @@
+"""The ingest: a gRPC service that validates rollout groups and appends them to the buffer.
+
+Flow control: when the buffer holds `buffer.max_groups` groups the ingest
+answers RESOURCE_EXHAUSTED with a retry hint and the producer keeps the
+group and sends it again later, so nothing is dropped. A bad group is
+refused with INVALID_ARGUMENT naming the field; the service stays up.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import threading
+
+import grpc
+import numpy as np
+
+from grpo_stream.common.rollouts.buffer import BufferUnavailable, Incoming, RedisStreamBuffer
+from grpo_stream.common.rpc.auth import TokenTable, caller_of, may_act_as
+from grpo_stream.trainer_service.ingest.admission import RETRY_AFTER_MS, AdmissionControl
+from grpo_stream.trainer_service.ingest.claim_check import checked_claim
+from grpo_stream.trainer_service.ingest.prompt_queue import InjectedShare, PromptQueue
+from grpo_stream.common.tasks.rewards import allowed_names
+from grpo_stream.common.rollouts.wire import GroupLimits, validate_group
+from grpo_stream.protos import rollout_pb2, rollout_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+_INVALID = grpc.StatusCode.INVALID_ARGUMENT.value[0]
+_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+_UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
+_STAT = {0: "accepted", _INVALID: "invalid", _EXHAUSTED: "full", _UNAVAILABLE: "unavailable"}
+_ANSWERED = {"eval": "evaluation only: recorded as the prompt's result, never trained",
+             "cancelled": "the prompt was cancelled: answer discarded", "dup": "duplicate: accepted before"}
+MAX_CLAIM = 4096
+
+
+@dataclasses.dataclass(frozen=True)
+class Injection:
+    """What the ingest needs to take injected prompts' answers and hand out prompts (None: no injection here)."""
+
+    queue: PromptQueue
+    run_name: str
+    claim_lease_s: float = 300.0
+    retention_s: int = 7 * 86_400
+    max_kept: int = 10_000
+    # reward names an injected prompt may ask for (built-ins and task.rewards); other prompts are refused at the claim
+    rewards: frozenset[str] = frozenset(allowed_names(()))
+    share: InjectedShare | None = None  # the injected share of each sampler's rows (None: no limit)
+
+
+class IngestServicer(rollout_pb2_grpc.RolloutIngestServicer):
+    def __init__(self, buffer: RedisStreamBuffer, limits: GroupLimits, max_groups: int, retry_after_ms: int,
+                 injection: Injection | None = None, admission: AdmissionControl | None = None,
+                 table: TokenTable | None = None):
+        """`admission`: the samplers' admission control (None: every Admit request is granted in full); `table`:
+        the servers' token table, which binds each sampler token to its sampler ids (None: no auth)."""
+        self.buffer, self.limits, self.table = buffer, limits, table
+        self.max_groups, self.retry_after_ms = max_groups, retry_after_ms
+        self.injection, self.admission = injection, admission
+        self._lock = threading.Lock()
+        self.stats = {"accepted": 0, "duplicate": 0, "invalid": 0, "full": 0, "unavailable": 0, "claimed": 0}
+
+    def _check_injected(self, groups) -> dict[int, list[str]]:
+        """Errors of injected prompts' answers by position, checked against the queued prompt: the group id the
+        prompt owns, its token ids and its num_generations (which may differ from the run's for train=false)."""
+        positions = [i for i, g in enumerate(groups) if g.injected]
+        if not positions:
+            return {}
+        if self.injection is None:
+            return {i: ["injected: this ingest takes no injected prompts"] for i in positions}
+        inj = self.injection
+        records = inj.queue.records([groups[i].prompt_id for i in positions])
+        out = {}
+        for i, record in zip(positions, records):
+            g = groups[i]
+            if record is None:
+                out[i] = [f"prompt_id: no injected prompt {g.prompt_id[:64]!r} (never submitted, or expired)"]
+                continue
+            prompt = rollout_pb2.InjectedPrompt.FromString(record[b"req"])
+            errors = validate_group(g, dataclasses.replace(self.limits, num_generations=prompt.num_generations))
+            if g.group_id != f"{inj.run_name}/inj/{g.prompt_id}":
+                errors.append(f"group_id: an injected prompt's group id is '{inj.run_name}/inj/<prompt_id>'")
+            if not np.array_equal(np.asarray(g.prompt_token_ids), np.asarray(prompt.prompt_token_ids)):
+                errors.append("prompt_token_ids: differ from the injected prompt's")
+            out[i] = errors
+        return out
+
+    def handle_batch(self, groups) -> list[rollout_pb2.GroupAck]:
+        """Validate every group, append the valid ones in one buffer call; one ack per group, in order.
+
+        A group id the buffer accepted before is acknowledged OK again ("duplicate") without a second copy: its
+        sender lost the first acknowledgement (a dropped stream, an ingest restart) and must not keep it."""
+        acks: list[rollout_pb2.GroupAck | None] = []
+        valid: list[tuple[int, rollout_pb2.RolloutGroup]] = []
+        try:
+            injected = self._check_injected(groups)
+        except BufferUnavailable as exc:
+            injected = {i: None for i, g in enumerate(groups) if g.injected}
+            log.error("buffer unavailable: %s", exc)
+        for position, group in enumerate(groups):
+            if position in injected and injected[position] is None:  # Redis down: retry later
+                acks.append(rollout_pb2.GroupAck(group_id=group.group_id, code=_UNAVAILABLE, retry_after_ms=1000,
+                                                 message="rollout buffer unavailable; retry with backoff"))
+                continue
+            errors = injected[position] if position in injected else validate_group(group, self.limits)
+            if errors:
+                message = "; ".join(errors)
+                # ids are cut: a hostile sender must not be able to flood the log
+                log.warning("rejected group %r from %r: %s", group.group_id[:64], group.sampler_id[:64], message[:500])
+                acks.append(rollout_pb2.GroupAck(group_id=group.group_id, code=_INVALID, message=message))
+            else:
+                valid.append((len(acks), group))
+                acks.append(None)
+        statuses, depth = [], 0
+        try:
+            statuses, depth = self.buffer.append_many(
+                [Incoming(g.group_id, g.sampler_id, g.policy_version, g.data_position if g.HasField("data_position")
+                          else -1, g.SerializeToString(), g.prompt_id if g.injected else "") for _, g in valid],
+                self.max_groups, refused_invalid=sum(a is not None and a.code == _INVALID for a in acks),
+                **({} if self.injection is None else {"retention_s": self.injection.retention_s,
+                                                      "max_kept": self.injection.max_kept}))
+        except BufferUnavailable as exc:
+            log.error("buffer unavailable: %s", exc)
+            for slot, g in valid:
+                acks[slot] = rollout_pb2.GroupAck(
+                    group_id=g.group_id, code=_UNAVAILABLE, retry_after_ms=1000,
+                    message=f"rollout buffer unavailable ({exc}); retry with backoff")
+        duplicates = 0
+        for (slot, g), status in zip(valid, statuses):
+            if status == "full":
+                acks[slot] = rollout_pb2.GroupAck(
+                    group_id=g.group_id, code=_EXHAUSTED, retry_after_ms=self.retry_after_ms,
+                    buffer_depth=depth, message=f"{depth} groups wait for the trainer (buffer.max_groups="
+                                                f"{self.max_groups}); retry after {self.retry_after_ms} ms")
+            elif status == "unknown":  # the prompt expired between the check and the append
+                acks[slot] = rollout_pb2.GroupAck(group_id=g.group_id, code=_INVALID, buffer_depth=depth,
+                                                  message=f"prompt_id: no injected prompt {g.prompt_id[:64]!r}")
+            else:
+                duplicates += status == "dup"
+                acks[slot] = rollout_pb2.GroupAck(group_id=g.group_id, code=0, buffer_depth=depth,
+                                                  message=_ANSWERED.get(status, ""))
+        with self._lock:
+            for ack in acks:
+                self.stats[_STAT[ack.code]] += 1
+            self.stats["accepted"] -= duplicates
+            self.stats["duplicate"] += duplicates
+        if self.admission is not None:  # answered for good: no longer in flight at its sampler
+            done = collections.defaultdict(list)
+            for g, ack in zip(groups, acks):
+                if ack.code in (0, _INVALID):
+                    done[g.sampler_id].append(g.policy_version)
+            for sampler_id, versions in done.items():
+                self.admission.answered(sampler_id, versions)
+        return acks
+
+    def _check_identity(self, context, groups) -> None:
+        """Abort with PERMISSION_DENIED unless the caller may speak for every group's sampler id, and each dataset
+        group's id is the one that sampler makes for its data position ('<run>/<sampler id>/<position>'): a group
+        id is the buffer's de-duplication key, so a sampler that could send another's ids would have the real
+        sampler's groups refused as duplicates."""
+        caller = caller_of(context, self.table)
+        if caller.role == "admin":
+            return
+        for k, g in enumerate(groups):
+            if not g.sampler_id:
+                continue  # refused by validation, naming the field
+            if not may_act_as(caller, g.sampler_id):
+                context.abort(grpc.StatusCode.PERMISSION_DENIED, f"groups[{k}].sampler_id: {g.sampler_id[:64]!r} is "
+                              f"not this token's ({caller.name!r} may send as {caller.name!r} or "
+                              f"'{caller.name}-<k>'); give each sampler its own token or fix sampler ids")
+            if g.injected:
+                continue  # an injected answer's id is checked against its prompt (_check_injected)
+            if g.HasField("data_position"):
+                own = g.group_id.endswith(f"/{g.sampler_id}/{g.data_position}")
+            else:
+                own = f"/{g.sampler_id}/" in g.group_id
+            if not own:
+                context.abort(grpc.StatusCode.PERMISSION_DENIED, f"groups[{k}].group_id: {g.group_id[:64]!r} is not "
+                              f"sampler {g.sampler_id[:64]!r}'s id for data position {g.data_position} "
+                              "('<run>/<sampler id>/<position>')")
+
+    def _check_sampler(self, context, sampler_id: str) -> None:
+        caller = caller_of(context, self.table)
+        if not may_act_as(caller, sampler_id):
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, f"sampler_id: {sampler_id[:64]!r} is not this token's "
+                          f"({caller.name!r} may act as {caller.name!r} or '{caller.name}-<k>')")
+
+    def StreamBatches(self, request_iterator, context):
+        for batch in request_iterator:
+            self._check_identity(context, batch.groups)
+            yield rollout_pb2.BatchAck(acks=self.handle_batch(batch.groups))
+
+    def PushGroup(self, request, context):
+        self._check_identity(context, [request])
+        ack = self.handle_batch([request])[0]
+        if ack.code:
+            code = next(c for c in grpc.StatusCode if c.value[0] == ack.code)
+            if ack.retry_after_ms:
+                context.set_trailing_metadata((("retry-after-ms", str(ack.retry_after_ms)),))
+            context.abort(code, ack.message)
+        return ack
+
+    def GetDataPosition(self, request, context):
+        if not request.sampler_id:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "sampler_id: must not be empty")
+        self._check_sampler(context, request.sampler_id)
+        try:
+            position = self.buffer.data_position(request.sampler_id)
+        except BufferUnavailable as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"rollout buffer unavailable ({exc}); retry with backoff")
+        return rollout_pb2.DataPosition(known=position is not None, position=position or 0)
+
+    def _check_request_count(self, context, sampler_id: str, field: str, count: int) -> None:
+        """Abort with INVALID_ARGUMENT unless the sampler id is 1..max_id_length characters and `field` (a count
+        of prompts or groups) is within 0..MAX_CLAIM."""
+        if not sampler_id or len(sampler_id) > self.limits.max_id_length:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"sampler_id: must be 1..{self.limits.max_id_length} characters")
+        if not 0 <= count <= MAX_CLAIM:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: {count} outside 0..{MAX_CLAIM}")
+        self._check_sampler(context, sampler_id)
+
+    def ClaimPrompts(self, request, context):
+        self._check_request_count(context, request.sampler_id, "max_prompts", request.max_prompts)
+        if self.injection is None:
+            return rollout_pb2.ClaimedPrompts()
+        try:
+            inj = self.injection
+            # the batch this claim fills is the one the sampler was just admitted for (a replica that did not
+            # admit it assumes a full batch)
+            batch = None if self.admission is None else self.admission.take_granted(request.sampler_id)
+            raw = inj.queue.claim(request.sampler_id, request.max_prompts, inj.claim_lease_s, inj.share, batch)
+            prompts = checked_claim(inj.queue, raw, inj.rewards, inj.retention_s, inj.max_kept)
+        except BufferUnavailable as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"prompt queue unavailable ({exc}); retry with backoff")
+        with self._lock:
+            self.stats["claimed"] += len(raw)
+        return rollout_pb2.ClaimedPrompts(prompts=prompts)
+
+    def Admit(self, request, context):
+        self._check_request_count(context, request.sampler_id, "groups", request.groups)
+        if request.in_flight < 0 or request.policy_version < 0:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "in_flight and policy_version: must not be negative")
+        if self.admission is None:
+            return rollout_pb2.AdmitReply(granted=request.groups)
+        try:
+            state = self.buffer.admission_state()
+        except BufferUnavailable as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"rollout buffer unavailable ({exc}); retry with backoff")
+        granted, queued = self.admission.admit(state, request.sampler_id, request.groups, request.policy_version,
+                                               request.in_flight)
+        return rollout_pb2.AdmitReply(granted=granted, retry_after_ms=0 if granted else RETRY_AFTER_MS,
+                                      trainer_step=state.trainer_step, queued=queued)

@@ -1,0 +1,96 @@
+"""Turning rollout groups into fixed-shape training batches.
+
+Layout (identical to the sampler's): the prompt is left-padded to
+P = generation.max_prompt_tokens, the completion follows and is
+right-padded to C = generation.max_new_tokens. This is the step's data as
+it travels (to trainer followers, to RUN_DIR/batches); with trainer.packing
+the update repacks it, several sequences to a row (packing.py).
+
+A multi-turn completion holds observation tokens the environment wrote
+between the model's turns (CompletionData.model_mask). They stay in the
+sequence (the model reads them) but carry no loss and behaviour logprob 0, so
+everything computed under the loss mask (the objective, GSPO's sequence
+ratio, the sampler-trainer agreement, the off-policy diagnostics) sees model
+tokens only, in both layouts.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from grpo_stream.common.config.learning import AlgoSection
+from grpo_stream.common.rollouts.wire import GroupData
+from grpo_stream.trainer_service.learning.advantages import compute_advantages, overlong_penalty
+
+
+@struct.dataclass
+class TrainBatch:
+    """One optimizer step's data; targets are aligned with logprob positions (length L-1)."""
+
+    tokens: jnp.ndarray              # [B, L] int32
+    valid: jnp.ndarray               # [B, L] bool, real (non-pad) tokens
+    loss_mask: jnp.ndarray           # [B, L-1] float32, 1 where the target is a model-sampled completion token that
+                                     # counts (0 on observation tokens, and on a filtered sequence's)
+    behaviour_logprobs: jnp.ndarray  # [B, L-1] float32, sampler logprobs at the same positions
+    advantages: jnp.ndarray          # [B] float32
+    fresh: jnp.ndarray               # [B] float32, 1 for sequences made with exactly the weights being updated
+
+
+def layout(prompt: np.ndarray, completion: np.ndarray, max_prompt: int, max_new: int, pad_id: int):
+    """(tokens [L], valid [L]) for one sequence in the shared layout."""
+    if not 0 < len(prompt) <= max_prompt or len(completion) > max_new:
+        raise ValueError(f"sequence of {len(prompt)}+{len(completion)} tokens does not fit {max_prompt}+{max_new}")
+    tokens = np.full(max_prompt + max_new, pad_id, np.int32)
+    valid = np.zeros(max_prompt + max_new, np.bool_)
+    tokens[max_prompt - len(prompt):max_prompt] = prompt
+    tokens[max_prompt:max_prompt + len(completion)] = completion
+    valid[max_prompt - len(prompt):max_prompt + len(completion)] = True
+    return tokens, valid
+
+
+def build_batch(groups: list[GroupData], max_prompt: int, max_new: int, pad_id: int, algo: AlgoSection,
+                held_version: int) -> tuple[TrainBatch, dict[str, float]]:
+    """Stack groups into a TrainBatch (advantages, overlong handling) and return batch statistics.
+
+    `held_version` is the weight version the trainer holds now; groups made with it are `fresh`.
+    """
+    n = len(groups[0].completions)
+    rewards = np.stack([g.rewards for g in groups]).astype(np.float32)
+    lengths = np.array([[len(c.token_ids) for c in g.completions] for g in groups])
+    truncated = np.array([[c.truncated for c in g.completions] for g in groups])
+    if algo.overlong == "penalty":
+        rewards = rewards + overlong_penalty(lengths, max_new, algo.overlong_buffer_tokens, algo.overlong_penalty)
+    advantages = compute_advantages(rewards, algo.advantage_estimator, algo.advantage_eps).reshape(-1)
+    keep = ~(truncated.reshape(-1)) if algo.overlong == "filter" else np.ones(len(groups) * n, np.bool_)
+    rows = [(g.prompt_token_ids, c) for g in groups for c in g.completions]
+    length = max_prompt + max_new
+    tokens = np.zeros((len(rows), length), np.int32)
+    valid = np.zeros((len(rows), length), np.bool_)
+    loss_mask = np.zeros((len(rows), length - 1), np.float32)
+    behaviour = np.zeros((len(rows), length - 1), np.float32)
+    model_tokens = 0
+    for i, (prompt, c) in enumerate(rows):
+        tokens[i], valid[i] = layout(prompt, c.token_ids, max_prompt, max_new, pad_id)
+        k, model = len(c.token_ids), c.model_tokens()
+        model_tokens += int(model.sum())
+        # target position t predicts tokens[t + 1]; completion tokens sit at P..P+k-1; observation tokens take no loss
+        loss_mask[i, max_prompt - 1:max_prompt - 1 + k] = model * float(keep[i])
+        behaviour[i, max_prompt - 1:max_prompt - 1 + k] = np.where(model, c.logprobs, 0.0)
+    fresh = np.repeat([g.policy_version == held_version for g in groups], n).astype(np.float32)
+    stats = {
+        "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
+        "advantage_mean": float(advantages.mean()), "advantage_abs_mean": float(np.abs(advantages).mean()),
+        "advantage_max": float(advantages.max()), "advantage_min": float(advantages.min()),
+        "response_length_mean": float(lengths.mean()), "truncated_fraction": float(truncated.mean()),
+        # the share of completion tokens the model sampled (1.0 single-turn; the rest are observation tokens)
+        "model_token_fraction": model_tokens / max(int(lengths.sum()), 1),
+        # the share of the laid-out tokens that are padding: what every sequence at max_prompt + max_new costs the
+        # update's forward and backward passes
+        "padding_fraction": float(1.0 - valid.sum() / valid.size), "real_tokens": int(valid.sum()),
+    }
+    batch = TrainBatch(tokens=jnp.asarray(tokens), valid=jnp.asarray(valid), loss_mask=jnp.asarray(loss_mask),
+                       behaviour_logprobs=jnp.asarray(behaviour), advantages=jnp.asarray(advantages),
+                       fresh=jnp.asarray(fresh))
+    return batch, stats

@@ -1,0 +1,93 @@
+"""Where a trainer step's groups come from: the rollout buffer, read in stream order, with stale and zero-variance
+groups dropped (and settled as such) on the way. Works on any `RolloutBuffer` (Redis, or in memory in tests)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable, TypeVar
+
+from grpo_stream.common.runtime.console import detail_logger
+from grpo_stream.common.rollouts.buffer import BufferEntry, BufferUnavailable, RolloutBuffer
+from grpo_stream.common.rollouts.wire import GroupData, decode_group
+from grpo_stream.trainer_service.learning.selection import select_batch
+from grpo_stream.common.runtime.backoff import Backoff, StopRequested, wait
+
+log = logging.getLogger(__name__)
+detail = detail_logger(__name__)
+T = TypeVar("T")
+
+
+def when_available(what: str, fn: Callable[[], T], stop: threading.Event | None = None) -> T:
+    """fn() once the buffer answers: while its store is down (restarting, failing over) wait with back-off, logging.
+    When the process is asked to stop (`stop` set) while the store is down, StopRequested at once instead: a stop
+    must not wait for Redis (which `up` does not restart while it stops the run); what was not written is redone
+    when the trainer resumes (its checkpoint lists the groups it has not acknowledged)."""
+    backoff = Backoff(0.5, 10.0)
+    while True:
+        try:
+            return fn()
+        except BufferUnavailable as exc:
+            if stop is not None and stop.is_set():
+                raise StopRequested(f"{what}: Redis unavailable ({exc}) while stopping; not retried") from None
+            delay = backoff.next()
+            log.error("%s: Redis unavailable (%s); retrying in %.1fs", what, exc, delay)
+            wait(delay, stop)
+
+
+class GroupCollector:
+    """Reads the buffer until a step has `groups_per_step` usable groups; keeps the rest for later steps."""
+
+    def __init__(self, buffer: RolloutBuffer, groups_per_step: int, max_staleness: int, dynamic_sampling: bool,
+                 stop_event: threading.Event, held: Callable[[], int], waiting: Callable[[], None] | None = None):
+        """`waiting`: called every 10 s while a step waits for groups (a heartbeat: waiting for samplers is not
+        hanging)."""
+        self.waiting = waiting
+        self.buffer, self.need, self.max_staleness = buffer, groups_per_step, max_staleness
+        self.dynamic_sampling, self.stop_event, self.held = dynamic_sampling, stop_event, held
+        self.pending: list[tuple[BufferEntry, GroupData]] = []
+
+    def collect(self, step: int) -> list[tuple[BufferEntry, GroupData]] | None:
+        """The step's groups in stream order; None when stopping. Groups passed over as stale (for the version the
+        trainer holds, step - 1) or without reward variance are settled as dropped."""
+        need, holding = self.need, self.max_staleness
+        last_note = time.time()
+        while True:
+            batch, stale, flat, rest = select_batch(self.pending, need, step - 1, holding, self.dynamic_sampling)
+            if stale or flat:
+                when_available("settling dropped groups", lambda: self.buffer.settle(
+                    [(e.entry_id, e.group_id, "dropped_stale", step) for e, _ in stale]
+                    + [(e.entry_id, e.group_id, "dropped_filtered", step) for e, _ in flat]), self.stop_event)
+            if stale:
+                detail.info("dropped %d stale groups (versions %s, trainer at %d, max_staleness %d)", len(stale),
+                            sorted({g.policy_version for _, g in stale}), step - 1, holding)
+            if len(batch) == need:
+                self.pending = rest
+                return batch
+            self.pending = batch
+            if self.stop_event.is_set():
+                return None
+            try:
+                entries = self.buffer.read(max_count=need * 2, block_ms=500)
+            except BufferUnavailable as exc:
+                log.error("buffer read failed: Redis unavailable (%s); retrying in 1s", exc)
+                self.stop_event.wait(1.0)
+                continue
+            undecodable = []
+            for entry in entries:
+                try:
+                    self.pending.append((entry, decode_group(entry.payload)))
+                except Exception as exc:  # noqa: BLE001 - a corrupt entry must not stop training
+                    log.error("undecodable buffer entry %s dropped: %s", entry.entry_id, exc)
+                    undecodable.append((entry.entry_id, entry.group_id, "dropped_invalid", step))
+            if undecodable:
+                when_available("settling undecodable groups", lambda: self.buffer.settle(undecodable),
+                               self.stop_event)
+            if time.time() - last_note > 10:
+                depth = when_available("reading the buffer depth", self.buffer.depth, self.stop_event)
+                log.info("step %d waiting for rollouts: %d/%d groups, %d more waiting in the buffer", step,
+                         len(self.pending), need, depth - self.held() - len(self.pending))
+                last_note = time.time()
+                if self.waiting is not None:
+                    self.waiting()

@@ -1,0 +1,138 @@
+"""The packed update's compiled programs (trainer.packing; the layout is packing.py's).
+
+A minibatch is a variable number of packed passes of one shape. They are stacked to the most a minibatch can need
+(PackingLayout.passes) and run by a `fori_loop` over the number in use, so one program does a whole minibatch
+(its passes' gradients summed, then its one optimizer update) and compiles once for the run, whatever the lengths;
+the stacked inputs are token ids and per-token floats, small beside one pass's activations. One program rather
+than a Python loop of per-pass programs: on CPU the loop's passes ran ~12% slower (each run allocates its
+activations anew); on accelerators it leaves XLA the whole minibatch to schedule.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from grpo_stream.common.model.activation_sharding import activation_sharding
+from grpo_stream.common.model.policy import row_logprobs, segment_mask
+from grpo_stream.trainer_service.learning.packing import PackedMinibatch, PackedPasses, PackingLayout
+from grpo_stream.trainer_service.learning.train_step import apply_optimizer
+
+if TYPE_CHECKING:
+    from grpo_stream.trainer_service.learning.rl_update import PolicyUpdater
+
+LOG_RATIO = "proximal_log_ratio"  # the metrics key of the per-token o - b (PolicyUpdater.objective), not a statistic
+
+
+def metric_start(shapes: dict) -> dict:
+    """The accumulator's start for metrics shaped like `shapes`: -inf for `_max`, +inf for `_min`, else 0."""
+    return {key: jnp.full(v.shape, -jnp.inf if key.endswith("_max") else jnp.inf if key.endswith("_min") else 0.0,
+                          v.dtype) for key, v in shapes.items()}
+
+
+def merge_metrics(total: dict, part: dict) -> dict:
+    """Combine one pass's metrics into the running ones: `_max` by max, `_min` by min, the rest (each pass's share
+    of a minibatch mean) by sum."""
+    return {key: jnp.maximum(total[key], v) if key.endswith("_max") else
+            jnp.minimum(total[key], v) if key.endswith("_min") else total[key] + v for key, v in part.items()}
+
+
+def slot_view(rows: jax.Array, starts: jax.Array, lengths: jax.Array, width: int) -> jax.Array:
+    """[m * S, width]: for each of the S slots of each of the m rows, the `width` values of `rows` ([m, T - 1])
+    from the slot's start on, zero past its length: per-sequence completion windows, as the padded layout's."""
+    m, s = starts.shape
+    j = jnp.arange(width)
+    index = jnp.clip(starts[..., None] + j, 0, rows.shape[1] - 1).reshape(m, s * width)
+    window = jnp.take_along_axis(rows, index, axis=1).reshape(m * s, width)
+    return jnp.where((j < lengths[..., None]).reshape(m * s, width), window, 0.0)
+
+
+class PackedPrograms:
+    """The compiled programs of `updater`'s packed update: a minibatch's update, its gradients alone (tests,
+    `plan`), and the logprobs of its passes under fixed weights (the old policy, the KL reference)."""
+
+    def __init__(self, updater: "PolicyUpdater", layout: PackingLayout, donate: bool):
+        self.u, self.layout = updater, layout
+        mesh = updater.mesh
+        fsdp = mesh.shape["fsdp"] if mesh is not None else 1
+        self.sharding = (NamedSharding(mesh, PartitionSpec(None, "fsdp") if fsdp > 1 and layout.rows % fsdp == 0
+                                       else PartitionSpec()) if mesh is not None else None)
+        self._step = jax.jit(self._step_impl, donate_argnums=(0, 2) if donate else (),
+                             out_shardings=updater._apply_shardings)
+        self.gradients = jax.jit(self._gradients)
+        self._logprobs = jax.jit(self._logprobs_impl, out_shardings=self.sharding)
+
+    def _loss(self, train, frozen, mb: PackedPasses, old, ref, norm):
+        """(loss, metrics) of one pass ([m, ...] slices of PackedPasses; old and ref in row layout or None)."""
+        u, c = self.u, self.layout.completion_tokens
+        logprobs, entropy = row_logprobs(u.model, u.join(train, frozen), mb.tokens, mb.positions,
+                                         segment_mask(mb.segments), u.temperature, u.pad_id, with_entropy=True)
+        view = lambda x: None if x is None else slot_view(x, mb.starts, mb.lengths, c)  # noqa: E731
+        return u.objective(view(logprobs), view(entropy), view(mb.loss_mask), view(mb.behaviour),
+                           mb.advantages.reshape(-1), mb.fresh.reshape(-1), view(old), view(ref), norm)
+
+    def _accumulated(self, train, frozen, passes: PackedPasses, count, old, ref, norm):
+        """(gradients of the trained part, metrics) of a minibatch: sums over its first `count` passes."""
+        u = self.u
+        pick = lambda tree, i: jax.tree.map(lambda x: x[i], tree)  # noqa: E731
+        grad_fn = jax.value_and_grad(self._loss, has_aux=True)
+        shapes = jax.eval_shape(lambda: grad_fn(train, frozen, *pick((passes, old, ref), 0), norm)[0][1])
+
+        def body(i, carry):
+            grads, metrics, ratios = carry
+            # as the padded layout's scan: the weights pass a barrier with each pass's data, so FSDP gathers them
+            # layer by layer inside the pass instead of hoisting every layer's all-gather out of the loop
+            weights, fixed, part = jax.lax.optimization_barrier((train, frozen, pick((passes, old, ref), i)))
+            (_, m), g = grad_fn(weights, fixed, *part, norm)
+            ratios = ratios.at[i].set(m.pop(LOG_RATIO))
+            return jax.tree.map(jnp.add, grads, u.pin(g)), merge_metrics(metrics, m), ratios
+
+        ratio_shape = shapes.pop(LOG_RATIO).shape  # [m * S, C]: pass i's slots' o - b, at [i] (sources: whose)
+        with activation_sharding(u.mesh):  # traced with the model's activation constraints on the mesh
+            zeros = u.pin(jax.tree.map(jnp.zeros_like, train))
+            grads, metrics, ratios = jax.lax.fori_loop(
+                0, count, body, (zeros, metric_start(shapes), jnp.zeros((passes.tokens.shape[0], *ratio_shape))))
+            return grads, {**metrics, LOG_RATIO: ratios}
+
+    def _gradients(self, train, frozen, passes: PackedPasses, count, old, ref, norm):
+        """_accumulated's gradients and statistics (tests, `plan`)."""
+        grads, metrics = self._accumulated(train, frozen, passes, count, old, ref, norm)
+        metrics.pop(LOG_RATIO)
+        return grads, metrics
+
+    def _step_impl(self, train, frozen, opt_state, passes: PackedPasses, count, old, ref, norm):
+        grads, metrics = self._accumulated(train, frozen, passes, count, old, ref, norm)
+        train, opt_state = apply_optimizer(self.u.optimizer, grads, opt_state, train, self.u.master)
+        metrics[LOG_RATIO] = self.u.replicated(metrics[LOG_RATIO])
+        return train, opt_state, {**metrics, "grad_norm": optax.global_norm(grads)}
+
+    def _logprobs_impl(self, params, passes: PackedPasses, count):
+        """[K, m, T - 1] row logprobs of the first `count` passes under `params` (zeros in the rest)."""
+        u = self.u
+
+        def body(i, out):
+            weights, part = jax.lax.optimization_barrier((params, jax.tree.map(lambda x: x[i], passes)))
+            lp = row_logprobs(u.model, weights, part.tokens, part.positions, segment_mask(part.segments),
+                              u.temperature, u.pad_id)
+            return out.at[i].set(lp)
+
+        with activation_sharding(u.mesh):
+            return jax.lax.fori_loop(0, count, body, jnp.zeros(passes.loss_mask.shape, jnp.float32))
+
+    def place(self, packed: PackedMinibatch) -> PackedPasses:
+        """The minibatch's stacked passes on the devices, rows split over the fsdp axis."""
+        if self.sharding is None:
+            return jax.tree.map(jnp.asarray, packed.passes)
+        return jax.device_put(packed.passes, self.sharding)
+
+    def logprobs(self, params, passes: PackedPasses, count: int) -> jax.Array:
+        return self._logprobs(params, passes, jnp.int32(count))
+
+    def minibatch_step(self, train, frozen, opt_state, passes, count: int, old, ref, norm) -> tuple[Any, Any, dict]:
+        """One optimizer update from the summed gradients of a minibatch's passes: (train, opt_state, metrics)."""
+        norm = tuple(jnp.float32(x) for x in norm)
+        return self._step(train, frozen, opt_state, passes, jnp.int32(count), old, ref, norm)

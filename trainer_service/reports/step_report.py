@@ -1,0 +1,148 @@
+"""What a trainer step reports: a console line (at a readable cadence), TensorBoard scalars and histograms, a
+metrics-trainer.jsonl row, and the Prometheus series."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+
+from grpo_stream.common.config.schema import RunConfig
+from grpo_stream.common.rollouts.buffer import BufferUnavailable, RolloutBuffer
+from grpo_stream.common.runtime.prometheus import OTHER, BoundedGauge, ServiceMetrics, bounded_series
+from grpo_stream.trainer_service.reports.metrics import Tracker, sample_rows
+
+log = logging.getLogger(__name__)
+MAX_LAG_SERIES = 64  # sampler_weight_lag series (at least sampler.replicas); the rest share one
+
+_GAUGES = (("trainer_step", "RL steps completed"), ("weight_version", "latest published weight version"),
+           ("buffer_depth", "groups waiting in the buffer to be trained"),
+           ("reward_mean", "mean reward of the last batch"),
+           ("accuracy", "answer accuracy of the last batch"), ("staleness_mean", "mean staleness of the last batch"),
+           ("step_seconds", "wall time of the last step"), ("wait_seconds", "time the last step waited for data"),
+           ("tokens_per_second", "completion tokens trained per second over the last window"),
+           ("groups_per_second", "rollout groups trained per second over the last window"),
+           ("compute_share", "share of the last step's wall time spent in the jitted update"))
+# off-policy health (learning/off_policy_health.py), exported when the step's metrics have them
+_HEALTH_GAUGES = (("is_ess_group_mean", "per-group sequence importance-weight ESS of the last batch, in (0, 1]"),
+                  ("mismatch_kl_k3", "k3 estimate of KL(sampler || trainer) per token of the last batch, nats"),
+                  ("is_truncated_fraction", "share of the last batch's tokens whose importance ratio exceeded "
+                                            "algo.tis_cap"))
+
+
+def component_means(groups) -> dict[str, float]:
+    """`reward/<name>`: the mean of each reward component (task.rewards, weighted 0 or not) over the completions
+    that have it, so a run shows each reward it computes (e.g. ifeval_strict beside ifeval_loose)."""
+    values: dict[str, list[float]] = {}
+    for c in (c for g in groups for c in g.completions):
+        for name, value in c.reward_components.items():
+            values.setdefault(name, []).append(value)
+    return {f"reward/{name}": float(np.mean(v)) for name, v in sorted(values.items())}
+
+
+class StepReporter:
+    def __init__(self, cfg: RunConfig, metrics: Tracker, buffer: RolloutBuffer, publisher, held, tokenizer=None):
+        """`publisher`: the weight publisher (latest version, samplers' installed versions); `held()`: groups trained
+        but not yet acknowledged; `tokenizer`: the trainer's, for the text of sample tables (None: token ids)."""
+        self.cfg, self.metrics, self.buffer, self.publisher, self.held = cfg, metrics, buffer, publisher, held
+        self.decode = tokenizer.decode if tokenizer is not None else None
+        self.prom = ServiceMetrics("trainer")
+        self.gauges = {name: self.prom.gauge(name, doc) for name, doc in _GAUGES + _HEALTH_GAUGES}
+        self.groups_gauge = self.prom.gauge("groups", "rollout groups by outcome (buffer counters)", ("outcome",))
+        # one series per sampler the publisher still knows, up to a bound; later ones share the `(other)` series
+        self.max_lag_series = max(MAX_LAG_SERIES, cfg.sampler.replicas)
+        self.lag_gauge = BoundedGauge(self.prom.gauge(
+            "sampler_weight_lag", f"latest version minus the sampler's installed version (the first "
+            f"{self.max_lag_series} samplers heard from; {OTHER}: the largest lag of the rest)", ("sampler",)),
+            self.max_lag_series)
+        self.prom.start(cfg.trainer.host, cfg.trainer.metrics_port)
+        self._counters: dict[str, int] = {}
+        self._last_line = 0.0
+        self._window: list[tuple[float, int, int]] = []  # (time, tokens, groups) of recent steps, for rates
+
+    def rates(self, tokens: int, groups: int, window_s: float = 30.0) -> tuple[float, float]:
+        """Tokens/s and groups/s trained over the last `window_s` seconds (not a run-long average, which would climb
+        all run as start-up time is amortised)."""
+        now = time.time()
+        self._window.append((now, tokens, groups))
+        while len(self._window) > 2 and now - self._window[1][0] > window_s:
+            self._window.pop(0)
+        span = now - self._window[0][0] if len(self._window) > 1 else 0.0
+        if span <= 0:
+            return 0.0, 0.0
+        return (sum(t for _, t, _ in self._window[1:]) / span, sum(g for _, _, g in self._window[1:]) / span)
+
+    def report(self, step, groups, staleness, stats, m, phases, tokens_per_second, groups_per_second) -> None:
+        accuracy = float(np.mean([c.reward_components.get("answer_correct", 0.0)
+                                  for g in groups for c in g.completions]))
+        held = self.held()
+        try:
+            counters = self._counters = self.buffer.counters()
+        except BufferUnavailable:  # Redis is away: report the last known counts rather than fail the step
+            counters = self._counters or {"depth": 0, "dropped_stale": 0, "dropped_filtered": 0}
+        row = {**stats, **m, "accuracy": accuracy, "staleness_mean": float(staleness.mean()),
+               "staleness_max": int(staleness.max()),
+               # waiting to be trained; those trained but held for a checkpoint are counted apart
+               "buffer_depth": max(0, counters["depth"] - held), "buffer_held": held,
+               "groups_dropped_stale": counters["dropped_stale"],
+               "groups_dropped_filtered": counters["dropped_filtered"], **phases,
+               "wait_seconds": phases["collect_seconds"], "tokens_per_second": tokens_per_second,
+               "groups_per_second": groups_per_second, "step_seconds": sum(phases.values()),
+               "compute_share": phases["compute_seconds"] / max(sum(phases.values()), 1e-9),
+               "zero_variance_groups": int(sum(np.ptp(g.rewards) == 0 for g in groups)),
+               "weight_version": self.publisher.latest_version or 0, **component_means(groups)}
+        self.metrics.scalars(step, row, prefix="train/")
+        self._export(step, row, counters)
+        self.metrics.histogram(step, "train/staleness", staleness)
+        lags = bounded_series(self.sampler_lags(), self.max_lag_series)
+        if lags:
+            self.metrics.samplers(step, {sampler: {"weight_lag": lag} for sampler, lag in lags.items()})
+        wanted = self.metrics.samples_wanted(step)  # detokenize only for a tracker that keeps the text
+        if wanted:
+            self.metrics.samples(step, sample_rows(groups, staleness, wanted, self.decode,
+                                                   self.cfg.tracking.wandb.samples_injected))
+        if self._show(step):
+            lp_diff = f"{m['logprob_diff_max']:.1e}" if "logprob_diff_max" in m else "-"
+            log.info("step %d/%d reward %.3f acc %.3f staleness %.1f/%d buffer %d dropped-stale %d version %d "
+                     "loss %.4f clip %.3f lp_diff(lag0) %s wait %.2fs %.0f tok/s", step, self.cfg.trainer.steps,
+                     stats["reward_mean"], accuracy, row["staleness_mean"], row["staleness_max"], row["buffer_depth"],
+                     row["groups_dropped_stale"], row["weight_version"], m["loss"], m["clip_fraction"], lp_diff,
+                     phases["collect_seconds"], tokens_per_second)
+
+    def _show(self, step: int) -> bool:
+        """Every step with logging.verbose; else the first, the last, every logging.step_every-th, and one at least
+        every logging.summary_every_s seconds."""
+        lg, now = self.cfg.logging, time.time()
+        show = (lg.verbose or step == 1 or step == self.cfg.trainer.steps or step % lg.step_every == 0
+                or now - self._last_line >= lg.summary_every_s)
+        if show:
+            self._last_line = now
+        return show
+
+    def _export(self, step: int, row: dict, counters: dict) -> None:
+        """Update the Prometheus series after a step."""
+        self.gauges["trainer_step"].set(step)
+        for name in ("weight_version", "buffer_depth", "reward_mean", "accuracy", "staleness_mean", "step_seconds",
+                     "wait_seconds", "tokens_per_second", "groups_per_second", "compute_share"):
+            self.gauges[name].set(row[name])
+        for name, _ in _HEALTH_GAUGES:
+            if row.get(name) is not None:
+                self.gauges[name].set(row[name])
+        for outcome, value in counters.items():
+            self.groups_gauge.labels(outcome).set(value)
+        self.export_sampler_lags()
+
+    def export_sampler_lags(self) -> None:
+        """The sampler_weight_lag series: the samplers the publisher knows now (it forgets silent ones), bounded."""
+        self.lag_gauge.replace(self.sampler_lags())
+
+    def sampler_lags(self) -> dict[str, int]:
+        """Per sampler: newest published version minus the version it reports installed."""
+        latest = self.publisher.latest_version or 0
+        return {sampler: latest - versions[-1] for sampler, versions in dict(self.publisher.installed).items()
+                if versions}
+
+    def close(self, failed: bool = False) -> None:
+        self.metrics.close(failed)
+        self.prom.stop()
