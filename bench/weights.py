@@ -57,6 +57,7 @@ from grpo_stream.trainer_service.learning.batching import TrainBatch
 from grpo_stream.trainer_service.publication.publisher import WeightPublisher
 from grpo_stream.trainer_service.learning.rl_update import PolicyUpdater
 from grpo_stream.trainer_service.publication.grpc_transport_server.data_plane import WeightDataServer
+from grpo_stream.trainer_service.publication.weight_service import WeightService
 from grpo_stream.bench import weights_multisource
 
 FULL = dict(vocab_size=32_000, num_layers=8, embed_dim=768, hidden_dim=2048, num_heads=12, num_kv_heads=4,
@@ -94,7 +95,7 @@ def _raw_sender(listener: socket.socket, payload: list[memoryview], repeats: int
 
 def _serve(publisher: WeightPublisher) -> tuple[grpc.Server, int]:
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=SERVER_OPTIONS)
-    weights_pb2_grpc.add_WeightServiceServicer_to_server(publisher, server)
+    weights_pb2_grpc.add_WeightServiceServicer_to_server(WeightService(publisher), server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     return server, port

@@ -68,7 +68,7 @@ def follower_server(cfg: RunConfig, index: int, publisher: WeightPublisher) -> T
     w = cfg.weights
     offset = index if advertised_host().startswith("127.") else 0
     return TrainerServer(None, publisher, cfg.trainer.host, cfg.trainer.port + offset if cfg.trainer.port else 0,
-                         security=ServerSecurity.from_config(cfg),
+                         security=ServerSecurity.from_config(cfg), max_serve_mb_s=w.max_serve_mb_s,
                          data_port=(w.data_port + offset if w.data_port else 0) if w.data_plane == "tcp" else None)
 
 
@@ -79,8 +79,7 @@ def run_follower(cfg: RunConfig, run_dir: pathlib.Path, group: TrainerGroup) -> 
     server = core = None
     try:
         parts = build_model_parts(cfg)
-        publisher = WeightPublisher(weight_sink(w.transport, SinkContext(w)), w.transport, w.chunk_bytes,
-                                    w.max_serve_mb_s, w.wire_dtype)
+        publisher = WeightPublisher(weight_sink(w.transport, SinkContext(w)), w.transport, w.chunk_bytes, w.wire_dtype)
         server = follower_server(cfg, index, publisher)
         port = server.start()
         group.serve_versions(publisher, port, server.data.port if server.data else 0)

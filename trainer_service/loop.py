@@ -144,10 +144,11 @@ class Trainer:
             cfg, s.buffer, parts.task, parts.tokenizer, security)
         w, transport = cfg.weights, transport_spec(cfg.weights.transport)
         s.publisher = WeightPublisher(weight_sink(w.transport, SinkContext(w, self.hub)), w.transport, w.chunk_bytes,
-                                      w.max_serve_mb_s, w.wire_dtype, epoch=s.epoch)
+                                      w.wire_dtype, epoch=s.epoch)
         tcp = transport.trainer_serves and w.data_plane == "tcp"
         s.server = TrainerServer(ingest, s.publisher, cfg.trainer.host, cfg.trainer.port,
-                                 data_port=w.data_port if tcp else None, security=security, prompts=prompts)
+                                 data_port=w.data_port if tcp else None, security=security, prompts=prompts,
+                                 max_serve_mb_s=w.max_serve_mb_s)
         port = s.server.start()
         if self.group is not None:  # the manifest lists every process's slices, once all of them serve a version
             self.group.serve_versions(s.publisher, port, s.server.data.port if s.server.data else 0)

@@ -25,6 +25,7 @@ from grpo_stream.trainer_service.core import CoreHooks, StepResult, TrainerCore
 from grpo_stream.trainer_service.learning.off_policy_health import HealthMonitor, group_index_of, version_diagnostics
 from grpo_stream.trainer_service.plans import (DonePlan, FinishPlan, Plan, StartPlan, StepPlan, done_plan, finish_plan,
                                               from_message, start_plan, step_plan, to_message)
+from grpo_stream.trainer_service.publication.samplers import SamplerRegistry
 
 log = logging.getLogger(__name__)
 
@@ -159,17 +160,18 @@ class LeaderSource(CoreHooks):
                                 "compute_seconds": phases["compute_seconds"]}, tokens_per_s, groups_per_s)
 
     def await_samplers(self, final_version: int) -> None:
-        await_samplers(self.cfg, self.s.publisher, self.s.stop_event, final_version,
+        await_samplers(self.cfg, self.s.publisher.samplers, self.s.stop_event, final_version,
                        progress=Heartbeat(self.run_dir, "trainer-0"))
 
 
-def await_samplers(cfg: RunConfig, publisher, stop: threading.Event, final_version: int, progress=None) -> None:
+def await_samplers(cfg: RunConfig, samplers: SamplerRegistry, stop: threading.Event, final_version: int,
+                   progress=None) -> None:
     """Until every sampler installed the final version (so each stops by itself), or trainer.final_wait_s. Every one
     means at least sampler.replicas: a restarted trainer knows only the samplers that reported to it since, and one
     backing off after the restart (up to 10 s) would otherwise be left behind, never told."""
     deadline = time.time() + cfg.trainer.final_wait_s
     while time.time() < deadline and not stop.is_set():
-        at = publisher.samplers_at(final_version)
+        at = samplers.samplers_at(final_version)
         if progress is not None:
             progress()
         if at and all(at.values()) and len(at) >= cfg.sampler.replicas:
@@ -177,7 +179,7 @@ def await_samplers(cfg: RunConfig, publisher, stop: threading.Event, final_versi
             return
         time.sleep(0.2)
     log.warning("samplers not at final version %d after %.0fs: %s", final_version, cfg.trainer.final_wait_s,
-                publisher.samplers_at(final_version))
+                samplers.samplers_at(final_version))
 
 
 class FollowerSource:

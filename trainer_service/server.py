@@ -12,6 +12,8 @@ from grpo_stream.protos import prompts_pb2, rollout_pb2, weights_pb2  # noqa: F4
 from grpo_stream.trainer_service.ingest.rollout_ingest import IngestServicer
 from grpo_stream.trainer_service.publication.publisher import WeightPublisher
 from grpo_stream.trainer_service.publication.grpc_transport_server.data_plane import WeightDataServer
+from grpo_stream.trainer_service.publication.grpc_transport_server.slices import SliceServer
+from grpo_stream.trainer_service.publication.weight_service import WeightService
 
 INGEST, WEIGHTS, PROMPTS = "grpo_stream.v1.RolloutIngest", "grpo_stream.v1.WeightService", "grpo_stream.v1.PromptService"
 
@@ -20,14 +22,18 @@ class TrainerServer:
     """Owns a grpc.Server; `start()` binds and returns the port, `stop()` drains in-flight calls."""
 
     def __init__(self, ingest: IngestServicer | None, publisher: WeightPublisher, host: str, port: int,
-                 data_port: int | None = None, security: ServerSecurity | None = None, prompts=None):
+                 data_port: int | None = None, security: ServerSecurity | None = None, prompts=None,
+                 max_serve_mb_s: float | None = None):
         """`prompts`: a PromptServicer to serve beside the ingest (None: none). How many calls it serves at once,
-        by kind: `security.limits` (config rpc; defaults without `security`)."""
+        by kind: `security.limits` (config rpc; defaults without `security`). `max_serve_mb_s`: each weight fetch's
+        cap in bytes per second, over gRPC and the data plane (None: none)."""
         self.ingest, self.publisher, self.security = ingest, publisher, security
-        publisher.table = None if security is None else security.table
+        table = None if security is None else security.table
+        self.slices = SliceServer(publisher, max_serve_mb_s)
+        self.weights = WeightService(publisher, self.slices, table)
         self.data = None if data_port is None else WeightDataServer(
-            publisher, host, data_port, table=None if security is None else security.table,
-            ssl_context=None if security is None else security.ssl_context)
+            publisher, host, data_port, table=table, ssl_context=None if security is None else security.ssl_context,
+            slices=self.slices)
         self.host, self.port = host, port
         self.health = health.HealthServicer()
         self._server = new_server(security)
@@ -38,7 +44,7 @@ class TrainerServer:
         if prompts is not None:
             add_service(self._server, prompts, PROMPTS)
             self.services.append(PROMPTS)
-        add_service(self._server, publisher, WEIGHTS)
+        add_service(self._server, self.weights, WEIGHTS)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         enable_reflection(self._server, self.services)
 

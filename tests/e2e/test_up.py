@@ -328,7 +328,8 @@ def test_eval_limit_must_be_positive():
 
 @pytest.mark.redis
 def test_sampler_waits_for_a_trainer_that_answers_but_has_not_published_then_gives_up_on_silence(tmp_path,
-                                                                                               shared_redis, run_name):
+                                                                                               shared_redis, run_name,
+                                                                                               monkeypatch):
     """A trainer in its warm start serves health but no weights: the sampler waits past connect_timeout_s and
     installs the first version when it comes; a trainer that goes silent ends it after connect_timeout_s."""
     import time
@@ -341,6 +342,7 @@ def test_sampler_waits_for_a_trainer_that_answers_but_has_not_published_then_giv
     from grpo_stream.common.rollouts.wire import GroupLimits
     from grpo_stream.trainer_service.ingest.rollout_ingest import IngestServicer
     from grpo_stream.trainer_service.publication.publisher import WeightPublisher
+    from grpo_stream.trainer_service.publication.weight_service import WeightService
     from grpo_stream.trainer_service.server import TrainerServer
 
     config = ROOT / "configs" / "tiny_arith_smoke.yaml"
@@ -367,19 +369,18 @@ def test_sampler_waits_for_a_trainer_that_answers_but_has_not_published_then_giv
         wait_for(lambda: running(proc) and text in log_path.read_text(), timeout_s, f"{text!r} in the sampler's log",
                  interval_s=0.1)
 
-    class Watched(WeightPublisher):
+    asked: list[float] = []
+
+    class Watched(WeightService):
         """Notes when the sampler asks for the manifest (NOT_FOUND while nothing is published)."""
 
-        def __init__(self):
-            super().__init__()
-            self.asked: list[float] = []
-
         def GetManifest(self, request, context):
-            self.asked.append(time.monotonic())
+            asked.append(time.monotonic())
             return super().GetManifest(request, context)
 
+    monkeypatch.setattr("grpo_stream.trainer_service.server.WeightService", Watched)
     auth, security = deployment_auth(tmp_path / "auth")
-    publisher = Watched()
+    publisher = WeightPublisher()
     server = TrainerServer(IngestServicer(buffer, limits, 1000, 20), publisher, "127.0.0.1", 0, security=security)
     proc = start(server.start())
     try:
@@ -387,7 +388,7 @@ def test_sampler_waits_for_a_trainer_that_answers_but_has_not_published_then_giv
         # Not giving up is an absence, so it takes time: the sampler must keep asking for weights over three times
         # connect_timeout_s (it checks the trainer's health every second while it waits). Timed by its own requests,
         # so a sampler the loaded machine starves of CPU is not mistaken for one that waited.
-        wait_for(lambda: running(proc) and publisher.asked and publisher.asked[-1] - publisher.asked[0] > 6, 120,
+        wait_for(lambda: running(proc) and asked and asked[-1] - asked[0] > 6, 120,
                  "the sampler to wait 3x connect_timeout_s for the first weights")
         publisher.publish_arrays(0, named)
         wait_for_log(proc, "installed weight version 0")

@@ -228,10 +228,11 @@ def test_a_sampler_token_speaks_only_for_its_own_sampler_id(named_stack):
         assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED, what
         assert "sampler_id" in err.value.details() or "group_id" in err.value.details(), what
     assert named_stack.buffer.counters()["ingested"] == 0  # nothing spoofed reached the buffer
-    assert "sampler-0" not in named_stack.publisher.installed and named_stack.publisher.groups_generated() == 0
+    samplers = named_stack.publisher.samplers
+    assert "sampler-0" not in samplers.installed and samplers.groups_generated() == 0
     weights("sampler-0").ReportVersion(weights_pb2.VersionReport(sampler_id="sampler-0", installed_version=0,
                                                                   groups_generated=3))
-    assert named_stack.publisher.installed["sampler-0"] == [0] and named_stack.publisher.groups_generated() == 3
+    assert samplers.installed["sampler-0"] == [0] and samplers.groups_generated() == 3
     # each sampler sends as itself; the shared token acts for every sampler-<k>; an admin for anyone
     assert stub("sampler-0").PushGroup(dataset_group(run, "sampler-0", 1)).code == 0
     assert stub("sampler").PushGroup(dataset_group(run, "sampler-1", 1)).code == 0

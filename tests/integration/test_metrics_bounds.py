@@ -8,7 +8,7 @@ import urllib.request
 import pytest
 
 from grpo_stream.protos import weights_pb2, weights_pb2_grpc
-from grpo_stream.trainer_service import publisher as publisher_module
+from grpo_stream.trainer_service.publication import samplers as samplers_module
 from grpo_stream.trainer_service.reports.metrics import MetricsWriter
 from grpo_stream.trainer_service.reports.step_report import MAX_LAG_SERIES, StepReporter
 from tests.support import serve, with_run_name
@@ -39,8 +39,8 @@ def test_invented_sampler_ids_do_not_grow_the_lag_series(tiny_parts, shared_redi
             assert len(series) == MAX_LAG_SERIES + 1, len(series)
             assert {f"sampler-{k}" for k in range(MAX_LAG_SERIES)} | {"(other)"} == set(series)
             # samplers the publisher forgets (silent past its expiry) lose their series
-            monkeypatch.setattr(publisher_module, "SAMPLER_EXPIRY_S", 0.0)
-            stack.publisher._next_sweep = 0.0
+            monkeypatch.setattr(samplers_module, "SAMPLER_EXPIRY_S", 0.0)
+            stack.publisher.samplers._next_sweep = 0.0
             weights.ReportVersion(weights_pb2.VersionReport(sampler_id="sampler-99999", installed_version=0,
                                                             trainer_epoch=epoch))
             reporter.export_sampler_lags()

@@ -237,7 +237,7 @@ def test_status_reports_trainer_samplers_buffer_and_queue(stack):
     client, ingest = clients(stack)
     client.submit([{"text": "Q: a A:"}, {"text": "Q: b A:"}])
     claim(ingest, "sampler-0", n=1)
-    stack.publisher.record("sampler-0", 0, throughput=(2.5, 40.0))
+    stack.publisher.samplers.record("sampler-0", 0, throughput=(2.5, 40.0))
     writer = StatusWriter(stack.server.ingest.injection.queue, stack.publisher, total_steps=7)
     writer.step = 3
     writer.write()

@@ -38,11 +38,15 @@ class CountingQueue(PromptQueue):
         super().write_status(status)
 
 
+class Samplers:
+    @staticmethod
+    def status(latest: int | None) -> list[dict]:
+        return []
+
+
 class Publisher:
     latest_version = 3
-
-    def sampler_status(self) -> list[dict]:
-        return []
+    samplers = Samplers()
 
 
 def test_a_full_redis_is_unavailable_for_every_caller_and_nothing_is_written(redis_server):

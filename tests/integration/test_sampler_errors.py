@@ -76,7 +76,7 @@ def test_a_sampler_of_another_model_raises_a_permanent_error_naming_both_shapes(
                 if t.is_alive() and t.name.startswith(("rollout-", "fetch", "weight-fetch"))]
 
     wait_for(lambda: not ours_left(), 10, "the sampler's threads to end")
-    assert stack.publisher.installed.get("sampler-0", []) == []
+    assert stack.publisher.samplers.installed.get("sampler-0", []) == []
     assert not (tmp_path / "sampler-0.json").exists()
 
 

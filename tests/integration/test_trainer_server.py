@@ -238,8 +238,8 @@ def test_weights_are_fetched_whole_and_history_is_recorded(stack, tiny_parts):
     np.testing.assert_array_equal(model.to_named_numpy(got.params)["embedder.input_embedding"],
                                   shifted["embedder.input_embedding"])
     sync.mark_installed(got)
-    assert publisher.installed["sampler-7"] == [0, 3]
-    assert publisher.samplers_at(3) == {"sampler-7": True}
+    assert publisher.samplers.installed["sampler-7"] == [0, 3]
+    assert publisher.samplers.samplers_at(3) == {"sampler-7": True}
     with pytest.raises(ValueError, match="not newer"):
         publisher.publish(WeightSnapshot(version=2, arrays=named))
 
@@ -297,7 +297,7 @@ def test_a_restarted_trainer_is_followed_and_failures_back_off(stack, tiny_parts
 
 
 def test_background_fetch_keeps_the_installed_version_until_the_new_one_is_whole(stack, tiny_parts):
-    _, _, publisher, _, channel = stack
+    _, _, publisher, server, channel = stack
     _, _, _, model = tiny_parts
     named = model.to_named_numpy()
     nbytes = sum(a.nbytes for a in named.values())
@@ -305,7 +305,7 @@ def test_background_fetch_keeps_the_installed_version_until_the_new_one_is_whole
     publisher.publish(WeightSnapshot(version=0, arrays=named))
     sync.mark_installed(wait_for(sync.poll, 30, "version 0 fetched in the background", interval_s=0.01))
     # serve slowly (about 1.5 s per version): polls return at once while the transfer runs
-    publisher.max_serve_mb_s = nbytes / 1.5 / 1e6
+    server.slices.max_serve_mb_s = nbytes / 1.5 / 1e6
     publisher.publish(WeightSnapshot(version=1, arrays={k: v + 1 for k, v in named.items()}))
     start, polls = time.monotonic(), 0
     while (got := sync.poll()) is None:
@@ -413,20 +413,19 @@ def test_busy_data_plane_sends_fetches_over_grpc(stack, tiny_parts):
     from grpo_stream.common.weights import tcp_wire
     from grpo_stream.protos import weights_pb2
 
-    _, _, publisher, _, channel = stack
+    _, _, publisher, server, channel = stack
     _, _, _, model = tiny_parts
     named = model.to_named_numpy()
     release = threading.Event()
 
-    class Held:  # the publisher, whose transfers wait at their first piece until released
-        data_port = 0
-        plan = staticmethod(publisher.plan)
+    class Held:  # the publisher's slices, whose transfers wait at their first piece until released
+        plan = staticmethod(server.slices.plan)
 
         @staticmethod
         def pace(sent, start):
             release.wait(30)
 
-    data = WeightDataServer(Held(), "127.0.0.1", 0, workers=1)
+    data = WeightDataServer(publisher, "127.0.0.1", 0, workers=1, slices=Held())
     port = data.start()
     publisher.data_port = port
     try:

@@ -281,8 +281,9 @@ class StatusWriter:
 
     def write(self) -> None:
         try:
-            self.queue.write_status(status_of(self.step, self.total_steps, self.publisher.latest_version,
-                                              self.publisher.sampler_status()))
+            latest = self.publisher.latest_version
+            self.queue.write_status(status_of(self.step, self.total_steps, latest,
+                                              self.publisher.samplers.status(latest)))
         except BufferUnavailable:
             pass
 

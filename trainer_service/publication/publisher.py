@@ -1,13 +1,17 @@
-"""Weight publication: one publisher over any transport's sink, one WeightService for manifests and lag reports.
+"""Weight publication: versions made available over any transport's sink, the manifest switched to each only once
+it is fully readable.
 
-`publish` runs on the trainer's publication thread, never on the step loop:
+`publish_arrays` runs on the trainer's publication thread, never on the step loop:
 it casts to the wire dtype on device, then hands the arrays to the transport's
 sink (common/weights/registry.py): the grpc sink keeps a host snapshot that
 FetchSlices streams from (fetches already streaming keep reading the snapshot
 they started with), the checkpoint sink saves with Orbax, the local one hands
 device arrays to the in-process hub. Only then does the manifest switch, so a sampler never sees a version that
-is not fully readable. Each sampler reports the version it runs; the
-publisher keeps that history for the lag metric and the run summary.
+is not fully readable.
+
+The publisher only holds versions. Serving them is the WeightService's (weight_service.py: manifests, and for the
+grpc transport the slices, grpc_transport_server/); what samplers report goes to the registry the publisher owns
+(`samplers`, samplers.py), which the services that report on samplers reach where they reach the versions.
 """
 
 from __future__ import annotations
@@ -17,30 +21,14 @@ import threading
 import time
 from typing import Any, Callable
 
-import grpc
 import jax.numpy as jnp
-import numpy as np
 
 from grpo_stream.common.config.schema import WeightsSection
-from grpo_stream.common.rpc.auth import TokenTable, caller_of, may_act_as
-from grpo_stream.common.weights.registry import transport_spec, weight_sink
-from grpo_stream.common.weights.snapshot import (BASE_VERSION, DEFAULT_CHUNK_BYTES, WeightSnapshot,
-                                                 WeightTransferError, box_from_proto, new_epoch, stream_box)
+from grpo_stream.common.weights.registry import weight_sink
+from grpo_stream.common.weights.snapshot import BASE_VERSION, DEFAULT_CHUNK_BYTES, WeightSnapshot, new_epoch
 from grpo_stream.common.weights.transport import SinkContext, WeightSink
-from grpo_stream.protos import weights_pb2, weights_pb2_grpc
-
-
-# What the publisher keeps per sampler id is bounded: ids are sent by clients (a shared sampler token may speak for
-# any sampler-<k>), so without limits a long run, or a careless client, grows these maps for ever.
-MAX_SAMPLERS = 1024  # distinct sampler ids held; the least recently seen goes first
-MAX_VERSION_HISTORY = 256  # installed versions kept per sampler (the lag metric reads the last)
-SAMPLER_EXPIRY_S = 3600.0  # a sampler silent this long is forgotten (a restarted one reports again)
-
-
-class FetchRefused(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.code, self.message = code, message
+from grpo_stream.protos import weights_pb2
+from grpo_stream.trainer_service.publication.samplers import SamplerRegistry
 
 
 @dataclasses.dataclass
@@ -50,10 +38,12 @@ class PublishStats:
     nbytes: int
 
 
-class WeightPublisher(weights_pb2_grpc.WeightServiceServicer):
+class WeightPublisher:
+    """Numbers versions, puts each into the transport's sink and switches the manifest to it; holds the latest
+    version (and, with LoRA, the epoch's frozen base) for the servers that serve them."""
+
     def __init__(self, sink: WeightSink | None = None, transport: str | None = None,
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, max_serve_mb_s: float | None = None,
-                 wire_dtype: str = "model", epoch: str | None = None):
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, wire_dtype: str = "model", epoch: str | None = None):
         """`sink`: where versions go (registry.weight_sink), made for weights.transport `transport`; None: the
         default transport's, with `chunk_bytes`."""
         if sink is None:
@@ -62,12 +52,13 @@ class WeightPublisher(weights_pb2_grpc.WeightServiceServicer):
         elif transport is None:
             raise TypeError("WeightPublisher(sink=...) needs the transport's name too")
         self.sink, self.transport = sink, transport
-        self.chunk_bytes, self.max_serve_mb_s, self.wire_dtype = chunk_bytes, max_serve_mb_s, wire_dtype
+        self.chunk_bytes, self.wire_dtype = chunk_bytes, wire_dtype
         self.epoch = epoch or new_epoch()
-        self.data_port = 0  # set by a WeightDataServer serving this publisher's snapshots
+        self.data_port = 0  # set by a WeightDataServer serving this publisher's snapshots; manifests announce it
         # multi-host trainer, process 0: called with each new manifest before it is served; waits until every
         # process serves its slices of that version and lists them in `manifest.hosts` (trainer_service/multihost.py)
         self.gather_hosts: Callable[[weights_pb2.WeightManifest], None] | None = None
+        self.samplers = SamplerRegistry()  # the samplers that install this publisher's versions
         self._lock = threading.Lock()
         self._snapshot: WeightSnapshot | None = None
         self._manifest: weights_pb2.WeightManifest | None = None
@@ -76,17 +67,7 @@ class WeightPublisher(weights_pb2_grpc.WeightServiceServicer):
         self._base_manifest: weights_pb2.WeightManifest | None = None
         self.published: list[int] = []
         self.publish_seconds: list[float] = []
-        self.installed: dict[str, list[int]] = {}
-        self.fetch_failures: dict[str, int] = {}
-        self.last_seen: dict[str, float] = {}
-        self.throughput: dict[str, tuple[float, float]] = {}  # sampler -> (groups/s, tokens/s) it last reported
-        # sampler -> [groups generated by its earlier processes, by its current one] (a restart reports from 0)
-        self.generated: dict[str, list[int]] = {}
-        self.retired_generated = 0  # groups generated by samplers forgotten since (expired or evicted)
-        self.table: TokenTable | None = None  # set by the server that serves this publisher with auth
-        self._next_sweep = 0.0
 
-    # -- publishing -------------------------------------------------------------------------------------------
     def publish_arrays(self, version: int, named: dict[str, Any], final: bool = False,
                        adapters: weights_pb2.AdapterVersion | None = None) -> PublishStats:
         """Publish device (or host) arrays `named` as `version` over the configured transport. With `adapters`
@@ -154,148 +135,14 @@ class WeightPublisher(weights_pb2_grpc.WeightServiceServicer):
         with self._lock:
             return None if self._manifest is None else self._manifest.version
 
-    def samplers_at(self, version: int) -> dict[str, bool]:
+    @property
+    def manifest(self) -> weights_pb2.WeightManifest | None:
+        """The manifest of the latest version (None before the first publication)."""
         with self._lock:
-            return {sid: bool(v) and v[-1] >= version for sid, v in self.installed.items()}
+            return self._manifest
 
-    def record(self, sampler_id: str, installed_version: int, failures: int = 0, epoch: str = "",
-               throughput: tuple[float, float] | None = None, generated: int | None = None) -> None:
-        """Note a sampler's installed version (versions of another trainer epoch are not ours to count)."""
-        if not sampler_id or (epoch and epoch != self.epoch):
-            return
+    def held(self, version: int) -> WeightSnapshot | None:
+        """The host snapshot a fetch of `version` reads: the epoch's base for BASE_VERSION, else the latest (None:
+        nothing held; a transport whose bytes the trainer does not serve holds none)."""
         with self._lock:
-            now = time.time()
-            if sampler_id not in self.installed:
-                self._make_room(now)
-            history = self.installed.setdefault(sampler_id, [])
-            # a sampler's versions only move forward within an epoch: a lower one is a report that a later one
-            # overtook (each is a unary call with a short deadline; a late one may still be served)
-            if installed_version >= 0 and (not history or history[-1] < installed_version):
-                history.append(installed_version)
-                del history[:-MAX_VERSION_HISTORY]
-            self.fetch_failures[sampler_id] = failures
-            self.last_seen[sampler_id] = now
-            if throughput is not None:
-                self.throughput[sampler_id] = throughput
-            if generated is not None:
-                counts = self.generated.setdefault(sampler_id, [0, 0])
-                if generated < counts[1]:  # a new process of this sampler
-                    counts[0] += counts[1]
-                counts[1] = generated
-
-    def _make_room(self, now: float) -> None:
-        """Forget samplers silent for SAMPLER_EXPIRY_S (checked at most once a minute), then, while MAX_SAMPLERS
-        are held, the least recently seen; their generated groups stay counted. Holds the lock."""
-        if now >= self._next_sweep:
-            self._next_sweep = now + 60.0
-            for sid in [sid for sid, seen in self.last_seen.items() if now - seen > SAMPLER_EXPIRY_S]:
-                self._forget(sid)
-        while len(self.installed) >= MAX_SAMPLERS:
-            self._forget(min(self.installed, key=lambda sid: self.last_seen.get(sid, 0.0)))
-
-    def _forget(self, sampler_id: str) -> None:
-        self.retired_generated += sum(self.generated.pop(sampler_id, (0, 0)))
-        for table in (self.installed, self.fetch_failures, self.last_seen, self.throughput):
-            table.pop(sampler_id, None)
-
-    def groups_generated(self) -> int:
-        """Groups for training the samplers reported generating while this trainer ran."""
-        with self._lock:
-            return self.retired_generated + sum(sum(counts) for counts in self.generated.values())
-
-    def _check_caller(self, context, sampler_id: str) -> None:
-        """PERMISSION_DENIED unless the caller's token may speak for `sampler_id`: otherwise one sampler could
-        report versions, throughput and generated groups for another and skew its lag and the run's waste."""
-        if self.table is None or not sampler_id:
-            return
-        caller = caller_of(context, self.table)
-        if not may_act_as(caller, sampler_id):
-            context.abort(grpc.StatusCode.PERMISSION_DENIED, f"sampler_id: {sampler_id[:64]!r} is not this token's "
-                          f"({caller.name!r} may report as {caller.name!r} or '{caller.name}-<k>'); give each "
-                          "sampler its own token or fix sampler ids")
-
-    def sampler_status(self) -> list[dict]:
-        """Each sampler's installed version, lag behind the latest publication, throughput and last report."""
-        latest = self.latest_version
-        with self._lock:
-            return [{"sampler_id": sid, "installed_version": v[-1] if v else -1,
-                     "lag": (latest - v[-1]) if (v and latest is not None) else 0,
-                     "groups_per_s": self.throughput.get(sid, (0.0, 0.0))[0],
-                     "tokens_per_s": self.throughput.get(sid, (0.0, 0.0))[1],
-                     "last_seen_unix": self.last_seen.get(sid, 0.0), "fetch_failures": self.fetch_failures.get(sid, 0)}
-                    for sid, v in sorted(self.installed.items())]
-
-    # -- WeightService ----------------------------------------------------------------------------------------
-    def GetManifest(self, request, context):
-        self._check_caller(context, request.sampler_id)
-        with self._lock:
-            manifest = self._manifest
-        # the manifest request does not carry the caller's epoch: count it only if it matches ours
-        if manifest is not None and request.installed_version <= manifest.version:
-            self.record(request.sampler_id, request.installed_version)
-        if manifest is None:
-            context.abort(grpc.StatusCode.NOT_FOUND, "no weights published yet; retry shortly")
-        return manifest
-
-    def ReportVersion(self, request, context):
-        self._check_caller(context, request.sampler_id)
-        self.record(request.sampler_id, request.installed_version, request.fetch_failures, request.trainer_epoch,
-                    (request.groups_per_s, request.tokens_per_s), request.groups_generated)
-        latest = self.latest_version
-        return weights_pb2.VersionReportReply(latest_version=-1 if latest is None else latest)
-
-    def plan(self, request: weights_pb2.FetchSlicesRequest) -> list[tuple[int, int, np.ndarray, tuple]]:
-        """(tensor index, slice index, host array, box) per requested slice of the version held now; raises
-        FetchRefused with the status a fetch gets (gRPC and the TCP data plane answer alike)."""
-        with self._lock:
-            snapshot = self._base_snapshot if request.version == BASE_VERSION else self._snapshot
-        if not transport_spec(self.transport).trainer_serves:
-            raise FetchRefused(grpc.StatusCode.FAILED_PRECONDITION,
-                               f"weights.transport={self.transport}: the trainer does not serve version bytes; "
-                               "samplers read them through that transport")
-        if snapshot is None or snapshot.version != request.version or (
-                request.trainer_epoch and request.trainer_epoch != snapshot.epoch):
-            raise FetchRefused(grpc.StatusCode.NOT_FOUND,
-                               f"version {request.version} is not held (latest: "
-                               f"{None if snapshot is None else snapshot.version}); ask for the manifest again")
-        arrays = list(snapshot.arrays.values())
-        plan = []
-        try:
-            for tensor in request.tensors:
-                if not 0 <= tensor.tensor_index < len(arrays):
-                    raise WeightTransferError(f"tensors.tensor_index={tensor.tensor_index} outside the manifest's "
-                                              f"{len(arrays)} tensors")
-                arr = arrays[tensor.tensor_index]
-                for k, rng in enumerate(tensor.slices):
-                    box = box_from_proto(rng, arr.shape, f"tensor {tensor.tensor_index} slice {k}")
-                    if hasattr(arr, "holds") and not arr.holds(box):  # a multi-host trainer's share (HeldBoxes)
-                        raise WeightTransferError(f"tensor {tensor.tensor_index} slice {k}: not served by this "
-                                                  "trainer process; ask the host the manifest's sources name")
-                    plan.append((tensor.tensor_index, k, arr, box))
-            asked = sum(int(np.prod([b.stop - b.start for b in box])) * arr.itemsize for _, _, arr, box in plan)
-            held = sum(a.nbytes for a in arrays)
-            if asked > held:  # each device's slices are disjoint: more than the version means repeats
-                raise WeightTransferError(f"tensors: {asked} bytes of slices requested, more than the whole "
-                                          f"version ({held} bytes); ask for each slice once")
-        except WeightTransferError as exc:
-            raise FetchRefused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
-        return plan
-
-    def pace(self, sent: int, start: float) -> None:
-        """Sleep so that a fetch that has sent `sent` bytes since `start` stays within weights.max_serve_mb_s."""
-        if self.max_serve_mb_s is not None:
-            ahead = sent / (self.max_serve_mb_s * 1e6) - (time.monotonic() - start)
-            if ahead > 0:
-                time.sleep(ahead)
-
-    def FetchSlices(self, request, context):
-        try:
-            plan = self.plan(request)
-        except FetchRefused as exc:
-            context.abort(exc.code, exc.message)
-        sent, start = 0, time.monotonic()
-        for t, k, arr, box in plan:
-            for chunk in stream_box(arr, box, t, k, self.chunk_bytes):
-                self.pace(sent, start)
-                sent += len(chunk.data)
-                yield chunk
+            return self._base_snapshot if version == BASE_VERSION else self._snapshot

@@ -44,7 +44,7 @@ def write_summary(path: pathlib.Path, cfg: RunConfig, *, steps: int, counters: d
     `trainer_state`: what the updater holds (bytes of parameters and optimizer state, what is trained). `tokens`:
     the real and laid-out tokens of the batches this process trained (the padding the update computed over, packed
     or not), and the tokens the padded layout lays out (`padded_laid_out`)."""
-    generated = publisher.groups_generated()
+    generated = publisher.samplers.groups_generated()
     summary = {
         "run": cfg.run.name,
         "steps": steps,
@@ -84,7 +84,7 @@ def write_summary(path: pathlib.Path, cfg: RunConfig, *, steps: int, counters: d
         # this process's peak device memory (None on CPU): scripts/gpu-check.sh compares it with `plan`'s figure
         "device_memory": device_memory(),
         "final_weights": final_weights,
-        "sampler_weight_versions": publisher.installed,
+        "sampler_weight_versions": publisher.samplers.installed,
         "algo": cfg.algo.model_dump(mode="json"),
         "logprob_agreement_lag0": {
             "tokens": int(agreement["tokens"]),

@@ -140,7 +140,7 @@ class StepReporter:
     def sampler_lags(self) -> dict[str, int]:
         """Per sampler: newest published version minus the version it reports installed."""
         latest = self.publisher.latest_version or 0
-        return {sampler: latest - versions[-1] for sampler, versions in dict(self.publisher.installed).items()
+        return {sampler: latest - versions[-1] for sampler, versions in dict(self.publisher.samplers.installed).items()
                 if versions}
 
     def close(self, failed: bool = False) -> None:

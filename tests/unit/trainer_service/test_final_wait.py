@@ -7,29 +7,29 @@ import time
 import types
 
 from grpo_stream.trainer_service.plan_sources import await_samplers
-from grpo_stream.trainer_service.publication.publisher import WeightPublisher
+from grpo_stream.trainer_service.publication.samplers import SamplerRegistry
 
 
 def waiter(replicas: int, final_wait_s: float = 5.0):
     cfg = types.SimpleNamespace(sampler=types.SimpleNamespace(replicas=replicas),
                                 trainer=types.SimpleNamespace(final_wait_s=final_wait_s))
-    return types.SimpleNamespace(cfg=cfg, publisher=WeightPublisher(), stop_event=threading.Event())
+    return types.SimpleNamespace(cfg=cfg, samplers=SamplerRegistry(), stop_event=threading.Event())
 
 
 def test_the_wait_ends_only_when_every_replica_is_at_the_final_version():
     trainer = waiter(replicas=2)
-    trainer.publisher.record("sampler-1", 24)  # the one sampler that reported since the restart
-    late = threading.Timer(1.0, lambda: trainer.publisher.record("sampler-0", 24))  # back from its back-off
+    trainer.samplers.record("sampler-1", 24)  # the one sampler that reported since the restart
+    late = threading.Timer(1.0, lambda: trainer.samplers.record("sampler-0", 24))  # back from its back-off
     late.start()
     started = time.monotonic()
-    await_samplers(trainer.cfg, trainer.publisher, trainer.stop_event, 24)
+    await_samplers(trainer.cfg, trainer.samplers, trainer.stop_event, 24)
     waited = time.monotonic() - started
     assert 0.9 <= waited < 4.0, waited  # it waited for sampler-0, and no longer
 
 
 def test_a_sampler_that_never_comes_back_is_waited_for_final_wait_s_only():
     trainer = waiter(replicas=2, final_wait_s=0.6)
-    trainer.publisher.record("sampler-1", 24)
+    trainer.samplers.record("sampler-1", 24)
     started = time.monotonic()
-    await_samplers(trainer.cfg, trainer.publisher, trainer.stop_event, 24)
+    await_samplers(trainer.cfg, trainer.samplers, trainer.stop_event, 24)
     assert 0.6 <= time.monotonic() - started < 3.0

@@ -24,7 +24,8 @@ from grpo_stream.common.weights.tcp_wire import encode_status, send_slice
 from grpo_stream.common.weights.snapshot import WeightTransferError, raw_bytes
 from grpo_stream.protos import weights_pb2
 from grpo_stream.trainer_service.publication.grpc_transport_server.intake import Intake, Refusal
-from grpo_stream.trainer_service.publication.publisher import FetchRefused, WeightPublisher
+from grpo_stream.trainer_service.publication.grpc_transport_server.slices import FetchRefused, SliceServer
+from grpo_stream.trainer_service.publication.publisher import WeightPublisher
 
 log = logging.getLogger(__name__)
 
@@ -36,9 +37,12 @@ class WeightDataServer:
 
     def __init__(self, publisher: WeightPublisher, host: str, port: int = 0, workers: int = 16,
                  request_timeout_s: float = 5.0, transfer_timeout_s: float = 600.0, table: TokenTable | None = None,
-                 ssl_context: ssl.SSLContext | None = None, max_pending: int = 256):
-        """`table`: tokens a request must carry (None: no auth); `ssl_context`: serve over TLS."""
+                 ssl_context: ssl.SSLContext | None = None, max_pending: int = 256, slices: SliceServer | None = None):
+        """`publisher`: whose held versions it serves, and whose manifests announce its port; `table`: tokens a
+        request must carry (None: no auth); `ssl_context`: serve over TLS; `slices`: how a request becomes slices
+        and is paced (None: a SliceServer of `publisher` without a rate cap)."""
         self.publisher, self.host, self.port = publisher, host, port
+        self.slices = SliceServer(publisher) if slices is None else slices
         self.table, self.ssl_context = table, ssl_context
         self.request_timeout_s, self.transfer_timeout_s, self.workers = request_timeout_s, transfer_timeout_s, workers
         self.max_pending = max_pending
@@ -118,7 +122,7 @@ class WeightDataServer:
     def _transfer(self, conn: socket.socket, request: bytes) -> None:
         conn.settimeout(self.request_timeout_s)  # until the transfer's own deadline below
         try:
-            plan = self.publisher.plan(weights_pb2.FetchSlicesRequest.FromString(request))
+            plan = self.slices.plan(weights_pb2.FetchSlicesRequest.FromString(request))
         except FetchRefused as exc:
             self._refuse(conn, exc.code, exc.message)
             return
@@ -131,7 +135,7 @@ class WeightDataServer:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"transfer exceeded {self.transfer_timeout_s:.0f}s")
             conn.settimeout(max(0.01, deadline - time.monotonic()))
-            self.publisher.pace(sent + offset, start)
+            self.slices.pace(sent + offset, start)
 
         sent, start = 0, time.monotonic()
         try:

@@ -25,6 +25,7 @@ from grpo_stream.common.weights.host_staging import HostStaging
 from grpo_stream.protos import weights_pb2_grpc
 from grpo_stream.trainer_service.publication.publisher import WeightPublisher
 from grpo_stream.trainer_service.publication.grpc_transport_server.data_plane import WeightDataServer
+from grpo_stream.trainer_service.publication.weight_service import WeightService
 
 assert jax.device_count() == 2
 mesh = Mesh(np.array(jax.devices()), ("tp",))
@@ -47,7 +48,7 @@ for plane in ("tcp", "grpc"):
         staging = HostStaging(pooled=True, pinned=plane == "grpc")  # pinned: an accelerator's path, on CPU memory
         publisher = WeightPublisher(GrpcSink(1 << 16, staging), "grpc", chunk_bytes=1 << 16, wire_dtype=wire)
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=SERVER_OPTIONS)
-        weights_pb2_grpc.add_WeightServiceServicer_to_server(publisher, server)
+        weights_pb2_grpc.add_WeightServiceServicer_to_server(WeightService(publisher), server)
         port = server.add_insecure_port("127.0.0.1:0")
         server.start()
         data = WeightDataServer(publisher, "127.0.0.1", 0) if plane == "tcp" else None

@@ -11,6 +11,7 @@ from grpo_stream.common.weights.host_staging import HostStaging
 from grpo_stream.common.weights.snapshot import SliceAssembler, box_from_proto
 from grpo_stream.protos import weights_pb2
 from grpo_stream.trainer_service.publication.publisher import WeightPublisher
+from grpo_stream.trainer_service.publication.weight_service import WeightService
 
 CHUNK = 1 << 16
 
@@ -73,7 +74,8 @@ def test_a_version_a_fetch_still_streams_is_not_overwritten_by_later_ones():
     pub.publish_arrays(0, params(0))
     pub.publish_arrays(1, params(1))
     manifest, request = pub._manifest, whole_request(pub, 1)
-    stream = pub.FetchSlices(request, None)  # a sampler's fetch of version 1, slowed down to one chunk so far
+    # a sampler's fetch of version 1, slowed down to one chunk so far
+    stream = WeightService(pub).FetchSlices(request, None)
     chunks = [next(stream)]
     for version in range(2, 6):  # the trainer publishes on; version 1 stays held by the fetch
         pub.publish_arrays(version, params(version))

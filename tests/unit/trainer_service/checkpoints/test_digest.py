@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import optax
 import pytest
 
-from grpo_stream.trainer_service import checkpoint_digest
+from grpo_stream.trainer_service.checkpoints import digest as checkpoint_digest
 from grpo_stream.trainer_service.checkpoints.digest import DIGEST_FILE
 from grpo_stream.trainer_service.checkpoints.store import TrainerCheckpoints, tree_digest
 

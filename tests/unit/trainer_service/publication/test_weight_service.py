@@ -1,0 +1,52 @@
+"""The WeightService over a publisher: manifests, the samplers' reports into the publisher's registry (a report of
+another trainer epoch counts nowhere), and a fetch refused with the status the request earns."""
+
+import grpc
+import numpy as np
+import pytest
+
+from grpo_stream.common.weights.snapshot import WeightSnapshot
+from grpo_stream.protos import weights_pb2
+from grpo_stream.trainer_service.publication.publisher import WeightPublisher
+from grpo_stream.trainer_service.publication.weight_service import WeightService
+
+
+class Aborted(Exception):
+    pass
+
+
+class Context:
+    def abort(self, code, details):
+        self.code, self.details = code, details
+        raise Aborted(details)
+
+
+def test_manifests_and_reports_reach_the_publishers_registry():
+    publisher = WeightPublisher(chunk_bytes=64, epoch="e1")
+    service = WeightService(publisher)
+    context = Context()
+    with pytest.raises(Aborted):
+        service.GetManifest(weights_pb2.GetManifestRequest(sampler_id="sampler-0", installed_version=-1), context)
+    assert context.code == grpc.StatusCode.NOT_FOUND and not publisher.samplers.installed
+    publisher.publish(WeightSnapshot(2, {"w": np.arange(8, dtype=np.float32)}))
+    manifest = service.GetManifest(weights_pb2.GetManifestRequest(sampler_id="sampler-0", installed_version=1), None)
+    assert manifest.version == 2 and publisher.samplers.installed == {"sampler-0": [1]}
+    reply = service.ReportVersion(weights_pb2.VersionReport(sampler_id="sampler-0", installed_version=2,
+                                                            trainer_epoch="e1", groups_generated=4), None)
+    assert reply.latest_version == 2 and publisher.samplers.installed["sampler-0"] == [1, 2]
+    service.ReportVersion(weights_pb2.VersionReport(sampler_id="sampler-1", installed_version=9,
+                                                    trainer_epoch="another", groups_generated=5), None)
+    assert "sampler-1" not in publisher.samplers.installed and publisher.samplers.groups_generated() == 4
+
+
+def test_a_fetch_of_a_version_not_held_is_not_found_and_a_held_one_streams_whole():
+    publisher = WeightPublisher(chunk_bytes=16, epoch="e1")
+    service = WeightService(publisher)
+    publisher.publish(WeightSnapshot(1, {"w": np.arange(8, dtype=np.float32)}))
+    context = Context()
+    with pytest.raises(Aborted):
+        list(service.FetchSlices(weights_pb2.FetchSlicesRequest(version=7), context))
+    assert context.code == grpc.StatusCode.NOT_FOUND
+    whole = weights_pb2.TensorSlices(tensor_index=0, slices=[weights_pb2.SliceRange(start=[0], stop=[8])])
+    chunks = list(service.FetchSlices(weights_pb2.FetchSlicesRequest(version=1, tensors=[whole]), None))
+    assert len(chunks) == 2 and b"".join(c.data for c in chunks) == np.arange(8, dtype=np.float32).tobytes()
