@@ -3,8 +3,8 @@
 A transport is a pair. The trainer's `WeightSink` makes a version available (`put`) and describes it with a
 manifest; a sampler's `WeightSource` finds the newest manifest (`latest`) and brings that version onto its own
 devices with its own sharding (`fetch`). Around the pair the rules stay the same for every transport: the trainer's
-WeightPublisher (trainer_service/publication/publisher.py) numbers versions, serves manifests and hears which version each
-sampler installed; a sampler's WeightSync (sampler_service/weight_sync.py) installs a version whole or not at all,
+WeightPublisher (trainer_service/publication/publisher.py) numbers versions, and its WeightService serves manifests
+and hears which version each sampler installed; a sampler's WeightSync (sampler_service/weight_sync.py) installs a version whole or not at all,
 follows a restarted trainer's epoch and backs off after failures.
 
 A transport is one module with `make_sink(ctx)` and `make_source(ctx)` and one line in registry.py. A source's
