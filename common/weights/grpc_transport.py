@@ -7,6 +7,9 @@ plane on another port (tcp_wire.py) that a sampler falls back from to gRPC when 
 over `weights.fetch_streams` parallel streams, balanced by bytes, receives each slice into an aligned buffer reused
 across versions (receive_buffers.py) and places it on its devices with one batched transfer per array
 (jax.make_array_from_callback, the target's sharding): nothing else is copied, and on CPU not even that.
+
+This module is the sink and the client; the server half, which only the trainer runs, is
+trainer_service/publication/grpc_transport_server/.
 """
 
 from __future__ import annotations

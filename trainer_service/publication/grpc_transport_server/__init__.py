@@ -5,7 +5,8 @@ slices.py: a fetch request checked against the version the publisher holds and t
 weights.max_serve_mb_s; what FetchSlices streams (publication/weight_service.py) and what the TCP data plane sends.
 data_plane.py: that data plane (weights.data_plane=tcp), with its front door intake.py.
 
-Why here and not in common/weights/ beside the client: it imports nothing of the trainer but serves the trainer's
-state (the versions a WeightPublisher holds), and only the trainer runs it. common/ holds what both services or the
-transport registry use; a server half there would be code that one service alone reaches across the boundary for.
+Why here and not in common/weights/ beside the client: it serves the trainer's state, the versions a WeightPublisher
+(publication/publisher.py) holds, and announces its port in that publisher's manifests; only the trainer runs it. In
+common/ it would need the publisher there too, or an interface made only so it could move: common/ holds what both
+services or the transport registry use, and nothing of this is the samplers'.
 """
