@@ -23,7 +23,8 @@ import numpy as np
 
 from grpo_stream.common.config.schema import WeightsSection
 from grpo_stream.common.rpc.auth import TokenTable, caller_of, may_act_as
-from grpo_stream.common.weights.registry import transport_spec, weight_sink
+from grpo_stream.common.registry.transports import transport_spec
+from grpo_stream.common.weights.registry import weight_sink
 from grpo_stream.common.weights.snapshot import (BASE_VERSION, DEFAULT_CHUNK_BYTES, WeightSnapshot,
                                                  WeightTransferError, box_from_proto, new_epoch, stream_box)
 from grpo_stream.common.weights.transport import SinkContext, WeightSink

@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field
 
 from grpo_stream.common.config.base import Strict
+from grpo_stream.common.config.names import EnvironmentName
 
 
 class PythonToolSection(Strict):
@@ -26,7 +27,7 @@ class PythonToolSection(Strict):
 
 
 class EnvironmentSection(Strict):
-    name: str | None = Field(None, description="Null: single-turn tasks (a prompt, G completions, rewards). Else a "
+    name: EnvironmentName = Field(None, description="Null: single-turn tasks (a prompt, G completions, rewards). Else a "
                              "multi-turn environment of common/environments/registry.py: 'arith_tools' (the CPU "
                              "demo: an addition game with a calculator tool), 'gsm8k_tools' (GSM8K with a "
                              "calculator and a Python tool).")
