@@ -1,4 +1,5 @@
-"""The GSM8K tools environment: its calculator (common/tools/calculator.py), and episodes that call tools in each family's format."""
+"""The GSM8K tools environment: its calculator (common/tools/calculator.py), and episodes that call tools in each
+family's format."""
 
 import pytest
 
