@@ -32,7 +32,7 @@ JAX engine's re-layout), so the sampler's version rules apply unchanged. The
 policy's parameter names are mapped to Hugging Face names
 (`grpo_stream.common.model.hf_checkpoint.to_hf_names`), which is what every vLLM model's
 `load_weights` takes (it fuses q/k/v and gate/up itself); each worker loads
-them in place with `load_into_worker` (below). Two ways to reach the workers:
+them in place with `load_into_worker` (vllm_worker.py). Two ways to reach the workers:
   iterator  the tensors, in this process (the engine core runs in this
             process: VLLM_ENABLE_V1_MULTIPROCESSING=0);
   files     one safetensors file in `stage_dir`; every worker reads it
