@@ -62,7 +62,8 @@ from grpo_stream.common.episodes.finite import run_episodes
 from grpo_stream.common.episodes.tool_turns import EpisodeSettings, ToolTurns
 from grpo_stream.common.model.architectures import Architecture
 from grpo_stream.common.model.policy import TUNIX_ROPE_THETA, build_from_architecture
-from grpo_stream.common.runtime.process import build_task, build_tokenizer
+from grpo_stream.common.tasks.arith import build_task
+from grpo_stream.common.tasks.task_tokenizer import build_tokenizer
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs" / "tiny_arith.yaml"

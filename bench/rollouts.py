@@ -63,7 +63,8 @@ from grpo_stream.common.episodes.single_turn import SingleTurn
 from grpo_stream.common.episodes.stream import RolloutStream
 from grpo_stream.common.episodes.tool_turns import EpisodeSettings, ToolTurns
 from grpo_stream.common.rollouts.wire import GroupLimits, to_proto, validate_group
-from grpo_stream.common.runtime.process import build_task, build_tokenizer
+from grpo_stream.common.tasks.arith import build_task
+from grpo_stream.common.tasks.task_tokenizer import build_tokenizer
 from grpo_stream.common.tasks.reward_workers import RewardWorker
 from grpo_stream.common.tasks.rewards import DEFAULT_WEIGHTS, RewardSet
 from grpo_stream.sampler_service.engine_thread import EngineThread

@@ -50,7 +50,8 @@ from grpo_stream.common.rpc.grpc_util import SERVER_OPTIONS
 from grpo_stream.common.model.lora import apply_lora
 from grpo_stream.common.model.policy import build_from_architecture
 from grpo_stream.common.weights.host_staging import HostStaging, offers_pinned
-from grpo_stream.common.weights.registry import transport_spec, weight_sink
+from grpo_stream.common.registry.transports import transport_spec
+from grpo_stream.common.weights.registry import weight_sink
 from grpo_stream.common.weights.transport import SinkContext
 from grpo_stream.protos import weights_pb2_grpc
 from grpo_stream.trainer_service.learning.batching import TrainBatch

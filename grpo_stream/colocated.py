@@ -22,7 +22,7 @@ import jax
 from grpo_stream.common.config.schema import RunConfig
 from grpo_stream.common.model.sharding import split_devices
 from grpo_stream.common.weights.local_transport import LocalWeightHub
-from grpo_stream.common.weights.registry import TRANSPORTS, transport_spec
+from grpo_stream.common.registry.transports import TRANSPORTS, transport_spec
 from grpo_stream.sampler_service.loop import Sampler
 from grpo_stream.trainer_service.loop import Trainer
 from grpo_stream.common.runtime.errors import PermanentError

@@ -83,8 +83,8 @@ def _audit(args, _cfg) -> int:
 
 
 def _eval(args, cfg) -> None:
-    from grpo_stream.common.runtime.process import (enable_compilation_cache, import_tensorboardx_without_torch,
-                                                    setup_logging)
+    from grpo_stream.common.assembly.compilation_cache import enable_compilation_cache
+    from grpo_stream.common.runtime.process import import_tensorboardx_without_torch, setup_logging
     from grpo_stream.eval_command import run_eval
 
     setup_logging(cfg.logging.level, "eval", cfg.logging.format, cfg.logging.verbose)
@@ -114,7 +114,8 @@ def _devices(args, cfg) -> int:
 
 
 def _up(args, cfg) -> int:
-    from grpo_stream.common.runtime.process import compilation_cache_dir, setup_logging
+    from grpo_stream.common.assembly.compilation_cache import compilation_cache_dir
+    from grpo_stream.common.runtime.process import setup_logging
     from grpo_stream.up import run_up
 
     setup_logging(cfg.logging.level, "up", cfg.logging.format, cfg.logging.verbose)
@@ -126,12 +127,12 @@ def _up(args, cfg) -> int:
 def _prepare_process(args, cfg, name: str) -> None:
     """What every service process does before its work: logging named after it, dying with `up`, the device plan's
     settings and XLA's flags in the environment before JAX starts (it reads them once)."""
-    from grpo_stream.common.runtime.device_plan import device_env, own_process_env
-    from grpo_stream.common.runtime.parent_death import watch_parent
+    from grpo_stream.plan.device_plan import device_env, own_process_env
+    from grpo_stream.parent_death import watch_parent
     from grpo_stream.common.runtime.process import setup_logging
 
     setup_logging(cfg.logging.level, name, cfg.logging.format, cfg.logging.verbose)
-    watch_parent()  # a child of `up` stops when `up` is gone (common/runtime/parent_death.py)
+    watch_parent()  # a child of `up` stops when `up` is gone (grpo_stream/parent_death.py)
     os.environ.update(own_process_env(cfg, args.command, os.environ))
     if device_env(os.environ):
         log.info("device settings: %s", " ".join(f"{k}={v}" for k, v in device_env(os.environ).items()))
@@ -141,8 +142,8 @@ def _prepare_process(args, cfg, name: str) -> None:
 
 def _jax_process(args, cfg) -> None:
     """trainer, sampler, colocated: the shared start of a JAX service process, then its loop."""
-    from grpo_stream.common.runtime.process import (enable_compilation_cache, import_tensorboardx_without_torch,
-                                                    pin_to_cpus)
+    from grpo_stream.common.assembly.compilation_cache import enable_compilation_cache
+    from grpo_stream.common.runtime.process import import_tensorboardx_without_torch, pin_to_cpus
 
     _prepare_process(args, cfg, args.command if args.command != "sampler" else f"sampler-{args.index}")
     pin_to_cpus(*((cfg.sampler.cpu_affinity, "sampler.cpu_affinity") if args.command == "sampler" else

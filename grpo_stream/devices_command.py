@@ -1,5 +1,5 @@
 """`grpo-stream devices --config C [--gpus N] [--gpu-memory-gib G] [--compose] [--json F] [k=v ...]`: the GPUs and
-memory settings each process of the run gets (common/runtime/device_plan.py), as `up` would give them on this host
+memory settings each process of the run gets (grpo_stream/plan/device_plan.py), as `up` would give them on this host
 or on a host of N GPUs; `--compose` prints them as compose/.env lines for compose/docker-compose.yml."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import os
 import pathlib
 
 from grpo_stream.common.config.schema import RunConfig
-from grpo_stream.common.runtime.device_plan import (PREALLOCATE, DeviceLayoutError, DevicePlan, detect_gpus,
+from grpo_stream.plan.device_plan import (PREALLOCATE, DeviceLayoutError, DevicePlan, detect_gpus,
                                                     load_figures, plan_devices)
 
 COMPOSE_SAMPLERS = 3  # sampler-0 .. sampler-2 in compose/docker-compose.yml

@@ -22,7 +22,7 @@ log = logging.getLogger("grpo_stream.eval")
 def run_eval(cfg: RunConfig, split: str, limit: int | None, json_path: pathlib.Path | None) -> dict:
     from grpo_stream.common.episodes.evaluation import evaluate_run  # noqa: PLC0415 - imports JAX
     from grpo_stream.common.engine import continuous  # noqa: PLC0415
-    from grpo_stream.common.runtime.process import build_policy, build_task_and_tokenizer  # noqa: PLC0415
+    from grpo_stream.common.assembly.parts import build_policy, build_task_and_tokenizer  # noqa: PLC0415
 
     task, tokenizer = build_task_and_tokenizer(cfg)
     model = build_policy(cfg, tokenizer.vocab_size, seed=cfg.run.seed)

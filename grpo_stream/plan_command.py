@@ -142,9 +142,9 @@ def verdict(cfg: RunConfig, role: str, report: dict) -> dict:
 
 
 def device_fit(cfg: RunConfig, doc: dict) -> dict:
-    """The device plan of hardware.gpus GPUs with this report's figures (common/runtime/device_plan.py): each
+    """The device plan of hardware.gpus GPUs with this report's figures (grpo_stream/plan/device_plan.py): each
     process's GPUs and share, or why the layout cannot work."""
-    from grpo_stream.common.runtime.device_plan import DeviceLayoutError, plan_devices  # noqa: PLC0415
+    from grpo_stream.plan.device_plan import DeviceLayoutError, plan_devices  # noqa: PLC0415
 
     try:
         plan = plan_devices(cfg, [str(g) for g in range(cfg.hardware.gpus)], cfg.hardware.device_memory_bytes(

@@ -25,12 +25,12 @@ from jax.sharding import NamedSharding, PartitionSpec
 from grpo_stream.common.config.schema import RunConfig
 from grpo_stream.common.engine import continuous
 from grpo_stream.common.engine.slot_programs import pow2_at_least
-from grpo_stream.common.engine.registry import engine_spec
+from grpo_stream.common.registry.engines import engine_spec
 from grpo_stream.common.model.architectures import Architecture
 from grpo_stream.common.model.lora import abstract_lora, merge_named
 from grpo_stream.common.model.policy import PolicyModel, build_from_architecture, tiny_architecture
 from grpo_stream.common.model.sharding import make_mesh, param_shardings, rows_sharding
-from grpo_stream.common.weights.registry import transport_spec
+from grpo_stream.common.registry.transports import transport_spec
 from grpo_stream.trainer_service.learning.batching import TrainBatch
 from grpo_stream.trainer_service.learning.packing import PackedPasses, packing_layout
 from grpo_stream.trainer_service.learning.rl_update import PolicyUpdater, donates_updates

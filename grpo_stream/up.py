@@ -33,10 +33,10 @@ import time
 from grpo_stream.common.config.loading import load_config, to_yaml
 from grpo_stream.common.config.schema import RunConfig
 from grpo_stream.common.rollouts.redis_server import EmbeddedRedis, RedisConnectError, connect_durable, free_port
-from grpo_stream.common.runtime.device_plan import (DeviceLayoutError, DevicePlan, detect_gpus, load_figures,
+from grpo_stream.plan.device_plan import (DeviceLayoutError, DevicePlan, detect_gpus, load_figures,
                                                     plan_devices)
 from grpo_stream.common.runtime.errors import EXIT_FAILURE, EXIT_PERMANENT, EXIT_USAGE
-from grpo_stream.common.runtime.run_lock import RunLock
+from grpo_stream.run_lock import RunLock
 from grpo_stream.supervise import Outcome, Watch
 from grpo_stream.trainer_service.control_messages import SECRET_ENV, SECRET_FILE_ENV, new_secret
 from grpo_stream.up_guard import STOP_SIGNALS, child_popen, lock_run_dir, redis_popen
@@ -208,7 +208,7 @@ def free_ports(count: int) -> int:
 
 
 def device_plan(cfg: RunConfig, run_dir: pathlib.Path) -> DevicePlan:
-    """The run's GPUs per process (common/runtime/device_plan.py), printed and kept in RUN_DIR/devices.json."""
+    """The run's GPUs per process (grpo_stream/plan/device_plan.py), printed and kept in RUN_DIR/devices.json."""
     gpu_ids, memory = detect_gpus(cfg, os.environ)
     plan = plan_devices(cfg, gpu_ids, memory, load_figures(cfg))
     for line in plan.lines():

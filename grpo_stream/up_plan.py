@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 from grpo_stream.common.config.schema import RunConfig
-from grpo_stream.common.runtime.device_plan import DevicePlan, ProcessPlan, host_devices_needed
-from grpo_stream.common.weights.registry import transport_spec
+from grpo_stream.plan.device_plan import DevicePlan, ProcessPlan, host_devices_needed
+from grpo_stream.common.registry.transports import transport_spec
 from grpo_stream.trainer_service.multihost import ADVERTISE_ENV
 from grpo_stream.up_secrets import sampler_token_env
 
@@ -64,7 +64,7 @@ def plan_processes(cfg: RunConfig, run_dir: pathlib.Path, config_path: pathlib.P
 
     overrides: `run_overrides`'s. server_env / sampler_env: the environments of the processes that serve (trainer,
     ingest: the token table, Redis's password) and of the samplers (their token). lock_env: what hands the trainer
-    the run directory's lock (common/runtime/run_lock.py: RunLock.child_env)."""
+    the run directory's lock (grpo_stream/run_lock.py: RunLock.child_env)."""
     trainer_envs, sampler_envs = process_envs(cfg, devices, dict(server_env), dict(sampler_env))
     cfg_args = ("--config", str(config_path)) if config_path else ()
     base = (python, "-m", "grpo_stream")

@@ -23,10 +23,11 @@ from grpc_health.v1 import health_pb2_grpc
 
 from grpo_stream.common.config.schema import RunConfig
 from grpo_stream.common.config.serving import serves_endpoint
-from grpo_stream.common.engine.registry import build_engine, engine_spec
+from grpo_stream.common.engine.registry import build_engine
+from grpo_stream.common.registry.engines import engine_spec
 from grpo_stream.common.model.sharding import make_mesh
 from grpo_stream.common.rpc.grpc_util import ClientSecurity, open_channel
-from grpo_stream.common.runtime.process import build_policy, build_task_and_tokenizer
+from grpo_stream.common.assembly.parts import build_policy, build_task_and_tokenizer
 from grpo_stream.common.runtime.prometheus import ServiceMetrics
 from grpo_stream.common.tasks.rewards import RewardSet
 from grpo_stream.common.weights.registry import weight_source

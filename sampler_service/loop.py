@@ -41,7 +41,7 @@ from grpo_stream.common.runtime.console import count_and_range, detail_logger
 from grpo_stream.common.runtime.device_memory import device_memory
 from grpo_stream.common.runtime.heartbeat import Heartbeat
 from grpo_stream.common.runtime.process import stop_on_signals
-from grpo_stream.common.weights.registry import transport_spec
+from grpo_stream.common.registry.transports import transport_spec
 from grpo_stream.common.weights.snapshot import digest
 from grpo_stream.sampler_service.engine_thread import EngineThread
 from grpo_stream.common.tasks.reward_workers import RewardWorker

@@ -1,7 +1,7 @@
 """Installing published weights on this sampler's mesh, whatever the transport.
 
 A weight source (common/weights: grpc_transport, checkpoint_transport, local_transport, chosen by weights.transport
-in common/weights/registry.py) finds the newest version and brings it onto this sampler's devices with its own
+in common/registry/transports.py) finds the newest version and brings it onto this sampler's devices with its own
 sharding. WeightSync owns the rules: a version is installed whole or not at all (with
 `background`, fetched on a thread while generation goes on and handed over only
 when complete, so the caller switches between batches), a new

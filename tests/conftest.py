@@ -39,7 +39,7 @@ def pytest_configure(config):
     import tempfile
 
     from grpo_stream.common.config.process import COMPILATION_CACHE_ENV
-    from grpo_stream.common.runtime.process import enable_compilation_cache
+    from grpo_stream.common.assembly.compilation_cache import enable_compilation_cache
 
     directory = os.environ.get("GRPO_STREAM_TEST_CACHE_DIR")
     if not directory:
@@ -101,7 +101,8 @@ def small_cfg():
 def tiny_parts(small_cfg):
     """(cfg, task, tokenizer, model) built once per session."""
     from grpo_stream.common.model.policy import build_model
-    from grpo_stream.common.runtime.process import build_task, build_tokenizer
+    from grpo_stream.common.tasks.arith import build_task
+    from grpo_stream.common.tasks.task_tokenizer import build_tokenizer
 
     task = build_task(small_cfg)
     tokenizer = build_tokenizer(small_cfg, task)

@@ -24,7 +24,7 @@ from grpo_stream.common.engine import continuous
 from grpo_stream.common.episodes.evaluation import greedy_probe
 from grpo_stream.common.model.hf_checkpoint import export_hf, resolve_model_dir
 from grpo_stream.common.model.sharding import make_mesh, place
-from grpo_stream.common.runtime.process import build_policy, build_task_and_tokenizer
+from grpo_stream.common.assembly.parts import build_policy, build_task_and_tokenizer
 from grpo_stream.common.weights.snapshot import digest
 from grpo_stream.trainer_service.checkpoints.durability import Resumed
 from grpo_stream.trainer_service.learning.params_policy import params_policy

@@ -17,7 +17,8 @@ import sys
 from grpo_stream.common.config.schema import RunConfig
 from grpo_stream.common.rpc.grpc_util import ServerSecurity
 from grpo_stream.common.runtime.errors import EXIT_FAILURE, EXIT_PERMANENT, PermanentError, record_permanent
-from grpo_stream.common.weights.registry import transport_spec, weight_sink
+from grpo_stream.common.registry.transports import transport_spec
+from grpo_stream.common.weights.registry import weight_sink
 from grpo_stream.common.weights.transport import SinkContext
 from grpo_stream.trainer_service.checkpoints.store import TrainerCheckpoints
 from grpo_stream.trainer_service.control_messages import ControlMessageError

@@ -26,11 +26,12 @@ from typing import Any
 from grpo_stream.common.config.schema import RunConfig
 from grpo_stream.common.rollouts.buffer import RUN_FILE
 from grpo_stream.common.rollouts.redis_server import redacted
-from grpo_stream.common.rollouts.trainer_lease import open_leased_buffer
+from grpo_stream.common.rollouts.registry import open_leased_buffer
 from grpo_stream.common.rpc.grpc_util import ServerSecurity
 from grpo_stream.common.runtime.heartbeat import beat
 from grpo_stream.common.runtime.process import stop_on_signals
-from grpo_stream.common.weights.registry import transport_spec, weight_sink
+from grpo_stream.common.registry.transports import transport_spec
+from grpo_stream.common.weights.registry import weight_sink
 from grpo_stream.common.weights.snapshot import new_epoch
 from grpo_stream.common.weights.transport import SinkContext
 from grpo_stream.trainer_service.checkpoints.store import TrainerCheckpoints

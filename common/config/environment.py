@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field
 
 from grpo_stream.common.config.base import Strict
+from grpo_stream.common.config.names import EnvironmentName
 
 
 class PythonToolSection(Strict):
@@ -26,10 +27,10 @@ class PythonToolSection(Strict):
 
 
 class EnvironmentSection(Strict):
-    name: str | None = Field(None, description="Null: single-turn tasks (a prompt, G completions, rewards). Else a "
-                             "multi-turn environment of common/environments/registry.py: 'arith_tools' (the CPU "
-                             "demo: an addition game with a calculator tool), 'gsm8k_tools' (GSM8K with a "
-                             "calculator and a Python tool).")
+    name: EnvironmentName = Field(None, description="Null: single-turn tasks (a prompt, G completions, rewards). "
+                                  "Else a multi-turn environment of common/registry/environments.py: 'arith_tools' "
+                                  "(the CPU demo: an addition game with a calculator tool), 'gsm8k_tools' (GSM8K "
+                                  "with a calculator and a Python tool).")
     max_turns: int = Field(4, ge=1, le=256, description="Most model turns in one episode.")
     turn_max_new_tokens: int | None = Field(None, ge=1, le=32768, description="Most tokens of one model turn. Null: "
                                             "generation.max_new_tokens. The whole episode after the prompt (model "

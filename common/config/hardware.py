@@ -3,7 +3,7 @@ and the samplers' devices are, how much memory each has, and the margin a plan m
 
 `plan` reads it to say before the hardware exists whether the programs fit. `up` reads the GPU layout fields
 (`gpus`, `trainer_devices`, `sampler_devices`, `plan_json`) to give each process its GPUs and memory settings
-(common/runtime/device_plan.py), and `trainer_env` / `sampler_env`. Memory per device is what the runtime can hand
+(grpo_stream/plan/device_plan.py), and `trainer_env` / `sampler_env`. Memory per device is what the runtime can hand
 out (HBM per TPU chip, or per GPU as nvidia-smi reports it), from the vendors' published figures.
 """
 

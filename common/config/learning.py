@@ -11,7 +11,7 @@ from pydantic import Field, model_validator
 from grpo_stream.common.config.verifiers_settings import VerifiersSection
 from grpo_stream.common.config.base import Strict
 from grpo_stream.common.config.names import TaskName
-from grpo_stream.common.tasks.registry import task_spec
+from grpo_stream.common.registry.tasks import task_spec
 
 
 class TinyModelSection(Strict):

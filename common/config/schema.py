@@ -30,9 +30,10 @@ from grpo_stream.common.config.sampler import SamplerSection
 from grpo_stream.common.config.tracking import TrackingSection
 from grpo_stream.common.config.vllm_settings import VllmSection
 from grpo_stream.common.config.weights import DistributedSection, WeightsSection
-from grpo_stream.common.engine.registry import engine_spec
-from grpo_stream.common.tasks.registry import TASKS, task_spec
-from grpo_stream.common.weights.registry import TRANSPORTS, transport_spec
+from grpo_stream.common.registry.engines import engine_spec
+from grpo_stream.common.registry.environments import environment_spec
+from grpo_stream.common.registry.tasks import TASKS, task_spec
+from grpo_stream.common.registry.transports import TRANSPORTS, transport_spec
 
 # multi-turn rows in flight per engine slot by default: an episode waits for its environment (a tool, a user) for
 # part of its life; the stream starts groups only while fewer turns than slots want the engine, so this is a bound on
@@ -226,8 +227,6 @@ class RunConfig(Strict):
 
     @model_validator(mode="after")
     def _environment(self) -> "RunConfig":
-        from grpo_stream.common.environments.registry import environment_spec  # noqa: PLC0415 - imports tools
-
         env = self.environment
         if env.name is None:
             return self

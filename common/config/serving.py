@@ -9,6 +9,7 @@ from typing import Literal
 from pydantic import Field
 
 from grpo_stream.common.config.base import Strict
+from grpo_stream.common.registry.tasks import task_spec
 
 
 class OpenAISection(Strict):
@@ -47,6 +48,4 @@ class OpenAISection(Strict):
 def serves_endpoint(cfg) -> bool:
     """Whether the samplers serve the endpoint: sampler.openai.port is set, or the run trains on a verifiers
     environment (its rollouts call its routes in memory; nothing listens when no port is set)."""
-    from grpo_stream.common.tasks.registry import task_spec  # noqa: PLC0415 - the registry imports no config
-
     return cfg.sampler.openai.port is not None or task_spec(cfg.task.name).own_rollouts

@@ -1,1 +1,1 @@
-"""Generation engines (the GenerationEngine interface in base.py, chosen in registry.py) and held-out evaluation."""
+"""Generation engines (the GenerationEngine interface in base.py, chosen in common/registry/engines.py) and held-out evaluation."""

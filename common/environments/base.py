@@ -10,7 +10,7 @@ ends after its first turn; with environment.name unset the sampler runs single-t
 Token in, token out: the model's tokens stay exactly as sampled. Each observation is rendered by the model's chat
 template (render.py) and tokenized once, appended after the model's tokens; earlier turns are never re-encoded
 (decoding and re-encoding a sampled turn can give other ids, and the trainer would then score tokens the sampler
-never drew). Environments are chosen by environment.name in registry.py.
+never drew). Environments are chosen by environment.name in common/registry/environments.py.
 """
 
 from __future__ import annotations

@@ -9,84 +9,22 @@ tools through the chat template's `tools=` (task.prompt_template=tools).
 
 from __future__ import annotations
 
-import ast
-import operator
-
 from grpo_stream.common.environments.tool_episode import ToolEpisode, TurnLimits
-from grpo_stream.common.tools.functions import ToolSet, tool_from_function
-from grpo_stream.common.tools.python_sandbox import SandboxLimits, python_tool
-
-_OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-              ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow,
-              ast.USub: operator.neg, ast.UAdd: operator.pos}
-MAX_EXPONENT = 64  # 10**64 is plenty for word problems; 9**9**9 would take the worker for minutes
-MAX_EXPRESSION = 500
-MAX_BITS = 4096  # integers the calculator makes: (3**64)**64 nested further would hold the sampler's GIL for hours
-
-
-def _check_size(op: ast.operator, left, right) -> None:
-    """Refuse an integer power or product whose result would pass MAX_BITS, before computing it (the exponent bound
-    alone does not bound nested powers)."""
-    if not (isinstance(left, int) and isinstance(right, int)):
-        return  # floats overflow (OverflowError) in constant time
-    bits = left.bit_length()
-    if isinstance(op, ast.Pow) and right > 0 and bits * right > MAX_BITS:
-        raise ValueError(f"the result would have more than {MAX_BITS} bits")
-    if isinstance(op, ast.Mult) and bits + right.bit_length() > MAX_BITS:
-        raise ValueError(f"the result would have more than {MAX_BITS} bits")
-
-
-def calculator(expression: str) -> str:
-    """Evaluate an arithmetic expression with + - * / // % ** and parentheses.
-
-    Args:
-        expression: the expression, e.g. "(48 + 12) * 3 / 4".
-    """
-    if len(expression) > MAX_EXPRESSION:
-        return f"error: expression longer than {MAX_EXPRESSION} characters"
-    try:
-        value = _evaluate(ast.parse(expression, mode="eval").body)
-    except ZeroDivisionError:
-        return "error: division by zero"
-    except (SyntaxError, ValueError, TypeError, OverflowError) as exc:
-        return f"error: {exc}; use numbers, + - * / // % ** and parentheses"
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    return str(round(value, 10) if isinstance(value, float) else value)
-
-
-def _evaluate(node: ast.expr):
-    """The value of an arithmetic syntax tree; anything but numbers and the operators above is refused."""
-    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-        return node.value
-    if isinstance(node, ast.UnaryOp) and type(node.op) in _OPERATORS:
-        return _OPERATORS[type(node.op)](_evaluate(node.operand))
-    if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
-        left, right = _evaluate(node.left), _evaluate(node.right)
-        if isinstance(node.op, ast.Pow) and abs(right) > MAX_EXPONENT:
-            raise ValueError(f"exponent {right} is larger than {MAX_EXPONENT}")
-        _check_size(node.op, left, right)
-        return _OPERATORS[type(node.op)](left, right)
-    raise ValueError(f"{type(node).__name__} is not allowed")
+from grpo_stream.common.tools.calculator import math_tools, sandbox_limits
+from grpo_stream.common.tools.python_sandbox import SandboxLimits
 
 
 class Gsm8kToolsEnvironment:
     def __init__(self, tool_format: str, limits: SandboxLimits, turn: TurnLimits = TurnLimits()):
-        self.tools = ToolSet([tool_from_function(calculator), python_tool(limits)])
+        self.tools = math_tools(limits)
         self.tool_format, self.turn = tool_format, turn
 
     def start(self, problem) -> ToolEpisode:
         return ToolEpisode(self.tools, self.tool_format, limits=self.turn)
 
 
-def tool_schemas(cfg) -> list[dict]:
-    """The tools' JSON schemas, for the prompt (task.prompt_template=tools)."""
-    return environment_for(cfg).tools.schemas()
-
-
 def environment_for(cfg) -> Gsm8kToolsEnvironment:
-    return Gsm8kToolsEnvironment(cfg.environment.tool_format,
-                                 SandboxLimits(**cfg.environment.python_tool.model_dump()), TurnLimits.of(cfg))
+    return Gsm8kToolsEnvironment(cfg.environment.tool_format, sandbox_limits(cfg), TurnLimits.of(cfg))
 
 
 def build(cfg, task, tokenizer) -> Gsm8kToolsEnvironment:

@@ -188,8 +188,8 @@ def evaluate_run(cfg, engine, params, task, tokenizer, problems: list,
     against in-process routes over `engine`, scored by its rubric), rewards and eval section."""
     with contextlib.ExitStack() as stack:
         routes = None
-        if ROLLOUTS[rollout_kind(cfg)].needs_routes:
-            from grpo_stream.common.endpoint.app import in_process_routes  # noqa: PLC0415 - FastAPI, only for these
+        if ROLLOUTS.lookup(rollout_kind(cfg)).needs_routes:
+            from grpo_stream.common.endpoint.app import in_process_routes  # noqa: PLC0415 - deferred: FastAPI, for these only
 
             routes = stack.enter_context(in_process_routes(cfg, engine, tokenizer))
         rollouts = build_rollouts(cfg, task, tokenizer, routes)

@@ -9,9 +9,9 @@ episodes call a model over that API (a `verifiers` environment); None where ther
 from __future__ import annotations
 
 import dataclasses
-import importlib
 
-from grpo_stream.common.tasks.registry import task_spec
+from grpo_stream.common.registry.base import Registry
+from grpo_stream.common.registry.tasks import task_spec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,14 +22,14 @@ class RolloutSpec:
     #                       this one
 
 
-ROLLOUTS: dict[str, RolloutSpec] = {
+ROLLOUTS: Registry[RolloutSpec] = Registry("rollout kind", "kind", {
     # a prompt, one model turn (tasks without an environment)
     "single_turn": RolloutSpec("grpo_stream.common.episodes.single_turn"),
     # model turns and an environment's observations (environment.name)
     "environment": RolloutSpec("grpo_stream.common.episodes.tool_turns"),
     # a `verifiers` environment's own rollouts and rubric (task.name=verifiers)
     "verifiers": RolloutSpec("grpo_stream.common.episodes.verifiers", needs_routes=True, injected="single_turn"),
-}
+})
 
 
 def rollout_kind(cfg) -> str:
@@ -43,13 +43,12 @@ def rollout_kind(cfg) -> str:
 def build_rollouts(cfg, task, tokenizer, routes=None, kind: str | None = None):
     """The rollouts of `kind` (default: the run's, `rollout_kind`)."""
     kind = kind or rollout_kind(cfg)
-    spec = ROLLOUTS[kind]
-    if spec.needs_routes and routes is None:
+    if ROLLOUTS.lookup(kind).needs_routes and routes is None:
         raise ValueError(f"{kind} rollouts call the OpenAI-compatible routes; this process has none")
-    return importlib.import_module(spec.module).build(cfg, task, tokenizer, routes)
+    return ROLLOUTS.load(kind, "build")(cfg, task, tokenizer, routes)
 
 
 def injected_kind(cfg) -> str:
     """The kind injected prompts of this run are made with."""
     kind = rollout_kind(cfg)
-    return ROLLOUTS[kind].injected or kind
+    return ROLLOUTS.lookup(kind).injected or kind

@@ -84,9 +84,9 @@ class VerifiersRollouts:
 
     def __init__(self, env, app, token: str, model: str, sampling_args: dict[str, Any], max_tokens: int,
                  timeout_s: float, versions: RolloutVersions):
-        import httpx  # noqa: PLC0415 - the `verifiers` extra
-        import verifiers as vf  # noqa: PLC0415
-        from openai import AsyncOpenAI  # noqa: PLC0415
+        import httpx  # noqa: PLC0415 - deferred: the `verifiers` extra
+        import verifiers as vf  # noqa: PLC0415 - deferred: as above
+        from openai import AsyncOpenAI  # noqa: PLC0415 - deferred: as above
 
         self.env, self.model, self.max_tokens, self.sampling_args = env, model, max_tokens, sampling_args
         self.versions = versions

@@ -156,8 +156,9 @@ def resolve_model_dir(path: str) -> pathlib.Path:
         return local
     if local.is_absolute() or path.startswith(".") or path.count("/") != 1:
         raise CheckpointError(f"model.path={path}: no such directory (and not a hub id like org/name)")
+    # deferred: huggingface_hub, for a hub id only
     from huggingface_hub import snapshot_download  # noqa: PLC0415
-    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError  # noqa: PLC0415
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError  # noqa: PLC0415 - deferred: as above
 
     try:
         return pathlib.Path(snapshot_download(repo_id=path, allow_patterns=HUB_FILES))

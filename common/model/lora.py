@@ -24,6 +24,7 @@ from flax import nnx
 from grpo_stream.common.config.learning import LoraSection
 from grpo_stream.common.model import architectures
 from grpo_stream.common.model.policy import PolicyModel, causal_mask
+from grpo_stream.protos import weights_pb2
 
 ADAPTER_SUFFIXES = ("_lora_a", "_lora_b")
 
@@ -71,8 +72,6 @@ class LoraPolicy:
 
     def adapter_version(self):
         """The merge a sampler applies to each adapters-only version (the publisher fills in the base)."""
-        from grpo_stream.protos import weights_pb2  # noqa: PLC0415 - the model code needs no protos otherwise
-
         return weights_pb2.AdapterVersion(scale=self.scale, merges=[
             weights_pb2.LoraMerge(weight=w.weight, a=w.a, b=w.b, spec=w.spec) for w in self.weights])
 
@@ -97,7 +96,7 @@ def apply_lora(model: PolicyModel, params: Any, section: LoraSection, seed: int)
     """`model` with adapters on the weights of the modules `section.targets` matches, built around `params` (the
     base weights, placed; the adapters take their shardings from the weights they adapt). A is initialised from
     `seed`, B at zero. qwix finds the products to adapt by running the model once on a two-token input."""
-    import qwix  # noqa: PLC0415 - only LoRA runs need it
+    import qwix  # noqa: PLC0415 - deferred: only LoRA runs need it
 
     module = nnx.merge(model.graphdef, params)
     provider = qwix.LoraProvider(module_path=section.targets, rank=section.rank, alpha=section.alpha)

@@ -14,6 +14,7 @@ import importlib
 from typing import Any
 
 import jax
+from flax import nnx
 
 from grpo_stream.common.model.families import family_named
 
@@ -29,14 +30,10 @@ class _NnxWithRematPolicy:
     """flax.nnx as a Tunix model module sees it, except `remat`, which takes the current checkpoint policy."""
 
     def __getattr__(self, name: str) -> Any:
-        from flax import nnx  # noqa: PLC0415
-
         return getattr(nnx, name)
 
     @staticmethod
     def remat(f: Any = None, **kwargs: Any) -> Any:
-        from flax import nnx  # noqa: PLC0415
-
         policy = _POLICY.get()
         if policy is not None and kwargs.get("policy") is None:
             kwargs["policy"] = policy

@@ -92,7 +92,7 @@ def host_copy(arr: Any) -> np.ndarray:
     if isinstance(arr, jax.Array) and not arr.is_fully_addressable and arr.is_fully_replicated:
         return np.asarray(arr.addressable_data(0))  # every process holds all of it: no collective needed
     if isinstance(arr, jax.Array) and not arr.is_fully_addressable:
-        from jax.experimental import multihost_utils  # noqa: PLC0415
+        from jax.experimental import multihost_utils  # noqa: PLC0415 - deferred: multi-host arrays only
 
         return np.asarray(multihost_utils.process_allgather(arr, tiled=True))
     return np.asarray(jax.device_get(arr))

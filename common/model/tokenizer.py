@@ -80,7 +80,7 @@ class HFTokenizer:
 
     def __init__(self, directory: str | pathlib.Path, pad_token: str | None = None, vocab_size: int | None = None):
         with _TRANSFORMERS_IMPORT:
-            from transformers import AutoTokenizer, PreTrainedTokenizerFast  # noqa: PLC0415 - heavy; only for kind=hf
+            from transformers import AutoTokenizer, PreTrainedTokenizerFast  # noqa: PLC0415 - deferred: heavy; kind=hf only
 
         directory = pathlib.Path(directory)
         config = directory / "tokenizer_config.json"

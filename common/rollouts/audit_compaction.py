@@ -33,7 +33,7 @@ import json
 import redis
 
 from grpo_stream.common.rollouts import compaction_holes
-from grpo_stream.common.rollouts.trainer_lease import STALE_CODE, StaleTrainer
+from grpo_stream.common.rollouts.fencing import STALE_CODE, StaleTrainer
 
 DROPS = ("dropped_stale", "dropped_invalid", "dropped_filtered")
 COMPACTED_COUNTS = ("accepted", "trained", *DROPS, "second_copies_dropped", "steps_rolled_back", "injected_train",

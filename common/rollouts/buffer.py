@@ -41,9 +41,9 @@ import redis
 
 from grpo_stream.common.rollouts.audit_compaction import CompactionPlan, compact_redis, text
 from grpo_stream.common.rollouts.buffer_scripts import APPEND, SETTLE
+from grpo_stream.common.rollouts.fencing import FENCED_CALL, StaleTrainer, is_stale_reply
 from grpo_stream.common.rollouts.kept_results import group_id_prefix
 from grpo_stream.common.rollouts.redis_errors import BufferUnavailable, redis_call  # noqa: F401 (the interface's error)
-from grpo_stream.common.rollouts.trainer_lease import FENCED_CALL, StaleTrainer, is_stale_reply
 
 COUNTERS = ("ingested", "trained", "dropped_stale", "dropped_invalid", "dropped_filtered", "dropped_duplicate")
 REFUSALS = ("refused_invalid", "refused_duplicate", "refused_full")

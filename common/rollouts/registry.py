@@ -5,15 +5,16 @@ the buffer inside one process, for unit tests of the trainer loop."""
 
 from __future__ import annotations
 
-from typing import Callable
+import threading
 
-from grpo_stream.common.rollouts.buffer import RolloutBuffer
+from grpo_stream.common.registry.base import Registry
+from grpo_stream.common.rollouts.buffer import RedisStreamBuffer, RolloutBuffer
+from grpo_stream.common.rollouts.memory_buffer import InMemoryBuffer
+from grpo_stream.common.rollouts.redis_server import connect_durable
+from grpo_stream.common.rollouts.trainer_lease import TrainerLease
 
 
 def _redis(cfg, stop=None) -> RolloutBuffer:
-    from grpo_stream.common.rollouts.buffer import RedisStreamBuffer  # noqa: PLC0415
-    from grpo_stream.common.rollouts.redis_server import connect_durable  # noqa: PLC0415
-
     if cfg.redis.url is None:
         raise ValueError("redis.url is null: give the buffer's Redis URL (e.g. redis.url=redis://host:6379/0), or "
                          "run `grpo-stream up`, which starts an embedded Redis")
@@ -21,18 +22,21 @@ def _redis(cfg, stop=None) -> RolloutBuffer:
 
 
 def _memory(cfg, stop=None) -> RolloutBuffer:
-    from grpo_stream.common.rollouts.memory_buffer import InMemoryBuffer  # noqa: PLC0415
-
     return InMemoryBuffer()
 
 
-BUFFERS: dict[str, Callable[..., RolloutBuffer]] = {"redis": _redis, "memory": _memory}
+BUFFERS = Registry("rollout buffer", "backend", {"redis": _redis, "memory": _memory})
 
 
 def open_buffer(cfg, backend: str = "redis", stop=None) -> RolloutBuffer:
     """The run's buffer; `stop` (the process's stop event) ends a wait for an unreachable store."""
-    try:
-        factory = BUFFERS[backend]
-    except KeyError:
-        raise ValueError(f"rollout buffer {backend!r}: unknown; choose one of {sorted(BUFFERS)}") from None
-    return factory(cfg, stop)
+    return BUFFERS.lookup(backend)(cfg, stop)
+
+
+def open_leased_buffer(cfg, stop: threading.Event | None) -> tuple[RolloutBuffer, TrainerLease | None]:
+    """(the run's buffer, this trainer's lease on it), the lease taken before the trainer writes anything (the
+    buffer, or the checkpoint directory it shares with any other trainer of the run). No lease for a backend that
+    needs none (in memory: the buffer lives and dies with its one process). `stop` ends the waits."""
+    buffer = open_buffer(cfg, stop=stop)
+    lease = TrainerLease.take(buffer, cfg.trainer.lease_ttl_s, stop) if hasattr(buffer, "use_fence") else None
+    return buffer, lease

@@ -30,30 +30,12 @@ import time
 from typing import Callable
 
 from grpo_stream.common.runtime.backoff import Backoff, StopRequested, wait
+from grpo_stream.common.rollouts.fencing import FENCE_LUA, StaleTrainer, is_stale_reply
 from grpo_stream.common.rollouts.redis_errors import BufferUnavailable, redis_call
 
 log = logging.getLogger(__name__)
 
-STALE_CODE = "STALETRAINER"
 EXIT_FENCED = 3  # the exit code of a trainer stopped because a newer one took its run over
-
-# The check every trainer write makes first; `fence` '' (a standalone ingest, a test's buffer) is not checked.
-FENCE_LUA = """
-local function stale(key, fence)
-  if fence == '' then return nil end
-  local current = redis.call('GET', key)
-  if current == fence then return nil end
-  return redis.error_reply('""" + STALE_CODE + """ this trainer holds fence ' .. fence .. ' but the run is at fence '
-    .. (current or 'none') .. ': a newer trainer took the run over')
-end
-"""
-
-# A single command (XADD, SET) on KEYS[2], made only by the current trainer. ARGV: fence, command, its arguments.
-FENCED_CALL = FENCE_LUA + """
-local refused = stale(KEYS[1], ARGV[1])
-if refused then return refused end
-return redis.call(ARGV[2], KEYS[2], unpack(ARGV, 3))
-"""
 
 # KEYS: lease, fence. ARGV: holder (JSON), TTL ms, the value of a lease whose holder is known to be dead ('' none).
 # Returns {1, value, fence} when taken, else {0, the holder's value, its remaining TTL in ms}.
@@ -79,14 +61,6 @@ RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
 """
-
-
-class StaleTrainer(RuntimeError):
-    """A newer trainer took this trainer's run over (its fence is not the run's): this one must stop."""
-
-
-def is_stale_reply(exc: BaseException) -> bool:
-    return STALE_CODE in str(exc)
 
 
 def fenced_exit(message: str) -> None:
@@ -211,18 +185,6 @@ class TrainerLease:
             redis_call(lambda: self._release(keys=[self.lease_key], args=[self.value]))
         except BufferUnavailable as exc:  # it expires by itself
             log.warning("releasing the trainer lease: Redis unavailable (%s); it expires in %.0fs", exc, self.ttl_s)
-
-
-def open_leased_buffer(cfg, stop: threading.Event | None) -> tuple[object, TrainerLease | None]:
-    """(the run's buffer, this trainer's lease on it), the lease taken before the trainer writes anything (the
-    buffer, or the checkpoint directory it shares with any other trainer of the run). No lease for a backend that
-    needs none (in memory: the buffer lives and dies with its one process). `stop` ends the waits."""
-    # registry imports buffer.py, which imports this module
-    from grpo_stream.common.rollouts.registry import open_buffer  # noqa: PLC0415
-
-    buffer = open_buffer(cfg, stop=stop)
-    lease = TrainerLease.take(buffer, cfg.trainer.lease_ttl_s, stop) if hasattr(buffer, "use_fence") else None
-    return buffer, lease
 
 
 def _text(value) -> str:

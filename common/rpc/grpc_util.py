@@ -162,7 +162,7 @@ def bind(server: grpc.Server, host: str, port: int, security: ServerSecurity | N
 
 def enable_reflection(server: grpc.Server, service_names: list[str]) -> None:
     """Server reflection (grpcurl list/describe) for `service_names` plus health and reflection itself."""
-    from grpc_reflection.v1alpha import reflection  # noqa: PLC0415
+    from grpc_reflection.v1alpha import reflection  # noqa: PLC0415 - deferred: only where reflection is on
 
     reflection.enable_server_reflection([*service_names, "grpc.health.v1.Health", reflection.SERVICE_NAME], server)
 

@@ -9,7 +9,7 @@ from typing import Any
 def device_memory(device: Any = None) -> dict[str, int] | None:
     """{peak_bytes_in_use, bytes_limit} of `device` (default: this process's first local device) since the process
     started; None where the backend keeps no such statistics (the CPU)."""
-    import jax  # noqa: PLC0415 - only processes that already run JAX call this
+    import jax  # noqa: PLC0415 - deferred: only processes that already run JAX call this
 
     device = device if device is not None else jax.local_devices()[0]
     try:

@@ -1,8 +1,8 @@
 """Cache directories whose contents this process may load as code: only ones no other user can have written.
 
 The CPU attention kernel's shared library (common/engine/cpu_attention.py) and JAX's persistent compilation cache
-(common/runtime/process.py) live at predictable paths under the user's cache directory, and what is loaded from them
-runs as this process. A directory someone else owns, or that others may write (a group-writable home, a shared
+(common/assembly/compilation_cache.py) live at predictable paths under the user's cache directory, and what is loaded
+from them runs as this process. A directory someone else owns, or that others may write (a group-writable home, a shared
 cache path), could hold a planted library or compiled program, or have a trusted one swapped. So a directory is used
 only when it is owned by this user with no group/other write, and every entry in it is owned by this user; when
 others may also enter it (a group/other search bit), no entry may be group/other writable either (in a 0700

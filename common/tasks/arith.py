@@ -18,6 +18,8 @@ import random
 import zlib
 from typing import Iterator
 
+from grpo_stream.common.tasks.task_tokenizer import build_tokenizer
+
 _NAMES = ("Tom", "Ana", "Ben", "Mia", "Sam", "Zoe", "Leo", "Ivy")
 _ITEMS = ("apples", "coins", "books", "cards", "shells", "stamps", "pens", "eggs")
 _TEMPLATES = (
@@ -123,10 +125,13 @@ class ArithTask:
         return out
 
 
+def build_task(cfg) -> ArithTask:
+    t = cfg.task
+    return ArithTask(t.min_operand, t.max_operand, t.heldout_fraction, cfg.run.seed)
+
+
 def build(cfg, hf_tokenizer):
     """The task registry's entry (task.name=arith): the task, and the checkpoint's tokenizer or a BPE trained on
     the task's text."""
-    from grpo_stream.common.runtime.process import build_task, build_tokenizer  # noqa: PLC0415
-
     task = build_task(cfg)
     return task, hf_tokenizer or build_tokenizer(cfg, task)

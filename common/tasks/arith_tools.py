@@ -13,6 +13,7 @@ import dataclasses
 import random
 
 from grpo_stream.common.tasks.arith import ArithTask, Problem
+from grpo_stream.common.tasks.task_tokenizer import build_tokenizer
 
 TOOL_NAME = "add"
 
@@ -60,8 +61,6 @@ class ArithToolsTask(ArithTask):
 
 def build(cfg, hf_tokenizer):
     """The task registry's entry (task.name=arith_tools)."""
-    from grpo_stream.common.runtime.process import build_tokenizer  # noqa: PLC0415
-
     t = cfg.task
     task = ArithToolsTask(t.min_operand, t.max_operand, t.heldout_fraction, cfg.run.seed)
     return task, hf_tokenizer or build_tokenizer(cfg, task)

@@ -3,7 +3,7 @@
 A task gives each sampler its shard of training problems in a fixed order (so a restarted sampler continues where
 it stopped) and everyone the same held-out problems. A problem has a `prompt_id`, the rendered `prompt` and the
 reference `answer`. A reward is a pure function (completion text, reference answer) -> float; a run weights
-several (task.rewards). Tasks are chosen by task.name in tasks/registry.py, rewards by name in
+several (task.rewards). Tasks are chosen by task.name in common/registry/tasks.py, rewards by name in
 tasks/rewards.py: REWARDS (or any `package.module:function`).
 """
 

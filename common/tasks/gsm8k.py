@@ -20,8 +20,11 @@ import logging
 import pathlib
 from typing import Iterable, Literal
 
+from grpo_stream.common.tasks import prompts
 from grpo_stream.common.tasks.answers import parse_number, reference_answer
 from grpo_stream.common.tasks.streams import shuffled_shard
+from grpo_stream.common.tasks.task_tokenizer import build_tokenizer_on
+from grpo_stream.common.tools.calculator import math_tools, sandbox_limits
 
 log = logging.getLogger(__name__)
 
@@ -51,14 +54,14 @@ def _rows_jsonl(path: pathlib.Path) -> Iterable[tuple[str, object]]:
 
 
 def _rows_parquet(path: pathlib.Path) -> Iterable[tuple[str, object]]:
-    import pyarrow.parquet as pq  # noqa: PLC0415 - only for Parquet sources
+    import pyarrow.parquet as pq  # noqa: PLC0415 - deferred: only for Parquet sources
 
     for number, row in enumerate(pq.read_table(path).to_pylist(), 1):
         yield f"{path} row {number}", row
 
 
 def _rows_hub(name: str, config: str | None, split: str) -> Iterable[tuple[str, object]]:
-    import datasets  # noqa: PLC0415 - only for hub sources; may download
+    import datasets  # noqa: PLC0415 - deferred: only for hub sources; may download
 
     for number, row in enumerate(datasets.load_dataset(name, config, split=split), 1):
         yield f"{name}[{split}] row {number}", row
@@ -187,19 +190,11 @@ class Gsm8kTask:
 def build(cfg, hf_tokenizer):
     """The task registry's entry (task.name=gsm8k): problems from task.dataset, prompts rendered with
     task.prompt_template and the tokenizer (the checkpoint's, or a BPE trained on the training problems)."""
-    from grpo_stream.common.model.tokenizer import train_bpe  # noqa: PLC0415
-    from grpo_stream.common.runtime.process import TOKENIZER_CORPUS_SIZE  # noqa: PLC0415
-    from grpo_stream.common.tasks import prompts  # noqa: PLC0415
-
     d = cfg.task.dataset
     train, test = (load_problems(d.source, split, d.question_field, d.answer_field, d.on_bad_row, d.hub_config,
                                  d.limit) for split in (d.train_split, d.test_split))
-    tokenizer = hf_tokenizer or train_bpe([f"{p.question} {p.solution}" for p in train[:TOKENIZER_CORPUS_SIZE]],
-                                          cfg.model.tiny.vocab_size)
-    tools = None
-    if cfg.task.prompt_template == "tools":  # the environment's tools, listed by the chat template
-        from grpo_stream.common.environments.gsm8k_tools import tool_schemas  # noqa: PLC0415
-
-        tools = tool_schemas(cfg)
+    tokenizer = hf_tokenizer or build_tokenizer_on([f"{p.question} {p.solution}" for p in train], cfg)
+    # the environment's tools (environment.name=gsm8k_tools), listed by the chat template
+    tools = math_tools(sandbox_limits(cfg)).schemas() if cfg.task.prompt_template == "tools" else None
     return Gsm8kTask(train, test, lambda q: prompts.render(q, cfg.task.prompt_template, tokenizer, tools),
                      cfg.run.seed, (d.train_split, d.test_split)), tokenizer

@@ -20,8 +20,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from grpo_stream.common.tasks import ifeval_checks
+from grpo_stream.common.tasks import ifeval_checks, prompts
 from grpo_stream.common.tasks.gsm8k import DatasetError, Gsm8kTask, load_rows
+from grpo_stream.common.tasks.task_tokenizer import build_tokenizer_on
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,8 +76,6 @@ class IfevalTask(Gsm8kTask):
 
 def renderer(template: str, tokenizer):
     """How a prompt becomes the text the model continues (task.prompt_template)."""
-    from grpo_stream.common.tasks import prompts  # noqa: PLC0415
-
     if template == "plain":
         return lambda prompt: tokenizer.bos_text + prompt
     if template == "chat":
@@ -88,9 +87,6 @@ def renderer(template: str, tokenizer):
 def build(cfg, hf_tokenizer):
     """The task registry's entry (task.name=ifeval): prompts from task.dataset, rendered with task.prompt_template
     and the tokenizer (the checkpoint's, or a BPE trained on the training prompts)."""
-    from grpo_stream.common.model.tokenizer import train_bpe  # noqa: PLC0415
-    from grpo_stream.common.runtime.process import TOKENIZER_CORPUS_SIZE  # noqa: PLC0415
-
     d = cfg.task.dataset
     load = functools.partial(load_problems, d.source, on_bad_row=d.on_bad_row, hub_config=d.hub_config,
                              limit=d.limit)
@@ -100,7 +96,6 @@ def build(cfg, hf_tokenizer):
     except DatasetError as exc:
         raise DatasetError(f"{exc} (google/IFEval has one split, train: set task.dataset.test_split=train to "
                            "evaluate on it)") from exc
-    tokenizer = hf_tokenizer or train_bpe([p.question for p in train[:TOKENIZER_CORPUS_SIZE]],
-                                          cfg.model.tiny.vocab_size)
+    tokenizer = hf_tokenizer or build_tokenizer_on([p.question for p in train], cfg)
     render = renderer(cfg.task.prompt_template, tokenizer)
     return IfevalTask(train, test, render, cfg.run.seed, (d.train_split, d.test_split)), tokenizer

@@ -49,14 +49,14 @@ def lm_eval_ifeval():
     """lm-eval's IFEval modules `(utils, instructions_registry, mean)`, imported once (about a second: lm-eval's
     task package comes with it), after nltk can find the shipped Punkt model."""
     try:
-        import langdetect  # noqa: PLC0415
-        import nltk  # noqa: PLC0415
+        import langdetect  # noqa: PLC0415 - deferred: the `ifeval` extra, about a second
+        import nltk  # noqa: PLC0415 - deferred: as above
 
         if str(NLTK_DATA) not in nltk.data.path:
             nltk.data.path.append(str(NLTK_DATA))
         langdetect.DetectorFactory.seed = 0
-        from lm_eval.api.metrics import mean  # noqa: PLC0415
-        from lm_eval.tasks.ifeval import instructions_registry, utils  # noqa: PLC0415
+        from lm_eval.api.metrics import mean  # noqa: PLC0415 - deferred: as above
+        from lm_eval.tasks.ifeval import instructions_registry, utils  # noqa: PLC0415 - deferred: as above
     except ImportError as exc:
         raise IfevalUnavailable(f"the ifeval task needs lm-eval's IFEval checks ({exc}); install them with "
                                 "pip install 'grpo-stream[ifeval]' (or -e '.[ifeval]' in a checkout)") from exc

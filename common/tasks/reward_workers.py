@@ -28,6 +28,9 @@ import threading
 import time
 from typing import Iterable
 
+from grpo_stream.common.tasks.ifeval_checks import lm_eval_ifeval
+from grpo_stream.common.tasks.rewards import resolve
+
 log = logging.getLogger(__name__)
 _HEADER = struct.Struct("<I")
 PR_SET_PDEATHSIG = 1
@@ -134,16 +137,12 @@ def _worker(settings: dict) -> None:
     if os.getppid() != settings["parent"]:
         return  # the parent died before prctl
     sys.path[:0] = [p for p in settings["path"] if p not in sys.path]
-    from grpo_stream.common.tasks.rewards import resolve  # noqa: PLC0415 - after sys.path is the parent's
-
     stdin, stdout = sys.stdin.buffer, os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # what a reward prints goes to stderr, never into the answers
     sys.stdout = sys.stderr
     try:
         functions = {name: resolve(name) for name in settings["allowed"]}
         if any(name.startswith("ifeval_") for name in functions):
-            from grpo_stream.common.tasks.ifeval_checks import lm_eval_ifeval  # noqa: PLC0415
-
             lm_eval_ifeval()  # imported now, not inside the first call's deadline
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises it
         _send(stdout, {"error": f"{type(exc).__name__}: {exc}"})

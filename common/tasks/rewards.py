@@ -21,6 +21,7 @@ import importlib
 import re
 from typing import Collection, Iterable, Mapping, Sequence
 
+from grpo_stream.common.registry.base import Registry
 from grpo_stream.common.tasks.answers import extract_answer, parse_number, same_number
 from grpo_stream.common.tasks.base import RewardFn
 from grpo_stream.common.tasks.ifeval_checks import ifeval_loose, ifeval_strict
@@ -49,13 +50,13 @@ def reasoning_answer_format(text: str, reference: str) -> float:
 
 
 # the reward registry: built-in rewards by name (task.rewards also takes `package.module:function`)
-REWARDS: dict[str, RewardFn] = {
+REWARDS: Registry[RewardFn] = Registry("task.rewards", "reward", {
     "answer_correct": answer_correct,
     "answer_format": answer_format,
     "reasoning_answer_format": reasoning_answer_format,
     "ifeval_strict": ifeval_strict,  # task.name=ifeval: share of the prompt's instructions followed (lm-eval)
     "ifeval_loose": ifeval_loose,
-}
+})
 DEFAULT_WEIGHTS = {"answer_correct": 1.0, "answer_format": 0.1}
 TASK_REWARDS = {"ifeval_strict": "ifeval", "ifeval_loose": "ifeval"}  # built-ins offered only to that task's runs
 

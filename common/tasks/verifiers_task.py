@@ -49,7 +49,7 @@ def _signals_kept() -> Iterator[None]:
 def load_environment(settings) -> Any:
     """The environment task.verifiers names, built by the `verifiers` package."""
     try:
-        import verifiers as vf  # noqa: PLC0415 - the `verifiers` extra, imported only for this task
+        import verifiers as vf  # noqa: PLC0415 - deferred: the `verifiers` extra, for this task only
     except ImportError as exc:
         raise ValueError("task.name=verifiers needs the verifiers package: pip install 'grpo-stream[verifiers]' "
                          f"({exc})") from None

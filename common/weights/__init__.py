@@ -1,1 +1,1 @@
-"""Published weights: snapshots and manifests, the transport interface (transport.py), the transports and their registry (registry.py)."""
+"""Published weights: snapshots and manifests, the transport interface (transport.py), the transports (chosen in common/registry/transports.py)."""

@@ -7,10 +7,11 @@ WeightPublisher (trainer_service/publication/publisher.py) numbers versions, and
 and hears which version each sampler installed; a sampler's WeightSync (sampler_service/weight_sync.py) installs a version whole or not at all,
 follows a restarted trainer's epoch and backs off after failures.
 
-A transport is one module with `make_sink(ctx)` and `make_source(ctx)` and one line in registry.py. A source's
-failures say whether polling again can help (common/runtime/errors.py): a version that does not fit the sampler's
-model raises WeightsMismatch, a PermanentError that stops the sampler; a version replaced or cut short while it was
-fetched raises WeightTransferError or a TransientError, and the sampler fetches again after a back-off.
+A transport is one module with `make_sink(ctx)` and `make_source(ctx)` and one line in
+common/registry/transports.py. A source's failures say whether polling again can help (common/runtime/errors.py): a
+version that does not fit the sampler's model raises WeightsMismatch, a PermanentError that stops the sampler; a
+version replaced or cut short while it was fetched raises WeightTransferError or a TransientError, and the sampler
+fetches again after a back-off.
 """
 
 from __future__ import annotations
@@ -20,15 +21,6 @@ from typing import Any, Protocol
 
 from grpo_stream.common.runtime.errors import PermanentError
 from grpo_stream.protos import weights_pb2
-
-
-@dataclasses.dataclass(frozen=True)
-class TransportSpec:
-    """What the rest of the system needs to know about a transport without importing it."""
-    module: str                # defines make_sink(SinkContext) and make_source(SourceContext)
-    in_process: bool = False   # trainer and samplers share one JAX process: `up` runs `colocated`
-    needs_dir: bool = False    # reads and writes weights.checkpoint_dir (`up` gives RUN_DIR/weights)
-    trainer_serves: bool = False  # the trainer serves the bytes (FetchSlices, and the TCP data plane if asked)
 
 
 class WeightSink(Protocol):

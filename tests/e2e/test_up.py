@@ -338,7 +338,7 @@ def test_sampler_waits_for_a_trainer_that_answers_but_has_not_published_then_giv
     from grpo_stream.common.config.loading import load_config
     from tests.support import deployment_auth, wait_for
     from grpo_stream.common.rollouts.redis_server import connect
-    from grpo_stream.common.runtime.process import build_policy, build_task_and_tokenizer
+    from grpo_stream.common.assembly.parts import build_policy, build_task_and_tokenizer
     from grpo_stream.common.rollouts.wire import GroupLimits
     from grpo_stream.trainer_service.ingest.rollout_ingest import IngestServicer
     from grpo_stream.trainer_service.publication.publisher import WeightPublisher

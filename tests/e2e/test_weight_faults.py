@@ -29,7 +29,7 @@ from grpo_stream.common.rollouts.buffer import RedisStreamBuffer
 from grpo_stream.common.config.loading import load_config
 from grpo_stream.common.model.policy import sequence_logprobs
 from grpo_stream.common.rollouts.redis_server import connect, free_port
-from grpo_stream.common.runtime.process import build_policy, build_task_and_tokenizer
+from grpo_stream.common.assembly.parts import build_policy, build_task_and_tokenizer
 from grpo_stream.common.rollouts.wire import GroupLimits, decode_group
 from tests.e2e.test_up import ROOT
 from tests.support import deployment_auth, wait_for

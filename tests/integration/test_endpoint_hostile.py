@@ -18,7 +18,7 @@ from grpo_stream.common.config.loading import load_config
 from grpo_stream.common.endpoint.chat import ChatPrompts
 from grpo_stream.common.engine import continuous
 from grpo_stream.common.rpc.auth import write_tokens
-from grpo_stream.common.runtime.process import build_policy, build_task_and_tokenizer
+from grpo_stream.common.assembly.parts import build_policy, build_task_and_tokenizer
 from grpo_stream.sampler_service.endpoint_listener import OWN_DESCRIPTORS
 from grpo_stream.sampler_service.openai_server import openai_endpoint
 from tests.chat_families import chat_family_dirs  # noqa: F401 - a fixture

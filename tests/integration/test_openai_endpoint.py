@@ -24,7 +24,7 @@ from grpo_stream.common.episodes.result import GroupWork
 from grpo_stream.common.episodes.single_turn import SingleTurn
 from grpo_stream.common.episodes.stream import RolloutStream
 from grpo_stream.common.rpc.auth import write_tokens
-from grpo_stream.common.runtime.process import build_policy, build_task_and_tokenizer
+from grpo_stream.common.assembly.parts import build_policy, build_task_and_tokenizer
 from grpo_stream.common.tasks.rewards import RewardSet
 from grpo_stream.sampler_service.openai_server import openai_endpoint
 from tests.chat_families import chat_family_dirs  # noqa: F401 - a fixture

@@ -14,7 +14,8 @@ import jax
 import pytest
 
 from grpo_stream.common.rpc.grpc_util import ClientSecurity
-from grpo_stream.common.runtime.process import build_task, build_tokenizer
+from grpo_stream.common.tasks.arith import build_task
+from grpo_stream.common.tasks.task_tokenizer import build_tokenizer
 from grpo_stream.common.tasks.rewards import RewardSet
 from grpo_stream.prompt_client import PromptClient
 from grpo_stream.protos import prompts_pb2, rollout_pb2, rollout_pb2_grpc

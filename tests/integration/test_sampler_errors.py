@@ -21,7 +21,8 @@ import pytest
 
 from grpo_stream.common.config.loading import load_config
 from grpo_stream.common.runtime.errors import PermanentError
-from grpo_stream.common.runtime.process import STOP_SIGNALS, build_policy, build_task_and_tokenizer
+from grpo_stream.common.assembly.parts import build_policy, build_task_and_tokenizer
+from grpo_stream.common.runtime.process import STOP_SIGNALS
 from grpo_stream.common.weights.snapshot import WeightSnapshot
 from grpo_stream.sampler_service.loop import run_sampler
 from tests.conftest import CONFIGS, ROOT

@@ -50,7 +50,7 @@ def config(url: str, run: str, **extra):
 def groups(tiny_parts):
     """STEPS x GROUPS_PER_STEP real rollout groups from the initial policy, as the samplers would send them."""
     cfg = config("redis://unused:1/0", "x")
-    from grpo_stream.common.runtime.process import build_policy, build_task_and_tokenizer
+    from grpo_stream.common.assembly.parts import build_policy, build_task_and_tokenizer
 
     task, tokenizer = build_task_and_tokenizer(cfg)
     model = build_policy(cfg, tokenizer.vocab_size, seed=cfg.run.seed)

@@ -11,7 +11,7 @@ import pytest
 from grpo_stream.common.config.loading import load_config
 from grpo_stream.common.engine import continuous
 from grpo_stream.common.episodes.evaluation import evaluate_run
-from grpo_stream.common.runtime.process import build_policy, build_task_and_tokenizer
+from grpo_stream.common.assembly.parts import build_policy, build_task_and_tokenizer
 from tests.chat_families import chat_family_dirs  # noqa: F401 - a fixture
 from tests.conftest import CONFIGS
 

@@ -5,7 +5,7 @@ import pathlib
 import sys
 
 from grpo_stream.common.config.loading import load_config
-from grpo_stream.common.runtime.device_plan import plan_devices
+from grpo_stream.plan.device_plan import plan_devices
 from grpo_stream.up_plan import plan_processes, run_overrides
 from tests.conftest import CONFIGS
 

@@ -22,7 +22,8 @@ from grpo_stream.trainer_service.ingest.prompt_queue import InjectedShare, Promp
 from grpo_stream.common.tasks.rewards import allowed_names
 from grpo_stream.trainer_service.ingest.proto_decode import add_service
 from grpo_stream.common.rollouts.redis_server import connect_durable
-from grpo_stream.common.runtime.process import build_task_and_tokenizer, stop_on_signals
+from grpo_stream.common.assembly.parts import build_task_and_tokenizer
+from grpo_stream.common.runtime.process import stop_on_signals
 from grpo_stream.common.rollouts.wire import GroupLimits
 from grpo_stream.protos import prompts_pb2, rollout_pb2  # noqa: F401 - registers the services' descriptors
 from grpo_stream.trainer_service.ingest.admission import AdmissionControl, AdmissionLimits

@@ -13,11 +13,11 @@ from grpo_stream.common.model.families.llama import LLAMA3
 from grpo_stream.common.model.families.qwen import QWEN2, QWEN3
 from grpo_stream.common.model.families.record import (Architecture, ArchitectureError, DecodeSpec, ModelFamily, NameMap,
                                                        RematSupport, TunixPatches, Unsupported, VllmSupport,
-                                                       VllmTpuSupport)
+                                                       VllmTpuSupport, family_named, register)
 
 FAMILIES: tuple[ModelFamily, ...] = (LLAMA3, QWEN2, QWEN3, GEMMA2, GEMMA3)
 REGISTRY: dict[str, ModelFamily] = {f.hf_architecture: f for f in FAMILIES}
-_BY_FAMILY = {f.family: f for f in FAMILIES}
+register(FAMILIES)
 _BY_MODEL_TYPE = {f.hf_model_type: f for f in FAMILIES}
 # model types seen in the wild that we refuse with a reason rather than "not supported"
 UNSUPPORTED_MODEL_TYPES = {
@@ -25,16 +25,8 @@ UNSUPPORTED_MODEL_TYPES = {
     "gemma3": "multimodal Gemma 3 checkpoints are not supported; use a text-only one (model_type gemma3_text)",
     "qwen3_moe": "Qwen3 mixture-of-experts is not supported yet",
 }
-if len(REGISTRY) != len(FAMILIES) or len(_BY_FAMILY) != len(FAMILIES) or len(_BY_MODEL_TYPE) != len(FAMILIES):
+if len(REGISTRY) != len(FAMILIES) or len(_BY_MODEL_TYPE) != len(FAMILIES):
     raise ValueError("two model family records share an architectures name, family or model_type")
-
-
-def family_named(family: str) -> ModelFamily:
-    """The record of `Architecture.family` `family`; a ValueError lists the registered ones."""
-    try:
-        return _BY_FAMILY[family]
-    except KeyError:
-        raise ValueError(f"model family {family!r} is not registered (families: {', '.join(_BY_FAMILY)})") from None
 
 
 def family_of(arch: Architecture) -> ModelFamily:

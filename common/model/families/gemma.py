@@ -18,7 +18,7 @@ import numpy as np
 from grpo_stream.common.model.families import llama_like
 from grpo_stream.common.model.families.record import (Architecture, ArchitectureError, DecodeSpec, HfRule,
                                                        ModelFamily, NameMap, TunixPatches, Unsupported, VllmSupport,
-                                                       field, rope_theta)
+                                                       family_named, field, rope_theta)
 
 GEMMA2_MODULE, GEMMA3_MODULE = "tunix.models.gemma.model", "tunix.models.gemma3.model"
 PENDING_QKV = r"\.attn\._[qkv]$"  # q/k/v read but not yet assembled
@@ -117,8 +117,6 @@ def _norms(post_attn_norm: str) -> dict[str, str]:
 
 
 def _spec(arch: Architecture) -> DecodeSpec:
-    from grpo_stream.common.model.families import family_named  # noqa: PLC0415 - the registry imports this module
-
     return family_named(arch.family).decode
 
 
@@ -183,7 +181,7 @@ def to_hf(arch: Architecture, named: dict) -> dict:
 
 
 def _gemma2_config(arch: Architecture, dtype: Any) -> Any:
-    from tunix.models.gemma import model as gemma  # noqa: PLC0415
+    from tunix.models.gemma import model as gemma  # noqa: PLC0415 - deferred: a Gemma 2 model only
 
     kinds = {_SLIDING: gemma.AttentionType.LOCAL_SLIDING, _FULL: gemma.AttentionType.GLOBAL}
     return gemma.ModelConfig(
@@ -195,7 +193,7 @@ def _gemma2_config(arch: Architecture, dtype: Any) -> Any:
 
 
 def _gemma3_config(arch: Architecture, dtype: Any) -> Any:
-    from tunix.models.gemma3 import model as gemma3  # noqa: PLC0415
+    from tunix.models.gemma3 import model as gemma3  # noqa: PLC0415 - deferred: a Gemma 3 model only
 
     norm = gemma3.QueryPreAttentionNormalisation
     return gemma3.ModelConfig(

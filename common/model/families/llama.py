@@ -18,7 +18,7 @@ MODULE = "tunix.models.llama3.model"
 
 
 def _tunix_config(arch: Architecture, dtype: Any) -> Any:
-    from tunix.models.llama3 import model as llama3  # noqa: PLC0415
+    from tunix.models.llama3 import model as llama3  # noqa: PLC0415 - deferred: a Llama model only
 
     return llama3.ModelConfig(**llama_like.tunix_kwargs(arch), weight_tying=arch.tied_embeddings)
 

@@ -19,14 +19,14 @@ QWEN2_MODULE, QWEN3_MODULE = "tunix.models.qwen2.model", "tunix.models.qwen3.mod
 
 
 def _qwen2_config(arch: Architecture, dtype: Any) -> Any:
-    from tunix.models.qwen2 import model as qwen2  # noqa: PLC0415
+    from tunix.models.qwen2 import model as qwen2  # noqa: PLC0415 - deferred: a Qwen2 model only
 
     return qwen2.ModelConfig(**llama_like.tunix_kwargs(arch), use_tied_embedding=arch.tied_embeddings, dtype=dtype,
                              param_dtype=dtype)
 
 
 def _qwen3_config(arch: Architecture, dtype: Any) -> Any:
-    from tunix.models.qwen3 import model as qwen3  # noqa: PLC0415
+    from tunix.models.qwen3 import model as qwen3  # noqa: PLC0415 - deferred: a Qwen3 model only
 
     return qwen3.ModelConfig(**llama_like.tunix_kwargs(arch), use_tied_embedding=arch.tied_embeddings, dtype=dtype,
                              param_dtype=dtype)

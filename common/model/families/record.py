@@ -45,18 +45,32 @@ class Architecture:
 
     @property
     def qkv_bias(self) -> bool:
-        return _record(self.family).decode.qkv_bias
+        return family_named(self.family).decode.qkv_bias
 
     @property
     def qk_norm(self) -> bool:
-        return _record(self.family).decode.qk_norm
+        return family_named(self.family).decode.qk_norm
 
 
-def _record(family: str) -> "ModelFamily":
-    # imported here: the registry imports the family modules, which import this module
-    from grpo_stream.common.model.families import family_named  # noqa: PLC0415
+# Architecture.family -> its record: filled by the families package (families/__init__.py `FAMILIES`), which imports
+# the family modules, which import this one; so the records are found here without importing them back.
+_BY_FAMILY: dict[str, "ModelFamily"] = {}
 
-    return family_named(family)
+
+def register(families: "tuple[ModelFamily, ...]") -> None:
+    """Make `families` known by their `family` name (family_named)."""
+    for f in families:
+        if f.family in _BY_FAMILY:
+            raise ValueError(f"two model family records share the family name {f.family!r}")
+        _BY_FAMILY[f.family] = f
+
+
+def family_named(family: str) -> "ModelFamily":
+    """The record of `Architecture.family` `family`; a ValueError lists the registered ones."""
+    try:
+        return _BY_FAMILY[family]
+    except KeyError:
+        raise ValueError(f"model family {family!r} is not registered (families: {', '.join(_BY_FAMILY)})") from None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,14 +12,18 @@ import pytest
 
 from grpo_stream.common.config.loading import load_config
 from grpo_stream.common.config.schema import ConfigError
-from grpo_stream.common.engine.registry import ENGINES
+from grpo_stream.common.episodes.registry import ROLLOUTS
 from grpo_stream.common.model.sharding import make_mesh
+from grpo_stream.common.registry.base import Registry
+from grpo_stream.common.registry.engines import ENGINES
+from grpo_stream.common.registry.environments import ENVIRONMENTS
+from grpo_stream.common.registry.tasks import TASKS
+from grpo_stream.common.registry.transports import TRANSPORTS, TransportSpec
 from grpo_stream.common.rollouts.buffer import RolloutBuffer
 from grpo_stream.common.rollouts.registry import BUFFERS, open_buffer
-from grpo_stream.common.tasks.registry import TASKS
 from grpo_stream.common.tasks.rewards import REWARDS
-from grpo_stream.common.weights.registry import TRANSPORTS, weight_sink, weight_source
-from grpo_stream.common.weights.transport import SinkContext, SourceContext, TransportSpec
+from grpo_stream.common.weights.registry import weight_sink, weight_source
+from grpo_stream.common.weights.transport import SinkContext, SourceContext
 from grpo_stream.sampler_service.weight_sync import WeightSync
 from grpo_stream.trainer_service.publication.publisher import WeightPublisher
 
@@ -35,6 +39,25 @@ def test_every_registered_transport_and_engine_module_defines_its_entry_points()
     for name, spec in TASKS.items():
         assert callable(importlib.import_module(spec.module).build), name
     assert all(fn("#### 4", "4") in (0.0, 1.0) for fn in REWARDS.values())
+
+
+def test_every_link_looks_its_names_up_in_the_one_registry_whose_error_names_field_name_and_choices():
+    for registry in (ENGINES, TASKS, TRANSPORTS, ENVIRONMENTS, BUFFERS, ROLLOUTS, REWARDS):
+        assert isinstance(registry, Registry)
+        with pytest.raises(ValueError) as err:
+            registry.lookup("no-such")
+        assert str(err.value) == (f"{registry.field}: unknown {registry.kind} 'no-such'; choose one of "
+                                  f"{sorted(registry)}{registry.otherwise}")
+    with pytest.raises(ValueError, match=r"^sampler.engine: unknown engine 'tgi'; choose one of \['jax', 'vllm'\]$"):
+        ENGINES.load("tgi", "build")
+    for registry in (ENGINES, TASKS, TRANSPORTS, ENVIRONMENTS, ROLLOUTS):  # what `load` imports: in-tree modules only
+        assert all(spec.module.startswith("grpo_stream.common.") for spec in registry.values()), registry.field
+
+
+def test_no_module_but_the_registry_answers_an_unknown_name_itself():
+    copies = [path.relative_to(ROOT).as_posix() for folder in ("common", "sampler_service", "trainer_service")
+              for path in (ROOT / folder).rglob("*.py") if "choose one of {sorted(" in path.read_text()]
+    assert copies == ["common/registry/base.py"]
 
 
 def test_the_in_memory_buffer_has_every_method_of_the_interface():
@@ -64,7 +87,8 @@ def test_a_new_transport_is_one_module_and_one_registry_line(monkeypatch, tiny_p
 # the names a registry gives to backends, and the modules allowed to spell them out as values: the registries,
 # each backend's own module, and code whose "grpc"/"local" means something else (the data plane's protocol)
 _NAMES = set(TRANSPORTS) | set(ENGINES) | set(BUFFERS) | set(TASKS)
-_ALLOWED = {"common/weights/registry.py", "common/engine/registry.py", "common/rollouts/registry.py",
+_ALLOWED = {"common/registry/transports.py", "common/registry/engines.py", "common/registry/tasks.py",
+            "common/rollouts/registry.py",
             "common/weights/grpc_transport.py", "common/weights/checkpoint_transport.py",
             "common/weights/local_transport.py", "common/engine/continuous.py", "common/engine/vllm_engine.py",
             "common/weights/snapshot.py",  # the manifest's default transport field

@@ -10,7 +10,7 @@ from typing import Iterator
 import grpc
 import numpy as np
 
-from grpo_stream.common.weights.registry import transport_spec
+from grpo_stream.common.registry.transports import transport_spec
 from grpo_stream.common.weights.snapshot import WeightTransferError, box_from_proto, stream_box
 from grpo_stream.protos import weights_pb2
 from grpo_stream.trainer_service.publication.publisher import WeightPublisher

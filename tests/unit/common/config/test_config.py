@@ -133,7 +133,8 @@ def test_log_format_is_text_or_json():
     (["task.name=gsm8k", "task.dataset.source=x", "warmstart.steps=5"], "warmstart.steps: the supervised warm start "
                                                                           r"exists for the tasks \['arith', 'arith_tools'\] only"),
     (["task.name=poetry"], r"task.name: unknown task 'poetry'; choose one of \['arith', 'arith_tools', 'gsm8k'"),
-    (["environment.name=chess"], r"environment.name='chess': unknown; choose one of \['arith_tools', 'gsm8k_tools'\]"),
+    (["environment.name=chess"], r"environment.name: unknown environment 'chess'; choose one of \['arith_tools', "
+     r"'gsm8k_tools'\], or null for single-turn tasks"),
     (["environment.name=gsm8k_tools"], r"environment.name=gsm8k_tools takes the problems of task.name in \['gsm8k'\]"),
     (["environment.name=arith_tools", "environment.turn_max_new_tokens=99"], "environment.turn_max_new_tokens=99 "
      "exceeds generation.max_new_tokens=16"),

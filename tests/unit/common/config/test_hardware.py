@@ -35,7 +35,7 @@ def test_every_chip_of_the_table_is_accepted():
 
 def test_shared_devices_turns_off_preallocation_on_a_cpu_host_too():
     """hardware.shared_devices (e.g. a TPU host with weights.transport=local) keeps its meaning without GPUs."""
-    from grpo_stream.common.runtime.device_plan import plan_devices
+    from grpo_stream.plan.device_plan import plan_devices
 
     shared = plan_devices(load_config(None, ["hardware.shared_devices=true"]), [])
     assert all(p.env == {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"} for p in shared.processes)

@@ -23,7 +23,7 @@ from grpo_stream.common.episodes.finite import run_episodes
 from grpo_stream.common.episodes.tool_turns import EpisodeSettings, ToolTurns
 from grpo_stream.common.model.policy import sequence_logprobs
 from grpo_stream.common.rollouts.wire import CompletionData, GroupData
-from grpo_stream.common.runtime.process import build_policy, build_task_and_tokenizer
+from grpo_stream.common.assembly.parts import build_policy, build_task_and_tokenizer
 from grpo_stream.common.tools.calls import MalformedToolCall, ToolCall, parse_tool_calls, render_tool_call
 from grpo_stream.common.tools.functions import ToolSet
 from grpo_stream.trainer_service.learning.batching import build_batch, layout

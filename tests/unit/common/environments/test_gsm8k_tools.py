@@ -1,10 +1,12 @@
-"""The GSM8K tools environment: its calculator, and episodes that call tools in each family's format."""
+"""The GSM8K tools environment: its calculator (common/tools/calculator.py), and episodes that call tools in each
+family's format."""
 
 import pytest
 
 from grpo_stream.common.config.loading import load_config
 from grpo_stream.common.environments.arith_tools import ArithToolsEnvironment
-from grpo_stream.common.environments.gsm8k_tools import calculator, environment_for
+from grpo_stream.common.environments.gsm8k_tools import environment_for
+from grpo_stream.common.tools.calculator import calculator
 from grpo_stream.common.tools.calls import ToolCall, render_tool_call
 from grpo_stream.common.tools.python_sandbox import confinement_problem
 

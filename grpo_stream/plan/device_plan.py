@@ -28,8 +28,8 @@ import subprocess
 from typing import Mapping, Sequence
 
 from grpo_stream.common.config.schema import RunConfig
-from grpo_stream.common.engine.registry import engine_spec
-from grpo_stream.common.weights.registry import transport_spec
+from grpo_stream.common.registry.engines import engine_spec
+from grpo_stream.common.registry.transports import transport_spec
 
 GIB = 1 << 30
 PREALLOCATE = "XLA_PYTHON_CLIENT_PREALLOCATE"

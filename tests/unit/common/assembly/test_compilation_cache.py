@@ -14,7 +14,7 @@ import pytest
 from grpo_stream.common.config.loading import load_config
 from grpo_stream.common.config.process import COMPILATION_CACHE_ENV
 from grpo_stream.common.config.schema import ConfigError
-from grpo_stream.common.runtime.process import CompilationCacheStats, compilation_cache_dir
+from grpo_stream.common.assembly.compilation_cache import CompilationCacheStats, compilation_cache_dir
 
 FIELD = "runtime.compilation_cache_dir"
 
@@ -133,7 +133,7 @@ import json, logging
 logging.basicConfig(level=logging.WARNING)
 import jax, jax.numpy as jnp
 from grpo_stream.common.config.loading import load_config
-from grpo_stream.common.runtime.process import enable_compilation_cache
+from grpo_stream.common.assembly.compilation_cache import enable_compilation_cache
 stats = enable_compilation_cache(load_config(None, ["{FIELD}={cache}"]))
 jax.jit(lambda x: x * 3 + 1)(jnp.arange(7.0)).block_until_ready()
 print(json.dumps({{"dir": jax.config.jax_compilation_cache_dir, "hits": stats.hits, "writes": stats.writes}}))

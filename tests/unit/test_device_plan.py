@@ -1,5 +1,5 @@
 """The device plan: which GPUs each process of a run gets and how shared GPUs split their memory
-(common/runtime/device_plan.py), for 1, 2, 4 and 8 GPUs, 1-3 samplers and both engines."""
+(grpo_stream/plan/device_plan.py), for 1, 2, 4 and 8 GPUs, 1-3 samplers and both engines."""
 
 import json
 import os
@@ -8,7 +8,7 @@ import stat
 import pytest
 
 from grpo_stream.common.config.loading import load_config
-from grpo_stream.common.runtime.device_plan import (DeviceLayoutError, detect_gpus, load_figures, own_process_env,
+from grpo_stream.plan.device_plan import (DeviceLayoutError, detect_gpus, load_figures, own_process_env,
                                                     plan_devices)
 
 GIB = 1 << 30
