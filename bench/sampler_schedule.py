@@ -28,7 +28,7 @@ def count(case: str, length_groups: int) -> dict:
     full_engine = ContinuousEngine(build_model(p), 0, NO_EOS, p["prompt_high"], p["max_new_tokens"], 1.0)
     engine = ContinuousEngine(build_model(narrow), 0, NO_EOS, p["prompt_high"], p["max_new_tokens"], 1.0,
                               slots=p["slots"], chunk_steps=p["chunk_steps"], length_groups=length_groups)
-    engine.row_work = full_engine.row_work
+    engine.table.row_work = full_engine.table.row_work
     prompts = make_prompts(p["prompts"], p["generations"], p["prompt_low"], p["prompt_high"], p["vocab_size"], 0)
     budgets = (longtail_budgets(len(prompts), p["max_new_tokens"], p["max_new_tokens"] / 4, 0.9, seed=1)
                if case == "longtail" else [p["max_new_tokens"]] * len(prompts))

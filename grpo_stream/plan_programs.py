@@ -201,24 +201,24 @@ def sampler_programs(cfg: RunConfig, arch: Architecture) -> dict:
     engine = continuous.ContinuousEngine(model, 0, 1, gen.max_prompt_tokens, gen.max_new_tokens, gen.temperature,
                                          slots=gen.decode_slots, chunk_steps=gen.decode_chunk_steps)
     rows = min(engine.slots, cfg.rows_in_flight())
-    slots = engine._size_for(rows)
+    slots = engine.table.size_for(rows)
     window = engine.cache_len
     replicated = NamedSharding(mesh, PartitionSpec())
     progress(f"sampler: compiling re-layout, prefill and decode ({slots} slots, {window}-token cache, tp "
              f"{s.mesh.tp})")
     started = time.time()
-    relayout_compiled = engine._relayout.lower(model.params).compile()
+    relayout_compiled = engine.device.relayout.lower(model.params).compile()
     weights = jax.tree.map(lambda o, sh: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=sh),
-                           jax.eval_shape(engine._relayout, model.params), relayout_compiled.output_shardings)
+                           jax.eval_shape(engine.device.relayout, model.params), relayout_compiled.output_shardings)
     # the engine's slot state starts uncommitted (made by a program without inputs), so the decode program takes
     # it replicated over the mesh
     state = jax.tree.map(lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=replicated),
-                         jax.eval_shape(lambda: engine._empty_state(slots, window)))
+                         jax.eval_shape(lambda: engine.device.empty(size=slots, window=window)))
     scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
-    decode = analysed(engine._decode.lower(weights, (state,), scalar, windows=(window,)).compile())
+    decode = analysed(engine.device.decode.lower(weights, (state,), scalar, windows=(window,)).compile())
     prompts = pow2_at_least(max(1, rows // gen.num_generations))
     width = min(engine.cache_len, pow2_at_least(gen.max_prompt_tokens, 16))
-    prefill = analysed(engine._prefill.lower(
+    prefill = analysed(engine.device.prefill.lower(
         weights, jax.ShapeDtypeStruct((prompts, width), jnp.int32, sharding=replicated),
         jax.ShapeDtypeStruct((prompts,), jnp.int32, sharding=replicated)).compile())
     relayout = analysed(relayout_compiled)

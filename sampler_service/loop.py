@@ -10,11 +10,11 @@ and when its last episode ends it is scored and sent at once (group_sink.py), wh
 are doing. Every kind of rollout (single turn, an environment's episodes, a verifiers environment's) runs on the same
 stream and goes through the same group builder (common/episodes/registry.py, groups.py).
 
-Weights (weights_in_use.py): this thread polls for newer versions; the engine takes one at its next scheduling
-point (sampler.weight_updates=in_flight; each token records its version and a group counts as its oldest token's),
-or once the groups in flight have ended (drain: no group starts meanwhile). The sampler stops after it installs a
-version the trainer marked final (what is in flight then is abandoned: the trainer trains nothing more), or on
-SIGTERM, once its backlog is acknowledged or a drain timeout passes.
+Weights (the sampler's `weights`, weights_in_use.py): this thread polls for newer versions; the engine takes one at
+its next scheduling point (sampler.weight_updates=in_flight; each token records its version and a group counts as its
+oldest token's), or once the groups in flight have ended (drain: no group starts meanwhile). The sampler stops after
+it installs a version the trainer marked final (what is in flight then is abandoned: the trainer trains nothing
+more), or on SIGTERM, once its backlog is acknowledged or a drain timeout passes.
 
 What the sampler starts (engine, channels, sender thread, background fetches, /metrics) is set up and stopped by
 lifecycle.py, also when the loop ends on an error. Errors end the loop as they are: a PermanentError (weights of
@@ -55,7 +55,10 @@ detail = detail_logger(__name__)
 FEED_WAIT_S = 0.05  # the feeder's longest sleep between looks at the stream (a group ending wakes it sooner)
 
 
-class Sampler(WeightsInUse):
+class Sampler:
+    """One sampler: its feeder loop over the rollout stream; the weights it generates with are `weights`'
+    (weights_in_use.py)."""
+
     def __init__(self, cfg: RunConfig, index: int, devices=None, hub=None, run_dir: pathlib.Path | None = None):
         """`devices`: this sampler's devices (default: the process's local ones); `hub`: the in-process weight
         hub of weights.transport=local; `run_dir`: where sampler-<index>.json goes (none when None)."""
@@ -65,13 +68,15 @@ class Sampler(WeightsInUse):
             raise ValueError(f"weights.transport={cfg.weights.transport} runs the samplers inside the trainer's "
                              "process: start the run with `grpo-stream up` (or `grpo-stream colocated`), or choose "
                              "another weights.transport")
-        super().__init__(cfg, f"sampler-{index}", threading.Event())
+        self.cfg, self.sampler_id, self.stop_event = cfg, f"sampler-{index}", threading.Event()
+        self.weights = WeightsInUse(cfg, self.sampler_id, self.stop_event)
         self.index, self.devices, self.hub, self.run_dir = index, devices, hub, run_dir
         self.rows_in_flight, self.slots = cfg.rows_in_flight(), cfg.engine_slots()[1]
         self.admission = self.source = self.sink = self.rollouts = self.injected_rollouts = None
-        self.ingest_stub = None
+        self.ingest_stub = self.sync = self.client = self.stream = None
         self.serve_seconds = self.engine_idle_seconds = 0.0
         self.groups_started = 0
+        self.waited_for_weights_s = 0.0
         self._held_since: float | None = None  # since when no group may start for want of weights
         self._last_report, self._last_line = 0.0, time.monotonic()
         self._run_started: float | None = None  # until the first group is sent (start-up time is logged then)
@@ -80,10 +85,10 @@ class Sampler(WeightsInUse):
         """Set up, generate until the final version (or a stop), drain, tear down; the run's summary."""
         self._run_started = time.monotonic()
         with open_sampler(self.cfg, self.index, self.sampler_id, self.stop_event, self.devices, self.hub) as parts, \
-                served_over_http(self.cfg, self.index, self.sampler_id, parts, self._installed,
+                served_over_http(self.cfg, self.index, self.sampler_id, parts, self.weights.installed,
                                  self.run_dir) as endpoint:
             self._attach(parts, endpoint)
-            self._await_first_weights(parts.health)
+            self.weights.await_first(parts.health)
             started = time.monotonic()
             try:
                 self._stream_until_done(parts)
@@ -91,19 +96,16 @@ class Sampler(WeightsInUse):
                 for rollouts in {id(r): r for r in (self.rollouts, self.injected_rollouts)}.values():
                     rollouts.close()
             # after the final version the trainer consumes no more: do not wait long for acks
-            drained = parts.client.drain(timeout_s=2.0 if self.final else 10.0)
+            drained = parts.client.drain(timeout_s=2.0 if self.weights.final else 10.0)
             parts.client.check()  # a sender that died while draining lost groups: the run does not end cleanly
             parts.sync.report()
-            verified = self._verify(parts) if self.cfg.weights.verify_prompts and self.final else None
+            verified = self._verify(parts) if self.cfg.weights.verify_prompts and self.weights.final else None
         return self._summary(parts, started, drained, verified, endpoint)
-
-    def _installed(self) -> tuple:
-        """The weights the endpoint's idle serves use: the installed (params, version)."""
-        return self.installed
 
     def _attach(self, parts: Parts, endpoint) -> None:
         """Take the parts the loop uses; the data stream resumes at `parts.start`."""
-        self.sync, self.client, self.metrics, self.admission = parts.sync, parts.client, parts.metrics, parts.admission
+        self.sync, self.client, self.admission = parts.sync, parts.client, parts.admission
+        self.weights.attach(parts.sync, parts.client, parts.metrics)
         self.ingest_stub = parts.ingest_stub
         # data position p = the p-th prompt of this sampler's stream; it names the group and seeds its sampling,
         # so a restarted sampler continues the same sequence after its last accepted group
@@ -119,19 +121,21 @@ class Sampler(WeightsInUse):
                                                  kind=injected_kind(self.cfg)))
         self.sink = GroupSink(parts.client, parts.metrics, parts.tokenizer, self.sampler_id,
                               self.cfg.environment.turn_reward_weight,
-                              abandon=lambda: self.stop_event.is_set() or self.final,
+                              abandon=lambda: self.stop_event.is_set() or self.weights.final,
                               rewards=RewardWorker(self.source.rewards.allowed, self.cfg.task.reward_timeout_s))
 
     def _stream_until_done(self, parts: Parts) -> None:
         """Feed the stream until the final version is fetched or a stop is asked for; then install the final
         version. Raises what stopped the rollout sender, the group sink or the engine, and what a weight check
         cannot retry."""
-        if self.stop_event.is_set() or self.final:
+        weights = self.weights
+        if self.stop_event.is_set() or weights.final:
             return
-        self.stream = self.staged.stream = RolloutStream(parts.engine.request_keys, self.sink.put)
-        self.engine_side = parts.engine.side
-        progress = EngineProgress(self.staged.refresh, Heartbeat(self.run_dir, self.sampler_id))
-        engine = EngineThread(parts.engine, self.params, self.stream, progress.refresh, self.version,
+        self.stream = RolloutStream(parts.engine.request_keys, self.sink.put)
+        weights.stream_started(self.stream, parts.engine.side)
+        progress = EngineProgress(weights.staged.refresh, Heartbeat(self.run_dir, self.sampler_id))
+        params, version = weights.installed()
+        engine = EngineThread(parts.engine, params, self.stream, progress.refresh, version,
                               f"{self.sampler_id}-engine")
         started = time.monotonic()
         try:
@@ -140,10 +144,10 @@ class Sampler(WeightsInUse):
                 parts.client.check()
                 self.sink.check()
                 engine.check()
-                if self._poll_due():
-                    self._poll_weights()
-                self._report_installed()
-                if self.staged.final() is not None:
+                if weights.poll_due():
+                    weights.poll()
+                weights.report_installed()
+                if weights.staged.final() is not None:
                     break
                 self._feed(parts)
                 self._report_throughput()
@@ -154,14 +158,11 @@ class Sampler(WeightsInUse):
             engine.join()
             self.sink.close()
             self.serve_seconds, self.engine_idle_seconds = time.monotonic() - started, self.stream.idle_seconds
-            self.stream = self.staged.stream = None
+            self.stream = None
+            weights.stream_started(None, None)
         if engine.error is not None:
             raise engine.error
-        final = self.staged.final()
-        if final is not None:
-            self._install(final)
-            self.final = True
-            self._report_installed()
+        weights.install_final()
 
     def _feed(self, parts: Parts) -> None:
         """Start the groups the stream has room for and admission grants: injected prompts first."""
@@ -171,13 +172,14 @@ class Sampler(WeightsInUse):
         if wanted <= 0 or self._held_back():
             return
         holding = parts.client.unacked + self.sink.pending() + len(stream.in_flight())
-        granted = self.admission.admit(wanted, self.version, holding)
+        version = self.weights.version
+        granted = self.admission.admit(wanted, version, holding)
         if granted == 0:
             return
-        for work in self.source.next_groups(granted, room, self.version):
-            stream.start(work, self.injected_rollouts if work.injected else self.rollouts, self.version)
+        for work in self.source.next_groups(granted, room, version):
+            stream.start(work, self.injected_rollouts if work.injected else self.rollouts, version)
             self.groups_started += 1
-            self.groups_at_version += 1
+            self.weights.group_started()
 
     def _held_back(self) -> bool:
         """No group may start now: the backlog is full, the weights are too stale for the trainer to use what is
@@ -185,14 +187,14 @@ class Sampler(WeightsInUse):
         if self.client.unacked >= self.cfg.sampler.backlog_max_groups:
             return True
         cap = self.cfg.sampler.max_groups_per_version
-        held = (self.sync.too_stale() or (cap is not None and self.groups_at_version >= cap)
-                or self.staged.waiting())
+        held = (self.sync.too_stale() or (cap is not None and self.weights.groups_at_version >= cap)
+                or self.weights.staged.waiting())
         now = time.monotonic()
         if held and self._held_since is None:
             self._held_since = now
             if self.sync.too_stale():
                 log.warning("%s: version %d is %d behind the newest (trainer.max_staleness %d); waiting for weights",
-                            self.sampler_id, self.version, self.sync.lag(), self.cfg.trainer.max_staleness)
+                            self.sampler_id, self.weights.version, self.sync.lag(), self.cfg.trainer.max_staleness)
         elif not held and self._held_since is not None:
             self.waited_for_weights_s += now - self._held_since
             self._held_since = None
@@ -200,18 +202,19 @@ class Sampler(WeightsInUse):
 
     def _summary(self, parts: Parts, started: float, drained: bool, verified: dict | None, endpoint) -> dict:
         """The run's figures: logged, returned, and written to RUN_DIR/sampler-<index>.json."""
-        elapsed, client, sink = time.monotonic() - started, parts.client, self.sink
+        elapsed, client, sink, weights = time.monotonic() - started, parts.client, self.sink, self.weights
         log.info("%s stopping: %d groups generated (%.2f groups/s), stream stats %s, backlog drained: %s, "
                  "versions installed %s, %.1fs waiting for weights", self.sampler_id, sink.groups_sent,
                  sink.groups_sent / max(elapsed, 1e-9), dict(client.stats), drained,
-                 count_and_range(self.installed_versions), self.waited_for_weights_s)
+                 count_and_range(weights.installed_versions), self.waited_for_weights_s)
         result = {"sampler_id": self.sampler_id, "groups": sink.groups_sent, "groups_generated": sink.groups_generated,
                   "groups_started": self.groups_started, "groups_failed": sink.groups_failed,
                   "injected_groups": self.source.injected_done, "rows_in_flight": self.rows_in_flight,
                   "waited_for_admission_s": round(self.admission.waited_s, 3),
-                  "versions": self.installed_versions,
-                  "waited_for_weights_s": round(self.waited_for_weights_s, 3), "fetch_seconds": self.fetch_seconds,
-                  "fetch_bytes": self.fetch_bytes, "publish_to_install_seconds": self.publish_to_install_s,
+                  "versions": weights.installed_versions,
+                  "waited_for_weights_s": round(self.waited_for_weights_s, 3),
+                  "fetch_seconds": weights.fetch_seconds, "fetch_bytes": weights.fetch_bytes,
+                  "publish_to_install_seconds": weights.publish_to_install_s,
                   "final_weights": verified,
                   # completion tokens of the groups sent; the time the engine had work (its serve's time less the
                   # time it waited with nothing to decode), and the time since the first weights
@@ -247,15 +250,16 @@ class Sampler(WeightsInUse):
         if now - self._last_line >= self.cfg.logging.summary_every_s and not self.cfg.logging.verbose:
             self._last_line = now
             log.info("%s: version %d (lag %d), %.2f groups/s, %.0f tokens/s over the last minute; %d groups sent, "
-                     "%d in flight, %d versions installed", self.sampler_id, self.version, self.sync.lag(),
+                     "%d in flight, %d versions installed", self.sampler_id, self.weights.version, self.sync.lag(),
                      *self.sync.throughput, sink.groups_sent, self.stream.groups_started - self.stream.groups_done,
-                     len(self.installed_versions))
+                     len(self.weights.installed_versions))
 
     def _verify(self, parts: Parts) -> dict:
         """Digest of the installed (final) parameters and greedy completions, to compare with the trainer's."""
         problems = parts.task.heldout(self.cfg.weights.verify_prompts)
-        return {"version": self.version, "sha256": digest(parts.model.to_named_numpy(self.params)),
-                "greedy": greedy_probe(parts.engine, self.params, parts.tokenizer, problems, self.cfg.eval.batch_size)}
+        params, version = self.weights.installed()
+        return {"version": version, "sha256": digest(parts.model.to_named_numpy(params)),
+                "greedy": greedy_probe(parts.engine, params, parts.tokenizer, problems, self.cfg.eval.batch_size)}
 
 
 class EngineProgress:

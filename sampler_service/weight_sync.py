@@ -89,7 +89,9 @@ class WeightSync:
         self._report_stub = None if channel is None else weights_pb2_grpc.WeightServiceStub(channel)
         self.throughput = (0.0, 0.0)  # (groups/s, tokens/s) the sampler reports with its version
         self.groups_generated = 0  # reported too: the trainer's summary counts the run's wasted generation
-        self.installed_version, self.installed_epoch = -1, ""
+        # the version in use here, params included (the sampler's weights in use ask it: weights_in_use.py); one
+        # assignment, so other threads read it whole
+        self.installed: Installed | None = None
         # the newest version fetched whole (installed, or handed over and waiting for the engine): never fetched again
         self.fetched_version, self.fetched_epoch = -1, ""
         self.latest_seen = -1  # newest version seen from the installed version's trainer epoch
@@ -97,6 +99,14 @@ class WeightSync:
         self._pool = (concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-fetch")
                       if background else None)
         self._pending: concurrent.futures.Future | None = None
+
+    @property
+    def installed_version(self) -> int:
+        return self.installed.version if self.installed is not None else -1
+
+    @property
+    def installed_epoch(self) -> str:
+        return self.installed.epoch if self.installed is not None else ""
 
     def lag(self) -> int:
         return max(0, self.latest_seen - self.installed_version) if self.installed_version >= 0 else 0
@@ -208,7 +218,7 @@ class WeightSync:
         thread)."""
         if got.epoch != self.installed_epoch:
             self.latest_seen = got.version
-        self.installed_version, self.installed_epoch = got.version, got.epoch
+        self.installed = got
         self.latest_seen = max(self.latest_seen, got.version)
         if report:
             self.report()

@@ -1,6 +1,6 @@
 """Which weights a sampler generates with: its first version, newer ones as they arrive, and when they take over.
 
-`WeightsInUse` is the sampler loop's base (loop.py). The feeder's thread polls the weight sync (`_poll_weights`):
+`WeightsInUse` is the sampler loop's (loop.py) keeper of them. The feeder's thread polls the weight sync (`poll`):
 before the rollout stream runs (the first version) a fetched version is installed at once; while it runs, it is
 staged, and the engine installs it at its next scheduling point (`StagedWeights.refresh`, on its thread): at once with
 sampler.weight_updates=in_flight (every live sequence continues with it, each token recording its version), or,
@@ -84,33 +84,59 @@ class StagedWeights:
 
 
 class WeightsInUse:
-    """The installed version, the one staged to follow it, and the first wait. `sync` (WeightSync), `client`
-    (RolloutClient) and `metrics` (lifecycle.SamplerMetrics) are set once the sampler is set up; `stream` (the
-    RolloutStream) while it runs."""
+    """The installed version, the one staged to follow it, and the first wait. The installed version is the weight
+    sync's (`WeightSync.installed`, the one place that holds it); `params`, `version` and `installed()` ask it.
+    `attach` gives the sync, the rollout client and the metrics once the sampler is set up; `stream_started` the
+    RolloutStream and the endpoint's queue while the stream runs."""
 
     def __init__(self, cfg: RunConfig, sampler_id: str, stop_event: threading.Event):
         self.cfg, self.sampler_id, self.stop_event = cfg, sampler_id, stop_event
-        self.params, self.version, self.final, self.last_poll = None, -1, False, 0.0
-        self.installed: tuple = (None, -1)  # (params, version), for threads other than the loop's
+        self.final, self.last_poll = False, 0.0
         self.groups_at_version = 0  # groups started with the installed version
         self.installed_versions: list[int] = []
         self.fetch_seconds: list[float] = []
         self.fetch_bytes: list[int] = []  # per installed version (with LoRA: the adapters, and the base when fetched)
         self.publish_to_install_s: list[float] = []  # per installed version: trainer's publication -> installed here
-        self.waited_for_weights_s = 0.0
         self.sync = self.client = self.metrics = self.stream = self.engine_side = None
         # a fetched version the engine has not taken yet (while the stream runs)
         self.staged = StagedWeights(cfg.sampler.weight_updates, self._install, self._drained)
         self._reported_version = -1
 
-    def _await_first_weights(self, stub) -> None:
+    def attach(self, sync, client, metrics) -> None:
+        """The sampler's weight sync (WeightSync), rollout client (RolloutClient) and metrics
+        (lifecycle.SamplerMetrics)."""
+        self.sync, self.client, self.metrics = sync, client, metrics
+
+    def stream_started(self, stream, engine_side) -> None:
+        """The rollout stream runs (None: it ended): fetched versions are staged for its engine, and a drain waits
+        for its groups and for the endpoint's requests inside the engine (`engine_side`, a SideQueue or None)."""
+        self.stream = self.staged.stream = stream
+        self.engine_side = engine_side
+
+    def installed(self) -> tuple:
+        """The installed (params, version), read whole (any thread); (None, -1) before the first version."""
+        got = self.sync.installed if self.sync is not None else None
+        return (None, -1) if got is None else (got.params, got.version)
+
+    @property
+    def params(self):
+        return self.installed()[0]
+
+    @property
+    def version(self) -> int:
+        return self.installed()[1]
+
+    def group_started(self) -> None:
+        self.groups_at_version += 1
+
+    def await_first(self, stub) -> None:
         """Install the trainer's first version before generating. A trainer that is up but has not published yet
         (warm start, eval_before, loading a large checkpoint: minutes to hours) is waited for as long as it
         answers; one silent for sampler.connect_timeout_s ends the sampler (ConnectionError)."""
         timeout = self.cfg.sampler.connect_timeout_s
         started = heard = last_log = last_check = time.monotonic()
         while self.params is None and not self.stop_event.is_set():
-            self._poll_weights()
+            self.poll()
             if self.params is not None:
                 return
             now = time.monotonic()
@@ -131,7 +157,7 @@ class WeightsInUse:
                          "warm start or eval_before)", self.sampler_id, now - started)
             self.stop_event.wait(0.05 if self.cfg.weights.background_fetch else 0.5)
 
-    def _poll_weights(self) -> None:
+    def poll(self) -> None:
         """Check for a newer published version: installed at once while no stream runs, else staged for the engine
         (a newer one replaces a staged one the engine has not taken)."""
         self.last_poll = time.monotonic()
@@ -151,11 +177,20 @@ class WeightsInUse:
             return
         self.staged.stage(got)
 
+    def install_final(self) -> bool:
+        """After the stream ended: install the final version if one is staged; whether one was."""
+        final = self.staged.final()
+        if final is None:
+            return False
+        self._install(final)
+        self.final = True
+        self.report_installed()
+        return True
+
     def _install(self, got) -> None:
         """Make `got` the version in use (any thread: nothing here waits on the network)."""
-        self.params, self.version, self.groups_at_version = got.params, got.version, 0
-        self.installed = (got.params, got.version)  # one assignment: other threads read the pair whole
-        self.sync.mark_installed(got, report=False)  # reported by the feeder's thread (_report_installed)
+        self.groups_at_version = 0
+        self.sync.mark_installed(got, report=False)  # reported by the feeder's thread (report_installed)
         if self.client is not None:  # queued groups the trainer would now drop as stale are not sent
             self.client.min_version = max(0, got.version - self.cfg.trainer.max_staleness)
         self.installed_versions.append(got.version)
@@ -168,7 +203,7 @@ class WeightsInUse:
         detail.info("%s installed weight version %d (%.1f MB, fetch %.2fs)%s", self.sampler_id, got.version,
                     got.nbytes / 1e6, got.fetch_seconds, " [final]" if got.final else "")
 
-    def _report_installed(self) -> None:
+    def report_installed(self) -> None:
         """Tell the trainer about a version the engine installed since the last report (the feeder's thread)."""
         if self.version != self._reported_version:
             self._reported_version = self.version
@@ -178,6 +213,6 @@ class WeightsInUse:
         """No group of the installed version is in flight, nor an outside endpoint request inside the engine."""
         return self.stream.episodes_in_flight == 0 and (self.engine_side is None or self.engine_side.in_engine == 0)
 
-    def _poll_due(self) -> bool:
+    def poll_due(self) -> bool:
         """A weight check is due: the poll interval passed, or a background fetch finished."""
         return time.monotonic() - self.last_poll >= self.cfg.sampler.weight_poll_s or self.sync.has_result()

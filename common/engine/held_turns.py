@@ -11,79 +11,81 @@ keys it will never resume (`released()`: the episode ended).
 
 from __future__ import annotations
 
+import collections
+
 import numpy as np
+
+from grpo_stream.common.engine.request_rows import RequestRows
+from grpo_stream.common.engine.slot_programs import SlotPrograms
+from grpo_stream.common.engine.slot_table import SlotGroup, SlotTable
 
 
 class HeldTurns:
-    """The continuous engine's bookkeeping of held slots (mixed into ContinuousEngine)."""
+    """The held slots of one serve: hold key -> the row whose slot keeps its cache, oldest first. Frees and wakes
+    slots of `table` and rows of `rows`; `programs` and `stats` are the engine's record of compiled shapes and its
+    counters."""
 
-    def _running(self, group) -> int:
-        """Live slots that are decoding or about to (not held idle)."""
-        if group is None:
-            return 0
-        return sum(1 for row in group.row[group.live] if self._row_out[row] is not None)
+    def __init__(self, table: SlotTable, rows: RequestRows, device: SlotPrograms, programs: set,
+                 stats: collections.Counter):
+        self.table, self.rows, self.device, self.programs, self.stats = table, rows, device, programs, stats
+        self._held: dict = {}
 
-    def _locate(self, groups, row: int):
-        for group in groups:
-            if group is not None:
-                slots = np.flatnonzero(group.row == row)
-                if slots.size:
-                    return group, int(slots[0])
-        return None, None
+    def clear(self) -> None:
+        self._held.clear()
 
-    def _drop_held(self, groups, key) -> None:
+    def keep(self, key, row: int) -> None:
+        """`row` ended and keeps its slot's cache under `key` (an older hold of the key is given up: not resumed)."""
+        self._drop(key)
+        self._held[key] = row
+
+    def _drop(self, key) -> None:
         row = self._held.pop(key, None)
         if row is not None:
-            group, slot = self._locate(groups, row)
+            group, slot = self.table.locate(row)
             if group is not None:
                 group.row[slot] = -1
                 self.stats["held_given_up"] += 1
-            self._free_row(row)
+            self.rows.free(row)
 
-    def _release_held(self, main, long, source) -> None:
-        """Free the held slots whose episodes ended."""
-        for key in source.released():
+    def release(self, keys: list) -> None:
+        """Free the held slots of episodes that ended (`keys`: the source's `released()`)."""
+        for key in keys:
             row = self._held.pop(key, None)
-            group, slot = self._locate((main, long), row) if row is not None else (None, None)
+            group, slot = self.table.locate(row) if row is not None else (None, None)
             if group is not None:
                 group.row[slot] = -1
             if row is not None:
-                self._free_row(row)
+                self.rows.free(row)
 
-    def _evict_held(self, main, long, waiting: int) -> None:
-        """Give up held slots, oldest first, while rows wait and no slot is free for them."""
+    def evict(self, waiting: int) -> None:
+        """Give up held slots, oldest first, while `waiting` rows wait and no slot is free for them."""
         while self._held:
-            live = (int(main.live.sum()) if main is not None else 0) + (int(long.live.sum()) if long is not None else 0)
-            if self.slots - live >= waiting:  # the main group can grow into the slots left
+            if self.table.slots - self.table.live_count() >= waiting:  # the main group can grow into the slots left
                 return
-            self._drop_held((main, long), next(iter(self._held)))
+            self._drop(next(iter(self._held)))
 
-    def _resume_held(self, main, long, requests: list, versioned: bool) -> list:
+    def resume(self, requests: list, versioned: bool) -> list:
         """Wake the held slots the requests continue; returns the requests to prefill (not held, or given up)."""
         rest, woken = [], {}
         for request in requests:
             row = self._held.get(request.resume) if request.resume is not None else None
-            group, slot = self._locate((main, long), row) if row is not None else (None, None)
-            if group is None or not request.forced or len(request.forced) > self.max_forced:
+            group, slot = self.table.locate(row) if row is not None else (None, None)
+            if group is None or not request.forced or len(request.forced) > self.device.max_forced:
                 if row is not None:
-                    self._drop_held((main, long), request.resume)
+                    self._drop(request.resume)
                 rest.append(request)
                 continue
             del self._held[request.resume]
-            new = self._register(request, versioned)
-            self._prompt_lens[new] = self._prompt_lens[row]
-            self._row_base[new] = int(group.produced[slot])  # > 0: a turn produced tokens before it was held
-            group.row[slot] = new
-            self._free_row(row)
+            group.row[slot] = self.rows.register_resumed(request, versioned, row, int(group.produced[slot]))
             woken.setdefault(id(group), (group, []))[1].append((slot, request))
         for group, items in woken.values():
             self._wake(group, items)
         return rest
 
-    def _wake(self, group, items: list) -> None:
-        size = group.size
+    def _wake(self, group: SlotGroup, items: list) -> None:
+        size, max_forced = group.size, self.device.max_forced
         slots = np.full((size,), size, np.int32)
-        forced = np.zeros((size, self.max_forced), np.int32)
+        forced = np.zeros((size, max_forced), np.int32)
         counts, budgets = np.zeros((size,), np.int32), np.zeros((size,), np.int32)
         keys = np.zeros((size, *np.shape(items[0][1].key)), np.uint32)
         greedy = np.zeros((size,), np.bool_)
@@ -92,6 +94,6 @@ class HeldTurns:
             forced[i, :counts[i]] = request.forced
             budgets[i] = int(group.produced[slot]) + counts[i] + request.budget
         self.programs.add(("resume", size))
-        group.state = self._resume(group.state, slots, forced, counts, budgets, keys, greedy)
+        group.state = self.device.resume(group.state, slots, forced, counts, budgets, keys, greedy)
         self.stats["resumed_turns"] += len(items)
         self.stats["forced_tokens"] += int(counts.sum())

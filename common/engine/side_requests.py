@@ -261,27 +261,23 @@ class NoRequests(FixedRequests):
         raise AssertionError("an idle serve has no requests of its own")
 
 
-class SideServing:
-    """Mixed into a serving engine: `serve` runs under the side queue's lock and takes its requests too. Engines
-    implement `_serve`; with no side queue attached (`side` None) `serve` is `_serve`."""
-
-    side: SideQueue | None = None
-
-    def serve(self, params: Any, source, refresh: Callable | None = None, version: int = 0) -> None:
-        """Decode what `source` hands out (base.RequestSource), each request sampling its own way; `refresh`:
-        called at scheduling points, returns newer (params, version) for every live sequence, or None."""
-        if self.side is None:
-            return self._serve(params, source, refresh, version)
-        with self.side.sampler_turn():
-            serve_merged(self, params, MergedSource(source, self.side, version), refresh, version)
-
-    def _serve(self, params, source, refresh, version) -> None:
-        raise NotImplementedError
+# an engine's serve of one source with no endpoint requests joining it: (params, source, refresh, version)
+ServeAlone = Callable[[Any, Any, Any, int], None]
 
 
-def serve_merged(engine, params, merged: MergedSource, refresh, version: int) -> None:
+def serve_sharing(side: SideQueue | None, serve_alone: ServeAlone, params: Any, source, refresh: Callable | None,
+                  version: int) -> None:
+    """An engine's `serve`: `serve_alone` (its serve of one source) run under the side queue's lock over `source`
+    and the queue's requests; with no side queue attached (`side` None), `serve_alone` over `source`."""
+    if side is None:
+        return serve_alone(params, source, refresh, version)
+    with side.sampler_turn():
+        serve_merged(serve_alone, params, MergedSource(source, side, version), refresh, version)
+
+
+def serve_merged(serve_alone: ServeAlone, params, merged: MergedSource, refresh, version: int) -> None:
     try:
-        engine._serve(params, merged, refresh, version)
+        serve_alone(params, merged, refresh, version)
     except BaseException as exc:
         merged.fail_live(f"the engine failed: {type(exc).__name__}: {exc}"[:300])
         raise
@@ -303,7 +299,8 @@ def serve_idle(engine, side: SideQueue, current: Callable[[], tuple[Any, int]], 
             if params is None:  # no weights yet: requests wait for the first version
                 continue
             if side.has() and not side.sampler_waiting.is_set():
-                serve_merged(engine, params, MergedSource(NoRequests(), side, version, idle=True, current=current),
+                serve_merged(engine.serve_alone, params,
+                             MergedSource(NoRequests(), side, version, idle=True, current=current),
                              None, version)
         except Exception:  # noqa: BLE001 - its requests were answered with the error; the endpoint keeps serving
             log.exception("serving endpoint requests failed")

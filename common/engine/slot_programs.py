@@ -1,25 +1,25 @@
 """The continuous engine's device programs: decode slots and what can be done to them.
 
 A slot group (`SlotState`) is S decode slots whose caches share one window W:
-per layer keys [S, KV, D, W] and values [S, KV, W, D]. The host loop
-(continuous.py) keeps one or two groups and drives them with these jitted
-programs, each compiled once per shape and listed in `programs`:
+per layer keys [S, KV, D, W] and values [S, KV, W, D]. `SlotPrograms` holds the jitted programs of one model, each
+compiled once per shape; the host objects that drive them (slot_table.py, request_rows.py, held_turns.py,
+continuous.py) record each shape they run in the engine's `programs`:
 
-- `_prefill`: a batch of distinct prompts' keys, values and next-token logits;
-- `_admit`: put prefilled prompts into free slots of a group;
-- `_decode`: a chunk of up to `chunk_steps` decode steps over one or more groups, one weight pass per step
+- `prefill`: a batch of distinct prompts' keys, values and next-token logits;
+- `admit`: put prefilled prompts into free slots of a group;
+- `decode`: a chunk of up to `chunk_steps` decode steps over one or more groups, one weight pass per step
   for all of them (the matmuls see every row, attention runs per group over its own window);
-- `_resize`: change a group's window (between chunks: a slice inside a chunk is a copy per step);
-- `_compact`: gather a group's live slots into fewer slots;
-- `_move`: copy slots of one group into free slots of another (a longer sequence joining the long-window
+- `resize`: change a group's window (between chunks: a slice inside a chunk is a copy per step);
+- `compact`: gather a group's live slots into fewer slots;
+- `move`: copy slots of one group into free slots of another (a longer sequence joining the long-window
   group, or two groups merging), clearing them in the source;
-- `_resume`: wake held slots (a multi-turn episode whose turn ended and whose cache was kept) with forced tokens
-  (the environment's observation), which decoding feeds in one per step before it samples again.
+- `resume`: wake held slots (a multi-turn episode whose turn ended and whose cache was kept) with forced tokens
+  (the environment's observation), which decoding feeds in one per step before it samples again;
+- `relayout`: the params laid out for decoding; `empty`: a group of free slots.
 """
 
 from __future__ import annotations
 
-import collections
 import functools
 
 import jax
@@ -73,25 +73,23 @@ def window_of(state: SlotState) -> int:
 
 
 class SlotPrograms:
-    """The jitted programs over slot groups of one model; `programs` records every shape compiled."""
+    """The jitted programs over slot groups of one model (see the module docstring). Holds no host state: what runs
+    on which slots is the caller's."""
 
     def __init__(self, model: PolicyModel, pad_id: int, eos_ids: tuple[int, ...], temperature: float,
                  chunk_steps: int, max_forced: int = 1):
         self.model, self.pad_id, self.eos_ids = model, pad_id, eos_ids
         self.temperature, self.chunk_steps, self.max_forced = temperature, chunk_steps, max_forced
         self.dtype = jax.tree_util.tree_leaves(model.params)[0].dtype
-        self.programs: set[tuple] = set()
-        self.stats = collections.Counter()  # decode_steps, slot_steps, live_slot_steps, prefills, prefill_rows, ...
-        self._relayout = jax.jit(functools.partial(decode.decode_weights, model))
-        self._decode = jax.jit(self._decode_chunk, static_argnames=("windows", "ragged"),
-                               donate_argnums=(1,))
-        self._prefill = jax.jit(self._prefill_prompts)
-        self._admit = jax.jit(self._admit_rows, donate_argnums=(0,))
-        self._compact = jax.jit(self._compact_slots, static_argnames=("size",))
-        self._empty = jax.jit(self._empty_state, static_argnames=("size", "window"))
-        self._resize = jax.jit(self._resize_window, static_argnames=("window",))
-        self._move = jax.jit(self._move_slots, donate_argnums=(1,))
-        self._resume = jax.jit(self._resume_slots, donate_argnums=(0,))
+        self.relayout = jax.jit(functools.partial(decode.decode_weights, model))
+        self.decode = jax.jit(self._decode_chunk, static_argnames=("windows", "ragged"), donate_argnums=(1,))
+        self.prefill = jax.jit(self._prefill_prompts)
+        self.admit = jax.jit(self._admit_rows, donate_argnums=(0,))
+        self.compact = jax.jit(self._compact_slots, static_argnames=("size",))
+        self.empty = jax.jit(self._empty_state, static_argnames=("size", "window"))
+        self.resize = jax.jit(self._resize_window, static_argnames=("window",))
+        self.move = jax.jit(self._move_slots, donate_argnums=(1,))
+        self.resume = jax.jit(self._resume_slots, donate_argnums=(0,))
 
     def request_keys(self, rng: jax.Array, rows: int) -> list:
         """The key of each row of a batch generated with `rng`: row i samples with fold_in(rng, i)."""

@@ -79,7 +79,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from grpo_stream.common.engine.side_requests import SideServing
+from grpo_stream.common.engine.side_requests import SideQueue, serve_sharing
 from grpo_stream.common.engine.base import Generation, Request, RequestSource, generate_by_serving
 from grpo_stream.common.engine.vllm_worker import EXTENSION, load_into_worker
 from grpo_stream.common.model.hf_checkpoint import resolve_model_dir, to_hf_names, write_hf_config, write_safetensors
@@ -89,7 +89,7 @@ PAD_BIAS = -100.0  # vLLM clamps logit_bias to [-100, 100]
 MAX_RECORDED = 1 << 16  # requests of one serve whose prefix-cache hits are kept (cached_prompt_tokens)
 
 
-class VllmEngine(SideServing):
+class VllmEngine:
     """Generates completions with vLLM; installs the trainer's weights when `generate` gets new params."""
 
     def __init__(self, model_dir: str | pathlib.Path, model, pad_id: int, eos_ids: list[int], max_prompt_tokens: int,
@@ -100,6 +100,7 @@ class VllmEngine(SideServing):
         params `generate` gets; `settings`: the sampler.vllm config section; `in_flight`: weights may change
         mid-generation (sampler.weight_updates=in_flight)."""
         self.model, self.pad_id, self.eos_ids = model, pad_id, list(eos_ids)
+        self.side: SideQueue | None = None  # an endpoint's queue whose requests join every serve (side_requests.py)
         self.max_prompt_tokens, self.max_new_tokens, self.temperature = max_prompt_tokens, max_new_tokens, temperature
         self.settings = settings
         mode = settings.weight_install
@@ -224,8 +225,12 @@ class VllmEngine(SideServing):
         base = _seed_of(rng)  # once: a JAX key's bits are read back from the device
         return [(base + i) % 2**63 for i in range(rows)]
 
-    def _serve(self, params: Any, source: RequestSource,
-               refresh: Callable[[], tuple[Any, int] | None] | None = None, version: int = 0) -> None:
+    def serve(self, params: Any, source: RequestSource, refresh: Callable | None = None, version: int = 0) -> None:
+        """`serve_alone` over `source` and the endpoint's queued requests (`side`), under its lock."""
+        serve_sharing(self.side, self.serve_alone, params, source, refresh, version)
+
+    def serve_alone(self, params: Any, source: RequestSource,
+                    refresh: Callable[[], tuple[Any, int] | None] | None = None, version: int = 0) -> None:
         """Generate the requests `source` hands out until it has none left and none will come, one engine step
         (a token per live request) at a time: before every step the requests ready then enter the engine (a
         multi-turn episode's next turn enters while the others decode; its prompt, the conversation so far, reads

@@ -22,7 +22,7 @@ def test_moving_slots_copies_their_sequences_and_frees_them_in_the_source(tiny_p
     rng = np.random.default_rng(0)
 
     def filled(size, window):
-        st = programs._empty(size=size, window=window)
+        st = programs.empty(size=size, window=window)
         return st.replace(cache=tuple((jnp.asarray(rng.standard_normal(k.shape), k.dtype),
                                        jnp.asarray(rng.standard_normal(v.shape), v.dtype)) for k, v in st.cache),
                           length=jnp.arange(size, dtype=jnp.int32) + 10, budget=jnp.full((size,), 30, jnp.int32),
@@ -31,7 +31,7 @@ def test_moving_slots_copies_their_sequences_and_frees_them_in_the_source(tiny_p
 
     src, dst = filled(4, 64), filled(8, 128)
     before_src, before_dst = jax.device_get(src), jax.device_get(dst)
-    moved, src_active = programs._move(src, dst, jnp.asarray([1, 3, 4, 4], jnp.int32),
+    moved, src_active = programs.move(src, dst, jnp.asarray([1, 3, 4, 4], jnp.int32),
                                        jnp.asarray([0, 5, 8, 8], jnp.int32))
     moved = jax.device_get(moved)
     assert window_of(moved) == 128 and src_active.tolist() == [True, False, True, False]

@@ -101,4 +101,4 @@ def test_a_long_serve_keeps_rows_for_what_is_in_flight_only(tiny_parts, engine):
     many = [GroupWork(one.problem, one.prompt_ids, G, one.rewards, f"x{i}", i, jax.random.fold_in(one.key, i))
             for i in range(40)]
     run_groups(engine, model.params, many, SingleTurn(C), max_rows=8)
-    assert len(engine._requests) <= 16  # 160 requests taken, rows recycled: at most what was in flight at once
+    assert len(engine.rows.requests) <= 16  # 160 requests taken, rows recycled: at most what was in flight at once
