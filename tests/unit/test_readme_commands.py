@@ -82,7 +82,7 @@ def check_module(module: str, argv: list[str], bare: list[str]) -> None:
                                          f"{unknown + choices}:\n{usage}")
     synopsis = re.sub(r"\[[^\[\]]*\]", "", usage.split("\n\n")[0])  # what is left of the usage line is required
     required = [o for o in re.findall(r"(?<![\w-])--[\w-]+", synopsis) if o not in bare]
-    assert not required, f"README.md shows `python -m {module} {' '.join(argv)}` without its required {required}"
+    assert not required, f"README.md shows `python -m {module} {' '.join(bare)}` without its required {required}"
 
 
 def check_script(path: str, argv: list[str]) -> None:
