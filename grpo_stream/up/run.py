@@ -8,9 +8,9 @@ samplers, with exactly the commands a multi-host deployment runs (`python -m grp
 a process that fails is restarted (up.restart) until one crash-loops (up.restart_limit_burst), one that exits 3 (a
 permanent failure) stops the run naming it, a trainer job that makes no progress for up.trainer_stall_s (a sampler:
 up.sampler_stall_s) is restarted; Ctrl-C, SIGTERM or SIGHUP stop everything. At the end it completes
-RUN_DIR/summary.json (grpo_stream/up/summary.py). Running it again on the same RUN_DIR resumes: the buffer is still in RUN_DIR/redis and
-the trainer's checkpoints in RUN_DIR/checkpoints. One `up` at a time owns a RUN_DIR, and its processes die with it
-(grpo_stream/up/guard.py).
+RUN_DIR/summary.json (grpo_stream/up/summary.py). Running it again on the same RUN_DIR resumes: the buffer is still
+in RUN_DIR/redis and the trainer's checkpoints in RUN_DIR/checkpoints. One `up` at a time owns a RUN_DIR, and its
+processes die with it (grpo_stream/up/guard.py).
 
 Exit codes (the CLI's policy, grpo_stream/cli.py): 0 the trainer finished and every sampler exited 0; 1 a failure
 (a process failed past its restart budget, the trainer failed, a sampler exited non-zero, Redis unreachable, the run

@@ -52,7 +52,8 @@ def test_a_static_resolver_resolves_every_grpo_stream_import_in_the_tree():
     import jedi  # noqa: PLC0415
 
     def own(parts: tuple[str, ...]) -> bool:  # not a hidden folder's, nor one read twice through grpo_stream's links
-        return not any(part.startswith(".") for part in parts) and (parts[0] != "grpo_stream" or parts[1] not in FOLDERS)
+        hidden = any(part.startswith(".") for part in parts)
+        return not hidden and (parts[0] != "grpo_stream" or parts[1] not in FOLDERS)
 
     sources = [p for p in ROOT.rglob("*.py") if own(p.relative_to(ROOT).parts)]
     modules = set().union(*(grpo_stream_imports(p) for p in sources))
