@@ -87,7 +87,7 @@ def trainer(config: pathlib.Path, quick: bool, plan_json: pathlib.Path | None, d
     from grpo_stream.common.model.policy import build_from_architecture
     from grpo_stream.common.model.sharding import make_mesh, place
     from grpo_stream.common.assembly.compilation_cache import enable_compilation_cache
-    from grpo_stream.plan_programs import architecture, model_dtype, trainer_programs
+    from grpo_stream.plan.programs import architecture, model_dtype, trainer_programs
     from grpo_stream.trainer_service.learning.batching import TrainBatch
     from grpo_stream.trainer_service.learning.rl_update import PolicyUpdater, state_report
 

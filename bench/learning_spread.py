@@ -6,7 +6,11 @@ of the same command, so the chance that a healthy run fails the check is known:
 
     python -m grpo_stream.bench.learning_spread demo --runs 10 --out tests/e2e/calibration/demo.json --keep-warmstart W
     python -m grpo_stream.bench.learning_spread gspo --runs 10 --out tests/e2e/calibration/gspo.json --warmstart W
+    python -m grpo_stream.bench.learning_spread gspo-100 --runs 10 --warmstart W
     python -m grpo_stream.bench.learning_spread tools --runs 10 --out tests/e2e/calibration/multi-turn-tools.json
+
+Without --out the runs go to runs/learning-spread/SETUP.json (gspo and gspo-100 need --warmstart: a demo run's
+warm-started model, which `demo --keep-warmstart W` keeps).
 
 For each figure the threshold is the one-sided 99% lower prediction bound for one new run,
 mean - t(0.99, n-1) * sd * sqrt(1 + 1/n), with the run-to-run standard deviation sd of the n runs: if the figure is
@@ -90,12 +94,14 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("setup", choices=sorted(SETUPS))
     p.add_argument("--runs", type=int, default=10, help="runs to make (at least 10 for a test threshold)")
-    p.add_argument("--out", type=pathlib.Path, required=True, help="JSON file; runs already in it are kept")
+    p.add_argument("--out", type=pathlib.Path, help="JSON file; runs already in it are kept (default "
+                   "runs/learning-spread/SETUP.json)")
     p.add_argument("--timeout", type=int, default=3600, help="seconds per run")
     p.add_argument("--keep-warmstart", type=pathlib.Path, help="demo: copy the first run's warm-started model here")
     p.add_argument("--warmstart", type=pathlib.Path, help="gspo: the warm-started model to start from (a demo "
                    "run's RUN_DIR/warmstart-model, e.g. from --keep-warmstart)")
     args = p.parse_args(argv)
+    args.out = args.out or ROOT / "runs" / "learning-spread" / f"{args.setup}.json"
     if args.setup.startswith("gspo") and not (args.warmstart and (args.warmstart / "config.json").is_file()):
         raise SystemExit("gspo starts from a demo run's warm start: pass --warmstart DIR (made by "
                          "`demo --keep-warmstart DIR`)")

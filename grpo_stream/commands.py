@@ -48,7 +48,7 @@ def _bench(args, _cfg) -> int:
 
 
 def _report(args, _cfg) -> None:
-    from grpo_stream.report import make_report
+    from grpo_stream.reports.run_report import make_report
 
     out = make_report(args.run_dir)
     print(f"report written to {out}/report.md")
@@ -71,13 +71,13 @@ def _config(args, _cfg) -> None:
 
 
 def _client(args, _cfg) -> int:
-    from grpo_stream.submit_command import run_status, run_submit, run_tokens
+    from grpo_stream.client.submit import run_status, run_submit, run_tokens
 
     return {"submit": run_submit, "status": run_status, "tokens": run_tokens}[args.command](args)
 
 
 def _audit(args, _cfg) -> int:
-    from grpo_stream.audit import run_audit
+    from grpo_stream.reports.audit import run_audit
 
     return run_audit(args.run_dir, args.redis_url, args.group, args.json)
 
@@ -85,7 +85,7 @@ def _audit(args, _cfg) -> int:
 def _eval(args, cfg) -> None:
     from grpo_stream.common.assembly.compilation_cache import enable_compilation_cache
     from grpo_stream.common.runtime.process import import_tensorboardx_without_torch, setup_logging
-    from grpo_stream.eval_command import run_eval
+    from grpo_stream.reports.evaluate import run_eval
 
     setup_logging(cfg.logging.level, "eval", cfg.logging.format, cfg.logging.verbose)
     import_tensorboardx_without_torch()
@@ -101,14 +101,14 @@ def _eval(args, cfg) -> None:
 
 def _plan(args, cfg) -> int:
     from grpo_stream.common.runtime.process import setup_logging
-    from grpo_stream.plan_command import run_plan
+    from grpo_stream.plan.memory import run_plan
 
     setup_logging(cfg.logging.level, "plan", cfg.logging.format, cfg.logging.verbose)
     return run_plan(cfg, args.json)
 
 
 def _devices(args, cfg) -> int:
-    from grpo_stream.devices_command import run_devices
+    from grpo_stream.plan.devices import run_devices
 
     return run_devices(cfg, args.gpus, args.gpu_memory_gib, args.compose, args.json)
 
@@ -116,7 +116,7 @@ def _devices(args, cfg) -> int:
 def _up(args, cfg) -> int:
     from grpo_stream.common.assembly.compilation_cache import compilation_cache_dir
     from grpo_stream.common.runtime.process import setup_logging
-    from grpo_stream.up import run_up
+    from grpo_stream.up.run import run_up
 
     setup_logging(cfg.logging.level, "up", cfg.logging.format, cfg.logging.verbose)
     compilation_cache_dir(cfg)  # `up` compiles nothing itself; a bad cache directory stops it before any process
@@ -128,11 +128,11 @@ def _prepare_process(args, cfg, name: str) -> None:
     """What every service process does before its work: logging named after it, dying with `up`, the device plan's
     settings and XLA's flags in the environment before JAX starts (it reads them once)."""
     from grpo_stream.plan.device_plan import device_env, own_process_env
-    from grpo_stream.parent_death import watch_parent
+    from grpo_stream.up.parent_death import watch_parent
     from grpo_stream.common.runtime.process import setup_logging
 
     setup_logging(cfg.logging.level, name, cfg.logging.format, cfg.logging.verbose)
-    watch_parent()  # a child of `up` stops when `up` is gone (grpo_stream/parent_death.py)
+    watch_parent()  # a child of `up` stops when `up` is gone (grpo_stream/up/parent_death.py)
     os.environ.update(own_process_env(cfg, args.command, os.environ))
     if device_env(os.environ):
         log.info("device settings: %s", " ".join(f"{k}={v}" for k, v in device_env(os.environ).items()))
@@ -161,7 +161,7 @@ def _jax_process(args, cfg) -> None:
         args.run_dir = args.run_dir or pathlib.Path("runs") / cfg.run.name  # where a failure is recorded, too
         args.run_dir.mkdir(parents=True, exist_ok=True)
         if args.command == "colocated":
-            from grpo_stream.colocated import run_colocated
+            from grpo_stream.up.colocated import run_colocated
 
             run_colocated(cfg, args.run_dir)
         else:

@@ -50,7 +50,7 @@ wheels=${GPU_CHECK_WHEELS_DIR:-$root/.whl}
 export PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1
 
 if [ -n "${GPU_CHECK_PYTHON:-}" ]; then py=$GPU_CHECK_PYTHON
-elif [ -x .venv/bin/python ] && .venv/bin/python -c "import grpo_stream.gpu_check" 2>/dev/null; then py=.venv/bin/python
+elif [ -x .venv/bin/python ] && .venv/bin/python -c "import grpo_stream.gpu_check.run" 2>/dev/null; then py=.venv/bin/python
 else py=python3; fi
 
 ready() {  # the project and what it imports at run time, at versions its generated gRPC code accepts

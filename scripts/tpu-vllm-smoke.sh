@@ -3,7 +3,7 @@
 # GSM8K on Qwen2.5 0.5B Instruct, the JAX trainer on the first half of the chips and a vllm-tpu sampler
 # (sampler.engine=vllm, tpu-inference) on the other half; once with weights installed after a drain (no request
 # live) and once in flight (the scheduler paused with its requests kept). Writes OUT/drain.json and OUT/in_flight.json in the
-# smoke format (grpo_stream/smoke_report.py; docs/tpu.md, "The check to run on a TPU VM"). Please send both files
+# smoke format (grpo_stream/reports/smoke.py; docs/tpu.md, "The check to run on a TPU VM"). Please send both files
 # back (an issue on the project): nothing of the TPU path has run on a TPU before.
 #
 #   bash scripts/tpu-vllm-smoke.sh [OUT] [MODEL_DIR]
@@ -43,7 +43,7 @@ for mode in drain in_flight; do
     "hardware.trainer_env={TPU_VISIBLE_CHIPS: '$trainer_chips', TPU_CHIPS_PER_PROCESS_BOUNDS: '$bounds', TPU_PROCESS_BOUNDS: '1,1,1', TPU_PROCESS_PORT: '8476'}" \
     "hardware.sampler_env={TPU_VISIBLE_CHIPS: '$sampler_chips', TPU_CHIPS_PER_PROCESS_BOUNDS: '$bounds', TPU_PROCESS_BOUNDS: '1,1,1', TPU_PROCESS_PORT: '8477'}" \
     || echo "[smoke] $mode: up exited with $? (the report says what ran)"
-  .venv/bin/python -m grpo_stream.smoke_report "$run" --python .venv/bin/python --python .venv-vllm-tpu/bin/python \
+  .venv/bin/python -m grpo_stream.reports.smoke "$run" --python .venv/bin/python --python .venv-vllm-tpu/bin/python \
     --out "$out/$mode.json"
   .venv/bin/python -c "import json, sys; r = json.load(open(sys.argv[1])); print('[smoke]', sys.argv[2], 'passed' if r['passed'] else 'FAILED', {k: c['value'] for k, c in r['checks'].items()})" "$out/$mode.json" "$mode"
 done

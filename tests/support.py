@@ -29,7 +29,7 @@ def child_report(module: str, devices: int) -> dict:
     import json  # noqa: PLC0415
     import sys  # noqa: PLC0415
 
-    from grpo_stream.plan_command import child_env  # noqa: PLC0415
+    from grpo_stream.plan.memory import child_env  # noqa: PLC0415
 
     root = pathlib.Path(__file__).resolve().parents[1]
     proc = subprocess.run([sys.executable, "-m", module], cwd=root, env=child_env(devices), capture_output=True,

@@ -248,7 +248,7 @@ class EmbeddedRedis:
     def __init__(self, port: int | None = None, appendonly: bool = False, data_dir: str | os.PathLike | None = None,
                  fsync: str = "always", protected: bool = False, popen_options: dict | None = None):
         """`fsync`: appendfsync with the append-only file (always, everysec or no). `popen_options`: for each start
-        of the server (`up`'s: it dies with `up` and holds the run directory's lock; grpo_stream/run_lock.py)."""
+        of the server (`up`'s: it dies with `up` and holds the run directory's lock; grpo_stream/up/run_lock.py)."""
         self.popen_options = popen_options or {}
         self.port = port or free_port()
         self.appendonly = appendonly or data_dir is not None

@@ -21,7 +21,7 @@ import yaml
 from grpo_stream.common.config.loading import load_config
 from grpo_stream.common.rollouts.redis_server import connect, find_redis_server, free_port
 from grpo_stream.plan.device_plan import plan_devices
-from grpo_stream.devices_command import compose_env
+from grpo_stream.plan.devices import compose_env
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.e2e

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from grpo_stream.common.config.loading import load_config
-from grpo_stream.plan_command import child_env, verdict
+from grpo_stream.plan.memory import child_env, verdict
 
 pytestmark = pytest.mark.e2e  # `grpo-stream plan` as a process, with its child
 ROOT = pathlib.Path(__file__).resolve().parents[2]

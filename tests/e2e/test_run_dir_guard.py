@@ -19,7 +19,7 @@ import uuid
 
 import pytest
 
-from grpo_stream.run_lock import RunDirBusy, RunLock
+from grpo_stream.up.run_lock import RunDirBusy, RunLock
 from tests.e2e.test_up import ROOT, run_cli
 from tests.support import stop_process, wait_for
 

@@ -63,7 +63,7 @@ def test_up_with_a_vllm_sampler(tmp_path):
 
     # the smoke report a TPU user sends back (scripts/tpu-vllm-smoke.sh), made from this run: what ran, on what
     out = tmp_path / "smoke.json"
-    proc = subprocess.run([sys.executable, "-m", "grpo_stream.smoke_report", str(run_dir), "--python", sys.executable,
+    proc = subprocess.run([sys.executable, "-m", "grpo_stream.reports.smoke", str(run_dir), "--python", sys.executable,
                            "--python", python, "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

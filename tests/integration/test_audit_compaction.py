@@ -6,7 +6,7 @@ must see (a lost group) is left in place, with every later group of its sampler.
 
 import pytest
 
-from grpo_stream.audit import build_audit
+from grpo_stream.reports.audit import build_audit
 from grpo_stream.common.rollouts.buffer import Incoming, RedisStreamBuffer
 from grpo_stream.common.rollouts.redis_server import connect
 from tests.integration.test_redis_buffer import any_buf  # noqa: F401 (the fixture: each backend of the registry)

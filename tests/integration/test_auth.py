@@ -243,7 +243,7 @@ def test_a_sampler_token_speaks_only_for_its_own_sampler_id(named_stack):
 
 def test_a_client_follows_only_its_own_prompts_and_tags(named_stack):
     from grpo_stream.common.rpc.grpc_util import ClientSecurity  # noqa: PLC0415
-    from grpo_stream.prompt_client import PromptClient  # noqa: PLC0415
+    from grpo_stream.client.prompts import PromptClient  # noqa: PLC0415
 
     alice = PromptClient(named_stack.address, ClientSecurity("alice-token-0123456789"))
     bob = PromptClient(named_stack.address, ClientSecurity(named_stack.token("client")))

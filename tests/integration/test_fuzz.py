@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from grpo_stream.common.rpc.grpc_util import ClientSecurity
-from grpo_stream.prompt_client import PromptClient
+from grpo_stream.client.prompts import PromptClient
 from grpo_stream.trainer_service.ingest.proto_decode import _twin_pool
 from grpo_stream.protos import prompts_pb2, rollout_pb2, weights_pb2  # noqa: F401 - registers the services
 from tests.support import serve, wait_for, with_run_name

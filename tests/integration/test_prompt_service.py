@@ -8,8 +8,8 @@ import time
 import grpc
 import pytest
 
-from grpo_stream.audit import build_audit
-from grpo_stream.prompt_client import PromptClient
+from grpo_stream.reports.audit import build_audit
+from grpo_stream.client.prompts import PromptClient
 from grpo_stream.common.rpc.grpc_util import ClientSecurity
 from grpo_stream.common.rollouts.wire import to_proto
 from grpo_stream.protos import prompts_pb2, prompts_pb2_grpc, rollout_pb2, rollout_pb2_grpc

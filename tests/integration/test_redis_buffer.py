@@ -7,7 +7,7 @@ import pytest
 from grpo_stream.common.rollouts.buffer import BufferUnavailable, Incoming, RedisStreamBuffer
 from grpo_stream.common.rollouts.redis_server import EmbeddedRedis, RedisConnectError, connect, free_port
 from grpo_stream.common.rollouts.registry import BUFFERS, open_buffer
-from grpo_stream.audit import build_audit, lineage
+from grpo_stream.reports.audit import build_audit, lineage
 
 pytestmark = pytest.mark.redis
 

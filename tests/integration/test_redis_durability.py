@@ -49,7 +49,7 @@ def test_eviction_and_unsynced_writes_are_refused(small_cfg, redis_server, run_n
 
 
 def test_up_stops_before_starting_anything_on_an_unsafe_redis(small_cfg, unsafe, tmp_path, capsys):
-    from grpo_stream.up import run_up  # noqa: PLC0415
+    from grpo_stream.up.run import run_up  # noqa: PLC0415
 
     code = run_up(None, [], redis_cfg(small_cfg, unsafe.url), tmp_path / "run")
     assert code == 1 and "appendonly" in capsys.readouterr().err

@@ -119,7 +119,7 @@ def test_the_runs_clients_get_the_embedded_password_the_way_they_get_its_url(tmp
     the run goes on, and starts a protected Redis of its own on the run's data once the run's is gone."""
     from grpo_stream.common.config.access import REDIS_PASSWORD_ENV  # noqa: PLC0415
     from grpo_stream.common.rollouts.buffer import Incoming, RedisStreamBuffer  # noqa: PLC0415
-    from grpo_stream.up_secrets import with_redis_password  # noqa: PLC0415
+    from grpo_stream.up.run_secrets import with_redis_password  # noqa: PLC0415
 
     run_dir = tmp_path / "run"
     with EmbeddedRedis(data_dir=run_dir / "redis", protected=True) as server:

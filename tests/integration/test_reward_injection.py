@@ -17,7 +17,7 @@ from grpo_stream.common.rpc.grpc_util import ClientSecurity
 from grpo_stream.common.tasks.arith import build_task
 from grpo_stream.common.tasks.task_tokenizer import build_tokenizer
 from grpo_stream.common.tasks.rewards import RewardSet
-from grpo_stream.prompt_client import PromptClient
+from grpo_stream.client.prompts import PromptClient
 from grpo_stream.protos import prompts_pb2, rollout_pb2, rollout_pb2_grpc
 from grpo_stream.sampler_service import group_source
 from grpo_stream.sampler_service.group_source import GroupSource

@@ -20,7 +20,7 @@ from grpo_stream.common.rollouts.redis_server import connect
 from grpo_stream.common.tasks.rewards import RewardSet
 from grpo_stream.common.weights.snapshot import digest
 from grpo_stream.common.rollouts.wire import to_proto
-from grpo_stream.audit import build_audit
+from grpo_stream.reports.audit import build_audit
 from tests.conftest import CONFIGS
 from grpo_stream.trainer_service.loop import Trainer
 

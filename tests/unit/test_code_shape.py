@@ -15,7 +15,9 @@ LIMIT = 80
 def product_modules():
     for package in PACKAGES:
         folder = ROOT / package
-        paths = folder.glob("*.py") if package == "grpo_stream" else folder.rglob("*.py")  # its links: the others
+        paths = folder.rglob("*.py")
+        if package == "grpo_stream":  # its own modules and sub-packages; its links are the other packages
+            paths = (p for p in paths if p.relative_to(folder).parts[0] not in PACKAGES)
         yield from (p for p in paths if not p.name.endswith(("_pb2.py", "_pb2_grpc.py")))
 
 

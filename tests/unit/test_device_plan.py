@@ -162,7 +162,7 @@ def test_a_vllm_sampler_started_alone_keeps_its_jax_on_the_cpu():
 
 
 def test_up_gives_each_process_its_plan_under_the_users_own_settings():
-    from grpo_stream.up import process_envs
+    from grpo_stream.up.run import process_envs
 
     cfg = config("sampler.replicas=2", "hardware.sampler_env={XLA_PYTHON_CLIENT_MEM_FRACTION: '0.2'}")
     plan = plan_devices(cfg, ["0"], H100)

@@ -1,11 +1,11 @@
-"""What scripts/gpu-check.sh computes from a run's files (grpo_stream/gpu_check_figures.py) and the GSM8K-shaped
-prompts it falls back on (grpo_stream/gpu_check_model.py), against hand-computed values."""
+"""What scripts/gpu-check.sh computes from a run's files (grpo_stream/gpu_check/figures.py) and the GSM8K-shaped
+prompts it falls back on (grpo_stream/gpu_check/model.py), against hand-computed values."""
 
 import json
 
 from grpo_stream.common.tasks.gsm8k import load_problems
-from grpo_stream.gpu_check_figures import comparison, memory_figures, missing_figures, run_figures, sampler_figures
-from grpo_stream.gpu_check_model import gsm8k_source, write_gsm8k_shaped
+from grpo_stream.gpu_check.figures import comparison, memory_figures, missing_figures, run_figures, sampler_figures
+from grpo_stream.gpu_check.model import gsm8k_source, write_gsm8k_shaped
 
 SAMPLER = {"groups": 8, "tokens_generated": 1200, "generate_seconds": 4.0, "sampling_seconds": 10.0,
            "versions": [0, 1, 2], "fetch_seconds": [5.0, 0.5, 0.25], "fetch_bytes": [10**9] * 3,

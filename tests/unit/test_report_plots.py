@@ -3,7 +3,7 @@ constant series listed with the reason a "prefix*" entry gives."""
 
 import json
 
-from grpo_stream.report import PLOTS, _expand, make_report, why_constant
+from grpo_stream.reports.run_report import PLOTS, _expand, make_report, why_constant
 
 
 def test_prefix_series_expand_in_numeric_order():

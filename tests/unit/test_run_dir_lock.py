@@ -12,8 +12,8 @@ import textwrap
 
 import pytest
 
-from grpo_stream.parent_death import PARENT_PID_ENV
-from grpo_stream.run_lock import RunDirBusy, RunLock
+from grpo_stream.up.parent_death import PARENT_PID_ENV
+from grpo_stream.up.run_lock import RunDirBusy, RunLock
 from tests.support import wait_for
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -21,7 +21,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 # takes the lock, hands its descriptor to a child that sleeps (as `up` hands it to the trainer and Redis), exits
 TAKER = textwrap.dedent("""
     import subprocess, sys
-    from grpo_stream.run_lock import RunLock
+    from grpo_stream.up.run_lock import RunLock
     lock = RunLock.acquire(sys.argv[1], "grpo-stream up")
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], pass_fds=(lock.fd,),
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -66,7 +66,7 @@ def test_a_live_taker_is_named_with_its_pid(tmp_path):
 # the child: watches its parent, without PR_SET_PDEATHSIG (as where the kernel lacks it)
 WATCHER = textwrap.dedent("""
     import os, time
-    from grpo_stream import parent_death
+    from grpo_stream.up import parent_death
     parent_death.set_parent_death_signal = lambda sig=None: False
     parent_death.watch_parent(every_s=0.1, on_gone=lambda pid: (print("parent", pid, "gone", flush=True), os._exit(7)))
     print("watching", flush=True)

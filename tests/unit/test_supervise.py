@@ -6,7 +6,7 @@ import pytest
 from grpo_stream.common.config.process import UpSection
 from grpo_stream.common.config.schema import ConfigError
 from grpo_stream.common.config.loading import load_config
-from grpo_stream.supervise import Supervisor
+from grpo_stream.up.supervise import Supervisor
 from tests.support import FakeClock
 
 

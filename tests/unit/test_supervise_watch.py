@@ -1,4 +1,4 @@
-"""`up`'s supervision loop (grpo_stream/supervise.py: Watch, StallWatch): a permanent failure stops the run naming
+"""`up`'s supervision loop (grpo_stream/up/supervise.py: Watch, StallWatch): a permanent failure stops the run naming
 the process and its reason and is never restarted; a trainer job that makes no progress for up.trainer_stall_s is
 killed and restarted against the restart budget. Decisions on fake clocks and fake processes, then real child
 processes standing in for the trainer and a sampler."""
@@ -11,9 +11,9 @@ import sys
 from grpo_stream.common.config.process import UpSection
 from grpo_stream.common.runtime.errors import PermanentError, failure_path, read_permanent, record_permanent
 from grpo_stream.common.runtime.heartbeat import beat, beat_path
-from grpo_stream.supervise import StallWatch, Watch
-from grpo_stream.up import _Child
-from grpo_stream.up_plan import ProcessSpec
+from grpo_stream.up.supervise import StallWatch, Watch
+from grpo_stream.up.run import _Child
+from grpo_stream.up.processes import ProcessSpec
 from tests.support import FakeClock
 
 

@@ -6,7 +6,7 @@ import sys
 
 from grpo_stream.common.config.loading import load_config
 from grpo_stream.plan.device_plan import plan_devices
-from grpo_stream.up_plan import plan_processes, run_overrides
+from grpo_stream.up.processes import plan_processes, run_overrides
 from tests.conftest import CONFIGS
 
 CONFIG = CONFIGS / "tiny_arith.yaml"

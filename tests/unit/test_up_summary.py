@@ -1,4 +1,4 @@
-"""The end of `up` (grpo_stream/up_summary.py): its part of summary.json, which failure stopped the run, and its exit
+"""The end of `up` (grpo_stream/up/summary.py): its part of summary.json, which failure stopped the run, and its exit
 code: 0 done, 1 a failure, 3 a permanent failure, 130 interrupted."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import json
 import pytest
 
 from grpo_stream.common.config.loading import load_config
-from grpo_stream.supervise import Outcome
-from grpo_stream.up_summary import RunEnd, RunSummary
+from grpo_stream.up.supervise import Outcome
+from grpo_stream.up.summary import RunEnd, RunSummary
 
 TRAINER_SUMMARY = {"wall_seconds": 12.0, "steps": 4, "groups_ingested": 10, "groups_trained": 8,
                    "groups_dropped_stale": 1, "groups_dropped_invalid": 0, "groups_dropped_filtered": 0,

@@ -8,7 +8,7 @@ import yaml
 from grpo_stream.common.config.access import TOKEN_FILE_ENV, TOKENS_ENV
 from grpo_stream.common.config.loading import load_config
 from grpo_stream.common.rpc.auth import Caller, TokenTable, may_act_as
-from grpo_stream.up_secrets import sampler_token_env, with_run_tokens
+from grpo_stream.up.run_secrets import sampler_token_env, with_run_tokens
 from tests.conftest import CONFIGS
 
 

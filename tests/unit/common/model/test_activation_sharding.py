@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from grpo_stream.common.model.activation_sharding import activation_sharding, constrain
-from grpo_stream.plan_command import child_env
+from grpo_stream.plan.memory import child_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[4]
 

@@ -158,7 +158,7 @@ def test_the_trainer_never_imports_wandb_when_tracking_is_off(tmp_path):
     a second of start-up) is not in sys.modules."""
     code = ("import pathlib, sys\n"
             "import grpo_stream.trainer_service.loop, grpo_stream.trainer_service.follower\n"
-            "import grpo_stream.colocated\n"
+            "import grpo_stream.up.colocated\n"
             "from grpo_stream.common.config.loading import load_config\n"
             "from grpo_stream.trainer_service.reports.metrics import open_trackers\n"
             "trackers = open_trackers(load_config(None), pathlib.Path(sys.argv[1]))\n"

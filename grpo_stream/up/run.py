@@ -2,15 +2,15 @@
 
 Starts an embedded redis-server (unless redis.url is set; its append-only file lives in RUN_DIR/redis; a random
 password, given to the trainer and ingest in their environment; common/rollouts/redis_server.py), then the
-processes of grpo_stream/up_plan.py: the trainer, the ingest when it runs on its own, and `sampler.replicas`
+processes of grpo_stream/up/processes.py: the trainer, the ingest when it runs on its own, and `sampler.replicas`
 samplers, with exactly the commands a multi-host deployment runs (`python -m grpo_stream trainer|ingest|sampler
-...`). It relays their output with a prefix (and into RUN_DIR/logs/), and supervises them (grpo_stream/supervise.py):
+...`). It relays their output with a prefix (and into RUN_DIR/logs/), and supervises them (grpo_stream/up/supervise.py):
 a process that fails is restarted (up.restart) until one crash-loops (up.restart_limit_burst), one that exits 3 (a
 permanent failure) stops the run naming it, a trainer job that makes no progress for up.trainer_stall_s (a sampler:
 up.sampler_stall_s) is restarted; Ctrl-C, SIGTERM or SIGHUP stop everything. At the end it completes
-RUN_DIR/summary.json (grpo_stream/up_summary.py). Running it again on the same RUN_DIR resumes: the buffer is still in RUN_DIR/redis and
-the trainer's checkpoints in RUN_DIR/checkpoints. One `up` at a time owns a RUN_DIR, and its processes die with it
-(grpo_stream/up_guard.py).
+RUN_DIR/summary.json (grpo_stream/up/summary.py). Running it again on the same RUN_DIR resumes: the buffer is still
+in RUN_DIR/redis and the trainer's checkpoints in RUN_DIR/checkpoints. One `up` at a time owns a RUN_DIR, and its
+processes die with it (grpo_stream/up/guard.py).
 
 Exit codes (the CLI's policy, grpo_stream/cli.py): 0 the trainer finished and every sampler exited 0; 1 a failure
 (a process failed past its restart budget, the trainer failed, a sampler exited non-zero, Redis unreachable, the run
@@ -36,13 +36,13 @@ from grpo_stream.common.rollouts.redis_server import EmbeddedRedis, RedisConnect
 from grpo_stream.plan.device_plan import (DeviceLayoutError, DevicePlan, detect_gpus, load_figures,
                                                     plan_devices)
 from grpo_stream.common.runtime.errors import EXIT_FAILURE, EXIT_PERMANENT, EXIT_USAGE
-from grpo_stream.run_lock import RunLock
-from grpo_stream.supervise import Outcome, Watch
+from grpo_stream.up.run_lock import RunLock
+from grpo_stream.up.supervise import Outcome, Watch
 from grpo_stream.trainer_service.control_messages import SECRET_ENV, SECRET_FILE_ENV, new_secret
-from grpo_stream.up_guard import STOP_SIGNALS, child_popen, lock_run_dir, redis_popen
-from grpo_stream.up_plan import TRAINER_ROLES, ProcessSpec, plan_processes, process_envs, run_overrides
-from grpo_stream.up_secrets import with_redis_password, with_run_tokens
-from grpo_stream.up_summary import RunEnd, RunSummary
+from grpo_stream.up.guard import STOP_SIGNALS, child_popen, lock_run_dir, redis_popen
+from grpo_stream.up.processes import TRAINER_ROLES, ProcessSpec, plan_processes, process_envs, run_overrides
+from grpo_stream.up.run_secrets import with_redis_password, with_run_tokens
+from grpo_stream.up.summary import RunEnd, RunSummary
 
 __all__ = ["ENDPOINTS_FILE", "process_envs", "run_up"]
 ENDPOINTS_FILE = "endpoints.json"  # in RUN_DIR: where `grpo-stream submit --run-dir` sends prompts
@@ -256,7 +256,8 @@ def _start_redis(cfg: RunConfig, run_dir: pathlib.Path, run_lock: RunLock) -> Em
 
 def _prepare(cfg: RunConfig, config_path: pathlib.Path | None, overrides: list[str], run_dir: pathlib.Path,
              devices: DevicePlan, redis_server: EmbeddedRedis | None, run_lock: RunLock) -> list[ProcessSpec]:
-    """Ports, tokens, RUN_DIR/endpoints.json and RUN_DIR/config.yaml; then the process plan (grpo_stream/up_plan.py)."""
+    """Ports, tokens, RUN_DIR/endpoints.json and RUN_DIR/config.yaml; then the process plan
+    (grpo_stream/up/processes.py)."""
     trainer_port = free_ports(cfg.trainer.processes)  # trainer process k serves on trainer.port + k
     ingest_port = free_port() if cfg.ingest.standalone and not cfg.ingest.address else None
     every, prompts = run_overrides(cfg, run_dir, overrides, redis_server.url if redis_server else None,

@@ -1,6 +1,6 @@
 """`grpo-stream submit FILE.jsonl [--follow]`, `grpo-stream status` and `grpo-stream tokens`.
 
-submit: one prompt per JSON line (keys of grpo_stream.prompt_client.SPEC_KEYS); prints the ids as JSON, or with
+submit: one prompt per JSON line (keys of grpo_stream.client.prompts.SPEC_KEYS); prints the ids as JSON, or with
 --follow one JSON line per scored result as it arrives, ending when every prompt is answered or cancelled.
 Where to send them: --address, else the run's RUN_DIR/endpoints.json (written by `up`); the token: --token-file,
 else $GRPO_STREAM_TOKEN / $GRPO_STREAM_TOKEN_FILE, else RUN_DIR/auth/client.token; TLS settings: --config.
@@ -20,7 +20,7 @@ from grpo_stream.common.config.loading import load_config
 from grpo_stream.common.config.schema import RunConfig
 from grpo_stream.common.config.access import TOKEN_ENV, TOKEN_FILE_ENV
 from grpo_stream.common.rpc.grpc_util import ClientSecurity
-from grpo_stream.prompt_client import PromptClient, to_spec
+from grpo_stream.client.prompts import PromptClient, to_spec
 
 
 def read_prompts(path: pathlib.Path) -> list:

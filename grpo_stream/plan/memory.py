@@ -59,7 +59,7 @@ def child_env(devices: int) -> dict[str, str]:
 def compile_programs(cfg: RunConfig) -> dict:
     """The child's report: every program compiled for abstract inputs on fake devices of the target count."""
     devices = max(cfg.trainer.mesh.fsdp * cfg.trainer.mesh.tp, cfg.sampler.mesh.tp)
-    proc = subprocess.run([sys.executable, "-m", "grpo_stream.plan_programs"], input=cfg.model_dump_json(),
+    proc = subprocess.run([sys.executable, "-m", "grpo_stream.plan.programs"], input=cfg.model_dump_json(),
                           capture_output=False, stdout=subprocess.PIPE, text=True, env=child_env(devices))
     if proc.returncode != 0:
         raise RuntimeError(f"compiling the run's programs for {devices} fake devices failed (exit "
@@ -198,7 +198,7 @@ def run_plan(cfg: RunConfig, json_path: pathlib.Path | None) -> int:
         if cfg.hardware.device_memory_bytes(role) is None:
             raise ValueError(f"hardware.{role}_chip: plan needs the accelerator the run is sized for (one of "
                              f"{', '.join(CHIP_MEMORY_BYTES)}), or hardware.{role}_memory_gib")
-    from grpo_stream.plan_programs import architecture  # noqa: PLC0415  (JAX only once the config is sound)
+    from grpo_stream.plan.programs import architecture  # noqa: PLC0415  (JAX only once the config is sound)
 
     architecture(cfg)  # a model plan cannot size fails here, with model.path named, before any compiling
     doc = compile_programs(cfg)

@@ -24,11 +24,11 @@ import threading
 import time
 
 from grpo_stream.bench.async_vs_sync import mode_overrides
-from grpo_stream.gpu_check_env import environment
-from grpo_stream.gpu_check_figures import comparison, missing_figures, run_figures
-from grpo_stream.gpu_check_model import SHAPE, gsm8k_source
+from grpo_stream.gpu_check.env import environment
+from grpo_stream.gpu_check.figures import comparison, missing_figures, run_figures
+from grpo_stream.gpu_check.model import SHAPE, gsm8k_source
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 BIG_CONFIG = "configs/qwen2.5_1.5b_gsm8k_gpu.yaml"  # the GPU preset: its trainer settings, GSM8K's prompt shape
 LOG_TAIL = 3000  # characters of a failed process's output kept in the JSON
 
@@ -213,7 +213,7 @@ class Runner:
             cpu = {**os.environ, "JAX_PLATFORMS": "cpu"}
             try:
                 jobs["model"] = self.background("checkpoint", [
-                    sys.executable, "-m", "grpo_stream.gpu_check_model", str(ckpt), "--shape", m.shape, "--gsm8k",
+                    sys.executable, "-m", "grpo_stream.gpu_check.model", str(ckpt), "--shape", m.shape, "--gsm8k",
                     str(gsm8k)], cpu)
             finally:
                 made.set()

@@ -1,6 +1,6 @@
 """The model and prompts of `scripts/gpu-check.sh`'s ~1B phases.
 
-    python -m grpo_stream.gpu_check_model OUT --shape llama-3.2-1b|tiny --gsm8k DIR [--limit N]
+    python -m grpo_stream.gpu_check.model OUT --shape llama-3.2-1b|tiny --gsm8k DIR [--limit N]
 
 writes OUT, a Hugging Face checkpoint directory that `model.kind=hf model.path=OUT` loads: the known
 Llama-3.2-1B shape (`common/model/known_architectures.py`, the shape `bench/gpu.py` measures: 1.24B parameters,
@@ -24,7 +24,7 @@ import pathlib
 import random
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 SHAPE = "llama-3.2-1b"
 # the dry run's model: bench/gpu.py's quick sampler model, with room for GSM8K's vocabulary
 TINY = {"vocab_size": 4096, "num_layers": 2, "embed_dim": 64, "hidden_dim": 128, "num_heads": 2, "num_kv_heads": 1,

@@ -24,7 +24,7 @@ Two exits are not restarts:
   healthy (up.healthy_after_s) only for as long as it made progress, so a job that hangs at the same point after
   every restart stops the run like a crash loop.
 
-`Watch` is the loop that applies all of this to the processes `up` started (grpo_stream/up.py); it knows them only
+`Watch` is the loop that applies all of this to the processes `up` started (grpo_stream/up/run.py); it knows them only
 through the small `Unit` interface, so tests drive it with any child process.
 """
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from grpo_stream.common.config.schema import RunConfig
 from grpo_stream.common.runtime.errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_PERMANENT
-from grpo_stream.supervise import Outcome
+from grpo_stream.up.supervise import Outcome
 from grpo_stream.trainer_service.reports.run_outputs import wasted_fraction
 
 
@@ -40,7 +40,7 @@ class RunEnd:
         return {"process": self.outcome.process, "kind": kinds[self.outcome.reason], "message": self.outcome.message}
 
     def exit_code(self, summary_written: bool) -> int:
-        """`up`'s exit code (grpo_stream/up.py's module doc)."""
+        """`up`'s exit code (grpo_stream/up/run.py's module doc)."""
         if self.outcome.reason == "interrupted":
             return EXIT_INTERRUPTED
         if self.outcome.reason == "permanent":

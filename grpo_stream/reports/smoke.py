@@ -1,7 +1,7 @@
 """The result of a smoke run (scripts/tpu-vllm-smoke.sh): one JSON document a user on hardware we do not have can
 send back, saying what ran, on what, and whether the loop held.
 
-    python -m grpo_stream.smoke_report RUN_DIR [--python PY ...] [--out F]
+    python -m grpo_stream.reports.smoke RUN_DIR [--python PY ...] [--out F]
 
 RUN_DIR is an `up` run directory. Each --python (the trainer's and the sampler's interpreters) is asked which jax,
 vLLM and tpu-inference it has and which devices it sees. The format (`"format": "grpo-stream-smoke/1"`):
@@ -101,7 +101,7 @@ def report(run_dir: pathlib.Path, pythons: list[str]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m grpo_stream.smoke_report", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m grpo_stream.reports.smoke", description=__doc__.split("\n")[0])
     parser.add_argument("run_dir", type=pathlib.Path)
     parser.add_argument("--python", action="append", default=[], help="an interpreter to describe (repeatable)")
     parser.add_argument("--out", type=pathlib.Path, help="write the JSON here (default: stdout)")

@@ -1,9 +1,9 @@
 """What keeps one `up` the only owner of its run directory and its processes (issue 41, finding 5).
 
-- The run directory's lock (grpo_stream/run_lock.py): `up` takes it before it starts anything and hands its
+- The run directory's lock (grpo_stream/up/run_lock.py): `up` takes it before it starts anything and hands its
   descriptor to the trainer and the embedded Redis, so the directory stays locked while any of them lives; a
   second `up` there is refused with the holder's pid.
-- Children that die with `up` (grpo_stream/parent_death.py): PR_SET_PDEATHSIG in every child, and Python
+- Children that die with `up` (grpo_stream/up/parent_death.py): PR_SET_PDEATHSIG in every child, and Python
   children also watch their parent pid, so a kill -9 of `up` leaves nothing running that would write the run.
 - SIGHUP (a closed terminal or ssh session) stops the run like SIGTERM and Ctrl-C: the trainer checkpoints.
 """
@@ -14,8 +14,8 @@ import pathlib
 import signal
 import sys
 
-from grpo_stream.parent_death import child_env, die_with_parent
-from grpo_stream.run_lock import LOCK_FD_ENV, RunDirBusy, RunLock
+from grpo_stream.up.parent_death import child_env, die_with_parent
+from grpo_stream.up.run_lock import LOCK_FD_ENV, RunDirBusy, RunLock
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 

@@ -1,6 +1,6 @@
 """What `grpo-stream up` starts, as data: each process's name, command line, environment and role, decided from the
 config, the run directory and what `up` prepared (ports, tokens, the device plan) before anything starts. Pure: it
-starts nothing, so it is read and tested on its own (tests/unit/test_up_plan.py); grpo_stream/up.py runs it.
+starts nothing, so it is read and tested on its own (tests/unit/test_up_plan.py); grpo_stream/up/run.py runs it.
 
 The processes run exactly the commands a multi-host deployment runs (`python -m grpo_stream trainer|ingest|sampler
 ...`), with the run's overrides (the user's, then up's: the Redis URL, ports, the weights directory).
@@ -17,7 +17,7 @@ from grpo_stream.common.config.schema import RunConfig
 from grpo_stream.plan.device_plan import DevicePlan, ProcessPlan, host_devices_needed
 from grpo_stream.common.registry.transports import transport_spec
 from grpo_stream.trainer_service.multihost import ADVERTISE_ENV
-from grpo_stream.up_secrets import sampler_token_env
+from grpo_stream.up.run_secrets import sampler_token_env
 
 TRAINER_ROLES = ("trainer", "colocated")  # the processes of the trainer job, supervised (and restarted) as one
 
@@ -64,7 +64,7 @@ def plan_processes(cfg: RunConfig, run_dir: pathlib.Path, config_path: pathlib.P
 
     overrides: `run_overrides`'s. server_env / sampler_env: the environments of the processes that serve (trainer,
     ingest: the token table, Redis's password) and of the samplers (their token). lock_env: what hands the trainer
-    the run directory's lock (grpo_stream/run_lock.py: RunLock.child_env)."""
+    the run directory's lock (grpo_stream/up/run_lock.py: RunLock.child_env)."""
     trainer_envs, sampler_envs = process_envs(cfg, devices, dict(server_env), dict(sampler_env))
     cfg_args = ("--config", str(config_path)) if config_path else ()
     base = (python, "-m", "grpo_stream")
@@ -87,7 +87,7 @@ def plan_processes(cfg: RunConfig, run_dir: pathlib.Path, config_path: pathlib.P
 
 def job_env(k: int, n: int) -> dict[str, str]:
     """Trainer process k of n's place in its JAX job (its coordinator address and shared secret change per start:
-    grpo_stream/up.py)."""
+    grpo_stream/up/run.py)."""
     return {"JAX_NUM_PROCESSES": str(n), "JAX_PROCESS_ID": str(k), ADVERTISE_ENV: "127.0.0.1"}
 
 

@@ -1,0 +1,3 @@
+from grpo_stream.gpu_check.run import main
+
+raise SystemExit(main())
