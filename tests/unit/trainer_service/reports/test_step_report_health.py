@@ -10,7 +10,7 @@ HEALTH = ("is_ess_group_mean", "mismatch_kl_k3", "is_truncated_fraction")
 
 def reporter() -> StepReporter:
     cfg = load_config(None, ["trainer.metrics_port=null"])  # no HTTP server: the registry is read directly
-    publisher = types.SimpleNamespace(latest_version=3, installed={})
+    publisher = types.SimpleNamespace(latest_version=3, samplers=types.SimpleNamespace(installed={}))
     return StepReporter(cfg, metrics=None, buffer=None, publisher=publisher, held=lambda: 0)
 
 
