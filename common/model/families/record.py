@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Mapping
 
+from grpo_stream.common.registry.base import Registry
+
 
 class ArchitectureError(ValueError):
     """A checkpoint's config that grpo-stream cannot run, phrased with the field and the fix."""
@@ -54,7 +56,7 @@ class Architecture:
 
 # Architecture.family -> its record: filled by the families package (families/__init__.py `FAMILIES`), which imports
 # the family modules, which import this one; so the records are found here without importing them back.
-_BY_FAMILY: dict[str, "ModelFamily"] = {}
+_BY_FAMILY: Registry["ModelFamily"] = Registry("Architecture.family", "model family", {})
 
 
 def register(families: "tuple[ModelFamily, ...]") -> None:
@@ -67,10 +69,7 @@ def register(families: "tuple[ModelFamily, ...]") -> None:
 
 def family_named(family: str) -> "ModelFamily":
     """The record of `Architecture.family` `family`; a ValueError lists the registered ones."""
-    try:
-        return _BY_FAMILY[family]
-    except KeyError:
-        raise ValueError(f"model family {family!r} is not registered (families: {', '.join(_BY_FAMILY)})") from None
+    return _BY_FAMILY.lookup(family)
 
 
 @dataclasses.dataclass(frozen=True)
