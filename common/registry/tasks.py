@@ -14,7 +14,7 @@ class TaskSpec:
     module: str              # defines build(cfg, hf_tokenizer)
     dataset: bool = False    # reads task.dataset (its source must be given)
     warmstart: bool = False  # has the supervised warm start's demonstrations (tiny model only)
-    # runs its own rollouts against the samplers' OpenAI-compatible endpoint (sampler_service/verifiers_groups.py)
+    # runs its own rollouts against the samplers' OpenAI-compatible endpoint (common/episodes/verifiers.py)
     own_rollouts: bool = False
 
 

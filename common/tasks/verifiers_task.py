@@ -2,7 +2,7 @@
 
 The environment is loaded as its authors wrote it, `verifiers.load_environment(id, **args)` (task.verifiers), and
 stays the package's own object: its dataset gives the problems, its rollouts (single- or multi-turn, with tools)
-call the sampler's OpenAI-compatible endpoint, and its rubric scores them (sampler_service/verifiers_groups.py).
+call the sampler's OpenAI-compatible endpoint, and its rubric scores them (common/episodes/verifiers.py).
 This module only makes its dataset rows into the run's problems: each row keeps the environment's own columns
 (prompt messages, answer, info, task) for its rollouts, and a rendering of its first prompt by the model's chat
 template, which the sampler uses to skip prompts over generation.max_prompt_tokens before calling the environment.

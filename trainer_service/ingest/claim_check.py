@@ -4,7 +4,7 @@ PromptService.Submit refuses other names, but the queue lives in Redis, which so
 naming a reward outside the run's (an import path such as `os:system`, which a sampler once imported) is finished at
 once, as cancelled with an `error` that its client reads in the result (PromptResult.error), so it is never handed
 out, never generated and never queued again by the claim lease. The sampler checks the names once more
-(sampler_service/batches.py) and imports nothing either way.
+(sampler_service/group_source.py) and imports nothing either way.
 """
 
 from __future__ import annotations
