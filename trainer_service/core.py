@@ -64,7 +64,7 @@ class CoreHooks:
 @dataclasses.dataclass(frozen=True)
 class StepResult:
     metrics: dict  # the update's (host values)
-    phases: dict  # seconds: waiting for the previous publication, computing, handing off to the worker
+    phases: dict  # seconds: waiting for the previous publication, packing the batch, computing, handing off
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,10 +165,10 @@ class TrainerCore:
         cfg, t = self.cfg, self.cfg.trainer
         model, params, trainable = self.policy.trained(self.model.with_remat(t.remat), self.params)
         mesh = self.parts.mesh
-        packing = packing_layout(cfg, mesh.shape["fsdp"] if mesh is not None else 1, self.model.arch)
+        layout = packing_layout(cfg, mesh.shape["fsdp"] if mesh is not None else 1, self.model.arch)
         return PolicyUpdater(model, params, cfg.algo, t.learning_rate, t.max_grad_norm, cfg.generation.temperature,
-                             self.parts.tokenizer.pad_id, mesh, t.optimizer, t.steps, t.micro_batch_size,
-                             donate=self.donate, trainable=trainable, packing=packing)
+                             self.parts.tokenizer.pad_id, layout, mesh, t.optimizer, t.steps, donate=self.donate,
+                             trainable=trainable)
 
     # -- steps --------------------------------------------------------------------------------------------------
     def step(self, plan: StepPlan) -> StepResult:
@@ -178,7 +178,9 @@ class TrainerCore:
         if self.donate:  # the previous publication reads the parameters this update overwrites
             self.wait_background()
         t_published = time.time()
-        metrics = self.updater.update(plan.batch, plan.group_index)
+        packed = self.updater.pack(plan.batch)  # on the host, in numpy: placed on the mesh once, by the update
+        t_packed = time.time()
+        metrics = self.updater.update(packed, plan.group_index)
         self.params = self.updater.params
         t_compute = time.time()
         self.hooks.trained(plan, metrics)
@@ -186,8 +188,8 @@ class TrainerCore:
             self.keeper.save(plan.step, self.updater, self.carried)
         self.keeper.committed()
         self.wait_background()
-        phases = {"publish_wait_seconds": t_published - t0, "compute_seconds": t_compute - t_published,
-                  "handoff_seconds": time.time() - t_compute}
+        phases = {"publish_wait_seconds": t_published - t0, "pack_seconds": t_packed - t_published,
+                  "compute_seconds": t_compute - t_packed, "handoff_seconds": time.time() - t_compute}
         self._pending.append(self._worker.submit(self._publish_and_report, plan, self.params, metrics, phases))
         return StepResult(metrics, phases)
 

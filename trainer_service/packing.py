@@ -17,6 +17,10 @@ TIS terms and every statistic come out as the padded step's.
 
 Sequences with nothing in the loss (an empty completion, or one masked out by algo.overlong=filter) add nothing to
 the loss, its gradient or any statistic, so they are left out of the rows.
+
+This is the update's only layout: trainer.packing=false is the case of one segment a row (`segments_per_row` 1,
+each sequence alone in its row from index 0), the padded layout's compute through the same code. A step's batch is
+packed here, on the host in numpy, once (`pack_batch`), and placed on the mesh once (packed_update.py).
 """
 
 from __future__ import annotations
@@ -66,20 +70,30 @@ def rows_per_micro_batch(tokens_per_micro_batch: int | None, micro_batch_size: i
     return data_parallel * math.ceil(rows / data_parallel)
 
 
-def packing_layout(cfg, data_parallel: int, arch=None) -> PackingLayout | None:
-    """The packed layout of `cfg` (a RunConfig) on a mesh with `data_parallel` fsdp devices; None with
-    trainer.packing=false. `arch` (the model's Architecture), when known, is checked: Gemma 2's Tunix code places its
-    sliding window by each token's position against its index in the row, which holds in a packed row only when
-    rows are no longer than the window."""
+def one_sequence_per_row(prompt_tokens: int, row_tokens: int, rows: int, sequences: int) -> PackingLayout:
+    """The layout of trainer.packing=false: every sequence alone in its row of `row_tokens`, passes of `rows` rows,
+    room for a minibatch of `sequences`."""
+    return PackingLayout(prompt_tokens, row_tokens, rows, 1, math.ceil(sequences / rows))
+
+
+def packing_layout(cfg, data_parallel: int, arch=None) -> PackingLayout:
+    """The layout of the update of `cfg` (a RunConfig) on a mesh with `data_parallel` fsdp devices. With
+    trainer.packing=false one sequence a row (`one_sequence_per_row`), trainer.micro_batch_size rows a pass (null:
+    the whole minibatch), as the padded layout's passes were. `arch` (the model's Architecture), when known, is
+    checked: Gemma 2's Tunix code places its sliding window by each token's position against its index in the row,
+    which holds in a row of several sequences only when rows are no longer than the window (alone in its row, a
+    sequence starts at index 0: its positions are its indices)."""
     t, gen = cfg.trainer, cfg.generation
-    if not t.packing:
-        return None
     row = gen.max_prompt_tokens + gen.max_new_tokens
+    minibatch = t.groups_per_step * gen.num_generations // cfg.algo.minibatches
+    if not t.packing:
+        rows = rows_per_micro_batch(None, t.micro_batch_size or minibatch, minibatch, row, data_parallel)
+        return one_sequence_per_row(gen.max_prompt_tokens, row, rows, minibatch)
     window = getattr(arch, "sliding_window", None)
     if arch is not None and arch.family == "gemma2" and window is not None and row > window:
         raise ValueError(f"trainer.packing: Gemma 2's sliding window of {window} tokens is shorter than a packed row "
-                         f"of {row} (generation.max_prompt_tokens + max_new_tokens); set trainer.packing=false")
-    minibatch = t.groups_per_step * gen.num_generations // cfg.algo.minibatches
+                         f"of {row} (generation.max_prompt_tokens + max_new_tokens); set trainer.packing=false "
+                         "(one sequence a row)")
     rows = rows_per_micro_batch(t.tokens_per_micro_batch, t.micro_batch_size, minibatch, row, data_parallel)
     return PackingLayout(gen.max_prompt_tokens, row, rows, segments_per_row(row), math.ceil(minibatch / rows))
 
@@ -189,3 +203,39 @@ def pack_minibatch(tokens: np.ndarray, valid: np.ndarray, loss_mask: np.ndarray,
     stacked = PackedPasses(**{f.name: getattr(out, f.name).reshape(k, m, *getattr(out, f.name).shape[1:])
                               for f in dataclasses.fields(out)})
     return PackedMinibatch(stacked, count, norm, sources.reshape(k, m, s))
+
+
+@dataclasses.dataclass
+class PackedBatch:
+    """A step's batch packed on the host: `minibatches[k]` holds minibatch k (the batch's rows k * sequences ..
+    (k + 1) * sequences - 1), and `loss_mask` is the batch's own ([B, T - 1], the padded layout), which the
+    off-policy diagnostics read the per-token o - b against."""
+
+    layout: PackingLayout
+    minibatches: list[PackedMinibatch]
+    sequences: int
+    loss_mask: np.ndarray
+
+    def real_tokens(self) -> int:
+        return sum(p.real_tokens() for p in self.minibatches)
+
+    def laid_out_tokens(self) -> int:
+        return sum(p.laid_out_tokens() for p in self.minibatches)
+
+    def scatter(self, k: int, slots: np.ndarray, out: np.ndarray) -> None:
+        """Minibatch k's per-slot completion windows (`slots`: [passes, m * S, C], as the update returns its o - b)
+        into the batch's [B, T - 1] `out`, each at its sequence's row, from position P - 1."""
+        sources = self.minibatches[k].sources.reshape(slots.shape[0], -1)
+        at, (p, c) = np.nonzero(sources >= 0), (self.layout.prompt_tokens, self.layout.completion_tokens)
+        out[k * self.sequences + sources[at], p - 1:p - 1 + c] = slots[at]
+
+
+def pack_batch(batch, layout: PackingLayout, minibatches: int, pad_id: int) -> PackedBatch:
+    """`batch` (a TrainBatch of host arrays, batching.py) packed in `minibatches` minibatches of its consecutive
+    rows. Deterministic: every trainer process packs the step's batch alike."""
+    fields = [np.asarray(x) for x in (batch.tokens, batch.valid, batch.loss_mask, batch.behaviour_logprobs,
+                                      batch.advantages, batch.fresh)]
+    size = fields[0].shape[0] // minibatches
+    packs = [pack_minibatch(*(x[k * size:(k + 1) * size] for x in fields), layout, pad_id)
+             for k in range(minibatches)]
+    return PackedBatch(layout, packs, size, fields[2])
