@@ -108,8 +108,12 @@ class TrainerCore:
         self.resumed_from: dict | None = None
         self.final_weights: dict | None = None
         self.progress: Callable[[], None] | None = None  # a heartbeat for long phases (plan_sources.drive sets it)
-        self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="publish-report")
-        self._pending: list[concurrent.futures.Future] = []
+        # publications on one thread, process 0's step reports on another: a donating update waits for the previous
+        # publication (it reads the parameters the update overwrites), never for a report
+        self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="publish")
+        self._reporter = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="step-report")
+        self._pending: list[concurrent.futures.Future] = []  # publications and reports, in the order submitted
+        self._publishing: concurrent.futures.Future | None = None
 
     def apply(self, plan: Plan) -> Any:
         if isinstance(plan, StartPlan):
@@ -172,11 +176,11 @@ class TrainerCore:
 
     # -- steps --------------------------------------------------------------------------------------------------
     def step(self, plan: StepPlan) -> StepResult:
-        """One update, its checkpoint, and its publication (with process 0's report) on the background worker,
-        which runs while the next step collects and computes (XLA releases the GIL): at most one step behind."""
+        """One update, its checkpoint, and its publication and process 0's report on background threads, which run
+        while the next step collects and computes (XLA releases the GIL): at most one step behind."""
         t0 = time.time()
-        if self.donate:  # the previous publication reads the parameters this update overwrites
-            self.wait_background()
+        if self.donate and self._publishing is not None:  # it reads the parameters this update overwrites
+            self._publishing.result(timeout=BACKGROUND_WAIT_S)
         t_published = time.time()
         packed = self.updater.pack(plan.batch)  # on the host, in numpy: placed on the mesh once, by the update
         t_packed = time.time()
@@ -190,13 +194,19 @@ class TrainerCore:
         self.wait_background()
         phases = {"publish_wait_seconds": t_published - t0, "pack_seconds": t_packed - t_published,
                   "compute_seconds": t_compute - t_packed, "handoff_seconds": time.time() - t_compute}
-        self._pending.append(self._worker.submit(self._publish_and_report, plan, self.params, metrics, phases))
+        self._publishing = self._worker.submit(self._publish_due, plan, self.params)
+        self._pending += [self._publishing, self._reporter.submit(self._report, self._publishing, plan, metrics, phases)]
         return StepResult(metrics, phases)
 
-    def _publish_and_report(self, plan: StepPlan, params, metrics: dict, phases: dict) -> None:
+    def _publish_due(self, plan: StepPlan, params) -> None:
         if plan.publish:
             self._publish(plan.step, params, final=plan.final)
-        self.hooks.report(plan, metrics, phases)
+
+    def _report(self, published: concurrent.futures.Future, plan: StepPlan, metrics: dict, phases: dict) -> None:
+        """The step's report, after its publication (the report names the version published); a failed publication
+        is re-raised by the waits on it, and its step is not reported."""
+        if published.exception(timeout=BACKGROUND_WAIT_S) is None:
+            self.hooks.report(plan, metrics, phases)
 
     def wait_background(self) -> None:
         """Until the background publications and reports are done; re-raises what failed there."""
@@ -261,3 +271,4 @@ class TrainerCore:
         """Stop the background worker: after a failure without waiting for it (a stuck publication must not hold
         the process, which has its error to report)."""
         self._worker.shutdown(wait=not failed, cancel_futures=failed)
+        self._reporter.shutdown(wait=not failed, cancel_futures=failed)

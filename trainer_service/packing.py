@@ -135,23 +135,21 @@ class PackedMinibatch:
 
 def first_fit_decreasing(lengths: np.ndarray, capacity: int, slots: int) -> list[list[int]]:
     """Rows of sequence indices: longest first, each into the first row with room for its tokens and a free slot.
-    Deterministic (ties by index), so every trainer process packs a batch alike."""
-    order = np.argsort(-lengths, kind="stable")
-    room = np.zeros(len(lengths), np.int64)
-    used = np.zeros(len(lengths), np.int64)
+    Deterministic (ties by index), so every trainer process packs a batch alike. Plain Python lists: for a step's
+    few hundred sequences a scan of them is faster than numpy's per-call overhead (the packing is host time of
+    every step)."""
     rows: list[list[int]] = []
-    for i in order:
+    room: list[int] = []
+    for i in np.argsort(-lengths, kind="stable").tolist():
         n = int(lengths[i])
         if n > capacity:
             raise ValueError(f"a sequence of {n} tokens does not fit a packed row of {capacity}")
-        fits = np.flatnonzero((room[:len(rows)] >= n) & (used[:len(rows)] < slots))
-        r = int(fits[0]) if len(fits) else len(rows)
+        r = next((r for r in range(len(rows)) if room[r] >= n and len(rows[r]) < slots), len(rows))
         if r == len(rows):
             rows.append([])
-            room[r] = capacity
-        rows[r].append(int(i))
+            room.append(capacity)
+        rows[r].append(i)
         room[r] -= n
-        used[r] += 1
     return rows
 
 
@@ -181,24 +179,32 @@ def pack_minibatch(tokens: np.ndarray, valid: np.ndarray, loss_mask: np.ndarray,
                        lengths=np.zeros((k * m, s), np.int32), advantages=np.zeros((k * m, s), np.float32),
                        fresh=np.zeros((k * m, s), np.float32))
     sources = np.full((k * m, s), -1, np.int64)
-    for r, row in enumerate(rows):
-        offset = 0
-        for slot, i in enumerate(row):
-            plen, clen = int(prompt_len[i]), int(completion_len[i])
-            span = slice(offset, offset + plen + clen)
-            # the sequence's tokens: the valid span of its padded row (left-padded prompt, then completion)
-            out.tokens[r, span] = tokens[i][valid[i]]
-            out.positions[r, span] = np.arange(plen + clen)
-            out.segments[r, span] = slot + 1
-            # completion token j sits at offset + plen + j; the logprob that predicts it at one before, as the
-            # padded row's at p + j - 1
-            first = offset + plen - 1
-            out.loss_mask[r, first:first + clen] = loss_mask[i, p - 1:p - 1 + clen]
-            out.behaviour[r, first:first + clen] = behaviour[i, p - 1:p - 1 + clen]
-            out.starts[r, slot], out.lengths[r, slot] = first, clen
-            out.advantages[r, slot], out.fresh[r, slot] = advantages[i], fresh[i]
-            sources[r, slot] = i
-            offset += plen + clen
+    # every placed sequence's (row, slot, index) and where it starts in its row; then each array is filled with one
+    # fancy-indexed assignment (vectorised: the packing is host time of every step)
+    row_of = np.array([r for r, row in enumerate(rows) for _ in row], np.int64)
+    slot_of = np.array([slot for row in rows for slot in range(len(row))], np.int64)
+    seq = np.array([i for row in rows for i in row], np.int64)
+    plen, clen = prompt_len[seq], completion_len[seq]
+    span = plen + clen
+    start = np.cumsum(span) - span  # where each sequence starts in all the rows' sequences, one after another
+    offset = start - start[np.searchsorted(row_of, row_of)]  # ... and in its own row (row_of ascends)
+    # the sequence's tokens: the valid span of its padded row (left-padded prompt, then completion)
+    token = np.arange(int(span.sum())) - np.repeat(np.cumsum(span) - span, span)  # index within its sequence
+    at_row, at_seq = np.repeat(row_of, span), np.repeat(seq, span)
+    at_col = np.repeat(offset, span) + token
+    out.tokens[at_row, at_col] = tokens[at_seq, np.repeat(p - plen, span) + token]
+    out.positions[at_row, at_col] = token
+    out.segments[at_row, at_col] = np.repeat(slot_of + 1, span)
+    # completion token j sits at offset + plen + j; the logprob that predicts it at one before, as the padded row's
+    # at p + j - 1
+    first = offset + plen - 1
+    j = np.arange(int(clen.sum())) - np.repeat(np.cumsum(clen) - clen, clen)
+    c_row, c_col, c_seq = np.repeat(row_of, clen), np.repeat(first, clen) + j, np.repeat(seq, clen)
+    out.loss_mask[c_row, c_col] = loss_mask[c_seq, p - 1 + j]
+    out.behaviour[c_row, c_col] = behaviour[c_seq, p - 1 + j]
+    out.starts[row_of, slot_of], out.lengths[row_of, slot_of] = first, clen
+    out.advantages[row_of, slot_of], out.fresh[row_of, slot_of] = advantages[seq], fresh[seq]
+    sources[row_of, slot_of] = seq
     norm = (float(loss_mask.sum()), float(len(live)))
     stacked = PackedPasses(**{f.name: getattr(out, f.name).reshape(k, m, *getattr(out, f.name).shape[1:])
                               for f in dataclasses.fields(out)})
