@@ -89,6 +89,7 @@ def trainer(config: pathlib.Path, quick: bool, plan_json: pathlib.Path | None, d
     from grpo_stream.common.assembly.compilation_cache import enable_compilation_cache
     from grpo_stream.plan.programs import architecture, model_dtype, trainer_programs
     from grpo_stream.trainer_service.learning.batching import TrainBatch
+    from grpo_stream.trainer_service.learning.packing import packing_layout
     from grpo_stream.trainer_service.learning.rl_update import PolicyUpdater, state_report
 
     # a fresh persistent compilation cache: the step compiles cold for the run, and the analysis after it (the
@@ -109,15 +110,18 @@ def trainer(config: pathlib.Path, quick: bool, plan_json: pathlib.Path | None, d
         from grpo_stream.common.model.lora import apply_lora
         lora = apply_lora(step_model, params, cfg.model.lora, 0)
         step_model, params, trainable = lora.adapted, lora.adapted.params, lora.trainable()
-    updater = PolicyUpdater(step_model, params, cfg.algo, t.learning_rate, t.max_grad_norm, gen.temperature, 0, mesh,
-                            t.optimizer, t.steps, t.micro_batch_size, donate=True, trainable=trainable)
+    updater = PolicyUpdater(step_model, params, cfg.algo, t.learning_rate, t.max_grad_norm, gen.temperature, 0,
+                            packing_layout(cfg, t.mesh.fsdp, arch), mesh, t.optimizer, t.steps, donate=True,
+                            trainable=trainable)
     model_params = model.num_params()
     out.update(state_report(updater, model_params, lora))
     del model, params
     rows, length = t.groups_per_step * gen.num_generations, gen.max_prompt_tokens + gen.max_new_tokens
     rng = np.random.default_rng(0)
+    loss_mask = np.zeros((rows, length - 1), np.float32)
+    loss_mask[:, gen.max_prompt_tokens - 1:] = 1.0  # every sequence at full length: prompt, then a completion
     batch = TrainBatch(tokens=rng.integers(1, arch.vocab_size, (rows, length)).astype(np.int32),
-                       valid=np.ones((rows, length), bool), loss_mask=np.ones((rows, length - 1), np.float32),
+                       valid=np.ones((rows, length), bool), loss_mask=loss_mask,
                        behaviour_logprobs=np.full((rows, length - 1), -3.0, np.float32),
                        advantages=rng.normal(size=rows).astype(np.float32), fresh=np.ones(rows, np.float32))
     resident = memory_stats()

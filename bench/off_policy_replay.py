@@ -96,8 +96,7 @@ def generate_groups(cfg: RunConfig, parts, params, problems, version: int, rng, 
 def new_updater(cfg: RunConfig, parts, params) -> PolicyUpdater:
     t = cfg.trainer
     return PolicyUpdater(parts.model, params, cfg.algo, t.learning_rate, t.max_grad_norm, cfg.generation.temperature,
-                         parts.tokenizer.pad_id, None, t.optimizer, t.steps, t.micro_batch_size,
-                         packing=packing_layout(cfg, 1, parts.model.arch))
+                         parts.tokenizer.pad_id, packing_layout(cfg, 1, parts.model.arch), None, t.optimizer, t.steps)
 
 
 def replay(cfg: RunConfig, parts, params, steps: int, staleness: tuple[int, int], seed: int = 0, progress=None

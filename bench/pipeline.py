@@ -7,10 +7,12 @@ but valid groups, stamped with the newest published version, through the real
 sampler client into the ingest, fast enough that the buffer is never empty.
 
 Per step the trainer records collect (waiting for, reading and decoding groups),
-batch, compute (the update) and handoff (settling the trained groups and handing
-publication and reporting to the trainer's worker thread, which overlaps them
-with the next step) seconds; `overhead_share` = 1 - compute / step wall time,
-summed over the steps after the first `warmup` (which include compilation).
+batch, pack (the batch packed into the update's rows on the host), compute (the
+update: placing the packed batch, the jitted programs, the metrics back) and
+handoff (settling the trained groups and handing publication and reporting to the
+trainer's worker thread, which overlaps them with the next step) seconds;
+`overhead_share` = 1 - compute / step wall time, summed over the steps after the
+first `warmup` (which include compilation).
 
 Two settings differ from the demo so the producer can stay ahead: the buffer
 holds three steps of groups (demo: one, to bound staleness) and the ingest asks
@@ -36,7 +38,8 @@ from grpo_stream.trainer_service.loop import Trainer
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs" / "tiny_arith.yaml"
-PHASES = ("collect_seconds", "batch_seconds", "publish_wait_seconds", "compute_seconds", "handoff_seconds")
+PHASES = ("collect_seconds", "batch_seconds", "publish_wait_seconds", "pack_seconds", "compute_seconds",
+          "handoff_seconds")
 
 
 def _random_group(rng: np.random.Generator, cfg, vocab: int, pad_id: int, index: int, version: int) -> GroupData:
@@ -59,21 +62,22 @@ def _random_group(rng: np.random.Generator, cfg, vocab: int, pad_id: int, index:
 def _produce(trainer: Trainer, stop: threading.Event, errors: list) -> None:
     """Stream valid random groups at the newest version until told to stop."""
     try:
-        while not hasattr(trainer, "server") or trainer.publisher.latest_version is None:
+        s = trainer.s  # process 0's services (loop.LeaderServices): set up by trainer.run
+        while s.server is None or s.publisher is None or s.publisher.latest_version is None:
             if stop.wait(0.01):
                 return
-        cfg = trainer.cfg
-        channel = open_channel(f"127.0.0.1:{trainer.server.port}", ClientSecurity(trainer.bench_token))
+        cfg, tokenizer = trainer.cfg, trainer.core.parts.tokenizer
+        channel = open_channel(f"127.0.0.1:{s.server.port}", ClientSecurity(trainer.bench_token))
         client = RolloutClient(channel, backlog_max_groups=cfg.trainer.groups_per_step,
                                max_groups_per_message=cfg.trainer.groups_per_step).start()
         rng = np.random.default_rng(0)
-        vocab, pad = trainer.tokenizer.vocab_size, trainer.tokenizer.pad_id
+        vocab, pad = tokenizer.vocab_size, tokenizer.pad_id
         templates = [_random_group(rng, cfg, vocab, pad, i, 0) for i in range(64)]
         index = 0
         while not stop.is_set():
             group = templates[index % len(templates)]
             group.group_id, group.data_position = f"bench/sampler-0/{index}", index
-            group.policy_version = trainer.publisher.latest_version or 0
+            group.policy_version = s.publisher.latest_version or 0
             if client.put(to_proto(group), timeout_s=0.1):
                 index += 1
         client.close()

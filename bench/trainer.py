@@ -1,5 +1,6 @@
 """Benchmark: useful (non-pad) tokens per second of the trainer's update step, packed (trainer.packing) against the
-padded layout it replaced, on a GSM8K-shaped long-tailed batch.
+padded layout it replaced (one sequence a row: trainer.packing=false, through the same update), on a GSM8K-shaped
+long-tailed batch.
 
 Model: a Qwen3-architecture decoder (vocab 8192, width 512, MLP 1408, 8 layers, 8 query / 2 KV heads of 64: 31M
 parameters, float32, random init), the sampler benchmark's. Batch: 4 groups of 8 sequences (32), laid out as the
@@ -29,7 +30,7 @@ from grpo_stream.common.config.learning import AlgoSection
 from grpo_stream.common.model.architectures import Architecture
 from grpo_stream.common.model.policy import TUNIX_ROPE_THETA, build_from_architecture
 from grpo_stream.trainer_service.learning.batching import TrainBatch
-from grpo_stream.trainer_service.learning.packing import PackingLayout, segments_per_row
+from grpo_stream.trainer_service.learning.packing import PackingLayout, one_sequence_per_row, segments_per_row
 from grpo_stream.trainer_service.learning.rl_update import PolicyUpdater
 
 FULL = {"vocab_size": 8192, "num_layers": 8, "embed_dim": 512, "hidden_dim": 1408, "num_heads": 8,
@@ -63,9 +64,8 @@ def long_tailed_batch(p: dict, seed: int = 0) -> TrainBatch:
         behaviour[i, big_p - 1:big_p - 1 + lc] = -rng.uniform(0.5, 8.0, lc)
     rewards = rng.integers(0, 2, (p["groups"], p["generations"])).astype(np.float32)
     advantages = ((rewards - rewards.mean(1, keepdims=True)) / (rewards.std(1, keepdims=True) + 1e-4)).reshape(-1)
-    return TrainBatch(tokens=jax.numpy.asarray(tokens), valid=jax.numpy.asarray(valid),
-                      loss_mask=jax.numpy.asarray(mask), behaviour_logprobs=jax.numpy.asarray(behaviour),
-                      advantages=jax.numpy.asarray(advantages), fresh=jax.numpy.ones(n, jax.numpy.float32))
+    return TrainBatch(tokens=tokens, valid=valid, loss_mask=mask, behaviour_logprobs=behaviour,
+                      advantages=advantages.astype(np.float32), fresh=np.ones(n, np.float32))
 
 
 def new_updater(model, algo: AlgoSection, p: dict, packed: bool) -> PolicyUpdater:
@@ -73,9 +73,9 @@ def new_updater(model, algo: AlgoSection, p: dict, packed: bool) -> PolicyUpdate
     length = p["max_prompt_tokens"] + p["max_new_tokens"]
     sequences = p["groups"] * p["generations"]
     layout = (PackingLayout(p["max_prompt_tokens"], length, rows, segments_per_row(length), -(-sequences // rows))
-              if packed else None)
-    return PolicyUpdater(model, jax.tree.map(jax.numpy.copy, model.params), algo, 1e-5, 1.0, 1.0, 0,
-                         micro_batch_size=None if packed else rows, donate=True, packing=layout)
+              if packed else one_sequence_per_row(p["max_prompt_tokens"], length, rows, sequences))
+    return PolicyUpdater(model, jax.tree.map(jax.numpy.copy, model.params), algo, 1e-5, 1.0, 1.0, 0, layout,
+                         donate=True)
 
 
 def timed_update(updater: PolicyUpdater, batch: TrainBatch) -> tuple[float, dict]:

@@ -56,6 +56,7 @@ from grpo_stream.common.weights.transport import SinkContext
 from grpo_stream.protos import weights_pb2_grpc
 from grpo_stream.trainer_service.learning.batching import TrainBatch
 from grpo_stream.trainer_service.publication.publisher import WeightPublisher
+from grpo_stream.trainer_service.learning.packing import one_sequence_per_row
 from grpo_stream.trainer_service.learning.rl_update import PolicyUpdater
 from grpo_stream.trainer_service.publication.grpc_transport_server.data_plane import WeightDataServer
 from grpo_stream.trainer_service.publication.weight_service import WeightService
@@ -165,12 +166,13 @@ def _case(named: dict, arch: dict, transport: str, dtype: str, repeats: int, raw
 
 def _stall(model, arch: dict, steps: int, rows: int, length: int) -> dict:
     rng = np.random.default_rng(0)
-    batch = TrainBatch(tokens=jnp.asarray(rng.integers(1, arch["vocab_size"], (rows, length)), jnp.int32),
-                       valid=jnp.ones((rows, length), bool), loss_mask=jnp.ones((rows, length - 1), jnp.float32),
-                       behaviour_logprobs=jnp.full((rows, length - 1), -5.0, jnp.float32),
-                       advantages=jnp.asarray(rng.standard_normal(rows), jnp.float32),
-                       fresh=jnp.zeros((rows,), jnp.float32))
-    updater = PolicyUpdater(model, model.params, AlgoSection(), 1e-6, 1.0, 1.0, pad_id=0)
+    # whole rows: a one-token prompt, then a completion to the end of the row, each sequence alone in its row
+    batch = TrainBatch(tokens=rng.integers(1, arch["vocab_size"], (rows, length)).astype(np.int32),
+                       valid=np.ones((rows, length), bool), loss_mask=np.ones((rows, length - 1), np.float32),
+                       behaviour_logprobs=np.full((rows, length - 1), -5.0, np.float32),
+                       advantages=rng.standard_normal(rows).astype(np.float32), fresh=np.zeros((rows,), np.float32))
+    updater = PolicyUpdater(model, model.params, AlgoSection(), 1e-6, 1.0, 1.0, 0,
+                            one_sequence_per_row(1, length, rows, rows))
     updater.update(batch)  # compile
     plain = []
     for _ in range(steps):

@@ -120,7 +120,7 @@ LONGEST_FIRST = (
     "tests/e2e/test_plan.py",  # ~200 s: the tiny config's plans (the presets' are in the heavy lane)
     "tests/e2e/test_up.py",  # 330 s
     "tests/unit/common/engine/test_continuous.py",  # 290 s
-    "tests/unit/trainer_service/learning/test_packed_update.py",  # ~90 s: packed against padded, and on a 4-device mesh
+    "tests/unit/trainer_service/learning/test_packed_update.py",  # ~90 s: against a plain reference, and on a 4-device mesh
     "tests/unit/trainer_service/learning/test_grad_accumulation.py",  # ~40 s (its mesh and GSPO updates are heavy)
     "tests/e2e/test_weight_faults.py",  # 200 s
     "tests/unit/common/engine/test_vllm_engine.py",  # 200 s

@@ -64,7 +64,7 @@ class CoreHooks:
 @dataclasses.dataclass(frozen=True)
 class StepResult:
     metrics: dict  # the update's (host values)
-    phases: dict  # seconds: waiting for the previous publication, computing, handing off to the worker
+    phases: dict  # seconds: waiting for the previous publication, packing the batch, computing, handing off
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,8 +108,12 @@ class TrainerCore:
         self.resumed_from: dict | None = None
         self.final_weights: dict | None = None
         self.progress: Callable[[], None] | None = None  # a heartbeat for long phases (plan_sources.drive sets it)
-        self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="publish-report")
-        self._pending: list[concurrent.futures.Future] = []
+        # publications on one thread, process 0's step reports on another: a donating update waits for the previous
+        # publication (it reads the parameters the update overwrites), never for a report
+        self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="publish")
+        self._reporter = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="step-report")
+        self._pending: list[concurrent.futures.Future] = []  # publications and reports, in the order submitted
+        self._publishing: concurrent.futures.Future | None = None
 
     def apply(self, plan: Plan) -> Any:
         if isinstance(plan, StartPlan):
@@ -165,20 +169,22 @@ class TrainerCore:
         cfg, t = self.cfg, self.cfg.trainer
         model, params, trainable = self.policy.trained(self.model.with_remat(t.remat), self.params)
         mesh = self.parts.mesh
-        packing = packing_layout(cfg, mesh.shape["fsdp"] if mesh is not None else 1, self.model.arch)
+        layout = packing_layout(cfg, mesh.shape["fsdp"] if mesh is not None else 1, self.model.arch)
         return PolicyUpdater(model, params, cfg.algo, t.learning_rate, t.max_grad_norm, cfg.generation.temperature,
-                             self.parts.tokenizer.pad_id, mesh, t.optimizer, t.steps, t.micro_batch_size,
-                             donate=self.donate, trainable=trainable, packing=packing)
+                             self.parts.tokenizer.pad_id, layout, mesh, t.optimizer, t.steps, donate=self.donate,
+                             trainable=trainable)
 
     # -- steps --------------------------------------------------------------------------------------------------
     def step(self, plan: StepPlan) -> StepResult:
-        """One update, its checkpoint, and its publication (with process 0's report) on the background worker,
-        which runs while the next step collects and computes (XLA releases the GIL): at most one step behind."""
+        """One update, its checkpoint, and its publication and process 0's report on background threads, which run
+        while the next step collects and computes (XLA releases the GIL): at most one step behind."""
         t0 = time.time()
-        if self.donate:  # the previous publication reads the parameters this update overwrites
-            self.wait_background()
+        if self.donate and self._publishing is not None:  # it reads the parameters this update overwrites
+            self._publishing.result(timeout=BACKGROUND_WAIT_S)
         t_published = time.time()
-        metrics = self.updater.update(plan.batch, plan.group_index)
+        packed = self.updater.pack(plan.batch)  # on the host, in numpy: placed on the mesh once, by the update
+        t_packed = time.time()
+        metrics = self.updater.update(packed, plan.group_index)
         self.params = self.updater.params
         t_compute = time.time()
         self.hooks.trained(plan, metrics)
@@ -186,15 +192,21 @@ class TrainerCore:
             self.keeper.save(plan.step, self.updater, self.carried)
         self.keeper.committed()
         self.wait_background()
-        phases = {"publish_wait_seconds": t_published - t0, "compute_seconds": t_compute - t_published,
-                  "handoff_seconds": time.time() - t_compute}
-        self._pending.append(self._worker.submit(self._publish_and_report, plan, self.params, metrics, phases))
+        phases = {"publish_wait_seconds": t_published - t0, "pack_seconds": t_packed - t_published,
+                  "compute_seconds": t_compute - t_packed, "handoff_seconds": time.time() - t_compute}
+        self._publishing = self._worker.submit(self._publish_due, plan, self.params)
+        self._pending += [self._publishing, self._reporter.submit(self._report, self._publishing, plan, metrics, phases)]
         return StepResult(metrics, phases)
 
-    def _publish_and_report(self, plan: StepPlan, params, metrics: dict, phases: dict) -> None:
+    def _publish_due(self, plan: StepPlan, params) -> None:
         if plan.publish:
             self._publish(plan.step, params, final=plan.final)
-        self.hooks.report(plan, metrics, phases)
+
+    def _report(self, published: concurrent.futures.Future, plan: StepPlan, metrics: dict, phases: dict) -> None:
+        """The step's report, after its publication (the report names the version published); a failed publication
+        is re-raised by the waits on it, and its step is not reported."""
+        if published.exception(timeout=BACKGROUND_WAIT_S) is None:
+            self.hooks.report(plan, metrics, phases)
 
     def wait_background(self) -> None:
         """Until the background publications and reports are done; re-raises what failed there."""
@@ -259,3 +271,4 @@ class TrainerCore:
         """Stop the background worker: after a failure without waiting for it (a stuck publication must not hold
         the process, which has its error to report)."""
         self._worker.shutdown(wait=not failed, cancel_futures=failed)
+        self._reporter.shutdown(wait=not failed, cancel_futures=failed)

@@ -157,7 +157,8 @@ class LeaderSource(CoreHooks):
         tokens_per_s, groups_per_s = self.s.reporter.rates(int(np.asarray(plan.batch.loss_mask).sum()), len(groups))
         self.s.reporter.report(plan.step, groups, context.staleness, context.stats, metrics,
                                {**context.phases, "publish_wait_seconds": phases["publish_wait_seconds"],
-                                "compute_seconds": phases["compute_seconds"]}, tokens_per_s, groups_per_s)
+                                "pack_seconds": phases["pack_seconds"], "compute_seconds": phases["compute_seconds"]},
+                               tokens_per_s, groups_per_s)
 
     def await_samplers(self, final_version: int) -> None:
         await_samplers(self.cfg, self.s.publisher.samplers, self.s.stop_event, final_version,

@@ -80,7 +80,7 @@ class TrainerSection(Strict):
                           "generation.max_prompt_tokens + max_new_tokens tokens (attention within each sequence, "
                           "positions restarting), so its forward and backward passes compute real tokens rather than "
                           "padding; the loss, gradients and statistics are the padded layout's (docs/packing.md). "
-                          "false: each sequence in its own padded row.")
+                          "false: each sequence alone in its row, through the same update.")
     tokens_per_micro_batch: int | None = Field(None, ge=2, le=1_000_000_000, description="With packing: tokens of "
                                                "one forward/backward pass over the whole mesh, in rows of "
                                                "max_prompt_tokens + max_new_tokens (this // that rows, rounded up to "

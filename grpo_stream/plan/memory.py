@@ -83,15 +83,14 @@ def trainer_fixes(cfg: RunConfig, sizes: dict) -> list[str]:
                          f"temporaries are {gib(activations)} per device); trainer.remat=save_dots keeps the "
                          "layers' matrix-product outputs: less saved, less recomputed")
         packing = sizes.get("packing")
-        if packing is not None and packing["rows"] > t.mesh.fsdp:
+        if packing is not None and packing["rows"] > t.mesh.fsdp and t.packing:
             smaller = max(t.mesh.fsdp, packing["rows"] // 2) * packing["row_tokens"]
             fixes.append(f"trainer.tokens_per_micro_batch={smaller}: smaller packed passes, gradients accumulated "
                          f"(now {packing['tokens_per_pass']} tokens, {packing['rows']} rows of "
                          f"{packing['row_tokens']}, per pass); activations follow this budget")
-        micro = t.micro_batch_size or rows
-        if packing is None and micro > t.mesh.fsdp and rows % t.mesh.fsdp == 0:
+        elif packing is not None and packing["rows"] > t.mesh.fsdp and rows % t.mesh.fsdp == 0:
             fixes.append(f"trainer.micro_batch_size={t.mesh.fsdp}: one sequence per device per pass, gradients "
-                         f"accumulated (now {micro} sequences per pass)")
+                         f"accumulated (now {packing['rows']} sequences per pass)")
         fixes.append(f"generation.max_new_tokens below {cfg.generation.max_new_tokens}: activations grow with the "
                      "sequence length")
     if cfg.model.lora is None and sizes["optimizer_state"] > 0.2 * sizes["total"]:
@@ -167,7 +166,8 @@ def render(cfg: RunConfig, doc: dict) -> str:
             continue
         mesh = " x ".join(f"{k} {v}" for k, v in r["mesh"].items())
         packed = r.get("packing")
-        passes = (f", packed passes of {packed['rows']} rows x {packed['row_tokens']} tokens "
+        kind = "packed passes" if packed and packed["segments_per_row"] > 1 else "passes (one sequence a row)"
+        passes = (f", {kind} of {packed['rows']} rows x {packed['row_tokens']} tokens "
                   f"({packed['tokens_per_pass']:,} per pass)" if packed else "")
         lines.append(f"\n{role}: {r['devices']} x {r['chip'] or 'device'} ({gib(r['device_memory_bytes'])} each, "
                      f"{gib(r['usable_bytes'])} usable at margin {cfg.hardware.margin}), mesh {mesh}{passes}; "

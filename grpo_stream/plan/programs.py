@@ -29,9 +29,8 @@ from grpo_stream.common.registry.engines import engine_spec
 from grpo_stream.common.model.architectures import Architecture
 from grpo_stream.common.model.lora import abstract_lora, merge_named
 from grpo_stream.common.model.policy import PolicyModel, build_from_architecture, tiny_architecture
-from grpo_stream.common.model.sharding import make_mesh, param_shardings, rows_sharding
+from grpo_stream.common.model.sharding import make_mesh, param_shardings
 from grpo_stream.common.registry.transports import transport_spec
-from grpo_stream.trainer_service.learning.batching import TrainBatch
 from grpo_stream.trainer_service.learning.packing import PackedPasses, packing_layout
 from grpo_stream.trainer_service.learning.rl_update import PolicyUpdater, donates_updates
 
@@ -91,9 +90,9 @@ def model_dtype(cfg: RunConfig, role: str = "trainer"):
 
 
 def trainer_programs(cfg: RunConfig, arch: Architecture) -> dict:
-    """Compile the update step (and the logprob pass the old/reference logprobs need) on the trainer mesh: with
-    trainer.packing, one packed pass's gradient accumulation and the optimizer update, whose activations follow the
-    pass's token budget; else the padded minibatch's step."""
+    """Compile the update step (and the logprob pass the old/reference logprobs need) on the trainer mesh: a
+    minibatch's packed passes' gradient accumulation (one pass's activations at a time, in the pass's token budget;
+    one sequence a row with trainer.packing=false) and the optimizer update."""
     t, gen, algo = cfg.trainer, cfg.generation, cfg.algo
     mesh = make_mesh(t.mesh.fsdp, t.mesh.tp, jax.devices(), "trainer.mesh")
     model = abstract_model(arch, model_dtype(cfg), mesh)
@@ -104,17 +103,14 @@ def trainer_programs(cfg: RunConfig, arch: Architecture) -> dict:
         trained, trainable = lora.adapted, lora.trainable()
     layout = packing_layout(cfg, t.mesh.fsdp, arch)
     updater = PolicyUpdater(trained, trained.params, algo, t.learning_rate, t.max_grad_norm, gen.temperature, 0,
-                            mesh, t.optimizer, t.steps, t.micro_batch_size, donate=donate, trainable=trainable,
-                            packing=layout)
+                            layout, mesh, t.optimizer, t.steps, donate=donate, trainable=trainable)
     needs_old = algo.num_iterations > 1 or algo.minibatches > 1
     started = time.time()
-    shape = (f"passes of {layout.rows} packed rows of {layout.row_tokens} tokens" if layout is not None else
-             f"{t.groups_per_step * gen.num_generations // algo.minibatches} sequences of "
-             f"{gen.max_prompt_tokens + gen.max_new_tokens} tokens")
+    shape = (f"passes of {layout.rows} packed rows of {layout.row_tokens} tokens" if layout.segments_per_row > 1
+             else f"passes of {layout.rows} sequences of {layout.row_tokens} tokens, one a row")
     progress(f"trainer: compiling the update step ({model.num_params() / 1e9:.3g}B parameters, mesh fsdp "
              f"{t.mesh.fsdp} x tp {t.mesh.tp}, {shape})")
-    compile_step = packed_step_programs if layout is not None else padded_step_programs
-    step, logprobs, batch_bytes = compile_step(cfg, updater, mesh, needs_old)
+    step, logprobs, batch_bytes = step_programs(cfg, updater, mesh, needs_old)
     progress(f"trainer: update step compiled in {time.time() - started:.0f} s")
     params, opt_state = shard_bytes(updater.params), shard_bytes(updater.opt_state)
     train_bytes = shard_bytes(updater.split(updater.params)[0])  # with LoRA the adapters; else all parameters
@@ -131,47 +127,18 @@ def trainer_programs(cfg: RunConfig, arch: Architecture) -> dict:
     step_extra = per_device["batch"] + step["temporaries"] + per_device["updated_state"]
     logprob_extra = (programs["logprobs"]["peak"] - params) if "logprobs" in programs else 0
     per_device["total"] = params + opt_state + reference + max(step_extra, logprob_extra)
-    packing = None if layout is None else {"rows": layout.rows, "row_tokens": layout.row_tokens,
-                                           "tokens_per_pass": layout.rows * layout.row_tokens,
-                                           "segments_per_row": layout.segments_per_row}
+    packing = {"rows": layout.rows, "row_tokens": layout.row_tokens, "tokens_per_pass": layout.rows * layout.row_tokens,
+               "segments_per_row": layout.segments_per_row}
     return {"devices": t.mesh.fsdp * t.mesh.tp, "mesh": {"fsdp": t.mesh.fsdp, "tp": t.mesh.tp},
             "parameters": model.num_params(), "trained_parameters": lora.adapter_count() if trainable else
             model.num_params(), "per_device_bytes": per_device, "programs": programs, "packing": packing,
             "peak_program": "update_step" if step_extra >= logprob_extra else "logprobs"}
 
 
-def padded_step_programs(cfg: RunConfig, updater: PolicyUpdater, mesh, needs_old: bool):
-    """(update step, logprob pass or None, batch bytes per device) of the padded layout: the whole minibatch's
-    step (micro-batches scanned inside it)."""
-    t, gen, algo = cfg.trainer, cfg.generation, cfg.algo
-    rows = t.groups_per_step * gen.num_generations
-    minibatch = rows // algo.minibatches
-    length = gen.max_prompt_tokens + gen.max_new_tokens
-
-    def arrays(n: int, shape: tuple, dtype) -> jax.ShapeDtypeStruct:
-        return jax.ShapeDtypeStruct((n, *shape), dtype, sharding=rows_sharding(mesh, minibatch))
-
-    batch = TrainBatch(tokens=arrays(minibatch, (length,), jnp.int32), valid=arrays(minibatch, (length,), jnp.bool_),
-                       loss_mask=arrays(minibatch, (length - 1,), jnp.float32),
-                       behaviour_logprobs=arrays(minibatch, (length - 1,), jnp.float32),
-                       advantages=arrays(minibatch, (), jnp.float32), fresh=arrays(minibatch, (), jnp.float32))
-    old = arrays(minibatch, (length - 1,), jnp.float32) if needs_old else None
-    ref = arrays(minibatch, (length - 1,), jnp.float32) if algo.beta > 0 else None
-    step = analysed(updater._step.lower(*updater.split(updater.params), updater.opt_state, batch, old, ref).compile())
-    logprobs = None
-    if needs_old or algo.beta > 0:  # the old / reference logprobs of the step's batch, before the updates
-        chunk = rows if t.micro_batch_size is None or rows % t.micro_batch_size else t.micro_batch_size
-        full = rows_sharding(mesh, minibatch)  # as update() places the batch; a slice of it keeps that layout
-        tokens = jax.ShapeDtypeStruct((chunk, length), jnp.int32, sharding=full)
-        valid = jax.ShapeDtypeStruct((chunk, length), jnp.bool_, sharding=full)
-        logprobs = analysed(updater._logprobs.lower(updater.params, tokens, valid).compile())
-    return step, logprobs, step["arguments"] - shard_bytes(updater.params) - shard_bytes(updater.opt_state)
-
-
-def packed_step_programs(cfg: RunConfig, updater: PolicyUpdater, mesh, needs_old: bool):
-    """padded_step_programs' triple for trainer.packing: a minibatch's update over its stacked passes (one pass's
-    activations at a time, in the pass's token budget) and the logprob pass."""
-    layout, packed, algo = updater.packed.layout, updater.packed, cfg.algo
+def step_programs(cfg: RunConfig, updater: PolicyUpdater, mesh, needs_old: bool):
+    """(update step, logprob pass or None, batch bytes per device): a minibatch's update over its stacked passes
+    (one pass's activations at a time, in the pass's token budget) and the logprob pass."""
+    layout, packed, algo = updater.layout, updater.programs, cfg.algo
     k, m, t, s = layout.passes, layout.rows, layout.row_tokens, layout.segments_per_row
     arr = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=packed.sharding)  # noqa: E731
     passes = PackedPasses(tokens=arr((k, m, t), jnp.int32), positions=arr((k, m, t), jnp.int32),

@@ -18,9 +18,9 @@ import numpy as np
 
 from grpo_stream.common.config.schema import RunConfig
 from grpo_stream.common.model.policy import build_model
-from grpo_stream.common.model.sharding import make_mesh, place, rows_sharding
+from grpo_stream.common.model.sharding import make_mesh, place
 from grpo_stream.trainer_service.learning.batching import TrainBatch
-from grpo_stream.trainer_service.learning.packing import pack_minibatch, packing_layout
+from grpo_stream.trainer_service.learning.packing import pack_batch, packing_layout
 from grpo_stream.trainer_service.learning.rl_update import PolicyUpdater
 
 
@@ -37,8 +37,7 @@ def main() -> None:
     params = place(model.params, mesh)
     layout = packing_layout(cfg, t.mesh.fsdp)
     updater = PolicyUpdater(model.with_remat(t.remat), params, cfg.algo, t.learning_rate, t.max_grad_norm,
-                            gen.temperature, 0, mesh, t.optimizer, t.steps, t.micro_batch_size, donate=True,
-                            packing=layout)
+                            gen.temperature, 0, layout, mesh, t.optimizer, t.steps, donate=True)
     rows, prompt, length = t.groups_per_step * gen.num_generations, gen.max_prompt_tokens, gen.max_prompt_tokens + \
         gen.max_new_tokens
     rng = np.random.default_rng(0)
@@ -48,16 +47,11 @@ def main() -> None:
                        valid=np.ones((rows, length), bool), loss_mask=loss_mask,
                        behaviour_logprobs=np.full((rows, length - 1), -3.0, np.float32),
                        advantages=rng.normal(size=rows).astype(np.float32), fresh=np.ones(rows, np.float32))
-    if layout is None:
-        batch = jax.device_put(batch, rows_sharding(mesh, rows))
-        step = lambda: updater._step(*updater.split(updater.params), updater.opt_state, batch, None, None)  # noqa: E731
-    else:  # the packed update, as the trainer runs it by default
-        packed = pack_minibatch(batch.tokens, batch.valid, batch.loss_mask, batch.behaviour_logprobs,
-                                batch.advantages, batch.fresh, layout, 0)
-        batch = updater.packed.place(packed)
-        norm = tuple(np.float32(x) for x in packed.normalizers)
-        step = lambda: updater.packed._step(*updater.split(updater.params), updater.opt_state, batch,  # noqa: E731
-                                            np.int32(packed.count), None, None, norm)
+    # one minibatch's update, as the trainer runs it: packed on the host, placed once
+    (passes, count, norm), = updater.programs.place(pack_batch(batch, layout, 1, 0))
+    batch = passes
+    step = lambda: updater.programs._step(*updater.split(updater.params), updater.opt_state, passes,  # noqa: E731
+                                          count, None, None, norm)
     # a first step compiles and warms the allocator; the second is measured
     updater.params, updater.opt_state, _ = jax.block_until_ready(step())
     gc.collect()

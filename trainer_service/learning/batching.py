@@ -3,20 +3,20 @@
 Layout (identical to the sampler's): the prompt is left-padded to
 P = generation.max_prompt_tokens, the completion follows and is
 right-padded to C = generation.max_new_tokens. This is the step's data as
-it travels (to trainer followers, to RUN_DIR/batches); with trainer.packing
-the update repacks it, several sequences to a row (packing.py).
+it travels (to trainer followers, to RUN_DIR/batches), in host (numpy)
+arrays; each trainer process packs it on the host for the update, several
+sequences to a row (packing.py), and places it on the mesh once.
 
 A multi-turn completion holds observation tokens the environment wrote
 between the model's turns (CompletionData.model_mask). They stay in the
 sequence (the model reads them) but carry no loss and behaviour logprob 0, so
 everything computed under the loss mask (the objective, GSPO's sequence
 ratio, the sampler-trainer agreement, the off-policy diagnostics) sees model
-tokens only, in both layouts.
+tokens only, in this layout and in packed rows.
 """
 
 from __future__ import annotations
 
-import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
@@ -27,15 +27,15 @@ from grpo_stream.trainer_service.learning.advantages import compute_advantages, 
 
 @struct.dataclass
 class TrainBatch:
-    """One optimizer step's data; targets are aligned with logprob positions (length L-1)."""
+    """One optimizer step's data, host arrays; targets are aligned with logprob positions (length L-1)."""
 
-    tokens: jnp.ndarray              # [B, L] int32
-    valid: jnp.ndarray               # [B, L] bool, real (non-pad) tokens
-    loss_mask: jnp.ndarray           # [B, L-1] float32, 1 where the target is a model-sampled completion token that
-                                     # counts (0 on observation tokens, and on a filtered sequence's)
-    behaviour_logprobs: jnp.ndarray  # [B, L-1] float32, sampler logprobs at the same positions
-    advantages: jnp.ndarray          # [B] float32
-    fresh: jnp.ndarray               # [B] float32, 1 for sequences made with exactly the weights being updated
+    tokens: np.ndarray              # [B, L] int32
+    valid: np.ndarray               # [B, L] bool, real (non-pad) tokens
+    loss_mask: np.ndarray           # [B, L-1] float32, 1 where the target is a model-sampled completion token that
+                                    # counts (0 on observation tokens, and on a filtered sequence's)
+    behaviour_logprobs: np.ndarray  # [B, L-1] float32, sampler logprobs at the same positions
+    advantages: np.ndarray          # [B] float32
+    fresh: np.ndarray               # [B] float32, 1 for sequences made with exactly the weights being updated
 
 
 def layout(prompt: np.ndarray, completion: np.ndarray, max_prompt: int, max_new: int, pad_id: int):
@@ -90,7 +90,7 @@ def build_batch(groups: list[GroupData], max_prompt: int, max_new: int, pad_id: 
         # update's forward and backward passes
         "padding_fraction": float(1.0 - valid.sum() / valid.size), "real_tokens": int(valid.sum()),
     }
-    batch = TrainBatch(tokens=jnp.asarray(tokens), valid=jnp.asarray(valid), loss_mask=jnp.asarray(loss_mask),
-                       behaviour_logprobs=jnp.asarray(behaviour), advantages=jnp.asarray(advantages),
-                       fresh=jnp.asarray(fresh))
+    # host arrays: the update packs them on the host and places the packed rows once (no round trip via a device)
+    batch = TrainBatch(tokens=tokens, valid=valid, loss_mask=loss_mask, behaviour_logprobs=behaviour,
+                       advantages=advantages.astype(np.float32), fresh=fresh)
     return batch, stats

@@ -1,4 +1,5 @@
-"""The packed update's compiled programs (trainer.packing; the layout is packing.py's).
+"""The update's compiled programs, over packed rows (the layout is packing.py's; trainer.packing=false is its case of
+one sequence a row).
 
 A minibatch is a variable number of packed passes of one shape. They are stacked to the most a minibatch can need
 (PackingLayout.passes) and run by a `fori_loop` over the number in use, so one program does a whole minibatch
@@ -6,6 +7,10 @@ A minibatch is a variable number of packed passes of one shape. They are stacked
 the stacked inputs are token ids and per-token floats, small beside one pass's activations. One program rather
 than a Python loop of per-pass programs: on CPU the loop's passes ran ~12% slower (each run allocates its
 activations anew); on accelerators it leaves XLA the whole minibatch to schedule.
+
+A step's batch arrives packed on the host (packing.pack_batch) and is placed on the mesh in one transfer (`place`):
+every process passes the same host arrays and keeps the shards of its own devices, and nothing of the batch comes
+back to the host but the metrics.
 """
 
 from __future__ import annotations
@@ -14,12 +19,13 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from grpo_stream.common.model.activation_sharding import activation_sharding
 from grpo_stream.common.model.policy import row_logprobs, segment_mask
-from grpo_stream.trainer_service.learning.packing import PackedMinibatch, PackedPasses, PackingLayout
+from grpo_stream.trainer_service.learning.packing import PackedBatch, PackedPasses, PackingLayout
 from grpo_stream.trainer_service.learning.train_step import apply_optimizer
 
 if TYPE_CHECKING:
@@ -43,7 +49,7 @@ def merge_metrics(total: dict, part: dict) -> dict:
 
 def slot_view(rows: jax.Array, starts: jax.Array, lengths: jax.Array, width: int) -> jax.Array:
     """[m * S, width]: for each of the S slots of each of the m rows, the `width` values of `rows` ([m, T - 1])
-    from the slot's start on, zero past its length: per-sequence completion windows, as the padded layout's."""
+    from the slot's start on, zero past its length: per-sequence completion windows, as batching.py lays them out."""
     m, s = starts.shape
     j = jnp.arange(width)
     index = jnp.clip(starts[..., None] + j, 0, rows.shape[1] - 1).reshape(m, s * width)
@@ -52,8 +58,8 @@ def slot_view(rows: jax.Array, starts: jax.Array, lengths: jax.Array, width: int
 
 
 class PackedPrograms:
-    """The compiled programs of `updater`'s packed update: a minibatch's update, its gradients alone (tests,
-    `plan`), and the logprobs of its passes under fixed weights (the old policy, the KL reference)."""
+    """The compiled programs of `updater`'s update: a minibatch's update, its gradients alone (tests, `plan`), and
+    the logprobs of its passes under fixed weights (the old policy, the KL reference)."""
 
     def __init__(self, updater: "PolicyUpdater", layout: PackingLayout, donate: bool):
         self.u, self.layout = updater, layout
@@ -61,8 +67,9 @@ class PackedPrograms:
         fsdp = mesh.shape["fsdp"] if mesh is not None else 1
         self.sharding = (NamedSharding(mesh, PartitionSpec(None, "fsdp") if fsdp > 1 and layout.rows % fsdp == 0
                                        else PartitionSpec()) if mesh is not None else None)
+        self.replicated = NamedSharding(mesh, PartitionSpec()) if mesh is not None else None
         self._step = jax.jit(self._step_impl, donate_argnums=(0, 2) if donate else (),
-                             out_shardings=updater._apply_shardings)
+                             out_shardings=updater.state_shardings)
         self.gradients = jax.jit(self._gradients)
         self._logprobs = jax.jit(self._logprobs_impl, out_shardings=self.sharding)
 
@@ -84,8 +91,9 @@ class PackedPrograms:
 
         def body(i, carry):
             grads, metrics, ratios = carry
-            # as the padded layout's scan: the weights pass a barrier with each pass's data, so FSDP gathers them
-            # layer by layer inside the pass instead of hoisting every layer's all-gather out of the loop
+            # the weights pass a barrier with each pass's data, so FSDP gathers them layer by layer inside the pass:
+            # XLA would otherwise hoist every layer's all-gather out of the loop as loop-invariant and keep the whole
+            # model gathered for the whole step (the 70B preset's plan: ~270 GiB per chip more)
             weights, fixed, part = jax.lax.optimization_barrier((train, frozen, pick((passes, old, ref), i)))
             (_, m), g = grad_fn(weights, fixed, *part, norm)
             ratios = ratios.at[i].set(m.pop(LOG_RATIO))
@@ -123,16 +131,21 @@ class PackedPrograms:
         with activation_sharding(u.mesh):
             return jax.lax.fori_loop(0, count, body, jnp.zeros(passes.loss_mask.shape, jnp.float32))
 
-    def place(self, packed: PackedMinibatch) -> PackedPasses:
-        """The minibatch's stacked passes on the devices, rows split over the fsdp axis."""
+    def place(self, packed: PackedBatch) -> list[tuple[PackedPasses, jax.Array, tuple[jax.Array, jax.Array]]]:
+        """Every minibatch of `packed` on the devices, in one transfer: (stacked passes, rows split over the fsdp
+        axis; passes in use; loss normalisers), the scalars replicated. In a trainer of several processes each
+        passes the same host arrays and places the shards of its own devices."""
+        host = [(p.passes, np.int32(p.count), tuple(np.float32(x) for x in p.normalizers))
+                for p in packed.minibatches]
         if self.sharding is None:
-            return jax.tree.map(jnp.asarray, packed.passes)
-        return jax.device_put(packed.passes, self.sharding)
+            return jax.device_put(host)
+        where = (self.sharding, self.replicated, (self.replicated, self.replicated))
+        return jax.device_put(host, [where] * len(host))
 
-    def logprobs(self, params, passes: PackedPasses, count: int) -> jax.Array:
-        return self._logprobs(params, passes, jnp.int32(count))
+    def logprobs(self, params, passes: PackedPasses, count: jax.Array) -> jax.Array:
+        return self._logprobs(params, passes, count)
 
-    def minibatch_step(self, train, frozen, opt_state, passes, count: int, old, ref, norm) -> tuple[Any, Any, dict]:
-        """One optimizer update from the summed gradients of a minibatch's passes: (train, opt_state, metrics)."""
-        norm = tuple(jnp.float32(x) for x in norm)
-        return self._step(train, frozen, opt_state, passes, jnp.int32(count), old, ref, norm)
+    def minibatch_step(self, train, frozen, opt_state, passes, count, norm, old, ref) -> tuple[Any, Any, dict]:
+        """One optimizer update from the summed gradients of a minibatch's passes (as `place` gives them):
+        (train, opt_state, metrics)."""
+        return self._step(train, frozen, opt_state, passes, count, old, ref, norm)

@@ -17,6 +17,10 @@ TIS terms and every statistic come out as the padded step's.
 
 Sequences with nothing in the loss (an empty completion, or one masked out by algo.overlong=filter) add nothing to
 the loss, its gradient or any statistic, so they are left out of the rows.
+
+This is the update's only layout: trainer.packing=false is the case of one segment a row (`segments_per_row` 1,
+each sequence alone in its row from index 0), the padded layout's compute through the same code. A step's batch is
+packed here, on the host in numpy, once (`pack_batch`), and placed on the mesh once (packed_update.py).
 """
 
 from __future__ import annotations
@@ -66,20 +70,30 @@ def rows_per_micro_batch(tokens_per_micro_batch: int | None, micro_batch_size: i
     return data_parallel * math.ceil(rows / data_parallel)
 
 
-def packing_layout(cfg, data_parallel: int, arch=None) -> PackingLayout | None:
-    """The packed layout of `cfg` (a RunConfig) on a mesh with `data_parallel` fsdp devices; None with
-    trainer.packing=false. `arch` (the model's Architecture), when known, is checked: Gemma 2's Tunix code places its
-    sliding window by each token's position against its index in the row, which holds in a packed row only when
-    rows are no longer than the window."""
+def one_sequence_per_row(prompt_tokens: int, row_tokens: int, rows: int, sequences: int) -> PackingLayout:
+    """The layout of trainer.packing=false: every sequence alone in its row of `row_tokens`, passes of `rows` rows,
+    room for a minibatch of `sequences`."""
+    return PackingLayout(prompt_tokens, row_tokens, rows, 1, math.ceil(sequences / rows))
+
+
+def packing_layout(cfg, data_parallel: int, arch=None) -> PackingLayout:
+    """The layout of the update of `cfg` (a RunConfig) on a mesh with `data_parallel` fsdp devices. With
+    trainer.packing=false one sequence a row (`one_sequence_per_row`), trainer.micro_batch_size rows a pass (null:
+    the whole minibatch), as the padded layout's passes were. `arch` (the model's Architecture), when known, is
+    checked: Gemma 2's Tunix code places its sliding window by each token's position against its index in the row,
+    which holds in a row of several sequences only when rows are no longer than the window (alone in its row, a
+    sequence starts at index 0: its positions are its indices)."""
     t, gen = cfg.trainer, cfg.generation
-    if not t.packing:
-        return None
     row = gen.max_prompt_tokens + gen.max_new_tokens
+    minibatch = t.groups_per_step * gen.num_generations // cfg.algo.minibatches
+    if not t.packing:
+        rows = rows_per_micro_batch(None, t.micro_batch_size or minibatch, minibatch, row, data_parallel)
+        return one_sequence_per_row(gen.max_prompt_tokens, row, rows, minibatch)
     window = getattr(arch, "sliding_window", None)
     if arch is not None and arch.family == "gemma2" and window is not None and row > window:
         raise ValueError(f"trainer.packing: Gemma 2's sliding window of {window} tokens is shorter than a packed row "
-                         f"of {row} (generation.max_prompt_tokens + max_new_tokens); set trainer.packing=false")
-    minibatch = t.groups_per_step * gen.num_generations // cfg.algo.minibatches
+                         f"of {row} (generation.max_prompt_tokens + max_new_tokens); set trainer.packing=false "
+                         "(one sequence a row)")
     rows = rows_per_micro_batch(t.tokens_per_micro_batch, t.micro_batch_size, minibatch, row, data_parallel)
     return PackingLayout(gen.max_prompt_tokens, row, rows, segments_per_row(row), math.ceil(minibatch / rows))
 
@@ -121,23 +135,21 @@ class PackedMinibatch:
 
 def first_fit_decreasing(lengths: np.ndarray, capacity: int, slots: int) -> list[list[int]]:
     """Rows of sequence indices: longest first, each into the first row with room for its tokens and a free slot.
-    Deterministic (ties by index), so every trainer process packs a batch alike."""
-    order = np.argsort(-lengths, kind="stable")
-    room = np.zeros(len(lengths), np.int64)
-    used = np.zeros(len(lengths), np.int64)
+    Deterministic (ties by index), so every trainer process packs a batch alike. Plain Python lists: for a step's
+    few hundred sequences a scan of them is faster than numpy's per-call overhead (the packing is host time of
+    every step)."""
     rows: list[list[int]] = []
-    for i in order:
+    room: list[int] = []
+    for i in np.argsort(-lengths, kind="stable").tolist():
         n = int(lengths[i])
         if n > capacity:
             raise ValueError(f"a sequence of {n} tokens does not fit a packed row of {capacity}")
-        fits = np.flatnonzero((room[:len(rows)] >= n) & (used[:len(rows)] < slots))
-        r = int(fits[0]) if len(fits) else len(rows)
+        r = next((r for r in range(len(rows)) if room[r] >= n and len(rows[r]) < slots), len(rows))
         if r == len(rows):
             rows.append([])
-            room[r] = capacity
-        rows[r].append(int(i))
+            room.append(capacity)
+        rows[r].append(i)
         room[r] -= n
-        used[r] += 1
     return rows
 
 
@@ -167,25 +179,69 @@ def pack_minibatch(tokens: np.ndarray, valid: np.ndarray, loss_mask: np.ndarray,
                        lengths=np.zeros((k * m, s), np.int32), advantages=np.zeros((k * m, s), np.float32),
                        fresh=np.zeros((k * m, s), np.float32))
     sources = np.full((k * m, s), -1, np.int64)
-    for r, row in enumerate(rows):
-        offset = 0
-        for slot, i in enumerate(row):
-            plen, clen = int(prompt_len[i]), int(completion_len[i])
-            span = slice(offset, offset + plen + clen)
-            # the sequence's tokens: the valid span of its padded row (left-padded prompt, then completion)
-            out.tokens[r, span] = tokens[i][valid[i]]
-            out.positions[r, span] = np.arange(plen + clen)
-            out.segments[r, span] = slot + 1
-            # completion token j sits at offset + plen + j; the logprob that predicts it at one before, as the
-            # padded row's at p + j - 1
-            first = offset + plen - 1
-            out.loss_mask[r, first:first + clen] = loss_mask[i, p - 1:p - 1 + clen]
-            out.behaviour[r, first:first + clen] = behaviour[i, p - 1:p - 1 + clen]
-            out.starts[r, slot], out.lengths[r, slot] = first, clen
-            out.advantages[r, slot], out.fresh[r, slot] = advantages[i], fresh[i]
-            sources[r, slot] = i
-            offset += plen + clen
+    # every placed sequence's (row, slot, index) and where it starts in its row; then each array is filled with one
+    # fancy-indexed assignment (vectorised: the packing is host time of every step)
+    row_of = np.array([r for r, row in enumerate(rows) for _ in row], np.int64)
+    slot_of = np.array([slot for row in rows for slot in range(len(row))], np.int64)
+    seq = np.array([i for row in rows for i in row], np.int64)
+    plen, clen = prompt_len[seq], completion_len[seq]
+    span = plen + clen
+    start = np.cumsum(span) - span  # where each sequence starts in all the rows' sequences, one after another
+    offset = start - start[np.searchsorted(row_of, row_of)]  # ... and in its own row (row_of ascends)
+    # the sequence's tokens: the valid span of its padded row (left-padded prompt, then completion)
+    token = np.arange(int(span.sum())) - np.repeat(np.cumsum(span) - span, span)  # index within its sequence
+    at_row, at_seq = np.repeat(row_of, span), np.repeat(seq, span)
+    at_col = np.repeat(offset, span) + token
+    out.tokens[at_row, at_col] = tokens[at_seq, np.repeat(p - plen, span) + token]
+    out.positions[at_row, at_col] = token
+    out.segments[at_row, at_col] = np.repeat(slot_of + 1, span)
+    # completion token j sits at offset + plen + j; the logprob that predicts it at one before, as the padded row's
+    # at p + j - 1
+    first = offset + plen - 1
+    j = np.arange(int(clen.sum())) - np.repeat(np.cumsum(clen) - clen, clen)
+    c_row, c_col, c_seq = np.repeat(row_of, clen), np.repeat(first, clen) + j, np.repeat(seq, clen)
+    out.loss_mask[c_row, c_col] = loss_mask[c_seq, p - 1 + j]
+    out.behaviour[c_row, c_col] = behaviour[c_seq, p - 1 + j]
+    out.starts[row_of, slot_of], out.lengths[row_of, slot_of] = first, clen
+    out.advantages[row_of, slot_of], out.fresh[row_of, slot_of] = advantages[seq], fresh[seq]
+    sources[row_of, slot_of] = seq
     norm = (float(loss_mask.sum()), float(len(live)))
     stacked = PackedPasses(**{f.name: getattr(out, f.name).reshape(k, m, *getattr(out, f.name).shape[1:])
                               for f in dataclasses.fields(out)})
     return PackedMinibatch(stacked, count, norm, sources.reshape(k, m, s))
+
+
+@dataclasses.dataclass
+class PackedBatch:
+    """A step's batch packed on the host: `minibatches[k]` holds minibatch k (the batch's rows k * sequences ..
+    (k + 1) * sequences - 1), and `loss_mask` is the batch's own ([B, T - 1], the padded layout), which the
+    off-policy diagnostics read the per-token o - b against."""
+
+    layout: PackingLayout
+    minibatches: list[PackedMinibatch]
+    sequences: int
+    loss_mask: np.ndarray
+
+    def real_tokens(self) -> int:
+        return sum(p.real_tokens() for p in self.minibatches)
+
+    def laid_out_tokens(self) -> int:
+        return sum(p.laid_out_tokens() for p in self.minibatches)
+
+    def scatter(self, k: int, slots: np.ndarray, out: np.ndarray) -> None:
+        """Minibatch k's per-slot completion windows (`slots`: [passes, m * S, C], as the update returns its o - b)
+        into the batch's [B, T - 1] `out`, each at its sequence's row, from position P - 1."""
+        sources = self.minibatches[k].sources.reshape(slots.shape[0], -1)
+        at, (p, c) = np.nonzero(sources >= 0), (self.layout.prompt_tokens, self.layout.completion_tokens)
+        out[k * self.sequences + sources[at], p - 1:p - 1 + c] = slots[at]
+
+
+def pack_batch(batch, layout: PackingLayout, minibatches: int, pad_id: int) -> PackedBatch:
+    """`batch` (a TrainBatch of host arrays, batching.py) packed in `minibatches` minibatches of its consecutive
+    rows. Deterministic: every trainer process packs the step's batch alike."""
+    fields = [np.asarray(x) for x in (batch.tokens, batch.valid, batch.loss_mask, batch.behaviour_logprobs,
+                                      batch.advantages, batch.fresh)]
+    size = fields[0].shape[0] // minibatches
+    packs = [pack_minibatch(*(x[k * size:(k + 1) * size] for x in fields), layout, pad_id)
+             for k in range(minibatches)]
+    return PackedBatch(layout, packs, size, fields[2])

@@ -78,8 +78,8 @@ def test_scripted_plans_train_as_the_plain_update_loop_and_resume_from_the_check
     # the reference: the plain loop over the same batches, from the same initial parameters
     t, model = cfg.trainer, build_model_parts(cfg).model
     reference = PolicyUpdater(model.with_remat(t.remat), model.params, cfg.algo, t.learning_rate, t.max_grad_norm,
-                              cfg.generation.temperature, 0, core.parts.mesh, t.optimizer, t.steps,
-                              t.micro_batch_size, donate=False, packing=packing_layout(cfg, 1, model.arch))
+                              cfg.generation.temperature, 0, packing_layout(cfg, 1, model.arch), core.parts.mesh,
+                              t.optimizer, t.steps, donate=False)
     for n, batch in enumerate(data, start=1):
         core.apply(step(n, batch, checkpoint=n == 2, publish=n % 2 == 0))
         reference.update(batch)

@@ -12,6 +12,7 @@ from grpo_stream.common.config.loading import ConfigError, load_config
 from grpo_stream.common.model.lora import apply_lora, is_adapter
 from grpo_stream.common.model.policy import build_model, sequence_logprobs
 from grpo_stream.trainer_service.learning.batching import TrainBatch
+from grpo_stream.trainer_service.learning.packing import one_sequence_per_row
 from grpo_stream.trainer_service.learning.rl_update import PolicyUpdater
 
 VOCAB = 160
@@ -38,10 +39,15 @@ def with_random_b(lora, seed=0):
 
 def batch(rows=8, length=12, seed=0):
     rng = np.random.default_rng(seed)
-    return TrainBatch(tokens=jnp.asarray(rng.integers(1, VOCAB, (rows, length)), jnp.int32),
-                      valid=jnp.ones((rows, length), bool), loss_mask=jnp.ones((rows, length - 1), jnp.float32),
-                      behaviour_logprobs=jnp.full((rows, length - 1), -5.0, jnp.float32),
-                      advantages=jnp.asarray(rng.normal(size=rows), jnp.float32), fresh=jnp.zeros(rows, jnp.float32))
+    return TrainBatch(tokens=rng.integers(1, VOCAB, (rows, length)).astype(np.int32),
+                      valid=np.ones((rows, length), bool), loss_mask=np.ones((rows, length - 1), np.float32),
+                      behaviour_logprobs=np.full((rows, length - 1), -5.0, np.float32),
+                      advantages=rng.normal(size=rows).astype(np.float32), fresh=np.zeros(rows, np.float32))
+
+
+def rows(n=8, length=12):
+    """The update's layout of `batch()`: a one-token prompt, the rest in the loss, each sequence alone in its row."""
+    return one_sequence_per_row(1, length, n, n)
 
 
 def test_adapters_start_at_the_base_and_merge_to_the_adapted_forward_pass(base):
@@ -73,8 +79,8 @@ def test_targets_choose_the_projections_and_a_target_matching_nothing_is_refused
 
 def test_the_updater_trains_the_adapters_only_with_optimizer_state_under_5_percent(base):
     lora = apply_lora(base, base.params, LoraSection(rank=4, alpha=8.0), seed=1)
-    full = PolicyUpdater(base, base.params, AlgoSection(), 1e-3, 1.0, 1.0, 0)
-    updater = PolicyUpdater(lora.adapted, lora.adapted.params, AlgoSection(), 1e-2, 1.0, 1.0, 0,
+    full = PolicyUpdater(base, base.params, AlgoSection(), 1e-3, 1.0, 1.0, 0, rows())
+    updater = PolicyUpdater(lora.adapted, lora.adapted.params, AlgoSection(), 1e-2, 1.0, 1.0, 0, rows(),
                             trainable=lora.trainable())
     nbytes = lambda tree: sum(x.nbytes for x in jax.tree.leaves(tree))  # noqa: E731
     assert nbytes(updater.opt_state) <= 0.05 * nbytes(full.opt_state)  # the demo model at rank 4: about 4.5%
@@ -97,9 +103,9 @@ def test_adapters_give_the_same_gradients_with_and_without_rematerialisation(bas
     grads = []
     for mode in ("none", "full"):
         lora = apply_lora(base.with_remat(mode), base.params, section, seed=1)
-        updater = PolicyUpdater(lora.adapted, with_random_b(lora), AlgoSection(), 1e-3, 1.0, 1.0, 0,
+        updater = PolicyUpdater(lora.adapted, with_random_b(lora), AlgoSection(), 1e-3, 1.0, 1.0, 0, rows(),
                                 trainable=lora.trainable())
-        g, _ = jax.jit(updater.gradients)(*updater.split(updater.params), b)
+        g, _ = updater.minibatch_gradients(b)
         grads.append(g)
     norm = float(jnp.sqrt(sum(jnp.sum(x * x) for x in jax.tree.leaves(grads[0]))))
     assert norm > 0 and len(jax.tree.leaves(grads[0])) == 28  # A and B of 14 weights, nothing of the base
@@ -117,8 +123,8 @@ def test_adapters_sit_on_their_weights_mesh_so_the_update_compiles_once(base):
         for name in (w.a, w.b):
             assert isinstance(named[name].sharding, jax.sharding.NamedSharding), name
             assert named[name].sharding.mesh == named[w.weight].sharding.mesh
-    updater = PolicyUpdater(lora.adapted, lora.adapted.params, AlgoSection(), 1e-3, 1.0, 1.0, 0, mesh, donate=True,
-                            trainable=lora.trainable())
+    updater = PolicyUpdater(lora.adapted, lora.adapted.params, AlgoSection(), 1e-3, 1.0, 1.0, 0, rows(), mesh,
+                            donate=True, trainable=lora.trainable())
     for _ in range(2):
         updater.update(batch())
-    assert updater._step._cache_size() == 1  # the step takes back the adapters in the layout it returns them in
+    assert updater.programs._step._cache_size() == 1  # the step takes back the adapters in the layout it returns them in

@@ -1,5 +1,7 @@
-"""Packed against padded: the same minibatch's gradients and statistics through both layouts, on random long-tailed
-batches. Imported by test_packed_update.py, and run as a script in a subprocess on a 4-device fake CPU mesh:
+"""The update against a plain reference: a minibatch's gradients and statistics through the update's packed rows (and
+its one-sequence-a-row case, trainer.packing=false) against the objective computed on every sequence in its own
+padded row (common/model/policy.sequence_logprobs, the whole minibatch at once), on random long-tailed batches.
+Imported by test_packed_update.py, and run as a script in a subprocess on a 4-device fake CPU mesh:
 
     XLA_FLAGS=--xla_force_host_platform_device_count=4 python -m tests.unit.trainer_service.learning.packing_cases 0 3
 """
@@ -18,10 +20,11 @@ import optax
 
 from grpo_stream.common.config.learning import AlgoSection, LoraSection, ModelSection, TinyModelSection
 from grpo_stream.common.model.lora import apply_lora
-from grpo_stream.common.model.policy import build_model
-from grpo_stream.common.model.sharding import make_mesh, place, rows_sharding
+from grpo_stream.common.model.policy import build_model, sequence_logprobs
+from grpo_stream.common.model.sharding import make_mesh, place
 from grpo_stream.trainer_service.learning.batching import TrainBatch
-from grpo_stream.trainer_service.learning.packing import PackingLayout, pack_minibatch, segments_per_row
+from grpo_stream.trainer_service.learning.packed_update import LOG_RATIO
+from grpo_stream.trainer_service.learning.packing import PackingLayout, one_sequence_per_row, segments_per_row
 from grpo_stream.trainer_service.learning.rl_update import PolicyUpdater
 
 VOCAB, PROMPT, COMPLETION, SEQUENCES = 96, 10, 24, 24
@@ -62,9 +65,8 @@ def random_batch(seed: int, n: int = SEQUENCES) -> TrainBatch:
         valid[i, PROMPT - p:PROMPT + c] = True
         mask[i, PROMPT - 1:PROMPT - 1 + c] = 0.0 if i % 11 == 5 else 1.0
         behaviour[i, PROMPT - 1:PROMPT - 1 + c] = -rng.uniform(0.5, 6.0, c)
-    return TrainBatch(tokens=jnp.asarray(tokens), valid=jnp.asarray(valid), loss_mask=jnp.asarray(mask),
-                      behaviour_logprobs=jnp.asarray(behaviour), fresh=jnp.asarray(rng.integers(0, 2, n), jnp.float32),
-                      advantages=jnp.asarray(rng.normal(size=n), jnp.float32))
+    return TrainBatch(tokens=tokens, valid=valid, loss_mask=mask, behaviour_logprobs=behaviour,
+                      fresh=rng.integers(0, 2, n).astype(np.float32), advantages=rng.normal(size=n).astype(np.float32))
 
 
 def layout(rows: int = 4, sequences: int = SEQUENCES) -> PackingLayout:
@@ -73,15 +75,44 @@ def layout(rows: int = 4, sequences: int = SEQUENCES) -> PackingLayout:
                          -(-sequences // rows))
 
 
+def one_a_row(rows: int = 4, sequences: int = SEQUENCES) -> PackingLayout:
+    """trainer.packing=false's layout of these batches: each sequence alone in its row, passes of `rows` rows."""
+    return one_sequence_per_row(PROMPT, PROMPT + COMPLETION, rows, sequences)
+
+
+def reference_gradients(updater: PolicyUpdater, batch: TrainBatch, old_params=None, ref_params=None):
+    """(gradients of the trained part, statistics) of `batch` as one minibatch, computed plainly: every sequence in
+    its own padded row, the whole minibatch in one forward and backward pass, the objective (PolicyUpdater.objective,
+    whose arithmetic test_loss.py and test_gspo_off_policy.py check by hand) on the batch's own [B, T - 1] arrays.
+    What the update's layout (rows, segments, passes, slot windows, normalisers) must reproduce."""
+    model, t = updater.model, updater.temperature
+    logprobs = lambda params: None if params is None else sequence_logprobs(  # noqa: E731
+        model, params, batch.tokens, batch.valid, t, updater.pad_id)
+
+    def loss(train, frozen):
+        lp, entropy = sequence_logprobs(model, updater.join(train, frozen), batch.tokens, batch.valid, t,
+                                        updater.pad_id, with_entropy=True)
+        return updater.objective(lp, entropy, jnp.asarray(batch.loss_mask), jnp.asarray(batch.behaviour_logprobs),
+                                 jnp.asarray(batch.advantages), jnp.asarray(batch.fresh), logprobs(old_params),
+                                 logprobs(ref_params), None)
+
+    (_, metrics), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(*updater.split(updater.params))
+    metrics.pop(LOG_RATIO)
+    return grads, metrics
+
+
 def noisy(params, seed: int, scale: float):
     leaves, tree = jax.tree.flatten(params)
     keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
     return jax.tree.unflatten(tree, [x + scale * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)])
 
 
-def compare(case: tuple, mesh=None, seed: int = 0) -> tuple[float, dict[str, tuple[float, float]]]:
-    """(|g_packed - g_padded| / |g_padded|, {metric: (padded, packed)}) of one minibatch with `case`'s objective,
-    the old policy and the KL reference other weights than the trained ones (ratios off 1, clipping active)."""
+def compare(case: tuple, mesh=None, seed: int = 0, packing: PackingLayout | None = None
+            ) -> tuple[float, dict[str, tuple[float, float]]]:
+    """(|g_update - g_reference| / |g_reference|, {metric: (reference, update)}) of one minibatch with `case`'s
+    objective through the update's programs in `packing` (default: packed passes of 4 rows) against
+    reference_gradients, the old policy and the KL reference other weights than the trained ones (ratios off 1,
+    clipping active)."""
     agg, loss_algo, beta, tis, lora = case
     model = random_model()
     params, trainable = model.params, None
@@ -91,31 +122,16 @@ def compare(case: tuple, mesh=None, seed: int = 0) -> tuple[float, dict[str, tup
         params = noisy(adapted.adapted.params, 3, 0.05)  # B random too: adapters that change the forward pass
     place_on = (lambda tree: place(tree, mesh)) if mesh is not None else (lambda tree: tree)  # noqa: E731
     algo = AlgoSection(loss_algo=loss_algo, loss_agg_mode=agg, beta=beta, tis_cap=tis)
-    new = lambda packing: PolicyUpdater(model, place_on(params), algo, 1e-2, 1.0, 1.0, 0, mesh,  # noqa: E731
-                                        trainable=trainable, packing=packing)
-    padded, packed = new(None), new(layout(rows=4))
+    updater = PolicyUpdater(model, place_on(params), algo, 1e-2, 1.0, 1.0, 0, packing or layout(rows=4), mesh,
+                            trainable=trainable)
     old_params, ref_params = place_on(noisy(params, 1, 0.05)), place_on(noisy(params, 2, 0.05))
     batch = random_batch(seed)
-    if beta:
-        padded.ref_params = packed.ref_params = ref_params
-    device_batch = jax.device_put(batch, rows_sharding(mesh, SEQUENCES)) if mesh is not None else batch
-    old = padded.logprobs(old_params, device_batch.tokens, device_batch.valid)
-    ref = padded.logprobs(ref_params, device_batch.tokens, device_batch.valid) if beta else None
-    g_pad, m_pad = jax.jit(padded.gradients)(*padded.split(padded.params), device_batch, old, ref)
-    host = jax.device_get(batch)
-    pack = pack_minibatch(*(np.asarray(x) for x in (host.tokens, host.valid, host.loss_mask, host.behaviour_logprobs,
-                                                    host.advantages, host.fresh)), packed.packed.layout, 0)
-    passes = packed.packed.place(pack)
-    p_old = packed.packed.logprobs(old_params, passes, pack.count)
-    p_ref = packed.packed.logprobs(ref_params, passes, pack.count) if beta else None
-    norm = tuple(jnp.float32(x) for x in pack.normalizers)
-    g_pack, m_pack = packed.packed.gradients(*packed.split(packed.params), passes, jnp.int32(pack.count), p_old,
-                                             p_ref, norm)
-    diff = optax.global_norm(jax.tree.map(lambda a, b: a - b, g_pack, g_pad))
-    metrics = {k: (float(m_pad[k]), float(m_pack[k])) for k in m_pad.keys() | m_pack.keys()
-               if k in m_pad and k in m_pack}
-    assert m_pad.keys() == m_pack.keys(), sorted(m_pad.keys() ^ m_pack.keys())
-    return float(diff) / float(optax.global_norm(g_pad)), metrics
+    g_ref, m_ref = reference_gradients(updater, batch, old_params, ref_params if beta else None)
+    g_upd, m_upd = updater.minibatch_gradients(batch, old_params, ref_params if beta else None)
+    diff = optax.global_norm(jax.tree.map(lambda a, b: a - b, g_upd, g_ref))
+    assert m_ref.keys() == m_upd.keys(), sorted(m_ref.keys() ^ m_upd.keys())
+    metrics = {k: (float(m_ref[k]), float(m_upd[k])) for k in m_ref}
+    return float(diff) / float(optax.global_norm(g_ref)), metrics
 
 
 def worst_metric_gap(metrics: dict[str, tuple[float, float]]) -> tuple[str, float]:

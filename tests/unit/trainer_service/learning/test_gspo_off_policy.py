@@ -16,6 +16,7 @@ import pytest
 
 from grpo_stream.common.config.learning import AlgoSection
 from grpo_stream.trainer_service.learning.loss import policy_loss, truncated_is_weights
+from grpo_stream.trainer_service.learning.packing import packing_layout
 from grpo_stream.trainer_service.learning.rl_update import PolicyUpdater
 
 # Four sequences drawn by a sampler 2-3 versions behind; o = the trainer's weights at the step's start, l = after
@@ -50,7 +51,7 @@ def test_gspo_on_stale_sequences_matches_the_reference_loss_and_gradient(tiny_pa
     cfg, _, tok, model = tiny_parts
     algo = AlgoSection(loss_algo="gspo-token", minibatches=2)  # the clip is the loss's own
     assert (algo.eps_low, algo.eps_high) == (EPS_LOW, EPS_HIGH)
-    updater = PolicyUpdater(model, model.params, algo, 1e-3, 1.0, 1.0, tok.pad_id)
+    updater = PolicyUpdater(model, model.params, algo, 1e-3, 1.0, 1.0, tok.pad_id, packing_layout(cfg, 1))
     mask, zeros = jnp.array(M, jnp.float32), jnp.zeros(len(L))
 
     def objective(lp):

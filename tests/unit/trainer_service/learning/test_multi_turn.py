@@ -1,5 +1,5 @@
 """Multi-turn completions in the update: observation tokens (written by an environment between the model's turns,
-CompletionData.model_mask 0) stay in the sequences the model reads but carry no loss, in the padded layout and in
+CompletionData.model_mask 0) stay in the sequences the model reads but carry no loss, one sequence a row and in
 packed rows, for GRPO and for GSPO (whose sequence ratio averages over the model's tokens only), and the
 sampler-trainer agreement and off-policy diagnostics count the model's tokens only.
 
@@ -17,9 +17,8 @@ from grpo_stream.common.model.policy import sequence_logprobs
 from grpo_stream.common.rollouts.wire import CompletionData, GroupData
 from grpo_stream.trainer_service.learning.batching import build_batch
 from grpo_stream.trainer_service.learning.off_policy_health import group_index_of, importance_diagnostics
-from grpo_stream.trainer_service.learning.packing import pack_minibatch
 from grpo_stream.trainer_service.learning.rl_update import PolicyUpdater
-from tests.unit.trainer_service.learning.packing_cases import COMPLETION, PROMPT, VOCAB, layout, noisy, random_model
+from tests.unit.trainer_service.learning.packing_cases import COMPLETION, PROMPT, VOCAB, layout, noisy, one_a_row, random_model
 
 # Each completion as (model turn, observation) lengths, alternating from the model's first turn: two groups of three
 # completions, multi-turn ones (one ending on an observation: the episode's turn limit) beside single-turn ones.
@@ -51,32 +50,17 @@ def model_positions(gs: list[GroupData]) -> list[np.ndarray]:
     return [PROMPT - 1 + np.flatnonzero(c.model_tokens()) for g in gs for c in g.completions]
 
 
-def setup(loss_algo: str):
-    """(updater, packed updater, batch with behaviour logprobs near the policy's on the model's tokens, old
-    (proximal) params): the trained weights, the old and the behaviour policy all differ."""
+def setup(loss_algo: str, packing: bool):
+    """(updater in packed rows or one sequence a row, batch with behaviour logprobs near the policy's on the model's
+    tokens, old (proximal) params, groups): the trained weights, the old and the behaviour policy all differ."""
     model, gs, algo = random_model(), groups(), ALGOS[loss_algo]
     batch, _ = build_batch(gs, PROMPT, COMPLETION, 0, algo, held_version=0)
-    padded = PolicyUpdater(model, model.params, algo, 1e-2, 1.0, 1.0, 0)
-    packed = PolicyUpdater(model, model.params, algo, 1e-2, 1.0, 1.0, 0, packing=layout(rows=2, sequences=6))
-    start = padded.logprobs(model.params, batch.tokens, batch.valid)
+    rows = layout(rows=2, sequences=6) if packing else one_a_row(rows=2, sequences=6)
+    updater = PolicyUpdater(model, model.params, algo, 1e-2, 1.0, 1.0, 0, rows)
+    start = np.asarray(sequence_logprobs(model, model.params, batch.tokens, batch.valid, 1.0, 0))
     shift = np.random.default_rng(1).normal(0.0, 0.2, batch.loss_mask.shape).astype(np.float32)
     behaviour = (start + shift) * batch.loss_mask  # 0 on observation tokens, as build_batch leaves them
-    return padded, packed, batch.replace(behaviour_logprobs=behaviour), noisy(model.params, 1, 0.05), gs
-
-
-def gradients(updater: PolicyUpdater, batch, old_params):
-    """(gradients, metrics) of `batch` as one minibatch in `updater`'s layout, the proximal policy `old_params`."""
-    train, frozen = updater.split(updater.params)
-    if updater.packed is None:
-        old = updater.logprobs(old_params, batch.tokens, batch.valid)
-        return jax.jit(updater.gradients)(train, frozen, batch, old, None)
-    host = jax.device_get(batch)
-    pack = pack_minibatch(*(np.asarray(x) for x in (host.tokens, host.valid, host.loss_mask, host.behaviour_logprobs,
-                                                    host.advantages, host.fresh)), updater.packed.layout, 0)
-    passes = updater.packed.place(pack)
-    old = updater.packed.logprobs(old_params, passes, pack.count)
-    norm = tuple(jnp.float32(x) for x in pack.normalizers)
-    return updater.packed.gradients(train, frozen, passes, jnp.int32(pack.count), old, None, norm)
+    return updater, batch.replace(behaviour_logprobs=behaviour), noisy(model.params, 1, 0.05), gs
 
 
 def reference_loss(params, model, batch, old_params, positions, algo: AlgoSection):
@@ -103,13 +87,12 @@ def relative_gap(a, b) -> float:
     return float(optax.global_norm(jax.tree.map(jnp.subtract, a, b))) / float(optax.global_norm(b))
 
 
-@pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize("packing", [False, True], ids=["one-a-row", "packed"])
 @pytest.mark.parametrize("loss_algo", list(ALGOS))
 def test_observation_tokens_carry_no_loss(loss_algo, packing):
-    padded, packed, batch, old_params, gs = setup(loss_algo)
-    updater = packed if packing else padded
+    updater, batch, old_params, gs = setup(loss_algo, packing)
     model, algo = updater.model, updater.algo
-    grads, metrics = gradients(updater, batch, old_params)
+    grads, metrics = updater.minibatch_gradients(batch, old_params)
     positions = model_positions(gs)
     want_loss, want_grads = jax.value_and_grad(reference_loss)(model.params, model, batch, old_params, positions, algo)
     assert float(metrics["loss"]) == pytest.approx(float(want_loss), rel=1e-5)
@@ -122,23 +105,23 @@ def test_observation_tokens_carry_no_loss(loss_algo, packing):
     assert observation.sum() == sum(o for turns in TURNS for _, o in turns)
     noise = np.random.default_rng(2).uniform(-5.0, 0.0, observation.shape).astype(np.float32)
     other = batch.replace(behaviour_logprobs=batch.behaviour_logprobs + noise * observation)
-    grads_other, metrics_other = gradients(updater, other, old_params)
+    grads_other, metrics_other = updater.minibatch_gradients(other, old_params)
     assert relative_gap(grads_other, grads) == 0.0
     assert all(float(metrics_other[k]) == float(v) for k, v in metrics.items()), metrics_other
     last = (np.arange(len(positions)), np.array([at[-1] for at in positions]))  # each completion's last model token
-    moved = batch.replace(behaviour_logprobs=batch.behaviour_logprobs.at[last].add(-0.5))
-    grads_moved, metrics_moved = gradients(updater, moved, old_params)
+    behaviour = batch.behaviour_logprobs.copy()
+    behaviour[last] -= 0.5
+    grads_moved, metrics_moved = updater.minibatch_gradients(batch.replace(behaviour_logprobs=behaviour), old_params)
     assert relative_gap(grads_moved, grads) > 1e-4 and float(metrics_moved["loss"]) != float(metrics["loss"])
 
 
-@pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize("packing", [False, True], ids=["one-a-row", "packed"])
 def test_agreement_and_diagnostics_count_the_models_tokens_only(packing):
     """A whole update (PolicyUpdater.update) of fresh sequences: the lag-0 logprob agreement (fresh_tokens,
     logprob_diff_mean/max) and the importance diagnostics are those of the model's tokens; the observation tokens'
     behaviour logprob 0 is far from the policy's, so counting them would show."""
-    padded, packed, batch, _, gs = setup("grpo")
-    updater = packed if packing else padded
-    start = np.asarray(updater.logprobs(updater.params, batch.tokens, batch.valid))
+    updater, batch, _, gs = setup("grpo", packing)
+    start = np.asarray(sequence_logprobs(updater.model, updater.params, batch.tokens, batch.valid, 1.0, 0))
     positions = model_positions(gs)
     diffs = np.concatenate([np.abs(start[i, at] - np.asarray(batch.behaviour_logprobs)[i, at])
                             for i, at in enumerate(positions)])

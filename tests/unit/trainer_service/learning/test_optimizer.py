@@ -12,10 +12,10 @@ from pydantic import ValidationError
 from grpo_stream.common.config.learning import AlgoSection, OptimizerSection
 from grpo_stream.common.config.loading import load_config
 from grpo_stream.trainer_service.learning.batching import build_batch
+from grpo_stream.trainer_service.learning.packing import packing_layout
 from grpo_stream.trainer_service.learning.rl_update import PolicyUpdater
 from grpo_stream.trainer_service.learning.train_step import learning_rate_schedule, make_optimizer
-# the module fixture (real engine groups)
-from tests.unit.trainer_service.learning.test_rl_update import rollout  # noqa: F401
+from tests.unit.trainer_service.learning.test_rl_update import rollout  # noqa: F401  (module fixture: real engine groups)
 
 LR = 1e-2
 
@@ -75,8 +75,8 @@ def test_the_update_reports_its_rate_and_a_restored_state_continues_the_schedule
     opt = OptimizerSection(name="adamw", weight_decay=0.01, schedule="warmup_cosine", warmup_steps=2)
 
     def updater(params):
-        return PolicyUpdater(model, params, algo, LR, 1.0, cfg.generation.temperature, tok.pad_id, optimizer=opt,
-                             total_steps=6)
+        return PolicyUpdater(model, params, algo, LR, 1.0, cfg.generation.temperature, tok.pad_id,
+                             packing_layout(cfg, 1), optimizer=opt, total_steps=6)
 
     first = updater(model.params)
     rates = [first.update(batch)["learning_rate"] for _ in range(3)]

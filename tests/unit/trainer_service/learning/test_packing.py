@@ -8,15 +8,21 @@ import pytest
 from grpo_stream.common.config.base import ConfigError
 from grpo_stream.common.config.loading import load_config
 from grpo_stream.common.model.families.record import Architecture
-from grpo_stream.trainer_service.learning.packing import (first_fit_decreasing, pack_minibatch, packing_layout,
+from grpo_stream.trainer_service.learning.packing import (PackingLayout, first_fit_decreasing, pack_minibatch, packing_layout,
                                                  rows_per_micro_batch)
 from tests.unit.trainer_service.learning.packing_cases import COMPLETION, PROMPT, layout, random_batch
+from tests.unit.trainer_service.learning.packing_cases import one_a_row as one_a_row_layout
 
 
-def packed(seed=0, rows=4):
+GEMMA2 = Architecture(family="gemma2", vocab_size=256, num_layers=2, embed_dim=64, hidden_dim=128, num_heads=2,
+                      num_kv_heads=1, head_dim=32, norm_eps=1e-6, rope_theta=1e4, tied_embeddings=True,
+                      sliding_window=32)
+
+
+def packed(seed=0, rows=4, one_a_row=False):
     b = random_batch(seed)
     fields = [np.asarray(x) for x in (b.tokens, b.valid, b.loss_mask, b.behaviour_logprobs, b.advantages, b.fresh)]
-    return fields, pack_minibatch(*fields, layout(rows), pad_id=0)
+    return fields, pack_minibatch(*fields, (one_a_row_layout if one_a_row else layout)(rows), pad_id=0)
 
 
 def test_first_fit_decreasing_respects_the_row_length_and_slots_and_is_deterministic():
@@ -94,7 +100,26 @@ def test_the_pass_size_follows_the_token_budget_and_the_mesh():
     cfg = load_config("configs/tiny_arith.yaml", ["trainer.tokens_per_micro_batch=420"])
     assert packing_layout(cfg, 1).rows == 10 and packing_layout(cfg, 4).rows == 12
     assert packing_layout(cfg, 1).passes == 13  # 128 sequences a minibatch, one a row at most
-    assert packing_layout(load_config("configs/tiny_arith.yaml", ["trainer.packing=false"]), 1) is None
+
+
+
+def test_packing_false_is_one_sequence_a_row_through_the_same_update():
+    """trainer.packing=false: one segment a row, trainer.micro_batch_size rows a pass (null: the whole minibatch),
+    rounded up to whole rows per fsdp device; each sequence sits at the start of its row, its positions its
+    indices (so a Gemma 2 sliding window of any size is placed as in the padded row)."""
+    off = load_config("configs/tiny_arith.yaml", ["trainer.packing=false"])
+    assert packing_layout(off, 1) == PackingLayout(24, 42, 128, 1, 1)
+    assert packing_layout(off, 1, GEMMA2) == PackingLayout(24, 42, 128, 1, 1)  # no refusal: one sequence a row
+    micro = load_config("configs/tiny_arith.yaml", ["trainer.packing=false", "trainer.micro_batch_size=16"])
+    assert packing_layout(micro, 1) == PackingLayout(24, 42, 16, 1, 8) and packing_layout(micro, 3).rows == 18
+    (tokens, valid, *_), pack = packed(rows=4, one_a_row=True)
+    x = pack.passes
+    for k, r in zip(*np.nonzero(pack.sources[..., 0] >= 0)):
+        i = pack.sources[k, r, 0]
+        n = int(valid[i].sum())
+        np.testing.assert_array_equal(x.tokens[k, r, :n], tokens[i][valid[i]])
+        np.testing.assert_array_equal(x.positions[k, r, :n], np.arange(n))
+        assert (x.segments[k, r, :n] == 1).all() and not x.segments[k, r, n:].any()
 
 
 def test_bad_packing_settings_are_refused_naming_the_field_and_the_fix():
@@ -103,9 +128,6 @@ def test_bad_packing_settings_are_refused_naming_the_field_and_the_fix():
         load_config("configs/tiny_arith.yaml", ["trainer.tokens_per_micro_batch=40"])
     with pytest.raises(ConfigError, match="with trainer.packing=false use trainer.micro_batch_size"):
         load_config("configs/tiny_arith.yaml", ["trainer.tokens_per_micro_batch=420", "trainer.packing=false"])
-    gemma2 = Architecture(family="gemma2", vocab_size=256, num_layers=2, embed_dim=64, hidden_dim=128, num_heads=2,
-                          num_kv_heads=1, head_dim=32, norm_eps=1e-6, rope_theta=1e4, tied_embeddings=True,
-                          sliding_window=32)
     with pytest.raises(ValueError, match="sliding window of 32 tokens is shorter than a packed row of 42.*"
                                          "set trainer.packing=false"):
-        packing_layout(load_config("configs/tiny_arith.yaml", []), 1, gemma2)
+        packing_layout(load_config("configs/tiny_arith.yaml", []), 1, GEMMA2)

@@ -9,6 +9,7 @@ from grpo_stream.common.config.learning import AlgoSection
 from grpo_stream.common.engine.continuous import ContinuousEngine
 from grpo_stream.common.rollouts.wire import CompletionData, GroupData
 from grpo_stream.trainer_service.learning.batching import build_batch
+from grpo_stream.trainer_service.learning.packing import packing_layout
 from grpo_stream.trainer_service.learning.rl_update import PolicyUpdater
 
 
@@ -36,7 +37,8 @@ def make(tiny_parts, rollout, **algo):
     a = AlgoSection(**algo)
     batch, _ = build_batch(rollout, cfg.generation.max_prompt_tokens, cfg.generation.max_new_tokens, tok.pad_id, a,
                            held_version=0)
-    return PolicyUpdater(model, model.params, a, 1e-3, 1.0, cfg.generation.temperature, tok.pad_id), batch
+    return PolicyUpdater(model, model.params, a, 1e-3, 1.0, cfg.generation.temperature, tok.pad_id,
+                         packing_layout(cfg, 1)), batch
 
 
 def test_zero_staleness_one_pass_ratio_is_one_and_weights_are_one(tiny_parts, rollout):
@@ -90,7 +92,8 @@ def test_donation_updates_in_place_with_the_same_result(tiny_parts, rollout):
     results = {}
     for donate in (False, True):
         params = jax.tree.map(jnp.copy, model.params)  # the fixture's own arrays must survive
-        updater = PolicyUpdater(model, params, a, 1e-3, 1.0, cfg.generation.temperature, tok.pad_id, donate=donate)
+        updater = PolicyUpdater(model, params, a, 1e-3, 1.0, cfg.generation.temperature, tok.pad_id,
+                                packing_layout(cfg, 1), donate=donate)
         updater.update(batch)  # compiles; then measure a second update
         before = updater.params
         start = _live_bytes()
@@ -110,7 +113,7 @@ def test_the_update_step_compiles_once_over_several_steps(tiny_parts, rollout):
     and later steps reuse the first step's program. (XLA's own output shardings spelt replicated axes differently,
     and the optimizer's step counts started uncommitted, so the whole update compiled twice: minutes on a large
     model.)"""
-    from grpo_stream.common.model.sharding import make_mesh, place, rows_sharding
+    from grpo_stream.common.model.sharding import make_mesh, place
 
     cfg, _, tok, model = tiny_parts
     mesh = make_mesh(1, 1, jax.devices()[:1], "trainer.mesh")
@@ -118,8 +121,31 @@ def test_the_update_step_compiles_once_over_several_steps(tiny_parts, rollout):
     batch, _ = build_batch(rollout, cfg.generation.max_prompt_tokens, cfg.generation.max_new_tokens, tok.pad_id, a,
                            held_version=0)
     updater = PolicyUpdater(model, place(jax.tree.map(jnp.copy, model.params), mesh), a, 1e-3, 1.0,
-                            cfg.generation.temperature, tok.pad_id, mesh, donate=True)
+                            cfg.generation.temperature, tok.pad_id, packing_layout(cfg, 1), mesh, donate=True)
     for _ in range(3):
-        updater.update(jax.device_put(batch, rows_sharding(mesh, batch.tokens.shape[0])))
-    assert updater._step._cache_size() == 1
-    assert updater._logprobs._cache_size() == 1
+        updater.update(batch)
+    assert updater.programs._step._cache_size() == 1
+    assert updater.programs._logprobs._cache_size() == 1
+
+
+def test_the_batch_is_packed_on_the_host_and_placed_once(tiny_parts, rollout, monkeypatch):
+    """The step's batch stays numpy from build_batch to the packer, and the update places it with one transfer:
+    nothing of it is fetched back from a device (a device_get is the metrics', after the optimizer updates)."""
+    cfg, _, tok, model = tiny_parts
+    a = AlgoSection(minibatches=2, beta=0.04)
+    batch, _ = build_batch(rollout, cfg.generation.max_prompt_tokens, cfg.generation.max_new_tokens, tok.pad_id, a,
+                           held_version=0)
+    assert all(isinstance(getattr(batch, f), np.ndarray) for f in ("tokens", "valid", "loss_mask",
+                                                                   "behaviour_logprobs", "advantages", "fresh"))
+    updater = PolicyUpdater(model, model.params, a, 1e-3, 1.0, cfg.generation.temperature, tok.pad_id,
+                            packing_layout(cfg, 1))
+    calls = {"device_put": 0, "device_get": 0}
+    for name in calls:
+        real = getattr(jax, name)
+
+        def counted(*args, _real=real, _name=name, **kwargs):
+            calls[_name] += 1
+            return _real(*args, **kwargs)
+        monkeypatch.setattr(jax, name, counted)
+    updater.update(batch)
+    assert calls == {"device_put": 1, "device_get": 1}

@@ -1,5 +1,6 @@
-"""The update's importance-sampling diagnostics: every layout (padded, micro-batched, packed) and minibatch split
-hands the host exactly the per-token o - b a separate forward pass of the step's starting weights gives, so the
+"""The update's importance-sampling diagnostics: every layout (one sequence a row in one pass or in passes of 4,
+packed rows) and minibatch split hands the host exactly the per-token o - b a plain forward pass of the step's
+starting weights over the padded rows gives, so the
 diagnostics are those of off_policy_health.importance_diagnostics on that (its arithmetic is tested by hand in
 test_off_policy_health.py)."""
 
@@ -8,13 +9,15 @@ import numpy as np
 import pytest
 
 from grpo_stream.common.config.learning import AlgoSection
+from grpo_stream.common.model.policy import sequence_logprobs
 from grpo_stream.trainer_service.learning.batching import build_batch
 from grpo_stream.trainer_service.learning.off_policy_health import group_index_of, importance_diagnostics
-from grpo_stream.trainer_service.learning.packing import PackingLayout, segments_per_row
+from grpo_stream.trainer_service.learning.packing import (PackingLayout, one_sequence_per_row, packing_layout,
+                                                 segments_per_row)
 from grpo_stream.trainer_service.learning.rl_update import PolicyUpdater
 from tests.unit.trainer_service.learning.test_rl_update import rollout  # noqa: F401 - fixture
 
-LAYOUTS = {"padded": {}, "micro-batched": {"micro_batch_size": 4}, "packed": {"packing": True}}
+LAYOUTS = ("one-a-row", "one-a-row-passes-of-4", "packed")
 
 
 def stale_batch(tiny_parts, groups, algo):
@@ -28,7 +31,8 @@ def stale_batch(tiny_parts, groups, algo):
 
 
 # the default lane takes one split per layout; -m heavy the other three
-CASES = [pytest.param(layout, minibatches, marks=() if (layout == "padded") == (minibatches == 1) else pytest.mark.heavy)
+CASES = [pytest.param(layout, minibatches,
+                      marks=() if (layout == "one-a-row") == (minibatches == 1) else pytest.mark.heavy)
          for layout in LAYOUTS for minibatches in (1, 2)]
 
 
@@ -38,13 +42,13 @@ def test_the_update_reports_the_diagnostics_of_its_starting_policy(tiny_parts, r
     gen = cfg.generation
     algo = AlgoSection(tis_cap=2.0, minibatches=minibatches)
     batch = stale_batch(tiny_parts, rollout, algo)
-    options = dict(LAYOUTS[layout])
-    if options.pop("packing", False):
-        row = gen.max_prompt_tokens + gen.max_new_tokens
-        sequences = batch.tokens.shape[0] // minibatches
-        options["packing"] = PackingLayout(gen.max_prompt_tokens, row, 4, segments_per_row(row), -(-sequences // 4))
-    updater = PolicyUpdater(model, model.params, algo, 1e-3, 1.0, gen.temperature, tok.pad_id, **options)
-    start = np.asarray(updater.logprobs(model.params, batch.tokens, batch.valid))
+    row, sequences = gen.max_prompt_tokens + gen.max_new_tokens, batch.tokens.shape[0] // minibatches
+    rows = {"one-a-row": one_sequence_per_row(gen.max_prompt_tokens, row, sequences, sequences),
+            "one-a-row-passes-of-4": one_sequence_per_row(gen.max_prompt_tokens, row, 4, sequences),
+            "packed": PackingLayout(gen.max_prompt_tokens, row, 4, segments_per_row(row), -(-sequences // 4))}
+    updater = PolicyUpdater(model, model.params, algo, 1e-3, 1.0, gen.temperature, tok.pad_id, rows[layout])
+    start = np.asarray(sequence_logprobs(model, model.params, batch.tokens, batch.valid, gen.temperature,
+                                         tok.pad_id))
     mask = np.asarray(batch.loss_mask)
     groups = group_index_of(rollout)
     expected = importance_diagnostics((start - np.asarray(batch.behaviour_logprobs)) * mask, mask, groups, 2.0)
@@ -62,7 +66,8 @@ def test_clip_fractions_low_and_high_add_up(tiny_parts, rollout):  # noqa: F811
     cfg, _, tok, model = tiny_parts
     algo = AlgoSection(minibatches=2, epsilon=0.01, epsilon_high=0.02)
     batch = stale_batch(tiny_parts, rollout, algo)
-    updater = PolicyUpdater(model, model.params, algo, 1e-2, 1.0, cfg.generation.temperature, tok.pad_id)
+    updater = PolicyUpdater(model, model.params, algo, 1e-2, 1.0, cfg.generation.temperature, tok.pad_id,
+                            packing_layout(cfg, 1))
     m = updater.update(batch)
     assert m["clip_fraction_low"] > 0 and m["clip_fraction_high"] > 0
     assert m["clip_fraction_low"] + m["clip_fraction_high"] == pytest.approx(m["clip_fraction"], rel=1e-6)
