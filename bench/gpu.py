@@ -80,6 +80,18 @@ def model_flops_per_token(arch, context: int, backward: bool) -> float:
     return 3 * per_token if backward else per_token
 
 
+def full_rows_batch(rows: int, length: int, prompt: int, vocab: int):
+    """A step's batch of random tokens at full length: `prompt` prompt tokens, then a completion to the row's end."""
+    from grpo_stream.trainer_service.batching import TrainBatch
+
+    rng = np.random.default_rng(0)
+    completions = np.arange(length - 1) >= prompt - 1
+    return TrainBatch(tokens=rng.integers(1, vocab, (rows, length)).astype(np.int32),
+                      valid=np.ones((rows, length), bool), loss_mask=np.tile(completions, (rows, 1)).astype(np.float32),
+                      behaviour_logprobs=np.full((rows, length - 1), -3.0, np.float32),
+                      advantages=rng.normal(size=rows).astype(np.float32), fresh=np.ones(rows, np.float32))
+
+
 def trainer(config: pathlib.Path, quick: bool, plan_json: pathlib.Path | None, deadline: float, write,
             overrides: list[str] | None = None) -> dict:
     from grpo_stream.bench.sampler_workloads import time_left_for
@@ -88,7 +100,6 @@ def trainer(config: pathlib.Path, quick: bool, plan_json: pathlib.Path | None, d
     from grpo_stream.common.model.sharding import make_mesh, place
     from grpo_stream.common.assembly.compilation_cache import enable_compilation_cache
     from grpo_stream.plan.programs import architecture, model_dtype, trainer_programs
-    from grpo_stream.trainer_service.learning.batching import TrainBatch
     from grpo_stream.trainer_service.learning.packing import packing_layout
     from grpo_stream.trainer_service.learning.rl_update import PolicyUpdater, state_report
 
@@ -117,13 +128,7 @@ def trainer(config: pathlib.Path, quick: bool, plan_json: pathlib.Path | None, d
     out.update(state_report(updater, model_params, lora))
     del model, params
     rows, length = t.groups_per_step * gen.num_generations, gen.max_prompt_tokens + gen.max_new_tokens
-    rng = np.random.default_rng(0)
-    loss_mask = np.zeros((rows, length - 1), np.float32)
-    loss_mask[:, gen.max_prompt_tokens - 1:] = 1.0  # every sequence at full length: prompt, then a completion
-    batch = TrainBatch(tokens=rng.integers(1, arch.vocab_size, (rows, length)).astype(np.int32),
-                       valid=np.ones((rows, length), bool), loss_mask=loss_mask,
-                       behaviour_logprobs=np.full((rows, length - 1), -3.0, np.float32),
-                       advantages=rng.normal(size=rows).astype(np.float32), fresh=np.ones(rows, np.float32))
+    batch = full_rows_batch(rows, length, gen.max_prompt_tokens, arch.vocab_size)
     resident = memory_stats()
     progress(f"trainer: first update of {model_params / 1e9:.3g}B parameters (compiles), then up to 3 timed")
     first = time.perf_counter()
