@@ -82,7 +82,7 @@ def model_flops_per_token(arch, context: int, backward: bool) -> float:
 
 def full_rows_batch(rows: int, length: int, prompt: int, vocab: int):
     """A step's batch of random tokens at full length: `prompt` prompt tokens, then a completion to the row's end."""
-    from grpo_stream.trainer_service.batching import TrainBatch
+    from grpo_stream.trainer_service.learning.batching import TrainBatch
 
     rng = np.random.default_rng(0)
     completions = np.arange(length - 1) >= prompt - 1
