@@ -2,7 +2,8 @@
 next feature lands in it. No product class over 400 lines counted with the product classes it derives from (issue
 57): mixins that read each other's state are one object split over files, not seams. Product code: the packages
 under grpo_stream (common, protos, sampler_service, trainer_service, bench and grpo_stream's own modules), generated
-gRPC code aside."""
+gRPC code aside. No folder of product code holding more than 25 modules directly (issue 57): a folder that long no
+longer says which process or concern a file belongs to."""
 
 import ast
 import pathlib
@@ -100,3 +101,16 @@ def test_no_product_class_with_its_product_bases_is_over_400_lines():
     assert ("grpo_stream.common.engine.continuous", "ContinuousEngine") in classes  # the walk found the classes
     derived = [key for key in classes if classes[key][2]]
     assert len(derived) > 10, derived  # ... and resolved product bases across modules
+
+
+FOLDER_LIMIT = 25
+
+
+def test_no_product_folder_holds_more_than_25_modules_directly():
+    folders: dict[pathlib.Path, int] = {}
+    for path in product_modules():
+        if path.name != "__init__.py":
+            folders[path.parent] = folders.get(path.parent, 0) + 1
+    crowded = {str(f.relative_to(ROOT)): n for f, n in folders.items() if n > FOLDER_LIMIT}
+    assert not crowded, f"split these folders into sub-packages by process or concern: {crowded}"
+    assert len(folders) > 20  # the walk found the tree's folders
