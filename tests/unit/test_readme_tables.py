@@ -62,8 +62,8 @@ def test_the_configuration_table_has_every_section_and_names_its_sub_sections():
 
 
 def test_the_task_and_environment_rows_name_every_registered_one():
-    from grpo_stream.common.environments.registry import ENVIRONMENTS  # noqa: PLC0415
-    from grpo_stream.common.tasks.registry import TASKS  # noqa: PLC0415
+    from grpo_stream.common.registry.environments import ENVIRONMENTS  # noqa: PLC0415
+    from grpo_stream.common.registry.tasks import TASKS  # noqa: PLC0415
 
     rows = config_rows()
     for row, registry in (("task", TASKS), ("environment", ENVIRONMENTS)):
