@@ -38,5 +38,10 @@ def child_popen(env: dict[str, str]) -> dict:
 
 
 def redis_popen(lock: RunLock) -> dict:
-    """Popen keyword arguments of the embedded redis-server: it dies with this process and holds the run's lock."""
-    return {"preexec_fn": die_with_parent(), "pass_fds": (lock.fd,)}
+    """Popen keyword arguments of the embedded redis-server: it dies with this process and holds the run's lock.
+
+    It runs in a process group of its own: a terminal's Ctrl-C (or `timeout`, or a service manager's SIGTERM to the
+    group) reaches every process of the foreground group at once, and a Redis stopped with the others leaves the
+    trainer no buffer to acknowledge its last step in (it retried its lease until `up`'s grace ran out). `up` stops
+    Redis itself, last, once the trainer and samplers have ended."""
+    return {"preexec_fn": die_with_parent(), "pass_fds": (lock.fd,), "process_group": 0}

@@ -198,9 +198,10 @@ def test_report_on_a_missing_run_is_one_line(tmp_path):
 
 
 def test_ctrl_c_stops_every_process_checkpoints_and_the_same_command_resumes(tmp_path):
-    """SIGINT to `up` mid-run (standalone ingest): the trainer finishes its step, checkpoints and writes the summary,
-    every process exits 0; `up` again on the same run directory resumes from that checkpoint, with the buffer
-    kept in RUN_DIR/redis, and the audit finds every group accounted for."""
+    """Ctrl-C as a terminal sends it, SIGINT to `up`'s whole process group, mid-run (standalone ingest): the trainer
+    finishes its step, checkpoints and writes the summary, every process exits 0 (the embedded Redis, in a group of
+    its own, outlives them); `up` again on the same run directory resumes from that checkpoint, with the buffer kept
+    in RUN_DIR/redis, and the audit finds every group accounted for."""
     import signal
     import time
 
@@ -208,14 +209,15 @@ def test_ctrl_c_stops_every_process_checkpoints_and_the_same_command_resumes(tmp
     base = [sys.executable, "-m", "grpo_stream", "up", "--config", "configs/tiny_arith_smoke.yaml", "--run-dir",
             str(run_dir), "trainer.eval_after=false", "ingest.standalone=true", "logging.verbose=true"]
     proc = subprocess.Popen([*base, "trainer.steps=100000"], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                            start_new_session=True)  # a group of its own, as a terminal's foreground job
     lines = []
     deadline = time.monotonic() + 300
     for line in proc.stdout:
         lines.append(line)
         if "step 3/" in line or time.monotonic() > deadline:
             break
-    proc.send_signal(signal.SIGINT)
+    os.killpg(proc.pid, signal.SIGINT)
     out, _ = proc.communicate(timeout=120)
     text = "".join(lines) + out
     assert proc.returncode == 130, text[-3000:]
