@@ -3,6 +3,7 @@ sampler's sampler-<index>.json): `scripts/gpu-check.sh` compares the peaks with 
 
 from __future__ import annotations
 
+import resource
 from typing import Any
 
 
@@ -25,6 +26,4 @@ def host_memory() -> dict[str, int]:
     """{peak_resident_bytes}: this process's peak resident memory since it started (the kernel's high-water mark).
     On the CPU the devices' arrays live there too, so it is what `grpo-stream plan` on CPU (hardware.*_chip=cpu)
     estimates per process (docs/plan.md)."""
-    import resource  # noqa: PLC0415 - POSIX only; deferred so importing this module stays portable
-
     return {"peak_resident_bytes": int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024}  # KiB on Linux
