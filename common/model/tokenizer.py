@@ -49,9 +49,6 @@ class TextTokenizer:
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text).ids
 
-    def chat_prompt(self, messages: list[dict]) -> str:
-        raise ValueError("task.prompt_template: the tiny model's tokenizer has no chat template; use 'plain'")
-
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode([i for i in ids if i not in (self.pad_id, self.eos_id)], skip_special_tokens=True)
 
@@ -125,11 +122,6 @@ class HFTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode([i for i in ids if i != self.pad_id and i not in self._eos], skip_special_tokens=True)
-
-    def chat_prompt(self, messages: list[dict]) -> str:
-        if not getattr(self._tok, "chat_template", None):
-            raise ValueError("task.prompt_template: this tokenizer has no chat template; use 'plain'")
-        return self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
     @property
     def has_chat_template(self) -> bool:

@@ -22,7 +22,7 @@ import re
 from typing import Collection, Iterable, Mapping, Sequence
 
 from grpo_stream.common.registry.base import Registry
-from grpo_stream.common.tasks.answers import extract_answer, parse_number, same_number
+from grpo_stream.common.tasks.answers import extract_answer, last_number as last_number_in, parse_number, same_number
 from grpo_stream.common.tasks.base import RewardFn
 from grpo_stream.common.tasks.ifeval_checks import ifeval_loose, ifeval_strict
 
@@ -32,6 +32,13 @@ _REASONING_ANSWER = re.compile(r"^\s*<reasoning>.+?</reasoning>\s*<answer>.+?</a
 def answer_correct(text: str, reference: str) -> float:
     """1.0 when the completion's final answer (any supported format) equals the reference number, else 0.0."""
     got = extract_answer(text)
+    return 1.0 if got is not None and same_number(got, reference) else 0.0
+
+
+def last_number(text: str, reference: str) -> float:
+    """1.0 when the last number the completion writes equals the reference number, else 0.0: the answer of a chat
+    reply (task.prompt_template=chat), which states it in prose rather than as `#### N`."""
+    got = last_number_in(text)
     return 1.0 if got is not None and same_number(got, reference) else 0.0
 
 
@@ -53,6 +60,7 @@ def reasoning_answer_format(text: str, reference: str) -> float:
 REWARDS: Registry[RewardFn] = Registry("task.rewards", "reward", {
     "answer_correct": answer_correct,
     "answer_format": answer_format,
+    "last_number": last_number,  # chat replies: the last number written is the answer
     "reasoning_answer_format": reasoning_answer_format,
     "ifeval_strict": ifeval_strict,  # task.name=ifeval: share of the prompt's instructions followed (lm-eval)
     "ifeval_loose": ifeval_loose,
