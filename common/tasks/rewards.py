@@ -117,6 +117,7 @@ class RewardSet:
         functions by name to take instead (every name of `weights` must be there, or be a built-in)."""
         if not weights:
             raise ValueError("task.rewards: give at least one reward, e.g. {answer_correct: 1.0}")
+        self.configured = dict(weights)  # the rewards asked for, as asked (evaluation says which it scored by)
         # answer_correct is always computed (weight 0 when not listed): it is the accuracy the trainer reports
         self.weights = {"answer_correct": 0.0, **weights}
         self.functions = {name: resolve(name) if functions is None else functions.get(name, REWARDS.get(name))
@@ -139,6 +140,14 @@ class RewardSet:
                 raise ValueError(f"task.rewards.{name} returned {value}; rewards must be finite")
             components[name] = value
         return sum(self.weights[n] * v for n, v in components.items()), components
+
+
+def scored_by(weights: Mapping[str, float]) -> str:
+    """What an evaluation's `reward` is, for a log line: 'reward by task.rewards (answer_correct x1 + answer_format
+    x0.1)'; with no weights (a verifiers environment scores its own episodes) its rubric."""
+    if not weights:
+        return "reward by the environment's rubric"
+    return "reward by task.rewards (" + " + ".join(f"{name} x{weight:g}" for name, weight in weights.items()) + ")"
 
 
 class RunRewards:

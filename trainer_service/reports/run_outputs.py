@@ -13,6 +13,7 @@ import numpy as np
 from grpo_stream.common.config.schema import RunConfig
 from grpo_stream.common.episodes.evaluation import evaluate_run
 from grpo_stream.common.runtime.device_memory import device_memory
+from grpo_stream.common.tasks.rewards import scored_by
 
 log = logging.getLogger(__name__)
 
@@ -25,9 +26,9 @@ def evaluate_heldout(cfg: RunConfig, engine, params, task, tokenizer, label: str
                if "1" in result.pass_at_k else "")
     own = "".join(f", {name} {value:.3f}" for name, value in result.task_metrics.items())  # e.g. IFEval's four
     parts = ", ".join(f"{name} {value:.3f}" for name, value in result.reward_components.items())
-    log.info("%s: held-out greedy accuracy %.3f, reward %.3f (%s)%s%s on %d problems (%.1fs); e.g. %r", label,
-             result.accuracy, result.reward, parts, sampled, own, result.num_problems, result.seconds,
-             result.examples[0]["completion"] if result.examples else "")
+    log.info("%s: held-out greedy %s %.3f (%s), accuracy (answer_correct) %.3f%s%s on %d problems (%.1fs); e.g. %r",
+             label, scored_by(result.reward_weights), result.reward, parts, result.accuracy, sampled, own,
+             result.num_problems, result.seconds, result.examples[0]["completion"] if result.examples else "")
     return result.as_dict()
 
 
