@@ -68,7 +68,10 @@ class ModelSection(Strict):
                                                   "state_dtype).")
     pad_token: str | None = Field(None, description="kind=hf: token used for padding when the tokenizer defines none "
                                   "(it must not be an end-of-sequence token; Llama 3: <|finetune_right_pad_id|>). "
-                                  "Null: the tokenizer's pad token.")
+                                  "Null: the tokenizer's pad token (one that is a stop token, as in many HF files, is "
+                                  "refused naming safe candidates). 'auto': the first special token that is not a "
+                                  "stop, BOS or chat-template token (pad-like names first, then end-of-text ones: "
+                                  "SmolLM2's <|endoftext|>), logged.")
     lora: LoraSection | None = Field(None, description="LoRA fine-tuning: null trains every parameter; a section "
                                      "(e.g. model.lora.rank=8) freezes the base and trains adapters only. Samplers, "
                                      "evaluation and the exported model get the merged weights W + (alpha/rank) A B.")

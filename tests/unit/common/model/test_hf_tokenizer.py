@@ -7,6 +7,7 @@ import pytest
 from grpo_stream.common.tasks import prompts
 from grpo_stream.common.tasks.arith import ArithTask
 from grpo_stream.common.model.tokenizer import HFTokenizer, train_bpe
+from tests.chatml_tokenizer import chatml_tokenizer_dir
 
 CHAT = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
         "{% if add_generation_prompt %}<|assistant|>{% endif %}")
@@ -91,3 +92,24 @@ def test_threads_can_load_tokenizers_at_once_in_a_fresh_process(tok_dir):
             "[t.start() for t in threads]\n[t.join() for t in threads]\nprint(errors)\n")
     proc = subprocess.run([sys.executable, "-c", code, str(directory)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr[-2000:]
+
+
+def test_a_tokenizer_padding_with_its_stop_token_is_refused_naming_safe_candidates(tmp_path, caplog):
+    """SmolLM2's files pad with <|im_end|>, its stop token: the refusal names <|endoftext|> (a special token that is
+    neither a stop, the BOS nor a token the chat template writes), and model.pad_token=auto takes it, saying so."""
+    directory = chatml_tokenizer_dir(tmp_path / "chatml")
+    with pytest.raises(ValueError, match=r"the tokenizer's pad token '<\|im_end\|>' \(model.pad_token: null\) is an "
+                                         r"end-of-sequence token.*safe candidates in this vocabulary: <\|endoftext\|>;"
+                                         r" or model.pad_token=auto") as refused:
+        HFTokenizer(directory)
+    assert "<|im_start|>" not in str(refused.value)  # the BOS and chat role token is never offered
+    with pytest.raises(ValueError, match=r"model.pad_token='<\|im_end\|>' is an end-of-sequence token.*"
+                                         r"<\|endoftext\|>"):
+        HFTokenizer(directory, pad_token="<|im_end|>")
+    with caplog.at_level("INFO", logger="grpo_stream.common.model.tokenizer"):
+        auto = HFTokenizer(directory, pad_token="auto")
+    assert auto.pad_id == HFTokenizer(directory, pad_token="<|endoftext|>").pad_id == 0
+    assert "model.pad_token=auto: padding with '<|endoftext|>'" in caplog.text
+    no_pad = chatml_tokenizer_dir(tmp_path / "nopad", pad_token=None)
+    with pytest.raises(ValueError, match=r"has no pad token.*safe candidates in this vocabulary: <\|endoftext\|>"):
+        HFTokenizer(no_pad)
