@@ -26,6 +26,23 @@ log = logging.getLogger(__name__)
 _TRANSFORMERS_IMPORT = threading.Lock()
 
 
+class _NoTorchNotice(logging.Filter):
+    """Drops transformers' import-time notice "PyTorch was not found. Models won't be available...": this package
+    uses transformers for tokenizers only (models are JAX), so without torch (the default install) the notice, printed
+    by every process at start-up, only misleads. Only that record is dropped; a path that needs torch (the `bench`
+    extra's HF `generate`) fails on its own import, and with torch installed the notice is never logged."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("PyTorch was not found")
+
+
+def _quiet_torch_notice() -> None:
+    """Install the filter on transformers' logger (once) before transformers is first imported."""
+    logger = logging.getLogger("transformers")
+    if not any(isinstance(f, _NoTorchNotice) for f in logger.filters):
+        logger.addFilter(_NoTorchNotice())
+
+
 _MARKUP = re.compile(r"[<>\[\]|]")  # what an added token holds when it is markup, not a word or spaces
 
 class TextTokenizer:
@@ -80,6 +97,7 @@ class HFTokenizer:
 
     def __init__(self, directory: str | pathlib.Path, pad_token: str | None = None, vocab_size: int | None = None):
         with _TRANSFORMERS_IMPORT:
+            _quiet_torch_notice()
             from transformers import AutoTokenizer, PreTrainedTokenizerFast  # noqa: PLC0415 - deferred: heavy; kind=hf only
 
         directory = pathlib.Path(directory)

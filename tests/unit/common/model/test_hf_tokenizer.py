@@ -1,6 +1,8 @@
 """Hugging Face tokenizers from a directory: ids, stop tokens, pad checks, chat and reasoning prompt templates."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -113,3 +115,18 @@ def test_a_tokenizer_padding_with_its_stop_token_is_refused_naming_safe_candidat
     no_pad = chatml_tokenizer_dir(tmp_path / "nopad", pad_token=None)
     with pytest.raises(ValueError, match=r"has no pad token.*safe candidates in this vocabulary: <\|endoftext\|>"):
         HFTokenizer(no_pad)
+
+
+def test_loading_a_tokenizer_without_torch_prints_no_pytorch_notice(tok_dir):
+    """transformers prints "PyTorch was not found. Models won't be available..." at import when torch is absent (the
+    default install); every process of an hf run loaded a tokenizer and printed it. It is dropped at our one import
+    site; a bare import in the same conditions still prints it (so this test can see it)."""
+    hide_torch = "import sys; sys.modules['torch'] = None; "
+    ours = subprocess.run([sys.executable, "-c", hide_torch + "from grpo_stream.common.model.tokenizer import "
+                           f"HFTokenizer; print(HFTokenizer({str(tok_dir[0])!r}).vocab_size)"],
+                          capture_output=True, text=True, timeout=120)
+    assert ours.returncode == 0 and ours.stdout.strip() == "120", ours.stderr[-2000:]
+    assert "PyTorch was not found" not in ours.stderr, ours.stderr
+    bare = subprocess.run([sys.executable, "-c", hide_torch + "import transformers.utils"],
+                          capture_output=True, text=True, timeout=120)
+    assert "PyTorch was not found" in bare.stderr, bare.stderr[-2000:]
