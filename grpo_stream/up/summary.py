@@ -95,8 +95,10 @@ class RunSummary:
 
 def done_line(summary: dict, path: pathlib.Path) -> str:
     dropped = sum(summary[f"groups_dropped_{kind}"] for kind in ("stale", "invalid", "filtered", "duplicate"))
+    unacknowledged = summary.get("groups_trained_unacknowledged") or 0
+    trained = f"{summary['groups_trained']}" + (f" ({unacknowledged} not yet acknowledged)" if unacknowledged else "")
     return (f"[up] done in {summary['wall_seconds']:.0f}s: {summary['steps']} steps, groups ingested "
-            f"{summary['groups_ingested']} = trained {summary['groups_trained']} + dropped {dropped} + left "
+            f"{summary['groups_ingested']} = trained {trained} + dropped {dropped} + left "
             f"{summary['groups_left_in_buffer']}; held-out {_eval_change(summary)}; summary: {path}")
 
 
