@@ -38,7 +38,8 @@ class OpenAISection(Strict):
                                            "sliding window) are checked at start-up, naming this field.")
     max_prompt_chars: int | None = Field(None, ge=64, le=1 << 30, description="Most characters of a request's "
                                          "prompts or messages, refused (400) before anything is tokenized; null: 16 x "
-                                         "the endpoint's context (max_context_tokens).")
+                                         "max_context_tokens less generation.max_new_tokens (by default 16 x "
+                                         "generation.max_prompt_tokens).")
     header_timeout_s: float = Field(10.0, gt=0, le=3600, description="A connection whose first request head is not "
                                     "complete in this time is closed.")
     body_timeout_s: float = Field(30.0, gt=0, le=3600, description="A request whose body has not arrived in this "

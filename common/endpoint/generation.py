@@ -103,7 +103,8 @@ class EndpointCore:
                              f"{capacity} tokens per sequence; lower it to {capacity} or less (engines built from the "
                              "run's config hold it)")
         self.engine, self.queue, self.tokenizer, self.model_name = engine, queue, tokenizer, model_name
-        self.max_prompt_chars = max_prompt_chars or 16 * context_tokens
+        # 16 characters a token of the longest prompt it takes (the context less a completion's room)
+        self.max_prompt_chars = max_prompt_chars or 16 * max(1, context_tokens - max_new_tokens)
         self.context_tokens, self.max_new_tokens, self.temperature = context_tokens, max_new_tokens, temperature
         self.tool_format, self.max_n, self.timeout_s = tool_format, max_n, timeout_s
         self.chat_prompts = ChatPrompts(tokenizer)
