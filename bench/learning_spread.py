@@ -7,15 +7,21 @@ of the same command, so the chance that a healthy run fails the check is known:
     python -m grpo_stream.bench.learning_spread demo --runs 10 --out tests/e2e/calibration/demo.json --keep-warmstart W
     python -m grpo_stream.bench.learning_spread gspo --runs 10 --out tests/e2e/calibration/gspo.json --warmstart W
     python -m grpo_stream.bench.learning_spread gspo-100 --runs 10 --warmstart W
+    python -m grpo_stream.bench.learning_spread gspo-100 --runs 10 --warmstart-seeds 1
     python -m grpo_stream.bench.learning_spread tools --runs 10 --out tests/e2e/calibration/multi-turn-tools.json
 
-Without --out the runs go to runs/learning-spread/SETUP.json (gspo and gspo-100 need --warmstart: a demo run's
-warm-started model, which `demo --keep-warmstart W` keeps).
+Without --out the runs go to runs/learning-spread/SETUP.json (gspo and gspo-100 need --warmstart, a demo run's
+warm-started model, which `demo --keep-warmstart W` keeps, or --warmstart-seeds).
 
 For each figure the threshold is the one-sided 99% lower prediction bound for one new run,
 mean - t(0.99, n-1) * sd * sqrt(1 + 1/n), with the run-to-run standard deviation sd of the n runs: if the figure is
 normally distributed, a healthy run falls below it with probability 1% (t = 2.821 for n = 10). The bound is
 never above the lowest run seen. A run's figures are taken from its summary.json, nothing else.
+
+`--warmstart-seeds S` (gspo, gspo-100): each run first makes its own warm start with `run.seed=S+k` (the demo's
+warm start, exported, one RL step, no evaluation) and starts from it with the same seed. A bar calibrated on one warm
+start measures the RL run's noise only; the warm start a CI machine makes differs from this machine's (other seeds,
+or the same seed on another CPU's floating-point reductions), and how much a run gains depends on where it starts.
 """
 
 from __future__ import annotations
@@ -43,6 +49,9 @@ SETUPS = {
     # the default lane's shorter GSPO check (tests/e2e/test_demo.py, GSPO_SHORT_STEPS)
     "gspo-100": ["--config", "configs/tiny_arith.yaml", "model.kind=hf", "model.path={warmstart}",
                  "warmstart.steps=0", "algo.loss_algo=gspo-token", "algo.minibatches=2", "trainer.steps=100"],
+    # a warm start alone (exported, one RL step, no evaluation): what --warmstart-seeds starts each run from
+    "warmstart": ["--config", "configs/tiny_arith.yaml", "warmstart.export=true", "trainer.steps=1",
+                  "trainer.eval_before=false", "trainer.eval_after=false"],
     # the multi-turn demo: tool calls and the environment's answers (issue 45; tests/e2e/test_multi_turn_demo.py)
     "tools": ["--config", "configs/tiny_arith_tools.yaml"],
 }
@@ -73,13 +82,28 @@ def lower_bound(values: list[float]) -> dict[str, float]:
             "max": round(max(values), 4), "bound_99": round(bound, 4)}
 
 
-def run_once(setup: str, run_dir: pathlib.Path, timeout: int, warmstart: pathlib.Path | None) -> dict:
-    args = [a.format(warmstart=warmstart) for a in SETUPS[setup]]
+def _up(setup: str, run_dir: pathlib.Path, timeout: int, warmstart: pathlib.Path | None,
+        extra: list[str]) -> None:
+    args = [a.format(warmstart=warmstart) for a in SETUPS[setup]] + extra
     cmd = [sys.executable, "-m", "grpo_stream", "up", "--run-dir", str(run_dir), *args]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}: {proc.stderr[-2000:]}")
-    out = figures(json.loads((run_dir / "summary.json").read_text()))
+
+
+def run_once(setup: str, run_dir: pathlib.Path, timeout: int, warmstart: pathlib.Path | None,
+             seed: int | None = None) -> dict:
+    """One run's figures; with `seed`, its own warm start made first with that seed (gspo setups)."""
+    extra = [] if seed is None else [f"run.seed={seed}"]
+    if seed is not None and setup.startswith("gspo"):
+        warmstart = run_dir.parent / "warmstart"
+        _up("warmstart", warmstart, timeout, None, extra)
+        warmstart = warmstart / "warmstart-model"
+    _up(setup, run_dir, timeout, warmstart, extra)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    out = figures(summary)
+    if seed is not None:
+        out.update(seed=seed, greedy_before=summary["eval_before"]["accuracy"])
     # how off-policy the run was (the load of the machine sets it): mean staleness and per-group ESS over its steps
     rows = [json.loads(line) for line in (run_dir / "metrics-trainer.jsonl").read_text().splitlines()
             if '"train/loss"' in line]
@@ -100,19 +124,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep-warmstart", type=pathlib.Path, help="demo: copy the first run's warm-started model here")
     p.add_argument("--warmstart", type=pathlib.Path, help="gspo: the warm-started model to start from (a demo "
                    "run's RUN_DIR/warmstart-model, e.g. from --keep-warmstart)")
+    p.add_argument("--warmstart-seeds", type=int, metavar="S", help="gspo: each run k makes its own warm start with "
+                   "run.seed=S+k and runs with that seed (calibrates over warm starts, not one)")
     args = p.parse_args(argv)
     args.out = args.out or ROOT / "runs" / "learning-spread" / f"{args.setup}.json"
-    if args.setup.startswith("gspo") and not (args.warmstart and (args.warmstart / "config.json").is_file()):
+    if args.setup.startswith("gspo") and args.warmstart_seeds is None and not (
+            args.warmstart and (args.warmstart / "config.json").is_file()):
         raise SystemExit("gspo starts from a demo run's warm start: pass --warmstart DIR (made by "
-                         "`demo --keep-warmstart DIR`)")
+                         "`demo --keep-warmstart DIR`), or --warmstart-seeds S")
     doc = json.loads(args.out.read_text()) if args.out.exists() else {"setup": args.setup, "runs": []}
     if doc.get("setup") != args.setup:
         raise SystemExit(f"{args.out} holds runs of '{doc.get('setup')}', not '{args.setup}': pick another --out")
     doc["command"] = "grpo-stream up " + " ".join(SETUPS[args.setup]).replace("{warmstart}", "WARMSTART")
+    if args.warmstart_seeds is not None:
+        doc["command"] += " run.seed=SEED (WARMSTART: grpo-stream up " + " ".join(SETUPS["warmstart"]) + \
+            " run.seed=SEED)"
     for k in range(args.runs):
         with tempfile.TemporaryDirectory(prefix=f"spread-{args.setup}-") as tmp:
             started = time.time()
-            run = run_once(args.setup, pathlib.Path(tmp) / "run", args.timeout, args.warmstart)
+            seed = None if args.warmstart_seeds is None else args.warmstart_seeds + len(doc["runs"])
+            run = run_once(args.setup, pathlib.Path(tmp) / "run", args.timeout, args.warmstart, seed)
             if args.keep_warmstart and not args.keep_warmstart.exists():
                 shutil.copytree(pathlib.Path(tmp) / "run" / "warmstart-model", args.keep_warmstart)
         run["date_utc"] = time.strftime("%Y-%m-%d %H:%M", time.gmtime(started))

@@ -38,7 +38,7 @@ from grpo_stream.common.episodes.evaluation import greedy_probe
 from grpo_stream.common.episodes.registry import build_rollouts, injected_kind, rollout_kind
 from grpo_stream.common.episodes.stream import RolloutStream
 from grpo_stream.common.runtime.console import count_and_range, detail_logger
-from grpo_stream.common.runtime.device_memory import device_memory
+from grpo_stream.common.runtime.device_memory import device_memory, host_memory
 from grpo_stream.common.runtime.heartbeat import Heartbeat
 from grpo_stream.common.runtime.process import stop_on_signals
 from grpo_stream.common.registry.transports import transport_spec
@@ -225,6 +225,7 @@ class Sampler:
                   "environment_seconds": round(self.rollouts.environment_seconds, 3),
                   "sampling_seconds": round(elapsed, 3),
                   "device_memory": device_memory(self.devices[0] if self.devices else None),
+                  "host_memory": host_memory(),
                   # the JAX engine's compiled shapes (slots, windows, prompt buckets): each costs a compilation
                   "engine_programs": sorted(map(list, getattr(parts.engine, "programs", ()))),
                   "openai": endpoint.figures() if endpoint is not None else None}

@@ -19,3 +19,12 @@ def device_memory(device: Any = None) -> dict[str, int] | None:
     if not stats:
         return None
     return {key: int(stats[key]) for key in ("peak_bytes_in_use", "bytes_limit") if key in stats} or None
+
+
+def host_memory() -> dict[str, int]:
+    """{peak_resident_bytes}: this process's peak resident memory since it started (the kernel's high-water mark).
+    On the CPU the devices' arrays live there too, so it is what `grpo-stream plan` on CPU (hardware.*_chip=cpu)
+    estimates per process (docs/plan.md)."""
+    import resource  # noqa: PLC0415 - POSIX only; deferred so importing this module stays portable
+
+    return {"peak_resident_bytes": int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024}  # KiB on Linux

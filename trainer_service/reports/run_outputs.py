@@ -12,7 +12,7 @@ import numpy as np
 
 from grpo_stream.common.config.schema import RunConfig
 from grpo_stream.common.episodes.evaluation import evaluate_run
-from grpo_stream.common.runtime.device_memory import device_memory
+from grpo_stream.common.runtime.device_memory import device_memory, host_memory
 from grpo_stream.common.tasks.rewards import scored_by
 
 log = logging.getLogger(__name__)
@@ -88,6 +88,8 @@ def write_summary(path: pathlib.Path, cfg: RunConfig, *, steps: int, counters: d
             if tokens.get("padded_laid_out") else None},
         # this process's peak device memory (None on CPU): scripts/gpu-check.sh compares it with `plan`'s figure
         "device_memory": device_memory(),
+        # its peak resident memory (on CPU the devices' arrays too): what `plan` on CPU estimates
+        "host_memory": host_memory(),
         "final_weights": final_weights,
         "sampler_weight_versions": publisher.samplers.installed,
         "algo": cfg.algo.model_dump(mode="json"),
