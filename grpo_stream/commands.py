@@ -86,6 +86,7 @@ def _eval(args, cfg) -> None:
     from grpo_stream.common.assembly.compilation_cache import enable_compilation_cache
     from grpo_stream.common.runtime.process import import_tensorboardx_without_torch, setup_logging
     from grpo_stream.reports.evaluate import run_eval
+    from grpo_stream.common.tasks.rewards import scored_by
 
     setup_logging(cfg.logging.level, "eval", cfg.logging.format, cfg.logging.verbose)
     import_tensorboardx_without_torch()
@@ -96,7 +97,8 @@ def _eval(args, cfg) -> None:
     # the task's own figures (IFEval's four) when it has them, else greedy pass@1 (answer_correct)
     head = ", ".join(f"{name} {value:.4f}" for name, value in doc["task_metrics"].items())
     print(f"{doc['split']}: {doc['num_problems']} problems, " + (head or f"greedy pass@1 {doc['accuracy']:.3f}")
-          + (f", {ks}" if ks else "") + (f"; wrote {args.json}" if args.json else ""))
+          + (f", {ks}" if ks else "") + f"; greedy {scored_by(doc['reward_weights'])} {doc['reward']:.3f}"
+          + (f"; wrote {args.json}" if args.json else ""))
 
 
 def _plan(args, cfg) -> int:

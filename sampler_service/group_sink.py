@@ -30,6 +30,18 @@ MAX_FAILED_IN_A_ROW = 64  # groups failed one after another before the sampler s
 PUT_WAIT_S = 0.5
 
 
+RATE_WINDOW_S = 60.0  # the throughput a sampler reports is over the last minute (or since its stream started)
+
+
+def window_rates(events, now: float, since: float, window_s: float = RATE_WINDOW_S) -> tuple[float, float, float]:
+    """(groups/s, tokens/s, seconds) over the window that ends `now`: the last `window_s`, or since the rollout
+    stream started at `since` when that is shorter. `events`: (time, tokens) per group sent. Dividing by the time
+    from the window's first group instead (as before) made 2 groups sent together 100 s into a run read 2 groups/s."""
+    span = max(min(window_s, now - since), 1e-3)
+    recent = [n for t, n in events if now - t <= span]
+    return len(recent) / span, sum(recent) / span, span
+
+
 class GroupSink:
     """See the module docstring. `client`: the RolloutClient; `metrics`: lifecycle.SamplerMetrics; `abandon()`: True
     when groups are no longer wanted (a stop, or the final version installed)."""

@@ -45,7 +45,7 @@ from grpo_stream.common.registry.transports import transport_spec
 from grpo_stream.common.weights.snapshot import digest
 from grpo_stream.sampler_service.engine_thread import EngineThread
 from grpo_stream.common.tasks.reward_workers import RewardWorker
-from grpo_stream.sampler_service.group_sink import GroupSink
+from grpo_stream.sampler_service.group_sink import GroupSink, window_rates
 from grpo_stream.sampler_service.group_source import GroupSource
 from grpo_stream.sampler_service.lifecycle import Parts, open_sampler, served_over_http
 from grpo_stream.sampler_service.weights_in_use import WeightsInUse
@@ -80,6 +80,7 @@ class Sampler:
         self._held_since: float | None = None  # since when no group may start for want of weights
         self._last_report, self._last_line = 0.0, time.monotonic()
         self._run_started: float | None = None  # until the first group is sent (start-up time is logged then)
+        self._stream_started = time.monotonic()  # the rollout stream's start: the throughput window begins there
 
     def run(self) -> dict:
         """Set up, generate until the final version (or a stop), drain, tear down; the run's summary."""
@@ -137,7 +138,7 @@ class Sampler:
         params, version = weights.installed()
         engine = EngineThread(parts.engine, params, self.stream, progress.refresh, version,
                               f"{self.sampler_id}-engine")
-        started = time.monotonic()
+        started = self._stream_started = time.monotonic()
         try:
             while not self.stop_event.is_set():
                 progress.beat_if_alive(not self.stream.in_flight())
@@ -243,16 +244,15 @@ class Sampler:
         if now - self._last_report < 5.0:
             return
         self._last_report = now
-        recent = [(t, n) for t, n in list(sink.rate) if now - t <= 60.0]
-        span = max(now - recent[0][0], 1.0) if recent else 1.0
-        self.sync.throughput = (len(recent) / span, sum(n for _, n in recent) / span)
+        groups_s, tokens_s, span = window_rates(list(sink.rate), now, self._stream_started)
+        self.sync.throughput = (groups_s, tokens_s)
         self.sync.groups_generated = sink.groups_generated
         self.sync.report()
         if now - self._last_line >= self.cfg.logging.summary_every_s and not self.cfg.logging.verbose:
             self._last_line = now
-            log.info("%s: version %d (lag %d), %.2f groups/s, %.0f tokens/s over the last minute; %d groups sent, "
+            log.info("%s: version %d (lag %d), %.2f groups/s, %.0f tokens/s over the last %.0f s; %d groups sent, "
                      "%d in flight, %d versions installed", self.sampler_id, self.weights.version, self.sync.lag(),
-                     *self.sync.throughput, sink.groups_sent, self.stream.groups_started - self.stream.groups_done,
+                     groups_s, tokens_s, span, sink.groups_sent, self.stream.groups_started - self.stream.groups_done,
                      len(self.weights.installed_versions))
 
     def _verify(self, parts: Parts) -> dict:

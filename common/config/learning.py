@@ -68,7 +68,10 @@ class ModelSection(Strict):
                                                   "state_dtype).")
     pad_token: str | None = Field(None, description="kind=hf: token used for padding when the tokenizer defines none "
                                   "(it must not be an end-of-sequence token; Llama 3: <|finetune_right_pad_id|>). "
-                                  "Null: the tokenizer's pad token.")
+                                  "Null: the tokenizer's pad token (one that is a stop token, as in many HF files, is "
+                                  "refused naming safe candidates). 'auto': the first special token that is not a "
+                                  "stop, BOS or chat-template token (pad-like names first, then end-of-text ones: "
+                                  "SmolLM2's <|endoftext|>), logged.")
     lora: LoraSection | None = Field(None, description="LoRA fine-tuning: null trains every parameter; a section "
                                      "(e.g. model.lora.rank=8) freezes the base and trains adapters only. Samplers, "
                                      "evaluation and the exported model get the merged weights W + (alpha/rank) A B.")
@@ -103,13 +106,20 @@ class TaskSection(Strict):
     dataset: DatasetSection = Field(default_factory=DatasetSection, description="task.name=gsm8k: where the "
                                     "problems come from.")
     prompt_template: Literal["plain", "chat", "reasoning", "tools"] = Field(
-        "plain", description="'plain': 'Q: <question> A:' (the arith task always uses it); 'chat': the tokenizer's "
-        "chat template with the question as the user turn; 'reasoning': chat template with a system prompt asking "
-        "for <reasoning>...</reasoning><answer>...</answer> (the Tunix GSM8K demo format); 'tools': chat template "
-        "listing environment.name=gsm8k_tools's tools, asking for a final '#### N'.")
+        "plain", description="How every task renders a question (samplers, warm start, evaluation, injected "
+        "questions; common/tasks/prompts.py). 'plain': BOS text + 'Q: <question> A:' (the tiny demo's; an instruct "
+        "model whose BOS is a chat role token, SmolLM2's <|im_start|>, needs 'chat'); 'chat': the tokenizer's chat "
+        "template with the question as the user turn, as the OpenAI endpoint renders the same messages; "
+        "'reasoning': chat template with a system prompt asking for <reasoning>...</reasoning><answer>...</answer> "
+        "(the Tunix GSM8K demo format); 'tools': chat template listing environment.name=gsm8k_tools's tools, asking "
+        "for a final '#### N'. ifeval takes plain or chat; arith and arith_tools plain, chat or reasoning.")
+    system_prompt: str | None = Field(None, max_length=8192, description="A chat-form prompt_template's system "
+                                      "turn (chat: none when null; reasoning and tools: replaces their own). "
+                                      "Refused with prompt_template=plain.")
     rewards: dict[str, float] = Field(
         default_factory=lambda: {"answer_correct": 1.0, "answer_format": 0.1}, min_length=1,
-        description="Reward -> weight. Built-ins: answer_correct, answer_format (#### N), reasoning_answer_format, "
+        description="Reward -> weight. Built-ins: answer_correct, answer_format (#### N), last_number (the last "
+        "number a reply writes is the answer: chat-form prompts), reasoning_answer_format, "
         "ifeval_strict and ifeval_loose (task.name=ifeval: share of a prompt's instructions followed); "
         "or 'package.module:function' taking (completion_text, reference_answer) -> float.")
     reward_timeout_s: float = Field(10.0, gt=0, le=600, description="Longest a reward may take on one completion. "
@@ -127,6 +137,9 @@ class TaskSection(Strict):
     def _range(self) -> "TaskSection":
         if self.max_operand <= self.min_operand:
             raise ValueError(f"task.max_operand={self.max_operand} must exceed task.min_operand={self.min_operand}")
+        if self.system_prompt and self.prompt_template == "plain":
+            raise ValueError("task.system_prompt needs a chat-form task.prompt_template (chat, reasoning or tools); "
+                             "'plain' has no system turn")
         if task_spec(self.name).own_rollouts and not self.verifiers.environment:
             raise ValueError(f"task.name={self.name} needs task.verifiers.environment (an environment id or module)")
         return self

@@ -28,9 +28,18 @@ class OpenAISection(Strict):
     request_timeout_s: float = Field(600.0, gt=0, le=86_400, description="A request not answered in this time is "
                                      "answered 504 (its sequences are withdrawn when they have not started).")
     max_body_bytes: int = Field(4 << 20, ge=1024, le=1 << 30, description="Largest request body; beyond it 413.")
+    max_context_tokens: int | None = Field(None, ge=8, le=1 << 20, description="The endpoint's context: most "
+                                           "prompt + completion tokens of one request (a chat's later turns are "
+                                           "longer prompts); a completion still takes at most generation."
+                                           "max_new_tokens. Null: the training rollouts' generation.max_prompt_tokens "
+                                           "+ max_new_tokens. Above that, the sampler's JAX engine holds this many KV "
+                                           "positions per sequence (memory of decode_slots x this once a long one is "
+                                           "live) and vLLM's max_model_len is this; the model's own limits (Gemma's "
+                                           "sliding window) are checked at start-up, naming this field.")
     max_prompt_chars: int | None = Field(None, ge=64, le=1 << 30, description="Most characters of a request's "
                                          "prompts or messages, refused (400) before anything is tokenized; null: 16 x "
-                                         "generation.max_prompt_tokens.")
+                                         "max_context_tokens less generation.max_new_tokens (by default 16 x "
+                                         "generation.max_prompt_tokens).")
     header_timeout_s: float = Field(10.0, gt=0, le=3600, description="A connection whose first request head is not "
                                     "complete in this time is closed.")
     body_timeout_s: float = Field(30.0, gt=0, le=3600, description="A request whose body has not arrived in this "
@@ -43,6 +52,22 @@ class OpenAISection(Strict):
     tool_format: Literal["qwen", "llama3", "gemma", "plain"] | None = Field(
         None, description="How the model writes tool calls, parsed into a chat completion's `tool_calls` when the "
         "request lists tools; null: environment.tool_format.")
+
+
+def endpoint_context(cfg) -> int:
+    """The endpoint's context in tokens: sampler.openai.max_context_tokens, or the rollouts' prompt + completion."""
+    gen = cfg.generation
+    return cfg.sampler.openai.max_context_tokens or gen.max_prompt_tokens + gen.max_new_tokens
+
+
+def engine_context(cfg) -> tuple[int, str]:
+    """(KV positions per sequence a sampler's engine must hold, the config field that asks for them): the rollouts'
+    prompt + completion, or the endpoint's context when it serves one that is longer."""
+    gen = cfg.generation
+    rollouts = gen.max_prompt_tokens + gen.max_new_tokens
+    if serves_endpoint(cfg) and endpoint_context(cfg) > rollouts:
+        return endpoint_context(cfg), "sampler.openai.max_context_tokens"
+    return rollouts, "generation.max_prompt_tokens + generation.max_new_tokens"
 
 
 def serves_endpoint(cfg) -> bool:

@@ -28,6 +28,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.requests import ClientDisconnect
 
+from grpo_stream.common.config.serving import endpoint_context
 from grpo_stream.common.endpoint.generation import INTERNAL, EndpointCore, RolloutVersions, Unavailable
 from grpo_stream.common.endpoint.protocol import ChatRequest, CompletionRequest, RequestError
 from grpo_stream.common.engine.side_requests import QueueFull, SideQueue
@@ -127,7 +128,7 @@ def build_app(core: EndpointCore, table: TokenTable | None, settings, internal_t
             return denied
         return {"object": "list", "data": [{"id": core.model_name, "object": "model", "created": int(time.time()),
                                             "owned_by": "grpo-stream", "max_model_len":
-                                            core.max_prompt_tokens + core.max_new_tokens}]}
+                                            core.context_tokens}]}
 
     async def serve(request: Request, route: str, model: type[pydantic.BaseModel], handler) -> JSONResponse:
         caller, denied = authorized(request, route)
@@ -190,7 +191,7 @@ class InProcessRoutes:
 def endpoint_core(cfg, engine, queue: SideQueue, tokenizer) -> EndpointCore:
     """The routes' core over `engine` with the run's generation settings and sampler.openai's limits."""
     settings, gen = cfg.sampler.openai, cfg.generation
-    return EndpointCore(engine, queue, tokenizer, settings.model_name or cfg.run.name, gen.max_prompt_tokens,
+    return EndpointCore(engine, queue, tokenizer, settings.model_name or cfg.run.name, endpoint_context(cfg),
                         gen.max_new_tokens, gen.temperature, settings.tool_format or cfg.environment.tool_format,
                         settings.max_n, settings.request_timeout_s, settings.max_prompt_chars)
 

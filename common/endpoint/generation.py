@@ -93,11 +93,19 @@ class RolloutVersions:
 class EndpointCore:
     """What the HTTP routes call: token ids in, engine sequences, answers out."""
 
-    def __init__(self, engine, queue: SideQueue, tokenizer, model_name: str, max_prompt_tokens: int, max_new_tokens: int,
+    def __init__(self, engine, queue: SideQueue, tokenizer, model_name: str, context_tokens: int, max_new_tokens: int,
                  temperature: float, tool_format: str, max_n: int, timeout_s: float, max_prompt_chars: int | None = None):
+        """`context_tokens`: the endpoint's context (sampler.openai.max_context_tokens, or the rollouts' prompt +
+        completion), which the engine's KV capacity per sequence must hold."""
+        capacity = getattr(engine, "context_capacity", context_tokens)
+        if context_tokens > capacity:
+            raise ValueError(f"sampler.openai.max_context_tokens={context_tokens} exceeds this engine's KV capacity of "
+                             f"{capacity} tokens per sequence; lower it to {capacity} or less (engines built from the "
+                             "run's config hold it)")
         self.engine, self.queue, self.tokenizer, self.model_name = engine, queue, tokenizer, model_name
-        self.max_prompt_chars = max_prompt_chars or 16 * max_prompt_tokens
-        self.max_prompt_tokens, self.max_new_tokens, self.temperature = max_prompt_tokens, max_new_tokens, temperature
+        # 16 characters a token of the longest prompt it takes (the context less a completion's room)
+        self.max_prompt_chars = max_prompt_chars or 16 * max(1, context_tokens - max_new_tokens)
+        self.context_tokens, self.max_new_tokens, self.temperature = context_tokens, max_new_tokens, temperature
         self.tool_format, self.max_n, self.timeout_s = tool_format, max_n, timeout_s
         self.chat_prompts = ChatPrompts(tokenizer)
         self.rollout_versions = RolloutVersions()
@@ -113,12 +121,12 @@ class EndpointCore:
         every other request and the sampler's own decoding wait)."""
         if chars > self.max_prompt_chars:
             raise RequestError(f"{where}: {chars} characters, at most sampler.openai.max_prompt_chars="
-                               f"{self.max_prompt_chars} (the context is {self.max_prompt_tokens} prompt tokens)")
+                               f"{self.max_prompt_chars} (the context is {self.context_tokens} tokens)")
 
     def _budget(self, request, prompts: list[list[int]], where: str, default: int | None) -> int:
-        """The new-token budget of every sequence, checked with its prompt against the engine's context
-        (generation.max_prompt_tokens + max_new_tokens; later turns of a conversation are longer prompts)."""
-        context = self.max_prompt_tokens + self.max_new_tokens
+        """The new-token budget of every sequence, checked with its prompt against the endpoint's context
+        (sampler.openai.max_context_tokens; later turns of a conversation are longer prompts)."""
+        context = self.context_tokens
         longest = max(len(ids) for ids in prompts)
         if min(len(ids) for ids in prompts) == 0:
             raise RequestError(f"{where}: encodes to no tokens; send a non-empty prompt")
@@ -128,7 +136,7 @@ class EndpointCore:
         # worded as vLLM words it: clients (verifiers, agent loops) recognise it and end an episode as truncated
         if longest >= context:
             raise RequestError(f"{where}: this model's maximum context length is {context} tokens "
-                               f"(generation.max_prompt_tokens + generation.max_new_tokens); the prompt has {longest}")
+                               f"(sampler.openai.max_context_tokens); the prompt has {longest}")
         budget = request.budget(self.max_new_tokens, default or min(self.max_new_tokens, context - longest))
         if longest + budget > context:
             raise RequestError(f"max_tokens={budget}: this model's maximum context length is {context} tokens and "

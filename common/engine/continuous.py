@@ -79,6 +79,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from grpo_stream.common.config.serving import engine_context
 from grpo_stream.common.engine import cpu_attention, decode
 from grpo_stream.common.engine.base import Generation, RequestSource, generate_by_serving
 from grpo_stream.common.engine.held_turns import HeldTurns
@@ -96,12 +97,14 @@ class ContinuousEngine:
 
     def __init__(self, model: PolicyModel, pad_id: int, eos_id: int | list[int], max_prompt_tokens: int,
                  max_new_tokens: int, temperature: float, slots: int = 256, chunk_steps: int = 16,
-                 length_groups: int = 1, ragged_attention: bool = True):
+                 length_groups: int = 1, ragged_attention: bool = True, context_tokens: int | None = None,
+                 context_field: str = "generation.max_prompt_tokens + generation.max_new_tokens"):
         """`eos_id`: the stop token, or all of them; `slots`: most sequences decoded at once (KV-cache memory
         grows with it); `chunk_steps`: most decode steps between two host scheduling points; `length_groups`: 1
         (every slot attends over the longest live sequence's window) or 2 (long sequences may move to their own
         group); `ragged_attention`: on one CPU device in float32, attention reads each slot's own positions through
-        the CPU kernel (cpu_attention.py) where it builds."""
+        the CPU kernel (cpu_attention.py) where it builds; `context_tokens`: KV positions per sequence when more than
+        max_prompt_tokens + max_new_tokens (the OpenAI endpoint's longer context), asked for by `context_field`."""
         if slots < 1 or chunk_steps < 1 or length_groups not in (1, 2):
             raise ValueError(f"slots={slots} and chunk_steps={chunk_steps} must be >= 1, length_groups="
                              f"{length_groups} 1 or 2")
@@ -109,9 +112,11 @@ class ContinuousEngine:
         self.model, self.pad_id = model, pad_id
         self.max_prompt_tokens, self.max_new_tokens = max_prompt_tokens, max_new_tokens
         self.slots, self.ragged_attention = slots, ragged_attention
-        decode.check_sequence_fits(model, max_prompt_tokens + max_new_tokens)
+        context = max(max_prompt_tokens + max_new_tokens, context_tokens or 0)
+        decode.check_sequence_fits(model, context, context_field)
         # a completion's last token is sampled, never written: the cache needs prompt + max_new_tokens - 1 slots
-        self.cache_len = -(-(max_prompt_tokens + max_new_tokens) // MIN_WINDOW) * MIN_WINDOW
+        self.cache_len = -(-context // MIN_WINDOW) * MIN_WINDOW
+        self.context_capacity = self.cache_len  # the longest prompt + completion a sequence may have
         arch = model.arch
         # a row's work outside attention in cache positions: the parameters over one position's keys and values
         # (2 x KV x D x layers numbers) is the ratio of their memory traffic; measured on CPU (bench sampler's
@@ -262,7 +267,9 @@ class ContinuousEngine:
 def build(cfg, model: PolicyModel, tokenizer, index: int = 0) -> ContinuousEngine:
     """The engine registry's entry (sampler.engine=jax)."""
     gen = cfg.generation
+    context, field = engine_context(cfg)
     return ContinuousEngine(model, tokenizer.pad_id, tokenizer.eos_ids, gen.max_prompt_tokens, gen.max_new_tokens,
                             gen.temperature, slots=gen.decode_slots, chunk_steps=gen.decode_chunk_steps,
                             length_groups=gen.decode_length_groups,
-                            ragged_attention=gen.decode_attention == "auto")
+                            ragged_attention=gen.decode_attention == "auto", context_tokens=context,
+                            context_field=field)

@@ -289,12 +289,14 @@ def _forward_gemma(model: PolicyModel, w: DecodeWeights, tokens, positions, cach
     return logits, tuple(tuple(c) for c in new_caches)
 
 
-def check_sequence_fits(model: PolicyModel, total_tokens: int) -> None:
-    """Gemma's sliding-window layers are exact here only for sequences within the window."""
+def check_sequence_fits(model: PolicyModel, total_tokens: int,
+                        field: str = "generation.max_prompt_tokens + generation.max_new_tokens") -> None:
+    """Gemma's sliding-window layers are exact here only for sequences within the window; `field`: the setting that
+    asks for `total_tokens`, named in the error."""
     window = model.arch.sliding_window
     if family_of(model.arch).decode.layout == "gemma" and window is not None and total_tokens > window:
-        raise ValueError(f"generation.max_prompt_tokens + generation.max_new_tokens = {total_tokens} exceeds the "
-                         f"model's sliding_window={window}; shorten them (sliding windows are not implemented)")
+        raise ValueError(f"{field} = {total_tokens} exceeds the model's sliding_window={window}; shorten it "
+                         "(sliding windows are not implemented)")
 
 
 def sample_inverse_cdf(key: jax.Array, logp: jax.Array) -> jax.Array:

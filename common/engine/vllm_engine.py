@@ -79,6 +79,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
+from grpo_stream.common.config.serving import engine_context
 from grpo_stream.common.engine.side_requests import SideQueue, serve_sharing
 from grpo_stream.common.engine.base import Generation, Request, RequestSource, generate_by_serving
 from grpo_stream.common.engine.vllm_worker import EXTENSION, load_into_worker
@@ -94,12 +95,14 @@ class VllmEngine:
 
     def __init__(self, model_dir: str | pathlib.Path, model, pad_id: int, eos_ids: list[int], max_prompt_tokens: int,
                  max_new_tokens: int, temperature: float, settings, dtype: str = "float32", seed: int = 0,
-                 in_flight: bool = False):
+                 in_flight: bool = False, context_tokens: int | None = None):
         """`model_dir`: a Hugging Face directory whose config.json vLLM builds the model from (its weights are not
         read); `model`: the policy model (`grpo_stream.common.model.policy.PolicyModel`, abstract is enough) whose
         params `generate` gets; `settings`: the sampler.vllm config section; `in_flight`: weights may change
-        mid-generation (sampler.weight_updates=in_flight)."""
+        mid-generation (sampler.weight_updates=in_flight); `context_tokens`: max_model_len when more than
+        max_prompt_tokens + max_new_tokens (the OpenAI endpoint's longer context)."""
         self.model, self.pad_id, self.eos_ids = model, pad_id, list(eos_ids)
+        self.context_capacity = max(max_prompt_tokens + max_new_tokens, context_tokens or 0)
         self.side: SideQueue | None = None  # an endpoint's queue whose requests join every serve (side_requests.py)
         self.max_prompt_tokens, self.max_new_tokens, self.temperature = max_prompt_tokens, max_new_tokens, temperature
         self.settings = settings
@@ -132,7 +135,7 @@ class VllmEngine:
             # Every sampled request is seeded, so prompts are prefilled whole (the step budget must hold one)
             engine_args["enable_chunked_prefill"] = False
             engine_args["max_num_batched_tokens"] = max(engine_args.get("max_num_batched_tokens", 0),
-                                                        max_prompt_tokens + max_new_tokens, 4096)
+                                                        self.context_capacity, 4096)
         if self.install_mode == "files":  # the workers' loading method, called by name (vllm_worker.py)
             engine_args["worker_extension_cls"] = EXTENSION
         if settings.kv_cache_gib is not None:
@@ -140,7 +143,7 @@ class VllmEngine:
         started = time.monotonic()
         self.llm = LLM(model=str(model_dir), skip_tokenizer_init=True, load_format="dummy",
                        logprobs_mode="processed_logprobs", dtype=dtype,
-                       max_model_len=max_prompt_tokens + max_new_tokens,
+                       max_model_len=self.context_capacity,
                        gpu_memory_utilization=settings.gpu_memory_utilization,
                        tensor_parallel_size=settings.tensor_parallel_size, max_num_seqs=settings.max_num_seqs,
                        enforce_eager=settings.enforce_eager, enable_prefix_caching=settings.prefix_caching,
@@ -301,12 +304,12 @@ class VllmEngine:
     def _check(self, request: Request) -> Request:
         """A request fits: a prompt of 1 or more tokens, a budget in 1..max_new_tokens, both within max_model_len
         (a later turn's prompt may pass max_prompt_tokens: the conversation so far)."""
-        room = self.max_prompt_tokens + self.max_new_tokens
+        room = self.context_capacity
         if not len(request.ids) or not 1 <= request.budget <= self.max_new_tokens or \
                 len(request.ids) + request.budget > room:
             raise ValueError(f"request of {len(request.ids)} prompt tokens and a budget of {request.budget} does not "
                              f"fit the engine's {room} tokens (generation.max_prompt_tokens + "
-                             "generation.max_new_tokens)")
+                             "generation.max_new_tokens, or sampler.openai.max_context_tokens when longer)")
         return request
 
     def _finish(self, source: RequestSource, entry: "_Live") -> None:
@@ -364,4 +367,4 @@ def build(cfg, model, tokenizer, index: int = 0) -> VllmEngine:
         write_hf_config(model_dir, model.arch, cfg.sampler_dtype(), tokenizer.eos_ids, tokenizer.pad_id)
     return VllmEngine(model_dir, model, tokenizer.pad_id, tokenizer.eos_ids, gen.max_prompt_tokens, gen.max_new_tokens,
                       gen.temperature, cfg.sampler.vllm, dtype=cfg.sampler_dtype(), seed=cfg.run.seed * 1000 + index,
-                      in_flight=cfg.sampler.weight_updates == "in_flight")
+                      in_flight=cfg.sampler.weight_updates == "in_flight", context_tokens=engine_context(cfg)[0])

@@ -9,8 +9,11 @@
   (numbers compared after normalisation, `grpo_stream.common.tasks.answers`); a problem counts
   when the most frequent answer is correct, ties going to the answer seen
   first. Completions that state no answer do not vote.
-- reward: the mean reward of the greedy episodes by the run's rewards (task.rewards), or by the rubric of a kind
-  that scores its own episodes (a verifiers environment).
+- reward: the mean reward of the greedy episodes by the run's rewards (task.rewards, recorded as `reward_weights`
+  beside it, and each reward's own mean in `reward_components`), or by the rubric of a kind that scores its own
+  episodes (a verifiers environment). This is the run's own measure of success: `accuracy` is `answer_correct`
+  (`#### N` and the other explicit answer formats) whatever the run rewards, which a chat-form run rewarding
+  `last_number` may never write.
 - task metrics: a task's own figures of the greedy completions (`task_metrics`, e.g. IFEval's four).
 """
 
@@ -27,6 +30,7 @@ import jax
 from grpo_stream.common.engine.base import GenerationEngine
 from grpo_stream.common.episodes.finite import run_groups
 from grpo_stream.common.episodes.registry import ROLLOUTS, build_rollouts, rollout_kind
+from grpo_stream.common.registry.tasks import task_spec
 from grpo_stream.common.episodes.groups import episode_text, score_episode
 from grpo_stream.common.tasks.reward_workers import RewardWorker
 from grpo_stream.common.episodes.result import EpisodeResult, GroupWork, on_host
@@ -49,6 +53,7 @@ class EvalResult:
     task_metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # the task's own figures (greedy)
     reward: float = 0.0                   # mean reward of the greedy episodes by the run's rewards (or rubric)
     reward_components: dict[str, float] = dataclasses.field(default_factory=dict)  # each component's mean
+    reward_weights: dict[str, float] = dataclasses.field(default_factory=dict)  # what `reward` weighs: task.rewards
     failed_episodes: int = 0              # episodes that could not be made (a verifiers rollout that raised): 0
     sampled_reward: float | None = None   # the same over the sampled episodes (with `samples`)
     sampled_reward_components: dict[str, float] = dataclasses.field(default_factory=dict)
@@ -108,7 +113,7 @@ def evaluate(engine: GenerationEngine, params: Any, tokenizer, problems: list, b
              samples: int = 0, ks: Sequence[int] = (), seed: int = 0,
              progress: Callable[[], None] | None = None, rollouts=None, rewards: RewardSet | None = None,
              turn_weight: float = 0.0, task_metrics: Callable[[list, list[str]], dict[str, float]] | None = None,
-             score_call=None) -> EvalResult:
+             score_call=None, reward_weights: dict[str, float] | None = None) -> EvalResult:
     """Greedy pass@1 on `problems` (each has .prompt and .answer); with `samples` > 0 also pass@k and maj@k.
 
     Each problem is a group of episodes made by `rollouts` (the run's rollout kind, common/episodes/registry.py:
@@ -118,7 +123,8 @@ def evaluate(engine: GenerationEngine, params: Any, tokenizer, problems: list, b
     greedy (and sampled) episodes, with `turn_weight` x their turn rewards, is `reward` (`sampled_reward`); a kind
     that scores its own episodes (a verifiers rubric) gives its own. `task_metrics(problems, greedy completions)`:
     the task's own figures (a task's `eval_metrics`). `score_call`: how each reward runs (RewardSet.score; a run's:
-    in a worker with a deadline)."""
+    in a worker with a deadline). `reward_weights`: what `reward` weighs, for the record (default: `rewards`'
+    configured weights; {} when the rollouts score their own episodes)."""
     start = time.time()
     if not problems:
         raise ValueError("no problems to evaluate (eval.num_problems / --limit, and the split's size)")
@@ -143,6 +149,7 @@ def evaluate(engine: GenerationEngine, params: Any, tokenizer, problems: list, b
     result = EvalResult(accuracy=sum(correct) / n, format_rate=sum(formatted) / n, num_problems=n,
                         seconds=0.0, examples=examples, samples=samples, skipped_long_prompts=skipped,
                         reward=reward, reward_components=components, failed_episodes=failed,
+                        reward_weights=dict(rewards.configured) if reward_weights is None else reward_weights,
                         task_metrics=task_metrics(problems, greedy) if task_metrics else {})
     if samples:
         bad = [k for k in ks if not 0 < k <= samples]
@@ -200,4 +207,5 @@ def evaluate_run(cfg, engine, params, task, tokenizer, problems: list,
         return evaluate(engine, params, tokenizer, problems, cfg.eval.batch_size, samples=cfg.eval.samples,
                         ks=cfg.eval.ks, seed=cfg.run.seed, progress=progress, rollouts=rollouts,
                         rewards=rewards, turn_weight=cfg.environment.turn_reward_weight,
-                        task_metrics=getattr(task, "eval_metrics", None), score_call=worker.call)
+                        task_metrics=getattr(task, "eval_metrics", None), score_call=worker.call,
+                        reward_weights={} if task_spec(cfg.task.name).own_rollouts else None)  # a rubric scores

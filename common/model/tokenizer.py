@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import pathlib
 import re
 import threading
@@ -17,10 +18,29 @@ import threading
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
+AUTO_PAD = "auto"  # model.pad_token: pick a safe special token (HFTokenizer.pad_candidates)
+log = logging.getLogger(__name__)
 # transformers' lazy top-level module is not safe to import from two threads at once (the second one can get
 # "cannot import name 'AutoTokenizer'"): weights.transport=local's trainer and sampler threads load their tokenizers
 # together
 _TRANSFORMERS_IMPORT = threading.Lock()
+
+
+class _NoTorchNotice(logging.Filter):
+    """Drops transformers' import-time notice "PyTorch was not found. Models won't be available...": this package
+    uses transformers for tokenizers only (models are JAX), so without torch (the default install) the notice, printed
+    by every process at start-up, only misleads. Only that record is dropped; a path that needs torch (the `bench`
+    extra's HF `generate`) fails on its own import, and with torch installed the notice is never logged."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("PyTorch was not found")
+
+
+def _quiet_torch_notice() -> None:
+    """Install the filter on transformers' logger (once) before transformers is first imported."""
+    logger = logging.getLogger("transformers")
+    if not any(isinstance(f, _NoTorchNotice) for f in logger.filters):
+        logger.addFilter(_NoTorchNotice())
 
 
 _MARKUP = re.compile(r"[<>\[\]|]")  # what an added token holds when it is markup, not a word or spaces
@@ -48,9 +68,6 @@ class TextTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text).ids
-
-    def chat_prompt(self, messages: list[dict]) -> str:
-        raise ValueError("task.prompt_template: the tiny model's tokenizer has no chat template; use 'plain'")
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode([i for i in ids if i not in (self.pad_id, self.eos_id)], skip_special_tokens=True)
@@ -80,6 +97,7 @@ class HFTokenizer:
 
     def __init__(self, directory: str | pathlib.Path, pad_token: str | None = None, vocab_size: int | None = None):
         with _TRANSFORMERS_IMPORT:
+            _quiet_torch_notice()
             from transformers import AutoTokenizer, PreTrainedTokenizerFast  # noqa: PLC0415 - deferred: heavy; kind=hf only
 
         directory = pathlib.Path(directory)
@@ -100,21 +118,59 @@ class HFTokenizer:
         if not eos:
             raise ValueError(f"model.path={directory}: the tokenizer defines no end-of-sequence token")
         self._eos = sorted(eos)
+        self.vocab_size = int(vocab_size or len(self._tok))
+        self.pad_id = self._pad_id(directory, pad_token)
+        self.eos_id = self._eos[0]
+        self.bos_text = self._tok.bos_token or ""  # prepended to plain prompts; chat templates write it themselves
+        self._fingerprint_source = directory
+
+    def _pad_id(self, directory: pathlib.Path, pad_token: str | None) -> int:
+        """The padding id: model.pad_token's ('auto': the first of `pad_candidates`, logged), else the tokenizer's.
+        A stop token is refused (padding is never sampled: the model could not stop), naming safe candidates."""
+        if pad_token == AUTO_PAD:
+            candidates = self.pad_candidates()
+            if not candidates:
+                raise ValueError(f"model.pad_token=auto: the tokenizer at {directory} has no special token that is "
+                                 "not a stop, BOS or chat-template token; add one (e.g. <|pad|>) and name it")
+            log.info("model.pad_token=auto: padding with %r (a special token that is not a stop, BOS or chat-template "
+                     "token; others: %s)", candidates[0], candidates[1:5] or "none")
+            return int(self._tok.convert_tokens_to_ids(candidates[0]))
         pad = pad_token or self._tok.pad_token
         if pad is None:
             raise ValueError(f"model.pad_token: the tokenizer at {directory} has no pad token; name one that is not "
-                             "an end-of-sequence token (Llama 3: <|finetune_right_pad_id|>)")
+                             f"an end-of-sequence token{self._suggestion()}")
         pad_id = self._tok.convert_tokens_to_ids(pad)
         if pad_id is None or pad_id == self._tok.unk_token_id and pad != self._tok.unk_token:
-            raise ValueError(f"model.pad_token={pad!r} is not a token of the tokenizer at {directory}")
-        if pad_id in eos:
-            raise ValueError(f"model.pad_token={pad!r} is an end-of-sequence token; padding is never sampled, so "
-                             "the model could not stop. Name another token")
-        self.pad_id = int(pad_id)
-        self.eos_id = self._eos[0]
-        self.vocab_size = int(vocab_size or len(self._tok))
-        self.bos_text = self._tok.bos_token or ""  # prepended to plain prompts; chat templates write it themselves
-        self._fingerprint_source = directory
+            raise ValueError(f"model.pad_token={pad!r} is not a token of the tokenizer at {directory}"
+                             f"{self._suggestion()}")
+        if pad_id in self._eos:
+            which = f"model.pad_token={pad!r}" if pad_token else f"the tokenizer's pad token {pad!r} (model.pad_token: null)"
+            raise ValueError(f"{which} is an end-of-sequence token; padding is never sampled, so the model could not "
+                             f"stop. Set model.pad_token to another token{self._suggestion()}")
+        return int(pad_id)
+
+    def pad_candidates(self) -> list[str]:
+        """Special tokens safe to pad with: not a stop token, not the BOS, not written by the chat template (its
+        role and turn tokens: <|im_start|>, <|im_end|>, <start_of_turn>...); those named like padding first, then
+        end-of-text ones (SmolLM2's <|endoftext|>), then by id."""
+        template = getattr(self._tok, "chat_template", None) or ""
+        template = template if isinstance(template, str) else " ".join(map(str, dict(template).values()))
+        added = getattr(self._tok, "added_tokens_decoder", {}) or {}
+        specials = {t.content for t in added.values() if getattr(t, "special", False)}
+        specials |= set(self._tok.all_special_tokens)
+        ids = {t: self._tok.convert_tokens_to_ids(t) for t in specials}
+        safe = [t for t, i in ids.items() if i is not None and i not in self._eos and t != self._tok.bos_token
+                and t not in template and i < self.vocab_size]
+
+        def rank(token: str) -> tuple:
+            low = token.lower()
+            return ("pad" not in low, not any(w in low for w in ("endoftext", "end_of_text", "eot")), ids[token])
+        return sorted(safe, key=rank)
+
+    def _suggestion(self) -> str:
+        found = self.pad_candidates()[:5]
+        return (f" (safe candidates in this vocabulary: {', '.join(found)}; or model.pad_token=auto picks the first)"
+                if found else " (this vocabulary has no spare special token: add one, e.g. <|pad|>)")
 
     @property
     def eos_ids(self) -> list[int]:
@@ -125,11 +181,6 @@ class HFTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode([i for i in ids if i != self.pad_id and i not in self._eos], skip_special_tokens=True)
-
-    def chat_prompt(self, messages: list[dict]) -> str:
-        if not getattr(self._tok, "chat_template", None):
-            raise ValueError("task.prompt_template: this tokenizer has no chat template; use 'plain'")
-        return self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
     @property
     def has_chat_template(self) -> bool:

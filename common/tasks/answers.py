@@ -104,3 +104,10 @@ def extract_answer(text: str) -> str | None:
                                                       _CURRENCY.sub("", stated)))
             return found.group(0).strip() if found else None
     return None
+
+
+def last_number(text: str) -> str | None:
+    """The last number `text` writes (a chat reply's answer: "12 + 7 = 19.", "... so she has 19 apples"), or None
+    when it writes none. LaTeX fractions and currency signs are read as `extract_answer` reads them."""
+    found = _NUMBER_RE.findall(_FRAC_LATEX.sub(lambda m: f"{m.group(1)}/{m.group(2)}", _CURRENCY.sub("", text)))
+    return found[-1].strip() if found else None

@@ -16,8 +16,9 @@ from __future__ import annotations
 import dataclasses
 import random
 import zlib
-from typing import Iterator
+from typing import Callable, Iterator
 
+from grpo_stream.common.tasks import prompts
 from grpo_stream.common.tasks.task_tokenizer import build_tokenizer
 
 _NAMES = ("Tom", "Ana", "Ben", "Mia", "Sam", "Zoe", "Leo", "Ivy")
@@ -27,7 +28,13 @@ _TEMPLATES = (
     "A box has {a} {i}. {n} adds {b}. How many {i} in the box?",
     "{n} found {a} {i} and then {b} more. How many in all?",
 )
-PROMPT_FORMAT = "Q: {question} A:"
+PROMPT_FORMAT = prompts.PLAIN  # the tiny tokenizer's corpus, and the prompts of task.prompt_template=plain
+TEMPLATES = ("plain", "chat", "reasoning")  # the tools template lists gsm8k_tools's tools, not this task's
+
+
+def plain_prompt(question: str) -> str:
+    """The plain template's prompt for a tokenizer without BOS text (the tiny model's)."""
+    return PROMPT_FORMAT.format(question=question)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,10 +43,7 @@ class Problem:
     a: int
     b: int
     question: str
-
-    @property
-    def prompt(self) -> str:
-        return PROMPT_FORMAT.format(question=self.question)
+    prompt: str  # the question rendered by the run's task.prompt_template (common/tasks/prompts.py)
 
     @property
     def answer(self) -> str:
@@ -61,14 +65,16 @@ def _sum_forgetting_units_carry(a: int, b: int) -> int:
 class ArithTask:
     """Deterministic problem source for one run (seeded) with a fixed held-out split."""
 
-    def __init__(self, min_operand: int, max_operand: int, heldout_fraction: float, seed: int):
+    def __init__(self, min_operand: int, max_operand: int, heldout_fraction: float, seed: int,
+                 render: Callable[[str], str] = plain_prompt):
+        """`render`: question -> prompt text (prompts.renderer of the run's config; the tiny model's plain format by
+        default)."""
         self.min_operand, self.max_operand = min_operand, max_operand
-        self.heldout_fraction, self.seed = heldout_fraction, seed
+        self.heldout_fraction, self.seed, self.render = heldout_fraction, seed, render
 
-    @staticmethod
-    def render_question(question: str) -> str:
+    def render_question(self, question: str) -> str:
         """A bare question wrapped as the run's prompts are (for injected prompts)."""
-        return PROMPT_FORMAT.format(question=question)
+        return self.render(question)
 
     def is_heldout(self, a: int, b: int) -> bool:
         return zlib.crc32(f"{a}+{b}".encode()) % 10_000 < self.heldout_fraction * 10_000
@@ -76,7 +82,7 @@ class ArithTask:
     def _problem(self, rng: random.Random, a: int, b: int, prompt_id: str) -> Problem:
         template = rng.choice(_TEMPLATES)
         question = template.format(n=rng.choice(_NAMES), i=rng.choice(_ITEMS), a=a, b=b)
-        return Problem(prompt_id=prompt_id, a=a, b=b, question=question)
+        return Problem(prompt_id=prompt_id, a=a, b=b, question=question, prompt=self.render(question))
 
     def train_problem(self, index: int) -> Problem:
         """Training problem number `index` (any non-negative int; the stream is endless)."""
@@ -121,7 +127,7 @@ class ArithTask:
             a = rng.randint(self.min_operand, self.max_operand)
             b = rng.randint(self.min_operand, self.max_operand)
             p = self._problem(rng, a, b, f"corpus-{k}")
-            out.append(p.prompt + p.demonstration(drop_carry=bool(k % 2)))
+            out.append(plain_prompt(p.question) + p.demonstration(drop_carry=bool(k % 2)))
         return out
 
 
@@ -132,6 +138,13 @@ def build_task(cfg) -> ArithTask:
 
 def build(cfg, hf_tokenizer):
     """The task registry's entry (task.name=arith): the task, and the checkpoint's tokenizer or a BPE trained on
-    the task's text."""
-    task = build_task(cfg)
-    return task, hf_tokenizer or build_tokenizer(cfg, task)
+    the task's text; prompts rendered by task.prompt_template with that tokenizer."""
+    return with_tokenizer(cfg, build_task(cfg), hf_tokenizer)
+
+
+def with_tokenizer(cfg, task: ArithTask, hf_tokenizer):
+    """(task, tokenizer): the checkpoint's tokenizer, or a BPE trained on the task's plain text (its corpus); then
+    the task renders its prompts by task.prompt_template with it."""
+    tokenizer = hf_tokenizer or build_tokenizer(cfg, task)
+    task.render = prompts.renderer(cfg, tokenizer, templates=TEMPLATES)
+    return task, tokenizer

@@ -12,8 +12,7 @@ from __future__ import annotations
 import dataclasses
 import random
 
-from grpo_stream.common.tasks.arith import ArithTask, Problem
-from grpo_stream.common.tasks.task_tokenizer import build_tokenizer
+from grpo_stream.common.tasks.arith import ArithTask, Problem, plain_prompt, with_tokenizer
 
 TOOL_NAME = "add"
 
@@ -45,7 +44,7 @@ class ArithToolsTask(ArithTask):
 
     def _problem(self, rng: random.Random, a: int, b: int, prompt_id: str) -> ToolProblem:
         base = super()._problem(rng, a, b, prompt_id)
-        return ToolProblem(prompt_id=base.prompt_id, a=base.a, b=base.b, question=base.question)
+        return ToolProblem(prompt_id=base.prompt_id, a=base.a, b=base.b, question=base.question, prompt=base.prompt)
 
     def corpus(self, size: int) -> list[str]:
         """Tokenizer text: prompts with direct answers, tool calls, the tool's answers and error observations."""
@@ -55,12 +54,12 @@ class ArithToolsTask(ArithTask):
             p = self._problem(rng, rng.randint(self.min_operand, self.max_operand),
                               rng.randint(self.min_operand, self.max_operand), f"corpus-tools-{k}")
             text = "".join(t for t, _ in p.demonstration_segments(use_tool=True, drop_carry=False))
-            out.append(p.prompt + text + (" = error" if k % 7 == 0 else ""))
+            out.append(plain_prompt(p.question) + text + (" = error" if k % 7 == 0 else ""))
         return out
 
 
 def build(cfg, hf_tokenizer):
     """The task registry's entry (task.name=arith_tools)."""
     t = cfg.task
-    task = ArithToolsTask(t.min_operand, t.max_operand, t.heldout_fraction, cfg.run.seed)
-    return task, hf_tokenizer or build_tokenizer(cfg, task)
+    return with_tokenizer(cfg, ArithToolsTask(t.min_operand, t.max_operand, t.heldout_fraction, cfg.run.seed),
+                          hf_tokenizer)

@@ -196,5 +196,5 @@ def build(cfg, hf_tokenizer):
     tokenizer = hf_tokenizer or build_tokenizer_on([f"{p.question} {p.solution}" for p in train], cfg)
     # the environment's tools (environment.name=gsm8k_tools), listed by the chat template
     tools = math_tools(sandbox_limits(cfg)).schemas() if cfg.task.prompt_template == "tools" else None
-    return Gsm8kTask(train, test, lambda q: prompts.render(q, cfg.task.prompt_template, tokenizer, tools),
-                     cfg.run.seed, (d.train_split, d.test_split)), tokenizer
+    return Gsm8kTask(train, test, prompts.renderer(cfg, tokenizer, tools), cfg.run.seed,
+                     (d.train_split, d.test_split)), tokenizer

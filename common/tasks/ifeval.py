@@ -74,12 +74,12 @@ class IfevalTask(Gsm8kTask):
         return ifeval_checks.metrics([p.answer for p in problems], completions)
 
 
-def renderer(template: str, tokenizer):
-    """How a prompt becomes the text the model continues (task.prompt_template)."""
+def renderer(template: str, tokenizer, system: str | None = None):
+    """How a prompt becomes the text the model continues (task.prompt_template; `system`: task.system_prompt)."""
     if template == "plain":
         return lambda prompt: tokenizer.bos_text + prompt
     if template == "chat":
-        return lambda prompt: prompts.render(prompt, "chat", tokenizer)
+        return lambda prompt: prompts.render(prompt, "chat", tokenizer, system=system)
     raise ValueError(f"task.prompt_template={template!r}: the ifeval task takes 'chat' (the prompt as the user turn "
                      "of the tokenizer's chat template) or 'plain' (the prompt text as it is)")
 
@@ -97,5 +97,5 @@ def build(cfg, hf_tokenizer):
         raise DatasetError(f"{exc} (google/IFEval has one split, train: set task.dataset.test_split=train to "
                            "evaluate on it)") from exc
     tokenizer = hf_tokenizer or build_tokenizer_on([p.question for p in train], cfg)
-    render = renderer(cfg.task.prompt_template, tokenizer)
+    render = renderer(cfg.task.prompt_template, tokenizer, cfg.task.system_prompt)
     return IfevalTask(train, test, render, cfg.run.seed, (d.train_split, d.test_split)), tokenizer

@@ -22,7 +22,7 @@ import re
 from typing import Collection, Iterable, Mapping, Sequence
 
 from grpo_stream.common.registry.base import Registry
-from grpo_stream.common.tasks.answers import extract_answer, parse_number, same_number
+from grpo_stream.common.tasks.answers import extract_answer, last_number as last_number_in, parse_number, same_number
 from grpo_stream.common.tasks.base import RewardFn
 from grpo_stream.common.tasks.ifeval_checks import ifeval_loose, ifeval_strict
 
@@ -32,6 +32,13 @@ _REASONING_ANSWER = re.compile(r"^\s*<reasoning>.+?</reasoning>\s*<answer>.+?</a
 def answer_correct(text: str, reference: str) -> float:
     """1.0 when the completion's final answer (any supported format) equals the reference number, else 0.0."""
     got = extract_answer(text)
+    return 1.0 if got is not None and same_number(got, reference) else 0.0
+
+
+def last_number(text: str, reference: str) -> float:
+    """1.0 when the last number the completion writes equals the reference number, else 0.0: the answer of a chat
+    reply (task.prompt_template=chat), which states it in prose rather than as `#### N`."""
+    got = last_number_in(text)
     return 1.0 if got is not None and same_number(got, reference) else 0.0
 
 
@@ -53,6 +60,7 @@ def reasoning_answer_format(text: str, reference: str) -> float:
 REWARDS: Registry[RewardFn] = Registry("task.rewards", "reward", {
     "answer_correct": answer_correct,
     "answer_format": answer_format,
+    "last_number": last_number,  # chat replies: the last number written is the answer
     "reasoning_answer_format": reasoning_answer_format,
     "ifeval_strict": ifeval_strict,  # task.name=ifeval: share of the prompt's instructions followed (lm-eval)
     "ifeval_loose": ifeval_loose,
@@ -109,6 +117,7 @@ class RewardSet:
         functions by name to take instead (every name of `weights` must be there, or be a built-in)."""
         if not weights:
             raise ValueError("task.rewards: give at least one reward, e.g. {answer_correct: 1.0}")
+        self.configured = dict(weights)  # the rewards asked for, as asked (evaluation says which it scored by)
         # answer_correct is always computed (weight 0 when not listed): it is the accuracy the trainer reports
         self.weights = {"answer_correct": 0.0, **weights}
         self.functions = {name: resolve(name) if functions is None else functions.get(name, REWARDS.get(name))
@@ -131,6 +140,14 @@ class RewardSet:
                 raise ValueError(f"task.rewards.{name} returned {value}; rewards must be finite")
             components[name] = value
         return sum(self.weights[n] * v for n, v in components.items()), components
+
+
+def scored_by(weights: Mapping[str, float]) -> str:
+    """What an evaluation's `reward` is, for a log line: 'reward by task.rewards (answer_correct x1 + answer_format
+    x0.1)'; with no weights (a verifiers environment scores its own episodes) its rubric."""
+    if not weights:
+        return "reward by the environment's rubric"
+    return "reward by task.rewards (" + " + ".join(f"{name} x{weight:g}" for name, weight in weights.items()) + ")"
 
 
 class RunRewards:

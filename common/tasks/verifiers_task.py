@@ -20,6 +20,7 @@ import signal
 import threading
 from typing import Any, Iterator
 
+from grpo_stream.common.tasks import prompts
 from grpo_stream.common.tasks.streams import shuffled_shard
 
 log = logging.getLogger(__name__)
@@ -86,7 +87,7 @@ class VerifiersTask:
     def render_question(self, question: str) -> str:
         """An injected question as a user turn (injected prompts are answered by the engine and task.rewards, not by
         the environment: they have no row of its dataset)."""
-        return self.tokenizer.render_chat([{"role": "user", "content": question}], add_generation_prompt=True)
+        return prompts.render(question, "chat", self.tokenizer)
 
     def train_stream(self, index: int, count: int, start: int = 0) -> Iterator[VerifiersProblem]:
         return shuffled_shard(self.train, index, count, self.seed, start, f"task.verifiers.environment={self.name}")

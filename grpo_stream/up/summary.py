@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from grpo_stream.common.config.schema import RunConfig
 from grpo_stream.common.runtime.errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_PERMANENT
 from grpo_stream.up.supervise import Outcome
+from grpo_stream.common.tasks.rewards import scored_by
 from grpo_stream.trainer_service.reports.run_outputs import wasted_fraction
 
 
@@ -94,18 +95,30 @@ class RunSummary:
 
 def done_line(summary: dict, path: pathlib.Path) -> str:
     dropped = sum(summary[f"groups_dropped_{kind}"] for kind in ("stale", "invalid", "filtered", "duplicate"))
+    unacknowledged = summary.get("groups_trained_unacknowledged") or 0
+    trained = f"{summary['groups_trained']}" + (f" ({unacknowledged} not yet acknowledged)" if unacknowledged else "")
     return (f"[up] done in {summary['wall_seconds']:.0f}s: {summary['steps']} steps, groups ingested "
-            f"{summary['groups_ingested']} = trained {summary['groups_trained']} + dropped {dropped} + left "
+            f"{summary['groups_ingested']} = trained {trained} + dropped {dropped} + left "
             f"{summary['groups_left_in_buffer']}; held-out {_eval_change(summary)}; summary: {path}")
 
 
 def _eval_change(summary: dict) -> str:
-    """'greedy accuracy 0.525 -> 0.759, sampled pass@1 0.413 -> 0.603' (pass@1 when eval.samples > 0)."""
+    """'greedy reward by task.rewards (answer_correct x1 + answer_format x0.1) 0.578 -> 0.835 (answer_correct 0.525
+    -> 0.759, answer_format 0.530 -> 0.760); greedy accuracy 0.525 -> 0.759, sampled pass@1 0.413 -> 0.603': the
+    run's own measure first (its rewards, each one's figure), then answer_correct's accuracy (and pass@1 when
+    eval.samples > 0), which a run rewarding something else may not move."""
     before, after = summary.get("eval_before") or {}, summary.get("eval_after") or {}
 
     def fmt(value) -> str:
         return f"{value:.3f}" if isinstance(value, float) else str(value)
-    text = f"greedy accuracy {fmt(before.get('accuracy'))} -> {fmt(after.get('accuracy'))}"
+    weights = after.get("reward_weights", before.get("reward_weights"))
+    text = ""
+    if weights is not None:
+        parts = ", ".join(f"{name} {fmt((before.get('reward_components') or {}).get(name))} -> "
+                          f"{fmt((after.get('reward_components') or {}).get(name))}" for name in weights)
+        text = (f"greedy {scored_by(weights)} {fmt(before.get('reward'))} -> {fmt(after.get('reward'))}"
+                + (f" ({parts})" if parts else "") + "; ")
+    text += f"greedy accuracy {fmt(before.get('accuracy'))} -> {fmt(after.get('accuracy'))}"
     if (before.get("pass_at_k") or {}).get("1") is not None:
         text += f", sampled pass@1 {fmt(before['pass_at_k']['1'])} -> {fmt((after.get('pass_at_k') or {}).get('1'))}"
     return text

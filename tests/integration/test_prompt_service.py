@@ -209,7 +209,7 @@ def test_quota_and_queue_limits_answer_resource_exhausted_with_a_retry_hint(stac
      "run's rewards ['answer_correct', 'answer_format', "),
     # lm-eval's IFEval checks run on what the client sent: only an IFEval run offers them
     ({"text": "x", "rewards": ["ifeval_strict"]}, "prompts[0].rewards[0]: 'ifeval_strict' is not one of this run's "
-     "rewards ['answer_correct', 'answer_format', 'reasoning_answer_format']"),
+     "rewards ['answer_correct', 'answer_format', 'last_number', 'reasoning_answer_format']"),
 ])
 def test_invalid_prompts_name_the_field_and_limit(stack, spec, field):
     stub = prompts_pb2_grpc.PromptServiceStub(stack.channel("client"))

@@ -57,3 +57,18 @@ def test_a_permanent_trainer_failure_leaves_no_summary_and_says_why(tmp_path, ca
 def test_exit_codes(tmp_path, outcome, trainer_code, samplers, expected):
     code, _ = finish(tmp_path, outcome, trainer_code, samplers, written=trainer_code == 0)
     assert code == expected
+
+
+def test_the_last_line_says_the_runs_own_reward_before_answer_correct(tmp_path, capsys):
+    """A chat-form run rewarded by last_number: its held-out figure went 0.31 -> 0.72 while answer_correct (which
+    reads `#### N`, never written in chat replies) went 0.016 -> 0.000; the last line says both, naming each."""
+    evals = {key: {"accuracy": acc, "reward": reward, "reward_components": {"answer_correct": acc,
+                                                                           "last_number": reward},
+                   "reward_weights": {"last_number": 1.0}}
+             for key, acc, reward in (("eval_before", 0.016, 0.31), ("eval_after", 0.0, 0.72))}
+    (tmp_path / "summary.json").write_text(json.dumps({**TRAINER_SUMMARY, **evals}))
+    end = RunEnd(Outcome("done"), 0, {"sampler-0": 0}, {"trainer": 0}, tmp_path / "trainer.log")
+    RunSummary(load_config(None, []), tmp_path, started=0.0).finish(end)
+    line = capsys.readouterr().out
+    assert ("held-out greedy reward by task.rewards (last_number x1) 0.310 -> 0.720 (last_number 0.310 -> 0.720); "
+            "greedy accuracy 0.016 -> 0.000;") in line, line

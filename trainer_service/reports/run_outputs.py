@@ -13,6 +13,7 @@ import numpy as np
 from grpo_stream.common.config.schema import RunConfig
 from grpo_stream.common.episodes.evaluation import evaluate_run
 from grpo_stream.common.runtime.device_memory import device_memory, host_memory
+from grpo_stream.common.tasks.rewards import scored_by
 
 log = logging.getLogger(__name__)
 
@@ -25,9 +26,9 @@ def evaluate_heldout(cfg: RunConfig, engine, params, task, tokenizer, label: str
                if "1" in result.pass_at_k else "")
     own = "".join(f", {name} {value:.3f}" for name, value in result.task_metrics.items())  # e.g. IFEval's four
     parts = ", ".join(f"{name} {value:.3f}" for name, value in result.reward_components.items())
-    log.info("%s: held-out greedy accuracy %.3f, reward %.3f (%s)%s%s on %d problems (%.1fs); e.g. %r", label,
-             result.accuracy, result.reward, parts, sampled, own, result.num_problems, result.seconds,
-             result.examples[0]["completion"] if result.examples else "")
+    log.info("%s: held-out greedy %s %.3f (%s), accuracy (answer_correct) %.3f%s%s on %d problems (%.1fs); e.g. %r",
+             label, scored_by(result.reward_weights), result.reward, parts, result.accuracy, sampled, own,
+             result.num_problems, result.seconds, result.examples[0]["completion"] if result.examples else "")
     return result.as_dict()
 
 
@@ -45,6 +46,9 @@ def write_summary(path: pathlib.Path, cfg: RunConfig, *, steps: int, counters: d
     the real and laid-out tokens of the batches this process trained (the padding the update computed over, packed
     or not), and the tokens the padded layout lays out (`padded_laid_out`)."""
     generated = publisher.samplers.groups_generated()
+    # trained groups wait in the stream, unacknowledged, until the checkpoint after theirs is safe (durability.py):
+    # after a stop they are trained (`grpo-stream audit` says so) though the buffer's counter does not count them yet
+    held = durability.held()
     summary = {
         "run": cfg.run.name,
         "steps": steps,
@@ -58,14 +62,15 @@ def write_summary(path: pathlib.Path, cfg: RunConfig, *, steps: int, counters: d
         "groups_generated": generated,
         "generation_wasted_fraction": wasted_fraction(generated, trained_here),
         "groups_ingested": counters["ingested"],
-        "groups_trained": counters["trained"],
+        "groups_trained": counters["trained"] + held,
+        "groups_trained_unacknowledged": held,  # of groups_trained: their acknowledgement waits for a checkpoint
         # sampler.weight_updates=in_flight: trained groups whose tokens span more than one weight version
         "groups_trained_mixed_versions": counters.get("trained_mixed_versions", 0),
         "groups_dropped_stale": counters["dropped_stale"],
         "groups_dropped_invalid": counters["dropped_invalid"],
         "groups_dropped_filtered": counters["dropped_filtered"],
         "groups_dropped_duplicate": counters["dropped_duplicate"],
-        "groups_left_in_buffer": counters["depth"],
+        "groups_left_in_buffer": max(0, counters["depth"] - held),  # waiting, not trained
         "groups_by_sampler": by_sampler,
         "ingest_rejected_invalid": counters["refused_invalid"],
         "ingest_refused_duplicate": counters["refused_duplicate"],

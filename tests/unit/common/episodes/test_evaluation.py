@@ -7,6 +7,7 @@ import pytest
 
 from grpo_stream.common.episodes.evaluation import evaluate, majority_correct, pass_at_k
 from grpo_stream.common.engine.continuous import ContinuousEngine
+from grpo_stream.common.tasks.rewards import RewardSet, last_number, scored_by
 
 
 def test_pass_at_k_matches_enumeration_of_all_subsets():
@@ -50,3 +51,19 @@ def test_evaluate_reports_pass_and_maj_at_k_on_the_engine(tiny_parts):
     assert all(0.0 <= v <= 1.0 for v in [*result.maj_at_k.values(), result.accuracy])
     with pytest.raises(ValueError, match=r"eval.ks=\[8\]"):
         evaluate(engine, model.params, tok, problems, batch_size=8, samples=4, ks=(8,))
+
+
+def test_evaluation_scores_by_the_runs_rewards_and_says_which(tiny_parts):
+    """The held-out figure is the run's own reward (task.rewards, each reward's figure kept), recorded with the
+    weights it is by: a run rewarding `last_number` is not judged by answer_correct's `#### N`."""
+    cfg, task, tok, model = tiny_parts
+    engine = ContinuousEngine(model, tok.pad_id, tok.eos_id, cfg.generation.max_prompt_tokens,
+                              cfg.generation.max_new_tokens, temperature=1.0)
+    problems = task.heldout(6)
+    result = evaluate(engine, model.params, tok, problems, batch_size=8, num_examples=6,
+                      rewards=RewardSet({"last_number": 2.0}))
+    assert result.reward_weights == {"last_number": 2.0}
+    by_hand = [last_number(e["completion"], e["answer"]) for e in result.examples]
+    assert len(by_hand) == 6 and result.reward_components["last_number"] == pytest.approx(sum(by_hand) / 6)
+    assert result.reward == pytest.approx(2.0 * sum(by_hand) / 6)
+    assert scored_by(result.reward_weights) == "reward by task.rewards (last_number x2)"

@@ -1,12 +1,15 @@
 """Hugging Face tokenizers from a directory: ids, stop tokens, pad checks, chat and reasoning prompt templates."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 
 from grpo_stream.common.tasks import prompts
 from grpo_stream.common.tasks.arith import ArithTask
 from grpo_stream.common.model.tokenizer import HFTokenizer, train_bpe
+from tests.chatml_tokenizer import chatml_tokenizer_dir
 
 CHAT = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
         "{% if add_generation_prompt %}<|assistant|>{% endif %}")
@@ -91,3 +94,39 @@ def test_threads_can_load_tokenizers_at_once_in_a_fresh_process(tok_dir):
             "[t.start() for t in threads]\n[t.join() for t in threads]\nprint(errors)\n")
     proc = subprocess.run([sys.executable, "-c", code, str(directory)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr[-2000:]
+
+
+def test_a_tokenizer_padding_with_its_stop_token_is_refused_naming_safe_candidates(tmp_path, caplog):
+    """SmolLM2's files pad with <|im_end|>, its stop token: the refusal names <|endoftext|> (a special token that is
+    neither a stop, the BOS nor a token the chat template writes), and model.pad_token=auto takes it, saying so."""
+    directory = chatml_tokenizer_dir(tmp_path / "chatml")
+    with pytest.raises(ValueError, match=r"the tokenizer's pad token '<\|im_end\|>' \(model.pad_token: null\) is an "
+                                         r"end-of-sequence token.*safe candidates in this vocabulary: <\|endoftext\|>;"
+                                         r" or model.pad_token=auto") as refused:
+        HFTokenizer(directory)
+    assert "<|im_start|>" not in str(refused.value)  # the BOS and chat role token is never offered
+    with pytest.raises(ValueError, match=r"model.pad_token='<\|im_end\|>' is an end-of-sequence token.*"
+                                         r"<\|endoftext\|>"):
+        HFTokenizer(directory, pad_token="<|im_end|>")
+    with caplog.at_level("INFO", logger="grpo_stream.common.model.tokenizer"):
+        auto = HFTokenizer(directory, pad_token="auto")
+    assert auto.pad_id == HFTokenizer(directory, pad_token="<|endoftext|>").pad_id == 0
+    assert "model.pad_token=auto: padding with '<|endoftext|>'" in caplog.text
+    no_pad = chatml_tokenizer_dir(tmp_path / "nopad", pad_token=None)
+    with pytest.raises(ValueError, match=r"has no pad token.*safe candidates in this vocabulary: <\|endoftext\|>"):
+        HFTokenizer(no_pad)
+
+
+def test_loading_a_tokenizer_without_torch_prints_no_pytorch_notice(tok_dir):
+    """transformers prints "PyTorch was not found. Models won't be available..." at import when torch is absent (the
+    default install); every process of an hf run loaded a tokenizer and printed it. It is dropped at our one import
+    site; a bare import in the same conditions still prints it (so this test can see it)."""
+    hide_torch = "import sys; sys.modules['torch'] = None; "
+    ours = subprocess.run([sys.executable, "-c", hide_torch + "from grpo_stream.common.model.tokenizer import "
+                           f"HFTokenizer; print(HFTokenizer({str(tok_dir[0])!r}).vocab_size)"],
+                          capture_output=True, text=True, timeout=120)
+    assert ours.returncode == 0 and ours.stdout.strip() == "120", ours.stderr[-2000:]
+    assert "PyTorch was not found" not in ours.stderr, ours.stderr
+    bare = subprocess.run([sys.executable, "-c", hide_torch + "import transformers.utils"],
+                          capture_output=True, text=True, timeout=120)
+    assert "PyTorch was not found" in bare.stderr, bare.stderr[-2000:]

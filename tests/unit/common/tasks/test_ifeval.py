@@ -227,8 +227,10 @@ def test_prompt_templates_and_a_missing_test_split():
 
 class FakeChatTokenizer:
     bos_text = "<bos>"
+    has_chat_template = True
 
-    def chat_prompt(self, messages):
+    def render_chat(self, messages, add_generation_prompt, tools=None):
+        assert add_generation_prompt and tools is None
         return "".join(f"<{m['role']}>{m['content']}</{m['role']}>" for m in messages) + "<assistant>"
 
 
