@@ -31,6 +31,7 @@ from starlette.requests import ClientDisconnect
 from grpo_stream.common.endpoint.generation import INTERNAL, EndpointCore, RolloutVersions, Unavailable
 from grpo_stream.common.endpoint.protocol import ChatRequest, CompletionRequest, RequestError
 from grpo_stream.common.engine.side_requests import QueueFull, SideQueue
+from grpo_stream.common.environments.tool_episode import run_tool_format
 from grpo_stream.common.rpc.auth import Caller, TokenTable, bearer_value, caller_refusal_http
 
 
@@ -191,7 +192,7 @@ def endpoint_core(cfg, engine, queue: SideQueue, tokenizer) -> EndpointCore:
     """The routes' core over `engine` with the run's generation settings and sampler.openai's limits."""
     settings, gen = cfg.sampler.openai, cfg.generation
     return EndpointCore(engine, queue, tokenizer, settings.model_name or cfg.run.name, gen.max_prompt_tokens,
-                        gen.max_new_tokens, gen.temperature, settings.tool_format or cfg.environment.tool_format,
+                        gen.max_new_tokens, gen.temperature, settings.tool_format or run_tool_format(cfg, tokenizer),
                         settings.max_n, settings.request_timeout_s, settings.max_prompt_chars)
 
 
