@@ -210,7 +210,8 @@ FAMILIES: dict[str, ChatFamily] = {
         "smollm2", SMOLLM2_TEMPLATE, ("<|endoftext|>", "<|im_start|>", "<|im_end|>"), (), (), bos="<|im_start|>",
         eos="<|im_end|>", pad="<|endoftext|>", stops=("<|im_end|>",), end_of_turn="<|im_end|>", byte_level=True,
         config_class="LlamaConfig", tool_format="qwen",
-        config=dict(tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 100000.0})),
+        config=dict(tie_word_embeddings=True, max_position_embeddings=512,  # prompts that list a tool: ~310 tokens
+                    rope_parameters={"rope_type": "default", "rope_theta": 100000.0})),
 }
 
 _WORDS = ("the", "a", "number", "sum", "of", "and", "is", "what", "add", "two", "numbers", "tool", "call", "result",
