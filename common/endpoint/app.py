@@ -191,6 +191,11 @@ class InProcessRoutes:
 def endpoint_core(cfg, engine, queue: SideQueue, tokenizer) -> EndpointCore:
     """The routes' core over `engine` with the run's generation settings and sampler.openai's limits."""
     settings, gen = cfg.sampler.openai, cfg.generation
+    support = getattr(tokenizer, "tool_support", None)
+    if settings.tool_format and support is not None and not support.complete \
+            and settings.tool_format != tokenizer.tool_format:
+        log.warning("sampler.openai.tool_format=%s: the endpoint writes the %s its chat template leaves out in this "
+                    "format (the run's episodes: %r)", settings.tool_format, support.missing(), tokenizer.tool_format)
     return EndpointCore(engine, queue, tokenizer, settings.model_name or cfg.run.name, gen.max_prompt_tokens,
                         gen.max_new_tokens, gen.temperature, settings.tool_format or run_tool_format(cfg, tokenizer),
                         settings.max_n, settings.request_timeout_s, settings.max_prompt_chars)

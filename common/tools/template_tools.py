@@ -64,8 +64,9 @@ class ToolSupport:
 
 def probe(render: Render) -> ToolSupport:
     """What the template behind `render(messages, add_generation_prompt, tools) -> text` writes, by comparing its
-    renderings of a probe conversation with and without tools, and with and without an assistant's tool call. A
-    rendering the template refuses (raises) counts as not written."""
+    renderings of a probe conversation with and without tools, and with and without an assistant's tool call (a
+    template writes the call when the call's argument appears in its text only with it). A rendering the template
+    refuses (raises) counts as not written."""
     system = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
     has_system = _renders(lambda: render(system, True, None)) is not None
     start = system if has_system else system[1:]
@@ -77,7 +78,8 @@ def probe(render: Render) -> ToolSupport:
     answer = {"role": "assistant", "content": ""}
     called = start + [dict(answer, tool_calls=[call])]
     with_call = _renders(lambda: render(called, False, [_PROBE_TOOL])) or _renders(lambda: render(called, False, None))
-    calls = with_call is not None and _PROBE_VALUE in with_call
+    without_call = _renders(lambda: render(start + [answer], False, [_PROBE_TOOL])) or ""
+    calls = with_call is not None and _PROBE_VALUE in with_call and _PROBE_VALUE not in without_call
     return ToolSupport(schemas, calls, has_system)
 
 

@@ -3,6 +3,7 @@
 the same whether it is continued from the remembered ids or rendered whole (the call written as the model wrote it)."""
 
 import json
+import logging
 
 import pytest
 
@@ -68,3 +69,14 @@ def test_a_conversation_after_a_tool_call_is_the_same_continued_or_rendered_whol
     whole = tok.render_chat(follow, add_generation_prompt=True, tools=TOOLS)  # the tokenizer's format: qwen too
     assert text_of(core, continued) == whole
     assert sampled_text + "<|im_end|>\n<|im_start|>tool\n51<|im_end|>\n<|im_start|>assistant\n" in whole
+
+
+def test_an_endpoint_format_other_than_the_runs_is_said_and_used(tokenizer, caplog):
+    caplog.set_level(logging.WARNING, logger="grpo_stream.common.endpoint.app")
+    core_for(tokenizer, "sampler.openai.tool_format=qwen")
+    assert not caplog.records
+    core = core_for(tokenizer, "sampler.openai.tool_format=gemma")
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "sampler.openai.tool_format=gemma" in said[0] and "'qwen'" in said[0]
+    prompt = text_of(core, core.chat_prompts.ids(template_messages(QUESTION), TOOLS))
+    assert "```tool_code\ntool_name(argument='value')\n```" in prompt
