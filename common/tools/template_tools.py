@@ -137,8 +137,8 @@ def _with_schemas_written(messages: list[dict], text: str, system: bool) -> list
     if system:
         return [{"role": "system", "content": text}, *messages]
     at = next((i for i, m in enumerate(messages) if m.get("role") == "user"), None)
-    if at is None:
-        return messages
+    if at is None:  # no system role and no user turn: the tools go first, as a user turn (the only place left)
+        return [{"role": "user", "content": text}, *messages]
     user = messages[at]
     return [*messages[:at], dict(user, content=f"{text}\n\n{user.get('content') or ''}"), *messages[at + 1:]]
 
@@ -151,9 +151,9 @@ def _with_calls_written(message: dict, family: str) -> dict:
     except ValueError as exc:
         raise ValueError(f"an assistant message's tool call cannot be written in the {family!r} tool format: "
                          f"{exc}") from None
-    content = message.get("content") or ""
+    content, separator = message.get("content") or "", " " if family == "plain" else "\n"
     if content and family != "llama3":
-        written = f"{content}{' ' if family == 'plain' else chr(10)}{written}"
+        written = content + separator + written
     return {**{k: v for k, v in message.items() if k != "tool_calls"}, "content": written}
 
 
@@ -165,7 +165,10 @@ def _tool_call(call: dict, family: str) -> ToolCall:
         raise ValueError("a tool call needs function.name and function.arguments")
     arguments = fn.get("arguments") or {}
     if isinstance(arguments, str):
-        arguments = json.loads(arguments) if arguments.strip() else {}
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except ValueError:
+            raise ValueError(f"the arguments of the call of {fn['name']!r} are not JSON") from None
     if not isinstance(arguments, dict):
         raise ValueError(f"the arguments of the call of {fn['name']!r} are not an object")
     arguments = dict(arguments)
