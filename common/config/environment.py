@@ -35,10 +35,13 @@ class EnvironmentSection(Strict):
     turn_max_new_tokens: int | None = Field(None, ge=1, le=32768, description="Most tokens of one model turn. Null: "
                                             "generation.max_new_tokens. The whole episode after the prompt (model "
                                             "and observation tokens) is bounded by generation.max_new_tokens.")
-    tool_format: Literal["plain", "qwen", "llama3", "gemma"] = Field(
-        "plain", description="How tool calls are written in the model's turns: the chat template family's format "
-        "('qwen': <tool_call>{json}</tool_call>; 'llama3': a JSON object; 'gemma': ```tool_code``` python calls; "
-        "'plain': <call>f(...)</call>, the tiny model's).")
+    tool_format: Literal["plain", "qwen", "llama3", "gemma"] | None = Field(
+        None, description="How tool calls are written in the model's turns: the chat template family's format "
+        "('qwen': <tool_call>{json}</tool_call>, Hermes-style; 'llama3': a JSON object; 'gemma': ```tool_code``` python "
+        "calls; 'plain': <call>f(...)</call>, the tiny model's). Null: inferred from the chat template's tool markup "
+        "and config.json's model_type ('qwen' for a template with none of a known family; 'plain' for the tiny "
+        "model), said in the log. A template that does not write tools or tool calls itself gets them written in "
+        "this format (docs/tools.md).")
     kv_cache: Literal["reprefill", "hold"] = Field(
         "reprefill", description="Between an episode's turns: 'reprefill' frees its decode slot while the environment "
         "answers and prefills the conversation again for the next turn; 'hold' keeps the slot and its cache and feeds "

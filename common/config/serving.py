@@ -51,7 +51,8 @@ class OpenAISection(Strict):
                                              "address; beyond it a new one is closed as it is accepted.")
     tool_format: Literal["qwen", "llama3", "gemma", "plain"] | None = Field(
         None, description="How the model writes tool calls, parsed into a chat completion's `tool_calls` when the "
-        "request lists tools; null: environment.tool_format.")
+        "request lists tools (and how tools and calls are written into the prompt for a chat template that does not "
+        "write them itself); null: the run's, environment.tool_format or the one inferred from the chat template.")
 
 
 def endpoint_context(cfg) -> int:

@@ -32,6 +32,7 @@ from grpo_stream.common.config.serving import endpoint_context
 from grpo_stream.common.endpoint.generation import INTERNAL, EndpointCore, RolloutVersions, Unavailable
 from grpo_stream.common.endpoint.protocol import ChatRequest, CompletionRequest, RequestError
 from grpo_stream.common.engine.side_requests import QueueFull, SideQueue
+from grpo_stream.common.environments.tool_episode import run_tool_format
 from grpo_stream.common.rpc.auth import Caller, TokenTable, bearer_value, caller_refusal_http
 
 
@@ -191,8 +192,13 @@ class InProcessRoutes:
 def endpoint_core(cfg, engine, queue: SideQueue, tokenizer) -> EndpointCore:
     """The routes' core over `engine` with the run's generation settings and sampler.openai's limits."""
     settings, gen = cfg.sampler.openai, cfg.generation
+    support = getattr(tokenizer, "tool_support", None)
+    if settings.tool_format and support is not None and not support.complete \
+            and settings.tool_format != tokenizer.tool_format:
+        log.warning("sampler.openai.tool_format=%s: the endpoint writes the %s its chat template leaves out in this "
+                    "format (the run's episodes: %r)", settings.tool_format, support.missing(), tokenizer.tool_format)
     return EndpointCore(engine, queue, tokenizer, settings.model_name or cfg.run.name, endpoint_context(cfg),
-                        gen.max_new_tokens, gen.temperature, settings.tool_format or cfg.environment.tool_format,
+                        gen.max_new_tokens, gen.temperature, settings.tool_format or run_tool_format(cfg, tokenizer),
                         settings.max_n, settings.request_timeout_s, settings.max_prompt_chars)
 
 

@@ -82,11 +82,12 @@ class ChatPrompts:
     (token name) continues only its own conversations: a caller cannot make another's prompt start with ids the
     visible text does not show. Answers the same caller got twice with the same text but other ids (n > 1) are
     ambiguous: such a conversation is rendered whole, and its entry (no ids) is counted and evicted like the others.
-    What is held is bounded in bytes (`max_bytes`: ids, keys and each entry's own cost)."""
+    What is held is bounded in bytes (`max_bytes`: ids, keys and each entry's own cost). Tools and tool calls the
+    template does not write itself are written in `tool_format` (the endpoint's; HFTokenizer.render_chat)."""
 
-    def __init__(self, tokenizer, max_bytes: int = REMEMBERED_BYTES):
+    def __init__(self, tokenizer, max_bytes: int = REMEMBERED_BYTES, tool_format: str | None = None):
         self.renderer = ChatTemplateRenderer(tokenizer) if getattr(tokenizer, "has_chat_template", False) else None
-        self.tokenizer, self.max_bytes = tokenizer, max_bytes
+        self.tokenizer, self.max_bytes, self.tool_format = tokenizer, max_bytes, tool_format
         self._remembered: collections.OrderedDict[str, tuple[np.ndarray, bool] | None] = collections.OrderedDict()
         self._bytes = 0  # held, by _cost
         self._lock = threading.Lock()
@@ -122,7 +123,8 @@ class ChatPrompts:
         """The template's text; what it refuses (roles out of order, a tool role it has none of) is the request's
         error."""
         try:
-            return self.tokenizer.render_chat(messages, add_generation_prompt=add_generation_prompt, tools=tools)
+            return self.tokenizer.render_chat(messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                                              tool_format=self.tool_format)
         except Exception as exc:  # noqa: BLE001 - jinja raises what the template raises (TemplateError, TypeError...)
             raise RequestError(f"messages: this model's chat template refused them ({type(exc).__name__}: "
                                f"{str(exc)[:200]})") from None

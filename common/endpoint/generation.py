@@ -107,7 +107,7 @@ class EndpointCore:
         self.max_prompt_chars = max_prompt_chars or 16 * max(1, context_tokens - max_new_tokens)
         self.context_tokens, self.max_new_tokens, self.temperature = context_tokens, max_new_tokens, temperature
         self.tool_format, self.max_n, self.timeout_s = tool_format, max_n, timeout_s
-        self.chat_prompts = ChatPrompts(tokenizer)
+        self.chat_prompts = ChatPrompts(tokenizer, tool_format=tool_format)
         self.rollout_versions = RolloutVersions()
 
     def _check_model_and_n(self, request) -> None:

@@ -7,7 +7,7 @@ answer the run's rewards score. The tiny model's tokenizer is trained on this te
 
 from __future__ import annotations
 
-from grpo_stream.common.environments.tool_episode import ToolEpisode, TurnLimits
+from grpo_stream.common.environments.tool_episode import ToolEpisode, TurnLimits, run_tool_format
 from grpo_stream.common.tasks.arith_tools import TOOL_NAME, result_text
 from grpo_stream.common.tools.functions import ToolSet, tool_from_function
 
@@ -39,5 +39,5 @@ class ArithToolsEnvironment:
 
 def build(cfg, task, tokenizer) -> ArithToolsEnvironment:
     """The environment registry's entry (environment.name=arith_tools)."""
-    del task, tokenizer
-    return ArithToolsEnvironment(cfg.environment.tool_format, TurnLimits.of(cfg))
+    del task
+    return ArithToolsEnvironment(run_tool_format(cfg, tokenizer), TurnLimits.of(cfg))

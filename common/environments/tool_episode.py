@@ -12,6 +12,12 @@ from grpo_stream.common.tools.calls import MalformedToolCall, parse_tool_calls
 from grpo_stream.common.tools.functions import ToolSet
 
 
+def run_tool_format(cfg, tokenizer=None) -> str:
+    """The run's tool format: environment.tool_format, else the one the model's tokenizer inferred from its chat
+    template (HFTokenizer.tool_format; the tiny model's: 'plain')."""
+    return cfg.environment.tool_format or getattr(tokenizer, "tool_format", None) or "plain"
+
+
 def one_per_line(answers: list[str]) -> str:
     """The observation of several calls: their answers (or errors) in call order, one per line."""
     return "\n".join(answers)

@@ -17,9 +17,12 @@ import threading
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from grpo_stream.common.tools import template_tools
+
+log = logging.getLogger(__name__)
+
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
 AUTO_PAD = "auto"  # model.pad_token: pick a safe special token (HFTokenizer.pad_candidates)
-log = logging.getLogger(__name__)
 # transformers' lazy top-level module is not safe to import from two threads at once (the second one can get
 # "cannot import name 'AutoTokenizer'"): weights.transport=local's trainer and sampler threads load their tokenizers
 # together
@@ -61,6 +64,7 @@ class TextTokenizer:
         return idx
 
     bos_text = ""  # no BOS token
+    tool_format = "plain"  # its tokenizer is trained on the demo's <call>f(...)</call> text
 
     @property
     def eos_ids(self) -> list[int]:
@@ -95,7 +99,8 @@ class HFTokenizer:
     it is removed from the sampling distribution.
     """
 
-    def __init__(self, directory: str | pathlib.Path, pad_token: str | None = None, vocab_size: int | None = None):
+    def __init__(self, directory: str | pathlib.Path, pad_token: str | None = None, vocab_size: int | None = None,
+                 tool_format: str | None = None):
         with _TRANSFORMERS_IMPORT:
             _quiet_torch_notice()
             from transformers import AutoTokenizer, PreTrainedTokenizerFast  # noqa: PLC0415 - deferred: heavy; kind=hf only
@@ -123,6 +128,7 @@ class HFTokenizer:
         self.eos_id = self._eos[0]
         self.bos_text = self._tok.bos_token or ""  # prepended to plain prompts; chat templates write it themselves
         self._fingerprint_source = directory
+        self.tool_format, self.tool_support = self._tools_of(directory, tool_format)
 
     def _pad_id(self, directory: pathlib.Path, pad_token: str | None) -> int:
         """The padding id: model.pad_token's ('auto': the first of `pad_candidates`, logged), else the tokenizer's.
@@ -172,6 +178,29 @@ class HFTokenizer:
         return (f" (safe candidates in this vocabulary: {', '.join(found)}; or model.pad_token=auto picks the first)"
                 if found else " (this vocabulary has no spare special token: add one, e.g. <|pad|>)")
 
+    def _tools_of(self, directory: pathlib.Path, tool_format: str | None) -> tuple[str, template_tools.ToolSupport]:
+        """The tool format (`tool_format`, or inferred from the template and config.json's model_type, said in the
+        log) and what the chat template writes of tools itself (template_tools.probe; what it leaves out is written
+        in that format, said once in the log)."""
+        template = getattr(self._tok, "chat_template", None) or None
+        template = json.dumps(template) if isinstance(template, dict) else template  # several named templates
+        if tool_format is None:
+            config = directory / "config.json"
+            model_type = json.loads(config.read_text()).get("model_type") if config.exists() else None
+            tool_format, why = template_tools.infer_tool_format(template, model_type)
+            log.info("model.path=%s: environment.tool_format unset; tool calls are written and parsed in the %r "
+                     "format (%s)", directory, tool_format, why)
+        if not self.has_chat_template:
+            return tool_format, template_tools.ToolSupport()
+        support = template_tools.probe(self._template_text)
+        if not support.complete:
+            log.warning("model.path=%s: its chat template does not write %s; they are written into the %s in the "
+                        "%r tool format (docs/tools.md), the calls as its parser reads them", directory,
+                        support.missing(), " and ".join(where for where, written in (
+                            ("system turn", support.schemas), ("assistant turns", support.calls)) if not written),
+                        tool_format)
+        return tool_format, support
+
     @property
     def eos_ids(self) -> list[int]:
         return list(self._eos)
@@ -186,8 +215,16 @@ class HFTokenizer:
     def has_chat_template(self) -> bool:
         return bool(getattr(self._tok, "chat_template", None))
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None) -> str:
-        """The chat template's text for `messages` (multi-turn environments render observations with it)."""
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None,
+                    tool_format: str | None = None) -> str:
+        """The chat template's text for `messages` (multi-turn environments render observations with it), with the
+        tools and tool calls it does not write itself written in `tool_format` (default: the run's,
+        self.tool_format; common/tools/template_tools.py)."""
+        messages, tools = template_tools.for_template(messages, tools, tool_format or self.tool_format,
+                                                      self.tool_support)
+        return self._template_text(messages, add_generation_prompt, tools)
+
+    def _template_text(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None) -> str:
         return self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
                                              tools=tools)
 
