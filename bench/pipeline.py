@@ -1,4 +1,4 @@
-"""Benchmark: how much of the trainer's wall time is not compute, when data never runs short.
+"""Benchmark: how much of the trainer's main-thread wall time is not compute, when data never runs short.
 
 The real trainer (ingest gRPC server, Redis buffer, decode, batching, the jitted
 update, weight publication, metrics) runs in this process on the demo config
@@ -6,13 +6,26 @@ update, weight publication, metrics) runs in this process on the demo config
 but valid groups, stamped with the newest published version, through the real
 sampler client into the ingest, fast enough that the buffer is never empty.
 
-Per step the trainer records collect (waiting for, reading and decoding groups),
-batch, pack (the batch packed into the update's rows on the host), compute (the
-update: placing the packed batch, the jitted programs, the metrics back) and
-handoff (settling the trained groups and handing publication and reporting to the
-trainer's worker thread, which overlaps them with the next step) seconds;
-`overhead_share` = 1 - compute / step wall time, summed over the steps after the
-first `warmup` (which include compilation).
+The trainer runs twice in one invocation: with `trainer.prefetch_plans` off
+(each step's plan made on the main thread between updates) and on (the default:
+step n+1's plan made on the prefetch thread while step n computes). Per step the
+trainer records its main thread's phases, which sum to its wall time there
+(`step_seconds`): plan_wait (getting the step's plan: with prefetch off, making it:
+collect, batch and pack; on, waiting for the prefetch thread), publish_wait (the
+previous publication, before a donating update), compute (the update: placing the
+packed batch, the jitted programs, the metrics back) and handoff (settling the
+trained groups, handing publication and reporting to the trainer's worker
+threads); and the plan's own collect (waiting for, reading and decoding groups),
+batch and pack (the batch packed into the update's rows) seconds, which with
+prefetch on ran beside the previous update (`overlapped_share`) and are not
+main-thread time.
+
+`overhead_share` = 1 - compute / main-thread step wall time, summed over the steps
+after the first `warmup` (which include compilation): prefetch on (the default);
+`prefetch_off.overhead_share` beside it. Host work moved beside the update can
+still slow the update down (the machine's cores are shared by XLA's compute
+threads and the prefetch thread): `compute_seconds_per_step` (mean over the timed
+steps, off and on) and `compute_slowdown` (on / off) show it.
 
 Two settings differ from the demo so the producer can stay ahead: the buffer
 holds three steps of groups (demo: one, to bound staleness) and the ingest asks
@@ -38,8 +51,8 @@ from grpo_stream.trainer_service.loop import Trainer
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs" / "tiny_arith.yaml"
-PHASES = ("collect_seconds", "batch_seconds", "publish_wait_seconds", "pack_seconds", "compute_seconds",
-          "handoff_seconds")
+MAIN_THREAD = ("plan_wait_seconds", "publish_wait_seconds", "compute_seconds", "handoff_seconds")
+PREPARE = ("collect_seconds", "batch_seconds", "pack_seconds")  # the plan's making, wherever it ran
 
 
 def _random_group(rng: np.random.Generator, cfg, vocab: int, pad_id: int, index: int, version: int) -> GroupData:
@@ -88,6 +101,20 @@ def _produce(trainer: Trainer, stop: threading.Event, errors: list) -> None:
 
 def run(quick: bool = False) -> dict:
     steps, warmup = (12, 4) if quick else (150, 10)
+    started = time.perf_counter()
+    off = _run_trainer(steps, warmup, prefetch=False)
+    on = _run_trainer(steps, warmup, prefetch=True)
+    compute = {"off": off.pop("compute_seconds_per_step"), "on": on.pop("compute_seconds_per_step")}
+    return {
+        "benchmark": "pipeline", "quick": quick, "config": str(CONFIG.relative_to(ROOT)), "steps": steps,
+        "steps_timed": steps - warmup, "groups_per_step": on.pop("groups_per_step"), **on, "prefetch_off": off,
+        "compute_seconds_per_step": compute, "compute_slowdown": round(compute["on"] / compute["off"], 4),
+        "wall_seconds": round(time.perf_counter() - started, 1),
+    }
+
+
+def _run_trainer(steps: int, warmup: int, prefetch: bool) -> dict:
+    """One trainer run against the producer; its figures over the steps after `warmup`."""
     embedded = EmbeddedRedis().start()
     stop, errors = threading.Event(), []
     try:
@@ -96,14 +123,13 @@ def run(quick: bool = False) -> dict:
             cfg = load_config(CONFIG, [
                 f"auth.tokens_file={tokens['table']}", f"redis.url={embedded.url}", "redis.allow_unsafe_persistence=true", "run.name=bench-pipeline", "trainer.port=0", "trainer.metrics_port=null",
                 "warmstart.steps=0", "trainer.eval_before=false", "trainer.eval_after=false",
-                f"trainer.steps={steps}", "trainer.final_wait_s=0", "buffer.max_groups=48", "buffer.retry_after_ms=5"])
+                f"trainer.steps={steps}", "trainer.final_wait_s=0", "buffer.max_groups=48", "buffer.retry_after_ms=5",
+                f"trainer.prefetch_plans={str(prefetch).lower()}"])
             trainer = Trainer(cfg, pathlib.Path(tmp))
             trainer.bench_token = tokens["sampler"].read_text().strip()
             producer = threading.Thread(target=_produce, args=(trainer, stop, errors), daemon=True)
             producer.start()
-            started = time.perf_counter()
             summary = trainer.run()
-            wall = time.perf_counter() - started
     finally:
         stop.set()
         embedded.stop()
@@ -111,15 +137,25 @@ def run(quick: bool = False) -> dict:
         raise RuntimeError(f"synthetic producer failed: {errors[0]}")
     if summary["steps"] != steps:
         raise RuntimeError(f"trainer stopped after {summary['steps']} of {steps} steps")
-    timed = trainer.step_times[warmup:]
+    return figures(trainer.step_times[warmup:]) | {"groups_per_step": cfg.trainer.groups_per_step,
+                                                   "groups_dropped_stale": summary["groups_dropped_stale"]}
+
+
+def figures(timed: list[dict]) -> dict:
+    """The figures of a run's timed steps (LeaderSource.step_times): main-thread shares of the step wall time
+    (`other`: the loop between phases: sending, recording, heartbeats), and the plan's making, over the same wall
+    time, split by where it ran (`overlapped_share`: on the prefetch thread; `main_thread_share` holds it inside
+    plan_wait when it ran there)."""
     total = sum(t["step_seconds"] for t in timed)
-    phase_share = {p: round(sum(t[p] for t in timed) / total, 4) for p in PHASES}
+    share = {p.removesuffix("_seconds"): round(sum(t[p] for t in timed) / total, 4) for p in MAIN_THREAD}
+    share["other"] = round(1 - sum(sum(t[p] for p in MAIN_THREAD) for t in timed) / total, 4)
+    ahead = [t for t in timed if t["prepared_ahead"]]
     return {
-        "benchmark": "pipeline", "quick": quick, "config": str(CONFIG.relative_to(ROOT)), "steps": steps,
-        "steps_timed": len(timed), "groups_per_step": cfg.trainer.groups_per_step,
         "mean_step_seconds": round(total / len(timed), 4),
-        "overhead_share": round(1 - phase_share["compute_seconds"], 4),
-        "phase_share": phase_share,
-        "groups_dropped_stale": summary["groups_dropped_stale"],
-        "wall_seconds": round(wall, 1),
+        "overhead_share": round(1 - share["compute"], 4),
+        "main_thread_share": share,
+        "plans_prepared_ahead": len(ahead),
+        "overlapped_share": {p.removesuffix("_seconds"): round(sum(t[p] for t in ahead) / total, 4) for p in PREPARE},
+        "prepare_share": {p.removesuffix("_seconds"): round(sum(t[p] for t in timed) / total, 4) for p in PREPARE},
+        "compute_seconds_per_step": round(sum(t["compute_seconds"] for t in timed) / len(timed), 4),
     }
