@@ -136,7 +136,7 @@ def test_a_resumed_run_ends_with_the_parameters_of_an_uninterrupted_one(how, gro
         data[len(data) // 2:len(data) // 2 + 64] = bytes(64)
         biggest.write_bytes(bytes(data))
     second = run_trainer(cfg, tmp_path)
-    expected_start = {"sigterm": 5, "crash": 4, "crash_and_corrupt_checkpoint": 2}[how]
+    expected_start = {"sigterm": 5, "crash": 4, "crash_and_corrupt_checkpoint": 2, "crash_without_prefetch": 4}[how]
     assert second.resumed_from["step"] == expected_start
     assert final_digest(second) == uninterrupted
     report = build_audit(buffer.client, run_name)
