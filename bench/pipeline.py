@@ -24,8 +24,10 @@ main-thread time.
 after the first `warmup` (which include compilation): prefetch on (the default);
 `prefetch_off.overhead_share` beside it. Host work moved beside the update can
 still slow the update down (the machine's cores are shared by XLA's compute
-threads and the prefetch thread): `compute_seconds_per_step` (mean over the timed
-steps, off and on) and `compute_slowdown` (on / off) show it.
+threads and the prefetch thread): `compute_seconds_per_step` (median over the
+timed steps, off and on) and `compute_slowdown` (on / off) show it. The two runs
+follow each other, so on a machine others load the two see different loads: compare
+them on a quiet one.
 
 Two settings differ from the demo so the producer can stay ahead: the buffer
 holds three steps of groups (demo: one, to bound staleness) and the ingest asks
@@ -35,6 +37,7 @@ for retries after 5 ms (demo: 200 ms).
 from __future__ import annotations
 
 import pathlib
+import statistics
 import tempfile
 import threading
 import time
@@ -157,5 +160,5 @@ def figures(timed: list[dict]) -> dict:
         "plans_prepared_ahead": len(ahead),
         "overlapped_share": {p.removesuffix("_seconds"): round(sum(t[p] for t in ahead) / total, 4) for p in PREPARE},
         "prepare_share": {p.removesuffix("_seconds"): round(sum(t[p] for t in timed) / total, 4) for p in PREPARE},
-        "compute_seconds_per_step": round(sum(t["compute_seconds"] for t in timed) / len(timed), 4),
+        "compute_seconds_per_step": round(statistics.median(t["compute_seconds"] for t in timed), 4),
     }
