@@ -6,28 +6,31 @@ update, weight publication, metrics) runs in this process on the demo config
 but valid groups, stamped with the newest published version, through the real
 sampler client into the ingest, fast enough that the buffer is never empty.
 
-The trainer runs twice in one invocation: with `trainer.prefetch_plans` off
-(each step's plan made on the main thread between updates) and on (the default:
-step n+1's plan made on the prefetch thread while step n computes). Per step the
-trainer records its main thread's phases, which sum to its wall time there
-(`step_seconds`): plan_wait (getting the step's plan: with prefetch off, making it:
-collect, batch and pack; on, waiting for the prefetch thread), publish_wait (the
-previous publication, before a donating update), compute (the update: placing the
-packed batch, the jitted programs, the metrics back) and handoff (settling the
-trained groups, handing publication and reporting to the trainer's worker
-threads); and the plan's own collect (waiting for, reading and decoding groups),
-batch and pack (the batch packed into the update's rows) seconds, which with
-prefetch on ran beside the previous update (`overlapped_share`) and are not
-main-thread time.
+One trainer run switches `trainer.prefetch_plans` every `block` steps (10; quick:
+3): on (step n+1's plan made on the prefetch thread while step n computes), then
+off (each plan made on the main thread between updates), and so on, so both modes
+see the same load (on a machine others share, it drifts over minutes). A step
+counts as "on" when its own plan and the next one were made ahead (it waited for a
+prefetch, and a prefetch ran beside its update), "off" when neither was; the steps
+at a switch count in neither. Per step the trainer records its main thread's
+phases, which sum to its wall time there (`step_seconds`): plan_wait (getting the
+step's plan: with prefetch off, making it: collect, batch and pack; on, waiting for
+the prefetch thread), publish_wait (the previous publication, before a donating
+update), compute (the update: placing the packed batch, the jitted programs, the
+metrics back) and handoff (settling the trained groups, handing publication and
+reporting to the trainer's worker threads); and the plan's own collect (waiting
+for, reading and decoding groups), batch and pack (the batch packed into the
+update's rows) seconds, which with prefetch on ran beside the previous update
+(`overlapped_share`) and are not main-thread time.
 
-`overhead_share` = 1 - compute / main-thread step wall time, summed over the steps
-after the first `warmup` (which include compilation): prefetch on (the default);
-`prefetch_off.overhead_share` beside it. Host work moved beside the update can
-still slow the update down (the machine's cores are shared by XLA's compute
-threads and the prefetch thread): `compute_seconds_per_step` (median over the
-timed steps, off and on) and `compute_slowdown` (on / off) show it. The two runs
-follow each other, so on a machine others load the two see different loads: compare
-them on a quiet one.
+`overhead_share` = 1 - compute / main-thread step wall time, summed over the "on"
+steps after the first `warmup` (which include compilation);
+`prefetch_off.overhead_share` over the "off" steps beside it. Host work moved
+beside the update can still slow the update down (the machine's cores are shared
+by XLA's compute threads and the prefetch thread): `compute_seconds_per_step`
+(median, off and on) with `compute_slowdown` (on / off), and
+`median_step_seconds` with `step_ratio` (on / off: below 1, prefetch made steps
+shorter), show it.
 
 Two settings differ from the demo so the producer can stay ahead: the buffer
 holds three steps of groups (demo: one, to bound staleness) and the ingest asks
@@ -103,21 +106,39 @@ def _produce(trainer: Trainer, stop: threading.Event, errors: list) -> None:
 
 
 def run(quick: bool = False) -> dict:
-    steps, warmup = (12, 4) if quick else (150, 10)
+    steps, warmup, block = (16, 4, 3) if quick else (150, 10, 10)
     started = time.perf_counter()
-    off = _run_trainer(steps, warmup, prefetch=False)
-    on = _run_trainer(steps, warmup, prefetch=True)
+    timed, summary, cfg = _run_trainer(steps, block)
+    timed = timed[warmup:]
+    # step n is "on" when its own plan and the next one's were made ahead (its wait was a prefetch's, and a prefetch
+    # ran beside its update), "off" when neither; the steps where the switch happens count in neither
+    on = [t for t, after in zip(timed, timed[1:]) if t["prepared_ahead"] and after["prepared_ahead"]]
+    off = [t for t, after in zip(timed, timed[1:]) if not t["prepared_ahead"] and not after["prepared_ahead"]]
+    on, off = figures(on), figures(off)
     compute = {"off": off.pop("compute_seconds_per_step"), "on": on.pop("compute_seconds_per_step")}
+    step = {"off": off.pop("median_step_seconds"), "on": on.pop("median_step_seconds")}
     return {
         "benchmark": "pipeline", "quick": quick, "config": str(CONFIG.relative_to(ROOT)), "steps": steps,
-        "steps_timed": steps - warmup, "groups_per_step": on.pop("groups_per_step"), **on, "prefetch_off": off,
-        "compute_seconds_per_step": compute, "compute_slowdown": round(compute["on"] / compute["off"], 4),
+        "steps_timed": len(timed), "block": block, "groups_per_step": cfg.trainer.groups_per_step, **on,
+        "prefetch_off": off, "compute_seconds_per_step": compute,
+        "compute_slowdown": round(compute["on"] / compute["off"], 4), "median_step_seconds": step,
+        "step_ratio": round(step["on"] / step["off"], 4), "groups_dropped_stale": summary["groups_dropped_stale"],
         "wall_seconds": round(time.perf_counter() - started, 1),
     }
 
 
-def _run_trainer(steps: int, warmup: int, prefetch: bool) -> dict:
-    """One trainer run against the producer; its figures over the steps after `warmup`."""
+def _alternate(trainer: Trainer, block: int, stop: threading.Event) -> None:
+    """Prefetch on for `block` steps, off for the next `block`, and so on (what the next plan submitted does), so
+    both see the same load, which on a shared machine drifts over minutes."""
+    while not stop.wait(0.02):
+        source = trainer.source
+        if source is not None and source.prefetch is not None:
+            source.prefetch.enabled = (source.steps_done // block) % 2 == 0
+
+
+def _run_trainer(steps: int, block: int) -> tuple[list[dict], dict, object]:
+    """One trainer run against the producer, prefetch switched every `block` steps: (its steps' times, its summary,
+    its config)."""
     embedded = EmbeddedRedis().start()
     stop, errors = threading.Event(), []
     try:
@@ -126,12 +147,12 @@ def _run_trainer(steps: int, warmup: int, prefetch: bool) -> dict:
             cfg = load_config(CONFIG, [
                 f"auth.tokens_file={tokens['table']}", f"redis.url={embedded.url}", "redis.allow_unsafe_persistence=true", "run.name=bench-pipeline", "trainer.port=0", "trainer.metrics_port=null",
                 "warmstart.steps=0", "trainer.eval_before=false", "trainer.eval_after=false",
-                f"trainer.steps={steps}", "trainer.final_wait_s=0", "buffer.max_groups=48", "buffer.retry_after_ms=5",
-                f"trainer.prefetch_plans={str(prefetch).lower()}"])
+                f"trainer.steps={steps}", "trainer.final_wait_s=0", "buffer.max_groups=48", "buffer.retry_after_ms=5"])
             trainer = Trainer(cfg, pathlib.Path(tmp))
             trainer.bench_token = tokens["sampler"].read_text().strip()
-            producer = threading.Thread(target=_produce, args=(trainer, stop, errors), daemon=True)
-            producer.start()
+            for target in (_produce, _alternate):
+                threading.Thread(target=target, args=(trainer, stop, errors) if target is _produce else
+                                 (trainer, block, stop), daemon=True).start()
             summary = trainer.run()
     finally:
         stop.set()
@@ -140,8 +161,7 @@ def _run_trainer(steps: int, warmup: int, prefetch: bool) -> dict:
         raise RuntimeError(f"synthetic producer failed: {errors[0]}")
     if summary["steps"] != steps:
         raise RuntimeError(f"trainer stopped after {summary['steps']} of {steps} steps")
-    return figures(trainer.step_times[warmup:]) | {"groups_per_step": cfg.trainer.groups_per_step,
-                                                   "groups_dropped_stale": summary["groups_dropped_stale"]}
+    return trainer.step_times, summary, cfg
 
 
 def figures(timed: list[dict]) -> dict:
@@ -154,7 +174,9 @@ def figures(timed: list[dict]) -> dict:
     share["other"] = round(1 - sum(sum(t[p] for p in MAIN_THREAD) for t in timed) / total, 4)
     ahead = [t for t in timed if t["prepared_ahead"]]
     return {
+        "steps_counted": len(timed),
         "mean_step_seconds": round(total / len(timed), 4),
+        "median_step_seconds": round(statistics.median(t["step_seconds"] for t in timed), 4),
         "overhead_share": round(1 - share["compute"], 4),
         "main_thread_share": share,
         "plans_prepared_ahead": len(ahead),
