@@ -20,7 +20,7 @@ _GAUGES = (("trainer_step", "RL steps completed"), ("weight_version", "latest pu
            ("buffer_depth", "groups waiting in the buffer to be trained"),
            ("reward_mean", "mean reward of the last batch"),
            ("accuracy", "answer accuracy of the last batch"), ("staleness_mean", "mean staleness of the last batch"),
-           ("step_seconds", "wall time of the last step"), ("wait_seconds", "time the last step waited for data"),
+           ("step_seconds", "wall time of the last step"), ("wait_seconds", "time the last step's main thread waited for its plan (its data)"),
            ("tokens_per_second", "completion tokens trained per second over the last window"),
            ("groups_per_second", "rollout groups trained per second over the last window"),
            ("compute_share", "share of the last step's wall time spent in the jitted update"))
