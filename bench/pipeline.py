@@ -1,4 +1,4 @@
-"""Benchmark: how much of the trainer's wall time is not compute, when data never runs short.
+"""Benchmark: how much of the trainer's main-thread wall time is not compute, when data never runs short.
 
 The real trainer (ingest gRPC server, Redis buffer, decode, batching, the jitted
 update, weight publication, metrics) runs in this process on the demo config
@@ -6,13 +6,31 @@ update, weight publication, metrics) runs in this process on the demo config
 but valid groups, stamped with the newest published version, through the real
 sampler client into the ingest, fast enough that the buffer is never empty.
 
-Per step the trainer records collect (waiting for, reading and decoding groups),
-batch, pack (the batch packed into the update's rows on the host), compute (the
-update: placing the packed batch, the jitted programs, the metrics back) and
-handoff (settling the trained groups and handing publication and reporting to the
-trainer's worker thread, which overlaps them with the next step) seconds;
-`overhead_share` = 1 - compute / step wall time, summed over the steps after the
-first `warmup` (which include compilation).
+One trainer run switches `trainer.prefetch_plans` every `block` steps (10; quick:
+3): on (step n+1's plan made on the prefetch thread while step n computes), then
+off (each plan made on the main thread between updates), and so on, so both modes
+see the same load (on a machine others share, it drifts over minutes). A step
+counts as "on" when its own plan and the next one were made ahead (it waited for a
+prefetch, and a prefetch ran beside its update), "off" when neither was; the steps
+at a switch count in neither. Per step the trainer records its main thread's
+phases, which sum to its wall time there (`step_seconds`): plan_wait (getting the
+step's plan: with prefetch off, making it: collect, batch and pack; on, waiting for
+the prefetch thread), publish_wait (the previous publication, before a donating
+update), compute (the update: placing the packed batch, the jitted programs, the
+metrics back) and handoff (settling the trained groups, handing publication and
+reporting to the trainer's worker threads); and the plan's own collect (waiting
+for, reading and decoding groups), batch and pack (the batch packed into the
+update's rows) seconds, which with prefetch on ran beside the previous update
+(`overlapped_share`) and are not main-thread time.
+
+`overhead_share` = 1 - compute / main-thread step wall time, summed over the "on"
+steps after the first `warmup` (which include compilation);
+`prefetch_off.overhead_share` over the "off" steps beside it. Host work moved
+beside the update can still slow the update down (the machine's cores are shared
+by XLA's compute threads and the prefetch thread): `compute_seconds_per_step`
+(median, off and on) with `compute_slowdown` (on / off), and
+`median_step_seconds` with `step_ratio` (on / off: below 1, prefetch made steps
+shorter), show it.
 
 Two settings differ from the demo so the producer can stay ahead: the buffer
 holds three steps of groups (demo: one, to bound staleness) and the ingest asks
@@ -22,6 +40,7 @@ for retries after 5 ms (demo: 200 ms).
 from __future__ import annotations
 
 import pathlib
+import statistics
 import tempfile
 import threading
 import time
@@ -38,8 +57,8 @@ from grpo_stream.trainer_service.loop import Trainer
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs" / "tiny_arith.yaml"
-PHASES = ("collect_seconds", "batch_seconds", "publish_wait_seconds", "pack_seconds", "compute_seconds",
-          "handoff_seconds")
+MAIN_THREAD = ("plan_wait_seconds", "publish_wait_seconds", "compute_seconds", "handoff_seconds")
+PREPARE = ("collect_seconds", "batch_seconds", "pack_seconds")  # the plan's making, wherever it ran
 
 
 def _random_group(rng: np.random.Generator, cfg, vocab: int, pad_id: int, index: int, version: int) -> GroupData:
@@ -87,7 +106,39 @@ def _produce(trainer: Trainer, stop: threading.Event, errors: list) -> None:
 
 
 def run(quick: bool = False) -> dict:
-    steps, warmup = (12, 4) if quick else (150, 10)
+    steps, warmup, block = (16, 4, 3) if quick else (150, 10, 10)
+    started = time.perf_counter()
+    timed, summary, cfg = _run_trainer(steps, block)
+    timed = timed[warmup:]
+    # step n is "on" when its own plan and the next one's were made ahead (its wait was a prefetch's, and a prefetch
+    # ran beside its update), "off" when neither; the steps where the switch happens count in neither
+    on = [t for t, after in zip(timed, timed[1:]) if t["prepared_ahead"] and after["prepared_ahead"]]
+    off = [t for t, after in zip(timed, timed[1:]) if not t["prepared_ahead"] and not after["prepared_ahead"]]
+    on, off = figures(on), figures(off)
+    compute = {"off": off.pop("compute_seconds_per_step"), "on": on.pop("compute_seconds_per_step")}
+    step = {"off": off.pop("median_step_seconds"), "on": on.pop("median_step_seconds")}
+    return {
+        "benchmark": "pipeline", "quick": quick, "config": str(CONFIG.relative_to(ROOT)), "steps": steps,
+        "steps_timed": len(timed), "block": block, "groups_per_step": cfg.trainer.groups_per_step, **on,
+        "prefetch_off": off, "compute_seconds_per_step": compute,
+        "compute_slowdown": round(compute["on"] / compute["off"], 4), "median_step_seconds": step,
+        "step_ratio": round(step["on"] / step["off"], 4), "groups_dropped_stale": summary["groups_dropped_stale"],
+        "wall_seconds": round(time.perf_counter() - started, 1),
+    }
+
+
+def _alternate(trainer: Trainer, block: int, stop: threading.Event) -> None:
+    """Prefetch on for `block` steps, off for the next `block`, and so on (what the next plan submitted does), so
+    both see the same load, which on a shared machine drifts over minutes."""
+    while not stop.wait(0.02):
+        source = trainer.source
+        if source is not None and source.prefetch is not None:
+            source.prefetch.enabled = (source.steps_done // block) % 2 == 0
+
+
+def _run_trainer(steps: int, block: int) -> tuple[list[dict], dict, object]:
+    """One trainer run against the producer, prefetch switched every `block` steps: (its steps' times, its summary,
+    its config)."""
     embedded = EmbeddedRedis().start()
     stop, errors = threading.Event(), []
     try:
@@ -99,11 +150,10 @@ def run(quick: bool = False) -> dict:
                 f"trainer.steps={steps}", "trainer.final_wait_s=0", "buffer.max_groups=48", "buffer.retry_after_ms=5"])
             trainer = Trainer(cfg, pathlib.Path(tmp))
             trainer.bench_token = tokens["sampler"].read_text().strip()
-            producer = threading.Thread(target=_produce, args=(trainer, stop, errors), daemon=True)
-            producer.start()
-            started = time.perf_counter()
+            for target in (_produce, _alternate):
+                threading.Thread(target=target, args=(trainer, stop, errors) if target is _produce else
+                                 (trainer, block, stop), daemon=True).start()
             summary = trainer.run()
-            wall = time.perf_counter() - started
     finally:
         stop.set()
         embedded.stop()
@@ -111,15 +161,26 @@ def run(quick: bool = False) -> dict:
         raise RuntimeError(f"synthetic producer failed: {errors[0]}")
     if summary["steps"] != steps:
         raise RuntimeError(f"trainer stopped after {summary['steps']} of {steps} steps")
-    timed = trainer.step_times[warmup:]
+    return trainer.step_times, summary, cfg
+
+
+def figures(timed: list[dict]) -> dict:
+    """The figures of a run's timed steps (LeaderSource.step_times): main-thread shares of the step wall time
+    (`other`: the loop between phases: sending, recording, heartbeats), and the plan's making, over the same wall
+    time, split by where it ran (`overlapped_share`: on the prefetch thread; `main_thread_share` holds it inside
+    plan_wait when it ran there)."""
     total = sum(t["step_seconds"] for t in timed)
-    phase_share = {p: round(sum(t[p] for t in timed) / total, 4) for p in PHASES}
+    share = {p.removesuffix("_seconds"): round(sum(t[p] for t in timed) / total, 4) for p in MAIN_THREAD}
+    share["other"] = round(1 - sum(sum(t[p] for p in MAIN_THREAD) for t in timed) / total, 4)
+    ahead = [t for t in timed if t["prepared_ahead"]]
     return {
-        "benchmark": "pipeline", "quick": quick, "config": str(CONFIG.relative_to(ROOT)), "steps": steps,
-        "steps_timed": len(timed), "groups_per_step": cfg.trainer.groups_per_step,
+        "steps_counted": len(timed),
         "mean_step_seconds": round(total / len(timed), 4),
-        "overhead_share": round(1 - phase_share["compute_seconds"], 4),
-        "phase_share": phase_share,
-        "groups_dropped_stale": summary["groups_dropped_stale"],
-        "wall_seconds": round(wall, 1),
+        "median_step_seconds": round(statistics.median(t["step_seconds"] for t in timed), 4),
+        "overhead_share": round(1 - share["compute"], 4),
+        "main_thread_share": share,
+        "plans_prepared_ahead": len(ahead),
+        "overlapped_share": {p.removesuffix("_seconds"): round(sum(t[p] for t in ahead) / total, 4) for p in PREPARE},
+        "prepare_share": {p.removesuffix("_seconds"): round(sum(t[p] for t in timed) / total, 4) for p in PREPARE},
+        "compute_seconds_per_step": round(statistics.median(t["compute_seconds"] for t in timed), 4),
     }

@@ -64,7 +64,9 @@ class CoreHooks:
 @dataclasses.dataclass(frozen=True)
 class StepResult:
     metrics: dict  # the update's (host values)
-    phases: dict  # seconds: waiting for the previous publication, packing the batch, computing, handing off
+    # seconds: waiting for the previous publication, packing the batch (only when the plan came unpacked), computing,
+    # handing off
+    phases: dict
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,7 +184,8 @@ class TrainerCore:
         if self.donate and self._publishing is not None:  # it reads the parameters this update overwrites
             self._publishing.result(timeout=BACKGROUND_WAIT_S)
         t_published = time.time()
-        packed = self.updater.pack(plan.batch)  # on the host, in numpy: placed on the mesh once, by the update
+        # on the host, in numpy (placed on the mesh once, by the update); a prefetched plan comes packed
+        packed = plan.packed if plan.packed is not None else self.pack(plan.batch)
         t_packed = time.time()
         metrics = self.updater.update(packed, plan.group_index)
         self.params = self.updater.params
@@ -192,11 +195,18 @@ class TrainerCore:
             self.keeper.save(plan.step, self.updater, self.carried)
         self.keeper.committed()
         self.wait_background()
-        phases = {"publish_wait_seconds": t_published - t0, "pack_seconds": t_packed - t_published,
-                  "compute_seconds": t_compute - t_packed, "handoff_seconds": time.time() - t_compute}
+        phases = {"publish_wait_seconds": t_published - t0, "compute_seconds": t_compute - t_packed,
+                  "handoff_seconds": time.time() - t_compute}
+        if plan.packed is None:  # packed here, on this thread (else where the plan was made: its source times it)
+            phases["pack_seconds"] = t_packed - t_published
         self._publishing = self._worker.submit(self._publish_due, plan, self.params)
         self._pending += [self._publishing, self._reporter.submit(self._report, self._publishing, plan, metrics, phases)]
         return StepResult(metrics, phases)
+
+    def pack(self, batch):
+        """`batch` packed for this core's update (numpy only, so any thread may call it once the start plan made the
+        updater): what a plan source that prepares plans ahead packs them with."""
+        return self.updater.pack(batch)
 
     def _publish_due(self, plan: StepPlan, params) -> None:
         if plan.publish:

@@ -89,6 +89,7 @@ def run_follower(cfg: RunConfig, run_dir: pathlib.Path, group: TrainerGroup) -> 
                            donate=donates_updates(transport_spec(w.transport).in_process),
                            metrics=MetricsWriter(run_dir, f"trainer-{index}"))  # its warm start's own curve
         source = FollowerSource(cfg, group)
+        source.pack = core.pack  # the batch packed beside the update, with trainer.prefetch_plans
         drive(source, core, run_dir, f"trainer-{index}")
         server.stop()
         log.info("trainer process %d done at step %d", index, source.steps_done)

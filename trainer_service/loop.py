@@ -28,7 +28,6 @@ from grpo_stream.common.rollouts.buffer import RUN_FILE
 from grpo_stream.common.rollouts.redis_server import redacted
 from grpo_stream.common.rollouts.registry import open_leased_buffer
 from grpo_stream.common.rpc.grpc_util import ServerSecurity
-from grpo_stream.common.runtime.heartbeat import beat
 from grpo_stream.common.runtime.process import stop_on_signals
 from grpo_stream.common.registry.transports import transport_spec
 from grpo_stream.common.weights.registry import weight_sink
@@ -106,6 +105,8 @@ class Trainer:
                 self.s.server.stop(grace_s=0)
             raise
         finally:
+            if self.source is not None and failed:  # a plan prefetch still waiting for groups ends now
+                self.source.close()
             if self.core is not None:
                 self.core.close(failed)
             for part, close in (("status", lambda p: p.stop()), ("checkpoints", lambda p: p.close()),
@@ -127,16 +128,17 @@ class Trainer:
         parts.tokenizer.save(self.run_dir / "model")
         s.pad_id = parts.tokenizer.pad_id
         self._serve(parts, security)
-        s.collector = GroupCollector(s.buffer, cfg.trainer.groups_per_step, cfg.trainer.max_staleness,
-                                     cfg.algo.dynamic_sampling, self.stop_event, s.durability.held,
-                                     waiting=lambda: beat(self.run_dir, "trainer-0"))
         s.metrics = open_trackers(cfg, self.run_dir)  # W&B too when tracking.wandb.enabled: process 0 only
         s.reporter = StepReporter(cfg, s.metrics, s.buffer, s.publisher, s.durability.held, parts.tokenizer)
         self.source = LeaderSource(cfg, self.run_dir, s, self.group)
+        s.collector = GroupCollector(s.buffer, cfg.trainer.groups_per_step, cfg.trainer.max_staleness,
+                                     cfg.algo.dynamic_sampling, self.stop_event, s.durability.held,
+                                     waiting=self.source.collector_waiting)
         # several processes run the warm start in lockstep: a signal takes effect after it, at a step
         self.core = TrainerCore(cfg, self.run_dir, parts, s.publisher, s.durability, hooks=self.source,
                                 donate=donates_updates(transport_spec(cfg.weights.transport).in_process),
                                 metrics=s.metrics, warm_stop=self.stop_event if self.group is None else None)
+        self.source.pack = self.core.pack  # plans come packed, on the prefetch thread with trainer.prefetch_plans
 
     def _serve(self, parts: ModelParts, security: ServerSecurity) -> None:
         """The gRPC server: ingest and prompts (unless ingest.standalone), weights, status."""

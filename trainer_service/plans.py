@@ -18,6 +18,7 @@ import numpy as np
 
 from grpo_stream.common.config.schema import RunConfig
 from grpo_stream.trainer_service.learning.batching import TrainBatch
+from grpo_stream.trainer_service.learning.packing import PackedBatch
 from grpo_stream.trainer_service.control_messages import ControlMessageError, Done, Finish, Start, Step
 
 
@@ -42,6 +43,9 @@ class StepPlan:
     # [B] the group of each batch row: process 0's off-policy diagnostics (per-group ESS); not sent to the others,
     # which report nothing
     group_index: np.ndarray | None = None
+    # `batch` already packed for the update (the plan prefetch packs it beside the previous step's update); not sent
+    # either: every process packs the same batch the same way (None: the core packs it)
+    packed: PackedBatch | None = dataclasses.field(default=None, compare=False, repr=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,10 +72,12 @@ def start_plan(cfg: RunConfig, epoch: str, restore: int | None) -> StartPlan:
                      export_warm=cfg.warmstart.steps > 0 and cfg.warmstart.export, eval_before=cfg.trainer.eval_before)
 
 
-def step_plan(cfg: RunConfig, step: int, batch: TrainBatch, group_index: np.ndarray | None = None) -> StepPlan:
+def step_plan(cfg: RunConfig, step: int, batch: TrainBatch, group_index: np.ndarray | None = None,
+              packed: PackedBatch | None = None) -> StepPlan:
     last = step == cfg.trainer.steps
     return StepPlan(step=step, batch=batch, checkpoint=step % cfg.checkpoint.every == 0 or last,
-                    publish=step % cfg.trainer.publish_every == 0 or last, final=last, group_index=group_index)
+                    publish=step % cfg.trainer.publish_every == 0 or last, final=last, group_index=group_index,
+                    packed=packed)
 
 
 def finish_plan(cfg: RunConfig, steps: int, complete: bool, checkpoint: bool, publish: bool) -> FinishPlan:

@@ -108,6 +108,11 @@ class TrainerSection(Strict):
     processes: int = Field(1, ge=1, le=4096, description="JAX processes (one per host; trainer.mesh spans all their "
                            "devices) joined by distributed.initialize; process 0 leads (docs/multi-host.md).")
     record_batches: bool = Field(False, description="Write each step's batch to RUN_DIR/batches/step-N.npz.")
+    prefetch_plans: bool = Field(True, description="Make each RL step's plan (read its groups from the buffer, build "
+                                 "and pack its batch) on a worker thread while the previous step's update computes, "
+                                 "so the main thread goes from one update to the next; staleness is still judged "
+                                 "against the step that trains the group. false: the main thread makes each plan "
+                                 "between updates (docs/rollouts-and-weights.md, \"The trainer's step\").")
     lease_ttl_s: float = Field(15.0, ge=1, le=3600, description="The trainer's lease on its run in Redis (one trainer "
                                "per run; common/rollouts/trainer_lease.py): renewed every third of this while the "
                                "trainer runs. A new trainer waits up to this long after one that stopped without "

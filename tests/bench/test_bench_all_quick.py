@@ -29,8 +29,16 @@ def test_bench_all_quick_writes_json_and_table_rows(tmp_path):
     assert all(transport["groups_per_second"][k] > 0 for k in ("ours", "json", "pickle", "raw_redis"))
 
     pipeline = results["pipeline"]
-    assert 0 < pipeline["overhead_share"] < 1
-    assert sum(pipeline["phase_share"].values()) == pytest.approx(1.0, abs=0.02)
+    for run, ahead in ((pipeline, pipeline["steps_counted"]), (pipeline["prefetch_off"], 0)):  # prefetch on, off
+        assert 0 < run["overhead_share"] < 1 and run["steps_counted"] > 0 and run["plans_prepared_ahead"] == ahead
+        assert sum(run["main_thread_share"].values()) == pytest.approx(1.0, abs=0.02)
+        assert run["overhead_share"] == pytest.approx(1 - run["main_thread_share"]["compute"], abs=1e-3)
+    assert pipeline["prefetch_off"]["main_thread_share"]["plan_wait"] >= sum(
+        pipeline["prefetch_off"]["prepare_share"].values()) - 1e-3  # made on the main thread, inside the wait
+    assert sum(pipeline["prefetch_off"]["overlapped_share"].values()) == 0 < sum(pipeline["overlapped_share"].values())
+    assert pipeline["compute_slowdown"] == pytest.approx(
+        pipeline["compute_seconds_per_step"]["on"] / pipeline["compute_seconds_per_step"]["off"], rel=1e-2)
+    assert pipeline["steps_counted"] + pipeline["prefetch_off"]["steps_counted"] < pipeline["steps_timed"]
 
     sampler = results["sampler"]
     assert sampler["logits_max_rel_diff"] < 1e-3

@@ -4,6 +4,7 @@ run fed the same groups, and the audit finds every group trained once."""
 
 import pathlib
 import tempfile
+import threading
 
 import jax
 import pytest
@@ -22,6 +23,7 @@ from grpo_stream.common.weights.snapshot import digest
 from grpo_stream.common.rollouts.wire import to_proto
 from grpo_stream.reports.audit import build_audit
 from tests.conftest import CONFIGS
+from grpo_stream.trainer_service.learning.collector import GroupCollector
 from grpo_stream.trainer_service.loop import Trainer
 
 pytestmark = pytest.mark.redis
@@ -89,22 +91,35 @@ def uninterrupted(groups, shared_redis, new_run_name, tmp_path_factory):
     return final_digest(trainer)
 
 
-@pytest.mark.parametrize("how", ["sigterm", "crash", "crash_and_corrupt_checkpoint"])
+@pytest.mark.parametrize("how", ["sigterm", "crash", "crash_and_corrupt_checkpoint", "crash_without_prefetch"])
 def test_a_resumed_run_ends_with_the_parameters_of_an_uninterrupted_one(how, groups, uninterrupted, shared_redis,
                                                                         run_name, tmp_path, monkeypatch):
+    """sigterm, crash: once step 6's plan was made ahead (trainer.prefetch_plans, the default) and not trained; its
+    groups are trained once, by the resumed run. crash_without_prefetch: prefetch_plans=false (the uninterrupted run
+    prefetches: the same parameters either way)."""
     buffer = fill(shared_redis.url, run_name, groups)
-    cfg = config(shared_redis.url, run_name)
+    cfg = config(shared_redis.url, run_name, **{"trainer.prefetch_plans": how != "crash_without_prefetch"})
     first = Trainer(cfg, tmp_path)
-    original = RedisStreamBuffer.log_step
+    original, collect = RedisStreamBuffer.log_step, GroupCollector.collect
+    prefetched = threading.Event()
+
+    def recorded(self, step, cancel=None):
+        picked = collect(self, step, cancel)
+        if step == 6 and picked is not None and threading.current_thread().name == "plan-prefetch":
+            prefetched.set()
+        return picked
 
     def interrupt(self, epoch, step, group_ids):  # after step 5 trained (checkpoints at 2 and 4)
         original(self, epoch, step, group_ids)
+        if step == 5 and how in ("sigterm", "crash"):  # step 6's groups read, its plan made, while step 5 computed
+            assert prefetched.wait(60), "step 6's plan was not made ahead"
         if step == 5 and how == "sigterm":
             first.stop_event.set()  # what SIGTERM does
         elif step == 5:
             raise SimulatedCrash
 
     monkeypatch.setattr(RedisStreamBuffer, "log_step", interrupt)
+    monkeypatch.setattr(GroupCollector, "collect", recorded)
     if how == "sigterm":
         summary = first.run()
         assert summary["steps"] == 5 and summary["stopped_early"] and summary["checkpoints_saved"][-1] == 5
@@ -112,6 +127,8 @@ def test_a_resumed_run_ends_with_the_parameters_of_an_uninterrupted_one(how, gro
         with pytest.raises(SimulatedCrash):
             first.run()
     monkeypatch.setattr(RedisStreamBuffer, "log_step", original)
+    if how == "crash_without_prefetch":
+        assert not prefetched.is_set()
     if how == "crash_and_corrupt_checkpoint":
         chunks = [p for p in (tmp_path / "checkpoints" / "4" / "state").rglob("*") if p.is_file()]
         biggest = max(chunks, key=lambda p: p.stat().st_size)
@@ -119,7 +136,7 @@ def test_a_resumed_run_ends_with_the_parameters_of_an_uninterrupted_one(how, gro
         data[len(data) // 2:len(data) // 2 + 64] = bytes(64)
         biggest.write_bytes(bytes(data))
     second = run_trainer(cfg, tmp_path)
-    expected_start = {"sigterm": 5, "crash": 4, "crash_and_corrupt_checkpoint": 2}[how]
+    expected_start = {"sigterm": 5, "crash": 4, "crash_and_corrupt_checkpoint": 2, "crash_without_prefetch": 4}[how]
     assert second.resumed_from["step"] == expected_start
     assert final_digest(second) == uninterrupted
     report = build_audit(buffer.client, run_name)

@@ -48,9 +48,10 @@ class GroupCollector:
         self.dynamic_sampling, self.stop_event, self.held = dynamic_sampling, stop_event, held
         self.pending: list[tuple[BufferEntry, GroupData]] = []
 
-    def collect(self, step: int) -> list[tuple[BufferEntry, GroupData]] | None:
-        """The step's groups in stream order; None when stopping. Groups passed over as stale (for the version the
-        trainer holds, step - 1) or without reward variance are settled as dropped."""
+    def collect(self, step: int, cancel: threading.Event | None = None) -> list[tuple[BufferEntry, GroupData]] | None:
+        """The step's groups in stream order; None when stopping (the stop event, or `cancel`: a prefetch no longer
+        wanted). Groups passed over as stale (for the version the trainer holds while it trains `step`, step - 1)
+        or without reward variance are settled as dropped."""
         need, holding = self.need, self.max_staleness
         last_note = time.time()
         while True:
@@ -66,7 +67,7 @@ class GroupCollector:
                 self.pending = rest
                 return batch
             self.pending = batch
-            if self.stop_event.is_set():
+            if self.stop_event.is_set() or (cancel is not None and cancel.is_set()):
                 return None
             try:
                 entries = self.buffer.read(max_count=need * 2, block_ms=500)

@@ -20,7 +20,7 @@ _GAUGES = (("trainer_step", "RL steps completed"), ("weight_version", "latest pu
            ("buffer_depth", "groups waiting in the buffer to be trained"),
            ("reward_mean", "mean reward of the last batch"),
            ("accuracy", "answer accuracy of the last batch"), ("staleness_mean", "mean staleness of the last batch"),
-           ("step_seconds", "wall time of the last step"), ("wait_seconds", "time the last step waited for data"),
+           ("step_seconds", "wall time of the last step"), ("wait_seconds", "time the last step's main thread waited for its plan (its data)"),
            ("tokens_per_second", "completion tokens trained per second over the last window"),
            ("groups_per_second", "rollout groups trained per second over the last window"),
            ("compute_share", "share of the last step's wall time spent in the jitted update"))
@@ -29,6 +29,18 @@ _HEALTH_GAUGES = (("is_ess_group_mean", "per-group sequence importance-weight ES
                   ("mismatch_kl_k3", "k3 estimate of KL(sampler || trainer) per token of the last batch, nats"),
                   ("is_truncated_fraction", "share of the last batch's tokens whose importance ratio exceeded "
                                             "algo.tis_cap"))
+
+
+# a step's phases on the trainer's main thread, in order, summing to its wall time there: waiting for its plan (made
+# there: collecting, batching and packing it; or made ahead by the plan prefetch: waiting for that thread), for the
+# previous publication, the update, handing off. The plan's collect/batch/pack seconds are reported too; with
+# `prepared_ahead` they ran on the prefetch thread beside the previous update and are no part of the step's time.
+MAIN_THREAD_PHASES = ("plan_wait_seconds", "publish_wait_seconds", "compute_seconds", "handoff_seconds")
+
+
+def main_thread_seconds(phases: dict) -> float:
+    """The step's wall time on the trainer's main thread, from its phases."""
+    return sum(phases[p] for p in MAIN_THREAD_PHASES)
 
 
 def component_means(groups) -> dict[str, float]:
@@ -77,6 +89,7 @@ class StepReporter:
         accuracy = float(np.mean([c.reward_components.get("answer_correct", 0.0)
                                   for g in groups for c in g.completions]))
         held = self.held()
+        step_seconds = main_thread_seconds(phases)
         try:
             counters = self._counters = self.buffer.counters()
         except BufferUnavailable:  # Redis is away: report the last known counts rather than fail the step
@@ -87,9 +100,9 @@ class StepReporter:
                "buffer_depth": max(0, counters["depth"] - held), "buffer_held": held,
                "groups_dropped_stale": counters["dropped_stale"],
                "groups_dropped_filtered": counters["dropped_filtered"], **phases,
-               "wait_seconds": phases["collect_seconds"], "tokens_per_second": tokens_per_second,
-               "groups_per_second": groups_per_second, "step_seconds": sum(phases.values()),
-               "compute_share": phases["compute_seconds"] / max(sum(phases.values()), 1e-9),
+               "wait_seconds": phases["plan_wait_seconds"], "tokens_per_second": tokens_per_second,
+               "groups_per_second": groups_per_second, "step_seconds": step_seconds,
+               "compute_share": phases["compute_seconds"] / max(step_seconds, 1e-9),
                "zero_variance_groups": int(sum(np.ptp(g.rewards) == 0 for g in groups)),
                "weight_version": self.publisher.latest_version or 0, **component_means(groups)}
         self.metrics.scalars(step, row, prefix="train/")
@@ -108,7 +121,7 @@ class StepReporter:
                      "loss %.4f clip %.3f lp_diff(lag0) %s wait %.2fs %.0f tok/s", step, self.cfg.trainer.steps,
                      stats["reward_mean"], accuracy, row["staleness_mean"], row["staleness_max"], row["buffer_depth"],
                      row["groups_dropped_stale"], row["weight_version"], m["loss"], m["clip_fraction"], lp_diff,
-                     phases["collect_seconds"], tokens_per_second)
+                     phases["plan_wait_seconds"], tokens_per_second)
 
     def _show(self, step: int) -> bool:
         """Every step with logging.verbose; else the first, the last, every logging.step_every-th, and one at least
