@@ -1,9 +1,7 @@
 """The CPU demo end to end, run once per lane (a module fixture) and checked for everything it must show: RL
 clearly raises held-out accuracy, every ingested group is accounted for, weights reach both samplers, the samplers'
-logprobs agree with the trainer's at lag 0, and the closing line and report show the figures. Then GSPO on a run
-from the demo's warm start where GSPO's objective really differs from GRPO's (two optimizer steps per batch): 100
-steps held to a calibrated learning bar in the default lane, its learning over 400 steps in the learning lane
-(-m learning).
+logprobs agree with the trainer's at lag 0, and the closing line and report show the figures. GSPO's learning
+checks start from a warm start kept in the tree instead: tests/e2e/test_gspo_learning.py.
 
 Learning thresholds are checks on one run, set from measured runs (bench/learning_spread.py; the runs are in
 tests/e2e/calibration/) and from runs seen inside CI's suite: see the constants below.
@@ -21,11 +19,8 @@ from tests.e2e.test_up import check_run, run_cli
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-# The GSPO bars are the one-sided 99% lower prediction bound for one new run, mean - t(0.99, 9) * sd * sqrt(1 + 1/10),
-# from 10 measured runs of the same setup (tests/e2e/calibration/*.json, made with
-# `python -m grpo_stream.bench.learning_spread`), rounded down: if a healthy run's gain is normal, it fails a bar
-# with probability <= 1% (expected false-failure rate of each check <= 1%).
-# The demo's bars are set differently (below). The demo as shipped (admission control on, continuous engine; calibration/demo-admission.json, 2026-11-25: 12 runs,
+# The demo's bars are set against a run that does not learn (below), not from a prediction bound (the GSPO checks'
+# way: tests/e2e/test_gspo_learning.py). The demo as shipped (admission control on, continuous engine; calibration/demo-admission.json, 2026-11-25: 12 runs,
 # three idle, eight two at once as CI's two workers run them, one beside GSPO runs): sampled pass@1 gain +0.143 to
 # +0.200 (mean 0.175, sd 0.016), greedy gain +0.132 to +0.220 (mean 0.168, sd 0.024).
 # Those runs (one machine, mostly idle) did not show the spread of CI's suite, where the demo shares two cores with
@@ -44,32 +39,6 @@ DEMO_MIN_GREEDY_GAIN = 0.04
 # against 255, 260 s) while wasting 13.5% of its generation (admission: 0.4%, 0.25%).
 # Earlier setups (calibration/demo.json: static engine, no admission, mean sampled gain 0.158;
 # demo-continuous-engine.json: no admission, 0.171).
-# GSPO (400 steps, minibatches=2, from the demo's warm start; admission on, continuous engine;
-# calibration/gspo-admission.json, 2026-11-25: one idle run, six run two at once, three beside a demo run or idle):
-# - sampled pass@1 gain: runs +0.039 to +0.142, mean 0.110, sd 0.030, bound 0.021. FFR <= 1%. A run that does not
-#   learn passes it with about 6% (the gain's evaluation noise has sd 0.013).
-GSPO_STEPS = 400
-GSPO_MIN_SAMPLED_GAIN = 0.02
-# - greedy accuracy gain: runs +0.005 to +0.142, mean 0.091, sd 0.044, bound -0.041: too spread for a learning bar at
-#   1%, so greedy accuracy is only held to not falling by more than 0.04 (a diverging run fails it). FFR <= 1%.
-GSPO_MIN_GREEDY_GAIN = -0.04
-# Those 400-step bars were set on GSPO's objective before issue 44 and are not recalibrated: the objective since
-# learns more in 100 steps than the old one did (below), so they hold with more room.
-# Two 100-step GSPO runs inside CI's suite fell (fresh clones of 8c84c3f and ba4b8d3: sampled pass@1 0.465 -> 0.333
-# and -> 0.354, greedy -> 0.379 and -> 0.424, training accuracy 0.48 -> 0.27 by step 45, staleness 2.0-2.5, clip
-# fraction ~0; calibration/gspo-admission.json lists both). Issue 44 found the cause: GSPO's ratio was taken against
-# the trainer's own weights with GRPO's clip of 0.2, so staleness never reached the clip and stale sequences were
-# corrected token by token only; a deterministic replay 2-4 versions behind reproduces the loss of learning
-# (tests/e2e/test_off_policy_replay.py; docs/objective.md, "Stale sequences and GSPO"). GSPO's ratio is now against
-# the sampler's policy with GSPO's own clip (3e-4 / 4e-4).
-# The default lane's 100-step check (calibration/gspo-100-behaviour-ratio.json, 2026-11-28: 10 runs, six two at once
-# as CI's two workers run them, four idle; mean staleness 1.98-2.13 in every run, as admission keeps it):
-# - sampled pass@1 gain: +0.069 to +0.113, mean 0.093, sd 0.015, bound 0.050. FFR <= 1%. A run that does not learn
-#   (gain 0, evaluation noise sd 0.013) passes with under 0.1%.
-# - greedy accuracy gain: +0.107 to +0.176, mean 0.137, sd 0.023, bound 0.070, rounded down to 0.06. FFR <= 1%.
-GSPO_SHORT_STEPS = 100
-GSPO_SHORT_MIN_SAMPLED_GAIN = 0.05
-GSPO_SHORT_MIN_GREEDY_GAIN = 0.06
 # - generation_wasted_fraction (groups generated for training but never trained), with admission control on: the
 #   acceptance bound of issue 21, not a fitted bar.
 MAX_WASTE = 0.03
@@ -109,9 +78,8 @@ def up(run_dir: pathlib.Path, *overrides: str) -> Run:
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory) -> Run:
-    """The shipped demo as a user runs it (one optimizer step per batch, grpo, admission control on), which also
-    exports its warm start for the GSPO run."""
-    return up(tmp_path_factory.mktemp("demo") / "run", "warmstart.export=true")
+    """The shipped demo as a user runs it (one optimizer step per batch, grpo, admission control on)."""
+    return up(tmp_path_factory.mktemp("demo") / "run")
 
 
 def test_demo_raises_heldout_accuracy(demo):
@@ -134,7 +102,7 @@ def test_demo_accounts_for_every_group_and_both_samplers_follow_the_weights(demo
     summary = demo.summary
     check_run(summary, replicas=2, steps=summary["steps"])
     assert summary["algo"]["loss_algo"] == "grpo" and summary["steps"] == 400
-    # one optimizer step per batch: the trainer's importance ratio is exactly 1 (the GSPO run below is where not)
+    # one optimizer step per batch: the trainer's importance ratio is exactly 1 (test_gspo_learning.py: where not)
     rows = [r for r in demo.metrics() if "train/ratio_max" in r]
     assert len(rows) == 400 and all(r["train/ratio_max"] == r["train/ratio_min"] == 1.0 for r in rows)
     # versions reached the samplers all along the run, not only at its ends
@@ -176,60 +144,3 @@ def test_demo_closing_line_and_report_show_both_measures(demo):
                                       *(f"train/mixed_version_tokens_lag{s}" for s in range(5))}, index
     assert all(c["why"] for c in index["constant"].values()), index["constant"]
     assert len(demo.stdout.splitlines()) <= 400, f"{len(demo.stdout.splitlines())} console lines"
-
-
-def gspo_run(demo: Run, tmp_path: pathlib.Path, steps: int) -> Run:
-    """GSPO from the demo's exported warm start (instead of repeating it), with two optimizer steps per batch
-    (minibatches=2), checked for what any length of such a run must show. GSPO's sequence ratio is taken against
-    the sampler's policy (docs/objective.md), so it is off 1 on stale sequences and after the first minibatch, and
-    its clip (GSPO's 3e-4 / 4e-4) acts on a large share of them."""
-    warm = demo.dir / "warmstart-model"
-    run = up(tmp_path / "run", "model.kind=hf", f"model.path={warm}", "warmstart.steps=0", "algo.loss_algo=gspo-token",
-             "algo.minibatches=2", f"trainer.steps={steps}")
-    check_run(run.summary, replicas=2, steps=steps)
-    assert run.summary["algo"]["loss_algo"] == "gspo-token" and run.summary["algo"]["minibatches"] == 2
-    # admission control (on by default): samplers generated (nearly) only what the trainer could use
-    assert run.summary["generation_wasted_fraction"] <= MAX_WASTE, (run.summary["groups_generated"],
-                                                                    run.summary["samplers"])
-    # the exported warm start is the demo's policy before RL, through the Hugging Face loader: the same greedy
-    # completions on every held-out problem
-    before = run.summary["eval_before"]
-    assert before["examples"] == demo.summary["eval_before"]["examples"]
-    assert before["accuracy"] == demo.summary["eval_before"]["accuracy"]
-    rows = [r for r in run.metrics() if "train/ratio_max" in r]
-    assert len(rows) == steps
-    # the ratio left 1 and the clip acted: this run exercised what sets GSPO apart (the demo's ratio is exactly 1)
-    assert sum(r["train/ratio_max"] > 1.0 + 1e-4 for r in rows) >= steps // 2, [r["train/ratio_max"] for r in rows]
-    assert sum(r["train/clip_fraction"] > 0 for r in rows) >= steps // 2, [r["train/clip_fraction"] for r in rows]
-    after = run.summary["eval_after"]
-    print(f"gspo ({steps} steps): sampled pass@1 {before['pass_at_k']['1']:.3f} -> {after['pass_at_k']['1']:.3f}, "
-          f"greedy {before['accuracy']:.3f} -> {after['accuracy']:.3f}, wall {run.summary['wall_seconds']}s")
-    return run
-
-
-# In the learning lane again since 2026-11-28: a fresh-clone CI run on this day's machine gained greedy +0.053 and
-# sampled +0.056 (0.565 -> 0.618; 0.465 -> 0.521), below every one of the 10 calibration runs (greedy +0.107 to
-# +0.176, sampled +0.069 to +0.113), while the run before it on the same machine passed. Not explained yet (the
-# sampling and the update are unchanged for single-turn groups; the demo's warm start differs by machine): until it is,
-# it must not decide whether a commit lands.
-@pytest.mark.learning
-def test_gspo_learns_in_100_steps_at_the_staleness_admission_gives(demo, tmp_path):
-    """The default lane's GSPO run (~2-5 minutes of a worker beside the demo): 100 steps, held to the learning bars
-    above (GSPO's objective itself: test_gspo_off_policy.py, test_loss.py)."""
-    run = gspo_run(demo, tmp_path, GSPO_SHORT_STEPS)
-    before, after = run.summary["eval_before"], run.summary["eval_after"]
-    assert after["pass_at_k"]["1"] - before["pass_at_k"]["1"] >= GSPO_SHORT_MIN_SAMPLED_GAIN, (
-        before["pass_at_k"], after["pass_at_k"], trajectory(run))
-    assert after["accuracy"] - before["accuracy"] >= GSPO_SHORT_MIN_GREEDY_GAIN, (
-        before["accuracy"], after["accuracy"], trajectory(run))
-
-
-@pytest.mark.learning
-def test_gspo_learns_where_its_objective_differs_from_grpo(demo, tmp_path):
-    """GSPO's learning over the calibrated 400 steps (`-m learning`; about 7 minutes on 2 cores)."""
-    run = gspo_run(demo, tmp_path, GSPO_STEPS)
-    before, after = run.summary["eval_before"], run.summary["eval_after"]
-    gain = after["pass_at_k"]["1"] - before["pass_at_k"]["1"]
-    assert gain >= GSPO_MIN_SAMPLED_GAIN, (before["pass_at_k"], after["pass_at_k"], trajectory(run))
-    assert after["accuracy"] - before["accuracy"] >= GSPO_MIN_GREEDY_GAIN, (before["accuracy"], after["accuracy"],
-                                                                             trajectory(run))
