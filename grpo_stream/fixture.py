@@ -108,7 +108,7 @@ def _build(fixture: Fixture, out: pathlib.Path, source: str | pathlib.Path | Non
     shutil.rmtree(partial, ignore_errors=True)  # a killed build's leftovers (the lock says none is running)
     partial.mkdir()
     with tempfile.TemporaryDirectory(prefix="grpo-stream-fixture-") as scratch:
-        gguf, origin = _gguf_file(fixture, source, pathlib.Path(scratch), say)
+        gguf, origin = gguf_file(fixture, source, pathlib.Path(scratch), say)
         summary = convert_gguf(gguf, partial, fixture.pad_token, say)
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
     marker = {"format": FORMAT, "gguf_sha256": fixture.sha256, "source": origin,
@@ -120,7 +120,7 @@ def _build(fixture: Fixture, out: pathlib.Path, source: str | pathlib.Path | Non
         f"{marker['peak_rss_mib']} MiB")
 
 
-def _gguf_file(fixture: Fixture, source, scratch: pathlib.Path, say) -> tuple[pathlib.Path, str]:
+def gguf_file(fixture: Fixture, source, scratch: pathlib.Path, say) -> tuple[pathlib.Path, str]:
     """(a GGUF file with the pinned sha256, where it came from)."""
     if source is not None:
         path = pathlib.Path(source)
