@@ -73,7 +73,7 @@ def test_the_directory_is_smollm2_as_its_gguf_states(smollm2_dir, models):
 @pytest.mark.parametrize("chat", range(len(CHATS)))
 def test_logits_equal_transformers(models, forward, chat):
     ours, theirs, tok = models
-    ids = tok.encode(tok.chat_prompt(CHATS[chat]))
+    ids = tok.encode(tok.render_chat(CHATS[chat], True))
     with torch.no_grad():
         want = theirs(torch.from_numpy(np.array([ids]))).logits.float().numpy()[0]
     got = forward(padded(ids))[0, :len(ids)]
@@ -91,7 +91,7 @@ def test_tokenizer_encodes_chat_text_as_auto_tokenizer(smollm2_dir, models):
     _, _, tok = models
     auto = transformers.AutoTokenizer.from_pretrained(smollm2_dir, local_files_only=True)
     for chat in CHATS:
-        text = tok.chat_prompt(chat)
+        text = tok.render_chat(chat, True)
         assert text == auto.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
         ids = tok.encode(text)
         assert ids == auto.encode(text, add_special_tokens=False)
@@ -108,7 +108,7 @@ def test_tokenizer_encodes_chat_text_as_auto_tokenizer(smollm2_dir, models):
 
 def test_greedy_answer_from_the_converted_weights(models, forward):
     _, _, tok = models
-    tokens = tok.encode(tok.chat_prompt(CHATS[0]))
+    tokens = tok.encode(tok.render_chat(CHATS[0], True))
     for _ in range(8):
         tokens.append(int(forward(padded(tokens))[0, len(tokens) - 1].argmax()))
     assert "Paris" in tok.decode(tokens[-8:])

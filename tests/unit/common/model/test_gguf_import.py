@@ -121,7 +121,7 @@ def test_tokenizer_encodes_as_the_one_it_was_made_from(converted):
     assert [ours._tok.convert_ids_to_tokens(i) for i in digits[-10:]] == list("1234567890")
     assert ours.encode("<|im_end|>") == [2] and ours.eos_ids == [2] and ours.pad_id == 0
     assert set(CONTROL) <= set(ours.special_texts())
-    chat = ours.chat_prompt([{"role": "user", "content": "Hi"}])
+    chat = ours.render_chat([{"role": "user", "content": "Hi"}], True)
     assert chat == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
     assert json.loads((directory / "tokenizer_config.json").read_text())["chat_template"] == TEMPLATE
 
