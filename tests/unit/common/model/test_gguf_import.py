@@ -1,0 +1,161 @@
+"""The GGUF importer on a tiny Llama GGUF written as llama.cpp writes one (tests/gguf_support.py): the converted
+directory gives the reference model's logits in our JAX model and in `transformers`, its config states what the
+metadata does, its tokenizer encodes as the one it was made from; the q/k un-permutation restores HF's RoPE pairing;
+what cannot be converted faithfully is refused by name. The real SmolLM2 file: tests/integration/test_real_model.py."""
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from grpo_stream.common.model.gguf_import import GgufError, Metadata, convert_gguf, float32_value, unpermute_rows
+from grpo_stream.common.model.gguf_tokenizer import build_tokenizer
+from grpo_stream.common.model.policy import causal_mask, load_hf_model, positions_from_mask
+from grpo_stream.common.model.tokenizer import HFTokenizer
+from tests.gguf_support import CONTROL, TEMPLATE, llama_cpp_permute, write_tiny_gguf
+
+gguf = pytest.importorskip("gguf")
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+TEXTS = ["What is 12 + 7? It is 19.", "In 2024: 1,234.56 dollars", "Café naïve façade — déjà vu 😀 ∑",
+         "<|im_start|>user\nHi 42<|im_end|>\n<|im_start|>assistant\n", "  two  spaces\tand a tab\n\n"]
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """(the converted directory, the reference model, the trained tokenizer)."""
+    root = tmp_path_factory.mktemp("gguf")
+    reference, tok = write_tiny_gguf(root / "tiny.gguf", seed=3)
+    lines = []
+    convert_gguf(root / "tiny.gguf", root / "hf", pad_token="<|endoftext|>", progress=lines.append)
+    assert any("tensors dequantized and written" in line for line in lines)
+    return root / "hf", reference, tok
+
+
+def rope_interleaved(x, positions, theta):
+    """llama.cpp's RoPE: rotates rows (2i, 2i+1) of each head by position * theta^(-2i/d). x [T, H, D]."""
+    d = x.shape[-1]
+    angle = positions[:, None, None] * theta ** (-np.arange(0, d, 2) / d)
+    even, odd = x[..., 0::2], x[..., 1::2]
+    out = np.empty_like(x)
+    out[..., 0::2], out[..., 1::2] = even * np.cos(angle) - odd * np.sin(angle), odd * np.cos(angle) + even * np.sin(angle)
+    return out
+
+
+def rope_halves(x, positions, theta):
+    """HF's RoPE: rotates rows (i, i + d/2) of each head by the same angles."""
+    d = x.shape[-1]
+    angle = positions[:, None, None] * theta ** (-np.arange(0, d, 2) / d)
+    first, second = x[..., :d // 2], x[..., d // 2:]
+    return np.concatenate([first * np.cos(angle) - second * np.sin(angle),
+                           second * np.cos(angle) + first * np.sin(angle)], axis=-1)
+
+
+@pytest.mark.parametrize("heads,head_dim", [(1, 2), (3, 8), (9, 64)])
+def test_unpermute_inverts_llama_cpp_permutation(heads, head_dim):
+    w = np.random.default_rng(heads).standard_normal((heads * head_dim, 5)).astype(np.float32)
+    permuted = llama_cpp_permute(w, heads)
+    assert head_dim == 2 or not np.array_equal(permuted, w)
+    np.testing.assert_array_equal(unpermute_rows(permuted, heads), w)
+
+
+def test_unpermuted_weights_under_hf_rope_score_as_llama_cpp_does():
+    """Attention scores of llama.cpp (its rows, interleaved RoPE) equal HF's on the un-permuted rows (split-half
+    RoPE); left permuted, they do not."""
+    rng = np.random.default_rng(0)
+    heads, head_dim, width, length = 3, 16, 24, 7
+    wq_gguf, wk_gguf = (rng.standard_normal((heads * head_dim, width)) for _ in range(2))
+    x, positions = rng.standard_normal((length, width)), np.arange(length, dtype=np.float64)
+
+    def scores(wq, wk, rope):
+        q = rope((x @ wq.T).reshape(length, heads, head_dim), positions, 1e4)
+        k = rope((x @ wk.T).reshape(length, heads, head_dim), positions, 1e4)
+        return np.einsum("thd,shd->hts", q, k)
+
+    theirs = scores(wq_gguf, wk_gguf, rope_interleaved)
+    np.testing.assert_allclose(scores(unpermute_rows(wq_gguf, heads), unpermute_rows(wk_gguf, heads), rope_halves),
+                               theirs, atol=1e-9)
+    assert not np.allclose(scores(wq_gguf, wk_gguf, rope_halves), theirs, atol=1e-3)
+
+
+def reference_logits(model, tokens):
+    with torch.no_grad():
+        return model(torch.from_numpy(tokens.astype(np.int64))).logits.float().numpy()
+
+
+def test_converted_gguf_gives_the_reference_logits(converted):
+    directory, reference, _ = converted
+    tokens = np.random.default_rng(1).integers(0, reference.config.vocab_size, (2, 48))
+    want = reference_logits(reference, tokens)
+    ours = load_hf_model(str(directory), "float32")
+    valid = jnp.ones(tokens.shape, jnp.bool_)
+    got, _ = ours.apply(ours.params, jnp.asarray(tokens), positions_from_mask(valid), None, causal_mask(valid))
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-4, rtol=1e-4)
+    theirs = transformers.LlamaForCausalLM.from_pretrained(directory, local_files_only=True, dtype=torch.float32)
+    np.testing.assert_allclose(reference_logits(theirs.eval(), tokens), want, atol=1e-4, rtol=1e-4)
+
+
+def test_config_states_the_metadata(converted):
+    directory, reference, _ = converted
+    config = json.loads((directory / "config.json").read_text())
+    assert config["rope_theta"] == 100000.0 and config["rms_norm_eps"] == 1e-05 and config["tie_word_embeddings"]
+    assert (config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]) == (4, 2, 16)
+    assert config["max_position_embeddings"] == 512 and config["vocab_size"] == reference.config.vocab_size
+    assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (1, 2, 0)
+    assert json.loads((directory / "generation_config.json").read_text()) == {
+        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+    assert float32_value(np.float32(1e-5).item()) == 1e-05 and float32_value(100000.0) == 100000.0
+
+
+def test_tokenizer_encodes_as_the_one_it_was_made_from(converted):
+    directory, _, tok = converted
+    ours = HFTokenizer(directory)
+    auto = transformers.AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    for text in TEXTS:
+        want = tok.encode(text).ids
+        assert ours.encode(text) == want == auto.encode(text, add_special_tokens=False), text
+        assert ours._tok.decode(want) == text
+    digits = ours.encode("x 1234567890")
+    assert [ours._tok.convert_ids_to_tokens(i) for i in digits[-10:]] == list("1234567890")
+    assert ours.encode("<|im_end|>") == [2] and ours.eos_ids == [2] and ours.pad_id == 0
+    assert set(CONTROL) <= set(ours.special_texts())
+    chat = ours.render_chat([{"role": "user", "content": "Hi"}], True)
+    assert chat == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    assert json.loads((directory / "tokenizer_config.json").read_text())["chat_template"] == TEMPLATE
+
+
+class Field:
+    def __init__(self, value):
+        self.value = value
+
+    def contents(self):
+        return self.value
+
+
+def metadata(fields: dict) -> Metadata:
+    base = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "smollm", "tokenizer.ggml.tokens": ["a", "b", "ab"],
+            "tokenizer.ggml.token_type": [1, 1, 1], "tokenizer.ggml.merges": ["a b"]}
+    base.update(fields)
+    return Metadata({k: Field(v) for k, v in base.items()}, "x.gguf")
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("tokenizer.ggml.model", "llama", r"tokenizer\.ggml\.model='llama'; only byte-level BPE"),
+    ("tokenizer.ggml.pre", "qwen2", r"tokenizer\.ggml\.pre='qwen2'; converted pre-tokenizers: smollm"),
+    ("tokenizer.ggml.merges", ["a b c"], r"merges\[0\]='a b c' is not two tokens"),
+    ("tokenizer.ggml.add_bos_token", True, r"add_bos_token"),
+])
+def test_tokenizers_it_cannot_reproduce_are_refused(field, value, match):
+    with pytest.raises(GgufError, match=match):
+        build_tokenizer(metadata({field: value}))
+
+
+def test_a_gguf_that_cannot_be_converted_faithfully_is_refused_by_name(tmp_path):
+    write_tiny_gguf(tmp_path / "extra.gguf", extra_tensors={"blk.0.attn_q_norm.weight": np.ones(16, np.float32)})
+    with pytest.raises(GgufError, match=r"tensor blk\.0\.attn_q_norm\.weight has no place in a Llama model"):
+        convert_gguf(tmp_path / "extra.gguf", tmp_path / "out", pad_token="<|endoftext|>")
+    write_tiny_gguf(tmp_path / "pads.gguf")
+    with pytest.raises(GgufError, match=r"padding token '<\|im_end\|>' .* the stop token"):
+        convert_gguf(tmp_path / "pads.gguf", tmp_path / "out2")  # the file's own pad is its stop token
