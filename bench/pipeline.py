@@ -86,8 +86,10 @@ def _produce(trainer: Trainer, stop: threading.Event, errors: list) -> None:
         errors.append(exc)
 
 
-def run(quick: bool = False) -> dict:
-    steps, warmup = (12, 4) if quick else (150, 10)
+def run(quick: bool = False, overrides: tuple[str, ...] = (), steps: int | None = None) -> dict:
+    """`overrides`: config overrides on top of the benchmark's (bench/eval_during.py: eval.every_steps); `steps`:
+    instead of the mode's."""
+    steps, warmup = (steps or 12, 4) if quick else (steps or 150, 10)
     embedded = EmbeddedRedis().start()
     stop, errors = threading.Event(), []
     try:
@@ -96,7 +98,8 @@ def run(quick: bool = False) -> dict:
             cfg = load_config(CONFIG, [
                 f"auth.tokens_file={tokens['table']}", f"redis.url={embedded.url}", "redis.allow_unsafe_persistence=true", "run.name=bench-pipeline", "trainer.port=0", "trainer.metrics_port=null",
                 "warmstart.steps=0", "trainer.eval_before=false", "trainer.eval_after=false",
-                f"trainer.steps={steps}", "trainer.final_wait_s=0", "buffer.max_groups=48", "buffer.retry_after_ms=5"])
+                f"trainer.steps={steps}", "trainer.final_wait_s=0", "buffer.max_groups=48", "buffer.retry_after_ms=5",
+                *overrides])
             trainer = Trainer(cfg, pathlib.Path(tmp))
             trainer.bench_token = tokens["sampler"].read_text().strip()
             producer = threading.Thread(target=_produce, args=(trainer, stop, errors), daemon=True)
@@ -121,5 +124,9 @@ def run(quick: bool = False) -> dict:
         "overhead_share": round(1 - phase_share["compute_seconds"], 4),
         "phase_share": phase_share,
         "groups_dropped_stale": summary["groups_dropped_stale"],
+        "median_step_seconds": round(float(np.median([t["step_seconds"] for t in timed])), 4),
+        "eval_curve_steps": [row["step"] for row in summary.get("eval_curve", [])],
+        "eval_skipped": summary.get("eval_skipped", []),
+        "eval_errors": summary.get("eval_errors", 0),
         "wall_seconds": round(wall, 1),
     }

@@ -109,10 +109,11 @@ def load_eval_rows(run_dir: pathlib.Path) -> list[dict]:
 def eval_table(rows: list[dict]) -> list[str]:
     """report.md's held-out curve: one line per evaluation, a column per figure logged (greedy accuracy, pass@k,
     maj@k, the task's own figures, reward)."""
-    figures = ["eval/accuracy", *sorted({k for r in rows for k in r if k.startswith(("eval/pass@", "eval/maj@"))}),
+    figures = ["eval/accuracy", *sorted({k for r in rows for k in r if k.startswith(("eval/pass_at_", "eval/maj_at_"))}),
                *sorted({k for r in rows for k in r if k.startswith("eval/task/")}), "eval/reward"]
     names = {"eval/accuracy": "greedy accuracy"}
-    lines = ["| step (version) | " + " | ".join(names.get(f, f.removeprefix("eval/").removeprefix("task/"))
+    lines = ["| step (version) | " + " | ".join(names.get(f, f.removeprefix("eval/").removeprefix("task/")
+                                                          .replace("_at_", "@"))
                                                for f in figures) + " |",
              "|---|" + "---|" * len(figures)]
     return lines + [f"| {r['step']} | " + " | ".join(_fmt(r.get(f)) for f in figures) + " |" for r in rows]

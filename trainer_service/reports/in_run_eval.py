@@ -35,8 +35,8 @@ def metric_values(result: dict) -> dict[str, float]:
     values = {"accuracy": result["accuracy"], "format_rate": result["format_rate"], "reward": result["reward"],
               "num_problems": result["num_problems"], "seconds": result["seconds"],
               "failed_episodes": result.get("failed_episodes", 0)}
-    values.update({f"pass@{k}": v for k, v in (result.get("pass_at_k") or {}).items()})
-    values.update({f"maj@{k}": v for k, v in (result.get("maj_at_k") or {}).items()})
+    values.update({f"pass_at_{k}": v for k, v in (result.get("pass_at_k") or {}).items()})
+    values.update({f"maj_at_{k}": v for k, v in (result.get("maj_at_k") or {}).items()})
     values.update({f"task/{k}": v for k, v in (result.get("task_metrics") or {}).items()})
     values.update({f"reward/{k}": v for k, v in (result.get("reward_components") or {}).items()})
     if result.get("sampled_reward") is not None:

@@ -66,7 +66,7 @@ def test_due_steps_are_evaluated_reported_carried_and_resumed(cfg, tmp_path):
     assert [s for s, _ in hooks.rows] == [0, 2, 4]  # eval_before at 0, then every 2 steps (the last: no eval_after)
     for s, values in hooks.rows:
         assert values["version"] == s and 0.0 <= values["accuracy"] <= 1.0 and values["num_problems"] == 4
-        assert {"pass@1", "pass@2", "maj@1", "maj@2", "reward", "reward/answer_correct"} <= set(values)
+        assert {"pass_at_1", "pass_at_2", "maj_at_1", "maj_at_2", "reward", "reward/answer_correct"} <= set(values)
     assert all(values["errors"] == 0 and values["skipped"] == 0 for s, values in hooks.rows if s)
     state = core.carried_now()
     assert [r["step"] for r in state["eval_curve"]] == [2, 4] and state["eval_errors"] == 0

@@ -159,7 +159,7 @@ def test_duty_cycle_of_one_never_pauses():
 
 def test_metric_values_flatten_every_figure():
     values = metric_values(RESULT)
-    assert values["pass@1"] == 0.4 and values["pass@4"] == 0.7 and values["maj@4"] == 0.6
+    assert values["pass_at_1"] == 0.4 and values["pass_at_4"] == 0.7 and values["maj_at_4"] == 0.6
     assert values["task/prompt_level_strict_acc"] == 0.3 and values["reward/answer_correct"] == 0.5
     assert values["accuracy"] == 0.5 and values["sampled_reward"] == 0.45
     assert all(isinstance(v, float) for v in values.values())
