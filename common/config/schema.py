@@ -220,9 +220,10 @@ class RunConfig(Strict):
             raise ValueError(f"warmstart.steps: the {self.task.name} warm start trains the tiny model only; set it "
                              "to 0")
         if self.eval.every_steps and self.eval.every_steps % self.trainer.publish_every:
-            raise ValueError(f"eval.every_steps={self.eval.every_steps} is not a multiple of trainer.publish_every="
-                             f"{self.trainer.publish_every}: it evaluates published versions; make it a multiple "
-                             f"(e.g. {self.trainer.publish_every * max(1, self.eval.every_steps // self.trainer.publish_every)})")
+            every, publish = self.eval.every_steps, self.trainer.publish_every
+            raise ValueError(f"eval.every_steps={every} is not a multiple of trainer.publish_every={publish}: it "
+                             f"evaluates published versions; make it a multiple (e.g. "
+                             f"{publish * max(1, every // publish)})")
         if self.eval.every_steps and self.trainer.processes > 1:
             raise ValueError(f"eval.every_steps: the background evaluation runs in one trainer process, and "
                              f"trainer.processes={self.trainer.processes} evaluate on a mesh that spans them all; set "

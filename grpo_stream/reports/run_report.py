@@ -109,7 +109,8 @@ def load_eval_rows(run_dir: pathlib.Path) -> list[dict]:
 def eval_table(rows: list[dict]) -> list[str]:
     """report.md's held-out curve: one line per evaluation, a column per figure logged (greedy accuracy, pass@k,
     maj@k, the task's own figures, reward)."""
-    figures = ["eval/accuracy", *sorted({k for r in rows for k in r if k.startswith(("eval/pass_at_", "eval/maj_at_"))}),
+    sampled = ("eval/pass_at_", "eval/maj_at_")
+    figures = ["eval/accuracy", *sorted({k for r in rows for k in r if k.startswith(sampled)}),
                *sorted({k for r in rows for k in r if k.startswith("eval/task/")}), "eval/reward"]
     names = {"eval/accuracy": "greedy accuracy"}
     lines = ["| step (version) | " + " | ".join(names.get(f, f.removeprefix("eval/").removeprefix("task/")
@@ -117,6 +118,18 @@ def eval_table(rows: list[dict]) -> list[str]:
                                                for f in figures) + " |",
              "|---|" + "---|" * len(figures)]
     return lines + [f"| {r['step']} | " + " | ".join(_fmt(r.get(f)) for f in figures) + " |" for r in rows]
+
+
+def eval_section(rows: list[dict], summary: dict) -> list[str]:
+    """report.md's lines on the held-out evaluations: the table, and what was skipped or failed."""
+    if not rows:
+        return []
+    lines = ["Held-out evaluation (eval_before at step 0, every eval.every_steps during RL, eval_after at the end):",
+             "", *eval_table(rows), ""]
+    if summary.get("eval_skipped") or summary.get("eval_errors"):
+        lines += [f"Evaluations skipped (a newer version came due while they waited): {summary.get('eval_skipped')}; "
+                  f"failed: {summary.get('eval_errors')}.", ""]
+    return lines
 
 
 def _plot_evals(plt, rows: list[dict], out: pathlib.Path) -> str | None:
@@ -222,12 +235,7 @@ def make_report(run_dir: pathlib.Path) -> pathlib.Path:
     last = rows[-1]
     lines += [f"Last step ({last['step']}): reward {last['train/reward_mean']:.3f}, "
               f"accuracy {last['train/accuracy']:.3f}, staleness {last['train/staleness_mean']:.2f}.", ""]
-    if evals:
-        lines += ["Held-out evaluation (eval_before at step 0, every eval.every_steps during RL, eval_after at the "
-                  "end):", "", *eval_table(evals), ""]
-        if summary.get("eval_skipped") or summary.get("eval_errors"):
-            lines += [f"Evaluations skipped (a newer version came due while they waited): "
-                      f"{summary.get('eval_skipped')}; failed: {summary.get('eval_errors')}.", ""]
+    lines += eval_section(evals, summary)
     lines += [f"![{name}]({name})" for name in images]
     if constant:
         lines += ["", "Constant over the run (not plotted):", ""]

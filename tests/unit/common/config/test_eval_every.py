@@ -17,7 +17,8 @@ def test_off_by_default_so_runs_evaluate_before_and_after_only():
 
 
 def test_every_steps_must_evaluate_published_versions():
-    with pytest.raises(ConfigError, match=r"eval\.every_steps=3 is not a multiple of trainer\.publish_every=2.*e\.g\. 2"):
+    with pytest.raises(ConfigError, match=r"eval\.every_steps=3 is not a multiple of trainer\.publish_every=2.*"
+                                          r"e\.g\. 2"):
         load_config(None, ["trainer.publish_every=2", "trainer.max_staleness=2", "eval.every_steps=3"])
     assert load_config(None, ["trainer.publish_every=2", "eval.every_steps=4"]).eval.every_steps == 4
 
