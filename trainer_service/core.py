@@ -230,14 +230,15 @@ class TrainerCore:
         """The last checkpoint and, for a complete run, evaluation, export and the final publication. Returns the
         final evaluation (None when there is none)."""
         self.wait_background()
-        if self.evaluator is not None:  # its pauses lifted: nothing trains now; and eval_after needs the engine
-            self.evaluator.drain()
         if plan.checkpoint:  # stopped by a signal between checkpoints: keep what was trained
             self.keeper.save(plan.steps, self.updater, self.carried_now())
         self.keeper.committed(wait=True, everything=plan.complete)
         if not plan.complete:
+            if self.evaluator is not None:  # a stop is not held up by evaluations: a resume redoes a due one
+                self.evaluator.close()
             log.info("stopped at step %d with a checkpoint; start the trainer again to resume", plan.steps)
             return None
+        self._drain_evaluations()
         eval_after = self.evaluate("eval_after") if plan.eval_after else None
         if eval_after is not None:
             self._record(plan.steps, eval_after)
@@ -275,6 +276,13 @@ class TrainerCore:
         s = self.start_step
         if s and s % self.cfg.eval.every_steps == 0 and not self.evaluator.evaluated(s) and s < self.cfg.trainer.steps:
             self.evaluator.submit(s, self._snapshot())
+
+    def _drain_evaluations(self) -> None:
+        """Until the evaluations still due end, their pauses lifted (nothing trains now; eval_after needs the
+        engine), beating meanwhile: `up` restarts a trainer that stops beating."""
+        while self.evaluator is not None and not self.evaluator.drain(timeout_s=5.0):
+            if self.progress is not None:
+                self.progress()
 
     def _snapshot(self):
         """A copy of the plain weights on their devices: the next update may donate (overwrite) the originals."""
