@@ -207,7 +207,7 @@ class TrainerCore:
         self._publishing = self._worker.submit(self._publish_due, plan, self.params)
         self._pending += [self._publishing, self._reporter.submit(self._report, self._publishing, plan, metrics, phases)]
         if plan.evaluate and self.evaluator is not None:
-            self.evaluator.submit(plan.step, self._snapshot())
+            self._submit_evaluation(plan.step)
         return StepResult(metrics, phases)
 
     def _publish_due(self, plan: StepPlan, params) -> None:
@@ -275,7 +275,16 @@ class TrainerCore:
         self.evaluator.errors = int(record.get("eval_errors") or 0)
         s = self.start_step
         if s and s % self.cfg.eval.every_steps == 0 and not self.evaluator.evaluated(s) and s < self.cfg.trainer.steps:
-            self.evaluator.submit(s, self._snapshot())
+            self._submit_evaluation(s)
+
+    def _submit_evaluation(self, step: int) -> None:
+        """Hand the weights of `step` to the evaluator; a copy that cannot be made (device memory) is an evaluation
+        error, logged and counted, not the run's."""
+        try:
+            self.evaluator.submit(step, self._snapshot())
+        except Exception:  # noqa: BLE001 - evaluation never fails the run
+            self.evaluator.errors += 1
+            log.exception("the weights of step %d could not be handed to the evaluation; training goes on", step)
 
     def _drain_evaluations(self) -> None:
         """Until the evaluations still due end, their pauses lifted (nothing trains now; eval_after needs the
