@@ -105,11 +105,21 @@ def _produce(trainer: Trainer, stop: threading.Event, errors: list) -> None:
         errors.append(exc)
 
 
-def run(quick: bool = False) -> dict:
-    steps, warmup, block = (16, 4, 3) if quick else (150, 10, 10)
+def run(quick: bool = False, overrides: tuple[str, ...] = (), steps: int | None = None,
+        alternate: bool = True) -> dict:
+    """`overrides`: config overrides on top of the benchmark's (bench/eval_during.py: eval.every_steps); `steps`:
+    instead of the mode's; `alternate=False`: the prefetch as configured all run long, the figures of all steps."""
+    steps, warmup, block = (steps or 16, 4, 3) if quick else (steps or 150, 10, 10)
     started = time.perf_counter()
-    timed, summary, cfg = _run_trainer(steps, block)
+    timed, summary, cfg = _run_trainer(steps, block if alternate else None, overrides)
     timed = timed[warmup:]
+    common = {"benchmark": "pipeline", "quick": quick, "config": str(CONFIG.relative_to(ROOT)), "steps": steps,
+              "steps_timed": len(timed), "groups_per_step": cfg.trainer.groups_per_step,
+              "groups_dropped_stale": summary["groups_dropped_stale"],
+              "eval_curve_steps": [row["step"] for row in summary.get("eval_curve", [])],
+              "eval_skipped": summary.get("eval_skipped", []), "eval_errors": summary.get("eval_errors", 0)}
+    if not alternate:
+        return {**common, **figures(timed), "wall_seconds": round(time.perf_counter() - started, 1)}
     # step n is "on" when its own plan and the next one's were made ahead (its wait was a prefetch's, and a prefetch
     # ran beside its update), "off" when neither; the steps where the switch happens count in neither
     on = [t for t, after in zip(timed, timed[1:]) if t["prepared_ahead"] and after["prepared_ahead"]]
@@ -118,12 +128,9 @@ def run(quick: bool = False) -> dict:
     compute = {"off": off.pop("compute_seconds_per_step"), "on": on.pop("compute_seconds_per_step")}
     step = {"off": off.pop("median_step_seconds"), "on": on.pop("median_step_seconds")}
     return {
-        "benchmark": "pipeline", "quick": quick, "config": str(CONFIG.relative_to(ROOT)), "steps": steps,
-        "steps_timed": len(timed), "block": block, "groups_per_step": cfg.trainer.groups_per_step, **on,
-        "prefetch_off": off, "compute_seconds_per_step": compute,
+        **common, "block": block, **on, "prefetch_off": off, "compute_seconds_per_step": compute,
         "compute_slowdown": round(compute["on"] / compute["off"], 4), "median_step_seconds": step,
-        "step_ratio": round(step["on"] / step["off"], 4), "groups_dropped_stale": summary["groups_dropped_stale"],
-        "wall_seconds": round(time.perf_counter() - started, 1),
+        "step_ratio": round(step["on"] / step["off"], 4), "wall_seconds": round(time.perf_counter() - started, 1),
     }
 
 
@@ -136,9 +143,9 @@ def _alternate(trainer: Trainer, block: int, stop: threading.Event) -> None:
             source.prefetch.enabled = (source.steps_done // block) % 2 == 0
 
 
-def _run_trainer(steps: int, block: int) -> tuple[list[dict], dict, object]:
-    """One trainer run against the producer, prefetch switched every `block` steps: (its steps' times, its summary,
-    its config)."""
+def _run_trainer(steps: int, block: int | None, overrides: tuple[str, ...] = ()) -> tuple[list[dict], dict, object]:
+    """One trainer run against the producer, prefetch switched every `block` steps (None: as configured): (its steps'
+    times, its summary, its config)."""
     embedded = EmbeddedRedis().start()
     stop, errors = threading.Event(), []
     try:
@@ -147,12 +154,13 @@ def _run_trainer(steps: int, block: int) -> tuple[list[dict], dict, object]:
             cfg = load_config(CONFIG, [
                 f"auth.tokens_file={tokens['table']}", f"redis.url={embedded.url}", "redis.allow_unsafe_persistence=true", "run.name=bench-pipeline", "trainer.port=0", "trainer.metrics_port=null",
                 "warmstart.steps=0", "trainer.eval_before=false", "trainer.eval_after=false",
-                f"trainer.steps={steps}", "trainer.final_wait_s=0", "buffer.max_groups=48", "buffer.retry_after_ms=5"])
+                f"trainer.steps={steps}", "trainer.final_wait_s=0", "buffer.max_groups=48", "buffer.retry_after_ms=5",
+                *overrides])
             trainer = Trainer(cfg, pathlib.Path(tmp))
             trainer.bench_token = tokens["sampler"].read_text().strip()
-            for target in (_produce, _alternate):
-                threading.Thread(target=target, args=(trainer, stop, errors) if target is _produce else
-                                 (trainer, block, stop), daemon=True).start()
+            threading.Thread(target=_produce, args=(trainer, stop, errors), daemon=True).start()
+            if block is not None:
+                threading.Thread(target=_alternate, args=(trainer, block, stop), daemon=True).start()
             summary = trainer.run()
     finally:
         stop.set()

@@ -21,11 +21,12 @@ import time
 import traceback
 
 BENCHMARKS = ("transport", "pipeline", "sampler", "async", "weights", "prompts", "startup", "trainer", "multiturn",
-              "rollouts")
+              "rollouts", "evaluation")
 MODULES = {"transport": "grpo_stream.bench.transport", "pipeline": "grpo_stream.bench.pipeline", "sampler": "grpo_stream.bench.sampler",
            "async": "grpo_stream.bench.async_vs_sync", "weights": "grpo_stream.bench.weights", "prompts": "grpo_stream.bench.prompts",
            "startup": "grpo_stream.bench.startup", "trainer": "grpo_stream.bench.trainer",
-           "multiturn": "grpo_stream.bench.multiturn", "rollouts": "grpo_stream.bench.rollouts"}
+           "multiturn": "grpo_stream.bench.multiturn", "rollouts": "grpo_stream.bench.rollouts",
+           "evaluation": "grpo_stream.bench.eval_during"}
 # (result key, comparison, target): ours against the baseline measured in the same run.
 TARGETS = {
     "transport": [("ratio_vs_json", ">=", 5.0), ("fraction_of_raw_redis", ">=", 0.25)],
@@ -43,6 +44,8 @@ TARGETS = {
     # the sampler's rollout stream keeps its engine full (issue 55)
     "rollouts": [("stream_over_all_at_once", ">=", 0.9), ("stream_over_batch_loop", ">=", 2.0),
                  ("multiturn.ratio_latency_over_zero", ">=", 0.8), ("multiturn.engine_idle_share", "<=", 0.05)],
+    # evaluation during the run held to eval.max_share=0.05 costs the trainer's steps at most 5% (issue 59)
+    "evaluation": [("held_over_off", "<=", 1.05)],
 }
 _OPS = {">=": operator.ge, "<=": operator.le}
 TABLE_HEADER = ("| date (UTC) | commit | benchmark | mode | result | targets met | seconds |\n"

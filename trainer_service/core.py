@@ -18,6 +18,7 @@ import time
 from typing import Any, Callable, Protocol
 
 import jax
+import jax.numpy as jnp
 
 from grpo_stream.common.config.schema import RunConfig
 from grpo_stream.common.engine import continuous
@@ -31,6 +32,7 @@ from grpo_stream.trainer_service.learning.params_policy import params_policy
 from grpo_stream.trainer_service.plans import DonePlan, FinishPlan, Plan, StartPlan, StepPlan
 from grpo_stream.trainer_service.learning.packing import packing_layout
 from grpo_stream.trainer_service.learning.rl_update import PolicyUpdater, state_report
+from grpo_stream.trainer_service.reports.in_run_eval import InRunEvaluator, metric_values
 from grpo_stream.trainer_service.reports.run_outputs import evaluate_heldout
 from grpo_stream.trainer_service.learning.warmstart import warm_start
 
@@ -59,6 +61,10 @@ class CoreHooks:
 
     def report(self, plan: StepPlan, metrics: dict, phases: dict) -> None:
         """On the background worker, after the step's publication."""
+
+    def evaluated(self, step: int, values: dict[str, float]) -> None:
+        """A held-out evaluation of the weights after `step` (0: before RL), its scalars (in_run_eval.metric_values);
+        on the step-report thread, so the trackers take one record at a time."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +122,7 @@ class TrainerCore:
         self._reporter = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="step-report")
         self._pending: list[concurrent.futures.Future] = []  # publications and reports, in the order submitted
         self._publishing: concurrent.futures.Future | None = None
+        self.evaluator: InRunEvaluator | None = None  # eval.every_steps: evaluation during RL, on its own thread
 
     def apply(self, plan: Plan) -> Any:
         if isinstance(plan, StartPlan):
@@ -148,6 +155,7 @@ class TrainerCore:
         else:
             self.keeper.begin_new_run()
             self._new_run(plan)
+        self._start_evaluator(resumed.record if resumed is not None else {})
         self._publish(self.start_step, self.params)
         log.info("published weight version %d; RL %s", self.start_step,
                  f"resumes at step {self.start_step + 1}" if resumed else "starts")
@@ -162,6 +170,8 @@ class TrainerCore:
             if plan.export_warm and not (self.warm_stop is not None and self.warm_stop.is_set()):
                 self._export("warmstart-model", "warm-started")
         self.carried = {"warmstart": warm, "eval_before": self.evaluate("eval_before") if plan.eval_before else None}
+        if self.carried["eval_before"] is not None:
+            self._record(0, self.carried["eval_before"])
         self.updater = self._new_updater()
         self.params = self.updater.params
 
@@ -192,7 +202,7 @@ class TrainerCore:
         t_compute = time.time()
         self.hooks.trained(plan, metrics)
         if plan.checkpoint:
-            self.keeper.save(plan.step, self.updater, self.carried)
+            self.keeper.save(plan.step, self.updater, self.carried_now())
         self.keeper.committed()
         self.wait_background()
         phases = {"publish_wait_seconds": t_published - t0, "compute_seconds": t_compute - t_packed,
@@ -201,6 +211,8 @@ class TrainerCore:
             phases["pack_seconds"] = t_packed - t_published
         self._publishing = self._worker.submit(self._publish_due, plan, self.params)
         self._pending += [self._publishing, self._reporter.submit(self._report, self._publishing, plan, metrics, phases)]
+        if plan.evaluate and self.evaluator is not None:
+            self._submit_evaluation(plan.step)
         return StepResult(metrics, phases)
 
     def pack(self, batch):
@@ -229,12 +241,17 @@ class TrainerCore:
         final evaluation (None when there is none)."""
         self.wait_background()
         if plan.checkpoint:  # stopped by a signal between checkpoints: keep what was trained
-            self.keeper.save(plan.steps, self.updater, self.carried)
+            self.keeper.save(plan.steps, self.updater, self.carried_now())
         self.keeper.committed(wait=True, everything=plan.complete)
         if not plan.complete:
+            if self.evaluator is not None:  # a stop is not held up by evaluations: a resume redoes a due one
+                self.evaluator.close()
             log.info("stopped at step %d with a checkpoint; start the trainer again to resume", plan.steps)
             return None
+        self._drain_evaluations()
         eval_after = self.evaluate("eval_after") if plan.eval_after else None
+        if eval_after is not None:
+            self._record(plan.steps, eval_after)
         self._export("model", "trained")  # serve it, or `eval` it
         if plan.publish:  # a resumed, already complete run: tell samplers to stop
             self._publish(plan.steps, self.params, final=True)
@@ -250,6 +267,65 @@ class TrainerCore:
                               "greedy": greedy_probe(p.engine, plain, p.tokenizer, p.task.heldout(plan.verify),
                                                      self.cfg.eval.batch_size, progress=self.progress)}
         return self.final_weights
+
+    # -- evaluation during RL (eval.every_steps) -------------------------------------------------------------------
+    def _start_evaluator(self, record: dict) -> None:
+        """The background evaluator, its curve carried over from the checkpoint resumed (`record`); a resumed step
+        that was due and whose evaluation was lost with the previous process is evaluated again."""
+        if not self.cfg.eval.every_steps:
+            return
+        p = self.parts
+
+        def evaluate(step: int, params, progress) -> dict:
+            return evaluate_heldout(self.cfg, p.engine, params, p.task, p.tokenizer, f"eval at step {step}",
+                                    progress=progress)
+
+        self.evaluator = InRunEvaluator(evaluate, self._record, self.cfg.eval.max_share, record.get("eval_curve"))
+        self.evaluator.skipped = list(record.get("eval_skipped") or [])
+        self.evaluator.errors = int(record.get("eval_errors") or 0)
+        s = self.start_step
+        if s and s % self.cfg.eval.every_steps == 0 and not self.evaluator.evaluated(s) and s < self.cfg.trainer.steps:
+            self._submit_evaluation(s)
+
+    def _submit_evaluation(self, step: int) -> None:
+        """Hand the weights of `step` to the evaluator; a copy that cannot be made (device memory) is an evaluation
+        error, logged and counted, not the run's."""
+        try:
+            self.evaluator.submit(step, self._snapshot())
+        except Exception:  # noqa: BLE001 - evaluation never fails the run
+            self.evaluator.errors += 1
+            log.exception("the weights of step %d could not be handed to the evaluation; training goes on", step)
+
+    def _drain_evaluations(self) -> None:
+        """Until the evaluations still due end, their pauses lifted (nothing trains now; eval_after needs the
+        engine), beating meanwhile: `up` restarts a trainer that stops beating."""
+        while self.evaluator is not None and not self.evaluator.drain(timeout_s=5.0):
+            if self.progress is not None:
+                self.progress()
+
+    def _snapshot(self):
+        """A copy of the plain weights on their devices: the next update may donate (overwrite) the originals."""
+        return jax.tree.map(jnp.copy, self.policy.plain(self.params))
+
+    def _record(self, step: int, result: dict) -> None:
+        """An evaluation's scalars to the hooks, on the step-report thread (one tracker record at a time)."""
+        values = {**metric_values(result), "version": step}
+        if self.evaluator is not None:
+            values.update(errors=self.evaluator.errors, skipped=len(self.evaluator.skipped))
+
+        def hand_over() -> None:
+            try:
+                self.hooks.evaluated(step, values)
+            except Exception:  # noqa: BLE001 - an evaluation's report never fails the run
+                log.exception("reporting the evaluation of step %d failed", step)
+
+        self._reporter.submit(hand_over)
+
+    def carried_now(self) -> dict:
+        """What checkpoints and summary.json carry: the warm start's report, eval_before, and the evaluation curve
+        during RL so far (with its skipped versions and errors)."""
+        state = self.evaluator.state() if self.evaluator is not None else {}
+        return {**self.carried, "eval_curve": [], "eval_skipped": [], "eval_errors": 0, **state}
 
     # -- shared by the phases -----------------------------------------------------------------------------------
     def evaluate(self, label: str) -> dict:
@@ -280,5 +356,7 @@ class TrainerCore:
     def close(self, failed: bool = False) -> None:
         """Stop the background worker: after a failure without waiting for it (a stuck publication must not hold
         the process, which has its error to report)."""
+        if self.evaluator is not None:
+            self.evaluator.close()
         self._worker.shutdown(wait=not failed, cancel_futures=failed)
         self._reporter.shutdown(wait=not failed, cancel_futures=failed)

@@ -168,7 +168,7 @@ class Trainer:
         return write_summary(self.run_dir / "summary.json", cfg, steps=source.steps_done, counters=counters,
                              by_sampler=by_sampler, publisher=s.publisher, durability=s.durability,
                              agreement=source.agreement, mesh_shape=dict(core.parts.mesh.shape),
-                             final_weights=core.final_weights, carried=core.carried, eval_after=source.eval_after,
+                             final_weights=core.final_weights, carried=core.carried_now(), eval_after=source.eval_after,
                              rl_seconds=source.rl_seconds, started=self.started, resumed_from=core.resumed_from,
                              trained_here=(source.steps_done - s.durability.resumed_step) * cfg.trainer.groups_per_step,
                              trainer_state=core.state_report(), tokens=source.tokens)

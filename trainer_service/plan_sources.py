@@ -218,6 +218,10 @@ class LeaderSource(CoreHooks):
         self.s.reporter.report(plan.step, groups, context.staleness, context.stats, metrics,
                                {**context.phases, **phases}, tokens_per_s, groups_per_s)
 
+    def evaluated(self, step: int, values: dict[str, float]) -> None:
+        """eval/* at the RL step whose weights were evaluated (eval/version says which version: the same number)."""
+        self.s.metrics.scalars(step, values, prefix="eval/")
+
     def await_samplers(self, final_version: int) -> None:
         await_samplers(self.cfg, self.s.publisher.samplers, self.s.stop_event, final_version,
                        progress=Heartbeat(self.run_dir, "trainer-0"))

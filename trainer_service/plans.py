@@ -40,6 +40,7 @@ class StepPlan:
     checkpoint: bool  # save a checkpoint of this step
     publish: bool  # publish the weights as version `step`
     final: bool  # the run's last step: its publication tells samplers to stop
+    evaluate: bool = False  # eval.every_steps: evaluate this step's weights in the background (process 0)
     # [B] the group of each batch row: process 0's off-policy diagnostics (per-group ESS); not sent to the others,
     # which report nothing
     group_index: np.ndarray | None = None
@@ -74,10 +75,12 @@ def start_plan(cfg: RunConfig, epoch: str, restore: int | None) -> StartPlan:
 
 def step_plan(cfg: RunConfig, step: int, batch: TrainBatch, group_index: np.ndarray | None = None,
               packed: PackedBatch | None = None) -> StepPlan:
-    last = step == cfg.trainer.steps
+    last, every = step == cfg.trainer.steps, cfg.eval.every_steps
     return StepPlan(step=step, batch=batch, checkpoint=step % cfg.checkpoint.every == 0 or last,
                     publish=step % cfg.trainer.publish_every == 0 or last, final=last, group_index=group_index,
-                    packed=packed)
+                    packed=packed,
+                    # the last step's weights are eval_after's when it runs: not evaluated twice
+                    evaluate=bool(every) and step % every == 0 and not (last and cfg.trainer.eval_after))
 
 
 def finish_plan(cfg: RunConfig, steps: int, complete: bool, checkpoint: bool, publish: bool) -> FinishPlan:

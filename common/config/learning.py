@@ -312,3 +312,13 @@ class EvalSection(Strict):
                          "(at generation.temperature); 0 = greedy pass@1 only.")
     ks: list[Annotated[int, Field(ge=1)]] = Field([1], min_length=1, description="The k of pass@k and maj@k; each "
                                                   "at most eval.samples.")
+    every_steps: int = Field(0, ge=0, le=1_000_000, description="Also evaluate during RL: the weights published "
+                             "after every this many steps (a multiple of trainer.publish_every), on a background "
+                             "thread of trainer process 0 while the steps go on, with the same figures as "
+                             "eval_before/eval_after; a version due while one evaluation runs and another waits "
+                             "replaces the waiting one (skipped, counted). 0 = off (docs/operations.md, \"Evaluation "
+                             "during the run\").")
+    max_share: float = Field(1.0, gt=0, le=1, description="With every_steps: the largest share of wall time the "
+                             "background evaluation computes; it pauses between groups of episodes for the rest, so "
+                             "it takes its devices (or CPU cores) from the training steps for at most this share. "
+                             "1 = never pauses (fastest curve; the steps share the devices with it).")

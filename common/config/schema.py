@@ -224,6 +224,15 @@ class RunConfig(Strict):
         if self.model.kind == "hf" and self.warmstart.steps:
             raise ValueError(f"warmstart.steps: the {self.task.name} warm start trains the tiny model only; set it "
                              "to 0")
+        if self.eval.every_steps and self.eval.every_steps % self.trainer.publish_every:
+            every, publish = self.eval.every_steps, self.trainer.publish_every
+            raise ValueError(f"eval.every_steps={every} is not a multiple of trainer.publish_every={publish}: it "
+                             f"evaluates published versions; make it a multiple (e.g. "
+                             f"{publish * max(1, every // publish)})")
+        if self.eval.every_steps and self.trainer.processes > 1:
+            raise ValueError(f"eval.every_steps: the background evaluation runs in one trainer process, and "
+                             f"trainer.processes={self.trainer.processes} evaluate on a mesh that spans them all; set "
+                             "eval.every_steps=0 (eval_before/eval_after still run)")
         if self.eval.samples and max(self.eval.ks) > self.eval.samples:
             raise ValueError(f"eval.ks={self.eval.ks}: each k must be at most eval.samples={self.eval.samples}")
         if task.own_rollouts and self.environment.name is not None:

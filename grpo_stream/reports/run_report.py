@@ -1,7 +1,8 @@
 """`grpo-stream report RUN_DIR`: PNG plots and a markdown summary of a finished (or running) run.
 
-Reads RUN_DIR/metrics-trainer.jsonl (one row per RL step) and RUN_DIR/summary.json when present;
-writes RUN_DIR/report/*.png and RUN_DIR/report/report.md.
+Reads RUN_DIR/metrics-trainer.jsonl (one row per RL step, and one per held-out evaluation: before RL at step 0,
+every eval.every_steps during it, after it) and RUN_DIR/summary.json when present; writes RUN_DIR/report/*.png and
+RUN_DIR/report/report.md.
 """
 
 from __future__ import annotations
@@ -96,6 +97,62 @@ def load_rows(run_dir: pathlib.Path) -> list[dict]:
     return [r for r in rows if "train/loss" in r]
 
 
+def load_eval_rows(run_dir: pathlib.Path) -> list[dict]:
+    """The held-out evaluations logged (eval/*), one per step in step order: a resumed run that evaluated a step
+    again (its replayed steps) keeps the later row."""
+    path = run_dir / "metrics-trainer.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    by_step = {r["step"]: r for r in rows if "eval/accuracy" in r}
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def eval_table(rows: list[dict]) -> list[str]:
+    """report.md's held-out curve: one line per evaluation, a column per figure logged (greedy accuracy, pass@k,
+    maj@k, the task's own figures, reward)."""
+    sampled = ("eval/pass_at_", "eval/maj_at_")
+    figures = ["eval/accuracy", *sorted({k for r in rows for k in r if k.startswith(sampled)}),
+               *sorted({k for r in rows for k in r if k.startswith("eval/task/")}), "eval/reward"]
+    names = {"eval/accuracy": "greedy accuracy"}
+    lines = ["| step (version) | " + " | ".join(names.get(f, f.removeprefix("eval/").removeprefix("task/")
+                                                          .replace("_at_", "@"))
+                                               for f in figures) + " |",
+             "|---|" + "---|" * len(figures)]
+    return lines + [f"| {r['step']} | " + " | ".join(_fmt(r.get(f)) for f in figures) + " |" for r in rows]
+
+
+def eval_section(rows: list[dict], summary: dict) -> list[str]:
+    """report.md's lines on the held-out evaluations: the table, and what was skipped or failed."""
+    if not rows:
+        return []
+    lines = ["Held-out evaluation (eval_before at step 0, every eval.every_steps during RL, eval_after at the end):",
+             "", *eval_table(rows), ""]
+    if summary.get("eval_skipped") or summary.get("eval_errors"):
+        lines += [f"Evaluations skipped (a newer version came due while they waited): {summary.get('eval_skipped')}; "
+                  f"failed: {summary.get('eval_errors')}.", ""]
+    return lines
+
+
+def _plot_evals(plt, rows: list[dict], out: pathlib.Path) -> str | None:
+    """heldout.png: every eval/* figure that is a share (accuracy, pass@k, maj@k, the task's) against the step."""
+    keys = [k for k in dict.fromkeys(k for r in rows for k in r) if k.startswith("eval/")
+            and k.split("/")[1] not in ("version", "seconds", "num_problems", "errors", "skipped", "failed_episodes")
+            and all(0.0 <= r[k] <= 1.0 for r in rows if k in r)]
+    if not keys:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    for key in keys:
+        points = [(r["step"], r[key]) for r in rows if key in r]
+        ax.plot(*zip(*points), marker="o", linewidth=1.4, label=key.removeprefix("eval/"))
+    ax.set_title("Held-out evaluation")
+    ax.set_xlabel("RL step (the version evaluated)")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="best", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "heldout.png", dpi=100)
+    plt.close(fig)
+    return "heldout.png"
+
+
 def _smooth(values, window: int = 20) -> list[float]:
     """Trailing moving average, so trends show through per-step noise."""
     out, total = [], 0.0
@@ -148,6 +205,11 @@ def make_report(run_dir: pathlib.Path) -> pathlib.Path:
         images.append(f"{name}.png")
         index[name] = {key: {"points": len(points), "min": min(y for _, y in points), "max": max(y for _, y in points)}
                        for key, points in series.items()}
+    evals = load_eval_rows(run_dir)
+    heldout = _plot_evals(plt, evals, out)
+    if heldout:
+        images.insert(0, heldout)
+        index["heldout"] = {"steps": [r["step"] for r in evals]}
     (out / "plots.json").write_text(json.dumps({"plots": index, "constant": {
         key: {"value": value, "why": why_constant(key)} for key, value in constant.items()}}, indent=2))
     summary_path = run_dir / "summary.json"
@@ -173,6 +235,7 @@ def make_report(run_dir: pathlib.Path) -> pathlib.Path:
     last = rows[-1]
     lines += [f"Last step ({last['step']}): reward {last['train/reward_mean']:.3f}, "
               f"accuracy {last['train/accuracy']:.3f}, staleness {last['train/staleness_mean']:.2f}.", ""]
+    lines += eval_section(evals, summary)
     lines += [f"![{name}]({name})" for name in images]
     if constant:
         lines += ["", "Constant over the run (not plotted):", ""]

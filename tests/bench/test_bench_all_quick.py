@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.redis, pytest.mark.slow, pytest.mark.bench]  # the ben
 def test_bench_all_quick_writes_json_and_table_rows(tmp_path):
     out, table = tmp_path / "bench", tmp_path / "results.md"
     proc = subprocess.run([sys.executable, "-m", "grpo_stream", "bench", "all", "--quick", "--json", str(out),
-                           "--table", str(table)], cwd=ROOT, capture_output=True, text=True, timeout=900)
+                           "--table", str(table)], cwd=ROOT, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = {name: json.loads((out / f"{name}-quick.json").read_text())
                for name in ("transport", "pipeline", "sampler", "async", "weights", "prompts", "startup")}
@@ -120,7 +120,15 @@ def test_bench_all_quick_writes_json_and_table_rows(tmp_path):
     assert len({r["tokens"] for runs in multi["runs"].values() for r in runs}) == 1  # the same episodes, either tool
     assert 0 <= multi["engine_idle_share"] < 1 and multi["tool_latency_s"] == 0.1
 
+    # evaluation during the run: none without it; with it, every due step of 12 (10) evaluated or skipped, no error
+    evaluation = json.loads((out / "evaluation-quick.json").read_text())
+    assert "error" not in evaluation and evaluation["off"]["evaluated_steps"] == [[0]]
+    for setting in ("on", "held"):
+        (steps,), (skipped,) = evaluation[setting]["evaluated_steps"], evaluation[setting]["skipped"]
+        assert steps[0] == 0 and set(steps[1:]) | set(skipped) == {10} and evaluation[setting]["errors"] == 0
+    assert evaluation["held_over_off"] > 0 and evaluation["targets"]["held_over_off"]["target"] == "<= 1.05"
+
     rows = [line for line in table.read_text().splitlines() if line.startswith("| 20")]
     assert [row.split(" | ")[2] for row in rows] == ["transport", "pipeline", "sampler", "async", "weights", "prompts",
-                                                     "startup", "trainer", "multiturn", "rollouts"]
+                                                     "startup", "trainer", "multiturn", "rollouts", "evaluation"]
     assert all(" | quick | " in row for row in rows)

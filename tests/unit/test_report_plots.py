@@ -39,3 +39,25 @@ def test_health_plots_in_the_index(tmp_path):
     assert all(constant[key]["why"] for key in constant if key not in ("train/accuracy", "train/staleness_mean")), \
         constant
     assert "off_policy_health" in PLOTS and "staleness_by_version" in PLOTS
+
+
+def test_held_out_curve_in_the_report_one_row_per_step(tmp_path):
+    """eval/* rows (before at 0, during, after): plotted, tabulated in step order; a step evaluated again after a
+    resume keeps its later row; the IFEval-like task figures get their own column."""
+    rows = [{"step": s, "train/loss": 0.1, "train/reward_mean": 0.1 * s, "train/accuracy": 0.5,
+             "train/staleness_mean": 1.0} for s in range(1, 7)]
+    evals = [(0, 0.10), (2, 0.20), (4, 0.25), (2, 0.22), (6, 0.40)]  # step 2 again: a resumed run's replay
+    rows += [{"step": s, "eval/version": s, "eval/accuracy": a, "eval/pass_at_1": a / 2, "eval/maj_at_4": a,
+              "eval/task/prompt_level_strict_acc": a / 3, "eval/reward": a, "eval/seconds": 12.0} for s, a in evals]
+    (tmp_path / "metrics-trainer.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "summary.json").write_text(json.dumps({"run": "r", "steps": 6, "eval_skipped": [8], "eval_errors": 1}))
+    out = make_report(tmp_path)
+    assert json.loads((out / "plots.json").read_text())["plots"]["heldout"] == {"steps": [0, 2, 4, 6]}
+    report = (out / "report.md").read_text()
+    assert ("| step (version) | greedy accuracy | maj@4 | pass@1 | prompt_level_strict_acc | reward |"
+            in report), report
+    assert "| 2 | 0.220 | 0.220 | 0.110 | 0.073 | 0.220 |" in report and "| 2 | 0.200 |" not in report
+    table = [line for line in report.splitlines() if line.startswith("| ") and line.split("|")[1].strip().isdigit()]
+    assert [int(line.split("|")[1]) for line in table] == [0, 2, 4, 6]
+    assert "skipped (a newer version came due while they waited): [8]; failed: 1" in report
+    assert (out / "heldout.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -14,6 +14,7 @@ from grpo_stream.common.config.schema import RunConfig
 from grpo_stream.common.episodes.evaluation import evaluate_run
 from grpo_stream.common.runtime.device_memory import device_memory, host_memory
 from grpo_stream.common.tasks.rewards import scored_by
+from grpo_stream.trainer_service.reports.in_run_eval import curve_row
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +31,15 @@ def evaluate_heldout(cfg: RunConfig, engine, params, task, tokenizer, label: str
              label, scored_by(result.reward_weights), result.reward, parts, result.accuracy, sampled, own,
              result.num_problems, result.seconds, result.examples[0]["completion"] if result.examples else "")
     return result.as_dict()
+
+
+def eval_curve(carried: dict, eval_after: dict | None, steps: int) -> list[dict]:
+    """summary.json's `eval_curve`: eval_before at step 0, the evaluations during RL (one row per step: a resumed
+    run's replayed steps are not listed twice), eval_after at the last step."""
+    during = {row["step"]: row for row in carried.get("eval_curve") or []}
+    rows = [curve_row(0, "before", carried["eval_before"])] if carried.get("eval_before") else []
+    rows += [during[s] for s in sorted(during)]
+    return rows + ([curve_row(steps, "after", eval_after)] if eval_after else [])
 
 
 def wasted_fraction(generated: int, trained: int) -> float | None:
@@ -100,6 +110,10 @@ def write_summary(path: pathlib.Path, cfg: RunConfig, *, steps: int, counters: d
         "warmstart": carried["warmstart"],
         "eval_before": carried["eval_before"],
         "eval_after": eval_after,
+        # held-out evaluations in step order: before RL (step 0), during it (eval.every_steps), after it
+        "eval_curve": eval_curve(carried, eval_after, steps),
+        "eval_skipped": carried.get("eval_skipped", []),  # due during RL, replaced by a newer version while waiting
+        "eval_errors": carried.get("eval_errors", 0),  # evaluations during RL that raised (logged; the run went on)
         "rl_seconds": round(rl_seconds, 2),
         "wall_seconds": round(time.time() - started, 2),
     }

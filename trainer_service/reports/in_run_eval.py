@@ -1,0 +1,174 @@
+"""Held-out evaluation during RL (eval.every_steps): published versions evaluated on one background thread of
+trainer process 0 while the steps go on.
+
+Scheduling, when evaluation is slower than training: one evaluation runs at a time and at most one waits. A version
+that comes due while another waits replaces it: the waiting one is skipped (counted in `skipped`, logged), the running
+one is never interrupted. So the curve always reaches the newest version the evaluation can keep up with, memory holds
+at most two extra copies of the weights (the running and the waiting version's), and a slow evaluation never makes a
+step wait. `max_share` bounds the wall time the evaluation computes (`DutyCycle`), so the devices it shares with the
+steps are taken from them for at most that share; the end of the run lifts it (`drain`).
+
+An evaluation that raises is logged and counted (`errors`), never raised: the run goes on without that point.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from typing import Any, Callable
+
+log = logging.getLogger(__name__)
+SUMMARY_KEYS = ("accuracy", "format_rate", "reward", "num_problems", "seconds", "pass_at_k", "maj_at_k", "task_metrics",
+                "reward_components", "failed_episodes", "sampled_reward")
+
+
+def curve_row(step: int, when: str, result: dict) -> dict:
+    """The compact row of one evaluation that summary.json's `eval_curve` and the checkpoints keep (no examples)."""
+    return {"step": step, "version": step, "when": when, **{k: result.get(k) for k in SUMMARY_KEYS}}
+
+
+def metric_values(result: dict) -> dict[str, float]:
+    """The scalars of one evaluation (under `eval/` in metrics, TensorBoard and W&B): greedy accuracy, format rate,
+    reward and its components, pass@k, maj@k, the task's own figures, seconds."""
+    values = {"accuracy": result["accuracy"], "format_rate": result["format_rate"], "reward": result["reward"],
+              "num_problems": result["num_problems"], "seconds": result["seconds"],
+              "failed_episodes": result.get("failed_episodes", 0)}
+    values.update({f"pass_at_{k}": v for k, v in (result.get("pass_at_k") or {}).items()})
+    values.update({f"maj_at_{k}": v for k, v in (result.get("maj_at_k") or {}).items()})
+    values.update({f"task/{k}": v for k, v in (result.get("task_metrics") or {}).items()})
+    values.update({f"reward/{k}": v for k, v in (result.get("reward_components") or {}).items()})
+    if result.get("sampled_reward") is not None:
+        values["sampled_reward"] = result["sampled_reward"]
+    return {k: float(v) for k, v in values.items() if v is not None}
+
+
+class DutyCycle:
+    """A progress callback that keeps the caller's computing to `share` of wall time: each call sleeps for the time
+    computed since the previous call times (1 - share) / share. `release()` stops the pauses (and ends one)."""
+
+    def __init__(self, share: float, released: threading.Event | None = None, clock=time.monotonic):
+        self.share, self.clock = share, clock
+        self.released = released or threading.Event()
+        self.paused_s = 0.0
+        self._since = clock()
+
+    def restart(self) -> None:
+        self._since = self.clock()
+
+    def __call__(self) -> None:
+        if self.share < 1.0 and not self.released.is_set():
+            pause = (self.clock() - self._since) * (1.0 - self.share) / self.share
+            self.released.wait(pause)
+            self.paused_s += pause
+        self._since = self.clock()
+
+    def release(self) -> None:
+        self.released.set()
+
+
+@dataclasses.dataclass
+class _Due:
+    step: int
+    params: Any
+
+
+class InRunEvaluator:
+    """Evaluates the versions `submit`ted on its own thread ("eval"); see the module docstring for the schedule.
+
+    `evaluate(step, params, progress) -> dict`: the evaluation (EvalResult.as_dict), calling `progress` as groups end;
+    `record(step, result)`: what is done with each result (metrics); `share`: eval.max_share."""
+
+    def __init__(self, evaluate: Callable[[int, Any, Callable[[], None]], dict], record: Callable[[int, dict], None],
+                 share: float = 1.0, curve: list[dict] | None = None):
+        self._evaluate, self._record = evaluate, record
+        self.throttle = DutyCycle(share)
+        self.curve: list[dict] = list(curve or [])  # finished evaluations' rows, in the order they finished
+        self.skipped: list[int] = []
+        self.errors = 0
+        self._cond = threading.Condition()
+        self._waiting: _Due | None = None
+        self._running: int | None = None
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    def evaluated(self, step: int) -> bool:
+        with self._cond:
+            return any(r["step"] == step and r["when"] == "during" for r in self.curve)
+
+    def submit(self, step: int, params: Any) -> None:
+        """Evaluate the weights of `step` when the thread is free; replaces (skips) a version still waiting."""
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the in-run evaluator is closed")
+            if self._waiting is not None:
+                self.skipped.append(self._waiting.step)
+                log.info("evaluation of version %d skipped: version %d came due while it waited (evaluation is "
+                         "slower than eval.every_steps of training)", self._waiting.step, step)
+            self._waiting = _Due(step, params)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="eval", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    def pending(self) -> list[int]:
+        """Versions running or waiting, in that order."""
+        with self._cond:
+            return [s for s in (self._running, self._waiting and self._waiting.step) if s is not None]
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while self._waiting is None and not self._closed:
+                    self._cond.wait()
+                if self._waiting is None:
+                    return
+                due, self._waiting = self._waiting, None
+                self._running = due.step
+            self._run(due)
+            with self._cond:
+                self._running = None
+                self._cond.notify_all()
+
+    def _run(self, due: _Due) -> None:
+        try:
+            self.throttle.restart()
+            result = self._evaluate(due.step, due.params, self.throttle)
+            with self._cond:
+                self.curve.append(curve_row(due.step, "during", result))
+            self._record(due.step, result)
+        except Exception:  # noqa: BLE001 - an evaluation never fails the run: logged, counted, and the run goes on
+            with self._cond:
+                self.errors += 1
+            log.exception("evaluation of version %d failed (%d evaluation errors in this run); training goes on",
+                          due.step, self.errors)
+        finally:
+            due.params = None  # the copy of the weights goes as soon as it is evaluated
+
+    def drain(self, timeout_s: float | None = None) -> bool:
+        """Until nothing runs or waits (the pauses lifted: training is over); False when `timeout_s` passed first."""
+        self.throttle.release()
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._cond:
+            while self._running is not None or self._waiting is not None:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def close(self) -> None:
+        """Stop the thread once the running evaluation ends; a waiting one is dropped (counted as skipped)."""
+        self.throttle.release()
+        with self._cond:
+            if self._waiting is not None:
+                self.skipped.append(self._waiting.step)
+                self._waiting = None
+            self._closed = True
+            self._cond.notify_all()
+
+    def state(self) -> dict:
+        """What summary.json and the checkpoints keep: the curve so far, the skipped versions and the errors."""
+        with self._cond:
+            return {"eval_curve": list(self.curve), "eval_skipped": list(self.skipped), "eval_errors": self.errors}
