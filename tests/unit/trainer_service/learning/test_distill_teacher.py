@@ -53,13 +53,13 @@ def test_a_teacher_sharing_the_tokenizer_loads_on_the_mesh_larger_than_the_stude
 def test_a_teacher_with_another_vocabulary_is_refused_naming_both(tmp_path):
     cfg = config(tmp_path / "teacher")
     _, student = build_task_and_tokenizer(cfg)
-    write_teacher(tmp_path / "teacher", train_bpe(ArithTask(10, 99, 0.1, seed=0).corpus(4000), 170))
+    write_teacher(tmp_path / "teacher", train_bpe(ArithTask(10, 99, 0.1, seed=0).corpus(4000), 150))
     with pytest.raises(ConfigError) as err:
         load_teacher(cfg, student, make_mesh(1, 1, jax.devices(), "trainer.mesh"))
     message = str(err.value)
     assert f"distill.teacher={tmp_path / 'teacher'}" in message
     assert "model.kind=tiny" in message and "vocab_size 160" in message  # the student's, named
-    assert "vocabulary size 160 (student) vs 170 (teacher)" in message
+    assert "vocabulary size 160 (student) vs 150 (teacher)" in message
     assert "ids of the probe text" in message
 
 
