@@ -28,6 +28,7 @@ from grpo_stream.common.model.sharding import make_mesh, place
 from grpo_stream.common.assembly.parts import build_policy, build_task_and_tokenizer
 from grpo_stream.common.weights.snapshot import digest
 from grpo_stream.trainer_service.checkpoints.durability import Resumed
+from grpo_stream.trainer_service.learning.distill import Teacher, load_teacher
 from grpo_stream.trainer_service.learning.params_policy import params_policy
 from grpo_stream.trainer_service.plans import DonePlan, FinishPlan, Plan, StartPlan, StepPlan
 from grpo_stream.trainer_service.learning.packing import packing_layout
@@ -78,12 +79,13 @@ class StepResult:
 @dataclasses.dataclass(frozen=True)
 class ModelParts:
     """What every trainer process holds: the task, tokenizer, model (params placed on the trainer mesh, which spans
-    every process's devices) and the evaluation engine."""
+    every process's devices), the evaluation engine and the distillation teacher (None without one)."""
     task: Any
     tokenizer: Any
     model: Any
     mesh: jax.sharding.Mesh
     engine: Any
+    teacher: Teacher | None = None
 
 
 def build_model_parts(cfg: RunConfig, devices=None) -> ModelParts:
@@ -95,7 +97,9 @@ def build_model_parts(cfg: RunConfig, devices=None) -> ModelParts:
     log.info("trainer mesh %s on %s", dict(mesh.shape), [d.id for d in mesh.devices.flat])
     log.info("model: %d parameters, vocab %d, tokenizer %s", model.num_params(), tokenizer.vocab_size,
              tokenizer.fingerprint())
-    return ModelParts(task, tokenizer, model, mesh, continuous.build(cfg, model, tokenizer))
+    # the teacher after the student: its tokenizer is checked against the student's before its weights are read
+    teacher = load_teacher(cfg, tokenizer, mesh)
+    return ModelParts(task, tokenizer, model, mesh, continuous.build(cfg, model, tokenizer), teacher)
 
 
 class TrainerCore:
@@ -184,7 +188,8 @@ class TrainerCore:
         layout = packing_layout(cfg, mesh.shape["fsdp"] if mesh is not None else 1, self.model.arch)
         return PolicyUpdater(model, params, cfg.algo, t.learning_rate, t.max_grad_norm, cfg.generation.temperature,
                              self.parts.tokenizer.pad_id, layout, mesh, t.optimizer, t.steps, donate=self.donate,
-                             trainable=trainable)
+                             trainable=trainable, teacher=self.parts.teacher,
+                             distill=cfg.distill if self.parts.teacher is not None else None)
 
     # -- steps --------------------------------------------------------------------------------------------------
     def step(self, plan: StepPlan) -> StepResult:

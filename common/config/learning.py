@@ -248,6 +248,30 @@ class AlgoSection(Strict):
         return self.epsilon if self.epsilon is not None else CLIP_DEFAULTS[self.loss_algo][1]
 
 
+class DistillSection(Strict):
+    """On-policy distillation (docs/objective.md, "On-policy distillation"): a frozen teacher scores every token the
+    student sampled, and each token's advantage is -kl_coef x (student log-prob - teacher log-prob), the
+    single-sample estimate of the reverse KL(student || teacher) at that token, plus reward_weight x the group's
+    reward advantage. The teacher sits on the trainer mesh like the KL reference model (sharded, frozen, no optimizer
+    state) and must share the student's tokenizer; it may be larger than the student."""
+
+    teacher: str | None = Field(None, description="A Hugging Face model directory (config.json, *.safetensors, the "
+                                "tokenizer files; any family model.kind=hf loads) or a hub id in the local cache: "
+                                "the teacher. Its tokenizer must equal the student's (vocabulary, ids of a probe "
+                                "text, special tokens), checked at start-up. Null: no distillation.")
+    kl_coef: float = Field(1.0, gt=0, le=100, description="Coefficient of the per-token reverse-KL advantage "
+                           "-kl_coef x (log pi_student(y_t) - log pi_teacher(y_t)).")
+    reward_weight: float = Field(0.0, ge=0, le=100, description="Weight of the group-relative reward advantage "
+                                 "(algo.advantage_estimator) added to the distillation advantage: 0 = distillation "
+                                 "alone (rewards are only reported), 1 = both at full weight.")
+    dtype: Literal["model", "float32", "bfloat16"] = Field("model", description="The teacher's parameter and "
+                                                           "compute dtype; 'model': model.dtype.")
+
+    @property
+    def enabled(self) -> bool:
+        return self.teacher is not None
+
+
 class OptimizerSection(Strict):
     """The RL phase's optimizer (trainer.optimizer): a global-norm clip (trainer.max_grad_norm), then Adam or AdamW,
     at trainer.learning_rate shaped by a schedule. Schedule lengths are in trainer steps; with several optimizer

@@ -21,8 +21,8 @@ from pydantic import Field, model_validator
 from grpo_stream.common.config.access import AuthSection, PromptsSection, RedisSection, RpcSection, TlsSection
 from grpo_stream.common.config.base import ConfigError, Strict
 from grpo_stream.common.config.environment import EnvironmentSection
-from grpo_stream.common.config.learning import (AlgoSection, EvalSection, GenerationSection, ModelSection,
-                                               OptimizerSection, TaskSection, WarmStartSection)
+from grpo_stream.common.config.learning import (AlgoSection, DistillSection, EvalSection, GenerationSection,
+                                               ModelSection, OptimizerSection, TaskSection, WarmStartSection)
 from grpo_stream.common.config.hardware import HardwareSection
 from grpo_stream.common.config.health import HealthSection
 from grpo_stream.common.config.process import LoggingSection, RuntimeSection, UpSection
@@ -193,6 +193,8 @@ class RunConfig(Strict):
     ingest: IngestSection = Field(default_factory=IngestSection, description="The rollout ingest service.")
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection, description="Trainer checkpoints.")
     algo: AlgoSection = Field(default_factory=AlgoSection, description="Policy-gradient objective.")
+    distill: DistillSection = Field(default_factory=DistillSection, description="On-policy distillation from a "
+                                    "teacher model (null teacher: off).")
     weights: WeightsSection = Field(default_factory=WeightsSection, description="Weight publication.")
     distributed: DistributedSection = Field(default_factory=DistributedSection, description="Multi-host JAX.")
     warmstart: WarmStartSection = Field(default_factory=WarmStartSection, description="Supervised warm start.")
@@ -235,6 +237,10 @@ class RunConfig(Strict):
                              "eval.every_steps=0 (eval_before/eval_after still run)")
         if self.eval.samples and max(self.eval.ks) > self.eval.samples:
             raise ValueError(f"eval.ks={self.eval.ks}: each k must be at most eval.samples={self.eval.samples}")
+        if self.distill.enabled and self.distill.reward_weight == 0 and self.algo.dynamic_sampling:
+            raise ValueError("algo.dynamic_sampling drops groups whose rewards are all equal, but with "
+                             "distill.reward_weight=0 every group carries the teacher's signal; set "
+                             "algo.dynamic_sampling=false or give distill.reward_weight a weight")
         if task.own_rollouts and self.environment.name is not None:
             raise ValueError(f"environment.name: task.name={self.task.name} runs its own episodes; leave it unset")
         return self

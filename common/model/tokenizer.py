@@ -76,6 +76,10 @@ class TextTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode([i for i in ids if i not in (self.pad_id, self.eos_id)], skip_special_tokens=True)
 
+    def vocab(self) -> dict[str, int]:
+        """Token text -> id, special tokens included."""
+        return self._tok.get_vocab()
+
     def fingerprint(self) -> str:
         return hashlib.sha256(self._tok.to_str().encode()).hexdigest()[:16]
 
@@ -210,6 +214,10 @@ class HFTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode([i for i in ids if i != self.pad_id and i not in self._eos], skip_special_tokens=True)
+
+    def vocab(self) -> dict[str, int]:
+        """Token text -> id, added and special tokens included."""
+        return self._tok.get_vocab()
 
     @property
     def has_chat_template(self) -> bool:

@@ -99,6 +99,9 @@ def trainer_fixes(cfg: RunConfig, sizes: dict) -> list[str]:
                      f"{gib(sizes['optimizer_state'])})")
     if cfg.algo.beta > 0:
         fixes.append(f"algo.beta=0: no reference copy of the parameters (saves {gib(sizes['reference_parameters'])})")
+    teacher = sizes.get("teacher_parameters", 0)
+    if teacher > 0.2 * sizes["total"] and cfg.distill.dtype != "bfloat16":
+        fixes.append(f"distill.dtype=bfloat16: halves the distillation teacher's parameters (now {gib(teacher)})")
     if cfg.model.dtype == "float32":
         fixes.append("model.dtype=bfloat16: halves parameters and gradients (the optimizer keeps float32 state)")
     elif cfg.trainer.optimizer.state_dtype == "float32":
@@ -178,6 +181,11 @@ def render(cfg: RunConfig, doc: dict) -> str:
         share = r["per_device_bytes"]["total"] / r["usable_bytes"]
         lines.append(f"  {'total':<28} {gib(r['per_device_bytes']['total']):>14}  {share:.0%} of usable: "
                      f"{'fits' if r['fits'] else 'DOES NOT FIT'} (peak in {r['peak_program']})")
+        teacher = r.get("teacher")
+        if teacher is not None:
+            lines.append(f"  distillation teacher: {teacher['parameters'] / 1e9:.3g}B parameters "
+                         f"({teacher['architecture']['family']}), {gib(teacher['parameters_bytes'])} per device; its "
+                         f"forwards {teacher['forward_flops_per_step'] / 1e12:,.3g} TFLOP per step")
         for fix in r.get("fixes", []):
             lines.append(f"    fix: {fix}")
     shared = doc.get("shared_devices")

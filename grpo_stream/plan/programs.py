@@ -28,7 +28,8 @@ from grpo_stream.common.engine.slot_programs import pow2_at_least
 from grpo_stream.common.registry.engines import engine_spec
 from grpo_stream.common.model.architectures import Architecture
 from grpo_stream.common.model.lora import abstract_lora, merge_named
-from grpo_stream.common.model.policy import PolicyModel, build_from_architecture, tiny_architecture
+from grpo_stream.common.model.policy import (PolicyModel, build_from_architecture, row_logprobs, segment_mask,
+                                             tiny_architecture)
 from grpo_stream.common.model.sharding import make_mesh, param_shardings
 from grpo_stream.common.registry.transports import transport_spec
 from grpo_stream.trainer_service.learning.packing import PackedPasses, packing_layout
@@ -43,17 +44,22 @@ def architecture(cfg: RunConfig) -> Architecture:
     """The model's shape: the tiny model's, the checkpoint's config.json, or a known checkpoint's by name."""
     if cfg.model.kind == "tiny":
         return tiny_architecture(cfg.model, cfg.model.tiny.vocab_size)
+    return checkpoint_architecture(cfg.model.path, "model.path")
+
+
+def checkpoint_architecture(path: str, field: str) -> Architecture:
+    """The shape of the checkpoint at `path` (the setting `field`): its config.json, or a known one's by name."""
     import pathlib  # noqa: PLC0415
 
     from grpo_stream.common.model.hf_checkpoint import read_architecture  # noqa: PLC0415
     from grpo_stream.common.model.known_architectures import KNOWN_CONFIGS, known_architecture  # noqa: PLC0415
 
-    if (pathlib.Path(cfg.model.path) / "config.json").is_file():
-        return read_architecture(cfg.model.path)
-    arch = known_architecture(cfg.model.path)
+    if (pathlib.Path(path) / "config.json").is_file():
+        return read_architecture(path)
+    arch = known_architecture(path)
     if arch is None:
-        raise ValueError(f"model.path={cfg.model.path}: no config.json there and not a checkpoint plan knows by name "
-                         f"({', '.join(KNOWN_CONFIGS)}); point model.path at a directory holding the model's "
+        raise ValueError(f"{field}={path}: no config.json there and not a checkpoint plan knows by name "
+                         f"({', '.join(KNOWN_CONFIGS)}); point {field} at a directory holding the model's "
                          "config.json (the weights are not read)")
     return arch
 
@@ -102,8 +108,10 @@ def trainer_programs(cfg: RunConfig, arch: Architecture) -> dict:
         lora = abstract_lora(trained, cfg.model.lora, cfg.run.seed)
         trained, trainable = lora.adapted, lora.trainable()
     layout = packing_layout(cfg, t.mesh.fsdp, arch)
+    teacher = abstract_teacher(cfg, mesh)
     updater = PolicyUpdater(trained, trained.params, algo, t.learning_rate, t.max_grad_norm, gen.temperature, 0,
-                            layout, mesh, t.optimizer, t.steps, donate=donate, trainable=trainable)
+                            layout, mesh, t.optimizer, t.steps, donate=donate, trainable=trainable, teacher=teacher,
+                            distill=cfg.distill if teacher is not None else None)
     needs_old = algo.num_iterations > 1 or algo.minibatches > 1
     started = time.time()
     shape = (f"passes of {layout.rows} packed rows of {layout.row_tokens} tokens" if layout.segments_per_row > 1
@@ -118,27 +126,71 @@ def trainer_programs(cfg: RunConfig, arch: Architecture) -> dict:
     programs = {"update_step": step}
     if logprobs is not None:
         programs["logprobs"] = logprobs
+    distill = teacher_report(cfg, updater) if teacher is not None else None
+    if distill is not None:
+        programs["teacher_logprobs"] = distill.pop("program")
     gradients = min(train_bytes, step["temporaries"])  # the trained parameters' shapes; XLA counts them in temp
+    teacher_bytes = distill["parameters_bytes"] if distill is not None else 0
     per_device = {"parameters": params, "optimizer_state": opt_state, "reference_parameters": reference,
-                  "batch": batch_bytes, "gradients": gradients,
+                  "teacher_parameters": teacher_bytes, "batch": batch_bytes, "gradients": gradients,
                   "activations_and_temporaries": step["temporaries"] - gradients,
                   "updated_state": step["outputs"] - step["aliased"]}
     # beyond what stays resident: the step's batch, temporaries and not-in-place outputs, or the logprob pass's
     step_extra = per_device["batch"] + step["temporaries"] + per_device["updated_state"]
     logprob_extra = (programs["logprobs"]["peak"] - params) if "logprobs" in programs else 0
-    per_device["total"] = params + opt_state + reference + max(step_extra, logprob_extra)
+    # the teacher's forward runs before the step's updates: its batch, activations and output beside the resident
+    teacher_extra = programs["teacher_logprobs"]["peak"] - teacher_bytes if distill is not None else 0
+    extras = {"update_step": step_extra, "logprobs": logprob_extra, "teacher_logprobs": teacher_extra}
+    per_device["total"] = params + opt_state + reference + teacher_bytes + max(extras.values())
     packing = {"rows": layout.rows, "row_tokens": layout.row_tokens, "tokens_per_pass": layout.rows * layout.row_tokens,
                "segments_per_row": layout.segments_per_row}
-    return {"devices": t.mesh.fsdp * t.mesh.tp, "mesh": {"fsdp": t.mesh.fsdp, "tp": t.mesh.tp},
-            "parameters": model.num_params(), "trained_parameters": lora.adapter_count() if trainable else
-            model.num_params(), "per_device_bytes": per_device, "programs": programs, "packing": packing,
-            "peak_program": "update_step" if step_extra >= logprob_extra else "logprobs"}
+    out = {"devices": t.mesh.fsdp * t.mesh.tp, "mesh": {"fsdp": t.mesh.fsdp, "tp": t.mesh.tp},
+           "parameters": model.num_params(), "trained_parameters": lora.adapter_count() if trainable else
+           model.num_params(), "per_device_bytes": per_device, "programs": programs, "packing": packing,
+           "peak_program": max(extras, key=extras.get)}
+    if distill is not None:
+        out["teacher"] = distill
+    return out
 
 
-def step_programs(cfg: RunConfig, updater: PolicyUpdater, mesh, needs_old: bool):
-    """(update step, logprob pass or None, batch bytes per device): a minibatch's update over its stacked passes
-    (one pass's activations at a time, in the pass's token budget) and the logprob pass."""
-    layout, packed, algo = updater.layout, updater.programs, cfg.algo
+def abstract_teacher(cfg: RunConfig, mesh):
+    """The distillation teacher as abstract arrays on the trainer mesh (None without distill.teacher): its shape
+    from its config.json (or a known checkpoint's), in distill.dtype."""
+    if not cfg.distill.enabled:
+        return None
+    from grpo_stream.trainer_service.learning.distill import Teacher  # noqa: PLC0415
+
+    dtype = cfg.distill.dtype if cfg.distill.dtype != "model" else cfg.model.dtype
+    arch = checkpoint_architecture(cfg.distill.teacher, "distill.teacher")
+    model = abstract_model(arch, jnp.bfloat16 if dtype == "bfloat16" else jnp.float32, mesh)
+    return Teacher(model, cfg.distill.teacher)
+
+
+def teacher_report(cfg: RunConfig, updater: PolicyUpdater) -> dict:
+    """The teacher's share of a trainer step: its parameters' bytes per device, its forward program (compiled over
+    a minibatch's stacked passes, as the update runs it) and the FLOPs of its forwards per step: XLA's count for one
+    pass, times the passes a minibatch holds at most, times the minibatches (num_iterations reuse them)."""
+    layout, packed = updater.layout, updater.programs
+    m, t = layout.rows, layout.row_tokens
+    teacher = updater.teacher.model
+    one_row = NamedSharding(packed.sharding.mesh, PartitionSpec(*packed.sharding.spec[1:]))  # a pass's [m, T]
+    row = lambda dtype: jax.ShapeDtypeStruct((m, t), dtype, sharding=one_row)  # noqa: E731
+    one_pass = jax.jit(lambda params, tokens, positions, segments: row_logprobs(
+        teacher, params, tokens, positions, segment_mask(segments), updater.temperature, updater.pad_id))
+    flops = one_pass.lower(teacher.params, row(jnp.int32), row(jnp.int32), row(jnp.int32)).compile().cost_analysis()
+    flops = float((flops[0] if isinstance(flops, list) else flops).get("flops", 0.0))
+    passes, _, count = stacked_passes(updater)
+    program = analysed(packed._teacher_logprobs.lower(teacher.params, passes, count).compile())
+    per_step = flops * layout.passes * cfg.algo.minibatches
+    return {"parameters": teacher.num_params(), "architecture": dataclasses.asdict(teacher.arch),
+            "parameters_bytes": shard_bytes(teacher.params), "flops_per_pass": flops,
+            "forward_flops_per_step": per_step, "program": program}
+
+
+def stacked_passes(updater: PolicyUpdater) -> tuple[PackedPasses, Any, Any]:
+    """(a minibatch's stacked passes, per-token row values [K, m, T - 1], passes in use) as abstract arrays placed as
+    the update places them."""
+    layout, packed = updater.layout, updater.programs
     k, m, t, s = layout.passes, layout.rows, layout.row_tokens, layout.segments_per_row
     arr = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=packed.sharding)  # noqa: E731
     passes = PackedPasses(tokens=arr((k, m, t), jnp.int32), positions=arr((k, m, t), jnp.int32),
@@ -146,13 +198,20 @@ def step_programs(cfg: RunConfig, updater: PolicyUpdater, mesh, needs_old: bool)
                           behaviour=arr((k, m, t - 1), jnp.float32), starts=arr((k, m, s), jnp.int32),
                           lengths=arr((k, m, s), jnp.int32), advantages=arr((k, m, s), jnp.float32),
                           fresh=arr((k, m, s), jnp.float32))
-    rows = arr((k, m, t - 1), jnp.float32)
+    count = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(packed.sharding.mesh, PartitionSpec()))
+    return passes, arr((k, m, t - 1), jnp.float32), count
+
+
+def step_programs(cfg: RunConfig, updater: PolicyUpdater, mesh, needs_old: bool):
+    """(update step, logprob pass or None, batch bytes per device): a minibatch's update over its stacked passes
+    (one pass's activations at a time, in the pass's token budget) and the logprob pass."""
+    packed, algo = updater.programs, cfg.algo
+    passes, rows, count = stacked_passes(updater)
     replicated = NamedSharding(mesh, PartitionSpec())
-    count = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
     norm = (jax.ShapeDtypeStruct((), jnp.float32, sharding=replicated),) * 2
     step = analysed(packed._step.lower(*updater.split(updater.params), updater.opt_state, passes, count,
                                        rows if needs_old else None, rows if algo.beta > 0 else None,
-                                       norm).compile())
+                                       rows if updater.teacher is not None else None, norm).compile())
     logprobs = (analysed(packed._logprobs.lower(updater.params, passes, count).compile())
                 if needs_old or algo.beta > 0 else None)
     return step, logprobs, step["arguments"] - shard_bytes(updater.params) - shard_bytes(updater.opt_state)

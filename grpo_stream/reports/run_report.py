@@ -34,6 +34,10 @@ PLOTS = {
     "staleness_by_version": ("Share of trained tokens by version lag (steps)",
                              ["train/staleness_tokens_lag*", "train/mixed_version_tokens_lag*"]),
     "mixed_versions": ("Trained groups whose tokens mix weight versions", ["train/mixed_version_groups"]),
+    # distill.teacher runs only; docs/objective.md, "On-policy distillation"
+    "distillation": ("On-policy distillation: per-token KL to the teacher (mean, quantiles), teacher log-prob",
+                     ["train/distill_kl", "train/distill_kl_p50", "train/distill_kl_p90", "train/distill_kl_p99",
+                      "train/distill_teacher_logprob"]),
 }
 CONSTANT_BECAUSE = {
     "train/ratio_max": "one optimizer step per batch (algo.num_iterations=1, algo.minibatches=1): the new/old ratio "

@@ -51,7 +51,7 @@ def main() -> None:
     (passes, count, norm), = updater.programs.place(pack_batch(batch, layout, 1, 0))
     batch = passes
     step = lambda: updater.programs._step(*updater.split(updater.params), updater.opt_state, passes,  # noqa: E731
-                                          count, None, None, norm)
+                                          count, None, None, None, norm)
     # a first step compiles and warms the allocator; the second is measured
     updater.params, updater.opt_state, _ = jax.block_until_ready(step())
     gc.collect()

@@ -27,6 +27,11 @@ Aggregation agg(X) over the masked tokens:
 Total: loss = agg(L) + beta * agg(KL), with KL_it by `kl_estimator` and d = g_it - l_it:
   k1 = -d,  k2 = d^2 / 2,  k3 = exp(d) - d - 1.
 
+On-policy distillation (distill section) replaces A_i by a per-token advantage, with t_it the teacher's log-prob
+of the sampled token:
+  A_it = reward_weight * A_i - kl_coef * (o_it - t_it)      (both log-probs detached)
+o_it - t_it is the single-sample estimate of KL(student || teacher) at token t; `distill_advantages`.
+
 The clip bounds the update relative to the proximal policy o; the weight w corrects for
 the gap between the proximal policy and the sampler's policy b (staleness, and any
 numerical mismatch), truncated so one stale token cannot dominate ("decoupled PPO").
@@ -86,6 +91,16 @@ def truncated_is_weights(old_logprobs: jnp.ndarray, behaviour_logprobs: jnp.ndar
     return jax.lax.stop_gradient(jnp.minimum(jnp.exp(log_w), cap))
 
 
+def distill_advantages(advantages: jnp.ndarray, proximal: jnp.ndarray, teacher: jnp.ndarray, kl_coef: float,
+                       reward_weight: float) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """([B, T] per-token advantages, [B, T] per-token reverse-KL estimates k) of on-policy distillation:
+    k_it = o_it - t_it, the sampled-token estimate of KL(student || teacher) (the student's proximal log-prob o, the
+    teacher's t); A_it = reward_weight * A_i - kl_coef * k_it. Both log-probs are detached: the teacher is a fixed
+    reward, and the student's gradient comes through the policy-gradient term only (docs/objective.md)."""
+    k = jax.lax.stop_gradient(proximal.astype(jnp.float32) - teacher.astype(jnp.float32))
+    return reward_weight * advantages.astype(jnp.float32)[:, None] - kl_coef * k, k
+
+
 def _masked_mean(x, mask, tokens=None):
     mask = mask.astype(jnp.float32)
     return (x * mask).sum() / ((mask.sum() if tokens is None else tokens) + 1e-8)
@@ -101,7 +116,7 @@ def policy_loss(logprobs: jnp.ndarray, old_logprobs: jnp.ndarray | None, advanta
     Args:
       logprobs: [B, T] l, current policy (differentiated).
       old_logprobs: [B, T] o, proximal policy; None means stop_gradient(logprobs).
-      advantages: [B] A.
+      advantages: [B] A (one a sequence), or [B, T] per-token advantages (distill_advantages).
       mask: [B, T] 1.0 on completion tokens that count.
       loss_algo: 'grpo' or 'gspo-token'.
       eps_low, eps_high: clip range [1 - eps_low, 1 + eps_high].
@@ -133,7 +148,8 @@ def policy_loss(logprobs: jnp.ndarray, old_logprobs: jnp.ndarray | None, advanta
     elif loss_algo != "grpo":
         raise ValueError(f"algo.loss_algo={loss_algo!r}: expected grpo or gspo-token")
     ratio = jnp.exp(log_ratio)
-    adv = advantages.astype(jnp.float32)[:, None]
+    adv = advantages.astype(jnp.float32)
+    adv = adv[:, None] if adv.ndim == 1 else adv
     unclipped = -adv * ratio
     clipped = -adv * jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high)
     per_token = jnp.maximum(unclipped, clipped)

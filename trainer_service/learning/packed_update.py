@@ -15,6 +15,7 @@ back to the host but the metrics.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -32,6 +33,8 @@ if TYPE_CHECKING:
     from grpo_stream.trainer_service.learning.rl_update import PolicyUpdater
 
 LOG_RATIO = "proximal_log_ratio"  # the metrics key of the per-token o - b (PolicyUpdater.objective), not a statistic
+DISTILL_KL = "distill_kl_tokens"  # the per-token o - t of distillation (its quantiles are the host's), not a statistic
+PER_TOKEN = (LOG_RATIO, DISTILL_KL)  # metrics keys holding per-token values: stacked per pass, never summed
 
 
 def metric_start(shapes: dict) -> dict:
@@ -71,60 +74,71 @@ class PackedPrograms:
         self._step = jax.jit(self._step_impl, donate_argnums=(0, 2) if donate else (),
                              out_shardings=updater.state_shardings)
         self.gradients = jax.jit(self._gradients)
-        self._logprobs = jax.jit(self._logprobs_impl, out_shardings=self.sharding)
+        self._logprobs = jax.jit(functools.partial(self._logprobs_impl, updater.model), out_shardings=self.sharding)
+        teacher = updater.teacher
+        # the teacher's forward: its own model and params, the policy's temperature, pad and rows
+        self._teacher_logprobs = (jax.jit(functools.partial(self._logprobs_impl, teacher.model),
+                                          out_shardings=self.sharding) if teacher is not None else None)
 
-    def _loss(self, train, frozen, mb: PackedPasses, old, ref, norm):
-        """(loss, metrics) of one pass ([m, ...] slices of PackedPasses; old and ref in row layout or None)."""
+    def _loss(self, train, frozen, mb: PackedPasses, old, ref, teacher, norm):
+        """(loss, metrics) of one pass ([m, ...] slices of PackedPasses; old, ref and teacher in row layout or
+        None)."""
         u, c = self.u, self.layout.completion_tokens
         logprobs, entropy = row_logprobs(u.model, u.join(train, frozen), mb.tokens, mb.positions,
                                          segment_mask(mb.segments), u.temperature, u.pad_id, with_entropy=True)
         view = lambda x: None if x is None else slot_view(x, mb.starts, mb.lengths, c)  # noqa: E731
         return u.objective(view(logprobs), view(entropy), view(mb.loss_mask), view(mb.behaviour),
-                           mb.advantages.reshape(-1), mb.fresh.reshape(-1), view(old), view(ref), norm)
+                           mb.advantages.reshape(-1), mb.fresh.reshape(-1), view(old), view(ref), norm,
+                           teacher=view(teacher))
 
-    def _accumulated(self, train, frozen, passes: PackedPasses, count, old, ref, norm):
-        """(gradients of the trained part, metrics) of a minibatch: sums over its first `count` passes."""
+    def _accumulated(self, train, frozen, passes: PackedPasses, count, old, ref, teacher, norm):
+        """(gradients of the trained part, metrics) of a minibatch: sums over its first `count` passes; the
+        PER_TOKEN metrics stacked per pass ([K, m * S, C]: pass i's slots at [i]; the sources say whose)."""
         u = self.u
         pick = lambda tree, i: jax.tree.map(lambda x: x[i], tree)  # noqa: E731
         grad_fn = jax.value_and_grad(self._loss, has_aux=True)
-        shapes = jax.eval_shape(lambda: grad_fn(train, frozen, *pick((passes, old, ref), 0), norm)[0][1])
+        shapes = jax.eval_shape(lambda: grad_fn(train, frozen, *pick((passes, old, ref, teacher), 0), norm)[0][1])
+        token_shapes = {key: shapes.pop(key).shape for key in PER_TOKEN if key in shapes}
 
         def body(i, carry):
-            grads, metrics, ratios = carry
+            grads, metrics, tokens = carry
             # the weights pass a barrier with each pass's data, so FSDP gathers them layer by layer inside the pass:
             # XLA would otherwise hoist every layer's all-gather out of the loop as loop-invariant and keep the whole
             # model gathered for the whole step (the 70B preset's plan: ~270 GiB per chip more)
-            weights, fixed, part = jax.lax.optimization_barrier((train, frozen, pick((passes, old, ref), i)))
+            weights, fixed, part = jax.lax.optimization_barrier((train, frozen, pick((passes, old, ref, teacher), i)))
             (_, m), g = grad_fn(weights, fixed, *part, norm)
-            ratios = ratios.at[i].set(m.pop(LOG_RATIO))
-            return jax.tree.map(jnp.add, grads, u.pin(g)), merge_metrics(metrics, m), ratios
+            tokens = {key: v.at[i].set(m.pop(key)) for key, v in tokens.items()}
+            return jax.tree.map(jnp.add, grads, u.pin(g)), merge_metrics(metrics, m), tokens
 
-        ratio_shape = shapes.pop(LOG_RATIO).shape  # [m * S, C]: pass i's slots' o - b, at [i] (sources: whose)
         with activation_sharding(u.mesh):  # traced with the model's activation constraints on the mesh
             zeros = u.pin(jax.tree.map(jnp.zeros_like, train))
-            grads, metrics, ratios = jax.lax.fori_loop(
-                0, count, body, (zeros, metric_start(shapes), jnp.zeros((passes.tokens.shape[0], *ratio_shape))))
-            return grads, {**metrics, LOG_RATIO: ratios}
+            start = {key: jnp.zeros((passes.tokens.shape[0], *shape)) for key, shape in token_shapes.items()}
+            grads, metrics, tokens = jax.lax.fori_loop(0, count, body, (zeros, metric_start(shapes), start))
+            return grads, {**metrics, **tokens}
 
-    def _gradients(self, train, frozen, passes: PackedPasses, count, old, ref, norm):
+    def _gradients(self, train, frozen, passes: PackedPasses, count, old, ref, teacher, norm):
         """_accumulated's gradients and statistics (tests, `plan`)."""
-        grads, metrics = self._accumulated(train, frozen, passes, count, old, ref, norm)
-        metrics.pop(LOG_RATIO)
+        grads, metrics = self._accumulated(train, frozen, passes, count, old, ref, teacher, norm)
+        for key in PER_TOKEN:
+            metrics.pop(key, None)
         return grads, metrics
 
-    def _step_impl(self, train, frozen, opt_state, passes: PackedPasses, count, old, ref, norm):
-        grads, metrics = self._accumulated(train, frozen, passes, count, old, ref, norm)
+    def _step_impl(self, train, frozen, opt_state, passes: PackedPasses, count, old, ref, teacher, norm):
+        grads, metrics = self._accumulated(train, frozen, passes, count, old, ref, teacher, norm)
         train, opt_state = apply_optimizer(self.u.optimizer, grads, opt_state, train, self.u.master)
-        metrics[LOG_RATIO] = self.u.replicated(metrics[LOG_RATIO])
+        for key in PER_TOKEN:
+            if key in metrics:
+                metrics[key] = self.u.replicated(metrics[key])
         return train, opt_state, {**metrics, "grad_norm": optax.global_norm(grads)}
 
-    def _logprobs_impl(self, params, passes: PackedPasses, count):
-        """[K, m, T - 1] row logprobs of the first `count` passes under `params` (zeros in the rest)."""
+    def _logprobs_impl(self, model, params, passes: PackedPasses, count):
+        """[K, m, T - 1] row logprobs of the first `count` passes under `model` with `params` (zeros in the
+        rest): the policy's own model (the old policy, the KL reference) or the distillation teacher's."""
         u = self.u
 
         def body(i, out):
             weights, part = jax.lax.optimization_barrier((params, jax.tree.map(lambda x: x[i], passes)))
-            lp = row_logprobs(u.model, weights, part.tokens, part.positions, segment_mask(part.segments),
+            lp = row_logprobs(model, weights, part.tokens, part.positions, segment_mask(part.segments),
                               u.temperature, u.pad_id)
             return out.at[i].set(lp)
 
@@ -145,7 +159,12 @@ class PackedPrograms:
     def logprobs(self, params, passes: PackedPasses, count: jax.Array) -> jax.Array:
         return self._logprobs(params, passes, count)
 
-    def minibatch_step(self, train, frozen, opt_state, passes, count, norm, old, ref) -> tuple[Any, Any, dict]:
+    def teacher_logprobs(self, passes: PackedPasses, count: jax.Array) -> jax.Array:
+        """[K, m, T - 1] the distillation teacher's row logprobs of the first `count` passes."""
+        return self._teacher_logprobs(self.u.teacher.model.params, passes, count)
+
+    def minibatch_step(self, train, frozen, opt_state, passes, count, norm, old, ref,
+                       teacher=None) -> tuple[Any, Any, dict]:
         """One optimizer update from the summed gradients of a minibatch's passes (as `place` gives them):
         (train, opt_state, metrics)."""
-        return self._step(train, frozen, opt_state, passes, count, old, ref, norm)
+        return self._step(train, frozen, opt_state, passes, count, old, ref, teacher, norm)

@@ -20,24 +20,27 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from grpo_stream.common.config.learning import AlgoSection, OptimizerSection
+from grpo_stream.common.config.learning import AlgoSection, DistillSection, OptimizerSection
 from grpo_stream.common.model.policy import PolicyModel
 from grpo_stream.trainer_service.learning.batching import TrainBatch
-from grpo_stream.trainer_service.learning.loss import policy_loss, truncated_is_weights
+from grpo_stream.trainer_service.learning.distill import Teacher, distill_quantiles
+from grpo_stream.trainer_service.learning.loss import aggregate, distill_advantages, policy_loss, truncated_is_weights
 from grpo_stream.trainer_service.learning.off_policy_health import importance_diagnostics
-from grpo_stream.trainer_service.learning.packed_update import LOG_RATIO, PackedPrograms
+from grpo_stream.trainer_service.learning.packed_update import DISTILL_KL, LOG_RATIO, PackedPrograms
 from grpo_stream.trainer_service.learning.packing import PackedBatch, PackingLayout, pack_batch
 from grpo_stream.trainer_service.learning.train_step import (init_optimizer_state, learning_rate_schedule, make_optimizer,
                                                    uses_master_weights)
 
 
 class PolicyUpdater:
-    """Params, optimizer state and (only when beta > 0) a frozen reference copy of the params."""
+    """Params, optimizer state, (only when beta > 0) a frozen reference copy of the params and (only with
+    distillation) the frozen teacher."""
 
     def __init__(self, model: PolicyModel, params: Any, algo: AlgoSection, learning_rate: float,
                  max_grad_norm: float, temperature: float, pad_id: int, layout: PackingLayout,
                  mesh: jax.sharding.Mesh | None = None, optimizer: OptimizerSection | None = None,
-                 total_steps: int = 1, donate: bool = False, trainable: tuple[bool, ...] | None = None):
+                 total_steps: int = 1, donate: bool = False, trainable: tuple[bool, ...] | None = None,
+                 teacher: Teacher | None = None, distill: DistillSection | None = None):
         """`params` already placed on `mesh` (if any); the optimizer state takes their shardings, and each
         batch's rows are split over the mesh's fsdp axis (data parallel). `layout` (packing.packing_layout): the rows
         each minibatch is packed into and how many a forward and backward pass takes; a minibatch's passes'
@@ -47,7 +50,11 @@ class PolicyUpdater:
         after `update` the previous `params` are deleted: only for a caller that keeps no other reference to them
         in use (not with weights shared in-process with samplers). `trainable` (LoRA: one flag per leaf of
         `params`, flattened order; None: all): only those leaves get gradients and optimizer state; the others are
-        passed through each step unchanged and never donated."""
+        passed through each step unchanged and never donated. `teacher` (with `distill`, its settings): the
+        distillation teacher, params placed like `params` and never updated (docs/objective.md)."""
+        if (teacher is None) != (distill is None or not distill.enabled):
+            raise ValueError("distillation needs both the teacher model and the distill section")
+        self.teacher, self.distill = teacher, distill if teacher is not None else None
         self.model, self.algo, self.temperature, self.pad_id, self.mesh = model, algo, temperature, pad_id, mesh
         self.layout = layout
         self.learning_rate = learning_rate_schedule(learning_rate, optimizer, total_steps,
@@ -99,12 +106,17 @@ class PolicyUpdater:
         train, frozen = iter(train), iter(frozen)
         return jax.tree.unflatten(self._treedef, [next(train) if t else next(frozen) for t in self._trainable])
 
-    def objective(self, logprobs, entropy, loss_mask, behaviour, advantages, fresh, old, ref, norm):
+    def objective(self, logprobs, entropy, loss_mask, behaviour, advantages, fresh, old, ref, norm, teacher=None):
         """(loss, metrics) from per-sequence [B, T] logprobs and entropies (a pass's sequences gathered into their
         completion windows): the policy loss (loss.py) and the sampler-trainer agreement on sequences generated with
-        exactly these weights."""
+        exactly these weights. `teacher`: [B, T] the distillation teacher's logprobs (None: no distillation); the
+        advantages are then per token (loss.distill_advantages)."""
         algo = self.algo
         proximal = jax.lax.stop_gradient(logprobs) if old is None else old
+        kl = None
+        if teacher is not None:
+            advantages, kl = distill_advantages(advantages, proximal, teacher, self.distill.kl_coef,
+                                                self.distill.reward_weight)
         if algo.loss_algo == "gspo-token":
             # GSPO's sequence ratio is taken against the policy that drew the sequence (the sampler's, b), as in
             # the GSPO paper: its narrow clip then bounds how far the update moves from that policy, staleness
@@ -124,6 +136,10 @@ class PolicyUpdater:
         # per token, not a statistic: the host's off-policy diagnostics (off_policy_health.py) need every token's
         # o - b, which with one minibatch exists only here (o is these very logprobs)
         m[LOG_RATIO] = jax.lax.stop_gradient(proximal - behaviour) * loss_mask
+        if kl is not None:  # the means here; the quantiles on the host from every token's value
+            m["distill_kl"] = aggregate(kl, loss_mask, "token-mean", norm)
+            m["distill_teacher_logprob"] = aggregate(teacher, loss_mask, "token-mean", norm)
+            m[DISTILL_KL] = kl * loss_mask
         return loss, m
 
     def pin(self, grads):
@@ -153,18 +169,20 @@ class PolicyUpdater:
     def minibatch_gradients(self, batch: TrainBatch, old_params=None, ref_params=None) -> tuple[Any, dict]:
         """(gradients of the trained part, statistics) of `batch` as one minibatch, against the proximal policy
         `old_params` (None: the weights trained, as in a step of one minibatch) and the KL reference `ref_params`;
-        nothing updated. What tests compare against written-out references."""
+        nothing updated (with a teacher, its logprobs too). What tests compare against written-out references."""
         (passes, count, norm), = self.programs.place(pack_batch(batch, self.layout, 1, self.pad_id))
         logprobs = lambda params: None if params is None else self.programs.logprobs(params, passes, count)  # noqa
+        teacher = self.programs.teacher_logprobs(passes, count) if self.teacher is not None else None
         return self.programs.gradients(*self.split(self.params), passes, count, logprobs(old_params),
-                                       logprobs(ref_params), norm)
+                                       logprobs(ref_params), teacher, norm)
 
     def update(self, batch: TrainBatch | PackedBatch, group_index: np.ndarray | None = None) -> dict[str, float]:
         """Run num_iterations passes of `minibatches` optimizer steps over `batch` (packed first when it is a
         TrainBatch); return averaged metrics, with the real and laid-out tokens of one pass over the batch
         (`update_tokens_real`, `update_tokens_laid_out`: what the update's forward and backward passes computed
         over). With `group_index` ([B]: each row's group) also the importance-sampling diagnostics of the batch
-        (off_policy_health.importance_diagnostics) from every token's o - b at the step's start."""
+        (off_policy_health.importance_diagnostics) from every token's o - b at the step's start. With a teacher,
+        the quantiles of the per-token KL to it at the step's start (distill.distill_quantiles)."""
         algo, programs = self.algo, self.programs
         packed = batch if isinstance(batch, PackedBatch) else self.pack(batch)
         placed = programs.place(packed)
@@ -172,28 +190,36 @@ class PolicyUpdater:
         old = [programs.logprobs(self.params, p, c) for p, c, _ in placed] if needs_old else None
         ref = ([programs.logprobs(self.ref_params, p, c) for p, c, _ in placed]
                if self.ref_params is not None else None)
+        teacher = [programs.teacher_logprobs(p, c) for p, c, _ in placed] if self.teacher is not None else None
         steps = []
         for iteration in range(algo.num_iterations):
             for k in range(algo.minibatches):
                 train, frozen = self.split(self.params)
                 train, self.opt_state, m = programs.minibatch_step(
                     train, frozen, self.opt_state, *placed[k], None if old is None else old[k],
-                    None if ref is None else ref[k])
+                    None if ref is None else ref[k], None if teacher is None else teacher[k])
                 self.params = self.join(train, frozen)
-                ratio = m.pop(LOG_RATIO)
-                # o - b at the step's start: the first iteration's (later ones see the same old logprobs again)
-                steps.append((m, ratio if iteration == 0 and group_index is not None else None))
+                ratio, kl = m.pop(LOG_RATIO), m.pop(DISTILL_KL, None)
+                # o - b (and o - t) at the step's start: the first iteration's (later ones see the same old
+                # logprobs again)
+                first = iteration == 0
+                steps.append((m, ratio if first and group_index is not None else None, kl if first else None))
         # the metrics come back once, after every optimizer update is on its way: no wait between minibatches
         steps = jax.device_get(steps)
-        out = summarise([m for m, _ in steps], algo.minibatches)
+        out = summarise([m for m, _, _ in steps], algo.minibatches)
         out["learning_rate"] = self.current_learning_rate()
         out["update_tokens_real"], out["update_tokens_laid_out"] = packed.real_tokens(), packed.laid_out_tokens()
         if group_index is not None:
             log_ratio = np.zeros_like(packed.loss_mask, np.float32)
-            for k, (_, ratio) in enumerate(steps[:algo.minibatches]):
+            for k, (_, ratio, _) in enumerate(steps[:algo.minibatches]):
                 packed.scatter(k, np.asarray(ratio), log_ratio)
             cap = algo.tis_cap if algo.loss_algo == "grpo" else None  # gspo-token weighs by its ratio, not TIS
             out.update(importance_diagnostics(log_ratio, packed.loss_mask, np.asarray(group_index), cap))
+        if teacher is not None:
+            kl_tokens = np.zeros_like(packed.loss_mask, np.float32)
+            for k, (_, _, kl) in enumerate(steps[:algo.minibatches]):
+                packed.scatter(k, np.asarray(kl), kl_tokens)
+            out.update(distill_quantiles(kl_tokens, packed.loss_mask))
         return out
 
 
@@ -237,7 +263,10 @@ def state_report(updater: PolicyUpdater, model_parameters: int, lora=None) -> di
     """What `updater` holds (bytes on all devices together) and what it trains: every one of `model_parameters`, or
     the adapters of `lora` (a LoraPolicy)."""
     nbytes = lambda tree: int(sum(x.nbytes for x in jax.tree.leaves(tree)))  # noqa: E731
+    teacher = updater.teacher
     return {"params_bytes": nbytes(updater.params), "optimizer_bytes": nbytes(updater.opt_state),
+            "teacher_bytes": nbytes(teacher.model.params) if teacher is not None else 0,
+            "teacher_parameters": teacher.num_params() if teacher is not None else 0,
             "model_parameters": model_parameters,
             "trained_parameters": lora.adapter_count() if lora is not None else model_parameters,
             "lora": None if lora is None else {"rank": lora.rank, "alpha": lora.rank * lora.scale,

@@ -103,6 +103,7 @@ def write_summary(path: pathlib.Path, cfg: RunConfig, *, steps: int, counters: d
         "final_weights": final_weights,
         "sampler_weight_versions": publisher.samplers.installed,
         "algo": cfg.algo.model_dump(mode="json"),
+        "distill": cfg.distill.model_dump(mode="json") if cfg.distill.enabled else None,
         "logprob_agreement_lag0": {
             "tokens": int(agreement["tokens"]),
             "mean_abs": agreement["abs_sum"] / agreement["tokens"] if agreement["tokens"] else None,

@@ -122,6 +122,10 @@ class StepReporter:
                      stats["reward_mean"], accuracy, row["staleness_mean"], row["staleness_max"], row["buffer_depth"],
                      row["groups_dropped_stale"], row["weight_version"], m["loss"], m["clip_fraction"], lp_diff,
                      phases["plan_wait_seconds"], tokens_per_second)
+            if "distill_kl" in m:  # distillation: how far the student is from its teacher, per token
+                log.info("step %d distill: KL to the teacher %.4f (p50 %.4f, p90 %.4f, p99 %.4f), teacher logprob "
+                         "%.4f", step, m["distill_kl"], m["distill_kl_p50"], m["distill_kl_p90"], m["distill_kl_p99"],
+                         m["distill_teacher_logprob"])
 
     def _show(self, step: int) -> bool:
         """Every step with logging.verbose; else the first, the last, every logging.step_every-th, and one at least

@@ -1,0 +1,92 @@
+"""The distillation teacher at start-up: a Hugging Face directory of another family and a larger shape than the
+student loads onto the trainer mesh when it shares the student's tokenizer, and is refused, naming both
+tokenizers and what differs, when it does not. Also the distill section's own checks."""
+
+import pathlib
+
+import jax
+import pytest
+
+from grpo_stream.common.assembly.parts import build_task_and_tokenizer
+from grpo_stream.common.config.base import ConfigError
+from grpo_stream.common.config.loading import load_config
+from grpo_stream.common.model.architectures import Architecture
+from grpo_stream.common.model.hf_checkpoint import export_hf
+from grpo_stream.common.model.policy import build_from_architecture
+from grpo_stream.common.model.sharding import make_mesh
+from grpo_stream.common.model.tokenizer import train_bpe
+from grpo_stream.common.tasks.arith import ArithTask
+from grpo_stream.trainer_service.learning.distill import load_teacher, tokenizer_differences
+
+ROOT = pathlib.Path(__file__).resolve().parents[4]
+SMOKE = ["model.tiny.num_layers=1", "model.tiny.embed_dim=32", "model.tiny.hidden_dim=64", "model.tiny.num_heads=2",
+         "model.tiny.num_kv_heads=1", "model.tiny.head_dim=16"]
+
+
+def write_teacher(directory: pathlib.Path, tokenizer) -> pathlib.Path:
+    """A Qwen2 teacher (the student is Qwen3-style), wider and deeper than the student, with `tokenizer`."""
+    tokenizer.save(directory)
+    arch = Architecture(family="qwen2", vocab_size=tokenizer.vocab_size, num_layers=2, embed_dim=64, hidden_dim=128,
+                        num_heads=4, num_kv_heads=2, head_dim=16, norm_eps=1e-6, rope_theta=1e6,
+                        tied_embeddings=True)
+    named = build_from_architecture(arch, seed=3).to_named_numpy()
+    return export_hf(directory, arch, named, tokenizer_dir=directory, eos_ids=tokenizer.eos_ids,
+                     pad_id=tokenizer.pad_id)
+
+
+def config(teacher: pathlib.Path, *more: str):
+    return load_config(ROOT / "configs/tiny_arith.yaml", [*SMOKE, f"distill.teacher={teacher}", *more])
+
+
+def test_a_teacher_sharing_the_tokenizer_loads_on_the_mesh_larger_than_the_student(tmp_path):
+    cfg = config(tmp_path / "teacher")
+    _, student = build_task_and_tokenizer(cfg)
+    write_teacher(tmp_path / "teacher", student)  # the tiny model's tokenizer, exported: the same one
+    mesh = make_mesh(1, 1, jax.devices(), "trainer.mesh")
+    teacher = load_teacher(cfg, student, mesh)
+    assert teacher.model.arch.family == "qwen2" and teacher.num_params() > 2 * 30_000
+    leaf = jax.tree.leaves(teacher.model.params)[0]
+    assert leaf.sharding.mesh == mesh  # placed as the policy's params are
+    assert load_teacher(config(tmp_path / "teacher", "distill.teacher=null"), student, mesh) is None
+
+
+def test_a_teacher_with_another_vocabulary_is_refused_naming_both(tmp_path):
+    cfg = config(tmp_path / "teacher")
+    _, student = build_task_and_tokenizer(cfg)
+    write_teacher(tmp_path / "teacher", train_bpe(ArithTask(10, 99, 0.1, seed=0).corpus(4000), 150))
+    with pytest.raises(ConfigError) as err:
+        load_teacher(cfg, student, make_mesh(1, 1, jax.devices(), "trainer.mesh"))
+    message = str(err.value)
+    assert f"distill.teacher={tmp_path / 'teacher'}" in message
+    assert "model.kind=tiny" in message and "vocab_size 160" in message  # the student's, named
+    assert "vocabulary size 160 (student) vs 150 (teacher)" in message
+    assert "ids of the probe text" in message
+
+
+def test_tokenizer_differences_name_ids_and_special_tokens(tmp_path):
+    corpus = ArithTask(10, 99, 0.1, seed=0).corpus(4000)
+    a, b = train_bpe(corpus, 160), train_bpe(corpus[::-1][:1500], 160)  # same size, other merges
+    assert tokenizer_differences(a, train_bpe(corpus, 160)) == []
+    found = " | ".join(tokenizer_differences(a, b))
+    assert "tokens map to other ids" in found and "ids of the probe text" in found, found
+
+    class Other:  # the same vocabulary and ids, other special tokens
+        def __init__(self, tok):
+            self.vocab, self.encode, self.eos_ids, self.pad_id, self.bos_text = tok.vocab, tok.encode, [7], 3, "<s>"
+
+    found = " | ".join(tokenizer_differences(a, Other(a)))
+    assert "end-of-sequence ids [1] (student) vs [7] (teacher)" in found and "pad id 0 (student) vs 3" in found
+    assert "BOS text '' (student) vs '<s>' (teacher)" in found and "vocabulary" not in found
+
+
+def test_the_distill_section_is_strict_and_refuses_filtering_its_groups(tmp_path):
+    cfg = config(tmp_path / "t")
+    assert cfg.distill.enabled and cfg.distill.kl_coef == 1.0 and cfg.distill.reward_weight == 0.0
+    assert not load_config(ROOT / "configs/tiny_arith.yaml", []).distill.enabled
+    with pytest.raises(ValueError, match="distill.colour"):
+        config(tmp_path / "t", "distill.colour=1")
+    with pytest.raises(ValueError, match="kl_coef"):
+        config(tmp_path / "t", "distill.kl_coef=0")
+    with pytest.raises(ValueError, match="algo.dynamic_sampling.*distill.reward_weight=0"):
+        config(tmp_path / "t", "algo.dynamic_sampling=true")
+    assert config(tmp_path / "t", "algo.dynamic_sampling=true", "distill.reward_weight=1").algo.dynamic_sampling
