@@ -1,11 +1,14 @@
 """On-policy distillation end to end, as a user runs it: `grpo-stream up` of the smoke demo with distill.teacher set
 to a stronger teacher's Hugging Face directory (tests/e2e/distill_teacher.py: larger, of the same tokenizer), the
 student trained by the teacher alone (distill.reward_weight 0): the step reports carry the KL to the teacher, its
-quantiles and the teacher's log-prob, and the KL falls as the student learns."""
+quantiles and the teacher's log-prob (default lane), and the KL falls as the student learns (`-m learning`: its bar
+is from three runs, not yet ten)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import pathlib
 
 import pytest
 
@@ -18,31 +21,48 @@ KEYS = ("train/distill_kl", "train/distill_kl_p50", "train/distill_kl_p90", "tra
         "train/distill_teacher_logprob")
 
 
-def test_a_distillation_run_reports_its_kl_to_the_teacher_falling(tmp_path):
+@dataclasses.dataclass
+class DistillRun:
+    dir: pathlib.Path
+    teacher: pathlib.Path
+    rows: list[dict]
+
+
+@pytest.fixture(scope="module")
+def distill_run(tmp_path_factory) -> DistillRun:
+    tmp_path = tmp_path_factory.mktemp("distill")
     teacher = make_teacher(tmp_path / "teacher")
     run_dir = tmp_path / "run"
     proc = run_cli("up", "--config", "configs/tiny_arith_smoke.yaml", "--run-dir", str(run_dir),
                    f"distill.teacher={teacher}", f"trainer.steps={STEPS}", "trainer.learning_rate=0.003",
                    "warmstart.steps=10", timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics-trainer.jsonl").read_text().splitlines()]
+    return DistillRun(run_dir, teacher, [r for r in rows if "train/distill_kl" in r])
+
+
+def test_a_distillation_run_reports_its_kl_to_the_teacher(distill_run):
+    run_dir, rows = distill_run.dir, distill_run.rows
     summary = json.loads((run_dir / "summary.json").read_text())
     check_run(summary, replicas=2, steps=STEPS)
-    assert summary["distill"]["teacher"] == str(teacher) and summary["distill"]["reward_weight"] == 0.0
-    rows = [json.loads(line) for line in (run_dir / "metrics-trainer.jsonl").read_text().splitlines()]
-    rows = [r for r in rows if "train/distill_kl" in r]
+    assert summary["distill"]["teacher"] == str(distill_run.teacher) and summary["distill"]["reward_weight"] == 0.0
     assert len(rows) == STEPS, len(rows)
     for r in rows:
         assert all(key in r for key in KEYS), sorted(r)
         assert r["train/distill_kl_p50"] <= r["train/distill_kl_p90"] <= r["train/distill_kl_p99"]
         assert r["train/distill_teacher_logprob"] < 0
-    kl = [r["train/distill_kl"] for r in rows]
-    first, last = sum(kl[:4]) / 4, sum(kl[-4:]) / 4
-    print(f"distill smoke: KL to the teacher {first:.3f} (steps 1-4) -> {last:.3f} (steps {STEPS - 3}-{STEPS})")
-    # three runs under heavy load (2026-11-29; BENCHMARKS.md, "On-policy distillation"): ratios 0.75, 0.71, 0.75 (a
-    # 4-step mean's noise is about 0.04 of it). Not calibrated from 10 runs: a bar for "it falls", well above all
-    # three; a student that does not learn stays near 1.0
-    assert last < 0.9 * first, kl
     report = run_cli("report", str(run_dir), timeout=300)
     assert report.returncode == 0, report.stderr[-3000:]
     plots = json.loads((run_dir / "report" / "plots.json").read_text())["plots"]
     assert "train/distill_kl" in plots["distillation"], plots.get("distillation")
+
+
+@pytest.mark.learning
+def test_the_kl_to_the_teacher_falls(distill_run):
+    kl = [r["train/distill_kl"] for r in distill_run.rows]
+    first, last = sum(kl[:4]) / 4, sum(kl[-4:]) / 4
+    print(f"distill smoke: KL to the teacher {first:.3f} (steps 1-4) -> {last:.3f} (steps {STEPS - 3}-{STEPS})")
+    # three runs under heavy load (2026-11-29; BENCHMARKS.md, "On-policy distillation"): ratios 0.75, 0.71, 0.75 (a
+    # 4-step mean's noise is about 0.04 of it). Not calibrated from 10 runs, so in the learning lane, not deciding
+    # whether a commit lands: a bar for "it falls", well above all three; a student that does not learn stays near 1.0
+    assert last < 0.9 * first, kl
