@@ -131,6 +131,9 @@ def test_demo_closing_line_and_report_show_both_measures(demo):
     # group under trainer.max_staleness (4), so no token is trained at lag 4; the demo's samplers take each version
     # in flight (sampler.weight_updates' default), so groups mix versions and their plot ("mixed_versions") is drawn
     index = json.loads((demo.dir / "report" / "plots.json").read_text())
+    # the held-out curve (eval.every_steps: 100 in the demo): before RL, every 100 steps while it runs, and after
+    assert index["plots"].pop("heldout") == {"steps": [0, 100, 200, 300, 400]}, index["plots"].get("heldout")
+    assert [row["step"] for row in demo.summary["eval_curve"]] == [0, 100, 200, 300, 400], demo.summary["eval_curve"]
     assert set(index["plots"]) == {"reward_accuracy", "off_policy", "staleness", "update", "lengths", "throughput",
                                    "buffer", "off_policy_health", "staleness_by_version", "mixed_versions"}, index
     for plot, series in index["plots"].items():
