@@ -43,7 +43,8 @@ class HardwareSection(Strict):
                                              "overriding trainer_chip's figure (e.g. what is left beside other "
                                              "work).")
     sampler_memory_gib: float | None = Field(None, gt=0, le=4096, description="Memory per sampler device in GiB, "
-                                             "overriding the sampler chip's figure.")
+                                             "overriding the sampler chip's figure. Null: that figure, or when no "
+                                             "chip is named at all, trainer_memory_gib.")
     gpus: int | None = Field(None, ge=0, le=256, description="GPUs `up` lays the processes out on. Null: the GPUs "
                              "nvidia-smi lists, less those CUDA_VISIBLE_DEVICES hides (none without nvidia-smi, or "
                              "when JAX_PLATFORMS names no GPU platform); 0: run on the CPU.")
@@ -92,6 +93,9 @@ class HardwareSection(Strict):
 
     def device_memory_bytes(self, role: Literal["trainer", "sampler"]) -> int | None:
         """Memory per device of `role`'s devices, or None when the section names neither a chip nor a size."""
+        if role == "sampler" and self.sampler_memory_gib is None and self.chip("sampler") is None:
+            # no chip named anywhere (a CPU run, sized in GiB): the sampler's devices are as the trainer's
+            return self.device_memory_bytes("trainer")
         gib = self.trainer_memory_gib if role == "trainer" else self.sampler_memory_gib
         if gib is not None:
             return int(gib * GIB)

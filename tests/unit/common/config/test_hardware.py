@@ -48,3 +48,11 @@ def test_shared_devices_turns_off_preallocation_on_a_cpu_host_too():
 def test_bad_gpu_lists_name_the_field(override, field):
     with pytest.raises(ConfigError, match=field):
         load_config(None, [override])
+
+
+def test_a_trainer_memory_size_carries_to_the_sampler_without_a_chip_of_its_own():
+    """Issue 58: `plan` on CPU with only hardware.trainer_memory_gib exited 2 asking for the sampler's."""
+    hw = load_config(None, ["hardware.trainer_memory_gib=24"]).hardware
+    assert hw.device_memory_bytes("sampler") == hw.device_memory_bytes("trainer") == 24 * GIB
+    hw = load_config(None, ["hardware.trainer_memory_gib=24", "hardware.sampler_chip=h200"]).hardware
+    assert hw.device_memory_bytes("sampler") == 141 * 10**9  # a sampler chip named: its own figure
