@@ -11,17 +11,14 @@ from grpo_stream.trainer_service.follower import ShardKeeper
 from grpo_stream.trainer_service.plans import FinishPlan, StartPlan, step_plan
 from grpo_stream.trainer_service.publication.publisher import WeightPublisher
 from tests.conftest import CONFIGS
-from tests.unit.trainer_service.test_trainer_core import STEPS, batches
+from tests.unit.trainer_service.test_trainer_core import SMALL_CORE, STEPS, batches
 
 
 @pytest.fixture(scope="module")
 def cfg():
     return load_config(CONFIGS / "tiny_arith.yaml", [
-        "model.tiny.embed_dim=32", "model.tiny.hidden_dim=64", "model.tiny.head_dim=8", "model.tiny.num_layers=1",
-        "generation.num_generations=4", "generation.max_new_tokens=8", "warmstart.steps=0",
-        "trainer.eval_before=true", "trainer.eval_after=false", "eval.num_problems=4", "eval.batch_size=4",
-        "eval.samples=2", "eval.ks=[1,2]", "trainer.groups_per_step=2", f"trainer.steps={STEPS}",
-        "weights.verify_prompts=0", "eval.every_steps=2", "checkpoint.every=2"])
+        *SMALL_CORE, "trainer.eval_before=true", "trainer.eval_after=false", "eval.samples=2", "eval.ks=[1,2]",
+        "eval.every_steps=2", "checkpoint.every=2"])
 
 
 class Evaluations(CoreHooks):

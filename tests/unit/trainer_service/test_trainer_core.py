@@ -21,13 +21,17 @@ from tests.conftest import CONFIGS
 STEPS = 4
 
 
+# a one-layer demo model, 2 groups of 4 a step, no warm start and no weight verification: the cores of these tests
+SMALL_CORE = ["model.tiny.embed_dim=32", "model.tiny.hidden_dim=64", "model.tiny.head_dim=8",
+              "model.tiny.num_layers=1", "generation.num_generations=4", "generation.max_new_tokens=8",
+              "warmstart.steps=0", "eval.num_problems=4", "eval.batch_size=4", "trainer.groups_per_step=2",
+              f"trainer.steps={STEPS}", "weights.verify_prompts=0"]
+
+
 @pytest.fixture(scope="module")
 def cfg():
-    return load_config(CONFIGS / "tiny_arith.yaml", [
-        "model.tiny.embed_dim=32", "model.tiny.hidden_dim=64", "model.tiny.head_dim=8", "model.tiny.num_layers=1",
-        "generation.num_generations=4", "generation.max_new_tokens=8", "warmstart.steps=0",
-        "trainer.eval_before=false", "trainer.eval_after=false", "eval.num_problems=4", "eval.batch_size=4",
-        "trainer.groups_per_step=2", f"trainer.steps={STEPS}", "weights.verify_prompts=0"])
+    return load_config(CONFIGS / "tiny_arith.yaml", [*SMALL_CORE, "trainer.eval_before=false",
+                                                     "trainer.eval_after=false"])
 
 
 def batches(cfg, vocab: int):

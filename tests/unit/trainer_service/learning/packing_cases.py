@@ -38,16 +38,20 @@ PAIRWISE = [("token-mean", "grpo", 0.0, 2.0, False), ("token-mean", "gspo-token"
             ("sequence-mean-token-sum-norm", "gspo-token", 0.0, None, False)]
 
 
-@functools.cache
-def random_model():
-    """A one-layer tiny model with every weight random (Tunix starts the MLP at zero, where its gradients vanish)."""
-    section = ModelSection(tiny=TinyModelSection(vocab_size=VOCAB, num_layers=1, embed_dim=32, hidden_dim=64,
-                                                 num_heads=2, num_kv_heads=1, head_dim=16))
-    model = build_model(section, VOCAB, seed=0)
-    rng = np.random.default_rng(0)
-    named = {k: jnp.asarray(rng.normal(0, 0.2, v.shape).astype(np.float32)) if k.endswith("kernel") or not np.any(v)
+def random_weights_model(tiny: TinyModelSection, seed: int, scale: float):
+    """A tiny model with every weight random, N(0, scale) (Tunix starts the MLP at zero, where its gradients vanish)."""
+    model = build_model(ModelSection(tiny=tiny), VOCAB, seed=seed)
+    rng = np.random.default_rng(seed)
+    named = {k: jnp.asarray(rng.normal(0, scale, v.shape).astype(np.float32)) if k.endswith("kernel") or not np.any(v)
              else v for k, v in model.to_named_numpy().items()}
     return dataclasses.replace(model, params=model.from_named_numpy(named))
+
+
+@functools.cache
+def random_model():
+    """A one-layer tiny model with every weight random."""
+    return random_weights_model(TinyModelSection(vocab_size=VOCAB, num_layers=1, embed_dim=32, hidden_dim=64,
+                                                 num_heads=2, num_kv_heads=1, head_dim=16), seed=0, scale=0.2)
 
 
 def random_batch(seed: int, n: int = SEQUENCES) -> TrainBatch:

@@ -5,22 +5,20 @@ part of the gradient is the vector-Jacobian product of the padded rows' log-prob
 batches and on multi-turn completions whose observation tokens are not distilled, for GRPO (clip, TIS) and GSPO, a
 full and a LoRA student, and a teacher of another (larger) shape than the student."""
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 
-from grpo_stream.common.config.learning import AlgoSection, DistillSection, LoraSection, ModelSection, TinyModelSection
+from grpo_stream.common.config.learning import AlgoSection, DistillSection, LoraSection, TinyModelSection
 from grpo_stream.common.model.lora import apply_lora
-from grpo_stream.common.model.policy import build_model, sequence_logprobs
+from grpo_stream.common.model.policy import sequence_logprobs
 from grpo_stream.trainer_service.learning.batching import build_batch
 from grpo_stream.trainer_service.learning.distill import Teacher
 from grpo_stream.trainer_service.learning.rl_update import PolicyUpdater
 from tests.unit.trainer_service.learning.packing_cases import (COMPLETION, PROMPT, VOCAB, layout, noisy, one_a_row,
-                                                               random_batch, random_model)
+                                                               random_batch, random_model, random_weights_model)
 from tests.unit.trainer_service.learning.test_multi_turn import groups as multi_turn_groups
 
 DISTILL = DistillSection(teacher="teacher-dir", kl_coef=0.7, reward_weight=0.5)
@@ -29,13 +27,9 @@ ALGOS = {"grpo": AlgoSection(loss_algo="grpo", tis_cap=2.0), "gspo-token": AlgoS
 
 def teacher_model() -> Teacher:
     """A teacher larger than the student (two layers, wider), every weight random, over the same vocabulary."""
-    section = ModelSection(tiny=TinyModelSection(vocab_size=VOCAB, num_layers=2, embed_dim=48, hidden_dim=96,
-                                                 num_heads=4, num_kv_heads=2, head_dim=16))
-    model = build_model(section, VOCAB, seed=7)
-    rng = np.random.default_rng(7)
-    named = {k: jnp.asarray(rng.normal(0, 0.3, v.shape).astype(np.float32)) if k.endswith("kernel") or not np.any(v)
-             else v for k, v in model.to_named_numpy().items()}
-    return Teacher(dataclasses.replace(model, params=model.from_named_numpy(named)), "teacher-dir")
+    model = random_weights_model(TinyModelSection(vocab_size=VOCAB, num_layers=2, embed_dim=48, hidden_dim=96,
+                                                  num_heads=4, num_kv_heads=2, head_dim=16), seed=7, scale=0.3)
+    return Teacher(model, "teacher-dir")
 
 
 def student(lora: bool):
