@@ -126,6 +126,14 @@ class TrainerCore:
         self._reporter = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="step-report")
         self._pending: list[concurrent.futures.Future] = []  # publications and reports, in the order submitted
         self._publishing: concurrent.futures.Future | None = None
+        # the publication a donating update must wait for (it reads the parameters that update overwrites); None
+        # when it reads a copy (weights.publish_copy)
+        self._reading: concurrent.futures.Future | None = None
+        self._copies = donate and cfg.weights.publish_copy
+        # each step's bookkeeping (process 0: its groups recorded in Redis; every process: the checkpoint poll) on a
+        # thread of its own, beside the next update; at most one step behind, and done before a checkpoint is saved
+        self._books = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="step-books")
+        self._settling: concurrent.futures.Future | None = None
         self.evaluator: InRunEvaluator | None = None  # eval.every_steps: evaluation during RL, on its own thread
 
     def apply(self, plan: Plan) -> Any:
@@ -193,32 +201,51 @@ class TrainerCore:
 
     # -- steps --------------------------------------------------------------------------------------------------
     def step(self, plan: StepPlan) -> StepResult:
-        """One update, its checkpoint, and its publication and process 0's report on background threads, which run
-        while the next step collects and computes (XLA releases the GIL): at most one step behind."""
+        """One update; its bookkeeping, publication and process 0's report on background threads, which run while the
+        next step computes (XLA releases the GIL): at most one step behind. A checkpoint is saved here."""
         t0 = time.time()
-        if self.donate and self._publishing is not None:  # it reads the parameters this update overwrites
-            self._publishing.result(timeout=BACKGROUND_WAIT_S)
+        if self.donate and self._reading is not None:  # it reads the parameters this update overwrites
+            self._reading.result(timeout=BACKGROUND_WAIT_S)
         t_published = time.time()
         # on the host, in numpy (placed on the mesh once, by the update); a prefetched plan comes packed
         packed = plan.packed if plan.packed is not None else self.pack(plan.batch)
         t_packed = time.time()
-        metrics = self.updater.update(packed, plan.group_index)
+        # with weights.publish_copy the update also leaves a device copy of the new parameters for the publication
+        # to read (dispatched while the update computes), so the next update need not wait for it
+        copies = plan.publish and self._copies
+        metrics = self.updater.update(packed, plan.group_index, copy_params=copies)
         self.params = self.updater.params
+        published = self.updater.params_copy if copies else self.params
         t_compute = time.time()
-        self.hooks.trained(plan, metrics)
-        if plan.checkpoint:
+        self._settled()  # the previous step's books (re-raises what failed there)
+        if plan.checkpoint:  # the checkpoint's record lists this step's groups: they are recorded first, here
+            self.hooks.trained(plan, metrics)
             self.keeper.save(plan.step, self.updater, self.carried_now())
-        self.keeper.committed()
-        self.wait_background()
+            self._settling = self._books.submit(self.keeper.committed)
+        else:
+            self._settling = self._books.submit(self._settle, plan, metrics)
+        self._wait_publications()
         phases = {"publish_wait_seconds": t_published - t0, "compute_seconds": t_compute - t_packed,
                   "handoff_seconds": time.time() - t_compute}
         if plan.packed is None:  # packed here, on this thread (else where the plan was made: its source times it)
             phases["pack_seconds"] = t_packed - t_published
-        self._publishing = self._worker.submit(self._publish_due, plan, self.params)
+        self._publishing = self._worker.submit(self._publish_due, plan, published)
+        self._reading = self._publishing if published is self.params else None
         self._pending += [self._publishing, self._reporter.submit(self._report, self._publishing, plan, metrics, phases)]
         if plan.evaluate and self.evaluator is not None:
             self._submit_evaluation(plan.step)
         return StepResult(metrics, phases)
+
+    def _settle(self, plan: StepPlan, metrics: dict) -> None:
+        """A step's books, on their thread: its groups recorded (process 0), then the checkpoints that finished."""
+        self.hooks.trained(plan, metrics)
+        self.keeper.committed()
+
+    def _settled(self) -> None:
+        """Until the previous step's books are done; re-raises what failed there."""
+        if self._settling is not None:
+            settling, self._settling = self._settling, None
+            settling.result(timeout=BACKGROUND_WAIT_S)
 
     def pack(self, batch):
         """`batch` packed for this core's update (numpy only, so any thread may call it once the start plan made the
@@ -235,10 +262,15 @@ class TrainerCore:
         if published.exception(timeout=BACKGROUND_WAIT_S) is None:
             self.hooks.report(plan, metrics, phases)
 
-    def wait_background(self) -> None:
+    def _wait_publications(self) -> None:
         """Until the background publications and reports are done; re-raises what failed there."""
         while self._pending:
             self._pending.pop(0).result(timeout=BACKGROUND_WAIT_S)
+
+    def wait_background(self) -> None:
+        """Until the background books, publications and reports are done; re-raises what failed there."""
+        self._settled()
+        self._wait_publications()
 
     # -- the end ------------------------------------------------------------------------------------------------
     def finish(self, plan: FinishPlan) -> dict | None:
@@ -363,5 +395,5 @@ class TrainerCore:
         the process, which has its error to report)."""
         if self.evaluator is not None:
             self.evaluator.close()
-        self._worker.shutdown(wait=not failed, cancel_futures=failed)
-        self._reporter.shutdown(wait=not failed, cancel_futures=failed)
+        for worker in (self._books, self._worker, self._reporter):
+            worker.shutdown(wait=not failed, cancel_futures=failed)

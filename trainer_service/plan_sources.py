@@ -41,7 +41,7 @@ def drive(source, core: TrainerCore, run_dir: pathlib.Path, name: str) -> None:
     for plan in source:
         result = core.apply(plan)
         source.applied(plan, result)
-        heartbeat.now()
+        heartbeat()  # at most every few seconds: a file written every step would be the steps' overhead
 
 
 @dataclasses.dataclass

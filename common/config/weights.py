@@ -22,6 +22,12 @@ class WeightsSection(Strict):
     wire_dtype: Literal["model", "float32", "bfloat16"] = Field(
         "model", description="Dtype of published tensors: 'model' keeps the trainer's; 'bfloat16' halves the bytes "
         "of a float32 model (samplers cast back to model.dtype).")
+    publish_copy: bool = Field(
+        True, description="When the trainer's update donates its parameters (every transport but 'local'), each "
+        "publication reads a device copy of the trained parameters made as the step ends, so the next update starts "
+        "at once instead of waiting until the publication has read them (a large model's device-to-host copy takes "
+        "about a second). Costs one copy of the trained parameters (with model.lora the adapters only) in device "
+        "memory, which `grpo-stream plan` counts; false: no copy, the next update waits for the publication.")
     data_plane: Literal["tcp", "grpc"] = Field(
         "tcp", description="grpc transport: how slice bytes travel. 'tcp': the trainer also serves them on a plain "
         "TCP port (weights.data_port) without gRPC framing, about twice gRPC's bytes/s (BENCHMARKS.md); samplers "

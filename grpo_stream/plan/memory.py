@@ -102,6 +102,10 @@ def trainer_fixes(cfg: RunConfig, sizes: dict) -> list[str]:
     teacher = sizes.get("teacher_parameters", 0)
     if teacher > 0.2 * sizes["total"] and cfg.distill.dtype != "bfloat16":
         fixes.append(f"distill.dtype=bfloat16: halves the distillation teacher's parameters (now {gib(teacher)})")
+    if sizes.get("publication_copy", 0) > 0.1 * sizes["total"]:
+        fixes.append(f"weights.publish_copy=false: no copy of the trained parameters for the publication (saves "
+                     f"{gib(sizes['publication_copy'])}); each update then waits until the previous publication "
+                     "has read the parameters")
     if cfg.model.dtype == "float32":
         fixes.append("model.dtype=bfloat16: halves parameters and gradients (the optimizer keeps float32 state)")
     elif cfg.trainer.optimizer.state_dtype == "float32":

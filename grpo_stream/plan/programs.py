@@ -131,8 +131,11 @@ def trainer_programs(cfg: RunConfig, arch: Architecture) -> dict:
         programs["teacher_logprobs"] = distill.pop("program")
     gradients = min(train_bytes, step["temporaries"])  # the trained parameters' shapes; XLA counts them in temp
     teacher_bytes = distill["parameters_bytes"] if distill is not None else 0
+    # weights.publish_copy: a donating update leaves a copy of the trained parameters for the publication to read
+    publication = train_bytes if donate and cfg.weights.publish_copy else 0
     per_device = {"parameters": params, "optimizer_state": opt_state, "reference_parameters": reference,
-                  "teacher_parameters": teacher_bytes, "batch": batch_bytes, "gradients": gradients,
+                  "teacher_parameters": teacher_bytes, "publication_copy": publication, "batch": batch_bytes,
+                  "gradients": gradients,
                   "activations_and_temporaries": step["temporaries"] - gradients,
                   "updated_state": step["outputs"] - step["aliased"]}
     # beyond what stays resident: the step's batch, temporaries and not-in-place outputs, or the logprob pass's
@@ -141,7 +144,7 @@ def trainer_programs(cfg: RunConfig, arch: Architecture) -> dict:
     # the teacher's forward runs before the step's updates: its batch, activations and output beside the resident
     teacher_extra = programs["teacher_logprobs"]["peak"] - teacher_bytes if distill is not None else 0
     extras = {"update_step": step_extra, "logprobs": logprob_extra, "teacher_logprobs": teacher_extra}
-    per_device["total"] = params + opt_state + reference + teacher_bytes + max(extras.values())
+    per_device["total"] = params + opt_state + reference + teacher_bytes + publication + max(extras.values())
     packing = {"rows": layout.rows, "row_tokens": layout.row_tokens, "tokens_per_pass": layout.rows * layout.row_tokens,
                "segments_per_row": layout.segments_per_row}
     out = {"devices": t.mesh.fsdp * t.mesh.tp, "mesh": {"fsdp": t.mesh.fsdp, "tp": t.mesh.tp},

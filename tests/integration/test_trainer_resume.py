@@ -24,6 +24,7 @@ from grpo_stream.common.rollouts.wire import to_proto
 from grpo_stream.reports.audit import build_audit
 from tests.conftest import CONFIGS
 from grpo_stream.trainer_service.learning.collector import GroupCollector
+from grpo_stream.trainer_service.core import TrainerCore
 from grpo_stream.trainer_service.loop import Trainer
 
 pytestmark = pytest.mark.redis
@@ -109,15 +110,22 @@ def test_a_resumed_run_ends_with_the_parameters_of_an_uninterrupted_one(how, gro
             prefetched.set()
         return picked
 
-    def interrupt(self, epoch, step, group_ids):  # after step 5 trained (checkpoints at 2 and 4)
+    def interrupt(self, epoch, step, group_ids):  # recording step 5's groups, on the step-books thread
         original(self, epoch, step, group_ids)
-        if step == 5 and how in ("sigterm", "crash"):  # step 6's groups read, its plan made, while step 5 computed
+        if step == 5 and how == "crash":  # step 6's groups read, its plan made, while step 5 computed
             assert prefetched.wait(60), "step 6's plan was not made ahead"
-        if step == 5 and how == "sigterm":
-            first.stop_event.set()  # what SIGTERM does
-        elif step == 5:
-            raise SimulatedCrash
+        if step == 5 and how != "sigterm":
+            raise SimulatedCrash  # raised on the main thread at the next step's hand-off
 
+    def stepped(self, plan):  # on the main thread: after step 5 trained (checkpoints at 2 and 4)
+        result = original_step(self, plan)
+        if plan.step == 5 and how == "sigterm":
+            assert prefetched.wait(60), "step 6's plan was not made ahead"
+            first.stop_event.set()  # what SIGTERM does
+        return result
+
+    original_step = TrainerCore.step
+    monkeypatch.setattr(TrainerCore, "step", stepped)
     monkeypatch.setattr(RedisStreamBuffer, "log_step", interrupt)
     monkeypatch.setattr(GroupCollector, "collect", recorded)
     if how == "sigterm":

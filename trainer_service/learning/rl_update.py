@@ -89,6 +89,7 @@ class PolicyUpdater:
                 self.opt_state = jax.device_put(self.opt_state, opt_shardings)
             self.state_shardings = (self._param_shardings, opt_shardings, None)
         self.programs = PackedPrograms(self, layout, donate)
+        self.params_copy = None  # update(copy_params=True)'s copy of the parameters it left
 
     def split(self, params) -> tuple[Any, Any]:
         """(trained, frozen) parts of `params`: (params, None) when everything trains; with `trainable`, two tuples
@@ -105,6 +106,11 @@ class PolicyUpdater:
             return train
         train, frozen = iter(train), iter(frozen)
         return jax.tree.unflatten(self._treedef, [next(train) if t else next(frozen) for t in self._trainable])
+
+    def _copied(self, params) -> Any:
+        """`params` with the trained part copied on its devices (the frozen part is never donated)."""
+        train, frozen = self.split(params)
+        return self.join(_device_copy(train), frozen)
 
     def objective(self, logprobs, entropy, loss_mask, behaviour, advantages, fresh, old, ref, norm, teacher=None):
         """(loss, metrics) from per-sequence [B, T] logprobs and entropies (a pass's sequences gathered into their
@@ -176,13 +182,16 @@ class PolicyUpdater:
         return self.programs.gradients(*self.split(self.params), passes, count, logprobs(old_params),
                                        logprobs(ref_params), teacher, norm)
 
-    def update(self, batch: TrainBatch | PackedBatch, group_index: np.ndarray | None = None) -> dict[str, float]:
+    def update(self, batch: TrainBatch | PackedBatch, group_index: np.ndarray | None = None,
+               copy_params: bool = False) -> dict[str, float]:
         """Run num_iterations passes of `minibatches` optimizer steps over `batch` (packed first when it is a
         TrainBatch); return averaged metrics, with the real and laid-out tokens of one pass over the batch
         (`update_tokens_real`, `update_tokens_laid_out`: what the update's forward and backward passes computed
         over). With `group_index` ([B]: each row's group) also the importance-sampling diagnostics of the batch
         (off_policy_health.importance_diagnostics) from every token's o - b at the step's start. With a teacher,
-        the quantiles of the per-token KL to it at the step's start (distill.distill_quantiles)."""
+        the quantiles of the per-token KL to it at the step's start (distill.distill_quantiles). `copy_params`: also
+        leave a device copy of the new parameters in `params_copy` (the trained part copied, the frozen part as it
+        is), which a later donating update does not overwrite: what a publication reads while that update runs."""
         algo, programs = self.algo, self.programs
         packed = batch if isinstance(batch, PackedBatch) else self.pack(batch)
         placed = programs.place(packed)
@@ -204,6 +213,8 @@ class PolicyUpdater:
                 # logprobs again)
                 first = iteration == 0
                 steps.append((m, ratio if first and group_index is not None else None, kl if first else None))
+        # dispatched before the wait for the metrics, so its host cost overlaps the update's compute
+        self.params_copy = self._copied(self.params) if copy_params else None
         # the metrics come back once, after every optimizer update is on its way: no wait between minibatches
         steps = jax.device_get(steps)
         out = summarise([m for m, _, _ in steps], algo.minibatches)
@@ -271,6 +282,12 @@ def state_report(updater: PolicyUpdater, model_parameters: int, lora=None) -> di
             "trained_parameters": lora.adapter_count() if lora is not None else model_parameters,
             "lora": None if lora is None else {"rank": lora.rank, "alpha": lora.rank * lora.scale,
                                                "weights": len(lora.weights)}}
+
+
+@jax.jit
+def _device_copy(tree):
+    """`tree`'s arrays copied on their devices, shardings kept (an output never aliases an undonated input)."""
+    return jax.tree.map(jnp.copy, tree)
 
 
 def donates_updates(transport_in_process: bool) -> bool:

@@ -55,26 +55,36 @@ class Tracker:
 
 
 class TensorBoardTracker(Tracker):
-    def __init__(self, directory: pathlib.Path):
-        from tensorboardX import SummaryWriter  # noqa: PLC0415 - heavy, only in processes that log
+    """TensorBoard event files, one event per record holding all its values: SummaryWriter.add_scalar writes an
+    event, and hands it to the writer's thread through a bounded queue, per value, which at ~80 figures a step cost
+    the trainer's report ~20 ms of one core and of contention with the step's own threads (BENCHMARKS.md, pipeline)."""
 
-        self._tb = SummaryWriter(str(directory), flush_secs=10)
+    def __init__(self, directory: pathlib.Path):
+        from tensorboardX import summary  # noqa: PLC0415 - heavy, only in processes that log
+        from tensorboardX.proto.summary_pb2 import Summary  # noqa: PLC0415
+        from tensorboardX.writer import FileWriter  # noqa: PLC0415
+
+        self._summary, self._proto = summary, Summary
+        self._writer = FileWriter(str(directory), max_queue=256, flush_secs=10)
+
+    def _write(self, step: int, tagged: Iterable[tuple[str, float]]) -> None:
+        values = [v for tag, x in tagged for v in self._summary.scalar(tag, float(x)).value]
+        if values:
+            self._writer.add_summary(self._proto(value=values), step)
 
     def scalars(self, step: int, values: dict[str, float], prefix: str = "", jsonl: bool = True) -> None:
-        for key, value in values.items():
-            self._tb.add_scalar(f"{prefix}{key}", float(value), step)
+        self._write(step, ((f"{prefix}{key}", value) for key, value in values.items()))
 
     def histogram(self, step: int, name: str, values) -> None:
-        self._tb.add_histogram(name, np.asarray(values), step)
+        self._writer.add_summary(self._summary.histogram(name, np.asarray(values), "auto"), step)
 
     def samplers(self, step: int, figures: dict[str, dict[str, float]]) -> None:
         # one TensorBoard chart per figure with a line per sampler: sampler_weight_lag/sampler-0, ...
-        for sampler, values in figures.items():
-            for figure, value in values.items():
-                self._tb.add_scalar(f"sampler_{figure}/{sampler}", float(value), step)
+        self._write(step, ((f"sampler_{figure}/{sampler}", value) for sampler, values in figures.items()
+                           for figure, value in values.items()))
 
     def close(self, failed: bool = False) -> None:
-        self._tb.close()
+        self._writer.close()
 
 
 class JsonlTracker(Tracker):

@@ -3,6 +3,8 @@ checkpoint or a publication, the end; then a second core restoring the checkpoin
 plain update loop the trainer ran before the core existed (a PolicyUpdater on the same batches), and a process
 told to restore a step its checkpoint directory lacks stops at the start with a message instead of training."""
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -115,5 +117,55 @@ def test_a_process_told_to_restore_a_step_it_does_not_hold_stops_at_the_start(cf
                                                      "process 0 chose"):
         core.apply(StartPlan(epoch="e", restore=7, warm_start=False, export_warm=False, eval_before=False))
     assert core.updater.params is not None and core.publisher.latest_version is None  # nothing was published
+    keeper.checkpoints.close()
+    core.close()
+
+
+class TrainedStep(CoreHooks):
+    def __init__(self, step: int):
+        self.step, self.event = step, threading.Event()
+
+    def trained(self, plan, metrics):
+        if plan.step == self.step:
+            self.event.set()
+
+
+@pytest.mark.parametrize("copy", [True, False])
+def test_a_slow_publication_holds_the_next_update_only_without_weights_publish_copy(cfg, tmp_path, copy):
+    """A donating update overwrites the parameters a publication reads: with weights.publish_copy the publication
+    reads a copy and the next update runs at once (its step then waits at the hand-off: publications are at most one
+    step behind); without, the update waits until the publication is done. Either way the version published holds
+    its own step's weights, not the next one's."""
+    second = TrainedStep(2)
+    core, keeper = new_core(cfg.model_copy(update={"weights": cfg.weights.model_copy(update={"publish_copy": copy})}),
+                            tmp_path, second)
+    data = batches(cfg, core.parts.tokenizer.vocab_size)
+    core.apply(StartPlan(epoch="e", restore=None, warm_start=False, export_warm=False, eval_before=False))
+    entered, release, inner = threading.Event(), threading.Event(), core.publisher.sink.put
+
+    def slow_put(version, named, *args, **kwargs):
+        if version == 1:
+            entered.set()
+            assert release.wait(120)
+        return inner(version, named, *args, **kwargs)
+
+    core.publisher.sink.put = slow_put
+    core.apply(step(1, data[0], publish=True))
+    step_one = core.model.to_named_numpy(core.params)
+    assert entered.wait(60)
+    next_step = threading.Thread(target=core.apply, args=(step(2, data[1]),))
+    next_step.start()
+    # step 2's update is done (its groups are being recorded) while publication 1 is held, only with the copy
+    assert second.event.wait(60 if copy else 3) is copy
+    release.set()
+    next_step.join(timeout=60)
+    assert not next_step.is_alive()
+    core.wait_background()  # step 2's books too
+    assert second.event.is_set()
+    published = core.publisher.held(1).arrays
+    assert core.publisher.latest_version == 1 and set(published) == set(step_one)
+    assert all(np.array_equal(published[name], step_one[name]) for name in step_one)
+    step_two = core.model.to_named_numpy(core.params)
+    assert any(not np.array_equal(step_two[name], step_one[name]) for name in step_one)  # step 2 did train
     keeper.checkpoints.close()
     core.close()
