@@ -9,9 +9,12 @@ of the same command, so the chance that a healthy run fails the check is known:
     python -m grpo_stream.bench.learning_spread gspo-100 --runs 10 --warmstart W
     python -m grpo_stream.bench.learning_spread gspo-100 --runs 10 --warmstart-seeds 1
     python -m grpo_stream.bench.learning_spread tools --runs 10 --out tests/e2e/calibration/multi-turn-tools.json
+    python -m grpo_stream.bench.learning_spread distill --runs 10 --out tests/e2e/calibration/distill.json
+    python -m grpo_stream.bench.learning_spread distill-rl --runs 3 --out tests/e2e/calibration/distill-rl.json
 
 Without --out the runs go to runs/learning-spread/SETUP.json (gspo and gspo-100 need --warmstart, a demo run's
-warm-started model, which `demo --keep-warmstart W` keeps, or --warmstart-seeds).
+warm-started model, which `demo --keep-warmstart W` keeps, or --warmstart-seeds). distill and distill-rl start from
+the kept warm start (tests/data/gspo-warmstart) and compare with the kept teacher (tests/data/distill-teacher).
 
 For each figure the threshold is the one-sided 99% lower prediction bound for one new run,
 mean - t(0.99, n-1) * sd * sqrt(1 + 1/n), with the run-to-run standard deviation sd of the n runs: if the figure is
@@ -54,7 +57,18 @@ SETUPS = {
                   "trainer.eval_before=false", "trainer.eval_after=false"],
     # the multi-turn demo: tool calls and the environment's answers (issue 45; tests/e2e/test_multi_turn_demo.py)
     "tools": ["--config", "configs/tiny_arith_tools.yaml"],
+    # on-policy distillation's headline (issue 59; tests/e2e/test_distill_learning.py): the kept warm start distilled
+    # from the demo's RL-trained model (tests/data/distill-teacher) alone, held-out greedy accuracy every 25 steps
+    "distill": ["--config", "configs/distill_arith.yaml", "model.path={warmstart}", "distill.teacher={teacher}",
+                "trainer.steps=200", "eval.every_steps=25", "eval.samples=0", "eval.ks=[1]"],
+    # against RL alone from the same start, as long as the teacher's own RL run
+    "distill-rl": ["--config", "configs/tiny_arith.yaml", "model.kind=hf", "model.path={warmstart}",
+                   "warmstart.steps=0", "eval.every_steps=25", "eval.samples=0", "eval.ks=[1]"],
 }
+KL_WINDOW = 10  # steps averaged at each end of a distillation run for its KL ratio
+# what the distillation setups start from and distil: kept in the tree
+DATA = ROOT / "tests" / "data"
+DISTILL_DEFAULTS = {"warmstart": DATA / "gspo-warmstart", "teacher": DATA / "distill-teacher"}
 
 # one-sided 99% quantile of Student's t with n - 1 degrees of freedom
 _T99 = {2: 31.821, 3: 6.965, 4: 4.541, 5: 3.747, 6: 3.365, 7: 3.143, 8: 2.998, 9: 2.896, 10: 2.821, 11: 2.764,
@@ -62,12 +76,28 @@ _T99 = {2: 31.821, 3: 6.965, 4: 4.541, 5: 3.747, 6: 3.365, 7: 3.143, 8: 2.998, 9
 
 
 def figures(summary: dict) -> dict[str, float]:
-    """The learning figures of one run: held-out gains (sampled pass@1, greedy accuracy), and its wall time."""
+    """The learning figures of one run: held-out gains (sampled pass@1, greedy accuracy), and its wall time; with an
+    evaluation curve (eval.every_steps), its greedy accuracies by step."""
     before, after = summary["eval_before"], summary["eval_after"]
-    return {"sampled_pass1_gain": after["pass_at_k"]["1"] - before["pass_at_k"]["1"],
-            "greedy_gain": after["accuracy"] - before["accuracy"],
-            "sampled_pass1_before": before["pass_at_k"]["1"], "sampled_pass1_after": after["pass_at_k"]["1"],
-            "wall_seconds": summary["wall_seconds"]}
+    out = {"greedy_gain": after["accuracy"] - before["accuracy"], "greedy_after": after["accuracy"],
+           "wall_seconds": summary["wall_seconds"]}
+    if "1" in (before.get("pass_at_k") or {}):
+        out.update(sampled_pass1_gain=after["pass_at_k"]["1"] - before["pass_at_k"]["1"],
+                   sampled_pass1_before=before["pass_at_k"]["1"], sampled_pass1_after=after["pass_at_k"]["1"])
+    if summary.get("eval_curve"):
+        out["greedy_curve"] = {str(row["step"]): row["accuracy"] for row in summary["eval_curve"]}
+    return out
+
+
+def steps_to_reach(curve: dict[str, float], target: float) -> int | None:
+    """The first evaluated step whose greedy accuracy is at least `target` (None: none reached it)."""
+    reached = [int(step) for step, accuracy in curve.items() if accuracy >= target]
+    return min(reached) if reached else None
+
+
+def teacher_accuracy(teacher: pathlib.Path) -> float:
+    """The held-out greedy accuracy a kept teacher scored in its own run (its eval.json, written when it was kept)."""
+    return json.loads((teacher / "eval.json").read_text())["accuracy"]
 
 
 def lower_bound(values: list[float]) -> dict[str, float]:
@@ -84,7 +114,7 @@ def lower_bound(values: list[float]) -> dict[str, float]:
 
 def _up(setup: str, run_dir: pathlib.Path, timeout: int, warmstart: pathlib.Path | None,
         extra: list[str]) -> None:
-    args = [a.format(warmstart=warmstart) for a in SETUPS[setup]] + extra
+    args = [a.format(warmstart=warmstart, teacher=DISTILL_DEFAULTS["teacher"]) for a in SETUPS[setup]] + extra
     cmd = [sys.executable, "-m", "grpo_stream", "up", "--run-dir", str(run_dir), *args]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
@@ -111,6 +141,30 @@ def run_once(setup: str, run_dir: pathlib.Path, timeout: int, warmstart: pathlib
         values = [r[f"train/{key}"] for r in rows if f"train/{key}" in r]
         if values:
             out[key] = round(statistics.mean(values), 4)
+    kl = [r["train/distill_kl"] for r in rows if "train/distill_kl" in r]
+    if len(kl) >= 2 * KL_WINDOW:  # distillation: how far the KL to the teacher fell (the last steps' over the first)
+        out["distill_kl_ratio"] = round(statistics.mean(kl[-KL_WINDOW:]) / statistics.mean(kl[:KL_WINDOW]), 4)
+    return out
+
+
+def spread(runs: list[dict], setup: str) -> dict:
+    """The bounds of a setup's figures over its runs; for the distillation setups, against the kept teacher's greedy
+    accuracy: the final gap to it (`greedy_after - teacher`) and the steps each run took to come within 0.02 of it."""
+    if len(runs) < 2:
+        return {}
+    keys = [k for k in ("sampled_pass1_gain", "greedy_gain") if all(k in r for r in runs)]
+    out = {key: lower_bound([r[key] for r in runs]) for key in keys}
+    if setup.startswith("distill"):
+        teacher = teacher_accuracy(DISTILL_DEFAULTS["teacher"])
+        out["teacher_accuracy"] = teacher
+        out["gap_to_teacher"] = lower_bound([r["greedy_after"] - teacher for r in runs])
+        if all("distill_kl_ratio" in r for r in runs):  # an upper bound: -(lower bound of the negated ratios)
+            low = lower_bound([-r["distill_kl_ratio"] for r in runs])
+            out["distill_kl_ratio"] = {"mean": -low["mean"], "sd": low["sd"], "max": -low["min"],
+                                       "bound_99_upper": -low["bound_99"]}
+        for gap in (0.0, 0.02, 0.05):
+            out[f"steps_to_teacher_within_{gap}"] = [steps_to_reach(r.get("greedy_curve", {}), teacher - gap)
+                                                      for r in runs]
     return out
 
 
@@ -132,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
             args.warmstart and (args.warmstart / "config.json").is_file()):
         raise SystemExit("gspo starts from a demo run's warm start: pass --warmstart DIR (made by "
                          "`demo --keep-warmstart DIR`), or --warmstart-seeds S")
+    if args.setup.startswith("distill"):
+        args.warmstart = args.warmstart or DISTILL_DEFAULTS["warmstart"]
     doc = json.loads(args.out.read_text()) if args.out.exists() else {"setup": args.setup, "runs": []}
     if doc.get("setup") != args.setup:
         raise SystemExit(f"{args.out} holds runs of '{doc.get('setup')}', not '{args.setup}': pick another --out")
@@ -151,9 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.setup} run {k + 1}/{args.runs}: " + ", ".join(f"{key} {v:.3f}" if isinstance(v, float) else
                                                                      f"{key} {v}" for key, v in run.items()),
               flush=True)
-        keys = ("sampled_pass1_gain", "greedy_gain")
-        doc["spread"] = {key: lower_bound([r[key] for r in doc["runs"]]) for key in keys} if len(doc["runs"]) > 1 \
-            else {}
+        doc["spread"] = spread(doc["runs"], args.setup)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(doc, indent=2) + "\n")  # after every run: a stopped calibration keeps its runs
     print(json.dumps(doc["spread"], indent=2))

@@ -1,8 +1,8 @@
 """On-policy distillation end to end, as a user runs it: `grpo-stream up` of the smoke demo with distill.teacher set
 to a stronger teacher's Hugging Face directory (tests/e2e/distill_teacher.py: larger, of the same tokenizer), the
 student trained by the teacher alone (distill.reward_weight 0): the step reports carry the KL to the teacher, its
-quantiles and the teacher's log-prob (default lane), and the KL falls as the student learns (`-m learning`: its bar
-is from three runs, not yet ten)."""
+quantiles and the teacher's log-prob. That distillation learns (the KL falls, the student nears the teacher's
+accuracy) is checked on the demo's model with bars from ten runs: test_distill_learning.py (`-m learning`)."""
 
 from __future__ import annotations
 
@@ -55,14 +55,3 @@ def test_a_distillation_run_reports_its_kl_to_the_teacher(distill_run):
     assert report.returncode == 0, report.stderr[-3000:]
     plots = json.loads((run_dir / "report" / "plots.json").read_text())["plots"]
     assert "train/distill_kl" in plots["distillation"], plots.get("distillation")
-
-
-@pytest.mark.learning
-def test_the_kl_to_the_teacher_falls(distill_run):
-    kl = [r["train/distill_kl"] for r in distill_run.rows]
-    first, last = sum(kl[:4]) / 4, sum(kl[-4:]) / 4
-    print(f"distill smoke: KL to the teacher {first:.3f} (steps 1-4) -> {last:.3f} (steps {STEPS - 3}-{STEPS})")
-    # three runs under heavy load (2026-11-29; BENCHMARKS.md, "On-policy distillation"): ratios 0.75, 0.71, 0.75 (a
-    # 4-step mean's noise is about 0.04 of it). Not calibrated from 10 runs, so in the learning lane, not deciding
-    # whether a commit lands: a bar for "it falls", well above all three; a student that does not learn stays near 1.0
-    assert last < 0.9 * first, kl

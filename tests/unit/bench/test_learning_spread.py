@@ -1,0 +1,45 @@
+"""The calibration tool's arithmetic: the one-sided 99% prediction bound a learning check's bar comes from, and the
+distillation figures against the kept teacher (steps to reach its accuracy, the final gap, the KL ratio's upper
+bound)."""
+
+import pytest
+
+from grpo_stream.bench.learning_spread import (DISTILL_DEFAULTS, figures, lower_bound, spread, steps_to_reach,
+                                               teacher_accuracy)
+
+
+def test_the_bound_is_the_t_prediction_bound_and_never_above_the_lowest_run():
+    values = [0.10, 0.12, 0.14, 0.11, 0.13, 0.12, 0.10, 0.15, 0.11, 0.12]
+    b = lower_bound(values)
+    assert b["n"] == 10 and b["mean"] == pytest.approx(0.12, abs=1e-4)
+    assert b["bound_99"] == pytest.approx(0.12 - 2.821 * b["sd"] * (1.1 ** 0.5), abs=2e-4)
+    assert lower_bound([0.5, 0.5])["bound_99"] == 0.5  # no spread: the lowest run
+    with pytest.raises(ValueError, match="--runs"):
+        lower_bound([0.1])
+
+
+def test_steps_to_reach_is_the_first_evaluated_step_at_the_target():
+    curve = {"0": 0.50, "25": 0.62, "50": 0.58, "75": 0.70, "100": 0.69}
+    assert steps_to_reach(curve, 0.60) == 25 and steps_to_reach(curve, 0.70) == 75
+    assert steps_to_reach(curve, 0.71) is None
+
+
+def run(after: float, kl_ratio: float) -> dict:
+    summary = {"eval_before": {"accuracy": 0.5}, "eval_after": {"accuracy": after}, "wall_seconds": 100.0,
+               "eval_curve": [{"step": 0, "accuracy": 0.5}, {"step": 100, "accuracy": after}]}
+    return {**figures(summary), "distill_kl_ratio": kl_ratio}
+
+
+def test_distillation_figures_are_against_the_kept_teachers_accuracy():
+    teacher = teacher_accuracy(DISTILL_DEFAULTS["teacher"])
+    assert 0.5 < teacher < 1.0
+    runs = [run(teacher - 0.02, 0.2), run(teacher - 0.04, 0.3), run(teacher + 0.01, 0.1)]
+    assert "sampled_pass1_gain" not in runs[0]  # evaluated greedy only (eval.samples=0)
+    out = spread(runs, "distill")
+    assert out["teacher_accuracy"] == teacher
+    assert out["gap_to_teacher"]["mean"] == pytest.approx(-0.0167, abs=1e-4)
+    assert out["gap_to_teacher"]["bound_99"] <= -0.04
+    assert out["steps_to_teacher_within_0.0"] == [None, None, 100]
+    assert out["steps_to_teacher_within_0.02"] == [100, None, 100]
+    kl = out["distill_kl_ratio"]
+    assert kl["max"] == 0.3 and kl["bound_99_upper"] >= 0.3 and kl["mean"] == pytest.approx(0.2)
