@@ -9,6 +9,7 @@ out (HBM per TPU chip, or per GPU as nvidia-smi reports it), from the vendors' p
 
 from __future__ import annotations
 
+import os
 from typing import Literal
 
 from pydantic import Field, field_validator
@@ -28,14 +29,26 @@ CHIP_MEMORY_BYTES: dict[str, int] = {
     "h100-80gb": 80 * GIB,
     "h200": 141 * 10**9,
 }
-ChipName = Literal[tuple(CHIP_MEMORY_BYTES)]
+# the processes run on the CPU: their devices' arrays live in each process's memory beside everything else it holds,
+# so plan also estimates each process's peak resident memory (grpo_stream/plan/host_memory.py) and checks the run's
+# processes together against the host's memory
+CPU_CHIP = "cpu"
+ChipName = Literal[(*CHIP_MEMORY_BYTES, CPU_CHIP)]
+
+
+def host_memory_bytes() -> int:
+    """This machine's physical memory."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 class HardwareSection(Strict):
     """What the run is sized for; `grpo-stream plan` checks the config's programs against it."""
 
     trainer_chip: ChipName | None = Field(None, description="Accelerator of each trainer device (trainer.mesh "
-                                          "fsdp x tp of them). Null: plan stops and asks for it, unless "
+                                          "fsdp x tp of them), or 'cpu' for a run on the CPU: plan then also "
+                                          "estimates each process's peak resident memory and checks the trainer's "
+                                          "and samplers' together against this machine's memory (or "
+                                          "trainer_memory_gib). Null: plan stops and asks for it, unless "
                                           "trainer_memory_gib is given.")
     sampler_chip: ChipName | None = Field(None, description="Accelerator of each sampler device (sampler.mesh.tp "
                                           "per sampler). Null: as trainer_chip.")
@@ -100,4 +113,10 @@ class HardwareSection(Strict):
         if gib is not None:
             return int(gib * GIB)
         chip = self.chip(role)
+        if chip == CPU_CHIP:
+            return host_memory_bytes()
         return CHIP_MEMORY_BYTES[chip] if chip else None
+
+    def on_cpu(self, role: Literal["trainer", "sampler"]) -> bool:
+        """Whether `role`'s processes run on the CPU (its chip, or the trainer's for the samplers, is 'cpu')."""
+        return self.chip(role) == CPU_CHIP

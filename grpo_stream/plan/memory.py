@@ -21,8 +21,9 @@ import re
 import subprocess
 import sys
 
-from grpo_stream.common.config.hardware import CHIP_MEMORY_BYTES, GIB
+from grpo_stream.common.config.hardware import CHIP_MEMORY_BYTES, CPU_CHIP, GIB
 from grpo_stream.common.config.schema import RunConfig
+from grpo_stream.plan.host_memory import host_estimates, host_fit, host_lines
 
 LORA_NOTE = ("model.lora: rank {rank} adapters, {trained:,} trained parameters ({share:.2%} of the model): the "
              "trainer's optimizer state, gradients and reference copy are the adapters'; a sampler keeps the frozen "
@@ -135,11 +136,12 @@ def verdict(cfg: RunConfig, role: str, report: dict) -> dict:
     """`report` (one role's part of the child's output) with its memory, usable share, fit and fixes added."""
     hw = cfg.hardware
     memory = hw.device_memory_bytes(role)
-    total = report["per_device_bytes"]["total"]
+    # on the CPU the process's whole resident memory must fit, not only its devices' arrays (host_memory.py)
+    need = report.get("host_peak_bytes", report["per_device_bytes"]["total"])
     report["chip"] = hw.chip(role)
     report["device_memory_bytes"] = memory
     report["usable_bytes"] = int(memory * (1 - hw.margin))
-    report["fits"] = total <= report["usable_bytes"]
+    report["fits"] = need <= report["usable_bytes"]
     if not report["fits"]:
         report["fixes"] = (trainer_fixes(cfg, {**report["per_device_bytes"], "packing": report.get("packing")})
                            if role == "trainer"
@@ -182,9 +184,15 @@ def render(cfg: RunConfig, doc: dict) -> str:
         for name, n in r["per_device_bytes"].items():
             if name != "total":
                 lines.append(f"  {name:<28} {gib(n):>14}")
-        share = r["per_device_bytes"]["total"] / r["usable_bytes"]
-        lines.append(f"  {'total':<28} {gib(r['per_device_bytes']['total']):>14}  {share:.0%} of usable: "
-                     f"{'fits' if r['fits'] else 'DOES NOT FIT'} (peak in {r['peak_program']})")
+        total = r["per_device_bytes"]["total"]
+        fit = f"{'fits' if r['fits'] else 'DOES NOT FIT'} (peak in {r['peak_program']})"
+        if "host_peak" in r:
+            fit = "the devices' arrays, part of the process's memory below"
+        lines.append(f"  {'total':<28} {gib(total):>14}  {total / r['usable_bytes']:.0%} of usable: {fit}")
+        if "host_peak" in r:
+            lines.extend(host_lines(role, r["host_peak"], gib))
+            lines.append(f"    {r['host_peak_bytes'] / r['usable_bytes']:.0%} of usable: "
+                         f"{'fits' if r['fits'] else 'DOES NOT FIT'}")
         teacher = r.get("teacher")
         if teacher is not None:
             lines.append(f"  distillation teacher: {teacher['parameters'] / 1e9:.3g}B parameters "
@@ -197,6 +205,11 @@ def render(cfg: RunConfig, doc: dict) -> str:
         lines.append(f"\nshared devices (hardware.shared_devices): trainer + {cfg.sampler.replicas} sampler(s) "
                      f"{gib(shared['total_bytes'])} of {gib(shared['usable_bytes'])} usable: "
                      f"{'fits' if shared['fits'] else 'DOES NOT FIT'}")
+    host = doc.get("cpu_host")
+    if host:
+        lines.append(f"\non this machine: trainer x {cfg.trainer.processes} + sampler x {cfg.sampler.replicas} "
+                     f"expected peaks {gib(host['total_bytes'])} of {gib(host['usable_bytes'])} usable: "
+                     f"{'fits' if host['fits'] else 'DOES NOT FIT'}")
     devices = doc.get("devices")
     if devices:
         lines.append(f"\non {cfg.hardware.gpus} GPU(s) (hardware.gpus), as `up` would lay the processes out:")
@@ -209,11 +222,14 @@ def run_plan(cfg: RunConfig, json_path: pathlib.Path | None) -> int:
     for role in ("trainer", "sampler"):
         if cfg.hardware.device_memory_bytes(role) is None:
             raise ValueError(f"hardware.{role}_chip: plan needs the accelerator the run is sized for (one of "
-                             f"{', '.join(CHIP_MEMORY_BYTES)}), or hardware.{role}_memory_gib")
+                             f"{', '.join((*CHIP_MEMORY_BYTES, CPU_CHIP))}), or hardware.{role}_memory_gib")
     from grpo_stream.plan.programs import architecture  # noqa: PLC0415  (JAX only once the config is sound)
 
     architecture(cfg)  # a model plan cannot size fails here, with model.path named, before any compiling
     doc = compile_programs(cfg)
+    estimates = host_estimates(cfg, doc)
+    for role, estimate in estimates.items():  # a run on the CPU: each process's expected peak resident memory
+        doc[role]["host_peak"], doc[role]["host_peak_bytes"] = estimate, estimate["total"]
     doc["trainer"] = verdict(cfg, "trainer", doc["trainer"])
     if "sampler" in doc:
         doc["sampler"] = verdict(cfg, "sampler", doc["sampler"])
@@ -224,6 +240,9 @@ def run_plan(cfg: RunConfig, json_path: pathlib.Path | None) -> int:
         doc["shared_devices"] = {"total_bytes": together, "usable_bytes": doc["trainer"]["usable_bytes"],
                                  "fits": together <= doc["trainer"]["usable_bytes"]}
         doc["fits"] = doc["fits"] and doc["shared_devices"]["fits"]
+    if estimates:  # the run's processes share this machine's memory
+        doc["cpu_host"] = host_fit(cfg, estimates, doc["trainer"]["usable_bytes"])
+        doc["fits"] = doc["fits"] and doc["cpu_host"]["fits"]
     if cfg.hardware.gpus:  # the processes `up` would start on that many GPUs, with these figures as their needs
         doc["devices"] = device_fit(cfg, doc)
         doc["fits"] = doc["fits"] and doc["devices"]["fits"]

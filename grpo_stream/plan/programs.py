@@ -24,7 +24,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from grpo_stream.common.config.schema import RunConfig
 from grpo_stream.common.engine import continuous
-from grpo_stream.common.engine.slot_programs import pow2_at_least
+from grpo_stream.common.engine.slot_programs import MIN_WINDOW, pow2_at_least
 from grpo_stream.common.registry.engines import engine_spec
 from grpo_stream.common.model.architectures import Architecture
 from grpo_stream.common.model.lora import abstract_lora, merge_named
@@ -32,6 +32,7 @@ from grpo_stream.common.model.policy import (PolicyModel, build_from_architectur
                                              tiny_architecture)
 from grpo_stream.common.model.sharding import make_mesh, param_shardings
 from grpo_stream.common.registry.transports import transport_spec
+from grpo_stream.plan.resident import compile_growth, runtime_bytes
 from grpo_stream.trainer_service.learning.packing import PackedPasses, packing_layout
 from grpo_stream.trainer_service.learning.rl_update import PolicyUpdater, donates_updates
 
@@ -245,6 +246,9 @@ def sampler_programs(cfg: RunConfig, arch: Architecture) -> dict:
                          jax.eval_shape(lambda: engine.device.empty(size=slots, window=window)))
     scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
     decode = analysed(engine.device.decode.lower(weights, (state,), scalar, windows=(window,)).compile())
+    # a run compiles the decode program once per slot count and window it decodes at: what one more costs
+    decode_growth = (compile_growth(lambda: other_decode(engine, weights, slots, window, replicated), nested=True)[1]
+                     if cfg.hardware.on_cpu("sampler") or cfg.hardware.on_cpu("trainer") else None)
     prompts = pow2_at_least(max(1, rows // gen.num_generations))
     width = min(engine.cache_len, pow2_at_least(gen.max_prompt_tokens, 16))
     prefill = analysed(engine.device.prefill.lower(
@@ -272,7 +276,28 @@ def sampler_programs(cfg: RunConfig, arch: Architecture) -> dict:
     per_device["total"] = params + fetch + base + relaid + kv + per_device["temporaries"]
     return {"devices": s.mesh.tp, "mesh": {"tp": s.mesh.tp}, "slots": slots, "cache_tokens": window,
             "per_device_bytes": per_device, "programs": programs,
-            "peak_program": max(extra, key=extra.get)}
+            "peak_program": max(extra, key=extra.get), "decode_compile": decode_growth,
+            "decode_variants": {"sampler": decode_variants(engine, rows),
+                                "evaluation": decode_variants(engine, min(gen.decode_slots, cfg.eval.batch_size
+                                                                          * max(1, cfg.eval.samples)))}}
+
+
+def other_decode(engine: continuous.ContinuousEngine, weights, slots: int, window: int, replicated) -> None:
+    """Compile the decode program at the next smaller slot count of the ladder (or, at its foot, the smallest
+    window): another of the sizes a run compiles."""
+    smaller = [n for n in engine.table.ladder if n < slots]
+    size, window = (smaller[-1], window) if smaller else (slots, MIN_WINDOW if window > MIN_WINDOW else window)
+    state = jax.tree.map(lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=replicated),
+                         jax.eval_shape(lambda: engine.device.empty(size=size, window=window)))
+    scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
+    engine.device.decode.lower(weights, (state,), scalar, windows=(window,)).compile()
+
+
+def decode_variants(engine: continuous.ContinuousEngine, rows: int) -> int:
+    """Decode programs an engine decoding up to `rows` rows compiles: one per slot count of its ladder up to the one
+    holding them, per cache window (multiples of MIN_WINDOW up to its cache)."""
+    sizes = [n for n in engine.table.ladder if n <= engine.table.size_for(rows)]
+    return len(sizes) * (engine.cache_len // MIN_WINDOW)
 
 
 def lora_merge_program(cfg: RunConfig, model: PolicyModel) -> dict[str, int]:
@@ -292,10 +317,16 @@ def lora_merge_program(cfg: RunConfig, model: PolicyModel) -> dict[str, int]:
 def main() -> int:
     cfg = RunConfig.model_validate(json.loads(sys.stdin.read()))
     arch = architecture(cfg)
+    on_cpu = cfg.hardware.on_cpu("trainer") or cfg.hardware.on_cpu("sampler")
+    # a plan for CPU processes measures this process too: the runtime before any weights, and each role's compiles
+    host: dict[str, Any] = {"runtime": runtime_bytes(cfg)} if on_cpu else {}
     out: dict[str, Any] = {"architecture": dataclasses.asdict(arch), "backend": jax.default_backend(),
-                           "jax": jax.__version__, "trainer": trainer_programs(cfg, arch)}
+                           "jax": jax.__version__}
     if engine_spec(cfg.sampler.engine).jax_mesh:  # the JAX engine; vLLM sizes its own memory
-        out["sampler"] = sampler_programs(cfg, arch)
+        out["sampler"], host["sampler_compile"] = compile_growth(lambda: sampler_programs(cfg, arch))
+    out["trainer"], host["trainer_compile"] = compile_growth(lambda: trainer_programs(cfg, arch))
+    if on_cpu:
+        out["host_measured"] = host
     json.dump(out, sys.stdout)
     return 0
 

@@ -96,6 +96,24 @@ def test_too_small_a_device_exits_1_and_names_fixes(tmp_path):
     assert "model.lora: rank 4 adapters" in output and doc["lora_note"].startswith("model.lora: rank 4")
 
 
+def test_a_cpu_run_gets_each_process_expected_peak_from_what_the_child_measured(tmp_path):
+    """Issue 58: hardware.trainer_chip=cpu adds each process's expected peak resident memory, its runtime and compile
+    measured by the child itself; BENCHMARKS.md compares the SmolLM2 run's with `up`'s measured peaks."""
+    code, output, doc = plan(tmp_path, "configs/tiny_arith.yaml", "hardware.trainer_chip=cpu")
+    assert code == 0, output
+    for role in ("trainer", "sampler"):
+        estimate = doc[role]["host_peak"]
+        assert doc[role]["host_peak_bytes"] == estimate["total"] == sum(estimate["parts"].values())
+        assert estimate["parts"]["devices"] == doc[role]["per_device_bytes"]["total"]
+        # a Python process with JAX and the services imported holds well over 100 MB before any weights
+        assert estimate["parts"]["runtime"] > 100 << 20 and estimate["parts"]["compiled_programs"] > 0
+        assert f"the {role} process's expected peak resident memory" in output
+    assert doc["trainer"]["host_peak"]["parts"]["evaluation_engine"] > 0
+    assert doc["cpu_host"]["total_bytes"] == (doc["trainer"]["host_peak_bytes"]
+                                              + 2 * doc["sampler"]["host_peak_bytes"])  # tiny_arith: 2 samplers
+    assert doc["fits"] and "trainer x 1 + sampler x 2 expected peaks" in output
+
+
 def test_no_hardware_is_a_config_error_naming_the_field(tmp_path):
     code, output, doc = plan(tmp_path, "configs/tiny_arith.yaml")
     assert code == 2 and doc is None
