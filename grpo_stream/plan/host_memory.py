@@ -11,6 +11,7 @@ trainer: runtime + devices + compiled programs + the checkpoint's copy of the st
 sampler: runtime + devices + compiled programs + the previous version's decode layout, still held while a new
   version's is made (common/engine/continuous.py, serve).
 
+Left out: what the C allocator keeps after arrays are freed (glibc's per-thread arenas), so the estimate errs low.
 Measured against `up` on configs/smollm2_arith.yaml: docs/plan.md and BENCHMARKS.md (issue 58).
 """
 
@@ -23,8 +24,8 @@ from grpo_stream.common.registry.transports import transport_spec
 PARTS = {
     "runtime": "Python, JAX, the services' modules, the task and tokenizer (measured in plan's child)",
     "devices": "the devices' arrays above, for the process's {devices} device(s)",
-    "compiled_programs": "what compiling its programs left in memory (measured in plan's child; a decode program "
-                         "per slot count and window)",
+    "compiled_programs": "what compiling its programs left in memory (measured in plan's child; a sampler's decode "
+                         "program at each of its sizes)",
     "checkpoint_copy": "parameters, optimizer state and reference held by a checkpoint save while the next update "
                        "writes new ones",
     "evaluation_engine": "the held-out evaluation's engine: the weights in decode layout, a KV cache for {rows} rows "
@@ -76,7 +77,8 @@ def trainer_estimate(cfg: RunConfig, doc: dict, measured: dict) -> dict:
     compiled = (measured.get("trainer_compile") or {}).get("peak", 0)
     parts, notes = common_parts(report, measured, "trainer", devices, compiled)
     sizes = report["per_device_bytes"]
-    parts["checkpoint_copy"] = (sizes["parameters"] + sizes["optimizer_state"] + sizes["reference_parameters"]) * devices
+    state = sizes["parameters"] + sizes["optimizer_state"] + sizes["reference_parameters"]
+    parts["checkpoint_copy"] = state * devices
     rows = evaluation_rows(cfg)
     if rows and "sampler" in doc:
         parts["evaluation_engine"] = evaluation_engine_bytes(cfg, doc["sampler"], measured, rows)

@@ -9,6 +9,7 @@ Linux only (/proc/self/status); elsewhere the measurements are None and the esti
 from __future__ import annotations
 
 import ctypes
+import importlib
 import pathlib
 from typing import Any, Callable
 
@@ -47,8 +48,8 @@ def runtime_bytes(cfg) -> dict[str, Any]:
     from grpo_stream.common.runtime.process import import_tensorboardx_without_torch  # noqa: PLC0415
 
     import_tensorboardx_without_torch()
-    import grpo_stream.sampler_service.loop  # noqa: F401, PLC0415 - what a sampler process imports
-    import grpo_stream.trainer_service.loop  # noqa: F401, PLC0415 - what a trainer process imports
+    for module in ("grpo_stream.sampler_service.loop", "grpo_stream.trainer_service.loop"):
+        importlib.import_module(module)  # what a sampler and a trainer process import
     from grpo_stream.common.assembly.parts import build_task_and_tokenizer  # noqa: PLC0415
 
     note = None
