@@ -64,11 +64,12 @@ def common_parts(report: dict, measured: dict, role: str, devices: int,
 
 def engine_compile(sampler: dict, measured: dict, who: str) -> int:
     """The sampler programs' compile measured in plan's child, and a decode program's for each further slot count
-    and window that `who` (sampler, evaluation) decodes at: the child compiles one of each program, a run one per
-    size it meets, and each leaves tens of MB."""
+    and window that `who` (sampler, evaluation) decodes at: the child compiles each program at the sampler's size and
+    the decode program at a few more (`compiled`), a run at every size it meets, and each leaves tens of MB."""
     base = (measured.get("sampler_compile") or {}).get("peak", 0)
-    decode = (sampler.get("decode_compile") or {}).get("retained", 0)
-    return base + decode * max(0, sampler["decode_variants"][who] - 1)
+    decode = sampler.get("decode_compile") or {}
+    more = sampler["decode_variants"][who] - 1 - decode.get("compiled", 0)
+    return base + decode.get("retained", 0) * max(0, more)
 
 
 def trainer_estimate(cfg: RunConfig, doc: dict, measured: dict) -> dict:

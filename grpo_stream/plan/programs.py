@@ -12,6 +12,7 @@ Input: the resolved config as JSON on stdin. Output: one JSON document on stdout
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import sys
@@ -247,7 +248,7 @@ def sampler_programs(cfg: RunConfig, arch: Architecture) -> dict:
     scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
     decode = analysed(engine.device.decode.lower(weights, (state,), scalar, windows=(window,)).compile())
     # a run compiles the decode program once per slot count and window it decodes at: what one more costs
-    decode_growth = (compile_growth(lambda: other_decode(engine, weights, slots, window, replicated), nested=True)[1]
+    decode_growth = (other_decodes(engine, weights, slots, window, replicated)
                      if cfg.hardware.on_cpu("sampler") or cfg.hardware.on_cpu("trainer") else None)
     prompts = pow2_at_least(max(1, rows // gen.num_generations))
     width = min(engine.cache_len, pow2_at_least(gen.max_prompt_tokens, 16))
@@ -282,15 +283,25 @@ def sampler_programs(cfg: RunConfig, arch: Architecture) -> dict:
                                                                           * max(1, cfg.eval.samples)))}}
 
 
-def other_decode(engine: continuous.ContinuousEngine, weights, slots: int, window: int, replicated) -> None:
-    """Compile the decode program at the next smaller slot count of the ladder (or, at its foot, the smallest
-    window): another of the sizes a run compiles."""
-    smaller = [n for n in engine.table.ladder if n < slots]
-    size, window = (smaller[-1], window) if smaller else (slots, MIN_WINDOW if window > MIN_WINDOW else window)
-    state = jax.tree.map(lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=replicated),
-                         jax.eval_shape(lambda: engine.device.empty(size=size, window=window)))
+def other_decodes(engine: continuous.ContinuousEngine, weights, slots: int, window: int,
+                  replicated) -> dict[str, int] | None:
+    """{peak, retained} of compiling one more decode program, the mean over up to two other sizes a run compiles
+    (the next smaller slot counts of the ladder, or the smallest window): what each leaves varies by tens of MB;
+    `compiled`: how many (the sampler's compile, measured around this one, holds them)."""
+    sizes = [(n, window) for n in engine.table.ladder if n < slots][-2:]
+    sizes += [(slots, MIN_WINDOW)] if window > MIN_WINDOW and len(sizes) < 2 else []
+    if not sizes:
+        return {"peak": 0, "retained": 0, "compiled": 0}
     scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
-    engine.device.decode.lower(weights, (state,), scalar, windows=(window,)).compile()
+
+    def compile_them() -> None:
+        for size, width in sizes:
+            state = jax.tree.map(lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=replicated),
+                                 jax.eval_shape(functools.partial(engine.device.empty, size=size, window=width)))
+            engine.device.decode.lower(weights, (state,), scalar, windows=(width,)).compile()
+
+    growth = compile_growth(compile_them, nested=True)[1]
+    return {**{k: v // len(sizes) for k, v in growth.items()}, "compiled": len(sizes)} if growth is not None else None
 
 
 def decode_variants(engine: continuous.ContinuousEngine, rows: int) -> int:

@@ -33,9 +33,9 @@ def child_report(trainer_devices: int = 1) -> dict:
                "per_device_bytes": {"parameters": 400 * MIB, "fetch_buffer": 400 * MIB, "lora_base": 0,
                                     "decode_weights": 480 * MIB, "kv_cache": 80 * MIB, "temporaries": 40 * MIB,
                                     "total": 1400 * MIB},
-               # the child measured one decode program's compile; a sampler compiles 6 (3 slot counts x 2 windows),
-               # the evaluation engine 14
-               "decode_compile": {"peak": 30 * MIB, "retained": 30 * MIB},
+               # the child compiled the decode program at its size and 2 more (inside its 200 MiB below), each
+               # leaving 30 MiB; a sampler compiles 6 sizes (3 slot counts x 2 windows), the evaluation engine 14
+               "decode_compile": {"peak": 30 * MIB, "retained": 30 * MIB, "compiled": 2},
                "decode_variants": {"sampler": 6, "evaluation": 14}}
     measured = {"runtime": {"bytes": 700 * MIB, "note": None}, "trainer_compile": {"peak": 400 * MIB},
                 "sampler_compile": {"peak": 200 * MIB}}
@@ -63,9 +63,9 @@ def test_each_process_peak_is_the_sum_of_its_named_parts():
         "runtime": 700 * MIB, "devices": 1901 * MIB, "compiled_programs": 400 * MIB,
         "checkpoint_copy": 1200 * MIB,  # parameters and optimizer state, kept while the next update writes anew
         # the evaluation engine: decode layout + the sampler's KV per slot for a 64-problem batch + its compile
-        "evaluation_engine": 480 * MIB + 80 * MIB * 64 // 16 + 200 * MIB + 13 * 30 * MIB}
+        "evaluation_engine": 480 * MIB + 80 * MIB * 64 // 16 + 200 * MIB + 11 * 30 * MIB}
     assert sampler["parts"] == {"runtime": 700 * MIB, "devices": 1400 * MIB,
-                                "compiled_programs": 200 * MIB + 5 * 30 * MIB, "version_swap": 480 * MIB}
+                                "compiled_programs": 200 * MIB + 3 * 30 * MIB, "version_swap": 480 * MIB}
     for estimate in (trainer, sampler):
         assert estimate["total"] == sum(estimate["parts"].values()) and estimate["notes"] == []
 
@@ -77,7 +77,7 @@ def test_the_parts_follow_the_config():
     assert two["parts"]["devices"] == 2 * 1901 * MIB and two["parts"]["checkpoint_copy"] == 2 * 1200 * MIB
     bf16 = host_estimates(config("hardware.trainer_chip=cpu", "sampler.dtype=bfloat16"), child_report())["trainer"]
     # a bfloat16 sampler's decode layout and KV cache are half the float32 trainer's evaluation engine
-    assert bf16["parts"]["evaluation_engine"] == 2 * (480 + 80 * 4) * MIB + 200 * MIB + 13 * 30 * MIB
+    assert bf16["parts"]["evaluation_engine"] == 2 * (480 + 80 * 4) * MIB + 200 * MIB + 11 * 30 * MIB
     quiet = host_estimates(config("hardware.trainer_chip=cpu", "trainer.eval_before=false",
                                   "trainer.eval_after=false", "eval.every_steps=0"), child_report())["trainer"]
     assert "evaluation_engine" not in quiet["parts"]
