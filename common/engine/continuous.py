@@ -180,6 +180,7 @@ class ContinuousEngine:
                 update = refresh()
                 if update is not None:
                     params, version = update
+                    weights = None  # the previous version's layout freed before the new one is made: one at a time
                     weights = self._weights(params)
             held.release(source.released())
             taken = held.resume(source.take(), refresh is not None)

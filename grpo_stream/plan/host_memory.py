@@ -8,8 +8,8 @@ the task and tokenizer and compiles the same programs: grpo_stream/plan/resident
 trainer: runtime + devices + compiled programs + the checkpoint's copy of the state (an asynchronous save keeps
   parameters and optimizer state alive while the next update writes new ones) + the held-out evaluation's engine
   (the weights in decode layout, a KV cache for an evaluation batch, its programs' compile);
-sampler: runtime + devices + compiled programs + the previous version's decode layout, still held while a new
-  version's is made (common/engine/continuous.py, serve).
+sampler: runtime + devices + compiled programs (its engine frees a version's decode layout before it makes the next
+  one's: common/engine/continuous.py, serve).
 
 Left out: what the C allocator keeps after arrays are freed (glibc's per-thread arenas), so the estimate errs low.
 Measured against `up` on configs/smollm2_arith.yaml: docs/plan.md and BENCHMARKS.md (issue 58).
@@ -30,7 +30,6 @@ PARTS = {
                        "writes new ones",
     "evaluation_engine": "the held-out evaluation's engine: the weights in decode layout, a KV cache for {rows} rows "
                          "and its programs' compile",
-    "version_swap": "the previous version's decode layout, held while the new version's is made",
 }
 
 
@@ -96,7 +95,6 @@ def trainer_estimate(cfg: RunConfig, doc: dict, measured: dict) -> dict:
 def sampler_estimate(cfg: RunConfig, report: dict, measured: dict) -> dict:
     devices = report["devices"]
     parts, notes = common_parts(report, measured, "sampler", devices, engine_compile(report, measured, "sampler"))
-    parts["version_swap"] = report["per_device_bytes"]["decode_weights"] * devices
     return {"parts": parts, "total": sum(parts.values()), "devices": devices, "notes": notes}
 
 

@@ -65,7 +65,7 @@ def test_each_process_peak_is_the_sum_of_its_named_parts():
         # the evaluation engine: decode layout + the sampler's KV per slot for a 64-problem batch + its compile
         "evaluation_engine": 480 * MIB + 80 * MIB * 64 // 16 + 200 * MIB + 11 * 30 * MIB}
     assert sampler["parts"] == {"runtime": 700 * MIB, "devices": 1400 * MIB,
-                                "compiled_programs": 200 * MIB + 3 * 30 * MIB, "version_swap": 480 * MIB}
+                                "compiled_programs": 200 * MIB + 3 * 30 * MIB}
     for estimate in (trainer, sampler):
         assert estimate["total"] == sum(estimate["parts"].values()) and estimate["notes"] == []
 
@@ -107,7 +107,7 @@ def test_a_cpu_plan_fits_only_when_the_processes_fit_the_machine_together():
     doc["cpu_host"], doc["fits"] = together, False
     text = render(cfg, doc)
     assert "the trainer process's expected peak resident memory" in text and "checkpoint_copy" in text
-    assert "version_swap" in text and "trainer x 1 + sampler x 2 expected peaks" in text and "DOES NOT FIT" in text
+    assert "compiled_programs" in text and "trainer x 1 + sampler x 2 expected peaks" in text and "DOES NOT FIT" in text
 
 
 @pytest.mark.skipif(resident() is None, reason="reads Linux's /proc/self/status")

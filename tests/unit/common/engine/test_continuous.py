@@ -236,3 +236,27 @@ def test_groups_merge_when_two_would_exceed_the_cache_memory(tiny_parts):
     np.testing.assert_array_equal(out.tokens, one.tokens)
     assert two.stats["moved_rows"] > 0 and two.stats["merges"] >= 1
     assert two.stats["peak_cache_positions"] <= 32 * two.cache_len
+
+
+def test_an_in_flight_update_holds_one_decode_layout_at_a_time(tiny_parts):
+    """When a new version arrives mid-serve, the previous version's decode layout is freed before the new one is made
+    (a second layout of a large model is what its memory plan has no room for)."""
+    import weakref
+
+    cfg, task, tok, model = tiny_parts
+    engine = ContinuousEngine(model, tok.pad_id, NO_EOS, cfg.generation.max_prompt_tokens, 16, 1.0, slots=4,
+                              chunk_steps=2)
+    relayout, made, alive_at_relayout = engine.device.relayout, [], []
+
+    def recorded(params):
+        alive_at_relayout.append(sum(ref() is not None for ref in made))
+        out = relayout(params)
+        made.extend(weakref.ref(leaf) for leaf in jax.tree_util.tree_leaves(out))
+        return out
+
+    engine.device.relayout = recorded
+    versions = scaled_versions(model.params, 4, 0.3)
+    engine.generate(model.params, _prompts(task, tok, 4), jax.random.key(0), max_new_tokens=[16] * 4,
+                    refresh=every_other_call(versions))
+    assert len(alive_at_relayout) >= 3, alive_at_relayout  # the first version and at least two updates
+    assert alive_at_relayout == [0] * len(alive_at_relayout)
