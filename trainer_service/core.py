@@ -215,8 +215,7 @@ class TrainerCore:
         copies = plan.publish and self._copies
         metrics = self.updater.update(packed, plan.group_index, copy_params=copies)
         self.params = self.updater.params
-        published = self.updater.params_copy if copies else self.params
-        self.updater.params_copy = None  # the publication holds the copy from here: freed once it is published
+        published = self.updater.take_params_copy() if copies else self.params
         t_compute = time.time()
         self._settled()  # the previous step's books (re-raises what failed there)
         if plan.checkpoint:  # the checkpoint's record lists this step's groups: they are recorded first, here

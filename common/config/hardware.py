@@ -120,3 +120,7 @@ class HardwareSection(Strict):
     def on_cpu(self, role: Literal["trainer", "sampler"]) -> bool:
         """Whether `role`'s processes run on the CPU (its chip, or the trainer's for the samplers, is 'cpu')."""
         return self.chip(role) == CPU_CHIP
+
+    def any_on_cpu(self) -> bool:
+        """Whether the trainer's or the samplers' processes run on the CPU."""
+        return self.on_cpu("trainer") or self.on_cpu("sampler")

@@ -241,15 +241,11 @@ def sampler_programs(cfg: RunConfig, arch: Architecture) -> dict:
     relayout_compiled = engine.device.relayout.lower(model.params).compile()
     weights = jax.tree.map(lambda o, sh: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=sh),
                            jax.eval_shape(engine.device.relayout, model.params), relayout_compiled.output_shardings)
-    # the engine's slot state starts uncommitted (made by a program without inputs), so the decode program takes
-    # it replicated over the mesh
-    state = jax.tree.map(lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=replicated),
-                         jax.eval_shape(lambda: engine.device.empty(size=slots, window=window)))
-    scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
-    decode = analysed(engine.device.decode.lower(weights, (state,), scalar, windows=(window,)).compile())
+    compiled, state = compiled_decode(engine, weights, slots, window, replicated)
+    decode = analysed(compiled)
     # a run compiles the decode program once per slot count and window it decodes at: what one more costs
-    decode_growth = (other_decodes(engine, weights, slots, window, replicated)
-                     if cfg.hardware.on_cpu("sampler") or cfg.hardware.on_cpu("trainer") else None)
+    decode_growth = (other_decodes(engine, weights, slots, window, replicated) if cfg.hardware.any_on_cpu()
+                     else None)
     prompts = pow2_at_least(max(1, rows // gen.num_generations))
     width = min(engine.cache_len, pow2_at_least(gen.max_prompt_tokens, 16))
     prefill = analysed(engine.device.prefill.lower(
@@ -283,6 +279,16 @@ def sampler_programs(cfg: RunConfig, arch: Architecture) -> dict:
                                                                           * max(1, cfg.eval.samples)))}}
 
 
+def compiled_decode(engine: continuous.ContinuousEngine, weights, slots: int, window: int, replicated):
+    """(the engine's decode program compiled for `slots` slots and a `window`-token cache, its slot state as abstract
+    arrays). The slot state starts uncommitted (made by a program without inputs), so the program takes it
+    replicated over the mesh."""
+    state = jax.tree.map(lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=replicated),
+                         jax.eval_shape(functools.partial(engine.device.empty, size=slots, window=window)))
+    scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
+    return engine.device.decode.lower(weights, (state,), scalar, windows=(window,)).compile(), state
+
+
 def other_decodes(engine: continuous.ContinuousEngine, weights, slots: int, window: int,
                   replicated) -> dict[str, int] | None:
     """{peak, retained} of compiling one more decode program, the mean over up to two other sizes a run compiles
@@ -292,13 +298,10 @@ def other_decodes(engine: continuous.ContinuousEngine, weights, slots: int, wind
     sizes += [(slots, MIN_WINDOW)] if window > MIN_WINDOW and len(sizes) < 2 else []
     if not sizes:
         return {"peak": 0, "retained": 0, "compiled": 0}
-    scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
 
     def compile_them() -> None:
         for size, width in sizes:
-            state = jax.tree.map(lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=replicated),
-                                 jax.eval_shape(functools.partial(engine.device.empty, size=size, window=width)))
-            engine.device.decode.lower(weights, (state,), scalar, windows=(width,)).compile()
+            compiled_decode(engine, weights, size, width, replicated)
 
     growth = compile_growth(compile_them, nested=True)[1]
     return {**{k: v // len(sizes) for k, v in growth.items()}, "compiled": len(sizes)} if growth is not None else None
@@ -328,7 +331,7 @@ def lora_merge_program(cfg: RunConfig, model: PolicyModel) -> dict[str, int]:
 def main() -> int:
     cfg = RunConfig.model_validate(json.loads(sys.stdin.read()))
     arch = architecture(cfg)
-    on_cpu = cfg.hardware.on_cpu("trainer") or cfg.hardware.on_cpu("sampler")
+    on_cpu = cfg.hardware.any_on_cpu()
     # a plan for CPU processes measures this process too: the runtime before any weights, and each role's compiles
     host: dict[str, Any] = {"runtime": runtime_bytes(cfg)} if on_cpu else {}
     out: dict[str, Any] = {"architecture": dataclasses.asdict(arch), "backend": jax.default_backend(),

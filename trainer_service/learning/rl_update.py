@@ -107,6 +107,12 @@ class PolicyUpdater:
         train, frozen = iter(train), iter(frozen)
         return jax.tree.unflatten(self._treedef, [next(train) if t else next(frozen) for t in self._trainable])
 
+    def take_params_copy(self) -> Any:
+        """The copy `update(copy_params=True)` left, handed over once: the updater keeps no reference to it, so it
+        is freed as soon as its reader (the publication) is done."""
+        copy, self.params_copy = self.params_copy, None
+        return copy
+
     def _copied(self, params) -> Any:
         """`params` with the trained part copied on its devices (the frozen part is never donated)."""
         train, frozen = self.split(params)
