@@ -11,6 +11,7 @@ of the same command, so the chance that a healthy run fails the check is known:
     python -m grpo_stream.bench.learning_spread tools --runs 10 --out tests/e2e/calibration/multi-turn-tools.json
     python -m grpo_stream.bench.learning_spread distill --runs 10 --out tests/e2e/calibration/distill.json
     python -m grpo_stream.bench.learning_spread distill-rl --runs 3 --out tests/e2e/calibration/distill-rl.json
+    python -m grpo_stream.bench.learning_spread smollm2 --runs 10 --out tests/e2e/calibration/smollm2-arith.json
 
 Without --out the runs go to runs/learning-spread/SETUP.json (gspo and gspo-100 need --warmstart, a demo run's
 warm-started model, which `demo --keep-warmstart W` keeps, or --warmstart-seeds). distill and distill-rl start from
@@ -64,6 +65,9 @@ SETUPS = {
     # against RL alone from the same start, as long as the teacher's own RL run
     "distill-rl": ["--config", "configs/tiny_arith.yaml", "model.kind=hf", "model.path={warmstart}",
                    "warmstart.steps=0", "eval.every_steps=25", "eval.samples=0", "eval.ks=[1]"],
+    # the real pretrained model's CPU demo (issue 58; tests/e2e/test_smollm2_learning.py), as shipped; its model
+    # directory built first with `grpo-stream fixture smollm2`
+    "smollm2": ["--config", "configs/smollm2_arith.yaml"],
 }
 KL_WINDOW = 10  # steps averaged at each end of a distillation run for its KL ratio
 # what the distillation setups start from and distil: kept in the tree
@@ -76,11 +80,14 @@ _T99 = {2: 31.821, 3: 6.965, 4: 4.541, 5: 3.747, 6: 3.365, 7: 3.143, 8: 2.998, 9
 
 
 def figures(summary: dict) -> dict[str, float]:
-    """The learning figures of one run: held-out gains (sampled pass@1, greedy accuracy), and its wall time; with an
-    evaluation curve (eval.every_steps), its greedy accuracies by step."""
+    """The learning figures of one run: held-out gains (sampled pass@1, greedy accuracy, greedy reward by the run's
+    task.rewards), and its wall time; with an evaluation curve (eval.every_steps), its greedy accuracies by step."""
     before, after = summary["eval_before"], summary["eval_after"]
     out = {"greedy_gain": after["accuracy"] - before["accuracy"], "greedy_after": after["accuracy"],
            "wall_seconds": summary["wall_seconds"]}
+    if "reward" in before and "reward" in after:  # greedy, scored by the run's task.rewards (what its check reads)
+        out.update(reward_gain=after["reward"] - before["reward"], reward_before=before["reward"],
+                   reward_after=after["reward"])
     if "1" in (before.get("pass_at_k") or {}):
         out.update(sampled_pass1_gain=after["pass_at_k"]["1"] - before["pass_at_k"]["1"],
                    sampled_pass1_before=before["pass_at_k"]["1"], sampled_pass1_after=after["pass_at_k"]["1"])
@@ -158,7 +165,7 @@ def spread(runs: list[dict], setup: str) -> dict:
     to come within 0, 0.02 and 0.05 of it."""
     if len(runs) < 2:
         return {}
-    keys = [k for k in ("sampled_pass1_gain", "greedy_gain") if all(k in r for r in runs)]
+    keys = [k for k in ("sampled_pass1_gain", "greedy_gain", "reward_gain") if all(k in r for r in runs)]
     out = {key: lower_bound([r[key] for r in runs]) for key in keys}
     if setup.startswith("distill"):
         teacher = teacher_accuracy(DISTILL_DEFAULTS["teacher"])

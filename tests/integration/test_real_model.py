@@ -112,3 +112,16 @@ def test_greedy_answer_from_the_converted_weights(models, forward):
     for _ in range(8):
         tokens.append(int(forward(padded(tokens))[0, len(tokens) - 1].argmax()))
     assert "Paris" in tok.decode(tokens[-8:])
+
+
+def test_tool_episodes_with_the_real_template_are_token_exact(smollm2_dir):
+    """Multi-turn tool episodes on the real model with its real template (the tool listed by the fallback, which
+    its bare ChatML template needs): the sampler's logprobs equal the trainer's recomputation on every model token,
+    observations are exactly the template's text after the stop token, masked out of the loss (the checks of the
+    chat-family tests, tests/unit/common/environments/test_chat_families.py, on SmolLM2 itself)."""
+    from tests.unit.common.environments.test_chat_families import check_token_exact, load_family
+
+    family = load_family("smollm2", smollm2_dir)
+    assert not family.tokenizer.tool_support.complete  # what makes the fallback write the tool list
+    closed = check_token_exact(family)
+    print(f"real-model tool episodes: {len(closed)} observations, {sum(closed)} after a sampled stop token")
