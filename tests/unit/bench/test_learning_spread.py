@@ -43,3 +43,15 @@ def test_distillation_figures_are_against_the_kept_teachers_accuracy():
     assert out["steps_to_teacher_within_0.02"] == [100, None, 100]
     kl = out["distill_kl_ratio"]
     assert kl["max"] == 0.3 and kl["bound_99_upper"] >= 0.3 and kl["mean"] == pytest.approx(0.2)
+
+
+def test_a_run_scored_by_its_own_rewards_is_measured_by_them():
+    """A run whose task.rewards is not answer_correct (the SmolLM2 demo's last_number) learns by its reward: its
+    held-out reward gain is a figure of its own, bounded like the others, beside the answer_correct accuracy."""
+    def scored(before: float, after: float) -> dict:
+        return figures({"eval_before": {"accuracy": 0.0, "reward": before},
+                        "eval_after": {"accuracy": 0.0, "reward": after}, "wall_seconds": 300.0})
+    runs = [scored(0.148, 0.148 + gain) for gain in (0.23, 0.18, 0.27)]
+    assert runs[0]["greedy_gain"] == 0.0 and runs[0]["reward_gain"] == pytest.approx(0.23)
+    out = spread(runs, "smollm2")
+    assert out["reward_gain"]["min"] == pytest.approx(0.18) and out["reward_gain"]["bound_99"] <= 0.18
