@@ -58,6 +58,31 @@ def pytest_configure(config):
         os.environ["GRPO_STREAM_TEST_CACHE_DIR"] = directory  # xdist workers (started later) share it, not own it
     os.environ[COMPILATION_CACHE_ENV] = os.path.abspath(directory)
     enable_compilation_cache(load_config(None))
+    _compile_without_llvm_optimisation()
+
+
+# The XLA flag the test processes compile with, and not the processes the tests start (see below)
+TEST_PROCESS_XLA_FLAG = "--xla_backend_optimization_level=0"
+
+
+def _compile_without_llvm_optimisation():
+    """The test processes (this one, each xdist worker) compile without LLVM's optimisation passes: unit tests
+    compile hundreds of small programs and run each a few times, so those passes are most of their compile time
+    and save nothing at these sizes (tests/unit/trainer_service/learning's packing, distillation and Tunix tests:
+    118 s -> 87 s on 2 cores; BENCHMARKS.md, "Test lanes and CI"). The programs' semantics are XLA's either way.
+    XLA reads $XLA_FLAGS once, when the backend starts, so the flag is set for that moment only: the processes the
+    tests start (e2e runs, child scripts) inherit the environment as it was and compile as users' processes do."""
+    import jax
+
+    before = os.environ.get("XLA_FLAGS")
+    os.environ["XLA_FLAGS"] = f"{before or ''} {TEST_PROCESS_XLA_FLAG}".strip()
+    try:
+        jax.devices()  # starts the backend, which parses the flags
+    finally:
+        if before is None:
+            del os.environ["XLA_FLAGS"]
+        else:
+            os.environ["XLA_FLAGS"] = before
 
 
 def pytest_unconfigure(config):
