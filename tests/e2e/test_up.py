@@ -1,4 +1,6 @@
-"""`grpo-stream up` as real OS processes: embedded Redis, trainer, two samplers."""
+"""`grpo-stream up` as real OS processes (embedded Redis, trainer, two samplers): its errors, Ctrl-C and resume, the
+waits of a sampler without its trainer; and the helpers other e2e files share. The smoke run's checks are in
+test_smoke_run.py."""
 
 import json
 import os
@@ -7,7 +9,6 @@ import subprocess
 import sys
 
 import pytest
-
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.e2e
