@@ -94,7 +94,9 @@ def test_observation_tokens_carry_no_loss(loss_algo, packing):
     model, algo = updater.model, updater.algo
     grads, metrics = updater.minibatch_gradients(batch, old_params)
     positions = model_positions(gs)
-    want_loss, want_grads = jax.value_and_grad(reference_loss)(model.params, model, batch, old_params, positions, algo)
+    # compiled whole (the layout, the model and the settings fixed): op by op, the file took 35 s instead of 26
+    reference = jax.jit(jax.value_and_grad(lambda p, b, o: reference_loss(p, model, b, o, positions, algo)))
+    want_loss, want_grads = reference(model.params, batch, old_params)
     assert float(metrics["loss"]) == pytest.approx(float(want_loss), rel=1e-5)
     assert relative_gap(grads, want_grads) < 1e-5
     assert 0 < float(metrics["clip_fraction"]) < 1  # the clip is at work on some tokens, not all
