@@ -4,14 +4,13 @@ run's accounting, outputs and export (`eval` and `transformers` on the exported 
 evaluation during the run (eval.every_steps, issue 59) in every place it is written; weights taken in flight.
 One run serves them all (a module fixture): each `up` costs the lane about half a minute of a worker."""
 
-import dataclasses
 import json
-import pathlib
 import subprocess
 import sys
 
 import pytest
 
+from tests.e2e.test_demo import Run
 from tests.e2e.test_up import ROOT, check_run, run_cli, tensorboard_tags
 from tests.e2e.wandb_checks import WANDB_OFFLINE, check_wandb_run, offline_runs, read_run, wandb_env
 
@@ -27,15 +26,8 @@ WATCHED_SCALARS = (
     "sampler_weight_lag/sampler-0", "sampler_weight_lag/sampler-1")
 
 
-@dataclasses.dataclass
-class SmokeRun:
-    dir: pathlib.Path
-    stdout: str
-    summary: dict
-
-
 @pytest.fixture(scope="module")
-def smoke(tmp_path_factory) -> SmokeRun:
+def smoke(tmp_path_factory) -> Run:
     tmp_path = tmp_path_factory.mktemp("smoke")
     run_dir = tmp_path / "run"
     # the training features of real model sizes ride along (their exactness has unit tests): AdamW with a warmup
@@ -51,7 +43,10 @@ def smoke(tmp_path_factory) -> SmokeRun:
                    "eval.every_steps=2", "eval.samples=2", "eval.ks=[1,2]", "generation.decode_chunk_steps=2",
                    *WANDB_OFFLINE, env=wandb_env(tmp_path))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return SmokeRun(run_dir, proc.stdout, json.loads((run_dir / "summary.json").read_text()))
+    # the report command turns the run into plots and a markdown summary (RUN_DIR/report, read by the tests below)
+    rep = run_cli("report", str(run_dir), timeout=120)
+    assert rep.returncode == 0, rep.stderr
+    return Run(run_dir, proc.stdout, json.loads((run_dir / "summary.json").read_text()))
 
 
 def test_up_smoke_run(smoke, tmp_path):
@@ -82,16 +77,13 @@ def test_up_smoke_run(smoke, tmp_path):
     assert {p.name for p in (run_dir / "logs").iterdir()} == {"trainer.log", "sampler-0.log", "sampler-1.log"}
     # every process beat for `up`'s stall watches (up.trainer_stall_s, up.sampler_stall_s)
     assert {"trainer-0", "sampler-0", "sampler-1"} <= {p.name for p in (run_dir / "heartbeats").iterdir()}
-    rows = [json.loads(line) for line in (run_dir / "metrics-trainer.jsonl").read_text().splitlines()]
+    rows = smoke.metrics()
     assert [r["step"] for r in rows if "train/loss" in r] == list(range(1, 9))
     rates = [r["train/learning_rate"] for r in rows if "train/loss" in r]  # the rate of the next update
     lr = 1e-3  # trainer.learning_rate's default
     assert rates[0] == pytest.approx(lr / 2) and rates[1] == pytest.approx(lr), rates  # warmup over 2 steps
     assert all(a > b for a, b in zip(rates[1:], rates[2:])) and rates[-1] == pytest.approx(0.0, abs=1e-9), rates
     check_wandb_run(run_dir, steps=8, samplers=["sampler-0", "sampler-1"])
-    # the report command turns the run into plots and a markdown summary
-    rep = run_cli("report", str(run_dir), timeout=120)
-    assert rep.returncode == 0, rep.stderr
     plotted = json.loads((run_dir / "report" / "plots.json").read_text())["plots"]
     assert {"staleness", "throughput", "buffer"} <= set(plotted), plotted  # the smoke run learns nothing in 8 steps
     for name in plotted:
@@ -140,7 +132,7 @@ def test_held_out_accuracy_every_two_steps_is_in_every_output(smoke):
                and set(r["maj_at_k"]) == {"1", "2"} for r in curve)
     assert curve[-1]["accuracy"] == summary["eval_after"]["accuracy"]
     assert set(during) <= set(summary["weight_versions"])  # published versions only
-    rows = [json.loads(line) for line in (run_dir / "metrics-trainer.jsonl").read_text().splitlines()]
+    rows = smoke.metrics()
     evals = [r for r in rows if "eval/accuracy" in r]
     assert [r["step"] for r in evals] == [0, *during, 8]
     assert all(r["eval/version"] == r["step"] and {"eval/pass_at_1", "eval/pass_at_2", "eval/maj_at_2", "eval/reward",
@@ -152,8 +144,6 @@ def test_held_out_accuracy_every_two_steps_is_in_every_output(smoke):
     wandb_run = read_run(directory)
     logged = {r["eval/step"]: r["eval/accuracy"] for r in wandb_run.history if "eval/accuracy" in r}
     assert logged == pytest.approx({r["step"]: r["eval/accuracy"] for r in evals})
-    rep = run_cli("report", str(run_dir), timeout=120)
-    assert rep.returncode == 0, rep.stderr
     report = (run_dir / "report" / "report.md").read_text()
     assert "Held-out evaluation" in report and "| step (version) | greedy accuracy | maj@1 | maj@2 | pass@1 |" in report
     table = [line for line in report.splitlines() if line.startswith("| ") and line.split("|")[1].strip().isdigit()]
