@@ -259,10 +259,24 @@ def compact_redis(client, k: dict[str, str], through_step: int, fence: tuple[str
         pipe.xdel(k["audit:steps"], *plan.step_records[i:i + 1000])
     try:
         pipe.execute()
-    except redis.WatchError:  # a trainer started (the fence moved) between the check and EXEC
+    except redis.WatchError as exc:
+        _fence_moved_or_connection_lost(client, fence, exc)
+    return plan
+
+
+def _fence_moved_or_connection_lost(client, fence: tuple[str, str], exc: redis.WatchError) -> None:
+    """Why the compaction's transaction was refused: a trainer started (the fence moved) between the check and
+    EXEC, or the connection dropped while the key was WATCHed (redis-py raises WatchError for that too, e.g. when
+    Redis is restarted; seen: a supervised run whose Redis was killed mid-compaction stopped as a stale trainer).
+    The fence, read again, tells them apart: moved, StaleTrainer; still this trainer's, the connection's failure,
+    which the caller backs off and retries (as it does when this reading fails: Redis still down or loading). A
+    retry is safe whether or not that EXEC ran: it moved through_step with its counts, so the next reading plans
+    nothing twice."""
+    current = client.get(fence[0])
+    if current is None or text(current) != fence[1]:
         raise StaleTrainer(f"{STALE_CODE} the run's fence moved past {fence[1]} during compaction: a newer trainer "
                            "took the run over") from None
-    return plan
+    raise redis.ConnectionError(f"the connection to Redis was lost during compaction ({exc})") from exc
 
 
 def _watch_fence(pipe, key: str, fence: str) -> None:

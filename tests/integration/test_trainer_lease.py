@@ -146,3 +146,53 @@ def test_a_trainer_process_fenced_off_stops_at_once_with_the_reason(shared_redis
             proc.wait()
     assert proc.returncode == EXIT_FENCED, out
     assert f"holds fence {fence} but the run is at fence {fence + 1}" in out and "stopping now" in out
+
+
+def _before_exec(buf: RedisStreamBuffer, monkeypatch, fault) -> None:
+    """Make `fault()` happen just before the buffer's next transaction (compaction's MULTI/EXEC) executes."""
+    pipeline = buf.client.pipeline
+
+    def pipeline_with_fault(*args, **kwargs):
+        pipe = pipeline(*args, **kwargs)
+        execute = pipe.execute
+
+        def execute_after_fault(*a, **kw):
+            fault()
+            return execute(*a, **kw)
+        pipe.execute = execute_after_fault
+        return pipe
+    monkeypatch.setattr(buf.client, "pipeline", pipeline_with_fault)
+
+
+@pytest.mark.parametrize("fault", ["connection-lost", "newer-trainer"])
+def test_a_connection_lost_during_compaction_is_retried_and_only_a_moved_fence_is_a_newer_trainer(
+        redis_server, run_name, monkeypatch, fault):
+    """redis-py raises WatchError both when the WATCHed fence changed and when the connection dropped while it
+    was WATCHed (Redis restarted): the first is a newer trainer, the second a passing failure to retry. Seen: a
+    supervised run whose Redis was SIGKILLed mid-compaction stopped its trainer as stale (exit 3)."""
+    from grpo_stream.common.rollouts.redis_errors import BufferUnavailable
+
+    buf = trainer_buffer(redis_server.url, run_name)
+    refused: list[str] = []
+    lease = TrainerLease.take(buf, 30.0, None, on_stale=refused.append, renew=False)
+    buf.log_trainer("a", 0, "")
+    buf.append_many(groups(4), max_groups=100)
+    read = buf.read(4, block_ms=100)
+    buf.log_step("a", 1, [e.group_id for e in read])
+    buf.settle([(e.entry_id, e.group_id, "trained", 1) for e in read])
+    buf.log_checkpoint("a", 1)
+    other = connect(redis_server.url, 5)
+    faults = {"connection-lost": lambda: other.client_kill_filter(_type="normal", skipme=True),
+              "newer-trainer": lambda: other.incr(buf.k["trainer:fence"])}
+    raised = {"connection-lost": (BufferUnavailable, "connection to Redis was lost during compaction"),
+              "newer-trainer": (StaleTrainer, f"fence moved past {lease.fence} during compaction")}
+    with monkeypatch.context() as patch:
+        _before_exec(buf, patch, faults[fault])
+        with pytest.raises(raised[fault][0], match=raised[fault][1]):
+            buf.compact_audit(1)
+    if fault == "newer-trainer":
+        assert len(refused) == 1  # the trainer is told to stop
+        return
+    assert not refused  # the trainer goes on, and its next attempt compacts
+    assert buf.compact_audit(1).through_step == 1
+    assert int(buf.client.hget(buf.k["audit:compacted"], "through_step")) == 1
