@@ -148,10 +148,11 @@ def tiny_parts(small_cfg):
 
 # The longest test files, longest first (measured: `bash .ci/run` on a fresh clone, 2026-11-26, seconds on a slow
 # 2-core machine). Collection puts them first and pyproject.toml turns off xdist's own order (files with the most
-# tests first), so the two workers start on the long files and end on short unit files instead of one worker
+# tests first), so the workers start on the long files and end on short unit files instead of one worker
 # finishing the demo or `bench all` alone while the other core idles (seen: the last 10 minutes of a 53-minute run).
 LONGEST_FIRST = (
-    "tests/e2e/test_demo.py",  # ~1,100 s: the demo run
+    "tests/e2e/test_demo.py",  # ~560 s: the demo run (the learning lane's)
+    "tests/e2e/test_gspo_learning.py",  # ~200 s: the default lane's learning check (100 steps); 400 in `learning`
     "tests/bench/test_bench_all_quick.py",  # 410 s
     "tests/e2e/test_plan.py",  # ~200 s: the tiny config's plans (the presets' are in the heavy lane)
     "tests/e2e/test_up.py",  # 330 s

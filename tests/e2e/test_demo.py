@@ -1,7 +1,9 @@
-"""The CPU demo end to end, run once per lane (a module fixture) and checked for everything it must show: RL
-clearly raises held-out accuracy, every ingested group is accounted for, weights reach both samplers, the samplers'
-logprobs agree with the trainer's at lag 0, and the closing line and report show the figures. GSPO's learning
-checks start from a warm start kept in the tree instead: tests/e2e/test_gspo_learning.py.
+"""The CPU demo end to end as a user runs it (the README's first command), in the `learning` lane (`-m learning`;
+about 5-10 minutes of a worker: its 600-step warm start, 400 RL steps and five evaluations), run once (a module
+fixture) and checked for everything it must show: RL clearly raises held-out accuracy, every ingested group is
+accounted for, weights reach both samplers, the samplers' logprobs agree with the trainer's at lag 0, and the closing
+line and report show the figures. The default lane's learning check is GSPO's 100 steps from the demo's warm start
+kept in the tree (tests/e2e/test_gspo_learning.py): a third of the time, and the same bars on every machine.
 
 Learning thresholds are checks on one run, set from measured runs (bench/learning_spread.py; the runs are in
 tests/e2e/calibration/) and from runs seen inside CI's suite: see the constants below.
@@ -17,7 +19,7 @@ import pytest
 
 from tests.e2e.test_up import check_run, run_cli
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.learning]
 
 # The demo's bars are set against a run that does not learn (below), not from a prediction bound (the GSPO checks'
 # way: tests/e2e/test_gspo_learning.py). The demo as shipped (admission control on, continuous engine; calibration/demo-admission.json, 2026-11-25: 12 runs,
