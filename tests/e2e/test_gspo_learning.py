@@ -74,8 +74,8 @@ def gspo_run(tmp_path: pathlib.Path, steps: int) -> Run:
 
 
 def test_gspo_learns_in_100_steps(tmp_path):
-    """100 steps (~100 s of an idle worker, ~3 minutes in the lane), held to the calibrated bars above (GSPO's objective itself:
-    test_gspo_off_policy.py, test_loss.py). The default lane's check that the loop learns."""
+    """100 steps (~100 s of an idle worker, ~3 minutes in the lane), held to the calibrated bars above (GSPO's
+    objective itself: test_gspo_off_policy.py, test_loss.py). The default lane's check that the loop learns."""
     run = gspo_run(tmp_path, GSPO_SHORT_STEPS)
     before, after = run.summary["eval_before"], run.summary["eval_after"]
     assert after["pass_at_k"]["1"] - before["pass_at_k"]["1"] >= GSPO_SHORT_MIN_SAMPLED_GAIN, (
