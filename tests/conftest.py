@@ -161,7 +161,7 @@ LONGEST_FIRST = (
     "tests/unit/trainer_service/learning/test_grad_accumulation.py",  # ~40 s (its mesh and GSPO updates are heavy)
     "tests/e2e/test_weight_faults.py",  # 200 s
     "tests/unit/common/engine/test_vllm_engine.py",  # 200 s
-    "tests/e2e/test_weight_meshes.py",  # 190 s
+    "tests/e2e/test_weight_meshes.py",  # 190 s (the heavy lane's since 2026-11-29)
     "tests/e2e/test_lora_run.py",  # ~90 s: a LoRA run over grpc, and its resume
     "tests/e2e/test_multihost_trainer.py",  # ~150 s: two 2-process trainer runs
     "tests/e2e/test_multihost_restore_step.py",  # ~60 s

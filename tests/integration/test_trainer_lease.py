@@ -15,6 +15,7 @@ import threading
 import time
 
 import pytest
+import redis
 
 from grpo_stream.common.rollouts.buffer import Incoming, RedisStreamBuffer
 from grpo_stream.common.rollouts.redis_server import connect
@@ -148,20 +149,14 @@ def test_a_trainer_process_fenced_off_stops_at_once_with_the_reason(shared_redis
     assert f"holds fence {fence} but the run is at fence {fence + 1}" in out and "stopping now" in out
 
 
-def _before_exec(buf: RedisStreamBuffer, monkeypatch, fault) -> None:
-    """Make `fault()` happen just before the buffer's next transaction (compaction's MULTI/EXEC) executes."""
-    pipeline = buf.client.pipeline
+def _before_exec(monkeypatch, fault) -> None:
+    """Make `fault()` happen just before a pipeline executes (compaction's MULTI/EXEC: its only pipeline)."""
+    execute = redis.client.Pipeline.execute
 
-    def pipeline_with_fault(*args, **kwargs):
-        pipe = pipeline(*args, **kwargs)
-        execute = pipe.execute
-
-        def execute_after_fault(*a, **kw):
-            fault()
-            return execute(*a, **kw)
-        pipe.execute = execute_after_fault
-        return pipe
-    monkeypatch.setattr(buf.client, "pipeline", pipeline_with_fault)
+    def execute_after_fault(pipe, *args, **kwargs):
+        fault()
+        return execute(pipe, *args, **kwargs)
+    monkeypatch.setattr(redis.client.Pipeline, "execute", execute_after_fault)
 
 
 @pytest.mark.parametrize("fault", ["connection-lost", "newer-trainer"])
@@ -187,7 +182,7 @@ def test_a_connection_lost_during_compaction_is_retried_and_only_a_moved_fence_i
     raised = {"connection-lost": (BufferUnavailable, "connection to Redis was lost during compaction"),
               "newer-trainer": (StaleTrainer, f"fence moved past {lease.fence} during compaction")}
     with monkeypatch.context() as patch:
-        _before_exec(buf, patch, faults[fault])
+        _before_exec(patch, faults[fault])
         with pytest.raises(raised[fault][0], match=raised[fault][1]):
             buf.compact_audit(1)
     if fault == "newer-trainer":
