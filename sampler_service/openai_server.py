@@ -78,6 +78,7 @@ class Endpoint:
                                        min(connections, settings.max_connections_per_address))
         config = uvicorn.Config(self.app, host=settings.host, port=settings.port + index if settings.port else 0,
                                 log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=2,
+                                timeout_keep_alive=settings.keep_alive_s,
                                 http=guarded_protocol(self.limits), backlog=min(2048, connections),
                                 **_ssl_options(cfg.tls))
         self.server = uvicorn.Server(config)

@@ -42,6 +42,10 @@ class OpenAISection(Strict):
                                          "generation.max_prompt_tokens).")
     header_timeout_s: float = Field(10.0, gt=0, le=3600, description="A connection whose first request head is not "
                                     "complete in this time is closed.")
+    keep_alive_s: float = Field(30.0, gt=0, le=3600, description="An idle keep-alive connection is closed after "
+                                "this long. Keep it above your clients' own idle expiry (httpx, which the openai SDK "
+                                "uses: 5 s): at equal times a client may send on a connection the server is closing, "
+                                "and that request fails with 'Server disconnected'.")
     body_timeout_s: float = Field(30.0, gt=0, le=3600, description="A request whose body has not arrived in this "
                                   "time is answered 408 (it holds no place among max_concurrent meanwhile).")
     max_connections: int = Field(1024, ge=16, le=1_000_000, description="Open connections in all; beyond it a new "

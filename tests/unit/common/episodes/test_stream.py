@@ -15,6 +15,7 @@ from grpo_stream.common.episodes.result import GroupWork
 from grpo_stream.common.episodes.single_turn import SingleTurn
 from grpo_stream.common.episodes.stream import RolloutStream
 from grpo_stream.common.tasks.rewards import DEFAULT_WEIGHTS, RewardSet
+from tests.support import wait_for
 
 P, C, G = 24, 16, 4
 
@@ -54,6 +55,21 @@ def test_greedy_and_sampled_groups_share_one_serve(tiny_parts, engine):
     assert len({tuple(r.tokens) for r in made[0]}) > 1  # sampled rows differ
 
 
+class Paced:
+    """The stream as the engine sees it, each chunk boundary waiting until the test has started every group that fits:
+    the schedule a sampler's feeder keeps, whatever a loaded machine does to the test's thread."""
+
+    def __init__(self, stream: RolloutStream, caught_up):
+        self.stream, self.caught_up = stream, caught_up
+
+    def take(self):
+        wait_for(self.caught_up, 30, "the test to start the groups that fit")
+        return self.stream.take()
+
+    def __getattr__(self, name: str):
+        return getattr(self.stream, name)
+
+
 def test_groups_are_handed_on_as_their_last_episode_ends_and_a_long_tail_holds_one_row(tiny_parts):
     """Group 0 has one long row (16 tokens, the others 1; no stop token can end a row early): the stream hands on
     the groups started after it before it, and while its long row decodes it holds room for that row only, so new
@@ -63,13 +79,15 @@ def test_groups_are_handed_on_as_their_last_episode_ends_and_a_long_tail_holds_o
     budgets = [[16, 1, 1, 1]] + [[1, 1, 1, 1]] * 5
     order, room_seen = [], []
     stream = RolloutStream(engine.request_keys, lambda run: order.append(run.work.group_id))
-    serve = threading.Thread(target=engine.serve, args=(model.params, stream))
-    serve.start()
     pending = works(tiny_parts, 6, budgets=budgets)
+    fits = lambda: pending and stream.episodes_in_flight + G <= 8  # noqa: E731
+    serve = threading.Thread(target=engine.serve, args=(model.params, Paced(stream, lambda: not fits())))
+    serve.start()
     kind = SingleTurn(C)
     while pending or stream.episodes_in_flight:
-        while pending and stream.episodes_in_flight + G <= 8:
-            stream.start(pending.pop(0), kind)
+        while fits():
+            stream.start(pending[0], kind)  # counted in flight before it leaves `pending`: `fits` never sees neither
+            pending.pop(0)
             room_seen.append(stream.episodes_in_flight)
         stream.wait_change(0.05)
     stream.close()
