@@ -118,7 +118,8 @@ def run(quick: bool = False) -> dict:
     completions = np.asarray(batch.loss_mask).sum(axis=1)
     plain = compare(model, batch, AlgoSection(), p)
     with_reference = compare(model, batch, AlgoSection(beta=0.04), p)
-    return {"trainer": {"ratio_vs_padded": plain["ratio_vs_padded"],
+    return {"benchmark": "trainer", "quick": quick,
+            "trainer": {"ratio_vs_padded": plain["ratio_vs_padded"],
                         "useful_tokens_per_s": plain["packed"]["useful_tokens_per_s"],
                         "padded_useful_tokens_per_s": plain["padded"]["useful_tokens_per_s"],
                         "without_reference": plain, "with_reference": with_reference},

@@ -19,7 +19,8 @@ def test_bench_all_quick_writes_json_and_table_rows(tmp_path):
                            "--table", str(table)], cwd=ROOT, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = {name: json.loads((out / f"{name}-quick.json").read_text())
-               for name in ("transport", "pipeline", "sampler", "async", "weights", "prompts", "startup")}
+               for name in ("transport", "pipeline", "sampler", "async", "weights", "prompts", "startup", "trainer",
+                            "multiturn", "rollouts")}
     for name, result in results.items():
         assert result["benchmark"] == name and result["quick"] is True and "error" not in result
         assert result["targets"] and all(isinstance(t["met"], bool) for t in result["targets"].values())
