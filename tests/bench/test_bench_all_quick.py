@@ -102,10 +102,12 @@ def test_bench_all_quick_writes_json_and_table_rows(tmp_path):
     assert prompts["submit_p50_ms"] > 0 and prompts["check_p50_ms"] > 0
 
     startup = results["startup"]
-    # the cold run compiled and wrote every program, the warm run on its directory loaded them all
+    # the cold run compiled and wrote every program, the warm run on its directory loaded them and compiled again
+    # none (it may reach shapes the cold run did not: bench/startup.py's check_cache)
     (cold,), (warm,) = startup["runs"]["cold"], startup["runs"]["warm"]
     assert cold["loaded"] == 0 and cold["written"] == cold["entries"] > 0
-    assert warm["loaded"] == warm["programs"] > 0 and warm["written"] == 0 and warm["entries"] == cold["entries"]
+    assert warm["loaded"] > 0 and warm["loaded"] + warm["written"] == warm["programs"]
+    assert warm["entries"] == cold["entries"] + warm["written"]
     assert startup["cold_seconds"] > 0 and startup["warm_seconds"] > 0
 
     rollouts = results["rollouts"]
