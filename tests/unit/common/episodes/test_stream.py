@@ -80,13 +80,16 @@ def test_groups_are_handed_on_as_their_last_episode_ends_and_a_long_tail_holds_o
     order, room_seen = [], []
     stream = RolloutStream(engine.request_keys, lambda run: order.append(run.work.group_id))
     pending = works(tiny_parts, 6, budgets=budgets)
-    fits = lambda: pending and stream.episodes_in_flight + G <= 8  # noqa: E731
+
+    def fits() -> bool:
+        return bool(pending) and stream.episodes_in_flight + G <= 8
+
     serve = threading.Thread(target=engine.serve, args=(model.params, Paced(stream, lambda: not fits())))
     serve.start()
     kind = SingleTurn(C)
     while pending or stream.episodes_in_flight:
         while fits():
-            stream.start(pending[0], kind)  # counted in flight before it leaves `pending`: `fits` never sees neither
+            stream.start(pending[0], kind)  # in flight before it leaves `pending`, so `fits` always sees it once
             pending.pop(0)
             room_seen.append(stream.episodes_in_flight)
         stream.wait_change(0.05)
