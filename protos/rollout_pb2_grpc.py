@@ -91,7 +91,7 @@ class RolloutIngestServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ClaimPrompts(self, request, context):
-        """Injected prompts for this sampler's next batch, highest priority first,
+        """Injected prompts for the groups this sampler starts next, highest priority first,
         at most its fair share of the queue. A claim not answered within
         prompts.claim_lease_s goes back to the queue (the sampler died).
         """

@@ -1,4 +1,4 @@
-"""The sampler's side of admission control: ask the ingest before each batch how many groups it may start.
+"""The sampler's side of admission control: ask the ingest how many groups it may start.
 
 The ingest (trainer_service/ingest/admission.py) admits a group only if the trainer can still train it within
 trainer.max_staleness, counting the buffer and every sampler's groups in flight. A sampler refused waits the

@@ -4,7 +4,7 @@ A weight source (common/weights: grpc_transport, checkpoint_transport, local_tra
 in common/registry/transports.py) finds the newest version and brings it onto this sampler's devices with its own
 sharding. WeightSync owns the rules: a version is installed whole or not at all (with
 `background`, fetched on a thread while generation goes on and handed over only
-when complete, so the caller switches between batches), a new
+when complete, so the caller installs it when sampler.weight_updates says), a new
 trainer epoch (restarted trainer) is followed even when its numbers are lower,
 failed fetches back off exponentially (the sampler keeps its version), and
 `too_stale` says when generating would only make groups the trainer drops.

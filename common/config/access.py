@@ -106,9 +106,10 @@ class PromptsSection(Strict):
                               "prompts go highest first; across clients a prompt of priority p weighs 1 + p in the "
                               "fair turns (a client at 9 gets 10 prompts to one at 0, never all). A token table "
                               "entry's max_priority lowers the ceiling for that token.")
-    max_injected_fraction: float = Field(0.5, gt=0, le=1, description="The most of each sampler batch's rows injected "
-                                         "prompts may take (over successive batches; the rest are dataset prompts), "
-                                         "so no client can fill training with its own prompts. 1: no limit.")
+    max_injected_fraction: float = Field(0.5, gt=0, le=1, description="The most of the rows of a sampler's groups "
+                                         "injected prompts may take (counted over the groups admission grants it; the "
+                                         "rest are dataset prompts), so no client can fill training with its own "
+                                         "prompts. 1: no limit.")
     max_tags: int = Field(8, ge=0, le=256, description="Tags per prompt.")
     max_tag_chars: int = Field(64, ge=1, le=1024, description="Characters per tag.")
     max_text_chars: int = Field(32_768, ge=1, le=10_000_000, description="Characters of a prompt, question or "

@@ -45,7 +45,8 @@ class WeightsSection(Strict):
     keep_versions: int = Field(3, ge=2, le=10_000, description="checkpoint: versions kept on disk (older are "
                                "deleted; a sampler still restoring one retries with the newest).")
     background_fetch: bool = Field(True, description="Samplers fetch a new version on a background thread while "
-                                   "they keep generating with the installed one, and switch between batches (needs "
+                                   "they keep generating with the installed one, and install it whole as "
+                                   "sampler.weight_updates says (needs "
                                    "device memory for a second copy of the weights); false = fetch in the "
                                    "generation loop (one copy, generation pauses during the transfer).")
     retry_initial_s: float = Field(0.5, gt=0, le=600, description="First back-off after a failed fetch; doubles "

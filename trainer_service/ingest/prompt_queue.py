@@ -22,7 +22,7 @@ Layout for run R (prefix P, next to the rollout buffer's keys):
                          rollout stream; the audit checks no trained step lists one)
   P:R:status             the trainer's status (JSON), rewritten every second
 
-Two shares keep one client from starving training (a client token could otherwise fill every batch: injected
+Two shares keep one client from starving training (a client token could otherwise fill every group: injected
 prompts start before dataset prompts, sampler_service/group_source.py). Across clients, claims are weighted fair
 queuing (start-time fair queuing): the client whose turn starts first is served, and a prompt of priority p moves its
 client's next turn on by 1 / (1 + p), so a client flooding at priority 9 takes at most 10 of every 11 prompts claimed

@@ -1,0 +1,142 @@
+"""What a Python tool call leaves behind, attacked for real: SysV IPC objects and keys are refused, a deep or
+unreadable tree is removed whatever its shape, and on a tmpfs what a call writes is bounded in bytes and files."""
+
+import os
+import shutil
+import tempfile
+
+import pytest
+
+from grpo_stream.common.tools import python_sandbox
+from grpo_stream.common.tools.python_sandbox import SandboxLimits, run_python
+from tests.sandbox_support import LIMITS, confined, still_works
+
+
+def sysv_objects() -> dict[str, list[str]]:
+    """The SysV shared memory segments, message queues and semaphores of the uid the sandbox runs as (nobody when
+    root), from the machine's /proc listings: other processes of the machine may make their own meanwhile."""
+    uid = str(python_sandbox._sandbox_user()[0] if os.geteuid() == 0 else os.getuid())
+    listing = {}
+    for kind in ("shm", "msg", "sem"):
+        with open(f"/proc/sysvipc/{kind}") as f:
+            header, *rows = f.read().splitlines()
+        column = header.split().index("uid")
+        listing[kind] = [row for row in rows if row.split()[column] == uid]
+    return listing
+
+
+@pytest.fixture
+def own_temp(monkeypatch):
+    """A temporary folder for this test's sandbox calls alone (tempfile's default, which run_python creates its
+    working directories in), so calls other test workers make at the same time never show in `sandbox_dirs`."""
+    folder = tempfile.mkdtemp(prefix="grpo-stream-test-temp-")
+    os.chmod(folder, 0o755)  # the sandbox's uid (nobody, when root) must reach its working directory
+    monkeypatch.setattr(tempfile, "tempdir", folder)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def sandbox_dirs() -> set[str]:
+    return {name for name in os.listdir(tempfile.gettempdir()) if name.startswith("grpo-stream-python-")}
+
+
+IPC_CODE = """
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+IPC_PRIVATE, IPC_CREAT = 0, 0o1000
+segment = libc.shmget(IPC_PRIVATE, 64 << 20, IPC_CREAT | 0o600)
+if segment >= 0:
+    libc.shmat.restype = ctypes.c_void_p
+    address = libc.shmat(segment, None, 0)
+    if address not in (None, ctypes.c_void_p(-1).value):
+        ctypes.memset(address, 7, 64 << 20)  # resident until removed: 64 MiB for the machine's life
+queue = libc.msgget(IPC_PRIVATE, IPC_CREAT | 0o600)
+semaphores = libc.semget(IPC_PRIVATE, 4, IPC_CREAT | 0o600)
+key = libc.syscall(248 if os.uname().machine == "x86_64" else 217, b"user", b"k", b"v", 1, -2)  # add_key
+print("ran", segment, queue, semaphores, key)
+"""
+
+
+@confined
+def test_sysv_ipc_message_queues_and_keys_are_refused_and_nothing_is_left(own_temp):
+    before, dirs_before = sysv_objects(), sandbox_dirs()
+    result = run_python(IPC_CODE, LIMITS)
+    assert result.error is None, result
+    ran, *created = result.stdout.split()
+    assert ran == "ran" and created == ["-1", "-1", "-1", "-1"], result.stdout  # each refused
+    assert sysv_objects() == before and sandbox_dirs() == dirs_before
+    still_works()
+
+
+DEEP_TREE_CODE = """
+import os
+print("in", os.getcwd())
+made = 0
+try:
+    for _ in range(1500):
+        os.mkdir("d")
+        os.chdir("d")
+        made += 1
+except OSError as exc:
+    print("stopped:", type(exc).__name__)
+print("depth", made)
+"""
+
+
+@confined
+def test_a_deep_tree_never_raises_and_nothing_is_left(own_temp):
+    before = sandbox_dirs()
+    result = run_python(DEEP_TREE_CODE, LIMITS)
+    assert result.error is None and "depth" in result.stdout, result
+    assert result.stdout.startswith(f"in {own_temp}/grpo-stream-python-"), result.stdout  # counted where it ran
+    assert sandbox_dirs() == before
+    still_works()
+
+
+def test_the_tree_is_removed_however_deep_and_whatever_its_modes(tmp_path):
+    """What a plain directory (no tmpfs: not root) is left with: 3,000 levels with 200-character names (a path of
+    600,000 characters, beyond PATH_MAX and Python's recursion), unreadable directories, a symlink out."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep").write_text("kept")
+    top = tmp_path / "work"
+    top.mkdir()
+    fd = os.open(top, os.O_RDONLY)
+    name = "n" * 200
+    for depth in range(3000):
+        os.mkdir(name, dir_fd=fd)
+        os.symlink(outside, f"link{depth % 2}", dir_fd=fd) if depth in (5, 2999) else None
+        inner = os.open(name, os.O_RDONLY, dir_fd=fd)
+        os.close(fd)
+        fd = inner
+    os.close(fd)
+    os.chmod(top / name, 0)
+    python_sandbox._remove_tree(str(top))
+    assert not top.exists() and (outside / "keep").read_text() == "kept"
+
+
+@confined
+@pytest.mark.skipif(os.geteuid() != 0, reason="the tmpfs working directory needs root (mount namespace)")
+def test_what_a_call_writes_is_bounded_in_bytes_and_files():
+    limits = SandboxLimits(cpu_seconds=2, wall_seconds=10, disk_mb=8, max_files=64)
+    code = """
+import os
+written = files = 0
+try:
+    for i in range(64):
+        with open(f"f{i}", "wb") as f:
+            f.write(b"x" * (1 << 20))
+        written += 1
+except OSError as exc:
+    print("bytes stopped:", exc.strerror)
+try:
+    for i in range(1000):
+        os.mkdir(f"d{i}")
+        files += 1
+except OSError as exc:
+    print("files stopped:", exc.strerror)
+print(written, files)
+"""
+    result = run_python(code, limits)
+    written, files = map(int, result.stdout.split()[-2:])
+    assert "No space left on device" in result.stdout and written <= 8 and files < 64, result.stdout

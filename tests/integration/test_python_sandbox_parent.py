@@ -1,0 +1,184 @@
+"""The Python sandbox's parent as a non-root uid (the child then keeps that uid): the code cannot change the
+parent's limits or priority, nor signal it; the seccomp filter itself is run on a small BPF interpreter for both
+machines it is written for."""
+
+import json
+import os
+import re
+import resource
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+from grpo_stream.common.tools import python_sandbox, sandbox_child
+from grpo_stream.common.tools.python_sandbox import BOOTSTRAP, run_python
+from tests.sandbox_support import LIMITS, confined, still_works
+
+
+# The sandbox's parent as a non-root uid: the child keeps that uid, so only the seccomp filter (and, for signals,
+# Landlock ABI >= 6) stops it from reaching the parent through its pid.
+DRIVER = """
+import json, os, resource, subprocess, sys
+job = json.load(sys.stdin)
+def state():
+    return {"nofile": resource.getrlimit(resource.RLIMIT_NOFILE), "cpu": resource.getrlimit(resource.RLIMIT_CPU),
+            "nice": os.getpriority(os.PRIO_PROCESS, 0), "affinity": sorted(os.sched_getaffinity(0))}
+before = state()
+done = subprocess.run([sys.executable, "-I", "-S", "-u", "-c", job["bootstrap"], job["settings"]], input=job["code"],
+                      cwd=job["workdir"], capture_output=True, text=True, timeout=30, env={"PATH": "/usr/bin:/bin"},
+                      start_new_session=True)
+print(json.dumps({"uid": os.getuid(), "before": before, "after": state(), "stdout": done.stdout,
+                  "stderr": done.stderr}))
+"""
+ON_THE_PARENT = {"prlimit NOFILE": "resource.prlimit(parent, resource.RLIMIT_NOFILE, (100, 100))",
+                 "prlimit CPU": "resource.prlimit(parent, resource.RLIMIT_CPU, (1, 1))",
+                 "prlimit read": "resource.prlimit(parent, resource.RLIMIT_NOFILE)",
+                 "kill 0": "os.kill(parent, 0)", "kill 9": "os.kill(parent, 9)",
+                 "killpg 0": "os.killpg(os.getpgid(parent), 0)", "kill -1 0": "os.kill(-1, 0)",
+                 "setpriority": "os.setpriority(os.PRIO_PROCESS, parent, 19)",
+                 "setpriority group": "os.setpriority(os.PRIO_PGRP, os.getpgid(parent), 19)",
+                 "sched_setaffinity": "os.sched_setaffinity(parent, {min(os.sched_getaffinity(0))})",
+                 "pidfd_open": "os.pidfd_open(parent)"}
+ON_ITSELF = {"own prlimit": "resource.prlimit(0, resource.RLIMIT_NOFILE, (32, 32))",
+             "own kill 0": "os.kill(os.getpid(), 0)", "own setpriority": "os.setpriority(os.PRIO_PROCESS, 0, 5)"}
+
+
+def attempts_code(attempts: dict[str, str]) -> str:
+    """Code that tries each attempt and prints "<name> ALLOWED" or "<name> <errno>", then its own NOFILE limit."""
+    code = "import os, resource\nparent = os.getppid()\n"
+    code += "".join(f"try:\n    {a}\n    print('{k} ALLOWED')\nexcept OSError as e:\n    print('{k}', e.errno)\n"
+                    for k, a in attempts.items())
+    return code + "print('own NOFILE', *resource.getrlimit(resource.RLIMIT_NOFILE))\n"
+
+
+def non_root_parent() -> tuple[str, dict]:
+    """A Python and the subprocess arguments that run it as a non-root uid: this process's own when it is not
+    root, else uid/gid 65534 with a Python that uid can run (pyenv under /root is unreadable to it); skips when
+    there is none."""
+    if os.geteuid() != 0:
+        return sys.executable, {}
+    as_nobody = {"user": 65534, "group": 65534, "extra_groups": []}
+    for python in (sys.executable, "/usr/bin/python3"):
+        try:
+            probe = subprocess.run([python, "-I", "-c", "import json, resource, subprocess"], cwd="/",
+                                   capture_output=True, timeout=30, **as_nobody)
+        except (OSError, subprocess.SubprocessError):
+            continue
+        if probe.returncode == 0:
+            return python, as_nobody
+    pytest.skip("no Python that uid 65534 can run (this one is unreadable to it, and no /usr/bin/python3)")
+
+
+def run_under_non_root_parent(code: str, confine: bool, seccomp: bool) -> dict:
+    """Runs the sandbox child with `code` below a non-root parent (DRIVER); returns the parent's report: its uid,
+    its limits, niceness and affinity before and after, and the child's output."""
+    python, as_user = non_root_parent()
+    workdir = tempfile.mkdtemp(prefix="grpo-stream-test-nonroot-")
+    try:
+        if as_user:
+            os.chown(workdir, as_user["user"], as_user["group"])
+        settings = python_sandbox.child_settings(LIMITS, workdir, None, confine=confine)
+        settings["seccomp"] = seccomp
+        job = json.dumps({"bootstrap": BOOTSTRAP, "settings": json.dumps(settings), "code": code, "workdir": workdir})
+        done = subprocess.run([python, "-I", "-c", DRIVER], input=job, cwd=workdir, capture_output=True, text=True,
+                              timeout=60, start_new_session=True, **as_user)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    assert done.returncode == 0, f"the parent died ({done.returncode}): {done.stderr}"
+    report = json.loads(done.stdout)
+    assert report["uid"] != 0 and report["uid"] == as_user.get("user", os.getuid()), report
+    return report
+
+
+@confined
+@pytest.mark.parametrize("confine", [True, False], ids=["landlock and seccomp", "seccomp alone"])
+def test_a_non_root_sampler_cannot_be_reached_through_its_pid(confine):
+    """The child keeps the parent's uid, which the kernel lets change the parent's limits, priority and affinity
+    and signal it: the filter refuses every call on the parent's pid (also without Landlock, whose signal scoping
+    older kernels lack), while the code may still do the same to itself."""
+    report = run_under_non_root_parent(attempts_code({**ON_THE_PARENT, **ON_ITSELF}), confine, seccomp=True)
+    expected = [f"{name} 1" for name in ON_THE_PARENT] + [f"{name} ALLOWED" for name in ON_ITSELF]
+    assert report["stdout"].splitlines() == expected + ["own NOFILE 32 32"], report
+    assert report["after"] == report["before"], report
+
+
+@confined
+def test_without_the_filter_a_non_root_child_could_change_its_parents_limits():
+    """The hole the filter closes is real: with Landlock alone, the same uid's prlimit reaches the parent."""
+    report = run_under_non_root_parent(attempts_code({"prlimit NOFILE": ON_THE_PARENT["prlimit NOFILE"]}),
+                                       confine=True, seccomp=False)
+    assert report["stdout"].splitlines()[0] == "prlimit NOFILE ALLOWED", report
+    assert report["after"]["nofile"] == [100, 100], report
+
+
+@confined
+def test_the_code_cannot_change_the_samplers_limits_or_signal_it():
+    """This process (root here: the child is nobody) as the sampler: the same calls on the parent's pid fail."""
+    limits = {which: resource.getrlimit(which) for which in (resource.RLIMIT_NOFILE, resource.RLIMIT_CPU)}
+    attempts = {name: ON_THE_PARENT[name] for name in ("prlimit NOFILE", "prlimit CPU", "kill 0", "setpriority")}
+    result = run_python(attempts_code(attempts), LIMITS)
+    assert result.stdout.splitlines()[:-1] == [f"{name} 1" for name in attempts], result
+    assert {which: resource.getrlimit(which) for which in limits} == limits
+    still_works()
+
+
+def evaluate_filter(program: list[tuple[int, int, int, int]], arch: int, number: int, *args: int) -> int:
+    """Runs a seccomp program (the instructions sandbox_child uses) on one syscall; returns the action."""
+    data = struct.pack("<iIQ6Q", number, arch, 0, *[a & (1 << 64) - 1 for a in (*args, *[0] * (6 - len(args)))])
+    pc, accumulator = 0, None
+    while True:
+        code, jt, jf, k = program[pc]
+        if code == sandbox_child.BPF_LD_W_ABS:
+            accumulator, pc = struct.unpack_from("<I", data, k)[0], pc + 1
+        elif code in (sandbox_child.BPF_JEQ_K, sandbox_child.BPF_JGE_K):
+            taken = accumulator == k if code == sandbox_child.BPF_JEQ_K else accumulator >= k
+            pc += 1 + (jt if taken else jf)
+        else:
+            assert code == sandbox_child.BPF_RET_K
+            return k
+
+
+@pytest.mark.parametrize("machine", sorted(sandbox_child.SECCOMP_ARCHES))
+def test_the_seccomp_filter_allows_calls_on_the_sandbox_only(machine):
+    own, parent = 4321, 1234
+    program = sandbox_child.seccomp_program(machine, own)
+    arch, column = sandbox_child.SECCOMP_ARCHES[machine]
+    allow, deny = sandbox_child.SECCOMP_RET_ALLOW, sandbox_child.SECCOMP_RET_ERRNO | sandbox_child.EPERM
+
+    def action(name: str, *args: int) -> int:
+        return evaluate_filter(program, arch, sandbox_child.SYSCALL_NUMBERS[name][column], *args)
+
+    assert evaluate_filter(program, arch ^ 1, 0) == sandbox_child.SECCOMP_RET_KILL_PROCESS  # another ABI
+    assert evaluate_filter(program, arch, sandbox_child.X32_SYSCALL_BIT | 39) == deny
+    assert evaluate_filter(program, arch, 172 if machine == "aarch64" else 39) == allow  # getpid
+    for name in sandbox_child.SECCOMP_DENIED:
+        assert action(name, 0) == action(name, own) == deny, name
+    for name, (argument, own_allowed, which) in sandbox_child.SECCOMP_OWN_PID.items():
+        def call(pid: int, which_value: int = which or 0) -> int:
+            args = [which_value, 0, 0] if which is not None else [0, 0, 0]
+            args[argument] = pid
+            return action(name, *args)
+        assert call(0) == allow and call(own) == (allow if own_allowed else deny), name
+        for pid in (parent, -1, -own, own | 1 << 32, 1 << 32):  # another process, all, a group, stray high bits
+            assert call(pid) == deny, (name, pid)
+        if which is not None:
+            assert call(0, which + 1) == call(0, which | 1 << 32) == deny, name  # a group or a user, not a process
+    assert action("prlimit64", 0, 7, 1) == allow and action("prlimit64", parent, 7) == deny
+
+
+@pytest.mark.parametrize("machine, header", [("x86_64", "x86_64-linux-gnu/asm/unistd_64.h"),
+                                             ("aarch64", "asm-generic/unistd.h")])
+def test_the_syscall_numbers_match_the_kernel_headers(machine, header):
+    path = os.path.join("/usr/include", header)
+    if not os.path.exists(path):
+        pytest.skip(f"{path} is not installed (linux-libc-dev)")
+    with open(path) as f:
+        numbers = {name: int(n) for name, n in re.findall(r"#define __NR(?:3264)?_(\w+)\s+(\d+)\b", f.read())}
+    column = sandbox_child.SECCOMP_ARCHES[machine][1]
+    assert {name: values[column] for name, values in sandbox_child.SYSCALL_NUMBERS.items()} == {
+        name: numbers[name] for name in sandbox_child.SYSCALL_NUMBERS}
+
