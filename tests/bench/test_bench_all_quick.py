@@ -14,23 +14,36 @@ from tests.e2e.test_up import ROOT
 pytestmark = [pytest.mark.redis, pytest.mark.slow, pytest.mark.bench]  # the bench lane (-m bench)
 
 
-def test_bench_all_quick_writes_json_and_table_rows(tmp_path):
+BENCHMARKS = ("transport", "pipeline", "sampler", "async", "weights", "prompts", "startup", "trainer", "multiturn",
+              "rollouts")
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    """One `bench all --quick` run for every test here: (its JSON folder, its markdown table, each benchmark's JSON)."""
+    tmp_path = tmp_path_factory.mktemp("bench-all")
     out, table = tmp_path / "bench", tmp_path / "results.md"
     proc = subprocess.run([sys.executable, "-m", "grpo_stream", "bench", "all", "--quick", "--json", str(out),
                            "--table", str(table)], cwd=ROOT, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    results = {name: json.loads((out / f"{name}-quick.json").read_text())
-               for name in ("transport", "pipeline", "sampler", "async", "weights", "prompts", "startup", "trainer",
-                            "multiturn", "rollouts")}
-    for name, result in results.items():
+    return out, table, {name: json.loads((out / f"{name}-quick.json").read_text()) for name in BENCHMARKS}
+
+
+def test_every_benchmark_wrote_its_json_with_its_targets(quick):
+    for name, result in quick[2].items():
         assert result["benchmark"] == name and result["quick"] is True and "error" not in result
         assert result["targets"] and all(isinstance(t["met"], bool) for t in result["targets"].values())
 
-    transport = results["transport"]
+
+
+def test_transport_every_encoding_moved_the_same_groups(quick):
+    transport = quick[2]["transport"]
     assert transport["groups"] == 16 and transport["tokens_per_completion"] == 512
     assert all(transport["groups_per_second"][k] > 0 for k in ("ours", "json", "pickle", "raw_redis"))
 
-    pipeline = results["pipeline"]
+
+def test_pipeline_prefetch_shares_add_up_on_and_off(quick):
+    pipeline = quick[2]["pipeline"]
     for run, ahead in ((pipeline, pipeline["steps_counted"]), (pipeline["prefetch_off"], 0)):  # prefetch on, off
         assert 0 < run["overhead_share"] < 1 and run["steps_counted"] > 0 and run["plans_prepared_ahead"] == ahead
         assert sum(run["main_thread_share"].values()) == pytest.approx(1.0, abs=0.02)
@@ -42,7 +55,9 @@ def test_bench_all_quick_writes_json_and_table_rows(tmp_path):
         pipeline["compute_seconds_per_step"]["on"] / pipeline["compute_seconds_per_step"]["off"], rel=1e-2)
     assert pipeline["steps_counted"] + pipeline["prefetch_off"]["steps_counted"] < pipeline["steps_timed"]
 
-    sampler = results["sampler"]
+
+def test_sampler_rates_and_ratios_agree_with_their_own_figures(quick):
+    sampler = quick[2]["sampler"]
     assert sampler["logits_max_rel_diff"] < 1e-3
     for case in ("longtail", "fixed"):
         engines = sampler[case]["engines"]
@@ -63,7 +78,9 @@ def test_bench_all_quick_writes_json_and_table_rows(tmp_path):
     assert longtail["budget_median"] < longtail["budget_max"] == sampler["max_new_tokens"]
     assert 0 < longtail["engines"]["ours"]["slot_use"] <= 1 and longtail["engines"]["ours"]["programs_compiled"] > 0
 
-    asynchronous = results["async"]
+
+def test_async_synchronous_mode_is_synchronous_and_every_run_generated(quick):
+    asynchronous = quick[2]["async"]
     # synchronous mode really is synchronous: every group trained at staleness 0, none dropped
     assert all(r["staleness_max"] == 0 and r["groups_dropped_stale"] == 0 for r in asynchronous["runs"]["sync"])
     assert asynchronous["async_over_sync"] > 0 and asynchronous["async_over_sync_total"] > 0
@@ -72,7 +89,9 @@ def test_bench_all_quick_writes_json_and_table_rows(tmp_path):
     assert all(r["groups_generated"] >= 6 * 16 and 0 <= r["generation_wasted_fraction"] < 1
                for rs in asynchronous["runs"].values() for r in rs)
 
-    weights = results["weights"]
+
+def test_weights_every_case_moved_the_whole_model(quick):
+    weights = quick[2]["weights"]
     # every case moved the same model's bytes (bf16 half of f32) into another process, and the stall phase
     # really published while stepping: the peer installed the last version
     cases = {(c["transport"], c["data_plane"], c["model_dtype"], c["wire_dtype"], c["lora_rank"]): c
@@ -97,12 +116,16 @@ def test_bench_all_quick_writes_json_and_table_rows(tmp_path):
     assert weights["multi_source_over_single"] == round(multi["two_processes"]["mb_per_s"]
                                                         / multi["single_process"]["mb_per_s"], 3) > 0
 
-    prompts = results["prompts"]
+
+def test_prompts_every_prompt_was_answered_once(quick):
+    prompts = quick[2]["prompts"]
     # every prompt submitted was answered once and followed to its result, through a real ingest process
     assert prompts["submits"] > 0 and prompts["answered"] == prompts["submits"] and prompts["errors"] == 0
     assert prompts["submit_p50_ms"] > 0 and prompts["check_p50_ms"] > 0
 
-    startup = results["startup"]
+
+def test_startup_the_warm_run_loaded_the_cold_runs_programs(quick):
+    startup = quick[2]["startup"]
     # the cold run compiled and wrote every program, the warm run on its directory loaded them and compiled again
     # none (it may reach shapes the cold run did not): bench startup's own check, on the figures it wrote
     (cold,) = startup["runs"]["cold"]
@@ -110,7 +133,9 @@ def test_bench_all_quick_writes_json_and_table_rows(tmp_path):
     check_cache(startup["runs"])
     assert startup["cold_seconds"] > 0 and startup["warm_seconds"] > 0
 
-    rollouts = results["rollouts"]
+
+def test_rollouts_every_arm_made_the_same_tokens(quick):
+    rollouts = quick[2]["rollouts"]
     single = rollouts["single_turn"]
     # every arm made the same useful tokens (every row its whole budget) and the stream acknowledged every group
     assert all(r["tokens"] == single["useful_tokens"] for runs in single["runs"].values() for r in runs)
@@ -123,15 +148,19 @@ def test_bench_all_quick_writes_json_and_table_rows(tmp_path):
     assert len({r["tokens"] for runs in multi["runs"].values() for r in runs}) == 1  # the same episodes, either tool
     assert 0 <= multi["engine_idle_share"] < 1 and multi["tool_latency_s"] == 0.1
 
+
+def test_evaluation_every_due_step_evaluated_or_skipped(quick):
     # evaluation during the run: none without it; with it, every due step of 12 (10) evaluated or skipped, no error
-    evaluation = json.loads((out / "evaluation-quick.json").read_text())
+    evaluation = json.loads((quick[0] / "evaluation-quick.json").read_text())
     assert "error" not in evaluation and evaluation["off"]["evaluated_steps"] == [[0]]
     for setting in ("on", "held"):
         (steps,), (skipped,) = evaluation[setting]["evaluated_steps"], evaluation[setting]["skipped"]
         assert steps[0] == 0 and set(steps[1:]) | set(skipped) == {10} and evaluation[setting]["errors"] == 0
     assert evaluation["held_over_off"] > 0 and evaluation["targets"]["held_over_off"]["target"] == "<= 1.05"
 
-    rows = [line for line in table.read_text().splitlines() if line.startswith("| 20")]
+
+def test_the_table_has_one_quick_row_per_benchmark(quick):
+    rows = [line for line in quick[1].read_text().splitlines() if line.startswith("| 20")]
     assert [row.split(" | ")[2] for row in rows] == ["transport", "pipeline", "sampler", "async", "weights", "prompts",
                                                      "startup", "trainer", "multiturn", "rollouts", "evaluation"]
     assert all(" | quick | " in row for row in rows)
