@@ -83,16 +83,95 @@ class Recorder:
         self.engine.serve(params, Source(), refresh, version)
 
 
+def episode_of(request) -> int:
+    """The episode a request belongs to: one group of one row per problem, at its index."""
+    return request.tag.run.work.position
+
+
+def turn_figures(recorder, engine, tok, prompts, results) -> dict:
+    """Token in, token out (turn t + 1's prompt = turn t's prompt + its sampled ids + the observation's ids) and the
+    prefix cache's hits on each later turn, against what the earlier turns computed."""
+    by_episode: dict[int, list] = {}
+    for request, cached in zip(recorder.taken, engine.cached_prompt_tokens):
+        by_episode.setdefault(episode_of(request), []).append((request, cached))
+    later, prefix_exact, observation_ids, cache_hits, cache_expected, longest_prompt = 0, True, True, [], [], 0
+    for i, turns in by_episode.items():
+        final = list(prompts[i]) + results[i].tokens
+        for k, ((before, _), (after, cached)) in enumerate(zip(turns, turns[1:])):
+            later += 1
+            sampled = recorder.sampled[id(before)]
+            known = list(before.ids) + sampled
+            prefix_exact &= after.ids[:len(known)] == known
+            reply = tok.encode(f" = {k + 1}")  # what the environment said after turn k, as the renderer wrote it
+            observation_ids &= after.ids[len(known):] in (reply, [tok.eos_ids[0]] + reply)
+            prefix_exact &= final[:len(after.ids)] == list(after.ids)
+            longest_prompt = max(longest_prompt, len(after.ids))
+            # the earlier turn computed keys and values for its prompt and all but its last sampled token; vLLM
+            # caches whole blocks of them and always computes a prompt's last token itself
+            cache_expected.append(min(len(known) - 1, len(after.ids) - 1) // BLOCK * BLOCK)
+            cache_hits.append(int(cached))
+    return dict(later_turns=later, prefix_exact=bool(prefix_exact), observation_ids=bool(observation_ids),
+                cache_hits=cache_hits, cache_expected=cache_expected, longest_later_prompt=longest_prompt,
+                first_turn_cache_hits=[int(c) for r, c in zip(recorder.taken, engine.cached_prompt_tokens)
+                                       if len(r.ids) == len(prompts[episode_of(r)])])
+
+
+def logprob_figures(model, tok, prompts, results) -> dict:
+    """The behaviour logprobs of the model tokens against the trainer's recomputation of each whole episode (prompt
+    left-padded to P, then the episode's tokens); observation tokens carry logprob 0."""
+    import jax.numpy as jnp
+
+    from grpo_stream.common.model.policy import sequence_logprobs
+
+    tokens = np.full((len(prompts), P + C), tok.pad_id, np.int32)
+    valid = np.zeros(tokens.shape, np.bool_)
+    for i, (ids, r) in enumerate(zip(prompts, results)):
+        tokens[i, P - len(ids):P], valid[i, P - len(ids):P + len(r.tokens)] = ids, True
+        tokens[i, P:P + len(r.tokens)] = r.tokens
+    recomputed = np.asarray(sequence_logprobs(model, model.params, jnp.asarray(tokens), jnp.asarray(valid),
+                                              TEMPERATURE, tok.pad_id))[:, P - 1:]
+    diffs, behaviour = [], []
+    for i, r in enumerate(results):
+        mask = np.array(r.model_mask)
+        diffs.append(np.abs(recomputed[i, :len(mask)][mask] - np.array(r.logprobs)[mask]))
+        behaviour.append(np.array(r.logprobs)[mask])
+    diffs, behaviour = np.concatenate(diffs), np.concatenate(behaviour)
+    return dict(model_tokens=int(diffs.size), logprob_max_abs_diff=float(diffs.max()),
+                logprob_mean=float(behaviour.mean()),
+                observation_logprobs_zero=all((np.array(r.logprobs)[~np.array(r.model_mask)] == 0).all()
+                                              for r in results),
+                errors=[r.error for r in results if r.error])
+
+
+def refresh_figures(model, engine, episodes) -> dict:
+    """A new version while episodes run (the weights scaled, handed over at the third check): every model token
+    records a version, in order."""
+    import jax
+
+    scaled = jax.tree_util.tree_map(lambda x: x * 1.05, model.params)
+    calls = {"n": 0}
+
+    def refresh():
+        calls["n"] += 1
+        return (scaled, 1) if calls["n"] == 3 else None
+
+    mixed, _ = episodes(0.02, rng=9, refresh=refresh)
+    versions = [r.versions for r in mixed]
+    return dict(refresh_calls=calls["n"], pauses=engine.pauses,
+                versions_complete=all(len(v) == len(r.tokens) for v, r in zip(versions, mixed)),
+                versions_monotone=all(all(b >= a for a, b in zip(v, v[1:])) for v in versions),
+                versions_seen=sorted({x for v in versions for x in v}))
+
+
 def main(model_dir: str, out_path: str) -> None:
     import jax
-    import jax.numpy as jnp
 
     from grpo_stream.common.config.schema import VllmSection
     from grpo_stream.common.engine.vllm_engine import VllmEngine
     from grpo_stream.common.environments.render import PlainRenderer
     from grpo_stream.common.episodes.finite import run_episodes
     from grpo_stream.common.episodes.tool_turns import EpisodeSettings, ToolTurns
-    from grpo_stream.common.model.policy import load_hf_model, sequence_logprobs
+    from grpo_stream.common.model.policy import load_hf_model
     from grpo_stream.common.model.tokenizer import HFTokenizer
     from grpo_stream.common.tasks.arith import ArithTask
 
@@ -120,75 +199,14 @@ def main(model_dir: str, out_path: str) -> None:
         return made, {"turns": sum(r.turns for r in made), "episodes": len(made),
                       "seconds": time.monotonic() - started}
 
-    def episode_of(request) -> int:  # one group of one row per problem, at its index
-        return request.tag.run.work.position
-
     results, figures = episodes(0.02)
     result.update(turns=figures["turns"], episodes=figures["episodes"], serve_s=figures["seconds"])
-
-    # token in, token out: turn t + 1's prompt = turn t's prompt + its sampled ids + the observation's ids
-    by_episode: dict[int, list] = {}
-    for request, cached in zip(recorder.taken, engine.cached_prompt_tokens):
-        by_episode.setdefault(episode_of(request), []).append((request, cached))
-    later, prefix_exact, observation_ids, cache_hits, cache_expected, longest_prompt = 0, True, True, [], [], 0
-    for i, turns in by_episode.items():
-        final = list(prompts[i]) + results[i].tokens
-        for k, ((before, _), (after, cached)) in enumerate(zip(turns, turns[1:])):
-            later += 1
-            sampled = recorder.sampled[id(before)]
-            known = list(before.ids) + sampled
-            prefix_exact &= after.ids[:len(known)] == known
-            reply = tok.encode(f" = {k + 1}")  # what the environment said after turn k, as the renderer wrote it
-            observation_ids &= after.ids[len(known):] in (reply, [tok.eos_ids[0]] + reply)
-            prefix_exact &= final[:len(after.ids)] == list(after.ids)
-            longest_prompt = max(longest_prompt, len(after.ids))
-            # the earlier turn computed keys and values for its prompt and all but its last sampled token; vLLM
-            # caches whole blocks of them and always computes a prompt's last token itself
-            cache_expected.append(min(len(known) - 1, len(after.ids) - 1) // BLOCK * BLOCK)
-            cache_hits.append(int(cached))
-    result.update(later_turns=later, prefix_exact=bool(prefix_exact), observation_ids=bool(observation_ids),
-                  cache_hits=cache_hits, cache_expected=cache_expected, longest_later_prompt=longest_prompt,
-                  first_turn_cache_hits=[int(c) for r, c in zip(recorder.taken, engine.cached_prompt_tokens)
-                                         if len(r.ids) == len(prompts[episode_of(r)])])
-
-    # the trainer's recomputation of each whole episode (prompt left-padded to P, then the episode's tokens)
-    tokens = np.full((len(prompts), P + C), tok.pad_id, np.int32)
-    valid = np.zeros(tokens.shape, np.bool_)
-    for i, (ids, r) in enumerate(zip(prompts, results)):
-        tokens[i, P - len(ids):P], valid[i, P - len(ids):P + len(r.tokens)] = ids, True
-        tokens[i, P:P + len(r.tokens)] = r.tokens
-    recomputed = np.asarray(sequence_logprobs(model, model.params, jnp.asarray(tokens), jnp.asarray(valid),
-                                              TEMPERATURE, tok.pad_id))[:, P - 1:]
-    diffs, behaviour = [], []
-    for i, r in enumerate(results):
-        mask = np.array(r.model_mask)
-        diffs.append(np.abs(recomputed[i, :len(mask)][mask] - np.array(r.logprobs)[mask]))
-        behaviour.append(np.array(r.logprobs)[mask])
-    diffs, behaviour = np.concatenate(diffs), np.concatenate(behaviour)
-    result.update(model_tokens=int(diffs.size), logprob_max_abs_diff=float(diffs.max()),
-                  logprob_mean=float(behaviour.mean()),
-                  observation_logprobs_zero=all((np.array(r.logprobs)[~np.array(r.model_mask)] == 0).all()
-                                                for r in results),
-                  errors=[r.error for r in results if r.error])
-
+    result.update(turn_figures(recorder, engine, tok, prompts, results))
+    result.update(logprob_figures(model, tok, prompts, results))
     # the same episodes with other environment timings: other batches, the same tokens (seeded per request)
     again, _ = episodes(0.0)
     result["same_tokens_again"] = [r.tokens for r in again] == [r.tokens for r in results]
-
-    # a new version while episodes run: the weights scaled, handed over at the third check
-    scaled = jax.tree_util.tree_map(lambda x: x * 1.05, model.params)
-    calls = {"n": 0}
-
-    def refresh():
-        calls["n"] += 1
-        return (scaled, 1) if calls["n"] == 3 else None
-
-    mixed, _ = episodes(0.02, rng=9, refresh=refresh)
-    versions = [r.versions for r in mixed]
-    result.update(refresh_calls=calls["n"], pauses=engine.pauses,
-                  versions_complete=all(len(v) == len(r.tokens) for v, r in zip(versions, mixed)),
-                  versions_monotone=all(all(b >= a for a, b in zip(v, v[1:])) for v in versions),
-                  versions_seen=sorted({x for v in versions for x in v}))
+    result.update(refresh_figures(model, engine, episodes))
     pathlib.Path(out_path).write_text(json.dumps(result))
 
 
