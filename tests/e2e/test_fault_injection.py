@@ -91,81 +91,64 @@ def last_step(url: str, run: str) -> tuple[int, str]:
     return (int(newest[0][1][b"step"]), newest[0][1][b"epoch"].decode()) if newest else (0, "")
 
 
-def test_kill_everything_lose_nothing(tmp_path):
-    seed = int(os.environ.get("GRPO_FAULT_SEED", time.time_ns() % 100_000))
-    rng = random.Random(seed)
-    print(f"fault schedule seed {seed} (GRPO_FAULT_SEED={seed} replays it)")
-    run, run_dir = "faults", tmp_path / "run"
-    redis_port, trainer_port, ingest_port = free_port(), free_port(), free_port()
-    url = f"redis://127.0.0.1:{redis_port}/0"
-    overrides = [f"run.name={run}", f"redis.url={url}", f"trainer.port={trainer_port}", "ingest.standalone=true",
-                 f"ingest.port={ingest_port}", f"trainer.steps={STEPS}", f"checkpoint.every={EVERY}",
-                 "warmstart.steps=150", "trainer.eval_before=false", "trainer.eval_after=false",
-                 "trainer.final_wait_s=60", "trainer.metrics_port=null", "sampler.metrics_port=null"]
-    cluster = Cluster(run_dir, overrides)
-    made = subprocess.run([sys.executable, "-m", "grpo_stream", "tokens", "--out", str(run_dir / "auth")], cwd=ROOT,
-                          capture_output=True, text=True, timeout=60)
-    assert made.returncode == 0, made.stderr
-    # faults at distinct RL steps, in random order; the last early enough for the trainer to come back and finish
+class RedisAtPort:
+    """The run's Redis (embedded, AOF), killed and started again on the same port and data."""
+
+    def __init__(self, port: int, data_dir: pathlib.Path):
+        self.port, self.data_dir, self.server = port, data_dir, None
+
+    def start(self) -> None:
+        self.server = EmbeddedRedis(port=self.port, data_dir=self.data_dir).start()
+
+    def kill(self) -> None:
+        self.server.kill()
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+
+
+def fault_schedule(rng: random.Random) -> list[tuple[int, str]]:
+    """(trainer step, process) for each fault: distinct RL steps, random order, a random sampler for each sampler
+    fault; the last early enough for the trainer to come back and finish."""
     at_steps = sorted(rng.sample(range(6, STEPS - 12, 3), len(FAULTS)))
     order = rng.sample(FAULTS, len(FAULTS))
-    schedule = [(step, "sampler-%d" % rng.randrange(2) if what == "sampler" else what)
-                for step, what in zip(at_steps, order)]
-    print("schedule (trainer step, process):", schedule)
-    redis_server = None
-    try:
-        for name in ("trainer", "ingest"):  # before Redis: they must wait for it, not crash-loop
-            cluster.start(name)
-        # each must log that it waits, and keep retrying rather than crash-loop: three attempts, 0.2 s + 0.4 s +
-        # 0.8 s of back-off apart (a loaded machine takes a while to import JAX first)
-        def retrying(name: str) -> bool:
-            assert cluster.procs[name].poll() is None, cluster.log(name)
-            return cluster.log(name).count("(redis.url) not reachable") >= 3
+    return [(step, "sampler-%d" % rng.randrange(2) if what == "sampler" else what)
+            for step, what in zip(at_steps, order)]
 
-        for name in ("trainer", "ingest"):
-            wait_for(lambda: retrying(name), 90, f"{name} to log three attempts to reach Redis", interval_s=0.2)
-        redis_server = EmbeddedRedis(port=redis_port, data_dir=tmp_path / "redis").start()
-        for i in range(2):
-            cluster.start(f"sampler-{i}")
-        deadline = time.monotonic() + 1500
-        injected, dead_epochs = [], {""}
-        for step, what in schedule:
-            # the step reached, by a trainer that is training (not one killed earlier, nor one still starting)
-            ready = {"trainer": "", "redis": "", "ingest": "ingest for run"}.get(what, "connected to")
-            while (now := last_step(url, run))[0] < step or now[1] in dead_epochs or ready not in cluster.log(
-                    what if what != "redis" else "trainer"):
-                assert time.monotonic() < deadline, f"no progress to step {step}; faults so far {injected}"
-                assert cluster.procs["trainer"].poll() is None, cluster.log("trainer")[-3000:]
-                time.sleep(0.2)
-            time.sleep(rng.uniform(0, 1.5))  # kill somewhere inside the step, not at its boundary (not a wait)
-            if what == "redis":
-                redis_server.kill()
-            else:
-                cluster.kill(what)
-            at = last_step(url, run) if what != "redis" else now
-            injected.append((what, at[0]))
-            if what == "trainer":
-                dead_epochs.add(at[1])
-            time.sleep(rng.uniform(0.5, 3.0))  # a random outage before the restart: part of the fault, not a wait
-            if what == "redis":
-                redis_server = EmbeddedRedis(port=redis_port, data_dir=tmp_path / "redis").start()
-            else:
-                cluster.start(what)
-        print("faults injected (process, trainer step):", injected)
-        assert cluster.procs["trainer"].wait(timeout=max(60.0, deadline - time.monotonic())) == 0, \
-            cluster.log("trainer")[-3000:]
-        for i in range(2):
-            assert cluster.procs[f"sampler-{i}"].wait(timeout=120) == 0, cluster.log(f"sampler-{i}")[-3000:]
-        cluster.procs["ingest"].send_signal(signal.SIGTERM)
-        assert cluster.procs["ingest"].wait(timeout=30) == 0, cluster.log("ingest")[-2000:]
-        audit = subprocess.run([sys.executable, "-m", "grpo_stream", "audit", str(run_dir), "--redis-url", url],
-                               cwd=ROOT, capture_output=True, text=True, timeout=120)
-    finally:
-        cluster.stop_all()
-        if redis_server is not None:
-            redis_server.stop()
-    print(audit.stdout)
-    assert audit.returncode == 0, audit.stdout + audit.stderr
+
+def inject(cluster: Cluster, redis: RedisAtPort, schedule, url: str, run: str, rng: random.Random,
+           deadline: float) -> list[tuple[str, int]]:
+    """Kills each process of `schedule` (SIGKILL) once its step is reached by a trainer that is training, and starts
+    it again after a random outage; returns (process, trainer step) of each fault."""
+    injected, dead_epochs = [], {""}
+    for step, what in schedule:
+        # the step reached, by a trainer that is training (not one killed earlier, nor one still starting)
+        ready = {"trainer": "", "redis": "", "ingest": "ingest for run"}.get(what, "connected to")
+        while (now := last_step(url, run))[0] < step or now[1] in dead_epochs or ready not in cluster.log(
+                what if what != "redis" else "trainer"):
+            assert time.monotonic() < deadline, f"no progress to step {step}; faults so far {injected}"
+            assert cluster.procs["trainer"].poll() is None, cluster.log("trainer")[-3000:]
+            time.sleep(0.2)
+        time.sleep(rng.uniform(0, 1.5))  # kill somewhere inside the step, not at its boundary (not a wait)
+        if what == "redis":
+            redis.kill()
+        else:
+            cluster.kill(what)
+        at = last_step(url, run) if what != "redis" else now
+        injected.append((what, at[0]))
+        if what == "trainer":
+            dead_epochs.add(at[1])
+        time.sleep(rng.uniform(0.5, 3.0))  # a random outage before the restart: part of the fault, not a wait
+        if what == "redis":
+            redis.start()
+        else:
+            cluster.start(what)
+    return injected
+
+
+def check_audit(run_dir: pathlib.Path, cluster: Cluster, schedule, injected, seed: int) -> None:
+    """The run finished whole: nothing lost or trained twice, every restart resumed, the trail compacted meanwhile."""
     report = json.loads((run_dir / "audit.json").read_text())
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == STEPS and not summary["stopped_early"]
@@ -189,3 +172,53 @@ def test_kill_everything_lose_nothing(tmp_path):
         "groups_accepted", "groups_trained", "groups_dropped", "groups_waiting", "groups_lost", "groups_trained_twice",
         "steps_rolled_back", "second_copies_refused_by_ingest", "second_copies_dropped_by_trainer")}}
     print("figures:", json.dumps(figures))
+
+
+def test_kill_everything_lose_nothing(tmp_path):
+    seed = int(os.environ.get("GRPO_FAULT_SEED", time.time_ns() % 100_000))
+    rng = random.Random(seed)
+    print(f"fault schedule seed {seed} (GRPO_FAULT_SEED={seed} replays it)")
+    run, run_dir = "faults", tmp_path / "run"
+    redis_port, trainer_port, ingest_port = free_port(), free_port(), free_port()
+    url = f"redis://127.0.0.1:{redis_port}/0"
+    overrides = [f"run.name={run}", f"redis.url={url}", f"trainer.port={trainer_port}", "ingest.standalone=true",
+                 f"ingest.port={ingest_port}", f"trainer.steps={STEPS}", f"checkpoint.every={EVERY}",
+                 "warmstart.steps=150", "trainer.eval_before=false", "trainer.eval_after=false",
+                 "trainer.final_wait_s=60", "trainer.metrics_port=null", "sampler.metrics_port=null"]
+    cluster, redis = Cluster(run_dir, overrides), RedisAtPort(redis_port, tmp_path / "redis")
+    made = subprocess.run([sys.executable, "-m", "grpo_stream", "tokens", "--out", str(run_dir / "auth")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert made.returncode == 0, made.stderr
+    schedule = fault_schedule(rng)
+    print("schedule (trainer step, process):", schedule)
+    try:
+        for name in ("trainer", "ingest"):  # before Redis: they must wait for it, not crash-loop
+            cluster.start(name)
+        # each must log that it waits, and keep retrying rather than crash-loop: three attempts, 0.2 s + 0.4 s +
+        # 0.8 s of back-off apart (a loaded machine takes a while to import JAX first)
+        def retrying(name: str) -> bool:
+            assert cluster.procs[name].poll() is None, cluster.log(name)
+            return cluster.log(name).count("(redis.url) not reachable") >= 3
+
+        for name in ("trainer", "ingest"):
+            wait_for(lambda: retrying(name), 90, f"{name} to log three attempts to reach Redis", interval_s=0.2)
+        redis.start()
+        for i in range(2):
+            cluster.start(f"sampler-{i}")
+        deadline = time.monotonic() + 1500
+        injected = inject(cluster, redis, schedule, url, run, rng, deadline)
+        print("faults injected (process, trainer step):", injected)
+        assert cluster.procs["trainer"].wait(timeout=max(60.0, deadline - time.monotonic())) == 0, \
+            cluster.log("trainer")[-3000:]
+        for i in range(2):
+            assert cluster.procs[f"sampler-{i}"].wait(timeout=120) == 0, cluster.log(f"sampler-{i}")[-3000:]
+        cluster.procs["ingest"].send_signal(signal.SIGTERM)
+        assert cluster.procs["ingest"].wait(timeout=30) == 0, cluster.log("ingest")[-2000:]
+        audit = subprocess.run([sys.executable, "-m", "grpo_stream", "audit", str(run_dir), "--redis-url", url],
+                               cwd=ROOT, capture_output=True, text=True, timeout=120)
+    finally:
+        cluster.stop_all()
+        redis.stop()
+    print(audit.stdout)
+    assert audit.returncode == 0, audit.stdout + audit.stderr
+    check_audit(run_dir, cluster, schedule, injected, seed)
