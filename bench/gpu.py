@@ -3,6 +3,8 @@
     python -m grpo_stream.bench.gpu trainer [--quick] [--out F] [--plan-json P] [--deadline-s S] [--config C]
                                             [--set KEY=VALUE ...]
     python -m grpo_stream.bench.gpu sampler [--quick] [--out F] [--deadline-s S]
+    python -m grpo_stream.bench.gpu engine --config C [--set KEY=VALUE ...] [--rows N ...] [--out F]
+                                           [--deadline-s S]
 
 `trainer`: one update step of a Llama-3.2-1B-shaped model (random init) under the GPU preset's trainer settings
 (configs/qwen2.5_1.5b_gsm8k_gpu.yaml: bf16 parameters with float32 Adam state, full remat, micro-batches of 2,
@@ -10,6 +12,13 @@
 (the same code `grpo-stream plan` runs on CPU), the device's measured peak memory, the step's time and its model
 FLOPs utilisation (MFU). With `--plan-json` (the JSON of `grpo-stream plan` for the same config, run on CPU) the
 CPU estimate sits beside the measurement.
+
+`engine --config C [--set KEY=VALUE ...]`: the continuous engine a sampler of that run builds (its model, dtype,
+slots, chunk steps, prompt and completion budgets, temperature), alone on this device and kept full: the run's first
+dataset prompts, generation.num_generations rows each, as many rows as its sampler keeps in flight, every row to
+generation.max_new_tokens (EOS disabled), one untimed run then medians of 3; `--rows N` (repeatable) times other
+loads too, such as the rows a run's admission lets its sampler hold. `scripts/gpu-check.sh` sets the sampler's own
+tokens/s in a run of the same config beside it: how much of its engine the rollout stream keeps busy.
 
 `sampler`: `bench sampler`'s request sets (64 prompts x 8 completions, 32-128 prompt tokens, longtail and fixed
 budgets up to 512 new tokens, EOS disabled) on the same model shape in bfloat16: the continuous engine (512 slots:
@@ -238,15 +247,69 @@ def sampler(quick: bool, deadline: float, write) -> dict:
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class NoStop:
+    """A run's tokenizer as the engine sees it, with no stop token: every row runs to its budget, so each timed run
+    is the same work (a random-init model rarely samples EOS anyway)."""
+
+    pad_id: int
+    eos_ids: tuple = (-1,)
+
+
+def run_engine(config: pathlib.Path, overrides: list[str], loads: list[int] | None, deadline: float, write) -> dict:
+    """The engine of a sampler of the run (`config` with `overrides`) alone on this device (module doc), handed each
+    of `loads` rows at once (default: the rows its sampler keeps in flight, which fill it), each load's tokens/s."""
+    from grpo_stream.bench.sampler_workloads import time_jax_engine
+    from grpo_stream.common.assembly.compilation_cache import enable_compilation_cache
+    from grpo_stream.common.assembly.parts import build_policy, build_task_and_tokenizer
+    from grpo_stream.common.config.loading import load_config
+    from grpo_stream.common.engine import continuous
+
+    cfg = load_config(config, overrides)
+    enable_compilation_cache(cfg)  # runtime.compilation_cache_dir: a run's sampler may have compiled these programs
+    gen, full = cfg.generation, cfg.rows_in_flight()
+    task, tok = build_task_and_tokenizer(cfg)
+    model = build_policy(cfg, tok.vocab_size, seed=0, dtype=cfg.sampler_dtype())
+    engine = continuous.build(cfg, model, NoStop(tok.pad_id))
+    stream, groups = task.train_stream(0, cfg.sampler.replicas, 0), []
+    while len(groups) < max(loads or [full]) // gen.num_generations:
+        ids = tok.encode(next(stream).prompt)
+        if len(ids) <= gen.max_prompt_tokens:  # the sampler skips longer ones too
+            groups.append(ids)
+    out: dict = {"config": str(config), "overrides": overrides, "params": model.num_params(),
+                 "dtype": cfg.sampler_dtype(), "rows": full, "slots": gen.decode_slots,
+                 "chunk_steps": gen.decode_chunk_steps, "max_new_tokens": gen.max_new_tokens,
+                 "prompt_tokens_median": int(np.median([len(g) for g in groups])), **device_facts(), "loads": {}}
+    for rows in loads or [full]:
+        if out["loads"] and time.perf_counter() > deadline:
+            out["loads"][str(rows)] = {"skipped": "deadline"}
+            continue
+        prompts = [ids for ids in groups[:rows // gen.num_generations] for _ in range(gen.num_generations)]
+        progress(f"engine: {len(prompts)} rows of {gen.max_new_tokens} new tokens, {gen.decode_slots} slots")
+        before = dict(engine.stats)
+        result = time_jax_engine(engine, model.params, prompts, [gen.max_new_tokens] * len(prompts), 3, deadline)
+        decoded = {k: engine.stats[k] - before.get(k, 0) for k in ("live_slot_steps", "decode_steps")}
+        out["loads"][str(rows)] = {**result, "useful_tokens": gen.max_new_tokens * len(prompts),
+                                   "rows_decoding_mean": round(decoded["live_slot_steps"] / decoded["decode_steps"], 1)}
+        write(out)
+    out.update(programs_compiled=len(engine.programs),
+               tokens_per_second=out["loads"][str(loads[0] if loads else full)].get("tokens_per_second"))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("part", choices=("trainer", "sampler"))
+    parser.add_argument("part", choices=("trainer", "sampler", "engine"))
     parser.add_argument("--quick", action="store_true", help="tiny shapes (tests)")
-    parser.add_argument("--config", type=pathlib.Path, default=PRESET, help="trainer: the run config whose trainer "
-                        "settings are measured (model.path is set to the Llama-3.2-1B shape)")
+    parser.add_argument("--config", type=pathlib.Path, help="trainer: the run config whose trainer settings are "
+                        f"measured (default {PRESET}; model.path is set to the Llama-3.2-1B shape); engine: the run "
+                        "whose sampler's engine is measured (required)")
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("runs/bench/gpu.json"))
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="trainer: a config override (e.g. trainer.remat=save_dots); repeatable")
+                        help="trainer, engine: a config override (e.g. trainer.remat=save_dots); repeatable")
+    parser.add_argument("--rows", type=int, action="append", help="engine: rows handed to it at once, one timed "
+                        "load each (repeatable; the first is its `tokens_per_second`); default: what its sampler keeps "
+                        "in flight")
     parser.add_argument("--plan-json", type=pathlib.Path, help="`grpo-stream plan --json` of the same config (CPU)")
     parser.add_argument("--deadline-s", type=float, default=3600.0, help="start no stage after this many seconds")
     args = parser.parse_args(argv)
@@ -257,7 +320,11 @@ def main(argv: list[str] | None = None) -> int:
         args.out.write_text(json.dumps(doc, indent=2) + "\n")
 
     if args.part == "trainer":
-        write(trainer(args.config, args.quick, args.plan_json, deadline, write, args.set))
+        write(trainer(args.config or PRESET, args.quick, args.plan_json, deadline, write, args.set))
+    elif args.part == "engine":
+        if args.config is None:
+            parser.error("engine needs --config: the run whose sampler's engine is measured")
+        write(run_engine(args.config, args.set, args.rows, deadline, write))
     else:
         write(sampler(args.quick, deadline, write))
     progress(f"wrote {args.out}")

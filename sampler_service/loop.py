@@ -34,6 +34,7 @@ import time
 import jax
 
 from grpo_stream.common.config.schema import RunConfig
+from grpo_stream.common.engine.base import rows_decoding_mean
 from grpo_stream.common.episodes.evaluation import greedy_probe
 from grpo_stream.common.episodes.registry import build_rollouts, injected_kind, rollout_kind
 from grpo_stream.common.episodes.stream import RolloutStream
@@ -228,6 +229,7 @@ class Sampler:
                   "host_memory": host_memory(),
                   # the JAX engine's compiled shapes (slots, windows, prompt buckets): each costs a compilation
                   "engine_programs": sorted(map(list, getattr(parts.engine, "programs", ()))),
+                  "engine_rows_decoding_mean": rows_decoding_mean(parts.engine),
                   "openai": endpoint.figures() if endpoint is not None else None}
         if self.run_dir is not None:
             (self.run_dir / f"{self.sampler_id}.json").write_text(json.dumps(result, indent=2))

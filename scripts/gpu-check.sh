@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The whole loop proved on one GPU in at most 8 minutes (issue 40): one command, one JSON file of figures.
+# The whole loop proved on one GPU in about 9 minutes (issue 40): one command, one JSON file of figures.
 #
 #   bash scripts/gpu-check.sh [--dry-run] [--out DIR] [--work DIR] [--deadline-s S]
 #
 # Phases, each written to DIR/gpu-check.json (default runs/gpu-check) as soon as it ends; a phase that would start
-# past the deadline (default 480 s in all) is recorded as skipped, and a run still going at its phase's end is
+# past the deadline (default 550 s in all, inside the device tool's 600 s a call) is recorded as skipped, and a run still going at its phase's end is
 # stopped as Ctrl-C stops `up` and reports what it did:
 #   1. environment: the driver (nvidia-smi), the versions of python, jax, jaxlib, flax, optax, orbax, transformers,
 #      grpcio, protobuf (torch if present), the devices and their memory. Proves the stack imports and sees the GPU.
@@ -17,8 +17,11 @@
 #      256 new tokens), 20 asynchronous steps under `up`, one trainer and one JAX sampler sharing the GPU (their
 #      shares from the plan's figures, hardware.plan_json, when the plan below ended in time; else up's default).
 #   4. sync: the same, synchronous (trainer.max_staleness=0; the sampler makes one step's groups per version).
-#   5. colocated, if time remains: the same as 3 in one process (weights.transport=local).
-#   Beside 2, on the CPU: the checkpoint of 3-5, then `grpo-stream plan` of the same config (deadline permitting).
+#   5. engine: the sampler's engine of 3-4 alone on the GPU (`python -m grpo_stream.bench.gpu engine`, the same
+#      config), kept full and at the rows 4's admission allows; the samplers' tokens/s while generating are set
+#      against it (issue 55: `comparison.sampler_over_engine_*`, goal >= 0.8; grpo_stream/gpu_check/engine.py).
+#   6. colocated, if time remains: the same as 3 in one process (weights.transport=local).
+#   Beside 2, on the CPU: the checkpoint of 3-6, then `grpo-stream plan` of the same config (deadline permitting).
 # --realmodel instead runs the environment and one phase: SmolLM2-135M-Instruct (a real pretrained model) converted
 #   there from GGUF parts carried over earlier calls, on GSM8K under `up` (configs/smollm2_gsm8k.yaml, --steps steps),
 #   held-out accuracy before and after, tokens/s per process; how to carry the parts: grpo_stream/gpu_check/realmodel.py.
@@ -32,7 +35,7 @@
 # --dry-run: the same phases on the CPU at tiny shapes (the smoke demo, a 2-layer model of the same family, 6 steps),
 # checking that the JSON has every figure; CI runs it (tests/bench/test_gpu_check_dry_run.py): 61-65 s on 2 cores
 # (three runs, 2026-11-27). --steps, --demo-steps, --cap PHASE=S and --set KEY=VALUE (the ~1B runs' config) adjust a
-# GPU run that does not fit its 8 minutes.
+# GPU run that does not fit its deadline.
 #
 # With the device tool (one call; the wheels and the GSM8K sample travel in .whl, which git ignores):
 #   run(command="bash scripts/gpu-check.sh --out $OUT 2>&1 | tee $OUT/gpu-check.log", carry=[".whl"], timeout_s=600)

@@ -46,6 +46,14 @@ class GenerationEngine(Protocol):
         max_new_tokens for every row)."""
 
 
+def rows_decoding_mean(engine) -> float | None:
+    """Rows an engine decoded per decode step, on average over its life: how full its callers kept it. From the
+    counters an engine keeps in `stats` (the JAX engine's decode_steps and live_slot_steps); None for an engine that
+    keeps none (vLLM schedules inside itself)."""
+    stats = getattr(engine, "stats", None) or {}
+    return round(stats["live_slot_steps"] / stats["decode_steps"], 1) if stats.get("decode_steps") else None
+
+
 def check_request(prompts: list[list[int]], budgets: list[int] | None, max_prompt_tokens: int,
                   max_new_tokens: int) -> np.ndarray:
     """Every engine's input check: each prompt 1..max_prompt_tokens tokens, each budget 1..max_new_tokens.

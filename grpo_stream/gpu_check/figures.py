@@ -38,6 +38,8 @@ def sampler_figures(doc: dict) -> dict:
             "tokens_per_second": round(tokens / running, 1) if running else None,
             "waited_for_weights_s": doc.get("waited_for_weights_s"),
             "waited_for_admission_s": doc.get("waited_for_admission_s"),
+            "rows_in_flight": doc.get("rows_in_flight"),
+            "engine_rows_decoding_mean": doc.get("engine_rows_decoding_mean"),
             "versions_installed": len(doc.get("versions", [])),
             "weight_bytes_per_version": sizes[-1] if sizes else None,
             "publish_to_install_seconds_median": _median(latency),
@@ -101,16 +103,44 @@ def run_figures(run_dir: pathlib.Path, steps_asked: int, plan: dict | None = Non
     return out
 
 
-def comparison(asynchronous: dict, synchronous: dict, colocated: dict | None) -> dict:
+def comparison(asynchronous: dict, synchronous: dict, colocated: dict | None, engine: dict | None = None) -> dict:
     """Async over sync steady wall time per step, beside what overlap can give at best (bench/async_vs_sync.py's
-    bound, from the synchronous run's trainer work); and the one-process run against the asynchronous one."""
+    bound, from the synchronous run's trainer work); the one-process run against the asynchronous one; and each
+    run's sampler against its engine alone on the same device (`engine_figures`)."""
+    out = engine_figures(engine, {"async": asynchronous, "sync": synchronous})
     if "steady_seconds_per_step" not in asynchronous or "steady_seconds_per_step" not in synchronous:
-        return {"skipped": "a run has too few steps"}
-    out = {"async_over_sync": round(asynchronous["steady_seconds_per_step"] / synchronous["steady_seconds_per_step"], 3),
-           **overlap_bound(synchronous["steady_seconds_per_step"], synchronous["trainer_busy_seconds"])}
+        return {"skipped": "a run has too few steps", **out}
+    out.update(async_over_sync=round(asynchronous["steady_seconds_per_step"]
+                                     / synchronous["steady_seconds_per_step"], 3),
+               **overlap_bound(synchronous["steady_seconds_per_step"], synchronous["trainer_busy_seconds"]))
     if colocated and "steady_seconds_per_step" in colocated:
         out["colocated_over_async"] = round(colocated["steady_seconds_per_step"]
                                             / asynchronous["steady_seconds_per_step"], 3)
+    return out
+
+
+def engine_figures(engine: dict | None, runs: dict[str, dict]) -> dict:
+    """The engine alone (`bench gpu engine`'s JSON with gpu-check's `sync_admitted_rows`, or None): kept full, and
+    holding the rows the synchronous run's admission allows; each run's samplers' tokens/s while generating over it
+    (their mean, one engine each): `sampler_over_engine_<run>` (issue 55's goal >= 0.8), and for the synchronous run
+    also against the engine at its own admitted rows (what the stream loses beyond admission's bound). Beside them
+    the rows the samplers' engines decoded per step."""
+    rate = (engine or {}).get("tokens_per_second")
+    if not rate:
+        return {}
+    held = str(engine.get("sync_admitted_rows"))
+    at_held = (engine.get("loads") or {}).get(held, {}).get("tokens_per_second")
+    out = {"engine_rows": engine.get("rows"), "engine_tokens_per_second": rate, "sync_admitted_rows": int(held),
+           "engine_tokens_per_second_sync_admitted_rows": at_held}
+    for name, run in runs.items():
+        samplers = (run or {}).get("samplers") or {}
+        generating = [s["tokens_per_second_generating"] for s in samplers.values() if s["tokens_per_second_generating"]]
+        rows = [s["engine_rows_decoding_mean"] for s in samplers.values() if s.get("engine_rows_decoding_mean")]
+        if generating:
+            out[f"sampler_over_engine_{name}"] = round(statistics.mean(generating) / rate, 3)
+            out[f"sampler_rows_decoding_mean_{name}"] = round(statistics.mean(rows), 1) if rows else None
+            if name == "sync" and at_held:
+                out["sampler_over_engine_sync_same_rows"] = round(statistics.mean(generating) / at_held, 3)
     return out
 
 
@@ -141,7 +171,9 @@ def missing_figures(phases: dict, device_memory: bool, optional: tuple[str, ...]
     if not ("plan" in optional and plan.get("status") in ("stopped", "skipped")):
         missing += [f"plan.{key}" for key in ("trainer_bytes", "sampler_bytes") if plan.get(key) is None]
     compared = phases.get("comparison") or {}
-    missing += [f"comparison.{key}" for key in ("async_over_sync", "async_over_sync_bound") if key not in compared]
+    missing += [f"comparison.{key}" for key in ("async_over_sync", "async_over_sync_bound", "engine_tokens_per_second",
+                                                "sampler_over_engine_async", "sampler_over_engine_sync",
+                                                "sampler_over_engine_sync_same_rows") if key not in compared]
     demo = phases.get("demo") or {}
     missing += ["demo.learning.gain_points"] * ((demo.get("learning") or {}).get("gain_points") is None)
     return missing

@@ -31,13 +31,13 @@ def test_every_phase_ran_and_every_figure_is_there(check):
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert doc["passed"] and doc["missing_figures"] == [] and doc["dry_run"]
     phases = doc["phases"]
-    assert {p: phases[p]["status"] for p in ("environment", "demo", "async", "sync", "colocated", "plan")} == {
-        p: "ok" for p in ("environment", "demo", "async", "sync", "colocated", "plan")}
+    ran = ("environment", "demo", "async", "sync", "engine", "colocated", "plan")
+    assert {p: phases[p]["status"] for p in ran} == {p: "ok" for p in ran}
     env = phases["environment"]
     assert env["backend"] == "cpu" and env["devices"] and env["versions"]["jax"] and env["python"]
     # each run's output comes back beside the JSON
     assert {p.name for p in (out / "out").iterdir()} >= {"gpu-check.json", "demo.log", "async.log", "sync.log",
-                                                        "colocated.log"}
+                                                        "engine.log", "colocated.log"}
 
 
 @pytest.mark.parametrize("phase", ["async", "sync", "colocated"])
@@ -74,6 +74,29 @@ def test_sync_trains_fresh_groups_and_the_ratio_sits_beside_its_bound(check):
     assert 0 <= compared["generation_share_sync"] <= 1 and compared["colocated_over_async"] > 0
 
 
+def test_the_samplers_are_set_against_their_engine_alone(check):
+    """Issue 55: beside each run's sampler tokens/s, the same engine alone on the same device: kept full, and at the
+    rows the synchronous run's admission allows (one step's 4 groups of 4 at max_staleness 0)."""
+    _, doc, _ = check
+    engine, compared = doc["phases"]["engine"]["figures"], doc["phases"]["comparison"]
+    sampler = doc["phases"]["async"]["figures"]["samplers"]["sampler-0"]
+    # the engine the run's sampler builds: its slots, its budgets, the rows the sampler keeps in flight
+    full, held = engine["rows"], compared["sync_admitted_rows"]
+    assert full == sampler["rows_in_flight"] == engine["slots"] and engine["max_new_tokens"] == 16 and held == 16
+    for rows in (full, held):
+        load = engine["loads"][str(rows)]
+        assert load["rows_decoding_mean"] == rows and load["tokens_per_second"] > 0  # every row decoding, each step
+    assert compared["engine_tokens_per_second"] == engine["loads"][str(full)]["tokens_per_second"]
+    for run in ("async", "sync"):
+        generating = doc["phases"][run]["figures"]["samplers"]["sampler-0"]["tokens_per_second_generating"]
+        assert compared[f"sampler_over_engine_{run}"] == round(generating / compared["engine_tokens_per_second"], 3)
+        assert 0 < compared[f"sampler_rows_decoding_mean_{run}"] <= full
+    assert compared["sampler_rows_decoding_mean_sync"] <= held  # admission's bound, as the engine phase sized it
+    generating = doc["phases"]["sync"]["figures"]["samplers"]["sampler-0"]["tokens_per_second_generating"]
+    assert compared["sampler_over_engine_sync_same_rows"] == round(
+        generating / engine["loads"][str(held)]["tokens_per_second"], 3)
+
+
 def test_demo_reports_learning_without_gating_on_it_and_plan_sizes_the_runs(check):
     _, doc, _ = check
     learning = doc["phases"]["demo"]["learning"]
@@ -90,4 +113,4 @@ def test_a_phase_past_the_deadline_is_recorded_as_skipped(tmp_path):
     doc = json.loads((tmp_path / "gpu-check.json").read_text())
     assert proc.returncode == 1 and not doc["passed"]
     assert doc["phases"]["environment"]["status"] == "ok"
-    assert all(doc["phases"][p]["status"] == "skipped" for p in ("demo", "async", "sync", "colocated"))
+    assert all(doc["phases"][p]["status"] == "skipped" for p in ("demo", "async", "sync", "engine", "colocated"))

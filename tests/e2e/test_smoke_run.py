@@ -161,3 +161,11 @@ def test_weights_taken_in_flight_keep_the_accounting(smoke):
     summary = smoke.summary
     assert 0 <= summary["groups_trained_mixed_versions"] <= summary["groups_trained"]
     assert summary["groups_dropped_invalid"] == 0 and summary["ingest_rejected_invalid"] == 0
+
+
+def test_each_sampler_reports_how_full_its_stream_kept_its_engine(smoke):
+    """The sampler's JSON says how many rows its engine decoded per step on average (gpu-check sets it beside the
+    engine alone): at least one, at most the rows it keeps in flight."""
+    for i in range(2):
+        sampler = json.loads((smoke.dir / f"sampler-{i}.json").read_text())
+        assert 1 <= sampler["engine_rows_decoding_mean"] <= sampler["rows_in_flight"], sampler

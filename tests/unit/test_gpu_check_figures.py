@@ -3,7 +3,9 @@ prompts it falls back on (grpo_stream/gpu_check/model.py), against hand-computed
 
 import json
 
+from grpo_stream.bench.async_vs_sync import mode_overrides
 from grpo_stream.common.tasks.gsm8k import load_problems
+from grpo_stream.gpu_check.engine import engine_command
 from grpo_stream.gpu_check.figures import comparison, memory_figures, missing_figures, run_figures, sampler_figures
 from grpo_stream.gpu_check.model import gsm8k_source, write_gsm8k_shaped
 
@@ -51,10 +53,47 @@ def test_a_run_directory_becomes_figures(tmp_path):
     phases["demo"]["learning"] = {"gain_points": 12.0}
     phases.update(plan={"trainer_bytes": 1, "sampler_bytes": 1}, comparison={"async_over_sync": 1,
                                                                             "async_over_sync_bound": 1})
+    engine = ("engine_tokens_per_second", "sampler_over_engine_async", "sampler_over_engine_sync",
+              "sampler_over_engine_sync_same_rows")
+    assert missing_figures(phases, device_memory=False) == [f"comparison.{k}" for k in engine]  # no engine phase
+    phases["comparison"].update(dict.fromkeys(engine, 1.0))
     assert missing_figures(phases, device_memory=False) == []
     # on a GPU the peaks must be there too: the trainer's is missing here (the sampler's is not)
     assert missing_figures(phases, device_memory=True) == [f"{p}.memory.trainer" for p in ("demo", "async", "sync",
                                                                                           "colocated")]
+
+
+def test_the_samplers_are_set_against_their_engine_alone_full_and_at_the_admitted_rows():
+    """Issue 55's figure: the samplers' tokens/s while generating over the engine alone, kept full (256 rows) and, for
+    the synchronous run, at the 32 rows its admission allows."""
+    engine = {"rows": 256, "tokens_per_second": 1000.0, "sync_admitted_rows": 32,
+              "loads": {"256": {"tokens_per_second": 1000.0}, "32": {"tokens_per_second": 400.0}}}
+    fast = sampler_figures({**SAMPLER, "engine_rows_decoding_mean": 30.0})  # 300 tokens/s while generating
+    slow = sampler_figures({**SAMPLER, "generate_seconds": 12.0, "engine_rows_decoding_mean": 10.0})  # 100
+    runs = {"async": {"samplers": {"sampler-0": fast, "sampler-1": slow}}, "sync": {"samplers": {"sampler-0": fast}}}
+    assert comparison(runs["async"], runs["sync"], None, engine) == {
+        "skipped": "a run has too few steps", "engine_rows": 256, "engine_tokens_per_second": 1000.0,
+        "sync_admitted_rows": 32, "engine_tokens_per_second_sync_admitted_rows": 400.0,
+        "sampler_over_engine_async": 0.2, "sampler_rows_decoding_mean_async": 20.0,  # each sampler has its engine
+        "sampler_over_engine_sync": 0.3, "sampler_rows_decoding_mean_sync": 30.0,
+        "sampler_over_engine_sync_same_rows": 0.75}
+    # no engine phase (skipped, stopped before a figure): nothing to set them against
+    assert comparison(runs["async"], runs["sync"], None, {}) == {
+        "skipped": "a run has too few steps"}
+
+
+def test_the_engine_phase_holds_the_rows_the_synchronous_run_may_hold(tmp_path):
+    """One step's groups at max_staleness 0 (8 groups of 4 rows), against the 256 the sampler keeps in flight; when
+    admission allows all of them, one load."""
+    args = ["--config", "configs/qwen2.5_1.5b_gsm8k_gpu.yaml", "trainer.groups_per_step=8", "buffer.max_groups=16"]
+    cmd, held = engine_command(args, mode_overrides("sync", 8, 1), tmp_path / "cache", tmp_path / "engine.json")
+    assert held == 32 and cmd[1:4] == ["-m", "grpo_stream.bench.gpu", "engine"]
+    assert [cmd[i + 1] for i, a in enumerate(cmd) if a == "--rows"] == ["256", "32"]
+    assert ["--set", "trainer.groups_per_step=8"] == cmd[cmd.index("trainer.groups_per_step=8") - 1:][:2]
+    assert f"runtime.compilation_cache_dir={tmp_path / 'cache'}" in cmd
+    cmd, held = engine_command([*args, "sampler.rows_in_flight=16", "generation.decode_slots=16"],
+                               mode_overrides("sync", 8, 1), tmp_path / "cache", tmp_path / "engine.json")
+    assert held == 16 and [cmd[i + 1] for i, a in enumerate(cmd) if a == "--rows"] == ["16"]
 
 
 def test_the_one_process_run_and_the_plan_may_miss_the_deadline_on_a_gpu():

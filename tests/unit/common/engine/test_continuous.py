@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from grpo_stream.bench.static_engine import StaticEngine
+from grpo_stream.common.engine.base import rows_decoding_mean
 from grpo_stream.common.engine.continuous import ContinuousEngine
 from grpo_stream.common.model.policy import sequence_logprobs
 from grpo_stream.trainer_service.learning.batching import layout
@@ -84,8 +85,22 @@ def test_refilled_slots_finish_one_long_and_many_short_in_few_steps(tiny_parts):
     static_steps = -(-len(prompts) // 4) * 64
     assert engine.stats["decode_steps"] <= 64 + 2 * 8 < static_steps // 6
     assert engine.stats["prefill_rows"] == 32
+    # every token made counts once; the short rows kept the 4 slots busy most steps, the long one's tail ran alone
+    assert 2.3 < rows_decoding_mean(engine) == round(sum(budgets) / engine.stats["decode_steps"], 1) < 4
     # 4 slots are below the compaction floor: the set ran in one slot count, no compaction programs
     assert not any(kind == "compact" for kind, *_ in engine.programs)
+
+
+def test_rows_decoding_mean_is_the_load_the_engine_was_kept_at(tiny_parts):
+    """What a sampler reports of its engine (gpu-check sets it against the engine alone): as many rows as were given
+    at once while each runs to the same budget; None for an engine that keeps no counts (vLLM)."""
+    cfg, task, tok, model = tiny_parts
+    engine = ContinuousEngine(model, tok.pad_id, NO_EOS, cfg.generation.max_prompt_tokens, 8, 1.0, slots=8,
+                              chunk_steps=4)
+    assert rows_decoding_mean(engine) is None  # nothing decoded yet
+    engine.generate(model.params, _prompts(task, tok, 6), jax.random.key(0), max_new_tokens=[8] * 6)
+    assert rows_decoding_mean(engine) == 6.0
+    assert rows_decoding_mean(object()) is None
 
 
 def test_a_long_tail_is_compacted_into_fewer_slots(tiny_parts):
