@@ -15,10 +15,11 @@ CPU estimate sits beside the measurement.
 
 `engine --config C [--set KEY=VALUE ...]`: the continuous engine a sampler of that run builds (its model, dtype,
 slots, chunk steps, prompt and completion budgets, temperature), alone on this device and kept full: the run's first
-dataset prompts, generation.num_generations rows each, as many rows as its sampler keeps in flight, every row to
-generation.max_new_tokens (EOS disabled), one untimed run then medians of 3; `--rows N` (repeatable) times other
-loads too, such as the rows a run's admission lets its sampler hold. `scripts/gpu-check.sh` sets the sampler's own
-tokens/s in a run of the same config beside it: how much of its engine the rollout stream keeps busy.
+dataset prompts, generation.num_generations rows each, as many rows as its sampler keeps in flight, each with a
+budget of generation.max_new_tokens (its stop tokens kept, as the sampler's: a random-init model rarely samples one;
+the rate counts the tokens made), one untimed run then medians of 3; `--rows N` (repeatable) times other loads too,
+such as the rows a run's admission lets its sampler hold. `scripts/gpu-check.sh` sets the sampler's own tokens/s in
+a run of the same config beside it: how much of its engine the rollout stream keeps busy.
 
 `sampler`: `bench sampler`'s request sets (64 prompts x 8 completions, 32-128 prompt tokens, longtail and fixed
 budgets up to 512 new tokens, EOS disabled) on the same model shape in bfloat16: the continuous engine (512 slots:
@@ -247,53 +248,71 @@ def sampler(quick: bool, deadline: float, write) -> dict:
     return out
 
 
-@dataclasses.dataclass(frozen=True)
-class NoStop:
-    """A run's tokenizer as the engine sees it, with no stop token: every row runs to its budget, so each timed run
-    is the same work (a random-init model rarely samples EOS anyway)."""
+def time_load(engine, params, prompts: list[list[int]], budget: int, repeats: int, deadline: float) -> dict:
+    """One untimed run of `prompts` at `budget` new tokens each (it compiles), then up to `repeats` timed ones (fewer
+    where the next would end past `deadline`); tokens/s by the tokens each run made (a row that samples a stop token
+    ends early: rare for a random-init model, and the sampler's engine ends it too) and rows decoded per step."""
+    from grpo_stream.bench.sampler_workloads import Busy, time_left_for
 
-    pad_id: int
-    eos_ids: tuple = (-1,)
+    budgets, before = [budget] * len(prompts), dict(engine.stats)
+    with Busy() as first:
+        engine.generate(params, prompts, jax.random.key(0), max_new_tokens=budgets)
+    runs, made = [], []
+    for r in range(repeats):
+        if runs and not time_left_for(runs[-1].seconds, deadline):
+            break
+        with Busy() as run:
+            out = engine.generate(params, prompts, jax.random.key(r + 1), max_new_tokens=budgets)
+        runs.append(run)
+        made.append(int(out.lengths.sum()))
+    rates = [n / run.seconds for n, run in zip(made, runs)]
+    decoded = {k: engine.stats[k] - before.get(k, 0) for k in ("live_slot_steps", "decode_steps")}
+    return {"tokens_per_second": round(float(np.median(rates)), 1),
+            "runs_tokens_per_second": [round(x, 1) for x in rates],
+            "tokens_made": made, "budget_tokens": budget * len(prompts),
+            "compile_seconds": round(max(0.0, first.seconds - float(np.median([r.seconds for r in runs]))), 1),
+            "rows_decoding_mean": round(decoded["live_slot_steps"] / decoded["decode_steps"], 1)}
 
 
 def run_engine(config: pathlib.Path, overrides: list[str], loads: list[int] | None, deadline: float, write) -> dict:
     """The engine of a sampler of the run (`config` with `overrides`) alone on this device (module doc), handed each
-    of `loads` rows at once (default: the rows its sampler keeps in flight, which fill it), each load's tokens/s."""
-    from grpo_stream.bench.sampler_workloads import time_jax_engine
+    of `loads` rows at once (default: the rows its sampler keeps in flight, which fill it), each load's tokens/s;
+    `tokens_per_second` is the first load's, set as soon as it is measured."""
     from grpo_stream.common.assembly.compilation_cache import enable_compilation_cache
     from grpo_stream.common.assembly.parts import build_policy, build_task_and_tokenizer
     from grpo_stream.common.config.loading import load_config
     from grpo_stream.common.engine import continuous
 
     cfg = load_config(config, overrides)
-    enable_compilation_cache(cfg)  # runtime.compilation_cache_dir: a run's sampler may have compiled these programs
     gen, full = cfg.generation, cfg.rows_in_flight()
+    loads = loads or [full]
+    if bad := [n for n in loads if n < gen.num_generations or n % gen.num_generations]:
+        raise SystemExit(f"--rows {bad[0]}: a load is whole groups, a multiple of generation.num_generations="
+                         f"{gen.num_generations}")
+    enable_compilation_cache(cfg)  # runtime.compilation_cache_dir: programs of the same shapes load, not compile
     task, tok = build_task_and_tokenizer(cfg)
     model = build_policy(cfg, tok.vocab_size, seed=0, dtype=cfg.sampler_dtype())
-    engine = continuous.build(cfg, model, NoStop(tok.pad_id))
+    engine = continuous.build(cfg, model, tok)  # the sampler's engine, its stop tokens included
     stream, groups = task.train_stream(0, cfg.sampler.replicas, 0), []
-    while len(groups) < max(loads or [full]) // gen.num_generations:
+    while len(groups) < max(loads) // gen.num_generations:
         ids = tok.encode(next(stream).prompt)
         if len(ids) <= gen.max_prompt_tokens:  # the sampler skips longer ones too
             groups.append(ids)
     out: dict = {"config": str(config), "overrides": overrides, "params": model.num_params(),
                  "dtype": cfg.sampler_dtype(), "rows": full, "slots": gen.decode_slots,
                  "chunk_steps": gen.decode_chunk_steps, "max_new_tokens": gen.max_new_tokens,
-                 "prompt_tokens_median": int(np.median([len(g) for g in groups])), **device_facts(), "loads": {}}
-    for rows in loads or [full]:
+                 "prompt_tokens_median": int(np.median([len(g) for g in groups])), **device_facts(), "loads": {},
+                 "tokens_per_second": None}
+    for rows in loads:
         if out["loads"] and time.perf_counter() > deadline:
             out["loads"][str(rows)] = {"skipped": "deadline"}
             continue
         prompts = [ids for ids in groups[:rows // gen.num_generations] for _ in range(gen.num_generations)]
         progress(f"engine: {len(prompts)} rows of {gen.max_new_tokens} new tokens, {gen.decode_slots} slots")
-        before = dict(engine.stats)
-        result = time_jax_engine(engine, model.params, prompts, [gen.max_new_tokens] * len(prompts), 3, deadline)
-        decoded = {k: engine.stats[k] - before.get(k, 0) for k in ("live_slot_steps", "decode_steps")}
-        out["loads"][str(rows)] = {**result, "useful_tokens": gen.max_new_tokens * len(prompts),
-                                   "rows_decoding_mean": round(decoded["live_slot_steps"] / decoded["decode_steps"], 1)}
+        out["loads"][str(rows)] = time_load(engine, model.params, prompts, gen.max_new_tokens, 3, deadline)
+        out["tokens_per_second"] = out["loads"][str(loads[0])]["tokens_per_second"]
+        out["programs_compiled"] = len(engine.programs)
         write(out)
-    out.update(programs_compiled=len(engine.programs),
-               tokens_per_second=out["loads"][str(loads[0] if loads else full)].get("tokens_per_second"))
     return out
 
 
@@ -316,8 +335,10 @@ def main(argv: list[str] | None = None) -> int:
     deadline = time.perf_counter() + args.deadline_s
     args.out.parent.mkdir(parents=True, exist_ok=True)
 
-    def write(doc: dict) -> None:
-        args.out.write_text(json.dumps(doc, indent=2) + "\n")
+    def write(doc: dict) -> None:  # whole or not at all: a run stopped mid-write leaves the last document
+        tmp = args.out.with_name(args.out.name + ".tmp")
+        tmp.write_text(json.dumps(doc, indent=2) + "\n")
+        tmp.replace(args.out)
 
     if args.part == "trainer":
         write(trainer(args.config or PRESET, args.quick, args.plan_json, deadline, write, args.set))

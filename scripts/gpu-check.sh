@@ -4,8 +4,8 @@
 #   bash scripts/gpu-check.sh [--dry-run] [--out DIR] [--work DIR] [--deadline-s S]
 #
 # Phases, each written to DIR/gpu-check.json (default runs/gpu-check) as soon as it ends; a phase that would start
-# past the deadline (default 550 s in all, inside the device tool's 600 s a call) is recorded as skipped, and a run still going at its phase's end is
-# stopped as Ctrl-C stops `up` and reports what it did:
+# past the deadline (default 540 s in all, inside the device tool's 600 s a call) is recorded as skipped, and a run
+# still going at its phase's end is stopped as Ctrl-C stops `up` and reports what it did:
 #   1. environment: the driver (nvidia-smi), the versions of python, jax, jaxlib, flax, optax, orbax, transformers,
 #      grpcio, protobuf (torch if present), the devices and their memory. Proves the stack imports and sees the GPU.
 #   2. demo: the shipped CPU demo (configs/tiny_arith.yaml: warm start, 400 RL steps, held-out evaluation) under
@@ -14,12 +14,13 @@
 #   3. async: a Llama-3.2-1B-shaped model (1.24B parameters, random init, bfloat16; the shape bench/gpu.py
 #      measures) on GSM8K prompts (GSM8K-shaped ones when no GSM8K files are at hand), the GPU preset's trainer
 #      settings (configs/qwen2.5_1.5b_gsm8k_gpu.yaml: full remat, micro-batches of 2, a KL reference, 8 groups of 4,
-#      256 new tokens), 20 asynchronous steps under `up`, one trainer and one JAX sampler sharing the GPU (their
+#      256 new tokens), 16 asynchronous steps under `up`, one trainer and one JAX sampler sharing the GPU (their
 #      shares from the plan's figures, hardware.plan_json, when the plan below ended in time; else up's default).
 #   4. sync: the same, synchronous (trainer.max_staleness=0; the sampler makes one step's groups per version).
-#   5. engine: the sampler's engine of 3-4 alone on the GPU (`python -m grpo_stream.bench.gpu engine`, the same
-#      config), kept full and at the rows 4's admission allows; the samplers' tokens/s while generating are set
-#      against it (issue 55: `comparison.sampler_over_engine_*`, goal >= 0.8; grpo_stream/gpu_check/engine.py).
+#   5. engine, if time remains: the sampler's engine of 3-4 alone on the GPU (`python -m grpo_stream.bench.gpu
+#      engine`, the same config), kept full and at the rows 4's admission allows; the samplers' tokens/s while
+#      generating are set against both (issue 55: `comparison.sampler_over_engine_*`, its goal >= 0.8 read at the
+#      same rows; grpo_stream/gpu_check/engine.py).
 #   6. colocated, if time remains: the same as 3 in one process (weights.transport=local).
 #   Beside 2, on the CPU: the checkpoint of 3-6, then `grpo-stream plan` of the same config (deadline permitting).
 # --realmodel instead runs the environment and one phase: SmolLM2-135M-Instruct (a real pretrained model) converted
@@ -33,9 +34,9 @@
 # temporary directory, removed at the end; GBs at full size, the bulky parts deleted after each run).
 #
 # --dry-run: the same phases on the CPU at tiny shapes (the smoke demo, a 2-layer model of the same family, 6 steps),
-# checking that the JSON has every figure; CI runs it (tests/bench/test_gpu_check_dry_run.py): 61-65 s on 2 cores
-# (three runs, 2026-11-27). --steps, --demo-steps, --cap PHASE=S and --set KEY=VALUE (the ~1B runs' config) adjust a
-# GPU run that does not fit its deadline.
+# checking that the JSON has every figure; the bench test lane runs it (tests/bench/test_gpu_check_dry_run.py):
+# 190-270 s on 2 cores beside other work (2026-11-30, with the engine phase). --steps, --demo-steps, --cap PHASE=S
+# and --set KEY=VALUE (the ~1B runs' config) adjust a GPU run that does not fit its deadline.
 #
 # With the device tool (one call; the wheels and the GSM8K sample travel in .whl, which git ignores):
 #   run(command="bash scripts/gpu-check.sh --out $OUT 2>&1 | tee $OUT/gpu-check.log", carry=[".whl"], timeout_s=600)

@@ -128,9 +128,9 @@ def engine_figures(engine: dict | None, runs: dict[str, dict]) -> dict:
     rate = (engine or {}).get("tokens_per_second")
     if not rate:
         return {}
-    held = str(engine.get("sync_admitted_rows"))
-    at_held = (engine.get("loads") or {}).get(held, {}).get("tokens_per_second")
-    out = {"engine_rows": engine.get("rows"), "engine_tokens_per_second": rate, "sync_admitted_rows": int(held),
+    held = engine.get("sync_admitted_rows")
+    at_held = (engine.get("loads") or {}).get(str(held), {}).get("tokens_per_second")
+    out = {"engine_rows": engine.get("rows"), "engine_tokens_per_second": rate, "sync_admitted_rows": held,
            "engine_tokens_per_second_sync_admitted_rows": at_held}
     for name, run in runs.items():
         samplers = (run or {}).get("samplers") or {}
@@ -148,11 +148,13 @@ def engine_figures(engine: dict | None, runs: dict[str, dict]) -> dict:
 RUN_FIGURES = ("steady_seconds_per_step", "steps_per_second", "trainer_compute_seconds", "trainer_wait_seconds",
                "sampler_tokens_per_second", "logprob_agreement_lag0")
 WEIGHT_FIGURES = ("publish_to_install_seconds_median", "fetch_gb_per_s_median")
+ENGINE_FIGURES = ("engine_tokens_per_second", "sampler_over_engine_async", "sampler_over_engine_sync",
+                  "sampler_over_engine_sync_same_rows")
 
 
 def missing_figures(phases: dict, device_memory: bool, optional: tuple[str, ...] = ()) -> list[str]:
     """'phase.figure' for every figure a phase lacks (`device_memory`: peaks must be there too). Phases named in
-    `optional` ("colocated", "plan": run if time remains) may be skipped for the deadline."""
+    `optional` ("engine", "colocated", "plan": run if time remains) may be skipped for the deadline."""
     missing = []
     for name in ("demo", "async", "sync", "colocated"):
         run = (phases.get(name) or {}).get("figures")
@@ -171,9 +173,10 @@ def missing_figures(phases: dict, device_memory: bool, optional: tuple[str, ...]
     if not ("plan" in optional and plan.get("status") in ("stopped", "skipped")):
         missing += [f"plan.{key}" for key in ("trainer_bytes", "sampler_bytes") if plan.get(key) is None]
     compared = phases.get("comparison") or {}
-    missing += [f"comparison.{key}" for key in ("async_over_sync", "async_over_sync_bound", "engine_tokens_per_second",
-                                                "sampler_over_engine_async", "sampler_over_engine_sync",
-                                                "sampler_over_engine_sync_same_rows") if key not in compared]
+    missing += [f"comparison.{key}" for key in ("async_over_sync", "async_over_sync_bound") if key not in compared]
+    engine = phases.get("engine") or {}
+    if not ("engine" in optional and engine.get("reason") == "deadline"):
+        missing += [f"comparison.{key}" for key in ENGINE_FIGURES if key not in compared]
     demo = phases.get("demo") or {}
     missing += ["demo.learning.gain_points"] * ((demo.get("learning") or {}).get("gain_points") is None)
     return missing

@@ -51,8 +51,11 @@ def test_runs_report_rates_hand_offs_and_agreement(check, phase):
     assert run["sampler_tokens_per_second"] > 0
     sampler = run["samplers"]["sampler-0"]
     assert sampler["tokens_per_second_generating"] >= sampler["tokens_per_second"] > 0
-    # every version after the first: publication -> installation, and the fetch's rate
-    assert len(sampler["per_version"]) == sampler["versions_installed"] - 1 >= 3
+    # every version after the first: publication -> installation, and the fetch's rate. Synchronous: each of the 7
+    # versions (0-6). Otherwise what the staleness bound (4) forces: version 0, one of 1-5 (step 6 trains groups of
+    # version >= 1) and the final 6; how many more is timing (3 to 5 installs seen, 2026-11-30)
+    assert len(sampler["per_version"]) == sampler["versions_installed"] - 1
+    assert sampler["versions_installed"] == 7 if phase == "sync" else sampler["versions_installed"] >= 3
     assert all(v["publish_to_install_s"] >= 0 for v in sampler["per_version"])
     assert run["weights"]["publish_to_install_seconds_median"] >= 0 and run["weights"]["fetch_gb_per_s_median"] > 0
     assert run["weights"]["transport"] == ("local" if phase == "colocated" else "grpc")
@@ -85,7 +88,9 @@ def test_the_samplers_are_set_against_their_engine_alone(check):
     assert full == sampler["rows_in_flight"] == engine["slots"] and engine["max_new_tokens"] == 16 and held == 16
     for rows in (full, held):
         load = engine["loads"][str(rows)]
-        assert load["rows_decoding_mean"] == rows and load["tokens_per_second"] > 0  # every row decoding, each step
+        # each row to its budget unless it samples a stop token (a tiny random model: a few of them)
+        assert 0.5 * rows < load["rows_decoding_mean"] <= rows and load["tokens_per_second"] > 0
+        assert all(0.5 * load["budget_tokens"] < made <= load["budget_tokens"] for made in load["tokens_made"])
     assert compared["engine_tokens_per_second"] == engine["loads"][str(full)]["tokens_per_second"]
     for run in ("async", "sync"):
         generating = doc["phases"][run]["figures"]["samplers"]["sampler-0"]["tokens_per_second_generating"]

@@ -86,21 +86,28 @@ def test_the_engine_phase_holds_the_rows_the_synchronous_run_may_hold(tmp_path):
     """One step's groups at max_staleness 0 (8 groups of 4 rows), against the 256 the sampler keeps in flight; when
     admission allows all of them, one load."""
     args = ["--config", "configs/qwen2.5_1.5b_gsm8k_gpu.yaml", "trainer.groups_per_step=8", "buffer.max_groups=16"]
-    cmd, held = engine_command(args, mode_overrides("sync", 8, 1), tmp_path / "cache", tmp_path / "engine.json")
+    cmd, held = engine_command(args, mode_overrides("sync", 8, 1), tmp_path / "cache", tmp_path / "engine.json", 75.4)
     assert held == 32 and cmd[1:4] == ["-m", "grpo_stream.bench.gpu", "engine"]
     assert [cmd[i + 1] for i, a in enumerate(cmd) if a == "--rows"] == ["256", "32"]
+    assert cmd[cmd.index("--deadline-s") + 1] == "75"  # it starts no load past its phase's cap
     assert ["--set", "trainer.groups_per_step=8"] == cmd[cmd.index("trainer.groups_per_step=8") - 1:][:2]
     assert f"runtime.compilation_cache_dir={tmp_path / 'cache'}" in cmd
     cmd, held = engine_command([*args, "sampler.rows_in_flight=16", "generation.decode_slots=16"],
-                               mode_overrides("sync", 8, 1), tmp_path / "cache", tmp_path / "engine.json")
+                               mode_overrides("sync", 8, 1), tmp_path / "cache", tmp_path / "engine.json", 60)
     assert held == 16 and [cmd[i + 1] for i, a in enumerate(cmd) if a == "--rows"] == ["16"]
+    # two samplers share a step's groups: each holds at most its sampler.max_groups_per_version of them
+    _, held = engine_command([*args, "sampler.replicas=2"], mode_overrides("sync", 8, 2), tmp_path / "cache",
+                             tmp_path / "engine.json", 60)
+    assert held == 16
 
 
-def test_the_one_process_run_and_the_plan_may_miss_the_deadline_on_a_gpu():
-    phases = {"colocated": {"status": "skipped", "reason": "deadline"}, "plan": {"status": "stopped"}}
-    missing = missing_figures(phases, device_memory=True, optional=("colocated", "plan"))
-    assert not [m for m in missing if m.startswith(("colocated", "plan"))]
-    assert "colocated: no figures (skipped)" in missing_figures(phases, device_memory=True)
+def test_the_engine_the_one_process_run_and_the_plan_may_miss_the_deadline_on_a_gpu():
+    phases = {"colocated": {"status": "skipped", "reason": "deadline"}, "plan": {"status": "stopped"},
+              "engine": {"status": "skipped", "reason": "deadline"}}
+    missing = missing_figures(phases, device_memory=True, optional=("engine", "colocated", "plan"))
+    assert not [m for m in missing if m.startswith(("colocated", "plan", "comparison.engine", "comparison.sampler"))]
+    strict = missing_figures(phases, device_memory=True)
+    assert "colocated: no figures (skipped)" in strict and "comparison.sampler_over_engine_sync_same_rows" in strict
 
 
 def test_gsm8k_shaped_problems_load_as_gsm8k(tmp_path, monkeypatch):
