@@ -249,29 +249,16 @@ def sampler(quick: bool, deadline: float, write) -> dict:
 
 
 def time_load(engine, params, prompts: list[list[int]], budget: int, repeats: int, deadline: float) -> dict:
-    """One untimed run of `prompts` at `budget` new tokens each (it compiles), then up to `repeats` timed ones (fewer
-    where the next would end past `deadline`); tokens/s by the tokens each run made (a row that samples a stop token
-    ends early: rare for a random-init model, and the sampler's engine ends it too) and rows decoded per step."""
-    from grpo_stream.bench.sampler_workloads import Busy, time_left_for
+    """`prompts` at `budget` new tokens each, timed as `time_jax_engine` times a request set with the engine's stop
+    tokens kept (a row that samples one ends early: rare for a random-init model, and the sampler's engine ends it
+    too), with the rows the engine decoded per step over these runs."""
+    from grpo_stream.bench.sampler_workloads import time_jax_engine
+    from grpo_stream.common.engine.base import decoded_rows_per_step
 
-    budgets, before = [budget] * len(prompts), dict(engine.stats)
-    with Busy() as first:
-        engine.generate(params, prompts, jax.random.key(0), max_new_tokens=budgets)
-    runs, made = [], []
-    for r in range(repeats):
-        if runs and not time_left_for(runs[-1].seconds, deadline):
-            break
-        with Busy() as run:
-            out = engine.generate(params, prompts, jax.random.key(r + 1), max_new_tokens=budgets)
-        runs.append(run)
-        made.append(int(out.lengths.sum()))
-    rates = [n / run.seconds for n, run in zip(made, runs)]
-    decoded = {k: engine.stats[k] - before.get(k, 0) for k in ("live_slot_steps", "decode_steps")}
-    return {"tokens_per_second": round(float(np.median(rates)), 1),
-            "runs_tokens_per_second": [round(x, 1) for x in rates],
-            "tokens_made": made, "budget_tokens": budget * len(prompts),
-            "compile_seconds": round(max(0.0, first.seconds - float(np.median([r.seconds for r in runs]))), 1),
-            "rows_decoding_mean": round(decoded["live_slot_steps"] / decoded["decode_steps"], 1)}
+    before = dict(engine.stats)
+    result = time_jax_engine(engine, params, prompts, [budget] * len(prompts), repeats, deadline, stop_tokens=True)
+    return {**result, "budget_tokens": budget * len(prompts),
+            "rows_decoding_mean": decoded_rows_per_step({k: v - before.get(k, 0) for k, v in engine.stats.items()})}
 
 
 def run_engine(config: pathlib.Path, overrides: list[str], loads: list[int] | None, deadline: float, write) -> dict:

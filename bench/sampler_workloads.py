@@ -63,32 +63,39 @@ def time_left_for(seconds: float, deadline: float | None) -> bool:
     return deadline is None or time.perf_counter() + 1.2 * seconds < deadline
 
 
-def summarize(useful: int, runs: list[Busy], extra: dict | None = None) -> dict:
-    """Median useful tokens/s over the runs, with the cores busy in the median run."""
-    rates = [useful / r.seconds for r in runs]
+def summarize(useful: int | list[int], runs: list[Busy], extra: dict | None = None) -> dict:
+    """Median useful tokens/s over the runs (`useful`: the same for every run, or each run's own), with the cores busy
+    in the median run."""
+    made = useful if isinstance(useful, list) else [useful] * len(runs)
+    rates = [n / r.seconds for n, r in zip(made, runs)]
     median = statistics.median(rates)
-    middle = min(runs, key=lambda r: abs(useful / r.seconds - median))
+    middle = runs[min(range(len(runs)), key=lambda i: abs(rates[i] - median))]
     return {"tokens_per_second": round(median, 1), "runs_tokens_per_second": [round(x, 1) for x in rates],
             "cores_busy": round(middle.cores, 2), **(extra or {})}
 
 
 def time_jax_engine(engine, params, prompts: list[list[int]], budgets: list[int], repeats: int,
-                    deadline: float | None = None) -> dict:
+                    deadline: float | None = None, stop_tokens: bool = False) -> dict:
     """A JAX engine (continuous or static) on the request set: one untimed run compiles, then `repeats` runs
-    (fewer, at least one, where the next would end past `deadline`, a time.perf_counter() value)."""
+    (fewer, at least one, where the next would end past `deadline`, a time.perf_counter() value). Every row runs to
+    its budget (EOS disabled), or with `stop_tokens` may end early on the engine's own stop tokens, each run then
+    rated by the tokens it made (`tokens_made`)."""
     with Busy() as first:
         out = engine.generate(params, prompts, jax.random.key(0), max_new_tokens=budgets)
-    if list(out.lengths) != list(budgets):
+    if not stop_tokens and list(out.lengths) != list(budgets):
         raise RuntimeError("the engine's completion lengths differ from the budgets; EOS was meant to be disabled")
-    runs = []
+    runs, made = [], []
     for r in range(repeats):
         if runs and not time_left_for(runs[-1].seconds, deadline):
             break
         with Busy() as run:
-            engine.generate(params, prompts, jax.random.key(r + 1), max_new_tokens=budgets)
+            out = engine.generate(params, prompts, jax.random.key(r + 1), max_new_tokens=budgets)
         runs.append(run)
-    compile_s = max(0.0, first.seconds - statistics.median(r.seconds for r in runs))
-    return summarize(sum(budgets), runs, {"compile_seconds": round(compile_s, 1)})
+        made.append(int(out.lengths.sum()))
+    extra = {"compile_seconds": round(max(0.0, first.seconds - statistics.median(r.seconds for r in runs)), 1)}
+    if stop_tokens:
+        return summarize(made, runs, {**extra, "tokens_made": made})
+    return summarize(sum(budgets), runs, extra)
 
 
 def time_hf(hf, prompts: list[list[int]], cases: dict[str, list[int]], repeats: int, device: str = "cpu",

@@ -46,12 +46,17 @@ class GenerationEngine(Protocol):
         max_new_tokens for every row)."""
 
 
+def decoded_rows_per_step(stats: dict) -> float | None:
+    """Rows decoded per decode step, from the JAX engine's counters (`stats`, or their change over a span):
+    live_slot_steps over decode_steps; None when no step was decoded."""
+    return round(stats["live_slot_steps"] / stats["decode_steps"], 1) if stats.get("decode_steps") else None
+
+
 def rows_decoding_mean(engine) -> float | None:
     """Rows an engine decoded per decode step, on average over its life: how full its callers kept it. From the
-    counters an engine keeps in `stats` (the JAX engine's decode_steps and live_slot_steps); None for an engine that
-    keeps none (vLLM schedules inside itself)."""
-    stats = getattr(engine, "stats", None) or {}
-    return round(stats["live_slot_steps"] / stats["decode_steps"], 1) if stats.get("decode_steps") else None
+    counters an engine keeps in `stats` (the JAX engine's); None for an engine that keeps none (vLLM schedules inside
+    itself)."""
+    return decoded_rows_per_step(getattr(engine, "stats", None) or {})
 
 
 def check_request(prompts: list[list[int]], budgets: list[int] | None, max_prompt_tokens: int,
