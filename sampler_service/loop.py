@@ -149,7 +149,7 @@ class Sampler:
                 if weights.poll_due():
                     weights.poll()
                 weights.report_installed()
-                if weights.staged.final() is not None:
+                if weights.final_reached():
                     break
                 self._feed(parts)
                 self._report_throughput()

@@ -177,6 +177,12 @@ class WeightsInUse:
             return
         self.staged.stage(got)
 
+    def final_reached(self) -> bool:
+        """The trainer's last version is here: staged for the feeder to install after the stream, or already in use
+        (a version this sampler had, or its engine took in flight, that the trainer then marked final, as a resumed
+        run that was already complete does)."""
+        return self.final or self.staged.final() is not None
+
     def install_final(self) -> bool:
         """After the stream ended: install the final version if one is staged; whether one was."""
         final = self.staged.final()

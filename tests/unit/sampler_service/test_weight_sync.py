@@ -2,6 +2,8 @@
 version replaced while it was fetched are retried after a back-off; a version of another model, a refused token, a
 bug are raised at the first attempt, so a sampler started with the wrong model stops instead of warning for ever."""
 
+import threading
+
 import grpc
 import jax
 import numpy as np
@@ -12,6 +14,7 @@ from grpo_stream.common.runtime.errors import PermanentError, TransientError
 from grpo_stream.common.weights.snapshot import WeightTransferError, manifest_of
 from grpo_stream.common.weights.transport import WeightsMismatch
 from grpo_stream.sampler_service.weight_sync import WeightSync, retryable
+from grpo_stream.sampler_service.weights_in_use import WeightsInUse
 from tests.support import FakeClock
 
 
@@ -116,3 +119,33 @@ def test_weights_of_another_shape_stop_the_sampler_before_any_byte_is_fetched(ti
     missing = {n: a for n, a in named.items() if n != "lm_head.w"}
     with pytest.raises(WeightsMismatch, match=r"1 of its parameters are not published \(e.g. \['lm_head.w'\]\)"):
         sync_for(model, Fetcher(missing)).poll()
+
+
+class StreamRunning:
+    """The one thing WeightsInUse asks of a running RolloutStream (used by drains only)."""
+
+    def set_accepting(self, accepting: bool) -> None:
+        pass
+
+
+@pytest.mark.parametrize("taken_in_flight", [False, True], ids=["in-use-from-start", "taken-by-the-engine"])
+def test_a_version_in_use_that_the_trainer_marks_final_ends_the_stream(tiny_parts, taken_in_flight):
+    """A resumed trainer whose run was already complete republishes its last version, then marks that same version
+    final: the sampler already uses it, so nothing is staged, yet the feeder must see the end and stop."""
+    cfg, _, _, model = tiny_parts
+    named = model.to_named_numpy()
+    shapes = {n: (a.shape, a.dtype) for n, a in named.items()}
+    fetcher = Fetcher(named)
+    weights = WeightsInUse(cfg, "sampler-0", threading.Event())
+    weights.attach(sync_for(model, fetcher), None, None)
+    weights.poll()  # version 0 installed before the stream starts
+    weights.stream_started(StreamRunning(), None)
+    if taken_in_flight:
+        fetcher.manifest = manifest_of(1, shapes, False, "e1", 0.0, 0, "fake")
+        weights.poll()
+        assert weights.staged.refresh()[1] == 1  # the engine takes version 1 at a scheduling point
+    assert weights.version == (1 if taken_in_flight else 0) and not weights.final_reached()
+    fetcher.manifest = manifest_of(weights.version, shapes, True, "e1", 0.0, 0, "fake")
+    weights.poll()
+    assert weights.final_reached() and weights.staged.final() is None
+    assert not weights.install_final() and weights.version == (1 if taken_in_flight else 0)
