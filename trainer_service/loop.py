@@ -27,6 +27,7 @@ from grpo_stream.common.config.schema import RunConfig
 from grpo_stream.common.rollouts.buffer import RUN_FILE
 from grpo_stream.common.rollouts.redis_server import redacted
 from grpo_stream.common.rollouts.registry import open_leased_buffer
+from grpo_stream.common.rollouts.wire import group_limits
 from grpo_stream.common.rpc.grpc_util import ServerSecurity
 from grpo_stream.common.runtime.process import stop_on_signals
 from grpo_stream.common.registry.transports import transport_spec
@@ -133,6 +134,7 @@ class Trainer:
         self.source = LeaderSource(cfg, self.run_dir, s, self.group)
         s.collector = GroupCollector(s.buffer, cfg.trainer.groups_per_step, cfg.trainer.max_staleness,
                                      cfg.algo.dynamic_sampling, self.stop_event, s.durability.held,
+                                     limits=group_limits(cfg.generation, parts.tokenizer.vocab_size),
                                      waiting=self.source.collector_waiting)
         # several processes run the warm start in lockstep: a signal takes effect after it, at a step
         self.core = TrainerCore(cfg, self.run_dir, parts, s.publisher, s.durability, hooks=self.source,

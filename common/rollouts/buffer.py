@@ -233,8 +233,10 @@ class RedisStreamBuffer:
         entries = self._call(run)
         if not entries:
             return entries
-        self._delivered.update(e.entry_id for e in entries)
+        # delivered only once this read has fully answered: if the check below fails, the entries stay pending and
+        # not delivered, so _lost_deliveries takes them back rather than strand them until a restart
         seen = self._call(lambda: self.client.hmget(self.k["audit:settled"], [e.group_id for e in entries]))
+        self._delivered.update(e.entry_id for e in entries)
         again = [e for e, s in zip(entries, seen) if s is not None]
         if again:
             self.settle((e.entry_id, e.group_id, "dropped_duplicate", -1) for e in again)
@@ -270,7 +272,9 @@ class RedisStreamBuffer:
             for entry_id, fields in entries:
                 if not fields:  # deleted while pending
                     continue
-                out.append(BufferEntry(text(entry_id), fields.get(b"id", b"").decode(), fields.get(b"g", b"")))
+                # an id that is not UTF-8 (damaged contents) must not fail the read: the group is then refused whole
+                group_id = fields.get(b"id", b"").decode(errors="replace")
+                out.append(BufferEntry(text(entry_id), group_id, fields.get(b"g", b"")))
         return out
 
     def settle(self, records: Iterable[tuple[str, str, str, int]]) -> int:

@@ -141,6 +141,19 @@ def decode_group(payload: bytes) -> GroupData:
     return from_proto(msg)
 
 
+def decode_trainable_group(payload: bytes, limits: GroupLimits) -> GroupData:
+    """A buffered group as the trainer reads it: decoded and checked against the trainer's own limits, since what
+    the buffer holds may have been accepted under other ones (a restart with a smaller generation.max_new_tokens or
+    num_generations, a standalone ingest with another config) or damaged in Redis. ValueError naming every problem;
+    a group that passes fits the trainer's batch layout."""
+    msg = rollout_pb2.RolloutGroup()
+    msg.ParseFromString(payload)
+    errors = validate_group(msg, limits)
+    if errors:
+        raise ValueError("; ".join(errors))
+    return from_proto(msg)
+
+
 @dataclasses.dataclass(frozen=True)
 class GroupLimits:
     """What a valid group looks like for this run (from the run config)."""
@@ -150,6 +163,12 @@ class GroupLimits:
     max_new_tokens: int
     vocab_size: int
     max_id_length: int = 128
+
+
+def group_limits(generation, vocab_size: int) -> GroupLimits:
+    """The limits of a run: its `generation` config section and its tokenizer's vocabulary size (what the ingest
+    accepts and the trainer trains)."""
+    return GroupLimits(generation.num_generations, generation.max_prompt_tokens, generation.max_new_tokens, vocab_size)
 
 
 def validate_group(msg: rollout_pb2.RolloutGroup, limits: GroupLimits) -> list[str]:

@@ -163,6 +163,41 @@ def test_entries_whose_read_reply_was_lost_come_back_once(shared_redis, run_name
     assert buf.read(10, block_ms=50) == [] and buf.depth() == 1 and identity_holds(buf.counters())
 
 
+def test_entries_of_a_read_whose_duplicate_check_failed_come_back(shared_redis, run_name):
+    """Redis answered the read, then failed the duplicate check that follows it (a blip, a LOADING reply): the read
+    raises, and the entries Redis delivered must come back later rather than stay pending and counted against the
+    samplers' admission until the trainer restarts."""
+    import redis
+
+    buf = RedisStreamBuffer(connect(shared_redis.url, 5), run_name)
+    buf.PENDING_CHECK_S = 0.0
+    buf.append_many([inc(i) for i in range(3)], max_groups=3)
+    check, failed = buf.client.hmget, []
+
+    def fails_once(*args, **kwargs):
+        if not failed:
+            failed.append(True)
+            raise redis.ConnectionError("connection reset by peer (injected)")
+        return check(*args, **kwargs)
+
+    buf.client.hmget = fails_once
+    with pytest.raises(BufferUnavailable):
+        buf.read(10, block_ms=50)
+    back = buf.read(10, block_ms=50)
+    assert [e.payload for e in back] == [b"g0", b"g1", b"g2"] and buf.read(10, block_ms=50) == []
+    assert buf.settle([(e.entry_id, e.group_id, "trained", 1) for e in back]) == 3
+    assert buf.depth() == 0 and identity_holds(buf.counters())
+
+
+def test_an_entry_whose_group_id_is_damaged_is_read_not_fatal(buf):
+    """Bytes in Redis that are not UTF-8 must not fail every read (the trainer would stop at each restart): the
+    entry is returned, and the trainer's check of its payload refuses it."""
+    buf.append_many([inc(0)], max_groups=3)
+    buf.client.xadd(buf.stream, {"g": b"damaged", "id": b"\xffrun/s0/1"})
+    assert [(e.group_id, e.payload) for e in buf.read(10, block_ms=50)] == [("run/s0/0", b"g0"),
+                                                                          ("\ufffdrun/s0/1", b"damaged")]
+
+
 def test_accepted_groups_survive_a_redis_crash(tmp_path):
     """AOF with fsync on every write: what append_many acknowledged is there after kill -9 and a restart."""
     server = EmbeddedRedis(data_dir=tmp_path / "redis").start()

@@ -24,7 +24,7 @@ from grpo_stream.trainer_service.ingest.proto_decode import add_service
 from grpo_stream.common.rollouts.redis_server import connect_durable
 from grpo_stream.common.assembly.parts import build_task_and_tokenizer
 from grpo_stream.common.runtime.process import stop_on_signals
-from grpo_stream.common.rollouts.wire import GroupLimits
+from grpo_stream.common.rollouts.wire import group_limits
 from grpo_stream.protos import prompts_pb2, rollout_pb2  # noqa: F401 - registers the services' descriptors
 from grpo_stream.trainer_service.ingest.admission import AdmissionControl, AdmissionLimits
 from grpo_stream.trainer_service.ingest.rollout_ingest import IngestServicer, Injection
@@ -38,7 +38,7 @@ def ingest_servicers(cfg: RunConfig, buffer: RedisStreamBuffer, task, tokenizer,
                      ) -> tuple[IngestServicer, PromptServicer]:
     """The ingest and the PromptService beside it, sharing the run's prompt queue."""
     gen = cfg.generation
-    limits = GroupLimits(gen.num_generations, gen.max_prompt_tokens, gen.max_new_tokens, tokenizer.vocab_size)
+    limits = group_limits(gen, tokenizer.vocab_size)
     queue = PromptQueue(buffer.client, cfg.run.name)
     injection = Injection(queue, cfg.run.name, cfg.prompts.claim_lease_s, cfg.prompts.result_retention_s,
                           cfg.prompts.max_kept_results, frozenset(allowed_names(cfg.task.rewards, cfg.task.name)),

@@ -10,7 +10,7 @@ from typing import Callable, TypeVar
 
 from grpo_stream.common.runtime.console import detail_logger
 from grpo_stream.common.rollouts.buffer import BufferEntry, BufferUnavailable, RolloutBuffer
-from grpo_stream.common.rollouts.wire import GroupData, decode_group
+from grpo_stream.common.rollouts.wire import GroupData, GroupLimits, decode_trainable_group
 from grpo_stream.trainer_service.learning.selection import select_batch
 from grpo_stream.common.runtime.backoff import Backoff, StopRequested, wait
 
@@ -40,10 +40,12 @@ class GroupCollector:
     """Reads the buffer until a step has `groups_per_step` usable groups; keeps the rest for later steps."""
 
     def __init__(self, buffer: RolloutBuffer, groups_per_step: int, max_staleness: int, dynamic_sampling: bool,
-                 stop_event: threading.Event, held: Callable[[], int], waiting: Callable[[], None] | None = None):
-        """`waiting`: called every 10 s while a step waits for groups (a heartbeat: waiting for samplers is not
-        hanging)."""
-        self.waiting = waiting
+                 stop_event: threading.Event, held: Callable[[], int], *, limits: GroupLimits,
+                 waiting: Callable[[], None] | None = None):
+        """`limits`: what a group this trainer can train looks like (its generation section and vocabulary); others
+        are settled as dropped_invalid. `waiting`: called every 10 s while a step waits for groups (a heartbeat:
+        waiting for samplers is not hanging)."""
+        self.waiting, self.limits = waiting, limits
         self.buffer, self.need, self.max_staleness = buffer, groups_per_step, max_staleness
         self.dynamic_sampling, self.stop_event, self.held = dynamic_sampling, stop_event, held
         self.pending: list[tuple[BufferEntry, GroupData]] = []
@@ -75,16 +77,7 @@ class GroupCollector:
                 log.error("buffer read failed: Redis unavailable (%s); retrying in 1s", exc)
                 self.stop_event.wait(1.0)
                 continue
-            undecodable = []
-            for entry in entries:
-                try:
-                    self.pending.append((entry, decode_group(entry.payload)))
-                except Exception as exc:  # noqa: BLE001 - a corrupt entry must not stop training
-                    log.error("undecodable buffer entry %s dropped: %s", entry.entry_id, exc)
-                    undecodable.append((entry.entry_id, entry.group_id, "dropped_invalid", step))
-            if undecodable:
-                when_available("settling undecodable groups", lambda: self.buffer.settle(undecodable),
-                               self.stop_event)
+            self._take(entries, step)
             if time.time() - last_note > 10:
                 depth = when_available("reading the buffer depth", self.buffer.depth, self.stop_event)
                 log.info("step %d waiting for rollouts: %d/%d groups, %d more waiting in the buffer", step,
@@ -92,3 +85,19 @@ class GroupCollector:
                 last_note = time.time()
                 if self.waiting is not None:
                     self.waiting()
+
+    def _take(self, entries: list[BufferEntry], step: int) -> None:
+        """Decode what was read into `pending`; an entry this trainer cannot train is settled as dropped_invalid
+        with its reasons logged. Without this a group that decodes but does not fit (accepted under another config,
+        or damaged in Redis) would fail the step, and again after every restart, since it is read first."""
+        invalid = []
+        for entry in entries:
+            try:
+                self.pending.append((entry, decode_trainable_group(entry.payload, self.limits)))
+            except Exception as exc:  # noqa: BLE001 - a corrupt entry must not stop training
+                log.error("buffer entry %s (group %s) dropped as invalid: it cannot be trained under this trainer's "
+                          "config (accepted under other generation limits, or damaged in Redis): %s",
+                          entry.entry_id, entry.group_id, exc)
+                invalid.append((entry.entry_id, entry.group_id, "dropped_invalid", step))
+        if invalid:
+            when_available("settling invalid groups", lambda: self.buffer.settle(invalid), self.stop_event)

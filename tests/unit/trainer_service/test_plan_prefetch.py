@@ -26,7 +26,7 @@ from grpo_stream.trainer_service.plan_sources import FollowerSource, LeaderSourc
 from grpo_stream.trainer_service.plans import FinishPlan, StartPlan, StepPlan, to_message
 from grpo_stream.trainer_service.control_messages import ControlMessageError
 from tests.conftest import CONFIGS
-from tests.unit.trainer_service.learning.test_collector import group
+from tests.unit.trainer_service.learning.test_collector import LIMITS, group
 from tests.unit.trainer_service.test_multihost import Store
 from tests.unit.trainer_service.test_multihost import group as trainer_group
 
@@ -81,7 +81,7 @@ def leader(tmp_path, cfg, incoming, stop=None):
     s = LeaderServices(epoch="e", stop_event=stop, buffer=buffer, checkpoints=Checkpoints(),
                        status=types.SimpleNamespace(step=0))
     source = LeaderSource(cfg, tmp_path, s)
-    s.collector = GroupCollector(buffer, 2, cfg.trainer.max_staleness, False, stop, lambda: 0,
+    s.collector = GroupCollector(buffer, 2, cfg.trainer.max_staleness, False, stop, lambda: 0, limits=LIMITS,
                                  waiting=source.collector_waiting)
     source.pack = packed_of
     source.await_samplers = lambda version: None  # no samplers here
