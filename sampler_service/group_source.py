@@ -54,13 +54,15 @@ class GroupSource:
         return jax.random.fold_in(key if stream < 0 else jax.random.fold_in(key, stream), index)
 
     def next_groups(self, groups: int, rows: int, version: int) -> list[GroupWork]:
-        """At most `groups` groups of at most `rows` rows in all (a dataset group has generation.num_generations):
-        injected prompts that fit, then dataset prompts. Prompts over generation.max_prompt_tokens are skipped with
-        a warning."""
+        """At most `groups` groups of at most `rows` rows in all: injected prompts that fit (each its own size),
+        then dataset prompts (generation.num_generations rows each), none while an injected prompt waits for rows.
+        Prompts over generation.max_prompt_tokens are skipped with a warning."""
         gen = self.cfg.generation
-        rows = min(rows, groups * gen.num_generations)
         batch = self.injected_groups(rows, groups, version)
+        if self.pending:  # the next injected prompt waits for rows to free: they are kept for it, not given away
+            return batch
         used = sum(work.rows for work in batch)
+        rows = min(rows, used + (groups - len(batch)) * gen.num_generations)
         skipped_in_a_row = 0
         while len(batch) < groups and used + gen.num_generations <= rows:
             position, problem = next(self.prompts)
@@ -79,6 +81,10 @@ class GroupSource:
                                    self._key(-1, position)))
             used += gen.num_generations
         return batch
+
+    def injected_rows_waiting(self) -> int:
+        """Rows of the claimed injected prompt next in line (0: none): the feeder keeps rows free until it fits."""
+        return self.pending[0].num_generations if self.pending else 0
 
     def injected_groups(self, free_rows: int, groups: int, version: int) -> list[GroupWork]:
         """Injected prompts to start now: what is left from the last claim, topped up by a new one (at most every
@@ -101,6 +107,13 @@ class GroupSource:
         works, rows = [], 0
         while self.pending and len(works) < groups and rows + self.pending[0].num_generations <= free_rows:
             p = self.pending.popleft()
+            if p.num_generations > self.cfg.largest_group():
+                self.injected_refused += 1
+                log.warning("%s: injected prompt %r not generated: %d rows, and this sampler starts at most %d as one "
+                            "group (sampler.rows_in_flight and the engine's slots: does the ingest's config differ "
+                            "from this sampler's?)", self.sampler_id, p.prompt_id[:64], p.num_generations,
+                            self.cfg.largest_group())
+                continue
             try:
                 rewards = self.rewards.subset(list(p.rewards))
             except UnknownReward as exc:

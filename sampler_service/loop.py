@@ -170,7 +170,10 @@ class Sampler:
         """Start the groups the stream has room for and admission grants: injected prompts first."""
         gen, stream = self.cfg.generation, self.stream
         room = stream.room(self.rows_in_flight, self.slots)
-        wanted = room // gen.num_generations
+        waiting = self.source.injected_rows_waiting()
+        if waiting > room:  # rows are kept free for the injected prompt next in line: they free as episodes end
+            return
+        wanted = max(room // gen.num_generations, 1 if waiting else 0)
         if wanted <= 0 or self._held_back():
             return
         holding = parts.client.unacked + self.sink.pending() + len(stream.in_flight())

@@ -332,12 +332,21 @@ class RunConfig(Strict):
         multi_turn = self.environment.name is not None or task_spec(self.task.name).own_rollouts
         return self.engine_slots()[1] * (MULTI_TURN_ROWS if multi_turn else 1)
 
+    def largest_group(self) -> int:
+        """The most rows one group may have on a sampler: a group's rows start together, within
+        sampler.rows_in_flight and within the engine's slots (the stream starts no more rows than slots are free)."""
+        return min(self.rows_in_flight(), self.engine_slots()[1])
+
     @model_validator(mode="after")
     def _rows_in_flight(self) -> "RunConfig":
         (where, slots), rows, group = self.engine_slots(), self.rows_in_flight(), self.generation.num_generations
         if rows < group:
             raise ValueError(f"sampler.rows_in_flight={rows} holds no group of generation.num_generations={group}; "
                              f"raise it to at least {group}")
+        if slots < group:
+            raise ValueError(f"generation.num_generations={group}: a group's rows start together, and the engine "
+                             f"decodes at most {where}={slots} sequences at once, so no group could ever start; "
+                             f"raise {where} to at least {group}")
         multi_turn = self.environment.name is not None or task_spec(self.task.name).own_rollouts
         if rows > slots and not multi_turn:
             raise ValueError(f"sampler.rows_in_flight={rows}: the engine decodes at most {where}={slots} sequences "

@@ -22,5 +22,10 @@ class VerifiersSection(Strict):
                                           "max_tokens environment.turn_max_new_tokens or generation.max_new_tokens, "
                                           "logprobs and return_token_ids on); what the samplers' endpoint cannot "
                                           "serve is refused there, naming the field.")
+    group_timeout_s: float = Field(1800.0, gt=0, le=86_400, description="Wall time one group's `run_group` may "
+                                   "take (its model calls, its tools and its rubric). Past it the group is cancelled "
+                                   "and its rollouts fail, so an environment that hangs cannot hold the sampler's "
+                                   "rows for ever; a blocking call that never yields to the event loop cannot be "
+                                   "cancelled this way.")
     eval_split: bool = Field(True, description="Held-out problems come from the environment's eval dataset "
                              "(get_eval_dataset); False: from the end of its training dataset.")

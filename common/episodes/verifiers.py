@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 from grpo_stream.common.endpoint.generation import ROLLOUT_FIELD, RolloutVersions
 from grpo_stream.common.episodes.result import EpisodeResult
@@ -78,18 +78,56 @@ def result_of(output: dict[str, Any], versions: dict, max_tokens: int) -> Episod
     return result
 
 
+async def group_results(run_group: Callable[[], Awaitable[Any]], rows: int, take_versions: Callable[[], dict],
+                        max_tokens: int, timeout_s: float) -> list[EpisodeResult]:
+    """The `rows` episodes of one group from `run_group()` (the environment's), each scored or failed with why.
+    Every row gets a result and nothing escapes: an environment that raises, runs past `timeout_s`
+    (task.verifiers.group_timeout_s; it is cancelled) or returns outputs not shaped as episodes fails its rows, so the
+    group ends and its rows go back to the stream instead of holding the sampler's capacity for ever.
+    `take_versions()` (the endpoint's record of the group's token versions) is called once whatever happens."""
+    async def called():  # what run_group() raises before it awaits is the task's too
+        return await run_group()
+
+    outputs, failed = None, None
+    call = asyncio.ensure_future(called())
+    done, _ = await asyncio.wait({call}, timeout=timeout_s)
+    if not done:
+        call.cancel()
+        failed = f"run_group ran past task.verifiers.group_timeout_s={timeout_s:g}s and was cancelled"
+    elif call.exception() is not None:
+        exc = call.exception()
+        failed = f"run_group raised {type(exc).__name__}: {exc}"
+    else:
+        outputs = call.result()
+        if not isinstance(outputs, list) or len(outputs) != rows:
+            got = len(outputs) if isinstance(outputs, list) else type(outputs).__name__
+            failed = f"run_group returned {got} outputs for {rows} rows"
+    versions = take_versions()
+    results = []
+    for row in range(rows):
+        try:
+            if failed:
+                raise RolloutError(failed)
+            results.append(result_of(outputs[row], versions, max_tokens))
+        except Exception as exc:  # noqa: BLE001 - an environment's output fails its episode, never the sampler
+            why = str(exc) if isinstance(exc, RolloutError) else (
+                f"the environment's output is not an episode ({type(exc).__name__}: {exc})")
+            results.append(EpisodeResult(failed=why[:500]))
+    return results
+
+
 class VerifiersRollouts:
     """The rollout kind of task.name=verifiers: `env` runs each group against the routes `app` (with `token`);
     `versions`: the endpoint core's RolloutVersions."""
 
     def __init__(self, env, app, token: str, model: str, sampling_args: dict[str, Any], max_tokens: int,
-                 timeout_s: float, versions: RolloutVersions):
+                 timeout_s: float, versions: RolloutVersions, group_timeout_s: float):
         import httpx  # noqa: PLC0415 - deferred: the `verifiers` extra
         import verifiers as vf  # noqa: PLC0415 - deferred: as above
         from openai import AsyncOpenAI  # noqa: PLC0415 - deferred: as above
 
         self.env, self.model, self.max_tokens, self.sampling_args = env, model, max_tokens, sampling_args
-        self.versions = versions
+        self.versions, self.group_timeout_s = versions, group_timeout_s
         self.environment_seconds = 0.0  # the environment's own time is inside its rollouts: not measured apart
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="verifiers-rollouts", daemon=True)
@@ -109,20 +147,11 @@ class VerifiersRollouts:
         args["extra_body"] = {**dict(args.get("extra_body") or {}), ROLLOUT_FIELD: work.group_id}
         if work.greedy:
             args["temperature"] = 0.0
-        try:
-            outputs = await self.env.run_group([work.problem.row] * work.rows, self._client, self.model, args,
-                                               state_columns=["trajectory"])
-            failed = None
-        except Exception as exc:  # noqa: BLE001 - an environment's failure fails its group, never the sampler
-            outputs, failed = [{}] * work.rows, f"run_group raised {type(exc).__name__}: {exc}"
-        versions = self.versions.take(work.group_id)
-        for row in range(work.rows):
-            try:
-                if failed:
-                    raise RolloutError(failed)
-                result = result_of(outputs[row], versions, self.max_tokens)
-            except RolloutError as exc:
-                result = EpisodeResult(failed=str(exc)[:500])
+        results = await group_results(
+            lambda: self.env.run_group([work.problem.row] * work.rows, self._client, self.model, args,
+                                       state_columns=["trajectory"]),
+            work.rows, lambda: self.versions.take(work.group_id), self.max_tokens, self.group_timeout_s)
+        for row, result in enumerate(results):
             run.episode_done(row, result)
 
     def close(self) -> None:
@@ -143,4 +172,5 @@ def build(cfg, task, tokenizer, routes) -> VerifiersRollouts:
     sampling.update({k: v for k, v in extra.items() if k != "extra_body"})
     sampling["extra_body"] = {**dict(extra.get("extra_body") or {}), "return_token_ids": True}
     return VerifiersRollouts(task.env, routes.app, routes.token, routes.model_name, sampling, gen.max_new_tokens,
-                             cfg.sampler.openai.request_timeout_s, routes.versions)
+                             cfg.sampler.openai.request_timeout_s, routes.versions,
+                             cfg.task.verifiers.group_timeout_s)

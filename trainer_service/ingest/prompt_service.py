@@ -65,10 +65,11 @@ class PromptServicer(prompts_pb2_grpc.PromptServiceServicer):
             return f"{at}.{unknown} (task.rewards and the built-ins; never an import path)", []
         if (bad := self._reference_problem(spec)) is not None:
             return f"{at}.{bad}", []
-        most = min(lim.max_generations, self.cfg.rows_in_flight())
+        most = min(lim.max_generations, self.cfg.largest_group())
         if not 0 <= spec.num_generations <= most:
             return (f"{at}.num_generations: {spec.num_generations} outside 0..{most} (prompts.max_generations, and "
-                    "the rows a sampler keeps in flight: sampler.rows_in_flight; 0 = the run's)"), []
+                    "the rows a sampler can start as one group: sampler.rows_in_flight and the engine's slots; 0 = "
+                    "the run's)"), []
         if spec.train and spec.num_generations not in (0, n_run):
             return (f"{at}.num_generations: a train=true prompt uses the run's generation.num_generations={n_run} "
                     "(the trainer's groups have one size); give 0 or set train=false"), []

@@ -117,3 +117,53 @@ def test_an_unreachable_ingest_leaves_the_rows_to_dataset_prompts(small_cfg, mon
     b = builder(small_cfg, texts=["a b"], fail=True, monkeypatch=monkeypatch)
     assert b.injected_groups(free_rows=32, groups=4, version=0) == []
     assert [w.position for w in b.next_groups(groups=2, rows=2 * g, version=0)] == [100, 101]
+
+
+def test_no_dataset_group_takes_the_rows_an_injected_prompt_waits_for(small_cfg, monkeypatch):
+    g = small_cfg.generation.num_generations
+    b = builder(small_cfg, texts=["one two"], claims=[[prompt("wide", 3 * g)]], monkeypatch=monkeypatch)
+    assert b.next_groups(groups=2, rows=2 * g, version=0) == []  # 3 groups' rows do not fit 2: none start
+    assert b.injected_rows_waiting() == 3 * g
+    works = b.next_groups(groups=3, rows=3 * g, version=0)
+    assert [(w.problem.prompt_id, w.rows) for w in works] == [("wide", 3 * g)] and b.injected_rows_waiting() == 0
+
+
+def test_an_injected_prompt_wider_than_a_sampler_can_start_is_skipped_not_waited_for(small_cfg, monkeypatch):
+    """A prompt the ingest accepted under another config: waiting for rows that can never free would stop every
+    prompt after it (and every dataset prompt)."""
+    too_wide = small_cfg.largest_group() + 1
+    b = builder(small_cfg, texts=["one two"], claims=[[prompt("too-wide", too_wide), prompt("a", 2)]],
+                monkeypatch=monkeypatch)
+    works = b.next_groups(groups=2, rows=too_wide, version=0)
+    assert [w.problem.prompt_id for w in works] == ["a", "p0"] and b.injected_refused == 1
+
+
+def test_an_injected_prompt_wider_than_a_group_starts_while_the_feeder_runs_the_stream(small_cfg, monkeypatch):
+    """The feeder's own _feed over a real RolloutStream whose episodes end one at a time, as multi-turn episodes do:
+    a train=false prompt of three groups' rows once waited behind dataset groups (they took each freed row) and held
+    every injected prompt after it for thousands of episodes. It now starts once its rows free, the next at once."""
+    from grpo_stream.common.episodes.single_turn import SingleTurn
+    from grpo_stream.common.episodes.stream import RolloutStream
+    from grpo_stream.sampler_service.loop import Sampler
+
+    g, rows = small_cfg.generation.num_generations, 8 * small_cfg.generation.num_generations
+    b = builder(small_cfg, texts=["one two"], claims=[[]] * 5 + [[prompt("wide", 3 * g), prompt("small", 1)]],
+                monkeypatch=monkeypatch)
+    started = []
+    stream = RolloutStream(lambda rng, n: [None] * n, lambda run: None)
+    start = stream.start
+    stream.start = lambda work, kind, version=0: (started.append(work.problem.prompt_id), start(work, kind, version))
+    feeder = types.SimpleNamespace(
+        cfg=small_cfg, stream=stream, rows_in_flight=rows, slots=rows, source=b, groups_started=0,
+        _held_back=lambda: False, client=types.SimpleNamespace(unacked=0), sink=types.SimpleNamespace(pending=lambda: 0),
+        weights=types.SimpleNamespace(version=0, group_started=lambda: None),
+        admission=types.SimpleNamespace(admit=lambda wanted, version, holding: wanted),
+        rollouts=SingleTurn(8), injected_rollouts=SingleTurn(8))
+    engine, ends = [], 0
+    while "small" not in started and ends < 10 * rows:
+        Sampler._feed(feeder, feeder)  # the feeder stands for its parts too (parts.client)
+        engine += stream.take()
+        stream.finish(engine.pop(0), [5], [0.0], None, True)  # one episode ends, the oldest first
+        ends += 1
+    claimed = started.index("wide")
+    assert started[claimed + 1] == "small" and ends <= 5 + 2 * rows, (ends, started[-5:])

@@ -203,6 +203,10 @@ def test_samplers_send_rollouts_to_the_ingest_address():
      "generation.decode_slots=256 sequences at once"),
     (["sampler.engine=vllm", "sampler.rows_in_flight=300"], "lower it to 256 or raise sampler.vllm.max_num_seqs"),
     (["sampler.rows_in_flight=4"], "sampler.rows_in_flight=4 holds no group of generation.num_generations=8"),
+    # multi-turn rows may exceed the slots, but a group's rows start together: fewer slots than a group never starts
+    (["generation.decode_slots=4", "sampler.rows_in_flight=null", "environment.name=arith_tools"],
+     "generation.num_generations=8: a group's rows start together, and the engine decodes at most "
+     "generation.decode_slots=4 sequences at once, so no group could ever start; raise generation.decode_slots"),
 ])
 def test_vllm_engine_settings_name_the_field(overrides, message):
     with pytest.raises(ConfigError) as err:

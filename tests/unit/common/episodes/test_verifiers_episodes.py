@@ -3,11 +3,13 @@ the endpoint recorded for them, the ids the environment's messages added between
 trained on), truncation at the episode budget, and refusal of what cannot be one token sequence (logic only: the real
 package and endpoint run in tests/e2e/test_verifiers_run.py)."""
 
+import asyncio
+
 import numpy as np
 import pytest
 
 from grpo_stream.common.endpoint.generation import RolloutVersions
-from grpo_stream.common.episodes.verifiers import RolloutError, result_of
+from grpo_stream.common.episodes.verifiers import RolloutError, group_results, result_of
 
 
 def turn(prompt, completion, logprobs=None):
@@ -72,3 +74,46 @@ def test_a_verifiers_run_is_configured_completely(overrides, message):
 
     with pytest.raises(ConfigError, match=message):
         load_config(None, overrides)
+
+
+def results_of(run_group, rows=2, timeout_s=5.0):
+    """group_results over `run_group`, with the versions record taken counted."""
+    taken = []
+    out = {"trajectory": [turn([1], [2, 3])], "reward": 1.0}
+
+    def take():
+        taken.append(True)
+        return versions_of(out)
+    results = asyncio.run(group_results(run_group, rows, take, 64, timeout_s))
+    assert taken == [True]  # the endpoint's record is closed whatever happened
+    return results
+
+
+async def hangs():
+    await asyncio.Event().wait()
+
+
+async def returns(outputs):
+    return outputs
+
+
+@pytest.mark.parametrize("run_group, why", [
+    (lambda: returns([{"trajectory": [turn([1], [2, 3])], "reward": 1.0}]), "returned 1 outputs for 2 rows"),
+    (lambda: returns(None), "returned NoneType outputs"),
+    (lambda: returns([{"trajectory": [{"tokens": {"prompt_ids": [1], "completion_ids": [2, 3],
+                                                  "completion_logprobs": None}}]}] * 2), "not an episode"),
+    (lambda: returns(["not a dict"] * 2), "not an episode"),
+    (lambda: hangs(), "ran past task.verifiers.group_timeout_s=0.2s"),
+    (lambda: returns(1 / 0), "run_group raised ZeroDivisionError"),
+], ids=["fewer", "none", "logprobs-none", "not-a-dict", "hangs", "raises"])
+def test_an_environment_that_fails_hangs_or_returns_what_is_no_episode_fails_every_row_of_its_group(run_group, why):
+    """Every row gets a result, so the group ends and its rows go back to the stream: before, a malformed output
+    escaped the coroutine (nobody read its future) and a hang never ended, each holding its rows for ever."""
+    results = results_of(run_group, rows=2, timeout_s=0.2)
+    assert len(results) == 2 and all(why in (r.failed or "") for r in results), [r.failed for r in results]
+
+
+def test_a_well_formed_group_is_scored_row_by_row():
+    out = {"trajectory": [turn([1], [2, 3])], "reward": 1.0}
+    results = results_of(lambda: returns([out, {**out, "reward": 0.5}]))
+    assert [(r.failed, r.reward, r.tokens) for r in results] == [(None, 1.0, [2, 3]), (None, 0.5, [2, 3])]
