@@ -242,7 +242,8 @@ class VllmEngine:
         ends the serve at the next step, its live requests aborted. `refresh` as in `generate`, and also
         called while every request waits on the source (a new version then goes in without a pause). A request's
         hold/resume fields (environment.kv_cache=hold, the JAX engine's) need nothing here: its ids are the whole
-        conversation, and the prefix cache keeps the earlier turns' blocks."""
+        conversation, and the prefix cache keeps the earlier turns' blocks; the hold keys the source releases are
+        taken and dropped, so it does not keep them for the sampler's life."""
         if params is not self._installed:
             self.install(params)
         engine, per_step = self.llm.llm_engine, refresh is not None
@@ -252,10 +253,12 @@ class VllmEngine:
         steps = 0
         try:
             while not source.cancelled():
+                source.released()
                 for request in source.take():
                     pending.append(self._check(request))
                 if not pending and not live:
                     if not source.open():
+                        source.released()
                         return
                     if refresh is not None:  # nothing live: no pause needed
                         update = refresh()

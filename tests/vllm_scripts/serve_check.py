@@ -11,6 +11,7 @@
 - a new version while episodes run (refresh): every model token records a version, in order.
 """
 
+import dataclasses
 import json
 import pathlib
 import sys
@@ -46,7 +47,7 @@ class Recorder:
     """The engine, with the requests each serve took and what it handed back, in order."""
 
     def __init__(self, engine):
-        self.engine, self.taken, self.sampled = engine, [], {}
+        self.engine, self.taken, self.sampled, self.released = engine, [], {}, []
 
     def request_keys(self, rng, rows):
         return self.engine.request_keys(rng, rows)
@@ -71,7 +72,9 @@ class Recorder:
                 return source.accepting()
 
             def released(self):
-                return source.released()
+                got = source.released()
+                outer.released += got
+                return got
 
             def cancelled(self):
                 return source.cancelled()
@@ -79,7 +82,7 @@ class Recorder:
             def wait(self, timeout):
                 source.wait(timeout)
 
-        self.taken, self.sampled = [], {}
+        self.taken, self.sampled, self.released = [], {}, []
         self.engine.serve(params, Source(), refresh, version)
 
 
@@ -189,8 +192,9 @@ def main(model_dir: str, out_path: str) -> None:
     prompts = [tok.encode(p.prompt) for p in problems]
     settings = EpisodeSettings(max_turns=4, turn_max_new_tokens=16, episode_tokens=C)
 
-    def episodes(delay: float, rng: int = 5, refresh=None):
-        kind = ToolTurns(Scripted(turns=4, delay=delay), PlainRenderer(tok), settings, tok, workers=4)
+    def episodes(delay: float, rng: int = 5, refresh=None, hold: bool = False):
+        kind = ToolTurns(Scripted(turns=4, delay=delay), PlainRenderer(tok),
+                         dataclasses.replace(settings, hold_kv=hold), tok, workers=4)
         started = time.monotonic()
         try:
             made = run_episodes(recorder, model.params, problems, prompts, kind, jax.random.key(rng), refresh=refresh)
@@ -206,6 +210,11 @@ def main(model_dir: str, out_path: str) -> None:
     # the same episodes with other environment timings: other batches, the same tokens (seeded per request)
     again, _ = episodes(0.0)
     result["same_tokens_again"] = [r.tokens for r in again] == [r.tokens for r in results]
+    # environment.kv_cache=hold asks nothing of vLLM (its prefix cache keeps the turns): the same episodes, and every
+    # episode's hold key taken back from the stream, none kept for the sampler's life
+    held, _ = episodes(0.0, hold=True)
+    result["hold_same_tokens"] = [r.tokens for r in held] == [r.tokens for r in results]
+    result["hold_keys_released"], result["hold_episodes"] = len(set(recorder.released)), len(held)
     result.update(refresh_figures(model, engine, episodes))
     pathlib.Path(out_path).write_text(json.dumps(result))
 

@@ -26,6 +26,8 @@ def test_vllm_serves_multi_turn_episodes_token_exact_with_the_prefix_cache(tmp_p
     assert all(hit >= want for hit, want in zip(r["cache_hits"], r["cache_expected"])), r
     # seeded per request: other environment timings (other batches), the same episodes
     assert r["same_tokens_again"]
+    # environment.kv_cache=hold: the same episodes, and every hold key released is taken back (none kept)
+    assert r["hold_same_tokens"] and r["hold_keys_released"] == r["hold_episodes"] == r["episodes"], r
     # a new version mid-run: every model and observation token has a version, never going back
     assert r["versions_seen"] == [0, 1] and r["versions_complete"] and r["versions_monotone"]
 
