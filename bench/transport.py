@@ -36,7 +36,8 @@ def make_groups(count: int, completions: int, tokens: int, vocab: int = 32_000) 
         group_id=f"bench/{i}", prompt_id=f"p{i}", prompt_token_ids=rng.integers(1, vocab, 128, dtype=np.int32),
         completions=[CompletionData(rng.integers(1, vocab, tokens, dtype=np.int32),
                                     -rng.random(tokens, dtype=np.float32), 1.0, False, {"answer_correct": 1.0})
-                     for _ in range(completions)], policy_version=0, sampler_id="sampler-0")
+                     for _ in range(completions)], policy_version=0, sampler_id="sampler-0",
+        data_position=i)
         for i in range(count)]
 
 

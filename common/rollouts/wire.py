@@ -185,6 +185,11 @@ def validate_group(msg: rollout_pb2.RolloutGroup, limits: GroupLimits) -> list[s
     if msg.HasField("data_position") and msg.data_position < 0:
         errors.append(f"data_position: {msg.data_position} is negative; leave it unset for prompts not drawn from "
                       "a data stream")
+    elif not msg.injected and not msg.HasField("data_position"):
+        # a group's id is refused as a second copy by the accepted-ids record, which compaction trims: after that a
+        # resent copy is told apart by its sampler's data position alone, so a group without one could train twice
+        errors.append("data_position: required for a group drawn from a sampler's data stream (its index there; "
+                      "groups answering injected prompts set injected=true instead)")
     prompt = np.array(msg.prompt_token_ids, np.int64)
     if not 0 < prompt.size <= limits.max_prompt_tokens:
         errors.append(f"prompt_token_ids: {prompt.size} tokens, must be 1..{limits.max_prompt_tokens} "

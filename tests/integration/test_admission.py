@@ -27,7 +27,8 @@ GROUPS_PER_STEP, MAX_STALENESS = 4, 1  # room for (1 + 1) * 4 = 8 groups of the 
 def group(i: int, sampler: str, version: int = 0):
     comps = [CompletionData(np.array([3, 4], np.int32), np.array([-0.5, -1.0], np.float32), float(j), False)
              for j in range(2)]
-    return to_proto(GroupData(f"{sampler}/g{i}", f"p{i}", np.array([1, 2], np.int32), comps, version, sampler))
+    return to_proto(GroupData(f"{sampler}/g{i}", f"p{i}", np.array([1, 2], np.int32), comps, version, sampler,
+                              data_position=i))
 
 
 @pytest.fixture

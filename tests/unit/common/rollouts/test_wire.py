@@ -12,7 +12,7 @@ def make_group(**kw) -> GroupData:
                             {"answer_correct": 1.0}),
              CompletionData(np.array([7], np.int32), np.array([-2.0], np.float32), 0.0, True, {})]
     base = dict(group_id="r/s0/1", prompt_id="p1", prompt_token_ids=np.array([1, 2, 9], np.int32), completions=comps,
-                policy_version=3, sampler_id="sampler-0", created_unix=12.5, reference_answer="42")
+                policy_version=3, sampler_id="sampler-0", created_unix=12.5, reference_answer="42", data_position=1)
     base.update(kw)
     return GroupData(**base)
 
@@ -55,6 +55,15 @@ def test_decoded_arrays_are_int32_and_float32():
 
 def test_valid_group_has_no_errors():
     assert validate_group(to_proto(make_group()), LIMITS) == []
+
+
+def test_a_dataset_group_needs_its_data_position_and_an_injected_one_does_not():
+    """After compaction trims the accepted-ids record, a resent copy is refused by its sampler's data position alone:
+    a group without one could be trained twice (and the audit could not tell)."""
+    errors = validate_group(to_proto(make_group(data_position=None)), LIMITS)
+    assert errors == ["data_position: required for a group drawn from a sampler's data stream (its index there; "
+                      "groups answering injected prompts set injected=true instead)"]
+    assert validate_group(to_proto(make_group(data_position=None, injected=True)), LIMITS) == []
 
 
 def test_token_logprob_length_mismatch_names_field():
