@@ -34,6 +34,10 @@ class RedisConnectError(RuntimeError):
     pass
 
 
+class RedisUnreachable(RedisConnectError):
+    """Nothing answered at the address (as opposed to a server that answered and refused)."""
+
+
 def redacted(url: str) -> str:
     """The URL without its password, for logs and errors."""
     head, sep, tail = url.partition("@")
@@ -96,7 +100,7 @@ def connect(url: str, timeout_s: float | None, log_retries: bool = True, stop=No
         except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
             last = exc
         if deadline is not None and time.monotonic() >= deadline:
-            raise RedisConnectError(f"redis.url={where}: not reachable after {timeout_s:.0f}s ({last}); start Redis "
+            raise RedisUnreachable(f"redis.url={where}: not reachable after {timeout_s:.0f}s ({last}); start Redis "
                                     "there, fix redis.url, raise redis.connect_timeout_s, or leave redis.url null "
                                     "under `grpo-stream up` for an embedded one")
         delay = backoff.next()

@@ -115,10 +115,13 @@ def group_history(client: redis.Redis, run_name: str, group_id: str, prefix: str
 
 
 def _client_for(run_dir: pathlib.Path, redis_url: str | None):
-    """(client, run name, embedded server or None): the URL given, else the run's own Redis if it answers, else an
-    embedded Redis started on the run's data directory (RUN_DIR/redis, written by `up`)."""
-    from grpo_stream.common.rollouts.redis_server import (EmbeddedRedis, RedisConnectError, connect,  # noqa: PLC0415
-                                                          read_password)
+    """(client, run name, what to close after: an embedded server and the run directory's lock, or None): the URL
+    given, else the run's own Redis if it answers, else an embedded Redis started on the run's data directory
+    (RUN_DIR/redis, written by `up`), only while no run holds the directory: a second server on a live run's
+    append-only file would corrupt it, and rewrite its clients' password file."""
+    from grpo_stream.common.rollouts.redis_server import (EmbeddedRedis, RedisConnectError,  # noqa: PLC0415
+                                                          RedisUnreachable, connect, read_password)
+    from grpo_stream.up.run_lock import RunDirBusy, RunLock  # noqa: PLC0415
 
     info_path = run_dir / RUN_FILE
     if not info_path.is_file():
@@ -132,17 +135,27 @@ def _client_for(run_dir: pathlib.Path, redis_url: str | None):
     own = login or ({"password": password} if (password := read_password(run_dir / "redis")) else {})
     try:
         return connect(info["redis_url"], 1, log_retries=False, **own), info["run"], None
-    except RedisConnectError as exc:
+    except RedisUnreachable as exc:  # a server that answered and refused (a wrong password) is raised as it is
         data = run_dir / "redis"
         if not data.is_dir():
             raise RedisConnectError(f"{exc}; pass --redis-url (and $GRPO_STREAM_REDIS_PASSWORD) to audit a run whose "
                                     "Redis is elsewhere") from None
-    server = EmbeddedRedis(data_dir=data, protected=True).start()
-    return connect(server.url, 30, **server.client_options()), info["run"], server
+        try:
+            lock = RunLock.acquire(run_dir, "audit")
+        except RunDirBusy as busy:
+            raise RedisConnectError(f"{exc}; the run is still live, so audit starts no Redis of its own on its data "
+                                    f"({busy}). Retry once its Redis answers, or pass --redis-url (and "
+                                    f"${REDIS_PASSWORD_ENV})") from None
+    try:
+        server = EmbeddedRedis(data_dir=data, protected=True).start()
+    except BaseException:
+        lock.release()
+        raise
+    return connect(server.url, 30, **server.client_options()), info["run"], (server, lock)
 
 
 def run_audit(run_dir: pathlib.Path, redis_url: str | None, group: str | None, json_path: pathlib.Path | None) -> int:
-    client, run_name, server = _client_for(run_dir, redis_url)
+    client, run_name, own = _client_for(run_dir, redis_url)
     try:
         if group:
             print(json.dumps(group_history(client, run_name, group), indent=2))
@@ -150,8 +163,10 @@ def run_audit(run_dir: pathlib.Path, redis_url: str | None, group: str | None, j
         report = build_audit(client, run_name)
     finally:
         client.close()
-        if server is not None:
+        if own is not None:
+            server, lock = own
             server.stop()
+            lock.release()
     path = json_path or run_dir / "audit.json"
     path.write_text(json.dumps(report, indent=2))
     d = report["groups_dropped"]
