@@ -90,7 +90,7 @@ class TrainerCheckpoints:
                  sleep: Callable[[float], None] = time.sleep):
         """`read_attempts`: tries at reading one checkpoint while its storage fails to answer (with back-off)."""
         self.directory = epath.Path(directory)
-        self.verify, self.read_attempts, self._sleep = verify, read_attempts, sleep
+        self.verify, self.read_attempts, self._sleep, self.keep = verify, read_attempts, sleep, keep
         self.directory.mkdir(parents=True, exist_ok=True)
         self._manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
             max_to_keep=keep, enable_async_checkpointing=True, cleanup_tmp_directories=True))
@@ -118,9 +118,14 @@ class TrainerCheckpoints:
             # and their save would wait for this process for ever
             self._manager.reload()
         # the backlog stays at one digest: the newest checkpoint's may still be written while this save runs, an
-        # older one's must be done (this save's commit may prune that checkpoint)
+        # older one's must be done (this save's commit may prune that checkpoint). With keep=2 a commit that prunes
+        # leaves only the newest and this one, so the newest's digest must be done too: else a crash right after it
+        # could leave no verified checkpoint to resume from
+        whole = self.keep <= 2 and self._digests is not None and len(self._manager.all_steps()) >= self.keep
+        if whole:
+            self._collect(wait=True)
         for older, _, digest in self._digesting:
-            if digest is not None and self._newest_saved is not None and older < self._newest_saved:
+            if digest is not None and (whole or (self._newest_saved is not None and older < self._newest_saved)):
                 digest.result()
         self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                          record=ocp.args.JsonSave(record)))
