@@ -211,7 +211,7 @@ COMMANDS: dict[str, Command] = {
     "plan": Command(_plan, config=True, usage_errors=_VERDICT),
     "devices": Command(_devices, config=True),
     "audit": Command(_audit, usage_errors=_VERDICT),
-    "report": Command(_report),
+    "report": Command(_report, usage_errors=(FileNotFoundError,)),  # a directory no run wrote
     "fixture": Command(_fixture, usage_errors=(ValueError,)),  # a bad --source or --out; a failed download exits 1
     "bench": Command(_bench),
     "config": Command(_config),

@@ -60,6 +60,7 @@ def fields(model: type[BaseModel], prefix: str = "") -> list[FieldDoc]:
         if section is not None and typing.get_origin(info.annotation) is None:
             out.extend(fields(section, dotted + "."))
             continue
+        optional = section is not None and set(typing.get_args(info.annotation)) == {section, type(None)}
         limits = tuple(f"{word} {getattr(m, attr)}" for m in info.metadata for cls, attr, word in _LIMITS
                        if isinstance(m, cls))
         if info.default_factory is not None:
@@ -70,6 +71,8 @@ def fields(model: type[BaseModel], prefix: str = "") -> list[FieldDoc]:
             default = default.model_dump(mode="json")
         out.append(FieldDoc(dotted, _type_name(info.annotation), default, limits, " ".join((info.description or
                                                                                             "").split())))
+        if optional:  # a section that is off by default (null): its fields, as set once it is given
+            out.extend(fields(section, dotted + "."))
     return out
 
 

@@ -9,7 +9,7 @@ from grpo_stream.cli import main
 
 
 def test_an_expected_error_is_one_line_and_its_traceback_is_kept_in_the_run_dir(tmp_path, capsys):
-    assert main(["report", str(tmp_path)]) == 1  # a directory without metrics
+    assert main(["report", str(tmp_path)]) == 2  # a directory without metrics: input it cannot use (exit 2)
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("grpo-stream report: error: ") and "metrics-trainer.jsonl" in err[0]
     log = tmp_path / "error-report.log"
