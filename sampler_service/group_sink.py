@@ -76,6 +76,9 @@ class GroupSink:
         """Stop after the groups already handed over (each waits PUT_WAIT_S at a time while the backlog is full)."""
         self._queue.put(None)
         self._thread.join(timeout_s)
+        if self._thread.is_alive():  # said, not silent: these groups' data positions are skipped, never trained
+            log.warning("%s: stopped with about %d ended groups not yet scored and sent (the sink did not finish "
+                        "within %.0fs); they are left out", self.sampler_id, self._queue.qsize(), timeout_s)
         self.rewards.close()
 
     def _run(self) -> None:
