@@ -82,8 +82,13 @@ class RolloutVersions:
     def record(self, group: str, prompt_ids: list[int], completion_ids: list[int], versions: list[int]) -> None:
         with self._lock:
             found = self._by_group.get(group)
-            if found is not None:  # a group that ended (or never opened) keeps nothing
-                found[self.key(prompt_ids, completion_ids)] = list(versions)
+            if found is None:  # a group that ended (or never opened) keeps nothing
+                return
+            key = self.key(prompt_ids, completion_ids)
+            # two rows may answer the same ids under different versions (an install between them): their records
+            # share a key, and keeping each token's older version keeps the group as stale as its oldest token
+            earlier = found.get(key)
+            found[key] = list(versions) if earlier is None else [min(a, b) for a, b in zip(earlier, versions)]
 
     def take(self, group: str) -> dict[tuple[bytes, bytes], list[int]]:
         with self._lock:

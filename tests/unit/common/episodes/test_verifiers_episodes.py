@@ -117,3 +117,13 @@ def test_a_well_formed_group_is_scored_row_by_row():
     out = {"trajectory": [turn([1], [2, 3])], "reward": 1.0}
     results = results_of(lambda: returns([out, {**out, "reward": 0.5}]))
     assert [(r.failed, r.reward, r.tokens) for r in results] == [(None, 1.0, [2, 3]), (None, 0.5, [2, 3])]
+
+
+def test_two_rows_answered_the_same_ids_under_different_versions_keep_the_older_version_of_each_token():
+    """Rows of a group whose prompt and completion ids are equal share one record: the later answer must not make
+    the group look fresher than its oldest token."""
+    log = RolloutVersions()
+    log.open("g")
+    log.record("g", [1], [2, 3], [5, 6])
+    log.record("g", [1], [2, 3], [4, 7])
+    assert list(log.take("g").values()) == [[4, 6]]
