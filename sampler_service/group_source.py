@@ -84,6 +84,7 @@ class GroupSource:
 
     def injected_rows_waiting(self) -> int:
         """Rows of the claimed injected prompt next in line (0: none): the feeder keeps rows free until it fits."""
+        self._skip_unstartable()
         return self.pending[0].num_generations if self.pending else 0
 
     def injected_groups(self, free_rows: int, groups: int, version: int) -> list[GroupWork]:
@@ -105,15 +106,9 @@ class GroupSource:
                                 exc.code().name)
                     self._claim_warned = True
         works, rows = [], 0
+        self._skip_unstartable()
         while self.pending and len(works) < groups and rows + self.pending[0].num_generations <= free_rows:
             p = self.pending.popleft()
-            if p.num_generations > self.cfg.largest_group():
-                self.injected_refused += 1
-                log.warning("%s: injected prompt %r not generated: %d rows, and this sampler starts at most %d as one "
-                            "group (sampler.rows_in_flight and the engine's slots: does the ingest's config differ "
-                            "from this sampler's?)", self.sampler_id, p.prompt_id[:64], p.num_generations,
-                            self.cfg.largest_group())
-                continue
             try:
                 rewards = self.rewards.subset(list(p.rewards))
             except UnknownReward as exc:
@@ -126,5 +121,17 @@ class GroupSource:
                                    f"{self.cfg.run.name}/inj/{p.prompt_id}", None,
                                    self._key(INJECTED_KEYS, self.injected_done + len(works)), train=p.train))
             rows += p.num_generations
+            self._skip_unstartable()
         self.injected_done += len(works)
         return works
+
+    def _skip_unstartable(self) -> None:
+        """Drop claimed prompts at the head of the line that are wider than any group this sampler can start: waiting
+        for rows that never free would stop every prompt after them, and every dataset prompt."""
+        most = self.cfg.largest_group()
+        while self.pending and self.pending[0].num_generations > most:
+            p = self.pending.popleft()
+            self.injected_refused += 1
+            log.warning("%s: injected prompt %r not generated: %d rows, and this sampler starts at most %d as one "
+                        "group (sampler.rows_in_flight and the engine's slots: does the ingest's config differ from "
+                        "this sampler's?)", self.sampler_id, p.prompt_id[:64], p.num_generations, most)

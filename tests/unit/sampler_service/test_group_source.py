@@ -131,11 +131,13 @@ def test_no_dataset_group_takes_the_rows_an_injected_prompt_waits_for(small_cfg,
 def test_an_injected_prompt_wider_than_a_sampler_can_start_is_skipped_not_waited_for(small_cfg, monkeypatch):
     """A prompt the ingest accepted under another config: waiting for rows that can never free would stop every
     prompt after it (and every dataset prompt)."""
-    too_wide = small_cfg.largest_group() + 1
-    b = builder(small_cfg, texts=["one two"], claims=[[prompt("too-wide", too_wide), prompt("a", 2)]],
+    most = small_cfg.largest_group()
+    b = builder(small_cfg, texts=["one two"], claims=[[prompt("too-wide", most + 1), prompt("a", 2)]],
                 monkeypatch=monkeypatch)
-    works = b.next_groups(groups=2, rows=too_wide, version=0)
+    works = b.next_groups(groups=2, rows=most, version=0)  # the most room a sampler ever has
     assert [w.problem.prompt_id for w in works] == ["a", "p0"] and b.injected_refused == 1
+    b.pending.append(prompt("too-wide-again", most + 1))
+    assert b.injected_rows_waiting() == 0 and b.injected_refused == 2  # the feeder keeps no rows for it
 
 
 def test_an_injected_prompt_wider_than_a_group_starts_while_the_feeder_runs_the_stream(small_cfg, monkeypatch):
