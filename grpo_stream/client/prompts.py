@@ -24,20 +24,35 @@ SPEC_KEYS = ("text", "question", "answer", "reference_answer", "rewards", "num_g
              "train")
 
 
+# each key's JSON type: a value of another type is refused, never coerced ("false" is not false, "tag" is no list)
+_SPEC_TYPES = {"text": str, "question": str, "answer": (str, int, float), "reference_answer": (str, int, float),
+               "rewards": list, "num_generations": int, "priority": int, "tags": list, "train": bool}
+
+
 def to_spec(item: dict, where: str = "prompt") -> prompts_pb2.PromptSpec:
     """A PromptSpec from a dict; ValueError naming the key for anything unknown or mistyped."""
+    if not isinstance(item, dict):
+        raise ValueError(f"{where}: a prompt is a JSON object, not {type(item).__name__}")
     unknown = sorted(set(item) - set(SPEC_KEYS))
     if unknown:
         raise ValueError(f"{where}: unknown key(s) {unknown}; allowed: {list(SPEC_KEYS)}")
     if ("text" in item) == ("question" in item):
         raise ValueError(f"{where}: give exactly one of `text` (used as is) or `question` (rendered with the run's "
                          "template)")
+    for key, value in item.items():
+        wanted = _SPEC_TYPES[key]
+        # bool is an int in Python: true is no count, and 1 is no `train`
+        if not isinstance(value, wanted) or (isinstance(value, bool) and wanted is not bool):
+            names = " or ".join(t.__name__ for t in (wanted if isinstance(wanted, tuple) else (wanted,)))
+            raise ValueError(f"{where}.{key}: {value!r} is a {type(value).__name__}; give a {names}")
+        if wanted is list and not all(isinstance(v, str) for v in value):
+            raise ValueError(f"{where}.{key}: give a list of strings")
     try:
         return prompts_pb2.PromptSpec(
             text=item.get("text"), question=item.get("question"),
             reference_answer=str(item.get("reference_answer", item.get("answer", ""))),
             rewards=item.get("rewards", []), num_generations=item.get("num_generations", 0),
-            priority=item.get("priority", 0), tags=item.get("tags", []), train=bool(item.get("train", False)))
+            priority=item.get("priority", 0), tags=item.get("tags", []), train=item.get("train", False))
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{where}: {exc}") from None
 

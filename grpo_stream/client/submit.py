@@ -21,10 +21,11 @@ from grpo_stream.common.config.schema import RunConfig
 from grpo_stream.common.config.access import TOKEN_ENV, TOKEN_FILE_ENV
 from grpo_stream.common.rpc.grpc_util import ClientSecurity
 from grpo_stream.client.prompts import PromptClient, to_spec
+from grpo_stream.protos import prompts_pb2
 
 
-def read_prompts(path: pathlib.Path) -> list:
-    """PromptSpecs from a JSONL file; ValueError naming the line for a bad one."""
+def read_prompts(path: pathlib.Path) -> list[tuple[int, prompts_pb2.PromptSpec]]:
+    """(line number, PromptSpec) of each prompt of a JSONL file; ValueError naming the line for a bad one."""
     specs = []
     try:
         lines = path.read_text().splitlines() if str(path) != "-" else sys.stdin.read().splitlines()
@@ -39,7 +40,7 @@ def read_prompts(path: pathlib.Path) -> list:
             raise ValueError(f"{path}:{number}: not JSON ({exc.msg})") from None
         if not isinstance(item, dict):
             raise ValueError(f"{path}:{number}: must be a JSON object")
-        specs.append(to_spec(item, f"{path}:{number}"))
+        specs.append((number, to_spec(item, f"{path}:{number}")))
     if not specs:
         raise ValueError(f"{path}: no prompts")
     return specs
@@ -77,11 +78,21 @@ def result_json(result) -> dict:
 
 
 def run_submit(args) -> int:
-    specs = read_prompts(args.file)
+    lines = read_prompts(args.file)
     with connect_client(args) as client:
         ids = []
-        for start in range(0, len(specs), args.batch):
-            ids += client.submit(specs[start:start + args.batch])
+        for start in range(0, len(lines), args.batch):
+            chunk = lines[start:start + args.batch]
+            try:
+                ids += client.submit([spec for _, spec in chunk])
+            except grpc.RpcError:
+                # the calls before this one queued their prompts: their ids are printed, so that a rerun from the
+                # failed line on does not queue them twice
+                print(json.dumps({"prompt_ids": ids, "complete": False, "failed_from_line": chunk[0][0]}), flush=True)
+                print(f"grpo-stream submit: the {len(ids)} prompts before line {chunk[0][0]} of {args.file} are queued "
+                      f"(ids above); the call for lines {chunk[0][0]}..{chunk[-1][0]} failed, and its prompts[i] "
+                      f"count from line {chunk[0][0]}: fix it and resubmit from that line on", file=sys.stderr)
+                raise
         print(json.dumps({"prompt_ids": ids}), flush=True)
         if args.follow:
             for result in client.results(ids):

@@ -1,7 +1,9 @@
 """PromptService and ClaimPrompts on a real gRPC server with a real Redis: submit, claim in priority order and
 shared across samplers, answer, follow, cancel, quotas, validation messages, status."""
 
+import argparse
 import json
+import re
 import threading
 import time
 
@@ -9,7 +11,7 @@ import grpc
 import pytest
 
 from grpo_stream.reports.audit import build_audit
-from grpo_stream.client.prompts import PromptClient
+from grpo_stream.client.prompts import PromptClient, to_spec
 from grpo_stream.common.rpc.grpc_util import ClientSecurity
 from grpo_stream.common.rollouts.wire import to_proto
 from grpo_stream.protos import prompts_pb2, prompts_pb2_grpc, rollout_pb2, rollout_pb2_grpc
@@ -121,8 +123,8 @@ def test_cancel_discards_the_answer_and_only_the_owner_or_an_admin_may_cancel(st
         PromptClient(stack.address, ClientSecurity(stack.token("client"))).cancel(["p-nope"])
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
     other.close()
-    reply = client.cancel([ids[0]])
-    assert list(reply.cancelled) == [ids[0]]
+    reply = client.cancel([ids[0], ids[0]])  # an id given twice is cancelled once, and said so once
+    assert list(reply.cancelled) == [ids[0]] and list(reply.finished) == []
     ack = ingest.PushGroup(to_proto(answer(prompt, stack.cfg.run.name)))
     assert ack.code == 0 and "cancelled" in ack.message
     assert stack.buffer.client.xlen(stack.buffer.stream) == 0  # a cancelled train=true answer is never trained
@@ -280,3 +282,56 @@ def test_messages_over_the_size_limit_are_refused_and_the_server_stays_up(stack)
         client.submit([prompts_pb2.PromptSpec(text="x" * (MAX_MESSAGE_BYTES + 1024))], retry_s=0)
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert client.status().run_name == stack.cfg.run.name
+
+
+def test_a_submit_that_fails_part_way_prints_the_ids_it_queued_and_the_line_to_resume_from(stack, tmp_path, capsys):
+    """`grpo-stream submit` sends a file in calls of --batch prompts: when a later call fails, the prompts of the
+    calls before are queued, so their ids are printed (a rerun of the whole file would queue them twice)."""
+    from grpo_stream.client.submit import run
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"text": "Q: 1 + 1 A:"}\n\n{"text": "Q: 2 + 2 A:"}\n{"text": "Q: 3 + 3 A:", "priority": 50}\n')
+    token = tmp_path / "client.token"
+    token.write_text(stack.token("client"))
+    args = argparse.Namespace(command="submit", file=path, batch=2, follow=False, config=None, overrides=[],
+                              run_dir=None, address=stack.address, token_file=str(token), wait=30.0)
+    assert run(args) == 1
+    out, err = capsys.readouterr()
+    printed = json.loads(out)
+    assert len(printed["prompt_ids"]) == 2 and not printed["complete"] and printed["failed_from_line"] == 4
+    assert "the 2 prompts before line 4" in err and "prompts[0].priority: 50 outside 0..9" in err
+    client, _ = clients(stack)
+    assert sorted(client.cancel(printed["prompt_ids"]).cancelled) == sorted(printed["prompt_ids"])  # they were queued
+
+
+@pytest.mark.parametrize("item, message", [
+    ({"text": "x", "train": "false"}, "prompt.train: 'false' is a str; give a bool"),
+    ({"text": "x", "tags": "probe"}, "prompt.tags: 'probe' is a str; give a list"),
+    ({"text": "x", "rewards": ["answer_correct", 3]}, "prompt.rewards: give a list of strings"),
+    ({"text": "x", "num_generations": True}, "prompt.num_generations: True is a bool; give a int"),
+    ({"text": "x", "answer": None, "train": True}, "prompt.answer: None is a NoneType"),
+])
+def test_a_mistyped_prompt_is_refused_by_the_client_not_coerced(item, message):
+    """"false" would have been train=True and None the reference answer "None"."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        to_spec(item)
+
+
+def test_following_a_tag_streams_a_prompt_that_finishes_as_the_call_starts_once(stack, monkeypatch):
+    """A prompt finishing after the call read the results' tail and before it read the tag's prompts is among the
+    finished ones and in the tail: it was streamed twice, and followers that count results counted it twice."""
+    from grpo_stream.trainer_service.ingest.prompt_queue import PromptQueue
+
+    client, _ = clients(stack)
+    [pid] = client.submit([{"text": "Q: 1 + 1 A:", "tags": ["probe"]}])
+    tagged = PromptQueue.tagged
+
+    def finishes_first(queue, tag):  # the prompt finishes (cancelled here: the same path as an answer) just then
+        client.cancel([pid])
+        return tagged(queue, tag)
+    monkeypatch.setattr(PromptQueue, "tagged", finishes_first)
+    got = []
+    with pytest.raises(grpc.RpcError) as err:
+        for result in client.results(tag="probe", follow=True, timeout_s=3):
+            got.append((result.prompt_id, result.state))
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and got == [(pid, "cancelled")]

@@ -285,6 +285,7 @@ class PromptQueue:
         """id -> 'cancelled' | 'finished'. Raises KeyError(id) for an unknown id, PermissionError(id) for another
         client's prompt (unless admin); then nothing is cancelled. A cancelled prompt is kept as a finished one is
         (common/rollouts/kept_results.py)."""
+        prompt_ids = list(dict.fromkeys(prompt_ids))  # an id given twice is answered once, as what happened to it
         reply = [x.decode() for x in self._call(lambda: self._cancel(
             keys=[self.queue, self.claimed, self.pending, self.results],
             args=[self.base, client_name, int(admin), self.clock(), retention_s, max_kept,

@@ -211,13 +211,16 @@ class PromptServicer(prompts_pb2_grpc.PromptServiceServicer):
                 yield from done
                 if not request.follow:
                     return
+                # one that finished between reading the results' tail and the tag's prompts is in both (the
+                # results stream holds each finish once: only these can come twice)
+                streamed = {r.prompt_id for r in done}
             while (waiting is None or waiting) and context.is_active():
                 after, finished = self.queue.wait_finished(after, FOLLOW_POLL_MS)
                 if waiting is not None:
                     new = [p for p in dict.fromkeys(finished) if p in waiting]
                     waiting.difference_update(new)
                 else:
-                    new = list(dict.fromkeys(finished))
+                    new = [p for p in dict.fromkeys(finished) if p not in streamed]
                 yield from self._finished(new, tag=tag or None, owner=owner)
         except BufferUnavailable as exc:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"prompt queue unavailable ({exc}); call again to resume")
