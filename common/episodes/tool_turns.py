@@ -82,8 +82,8 @@ class _Episode:
             result.turn_texts.append(self.kind.tokenizer.decode([t for t in self._turn_ids if t not in stops]))
             if len(result.tokens) >= s.episode_tokens:  # out of tokens: cut, whatever the turn was doing
                 self._end(finished=result.turn_closed[-1] and result.turns >= s.max_turns)
-            elif result.turns >= s.max_turns:
-                self._end(finished=True)
+            elif result.turns >= s.max_turns:  # finished if its last turn was: one cut at its budget is truncated
+                self._end(finished=result.turn_closed[-1])
             else:  # a turn cut at environment.turn_max_new_tokens is answered too, as verifiers-style ones are
                 self._step()
         except Exception as exc:  # noqa: BLE001 - a bug here ends this episode, never the sampler

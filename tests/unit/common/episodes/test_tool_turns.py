@@ -88,6 +88,9 @@ def test_model_tokens_are_exact_and_observations_carry_no_loss(tiny_parts, engin
             expected = tok.encode(f" = {k + 1}")
             assert run.tolist() in (expected, [tok.eos_id] + expected)
         assert r.turns <= 3 and len(r.turn_rewards) == min(r.turns, 2 if r.turns == 3 else r.turns)
+        if r.turns == 3 and len(r.tokens) < C:  # ended by max_turns: finished only if its last turn was not cut
+            assert r.finished == r.turn_closed[-1]
+    assert {r.turn_closed[-1] for r in results if r.turns == 3 and len(r.tokens) < C} == {True, False}
     diffs = np.concatenate(diffs)
     assert diffs.mean() <= 1e-5 and diffs.max() <= 1e-4
 
