@@ -26,6 +26,7 @@ from grpo_stream.common.rollouts.wire import to_proto
 from grpo_stream.common.tasks.reward_workers import RewardWorker
 
 log = logging.getLogger(__name__)
+MAX_ERROR_KINDS_LOGGED = 20  # distinct episode errors logged (each kind once); all are counted
 MAX_FAILED_IN_A_ROW = 64  # groups failed one after another before the sampler stops (a wrong setup, not bad luck)
 PUT_WAIT_S = 0.5
 
@@ -52,6 +53,8 @@ class GroupSink:
         self.turn_weight, self.abandon, self.rewards = turn_weight, abandon, rewards
         self.groups_sent = self.groups_generated = self.tokens_generated = 0
         self.groups_failed = self._failed_in_a_row = 0
+        self.episodes_errored = 0  # episodes an environment ended with an error (trained as they stand)
+        self._errors_logged: set[str] = set()
         self.rate: collections.deque = collections.deque(maxlen=4096)  # (time, tokens) per group sent
         self.first_sent: float | None = None
         self._queue: queue.Queue[GroupRun | None] = queue.Queue()
@@ -100,6 +103,9 @@ class GroupSink:
             self._failed(work.group_id, failed)
             return
         self._failed_in_a_row = 0
+        errors = [r.error for r in run.results if r.error]
+        if errors:
+            self._errored(work.group_id, errors)
         group = build_group(work, run.results, self.sampler_id, self.tokenizer, self.turn_weight,
                             run.version_at_start, self.rewards.call)
         tokens = sum(len(c.token_ids) for c in group.completions)
@@ -114,6 +120,19 @@ class GroupSink:
         self.rate.append((time.monotonic(), tokens))
         if self.first_sent is None:
             self.first_sent = time.monotonic()
+
+    def _errored(self, group_id: str, errors: list[str]) -> None:
+        """Episodes an environment step, or the rendering of its observation, ended with an error are trained as they
+        stand (cut at that turn); all are counted (the sampler's summary: episodes_errored) and the first of each
+        kind is logged, so that an environment or a chat template that fails every episode is seen."""
+        self.episodes_errored += len(errors)
+        for error in errors:
+            kind = error[:120]
+            if kind not in self._errors_logged and len(self._errors_logged) < MAX_ERROR_KINDS_LOGGED:
+                self._errors_logged.add(kind)
+                log.warning("%s: an episode of group %s ended with an error at its turn (it is trained up to there; "
+                            "later episodes with this error are counted, not logged): %s", self.sampler_id,
+                            group_id, error[:500])
 
     def _failed(self, group_id: str, why: str) -> None:
         self.groups_failed += 1

@@ -214,6 +214,7 @@ class Sampler:
                  count_and_range(weights.installed_versions), self.waited_for_weights_s)
         result = {"sampler_id": self.sampler_id, "groups": sink.groups_sent, "groups_generated": sink.groups_generated,
                   "groups_started": self.groups_started, "groups_failed": sink.groups_failed,
+                  "episodes_errored": sink.episodes_errored,
                   "injected_groups": self.source.injected_done, "rows_in_flight": self.rows_in_flight,
                   "waited_for_admission_s": round(self.admission.waited_s, 3),
                   "versions": weights.installed_versions,

@@ -177,3 +177,20 @@ def test_a_sender_that_dies_while_the_backlog_is_full_stops_the_sampler(make_cli
     with pytest.raises(SenderStopped, match="RuntimeError: bug in the sender"):
         client.check()  # what the feeder checks first at every look
     sink.rewards.close()
+
+
+def test_episodes_an_environment_ended_with_an_error_are_sent_counted_and_each_kind_logged_once(make_client, caplog):
+    """An environment step or a chat template that fails ends its episode at that turn: the group is still trained
+    as it stands, but the error was said nowhere, so a template that cut every episode to one turn went unseen."""
+    client = make_client(Stub(ack_all))
+    sink = GroupSink(client, SamplerMetrics("sampler-0"), Letters(), "sampler-0", 0.0, abandon=lambda: False,
+                     rewards=RewardWorker(["answer_correct"], 10.0))
+    for index in range(3):
+        run = finished_group(index)
+        run.results[1].error = "ValueError: environment: the chat template renders earlier turns differently"
+        sink.put(run)
+    wait_for(lambda: sink.groups_sent == 3, 10, "the sink to send the three groups")
+    sink.close()
+    assert sink.episodes_errored == 3 and sink.groups_failed == 0
+    logged = [r.getMessage() for r in caplog.records if "ended with an error" in r.getMessage()]
+    assert len(logged) == 1 and "renders earlier turns differently" in logged[0]
