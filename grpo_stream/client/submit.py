@@ -12,6 +12,7 @@ import json
 import os
 import pathlib
 import sys
+import time
 
 import grpc
 
@@ -100,15 +101,23 @@ def run_submit(args) -> int:
     return 0
 
 
+def seconds_ago(unix: float, now: float) -> float | None:
+    """How old a reported time is (None: never reported): a status not renewed for minutes is a process down."""
+    return round(max(0.0, now - unix), 1) if unix else None
+
+
 def run_status(args) -> int:
     with connect_client(args) as client:
         status = client.status()
+    now = time.time()
     print(json.dumps({
         "run": status.run_name, "trainer_step": status.trainer_step, "total_steps": status.total_steps,
+        "trainer_status_age_s": seconds_ago(status.trainer_updated_unix, now),
         "latest_weight_version": status.latest_weight_version, "buffer_depth": status.buffer_depth,
         "injection_queued": status.injection_queued, "injection_claimed": status.injection_claimed,
         "samplers": [{"sampler_id": s.sampler_id, "installed_version": s.installed_version, "lag": s.lag,
-                      "groups_per_s": round(s.groups_per_s, 3), "tokens_per_s": round(s.tokens_per_s, 1)}
+                      "groups_per_s": round(s.groups_per_s, 3), "tokens_per_s": round(s.tokens_per_s, 1),
+                      "last_seen_s_ago": seconds_ago(s.last_seen_unix, now)}
                      for s in status.samplers]}, indent=2))
     return 0
 

@@ -252,6 +252,23 @@ def test_status_reports_trainer_samplers_buffer_and_queue(stack):
     assert json.loads(stack.buffer.client.get(f"grpo-stream:{stack.cfg.run.name}:status"))["step"] == 3
 
 
+def test_the_status_command_says_how_old_the_status_is(stack, tmp_path, capsys):
+    """The status key outlives the trainer: without its age a dead trainer's last step read as the run's now."""
+    from grpo_stream.client.submit import run
+
+    client, _ = clients(stack)
+    stack.publisher.samplers.record("sampler-0", 0, throughput=(2.5, 40.0))
+    writer = StatusWriter(stack.server.ingest.injection.queue, stack.publisher, total_steps=7)
+    writer.write()
+    token = tmp_path / "client.token"
+    token.write_text(stack.token("client"))
+    args = argparse.Namespace(command="status", config=None, overrides=[], run_dir=None, address=stack.address,
+                              token_file=str(token), wait=30.0)
+    assert run(args) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert 0 <= printed["trainer_status_age_s"] < 5 and 0 <= printed["samplers"][0]["last_seen_s_ago"] < 5
+
+
 def test_reflection_lists_and_describes_every_service_as_grpcurl_would(stack):
     from google.protobuf.descriptor_pool import DescriptorPool
     from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
