@@ -120,6 +120,11 @@ class PromptsSection(Strict):
                                         "(token name) may have; beyond it Submit answers RESOURCE_EXHAUSTED.")
     claim_lease_s: float = Field(300.0, gt=0, le=86_400, description="A claimed prompt not answered in this time "
                                  "goes back to the queue (its sampler died).")
+    max_claims: int = Field(3, ge=1, le=1000, description="Leases a prompt may run out before it is given up: "
+                            "finished as cancelled with an error its client reads, instead of being handed out "
+                            "again for ever (samplers that drop it, e.g. wider than their groups, or whose "
+                            "environment fails every episode of it). Raise it, or claim_lease_s, for prompts that "
+                            "take longer than a lease to generate.")
     max_followers: int = Field(128, ge=1, le=10_000, description="StreamResults calls open at once; each holds a "
                                "server thread (beside the ingest's own), so followers never starve the samplers. "
                                "Beyond it StreamResults answers RESOURCE_EXHAUSTED.")

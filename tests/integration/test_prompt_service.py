@@ -113,6 +113,28 @@ def test_an_unanswered_claim_returns_to_the_queue_after_its_lease(tiny_parts, sh
         assert result.sampler_id == "sampler-0"
 
 
+def test_a_prompt_no_sampler_answers_is_given_up_after_max_claims_leases(tiny_parts, shared_redis, run_name,
+                                                                          tmp_path):
+    """A prompt every sampler drops (wider than their groups, an environment failing every episode of it) went back
+    to the queue at every lease for ever, its client's quota held and its follower waiting: after
+    prompts.max_claims lapses it is finished as cancelled, with an error the follower reads."""
+    cfg, task, tokenizer, _ = tiny_parts
+    lease, most = cfg.prompts.claim_lease_s, cfg.prompts.max_claims
+    with serve(with_run_name(cfg, run_name), shared_redis.url, tmp_path / "auth", task, tokenizer) as stack:
+        clock = stack.server.ingest.injection.queue.clock = FakeClock()
+        client, ingest = clients(stack)
+        [pid] = client.submit([{"text": "Q: x A:"}])
+        for lapse in range(most):
+            assert [p.prompt_id for p in claim(ingest, f"sampler-{lapse % 2}")] == [pid]  # claimed, then dropped
+            clock.advance(lease + 0.01)
+        assert claim(ingest, "sampler-0") == []  # the last lapse gave it up
+        [result] = client.results([pid])
+        assert result.state == "cancelled" and f"claimed {most} times and never answered" in result.error
+        assert "prompts.max_claims" in result.error and f"sampler-{(most - 1) % 2}" in result.error
+        queue = stack.server.ingest.injection.queue
+        assert queue.client.hgetall(queue.pending) == {b"client": b"0"}  # the client's quota is free again
+
+
 def test_cancel_discards_the_answer_and_only_the_owner_or_an_admin_may_cancel(stack):
     client, ingest = clients(stack)
     ids = client.submit([{"text": "Q: a A:", "train": True, "answer": "1"}, {"text": "Q: b A:"}])

@@ -99,10 +99,11 @@ return {'ok', tostring(queued + n)}
 # injection spreads evenly over the samplers; and no more rows than its credit (the injected share of its batches).
 # Each prompt comes from the client whose turn starts first (the fair queuing in the module docstring). Prompts
 # queued by a version without per-client queues are moved into them first.
-_CLAIM = _TURNS + """
+_CLAIM = _TURNS + FINISH_PROMPT_LUA + """
 local base, sampler, want, now = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
 local lease, window = tonumber(ARGV[5]), tonumber(ARGV[6])
 local grant_rows, burst_rows, default_rows = tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
+local max_claims, retention, keep, gid_prefix = tonumber(ARGV[10]), tonumber(ARGV[11]), tonumber(ARGV[12]), ARGV[13]
 local function requeue(pid, pkey)
   local client = redis.call('HGET', pkey, 'client') or ''
   local score = tonumber(redis.call('HGET', pkey, 'score') or '0')
@@ -117,8 +118,18 @@ for _, pid in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now - lease)) 
   redis.call('ZREM', KEYS[2], pid)
   local pkey = base .. ':prompt:' .. pid
   if redis.call('HGET', pkey, 'state') == 'claimed' then
-    redis.call('HSET', pkey, 'state', 'queued')
-    requeue(pid, pkey)
+    local lapses = redis.call('HINCRBY', pkey, 'lapses', 1)
+    if lapses >= max_claims then  -- given up: no sampler answers it (their logs say why)
+      redis.call('HSET', pkey, 'state', 'cancelled', 'finished', now, 'error', 'claimed ' .. lapses ..
+                 ' times and never answered within prompts.claim_lease_s (prompts.max_claims): the samplers that ' ..
+                 'took it, the last ' .. (redis.call('HGET', pkey, 'sampler') or '?') .. ', dropped it; their ' ..
+                 'logs say why (e.g. wider than their groups, or an environment failing every episode)')
+      redis.call('HINCRBY', KEYS[6], redis.call('HGET', pkey, 'client') or '', -1)
+      finish_prompt(base, gid_prefix, pid, now, retention, keep)
+    else
+      redis.call('HSET', pkey, 'state', 'queued')
+      requeue(pid, pkey)
+    end
   end
 end
 redis.call('HSET', KEYS[3], sampler, now)
@@ -270,15 +281,19 @@ class PromptQueue:
         return int(count)
 
     def claim(self, sampler_id: str, want: int, lease_s: float, share: InjectedShare | None = None,
-              batch_groups: int | None = None) -> list[bytes]:
+              batch_groups: int | None = None, given_up: tuple[int, int, int] = (3, 7 * 86_400, 10_000)) -> list[bytes]:
         """InjectedPrompt bytes of up to `want` prompts for this sampler (its fair share of the queue), taken from the
         clients in fair turns, within the injected share of its rows (`share`; None: no limit) for a batch of
-        `batch_groups` groups (None: a full batch)."""
+        `batch_groups` groups (None: a full batch). Claims whose lease ran out go back to the queue first, or, at
+        their `given_up[0]`-th lapse (prompts.max_claims), are finished as cancelled with an error, kept as results
+        are (`given_up[1:]`: retention seconds, most kept)."""
         share = share or InjectedShare(1.0, 1 << 20, 1)
         grant_rows, burst_rows = share.rows(batch_groups)
-        return self._call(lambda: self._claim(keys=[self.queue, self.claimed, self.samplers, self.turns, self.credit],
-                                              args=[self.base, sampler_id, want, self.clock(), lease_s,
-                                                    ACTIVE_SAMPLER_S, grant_rows, burst_rows, share.group_rows]))
+        max_claims, retention_s, max_kept = given_up
+        return self._call(lambda: self._claim(
+            keys=[self.queue, self.claimed, self.samplers, self.turns, self.credit, self.pending],
+            args=[self.base, sampler_id, want, self.clock(), lease_s, ACTIVE_SAMPLER_S, grant_rows, burst_rows,
+                  share.group_rows, max_claims, retention_s, max_kept, group_id_prefix(self.run_name)]))
 
     def cancel(self, client_name: str, admin: bool, prompt_ids: list[str], retention_s: int,
                max_kept: int = 10_000) -> dict[str, str]:

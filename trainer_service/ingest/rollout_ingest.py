@@ -48,6 +48,7 @@ class Injection:
     # reward names an injected prompt may ask for (built-ins and task.rewards); other prompts are refused at the claim
     rewards: frozenset[str] = frozenset(allowed_names(()))
     share: InjectedShare | None = None  # the injected share of each sampler's rows (None: no limit)
+    max_claims: int = 3  # leases a prompt may run out before it is given up (prompts.max_claims)
 
 
 class IngestServicer(rollout_pb2_grpc.RolloutIngestServicer):
@@ -231,7 +232,8 @@ class IngestServicer(rollout_pb2_grpc.RolloutIngestServicer):
             # the batch this claim fills is the one the sampler was just admitted for (a replica that did not
             # admit it assumes a full batch)
             batch = None if self.admission is None else self.admission.take_granted(request.sampler_id)
-            raw = inj.queue.claim(request.sampler_id, request.max_prompts, inj.claim_lease_s, inj.share, batch)
+            raw = inj.queue.claim(request.sampler_id, request.max_prompts, inj.claim_lease_s, inj.share, batch,
+                                  given_up=(inj.max_claims, inj.retention_s, inj.max_kept))
             prompts = checked_claim(inj.queue, raw, inj.rewards, inj.retention_s, inj.max_kept)
         except BufferUnavailable as exc:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"prompt queue unavailable ({exc}); retry with backoff")

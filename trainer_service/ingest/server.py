@@ -43,7 +43,8 @@ def ingest_servicers(cfg: RunConfig, buffer: RedisStreamBuffer, task, tokenizer,
     injection = Injection(queue, cfg.run.name, cfg.prompts.claim_lease_s, cfg.prompts.result_retention_s,
                           cfg.prompts.max_kept_results, frozenset(allowed_names(cfg.task.rewards, cfg.task.name)),
                           InjectedShare(cfg.prompts.max_injected_fraction,
-                                        max(1, cfg.rows_in_flight() // gen.num_generations), gen.num_generations))
+                                        max(1, cfg.rows_in_flight() // gen.num_generations), gen.num_generations),
+                          max_claims=cfg.prompts.max_claims)
     admission = AdmissionControl(AdmissionLimits(cfg.trainer.groups_per_step, cfg.trainer.max_staleness,
                                                  cfg.trainer.steps, cfg.sampler.admission_lease_s,
                                                  cfg.sampler.admission_max_samplers))
