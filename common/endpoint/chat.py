@@ -120,14 +120,24 @@ class ChatPrompts:
         return self.tokenizer.encode(self._render(messages, True, tools))
 
     def _render(self, messages, add_generation_prompt: bool, tools) -> str:
-        """The template's text; what it refuses (roles out of order, a tool role it has none of) is the request's
-        error."""
-        try:
-            return self.tokenizer.render_chat(messages, add_generation_prompt=add_generation_prompt, tools=tools,
+        """The template's text; what it refuses (roles out of order) is the request's error. A template without a
+        tool role (Gemma's) gets tools' results as user messages, as environments' observations are written
+        (common/environments/render.py), so a conversation that called a tool can go on."""
+        def render(chat):
+            return self.tokenizer.render_chat(chat, add_generation_prompt=add_generation_prompt, tools=tools,
                                               tool_format=self.tool_format)
+        try:
+            return render(messages)
         except Exception as exc:  # noqa: BLE001 - jinja raises what the template raises (TemplateError, TypeError...)
-            raise RequestError(f"messages: this model's chat template refused them ({type(exc).__name__}: "
-                               f"{str(exc)[:200]})") from None
+            refused = exc
+        if any(m["role"] == "tool" for m in messages):
+            try:
+                return render([{"role": "user", "content": m["content"]} if m["role"] == "tool" else m
+                               for m in messages])
+            except Exception:  # noqa: BLE001 - refused either way: the first refusal is the one to report
+                pass
+        raise RequestError(f"messages: this model's chat template refused them ({type(refused).__name__}: "
+                           f"{str(refused)[:200]})") from None
 
     def _continuation(self, messages, cut: int, tools, closed: bool) -> str | None:
         """What follows the remembered answer's last sampled token, or None when the template renders the earlier

@@ -80,3 +80,17 @@ def test_an_endpoint_format_other_than_the_runs_is_said_and_used(tokenizer, capl
     assert len(said) == 1 and "sampler.openai.tool_format=gemma" in said[0] and "'qwen'" in said[0]
     prompt = text_of(core, core.chat_prompts.ids(template_messages(QUESTION), TOOLS))
     assert "```tool_code\ntool_name(argument='value')\n```" in prompt
+
+
+def test_a_template_without_a_tool_role_takes_a_tools_result_as_a_user_turn(tmp_path):
+    """Gemma's template refuses the `tool` role: the endpoint answered 400 to the request that carried a tool's
+    result, so a tool-using client (a verifiers ToolEnv) could never go past its first call on Gemma. The result is
+    now a user turn, as the environments' renderer writes observations for it."""
+    core = core_for(HFTokenizer(build_tokenizer(tmp_path / "gemma", "gemma", "gemma")),
+                    "sampler.openai.tool_format=gemma")
+    answer, called = core._message(render_tool_call(ToolCall("calculator", {"expression": "17 * 3"}), "gemma"), TOOLS)
+    assert called
+    follow = template_messages(QUESTION + [answer, {"role": "tool", "tool_call_id": answer["tool_calls"][0]["id"],
+                                                    "content": "51"}])
+    prompt = text_of(core, core.chat_prompts.ids(follow, TOOLS))
+    assert prompt.endswith("<start_of_turn>user\n51<end_of_turn>\n<start_of_turn>model\n"), prompt[-200:]
