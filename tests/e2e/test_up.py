@@ -104,8 +104,9 @@ def test_print_config_shows_resolved_values():
 
 
 def test_report_on_a_missing_run_is_one_line(tmp_path):
+    # exit 2: input the command cannot use (a directory no run wrote), as audit and status answer it
     proc = run_cli("report", str(tmp_path / "nope"), timeout=60)
-    assert proc.returncode == 1 and len(proc.stderr.strip().splitlines()) == 1 and "metrics-trainer.jsonl" in proc.stderr
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and "metrics-trainer.jsonl" in proc.stderr
 
 
 def test_a_running_loop_serves_metrics_then_ctrl_c_stops_it_and_the_same_command_resumes(tmp_path):
