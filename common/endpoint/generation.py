@@ -174,6 +174,12 @@ class EndpointCore:
             raise Unavailable(failed)
         return sequences
 
+    def completion_prompts(self, request: CompletionRequest) -> list[list[int]]:
+        """The ids of a completion request's prompts: texts as vLLM encodes them (with add_special_tokens, the
+        default, what the tokenizer's post-processor adds, e.g. Llama 3's BOS), token ids as given."""
+        encode = self.tokenizer.encode_with_special_tokens if request.add_special_tokens else self.tokenizer.encode
+        return [encode(p) if isinstance(p, str) else list(p) for p in request.prompts()]
+
     async def completion(self, request: CompletionRequest, caller: str = "") -> dict[str, Any]:
         request.check()
         self._check_model_and_n(request)
@@ -181,8 +187,7 @@ class EndpointCore:
             raise RequestError(f"prompt: {len(request.prompts())} prompts x n={request.n} sequences; at most "
                                f"sampler.openai.max_n={self.max_n} per request")
         self._check_chars(sum(len(p) for p in request.prompts() if isinstance(p, str)), "prompt")
-        prompts = await asyncio.to_thread(
-            lambda: [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in request.prompts()])
+        prompts = await asyncio.to_thread(self.completion_prompts, request)
         greedy = request.greedy(self.temperature)
         budget = self._budget(request, prompts, "prompt", 16)
         sequences = await self._generate(prompts, request.n, greedy, budget, request.seed, caller == INTERNAL)

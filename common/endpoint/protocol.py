@@ -116,6 +116,8 @@ class ChatRequest(_Common):
 
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]
+    # vLLM's: a text prompt gets what the tokenizer's post-processor adds (Llama 3's BOS); token ids are as given
+    add_special_tokens: bool = True
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     best_of: int | None = None

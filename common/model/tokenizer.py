@@ -73,6 +73,10 @@ class TextTokenizer:
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text).ids
 
+    def encode_with_special_tokens(self, text: str) -> list[int]:
+        """As `encode`: this tokenizer adds no special tokens of its own."""
+        return self.encode(text)
+
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode([i for i in ids if i not in (self.pad_id, self.eos_id)], skip_special_tokens=True)
 
@@ -211,6 +215,11 @@ class HFTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False))
+
+    def encode_with_special_tokens(self, text: str) -> list[int]:
+        """The ids with what the tokenizer's own post-processor adds (Llama 3's <|begin_of_text|>; nothing for
+        SmolLM2's ByteLevel one, whatever its bos_token), as vLLM encodes a text completion prompt."""
+        return list(self._tok.encode(text, add_special_tokens=True))
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode([i for i in ids if i != self.pad_id and i not in self._eos], skip_special_tokens=True)

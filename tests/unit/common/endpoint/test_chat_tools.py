@@ -94,3 +94,36 @@ def test_a_template_without_a_tool_role_takes_a_tools_result_as_a_user_turn(tmp_
                                                     "content": "51"}])
     prompt = text_of(core, core.chat_prompts.ids(follow, TOOLS))
     assert prompt.endswith("<start_of_turn>user\n51<end_of_turn>\n<start_of_turn>model\n"), prompt[-200:]
+
+
+def with_bos_post_processor(directory):
+    """A Llama 3 tokenizer.json as shipped: its post-processor writes <|begin_of_text|> before a text."""
+    path = directory / "tokenizer.json"
+    spec = json.loads(path.read_text())
+    bos = next(t for t in spec["added_tokens"] if t["content"] == "<|begin_of_text|>")
+    first = {"SpecialToken": {"id": "<|begin_of_text|>", "type_id": 0}}
+    spec["post_processor"] = {
+        "type": "TemplateProcessing",
+        "single": [first, {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [first, {"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {"<|begin_of_text|>": {"id": "<|begin_of_text|>", "ids": [bos["id"]],
+                                                 "tokens": ["<|begin_of_text|>"]}}}
+    path.write_text(json.dumps(spec))
+    return directory, bos["id"]
+
+
+def test_a_text_completion_is_encoded_as_vllm_encodes_it(tmp_path):
+    """/v1/completions stands in for vLLM's, which encodes a text prompt with the tokenizer's special tokens (its
+    add_special_tokens defaults to true): a Llama 3 prompt without <|begin_of_text|> is another input to the model;
+    a SmolLM2 one gets nothing, though its bos_token is set (its post-processor adds none)."""
+    from grpo_stream.common.endpoint.protocol import CompletionRequest
+
+    directory, bos = with_bos_post_processor(build_tokenizer(tmp_path / "llama3", "llama3", "llama"))
+    core = core_for(HFTokenizer(directory))
+    plain = core.tokenizer.encode("Q: 1 + 1 = ? A:")
+    ask = {"model": core.model_name, "prompt": "Q: 1 + 1 = ? A:"}
+    assert core.completion_prompts(CompletionRequest(**ask)) == [[bos] + plain]
+    assert core.completion_prompts(CompletionRequest(**ask, add_special_tokens=False)) == [plain]
+    assert core.completion_prompts(CompletionRequest(**{**ask, "prompt": [5, 6]})) == [[5, 6]]  # ids as given
+    smol = core_for(HFTokenizer(build_tokenizer(tmp_path / "smollm2", "smollm2", "llama")))
+    assert smol.completion_prompts(CompletionRequest(**ask)) == [smol.tokenizer.encode("Q: 1 + 1 = ? A:")]
