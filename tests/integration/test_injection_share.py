@@ -101,3 +101,28 @@ def test_prompts_queued_by_a_version_without_fair_turns_are_still_claimed(stack)
     queue.client.delete(queue.turns, f"{queue.base}:inject:q:alice")  # the layout before this version
     reply = stubs["ingest"].ClaimPrompts(rollout_pb2.ClaimRequest(sampler_id="sampler-0", max_prompts=8))
     assert sorted(p.prompt_id for p in reply.prompts) == sorted(ids)
+
+
+def test_a_sampler_in_debt_repays_it_however_long_it_was_quiet(shared_redis, run_name):
+    """A sampler that took a prompt wider than its credit is in debt, which its next claims repay. Another sampler's
+    claim a minute later deleted the quiet sampler's credit, debt included, so one that waited over a minute for the
+    rows of each wide prompt took the next one at once: every batch injected, past prompts.max_injected_fraction."""
+    from grpo_stream.common.rollouts.redis_server import connect
+    from grpo_stream.trainer_service.ingest.prompt_queue import ACTIVE_SAMPLER_S, InjectedShare, PromptQueue
+    from tests.support import FakeClock
+
+    clock = FakeClock()
+    queue = PromptQueue(connect(shared_redis.url, 5), run_name, clock=clock)
+    items = []
+    for _ in range(3):
+        pid = queue.new_id()
+        items.append((pid, 0, rollout_pb2.InjectedPrompt(prompt_id=pid, num_generations=64).SerializeToString(), b"",
+                      False, [], 64))
+    queue.submit("alice", items, 100, 100, 9)
+    share = InjectedShare(0.5, 16, 4)  # half of 16 groups of 4 rows: 32 rows of credit a batch
+    taken = []
+    for _ in range(2):
+        taken.append(len(queue.claim("s0", 4, 3600, share, batch_groups=16)))
+        clock.advance(ACTIVE_SAMPLER_S + 1)  # s0 waits for its 64 rows to free
+        queue.claim("s1", 0, 3600, share, batch_groups=0)  # another sampler claims meanwhile
+    assert taken == [1, 0]  # 64 rows on 32 of credit: the second batch repays the debt instead of taking more

@@ -137,7 +137,9 @@ local active, seen = 0, redis.call('HGETALL', KEYS[3])
 for i = 1, #seen, 2 do
   if now - tonumber(seen[i + 1]) <= window then active = active + 1 else
     redis.call('HDEL', KEYS[3], seen[i])
-    redis.call('HDEL', KEYS[5], seen[i])
+    -- a quiet sampler's unused credit goes, its debt stays: one that took a prompt wider than its credit (and then
+    -- waited a minute for its rows) must repay it before it takes the next one
+    if tonumber(redis.call('HGET', KEYS[5], seen[i]) or '0') >= 0 then redis.call('HDEL', KEYS[5], seen[i]) end
   end
 end
 local credit = math.min(tonumber(redis.call('HGET', KEYS[5], sampler) or '0') + grant_rows, burst_rows)
