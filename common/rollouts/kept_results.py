@@ -9,18 +9,32 @@ atomic step, so the bound holds whichever way prompts finish.
 
 Layout (run R, prefix P):
   P:R:inject:finished  sorted set: finished prompt id -> time it finished; the oldest go first
+  P:R:inject:finished-tags  hash: finished prompt id -> its tags, so that its id leaves its tags' sets even when
+                       its hash expired first (a tag in use kept every id ever tagged); each tag's set lives at least
+                       the retention after its newest prompt finished
 What leaves with a prompt: its hash, its id in its tags' sets, its entry in the results stream (trimmed to the
 same count), and, for a train=false answer, its record in P:R:audit:eval (counted in P:R:audit:compacted as
 `evaluation_only_released`, so `grpo-stream audit` still reports how many there were).
 """
 
 FINISHED_KEY = "inject:finished"
+FINISHED_TAGS_KEY = "inject:finished-tags"  # hash: finished prompt id -> its tags (JSON), until it is evicted
 RELEASED_FIELD = "evaluation_only_released"
 EVICT_PER_CALL = 100  # a lowered bound (a restart with a smaller max) drains over several calls, never one long one
 
 FINISH_PROMPT_LUA = """
 local function finish_prompt(base, gid_prefix, pid, now, retention, keep)
   redis.call('EXPIRE', base .. ':prompt:' .. pid, retention)
+  -- its tags outlive its hash (which may expire before it is evicted here) and its result stays findable by tag
+  -- for the whole retention
+  local own = redis.call('HGET', base .. ':prompt:' .. pid, 'tags')
+  if own and own ~= '[]' then
+    redis.call('HSET', base .. ':%(tags)s', pid, own)
+    for _, tag in ipairs(cjson.decode(own)) do
+      local tkey = base .. ':tag:' .. tag
+      if redis.call('TTL', tkey) < retention then redis.call('EXPIRE', tkey, retention) end
+    end
+  end
   redis.call('XADD', base .. ':results', 'MAXLEN', '~', keep, '*', 'id', pid)
   local finished = base .. ':%(finished)s'
   redis.call('ZADD', finished, now, pid)
@@ -33,9 +47,10 @@ local function finish_prompt(base, gid_prefix, pid, now, retention, keep)
   local released = 0
   for _, p in ipairs(old) do
     local pkey = base .. ':prompt:' .. p
-    local tags = redis.call('HGET', pkey, 'tags')  -- gone already when its time ran out
+    local tags = redis.call('HGET', base .. ':%(tags)s', p)  -- kept apart: the hash may be gone already
     if tags then
       for _, tag in ipairs(cjson.decode(tags)) do redis.call('SREM', base .. ':tag:' .. tag, p) end
+      redis.call('HDEL', base .. ':%(tags)s', p)
     end
     redis.call('DEL', pkey)
     released = released + redis.call('HDEL', base .. ':audit:eval', gid_prefix .. p)
@@ -43,7 +58,7 @@ local function finish_prompt(base, gid_prefix, pid, now, retention, keep)
   end
   if released > 0 then redis.call('HINCRBY', base .. ':audit:compacted', '%(released)s', released) end
 end
-""" % {"finished": FINISHED_KEY, "per_call": EVICT_PER_CALL, "released": RELEASED_FIELD}
+""" % {"finished": FINISHED_KEY, "per_call": EVICT_PER_CALL, "released": RELEASED_FIELD, "tags": FINISHED_TAGS_KEY}
 
 
 def group_id_prefix(run_name: str) -> str:

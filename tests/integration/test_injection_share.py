@@ -126,3 +126,23 @@ def test_a_sampler_in_debt_repays_it_however_long_it_was_quiet(shared_redis, run
         clock.advance(ACTIVE_SAMPLER_S + 1)  # s0 waits for its 64 rows to free
         queue.claim("s1", 0, 3600, share, batch_groups=0)  # another sampler claims meanwhile
     assert taken == [1, 0]  # 64 rows on 32 of credit: the second batch repays the debt instead of taking more
+
+
+def test_a_finished_prompt_leaves_its_tags_set_even_when_its_hash_expired_first(shared_redis, run_name):
+    """A finished prompt's hash expires at the end of its retention, often before a later finish evicts it, which
+    then found no tags and left its id in their sets: a tag in constant use grew without bound."""
+    import time
+
+    from grpo_stream.common.rollouts.redis_server import connect
+    from grpo_stream.trainer_service.ingest.prompt_queue import PromptQueue
+
+    queue = PromptQueue(connect(shared_redis.url, 5), run_name)
+    first, second = queue.new_id(), queue.new_id()
+    queue.submit("alice", [(pid, 0, rollout_pb2.InjectedPrompt(prompt_id=pid).SerializeToString(), b"", False,
+                            ["probe"], 4) for pid in (first, second)], 10, 10, 9, retention_s=60)
+    queue.cancel("alice", False, [first], retention_s=1)
+    time.sleep(1.5)  # Redis's own clock: the first one's hash is gone
+    assert queue.records([first]) == [None]
+    queue.cancel("alice", False, [second], retention_s=1)  # a later finish evicts what finished over 1 s ago
+    assert queue.tagged("probe") == [second]
+    assert queue.client.ttl(f"{queue.base}:tag:probe") >= 1  # and the set lives the retention of its newest

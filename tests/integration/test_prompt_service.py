@@ -177,6 +177,7 @@ def test_finished_prompts_beyond_max_kept_results_leave_redis_oldest_first(tiny_
         kept = ids[3:]
         assert sorted(k.decode().rsplit(":", 1)[1] for k in r.keys(f"{base}:prompt:*")) == sorted(kept)
         assert sorted(m.decode() for m in r.smembers(f"{base}:tag:probe")) == sorted(kept)
+        assert sorted(k.decode() for k in r.hkeys(f"{base}:inject:finished-tags")) == sorted(kept)
         assert [r.prompt_id for r in client.results(tag="probe", follow=False)] == kept
         with pytest.raises(grpc.RpcError) as err:
             list(client.results([ids[0]]))
