@@ -114,6 +114,9 @@ def group_history(client: redis.Redis, run_name: str, group_id: str, prefix: str
             "settled": json.loads(sett) if sett else None, "trained_in_steps": trained_in}
 
 
+RUN_LOCK_WAIT_S = 5.0  # how long audit waits for a run directory a stopping run still holds
+
+
 def _client_for(run_dir: pathlib.Path, redis_url: str | None):
     """(client, run name, what to close after: an embedded server and the run directory's lock, or None): the URL
     given, else the run's own Redis if it answers, else an embedded Redis started on the run's data directory
@@ -141,7 +144,8 @@ def _client_for(run_dir: pathlib.Path, redis_url: str | None):
             raise RedisConnectError(f"{exc}; pass --redis-url (and $GRPO_STREAM_REDIS_PASSWORD) to audit a run whose "
                                     "Redis is elsewhere") from None
         try:
-            lock = RunLock.acquire(run_dir, "audit")
+            # a run that has just ended lets go of the directory moments after its processes show as gone
+            lock = RunLock.acquire(run_dir, "audit", wait_s=RUN_LOCK_WAIT_S)
         except RunDirBusy as busy:
             raise RedisConnectError(f"{exc}; the run is still live, so audit starts no Redis of its own on its data "
                                     f"({busy}). Retry once its Redis answers, or pass --redis-url (and "
