@@ -80,12 +80,12 @@ class _Episode:
         try:
             stops = set(self.kind.tokenizer.eos_ids)
             result.turn_texts.append(self.kind.tokenizer.decode([t for t in self._turn_ids if t not in stops]))
-            if len(result.tokens) >= s.episode_tokens:  # out of tokens: cut, whatever the turn was doing
-                self._end(finished=result.turn_closed[-1] and result.turns >= s.max_turns)
+            if len(result.tokens) >= s.episode_tokens and not result.turn_closed[-1]:
+                self._end(finished=False)  # cut mid-turn by the episode's budget
             elif result.turns >= s.max_turns:  # finished if its last turn was: one cut at its budget is truncated
                 self._end(finished=result.turn_closed[-1])
-            else:  # a turn cut at environment.turn_max_new_tokens is answered too, as verifiers-style ones are
-                self._step()
+            else:  # a turn cut at environment.turn_max_new_tokens is answered too, as verifiers-style ones are; one
+                self._step()  # closed on the budget's last token too: the environment may end it (else truncated)
         except Exception as exc:  # noqa: BLE001 - a bug here ends this episode, never the sampler
             result.error = result.error or f"{type(exc).__name__}: {exc}"[:500]
             self._end(finished=False)

@@ -176,3 +176,53 @@ def test_holding_the_cache_samples_the_same_episodes_as_prefilling_it(tiny_parts
         settings = EpisodeSettings(max_turns=3, turn_max_new_tokens=8, episode_tokens=C, hold_kv=hold_kv)
         runs[hold_kv] = [r.tokens for r in _run(tiny_parts, engine, 8, Scripted(turns=3), settings, rng=7)[1]]
     assert runs[False] == runs[True]
+
+
+class Ending:
+    """Ends the episode at its first step with reward 1, or (`goes_on`) answers it with an observation."""
+
+    def __init__(self, goes_on: bool):
+        self.goes_on = goes_on
+
+    def start(self, problem):
+        env = self
+
+        class Episode:
+            def step(self, text):
+                return Turn(Observation("= 1") if env.goes_on else None, reward=1.0)
+        return Episode()
+
+
+def _one_scripted_turn(tiny_parts, env, settings, sampled: list[int]):
+    """One episode on the real RolloutStream whose engine is a script: its first turn samples `sampled` (closed by
+    its last id, the stop token). The episode's result (logic only: the engine's own runs are the tests above)."""
+    from grpo_stream.common.episodes.result import GroupWork
+    from grpo_stream.common.episodes.stream import RolloutStream
+
+    cfg, task, tok, _ = tiny_parts
+    problem = task.train_problem(0)
+    ended = []
+    stream = RolloutStream(lambda key, rows: list(range(rows)), ended.append)
+    kind = ToolTurns(env, PlainRenderer(tok), settings, tok, 1)
+    try:
+        stream.start(GroupWork(problem, tok.encode(problem.prompt), 1, None, "g", 0, jax.random.key(0)), kind)
+        [request] = stream.take()
+        stream.finish(request, sampled, [-0.5] * len(sampled), None, True)
+        deadline = time.monotonic() + 10
+        while not ended and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        kind.close()
+    return ended[0].results[0]
+
+
+@pytest.mark.parametrize("goes_on", [False, True], ids=["environment-ends-it", "environment-goes-on"])
+def test_an_answer_closed_on_the_budgets_last_token_is_finished_if_the_environment_ends_it(tiny_parts, goes_on):
+    """The budget check came first: a closed final answer whose stop token was the episode's last budgeted token was
+    called truncated, and its turn reward never asked for, while one token more of budget made it finished."""
+    tok = tiny_parts[2]
+    sampled = tok.encode(" 42") + [tok.eos_id]
+    settings = EpisodeSettings(max_turns=4, turn_max_new_tokens=8, episode_tokens=len(sampled))
+    result = _one_scripted_turn(tiny_parts, Ending(goes_on), settings, sampled)
+    assert result.tokens == sampled and result.turn_closed == [True] and result.turn_rewards == [1.0]
+    assert result.finished == (not goes_on)  # no room for the observation: truncated
