@@ -20,6 +20,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
+import threading
 import time
 from typing import Any, Callable
 
@@ -71,13 +72,17 @@ class WeightSync:
     """Polls a fetcher and installs newer versions whole; reports the installed version to the trainer. `clock`
     (time.monotonic by default) times the back-off after a failed fetch; a test moves it instead of waiting.
     `fit_hint`: what the error says to do when a published version does not fit `model` (which setting to give the
-    sampler)."""
+    sampler). `abandon_after_s`: a background check or fetch still running after this long (a hung shared disk
+    under the checkpoint transport, which has no deadline of its own) counts as a failed fetch and is left behind,
+    so the lag and the failures show it and a new attempt starts (None: waited for)."""
 
     def __init__(self, fetcher, model: PolicyModel, mesh: jax.sharding.Mesh, sampler_id: str,
                  retry_initial_s: float = 0.5, retry_max_s: float = 10.0, max_staleness: int | None = None,
                  channel: grpc.Channel | None = None, background: bool = False,
-                 clock: Callable[[], float] = time.monotonic, fit_hint: str = ""):
+                 clock: Callable[[], float] = time.monotonic, fit_hint: str = "",
+                 abandon_after_s: float | None = None):
         self.fetcher, self.model, self.sampler_id, self.clock = fetcher, model, sampler_id, clock
+        self.abandon_after_s = abandon_after_s
         self.fit_hint = fit_hint
         self.max_staleness = max_staleness
         self._backoff = Backoff(retry_initial_s, retry_max_s)
@@ -96,9 +101,9 @@ class WeightSync:
         self.fetched_version, self.fetched_epoch = -1, ""
         self.latest_seen = -1  # newest version seen from the installed version's trainer epoch
         self.failures, self._next_attempt = 0, 0.0
-        self._pool = (concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-fetch")
-                      if background else None)
+        self.background = background
         self._pending: concurrent.futures.Future | None = None
+        self._pending_since = 0.0
 
     @property
     def installed_version(self) -> int:
@@ -122,16 +127,40 @@ class WeightSync:
         if self._pending is None:
             if self.clock() < self._next_attempt:
                 return None
-            if self._pool is None:
+            if not self.background:
                 return self._settle(self._check_and_fetch)
-            self._pending = self._pool.submit(self._check_and_fetch)
+            self._pending, self._pending_since = self._start_attempt(), self.clock()
             # most checks (and small fetches) finish within milliseconds: take their outcome now rather than a
             # poll interval later; anything slower carries on in the background
             concurrent.futures.wait([self._pending], timeout=QUICK_WAIT_S)
         if not self._pending.done():
-            return None
+            if self.abandon_after_s is None or self.clock() - self._pending_since <= self.abandon_after_s:
+                return None
+            self._pending = None  # its thread may never return: left behind, its outcome never read
+            return self._settle(self._abandoned)
         pending, self._pending = self._pending, None
         return self._settle(pending.result)
+
+    def _start_attempt(self) -> concurrent.futures.Future:
+        """A check (and fetch) on a daemon thread of its own: one blocked in storage for ever is left behind
+        without keeping the process from exiting, as a pool's worker would."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def attempt() -> None:
+            if not future.set_running_or_notify_cancel():
+                return
+            try:
+                future.set_result(self._check_and_fetch())
+            except BaseException as exc:  # noqa: BLE001 - handed to poll(), which classifies it
+                future.set_exception(exc)
+
+        threading.Thread(target=attempt, name="weight-fetch", daemon=True).start()
+        return future
+
+    def _abandoned(self) -> None:
+        raise WeightTransferError(f"a weight check or fetch still running after {self.abandon_after_s:.0f}s "
+                                  "(twice sampler.rpc_timeout_s, plus 10 s) is left behind: is the trainer or the "
+                                  "weights' storage hung? raise sampler.rpc_timeout_s if fetches need longer")
 
     def has_result(self) -> bool:
         """A background check or fetch has finished: the next poll() returns its outcome."""
@@ -207,8 +236,8 @@ class WeightSync:
     def close(self) -> None:
         """Stop background fetching and the fetcher's threads, without waiting (a fetch in flight ends at its
         deadline; its result is dropped)."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._pending is not None:
+            self._pending.cancel()  # one not started yet never starts; a running one ends on its own thread
         close = getattr(self.fetcher, "close", None)
         if callable(close):
             close()

@@ -59,8 +59,13 @@ class CheckpointWeightStore:
         self.root.mkdir(parents=True, exist_ok=True)
         base = version == BASE_VERSION  # LoRA's frozen base: beside the versions, never LATEST, never pruned by them
         path = self.root / (f"base-{epoch}" if base else f"v{version:010d}-{epoch}")
-        if (path / MARKER).exists():  # the final re-publication of an already saved version
-            return json.loads((path / MARKER).read_text())
+        if (path / MARKER).exists():  # the final re-publication of an already saved version (a resumed, ended run)
+            record = json.loads((path / MARKER).read_text())
+            if final and not record.get("final") and not base:  # samplers read `final` from LATEST: say it there
+                record.update(final=True, published_unix=time.time())
+                self._write_atomic(path / MARKER, record, epoch)
+                self._write_atomic(self.root / LATEST, record, epoch)
+            return record
         self._checkpointer.save(path, {_key(n): a for n, a in named.items()}, force=True)
         self._checkpointer.wait_until_finished()
         record = {"version": version, "final": final, "epoch": epoch, "published_unix": time.time(),
@@ -71,21 +76,43 @@ class CheckpointWeightStore:
             for old in [p for p in self.root.iterdir() if p.name.startswith("base-") and p != path]:
                 self._remove(old)
             return record
-        tmp = self.root / f"{LATEST}.{epoch}.tmp"
-        tmp.write_text(json.dumps(record))
-        tmp.replace(self.root / LATEST)  # atomic on POSIX; on object stores a copy, read whole or not at all
-        self._prune(path)
+        self._write_atomic(self.root / LATEST, record, epoch)
+        self._prune(path, epoch)
         return record
 
-    def _prune(self, newest: epath.Path) -> None:
-        versions = sorted(p for p in self.root.iterdir() if p.name.startswith("v") and (p / MARKER).exists())
-        for old in [p for p in versions if p != newest][: max(0, len(versions) - self.keep)]:
+    def _write_atomic(self, path: epath.Path, record: dict, epoch: str) -> None:
+        tmp = path.parent / f"{path.name}.{epoch}.tmp"
+        tmp.write_text(json.dumps(record))
+        tmp.replace(path)  # atomic on POSIX; on object stores a copy, read whole or not at all
+
+    def _prune(self, newest: epath.Path, epoch: str) -> None:
+        """Keep the newest `keep` complete versions by publication time, not by number: a resumed trainer publishes
+        below the numbers its dead predecessor reached, whose directories would otherwise hold the newest places
+        and each new version would delete the one before it. Also drop what an earlier trainer process left half
+        written (a version without its marker, a temporary file): no reader ever takes those."""
+        complete, leftovers = [], []
+        for p in self.root.iterdir():
+            if p.name.startswith("v") and (p / MARKER).exists():
+                complete.append(p)
+            elif p.name.startswith("v") and not p.name.split(".")[0].endswith(f"-{epoch}"):
+                leftovers.append(p)  # an earlier process's unfinished version (or Orbax's temporary directory of it)
+            elif p.name.endswith(".tmp") and f".{epoch}." not in p.name:
+                leftovers.append(p)
+        complete.sort(key=lambda p: (p == newest, self._published(p), p.name))
+        for old in complete[: max(0, len(complete) - self.keep)] + leftovers:
             self._remove(old)
+
+    @staticmethod
+    def _published(version_dir: epath.Path) -> float:
+        try:
+            return float(json.loads((version_dir / MARKER).read_text())["published_unix"])
+        except (OSError, ValueError, KeyError, TypeError):  # unreadable: the oldest, the first to go
+            return 0.0
 
     @staticmethod
     def _remove(old: epath.Path) -> None:
         try:
-            old.rmtree()
+            old.rmtree() if old.is_dir() else old.unlink()
         except OSError as exc:  # another process may be reading it; the next publish retries
             log.warning("could not delete old weight version %s: %s", old, exc)
 

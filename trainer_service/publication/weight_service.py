@@ -23,9 +23,10 @@ class WeightService(weights_pb2_grpc.WeightServiceServicer):
     def GetManifest(self, request, context):
         self._check_caller(context, request.sampler_id)
         manifest = self.publisher.manifest
-        # the manifest request does not carry the caller's epoch: count it only if it matches ours
-        if manifest is not None and request.installed_version <= manifest.version:
-            self.publisher.samplers.record(request.sampler_id, request.installed_version)
+        # seen, nothing more: the request names the newest version the caller fetched, which may still wait for its
+        # engine (`drain`), and no epoch; what runs there, and how its fetches go, come from its ReportVersion
+        if manifest is not None:
+            self.publisher.samplers.record(request.sampler_id, -1)
         if manifest is None:
             context.abort(grpc.StatusCode.NOT_FOUND, "no weights published yet; retry shortly")
         return manifest

@@ -101,6 +101,41 @@ def test_a_permanent_failure_of_a_background_fetch_is_raised_by_poll(tiny_parts)
         sync.close()
 
 
+class HungFetcher(Fetcher):
+    """The first fetch blocks until `release` is set (a shared disk that stopped answering); later ones succeed."""
+
+    def __init__(self, named):
+        super().__init__(named)
+        self.release = threading.Event()
+
+    def fetch(self, manifest, targets):
+        if self.fetches == 0:
+            self.fetches = 1  # counted here: the fetch that never answers
+            self.release.wait(60)
+            return None
+        return super().fetch(manifest, targets)
+
+
+def test_a_background_fetch_hung_past_its_deadline_counts_as_failed_and_a_new_one_starts(tiny_parts):
+    """The checkpoint transport's restore has no deadline of its own: a hung read must not leave the sampler on its
+    version for ever with no failure counted anywhere."""
+    _, _, _, model = tiny_parts
+    clock, fetcher = FakeClock(), HungFetcher(model.to_named_numpy())
+    sync = sync_for(model, fetcher, clock=clock, background=True, abandon_after_s=70.0)
+    try:
+        assert sync.poll() is None and fetcher.fetches == 1  # hung
+        clock.advance(60.0)
+        assert sync.poll() is None and sync.failures == 0  # within its deadline: still waited for
+        clock.advance(11.0)
+        assert sync.poll() is None and sync.failures == 1  # past it: a failure, backing off
+        clock.advance(1.0)
+        got = sync.poll()
+        assert got is not None and got.version == 0 and fetcher.fetches == 2 and sync.failures == 0
+    finally:
+        fetcher.release.set()
+        sync.close()
+
+
 def test_weights_of_another_shape_stop_the_sampler_before_any_byte_is_fetched(tiny_parts):
     _, _, _, model = tiny_parts
     named = model.to_named_numpy()

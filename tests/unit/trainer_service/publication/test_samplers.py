@@ -8,7 +8,7 @@ def test_distinct_sampler_ids_are_capped_and_their_generated_groups_stay_counted
     monkeypatch.setattr(samplers_module, "MAX_SAMPLERS", 8)
     reg = SamplerRegistry()
     for k in range(50):
-        reg.record(f"sampler-{k}", 0, generated=2)
+        reg.record(f"sampler-{k}", 0, failures=0, generated=2)
     assert len(reg.installed) == len(reg.last_seen) == len(reg.generated) == len(reg.fetch_failures) == 8
     assert "sampler-49" in reg.installed and "sampler-0" not in reg.installed  # the least recently seen went
     assert reg.groups_generated() == 100

@@ -30,10 +30,18 @@ def test_manifests_and_reports_reach_the_publishers_registry():
     assert context.code == grpc.StatusCode.NOT_FOUND and not publisher.samplers.installed
     publisher.publish(WeightSnapshot(2, {"w": np.arange(8, dtype=np.float32)}))
     manifest = service.GetManifest(weights_pb2.GetManifestRequest(sampler_id="sampler-0", installed_version=1), None)
-    assert manifest.version == 2 and publisher.samplers.installed == {"sampler-0": [1]}
-    reply = service.ReportVersion(weights_pb2.VersionReport(sampler_id="sampler-0", installed_version=2,
-                                                            trainer_epoch="e1", groups_generated=4), None)
-    assert reply.latest_version == 2 and publisher.samplers.installed["sampler-0"] == [1, 2]
+    # seen, no version recorded: the version a manifest request names is the newest the sampler fetched, which may
+    # still wait for its engine (`drain`), and it carries no epoch; ReportVersion says what runs there
+    assert manifest.version == 2 and publisher.samplers.installed == {"sampler-0": []}
+    assert not publisher.samplers.samplers_at(1)["sampler-0"]
+    reply = service.ReportVersion(weights_pb2.VersionReport(sampler_id="sampler-0", installed_version=1,
+                                                            trainer_epoch="e1", fetch_failures=5,
+                                                            groups_generated=4), None)
+    assert reply.latest_version == 2 and publisher.samplers.installed["sampler-0"] == [1]
+    # its next try starts with a manifest request that succeeds: the failures it reported stand until it reports
+    service.GetManifest(weights_pb2.GetManifestRequest(sampler_id="sampler-0", installed_version=2), None)
+    assert publisher.samplers.status(2)[0]["fetch_failures"] == 5
+    assert publisher.samplers.installed["sampler-0"] == [1]
     service.ReportVersion(weights_pb2.VersionReport(sampler_id="sampler-1", installed_version=9,
                                                     trainer_epoch="another", groups_generated=5), None)
     assert "sampler-1" not in publisher.samplers.installed and publisher.samplers.groups_generated() == 4
