@@ -6,7 +6,7 @@ template asked for (`#### N`, `<answer>N</answer>` as in the Tunix GSM8K demo,
 after removing what people write around numbers:
 
 - thousands separators (`1,234`, `1 234`, `1_234`), a leading `+`, the
-  Unicode minus;
+  Unicode minus (also where a number is searched for in text), a LaTeX `\\$`;
 - currency signs and codes before or after (`$`, `€`, `£`, `¥`, `USD`), units
   of percent (`50%` equals `50`: GSM8K states percentages as bare numbers);
 - trailing zeros and points (`10.50` = `10.5`, `7.` = `7`, `3.0` = `3`);
@@ -14,7 +14,8 @@ after removing what people write around numbers:
   `\\frac{3}{4}`).
 
 A decimal written with k >= 2 places also matches a fraction that rounds to
-it (`0.33` matches `1/3`), since a model cannot write 1/3 as a decimal exactly.
+it (`0.33` matches `1/3`), since a model cannot write 1/3 as a decimal exactly;
+only a value with no exact decimal is matched so (`1.00` is not `1.004`).
 """
 
 from __future__ import annotations
@@ -26,19 +27,27 @@ _CURRENCY = re.compile(r"(?i)(?:us\$|\$|€|£|¥|₹|usd|eur|gbp|dollars?|cents
 _FRAC_LATEX = re.compile(r"\\d?frac\{([^{}]+)\}\{([^{}]+)\}")
 _NUMBER = r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d*)?(?:\s+\d+/\d+|/\d+)?|[-+]?\.\d+"
 _NUMBER_RE = re.compile(_NUMBER)
+# `#### N` (GSM8K's format): a number follows, perhaps in bold (`#### **18**`); `#### Step 1` is a markdown heading
+_HASHES = re.compile(r"####[ \t]*(?:\*\*[ \t]*)?((?=[-+$€£¥₹.\d\\\u2212])[^\n]*)")
 _PATTERNS = (  # where a completion states its final answer, most explicit first
     re.compile(r"<answer>\s*(.*?)\s*</answer>", re.S),
-    re.compile(r"####[ \t]*((?=[-+$€£¥₹.\d\\\u2212])[^\n]*)"),  # a number follows: not a markdown heading
+    _HASHES,
     re.compile(r"\\boxed\{((?:[^{}]|\{[^{}]*\})*)\}"),
     re.compile(r"(?i)the (?:final )?answer is[:\s]*([^\n]*)"),
 )
 
 
+def _plain(text: str) -> str:
+    """`text` with the characters people write for ASCII ones in numbers made ASCII: the Unicode minus (which the
+    number patterns would skip, flipping a sign), thin and no-break spaces, LaTeX's escaped dollar."""
+    return text.replace("\u2212", "-").replace("\u2009", " ").replace("\u00a0", " ").replace("\\$", "$")
+
+
 def parse_number(text: str) -> Fraction | None:
     """The exact value of one written number (see the module docstring), or None if `text` is not one."""
-    s = text.strip().replace("\u2212", "-").replace("\u2009", " ").replace("_", "")
+    s = _plain(text).strip().replace("_", "")
     s = _FRAC_LATEX.sub(lambda m: f"{m.group(1)}/{m.group(2)}", s)
-    s = _CURRENCY.sub("", s).strip().rstrip(".").strip()
+    s = _CURRENCY.sub("", s).strip().rstrip(".,;:!").strip()
     if s.endswith("%"):
         s = s[:-1].strip()
     s = re.sub(r"(?<=\d) (?=\d{3}\b)", "", s)  # "1 234" -> "1234"
@@ -67,7 +76,8 @@ def decimal_places(text: str) -> int:
 
 
 def same_number(got: str, reference: str) -> bool:
-    """Whether two written answers denote the same number (exact, or a k>=2-place rounding of a fraction)."""
+    """Whether two written answers denote the same number (exact, or a k>=2-place rounding of a value that has no
+    exact decimal)."""
     a, b = parse_number(got), parse_number(reference)
     if a is None or b is None:
         return False
@@ -75,9 +85,19 @@ def same_number(got: str, reference: str) -> bool:
         return True
     for text, value, other in ((got, a, b), (reference, b, a)):
         places = decimal_places(text)
-        if places >= 2 and other.denominator != 1 and round(other, places) == value:
+        if places >= 2 and not _exact_decimal(other) and round(other, places) == value:
             return True
     return False
+
+
+def _exact_decimal(value: Fraction) -> bool:
+    """Whether `value` has a finite decimal expansion (its denominator has no prime factor but 2 and 5): such a value
+    is written exactly, so a rounding of it is a different answer."""
+    den = value.denominator
+    for prime in (2, 5):
+        while den % prime == 0:
+            den //= prime
+    return den == 1
 
 
 def reference_answer(gsm8k_answer: str) -> str:
@@ -91,23 +111,38 @@ def reference_answer(gsm8k_answer: str) -> str:
 def extract_answer(text: str) -> str | None:
     """The final answer a completion states, by the most explicit format present; None when it states none.
 
-    Within the chosen format the first number is the answer (`#### 18 apples`
-    -> `18`); a statement holding no number yields None.
+    Within a format the first statement holding a number is the answer, and its first number (`#### 18 apples` ->
+    `18`); a statement holding none (`<answer> and </answer>` restating the requested format) is passed over.
     """
     for pattern in _PATTERNS:
-        match = pattern.search(text)
-        if match:
-            stated = match.group(1)
-            if parse_number(stated) is not None:
-                return stated.strip()
-            found = _NUMBER_RE.search(_FRAC_LATEX.sub(lambda m: f"{m.group(1)}/{m.group(2)}",
-                                                      _CURRENCY.sub("", stated)))
-            return found.group(0).strip() if found else None
+        for match in pattern.finditer(text):
+            number = _number_in(match.group(1))
+            if number is not None:
+                return number
     return None
+
+
+def hashes_answer(text: str) -> str | None:
+    """The number a completion states as `#### N` (GSM8K's format; markdown headings passed over), or None."""
+    for match in _HASHES.finditer(text):
+        number = _number_in(match.group(1))
+        if number is not None:
+            return number
+    return None
+
+
+def _number_in(stated: str) -> str | None:
+    """`stated` when it is one number, else the first number written in it, else None."""
+    stated = _plain(stated)
+    if parse_number(stated) is not None:
+        return stated.strip()
+    found = _NUMBER_RE.search(_FRAC_LATEX.sub(lambda m: f"{m.group(1)}/{m.group(2)}", _CURRENCY.sub("", stated)))
+    return found.group(0).strip() if found else None
 
 
 def last_number(text: str) -> str | None:
     """The last number `text` writes (a chat reply's answer: "12 + 7 = 19.", "... so she has 19 apples"), or None
     when it writes none. LaTeX fractions and currency signs are read as `extract_answer` reads them."""
-    found = _NUMBER_RE.findall(_FRAC_LATEX.sub(lambda m: f"{m.group(1)}/{m.group(2)}", _CURRENCY.sub("", text)))
+    text = _FRAC_LATEX.sub(lambda m: f"{m.group(1)}/{m.group(2)}", _CURRENCY.sub("", _plain(text)))
+    found = _NUMBER_RE.findall(text)
     return found[-1].strip() if found else None

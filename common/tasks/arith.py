@@ -1,8 +1,11 @@
 """Addition word problems in GSM8K answer format: the CPU demo task.
 
 A problem is two operands in a short story; the answer a model must write is
-`a + b = c #### c`. Operand pairs are split once, by a hash, into a training
-part and a held-out part, so evaluation never sees a training pair.
+`a + b = c #### c`. Ordered operand pairs are split once, by a hash, into a
+training part and a held-out part, so evaluation never sees a training pair in
+its order; its swapped pair (b, a) usually is a training one (the split, and the
+learning checks calibrated on it, predate noticing: the held-out figures
+measure carrying on unseen ordered pairs, not on unseen operand sets).
 
 The supervised warm start uses demonstrations that forget the carry from
 the units into the tens with probability `carry_drop_prob` (47 + 38 = 75). A model trained on them is

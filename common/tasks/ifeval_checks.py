@@ -37,6 +37,7 @@ _warned: set[str] = set()
 # pattern that backtracks for minutes could freeze whoever scores it. Escaped before every check: a word, a phrase or
 # a marker matches as the text it is (google/IFEval's values are plain text, so their scores are unchanged).
 REGEX_ARGUMENTS = ("keywords", "forbidden_words", "keyword", "section_spliter", "postscript_marker", "starter")
+STRIPPED_ARGUMENTS = ("keyword", "section_spliter", "postscript_marker", "starter")  # lm-eval strips these
 LM_EVAL_MARKERS = ("P.S.", "P.P.S")  # postscript markers lm-eval matches with its own patterns: left as they are
 
 
@@ -96,8 +97,12 @@ def _example(reference: str):
 
 
 def literal_arguments(kwargs: dict) -> dict:
-    """An instruction's arguments with those lm-eval puts into regular expressions (REGEX_ARGUMENTS) escaped."""
+    """An instruction's arguments with those lm-eval puts into regular expressions (REGEX_ARGUMENTS) escaped; those
+    lm-eval strips first (STRIPPED_ARGUMENTS) are stripped before, or an escaped trailing space would leave a lone
+    backslash in its pattern (`story ` -> `story\\ ` -> `story\\`)."""
     def literal(name, value):
+        if name in STRIPPED_ARGUMENTS and isinstance(value, str):
+            value = value.strip()
         if name == "postscript_marker" and value in LM_EVAL_MARKERS:
             return value
         if isinstance(value, str):

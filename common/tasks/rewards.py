@@ -22,7 +22,7 @@ import re
 from typing import Collection, Iterable, Mapping, Sequence
 
 from grpo_stream.common.registry.base import Registry
-from grpo_stream.common.tasks.answers import extract_answer, last_number as last_number_in, parse_number, same_number
+from grpo_stream.common.tasks.answers import extract_answer, hashes_answer, last_number as last_number_in, same_number
 from grpo_stream.common.tasks.base import RewardFn
 from grpo_stream.common.tasks.ifeval_checks import ifeval_loose, ifeval_strict
 
@@ -43,11 +43,10 @@ def last_number(text: str, reference: str) -> float:
 
 
 def answer_format(text: str, reference: str) -> float:
-    """1.0 when the completion states a numeric answer as `#### N` (GSM8K's format)."""
+    """1.0 when the completion states a numeric answer as `#### N` (GSM8K's format; read as `answer_correct` reads
+    it: a markdown heading `#### Step 1` is not one), else 0.0."""
     del reference
-    match = re.search(r"####[ \t]*([^\n]*)", text)
-    return 1.0 if match and parse_number(match.group(1).split()[0] if match.group(1).split() else "") is not None \
-        else 0.0
+    return 1.0 if hashes_answer(text) is not None else 0.0
 
 
 def reasoning_answer_format(text: str, reference: str) -> float:

@@ -69,10 +69,18 @@ class VerifiersTask:
         self.env, self.tokenizer, self.name, self.seed = env, tokenizer, name, seed
         self.tools = getattr(env, "oai_tools", None) or None
         self.train = self._problems(env.get_dataset())
-        evaluation = env.get_eval_dataset() if eval_split and getattr(env, "eval_dataset", None) is not None else None
-        self.test = self._problems(evaluation) if evaluation is not None else self.train[-max(1, len(self.train) // 10):]
         if not self.train:
             raise ValueError(f"task.verifiers.environment={name!r}: its dataset has no rows")
+        evaluation = env.get_eval_dataset() if eval_split and getattr(env, "eval_dataset", None) is not None else None
+        if evaluation is not None:
+            self.test = self._problems(evaluation)
+        elif len(self.train) >= 2:  # no eval dataset: the last tenth is held out, and so never trained on
+            held = max(1, len(self.train) // 10)
+            self.train, self.test = self.train[:-held], self.train[-held:]
+        else:
+            log.warning("task.verifiers.environment=%s: one row and no eval dataset, so nothing is held out: its "
+                        "evaluation scores the row it trains on", name)
+            self.test = self.train
 
     def _problems(self, dataset) -> list[VerifiersProblem]:
         problems = []

@@ -98,7 +98,9 @@ def load_rows(run_dir: pathlib.Path) -> list[dict]:
         raise FileNotFoundError(f"{path} not found: RUN_DIR must be a directory written by `grpo-stream up` or "
                                 "`grpo-stream trainer --run-dir`")
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r for r in rows if "train/loss" in r]
+    # one row per step in step order: a resumed trainer logs again the steps after its checkpoint (the later wins)
+    by_step = {r["step"]: r for r in rows if "train/loss" in r}
+    return [by_step[s] for s in sorted(by_step)]
 
 
 def load_eval_rows(run_dir: pathlib.Path) -> list[dict]:

@@ -3,7 +3,7 @@ constant series listed with the reason a "prefix*" entry gives."""
 
 import json
 
-from grpo_stream.reports.run_report import PLOTS, _expand, make_report, why_constant
+from grpo_stream.reports.run_report import PLOTS, _expand, load_rows, make_report, why_constant
 
 
 def test_prefix_series_expand_in_numeric_order():
@@ -61,3 +61,14 @@ def test_held_out_curve_in_the_report_one_row_per_step(tmp_path):
     assert [int(line.split("|")[1]) for line in table] == [0, 2, 4, 6]
     assert "skipped (a newer version came due while they waited): [8]; failed: 1" in report
     assert (out / "heldout.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_training_curves_have_one_point_per_step_after_a_resume(tmp_path):
+    """A resumed trainer logs again the steps after its checkpoint (metrics-trainer.jsonl is appended to): the curves
+    keep the later row of each step, in step order, instead of running backwards."""
+    losses = [(1, 0.9), (2, 0.8), (3, 0.7), (4, 0.6), (3, 0.65), (4, 0.55), (5, 0.5)]  # resumed from step 2
+    rows = [{"step": s, "train/loss": loss, "train/reward_mean": 1 - loss, "train/accuracy": 0.5,
+             "train/staleness_mean": 1.0} for s, loss in losses]
+    (tmp_path / "metrics-trainer.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert [(r["step"], r["train/loss"]) for r in load_rows(tmp_path)] == [(1, 0.9), (2, 0.8), (3, 0.65), (4, 0.55),
+                                                                         (5, 0.5)]

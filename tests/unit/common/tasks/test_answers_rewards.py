@@ -7,6 +7,7 @@ import pytest
 
 from grpo_stream.common.tasks.answers import extract_answer, parse_number, reference_answer, same_number
 from grpo_stream.common.tasks.rewards import (DEFAULT_WEIGHTS, REWARDS, RewardSet, RunRewards, UnknownReward,
+                                              answer_correct, last_number,
                                               reasoning_answer_format, resolve, score)
 
 # (written by a model, reference, equal?)
@@ -18,6 +19,9 @@ TRICKY = [
     ("18 dollars", "18", True), ("€20", "20", True), ("USD 20", "20", True), ("20 cents", "20", True),
     ("12", "13", False), ("1,23", "123", False), ("abc", "1", False), ("1/0", "1", False), ("", "0", False),
     ("-0", "0", True), ("1e3", "1000", False),  # scientific notation is not how GSM8K answers are written
+    # a rounding matches only a value with no exact decimal: 1.004 and 0.125 are written exactly
+    ("1.00", "1.004", False), ("0.334", "0.33", False), ("12.499", "12.50", False), ("0.12", "1/8", False),
+    ("0.67", "2/3", True), ("\\$18", "18", True), ("18,", "18", True),
 ]
 
 
@@ -37,6 +41,12 @@ def test_tricky_answer_formats(got, reference, equal):
     ("no stated answer 5", None),
     ("#### none", None),
     ("#### Step 1: add them\nso \\boxed{18}", "18"),  # a markdown heading is not a #### answer
+    ("#### Step 1\nShe has 9+9=18.\n#### 18", "18"),  # a heading, then the answer
+    ("She has 18.\n#### **18**", "18"),  # bold
+    # restating the requested format is no answer: the tag that holds one is
+    ("I will put the final answer between <answer> and </answer>.\n<reasoning>9+9</reasoning><answer>18</answer>",
+     "18"),
+    ("#### \u22127 degrees", "-7"), ("The answer is \u22127.", "-7"),  # the Unicode minus keeps its sign
 ])
 def test_extract_answer_by_format(text, stated):
     got = extract_answer(text)
@@ -93,6 +103,11 @@ def test_accuracy_is_computed_whatever_the_weights():
     total, parts = RewardSet({"reasoning_answer_format": 1.0}).score("<reasoning>r</reasoning><answer>7</answer>", "7")
     assert parts == {"answer_correct": 1.0, "reasoning_answer_format": 1.0} and total == 1.0  # accuracy unweighted
     assert answer_format_of("#### Step 1: add") == 0.0 and answer_format_of("#### 12 apples") == 1.0
+    # answer_format reads `#### N` as answer_correct does: past a heading, in bold, before a comma, LaTeX's dollar
+    for stated in ("#### Step 1\nShe has 9+9=18.\n#### 18", "#### **18**", "#### 18,", "#### \\$18"):
+        assert answer_format_of(stated) == 1.0 and answer_correct(stated, "18") == 1.0, stated
+    assert last_number("The temperature ends at \u22127 degrees.", "7") == 0.0
+    assert last_number("The temperature ends at \u22127 degrees.", "-7") == 1.0
 
 
 def answer_format_of(text: str) -> float:

@@ -146,6 +146,24 @@ def test_a_check_that_raises_is_an_instruction_not_followed_logged_once(problems
     assert len([r for r in caplog.records if "startend:quotation raised IndexError: boom" in r.message]) == 1
 
 
+@pytest.mark.parametrize("instruction, kwargs, text", [
+    ("keywords:frequency", {"relation": "at least", "keyword": "story ", "frequency": 2}, "A story, and another story."),
+    ("detectable_format:multiple_sections", {"section_spliter": "SECTION ", "num_sections": 2},
+     "SECTION 1\nfoo\nSECTION 2\nbar"),
+    ("detectable_content:postscript", {"postscript_marker": "P.S. "}, "Hello.\n\nP.S. bye"),
+    ("detectable_content:postscript", {"postscript_marker": " P.P.S"}, "Hello.\n\nP.P.S bye"),
+])
+def test_arguments_lm_eval_strips_score_as_lm_eval_scores_them(instruction, kwargs, text):
+    """An argument with a space around it (lm-eval strips it before building its pattern) scores as lm-eval's own
+    check of the same row: escaped before the strip, `story ` became `story\\` (a pattern that fails)."""
+    utils = ifeval_checks.lm_eval_ifeval()[0]
+    example = utils.InputExample(key=1, instruction_id_list=[instruction], prompt="p", kwargs=[kwargs])
+    official = utils.test_instruction_following_strict(example, text).follow_instruction_list[0]
+    assert official  # each text follows its instruction
+    reference = ifeval_checks.make_reference(1, "p", [instruction], [kwargs])
+    assert ifeval_checks.ifeval_strict(text, reference) == 1.0
+
+
 def test_a_reference_that_is_not_an_ifeval_prompts_scores_zero():
     for reference in ("4", "", "not json", '{"prompt": "p", "instruction_id_list": [], "kwargs": []}'):
         assert ifeval_checks.ifeval_strict("anything", reference) == ifeval_checks.ifeval_loose("x", reference) == 0.0
