@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import os
 import pathlib
+import re
 import sys
 import tempfile
 import traceback
@@ -181,7 +182,14 @@ def _config_parsers(sub) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Parse, then run the command through its entry in grpo_stream/commands.py: COMMANDS."""
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    # overrides may also follow an option (`config show a.b=1 --config C c.d=2`): argparse stops taking positionals
+    # at the first option, so what it left that reads KEY=VALUE goes on the overrides, in order
+    if extra and hasattr(args, "overrides") and all(re.match(r"^[A-Za-z_][\w.]*=", e) for e in extra):
+        args.overrides = [*args.overrides, *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.debug = args.debug or os.environ.get("GRPO_STREAM_DEBUG", "") not in ("", "0")
     return dispatch(COMMANDS[args.command], args)
 

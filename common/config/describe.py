@@ -30,6 +30,8 @@ class FieldDoc:
 
 def _type_name(annotation: Any) -> str:
     origin = typing.get_origin(annotation)
+    if origin is typing.Annotated:  # a constrained item (list[Annotated[int, Ge(0)]]): its type; limits are per field
+        return _type_name(typing.get_args(annotation)[0])
     if origin is typing.Literal:
         return " | ".join(repr(a) for a in typing.get_args(annotation))
     if origin in (typing.Union, types.UnionType):

@@ -84,6 +84,15 @@ class HardwareSection(Strict):
                           "reservations, fragmentation, what a CPU-compiled estimate misses); plan reports a fit "
                           "only below (1 - margin) x memory.")
 
+    @field_validator("trainer_env", "sampler_env", mode="before")
+    @classmethod
+    def _values_as_text(cls, env: object) -> object:
+        """An environment variable's value is text: `CUDA_VISIBLE_DEVICES=1` (YAML reads 1) and `XLA_FLAGS` lists
+        written as numbers mean their text. Booleans and nulls are refused, as YAML's `true` is not a shell's."""
+        if not isinstance(env, dict):
+            return env
+        return {k: str(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v for k, v in env.items()}
+
     @field_validator("trainer_devices")
     @classmethod
     def _no_repeats(cls, ids: list[int] | None) -> list[int] | None:

@@ -13,6 +13,7 @@ from grpo_stream import cli
 from grpo_stream.commands import COMMANDS, Command, trainer_process_name
 from grpo_stream.common.config.base import ConfigError
 from grpo_stream.common.runtime.errors import PermanentError, read_permanent
+from tests.conftest import CONFIGS
 
 
 def raising(exc: BaseException):
@@ -112,6 +113,16 @@ def test_print_config_stops_before_the_command(monkeypatch, capsys):
     replace(monkeypatch, "up", AssertionError("ran"))
     assert cli.main(["up", "--print-config", "trainer.steps=7"]) == 0
     assert "steps: 7" in capsys.readouterr().out
+
+
+def test_overrides_may_follow_an_option_and_other_leftovers_are_refused(capsys):
+    assert cli.main(["config", "show", "run.name=first", "--config", str(CONFIGS / "tiny_arith_smoke.yaml"),
+                     "trainer.steps=5", "run.name=last"]) == 0
+    shown = capsys.readouterr().out
+    assert "  name: last\n" in shown and "  steps: 5\n" in shown  # in the order given
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["config", "show", "--config", str(CONFIGS / "tiny_arith_smoke.yaml"), "--bogus"])
+    assert exited.value.code == 2 and "unrecognized arguments: --bogus" in capsys.readouterr().err
 
 
 def test_every_command_of_the_parser_has_an_entry():

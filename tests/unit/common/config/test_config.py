@@ -62,6 +62,28 @@ def test_parse_override_splits_path():
     assert parse_override("a.b.c=5") == (["a", "b", "c"], 5)
 
 
+def test_an_override_into_a_mapping_keeps_its_other_default_keys():
+    """`task.rewards.answer_format=0.5` changes that weight: answer_correct stays (it used to be dropped, and the run
+    trained on format alone)."""
+    assert load_config(None, ["task.rewards.answer_format=0.5"]).task.rewards == {"answer_correct": 1.0,
+                                                                                   "answer_format": 0.5}
+    assert load_config(None, ["task.rewards={last_number: 1.0}"]).task.rewards == {"last_number": 1.0}  # whole
+    assert load_config(None, ["model.lora.rank=8"]).model.lora.rank == 8  # a section from null: its own defaults
+
+
+def test_numbers_read_as_yaml_1_2_and_a_comment_is_no_value(tmp_path):
+    """PyYAML's 1.1 rules read `5e-1` as text, which a free-form mapping handed on to vLLM as a string."""
+    cfg = load_config(None, ["sampler.vllm.engine_args.cpu_offload_gb=5e-1", "algo.epsilon_high=2e-1",
+                             "hardware.sampler_env.CUDA_VISIBLE_DEVICES=1"])
+    assert cfg.sampler.vllm.engine_args == {"cpu_offload_gb": 0.5} and cfg.algo.epsilon_high == 0.2
+    assert cfg.hardware.sampler_env == {"CUDA_VISIBLE_DEVICES": "1"}  # an environment variable's value is text
+    (tmp_path / "c.yaml").write_text("sampler:\n  vllm:\n    engine_args: {swap_space: 1e1}\n")
+    assert load_config(tmp_path / "c.yaml").sampler.vllm.engine_args == {"swap_space": 10.0}
+    with pytest.raises(ConfigError, match=r"task.system_prompt: value '# hi' starts with '#'.*quote it"):
+        parse_override("task.system_prompt=# hi")
+    assert parse_override("task.system_prompt='# hi'") == (["task", "system_prompt"], "# hi")
+
+
 def test_every_field_is_documented():
     def walk(model):
         for name, field in model.model_fields.items():

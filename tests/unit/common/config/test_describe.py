@@ -28,6 +28,7 @@ def test_a_field_shows_its_type_default_limits_and_doc(capsys):
     out = capsys.readouterr().out
     assert out.startswith("trainer.steps: int = 60  (>= 1, <= 10000000)\n    RL optimizer steps to run.")
     assert "sampler.engine: str = 'jax'" in describe(RunConfig, "sampler.engine")
+    assert describe(RunConfig, "eval.ks").startswith("eval.ks: list[int] = [1]")  # not pydantic's Annotated repr
     with pytest.raises(ValueError, match="no config field starts with 'nope'"):
         describe(RunConfig, "nope")
 
