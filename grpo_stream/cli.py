@@ -48,7 +48,7 @@ import traceback
 
 from grpo_stream.commands import COMMANDS, EXPECTED_ERRORS, Command
 from grpo_stream.common.runtime.errors import (EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_PERMANENT, EXIT_USAGE,
-                                               PermanentError, record_permanent)
+                                               PermanentError, SetupError, record_permanent)
 from grpo_stream.client.submit import add_parsers as add_submit_parsers
 from grpo_stream.fixture import FIXTURES
 
@@ -142,7 +142,7 @@ def _tool_parsers(sub) -> None:
     be.add_argument("--quick", action="store_true", help="a few seconds, only to check that it works")
     ev = sub.add_parser("eval", help="greedy pass@1, pass@k and maj@k of the config's model on a split")
     _common(ev)
-    ev.add_argument("--split", default="test", help="test (held-out, default) or train")
+    ev.add_argument("--split", default="test", choices=("test", "train"), help="test (held-out, default) or train")
     ev.add_argument("--limit", type=_positive_int, help="problems to score (default eval.num_problems)")
     ev.add_argument("--json", type=pathlib.Path, help="write the result here")
     pl = sub.add_parser("plan", help="compile the run's trainer and sampler programs for the target device count "
@@ -232,6 +232,8 @@ def exit_code(exc: BaseException, command: Command, loading_config: bool = False
     was read and validated."""
     if _is_config_error(exc) or (loading_config and isinstance(exc, ValueError)):
         return EXIT_USAGE, "config error"
+    if isinstance(exc, SetupError) and command.process is None:  # a command's own input it cannot use (eval, plan)
+        return EXIT_USAGE, "error"
     if isinstance(exc, PermanentError):
         return EXIT_PERMANENT, "permanent error"
     if isinstance(exc, command.usage_errors):

@@ -2,9 +2,25 @@
 
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 from grpo_stream.common.config.schema import RunConfig
 from grpo_stream.common.model.tokenizer import HFTokenizer
+from grpo_stream.common.runtime.errors import SetupError
 from grpo_stream.common.tasks.registry import build_task_for
+
+
+@contextlib.contextmanager
+def _setup() -> Iterator[None]:
+    """A ValueError building a run's parts from the config and its files is a SetupError: a process exits 3 on it and
+    `up` stops the run naming it, instead of restarting every process into the same error."""
+    try:
+        yield
+    except SetupError:
+        raise
+    except ValueError as exc:
+        raise SetupError(str(exc)) from exc
 
 
 def build_task_and_tokenizer(cfg: RunConfig):
@@ -12,8 +28,13 @@ def build_task_and_tokenizer(cfg: RunConfig):
 
     The tokenizer is the checkpoint's (model.kind=hf) or a BPE trained on the
     task's own text (tiny model); GSM8K prompts are rendered with it
-    (task.prompt_template).
+    (task.prompt_template). A config or file they cannot be built from raises SetupError.
     """
+    with _setup():
+        return _task_and_tokenizer(cfg)
+
+
+def _task_and_tokenizer(cfg: RunConfig):
     hf_tokenizer = None
     if cfg.model.kind == "hf":
         # deferred: the checkpoint code imports JAX, which a tiny model's task and tokenizer never need
@@ -29,7 +50,12 @@ def build_task_and_tokenizer(cfg: RunConfig):
 def build_policy(cfg: RunConfig, vocab_size: int, seed: int | None, dtype: str | None = None):
     """The policy model: tiny (random init from `seed`) or the checkpoint at model.path; abstract when seed is None
     (samplers receive every weight from the trainer), in `dtype` when given (the samplers': cfg.sampler_dtype())
-    instead of model.dtype."""
+    instead of model.dtype. A checkpoint it cannot be built from raises SetupError."""
+    with _setup():
+        return _policy(cfg, vocab_size, seed, dtype)
+
+
+def _policy(cfg: RunConfig, vocab_size: int, seed: int | None, dtype: str | None):
     from grpo_stream.common.model import policy as model_lib  # noqa: PLC0415 - deferred: JAX, after the config
 
     dtype = dtype or cfg.model.dtype

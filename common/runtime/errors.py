@@ -29,6 +29,12 @@ class PermanentError(RuntimeError):
     says what is wrong and what to change."""
 
 
+class SetupError(PermanentError, ValueError):
+    """A run's task, tokenizer or model that cannot be built from its config and files (a malformed model.path, a
+    tokenizer without a pad token, a prompt template the task or tokenizer does not take): every restart would fail
+    the same way. A ValueError too, for the handlers that read bad input as one."""
+
+
 class TransientError(RuntimeError):
     """A failure a later attempt may not meet (a peer down or restarting, a deadline passed)."""
 

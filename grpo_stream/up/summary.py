@@ -66,6 +66,9 @@ class RunSummary:
             tmp.write_text(json.dumps(summary, indent=2))
             tmp.replace(self.path)
             print(done_line(summary, self.path), flush=True)
+        elif end.outcome.reason == "gave_up":  # the process whose budget ran out, not the trainer up then stopped
+            print(f"grpo-stream up: {end.outcome.process} gave up: {end.outcome.message}; see its log in "
+                  f"{end.trainer_log.parent}", file=sys.stderr)
         elif end.outcome.reason != "permanent":
             print(f"grpo-stream up: trainer exited with code {end.trainer_code}; see {end.trainer_log}",
                   file=sys.stderr)

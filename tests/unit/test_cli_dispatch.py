@@ -12,7 +12,7 @@ from pydantic import BaseModel
 from grpo_stream import cli
 from grpo_stream.commands import COMMANDS, Command, trainer_process_name
 from grpo_stream.common.config.base import ConfigError
-from grpo_stream.common.runtime.errors import PermanentError, read_permanent
+from grpo_stream.common.runtime.errors import PermanentError, SetupError, read_permanent
 from tests.conftest import CONFIGS
 
 
@@ -48,6 +48,25 @@ def test_one_policy_maps_what_a_command_raises(exc, code, what):
 
 def test_a_value_error_while_loading_the_config_is_a_config_error():
     assert cli.exit_code(ValueError("bad"), Command(raising(ValueError())), loading_config=True) == (2, "config error")
+
+
+def test_a_run_that_cannot_be_built_is_permanent_under_up_and_a_usage_error_elsewhere():
+    """A tokenizer without a pad token fails every restart the same way: a process `up` supervises exits 3 (up
+    stops, naming it, instead of restarting every process into it); `eval` or `plan` given it exits 2."""
+    exc = SetupError("model.pad_token: the tokenizer has no pad token; set model.pad_token=auto")
+    assert cli.exit_code(exc, COMMANDS["sampler"]) == (3, "permanent error")
+    assert cli.exit_code(exc, COMMANDS["eval"]) == (2, "error")
+
+
+def test_building_a_runs_parts_raises_setup_errors(tmp_path):
+    from grpo_stream.common.assembly.parts import build_task_and_tokenizer
+    from grpo_stream.common.config.loading import load_config
+
+    cfg = load_config(None, ["model.kind=hf", f"model.path={tmp_path}"])
+    with pytest.raises(SetupError, match="model.path"):
+        build_task_and_tokenizer(cfg)
+    with pytest.raises(SetupError, match="task.prompt_template=chat: this tokenizer has no chat template"):
+        build_task_and_tokenizer(load_config(None, ["task.prompt_template=chat", "warmstart.steps=0"]))
 
 
 def test_a_commands_usage_errors_exit_2_and_others_1():

@@ -48,6 +48,14 @@ def test_a_permanent_trainer_failure_leaves_no_summary_and_says_why(tmp_path, ca
         "grpo-stream up: trainer failed permanently: a newer trainer took the run over"]
 
 
+def test_a_sampler_that_gave_up_is_named_not_the_trainer_up_then_stopped(tmp_path, capsys):
+    code, _ = finish(tmp_path, Outcome("gave_up", "sampler-0", "exited with code 1 (3 restarts in 60 s)"), -15,
+                     {"sampler-0": 1}, written=False)
+    err = capsys.readouterr().err
+    assert code == 1 and "sampler-0 gave up: exited with code 1 (3 restarts in 60 s)" in err
+    assert "trainer exited with code -15" not in err
+
+
 @pytest.mark.parametrize("outcome, trainer_code, samplers, expected", [
     (Outcome("gave_up", "sampler-1", "exited with code 1 (...)"), 0, {"sampler-0": 0}, 1),  # crash loop, trainer ok
     (Outcome("done"), 0, {"sampler-0": 1}, 1),
