@@ -35,6 +35,7 @@ from grpo_stream.common.weights.registry import weight_sink
 from grpo_stream.common.weights.snapshot import new_epoch
 from grpo_stream.common.weights.transport import SinkContext
 from grpo_stream.trainer_service.checkpoints.store import TrainerCheckpoints
+from grpo_stream.trainer_service.learning.batching import no_signal_test
 from grpo_stream.trainer_service.learning.collector import GroupCollector
 from grpo_stream.trainer_service.core import ModelParts, TrainerCore, build_model_parts
 from grpo_stream.trainer_service.checkpoints.durability import Durability
@@ -133,7 +134,8 @@ class Trainer:
         s.reporter = StepReporter(cfg, s.metrics, s.buffer, s.publisher, s.durability.held, parts.tokenizer)
         self.source = LeaderSource(cfg, self.run_dir, s, self.group)
         s.collector = GroupCollector(s.buffer, cfg.trainer.groups_per_step, cfg.trainer.max_staleness,
-                                     cfg.algo.dynamic_sampling, self.stop_event, s.durability.held,
+                                     no_signal_test(cfg.algo, cfg.generation.max_new_tokens), self.stop_event,
+                                     s.durability.held,
                                      limits=group_limits(cfg.generation, parts.tokenizer.vocab_size),
                                      waiting=self.source.collector_waiting)
         # several processes run the warm start in lockstep: a signal takes effect after it, at a step

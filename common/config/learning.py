@@ -213,8 +213,9 @@ class AlgoSection(Strict):
     num_iterations: int = Field(1, ge=1, le=64, description="Optimizer passes over each batch (PPO epochs).")
     minibatches: int = Field(1, ge=1, le=4096, description="Optimizer steps per pass; must divide the batch's "
                              "sequences (trainer.groups_per_step x generation.num_generations).")
-    dynamic_sampling: bool = Field(False, description="Drop groups whose rewards are all equal (no signal) before "
-                                   "batching; they are counted as groups_dropped_filtered and the batch is refilled.")
+    dynamic_sampling: bool = Field(False, description="Drop groups whose training rewards (with overlong=penalty, "
+                                   "the penalty included) are all equal (no signal) before batching; they are counted "
+                                   "as groups_dropped_filtered and the batch is refilled.")
     overlong: Literal["none", "filter", "penalty"] = Field("none", description="Completions that hit "
                                                           "max_new_tokens: 'filter' masks them out of the loss; "
                                                           "'penalty' lowers their reward near the limit.")

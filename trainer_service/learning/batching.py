@@ -17,6 +17,8 @@ tokens only, in this layout and in packed rows.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 from flax import struct
 
@@ -38,6 +40,29 @@ class TrainBatch:
     fresh: np.ndarray               # [B] float32, 1 for sequences made with exactly the weights being updated
 
 
+def training_rewards(rewards: np.ndarray, lengths: np.ndarray, algo: AlgoSection, max_new: int) -> np.ndarray:
+    """The rewards advantages are computed from: the task's, plus DAPO's overlong penalty with algo.overlong=penalty
+    (float32, the shape of `rewards`)."""
+    rewards = np.asarray(rewards, np.float32)
+    if algo.overlong == "penalty":
+        rewards = rewards + overlong_penalty(lengths, max_new, algo.overlong_buffer_tokens, algo.overlong_penalty)
+    return rewards
+
+
+def no_signal_test(algo: AlgoSection, max_new: int) -> Callable[[GroupData], bool] | None:
+    """algo.dynamic_sampling's test of a group (None when it is off): its training rewards are all equal, so its
+    advantages are all zero. With the overlong penalty, a group of equally correct answers of different lengths
+    inside the penalty's ramp has a signal (their lengths) and is kept."""
+    if not algo.dynamic_sampling:
+        return None
+
+    def no_signal(group: GroupData) -> bool:
+        lengths = np.array([len(c.token_ids) for c in group.completions])
+        return bool(np.ptp(training_rewards(group.rewards, lengths, algo, max_new)) == 0)
+
+    return no_signal
+
+
 def layout(prompt: np.ndarray, completion: np.ndarray, max_prompt: int, max_new: int, pad_id: int):
     """(tokens [L], valid [L]) for one sequence in the shared layout."""
     if not 0 < len(prompt) <= max_prompt or len(completion) > max_new:
@@ -57,11 +82,9 @@ def build_batch(groups: list[GroupData], max_prompt: int, max_new: int, pad_id: 
     `held_version` is the weight version the trainer holds now; groups made with it are `fresh`.
     """
     n = len(groups[0].completions)
-    rewards = np.stack([g.rewards for g in groups]).astype(np.float32)
     lengths = np.array([[len(c.token_ids) for c in g.completions] for g in groups])
+    rewards = training_rewards(np.stack([g.rewards for g in groups]), lengths, algo, max_new)
     truncated = np.array([[c.truncated for c in g.completions] for g in groups])
-    if algo.overlong == "penalty":
-        rewards = rewards + overlong_penalty(lengths, max_new, algo.overlong_buffer_tokens, algo.overlong_penalty)
     advantages = compute_advantages(rewards, algo.advantage_estimator, algo.advantage_eps).reshape(-1)
     keep = ~(truncated.reshape(-1)) if algo.overlong == "filter" else np.ones(len(groups) * n, np.bool_)
     rows = [(g.prompt_token_ids, c) for g in groups for c in g.completions]

@@ -39,15 +39,17 @@ def when_available(what: str, fn: Callable[[], T], stop: threading.Event | None 
 class GroupCollector:
     """Reads the buffer until a step has `groups_per_step` usable groups; keeps the rest for later steps."""
 
-    def __init__(self, buffer: RolloutBuffer, groups_per_step: int, max_staleness: int, dynamic_sampling: bool,
+    def __init__(self, buffer: RolloutBuffer, groups_per_step: int, max_staleness: int,
+                 no_signal: Callable[[GroupData], bool] | None,
                  stop_event: threading.Event, held: Callable[[], int], *, limits: GroupLimits,
                  waiting: Callable[[], None] | None = None):
-        """`limits`: what a group this trainer can train looks like (its generation section and vocabulary); others
-        are settled as dropped_invalid. `waiting`: called every 10 s while a step waits for groups (a heartbeat:
-        waiting for samplers is not hanging)."""
+        """`no_signal`: algo.dynamic_sampling's test of a group (batching.no_signal_test; None: off). `limits`: what
+        a group this trainer can train looks like (its generation section and vocabulary); others are settled as
+        dropped_invalid. `waiting`: called every 10 s while a step waits for groups (a heartbeat: waiting for
+        samplers is not hanging)."""
         self.waiting, self.limits = waiting, limits
         self.buffer, self.need, self.max_staleness = buffer, groups_per_step, max_staleness
-        self.dynamic_sampling, self.stop_event, self.held = dynamic_sampling, stop_event, held
+        self.no_signal, self.stop_event, self.held = no_signal, stop_event, held
         self.pending: list[tuple[BufferEntry, GroupData]] = []
 
     def collect(self, step: int, cancel: threading.Event | None = None) -> list[tuple[BufferEntry, GroupData]] | None:
@@ -57,7 +59,7 @@ class GroupCollector:
         need, holding = self.need, self.max_staleness
         last_note = time.time()
         while True:
-            batch, stale, flat, rest = select_batch(self.pending, need, step - 1, holding, self.dynamic_sampling)
+            batch, stale, flat, rest = select_batch(self.pending, need, step - 1, holding, self.no_signal)
             if stale or flat:
                 when_available("settling dropped groups", lambda: self.buffer.settle(
                     [(e.entry_id, e.group_id, "dropped_stale", step) for e, _ in stale]

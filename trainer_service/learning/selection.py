@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TypeVar
-
-import numpy as np
+from typing import Callable, TypeVar
 
 from grpo_stream.common.rollouts.wire import GroupData
 
@@ -12,7 +10,7 @@ T = TypeVar("T")
 
 
 def select_batch(pending: list[tuple[T, GroupData]], need: int, held_version: int, max_staleness: int,
-                 dynamic_sampling: bool) -> tuple[list, list, list, list]:
+                 no_signal: Callable[[GroupData], bool] | None) -> tuple[list, list, list, list]:
     """Walk (key, group) pairs in order until `need` usable ones are found: (batch, stale, zero_variance, rest).
 
     Only groups up to the last one taken are judged; `rest` keeps the others, in order, for later steps.
@@ -23,8 +21,8 @@ def select_batch(pending: list[tuple[T, GroupData]], need: int, held_version: in
     stale:         held_version - policy_version > max_staleness (never trained on), or a version
                    ahead of the trainer's (made with weights of an earlier trainer process that got
                    further before it was restarted; their importance correction would be meaningless)
-    zero_variance: every completion got the same reward, when dynamic_sampling is on
-                   (their advantages are all zero: no signal, only dilution)
+    zero_variance: `no_signal` says so (algo.dynamic_sampling: every completion's training reward is the
+                   same, so their advantages are all zero: no signal, only dilution; None: off)
     """
     batch, stale, flat = [], [], []
     for i, (key, group) in enumerate(pending):
@@ -32,7 +30,7 @@ def select_batch(pending: list[tuple[T, GroupData]], need: int, held_version: in
             return batch, stale, flat, pending[i:]
         if not 0 <= held_version - group.policy_version <= max_staleness:
             stale.append((key, group))
-        elif dynamic_sampling and np.ptp(group.rewards) == 0:
+        elif no_signal is not None and no_signal(group):
             flat.append((key, group))
         else:
             batch.append((key, group))

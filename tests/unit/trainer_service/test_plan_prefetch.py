@@ -81,7 +81,7 @@ def leader(tmp_path, cfg, incoming, stop=None):
     s = LeaderServices(epoch="e", stop_event=stop, buffer=buffer, checkpoints=Checkpoints(),
                        status=types.SimpleNamespace(step=0))
     source = LeaderSource(cfg, tmp_path, s)
-    s.collector = GroupCollector(buffer, 2, cfg.trainer.max_staleness, False, stop, lambda: 0, limits=LIMITS,
+    s.collector = GroupCollector(buffer, 2, cfg.trainer.max_staleness, None, stop, lambda: 0, limits=LIMITS,
                                  waiting=source.collector_waiting)
     source.pack = packed_of
     source.await_samplers = lambda version: None  # no samplers here

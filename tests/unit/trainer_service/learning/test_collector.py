@@ -34,7 +34,7 @@ def test_a_step_gets_usable_groups_in_stream_order_and_the_rest_is_settled_as_dr
                 group(6, 2)]
     statuses, _ = buffer.append_many(incoming + [group(1, 2)], max_groups=100)
     assert statuses[-1] == "dup"
-    collector = GroupCollector(buffer, groups_per_step=3, max_staleness=1, dynamic_sampling=True,
+    collector = GroupCollector(buffer, groups_per_step=3, max_staleness=1, no_signal=lambda g: np.ptp(g.rewards) == 0,
                                stop_event=threading.Event(), held=lambda: 0, limits=LIMITS)
     picked = collector.collect(step=3)
     assert [g.group_id for _, g in picked] == ["run/s0/1", "run/s0/4", "run/s0/5"]
@@ -53,7 +53,7 @@ def test_a_stop_while_waiting_returns_none_and_loses_nothing():
     buffer = open_buffer(None, "memory")
     buffer.append_many([group(0, 0)], max_groups=10)
     stop = threading.Event()
-    collector = GroupCollector(buffer, 2, 0, False, stop, held=lambda: 0, limits=LIMITS)
+    collector = GroupCollector(buffer, 2, 0, None, stop, held=lambda: 0, limits=LIMITS)
     threading.Timer(0.3, stop.set).start()  # while it waits for a second group
     assert collector.collect(step=1) is None
     assert [g.group_id for _, g in collector.pending] == ["run/s0/0"]
@@ -79,7 +79,7 @@ def test_a_group_this_trainer_cannot_train_is_dropped_as_invalid_not_fatal_and_n
     three = group(2, 0, rewards=(0.0, 1.0, 0.5))
     empty = Incoming("run/s0/3", "s0", 0, 3, b"")
     buffer.append_many([group(0, 0), too_long, three, empty, group(4, 0)], max_groups=100)
-    collector = GroupCollector(buffer, 2, 1, False, threading.Event(), held=lambda: 0, limits=LIMITS)
+    collector = GroupCollector(buffer, 2, 1, None, threading.Event(), held=lambda: 0, limits=LIMITS)
     picked = collector.collect(step=1)
     assert [g.group_id for _, g in picked] == ["run/s0/0", "run/s0/4"]
     assert {k: v["outcome"] for k, v in buffer.settled.items()} == {
