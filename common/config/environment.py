@@ -17,9 +17,11 @@ class PythonToolSection(Strict):
     memory_mb: int = Field(256, ge=32, le=65536, description="Address space of the tool's process, in MiB.")
     output_bytes: int = Field(8192, ge=64, le=1 << 20, description="Bytes of its output the model sees (the rest "
                               "is cut).")
-    disk_mb: int = Field(64, ge=1, le=65536, description="As root: all a call may write, in MiB (its working "
-                         "directory is a tmpfs of this size in a mount namespace of its own, gone when it ends).")
-    max_files: int = Field(1024, ge=16, le=1 << 20, description="As root: files and directories a call may create "
+    disk_mb: int = Field(64, ge=1, le=65536, description="As root with CAP_SYS_ADMIN: all a call may write, in MiB "
+                         "(its working directory is a tmpfs of this size in a mount namespace of its own, gone when "
+                         "it ends). Without it the working directory is read-only to the code.")
+    max_files: int = Field(1024, ge=16, le=1 << 20, description="As root with CAP_SYS_ADMIN: files and directories a "
+                           "call may create "
                            "(the tmpfs's inodes).")
     allow_unconfined: bool = Field(False, description="Where the kernel has no Landlock, run the tool with resource "
                                    "limits only (it could then read the sampler's files). Off: the tool refuses to "

@@ -93,6 +93,10 @@ def python_tool(limits: SandboxLimits | None = None) -> Tool:
     """The "python" tool: runs a program in the sandbox and returns what it prints, or an "error: ..." text that
     names the limit it hit (with its output and the last lines of its traceback)."""
     limits = limits or SandboxLimits()
+    reason = read_only_reason()
+    if reason is not None:
+        log.warning("the Python tool's calls get no bounded tmpfs (%s): their working directory is read-only to the "
+                    "code, which may compute and print but not write files", reason)
 
     def python(code: str) -> str:
         """Runs a Python program.
@@ -166,6 +170,20 @@ def _run_in(workdir: str, code: str, limits: SandboxLimits, confine: bool) -> Sa
 
 
 @functools.cache
+def read_only_reason() -> str | None:
+    """Why the calls' working directory cannot be a tmpfs of disk_mb (then it is read-only to the code: nothing else
+    would bound what it writes), or None: a tmpfs needs root with CAP_SYS_ADMIN (a mount namespace)."""
+    if os.geteuid() != 0:
+        return "the sampler does not run as root"
+    try:
+        with open("/proc/self/status") as status:
+            effective = next(int(line.split()[1], 16) for line in status if line.startswith("CapEff:"))
+    except (OSError, StopIteration, ValueError):
+        return None  # cannot tell: the child finds out, and stays read-only if it cannot mount
+    return None if effective & (1 << 21) else "the sampler's root has no CAP_SYS_ADMIN (a container's default)"
+
+
+@functools.cache
 def confinement_problem() -> str | None:
     """Why this machine cannot confine the child (no Landlock, no seccomp filter for this machine), or None."""
     if sandbox_child.landlock_abi() < 1:
@@ -194,7 +212,7 @@ def child_settings(limits: SandboxLimits, workdir: str, user: tuple[int, int] | 
     return {"cpu_seconds": max(1, math.ceil(limits.cpu_seconds)), "memory_bytes": limits.memory_mb << 20,
             "file_bytes": limits.file_mb << 20, "max_processes": limits.max_processes, "workdir": workdir,
             "disk_bytes": limits.disk_mb << 20, "max_files": limits.max_files,
-            "user": list(user) if user else None, "confine": confine, "seccomp": confine}
+            "user": list(user) if user else None, "confine": confine, "seccomp": confine, "parent": os.getpid()}
 
 
 def _exchange(process: subprocess.Popen, code: bytes, limits: SandboxLimits) -> _Exchange:
@@ -300,7 +318,10 @@ def _failure(exchange: _Exchange, exit_code: int | None, stderr: str, limits: Sa
     if last_line.startswith("MemoryError"):
         return f"memory limit ({limits.memory_mb} MB) reached: MemoryError"
     if exit_code is not None and exit_code < 0:
-        return f"killed by signal {signal.Signals(-exit_code).name}"
+        try:
+            return f"killed by signal {signal.Signals(-exit_code).name}"
+        except ValueError:  # a real-time signal has no name
+            return f"killed by signal {-exit_code}"
     if "Traceback (most recent call last)" in stderr or "Error" in last_line:
         return f"the code raised {last_line}"
     return f"exited with code {exit_code}"
@@ -311,6 +332,8 @@ def _remove_tree(path: str) -> None:
     recursion and without following a symlink: each pass lifts the contents of every directory at the top into the
     top (renames relative to open directories, so no path grows long), removes what is empty or not a directory, and
     ends when the top is empty. A non-root owner first gives itself back the permissions the code may have taken."""
+    if os.geteuid() != 0:
+        os.chmod(path, 0o700)  # the code may have taken the top's permissions too (chmod . 0o500)
     top = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     lifted = itertools.count()
     try:

@@ -66,7 +66,7 @@ SYSCALL_NUMBERS = {
     "semctl": (66, 191), "semtimedop": (220, 192), "msgget": (68, 186), "msgsnd": (69, 189), "msgrcv": (70, 188),
     "msgctl": (71, 187), "mq_open": (240, 180), "mq_unlink": (241, 181), "mq_timedsend": (242, 182),
     "mq_timedreceive": (243, 183), "mq_notify": (244, 184), "mq_getsetattr": (245, 185), "add_key": (248, 217),
-    "request_key": (249, 218), "keyctl": (250, 219)}
+    "request_key": (249, 218), "keyctl": (250, 219), "memfd_create": (319, 279), "prctl": (157, 167)}
 # Always EPERM: no network, io_uring, leaving the process group, namespaces; every call that reaches another
 # process through a pid or pidfd without a use for computation (ptrace, reading its memory, perf, pidfds); and the
 # kernel objects that outlive a process and that Landlock does not cover: SysV shared memory, semaphores and message
@@ -76,7 +76,13 @@ SECCOMP_DENIED = ("socket", "io_uring_setup", "setsid", "setpgid", "unshare", "p
                   "process_vm_writev", "kcmp", "process_madvise", "pidfd_open", "pidfd_send_signal", "pidfd_getfd",
                   "perf_event_open", "shmget", "shmat", "shmctl", "semget", "semop", "semctl", "semtimedop", "msgget",
                   "msgsnd", "msgrcv", "msgctl", "mq_open", "mq_unlink", "mq_timedsend", "mq_timedreceive",
-                  "mq_notify", "mq_getsetattr", "add_key", "request_key", "keyctl")
+                  "mq_notify", "mq_getsetattr", "add_key", "request_key", "keyctl", "memfd_create")
+# memfd_create: an anonymous file's pages count against no rlimit until mapped (RLIMIT_AS does not see them), so 64
+# descriptors of 16 MB each held a gigabyte of the machine's memory per call.
+PR_SET_PDEATHSIG = 1
+# Calls refused when their first argument is this value: prctl(PR_SET_PDEATHSIG), which would clear the signal that
+# kills the child when the sampler dies (a sleeping call, which uses no CPU, would otherwise outlive it for ever).
+SECCOMP_DENIED_ARG0 = {"prctl": PR_SET_PDEATHSIG}
 PRIO_PROCESS, IOPRIO_WHO_PROCESS = 0, 1
 # Calls that act on the process a pid names, allowed only on the sandbox itself: name: (the pid's argument, whether
 # the child's own pid is allowed besides 0, the value arg0 must hold (the "which" of setpriority/ioprio_set: one
@@ -157,19 +163,21 @@ def set_limits(settings):
     lower_limit(resource.RLIMIT_NPROC, settings["max_processes"])
 
 
-def landlock_rules(abi, workdir):
+def landlock_rules(abi, workdir, writable=True):
     """(path, rights) pairs: read beneath the interpreter's import path and the shared libraries, read/write beneath
-    the working directory, /dev/null and /dev/urandom; nothing else (no /tmp, /proc, home or run directory)."""
+    the working directory (read only when not `writable`), /dev/null and /dev/urandom; nothing else (no /tmp, /proc,
+    home or run directory)."""
     read = FS_READ_FILE | FS_READ_DIR
     write = (read | FS_WRITE_FILE | FS_REMOVE_DIR | FS_REMOVE_FILE | FS_MAKE_DIR | FS_MAKE_REG | FS_MAKE_SYM
              | (FS_REFER if abi >= 2 else 0) | (FS_TRUNCATE if abi >= 3 else 0))
     library = os.path.join(sys.base_prefix, "lib")  # libpython and what the build linked beside it
     reads = [p for p in (*sys.path, library, *SHARED_LIBRARY_DIRS) if p and os.path.isabs(p)]
     return ([(path, read) for path in reads] + [("/dev/urandom", FS_READ_FILE)]
-            + [("/dev/null", FS_READ_FILE | FS_WRITE_FILE | (FS_TRUNCATE if abi >= 3 else 0)), (workdir, write)])
+            + [("/dev/null", FS_READ_FILE | FS_WRITE_FILE | (FS_TRUNCATE if abi >= 3 else 0)),
+               (workdir, write if writable else read)])
 
 
-def apply_landlock(workdir):
+def apply_landlock(workdir, writable=True):
     abi = landlock_abi()
     if abi < 1:
         fail("this kernel has no Landlock")
@@ -179,7 +187,7 @@ def apply_landlock(workdir):
     library = libc()
     size = 8 if abi < 4 else 16 if abi < 6 else 24  # the fields this ABI knows (later ones must not be sent)
     ruleset = syscall(library, LANDLOCK_CREATE_RULESET, ctypes.byref(attr), size, 0)
-    for path, rights in landlock_rules(abi, workdir):
+    for path, rights in landlock_rules(abi, workdir, writable):
         try:
             fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
         except OSError:
@@ -208,8 +216,11 @@ def seccomp_program(machine, own_pid):
     program = [(BPF_LD_W_ABS, 0, 0, 4), (BPF_JEQ_K, 1, 0, audit_arch), (BPF_RET_K, 0, 0, SECCOMP_RET_KILL_PROCESS),
                (BPF_LD_W_ABS, 0, 0, 0), (BPF_JGE_K, "deny", 0, X32_SYSCALL_BIT)]  # load nr; x32: deny
     program += [(BPF_JEQ_K, "deny", 0, number[name]) for name in SECCOMP_DENIED]
-    program += [(BPF_JEQ_K, name, 0, number[name]) for name in SECCOMP_OWN_PID]
+    program += [(BPF_JEQ_K, name, 0, number[name]) for name in (*SECCOMP_OWN_PID, *SECCOMP_DENIED_ARG0)]
     program.append((BPF_RET_K, 0, 0, SECCOMP_RET_ALLOW))
+    for name, value in SECCOMP_DENIED_ARG0.items():
+        program += [name, (BPF_LD_W_ABS, 0, 0, 20), (BPF_JEQ_K, 0, "allow", 0),  # args[0]'s high half 0 and
+                    (BPF_LD_W_ABS, 0, 0, 16), (BPF_JEQ_K, "deny", "allow", value)]  # its low half the value: deny
     for name, (argument, own_allowed, which) in SECCOMP_OWN_PID.items():
         program.append(name)  # a label: the checks of this call
         if which is not None:
@@ -257,8 +268,8 @@ def private_workdir(settings):
     """As root: a fresh IPC namespace (no SysV object of the machine is visible, none made here outlives the call)
     and a mount namespace in which the working directory is a tmpfs of `disk_bytes` and `max_files` inodes (files
     and directories), owned by the user the code runs as. Both end with the call's last process: nothing it wrote
-    stays. False where the kernel refuses (a container without CAP_SYS_ADMIN): the call then writes to the plain
-    directory, which the parent removes."""
+    stays. False where the kernel refuses (a container without CAP_SYS_ADMIN): the plain directory is then read-only
+    to the code (confine), since nothing would bound what it writes there."""
     library = libc()
     if library.unshare(CLONE_NEWNS | CLONE_NEWIPC) != 0:
         return False
@@ -275,12 +286,11 @@ def private_workdir(settings):
 
 def confine(settings):
     set_limits(settings)
-    if settings["user"] is not None:
-        private_workdir(settings)
+    bounded = settings["user"] is not None and private_workdir(settings)
     if libc().prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
         fail("prctl(PR_SET_NO_NEW_PRIVS) failed")
     if settings["confine"]:
-        apply_landlock(settings["workdir"])
+        apply_landlock(settings["workdir"], writable=bounded)
     if settings["user"] is not None:
         uid, gid = settings["user"]
         os.setgroups([])
@@ -288,6 +298,10 @@ def confine(settings):
         os.setresuid(uid, uid, uid)
         if os.getuid() != uid or os.geteuid() != uid:
             fail(f"could not drop to uid {uid}")
+    # after the uid change, which clears it: the sampler's death (SIGKILL, OOM) kills the call with it, even one
+    # asleep (no CPU used, no limit met); a parent already gone is checked for after
+    if libc().prctl(PR_SET_PDEATHSIG, 9, 0, 0, 0) != 0 or os.getppid() != settings["parent"]:
+        fail("the sampler is gone, or the parent-death signal could not be set")
     if settings["seccomp"]:  # off only in tests that check the Landlock layer alone
         apply_seccomp()
 

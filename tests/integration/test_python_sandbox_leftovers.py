@@ -1,14 +1,19 @@
 """What a Python tool call leaves behind, attacked for real: SysV IPC objects and keys are refused, a deep or
 unreadable tree is removed whatever its shape, and on a tmpfs what a call writes is bounded in bytes and files."""
 
+import inspect
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
+import time
 
 import pytest
 
 from grpo_stream.common.tools import python_sandbox
 from grpo_stream.common.tools.python_sandbox import SandboxLimits, run_python
+from tests.integration.test_python_sandbox_parent import non_root_parent
 from tests.sandbox_support import LIMITS, confined, still_works
 
 
@@ -140,3 +145,80 @@ print(written, files)
     result = run_python(code, limits)
     written, files = map(int, result.stdout.split()[-2:])
     assert "No space left on device" in result.stdout and written <= 8 and files < 64, result.stdout
+
+
+SAMPLER = """
+import sys, threading, time
+from grpo_stream.common.tools.python_sandbox import SandboxLimits, run_python
+threading.Thread(target=run_python, args=("import time\\ntime.sleep(120)", SandboxLimits(wall_seconds=120))).start()
+print("calling", flush=True)
+time.sleep(120)
+"""
+
+
+def children_of(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if entry.isdigit() and int(fields[1]) == pid:
+            found.append(int(entry))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@confined
+def test_a_call_does_not_outlive_a_sampler_killed_during_it():
+    """A call asleep uses no CPU, so no limit stops it, and only the parent enforces the wall time: a sampler
+    SIGKILLed (OOM, a supervisor) during the call left it running for good, under init."""
+    sampler = subprocess.Popen([sys.executable, "-c", SAMPLER], stdout=subprocess.PIPE, text=True)
+    try:
+        assert sampler.stdout.readline() == "calling\n"
+        deadline = time.monotonic() + 20
+        while not (calls := children_of(sampler.pid)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert calls, "the sandbox child never started"
+        time.sleep(1.0)  # confined and asleep in the code
+    finally:
+        sampler.kill()
+        sampler.wait()
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in calls) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(alive(pid) for pid in calls), "the call outlived its sampler"
+
+
+def test_a_non_root_owner_removes_a_directory_the_code_made_read_only():
+    """The code may chmod its own top directory (chmod is no Landlock right): a non-root sampler then could not
+    remove it, and every such call left a directory behind."""
+    python, as_user = non_root_parent()
+    if not as_user:
+        pytest.skip("this test's process is not root: the removal below runs as it")
+    workdir = tempfile.mkdtemp(prefix="grpo-stream-test-nonroot-")
+    os.chown(workdir, as_user["user"], as_user["group"])
+    script = "import itertools, os\n" + inspect.getsource(python_sandbox._remove_tree) + f"""
+path = {workdir!r}
+os.makedirs(os.path.join(path, "a", "b"))
+open(os.path.join(path, "a", "f"), "w").write("x")
+os.chmod(path, 0o500)
+_remove_tree(path)
+print(os.path.exists(path))
+"""
+    try:
+        done = subprocess.run([python, "-I", "-c", script], capture_output=True, text=True, timeout=60, cwd="/",
+                              **as_user)
+        assert done.returncode == 0 and done.stdout == "False\n", done
+    finally:
+        if os.path.exists(workdir):
+            os.chmod(workdir, 0o700)
+            shutil.rmtree(workdir, ignore_errors=True)

@@ -28,7 +28,10 @@ def state():
     return {"nofile": resource.getrlimit(resource.RLIMIT_NOFILE), "cpu": resource.getrlimit(resource.RLIMIT_CPU),
             "nice": os.getpriority(os.PRIO_PROCESS, 0), "affinity": sorted(os.sched_getaffinity(0))}
 before = state()
-done = subprocess.run([sys.executable, "-I", "-S", "-u", "-c", job["bootstrap"], job["settings"]], input=job["code"],
+settings = json.loads(job["settings"])
+settings["parent"] = os.getpid()  # the sampler here: the child checks it is its parent
+done = subprocess.run([sys.executable, "-I", "-S", "-u", "-c", job["bootstrap"], json.dumps(settings)],
+                      input=job["code"],
                       cwd=job["workdir"], capture_output=True, text=True, timeout=30, env={"PATH": "/usr/bin:/bin"},
                       start_new_session=True)
 print(json.dumps({"uid": os.getuid(), "before": before, "after": state(), "stdout": done.stdout,

@@ -12,8 +12,9 @@ Notation for completion token t of sequence i (m_it = 1 on completion tokens):
 
 Ratio (log-space values clipped to [-20, 20] before exp, for float safety):
   grpo:        rho_it = exp(l_it - o_it)
-  gspo-token:  rho_it = exp(l_it - sg(l_it) + sg(s_i)),  s_i = sum_t m_it (l_it - o_it) / sum_t m_it
-               (the sequence-level ratio of GSPO, its log capped at 10, with per-token gradients)
+  gspo-token:  rho_it = exp(l_it - sg(l_it) + sg(s_i)),  s_i = sum_t m_it (l_it - b_it) / sum_t m_it
+               (the sequence-level ratio of GSPO against the policy that drew the sequence, its log capped at
+               10, with per-token gradients; rl_update passes b as the ratio's base and no weight w)
 
 Per-token loss:
   L_it = max(-A_i rho_it, -A_i clip(rho_it, 1 - eps_low, 1 + eps_high)) * w_it
@@ -32,9 +33,12 @@ of the sampled token:
   A_it = reward_weight * A_i - kl_coef * (o_it - t_it)      (both log-probs detached)
 o_it - t_it is the single-sample estimate of KL(student || teacher) at token t; `distill_advantages`.
 
-The clip bounds the update relative to the proximal policy o; the weight w corrects for
+For grpo the clip bounds the update relative to the proximal policy o; the weight w corrects for
 the gap between the proximal policy and the sampler's policy b (staleness, and any
 numerical mismatch), truncated so one stale token cannot dominate ("decoupled PPO").
+Metrics: `ppo_kl` is the mean of (base - l) over the loss tokens, the base being the ratio's (o for grpo, b for
+gspo-token: there it includes the sampler's staleness); `entropy` is the token mean whatever the aggregation, so
+runs of different aggregations compare.
 """
 
 from __future__ import annotations
@@ -182,5 +186,5 @@ def policy_loss(logprobs: jnp.ndarray, old_logprobs: jnp.ndarray | None, advanta
     elif beta:
         raise ValueError("algo.beta > 0 needs reference logprobs")
     if entropy is not None:
-        metrics["entropy"] = aggregate(jax.lax.stop_gradient(entropy), mask, agg_mode, norm)
+        metrics["entropy"] = _masked_mean(jax.lax.stop_gradient(entropy), mask, tokens)
     return loss, metrics

@@ -125,7 +125,11 @@ class PackedPrograms:
 
     def _step_impl(self, train, frozen, opt_state, passes: PackedPasses, count, old, ref, teacher, norm):
         grads, metrics = self._accumulated(train, frozen, passes, count, old, ref, teacher, norm)
-        train, opt_state = apply_optimizer(self.u.optimizer, grads, opt_state, train, self.u.master)
+        # a minibatch with no token in the loss (every completion filtered as overlong, say) takes no step: its
+        # gradient is zero, but Adam's momentum, weight decay and the schedule's count would still move the weights
+        train, opt_state = jax.lax.cond(
+            norm[0] > 0, lambda: apply_optimizer(self.u.optimizer, grads, opt_state, train, self.u.master),
+            lambda: (train, opt_state))
         for key in PER_TOKEN:
             if key in metrics:
                 metrics[key] = self.u.replicated(metrics[key])

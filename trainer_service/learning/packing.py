@@ -157,7 +157,8 @@ def pack_minibatch(tokens: np.ndarray, valid: np.ndarray, loss_mask: np.ndarray,
                    advantages: np.ndarray, fresh: np.ndarray, layout: PackingLayout, pad_id: int) -> PackedMinibatch:
     """Pack one minibatch given in the padded layout ([N, T] tokens and valid, [N, T - 1] loss mask and behaviour
     logprobs, [N] advantages and freshness) into passes of `layout.rows` rows; at least one pass, so a minibatch
-    with nothing in the loss still makes its (zero-gradient) optimizer update as the padded step does."""
+    with nothing in the loss runs the same program (which then leaves the weights and optimizer state as they
+    are)."""
     p, c = layout.prompt_tokens, layout.completion_tokens
     n, t = tokens.shape
     if t != layout.row_tokens:

@@ -223,7 +223,8 @@ class PolicyUpdater:
         self.params_copy = self._copied(self.params) if copy_params else None
         # the metrics come back once, after every optimizer update is on its way: no wait between minibatches
         steps = jax.device_get(steps)
-        out = summarise([m for m, _, _ in steps], algo.minibatches)
+        tokens = [mb.normalizers[0] for mb in packed.minibatches] * algo.num_iterations
+        out = summarise([m for m, _, _ in steps], algo.minibatches, tokens)
         out["learning_rate"] = self.current_learning_rate()
         out["update_tokens_real"], out["update_tokens_laid_out"] = packed.real_tokens(), packed.laid_out_tokens()
         if group_index is not None:
@@ -240,12 +241,15 @@ class PolicyUpdater:
         return out
 
 
-def summarise(steps: list[dict], first_iteration: int) -> dict[str, float]:
+def summarise(steps: list[dict], first_iteration: int, tokens: list[float] | None = None) -> dict[str, float]:
     """The update's metrics from its optimizer steps' (host values, in order; the first `first_iteration` of them
     are the first iteration's): each statistic averaged over the steps (`_max` and `_min` taken over them), and the
-    sampler-trainer agreement of the first iteration (later ones see the same sequences again)."""
+    sampler-trainer agreement of the first iteration (later ones see the same sequences again). `tokens`: each
+    step's tokens in the loss; a step with none took no optimizer update and says nothing about ratios or clipping,
+    so it is left out of them (an update with no token at all reports on-policy ratios and weights, 1)."""
     sums: dict[str, float] = {}
     agreement = {"lp_diff_sum": 0.0, "lp_diff_max": 0.0, "fresh_tokens": 0.0}
+    taken, keys = 0, []
     for i, step in enumerate(steps):
         m = {key: float(v) for key, v in step.items()}
         if i < first_iteration:
@@ -254,9 +258,15 @@ def summarise(steps: list[dict], first_iteration: int) -> dict[str, float]:
             agreement["lp_diff_max"] = max(agreement["lp_diff_max"], m["lp_diff_max"])
         for key in ("lp_diff_sum", "lp_diff_max", "fresh_tokens"):
             m.pop(key)
+        keys = keys or list(m)
+        if tokens is not None and not tokens[i]:
+            continue
+        taken += 1
         _accumulate(sums, m)
-    out = {key: v if key.endswith(("_max", "_min")) else v / len(steps) for key, v in sums.items()}
-    out["optimizer_steps"] = len(steps)
+    out = {key: v if key.endswith(("_max", "_min")) else v / taken for key, v in sums.items()}
+    if not taken:  # nothing in the loss anywhere: the policy is its own behaviour policy, nothing was clipped
+        out = {key: 1.0 if key.startswith(("ratio_", "is_weight_")) else 0.0 for key in keys}
+    out["optimizer_steps"] = taken
     out["fresh_tokens"] = agreement["fresh_tokens"]
     if agreement["fresh_tokens"]:
         out["logprob_diff_mean"] = agreement["lp_diff_sum"] / agreement["fresh_tokens"]

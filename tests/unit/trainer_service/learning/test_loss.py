@@ -109,3 +109,14 @@ def test_masked_tokens_do_not_matter():
         base, _ = policy_loss(lp, old, adv, mask, **kw)
         other, _ = policy_loss(jnp.where(mask > 0, lp, lp - 5.0), old, adv, mask, **kw)
         assert abs(float(base) - float(other)) < 1e-6
+
+
+def test_the_entropy_metric_is_the_token_mean_whatever_the_aggregation():
+    """Under Dr.GRPO's sum-norm aggregation the entropy reported was each sequence's summed entropy (about the
+    completion length times larger): runs of different aggregations could not be compared."""
+    entropy = jnp.array([[0.5, 0.5, 0.5, 0.5], [1.0, 1.0, 0.0, 0.0]])
+    mask = jnp.array([[1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 0.0, 0.0]])
+    lp = jnp.zeros((2, 4))
+    for mode in ("token-mean", "sequence-mean-token-mean", "sequence-mean-token-sum-norm"):
+        _, m = policy_loss(lp, lp, jnp.array([1.0, -1.0]), mask, **{**BASE, "agg_mode": mode}, entropy=entropy)
+        assert float(m["entropy"]) == pytest.approx((4 * 0.5 + 2 * 1.0) / 6), mode

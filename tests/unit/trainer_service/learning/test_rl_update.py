@@ -10,7 +10,7 @@ from grpo_stream.common.engine.continuous import ContinuousEngine
 from grpo_stream.common.rollouts.wire import CompletionData, GroupData
 from grpo_stream.trainer_service.learning.batching import build_batch
 from grpo_stream.trainer_service.learning.packing import packing_layout
-from grpo_stream.trainer_service.learning.rl_update import PolicyUpdater
+from grpo_stream.trainer_service.learning.rl_update import PolicyUpdater, summarise
 
 
 @pytest.fixture(scope="module")
@@ -149,3 +149,27 @@ def test_the_batch_is_packed_on_the_host_and_placed_once(tiny_parts, rollout, mo
         monkeypatch.setattr(jax, name, counted)
     updater.update(batch)
     assert calls == {"device_put": 1, "device_get": 1}
+
+
+def test_an_update_with_nothing_in_the_loss_leaves_the_weights_and_reports_finite_on_policy_figures(tiny_parts,
+                                                                                                   rollout):
+    """Every completion filtered (overlong, say): a zero gradient, but Adam's momentum from the step before would
+    still move the weights, and the ratio's minimum over no token was +inf (not JSON)."""
+    updater, batch = make(tiny_parts, rollout)
+    updater.update(batch)  # momentum
+    before = [np.array(x) for x in jax.tree_util.tree_leaves(updater.params)]
+    m = updater.update(batch.replace(loss_mask=np.zeros_like(batch.loss_mask)))
+    after = jax.tree_util.tree_leaves(updater.params)
+    assert all(np.array_equal(b, np.array(a)) for b, a in zip(before, after))
+    assert m["optimizer_steps"] == 0 and all(np.isfinite(v) for v in m.values())
+    assert m["ratio_min"] == m["ratio_mean"] == m["ratio_max"] == 1.0 and m["clip_fraction"] == 0.0
+
+
+def test_a_minibatch_with_nothing_in_the_loss_is_left_out_of_the_figures():
+    steps = [{"ratio_mean": 1.2, "ratio_min": 0.9, "ratio_max": 1.5, "clip_fraction": 0.5, "lp_diff_sum": 0.0,
+              "lp_diff_max": 0.0, "fresh_tokens": 0.0},
+             {"ratio_mean": 0.0, "ratio_min": float("inf"), "ratio_max": 0.0, "clip_fraction": 0.0,
+              "lp_diff_sum": 0.0, "lp_diff_max": 0.0, "fresh_tokens": 0.0}]
+    out = summarise(steps, 2, tokens=[40.0, 0.0])
+    assert (out["ratio_mean"], out["ratio_min"], out["ratio_max"], out["clip_fraction"]) == (1.2, 0.9, 1.5, 0.5)
+    assert out["optimizer_steps"] == 1
