@@ -207,10 +207,10 @@ def _python_call(statement: ast.stmt, positional_allowed: bool, family: str) -> 
     call = statement.value if isinstance(statement, ast.Expr) else None
     if not isinstance(call, ast.Call):
         raise MalformedToolCall(f"error: a tool call is a single call of a tool by name, got "
-                                f"{ast.unparse(statement)[:60]!r}; write {example}")
+                                f"{_shown(statement)}; write {example}")
     if not isinstance(call.func, ast.Name):
         raise MalformedToolCall(f"error: call the tool by its bare name (like tool_name(...)), not "
-                                f"{ast.unparse(call.func)[:60]!r}; write {example}")
+                                f"{_shown(call.func)}; write {example}")
     name = call.func.id
     if call.args and not positional_allowed:
         raise MalformedToolCall(f"error: in this format tool arguments are named (like {name}(a=1)); "
@@ -230,18 +230,27 @@ def _python_call(statement: ast.stmt, positional_allowed: bool, family: str) -> 
 
 def _literal(node: ast.expr, what: str, tool: str) -> Any:
     """The value of a literal expression, JSON-like (tuples become lists); anything else is malformed."""
-    problem = f"error: {what} of tool '{tool}' must be {_LITERALS}; got {ast.unparse(node)[:60]!r}"
     try:
-        value = ast.literal_eval(node)
+        return _json_like(ast.literal_eval(node))
     except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
-        raise MalformedToolCall(problem) from None
+        raise MalformedToolCall(f"error: {what} of tool '{tool}' must be {_LITERALS}; got {_shown(node)}") from None
+
+
+def _shown(node: ast.AST) -> str:
+    """The start of what the model wrote, for an error text; a tree too deep to write back says so instead (the
+    parser takes deeper nesting than unparse's recursion)."""
     try:
-        return _json_like(value)
-    except TypeError:
-        raise MalformedToolCall(problem) from None
+        return repr(ast.unparse(node)[:60])
+    except (RecursionError, MemoryError, ValueError):
+        return "an expression nested too deep to show"
+
+
+MAX_INT_BITS = 10_000  # about 3,000 digits: below the 4,300 digits Python still writes as text
 
 
 def _json_like(value: Any) -> Any:
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > MAX_INT_BITS:
+        raise TypeError(f"an integer of {value.bit_length()} bits, over {MAX_INT_BITS}")
     if value is None or isinstance(value, (bool, int, str)):
         return value
     if isinstance(value, float):

@@ -66,11 +66,10 @@ class Tool:
             return str(exc)
         try:
             result = self.function(**kwargs)
+            # written inside the guard too: a result Python cannot write (an integer of 5,000 digits) is a failure
+            return json.dumps(result, default=str) if isinstance(result, (dict, list, tuple)) else str(result)
         except Exception as exc:  # the function's failure is an observation, not the episode's end
-            return f"error: tool '{self.name}' failed: {type(exc).__name__}: {exc}"
-        if isinstance(result, (dict, list, tuple)):
-            return json.dumps(result, default=str)
-        return str(result)
+            return f"error: tool '{self.name}' failed: {type(exc).__name__}: {str(exc)[:200]}"
 
     def _merged(self, arguments: Mapping[str, Any], positional: Sequence[Any]) -> dict:
         if not isinstance(arguments, Mapping):
@@ -284,7 +283,10 @@ def _describe(value: Any) -> str:
     if kind is None:
         kind = "array" if isinstance(value, (list, tuple)) else "object" if isinstance(value, Mapping) else \
             type(value).__name__
-    text = json.dumps(value, default=repr) if kind != "null" else "null"
+    try:
+        text = json.dumps(value, default=repr) if kind != "null" else "null"
+    except (ValueError, RecursionError):  # an integer too long to write, a structure too deep
+        text = "(too large to show)"
     return text if kind == "null" else f"{kind} {text[:60]}{'...' if len(text) > 60 else ''}"
 
 

@@ -125,3 +125,15 @@ def test_json_too_large_or_too_deep_is_a_malformed_call_not_a_crash(family, payl
     with pytest.raises(MalformedToolCall) as caught:
         parse_tool_calls(text, family)
     assert caught.value.message.startswith("error:")
+
+
+@pytest.mark.parametrize("family, text", [
+    ("plain", "<call>add(" + "1+" * 400 + "1, 2)</call>"),  # parses; too deep for unparse's recursion
+    ("plain", "<call>" + "1+" * 300 + "1</call>"),
+    ("plain", "<call>add(0x" + "f" * 3600 + ", 1)</call>"),  # a literal of 4,300+ digits: Python will not write it
+    ("gemma", "```tool_code\ncalculator(expression=0x" + "f" * 3600 + ")\n```"),
+])
+def test_python_style_calls_too_deep_to_show_or_too_long_to_write_are_malformed_not_a_crash(family, text):
+    with pytest.raises(MalformedToolCall) as caught:
+        parse_tool_calls(text, family)
+    assert caught.value.message.startswith("error:")

@@ -160,3 +160,16 @@ def test_toolset_dispatch_and_positional_arguments():
     assert tools.run(ToolCall("mul", {"a": 1})) == "error: unknown tool 'mul'; tools: ['add', 'search']"
     with pytest.raises(ValueError, match="two tools are named 'add'"):
         ToolSet([add, add])
+
+
+def test_a_result_or_argument_python_cannot_write_is_an_error_text_not_a_raise():
+    def power(base: int, exponent: int) -> int:
+        """Args:
+            base: the base.
+            exponent: the exponent."""
+        return base ** exponent
+
+    tool = tool_from_function(power)
+    assert tool.call({"base": 10, "exponent": 5000}).startswith("error: tool 'power' failed: ValueError")
+    assert tool.call({"base": "x" * 10, "exponent": 2}).startswith("error:")
+    assert tool.call({"base": 16 ** 3600, "exponent": 1}).startswith("error:")  # described, not written out
