@@ -5,6 +5,7 @@ prompt, task.prompt_template=tools)."""
 from __future__ import annotations
 
 import ast
+import math
 import operator
 
 from grpo_stream.common.tools.functions import ToolSet, tool_from_function
@@ -44,9 +45,14 @@ def calculator(expression: str) -> str:
         return "error: division by zero"
     except (SyntaxError, ValueError, TypeError, OverflowError) as exc:
         return f"error: {exc}; use numbers, + - * / // % ** and parentheses"
+    if isinstance(value, complex):  # (-8) ** 0.5
+        return "error: the result is not a real number"
+    if isinstance(value, float) and not math.isfinite(value):  # 1e309
+        return "error: the result is too large"
     if isinstance(value, float) and value.is_integer():
         value = int(value)
-    return str(round(value, 10) if isinstance(value, float) else value)
+    # 12 significant digits, not 10 decimals: 1 / 3e12 is 3.33333333333e-13, not 0
+    return str(float(f"{value:.12g}") if isinstance(value, float) else value)
 
 
 def _evaluate(node: ast.expr):
