@@ -34,7 +34,14 @@ class UpSection(Strict):
                                             "which up.restart_limit_burst counts a process's restarts.")
     healthy_after_s: float = Field(30.0, gt=0, le=86_400, description="A process that has run this long since its "
                                    "(re)start is healthy: its earlier restarts stop counting against "
-                                   "up.restart_limit_burst and its back-off starts again at up.restart_backoff_s.")
+                                   "up.restart_limit_burst and its back-off starts again at up.restart_backoff_s. "
+                                   "For the trainer and the samplers, which beat (RUN_DIR/heartbeats), 'run' is the "
+                                   "time from the (re)start to the last beat: one that loads for a minute, then "
+                                   "crashes the same way each time, is a crash loop.")
+    stop_grace_s: float = Field(120.0, ge=5, le=86_400, description="After a stop (Ctrl-C, SIGTERM, SIGHUP, or the "
+                                "run's end), how long `up` waits for the trainer to finish its step and its last "
+                                "checkpoint before it kills it. Raise it for a model whose checkpoint takes "
+                                "longer (and a pod's terminationGracePeriodSeconds above it).")
     restart_backoff_s: float = Field(1.0, gt=0, le=600, description="First wait before a restart; it doubles per "
                                      "restart of the same process (jittered) up to up.restart_backoff_max_s, and "
                                      "starts again from here once the process was healthy.")

@@ -81,4 +81,7 @@ def stop_on_signals(stop_event, what: str) -> None:
         stop_event.set()
 
     for name in STOP_SIGNALS:
-        signal.signal(getattr(signal, name), _stop)
+        signum = getattr(signal, name)
+        if name == "SIGHUP" and signal.getsignal(signum) == signal.SIG_IGN:
+            continue  # started under nohup: logging out must not stop it
+        signal.signal(signum, _stop)

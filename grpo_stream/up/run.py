@@ -48,8 +48,19 @@ __all__ = ["ENDPOINTS_FILE", "process_envs", "run_up"]
 ENDPOINTS_FILE = "endpoints.json"  # in RUN_DIR: where `grpo-stream submit --run-dir` sends prompts
 
 
+def _say(line: str) -> None:
+    """A line on `up`'s console, if it still has one: a closed terminal (SIGHUP, ssh gone) or a reader that went away
+    (`up | tee`, tee killed) makes every write fail, and `up` must still stop its processes cleanly and keep logging
+    to files."""
+    try:
+        print(line, flush=True)
+    except (OSError, ValueError):
+        pass
+
+
 class _Child:
-    """One process of the run (a supervise.Unit), started by `start()` (again after a failure: its log goes on)."""
+    """One process of the run (a supervise.Unit), started by `start()` (again after a failure: its log goes on; a
+    log of an earlier `up` on the same run directory is kept as NAME.log.1)."""
 
     must_run = False
 
@@ -61,18 +72,26 @@ class _Child:
     def start(self) -> None:
         self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
                                      start_new_session=True, **child_popen(self.env))  # it dies with `up`
-        self._relay = threading.Thread(target=self._pump, args=(self.proc, "w" if self.starts == 0 else "a"),
-                                       daemon=True)
+        if self.starts == 0 and self.log_path.exists():  # an earlier `up` here: its log may hold why it was resumed
+            self.log_path.replace(self.log_path.with_name(self.log_path.name + ".1"))
+        self._relay = threading.Thread(target=self._pump, args=(self.proc, "a"), daemon=True)
         self.starts += 1
         self._relay.start()
 
     def _pump(self, proc: subprocess.Popen, mode: str) -> None:
+        """The process's output into its log and onto the console; once the console fails, into the log alone (a
+        relay that stopped would leave the process blocked on a full pipe)."""
+        console = True
         with open(self.log_path, mode) as log_file:
             for line in proc.stdout:
                 log_file.write(line)
                 log_file.flush()
-                sys.stdout.write(f"[{self.name}] {line}")
-                sys.stdout.flush()
+                if console:
+                    try:
+                        sys.stdout.write(f"[{self.name}] {line}")
+                        sys.stdout.flush()
+                    except (OSError, ValueError):
+                        console = False
 
     def poll(self) -> int | None:
         return None if self.proc is None else self.proc.poll()
@@ -95,7 +114,7 @@ class _Child:
         try:
             code = self.proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
-            print(f"[up] {self.name} did not stop within {timeout_s:.0f}s; killing it", flush=True)
+            _say(f"[up] {self.name} did not stop within {timeout_s:.0f}s; killing it")
             self.proc.kill()
             code = self.proc.wait()
         self._relay.join(timeout=5)
@@ -111,10 +130,11 @@ class _TrainerJob:
 
     def __init__(self, specs: list[ProcessSpec], log_dir: pathlib.Path):
         self.members = [_Child(spec, log_dir) for spec in specs]
-        self.name, self.log_path, self.starts = "trainer", self.members[0].log_path, 0
+        self.name, self.log_path, self.starts, self._failed = "trainer", self.members[0].log_path, 0, None
         self.records = tuple(spec.record for spec in specs)
 
     def start(self) -> None:
+        self._failed = None
         # the coordinator listens on loopback only (JAX binds every interface unless told), and each start's
         # processes share a fresh secret that seals their messages (trainer_service/control_messages.py); it goes in
         # their environment, never a command line (`ps` shows those to every user)
@@ -127,11 +147,14 @@ class _TrainerJob:
         self.starts += 1
 
     def poll(self) -> int | None:
+        if self._failed is not None:  # not the codes of the processes killed for it
+            return self._failed
         codes = [m.poll() for m in self.members]
         failed = [c for c in codes if c not in (None, 0)]
         if failed:  # one failed: the others cannot go on without it
+            self._failed = EXIT_PERMANENT if EXIT_PERMANENT in failed else failed[0]
             self.kill()
-            return EXIT_PERMANENT if EXIT_PERMANENT in failed else failed[0]
+            return self._failed
         return 0 if all(c == 0 for c in codes) else None
 
     def alive(self) -> bool:
@@ -181,13 +204,15 @@ class _StopSignals:
 
     def __init__(self, children: list):
         self.children, self.interrupted = children, False
-        self.previous = {s: signal.signal(s, self._interrupt) for s in STOP_SIGNALS}
+        # a SIGHUP ignored by who started `up` (nohup) stays ignored: logging out must not stop the run
+        self.previous = {s: signal.signal(s, self._interrupt) for s in STOP_SIGNALS
+                         if not (s == signal.SIGHUP and signal.getsignal(s) == signal.SIG_IGN)}
 
     def _interrupt(self, signum, _frame) -> None:
         self.interrupted = True
-        print(f"[up] signal {signum}: stopping every process", flush=True)
-        for child in self.children:
+        for child in self.children:  # first: the console may be gone (SIGHUP), and the line below fail
             child.terminate()
+        _say(f"[up] signal {signum}: stopping every process")
 
     def restore(self) -> None:
         for s, handler in self.previous.items():
@@ -283,7 +308,7 @@ def _run_processes(cfg: RunConfig, run_dir: pathlib.Path, specs: list[ProcessSpe
     samplers = [_Child(s, log_dir) for s in specs if s.role == "sampler"]
     children = [trainer, *helpers, *samplers]
     watch = Watch(cfg.up, run_dir, trainer, [*([_RedisUnit(redis_server)] if redis_server else []), *helpers,
-                                             *samplers], samplers=samplers)
+                                             *samplers], samplers=samplers, log=_say)
     stop = _StopSignals(children)
     try:
         for child in children:
@@ -292,7 +317,7 @@ def _run_processes(cfg: RunConfig, run_dir: pathlib.Path, specs: list[ProcessSpe
         if outcome.reason in ("gave_up", "permanent") or stop.interrupted:
             for child in children:
                 child.terminate()
-        trainer_code, sampler_codes = _wind_down(trainer, helpers, samplers)
+        trainer_code, sampler_codes = _wind_down(trainer, helpers, samplers, cfg.up.stop_grace_s)
     finally:
         for child in children:
             child.terminate()
@@ -303,17 +328,18 @@ def _run_processes(cfg: RunConfig, run_dir: pathlib.Path, specs: list[ProcessSpe
                   trainer.log_path)
 
 
-def _wind_down(trainer, helpers: list[_Child], samplers: list[_Child]) -> tuple[int | None, dict[str, int | None]]:
-    """Wait for the trainer, then the samplers (which stop by themselves at the final version), then the ingest
-    (it serves until the samplers are done); (trainer's exit code, each sampler's)."""
-    trainer_code = trainer.wait(timeout_s=120)
+def _wind_down(trainer, helpers: list[_Child], samplers: list[_Child],
+               grace_s: float) -> tuple[int | None, dict[str, int | None]]:
+    """Wait for the trainer (`grace_s`: up.stop_grace_s), then the samplers (which stop by themselves at the final
+    version), then the ingest (it serves until the samplers are done); (trainer's exit code, each sampler's)."""
+    trainer_code = trainer.wait(timeout_s=grace_s)
     sampler_codes = {}
     for child in samplers:
         if trainer_code == 0:  # a sampler stops by itself at the final version; one that missed it is told to
             try:
                 child.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
-                print(f"[up] {child.name} still running 30s after the trainer finished; stopping it", flush=True)
+                _say(f"[up] {child.name} still running 30s after the trainer finished; stopping it")
         child.terminate()
         sampler_codes[child.name] = child.wait(timeout_s=30 if trainer_code == 0 else 20)
         if sampler_codes[child.name] is None or child.alive():

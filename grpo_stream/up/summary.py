@@ -85,10 +85,17 @@ class RunSummary:
         if end.failure() is not None:
             summary["failure"] = end.failure()
         run_dir = self.path.parent
-        summary["samplers"] = {p.stem: json.loads(p.read_text()) for p in sorted(run_dir.glob("sampler-*.json"))}
+        # this run's samplers only: a file of an earlier `up` here (more replicas then, or a sampler that did not
+        # write its file this time) says nothing of this one
+        files = [run_dir / f"sampler-{i}.json" for i in range(self.cfg.sampler.replicas)]
+        summary["samplers"] = {p.stem: json.loads(p.read_text()) for p in files
+                               if p.exists() and p.stat().st_mtime >= self.started}
         if summary["samplers"] and all("groups_generated" in s for s in summary["samplers"].values()):
-            # the samplers' own final counts (their last reports to the trainer may miss the last batches)
-            generated = sum(s["groups_generated"] for s in summary["samplers"].values())
+            # the samplers' own final counts (their last reports to the trainer may miss the last batches); each
+            # file is its sampler's last process's, so the trainer's count, which adds up restarted processes, is
+            # the floor
+            generated = max(sum(s["groups_generated"] for s in summary["samplers"].values()),
+                            summary.get("groups_generated") or 0)
             summary["groups_generated"] = generated
             summary["generation_wasted_fraction"] = wasted_fraction(
                 generated, (summary["steps"] - (summary["resumed_from"] or {}).get("step", 0))

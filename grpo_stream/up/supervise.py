@@ -231,7 +231,10 @@ class Watch:
             self.log(f"[up] {unit.name} failed permanently (exit code {code}), so it is not restarted; stopping the "
                      f"run: {reason}")
             return Outcome("permanent", unit.name, reason)
-        return self._restart_or_stop(unit, f"exited with code {code}")
+        # healthy for as long as it made progress, where it beats: a trainer that needs a minute to load and compile
+        # and then crashes the same way each time outlives up.healthy_after_s without ever having worked
+        progress = self.stalls[unit.name][0].progress_s() if unit.name in self.stalls else None
+        return self._restart_or_stop(unit, f"exited with code {code}", progress)
 
     def _restart_or_stop(self, unit: Unit, what: str, healthy_s: float | None = None) -> Outcome | None:
         delay = self.supervisor.failed(unit.name, healthy_s)

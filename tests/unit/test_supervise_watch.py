@@ -6,13 +6,14 @@ processes standing in for the trainer and a sampler."""
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 from grpo_stream.common.config.process import UpSection
 from grpo_stream.common.runtime.errors import PermanentError, failure_path, read_permanent, record_permanent
 from grpo_stream.common.runtime.heartbeat import beat, beat_path
 from grpo_stream.up.supervise import StallWatch, Watch
-from grpo_stream.up.run import _Child
+from grpo_stream.up.run import _Child, _StopSignals, _TrainerJob
 from grpo_stream.up.processes import ProcessSpec
 from tests.support import FakeClock
 
@@ -262,3 +263,81 @@ def test_real_processes_a_permanent_sampler_failure_stops_the_run(tmp_path):
     assert (outcome.reason, outcome.process, outcome.message) == (
         "permanent", "sampler-0", "sampler.model differs from the trainer"), lines
     assert sampler.starts == 1 and failure_path(tmp_path, "sampler-0").is_file()
+
+
+def test_a_trainer_that_loads_for_a_minute_then_crashes_the_same_way_is_a_crash_loop(tmp_path):
+    """Uptime alone made every such start 'healthy' (past up.healthy_after_s), so the budget never ran out: an OOM in
+    the first step, a restore that fails the same way, restarted for ever. Progress (its beats) decides."""
+    watch, clock, trainer, _, lines = fake_run(tmp_path, restart_limit_burst=2, healthy_after_s=30)
+    outcome = None
+    for _ in range(4):
+        clock.advance(45)  # loading and compiling: no beat yet
+        trainer.code = 1
+        outcome = watch.check()
+        if outcome is not None:
+            break
+        clock.advance(60)
+        assert watch.check() is None  # restarted
+    assert outcome is not None and outcome.reason == "gave_up" and trainer.starts == 3, lines
+    # one that beat for long enough before it crashed was healthy: restarted, its budget fresh
+    watch, clock, trainer, _, lines = fake_run(tmp_path, restart_limit_burst=1, healthy_after_s=30)
+    for _ in range(3):
+        for _ in range(3):
+            clock.advance(20)
+            beat_at(tmp_path, "trainer-0", clock.now)
+        trainer.code = 1
+        assert watch.check() is None and "restarting it in" in lines[-1]
+        clock.advance(60)
+        assert watch.check() is None
+
+
+def test_a_trainer_job_reports_its_failing_member_not_the_ones_killed_for_it():
+    class Member:
+        def __init__(self, code):
+            self.code = code
+
+        def poll(self):
+            return self.code
+
+        def kill(self):
+            if self.code is None:
+                self.code = -9
+
+    job = _TrainerJob.__new__(_TrainerJob)
+    job.members, job._failed = [Member(None), Member(1)], None  # process 1 failed; process 0 is killed for it
+    assert job.poll() == 1 and job.members[0].code == -9
+    assert job.poll() == 1  # asked again (the watch does), not process 0's -9
+
+
+class GoneConsole:
+    """`up`'s stdout after the terminal closed (SIGHUP, ssh gone) or its `| tee` was killed: every write fails."""
+
+    def write(self, _text):
+        raise OSError(5, "Input/output error")
+
+    def flush(self):
+        raise OSError(5, "Input/output error")
+
+
+def test_without_a_console_a_child_is_still_logged_whole_and_a_stop_still_reaches_it(tmp_path, monkeypatch):
+    """The relay died at its first failed write: the log stopped and the child blocked on a full pipe. The stop
+    handler printed before it signalled the children, so a SIGHUP on a closed terminal stopped nobody."""
+    monkeypatch.setattr(sys, "stdout", GoneConsole())
+    talker = child(tmp_path, "sampler-0", "sampler-0", "for i in range(20000):\n    print('x' * 20, i)")
+    talker.start()
+    try:
+        assert talker.proc.wait(timeout=30) == 0
+    finally:
+        talker.kill()
+    talker._relay.join(timeout=10)
+    lines = (tmp_path / "logs" / "sampler-0.log").read_text().splitlines()
+    assert len(lines) == 20000 and lines[-1] == "x" * 20 + " 19999"
+    sleeper = child(tmp_path, "trainer", "trainer-0", SLEEPER)
+    sleeper.start()
+    stop = _StopSignals([sleeper])
+    try:
+        stop._interrupt(signal.SIGHUP, None)
+        assert sleeper.proc.wait(timeout=10) == -signal.SIGTERM and stop.interrupted
+    finally:
+        stop.restore()
+        sleeper.kill()

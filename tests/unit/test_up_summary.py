@@ -4,6 +4,7 @@ code: 0 done, 1 a failure, 3 a permanent failure, 130 interrupted."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -80,3 +81,18 @@ def test_the_last_line_says_the_runs_own_reward_before_answer_correct(tmp_path, 
     line = capsys.readouterr().out
     assert ("held-out greedy reward by task.rewards (last_number x1) 0.310 -> 0.720 (last_number 0.310 -> 0.720); "
             "greedy accuracy 0.016 -> 0.000;") in line, line
+
+
+def test_groups_generated_counts_this_runs_samplers_and_never_falls_below_the_trainers_count(tmp_path):
+    """Each sampler-<i>.json holds its last process's count: a sampler restarted after 100 groups writes 60, which
+    the trainer (that adds up the processes) knows as 160. A file of an earlier `up` here with more replicas (or a
+    sampler that did not write this time) is not this run's."""
+    (tmp_path / "sampler-1.json").write_text(json.dumps({"groups_generated": 999}))  # an earlier, wider run
+    os.utime(tmp_path / "sampler-1.json", (1.0, 1.0))
+    (tmp_path / "sampler-0.json").write_text(json.dumps({"groups_generated": 60}))
+    (tmp_path / "summary.json").write_text(json.dumps({**TRAINER_SUMMARY, "groups_generated": 160}))
+    end = RunEnd(Outcome("done"), 0, {"sampler-0": 0}, {"trainer": 0, "sampler-0": 1}, tmp_path / "logs" / "t.log")
+    cfg = load_config(None, ["sampler.replicas=2"])
+    RunSummary(cfg, tmp_path, started=1000.0).finish(end)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert set(summary["samplers"]) == {"sampler-0"} and summary["groups_generated"] == 160
