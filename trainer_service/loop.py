@@ -190,4 +190,14 @@ def run_trainer(cfg: RunConfig, run_dir: pathlib.Path) -> dict | None:
         return None
     trainer = Trainer(cfg, run_dir, group=group)
     stop_on_signals(trainer.stop_event, "step")
-    return trainer.run()
+    if group is None:
+        return trainer.run()
+    from grpo_stream.trainer_service.follower import stop_now  # noqa: PLC0415
+
+    try:
+        return trainer.run()
+    except BaseException as exc:
+        # process 0 failing while the others wait for its next message: JAX's at-exit shutdown would hold this
+        # process at a barrier for 5 minutes (then abort), and the supervisor would see a live job meanwhile
+        stop_now(0, exc, run_dir)
+        raise

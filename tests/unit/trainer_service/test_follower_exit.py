@@ -30,3 +30,31 @@ def test_a_follower_exits_at_once_with_the_code_up_acts_on(tmp_path, kind, code)
         assert record["message"] == "checkpoint.dir holds a different model"
     else:
         assert record is None
+
+
+LEADER = """
+import pathlib, sys, types
+from grpo_stream.common.config.loading import load_config
+from grpo_stream.trainer_service import loop
+from grpo_stream.trainer_service.checkpoints.errors import CheckpointMismatch
+
+class FailingTrainer:
+    def __init__(self, cfg, run_dir, group):
+        import threading
+        self.stop_event = threading.Event()
+    def run(self):
+        raise CheckpointMismatch("checkpoint.dir holds a different model")
+
+loop.start_group = lambda cfg: types.SimpleNamespace(leader=True)  # process 0 of a job of several
+loop.Trainer = FailingTrainer
+loop.run_trainer(load_config(None, []), pathlib.Path(sys.argv[1]))
+print("not reached")
+"""
+
+
+def test_process_0_of_a_job_exits_at_once_too(tmp_path):
+    """Process 0 failing while the others wait for its message: without os._exit, JAX's at-exit shutdown held it at
+    a barrier for 5 minutes, then aborted (SIGABRT), and `up` saw a live job all that time."""
+    proc = subprocess.run([sys.executable, "-c", LEADER, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == EXIT_PERMANENT and "not reached" not in proc.stdout, proc.stderr[-2000:]
+    assert read_permanent(tmp_path, "trainer-0")["message"] == "checkpoint.dir holds a different model"
