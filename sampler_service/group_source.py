@@ -67,13 +67,13 @@ class GroupSource:
         while len(batch) < groups and used + gen.num_generations <= rows:
             position, problem = next(self.prompts)
             ids = self.tokenizer.encode(problem.prompt)
-            if len(ids) > gen.max_prompt_tokens:
+            if not ids or len(ids) > gen.max_prompt_tokens:  # an empty one the engine cannot start either
                 skipped_in_a_row += 1
                 if skipped_in_a_row > MAX_SKIPPED_PROMPTS:
                     raise ValueError(f"generation.max_prompt_tokens={gen.max_prompt_tokens}: the last "
-                                     f"{skipped_in_a_row} prompts were all longer; raise it")
-                log.warning("prompt %s has %d tokens > generation.max_prompt_tokens; skipped", problem.prompt_id,
-                            len(ids))
+                                     f"{skipped_in_a_row} prompts were all empty or longer; raise it or fix the data")
+                log.warning("prompt %s has %d tokens (none, or over generation.max_prompt_tokens); skipped",
+                            problem.prompt_id, len(ids))
                 continue
             skipped_in_a_row = 0
             batch.append(GroupWork(problem, ids, gen.num_generations, self.default,

@@ -300,9 +300,13 @@ class TrainerCore:
         if not plan.verify:
             return None
         plain, p = self.policy.plain(self.params), self.parts
-        self.final_weights = {"version": self.publisher.latest_version, "sha256": digest(self.model.to_named_numpy(plain)),
-                              "greedy": greedy_probe(p.engine, plain, p.tokenizer, p.task.heldout(plan.verify),
-                                                     self.cfg.eval.batch_size, progress=self.progress)}
+        try:
+            greedy = greedy_probe(p.engine, plain, p.tokenizer, p.task.heldout(plan.verify), self.cfg.eval.batch_size,
+                                  progress=self.progress)
+        finally:
+            p.engine.release()
+        self.final_weights = {"version": self.publisher.latest_version,
+                              "sha256": digest(self.model.to_named_numpy(plain)), "greedy": greedy}
         return self.final_weights
 
     # -- evaluation during RL (eval.every_steps) -------------------------------------------------------------------
@@ -314,8 +318,11 @@ class TrainerCore:
         p = self.parts
 
         def evaluate(step: int, params, progress) -> dict:
-            return evaluate_heldout(self.cfg, p.engine, params, p.task, p.tokenizer, f"eval at step {step}",
-                                    progress=progress)
+            try:
+                return evaluate_heldout(self.cfg, p.engine, params, p.task, p.tokenizer, f"eval at step {step}",
+                                        progress=progress)
+            finally:  # the snapshot evaluated, its decode layout and caches: not kept beside training until the next
+                p.engine.release()
 
         self.evaluator = InRunEvaluator(evaluate, self._record, self.cfg.eval.max_share, record.get("eval_curve"))
         self.evaluator.skipped = list(record.get("eval_skipped") or [])
@@ -367,8 +374,11 @@ class TrainerCore:
     # -- shared by the phases -----------------------------------------------------------------------------------
     def evaluate(self, label: str) -> dict:
         p = self.parts
-        return evaluate_heldout(self.cfg, p.engine, self.policy.plain(self.params), p.task, p.tokenizer, label,
-                                progress=self.progress)
+        try:
+            return evaluate_heldout(self.cfg, p.engine, self.policy.plain(self.params), p.task, p.tokenizer, label,
+                                    progress=self.progress)
+        finally:  # with LoRA, plain() merged a copy: neither it nor its decode layout stays beside training
+            p.engine.release()
 
     def _export(self, name: str, what: str) -> None:
         """RUN_DIR/name as a Hugging Face directory: every process takes part in the gather, process 0 writes."""

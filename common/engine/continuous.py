@@ -114,7 +114,8 @@ class ContinuousEngine:
         self.slots, self.ragged_attention = slots, ragged_attention
         context = max(max_prompt_tokens + max_new_tokens, context_tokens or 0)
         decode.check_sequence_fits(model, context, context_field)
-        # a completion's last token is sampled, never written: the cache needs prompt + max_new_tokens - 1 slots
+        # every sampled token is written back, the last one too (a held turn resumes after it): prompt +
+        # max_new_tokens positions, rounded up to whole windows
         self.cache_len = -(-context // MIN_WINDOW) * MIN_WINDOW
         self.context_capacity = self.cache_len  # the longest prompt + completion a sequence may have
         arch = model.arch
@@ -148,6 +149,15 @@ class ContinuousEngine:
                       and next(iter(devices)).platform == "cpu" and cpu_attention.available())
             self._relaid = (params, weights, ragged)
         return self._relaid[1]
+
+    def release(self) -> None:
+        """Drop what the last serve kept on the devices: the weights it was given and their decode layout, its slots'
+        caches, its rows. A sampler keeps them (the next serve reuses the layout); a one-shot user (the trainer's
+        evaluations) calls this, or they would stay beside training until its next call."""
+        self._relaid = (None, None, False)
+        self.table.clear()
+        self.rows.reset(None)
+        self.held.clear()
 
     def generate(self, params: Any, prompts: list[list[int]], rng: jax.Array, greedy: bool = False,
                  max_new_tokens: list[int] | None = None,

@@ -275,3 +275,25 @@ def test_an_in_flight_update_holds_one_decode_layout_at_a_time(tiny_parts):
                     refresh=every_other_call(versions))
     assert len(alive_at_relayout) >= 3, alive_at_relayout  # the first version and at least two updates
     assert alive_at_relayout == [0] * len(alive_at_relayout)
+
+
+def test_release_drops_the_weights_their_layout_and_the_caches_of_the_last_serve(tiny_parts):
+    """The trainer's evaluation engine kept the evaluated snapshot, its decode copy and the last serve's caches on the
+    devices beside training until its next evaluation: release() (which the trainer calls after each) frees them."""
+    cfg, task, tok, model = tiny_parts
+    engine = ContinuousEngine(model, tok.pad_id, tok.eos_id, cfg.generation.max_prompt_tokens,
+                              cfg.generation.max_new_tokens, 1.0, slots=8)
+    prompts = [tok.encode(task.train_problem(i).prompt) for i in range(8)]
+    live = lambda: sum(a.nbytes for a in jax.live_arrays())  # noqa: E731
+    snapshot = jax.tree.map(jax.numpy.copy, model.params)
+    jax.block_until_ready(snapshot)
+    before = live()
+    out = engine.generate(snapshot, prompts, jax.random.key(0))
+    del out, snapshot
+    held = live() - before
+    engine.release()
+    freed = held - (live() - before)
+    snapshot_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(model.params))
+    assert freed >= snapshot_bytes, (held, freed, snapshot_bytes)  # at least the snapshot itself went
+    assert live() - before <= -snapshot_bytes + 1024  # and nothing of the serve stayed (beyond a few scalars)
+    engine.generate(model.params, prompts, jax.random.key(0))  # usable again
