@@ -275,12 +275,17 @@ class ContinuousEngine:
         return np.asarray(free)
 
 
-def build(cfg, model: PolicyModel, tokenizer, index: int = 0) -> ContinuousEngine:
-    """The engine registry's entry (sampler.engine=jax)."""
+def engine_settings(cfg) -> dict:
+    """The ContinuousEngine arguments a run's config sets beyond the model and tokenizer: what a sampler builds and
+    what `plan` compiles (the same slots, chunks, length groups and cache, the endpoint's context included)."""
     gen = cfg.generation
     context, field = engine_context(cfg)
-    return ContinuousEngine(model, tokenizer.pad_id, tokenizer.eos_ids, gen.max_prompt_tokens, gen.max_new_tokens,
-                            gen.temperature, slots=gen.decode_slots, chunk_steps=gen.decode_chunk_steps,
-                            length_groups=gen.decode_length_groups,
-                            ragged_attention=gen.decode_attention == "auto", context_tokens=context,
-                            context_field=field)
+    return dict(max_prompt_tokens=gen.max_prompt_tokens, max_new_tokens=gen.max_new_tokens,
+                temperature=gen.temperature, slots=gen.decode_slots, chunk_steps=gen.decode_chunk_steps,
+                length_groups=gen.decode_length_groups, context_tokens=context, context_field=field)
+
+
+def build(cfg, model: PolicyModel, tokenizer, index: int = 0) -> ContinuousEngine:
+    """The engine registry's entry (sampler.engine=jax)."""
+    return ContinuousEngine(model, tokenizer.pad_id, tokenizer.eos_ids, **engine_settings(cfg),
+                            ragged_attention=cfg.generation.decode_attention == "auto")

@@ -229,8 +229,7 @@ def sampler_programs(cfg: RunConfig, arch: Architecture) -> dict:
     gen, s = cfg.generation, cfg.sampler
     mesh = make_mesh(1, s.mesh.tp, jax.devices(), "sampler.mesh.tp")
     model = abstract_model(arch, model_dtype(cfg, "sampler"), mesh)
-    engine = continuous.ContinuousEngine(model, 0, 1, gen.max_prompt_tokens, gen.max_new_tokens, gen.temperature,
-                                         slots=gen.decode_slots, chunk_steps=gen.decode_chunk_steps)
+    engine = continuous.ContinuousEngine(model, 0, 1, **continuous.engine_settings(cfg))
     rows = min(engine.slots, cfg.rows_in_flight())
     slots = engine.table.size_for(rows)
     window = engine.cache_len
