@@ -283,13 +283,15 @@ class TrainerCheckpoints:
         if not isinstance(record, dict) or record.get("step") != step:
             named = record.get("step") if isinstance(record, dict) else None
             raise CheckpointRejected(f"its record names step {named}")
+        if check_files and self.verify and record.get("files_digest"):
+            # before any array is read onto the devices, and before the layout is judged: a damaged record is the
+            # previous checkpoint's turn, not a permanent mismatch that stops the run
+            self._check_files(step)
         if abstract is not None and record.get("layout") not in (None, tree_layout(abstract)):
             raise CheckpointMismatch(
                 f"checkpoint.dir {self.directory}: the checkpoint of step {step} holds a different model or optimizer "
                 "state (parameter shapes, dtypes or the KL reference of algo.beta changed); restore the run's config "
                 "or start a new run with another checkpoint.dir")
-        if check_files and self.verify and record.get("files_digest"):
-            self._check_files(step)  # before any array is read onto the devices
         return record
 
     def _restore(self, step: int, abstract: Any, check_files: bool = True) -> Restored:
@@ -301,6 +303,11 @@ class TrainerCheckpoints:
         except Exception as exc:  # noqa: BLE001 - any other failure to read means "use the previous one"
             if is_transient(exc):
                 raise StorageBlip() from exc
+            if check_files and self.verify and record.get("files_digest"):
+                # its files match their digest: the failure is this process's (host or device memory, a device
+                # error), which would meet every older checkpoint too and move them all aside
+                raise CheckpointUnavailable(f"the checkpoint of step {step} matches its digest but could not be "
+                                            f"restored here: {type(exc).__name__}: {str(exc)[:300]}") from exc
             raise CheckpointRejected(f"{type(exc).__name__}: {str(exc)[:300]}") from exc
         # checkpoints written before the files' digest carry a SHA-256 of their arrays in the record (a gather: every
         # process of a multi-process trainer computes it, in the same order)

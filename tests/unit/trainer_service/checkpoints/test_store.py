@@ -109,6 +109,29 @@ def test_a_storage_down_for_good_stops_the_restore_without_moving_anything(tmp_p
     assert not list(tmp_path.glob("corrupt-*")) and all((tmp_path / str(s)).is_dir() for s in (2, 4, 6))
 
 
+def test_a_restore_failing_here_on_files_that_match_their_digest_moves_nothing(tmp_path):
+    """Host or device memory, a device error: the files are sound (their digest matches), so the same failure would
+    meet every older checkpoint, move them all aside and leave the run nothing to resume from."""
+    saved(tmp_path)
+    ckpt = TrainerCheckpoints(str(tmp_path), keep=3, verify=True, read_attempts=2, sleep=lambda s: None)
+    flaky_storage(ckpt, failures=10, error=MemoryError("host memory"))
+    with pytest.raises(CheckpointUnavailable, match="step 6 matches its digest but could not be restored here"):
+        ckpt.restore_latest(state(0.0))
+    assert not list(tmp_path.glob("corrupt-*")) and all((tmp_path / str(s)).is_dir() for s in (2, 4, 6))
+
+
+def test_a_damaged_record_of_another_layout_falls_back_instead_of_stopping_the_run(tmp_path):
+    """The digest is checked before the layout: a record whose bytes were damaged (here: its layout) is a damaged
+    checkpoint, the previous one's turn, not a config change that stops the run."""
+    saved(tmp_path)
+    record = next(p for p in (tmp_path / "6" / "record").rglob("*") if p.is_file() and p.stat().st_size > 20)
+    text = record.read_text()
+    assert '"layout"' in text
+    record.write_text(text.replace('"layout"', '"layout_"', 1).replace('"layout_": ', '"layout": "x", "was": ', 1))
+    got = TrainerCheckpoints(str(tmp_path), keep=3, verify=True).restore_latest(state(0.0))
+    assert got.step == 4 and len(list(tmp_path.glob("corrupt-6-*"))) == 1
+
+
 def test_only_storage_failures_count_as_transient():
     assert is_transient(TimeoutError()) and is_transient(ConnectionResetError())
     assert is_transient(ValueError("DEADLINE_EXCEEDED: read of gs://b/x"))
