@@ -41,8 +41,9 @@ class TransientError(RuntimeError):
 
 # gRPC status codes whose failure a later call may not meet; every other code (INVALID_ARGUMENT,
 # FAILED_PRECONDITION, PERMISSION_DENIED, UNAUTHENTICATED, UNIMPLEMENTED, ...) repeats on every retry
-_TRANSIENT_GRPC = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", "ABORTED", "CANCELLED",
-                             "UNKNOWN", "INTERNAL"})
+TRANSIENT_GRPC = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", "ABORTED", "CANCELLED",
+                            "UNKNOWN", "INTERNAL"})
+_TRANSIENT_GRPC = TRANSIENT_GRPC
 
 
 def is_transient(exc: BaseException) -> bool:

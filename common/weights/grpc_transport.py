@@ -26,6 +26,7 @@ import numpy as np
 
 from grpo_stream.common.model.sharding import needed_slices
 from grpo_stream.common.rpc.grpc_util import ClientSecurity, open_channel
+from grpo_stream.common.runtime.errors import TRANSIENT_GRPC, PermanentError
 from grpo_stream.common.weights import tcp_wire
 from grpo_stream.common.weights.host_staging import HostStaging
 from grpo_stream.common.weights.host_shards import add_sources, host_shard_snapshot, relative, split_box
@@ -96,6 +97,7 @@ class GrpcFetcher:
         self.security = security
         self.sampler_id, self.streams, self.timeout_s, self.data_host = sampler_id, streams, timeout_s, data_host
         self._warned = False
+        self._unusable: set[tuple[str, int, str]] = set()  # data planes (host, port, trainer epoch) that failed
         self._buffers = ReceiveBuffers()  # what the data plane receives into (see receive_buffers.py)
         self._host_stubs: dict[str, weights_pb2_grpc.WeightServiceStub] = {}  # a multi-host trainer's other hosts
         self._host_channels: list[grpc.Channel] = []  # their channels (closed by close())
@@ -253,6 +255,9 @@ class GrpcFetcher:
         box); others go to receive buffers."""
         deadline = time.monotonic() + self.timeout_s
         host, port = host or self.data_host, port or manifest.data_port
+        plane = (host, port, manifest.trainer_epoch)
+        if plane in self._unusable:  # unreachable once: not paid for again (up to 15 s a lane) at every fetch
+            return self._stream(manifest, lane, place, stub)
         sock = None
         try:
             sock = socket.create_connection((host, port), timeout=min(5, self.timeout_s))
@@ -265,6 +270,7 @@ class GrpcFetcher:
         except (OSError, WeightTransferError) as exc:  # port unreachable (firewall, Service without it) or silent
             if sock is not None:
                 sock.close()
+            self._unusable.add(plane)  # until the trainer restarts (a new epoch, perhaps a new port)
             self._fall_back(host, port, f"{type(exc).__name__}: {exc}")
             return self._stream(manifest, lane, place, stub)
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]:  # all data-plane transfers busy
@@ -273,6 +279,8 @@ class GrpcFetcher:
         with sock:
             if code:
                 name = next((c.name for c in grpc.StatusCode if c.value[0] == code), str(code))
+                if name not in TRANSIENT_GRPC and name != "NOT_FOUND":  # as the same refusal over gRPC: not retried
+                    raise PermanentError(f"weights data plane answered {name}: {message}")
                 raise WeightTransferError(f"weights data plane answered {name}: {message}")
             placed: dict[int, jax.Array] = {}
             for _, t, boxes in lane:

@@ -192,7 +192,9 @@ def test_tcp_data_plane_moves_versions_exactly_and_refuses_bad_requests(stack, t
         data.stop()
 
 
-def test_unreachable_data_plane_falls_back_to_grpc_streams(stack, tiny_parts, caplog):
+def test_unreachable_data_plane_falls_back_to_grpc_streams(stack, tiny_parts, caplog, monkeypatch):
+    import socket
+
     import jax
 
     from grpo_stream.common.rollouts.redis_server import free_port
@@ -211,6 +213,13 @@ def test_unreachable_data_plane_falls_back_to_grpc_streams(stack, tiny_parts, ca
     assert got is not None and got.version == 4 and "fetching over gRPC instead" in caplog.text
     for k, arr in model.to_named_numpy(got.params).items():
         np.testing.assert_array_equal(arr, named[k])
+    # the next version goes over gRPC at once: the unreachable plane (up to 15 s a lane) is not tried again
+    sync.mark_installed(got)
+    tried = []
+    real = socket.create_connection
+    monkeypatch.setattr(socket, "create_connection", lambda *a, **k: tried.append(a) or real(*a, **k))
+    publisher.publish(WeightSnapshot(version=5, arrays=named))
+    assert sync.poll().version == 5 and tried == []
 
 
 def test_busy_data_plane_sends_fetches_over_grpc(stack, tiny_parts):
