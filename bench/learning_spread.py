@@ -53,6 +53,9 @@ SETUPS = {
     # the default lane's shorter GSPO check (tests/e2e/test_demo.py, GSPO_SHORT_STEPS)
     "gspo-100": ["--config", "configs/tiny_arith.yaml", "model.kind=hf", "model.path={warmstart}",
                  "warmstart.steps=0", "algo.loss_algo=gspo-token", "algo.minibatches=2", "trainer.steps=100"],
+    # the default lane's GSPO check since 2026-11-30 (tests/e2e/test_gspo_learning.py, GSPO_SHORT_STEPS)
+    "gspo-24": ["--config", "configs/tiny_arith.yaml", "model.kind=hf", "model.path={warmstart}",
+                "warmstart.steps=0", "algo.loss_algo=gspo-token", "algo.minibatches=2", "trainer.steps=24"],
     # a warm start alone (exported, one RL step, no evaluation): what --warmstart-seeds starts each run from
     "warmstart": ["--config", "configs/tiny_arith.yaml", "warmstart.export=true", "trainer.steps=1",
                   "trainer.eval_before=false", "trainer.eval_after=false"],

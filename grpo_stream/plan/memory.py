@@ -23,6 +23,7 @@ import sys
 
 from grpo_stream.common.config.hardware import CHIP_MEMORY_BYTES, CPU_CHIP, GIB
 from grpo_stream.common.config.schema import RunConfig
+from grpo_stream.common.registry.transports import transport_spec
 from grpo_stream.plan.host_memory import host_estimates, host_fit, host_lines
 
 LORA_NOTE = ("model.lora: rank {rank} adapters, {trained:,} trained parameters ({share:.2%} of the model): the "
@@ -202,7 +203,7 @@ def render(cfg: RunConfig, doc: dict) -> str:
             lines.append(f"    fix: {fix}")
     shared = doc.get("shared_devices")
     if shared:
-        lines.append(f"\nshared devices (hardware.shared_devices): trainer + {cfg.sampler.replicas} sampler(s) "
+        lines.append(f"\nshared devices ({shares_devices(cfg)}): trainer + {cfg.sampler.replicas} sampler(s) "
                      f"{gib(shared['total_bytes'])} of {gib(shared['usable_bytes'])} usable: "
                      f"{'fits' if shared['fits'] else 'DOES NOT FIT'}")
     host = doc.get("cpu_host")
@@ -234,7 +235,7 @@ def run_plan(cfg: RunConfig, json_path: pathlib.Path | None) -> int:
     if "sampler" in doc:
         doc["sampler"] = verdict(cfg, "sampler", doc["sampler"])
     doc["fits"] = all(doc[r]["fits"] for r in ("trainer", "sampler") if r in doc)
-    if cfg.hardware.shared_devices and "sampler" in doc:  # one set of devices holds the trainer and every sampler
+    if shares_devices(cfg) and "sampler" in doc:  # one set of devices holds the trainer and every sampler
         together = doc["trainer"]["per_device_bytes"]["total"] + (
             cfg.sampler.replicas * doc["sampler"]["per_device_bytes"]["total"])
         doc["shared_devices"] = {"total_bytes": together, "usable_bytes": doc["trainer"]["usable_bytes"],
@@ -256,3 +257,16 @@ def run_plan(cfg: RunConfig, json_path: pathlib.Path | None) -> int:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(doc, indent=1))
     return 0 if doc["fits"] else 1
+
+
+def shares_devices(cfg: RunConfig) -> str | None:
+    """Why the trainer and the samplers hold the same devices (the setting that says so), or None: hardware.
+    shared_devices, or weights.transport=local (one process) with device shares that overlap (`up` runs it as
+    `colocated`, which gives both every device when both fractions are 1)."""
+    if cfg.hardware.shared_devices:
+        return "hardware.shared_devices"
+    w = cfg.weights
+    if transport_spec(w.transport).in_process and w.trainer_devices_fraction + w.sampler_devices_fraction > 1:
+        return (f"weights.transport={w.transport} with weights.trainer_devices_fraction + "
+                f"sampler_devices_fraction > 1")
+    return None

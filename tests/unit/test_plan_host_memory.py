@@ -123,3 +123,21 @@ def test_the_child_measures_what_a_phase_adds_to_its_resident_memory():
     out, growth = compile_growth(allocate)
     assert out == "done" and growth is not None
     assert 90 * MIB <= growth["retained"] <= growth["peak"] < 200 * MIB
+
+
+def test_the_local_transport_on_shared_devices_is_planned_as_one_set_of_devices(monkeypatch, capsys):
+    """weights.transport=local with both device shares 1 (the default): `up` runs the trainer and the samplers in one
+    process on the same devices, and the plan checked each alone ("fits") where together they do not."""
+    from grpo_stream.plan import memory
+
+    monkeypatch.setattr(memory, "compile_programs", lambda cfg: copy.deepcopy(child_report()))
+    monkeypatch.setattr("grpo_stream.plan.programs.architecture", lambda cfg: None)
+    sized = ["hardware.trainer_chip=h100-80gb", "hardware.trainer_memory_gib=3"]
+    assert memory.run_plan(config(*sized), None) == 0  # each process on devices of its own: each fits
+    capsys.readouterr()
+    assert memory.run_plan(config(*sized, "weights.transport=local"), None) == 1
+    out = capsys.readouterr().out
+    assert "shared devices (weights.transport=local with weights.trainer_devices_fraction" in out, out
+    assert "DOES NOT FIT" in out
+    halves = ["weights.transport=local", "weights.trainer_devices_fraction=0.5", "weights.sampler_devices_fraction=0.5"]
+    assert memory.shares_devices(config(*sized, *halves)) is None  # split devices: planned apart
