@@ -146,30 +146,38 @@ def tiny_parts(small_cfg):
     return small_cfg, task, tokenizer, model
 
 
-# The longest test files, longest first (measured: `bash .ci/run` on a fresh clone, 2026-11-26, seconds on a slow
-# 2-core machine). Collection puts them first and pyproject.toml turns off xdist's own order (files with the most
-# tests first), so the workers start on the long files and end on short unit files instead of one worker
-# finishing the demo or `bench all` alone while the other core idles (seen: the last 10 minutes of a 53-minute run).
+# The longest test files, longest first (worker-seconds of `bash .ci/run` on a fresh clone, 2026-11-30, on a 2-core
+# AMD EPYC; a slower machine takes about 1.7 times as long). Collection puts them first and pyproject.toml turns off
+# xdist's own order (files with the most tests first), so the workers start on the long files and end on short
+# unit files instead of one worker finishing a long run alone while the other core idles (seen: the last 10
+# minutes of a 53-minute run). Files of other lanes lead when their lane runs.
 LONGEST_FIRST = (
     "tests/e2e/test_demo.py",  # ~560 s: the demo run (the learning lane's)
-    "tests/e2e/test_gspo_learning.py",  # ~200 s: the default lane's learning check (100 steps); 400 in `learning`
-    "tests/bench/test_bench_all_quick.py",  # 410 s
-    "tests/e2e/test_plan.py",  # ~200 s: the tiny config's plans (the presets' are in the heavy lane)
-    "tests/e2e/test_up.py",  # 330 s
-    "tests/unit/common/engine/test_continuous.py",  # 290 s
-    "tests/unit/trainer_service/learning/test_packed_update.py",  # ~90 s: against a plain reference, and on a 4-device mesh
+    "tests/bench/test_bench_all_quick.py",  # 410 s (the bench lane's)
+    "tests/e2e/test_up.py",  # ~200 s: the Ctrl-C run and its resume, the installed copy's
+    "tests/unit/common/engine/test_continuous.py",  # ~130 s
+    "tests/unit/trainer_service/learning/test_packed_update.py",  # ~140 s: the pairwise cover against a plain loop
+    "tests/unit/common/engine/test_vllm_engine.py",  # ~90 s, the vLLM environment's start included
+    "tests/e2e/test_multihost_trainer.py",  # ~90 s: a 2-process trainer run
+    "tests/e2e/test_gspo_learning.py",  # ~60 s: GSPO under `up`, 24 steps (100 and 400 in `learning`)
+    "tests/e2e/test_verifiers_run.py",  # ~60 s
+    "tests/e2e/test_prompt_injection.py",  # ~60 s
+    "tests/e2e/test_gsm8k_run.py",  # ~60 s
+    "tests/e2e/test_multi_turn_demo.py",  # ~55 s
+    "tests/unit/common/engine/test_vllm_serve.py",  # ~60 s
+    "tests/e2e/test_lora_run.py",  # ~55 s
+    "tests/e2e/test_vllm_sampler.py",  # ~75 s: two runs
+    "tests/e2e/test_plan.py",  # ~45 s: the tiny config's plans (the presets' are in the heavy lane)
+    "tests/e2e/test_smoke_run.py",  # ~45 s
+    "tests/e2e/test_openai_live.py",  # ~40 s
+    "tests/e2e/test_supervision.py",  # ~35 s
     "tests/unit/trainer_service/learning/test_grad_accumulation.py",  # ~40 s (its mesh and GSPO updates are heavy)
-    "tests/e2e/test_weight_faults.py",  # 200 s
-    "tests/unit/common/engine/test_vllm_engine.py",  # 200 s
+    "tests/e2e/test_weight_faults.py",  # 200 s (the chaos lane's in part)
     "tests/e2e/test_weight_meshes.py",  # 190 s (the heavy lane's since 2026-11-29)
-    "tests/e2e/test_lora_run.py",  # ~90 s: a LoRA run over grpc, and its resume
-    "tests/e2e/test_multihost_trainer.py",  # ~150 s: two 2-process trainer runs
     "tests/e2e/test_multihost_restore_step.py",  # ~60 s
     "tests/e2e/test_run_dir_guard.py",  # ~45 s
     "tests/unit/common/model/test_families.py",  # ~60 s: every family x every feature
     "tests/unit/trainer_service/test_trainer_core.py",  # ~40 s
-    "tests/e2e/test_verifiers_run.py",  # ~90 s: two `up` runs on verifiers environments
-    "tests/e2e/test_ifeval_run.py",  # ~50 s
 )
 
 

@@ -15,7 +15,9 @@ import pytest
 from tests.e2e.distill_teacher import make_teacher
 from tests.e2e.test_up import check_run, run_cli
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+# -m heavy (about 45 s of a worker): the default lane holds the distillation objective (test_distill.py) and its
+# plan (test_plan_teacher.py); -m learning runs distillation under `up` and checks that it learns
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.heavy]
 STEPS = 24
 KEYS = ("train/distill_kl", "train/distill_kl_p50", "train/distill_kl_p90", "train/distill_kl_p99",
         "train/distill_teacher_logprob")

@@ -1,7 +1,9 @@
-"""GSPO learns, where its objective differs from GRPO's: two optimizer steps per batch (minibatches=2), so the
+"""GSPO under `up`, where its objective differs from GRPO's: two optimizer steps per batch (minibatches=2), so the
 importance ratio of the second is not 1 and GSPO's sequence-level ratio (against the sampler's policy, GSPO's own
-clip 3e-4 / 4e-4) acts. 100 steps held to calibrated learning bars: the default lane's learning check (the CPU demo's
-400 steps from its own warm start are in the `learning` lane: tests/e2e/test_demo.py); and 400 steps (`-m learning`).
+clip 3e-4 / 4e-4) acts. The default lane runs 24 steps and checks what any such run must show (the ratio and the
+clip act, lag-0 agreement, admission's waste, the console's length); 24 steps cannot hold a learning bar
+(calibration/gspo-24.json: the 99% bounds of ten runs are at or below 0). The learning checks are `-m learning`:
+100 steps held to calibrated bars, and 400 steps.
 
 Both start from a warm start kept in the tree (tests/data/gspo-warmstart: the CPU demo's supervised warm start,
 `run.seed=0`, exported on 2026-11-29; 1.7 MB), not from the one the demo run beside them makes. A warm start differs
@@ -30,6 +32,7 @@ WARMSTART = pathlib.Path(__file__).resolve().parents[1] / "data" / "gspo-warmsta
 # measured runs of the same setup (made with `python -m grpo_stream.bench.learning_spread gspo-100 --warmstart
 # tests/data/gspo-warmstart`), rounded down: a healthy run whose gain is normal fails a bar with probability <= 1%
 # (the expected false-failure rate of each check).
+GSPO_CHECK_STEPS = 24  # the default lane's run (about 60 s of a worker)
 GSPO_SHORT_STEPS = 100
 # calibration/gspo-100-fixed-warmstart.json (2026-11-29: 10 runs, two at once as CI's two workers run them, on a
 # loaded machine; mean staleness 1.45-1.58):
@@ -73,9 +76,17 @@ def gspo_run(tmp_path: pathlib.Path, steps: int) -> Run:
     return run
 
 
+def test_a_gspo_run_shows_its_ratio_and_clip_acting(tmp_path):
+    """24 steps, gspo_run's checks (GSPO's objective itself: test_gspo_off_policy.py, test_loss.py); no learning
+    bar: see the module's docstring."""
+    run = gspo_run(tmp_path, GSPO_CHECK_STEPS)
+    assert run.summary["eval_after"]["num_problems"] == run.summary["eval_before"]["num_problems"] > 0
+
+
+@pytest.mark.learning
 def test_gspo_learns_in_100_steps(tmp_path):
-    """100 steps (~100 s of an idle worker, ~3 minutes in the lane), held to the calibrated bars above (GSPO's
-    objective itself: test_gspo_off_policy.py, test_loss.py). The default lane's check that the loop learns."""
+    """100 steps (~100 s of an idle worker, ~3 minutes in a lane of two workers), held to the calibrated bars
+    above."""
     run = gspo_run(tmp_path, GSPO_SHORT_STEPS)
     before, after = run.summary["eval_before"], run.summary["eval_after"]
     assert after["pass_at_k"]["1"] - before["pass_at_k"]["1"] >= GSPO_SHORT_MIN_SAMPLED_GAIN, (

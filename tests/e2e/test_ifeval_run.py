@@ -9,7 +9,9 @@ import pytest
 
 from tests.e2e.test_up import check_run, run_cli
 
-pytestmark = pytest.mark.e2e
+# -m heavy: a minute of a worker; the default lane holds IFEval's rewards against lm-eval's own scoring
+# (tests/unit/common/tasks/test_ifeval.py) and the loop under `up` on other tasks
+pytestmark = [pytest.mark.e2e, pytest.mark.heavy]
 FIGURES = ("prompt_level_strict_acc", "inst_level_strict_acc", "prompt_level_loose_acc", "inst_level_loose_acc")
 
 
