@@ -131,7 +131,7 @@ def open_sampler(cfg: RunConfig, index: int, sampler_id: str, stop_event, device
         sync = WeightSync(weight_fetcher(cfg, sampler_id, channel, security, hub), model, mesh, sampler_id,
                           cfg.weights.retry_initial_s, cfg.weights.retry_max_s, cfg.trainer.max_staleness, channel,
                           background=cfg.weights.background_fetch, fit_hint=fit_hint(cfg),
-                          abandon_after_s=2 * cfg.sampler.rpc_timeout_s + 10)
+                          overdue_after_s=2 * cfg.sampler.rpc_timeout_s + 10)
         stack.callback(sync.close)
         # rollouts go to the ingest, which is the trainer's server unless it runs on its own (ingest.standalone)
         ingest_channel = channel

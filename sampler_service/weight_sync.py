@@ -72,17 +72,18 @@ class WeightSync:
     """Polls a fetcher and installs newer versions whole; reports the installed version to the trainer. `clock`
     (time.monotonic by default) times the back-off after a failed fetch; a test moves it instead of waiting.
     `fit_hint`: what the error says to do when a published version does not fit `model` (which setting to give the
-    sampler). `abandon_after_s`: a background check or fetch still running after this long (a hung shared disk
-    under the checkpoint transport, which has no deadline of its own) counts as a failed fetch and is left behind,
-    so the lag and the failures show it and a new attempt starts (None: waited for)."""
+    sampler). `overdue_after_s`: a background check or fetch still running after this long (a hung shared disk
+    under the checkpoint transport, which has no deadline of its own) counts as a failure, once, and is reported,
+    so the trainer's status shows it; it is still waited for (a slow restore of a large model is not a hung one,
+    and a second attempt beside it would hold a second copy of the weights). None: never counted."""
 
     def __init__(self, fetcher, model: PolicyModel, mesh: jax.sharding.Mesh, sampler_id: str,
                  retry_initial_s: float = 0.5, retry_max_s: float = 10.0, max_staleness: int | None = None,
                  channel: grpc.Channel | None = None, background: bool = False,
                  clock: Callable[[], float] = time.monotonic, fit_hint: str = "",
-                 abandon_after_s: float | None = None):
+                 overdue_after_s: float | None = None):
         self.fetcher, self.model, self.sampler_id, self.clock = fetcher, model, sampler_id, clock
-        self.abandon_after_s = abandon_after_s
+        self.overdue_after_s = overdue_after_s
         self.fit_hint = fit_hint
         self.max_staleness = max_staleness
         self._backoff = Backoff(retry_initial_s, retry_max_s)
@@ -103,7 +104,7 @@ class WeightSync:
         self.failures, self._next_attempt = 0, 0.0
         self.background = background
         self._pending: concurrent.futures.Future | None = None
-        self._pending_since = 0.0
+        self._pending_since, self._overdue_counted = 0.0, False
 
     @property
     def installed_version(self) -> int:
@@ -134,16 +135,21 @@ class WeightSync:
             # poll interval later; anything slower carries on in the background
             concurrent.futures.wait([self._pending], timeout=QUICK_WAIT_S)
         if not self._pending.done():
-            if self.abandon_after_s is None or self.clock() - self._pending_since <= self.abandon_after_s:
-                return None
-            self._pending = None  # its thread may never return: left behind, its outcome never read
-            return self._settle(self._abandoned)
-        pending, self._pending = self._pending, None
+            overdue = self.overdue_after_s is not None and self.clock() - self._pending_since > self.overdue_after_s
+            if overdue and not self._overdue_counted:
+                self._overdue_counted = True  # once per attempt: the lag and the failures show it
+                self.failures += 1
+                log.warning("%s: a weight check or fetch has run for %.0f s (sampler.rpc_timeout_s x 2 + 10 s) and "
+                            "goes on; is the trainer or the weights' storage hung? (version %d in use, lag %d)",
+                            self.sampler_id, self.clock() - self._pending_since, self.installed_version, self.lag())
+                self.report()
+            return None
+        pending, self._pending, self._overdue_counted = self._pending, None, False
         return self._settle(pending.result)
 
     def _start_attempt(self) -> concurrent.futures.Future:
-        """A check (and fetch) on a daemon thread of its own: one blocked in storage for ever is left behind
-        without keeping the process from exiting, as a pool's worker would."""
+        """A check (and fetch) on a daemon thread of its own: one blocked in storage for ever does not keep the
+        process from exiting, as a pool's worker would."""
         future: concurrent.futures.Future = concurrent.futures.Future()
 
         def attempt() -> None:
@@ -156,11 +162,6 @@ class WeightSync:
 
         threading.Thread(target=attempt, name="weight-fetch", daemon=True).start()
         return future
-
-    def _abandoned(self) -> None:
-        raise WeightTransferError(f"a weight check or fetch still running after {self.abandon_after_s:.0f}s "
-                                  "(twice sampler.rpc_timeout_s, plus 10 s) is left behind: is the trainer or the "
-                                  "weights' storage hung? raise sampler.rpc_timeout_s if fetches need longer")
 
     def has_result(self) -> bool:
         """A background check or fetch has finished: the next poll() returns its outcome."""

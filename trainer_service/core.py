@@ -318,11 +318,8 @@ class TrainerCore:
         p = self.parts
 
         def evaluate(step: int, params, progress) -> dict:
-            try:
-                return evaluate_heldout(self.cfg, p.engine, params, p.task, p.tokenizer, f"eval at step {step}",
-                                        progress=progress)
-            finally:  # the snapshot evaluated, its decode layout and caches: not kept beside training until the next
-                p.engine.release()
+            return evaluate_heldout(self.cfg, p.engine, params, p.task, p.tokenizer, f"eval at step {step}",
+                                    progress=progress)
 
         self.evaluator = InRunEvaluator(evaluate, self._record, self.cfg.eval.max_share, record.get("eval_curve"))
         self.evaluator.skipped = list(record.get("eval_skipped") or [])
@@ -374,11 +371,8 @@ class TrainerCore:
     # -- shared by the phases -----------------------------------------------------------------------------------
     def evaluate(self, label: str) -> dict:
         p = self.parts
-        try:
-            return evaluate_heldout(self.cfg, p.engine, self.policy.plain(self.params), p.task, p.tokenizer, label,
-                                    progress=self.progress)
-        finally:  # with LoRA, plain() merged a copy: neither it nor its decode layout stays beside training
-            p.engine.release()
+        return evaluate_heldout(self.cfg, p.engine, self.policy.plain(self.params), p.task, p.tokenizer, label,
+                                progress=self.progress)
 
     def _export(self, name: str, what: str) -> None:
         """RUN_DIR/name as a Hugging Face directory: every process takes part in the gather, process 0 writes."""

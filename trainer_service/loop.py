@@ -198,6 +198,7 @@ def run_trainer(cfg: RunConfig, run_dir: pathlib.Path) -> dict | None:
         return trainer.run()
     except BaseException as exc:
         # process 0 failing while the others wait for its next message: JAX's at-exit shutdown would hold this
-        # process at a barrier for 5 minutes (then abort), and the supervisor would see a live job meanwhile
+        # process at a barrier for 5 minutes (then abort), and the supervisor would see a live job meanwhile. It
+        # exits 3 for a permanent failure (recorded), else 1 (restarted): config errors were met before run()
         stop_now(0, exc, run_dir)
-        raise
+        raise  # an interrupt (Ctrl-C, SystemExit), which stop_now leaves to the CLI

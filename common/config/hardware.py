@@ -87,11 +87,16 @@ class HardwareSection(Strict):
     @field_validator("trainer_env", "sampler_env", mode="before")
     @classmethod
     def _values_as_text(cls, env: object) -> object:
-        """An environment variable's value is text: `CUDA_VISIBLE_DEVICES=1` (YAML reads 1) and `XLA_FLAGS` lists
-        written as numbers mean their text. Booleans and nulls are refused, as YAML's `true` is not a shell's."""
+        """An environment variable's value is text: `CUDA_VISIBLE_DEVICES=1` (YAML reads the integer 1) means "1".
+        Only a plain integer is taken so: YAML has already rewritten other numbers (`2.10` is 2.1, `0x10` is 16),
+        and they, booleans and nulls are refused, naming the fix (quote the value)."""
         if not isinstance(env, dict):
             return env
-        return {k: str(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v for k, v in env.items()}
+        for key, value in env.items():
+            if not isinstance(value, (str, int)) or isinstance(value, bool):
+                raise ValueError(f"{key}={value!r}: an environment variable's value is text, and YAML read this one "
+                                 f"as {type(value).__name__}; quote it (as \"{key}: '...'\" in the file)")
+        return {k: str(v) if type(v) is int else v for k, v in env.items()}
 
     @field_validator("trainer_devices")
     @classmethod

@@ -86,8 +86,8 @@ class SamplerSection(Strict):
                                         "the number of sampler processes.")
     rpc_timeout_s: float = Field(30.0, gt=0, le=3600, description="Deadline of one weight fetch (each gRPC fetch "
                                  "stream's; a background check or fetch of any transport still running at twice it "
-                                 "plus 10 s is left behind and counted as a failure). Raise it when a whole version "
-                                 "takes longer to arrive.")
+                                 "plus 10 s is counted as a failure in the sampler's report, and still waited for). "
+                                 "Raise it when a whole version takes longer to arrive.")
     connect_timeout_s: float = Field(120.0, gt=0, le=3600, description="How long a sampler waits for an unreachable "
                                      "or silent trainer before it exits. A trainer that answers but has not published "
                                      "yet (warm start, eval_before) is waited for without limit.")

@@ -282,10 +282,10 @@ def engine_settings(cfg) -> dict:
     context, field = engine_context(cfg)
     return dict(max_prompt_tokens=gen.max_prompt_tokens, max_new_tokens=gen.max_new_tokens,
                 temperature=gen.temperature, slots=gen.decode_slots, chunk_steps=gen.decode_chunk_steps,
-                length_groups=gen.decode_length_groups, context_tokens=context, context_field=field)
+                length_groups=gen.decode_length_groups, ragged_attention=gen.decode_attention == "auto",
+                context_tokens=context, context_field=field)
 
 
 def build(cfg, model: PolicyModel, tokenizer, index: int = 0) -> ContinuousEngine:
     """The engine registry's entry (sampler.engine=jax)."""
-    return ContinuousEngine(model, tokenizer.pad_id, tokenizer.eos_ids, **engine_settings(cfg),
-                            ragged_attention=cfg.generation.decode_attention == "auto")
+    return ContinuousEngine(model, tokenizer.pad_id, tokenizer.eos_ids, **engine_settings(cfg))

@@ -37,6 +37,7 @@ from grpo_stream.common.weights.transport import SinkContext, SourceContext, che
 from grpo_stream.protos import weights_pb2, weights_pb2_grpc
 
 log = logging.getLogger(__name__)
+DATA_PLANE_RETRY_S = 300.0  # a data plane that could not be reached is tried again after this long
 
 
 class GrpcSink:
@@ -97,7 +98,8 @@ class GrpcFetcher:
         self.security = security
         self.sampler_id, self.streams, self.timeout_s, self.data_host = sampler_id, streams, timeout_s, data_host
         self._warned = False
-        self._unusable: set[tuple[str, int, str]] = set()  # data planes (host, port, trainer epoch) that failed
+        # data planes (host, port, trainer epoch) that could not be reached -> until when they are not tried again
+        self._unusable: dict[tuple[str, int, str], float] = {}
         self._buffers = ReceiveBuffers()  # what the data plane receives into (see receive_buffers.py)
         self._host_stubs: dict[str, weights_pb2_grpc.WeightServiceStub] = {}  # a multi-host trainer's other hosts
         self._host_channels: list[grpc.Channel] = []  # their channels (closed by close())
@@ -256,21 +258,23 @@ class GrpcFetcher:
         deadline = time.monotonic() + self.timeout_s
         host, port = host or self.data_host, port or manifest.data_port
         plane = (host, port, manifest.trainer_epoch)
-        if plane in self._unusable:  # unreachable once: not paid for again (up to 15 s a lane) at every fetch
+        if time.monotonic() < self._unusable.get(plane, 0.0):  # unreachable lately: not paid for at every fetch
             return self._stream(manifest, lane, place, stub)
-        sock = None
         try:
             sock = socket.create_connection((host, port), timeout=min(5, self.timeout_s))
+        except OSError as exc:  # port unreachable (a firewall, a Service without it): tried again in a while
+            self._unusable[plane] = time.monotonic() + DATA_PLANE_RETRY_S
+            self._fall_back(host, port, f"{type(exc).__name__}: {exc}")
+            return self._stream(manifest, lane, place, stub)
+        try:
             security = self.security or ClientSecurity()
             if security.ssl_context is not None:
                 sock = security.ssl_context.wrap_socket(sock, server_hostname=security.server_name or host)
             sock.sendall(tcp_wire.encode_request(self._request(manifest, lane).SerializeToString(),
                                                     security.token))
             code, message = tcp_wire.read_status(sock, min(deadline, time.monotonic() + 10))
-        except (OSError, WeightTransferError) as exc:  # port unreachable (firewall, Service without it) or silent
-            if sock is not None:
-                sock.close()
-            self._unusable.add(plane)  # until the trainer restarts (a new epoch, perhaps a new port)
+        except (OSError, WeightTransferError) as exc:  # silent, or the connection dropped: this fetch over gRPC
+            sock.close()
             self._fall_back(host, port, f"{type(exc).__name__}: {exc}")
             return self._stream(manifest, lane, place, stub)
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]:  # all data-plane transfers busy

@@ -261,12 +261,11 @@ def run_plan(cfg: RunConfig, json_path: pathlib.Path | None) -> int:
 
 def shares_devices(cfg: RunConfig) -> str | None:
     """Why the trainer and the samplers hold the same devices (the setting that says so), or None: hardware.
-    shared_devices, or weights.transport=local (one process) with device shares that overlap (`up` runs it as
-    `colocated`, which gives both every device when both fractions are 1)."""
+    shared_devices, or weights.transport=local (one process) with both device shares 1, the default, which `up`
+    runs as `colocated` on every device for both (other overlapping shares are refused there)."""
     if cfg.hardware.shared_devices:
         return "hardware.shared_devices"
     w = cfg.weights
-    if transport_spec(w.transport).in_process and w.trainer_devices_fraction + w.sampler_devices_fraction > 1:
-        return (f"weights.transport={w.transport} with weights.trainer_devices_fraction + "
-                f"sampler_devices_fraction > 1")
+    if transport_spec(w.transport).in_process and w.trainer_devices_fraction == w.sampler_devices_fraction == 1.0:
+        return f"weights.transport={w.transport} with both device shares 1"
     return None

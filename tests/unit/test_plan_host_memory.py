@@ -137,7 +137,7 @@ def test_the_local_transport_on_shared_devices_is_planned_as_one_set_of_devices(
     capsys.readouterr()
     assert memory.run_plan(config(*sized, "weights.transport=local"), None) == 1
     out = capsys.readouterr().out
-    assert "shared devices (weights.transport=local with weights.trainer_devices_fraction" in out, out
+    assert "shared devices (weights.transport=local with both device shares 1)" in out, out
     assert "DOES NOT FIT" in out
     halves = ["weights.transport=local", "weights.trainer_devices_fraction=0.5", "weights.sampler_devices_fraction=0.5"]
     assert memory.shares_devices(config(*sized, *halves)) is None  # split devices: planned apart

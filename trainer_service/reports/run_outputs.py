@@ -21,8 +21,13 @@ log = logging.getLogger(__name__)
 
 def evaluate_heldout(cfg: RunConfig, engine, params, task, tokenizer, label: str, progress=None) -> dict:
     """Greedy accuracy and mean reward (and sampled pass@k / maj@k with eval.samples) on eval.num_problems held-out
-    problems, each made by the run's rollout kind (common/episodes/evaluation.py evaluate_run)."""
-    result = evaluate_run(cfg, engine, params, task, tokenizer, task.heldout(cfg.eval.num_problems), progress)
+    problems, each made by the run's rollout kind (common/episodes/evaluation.py evaluate_run). The trainer's engine
+    is released after it: the weights evaluated (a snapshot, LoRA's merged copy), their decode layout and the
+    caches do not stay on the devices beside training."""
+    try:
+        result = evaluate_run(cfg, engine, params, task, tokenizer, task.heldout(cfg.eval.num_problems), progress)
+    finally:
+        engine.release()
     sampled = (f", sampled pass@1 {result.pass_at_k['1']:.3f} ({cfg.eval.samples} samples)"
                if "1" in result.pass_at_k else "")
     own = "".join(f", {name} {value:.3f}" for name, value in result.task_metrics.items())  # e.g. IFEval's four

@@ -11,6 +11,7 @@ import numpy as np
 from grpo_stream.common.config.schema import RunConfig
 from grpo_stream.common.rollouts.buffer import BufferUnavailable, RolloutBuffer
 from grpo_stream.common.runtime.prometheus import OTHER, BoundedGauge, ServiceMetrics, bounded_series
+from grpo_stream.trainer_service.learning.batching import training_rewards
 from grpo_stream.trainer_service.reports.metrics import Tracker, sample_rows
 
 log = logging.getLogger(__name__)
@@ -73,6 +74,13 @@ class StepReporter:
         self._last_line = 0.0
         self._window: list[tuple[float, int, int]] = []  # (time, tokens, groups) of recent steps, for rates
 
+    def _without_signal(self, groups) -> int:
+        """Groups whose training rewards (the overlong penalty included) are all equal: zero advantages, as
+        algo.dynamic_sampling judges them."""
+        max_new = self.cfg.generation.max_new_tokens
+        return int(sum(np.ptp(training_rewards(g.rewards, np.array([len(c.token_ids) for c in g.completions]),
+                                               self.cfg.algo, max_new)) == 0 for g in groups))
+
     def rates(self, tokens: int, groups: int, window_s: float = 30.0) -> tuple[float, float]:
         """Tokens/s and groups/s trained over the last `window_s` seconds (not a run-long average, which would climb
         all run as start-up time is amortised)."""
@@ -103,7 +111,7 @@ class StepReporter:
                "wait_seconds": phases["plan_wait_seconds"], "tokens_per_second": tokens_per_second,
                "groups_per_second": groups_per_second, "step_seconds": step_seconds,
                "compute_share": phases["compute_seconds"] / max(step_seconds, 1e-9),
-               "zero_variance_groups": int(sum(np.ptp(g.rewards) == 0 for g in groups)),
+               "zero_variance_groups": self._without_signal(groups),
                "weight_version": self.publisher.latest_version or 0, **component_means(groups)}
         self.metrics.scalars(step, row, prefix="train/")
         self._export(step, row, counters)

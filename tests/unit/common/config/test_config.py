@@ -77,6 +77,8 @@ def test_numbers_read_as_yaml_1_2_and_a_comment_is_no_value(tmp_path):
                              "hardware.sampler_env.CUDA_VISIBLE_DEVICES=1"])
     assert cfg.sampler.vllm.engine_args == {"cpu_offload_gb": 0.5} and cfg.algo.epsilon_high == 0.2
     assert cfg.hardware.sampler_env == {"CUDA_VISIBLE_DEVICES": "1"}  # an environment variable's value is text
+    with pytest.raises(ConfigError, match=r"hardware.sampler_env: .*X=2.1: .*read this one as float; quote it"):
+        load_config(None, ["hardware.sampler_env.X=2.10"])  # YAML already made it 2.1: not what was written
     (tmp_path / "c.yaml").write_text("sampler:\n  vllm:\n    engine_args: {swap_space: 1e1}\n")
     assert load_config(tmp_path / "c.yaml").sampler.vllm.engine_args == {"swap_space": 10.0}
     with pytest.raises(ConfigError, match=r"task.system_prompt: value '# hi' starts with '#'.*quote it"):

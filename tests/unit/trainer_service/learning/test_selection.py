@@ -63,3 +63,17 @@ def test_with_the_overlong_penalty_equal_rewards_of_different_lengths_are_a_sign
     assert not no_signal(sized([16, 10, 10, 15])) and FLAT(sized([16, 10, 10, 15]))
     assert no_signal(sized([4, 6, 8, 5]))  # all before the ramp: the same reward, no signal
     assert no_signal_test(load_config(None, []).algo, 16) is None  # dynamic sampling off
+
+
+def test_the_step_report_counts_groups_without_signal_as_dynamic_sampling_judges_them():
+    from grpo_stream.trainer_service.reports.step_report import StepReporter
+
+    reporter = StepReporter.__new__(StepReporter)  # its counting alone
+    reporter.cfg = load_config(None, ["generation.max_new_tokens=16", "algo.overlong=penalty",
+                                      "algo.overlong_buffer_tokens=8"])
+
+    def sized(lengths):
+        comps = [CompletionData(np.ones(n, np.int32), np.full(n, -1.0, np.float32), 1.0, False) for n in lengths]
+        return GroupData(f"g{lengths}", "p", np.array([1], np.int32), comps, 5, "s")
+
+    assert reporter._without_signal([sized([16, 10, 10, 15]), sized([4, 6, 8, 5])]) == 1
