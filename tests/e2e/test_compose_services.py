@@ -211,9 +211,12 @@ def test_compose_services_run_as_local_processes(tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == STEPS and summary["groups_trained"] >= STEPS
     assert summary["groups_dropped_invalid"] == 0
-    for index in (0, 1):
-        sampler = json.loads((run_dir / f"sampler-{index}.json").read_text())
-        assert sampler["groups"] > 0
+    samplers = [json.loads((run_dir / f"sampler-{index}.json").read_text()) for index in (0, 1)]
+    # what was trained came from the samplers; not from each: a sampler that connects after its retry's back-off
+    # can find a 4-step run over (seen 2026-11-30 on a fast machine with warm compilation caches: sampler-1
+    # connected 2 s after sampler-0, as step 1 ended, and the run ended 1 s later with 0 groups of its own)
+    assert sum(sampler["groups"] for sampler in samplers) >= summary["groups_trained"]
+    for sampler in samplers:
         assert sampler["versions"][-1] == STEPS  # the final version reached every sampler
         assert sampler["final_weights"]["sha256"] == summary["final_weights"]["sha256"]
 
