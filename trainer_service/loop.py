@@ -111,10 +111,23 @@ class Trainer:
                 self.source.close()
             if self.core is not None:
                 self.core.close(failed)
-            for part, close in (("status", lambda p: p.stop()), ("checkpoints", lambda p: p.close()),
-                                ("reporter", lambda p: p.close(failed)), ("lease", lambda p: p.release())):
-                if getattr(self.s, part) is not None:
-                    close(getattr(self.s, part))
+            self._close_parts(failed)
+
+    def _close_parts(self, failed: bool) -> None:
+        """Close each part even after another failed to (a reporter whose close raises must not keep the run's lease
+        held); the first error is raised after all were tried."""
+        error = None
+        for part, close in (("status", lambda p: p.stop()), ("checkpoints", lambda p: p.close()),
+                            ("reporter", lambda p: p.close(failed)), ("lease", lambda p: p.release())):
+            if getattr(self.s, part) is None:
+                continue
+            try:
+                close(getattr(self.s, part))
+            except Exception as exc:  # noqa: BLE001 - the next parts must still close
+                log.exception("closing the trainer's %s failed", part)
+                error = error or exc
+        if error is not None and not failed:
+            raise error
 
     def _setup(self) -> None:
         cfg, s = self.cfg, self.s

@@ -28,9 +28,13 @@ def wandb_home(tmp_path, monkeypatch):
     return tmp_path
 
 
-def test_an_offline_run_holds_the_config_every_family_of_scalars_the_sample_tables_and_the_summary(wandb_home):
-    cfg = load_config(None, [*OFFLINE, "tracking.wandb.samples_every=2", "tracking.wandb.samples_max_rows=4",
-                             "task.verifiers.args.api_key=sk-live-secret", "sampler.vllm.engine_args.hf_token=hf_secret"])
+def test_an_offline_run_holds_the_config_every_family_of_scalars_the_sample_tables_and_the_summary(wandb_home,
+                                                                                                    monkeypatch):
+    overrides = [*OFFLINE, "tracking.wandb.samples_every=2", "tracking.wandb.samples_max_rows=4",
+                 "task.verifiers.args.api_key=sk-live-secret", "sampler.vllm.engine_args.hf_token=hf_secret"]
+    cfg = load_config(None, overrides)
+    # as `up` and compose start the trainer: every override on its command line, which W&B's metadata would keep
+    monkeypatch.setattr(sys, "argv", [sys.argv[0], "trainer", *overrides])
     run_dir = wandb_home / "run"
     trackers = open_trackers(cfg, run_dir)
     trackers.scalars(10, {"loss": 2.0}, prefix="warmstart/")  # warm-start steps count from 1 like RL steps

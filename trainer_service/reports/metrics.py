@@ -145,14 +145,16 @@ class FanOut(Tracker):
         self._each("summary", values)
 
     def close(self, failed: bool = False) -> None:
-        """Close every backend, even after one fails to (the first error is raised once all were tried)."""
+        """Close every backend, even after one fails to (the first error of a required one is raised once all were
+        tried; an optional one's, W&B's, is logged: it never fails a run that ended)."""
         error = None
         for backend in self.backends:
             try:
                 backend.close(failed)
             except Exception as exc:  # noqa: BLE001 - the others must still flush their files
                 log.exception("closing the %s tracker failed", type(backend).__name__)
-                error = error or exc
+                if not any(backend is o for o in self.optional):
+                    error = error or exc
         if error is not None:
             raise error
 

@@ -37,10 +37,12 @@ class WandbTracker(Tracker):
         directory.mkdir(parents=True, exist_ok=True)
         try:
             # console off: `up` already keeps each process's output in RUN_DIR/logs; W&B's capture would wrap it.
-            # create_new: several trainers in one process (tests, benchmarks) each get a run of their own
+            # create_new: several trainers in one process (tests, benchmarks) each get a run of their own.
+            # No system metadata: it holds the command line, where `up` and compose put every override (a secret
+            # the config's redaction hides would reach W&B there)
             self.run = wandb.init(project=w.project, entity=w.entity, mode=w.mode, dir=str(directory),
                                   group=w.group or cfg.run.name, name=w.name or cfg.run.name, job_type="trainer",
-                                  reinit="create_new", settings=wandb.Settings(console="off"))
+                                  reinit="create_new", settings=wandb.Settings(console="off", x_disable_meta=True))
         except (wandb.errors.UsageError, wandb.errors.AuthenticationError) as exc:
             raise PermanentError(f"tracking.wandb: W&B refused to start the run ({exc}); log in (`wandb login` or "
                                  "$WANDB_API_KEY), or use tracking.wandb.mode=offline and `wandb sync` later") from exc

@@ -94,6 +94,13 @@ def test_an_optional_backend_that_fails_is_dropped_and_the_others_keep_every_rec
         FanOut([Unreachable()]).scalars(1, {"loss": 0.5})
 
 
+def test_an_optional_backend_that_fails_to_close_does_not_fail_a_run_that_ended():
+    """W&B's close raising (its service gone) made a finished trainer exit 1, and `up` restart a complete run."""
+    files, remote = Recorder(), Recorder(fail_close=True)
+    FanOut([remote, files], optional=[remote]).close()
+    assert files.calls == [("close", False)]
+
+
 def test_the_metrics_writer_keeps_the_files_and_keys_runs_always_had(tmp_path):
     writer = MetricsWriter(tmp_path, "trainer")
     writer.scalars(1, {"loss": 0.25, "reward_mean": 1}, prefix="train/")
