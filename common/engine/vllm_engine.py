@@ -83,6 +83,7 @@ from grpo_stream.common.config.serving import engine_context
 from grpo_stream.common.engine.side_requests import SideQueue, serve_sharing
 from grpo_stream.common.engine.base import Generation, Request, RequestSource, generate_by_serving
 from grpo_stream.common.engine.vllm_worker import EXTENSION, load_into_worker
+from grpo_stream.common.runtime.errors import PermanentError
 from grpo_stream.common.model.hf_checkpoint import resolve_model_dir, to_hf_names, write_hf_config, write_safetensors
 
 log = logging.getLogger(__name__)
@@ -111,7 +112,11 @@ class VllmEngine:
         if self.install_mode == "iterator":
             # the engine core in this process: tensors reach the model without serialization
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        self._stage_root = (pathlib.Path(settings.stage_dir or tempfile.mkdtemp(prefix="grpo-vllm-"))
+        # this engine's own directory, also inside a stage_dir several samplers of a host share (/dev/shm): a shared
+        # v<n> path would have each load the other's version, or find it deleted
+        if self.install_mode == "files" and settings.stage_dir:
+            pathlib.Path(settings.stage_dir).mkdir(parents=True, exist_ok=True)
+        self._stage_root = (pathlib.Path(tempfile.mkdtemp(prefix="grpo-vllm-", dir=settings.stage_dir))
                             if self.install_mode == "files" else None)
         try:
             from vllm import LLM  # noqa: PLC0415 - deferred: vLLM lives in its own environment
@@ -126,6 +131,12 @@ class VllmEngine:
             # needs the engine core in this process (its mesh spans the host's chips from here, any tp)
             self.install_mode = "tpu_state"
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        if in_flight and self.install_mode == "files":
+            # the engine core then runs in a process of its own and keeps stepping while a version installs: tokens
+            # sampled under the old weights would come back after it, labelled with the new version
+            raise PermanentError("sampler.weight_updates=in_flight needs vLLM's engine core in the sampler's process: "
+                                 "sampler.vllm.weight_install=iterator (tensor_parallel_size 1) on GPU or CPU; with "
+                                 "tensor_parallel_size > 1 there use sampler.weight_updates=drain")
         engine_args = dict(settings.engine_args)
         if in_flight:
             engine_args["async_scheduling"] = False  # a step's tokens come back before the next step is launched

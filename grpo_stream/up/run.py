@@ -104,8 +104,13 @@ class _Child:
             self.proc.send_signal(signal.SIGTERM)
 
     def kill(self) -> None:
+        """SIGKILL to its whole process group (it leads one: start_new_session), so what it started dies too: a
+        vLLM sampler's engine-core and worker processes would otherwise live on, holding their GPU memory."""
         if self.alive():
-            self.proc.kill()
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
             self.proc.wait()
 
     def wait(self, timeout_s: float) -> int | None:
@@ -115,7 +120,7 @@ class _Child:
             code = self.proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
             _say(f"[up] {self.name} did not stop within {timeout_s:.0f}s; killing it")
-            self.proc.kill()
+            self.kill()
             code = self.proc.wait()
         self._relay.join(timeout=5)
         return code

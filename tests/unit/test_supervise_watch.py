@@ -6,8 +6,10 @@ processes standing in for the trainer and a sampler."""
 from __future__ import annotations
 
 import os
+import pathlib
 import signal
 import sys
+import time
 
 from grpo_stream.common.config.process import UpSection
 from grpo_stream.common.runtime.errors import PermanentError, failure_path, read_permanent, record_permanent
@@ -341,3 +343,28 @@ def test_without_a_console_a_child_is_still_logged_whole_and_a_stop_still_reache
     finally:
         stop.restore()
         sleeper.kill()
+
+
+def test_killing_a_process_kills_what_it_started(tmp_path):
+    """A vLLM sampler's engine-core and worker processes (or anything a process starts) die with it when `up` kills
+    it (a stall, a job's member failing, a stop past its grace), instead of living on with their GPU memory."""
+    parent = child(tmp_path, "sampler-0", "sampler-0",
+                   "import subprocess, sys, time\n"
+                   "worker = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+                   "print(worker.pid, flush=True)\ntime.sleep(120)")
+    parent.start()
+    try:
+        deadline = time.monotonic() + 30
+        log = tmp_path / "logs" / "sampler-0.log"
+        while not (log.exists() and log.read_text().strip()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        worker = int(log.read_text().split()[0])
+        parent.kill()
+        deadline = time.monotonic() + 10
+        while pathlib.Path(f"/proc/{worker}").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        state = pathlib.Path(f"/proc/{worker}/stat").read_text().rsplit(")", 1)[1].split()[0] if pathlib.Path(
+            f"/proc/{worker}").exists() else "gone"
+        assert state in ("gone", "Z"), state
+    finally:
+        parent.kill()

@@ -71,6 +71,16 @@ def main(model_dir: str, mode: str, out_path: str) -> None:
         # the workers got the weights without vLLM's pickle fallback (which would let its IPC run any code)
         "insecure_serialization": os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION"),
     }
+    # in-flight updates with the files install (its engine core in another process, stepping on while a version
+    # installs): refused before vLLM starts
+    from grpo_stream.common.runtime.errors import PermanentError
+
+    try:
+        VllmEngine(model_dir, model, tok.pad_id, tok.eos_ids, prompt_tokens, new_tokens, temperature,
+                   VllmSection(kv_cache_gib=0.25, enforce_eager=True, weight_install="files"), in_flight=True)
+        result["in_flight_files"] = "started"
+    except PermanentError as exc:
+        result["in_flight_files"] = str(exc)
     pathlib.Path(out_path).write_text(json.dumps(result))
 
 

@@ -26,6 +26,9 @@ def test_vllm_engine_matches_the_jax_policy(tmp_path, tied, mode):
     r = json.loads(out.read_text())
     assert r["mode"] == mode
     assert r["insecure_serialization"] is None  # files: our worker method, called by name; nothing pickled
+    # in-flight updates need the engine core in the sampler's process (else tokens get the wrong version)
+    assert r["in_flight_files"].startswith("sampler.weight_updates=in_flight needs vLLM's engine core"), r[
+        "in_flight_files"]
     assert r["kv_cache_memory_bytes"] == 2**28  # sampler.vllm.kv_cache_gib=0.25 sizes the cache, not a memory share
     assert r["tied_heads_loaded"] == (1 if tied else 0)  # the head tied to the embedding got the new weights
     assert r["tokens_scored"] > 200
