@@ -90,9 +90,10 @@ class ModelParts:
 
 def build_model_parts(cfg: RunConfig, devices=None) -> ModelParts:
     task, tokenizer = build_task_and_tokenizer(cfg)
-    model = build_policy(cfg, tokenizer.vocab_size, seed=cfg.run.seed)
     m = cfg.trainer.mesh
     mesh = make_mesh(m.fsdp, m.tp, devices or jax.devices(), "trainer.mesh")
+    # a checkpoint straight onto the mesh (each device its slices); the tiny model, made on one device, placed after
+    model = build_policy(cfg, tokenizer.vocab_size, seed=cfg.run.seed, mesh=mesh)
     model = dataclasses.replace(model, params=place(model.params, mesh))
     log.info("trainer mesh %s on %s", dict(mesh.shape), [d.id for d in mesh.devices.flat])
     log.info("model: %d parameters, vocab %d, tokenizer %s", model.num_params(), tokenizer.vocab_size,

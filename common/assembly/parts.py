@@ -47,15 +47,16 @@ def _task_and_tokenizer(cfg: RunConfig):
     return build_task_for(cfg, hf_tokenizer)
 
 
-def build_policy(cfg: RunConfig, vocab_size: int, seed: int | None, dtype: str | None = None):
+def build_policy(cfg: RunConfig, vocab_size: int, seed: int | None, dtype: str | None = None, mesh=None):
     """The policy model: tiny (random init from `seed`) or the checkpoint at model.path; abstract when seed is None
     (samplers receive every weight from the trainer), in `dtype` when given (the samplers': cfg.sampler_dtype())
-    instead of model.dtype. A checkpoint it cannot be built from raises SetupError."""
+    instead of model.dtype. A checkpoint is read straight onto `mesh` when given (each device its slices: a 70B
+    model never on one device). A checkpoint it cannot be built from raises SetupError."""
     with _setup():
-        return _policy(cfg, vocab_size, seed, dtype)
+        return _policy(cfg, vocab_size, seed, dtype, mesh)
 
 
-def _policy(cfg: RunConfig, vocab_size: int, seed: int | None, dtype: str | None):
+def _policy(cfg: RunConfig, vocab_size: int, seed: int | None, dtype: str | None, mesh):
     from grpo_stream.common.model import policy as model_lib  # noqa: PLC0415 - deferred: JAX, after the config
 
     dtype = dtype or cfg.model.dtype
@@ -70,4 +71,4 @@ def _policy(cfg: RunConfig, vocab_size: int, seed: int | None, dtype: str | None
     if seed is None:
         return model_lib.build_from_architecture(read_architecture(directory), None,
                                                  jnp.float32 if dtype == "float32" else jnp.bfloat16)
-    return model_lib.load_hf_model(str(directory), dtype)
+    return model_lib.load_hf_model(str(directory), dtype, mesh)

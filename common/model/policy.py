@@ -23,7 +23,7 @@ from grpo_stream.common.model.activation_sharding import LOGITS_SPEC, constrain
 from grpo_stream.common.model.architectures import Architecture
 from grpo_stream.common.model.families import FAMILIES, RematSupport, Unsupported, family_of
 from grpo_stream.common.model.remat_policy import remat_policy_of
-from grpo_stream.common.model.sharding import host_copy
+from grpo_stream.common.model.sharding import host_copy, param_shardings
 from grpo_stream.common.config.learning import ModelSection
 
 NEG_INF = -1e30
@@ -172,10 +172,12 @@ def load_hf_model(directory: str, dtype: str = "float32", mesh: jax.sharding.Mes
     """A Hugging Face checkpoint directory (config.json + safetensors) as a PolicyModel in `dtype`.
 
     With a `mesh` (axes named `fsdp` and `tp`, as Tunix annotates its parameters;
-    Auto axis types), each parameter goes straight onto its NamedSharding, so
-    the model never has to fit on one device; else on the default device. Host
-    memory holds the checkpoint once while loading (tensors are memory-mapped
-    and only copied where the dtype or layout changes).
+    Auto axis types), each parameter goes straight onto its sharding on the mesh
+    (sharding.param_shardings: an axis that does not divide a dimension is
+    replicated), each device taking only its slices, so the model never has to
+    fit on one device; else on the default device. Host memory holds the
+    checkpoint once while loading (tensors are memory-mapped and only copied
+    where the dtype or layout changes).
     """
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"model.dtype={dtype!r}: choose float32 or bfloat16")
@@ -186,7 +188,7 @@ def load_hf_model(directory: str, dtype: str = "float32", mesh: jax.sharding.Mes
     leaves, treedef = jax.tree_util.tree_flatten(abstract.params)
     named = hf_checkpoint.read_named(directory, arch, {n: tuple(leaf.shape) for n, leaf in zip(names, leaves)},
                                      np.dtype(jdtype))
-    shardings = (jax.tree_util.tree_leaves(nnx.get_named_sharding(abstract.params, mesh)) if mesh is not None
+    shardings = (jax.tree_util.tree_leaves(param_shardings(abstract.params, mesh)) if mesh is not None
                  else [None] * len(names))
     placed = [jax.device_put(named.pop(n), s) for n, s in zip(names, shardings)]
     return dataclasses.replace(abstract, params=jax.tree_util.tree_unflatten(treedef, placed))

@@ -15,7 +15,6 @@ from grpo_stream.common.config.base import ConfigError
 from grpo_stream.common.config.schema import RunConfig
 from grpo_stream.common.model.hf_checkpoint import CheckpointError, read_architecture, resolve_model_dir
 from grpo_stream.common.model.policy import PolicyModel, load_hf_model
-from grpo_stream.common.model.sharding import place
 from grpo_stream.common.model.tokenizer import PAD, HFTokenizer
 
 log = logging.getLogger(__name__)
@@ -105,8 +104,7 @@ def load_teacher(cfg: RunConfig, student_tokenizer, mesh) -> Teacher | None:
     except CheckpointError as exc:
         raise ConfigError(f"distill.teacher={d.teacher}: {exc}") from None
     check_teacher_tokenizer(cfg, student_tokenizer, directory)
-    model = load_hf_model(str(directory), cfg.model.dtype if d.dtype == "model" else d.dtype)
-    model = dataclasses.replace(model, params=place(model.params, mesh))
+    model = load_hf_model(str(directory), cfg.model.dtype if d.dtype == "model" else d.dtype, mesh)
     log.info("distillation teacher %s: %d parameters (%s), kl_coef %g, reward_weight %g", directory,
              model.num_params(), model.arch.family, d.kl_coef, d.reward_weight)
     return Teacher(model, str(directory))
