@@ -23,12 +23,22 @@ from grpo_stream.common.model.families.record import (Architecture, Architecture
 GEMMA2_MODULE, GEMMA3_MODULE = "tunix.models.gemma.model", "tunix.models.gemma3.model"
 PENDING_QKV = r"\.attn\._[qkv]$"  # q/k/v read but not yet assembled
 _SLIDING, _FULL = "sliding_attention", "full_attention"
+# what transformers' Gemma2Config / Gemma3TextConfig take when config.json leaves a field out (a config written by
+# transformers names them all; a hand-written or stripped one may not, and must mean what transformers computes)
+_GEMMA2_DEFAULTS = {"query_pre_attn_scalar": 256, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
+                    "sliding_window": 4096}
+_GEMMA3_DEFAULTS = {"query_pre_attn_scalar": 256, "sliding_window": 4096, "sliding_window_pattern": 6}
+
+
+def _given(config: dict, key: str, defaults: dict):
+    """config[key], null included (no cap, no window), or transformers' default when the key is absent."""
+    return config[key] if key in config else defaults[key]
 
 
 def parse_gemma2(config: dict, where: str) -> Architecture:
     """Gemma 2, within what Tunix's Gemma code computes (its constants are checked, not assumed)."""
     head_dim = field(config, "head_dim", where)
-    fixed = {"query_pre_attn_scalar": (config.get("query_pre_attn_scalar", head_dim), head_dim),
+    fixed = {"query_pre_attn_scalar": (_given(config, "query_pre_attn_scalar", _GEMMA2_DEFAULTS), head_dim),
              "rope_theta": (rope_theta(config, where), 10000.0),
              "rms_norm_eps": (float(config.get("rms_norm_eps", 1e-6)), 1e-6),
              "hidden_activation": (config.get("hidden_activation", "gelu_pytorch_tanh"), "gelu_pytorch_tanh"),
@@ -48,15 +58,16 @@ def parse_gemma2(config: dict, where: str) -> Architecture:
         num_heads=heads, num_kv_heads=field(config, "num_key_value_heads", where, default=heads), head_dim=head_dim,
         norm_eps=1e-6, rope_theta=10000.0, tied_embeddings=True,
         max_position_embeddings=field(config, "max_position_embeddings", where, default=8192),
-        attn_softcap=config.get("attn_logit_softcapping"), final_softcap=config.get("final_logit_softcapping"),
-        sliding_window=config.get("sliding_window"), layer_types=types)
+        attn_softcap=_given(config, "attn_logit_softcapping", _GEMMA2_DEFAULTS),
+        final_softcap=_given(config, "final_logit_softcapping", _GEMMA2_DEFAULTS),
+        sliding_window=_given(config, "sliding_window", _GEMMA2_DEFAULTS), layer_types=types)
 
 
 def parse_gemma3(config: dict, where: str) -> Architecture:
     """Gemma 3 text, within what Tunix's Gemma 3 code computes (5 sliding : 1 full layers, no soft caps)."""
     head_dim, embed = field(config, "head_dim", where), field(config, "hidden_size", where)
     heads, layers = field(config, "num_attention_heads", where), field(config, "num_hidden_layers", where)
-    scalar = float(config.get("query_pre_attn_scalar", head_dim))
+    scalar = float(_given(config, "query_pre_attn_scalar", _GEMMA3_DEFAULTS))
     checks = {"rms_norm_eps": (float(config.get("rms_norm_eps", 1e-6)), [1e-6]),
               "hidden_activation": (config.get("hidden_activation", "gelu_pytorch_tanh"), ["gelu_pytorch_tanh"]),
               "attn_logit_softcapping": (config.get("attn_logit_softcapping"), [None]),
@@ -67,7 +78,8 @@ def parse_gemma3(config: dict, where: str) -> Architecture:
         if got not in allowed:
             raise ArchitectureError(f"{where}: {key}={got!r}; Tunix's Gemma 3 code supports only {allowed}")
     pattern = tuple(_FULL if (i + 1) % 6 == 0 else _SLIDING for i in range(layers))
-    types = tuple(config.get("layer_types") or pattern)
+    every = int(_given(config, "sliding_window_pattern", _GEMMA3_DEFAULTS))  # as transformers lays them out
+    types = tuple(config.get("layer_types") or (_FULL if (i + 1) % every == 0 else _SLIDING for i in range(layers)))
     if types != pattern:
         raise ArchitectureError(f"{where}: layer_types must be 5 sliding_attention layers then one full_attention, "
                                 "repeated (Tunix's Gemma 3 layout)")
@@ -85,7 +97,8 @@ def parse_gemma3(config: dict, where: str) -> Architecture:
         num_kv_heads=field(config, "num_key_value_heads", where, default=heads), head_dim=head_dim, norm_eps=1e-6,
         rope_theta=theta, tied_embeddings=True,
         max_position_embeddings=field(config, "max_position_embeddings", where, default=32768),
-        sliding_window=config.get("sliding_window"), layer_types=types, rope_local_theta=local_theta,
+        sliding_window=_given(config, "sliding_window", _GEMMA3_DEFAULTS), layer_types=types,
+        rope_local_theta=local_theta,
         rope_linear_factor=float(scaling.get("factor", 1.0)) if kind == "linear" else 1.0,
         query_pre_attn_scalar=scalar)
 

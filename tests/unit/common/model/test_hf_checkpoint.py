@@ -172,7 +172,14 @@ def test_truncated_file_and_missing_config(tmp_path):
      "final_logit_softcapping=30.0; Tunix's Gemma 3 code supports only"),
     ({"model_type": "gemma2", "head_dim": 16, "query_pre_attn_scalar": 144},
      "query_pre_attn_scalar=144; Tunix's Gemma 2 code fixes it to 16"),
-    ({"model_type": "gemma2"}, "rope_theta=1000000.0; Tunix's Gemma 2 code fixes it to 10000.0"),
+    ({"model_type": "gemma2", "query_pre_attn_scalar": 16},
+     "rope_theta=1000000.0; Tunix's Gemma 2 code fixes it to 10000.0"),
+    # a field left out means transformers' default: 256 for Gemma 2's query_pre_attn_scalar, not head_dim
+    ({"model_type": "gemma2", "head_dim": 16}, "query_pre_attn_scalar=256; Tunix's Gemma 2 code fixes it to 16"),
+    # Gemma 3's layout from sliding_window_pattern, as transformers lays it out (2: sliding, full, ...), refused
+    ({"model_type": "gemma3_text", "head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window_pattern": 2,
+      "tie_word_embeddings": True, "layer_types": None},
+     "layer_types must be 5 sliding_attention layers then one full_attention"),
     ({"model_type": "mistral"}, "model_type 'mistral' is not supported"),
     ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}},
