@@ -233,9 +233,11 @@ def read_named(directory: str | pathlib.Path, arch: Architecture, expected: dict
 
 
 def write_hf_config(directory: pathlib.Path, arch: Architecture, dtype: str = "float32",
-                    eos_ids: list[int] | None = None, pad_id: int | None = None) -> dict:
-    """`directory/config.json` for `arch`, with the run's stop and pad tokens; returns the config."""
+                    eos_ids: list[int] | None = None, pad_id: int | None = None, bos_id: int | None = None) -> dict:
+    """`directory/config.json` for `arch`, with the run's stop, pad and (the source's) BOS tokens; returns it."""
     config = to_hf_config(arch, dtype)
+    if bos_id is not None:  # else transformers' class default (Llama's 1, not Llama 3's 128000) would stand
+        config["bos_token_id"] = bos_id
     if eos_ids:
         config["eos_token_id"] = eos_ids[0] if len(eos_ids) == 1 else list(eos_ids)
     if pad_id is not None:
@@ -256,9 +258,11 @@ def export_hf(directory: str | pathlib.Path, arch: Architecture, named: dict[str
     out = pathlib.Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     np_dtype = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}[dtype]
-    tensors = {k: v.astype(np_dtype) for k, v in to_hf_names(arch, named).items()}
+    tensors = {k: v.astype(np_dtype, copy=False) for k, v in to_hf_names(arch, named).items()}
     write_safetensors(out / "model.safetensors", tensors)
-    config = write_hf_config(out, arch, dtype, eos_ids, pad_id)
+    source = pathlib.Path(tokenizer_dir) / "config.json" if tokenizer_dir is not None else None
+    bos = json.loads(source.read_text()).get("bos_token_id") if source is not None and source.exists() else None
+    config = write_hf_config(out, arch, dtype, eos_ids, pad_id, bos if isinstance(bos, int) else None)
     if tokenizer_dir is not None:
         for name in TOKENIZER_FILES:
             src = pathlib.Path(tokenizer_dir) / name

@@ -112,9 +112,11 @@ def test_export_round_trips_through_transformers(tmp_path, family):
     ours = load_hf_model(str(tmp_path / "in"), "float32")
     (tmp_path / "tok").mkdir()
     (tmp_path / "tok" / "tokenizer_config.json").write_text("{}")
+    (tmp_path / "tok" / "config.json").write_text(json.dumps({"bos_token_id": 90}))  # the source's own BOS
     out = export_hf(tmp_path / "out", ours.arch, ours.to_named_numpy(), tokenizer_dir=tmp_path / "tok",
                     eos_ids=[1, 2], pad_id=0)
     assert (out / "tokenizer_config.json").exists()
+    assert json.loads((out / "config.json").read_text())["bos_token_id"] == 90  # not the config class's default
     # the run's stop tokens travel with the export, so `generate` stops where the sampler did
     assert json.loads((out / "config.json").read_text())["eos_token_id"] == [1, 2]
     assert json.loads((out / "generation_config.json").read_text()) == {"eos_token_id": [1, 2], "pad_token_id": 0}
