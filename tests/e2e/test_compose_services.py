@@ -238,3 +238,12 @@ def test_each_sampler_has_its_own_token_and_nothing_is_published_beyond_loopback
         command = service.get("command") or ""
         assert "0.0.0.0" not in (command if isinstance(command, str) else " ".join(command)), name
     assert "ports" not in services["redis"]
+
+
+def test_redis_listens_on_the_port_the_services_are_told(tmp_path):
+    """REDIS_PORT went into every service's redis.url while the bundled Redis kept listening on 6379."""
+    services = resolved(env_file(tmp_path / "test.env", REDIS_PORT="6380"))["services"]
+    text = lambda value: value if isinstance(value, str) else " ".join(value)  # noqa: E731 - a string or a list
+    assert 'echo "port 6380"' in text(services["redis"]["command"])
+    assert "redis-cli -p 6380 ping" in text(services["redis"]["healthcheck"]["test"])
+    assert "redis.url=redis://redis:6380/0" in text(services["trainer"]["command"])
