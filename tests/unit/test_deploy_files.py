@@ -97,7 +97,8 @@ def test_compose_and_kubernetes_files_persist_the_same_way():
 # ---- Kubernetes manifests: offline schema validation and wiring -------------------------------------------------
 
 K8S_VERSION = "1.37.0"
-SECRET_KEYS = {"tokens.yaml", "sampler.token", "client.token", "admin.token", "redis.password"}
+SECRET_KEYS = {"tokens.yaml", "sampler.token", "sampler-0.token", "sampler-1.token", "client.token", "admin.token",
+               "redis.password"}
 
 
 def k8s_documents() -> list[dict]:
@@ -196,7 +197,9 @@ def test_jobset_commands_are_valid_runs_and_wired_to_each_other():
     env = {e["name"]: e.get("value") for e in containers["trainer"]["env"]}
     assert env["GRPO_STREAM_TOKENS_FILE"] == "/secrets/tokens.yaml"
     env = {e["name"]: e.get("value") for e in containers["sampler"]["env"]}
-    assert env["GRPO_STREAM_TOKEN_FILE"] == "/secrets/sampler.token"
+    # each sampler its own token (it may send as its own id only), the Secret holding one per index
+    assert env["GRPO_STREAM_TOKEN_FILE"] == "/secrets/sampler-$(SAMPLER_INDEX).token"
+    assert {f"sampler-{i}.token" for i in range(sampler.sampler.replicas)} <= secrets_used
 
 
 def parsed_command(container: dict):
@@ -242,9 +245,11 @@ def test_multihost_trainer_jobset_runs_one_process_per_host_and_serves_samplers(
 
 
 def test_tokens_command_writes_every_secret_the_manifests_mount(tmp_path):
-    """`grpo-stream tokens --out DIR --redis-password` makes exactly the files the Secret is created from."""
+    """`grpo-stream tokens --out DIR --redis-password --samplers 2` (the manifests' header) makes every file the
+    Secret is created from and the pods mount."""
     proc = subprocess.run([sys.executable, "-m", "grpo_stream", "tokens", "--out", str(tmp_path / "s"),
-                           "--redis-password"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+                           "--redis-password", "--samplers", "2"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert {p.name for p in (tmp_path / "s").iterdir()} == SECRET_KEYS
 
