@@ -47,7 +47,8 @@ class SamplerMetrics:
     def __init__(self, sampler_id: str):
         self._prom = prom = ServiceMetrics(sampler_id)
         self.version = prom.gauge("sampler_weight_version", "weight version this sampler generates with")
-        self.lag = prom.gauge("sampler_weight_lag", "newest version seen minus the installed one")
+        # not sampler_weight_lag: the trainer exports that name per sampler (latest published minus installed)
+        self.lag = prom.gauge("sampler_weight_lag_seen", "newest version this sampler has seen minus the installed one")
         self.failures = prom.gauge("sampler_weight_fetch_failures", "failed fetches since the last install")
         self.groups = prom.counter("sampler_groups", "rollout groups generated")
         self.tokens = prom.counter("sampler_tokens", "completion tokens generated")

@@ -208,6 +208,9 @@ class Sampler:
     def _summary(self, parts: Parts, started: float, drained: bool, verified: dict | None, endpoint) -> dict:
         """The run's figures: logged, returned, and written to RUN_DIR/sampler-<index>.json."""
         elapsed, client, sink, weights = time.monotonic() - started, parts.client, self.sink, self.weights
+        if self._held_since is not None:  # still held when the stream ended (the final version came while waiting)
+            self.waited_for_weights_s += time.monotonic() - self._held_since
+            self._held_since = None
         log.info("%s stopping: %d groups generated (%.2f groups/s), stream stats %s, backlog drained: %s, "
                  "versions installed %s, %.1fs waiting for weights", self.sampler_id, sink.groups_sent,
                  sink.groups_sent / max(elapsed, 1e-9), dict(client.stats), drained,

@@ -180,8 +180,11 @@ def check_prometheus_series(trainer_port: int, sampler_port: int) -> None:
     for k in range(2):
         sampler = scrape(sampler_port + k)
         for series in ("grpo_stream_sampler_groups_total", "grpo_stream_sampler_tokens_total",
-                       "grpo_stream_sampler_weight_version", "grpo_stream_sampler_backlog"):
+                       "grpo_stream_sampler_weight_version", "grpo_stream_sampler_backlog",
+                       "grpo_stream_sampler_weight_lag_seen", "grpo_stream_sampler_weight_fetch_failures"):
             assert series in sampler, (k, series)
+        # the trainer's per-sampler name is the trainer's alone (one name, one meaning, across targets)
+        assert "grpo_stream_sampler_weight_lag " not in sampler and "grpo_stream_sampler_weight_lag{" not in sampler
 
 
 def check_json_logs(run_dir: pathlib.Path) -> None:
