@@ -49,6 +49,21 @@ def architecture(cfg: RunConfig) -> Architecture:
     return checkpoint_architecture(cfg.model.path, "model.path")
 
 
+def cached_config(hub_id: str):
+    """The config.json of hub id `hub_id` in the local Hugging Face cache (no download), or None."""
+    import pathlib  # noqa: PLC0415
+
+    if hub_id.count("/") != 1 or hub_id.startswith((".", "/")):
+        return None
+    from huggingface_hub import try_to_load_from_cache  # noqa: PLC0415 - deferred: a hub id only
+
+    try:
+        found = try_to_load_from_cache(repo_id=hub_id, filename="config.json")
+    except Exception:  # noqa: BLE001 - a malformed id: not in the cache
+        return None
+    return pathlib.Path(found) if isinstance(found, str) else None
+
+
 def checkpoint_architecture(path: str, field: str) -> Architecture:
     """The shape of the checkpoint at `path` (the setting `field`): its config.json, or a known one's by name."""
     import pathlib  # noqa: PLC0415
@@ -59,6 +74,9 @@ def checkpoint_architecture(path: str, field: str) -> Architecture:
     if (pathlib.Path(path) / "config.json").is_file():
         return read_architecture(path)
     arch = known_architecture(path)
+    cached = cached_config(path) if arch is None else None
+    if cached is not None:  # a hub id the processes would find in the local Hugging Face cache: its config
+        return read_architecture(cached.parent)
     if arch is None:
         raise ValueError(f"{field}={path}: no config.json there and not a checkpoint plan knows by name "
                          f"({', '.join(KNOWN_CONFIGS)}); point {field} at a directory holding the model's "

@@ -11,7 +11,8 @@ import pytest
 
 from grpo_stream.common.engine import decode
 from grpo_stream.common.model.architectures import ArchitectureError, from_hf_config
-from grpo_stream.common.model.hf_checkpoint import CheckpointError, export_hf, read_safetensors, write_safetensors
+from grpo_stream.common.model.hf_checkpoint import (CheckpointError, export_hf, read_architecture, read_safetensors,
+                                                   write_safetensors)
 from grpo_stream.common.model.policy import causal_mask, load_hf_model, positions_from_mask
 
 torch = pytest.importorskip("torch")
@@ -253,6 +254,12 @@ def test_hub_ids_resolve_through_the_local_cache_offline(tmp_path, monkeypatch):
         assert resolve_model_dir("acme/tiny-qwen").resolve() == snapshot.resolve()
         with pytest.raises(CheckpointError, match="model.path=acme/missing: not a local directory"):
             resolve_model_dir("acme/missing")
+        # `plan` reads the same cached id's config as the processes would (it knew known checkpoints by name only)
+        from grpo_stream.plan.programs import checkpoint_architecture
+
+        assert checkpoint_architecture("acme/tiny-qwen", "model.path") == read_architecture(snapshot)
+        with pytest.raises(ValueError, match="model.path=acme/missing: no config.json there"):
+            checkpoint_architecture("acme/missing", "model.path")
     finally:
         monkeypatch.undo()
         importlib.reload(huggingface_hub.constants)
