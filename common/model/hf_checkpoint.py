@@ -258,7 +258,10 @@ def export_hf(directory: str | pathlib.Path, arch: Architecture, named: dict[str
     out = pathlib.Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     np_dtype = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}[dtype]
-    tensors = {k: v.astype(np_dtype, copy=False) for k, v in to_hf_names(arch, named).items()}
+    # converted one at a time as they are written: the host holds `named` and one tensor in the export's layout,
+    # not a second (and third) copy of the model (a 70B export on the trainer's first process)
+    tensors = {k: PendingTensor(np_dtype, tuple(v.shape), lambda v=v: v.astype(np_dtype, copy=False))
+               for k, v in family_of(arch).names.to_hf(arch, named).items()}
     write_safetensors(out / "model.safetensors", tensors)
     source = pathlib.Path(tokenizer_dir) / "config.json" if tokenizer_dir is not None else None
     bos = json.loads(source.read_text()).get("bos_token_id") if source is not None and source.exists() else None
