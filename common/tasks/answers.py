@@ -114,17 +114,17 @@ def extract_answer(text: str) -> str | None:
     Within a format the first statement holding a number is the answer, and its first number (`#### 18 apples` ->
     `18`); a statement holding none (`<answer> and </answer>` restating the requested format) is passed over.
     """
-    for pattern in _PATTERNS:
-        for match in pattern.finditer(text):
-            number = _number_in(match.group(1))
-            if number is not None:
-                return number
-    return None
+    return next((number for pattern in _PATTERNS if (number := _stated(pattern, text)) is not None), None)
 
 
 def hashes_answer(text: str) -> str | None:
     """The number a completion states as `#### N` (GSM8K's format; markdown headings passed over), or None."""
-    for match in _HASHES.finditer(text):
+    return _stated(_HASHES, text)
+
+
+def _stated(pattern: re.Pattern, text: str) -> str | None:
+    """The number of the first statement in `text` that `pattern` finds holding one, or None."""
+    for match in pattern.finditer(text):
         number = _number_in(match.group(1))
         if number is not None:
             return number
