@@ -34,7 +34,7 @@ from grpo_stream.common.episodes.evaluation import evaluate
 from grpo_stream.common.rollouts.wire import CompletionData, GroupData
 from grpo_stream.common.tasks.rewards import RewardSet
 from grpo_stream.trainer_service.learning.batching import build_batch
-from grpo_stream.trainer_service.core import build_model_parts
+from grpo_stream.trainer_service.model_parts import build_model_parts
 from grpo_stream.trainer_service.learning.off_policy_health import group_index_of
 from grpo_stream.trainer_service.learning.packing import packing_layout
 from grpo_stream.trainer_service.learning.rl_update import PolicyUpdater

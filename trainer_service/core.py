@@ -21,14 +21,10 @@ import jax
 import jax.numpy as jnp
 
 from grpo_stream.common.config.schema import RunConfig
-from grpo_stream.common.engine import continuous
 from grpo_stream.common.episodes.evaluation import greedy_probe
 from grpo_stream.common.model.hf_checkpoint import export_hf, resolve_model_dir
-from grpo_stream.common.model.sharding import make_mesh, place
-from grpo_stream.common.assembly.parts import build_policy, build_task_and_tokenizer
 from grpo_stream.common.weights.snapshot import digest
 from grpo_stream.trainer_service.checkpoints.durability import Resumed
-from grpo_stream.trainer_service.learning.distill import Teacher, load_teacher
 from grpo_stream.trainer_service.learning.params_policy import params_policy
 from grpo_stream.trainer_service.plans import DonePlan, FinishPlan, Plan, StartPlan, StepPlan
 from grpo_stream.trainer_service.learning.packing import packing_layout
@@ -36,6 +32,7 @@ from grpo_stream.trainer_service.learning.rl_update import PolicyUpdater, state_
 from grpo_stream.trainer_service.reports.in_run_eval import InRunEvaluator, metric_values
 from grpo_stream.trainer_service.reports.run_outputs import evaluate_heldout
 from grpo_stream.trainer_service.learning.warmstart import warm_start
+from grpo_stream.trainer_service.model_parts import ModelParts
 
 log = logging.getLogger(__name__)
 BACKGROUND_WAIT_S = 1800.0  # the longest a step waits for the previous one's publication (a stuck transfer)
@@ -74,33 +71,6 @@ class StepResult:
     # seconds: waiting for the previous publication, packing the batch (only when the plan came unpacked), computing,
     # handing off
     phases: dict
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelParts:
-    """What every trainer process holds: the task, tokenizer, model (params placed on the trainer mesh, which spans
-    every process's devices), the evaluation engine and the distillation teacher (None without one)."""
-    task: Any
-    tokenizer: Any
-    model: Any
-    mesh: jax.sharding.Mesh
-    engine: Any
-    teacher: Teacher | None = None
-
-
-def build_model_parts(cfg: RunConfig, devices=None) -> ModelParts:
-    task, tokenizer = build_task_and_tokenizer(cfg)
-    m = cfg.trainer.mesh
-    mesh = make_mesh(m.fsdp, m.tp, devices or jax.devices(), "trainer.mesh")
-    # a checkpoint straight onto the mesh (each device its slices); the tiny model, made on one device, placed after
-    model = build_policy(cfg, tokenizer.vocab_size, seed=cfg.run.seed, mesh=mesh)
-    model = dataclasses.replace(model, params=place(model.params, mesh))
-    log.info("trainer mesh %s on %s", dict(mesh.shape), [d.id for d in mesh.devices.flat])
-    log.info("model: %d parameters, vocab %d, tokenizer %s", model.num_params(), tokenizer.vocab_size,
-             tokenizer.fingerprint())
-    # the teacher after the student: its tokenizer is checked against the student's before its weights are read
-    teacher = load_teacher(cfg, tokenizer, mesh)
-    return ModelParts(task, tokenizer, model, mesh, continuous.build(cfg, model, tokenizer), teacher)
 
 
 class TrainerCore:

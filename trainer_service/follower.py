@@ -22,7 +22,8 @@ from grpo_stream.common.weights.registry import weight_sink
 from grpo_stream.common.weights.transport import SinkContext
 from grpo_stream.trainer_service.checkpoints.store import TrainerCheckpoints
 from grpo_stream.trainer_service.control_messages import ControlMessageError
-from grpo_stream.trainer_service.core import TrainerCore, build_model_parts
+from grpo_stream.trainer_service.core import TrainerCore
+from grpo_stream.trainer_service.model_parts import build_model_parts
 from grpo_stream.trainer_service.checkpoints.durability import Resumed, updater_state
 from grpo_stream.trainer_service.reports.metrics import MetricsWriter
 from grpo_stream.trainer_service.multihost import TrainerGroup, advertised_host

@@ -37,7 +37,8 @@ from grpo_stream.common.weights.transport import SinkContext
 from grpo_stream.trainer_service.checkpoints.store import TrainerCheckpoints
 from grpo_stream.trainer_service.learning.batching import no_signal_test
 from grpo_stream.trainer_service.learning.collector import GroupCollector
-from grpo_stream.trainer_service.core import ModelParts, TrainerCore, build_model_parts
+from grpo_stream.trainer_service.core import TrainerCore
+from grpo_stream.trainer_service.model_parts import ModelParts, build_model_parts
 from grpo_stream.trainer_service.checkpoints.durability import Durability
 from grpo_stream.trainer_service.ingest.server import ingest_servicers
 from grpo_stream.trainer_service.reports.metrics import MetricsWriter, final_figures, open_trackers

@@ -17,7 +17,8 @@ import numpy as np
 from grpo_stream.common.config.loading import load_config
 from grpo_stream.trainer_service.learning.batching import TrainBatch
 from grpo_stream.trainer_service.checkpoints.store import TrainerCheckpoints
-from grpo_stream.trainer_service.core import TrainerCore, build_model_parts
+from grpo_stream.trainer_service.core import TrainerCore
+from grpo_stream.trainer_service.model_parts import build_model_parts
 from grpo_stream.trainer_service.checkpoints.durability import updater_state
 from grpo_stream.trainer_service.reports.metrics import MetricsWriter
 from grpo_stream.trainer_service.plans import StartPlan, StepPlan

@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 
 from grpo_stream.bench.off_policy_replay import demo_config, held_out, replay, warm_started
-from grpo_stream.trainer_service.core import build_model_parts
+from grpo_stream.trainer_service.model_parts import build_model_parts
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.learning]
 

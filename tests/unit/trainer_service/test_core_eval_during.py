@@ -6,7 +6,8 @@ import pytest
 
 from grpo_stream.common.config.loading import load_config
 from grpo_stream.trainer_service.checkpoints.store import TrainerCheckpoints
-from grpo_stream.trainer_service.core import CoreHooks, TrainerCore, build_model_parts
+from grpo_stream.trainer_service.core import CoreHooks, TrainerCore
+from grpo_stream.trainer_service.model_parts import build_model_parts
 from grpo_stream.trainer_service.follower import ShardKeeper
 from grpo_stream.trainer_service.plans import FinishPlan, StartPlan, step_plan
 from grpo_stream.trainer_service.publication.publisher import WeightPublisher

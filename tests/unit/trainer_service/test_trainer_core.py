@@ -13,7 +13,8 @@ from grpo_stream.common.rollouts.wire import CompletionData, GroupData
 from grpo_stream.trainer_service.learning.batching import build_batch
 from grpo_stream.trainer_service.learning.packing import packing_layout
 from grpo_stream.trainer_service.checkpoints.store import CheckpointDisagreement, TrainerCheckpoints
-from grpo_stream.trainer_service.core import CoreHooks, TrainerCore, build_model_parts
+from grpo_stream.trainer_service.core import CoreHooks, TrainerCore
+from grpo_stream.trainer_service.model_parts import build_model_parts
 from grpo_stream.trainer_service.follower import ShardKeeper
 from grpo_stream.trainer_service.plans import DonePlan, FinishPlan, StartPlan, StepPlan
 from grpo_stream.trainer_service.publication.publisher import WeightPublisher
