@@ -21,8 +21,7 @@ class PythonToolSection(Strict):
                          "(its working directory is a tmpfs of this size in a mount namespace of its own, gone when "
                          "it ends). Without it the working directory is read-only to the code.")
     max_files: int = Field(1024, ge=16, le=1 << 20, description="As root with CAP_SYS_ADMIN: files and directories a "
-                           "call may create "
-                           "(the tmpfs's inodes).")
+                           "call may create (the tmpfs's inodes).")
     allow_unconfined: bool = Field(False, description="Where the kernel has no Landlock, run the tool with resource "
                                    "limits only (it could then read the sampler's files). Off: the tool refuses to "
                                    "run there.")

@@ -112,12 +112,6 @@ class VllmEngine:
         if self.install_mode == "iterator":
             # the engine core in this process: tensors reach the model without serialization
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        # this engine's own directory, also inside a stage_dir several samplers of a host share (/dev/shm): a shared
-        # v<n> path would have each load the other's version, or find it deleted
-        if self.install_mode == "files" and settings.stage_dir:
-            pathlib.Path(settings.stage_dir).mkdir(parents=True, exist_ok=True)
-        self._stage_root = (pathlib.Path(tempfile.mkdtemp(prefix="grpo-vllm-", dir=settings.stage_dir))
-                            if self.install_mode == "files" else None)
         try:
             from vllm import LLM  # noqa: PLC0415 - deferred: vLLM lives in its own environment
         except ImportError as exc:
@@ -137,6 +131,12 @@ class VllmEngine:
             raise PermanentError("sampler.weight_updates=in_flight needs vLLM's engine core in the sampler's process: "
                                  "sampler.vllm.weight_install=iterator (tensor_parallel_size 1) on GPU or CPU; with "
                                  "tensor_parallel_size > 1 there use sampler.weight_updates=drain")
+        # this engine's own directory, also inside a stage_dir several samplers of a host share (/dev/shm): a shared
+        # v<n> path would have each load the other's version, or find it deleted
+        if self.install_mode == "files" and settings.stage_dir:
+            pathlib.Path(settings.stage_dir).mkdir(parents=True, exist_ok=True)
+        self._stage_root = (pathlib.Path(tempfile.mkdtemp(prefix="grpo-vllm-", dir=settings.stage_dir))
+                            if self.install_mode == "files" else None)
         engine_args = dict(settings.engine_args)
         if in_flight:
             engine_args["async_scheduling"] = False  # a step's tokens come back before the next step is launched

@@ -43,7 +43,6 @@ class TransientError(RuntimeError):
 # FAILED_PRECONDITION, PERMISSION_DENIED, UNAUTHENTICATED, UNIMPLEMENTED, ...) repeats on every retry
 TRANSIENT_GRPC = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", "ABORTED", "CANCELLED",
                             "UNKNOWN", "INTERNAL"})
-_TRANSIENT_GRPC = TRANSIENT_GRPC
 
 
 def is_transient(exc: BaseException) -> bool:
@@ -60,7 +59,7 @@ def is_transient(exc: BaseException) -> bool:
             name = getattr(code(), "name", "")
         except Exception:  # noqa: BLE001 - an RpcError without a status: the channel broke
             return True
-        return name in _TRANSIENT_GRPC
+        return name in TRANSIENT_GRPC
     if isinstance(exc, (ConnectionError, TimeoutError)):
         return True
     module = type(exc).__module__ or ""

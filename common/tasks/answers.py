@@ -43,11 +43,15 @@ def _plain(text: str) -> str:
     return text.replace("\u2212", "-").replace("\u2009", " ").replace("\u00a0", " ").replace("\\$", "$")
 
 
+def _searchable(text: str) -> str:
+    """`text` made plain, LaTeX fractions written a/b and currency signs and codes removed: what the number
+    patterns read."""
+    return _CURRENCY.sub("", _FRAC_LATEX.sub(lambda m: f"{m.group(1)}/{m.group(2)}", _plain(text)))
+
+
 def parse_number(text: str) -> Fraction | None:
     """The exact value of one written number (see the module docstring), or None if `text` is not one."""
-    s = _plain(text).strip().replace("_", "")
-    s = _FRAC_LATEX.sub(lambda m: f"{m.group(1)}/{m.group(2)}", s)
-    s = _CURRENCY.sub("", s).strip().rstrip(".,;:!").strip()
+    s = _searchable(text.strip().replace("_", "")).strip().rstrip(".,;:!").strip()
     if s.endswith("%"):
         s = s[:-1].strip()
     s = re.sub(r"(?<=\d) (?=\d{3}\b)", "", s)  # "1 234" -> "1234"
@@ -136,13 +140,12 @@ def _number_in(stated: str) -> str | None:
     stated = _plain(stated)
     if parse_number(stated) is not None:
         return stated.strip()
-    found = _NUMBER_RE.search(_FRAC_LATEX.sub(lambda m: f"{m.group(1)}/{m.group(2)}", _CURRENCY.sub("", stated)))
+    found = _NUMBER_RE.search(_searchable(stated))
     return found.group(0).strip() if found else None
 
 
 def last_number(text: str) -> str | None:
     """The last number `text` writes (a chat reply's answer: "12 + 7 = 19.", "... so she has 19 apples"), or None
     when it writes none. LaTeX fractions and currency signs are read as `extract_answer` reads them."""
-    text = _FRAC_LATEX.sub(lambda m: f"{m.group(1)}/{m.group(2)}", _CURRENCY.sub("", _plain(text)))
-    found = _NUMBER_RE.findall(text)
+    found = _NUMBER_RE.findall(_searchable(text))
     return found[-1].strip() if found else None

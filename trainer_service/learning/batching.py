@@ -49,18 +49,16 @@ def training_rewards(rewards: np.ndarray, lengths: np.ndarray, algo: AlgoSection
     return rewards
 
 
+def without_signal(group: GroupData, algo: AlgoSection, max_new: int) -> bool:
+    """Whether a group's training rewards are all equal, so its advantages are all zero. With the overlong penalty,
+    equally correct answers of different lengths inside the penalty's ramp are a signal (their lengths)."""
+    lengths = np.array([len(c.token_ids) for c in group.completions])
+    return bool(np.ptp(training_rewards(group.rewards, lengths, algo, max_new)) == 0)
+
+
 def no_signal_test(algo: AlgoSection, max_new: int) -> Callable[[GroupData], bool] | None:
-    """algo.dynamic_sampling's test of a group (None when it is off): its training rewards are all equal, so its
-    advantages are all zero. With the overlong penalty, a group of equally correct answers of different lengths
-    inside the penalty's ramp has a signal (their lengths) and is kept."""
-    if not algo.dynamic_sampling:
-        return None
-
-    def no_signal(group: GroupData) -> bool:
-        lengths = np.array([len(c.token_ids) for c in group.completions])
-        return bool(np.ptp(training_rewards(group.rewards, lengths, algo, max_new)) == 0)
-
-    return no_signal
+    """algo.dynamic_sampling's test of a group (`without_signal`), None when it is off."""
+    return (lambda group: without_signal(group, algo, max_new)) if algo.dynamic_sampling else None
 
 
 def layout(prompt: np.ndarray, completion: np.ndarray, max_prompt: int, max_new: int, pad_id: int):

@@ -11,7 +11,7 @@ import numpy as np
 from grpo_stream.common.config.schema import RunConfig
 from grpo_stream.common.rollouts.buffer import BufferUnavailable, RolloutBuffer
 from grpo_stream.common.runtime.prometheus import OTHER, BoundedGauge, ServiceMetrics, bounded_series
-from grpo_stream.trainer_service.learning.batching import training_rewards
+from grpo_stream.trainer_service.learning.batching import without_signal
 from grpo_stream.trainer_service.reports.metrics import Tracker, sample_rows
 
 log = logging.getLogger(__name__)
@@ -75,11 +75,8 @@ class StepReporter:
         self._window: list[tuple[float, int, int]] = []  # (time, tokens, groups) of recent steps, for rates
 
     def _without_signal(self, groups) -> int:
-        """Groups whose training rewards (the overlong penalty included) are all equal: zero advantages, as
-        algo.dynamic_sampling judges them."""
-        max_new = self.cfg.generation.max_new_tokens
-        return int(sum(np.ptp(training_rewards(g.rewards, np.array([len(c.token_ids) for c in g.completions]),
-                                               self.cfg.algo, max_new)) == 0 for g in groups))
+        """Groups with zero advantages, as algo.dynamic_sampling judges them."""
+        return sum(without_signal(g, self.cfg.algo, self.cfg.generation.max_new_tokens) for g in groups)
 
     def rates(self, tokens: int, groups: int, window_s: float = 30.0) -> tuple[float, float]:
         """Tokens/s and groups/s trained over the last `window_s` seconds (not a run-long average, which would climb
