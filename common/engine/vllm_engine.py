@@ -300,6 +300,7 @@ class VllmEngine:
                                                                      out.num_cached_tokens or 0)
                     entry.add(out.outputs[0], version)
                     if out.finished:
+                        _check_ended(out)
                         del live[out.request_id]
                         self._finish(source, entry)
                 steps += 1
@@ -358,6 +359,17 @@ class _Live:
         self.logprobs += [step[t].logprob for step, t in zip(out.logprobs, out.token_ids)]
         if self.versions is not None:
             self.versions += [version] * len(out.token_ids)
+
+
+def _check_ended(out) -> None:
+    """A request vLLM ended itself ("abort": the engine dropped it; "error": a request-level failure) has not
+    ended its completion: recorded as cut at the budget, its partial tokens would be scored and trained as a
+    truncated completion. The serve fails instead, naming the request (its claim goes back; the sampler's
+    restart rules apply)."""
+    reason = str(out.outputs[0].finish_reason)
+    if reason in ("abort", "error"):
+        raise RuntimeError(f"vLLM ended request {out.request_id} with finish_reason={reason!r}: an engine-side "
+                           "failure, not the end of the completion (see the vLLM engine's log)")
 
 
 def _seed_of(rng: Any) -> int:
