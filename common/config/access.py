@@ -27,8 +27,10 @@ class AuthSection(Strict):
                                     "in RUN_DIR/auth when neither is set.")
     token_file: str | None = Field(None, description=f"Clients (samplers, `submit`): file holding this process's "
                                    f"token. ${TOKEN_ENV} (the token) or ${TOKEN_FILE_ENV} (a file) override it.")
-    open_health: bool = Field(False, description="Answer grpc.health.v1 checks without a token (for platform probes "
-                              "that cannot send metadata). Everything else still needs one.")
+    open_health: bool = Field(False, description="Answer grpc.health.v1 Check and List without a token (for "
+                              "platform probes that cannot send metadata). Everything else, Watch included, still "
+                              "needs one. Anyone who reaches the port may then hold the probes' rpc.ops_calls "
+                              "slots: keep the port on the cluster network.")
 
 
 class TlsSection(Strict):
@@ -150,12 +152,13 @@ class RpcSection(Strict):
                                 "open at once on one server; a sampler's fetch opens weights.fetch_streams of them.")
     prompt_calls: int = Field(32, ge=1, le=100_000, description="Prompt clients' Submit, Cancel and GetStatus calls "
                               "open at once on one server.")
-    ops_calls: int = Field(16, ge=1, le=100_000, description="Health checks and reflection calls open at once on one "
-                           "server.")
+    ops_calls: int = Field(16, ge=1, le=100_000, description="Health Watch streams and reflection calls open at once "
+                           "on one server; health Check and List calls have as many slots of their own.")
     calls_per_caller: int = Field(32, ge=1, le=100_000, description="Calls one token (by its name) may have open of "
-                                  "each kind above, so one token cannot take a whole kind. A token shared by N "
-                                  "samplers counts as one caller: give each sampler its own (`up` does) or raise "
-                                  "this past ~4 x N. Not applied with auth.mode=none (no identities).")
+                                  "each kind above, and at most half of a kind's, so one token cannot take a whole "
+                                  "kind. A token shared by N samplers counts as one caller: give each sampler its own "
+                                  "(`up` does) or raise this past ~4 x N. Not applied with auth.mode=none (no "
+                                  "identities).")
     first_message_timeout_s: float = Field(30.0, gt=0, le=3600, description="A unary call (every RPC but the "
                                            "streams) whose request has not fully arrived this long after the call "
                                            "opened is cancelled, freeing its thread.")

@@ -26,14 +26,16 @@ from typing import Callable
 
 import grpc
 
-from grpo_stream.common.rpc.auth import HEALTH, Caller, TokenTable, bearer, caller_refusal
+from grpo_stream.common.rpc.auth import Caller, TokenTable, bearer, caller_refusal
 
 log = logging.getLogger(__name__)
 
 # Kinds of calls, each with its own slots. A method missing here counts as "ops" (health, reflection and anything
 # a test server registers); tests/integration/test_call_limits.py checks that every RPC of ROLES_BY_METHOD has one.
 SAMPLER, WEIGHT_FETCH, PROMPT, FOLLOWER, OPS = "sampler", "weight_fetch", "prompt", "follower", "ops"
+PROBE = "probe"  # health Check and List: answered at once, so a held Watch stream (an ops call) cannot refuse them
 KIND_BY_METHOD: dict[str, str] = {
+    "/grpc.health.v1.Health/Check": PROBE, "/grpc.health.v1.Health/List": PROBE,
     **{f"/grpo_stream.v1.RolloutIngest/{m}": SAMPLER for m in
        ("StreamBatches", "PushGroup", "GetDataPosition", "ClaimPrompts", "Admit")},
     "/grpo_stream.v1.WeightService/GetManifest": SAMPLER,
@@ -43,7 +45,7 @@ KIND_BY_METHOD: dict[str, str] = {
     "/grpo_stream.v1.PromptService/StreamResults": FOLLOWER,
 }
 SETTING_BY_KIND = {SAMPLER: "rpc.sampler_calls", WEIGHT_FETCH: "rpc.weight_fetches", PROMPT: "rpc.prompt_calls",
-                   FOLLOWER: "prompts.max_followers", OPS: "rpc.ops_calls"}
+                   FOLLOWER: "prompts.max_followers", OPS: "rpc.ops_calls", PROBE: "rpc.ops_calls"}
 REFUSAL_THREADS = 16  # pool threads beyond every kind's slots: refusals are answered on them, at once
 
 
@@ -56,7 +58,7 @@ class CallLimits:
     """Calls open at once on one server, per kind and per caller (config sections rpc and prompts)."""
 
     per_kind: dict[str, int] = dataclasses.field(default_factory=lambda: {
-        SAMPLER: 256, WEIGHT_FETCH: 64, PROMPT: 32, FOLLOWER: 128, OPS: 16})
+        SAMPLER: 256, WEIGHT_FETCH: 64, PROMPT: 32, FOLLOWER: 128, OPS: 16, PROBE: 16})
     per_caller: int = 32
     first_message_timeout_s: float = 30.0
     streams_per_connection: int = 128
@@ -65,8 +67,13 @@ class CallLimits:
     def from_config(cls, cfg) -> "CallLimits":
         rpc = cfg.rpc
         return cls({SAMPLER: rpc.sampler_calls, WEIGHT_FETCH: rpc.weight_fetches, PROMPT: rpc.prompt_calls,
-                    FOLLOWER: cfg.prompts.max_followers, OPS: rpc.ops_calls}, rpc.calls_per_caller,
+                    FOLLOWER: cfg.prompts.max_followers, OPS: rpc.ops_calls, PROBE: rpc.ops_calls}, rpc.calls_per_caller,
                    rpc.first_message_timeout_s, rpc.streams_per_connection)
+
+    def caller_share(self, kind: str) -> int:
+        """Calls one caller may hold of `kind`: rpc.calls_per_caller, and at most half the kind's slots (one token
+        cannot take a whole kind whatever the two settings say)."""
+        return min(self.per_caller, max(1, self.per_kind[kind] // 2))
 
     @property
     def workers(self) -> int:
@@ -85,14 +92,14 @@ class CallGate:
     def enter(self, kind: str, caller: str | None) -> str | None:
         """Take a slot of `kind` for `caller` (None: no identity, auth.mode=none or an open health probe); None
         when taken, else why not (for RESOURCE_EXHAUSTED)."""
-        limit, per_caller = self.limits.per_kind[kind], self.limits.per_caller
+        limit, per_caller = self.limits.per_kind[kind], self.limits.caller_share(kind)
         with self._lock:
             if self._open[kind] >= limit:
                 return (f"this server already serves {limit} {kind} calls ({SETTING_BY_KIND[kind]}); retry later, or "
                         "raise it")
             if caller is not None and self._open[kind, caller] >= per_caller:
-                return (f"{caller} already has {per_caller} {kind} calls open (rpc.calls_per_caller); finish some "
-                        "first, or give each process its own token")
+                return (f"{caller} already has {per_caller} {kind} calls open (rpc.calls_per_caller, at most half "
+                        f"of {SETTING_BY_KIND[kind]}); finish some first, or give each process its own token")
             self._open[kind] += 1
             if caller is not None:
                 self._open[kind, caller] += 1
@@ -189,7 +196,9 @@ class GuardInterceptor(grpc.ServerInterceptor):
         if handler is None:
             return None  # UNIMPLEMENTED, answered by grpcio at once
         method, caller = handler_call_details.method, None
-        if self.table is not None and not (self.open_health and method in HEALTH):
+        # open health is the probes' unary calls: a Watch stream never ends, and without a token nothing bounds
+        # how many one peer holds
+        if self.table is not None and not (self.open_health and kind_of(method) == PROBE):
             token = bearer(handler_call_details.invocation_metadata)
             found = self.table.lookup(token) if token else None
             refused = caller_refusal(found, method)

@@ -134,6 +134,12 @@ def test_open_health_answers_probes_without_a_token_and_nothing_else(tiny_parts,
             grpc.StatusCode.OK
         assert call(channel, "/grpo_stream.v1.PromptService/GetStatus",
                     by_path["/grpo_stream.v1.PromptService/GetStatus"]) == grpc.StatusCode.UNAUTHENTICATED
+        # a Watch stream never ends: without a name nothing would bound how many one peer holds
+        from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: PLC0415
+
+        with pytest.raises(grpc.RpcError) as watch:
+            next(health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=""), timeout=5))
+        assert watch.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
 def tls_cfg(cfg, pki, **client):

@@ -54,7 +54,7 @@ def test_every_rpc_has_a_kind():
     from grpo_stream.common.rpc.call_guard import KIND_BY_METHOD  # noqa: PLC0415
 
     ours = {m for m in ROLES_BY_METHOD if m.startswith("/grpo_stream.")}
-    assert ours == set(KIND_BY_METHOD), ours ^ set(KIND_BY_METHOD)
+    assert ours == {m for m in KIND_BY_METHOD if m.startswith("/grpo_stream.")}, ours ^ set(KIND_BY_METHOD)
 
 
 def test_prompt_clients_and_weight_fetches_cannot_starve_ingest(tiny_parts, shared_redis, run_name, tmp_path):
@@ -64,10 +64,11 @@ def test_prompt_clients_and_weight_fetches_cannot_starve_ingest(tiny_parts, shar
         stack.tokens = paths
         hostile = HalfSentCalls(stack.address)
         try:
-            client, sampler_1 = stack.token("client"), stack.token("sampler-1")
-            held = [hostile.open("prompt", PROMPTS + "Submit", client) for _ in range(4)]
-            held += [hostile.open("follow", PROMPTS + "StreamResults", client, True) for _ in range(4)]
-            held += [hostile.open("fetch", WEIGHTS + "FetchSlices", sampler_1, True) for _ in range(4)]
+            # two tokens per kind: one token may hold only half a kind's slots
+            client, sampler_1, admin = stack.token("client"), stack.token("sampler-1"), stack.token("admin")
+            held = [hostile.open("prompt", PROMPTS + "Submit", token) for token in (client, admin) * 2]
+            held += [hostile.open("follow", PROMPTS + "StreamResults", token, True) for token in (client, admin) * 2]
+            held += [hostile.open("fetch", WEIGHTS + "FetchSlices", token, True) for token in (sampler_1, admin) * 2]
             # each kind full: the next call of it is refused at once, naming the setting
             for what, path, token, streaming, setting in (
                     ("prompt", PROMPTS + "GetStatus", client, False, "rpc.prompt_calls"),
@@ -111,6 +112,38 @@ def test_one_token_cannot_take_a_whole_kind(tiny_parts, shared_redis, run_name, 
             sampler_works(stack, stack.token("sampler-0"))  # another sampler's token is served
         finally:
             hostile.close()
+
+
+def test_health_watch_streams_cannot_refuse_health_checks_nor_one_token_take_half_a_kind(
+        tiny_parts, shared_redis, run_name, tmp_path):
+    """Watch streams never end: one token holds at most half the ops slots whatever rpc.calls_per_caller says, and
+    with every ops slot held, health Check (what a starting sampler and a platform probe call) is still served."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: PLC0415
+
+    server, paths = limited(tiny_parts, shared_redis.url, run_name, tmp_path)  # 32 per caller, 16 ops calls
+    with server as stack:
+        stack.tokens = paths
+        watches = []
+        try:
+            for name, count in (("client", 9), ("sampler-1", 8)):
+                health = health_pb2_grpc.HealthStub(stack.channel(None, stack.token(name)))
+                for _ in range(count):
+                    watches.append(health.Watch(health_pb2.HealthCheckRequest(service="")))
+                    if len(watches) != 9:
+                        assert next(watches[-1]).status == health_pb2.HealthCheckResponse.SERVING
+            with pytest.raises(grpc.RpcError) as ninth:  # client's 9th: its share of 16 is 8
+                next(watches[8])
+            assert ninth.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "client already has 8 ops calls open (rpc.calls_per_caller" in ninth.value.details()
+            probe = health_pb2_grpc.HealthStub(stack.channel(None, stack.token("sampler-0")))
+            with pytest.raises(grpc.RpcError) as full:
+                next(probe.Watch(health_pb2.HealthCheckRequest(service="")))
+            assert "already serves 16 ops calls" in full.value.details()
+            assert probe.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status == \
+                health_pb2.HealthCheckResponse.SERVING
+        finally:
+            for watch in watches:
+                watch.cancel()
 
 
 def test_a_unary_call_whose_request_never_comes_is_cancelled(tiny_parts, shared_redis, run_name, tmp_path):

@@ -14,7 +14,7 @@ from grpo_stream.common.rollouts.redis_server import connect
 from grpo_stream.common.rollouts.wire import CompletionData, decode_group, to_proto
 from grpo_stream.protos import rollout_pb2, rollout_pb2_grpc
 from grpo_stream.sampler_service.rollout_client import RolloutClient
-from grpo_stream.trainer_service.ingest.rollout_ingest import IngestServicer
+from grpo_stream.trainer_service.ingest.rollout_ingest import MAX_BATCH_GROUPS, IngestServicer
 from grpo_stream.trainer_service.publication.publisher import WeightPublisher
 from grpo_stream.trainer_service.server import TrainerServer
 from tests.trainer_stack import LIMITS, group, stack  # noqa: F401 (stack: the fixture)
@@ -42,6 +42,25 @@ def test_stream_accepts_groups_and_rejects_a_bad_one_without_closing(stack):
     entries = buffer.read(10, 100)
     assert [decode_group(e.payload).group_id for e in entries] == ["g0", "g2"]
     assert ingest.stats["invalid"] == 1
+
+
+def test_a_batch_of_too_many_groups_is_refused_before_any_work_and_rejections_log_once(stack, caplog):
+    """One message may carry millions of 2-byte groups: each would cost validation, a log line and an ack (a reply
+    past the message limit). Past MAX_BATCH_GROUPS the stream is refused naming the field; a batch's rejections
+    are one log line."""
+    buffer, ingest, *_, channel = stack
+    stub = rollout_pb2_grpc.RolloutIngestStub(channel)
+    flood = rollout_pb2.RolloutBatch(groups=[rollout_pb2.RolloutGroup()] * (MAX_BATCH_GROUPS + 1))
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.StreamBatches(iter([flood])))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"groups: {MAX_BATCH_GROUPS + 1} groups in one batch, at most {MAX_BATCH_GROUPS}" in err.value.details()
+    assert ingest.stats["invalid"] == 0 and buffer.counters()["ingested"] == 0
+    with caplog.at_level("WARNING", logger="grpo_stream.trainer_service.ingest.rollout_ingest"):
+        (reply,) = stub.StreamBatches(iter([rollout_pb2.RolloutBatch(groups=[rollout_pb2.RolloutGroup()] * 3)]))
+    assert len(reply.acks) == 3 and ingest.stats["invalid"] == 3
+    lines = [r.getMessage() for r in caplog.records if "rejected" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].startswith("rejected 3 of 3 groups"), lines
 
 
 def test_a_batch_larger_than_the_room_left_is_split_in_order(stack):

@@ -34,6 +34,7 @@ _STAT = {0: "accepted", _INVALID: "invalid", _EXHAUSTED: "full", _UNAVAILABLE: "
 _ANSWERED = {"eval": "evaluation only: recorded as the prompt's result, never trained",
              "cancelled": "the prompt was cancelled: answer discarded", "dup": "duplicate: accepted before"}
 MAX_CLAIM = 4096
+MAX_BATCH_GROUPS = 1024  # groups in one StreamBatches message (a sampler sends 16)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +96,7 @@ class IngestServicer(rollout_pb2_grpc.RolloutIngestServicer):
         sender lost the first acknowledgement (a dropped stream, an ingest restart) and must not keep it."""
         acks: list[rollout_pb2.GroupAck | None] = []
         valid: list[tuple[int, rollout_pb2.RolloutGroup]] = []
+        rejected: list[tuple[rollout_pb2.RolloutGroup, str]] = []
         try:
             injected = self._check_injected(groups)
         except BufferUnavailable as exc:
@@ -108,12 +110,15 @@ class IngestServicer(rollout_pb2_grpc.RolloutIngestServicer):
             errors = injected[position] if position in injected else validate_group(group, self.limits)
             if errors:
                 message = "; ".join(errors)
-                # ids are cut: a hostile sender must not be able to flood the log
-                log.warning("rejected group %r from %r: %s", group.group_id[:64], group.sampler_id[:64], message[:500])
+                rejected.append((group, message))
                 acks.append(rollout_pb2.GroupAck(group_id=group.group_id, code=_INVALID, message=message))
             else:
                 valid.append((len(acks), group))
                 acks.append(None)
+        if rejected:  # one line a batch, ids and message cut: a hostile sender must not be able to flood the log
+            first, message = rejected[0]
+            log.warning("rejected %d of %d groups from %r; the first, %r: %s", len(rejected), len(groups),
+                        first.sampler_id[:64], first.group_id[:64], message[:500])
         statuses, depth = [], 0
         try:
             statuses, depth = self.buffer.append_many(
@@ -190,6 +195,9 @@ class IngestServicer(rollout_pb2_grpc.RolloutIngestServicer):
 
     def StreamBatches(self, request_iterator, context):
         for batch in request_iterator:
+            if len(batch.groups) > MAX_BATCH_GROUPS:  # before any work: each group costs validation and an ack
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"groups: {len(batch.groups)} groups in one batch, "
+                              f"at most {MAX_BATCH_GROUPS}; send them in smaller batches")
             self._check_identity(context, batch.groups)
             yield rollout_pb2.BatchAck(acks=self.handle_batch(batch.groups))
 
