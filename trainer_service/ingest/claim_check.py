@@ -23,32 +23,49 @@ log = logging.getLogger(__name__)
 REFUSER = "ingest"  # the caller name the refusal is made under (an admin's cancel: any client's prompt)
 
 
-def checked_claim(queue: PromptQueue, raw: list[bytes], allowed: Collection[str], retention_s: int,
+def checked_claim(queue: PromptQueue, raw: list[tuple[str, bytes]], allowed: Collection[str], retention_s: int,
                   max_kept: int) -> list[rollout_pb2.InjectedPrompt]:
-    """The claimed prompts (InjectedPrompt bytes) that name only `allowed` rewards; each other one is finished now
-    as refused (raises BufferUnavailable when Redis is down: the claim lease then queues it again, to be refused
-    at the next claim). A record that is not an InjectedPrompt is left out (its id is unknown here)."""
+    """The claimed prompts ((prompt id, InjectedPrompt bytes) pairs) that name only `allowed` rewards; each other
+    one, and each whose record is damaged (not an InjectedPrompt, or one of another id), is finished now as refused,
+    under its key's id (raises BufferUnavailable when Redis is down: the claim lease then queues it again, to be
+    refused at the next claim)."""
     prompts, refused = [], {}
-    for blob in raw:
+    for pid, blob in raw:
         try:
             prompt = rollout_pb2.InjectedPrompt.FromString(blob)
         except DecodeError:
-            log.warning("a claimed injected prompt is not an InjectedPrompt (written to Redis by hand?); skipped")
+            prompt = None
+        if prompt is None or not blob or prompt.prompt_id != pid:
+            refused[pid] = ("its queued record in Redis is damaged (req is not the InjectedPrompt submitted as this "
+                            "id; written by hand?): refused by the ingest; submit it again")
             continue
         error = unknown_reward(prompt.rewards, allowed)
         if error is None:
             prompts.append(prompt)
         else:
-            refused[prompt.prompt_id] = (f"{error} (task.rewards and the built-ins); refused by the ingest: the "
-                                         "prompt reached the queue without PromptService.Submit's checks")
+            refused[pid] = (f"{error} (task.rewards and the built-ins); refused by the ingest: the prompt reached "
+                            "the queue without PromptService.Submit's checks")
     if refused:
-        def record_errors():
-            pipe = queue.client.pipeline(transaction=False)
-            for pid, error in refused.items():
-                pipe.hset(queue.prompt_key(pid), "error", error)
-            return pipe.execute()
-        redis_call(record_errors)  # before the cancel, so a follower woken by it reads the error
-        queue.cancel(REFUSER, True, list(refused), retention_s, max_kept)
-        for pid, error in refused.items():
-            log.warning("injected prompt %r refused: %s", pid[:64], error[:300])
+        _refuse(queue, refused, retention_s, max_kept)
     return prompts
+
+
+def _refuse(queue: PromptQueue, refused: dict[str, str], retention_s: int, max_kept: int) -> None:
+    """Finish each of `refused` (id -> error) as cancelled with its error, which its client reads in the result."""
+    def record_errors():
+        pipe = queue.client.pipeline(transaction=False)
+        for pid, error in refused.items():
+            pipe.hset(queue.prompt_key(pid), "error", error)
+        return pipe.execute()
+    redis_call(record_errors)  # before the cancel, so a follower woken by it reads the error
+    ids = list(refused)
+    while ids:  # a cancel is all or nothing: one that cannot be cancelled is left out, the others still are
+        try:
+            queue.cancel(REFUSER, True, ids, retention_s, max_kept)
+            break
+        except KeyError as exc:  # a hash with no submitter (written by hand): left to the claim lease, max_claims
+            log.warning("injected prompt %r has no submitter in Redis: not cancelled; the claim lease gives it up "
+                        "after prompts.max_claims leases", str(exc.args[0])[:64])
+            ids.remove(exc.args[0])
+    for pid, error in refused.items():
+        log.warning("injected prompt %r refused: %s", pid[:64], error[:300])

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import time
 import uuid
 from typing import Callable
@@ -50,6 +51,8 @@ import redis
 
 from grpo_stream.common.rollouts.kept_results import FINISH_PROMPT_LUA, group_id_prefix
 from grpo_stream.common.rollouts.redis_errors import redis_call
+
+log = logging.getLogger(__name__)
 
 ACTIVE_SAMPLER_S = 60.0
 
@@ -151,7 +154,7 @@ end
 -- a share of everything unfinished (queued or claimed), less what this sampler already holds
 local take = math.min(want, queued, math.ceil((queued + #claimed) / math.max(active, 1)) - held)
 local out, turns = {}, base .. ':inject:turns'
-while #out < take and credit > 0 do
+while #out < 2 * take and credit > 0 do  -- out: id, req per prompt
   local head = redis.call('ZRANGE', turns, 0, 0, 'WITHSCORES')
   if #head == 0 then break end
   local client, start = head[1], tonumber(head[2])
@@ -174,7 +177,8 @@ while #out < take and credit > 0 do
       end
       redis.call('HSET', pkey, 'state', 'claimed', 'sampler', sampler, 'claimed', now)
       redis.call('ZADD', KEYS[2], now, pid)
-      out[#out + 1] = redis.call('HGET', pkey, 'req')
+      out[#out + 1] = pid  -- the key's id: a damaged req cannot name another prompt
+      out[#out + 1] = redis.call('HGET', pkey, 'req') or ''
       credit = credit - tonumber(redis.call('HGET', pkey, 'rows') or default_rows)
     end
   end
@@ -283,8 +287,9 @@ class PromptQueue:
         return int(count)
 
     def claim(self, sampler_id: str, want: int, lease_s: float, share: InjectedShare | None = None,
-              batch_groups: int | None = None, given_up: tuple[int, int, int] = (3, 7 * 86_400, 10_000)) -> list[bytes]:
-        """InjectedPrompt bytes of up to `want` prompts for this sampler (its fair share of the queue), taken from the
+              batch_groups: int | None = None, given_up: tuple[int, int, int] = (3, 7 * 86_400, 10_000)
+              ) -> list[tuple[str, bytes]]:
+        """(prompt id, InjectedPrompt bytes) of up to `want` prompts for this sampler (its fair share of the queue), taken from the
         clients in fair turns, within the injected share of its rows (`share`; None: no limit) for a batch of
         `batch_groups` groups (None: a full batch). Claims whose lease ran out go back to the queue first, or, at
         their `given_up[0]`-th lapse (prompts.max_claims), are finished as cancelled with an error, kept as results
@@ -292,10 +297,11 @@ class PromptQueue:
         share = share or InjectedShare(1.0, 1 << 20, 1)
         grant_rows, burst_rows = share.rows(batch_groups)
         max_claims, retention_s, max_kept = given_up
-        return self._call(lambda: self._claim(
+        flat = self._call(lambda: self._claim(
             keys=[self.queue, self.claimed, self.samplers, self.turns, self.credit, self.pending],
             args=[self.base, sampler_id, want, self.clock(), lease_s, ACTIVE_SAMPLER_S, grant_rows, burst_rows,
                   share.group_rows, max_claims, retention_s, max_kept, group_id_prefix(self.run_name)]))
+        return [(flat[i].decode(), flat[i + 1]) for i in range(0, len(flat), 2)]
 
     def cancel(self, client_name: str, admin: bool, prompt_ids: list[str], retention_s: int,
                max_kept: int = 10_000) -> dict[str, str]:
@@ -354,8 +360,17 @@ class PromptQueue:
         self._call(lambda: self.client.set(self.status_key, json.dumps(status)))
 
     def read_status(self) -> dict:
+        """The trainer's status record ({} before its first, or when the key holds something else: logged)."""
         raw = self._call(lambda: self.client.get(self.status_key))
-        return json.loads(raw) if raw else {}
+        try:
+            status = json.loads(raw) if raw else {}
+        except ValueError:
+            status = None
+        if not isinstance(status, dict):
+            log.warning("%s holds no status record (a JSON object); the trainer writes it again at its next step",
+                        self.status_key)
+            return {}
+        return status
 
     def buffer_depth(self) -> int:
         return int(self._call(lambda: self.client.xlen(self.rollouts)))

@@ -15,6 +15,7 @@ import time
 
 import grpc
 import numpy as np
+from google.protobuf import json_format
 
 from grpo_stream.common.rpc.auth import TokenTable, caller_of
 from grpo_stream.common.rollouts.buffer import BufferUnavailable
@@ -24,7 +25,7 @@ from grpo_stream.common.tasks.rewards import TASK_REWARDS, allowed_names, unknow
 from grpo_stream.protos import prompts_pb2, prompts_pb2_grpc, rollout_pb2
 
 log = logging.getLogger(__name__)
-TAG = re.compile(r"^[\w.:/@+-]+$")
+TAG = re.compile(r"[\w.:/@+-]+")  # whole tags only (fullmatch): "$" would pass a trailing newline
 MAX_IDS = 10_000
 MAX_REWARDS = 16
 FOLLOW_POLL_MS = 1000
@@ -36,7 +37,6 @@ class PromptServicer(prompts_pb2_grpc.PromptServiceServicer):
         self.limits = cfg.prompts
         # rewards a client may name: built-ins and the run's own; never an import path from the network
         self.rewards = allowed_names(cfg.task.rewards, cfg.task.name)
-        self._followers = threading.BoundedSemaphore(cfg.prompts.max_followers)
 
     # -- Submit -----------------------------------------------------------------------------------------------------
     def _render(self, spec: prompts_pb2.PromptSpec) -> str:
@@ -83,7 +83,7 @@ class PromptServicer(prompts_pb2_grpc.PromptServiceServicer):
         for k, tag in enumerate(spec.tags):
             if not 0 < len(tag) <= lim.max_tag_chars:
                 return f"{at}.tags[{k}]: {len(tag)} characters, must be 1..{lim.max_tag_chars} (prompts.max_tag_chars)", []
-            if not TAG.match(tag):
+            if not TAG.fullmatch(tag):
                 return f"{at}.tags[{k}]: {tag!r} may hold letters, digits and . : / @ + - _ only", []
         ids = self.tokenizer.encode(self._render(spec))
         if not 0 < len(ids) <= self.cfg.generation.max_prompt_tokens:
@@ -163,25 +163,17 @@ class PromptServicer(prompts_pb2_grpc.PromptServiceServicer):
                 yield self._result(pid, record)
 
     def StreamResults(self, request, context):
-        if not self._followers.acquire(blocking=False):
-            context.set_trailing_metadata((("retry-after-ms", str(self.limits.retry_after_ms)),))
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self.limits.max_followers} StreamResults calls are "
-                          "open (prompts.max_followers); retry later or follow by tag")
-        try:
-            yield from self._stream_results(request, context)
-        finally:
-            self._followers.release()
-
-    def _stream_results(self, request, context):
+        """prompts.max_followers bounds these calls in the server's call gate (common/rpc/call_guard.py), which
+        frees a follower's place as its call ends."""
         # a client follows its own prompts only (their answers are its data); an admin follows anyone's
         caller = caller_of(context, self.table)
         owner = None if caller.role == "admin" else caller.name
-        ids, tag = list(request.prompt_ids), request.tag
+        ids, tag = list(dict.fromkeys(request.prompt_ids)), request.tag  # an id given twice is one result
         if bool(ids) == bool(tag):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "give either prompt_ids or tag")
         if len(ids) > MAX_IDS:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"prompt_ids: {len(ids)} given, limit {MAX_IDS}")
-        if tag and not (len(tag) <= self.limits.max_tag_chars and TAG.match(tag)):
+        if tag and not (len(tag) <= self.limits.max_tag_chars and TAG.fullmatch(tag)):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"tag: not a valid tag (1..{self.limits.max_tag_chars} "
                           "letters, digits and . : / @ + - _)")
         try:
@@ -253,14 +245,42 @@ class PromptServicer(prompts_pb2_grpc.PromptServiceServicer):
             depth = self.queue.buffer_depth()
         except BufferUnavailable as exc:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"status unavailable ({exc}); retry with backoff")
-        reply = prompts_pb2.RunStatus(
-            run_name=self.cfg.run.name, trainer_step=status.get("step", 0),
-            total_steps=status.get("total_steps", self.cfg.trainer.steps),
-            latest_weight_version=status.get("latest_version", -1), buffer_depth=depth, injection_queued=queued,
-            injection_claimed=claimed, trainer_updated_unix=status.get("updated_unix", 0.0))
-        for s in status.get("samplers", []):
-            reply.samplers.add(**s)
+        reply = prompts_pb2.RunStatus(run_name=self.cfg.run.name, total_steps=self.cfg.trainer.steps,
+                                      latest_weight_version=-1, buffer_depth=depth, injection_queued=queued,
+                                      injection_claimed=claimed)
+        fill_status(reply, status, self.queue.status_key)
         return reply
+
+
+_STATUS_FIELDS = {"step": "trainer_step", "total_steps": "total_steps", "latest_version": "latest_weight_version",
+                  "updated_unix": "trainer_updated_unix"}
+
+
+def fill_status(reply: prompts_pb2.RunStatus, status: dict, key: str) -> None:
+    """`reply` with what the trainer's status record holds: each field and sampler entry that reads as its type; the
+    others are left at their defaults and logged (Redis may be written by others, or by a newer trainer: unknown
+    sampler fields are ignored)."""
+    unreadable = []
+    for name, field in _STATUS_FIELDS.items():
+        if name in status:
+            try:
+                json_format.ParseDict({field: status[name]}, reply)
+            except json_format.ParseError:
+                unreadable.append(name)
+    samplers = status.get("samplers", [])
+    for k, entry in enumerate(samplers if isinstance(samplers, list) else []):
+        try:
+            if not isinstance(entry, dict):
+                raise json_format.ParseError("not an object")
+            reply.samplers.append(json_format.ParseDict(entry, prompts_pb2.SamplerStatus(),
+                                                        ignore_unknown_fields=True))
+        except json_format.ParseError:
+            unreadable.append(f"samplers[{k}]")
+    if not isinstance(samplers, list):
+        unreadable.append("samplers")
+    if unreadable:
+        log.warning("%s: %s unreadable, left out of GetStatus; the trainer writes the record again at its next step",
+                    key, ", ".join(unreadable)[:300])
 
 
 def status_of(step: int, total_steps: int, latest_version: int | None, samplers: list[dict]) -> dict:

@@ -15,6 +15,7 @@ import threading
 
 import grpc
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from grpo_stream.common.rollouts.buffer import BufferUnavailable, Incoming, RedisStreamBuffer
 from grpo_stream.common.rpc.auth import TokenTable, caller_of, may_act_as
@@ -80,7 +81,12 @@ class IngestServicer(rollout_pb2_grpc.RolloutIngestServicer):
             if record is None:
                 out[i] = [f"prompt_id: no injected prompt {g.prompt_id[:64]!r} (never submitted, or expired)"]
                 continue
-            prompt = rollout_pb2.InjectedPrompt.FromString(record[b"req"])
+            try:
+                prompt = rollout_pb2.InjectedPrompt.FromString(record[b"req"])
+            except (KeyError, DecodeError):  # someone else wrote Redis: this answer only is refused
+                out[i] = [f"prompt_id: the queued record of {g.prompt_id[:64]!r} in Redis is damaged (its 'req' is "
+                          "not an InjectedPrompt); cancel the prompt and submit it again"]
+                continue
             errors = validate_group(g, dataclasses.replace(self.limits, num_generations=prompt.num_generations))
             if g.group_id != f"{inj.run_name}/inj/{g.prompt_id}":
                 errors.append(f"group_id: an injected prompt's group id is '{inj.run_name}/inj/<prompt_id>'")
