@@ -26,6 +26,7 @@ class ChatTemplateRenderer:
         self.tokenizer = tokenizer
         self._stop_texts = tokenizer.stop_texts()
         self._specials = sorted(tokenizer.special_texts(), key=len, reverse=True)
+        self.text(Observation("0"))  # a template that cannot append observations fails here, not every episode
 
     def text(self, observation: Observation) -> str:
         """The text that follows the model's stop token: the template's end of the assistant turn, the observation
@@ -40,11 +41,16 @@ class ChatTemplateRenderer:
                 raise
             after = self.tokenizer.render_chat(chat + [{"role": "user", "content": content}],
                                                add_generation_prompt=True)
-        if not after.startswith(before[:before.index(_SENTINEL) + len(_SENTINEL)]):
-            raise ValueError("environment: the chat template renders earlier turns differently once an observation "
-                             "follows; observations cannot be appended token-exactly with it")
-        stop, tail = self._turn_end(before)
-        return tail[len(stop):] + after[len(before):]  # the stop token was sampled: it is already in the sequence
+        # only what follows the sentinel matters: the earlier turns are the sampled ids, never rendered again (Qwen3
+        # writes an empty think block into the last assistant message, and none once a tool message follows it)
+        if _SENTINEL not in after:
+            raise ValueError("environment: the chat template drops an assistant message once an observation follows; "
+                             "observations cannot be appended token-exactly with it")
+        stop, tail = self._turn_end(after)
+        if stop != self._turn_end(before)[0]:
+            raise ValueError("environment: the chat template ends an assistant turn with another stop token once an "
+                             "observation follows; observations cannot be appended token-exactly with it")
+        return tail[len(stop):]  # the stop token was sampled: it is already in the sequence
 
     def end_of_turn_ids(self) -> list[int]:
         """The ids of the stop token the template writes after an assistant message (Qwen's <|im_end|>, Llama 3's

@@ -175,6 +175,31 @@ def test_observations_are_what_the_template_writes_after_the_stop_token(families
             tok.render_chat([user, {"role": "assistant", "content": turn}, {"role": "tool", "content": "5"}], True)
 
 
+def test_a_template_that_renders_the_last_assistant_turn_its_own_way_still_appends_observations(tmp_path):
+    """Qwen3's template writes an empty think block into the last assistant message and none once a tool message
+    follows it: the earlier turns render differently, which does not matter (they are the sampled ids, never
+    rendered again); what follows the stop token is what the template writes after it with the observation."""
+    from grpo_stream.common.model.tokenizer import HFTokenizer  # noqa: PLC0415
+    from tests.chat_families import build_tokenizer  # noqa: PLC0415
+
+    directory = build_tokenizer(tmp_path / "qwen3", "qwen")
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    plain = "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}"
+    assert config["chat_template"].count("or (message.role == \"assistant\" and not message.tool_calls) %}") == 1
+    config["chat_template"] = config["chat_template"].replace(
+        "or (message.role == \"assistant\" and not message.tool_calls) %}\n        " + plain,
+        "or (message.role == \"assistant\" and not message.tool_calls) %}\n"
+        "        {%- if message.role == 'assistant' and loop.last %}"
+        "{{- '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' + message.content + '<|im_end|>\\n' }}"
+        "{%- else %}" + plain + "{%- endif %}")
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = HFTokenizer(directory)
+    last = tok.render_chat([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}], False)
+    assert "<think>" in last  # the template does what Qwen3's does
+    renderer = ChatTemplateRenderer(tok)
+    assert renderer.text(Observation("5")) == AFTER_STOP["qwen"]
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_tools_in_the_template_and_calls_through_the_tool_layer(families, name):
     """The templates take `tools=` as each family does (Qwen: the system turn; Llama 3.1: the first user turn); for
