@@ -8,7 +8,11 @@ continues the same sequence and a group samples the same whatever else the engin
 
 An injected prompt's reward names come from whoever wrote the prompt (the ingest checks them, but Redis can be written
 by others): they are looked up among the run's rewards only (`RunRewards`), never imported, and a prompt naming
-another is skipped, not generated.
+another is skipped, not generated. So is one this sampler cannot start (`_refusal`): no rows (a group that never
+ends, held for the sampler's life), more rows than it starts as one group, or a prompt empty or longer than its
+generation.max_prompt_tokens (the engine raises on it, which would stop the sampler, and the claim's lease would
+hand it out again: a crash loop). There is no call to answer the ingest with a refusal: the claim's lease hands the
+prompt out again until the ingest's prompts.max_claims gives it up.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from grpo_stream.protos import rollout_pb2
 
 log = logging.getLogger(__name__)
 MAX_SKIPPED_PROMPTS = 1000  # consecutive over-long prompts before the sampler gives up (config is wrong)
+MAX_REFUSALS_LOGGED = 1000  # distinct injected prompts whose refusal is logged (one claimed again: counted only)
 INJECTED_KEYS = 2**31 - 1  # the key stream of injected groups (fold_in of the sampler's key; data positions are less)
 CLAIM_EVERY_S = 0.25  # most often the ingest is asked for injected prompts while none is held
 
@@ -47,6 +52,7 @@ class GroupSource:
         self.injected_done = self.injected_refused = 0
         self.rewards = RunRewards(default, cfg.task.rewards, task_name=cfg.task.name)
         self._claim_warned = False
+        self._refusals_logged: set[str] = set()
         self._last_claim = -CLAIM_EVERY_S
 
     def _key(self, stream: int, index: int):
@@ -112,9 +118,7 @@ class GroupSource:
             try:
                 rewards = self.rewards.subset(list(p.rewards))
             except UnknownReward as exc:
-                self.injected_refused += 1
-                log.warning("%s: injected prompt %r not generated: %s (the ingest refuses these: does its "
-                            "task.rewards differ from this sampler's?)", self.sampler_id, p.prompt_id[:64], exc)
+                self._refuse(p, f"{exc} (the ingest refuses these: does its task.rewards differ from this sampler's?)")
                 continue
             problem = types.SimpleNamespace(prompt_id=p.prompt_id, answer=p.reference_answer, prompt="")
             works.append(GroupWork(problem, list(p.prompt_token_ids), p.num_generations, rewards,
@@ -126,12 +130,33 @@ class GroupSource:
         return works
 
     def _skip_unstartable(self) -> None:
-        """Drop claimed prompts at the head of the line that are wider than any group this sampler can start: waiting
-        for rows that never free would stop every prompt after them, and every dataset prompt."""
-        most = self.cfg.largest_group()
-        while self.pending and self.pending[0].num_generations > most:
-            p = self.pending.popleft()
-            self.injected_refused += 1
-            log.warning("%s: injected prompt %r not generated: %d rows, and this sampler starts at most %d as one "
-                        "group (sampler.rows_in_flight and the engine's slots: does the ingest's config differ from "
-                        "this sampler's?)", self.sampler_id, p.prompt_id[:64], p.num_generations, most)
+        """Drop claimed prompts at the head of the line this sampler cannot start (`_refusal`): waiting for rows that
+        never free would stop every prompt after them, and every dataset prompt; the others would never end or would
+        stop the engine."""
+        while self.pending:
+            why = self._refusal(self.pending[0])
+            if why is None:
+                return
+            self._refuse(self.pending.popleft(), why)
+
+    def _refusal(self, p: rollout_pb2.InjectedPrompt) -> str | None:
+        """Why this sampler cannot start injected prompt `p` (None: it can). The ingest checks these against its own
+        config, but Redis can be written by others and the ingest's config can differ from this sampler's."""
+        most, longest = self.cfg.largest_group(), self.cfg.generation.max_prompt_tokens
+        if p.num_generations < 1:
+            return f"num_generations {p.num_generations}: a group needs at least 1 row (one of none would never end)"
+        if p.num_generations > most:
+            return (f"{p.num_generations} rows, and this sampler starts at most {most} as one group "
+                    "(sampler.rows_in_flight and the engine's slots: does the ingest's config differ from this "
+                    "sampler's?)")
+        if not 1 <= len(p.prompt_token_ids) <= longest:
+            return (f"prompt_token_ids: {len(p.prompt_token_ids)} tokens, and this sampler starts prompts of 1 to "
+                    f"{longest} (generation.max_prompt_tokens: does the ingest's config differ from this sampler's?)")
+        return None
+
+    def _refuse(self, p: rollout_pb2.InjectedPrompt, why: str) -> None:
+        """Count `p` as not generated; log why once per prompt (the claim's lease hands it out again)."""
+        self.injected_refused += 1
+        if p.prompt_id not in self._refusals_logged and len(self._refusals_logged) < MAX_REFUSALS_LOGGED:
+            self._refusals_logged.add(p.prompt_id)
+            log.warning("%s: injected prompt %r not generated: %s", self.sampler_id, p.prompt_id[:64], why)

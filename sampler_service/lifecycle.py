@@ -51,7 +51,7 @@ class SamplerMetrics:
         self.lag = prom.gauge("sampler_weight_lag_seen", "newest version this sampler has seen minus the installed one")
         self.failures = prom.gauge("sampler_weight_fetch_failures", "failed fetches since the last install")
         self.groups = prom.counter("sampler_groups", "rollout groups generated")
-        self.tokens = prom.counter("sampler_tokens", "completion tokens generated")
+        self.tokens = prom.counter("sampler_tokens", "completion tokens the model sampled (not observations)")
         self.backlog = prom.gauge("sampler_backlog", "groups generated but not yet acknowledged by the ingest")
 
     def start(self, cfg: RunConfig, index: int) -> None:

@@ -46,7 +46,7 @@ from grpo_stream.common.registry.transports import transport_spec
 from grpo_stream.common.weights.snapshot import digest
 from grpo_stream.sampler_service.engine_thread import EngineThread
 from grpo_stream.common.tasks.reward_workers import RewardWorker
-from grpo_stream.sampler_service.group_sink import GroupSink, window_rates
+from grpo_stream.sampler_service.group_sink import GroupSink
 from grpo_stream.sampler_service.group_source import GroupSource
 from grpo_stream.sampler_service.lifecycle import Parts, open_sampler, served_over_http
 from grpo_stream.sampler_service.weights_in_use import WeightsInUse
@@ -164,6 +164,7 @@ class Sampler:
             weights.stream_started(None, None)
         if engine.error is not None:
             raise engine.error
+        self.sink.check()  # what the sink met while it finished the groups handed over (close() keeps it there)
         weights.install_final()
 
     def _feed(self, parts: Parts) -> None:
@@ -176,20 +177,24 @@ class Sampler:
         wanted = max(room // gen.num_generations, 1 if waiting else 0)
         if wanted <= 0 or self._held_back():
             return
-        holding = parts.client.unacked + self.sink.pending() + len(stream.in_flight())
-        version = self.weights.version
+        # never below 0: the ingest refuses a negative count for good (INVALID_ARGUMENT), which would stop the sampler
+        holding = max(0, parts.client.unacked + self.sink.pending() + len(stream.in_flight()))
+        version, epoch = self.weights.version, self.weights.epoch
         granted = self.admission.admit(wanted, version, holding)
         if granted == 0:
             return
         for work in self.source.next_groups(granted, room, version):
+            work.epoch = epoch  # no other epoch's version is installed while it runs (StagedWeights drains for one)
             stream.start(work, self.injected_rollouts if work.injected else self.rollouts, version)
             self.groups_started += 1
             self.weights.group_started()
 
     def _held_back(self) -> bool:
-        """No group may start now: the backlog is full, the weights are too stale for the trainer to use what is
-        made now, synchronous mode's count for this version is reached, or a drain for a new version is on."""
-        if self.client.unacked >= self.cfg.sampler.backlog_max_groups:
+        """No group may start now: the backlog is full (groups ended and not yet acknowledged, those still being
+        scored included: a reward slower than generation would pile them up without bound), the weights are too
+        stale for the trainer to use what is made now, synchronous mode's count for this version is reached, or a
+        drain for a new version is on."""
+        if self.client.unacked + self.sink.pending() >= self.cfg.sampler.backlog_max_groups:
             return True
         cap = self.cfg.sampler.max_groups_per_version
         held = (self.sync.too_stale() or (cap is not None and self.weights.groups_at_version >= cap)
@@ -225,8 +230,9 @@ class Sampler:
                   "fetch_seconds": weights.fetch_seconds, "fetch_bytes": weights.fetch_bytes,
                   "publish_to_install_seconds": weights.publish_to_install_s,
                   "final_weights": verified,
-                  # completion tokens of the groups sent; the time the engine had work (its serve's time less the
-                  # time it waited with nothing to decode), and the time since the first weights
+                  # the tokens the model sampled in the groups sent (not an environment's observations); the time
+                  # the engine had work (its serve's time less the time it waited with nothing to decode), and the
+                  # time since the first weights
                   "tokens_generated": sink.tokens_generated,
                   "generate_seconds": round(self.serve_seconds - self.engine_idle_seconds, 3),
                   "engine_idle_seconds": round(self.engine_idle_seconds, 3),
@@ -253,7 +259,7 @@ class Sampler:
         if now - self._last_report < 5.0:
             return
         self._last_report = now
-        groups_s, tokens_s, span = window_rates(list(sink.rate), now, self._stream_started)
+        groups_s, tokens_s, span = sink.rate.rates(now, self._stream_started)
         self.sync.throughput = (groups_s, tokens_s)
         self.sync.groups_generated = sink.groups_generated
         self.sync.report()

@@ -20,6 +20,11 @@ dropping work. Groups whose weight version fell below `min_version` (set by the
 sampler to the newest version it installed minus trainer.max_staleness) are
 discarded before sending and counted as `dropped_stale`: the trainer would
 drop them, and sending them first would delay the fresh groups behind them.
+Groups made with another trainer epoch's weights than `epoch` (set by the
+sampler when it fetches a restarted trainer's first version) are discarded too,
+counted as `dropped_epoch`: their version numbers are the old trainer's, which
+the new one, resumed from an earlier checkpoint, would read as its own (or as
+versions from its future).
 """
 
 from __future__ import annotations
@@ -69,16 +74,18 @@ class RolloutClient:
         self._max_per_message = max_groups_per_message
         self._ack_timeout_s = ack_timeout_s
         self._stub = rollout_pb2_grpc.RolloutIngestStub(channel)
-        self._backlog: queue.Queue[rollout_pb2.RolloutGroup] = queue.Queue(maxsize=backlog_max_groups)
+        # (trainer epoch of the weights that made it, group)
+        self._backlog: queue.Queue[tuple[str, rollout_pb2.RolloutGroup]] = queue.Queue(maxsize=backlog_max_groups)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rollout-sender", daemon=True)
         self.stats = collections.Counter()
         self._unacked = 0
         self._lock = threading.Lock()
         self.min_version = 0
+        self.epoch = ""  # the trainer epoch whose groups are sent ("": any)
         self.refused: str | None = None  # why the ingest refuses this sender for good (its token or its ids)
         self.error: BaseException | None = None  # what ended the sender thread (None while it runs or after close)
-        self._in_hand: list[rollout_pb2.RolloutGroup] = []  # taken from the backlog, not yet acknowledged
+        self._in_hand: list[tuple[str, rollout_pb2.RolloutGroup]] = []  # taken from the backlog, not yet acknowledged
         self._call = None  # the StreamBatches call in use (close() cancels it)
         self._awaiting: tuple[float, object] | None = None  # (since when, call) while an ack is awaited
         self._expired = None  # the call the ack watch cancelled
@@ -99,17 +106,22 @@ class RolloutClient:
             raise exc
         raise SenderStopped(f"the rollout sender thread stopped: {type(exc).__name__}: {exc}") from exc
 
-    def put(self, group: rollout_pb2.RolloutGroup, timeout_s: float) -> bool:
-        """Queue a group, waiting up to timeout_s while the backlog is full; False (not queued) on timeout.
+    def put(self, group: rollout_pb2.RolloutGroup, timeout_s: float, epoch: str = "") -> bool:
+        """Queue a group made with trainer `epoch`'s weights ("": unknown, never discarded for it), waiting up to
+        timeout_s while the backlog is full; False (not queued) on timeout.
         Raises what stopped the sender (`check`): IngestRefused once the ingest has refused this sender's token or
         sampler ids, SenderStopped after the thread died of anything else."""
         self.check()
-        try:
-            self._backlog.put(group, timeout=timeout_s)
-        except queue.Full:
-            return False
+        # counted before it is queued: the sender may take it, and settle or drop it (subtracting), before put returns;
+        # counted after, `unacked` read -1 meanwhile and the ingest refused the Admit that reported it
         with self._lock:
             self._unacked += 1
+        try:
+            self._backlog.put((epoch, group), timeout=timeout_s)
+        except queue.Full:
+            with self._lock:
+                self._unacked -= 1
+            return False
         return True
 
     @property
@@ -152,20 +164,33 @@ class RolloutClient:
         return self._fresh(batch)
 
     def _fresh(self, groups: list) -> list:
-        floor = self.min_version
-        fresh = [g for g in groups if g.policy_version >= floor]
-        if len(fresh) < len(groups):
-            self.stats["dropped_stale"] += len(groups) - len(fresh)
+        """`groups` less those too stale to send and those of another trainer epoch than `epoch` (counted)."""
+        floor, epoch = self.min_version, self.epoch
+        kept, other, stale = [], 0, 0
+        for item in groups:
+            if epoch and item[0] and item[0] != epoch:
+                other += 1
+            elif item[1].policy_version < floor:
+                stale += 1
+            else:
+                kept.append(item)
+        if other:
+            self.stats["dropped_epoch"] += other
+            log.warning("%d groups made with another trainer epoch's weights not sent (the trainer restarted: their "
+                        "version numbers are not its own)", other)
+        if stale:
+            self.stats["dropped_stale"] += stale
+        if other or stale:
             with self._lock:
-                self._unacked -= len(groups) - len(fresh)
-        return fresh
+                self._unacked -= other + stale
+        return kept
 
     def _settle(self, pending: list, acks) -> tuple[list, int]:
         """Count the acks of one batch; return (groups to send again, retry delay in ms)."""
         if len(acks) != len(pending):
             raise _BadReply(f"ingest answered {len(acks)} acks for {len(pending)} groups")
         again, retry_ms = [], 0
-        for group, ack in zip(pending, acks):
+        for item, ack in zip(pending, acks):
             if ack.code == _OK:
                 self.stats["accepted"] += 1
             elif ack.code == _INVALID:
@@ -173,7 +198,7 @@ class RolloutClient:
                 log.error("ingest rejected group %s: %s", ack.group_id, ack.message)
             else:
                 self.stats["retried"] += 1
-                again.append(group)
+                again.append(item)
                 retry_ms = max(retry_ms, ack.retry_after_ms, 10)
         with self._lock:
             self._unacked -= len(pending) - len(again)
@@ -225,7 +250,7 @@ class RolloutClient:
                 self._in_hand = self._take(self._in_hand)
                 if not self._in_hand:
                     continue
-                requests.put(rollout_pb2.RolloutBatch(groups=self._in_hand))
+                requests.put(rollout_pb2.RolloutBatch(groups=[group for _, group in self._in_hand]))
                 self._in_hand, retry_ms = self._settle(self._in_hand, self._await_ack(call).acks)
                 backoff.reset()
                 if self._in_hand:  # buffer full or unavailable: the same groups again, in order

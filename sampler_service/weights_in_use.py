@@ -33,11 +33,15 @@ LOG_WAIT_EVERY_S = 30.0  # how often a wait for the trainer's first weights is l
 class StagedWeights:
     """A fetched version waiting for the engine, and when it may take over (sampler.weight_updates: 'in_flight', at
     the engine's next scheduling point; 'drain', once `drained()` says no group of the installed version is in
-    flight). `install(got)` makes a version the one in use; `stream` (a RolloutStream, set while it runs) is told to
-    stop taking outside work while a drain waits. Thread-safe: the feeder stages, the engine takes."""
+    flight). A version of another trainer epoch than the installed one's (`installed_epoch()`: a restarted trainer,
+    whose numbers may be lower) is always drained for, whatever the mode: a sequence continued with it would record
+    versions of two trainers ([50, 40]: refused by the ingest, whose version runs must not decrease). `install(got)`
+    makes a version the one in use; `stream` (a RolloutStream, set while it runs) is told to stop taking outside work
+    while a drain waits. Thread-safe: the feeder stages, the engine takes."""
 
-    def __init__(self, mode: str, install: Callable, drained: Callable[[], bool]):
-        self.mode, self.install, self.drained = mode, install, drained
+    def __init__(self, mode: str, install: Callable, drained: Callable[[], bool],
+                 installed_epoch: Callable[[], str] = lambda: ""):
+        self.mode, self.install, self.drained, self.installed_epoch = mode, install, drained, installed_epoch
         self.stream = None
         self._got = None
         self._lock = threading.Lock()
@@ -63,7 +67,11 @@ class StagedWeights:
     def waiting(self) -> bool:
         """A drain waits for the groups in flight: no group may start."""
         with self._lock:
-            return self.mode == "drain" and self._got is not None
+            return self._got is not None and self._drains_for(self._got)
+
+    def _drains_for(self, got) -> bool:
+        """Whether `got` waits for the groups in flight to end (the lock held)."""
+        return self.mode == "drain" or getattr(got, "epoch", "") != self.installed_epoch()
 
     def refresh(self):
         """The engine's scheduling points (its thread): the staged version as (params, version) when it may take
@@ -72,7 +80,7 @@ class StagedWeights:
             got = self._got
             if got is None or got.final:
                 return None
-            if self.mode == "drain" and not self.drained():
+            if self._drains_for(got) and not self.drained():
                 if self.stream is not None:
                     self.stream.set_accepting(False)
                 return None
@@ -92,14 +100,16 @@ class WeightsInUse:
     def __init__(self, cfg: RunConfig, sampler_id: str, stop_event: threading.Event):
         self.cfg, self.sampler_id, self.stop_event = cfg, sampler_id, stop_event
         self.final, self.last_poll = False, 0.0
-        self.groups_at_version = 0  # groups started with the installed version
+        self.groups_at_version = 0  # groups started with the installed version (counted by the feeder, reset by the
+        self._count_lock = threading.Lock()  # engine's install: a lost update would keep the old version's count)
         self.installed_versions: list[int] = []
         self.fetch_seconds: list[float] = []
         self.fetch_bytes: list[int] = []  # per installed version (with LoRA: the adapters, and the base when fetched)
         self.publish_to_install_s: list[float] = []  # per installed version: trainer's publication -> installed here
         self.sync = self.client = self.metrics = self.stream = self.engine_side = None
         # a fetched version the engine has not taken yet (while the stream runs)
-        self.staged = StagedWeights(cfg.sampler.weight_updates, self._install, self._drained)
+        self.staged = StagedWeights(cfg.sampler.weight_updates, self._install, self._drained,
+                                    lambda: self.sync.installed_epoch)
         self._reported_version = -1
 
     def attach(self, sync, client, metrics) -> None:
@@ -126,8 +136,14 @@ class WeightsInUse:
     def version(self) -> int:
         return self.installed()[1]
 
+    @property
+    def epoch(self) -> str:
+        """The installed version's trainer epoch ("" before the first version, or from a transport without one)."""
+        return self.sync.installed_epoch if self.sync is not None else ""
+
     def group_started(self) -> None:
-        self.groups_at_version += 1
+        with self._count_lock:
+            self.groups_at_version += 1
 
     def await_first(self, stub) -> None:
         """Install the trainer's first version before generating. A trainer that is up but has not published yet
@@ -171,6 +187,8 @@ class WeightsInUse:
             if not (got.final and self.staged.mark_final(got.version)):
                 self.final = self.final or got.final
             return
+        if self.client is not None and got.epoch:  # from now on only groups of the newest trainer's weights are sent
+            self.client.epoch = got.epoch
         if self.stream is None:
             self._install(got)
             self.final = got.final
@@ -195,7 +213,8 @@ class WeightsInUse:
 
     def _install(self, got) -> None:
         """Make `got` the version in use (any thread: nothing here waits on the network)."""
-        self.groups_at_version = 0
+        with self._count_lock:
+            self.groups_at_version = 0
         self.sync.mark_installed(got, report=False)  # reported by the feeder's thread (report_installed)
         if self.client is not None:  # queued groups the trainer would now drop as stale are not sent
             self.client.min_version = max(0, got.version - self.cfg.trainer.max_staleness)

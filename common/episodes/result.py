@@ -38,6 +38,8 @@ class GroupWork:
     greedy: bool = False             # every turn takes the most likely token (evaluation)
     train: bool = True               # False: an injected prompt asked for evaluation only (answered, not trained)
     budgets: list[int] | None = None  # per row, the first turn's most new tokens (default: the run's limits)
+    epoch: str = ""                  # the trainer epoch of the weights it started with (a sampler sends none of
+                                     # another epoch: a restarted trainer's version numbers are not the old one's)
 
     @property
     def injected(self) -> bool:

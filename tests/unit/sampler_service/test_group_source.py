@@ -158,7 +158,7 @@ def test_an_injected_prompt_wider_than_a_group_starts_while_the_feeder_runs_the_
     feeder = types.SimpleNamespace(
         cfg=small_cfg, stream=stream, rows_in_flight=rows, slots=rows, source=b, groups_started=0,
         _held_back=lambda: False, client=types.SimpleNamespace(unacked=0), sink=types.SimpleNamespace(pending=lambda: 0),
-        weights=types.SimpleNamespace(version=0, group_started=lambda: None),
+        weights=types.SimpleNamespace(version=0, epoch="", group_started=lambda: None),
         admission=types.SimpleNamespace(admit=lambda wanted, version, holding: wanted),
         rollouts=SingleTurn(8), injected_rollouts=SingleTurn(8))
     engine, ends = [], 0
@@ -169,3 +169,27 @@ def test_an_injected_prompt_wider_than_a_group_starts_while_the_feeder_runs_the_
         ends += 1
     claimed = started.index("wide")
     assert started[claimed + 1] == "small" and ends <= 5 + 2 * rows, (ends, started[-5:])
+
+
+@pytest.mark.parametrize("rows, ids, why", [
+    (0, [1, 2, 3], "num_generations 0: a group needs at least 1 row"),
+    (2, [], "prompt_token_ids: 0 tokens"),
+    (2, "too long", "generation.max_prompt_tokens"),
+])
+def test_an_injected_prompt_this_sampler_cannot_start_is_refused_once_logged_and_the_next_starts(
+        small_cfg, monkeypatch, caplog, rows, ids, why):
+    """Redis can be written by others, and the ingest's config can differ: a group of no rows never ends (held for
+    the sampler's life), an empty or over-long prompt raised on the engine's thread and stopped the sampler, and the
+    claim's lease handed it out again to the next sampler (a crash loop)."""
+    longest = small_cfg.generation.max_prompt_tokens
+    ids = [5] * (longest + 1) if ids == "too long" else ids
+    bad = rollout_pb2.InjectedPrompt(prompt_id="bad", prompt_token_ids=ids, reference_answer="1",
+                                     num_generations=rows, train=True)
+    fitting = rollout_pb2.InjectedPrompt(prompt_id="fits", prompt_token_ids=[5] * longest, reference_answer="1",
+                                         num_generations=2, train=True)
+    b = builder(small_cfg, claims=[[bad, fitting], [bad]], monkeypatch=monkeypatch)
+    works = b.injected_groups(free_rows=8, groups=4, version=0)
+    assert [w.problem.prompt_id for w in works] == ["fits"] and b.injected_refused == 1
+    assert b.injected_groups(free_rows=8, groups=4, version=0) == [] and b.injected_refused == 2  # claimed again
+    refusals = [r.getMessage() for r in caplog.records if "'bad' not generated" in r.getMessage()]
+    assert len(refusals) == 1 and why in refusals[0]  # counted each time, said once

@@ -3,6 +3,7 @@ within the deadline) is reconnected and its groups sent again; a refusal no retr
 PermanentError; a sender thread that dies of anything else stops the sampler too, instead of leaving it to generate
 into a backlog nobody sends until the final version."""
 
+import queue
 import threading
 import time
 import types
@@ -194,3 +195,63 @@ def test_episodes_an_environment_ended_with_an_error_are_sent_counted_and_each_k
     assert sink.episodes_errored == 3 and sink.groups_failed == 0
     logged = [r.getMessage() for r in caplog.records if "ended with an error" in r.getMessage()]
     assert len(logged) == 1 and "renders earlier turns differently" in logged[0]
+
+
+class SenderFirst(queue.Queue):
+    """A backlog whose put lets the sender take the group, and settle it, before put returns: the order a sender
+    thread that wins the race makes. `seen`: what `unacked` read right after the sender settled it."""
+
+    def __init__(self, client):
+        super().__init__()
+        self.client, self.seen = client, []
+
+    def put(self, item, block=True, timeout=None):
+        super().put(item, block, timeout)
+        taken = self.client._take([])  # what the sender thread does with it (dropped here when too stale)
+        if taken:
+            self.client._settle(taken, [rollout_pb2.GroupAck(group_id=g.group_id) for _, g in taken])
+        self.seen.append(self.client.unacked)
+
+
+@pytest.mark.parametrize("stale", [False, True], ids=["acknowledged", "dropped as stale"])
+def test_a_group_the_sender_settles_before_put_returns_never_makes_the_in_flight_count_negative(stale):
+    """The feeder reports unacked + ... to Admit as this sampler's groups in flight; the ingest refuses a negative
+    count for good (INVALID_ARGUMENT), which stopped the sampler. A group was counted only after it was queued, so a
+    sender that took and settled it first made `unacked` read -1."""
+    channel = grpc.insecure_channel("127.0.0.1:1")  # never dialled: the sender thread is not started
+    client = RolloutClient(channel, 8)
+    client.min_version = 10 if stale else 0
+    client._backlog = backlog = SenderFirst(client)
+    try:
+        assert client.put(group(0), timeout_s=1)
+        assert backlog.seen == [0] and client.unacked == 0
+        assert client.stats["dropped_stale" if stale else "accepted"] == 1
+    finally:
+        channel.close()
+
+
+def test_a_put_that_finds_the_backlog_full_is_not_counted():
+    channel = grpc.insecure_channel("127.0.0.1:1")
+    client = RolloutClient(channel, 1)  # no sender: the backlog stays full
+    try:
+        assert client.put(group(0), timeout_s=1) and not client.put(group(1), timeout_s=0.01)
+        assert client.unacked == 1
+    finally:
+        channel.close()
+
+
+def test_groups_of_another_trainer_epoch_are_not_sent(make_client):
+    """A restarted trainer numbers its versions from its checkpoint: a group made with the old trainer's v50 would
+    read as a version from its future. Once the sampler fetched the new epoch's weights, queued groups of the old
+    epoch (and those in hand, sent again after the reconnect) are dropped and counted; the new epoch's are sent."""
+    sent = []
+
+    def record(batch, call):
+        sent.extend(g.group_id for g in batch.groups)
+        return ack_all(batch, call)
+    client = make_client(Stub(record), backlog_max_groups=8)
+    client.epoch = "new"
+    assert client.put(group(0), timeout_s=1, epoch="old") and client.put(group(1), timeout_s=1, epoch="new")
+    assert client.put(group(2), timeout_s=1)  # no epoch known (a transport without one): sent
+    assert client.drain(10)
+    assert sent == ["g1", "g2"] and client.stats["dropped_epoch"] == 1 and client.unacked == 0

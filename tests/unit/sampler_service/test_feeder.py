@@ -1,0 +1,167 @@
+"""The feeder's look at what the sampler holds (sampler_service/loop.py: Sampler._feed, _held_back): the count it
+reports to the ingest's Admit is never negative (the ingest refuses a negative one for good, which stopped the
+sampler), ended groups still being scored count against the backlog (a reward slower than generation piled them up
+without bound), and each group it starts carries the trainer epoch of the weights installed."""
+
+import threading
+import types
+
+import pytest
+
+from grpo_stream.common.episodes.result import EpisodeResult, GroupWork
+from grpo_stream.common.episodes.single_turn import SingleTurn
+from grpo_stream.common.episodes.stream import GroupRun, RolloutStream
+from grpo_stream.common.tasks.rewards import RewardSet
+from grpo_stream.sampler_service.group_sink import GroupSink
+from grpo_stream.sampler_service.lifecycle import SamplerMetrics
+from grpo_stream.sampler_service.loop import Sampler
+from tests.support import wait_for
+
+
+class Client:
+    """A rollout client whose ingest acknowledges at once: nothing stays unacknowledged."""
+
+    def __init__(self, unacked=0):
+        self.unacked, self.sent = unacked, 0
+
+    def put(self, message, timeout_s, epoch=""):
+        self.sent += 1
+        return True
+
+
+class BlockedReward:
+    """A reward that answers only once `release` is set (a slow verifier, a judge near its deadline)."""
+
+    def __init__(self):
+        self.release, self.scoring = threading.Event(), threading.Event()
+
+    def call(self, name, fn, text, reference):
+        self.scoring.set()
+        self.release.wait(10)
+        return 1.0
+
+    def close(self):
+        self.release.set()
+
+
+def feeder(cfg, client, sink, admitted, epoch="e1"):
+    """A Sampler with only what _feed and _held_back read (the feeder stands for its parts too: parts.client)."""
+    sampler = Sampler.__new__(Sampler)
+    sampler.cfg, sampler.client, sampler.sink, sampler._held_since = cfg, client, sink, None
+    sampler.rows_in_flight = sampler.slots = 4 * cfg.generation.num_generations
+    sampler.groups_started, sampler.waited_for_weights_s = 0, 0.0
+    sampler.sync = types.SimpleNamespace(too_stale=lambda: False, lag=lambda: 0)
+    sampler.weights = types.SimpleNamespace(version=3, epoch=epoch, groups_at_version=0, group_started=lambda: None,
+                                            staged=types.SimpleNamespace(waiting=lambda: False))
+    sampler.admission = types.SimpleNamespace(
+        admit=lambda wanted, version, holding: admitted.append(holding) or wanted)
+    sampler.stream = RolloutStream(lambda rng, n: [None] * n, lambda run: None)
+    sampler.rollouts = sampler.injected_rollouts = SingleTurn(8)
+    g = cfg.generation.num_generations
+    works = (GroupWork(types.SimpleNamespace(prompt_id=f"p{i}", answer="1", prompt="x"), [1, 2], g,
+                       RewardSet(cfg.task.rewards), f"run/sampler-0/{i}", i, None) for i in range(1000))
+    sampler.source = types.SimpleNamespace(
+        injected_rows_waiting=lambda: 0,
+        next_groups=lambda groups, rows, version: [next(works) for _ in range(min(groups, rows // g))])
+    return sampler
+
+
+def ended_group(cfg, i):
+    rows = cfg.generation.num_generations
+    work = GroupWork(types.SimpleNamespace(prompt_id=f"p{i}", answer="1"), [1, 2], rows, RewardSet(cfg.task.rewards),
+                     f"run/sampler-0/{i}", i, None)
+    run = GroupRun(work, None, 0)
+    for row in range(rows):
+        run.results[row] = EpisodeResult(tokens=[1] * 4, logprobs=[0.0] * 4, model_mask=[True] * 4,
+                                         versions=[0] * 4, finished=True)
+    return run
+
+
+def test_the_in_flight_count_sent_to_admission_is_never_negative(small_cfg):
+    """Whatever the client's count reads (it read -1 when the sender settled a group before put counted it), the
+    ingest is never sent a negative in_flight: it answers INVALID_ARGUMENT, and the sampler exits for good."""
+    admitted = []
+    sampler = feeder(small_cfg, Client(unacked=-1), types.SimpleNamespace(pending=lambda: 0), admitted)
+    sampler._feed(sampler)
+    assert admitted == [0] and sampler.groups_started > 0
+
+
+def test_groups_started_carry_the_installed_trainer_epoch(small_cfg):
+    """The epoch travels with the group to the rollout client, which drops groups of a trainer that restarted."""
+    started = []
+    sampler = feeder(small_cfg, Client(), types.SimpleNamespace(pending=lambda: 0), [], epoch="epoch-a")
+    start = sampler.stream.start
+    sampler.stream.start = lambda work, kind, version=0: (started.append(work.epoch), start(work, kind, version))[1]
+    sampler._feed(sampler)
+    assert started and set(started) == {"epoch-a"}
+
+
+def test_ended_groups_waiting_for_a_slow_reward_hold_the_feeder_back(small_cfg):
+    """With admission off (or an ingest without Admit) only the backlog limit stops the feeder. Groups the sink has
+    not scored yet were not counted, so with a reward slower than generation they piled up without bound."""
+    cfg, reward = small_cfg, BlockedReward()
+    limit = cfg.sampler.backlog_max_groups
+    client = Client()
+    sink = GroupSink(client, SamplerMetrics("s"), types.SimpleNamespace(decode=lambda ids: "1"), "s", 0.0,
+                     lambda: False, reward)
+    try:
+        sampler = feeder(cfg, client, sink, [])
+        for i in range(limit - 1):
+            sink.put(ended_group(cfg, i))
+        wait_for(reward.scoring.is_set, 10, "the sink to score the first group")
+        assert sink.pending() == limit - 1 and not sampler._held_back()  # the one being scored counts too
+        sink.put(ended_group(cfg, limit))
+        assert sink.pending() == limit and sampler._held_back()
+        before = sampler.groups_started
+        sampler._feed(sampler)
+        assert sampler.groups_started == before  # no group starts while they wait
+        reward.release.set()
+        wait_for(lambda: sink.pending() == 0, 30, "the sink to score and send the groups")
+        assert client.sent == limit and not sampler._held_back()
+    finally:
+        reward.release.set()
+        sink.close()
+
+
+
+def test_an_error_the_sink_meets_while_it_finishes_at_the_final_version_stops_the_sampler(small_cfg):
+    """At the final version (or SIGTERM) the feeder closes the sink, which finishes the groups handed over; what it
+    raised then was kept and never raised, so the sampler ended cleanly with those groups lost."""
+    cancelled = threading.Event()
+
+    class FailsWhileStopping:
+        def call(self, name, fn, text, reference):
+            cancelled.wait(10)  # scored while the feeder stops (once it cancelled the stream)
+            raise ValueError("reward bug")
+
+        def close(self):
+            pass
+
+    class Engine:
+        side = None
+
+        def request_keys(self, rng, n):
+            return [None] * n
+
+        def serve(self, params, stream, refresh, version):
+            while not stream.cancelled():
+                stream.wait(0.05)
+
+    sink = GroupSink(Client(), SamplerMetrics("s"), types.SimpleNamespace(decode=lambda ids: "1"), "s", 0.0,
+                     lambda: False, FailsWhileStopping())
+    sampler = Sampler.__new__(Sampler)
+    sampler.stop_event, sampler.sink, sampler.run_dir, sampler.sampler_id = threading.Event(), sink, None, "s"
+
+    def stream_started(stream, side):
+        if stream is not None:  # the reward's wait ends when the feeder cancels the stream
+            original = stream.cancel
+            stream.cancel = lambda: (original(), cancelled.set())
+    sampler.weights = types.SimpleNamespace(
+        final=False, stream_started=stream_started, staged=types.SimpleNamespace(refresh=lambda: None),
+        installed=lambda: (None, 0), poll_due=lambda: False, report_installed=lambda: None,
+        final_reached=lambda: True, install_final=lambda: True)
+    parts = types.SimpleNamespace(engine=Engine(), client=Client())
+    parts.client.check = lambda: None
+    sink.put(ended_group(small_cfg, 0))
+    with pytest.raises(ValueError, match="reward bug"):
+        sampler._stream_until_done(parts)

@@ -1,0 +1,64 @@
+"""A restarted trainer's weights (a new trainer epoch, its numbers from its checkpoint: often lower) never continue a
+sequence begun with the old trainer's, even with sampler.weight_updates=in_flight: a completion drawn by v50 then
+v40 records versions [50, 40], which the ingest refuses (version runs must not decrease). The new epoch is drained
+for (no group starts, the groups in flight end first), and from its fetch on no group of the old epoch is sent: the
+new trainer would read the old numbers as its own."""
+
+import threading
+import types
+
+from grpo_stream.sampler_service.weight_sync import Installed
+from grpo_stream.sampler_service.weights_in_use import WeightsInUse
+
+
+class FakeSync:
+    """The weight sync as WeightsInUse uses it: `fetched` is what the next poll returns."""
+
+    def __init__(self, installed: Installed):
+        self.installed, self.fetched, self.failures = installed, None, 0
+
+    @property
+    def installed_epoch(self) -> str:
+        return self.installed.epoch
+
+    def poll(self):
+        got, self.fetched = self.fetched, None
+        return got
+
+    def lag(self) -> int:
+        return 0
+
+    def mark_installed(self, got, report=True) -> None:
+        self.installed = got
+
+
+def weights_in_use(cfg, mode: str, epoch: str = "old", version: int = 50):
+    cfg = cfg.model_copy(update={"sampler": cfg.sampler.model_copy(update={"weight_updates": mode})})
+    weights = WeightsInUse(cfg, "sampler-0", threading.Event())
+    client = types.SimpleNamespace(min_version=0, epoch=epoch)
+    weights.attach(FakeSync(Installed(version, "params-v50", False, 0.0, 0, epoch)), client, None)
+    stream = types.SimpleNamespace(episodes_in_flight=2, accepting=True)
+    stream.set_accepting = lambda accepting: setattr(stream, "accepting", accepting)
+    weights.stream_started(stream, None)
+    return weights, client, stream
+
+
+def test_a_restarted_trainer_s_version_waits_for_the_groups_in_flight_even_in_flight_mode(small_cfg):
+    weights, client, stream = weights_in_use(small_cfg, "in_flight")
+    weights.sync.fetched = Installed(40, "params-v40", False, 0.0, 0, "new")
+    weights.poll()
+    assert weights.staged.refresh() is None and weights.version == 50  # not installed into the sequences in flight
+    assert weights.staged.waiting() and not stream.accepting  # the feeder starts no group, outside requests wait
+    assert client.epoch == "new"  # the old trainer's groups still to come are not sent
+    stream.episodes_in_flight = 0
+    assert weights.staged.refresh() == ("params-v40", 40) and weights.version == 40 and weights.epoch == "new"
+    assert not weights.staged.waiting() and stream.accepting
+
+
+def test_a_version_of_the_same_trainer_still_joins_the_sequences_in_flight(small_cfg):
+    weights, client, stream = weights_in_use(small_cfg, "in_flight")
+    weights.sync.fetched = Installed(51, "params-v51", False, 0.0, 0, "old")
+    weights.poll()
+    assert not weights.staged.waiting()
+    assert weights.staged.refresh() == ("params-v51", 51) and client.epoch == "old"
+    assert client.min_version == max(0, 51 - small_cfg.trainer.max_staleness)
