@@ -33,6 +33,7 @@ import json
 import redis
 
 from grpo_stream.common.rollouts import compaction_holes
+from grpo_stream.common.rollouts.audit_trail import read_compacted_fields, read_trail, text
 from grpo_stream.common.rollouts.fencing import STALE_CODE, StaleTrainer
 
 DROPS = ("dropped_stale", "dropped_invalid", "dropped_filtered")
@@ -44,6 +45,13 @@ def lineage(trainers: list[dict], steps: list[dict], checkpoints: list[dict]) ->
     """{step: group ids} of the final model's history, and its last step: the steps of the last trainer up to its
     last checkpoint, then those of the trainer it resumed from up to that checkpoint, and so on. Steps a crash
     rolled back are not in it. Step records are dicts with epoch, step and groups (a JSON list or a list)."""
+    records, final = lineage_records(trainers, steps, checkpoints)
+    return {step: _groups(rec) for step, rec in records.items()}, final
+
+
+def lineage_records(trainers: list[dict], steps: list[dict], checkpoints: list[dict]) -> tuple[dict[int, dict], int]:
+    """lineage() as {step: its step record}: a record is in the lineage by its trainer epoch and step, never by the
+    groups it lists (a rolled-back step and its deterministic replay list the same groups)."""
     if not trainers:
         return {}, 0
     by_epoch = {t["epoch"]: t for t in trainers}
@@ -56,7 +64,7 @@ def lineage(trainers: list[dict], steps: list[dict], checkpoints: list[dict]) ->
         for rec in steps:
             step = int(rec["step"])
             if rec["epoch"] == epoch and int(start["from_step"]) < step <= upto:
-                out[step] = _groups(rec)
+                out[step] = rec
         upto, epoch = int(start["from_step"]), start["from_epoch"]
         if epoch and epoch not in by_epoch:
             raise ValueError(f"the audit trail names trainer {epoch} but has no start record for it")
@@ -87,7 +95,12 @@ def plan_compaction(through_step: int, previous_through: int, accepted: dict[str
     empty = CompactionPlan(previous_through, [], [], dict.fromkeys(COMPACTED_COUNTS, 0), {})
     if through_step <= previous_through:
         return empty
-    history, _ = lineage(trainers, steps, checkpoints)
+    try:
+        records, _ = lineage_records(trainers, steps, checkpoints)
+    except ValueError as exc:  # a trail the audit cannot follow: compaction must not decide for it
+        empty.held_back = str(exc)
+        return empty
+    history = {step: _groups(rec) for step, rec in records.items()}
     missing = [s for s in range(previous_through + 1, through_step + 1) if s not in history]
     if missing:
         empty.held_back = f"lineage steps {missing[:5]} have no record"
@@ -136,8 +149,7 @@ def plan_compaction(through_step: int, previous_through: int, accepted: dict[str
     # of each such step that counts), and lineage records whose every group is compacted, now or before (the
     # audit still needs the record of a group that stays). An evaluation-only answer listed in any of them is a
     # broken guarantee the audit must show, so compaction then leaves everything.
-    lineage_ids = {(rec["epoch"], int(rec["step"])) for rec in steps if int(rec["step"]) in final
-                   and final[int(rec["step"])] == _groups(rec)}
+    lineage_ids = {(rec["epoch"], int(rec["step"])) for step, rec in records.items() if step in final}
     gone = set(chosen)
     rolled_back = [rec for rec in steps if int(rec["step"]) <= through_step
                    and (rec["epoch"], int(rec["step"])) not in lineage_ids]
@@ -180,42 +192,10 @@ def _groups(rec: dict) -> list[str]:
     return json.loads(groups) if isinstance(groups, str) else list(groups)
 
 
-def text(value) -> str:
-    """A Redis reply value as text."""
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
-def stream_records(client, key: str, only: tuple[str, ...] | None = None, record_ids: bool = False) -> list[dict]:
-    """Every entry of a stream as text fields (`only` these, e.g. to skip binary payloads), in chunks of 1,000;
-    `record_ids`: each with its stream id as `id`."""
-    out, start = [], "-"
-    while True:
-        chunk = client.xrange(key, min=start, count=1000)
-        out += [{**({"id": text(i)} if record_ids else {}),
-                 **{text(a): text(b) for a, b in fields.items() if only is None or text(a) in only}}
-                for i, fields in chunk]
-        if len(chunk) < 1000:
-            return out
-        ms, seq = map(int, text(chunk[-1][0]).split("-"))
-        start = f"{ms}-{seq + 1}"
-
-
-def read_trail(client, k: dict[str, str]) -> dict:
-    """The audit trail of one run (keys `k`): accepted, settled, second_copies and evaluation_only by group id;
-    trainers, steps (with their stream ids) and checkpoints as records. What `audit` and compaction both read."""
-    def hash_of(key: str, value=json.loads) -> dict:
-        return {text(g): value(v) for g, v in client.hscan_iter(key, count=1000)}
-
-    return {"accepted": hash_of(k["audit:accepted"]), "settled": hash_of(k["audit:settled"]),
-            "second_copies": hash_of(k["audit:duplicates"], int), "evaluation_only": hash_of(k["audit:eval"]),
-            "trainers": stream_records(client, k["audit:trainers"]),
-            "steps": stream_records(client, k["audit:steps"], record_ids=True),
-            "checkpoints": stream_records(client, k["audit:checkpoints"])}
-
-
-def read_compacted(client, key: str) -> tuple[int, dict[str, int], dict[str, int]]:
-    """(through_step, counts, below) from P:R:audit:compacted (zeros for a run never compacted)."""
-    raw = {text(k): int(v) for k, v in client.hgetall(key).items() if not text(k).startswith("holes:")}
+def read_compacted(client, key: str, damaged: list[str] | None = None) -> tuple[int, dict[str, int], dict[str, int]]:
+    """(through_step, counts, below) from P:R:audit:compacted (zeros for a run never compacted); a damaged field is
+    left out and described in `damaged` (audit_trail.py)."""
+    raw, _ = read_compacted_fields(client, key, damaged)
     counts = {name: raw.get(name, 0) for name in COMPACTED_COUNTS}
     below = {k[len("below:"):]: v for k, v in raw.items() if k.startswith("below:")}
     return raw.get("through_step", 0), counts, below
@@ -229,12 +209,16 @@ def compact_redis(client, k: dict[str, str], through_step: int, fence: tuple[str
     StaleTrainer (trainer_lease.py)."""
     if fence is not None:  # a stale trainer learns it before the reading, not only at the write
         _check_fence(client.get(fence[0]), fence[1])
-    previous, counts, below = read_compacted(client, k["audit:compacted"])
-    if through_step <= previous:
+    damaged: list[str] = []
+    previous, counts, below = read_compacted(client, k["audit:compacted"], damaged)
+    if through_step <= previous and not damaged:
         return CompactionPlan(previous, [], [], dict.fromkeys(counts, 0), {})
     trail = read_trail(client, k)
-    holes = {text(f)[len("holes:"):]: text(v) for f, v in client.hgetall(k["audit:compacted"]).items()
-             if text(f).startswith("holes:")}
+    _, holes = read_compacted_fields(client, k["audit:compacted"])
+    damaged += trail["damaged"]
+    if damaged:  # what compaction would fold or overwrite cannot be checked: the trail stays as it is
+        return CompactionPlan(previous, [], [], dict.fromkeys(counts, 0), {}, held_back=(
+            f"{len(damaged)} damaged records in the audit trail, e.g. {'; '.join(damaged[:3])}"))
     plan = plan_compaction(through_step, previous, trail["accepted"], trail["settled"], trail["second_copies"],
                            trail["steps"], trail["trainers"], trail["checkpoints"], trail["evaluation_only"], below,
                            holes)

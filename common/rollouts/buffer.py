@@ -41,7 +41,7 @@ import redis
 
 from grpo_stream.common.rollouts.audit_compaction import CompactionPlan, compact_redis, text
 from grpo_stream.common.rollouts.buffer_scripts import APPEND, SETTLE
-from grpo_stream.common.rollouts.fencing import FENCED_CALL, StaleTrainer, is_stale_reply
+from grpo_stream.common.rollouts.fencing import FENCE_CHECK, FENCED_CALL, StaleTrainer, is_stale_reply
 from grpo_stream.common.rollouts.kept_results import group_id_prefix
 from grpo_stream.common.rollouts.redis_errors import BufferUnavailable, redis_call  # noqa: F401 (the interface's error)
 
@@ -91,6 +91,8 @@ class RolloutBuffer(Protocol):
     def settle(self, records: Iterable[tuple[str, str, str, int]]) -> int: ...
 
     def set_held(self, count: int) -> None: ...
+
+    def check_fence(self) -> None: ...
 
     def log_step(self, epoch: str, step: int, group_ids: list[str]) -> None: ...
 
@@ -142,6 +144,7 @@ class RedisStreamBuffer:
         self._append = client.register_script(APPEND)
         self._settle = client.register_script(SETTLE)
         self._fenced = client.register_script(FENCED_CALL)
+        self._fence_check = client.register_script(FENCE_CHECK)
         self.fence = ""  # this writer's fencing number ('': not a trainer's writes, unchecked)
         self._on_stale: Callable[[str], None] | None = None
         self._group_ready = False
@@ -233,14 +236,16 @@ class RedisStreamBuffer:
         entries = self._call(run)
         if not entries:
             return entries
-        # delivered only once this read has fully answered: if the check below fails, the entries stay pending and
-        # not delivered, so _lost_deliveries takes them back rather than strand them until a restart
+        # delivered only once this read has fully answered: if the check or the duplicates' settle below fails, the
+        # entries stay pending and not delivered, so _lost_deliveries takes them back rather than strand them until
+        # a restart (marked first, a failed settle left the fresh ones pending, never returned nor taken back)
         seen = self._call(lambda: self.client.hmget(self.k["audit:settled"], [e.group_id for e in entries]))
-        self._delivered.update(e.entry_id for e in entries)
         again = [e for e, s in zip(entries, seen) if s is not None]
         if again:
             self.settle((e.entry_id, e.group_id, "dropped_duplicate", -1) for e in again)
-        return [e for e, s in zip(entries, seen) if s is None]
+        fresh = [e for e, s in zip(entries, seen) if s is None]
+        self._delivered.update(e.entry_id for e in fresh)
+        return fresh
 
     def _lost_deliveries(self) -> list[BufferEntry]:
         """Entries pending for this consumer that it never returned, oldest first (checked at most every
@@ -293,6 +298,12 @@ class RedisStreamBuffer:
             args=args)))
         self._delivered.difference_update(args[3::4])
         return counted
+
+    def check_fence(self) -> None:
+        """Raise StaleTrainer (after `on_stale`) when a newer trainer took the run: what a trainer checks right
+        before it writes outside Redis (a checkpoint), where no script can check its fence. Writes nothing."""
+        if self.fence:
+            self._call(lambda: self._fence_check(keys=[self.k["trainer:fence"]], args=[self.fence]))
 
     def set_held(self, count: int) -> None:
         """How many entries the trainer trained and holds unacknowledged (not counted against max_groups)."""
@@ -347,6 +358,14 @@ class RedisStreamBuffer:
             pipe.xrevrange(self.k["audit:steps"], count=1)
             pipe.hget(self.k["audit:compacted"], "through_step")
             depth, held, (trained, filtered), last, compacted = pipe.execute()
-            step = max(int(last[0][1][b"step"]) if last else 0, int(compacted or 0))
+            # a damaged step record or watermark (audit_trail.py reports it) must not stop admission: read as 0
+            step = max(_int_or_zero(last[0][1].get(b"step")) if last else 0, _int_or_zero(compacted))
             return AdmissionState(max(0, int(depth) - int(held or 0)), int(trained or 0), int(filtered or 0), step)
         return self._call(run)
+
+
+def _int_or_zero(raw) -> int:
+    try:
+        return int(raw or 0)
+    except ValueError:
+        return 0

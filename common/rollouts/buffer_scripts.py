@@ -16,6 +16,11 @@ APPEND = FINISH_PROMPT_LUA + FENCE_LUA + HOLES_LUA + """
 redis.replicate_commands()
 local refused = stale(KEYS[9], ARGV[9])
 if refused then return refused end
+-- checked before the first write: Redis does not roll a script back, so an error after it leaves half a batch
+for i = 10, #ARGV, 6 do
+  local damaged = damaged_below(KEYS[8], ARGV[i + 1])
+  if damaged then return damaged end
+end
 local waiting = redis.call('XLEN', KEYS[1]) - tonumber(redis.call('GET', KEYS[6]) or '0')
 local room = tonumber(ARGV[2]) - waiting
 if tonumber(ARGV[4]) > 0 then redis.call('HINCRBY', KEYS[2], 'refused_invalid', ARGV[4]) end
@@ -23,11 +28,12 @@ local out, full, dups, fulls, added, per_sampler, top = {}, false, 0, 0, 0, {}, 
 local base, retention, keep, gid_prefix = ARGV[5], tonumber(ARGV[6]), tonumber(ARGV[7]), ARGV[8]
 for i = 10, #ARGV, 6 do
   local gid, sampler, position, pid = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 3]), ARGV[i + 5]
-  local pkey, state, train = nil, nil, true
+  local pkey, state, train, client = nil, nil, true, nil
   if pid ~= '' then  -- an injected prompt's answer: its prompt decides whether it is trained on
     pkey = base .. ':prompt:' .. pid
     state = redis.call('HGET', pkey, 'state')
     train = redis.call('HGET', pkey, 'train') == '1'
+    client = redis.call('HGET', pkey, 'client')  -- read before the writes: a hash without one must not fail after
   end
   local past = compacted_position(KEYS[8], sampler, position)  -- at or below the compacted watermark?
   if pid ~= '' and not state then
@@ -60,7 +66,7 @@ for i = 10, #ARGV, 6 do
                  'group', gid, 'finished', ARGV[3])
       redis.call('ZREM', base .. ':inject:claimed', pid)
       redis.call('ZREM', base .. ':inject:queue', pid)  -- a late answer to a claim that was queued again
-      redis.call('HINCRBY', base .. ':inject:pending', redis.call('HGET', pkey, 'client'), -1)
+      if client then redis.call('HINCRBY', base .. ':inject:pending', client, -1) end
       finish_prompt(base, gid_prefix, pid, tonumber(ARGV[3]), retention, keep)
     end
     out[#out + 1] = id

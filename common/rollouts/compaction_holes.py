@@ -18,9 +18,21 @@ MAX_HOLES = 1024
 
 # compacted_position(key, sampler, position): 'dup' for a position at or below the sampler's watermark that is no
 # hole, 'hole' for one that is, nil above the watermark (or for no position). fill_hole: the position was accepted.
+# damaged_below(key, sampler): an error naming the field when the watermark is no number (checked before any write;
+# read as absent, every compacted group of that sampler sent again would be trained twice).
 HOLES_LUA = """
+local function damaged_below(key, sampler)
+  local raw = redis.call('HGET', key, 'below:' .. sampler)
+  if raw == false or tonumber(raw) then return nil end
+  return redis.error_reply('DAMAGEDAUDIT ' .. key .. ' field below:' .. sampler .. ' holds ' .. string.format('%q',
+    string.sub(raw, 1, 40)) .. ', not a data position, so groups of sampler ' .. sampler .. ' cannot be checked for '
+    .. 'second copies; nothing was written. Restore the highest compacted data position of that sampler (HSET '
+    .. key .. ' below:' .. sampler .. ' N), or HDEL the field if none of its groups was ever compacted')
+end
 local function compacted_position(key, sampler, position)
-  if position < 0 or position > tonumber(redis.call('HGET', key, 'below:' .. sampler) or '-1') then return nil end
+  if position < 0 or position > (tonumber(redis.call('HGET', key, 'below:' .. sampler) or '-1') or -1) then
+    return nil
+  end
   local holes = redis.call('HGET', key, 'holes:' .. sampler)
   if holes then
     for lo, hi in string.gmatch(holes, '(%d+)-(%d+)') do

@@ -23,6 +23,13 @@ if refused then return refused end
 return redis.call(ARGV[2], KEYS[2], unpack(ARGV, 3))
 """
 
+# Only the check: what a trainer runs right before a write outside Redis (a checkpoint). KEYS[1]: fence key.
+FENCE_CHECK = FENCE_LUA + """
+local refused = stale(KEYS[1], ARGV[1])
+if refused then return refused end
+return 1
+"""
+
 
 class StaleTrainer(RuntimeError):
     """A newer trainer took this trainer's run over (its fence is not the run's): this one must stop."""

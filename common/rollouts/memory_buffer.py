@@ -113,6 +113,9 @@ class InMemoryBuffer:
         with self._lock:
             self._held = count
 
+    def check_fence(self) -> None:
+        """One process, one trainer: never fenced out."""
+
     def log_step(self, epoch: str, step: int, group_ids: list[str]) -> None:
         self._step_records += 1
         self.steps.append({"id": f"{int(time.time() * 1000)}-{self._step_records}", "epoch": epoch, "step": step,
@@ -157,6 +160,7 @@ class InMemoryBuffer:
 
     def admission_state(self) -> AdmissionState:
         with self._lock:
-            return AdmissionState(len(self._stream) - self._held, self._counts["trained"],
+            # clamped as Redis's is: a held count above the depth (a dead trainer's, before it is reset) waits 0
+            return AdmissionState(max(0, len(self._stream) - self._held), self._counts["trained"],
                                   self._counts["dropped_filtered"], max(self.steps[-1]["step"] if self.steps else 0,
                                                                            self.compacted["through_step"]))

@@ -7,7 +7,8 @@ while a restarted Redis replays its AOF, none knew out-of-memory). What counts a
 - no connection, a timeout, or a reply a server sends while it cannot serve yet: LOADING (replaying its AOF or
   RDB after a restart), MASTERDOWN (a replica that lost its primary);
 - OOM: the server is at `maxmemory` and refuses writes (under `noeviction`, the only safe policy for the
-  buffer); the writer must wait until the trainer settles groups or an operator adds memory, never crash;
+  buffer); the writer must wait until the trainer settles groups or an operator adds memory, never crash (the
+  trainer's own records refused so first settle what they may: `is_out_of_memory`, checkpoints/durability.py);
 - READONLY: a replica answered (a failover under way, or the URL names a replica); writes succeed once the
   URL reaches a primary again.
 
@@ -44,6 +45,16 @@ def is_unavailable(exc: BaseException) -> bool:
         return True
     # the parser strips a known code from the text of its class's errors, but not from a script's error
     return isinstance(exc, redis.ResponseError) and bool(_PASSING.search(str(exc)))
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """True when `exc` (or the Redis error a BufferUnavailable carries) is a write refused at `maxmemory`: what only
+    deleting data mends, unlike the other passing failures, which time mends."""
+    cause = exc.__cause__ if isinstance(exc, BufferUnavailable) and exc.__cause__ is not None else exc
+    if isinstance(cause, redis.exceptions.OutOfMemoryError):
+        return True
+    match = _PASSING.search(str(cause)) if isinstance(cause, redis.ResponseError) else None
+    return match is not None and match.group(1) == "OOM"
 
 
 def redis_call(fn: Callable[[], T]) -> T:

@@ -30,6 +30,7 @@ import time
 from typing import Callable
 
 from grpo_stream.common.runtime.backoff import Backoff, StopRequested, wait
+from grpo_stream.common.runtime.errors import PermanentError
 from grpo_stream.common.rollouts.fencing import FENCE_LUA, StaleTrainer, is_stale_reply
 from grpo_stream.common.rollouts.redis_errors import BufferUnavailable, redis_call
 
@@ -89,13 +90,18 @@ def holder_is_gone(holder: dict) -> bool:
     return not isinstance(pid, int) or _start_ticks(pid) != holder.get("start")
 
 
-def parse_value(value: str) -> tuple[int, dict]:
-    """(fence, holder) of a lease value 'FENCE JSON'."""
+def parse_value(value: str) -> tuple[int, dict | None]:
+    """(fence, holder) of a lease value 'FENCE JSON-OBJECT'; (-1, None) for a value no trainer wrote."""
     fence, _, holder = value.partition(" ")
     try:
-        return int(fence), json.loads(holder)
+        fence_number, parsed = int(fence), json.loads(holder)
     except ValueError:
-        return -1, {}
+        return -1, None
+    return (fence_number, parsed) if isinstance(parsed, dict) else (-1, None)
+
+
+class LeaseDamaged(PermanentError):
+    """The run's lease key holds what no trainer writes (no TTL, or not 'FENCE HOLDER'): waiting would never end."""
 
 
 class TrainerLease:
@@ -144,15 +150,28 @@ class TrainerLease:
                          " (its previous holder's process was gone)" if dead else "")
                 return
             fence, holder = parse_value(value)
-            if holder_is_gone(holder):
+            if holder is not None and holder_is_gone(holder):
                 dead = value  # taken over at the next try, only if the lease still holds this very value
                 continue
+            self._refuse_damaged(value, holder, int(extra))
             if time.monotonic() - noted > max(10.0, self.ttl_s):
                 noted = time.monotonic()
                 log.warning("run %s: trainer lease held by fence %d (pid %s on %s), %.1fs left unless renewed: "
                             "another trainer runs this run; waiting for it to stop", self.buffer.run_name, fence,
                             holder.get("pid"), holder.get("host"), int(extra) / 1000)
             wait(min(max(int(extra), 100) / 1000, self.ttl_s / 3), stop)
+
+    def _refuse_damaged(self, value: str, holder: dict | None, pttl_ms: int) -> None:
+        """LeaseDamaged for a lease no trainer wrote: every trainer sets a TTL (a live one renews it), so one without
+        (PTTL -1) never ends by itself, and a value that is not 'FENCE HOLDER' names no process to wait for. Not
+        taken over: whoever wrote it may be a trainer of another version still writing this run."""
+        if holder is not None and pttl_ms != -1:
+            return  # a live trainer's lease: wait for it
+        problem = (f"holds {value[:80]!r}, not a trainer's 'FENCE HOLDER' value" if holder is None
+                   else f"holds {value[:80]!r} with no expiry (a trainer's lease always has one)")
+        raise LeaseDamaged(f"run {self.buffer.run_name}: the trainer lease {self.lease_key} {problem}, so no "
+                           f"trainer can take the run. If no trainer of this run is running, delete it (redis-cli "
+                           f"DEL {self.lease_key}) and start the trainer again")
 
     def renew(self) -> None:
         """Extend the lease (taking it again if it lapsed); StaleTrainer when a newer trainer has the run."""
@@ -188,7 +207,7 @@ class TrainerLease:
 
 
 def _text(value) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
 
 
 def _read(path: str) -> str:

@@ -4,6 +4,8 @@ the same verdict as on the full trail, a late second copy of a compacted group i
 must see (a lost group) is left in place, with every later group of its sampler. The pure decision has unit tests
 (tests/unit/common/rollouts/test_audit_compaction.py)."""
 
+import re
+
 import pytest
 
 from grpo_stream.reports.audit import build_audit
@@ -158,3 +160,70 @@ def test_a_late_group_at_a_position_compaction_passed_over_is_accepted_and_train
     if isinstance(buf, RedisStreamBuffer):
         report = build_audit(buf.client, buf.run_name)
         assert report["ok"] and (report["groups_trained"], report["groups_waiting"]) == (5, 1), report
+
+
+def test_a_rolled_back_step_replayed_with_the_same_groups_is_still_counted_after_compaction(shared_redis, run_name):
+    """Deterministic replay: trainer a's step 3 is rolled back by a crash, and b replays it from a's checkpoint of
+    step 2 with the very same groups. Compaction told the two records apart by their groups, so it folded the
+    rolled-back one as a lineage step and the audit's count of rolled-back steps fell from 1 to 0."""
+    buf = RedisStreamBuffer(connect(shared_redis.url, 5), run_name)
+    buf.append_many([Incoming(f"run/s0/{i}", "s0", 0, i, b"x") for i in range(8)], 20)
+    read = buf.read(8, 50)
+    g = [e.group_id for e in read]
+    buf.log_trainer("a", 0, "")
+    for step in (1, 2, 3):
+        buf.log_step("a", step, g[2 * step - 2:2 * step])
+    buf.log_checkpoint("a", 2)
+    buf.log_trainer("b", 2, "a")  # a crashed after step 3
+    buf.log_step("b", 3, g[4:6])
+    buf.log_step("b", 4, g[6:8])
+    buf.log_checkpoint("b", 3)
+    buf.log_checkpoint("b", 4)
+    buf.settle([(e.entry_id, e.group_id, "trained", i // 2 + 1) for i, e in enumerate(read[:6])])
+    before = build_audit(buf.client, run_name)
+    assert before["ok"] and before["steps_rolled_back"] == 1
+    plan = buf.compact_audit(3)
+    assert plan.through_step == 3 and plan.counts["steps_rolled_back"] == 1
+    after = build_audit(buf.client, run_name)
+    assert {key: after[key] for key in VERDICT} == {key: before[key] for key in VERDICT}
+
+
+def damaged_run(buf, damage: str) -> None:
+    """Two checkpointed steps of two groups each, step 1's acknowledged; then one record no trainer wrote."""
+    buf.append_many([Incoming(f"run/s0/{i}", "s0", 0, i, b"x") for i in range(4)], 10)
+    read = buf.read(4, 50)
+    buf.log_trainer("a", 0, "")
+    for step in (1, 2):
+        buf.log_step("a", step, [e.group_id for e in read[2 * step - 2:2 * step]])
+        buf.log_checkpoint("a", step)
+    buf.settle([(e.entry_id, e.group_id, "trained", 1) for e in read[:2]])
+    c, k = buf.client, buf.k
+    if damage == "accepted":
+        c.hset(k["audit:accepted"], "foreign", "not json")
+    elif damage == "steps":
+        c.xadd(k["audit:steps"], {"epoch": "a", "step": 1})
+    else:
+        c.hset(k["audit:compacted"], "below:s9", "x")
+
+
+DAMAGES = {"accepted": r"audit:accepted field 'foreign' .*HDEL \S+:audit:accepted foreign",
+           "steps": r"audit:steps record \S+ has no valid groups .*XDEL \S+:audit:steps",
+           "compacted": r"audit:compacted field 'below:s9' .*HDEL \S+:audit:compacted below:s9"}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGES))
+def test_a_damaged_record_holds_compaction_back_and_the_audit_names_it(shared_redis, run_name, damage):
+    """One record grpo-stream did not write (a foreign tool, a hand edit): compaction, which the trainer runs at
+    every acknowledged checkpoint, raised a bare JSONDecodeError/KeyError/ValueError naming no key, at every
+    checkpoint and after every restart; the audit died the same way. Now both name the record and its fix."""
+    buf = RedisStreamBuffer(connect(shared_redis.url, 5), run_name)
+    damaged_run(buf, damage)
+    plan = buf.compact_audit(1)
+    assert plan.through_step == 0 and not plan.group_ids
+    assert re.search(DAMAGES[damage], plan.held_back), plan.held_back
+    report = build_audit(buf.client, run_name)
+    assert not report["ok"] and report["groups_trained"] == 4 and not report["groups_lost"]
+    assert len(report["damaged_records"]) == 1 and re.search(DAMAGES[damage], report["damaged_records"][0])
+    fix = re.search(r"(HDEL|XDEL) (\S+) ([^\s)]+)", report["damaged_records"][0]).groups()
+    buf.client.execute_command(*fix)  # the command the message gives
+    assert buf.compact_audit(1).through_step == 1 and build_audit(buf.client, run_name)["ok"]

@@ -261,3 +261,64 @@ def test_audit_counts_trained_dropped_waiting_lost_and_twice(buf, run_name):
     report = build_audit(buf.client, run_name)
     assert report["groups_trained_twice"] == 1 and report["trained_twice_ids"] == [e[0].group_id]
     assert report["groups_lost"] == 1 and report["lost_ids"] == [e[4].group_id] and not report["ok"]
+
+
+def test_entries_of_a_read_whose_duplicate_settle_failed_come_back(shared_redis, run_name):
+    """A read whose batch holds a second copy settles that copy before returning; when that settle fails (a blip)
+    the read raises, and the fresh groups of the same read must come back later, not stay pending and unreturned
+    (counted against admission) until the trainer restarts."""
+    import redis
+
+    buf = RedisStreamBuffer(connect(shared_redis.url, 5), run_name)
+    buf.PENDING_CHECK_S = 0.0
+    buf.append_many([inc(0)], max_groups=10)
+    (first,) = buf.read(1, block_ms=50)
+    buf.settle([(first.entry_id, first.group_id, "trained", 1)])
+    buf.client.xadd(buf.stream, {"g": b"g0", "id": first.group_id})  # a second copy past the de-duplication
+    buf.client.hincrby(buf.k["counters"], "ingested", 1)
+    buf.append_many([inc(1), inc(2)], max_groups=10)
+    settle, failed = buf._settle, []
+
+    def fails_once(*args, **kwargs):
+        if not failed:
+            failed.append(True)
+            raise redis.ConnectionError("connection reset by peer (injected)")
+        return settle(*args, **kwargs)
+
+    buf._settle = fails_once
+    with pytest.raises(BufferUnavailable):
+        buf.read(10, block_ms=50)
+    back = [e.payload for _ in range(3) for e in buf.read(10, block_ms=50)]
+    assert back == [b"g1", b"g2"]
+    counters = buf.counters()
+    assert counters["dropped_duplicate"] == 1 and counters["depth"] == 2 and identity_holds(counters)
+
+
+def test_waiting_is_never_negative_on_either_backend(any_buf):
+    """A held count above the depth (a dead trainer's, before its successor resets it) reads as nothing waiting,
+    on Redis and in memory alike: admission control compares it with its limits."""
+    any_buf.append_many([inc(0)], max_groups=10)
+    any_buf.set_held(5)
+    assert any_buf.admission_state().waiting == 0
+
+
+def test_an_answer_to_a_prompt_without_a_client_is_appended_whole(buf):
+    """An injected prompt's hash without its `client` field (written by an older version, or by hand): the append
+    script failed after its XADD (Redis does not roll a script back), leaving an entry no counter knows."""
+    buf.client.hset(f"{buf.base}:prompt:p1", mapping={"state": "claimed", "train": "1"})
+    statuses, waiting = buf.append_many([Incoming("run/inj/p1", "s0", 0, -1, b"answer", injected_prompt="p1")], 10)
+    assert statuses[0] not in ("unknown", "dup", "full") and waiting == 1
+    assert identity_holds(buf.counters()) and buf.counters()["ingested"] == 1
+    assert buf.client.hget(f"{buf.base}:prompt:p1", "state") == b"done"
+
+
+def test_a_damaged_compaction_watermark_refuses_the_batch_naming_the_field_and_writes_nothing(buf):
+    """`below:<sampler>` is how the ingest refuses second copies of compacted groups: one that is no number must
+    stop appends for that sampler with an error that names it, before any group of the batch is written."""
+    import redis
+
+    buf.client.hset(buf.k["audit:compacted"], "below:s0", "x")
+    with pytest.raises(redis.ResponseError, match=r"audit:compacted field below:s0 .*not a data position.*HSET"):
+        buf.append_many([inc(0, sampler="s1"), inc(1, sampler="s0")], max_groups=10)
+    assert buf.depth() == 0 and buf.counters()["ingested"] == 0
+    assert buf.append_many([inc(2, sampler="s1")], max_groups=10)[1] == 1  # other samplers go on

@@ -191,3 +191,24 @@ def test_a_connection_lost_during_compaction_is_retried_and_only_a_moved_fence_i
     assert not refused  # the trainer goes on, and its next attempt compacts
     assert buf.compact_audit(1).through_step == 1
     assert int(buf.client.hget(buf.k["audit:compacted"], "through_step")) == 1
+
+
+@pytest.mark.parametrize("value, ttl_ms", [('7 {"pid": 1, "host": "elsewhere"}', None), ("not a lease", 60_000),
+                                           ("7 [1, 2]", 60_000)])
+def test_a_lease_no_trainer_wrote_is_refused_naming_the_key_and_the_fix(shared_redis, run_name, value, ttl_ms):
+    """A lease value without a TTL (every trainer's lease has one) never ends, and one that is not 'FENCE HOLDER'
+    names no process: the trainer waited forever saying another trainer runs (or raised AttributeError)."""
+    from grpo_stream.common.rollouts.trainer_lease import LeaseDamaged
+
+    buf = trainer_buffer(shared_redis.url, run_name)
+    key = buf.k["trainer:lease"]
+    buf.client.set(key, value, px=ttl_ms)
+    stop = threading.Event()
+    timer = threading.Timer(3.0, stop.set)  # without the check the wait only ends here
+    timer.start()
+    try:
+        with pytest.raises(LeaseDamaged, match=f"{key} .*DEL {key}"):
+            TrainerLease.take(buf, 1.0, stop, renew=False)
+    finally:
+        timer.cancel()
+    assert buf.client.get(key) == value.encode() and not buf.client.exists(buf.k["trainer:fence"])

@@ -3,7 +3,9 @@
 The groups of a step are acknowledged ("trained") in the buffer only after the checkpoint *after* the one holding
 their update is on disk, so a crash, or a corrupt newest checkpoint, replays them from the buffer instead of losing
 them; a restarted trainer resumes from the newest valid checkpoint and first settles the groups that checkpoint
-already holds. Every step, checkpoint and trainer start is written to the buffer's audit trail.
+already holds. Every step, checkpoint and trainer start is written to the buffer's audit trail. A Redis at
+maxmemory refuses those records but not settling, which frees memory: a refused record first settles what is
+acknowledgeable (`_book`), so the books never wait on memory only their own settle would free.
 """
 
 from __future__ import annotations
@@ -12,10 +14,13 @@ import dataclasses
 import functools
 import logging
 import threading
+from typing import Callable, TypeVar
 
 from grpo_stream.common.runtime.console import detail_logger
 from grpo_stream.common.config.schema import RunConfig
 from grpo_stream.common.rollouts.buffer import RolloutBuffer
+from grpo_stream.common.rollouts.redis_errors import BufferUnavailable, is_out_of_memory
+from grpo_stream.common.runtime.backoff import StopRequested
 from grpo_stream.trainer_service.checkpoints.errors import RunRefused
 from grpo_stream.trainer_service.checkpoints.store import TrainerCheckpoints
 from grpo_stream.trainer_service.learning.collector import when_available
@@ -23,6 +28,7 @@ from grpo_stream.trainer_service.learning.rl_update import PolicyUpdater
 
 log = logging.getLogger(__name__)
 detail = detail_logger(__name__)
+T = TypeVar("T")
 
 
 @dataclasses.dataclass
@@ -54,6 +60,8 @@ class Durability:
         self.available = functools.partial(when_available, stop=stop)
         self.unsettled: list[tuple[int, list[tuple[str, str]]]] = []  # (step, [(entry id, group id)]) not acked
         self.checkpointed: list[int] = []  # steps whose checkpoint is committed, by this process
+        self.unlogged: list[int] = []  # of those, the ones whose audit record is not written yet
+        self.held_outdated = False  # groups were settled since the held count was last written
         self.resumed_step = 0
         self.data_position: dict[str, int] = {}  # sampler -> highest data position trained
         self.buffer_position = "0-0"  # newest stream entry trained
@@ -67,9 +75,9 @@ class Durability:
     def trained(self, step: int, picked) -> None:
         """Record a step's groups: audit trail, held count, and the data and buffer positions they reach. Groups are
         picked in stream order, so the last one holds the buffer position."""
-        self.available("auditing a step", lambda: self.buffer.log_step(self.epoch, step, [e.group_id for e, _ in picked]))
+        self._book("auditing a step", lambda: self.buffer.log_step(self.epoch, step, [e.group_id for e, _ in picked]))
         self.unsettled.append((step, [(e.entry_id, e.group_id) for e, _ in picked]))
-        self.available("updating the held count", lambda: self.buffer.set_held(self.held()))
+        self._write_held()
         for _, group in picked:
             if group.data_position is not None:
                 self.data_position[group.sampler_id] = max(self.data_position.get(group.sampler_id, -1),
@@ -78,6 +86,7 @@ class Durability:
 
     def save(self, step: int, updater: PolicyUpdater, extra: dict) -> None:
         """Start saving `step`; its groups and everything before are listed so a resume can settle them."""
+        self._check_fence(step)
         unsettled = [[eid, gid, s] for s, pairs in self.unsettled if s <= step for eid, gid in pairs]
         frozen = updater.split(updater.params)[1]
         if frozen is not None and not self.base_saved:
@@ -88,32 +97,104 @@ class Durability:
             "data_position": dict(self.data_position), "buffer_position": self.buffer_position, **extra},
             token=step)
 
+    def _check_fence(self, step: int) -> None:
+        """A checkpoint is written outside Redis, where no script checks the fence: check it right before, so a
+        trainer a newer one took the run from stops (StaleTrainer, after the buffer's on_stale) and writes none.
+        While stopping with Redis down the check is skipped, as every other Redis wait is (when_available): the
+        checkpoint is kept then, as before; no newer trainer can take the lease from a Redis that is down."""
+        try:
+            self.available(f"checking the trainer's fence before the checkpoint of step {step}",
+                           self.buffer.check_fence)
+        except StopRequested as exc:
+            log.warning("%s; saving the checkpoint of step %d unchecked", exc, step)
+
     def committed(self, wait: bool = False, everything: bool = False) -> None:
         """Acknowledge groups whose update is safe on disk: those of steps up to the checkpoint *before* the newest
         committed one (so a corrupt newest checkpoint still finds its groups in the buffer), or, at the end of a
         completed run (`everything`), up to the newest."""
-        for step, _ in self.checkpoints.committed(wait=wait):
-            self.available("auditing a checkpoint", lambda: self.buffer.log_checkpoint(self.epoch, step))
-            self.checkpointed.append(step)
+        self._poll_checkpoints(wait)
+        while self.unlogged:
+            step = self.unlogged[0]
+            self._book("auditing a checkpoint", lambda: self.buffer.log_checkpoint(self.epoch, step))
+            self.unlogged.pop(0)
             detail.info("checkpoint of step %d saved", step)
         if not self.checkpointed:
             return
-        upto = self.checkpointed[-1] if everything else (self.checkpointed[-2] if len(self.checkpointed) > 1
-                                                          else self.resumed_step)
-        done = [(s, pairs) for s, pairs in self.unsettled if s <= upto]
-        if done:
-            self.available("acknowledging trained groups", lambda: self.buffer.settle(
-                (eid, gid, "trained", s) for s, pairs in done for eid, gid in pairs))
-            self.unsettled = [(s, pairs) for s, pairs in self.unsettled if s > upto]
-            self.available("updating the held count", lambda: self.buffer.set_held(self.held()))
+        upto = self._acknowledgeable(everything)
+        if any(s <= upto for s, _ in self.unsettled):
+            self.available("acknowledging trained groups", lambda: self._settle_upto(upto))
+        if self.held_outdated:
+            self._write_held()
         # the trail of what is now final folds into counts; not at a run's end (the newest step record stays, and
         # a continued run compacts it at its first checkpoint)
         if self.cfg.buffer.compact_audit and not everything and upto > self.compacted_through:
-            plan = self.available("compacting the audit trail", lambda: self.buffer.compact_audit(upto))
+            held_back = self.available("compacting the audit trail", lambda: self._compact(upto))
             self.compacted_through = upto  # once per acknowledged checkpoint (this runs every step)
-            if plan.held_back:
+            if held_back:
                 log.warning("audit trail not compacted through step %d: %s (`grpo-stream audit` shows it)", upto,
-                            plan.held_back)
+                            held_back)
+
+    # -- the books' writes, and Redis at maxmemory -----------------------------------------------------------------
+    def _poll_checkpoints(self, wait: bool = False) -> None:
+        """Take in the checkpoints committed since the last look; their audit records are written by committed()."""
+        for step, _ in self.checkpoints.committed(wait=wait):
+            self.checkpointed.append(step)
+            self.unlogged.append(step)
+
+    def _acknowledgeable(self, everything: bool = False) -> int:
+        """The last step whose groups may be acknowledged (see committed()); -1: none yet."""
+        if not self.checkpointed:
+            return -1
+        if everything:
+            return self.checkpointed[-1]
+        return self.checkpointed[-2] if len(self.checkpointed) > 1 else self.resumed_step
+
+    def _settle_upto(self, upto: int) -> int:
+        """Acknowledge the held groups of steps up to `upto`; how many. The held count in Redis is then outdated."""
+        done = [(s, pairs) for s, pairs in self.unsettled if s <= upto]
+        if not done:
+            return 0
+        self.buffer.settle((eid, gid, "trained", s) for s, pairs in done for eid, gid in pairs)
+        self.unsettled = [(s, pairs) for s, pairs in self.unsettled if s > upto]
+        self.held_outdated = True
+        return sum(len(pairs) for _, pairs in done)
+
+    def _write_held(self) -> None:
+        self._book("updating the held count", lambda: self.buffer.set_held(self.held()))
+        self.held_outdated = False
+
+    def _book(self, what: str, write: Callable[[], T]) -> T:
+        """`write` (one of the books' writes) once the buffer takes it. At maxmemory (noeviction) Redis refuses it
+        and every append, so waiting frees nothing: only settling does (SETTLE's first write, XACK, is allowed at
+        maxmemory, and its XDELs free the groups' entries). So the groups already acknowledgeable, by the
+        checkpoints committed so far, are settled first, then `write` is tried again. That is what committed()
+        would settle next anyway, with its checkpoint records written after instead of before: the records only
+        tell the audit the last trainer's final step, and a resumed trainer's start record names its checkpoint."""
+        def attempt() -> T:
+            try:
+                return write()
+            except BufferUnavailable as exc:
+                if not is_out_of_memory(exc):
+                    raise
+                self._poll_checkpoints()
+                freed = self._settle_upto(self._acknowledgeable())
+                if not freed:
+                    raise  # nothing to free: wait (an operator raises maxmemory) as for any unavailable Redis
+                log.warning("Redis is at maxmemory and refused %s: acknowledged %d trained groups first to free "
+                            "memory", what, freed)
+            return write()
+        return self.available(what, attempt)
+
+    def _compact(self, upto: int) -> str:
+        """Compact the trail through `upto`; why it stopped short ('' when it did not). At maxmemory its transaction
+        is refused whole: skipped until the next acknowledged checkpoint rather than waited for (it never frees
+        what its own writes need)."""
+        try:
+            return self.buffer.compact_audit(upto).held_back
+        except BufferUnavailable as exc:
+            if not is_out_of_memory(exc):
+                raise
+            return f"Redis is at maxmemory ({exc}); tried again at the next acknowledged checkpoint"
 
     def resume(self, updater: PolicyUpdater) -> Resumed | None:
         """Restore the newest valid checkpoint (there is at least one) and settle the groups it holds; None when
