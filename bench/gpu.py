@@ -10,7 +10,8 @@
 (configs/qwen2.5_1.5b_gsm8k_gpu.yaml: bf16 parameters with float32 Adam state, full remat, micro-batches of 2,
 32 sequences of 768 tokens, a KL reference): XLA's memory analysis of the update step compiled for this backend
 (the same code `grpo-stream plan` runs on CPU), the device's measured peak memory, the step's time and its model
-FLOPs utilisation (MFU). With `--plan-json` (the JSON of `grpo-stream plan` for the same config, run on CPU) the
+FLOPs utilisation (MFU), the FLOPs of exactly the passes the update runs (`passes_per_step`: the training passes,
+and the forward passes of the old logprobs, the reference model and a teacher where it runs them). With `--plan-json` (the JSON of `grpo-stream plan` for the same config, run on CPU) the
 CPU estimate sits beside the measurement.
 
 `engine --config C [--set KEY=VALUE ...]`: the continuous engine a sampler of that run builds (its model, dtype,
@@ -90,6 +91,27 @@ def model_flops_per_token(arch, context: int, backward: bool) -> float:
     return 3 * per_token if backward else per_token
 
 
+def update_passes(updater) -> dict[str, int]:
+    """The passes over the whole batch one `PolicyUpdater.update` runs (trainer_service/learning/rl_update.py):
+    `train` forward-and-backward passes (num_iterations; the minibatches split one pass), and forward-only passes
+    for the old logprobs (when minibatches or num_iterations > 1), the reference model (algo.beta > 0) and the
+    distillation teacher (when the updater has one)."""
+    algo = updater.algo
+    return {"train": algo.num_iterations, "old_logprobs": int(algo.num_iterations > 1 or algo.minibatches > 1),
+            "reference": int(updater.ref_params is not None), "teacher": int(updater.teacher is not None)}
+
+
+def update_flops(arch, tokens: int, context: int, passes: dict[str, int], teacher_arch=None) -> float:
+    """Model FLOPs of one update over `tokens` tokens of `context`: exactly the `passes` it runs (update_passes),
+    the teacher's forward at the teacher's own shape."""
+    forward = passes["old_logprobs"] + passes["reference"]
+    flops = tokens * (passes["train"] * model_flops_per_token(arch, context, True)
+                      + forward * model_flops_per_token(arch, context, False))
+    if passes["teacher"]:
+        flops += tokens * passes["teacher"] * model_flops_per_token(teacher_arch, context, False)
+    return flops
+
+
 def full_rows_batch(rows: int, length: int, prompt: int, vocab: int):
     """A step's batch of random tokens at full length: `prompt` prompt tokens, then a completion to the row's end."""
     from grpo_stream.trainer_service.learning.batching import TrainBatch
@@ -142,7 +164,7 @@ def trainer(config: pathlib.Path, quick: bool, plan_json: pathlib.Path | None, d
     resident = memory_stats()
     progress(f"trainer: first update of {model_params / 1e9:.3g}B parameters (compiles), then up to 3 timed")
     first = time.perf_counter()
-    updater.update(batch)  # compiles the reference-logprob pass and the update step
+    updater.update(batch)  # compiles the forward passes it runs (update_passes) and the update step
     out["first_step_seconds"] = round(time.perf_counter() - first, 1)
     times = []
     while len(times) < 3 and (not times or time_left_for(times[-1], deadline)):
@@ -151,12 +173,13 @@ def trainer(config: pathlib.Path, quick: bool, plan_json: pathlib.Path | None, d
         times.append(time.perf_counter() - began)
     step = float(np.median(times))
     tokens = rows * length
-    # the update (forward and backward) and the reference policy's forward pass over the same tokens
-    flops = tokens * (model_flops_per_token(arch, length, True) + model_flops_per_token(arch, length, False))
+    passes = update_passes(updater)
+    flops = update_flops(arch, tokens, length, passes, updater.teacher.model.arch if updater.teacher else None)
     peak = peak_flops(out["device_kind"])
     out.update({"rows": rows, "tokens_per_step": tokens, "remat": t.remat, "micro_batch_size": t.micro_batch_size,
                 "step_seconds": [round(x, 3) for x in times], "step_seconds_median": round(step, 3),
-                "model_flops_per_step": flops, "achieved_tflops": round(flops / step / 1e12, 1),
+                "model_flops_per_step": flops, "passes_per_step": passes,
+                "achieved_tflops": round(flops / step / 1e12, 1),
                 # LoRA computes no weight gradients of the base: the full fine-tuning FLOPs would overstate its work
                 "mfu": round(flops / step / peak, 3) if peak and lora is None else None, "peak_bf16_flops": peak,
                 "loss_finite": bool(np.isfinite(metrics["loss"])),

@@ -62,7 +62,7 @@ from grpo_stream.common.episodes.result import EpisodeResult, GroupWork
 from grpo_stream.common.episodes.single_turn import SingleTurn
 from grpo_stream.common.episodes.stream import RolloutStream
 from grpo_stream.common.episodes.tool_turns import EpisodeSettings, ToolTurns
-from grpo_stream.common.rollouts.wire import GroupLimits, to_proto, validate_group
+from grpo_stream.common.rollouts.wire import GroupLimits, model_mask_of, to_proto, validate_group
 from grpo_stream.common.tasks.arith import build_task
 from grpo_stream.common.tasks.task_tokenizer import build_tokenizer
 from grpo_stream.common.tasks.reward_workers import RewardWorker
@@ -95,6 +95,14 @@ class Digits:
         return "".join(" " if t % 11 == 10 else str(t % 11) for t in ids)
 
 
+def model_tokens(completion) -> int:
+    """The tokens of a wire completion the model sampled: its environment's observation tokens (model_token_mask 0,
+    in multi-turn episodes) are prompt to the next turn, not work the sampler did, so "useful tokens" leaves them out,
+    as bench multiturn does."""
+    mask = model_mask_of(completion)
+    return len(completion.token_ids_le) // 4 if mask is None else int(mask.sum())
+
+
 class AckingSink:
     """What the ingest does with a group before it acknowledges it: the wire encoding and its validation."""
 
@@ -107,7 +115,7 @@ class AckingSink:
         if errors:
             raise ValueError(f"the bench's group is invalid: {errors[:3]}")
         self.acked += 1
-        self.tokens += sum(len(c.token_ids_le) // 4 for c in message.completions)
+        self.tokens += sum(model_tokens(c) for c in message.completions)
         self.last = time.perf_counter()
         return True
 

@@ -47,10 +47,9 @@ def build_tokenizer(meta: Any) -> Tokenizer:
     if meta.get("tokenizer.ggml.add_bos_token", False) or meta.get("tokenizer.ggml.add_eos_token", False):
         raise GgufError(f"{meta.where}: tokenizer.ggml.add_bos_token/add_eos_token is set; only tokenizers that "
                          "add no tokens of their own are converted")
-    tokens = list(meta.get("tokenizer.ggml.tokens"))
-    types = list(meta.get("tokenizer.ggml.token_type"))
+    tokens, types = _listed(meta, "tokenizer.ggml.tokens"), _listed(meta, "tokenizer.ggml.token_type")
     merges = []
-    for rank, merge in enumerate(meta.get("tokenizer.ggml.merges")):
+    for rank, merge in enumerate(_listed(meta, "tokenizer.ggml.merges")):
         pair = merge.split(" ")
         if len(pair) != 2:
             raise GgufError(f"{meta.where}: tokenizer.ggml.merges[{rank}]={merge!r} is not two tokens")
@@ -70,6 +69,16 @@ def build_tokenizer(meta: Any) -> Tokenizer:
     return tokenizer
 
 
+def _listed(meta: Any, key: str) -> list:
+    """A list field the BPE model is built from; a file without it has no byte-level BPE tokenizer to convert."""
+    value = meta.get(key)
+    if value is None:
+        raise GgufError(f"{meta.where}: metadata field {key} is missing; a byte-level BPE tokenizer needs "
+                        "tokenizer.ggml.tokens, token_type and merges (re-convert the model with llama.cpp's "
+                        "convert_hf_to_gguf.py, which writes them)")
+    return list(value)
+
+
 def _token(meta: Any, tokens: list[str], key: str) -> str | None:
     index = meta.get(key)
     if index is None:
@@ -84,7 +93,7 @@ def write_tokenizer_files(out: pathlib.Path, meta: Any, pad_token: str | None, m
     states (bos/eos/pad_token_id). `pad_token` replaces the file's padding token (which must then not be a stop
     token: padding is never sampled, so a model padded with its stop token could not stop)."""
     tokenizer = build_tokenizer(meta)
-    tokens = list(meta.get("tokenizer.ggml.tokens"))
+    tokens = _listed(meta, "tokenizer.ggml.tokens")
     bos, eos = _token(meta, tokens, "tokenizer.ggml.bos_token_id"), _token(meta, tokens, "tokenizer.ggml.eos_token_id")
     unk = _token(meta, tokens, "tokenizer.ggml.unknown_token_id")
     pad = pad_token or _token(meta, tokens, "tokenizer.ggml.padding_token_id")

@@ -6,8 +6,9 @@ is one, else `*.safetensors`), maps each tensor to our parameter name and
 layout, converts it to the requested dtype (float32 or bfloat16), and places
 it on the model's sharding (the default device, or a mesh). Nothing is
 downloaded. Every problem names the tensor or field: a missing tensor, a
-shape that disagrees with `config.json`, an unknown or duplicated tensor, a
-dtype safetensors allows but we do not read.
+shape that disagrees with `config.json` (checked as stored, in HF layout, so a
+tensor stored transposed is refused rather than reshaped), an unknown or
+duplicated tensor, a dtype safetensors allows but we do not read.
 
 Export writes the inverse: `model.safetensors` in HF names and [out, in]
 layouts, `config.json`, and the tokenizer files, a directory `transformers`
@@ -193,10 +194,36 @@ def read_architecture(directory: str | pathlib.Path) -> Architecture:
         raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
 
 
+def hf_shapes(arch: Architecture, expected: Mapping[str, tuple]) -> dict[str, tuple[int, ...]]:
+    """HF name -> the shape config.json implies for it in HF's [out, in] layout: `expected` (our names and layouts)
+    passed through the family's own export map, on zero-stride dummies, so nothing the size of the model is made."""
+    dummy = np.zeros((), np.float32)
+    dummies = {name: np.broadcast_to(dummy, shape) for name, shape in expected.items()}
+    return {hf_name: tuple(value.shape) for hf_name, value in family_of(arch).names.to_hf(arch, dummies).items()}
+
+
+def _shape_error(where: str, hf_name: str, got: tuple, want: tuple) -> CheckpointError:
+    """A tensor whose HF-layout shape is not what config.json implies, with the likely cause."""
+    if len(got) == 2 and got == want[::-1]:
+        cause = ("the tensor is stored transposed ([in, out], as JAX/Flax kernels are); transpose it to HF's "
+                 "[out, in] before saving the checkpoint")
+    else:
+        cause = ("config.json does not describe this checkpoint (check hidden_size, intermediate_size, "
+                 "num_attention_heads, num_key_value_heads, head_dim, vocab_size), or the file belongs to another "
+                 "model")
+    return CheckpointError(f"{where}: tensor {hf_name} has shape {list(got)}; config.json implies {list(want)} in "
+                           f"Hugging Face's [out, in] layout: {cause}")
+
+
 def read_named(directory: str | pathlib.Path, arch: Architecture, expected: dict[str, tuple],
                dtype: np.dtype) -> dict[str, np.ndarray]:
-    """Our-named arrays in `dtype`, checked against `expected` (name -> shape): nothing missing, extra or misshapen."""
+    """Our-named arrays in `dtype`, checked against `expected` (name -> shape): nothing missing, extra or misshapen.
+
+    Shapes are checked as stored, in HF layout, before our layout is applied: a reshape into our layout can succeed
+    on a tensor stored transposed ([in, out]) and scramble it silently. (A square tensor stored transposed, such
+    as o_proj when heads * head_dim == hidden_size, has the right shape and cannot be told by its shape.)"""
     directory = pathlib.Path(directory)
+    want_hf = hf_shapes(arch, expected)
     named: dict[str, np.ndarray] = {}
     source: dict[str, pathlib.Path] = {}
     for path in checkpoint_files(directory):
@@ -210,17 +237,16 @@ def read_named(directory: str | pathlib.Path, arch: Architecture, expected: dict
             if name not in expected and not _is_pending(arch, name):
                 raise CheckpointError(f"{path.name}: tensor {hf_name} has no place in the model config.json "
                                       f"describes (num_hidden_layers={arch.num_layers}?)")
-            try:
-                value = layout(array)
-            except ValueError:  # a reshape that cannot work: the HF shape disagrees with config.json
-                value = array
-            if name in expected and tuple(value.shape) != tuple(expected[name]):
-                raise CheckpointError(f"{path.name}: tensor {hf_name} has shape {list(array.shape)}; config.json "
-                                      f"implies {list(expected[name])} in our layout for {name}")
+            if hf_name in want_hf and tuple(array.shape) != want_hf[hf_name]:
+                raise _shape_error(path.name, hf_name, tuple(array.shape), want_hf[hf_name])
+            value = _laid_out(path.name, hf_name, array, layout, name, expected)
             named[name], source[name] = value.astype(dtype, copy=False), path
     assemble = family_of(arch).names.assemble
     if assemble is not None:
-        named = assemble(named, arch)
+        try:
+            named = assemble(named, arch)
+        except ValueError as exc:  # parts that cannot be stacked, named by the family
+            raise CheckpointError(f"{directory}: {exc}") from None
         for name, value in named.items():
             if tuple(value.shape) != tuple(expected.get(name, value.shape)):
                 raise CheckpointError(f"{directory}: {name} assembled to shape {list(value.shape)}; config.json "
@@ -230,6 +256,21 @@ def read_named(directory: str | pathlib.Path, arch: Architecture, expected: dict
         raise CheckpointError(f"{directory}: tensors missing for {len(missing)} parameters, e.g. {missing[:3]} "
                               "(an incomplete download, or tie_word_embeddings wrong in config.json)")
     return named
+
+
+def _laid_out(where: str, hf_name: str, array: np.ndarray, layout: Callable, name: str,
+              expected: Mapping[str, tuple]) -> np.ndarray:
+    """`array` in our layout, checked against `expected[name]` (a backstop for names `hf_shapes` does not cover)."""
+    want = expected.get(name)
+    try:
+        value = layout(array)
+    except ValueError:  # a reshape that cannot work: the HF shape disagrees with config.json
+        raise CheckpointError(f"{where}: tensor {hf_name} has shape {list(array.shape)}, which cannot be laid out as "
+                              f"{name} {list(want) if want else ''}; check config.json's shapes") from None
+    if want is not None and tuple(value.shape) != tuple(want):
+        raise CheckpointError(f"{where}: tensor {hf_name} has shape {list(array.shape)}, {list(value.shape)} in our "
+                              f"layout for {name}; config.json implies {list(want)} in our layout")
+    return value
 
 
 def write_hf_config(directory: pathlib.Path, arch: Architecture, dtype: str = "float32",
@@ -277,5 +318,6 @@ def export_hf(directory: str | pathlib.Path, arch: Architecture, named: dict[str
     return out
 
 
-__all__ = ["ArchitectureError", "CheckpointError", "PendingTensor", "checkpoint_files", "export_hf", "read_architecture",
-           "read_named", "read_safetensors", "to_hf_names", "to_our_names", "write_hf_config", "write_safetensors"]
+__all__ = ["ArchitectureError", "CheckpointError", "PendingTensor", "checkpoint_files", "export_hf", "hf_shapes",
+           "read_architecture", "read_named", "read_safetensors", "to_hf_names", "to_our_names", "write_hf_config",
+           "write_safetensors"]

@@ -158,6 +158,13 @@ def assemble(named: dict[str, np.ndarray], arch: Architecture) -> dict[str, np.n
         parts = [named.get(f"layers.{i}.attn._{x}") for x in "qkv"]
         if any(p is None for p in parts):
             continue  # reported as missing parameters by the caller
+        stacked = parts if arch.num_heads == arch.num_kv_heads else parts[1:]  # the tensors np.stack joins
+        if len({p.shape for p in stacked}) > 1:
+            # np.stack's own error names no tensor; read_named turns this into a CheckpointError
+            shapes = ", ".join(f"model.layers.{i}.self_attn.{x}_proj.weight {list(p.shape)}"
+                               for x, p in zip("qkv", parts))
+            raise ValueError(f"layer {i}: q/k/v projections disagree in shape ([heads, hidden, head_dim]: {shapes}); "
+                             "config.json's num_attention_heads/num_key_value_heads/head_dim do not describe them")
         if arch.num_heads == arch.num_kv_heads:
             out[f"layers.{i}.attn.qkv_einsum.w"] = np.stack(parts)
         else:

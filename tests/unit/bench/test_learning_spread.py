@@ -4,7 +4,7 @@ bound)."""
 
 import pytest
 
-from grpo_stream.bench.learning_spread import (DISTILL_DEFAULTS, figures, lower_bound, spread, steps_to_reach,
+from grpo_stream.bench.learning_spread import (DISTILL_DEFAULTS, figures, lower_bound, spread, steps_to_reach, t99,
                                                teacher_accuracy)
 
 
@@ -16,6 +16,24 @@ def test_the_bound_is_the_t_prediction_bound_and_never_above_the_lowest_run():
     assert lower_bound([0.5, 0.5])["bound_99"] == 0.5  # no spread: the lowest run
     with pytest.raises(ValueError, match="--runs"):
         lower_bound([0.1])
+
+
+# Student's t 99% quantiles (scipy.stats.t.ppf(0.99, df), written out: scipy is no dependency of grpo-stream)
+EXACT_T99 = {20: 2.527977, 24: 2.492159, 29: 2.462021, 49: 2.404892, 99: 2.364606, 999: 2.330086}
+
+
+@pytest.mark.parametrize("df", sorted(EXACT_T99))
+def test_the_t_quantile_past_the_table_is_the_exact_one(df):
+    """Past 20 runs the quantile is computed, not looked up: a low one (the old 2.33 + 2.33 / (4 df) gave 2.359 for
+    21 runs, not 2.528) would set a bar a healthy run misses more often than the 1% the bound promises."""
+    assert t99(df) == pytest.approx(EXACT_T99[df], abs=1e-5)
+
+
+def test_a_21_run_bound_uses_the_21_run_quantile():
+    values = [0.1 + 0.01 * i for i in range(20)]
+    values.append(sum(values) / 20)
+    b = lower_bound(values)
+    assert b["bound_99"] == pytest.approx(b["mean"] - EXACT_T99[20] * b["sd"] * (1 + 1 / 21) ** 0.5, abs=2e-4)
 
 
 def test_steps_to_reach_is_the_first_evaluated_step_at_the_target():

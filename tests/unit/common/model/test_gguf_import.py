@@ -152,6 +152,14 @@ def test_tokenizers_it_cannot_reproduce_are_refused(field, value, match):
         build_tokenizer(metadata({field: value}))
 
 
+@pytest.mark.parametrize("field", ["tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges"])
+def test_a_tokenizer_field_missing_is_refused_by_name(field):
+    meta = metadata({})
+    del meta._fields[field]
+    with pytest.raises(GgufError, match=rf"x\.gguf: metadata field {field} is missing"):
+        build_tokenizer(meta)
+
+
 def test_a_gguf_that_cannot_be_converted_faithfully_is_refused_by_name(tmp_path):
     write_tiny_gguf(tmp_path / "extra.gguf", extra_tensors={"blk.0.attn_q_norm.weight": np.ones(16, np.float32)})
     with pytest.raises(GgufError, match=r"tensor blk\.0\.attn_q_norm\.weight has no place in a Llama model"):
