@@ -1,12 +1,13 @@
-"""The endpoint's listener against strangers: uvicorn's HTTP protocol with a deadline for a connection's first request
-head and caps on open connections (in all, and per client address), and the sampler's open-file limit raised so
-that what the endpoint may hold never takes the descriptors its own work needs (weight fetches, gRPC, Redis).
+"""The endpoint's listener against strangers: uvicorn's HTTP protocol with a deadline for every request head and caps
+on open connections (in all, and per client address), and the sampler's open-file limit raised so that what the
+endpoint may hold never takes the descriptors its own work needs (weight fetches, gRPC, Redis).
 
-uvicorn closes an idle keep-alive connection after `timeout_keep_alive`, but a connection that never completes its
-first request head is held for ever, and it accepts every connection: about a thousand token-less half-requests took a
-sampler to its 1,024 descriptors (its clients reset, its weight fetch failing with "Too many open files"). Here a
-connection beyond a cap is closed as it is accepted, and one whose first head is not complete within
-`header_timeout_s` is closed then. Bodies have their own deadline in the app (common/endpoint/app.py).
+uvicorn closes an idle keep-alive connection after `timeout_keep_alive`, but a connection that never completes a
+request head is held for ever (uvicorn stops its keep-alive timer at a head's first byte), and it accepts every
+connection: about a thousand token-less half-requests took a sampler to its 1,024 descriptors (its clients reset, its
+weight fetch failing with "Too many open files"). Here a connection beyond a cap is closed as it is accepted, and one
+whose request head (its first, or a later one on a kept-alive connection) is not complete within `header_timeout_s`
+of its start is closed then. Bodies have their own deadline in the app (common/endpoint/app.py).
 """
 
 from __future__ import annotations
@@ -62,11 +63,21 @@ def guarded_protocol(limits: ConnectionLimits) -> type[H11Protocol]:
             limits.open_by_address[address] += 1
             self._head_deadline = self.loop.call_later(limits.header_timeout_s, self._head_overdue)
 
+        def _between_requests(self) -> bool:
+            """No request is being handled: the connection waits for its next head (its first, or one after a
+            kept-alive answer)."""
+            return self.cycle is None or self.cycle.response_complete
+
         def data_received(self, data: bytes) -> None:
             super().data_received(data)
-            if self.cycle is not None and self._head_deadline is not None:  # the first head is complete
-                self._head_deadline.cancel()
-                self._head_deadline = None
+            if not self._between_requests():  # a head is complete
+                if self._head_deadline is not None:
+                    self._head_deadline.cancel()
+                    self._head_deadline = None
+            elif self._head_deadline is None and not self.transport.is_closing():
+                # a later head has begun on a kept-alive connection: uvicorn stopped its keep-alive timer at its first
+                # byte, so without a deadline of its own an unfinished one would hold the connection for ever
+                self._head_deadline = self.loop.call_later(limits.header_timeout_s, self._head_overdue)
 
         def connection_lost(self, exc) -> None:
             if self._head_deadline is not None:
@@ -81,7 +92,7 @@ def guarded_protocol(limits: ConnectionLimits) -> type[H11Protocol]:
 
         def _head_overdue(self) -> None:
             self._head_deadline = None
-            if self.cycle is None and not self.transport.is_closing():
+            if self._between_requests() and not self.transport.is_closing():
                 limits.timed_out += 1
                 self.transport.abort()
 

@@ -19,6 +19,7 @@ from typing import Any, Iterator
 
 import uvicorn
 
+from grpo_stream.common.config.serving import endpoint_engine_rows
 from grpo_stream.common.endpoint.app import InProcessRoutes, build_app, endpoint_core
 from grpo_stream.common.engine.side_requests import SideQueue, serve_idle
 from grpo_stream.common.rpc.auth import load_table
@@ -44,7 +45,7 @@ class Endpoint:
 
     def __init__(self, cfg, index: int, sampler_id: str, engine, tokenizer, current, run_dir: pathlib.Path | None):
         settings = cfg.sampler.openai
-        self.queue = SideQueue(settings.max_queued)
+        self.queue = SideQueue(settings.max_queued, endpoint_engine_rows(cfg))
         engine.side = self.queue
         self.engine, self.sampler_id, self.stop = engine, sampler_id, threading.Event()
         self.core = endpoint_core(cfg, engine, self.queue, tokenizer)

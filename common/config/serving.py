@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from grpo_stream.common.config.base import Strict
 from grpo_stream.common.registry.tasks import task_spec
@@ -22,11 +22,23 @@ class OpenAISection(Strict):
                                    "name; null: run.name.")
     max_concurrent: int = Field(64, ge=1, le=100_000, description="Requests decoding or waiting for the engine at "
                                 "once; beyond it a request is answered 429 with Retry-After.")
+    max_concurrent_per_token: int | None = Field(None, ge=1, le=100_000, description="Requests of one client token "
+                                                 "open at once (of max_concurrent); beyond it that token is answered "
+                                                 "429, so one client cannot take every place. Null: half of "
+                                                 "max_concurrent (at least 1). With auth.mode=none every caller is "
+                                                 "one anonymous client and only max_concurrent applies.")
     max_queued: int = Field(256, ge=1, le=1_000_000, description="Sequences (a request's n choices each count) "
                             "waiting for the engine; beyond it 429.")
-    max_n: int = Field(64, ge=1, le=4096, description="Largest `n` (choices per request).")
+    max_engine_share: float = Field(0.5, gt=0, le=1, description="Most of the engine's decode slots (generation."
+                                    "decode_slots, or sampler.vllm.max_num_seqs) the endpoint's sequences take at "
+                                    "once (at least one); the others are the sampler's own rows, however many "
+                                    "sequences clients queue. 1: the endpoint may fill the engine (a sampler that "
+                                    "serves only the endpoint).")
+    max_n: int = Field(64, ge=1, le=4096, description="Largest `n` (choices per request); at most max_queued, since "
+                       "a request's sequences are queued all at once.")
     request_timeout_s: float = Field(600.0, gt=0, le=86_400, description="A request not answered in this time is "
-                                     "answered 504 (its sequences are withdrawn when they have not started).")
+                                     "answered 504 and its sequences are withdrawn (on the JAX engine those decoding "
+                                     "stop too).")
     max_body_bytes: int = Field(4 << 20, ge=1024, le=1 << 30, description="Largest request body; beyond it 413.")
     max_context_tokens: int | None = Field(None, ge=8, le=1 << 20, description="The endpoint's context: most "
                                            "prompt + completion tokens of one request (a chat's later turns are "
@@ -40,8 +52,9 @@ class OpenAISection(Strict):
                                          "prompts or messages, refused (400) before anything is tokenized; null: 16 x "
                                          "max_context_tokens less generation.max_new_tokens (by default 16 x "
                                          "generation.max_prompt_tokens).")
-    header_timeout_s: float = Field(10.0, gt=0, le=3600, description="A connection whose first request head is not "
-                                    "complete in this time is closed.")
+    header_timeout_s: float = Field(10.0, gt=0, le=3600, description="A connection whose request head (its first, "
+                                    "or a later one on a kept-alive connection) is not complete this long after it "
+                                    "began is closed.")
     keep_alive_s: float = Field(30.0, gt=0, le=3600, description="An idle keep-alive connection is closed after "
                                 "this long. Keep it above your clients' own idle expiry (httpx, which the openai SDK "
                                 "uses: 5 s): at equal times a client may send on a connection the server is closing, "
@@ -57,6 +70,28 @@ class OpenAISection(Strict):
         None, description="How the model writes tool calls, parsed into a chat completion's `tool_calls` when the "
         "request lists tools (and how tools and calls are written into the prompt for a chat template that does not "
         "write them itself); null: the run's, environment.tool_format or the one inferred from the chat template.")
+
+    @model_validator(mode="after")
+    def _limits_agree(self) -> "OpenAISection":
+        if self.max_n > self.max_queued:
+            raise ValueError(f"sampler.openai.max_n={self.max_n} exceeds sampler.openai.max_queued={self.max_queued}: "
+                             "a request of n choices queues n sequences at once, so larger ones could never be "
+                             "served; lower max_n or raise max_queued")
+        if self.max_concurrent_per_token is not None and self.max_concurrent_per_token > self.max_concurrent:
+            raise ValueError(f"sampler.openai.max_concurrent_per_token={self.max_concurrent_per_token} exceeds "
+                             f"sampler.openai.max_concurrent={self.max_concurrent}; lower it (null: half of "
+                             "max_concurrent)")
+        return self
+
+    def per_token_limit(self) -> int:
+        """Requests one client token may have open at once: max_concurrent_per_token, or half of max_concurrent."""
+        return self.max_concurrent_per_token or max(1, self.max_concurrent // 2)
+
+
+def endpoint_engine_rows(cfg) -> int:
+    """Most endpoint sequences inside the sampler's engine at once: sampler.openai.max_engine_share of its slots, at
+    least one; the other slots are the sampler's own rows'."""
+    return max(1, int(cfg.engine_slots()[1] * cfg.sampler.openai.max_engine_share))
 
 
 def endpoint_context(cfg) -> int:

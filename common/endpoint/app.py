@@ -4,15 +4,18 @@ transport), on a sampler or in the trainer's evaluation.
 
 Who may call: the bearer tokens of the gRPC servers (auth.*), roles client or admin (ROLES_BY_METHOD lists the
 routes); no token or an unknown one is answered 401, a sampler token 403; the process's own rollouts call with an
-internal token held only in memory. At most sampler.openai.max_concurrent requests are open at once and max_queued
-sequences wait for the engine; beyond either a request is answered 429 with Retry-After, at once. Bodies over
-max_body_bytes are answered 413 without being read further. Errors use OpenAI's shape, {"error": {"message", "type",
-"param", "code"}}, and name the field.
+internal token held only in memory. At most sampler.openai.max_concurrent requests are open at once, at most
+max_concurrent_per_token of one token, and max_queued sequences wait for the engine; beyond any of these a request is
+answered 429 with Retry-After, at once. A client that closes its connection before its answer frees its place and its
+sequences at once. Bodies over max_body_bytes are answered 413 without being read further. Errors use OpenAI's
+shape, {"error": {"message", "type", "param", "code"}}, and name the field; a fault of the endpoint's own is a 500 in
+that shape and one log line.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import hmac
@@ -28,7 +31,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.requests import ClientDisconnect
 
-from grpo_stream.common.config.serving import endpoint_context
+from grpo_stream.common.config.serving import endpoint_context, endpoint_engine_rows
 from grpo_stream.common.endpoint.generation import INTERNAL, EndpointCore, RolloutVersions, Unavailable
 from grpo_stream.common.endpoint.protocol import ChatRequest, CompletionRequest, RequestError
 from grpo_stream.common.engine.side_requests import QueueFull, SideQueue
@@ -78,26 +81,71 @@ def _parse(body: bytes):
 
 
 class Gate:
-    """Requests open at once, bounded (sampler.openai.max_concurrent); counted for /metrics and the summary."""
+    """Requests open at once, bounded in all (sampler.openai.max_concurrent) and per caller (max_concurrent_per_token;
+    None: no per-caller bound); counted for /metrics and the summary."""
 
-    def __init__(self, limit: int):
-        self.limit, self.open, self.served, self.refused = limit, 0, 0, 0
+    def __init__(self, limit: int, per_caller: int | None = None):
+        self.limit, self.per_caller, self.open, self.served, self.refused = limit, per_caller, 0, 0, 0
+        self._by_caller: collections.Counter[str] = collections.Counter()  # only callers with requests open
         self._lock = threading.Lock()
 
+    def _refusal(self, caller: str) -> str | None:
+        if self.open >= self.limit:
+            return f"{self.limit} requests are open (sampler.openai.max_concurrent)"
+        if self.per_caller is not None and self._by_caller[caller] >= self.per_caller:
+            return (f"this token has {self.per_caller} requests open (sampler.openai.max_concurrent_per_token="
+                    f"{self.per_caller})")
+        return None
+
     @contextlib.contextmanager
-    def enter(self, bypass: bool = False) -> Iterator[bool]:
-        """Whether a request may proceed now; `bypass`: the sampler's own (its batches are sized by its config)."""
+    def enter(self, caller: str, bypass: bool = False) -> Iterator[str | None]:
+        """None when `caller`'s request may proceed now, else why not; `bypass`: the sampler's own (its batches are
+        sized by its config)."""
         with self._lock:
-            admitted = bypass or self.open < self.limit
-            self.open += admitted
-            self.refused += not admitted
+            refused = None if bypass else self._refusal(caller)
+            if refused is None:
+                self.open += 1
+                self._by_caller[caller] += 1
+            else:
+                self.refused += 1
         try:
-            yield admitted
+            yield refused
         finally:
-            if admitted:
+            if refused is None:
                 with self._lock:
                     self.open -= 1
                     self.served += 1
+                    self._by_caller[caller] -= 1
+                    if self._by_caller[caller] <= 0:
+                        del self._by_caller[caller]
+
+
+class ClientLeft(Exception):
+    """The client closed its connection before its answer."""
+
+
+async def _client_left(request: Request) -> None:
+    """Returns once the client has gone: with its whole body read, the server's receive() has nothing more to give
+    until it says http.disconnect (uvicorn: the connection was lost; in memory: never before the answer is sent)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_client_leaves(request: Request, work) -> Any:
+    """`work`'s result, or ClientLeft when the client goes first: `work` is then cancelled, which withdraws its
+    sequences (generation.py; the engine stops those already decoding) and so frees its place at the gate."""
+    task, watch = asyncio.ensure_future(work), asyncio.ensure_future(_client_left(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+    if task.done() and not task.cancelled():
+        return task.result()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task  # its cancellation runs to the end: the sequences are withdrawn before the place is freed
+    raise ClientLeft
 
 
 def build_app(core: EndpointCore, table: TokenTable | None, settings, internal_token: str | None,
@@ -106,7 +154,8 @@ def build_app(core: EndpointCore, table: TokenTable | None, settings, internal_t
     the process's own (its `verifiers` rollouts call these routes in memory with it), held in memory only; None for
     the app a listener serves, which never accepts it; `open_access`: auth.mode=none, anyone who reaches the port."""
     app = FastAPI(title="grpo-stream sampler", docs_url=None, redoc_url=None, openapi_url=None)
-    gate = Gate(settings.max_concurrent)
+    # auth.mode=none: every caller is the one anonymous client, bounded by max_concurrent alone
+    gate = Gate(settings.max_concurrent, None if open_access else settings.per_token_limit())
     app.state.gate = gate
 
     def authorized(request: Request, route: str) -> tuple[Caller | None, JSONResponse | None]:
@@ -144,29 +193,43 @@ def build_app(core: EndpointCore, table: TokenTable | None, settings, internal_t
             return _error(400, "the client left before sending its whole body")
         if body is None:
             return _error(413, f"request body over sampler.openai.max_body_bytes={settings.max_body_bytes}")
-        with gate.enter(bypass=caller.name == INTERNAL) as admitted:
-            if not admitted:
-                return _error(429, f"{gate.limit} requests are open (sampler.openai.max_concurrent); retry later",
-                              "rate_limit_error", headers={"Retry-After": "1"})
+        with gate.enter(caller.name, bypass=caller.name == INTERNAL) as refused:
+            if refused is not None:
+                return _error(429, f"{refused}; retry later", "rate_limit_error", headers={"Retry-After": "1"})
             try:
                 parsed = model.model_validate(_parse(body))
             except pydantic.ValidationError as exc:
-                return _error(400, *_validation_message(exc))
+                message, field = _validation_message(exc)
+                return _error(400, message, param=field)
             except RecursionError:  # nested deeper than the parser, or pydantic, goes
                 return _error(400, "the body's JSON nests too deep")
             except ValueError as exc:  # not JSON
                 return _error(400, str(exc))
-            try:
-                return JSONResponse(await handler(parsed, caller.name))
-            except RequestError as exc:
-                return _error(400, str(exc), param=str(exc).split(":", 1)[0].split("=", 1)[0])
-            except QueueFull as exc:
-                return _error(429, f"{exc}; retry later", "rate_limit_error", headers={"Retry-After": "1"})
-            except asyncio.TimeoutError:
-                return _error(504, f"not answered within sampler.openai.request_timeout_s={core.timeout_s}",
-                              "timeout_error")
-            except Unavailable as exc:
-                return _error(503, str(exc), "server_error")
+            return await _answer(request, route, handler(parsed, caller.name))
+
+    async def _answer(request: Request, route: str, work) -> JSONResponse:
+        """The handler's answer, or its error in OpenAI's shape; nothing when the client leaves first (its work is
+        cancelled, its sequences withdrawn)."""
+        try:
+            return JSONResponse(await _unless_client_leaves(request, work))
+        except ClientLeft:
+            log.info("endpoint: %s left before its answer to %s; its sequences were withdrawn", _peer(request), route)
+            return _error(400, "the client left before its answer")
+        except RequestError as exc:
+            return _error(400, str(exc), param=str(exc).split(":", 1)[0].split("=", 1)[0])
+        except QueueFull as exc:
+            return _error(429, f"{exc}; retry later", "rate_limit_error", headers={"Retry-After": "1"})
+        except asyncio.TimeoutError:
+            return _error(504, f"not answered within sampler.openai.request_timeout_s={core.timeout_s}",
+                          "timeout_error")
+        except Unavailable as exc:
+            return _error(503, str(exc), "server_error")
+        except RecursionError:  # a part of the body nested deeper than a step of handling it goes
+            return _error(400, "the body's JSON nests too deep")
+        except Exception as exc:  # noqa: BLE001 - our fault, not the client's: an answer in OpenAI's shape, one line
+            log.error("endpoint: %s from %s failed: %s: %s", route, _peer(request), type(exc).__name__,
+                      str(exc)[:300])
+            return _error(500, "the endpoint failed on this request (the sampler's log says why)", "server_error")
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
@@ -206,7 +269,7 @@ def endpoint_core(cfg, engine, queue: SideQueue, tokenizer) -> EndpointCore:
 def in_process_routes(cfg, engine, tokenizer) -> Iterator[InProcessRoutes]:
     """Routes over `engine` for this process's own rollouts only (no listener, no outside caller), while the block
     runs: the trainer's evaluation of a verifiers environment. Their requests join whatever serve the engine runs."""
-    queue = SideQueue(cfg.sampler.openai.max_queued)
+    queue = SideQueue(cfg.sampler.openai.max_queued, endpoint_engine_rows(cfg))
     engine.side = queue
     core = endpoint_core(cfg, engine, queue, tokenizer)
     token = secrets.token_urlsafe(32)

@@ -37,6 +37,9 @@ def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for i, m in enumerate(messages):
         message = {"role": "system" if m["role"] == "developer" else m["role"], "content": _text(m.get("content"), i)}
         if m.get("tool_calls"):
+            if not isinstance(m["tool_calls"], list):
+                raise RequestError(f"messages[{i}].tool_calls: a list of calls, each with function.name and "
+                                   "function.arguments")
             message["tool_calls"] = [_template_call(call, i) for call in m["tool_calls"]]
         for key in ("name", "tool_call_id"):
             if isinstance(m.get(key), str):
@@ -63,6 +66,8 @@ def _template_call(call: dict, i: int) -> dict:
             arguments = json.loads(arguments)
         except json.JSONDecodeError:
             raise RequestError(f"messages[{i}].tool_calls: function.arguments is not JSON") from None
+        except RecursionError:
+            raise RequestError(f"messages[{i}].tool_calls: function.arguments nests too deep") from None
     return {"id": str(call.get("id") or ""), "type": "function",
             "function": {"name": fn["name"], "arguments": arguments}}
 

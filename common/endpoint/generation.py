@@ -164,8 +164,12 @@ class EndpointCore:
             sequences.append(sequence)
             waits.append(done)
         self.queue.submit(sequences)  # all or none (QueueFull)
+        # asyncio.wait rather than a gather: a gather cancelled with its handler (its client left: app.py) would log
+        # "exception was never retrieved"
         try:
-            await asyncio.wait_for(asyncio.gather(*waits), self.timeout_s)
+            _, late = await asyncio.wait(waits, timeout=self.timeout_s)
+            if late:
+                raise asyncio.TimeoutError
         except (asyncio.TimeoutError, asyncio.CancelledError):
             self.queue.withdraw(sequences)
             raise
@@ -231,8 +235,11 @@ class EndpointCore:
             if request.return_token_ids:
                 choice["token_ids"] = seq.tokens[:kept]
             choices.append(choice)
-            closed = kept == len(seq.tokens) and seq.finished
-            self.chat_prompts.remember(messages, message, tools, ids + seq.tokens[:kept], closed, caller)
+            # an answer cut at a stop string ends in ids of text the client never saw (the stop string): remembered,
+            # the next turn's prompt would hold that text though the client sent it back without it
+            if not stopped:
+                closed = kept == len(seq.tokens) and seq.finished
+                self.chat_prompts.remember(messages, message, tools, ids + seq.tokens[:kept], closed, caller)
         answer = self._answer("chat.completion", "chatcmpl", choices, [ids], request.n, sequences)
         if request.return_token_ids:
             answer["prompt_token_ids"] = ids

@@ -33,14 +33,15 @@ class _Common(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str = Field(..., min_length=1, max_length=256)
-    n: int = Field(1, ge=1)
+    # strict: JSON's true is no count (pydantic would read it as 1)
+    n: int = Field(1, ge=1, strict=True)
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
     seed: int | None = Field(None, ge=0, lt=2**31)
     stop: str | list[str] | None = None
     stream: bool = False
     return_token_ids: bool = False
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, strict=True)
 
     @field_validator("stop")
     @classmethod
@@ -92,7 +93,7 @@ class _Common(BaseModel):
 
 class ChatRequest(_Common):
     messages: list[dict[str, Any]] = Field(..., min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, strict=True)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None

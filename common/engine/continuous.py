@@ -195,6 +195,7 @@ class ContinuousEngine:
             held.release(source.released())
             taken = held.resume(source.take(), refresh is not None)
             pending.extend(rows.register(r, refresh is not None) for r in taken)
+            self._stop_withdrawn(source, pending)
             running = rows.decoding(table.main) + rows.decoding(table.long)
             if pending:  # the main group grows to hold what waits (a fixed request set: sized once, at the start)
                 held.evict(len(pending))
@@ -216,6 +217,33 @@ class ContinuousEngine:
             if running or coming:
                 self._decode_and_collect(weights, len(pending), version)
             table.shrink(bool(pending))
+
+    def _stop_withdrawn(self, source, pending: collections.deque) -> None:
+        """Endpoint sequences whose caller went away (side_requests.MergedSource.withdrawn; other sources have none)
+        leave the pending rows, and their slots are freed, here rather than decoding to their budget for nobody."""
+        withdrawn = getattr(source, "withdrawn", None)
+        gone = withdrawn() if withdrawn is not None else None
+        if not gone:
+            return
+        requests, gone_ids = self.rows.requests, {id(r) for r in gone}  # by identity: other rows' tags may not hash
+
+        def left(row) -> bool:
+            return requests[row] is not None and id(requests[row].tag) in gone_ids
+
+        kept = [row for row in pending if not left(row)]
+        for row in pending:
+            if left(row):
+                self.rows.free(row)
+        pending.clear()
+        pending.extend(kept)
+        for group in self.table.groups:
+            slots = [] if group is None else [s for s in np.flatnonzero(group.live) if left(group.row[s])]
+            if slots:
+                for s in slots:
+                    self.rows.free(int(group.row[s]))
+                    group.row[s] = -1
+                group.state = group.state.replace(active=group.state.active.at[np.asarray(slots)].set(False))
+        self.stats["withdrawn_rows"] += len(gone)
 
     def _decode_and_collect(self, weights, waiting: int, version: int) -> None:
         """One decode chunk over the live groups, its tokens copied out."""

@@ -11,6 +11,12 @@ copy of the weights. So an endpoint request is queued here (`SideQueue.submit`),
 The engine runs one `serve` at a time (`SideQueue.engine`, a lock). An idle serve stops taking requests as soon as
 the sampler asks for the engine, so the sampler waits at most for the requests already decoding.
 
+Outside sequences inside the engine (taken by a serve, decoding or waiting for a slot) are at most `max_in_engine`
+(sampler.openai.max_engine_share of the engine's slots): however many a client queues, the sampler's own rows always
+have the other slots, and a serve of a fixed request set (`generate`) waits for at most that many outside sequences
+before it ends. A sequence whose caller went away (`withdraw`) leaves the queue, and one already taken stops at the
+engine's next scheduling point (`MergedSource.withdrawn`), freeing its slot instead of decoding for nobody.
+
 A request may belong to one of the sampler's own rollouts (`owned`: a `verifiers` environment's model call): while a
 sampler drains its stream for a weight install it takes only those (they are part of the groups it waits for), and
 outside requests wait for the new version.
@@ -71,8 +77,11 @@ class SideRequest:
 class SideQueue:
     """Endpoint requests waiting for the engine, and the engine's lock. Thread-safe."""
 
-    def __init__(self, max_queued: int):
-        self.max_queued = max_queued  # waiting, and again as many inside the engine (taken, not finished)
+    def __init__(self, max_queued: int, max_in_engine: int | None = None):
+        """`max_queued`: outside sequences waiting; `max_in_engine`: outside sequences taken by a serve and not
+        finished (None: max_queued), a share of the engine's slots so that the sampler's own rows keep the rest."""
+        self.max_queued = max_queued
+        self.max_in_engine = max_in_engine or max_queued
         self.engine = threading.Lock()             # one serve at a time, the sampler's or an idle one
         self.sampler_waiting = threading.Event()   # the sampler wants the engine: idle serves take nothing more
         self._waiting: collections.deque[SideRequest] = collections.deque()
@@ -100,8 +109,8 @@ class SideQueue:
             self._cond.notify_all()
 
     def withdraw(self, requests: list[SideRequest]) -> None:
-        """Their caller went away: those still waiting leave the queue; those a serve has taken decode to their end
-        (at most max_queued are inside the engine at once)."""
+        """Their caller went away: those still waiting leave the queue; those a serve has taken are stopped by it at
+        its next scheduling point (MergedSource.withdrawn), never handed back."""
         with self._cond:
             for r in requests:
                 r.cancelled = True
@@ -121,10 +130,11 @@ class SideQueue:
 
     def take(self, owned_only: bool = False) -> list[SideRequest]:
         """Waiting requests, oldest first (`owned_only`: the sampler's own rollouts' only): outside requests while
-        fewer than max_queued are inside the engine (the engine's own list of pending rows stays bounded too); the
-        process's own rollouts' always (their number is the rollout stream's to bound)."""
+        fewer than max_in_engine are inside the engine (the engine's own list of pending rows stays bounded too, and
+        the sampler's rows keep the other slots); the process's own rollouts' always (their number is the rollout
+        stream's to bound)."""
         with self._cond:
-            room = max(0, self.max_queued - self.in_engine)
+            room = max(0, self.max_in_engine - self.in_engine)
             taken = []
             for r in self._waiting:
                 if r.owned:
@@ -190,6 +200,15 @@ class MergedSource:
             self._live.update(side)
             taken += [Request(ids=r.ids, budget=r.budget, key=r.key, tag=r, greedy=r.greedy) for r in side]
         return taken
+
+    def withdrawn(self) -> set[SideRequest]:
+        """Endpoint requests taken by this serve whose caller went away since (SideQueue.withdraw): out of the
+        engine's count now; the engine frees their rows and slots without handing them back."""
+        gone = {r for r in self._live if r.cancelled}
+        if gone:
+            self._live -= gone
+            self.side.left_engine(list(gone))
+        return gone
 
     def requeue_live(self) -> None:
         """The serve ended with endpoint requests unfinished (its own source was cancelled: the sampler is stopping or

@@ -44,7 +44,9 @@ def test_64_concurrent_requests_while_the_sampler_streams_groups(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "grpo_stream", "up", "--config", "configs/tiny_arith_smoke.yaml", "--run-dir",
          str(run_dir), "trainer.steps=100000", "warmstart.steps=0", "trainer.eval_before=false",
-         "trainer.eval_after=false", "sampler.openai.port=0", "sampler.openai.model_name=tiny", "logging.verbose=true"],
+         "trainer.eval_after=false", "sampler.openai.port=0", "sampler.openai.model_name=tiny",
+         "sampler.openai.max_concurrent_per_token=64",  # one token sends all 64 at once (default: half of 64)
+         "logging.verbose=true"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"})
     out = Lines(proc)

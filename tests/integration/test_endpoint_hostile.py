@@ -1,9 +1,12 @@
 """The sampler's OpenAI-compatible endpoint attacked as a stranger and as a heavy client, over real HTTP on loopback
-(the tiny Qwen-family chat model on the JAX engine, the endpoint's own uvicorn server): unfinished request heads,
-stalled bodies, floods of connections, megabyte prompts, JSON nested past the parser, the in-memory token of the
-sampler's own rollouts, a sampler's token. Each is refused or closed by its limit, and a legitimate client is served
-meanwhile."""
+(the tiny Qwen-family chat model on the JAX engine, the endpoint's own uvicorn server): unfinished request heads (first
+or later ones on a kept-alive connection), stalled bodies, floods of connections, megabyte prompts, JSON nested past
+the parser, malformed messages, clients that leave before their answer, one token holding every place, the in-memory
+token of the sampler's own rollouts, a sampler's token. Each is refused, closed or freed by its limit, with errors in
+OpenAI's shape, and a legitimate client is served meanwhile."""
 
+import concurrent.futures
+import json
 import logging
 import resource
 import socket
@@ -46,7 +49,7 @@ def served(chat_family_dirs, tmp_path_factory):  # noqa: F811
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(1024, hard), hard))  # the default a sampler starts with
     try:
         with openai_endpoint(cfg, 0, "sampler-0", engine, tok, lambda: (model.params, 1), None) as endpoint:
-            yield endpoint, {role: tokens[role].read_text().strip() for role in ("client", "sampler")}
+            yield endpoint, {role: tokens[role].read_text().strip() for role in ("client", "sampler", "admin")}
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, resource.getrlimit(resource.RLIMIT_NOFILE)[0]), hard))
 
@@ -208,3 +211,98 @@ def test_remembered_chats_are_bounded_in_bytes_ambiguous_ones_included():
     assert chats.held_bytes <= 2 << 20 and held <= 1.25 * (2 << 20), held
     assert sum(entry is None for entry in chats._remembered.values()) > 0
     assert np.array_equal(next(e for e in reversed(chats._remembered.values()) if e is not None)[0], np.arange(40))
+
+
+def read_response(sock: socket.socket, within_s: float) -> bytes:
+    """One whole HTTP response (head and Content-Length body) from `sock`."""
+    sock.settimeout(within_s)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(4096)
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                  if line.lower().startswith(b"content-length"))
+    while len(body) < length:
+        body += sock.recv(4096)
+    return head + b"\r\n\r\n" + body
+
+
+def test_a_later_unfinished_head_on_a_kept_alive_connection_is_closed_by_its_deadline(served):
+    endpoint, _ = served
+    timed_out = endpoint.limits.timed_out
+    with socket.create_connection(address(endpoint)) as sock:
+        sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")  # no token: a 401, and the connection is kept
+        assert read_response(sock, 30).startswith(b"HTTP/1.1 401")
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # a second head, never finished
+        # keep_alive_s is 30 s, and uvicorn stops that timer at the head's first byte: only the head deadline closes it
+        assert closed_by_server(sock, HEADER_TIMEOUT_S + 5), "a half-sent second head held its connection"
+    assert endpoint.limits.timed_out - timed_out == 1
+
+
+def test_a_client_that_leaves_frees_its_place_and_its_sequences_at_once(served, caplog):
+    endpoint, tokens = served
+    gate, queue = endpoint.app.state.gate, endpoint.queue
+    body = json.dumps({"model": "policy", "prompt": "Add 2 and 3.", "max_tokens": 8, "n": 4}).encode()
+    with caplog.at_level(logging.INFO), queue.engine:  # the engine is busy elsewhere: the sequences wait for it
+        sock = socket.create_connection(address(endpoint))
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + tokens["client"].encode()
+                     + b"\r\nContent-Type: application/json\r\nContent-Length: " + str(len(body)).encode()
+                     + b"\r\n\r\n" + body)
+        wait_for(lambda: gate.open == 1 and queue.has(), 30, "the request to wait for the engine")
+        sock.close()  # the client gives up
+        wait_for(lambda: gate.open == 0 and not queue.has(), 30, "its place and its queued sequences to be freed")
+    assert any("left before its answer" in r.getMessage() for r in caplog.records)
+    assert not any(r.exc_info for r in caplog.records)
+    assert completion(endpoint, tokens["client"]).status_code == 200
+
+
+def test_one_token_cannot_take_every_place(served):
+    """max_concurrent=4, so a token may hold 2 (max_concurrent_per_token's default): its third request is refused at
+    once while another token's is still admitted."""
+    endpoint, tokens = served
+    gate, headers = endpoint.app.state.gate, {"Authorization": f"Bearer {tokens['client']}"}
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        with endpoint.queue.engine:  # the engine busy: admitted requests stay open
+            held = [pool.submit(completion, endpoint, tokens["client"]) for _ in range(2)]
+            wait_for(lambda: gate.open == 2, 30, "the client's two requests to be open")
+            third = httpx.post(endpoint.url + "/completions", headers=headers, timeout=20,
+                               json={"model": "policy", "prompt": "Add 2 and 3.", "max_tokens": 2})
+            assert third.status_code == 429 and third.headers["retry-after"] == "1"
+            assert "max_concurrent_per_token=2" in third.json()["error"]["message"]
+            other = pool.submit(completion, endpoint, tokens["admin"])
+            wait_for(lambda: gate.open == 3, 30, "another token's request to be admitted")
+        assert [f.result().status_code for f in held + [other]] == [200, 200, 200]
+
+
+@pytest.mark.parametrize("ask, field", [({"max_tokens": 0}, "max_tokens"), ({"max_tokens": True}, "max_tokens"),
+                                        ({"n": True}, "n"), ({"stop": ["a"] * 5}, "stop")])
+def test_a_refused_field_is_named_in_param_with_openais_error_type(served, ask, field):
+    endpoint, tokens = served
+    answer = completion(endpoint, tokens["client"], **ask)
+    error = answer.json()["error"]
+    assert answer.status_code == 400 and error["type"] == "invalid_request_error" and error["param"] == field
+    assert error["message"].startswith(field)
+
+
+@pytest.mark.parametrize("calls", [5, [{"id": "c", "type": "function",
+                                        "function": {"name": "f", "arguments": "[" * 5000 + "]" * 5000}}]])
+def test_malformed_tool_calls_are_a_400_naming_them(served, calls):
+    endpoint, tokens = served
+    messages = [{"role": "assistant", "content": "x", "tool_calls": calls}, {"role": "user", "content": "hi"}]
+    answer = httpx.post(endpoint.url + "/chat/completions", headers={"Authorization": f"Bearer {tokens['client']}"},
+                        json={"model": "policy", "messages": messages, "max_tokens": 2}, timeout=60)
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "messages[0].tool_calls"
+
+
+def test_a_fault_of_the_endpoint_is_a_500_in_openais_shape_and_one_log_line(served, caplog, monkeypatch):
+    endpoint, tokens = served
+
+    async def broken(request, caller=""):
+        raise KeyError("a bug of ours")
+
+    monkeypatch.setattr(endpoint.core, "completion", broken)
+    with caplog.at_level(logging.INFO):
+        answer = completion(endpoint, tokens["client"])
+    assert answer.status_code == 500 and answer.json()["error"]["type"] == "server_error"
+    logged = [r for r in caplog.records if "failed" in r.getMessage()]
+    assert len(logged) == 1 and "KeyError" in logged[0].getMessage() and not logged[0].exc_info

@@ -43,6 +43,9 @@ def served(chat_family_dirs, tmp_path_factory):  # noqa: F811
         "warmstart.steps=0",
         "sampler.openai.port=0", "sampler.openai.model_name=policy", "environment.tool_format=qwen",
         "sampler.openai.max_body_bytes=65536",
+        # one client token sends every request here (64 at once in the sharing test); the per-token bound has its
+        # own test (test_endpoint_hostile.py)
+        "sampler.openai.max_concurrent_per_token=64",
         f"auth.tokens_file={tokens['table']}"])
     _, tok = build_task_and_tokenizer(cfg)
     model = build_policy(cfg, tok.vocab_size, seed=0)
@@ -111,6 +114,30 @@ def test_a_continued_conversation_keeps_the_sampled_ids(served):
     so_far = first.model_extra["prompt_token_ids"] + first.choices[0].model_extra["token_ids"]
     assert second.model_extra["prompt_token_ids"][:len(so_far)] == so_far
     assert endpoint.core.chat_prompts.continued >= 1
+
+
+def test_an_answer_cut_at_a_stop_string_is_continued_from_what_the_client_saw(served):
+    """The answer's ids end in the stop string's tokens, which the client never saw: its next turn is the visible
+    conversation rendered whole, never the remembered ids with the stop string in them."""
+    endpoint, client, _, _, tok, _ = served
+    messages = [{"role": "user", "content": "Add 7 and 8."}]
+    for seed in range(40):  # an answer with a stop string to cut at past its start
+        text = client.chat.completions.create(model="policy", messages=messages, seed=seed, max_tokens=C,
+                                              ).choices[0].message.content
+        stop = next((text[i:i + 2] for i in range(4, len(text) - 1) if text[i:i + 2].strip()), None)
+        if stop is not None and text.index(stop) >= 4:
+            break
+    else:
+        raise AssertionError("no seed gave an answer with a stop string to cut at")
+    cut = client.chat.completions.create(model="policy", messages=messages, seed=seed, max_tokens=C, stop=[stop],
+                                         extra_body={"return_token_ids": True}).choices[0]
+    assert cut.finish_reason == "stop" and stop in tok.decode(cut.model_extra["token_ids"])
+    follow = messages + [{"role": "assistant", "content": cut.message.content}, {"role": "user", "content": "More?"}]
+    rendered_whole = endpoint.core.chat_prompts.rendered_whole
+    second = client.chat.completions.create(model="policy", messages=follow, seed=3, max_tokens=4,
+                                            extra_body={"return_token_ids": True})
+    assert second.model_extra["prompt_token_ids"] == tok.encode(tok.render_chat(follow, add_generation_prompt=True))
+    assert endpoint.core.chat_prompts.rendered_whole == rendered_whole + 1
 
 
 def test_tool_calls_come_back_as_tool_calls(served):

@@ -107,3 +107,31 @@ def test_endpoint_requests_a_cancelled_serve_leaves_unfinished_wait_for_the_next
     queue.submit([second])
     source.requeue_live()
     assert queue.in_engine == 0 and queue.take() == [first, second]
+
+
+def test_outside_sequences_inside_the_engine_stay_within_their_share_of_slots():
+    """However many sequences a client queues, a serve takes at most max_in_engine of them (a share of the engine's
+    slots); the sampler's own rollouts' requests are never held back by that bound."""
+    queue = SideQueue(256, max_in_engine=4)
+    queue.submit(side(64))
+    owned = SideRequest(ids=[3], budget=2, key=2, owned=True)
+    queue.submit([owned])
+    taken = queue.take()
+    assert sum(not r.owned for r in taken) == 4 and owned in taken
+    assert queue.take() == []
+    queue.left_engine(taken[:1])
+    assert len(queue.take()) == 1
+
+
+def test_a_withdrawn_request_a_serve_took_leaves_the_engines_count():
+    queue = SideQueue(8)
+    mine, other = side(2)
+    queue.submit([mine, other])
+    source = MergedSource(own_rows(1), queue, version=0)
+    source.take()
+    assert queue.in_engine == 2 and source.withdrawn() == set()
+    queue.withdraw([mine])
+    assert source.withdrawn() == {mine} and queue.in_engine == 1
+    assert source.withdrawn() == set()  # reported once
+    source.requeue_live()
+    assert queue.take() == [other]  # the withdrawn one is not served again
