@@ -82,6 +82,7 @@ import numpy as np
 from grpo_stream.common.config.serving import engine_context
 from grpo_stream.common.engine.side_requests import SideQueue, serve_sharing
 from grpo_stream.common.engine.base import Generation, Request, RequestSource, generate_by_serving
+from grpo_stream.common.engine.vllm_requests import Live, check_ended, drop_withdrawn
 from grpo_stream.common.engine.vllm_worker import EXTENSION, load_into_worker
 from grpo_stream.common.runtime.errors import PermanentError
 from grpo_stream.common.model.hf_checkpoint import resolve_model_dir, to_hf_names, write_hf_config, write_safetensors
@@ -259,7 +260,7 @@ class VllmEngine:
             self.install(params)
         engine, per_step = self.llm.llm_engine, refresh is not None
         pending: collections.deque = collections.deque()
-        live: dict[str, _Live] = {}
+        live: dict[str, Live] = {}
         self.cached_prompt_tokens = []
         steps = 0
         try:
@@ -267,6 +268,7 @@ class VllmEngine:
                 source.released()
                 for request in source.take():
                     pending.append(self._check(request))
+                drop_withdrawn(source, pending, live, engine)
                 if not pending and not live:
                     if not source.open():
                         source.released()
@@ -288,7 +290,7 @@ class VllmEngine:
                     engine.add_request(request_id, self._request(request.ids), sampling)
                     # a serve's first MAX_RECORDED requests only: one lasting a sampler's life must not keep them all
                     index = len(self.cached_prompt_tokens) if len(self.cached_prompt_tokens) < MAX_RECORDED else None
-                    live[request_id] = _Live(request, index, per_step)
+                    live[request_id] = Live(request, index, per_step)
                     if index is not None:
                         self.cached_prompt_tokens.append(0)
                 for out in engine.step():
@@ -300,7 +302,7 @@ class VllmEngine:
                                                                      out.num_cached_tokens or 0)
                     entry.add(out.outputs[0], version)
                     if out.finished:
-                        _check_ended(out)
+                        check_ended(out)
                         del live[out.request_id]
                         self._finish(source, entry)
                 steps += 1
@@ -327,7 +329,7 @@ class VllmEngine:
                              "generation.max_new_tokens, or sampler.openai.max_context_tokens when longer)")
         return request
 
-    def _finish(self, source: RequestSource, entry: "_Live") -> None:
+    def _finish(self, source: RequestSource, entry: Live) -> None:
         tokens = np.asarray(entry.tokens, np.int32)
         source.finish(entry.request, tokens, np.asarray(entry.logprobs, np.float32),
                       None if entry.versions is None else np.asarray(entry.versions, np.int32),
@@ -342,34 +344,6 @@ class VllmEngine:
         finally:
             self.llm.wake_up(tags=["scheduling"])
         self.pauses += 1
-
-
-class _Live:
-    """A request in the engine: what it has produced so far (`per_step`: outputs come a step's tokens at a time,
-    each recorded under the version that sampled it; else once, whole, when it ends)."""
-
-    def __init__(self, request: Request, index: int | None, per_step: bool):
-        self.request, self.index = request, index
-        self.tokens: list[int] = []
-        self.logprobs: list[float] = []
-        self.versions: list[int] | None = [] if per_step else None
-
-    def add(self, out, version: int) -> None:
-        self.tokens += out.token_ids
-        self.logprobs += [step[t].logprob for step, t in zip(out.logprobs, out.token_ids)]
-        if self.versions is not None:
-            self.versions += [version] * len(out.token_ids)
-
-
-def _check_ended(out) -> None:
-    """A request vLLM ended itself ("abort": the engine dropped it; "error": a request-level failure) has not
-    ended its completion: recorded as cut at the budget, its partial tokens would be scored and trained as a
-    truncated completion. The serve fails instead, naming the request (its claim goes back; the sampler's
-    restart rules apply)."""
-    reason = str(out.outputs[0].finish_reason)
-    if reason in ("abort", "error"):
-        raise RuntimeError(f"vLLM ended request {out.request_id} with finish_reason={reason!r}: an engine-side "
-                           "failure, not the end of the completion (see the vLLM engine's log)")
 
 
 def _seed_of(rng: Any) -> int:

@@ -1,5 +1,6 @@
 """Engine choice by sampler.engine: the JAX engine, or vLLM, which must say how to get it where it is missing."""
 
+import collections
 import importlib.util
 from types import SimpleNamespace
 
@@ -8,7 +9,8 @@ import pytest
 
 from grpo_stream.common.engine.continuous import ContinuousEngine
 from grpo_stream.common.engine.registry import build_engine
-from grpo_stream.common.engine.vllm_engine import _check_ended, _seed_of
+from grpo_stream.common.engine.vllm_engine import _seed_of
+from grpo_stream.common.engine.vllm_requests import Live, check_ended as _check_ended, drop_withdrawn
 
 
 def test_jax_engine_is_the_default(tiny_parts):
@@ -44,3 +46,21 @@ def test_a_request_vllm_ended_itself_fails_the_serve_instead_of_training_as_trun
             _check_ended(_ended(reason))
     for reason in ("stop", "length", "repetition"):
         _check_ended(_ended(reason))
+
+
+def test_endpoint_requests_whose_caller_left_are_aborted_in_vllm_and_dropped_waiting():
+    """The vLLM serve's side of a withdrawn endpoint request: aborted if it is in vLLM, dropped if it waits, the
+    sampler's own requests untouched."""
+    from grpo_stream.common.engine.base import Request  # noqa: PLC0415
+
+    left, waiting_left, stays = object(), object(), object()
+    requests = {name: Request(ids=[1], budget=2, key=0, tag=tag)
+                for name, tag in (("left", left), ("waiting_left", waiting_left), ("stays", stays))}
+    live = {"grpo-1": Live(requests["left"], None, False), "grpo-2": Live(requests["stays"], None, False)}
+    pending = collections.deque([requests["waiting_left"], requests["stays"]])
+    aborted = []
+    engine = SimpleNamespace(abort_request=aborted.extend)
+    drop_withdrawn(SimpleNamespace(withdrawn=lambda: {left, waiting_left}), pending, live, engine)
+    assert aborted == ["grpo-1"] and list(live) == ["grpo-2"] and list(pending) == [requests["stays"]]
+    drop_withdrawn(SimpleNamespace(), pending, live, engine)  # a source of the sampler's own: nothing withdrawn
+    assert aborted == ["grpo-1"] and len(live) == 1 and len(pending) == 1
