@@ -8,7 +8,9 @@ episodes failed to become a completion (a verifiers rollout that raised, turns t
 and left out; after MAX_FAILED_IN_A_ROW such groups in a row the sampler stops with the last reason (the
 environment or the run's settings are wrong: generating more would fail the same way). Rewards are called from here,
 each in a worker process with a deadline (common/tasks/reward_workers.py), so a slow reward delays only the sending
-of groups, never decoding, and one that never ends scores 0.
+of groups, never decoding, and one that never ends scores 0. A reward that raises (or returns NaN) on a completion
+fails its group the same way (logged once per reward, with its error): never scored 0, never the sampler's end unless
+it fails MAX_FAILED_IN_A_ROW groups in a row.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from grpo_stream.common.episodes.groups import build_group
 from grpo_stream.common.episodes.stream import GroupRun
 from grpo_stream.common.rollouts.wire import to_proto
 from grpo_stream.common.tasks.reward_workers import RewardWorker
+from grpo_stream.common.tasks.rewards import RewardError
 
 log = logging.getLogger(__name__)
 MAX_ERROR_KINDS_LOGGED = 20  # distinct episode errors logged (each kind once); all are counted
@@ -79,6 +82,7 @@ class GroupSink:
         self.groups_failed = self._failed_in_a_row = 0
         self.episodes_errored = 0  # episodes an environment ended with an error (trained as they stand)
         self._errors_logged: set[str] = set()
+        self._reward_errors_logged: set[str] = set()  # rewards whose error was logged (each once)
         self.rate = RateWindow()  # groups sent over the last minute: the throughput the sampler reports
         self.first_sent: float | None = None
         self._queue: queue.Queue[GroupRun | None] = queue.Queue()
@@ -135,12 +139,16 @@ class GroupSink:
         if failed:
             self._failed(work.group_id, failed)
             return
-        self._failed_in_a_row = 0
+        try:
+            group = build_group(work, run.results, self.sampler_id, self.tokenizer, self.turn_weight,
+                                run.version_at_start, self.rewards.call)
+        except RewardError as exc:  # one completion a reward cannot score: its group, not the sampler
+            self._reward_failed(work.group_id, exc)
+            return
+        self._failed_in_a_row = 0  # (after scoring: a reward failing every group must still reach the limit)
         errors = [r.error for r in run.results if r.error]
         if errors:
             self._errored(work.group_id, errors)
-        group = build_group(work, run.results, self.sampler_id, self.tokenizer, self.turn_weight,
-                            run.version_at_start, self.rewards.call)
         # the tokens the model sampled: an environment's observation tokens between turns were not generated
         tokens = int(sum(c.model_tokens().sum() for c in group.completions))
         message = to_proto(group)
@@ -169,10 +177,20 @@ class GroupSink:
                             "later episodes with this error are counted, not logged): %s", self.sampler_id,
                             group_id, error[:500])
 
-    def _failed(self, group_id: str, why: str) -> None:
+    def _reward_failed(self, group_id: str, exc: RewardError) -> None:
+        """A group one of whose completions a reward raised on: left out as a failed group, the error logged once per
+        reward (a reward that raises on a share of the model's texts would otherwise log every such group)."""
+        if exc.reward not in self._reward_errors_logged:
+            self._reward_errors_logged.add(exc.reward)
+            log.warning("%s: group %s not sent: %s (later groups this reward fails are counted in groups_failed, not "
+                        "logged)", self.sampler_id, group_id, str(exc)[:500])
+        self._failed(group_id, str(exc), logged=True)
+
+    def _failed(self, group_id: str, why: str, logged: bool = False) -> None:
         self.groups_failed += 1
         self._failed_in_a_row += 1
-        log.warning("%s: group %s not sent: %s", self.sampler_id, group_id, why[:500])
+        if not logged:
+            log.warning("%s: group %s not sent: %s", self.sampler_id, group_id, why[:500])
         if self._failed_in_a_row >= MAX_FAILED_IN_A_ROW:
             raise ValueError(f"the last {self._failed_in_a_row} groups all failed, the last with: {why[:500]}; fix "
                              "the environment or the run's settings")

@@ -1,8 +1,9 @@
 """The multi-turn CPU demo's environment: addition problems with a calculator tool (`add`).
 
 A model turn that calls the tool (`<call>add(a, b)</call>`, the 'plain' tool format) is answered with the sum
-(` = c`); a malformed call with ` = error`; a turn without a call ends the episode, and its last `#### N` is the
-answer the run's rewards score. The tiny model's tokenizer is trained on this text (common/tasks/arith_tools.py).
+(` = c`); a malformed call with ` = error`; a turn without a call ends the episode, and the run's rewards score that
+final turn (its `#### N`, read as a single-turn completion's: the first that holds a number; earlier turns' guesses
+are not the answer, common/episodes/groups.py). The tiny model's tokenizer is trained on this text (common/tasks/arith_tools.py).
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ Each model turn is searched for tool calls in the run's tool format (environment
 the model's chat template; qwen, llama3, gemma; common/tools/calls.py).
 Calls are run and their results are the observation (one result per line, in call order); a malformed call is
 answered with an error that says what is wrong, so the model can correct itself; a turn without a call ends the
-episode and the run's rewards score its model turns (`#### N` or the task's answer format). The prompt lists the
+episode and the run's rewards score that final model turn (`#### N` or the task's answer format; what earlier turns
+state, a guess before a tool answered or code that prints `#### 75`, is not the answer: common/episodes/groups.py). The prompt lists the
 tools through the chat template's `tools=` (task.prompt_template=tools), or in the system turn for a template that
 does not write them (common/tools/template_tools.py).
 """

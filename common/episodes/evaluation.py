@@ -15,6 +15,13 @@
   (`#### N` and the other explicit answer formats) whatever the run rewards, which a chat-form run rewarding
   `last_number` may never write.
 - task metrics: a task's own figures of the greedy completions (`task_metrics`, e.g. IFEval's four).
+
+Every figure reads what the run's rewards read: an episode's final model turn (groups.py `answer_text`). Scoring
+runs on the trainer's process, so what reads a completion is bounded: accuracy, format rate and pass@k call
+`answer_correct`/`answer_format` through `score_call` (a run's: the reward worker, with task.reward_timeout_s, as a
+sampler's rewards); maj@k's answer extraction runs here, linear in the completion's length (common/tasks/answers.py:
+about 0.03 s for 128k characters, any text). A task's own figures (`task_metrics`) run here, unbounded: IFEval's run
+lm-eval's checks, whose postscript pattern is quadratic on whitespace runs (about 1 s at 16k spaces, 4 s at 32k).
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from grpo_stream.common.engine.base import GenerationEngine
 from grpo_stream.common.episodes.finite import run_groups
 from grpo_stream.common.episodes.registry import ROLLOUTS, build_rollouts, rollout_kind
 from grpo_stream.common.registry.tasks import task_spec
-from grpo_stream.common.episodes.groups import episode_text, score_episode
+from grpo_stream.common.episodes.groups import answer_text, episode_text, score_episode
 from grpo_stream.common.tasks.reward_workers import RewardWorker
 from grpo_stream.common.episodes.result import EpisodeResult, GroupWork, on_host
 from grpo_stream.common.episodes.single_turn import SingleTurn
@@ -139,11 +146,11 @@ def evaluate(engine: GenerationEngine, params: Any, tokenizer, problems: list, b
     rewards = rewards or RewardSet({"answer_correct": 1.0})
     works, made = _episodes(engine, params, problems, prompts, rollouts, 1, jax.random.key(seed), True, batch_size,
                             progress, rewards)
-    greedy = [episode_text(group[0], tokenizer) for group in made]
-    correct = [answer_correct(t, p.answer) for t, p in zip(greedy, problems)]
-    formatted = [answer_format(t, p.answer) for t, p in zip(greedy, problems)]
-    examples = [{"prompt": p.prompt, "completion": t, "answer": p.answer, "correct": bool(c)}
-                for p, t, c in list(zip(problems, greedy, correct))[:num_examples]]
+    greedy = [answer_text(group[0], tokenizer) for group in made]
+    correct = [_scored(answer_correct, t, p.answer, score_call) for t, p in zip(greedy, problems)]
+    formatted = [_scored(answer_format, t, p.answer, score_call) for t, p in zip(greedy, problems)]
+    examples = [{"prompt": p.prompt, "completion": episode_text(group[0], tokenizer), "answer": p.answer,
+                 "correct": bool(c)} for p, group, c in list(zip(problems, made, correct))[:num_examples]]
     n = len(problems)
     reward, components, failed = _scores(works, made, tokenizer, turn_weight, score_call)
     result = EvalResult(accuracy=sum(correct) / n, format_rate=sum(formatted) / n, num_problems=n,
@@ -160,18 +167,26 @@ def evaluate(engine: GenerationEngine, params: Any, tokenizer, problems: list, b
         result.sampled_reward, result.sampled_reward_components, failed = _scores(works, made, tokenizer, turn_weight,
                                                                                  score_call)
         result.failed_episodes += failed
-        _sampled_figures(result, problems, [[episode_text(r, tokenizer) for r in group] for group in made], ks)
+        _sampled_figures(result, problems, [[answer_text(r, tokenizer) for r in group] for group in made], ks,
+                         score_call)
     result.seconds = round(time.time() - start, 3)
     return result
 
 
-def _sampled_figures(result: EvalResult, problems: list, per_problem: list[list[str]], ks: Sequence[int]) -> None:
-    """pass@k and maj@k of each problem's sampled completions."""
+def _scored(reward, text: str, reference: str, call=None) -> float:
+    """`reward(text, reference)` (a built-in reward) through `call` (the reward worker: bounded by its deadline, an
+    overrun scores 0 as a sampler's does), or here when there is none."""
+    return reward(text, reference) if call is None else call(reward.__name__, reward, text, reference)
+
+
+def _sampled_figures(result: EvalResult, problems: list, per_problem: list[list[str]], ks: Sequence[int],
+                     call=None) -> None:
+    """pass@k and maj@k of each problem's sampled completions (`call`: how answer_correct runs, as `_scored`)."""
     n, samples = len(problems), len(per_problem[0])
+    correct = [int(sum(_scored(answer_correct, t, p.answer, call) for t in texts_i))
+               for p, texts_i in zip(problems, per_problem)]
     for k in ks:
-        result.pass_at_k[str(k)] = sum(
-            pass_at_k(samples, int(sum(answer_correct(t, p.answer) for t in texts_i)), k)
-            for p, texts_i in zip(problems, per_problem)) / n
+        result.pass_at_k[str(k)] = sum(pass_at_k(samples, c, k) for c in correct) / n
         result.maj_at_k[str(k)] = sum(
             majority_correct([extract_answer(t) for t in texts_i[:k]], p.answer)
             for p, texts_i in zip(problems, per_problem)) / n
@@ -202,7 +217,8 @@ def evaluate_run(cfg, engine, params, task, tokenizer, problems: list,
         rollouts = build_rollouts(cfg, task, tokenizer, routes)
         stack.callback(rollouts.close)
         rewards = RewardSet(cfg.task.rewards)
-        worker = RewardWorker(rewards.functions, cfg.task.reward_timeout_s)
+        # answer_format too: format_rate is scored in the worker whatever the run rewards (answer_correct always is)
+        worker = RewardWorker([*rewards.functions, answer_format.__name__], cfg.task.reward_timeout_s)
         stack.callback(worker.close)
         return evaluate(engine, params, tokenizer, problems, cfg.eval.batch_size, samples=cfg.eval.samples,
                         ks=cfg.eval.ks, seed=cfg.run.seed, progress=progress, rollouts=rollouts,

@@ -1,8 +1,11 @@
 """The one group builder: a group's finished episodes as the wire's GroupData, whatever kind of rollout made them.
 
 - Rewards: an episode its kind scored (a verifiers rubric: `EpisodeResult.reward`) keeps that reward and its
-  components; any other is scored by the group's reward set on its model turns' text (a single-turn completion: its
-  tokens decoded), plus `turn_weight` x the sum of its per-turn rewards (component `turn_reward`).
+  components; any other is scored by the group's reward set on its final model turn's text (`answer_text`; a
+  single-turn completion: its one turn), plus `turn_weight` x the sum of its per-turn rewards (component
+  `turn_reward`). Earlier turns are not the answer: they hold guesses made before a tool answered and the tools'
+  calls (code that prints `#### 75`), which would otherwise outrank the final answer (the first statement wins,
+  common/tasks/answers.py). Every reward, format ones too, reads that same text, read as a single-turn completion's.
 - Versions: a group is as stale as its oldest token. Tokens record the version that drew them; a completion whose
   tokens all have the group's version carries no per-token versions on the wire (wire.to_proto), one that mixes
   versions (in-flight weight updates) carries them, and the trainer weighs each token by its own.
@@ -29,10 +32,19 @@ def group_version(results: list[EpisodeResult], fallback: int) -> int:
 
 
 def episode_text(result: EpisodeResult, tokenizer) -> str:
-    """What the model wrote in an episode: its turns' texts, or its model tokens decoded."""
+    """What the model wrote in an episode (to show it): its turns' texts, or its model tokens decoded."""
     if result.turn_texts:
         return result.model_text
     return tokenizer.decode([t for t, m in zip(result.tokens, result.model_mask) if m])
+
+
+def answer_text(result: EpisodeResult, tokenizer) -> str:
+    """What the run's rewards score (module docstring): the final model turn's text; an episode whose turns were not
+    decoded one by one (single-turn, whose one turn it is; a verifiers rollout, which its rubric scores) as a
+    whole."""
+    if result.turn_texts:
+        return result.turn_texts[-1]
+    return episode_text(result, tokenizer)
 
 
 def score_episode(result: EpisodeResult, work: GroupWork, tokenizer, turn_weight: float,
@@ -43,8 +55,7 @@ def score_episode(result: EpisodeResult, work: GroupWork, tokenizer, turn_weight
         return 0.0, {}
     if result.reward is not None:
         return float(result.reward), dict(result.reward_components)
-    text = episode_text(result, tokenizer)
-    reward, parts = work.rewards.score(text, work.problem.answer, call)
+    reward, parts = work.rewards.score(answer_text(result, tokenizer), work.problem.answer, call)
     if result.turn_rewards:
         turn = turn_weight * float(sum(result.turn_rewards))
         reward, parts = reward + turn, {**parts, TURN_REWARD: turn}

@@ -82,7 +82,7 @@ class EpisodeResult:
 
     @property
     def model_text(self) -> str:
-        """The model's turns joined: what the run's rewards score."""
+        """The model's turns joined (what an evaluation's examples show; rewards score the final turn: groups.py)."""
         return "\n".join(self.turn_texts)
 
     def add_turn(self, tokens, logprobs, versions, closed: bool) -> None:

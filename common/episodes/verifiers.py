@@ -12,8 +12,8 @@ of every token it answered (common/endpoint/generation.py RolloutVersions): the 
 group is as stale as its oldest token. The rubric's weighted reward is the reward; its per-function scores are kept
 as reward components.
 
-A rollout the environment ended with an error (a model call that failed, a tool that raised and stopped it), or
-whose turns are not one token sequence, fails (`EpisodeResult.failed`): its whole group is left out by the sampler
+A rollout the environment ended with an error (a model call that failed, a tool that raised and stopped it), whose
+turns are not one token sequence, or whose rubric returned a non-finite reward or metric (NaN, inf), fails (`EpisodeResult.failed`): its whole group is left out by the sampler
 (a partly scored group would bias its advantages). An episode longer than generation.max_new_tokens is cut there
 and marked truncated.
 """
@@ -21,6 +21,7 @@ and marked truncated.
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 from typing import Any, Awaitable, Callable
 
@@ -75,6 +76,13 @@ def result_of(output: dict[str, Any], versions: dict, max_tokens: int) -> Episod
     result.reward = float(output.get("reward") or 0.0)
     result.reward_components = {k: float(v) for k, v in (output.get("metrics") or {}).items()
                                 if isinstance(v, (int, float))}
+    # a NaN or infinite reward would make the trainer's validate_group refuse the whole group (and its data position
+    # be lost): failing the episode here leaves the group out through the sampler's failed-group path instead
+    bad = {"reward": result.reward, **{f"metrics[{k!r}]": v for k, v in result.reward_components.items()}}
+    bad = {k: v for k, v in bad.items() if not math.isfinite(v)}
+    if bad:
+        raise RolloutError(f"the rubric returned a non-finite reward ({', '.join(f'{k}={v}' for k, v in bad.items())})"
+                           "; fix the environment's reward functions so that every score is a finite number")
     return result
 
 
@@ -82,7 +90,8 @@ async def group_results(run_group: Callable[[], Awaitable[Any]], rows: int, take
                         max_tokens: int, timeout_s: float) -> list[EpisodeResult]:
     """The `rows` episodes of one group from `run_group()` (the environment's), each scored or failed with why.
     Every row gets a result and nothing escapes: an environment that raises, runs past `timeout_s`
-    (task.verifiers.group_timeout_s; it is cancelled) or returns outputs not shaped as episodes fails its rows, so the
+    (task.verifiers.group_timeout_s; it is cancelled), ends cancelled by something else (it awaited what another task
+    cancelled) or returns outputs not shaped as episodes fails its rows, so the
     group ends and its rows go back to the stream instead of holding the sampler's capacity for ever.
     `take_versions()` (the endpoint's record of the group's token versions) is called once whatever happens."""
     async def called():  # what run_group() raises before it awaits is the task's too
@@ -90,10 +99,17 @@ async def group_results(run_group: Callable[[], Awaitable[Any]], rows: int, take
 
     outputs, failed = None, None
     call = asyncio.ensure_future(called())
-    done, _ = await asyncio.wait({call}, timeout=timeout_s)
+    try:
+        done, _ = await asyncio.wait({call}, timeout=timeout_s)
+    except BaseException:  # this coroutine itself was cancelled (a stop): the environment's run goes, the record too
+        call.cancel()
+        take_versions()
+        raise
     if not done:
         call.cancel()
         failed = f"run_group ran past task.verifiers.group_timeout_s={timeout_s:g}s and was cancelled"
+    elif call.cancelled():  # it awaited what another task cancelled: exception() would raise CancelledError here
+        failed = "run_group was cancelled (by something other than task.verifiers.group_timeout_s)"
     elif call.exception() is not None:
         exc = call.exception()
         failed = f"run_group raised {type(exc).__name__}: {exc}"
@@ -147,12 +163,21 @@ class VerifiersRollouts:
         args["extra_body"] = {**dict(args.get("extra_body") or {}), ROLLOUT_FIELD: work.group_id}
         if work.greedy:
             args["temperature"] = 0.0
-        results = await group_results(
-            lambda: self.env.run_group([work.problem.row] * work.rows, self._client, self.model, args,
-                                       state_columns=["trajectory"]),
-            work.rows, lambda: self.versions.take(work.group_id), self.max_tokens, self.group_timeout_s)
-        for row, result in enumerate(results):
-            run.episode_done(row, result)
+        why = "the group's rollouts ended before their results were made"
+        try:
+            results = await group_results(
+                lambda: self.env.run_group([work.problem.row] * work.rows, self._client, self.model, args,
+                                           state_columns=["trajectory"]),
+                work.rows, lambda: self.versions.take(work.group_id), self.max_tokens, self.group_timeout_s)
+            for row, result in enumerate(results):
+                run.episode_done(row, result)
+        except BaseException as exc:  # re-raised: this only says why in the rows' results below
+            why = f"the group's rollouts ended with {type(exc).__name__}: {exc}"[:500]
+            raise
+        finally:  # every row ends, whatever happened: a row never reported would keep its group in flight for ever
+            for row in range(work.rows):
+                if run.results[row] is None:
+                    run.episode_done(row, EpisodeResult(failed=why))
 
     def close(self) -> None:
         future = asyncio.run_coroutine_threadsafe(self._http.close(), self._loop)

@@ -29,12 +29,30 @@ _NUMBER = r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d*)?(?:\s+\d+/\d+|/\d+)?|[-+]?\
 _NUMBER_RE = re.compile(_NUMBER)
 # `#### N` (GSM8K's format): a number follows, perhaps in bold (`#### **18**`); `#### Step 1` is a markdown heading
 _HASHES = re.compile(r"####[ \t]*(?:\*\*[ \t]*)?((?=[-+$€£¥₹.\d\\\u2212])[^\n]*)")
-_PATTERNS = (  # where a completion states its final answer, most explicit first
-    re.compile(r"<answer>\s*(.*?)\s*</answer>", re.S),
-    _HASHES,
-    re.compile(r"\\boxed\{((?:[^{}]|\{[^{}]*\})*)\}"),
-    re.compile(r"(?i)the (?:final )?answer is[:\s]*([^\n]*)"),
-)
+_BOXED = re.compile(r"\\boxed\{((?:[^{}]|\{[^{}]*\})*)\}")
+_ANSWER_IS = re.compile(r"(?i)the (?:final )?answer is[:\s]*([^\n]*)")
+_OPEN, _CLOSE = "<answer>", "</answer>"
+
+
+def _answer_tags(text: str):
+    """What each `<answer>...</answer>` holds, whitespace stripped, in order: what `<answer>\\s*(.*?)\\s*</answer>`
+    finds, in linear time (that pattern tries every `<answer>` against the rest of the text when none is closed:
+    quadratic, 43 s on 128k characters of `<answer>` repeated)."""
+    start = 0
+    while (opened := text.find(_OPEN, start)) >= 0:
+        closed = text.find(_CLOSE, opened + len(_OPEN))
+        if closed < 0:
+            return  # no later `<answer>` is closed either
+        yield text[opened + len(_OPEN):closed].strip()  # str.strip and the pattern's \s: the same whitespace
+        start = closed + len(_CLOSE)
+
+
+def _groups(pattern: re.Pattern):
+    return lambda text: (match.group(1) for match in pattern.finditer(text))
+
+
+_hashes = _groups(_HASHES)
+_FORMATS = (_answer_tags, _hashes, _groups(_BOXED), _groups(_ANSWER_IS))  # most explicit first
 
 
 def _plain(text: str) -> str:
@@ -118,18 +136,18 @@ def extract_answer(text: str) -> str | None:
     Within a format the first statement holding a number is the answer, and its first number (`#### 18 apples` ->
     `18`); a statement holding none (`<answer> and </answer>` restating the requested format) is passed over.
     """
-    return next((number for pattern in _PATTERNS if (number := _stated(pattern, text)) is not None), None)
+    return next((number for statements in _FORMATS if (number := _stated(statements, text)) is not None), None)
 
 
 def hashes_answer(text: str) -> str | None:
     """The number a completion states as `#### N` (GSM8K's format; markdown headings passed over), or None."""
-    return _stated(_HASHES, text)
+    return _stated(_hashes, text)
 
 
-def _stated(pattern: re.Pattern, text: str) -> str | None:
-    """The number of the first statement in `text` that `pattern` finds holding one, or None."""
-    for match in pattern.finditer(text):
-        number = _number_in(match.group(1))
+def _stated(statements, text: str) -> str | None:
+    """The number of the first of `statements(text)` (one format's statements, in order) holding one, or None."""
+    for stated in statements(text):
+        number = _number_in(stated)
         if number is not None:
             return number
     return None

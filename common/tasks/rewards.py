@@ -68,6 +68,16 @@ DEFAULT_WEIGHTS = {"answer_correct": 1.0, "answer_format": 0.1}
 TASK_REWARDS = {"ifeval_strict": "ifeval", "ifeval_loose": "ifeval"}  # built-ins offered only to that task's runs
 
 
+class RewardError(ValueError):
+    """A reward raised, or returned a non-finite value, on one completion; `reward` names it. Never scored 0: a
+    sampler leaves the completion's group out (sampler_service/group_sink.py), so a reward that fails on every input
+    stops the run after a few groups instead of training on zeros."""
+
+    def __init__(self, reward: str, message: str):
+        super().__init__(message)
+        self.reward = reward
+
+
 class UnknownReward(ValueError):
     """A reward name outside the run's (built-ins and task.rewards): refused, never imported."""
 
@@ -127,16 +137,18 @@ class RewardSet:
 
     def score(self, text: str, reference: str, call=None) -> tuple[float, dict[str, float]]:
         """Total weighted reward and each component by name; a reward that raises or returns a non-finite
-        value is an error naming it (a bad user reward must not be silently scored 0). `call(name, fn, text,
+        value is a RewardError naming it (a bad user reward must not be silently scored 0). `call(name, fn, text,
         reference)` runs each reward (reward_workers.RewardWorker.call: in a worker with a deadline); None: here."""
         components = {}
         for name, fn in self.functions.items():
             try:
                 value = float(fn(text, reference) if call is None else call(name, fn, text, reference))
             except Exception as exc:  # noqa: BLE001 - re-raised with the reward's name
-                raise ValueError(f"task.rewards.{name} raised {type(exc).__name__}: {exc}") from exc
+                raise RewardError(name, f"task.rewards.{name[:64]} raised {type(exc).__name__}: {str(exc)[:300]}; "
+                                  "a reward must return a number for every completion (0.0 for text it cannot "
+                                  "read)") from exc
             if value != value or value in (float("inf"), float("-inf")):
-                raise ValueError(f"task.rewards.{name} returned {value}; rewards must be finite")
+                raise RewardError(name, f"task.rewards.{name[:64]} returned {value}; rewards must be finite")
             components[name] = value
         return sum(self.weights[n] * v for n, v in components.items()), components
 

@@ -129,13 +129,17 @@ def test_an_error_the_sink_meets_while_it_finishes_at_the_final_version_stops_th
     raised then was kept and never raised, so the sampler ended cleanly with those groups lost."""
     cancelled = threading.Event()
 
-    class FailsWhileStopping:
+    class ScoresWhileStopping:
         def call(self, name, fn, text, reference):
             cancelled.wait(10)  # scored while the feeder stops (once it cancelled the stream)
-            raise ValueError("reward bug")
+            return 1.0
 
         def close(self):
             pass
+
+    class FailingClient(Client):  # a bug met sending (a reward that raises only fails its group: test_group_sink)
+        def put(self, message, timeout_s, epoch=""):
+            raise ValueError("sink bug")
 
     class Engine:
         side = None
@@ -147,8 +151,8 @@ def test_an_error_the_sink_meets_while_it_finishes_at_the_final_version_stops_th
             while not stream.cancelled():
                 stream.wait(0.05)
 
-    sink = GroupSink(Client(), SamplerMetrics("s"), types.SimpleNamespace(decode=lambda ids: "1"), "s", 0.0,
-                     lambda: False, FailsWhileStopping())
+    sink = GroupSink(FailingClient(), SamplerMetrics("s"), types.SimpleNamespace(decode=lambda ids: "1"), "s", 0.0,
+                     lambda: False, ScoresWhileStopping())
     sampler = Sampler.__new__(Sampler)
     sampler.stop_event, sampler.sink, sampler.run_dir, sampler.sampler_id = threading.Event(), sink, None, "s"
 
@@ -163,5 +167,5 @@ def test_an_error_the_sink_meets_while_it_finishes_at_the_final_version_stops_th
     parts = types.SimpleNamespace(engine=Engine(), client=Client())
     parts.client.check = lambda: None
     sink.put(ended_group(small_cfg, 0))
-    with pytest.raises(ValueError, match="reward bug"):
+    with pytest.raises(ValueError, match="sink bug"):
         sampler._stream_until_done(parts)

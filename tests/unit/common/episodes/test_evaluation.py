@@ -67,3 +67,22 @@ def test_evaluation_scores_by_the_runs_rewards_and_says_which(tiny_parts):
     assert len(by_hand) == 6 and result.reward_components["last_number"] == pytest.approx(sum(by_hand) / 6)
     assert result.reward == pytest.approx(2.0 * sum(by_hand) / 6)
     assert scored_by(result.reward_weights) == "reward by task.rewards (last_number x2)"
+
+
+def test_evaluation_scores_answers_through_the_bounded_reward_call():
+    """The trainer's evaluation scored pass@k in its own process with no deadline; it calls answer_correct through
+    `score_call` (a run's: the reward worker, whose overrun scores 0 as a sampler's does)."""
+    import types
+
+    from grpo_stream.common.episodes.evaluation import EvalResult, _sampled_figures
+    asked = []
+
+    def overran(name, fn, text, reference):  # a worker that killed every call at its deadline
+        asked.append(name)
+        return 0.0
+    problems = [types.SimpleNamespace(prompt="q", answer="5")]
+    result = EvalResult(0.0, 0.0, 1, 0.0, [])
+    _sampled_figures(result, problems, [["#### 5", "#### 5"]], [1, 2], overran)
+    assert result.pass_at_k == {"1": 0.0, "2": 0.0} and asked == ["answer_correct"] * 2  # once per completion
+    _sampled_figures(result, problems, [["#### 5", "#### 5"]], [1, 2])  # no call: here, as before
+    assert result.pass_at_k == {"1": 1.0, "2": 1.0} and result.maj_at_k == {"1": 1.0, "2": 1.0}

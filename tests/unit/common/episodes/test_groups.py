@@ -2,10 +2,12 @@
 rewards on what the model wrote (or keep a rubric's reward), cut ones are truncated, an episode's observations keep
 their mask, a group counts as its oldest token's version, and the group carries its id, position and prompt."""
 
+import types
+
 import numpy as np
 import pytest
 
-from grpo_stream.common.episodes.groups import TURN_REWARD, build_group
+from grpo_stream.common.episodes.groups import TURN_REWARD, build_group, score_episode
 from grpo_stream.common.episodes.result import EpisodeResult, GroupWork
 from grpo_stream.common.rollouts.wire import from_proto, to_proto
 from grpo_stream.common.tasks.arith import ArithTask
@@ -95,3 +97,20 @@ def test_every_row_needs_its_episode(tiny_parts):
     with pytest.raises(ValueError, match="1 episodes for 2 rows"):
         build_group(work(problem, tok, 2), [EpisodeResult()], "s", tok)
     assert np.asarray(work(problem, tok, 2).prompt_ids).ndim == 1
+
+
+@pytest.mark.parametrize("turns", [
+    [" #### 75 <call>add(37, 48)</call>", " #### 85"],  # a guess before the tool answered
+    ['<tool_call>\n{"name": "python", "arguments": {"code": "print(\'#### 75\')"}}\n</tool_call>',
+     "The tool says 85.\n#### 85"],  # tool code that prints an answer
+], ids=["guess-then-call", "code-prints-an-answer"])
+def test_a_tool_episode_is_scored_by_its_final_turn(turns):
+    """The first stated answer wins within a text (answers.py): scored on all turns joined, a guess or a tool call's
+    code in an earlier turn outranked the corrected final answer. Rewards read the final turn only."""
+    problem = types.SimpleNamespace(prompt_id="p", prompt="q", answer="85")
+    work = GroupWork(problem, [1], 1, RewardSet(DEFAULT_WEIGHTS), "g", 0, None)
+    result = EpisodeResult(turn_texts=list(turns))
+    reward, parts = score_episode(result, work, None, 0.0)
+    assert parts == {"answer_correct": 1.0, "answer_format": 1.0} and reward == pytest.approx(1.1)
+    result.turn_texts = [" #### 85 <call>add(37, 48)</call>", " = 85, so it is 75"]  # wrong at the end: wrong
+    assert score_episode(result, work, None, 0.0)[1]["answer_correct"] == 0.0

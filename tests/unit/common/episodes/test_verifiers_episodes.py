@@ -127,3 +127,55 @@ def test_two_rows_answered_the_same_ids_under_different_versions_keep_the_older_
     log.record("g", [1], [2, 3], [5, 6])
     log.record("g", [1], [2, 3], [4, 7])
     assert list(log.take("g").values()) == [[4, 6]]
+
+
+@pytest.mark.parametrize("scores, named", [
+    ({"reward": float("nan")}, "reward=nan"),
+    ({"reward": 1.0, "metrics": {"len_ratio": float("inf")}}, "metrics['len_ratio']=inf"),
+], ids=["nan-reward", "inf-metric"])
+def test_a_rubrics_non_finite_score_fails_its_episode(scores, named):
+    """The trainer's validate_group refused the whole group for a NaN reward, and its data position was lost: the
+    episode fails here instead, so the sampler's failed-group path leaves the group out and says why."""
+    out = {"trajectory": [turn([1], [2, 3])], **scores}
+    results = results_of(lambda: returns([out, {"trajectory": [turn([1], [2, 3])], "reward": 0.5}]))
+    assert "rubric returned a non-finite reward" in (results[0].failed or "") and named in results[0].failed
+    assert results[1].failed is None and results[1].reward == 0.5
+
+
+def test_a_run_group_that_ends_cancelled_by_another_task_fails_every_row():
+    """run_group awaited what another task cancelled (a resource shared with a timed-out group): exception() raised
+    CancelledError out of group_results, and no row of the group ever ended."""
+    async def cancelled_by_another():
+        shared = asyncio.get_running_loop().create_future()
+        asyncio.get_running_loop().call_later(0.01, shared.cancel)
+        return await shared
+    results = results_of(cancelled_by_another, rows=2, timeout_s=5.0)
+    assert [("cancelled" in (r.failed or "")) for r in results] == [True, True], [r.failed for r in results]
+
+
+def test_every_row_of_a_group_ends_even_when_its_rollouts_task_is_cancelled():
+    """VerifiersRollouts._group reports every row whatever ends it (here: its own task cancelled, as at a sampler's
+    stop), so the group is never in flight for ever."""
+    from grpo_stream.common.episodes.result import GroupWork
+    from grpo_stream.common.episodes.stream import GroupRun
+    from grpo_stream.common.episodes.verifiers import VerifiersRollouts
+
+    ended = []
+    rollouts = VerifiersRollouts.__new__(VerifiersRollouts)  # without the verifiers package: _group's parts only
+    rollouts.env = type("Env", (), {"run_group": lambda self, *a, **k: hangs()})()
+    rollouts.sampling_args, rollouts.model, rollouts._client, rollouts.max_tokens = {}, "m", None, 64
+    rollouts.versions, rollouts.group_timeout_s = RolloutVersions(), 60.0
+    rollouts.versions.open("g")
+    work = GroupWork(type("P", (), {"row": {}})(), [1], 2, None, "g", 0, None)
+    run = GroupRun(work, type("Stream", (), {"_episode_done": lambda self, r: ended.append(r)})(), 0)
+
+    async def main():
+        task = asyncio.ensure_future(rollouts._group(run))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    asyncio.run(main())
+    assert [bool(r and r.failed) for r in run.results] == [True, True] and ended[-1] is run  # the group ended
+    assert "CancelledError" in run.results[0].failed
+    assert "g" not in rollouts.versions._by_group  # the endpoint's record of the group's versions is closed too

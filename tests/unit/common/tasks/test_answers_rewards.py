@@ -146,3 +146,29 @@ def test_the_reward_subsets_a_sampler_keeps_are_bounded():
     assert list(run.cached) == [tuple(o) for o in orders[-4:]]
     assert run.subset(orders[-1]) is run.cached[tuple(orders[-1])]
     assert run.subset(["answer_format", "answer_format"]) is run.subset(["answer_format"])  # duplicates: one set
+
+
+def test_an_unclosed_answer_tag_repeated_is_read_in_linear_time():
+    """`<answer>\\s*(.*?)\\s*</answer>` tried every `<answer>` against the rest of the text when none was closed:
+    43 s for 128k characters of a degenerate completion, holding the GIL of whatever scored it."""
+    import time
+    text = "<answer>" * 16_000
+    started = time.perf_counter()
+    assert extract_answer(text) is None and extract_answer(text + "</answer>") is None
+    assert extract_answer("<answer>" * 16_000 + " 7 </answer>") == "7"  # the first tag holds the rest
+    assert time.perf_counter() - started < 1.0
+
+
+def test_answer_tags_are_read_as_the_pattern_read_them():
+    """The linear reading finds what the pattern found, in order, on random mixes of tags, whitespace and text."""
+    import random
+    import re
+
+    from grpo_stream.common.tasks.answers import _answer_tags
+    pattern = re.compile(r"<answer>\s*(.*?)\s*</answer>", re.S)
+    pieces = ["<answer>", "</answer>", " ", "\n", "\u00a0", "\u2003", "5", "x", "<answer", "</answer", ">", "\t"]
+    rng = random.Random(0)
+    for _ in range(20_000):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randrange(14)))
+        assert list(_answer_tags(text)) == [m.group(1) for m in pattern.finditer(text)], repr(text)
+    assert extract_answer("<answer>\n 1,234 </answer> then <answer>9</answer>") == "1,234"
