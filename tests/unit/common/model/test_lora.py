@@ -128,3 +128,18 @@ def test_adapters_sit_on_their_weights_mesh_so_the_update_compiles_once(base):
     for _ in range(2):
         updater.update(batch())
     assert updater.programs._step._cache_size() == 1  # the step takes back the adapters in the layout it returns them in
+
+
+@pytest.mark.parametrize("family", ["gemma2-gqa", "gemma2-mha"])
+def test_the_default_targets_adapt_every_attention_projection_of_gemma(tmp_path, family):
+    """Gemma with as many key/value heads as query heads keeps q, k and v in one qkv_einsum: the default targets
+    must adapt it as they adapt q_einsum and kv_einsum, or attention trains no adapter at all."""
+    from grpo_stream.common.model.policy import load_hf_model  # noqa: PLC0415
+    from tests.unit.common.model.test_hf_checkpoint import make_hf_model  # noqa: PLC0415
+
+    make_hf_model(tmp_path, family, 0)
+    model = load_hf_model(str(tmp_path), "float32")
+    attention = {n for n in model.names() if n.startswith("layers.0.attn.") and n.endswith("einsum.w")}
+    lora = apply_lora(model, model.params, LoraSection(), seed=0)
+    assert len(attention) == (2 if family.endswith("mha") else 3)
+    assert attention <= {w.weight for w in lora.weights}, attention - {w.weight for w in lora.weights}
