@@ -33,9 +33,10 @@ class TinyModelSection(Strict):
         return self
 
 
-# Gemma keeps q, k and v in one qkv_einsum when it has as many key/value heads as query heads, else q_einsum and kv_einsum
-LORA_DEFAULT_TARGETS = (".*/(q_proj|k_proj|v_proj|o_proj|q_einsum|kv_einsum|qkv_einsum|attn_vec_einsum|gate_proj|up_proj|"
-                        "down_proj)")
+# Gemma keeps q, k and v in one qkv_einsum when it has as many key/value heads as query heads, else in q_einsum and
+# kv_einsum
+LORA_DEFAULT_TARGETS = (".*/(q_proj|k_proj|v_proj|o_proj|q_einsum|kv_einsum|qkv_einsum|attn_vec_einsum|gate_proj|"
+                        "up_proj|down_proj)")
 
 
 class LoraSection(Strict):
@@ -46,8 +47,9 @@ class LoraSection(Strict):
     alpha: float = Field(32.0, gt=0, le=1e4, description="Adapter scale numerator: the update is (alpha / rank) A B.")
     targets: str = Field(LORA_DEFAULT_TARGETS, min_length=1, description="Regular expression, matched in full "
                          "against module paths such as 'layers/3/attn/q_proj' or 'layers/3/mlp/down_proj': the "
-                         "projections that get adapters. The default adapts every attention and MLP projection, never the embeddings or "
-                         "the output head (a pattern of your own that matches them adapts them too).")
+                         "projections that get adapters. The default adapts every attention and MLP projection, "
+                         "never the embeddings or the output head (a pattern of your own that matches them adapts "
+                         "them too).")
 
     @model_validator(mode="after")
     def _regex(self) -> "LoraSection":
