@@ -11,6 +11,8 @@
     grpo-stream devices --config C [--gpus N] [--compose] [key=value ...]   (each process's GPUs and memory settings)
     grpo-stream submit  FILE.jsonl [--follow] [--run-dir DIR | --address HOST:PORT] [--token-file F]
     grpo-stream status  [--run-dir DIR | --address HOST:PORT] [--token-file F]
+    grpo-stream results PROMPT_ID... | --tag T [--follow]  [--run-dir DIR | --address HOST:PORT]
+    grpo-stream cancel  PROMPT_ID...  [--run-dir DIR | --address HOST:PORT]
     grpo-stream tokens  --out DIR
     grpo-stream fixture smollm2 [--out DIR] [--source PATH]   (a real pretrained model as a Hugging Face directory)
     grpo-stream config  describe [PREFIX]          (every field: type, default, limits, doc)
@@ -22,7 +24,8 @@ place that maps what a command raises to them):
   1    a runtime failure a restart may fix (a service unreachable, a device error, a bug); also a command's own
        verdict: audit found groups lost or trained twice, plan found a config that does not fit, a benchmark failed
   2    usage or config error: a config that does not load or validate (the field and the fix named), or input the
-       command cannot use (a missing run directory or prompts file); nothing ran. audit and plan exit 2 on any
+       command cannot use (a missing run directory or prompts file; prompts, ids or a token the server refuses:
+       INVALID_ARGUMENT, NOT_FOUND, PERMISSION_DENIED, UNAUTHENTICATED); nothing ran. audit and plan exit 2 on any
        error that kept them from a verdict, so that 1 keeps meaning the verdict
   3    a permanent failure (common.runtime.errors.PermanentError): restarting cannot fix it. A process `up` runs
        (trainer-<k>, sampler-<index>, ingest) writes RUN_DIR/failures/NAME.json first, and `up` stops the run
@@ -63,13 +66,19 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _common(p: argparse.ArgumentParser) -> None:
-    """The arguments of every command that runs a config."""
+def _common(p: argparse.ArgumentParser, verbose: bool = True, overrides: bool = True) -> None:
+    """The arguments of every command that reads a config (its Command has config=True, so that dispatch honours
+    --print-config). `verbose`: offer -v (a command that logs nothing goes without it); `overrides`: take dotted
+    overrides as positionals (a command whose own positionals take any number goes without them)."""
     p.add_argument("--config", type=pathlib.Path, help="YAML run config (default: built-in defaults)")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
-    p.add_argument("-v", "--verbose", action="store_true", help="detail lines: every trainer step, every weight "
-                   "version a sampler fetches and installs (logging.verbose=true)")
-    p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="dotted config overrides")
+    if verbose:
+        p.add_argument("-v", "--verbose", action="store_true", help="detail lines: every trainer step, every weight "
+                       "version a sampler fetches and installs (logging.verbose=true)")
+    if overrides:
+        p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="dotted config overrides")
+    else:
+        p.set_defaults(overrides=[])
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -70,10 +70,11 @@ def _config(args, _cfg) -> None:
     print(text, end="")
 
 
-def _client(args, _cfg) -> int:
-    from grpo_stream.client.submit import run_status, run_submit, run_tokens
+def _client(args, cfg) -> int:
+    from grpo_stream.client.submit import run_cancel, run_results, run_status, run_submit, run_tokens
 
-    return {"submit": run_submit, "status": run_status, "tokens": run_tokens}[args.command](args)
+    return {"submit": run_submit, "status": run_status, "results": run_results, "cancel": run_cancel,
+            "tokens": run_tokens}[args.command](args, cfg)
 
 
 def _fixture(args, _cfg) -> None:
@@ -215,7 +216,11 @@ COMMANDS: dict[str, Command] = {
     "fixture": Command(_fixture, usage_errors=(ValueError,)),  # a bad --source or --out; a failed download exits 1
     "bench": Command(_bench),
     "config": Command(_config),
-    "submit": Command(_client, usage_errors=(ValueError, OSError)),  # a bad prompts file, no endpoints.json
-    "status": Command(_client, usage_errors=(ValueError, OSError)),
+    # config=True: --config (TLS, auth) is loaded, and --print-config prints it without connecting. ValueError: a bad
+    # prompts file, no endpoints.json, or a request the server refuses (client/errors.py)
+    "submit": Command(_client, config=True, usage_errors=(ValueError, OSError)),
+    "status": Command(_client, config=True, usage_errors=(ValueError, OSError)),
+    "results": Command(_client, config=True, usage_errors=(ValueError, OSError)),
+    "cancel": Command(_client, config=True, usage_errors=(ValueError, OSError)),
     "tokens": Command(_client, usage_errors=(ValueError, OSError)),
 }

@@ -7,7 +7,8 @@
 
 Prompt dicts use the keys of SPEC_KEYS (`answer` is short for reference_answer). A full queue or quota
 (RESOURCE_EXHAUSTED) is retried after the server's retry-after-ms hint, up to `retry_s` seconds. Calls wait for a
-server that is still starting (gRPC wait_for_ready) up to their deadline.
+server that is still starting (gRPC wait_for_ready) up to their deadline. `follow` outlives a server restart (a
+trainer restarted by `up`): it calls StreamResults again for the prompts not yet answered.
 """
 
 from __future__ import annotations
@@ -19,6 +20,10 @@ import grpc
 
 from grpo_stream.common.rpc.grpc_util import ClientSecurity, open_channel
 from grpo_stream.protos import prompts_pb2, prompts_pb2_grpc
+
+# how a stream ends when its server goes away (a restart, a dropped connection): a new call may succeed
+RECONNECT_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL,
+                             grpc.StatusCode.ABORTED, grpc.StatusCode.UNKNOWN})
 
 SPEC_KEYS = ("text", "question", "answer", "reference_answer", "rewards", "num_generations", "priority", "tags",
              "train")
@@ -69,6 +74,7 @@ def retry_after_s(error: grpc.RpcError, default_s: float = 1.0) -> float:
 
 class PromptClient:
     def __init__(self, address: str, security: ClientSecurity | None = None, timeout_s: float = 30.0):
+        self.address = address
         self.channel = open_channel(address, security)
         self.stub = prompts_pb2_grpc.PromptServiceStub(self.channel)
         self.timeout_s = timeout_s
@@ -101,6 +107,38 @@ class PromptClient:
         """Each result of `prompt_ids` (ends when all are finished) or of `tag` (with follow: until timeout_s)."""
         request = prompts_pb2.ResultsRequest(prompt_ids=prompt_ids or [], tag=tag or "", follow=follow)
         yield from self.stub.StreamResults(request, timeout=timeout_s, wait_for_ready=True)
+
+    def follow(self, prompt_ids: list[str], reconnect_s: float = 60.0,
+               on_reconnect=None) -> Iterator[prompts_pb2.PromptResult]:
+        """Each result of `prompt_ids` once, across server restarts: a stream that breaks (RECONNECT_CODES) is
+        called again for the prompts not yet answered, as soon as the server is back, with backoff; the error is
+        raised when none has come back `reconnect_s` seconds after the break. `on_reconnect(error)` is called
+        before each new attempt (to say so)."""
+        left, delay = list(dict.fromkeys(prompt_ids)), 0.5
+        while left:
+            try:
+                for result in self.results(left):
+                    if result.prompt_id in left:  # a result already yielded is never repeated
+                        left.remove(result.prompt_id)
+                        delay = 0.5
+                        yield result
+                return
+            except grpc.RpcError as exc:
+                if exc.code() not in RECONNECT_CODES:
+                    raise
+                self._reconnect(exc, reconnect_s, delay, on_reconnect)
+                delay = min(2 * delay, 5.0)
+
+    def _reconnect(self, error: grpc.RpcError, within_s: float, delay_s: float, on_reconnect) -> None:
+        """Wait for the channel to be ready again (after `delay_s`, so a server failing at once is not hammered);
+        `error` when it is not within `within_s`."""
+        if on_reconnect is not None:
+            on_reconnect(error)
+        time.sleep(delay_s)
+        try:  # a StreamResults call has no deadline: it would wait for a server that never returns forever
+            grpc.channel_ready_future(self.channel).result(timeout=max(0.0, within_s - delay_s))
+        except grpc.FutureTimeoutError:
+            raise error from None
 
     def cancel(self, prompt_ids: list[str]) -> prompts_pb2.CancelReply:
         return self.stub.Cancel(prompts_pb2.CancelRequest(prompt_ids=prompt_ids), timeout=self.timeout_s,

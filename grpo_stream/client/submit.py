@@ -1,13 +1,16 @@
-"""`grpo-stream submit FILE.jsonl [--follow]`, `grpo-stream status` and `grpo-stream tokens`.
+"""`grpo-stream submit FILE.jsonl [--follow]`, `status`, `results IDS|--tag T`, `cancel IDS` and `tokens`.
 
 submit: one prompt per JSON line (keys of grpo_stream.client.prompts.SPEC_KEYS); prints the ids as JSON, or with
 --follow one JSON line per scored result as it arrives, ending when every prompt is answered or cancelled.
 Where to send them: --address, else the run's RUN_DIR/endpoints.json (written by `up`); the token: --token-file,
 else $GRPO_STREAM_TOKEN / $GRPO_STREAM_TOKEN_FILE, else RUN_DIR/auth/client.token; TLS settings: --config.
+A followed stream that breaks (a trainer restarted by `up`) is followed again for the prompts not yet answered,
+while the server is back within --wait seconds. Errors: grpo_stream/client/errors.py.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import pathlib
@@ -21,6 +24,7 @@ from grpo_stream.common.config.loading import load_config
 from grpo_stream.common.config.schema import RunConfig
 from grpo_stream.common.config.access import TOKEN_ENV, TOKEN_FILE_ENV
 from grpo_stream.common.rpc.grpc_util import ClientSecurity
+from grpo_stream.client.errors import at_lines, explain, is_refusal
 from grpo_stream.client.prompts import PromptClient, to_spec
 from grpo_stream.protos import prompts_pb2
 
@@ -47,8 +51,11 @@ def read_prompts(path: pathlib.Path) -> list[tuple[int, prompts_pb2.PromptSpec]]
     return specs
 
 
-def connect_client(args) -> PromptClient:
-    cfg = load_config(args.config, args.overrides) if args.config or args.overrides else RunConfig()
+def connect_client(args, cfg: RunConfig | None = None) -> PromptClient:
+    """The client of --address or --run-dir's endpoints.json, with --token-file's (or the run's) token and the TLS
+    settings of `cfg` (the loaded --config; loaded here when not given)."""
+    if cfg is None:
+        cfg = load_config(args.config, args.overrides) if args.config or args.overrides else RunConfig()
     endpoints = {}
     if args.run_dir is not None:
         path = args.run_dir / "endpoints.json"
@@ -56,6 +63,10 @@ def connect_client(args) -> PromptClient:
             raise ValueError(f"--run-dir {args.run_dir}: no endpoints.json (written by `grpo-stream up`); give "
                              "--address")
         endpoints = json.loads(path.read_text())
+        if endpoints.get("tls") and not cfg.tls.enabled:  # plaintext to a TLS port fails with a bare UNAVAILABLE
+            raise ValueError(f"--run-dir {args.run_dir}: the run serves TLS (endpoints.json \"tls\": true); give "
+                             f"--config {args.run_dir / 'config.yaml'} (or a config with the run's tls.* client "
+                             "files) so the client connects with TLS")
     address = args.address or endpoints.get("prompts")
     if not address:
         raise ValueError("give --address HOST:PORT of the ingest (the trainer's port unless ingest.standalone) or "
@@ -78,26 +89,73 @@ def result_json(result) -> dict:
                             for c in result.completions]}
 
 
-def run_submit(args) -> int:
-    lines = read_prompts(args.file)
-    with connect_client(args) as client:
-        ids = []
+def submit_lines(client: PromptClient, lines: list, args) -> list[str]:
+    """Submit the file's prompts in calls of --batch; their ids. When a call fails or is interrupted (Ctrl-C), the
+    calls before it queued their prompts: their ids are printed first, so a rerun from the failed line on does not
+    queue them twice."""
+    ids, chunk = [], lines[:args.batch]
+    try:
         for start in range(0, len(lines), args.batch):
             chunk = lines[start:start + args.batch]
-            try:
-                ids += client.submit([spec for _, spec in chunk])
-            except grpc.RpcError:
-                # the calls before this one queued their prompts: their ids are printed, so that a rerun from the
-                # failed line on does not queue them twice
-                print(json.dumps({"prompt_ids": ids, "complete": False, "failed_from_line": chunk[0][0]}), flush=True)
-                print(f"grpo-stream submit: the {len(ids)} prompts before line {chunk[0][0]} of {args.file} are queued "
-                      f"(ids above); the call for lines {chunk[0][0]}..{chunk[-1][0]} failed, and its prompts[i] "
-                      f"count from line {chunk[0][0]}: fix it and resubmit from that line on", file=sys.stderr)
-                raise
+            ids += client.submit([spec for _, spec in chunk])
+    except BaseException as exc:
+        first, last = chunk[0][0], chunk[-1][0]
+        print(json.dumps({"prompt_ids": ids, "complete": False, "failed_from_line": first}), flush=True)
+        # a refused call queued nothing (a Submit is all or nothing); one cut off may have queued its prompts
+        fate = ("was refused: none of its prompts is queued" if is_refusal(exc) else
+                "did not finish: its prompts may be queued too (`grpo-stream status` shows the queue)")
+        print(f"grpo-stream submit: the {len(ids)} prompts before line {first} of {args.file} are queued (ids "
+              f"above); the call for lines {first}..{last} {fate}; resubmit from line {first} on", file=sys.stderr)
+        if isinstance(exc, grpc.RpcError):
+            raise explain(exc, client.address, lambda details: at_lines(details, chunk, args.file)) from exc
+        raise
+    return ids
+
+
+def run_submit(args, cfg: RunConfig | None = None) -> int:
+    lines = read_prompts(args.file)
+    with connect_client(args, cfg) as client:
+        ids = submit_lines(client, lines, args)
         print(json.dumps({"prompt_ids": ids}), flush=True)
         if args.follow:
-            for result in client.results(ids):
-                print(json.dumps(result_json(result)), flush=True)
+            print_results(client, client.follow(ids, args.wait, on_reconnect=reconnecting(client, args.wait)))
+    return 0
+
+
+def print_results(client: PromptClient, results) -> None:
+    """One JSON line per result; a gRPC error worded by its status code (`explain`)."""
+    try:
+        for result in results:
+            print(json.dumps(result_json(result)), flush=True)
+    except grpc.RpcError as exc:
+        raise explain(exc, client.address) from exc
+
+
+def reconnecting(client: PromptClient, wait_s: float):
+    def say(error: grpc.RpcError) -> None:
+        print(f"grpo-stream: the results stream from {client.address} broke ({error.code().name}); following again "
+              f"once it is back (up to --wait {wait_s:g} s)", file=sys.stderr, flush=True)
+    return say
+
+
+def run_results(args, cfg: RunConfig | None = None) -> int:
+    if bool(args.ids) == bool(args.tag):
+        raise ValueError("give prompt ids (as `submit` printed them) or --tag TAG, not both")
+    with connect_client(args, cfg) as client:
+        if args.ids:
+            print_results(client, client.follow(args.ids, args.wait, on_reconnect=reconnecting(client, args.wait)))
+        else:
+            print_results(client, client.results(tag=args.tag, follow=args.follow))
+    return 0
+
+
+def run_cancel(args, cfg: RunConfig | None = None) -> int:
+    with connect_client(args, cfg) as client:
+        try:
+            reply = client.cancel(args.ids)
+        except grpc.RpcError as exc:
+            raise explain(exc, client.address) from exc
+    print(json.dumps({"cancelled": list(reply.cancelled), "finished": list(reply.finished)}), flush=True)
     return 0
 
 
@@ -106,9 +164,12 @@ def seconds_ago(unix: float, now: float) -> float | None:
     return round(max(0.0, now - unix), 1) if unix else None
 
 
-def run_status(args) -> int:
-    with connect_client(args) as client:
-        status = client.status()
+def run_status(args, cfg: RunConfig | None = None) -> int:
+    with connect_client(args, cfg) as client:
+        try:
+            status = client.status()
+        except grpc.RpcError as exc:
+            raise explain(exc, client.address) from exc
     now = time.time()
     print(json.dumps({
         "run": status.run_name, "trainer_step": status.trainer_step, "total_steps": status.total_steps,
@@ -122,7 +183,7 @@ def run_status(args) -> int:
     return 0
 
 
-def run_tokens(args) -> int:
+def run_tokens(args, _cfg=None) -> int:
     if args.keep and (args.out / "tokens.yaml").exists():
         # a restarted deployment keeps the secrets its running services hold
         print(f"{args.out / 'tokens.yaml'} exists; kept (--keep)")
@@ -140,23 +201,44 @@ def run_tokens(args) -> int:
     return 0
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def add_parsers(sub, common) -> None:
-    def connection(p) -> None:
+    """submit, status, results, cancel (each with `common`: --config for TLS and auth settings, --print-config,
+    overrides) and tokens."""
+    def connection(p, overrides: bool = True) -> None:
         p.add_argument("--run-dir", type=pathlib.Path, help="a run started by `up` (its endpoints and client token)")
         p.add_argument("--address", help="HOST:PORT of the PromptService (the ingest)")
         p.add_argument("--token-file", help="file holding a client (or admin) token")
         p.add_argument("--wait", type=float, default=60.0, help="seconds to wait for a service that is still "
-                       "starting (default 60)")
-        common(p)
+                       "starting, or, following results, for one that restarted (default 60)")
+        common(p, verbose=False, overrides=overrides)
 
     su = sub.add_parser("submit", help="inject prompts (JSONL) into a live run; --follow prints their results")
     su.add_argument("file", type=pathlib.Path, help="one JSON object per line: text|question, answer, rewards, "
                     "num_generations, priority, tags, train ('-': stdin)")
     su.add_argument("--follow", action="store_true", help="print each scored result as it arrives")
-    su.add_argument("--batch", type=int, default=256, help="prompts per Submit call (<= prompts.max_batch)")
+    su.add_argument("--batch", type=_positive_int, default=256, help="prompts per Submit call (1..prompts.max_batch; "
+                    "default 256)")
     connection(su)
     st = sub.add_parser("status", help="trainer step, weight versions, buffer and queue depth, samplers")
     connection(st)
+    re_ = sub.add_parser("results", help="print the results of submitted prompts (waiting for each), or of a tag")
+    re_.add_argument("ids", nargs="*", metavar="PROMPT_ID", help="ids `submit` printed")
+    re_.add_argument("--tag", help="the finished results of your prompts with this tag instead")
+    re_.add_argument("--follow", action="store_true", help="with --tag: keep printing new ones until Ctrl-C")
+    connection(re_, overrides=False)  # PROMPT_ID... takes every positional
+    ca = sub.add_parser("cancel", help="cancel submitted prompts that are queued or being generated")
+    ca.add_argument("ids", nargs="+", metavar="PROMPT_ID", help="ids `submit` printed")
+    connection(ca, overrides=False)
     to = sub.add_parser("tokens", help="make a token table and one token per role (sampler, client, admin)")
     to.add_argument("--out", type=pathlib.Path, required=True, help="directory for tokens.yaml and <role>.token")
     to.add_argument("--keep", action="store_true", help="do nothing when DIR already holds a token table (a "
@@ -166,13 +248,3 @@ def add_parsers(sub, common) -> None:
     to.add_argument("--redis-password", action="store_true", help="also write redis.password: a random password "
                     "for the buffer's Redis (requirepass) and the services (redis.auth.password_file)")
 
-
-def run(args) -> int:
-    try:
-        return {"submit": run_submit, "status": run_status, "tokens": run_tokens}[args.command](args)
-    except (ValueError, OSError) as exc:
-        print(f"grpo-stream {args.command}: error: {exc}", file=sys.stderr)
-        return 2
-    except grpc.RpcError as exc:
-        print(f"grpo-stream {args.command}: {exc.code().name}: {exc.details()}", file=sys.stderr)
-        return 1

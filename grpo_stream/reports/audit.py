@@ -36,6 +36,7 @@ from grpo_stream.common.rollouts.audit_trail import read_compacted_fields, read_
 from grpo_stream.common.rollouts.buffer import COUNTERS, REFUSALS, RUN_FILE, keys
 from grpo_stream.common.rollouts.kept_results import RELEASED_FIELD
 from grpo_stream.common.config.access import REDIS_PASSWORD_ENV
+from grpo_stream.trainer_service.reports.files import to_json, write_atomic
 
 
 def build_audit(client: redis.Redis, run_name: str, prefix: str = "grpo-stream") -> dict:
@@ -175,7 +176,7 @@ def run_audit(run_dir: pathlib.Path, redis_url: str | None, group: str | None, j
             server.stop()
             lock.release()
     path = json_path or run_dir / "audit.json"
-    path.write_text(json.dumps(report, indent=2))
+    write_atomic(path, to_json(report, indent=2))  # whole or not at all (trainer_service/reports/files.py)
     d = report["groups_dropped"]
     print(f"run {run_name}: {report['groups_accepted']} groups accepted = {report['groups_trained']} trained + "
           f"{sum(d.values())} dropped (stale {d['dropped_stale']}, invalid {d['dropped_invalid']}, zero-variance "

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import json
 import pathlib
+import sys
+
+from grpo_stream.trainer_service.reports.files import to_json, write_atomic
 
 # plot name -> (title, series). Every series is plotted only if it moves; one that is constant over the run is
 # listed in report.md with its value and, where CONSTANT_BECAUSE knows, why (and the plots.json index says so).
@@ -81,6 +84,13 @@ def why_constant(key: str) -> str | None:
                  if pattern.endswith("*") and key.startswith(pattern[:-1])), None)
 
 
+def since_start(summary: dict) -> str:
+    """A label for the figures a resumed trainer counts from its own start only (summary.json
+    `figures_since_this_start`): after a resume they are not the whole run's."""
+    resumed = summary.get("resumed_from")
+    return f" (since the resume at step {resumed.get('step', '?')})" if isinstance(resumed, dict) else ""
+
+
 def _fmt(value) -> str:
     """Numbers people read: 3 decimals for fractions, fewer digits for large values, ints as ints."""
     if isinstance(value, bool) or value is None:
@@ -92,22 +102,46 @@ def _fmt(value) -> str:
     return str(value)
 
 
-def load_rows(run_dir: pathlib.Path) -> list[dict]:
+def read_metrics(path: pathlib.Path) -> list[dict]:
+    """Every row of a metrics JSONL file. A line that is not a JSON object is skipped with a warning naming it: a
+    kill mid-write leaves a torn last line, and a resumed trainer appends its rows after it."""
+    rows = []
+    for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as exc:
+            row, why = None, f"not JSON ({exc})"
+        else:
+            why = "not a JSON object with a step"
+        if not (isinstance(row, dict) and "step" in row):
+            print(f"grpo-stream report: warning: {path}:{number}: {why} (a line torn by a kill mid-write?); "
+                  "skipped", file=sys.stderr)
+            continue
+        rows.append(row)
+    return rows
+
+
+def load_rows(run_dir: pathlib.Path, rows: list[dict] | None = None) -> list[dict]:
+    """The RL steps' rows (`rows`: metrics-trainer.jsonl's, read here when not given)."""
     path = run_dir / "metrics-trainer.jsonl"
-    if not path.exists():
-        raise FileNotFoundError(f"{path} not found: RUN_DIR must be a directory written by `grpo-stream up` or "
-                                "`grpo-stream trainer --run-dir`")
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if rows is None:
+        if not path.exists():
+            raise FileNotFoundError(f"{path} not found: RUN_DIR must be a directory written by `grpo-stream up` or "
+                                    "`grpo-stream trainer --run-dir`")
+        rows = read_metrics(path)
     # one row per step in step order: a resumed trainer logs again the steps after its checkpoint (the later wins)
     by_step = {r["step"]: r for r in rows if "train/loss" in r}
     return [by_step[s] for s in sorted(by_step)]
 
 
-def load_eval_rows(run_dir: pathlib.Path) -> list[dict]:
+def load_eval_rows(run_dir: pathlib.Path, rows: list[dict] | None = None) -> list[dict]:
     """The held-out evaluations logged (eval/*), one per step in step order: a resumed run that evaluated a step
     again (its replayed steps) keeps the later row."""
     path = run_dir / "metrics-trainer.jsonl"
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    if rows is None:
+        rows = read_metrics(path) if path.exists() else []
     by_step = {r["step"]: r for r in rows if "eval/accuracy" in r}
     return [by_step[s] for s in sorted(by_step)]
 
@@ -176,7 +210,9 @@ def make_report(run_dir: pathlib.Path) -> pathlib.Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
-    rows = load_rows(run_dir)
+    metrics = run_dir / "metrics-trainer.jsonl"
+    logged = read_metrics(metrics) if metrics.exists() else None
+    rows = load_rows(run_dir, logged)
     if not rows:
         raise ValueError(f"{run_dir}: no RL steps logged yet")
     out = run_dir / "report"
@@ -211,12 +247,12 @@ def make_report(run_dir: pathlib.Path) -> pathlib.Path:
         images.append(f"{name}.png")
         index[name] = {key: {"points": len(points), "min": min(y for _, y in points), "max": max(y for _, y in points)}
                        for key, points in series.items()}
-    evals = load_eval_rows(run_dir)
+    evals = load_eval_rows(run_dir, logged)
     heldout = _plot_evals(plt, evals, out)
     if heldout:
         images.insert(0, heldout)
         index["heldout"] = {"steps": [r["step"] for r in evals]}
-    (out / "plots.json").write_text(json.dumps({"plots": index, "constant": {
+    write_atomic(out / "plots.json", to_json({"plots": index, "constant": {
         key: {"value": value, "why": why_constant(key)} for key, value in constant.items()}}, indent=2))
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
@@ -236,8 +272,9 @@ def make_report(run_dir: pathlib.Path) -> pathlib.Path:
             f"| trained / dropped stale / filtered / left | {_fmt(summary.get('groups_trained'))} / "
             f"{_fmt(summary.get('groups_dropped_stale'))} / {_fmt(summary.get('groups_dropped_filtered'))} / "
             f"{_fmt(summary.get('groups_left_in_buffer'))} |",
-            f"| weight versions published | {_fmt(summary.get('weight_versions_published'))} |",
-            f"| wall seconds | {_fmt(summary.get('wall_seconds'))} |", ""]
+            f"| weight versions published{since_start(summary)} | "
+            f"{_fmt(summary.get('weight_versions_published'))} |",
+            f"| wall seconds{since_start(summary)} | {_fmt(summary.get('wall_seconds'))} |", ""]
     last = rows[-1]
     lines += [f"Last step ({last['step']}): reward {last['train/reward_mean']:.3f}, "
               f"accuracy {last['train/accuracy']:.3f}, staleness {last['train/staleness_mean']:.2f}.", ""]
@@ -248,5 +285,5 @@ def make_report(run_dir: pathlib.Path) -> pathlib.Path:
         lines += [f"- {key.removeprefix('train/')} = {_fmt(value)}" + (f": {why_constant(key)}"
                                                                       if why_constant(key) else "")
                   for key, value in constant.items()]
-    (out / "report.md").write_text("\n".join(lines) + "\n")
+    write_atomic(out / "report.md", "\n".join(lines) + "\n")
     return out

@@ -38,6 +38,7 @@ from grpo_stream.plan.device_plan import (DeviceLayoutError, DevicePlan, detect_
 from grpo_stream.common.runtime.errors import EXIT_FAILURE, EXIT_PERMANENT, EXIT_USAGE
 from grpo_stream.up.run_lock import RunLock
 from grpo_stream.up.supervise import Outcome, Watch
+from grpo_stream.trainer_service.reports.files import write_atomic
 from grpo_stream.trainer_service.control_messages import SECRET_ENV, SECRET_FILE_ENV, new_secret
 from grpo_stream.up.guard import STOP_SIGNALS, child_popen, lock_run_dir, redis_popen
 from grpo_stream.up.processes import TRAINER_ROLES, ProcessSpec, plan_processes, process_envs, run_overrides
@@ -294,8 +295,9 @@ def _prepare(cfg: RunConfig, config_path: pathlib.Path | None, overrides: list[s
                                    trainer_port, ingest_port)
     server_env, sampler_env, client_token = with_run_tokens(cfg, run_dir, {**os.environ, "PYTHONUNBUFFERED": "1"})
     server_env, sampler_env = with_redis_password(server_env, sampler_env, redis_server)
-    (run_dir / ENDPOINTS_FILE).write_text(json.dumps({"prompts": prompts, "tls": cfg.tls.enabled,
-                                                      "client_token_file": client_token}))
+    # whole or not at all: a client reading it as `up` writes it must not read half of it
+    write_atomic(run_dir / ENDPOINTS_FILE, json.dumps({"prompts": prompts, "tls": cfg.tls.enabled,
+                                                       "client_token_file": client_token}))
     # the resolved config every process runs (file, overrides and what `up` added), and how it was asked for
     (run_dir / "config.yaml").write_text(f"# resolved by `grpo-stream up` from --config {config_path} with overrides "
                                          f"{every}\n" + to_yaml(load_config(config_path, every)))

@@ -1,7 +1,6 @@
 """PromptService and ClaimPrompts on a real gRPC server with a real Redis: submit, claim in priority order and
 shared across samplers, answer, follow, cancel, quotas, validation messages, status."""
 
-import argparse
 import json
 import re
 import threading
@@ -277,7 +276,7 @@ def test_status_reports_trainer_samplers_buffer_and_queue(stack):
 
 def test_the_status_command_says_how_old_the_status_is(stack, tmp_path, capsys):
     """The status key outlives the trainer: without its age a dead trainer's last step read as the run's now."""
-    from grpo_stream.client.submit import run
+    from grpo_stream.cli import main
 
     client, _ = clients(stack)
     stack.publisher.samplers.record("sampler-0", 0, throughput=(2.5, 40.0))
@@ -285,9 +284,7 @@ def test_the_status_command_says_how_old_the_status_is(stack, tmp_path, capsys):
     writer.write()
     token = tmp_path / "client.token"
     token.write_text(stack.token("client"))
-    args = argparse.Namespace(command="status", config=None, overrides=[], run_dir=None, address=stack.address,
-                              token_file=str(token), wait=30.0)
-    assert run(args) == 0
+    assert main(["status", "--address", stack.address, "--token-file", str(token)]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert 0 <= printed["trainer_status_age_s"] < 5 and 0 <= printed["samplers"][0]["last_seen_s_ago"] < 5
 
@@ -327,19 +324,18 @@ def test_messages_over_the_size_limit_are_refused_and_the_server_stays_up(stack)
 def test_a_submit_that_fails_part_way_prints_the_ids_it_queued_and_the_line_to_resume_from(stack, tmp_path, capsys):
     """`grpo-stream submit` sends a file in calls of --batch prompts: when a later call fails, the prompts of the
     calls before are queued, so their ids are printed (a rerun of the whole file would queue them twice)."""
-    from grpo_stream.client.submit import run
+    from grpo_stream.cli import main
 
     path = tmp_path / "prompts.jsonl"
     path.write_text('{"text": "Q: 1 + 1 A:"}\n\n{"text": "Q: 2 + 2 A:"}\n{"text": "Q: 3 + 3 A:", "priority": 50}\n')
     token = tmp_path / "client.token"
     token.write_text(stack.token("client"))
-    args = argparse.Namespace(command="submit", file=path, batch=2, follow=False, config=None, overrides=[],
-                              run_dir=None, address=stack.address, token_file=str(token), wait=30.0)
-    assert run(args) == 1
+    # a refused prompt is input the command cannot use: exit 2 (the CLI's policy, grpo_stream/cli.py)
+    assert main(["submit", str(path), "--batch", "2", "--address", stack.address, "--token-file", str(token)]) == 2
     out, err = capsys.readouterr()
     printed = json.loads(out)
     assert len(printed["prompt_ids"]) == 2 and not printed["complete"] and printed["failed_from_line"] == 4
-    assert "the 2 prompts before line 4" in err and "prompts[0].priority: 50 outside 0..9" in err
+    assert "the 2 prompts before line 4" in err and f"{path}:4: priority: 50 outside 0..9" in err
     client, _ = clients(stack)
     assert sorted(client.cancel(printed["prompt_ids"]).cancelled) == sorted(printed["prompt_ids"])  # they were queued
 

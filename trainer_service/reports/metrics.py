@@ -18,6 +18,7 @@ import numpy as np
 
 from grpo_stream.common.config.redact import redacted
 from grpo_stream.common.config.schema import RunConfig
+from grpo_stream.trainer_service.reports.files import to_json
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +97,8 @@ class JsonlTracker(Tracker):
     def scalars(self, step: int, values: dict[str, float], prefix: str = "", jsonl: bool = True) -> None:
         if jsonl:
             clean = {f"{prefix}{k}": float(v) for k, v in values.items()}
-            self._file.write(json.dumps({"step": step, "time": time.time(), **clean}) + "\n")
+            # a NaN or infinite figure is written as null: bare NaN is no JSON (reports/files.py)
+            self._file.write(to_json({"step": step, "time": time.time(), **clean}) + "\n")
 
     def close(self, failed: bool = False) -> None:
         self._file.close()

@@ -3,7 +3,6 @@ and summary.json."""
 
 from __future__ import annotations
 
-import json
 import logging
 import pathlib
 import time
@@ -14,6 +13,7 @@ from grpo_stream.common.config.schema import RunConfig
 from grpo_stream.common.episodes.evaluation import evaluate_run
 from grpo_stream.common.runtime.device_memory import device_memory, host_memory
 from grpo_stream.common.tasks.rewards import scored_by
+from grpo_stream.trainer_service.reports.files import to_json, write_atomic
 from grpo_stream.trainer_service.reports.in_run_eval import curve_row
 
 log = logging.getLogger(__name__)
@@ -45,6 +45,12 @@ def eval_curve(carried: dict, eval_after: dict | None, steps: int) -> list[dict]
     rows = [curve_row(0, "before", carried["eval_before"])] if carried.get("eval_before") else []
     rows += [during[s] for s in sorted(during)]
     return rows + ([curve_row(steps, "after", eval_after)] if eval_after else [])
+
+
+# summary.json's figures a resumed trainer counts from its own start only (docs/operations.md, "Outputs")
+SINCE_THIS_START = ("checkpoints_saved", "groups_generated", "generation_wasted_fraction", "weight_versions_published",
+                    "weight_versions", "weight_publish_seconds_mean", "trainer_tokens", "device_memory",
+                    "host_memory", "logprob_agreement_lag0", "rl_seconds", "wall_seconds")
 
 
 def wasted_fraction(generated: int, trained: int) -> float | None:
@@ -122,7 +128,10 @@ def write_summary(path: pathlib.Path, cfg: RunConfig, *, steps: int, counters: d
         "eval_errors": carried.get("eval_errors", 0),  # evaluations during RL that raised (logged; the run went on)
         "rl_seconds": round(rl_seconds, 2),
         "wall_seconds": round(time.time() - started, 2),
+        # which figures count since this trainer process started (at `resumed_from` when set), not the whole run:
+        # carrying them through checkpoints would make every checkpoint format change a migration
+        "figures_since_this_start": list(SINCE_THIS_START),
     }
-    path.write_text(json.dumps(summary, indent=2))
+    write_atomic(path, to_json(summary, indent=2))  # whole or not at all; NaN as null (files.py)
     log.info("summary written to %s", path)
     return summary

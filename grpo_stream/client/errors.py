@@ -1,0 +1,48 @@
+"""What the client commands say when the PromptService answers with an error, worded by its status code.
+
+The CLI's exit-code policy (grpo_stream/cli.py) reads the exception type: a ValueError is input the command cannot
+use (exit 2: a refused prompt, an unknown id, a token that may not do this), anything else a runtime failure that a
+retry may fix (exit 1: a full queue, a server down). The gRPC error stays chained (`raise ... from`) in the
+traceback file.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import re
+
+import grpc
+
+# the server refused the request itself: the same request is refused again (exit 2)
+INPUT_CODES = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
+                         grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED})
+# answered with a refusal of the whole call (a Submit is all or nothing): nothing of it was done
+REFUSAL_CODES = INPUT_CODES | {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.FAILED_PRECONDITION}
+
+
+def is_refusal(exc: BaseException) -> bool:
+    return isinstance(exc, grpc.RpcError) and exc.code() in REFUSAL_CODES
+
+
+def at_lines(details: str, chunk: list[tuple[int, object]], path: pathlib.Path) -> str:
+    """The server's `prompts[i]` (the index in one Submit call) as FILE:LINE, the line the user edits: blank lines
+    and earlier calls make the two differ."""
+    def line(match: re.Match) -> str:
+        i = int(match[1])
+        return f"{path}:{chunk[i][0]}: " if i < len(chunk) else match[0]
+    return re.sub(r"prompts\[(\d+)\]\.?", line, details)
+
+
+def explain(exc: grpc.RpcError, address: str, where=lambda details: details) -> Exception:
+    """The error to raise for `exc` from the server at `address`; `where` rewrites the server's details (at_lines)."""
+    code, details = exc.code(), where(exc.details() or "")
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return RuntimeError(f"{code.name}: the run's prompt queue or this client's quota of unfinished prompts is "
+                            f"full ({details}); retry later, or wait for (or cancel) your unfinished prompts")
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        return RuntimeError(f"{code.name}: no answer from {address} ({details}): is a run listening there? Check "
+                            "--address or --run-dir (`grpo-stream up` writes RUN_DIR/endpoints.json), or give a "
+                            "service still starting more --wait")
+    if code in INPUT_CODES:
+        return ValueError(f"{code.name}: {details}")
+    return RuntimeError(f"{code.name}: {details}")

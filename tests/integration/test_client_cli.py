@@ -1,0 +1,169 @@
+"""`grpo-stream submit / status / results / cancel` as a user runs them (grpo_stream.cli.main, or a real process for
+Ctrl-C) against a real PromptService and Redis: partial submits, refusals named by file line, exit codes by status
+code, following across a server restart."""
+
+import json
+import pathlib
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from grpo_stream.cli import main
+from grpo_stream.client.prompts import PromptClient
+from grpo_stream.common.rpc.grpc_util import ClientSecurity
+from grpo_stream.common.rollouts.wire import to_proto
+from grpo_stream.protos import rollout_pb2, rollout_pb2_grpc
+from grpo_stream.trainer_service.ingest.server import ingest_servicers
+from grpo_stream.trainer_service.server import TrainerServer
+from tests.support import answer, serve, with_run_name
+
+pytestmark = pytest.mark.redis
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def stack(tiny_parts, shared_redis, run_name, tmp_path):
+    cfg, task, tokenizer, _ = tiny_parts
+    cfg = cfg.model_copy(update={"prompts": cfg.prompts.model_copy(update={"max_pending_per_client": 20})})
+    with serve(with_run_name(cfg, run_name), shared_redis.url, tmp_path / "auth", task, tokenizer) as s:
+        (tmp_path / "client.token").write_text(s.token("client"))
+        yield s
+
+
+def cli(stack, tmp_path, *argv) -> int:
+    return main([*argv, "--address", stack.address, "--token-file", str(tmp_path / "client.token")])
+
+
+def prompts_file(tmp_path, lines: list[str]) -> pathlib.Path:
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def answer_all(stack, n: int) -> None:
+    ingest = rollout_pb2_grpc.RolloutIngestStub(stack.channel("sampler"))
+    claim = rollout_pb2.ClaimRequest(sampler_id="sampler-0", max_prompts=n)
+    for prompt in ingest.ClaimPrompts(claim, wait_for_ready=True, timeout=30).prompts:  # a server restarting
+        assert ingest.PushGroup(to_proto(answer(prompt, stack.cfg.run.name)), wait_for_ready=True, timeout=30).code == 0
+
+
+def test_ctrl_c_during_submit_prints_the_ids_of_the_prompts_already_queued(stack, tmp_path):
+    """The third call waits for quota (20 unfinished per client): Ctrl-C there left 20 prompts queued and printed no
+    id, so neither a rerun (queues them twice) nor a cancel was possible."""
+    path = prompts_file(tmp_path, [json.dumps({"text": f"Q: {i} + 1 A:", "tags": ["sig"]}) for i in range(25)])
+    proc = subprocess.Popen([sys.executable, "-m", "grpo_stream", "submit", str(path), "--batch", "10", "--address",
+                             stack.address, "--token-file", str(tmp_path / "client.token")], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    queue = stack.server.ingest.injection.queue
+    deadline = time.monotonic() + 60
+    while len(queue.tagged("sig")) < 20 and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    time.sleep(0.3)  # into the retry wait of the third call
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130, err
+    printed = json.loads(out.splitlines()[-1])
+    assert sorted(printed["prompt_ids"]) == sorted(queue.tagged("sig")) and len(printed["prompt_ids"]) == 20
+    assert printed["failed_from_line"] == 21 and printed["complete"] is False
+    assert "resubmit from line 21 on" in err
+
+
+def test_print_config_on_a_client_command_prints_the_config_and_connects_to_nothing(tmp_path, capsys):
+    path = prompts_file(tmp_path, ['{"text": "Q: 1 + 1 A:"}'])
+    assert main(["submit", str(path), "--address", "127.0.0.1:1", "--print-config", "tls.server_name=x"]) == 0
+    out = capsys.readouterr().out
+    assert "run:" in out and "server_name: x" in out
+    assert main(["status", "--address", "127.0.0.1:1", "--print-config"]) == 0
+    with pytest.raises(SystemExit) as exit_:  # -v would log nothing here: not offered rather than ignored
+        main(["submit", str(path), "--address", "127.0.0.1:1", "-v"])
+    assert exit_.value.code == 2
+
+
+def test_a_refused_prompt_is_named_by_its_line_in_the_file_and_exits_2(stack, tmp_path, capsys):
+    """With a blank line inside the call, the server's prompts[1] is line 3, not "line 1 + 1"."""
+    path = prompts_file(tmp_path, ['{"text": "Q: 1 + 1 A:"}', "", '{"text": "Q: 3 + 3 A:", "priority": 50}'])
+    assert cli(stack, tmp_path, "submit", str(path), "--batch", "2") == 2
+    out, err = capsys.readouterr()
+    assert json.loads(out) == {"prompt_ids": [], "complete": False, "failed_from_line": 1}
+    assert f"INVALID_ARGUMENT: {path}:3: priority: 50 outside 0..9" in err and "prompts[" not in err
+    assert "was refused: none of its prompts is queued" in err
+
+
+@pytest.mark.parametrize("batch", ["0", "-1"])
+def test_a_batch_below_1_is_refused_naming_the_option(batch, tmp_path, capsys):
+    path = prompts_file(tmp_path, ['{"text": "Q: 1 + 1 A:"}'])
+    with pytest.raises(SystemExit) as exit_:
+        main(["submit", str(path), f"--batch={batch}", "--address", "127.0.0.1:1"])
+    assert exit_.value.code == 2
+    assert f"argument --batch: must be at least 1, got {batch}" in capsys.readouterr().err
+
+
+def test_a_full_quota_and_a_dead_server_are_worded_as_such_not_as_bad_input(stack, tmp_path, capsys, monkeypatch):
+    path = prompts_file(tmp_path, [json.dumps({"text": f"Q: {i} + 1 A:"}) for i in range(21)])
+    monkeypatch.setattr(PromptClient.submit, "__defaults__", (0.0,))  # no retrying of a full quota
+    assert cli(stack, tmp_path, "submit", str(path), "--batch", "20") == 1
+    err = capsys.readouterr().err
+    assert "RESOURCE_EXHAUSTED: the run's prompt queue or this client's quota" in err and "retry later" in err
+    assert main(["status", "--address", "127.0.0.1:9", "--wait", "0.5", "--token-file",
+                 str(tmp_path / "client.token")]) == 1
+    err = capsys.readouterr().err
+    assert "no answer from 127.0.0.1:9" in err and "is a run listening there?" in err
+
+
+def test_unknown_or_foreign_ids_exit_2(stack, tmp_path, capsys):
+    assert cli(stack, tmp_path, "results", "no-such-id") == 2
+    assert "NOT_FOUND" in capsys.readouterr().err
+
+
+def test_follow_resumes_across_a_server_restart_and_prints_each_result_once(stack, tiny_parts, tmp_path, capsys):
+    """A trainer restarted by `up` ended every follower; now the stream is called again for what is unanswered."""
+    _, task, tokenizer, _ = tiny_parts
+    path = prompts_file(tmp_path, ['{"text": "Q: 1 + 1 A:"}', '{"text": "Q: 2 + 2 A:"}'])
+    codes = []
+    follower = threading.Thread(target=lambda: codes.append(cli(stack, tmp_path, "submit", str(path), "--follow")))
+    follower.start()
+    queue = stack.server.ingest.injection.queue
+    while sum(queue.counts()) < 2:
+        time.sleep(0.05)
+    answer_all(stack, 1)  # one answered before the restart, one after
+    time.sleep(1.0)
+    port = int(stack.address.rsplit(":", 1)[1])
+    stack.server.stop(0)
+    ingest, prompts = ingest_servicers(stack.cfg, stack.buffer, task, tokenizer, stack.server.security)
+    again = TrainerServer(ingest, stack.publisher, "127.0.0.1", port, security=stack.server.security, prompts=prompts)
+    time.sleep(1.0)
+    again.start()
+    try:
+        stack.server = again
+        answer_all(stack, 1)
+        follower.join(30)
+    finally:
+        again.stop(0)
+    out, err = capsys.readouterr()
+    lines = [json.loads(line) for line in out.splitlines()]
+    assert codes == [0], err
+    assert sorted(r["prompt_id"] for r in lines[1:]) == sorted(lines[0]["prompt_ids"])  # each once
+    assert "following again" in err
+
+
+def test_results_and_cancel_commands(stack, tmp_path, capsys):
+    client = PromptClient(stack.address, ClientSecurity(stack.token("client")))
+    a, b = client.submit([{"text": "Q: 1 + 1 A:", "tags": ["t"]}, {"text": "Q: 2 + 2 A:"}])
+    assert cli(stack, tmp_path, "cancel", b) == 0
+    assert json.loads(capsys.readouterr().out) == {"cancelled": [b], "finished": []}
+    answer_all(stack, 1)
+    assert cli(stack, tmp_path, "results", a, b) == 0
+    states = {r["prompt_id"]: r["state"] for r in map(json.loads, capsys.readouterr().out.splitlines())}
+    assert states == {a: "done", b: "cancelled"}
+    assert cli(stack, tmp_path, "results", "--tag", "t") == 0
+    assert [json.loads(line)["prompt_id"] for line in capsys.readouterr().out.splitlines()] == [a]
+
+
+def test_a_tls_run_dir_without_its_config_is_refused_naming_config(tmp_path, capsys):
+    (tmp_path / "endpoints.json").write_text(json.dumps({"prompts": "127.0.0.1:1", "tls": True}))
+    assert main(["status", "--run-dir", str(tmp_path)]) == 2
+    assert f"give --config {tmp_path / 'config.yaml'}" in capsys.readouterr().err

@@ -1,0 +1,51 @@
+"""How the run's JSON and report files are written: strict JSON, whole or not at all.
+
+- `to_json`: a float that is not finite (a NaN loss, an infinite ratio) is written as null. Python's json writes
+  bare NaN / Infinity, which no strict JSON reader (jq, JavaScript, Go, pandas with the standard parser) accepts;
+  allow_nan=False makes any value missed here an error instead of an invalid file.
+- `write_atomic`: the text goes to a temporary file in the same directory, then os.replace puts it in place, so a
+  reader (or a kill mid-write) never sees half a file. The trainer's summary.json, `report`'s files, `audit`'s
+  report and `up`'s endpoints.json and summary.json all use it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+import tempfile
+
+
+_UMASK = os.umask(0o022)  # read once, at import (os.umask can only be read by setting it)
+os.umask(_UMASK)
+
+
+def finite(value):
+    """`value` with every non-finite float (also inside dicts, lists and tuples) replaced by None."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite(v) for v in value]
+    return value
+
+
+def to_json(value, **kwargs) -> str:
+    """json.dumps of `value` with non-finite floats as null (module doc); numpy floats are floats already."""
+    return json.dumps(finite(value), allow_nan=False, **kwargs)
+
+
+def write_atomic(path: pathlib.Path, text: str) -> None:
+    """Write `text` to `path` whole (module doc); the temporary file is removed when writing fails."""
+    path = pathlib.Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        os.fchmod(fd, 0o666 & ~_UMASK)  # as open() would make it: mkstemp's 0600 would hide it from other readers
+        with os.fdopen(fd, "w") as file:
+            file.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        pathlib.Path(tmp).unlink(missing_ok=True)
+        raise
