@@ -148,6 +148,31 @@ async def _unless_client_leaves(request: Request, work) -> Any:
     raise ClientLeft
 
 
+async def _answer(request: Request, route: str, work, timeout_s: float) -> JSONResponse:
+    """The handler's answer, or its error in OpenAI's shape; nothing when the client leaves first (its work is
+    cancelled, its sequences withdrawn)."""
+    try:
+        return JSONResponse(await _unless_client_leaves(request, work))
+    except ClientLeft:
+        log.info("endpoint: %s left before its answer to %s; its sequences were withdrawn", _peer(request), route)
+        return _error(400, "the client left before its answer")
+    except RequestError as exc:
+        return _error(400, str(exc), param=str(exc).split(":", 1)[0].split("=", 1)[0])
+    except QueueFull as exc:
+        return _error(429, f"{exc}; retry later", "rate_limit_error", headers={"Retry-After": "1"})
+    except asyncio.TimeoutError:
+        return _error(504, f"not answered within sampler.openai.request_timeout_s={timeout_s}",
+                      "timeout_error")
+    except Unavailable as exc:
+        return _error(503, str(exc), "server_error")
+    except RecursionError:  # a part of the body nested deeper than a step of handling it goes
+        return _error(400, "the body's JSON nests too deep")
+    except Exception as exc:  # noqa: BLE001 - our fault, not the client's: an answer in OpenAI's shape, one line
+        log.error("endpoint: %s from %s failed: %s: %s", route, _peer(request), type(exc).__name__,
+                  str(exc)[:300])
+        return _error(500, "the endpoint failed on this request (the sampler's log says why)", "server_error")
+
+
 def build_app(core: EndpointCore, table: TokenTable | None, settings, internal_token: str | None,
               open_access: bool = False) -> FastAPI:
     """The routes. `table`: the tokens callers present (None: no caller but the process itself); `internal_token`:
@@ -205,31 +230,7 @@ def build_app(core: EndpointCore, table: TokenTable | None, settings, internal_t
                 return _error(400, "the body's JSON nests too deep")
             except ValueError as exc:  # not JSON
                 return _error(400, str(exc))
-            return await _answer(request, route, handler(parsed, caller.name))
-
-    async def _answer(request: Request, route: str, work) -> JSONResponse:
-        """The handler's answer, or its error in OpenAI's shape; nothing when the client leaves first (its work is
-        cancelled, its sequences withdrawn)."""
-        try:
-            return JSONResponse(await _unless_client_leaves(request, work))
-        except ClientLeft:
-            log.info("endpoint: %s left before its answer to %s; its sequences were withdrawn", _peer(request), route)
-            return _error(400, "the client left before its answer")
-        except RequestError as exc:
-            return _error(400, str(exc), param=str(exc).split(":", 1)[0].split("=", 1)[0])
-        except QueueFull as exc:
-            return _error(429, f"{exc}; retry later", "rate_limit_error", headers={"Retry-After": "1"})
-        except asyncio.TimeoutError:
-            return _error(504, f"not answered within sampler.openai.request_timeout_s={core.timeout_s}",
-                          "timeout_error")
-        except Unavailable as exc:
-            return _error(503, str(exc), "server_error")
-        except RecursionError:  # a part of the body nested deeper than a step of handling it goes
-            return _error(400, "the body's JSON nests too deep")
-        except Exception as exc:  # noqa: BLE001 - our fault, not the client's: an answer in OpenAI's shape, one line
-            log.error("endpoint: %s from %s failed: %s: %s", route, _peer(request), type(exc).__name__,
-                      str(exc)[:300])
-            return _error(500, "the endpoint failed on this request (the sampler's log says why)", "server_error")
+            return await _answer(request, route, handler(parsed, caller.name), core.timeout_s)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):

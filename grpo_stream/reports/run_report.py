@@ -204,6 +204,28 @@ def _smooth(values, window: int = 20) -> list[float]:
     return out
 
 
+def summary_table(summary: dict) -> list[str]:
+    """The report's table of the run's figures from summary.json (none without one)."""
+    if not summary:
+        return []
+    before = (summary.get("eval_before") or {}).get("accuracy")
+    after = (summary.get("eval_after") or {}).get("accuracy")
+    pass1_before = ((summary.get("eval_before") or {}).get("pass_at_k") or {}).get("1")  # with eval.samples
+    pass1_after = ((summary.get("eval_after") or {}).get("pass_at_k") or {}).get("1")
+    return [
+        "| figure | value |", "|---|---|",
+        f"| RL steps | {_fmt(summary.get('steps'))} |",
+        f"| held-out greedy accuracy before → after | {_fmt(before)} → {_fmt(after)} |",
+        *([f"| held-out sampled pass@1 before → after | {_fmt(pass1_before)} → {_fmt(pass1_after)} |"]
+          if pass1_before is not None else []),
+        f"| groups ingested | {_fmt(summary.get('groups_ingested'))} |",
+        f"| trained / dropped stale / filtered / left | {_fmt(summary.get('groups_trained'))} / "
+        f"{_fmt(summary.get('groups_dropped_stale'))} / {_fmt(summary.get('groups_dropped_filtered'))} / "
+        f"{_fmt(summary.get('groups_left_in_buffer'))} |",
+        f"| weight versions published{since_start(summary)} | {_fmt(summary.get('weight_versions_published'))} |",
+        f"| wall seconds{since_start(summary)} | {_fmt(summary.get('wall_seconds'))} |", ""]
+
+
 def make_report(run_dir: pathlib.Path) -> pathlib.Path:
     import matplotlib  # noqa: PLC0415 - only this command needs it
 
@@ -256,25 +278,7 @@ def make_report(run_dir: pathlib.Path) -> pathlib.Path:
         key: {"value": value, "why": why_constant(key)} for key, value in constant.items()}}, indent=2))
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
-    lines = [f"# Run report: {summary.get('run', run_dir.name)}", ""]
-    if summary:
-        before = (summary.get("eval_before") or {}).get("accuracy")
-        after = (summary.get("eval_after") or {}).get("accuracy")
-        pass1_before = ((summary.get("eval_before") or {}).get("pass_at_k") or {}).get("1")  # with eval.samples
-        pass1_after = ((summary.get("eval_after") or {}).get("pass_at_k") or {}).get("1")
-        lines += [
-            "| figure | value |", "|---|---|",
-            f"| RL steps | {_fmt(summary.get('steps'))} |",
-            f"| held-out greedy accuracy before → after | {_fmt(before)} → {_fmt(after)} |",
-            *([f"| held-out sampled pass@1 before → after | {_fmt(pass1_before)} → {_fmt(pass1_after)} |"]
-              if pass1_before is not None else []),
-            f"| groups ingested | {_fmt(summary.get('groups_ingested'))} |",
-            f"| trained / dropped stale / filtered / left | {_fmt(summary.get('groups_trained'))} / "
-            f"{_fmt(summary.get('groups_dropped_stale'))} / {_fmt(summary.get('groups_dropped_filtered'))} / "
-            f"{_fmt(summary.get('groups_left_in_buffer'))} |",
-            f"| weight versions published{since_start(summary)} | "
-            f"{_fmt(summary.get('weight_versions_published'))} |",
-            f"| wall seconds{since_start(summary)} | {_fmt(summary.get('wall_seconds'))} |", ""]
+    lines = [f"# Run report: {summary.get('run', run_dir.name)}", "", *summary_table(summary)]
     last = rows[-1]
     lines += [f"Last step ({last['step']}): reward {last['train/reward_mean']:.3f}, "
               f"accuracy {last['train/accuracy']:.3f}, staleness {last['train/staleness_mean']:.2f}.", ""]

@@ -244,7 +244,7 @@ def serve_a_sampler(stack, position: int) -> None:
 
 @pytest.mark.parametrize("hostile_calls", HALF_SENT)
 def test_a_sampler_is_served_while_hundreds_of_calls_hang_half_sent(per_sampler_stack, hostile_calls):
-    from grpo_stream.common.rpc.call_guard import kind_of  # noqa: PLC0415
+    from grpo_stream.common.rpc.call_guard import CallLimits, kind_of  # noqa: PLC0415
     from tests.half_sent import HalfSentCalls, PartialBodies  # noqa: PLC0415
 
     stack = per_sampler_stack
@@ -260,12 +260,13 @@ def test_a_sampler_is_served_while_hundreds_of_calls_hang_half_sent(per_sampler_
         assert len(calls.calls) >= hostile_calls
         serve_a_sampler(stack, 1)  # while the calls arrive
         # every call without a token or with the wrong role refused; of the others, each caller's share of each
-        # kind held (rpc.calls_per_caller), the rest refused
+        # kind held (rpc.calls_per_caller, at most half the kind), the rest refused
         attempts = {("sampler-1", "sampler"): 40}  # the partial requests with a token
         for what, path, key, *_ in (HOSTILE[i % len(HOSTILE)] for i in range(hostile_calls)):
             if key is not None and what != "client token, sampler RPC":
                 attempts[key, kind_of(path)] = attempts.get((key, kind_of(path)), 0) + 1
-        expected_held = sum(min(n, stack.cfg.rpc.calls_per_caller) for n in attempts.values())
+        limits = CallLimits.from_config(stack.cfg)  # a caller's share: calls_per_caller, at most half its kind
+        expected_held = sum(min(n, limits.caller_share(kind)) for (_, kind), n in attempts.items())
 
         def settled():
             held = calls.outcomes()
