@@ -152,8 +152,7 @@ class GroupSink:
         # the tokens the model sampled: an environment's observation tokens between turns were not generated
         tokens = int(sum(c.model_tokens().sum() for c in group.completions))
         message = to_proto(group)
-        tagged = {"epoch": work.epoch} if work.epoch else {}  # (a client without epochs, bench's, is called as before)
-        while not self.client.put(message, timeout_s=PUT_WAIT_S, **tagged):
+        while not self.client.put(message, timeout_s=PUT_WAIT_S, epoch=work.epoch):
             if self.abandon():
                 return
         self.groups_sent += 1

@@ -19,6 +19,7 @@ from grpo_stream.common.config.schema import RunConfig
 from grpo_stream.common.runtime.errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_PERMANENT
 from grpo_stream.up.supervise import Outcome
 from grpo_stream.common.tasks.rewards import scored_by
+from grpo_stream.trainer_service.reports.files import to_json, write_atomic
 from grpo_stream.trainer_service.reports.run_outputs import wasted_fraction
 
 
@@ -62,9 +63,7 @@ class RunSummary:
         written = end.trainer_code == 0 and self.path.exists()
         if written:
             summary = self.complete(json.loads(self.path.read_text()), end)
-            tmp = self.path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(summary, indent=2))
-            tmp.replace(self.path)
+            write_atomic(self.path, to_json(summary, indent=2))
             print(done_line(summary, self.path), flush=True)
         elif end.outcome.reason == "gave_up":  # the process whose budget ran out, not the trainer up then stopped
             print(f"grpo-stream up: {end.outcome.process} gave up: {end.outcome.message}; see its log in "

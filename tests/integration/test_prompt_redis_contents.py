@@ -13,17 +13,15 @@ import pytest
 from grpo_stream.common.rollouts.wire import CompletionData, GroupData, to_proto
 from grpo_stream.protos import prompts_pb2, prompts_pb2_grpc, rollout_pb2
 from grpo_stream.trainer_service.ingest import prompt_service
-from tests.integration.test_prompt_service import claim, clients
-from tests.support import answer, serve, wait_for, with_run_name
+from tests.integration.test_prompt_service import claim, clients, prompt_stack
+from tests.support import answer, wait_for
 
 pytestmark = pytest.mark.redis
 
 
 @pytest.fixture
 def stack(tiny_parts, shared_redis, run_name, tmp_path):
-    cfg, task, tokenizer, _ = tiny_parts
-    cfg = cfg.model_copy(update={"prompts": cfg.prompts.model_copy(update={"max_followers": 2})})
-    with serve(with_run_name(cfg, run_name), shared_redis.url, tmp_path / "auth", task, tokenizer) as s:
+    with prompt_stack(tiny_parts, shared_redis.url, run_name, tmp_path, max_followers=2) as s:
         yield s
 
 

@@ -20,11 +20,16 @@ from tests.support import FakeClock, answer, serve, with_run_name
 pytestmark = pytest.mark.redis
 
 
+def prompt_stack(tiny_parts, redis_url: str, run_name: str, tmp_path, **prompts):
+    """A served stack whose `prompts` section takes `prompts` (a context manager, as `serve`)."""
+    cfg, task, tokenizer, _ = tiny_parts
+    cfg = cfg.model_copy(update={"prompts": cfg.prompts.model_copy(update=prompts)})
+    return serve(with_run_name(cfg, run_name), redis_url, tmp_path / "auth", task, tokenizer)
+
+
 @pytest.fixture
 def stack(tiny_parts, shared_redis, run_name, tmp_path):
-    cfg, task, tokenizer, _ = tiny_parts
-    cfg = cfg.model_copy(update={"prompts": cfg.prompts.model_copy(update={"max_pending_per_client": 20})})
-    with serve(with_run_name(cfg, run_name), shared_redis.url, tmp_path / "auth", task, tokenizer) as s:
+    with prompt_stack(tiny_parts, shared_redis.url, run_name, tmp_path, max_pending_per_client=20) as s:
         yield s
 
 
