@@ -20,8 +20,9 @@ Every figure reads what the run's rewards read: an episode's final model turn (g
 runs on the trainer's process, so what reads a completion is bounded: accuracy, format rate and pass@k call
 `answer_correct`/`answer_format` through `score_call` (a run's: the reward worker, with task.reward_timeout_s, as a
 sampler's rewards); maj@k's answer extraction runs here, linear in the completion's length (common/tasks/answers.py:
-about 0.03 s for 128k characters, any text). A task's own figures (`task_metrics`) run here, unbounded: IFEval's run
-lm-eval's checks, whose postscript pattern is quadratic on whitespace runs (about 1 s at 16k spaces, 4 s at 32k).
+about 0.03 s for 128k characters, any text). A task's own figures (`task_metrics`) run their checks through
+`score_call` too (IFEval's are lm-eval's, whose postscript pattern is quadratic on whitespace runs: about 1 s at 16k
+spaces, 4 s at 32k, unbounded in-process).
 """
 
 from __future__ import annotations
@@ -119,7 +120,7 @@ def _scores(works: list[GroupWork], made: list[list[EpisodeResult]], tokenizer, 
 def evaluate(engine: GenerationEngine, params: Any, tokenizer, problems: list, batch_size: int, num_examples: int = 3,
              samples: int = 0, ks: Sequence[int] = (), seed: int = 0,
              progress: Callable[[], None] | None = None, rollouts=None, rewards: RewardSet | None = None,
-             turn_weight: float = 0.0, task_metrics: Callable[[list, list[str]], dict[str, float]] | None = None,
+             turn_weight: float = 0.0, task_metrics: Callable[..., dict[str, float]] | None = None,
              score_call=None, reward_weights: dict[str, float] | None = None) -> EvalResult:
     """Greedy pass@1 on `problems` (each has .prompt and .answer); with `samples` > 0 also pass@k and maj@k.
 
@@ -128,7 +129,7 @@ def evaluate(engine: GenerationEngine, params: Any, tokenizer, problems: list, b
     in flight at a time. Problems whose prompt exceeds the engine's max_prompt_tokens are skipped and counted.
     `progress`: called as groups end (a heartbeat); `rewards`: the run's rewards (task.rewards), whose mean over the
     greedy (and sampled) episodes, with `turn_weight` x their turn rewards, is `reward` (`sampled_reward`); a kind
-    that scores its own episodes (a verifiers rubric) gives its own. `task_metrics(problems, greedy completions)`:
+    that scores its own episodes (a verifiers rubric) gives its own. `task_metrics(problems, greedy completions, score_call)`:
     the task's own figures (a task's `eval_metrics`). `score_call`: how each reward runs (RewardSet.score; a run's:
     in a worker with a deadline). `reward_weights`: what `reward` weighs, for the record (default: `rewards`'
     configured weights; {} when the rollouts score their own episodes)."""
@@ -157,7 +158,7 @@ def evaluate(engine: GenerationEngine, params: Any, tokenizer, problems: list, b
                         seconds=0.0, examples=examples, samples=samples, skipped_long_prompts=skipped,
                         reward=reward, reward_components=components, failed_episodes=failed,
                         reward_weights=dict(rewards.configured) if reward_weights is None else reward_weights,
-                        task_metrics=task_metrics(problems, greedy) if task_metrics else {})
+                        task_metrics=task_metrics(problems, greedy, score_call) if task_metrics else {})
     if samples:
         bad = [k for k in ks if not 0 < k <= samples]
         if bad:
@@ -218,7 +219,8 @@ def evaluate_run(cfg, engine, params, task, tokenizer, problems: list,
         stack.callback(rollouts.close)
         rewards = RewardSet(cfg.task.rewards)
         # answer_format too: format_rate is scored in the worker whatever the run rewards (answer_correct always is)
-        worker = RewardWorker([*rewards.functions, answer_format.__name__], cfg.task.reward_timeout_s)
+        worker = RewardWorker([*rewards.functions, answer_format.__name__, *getattr(task, "eval_rewards", ())],
+                              cfg.task.reward_timeout_s)
         stack.callback(worker.close)
         return evaluate(engine, params, tokenizer, problems, cfg.eval.batch_size, samples=cfg.eval.samples,
                         ks=cfg.eval.ks, seed=cfg.run.seed, progress=progress, rollouts=rollouts,

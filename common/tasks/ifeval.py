@@ -68,10 +68,12 @@ class IfevalTask(Gsm8kTask):
     """The samplers' shards, held-out and named splits as for GSM8K (Gsm8kTask), of IFEval prompts; `eval_metrics`
     gives `grpo-stream eval` lm-eval's four IFEval figures."""
 
-    def eval_metrics(self, problems: list, completions: list[str]) -> dict[str, float]:
+    eval_rewards = ("ifeval_strict", "ifeval_loose")  # what eval_metrics asks `call` for (the reward worker's names)
+
+    def eval_metrics(self, problems: list, completions: list[str], call=None) -> dict[str, float]:
         """prompt_level_strict_acc, inst_level_strict_acc, prompt_level_loose_acc, inst_level_loose_acc of the
-        completions of `problems`, aggregated as lm-eval does."""
-        return ifeval_checks.metrics([p.answer for p in problems], completions)
+        completions of `problems`, aggregated as lm-eval does; `call`: how each check runs (ifeval_checks.metrics)."""
+        return ifeval_checks.metrics([p.answer for p in problems], completions, call)
 
 
 def renderer(template: str, tokenizer, system: str | None = None):

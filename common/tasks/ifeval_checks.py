@@ -183,13 +183,35 @@ def doc_results(text: str, reference: str) -> dict:
             "prompt_level_loose_acc": all(loose), "inst_level_loose_acc": list(loose)}
 
 
-def metrics(references: list[str], completions: list[str]) -> dict[str, float]:
+def metrics(references: list[str], completions: list[str], call=None) -> dict[str, float]:
     """IFEval's four figures over prompts, aggregated as lm-eval's ifeval.yaml does: the prompt-level ones with
-    `mean`, the instruction-level ones with `agg_inst_level_acc` (over all instructions of all prompts)."""
+    `mean`, the instruction-level ones with `agg_inst_level_acc` (over all instructions of all prompts).
+
+    `call(name, fn, text, reference)`: how each check runs (the reward worker's `call`: lm-eval's checks read the
+    model's text, and one of them is quadratic on whitespace runs, so a run's evaluation bounds them by
+    task.reward_timeout_s; an overrun follows no instruction). The worker answers the share followed (ifeval_strict /
+    ifeval_loose), which with the reference's instruction count gives each prompt's followed count exactly; here
+    (call None) the checks run in this process."""
     utils, _, mean = lm_eval_ifeval()
-    per_doc = [doc_results(text, ref) for text, ref in zip(completions, references, strict=True)]
+    one = doc_results if call is None else functools.partial(_doc_results_through, call)
+    per_doc = [one(text, ref) for text, ref in zip(completions, references, strict=True)]
     return {name: float((mean if name.startswith("prompt") else utils.agg_inst_level_acc)([d[name] for d in per_doc]))
             for name in METRICS}
+
+
+def _doc_results_through(call, text: str, reference: str) -> dict:
+    """doc_results with each check run by `call`: the followed count is the share times the instruction count (which
+    of them were followed does not enter the figures); a reference that is not IFEval's is one instruction, not
+    followed, as doc_results has it."""
+    example = _example(reference)
+    total = len(example.instruction_id_list) if example is not None else 1
+    results = {}
+    for how, fn in (("strict", ifeval_strict), ("loose", ifeval_loose)):
+        share = call(fn.__name__, fn, text, reference) if example is not None else 0.0
+        done = min(max(round(share * total), 0), total)
+        followed_list = [True] * done + [False] * (total - done)
+        results[f"prompt_level_{how}_acc"], results[f"inst_level_{how}_acc"] = all(followed_list), followed_list
+    return results
 
 
 def instructions_problem(instruction_ids: list[str], kwargs: list[dict]) -> str | None:

@@ -130,6 +130,27 @@ def test_the_four_metrics_are_lm_evals_aggregation(rows, problems):
     assert 0 < got["prompt_level_strict_acc"] < got["prompt_level_loose_acc"] < 1
 
 
+def test_the_metrics_through_the_reward_worker_are_the_same_and_bounded_by_its_deadline(problems):
+    """A run's evaluation scores the checks in the reward worker: the same four figures; a completion on which
+    lm-eval's postscript pattern is quadratic (a long whitespace run) follows nothing at the deadline instead of
+    holding the trainer."""
+    from grpo_stream.common.tasks.reward_workers import RewardWorker  # noqa: PLC0415 - this test's subject
+
+    references, texts = [problems[key].answer for key, _, _ in CASES], [text for _, text, _ in CASES]
+    worker = RewardWorker(ifeval.IfevalTask.eval_rewards, deadline_s=30.0)
+    try:
+        assert ifeval_checks.metrics(references, texts, worker.call) == ifeval_checks.metrics(references, texts)
+        postscript = next(key for key, row in problems.items() if "postscript" in row.answer)
+        worker.deadline_s = 0.5
+        start = time.monotonic()
+        slow = "Fine." + " " * 200_000 + "x"  # lm-eval's pattern takes minutes on this in-process
+        got = ifeval_checks.metrics([problems[postscript].answer], [slow], worker.call)
+        assert time.monotonic() - start < 15 and got["inst_level_strict_acc"] == 0.0
+        assert worker.overruns["ifeval_strict"] == 1
+    finally:
+        worker.close()
+
+
 def test_a_check_that_raises_is_an_instruction_not_followed_logged_once(problems, monkeypatch, caplog):
     registry = ifeval_checks.lm_eval_ifeval()[1].INSTRUCTION_DICT
 
