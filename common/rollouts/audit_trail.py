@@ -146,3 +146,29 @@ def read_compacted_fields(client, key: str, damaged: list[str] | None = None) ->
             damaged.append(f"{key} field {name!r} holds {_shown(value)}, not {what}: restore it (HSET {key} {name} "
                            f"...), or HDEL {key} {name} if it was not written by grpo-stream")
     return numbers, holes
+
+
+def group_records(client, k: dict[str, str], group_id: str) -> dict:
+    """What the trail says about one group (`audit --group`): its accepted, settled and evaluation-only records
+    (None when absent), the steps that list it (rolled-back ones included) and `damaged`, as read_trail describes
+    the records it had to leave out."""
+    damaged: list[str] = []
+
+    def one(key: str, parse, what: str):
+        raw = client.hget(k[key], group_id)
+        if raw is None:
+            return None
+        value = parse(text(raw))
+        if value is None:
+            damaged.append(f"{k[key]} field {group_id!r} holds {_shown(raw)}, not {what} (remove it: HDEL {k[key]} "
+                           f"{group_id})")
+        return value
+
+    steps = _records(client, k["audit:steps"], _RECORD_FIELDS["audit:steps"], damaged)
+    return {"accepted": one("audit:accepted", _json_object, "a JSON object"),
+            "evaluation_only": one("audit:eval", _json_object, "a JSON object"),
+            "settled": one("audit:settled", lambda raw: _json_object(raw, ("outcome",)), "a JSON object with an "
+                           "outcome"),
+            "trained_in_steps": [{"epoch": r["epoch"], "step": int(r["step"])} for r in steps
+                                 if group_id in _group_list(r["groups"])],
+            "damaged": damaged}

@@ -32,7 +32,7 @@ import sys
 import redis
 
 from grpo_stream.common.rollouts.audit_compaction import lineage, read_compacted
-from grpo_stream.common.rollouts.audit_trail import read_compacted_fields, read_trail, stream_records
+from grpo_stream.common.rollouts.audit_trail import group_records, read_compacted_fields, read_trail, stream_records
 from grpo_stream.common.rollouts.buffer import COUNTERS, REFUSALS, RUN_FILE, keys
 from grpo_stream.common.rollouts.kept_results import RELEASED_FIELD
 from grpo_stream.common.config.access import REDIS_PASSWORD_ENV
@@ -107,15 +107,9 @@ def build_audit(client: redis.Redis, run_name: str, prefix: str = "grpo-stream")
 
 
 def group_history(client: redis.Redis, run_name: str, group_id: str, prefix: str = "grpo-stream") -> dict:
-    """Everything the trail says about one group, rolled-back steps included (nothing, once compacted)."""
-    k = keys(prefix, run_name)
-    acc, sett = client.hget(k["audit:accepted"], group_id), client.hget(k["audit:settled"], group_id)
-    trained_in = [{"epoch": r["epoch"], "step": int(r["step"])} for r in stream_records(client, k["audit:steps"])
-                  if group_id in json.loads(r["groups"])]
-    evaluated = client.hget(k["audit:eval"], group_id)
-    return {"group_id": group_id, "accepted": json.loads(acc) if acc else None,
-            "evaluation_only": json.loads(evaluated) if evaluated else None,
-            "settled": json.loads(sett) if sett else None, "trained_in_steps": trained_in}
+    """Everything the trail says about one group, rolled-back steps included (nothing, once compacted); records
+    that are not grpo-stream's are left out and described in `damaged` (audit_trail.py)."""
+    return {"group_id": group_id, **group_records(client, keys(prefix, run_name), group_id)}
 
 
 RUN_LOCK_WAIT_S = 5.0  # how long audit waits for a run directory a stopping run still holds

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from grpo_stream.reports.audit import build_audit
+from grpo_stream.reports.audit import build_audit, group_history
 from grpo_stream.common.rollouts.buffer import Incoming, RedisStreamBuffer
 from grpo_stream.common.rollouts.redis_server import connect
 from tests.integration.test_redis_buffer import any_buf  # noqa: F401 (the fixture: each backend of the registry)
@@ -227,3 +227,16 @@ def test_a_damaged_record_holds_compaction_back_and_the_audit_names_it(shared_re
     fix = re.search(r"(HDEL|XDEL) (\S+) ([^\s)]+)", report["damaged_records"][0]).groups()
     buf.client.execute_command(*fix)  # the command the message gives
     assert buf.compact_audit(1).through_step == 1 and build_audit(buf.client, run_name)["ok"]
+
+
+def test_one_groups_history_reads_past_damaged_records_and_names_them(shared_redis, run_name):
+    """`audit --group` read the trail with bare json.loads: one foreign step record (no groups) or a group's
+    record that is not JSON ended it with a traceback. Now the history gives what it can read and names the rest."""
+    buf = RedisStreamBuffer(connect(shared_redis.url, 5), run_name)
+    damaged_run(buf, "steps")
+    buf.client.hset(buf.k["audit:settled"], "run/s0/0", "not json")
+    history = group_history(buf.client, run_name, "run/s0/0")
+    assert history["trained_in_steps"] == [{"epoch": "a", "step": 1}] and history["settled"] is None
+    assert history["accepted"]["sampler"] == "s0"
+    assert len(history["damaged"]) == 2 and any(re.search(DAMAGES["steps"], d) for d in history["damaged"])
+    assert any("audit:settled field 'run/s0/0' holds 'not json'" in d for d in history["damaged"])
