@@ -23,14 +23,27 @@ RELEASED_FIELD = "evaluation_only_released"
 EVICT_PER_CALL = 100  # a lowered bound (a restart with a smaller max) drains over several calls, never one long one
 
 FINISH_PROMPT_LUA = """
+-- a prompt's tags as Submit writes them (a JSON list of strings); anything else (a hand edit, a foreign tool) is no
+-- tags, never a script error: the script runs after the append's or the cancel's first writes, which Redis keeps
+local function tag_list(raw)
+  if not raw then return {} end
+  local ok, decoded = pcall(cjson.decode, raw)
+  if not ok or type(decoded) ~= 'table' then return {} end
+  local out = {}
+  for _, tag in ipairs(decoded) do
+    if type(tag) == 'string' then out[#out + 1] = tag end
+  end
+  return out
+end
+
 local function finish_prompt(base, gid_prefix, pid, now, retention, keep)
   redis.call('EXPIRE', base .. ':prompt:' .. pid, retention)
   -- its tags outlive its hash (which may expire before it is evicted here) and its result stays findable by tag
   -- for the whole retention
-  local own = redis.call('HGET', base .. ':prompt:' .. pid, 'tags')
-  if own and own ~= '[]' then
-    redis.call('HSET', base .. ':%(tags)s', pid, own)
-    for _, tag in ipairs(cjson.decode(own)) do
+  local own = tag_list(redis.call('HGET', base .. ':prompt:' .. pid, 'tags'))
+  if #own > 0 then
+    redis.call('HSET', base .. ':%(tags)s', pid, cjson.encode(own))
+    for _, tag in ipairs(own) do
       local tkey = base .. ':tag:' .. tag
       if redis.call('TTL', tkey) < retention then redis.call('EXPIRE', tkey, retention) end
     end
@@ -47,11 +60,11 @@ local function finish_prompt(base, gid_prefix, pid, now, retention, keep)
   local released = 0
   for _, p in ipairs(old) do
     local pkey = base .. ':prompt:' .. p
-    local tags = redis.call('HGET', base .. ':%(tags)s', p)  -- kept apart: the hash may be gone already
-    if tags then
-      for _, tag in ipairs(cjson.decode(tags)) do redis.call('SREM', base .. ':tag:' .. tag, p) end
-      redis.call('HDEL', base .. ':%(tags)s', p)
+    -- kept apart: the hash may be gone already
+    for _, tag in ipairs(tag_list(redis.call('HGET', base .. ':%(tags)s', p))) do
+      redis.call('SREM', base .. ':tag:' .. tag, p)
     end
+    redis.call('HDEL', base .. ':%(tags)s', p)
     redis.call('DEL', pkey)
     released = released + redis.call('HDEL', base .. ':audit:eval', gid_prefix .. p)
     redis.call('ZREM', finished, p)

@@ -118,3 +118,22 @@ def test_a_tag_with_a_trailing_newline_is_refused_and_an_id_given_twice_is_one_r
     [pid] = client.submit([{"text": "Q: a A:"}])
     client.cancel([pid])
     assert [r.prompt_id for r in client.results([pid, pid], timeout_s=10)] == [pid]
+
+
+@pytest.mark.parametrize("tags", ["not json", '[1, {"a": 2}, "kept"]'])
+def test_an_answer_to_a_prompt_whose_tags_are_damaged_is_recorded_and_its_result_read(stack, tags):
+    """The append script finishes an answered prompt after its XADD, and Redis keeps a script's writes up to an
+    error: a tags field that is not Submit's JSON list of strings stopped it there (the group in the stream, the
+    prompt never finished, its client waiting for good). Damaged tags are now no tags."""
+    client, ingest = clients(stack)
+    [pid] = client.submit([{"text": "Q: 1 + 1 A:", "tags": ["kept"]}])
+    [prompt] = claim(ingest, "sampler")
+    queue = stack.server.ingest.injection.queue
+    queue.client.hset(queue.prompt_key(pid), "tags", tags)
+    batch = rollout_pb2.RolloutBatch(groups=[to_proto(answer(prompt, stack.cfg.run.name, sampler_id="sampler"))])
+    (reply,) = ingest.StreamBatches(iter([batch]), timeout=10)
+    assert reply.acks[0].code == 0, reply.acks[0].message
+    [result] = client.results([pid], timeout_s=10)
+    assert result.prompt_id == pid and result.state == "done"
+    if "kept" in tags:  # what could be read of them still finds it by tag
+        assert [r.prompt_id for r in client.results(tag="kept", follow=False)] == [pid]

@@ -16,6 +16,7 @@ import time
 import grpc
 import numpy as np
 from google.protobuf import json_format
+from google.protobuf.message import DecodeError
 
 from grpo_stream.common.rpc.auth import TokenTable, caller_of
 from grpo_stream.common.rollouts.buffer import BufferUnavailable
@@ -135,15 +136,20 @@ class PromptServicer(prompts_pb2_grpc.PromptServiceServicer):
 
     # -- StreamResults ----------------------------------------------------------------------------------------------
     def _result(self, pid: str, record: dict[bytes, bytes]) -> prompts_pb2.PromptResult:
-        spec = prompts_pb2.PromptSpec.FromString(record.get(b"spec", b""))
+        """The client's view of a finished prompt's record; what a record no grpo-stream process wrote (a hand edit,
+        a foreign tool) holds in place of a field is left empty, and a result that cannot be read is an `error`."""
+        spec = _parsed(prompts_pb2.PromptSpec, record.get(b"spec", b"")) or prompts_pb2.PromptSpec()
         state = record[b"state"].decode()
         out = prompts_pb2.PromptResult(
-            prompt_id=pid, state=state, tags=json.loads(record.get(b"tags", b"[]")), train=record.get(b"train") == b"1",
-            submitted_unix=float(record.get(b"submitted", 0)), finished_unix=float(record.get(b"finished", 0)),
+            prompt_id=pid, state=state, tags=record_tags(record), train=record.get(b"train") == b"1",
+            submitted_unix=_number(record.get(b"submitted")), finished_unix=_number(record.get(b"finished")),
             prompt_text=self._render(spec) if spec.WhichOneof("input") else "", policy_version=-1,
             error=record.get(b"error", b"").decode(errors="replace"))
         if state == "done":
-            group = rollout_pb2.RolloutGroup.FromString(record[b"result"])
+            group = _parsed(rollout_pb2.RolloutGroup, record.get(b"result", b""))
+            if group is None:
+                out.error = "its result record in Redis is damaged (not the RolloutGroup the answer wrote)"
+                return out
             out.policy_version, out.sampler_id, out.group_id = group.policy_version, group.sampler_id, group.group_id
             for c in group.completions:
                 ids = np.frombuffer(c.token_ids_le, "<i4")
@@ -158,7 +164,7 @@ class PromptServicer(prompts_pb2_grpc.PromptServiceServicer):
         unless None); `records`: theirs, if read."""
         for pid, record in zip(pids, self.queue.records(pids) if records is None else records):
             if record is not None and record.get(b"state") in (b"done", b"cancelled") and (
-                    tag is None or tag in json.loads(record.get(b"tags", b"[]"))) and (
+                    tag is None or tag in record_tags(record)) and (
                     owner is None or record.get(b"client", b"").decode() == owner):
                 yield self._result(pid, record)
 
@@ -254,6 +260,30 @@ class PromptServicer(prompts_pb2_grpc.PromptServiceServicer):
 
 _STATUS_FIELDS = {"step": "trainer_step", "total_steps": "total_steps", "latest_version": "latest_weight_version",
                   "updated_unix": "trainer_updated_unix"}
+
+
+def record_tags(record: dict[bytes, bytes]) -> list[str]:
+    """A prompt record's tags: Submit writes a JSON list of strings; anything else is no tags (as the scripts that
+    finish and evict prompts read them, common/rollouts/kept_results.py)."""
+    try:
+        tags = json.loads(record.get(b"tags", b"[]"))
+    except ValueError:
+        return []
+    return [tag for tag in tags if isinstance(tag, str)] if isinstance(tags, list) else []
+
+
+def _parsed(message_type, raw: bytes):
+    try:
+        return message_type.FromString(raw)
+    except DecodeError:
+        return None
+
+
+def _number(raw: bytes | None) -> float:
+    try:
+        return float(raw or 0)
+    except ValueError:
+        return 0.0
 
 
 def fill_status(reply: prompts_pb2.RunStatus, status: dict, key: str) -> None:
