@@ -208,14 +208,25 @@ def may_act_as(caller: Caller, sampler_id: str) -> bool:
     N-1, ...: what `grpo-stream tokens` and `up` hand out by default as 'sampler'); per-sampler tokens named
     sampler-0, sampler-1, ... (`grpo-stream tokens --samplers N`, and `up`) keep each sampler to its own id. Without
     this, any sampler token could push groups under another sampler's ids, which the buffer then refuses from the
-    real sampler as duplicates: its groups would silently never be trained. Admins (and a server without auth)
-    act for anyone."""
+    real sampler as duplicates: its groups would silently never be trained. k is 0..MAX_REPLICA in plain ASCII
+    digits: the injected-prompt claim spreads prompts over the sampler ids active in the last minute (and reads them
+    all at every claim), so one token claiming under unboundedly many ids would take most prompts and slow every
+    claim. Admins (and a server without auth) act for anyone."""
     if caller.role == "admin":
         return True
     if caller.role != "sampler":
         return False
     suffix = sampler_id[len(caller.name) + 1:]
-    return sampler_id == caller.name or (sampler_id.startswith(caller.name + "-") and suffix.isdigit())
+    return sampler_id == caller.name or (sampler_id.startswith(caller.name + "-") and _replica_index(suffix))
+
+
+MAX_REPLICA = 4095  # the largest k of a shared sampler token's ids N-<k>
+
+
+def _replica_index(suffix: str) -> bool:
+    """Whether `suffix` is k of N-<k>: ASCII digits, no leading zero (one k, one id), at most MAX_REPLICA."""
+    return (suffix.isascii() and suffix.isdigit() and (suffix == "0" or not suffix.startswith("0"))
+            and int(suffix) <= MAX_REPLICA)
 
 
 def refusal(table: TokenTable, token: str | None, method: str) -> tuple[grpc.StatusCode, str] | None:

@@ -7,7 +7,7 @@ import yaml
 
 from grpo_stream.common.config.access import TOKEN_FILE_ENV, TOKENS_ENV
 from grpo_stream.common.config.loading import load_config
-from grpo_stream.common.rpc.auth import Caller, TokenTable, may_act_as
+from grpo_stream.common.rpc.auth import MAX_REPLICA, Caller, TokenTable, may_act_as
 from grpo_stream.up.run_secrets import sampler_token_env, with_run_tokens
 from tests.conftest import CONFIGS
 
@@ -40,4 +40,7 @@ def test_who_may_act_as_which_sampler():
     assert may_act_as(shared, "sampler-0") and may_act_as(shared, "sampler-12") and may_act_as(shared, "sampler")
     assert may_act_as(own, "sampler-1") and not may_act_as(own, "sampler-0") and not may_act_as(own, "sampler-12")
     assert not may_act_as(shared, "sampler-x") and not may_act_as(shared, "other-0")
+    # one id per replica k, at most MAX_REPLICA + 1 of them: a token cannot claim prompts under unboundedly many ids
+    assert may_act_as(shared, f"sampler-{MAX_REPLICA}") and not may_act_as(shared, f"sampler-{MAX_REPLICA + 1}")
+    assert not may_act_as(shared, "sampler-007") and not may_act_as(shared, "sampler-\u0663")  # Arabic-Indic 3
     assert not may_act_as(client, "alice") and may_act_as(admin, "anything")

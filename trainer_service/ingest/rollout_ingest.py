@@ -18,7 +18,7 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from grpo_stream.common.rollouts.buffer import BufferUnavailable, Incoming, RedisStreamBuffer
-from grpo_stream.common.rpc.auth import TokenTable, caller_of, may_act_as
+from grpo_stream.common.rpc.auth import MAX_REPLICA, TokenTable, caller_of, may_act_as
 from grpo_stream.trainer_service.ingest.admission import RETRY_AFTER_MS, AdmissionControl
 from grpo_stream.trainer_service.ingest.claim_check import checked_claim
 from grpo_stream.trainer_service.ingest.prompt_queue import InjectedShare, PromptQueue
@@ -197,7 +197,7 @@ class IngestServicer(rollout_pb2_grpc.RolloutIngestServicer):
         caller = caller_of(context, self.table)
         if not may_act_as(caller, sampler_id):
             context.abort(grpc.StatusCode.PERMISSION_DENIED, f"sampler_id: {sampler_id[:64]!r} is not this token's "
-                          f"({caller.name!r} may act as {caller.name!r} or '{caller.name}-<k>')")
+                          f"({caller.name!r} may act as {caller.name!r} or '{caller.name}-<k>', k in 0..{MAX_REPLICA})")
 
     def StreamBatches(self, request_iterator, context):
         for batch in request_iterator:
