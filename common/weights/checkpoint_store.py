@@ -45,6 +45,37 @@ class CheckpointError(TransientError):
     WeightsMismatch instead (permanent)."""
 
 
+_RECORD_FIELDS = {"version": int, "final": bool, "epoch": str, "published_unix": (int, float), "location": str,
+                  "tensors": list}
+_JSON_KIND = {"version": "a whole number", "final": "true or false", "epoch": "a string", "published_unix": "a number",
+              "location": "a string", "tensors": "a list"}
+
+
+def record_problem(record) -> str | None:
+    """What makes `record` (a parsed LATEST) unusable as a version's record, naming the field; None when usable. A
+    sampler builds a manifest from it, so a damaged one must not surface as a KeyError that stops the sampler."""
+    if not isinstance(record, dict):
+        return f"JSON {json.dumps(record)[:40]}, not an object"
+    for field, kind in _RECORD_FIELDS.items():
+        if field not in record:
+            return f"no {field}"
+        value = record[field]
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            return f"{field}: {json.dumps(value)[:40]} is not {_JSON_KIND[field]}"
+    if not isinstance(record.get("adapters", ""), str):
+        return "adapters: not a string"
+    for i, entry in enumerate(record["tensors"]):
+        if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str)
+                and isinstance(entry[1], list) and all(type(n) is int and 0 <= n < 1 << 62 for n in entry[1])
+                and isinstance(entry[2], str)):
+            return f"tensors[{i}]: {str(entry)[:60]!r} is not [name, shape, dtype]"
+        try:
+            np.dtype(entry[2])
+        except (TypeError, ValueError):
+            return f"tensors[{i}]: unknown dtype {entry[2][:40]!r}"
+    return None
+
+
 class CheckpointWeightStore:
     def __init__(self, root: str, keep: int = 3):
         self.root = epath.Path(root)
@@ -126,6 +157,10 @@ class CheckpointWeightStore:
             record = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as exc:
             raise CheckpointError(f"{path}: unreadable ({exc}); the trainer rewrites it at its next publish")
+        problem = record_problem(record)
+        if problem is not None:  # damaged, or written by something else: the sampler keeps its version and polls
+            raise CheckpointError(f"{path}: not a weight version's record ({problem}); the trainer rewrites it at "
+                                  "its next publish; is weights.checkpoint_dir shared with something else?")
         return record
 
     def restore(self, record: dict, targets: dict[str, jax.ShapeDtypeStruct]) -> dict[str, jax.Array]:

@@ -31,8 +31,8 @@ from grpo_stream.common.weights import tcp_wire
 from grpo_stream.common.weights.host_staging import HostStaging
 from grpo_stream.common.weights.host_shards import add_sources, host_shard_snapshot, relative, split_box
 from grpo_stream.common.weights.receive_buffers import ReceiveBuffers
-from grpo_stream.common.weights.snapshot import (SliceAssembler, WeightSnapshot, WeightTransferError, box_key,
-                                                 box_shape, box_to_proto)
+from grpo_stream.common.weights.snapshot import (BASE_VERSION, SliceAssembler, WeightSnapshot, WeightTransferError,
+                                                 box_key, box_shape, box_to_proto)
 from grpo_stream.common.weights.transport import SinkContext, SourceContext, check_names
 from grpo_stream.protos import weights_pb2, weights_pb2_grpc
 
@@ -116,6 +116,18 @@ class GrpcFetcher:
             raise
 
     def fetch(self, manifest: weights_pb2.WeightManifest, targets: dict[str, jax.ShapeDtypeStruct]) -> dict:
+        if manifest.version != BASE_VERSION:
+            return self._fetch(manifest, targets)
+        # LoRA's frozen base comes once per trainer epoch: buffers kept for reuse would hold a host copy of it
+        # (wherever placing copies: accelerators, a wire dtype cast on the device) until the next epoch's base, so
+        # it is received into buffers of its own, freed with the base (on CPU they are its parameters)
+        kept, self._buffers = self._buffers, ReceiveBuffers()
+        try:
+            return self._fetch(manifest, targets)
+        finally:
+            self._buffers = kept
+
+    def _fetch(self, manifest: weights_pb2.WeightManifest, targets: dict[str, jax.ShapeDtypeStruct]) -> dict:
         index = {t.name: i for i, t in enumerate(manifest.tensors)}
         check_names(manifest, targets)
         if len(manifest.hosts) > 1:
@@ -260,6 +272,11 @@ class GrpcFetcher:
         plane = (host, port, manifest.trainer_epoch)
         if time.monotonic() < self._unusable.get(plane, 0.0):  # unreachable lately: not paid for at every fetch
             return self._stream(manifest, lane, place, stub)
+        security = self.security or ClientSecurity()
+        if not tcp_wire.token_fits(security.token):  # gRPC metadata carries it whole; the data plane's field cannot
+            self._fall_back(host, port, f"the auth token is longer than its {tcp_wire.MAX_TOKEN_BYTES} bytes; use a "
+                            "shorter token to fetch over it")
+            return self._stream(manifest, lane, place, stub)
         try:
             sock = socket.create_connection((host, port), timeout=min(5, self.timeout_s))
         except OSError as exc:  # port unreachable (a firewall, a Service without it): tried again in a while
@@ -267,7 +284,6 @@ class GrpcFetcher:
             self._fall_back(host, port, f"{type(exc).__name__}: {exc}")
             return self._stream(manifest, lane, place, stub)
         try:
-            security = self.security or ClientSecurity()
             if security.ssl_context is not None:
                 sock = security.ssl_context.wrap_socket(sock, server_hostname=security.server_name or host)
             sock.sendall(tcp_wire.encode_request(self._request(manifest, lane).SerializeToString(),

@@ -77,8 +77,20 @@ def send_slice(sock: socket.socket, tensor_index: int, slice_index: int, view: m
     sock.sendall(SLICE_TRAILER.pack(hasher.intdigest()))
 
 
+def token_fits(token: str | None) -> bool:
+    """Whether `token` fits the data plane's token field (gRPC metadata takes longer ones: such a client fetches
+    over FetchSlices instead)."""
+    return len((token or "").encode()) <= MAX_TOKEN_BYTES
+
+
 def encode_request(request_bytes: bytes, token: str | None = None) -> bytes:
-    raw_token = (token or "").encode()[:MAX_TOKEN_BYTES]
+    """A request frame. A token longer than MAX_TOKEN_BYTES raises WeightTransferError: cut short it would be
+    refused as an unknown token, which a sampler takes for a permanent refusal."""
+    if not token_fits(token):
+        raise WeightTransferError(f"the auth token is {len((token or '').encode())} bytes, more than the weights data "
+                                  f"plane's {MAX_TOKEN_BYTES}; fetch over gRPC, or use a shorter token "
+                                  "(`grpo-stream tokens` makes 43-character ones)")
+    raw_token = (token or "").encode()
     return MAGIC + _TOKEN_LEN.pack(len(raw_token)) + raw_token + _LEN.pack(len(request_bytes)) + request_bytes
 
 
