@@ -211,9 +211,10 @@ class Durability:
             return None
         record = restored.record
         if record.get("run") != cfg.run.name:
-            raise RunRefused(f"checkpoint.dir {self.checkpoints.directory}: its checkpoints belong to run "
-                             f"{record.get('run')!r}, not run.name={cfg.run.name!r}; use that run's name or another "
-                             "dir")
+            raise RunRefused(f"checkpoint.dir {self.checkpoints.directory}: its newest usable checkpoint (step "
+                             f"{restored.step}) belongs to run {record.get('run')!r}, not run.name={cfg.run.name!r}; "
+                             "use that run's name or another dir (or, if that run wrote into this one, move its "
+                             f"{self.checkpoints.directory / str(restored.step)} out)")
         # the base before any group is settled: without it the run cannot go on from here
         state = dict(restored.state)
         if "adapters" in state:
@@ -245,10 +246,20 @@ class Durability:
     def begin_new_run(self) -> None:
         """A run without a checkpoint: refuse one whose groups were acknowledged (its checkpoints are elsewhere)."""
         trained = self.available("reading the buffer counters", self.buffer.counters)["trained"]
-        if trained:  # acknowledged groups exist only once a checkpoint held them: this run has one elsewhere
+        if not trained:
+            self.available("auditing the start", lambda: self.buffer.log_trainer(self.epoch, 0, ""))
+            self.available("updating the held count", lambda: self.buffer.set_held(0))
+            return
+        # acknowledged groups exist only once a checkpoint held them: the run's checkpoints are elsewhere, or every
+        # one here was unusable (starting over would train those groups' successors on the initial weights)
+        held = f"Redis already holds run {self.cfg.run.name!r} with {trained} trained groups, but"
+        aside = self.checkpoints.moved_aside()
+        if aside:
             raise RunRefused(
-                f"Redis already holds run {self.cfg.run.name!r} with {trained} trained groups, but "
-                f"{self.checkpoints.directory} (checkpoint.dir) has no checkpoint of it: point checkpoint.dir "
-                "(or --run-dir) at that run's checkpoints to resume it, or choose a new run.name")
-        self.available("auditing the start", lambda: self.buffer.log_trainer(self.epoch, 0, ""))
-        self.available("updating the held count", lambda: self.buffer.set_held(0))
+                f"{held} every checkpoint in {self.checkpoints.directory} (checkpoint.dir) was unusable and was moved "
+                f"aside ({', '.join(aside[:6])}; the log says why): put a sound copy of one back as <step>/ to resume "
+                "(an unverified-<step>-* one lacks only its digest: rename it to <step> and resume with "
+                "checkpoint.verify=false), or choose a new run.name")
+        raise RunRefused(
+            f"{held} {self.checkpoints.directory} (checkpoint.dir) has no checkpoint of it: point checkpoint.dir "
+            "(or --run-dir) at that run's checkpoints to resume it, or choose a new run.name")

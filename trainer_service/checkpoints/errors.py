@@ -1,10 +1,13 @@
 """What a checkpoint restore can conclude, as exceptions, and which read failures are the storage's rather than
-the checkpoint's (store.py retries those and never moves a checkpoint aside for them)."""
+the checkpoint's (store.py retries those and never moves a checkpoint aside for them), and which are this user's
+(a file it may not read: every checkpoint would fail alike, so the restore stops and moves nothing)."""
 
 from __future__ import annotations
 
 import errno
+import os
 import re
+from typing import Callable
 
 from grpo_stream.common.runtime.errors import PermanentError
 
@@ -35,6 +38,12 @@ class CheckpointDisagreement(RuntimeError):
     """A process of a multi-process trainer cannot restore the step process 0 chose for all: the job stops."""
 
 
+class CheckpointAccessDenied(PermanentError):
+    """This process may not read the checkpoint storage (files of another user, a read-only mount without read
+    rights): says nothing about the checkpoints, so nothing is moved aside, and a restart as the same user meets it
+    again."""
+
+
 class StorageBlip(Exception):
     """A read failed for a reason that passes (see is_transient); the checkpoint may well be sound."""
 
@@ -47,15 +56,53 @@ TRANSIENT_ERRNOS = frozenset({errno.EAGAIN, errno.EINTR, errno.ETIMEDOUT, errno.
 _TRANSIENT_STATUS = re.compile(r"\b(UNAVAILABLE|DEADLINE_EXCEEDED|RESOURCE_EXHAUSTED|ABORTED)\b")
 
 
-def is_transient(exc: BaseException) -> bool:
-    """True when `exc`, or an error it wraps, says the storage did not answer rather than that the data is bad."""
+# this process may not read the files: every checkpoint would fail alike, however sound (tensorstore says it in text)
+ACCESS_ERRNOS = frozenset({errno.EACCES, errno.EPERM})
+_ACCESS_STATUS = re.compile(r"\bPERMISSION_DENIED\b")
+
+
+def _in_chain(exc: BaseException | None, says: Callable[[BaseException], bool]) -> bool:
+    """Whether `exc` or an error it wraps (up to 10 deep) `says` so."""
     seen = 0
     while exc is not None and seen < 10:
-        if isinstance(exc, (TimeoutError, ConnectionError, InterruptedError, BlockingIOError)):
-            return True
-        if isinstance(exc, OSError) and exc.errno in TRANSIENT_ERRNOS:
-            return True
-        if _TRANSIENT_STATUS.search(str(exc)):
+        if says(exc):
             return True
         exc, seen = exc.__cause__ or exc.__context__, seen + 1
     return False
+
+
+def is_transient(exc: BaseException) -> bool:
+    """True when `exc`, or an error it wraps, says the storage did not answer rather than that the data is bad."""
+    return _in_chain(exc, lambda e: isinstance(e, (TimeoutError, ConnectionError, InterruptedError, BlockingIOError))
+                     or (isinstance(e, OSError) and e.errno in TRANSIENT_ERRNOS)
+                     or bool(_TRANSIENT_STATUS.search(str(e))))
+
+
+def access_denied(directory, what: str, exc: BaseException) -> CheckpointAccessDenied:
+    """The error for this process not being allowed to read `what` of checkpoint.dir `directory`, with the fix."""
+    return CheckpointAccessDenied(
+        f"checkpoint.dir {directory}: this process (user id {os.getuid()}) may not read {what} "
+        f"({type(exc).__name__}: {str(exc)[:300]}); nothing was moved aside. Give this user read access to the "
+        "checkpoint files and write access to checkpoint.dir (or run the trainer as the user that wrote them), then "
+        "start the trainer again")
+
+
+def is_access_denied(exc: BaseException) -> bool:
+    """True when `exc`, or an error it wraps, says this process may not read (or move) the files."""
+    return _in_chain(exc, lambda e: isinstance(e, PermissionError)
+                     or (isinstance(e, OSError) and e.errno in ACCESS_ERRNOS)
+                     or bool(_ACCESS_STATUS.search(str(e))))
+
+
+def base_unreadable(directory, path, exc: BaseException) -> Exception:
+    """What a failure to read a LoRA run's frozen base in `path` means: this user may not read it or the storage did
+    not answer (neither says anything of the base), else the base is damaged (a restart meets it again: permanent)."""
+    if is_access_denied(exc):
+        return access_denied(directory, f"the frozen base in {path}", exc)
+    if is_transient(exc):
+        return CheckpointUnavailable(f"checkpoint.dir {directory}: reading the frozen base in {path} failed because "
+                                     f"the storage did not answer ({type(exc).__name__}: {str(exc)[:300]}); check the "
+                                     "storage, then start the trainer again")
+    return CheckpointMismatch(f"checkpoint.dir {directory}: the frozen base in {path} cannot be read "
+                              f"({type(exc).__name__}: {str(exc)[:300]}); restore it from a copy, or start a new run "
+                              "with another checkpoint.dir")

@@ -52,7 +52,8 @@ from grpo_stream.common.weights.snapshot import raw_bytes
 from grpo_stream.trainer_service.checkpoints.digest import DigestMissing, DigestWriter, check_digest
 from grpo_stream.trainer_service.checkpoints.errors import (CheckpointDisagreement, CheckpointMismatch,  # noqa: F401
                                                            CheckpointRejected, CheckpointUnavailable,
-                                                           CheckpointUnverified, StorageBlip, is_transient)
+                                                           CheckpointUnverified, StorageBlip, access_denied,
+                                                           base_unreadable, is_access_denied, is_transient)
 
 log = logging.getLogger(__name__)
 BASE_DIR = "lora-base"  # the frozen base of a LoRA run, written once
@@ -104,6 +105,10 @@ class TrainerCheckpoints:
 
     def steps(self) -> list[int]:
         return sorted(self._manager.all_steps())
+
+    def moved_aside(self) -> list[str]:
+        """The checkpoints a restore moved aside (`corrupt-<step>-<time>`, `unverified-<step>-<time>`), by name."""
+        return sorted(p.name for p in self.directory.iterdir() if p.name.startswith(("corrupt-", "unverified-")))
 
     def save(self, step: int, state: dict, record: dict, token: Any = None) -> None:
         """Start saving `state` (a pytree of arrays) as step `step`; `token` comes back from `committed()` once
@@ -256,6 +261,10 @@ class TrainerCheckpoints:
         for attempt in range(1, self.read_attempts + 1):
             try:
                 return read()
+            except CheckpointRejected as exc:  # a file this user may not read: so is every other checkpoint's
+                if is_access_denied(exc):
+                    raise access_denied(self.directory, f"the checkpoint of step {step}", exc) from exc
+                raise
             except StorageBlip as blip:
                 cause = blip.__cause__
                 if attempt == self.read_attempts:
@@ -362,7 +371,12 @@ class TrainerCheckpoints:
                 f"checkpoint.dir {self.directory}: its checkpoints hold LoRA adapters only and the frozen base they "
                 f"adapt ({path}) is missing or was cut off while being written; restore that directory, or start a "
                 "new run with another checkpoint.dir")
-        record = json.loads((path / "record.json").read_text())
+        try:
+            record = json.loads((path / "record.json").read_text())
+            if not isinstance(record, dict):
+                raise ValueError(f"record.json holds a JSON {type(record).__name__}, not an object")
+        except Exception as exc:  # noqa: BLE001 - cut off by a power loss after its rename, or edited
+            raise base_unreadable(self.directory, path, exc) from exc
         if record.get("layout") != tree_layout(frozen_like):
             raise CheckpointMismatch(
                 f"checkpoint.dir {self.directory}: the frozen base in {path} is of another model (shapes or dtypes "
@@ -371,15 +385,8 @@ class TrainerCheckpoints:
         try:
             with ocp.StandardCheckpointer() as checkpointer:
                 frozen = checkpointer.restore(path / "arrays", abstract)
-        except Exception as exc:  # noqa: BLE001 - told apart below: the storage not answering, or a damaged base
-            if is_transient(exc):
-                raise CheckpointUnavailable(f"checkpoint.dir {self.directory}: reading the frozen base in {path} "
-                                            f"failed because the storage did not answer ({type(exc).__name__}: "
-                                            f"{str(exc)[:300]}); check the storage, then start the trainer again"
-                                            ) from exc
-            raise CheckpointMismatch(f"checkpoint.dir {self.directory}: the frozen base in {path} cannot be read "
-                                     f"({type(exc).__name__}: {str(exc)[:300]}); restore it from a copy, or start a "
-                                     "new run with another checkpoint.dir") from exc
+        except Exception as exc:  # noqa: BLE001 - told apart there: the storage not answering, or a damaged base
+            raise base_unreadable(self.directory, path, exc) from exc
         if self.verify and "digest" in record and tree_digest(frozen) != record["digest"]:
             raise CheckpointMismatch(
                 f"checkpoint.dir {self.directory}: the frozen base in {path} does not match the SHA-256 saved with "

@@ -9,7 +9,9 @@ import numpy as np
 import optax
 import pytest
 
-from grpo_stream.trainer_service.checkpoints.store import (CheckpointMismatch, CheckpointUnavailable,
+from grpo_stream.common.runtime.errors import PermanentError
+from grpo_stream.trainer_service.checkpoints.errors import CheckpointAccessDenied
+from grpo_stream.trainer_service.checkpoints.store import (RECORD_FILE, CheckpointMismatch, CheckpointUnavailable,
                                                            TrainerCheckpoints, is_transient, tree_digest)
 
 
@@ -120,6 +122,31 @@ def test_a_restore_failing_here_on_files_that_match_their_digest_moves_nothing(t
     assert not list(tmp_path.glob("corrupt-*")) and all((tmp_path / str(s)).is_dir() for s in (2, 4, 6))
 
 
+@pytest.mark.parametrize("unreadable", ["record", "arrays"])
+def test_files_this_user_may_not_read_stop_the_restore_and_move_nothing(tmp_path, monkeypatch, unreadable):
+    """Files another user wrote (umask 077) fail to read in every checkpoint alike: setting them aside one after
+    another as corrupt would leave nothing to resume from. The error says so, and a restart meets it again."""
+    saved(tmp_path)
+    ckpt = TrainerCheckpoints(str(tmp_path), keep=3, verify=unreadable == "record", read_attempts=2,
+                              sleep=lambda s: None)
+    denied = PermissionError(errno.EACCES, "Permission denied")
+    if unreadable == "arrays":  # without verify, Orbax's read is the first to meet them
+        flaky_storage(ckpt, failures=10, error=denied)
+    else:
+        real = type(ckpt.directory).read_text
+
+        def read_text(path, *args, **kwargs):
+            if str(path).endswith(RECORD_FILE):
+                raise denied
+            return real(path, *args, **kwargs)
+        monkeypatch.setattr(type(ckpt.directory), "read_text", read_text)
+    with pytest.raises(CheckpointAccessDenied, match=r"may not read the checkpoint of step 6 .*nothing was moved "
+                                                     r"aside. Give this user read access") as raised:
+        ckpt.restore_latest(state(0.0))
+    assert isinstance(raised.value, PermanentError)  # `up` stops the run rather than restart it into the same wall
+    assert not list(tmp_path.glob("corrupt-*")) and all((tmp_path / str(s)).is_dir() for s in (2, 4, 6))
+
+
 def test_a_damaged_record_of_another_layout_falls_back_instead_of_stopping_the_run(tmp_path):
     """The digest is checked before the layout: a record whose bytes were damaged (here: its layout) is a damaged
     checkpoint, the previous one's turn, not a config change that stops the run."""
@@ -199,4 +226,16 @@ def test_a_lora_base_of_another_model_or_damaged_is_refused(tmp_path):
     data[len(data) // 2:len(data) // 2 + 32] = bytes(b ^ 0xFF for b in data[len(data) // 2:len(data) // 2 + 32])
     chunk.write_bytes(bytes(data))
     with pytest.raises(CheckpointMismatch):  # tensorstore's checksum or the saved SHA-256 catches it
+        ckpt.restore_base(frozen(0.0))
+
+
+@pytest.mark.parametrize("record", ['{"layout": "ab', "[1, 2]", ""])
+def test_a_lora_base_whose_record_is_cut_off_or_edited_is_refused_for_good(tmp_path, record):
+    """record.json cut off (a power loss after its rename) or edited: an error naming the base and the fix that
+    stops the run, not a bare JSONDecodeError that a supervisor restarts the trainer into again and again."""
+    ckpt = TrainerCheckpoints(str(tmp_path), keep=3, verify=True)
+    ckpt.save_base(frozen(1.0))
+    (tmp_path / "lora-base" / "record.json").write_text(record)
+    with pytest.raises(CheckpointMismatch, match="the frozen base in .*lora-base cannot be read .*restore it from a "
+                                                 "copy"):
         ckpt.restore_base(frozen(0.0))
