@@ -85,7 +85,10 @@ def kl_per_token(logprobs: jnp.ndarray, ref_logprobs: jnp.ndarray, estimator: st
     if estimator == "k2":
         return 0.5 * jnp.square(d)
     if estimator == "k3":
-        return jnp.exp(d) - d - 1.0
+        # past LOG_RATIO_LIMIT eᵈ goes on as its tangent: a token the policy holds ~89 nats below the reference
+        # overflowed float32 to inf (the update then NaN), while the KL pull on it stays, finite
+        over = jnp.maximum(d - LOG_RATIO_LIMIT, 0.0)
+        return jnp.exp(jnp.minimum(d, LOG_RATIO_LIMIT)) * (1.0 + over) - d - 1.0
     raise ValueError(f"algo.kl_estimator={estimator!r}: expected k1, k2 or k3")
 
 

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from grpo_stream.trainer_service.learning.loss import AGG_MODES, policy_loss
+from grpo_stream.trainer_service.learning.loss import AGG_MODES, kl_per_token, policy_loss
 
 ESTIMATORS = ("k1", "k2", "k3")
 
@@ -93,3 +93,17 @@ def test_the_documented_ratio_limits_are_applied():
                                                           loss_algo="gspo-token", **kw)[0])(jnp.full((1, 3), -1.0))
     np.testing.assert_allclose(float(loss), np.exp(10.0), rtol=1e-5)
     assert (np.asarray(grad) == 0.0).all()
+
+
+def test_k3_stays_finite_where_the_policy_falls_far_below_the_reference():
+    """k3 = e^d - d - 1 with d = ref - policy: a token the policy holds 90 nats below the reference overflowed
+    float32 (loss inf, gradient -inf, the update after clipping and Adam NaN). Past d = 20 e^d goes on as its
+    tangent: equal below, finite and still pulling the policy up above."""
+    ref = jnp.array([[-5.0, -1.0, -1.0]])
+    policy = jnp.array([[-95.0, -1.0, -10.0]])  # d = 90, 0, 9
+    k3 = kl_per_token(policy, ref, "k3")
+    e20 = np.exp(20.0)
+    np.testing.assert_allclose(np.asarray(k3), [[e20 * (1 + 70) - 91, 0.0, np.exp(9.0) - 10]], rtol=1e-5)
+    grad = jax.grad(lambda x: kl_per_token(x, ref, "k3").sum())(policy)
+    np.testing.assert_allclose(np.asarray(grad), [[1 - e20, 0.0, 1 - np.exp(9.0)]], rtol=1e-5)
+    assert np.isfinite(np.asarray(grad)).all() and float(grad[0, 0]) < 0  # raising the policy lowers the KL
