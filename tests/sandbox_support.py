@@ -1,6 +1,7 @@
 """What the Python sandbox's integration tests share: the limits they run under, the secret they try to read,
-the skip for machines that cannot confine, and the check that the next call still works."""
+the skip for machines that cannot confine, the check that the next call still works, and a process's children."""
 
+import os
 import time
 import uuid
 
@@ -20,3 +21,16 @@ def still_works():
 def timed(code: str, limits: SandboxLimits = LIMITS) -> tuple[SandboxResult, float]:
     start = time.monotonic()
     return run_python(code, limits), time.monotonic() - start
+
+
+def children_of(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if entry.isdigit() and int(fields[1]) == pid:
+            found.append(int(entry))
+    return found

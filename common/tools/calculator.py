@@ -16,6 +16,7 @@ _OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.m
               ast.USub: operator.neg, ast.UAdd: operator.pos}
 MAX_EXPONENT = 64  # 10**64 is plenty for word problems; 9**9**9 would take the worker for minutes
 MAX_EXPRESSION = 500
+_EXACT_FLOAT_INTEGERS = 2 ** 53  # a float holds every integer up to this one; past it, its integer digits are noise
 MAX_BITS = 4096  # integers the calculator makes: (3**64)**64 nested further would hold the sampler's GIL for hours
 
 
@@ -50,6 +51,8 @@ def calculator(expression: str) -> str:
     if isinstance(value, float) and not math.isfinite(value):  # 1e309
         return "error: the result is too large"
     if isinstance(value, float) and value.is_integer():
+        if abs(value) > _EXACT_FLOAT_INTEGERS:  # (10**64)**0.5 is 1e+32, not 100000000000000005366162204393472
+            return f"{value:.12g}"
         value = int(value)
     # 12 significant digits, not 10 decimals: 1 / 3e12 is 3.33333333333e-13, not 0
     return str(float(f"{value:.12g}") if isinstance(value, float) else value)

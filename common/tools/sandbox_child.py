@@ -14,11 +14,14 @@ The order matters:
    read/write beneath the working directory only, no TCP bind/connect (ABI >= 4), signals and abstract unix sockets
    scoped to the sandbox (ABI >= 6). The rules are built while still root: the paths must be opened to be named;
 4. as root: drop to nobody (setgroups, setresgid, setresuid); root ignores RLIMIT_NPROC, and nobody owns nothing;
-5. a seccomp filter: no socket(), SysV IPC, POSIX message queues, keys, io_uring, setsid/setpgid (the process group kill must reach every process) or
-   unshare (new user namespaces add kernel attack surface); nothing that acts on another process by pid or pidfd
-   (prlimit, kill, setpriority, sched_*, ptrace, ...): a non-root sampler's child keeps its uid, and the kernel
-   lets a process of the same uid change the sampler's limits or priority, or signal it (Landlock scopes signals
-   only from ABI 6 and has no hook for prlimit or setpriority);
+5. a seccomp filter: no socket(), SysV IPC, POSIX message queues, keys, io_uring, setsid/setpgid (the process group
+   kill must reach every process), unshare or clone into new namespaces (new user namespaces add kernel attack
+   surface) or as the sampler's child; no chmod, chown, utime or truncate by path (Landlock has no right for them:
+   they reach the same uid's files anywhere); nothing that acts on another process by pid or pidfd (prlimit, kill,
+   setpriority, sched_*, ptrace, ...) or makes it a file's owner (fcntl F_SETOWN, ioctl FIOSETOWN: SIGIO on that
+   file's I/O): a non-root sampler's child keeps its uid, and the kernel lets a process of the same uid change the
+   sampler's limits or priority, or signal it (Landlock scopes signals only from ABI 6 and has no hook for prlimit
+   or setpriority);
 6. run the code in a fresh namespace; a traceback is printed without this file's frames.
 
 Exit code SETUP_FAILED with a line "sandbox: ..." on stderr: a step failed and the code did not run (fail closed).
@@ -47,9 +50,10 @@ LANDLOCK_CREATE_RULESET_VERSION, LANDLOCK_RULE_PATH_BENEATH = 1, 1
     1 << bit for bit in range(16))
 FILE_RIGHTS = FS_EXECUTE | FS_WRITE_FILE | FS_READ_FILE | FS_TRUNCATE | FS_IOCTL_DEV  # all a rule on a file may hold
 PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 38, 22, 2
-SECCOMP_RET_KILL_PROCESS, SECCOMP_RET_ERRNO, SECCOMP_RET_ALLOW, EPERM = 0x80000000, 0x00050000, 0x7FFF0000, 1
+SECCOMP_RET_KILL_PROCESS, SECCOMP_RET_ERRNO, SECCOMP_RET_ALLOW = 0x80000000, 0x00050000, 0x7FFF0000
+EPERM, ENOSYS = 1, 38
 X32_SYSCALL_BIT = 0x40000000
-BPF_LD_W_ABS, BPF_JEQ_K, BPF_JGE_K, BPF_RET_K = 0x20, 0x15, 0x35, 0x06
+BPF_LD_W_ABS, BPF_JEQ_K, BPF_JGE_K, BPF_JSET_K, BPF_RET_K = 0x20, 0x15, 0x35, 0x45, 0x06
 # machine: (AUDIT_ARCH_*, its column in SYSCALL_NUMBERS)
 SECCOMP_ARCHES = {"x86_64": (0xC000003E, 0), "aarch64": (0xC00000B7, 1)}
 # name: (x86_64, aarch64), from asm/unistd_64.h and asm-generic/unistd.h (tests check them against the headers)
@@ -66,7 +70,11 @@ SYSCALL_NUMBERS = {
     "semctl": (66, 191), "semtimedop": (220, 192), "msgget": (68, 186), "msgsnd": (69, 189), "msgrcv": (70, 188),
     "msgctl": (71, 187), "mq_open": (240, 180), "mq_unlink": (241, 181), "mq_timedsend": (242, 182),
     "mq_timedreceive": (243, 183), "mq_notify": (244, 184), "mq_getsetattr": (245, 185), "add_key": (248, 217),
-    "request_key": (249, 218), "keyctl": (250, 219), "memfd_create": (319, 279), "prctl": (157, 167)}
+    "request_key": (249, 218), "keyctl": (250, 219), "memfd_create": (319, 279), "prctl": (157, 167),
+    "fcntl": (72, 25), "ioctl": (16, 29), "chmod": (90, None), "fchmod": (91, 52), "fchmodat": (268, 53),
+    "fchmodat2": (452, 452), "chown": (92, None), "fchown": (93, 55), "lchown": (94, None), "fchownat": (260, 54),
+    "truncate": (76, 45), "utime": (132, None), "utimes": (235, None), "futimesat": (261, None),
+    "utimensat": (280, 88), "clone": (56, 220), "clone3": (435, 435)}  # None: no such call (aarch64: *at only)
 # Always EPERM: no network, io_uring, leaving the process group, namespaces; every call that reaches another
 # process through a pid or pidfd without a use for computation (ptrace, reading its memory, perf, pidfds); and the
 # kernel objects that outlive a process and that Landlock does not cover: SysV shared memory, semaphores and message
@@ -76,13 +84,34 @@ SECCOMP_DENIED = ("socket", "io_uring_setup", "setsid", "setpgid", "unshare", "p
                   "process_vm_writev", "kcmp", "process_madvise", "pidfd_open", "pidfd_send_signal", "pidfd_getfd",
                   "perf_event_open", "shmget", "shmat", "shmctl", "semget", "semop", "semctl", "semtimedop", "msgget",
                   "msgsnd", "msgrcv", "msgctl", "mq_open", "mq_unlink", "mq_timedsend", "mq_timedreceive",
-                  "mq_notify", "mq_getsetattr", "add_key", "request_key", "keyctl", "memfd_create")
+                  "mq_notify", "mq_getsetattr", "add_key", "request_key", "keyctl", "memfd_create", "chmod", "fchmod",
+                  "fchmodat", "fchmodat2", "chown", "fchown", "lchown", "fchownat", "truncate", "utime", "utimes",
+                  "futimesat", "utimensat")
 # memfd_create: an anonymous file's pages count against no rlimit until mapped (RLIMIT_AS does not see them), so 64
 # descriptors of 16 MB each held a gigabyte of the machine's memory per call.
+# chmod, chown, utime (and truncate by path before Landlock ABI 3) have no Landlock right: they reach any file the
+# code can name. A non-root sampler's child keeps its uid, so it made the run directory's 0600 token files readable
+# to every user (chmod 0o666), or the run directory or the interpreter's files unusable (chmod 0, truncate), or
+# dated checkpoints (utime). A program computes without them; ftruncate on a file it opened for writing still works.
 PR_SET_PDEATHSIG = 1
 # Calls refused when their first argument is this value: prctl(PR_SET_PDEATHSIG), which would clear the signal that
 # kills the child when the sampler dies (a sleeping call, which uses no CPU, would otherwise outlive it for ever).
 SECCOMP_DENIED_ARG0 = {"prctl": PR_SET_PDEATHSIG}
+CLONE_PARENT, CLONE_NEWS = 0x8000, 0x7E020000  # CLONE_NEWNS and CLONE_NEWCGROUP .. CLONE_NEWNET
+# With max_processes > 0, clone's flags are refused for: CLONE_PARENT, which made the new process the sampler's
+# child (never reaped: each call left zombies in the sampler, which also kept the uid's RLIMIT_NPROC places, so
+# later calls could not fork at all), and the CLONE_NEW* namespaces, unshare's by another door. The kernel reads the
+# flags' low half only. clone3 passes its flags in memory, which a filter cannot read: it fails with ENOSYS, on
+# which glibc falls back to clone.
+SECCOMP_DENIED_FLAGS = {"clone": (0, CLONE_PARENT | CLONE_NEWS)}
+SECCOMP_ENOSYS = ("clone3",)
+F_SETOWN, F_SETOWN_EX, FIOSETOWN, SIOCSPGRP = 8, 15, 0x8901, 0x8902
+# A file's owner gets SIGIO (default action: terminate) on the file's I/O, sent with the rights of whoever set the
+# owner: the code could make a same-uid sampler the owner of its stdout pipe (the sampler's reads then signal it) or
+# of a socketpair, and kill it where Landlock does not scope signals (ABI < 6, Linux < 6.12). name: (the argument
+# holding the command, {command: the argument holding the owner's pid, or None where it is behind a pointer and
+# always refused}). The kernel reads the command and the pid as 32-bit ints: only their low halves are compared.
+SECCOMP_FILE_OWNER = {"fcntl": (1, {F_SETOWN: 2, F_SETOWN_EX: None}), "ioctl": (1, {FIOSETOWN: None, SIOCSPGRP: None})}
 PRIO_PROCESS, IOPRIO_WHO_PROCESS = 0, 1
 # Calls that act on the process a pid names, allowed only on the sandbox itself: name: (the pid's argument, whether
 # the child's own pid is allowed besides 0, the value arg0 must hold (the "which" of setpriority/ioprio_set: one
@@ -208,16 +237,23 @@ def apply_landlock(workdir, writable=True):
 def seccomp_program(machine, own_pid):
     """The filter as (code, jt, jf, k) instructions. Another ABI than the machine's kills the process; x32 calls and
     SECCOMP_DENIED fail with EPERM; a SECCOMP_OWN_PID call is allowed only when its pid argument is 0 or own_pid
-    (where allowed) and its "which" is one process; everything else is allowed. BPF sees a 64-bit argument as two
-    32-bit halves (low half first on these little-endian ABIs): both are compared, so -1 (every process), -pgid
-    (a process group) and a pid with stray high bits are all refused."""
+    (where allowed) and its "which" is one process; a SECCOMP_FILE_OWNER command only with no owner or the sandbox
+    as the owner (file_owner_checks); a SECCOMP_DENIED_FLAGS call only without those flags; SECCOMP_ENOSYS calls
+    fail with ENOSYS; everything else is allowed. BPF sees a 64-bit argument as two 32-bit halves (low half first
+    on these little-endian ABIs): for SECCOMP_OWN_PID both are compared, so -1 (every process), -pgid (a process
+    group) and a pid with stray high bits are all refused."""
     audit_arch, column = SECCOMP_ARCHES[machine]
     number = {name: numbers[column] for name, numbers in SYSCALL_NUMBERS.items()}
     program = [(BPF_LD_W_ABS, 0, 0, 4), (BPF_JEQ_K, 1, 0, audit_arch), (BPF_RET_K, 0, 0, SECCOMP_RET_KILL_PROCESS),
                (BPF_LD_W_ABS, 0, 0, 0), (BPF_JGE_K, "deny", 0, X32_SYSCALL_BIT)]  # load nr; x32: deny
-    program += [(BPF_JEQ_K, "deny", 0, number[name]) for name in SECCOMP_DENIED]
-    program += [(BPF_JEQ_K, name, 0, number[name]) for name in (*SECCOMP_OWN_PID, *SECCOMP_DENIED_ARG0)]
+    program += [(BPF_JEQ_K, "deny", 0, number[name]) for name in SECCOMP_DENIED if number[name] is not None]
+    program += [(BPF_JEQ_K, "enosys", 0, number[name]) for name in SECCOMP_ENOSYS]
+    program += [(BPF_JEQ_K, name, 0, number[name])
+                for name in (*SECCOMP_OWN_PID, *SECCOMP_DENIED_ARG0, *SECCOMP_FILE_OWNER, *SECCOMP_DENIED_FLAGS)]
     program.append((BPF_RET_K, 0, 0, SECCOMP_RET_ALLOW))
+    for name, (argument, flags) in SECCOMP_DENIED_FLAGS.items():
+        program += [name, (BPF_LD_W_ABS, 0, 0, 16 + 8 * argument), (BPF_JSET_K, "deny", "allow", flags)]
+    program += file_owner_checks(own_pid)
     for name, value in SECCOMP_DENIED_ARG0.items():
         program += [name, (BPF_LD_W_ABS, 0, 0, 20), (BPF_JEQ_K, 0, "allow", 0),  # args[0]'s high half 0 and
                     (BPF_LD_W_ABS, 0, 0, 16), (BPF_JEQ_K, "deny", "allow", value)]  # its low half the value: deny
@@ -231,8 +267,26 @@ def seccomp_program(machine, own_pid):
                     (BPF_JEQ_K, "allow", 0 if own_allowed else "deny", 0)]
         if own_allowed:
             program.append((BPF_JEQ_K, "allow", "deny", own_pid))
-    program += ["allow", (BPF_RET_K, 0, 0, SECCOMP_RET_ALLOW), "deny", (BPF_RET_K, 0, 0, SECCOMP_RET_ERRNO | EPERM)]
+    program += ["allow", (BPF_RET_K, 0, 0, SECCOMP_RET_ALLOW), "deny", (BPF_RET_K, 0, 0, SECCOMP_RET_ERRNO | EPERM),
+                "enosys", (BPF_RET_K, 0, 0, SECCOMP_RET_ERRNO | ENOSYS)]
     return resolve_labels(program)
+
+
+def file_owner_checks(own_pid):
+    """The labelled checks of SECCOMP_FILE_OWNER: a command that names an owner is allowed only with pid 0 (no owner)
+    or the sandbox's own; one whose pid is behind a pointer is refused; every other command is allowed."""
+    program = []
+    for name, (command_argument, commands) in SECCOMP_FILE_OWNER.items():
+        program += [name, (BPF_LD_W_ABS, 0, 0, 16 + 8 * command_argument)]
+        for command, pid_argument in commands.items():
+            target = "deny" if pid_argument is None else f"{name} {command} pid"
+            program.append((BPF_JEQ_K, target, 0, command))
+        program.append((BPF_RET_K, 0, 0, SECCOMP_RET_ALLOW))
+        for command, pid_argument in commands.items():
+            if pid_argument is not None:
+                program += [f"{name} {command} pid", (BPF_LD_W_ABS, 0, 0, 16 + 8 * pid_argument),
+                            (BPF_JEQ_K, "allow", 0, 0), (BPF_JEQ_K, "allow", "deny", own_pid)]
+    return program
 
 
 def resolve_labels(program):

@@ -172,5 +172,8 @@ def _tool_call(call: dict, family: str) -> ToolCall:
     if not isinstance(arguments, dict):
         raise ValueError(f"the arguments of the call of {fn['name']!r} are not an object")
     arguments = dict(arguments)
-    positional = arguments.pop("_positional", ()) if family == "plain" else ()
+    positional = arguments.pop("_positional", []) if family == "plain" else []
+    if not isinstance(positional, list):  # 5 raised TypeError, "ab" became two arguments 'a' and 'b'
+        raise ValueError(f'"_positional" of the call of {fn["name"]!r} must be a list of its positional arguments, '
+                         f"got {type(positional).__name__}")
     return ToolCall(fn["name"], arguments, tuple(positional))

@@ -19,7 +19,7 @@ import pytest
 from grpo_stream.common.tools import python_sandbox
 from grpo_stream.common.tools.python_sandbox import (BOOTSTRAP, UNCONFINED_SETTING, SandboxLimits, SandboxResult,
                                                      python_tool, run_python)
-from tests.sandbox_support import LIMITS, SECRET, confined, still_works, timed
+from tests.sandbox_support import LIMITS, SECRET, children_of, confined, still_works, timed
 
 
 def group_members(pgid: int) -> list[int]:
@@ -104,6 +104,40 @@ def test_a_fork_bomb_cannot_fork_and_leaves_no_process():
     threads = run_python("import _thread\n_thread.start_new_thread(print, ('thread',))", LIMITS)
     assert "can't start new thread" in threads.stderr
     still_works()
+
+
+CLONE_CODE = """
+import ctypes, os, _thread, time
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+for name, flags in (("CLONE_PARENT", 0x8000), ("CLONE_NEWUSER", 0x10000000)):
+    pid = libc.syscall(ctypes.c_long(56 if os.uname().machine == "x86_64" else 220), ctypes.c_long(flags | 17),
+                       *[ctypes.c_long(0)] * 4)
+    if pid == 0:
+        os._exit(0)
+    print(name, pid, ctypes.get_errno(), flush=True)
+pid = os.fork()
+if pid == 0:
+    os._exit(3)
+ran = []
+_thread.start_new_thread(ran.append, ("thread",))
+time.sleep(0.2)
+print("fork", os.waitpid(pid, 0)[1] >> 8, *ran)
+"""
+
+
+@confined
+def test_with_processes_allowed_no_fork_becomes_the_samplers_child_or_a_namespace():
+    """max_processes > 0: clone(CLONE_PARENT) made the new process this process's child, a zombie nobody reaps,
+    which also kept its place in the uid's RLIMIT_NPROC: after max_processes calls none could fork. CLONE_NEW* was
+    unshare's namespaces by another door. fork and threads still work (glibc falls back from clone3 to clone)."""
+    # RLIMIT_NPROC counts every process of the uid (nobody, when root): room for other tests' calls at the same time
+    limits = SandboxLimits(cpu_seconds=1, wall_seconds=6, max_processes=16)
+    children = set(children_of(os.getpid()))
+    for _ in range(2):
+        result = run_python(CLONE_CODE, limits)
+        assert result.stdout.splitlines() == ["CLONE_PARENT -1 1", "CLONE_NEWUSER -1 1", "fork 3 thread"], result
+    assert set(children_of(os.getpid())) == children
 
 
 @confined

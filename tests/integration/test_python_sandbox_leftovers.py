@@ -14,7 +14,7 @@ import pytest
 from grpo_stream.common.tools import python_sandbox
 from grpo_stream.common.tools.python_sandbox import SandboxLimits, run_python
 from tests.integration.test_python_sandbox_parent import non_root_parent
-from tests.sandbox_support import LIMITS, confined, still_works
+from tests.sandbox_support import LIMITS, children_of, confined, still_works
 
 
 def sysv_objects() -> dict[str, list[str]]:
@@ -154,19 +154,6 @@ threading.Thread(target=run_python, args=("import time\\ntime.sleep(120)", Sandb
 print("calling", flush=True)
 time.sleep(120)
 """
-
-
-def children_of(pid: int) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if entry.isdigit() and int(fields[1]) == pid:
-            found.append(int(entry))
-    return found
 
 
 def alive(pid: int) -> bool:

@@ -1,9 +1,11 @@
 """The Python sandbox's parent as a non-root uid (the child then keeps that uid): the code cannot change the
-parent's limits or priority, nor signal it; the seccomp filter itself is run on a small BPF interpreter for both
-machines it is written for."""
+parent's limits or priority, signal it (also through a file it makes the parent own), nor change the mode, owner,
+times or size of that uid's files outside its directory; the seccomp filter itself is run on a small BPF
+interpreter for both machines it is written for."""
 
 import json
 import os
+import pathlib
 import re
 import resource
 import shutil
@@ -45,14 +47,26 @@ ON_THE_PARENT = {"prlimit NOFILE": "resource.prlimit(parent, resource.RLIMIT_NOF
                  "setpriority": "os.setpriority(os.PRIO_PROCESS, parent, 19)",
                  "setpriority group": "os.setpriority(os.PRIO_PGRP, os.getpgid(parent), 19)",
                  "sched_setaffinity": "os.sched_setaffinity(parent, {min(os.sched_getaffinity(0))})",
-                 "pidfd_open": "os.pidfd_open(parent)"}
+                 "pidfd_open": "os.pidfd_open(parent)",
+                 # the owner of a file gets SIGIO (default: terminate) on its I/O: of the stdout pipe, on each of the
+                 # parent's reads; of a socketpair, on each send
+                 "F_SETOWN": "fcntl.fcntl(1, fcntl.F_SETFL, fcntl.fcntl(1, fcntl.F_GETFL) | os.O_ASYNC); "
+                             "fcntl.fcntl(1, fcntl.F_SETOWN, parent)",
+                 "F_SETOWN group": "fcntl.fcntl(1, fcntl.F_SETOWN, -os.getpgid(parent))",
+                 "F_SETOWN_EX": "fcntl.fcntl(1, 15, struct.pack('ii', 1, parent))",
+                 "FIOSETOWN": "fcntl.ioctl(pair[1].fileno(), 0x5452, struct.pack('i', 1)); "  # FIOASYNC
+                              "fcntl.ioctl(pair[1].fileno(), 0x8901, struct.pack('i', parent)); pair[0].send(b'x')",
+                 "SIOCSPGRP": "fcntl.ioctl(pair[1].fileno(), 0x8902, struct.pack('i', parent)); pair[0].send(b'x')"}
 ON_ITSELF = {"own prlimit": "resource.prlimit(0, resource.RLIMIT_NOFILE, (32, 32))",
-             "own kill 0": "os.kill(os.getpid(), 0)", "own setpriority": "os.setpriority(os.PRIO_PROCESS, 0, 5)"}
+             "own kill 0": "os.kill(os.getpid(), 0)", "own setpriority": "os.setpriority(os.PRIO_PROCESS, 0, 5)",
+             "own F_SETOWN": "fcntl.fcntl(pair[0].fileno(), fcntl.F_SETOWN, os.getpid())"}
 
 
 def attempts_code(attempts: dict[str, str]) -> str:
     """Code that tries each attempt and prints "<name> ALLOWED" or "<name> <errno>", then its own NOFILE limit."""
     code = "import os, resource\nparent = os.getppid()\n"
+    if any("fcntl" in attempt for attempt in attempts.values()):  # not preloaded: a root pyenv's nobody lacks them
+        code += "import fcntl, socket, struct\npair = socket.socketpair()\n"
     code += "".join(f"try:\n    {a}\n    print('{k} ALLOWED')\nexcept OSError as e:\n    print('{k}', e.errno)\n"
                     for k, a in attempts.items())
     return code + "print('own NOFILE', *resource.getrlimit(resource.RLIMIT_NOFILE))\n"
@@ -129,6 +143,43 @@ def test_the_code_cannot_change_the_samplers_limits_or_signal_it():
     still_works()
 
 
+@pytest.fixture
+def reachable_folder():
+    """A folder the non-root uid can reach (pytest's tmp_path is beneath folders only root may enter)."""
+    folder = tempfile.mkdtemp(prefix="grpo-stream-test-reachable-")
+    os.chmod(folder, 0o755)
+    yield pathlib.Path(folder)
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+# fchmod: on what the code may open to read (its directory here; the interpreter's files under a user's pyenv)
+FILE_CHANGES = {"chmod": "os.chmod(target, 0o666)", "fchmod": "os.fchmod(os.open('.', os.O_RDONLY), 0o777)",
+                "chown": "os.chown(target, os.getuid(), os.getgid())", "utime": "os.utime(target, (0, 0))",
+                "truncate": "os.truncate(target, 0)"}
+
+
+@confined
+@pytest.mark.parametrize("confine", [True, False], ids=["landlock and seccomp", "seccomp alone"])
+def test_a_non_root_sampler_files_keep_their_mode_and_contents(confine, reachable_folder):
+    """Landlock has no right for chmod, chown or utime (nor for truncate before ABI 3): they reach a file by its path
+    wherever it is, and a non-root sampler's child keeps its uid, so it made the run directory's 0600 token
+    readable to every user. fchmod reaches a file the code may open to read (the interpreter's, under a user's
+    pyenv)."""
+    _, as_user = non_root_parent()
+    target = reachable_folder / "client.token"
+    target.write_text("secret")
+    target.chmod(0o600)
+    os.utime(target, (1e9, 1e9))
+    if as_user:
+        os.chown(target, as_user["user"], as_user["group"])
+    before = os.stat(target)
+    code = f"target = {str(target)!r}\n" + attempts_code(FILE_CHANGES)
+    report = run_under_non_root_parent(code, confine, seccomp=True)
+    assert report["stdout"].splitlines()[:-1] == [f"{name} 1" for name in FILE_CHANGES], report
+    after = os.stat(target)
+    assert (after.st_mode, after.st_mtime, after.st_size) == (before.st_mode, before.st_mtime, before.st_size)
+
+
 def evaluate_filter(program: list[tuple[int, int, int, int]], arch: int, number: int, *args: int) -> int:
     """Runs a seccomp program (the instructions sandbox_child uses) on one syscall; returns the action."""
     data = struct.pack("<iIQ6Q", number, arch, 0, *[a & (1 << 64) - 1 for a in (*args, *[0] * (6 - len(args)))])
@@ -137,8 +188,9 @@ def evaluate_filter(program: list[tuple[int, int, int, int]], arch: int, number:
         code, jt, jf, k = program[pc]
         if code == sandbox_child.BPF_LD_W_ABS:
             accumulator, pc = struct.unpack_from("<I", data, k)[0], pc + 1
-        elif code in (sandbox_child.BPF_JEQ_K, sandbox_child.BPF_JGE_K):
-            taken = accumulator == k if code == sandbox_child.BPF_JEQ_K else accumulator >= k
+        elif code in (sandbox_child.BPF_JEQ_K, sandbox_child.BPF_JGE_K, sandbox_child.BPF_JSET_K):
+            taken = {sandbox_child.BPF_JEQ_K: accumulator == k, sandbox_child.BPF_JGE_K: accumulator >= k,
+                     sandbox_child.BPF_JSET_K: bool(accumulator & k)}[code]
             pc += 1 + (jt if taken else jf)
         else:
             assert code == sandbox_child.BPF_RET_K
@@ -159,7 +211,8 @@ def test_the_seccomp_filter_allows_calls_on_the_sandbox_only(machine):
     assert evaluate_filter(program, arch, sandbox_child.X32_SYSCALL_BIT | 39) == deny
     assert evaluate_filter(program, arch, 172 if machine == "aarch64" else 39) == allow  # getpid
     for name in sandbox_child.SECCOMP_DENIED:
-        assert action(name, 0) == action(name, own) == deny, name
+        if sandbox_child.SYSCALL_NUMBERS[name][column] is not None:  # None: this machine has no such call
+            assert action(name, 0) == action(name, own) == deny, name
     for name, (argument, own_allowed, which) in sandbox_child.SECCOMP_OWN_PID.items():
         def call(pid: int, which_value: int = which or 0) -> int:
             args = [which_value, 0, 0] if which is not None else [0, 0, 0]
@@ -171,6 +224,20 @@ def test_the_seccomp_filter_allows_calls_on_the_sandbox_only(machine):
         if which is not None:
             assert call(0, which + 1) == call(0, which | 1 << 32) == deny, name  # a group or a user, not a process
     assert action("prlimit64", 0, 7, 1) == allow and action("prlimit64", parent, 7) == deny
+    f_setown, f_setown_ex, f_getfl, fiosetown, siocspgrp, tcgets = 8, 15, 3, 0x8901, 0x8902, 0x5401
+    for pid in (parent, -parent, 1 << 32 | parent, -1):  # the kernel reads cmd and pid as ints: low halves only
+        assert action("fcntl", 1, f_setown, pid) == action("fcntl", 1, f_setown | 1 << 32, pid) == deny, pid
+    assert action("fcntl", 1, f_setown, 0) == action("fcntl", 1, f_setown, 1 << 32 | own) == allow
+    assert action("fcntl", 1, f_setown_ex, 0) == action("fcntl", 1, f_setown_ex | 1 << 32, 0) == deny
+    assert action("fcntl", 1, f_getfl, parent) == allow
+    for command in (fiosetown, siocspgrp):
+        assert action("ioctl", 1, command, 0) == action("ioctl", 1, command | 1 << 32, 0) == deny, command
+    assert action("ioctl", 1, tcgets, 0) == allow
+    fork, thread = 0x01200011, 0x003D0F00  # glibc's fork and pthread_create flags
+    assert action("clone", fork) == action("clone", thread) == action("clone", 0x7E028000 << 32 | fork) == allow
+    for flag in (0x8000, 0x10000000, 0x20000000, 0x40000000, 0x20000):  # PARENT, NEWUSER, NEWPID, NEWNET, NEWNS
+        assert action("clone", fork | flag) == deny, hex(flag)
+    assert action("clone3", 0, 88) == sandbox_child.SECCOMP_RET_ERRNO | sandbox_child.ENOSYS
 
 
 @pytest.mark.parametrize("machine, header", [("x86_64", "x86_64-linux-gnu/asm/unistd_64.h"),
@@ -182,6 +249,12 @@ def test_the_syscall_numbers_match_the_kernel_headers(machine, header):
     with open(path) as f:
         numbers = {name: int(n) for name, n in re.findall(r"#define __NR(?:3264)?_(\w+)\s+(\d+)\b", f.read())}
     column = sandbox_child.SECCOMP_ARCHES[machine][1]
-    assert {name: values[column] for name, values in sandbox_child.SYSCALL_NUMBERS.items()} == {
-        name: numbers[name] for name in sandbox_child.SYSCALL_NUMBERS}
+    ours = {name: values[column] for name, values in sandbox_child.SYSCALL_NUMBERS.items()}
+    # None: the machine has no such call; a call newer than these headers has a number >= 424, the same on every
+    # machine since Linux 5.1 (fchmodat2, 452, came in 6.6)
+    newer = {name for name, number in ours.items() if name not in numbers and number is not None and number >= 424}
+    assert {name: number for name, number in ours.items() if name not in newer} == {
+        name: numbers.get(name) for name in ours if name not in newer}
+    assert all(sandbox_child.SYSCALL_NUMBERS[name] == (number, number) for name, number in ours.items()
+               if name in newer)
 

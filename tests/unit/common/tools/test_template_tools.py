@@ -88,6 +88,20 @@ def test_a_call_the_format_cannot_write_names_the_format(tokenizer_dirs):
         tok.render_chat([USER, answer], add_generation_prompt=False)
 
 
+@pytest.mark.parametrize("positional", [5, "ab", None, {"a": 1}])
+def test_plain_positional_arguments_that_are_not_a_list_are_named(positional):
+    """A client's assistant message carries the 'plain' format's positional arguments as "_positional": anything but
+    a list raised TypeError (the endpoint's 400 then spoke of the chat template), or a string became one argument
+    per character."""
+    call = {"function": {"name": "calculator", "arguments": {"_positional": positional}}}
+    answer = {"role": "assistant", "content": "", "tool_calls": [call]}
+    with pytest.raises(ValueError, match='"_positional" of the call of \'calculator\' must be a list'):
+        for_template([USER, answer], TOOLS, "plain", ToolSupport(schemas=False, calls=False))
+    call["function"]["arguments"]["_positional"] = ["17 * 3"]
+    messages, _ = for_template([USER, answer], TOOLS, "plain", ToolSupport(schemas=False, calls=False))
+    assert messages[-1]["content"] == "<call>calculator('17 * 3')</call>"
+
+
 def test_the_fallback_is_said_once_in_the_log_naming_the_model_and_format(tokenizer_dirs, caplog):
     caplog.set_level(logging.INFO, logger="grpo_stream.common.model.tokenizer")
     tok = HFTokenizer(tokenizer_dirs["smollm2"])
