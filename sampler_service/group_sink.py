@@ -72,12 +72,13 @@ class RateWindow:
 
 class GroupSink:
     """See the module docstring. `client`: the RolloutClient; `metrics`: lifecycle.SamplerMetrics; `abandon()`: True
-    when groups are no longer wanted (a stop, or the final version installed)."""
+    when groups are no longer wanted (a stop, or the final version installed); `left_out(run)`: told of each group
+    left out as failed (on the sink's thread), so the feeder can start another in its place."""
 
     def __init__(self, client, metrics, tokenizer, sampler_id: str, turn_weight: float, abandon: Callable[[], bool],
-                 rewards: RewardWorker):
+                 rewards: RewardWorker, left_out: Callable[[GroupRun], None] = lambda run: None):
         self.client, self.metrics, self.tokenizer, self.sampler_id = client, metrics, tokenizer, sampler_id
-        self.turn_weight, self.abandon, self.rewards = turn_weight, abandon, rewards
+        self.turn_weight, self.abandon, self.rewards, self.left_out = turn_weight, abandon, rewards, left_out
         self.groups_sent = self.groups_generated = self.tokens_generated = 0
         self.groups_failed = self._failed_in_a_row = 0
         self.episodes_errored = 0  # episodes an environment ended with an error (trained as they stand)
@@ -137,12 +138,14 @@ class GroupSink:
         self.groups_generated += work.train  # the run's waste is counted from these
         failed = next((r.failed for r in run.results if r.failed), None)
         if failed:
+            self.left_out(run)
             self._failed(work.group_id, failed)
             return
         try:
             group = build_group(work, run.results, self.sampler_id, self.tokenizer, self.turn_weight,
                                 run.version_at_start, self.rewards.call)
         except RewardError as exc:  # one completion a reward cannot score: its group, not the sampler
+            self.left_out(run)
             self._reward_failed(work.group_id, exc)
             return
         self._failed_in_a_row = 0  # (after scoring: a reward failing every group must still reach the limit)

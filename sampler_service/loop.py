@@ -24,6 +24,7 @@ another model, a token refused) tells the entry point that restarting the sample
 
 from __future__ import annotations
 
+import collections
 import itertools
 import json
 import logging
@@ -77,6 +78,9 @@ class Sampler:
         self.ingest_stub = self.sync = self.client = self.stream = None
         self.serve_seconds = self.engine_idle_seconds = 0.0
         self.groups_started = 0
+        # groups the sink left out (failed), by the version installed when they started: they count toward
+        # sampler.max_groups_per_version no more (the trainer's step never gets them; another must start instead)
+        self.left_out_at_version: collections.Counter[int] = collections.Counter()
         self.waited_for_weights_s = 0.0
         self._held_since: float | None = None  # since when no group may start for want of weights
         self._last_report, self._last_line = 0.0, time.monotonic()
@@ -124,7 +128,8 @@ class Sampler:
         self.sink = GroupSink(parts.client, parts.metrics, parts.tokenizer, self.sampler_id,
                               self.cfg.environment.turn_reward_weight,
                               abandon=lambda: self.stop_event.is_set() or self.weights.final,
-                              rewards=RewardWorker(self.source.rewards.allowed, self.cfg.task.reward_timeout_s))
+                              rewards=RewardWorker(self.source.rewards.allowed, self.cfg.task.reward_timeout_s),
+                              left_out=self._left_out)
 
     def _stream_until_done(self, parts: Parts) -> None:
         """Feed the stream until the final version is fetched or a stop is asked for; then install the final
@@ -177,6 +182,7 @@ class Sampler:
         wanted = max(room // gen.num_generations, 1 if waiting else 0)
         if wanted <= 0 or self._held_back():
             return
+        wanted = min(wanted, self._version_allows())  # a cap's remainder, not one more feed's worth past it
         # never below 0: the ingest refuses a negative count for good (INVALID_ARGUMENT), which would stop the sampler
         holding = max(0, parts.client.unacked + self.sink.pending() + len(stream.in_flight()))
         version, epoch = self.weights.version, self.weights.epoch
@@ -196,9 +202,7 @@ class Sampler:
         drain for a new version is on."""
         if self.client.unacked + self.sink.pending() >= self.cfg.sampler.backlog_max_groups:
             return True
-        cap = self.cfg.sampler.max_groups_per_version
-        held = (self.sync.too_stale() or (cap is not None and self.weights.groups_at_version >= cap)
-                or self.weights.staged.waiting())
+        held = self.sync.too_stale() or self._version_allows() <= 0 or self.weights.staged.waiting()
         now = time.monotonic()
         if held and self._held_since is None:
             self._held_since = now
@@ -209,6 +213,22 @@ class Sampler:
             self.waited_for_weights_s += now - self._held_since
             self._held_since = None
         return held
+
+    def _left_out(self, run) -> None:
+        """The sink left a group out (the sink's thread): see left_out_at_version."""
+        self.left_out_at_version[run.version_at_start] += 1
+
+    def _version_allows(self) -> int:
+        """Groups sampler.max_groups_per_version still lets start with the installed version (those started with it,
+        less those left out: a failed group counted against it held the sampler for a version the trainer could
+        never make, as it waits for the step's groups: a hang of synchronous GRPO). Without a cap, any number."""
+        cap = self.cfg.sampler.max_groups_per_version
+        if cap is None:
+            return 2**31 - 1
+        version, left_out = self.weights.version, self.left_out_at_version
+        for old in [v for v in list(left_out) if v < version]:  # versions no longer installed count nothing
+            del left_out[old]
+        return cap - (self.weights.groups_at_version - left_out[version])
 
     def _summary(self, parts: Parts, started: float, drained: bool, verified: dict | None, endpoint) -> dict:
         """The run's figures: logged, returned, and written to RUN_DIR/sampler-<index>.json."""

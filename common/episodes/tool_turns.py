@@ -138,8 +138,20 @@ class ToolTurns:
         self._lock = threading.Lock()
 
     def start(self, run: GroupRun) -> None:
+        """Start every row's episode. An environment whose `start` raises (a problem it cannot set up) fails the
+        whole group, nothing decoded: raised here, on the feeder's thread, it stopped the sampler with the group's
+        rows held, and a restarted sampler met the same problem at the same data position again."""
+        episodes = []
         for row in range(run.work.rows):
-            _Episode(self, run, row, self.environment.start(run.work.problem)).next_turn()
+            try:
+                episodes.append(_Episode(self, run, row, self.environment.start(run.work.problem)))
+            except Exception as exc:  # noqa: BLE001 - an environment's bug fails its group, never the sampler
+                why = f"the environment's start raised {type(exc).__name__}: {exc}"[:500]
+                for failed_row in range(run.work.rows):
+                    run.episode_done(failed_row, EpisodeResult(failed=why))
+                return
+        for episode in episodes:
+            episode.next_turn()
 
     def add_environment_seconds(self, seconds: float) -> None:
         with self._lock:

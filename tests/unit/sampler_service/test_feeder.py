@@ -3,6 +3,7 @@ reports to the ingest's Admit is never negative (the ingest refuses a negative o
 sampler), ended groups still being scored count against the backlog (a reward slower than generation piled them up
 without bound), and each group it starts carries the trainer epoch of the weights installed."""
 
+import collections
 import threading
 import types
 
@@ -50,6 +51,7 @@ def feeder(cfg, client, sink, admitted, epoch="e1"):
     sampler.cfg, sampler.client, sampler.sink, sampler._held_since = cfg, client, sink, None
     sampler.rows_in_flight = sampler.slots = 4 * cfg.generation.num_generations
     sampler.groups_started, sampler.waited_for_weights_s = 0, 0.0
+    sampler.left_out_at_version = collections.Counter()
     sampler.sync = types.SimpleNamespace(too_stale=lambda: False, lag=lambda: 0)
     sampler.weights = types.SimpleNamespace(version=3, epoch=epoch, groups_at_version=0, group_started=lambda: None,
                                             staged=types.SimpleNamespace(waiting=lambda: False))
@@ -122,6 +124,44 @@ def test_ended_groups_waiting_for_a_slow_reward_hold_the_feeder_back(small_cfg):
         reward.release.set()
         sink.close()
 
+
+def test_a_group_left_out_no_longer_counts_toward_the_versions_cap(small_cfg):
+    """Synchronous GRPO (sampler.max_groups_per_version): a group the sink left out (an environment or a reward
+    failed) still counted toward the version's cap, so the sampler waited for the next version while the trainer
+    waited for the step's missing group: both for ever. A group of an older version frees nothing."""
+    cfg = small_cfg.model_copy(update={"sampler": small_cfg.sampler.model_copy(update={"max_groups_per_version": 2})})
+    client = Client()
+    sampler = feeder(cfg, client, None, [])
+    sink = GroupSink(client, SamplerMetrics("s"), types.SimpleNamespace(decode=lambda ids: "1"), "s", 0.0,
+                     lambda: False, types.SimpleNamespace(close=lambda: None), left_out=sampler._left_out)
+    sampler.sink = sink
+    try:
+        sampler.weights.groups_at_version = 2
+        assert sampler._held_back()
+        older, failed = ended_group(cfg, 0), ended_group(cfg, 1)
+        older.version_at_start, failed.version_at_start = 2, 3  # the older one was not one of version 3's 2
+        for run in (older, failed):
+            run.work.rewards = None
+            run.results[1] = EpisodeResult(failed="the environment's start raised KeyError")
+            sink.put(run)
+        wait_for(lambda: sink.groups_failed == 2, 10, "the sink to leave both groups out")
+        assert not sampler._held_back()
+        sampler._feed(sampler)
+        assert sampler.groups_started == 1  # the one group the version still owes the trainer
+        sampler.weights.groups_at_version += 1
+        assert sampler._held_back()
+    finally:
+        sink.close()
+
+
+def test_one_feed_starts_no_more_groups_than_the_versions_cap_allows(small_cfg):
+    """The cap was checked before a feed only: with room for 4 groups and a cap of 2 (none started yet) one feed
+    started 4, twice the version's share of the step (with admission off, the extra ones are made to be dropped as
+    stale)."""
+    cfg = small_cfg.model_copy(update={"sampler": small_cfg.sampler.model_copy(update={"max_groups_per_version": 2})})
+    sampler = feeder(cfg, Client(), types.SimpleNamespace(pending=lambda: 0), [])
+    sampler._feed(sampler)
+    assert sampler.groups_started == 2 and sampler.stream.room(16, 16) == 8
 
 
 def test_an_error_the_sink_meets_while_it_finishes_at_the_final_version_stops_the_sampler(small_cfg):

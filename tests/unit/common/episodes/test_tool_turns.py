@@ -226,3 +226,31 @@ def test_an_answer_closed_on_the_budgets_last_token_is_finished_if_the_environme
     result = _one_scripted_turn(tiny_parts, Ending(goes_on), settings, sampled)
     assert result.tokens == sampled and result.turn_closed == [True] and result.turn_rewards == [1.0]
     assert result.finished == (not goes_on)  # no room for the observation: truncated
+
+
+def test_an_environment_whose_start_raises_fails_its_group_not_the_sampler(tiny_parts):
+    """`Environment.start` raising for one row (a problem the environment cannot set up) was raised on the feeder's
+    thread: the sampler stopped with the group's rows held in flight, and its restart met the same problem at the
+    same data position. Now the group ends at once, every row failed with the reason, nothing sent to the engine."""
+    from grpo_stream.common.episodes.result import GroupWork
+    from grpo_stream.common.episodes.stream import RolloutStream
+
+    class StartsTwice(Scripted):
+        def start(self, problem):
+            self.started = getattr(self, "started", 0) + 1
+            if self.started == 3:
+                raise KeyError("no such table")
+            return super().start(problem)
+
+    cfg, task, tok, _ = tiny_parts
+    problem = task.train_problem(0)
+    ended = []
+    stream = RolloutStream(lambda key, rows: list(range(rows)), ended.append)
+    kind = ToolTurns(StartsTwice(turns=2), PlainRenderer(tok), EpisodeSettings(2, 6, C), tok, 1)
+    try:
+        stream.start(GroupWork(problem, tok.encode(problem.prompt), 4, None, "g", 0, jax.random.key(0)), kind)
+    finally:
+        kind.close()
+    assert [run.work.group_id for run in ended] == ["g"] and stream.take() == []
+    assert all("start raised KeyError" in r.failed for r in ended[0].results)
+    assert stream.episodes_in_flight == 0 and not stream.in_flight()
