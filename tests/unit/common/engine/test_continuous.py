@@ -243,7 +243,7 @@ def test_groups_merge_when_two_would_exceed_the_cache_memory(tiny_parts):
     prompts = [(p * 2)[:3 + i % 21] for i, p in enumerate(_prompts(task, tok, 32))]  # staggered lengths
     budgets = [120] * 32
     two = _engine(tiny_parts, 32, 4, 120, 2)
-    two.row_work = 0.0
+    two.table.row_work = 0.0  # the cost model lives in the slot table
     out = two.generate(model.params, prompts, jax.random.key(9), max_new_tokens=budgets)
     assert out.lengths.tolist() == budgets
     one = _engine(tiny_parts, 32, 4, 120, 1).generate(model.params, prompts, jax.random.key(9),
