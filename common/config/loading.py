@@ -4,8 +4,9 @@ name the dotted field."""
 from __future__ import annotations
 
 import copy
+import difflib
 import pathlib
-import re
+import reprlib
 import typing
 from typing import Any
 
@@ -15,25 +16,9 @@ from pydantic import BaseModel, ValidationError
 from grpo_stream.common.config.base import ConfigError
 from grpo_stream.common.config.redact import redacted
 from grpo_stream.common.config.schema import RunConfig
+from grpo_stream.common.config.yaml_text import one_line, read_yaml
 
-
-class _Loader(yaml.SafeLoader):
-    """YAML as people write numbers now (YAML 1.2's floats): PyYAML's 1.1 rules read `1e-5` (no point) and `5e-1` as
-    strings, which a typed field converts but a free-form one (`sampler.vllm.engine_args`, `task.verifiers.args`)
-    would hand on as text."""
-
-
-_Loader.yaml_implicit_resolvers = {k: list(v) for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?|[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)"
-               r"|\.[0-9_]+(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
-    list("-+0123456789."))
-
-
-def read_yaml(text: str) -> Any:
-    """`text` parsed as the config's YAML (safe: no tags that build objects; YAML 1.2 floats)."""
-    return yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader is a SafeLoader
+__all__ = ["apply_overrides", "load_config", "parse_override", "read_yaml", "to_yaml"]
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -45,7 +30,9 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     try:
         value = read_yaml(raw) if raw else ""
     except yaml.YAMLError as exc:
-        raise ConfigError(f"override {key}: value {raw!r} is not valid YAML ({exc.__class__.__name__})") from None
+        raise ConfigError(f"override {key}: value {raw!r} is not valid YAML at {one_line(exc)}") from None
+    except RecursionError:
+        raise ConfigError(f"override {key}: value nested too deeply to read as a config value") from None
     if value is None and raw.strip().startswith("#"):  # YAML reads `# hi` as a comment: it would be null, silently
         raise ConfigError(f"override {key}: value {raw!r} starts with '#', which YAML reads as a comment (null); "
                           f"quote it: {key}='\"{raw}\"'")
@@ -54,14 +41,18 @@ def parse_override(text: str) -> tuple[list[str], Any]:
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """`data` with each dotted override set. A key the file does not set inside a free-form mapping (e.g.
-    `task.rewards.answer_format=0.5`) starts from the field's default, so the mapping's other keys stay."""
+    `task.rewards.answer_format=0.5`) starts from the field's default, so the mapping's other keys stay; so does a
+    section the file leaves empty or null (`model.lora: null`, then `model.lora.rank=8`)."""
     for text in overrides:
         path, value = parse_override(text)
         node = data
         for i, part in enumerate(path[:-1]):
-            if part not in node:
-                node[part] = _default_mapping(path[:i + 1])
-            child = node[part]
+            child = node.get(part)
+            if child is None:
+                child = _default_mapping(path[:i + 1])
+                if child is None:
+                    raise ConfigError(f"override {text!r}: {'.'.join(path[:i + 1])} is a value, not a section")
+                node[part] = child
             if not isinstance(child, dict):
                 raise ConfigError(f"override {text!r}: {'.'.join(path[:i + 1])} is a value, not a section")
             node = child
@@ -69,17 +60,22 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
-def _default_mapping(path: list[str]) -> dict[str, Any]:
+def _default_mapping(path: list[str]) -> dict[str, Any] | None:
     """What a dotted override into `path` starts from when the file does not set it: a copy of the field's default
-    when that is a free-form mapping, else {} (a section: its own defaults fill it)."""
+    when that is a free-form mapping, {} for a section (its own defaults fill it) or a key the schema does not have
+    (validation names it), None for a field that holds a value."""
     model: Any = RunConfig
     for i, part in enumerate(path):
         field = getattr(model, "model_fields", {}).get(part)
         if field is None:
             return {}
         if i == len(path) - 1:
+            if _section_of(field.annotation) is not None:
+                return {}
             default = field.get_default(call_default_factory=True)
-            return copy.deepcopy(default) if isinstance(default, dict) else {}
+            if isinstance(default, dict) or typing.get_origin(field.annotation) is dict:
+                return copy.deepcopy(default) if isinstance(default, dict) else {}
+            return None
         model = _section_of(field.annotation)
     return {}
 
@@ -91,32 +87,74 @@ def _section_of(annotation: Any) -> Any:
     return next((a for a in typing.get_args(annotation) if isinstance(a, type) and issubclass(a, BaseModel)), None)
 
 
+
+def _short_repr() -> reprlib.Repr:
+    """repr for an error message: long strings, lists and mappings cut (a value pasted whole, or aliases' output)."""
+    short = reprlib.Repr()  # keyword limits need Python 3.12
+    short.maxstring, short.maxother, short.maxlist, short.maxdict, short.maxlevel = 80, 80, 6, 6, 3
+    return short
+
+
+_SHORT = _short_repr()
+
+
+def _unknown_key(loc: tuple[Any, ...]) -> str:
+    """The message for a key the section at loc[:-1] does not have, with the nearest field it does have."""
+    model: Any = RunConfig
+    for part in loc[:-1]:
+        field = getattr(model, "model_fields", {}).get(part)
+        model = _section_of(field.annotation) if field is not None else None
+    dotted = ".".join(str(p) for p in loc)
+    close = difflib.get_close_matches(str(loc[-1]), list(getattr(model, "model_fields", {})), n=1, cutoff=0.75)
+    if close:
+        nearest = ".".join([*(str(p) for p in loc[:-1]), close[0]])
+        return f"{dotted}: unknown key; did you mean {nearest}? (see --print-config for valid keys)"
+    return f"{dotted}: unknown key; remove it or check its spelling (see --print-config for valid keys)"
+
+
 def _format_errors(exc: ValidationError) -> str:
     lines = []
     for err in exc.errors():
         loc = ".".join(str(p) for p in err["loc"]) or "<root>"
+        msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
-            lines.append(f"{loc}: unknown key; remove it or check its spelling (see --print-config for valid keys)")
+            lines.append(_unknown_key(err["loc"]))
+        elif err["type"] == "model_type" and err.get("input") is None:
+            lines.append(f"{loc}: is empty (null), but it is a section; give it keys or remove it (its defaults "
+                         "apply)")
+        elif err["type"] == "value_error":
+            lines.append(f"{loc}: {msg}" if err["loc"] else msg)  # a check across sections names its fields
         else:
-            msg = err["msg"].removeprefix("Value error, ")
-            lines.append(f"{loc}: {msg}" if err["type"] == "value_error" else f"{loc}: {msg} (got {err.get('input')!r})")
+            lines.append(f"{loc}: {msg} (got {_SHORT.repr(err.get('input'))})")
     return "; ".join(lines)
+
+
+def _read_file(path: pathlib.Path) -> dict[str, Any]:
+    """The mapping a config file holds, or a ConfigError naming the file and what is wrong with it."""
+    if not path.is_file():
+        raise ConfigError(f"--config {path}: no such file")
+    try:
+        text = path.read_bytes().decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = path.read_bytes()[:exc.start].count(b"\n") + 1
+        raise ConfigError(f"--config {path}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x} on line {line}); "
+                          "save it as UTF-8") from None
+    except OSError as exc:
+        raise ConfigError(f"--config {path}: cannot be read ({exc.strerror or exc})") from None
+    try:
+        loaded = read_yaml(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--config {path}: not valid YAML at {one_line(exc)}") from None
+    except RecursionError:
+        raise ConfigError(f"--config {path}: nested too deeply to read as a config") from None
+    if loaded is not None and not isinstance(loaded, dict):
+        raise ConfigError(f"--config {path}: top level must be a mapping of sections (got {type(loaded).__name__})")
+    return loaded or {}
 
 
 def load_config(path: str | pathlib.Path | None, overrides: list[str] | None = None) -> RunConfig:
     """Read YAML `path` (or defaults when None), apply dotted overrides, validate."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        path = pathlib.Path(path)
-        if not path.is_file():
-            raise ConfigError(f"--config {path}: no such file")
-        try:
-            loaded = read_yaml(path.read_text())
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"--config {path}: not valid YAML: {exc}") from None
-        if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError(f"--config {path}: top level must be a mapping of sections")
-        data = loaded or {}
+    data = _read_file(pathlib.Path(path)) if path is not None else {}
     data = apply_overrides(data, overrides or [])
     try:
         return RunConfig.model_validate(data)

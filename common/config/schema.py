@@ -317,6 +317,16 @@ class RunConfig(Strict):
                              "for weights the trainer cannot make; raise max_groups_per_version")
         return self
 
+    @model_validator(mode="after")
+    def _buffer_holds_a_step(self) -> "RunConfig":
+        # groups the trainer has read for a step but not trained still wait in the buffer (count against max_groups)
+        if self.buffer.max_groups < self.trainer.groups_per_step:
+            raise ValueError(f"buffer.max_groups={self.buffer.max_groups} < trainer.groups_per_step="
+                             f"{self.trainer.groups_per_step}: the ingest would refuse groups before a step could "
+                             "fill, and the trainer would wait for ever; raise buffer.max_groups to at least "
+                             f"{self.trainer.groups_per_step}")
+        return self
+
     def engine_slots(self) -> tuple[str, int]:
         """(the field, its value) of the most sequences a sampler's engine decodes at once (its KV cache holds them):
         generation.decode_slots for the JAX engine, sampler.vllm.max_num_seqs for vLLM (the engine registry's)."""

@@ -36,7 +36,7 @@ def test_a_config_error_stays_one_line_without_a_traceback_file(tmp_path, capsys
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
     assert main(["config", "show", "trainer.stepz=3"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["grpo-stream config: config error: trainer.stepz: unknown key; remove it or check its spelling "
+    assert err == ["grpo-stream config: config error: trainer.stepz: unknown key; did you mean trainer.steps? "
                    "(see --print-config for valid keys)"]
     assert not list(tmp_path.iterdir())
 

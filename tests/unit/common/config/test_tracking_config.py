@@ -30,7 +30,7 @@ def test_an_enabled_run_takes_its_settings():
     (["tracking.wandb.enabled=true", "tracking.wandb.project=' '"], "tracking.wandb.project: empty while"),
     ([*ON, "tracking.wandb.project=team/runs"], "tracking.wandb.project: 'team/runs' holds '/', which W&B refuses "
      "in a project name"),
-    ([*ON, "tracking.wandb.projet=x"], "tracking.wandb.projet: unknown key; remove it or check its spelling"),
+    ([*ON, "tracking.wandb.projet=x"], "tracking.wandb.projet: unknown key; did you mean tracking.wandb.project?"),
     (["tracking.neptune.enabled=true"], "tracking.neptune: unknown key"),
     ([*ON, "tracking.wandb.mode=disabled"], "tracking.wandb.mode: Input should be 'online' or 'offline'"),
     ([*ON, "tracking.wandb.samples_max_rows=0"], "tracking.wandb.samples_max_rows: Input should be greater than or "

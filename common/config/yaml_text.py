@@ -1,0 +1,101 @@
+"""The config's YAML dialect: safe (no tags that build objects), YAML 1.2 floats, no key given twice in one mapping,
+and aliases that cannot expand a short file into a huge value."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import yaml
+from yaml.constructor import ConstructorError
+from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
+
+# the most nodes aliases may add beyond those the text writes out: a real config expands by a few hundred at most,
+# while ten nested aliases of ten items each (a "billion laughs") expand to 10^10, which parses in a millisecond and
+# then fills memory when the value is validated, printed (`config show`) or saved (RUN_DIR/config.yaml)
+MAX_ALIAS_NODES = 100_000
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
+class _Loader(yaml.SafeLoader):
+    """YAML as people write numbers now (YAML 1.2's floats): PyYAML's 1.1 rules read `1e-5` (no point) and `5e-1` as
+    strings, which a typed field converts but a free-form one (`sampler.vllm.engine_args`, `task.verifiers.args`)
+    would hand on as text."""
+
+
+_Loader.yaml_implicit_resolvers = {k: list(v) for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?|[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)"
+               r"|\.[0-9_]+(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
+    list("-+0123456789."))
+
+
+def _refuse_repeated_keys(node: MappingNode) -> None:
+    """A key written twice in one mapping (PyYAML keeps the last silently, so an edit lower in a long section would
+    quietly undo one above it). Checked on the composed nodes, before merge keys (`<<: *base`) are folded in: a key
+    a mapping writes itself may override a merged one."""
+    first_line: dict[tuple[str, str], int] = {}
+    for key_node, _ in node.value:
+        if key_node.tag == _MERGE_TAG or not isinstance(key_node, ScalarNode):
+            continue
+        key = (key_node.tag, key_node.value)
+        if key in first_line:
+            raise ConstructorError("while constructing a mapping", node.start_mark,
+                                   f"found key {key_node.value!r} a second time (first on line {first_line[key]}); "
+                                   "keep one of them", key_node.start_mark)
+        first_line[key] = key_node.start_mark.line + 1
+
+
+def _check_nodes(root: Node) -> None:
+    """Refuse a document with a key written twice in a mapping, or whose aliases expand it by more than
+    MAX_ALIAS_NODES nodes, or refer to themselves."""
+    sizes: dict[int, int] = {}
+    open_nodes: set[int] = set()
+
+    def size(node: Node) -> int:
+        if id(node) in sizes:
+            return sizes[id(node)]
+        if id(node) in open_nodes:
+            raise ConstructorError(None, None, "an alias refers to the value that contains it (a recursive "
+                                   "structure); a config holds plain values", node.start_mark)
+        children: list[Node] = []
+        if isinstance(node, SequenceNode):
+            children = node.value
+        elif isinstance(node, MappingNode):
+            _refuse_repeated_keys(node)
+            children = [n for pair in node.value for n in pair]
+        open_nodes.add(id(node))
+        sizes[id(node)] = 1 + sum(size(child) for child in children)
+        open_nodes.discard(id(node))
+        return sizes[id(node)]
+
+    expanded = size(root)
+    if expanded - len(sizes) > MAX_ALIAS_NODES:
+        raise ConstructorError(None, None, f"its aliases expand it to {expanded:,} values, more than "
+                               f"{MAX_ALIAS_NODES:,} beyond the {len(sizes):,} it writes out (nested aliases that "
+                               "multiply: a 'billion laughs'); write the values out or use fewer nested aliases",
+                               root.start_mark)
+
+
+def read_yaml(text: str) -> Any:
+    """`text` parsed as the config's YAML: safe, YAML 1.2 floats, no repeated keys, bounded alias expansion."""
+    loader = _Loader(text)
+    try:
+        root = loader.get_single_node()
+        if root is None:
+            return None
+        _check_nodes(root)
+        return loader.construct_document(root)
+    finally:
+        loader.dispose()
+
+
+def one_line(exc: yaml.YAMLError) -> str:
+    """A YAML error as one line: where (line and column, 1-based), what it was reading, the problem."""
+    if not isinstance(exc, yaml.MarkedYAMLError):
+        return str(exc).replace("\n", " ")
+    mark = exc.problem_mark or exc.context_mark
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    what = ", ".join(part for part in (exc.context, exc.problem) if part)
+    return f"{where}{what}"
