@@ -25,8 +25,9 @@ from grpo_stream.common.episodes.evaluation import greedy_probe
 from grpo_stream.common.model.hf_checkpoint import export_hf, resolve_model_dir
 from grpo_stream.common.weights.snapshot import digest
 from grpo_stream.trainer_service.checkpoints.durability import Resumed
+from grpo_stream.trainer_service.checkpoints.errors import RunRefused
 from grpo_stream.trainer_service.learning.params_policy import params_policy
-from grpo_stream.trainer_service.plans import DonePlan, FinishPlan, Plan, StartPlan, StepPlan
+from grpo_stream.trainer_service.plans import DonePlan, FinishPlan, Plan, StartPlan, StepPlan, evaluated_during_rl
 from grpo_stream.trainer_service.learning.packing import packing_layout
 from grpo_stream.trainer_service.learning.rl_update import PolicyUpdater, state_report
 from grpo_stream.trainer_service.reports.in_run_eval import InRunEvaluator, metric_values
@@ -63,6 +64,14 @@ class CoreHooks:
     def evaluated(self, step: int, values: dict[str, float]) -> None:
         """A held-out evaluation of the weights after `step` (0: before RL), its scalars (in_run_eval.metric_values);
         on the step-report thread, so the trackers take one record at a time."""
+
+    def carried(self) -> dict:
+        """Run-long counts of these hooks that each checkpoint's record keeps, as of the steps `trained` saw (all of
+        those the checkpoint holds: it is saved after them), so a resumed trainer goes on counting (`restored`)."""
+        return {}
+
+    def restored(self, record: dict) -> None:
+        """The record of the checkpoint a resumed trainer restored (what `carried` put there)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,6 +137,8 @@ class TrainerCore:
             self.updater = self._new_updater()
             resumed = self.keeper.restore(plan.restore, self.updater)
         if resumed is not None:
+            self._check_within_steps(resumed.step)
+            self.hooks.restored(resumed.record)
             state = resumed.state
             self.updater.params, self.updater.opt_state = state["params"], state["opt_state"]
             self.updater.ref_params = state.get("ref_params", self.updater.ref_params)
@@ -144,15 +155,29 @@ class TrainerCore:
                  f"resumes at step {self.start_step + 1}" if resumed else "starts")
         return self.start_step
 
+    def _check_within_steps(self, step: int) -> None:
+        """A checkpoint past trainer.steps (lowered since) is refused before anything is published: resumed there, the
+        run would train nothing and never end (export, eval_after, the final version wait for step trainer.steps)."""
+        steps = self.cfg.trainer.steps
+        if step > steps:
+            raise RunRefused(f"the checkpoint resumed is of RL step {step}, past trainer.steps={steps}: this run "
+                             f"trained further than it is now configured to. Set trainer.steps={step} to end it "
+                             f"there (export, eval_after) or higher to go on, or start a new run (another run.name "
+                             f"and checkpoint.dir)")
+
     def _new_run(self, plan: StartPlan) -> None:
         warm = None
         if plan.warm_start:
             p = self.parts
             self.params, warm = warm_start(self.model, self.params, p.task, p.tokenizer, self.cfg, self.metrics,
                                            self.warm_stop, progress=self.progress)
-            if plan.export_warm and not (self.warm_stop is not None and self.warm_stop.is_set()):
-                self._export("warmstart-model", "warm-started")
-        self.carried = {"warmstart": warm, "eval_before": self.evaluate("eval_before") if plan.eval_before else None}
+        # stopped (in the warm start or before): no step or checkpoint follows, the next start does this again; an
+        # evaluation would only hold the stop (past up.stop_grace_s) for weights no run trains from
+        stopped = self.warm_stop is not None and self.warm_stop.is_set()
+        if plan.warm_start and plan.export_warm and not stopped:
+            self._export("warmstart-model", "warm-started")
+        evaluate = plan.eval_before and not stopped
+        self.carried = {"warmstart": warm, "eval_before": self.evaluate("eval_before") if evaluate else None}
         if self.carried["eval_before"] is not None:
             self._record(0, self.carried["eval_before"])
         self.updater = self._new_updater()
@@ -245,7 +270,7 @@ class TrainerCore:
 
     # -- the end ------------------------------------------------------------------------------------------------
     def finish(self, plan: FinishPlan) -> dict | None:
-        """The last checkpoint and, for a complete run, evaluation, export and the final publication. Returns the
+        """The last checkpoint and, for a complete run, the export, the final publication and eval_after. Returns the
         final evaluation (None when there is none)."""
         self.wait_background()
         if plan.checkpoint:  # stopped by a signal between checkpoints: keep what was trained
@@ -257,12 +282,14 @@ class TrainerCore:
             log.info("stopped at step %d with a checkpoint; start the trainer again to resume", plan.steps)
             return None
         self._drain_evaluations()
-        eval_after = self.evaluate("eval_after") if plan.eval_after else None
-        if eval_after is not None:
-            self._record(plan.steps, eval_after)
+        # the model and the final version before eval_after: a failing evaluation fails the run (and its restarts),
+        # it must not cost the trained model
         self._export("model", "trained")  # serve it, or `eval` it
         if plan.publish:  # a resumed, already complete run: tell samplers to stop
             self._publish(plan.steps, self.params, final=True)
+        eval_after = self.evaluate("eval_after") if plan.eval_after else None
+        if eval_after is not None:
+            self._record(plan.steps, eval_after)
         return eval_after
 
     def done(self, plan: DonePlan) -> dict | None:
@@ -295,8 +322,8 @@ class TrainerCore:
         self.evaluator = InRunEvaluator(evaluate, self._record, self.cfg.eval.max_share, record.get("eval_curve"))
         self.evaluator.skipped = list(record.get("eval_skipped") or [])
         self.evaluator.errors = int(record.get("eval_errors") or 0)
-        s = self.start_step
-        if s and s % self.cfg.eval.every_steps == 0 and not self.evaluator.evaluated(s) and s < self.cfg.trainer.steps:
+        s = self.start_step  # step 0: eval_before's; the last step (a complete run resumed): when eval_after is off
+        if s and evaluated_during_rl(self.cfg, s) and not self.evaluator.evaluated(s):
             self._submit_evaluation(s)
 
     def _submit_evaluation(self, step: int) -> None:
@@ -334,9 +361,9 @@ class TrainerCore:
         self._reporter.submit(hand_over)
 
     def carried_now(self) -> dict:
-        """What checkpoints and summary.json carry: the warm start's report, eval_before, and the evaluation curve
-        during RL so far (with its skipped versions and errors)."""
-        state = self.evaluator.state() if self.evaluator is not None else {}
+        """What checkpoints and summary.json carry: the warm start's report, eval_before, the evaluation curve during
+        RL so far (with its skipped versions and errors) and the hooks' run-long counts (CoreHooks.carried)."""
+        state = {**(self.evaluator.state() if self.evaluator is not None else {}), **self.hooks.carried()}
         return {**self.carried, "eval_curve": [], "eval_skipped": [], "eval_errors": 0, **state}
 
     # -- shared by the phases -----------------------------------------------------------------------------------

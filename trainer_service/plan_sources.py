@@ -75,7 +75,9 @@ class LeaderSource(CoreHooks):
         self.steps_done = self.saved = self.start_step = 0
         self.eval_after: dict | None = None
         self.rl_seconds = 0.0
-        self.mixed_version_groups = 0  # trained groups whose completions mix weight versions (in-flight updates)
+        # trained groups whose completions mix weight versions (in-flight updates), in the whole run: carried in the
+        # checkpoints (`carried`, `restored`)
+        self.mixed_version_groups = 0
         self.agreement = {"tokens": 0.0, "abs_sum": 0.0, "max_abs": 0.0}
         self.step_times: list[dict[str, float]] = []  # per RL step: phase seconds and step_seconds (bench/)
         # of the batches trained: what the update computed over (packed or padded rows) and what the padded layout
@@ -196,7 +198,11 @@ class LeaderSource(CoreHooks):
             self.eval_after = result
 
     def trained(self, plan: StepPlan, metrics: dict) -> None:
-        self.s.durability.trained(plan.step, self._context[plan.step].picked)
+        picked = self._context[plan.step].picked
+        self.s.durability.trained(plan.step, picked)
+        # counted here, not in the report (which may come after the checkpoint of this step is saved)
+        self.mixed_version_groups += int(version_diagnostics([g for _, g in picked], plan.step - 1,
+                                                             self.cfg.trainer.max_staleness)["mixed_version_groups"])
         self.tokens["real"] += int(metrics["update_tokens_real"])
         self.tokens["laid_out"] += int(metrics["update_tokens_laid_out"])
         if metrics["fresh_tokens"]:  # run-long sampler-trainer logprob agreement at version lag 0
@@ -209,7 +215,6 @@ class LeaderSource(CoreHooks):
         context = self._context[plan.step]
         groups = [g for _, g in context.picked]
         metrics = {**metrics, **version_diagnostics(groups, plan.step - 1, self.cfg.trainer.max_staleness)}
-        self.mixed_version_groups += int(metrics["mixed_version_groups"])  # summary.json's run-long count
         warning = self.health.observe(plan.step, metrics, self.cfg)
         if warning:
             log.warning("%s", warning)
@@ -217,6 +222,12 @@ class LeaderSource(CoreHooks):
         tokens_per_s, groups_per_s = self.s.reporter.rates(int(np.asarray(plan.batch.loss_mask).sum()), len(groups))
         self.s.reporter.report(plan.step, groups, context.staleness, context.stats, metrics,
                                {**context.phases, **phases}, tokens_per_s, groups_per_s)
+
+    def carried(self) -> dict:
+        return {"groups_trained_mixed_versions": self.mixed_version_groups}
+
+    def restored(self, record: dict) -> None:
+        self.mixed_version_groups = int(record.get("groups_trained_mixed_versions") or 0)
 
     def evaluated(self, step: int, values: dict[str, float]) -> None:
         """eval/* at the RL step whose weights were evaluated (eval/version says which version: the same number)."""

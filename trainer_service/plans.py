@@ -75,12 +75,18 @@ def start_plan(cfg: RunConfig, epoch: str, restore: int | None) -> StartPlan:
 
 def step_plan(cfg: RunConfig, step: int, batch: TrainBatch, group_index: np.ndarray | None = None,
               packed: PackedBatch | None = None) -> StepPlan:
-    last, every = step == cfg.trainer.steps, cfg.eval.every_steps
+    last = step == cfg.trainer.steps
     return StepPlan(step=step, batch=batch, checkpoint=step % cfg.checkpoint.every == 0 or last,
                     publish=step % cfg.trainer.publish_every == 0 or last, final=last, group_index=group_index,
-                    packed=packed,
-                    # the last step's weights are eval_after's when it runs: not evaluated twice
-                    evaluate=bool(every) and step % every == 0 and not (last and cfg.trainer.eval_after))
+                    packed=packed, evaluate=evaluated_during_rl(cfg, step))
+
+
+def evaluated_during_rl(cfg: RunConfig, step: int) -> bool:
+    """Whether the weights of RL `step` are due for the evaluation during RL (eval.every_steps): the step a plan
+    evaluates, and the restored step a resumed trainer evaluates again when its evaluation was lost. The last
+    step's weights are eval_after's when that runs: not evaluated twice."""
+    every = cfg.eval.every_steps
+    return bool(every) and step % every == 0 and not (step == cfg.trainer.steps and cfg.trainer.eval_after)
 
 
 def finish_plan(cfg: RunConfig, steps: int, complete: bool, checkpoint: bool, publish: bool) -> FinishPlan:

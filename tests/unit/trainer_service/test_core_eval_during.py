@@ -1,6 +1,6 @@
 """TrainerCore with eval.every_steps: the weights of every due step are evaluated in the background and reported at
 that step (its version), the curve rides in the checkpoints, and a resumed core evaluates again a due step whose
-evaluation was lost, then goes on at the next due steps."""
+evaluation was lost (the last one too, when eval_after does not evaluate it), then goes on at the next due steps."""
 
 import pytest
 
@@ -80,12 +80,23 @@ def test_due_steps_are_evaluated_reported_carried_and_resumed(cfg, tmp_path):
     assert [s for s, _ in hooks.rows] == [2, 4]
     assert [r["step"] for r in again.carried_now()["eval_curve"]] == [2, 4]
 
-    # resumed from step 4 (complete): the curve comes back from its record, nothing is evaluated twice
+    # resumed from step 4, the last (a complete run started again, as `up` restarts a trainer that failed after its
+    # final checkpoint): the curve comes back from its record, and step 4, due (eval_after is off) and saved before
+    # its evaluation ended, is evaluated again rather than missing from the summary's curve
     hooks = Evaluations()
     done, keeper = new_core(cfg, tmp_path, hooks)
     assert done.apply(StartPlan(epoch="e3", restore=4, warm_start=False, export_warm=False, eval_before=True)) == 4
-    assert [r["step"] for r in done.carried_now()["eval_curve"]] == [2]
     done.apply(FinishPlan(steps=STEPS, complete=True, checkpoint=False, publish=False, eval_after=False))
     done.close()
     keeper.checkpoints.close()
-    assert hooks.rows == []
+    assert [s for s, _ in hooks.rows] == [4]
+    assert [r["step"] for r in done.carried_now()["eval_curve"]] == [2, 4]
+
+    # with eval_after on, the last step's weights are eval_after's: a complete run resumed evaluates them there only
+    hooks = Evaluations()
+    after = cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"eval_after": True})})
+    done, keeper = new_core(after, tmp_path, hooks)
+    assert done.apply(StartPlan(epoch="e4", restore=4, warm_start=False, export_warm=False, eval_before=True)) == 4
+    assert done.evaluator.pending() == []
+    done.close()
+    keeper.checkpoints.close()
