@@ -41,9 +41,9 @@ def test_invented_sampler_ids_do_not_grow_the_lag_series(tiny_parts, shared_redi
             # samplers the publisher forgets (silent past its expiry) lose their series
             monkeypatch.setattr(samplers_module, "SAMPLER_EXPIRY_S", 0.0)
             stack.publisher.samplers._next_sweep = 0.0
-            weights.ReportVersion(weights_pb2.VersionReport(sampler_id="sampler-99999", installed_version=0,
+            weights.ReportVersion(weights_pb2.VersionReport(sampler_id="sampler-4095", installed_version=0,
                                                             trainer_epoch=epoch))
             reporter.export_sampler_lags()
-            assert set(scrape(reporter.prom.port)) == {"sampler-99999"}
+            assert set(scrape(reporter.prom.port)) == {"sampler-4095"}
         finally:
             reporter.close()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import grpc
 
-from grpo_stream.common.rpc.auth import TokenTable, caller_of, may_act_as
+from grpo_stream.common.rpc.auth import MAX_REPLICA, TokenTable, caller_of, may_act_as
 from grpo_stream.protos import weights_pb2, weights_pb2_grpc
 from grpo_stream.trainer_service.publication.grpc_transport_server.slices import FetchRefused, SliceServer
 from grpo_stream.trainer_service.publication.publisher import WeightPublisher
@@ -54,5 +54,5 @@ class WeightService(weights_pb2_grpc.WeightServiceServicer):
         caller = caller_of(context, self.table)
         if not may_act_as(caller, sampler_id):
             context.abort(grpc.StatusCode.PERMISSION_DENIED, f"sampler_id: {sampler_id[:64]!r} is not this token's "
-                          f"({caller.name!r} may report as {caller.name!r} or '{caller.name}-<k>'); give each "
-                          "sampler its own token or fix sampler ids")
+                          f"({caller.name!r} may report as {caller.name!r} or '{caller.name}-<k>', k in "
+                          f"0..{MAX_REPLICA}); give each sampler its own token or fix sampler ids")

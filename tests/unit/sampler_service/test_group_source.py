@@ -157,7 +157,8 @@ def test_an_injected_prompt_wider_than_a_group_starts_while_the_feeder_runs_the_
     stream.start = lambda work, kind, version=0: (started.append(work.problem.prompt_id), start(work, kind, version))
     feeder = types.SimpleNamespace(
         cfg=small_cfg, stream=stream, rows_in_flight=rows, slots=rows, source=b, groups_started=0,
-        _held_back=lambda: False, client=types.SimpleNamespace(unacked=0), sink=types.SimpleNamespace(pending=lambda: 0),
+        _held_back=lambda: False, _version_allows=lambda: 2**31 - 1, client=types.SimpleNamespace(unacked=0),
+        sink=types.SimpleNamespace(pending=lambda: 0),
         weights=types.SimpleNamespace(version=0, epoch="", group_started=lambda: None),
         admission=types.SimpleNamespace(admit=lambda wanted, version, holding: wanted),
         rollouts=SingleTurn(8), injected_rollouts=SingleTurn(8))
