@@ -46,7 +46,8 @@ def _boolean_in(value: Any, slots: str | None) -> Any:
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # no inf or nan in a number field: `algo.advantage_eps=.inf` zeroed every advantage, `.nan` poisons a step
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     @field_validator("*", mode="before")
     @classmethod

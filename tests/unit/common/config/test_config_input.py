@@ -131,3 +131,11 @@ def test_a_buffer_smaller_than_a_step_is_refused():
                                           r"buffer.max_groups to at least 16$"):
         load_config(None, ["buffer.max_groups=4"])
     assert load_config(None, ["buffer.max_groups=16"]).buffer.max_groups == 16
+
+
+@pytest.mark.parametrize("override", ["algo.advantage_eps=.inf", "algo.beta=.nan", "trainer.max_grad_norm=inf"])
+def test_infinity_and_nan_are_not_numbers_a_run_can_use(override):
+    """`algo.advantage_eps=.inf` zeroed every advantage (nothing learned), `.nan` in a coefficient poisons a step:
+    every number field must be finite."""
+    with pytest.raises(ConfigError, match=rf"{override.split('=')[0]}: Input should be a finite number"):
+        load_config(None, [override])
