@@ -165,6 +165,7 @@ LONGEST_FIRST = (
     "tests/e2e/test_gsm8k_run.py",  # ~60 s
     "tests/e2e/test_multi_turn_demo.py",  # ~55 s
     "tests/unit/common/engine/test_vllm_serve.py",  # ~60 s
+    "tests/unit/common/engine/test_vllm_requests.py",  # ~45 s
     "tests/e2e/test_lora_run.py",  # ~55 s
     "tests/e2e/test_vllm_sampler.py",  # ~75 s: two runs
     "tests/e2e/test_plan.py",  # ~45 s: the tiny config's plans (the presets' are in the heavy lane)

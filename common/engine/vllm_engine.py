@@ -8,6 +8,15 @@ with the pad token excluded. vLLM gives that when it is asked for
 the pad token carries vLLM's strongest logit bias (-100: its probability is
 scaled by e^-100, far below the 1e-3 the tests hold the two engines to).
 No top-k / top-p / min-p, so sampling follows that distribution exactly.
+A greedy request's logprobs are vLLM's at temperature 1 (it sets a greedy
+row's temperature to 1), not the policy's: they reach only the endpoint's
+temperature-0 answers and greedy evaluations, never training. (A logits
+processor could rescale them, but vLLM's model runner V2, the GPU default,
+takes another processor interface than the CPU build's, and TPU runs none.)
+A request stops at the tokenizer's stop tokens only (`stop_token_ids`, with
+`ignore_eos`: vLLM would also stop at the EOS of the model directory's
+generation_config.json or config.json, reported as cut at the budget), as
+the JAX engine does.
 
 Serving (`serve(params, source)`, the contract of common/engine/base.py that
 multi-turn episodes run on; `generate` is a serve of a fixed request set):
@@ -138,20 +147,7 @@ class VllmEngine:
             pathlib.Path(settings.stage_dir).mkdir(parents=True, exist_ok=True)
         self._stage_root = (pathlib.Path(tempfile.mkdtemp(prefix="grpo-vllm-", dir=settings.stage_dir))
                             if self.install_mode == "files" else None)
-        engine_args = dict(settings.engine_args)
-        if in_flight:
-            engine_args["async_scheduling"] = False  # a step's tokens come back before the next step is launched
-        if current_platform.is_cpu() and "enable_chunked_prefill" not in engine_args:
-            # vLLM's CPU backend crashes ("CPU Generator does not use offset") when a seeded request's prompt is
-            # prefilled over several steps: it rewinds the request's generator, which a CPU generator cannot do.
-            # Every sampled request is seeded, so prompts are prefilled whole (the step budget must hold one)
-            engine_args["enable_chunked_prefill"] = False
-            engine_args["max_num_batched_tokens"] = max(engine_args.get("max_num_batched_tokens", 0),
-                                                        self.context_capacity, 4096)
-        if self.install_mode == "files":  # the workers' loading method, called by name (vllm_worker.py)
-            engine_args["worker_extension_cls"] = EXTENSION
-        if settings.kv_cache_gib is not None:
-            engine_args["kv_cache_memory_bytes"] = int(settings.kv_cache_gib * 2**30)
+        engine_args = self._engine_args(current_platform, in_flight)
         started = time.monotonic()
         self.llm = LLM(model=str(model_dir), skip_tokenizer_init=True, load_format="dummy",
                        logprobs_mode="processed_logprobs", dtype=dtype,
@@ -175,6 +171,26 @@ class VllmEngine:
             from grpo_stream.common.engine.vllm_tpu import VllmTpuWeightWriter  # noqa: PLC0415
 
             self._tpu_writer = VllmTpuWeightWriter(self.llm, model.arch.family, list(model.names()))
+
+    def _engine_args(self, platform, in_flight: bool) -> dict:
+        """vllm.LLM's keyword arguments beyond the fixed ones: sampler.vllm.engine_args and what this engine needs
+        on `platform` (vLLM's current_platform)."""
+        settings = self.settings
+        engine_args = dict(settings.engine_args)
+        if in_flight:
+            engine_args["async_scheduling"] = False  # a step's tokens come back before the next step is launched
+        if platform.is_cpu() and "enable_chunked_prefill" not in engine_args:
+            # vLLM's CPU backend crashes ("CPU Generator does not use offset") when a seeded request's prompt is
+            # prefilled over several steps: it rewinds the request's generator, which a CPU generator cannot do.
+            # Every sampled request is seeded, so prompts are prefilled whole (the step budget must hold one)
+            engine_args["enable_chunked_prefill"] = False
+            engine_args["max_num_batched_tokens"] = max(engine_args.get("max_num_batched_tokens", 0),
+                                                        self.context_capacity, 4096)
+        if self.install_mode == "files":  # the workers' loading method, called by name (vllm_worker.py)
+            engine_args["worker_extension_cls"] = EXTENSION
+        if settings.kv_cache_gib is not None:
+            engine_args["kv_cache_memory_bytes"] = int(settings.kv_cache_gib * 2**30)
+        return engine_args
 
     @property
     def cache_salt(self) -> str:
@@ -213,14 +229,16 @@ class VllmEngine:
         self.llm.reset_prefix_cache()
 
     def sampling_params(self, seed: int | None, greedy: bool, max_tokens: int | None = None, delta: bool = False):
-        """One request's sampling: the policy's distribution (module docstring); `delta`: every step returns the
-        request's new tokens (else only its finished output)."""
+        """One request's sampling: the policy's distribution, stopping at the tokenizer's stop tokens only (module
+        docstring); `delta`: every step returns the request's new tokens
+        (else only its finished output)."""
         from vllm import SamplingParams  # noqa: PLC0415 - deferred: vLLM lives in its own environment
         from vllm.sampling_params import RequestOutputKind  # noqa: PLC0415 - deferred: as above
 
         return SamplingParams(n=1, temperature=0.0 if greedy else self.temperature, top_p=1.0, top_k=0, min_p=0.0,
-                              max_tokens=max_tokens or self.max_new_tokens, stop_token_ids=self.eos_ids, logprobs=0,
-                              logit_bias={self.pad_id: PAD_BIAS}, seed=None if greedy else seed, detokenize=False,
+                              max_tokens=max_tokens or self.max_new_tokens, stop_token_ids=self.eos_ids,
+                              ignore_eos=True, logprobs=0, logit_bias={self.pad_id: PAD_BIAS},
+                              seed=None if greedy else seed, detokenize=False,
                               output_kind=RequestOutputKind.DELTA if delta else RequestOutputKind.FINAL_ONLY)
 
     def _request(self, ids: list[int]) -> dict:
