@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import errno
 import pathlib
 import signal
 import sys
@@ -26,8 +27,20 @@ def lock_run_dir(run_dir: pathlib.Path) -> RunLock | None:
     try:
         return RunLock.acquire(run_dir, "grpo-stream up", wait_s=2.0)
     except RunDirBusy as exc:
-        print(f"grpo-stream up: error: {exc}", file=sys.stderr)
-        return None
+        message = str(exc)
+    except OSError as exc:
+        message = run_dir_error(run_dir, exc)
+    print(f"grpo-stream up: error: {message}", file=sys.stderr)
+    return None
+
+
+def run_dir_error(run_dir: pathlib.Path, exc: OSError) -> str:
+    """Why `up` could not prepare its run in `run_dir`, naming the directory (a write's "No space left on device"
+    names no file) and, for a disk that is full or a directory it may not write, the fix."""
+    where = f" ({exc.filename})" if exc.filename else ""
+    fix = ("; free space there, make it writable for this user, or choose another --run-dir"
+           if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM) else "")
+    return f"cannot prepare the run in {run_dir}: {exc.strerror or exc}{where}{fix}"
 
 
 def child_popen(env: dict[str, str]) -> dict:

@@ -31,6 +31,7 @@ import threading
 import time
 
 from grpo_stream.common.config.loading import load_config, to_yaml
+from grpo_stream.common.config.redact import REDACTED, secret_key
 from grpo_stream.common.config.schema import RunConfig
 from grpo_stream.common.rollouts.redis_server import EmbeddedRedis, RedisConnectError, connect_durable, free_port
 from grpo_stream.plan.device_plan import (DeviceLayoutError, DevicePlan, detect_gpus, load_figures,
@@ -40,7 +41,8 @@ from grpo_stream.up.run_lock import RunLock
 from grpo_stream.up.supervise import Outcome, Watch
 from grpo_stream.trainer_service.reports.files import write_atomic
 from grpo_stream.trainer_service.control_messages import SECRET_ENV, SECRET_FILE_ENV, new_secret
-from grpo_stream.up.guard import STOP_SIGNALS, child_popen, lock_run_dir, redis_popen
+from grpo_stream.up.guard import STOP_SIGNALS, child_popen, lock_run_dir, redis_popen, run_dir_error
+from grpo_stream.up.relay import ChildLog, relay
 from grpo_stream.up.processes import TRAINER_ROLES, ProcessSpec, plan_processes, process_envs, run_overrides
 from grpo_stream.up.run_secrets import with_redis_password, with_run_tokens
 from grpo_stream.up.summary import RunEnd, RunSummary
@@ -71,31 +73,23 @@ class _Child:
         self.starts, self.proc = 0, None
 
     def start(self) -> None:
-        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                                     start_new_session=True, **child_popen(self.env))  # it dies with `up`
+        # errors="replace": a line that is not UTF-8 must not end the relay (grpo_stream/up/relay.py)
+        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     encoding="utf-8", errors="replace", bufsize=1, start_new_session=True,
+                                     **child_popen(self.env))  # it dies with `up`
+        self._group_ended = False
         if self.starts == 0 and self.log_path.exists():  # an earlier `up` here: its log may hold why it was resumed
             self.log_path.replace(self.log_path.with_name(self.log_path.name + ".1"))
-        self._relay = threading.Thread(target=self._pump, args=(self.proc, "a"), daemon=True)
+        self._relay = threading.Thread(target=relay, args=(self.proc.stdout, ChildLog(self.log_path, self.name, _say),
+                                                           self.name), daemon=True)
         self.starts += 1
         self._relay.start()
 
-    def _pump(self, proc: subprocess.Popen, mode: str) -> None:
-        """The process's output into its log and onto the console; once the console fails, into the log alone (a
-        relay that stopped would leave the process blocked on a full pipe)."""
-        console = True
-        with open(self.log_path, mode) as log_file:
-            for line in proc.stdout:
-                log_file.write(line)
-                log_file.flush()
-                if console:
-                    try:
-                        sys.stdout.write(f"[{self.name}] {line}")
-                        sys.stdout.flush()
-                    except (OSError, ValueError):
-                        console = False
-
     def poll(self) -> int | None:
-        return None if self.proc is None else self.proc.poll()
+        code = None if self.proc is None else self.proc.poll()
+        if code is not None:
+            self._end_group()
+        return code
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -107,12 +101,23 @@ class _Child:
     def kill(self) -> None:
         """SIGKILL to its whole process group (it leads one: start_new_session), so what it started dies too: a
         vLLM sampler's engine-core and worker processes would otherwise live on, holding their GPU memory."""
-        if self.alive():
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        if self.proc is not None:
+            self._end_group()
             self.proc.wait()
+
+    def _end_group(self) -> None:
+        """SIGKILL to what is left of its process group, also once its leader exited: a worker it started and did
+        not stop (it crashed, or stopped without them) would outlive the run, hold the GPU memory its restart needs
+        and keep the relay's pipe open. Not again once the leader is gone and its group was killed: its id may then
+        be reused."""
+        if self._group_ended:
+            return
+        leader_gone = self.proc.poll() is not None
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):  # nothing left in it (or a member this user cannot signal)
+            pass
+        self._group_ended = leader_gone
 
     def wait(self, timeout_s: float) -> int | None:
         if self.proc is None:
@@ -123,6 +128,7 @@ class _Child:
             _say(f"[up] {self.name} did not stop within {timeout_s:.0f}s; killing it")
             self.kill()
             code = self.proc.wait()
+        self._end_group()  # what it left behind: the relay ends only once nothing holds its pipe
         self._relay.join(timeout=5)
         return code
 
@@ -149,7 +155,12 @@ class _TrainerJob:
             member.env = {**{k: v for k, v in member.env.items() if k != SECRET_FILE_ENV},
                           "JAX_COORDINATOR_ADDRESS": coordinator, "JAX_COORDINATOR_BIND_ADDRESS": coordinator,
                           SECRET_ENV: secret}
-            member.start()
+        try:
+            for member in self.members:
+                member.start()
+        except BaseException:  # the ones started would wait for the others in their collectives for ever
+            self.kill()
+            raise
         self.starts += 1
 
     def poll(self) -> int | None:
@@ -251,8 +262,7 @@ def device_plan(cfg: RunConfig, run_dir: pathlib.Path) -> DevicePlan:
 def run_up(config_path: pathlib.Path | None, overrides: list[str], cfg: RunConfig, run_dir: pathlib.Path) -> int:
     """Run the whole loop in `run_dir` and return `up`'s exit code (module doc)."""
     started = time.time()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    run_lock = lock_run_dir(run_dir)  # one run per directory: before anything in it is written or started
+    run_lock = lock_run_dir(run_dir)  # one run per directory (made if new): before anything in it is written or started
     if run_lock is None:
         return EXIT_FAILURE
     redis_server = None
@@ -261,10 +271,13 @@ def run_up(config_path: pathlib.Path | None, overrides: list[str], cfg: RunConfi
             devices = device_plan(cfg, run_dir)
             (run_dir / "logs").mkdir(exist_ok=True)
             redis_server = _start_redis(cfg, run_dir, run_lock)
+            specs = _prepare(cfg, config_path, overrides, run_dir, devices, redis_server, run_lock)
         except (DeviceLayoutError, RedisConnectError) as exc:
             print(f"grpo-stream up: error: {exc}", file=sys.stderr)
             return EXIT_USAGE if isinstance(exc, DeviceLayoutError) else EXIT_FAILURE
-        specs = _prepare(cfg, config_path, overrides, run_dir, devices, redis_server, run_lock)
+        except OSError as exc:  # a full disk, a run directory this user cannot write: nothing started yet
+            print(f"grpo-stream up: error: {run_dir_error(run_dir, exc)}", file=sys.stderr)
+            return EXIT_FAILURE
         end = _run_processes(cfg, run_dir, specs, redis_server)
     finally:
         if redis_server is not None:
@@ -298,11 +311,23 @@ def _prepare(cfg: RunConfig, config_path: pathlib.Path | None, overrides: list[s
     # whole or not at all: a client reading it as `up` writes it must not read half of it
     write_atomic(run_dir / ENDPOINTS_FILE, json.dumps({"prompts": prompts, "tls": cfg.tls.enabled,
                                                        "client_token_file": client_token}))
-    # the resolved config every process runs (file, overrides and what `up` added), and how it was asked for
+    # the resolved config every process runs (file, overrides and what `up` added), and how it was asked for; a
+    # record for people (readable by all, attached to bug reports), so without the values of secret-named keys (an
+    # API key in hardware.trainer_env) that the config file kept private
     (run_dir / "config.yaml").write_text(f"# resolved by `grpo-stream up` from --config {config_path} with overrides "
-                                         f"{every}\n" + to_yaml(load_config(config_path, every)))
+                                         f"{redacted_overrides(every)}\n"
+                                         + to_yaml(load_config(config_path, every), redact=True))
     return plan_processes(cfg, run_dir, config_path, every, devices, server_env, sampler_env,
                           lock_env=run_lock.child_env({}))  # the trainer holds the run's lock too
+
+
+def redacted_overrides(overrides: list[str]) -> list[str]:
+    """`overrides` (KEY=VALUE) with the value of each secret-named key hidden, as `to_yaml(redact=True)` hides it."""
+    shown = []
+    for override in overrides:
+        key, sep, _ = override.partition("=")
+        shown.append(f"{key}={REDACTED}" if sep and secret_key(key.rsplit(".", 1)[-1]) else override)
+    return shown
 
 
 def _run_processes(cfg: RunConfig, run_dir: pathlib.Path, specs: list[ProcessSpec],
@@ -318,9 +343,10 @@ def _run_processes(cfg: RunConfig, run_dir: pathlib.Path, specs: list[ProcessSpe
                                              *samplers], samplers=samplers, log=_say)
     stop = _StopSignals(children)
     try:
+        outcome = None
         for child in children:
-            watch.launch(child)
-        outcome = watch.run(lambda: stop.interrupted)
+            outcome = outcome or watch.launch(child)  # one that cannot start stops the run only with restart=never
+        outcome = outcome or watch.run(lambda: stop.interrupted)
         if outcome.reason in ("gave_up", "permanent") or stop.interrupted:
             for child in children:
                 child.terminate()
@@ -342,7 +368,9 @@ def _wind_down(trainer, helpers: list[_Child], samplers: list[_Child],
     trainer_code = trainer.wait(timeout_s=grace_s)
     sampler_codes = {}
     for child in samplers:
-        if trainer_code == 0:  # a sampler stops by itself at the final version; one that missed it is told to
+        # a sampler stops by itself at the final version, one that missed it is told to (and one that never
+        # started has nothing to wait for)
+        if trainer_code == 0 and child.proc is not None:
             try:
                 child.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:

@@ -59,8 +59,12 @@ class RunLock:
                         raise
                     raise RunDirBusy(busy_message(path, role)) from None
                 time.sleep(0.05)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps({"pid": os.getpid(), "role": role, "started": _now()}).encode(), 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps({"pid": os.getpid(), "role": role, "started": _now()}).encode(), 0)
+        except OSError as exc:  # a full disk: the lock is not held, and the error names the file (a write's does not)
+            os.close(fd)
+            raise OSError(exc.errno, exc.strerror, str(path)) from None
         return cls(path, fd)
 
     def child_env(self, env: dict[str, str]) -> dict[str, str]:

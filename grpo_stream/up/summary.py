@@ -65,15 +65,27 @@ class RunSummary:
             summary = self.complete(json.loads(self.path.read_text()), end)
             write_atomic(self.path, to_json(summary, indent=2))
             print(done_line(summary, self.path), flush=True)
-        elif end.outcome.reason == "gave_up":  # the process whose budget ran out, not the trainer up then stopped
-            print(f"grpo-stream up: {end.outcome.process} gave up: {end.outcome.message}; see its log in "
-                  f"{end.trainer_log.parent}", file=sys.stderr)
-        elif end.outcome.reason != "permanent":
+        # what failed, last and on stderr, also after a summary the trainer could still write (its stop was clean):
+        # else the last line of a run stopped by a crash-looping sampler read "[up] done in ..."
+        failed_samplers = {name: code for name, code in end.sampler_codes.items() if code != 0}
+        if end.outcome.reason == "gave_up":  # the process whose budget ran out, not the trainer up then stopped
+            print(f"grpo-stream up: {end.outcome.process} gave up: {end.outcome.message}; see "
+                  f"{self.log_of(end.outcome.process)}", file=sys.stderr)
+        elif end.outcome.reason == "permanent":
+            print(f"grpo-stream up: {end.outcome.process} failed permanently: {end.outcome.message}", file=sys.stderr)
+        elif not written:
             print(f"grpo-stream up: trainer exited with code {end.trainer_code}; see {end.trainer_log}",
                   file=sys.stderr)
-        if end.outcome.reason == "permanent":
-            print(f"grpo-stream up: {end.outcome.process} failed permanently: {end.outcome.message}", file=sys.stderr)
+        elif end.outcome.reason == "done" and failed_samplers:
+            print("grpo-stream up: the trainer finished, but " + ", ".join(
+                f"{name} exited with code {code} (see {self.log_of(name)})" for name, code in failed_samplers.items()),
+                file=sys.stderr)
         return end.exit_code(written)
+
+    def log_of(self, process: str) -> pathlib.Path:
+        """Where `process`'s own words are: RUN_DIR/logs/NAME.log, the embedded Redis's RUN_DIR/redis/redis.log."""
+        run_dir = self.path.parent
+        return run_dir / "redis" / "redis.log" if process == "redis-server" else run_dir / "logs" / f"{process}.log"
 
     def complete(self, summary: dict, end: RunEnd) -> dict:
         """The trainer's `summary` with up's fields added."""

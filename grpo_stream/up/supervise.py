@@ -24,6 +24,10 @@ Two exits are not restarts:
   healthy (up.healthy_after_s) only for as long as it made progress, so a job that hangs at the same point after
   every restart stops the run like a crash loop.
 
+A start that fails (a fork refused for memory, a restarted Redis whose port was taken meanwhile) counts as a failure
+of that process, against the same budget. A pause of `up` itself (the host suspended, a scheduler's SIGSTOP of the
+whole job; PAUSED_S) is no stall: the stall clocks count again from the resume.
+
 `Watch` is the loop that applies all of this to the processes `up` started (grpo_stream/up/run.py); it knows them only
 through the small `Unit` interface, so tests drive it with any child process.
 """
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import collections
 import pathlib
+import subprocess
 import time
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
@@ -40,6 +45,9 @@ from grpo_stream.common.config.process import UpSection
 from grpo_stream.common.runtime.backoff import Backoff
 from grpo_stream.common.runtime.errors import EXIT_PERMANENT, EXIT_USAGE, clear_permanent, read_permanent
 from grpo_stream.common.runtime.heartbeat import seconds_since_beat
+
+# a gap this long between two looks of the watch (it looks every poll_s, 0.2 s) means `up` itself was not running
+PAUSED_S = 120.0
 
 
 class Supervisor:
@@ -112,17 +120,22 @@ class StallWatch:
     def __init__(self, run_dir: pathlib.Path, names: Sequence[str], stall_s: float,
                  clock: Callable[[], float] = time.time):
         self.run_dir, self.names, self.stall_s, self.clock = run_dir, tuple(names), stall_s, clock
-        self.started_at = clock()
+        self.started_at = self.resumed_at = clock()
 
     def restarted(self) -> None:
         """The job was (re)started now."""
-        self.started_at = self.clock()
+        self.started_at = self.resumed_at = self.clock()
+
+    def resumed(self) -> None:
+        """The whole run was paused until now (`Watch`'s PAUSED_S): the time without beats before now is not the
+        job's to answer for, but its progress since its start still counts (up.healthy_after_s)."""
+        self.resumed_at = self.clock()
 
     def idle_s(self) -> float:
-        """Seconds since the job last made progress (or started)."""
+        """Seconds since the job last made progress (or started, or the run resumed from a pause)."""
         now = self.clock()
         ages = [seconds_since_beat(self.run_dir, name, now) for name in self.names]
-        return min([now - self.started_at, *(age for age in ages if age is not None)])
+        return min([now - self.resumed_at, *(age for age in ages if age is not None)])
 
     def progress_s(self) -> float:
         """Seconds from the job's (re)start to its last progress: how long it ran healthy before a stall."""
@@ -171,7 +184,8 @@ class Watch:
                  samplers: Sequence[Unit] = ()):
         """`samplers`: units among `others` watched for stalls with up.sampler_stall_s (the trainer's with
         up.trainer_stall_s)."""
-        self.run_dir, self.trainer, self.log = run_dir, trainer, log
+        self.run_dir, self.trainer, self.log, self.wall = run_dir, trainer, log, wall
+        self._looked_at = wall()
         self.units = {unit.name: unit for unit in [trainer, *others]}
         self.supervisor = Supervisor(policy, clock)
         self.stalls = {trainer.name: (StallWatch(run_dir, trainer.records, policy.trainer_stall_s, wall),
@@ -179,13 +193,20 @@ class Watch:
                        **{unit.name: (StallWatch(run_dir, unit.records, policy.sampler_stall_s, wall),
                                       "up.sampler_stall_s") for unit in samplers}}
 
-    def launch(self, unit: Unit) -> None:
-        """(Re)start `unit`, its old permanent-failure records removed first."""
+    def launch(self, unit: Unit) -> Outcome | None:
+        """(Re)start `unit`, its old permanent-failure records removed first. A start that fails (a fork refused for
+        want of memory, a restarted Redis whose port another process took meanwhile) is a failure of `unit` like an
+        exit: retried after its back-off against its budget, not an exception that ends `up` with every process
+        killed unstopped. Returns the Outcome that stops the run, else None."""
         for name in unit.records:
             clear_permanent(self.run_dir, name)
-        unit.start()
+        try:
+            unit.start()
+        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:  # RedisConnectError is a RuntimeError
+            return self._restart_or_stop(unit, f"could not be started ({exc})")
         if unit.name in self.stalls:
             self.stalls[unit.name][0].restarted()
+        return None
 
     def run(self, interrupted: Callable[[], bool], poll_s: float = 0.2) -> Outcome:
         """Watch until the trainer finishes, the run must stop, or `interrupted()`."""
@@ -198,6 +219,7 @@ class Watch:
 
     def check(self) -> Outcome | None:
         """One look at every unit: handle the failed and the stalled, start those whose restart is due."""
+        self._notice_pause()
         waiting = self.supervisor.waiting
         if self.trainer.poll() == 0 and not waiting(self.trainer.name):
             return Outcome("done")
@@ -211,7 +233,9 @@ class Watch:
         if outcome is not None:
             return outcome
         for name in self.supervisor.due():
-            self.launch(self.units[name])
+            outcome = self.launch(self.units[name])
+            if outcome is not None:
+                return outcome
         return None
 
     def permanent_reason(self, unit: Unit) -> str:
@@ -244,6 +268,18 @@ class Watch:
             return Outcome("gave_up", unit.name, f"{what} ({budget})")
         self.log(f"[up] {unit.name} {what}; restarting it in {delay:.1f}s ({budget})")
         return None
+
+    def _notice_pause(self) -> None:
+        """When `up` itself did not run for a while (the host suspended, a scheduler stopped the whole job with
+        SIGSTOP), its processes did not either: without this, every one of them was killed as stalled on resume."""
+        now = self.wall()
+        gap, self._looked_at = now - self._looked_at, now
+        if gap <= PAUSED_S:
+            return
+        for stall, _ in self.stalls.values():
+            stall.resumed()
+        self.log(f"[up] up itself did not run for {gap:.0f}s (the host suspended, or the run was stopped); the stall "
+                 "watch counts progress from now")
 
     def _check_stall(self) -> Outcome | None:
         for name, (stall, setting) in self.stalls.items():

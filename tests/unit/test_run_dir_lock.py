@@ -4,6 +4,7 @@ stop, and a child whose parent is gone stops even where PR_SET_PDEATHSIG is miss
 
 from __future__ import annotations
 
+import errno
 import os
 import pathlib
 import subprocess
@@ -99,3 +100,37 @@ def test_a_child_notices_its_parent_is_gone_without_the_kernels_signal(tmp_path)
         except ProcessLookupError:
             pass
     assert out.read_text().startswith("watching")
+
+
+def test_a_run_directory_on_a_full_disk_is_refused_naming_it_and_the_fix(tmp_path, monkeypatch, capsys):
+    """A full disk surfaced as a bare `[Errno 28] No space left on device` (a write's error names no file), with
+    the lock's descriptor left open."""
+    from grpo_stream.up import run_lock
+    from grpo_stream.up.guard import lock_run_dir
+
+    def full(fd, data, offset):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(run_lock.os, "pwrite", full)
+    assert lock_run_dir(tmp_path) is None
+    monkeypatch.undo()
+    err = capsys.readouterr().err
+    assert err.startswith(f"grpo-stream up: error: cannot prepare the run in {tmp_path}: No space left on device "
+                          f"({tmp_path.resolve() / 'run.lock'}); free space there")
+    assert _free(tmp_path)  # not left locked by the failed attempt
+
+
+def test_a_run_directory_up_cannot_write_stops_up_before_it_starts_anything(tmp_path, monkeypatch, capsys):
+    """Past the lock (devices.json, the logs, Redis's password file, the tokens, config.yaml): a traceback ending
+    in a bare errno, or in the middle of starting Redis."""
+    from grpo_stream.common.config.loading import load_config
+    from grpo_stream.up import run
+
+    def unwritable(cfg, run_dir):
+        raise OSError(errno.EROFS, "Read-only file system", str(run_dir / "devices.json"))
+    monkeypatch.setattr(run, "device_plan", unwritable)
+    assert run.run_up(None, [], load_config(None, []), tmp_path) == 1
+    assert capsys.readouterr().err == (
+        f"grpo-stream up: error: cannot prepare the run in {tmp_path}: Read-only file system "
+        f"({tmp_path / 'devices.json'}); free space there, make it writable for this user, or choose another "
+        "--run-dir\n")
+    assert _free(tmp_path)

@@ -202,6 +202,27 @@ def test_a_stalled_sampler_is_killed_and_restarted_and_the_trainer_left_alone(tm
     assert watch.check() is None and sampler.starts == 2 and watch.supervisor.restarts["sampler-0"] == 1
 
 
+def test_a_pause_of_the_whole_run_is_not_a_stall_and_a_real_hang_after_it_still_is(tmp_path):
+    """The host suspended (or a scheduler SIGSTOPped the whole job) for 2 h: nobody beat, `up` did not look either.
+    On resume every process was killed as stalled, and the work since each one's last checkpoint lost."""
+    watch, clock, trainer, sampler, lines = fake_run(tmp_path, trainer_stall_s=1800, sampler_stall_s=1800)
+    for _ in range(10):
+        clock.advance(10)
+        beat_at(tmp_path, "trainer-0", clock.now)
+        beat_at(tmp_path, "sampler-0", clock.now)
+        assert watch.check() is None
+    clock.advance(7200)
+    assert watch.check() is None and trainer.killed == sampler.killed == 0
+    assert lines == ["[up] up itself did not run for 7200s (the host suspended, or the run was stopped); the stall "
+                     "watch counts progress from now"]
+    for _ in range(19):  # the trainer beats again, the sampler stays hung after the resume: its stall is still seen
+        clock.advance(100)
+        beat_at(tmp_path, "trainer-0", clock.now)
+        assert watch.check() is None
+    assert trainer.killed == 0 and sampler.killed == 1
+    assert lines[-1].startswith("[up] sampler-0 process made no progress for 1900s (up.sampler_stall_s=1800)")
+
+
 def child(tmp_path, name: str, record: str, code: str) -> _Child:
     (tmp_path / "logs").mkdir(exist_ok=True)
     return _Child(ProcessSpec(name, (sys.executable, "-c", code, str(tmp_path)), dict(os.environ), "x", record),

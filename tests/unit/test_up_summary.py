@@ -57,6 +57,29 @@ def test_a_sampler_that_gave_up_is_named_not_the_trainer_up_then_stopped(tmp_pat
     assert "trainer exited with code -15" not in err
 
 
+def test_a_run_a_crash_loop_stopped_says_so_last_even_when_the_trainer_stopped_cleanly(tmp_path, capsys):
+    """The trainer checkpointed and wrote its summary after `up` stopped the run for a sampler's crash loop: the
+    last line was "[up] done in ...", with nothing on stderr, and the exit code 1 unexplained."""
+    code, summary = finish(tmp_path, Outcome("gave_up", "sampler-1", "exited with code 1 (5 of ... restarts)"), 0,
+                           {"sampler-0": 0, "sampler-1": 1})
+    out, err = capsys.readouterr()
+    assert code == 1 and summary["failure"]["process"] == "sampler-1" and out.startswith("[up] done in ")
+    assert err.splitlines() == [f"grpo-stream up: sampler-1 gave up: exited with code 1 (5 of ... restarts); see "
+                                f"{tmp_path / 'logs' / 'sampler-1.log'}"]
+
+
+def test_the_embedded_redis_giving_up_points_at_its_own_log(tmp_path, capsys):
+    code, _ = finish(tmp_path, Outcome("gave_up", "redis-server", "could not be started (...)"), 0)
+    assert code == 1 and capsys.readouterr().err.strip().endswith(f"see {tmp_path / 'redis' / 'redis.log'}")
+
+
+def test_a_finished_run_whose_sampler_failed_names_it(tmp_path, capsys):
+    code, _ = finish(tmp_path, Outcome("done"), 0, {"sampler-0": 0, "sampler-1": -9})
+    assert code == 1 and capsys.readouterr().err.splitlines() == [
+        f"grpo-stream up: the trainer finished, but sampler-1 exited with code -9 (see "
+        f"{tmp_path / 'logs' / 'sampler-1.log'})"]
+
+
 @pytest.mark.parametrize("outcome, trainer_code, samplers, expected", [
     (Outcome("gave_up", "sampler-1", "exited with code 1 (...)"), 0, {"sampler-0": 0}, 1),  # crash loop, trainer ok
     (Outcome("done"), 0, {"sampler-0": 1}, 1),

@@ -1,0 +1,146 @@
+"""What `up` does with its children beyond their exit codes: a process that exits leaves nothing it started running
+(its process group is killed), and a restart that fails to start (a fork refused, a Redis whose port another
+process took meanwhile) is a failure counted against the restart budget, not an exception that ends `up` with its
+processes killed unstopped. Real child processes and a real embedded Redis where the bug needs them."""
+
+from __future__ import annotations
+
+import errno
+import os
+import pathlib
+import socket
+import sys
+import time
+
+import pytest
+import redis
+
+from grpo_stream.common.config.process import UpSection
+from grpo_stream.common.rollouts.redis_server import EmbeddedRedis
+from grpo_stream.up.processes import ProcessSpec
+from grpo_stream.up.run import _Child, _RedisUnit
+from grpo_stream.up.supervise import Watch
+from tests.support import FakeClock
+from tests.unit.test_supervise_watch import FakeUnit
+
+# starts a worker (as vLLM starts its engine core, or a tool its helper), says its pid, then ends: by itself with
+# code 1 (a crash), or with code 0 on SIGTERM (a clean stop that forgot its worker)
+STARTER = ("import signal, subprocess, sys, time\n"
+           "signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))\n"
+           "worker = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+           "print(worker.pid, flush=True)\nEND")
+
+
+def running(pid: int) -> bool:
+    stat = pathlib.Path(f"/proc/{pid}/stat")
+    try:
+        return stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie waits for a reaper, it runs nothing
+    except OSError:
+        return False
+
+
+def started_worker(tmp_path, end: str) -> tuple[_Child, int]:
+    (tmp_path / "logs").mkdir(exist_ok=True)
+    child = _Child(ProcessSpec("sampler-0", (sys.executable, "-c", STARTER.replace("END", end)), dict(os.environ),
+                               "sampler", "sampler-0"), tmp_path / "logs")
+    child.start()
+    log, deadline = tmp_path / "logs" / "sampler-0.log", time.monotonic() + 30
+    while not (log.exists() and log.read_text().strip()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return child, int(log.read_text().split()[0])
+
+
+def gone_soon(pid: int) -> bool:
+    deadline = time.monotonic() + 10
+    while running(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not running(pid)
+
+
+@pytest.mark.parametrize("end", ["sys.exit(1)", "time.sleep(120)"])
+def test_what_an_ended_process_started_does_not_outlive_it(tmp_path, end):
+    """A sampler that crashed (the watch sees its exit) or stopped cleanly on SIGTERM without stopping its worker:
+    the worker lived on after `up` (holding its GPU memory against the restarted sampler, and the relay's pipe)."""
+    child, worker = started_worker(tmp_path, end)
+    try:
+        if end.startswith("sys.exit"):
+            deadline = time.monotonic() + 30
+            while child.poll() is None and time.monotonic() < deadline:  # as the watch polls it
+                time.sleep(0.05)
+            assert child.poll() == 1
+        else:
+            child.terminate()
+            assert child.wait(timeout_s=30) == 0
+        assert gone_soon(worker)
+    finally:
+        child.kill()
+        if running(worker):
+            os.kill(worker, 9)
+
+
+def refusing_watch(tmp_path, refusals: int, burst: int):
+    """A watch whose sampler crashed, and whose next `refusals` starts fail as a fork refused for memory does."""
+    clock, lines = FakeClock(), []
+    trainer, sampler = FakeUnit("trainer", "trainer-0"), FakeUnit("sampler-0", "sampler-0")
+    watch = Watch(UpSection(restart_backoff_s=1, restart_limit_burst=burst), tmp_path, trainer, [sampler],
+                  log=lines.append, clock=clock, wall=clock)
+    for unit in (trainer, sampler):
+        watch.launch(unit)
+    left = [refusals]
+
+    def start():
+        if left[0]:
+            left[0] -= 1
+            raise OSError(errno.ENOMEM, "Cannot allocate memory")
+        FakeUnit.start(sampler)
+    sampler.start, sampler.code = start, 1
+    assert watch.check() is None and "restarting it in" in lines[-1]
+    return watch, clock, sampler, lines
+
+
+def test_a_restart_that_cannot_start_is_retried_and_runs_once_it_can(tmp_path):
+    watch, clock, sampler, lines = refusing_watch(tmp_path, refusals=1, burst=5)
+    clock.advance(2)
+    assert watch.check() is None  # before the fix: the OSError ended the watch, and with it `up`
+    assert lines[-1].startswith("[up] sampler-0 could not be started ([Errno 12] Cannot allocate memory); "
+                                "restarting it in")
+    clock.advance(3)
+    assert watch.check() is None and sampler.starts == 2 and sampler.poll() is None
+
+
+def test_a_process_that_keeps_failing_to_start_stops_the_run_past_its_budget_saying_why(tmp_path):
+    watch, clock, sampler, lines = refusing_watch(tmp_path, refusals=10, burst=2)
+    clock.advance(2)
+    assert watch.check() is None
+    clock.advance(3)
+    outcome = watch.check()
+    assert (outcome.reason, outcome.process) == ("gave_up", "sampler-0") and sampler.starts == 1
+    assert "could not be started ([Errno 12] Cannot allocate memory)" in outcome.message
+
+
+def test_a_redis_whose_port_was_taken_while_it_was_down_is_retried_until_it_starts(tmp_path):
+    server = EmbeddedRedis(data_dir=tmp_path / "redis").start()
+    trainer, lines = FakeUnit("trainer", "trainer-0"), []
+    watch = Watch(UpSection(restart_backoff_s=0.1, restart_backoff_max_s=0.2), tmp_path, trainer,
+                  [_RedisUnit(server)], log=lines.append)
+    watch.launch(trainer)
+    squatter = socket.socket()
+    try:
+        server.kill()
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        squatter.bind(("127.0.0.1", server.port))
+        squatter.listen()
+        deadline = time.monotonic() + 30
+        while not any("could not be started" in line for line in lines) and time.monotonic() < deadline:
+            assert watch.check() is None  # before the fix: RedisConnectError out of the watch
+            time.sleep(0.05)
+        assert any(line.startswith("[up] redis-server could not be started (") and "Address already in use" in line
+                   for line in lines), lines
+        squatter.close()
+        while server.proc.poll() is not None and time.monotonic() < deadline:
+            assert watch.check() is None
+            time.sleep(0.05)
+        assert redis.Redis(port=server.port).ping()
+    finally:
+        squatter.close()
+        server.stop()

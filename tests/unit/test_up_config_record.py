@@ -1,0 +1,37 @@
+"""RUN_DIR/config.yaml, the record of the config `up` resolved (grpo_stream/up/run.py: _prepare): readable by every
+user of the host and attached to bug reports, so it keeps no value of a secret-named key, neither in the config nor
+in the overrides its first line repeats."""
+
+from __future__ import annotations
+
+import yaml
+
+from grpo_stream.common.config.loading import load_config
+from grpo_stream.up.run import _prepare, device_plan, redacted_overrides
+from grpo_stream.up.run_lock import RunLock
+
+
+def test_the_config_record_keeps_no_secret_a_config_file_kept_private(tmp_path):
+    config = tmp_path / "private.yaml"  # the user's, mode 0600: an API key its environments need
+    config.write_text("hardware:\n  trainer_env:\n    WANDB_API_KEY: from-the-file-123\n")
+    config.chmod(0o600)
+    overrides = ["hardware.sampler_env.HF_TOKEN=from-the-command-456", "trainer.steps=3"]
+    run_dir = tmp_path / "run"
+    lock = RunLock.acquire(run_dir, "test")
+    try:
+        cfg = load_config(config, overrides)
+        _prepare(cfg, config, overrides, run_dir, device_plan(cfg, run_dir), None, lock)
+    finally:
+        lock.release()
+    text = (run_dir / "config.yaml").read_text()
+    assert "from-the-file-123" not in text and "from-the-command-456" not in text
+    record = yaml.safe_load(text)
+    assert record["hardware"]["trainer_env"] == {"WANDB_API_KEY": "<redacted>"} and record["trainer"]["steps"] == 3
+    assert "'hardware.sampler_env.HF_TOKEN=<redacted>', 'trainer.steps=3'" in text.splitlines()[0]
+
+
+def test_only_the_values_of_secret_named_keys_are_hidden():
+    assert redacted_overrides(["redis.auth.password_file=/run/pw", "sampler.vllm.engine_args.api_key=k",
+                               "model.path=tokenizer", "flag"]) == [
+        "redis.auth.password_file=/run/pw", "sampler.vllm.engine_args.api_key=<redacted>", "model.path=tokenizer",
+        "flag"]
