@@ -59,8 +59,7 @@ def fit_spec(spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh) -> Partiti
     """`spec` with every mesh axis that does not divide its dimension removed."""
     fitted = []
     for dim, axes in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
-        names = (axes,) if isinstance(axes, str) else tuple(axes or ())
-        kept = [a for a in names if mesh.shape[a] > 1]
+        kept = [a for a in _axis_names(axes) if mesh.shape[a] > 1]
         size = math.prod(mesh.shape[a] for a in kept)
         if kept and dim % size:
             kept = []
@@ -69,10 +68,66 @@ def fit_spec(spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh) -> Partiti
 
 
 def param_shardings(params: Any, mesh: Mesh) -> Any:
-    """A pytree like `params` of NamedShardings from Tunix's (fsdp, tp) annotations, fitted to the shapes."""
+    """A pytree like `params` of NamedShardings from Tunix's (fsdp, tp) annotations, fitted to the shapes. Where the
+    fitting keeps parameters whole over a mesh axis, the log says which setting did it and how much memory it costs
+    (`kept_whole`)."""
     annotated = nnx.get_named_sharding(params, mesh)
-    return jax.tree.map(lambda leaf, s: NamedSharding(mesh, fit_spec(s.spec, tuple(leaf.shape), mesh)), params,
-                        annotated)
+    fitted = jax.tree.map(lambda leaf, s: NamedSharding(mesh, fit_spec(s.spec, tuple(leaf.shape), mesh)), params,
+                          annotated)
+    report_kept_whole(kept_whole(jax.tree.leaves(params), [s.spec for s in jax.tree.leaves(annotated)],
+                                 [s.spec for s in jax.tree.leaves(fitted)], mesh), mesh)
+    return fitted
+
+
+# what each mesh axis's size is set by, for the log: the trainer's fsdp; tp is the trainer's or a sampler's
+AXIS_SETTINGS = {"fsdp": "trainer.mesh.fsdp", "tp": "trainer.mesh.tp / sampler.mesh.tp"}
+# a share of the parameters' bytes kept whole over an axis at or above which that is a warning, not a note: FSDP
+# meant to split all of them (on a 70B model every device would hold the whole model), or tp meant to split the
+# attention heads; KV heads fewer than tp (replicated as tensor parallelism does) stay below it
+KEPT_WHOLE_WARNING_SHARE = 0.1
+_REPORTED: set[tuple] = set()
+
+
+def kept_whole(leaves: Sequence[Any], annotated: Sequence[PartitionSpec], fitted: Sequence[PartitionSpec],
+               mesh: Mesh) -> dict[str, dict]:
+    """Per mesh axis that the fitting dropped somewhere: {"dims": the dimension sizes it does not divide,
+    "parameters": how many parameters, "bytes": theirs, "total_bytes": all of `leaves`'}."""
+    total = sum(math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize for leaf in leaves)
+    out: dict[str, dict] = {}
+    for leaf, want, got in zip(leaves, annotated, fitted):
+        dropped = {}
+        for dim, w, g in zip(leaf.shape, tuple(want) + (None,) * len(leaf.shape),
+                             tuple(got) + (None,) * len(leaf.shape)):
+            for axis in set(_axis_names(w)) - set(_axis_names(g)):
+                if mesh.shape[axis] > 1:
+                    dropped[axis] = dim
+        for axis, dim in dropped.items():
+            entry = out.setdefault(axis, {"dims": set(), "parameters": 0, "bytes": 0, "total_bytes": total})
+            entry["dims"].add(dim)
+            entry["parameters"] += 1
+            entry["bytes"] += math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize
+    return out
+
+
+def report_kept_whole(report: dict[str, dict], mesh: Mesh) -> None:
+    """Log `kept_whole`'s report once per process and layout: a warning when an axis keeps at least
+    KEPT_WHOLE_WARNING_SHARE of the bytes whole, with the setting to change."""
+    for axis, entry in report.items():
+        key = (axis, mesh.shape[axis], tuple(sorted(entry["dims"])), entry["parameters"], entry["bytes"])
+        if key in _REPORTED:
+            continue
+        _REPORTED.add(key)
+        share = entry["bytes"] / max(1, entry["total_bytes"])
+        level = logging.WARNING if share >= KEPT_WHOLE_WARNING_SHARE else logging.INFO
+        dims = ", ".join(str(d) for d in sorted(entry["dims"]))
+        log.log(level, "%s=%d does not divide dimension(s) %s of %d parameters (%.1f%% of the parameters' bytes, "
+                "%.3g GiB): every %s device keeps them whole; choose a size dividing %s to split them",
+                AXIS_SETTINGS.get(axis, axis), mesh.shape[axis], dims, entry["parameters"], 100 * share,
+                entry["bytes"] / 2**30, axis, dims)
+
+
+def _axis_names(axes: Any) -> tuple[str, ...]:
+    return (axes,) if isinstance(axes, str) else tuple(axes or ())
 
 
 def place(params: Any, mesh: Mesh) -> Any:
@@ -122,14 +177,25 @@ def split_devices(devices: Sequence[jax.Device], trainer_fraction: float,
                   sampler_fraction: float) -> tuple[list[jax.Device], list[jax.Device]]:
     """Single-controller split: the trainer takes the first share of the devices, samplers the last share.
 
-    Both fractions 1.0 means both use every device (one shared mesh).
+    Both fractions 1.0 means both use every device (one shared mesh). Fractions summing to at most 1.0 never
+    overlap, even where both round up (3 devices at 0.5 + 0.5: 2 and 1).
     """
     n = len(devices)
+    if trainer_fraction == 1.0 and sampler_fraction == 1.0:
+        return list(devices), list(devices)
     n_train, n_sample = max(1, int(round(n * trainer_fraction))), max(1, int(round(n * sampler_fraction)))
-    if n_train + n_sample > n and not (trainer_fraction == 1.0 and sampler_fraction == 1.0):
-        raise ValueError(f"weights.trainer_devices_fraction={trainer_fraction} + weights.sampler_devices_fraction="
-                         f"{sampler_fraction} take {n_train} + {n_sample} of {n} devices; make them sum to at most "
-                         "1.0, or set both to 1.0 to share one mesh")
+    # shares that sum to at most 1.0 but rounded up past n: the samplers', then the trainer's, shrink to fit
+    if trainer_fraction + sampler_fraction <= 1.0 + 1e-9:
+        n_sample = max(1, min(n_sample, n - n_train))
+        n_train = min(n_train, n - n_sample)
+    fractions = (f"weights.trainer_devices_fraction={trainer_fraction} + weights.sampler_devices_fraction="
+                 f"{sampler_fraction}")
+    if trainer_fraction + sampler_fraction > 1.0 + 1e-9 and n_train + n_sample > n:
+        raise ValueError(f"{fractions} take {n_train} + {n_sample} of {n} devices; make them sum to at most 1.0, or "
+                         "set both to 1.0 to share one mesh")
+    if n_train < 1:
+        raise ValueError(f"{fractions}: {n} device(s) cannot be split between the trainer and the samplers; set "
+                         "both to 1.0 to share one mesh, or give the process more devices")
     return list(devices[:n_train]), list(devices[n - n_sample:])
 
 
