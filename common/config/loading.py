@@ -87,7 +87,6 @@ def _section_of(annotation: Any) -> Any:
     return next((a for a in typing.get_args(annotation) if isinstance(a, type) and issubclass(a, BaseModel)), None)
 
 
-
 def _short_repr() -> reprlib.Repr:
     """repr for an error message: long strings, lists and mappings cut (a value pasted whole, or aliases' output)."""
     short = reprlib.Repr()  # keyword limits need Python 3.12
