@@ -25,9 +25,9 @@ from grpo_stream.common.episodes.evaluation import greedy_probe
 from grpo_stream.common.model.hf_checkpoint import export_hf, resolve_model_dir
 from grpo_stream.common.weights.snapshot import digest
 from grpo_stream.trainer_service.checkpoints.durability import Resumed
-from grpo_stream.trainer_service.checkpoints.errors import RunRefused
 from grpo_stream.trainer_service.learning.params_policy import params_policy
-from grpo_stream.trainer_service.plans import DonePlan, FinishPlan, Plan, StartPlan, StepPlan, evaluated_during_rl
+from grpo_stream.trainer_service.plans import (DonePlan, FinishPlan, Plan, StartPlan, StepPlan, check_within_steps,
+                                               evaluated_during_rl)
 from grpo_stream.trainer_service.learning.packing import packing_layout
 from grpo_stream.trainer_service.learning.rl_update import PolicyUpdater, state_report
 from grpo_stream.trainer_service.reports.in_run_eval import InRunEvaluator, metric_values
@@ -137,7 +137,7 @@ class TrainerCore:
             self.updater = self._new_updater()
             resumed = self.keeper.restore(plan.restore, self.updater)
         if resumed is not None:
-            self._check_within_steps(resumed.step)
+            check_within_steps(self.cfg, resumed.step)
             self.hooks.restored(resumed.record)
             state = resumed.state
             self.updater.params, self.updater.opt_state = state["params"], state["opt_state"]
@@ -154,16 +154,6 @@ class TrainerCore:
         log.info("published weight version %d; RL %s", self.start_step,
                  f"resumes at step {self.start_step + 1}" if resumed else "starts")
         return self.start_step
-
-    def _check_within_steps(self, step: int) -> None:
-        """A checkpoint past trainer.steps (lowered since) is refused before anything is published: resumed there, the
-        run would train nothing and never end (export, eval_after, the final version wait for step trainer.steps)."""
-        steps = self.cfg.trainer.steps
-        if step > steps:
-            raise RunRefused(f"the checkpoint resumed is of RL step {step}, past trainer.steps={steps}: this run "
-                             f"trained further than it is now configured to. Set trainer.steps={step} to end it "
-                             f"there (export, eval_after) or higher to go on, or start a new run (another run.name "
-                             f"and checkpoint.dir)")
 
     def _new_run(self, plan: StartPlan) -> None:
         warm = None

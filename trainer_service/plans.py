@@ -19,6 +19,7 @@ import numpy as np
 from grpo_stream.common.config.schema import RunConfig
 from grpo_stream.trainer_service.learning.batching import TrainBatch
 from grpo_stream.trainer_service.learning.packing import PackedBatch
+from grpo_stream.trainer_service.checkpoints.errors import RunRefused
 from grpo_stream.trainer_service.control_messages import ControlMessageError, Done, Finish, Start, Step
 
 
@@ -79,6 +80,16 @@ def step_plan(cfg: RunConfig, step: int, batch: TrainBatch, group_index: np.ndar
     return StepPlan(step=step, batch=batch, checkpoint=step % cfg.checkpoint.every == 0 or last,
                     publish=step % cfg.trainer.publish_every == 0 or last, final=last, group_index=group_index,
                     packed=packed, evaluate=evaluated_during_rl(cfg, step))
+
+
+def check_within_steps(cfg: RunConfig, step: int) -> None:
+    """Refuse resuming at RL `step` past trainer.steps (lowered since), before anything is published: resumed there,
+    the run would train nothing and never end (export, eval_after, the final version wait for step trainer.steps)."""
+    steps = cfg.trainer.steps
+    if step > steps:
+        raise RunRefused(f"the checkpoint resumed is of RL step {step}, past trainer.steps={steps}: this run trained "
+                         f"further than it is now configured to. Set trainer.steps={step} to end it there (export, "
+                         "eval_after) or higher to go on, or start a new run (another run.name and checkpoint.dir)")
 
 
 def evaluated_during_rl(cfg: RunConfig, step: int) -> bool:

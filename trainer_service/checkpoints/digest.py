@@ -10,6 +10,9 @@ while the trainer keeps stepping.
 A restore checks every listed file before reading any array. A file that differs or is gone rejects the checkpoint.
 A checkpoint whose digest file is missing (the process died between Orbax's commit and the digest) or cut off is
 unverified; trainer_service/checkpoints/store.py sets it aside like a damaged one.
+
+`tree_digest` and `tree_layout` hash arrays themselves: what a LoRA run's frozen base is checked against, and the
+layout (paths, shapes, dtypes) a restore must match.
 """
 
 from __future__ import annotations
@@ -17,9 +20,14 @@ from __future__ import annotations
 import concurrent.futures
 import hashlib
 import json
-from typing import Iterator
+from typing import Any, Iterator
 
+import jax
+import numpy as np
 from etils import epath
+
+from grpo_stream.common.model.sharding import host_copy
+from grpo_stream.common.weights.snapshot import raw_bytes
 
 DIGEST_FILE = "sha256.json"
 _PIECE = 16 << 20  # bytes hashed per read: bounded host memory whatever the checkpoint's size
@@ -89,3 +97,21 @@ class DigestWriter:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+
+
+def tree_digest(tree: Any) -> str:
+    """SHA-256 over every leaf's path, dtype, shape and bytes (gathered to the host)."""
+    h = hashlib.sha256()
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        arr = np.ascontiguousarray(host_copy(leaf))  # gathered on a multi-process trainer (every process calls)
+        h.update(f"{jax.tree_util.keystr(path)}:{arr.dtype.name}:{list(arr.shape)};".encode())
+        h.update(raw_bytes(arr))
+    return h.hexdigest()
+
+
+def tree_layout(tree: Any) -> str:
+    """SHA-256 of every leaf's path, shape and dtype (arrays or ShapeDtypeStructs): what a restore must match."""
+    h = hashlib.sha256()
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        h.update(f"{jax.tree_util.keystr(path)}:{np.dtype(leaf.dtype).name}:{list(leaf.shape)};".encode())
+    return h.hexdigest()

@@ -35,21 +35,18 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import hashlib
 import json
 import logging
 import time
 from typing import Any, Callable
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from grpo_stream.common.model.sharding import host_copy
 from grpo_stream.common.runtime.backoff import Backoff
-from grpo_stream.common.weights.snapshot import raw_bytes
-from grpo_stream.trainer_service.checkpoints.digest import DigestMissing, DigestWriter, check_digest
+from grpo_stream.trainer_service.checkpoints.digest import (DigestMissing, DigestWriter, check_digest, tree_digest,
+                                                           tree_layout)
 from grpo_stream.trainer_service.checkpoints.errors import (CheckpointDisagreement, CheckpointMismatch,  # noqa: F401
                                                            CheckpointRejected, CheckpointUnavailable,
                                                            CheckpointUnverified, StorageBlip, access_denied,
@@ -59,24 +56,6 @@ log = logging.getLogger(__name__)
 BASE_DIR = "lora-base"  # the frozen base of a LoRA run, written once
 RECORD_FILE = "record/metadata"  # where Orbax's JsonSave of item `record` writes it (its default file name)
 _UNAGREED = object()  # a multi-process trainer's restore step before process 0 chose it
-
-
-def tree_digest(tree: Any) -> str:
-    """SHA-256 over every leaf's path, dtype, shape and bytes (gathered to the host)."""
-    h = hashlib.sha256()
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        arr = np.ascontiguousarray(host_copy(leaf))  # gathered on a multi-process trainer (every process calls)
-        h.update(f"{jax.tree_util.keystr(path)}:{arr.dtype.name}:{list(arr.shape)};".encode())
-        h.update(raw_bytes(arr))
-    return h.hexdigest()
-
-
-def tree_layout(tree: Any) -> str:
-    """SHA-256 of every leaf's path, shape and dtype (arrays or ShapeDtypeStructs): what a restore must match."""
-    h = hashlib.sha256()
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        h.update(f"{jax.tree_util.keystr(path)}:{np.dtype(leaf.dtype).name}:{list(leaf.shape)};".encode())
-    return h.hexdigest()
 
 
 @dataclasses.dataclass
@@ -366,11 +345,10 @@ class TrainerCheckpoints:
         """The frozen base `save_base` wrote, placed like `frozen_like`; raises CheckpointMismatch when it is
         missing or holds another model (the step checkpoints hold adapters only, so a run cannot resume without it)."""
         path = self.base_directory
-        if not (path / "record.json").exists():
-            raise CheckpointMismatch(
-                f"checkpoint.dir {self.directory}: its checkpoints hold LoRA adapters only and the frozen base they "
-                f"adapt ({path}) is missing or was cut off while being written; restore that directory, or start a "
-                "new run with another checkpoint.dir")
+        where = f"checkpoint.dir {self.directory}: the frozen base in {path}"
+        if not (path / "record.json").exists():  # the step checkpoints hold LoRA adapters only: useless without it
+            raise CheckpointMismatch(f"{where}, which its LoRA adapters need, is missing or was cut off while being "
+                                     "written; restore that directory, or start a new run with another checkpoint.dir")
         try:
             record = json.loads((path / "record.json").read_text())
             if not isinstance(record, dict):
@@ -378,19 +356,17 @@ class TrainerCheckpoints:
         except Exception as exc:  # noqa: BLE001 - cut off by a power loss after its rename, or edited
             raise base_unreadable(self.directory, path, exc) from exc
         if record.get("layout") != tree_layout(frozen_like):
-            raise CheckpointMismatch(
-                f"checkpoint.dir {self.directory}: the frozen base in {path} is of another model (shapes or dtypes "
-                "differ from model.path's); restore the run's config or start a new run with another checkpoint.dir")
-        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, frozen_like)
+            raise CheckpointMismatch(f"{where} is of another model (shapes or dtypes differ from model.path's); "
+                                     "restore the run's config or start a new run with another checkpoint.dir")
         try:
             with ocp.StandardCheckpointer() as checkpointer:
-                frozen = checkpointer.restore(path / "arrays", abstract)
+                frozen = checkpointer.restore(path / "arrays", jax.tree.map(ocp.utils.to_shape_dtype_struct,
+                                                                            frozen_like))
         except Exception as exc:  # noqa: BLE001 - told apart there: the storage not answering, or a damaged base
             raise base_unreadable(self.directory, path, exc) from exc
         if self.verify and "digest" in record and tree_digest(frozen) != record["digest"]:
-            raise CheckpointMismatch(
-                f"checkpoint.dir {self.directory}: the frozen base in {path} does not match the SHA-256 saved with "
-                "it (damaged storage); restore it from a copy, or start a new run with another checkpoint.dir")
+            raise CheckpointMismatch(f"{where} does not match the SHA-256 saved with it (damaged storage); restore "
+                                     "it from a copy, or start a new run with another checkpoint.dir")
         return frozen
 
     def close(self) -> None:
