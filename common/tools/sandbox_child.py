@@ -89,10 +89,8 @@ SECCOMP_DENIED = ("socket", "io_uring_setup", "setsid", "setpgid", "unshare", "p
                   "futimesat", "utimensat")
 # memfd_create: an anonymous file's pages count against no rlimit until mapped (RLIMIT_AS does not see them), so 64
 # descriptors of 16 MB each held a gigabyte of the machine's memory per call.
-# chmod, chown, utime (and truncate by path before Landlock ABI 3) have no Landlock right: they reach any file the
-# code can name. A non-root sampler's child keeps its uid, so it made the run directory's 0600 token files readable
-# to every user (chmod 0o666), or the run directory or the interpreter's files unusable (chmod 0, truncate), or
-# dated checkpoints (utime). A program computes without them; ftruncate on a file it opened for writing still works.
+# chmod, chown, utime (truncate by path before Landlock ABI 3) have no Landlock right: a non-root sampler's child (its
+# uid) made 0600 token files world-readable or the run directory unusable. ftruncate of its own files still works.
 PR_SET_PDEATHSIG = 1
 # Calls refused when their first argument is this value: prctl(PR_SET_PDEATHSIG), which would clear the signal that
 # kills the child when the sampler dies (a sleeping call, which uses no CPU, would otherwise outlive it for ever).
