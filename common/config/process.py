@@ -93,6 +93,13 @@ class LoggingSection(Strict):
     summary_every_s: float = Field(30.0, gt=0, description="Without logging.verbose, each sampler prints a summary "
                                    "line (weight version, lag, groups/s, tokens/s) this often, and the trainer a step "
                                    "line at least this often.")
+    file_max_mb: float = Field(256.0, ge=1, le=1 << 20, description="`up` rotates each RUN_DIR/logs/NAME.log once "
+                               "it holds this many MiB: NAME.log becomes NAME.log.1, NAME.log.1 NAME.log.2 and so "
+                               "on, so a week-long run (or a child printing without end) cannot fill the disk. An "
+                               "earlier `up`'s log on the same run directory is rotated the same way at start.")
+    file_keep: int = Field(4, ge=0, le=1000, description="Rotated logs kept per process (NAME.log.1 .. NAME.log.N, "
+                           "the oldest dropped); 0 keeps only the current one. At most (1 + this) x "
+                           "logging.file_max_mb per process.")
 
 
 def default_compilation_cache_dir() -> str:

@@ -9,22 +9,63 @@ up.*_stall_s, and its restart blocks the same way). So nothing the relay meets e
   are missing;
 - bytes that are not UTF-8 (a C library's message, a raw token printed by a reward function): the child's pipe is
   read with errors="replace" (grpo_stream/up/run.py), so they arrive as U+FFFD instead of an exception.
+Nor may a child's output fill `up`'s memory or its disk: a line is read LINE_CHARS characters at a time (a reward
+function that prints a gigabyte without a newline is relayed in pieces), and a log past logging.file_max_mb is
+rotated, NAME.log.1 to NAME.log.<logging.file_keep>, the oldest dropped (logrotate's `size` and `rotate`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 import sys
-from typing import Callable, Iterable, TextIO
+from typing import Callable, Iterable, Iterator, TextIO
+
+# a long line arrives in pieces of this many characters; each piece is a line of its own on the console
+LINE_CHARS = 1 << 16
+
+
+@dataclasses.dataclass(frozen=True)
+class LogLimits:
+    """logging.file_max_mb and logging.file_keep, in bytes and files."""
+
+    max_bytes: int = 256 << 20
+    keep: int = 4
+
+    @classmethod
+    def of(cls, logging_section) -> "LogLimits":
+        return cls(int(logging_section.file_max_mb * (1 << 20)), logging_section.file_keep)
+
+
+def bounded_lines(stream: TextIO) -> Iterator[str]:
+    """The lines of `stream` until it closes, none longer than LINE_CHARS characters (a longer one in pieces)."""
+    return iter(lambda: stream.readline(LINE_CHARS), "")
+
+
+def rotate(path: pathlib.Path, keep: int) -> None:
+    """Move `path` aside as path.1, path.1 as path.2, ... up to path.<keep>; the oldest is dropped (keep 0: `path`
+    itself is). Best effort: a file that cannot be moved stays, and the log goes on growing rather than stop."""
+    try:
+        for k in range(keep - 1, 0, -1):
+            older = path.with_name(f"{path.name}.{k}")
+            if older.exists():
+                older.replace(path.with_name(f"{path.name}.{k + 1}"))
+        if keep:
+            path.replace(path.with_name(f"{path.name}.1"))
+        else:
+            path.unlink()
+    except OSError:
+        pass
 
 
 class ChildLog:
     """RUN_DIR/logs/NAME.log, appended one line at a time, unbuffered: a line `write` returned from is in the file
-    (or counted as lost), never in a buffer that a failed flush would keep failing on."""
+    (or counted as lost), never in a buffer that a failed flush would keep failing on. Once the file holds
+    `max_bytes` it is rotated (rotate()) and a new one started."""
 
-    def __init__(self, path: pathlib.Path, name: str, say: Callable[[str], None]):
-        self.path, self.name, self.say = path, name, say
-        self.lost, self._file = 0, None
+    def __init__(self, path: pathlib.Path, name: str, say: Callable[[str], None], limits: LogLimits = LogLimits()):
+        self.path, self.name, self.say, self.limits = path, name, say, limits
+        self.lost, self._file, self._size = 0, None, 0
 
     def write(self, line: str) -> None:
         """Append `line`; when the log cannot be written, count it as lost instead (never raises)."""
@@ -33,7 +74,10 @@ class ChildLog:
         try:
             if self._file is None:
                 self._file = open(self.path, "ab", buffering=0)
-            self._file.write((missing + line).encode("utf-8", errors="replace"))
+                self._size = self._file.tell()
+            data = (missing + line).encode("utf-8", errors="replace")
+            self._file.write(data)
+            self._size += len(data)
         except OSError as exc:
             if not self.lost:
                 self.say(f"[up] cannot write {self.path} ({exc.strerror or exc}): {self.name}'s output goes to the "
@@ -41,6 +85,9 @@ class ChildLog:
             self.lost += 1
             return
         self.lost = 0
+        if self._size >= self.limits.max_bytes:
+            self.close()
+            rotate(self.path, self.limits.keep)
 
     def close(self) -> None:
         if self._file is not None:
@@ -52,15 +99,16 @@ class ChildLog:
 
 
 def relay(lines: Iterable[str], log: ChildLog, prefix: str, console: TextIO | None = None) -> None:
-    """Every line of `lines` (a child's output, until it closes) into `log` and, as `[prefix] line`, onto `console`
-    (default: sys.stdout) while the console takes it."""
+    """Every line of `lines` (a child's output, until it closes: bounded_lines()) into `log` as it came and, as
+    `[prefix] line`, onto `console` (default: sys.stdout) while the console takes it, a piece of a long line ended
+    there with a newline."""
     out = console or sys.stdout
     try:
         for line in lines:
             log.write(line)
             if out is not None:
                 try:
-                    out.write(f"[{prefix}] {line}")
+                    out.write(f"[{prefix}] {line}" if line.endswith("\n") else f"[{prefix}] {line}\n")
                     out.flush()
                 except (OSError, ValueError):
                     out = None

@@ -42,7 +42,7 @@ from grpo_stream.up.supervise import Outcome, Watch
 from grpo_stream.trainer_service.reports.files import write_atomic
 from grpo_stream.trainer_service.control_messages import SECRET_ENV, SECRET_FILE_ENV, new_secret
 from grpo_stream.up.guard import STOP_SIGNALS, child_popen, lock_run_dir, redis_popen, run_dir_error
-from grpo_stream.up.relay import ChildLog, relay
+from grpo_stream.up.relay import ChildLog, LogLimits, bounded_lines, relay, rotate
 from grpo_stream.up.processes import TRAINER_ROLES, ProcessSpec, plan_processes, process_envs, run_overrides
 from grpo_stream.up.run_secrets import with_redis_password, with_run_tokens
 from grpo_stream.up.summary import RunEnd, RunSummary
@@ -63,13 +63,13 @@ def _say(line: str) -> None:
 
 class _Child:
     """One process of the run (a supervise.Unit), started by `start()` (again after a failure: its log goes on; a
-    log of an earlier `up` on the same run directory is kept as NAME.log.1)."""
+    log of an earlier `up` on the same run directory is rotated to NAME.log.1)."""
 
     must_run = False
 
-    def __init__(self, spec: ProcessSpec, log_dir: pathlib.Path):
+    def __init__(self, spec: ProcessSpec, log_dir: pathlib.Path, limits: LogLimits = LogLimits()):
         self.name, self.cmd, self.env, self.records = spec.name, list(spec.argv), dict(spec.env), (spec.record,)
-        self.log_path = log_dir / f"{spec.name}.log"
+        self.log_path, self.limits = log_dir / f"{spec.name}.log", limits
         self.starts, self.proc = 0, None
 
     def start(self) -> None:
@@ -79,9 +79,9 @@ class _Child:
                                      **child_popen(self.env))  # it dies with `up`
         self._group_ended = False
         if self.starts == 0 and self.log_path.exists():  # an earlier `up` here: its log may hold why it was resumed
-            self.log_path.replace(self.log_path.with_name(self.log_path.name + ".1"))
-        self._relay = threading.Thread(target=relay, args=(self.proc.stdout, ChildLog(self.log_path, self.name, _say),
-                                                           self.name), daemon=True)
+            rotate(self.log_path, self.limits.keep)
+        self._relay = threading.Thread(target=relay, args=(bounded_lines(self.proc.stdout), ChildLog(
+            self.log_path, self.name, _say, self.limits), self.name), daemon=True)
         self.starts += 1
         self._relay.start()
 
@@ -140,8 +140,8 @@ class _TrainerJob:
 
     must_run = False
 
-    def __init__(self, specs: list[ProcessSpec], log_dir: pathlib.Path):
-        self.members = [_Child(spec, log_dir) for spec in specs]
+    def __init__(self, specs: list[ProcessSpec], log_dir: pathlib.Path, limits: LogLimits):
+        self.members = [_Child(spec, log_dir, limits) for spec in specs]
         self.name, self.log_path, self.starts, self._failed = "trainer", self.members[0].log_path, 0, None
         self.records = tuple(spec.record for spec in specs)
 
@@ -333,11 +333,11 @@ def redacted_overrides(overrides: list[str]) -> list[str]:
 def _run_processes(cfg: RunConfig, run_dir: pathlib.Path, specs: list[ProcessSpec],
                    redis_server: EmbeddedRedis | None) -> RunEnd:
     """Start the planned processes, watch them until the run ends, stop them in order."""
-    log_dir = run_dir / "logs"
+    log_dir, limits = run_dir / "logs", LogLimits.of(cfg.logging)
     job = [s for s in specs if s.role in TRAINER_ROLES]
-    trainer = _TrainerJob(job, log_dir) if len(job) > 1 else _Child(job[0], log_dir)
-    helpers = [_Child(s, log_dir) for s in specs if s.role == "ingest"]
-    samplers = [_Child(s, log_dir) for s in specs if s.role == "sampler"]
+    trainer = _TrainerJob(job, log_dir, limits) if len(job) > 1 else _Child(job[0], log_dir, limits)
+    helpers = [_Child(s, log_dir, limits) for s in specs if s.role == "ingest"]
+    samplers = [_Child(s, log_dir, limits) for s in specs if s.role == "sampler"]
     children = [trainer, *helpers, *samplers]
     watch = Watch(cfg.up, run_dir, trainer, [*([_RedisUnit(redis_server)] if redis_server else []), *helpers,
                                              *samplers], samplers=samplers, log=_say)

@@ -1,6 +1,7 @@
 """The relay of a child's output (grpo_stream/up/relay.py): it keeps draining the child's pipe whatever it meets (a
 log on a full disk, bytes that are not UTF-8), so a child of `up` never blocks on a full pipe and looks hung; and
-what it could not keep in the log is said there once the log can be written again. Real child processes."""
+what it could not keep in the log is said there once the log can be written again. Nor can a child's output fill
+`up`'s memory (a line without end) or the disk (a log without end). Real child processes."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import os
 import sys
 
 from grpo_stream.up.processes import ProcessSpec
-from grpo_stream.up.relay import ChildLog
+from grpo_stream.up.relay import LINE_CHARS, ChildLog, LogLimits
 from grpo_stream.up.run import _Child
 
 TALKER = "for i in range(20000):\n    print('x' * 20, i)"  # 500 KB: eight times what a pipe holds
@@ -28,10 +29,10 @@ class Console:
         pass
 
 
-def talker(tmp_path, code: str) -> _Child:
+def talker(tmp_path, code: str, limits: LogLimits = LogLimits()) -> _Child:
     (tmp_path / "logs").mkdir(exist_ok=True)
     return _Child(ProcessSpec("sampler-0", (sys.executable, "-c", code), dict(os.environ), "sampler", "sampler-0"),
-                  tmp_path / "logs")
+                  tmp_path / "logs", limits)
 
 
 def run_to_end(child: _Child) -> int:
@@ -95,3 +96,40 @@ def test_lines_lost_to_a_full_disk_are_counted_in_the_log_once_it_can_be_written
         f"[up] 3 lines of trainer's output are missing here: {tmp_path / 'trainer.log'} could not be written",
         "step 3", "step 4"]
     assert len(said) == 1 and said[0].startswith(f"[up] cannot write {tmp_path / 'trainer.log'} (No space left")
+
+
+def test_a_line_without_end_is_relayed_in_pieces_and_kept_whole_in_the_log(tmp_path, monkeypatch):
+    """A reward function that prints 3 MB without a newline: the relay read the whole line into `up`'s memory before
+    it wrote any of it (a gigabyte of them would end `up`)."""
+    console = Console()
+    monkeypatch.setattr(sys, "stdout", console)
+    child = talker(tmp_path, "import sys\nsys.stdout.write('y' * 3_000_000); sys.stdout.flush()\nprint(); print('end')")
+    assert run_to_end(child) == 0
+    pieces = "".join(console.text).splitlines()
+    assert max(len(piece) for piece in pieces) <= len("[sampler-0] ") + LINE_CHARS
+    assert sum(piece.count("y") for piece in pieces) == 3_000_000 and pieces[-1] == "[sampler-0] end"
+    assert (tmp_path / "logs" / "sampler-0.log").read_text() == "y" * 3_000_000 + "\nend\n"
+
+
+def test_a_log_past_its_size_is_rotated_and_the_oldest_dropped(tmp_path):
+    log = ChildLog(tmp_path / "trainer.log", "trainer", print, LogLimits(max_bytes=1000, keep=2))
+    for k in range(90):
+        log.write(f"step {k:04d} " + "." * 39 + "\n")  # 50 bytes a line: a new file every 20 lines
+    log.close()
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["trainer.log", "trainer.log.1", "trainer.log.2"]  # the 2 newest kept
+    kept = [(tmp_path / name).read_text().splitlines() for name in ("trainer.log.2", "trainer.log.1", "trainer.log")]
+    assert [len(lines) for lines in kept] == [20, 20, 10] and kept[0][0].startswith("step 0040 ")
+    assert kept[2][-1].startswith("step 0089 ")
+
+
+def test_an_earlier_ups_log_is_rotated_with_the_rest(tmp_path, monkeypatch):
+    """The log of an earlier `up` went to NAME.log.1 and overwrote the one before it."""
+    monkeypatch.setattr(sys, "stdout", Console())
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "sampler-0.log").write_text("second up\n")
+    (logs / "sampler-0.log.1").write_text("first up\n")
+    assert run_to_end(talker(tmp_path, "print('third up')", LogLimits(keep=3))) == 0
+    assert [(logs / f"sampler-0.log{suffix}").read_text() for suffix in ("", ".1", ".2")] == [
+        "third up\n", "second up\n", "first up\n"]
