@@ -9,6 +9,9 @@ up.*_stall_s, and its restart blocks the same way). So nothing the relay meets e
   are missing;
 - bytes that are not UTF-8 (a C library's message, a raw token printed by a reward function): the child's pipe is
   read with errors="replace" (grpo_stream/up/run.py), so they arrive as U+FFFD instead of an exception.
+Nor may a console that is not read stop the run (`up | less` paused, Ctrl-S in a terminal): the console is written
+by a thread of its own through a bounded queue (QueuedConsole); while it blocks, lines it cannot take are counted,
+not waited for, and said once it reads again. The logs have every line.
 Nor may a child's output fill `up`'s memory or its disk: a line is read LINE_CHARS characters at a time (a reward
 function that prints a gigabyte without a newline is relayed in pieces), and a log past logging.file_max_mb is
 rotated, NAME.log.1 to NAME.log.<logging.file_keep>, the oldest dropped (logrotate's `size` and `rotate`).
@@ -18,7 +21,10 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
+import queue
 import sys
+import threading
+import time
 from typing import Callable, Iterable, Iterator, TextIO
 
 # a long line arrives in pieces of this many characters; each piece is a line of its own on the console
@@ -35,6 +41,53 @@ class LogLimits:
     @classmethod
     def of(cls, logging_section) -> "LogLimits":
         return cls(int(logging_section.file_max_mb * (1 << 20)), logging_section.file_keep)
+
+
+class QueuedConsole:
+    """`up`'s stdout, written by a thread of its own: write() never blocks. At most `capacity` lines wait; past that
+    they are dropped and counted, and the count is said once the console reads again. A console that fails (a
+    closed terminal, a reader gone) takes nothing more."""
+
+    def __init__(self, capacity: int = 10_000):
+        self._lines: queue.Queue[str] = queue.Queue(maxsize=capacity)
+        self._lock, self._thread, self._dropped, self._gone = threading.Lock(), None, 0, False
+
+    def write(self, text: str) -> None:
+        if self._gone:
+            return
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._write_out, name="up-console", daemon=True)
+                self._thread.start()
+            try:
+                self._lines.put_nowait(text)
+            except queue.Full:
+                self._dropped += 1
+
+    def flush(self) -> None:
+        """Nothing to do: the console's thread flushes after every line."""
+
+    def drain(self, timeout_s: float = 5.0) -> None:
+        """Wait up to `timeout_s` for the lines waiting to reach the console (before `up`'s last lines)."""
+        deadline = time.monotonic() + timeout_s
+        while not self._gone and self._lines.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    def _write_out(self) -> None:
+        while True:
+            text = self._lines.get()
+            try:
+                with self._lock:
+                    dropped, self._dropped = self._dropped, 0
+                if dropped:
+                    sys.stdout.write(f"[up] {dropped} lines were not shown here while this console was not read; "
+                                     "RUN_DIR/logs/ has them all\n")
+                sys.stdout.write(text)
+                sys.stdout.flush()
+            except (OSError, ValueError):
+                self._gone = True
+            finally:
+                self._lines.task_done()
 
 
 def bounded_lines(stream: TextIO) -> Iterator[str]:

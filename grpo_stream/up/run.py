@@ -42,7 +42,7 @@ from grpo_stream.up.supervise import Outcome, Watch
 from grpo_stream.trainer_service.reports.files import write_atomic
 from grpo_stream.trainer_service.control_messages import SECRET_ENV, SECRET_FILE_ENV, new_secret
 from grpo_stream.up.guard import STOP_SIGNALS, child_popen, lock_run_dir, redis_popen, run_dir_error
-from grpo_stream.up.relay import ChildLog, LogLimits, bounded_lines, relay, rotate
+from grpo_stream.up.relay import ChildLog, LogLimits, QueuedConsole, bounded_lines, relay, rotate
 from grpo_stream.up.processes import TRAINER_ROLES, ProcessSpec, plan_processes, process_envs, run_overrides
 from grpo_stream.up.run_secrets import with_redis_password, with_run_tokens
 from grpo_stream.up.summary import RunEnd, RunSummary
@@ -51,14 +51,14 @@ __all__ = ["ENDPOINTS_FILE", "process_envs", "run_up"]
 ENDPOINTS_FILE = "endpoints.json"  # in RUN_DIR: where `grpo-stream submit --run-dir` sends prompts
 
 
+CONSOLE = QueuedConsole()  # the children's lines and `up`'s own while they run: never blocks (relay.py)
+
+
 def _say(line: str) -> None:
-    """A line on `up`'s console, if it still has one: a closed terminal (SIGHUP, ssh gone) or a reader that went away
-    (`up | tee`, tee killed) makes every write fail, and `up` must still stop its processes cleanly and keep logging
-    to files."""
-    try:
-        print(line, flush=True)
-    except (OSError, ValueError):
-        pass
+    """A line on `up`'s console, if it still has one and reads: a closed terminal (SIGHUP, ssh gone), a reader that
+    went away (`up | tee`, tee killed) or one that stopped reading (`up | less`, Ctrl-S) must not stop `up` from
+    supervising its processes and logging to files."""
+    CONSOLE.write(line + "\n")
 
 
 class _Child:
@@ -81,7 +81,7 @@ class _Child:
         if self.starts == 0 and self.log_path.exists():  # an earlier `up` here: its log may hold why it was resumed
             rotate(self.log_path, self.limits.keep)
         self._relay = threading.Thread(target=relay, args=(bounded_lines(self.proc.stdout), ChildLog(
-            self.log_path, self.name, _say, self.limits), self.name), daemon=True)
+            self.log_path, self.name, _say, self.limits), self.name, CONSOLE), daemon=True)
         self.starts += 1
         self._relay.start()
 
@@ -283,6 +283,7 @@ def run_up(config_path: pathlib.Path | None, overrides: list[str], cfg: RunConfi
         if redis_server is not None:
             redis_server.stop()
         run_lock.release()
+        CONSOLE.drain()  # the children's last lines before the summary's (or the error's)
     return RunSummary(cfg, run_dir, started).finish(end)
 
 

@@ -8,9 +8,11 @@ from __future__ import annotations
 import errno
 import os
 import sys
+import threading
 
 from grpo_stream.up.processes import ProcessSpec
-from grpo_stream.up.relay import LINE_CHARS, ChildLog, LogLimits
+from grpo_stream.up import run as up_run
+from grpo_stream.up.relay import LINE_CHARS, ChildLog, LogLimits, QueuedConsole
 from grpo_stream.up.run import _Child
 
 TALKER = "for i in range(20000):\n    print('x' * 20, i)"  # 500 KB: eight times what a pipe holds
@@ -42,6 +44,7 @@ def run_to_end(child: _Child) -> int:
     finally:
         child.kill()
         child._relay.join(timeout=10)
+        up_run.CONSOLE.drain()
 
 
 def test_a_child_whose_log_cannot_be_written_runs_to_its_end_and_its_output_still_reaches_the_console(
@@ -133,3 +136,33 @@ def test_an_earlier_ups_log_is_rotated_with_the_rest(tmp_path, monkeypatch):
     assert run_to_end(talker(tmp_path, "print('third up')", LogLimits(keep=3))) == 0
     assert [(logs / f"sampler-0.log{suffix}").read_text() for suffix in ("", ".1", ".2")] == [
         "third up\n", "second up\n", "first up\n"]
+
+
+class StoppedConsole(Console):
+    """A console nobody reads (`up | less` paused, Ctrl-S): a write waits until `reading` is set."""
+
+    def __init__(self):
+        super().__init__()
+        self.reading = threading.Event()
+
+    def write(self, text):
+        self.reading.wait(timeout=120)
+        super().write(text)
+
+
+def test_a_console_that_is_not_read_does_not_stop_the_run(tmp_path, monkeypatch):
+    """The relay wrote to the console itself: a console that stopped reading blocked the relay, then the child on its
+    full pipe, and the run looked hung until the stall watch killed it."""
+    console = StoppedConsole()
+    monkeypatch.setattr(sys, "stdout", console)
+    monkeypatch.setattr(up_run, "CONSOLE", QueuedConsole(capacity=100))
+    child = talker(tmp_path, TALKER)
+    try:
+        assert run_to_end(child) == 0  # 20,000 lines, the console taking none of them
+        assert len((tmp_path / "logs" / "sampler-0.log").read_text().splitlines()) == 20000
+    finally:
+        console.reading.set()
+    up_run.CONSOLE.drain()
+    text = "".join(console.text)
+    assert "lines were not shown here while this console was not read; RUN_DIR/logs/ has them all" in text
+    assert text.count("[sampler-0] ") <= 102  # the one being written, the 100 queued, the one after the count
