@@ -5,8 +5,9 @@ template asked for (`#### N`, `<answer>N</answer>` as in the Tunix GSM8K demo,
 `\\boxed{N}`, "the answer is N"). A number is compared as an exact rational,
 after removing what people write around numbers:
 
-- thousands separators (`1,234`, `1 234`, `1_234`), a leading `+`, the
-  Unicode minus (also where a number is searched for in text), a LaTeX `\\$`;
+- thousands separators (`1,234`, `1 234`, `1_234`, LaTeX's `1{,}234`), a
+  leading `+`, the Unicode minus (also where a number is searched for in
+  text), a LaTeX `\\$`;
 - currency signs and codes before or after (`$`, `€`, `£`, `¥`, `USD`), units
   of percent (`50%` equals `50`: GSM8K states percentages as bare numbers);
 - trailing zeros and points (`10.50` = `10.5`, `7.` = `7`, `3.0` = `3`);
@@ -57,8 +58,12 @@ _FORMATS = (_answer_tags, _hashes, _groups(_BOXED), _groups(_ANSWER_IS))  # most
 
 def _plain(text: str) -> str:
     """`text` with the characters people write for ASCII ones in numbers made ASCII: the Unicode minus (which the
-    number patterns would skip, flipping a sign), thin and no-break spaces, LaTeX's escaped dollar."""
-    return text.replace("\u2212", "-").replace("\u2009", " ").replace("\u00a0", " ").replace("\\$", "$")
+    number patterns would skip, flipping a sign), thin and no-break spaces, LaTeX's escaped dollar and its thousands
+    separator `{,}` (which `last_number` would otherwise split, reading `1{,}080` as 80)."""
+    for written, ascii_ in (("\u2212", "-"), ("\u2009", " "), ("\u202f", " "), ("\u00a0", " "), ("\\$", "$"),
+                            ("{,}", ",")):
+        text = text.replace(written, ascii_)
+    return text
 
 
 def _searchable(text: str) -> str:

@@ -42,13 +42,19 @@ class DatasetError(ValueError):
 
 
 def _rows_jsonl(path: pathlib.Path) -> Iterable[tuple[str, object]]:
-    with open(path, encoding="utf-8") as lines:
+    """(place, row or the exception that made the line no row) per non-blank line. A leading UTF-8 BOM (what Windows
+    editors write) is not part of the first row, and a line that is not UTF-8 is one bad row, named by its line:
+    decoding the file strictly stopped the whole load at it with a UnicodeDecodeError naming neither."""
+    with open(path, encoding="utf-8-sig", errors="surrogateescape") as lines:
         for number, line in enumerate(lines, 1):
             if not line.strip():
                 continue
             where = f"{path}:{number}"
             try:
+                line.encode("utf-8")  # fails only where a byte did not decode (surrogateescape kept it)
                 yield where, json.loads(line)
+            except UnicodeEncodeError as exc:
+                yield where, ValueError(f"not UTF-8: an undecodable byte at column {exc.start + 1}")
             except json.JSONDecodeError as exc:
                 yield where, exc
 
@@ -124,14 +130,19 @@ def _problem(row, split: str, index: int, question_field: str, answer_field: str
     if not isinstance(row, dict):
         return None, f"expected an object with '{question_field}' and '{answer_field}', got {type(row).__name__}"
     for setting, field in (("question_field", question_field), ("answer_field", answer_field)):
-        if not isinstance(row.get(field), str) or not row[field].strip():
+        value = row.get(field)
+        if value is not None and not isinstance(value, str):
+            return None, (f"field '{field}' is not text but {type(value).__name__} (the field dataset.{setting} names; "
+                          "a reference solution is text ending in '#### <answer>')")
+        if value is None or not value.strip():
             return None, f"missing or empty field '{field}' (the field dataset.{setting} names)"
     try:
         answer = reference_answer(row[answer_field])
     except ValueError as exc:
         return None, f"field '{answer_field}': {exc}"
-    if parse_number(answer) is None:
-        return None, f"field '{answer_field}': final answer {answer!r} is not a number"
+    if parse_number(answer) is None:  # cut: the message is logged, and a row's text may be any length
+        shown = repr(answer[:64]) + (f" ({len(answer)} characters)" if len(answer) > 64 else "")
+        return None, f"field '{answer_field}': final answer {shown} is not a number"
     return MathProblem(f"{split}/{index}", row[question_field].strip(), answer, row[answer_field]), ""
 
 

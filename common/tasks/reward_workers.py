@@ -9,7 +9,9 @@ and answers with its value. A call that has not answered within `deadline_s`, or
 for memory, a crash in native code), kills the worker and scores 0: logged once per reward name, counted in
 `overruns`. A reward that raises is an error naming it, as in-process (RewardSet.score). Messages are
 length-prefixed JSON on the worker's stdin/stdout (nothing is unpickled), and the worker dies with the thread that
-started it (PR_SET_PDEATHSIG) or when its stdin closes.
+started it (PR_SET_PDEATHSIG) or when its stdin closes. The worker leads a process group of its own, and a kill
+(deadline, close, restart) is sent to that whole group: what a reward started (`subprocess`, `multiprocessing`) dies
+with it instead of outliving the sampler.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ class RewardWorker:
         and started again on the next call)."""
         del fn  # the worker resolves the same function by name
         with self._lock:
-            process = self._process if self._process and self._process.poll() is None else self._start()
+            process = self._process if self._process and _running(self._process) else self._start()
             _send(process.stdin, {"name": name, "text": text, "reference": reference})
             answer = _receive(process.stdout, time.monotonic() + self.deadline_s)
             if answer is None or answer.get("exited"):  # overran, or died on this input (killed for memory, a crash)
@@ -78,7 +80,7 @@ class RewardWorker:
         settings = json.dumps({"allowed": self.allowed, "path": [p for p in sys.path if p], "parent": os.getpid()})
         self._process = subprocess.Popen(
             [sys.executable, "-m", "grpo_stream.common.tasks.reward_workers", settings], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, close_fds=True)
+            stdout=subprocess.PIPE, close_fds=True, start_new_session=True)  # its group: see _kill
         ready = _receive(self._process.stdout, time.monotonic() + max(STARTUP_S, self.deadline_s))
         if ready is None or not ready.get("ready"):
             self._kill()
@@ -91,14 +93,30 @@ class RewardWorker:
         process, self._process = self._process, None
         if process is None:
             return
-        if process.poll() is None:
-            process.send_signal(signal.SIGKILL)
+        if process.returncode is None:  # not reaped yet, so its pid still names its group and no other
+            try:
+                os.killpg(process.pid, signal.SIGKILL)  # the worker and whatever a reward started
+            except (ProcessLookupError, PermissionError):
+                pass
         process.wait()
         for stream in (process.stdin, process.stdout):
             try:
                 stream.close()
             except OSError:
                 pass
+
+
+def _running(process: subprocess.Popen) -> bool:
+    """Whether the worker still runs, without reaping it when it has exited (Popen.poll would): `_kill` signals its
+    process group by the worker's pid, which must not be free for reuse by then."""
+    if process.returncode is not None:
+        return False
+    try:
+        return os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None
+    except ChildProcessError:
+        return process.poll() is None
+    except AttributeError:  # no waitid on this platform
+        return process.poll() is None
 
 
 def _send(stream, message: dict) -> None:

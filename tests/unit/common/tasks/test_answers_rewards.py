@@ -22,6 +22,7 @@ TRICKY = [
     # a rounding matches only a value with no exact decimal: 1.004 and 0.125 are written exactly
     ("1.00", "1.004", False), ("0.334", "0.33", False), ("12.499", "12.50", False), ("0.12", "1/8", False),
     ("0.67", "2/3", True), ("\\$18", "18", True), ("18,", "18", True),
+    ("1{,}080", "1080", True), ("\\$1{,}234.50", "1234.5", True), ("18\u202f000", "18000", True),  # LaTeX, French
 ]
 
 
@@ -110,6 +111,14 @@ def test_accuracy_is_computed_whatever_the_weights():
     assert last_number("The temperature ends at \u22127 degrees.", "-7") == 1.0
 
 
+def test_the_last_number_reads_latex_thousands_as_one_number():
+    """A chat reply ending in `\\boxed{1{,}080}` (LaTeX's thousands separator, as MATH-style solutions write it)
+    states 1080: the last number is not the `080` after the braces."""
+    for reply in ("So the total is \\boxed{1{,}080}.", "She earns $\\$1{,}080$ in all."):
+        assert last_number(reply, "1080") == 1.0 and last_number(reply, "80") == 0.0, reply
+        assert answer_correct(reply.replace("She earns", "The answer is"), "1080") == 1.0
+
+
 def answer_format_of(text: str) -> float:
     from grpo_stream.common.tasks.rewards import answer_format
 
@@ -172,3 +181,32 @@ def test_answer_tags_are_read_as_the_pattern_read_them():
         text = "".join(rng.choice(pieces) for _ in range(rng.randrange(14)))
         assert list(_answer_tags(text)) == [m.group(1) for m in pattern.finditer(text)], repr(text)
     assert extract_answer("<answer>\n 1,234 </answer> then <answer>9</answer>") == "1,234"
+
+
+def test_the_reasoning_format_is_read_in_linear_time():
+    """`^\\s*<reasoning>.+?</reasoning>\\s*<answer>.+?</answer>\\s*$` tried every `</reasoning>` against the rest of
+    the text for a closing `</answer>`: 11 s on 256k characters of the format restated and never closed."""
+    import time
+    text = "<reasoning>x</reasoning><answer>" * 8_000
+    started = time.perf_counter()
+    assert reasoning_answer_format(text, "") == 0.0 and reasoning_answer_format(text + "7</answer>", "") == 1.0
+    assert time.perf_counter() - started < 1.0
+
+
+def test_the_reasoning_format_is_read_as_the_pattern_read_it():
+    """The linear reading accepts what the pattern matched, on random mixes of tags, whitespace and text."""
+    import random
+    import re
+    pattern = re.compile(r"^\s*<reasoning>.+?</reasoning>\s*<answer>.+?</answer>\s*$", re.S)
+    pieces = ["<reasoning>", "</reasoning>", "<answer>", "</answer>", " ", "\n", "\u2003", "x", "7", "<", ">"]
+    rng = random.Random(0)
+    matched = 0
+    for _ in range(30_000):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randrange(10)))
+        if rng.random() < 0.5:  # most random mixes do not match: build ones that nearly do
+            text = f"{rng.choice(pieces)}<reasoning>{text}</reasoning>{rng.choice(pieces)}<answer>{rng.choice(pieces)}"
+            text += f"</answer>{rng.choice(pieces)}"
+        expected = pattern.match(text) is not None
+        matched += expected
+        assert reasoning_answer_format(text, "") == float(expected), repr(text)
+    assert matched > 500  # both answers are exercised

@@ -101,3 +101,21 @@ def test_a_stream_started_at_a_position_continues_the_uninterrupted_one(splits):
     whole = [p.prompt_id for p, _ in zip(task.train_stream(0, 2), range(17))]  # a shard of 5: three passes+
     for start in (0, 3, 5, 11):
         assert [p.prompt_id for p, _ in zip(task.train_stream(0, 2, start), range(17 - start))] == whole[start:]
+
+
+def test_a_row_not_utf8_a_bom_and_a_non_text_answer_are_rows_named_by_line(tmp_path, caplog):
+    """A line that is not UTF-8 stopped the whole load with a UnicodeDecodeError naming no file or line (and
+    on_bad_row=skip could not skip it); a BOM made the first row invalid JSON; an answer given as a number was
+    reported as 'missing or empty'; a huge final answer was quoted whole in the log."""
+    good = json.dumps({"question": "1 + 1?", "answer": "1 + 1 = 2\n#### 2"}).encode()
+    path = tmp_path / "train.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + good + b'\n{"question": "caf\xe9?", "answer": "#### 3"}\n' +
+                     json.dumps({"question": "q", "answer": 18}).encode() + b"\n" +
+                     json.dumps({"question": "q", "answer": "#### " + "x" * 5000}).encode() + b"\n" + good + b"\n")
+    problems = load_problems(str(path), "train", on_bad_row="skip")
+    assert [p.prompt_id for p in problems] == ["train/0", "train/4"]
+    assert f"{path}:2: not valid JSON (not UTF-8: an undecodable byte at column 18)" in caplog.text
+    assert f"{path}:3: field 'answer' is not text but int (the field dataset.answer_field names" in caplog.text
+    assert f"{path}:4: field 'answer': final answer '{'x' * 64}' (5000 characters) is not a number" in caplog.text
+    with pytest.raises(DatasetError, match=f"{path}:2: not valid JSON .*on_bad_row=skip"):
+        load_problems(str(path), "train", on_bad_row="error")

@@ -35,7 +35,30 @@ REWARDS = textwrap.dedent('''
     def crashes(text, reference):  # a reward killed on some input (the kernel's OOM killer, a native crash)
         import os
         os._exit(9)
+
+    def starts_a_child(text, reference):  # writes its child's pid to `reference`; hangs when `text` says so
+        import subprocess
+        child = subprocess.Popen(["sleep", "300"])
+        with open(reference, "w") as out:
+            out.write(str(child.pid))
+        while text == "hang":
+            time.sleep(0.1)
+        return 1.0
 ''')
+
+
+def _gone(pid: int, within_s: float = 10.0) -> bool:
+    """Whether process `pid` ends (or is a zombie, dead and awaiting its reaper) within `within_s`."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                if stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.05)
+    return False
 
 
 @pytest.fixture
@@ -119,3 +142,26 @@ def test_the_worker_dies_with_the_process_that_started_it(tmp_path):
             pytest.fail(f"reward worker {worker_pid} outlived its parent")
     finally:
         parent.kill()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
+def test_what_a_reward_started_dies_with_its_worker_at_the_deadline_and_at_close(rewards_module, tmp_path):
+    name = f"{rewards_module}:starts_a_child"
+    worker = RewardWorker([name], deadline_s=1.0)
+    pids = []
+    try:
+        for text, stop in (("hang", lambda: None), ("answer", worker.close)):
+            pid_file = tmp_path / f"{text}.pid"
+            assert worker.call(name, None, text, str(pid_file)) == (0.0 if text == "hang" else 1.0)
+            stop()
+            pids.append(int(pid_file.read_text()))
+            assert _gone(pids[-1]), f"the {text} reward's child {pids[-1]} outlived its worker"
+    finally:
+        worker.close()
+        for pid in pids:  # one that outlived the check (a failure): ours only while it is still that `sleep 300`
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+                    if cmdline.read() == b"sleep\x00300\x00":
+                        os.kill(pid, 9)
+            except (FileNotFoundError, ProcessLookupError):
+                pass
