@@ -263,8 +263,9 @@ class DistillSection(Strict):
 
     teacher: str | None = Field(None, description="A Hugging Face model directory (config.json, *.safetensors, the "
                                 "tokenizer files; any family model.kind=hf loads) or a hub id in the local cache: "
-                                "the teacher. Its tokenizer must equal the student's (vocabulary, ids of a probe "
-                                "text, special tokens), checked at start-up. Null: no distillation.")
+                                "the teacher. Its tokenizer must give every id the student's text (vocabulary, ids "
+                                "of a probe text; other stop, pad or BOS tokens are only logged) and its embedding "
+                                "at least the student's rows, checked at start-up. Null: no distillation.")
     kl_coef: float = Field(1.0, gt=0, le=100, description="Coefficient of the per-token reverse-KL advantage "
                            "-kl_coef x (log pi_student(y_t) - log pi_teacher(y_t)).")
     reward_weight: float = Field(0.0, ge=0, le=100, description="Weight of the group-relative reward advantage "

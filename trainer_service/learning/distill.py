@@ -40,8 +40,14 @@ def _shown(ids: list[int], limit: int = 24) -> str:
 
 
 def tokenizer_differences(student, teacher, probe: str = PROBE_TEXT) -> list[str]:
-    """What differs between two tokenizers (each with vocab(), encode(), eos_ids, pad_id, bos_text): the vocabulary
-    (its size, then the tokens mapped to other ids), the ids of `probe`, the special tokens. Empty: the same."""
+    """What differs between two tokenizers (each with vocab(), encode(), eos_ids, pad_id, bos_text): the ids
+    (id_differences), then the special tokens (special_token_differences). Empty: the same."""
+    return id_differences(student, teacher, probe) + special_token_differences(student, teacher)
+
+
+def id_differences(student, teacher, probe: str = PROBE_TEXT) -> list[str]:
+    """What makes an id mean other text to the teacher than to the student: the vocabulary (its size, then the
+    tokens mapped to other ids) and the ids of `probe`. Empty: every id means the same text."""
     out = []
     sv, tv = student.vocab(), teacher.vocab()
     if len(sv) != len(tv):
@@ -55,6 +61,12 @@ def tokenizer_differences(student, teacher, probe: str = PROBE_TEXT) -> list[str
         first = next((i for i, (a, b) in enumerate(zip(s_ids, t_ids)) if a != b), min(len(s_ids), len(t_ids)))
         out.append(f"ids of the probe text {probe[:40]!r}... differ from id {first}: student {_shown(s_ids)} vs "
                    f"teacher {_shown(t_ids)}")
+    return out
+
+
+def special_token_differences(student, teacher) -> list[str]:
+    """The special tokens the two tokenizers' files name differently: stop ids, pad id, BOS text."""
+    out = []
     for what, s, t in (("end-of-sequence ids", sorted(student.eos_ids), sorted(teacher.eos_ids)),
                        ("pad id", student.pad_id, teacher.pad_id),
                        ("BOS text", student.bos_text, teacher.bos_text)):
@@ -73,23 +85,42 @@ def student_source(cfg: RunConfig) -> str:
 
 def check_teacher_tokenizer(cfg: RunConfig, student, directory) -> HFTokenizer:
     """The teacher's tokenizer, read from `directory`; a ConfigError naming both tokenizers and what differs when
-    it is not the student's (a teacher scores the student's token ids, so they must mean the same text)."""
-    pad = cfg.model.pad_token if cfg.model.kind == "hf" else PAD
+    an id means other text to it than to the student (a teacher scores the student's token ids, so they must mean
+    the same text). Other special tokens are logged, not refused: the teacher scores the ids the student's
+    tokenizer wrote (prompt and BOS included), with the student's pad excluded, and never generates, so its own
+    stop, pad and BOS tokens are never used; a base student of an instruct teacher's family (Qwen3-8B-Base from
+    Qwen3-32B: another stop set) is the usual case."""
+    # the student's pad, by its text: the teacher's files may name another pad token or none (the teacher's own is
+    # never used), which is no reason to refuse it
+    pad = PAD if cfg.model.kind != "hf" else next((t for t, i in student.vocab().items() if i == student.pad_id),
+                                                  cfg.model.pad_token)
     arch = read_architecture(directory)
     try:
         teacher = HFTokenizer(directory, pad, vocab_size=arch.vocab_size)
     except ValueError as exc:
         raise ConfigError(f"distill.teacher={cfg.distill.teacher}: its tokenizer cannot be the student's "
                           f"({student_source(cfg)}): {exc}") from None
-    differences = tokenizer_differences(student, teacher)
+    differences = id_differences(student, teacher)
     if differences:
         raise ConfigError(f"distill.teacher={cfg.distill.teacher}: the teacher's tokenizer ({directory}) differs from "
                           f"the student's ({student_source(cfg)}): " + "; ".join(differences) +
                           ". A teacher must share the student's tokenizer: pick a teacher of the student's family "
                           "and tokenizer (it may be larger), or distill into a student with the teacher's tokenizer")
-    if arch.vocab_size < len(student.vocab()):
+    special = special_token_differences(student, teacher)
+    if special:
+        log.warning("distill.teacher=%s: the teacher's tokenizer files name other special tokens than the "
+                    "student's (%s): its ids mean the same text, and the teacher only scores the student's ids, so "
+                    "the student's stop, pad and BOS tokens apply", cfg.distill.teacher, "; ".join(special))
+    # the student samples from every row of its embedding (a checkpoint's is often padded past the tokenizer:
+    # Qwen2.5-7B's 152064 rows over 151665 tokens), and the teacher must score each id sampled: an id past the
+    # teacher's rows gets a NaN log-prob (and a NaN update) or another token's
+    sampled = max(len(student.vocab()), int(student.vocab_size))
+    if arch.vocab_size < sampled:
         raise ConfigError(f"distill.teacher={cfg.distill.teacher}: its embedding has {arch.vocab_size} rows, fewer "
-                          f"than the {len(student.vocab())} tokens of the shared tokenizer")
+                          f"than the {sampled} token ids the student can sample ({student_source(cfg)}: "
+                          f"{len(student.vocab())} tokens in the shared tokenizer, {student.vocab_size} rows in the "
+                          f"student's embedding), so the teacher cannot score every id the student writes. Pick a "
+                          f"teacher whose embedding has at least {sampled} rows (config.json's vocab_size)")
     return teacher
 
 

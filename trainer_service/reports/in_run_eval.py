@@ -8,7 +8,8 @@ at most two extra copies of the weights (the running and the waiting version's),
 step wait. `max_share` bounds the wall time the evaluation computes (`DutyCycle`), so the devices it shares with the
 steps are taken from them for at most that share; the end of the run lifts it (`drain`).
 
-An evaluation that raises is logged and counted (`errors`), never raised: the run goes on without that point.
+An evaluation that raises (SystemExit included) is logged and counted (`errors`), never raised: the run goes on
+without that point.
 """
 
 from __future__ import annotations
@@ -138,7 +139,11 @@ class InRunEvaluator:
             with self._cond:
                 self.curve.append(curve_row(due.step, "during", result))
             self._record(due.step, result)
-        except Exception:  # noqa: BLE001 - an evaluation never fails the run: logged, counted, and the run goes on
+        # an evaluation never fails the run: logged, counted, and the run goes on. BaseException too: this thread
+        # gets no KeyboardInterrupt (signals go to the main thread), and a SystemExit from code the evaluation runs
+        # (a reward function, an environment) would otherwise end the thread with this version still running, so
+        # drain() never returned and no later version was evaluated
+        except BaseException:  # noqa: BLE001
             with self._cond:
                 self.errors += 1
             log.exception("evaluation of version %d failed (%d evaluation errors in this run); training goes on",

@@ -23,14 +23,16 @@ SMOKE = ["model.tiny.num_layers=1", "model.tiny.embed_dim=32", "model.tiny.hidde
          "model.tiny.num_kv_heads=1", "model.tiny.head_dim=16"]
 
 
-def write_teacher(directory: pathlib.Path, tokenizer) -> pathlib.Path:
-    """A Qwen2 teacher (the student is Qwen3-style), wider and deeper than the student, with `tokenizer`."""
+def write_teacher(directory: pathlib.Path, tokenizer, rows: int | None = None,
+                  eos_ids: list[int] | None = None) -> pathlib.Path:
+    """A Qwen2 teacher (the student is Qwen3-style), wider and deeper than the student, with `tokenizer` (and an
+    embedding of `rows` rows, default one a token; stop ids `eos_ids`, default the tokenizer's)."""
     tokenizer.save(directory)
-    arch = Architecture(family="qwen2", vocab_size=tokenizer.vocab_size, num_layers=2, embed_dim=64, hidden_dim=128,
+    arch = Architecture(family="qwen2", vocab_size=rows or tokenizer.vocab_size, num_layers=2, embed_dim=64, hidden_dim=128,
                         num_heads=4, num_kv_heads=2, head_dim=16, norm_eps=1e-6, rope_theta=1e6,
                         tied_embeddings=True)
     named = build_from_architecture(arch, seed=3).to_named_numpy()
-    return export_hf(directory, arch, named, tokenizer_dir=directory, eos_ids=tokenizer.eos_ids,
+    return export_hf(directory, arch, named, tokenizer_dir=directory, eos_ids=eos_ids or tokenizer.eos_ids,
                      pad_id=tokenizer.pad_id)
 
 
@@ -61,6 +63,36 @@ def test_a_teacher_with_another_vocabulary_is_refused_naming_both(tmp_path):
     assert "model.kind=tiny" in message and "vocab_size 160" in message  # the student's, named
     assert "vocabulary size 160 (student) vs 150 (teacher)" in message
     assert "ids of the probe text" in message
+
+
+def test_a_teacher_with_other_stop_tokens_but_the_same_ids_loads_with_a_warning(tmp_path, caplog):
+    # Qwen3-8B-Base (stops at <|endoftext|>) distilled from Qwen3-32B (also at <|im_end|>): every id means the same
+    # text, and the teacher only scores the student's ids, so its own stop tokens never matter
+    cfg = config(tmp_path / "teacher")
+    _, student = build_task_and_tokenizer(cfg)
+    unk = student.vocab()["<unk>"]
+    write_teacher(tmp_path / "teacher", student, eos_ids=[*student.eos_ids, unk])
+    with caplog.at_level("WARNING", logger="grpo_stream.trainer_service.learning.distill"):
+        teacher = load_teacher(cfg, student, make_mesh(1, 1, jax.devices(), "trainer.mesh"))
+    assert teacher.model.arch.family == "qwen2"
+    assert f"end-of-sequence ids [1] (student) vs [1, {unk}] (teacher)" in caplog.text
+
+
+def test_a_teacher_with_fewer_embedding_rows_than_the_student_samples_from_is_refused(tmp_path):
+    # the student's checkpoint pads its embedding past the tokenizer (Qwen2.5-7B: 152064 rows over 151665 tokens) and
+    # samples from every row; a teacher with only the tokenizer's rows would score ids past them as NaN
+    _, tiny = build_task_and_tokenizer(config(tmp_path / "teacher"))
+    write_teacher(tmp_path / "student", tiny, rows=tiny.vocab_size + 96)
+    write_teacher(tmp_path / "teacher", tiny)
+    cfg = config(tmp_path / "teacher", "model.kind=hf", f"model.path={tmp_path / 'student'}", "warmstart.steps=0")
+    _, student = build_task_and_tokenizer(cfg)
+    assert student.vocab_size == tiny.vocab_size + 96 and len(student.vocab()) == tiny.vocab_size
+    mesh = make_mesh(1, 1, jax.devices(), "trainer.mesh")
+    with pytest.raises(ConfigError, match=f"distill.teacher=.*{tiny.vocab_size} rows, fewer than the "
+                                          f"{tiny.vocab_size + 96} token ids the student can sample"):
+        load_teacher(cfg, student, mesh)
+    write_teacher(tmp_path / "teacher", tiny, rows=tiny.vocab_size + 96)  # as many rows: it loads
+    assert load_teacher(cfg, student, mesh).model.arch.vocab_size == tiny.vocab_size + 96
 
 
 def test_tokenizer_differences_name_ids_and_special_tokens(tmp_path):

@@ -83,6 +83,23 @@ def test_an_evaluation_error_is_counted_and_the_next_one_runs():
     assert recorded == [2, 6] and ev.errors == 1 and ev.state()["eval_errors"] == 1
 
 
+def test_a_system_exit_in_an_evaluation_is_counted_and_the_thread_goes_on():
+    # code the evaluation runs (a reward function, an environment) calling sys.exit used to end the thread with
+    # the version still running: drain() never returned, so the trainer's end waited for ever
+    def evaluate(step, params, progress):
+        if step == 2:
+            raise SystemExit("an environment called sys.exit")
+        return {**RESULT, "accuracy": step / 100}
+
+    recorded = []
+    ev = InRunEvaluator(evaluate, lambda step, result: recorded.append(step))
+    ev.submit(2, None)
+    assert ev.drain(10) and ev.errors == 1 and ev.pending() == []
+    ev.submit(4, None)
+    assert ev.drain(10) and recorded == [4]
+    ev.close()
+
+
 def test_a_failing_record_is_counted_too():
     gate = Gate()
     gate.release(2)
