@@ -41,6 +41,8 @@ import sys
 import tempfile
 import time
 
+from grpo_stream.trainer_service.reports.files import write_atomic
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 # The runs the test suite checks (tests/e2e/test_demo.py): the shipped demo (which also exports its warm-started
@@ -240,7 +242,9 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)
         doc["spread"] = spread(doc["runs"], args.setup)
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(doc, indent=2) + "\n")  # after every run: a stopped calibration keeps its runs
+        # after every run, and whole or not at all: the file holds every earlier run (hours of them), which a kill or
+        # a full disk in the middle of an in-place rewrite would lose
+        write_atomic(args.out, json.dumps(doc, indent=2) + "\n")
     print(json.dumps(doc["spread"], indent=2))
     return 0
 

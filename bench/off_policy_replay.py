@@ -18,9 +18,11 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import hashlib
 import itertools
 import json
 import logging
+import os
 import pathlib
 import sys
 import time
@@ -58,17 +60,37 @@ def demo_config(*overrides: str) -> RunConfig:
     return load_config(CONFIG, list(overrides))
 
 
+# what the warm start's params depend on (trainer_service/learning/warmstart.py and the model it starts from)
+WARM_START_SECTIONS = ("model", "task", "generation", "warmstart", "environment")
+
+
+def warm_start_key(cfg: RunConfig) -> str:
+    """A digest of the settings a warm start depends on: a cached one made under other settings is not this one."""
+    parts = {name: getattr(cfg, name).model_dump(mode="json") for name in WARM_START_SECTIONS}
+    parts.update(seed=cfg.run.seed, max_grad_norm=cfg.trainer.max_grad_norm,
+                 optimizer=cfg.trainer.optimizer.model_dump(mode="json"))
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
 def warm_started(cfg: RunConfig, parts, cache: pathlib.Path | None = None):
-    """The demo's warm-started params (cfg.warmstart), from `cache` (an .npz of the leaves) when it holds them."""
+    """The demo's warm-started params (cfg.warmstart), from `cache` (an .npz of the leaves) when it holds the warm
+    start of these settings (warm_start_key); otherwise made, and `cache` replaced by it."""
     params = parts.model.params
-    treedef = jax.tree.structure(params)
+    treedef, key = jax.tree.structure(params), warm_start_key(cfg)
     if cache is not None and cache.exists():
         with np.load(cache) as saved:
-            return jax.tree.unflatten(treedef, [jax.numpy.asarray(saved[f"p{i}"]) for i in range(len(saved.files))])
+            leaves = [f"p{i}" for i in range(treedef.num_leaves)]
+            if "key" in saved.files and str(saved["key"]) == key and set(saved.files) == {"key", *leaves}:
+                return jax.tree.unflatten(treedef, [jax.numpy.asarray(saved[name]) for name in leaves])
+        log.warning("%s holds a warm start of other settings: making this one's", cache)
     params, _ = warm_start(parts.model, params, parts.task, parts.tokenizer, cfg)
     if cache is not None:
         cache.parent.mkdir(parents=True, exist_ok=True)
-        np.savez(cache, **{f"p{i}": np.asarray(x) for i, x in enumerate(jax.tree.leaves(params))})
+        tmp = cache.with_name(f".{cache.name}.{os.getpid()}.tmp")
+        with open(tmp, "wb") as out:  # then renamed: a run stopped mid-write leaves no half cache to read back
+            arrays = {f"p{i}": np.asarray(x) for i, x in enumerate(jax.tree.leaves(params))}
+            np.savez(out, key=np.asarray(key), **arrays)
+        os.replace(tmp, cache)
     return params
 
 

@@ -110,6 +110,11 @@ def run(quick: bool = False, overrides: tuple[str, ...] = (), steps: int | None 
     """`overrides`: config overrides on top of the benchmark's (bench/eval_during.py: eval.every_steps); `steps`:
     instead of the mode's; `alternate=False`: the prefetch as configured all run long, the figures of all steps."""
     steps, warmup, block = (steps or 16, 4, 3) if quick else (steps or 150, 10, 10)
+    # figures need timed steps past the warm-up; alternating, a block with prefetch on and one off, and the switches
+    least = warmup + (2 * block + 2 if alternate else 1)
+    if steps < least:
+        raise ValueError(f"steps={steps}: none or too few left to time after {warmup} warm-up steps"
+                         f"{f' in blocks of {block}' if alternate else ''}; give at least {least}")
     started = time.perf_counter()
     timed, summary, cfg = _run_trainer(steps, block if alternate else None, overrides)
     timed = timed[warmup:]

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import datetime
 import importlib
-import json
 import operator
 import os
 import pathlib
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -73,9 +73,15 @@ def check_targets(name: str, result: dict) -> dict:
             for key, op, target in TARGETS[name]}
 
 
+def _cell(text: str) -> str:
+    """`text` as one markdown table cell: an error's traceback or a subprocess's stderr has newlines and `|`, which
+    would end the row and shift its cells."""
+    return re.sub(r"\s+", " ", text).strip().replace("|", "\\|")
+
+
 def table_row(name: str, result: dict, stamp: str, commit: str) -> str:
     targets = result.get("targets", {})
-    figures = ", ".join(f"{k} {v['value']}" for k, v in targets.items()) or result.get("error", "")
+    figures = _cell(", ".join(f"{k} {v['value']}" for k, v in targets.items()) or result.get("error", ""))
     met = "error" if "error" in result else f"{sum(v['met'] for v in targets.values())}/{len(targets)}"
     mode = "quick" if result.get("quick") else "full"
     return f"| {stamp} | {commit} | {name} | {mode} | {figures} | {met} | {result.get('seconds', '')} |\n"
@@ -103,13 +109,36 @@ def run_one(name: str, quick: bool) -> dict:
     return result
 
 
-def run_benchmarks(name: str, json_path: pathlib.Path | None, table: pathlib.Path, quick: bool) -> int:
+def output_paths(name: str, json_path: pathlib.Path | None, table: pathlib.Path,
+                 quick: bool) -> dict[str, pathlib.Path]:
+    """Each benchmark's JSON path, with it and the table checked before anything runs: a path that cannot be written
+    would otherwise fail only after the benchmark (hours, for `all`) ran, losing what it measured."""
+    from grpo_stream.common.config.base import ConfigError  # here: the CLI imports this module to build its parser
+
+    def check(option: str, path: pathlib.Path, folder: bool) -> None:
+        if path.exists() and path.is_dir() != folder:
+            raise ConfigError(f"{option} {path}: " + ("a file; for 'all' it is a directory (one NAME.json each)"
+                                                      if folder else "a directory; it is the file to write"))
+        if blocked := next((d for d in path.parents if d.exists() and not d.is_dir()), None):
+            raise ConfigError(f"{option} {path}: {blocked} on its path is a file, not a directory")
+
     names = BENCHMARKS if name == "all" else (name,)
+    suffix = "-quick" if quick else ""
+    check("--table", table, folder=False)
     if name == "all":
         out_dir = json_path or pathlib.Path("runs/bench")
-        paths = {n: out_dir / f"{n}{'-quick' if quick else ''}.json" for n in names}
-    else:
-        paths = {name: json_path or pathlib.Path("runs/bench") / f"{name}{'-quick' if quick else ''}.json"}
+        check("--json", out_dir, folder=True)
+        return {n: out_dir / f"{n}{suffix}.json" for n in names}
+    path = json_path or pathlib.Path("runs/bench") / f"{name}{suffix}.json"
+    check("--json", path, folder=False)
+    return {name: path}
+
+
+def run_benchmarks(name: str, json_path: pathlib.Path | None, table: pathlib.Path, quick: bool) -> int:
+    from grpo_stream.trainer_service.reports.files import to_json, write_atomic
+
+    names = BENCHMARKS if name == "all" else (name,)
+    paths = output_paths(name, json_path, table, quick)
     commit, failed = _commit(), []
     for n in names:
         print(f"bench {n}{' (quick)' if quick else ''} ...", file=sys.stderr, flush=True)
@@ -117,7 +146,8 @@ def run_benchmarks(name: str, json_path: pathlib.Path | None, table: pathlib.Pat
         stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M")
         result["commit"], result["date_utc"] = commit, stamp
         paths[n].parent.mkdir(parents=True, exist_ok=True)
-        paths[n].write_text(json.dumps(result, indent=2) + "\n")
+        # whole or not at all, and strict JSON (a NaN figure of a short run as null: files.py)
+        write_atomic(paths[n], to_json(result, indent=2) + "\n")
         append_row(table, table_row(n, result, stamp, commit))
         if "error" in result:
             failed.append(n)

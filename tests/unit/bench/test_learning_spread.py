@@ -73,3 +73,39 @@ def test_a_run_scored_by_its_own_rewards_is_measured_by_them():
     assert runs[0]["greedy_gain"] == 0.0 and runs[0]["reward_gain"] == pytest.approx(0.23)
     out = spread(runs, "smollm2")
     assert out["reward_gain"]["min"] == pytest.approx(0.18) and out["reward_gain"]["bound_99"] <= 0.18
+
+
+# a calibration of `demo` (run_once stubbed) whose rewrite of --out fails part way: EFBIG under RLIMIT_FSIZE, as
+# ENOSPC on a full disk; in a child process, so the limit touches nothing of the test run's own files
+_FAILED_REWRITE = """
+import json, pathlib, resource, signal, sys
+from grpo_stream.bench import learning_spread
+out = pathlib.Path(sys.argv[1])
+learning_spread.run_once = lambda *a, **k: {"greedy_gain": 0.2, "wall_seconds": 1.0, "note": "x" * 4096}
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (out.stat().st_size + 1000, resource.RLIM_INFINITY))
+try:
+    learning_spread.main(["demo", "--runs", "1", "--out", str(out)])
+except OSError as exc:
+    print("write failed:", exc.errno)
+"""
+
+
+def test_a_failed_rewrite_of_the_calibration_file_keeps_its_earlier_runs(tmp_path):
+    """The file is rewritten after every run and holds every earlier one (hours of runs): a rewrite in place that
+    fails part way (a full disk, a kill) left a truncated, unreadable file and lost them all."""
+    import errno
+    import json
+    import pathlib
+    import subprocess
+    import sys
+
+    out = tmp_path / "demo.json"
+    earlier = {"setup": "demo", "runs": [{"greedy_gain": 0.1 + k / 100, "wall_seconds": 1.0} for k in range(10)]}
+    out.write_text(json.dumps(earlier, indent=2) + "\n")
+    root = pathlib.Path(__file__).resolve().parents[3]
+    proc = subprocess.run([sys.executable, "-c", _FAILED_REWRITE, str(out)], cwd=root, capture_output=True,
+                          text=True, timeout=120)
+    assert f"write failed: {errno.EFBIG}" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert json.loads(out.read_text()) == earlier
+    assert [p.name for p in tmp_path.iterdir()] == ["demo.json"]  # the temporary file removed

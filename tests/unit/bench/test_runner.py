@@ -28,3 +28,71 @@ def test_table_gets_one_header_and_a_row_per_result(tmp_path):
     assert rows[0] == ("| 2026-11-22 10:00 | abc1234 | sampler | full | longtail.ratio_vs_static 9.0, "
                        "longtail.ratio_vs_vllm 0.5, fixed.ratio_vs_vllm 0.9, fixed.ratio_vs_hf 3.1 | 3/4 | 12.5 |")
     assert rows[1] == "| 2026-11-22 10:05 | abc1234 | async | quick | RuntimeError: boom | error | 1.0 |"
+
+
+def _stub_benchmarks(monkeypatch, run):
+    """Every benchmark name runs `run(quick)` (a stub module), so the runner's own work is what is tested."""
+    import sys
+    import types
+
+    from grpo_stream.bench import runner
+
+    module = types.ModuleType("bench_stub_for_runner_tests")
+    module.run = run
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    for name in runner.BENCHMARKS:
+        monkeypatch.setitem(runner.MODULES, name, module.__name__)
+    return runner
+
+
+def test_a_nan_figure_is_written_as_null_in_strict_json(monkeypatch, tmp_path):
+    """A short run's figure can be NaN (bench prompts' percentile of no samples): bare NaN is not JSON to jq or a
+    strict parser, so the result file must carry null."""
+    import json
+
+    from grpo_stream.bench.prompts import _percentile
+
+    runner = _stub_benchmarks(monkeypatch, lambda quick: {"benchmark": "prompts", "quick": quick, "errors": 0,
+                                                          "to_result_p50_ms": _percentile([], 50)})
+    assert runner.run_benchmarks("prompts", tmp_path / "p.json", tmp_path / "t.md", True) == 0
+
+    def refuse(constant):
+        raise ValueError(f"not strict JSON: {constant}")
+
+    doc = json.loads((tmp_path / "p.json").read_text(), parse_constant=refuse)
+    assert doc["to_result_p50_ms"] is None and doc["targets"]["errors"]["met"] is True
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.json", "t.md"]  # no temporary file left behind
+
+
+def test_an_error_with_newlines_and_pipes_stays_one_table_row(monkeypatch, tmp_path):
+    """A failing benchmark's message (a subprocess's stderr) has newlines and `|`: its row must stay one row of
+    seven cells."""
+    import re
+
+    def fail(quick):
+        raise RuntimeError("the vLLM measurement failed:\nTraceback (most recent call last):\n  x | y\n")
+
+    runner = _stub_benchmarks(monkeypatch, fail)
+    assert runner.run_benchmarks("sampler", tmp_path / "s.json", tmp_path / "t.md", True) == 1
+    rows = (tmp_path / "t.md").read_text().splitlines()[4:]
+    assert len(rows) == 1 and len(re.findall(r"(?<!\\)\|", rows[0])) == 8, rows
+    assert "failed: Traceback (most recent call last): x \\| y | error |" in rows[0]
+
+
+def test_an_unwritable_json_path_is_refused_before_any_benchmark_runs(monkeypatch, tmp_path):
+    """`bench NAME --json DIR` or `bench all --json FILE` used to fail only when writing, after the run (hours for
+    `all`), losing its result."""
+    import pytest
+
+    from grpo_stream.common.config.base import ConfigError
+
+    ran = []
+    runner = _stub_benchmarks(monkeypatch, lambda quick: ran.append(quick) or {"benchmark": "x", "quick": quick})
+    a_file = tmp_path / "file.json"
+    a_file.write_text("{}")
+    for name, json_path, table in (("prompts", tmp_path, tmp_path / "t.md"), ("all", a_file, tmp_path / "t.md"),
+                                   ("prompts", a_file / "p.json", tmp_path / "t.md"),
+                                   ("prompts", tmp_path / "p.json", tmp_path)):
+        with pytest.raises(ConfigError, match="--json|--table"):
+            runner.run_benchmarks(name, json_path, table, True)
+    assert not ran
