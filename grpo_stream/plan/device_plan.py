@@ -28,6 +28,7 @@ import subprocess
 from typing import Mapping, Sequence
 
 from grpo_stream.common.config.schema import RunConfig
+from grpo_stream.common.config.serving import engine_context
 from grpo_stream.common.registry.engines import engine_spec
 from grpo_stream.common.registry.transports import transport_spec
 
@@ -266,12 +267,15 @@ def _known_share(cfg: RunConfig, p: ProcessPlan, need: int | None, memory: int |
 
 def vllm_kv_bytes(cfg: RunConfig, arch: Mapping) -> int:
     """The KV cache a vLLM sampler needs for the sequences it decodes at once (its rows in flight, at most
-    sampler.vllm.max_num_seqs) x the model length x per-token KV."""
+    sampler.vllm.max_num_seqs) x a rollout's prompt + completion x per-token KV; one of them at the engine's whole
+    context (its max_model_len) when the OpenAI endpoint's is longer: vLLM refuses to start with a cache that cannot
+    hold one sequence of max_model_len, and an endpoint request may be that long."""
     s, gen = cfg.sampler, cfg.generation
     seqs = min(s.vllm.max_num_seqs, cfg.rows_in_flight())
     per_token = 2 * arch["num_layers"] * arch["num_kv_heads"] * arch["head_dim"] * (
         2 if cfg.sampler_dtype() == "bfloat16" else 4)
-    return seqs * (gen.max_prompt_tokens + gen.max_new_tokens) * per_token
+    rollout = gen.max_prompt_tokens + gen.max_new_tokens
+    return ((seqs - 1) * rollout + max(rollout, engine_context(cfg)[0])) * per_token
 
 
 def _with_env(cfg: RunConfig, p: ProcessPlan, gpu_ids: tuple[str, ...], shared: bool,

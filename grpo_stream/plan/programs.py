@@ -270,11 +270,16 @@ def sampler_programs(cfg: RunConfig, arch: Architecture) -> dict:
         jax.ShapeDtypeStruct((prompts,), jnp.int32, sharding=replicated)).compile())
     relayout = analysed(relayout_compiled)
     programs = {"relayout": relayout, "prefill": prefill, "decode_chunk": decode}
+    regroup = regroup_program(engine, slots, window, replicated)
+    if regroup is not None:
+        programs["regroup"] = regroup
     params, relaid, kv = shard_bytes(model.params), shard_bytes(weights), shard_bytes(state)
     fetch = params if cfg.weights.background_fetch else 0  # the next version arrives beside the installed one
     extra = {"decode_chunk": decode["outputs"] - decode["aliased"] + decode["temporaries"],
              "prefill": prefill["peak"] - relaid,
              "relayout": relayout["outputs"] + relayout["temporaries"] - relaid}  # the old copy is freed first
+    if regroup is not None:  # the smaller group, beside the full one it moves into, and the move's temporaries
+        extra["regroup"] = regroup["peak"] - shard_bytes(state)
     base = 0
     if cfg.model.lora is not None:  # the frozen base stays beside the merged weights; each version is merged into it
         base = params
@@ -304,6 +309,21 @@ def compiled_decode(engine: continuous.ContinuousEngine, weights, slots: int, wi
                          jax.eval_shape(functools.partial(engine.device.empty, size=slots, window=window)))
     scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
     return engine.device.decode.lower(weights, (state,), scalar, windows=(window,)).compile(), state
+
+
+def regroup_program(engine: continuous.ContinuousEngine, slots: int, window: int, replicated) -> dict | None:
+    """The engine's move of a slot group's live sequences into a larger group (slot_table.py, _regroup: rows wait
+    while the group holds live ones), compiled from the ladder's next smaller size to `slots` at the whole window:
+    both groups are on the device until the move ends (1.75x the KV cache from 48 to 64 slots). None: no smaller
+    size."""
+    smaller = [n for n in engine.table.ladder if n < slots]
+    if not smaller:
+        return None
+    state = lambda size: jax.tree.map(  # noqa: E731
+        lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=replicated),
+        jax.eval_shape(functools.partial(engine.device.empty, size=size, window=window)))
+    index = jax.ShapeDtypeStruct((smaller[-1],), jnp.int32, sharding=replicated)
+    return analysed(engine.device.move.lower(state(smaller[-1]), state(slots), index, index).compile())
 
 
 def other_decodes(engine: continuous.ContinuousEngine, weights, slots: int, window: int,

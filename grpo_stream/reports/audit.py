@@ -112,6 +112,21 @@ def group_history(client: redis.Redis, run_name: str, group_id: str, prefix: str
     return {"group_id": group_id, **group_records(client, keys(prefix, run_name), group_id)}
 
 
+def read_run_file(path: pathlib.Path) -> dict:
+    """The run file a trainer writes in RUN_DIR (its run name and Redis URL); a ValueError names the file when it
+    is damaged, so audit exits 2 (could not judge) rather than 1, which means groups were lost."""
+    try:
+        info = json.loads(path.read_text(errors="replace"))
+    except ValueError as exc:
+        info, why = None, f"not JSON ({exc})"
+    else:
+        why = "no \"run\" and \"redis_url\" text fields"
+    if not (isinstance(info, dict) and all(isinstance(info.get(k), str) for k in ("run", "redis_url"))):
+        raise ValueError(f"{path}: {why}; the audit takes the run's name from it. A trainer writes it at each "
+                         "start: start the run again on this directory (`up` or `trainer --run-dir`) to rewrite it")
+    return info
+
+
 RUN_LOCK_WAIT_S = 5.0  # how long audit waits for a run directory a stopping run still holds
 
 
@@ -127,7 +142,7 @@ def _client_for(run_dir: pathlib.Path, redis_url: str | None):
     info_path = run_dir / RUN_FILE
     if not info_path.is_file():
         raise FileNotFoundError(f"{info_path}: not found; RUN_DIR must be a directory a trainer wrote")
-    info = json.loads(info_path.read_text())
+    info = read_run_file(info_path)
     # a protected Redis: the password comes from the environment, as for the services
     login = {"password": os.environ[REDIS_PASSWORD_ENV]} if os.environ.get(REDIS_PASSWORD_ENV) else {}
     if redis_url:

@@ -8,6 +8,7 @@ RUN_DIR/report/report.md.
 from __future__ import annotations
 
 import json
+import math
 import pathlib
 import sys
 
@@ -114,13 +115,41 @@ def read_metrics(path: pathlib.Path) -> list[dict]:
         except ValueError as exc:
             row, why = None, f"not JSON ({exc})"
         else:
-            why = "not a JSON object with a step"
-        if not (isinstance(row, dict) and "step" in row):
+            why = "not a JSON object with an integer step"
+        if not (isinstance(row, dict) and _is_step(row.get("step"))):
             print(f"grpo-stream report: warning: {path}:{number}: {why} (a line torn by a kill mid-write?); "
                   "skipped", file=sys.stderr)
             continue
         rows.append(row)
     return rows
+
+
+def _is_step(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(value) -> bool:
+    """A figure that can be plotted: the trainer writes a NaN or infinite one as null (trainer_service/reports/
+    files.py), and a damaged row may hold anything."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def read_summary(path: pathlib.Path) -> dict:
+    """summary.json as a dict, or {} with a warning naming it when it is missing a JSON object (damaged, or cut
+    short): the report is still made from the metrics."""
+    if not path.exists():
+        return {}
+    try:
+        summary = json.loads(path.read_text(errors="replace"))
+    except (OSError, ValueError) as exc:
+        summary, why = None, f"not JSON ({exc})"
+    else:
+        why = "not a JSON object"
+    if not isinstance(summary, dict):
+        print(f"grpo-stream report: warning: {path}: {why}; the report leaves out the run's summary figures",
+              file=sys.stderr)
+        return {}
+    return summary
 
 
 def load_rows(run_dir: pathlib.Path, rows: list[dict] | None = None) -> list[dict]:
@@ -176,12 +205,13 @@ def _plot_evals(plt, rows: list[dict], out: pathlib.Path) -> str | None:
     """heldout.png: every eval/* figure that is a share (accuracy, pass@k, maj@k, the task's) against the step."""
     keys = [k for k in dict.fromkeys(k for r in rows for k in r) if k.startswith("eval/")
             and k.split("/")[1] not in ("version", "seconds", "num_problems", "errors", "skipped", "failed_episodes")
-            and all(0.0 <= r[k] <= 1.0 for r in rows if k in r)]
+            and all(_number(r[k]) and 0.0 <= r[k] <= 1.0 for r in rows if k in r and r[k] is not None)
+            and any(_number(r.get(k)) for r in rows)]
     if not keys:
         return None
     fig, ax = plt.subplots(figsize=(7, 3.5))
     for key in keys:
-        points = [(r["step"], r[key]) for r in rows if key in r]
+        points = [(r["step"], r[key]) for r in rows if _number(r.get(key))]
         ax.plot(*zip(*points), marker="o", linewidth=1.4, label=key.removeprefix("eval/"))
     ax.set_title("Held-out evaluation")
     ax.set_xlabel("RL step (the version evaluated)")
@@ -244,7 +274,7 @@ def make_report(run_dir: pathlib.Path) -> pathlib.Path:
     for name, (title, keys) in PLOTS.items():
         series = {}
         for key in _expand(keys, rows):
-            points = [(s, r[key]) for s, r in zip(steps, rows) if key in r]
+            points = [(s, r[key]) for s, r in zip(steps, rows) if _number(r.get(key))]
             if not points:
                 continue
             ys = [y for _, y in points]
@@ -276,12 +306,12 @@ def make_report(run_dir: pathlib.Path) -> pathlib.Path:
         index["heldout"] = {"steps": [r["step"] for r in evals]}
     write_atomic(out / "plots.json", to_json({"plots": index, "constant": {
         key: {"value": value, "why": why_constant(key)} for key, value in constant.items()}}, indent=2))
-    summary_path = run_dir / "summary.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    summary = read_summary(run_dir / "summary.json")
     lines = [f"# Run report: {summary.get('run', run_dir.name)}", "", *summary_table(summary)]
     last = rows[-1]
-    lines += [f"Last step ({last['step']}): reward {last['train/reward_mean']:.3f}, "
-              f"accuracy {last['train/accuracy']:.3f}, staleness {last['train/staleness_mean']:.2f}.", ""]
+    lines += [f"Last step ({last['step']}): reward {_fmt(last.get('train/reward_mean'))}, "
+              f"accuracy {_fmt(last.get('train/accuracy'))}, staleness {_fmt(last.get('train/staleness_mean'))}.",
+              ""]
     lines += eval_section(evals, summary)
     lines += [f"![{name}]({name})" for name in images]
     if constant:

@@ -14,6 +14,7 @@ vLLM and tpu-inference it has and which devices it sees. The format (`"format": 
                  versions published and installed, weight installs logged, seconds, the agreement figures, held-out
                  accuracy before and after, and whether the final greedy completions equal the trainer's (reported,
                  not required: bfloat16 kernels may break ties differently)
+  damaged        the run's JSON files that are not JSON objects (cut short by a kill): their checks fail
   environments   per interpreter: python, platform, jax, vllm, tpu_inference versions, device kind and count
 """
 
@@ -55,20 +56,55 @@ def probe(python: str) -> dict:
         return {"interpreter": python, "error": repr(exc)[:300]}
     if proc.returncode != 0:
         return {"interpreter": python, "error": proc.stderr.strip()[-300:]}
-    return {"interpreter": python, **json.loads(proc.stdout.strip().splitlines()[-1])}
+    try:
+        return {"interpreter": python, **json.loads(proc.stdout.strip().splitlines()[-1])}
+    except (ValueError, IndexError, TypeError):  # it printed no JSON object last
+        return {"interpreter": python, "error": f"no answer on stdout: {proc.stdout.strip()[-300:]!r}"}
 
 
 def _check(value, want: str, ok: bool) -> dict:
     return {"value": value, "want": want, "ok": bool(ok)}
 
 
+def read_config(run_dir: pathlib.Path) -> dict:
+    """RUN_DIR/config.yaml (what `up` saved), with the fields the result reads; a ValueError names what is wrong."""
+    path = run_dir / "config.yaml"
+    try:
+        cfg = yaml.safe_load(path.read_text(errors="replace"))
+        cfg["trainer"]["steps"], cfg["sampler"]["engine"], cfg["sampler"]["weight_updates"], cfg["model"]
+    except (OSError, yaml.YAMLError, KeyError, TypeError) as exc:
+        raise ValueError(f"{path}: not the config `up` saves for a run ({type(exc).__name__}: {exc}); give an `up` "
+                         "run directory") from None
+    return cfg
+
+
+def read_json(path: pathlib.Path, damaged: list[str]) -> dict:
+    """The JSON object in `path`, or {} when there is none; a file that is not one (cut short by a kill, damaged)
+    is named in `damaged`, so the result says why its checks fail instead of the smoke script stopping on it."""
+    if not path.exists():
+        return {}
+    try:
+        doc = json.loads(path.read_text(errors="replace"))
+    except (OSError, ValueError) as exc:
+        doc, why = None, f"not JSON ({exc})"
+    else:
+        why = "not a JSON object"
+    if not isinstance(doc, dict):
+        damaged.append(f"{path}: {why}")
+        return {}
+    return doc
+
+
+def _below(value, bound: float) -> bool:
+    """value <= bound for a number; False for a missing or non-finite one (the trainer writes NaN as null)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value <= bound
+
+
 def report(run_dir: pathlib.Path, pythons: list[str]) -> dict:
     """The smoke result of the `up` run in `run_dir` (module docstring)."""
-    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
-    summary_path = run_dir / "summary.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
-    sampler_path = run_dir / "sampler-0.json"
-    sampler = json.loads(sampler_path.read_text()) if sampler_path.exists() else {}
+    cfg, damaged = read_config(run_dir), []
+    summary = read_json(run_dir / "summary.json", damaged)
+    sampler = read_json(run_dir / "sampler-0.json", damaged)
     log_path = run_dir / "logs" / "sampler-0.log"
     installs = log_path.read_text(errors="replace").count("vLLM engine: weights installed") if log_path.exists() else 0
     steps, agreement = cfg["trainer"]["steps"], summary.get("logprob_agreement_lag0") or {}
@@ -81,8 +117,8 @@ def report(run_dir: pathlib.Path, pythons: list[str]) -> dict:
         "groups_dropped_invalid": _check(summary.get("groups_dropped_invalid"), "== 0",
                                          summary.get("groups_dropped_invalid") == 0),
         "logprob_agreement_lag0_mean_abs": _check(agreement.get("mean_abs"), f"<= {AGREEMENT_MEAN_ABS} (or no token "
-                                                  "at lag 0)", agreement.get("tokens", 0) == 0
-                                                  or agreement["mean_abs"] <= AGREEMENT_MEAN_ABS),
+                                                  "at lag 0)", not agreement.get("tokens")
+                                                  or _below(agreement.get("mean_abs"), AGREEMENT_MEAN_ABS)),
     }
     greedy = trainer_final.get("greedy"), sampler_final.get("greedy")
     accuracy = {k: (summary.get(k) or {}).get("accuracy") for k in ("eval_before", "eval_after")}
@@ -96,8 +132,8 @@ def report(run_dir: pathlib.Path, pythons: list[str]) -> dict:
            "wall_seconds": summary.get("wall_seconds"), "logprob_agreement_lag0": agreement,
            "heldout_accuracy": accuracy,
            "final_greedy_equal": None if None in greedy else greedy[0] == greedy[1]}
-    return {"format": FORMAT, "passed": all(c["ok"] for c in checks.values()), "checks": checks, "run": run,
-            "environments": [probe(p) for p in pythons]}
+    return {"format": FORMAT, "passed": all(c["ok"] for c in checks.values()) and not damaged, "checks": checks,
+            "run": run, "damaged": damaged, "environments": [probe(p) for p in pythons]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,7 +145,12 @@ def main(argv: list[str] | None = None) -> int:
     if not (args.run_dir / "config.yaml").exists():
         print(f"{args.run_dir}: no config.yaml; not an `up` run directory", file=sys.stderr)
         return 2
-    text = json.dumps(report(args.run_dir, args.python or [sys.executable]), indent=2)
+    try:
+        result = report(args.run_dir, args.python or [sys.executable])
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    text = json.dumps(result, indent=2)
     if args.out:
         args.out.write_text(text + "\n")
     else:

@@ -172,3 +172,18 @@ def test_up_gives_each_process_its_plan_under_the_users_own_settings():
     assert trainers[0]["XLA_PYTHON_CLIENT_PREALLOCATE"] == "true"  # the environment's own setting stands
     assert trainers[0]["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.450"
     assert [e["XLA_PYTHON_CLIENT_MEM_FRACTION"] for e in samplers] == ["0.2", "0.2"]  # hardware.sampler_env wins
+
+
+def test_a_vllm_cache_holds_one_sequence_of_the_endpoints_longer_context():
+    """vLLM's max_model_len is the OpenAI endpoint's context when that is longer than a rollout, and vLLM refuses to
+    start with a KV cache that cannot hold one sequence of it: the cache `up` gives it (kv_cache_gib) must."""
+    overrides = ["sampler.replicas=1", "sampler.engine=vllm", "sampler.rows_in_flight=16",
+                 "generation.num_generations=8", "generation.max_prompt_tokens=256", "generation.max_new_tokens=768",
+                 "sampler.dtype=bfloat16"]
+    per_token = 2 * 16 * 8 * 64 * 2  # K and V x layers x KV heads x head_dim x bf16 (plan_report's architecture)
+    served = config(*overrides, "sampler.openai.port=8000", "sampler.openai.max_context_tokens=65536")
+    s = plan_devices(served, ["0"], H100, plan_report(20, 10)).process("sampler-0")
+    kv = (15 * 1024 + 65536) * per_token  # 15 rollouts beside one sequence of the whole context
+    assert f"sampler.vllm.kv_cache_gib={kv / GIB:.3f}" in s.overrides and kv > 65536 * per_token
+    plain = plan_devices(config(*overrides), ["0"], H100, plan_report(20, 10)).process("sampler-0")
+    assert f"sampler.vllm.kv_cache_gib={16 * 1024 * per_token / GIB:.3f}" in plain.overrides  # no endpoint: as before
