@@ -41,6 +41,7 @@ from grpo_stream.trainer_service.core import TrainerCore
 from grpo_stream.trainer_service.model_parts import ModelParts, build_model_parts
 from grpo_stream.trainer_service.checkpoints.durability import Durability
 from grpo_stream.trainer_service.ingest.server import ingest_servicers
+from grpo_stream.trainer_service.reports.files import write_atomic
 from grpo_stream.trainer_service.reports.metrics import MetricsWriter, final_figures, open_trackers
 from grpo_stream.trainer_service.multihost import TrainerGroup, ignore_signals, start_group
 from grpo_stream.trainer_service.plan_sources import LeaderSource, drive
@@ -139,7 +140,7 @@ class Trainer:
         s.durability = Durability(cfg, s.buffer, s.checkpoints, s.epoch, self.stop_event)
         # where `grpo-stream audit RUN_DIR` finds the trail (the password stays out of the file)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / RUN_FILE).write_text(json.dumps({"run": cfg.run.name, "redis_url": redacted(cfg.redis.url)}))
+        write_atomic(self.run_dir / RUN_FILE, json.dumps({"run": cfg.run.name, "redis_url": redacted(cfg.redis.url)}))
         parts = build_model_parts(cfg, self.devices)
         parts.tokenizer.save(self.run_dir / "model")
         s.pad_id = parts.tokenizer.pad_id

@@ -306,8 +306,8 @@ class OptimizerSection(Strict):
     state_dtype: Literal["float32", "params"] = Field(
         "float32", description="With parameters below float32 (model.dtype=bfloat16): 'float32' keeps a float32 "
         "master copy of the parameters and float32 moments in the optimizer state (updates below bfloat16's "
-        "resolution accumulate instead of rounding away; 8 more bytes per parameter (12 against 4) than 'params'); 'params': "
-        "moments in the parameters' dtype, no copy. Float32 parameters are unaffected.")
+        "resolution accumulate instead of rounding away; 8 more bytes per parameter than 'params': 12 against 4); "
+        "'params': moments in the parameters' dtype, no copy. Float32 parameters are unaffected.")
 
     @model_validator(mode="after")
     def _consistent(self) -> "OptimizerSection":

@@ -9,12 +9,12 @@ eval.samples > 0; the task's own figures when it has them (`eval_metrics`: IFEva
 
 from __future__ import annotations
 
-import json
 import logging
 import pathlib
 import time
 
 from grpo_stream.common.config.schema import RunConfig
+from grpo_stream.trainer_service.reports.files import to_json, write_atomic
 
 log = logging.getLogger("grpo_stream.eval")
 
@@ -35,5 +35,5 @@ def run_eval(cfg: RunConfig, split: str, limit: int | None, json_path: pathlib.P
            "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), **result}
     if json_path:
         json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(doc, indent=2) + "\n")
+        write_atomic(json_path, to_json(doc, indent=2) + "\n")  # whole, and strict JSON (a NaN figure as null)
     return doc
