@@ -27,8 +27,15 @@ MAX_MESSAGE_BYTES = 64 << 20
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    # a client pings a connection with calls open every 20 s, so a call to a server that froze or vanished without
+    # closing the connection (a lost host: the kernel keeps it open for hours) ends within ~40 s. Both settings
+    # below are needed, tried on grpc 1.85: by default no more than 2 pings go out while no data does, so a quiet
+    # stream (a follower waiting minutes for results) stopped pinging after 40 s and then waited forever; and an
+    # unanswered ping is given up on after ping_timeout_ms (default 60 s), not keepalive_timeout_ms
     ("grpc.keepalive_time_ms", 20_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 20_000),
+    ("grpc.http2.ping_timeout_ms", 20_000),
+    ("grpc.http2.max_pings_without_data", 0),
 ]
 
 SERVER_OPTIONS = [
@@ -92,7 +99,7 @@ class ServerSecurity:
 class ClientSecurity:
     """What a client presents: its bearer token (None: none) and TLS settings (None: plaintext)."""
 
-    token: str | None = None
+    token: str | None = dataclasses.field(default=None, repr=False)  # a secret: never in logs or tracebacks
     tls: grpc.ChannelCredentials | None = None
     server_name: str | None = None
     ssl_context: ssl.SSLContext | None = None

@@ -24,6 +24,13 @@ def is_refusal(exc: BaseException) -> bool:
     return isinstance(exc, grpc.RpcError) and exc.code() in REFUSAL_CODES
 
 
+def is_too_large(exc: BaseException) -> bool:
+    """A message over a gRPC size limit (this client's "Sent message larger than max", or the server's "Received
+    ..."): RESOURCE_EXHAUSTED like a full queue, but the same request never fits, so retrying it is no use."""
+    return (isinstance(exc, grpc.RpcError) and exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            and "message larger than max" in (exc.details() or ""))
+
+
 def at_lines(details: str, chunk: list[tuple[int, object]], path: pathlib.Path) -> str:
     """The server's `prompts[i]` (the index in one Submit call) as FILE:LINE, the line the user edits: blank lines
     and earlier calls make the two differ."""
@@ -36,6 +43,9 @@ def at_lines(details: str, chunk: list[tuple[int, object]], path: pathlib.Path) 
 def explain(exc: grpc.RpcError, address: str, where=lambda details: details) -> Exception:
     """The error to raise for `exc` from the server at `address`; `where` rewrites the server's details (at_lines)."""
     code, details = exc.code(), where(exc.details() or "")
+    if is_too_large(exc):
+        return ValueError(f"{code.name}: the request is over the gRPC message limit ({details}); send fewer or "
+                          "shorter prompts per call (`submit --batch`)")
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return RuntimeError(f"{code.name}: the run's prompt queue or this client's quota of unfinished prompts is "
                             f"full ({details}); retry later, or wait for (or cancel) your unfinished prompts")

@@ -6,9 +6,11 @@
         print(result.prompt_id, result.policy_version, result.reward_mean)
 
 Prompt dicts use the keys of SPEC_KEYS (`answer` is short for reference_answer). A full queue or quota
-(RESOURCE_EXHAUSTED) is retried after the server's retry-after-ms hint, up to `retry_s` seconds. Calls wait for a
-server that is still starting (gRPC wait_for_ready) up to their deadline. `follow` outlives a server restart (a
-trainer restarted by `up`): it calls StreamResults again for the prompts not yet answered.
+(RESOURCE_EXHAUSTED) is retried after the server's retry-after-ms hint, up to `retry_s` seconds (a request over the
+gRPC message limit, which never fits, is not). Calls wait for a server that is still starting up to `timeout_s`
+(unary calls: gRPC wait_for_ready with that deadline; streams, which have none: a wait for the channel first, so no
+server at the address fails the call instead of waiting forever). `follow` and `follow_tag` outlive a server restart
+(a trainer restarted by `up`): they call StreamResults again, each result yielded once.
 """
 
 from __future__ import annotations
@@ -18,12 +20,19 @@ from typing import Iterable, Iterator
 
 import grpc
 
+from grpo_stream.client.errors import is_too_large
 from grpo_stream.common.rpc.grpc_util import ClientSecurity, open_channel
 from grpo_stream.protos import prompts_pb2, prompts_pb2_grpc
 
 # how a stream ends when its server goes away (a restart, a dropped connection): a new call may succeed
 RECONNECT_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL,
                              grpc.StatusCode.ABORTED, grpc.StatusCode.UNKNOWN})
+
+# a results stream that broke after being open this long (or after a result) found its server back: the next break
+# gets a whole reconnect window again; one that breaks sooner (a server failing every call) does not, so following
+# ends, naming the server's error, reconnect_s after the first of those breaks instead of retrying forever
+STREAM_UP_S = 10.0
+MIN_RETRY_S = 0.1  # the shortest wait before calling again after a full queue, whatever the server's hint
 
 SPEC_KEYS = ("text", "question", "answer", "reference_answer", "rewards", "num_generations", "priority", "tags",
              "train")
@@ -63,11 +72,13 @@ def to_spec(item: dict, where: str = "prompt") -> prompts_pb2.PromptSpec:
 
 
 def retry_after_s(error: grpc.RpcError, default_s: float = 1.0) -> float:
+    """The server's retry-after-ms hint in seconds, else `default_s`; at least MIN_RETRY_S (a hint of 0 or less
+    would have the client call again in a busy loop)."""
     for key, value in error.trailing_metadata() or ():
         if key == "retry-after-ms":
             try:
-                return int(value) / 1000
-            except ValueError:
+                return max(MIN_RETRY_S, int(value) / 1000)
+            except (TypeError, ValueError):
                 break
     return default_s
 
@@ -98,47 +109,88 @@ class PromptClient:
                 return list(self.stub.Submit(prompts_pb2.SubmitRequest(prompts=specs), timeout=self.timeout_s,
                                              wait_for_ready=True).prompt_ids)
             except grpc.RpcError as exc:
-                if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or time.monotonic() > deadline:
+                if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or is_too_large(exc):
                     raise
-                time.sleep(retry_after_s(exc))
+                pause = retry_after_s(exc)
+                if time.monotonic() + pause > deadline:  # a hint past retry_s (or a huge one) is not slept through
+                    raise
+                time.sleep(pause)
 
     def results(self, prompt_ids: list[str] | None = None, tag: str | None = None, follow: bool = True,
                 timeout_s: float | None = None) -> Iterator[prompts_pb2.PromptResult]:
-        """Each result of `prompt_ids` (ends when all are finished) or of `tag` (with follow: until timeout_s)."""
+        """Each result of `prompt_ids` (ends when all are finished) or of `tag` (with follow: until timeout_s). Waits
+        up to the client's timeout_s for a server still starting; UNAVAILABLE when none answers by then."""
+        self._wait_ready(self.timeout_s)
+        yield from self._stream(prompt_ids, tag, follow, timeout_s)
+
+    def _stream(self, prompt_ids, tag=None, follow=True, timeout_s=None) -> Iterator[prompts_pb2.PromptResult]:
+        # no wait_for_ready: a stream has no deadline, and would wait forever for a server that never comes
         request = prompts_pb2.ResultsRequest(prompt_ids=prompt_ids or [], tag=tag or "", follow=follow)
-        yield from self.stub.StreamResults(request, timeout=timeout_s, wait_for_ready=True)
+        yield from self.stub.StreamResults(request, timeout=timeout_s)
+
+    def _wait_ready(self, within_s: float) -> None:
+        """Wait up to `within_s` for the channel to connect; a call made after it fails at once if it did not."""
+        ready = grpc.channel_ready_future(self.channel)
+        try:
+            ready.result(timeout=max(0.0, within_s))
+        except grpc.FutureTimeoutError:
+            ready.cancel()  # stop watching the channel
 
     def follow(self, prompt_ids: list[str], reconnect_s: float = 60.0,
                on_reconnect=None) -> Iterator[prompts_pb2.PromptResult]:
-        """Each result of `prompt_ids` once, across server restarts: a stream that breaks (RECONNECT_CODES) is
-        called again for the prompts not yet answered, as soon as the server is back, with backoff; the error is
-        raised when none has come back `reconnect_s` seconds after the break. `on_reconnect(error)` is called
-        before each new attempt (to say so)."""
-        left, delay = list(dict.fromkeys(prompt_ids)), 0.5
-        while left:
+        """Each result of `prompt_ids` once, across server restarts (`_resume`); ends when all are finished."""
+        left = list(dict.fromkeys(prompt_ids))
+
+        def take(result) -> bool:
+            if result.prompt_id not in left:  # a result already yielded is never repeated
+                return False
+            left.remove(result.prompt_id)
+            return True
+
+        return self._resume(lambda: left, take, reconnect_s, on_reconnect)
+
+    def follow_tag(self, tag: str, reconnect_s: float = 60.0,
+                   on_reconnect=None) -> Iterator[prompts_pb2.PromptResult]:
+        """Each finished result of the caller's prompts tagged `tag`, then each new one, once, across server restarts
+        (`_resume`: a new call streams the finished ones again, which are skipped); ends only with an error."""
+        seen: set[str] = set()
+
+        def take(result) -> bool:
+            new = result.prompt_id not in seen
+            seen.add(result.prompt_id)
+            return new
+
+        return self._resume(lambda: None, take, reconnect_s, on_reconnect, tag)
+
+    def _resume(self, wanted, take, reconnect_s: float, on_reconnect, tag: str | None = None
+                ) -> Iterator[prompts_pb2.PromptResult]:
+        """The results of StreamResults for the prompt ids `wanted()` (or `tag`) that `take(result)` accepts, as a
+        stream that outlives its server: one that breaks (RECONNECT_CODES) is called again, as soon as the server is
+        back, with backoff; the error is raised when no stream has worked (given a result or stayed open STREAM_UP_S)
+        within `reconnect_s` seconds of the break (of the start, for the first call). `on_reconnect(error)` is
+        called before each new attempt (to say so)."""
+        delay, broke_at = 0.5, time.monotonic()
+        while tag or wanted():
+            self._wait_ready(broke_at + reconnect_s - time.monotonic())
+            opened, worked = time.monotonic(), False
             try:
-                for result in self.results(left):
-                    if result.prompt_id in left:  # a result already yielded is never repeated
-                        left.remove(result.prompt_id)
-                        delay = 0.5
+                for result in self._stream(wanted(), tag):
+                    worked = True
+                    if take(result):
                         yield result
                 return
             except grpc.RpcError as exc:
                 if exc.code() not in RECONNECT_CODES:
                     raise
-                self._reconnect(exc, reconnect_s, delay, on_reconnect)
+                now = time.monotonic()
+                if worked or now - opened >= STREAM_UP_S:  # the server was back: a new break, a new window
+                    broke_at, delay = now, 0.5
+                if now + delay >= broke_at + reconnect_s:
+                    raise
+                if on_reconnect is not None:
+                    on_reconnect(exc)
+                time.sleep(delay)  # a server failing at once is not hammered
                 delay = min(2 * delay, 5.0)
-
-    def _reconnect(self, error: grpc.RpcError, within_s: float, delay_s: float, on_reconnect) -> None:
-        """Wait for the channel to be ready again (after `delay_s`, so a server failing at once is not hammered);
-        `error` when it is not within `within_s`."""
-        if on_reconnect is not None:
-            on_reconnect(error)
-        time.sleep(delay_s)
-        try:  # a StreamResults call has no deadline: it would wait for a server that never returns forever
-            grpc.channel_ready_future(self.channel).result(timeout=max(0.0, within_s - delay_s))
-        except grpc.FutureTimeoutError:
-            raise error from None
 
     def cancel(self, prompt_ids: list[str]) -> prompts_pb2.CancelReply:
         return self.stub.Cancel(prompts_pb2.CancelRequest(prompt_ids=prompt_ids), timeout=self.timeout_s,

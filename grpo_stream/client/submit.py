@@ -73,11 +73,23 @@ def connect_client(args, cfg: RunConfig | None = None) -> PromptClient:
                          "--run-dir of a run started by `up`")
     token = None
     if args.token_file:
-        token = pathlib.Path(args.token_file).read_text().strip()
+        token = read_token(args.token_file, "--token-file")
     elif not (os.environ.get(TOKEN_ENV) or os.environ.get(TOKEN_FILE_ENV) or cfg.auth.token_file) and \
             endpoints.get("client_token_file"):
-        token = pathlib.Path(endpoints["client_token_file"]).read_text().strip()
+        token = read_token(endpoints["client_token_file"], f"{args.run_dir / 'endpoints.json'} client_token_file")
     return PromptClient(address, ClientSecurity.from_config(cfg, token), timeout_s=args.wait)
+
+
+def read_token(path: str, where: str) -> str:
+    """The token in file `path`; ValueError naming `where` when it cannot be read or is empty (an empty token would
+    be sent as none, and the server's answer would not say which file was wrong)."""
+    try:
+        token = pathlib.Path(path).read_text().strip()
+    except OSError as exc:
+        raise ValueError(f"{where} {path}: cannot read it ({exc.strerror})") from None
+    if not token:
+        raise ValueError(f"{where} {path}: the file is empty; give a file holding a client (or admin) token")
+    return token
 
 
 def result_json(result) -> dict:
@@ -144,8 +156,10 @@ def run_results(args, cfg: RunConfig | None = None) -> int:
     with connect_client(args, cfg) as client:
         if args.ids:
             print_results(client, client.follow(args.ids, args.wait, on_reconnect=reconnecting(client, args.wait)))
+        elif args.follow:
+            print_results(client, client.follow_tag(args.tag, args.wait, on_reconnect=reconnecting(client, args.wait)))
         else:
-            print_results(client, client.results(tag=args.tag, follow=args.follow))
+            print_results(client, client.results(tag=args.tag, follow=False))
     return 0
 
 

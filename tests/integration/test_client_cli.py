@@ -119,6 +119,18 @@ def test_unknown_or_foreign_ids_exit_2(stack, tmp_path, capsys):
     assert "NOT_FOUND" in capsys.readouterr().err
 
 
+def restart(stack, task, tokenizer) -> TrainerServer:
+    """The stack's server stopped and, a second later, a new one on its port (a trainer restarted by `up`)."""
+    port = int(stack.address.rsplit(":", 1)[1])
+    stack.server.stop(0)
+    ingest, prompts = ingest_servicers(stack.cfg, stack.buffer, task, tokenizer, stack.server.security)
+    again = TrainerServer(ingest, stack.publisher, "127.0.0.1", port, security=stack.server.security, prompts=prompts)
+    time.sleep(1.0)
+    again.start()
+    stack.server = again
+    return again
+
+
 def test_follow_resumes_across_a_server_restart_and_prints_each_result_once(stack, tiny_parts, tmp_path, capsys):
     """A trainer restarted by `up` ended every follower; now the stream is called again for what is unanswered."""
     _, task, tokenizer, _ = tiny_parts
@@ -131,14 +143,8 @@ def test_follow_resumes_across_a_server_restart_and_prints_each_result_once(stac
         time.sleep(0.05)
     answer_all(stack, 1)  # one answered before the restart, one after
     time.sleep(1.0)
-    port = int(stack.address.rsplit(":", 1)[1])
-    stack.server.stop(0)
-    ingest, prompts = ingest_servicers(stack.cfg, stack.buffer, task, tokenizer, stack.server.security)
-    again = TrainerServer(ingest, stack.publisher, "127.0.0.1", port, security=stack.server.security, prompts=prompts)
-    time.sleep(1.0)
-    again.start()
+    again = restart(stack, task, tokenizer)
     try:
-        stack.server = again
         answer_all(stack, 1)
         follower.join(30)
     finally:
@@ -167,3 +173,49 @@ def test_a_tls_run_dir_without_its_config_is_refused_naming_config(tmp_path, cap
     (tmp_path / "endpoints.json").write_text(json.dumps({"prompts": "127.0.0.1:1", "tls": True}))
     assert main(["status", "--run-dir", str(tmp_path)]) == 2
     assert f"give --config {tmp_path / 'config.yaml'}" in capsys.readouterr().err
+
+
+def test_following_a_tag_resumes_across_a_server_restart_and_prints_each_result_once(stack, tiny_parts, tmp_path):
+    """`results --tag T --follow` ended with UNAVAILABLE (exit 1) at a trainer restart, although following resumes
+    across one (README); the new call streams the tag's finished results again, each printed once."""
+    _, task, tokenizer, _ = tiny_parts
+    client = PromptClient(stack.address, ClientSecurity(stack.token("client")))
+    first, second = client.submit([{"text": "Q: 1 + 1 A:", "tags": ["t"]}, {"text": "Q: 2 + 2 A:", "tags": ["t"]}])
+    proc = subprocess.Popen([sys.executable, "-m", "grpo_stream", "results", "--tag", "t", "--follow", "--address",
+                             stack.address, "--token-file", str(tmp_path / "client.token"), "--wait", "30"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    printed = []
+    threading.Thread(target=lambda: printed.extend(json.loads(line)["prompt_id"] for line in proc.stdout),
+                     daemon=True).start()
+
+    def wait_for(n: int) -> None:
+        deadline = time.monotonic() + 30
+        while len(printed) < n and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    try:
+        answer_all(stack, 1)  # one answered before the restart, one after
+        wait_for(1)
+        again = restart(stack, task, tokenizer)
+        try:
+            answer_all(stack, 1)
+            wait_for(2)
+            time.sleep(0.5)  # a repeat of the first would show by now
+            assert proc.poll() is None, proc.stderr.read()
+        finally:
+            again.stop(0)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    client.close()
+    assert printed == [first, second] or printed == [second, first], err
+    assert "following again" in err
+
+
+def test_an_empty_token_file_is_named(tmp_path, capsys):
+    """An empty --token-file was sent as no token at all: the server's UNAUTHENTICATED (or no server's timeout)
+    did not say which file was wrong."""
+    (tmp_path / "empty.token").write_text("\n")
+    assert main(["status", "--address", "127.0.0.1:9", "--wait", "0.5", "--token-file",
+                 str(tmp_path / "empty.token")]) == 2
+    assert f"--token-file {tmp_path / 'empty.token'}: the file is empty" in capsys.readouterr().err
