@@ -376,3 +376,20 @@ def test_following_a_tag_streams_a_prompt_that_finishes_as_the_call_starts_once(
         for result in client.results(tag="probe", follow=True, timeout_s=3):
             got.append((result.prompt_id, result.state))
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and got == [(pid, "cancelled")]
+
+
+def test_more_ids_than_allowed_are_refused_by_their_count_before_they_are_read(stack):
+    """StreamResults copied and de-duplicated every id before counting them (a 64 MiB request of distinct ids: ~600
+    MiB in the server per follower call), and Cancel copied them before checking prompts.max_batch: the count given
+    is refused first, whatever the ids (here all the same, which the copy made one)."""
+    from grpo_stream.trainer_service.ingest.prompt_service import MAX_IDS
+
+    client, _ = clients(stack)
+    with pytest.raises(grpc.RpcError) as err:
+        list(client.stub.StreamResults(prompts_pb2.ResultsRequest(prompt_ids=["p"] * (MAX_IDS + 1)), timeout=30))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details() == f"prompt_ids: {MAX_IDS + 1} given, limit {MAX_IDS}"
+    too_many = stack.cfg.prompts.max_batch + 1
+    with pytest.raises(grpc.RpcError) as err:
+        client.stub.Cancel(prompts_pb2.CancelRequest(prompt_ids=["p"] * too_many), timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and f"{too_many} given" in err.value.details()

@@ -174,11 +174,13 @@ class PromptServicer(prompts_pb2_grpc.PromptServiceServicer):
         # a client follows its own prompts only (their answers are its data); an admin follows anyone's
         caller = caller_of(context, self.table)
         owner = None if caller.role == "admin" else caller.name
+        # counted before any copy: a 64 MiB request of distinct ids made ~600 MiB of Python strings first
+        if len(request.prompt_ids) > MAX_IDS:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"prompt_ids: {len(request.prompt_ids)} given, limit "
+                          f"{MAX_IDS}")
         ids, tag = list(dict.fromkeys(request.prompt_ids)), request.tag  # an id given twice is one result
         if bool(ids) == bool(tag):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "give either prompt_ids or tag")
-        if len(ids) > MAX_IDS:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"prompt_ids: {len(ids)} given, limit {MAX_IDS}")
         if tag and not (len(tag) <= self.limits.max_tag_chars and TAG.fullmatch(tag)):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"tag: not a valid tag (1..{self.limits.max_tag_chars} "
                           "letters, digits and . : / @ + - _)")
@@ -226,10 +228,10 @@ class PromptServicer(prompts_pb2_grpc.PromptServiceServicer):
     # -- Cancel, GetStatus ------------------------------------------------------------------------------------------
     def Cancel(self, request, context):
         caller = caller_of(context, self.table)
+        if not 0 < len(request.prompt_ids) <= self.limits.max_batch:  # before any copy (StreamResults)
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"prompt_ids: {len(request.prompt_ids)} given, must be "
+                          f"1..{self.limits.max_batch} (prompts.max_batch)")
         ids = list(request.prompt_ids)
-        if not 0 < len(ids) <= self.limits.max_batch:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"prompt_ids: {len(ids)} given, must be 1..{self.limits.max_batch} (prompts.max_batch)")
         try:
             states = self.queue.cancel(caller.name, caller.role == "admin", ids, self.limits.result_retention_s,
                                       self.limits.max_kept_results)
