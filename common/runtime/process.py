@@ -3,12 +3,15 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import datetime
 import json
 import logging
 import os
 import signal
 import sys
+from typing import Callable
 
 from grpo_stream.common.runtime.console import show_detail
 
@@ -85,3 +88,41 @@ def stop_on_signals(stop_event, what: str) -> None:
         if name == "SIGHUP" and signal.getsignal(signum) == signal.SIG_IGN:
             continue  # started under nohup: logging out must not stop it
         signal.signal(signum, _stop)
+
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _load_prctl():
+    """libc's prctl, resolved now (in the parent): a child between fork and exec must not load libraries."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    prctl.argtypes = [ctypes.c_int] + [ctypes.c_ulong] * 4  # int prctl(int, unsigned long, ...)
+    prctl.restype = ctypes.c_int
+    return prctl
+
+
+_PRCTL = _load_prctl()
+
+
+def set_parent_death_signal(sig: int = signal.SIGKILL) -> bool:
+    """Ask the kernel to send `sig` to this process when its parent thread exits; False where it cannot."""
+    return _PRCTL is not None and _PRCTL(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+
+
+def die_with_parent(parent_pid: int | None = None) -> Callable[[], None]:
+    """A Popen preexec_fn for a helper process (`up`'s children, an embedded redis-server) that must not outlive
+    the one that started it: the kernel sends it SIGKILL when the starting *thread* exits (PR_SET_PDEATHSIG; where
+    prctl does not exist, nothing), and it kills itself at once if the parent (`parent_pid`, default: the caller)
+    was already gone before the signal was armed (it would never come)."""
+    parent = os.getpid() if parent_pid is None else parent_pid
+
+    def _in_child() -> None:
+        set_parent_death_signal(signal.SIGKILL)
+        if os.getppid() != parent:
+            os.kill(os.getpid(), signal.SIGKILL)
+    return _in_child

@@ -1,14 +1,74 @@
-"""Prometheus `/metrics` for a service: a private registry per process, served on its own port."""
+"""Prometheus `/metrics` for a service: a private registry per process, served on its own port.
+
+The page is served by a small threaded WSGI server of this module's, not prometheus_client's start_http_server: that
+one gives every connection a thread that waits for the request for ever, so connections that send nothing (a port
+scanner, a stuck scraper, anyone who can reach the port) grew the trainer's threads without bound. Here a connection
+must send its request within REQUEST_TIMEOUT_S, and at most MAX_CONNECTIONS are served at once (more are closed at
+once; a scraper retries at its next interval).
+"""
 
 from __future__ import annotations
 
 import logging
+import socket
+import socketserver
+import threading
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, make_wsgi_app
 
 log = logging.getLogger(__name__)
 PREFIX = "grpo_stream_"
 OTHER = "(other)"  # the one series past a labelled gauge's bound
+REQUEST_TIMEOUT_S = 10.0  # a connection silent this long (per read or write) is closed
+MAX_CONNECTIONS = 16  # served at once; Prometheus scrapes one at a time
+
+
+class _Handler(WSGIRequestHandler):
+    def setup(self) -> None:
+        self.timeout = REQUEST_TIMEOUT_S  # StreamRequestHandler sets it on the connection: no read waits for ever
+        super().setup()
+
+    def log_message(self, *args) -> None:  # no line per scrape on the console
+        pass
+
+
+class _Server(socketserver.ThreadingMixIn, WSGIServer):
+    daemon_threads = True  # a scrape in progress never holds the process at exit
+
+    def __init__(self, address, family: int, max_connections: int):
+        self.address_family = family
+        self._slots = threading.BoundedSemaphore(max_connections)
+        super().__init__(address, _Handler)
+
+    def process_request(self, request, client_address) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)  # over the bound: closed now rather than given a thread
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def handle_error(self, request, client_address) -> None:
+        # a client that timed out or hung up: its connection is closed, nothing for the log
+        log.debug("/metrics connection from %s ended with an error", client_address, exc_info=True)
+
+
+def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> _Server:
+    """A started /metrics server for `registry` on host:port (0: a free port; an IPv6 host works too)."""
+    family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    server = _Server(address[:2], family, MAX_CONNECTIONS)
+    server.set_app(make_wsgi_app(registry))
+    threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
+    return server
 
 
 def bounded_series(values: dict[str, float], max_series: int) -> dict[str, float]:
@@ -58,7 +118,7 @@ class ServiceMetrics:
         """Serve on `port` (0 = a free one); None = do not serve. Returns the bound port."""
         if port is None:
             return None
-        self._server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        self._server = serve_metrics(self.registry, host, port)
         self.port = self._server.server_port
         log.info("%s metrics at http://%s:%d/metrics", self.service, host, self.port)
         return self.port

@@ -5,8 +5,9 @@ order). Without more, a kill -9 of `up` (or an OOM kill, or a SIGHUP it did not 
 trainer still writing checkpoints, a Redis still holding its append-only file, and a second `up` on the same
 run directory would start a second of each. Two mechanisms, each enough alone:
 
-- `die_with_parent`: Linux's PR_SET_PDEATHSIG, set in the child between fork and exec (Popen's preexec_fn), so the
-  kernel sends SIGKILL to the child when the thread that started it exits. It works for any program (redis-server
+- `die_with_parent` (common/runtime/process.py, shared with the embedded Redis): Linux's PR_SET_PDEATHSIG, set in
+  the child between fork and exec (Popen's preexec_fn), so the kernel sends SIGKILL to the child when the thread
+  that started it exits. It works for any program (redis-server
   too) and costs nothing while the parent lives. The parent can die between fork and prctl; then no signal will
   ever come, so the child checks its parent pid right after and kills itself if it was already re-parented.
 - `watch_parent`: a Python child started by `up` (GRPO_STREAM_PARENT_PID in its environment) also polls its parent
@@ -22,54 +23,19 @@ main thread, which lives as long as `up` does.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import logging
 import os
 import signal
-import sys
 import threading
 from typing import Callable
 
+from grpo_stream.common.runtime.process import die_with_parent, set_parent_death_signal
+
+__all__ = ["PARENT_PID_ENV", "child_env", "die_with_parent", "watch_parent"]
 PARENT_PID_ENV = "GRPO_STREAM_PARENT_PID"  # set by `up` for its Python children
-PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 WATCH_EVERY_S = 1.0
 
 log = logging.getLogger(__name__)
-
-
-def _load_prctl():
-    """libc's prctl, resolved now (in the parent): a child between fork and exec must not load libraries."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        prctl = libc.prctl
-        prctl.argtypes = [ctypes.c_int] + [ctypes.c_ulong] * 4  # int prctl(int, unsigned long, ...)
-        prctl.restype = ctypes.c_int
-        return prctl
-    except (OSError, AttributeError):
-        return None
-
-
-_PRCTL = _load_prctl()
-
-
-def set_parent_death_signal(sig: int = signal.SIGKILL) -> bool:
-    """Ask the kernel to send `sig` to this process when its parent thread exits; False where it cannot."""
-    return _PRCTL is not None and _PRCTL(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
-
-
-def die_with_parent(parent_pid: int | None = None) -> Callable[[], None]:
-    """A Popen preexec_fn: the child gets SIGKILL when this process (`parent_pid`, default: the caller) exits, and
-    kills itself at once if the parent already exited between fork and this call."""
-    parent = os.getpid() if parent_pid is None else parent_pid
-
-    def _in_child() -> None:
-        set_parent_death_signal(signal.SIGKILL)
-        if os.getppid() != parent:  # re-parented before the signal was armed: it would never come
-            os.kill(os.getpid(), signal.SIGKILL)
-    return _in_child
 
 
 def child_env(env: dict[str, str]) -> dict[str, str]:

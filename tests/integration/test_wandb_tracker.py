@@ -1,6 +1,7 @@
 """The W&B backend for real: wandb (and its wandb-core service process) writes an offline run, which the test reads
 back from the run's .wandb transaction log (tests/wandb_offline.py). Offline mode: nothing goes to the network."""
 
+import socket
 import sys
 
 import numpy as np
@@ -89,3 +90,25 @@ def test_wandb_missing_from_the_environment_is_a_permanent_error_naming_the_extr
     monkeypatch.setitem(sys.modules, "wandb", None)  # what `import wandb` meets where the extra is not installed
     with pytest.raises(PermanentError, match=r"pip install 'grpo-stream\[wandb\]'.*tracking.wandb.enabled=false"):
         WandbTracker(load_config(None, OFFLINE), tmp_path)
+
+
+def test_an_online_run_whose_server_does_not_answer_is_logged_offline_instead(wandb_home, monkeypatch, caplog):
+    """Online W&B with no route to its server (no network, W&B down) blocked the trainer's start for W&B's
+    init_timeout and then raised CommError, which is no transient kind: `up` stopped the whole run (exit 3) over a
+    copy of figures the run's own files keep. Now the trainer goes on, recording an offline run for `wandb sync`."""
+    with socket.socket() as s:  # a local port nobody listens on: refused at once, no network needed
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("WANDB_INIT_TIMEOUT", "2")
+    import wandb  # noqa: PLC0415 - only the W&B tests need it
+
+    wandb.teardown()  # W&B reads its environment once per setup: an earlier test's would keep the 90 s default
+    online = [o for o in OFFLINE if o != "tracking.wandb.mode=offline"]
+    trackers = open_trackers(load_config(None, [*online, "tracking.wandb.samples_every=0"]), wandb_home / "run")
+    trackers.scalars(1, {"loss": 1.0}, prefix="train/")
+    trackers.close()
+    assert "wandb sync" in caplog.text
+    (directory,) = offline_runs(wandb_home / "run")
+    assert read_run(directory).column("train/loss") == [1.0]

@@ -89,19 +89,36 @@ class TensorBoardTracker(Tracker):
 
 
 class JsonlTracker(Tracker):
-    """One JSON object per scalars() call: {"step", "time", prefix + name: value, ...}."""
+    """One JSON object per scalars() call: {"step", "time", prefix + name: value, ...}, one line each.
+
+    A line cut short (a kill or a full disk mid-write) must not swallow the next one: a resumed trainer appending
+    its first row onto the torn text would lose that row too, since readers skip the line (run_report.read_metrics).
+    So each row is one unbuffered append of the whole line, and a file that does not end in a newline (left torn by
+    a previous process, or by a write of this one that failed) gets one before the next row."""
 
     def __init__(self, path: pathlib.Path):
-        self._file = open(path, "a", buffering=1)
+        self._file = open(path, "ab", buffering=0)  # noqa: SIM115 - held open for the run; closed by close()
+        self._torn = self._file.tell() > 0 and not _ends_with_newline(path)
 
     def scalars(self, step: int, values: dict[str, float], prefix: str = "", jsonl: bool = True) -> None:
         if jsonl:
             clean = {f"{prefix}{k}": float(v) for k, v in values.items()}
             # a NaN or infinite figure is written as null: bare NaN is no JSON (reports/files.py)
-            self._file.write(to_json({"step": step, "time": time.time(), **clean}) + "\n")
+            line = to_json({"step": step, "time": time.time(), **clean}) + "\n"
+            data = (("\n" if self._torn else "") + line).encode()
+            self._torn = True  # until the whole line is down
+            while data:
+                data = data[self._file.write(data):]
+            self._torn = False
 
     def close(self, failed: bool = False) -> None:
         self._file.close()
+
+
+def _ends_with_newline(path: pathlib.Path) -> bool:
+    with open(path, "rb") as file:
+        file.seek(-1, 2)
+        return file.read(1) == b"\n"
 
 
 class FanOut(Tracker):

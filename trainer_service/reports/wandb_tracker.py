@@ -36,18 +36,20 @@ class WandbTracker(Tracker):
         directory = pathlib.Path(w.dir or run_dir)
         directory.mkdir(parents=True, exist_ok=True)
         try:
-            # console off: `up` already keeps each process's output in RUN_DIR/logs; W&B's capture would wrap it.
-            # create_new: several trainers in one process (tests, benchmarks) each get a run of their own.
-            # No system metadata: it holds the command line, where `up` and compose put every override (a secret
-            # the config's redaction hides would reach W&B there)
-            self.run = wandb.init(project=w.project, entity=w.entity, mode=w.mode, dir=str(directory),
-                                  group=w.group or cfg.run.name, name=w.name or cfg.run.name, job_type="trainer",
-                                  reinit="create_new", settings=wandb.Settings(console="off", x_disable_meta=True))
+            self.run, mode = _start(wandb, cfg, directory, w.mode), w.mode
         except (wandb.errors.UsageError, wandb.errors.AuthenticationError) as exc:
             raise PermanentError(f"tracking.wandb: W&B refused to start the run ({exc}); log in (`wandb login` or "
                                  "$WANDB_API_KEY), or use tracking.wandb.mode=offline and `wandb sync` later") from exc
+        except wandb.errors.CommError as exc:
+            # no answer within W&B's init_timeout (no network, W&B down), or another error talking to the server: W&B
+            # is a copy of the run's own files, so it must not stop the run (exit 3: this error is of no transient
+            # kind) nor cost every restart the same wait; the run is recorded offline, for `wandb sync` later
+            log.warning("tracking.wandb: W&B could not start the online run (%s); logging this trainer to an offline "
+                        "W&B run under %s instead: upload it later with `wandb sync %s`", str(exc).splitlines()[0],
+                        directory / "wandb", directory / "wandb" / "offline-run-*")
+            self.run, mode = _start(wandb, cfg, directory, "offline"), "offline"
         self._axes: set[str] = set()
-        log.info("W&B run %s (%s, project %s) in %s", self.run.id, w.mode, w.project, directory / "wandb")
+        log.info("W&B run %s (%s, project %s) in %s", self.run.id, mode, w.project, directory / "wandb")
 
     def _log(self, family: str, step: int, data: dict[str, Any]) -> None:
         """`data` (keys under `family/`) at `step` of the family's own x axis, `family/step`."""
@@ -90,3 +92,14 @@ class WandbTracker(Tracker):
 
     def close(self, failed: bool = False) -> None:
         self.run.finish(exit_code=1 if failed else 0)
+
+
+def _start(wandb, cfg: RunConfig, directory: pathlib.Path, mode: str):
+    """wandb.init of the trainer's run in `mode`. Console capture off: `up` already keeps each process's output in
+    RUN_DIR/logs; W&B's would wrap it. create_new: several trainers in one process (tests, benchmarks) each get a
+    run of their own. No system metadata: it holds the command line, where `up` and compose put every override (a
+    secret the config's redaction hides would reach W&B there)."""
+    w = cfg.tracking.wandb
+    return wandb.init(project=w.project, entity=w.entity, mode=mode, dir=str(directory), group=w.group or cfg.run.name,
+                      name=w.name or cfg.run.name, job_type="trainer", reinit="create_new",
+                      settings=wandb.Settings(console="off", x_disable_meta=True))

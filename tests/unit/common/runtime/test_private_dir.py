@@ -2,6 +2,7 @@
 real directories (chmod); another owner by making the check believe it runs as another uid."""
 
 import os
+import stat
 
 import pytest
 
@@ -56,3 +57,25 @@ def test_links_are_not_followed(tmp_path):
 def test_a_new_directory_is_made_private(tmp_path):
     assert make_private_dir(tmp_path / "a" / "b") is None
     assert (tmp_path / "a" / "b").stat().st_mode & 0o777 == 0o700
+
+
+def test_a_directory_under_one_others_may_write_is_not_trusted(tmp_path):
+    """Only the directory itself was checked: under a parent others may write (no sticky bit), someone else can
+    rename the checked cache away afterwards and put theirs in its place, which JAX then reads all run long."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    assert "shared above it is writable by group or others (mode 0777" in make_private_dir(shared / "cache")
+    sticky = tmp_path / "sticky"  # as /tmp: only an entry's owner may rename it
+    sticky.mkdir()
+    os.chmod(sticky, 0o1777)
+    assert make_private_dir(sticky / "cache") is None
+
+
+def test_missing_parents_are_made_private_too(tmp_path):
+    old = os.umask(0o002)  # user private groups: os.makedirs would make the parents group-writable
+    try:
+        assert make_private_dir(tmp_path / "home" / ".cache" / "grpo-stream") is None
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "home").stat().st_mode) == 0o700

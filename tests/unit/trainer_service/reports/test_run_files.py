@@ -10,7 +10,7 @@ import types
 import pytest
 
 from grpo_stream.common.config.loading import load_config
-from grpo_stream.reports.run_report import make_report
+from grpo_stream.reports.run_report import make_report, read_metrics
 from grpo_stream.trainer_service.reports.metrics import JsonlTracker
 from grpo_stream.trainer_service.reports.run_outputs import write_summary
 
@@ -93,3 +93,34 @@ def test_summary_and_report_are_replaced_whole_never_left_half_written(tmp_path,
     assert json.loads((tmp_path / "summary.json").read_text()) == {"steps": 1}
     assert (tmp_path / "report" / "report.md").read_text() == "# the last good report\n"
     assert not [p for p in tmp_path.rglob("*.tmp")]  # no temporary file left behind
+
+
+def test_a_row_written_after_a_torn_line_starts_a_line_of_its_own(tmp_path, capsys):
+    """The resumed trainer's first row was appended onto the torn text of the killed one's last row, and the
+    reader then skipped both: the new row was lost with the torn one."""
+    path = tmp_path / "metrics-trainer.jsonl"
+    path.write_text('{"step": 1, "train/loss": 0.5}\n{"step": 2, "train/lo')  # a kill mid-write
+    tracker = JsonlTracker(path)
+    tracker.scalars(3, {"loss": 0.25}, prefix="train/")
+    tracker.close()
+    assert [r["step"] for r in read_metrics(path)] == [1, 3]
+    assert f"{path}:2: not JSON" in capsys.readouterr().err
+
+
+def test_a_write_that_fails_midway_does_not_swallow_the_next_row(tmp_path):
+    """A full disk cuts a row short in this process: once space is back, the next row goes on a line of its own."""
+    path = tmp_path / "metrics-trainer.jsonl"
+    tracker = JsonlTracker(path)
+    real = tracker._file
+
+    class FullDisk:
+        def write(self, data):
+            real.write(data[:10])
+            raise OSError(28, "No space left on device")
+    tracker._file = FullDisk()
+    with pytest.raises(OSError):
+        tracker.scalars(1, {"loss": 1.0}, prefix="train/")
+    tracker._file = real
+    tracker.scalars(2, {"loss": 0.5}, prefix="train/")
+    tracker.close()
+    assert [r["step"] for r in read_metrics(path)] == [2]
