@@ -45,6 +45,8 @@ import subprocess
 import sys
 import tempfile
 
+from grpo_stream.reports.run_report import read_metrics
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs" / "tiny_arith.yaml"
 REPLICAS, GROUPS_PER_STEP = 2, 16
@@ -99,9 +101,11 @@ def run_mode(mode: str, steps: int, run_dir: pathlib.Path, pinned: bool) -> dict
 
 
 def step_rows(run_dir: pathlib.Path) -> list[dict]:
-    """The trainer's per-step rows of metrics-trainer.jsonl (one per RL step)."""
-    return [json.loads(line) for line in (run_dir / "metrics-trainer.jsonl").read_text().splitlines()
-            if '"train/staleness_mean"' in line]
+    """The trainer's per-step rows of metrics-trainer.jsonl (one per RL step; none when there is no file). A line
+    that is not whole JSON is skipped (read_metrics): a trainer killed mid-write (gpu-check stops runs at their cap)
+    leaves one torn, and one torn line must not lose the run's figures."""
+    path = run_dir / "metrics-trainer.jsonl"
+    return [row for row in read_metrics(path) if "train/staleness_mean" in row] if path.exists() else []
 
 
 def step_figures(rows: list[dict], warmup: int = WARMUP_STEPS) -> dict:

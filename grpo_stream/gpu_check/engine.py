@@ -1,9 +1,10 @@
 """gpu-check's engine phase: the ~1B runs' sampler engine alone on the device (`bench gpu engine`, bench/gpu.py),
 which the runs' samplers' tokens/s are set against (issue 55; figures.engine_figures).
 
-It is timed at two loads: kept full (the rows the run's sampler keeps in flight, its engine's slots by default), and
-holding the rows the synchronous run's admission lets its sampler hold: trainer.max_staleness + 1 steps' groups
-(trainer_service/ingest/admission.py's bound) or sampler.max_groups_per_version when lower, at most the full load.
+It is timed at two loads, the second first (a phase stopped at its cap keeps issue 55's figure): kept full (the
+rows the run's sampler keeps in flight, its engine's slots by default), and holding the rows the synchronous run's
+admission lets its sampler hold: trainer.max_staleness + 1 steps' groups (trainer_service/ingest/admission.py's
+bound) or sampler.max_groups_per_version when lower, at most the full load.
 The synchronous run's sampler has the device to itself while it generates, so against the second load its ratio
 says what the rollout stream loses beyond admission's bound (issue 55's goal, >= 0.8, is read there); against the
 first, how much of its engine the run kept busy, admission's bound included.
@@ -33,5 +34,5 @@ def engine_command(args: list[str], sync: list[str], cache: pathlib.Path, out_js
     held = min(full, groups * cfg.generation.num_generations)
     sets = [x for o in [*overrides, f"runtime.compilation_cache_dir={cache}"] for x in ("--set", o)]
     cmd = [sys.executable, "-m", "grpo_stream.bench.gpu", "engine", "--config", config, "--out", str(out_json), *sets,
-           "--deadline-s", f"{deadline_s:.0f}", "--rows", str(full), *(["--rows", str(held)] if held != full else [])]
+           "--deadline-s", f"{deadline_s:.0f}", "--rows", str(held), *(["--rows", str(full)] if held != full else [])]
     return cmd, held

@@ -37,13 +37,21 @@ def environment(root: pathlib.Path, log_tail: int) -> dict:
     smi, began = shutil.which("nvidia-smi"), time.monotonic()
     out: dict = {"nvidia_smi": None, "wheels": os.environ.get("GPU_CHECK_WHEELS", "").split() or None,
                  "cpus": os.cpu_count()}
-    if smi:
-        query = subprocess.run([smi, "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
-                               capture_output=True, text=True, timeout=30)
-        out["nvidia_smi"] = query.stdout.strip().splitlines() or query.stderr.strip()
-    probe = subprocess.run([sys.executable, "-c", ENV_PROBE], capture_output=True, text=True, timeout=120,
-                           cwd=root)
+    try:  # a driver or device that hangs is this phase's failure, not the end of the check
+        if smi:
+            query = subprocess.run([smi, "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+                                   capture_output=True, text=True, timeout=30)
+            out["nvidia_smi"] = query.stdout.strip().splitlines() or query.stderr.strip()
+        probe = subprocess.run([sys.executable, "-c", ENV_PROBE], capture_output=True, text=True, timeout=120,
+                               cwd=root)
+    except subprocess.TimeoutExpired as error:
+        return {**out, "seconds": round(time.monotonic() - began, 1), "status": "failed",
+                "log_tail": f"{' '.join(map(str, error.cmd))[:200]} did not end in {error.timeout:.0f}s"}
     out["seconds"] = round(time.monotonic() - began, 1)
-    if probe.returncode != 0:
-        return {**out, "status": "failed", "log_tail": probe.stderr[-log_tail:]}
-    return {**out, **json.loads(probe.stdout.strip().splitlines()[-1]), "status": "ok"}
+    try:
+        found = json.loads(probe.stdout.strip().splitlines()[-1]) if probe.returncode == 0 else None
+    except (IndexError, ValueError):
+        found = None
+    if not isinstance(found, dict):
+        return {**out, "status": "failed", "log_tail": (probe.stderr + probe.stdout)[-log_tail:]}
+    return {**out, **found, "status": "ok"}

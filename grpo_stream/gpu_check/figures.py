@@ -77,7 +77,7 @@ def memory_figures(summary: dict, samplers: dict, plan: dict | None, colocated: 
 def run_figures(run_dir: pathlib.Path, steps_asked: int, plan: dict | None = None, colocated: bool = False) -> dict:
     """The figures of one run, from what its processes left in `run_dir` (a run stopped early included)."""
     summary = _read(run_dir / "summary.json") or {}
-    rows = step_rows(run_dir) if (run_dir / "metrics-trainer.jsonl").exists() else []
+    rows = step_rows(run_dir)
     out: dict = {"steps": len(rows), "steps_asked": steps_asked, "rl_seconds": summary.get("rl_seconds"),
                  "wall_seconds": summary.get("wall_seconds")}
     if len(rows) > WARMUP_STEPS:
@@ -125,19 +125,21 @@ def engine_figures(engine: dict | None, runs: dict[str, dict]) -> dict:
     (their mean, one engine each): `sampler_over_engine_<run>` (issue 55's goal >= 0.8), and for the synchronous run
     also against the engine at its own admitted rows (what the stream loses beyond admission's bound). Beside them
     the rows the samplers' engines decoded per step."""
-    rate = (engine or {}).get("tokens_per_second")
-    if not rate:
+    loads, held = (engine or {}).get("loads") or {}, (engine or {}).get("sync_admitted_rows")
+    # by rows, not by order: the admitted rows are timed first (engine.py), the full load after them
+    rate = (loads.get(str(engine.get("rows"))) or {}).get("tokens_per_second") if engine else None
+    at_held = (loads.get(str(held)) or {}).get("tokens_per_second")
+    if not rate and not at_held:
         return {}
-    held = engine.get("sync_admitted_rows")
-    at_held = (engine.get("loads") or {}).get(str(held), {}).get("tokens_per_second")
     out = {"engine_rows": engine.get("rows"), "engine_tokens_per_second": rate, "sync_admitted_rows": held,
            "engine_tokens_per_second_sync_admitted_rows": at_held}
     for name, run in runs.items():
         samplers = (run or {}).get("samplers") or {}
         generating = [s["tokens_per_second_generating"] for s in samplers.values() if s["tokens_per_second_generating"]]
         rows = [s["engine_rows_decoding_mean"] for s in samplers.values() if s.get("engine_rows_decoding_mean")]
-        if generating:
+        if generating and rate:
             out[f"sampler_over_engine_{name}"] = round(statistics.mean(generating) / rate, 3)
+        if generating:
             out[f"sampler_rows_decoding_mean_{name}"] = round(statistics.mean(rows), 1) if rows else None
             if name == "sync" and at_held:
                 out["sampler_over_engine_sync_same_rows"] = round(statistics.mean(generating) / at_held, 3)
@@ -173,10 +175,10 @@ def missing_figures(phases: dict, device_memory: bool, optional: tuple[str, ...]
     if not ("plan" in optional and plan.get("status") in ("stopped", "skipped")):
         missing += [f"plan.{key}" for key in ("trainer_bytes", "sampler_bytes") if plan.get(key) is None]
     compared = phases.get("comparison") or {}
-    missing += [f"comparison.{key}" for key in ("async_over_sync", "async_over_sync_bound") if key not in compared]
+    missing += [f"comparison.{key}" for key in ("async_over_sync", "async_over_sync_bound") if compared.get(key) is None]
     engine = phases.get("engine") or {}
     if not ("engine" in optional and engine.get("reason") == "deadline"):
-        missing += [f"comparison.{key}" for key in ENGINE_FIGURES if key not in compared]
+        missing += [f"comparison.{key}" for key in ENGINE_FIGURES if compared.get(key) is None]
     demo = phases.get("demo") or {}
     missing += ["demo.learning.gain_points"] * ((demo.get("learning") or {}).get("gain_points") is None)
     return missing

@@ -48,10 +48,16 @@ def split(out: pathlib.Path = PARTS, part_bytes: int = PART_BYTES) -> list[pathl
 
 
 def join(parts_dir: pathlib.Path, into: pathlib.Path) -> pathlib.Path | None:
-    """The parts joined in order (None when there are none); the fixture checks the whole file's sha256."""
+    """The parts joined in order (None when there are none); the fixture checks the whole file's sha256. A gap in
+    the numbers (a part carried by a call whose machine was given back before the next call) is refused by name."""
     parts = sorted(parts_dir.glob("smollm2.gguf.part-*"), key=lambda p: int(p.name.rsplit("-", 1)[1]))
     if not parts:
         return None
+    have = [int(p.name.rsplit("-", 1)[1]) for p in parts]
+    if missing := sorted(set(range(max(have) + 1)) - set(have)):
+        raise ValueError(f"{parts_dir.name}/smollm2.gguf.part-{missing[0]} is not there (parts {have} are): the "
+                         "machine was given back between the calls that carried them; carry every part again, in "
+                         "calls back to back")
     with open(into, "wb") as out:
         for part in parts:
             with open(part, "rb") as src:
@@ -73,7 +79,10 @@ def up_args(model: pathlib.Path, gsm8k: pathlib.Path, steps: int, dry_run: bool)
 
 def realmodel_phase(runner, gsm8k: pathlib.Path) -> dict:
     """Join the carried parts, convert them, run `up` on GSM8K; the run's figures and accuracy before/after."""
-    joined = join(PARTS, runner.work / "smollm2.gguf")
+    try:
+        joined = join(PARTS, runner.work / "smollm2.gguf")
+    except ValueError as error:
+        return {"status": "failed", "reason": str(error)}
     if joined is None:
         return {"status": "skipped", "reason": f"no {PARTS.name}/smollm2.gguf.part-* carried: run `python -m "
                 "grpo_stream.gpu_check.realmodel split` here and carry the parts (grpo_stream/gpu_check/realmodel.py)"}

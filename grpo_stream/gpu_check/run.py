@@ -22,6 +22,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 
 from grpo_stream.bench.async_vs_sync import mode_overrides
 from grpo_stream.gpu_check.engine import engine_command
@@ -224,7 +225,7 @@ class Runner:
                                     else "no checkpoint"})
         else:
             printed = [line for line in (self.work / "checkpoint.log").read_text().splitlines() if line.startswith("{")]
-            self.doc["checkpoint"] = {**jobs["model"], **json.loads(printed[-1])}
+            self.doc["checkpoint"] = {**jobs["model"], **(json.loads(printed[-1]) if printed else {})}
             base = self.big_args(ckpt, gsm8k)
             # the plan's figures, when it ended in time, size the shares of the GPU (hardware.plan_json); else `up`
             # splits it by its default rule (the trainer twice the sampler)
@@ -250,7 +251,13 @@ class Runner:
                                "deadline"})
             log(f"{name}: skipped")
             return
-        self.record(name, body())
+        try:
+            result = body()
+        except Exception as error:  # noqa: BLE001 - one phase's fault must not lose the phases after it
+            result = {"status": "failed", "error": f"{type(error).__name__}: {error}",
+                      "log_tail": traceback.format_exc()[-LOG_TAIL:]}
+            log(f"{name}: failed: {result['error']}")
+        self.record(name, result)
 
     def demo(self) -> dict:
         """The shipped demo (or the dry run's few steps): its figures and the held-out greedy accuracy's change."""
