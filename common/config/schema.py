@@ -241,6 +241,10 @@ class RunConfig(Strict):
             raise ValueError("algo.dynamic_sampling drops groups whose rewards are all equal, but with "
                              "distill.reward_weight=0 every group carries the teacher's signal; set "
                              "algo.dynamic_sampling=false or give distill.reward_weight a weight")
+        if self.distill.enabled and self.distill.reward_weight == 0 and self.algo.overlong == "penalty":
+            raise ValueError("algo.overlong=penalty lowers the rewards of over-long completions, but with "
+                             "distill.reward_weight=0 rewards do not reach the advantage, so the penalty does nothing; "
+                             "give distill.reward_weight a weight, or use algo.overlong=filter (or none)")
         if task.own_rollouts and self.environment.name is not None:
             raise ValueError(f"environment.name: task.name={self.task.name} runs its own episodes; leave it unset")
         return self

@@ -122,3 +122,8 @@ def test_the_distill_section_is_strict_and_refuses_filtering_its_groups(tmp_path
     with pytest.raises(ValueError, match="algo.dynamic_sampling.*distill.reward_weight=0"):
         config(tmp_path / "t", "algo.dynamic_sampling=true")
     assert config(tmp_path / "t", "algo.dynamic_sampling=true", "distill.reward_weight=1").algo.dynamic_sampling
+    # the penalty lowers rewards, which reach the advantage only with a reward weight: it did nothing, silently
+    with pytest.raises(ValueError, match="algo.overlong=penalty.*distill.reward_weight=0"):
+        config(tmp_path / "t", "algo.overlong=penalty")
+    assert config(tmp_path / "t", "algo.overlong=penalty", "distill.reward_weight=0.5").algo.overlong == "penalty"
+    assert config(tmp_path / "t", "algo.overlong=filter").algo.overlong == "filter"
