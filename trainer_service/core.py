@@ -36,6 +36,8 @@ from grpo_stream.trainer_service.learning.warmstart import warm_start
 from grpo_stream.trainer_service.model_parts import ModelParts
 
 log = logging.getLogger(__name__)
+# what a resumed run carries over from its checkpoint's record (carried_now); the evaluator's own state wins
+CARRIED_KEYS = ("warmstart", "eval_before", "eval_curve", "eval_skipped", "eval_errors")
 BACKGROUND_WAIT_S = 1800.0  # the longest a step waits for the previous one's publication (a stuck transfer)
 
 
@@ -144,8 +146,8 @@ class TrainerCore:
             self.updater.ref_params = state.get("ref_params", self.updater.ref_params)
             self.params, self.start_step = self.updater.params, resumed.step
             self.resumed_from = {"step": resumed.step, "epoch": resumed.record.get("epoch")}
-            self.carried = {"warmstart": resumed.record.get("warmstart"),
-                            "eval_before": resumed.record.get("eval_before")}
+            # the evaluation curve too: a run resumed with eval.every_steps=0 keeps the points it has
+            self.carried = {key: resumed.record.get(key) for key in CARRIED_KEYS}
         else:
             self.keeper.begin_new_run()
             self._new_run(plan)
@@ -354,7 +356,9 @@ class TrainerCore:
         """What checkpoints and summary.json carry: the warm start's report, eval_before, the evaluation curve during
         RL so far (with its skipped versions and errors) and the hooks' run-long counts (CoreHooks.carried)."""
         state = {**(self.evaluator.state() if self.evaluator is not None else {}), **self.hooks.carried()}
-        return {**self.carried, "eval_curve": [], "eval_skipped": [], "eval_errors": 0, **state}
+        empty = {"eval_curve": [], "eval_skipped": [], "eval_errors": 0}
+        kept = {k: v for k, v in self.carried.items() if v is not None or k not in empty}  # an older checkpoint's
+        return {**empty, **kept, **state}
 
     # -- shared by the phases -----------------------------------------------------------------------------------
     def evaluate(self, label: str) -> dict:

@@ -100,3 +100,12 @@ def test_due_steps_are_evaluated_reported_carried_and_resumed(cfg, tmp_path):
     assert done.evaluator.pending() == []
     done.close()
     keeper.checkpoints.close()
+
+    # resumed with eval.every_steps=0: no evaluator, and the curve its checkpoint holds still rides in the next
+    # checkpoints and the summary (it was replaced by an empty one); step 4's point ended after checkpoint 4 was saved
+    off = cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"every_steps": 0})})
+    done, keeper = new_core(off, tmp_path, Evaluations())
+    assert done.apply(StartPlan(epoch="e5", restore=4, warm_start=False, export_warm=False, eval_before=True)) == 4
+    assert done.evaluator is None and [r["step"] for r in done.carried_now()["eval_curve"]] == [2]
+    done.close()
+    keeper.checkpoints.close()
