@@ -76,7 +76,7 @@ class Sampler:
         self.rows_in_flight, self.slots = cfg.rows_in_flight(), cfg.engine_slots()[1]
         self.admission = self.source = self.sink = self.rollouts = self.injected_rollouts = None
         self.ingest_stub = self.sync = self.client = self.stream = None
-        self.serve_seconds = self.engine_idle_seconds = 0.0
+        self.serve_seconds = self.engine_idle_seconds = self.compile_seconds = 0.0
         self.groups_started = 0
         # groups the sink left out (failed), by the version installed when they started: they count toward
         # sampler.max_groups_per_version no more (the trainer's step never gets them; another must start instead)
@@ -165,6 +165,7 @@ class Sampler:
             engine.join()
             self.sink.close()
             self.serve_seconds, self.engine_idle_seconds = time.monotonic() - started, self.stream.idle_seconds
+            self.compile_seconds = engine.compile_seconds
             self.stream = None
             weights.stream_started(None, None)
         if engine.error is not None:
@@ -256,6 +257,9 @@ class Sampler:
                   "tokens_generated": sink.tokens_generated,
                   "generate_seconds": round(self.serve_seconds - self.engine_idle_seconds, 3),
                   "engine_idle_seconds": round(self.engine_idle_seconds, 3),
+                  # the part of generate_seconds the engine's thread spent making programs (a new shape's, the
+                  # weights' relayout), not decoding: the engine alone is timed without it (bench/gpu.py)
+                  "compile_seconds": round(self.compile_seconds, 3),
                   "environment_seconds": round(self.rollouts.environment_seconds, 3),
                   "sampling_seconds": round(elapsed, 3),
                   "device_memory": device_memory(self.devices[0] if self.devices else None),

@@ -169,3 +169,5 @@ def test_each_sampler_reports_how_full_its_stream_kept_its_engine(smoke):
     for i in range(2):
         sampler = json.loads((smoke.dir / f"sampler-{i}.json").read_text())
         assert 1 <= sampler["engine_rows_decoding_mean"] <= sampler["rows_in_flight"], sampler
+        # a fresh sampler compiles its programs on the engine's thread while it has work: counted, and within it
+        assert 0 < sampler["compile_seconds"] < sampler["generate_seconds"], sampler
