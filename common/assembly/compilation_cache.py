@@ -101,4 +101,3 @@ def enable_compilation_cache(cfg: RunConfig) -> CompilationCacheStats:
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", CACHE_MIN_ENTRY_BYTES)
         jax.monitoring.register_event_listener(stats._on_event)
     return stats
-
