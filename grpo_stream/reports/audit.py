@@ -164,7 +164,9 @@ def _client_for(run_dir: pathlib.Path, redis_url: str | None):
                                     f"({busy}). Retry once its Redis answers, or pass --redis-url (and "
                                     f"${REDIS_PASSWORD_ENV})") from None
     try:
-        server = EmbeddedRedis(data_dir=data, protected=True).start()
+        # the server holds the run directory's lock too (as `up`'s does): were audit killed, the lock stays held
+        # for as long as its Redis lives on the run's AOF (it dies with audit's thread, but not at the same instant)
+        server = EmbeddedRedis(data_dir=data, protected=True, popen_options={"pass_fds": (lock.fd,)}).start()
     except BaseException:
         lock.release()
         raise

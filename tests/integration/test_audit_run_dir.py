@@ -64,3 +64,21 @@ def test_a_stopped_runs_data_is_audited_by_a_redis_of_its_own(live_run):
     out = audit(run_dir)
     assert out.returncode == 0 and "run r: 3 groups accepted" in out.stdout, out
     RunLock.acquire(run_dir, "up").release()  # and audit let the directory go
+
+
+def test_audits_own_redis_holds_the_run_directory_while_it_lives(live_run):
+    """Audit's own redis-server on a stopped run's data held no lock of its own: were audit killed, its Redis lived
+    on (until its death signal) on the run's AOF with the directory free for an `up` to start a second one."""
+    from grpo_stream.reports.audit import _client_for  # noqa: PLC0415
+
+    run_dir, server, lock = live_run
+    server.stop()
+    lock.release()
+    client, _, (own, own_lock) = _client_for(run_dir, None)
+    try:
+        held = {os.path.realpath(f"/proc/{own.proc.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{own.proc.pid}/fd")}
+        assert str(own_lock.path) in held  # the server holds the locked file too
+    finally:
+        client.close()
+        own.stop()
+        own_lock.release()
