@@ -103,6 +103,9 @@ class TrainerSection(Strict):
         "all cores.")
     metrics_port: int | None = Field(0, ge=0, le=65535, description="Prometheus /metrics port of the trainer; "
                                      "0 = a free port, null = off.")
+    metrics_host: str | None = Field(None, description="Address the trainer's /metrics binds; null = trainer.host "
+                                     "(a trainer serving gRPC on 0.0.0.0 serves /metrics there too: set 127.0.0.1 "
+                                     "to keep it on the host).")
     eval_before: bool = Field(True, description="Evaluate on the held-out split when RL starts.")
     eval_after: bool = Field(True, description="Evaluate on the held-out split when RL ends.")
     processes: int = Field(1, ge=1, le=4096, description="JAX processes (one per host; trainer.mesh spans all their "

@@ -47,3 +47,21 @@ def test_invented_sampler_ids_do_not_grow_the_lag_series(tiny_parts, shared_redi
             assert set(scrape(reporter.prom.port)) == {"sampler-4095"}
         finally:
             reporter.close()
+
+
+def test_the_trainers_metrics_bind_where_told_not_where_grpc_listens(tiny_parts, shared_redis, run_name, tmp_path):
+    """/metrics followed trainer.host: a trainer serving gRPC on every interface served its metrics there too, with
+    no way to keep them on the host."""
+    cfg, task, tokenizer, _ = tiny_parts
+    with serve(with_run_name(cfg, run_name), shared_redis.url, tmp_path / "auth", task, tokenizer) as stack:
+        for host, metrics_host, bound in (("0.0.0.0", "127.0.0.1", "127.0.0.1"), ("127.0.0.1", None, "127.0.0.1"),
+                                          ("0.0.0.0", None, "0.0.0.0")):
+            told = stack.cfg.model_copy(update={"trainer": stack.cfg.trainer.model_copy(
+                update={"metrics_port": 0, "host": host, "metrics_host": metrics_host})})
+            reporter = StepReporter(told, MetricsWriter(tmp_path / "run", "trainer"), stack.buffer, stack.publisher,
+                                    held=lambda: 0)
+            try:
+                assert reporter.prom._server.server_address[0] == bound
+                assert scrape(reporter.prom.port) is not None
+            finally:
+                reporter.close()

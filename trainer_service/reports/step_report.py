@@ -69,7 +69,7 @@ class StepReporter:
             "sampler_weight_lag", f"latest version minus the sampler's installed version (the first "
             f"{self.max_lag_series} samplers heard from; {OTHER}: the largest lag of the rest)", ("sampler",)),
             self.max_lag_series)
-        self.prom.start(cfg.trainer.host, cfg.trainer.metrics_port)
+        self.prom.start(cfg.trainer.metrics_host or cfg.trainer.host, cfg.trainer.metrics_port)
         self._counters: dict[str, int] = {}
         self._last_line = 0.0
         self._window: list[tuple[float, int, int]] = []  # (time, tokens, groups) of recent steps, for rates
