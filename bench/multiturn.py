@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import collections
 import hashlib
-import json
 import pathlib
 import statistics
 import sys
@@ -64,6 +63,7 @@ from grpo_stream.common.model.architectures import Architecture
 from grpo_stream.common.model.policy import TUNIX_ROPE_THETA, build_from_architecture
 from grpo_stream.common.tasks.arith import build_task
 from grpo_stream.common.tasks.task_tokenizer import build_tokenizer
+from grpo_stream.trainer_service.reports.files import to_json, write_atomic
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs" / "tiny_arith.yaml"
@@ -257,7 +257,10 @@ def _override(text: str) -> tuple[str, float | int]:
     key, _, value = text.partition("=")
     if key not in FULL:
         raise argparse.ArgumentTypeError(f"--set {text}: unknown key; choose from {sorted(FULL)}")
-    return key, (float(value) if "." in value else int(value))
+    number = float(value) if "." in value else int(value)
+    if key == "repeats" and number < 1:  # the median of no runs, after all the warm-up rounds
+        raise argparse.ArgumentTypeError(f"--set {text}: at least one timed run per arm; give repeats >= 1")
+    return key, number
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -270,7 +273,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     result = run(args.quick, dict(args.set))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_atomic(args.out, to_json(result, indent=2) + "\n")  # whole, and strict JSON (files.py)
     _say(f"ratio_latency_over_zero {result['ratio_latency_over_zero']} (target >= 0.8); wrote {args.out}")
 
 

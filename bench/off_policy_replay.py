@@ -41,6 +41,7 @@ from grpo_stream.trainer_service.learning.off_policy_health import group_index_o
 from grpo_stream.trainer_service.learning.packing import packing_layout
 from grpo_stream.trainer_service.learning.rl_update import PolicyUpdater
 from grpo_stream.trainer_service.learning.warmstart import warm_start
+from grpo_stream.trainer_service.reports.files import to_json, write_atomic
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs" / "tiny_arith.yaml"
@@ -200,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{before['pass_at_1']:.3f} -> {run.eval_after['pass_at_1']:.3f}")
     print(f"{time.time() - start:.0f}s")
     if args.out:
-        args.out.write_text(json.dumps(dataclasses.asdict(run), indent=1))
+        write_atomic(args.out, to_json(dataclasses.asdict(run), indent=1))  # whole, and strict JSON
     return 0
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -138,6 +139,7 @@ def run(quick: bool = False) -> dict:
         server.terminate()
         server.wait(30)
         redis.stop()
+        shutil.rmtree(tmp, ignore_errors=True)  # the run's token files with it
     errors = ours["errors"] + check["errors"]
     result = {
         "benchmark": "prompts", "quick": quick, "clients": clients, "seconds_per_round": seconds,

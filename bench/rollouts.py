@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import pathlib
 import statistics
 import sys
@@ -72,6 +71,7 @@ from grpo_stream.sampler_service.group_sink import GroupSink
 from grpo_stream.sampler_service.lifecycle import SamplerMetrics
 from grpo_stream.sampler_service.weight_sync import Installed
 from grpo_stream.sampler_service.weights_in_use import StagedWeights
+from grpo_stream.trainer_service.reports.files import to_json, write_atomic
 
 FULL = {"vocab_size": 8192, "num_layers": 8, "embed_dim": 512, "hidden_dim": 1408, "num_heads": 8,
         "num_kv_heads": 2, "head_dim": 64, "prompts": 64, "generations": 8, "prompt_low": 32, "prompt_high": 128,
@@ -355,7 +355,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     result = run(args.quick, (args.only,) if args.only else ("single_turn", "multiturn"))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_atomic(args.out, to_json(result, indent=2) + "\n")  # whole, and strict JSON (files.py)
     multi = result["multiturn"]
     _say(f"stream / all at once {result['stream_over_all_at_once']} (>= 0.9), stream / batch loop "
          f"{result['stream_over_batch_loop']} (>= 2), multi-turn latency / zero "

@@ -33,6 +33,7 @@ from grpo_stream.common.rollouts.buffer import keys
 from grpo_stream.common.rollouts.redis_server import read_password
 from grpo_stream.common.rpc.grpc_util import ClientSecurity, open_channel
 from grpo_stream.protos import prompts_pb2, prompts_pb2_grpc
+from grpo_stream.trainer_service.reports.files import write_atomic
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 GROWTH_BOUND = 1.15
@@ -255,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     result = run(args.minutes, args.clients, args.baseline_minutes, args.quick, args.set)
     text = json.dumps(result, indent=2)
     if args.out:
-        args.out.write_text(text)
+        write_atomic(args.out, text)
     print(json.dumps({k: result[k] for k in ("growth", "max_growth", "steps_between", "prompts_answered",
                                              "client_errors", "audit_ok")}, indent=2))
     return 0 if result["audit_ok"] and result["up_exit_code"] == 130 else 1  # 130: up stopped by Ctrl-C
