@@ -42,6 +42,7 @@ import tempfile
 import time
 
 from grpo_stream.trainer_service.reports.files import write_atomic
+from grpo_stream.reports.run_report import read_metrics
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -162,8 +163,7 @@ def run_once(setup: str, run_dir: pathlib.Path, timeout: int, warmstart: pathlib
     if seed is not None:
         out.update(seed=seed, greedy_before=summary["eval_before"]["accuracy"])
     # how off-policy the run was (the load of the machine sets it): mean staleness and per-group ESS over its steps
-    rows = [json.loads(line) for line in (run_dir / "metrics-trainer.jsonl").read_text().splitlines()
-            if '"train/loss"' in line]
+    rows = [r for r in read_metrics(run_dir / "metrics-trainer.jsonl") if "train/loss" in r]  # torn lines skipped
     for key in ("staleness_mean", "is_ess_group_mean", "mismatch_kl_k3"):
         values = [r[f"train/{key}"] for r in rows if f"train/{key}" in r]
         if values:

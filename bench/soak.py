@@ -34,6 +34,7 @@ from grpo_stream.common.rollouts.redis_server import read_password
 from grpo_stream.common.rpc.grpc_util import ClientSecurity, open_channel
 from grpo_stream.protos import prompts_pb2, prompts_pb2_grpc
 from grpo_stream.trainer_service.reports.files import write_atomic
+from grpo_stream.reports.run_report import read_metrics
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 GROWTH_BOUND = 1.15
@@ -130,7 +131,7 @@ def completion_lengths(metrics: pathlib.Path, every: int = 100) -> list[dict]:
     with it, so Redis under the count bound moves with the policy's lengths (seen: 7 -> 18 tokens at step ~1350)."""
     if not metrics.exists():
         return []
-    rows = [json.loads(line) for line in metrics.read_text().splitlines() if "response_length_mean" in line]
+    rows = [r for r in read_metrics(metrics) if "train/response_length_mean" in r]  # torn lines skipped
     out = []
     for start in range(0, max((r["step"] for r in rows), default=0) + 1, every):
         window = [r for r in rows if start <= r["step"] < start + every]
