@@ -128,7 +128,8 @@ class Sampler:
         self.sink = GroupSink(parts.client, parts.metrics, parts.tokenizer, self.sampler_id,
                               self.cfg.environment.turn_reward_weight,
                               abandon=lambda: self.stop_event.is_set() or self.weights.final,
-                              rewards=RewardWorker(self.source.rewards.allowed, self.cfg.task.reward_timeout_s),
+                              rewards=RewardWorker(self.source.rewards.allowed, self.cfg.task.reward_timeout_s,
+                                                   self.cfg.task.reward_memory_mb),
                               left_out=self._left_out)
 
     def _stream_until_done(self, parts: Parts) -> None:

@@ -131,6 +131,11 @@ class TaskSection(Strict):
                                     "Rewards run in a worker process (the completion and its reference are anyone's "
                                     "input): one that overruns scores 0, is logged once per reward, and its worker "
                                     "is restarted.")
+    reward_memory_mb: float | None = Field(2048.0, ge=64, le=1 << 20, description="Memory a reward's worker may "
+                                           "allocate past its imports (its address space is capped there): a "
+                                           "reward that allocates past it on some input scores 0, is logged once, "
+                                           "and its worker is restarted, instead of the host's OOM killer choosing "
+                                           "the sampler. null: no cap.")
     verifiers: VerifiersSection = Field(default_factory=VerifiersSection, description="task.name=verifiers: the "
                                         "environment and its arguments.")
     min_operand: int = Field(10, ge=0, le=10**6, description="Smallest operand of a problem.")

@@ -220,7 +220,7 @@ def evaluate_run(cfg, engine, params, task, tokenizer, problems: list,
         rewards = RewardSet(cfg.task.rewards)
         # answer_format too: format_rate is scored in the worker whatever the run rewards (answer_correct always is)
         worker = RewardWorker([*rewards.functions, answer_format.__name__, *getattr(task, "eval_rewards", ())],
-                              cfg.task.reward_timeout_s)
+                              cfg.task.reward_timeout_s, cfg.task.reward_memory_mb)
         stack.callback(worker.close)
         return evaluate(engine, params, tokenizer, problems, cfg.eval.batch_size, samples=cfg.eval.samples,
                         ks=cfg.eval.ks, seed=cfg.run.seed, progress=progress, rollouts=rollouts,

@@ -11,7 +11,9 @@ for memory, a crash in native code), kills the worker and scores 0: logged once 
 length-prefixed JSON on the worker's stdin/stdout (nothing is unpickled), and the worker dies with the thread that
 started it (PR_SET_PDEATHSIG) or when its stdin closes. The worker leads a process group of its own, and a kill
 (deadline, close, restart) is sent to that whole group: what a reward started (`subprocess`, `multiprocessing`) dies
-with it instead of outliving the sampler.
+with it instead of outliving the sampler. Its address space is capped at what it maps once its rewards are imported
+plus `memory_mb` (RLIMIT_AS): a reward that allocates without bound on some input gets a MemoryError, answered as a
+death (score 0, the worker restarted), instead of the host's OOM killer choosing the sampler.
 """
 
 from __future__ import annotations
@@ -37,13 +39,14 @@ log = logging.getLogger(__name__)
 _HEADER = struct.Struct("<I")
 PR_SET_PDEATHSIG = 1
 STARTUP_S = 120.0  # a worker's start (imports, lm-eval for the IFEval rewards) is not held to a reward's deadline
+DEFAULT_MEMORY_MB = 2048.0  # task.reward_memory_mb's default
 
 
 class RewardWorker:
     """One worker process scoring rewards for one thread at a time (calls are serialised by a lock)."""
 
-    def __init__(self, allowed: Iterable[str], deadline_s: float):
-        self.allowed, self.deadline_s = sorted(set(allowed)), float(deadline_s)
+    def __init__(self, allowed: Iterable[str], deadline_s: float, memory_mb: float | None = DEFAULT_MEMORY_MB):
+        self.allowed, self.deadline_s, self.memory_mb = sorted(set(allowed)), float(deadline_s), memory_mb
         self.overruns: collections.Counter[str] = collections.Counter()
         self._process: subprocess.Popen | None = None
         self._lock = threading.Lock()
@@ -58,7 +61,7 @@ class RewardWorker:
             answer = _receive(process.stdout, time.monotonic() + self.deadline_s)
             if answer is None or answer.get("exited"):  # overran, or died on this input (killed for memory, a crash)
                 self._kill()
-                self._failed(name, "died" if answer else "overran")
+                self._failed(name, "overran" if answer is None else answer.get("why", "died"))
                 return 0.0
         if "error" in answer:
             raise RuntimeError(answer["error"])
@@ -70,14 +73,16 @@ class RewardWorker:
 
     def _failed(self, name: str, how: str) -> None:
         if not self.overruns[name]:
-            what = (f"did not answer within task.reward_timeout_s={self.deadline_s:g} s" if how == "overran" else
-                    "made its worker exit (killed for memory, or a crash: see its stderr)")
+            what = {"overran": f"did not answer within task.reward_timeout_s={self.deadline_s:g} s",
+                    "memory": f"allocated past task.reward_memory_mb={self.memory_mb:g}"}.get(
+                how, "made its worker exit (killed for memory, or a crash: see its stderr)")
             log.warning("reward %s %s: scored 0 (its worker was restarted; logged once per reward)", name[:64], what)
         self.overruns[name] += 1
 
     def _start(self) -> subprocess.Popen:
         self._kill()
-        settings = json.dumps({"allowed": self.allowed, "path": [p for p in sys.path if p], "parent": os.getpid()})
+        settings = json.dumps({"allowed": self.allowed, "path": [p for p in sys.path if p], "parent": os.getpid(),
+                               "memory_bytes": int(self.memory_mb * (1 << 20)) if self.memory_mb else None})
         self._process = subprocess.Popen(
             [sys.executable, "-m", "grpo_stream.common.tasks.reward_workers", settings], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, close_fds=True, start_new_session=True)  # its group: see _kill
@@ -165,6 +170,7 @@ def _worker(settings: dict) -> None:
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises it
         _send(stdout, {"error": f"{type(exc).__name__}: {exc}"})
         return
+    _limit_memory(settings.get("memory_bytes"))
     _send(stdout, {"ready": True})
     while True:
         header = stdin.read(_HEADER.size)
@@ -177,9 +183,29 @@ def _worker(settings: dict) -> None:
             if fn is None:
                 raise ValueError(f"{name[:64]!r} is not one of this run's rewards")
             answer = {"value": float(fn(message["text"], message["reference"]))}
+        except MemoryError:  # past the cap: this input's score is 0, and a worker whose heap it filled starts again
+            _send(stdout, {"exited": True, "why": "memory"})
+            return
         except Exception as exc:  # noqa: BLE001 - sent back, raised in the caller with the reward's name
             answer = {"error": f"{type(exc).__name__}: {exc}"}
         _send(stdout, answer)
+
+
+def _limit_memory(extra_bytes: int | None) -> None:
+    """Cap this process's address space at what it maps now (the interpreter, the rewards' imports) plus
+    `extra_bytes` (RLIMIT_AS, soft limit). None, or no /proc (not Linux): no cap."""
+    if not extra_bytes:
+        return
+    try:
+        import resource  # noqa: PLC0415 - POSIX only
+
+        with open("/proc/self/statm") as statm:
+            mapped = int(statm.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+        hard = resource.getrlimit(resource.RLIMIT_AS)[1]
+        soft = mapped + extra_bytes if hard == resource.RLIM_INFINITY else min(mapped + extra_bytes, hard)
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+    except (ImportError, OSError, ValueError):
+        pass
 
 
 if __name__ == "__main__":

@@ -32,6 +32,12 @@ REWARDS = textwrap.dedent('''
     def broken(text, reference):
         raise KeyError("no such field")
 
+    def hoards(text, reference):  # allocates far more than its cap on some input (1 GiB: bounded, so a test
+        kept = []                   # run without the cap scores it 1 instead of filling the machine)
+        for _ in range(16):
+            kept.append(bytearray(64 << 20))
+        return 1.0
+
     def crashes(text, reference):  # a reward killed on some input (the kernel's OOM killer, a native crash)
         import os
         os._exit(9)
@@ -165,3 +171,21 @@ def test_what_a_reward_started_dies_with_its_worker_at_the_deadline_and_at_close
                         os.kill(pid, 9)
             except (FileNotFoundError, ProcessLookupError):
                 pass
+
+
+def test_a_reward_that_allocates_without_bound_scores_zero_and_the_worker_comes_back(rewards_module, caplog):
+    """Nothing capped a reward's memory: one that allocated without bound on some input ran until the host's OOM
+    killer chose a process, the sampler maybe. Past task.reward_memory_mb it gets a MemoryError, answered as a
+    death: score 0, logged once naming the setting, and the worker starts again for the next call."""
+    rewards = RewardSet({"answer_correct": 1.0, f"{rewards_module}:hoards": 1.0})
+    worker = RewardWorker(rewards.functions, deadline_s=30.0, memory_mb=256)
+    try:
+        with caplog.at_level(logging.WARNING):
+            for _ in range(2):
+                assert rewards.score("#### 4", "4", worker.call) == (1.0, {"answer_correct": 1.0,
+                                                                           f"{rewards_module}:hoards": 0.0})
+        assert worker.overruns == {f"{rewards_module}:hoards": 2}
+        said = [r.getMessage() for r in caplog.records if "hoards" in r.getMessage()]
+        assert len(said) == 1 and "allocated past task.reward_memory_mb=256" in said[0]
+    finally:
+        worker.close()
