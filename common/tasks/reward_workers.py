@@ -23,6 +23,7 @@ import ctypes
 import json
 import logging
 import os
+import resource
 import select
 import signal
 import struct
@@ -197,14 +198,12 @@ def _limit_memory(extra_bytes: int | None) -> None:
     if not extra_bytes:
         return
     try:
-        import resource  # noqa: PLC0415 - POSIX only
-
         with open("/proc/self/statm") as statm:
             mapped = int(statm.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
         hard = resource.getrlimit(resource.RLIMIT_AS)[1]
         soft = mapped + extra_bytes if hard == resource.RLIM_INFINITY else min(mapped + extra_bytes, hard)
         resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
-    except (ImportError, OSError, ValueError):
+    except (OSError, ValueError):
         pass
 
 
