@@ -90,12 +90,14 @@ class DataPositionRequest(_message.Message):
     def __init__(self, sampler_id: _Optional[str] = ...) -> None: ...
 
 class DataPosition(_message.Message):
-    __slots__ = ("known", "position")
+    __slots__ = ("known", "position", "unanswered")
     KNOWN_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
+    UNANSWERED_FIELD_NUMBER: _ClassVar[int]
     known: bool
     position: int
-    def __init__(self, known: _Optional[bool] = ..., position: _Optional[int] = ...) -> None: ...
+    unanswered: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, known: _Optional[bool] = ..., position: _Optional[int] = ..., unanswered: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ClaimRequest(_message.Message):
     __slots__ = ("sampler_id", "max_prompts", "policy_version")

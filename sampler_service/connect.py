@@ -6,6 +6,7 @@ not a grpo-stream trainer)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -55,19 +56,32 @@ def wait_for_trainer(cfg: RunConfig, stub: health_pb2_grpc.HealthStub, stop_even
         stop_event.wait(backoff.next())  # a stop ends the wait at once
 
 
+@dataclasses.dataclass(frozen=True)
+class Resume:
+    """Where a sampler's data stream resumes: `start`, the position after its last accepted group (0 for a new run),
+    and `unanswered`, the positions below it with no accepted group (ascending), which it generates first: groups
+    end out of order, so those in flight or unsent when it stopped lie below positions accepted after them."""
+
+    start: int = 0
+    unanswered: tuple[int, ...] = ()
+
+
 def resume_position(cfg: RunConfig, sampler_id: str, stub: rollout_pb2_grpc.RolloutIngestStub,
-                    stop_event: threading.Event) -> int:
-    """The data position after this sampler's last accepted group (0 for a new run), asked of the ingest. Waits
-    with back-off while the ingest's Redis is down (as long as the ingest answers), or while the ingest itself
-    is unreachable, for up to sampler.connect_timeout_s of silence."""
+                    stop_event: threading.Event) -> Resume:
+    """Where this sampler resumes (Resume), asked of the ingest. Waits with back-off while the ingest's Redis is
+    down (as long as the ingest answers), or while the ingest itself is unreachable, for up to
+    sampler.connect_timeout_s of silence."""
     heard, backoff = time.monotonic(), Backoff(0.2, 5.0)
     while True:
         try:
             reply = stub.GetDataPosition(rollout_pb2.DataPositionRequest(sampler_id=sampler_id), timeout=10)
-            return reply.position + 1 if reply.known else 0
+            if not reply.known:
+                return Resume()
+            # an ingest's answer is checked, not trusted: only positions below the start, each once
+            return Resume(reply.position + 1, tuple(sorted({p for p in reply.unanswered if 0 <= p <= reply.position})))
         except grpc.RpcError as exc:
             if stop_event.is_set():  # stopping before the first batch: the position no longer matters
-                return 0
+                return Resume()
             if not is_transient(exc):
                 raise PermanentError(
                     f"ingest at {cfg.ingest_address()} (ingest.address): it refuses this sampler's data position "
@@ -83,4 +97,4 @@ def resume_position(cfg: RunConfig, sampler_id: str, stub: rollout_pb2_grpc.Roll
             log.warning("%s: ingest at %s not ready (%s: %s); retrying in %.1fs", sampler_id,
                         cfg.ingest_address(), exc.code().name, exc.details(), delay)
             if stop_event.wait(delay):  # stopping before the first batch: the position no longer matters
-                return 0
+                return Resume()

@@ -18,6 +18,7 @@ prompt out again until the ingest's prompts.max_claims gives it up.
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import time
 import types
@@ -37,6 +38,21 @@ MAX_REFUSALS_LOGGED = 1000  # distinct injected prompts whose refusal is logged 
 INJECTED_KEYS = 2**31 - 1  # the key stream of injected groups (fold_in of the sampler's key; data positions are less)
 CLAIM_EVERY_S = 0.25  # most often the ingest is asked for injected prompts while none is held
 
+
+
+def resumed_prompts(task, index: int, count: int, start: int,
+                    unanswered: tuple[int, ...] = ()) -> Iterator[tuple[int, object]]:
+    """(data position, problem) of this sampler's stream (shard `index` of `count`): the `unanswered` positions
+    below `start` first (ascending; read from the stream from the lowest of them on), then every position from
+    `start` on. A problem's position is its place in the stream, whichever order it is generated in."""
+    if unanswered:
+        wanted, lowest = set(unanswered), unanswered[0]
+        for position, problem in zip(itertools.count(lowest), task.train_stream(index, count, lowest)):
+            if position in wanted:
+                yield position, problem
+            if position >= unanswered[-1]:
+                break
+    yield from zip(itertools.count(start), task.train_stream(index, count, start))
 
 class GroupSource:
     """Makes one sampler's groups. `prompts` yields (data position, problem) from the sampler's stream; `key`: the

@@ -34,7 +34,7 @@ from grpo_stream.common.weights.registry import weight_source
 from grpo_stream.common.weights.transport import SourceContext
 from grpo_stream.protos import rollout_pb2_grpc
 from grpo_stream.sampler_service.admission_client import AdmissionClient
-from grpo_stream.sampler_service.connect import resume_position, wait_for_trainer
+from grpo_stream.sampler_service.connect import Resume, resume_position, wait_for_trainer
 from grpo_stream.sampler_service.rollout_client import RolloutClient
 from grpo_stream.sampler_service.weight_sync import WeightSync
 
@@ -77,7 +77,7 @@ class Parts:
     sync: WeightSync
     client: RolloutClient
     admission: AdmissionClient
-    start: int  # the data position this sampler resumes at
+    resume: Resume  # where this sampler's data stream resumes (connect.py)
 
 
 def fit_hint(cfg: RunConfig) -> str:
@@ -140,15 +140,16 @@ def open_sampler(cfg: RunConfig, index: int, sampler_id: str, stop_event, device
             ingest_channel = open_channel(cfg.ingest_address(), security)
             stack.callback(ingest_channel.close)
         ingest_stub = rollout_pb2_grpc.RolloutIngestStub(ingest_channel)
-        start = resume_position(cfg, sampler_id, ingest_stub, stop_event)
+        resume = resume_position(cfg, sampler_id, ingest_stub, stop_event)
         client = RolloutClient(ingest_channel, cfg.sampler.backlog_max_groups, cfg.sampler.max_groups_per_message)
         stack.callback(client.close)
         client.start()
-        log.info("%s connected to %s, rollouts to %s (tokenizer %s), data position %d", sampler_id,
-                 cfg.trainer_address(), cfg.ingest_address(), tokenizer.fingerprint(), start)
+        log.info("%s connected to %s, rollouts to %s (tokenizer %s), data position %d%s", sampler_id,
+                 cfg.trainer_address(), cfg.ingest_address(), tokenizer.fingerprint(), resume.start,
+                 f" ({len(resume.unanswered)} unanswered below it first)" if resume.unanswered else "")
         admission = AdmissionClient(ingest_stub, sampler_id, cfg.sampler.admission, stop_event)
         yield Parts(task, tokenizer, model, engine, RewardSet(cfg.task.rewards), metrics, health, ingest_stub, sync,
-                    client, admission, start)
+                    client, admission, resume)
 
 
 @contextlib.contextmanager

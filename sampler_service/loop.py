@@ -25,7 +25,6 @@ another model, a token refused) tells the entry point that restarting the sample
 from __future__ import annotations
 
 import collections
-import itertools
 import json
 import logging
 import pathlib
@@ -48,7 +47,7 @@ from grpo_stream.common.weights.snapshot import digest
 from grpo_stream.sampler_service.engine_thread import EngineThread
 from grpo_stream.common.tasks.reward_workers import RewardWorker
 from grpo_stream.sampler_service.group_sink import GroupSink
-from grpo_stream.sampler_service.group_source import GroupSource
+from grpo_stream.sampler_service.group_source import GroupSource, resumed_prompts
 from grpo_stream.sampler_service.lifecycle import Parts, open_sampler, served_over_http
 from grpo_stream.sampler_service.weights_in_use import WeightsInUse
 
@@ -109,14 +108,15 @@ class Sampler:
         return self._summary(parts, started, drained, verified, endpoint)
 
     def _attach(self, parts: Parts, endpoint) -> None:
-        """Take the parts the loop uses; the data stream resumes at `parts.start`."""
+        """Take the parts the loop uses; the data stream resumes at `parts.resume` (its unanswered positions
+        first)."""
         self.sync, self.client, self.admission = parts.sync, parts.client, parts.admission
         self.weights.attach(parts.sync, parts.client, parts.metrics)
         self.ingest_stub = parts.ingest_stub
         # data position p = the p-th prompt of this sampler's stream; it names the group and seeds its sampling,
-        # so a restarted sampler continues the same sequence after its last accepted group
-        prompts = zip(itertools.count(parts.start),
-                      parts.task.train_stream(self.index, self.cfg.sampler.replicas, parts.start))
+        # so a restarted sampler generates again what it had not delivered, then continues the same sequence
+        prompts = resumed_prompts(parts.task, self.index, self.cfg.sampler.replicas, parts.resume.start,
+                                  parts.resume.unanswered)
         key = jax.random.key(self.cfg.run.seed * 1000 + self.index + 1)
         self.source = GroupSource(self.cfg, self.sampler_id, parts.tokenizer, prompts, parts.rewards, key)
         self.source.ingest_stub = parts.ingest_stub

@@ -40,7 +40,7 @@ from typing import Callable, Protocol
 import redis
 
 from grpo_stream.common.rollouts.audit_compaction import CompactionPlan, compact_redis, text
-from grpo_stream.common.rollouts.buffer_scripts import APPEND, SETTLE
+from grpo_stream.common.rollouts.buffer_scripts import APPEND, SETTLE, UNANSWERED
 from grpo_stream.common.rollouts.fencing import FENCE_CHECK, FENCED_CALL, StaleTrainer, is_stale_reply
 from grpo_stream.common.rollouts.kept_results import group_id_prefix
 from grpo_stream.common.rollouts.redis_errors import BufferUnavailable, redis_call  # noqa: F401 (the interface's error)
@@ -85,6 +85,8 @@ class RolloutBuffer(Protocol):
                     retention_s: int = 7 * 86_400, max_kept: int = 10_000) -> tuple[list[str], int]: ...
 
     def data_position(self, sampler_id: str) -> int | None: ...
+
+    def unanswered_positions(self, sampler_id: str, below: int, window: int) -> list[int]: ...
 
     def read(self, max_count: int, block_ms: int) -> list["BufferEntry"]: ...
 
@@ -143,6 +145,7 @@ class RedisStreamBuffer:
         self.consumer = consumer
         self._append = client.register_script(APPEND)
         self._settle = client.register_script(SETTLE)
+        self._unanswered = client.register_script(UNANSWERED)
         self._fenced = client.register_script(FENCED_CALL)
         self._fence_check = client.register_script(FENCE_CHECK)
         self.fence = ""  # this writer's fencing number ('': not a trainer's writes, unchecked)
@@ -205,6 +208,15 @@ class RedisStreamBuffer:
         """Highest data position accepted from `sampler_id` (None: nothing yet)."""
         raw = self._call(lambda: self.client.hget(self.k["positions"], sampler_id))
         return None if raw is None else int(raw)
+
+    def unanswered_positions(self, sampler_id: str, below: int, window: int) -> list[int]:
+        """The data positions of `sampler_id` in [below - window, below) it has no accepted group at: groups still
+        in flight or unsent when it stopped (groups end out of order), prompts it skipped. A group id names its
+        position (run/sampler/position), so each is one lookup in the accepted set, or, at or below the compacted
+        watermark, in its holes (compaction_holes.py)."""
+        return [int(p) for p in self._call(lambda: self._unanswered(
+            keys=[self.k["audit:accepted"], self.k["audit:compacted"]],
+            args=[sampler_id, below, max(0, below - window), f"{self.run_name}/{sampler_id}/"]))]
 
     # -- the trainer's side --------------------------------------------------------
     def _ensure_group(self) -> None:

@@ -116,3 +116,19 @@ end
 for outcome, c in pairs(counts) do redis.call('HINCRBY', KEYS[2], outcome, c) end
 return n
 """
+
+
+# The positions of one sampler in [ARGV[3], ARGV[2]) with no accepted group (RedisStreamBuffer.unanswered_positions):
+# above the compacted watermark, no accepted record under its group id (ARGV[4] .. position); at or below it, a hole.
+# KEYS: audit:accepted, audit:compacted. Read-only.
+UNANSWERED = HOLES_LUA + """
+local sampler, below, low, prefix = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]
+local out = {}
+for position = low, below - 1 do
+  local past = compacted_position(KEYS[2], sampler, position)
+  if past == 'hole' or (past == nil and redis.call('HEXISTS', KEYS[1], prefix .. position) == 0) then
+    out[#out + 1] = position
+  end
+end
+return out
+"""

@@ -73,6 +73,14 @@ class InMemoryBuffer:
         with self._lock:
             return self._positions.get(sampler_id)
 
+    def unanswered_positions(self, sampler_id: str, below: int, window: int) -> list[int]:
+        """RedisStreamBuffer.unanswered_positions."""
+        with self._lock:
+            accepted = {r["position"] for r in self._accepted.values() if r["sampler"] == sampler_id}
+            return [p for p in range(max(0, below - window), below)
+                    if (past := compaction_holes.compacted_position(self.below, self.holes, sampler_id, p)) == "hole"
+                    or (past is None and p not in accepted)]
+
     def read(self, max_count: int, block_ms: int) -> list[BufferEntry]:
         deadline = time.monotonic() + block_ms / 1000
         with self._lock:

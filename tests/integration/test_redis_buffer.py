@@ -91,6 +91,21 @@ def test_positions_record_the_highest_accepted_per_sampler(any_buf):
     assert any_buf.data_position("s0") == 5 and any_buf.data_position("s1") == 9
 
 
+def test_unanswered_positions_are_those_below_the_highest_with_no_accepted_group(shared_redis, run_name):
+    """What a restarted sampler generates first: groups end out of order, so positions it had in flight or unsent
+    when it stopped lie below ones accepted after them (they were skipped for good before)."""
+    for buffer in (RedisStreamBuffer(connect(shared_redis.url, 5), run_name), open_buffer(None, "memory")):
+        def group(position, sampler="s0"):  # a group id as samplers write it: <run>/<sampler>/<position>
+            return Incoming(f"{run_name}/{sampler}/{position}", sampler, 0, position, b"g")
+        buffer.append_many([group(p) for p in (0, 1, 2, 5, 7)] + [group(3, "s1"), group(4, "s1")], max_groups=100)
+        assert buffer.data_position("s0") == 7
+        assert buffer.unanswered_positions("s0", 7, 4096) == [3, 4, 6]  # s1's positions are s1's
+        assert buffer.unanswered_positions("s0", 7, 2) == [6]  # only the window below the highest
+        assert buffer.unanswered_positions("s1", 4, 4096) == [0, 1, 2]
+        buffer.append_many([group(4)], max_groups=100)  # a late one arrives: answered now
+        assert buffer.unanswered_positions("s0", 7, 4096) == [3, 6]
+
+
 def test_a_second_copy_that_reaches_the_trainer_is_dropped_not_trained(buf):
     buf.append_many([inc(0)], 10)
     (entry,) = buf.read(1, 100)

@@ -108,6 +108,13 @@ def test_a_resent_group_is_acknowledged_without_a_second_copy_and_positions_are_
     assert buffer.counters()["ingested"] == 1 and ingest.stats["duplicate"] == 1
     reply = stub.GetDataPosition(rollout_pb2.DataPositionRequest(sampler_id="sampler-0"))
     assert reply.known and reply.position == 41
+    assert list(reply.unanswered) == list(range(41))  # group ids not <run>/<sampler>/<position>: none answered
+    for position in (7, 44):  # groups as a sampler names them; 44 ends before 42 and 43 (still in flight)
+        grouped = to_proto(group(position))
+        grouped.group_id, grouped.data_position = f"{buffer.run_name}/sampler-0/{position}", position
+        assert stub.PushGroup(grouped).code == 0
+    reply = stub.GetDataPosition(rollout_pb2.DataPositionRequest(sampler_id="sampler-0"))
+    assert reply.position == 44 and list(reply.unanswered) == [*range(7), *range(8, 44)]
     assert not stub.GetDataPosition(rollout_pb2.DataPositionRequest(sampler_id="sampler-9")).known
     with pytest.raises(grpc.RpcError) as err:
         stub.GetDataPosition(rollout_pb2.DataPositionRequest())

@@ -36,6 +36,9 @@ _ANSWERED = {"eval": "evaluation only: recorded as the prompt's result, never tr
              "cancelled": "the prompt was cancelled: answer discarded", "dup": "duplicate: accepted before"}
 MAX_CLAIM = 4096
 MAX_BATCH_GROUPS = 1024  # groups in one StreamBatches message (a sampler sends 16)
+# how far below a sampler's highest accepted position GetDataPosition looks for unanswered ones: what a sampler holds
+# in flight and in its backlog when it stops is far less; a gap further down is a prompt skipped for good
+UNANSWERED_WINDOW = 4096
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,9 +226,11 @@ class IngestServicer(rollout_pb2_grpc.RolloutIngestServicer):
         self._check_sampler(context, request.sampler_id)
         try:
             position = self.buffer.data_position(request.sampler_id)
+            unanswered = [] if position is None else self.buffer.unanswered_positions(
+                request.sampler_id, position, UNANSWERED_WINDOW)
         except BufferUnavailable as exc:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"rollout buffer unavailable ({exc}); retry with backoff")
-        return rollout_pb2.DataPosition(known=position is not None, position=position or 0)
+        return rollout_pb2.DataPosition(known=position is not None, position=position or 0, unanswered=unanswered)
 
     def _check_request_count(self, context, sampler_id: str, field: str, count: int) -> None:
         """Abort with INVALID_ARGUMENT unless the sampler id is 1..max_id_length characters and `field` (a count

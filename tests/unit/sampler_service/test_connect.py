@@ -11,7 +11,7 @@ from grpo_stream.common.config.loading import load_config
 from grpo_stream.common.runtime.errors import PermanentError
 from grpo_stream.protos import rollout_pb2
 from grpo_stream.sampler_service.admission_client import AdmissionClient
-from grpo_stream.sampler_service.connect import resume_position, wait_for_trainer
+from grpo_stream.sampler_service.connect import Resume, resume_position, wait_for_trainer
 from tests.unit.sampler_service.test_weight_sync import RpcError
 
 SERVING = health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
@@ -56,7 +56,15 @@ def test_the_data_position_is_asked_again_while_the_ingest_cannot_answer(cfg):
     stub = Stub([RpcError(grpc.StatusCode.UNAVAILABLE, "rollout buffer unavailable"),
                  RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, "rpc.calls_per_caller")],
                 rollout_pb2.DataPosition(known=True, position=41))
-    assert resume_position(cfg, "sampler-0", stub, threading.Event()) == 42 and stub.calls == 3
+    assert resume_position(cfg, "sampler-0", stub, threading.Event()) == Resume(42) and stub.calls == 3
+
+
+def test_unanswered_positions_below_the_start_are_kept_sorted_once_and_checked():
+    """The ingest's unanswered positions come back sorted and unique; any not below the start (a damaged or foreign
+    answer) is left out rather than generated twice."""
+    stub = Stub([], rollout_pb2.DataPosition(known=True, position=41, unanswered=[39, 12, 39, 41, 60, -3, 40]))
+    assert resume_position(None, "sampler-0", stub, threading.Event()) == Resume(42, (12, 39, 40, 41))
+    assert resume_position(None, "sampler-0", Stub([], rollout_pb2.DataPosition()), threading.Event()) == Resume()
 
 
 def test_a_data_position_request_refused_for_good_is_raised_at_once(cfg):

@@ -194,3 +194,18 @@ def test_an_injected_prompt_this_sampler_cannot_start_is_refused_once_logged_and
     assert b.injected_groups(free_rows=8, groups=4, version=0) == [] and b.injected_refused == 2  # claimed again
     refusals = [r.getMessage() for r in caplog.records if "'bad' not generated" in r.getMessage()]
     assert len(refusals) == 1 and why in refusals[0]  # counted each time, said once
+
+
+def test_a_resumed_stream_gives_its_unanswered_positions_first_with_their_own_problems(small_cfg):
+    """A restarted sampler resumed after its highest accepted position: prompts whose groups were in flight or unsent
+    below it were skipped for good. It now generates those first, each at its own position (its group id and
+    sampling key) with the problem an uninterrupted stream has there, then goes on from the start."""
+    from grpo_stream.common.assembly.parts import build_task_and_tokenizer  # noqa: PLC0415
+    from grpo_stream.sampler_service.group_source import resumed_prompts  # noqa: PLC0415
+
+    task, _ = build_task_and_tokenizer(small_cfg)
+    whole = list(itertools.islice(zip(itertools.count(), task.train_stream(1, 2, 0)), 40))
+    resumed = list(itertools.islice(resumed_prompts(task, 1, 2, 30, (12, 27, 29)), 6))
+    assert [p for p, _ in resumed] == [12, 27, 29, 30, 31, 32]
+    assert [problem for _, problem in resumed] == [whole[p][1] for p in (12, 27, 29, 30, 31, 32)]
+    assert [p for p, _ in itertools.islice(resumed_prompts(task, 1, 2, 5), 3)] == [5, 6, 7]  # nothing unanswered
