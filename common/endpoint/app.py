@@ -28,12 +28,15 @@ from typing import Any, Iterator
 
 import pydantic
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from grpo_stream.common.config.serving import endpoint_context, endpoint_engine_rows
 from grpo_stream.common.endpoint.generation import INTERNAL, EndpointCore, RolloutVersions, Unavailable
-from grpo_stream.common.endpoint.protocol import ChatRequest, CompletionRequest, RequestError
+from grpo_stream.common.endpoint.protocol import (ChatRequest, CompletionRequest, RequestError, StreamOptions,
+                                                  UnknownModel)
+from grpo_stream.common.endpoint.streaming import sse_events
 from grpo_stream.common.engine.side_requests import QueueFull, SideQueue
 from grpo_stream.common.environments.tool_episode import run_tool_format
 from grpo_stream.common.rpc.auth import Caller, TokenTable, bearer_value, caller_refusal_http
@@ -52,10 +55,28 @@ def _error(status: int, message: str, kind: str = "invalid_request_error", param
                         status_code=status, headers=headers)
 
 
+_TYPE_TAGS = {"str", "int", "float", "bool"}
+
+
+def _union_tag(part) -> bool:
+    """Whether a part of an error's location is pydantic's name for one branch of a union field (`list[int]`),
+    not a field of the request."""
+    return isinstance(part, str) and ("[" in part or part in _TYPE_TAGS)
+
+
 def _validation_message(exc: pydantic.ValidationError) -> tuple[str, str | None]:
-    first = exc.errors()[0]
-    field = ".".join(str(p) for p in first.get("loc", ())) or None
-    return f"{field}: {first.get('msg')}" if field else str(first.get("msg")), field
+    """(the message, the field) of a body's first invalid field; a union field (stop, prompt, tool_choice) is named
+    with the forms it takes, never with pydantic's branch names as if they were fields."""
+    errors = exc.errors()
+    loc = list(errors[0].get("loc", ()))
+    tag = next((i for i, part in enumerate(loc) if _union_tag(part)), None)
+    if tag is None:
+        field = ".".join(str(p) for p in loc) or None
+        return f"{field}: {errors[0].get('msg')}" if field else str(errors[0].get("msg")), field
+    field, prefix = ".".join(str(p) for p in loc[:tag]), loc[:tag]
+    forms = list(dict.fromkeys(str(e["loc"][tag]) for e in errors
+                               if list(e.get("loc", ()))[:tag] == prefix and len(e["loc"]) > tag))
+    return f"{field}: should be one of {', '.join(forms)}", field
 
 
 async def _read_body(request: Request, limit: int) -> bytes | None:
@@ -78,6 +99,8 @@ def _parse(body: bytes):
         return json.loads(body or b"null")
     except json.JSONDecodeError as exc:
         raise ValueError(f"the body is not JSON ({exc.msg} at position {exc.pos})") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"the body is not UTF-8 JSON (byte {exc.start} is not UTF-8)") from None
 
 
 class Gate:
@@ -148,16 +171,22 @@ async def _unless_client_leaves(request: Request, work) -> Any:
     raise ClientLeft
 
 
-async def _answer(request: Request, route: str, work, timeout_s: float) -> JSONResponse:
+async def _answer(request: Request, route: str, work, timeout_s: float, stream=None) -> Response:
     """The handler's answer, or its error in OpenAI's shape; nothing when the client leaves first (its work is
-    cancelled, its sequences withdrawn)."""
+    cancelled, its sequences withdrawn). `stream`: the request's StreamOptions when it asked for `stream: true`
+    (an error is still a JSON answer: nothing was streamed yet)."""
     try:
-        return JSONResponse(await _unless_client_leaves(request, work))
+        answer = await _unless_client_leaves(request, work)
+        if stream is not None:
+            return StreamingResponse(sse_events(answer, stream.include_usage), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        return JSONResponse(answer)
     except ClientLeft:
         log.info("endpoint: %s left before its answer to %s; its sequences were withdrawn", _peer(request), route)
         return _error(400, "the client left before its answer")
     except RequestError as exc:
-        return _error(400, str(exc), param=str(exc).split(":", 1)[0].split("=", 1)[0])
+        return _error(404 if isinstance(exc, UnknownModel) else 400, str(exc),
+                      param=str(exc).split(":", 1)[0].split("=", 1)[0])
     except QueueFull as exc:
         return _error(429, f"{exc}; retry later", "rate_limit_error", headers={"Retry-After": "1"})
     except asyncio.TimeoutError:
@@ -183,6 +212,14 @@ def build_app(core: EndpointCore, table: TokenTable | None, settings, internal_t
     gate = Gate(settings.max_concurrent, None if open_access else settings.per_token_limit())
     app.state.gate = gate
 
+    @app.exception_handler(HTTPException)
+    async def routing_error(request: Request, exc: HTTPException):
+        """An unknown route (404) or verb (405) in OpenAI's error shape, as every other answer (the SDK reads
+        error.message)."""
+        return _error(exc.status_code, f"{request.method} {request.url.path[:200]}: {exc.detail} (this endpoint "
+                      "serves GET /v1/models, POST /v1/completions and POST /v1/chat/completions)",
+                      headers=getattr(exc, "headers", None))
+
     def authorized(request: Request, route: str) -> tuple[Caller | None, JSONResponse | None]:
         """(the caller, None) or (None, the refusal)."""
         token = bearer_value(request.headers.get("authorization"))
@@ -205,7 +242,7 @@ def build_app(core: EndpointCore, table: TokenTable | None, settings, internal_t
                                             "owned_by": "grpo-stream", "max_model_len":
                                             core.context_tokens}]}
 
-    async def serve(request: Request, route: str, model: type[pydantic.BaseModel], handler) -> JSONResponse:
+    async def serve(request: Request, route: str, model: type[pydantic.BaseModel], handler) -> Response:
         caller, denied = authorized(request, route)
         if denied is not None:
             return denied
@@ -230,7 +267,8 @@ def build_app(core: EndpointCore, table: TokenTable | None, settings, internal_t
                 return _error(400, "the body's JSON nests too deep")
             except ValueError as exc:  # not JSON
                 return _error(400, str(exc))
-            return await _answer(request, route, handler(parsed, caller.name), core.timeout_s)
+            stream = (parsed.stream_options or StreamOptions()) if parsed.stream else None
+            return await _answer(request, route, handler(parsed, caller.name), core.timeout_s, stream)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):

@@ -25,7 +25,7 @@ import numpy as np
 from grpo_stream.common.engine.side_requests import SideQueue, SideRequest
 from grpo_stream.common.tools.calls import MalformedToolCall, parse_tool_calls
 from grpo_stream.common.endpoint.chat import ChatPrompts, template_messages
-from grpo_stream.common.endpoint.protocol import ChatRequest, CompletionRequest, RequestError
+from grpo_stream.common.endpoint.protocol import ChatRequest, CompletionRequest, RequestError, UnknownModel
 
 INTERNAL = "sampler-internal"  # the caller name of the process's own rollouts (app.py)
 ROLLOUT_FIELD = "grpo_rollout"  # an internal request's extra field: the rollout group its model call belongs to
@@ -117,7 +117,7 @@ class EndpointCore:
 
     def _check_model_and_n(self, request) -> None:
         if request.model != self.model_name:
-            raise RequestError(f"model={request.model!r}: this endpoint serves {self.model_name!r} (GET /v1/models)")
+            raise UnknownModel(f"model={request.model!r}: this endpoint serves {self.model_name!r} (GET /v1/models)")
         if request.n > self.max_n:
             raise RequestError(f"n={request.n}: at most sampler.openai.max_n={self.max_n}")
 
@@ -144,8 +144,8 @@ class EndpointCore:
                                f"(sampler.openai.max_context_tokens); the prompt has {longest}")
         budget = request.budget(self.max_new_tokens, default or min(self.max_new_tokens, context - longest))
         if longest + budget > context:
-            raise RequestError(f"max_tokens={budget}: this model's maximum context length is {context} tokens and "
-                               f"the prompt has {longest}; ask for at most {context - longest}")
+            raise RequestError(f"{request.budget_field()}={budget}: this model's maximum context length is {context} "
+                               f"tokens and the prompt has {longest}; ask for at most {context - longest}")
         return budget
 
     async def _generate(self, prompts: list[list[int]], n: int, greedy: bool, budget: int,
@@ -185,8 +185,8 @@ class EndpointCore:
         return [encode(p) if isinstance(p, str) else list(p) for p in request.prompts()]
 
     async def completion(self, request: CompletionRequest, caller: str = "") -> dict[str, Any]:
+        self._check_model_and_n(request)  # first, as OpenAI and vLLM check it: another model's fields are not ours
         request.check()
-        self._check_model_and_n(request)
         if len(request.prompts()) * request.n > self.max_n:
             raise RequestError(f"prompt: {len(request.prompts())} prompts x n={request.n} sequences; at most "
                                f"sampler.openai.max_n={self.max_n} per request")
@@ -210,8 +210,8 @@ class EndpointCore:
         return self._answer("text_completion", "cmpl", choices, prompts, request.n, sequences)
 
     async def chat(self, request: ChatRequest, caller: str = "") -> dict[str, Any]:
+        self._check_model_and_n(request)  # first, as OpenAI and vLLM check it: another model's fields are not ours
         request.check()
-        self._check_model_and_n(request)
         messages = self.chat_prompts.defused(template_messages(request.messages))
         tools = request.tools or None
         self._check_chars(sum(len(json.dumps(m, ensure_ascii=False)) for m in messages)

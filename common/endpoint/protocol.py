@@ -5,7 +5,7 @@ What the endpoint serves is the live policy as the sampler samples it, so a requ
 does and nothing else; anything else is refused with a 400 that names the field (never silently ignored):
 - temperature: omitted or generation.temperature (the engine's; its logprobs are the policy's at that temperature,
   the behaviour logprobs the trainer uses), or 0 for greedy. top_p: omitted or 1. No penalties, logit_bias, echo,
-  suffix, best_of or streaming.
+  suffix or best_of. `stream: true` is answered as server-sent events once the choices are done (streaming.py).
 - logprobs: the sampled token's logprob (chat: `logprobs: true`, `top_logprobs` 0; completions: `logprobs` 0).
 - seed: sequence i of a request with seed s samples with key fold_in(key(s), i), as the engine's own `generate`
   samples row i of a batch with key(s): the same tokens and logprobs.
@@ -18,13 +18,24 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
 ZERO_OR_NONE = (None, 0, 0.0)
 
 
 class RequestError(ValueError):
     """A request the endpoint cannot serve: answered 400 with this message (it names the field and the fix)."""
+
+
+class UnknownModel(RequestError):
+    """A request naming a model this endpoint does not serve: answered 404, as OpenAI and vLLM answer it (the openai
+    SDK raises NotFoundError)."""
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    include_usage: bool = False  # a last chunk with the usage and no choices (OpenAI's)
 
 
 class _Common(BaseModel):
@@ -40,6 +51,7 @@ class _Common(BaseModel):
     seed: int | None = Field(None, ge=0, lt=2**31)
     stop: str | list[str] | None = None
     stream: bool = False
+    stream_options: StreamOptions | None = None
     return_token_ids: bool = False
     max_tokens: int | None = Field(None, ge=1, strict=True)
 
@@ -69,8 +81,6 @@ class _Common(BaseModel):
                               ("spaces_between_special_tokens", True)):
             if name in extra and extra[name] not in (neutral, None):
                 raise RequestError(f"{name}={extra[name]!r}: not served; leave it out (or {neutral!r})")
-        if self.stream:
-            raise RequestError("stream: streaming is not served; send stream=false (the default)")
         if self.top_p not in (None, 1, 1.0):
             raise RequestError("top_p: only 1 (or leaving it out); the endpoint samples the whole distribution")
 
@@ -87,8 +97,13 @@ class _Common(BaseModel):
     def budget(self, limit: int, default: int) -> int:
         asked = self.max_tokens or min(default, limit)
         if asked > limit:
-            raise RequestError(f"max_tokens={asked}: more than this sampler's generation.max_new_tokens={limit}")
+            raise RequestError(f"{self.budget_field()}={asked}: more than this sampler's generation.max_new_tokens="
+                               f"{limit}")
         return asked
+
+    def budget_field(self) -> str:
+        """The field the client set the new-token budget with (errors name it)."""
+        return "max_tokens"
 
 
 class ChatRequest(_Common):
@@ -100,6 +115,9 @@ class ChatRequest(_Common):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
 
+    def budget_field(self) -> str:
+        return "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens"
+
     def check(self) -> None:
         self.refuse_unsupported()
         if self.top_logprobs:
@@ -107,7 +125,7 @@ class ChatRequest(_Common):
                                "alternatives")
         if self.tool_choice not in (None, "auto", "none"):
             raise RequestError("tool_choice: only 'auto' or 'none'; the model decides whether to call a tool")
-        if self.max_completion_tokens is not None:
+        if self.max_completion_tokens is not None:  # OpenAI's newer name; it wins over max_tokens
             self.max_tokens = self.max_completion_tokens
         for i, message in enumerate(self.messages):
             if message.get("role") not in ("system", "developer", "user", "assistant", "tool"):
@@ -116,7 +134,8 @@ class ChatRequest(_Common):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    # strict ids: JSON's true or 1.5 is no token id (pydantic would read them as 1)
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     # vLLM's: a text prompt gets what the tokenizer's post-processor adds (Llama 3's BOS); token ids are as given
     add_special_tokens: bool = True
     logprobs: int | None = Field(None, ge=0, le=20)

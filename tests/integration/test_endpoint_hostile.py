@@ -275,13 +275,22 @@ def test_one_token_cannot_take_every_place(served):
 
 
 @pytest.mark.parametrize("ask, field", [({"max_tokens": 0}, "max_tokens"), ({"max_tokens": True}, "max_tokens"),
-                                        ({"n": True}, "n"), ({"stop": ["a"] * 5}, "stop")])
+                                        ({"n": True}, "n"), ({"stop": ["a"] * 5}, "stop"), ({"stop": [1]}, "stop"),
+                                        # JSON's true and 2.0 are no token ids (lax pydantic read them as 1 and 2)
+                                        ({"prompt": [True, 5]}, "prompt"), ({"prompt": [[3, 2.0]]}, "prompt")])
 def test_a_refused_field_is_named_in_param_with_openais_error_type(served, ask, field):
     endpoint, tokens = served
     answer = completion(endpoint, tokens["client"], **ask)
     error = answer.json()["error"]
     assert answer.status_code == 400 and error["type"] == "invalid_request_error" and error["param"] == field
-    assert error["message"].startswith(field)
+    assert error["message"].startswith(field + ":")  # the field, never pydantic's name of a union's branch
+
+
+def test_a_body_that_is_not_utf8_is_a_400_saying_so(served):
+    endpoint, tokens = served
+    answer = httpx.post(endpoint.url + "/completions", headers={"Authorization": f"Bearer {tokens['client']}"},
+                        content=b'{"model": "policy", "prompt": "\xff\xfe"}', timeout=60)
+    assert answer.status_code == 400 and "not UTF-8" in answer.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("calls", [5, [{"id": "c", "type": "function",

@@ -152,8 +152,8 @@ def test_tool_calls_come_back_as_tool_calls(served):
 
 @pytest.mark.parametrize("ask, field", [
     ({"temperature": 0.5}, "temperature"), ({"top_p": 0.9}, "top_p"), ({"max_tokens": C + 1}, "max_tokens"),
-    ({"n": 65}, "n"), ({"model": "other"}, "model"), ({"extra_body": {"top_logprobs": 3}}, "top_logprobs"),
-    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"n": 65}, "n"), ({"extra_body": {"top_logprobs": 3}}, "top_logprobs"),
+    ({"presence_penalty": 0.5}, "presence_penalty"), ({"max_completion_tokens": C + 1}, "max_completion_tokens"),
 ])
 def test_what_cannot_be_served_is_refused_naming_the_field(served, ask, field):
     _, client, _, _, _, _ = served
@@ -161,6 +161,50 @@ def test_what_cannot_be_served_is_refused_naming_the_field(served, ask, field):
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(**kwargs)
     assert caught.value.status_code == 400 and field in caught.value.body["message"]
+
+
+def test_an_unknown_model_or_route_is_a_404_in_openais_shape(served):
+    """As OpenAI and vLLM answer them: the SDK raises NotFoundError, and reads the message from error.message."""
+    endpoint, client, _, _, _, _ = served
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.chat.completions.create(model="other", messages=[{"role": "user", "content": "hi"}], stream=True)
+    assert caught.value.body["param"] == "model" and "'policy'" in caught.value.body["message"]
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.models.retrieve("policy")
+    assert "/v1/models/policy" in caught.value.body["message"]
+    verb = httpx.get(endpoint.url + "/chat/completions", headers={"Authorization": f"Bearer {client.api_key}"})
+    assert verb.status_code == 405 and verb.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_a_streamed_answer_is_openais_event_stream_of_the_same_answer(served):
+    """stream=True: the openai SDK reads chunks that add up to the unstreamed answer (same seed), each choice
+    ending with its finish_reason, the usage in a last chunk without choices (include_usage), then [DONE]."""
+    _, client, _, _, _, _ = served
+    ask = {"model": "policy", "messages": [{"role": "user", "content": "Add 5 and 6."}], "seed": 7, "n": 2,
+           "logprobs": True, "max_tokens": 12}
+    whole = client.chat.completions.create(**ask)
+    texts, finishes, logprobs, usage = ["", ""], [None, None], [[], []], []
+    for chunk in client.chat.completions.create(**ask, stream=True, stream_options={"include_usage": True}):
+        assert chunk.object == "chat.completion.chunk" and chunk.id.startswith("chatcmpl-")
+        usage += [chunk.usage] if chunk.usage else []
+        for choice in chunk.choices:
+            assert finishes[choice.index] is None  # nothing of a choice follows its finish_reason
+            texts[choice.index] += choice.delta.content or ""
+            finishes[choice.index] = choice.finish_reason
+            logprobs[choice.index] += choice.logprobs.content if choice.logprobs else []
+    assert texts == [c.message.content for c in whole.choices]
+    assert finishes == [c.finish_reason for c in whole.choices] and usage == [whole.usage]
+    assert logprobs == [c.logprobs.content for c in whole.choices]
+    text = client.completions.create(model="policy", prompt="Add 2", seed=1, max_tokens=5, stream=True)
+    chunks = list(text)
+    plain = client.completions.create(model="policy", prompt="Add 2", seed=1, max_tokens=5)
+    assert "".join(c.choices[0].text for c in chunks) == plain.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == plain.choices[0].finish_reason and chunks[-1].usage is None
+    raw = httpx.post(client.base_url.join("completions"), headers={"Authorization": f"Bearer {client.api_key}"},
+                     json={"model": "policy", "prompt": "Add 2", "max_tokens": 2, "stream": True}, timeout=60)
+    assert raw.headers["content-type"].startswith("text/event-stream")
+    events = [e for e in raw.text.split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
 
 
 def test_calls_without_a_client_token_are_refused(served):
