@@ -17,10 +17,12 @@ value written there is sealed here:
   secret can write a key before its writer does (so a pre-written key can never be read first), nor guess where
   the next message will be.
 
-What this does not stop: a writer on the coordinator port can still delete or overwrite a value after it was
-written (a denial of service: the reader then stops with ControlMessageError and the job restarts), or disturb the
-coordination service itself. Keep the coordinator port reachable by the job's processes only (`up` binds it to
-loopback; on Kubernetes, a NetworkPolicy).
+What this does not stop: a writer on the coordinator port can still overwrite or delete a value after it was
+written, or disturb the coordination service itself (a denial of service). An overwritten value stops its reader
+with ControlMessageError and the job restarts; a deleted one is never read, so its reader waits for it and process 0
+in the step's collective until a supervisor restarts the hung job (`up`: up.trainer_stall_s; a JobSet has no such
+watch). Keep the coordinator port reachable by the job's processes only (`up` binds it to loopback; on Kubernetes,
+a NetworkPolicy).
 """
 
 from __future__ import annotations

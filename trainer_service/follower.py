@@ -26,7 +26,7 @@ from grpo_stream.trainer_service.core import TrainerCore
 from grpo_stream.trainer_service.model_parts import build_model_parts
 from grpo_stream.trainer_service.checkpoints.durability import Resumed, updater_state
 from grpo_stream.trainer_service.reports.metrics import MetricsWriter
-from grpo_stream.trainer_service.multihost import TrainerGroup, advertised_host
+from grpo_stream.trainer_service.multihost import TrainerGroup, advertised_host, is_loopback
 from grpo_stream.trainer_service.plan_sources import FollowerSource, drive
 from grpo_stream.trainer_service.publication.publisher import WeightPublisher
 from grpo_stream.trainer_service.learning.rl_update import PolicyUpdater, donates_updates
@@ -68,7 +68,7 @@ def follower_server(cfg: RunConfig, index: int, publisher: WeightPublisher) -> T
     """The server of this process's weight slices: process 0's ports on a host of its own; processes sharing a
     machine (advertised on loopback, as `up` runs them) take trainer.port + index and weights.data_port + index."""
     w = cfg.weights
-    offset = index if advertised_host().startswith("127.") else 0
+    offset = index if is_loopback(advertised_host()) else 0
     return TrainerServer(None, publisher, cfg.trainer.host, cfg.trainer.port + offset if cfg.trainer.port else 0,
                          security=ServerSecurity.from_config(cfg), max_serve_mb_s=w.max_serve_mb_s,
                          data_port=(w.data_port + offset if w.data_port else 0) if w.data_plane == "tcp" else None)

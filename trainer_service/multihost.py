@@ -23,6 +23,8 @@ and restarts from the newest checkpoint, as a JobSet restarts its pods and `up` 
 
 from __future__ import annotations
 
+import hashlib
+import ipaddress
 import logging
 import os
 import socket
@@ -154,6 +156,16 @@ def advertised_host() -> str:
     return os.environ.get(ADVERTISE_ENV) or socket.gethostbyname(socket.gethostname())
 
 
+def is_loopback(host: str) -> bool:
+    """Whether `host` (an advertised address) names this machine's loopback interface."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name
+        return False
+
+
 def start_group(cfg: RunConfig) -> TrainerGroup | None:
     """This process's place in the trainer when trainer.processes > 1 (None for a one-process trainer). The
     processes have joined one JAX job already (distributed.initialize: JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES
@@ -179,7 +191,9 @@ def join_group(processes: int, index: int, client: Any) -> TrainerGroup:
     """This process's TrainerGroup in a JAX job that has joined already: the shared secret from the environment
     (control_messages.load_secret) and this start's incarnation, which every process calls for together."""
     secret = load_secret()  # before the collective: a process without it stops here, naming the setting
-    return TrainerGroup(processes, index, client, ControlCodec(secret, agree_incarnation()))
+    group = TrainerGroup(processes, index, client, ControlCodec(secret, agree_incarnation()))
+    check_advertised_hosts()
+    return group
 
 
 def agree_incarnation() -> bytes:
@@ -190,3 +204,42 @@ def agree_incarnation() -> bytes:
 
     mine = np.frombuffer(os.urandom(16), np.uint8)
     return np.asarray(multihost_utils.broadcast_one_to_all(mine), np.uint8).tobytes()
+
+
+UNRESOLVED, LOOPBACK = 2, 1  # what a process's advertised address is, besides reachable (0)
+
+
+def check_advertised_hosts() -> None:
+    """Refuse, in every process at once, a job whose processes run on different machines (host names) while some
+    would tell samplers to fetch their weight slices from a loopback address (a host name resolving to 127.0.1.1, as
+    Debian's /etc/hosts makes it) or from none: no sampler on another machine reaches it, so none would ever install
+    a version and the run would wait for fresh groups for ever. A collective, after agree_incarnation: the verdict is
+    every process's, so none is left waiting for another."""
+    from jax.experimental import multihost_utils  # noqa: PLC0415
+
+    try:
+        state = LOOPBACK if is_loopback(advertised_host()) else 0
+    except OSError:  # the host name does not resolve: announce() would fail at the first publication
+        state = UNRESOLVED
+    name = hashlib.sha256(socket.gethostname().encode()).digest()[:8]
+    mine = np.frombuffer(name + bytes([state]), np.uint8)
+    every = np.asarray(multihost_utils.process_allgather(mine), np.uint8).reshape(-1, len(mine))
+    problem = unreachable_hosts([row[:-1].tobytes() for row in every], [int(row[-1]) for row in every])
+    if problem:
+        raise RunRefused(problem)
+
+
+def unreachable_hosts(names: list[bytes], states: list[int]) -> str | None:
+    """The refusal of check_advertised_hosts for processes on hosts `names` whose advertised addresses are
+    `states` (0, LOOPBACK, UNRESOLVED), None when samplers can reach every one."""
+    unresolved = [k for k, s in enumerate(states) if s == UNRESOLVED]
+    looped = [k for k, s in enumerate(states) if s == LOOPBACK] if len(set(names)) > 1 else []
+    if not (unresolved or looped):
+        return None
+    what = [f"trainer process(es) {unresolved} cannot resolve their host name"] if unresolved else []
+    what += [f"trainer process(es) {looped} would advertise a loopback address while the job runs on "
+             f"{len(set(names))} machines"] if looped else []
+    return (f"{'; '.join(what)}: samplers fetch each trainer process's weight slices from the address it advertises "
+            f"({ADVERTISE_ENV}, else the address its host name resolves to). Set {ADVERTISE_ENV} on every trainer "
+            "process to the address samplers reach its host at (the pod IP on Kubernetes: status.podIP), or make "
+            "each host's name resolve to it")

@@ -93,3 +93,90 @@ def test_an_authentic_message_out_of_protocol_order_stops_the_follower():
     group(0, store).send("step", {"step": 1, "checkpoint": False, "publish": False})
     with pytest.raises(ControlMessageError, match="message 0 from trainer process 0 is 'step' where start comes"):
         group(1, store).receive("start")
+
+
+class TwoHosts:
+    """jax.experimental.multihost_utils as this process sees a job of two: process 0's incarnation, and every
+    process's row of the allgather (this one's, then another process's on machine `other`, advertising `state`)."""
+
+    def __init__(self, other: str, state: int):
+        self.other, self.state = other, state
+
+    def broadcast_one_to_all(self, value):
+        return value
+
+    def process_allgather(self, mine):
+        import hashlib
+
+        theirs = np.frombuffer(hashlib.sha256(self.other.encode()).digest()[:8] + bytes([self.state]), np.uint8)
+        return np.stack([np.asarray(mine), theirs])
+
+
+@pytest.mark.parametrize("advertised, other, refused", [
+    ("127.0.1.1", "host-b", True),  # Debian's /etc/hosts: the host name resolves to loopback, on two machines
+    ("localhost", "host-b", True),
+    ("127.0.0.1", "host-a", False),  # every process on this machine, as `up` runs them
+    ("10.0.0.5", "host-b", False),  # the pod IPs
+])
+def test_a_job_across_machines_refuses_loopback_advertisements_in_every_process(monkeypatch, advertised, other,
+                                                                                 refused):
+    """Samplers fetch each process's slices from its advertised address: a loopback one on a job across machines
+    reaches no sampler elsewhere, and the run would wait for fresh groups for ever. Every process sees the same
+    rows, so all refuse together (none is left waiting in a collective)."""
+    from jax.experimental import multihost_utils
+
+    from grpo_stream.trainer_service import multihost
+    from grpo_stream.trainer_service.checkpoints.errors import RunRefused
+    from grpo_stream.trainer_service.control_messages import SECRET_ENV
+
+    fake = TwoHosts(other, multihost.LOOPBACK if advertised.startswith("127.") else 0)
+    monkeypatch.setattr(multihost_utils, "broadcast_one_to_all", fake.broadcast_one_to_all)
+    monkeypatch.setattr(multihost_utils, "process_allgather", fake.process_allgather)
+    monkeypatch.setattr(multihost.socket, "gethostname", lambda: "host-a")
+    monkeypatch.setenv(SECRET_ENV, "s" * 64)
+    monkeypatch.setenv(multihost.ADVERTISE_ENV, advertised)
+    if refused:
+        with pytest.raises(RunRefused, match=r"loopback address while the job runs on 2 machines.*"
+                                             r"GRPO_STREAM_ADVERTISE_HOST on every trainer process"):
+            multihost.join_group(2, 1, Store())
+    else:
+        assert multihost.join_group(2, 1, Store()).index == 1
+
+
+def test_processes_sharing_a_machine_on_any_loopback_name_serve_on_ports_of_their_own(monkeypatch):
+    """Process k on process 0's machine (advertised on loopback) takes trainer.port + k: also when the loopback is
+    named `localhost` or `::1`, where it took process 0's port and failed to start."""
+    from grpo_stream.trainer_service import follower
+
+    cfg = load_config(None, ["trainer.processes=2", "trainer.mesh.fsdp=4", "trainer.port=50151", "auth.mode=none"])
+    seen = []
+    monkeypatch.setattr(follower, "TrainerServer", lambda *args, **kwargs: seen.append(args[3]))
+    for host in ("127.0.0.1", "localhost", "::1", "10.0.0.5"):
+        monkeypatch.setenv("GRPO_STREAM_ADVERTISE_HOST", host)
+        follower.follower_server(cfg, 1, None)
+    assert seen == [50152, 50152, 50152, 50151]
+
+
+def test_a_process_whose_host_name_does_not_resolve_refuses_with_the_others(monkeypatch):
+    """Without GRPO_STREAM_ADVERTISE_HOST, a host name that does not resolve failed only at the first publication's
+    announcement (after the warm start), and the restarted job met it again."""
+    import socket
+
+    from jax.experimental import multihost_utils
+
+    from grpo_stream.trainer_service import multihost
+    from grpo_stream.trainer_service.checkpoints.errors import RunRefused
+    from grpo_stream.trainer_service.control_messages import SECRET_ENV
+
+    def no_such_host(name):
+        raise socket.gaierror(-2, "Name or service not known")
+
+    fake = TwoHosts("host-b", 0)
+    monkeypatch.setattr(multihost_utils, "broadcast_one_to_all", fake.broadcast_one_to_all)
+    monkeypatch.setattr(multihost_utils, "process_allgather", fake.process_allgather)
+    monkeypatch.setattr(multihost.socket, "gethostname", lambda: "host-a")
+    monkeypatch.setattr(multihost.socket, "gethostbyname", no_such_host)
+    monkeypatch.setenv(SECRET_ENV, "s" * 64)
+    monkeypatch.delenv(multihost.ADVERTISE_ENV, raising=False)
+    with pytest.raises(RunRefused, match=r"trainer process\(es\) \[0\] cannot resolve their host name"):
+        multihost.join_group(2, 0, Store())
