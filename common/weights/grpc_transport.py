@@ -40,6 +40,12 @@ log = logging.getLogger(__name__)
 DATA_PLANE_RETRY_S = 300.0  # a data plane that could not be reached is tried again after this long
 
 
+
+def grpc_target(address: str, port: int) -> str:
+    """`address:port` as gRPC reads a target: an IPv6 address in brackets (a pod IP on an IPv6 cluster, as a
+    trainer process advertises it); `fd00::1:50151` bare names no host gRPC can reach."""
+    return f"[{address}]:{port}" if ":" in address and not address.startswith("[") else f"{address}:{port}"
+
 class GrpcSink:
     """A host copy of the version; the trainer's WeightService serves its bytes. `staging`: how the copy is taken
     (host_staging.py: asynchronous copies into host buffers reused across versions on accelerators)."""
@@ -176,7 +182,7 @@ class GrpcFetcher:
         if host == 0:
             return self._stub
         where = manifest.hosts[host]
-        address = f"{where.address}:{where.port}"
+        address = grpc_target(where.address, where.port)
         if address not in self._host_stubs:
             channel = open_channel(address, self.security)
             self._host_channels.append(channel)

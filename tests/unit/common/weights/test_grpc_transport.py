@@ -93,3 +93,27 @@ def test_placed_arrays_equal_the_sent_ones_with_the_sampler_sharding_on_two_devi
     proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=root, env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
+def test_an_ipv6_trainer_process_is_a_target_grpc_reaches():
+    """A multi-host trainer's process advertised by a bare IPv6 pod IP was dialled as `fd00::1:50151`, which names
+    no host: its slices could never be fetched. Bracketed, a real channel reaches a server on ::1."""
+    from concurrent import futures  # noqa: PLC0415
+
+    import grpc  # noqa: PLC0415
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc  # noqa: PLC0415
+
+    from grpo_stream.common.weights.grpc_transport import grpc_target  # noqa: PLC0415
+
+    assert grpc_target("10.0.0.7", 50151) == "10.0.0.7:50151" and grpc_target("trainer-1", 1) == "trainer-1:1"
+    assert grpc_target("fd00::1", 50151) == "[fd00::1]:50151" and grpc_target("[::1]", 5) == "[::1]:5"
+    server = grpc.server(futures.ThreadPoolExecutor(1))
+    health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
+    port = server.add_insecure_port("[::1]:0")
+    server.start()
+    try:
+        with grpc.insecure_channel(grpc_target("::1", port)) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        server.stop(None)
