@@ -64,19 +64,34 @@ def read_safetensors(path: pathlib.Path) -> Iterator[tuple[str, np.ndarray]]:
         header = json.loads(bytes(data[8:8 + header_len]))
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"{path}: header is not JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: header is not a JSON object of tensors; the file is corrupt")
     base = 8 + header_len
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        if info.get("dtype") not in DTYPES:
-            raise CheckpointError(f"{path}: tensor {name} has dtype {info.get('dtype')}; readable dtypes: "
-                                  f"{', '.join(DTYPES)}")
-        dtype, shape = DTYPES[info["dtype"]], tuple(info["shape"])
-        start, end = info["data_offsets"]
-        if end - start != dtype.itemsize * int(np.prod(shape)) or base + end > len(data):
-            raise CheckpointError(f"{path}: tensor {name} has {end - start} bytes for shape {list(shape)} "
-                                  f"{info['dtype']}, or runs past the end of the file; the file is corrupt")
+        dtype, shape, start = _entry(path, name, info, len(data) - base)
         yield name, np.frombuffer(data, dtype, int(np.prod(shape)), base + start).reshape(shape)
+
+
+def _entry(path: pathlib.Path, name: str, info: Any, data_bytes: int) -> tuple[np.dtype, tuple[int, ...], int]:
+    """(dtype, shape, start offset) of one header entry, checked against the `data_bytes` after the header: a
+    malformed entry would otherwise raise a bare KeyError, or read the header's own bytes as weights."""
+    if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= set(info):
+        raise CheckpointError(f"{path}: tensor {name}: header entry {repr(info)[:120]} lacks dtype, shape or data_offsets; "
+                              "the file is corrupt")
+    if not isinstance(info["dtype"], str) or info["dtype"] not in DTYPES:
+        raise CheckpointError(f"{path}: tensor {name} has dtype {info['dtype']}; readable dtypes: {', '.join(DTYPES)}")
+    shape, offsets = info["shape"], info["data_offsets"]
+    lists = isinstance(shape, list) and isinstance(offsets, list) and len(offsets) == 2
+    if not lists or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in [*shape, *offsets]):
+        raise CheckpointError(f"{path}: tensor {name} has shape {shape!r} and data_offsets {offsets!r}; both must "
+                              "list non-negative integers; the file is corrupt")
+    dtype, (start, end) = DTYPES[info["dtype"]], offsets
+    if end - start != dtype.itemsize * int(np.prod(shape)) or end > data_bytes:
+        raise CheckpointError(f"{path}: tensor {name} has {end - start} bytes for shape {list(shape)} "
+                              f"{info['dtype']}, or runs past the end of the file; the file is corrupt")
+    return dtype, tuple(shape), start
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,11 +35,29 @@ def _given(config: dict, key: str, defaults: dict):
     return config[key] if key in config else defaults[key]
 
 
+def _window(config: dict, defaults: dict, types: tuple, where: str) -> int | None:
+    """The sliding layers' window; null only when no layer slides (transformers cannot run sliding layers without
+    one, and Tunix's error would name no field)."""
+    window = _given(config, "sliding_window", defaults)
+    if _SLIDING in types and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ArchitectureError(f"{where}: sliding_window={window!r}; the sliding_attention layers need a window (a "
+                                "positive number of tokens; Gemma 2 and 3 checkpoints state one)")
+    return window
+
+
+def _rope_type(config: dict) -> str:
+    """The RoPE scaling type config.json asks for (rope_scaling, or transformers 5's rope_parameters)."""
+    scaling = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    return scaling.get("rope_type", scaling.get("type", "default"))
+
+
 def parse_gemma2(config: dict, where: str) -> Architecture:
     """Gemma 2, within what Tunix's Gemma code computes (its constants are checked, not assumed)."""
     head_dim = field(config, "head_dim", where)
     fixed = {"query_pre_attn_scalar": (_given(config, "query_pre_attn_scalar", _GEMMA2_DEFAULTS), head_dim),
              "rope_theta": (rope_theta(config, where), 10000.0),
+             # transformers applies a scaling (linear, dynamic, ...) here; Tunix's Gemma 2 RoPE has none
+             "rope_type": (_rope_type(config), "default"),
              "rms_norm_eps": (float(config.get("rms_norm_eps", 1e-6)), 1e-6),
              "hidden_activation": (config.get("hidden_activation", "gelu_pytorch_tanh"), "gelu_pytorch_tanh"),
              "tie_word_embeddings": (bool(config.get("tie_word_embeddings", True)), True)}
@@ -60,7 +78,7 @@ def parse_gemma2(config: dict, where: str) -> Architecture:
         max_position_embeddings=field(config, "max_position_embeddings", where, default=8192),
         attn_softcap=_given(config, "attn_logit_softcapping", _GEMMA2_DEFAULTS),
         final_softcap=_given(config, "final_logit_softcapping", _GEMMA2_DEFAULTS),
-        sliding_window=_given(config, "sliding_window", _GEMMA2_DEFAULTS), layer_types=types)
+        sliding_window=_window(config, _GEMMA2_DEFAULTS, types, where), layer_types=types)
 
 
 def parse_gemma3(config: dict, where: str) -> Architecture:
@@ -73,6 +91,8 @@ def parse_gemma3(config: dict, where: str) -> Architecture:
               "attn_logit_softcapping": (config.get("attn_logit_softcapping"), [None]),
               "final_logit_softcapping": (config.get("final_logit_softcapping"), [None]),
               "tie_word_embeddings": (bool(config.get("tie_word_embeddings", True)), [True]),
+              # EmbeddingGemma's: every token attends to the ones after it too; Tunix's Gemma 3 is causal
+              "use_bidirectional_attention": (bool(config.get("use_bidirectional_attention")), [False]),
               "query_pre_attn_scalar": (scalar, [float(head_dim), float(embed // heads)])}
     for key, (got, allowed) in checks.items():
         if got not in allowed:
@@ -97,7 +117,7 @@ def parse_gemma3(config: dict, where: str) -> Architecture:
         num_kv_heads=field(config, "num_key_value_heads", where, default=heads), head_dim=head_dim, norm_eps=1e-6,
         rope_theta=theta, tied_embeddings=True,
         max_position_embeddings=field(config, "max_position_embeddings", where, default=32768),
-        sliding_window=_given(config, "sliding_window", _GEMMA3_DEFAULTS), layer_types=types,
+        sliding_window=_window(config, _GEMMA3_DEFAULTS, types, where), layer_types=types,
         rope_local_theta=local_theta,
         rope_linear_factor=float(scaling.get("factor", 1.0)) if kind == "linear" else 1.0,
         query_pre_attn_scalar=scalar)

@@ -193,8 +193,10 @@ class ModelFamily:
 
 
 def field(config: dict, key: str, where: str, kind: Callable = int, default: Any = None) -> Any:
-    """config[key] as `kind` (default when absent); a missing or mistyped value is an ArchitectureError naming it."""
-    value = config.get(key, default)
+    """config[key] as `kind` (default when absent or null, as transformers' config classes take a null); a missing or
+    mistyped value is an ArchitectureError naming it."""
+    value = config.get(key)
+    value = default if value is None else value
     if value is None:
         raise ArchitectureError(f"{where}: field '{key}' is missing")
     try:
