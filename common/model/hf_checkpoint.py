@@ -78,8 +78,8 @@ def _entry(path: pathlib.Path, name: str, info: Any, data_bytes: int) -> tuple[n
     """(dtype, shape, start offset) of one header entry, checked against the `data_bytes` after the header: a
     malformed entry would otherwise raise a bare KeyError, or read the header's own bytes as weights."""
     if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= set(info):
-        raise CheckpointError(f"{path}: tensor {name}: header entry {repr(info)[:120]} lacks dtype, shape or data_offsets; "
-                              "the file is corrupt")
+        raise CheckpointError(f"{path}: tensor {name}: header entry {repr(info)[:120]} lacks dtype, shape or "
+                              "data_offsets; the file is corrupt")
     if not isinstance(info["dtype"], str) or info["dtype"] not in DTYPES:
         raise CheckpointError(f"{path}: tensor {name} has dtype {info['dtype']}; readable dtypes: {', '.join(DTYPES)}")
     shape, offsets = info["shape"], info["data_offsets"]
