@@ -11,6 +11,7 @@ first stop string, as vLLM's do.
 from __future__ import annotations
 
 import asyncio
+import codecs
 import hashlib
 import json
 import secrets
@@ -270,15 +271,23 @@ class EndpointCore:
         return {"role": "assistant", "content": content or None, "tool_calls": tool_calls}, True
 
     def _chat_logprobs(self, seq: SideRequest, kept: int, as_ids: bool) -> list[dict[str, Any]]:
+        """OpenAI's per-token logprobs; `bytes` are the token's own (tokenizer.token_bytes), so a character split
+        over tokens (CJK, emoji) is rebuilt from them, where its text alone is U+FFFD."""
         out = []
         for token, logprob in zip(seq.tokens[:kept], seq.logprobs[:kept]):
             text = f"token_id:{token}" if as_ids else self.tokenizer.decode([token])
-            out.append({"token": text, "logprob": logprob, "bytes": list(text.encode()), "top_logprobs": []})
+            out.append({"token": text, "logprob": logprob, "bytes": list(self.tokenizer.token_bytes(token)),
+                        "top_logprobs": []})
         return out
 
     def _completion_logprobs(self, seq: SideRequest, kept: int) -> dict[str, Any]:
+        """`text_offset`: where each token starts in the completion's text, in characters, counted from the
+        tokens' bytes (a character split over tokens starts at the token holding its first byte)."""
         tokens = [self.tokenizer.decode([t]) for t in seq.tokens[:kept]]
-        offsets = np.cumsum([0] + [len(t) for t in tokens[:-1]]).tolist() if tokens else []
+        utf8, offsets, written = codecs.getincrementaldecoder("utf-8")(errors="replace"), [], 0
+        for token in seq.tokens[:kept]:
+            offsets.append(written)
+            written += len(utf8.decode(self.tokenizer.token_bytes(token)))
         return {"tokens": tokens, "token_logprobs": seq.logprobs[:kept], "top_logprobs": None,
                 "text_offset": offsets}
 

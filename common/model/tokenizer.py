@@ -29,6 +29,25 @@ AUTO_PAD = "auto"  # model.pad_token: pick a safe special token (HFTokenizer.pad
 _TRANSFORMERS_IMPORT = threading.Lock()
 
 
+def _byte_level_alphabet() -> dict[str, int]:
+    """The character each byte is written as in a byte-level BPE's tokens (GPT-2's table, which Llama 3, Qwen and
+    SmolLM2 share): printable bytes as themselves, the others shifted past 255."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    chars, shifted = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            chars[chr(byte)] = byte
+        else:
+            chars[chr(256 + shifted)] = byte
+            shifted += 1
+    return chars
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte tokens (Gemma, Llama 2)
+
+
 class _NoTorchNotice(logging.Filter):
     """Drops transformers' import-time notice "PyTorch was not found. Models won't be available...": this package
     uses transformers for tokenizers only (models are JAX), so without torch (the default install) the notice, printed
@@ -79,6 +98,10 @@ class TextTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode([i for i in ids if i not in (self.pad_id, self.eos_id)], skip_special_tokens=True)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes token `token_id` writes (HFTokenizer.token_bytes); this vocabulary's tokens are whole text."""
+        return self._tok.decode([token_id], skip_special_tokens=False).encode()
 
     def vocab(self) -> dict[str, int]:
         """Token text -> id, special tokens included."""
@@ -223,6 +246,24 @@ class HFTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode([i for i in ids if i != self.pad_id and i not in self._eos], skip_special_tokens=True)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes token `token_id` writes, exact where a token holds part of a character (CJK, emoji: decoded
+        alone it is U+FFFD): a byte-level BPE's token mapped back through its byte alphabet, SentencePiece's
+        `<0xNN>` as that byte and its `▁` as a space. An added token is its own text."""
+        piece = self._tok.convert_ids_to_tokens(int(token_id))
+        if piece is None:
+            return b""
+        if self._byte_level and all(c in _BYTE_LEVEL for c in piece):
+            return bytes(_BYTE_LEVEL[c] for c in piece)
+        if match := _BYTE_FALLBACK.fullmatch(piece):
+            return bytes([int(match.group(1), 16)])
+        return piece.replace("\u2581", " ").encode()
+
+    @property
+    def _byte_level(self) -> bool:
+        decoder = getattr(getattr(self._tok, "backend_tokenizer", None), "decoder", None)
+        return type(decoder).__name__ == "ByteLevel"
 
     def vocab(self) -> dict[str, int]:
         """Token text -> id, added and special tokens included."""

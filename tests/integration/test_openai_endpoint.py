@@ -72,6 +72,8 @@ def test_seeded_chat_returns_the_engines_own_generation(served):
         assert np.allclose([t.logprob for t in choice.logprobs.content], logprobs, atol=1e-5)
         assert choice.message.content == tok.decode(tokens)
         assert choice.finish_reason == ("stop" if tokens[-1] in tok.eos_ids else "length")
+        written = [t for t, token in zip(choice.logprobs.content, tokens) if token not in tok.eos_ids]
+        assert bytes(b for t in written for b in t.bytes).decode() == choice.message.content  # the tokens' own bytes
     assert reply.system_fingerprint == f"policy-v{VERSION}" and reply.usage.prompt_tokens == len(prompt)
     greedy = client.chat.completions.create(model="policy", messages=messages, temperature=0, max_tokens=8,
                                             extra_body={"return_token_ids": True})

@@ -130,3 +130,33 @@ def test_loading_a_tokenizer_without_torch_prints_no_pytorch_notice(tok_dir):
     bare = subprocess.run([sys.executable, "-c", hide_torch + "import transformers.utils"],
                           capture_output=True, text=True, timeout=120)
     assert "PyTorch was not found" in bare.stderr, bare.stderr[-2000:]
+
+
+def _byte_level_dir(directory):
+    """A byte-level BPE as Llama 3, Qwen and SmolLM2 ship theirs, trained on text whose characters (CJK, emoji,
+    accents) are split over tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: PLC0415
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = ["日本語のテキスト and plain text", "héllo wörld 🙂 naïve café", "the answer is 42"] * 20
+    tok.train_from_iterator(corpus, trainer=trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|end|>", "<|pad|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|end|>", "pad_token": "<|pad|>"}))
+    return directory
+
+
+def test_token_bytes_rebuild_text_whose_characters_are_split_over_tokens(tmp_path, tok_dir):
+    """The endpoint's logprob `bytes` were each token's decoded text encoded: a token holding part of a character
+    decodes to U+FFFD, so the bytes of "日本" were six replacement characters' and rebuilt nothing."""
+    hf = HFTokenizer(_byte_level_dir(tmp_path), pad_token="<|pad|>")
+    for text in ("日本語のテキスト", "héllo wörld 🙂", "the answer is 42", "未知の字 ☃"):
+        ids = hf.encode(text)
+        assert b"".join(hf.token_bytes(i) for i in ids).decode() == text
+        assert any("\ufffd" in hf.decode([i]) for i in ids) or text.isascii()  # what decoding alone gave
+    plain = HFTokenizer(tok_dir[0])  # a Metaspace (SentencePiece-like) vocabulary: its ▁ is a space
+    assert b"".join(plain.token_bytes(i) for i in plain.encode(" 47 + 38 = 85")).decode() == " 47 + 38 = 85"
