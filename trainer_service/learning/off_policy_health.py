@@ -272,6 +272,11 @@ class HealthMonitor:
         behind = "" if mean_lag is None else f"Tokens are {mean_lag:.1f} versions behind on average. "
         options = remedies[0] if len(remedies) == 1 else ", ".join(remedies[:-1]) + ", or " + remedies[-1]
         algo = cfg.algo
-        bound = (f"algo.tis_cap={algo.tis_cap} bounds each token's weight" if algo.loss_algo == "grpo" else
-                 f"GSPO's clip ({algo.eps_low:g} / {algo.eps_high:g}) bounds each sequence's ratio")
-        return f"{behind}{options[0].upper()}{options[1:]}; {bound} meanwhile."
+        if algo.loss_algo != "grpo":
+            bound = f"GSPO's clip ({algo.eps_low:g} / {algo.eps_high:g}) bounds each sequence's ratio meanwhile"
+        elif algo.tis_cap is None:  # no importance weight at all: stale tokens train as if drawn by the trainer
+            bound = ("nothing corrects for the stale tokens meanwhile (algo.tis_cap is null): set algo.tis_cap "
+                     "(default 2.0) to weight each token by its truncated importance ratio")
+        else:
+            bound = f"algo.tis_cap={algo.tis_cap} bounds each token's weight meanwhile"
+        return f"{behind}{options[0].upper()}{options[1:]}; {bound}."

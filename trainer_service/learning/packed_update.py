@@ -34,7 +34,8 @@ if TYPE_CHECKING:
 
 LOG_RATIO = "proximal_log_ratio"  # the metrics key of the per-token o - b (PolicyUpdater.objective), not a statistic
 DISTILL_KL = "distill_kl_tokens"  # the per-token o - t of distillation (its quantiles are the host's), not a statistic
-PER_TOKEN = (LOG_RATIO, DISTILL_KL)  # metrics keys holding per-token values: stacked per pass, never summed
+# metrics keys holding per-token values: stacked per pass in row layout, never summed
+PER_TOKEN = (LOG_RATIO, DISTILL_KL)
 
 
 def metric_start(shapes: dict) -> dict:
@@ -58,6 +59,20 @@ def slot_view(rows: jax.Array, starts: jax.Array, lengths: jax.Array, width: int
     index = jnp.clip(starts[..., None] + j, 0, rows.shape[1] - 1).reshape(m, s * width)
     window = jnp.take_along_axis(rows, index, axis=1).reshape(m * s, width)
     return jnp.where((j < lengths[..., None]).reshape(m * s, width), window, 0.0)
+
+
+def rows_of_slots(windows: jax.Array, starts: jax.Array, lengths: jax.Array, row_width: int) -> jax.Array:
+    """[m, row_width]: slot_view's inverse, per-slot windows ([m * S, C]) back at their rows' positions, zero where
+    no slot's completion is. The per-token outputs leave a pass in this layout: the slot windows hold S x C values a
+    row (64 x 8,192 for a 512 + 8,192-token budget, ~60x the row's T - 1), nearly all of them empty slots' zeros."""
+    m, s = starts.shape
+    c = windows.shape[-1]
+    j = jnp.arange(c)
+    index = jnp.clip(starts[..., None] + j, 0, row_width - 1).reshape(m, s * c)
+    # slots' windows never overlap in a row (each lies inside its own segment); the positions past a slot's length
+    # (clipped, possibly repeated) add exact zeros, so the scatter-add is deterministic
+    values = jnp.where(j < lengths[..., None], windows.reshape(m, s, c), 0.0).reshape(m, s * c)
+    return jnp.zeros((m, row_width), windows.dtype).at[jnp.arange(m)[:, None], index].add(values)
 
 
 class PackedPrograms:
@@ -93,12 +108,12 @@ class PackedPrograms:
 
     def _accumulated(self, train, frozen, passes: PackedPasses, count, old, ref, teacher, norm):
         """(gradients of the trained part, metrics) of a minibatch: sums over its first `count` passes; the
-        PER_TOKEN metrics stacked per pass ([K, m * S, C]: pass i's slots at [i]; the sources say whose)."""
+        PER_TOKEN metrics stacked per pass in row layout ([K, m, T - 1], as the passes' loss_mask; rows_of_slots)."""
         u = self.u
         pick = lambda tree, i: jax.tree.map(lambda x: x[i], tree)  # noqa: E731
         grad_fn = jax.value_and_grad(self._loss, has_aux=True)
         shapes = jax.eval_shape(lambda: grad_fn(train, frozen, *pick((passes, old, ref, teacher), 0), norm)[0][1])
-        token_shapes = {key: shapes.pop(key).shape for key in PER_TOKEN if key in shapes}
+        token_keys = [key for key in PER_TOKEN if shapes.pop(key, None) is not None]
 
         def body(i, carry):
             grads, metrics, tokens = carry
@@ -107,12 +122,13 @@ class PackedPrograms:
             # model gathered for the whole step (the 70B preset's plan: ~270 GiB per chip more)
             weights, fixed, part = jax.lax.optimization_barrier((train, frozen, pick((passes, old, ref, teacher), i)))
             (_, m), g = grad_fn(weights, fixed, *part, norm)
-            tokens = {key: v.at[i].set(m.pop(key)) for key, v in tokens.items()}
+            tokens = {key: v.at[i].set(rows_of_slots(m.pop(key), part[0].starts, part[0].lengths, v.shape[-1]))
+                      for key, v in tokens.items()}
             return jax.tree.map(jnp.add, grads, u.pin(g)), merge_metrics(metrics, m), tokens
 
         with activation_sharding(u.mesh):  # traced with the model's activation constraints on the mesh
             zeros = u.pin(jax.tree.map(jnp.zeros_like, train))
-            start = {key: jnp.zeros((passes.tokens.shape[0], *shape)) for key, shape in token_shapes.items()}
+            start = {key: jnp.zeros(passes.loss_mask.shape, jnp.float32) for key in token_keys}
             grads, metrics, tokens = jax.lax.fori_loop(0, count, body, (zeros, metric_start(shapes), start))
             return grads, {**metrics, **tokens}
 

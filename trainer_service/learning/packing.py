@@ -229,12 +229,17 @@ class PackedBatch:
     def laid_out_tokens(self) -> int:
         return sum(p.laid_out_tokens() for p in self.minibatches)
 
-    def scatter(self, k: int, slots: np.ndarray, out: np.ndarray) -> None:
-        """Minibatch k's per-slot completion windows (`slots`: [passes, m * S, C], as the update returns its o - b)
-        into the batch's [B, T - 1] `out`, each at its sequence's row, from position P - 1."""
-        sources = self.minibatches[k].sources.reshape(slots.shape[0], -1)
-        at, (p, c) = np.nonzero(sources >= 0), (self.layout.prompt_tokens, self.layout.completion_tokens)
-        out[k * self.sequences + sources[at], p - 1:p - 1 + c] = slots[at]
+    def scatter(self, k: int, rows: np.ndarray, out: np.ndarray) -> None:
+        """Minibatch k's per-token values in its packed rows (`rows`: [passes, m, T - 1], as the update returns its
+        o - b) into the batch's [B, T - 1] `out`: each sequence's completion positions at its own row of `out`, from
+        position P - 1 (the rest of `out` is left as it is)."""
+        mb, p = self.minibatches[k], self.layout.prompt_tokens
+        kk, r, s = np.nonzero(mb.sources >= 0)
+        n = mb.passes.lengths[kk, r, s].astype(np.int64)
+        j = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)  # completion token index within its sequence
+        at = lambda x: np.repeat(x, n)  # noqa: E731 - per slot -> per completion token
+        out[at(k * self.sequences + mb.sources[kk, r, s]), p - 1 + j] = rows[at(kk), at(r),
+                                                                             at(mb.passes.starts[kk, r, s]) + j]
 
 
 def pack_batch(batch, layout: PackingLayout, minibatches: int, pad_id: int) -> PackedBatch:

@@ -83,15 +83,16 @@ def warm_start(model: PolicyModel, params: Any, task: ArithTask, tokenizer: Text
     step_fn = make_sft_step(model, optimizer, tokenizer.pad_id, master, out_shardings=placed)
     rng = random.Random(f"{cfg.run.seed}/warmstart")
     start, loss = time.time(), float("nan")
-    step = 0
+    done = 0  # steps taken: the report's count (a stop before step k leaves k - 1)
     for step in range(1, ws.steps + 1):
         if stop_event is not None and stop_event.is_set():
-            log.warning("warm start interrupted at step %d", step)
+            log.warning("warm start interrupted after %d of %d steps", done, ws.steps)
             break
         batch = demonstration_batch(task, tokenizer, cfg, rng, first_index=10_000_000 + step * ws.batch_size)
         if placed is not None:
             batch = jax.device_put(batch, placed[2])
         params, opt_state, loss_arr = step_fn(params, opt_state, *batch)
+        done = step
         if progress is not None:
             progress()
         if step % 50 == 0 or step == ws.steps:
@@ -101,5 +102,5 @@ def warm_start(model: PolicyModel, params: Any, task: ArithTask, tokenizer: Text
             log.info("warm start %d/%d  loss %.4f  (%.0fs)", step, ws.steps, loss, time.time() - start)
             if metrics is not None:
                 metrics.scalars(step, {"loss": loss}, prefix="warmstart/")
-    return params, {"steps": step, "final_loss": loss, "seconds": round(time.time() - start, 2),
+    return params, {"steps": done, "final_loss": loss, "seconds": round(time.time() - start, 2),
                     "carry_drop_prob": ws.carry_drop_prob, "tool_prob": ws.tool_prob}

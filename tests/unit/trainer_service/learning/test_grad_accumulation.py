@@ -124,8 +124,7 @@ def test_old_and_reference_logprobs_pass_by_pass_equal_one_plain_pass(tiny_parts
     assert int(count) == 4
     rows_lp = np.asarray(updater.programs.logprobs(model.params, passes, count))  # [passes, 3, T - 1]
     got = np.zeros_like(mask)
-    windows = rows_lp[:, :, p - 1:]  # [passes, rows (one slot each), C]: each sequence at the start of its row
-    packed.scatter(0, windows, got)
+    packed.scatter(0, rows_lp, got)  # each sequence's completion positions back at its own row
     whole = np.asarray(sequence_logprobs(model, model.params, jnp.asarray(tokens), jnp.asarray(valid), 1.0,
                                          tok.pad_id))
     np.testing.assert_allclose(got[:, p - 1:], whole[:, p - 1:], rtol=1e-6, atol=1e-6)

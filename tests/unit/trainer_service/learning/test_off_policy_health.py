@@ -317,6 +317,21 @@ def test_advice_names_only_remedies_not_taken_and_steps_without_keys_are_skipped
         in warning("trainer.publish_every=2")
 
 
+def test_without_tis_the_advice_says_nothing_corrects_the_stale_tokens():
+    """algo.tis_cap=null: no importance weight at all (w = 1), so the warning must not claim a cap bounds anything;
+    it names the setting that turns the correction on. GSPO's clip is named for gspo-token."""
+    def advice(*overrides):
+        cfg, monitor = config(*overrides), HealthMonitor()
+        return [monitor.observe(s, healthy(is_ess_group_mean=0.1), cfg) for s in (1, 2, 3)][2]
+
+    said = advice("algo.tis_cap=null")
+    assert "bounds each token's weight" not in said and "tis_cap=None" not in said, said
+    assert said.endswith("nothing corrects for the stale tokens meanwhile (algo.tis_cap is null): set algo.tis_cap "
+                         "(default 2.0) to weight each token by its truncated importance ratio."), said
+    assert advice("algo.loss_algo=gspo-token").endswith("GSPO's clip (0.0003 / 0.0004) bounds each sequence's ratio "
+                                                        "meanwhile.")
+
+
 # -- trainer.health config --------------------------------------------------------------------------------------
 
 def test_health_defaults():

@@ -17,6 +17,8 @@ import optax
 import pytest
 
 from grpo_stream.common.config.learning import AlgoSection
+from grpo_stream.common.model.policy import sequence_logprobs
+from grpo_stream.trainer_service.learning.packed_update import LOG_RATIO
 from grpo_stream.trainer_service.learning.rl_update import PolicyUpdater, summarise
 from grpo_stream.trainer_service.learning.train_step import apply_optimizer
 from tests.unit.trainer_service.learning.packing_cases import (ALL, PAIRWISE, SEQUENCES, compare, layout, one_a_row,
@@ -115,6 +117,29 @@ def test_whole_updates_report_the_metrics_of_a_plain_loop_and_reach_its_paramete
         size = SEQUENCES // algo.minibatches
         lives = [int(live[k * size:(k + 1) * size].sum()) for k in range(algo.minibatches)]
         assert m_upd["update_tokens_laid_out"] == sum(max(1, -(-n // 4)) * 4 * 34 for n in lives)
+
+
+def test_the_per_token_outputs_come_back_in_row_layout_at_each_sequences_positions():
+    """The update's per-token o - b (what the host's off-policy diagnostics read) leaves the devices in the passes'
+    row layout ([K, m, T - 1], as their loss mask), not in per-slot windows ([K, m * S, C]: S x C values a row, ~60x
+    T - 1 at a 512 + 8,192-token budget, nearly all of them empty slots' zeros, replicated and fetched every step),
+    and scatters back to each sequence's own completion positions (second minibatch: rows offset by its size)."""
+    model, batch = random_model(), random_batch(3)
+    size = SEQUENCES // 2
+    updater = PolicyUpdater(model, model.params, AlgoSection(minibatches=2), 1e-2, 1.0, 1.0, 0,
+                            layout(rows=4, sequences=size))
+    packed = updater.pack(batch)
+    passes, count, norm = updater.programs.place(packed)[1]
+    train, frozen = updater.split(updater.params)
+    *_, metrics = updater.programs.minibatch_step(train, frozen, updater.opt_state, passes, count, norm, None, None)
+    rows = np.asarray(metrics[LOG_RATIO])
+    assert rows.shape == packed.minibatches[1].passes.loss_mask.shape
+    got = np.zeros_like(packed.loss_mask)
+    packed.scatter(1, rows, got)
+    logprobs = np.asarray(sequence_logprobs(model, model.params, batch.tokens, batch.valid, 1.0, 0))
+    want = (logprobs - batch.behaviour_logprobs) * batch.loss_mask
+    assert not got[:size].any() and np.abs(want[size:]).sum() > 1.0
+    np.testing.assert_allclose(got[size:], want[size:], atol=2e-5)
 
 
 def run_on_mesh(cases: list[int]) -> subprocess.CompletedProcess:
