@@ -143,6 +143,7 @@ class ContinuousEngine:
         if self._relaid[0] is not params:
             self._relaid = (None, None, False)  # free the previous version's copy first
             weights = self.device.relayout(params)
+            self.device.use_mesh(weights)  # the slot state it decodes with lies on the same mesh (slot_programs.py)
             leaf = jax.tree_util.tree_leaves(weights)[0]
             devices = leaf.sharding.device_set
             ragged = (self.ragged_attention and leaf.dtype == jnp.float32 and len(devices) == 1

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from grpo_stream.common.engine import cpu_attention
+from grpo_stream.common.model.activation_sharding import constrain
 from grpo_stream.common.model.architectures import apply_rope, gemma3_timescales, rope_timescale
 from grpo_stream.common.model.families import family_of
 from grpo_stream.common.model.policy import PolicyModel
@@ -135,6 +136,16 @@ def decode_weights(model: PolicyModel, params: Any) -> DecodeWeights:
 
 
 KEY_SLOT_AXIS, VALUE_SLOT_AXIS = 3, 2  # the cache-position axis of keys [B, KV, D, S] and values [B, KV, S, D]
+# Inside activation_sharding(mesh) (the engine's programs on a sampler's tp mesh): the caches' KV heads and the
+# attention's heads q, k, v [B, T, heads, D] over `tp`, whole where `tp` does not divide them. The new keys and values
+# are laid out as their cache before they are written: left to propagation, XLA split a cache of 2 KV heads over
+# tp=4 in the decode loop and all-reduced all of it every step.
+CACHE_SPEC, HEADS_SPEC = (None, "tp", None, None), (None, None, "tp", None)
+
+
+def pin_cache(cache: tuple) -> tuple:
+    """Per layer (keys, values) constrained to CACHE_SPEC on the active mesh (unchanged outside one)."""
+    return tuple((constrain(k, CACHE_SPEC), constrain(v, CACHE_SPEC)) for k, v in cache)
 
 
 def init_cache(model: PolicyModel, batch: int, slots: int, dtype: Any = None) -> tuple:
@@ -227,6 +238,7 @@ def _attention(q, k, v, keys, values, slot, key_valid, kv: int, softcap: float |
     """
     b, t, heads, d = q.shape
     group = heads // kv
+    q, k, v = constrain(q, HEADS_SPEC), constrain(k, HEADS_SPEC), constrain(v, HEADS_SPEC)
     if jnp.ndim(slot) == 1:
         rows = jnp.arange(b)
         keys = keys.at[rows, :, :, slot].set(k[:, 0].astype(keys.dtype), mode="drop")
@@ -234,6 +246,7 @@ def _attention(q, k, v, keys, values, slot, key_valid, kv: int, softcap: float |
     else:
         keys = jax.lax.dynamic_update_slice(keys, k.transpose(0, 2, 3, 1).astype(keys.dtype), (0, 0, 0, slot))
         values = jax.lax.dynamic_update_slice(values, v.transpose(0, 2, 1, 3).astype(values.dtype), (0, 0, slot, 0))
+    keys, values = constrain(keys, CACHE_SPEC), constrain(values, CACHE_SPEC)
     scaled = q * (d ** -0.5 if scale is None else scale)
     if ragged:
         assert t == 1 and jnp.ndim(slot) == 1, "ragged attention serves one token per row at per-row slots"

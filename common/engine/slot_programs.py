@@ -16,20 +16,31 @@ continuous.py) record each shape they run in the engine's `programs`:
 - `resume`: wake held slots (a multi-turn episode whose turn ended and whose cache was kept) with forced tokens
   (the environment's observation), which decoding feeds in one per step before it samples again;
 - `relayout`: the params laid out for decoding; `empty`: a group of free slots.
+
+On a device mesh (sampler.mesh.tp > 1) the programs are traced with the layout of the slot state they make
+(`use_mesh`): the caches' KV heads split over `tp` where it divides them, and the rest of the state whole on every
+device (decode.py lays out the attention's heads to match). Left to XLA's propagation, a new group was made whole
+on one device (its caches too), and with KV heads that `tp` does not divide the caches were all-reduced whole over
+the mesh after every chunk. There the caches are whole on every device (each device's query heads read their KV
+heads from its copy): tp x the cache memory of a split.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+from jax.sharding import Mesh
 
 from grpo_stream.common.engine import decode
+from grpo_stream.common.model.activation_sharding import activation_sharding, constrain
 from grpo_stream.common.model.policy import PolicyModel, policy_log_softmax
 
+log = logging.getLogger(__name__)
 MIN_WINDOW = 64
 MIN_SLOTS = 8  # compaction stops here: below it a step costs little more, and each size is another program
 
@@ -72,6 +83,12 @@ def window_of(state: SlotState) -> int:
     return state.cache[0][1].shape[decode.VALUE_SLOT_AXIS]
 
 
+def mesh_of(weights) -> Mesh | None:
+    """The mesh of several devices `weights` (relayout's output) lie on, or None."""
+    mesh = getattr(jax.tree_util.tree_leaves(weights)[0].sharding, "mesh", None)
+    return mesh if mesh is not None and mesh.size > 1 else None
+
+
 class SlotPrograms:
     """The jitted programs over slot groups of one model (see the module docstring). Holds no host state: what runs
     on which slots is the caller's."""
@@ -81,15 +98,46 @@ class SlotPrograms:
         self.model, self.pad_id, self.eos_ids = model, pad_id, eos_ids
         self.temperature, self.chunk_steps, self.max_forced = temperature, chunk_steps, max_forced
         self.dtype = jax.tree_util.tree_leaves(model.params)[0].dtype
+        self.mesh: Mesh | None = None  # use_mesh's
         self.relayout = jax.jit(functools.partial(decode.decode_weights, model))
-        self.decode = jax.jit(self._decode_chunk, static_argnames=("windows", "ragged"), donate_argnums=(1,))
-        self.prefill = jax.jit(self._prefill_prompts)
-        self.admit = jax.jit(self._admit_rows, donate_argnums=(0,))
-        self.compact = jax.jit(self._compact_slots, static_argnames=("size",))
-        self.empty = jax.jit(self._empty_state, static_argnames=("size", "window"))
-        self.resize = jax.jit(self._resize_window, static_argnames=("window",))
-        self.move = jax.jit(self._move_slots, donate_argnums=(1,))
-        self.resume = jax.jit(self._resume_slots, donate_argnums=(0,))
+        self._jit_programs()
+
+    def use_mesh(self, weights) -> None:
+        """Lay the slot state every program makes out on the mesh `weights` (relayout's output) lie on; the programs
+        are traced again when that changes (a mesh is not an argument of theirs). The engine calls it with each
+        version's weights, before a serve makes its groups."""
+        mesh = mesh_of(weights)
+        if mesh != self.mesh:
+            self.mesh = mesh
+            self._jit_programs()
+            tp, kv = dict(mesh.shape).get("tp", 1) if mesh is not None else 1, self.model.arch.num_kv_heads
+            if kv % tp:
+                log.warning("sampler.mesh.tp=%d does not divide the model's %d KV heads: every device keeps the whole "
+                            "KV cache (all %d heads); choose a tp dividing %d to split it", tp, kv, kv, kv)
+
+    def _on_mesh(self, program):
+        """`program` traced with the cache and activation layouts on `mesh` (decode.CACHE_SPEC, HEADS_SPEC)."""
+        @functools.wraps(program)
+        def traced(*args, **kwargs):
+            with activation_sharding(self.mesh):
+                return program(*args, **kwargs)
+        return traced
+
+    def _pin(self, state: SlotState) -> SlotState:
+        """`state` with its caches on decode.CACHE_SPEC and the rest whole on every device (as it is off a mesh)."""
+        rest = jax.tree_util.tree_map(lambda x: constrain(x, ()), state.replace(cache=()))
+        return rest.replace(cache=decode.pin_cache(state.cache))
+
+    def _jit_programs(self) -> None:
+        on = self._on_mesh
+        self.decode = jax.jit(on(self._decode_chunk), static_argnames=("windows", "ragged"), donate_argnums=(1,))
+        self.prefill = jax.jit(on(self._prefill_prompts))
+        self.admit = jax.jit(on(self._admit_rows), donate_argnums=(0,))
+        self.compact = jax.jit(on(self._compact_slots), static_argnames=("size",))
+        self.empty = jax.jit(on(self._empty_state), static_argnames=("size", "window"))
+        self.resize = jax.jit(on(self._resize_window), static_argnames=("window",))
+        self.move = jax.jit(on(self._move_slots), donate_argnums=(1,))
+        self.resume = jax.jit(on(self._resume_slots), donate_argnums=(0,))
 
     def request_keys(self, rng: jax.Array, rows: int) -> list:
         """The key of each row of a batch generated with `rng`: row i samples with fold_in(rng, i)."""
@@ -99,12 +147,13 @@ class SlotPrograms:
         arch = self.model.arch
         key_shape = jax.random.key_data(jax.random.key(0)).shape
         zeros = jnp.zeros((size,), jnp.int32)
-        return SlotState(cache=decode.init_cache(self.model, size, window, self.dtype),
+        return self._pin(SlotState(cache=decode.init_cache(self.model, size, window, self.dtype),
                          last_logits=jnp.zeros((size, arch.vocab_size), jnp.float32), length=zeros, produced=zeros,
                          budget=zeros, active=jnp.zeros((size,), jnp.bool_),
                          keys=jnp.zeros((size, *key_shape), jnp.uint32),
                          forced=jnp.zeros((size, self.max_forced), jnp.int32), forced_at=zeros, forced_left=zeros,
-                         hold=jnp.zeros((size,), jnp.bool_), key_base=zeros, greedy=jnp.zeros((size,), jnp.bool_))
+                         hold=jnp.zeros((size,), jnp.bool_), key_base=zeros,
+                         greedy=jnp.zeros((size,), jnp.bool_)))
 
     def _prefill_prompts(self, weights, tokens: jax.Array, lengths: jax.Array):
         """Per layer keys [n, KV, D, P] and values [n, KV, P, D], and next-token logits [n, V], of prompts
@@ -115,7 +164,7 @@ class SlotPrograms:
         positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (n, p))
         cache = decode.init_cache(self.model, n, p, self.dtype)
         logits, cache = decode.forward(self.model, weights, tokens, positions, cache, 0, mask)
-        return cache, logits[jnp.arange(n), lengths - 1]
+        return decode.pin_cache(cache), logits[jnp.arange(n), lengths - 1]
 
     def _admit_rows(self, state: SlotState, prompt_cache, prompt_logits, slots, source, lengths, budgets, keys, holds,
                     greedy):
@@ -124,21 +173,22 @@ class SlotPrograms:
         cache = tuple((k.at[slots, :, :, :p].set(pk[source], mode="drop"),
                        v.at[slots, :, :p].set(pv[source], mode="drop"))
                       for (k, v), (pk, pv) in zip(state.cache, prompt_cache))
-        return SlotState(cache=cache, last_logits=state.last_logits.at[slots].set(prompt_logits[source], mode="drop"),
-                         length=state.length.at[slots].set(lengths, mode="drop"),
-                         produced=state.produced.at[slots].set(0, mode="drop"),
-                         budget=state.budget.at[slots].set(budgets, mode="drop"),
-                         active=state.active.at[slots].set(True, mode="drop"),
-                         keys=state.keys.at[slots].set(keys, mode="drop"), forced=state.forced,
-                         forced_at=state.forced_at, forced_left=state.forced_left.at[slots].set(0, mode="drop"),
-                         hold=state.hold.at[slots].set(holds, mode="drop"),
-                         key_base=state.key_base.at[slots].set(0, mode="drop"),
-                         greedy=state.greedy.at[slots].set(greedy, mode="drop"))
+        return self._pin(SlotState(
+            cache=cache, last_logits=state.last_logits.at[slots].set(prompt_logits[source], mode="drop"),
+            length=state.length.at[slots].set(lengths, mode="drop"),
+            produced=state.produced.at[slots].set(0, mode="drop"),
+            budget=state.budget.at[slots].set(budgets, mode="drop"),
+            active=state.active.at[slots].set(True, mode="drop"),
+            keys=state.keys.at[slots].set(keys, mode="drop"), forced=state.forced,
+            forced_at=state.forced_at, forced_left=state.forced_left.at[slots].set(0, mode="drop"),
+            hold=state.hold.at[slots].set(holds, mode="drop"),
+            key_base=state.key_base.at[slots].set(0, mode="drop"),
+            greedy=state.greedy.at[slots].set(greedy, mode="drop")))
 
     def _resume_slots(self, state: SlotState, slots, forced, counts, budgets, keys, greedy) -> SlotState:
         """Wake held slots `slots[i]` (padded with S: ignored): feed them forced[i, :counts[i]] before sampling again,
         and let them produce until `budgets[i]` tokens in all (the forced ones count)."""
-        return state.replace(forced=state.forced.at[slots].set(forced, mode="drop"),
+        return self._pin(state.replace(forced=state.forced.at[slots].set(forced, mode="drop"),
                              forced_at=state.forced_at.at[slots].set(0, mode="drop"),
                              forced_left=state.forced_left.at[slots].set(counts, mode="drop"),
                              budget=state.budget.at[slots].set(budgets, mode="drop"),
@@ -146,7 +196,7 @@ class SlotPrograms:
                              keys=state.keys.at[slots].set(keys, mode="drop"),
                              greedy=state.greedy.at[slots].set(greedy, mode="drop"),
                              key_base=state.key_base.at[slots].set(
-                                 state.produced[jnp.minimum(slots, state.produced.shape[0] - 1)] + counts, mode="drop"))
+                                 state.produced[jnp.minimum(slots, state.produced.shape[0] - 1)] + counts, mode="drop")))
 
     def _resize_window(self, state: SlotState, window: int) -> SlotState:
         """The caches cut or zero-padded to `window` positions (no live sequence is longer than the new window)."""
@@ -155,11 +205,11 @@ class SlotPrograms:
             if have >= window:
                 return jax.lax.slice_in_dim(x, 0, window, axis=axis)
             return jnp.pad(x, [(0, window - have if a == axis else 0) for a in range(x.ndim)])
-        return state.replace(cache=tuple((fit(k, decode.KEY_SLOT_AXIS), fit(v, decode.VALUE_SLOT_AXIS))
-                                         for k, v in state.cache))
+        return self._pin(state.replace(cache=tuple((fit(k, decode.KEY_SLOT_AXIS), fit(v, decode.VALUE_SLOT_AXIS))
+                                                   for k, v in state.cache)))
 
     def _compact_slots(self, state: SlotState, order: jax.Array, size: int) -> SlotState:
-        return jax.tree_util.tree_map(lambda x: x[order[:size]], state)
+        return self._pin(jax.tree_util.tree_map(lambda x: x[order[:size]], state))
 
     def _move_slots(self, src: SlotState, dst: SlotState, src_slots: jax.Array, dst_slots: jax.Array):
         """Copy slot src_slots[i] of `src` into slot dst_slots[i] of `dst` (index vectors padded with each group's
@@ -175,7 +225,7 @@ class SlotPrograms:
         moved = {name: getattr(dst, name).at[dst_slots].set(getattr(src, name)[take], mode="drop")
                  for name in ("last_logits", "length", "produced", "budget", "active", "keys", "forced", "forced_at",
                               "forced_left", "hold", "key_base", "greedy")}
-        return dst.replace(cache=cache, **moved), src.active.at[src_slots].set(False, mode="drop")
+        return self._pin(dst.replace(cache=cache, **moved)), src.active.at[src_slots].set(False, mode="drop")
 
     def _decode_chunk(self, weights, groups: tuple, want_free: jax.Array, windows: tuple, ragged: bool = False):
         """Up to chunk_steps decode steps over every slot of the slot groups `groups` (SlotStates with the windows
@@ -226,9 +276,10 @@ class SlotPrograms:
                 forcing = live & (st.forced_left > 0)
                 produced = st.produced + live
                 ended = live & ~forcing & (jnp.isin(tok, eos) | (produced >= st.budget))
-                new.append(st.replace(cache=cache, last_logits=logits[start:start + n, 0], length=st.length + live,
-                                      produced=produced, active=live & ~ended, forced_at=st.forced_at + forcing,
-                                      forced_left=st.forced_left - forcing))
+                # pinned in the loop too: a carry XLA lays out its own way is gathered back after the chunk
+                new.append(self._pin(st.replace(
+                    cache=cache, last_logits=logits[start:start + n, 0], length=st.length + live, produced=produced,
+                    active=live & ~ended, forced_at=st.forced_at + forcing, forced_left=st.forced_left - forcing)))
                 start += n
             return t + 1, tuple(new), tuple(toks_out), tuple(lps_out)
 
@@ -240,5 +291,6 @@ class SlotPrograms:
 
         toks = tuple(jnp.full((g.length.shape[0], steps), self.pad_id, jnp.int32) for g in groups)
         lps = tuple(jnp.zeros((g.length.shape[0], steps), jnp.float32) for g in groups)
-        t, groups, toks, lps = jax.lax.while_loop(cond, body, (jnp.int32(0), tuple(groups), toks, lps))
-        return groups, toks, lps, t
+        t, groups, toks, lps = jax.lax.while_loop(cond, body, (jnp.int32(0), tuple(self._pin(g) for g in groups),
+                                                               toks, lps))
+        return tuple(self._pin(g) for g in groups), toks, lps, t
