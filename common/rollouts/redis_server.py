@@ -26,7 +26,6 @@ import redis
 
 from grpo_stream.common.config.access import REDIS_PASSWORD_ENV
 from grpo_stream.common.runtime.backoff import Backoff, wait
-from grpo_stream.common.runtime.process import die_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -254,10 +253,10 @@ class EmbeddedRedis:
     def __init__(self, port: int | None = None, appendonly: bool = False, data_dir: str | os.PathLike | None = None,
                  fsync: str = "always", protected: bool = False, popen_options: dict | None = None):
         """`fsync`: appendfsync with the append-only file (always, everysec or no). `popen_options`: for each start
-        of the server (`up`'s: it dies with `up` and holds the run directory's lock; grpo_stream/up/run_lock.py).
-        By default it dies with the thread that starts it: one a killed `audit` left on the run's AOF, the lock
-        gone, met a second Redis on the same file at the next `up`."""
-        self.popen_options = {"preexec_fn": die_with_parent(), **(popen_options or {})}
+        of the server (`up`'s and `audit`'s: it dies with them and holds the run directory's lock;
+        grpo_stream/up/run_lock.py). None by default: a Python preexec_fn makes subprocess fork without vfork, and in
+        a process whose gRPC is running (a test's, a benchmark's) gRPC's fork handlers then abort the child."""
+        self.popen_options = popen_options or {}
         self.port = port or free_port()
         self._moves_left = PORT_MOVES if port is None else 0  # until it first serves: clients know no URL yet
         self.appendonly, self.fsync = appendonly or data_dir is not None, fsync

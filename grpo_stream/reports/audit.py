@@ -135,8 +135,8 @@ def _client_for(run_dir: pathlib.Path, redis_url: str | None):
     given, else the run's own Redis if it answers, else an embedded Redis started on the run's data directory
     (RUN_DIR/redis, written by `up`), only while no run holds the directory: a second server on a live run's
     append-only file would corrupt it, and rewrite its clients' password file."""
-    from grpo_stream.common.rollouts.redis_server import (EmbeddedRedis, RedisConnectError,  # noqa: PLC0415
-                                                          RedisUnreachable, connect, read_password)
+    from grpo_stream.common.rollouts.redis_server import (RedisConnectError, RedisUnreachable,  # noqa: PLC0415
+                                                          connect, read_password)
     from grpo_stream.up.run_lock import RunDirBusy, RunLock  # noqa: PLC0415
 
     info_path = run_dir / RUN_FILE
@@ -164,13 +164,22 @@ def _client_for(run_dir: pathlib.Path, redis_url: str | None):
                                     f"({busy}). Retry once its Redis answers, or pass --redis-url (and "
                                     f"${REDIS_PASSWORD_ENV})") from None
     try:
-        # the server holds the run directory's lock too (as `up`'s does): were audit killed, the lock stays held
-        # for as long as its Redis lives on the run's AOF (it dies with audit's thread, but not at the same instant)
-        server = EmbeddedRedis(data_dir=data, protected=True, popen_options={"pass_fds": (lock.fd,)}).start()
+        server = own_redis(data, lock.fd).start()
     except BaseException:
         lock.release()
         raise
     return connect(server.url, 30, **server.client_options()), info["run"], (server, lock)
+
+
+def own_redis(data: pathlib.Path, lock_fd: int):
+    """The Redis audit starts on a stopped run's data (RUN_DIR/redis): it dies with audit (a killed audit left it on
+    the run's AOF, the lock released, and the next `up` started a second Redis on the same file), and it holds the
+    run directory's lock for as long as it lives, as `up`'s does."""
+    from grpo_stream.common.rollouts.redis_server import EmbeddedRedis  # noqa: PLC0415
+    from grpo_stream.common.runtime.process import die_with_parent  # noqa: PLC0415
+
+    return EmbeddedRedis(data_dir=data, protected=True,
+                         popen_options={"preexec_fn": die_with_parent(), "pass_fds": (lock_fd,)})
 
 
 def run_audit(run_dir: pathlib.Path, redis_url: str | None, group: str | None, json_path: pathlib.Path | None) -> int:

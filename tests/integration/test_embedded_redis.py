@@ -135,9 +135,11 @@ def test_the_server_does_not_outlive_a_killed_process_that_started_it(tmp_path):
     that server running on the run's append-only file with the run directory's lock released, so the next `up`
     started a second Redis on the same file."""
     child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
-        import time
-        from grpo_stream.common.rollouts.redis_server import EmbeddedRedis
-        server = EmbeddedRedis(data_dir={str(tmp_path / "redis")!r}, protected=True).start()
+        import pathlib, time
+        from grpo_stream.reports.audit import own_redis
+        from grpo_stream.up.run_lock import RunLock
+        lock = RunLock.acquire(pathlib.Path({str(tmp_path)!r}), "audit")
+        server = own_redis(pathlib.Path({str(tmp_path / "redis")!r}), lock.fd).start()
         print(server.proc.pid, flush=True)
         time.sleep(60)
         """)], stdout=subprocess.PIPE, text=True)
