@@ -7,7 +7,9 @@ import pytest
 
 from tests.e2e.test_up import check_run, run_cli
 
-pytestmark = pytest.mark.e2e
+# 46 s of a worker: GSM8K's loading, prompts and rewards are checked on the real data in the default lane
+# (tests/unit/common/tasks); `up` on it with SmolLM2 is the realmodel lane's
+pytestmark = [pytest.mark.e2e, pytest.mark.heavy]
 
 
 def test_up_on_gsm8k_with_the_tiny_model(tmp_path, gsm8k_dir):

@@ -76,6 +76,7 @@ def gspo_run(tmp_path: pathlib.Path, steps: int) -> Run:
     return run
 
 
+@pytest.mark.learning  # 112 s of a worker: beside the GSPO learning checks (CI time; GSPO's loss is checked in the default lane)
 def test_a_gspo_run_shows_its_ratio_and_clip_acting(tmp_path):
     """24 steps, gspo_run's checks (GSPO's objective itself: test_gspo_off_policy.py, test_loss.py); no learning
     bar: see the module's docstring."""

@@ -28,6 +28,7 @@ def plan(tmp_path: pathlib.Path, config: str, *overrides: str) -> tuple[int, str
     return proc.returncode, proc.stdout + proc.stderr, json.loads(out.read_text()) if out.exists() else None
 
 
+@pytest.mark.heavy  # 22 s; `plan` as a process stays in the default lane (test_a_cpu_run_gets_each_process_expected_peak...)
 def test_tiny_run_on_two_devices_fits_and_reports_every_category(tmp_path):
     code, output, doc = plan(tmp_path, "configs/tiny_arith.yaml", "trainer.mesh.fsdp=2", "sampler.mesh.tp=2",
                              "hardware.trainer_memory_gib=2", "hardware.sampler_memory_gib=1", "hardware.gpus=2")

@@ -145,6 +145,7 @@ def test_sighup_stops_the_run_cleanly_like_ctrl_c(tmp_path):
     assert "did not stop within" not in run.text and "ingest stopped" in run.text
 
 
+@pytest.mark.chaos  # 24 s: a fault run, beside the others
 def test_a_stop_while_redis_is_down_ends_every_process_promptly(tmp_path):
     """Redis killed mid-run and not restarted yet (a long restart back-off), then SIGTERM: every process exits
     within seconds, none killed by `up` after its grace, and the checkpoint is kept for the resume."""

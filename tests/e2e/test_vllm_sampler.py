@@ -78,6 +78,7 @@ def test_up_with_a_vllm_sampler(tmp_path):
     assert trainer_env["device_count"] >= 1 and vllm_env["tpu_inference"] is None
 
 
+@pytest.mark.heavy  # 37 s; in-flight updates on vLLM are shown deterministically in test_vllm_engine.py (default lane)
 def test_up_with_a_vllm_sampler_updating_weights_in_flight(tmp_path):
     """sampler.weight_updates=in_flight with the vLLM engine through real processes: the sampler hands the engine its
     weight poll, the engine checks it every `steps_between_updates` scheduler steps and installs a new version with
