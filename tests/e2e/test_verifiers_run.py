@@ -21,7 +21,10 @@ ENVS = pathlib.Path(__file__).resolve().parents[1] / "verifiers_envs"
 STEPS = 4
 
 
-@pytest.mark.parametrize("kind", ["single", pytest.param("tools", marks=pytest.mark.heavy)])  # tools: 40 s more
+# both in `heavy` since stop 74 (45-66 s of a worker, CI time): the verifiers adapter's rollouts and evaluation over
+# the real endpoint stay in the default lane (tests/integration/test_verifiers_eval.py)
+@pytest.mark.heavy
+@pytest.mark.parametrize("kind", ["single", "tools"])
 def test_a_verifiers_environment_trains_through_the_samplers_endpoint(tmp_path, chat_family_dirs, kind):  # noqa: F811
     pytest.importorskip("verifiers")
     run_dir = tmp_path / "run"

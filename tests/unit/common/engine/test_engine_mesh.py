@@ -8,12 +8,16 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 from grpo_stream.plan.memory import child_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[4]
 CHILD = "tests.unit.common.engine.engine_mesh_child"
 
 
+@pytest.mark.heavy  # 31-35 s (CI time); the default lane's 1x4 sharded update checks the engine on tp=4 decodes
+# as one device (test_sharding_families.py)
 def test_the_engine_on_a_tp_mesh_decodes_as_one_device_with_its_caches_laid_out():
     """tp=4 over 4 KV heads: each device holds a quarter of the caches, a new group's too (it was made whole on one
     device). tp=4 over 2 KV heads: the caches are whole on every device, and the decode chunk no longer all-reduces
