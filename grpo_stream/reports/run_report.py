@@ -134,21 +134,25 @@ def _number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def json_object(path: pathlib.Path) -> tuple[dict, str | None]:
+    """(the JSON object in `path`, None), ({}, None) when there is no file, or ({}, why) when the file holds no JSON
+    object (cut short by a kill, damaged): a run file's reader names it instead of stopping on it."""
+    if not path.exists():
+        return {}, None
+    try:
+        doc = json.loads(path.read_text(errors="replace"))
+    except (OSError, ValueError) as exc:
+        return {}, f"not JSON ({exc})"
+    return (doc, None) if isinstance(doc, dict) else ({}, "not a JSON object")
+
+
 def read_summary(path: pathlib.Path) -> dict:
     """summary.json as a dict, or {} with a warning naming it when it is missing a JSON object (damaged, or cut
     short): the report is still made from the metrics."""
-    if not path.exists():
-        return {}
-    try:
-        summary = json.loads(path.read_text(errors="replace"))
-    except (OSError, ValueError) as exc:
-        summary, why = None, f"not JSON ({exc})"
-    else:
-        why = "not a JSON object"
-    if not isinstance(summary, dict):
+    summary, why = json_object(path)
+    if why:
         print(f"grpo-stream report: warning: {path}: {why}; the report leaves out the run's summary figures",
               file=sys.stderr)
-        return {}
     return summary
 
 

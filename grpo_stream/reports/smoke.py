@@ -28,6 +28,8 @@ import sys
 
 import yaml
 
+from grpo_stream.reports.run_report import json_object
+
 FORMAT = "grpo-stream-smoke/1"
 AGREEMENT_MEAN_ABS = 0.05  # bfloat16 engines: a few hundredths of a nat on average; a wrong weight map gives whole nats
 PROBE = """
@@ -81,17 +83,9 @@ def read_config(run_dir: pathlib.Path) -> dict:
 def read_json(path: pathlib.Path, damaged: list[str]) -> dict:
     """The JSON object in `path`, or {} when there is none; a file that is not one (cut short by a kill, damaged)
     is named in `damaged`, so the result says why its checks fail instead of the smoke script stopping on it."""
-    if not path.exists():
-        return {}
-    try:
-        doc = json.loads(path.read_text(errors="replace"))
-    except (OSError, ValueError) as exc:
-        doc, why = None, f"not JSON ({exc})"
-    else:
-        why = "not a JSON object"
-    if not isinstance(doc, dict):
+    doc, why = json_object(path)
+    if why:
         damaged.append(f"{path}: {why}")
-        return {}
     return doc
 
 
