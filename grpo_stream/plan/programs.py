@@ -258,6 +258,7 @@ def sampler_programs(cfg: RunConfig, arch: Architecture) -> dict:
     relayout_compiled = engine.device.relayout.lower(model.params).compile()
     weights = jax.tree.map(lambda o, sh: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=sh),
                            jax.eval_shape(engine.device.relayout, model.params), relayout_compiled.output_shardings)
+    engine.device.use_mesh(weights)  # the slot state on the sampler's mesh, as a serve lays it out
     compiled, state = compiled_decode(engine, weights, slots, window, replicated)
     decode = analysed(compiled)
     # a run compiles the decode program once per slot count and window it decodes at: what one more costs
@@ -301,12 +302,21 @@ def sampler_programs(cfg: RunConfig, arch: Architecture) -> dict:
                                                                           * max(1, cfg.eval.samples)))}}
 
 
+def slot_state(engine: continuous.ContinuousEngine, slots: int, window: int, replicated):
+    """A group of `slots` free slots with a `window`-token cache as abstract arrays, laid out as the engine's `empty`
+    makes it on the sampler's mesh (the caches' KV heads split over tp where tp divides them, slot_programs.py);
+    replicated off a mesh of several devices."""
+    shapes = jax.eval_shape(functools.partial(engine.device.empty, size=slots, window=window))
+    if engine.device.mesh is None:
+        return jax.tree.map(lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=replicated), shapes)
+    placed = engine.device.empty.lower(size=slots, window=window).compile().output_shardings
+    return jax.tree.map(lambda o, sh: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=sh), shapes, placed)
+
+
 def compiled_decode(engine: continuous.ContinuousEngine, weights, slots: int, window: int, replicated):
     """(the engine's decode program compiled for `slots` slots and a `window`-token cache, its slot state as abstract
-    arrays). The slot state starts uncommitted (made by a program without inputs), so the program takes it
-    replicated over the mesh."""
-    state = jax.tree.map(lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=replicated),
-                         jax.eval_shape(functools.partial(engine.device.empty, size=slots, window=window)))
+    arrays laid out as the engine makes them)."""
+    state = slot_state(engine, slots, window, replicated)
     scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
     return engine.device.decode.lower(weights, (state,), scalar, windows=(window,)).compile(), state
 
@@ -319,11 +329,9 @@ def regroup_program(engine: continuous.ContinuousEngine, slots: int, window: int
     smaller = [n for n in engine.table.ladder if n < slots]
     if not smaller:
         return None
-    state = lambda size: jax.tree.map(  # noqa: E731
-        lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=replicated),
-        jax.eval_shape(functools.partial(engine.device.empty, size=size, window=window)))
     index = jax.ShapeDtypeStruct((smaller[-1],), jnp.int32, sharding=replicated)
-    return analysed(engine.device.move.lower(state(smaller[-1]), state(slots), index, index).compile())
+    return analysed(engine.device.move.lower(slot_state(engine, smaller[-1], window, replicated),
+                                             slot_state(engine, slots, window, replicated), index, index).compile())
 
 
 def other_decodes(engine: continuous.ContinuousEngine, weights, slots: int, window: int,
