@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from grpo_stream.common.config.base import Strict
+from grpo_stream.common.config.base import FilePath, Strict
 
 TOKENS_ENV = "GRPO_STREAM_TOKENS_FILE"  # the servers' token table (a file path)
 TOKEN_ENV = "GRPO_STREAM_TOKEN"  # this process's own token as a client (the token itself)
@@ -22,10 +22,10 @@ class AuthSection(Strict):
                                             "bearer token whose role the RPC accepts (sampler, client, admin). "
                                             "'none': no authentication, for a trusted network only (logged as a "
                                             "warning).")
-    tokens_file: str | None = Field(None, description=f"Servers: YAML list of {{name, role, token | sha256}} "
+    tokens_file: FilePath = Field(None, description=f"Servers: YAML list of {{name, role, token | sha256}} "
                                     f"(`grpo-stream tokens` writes one). ${TOKENS_ENV} overrides it. `up` makes one "
                                     "in RUN_DIR/auth when neither is set.")
-    token_file: str | None = Field(None, description=f"Clients (samplers, `submit`): file holding this process's "
+    token_file: FilePath = Field(None, description=f"Clients (samplers, `submit`): file holding this process's "
                                    f"token. ${TOKEN_ENV} (the token) or ${TOKEN_FILE_ENV} (a file) override it.")
     open_health: bool = Field(False, description="Answer grpc.health.v1 Check and List without a token (for "
                               "platform probes that cannot send metadata). Everything else, Watch included, still "
@@ -36,14 +36,14 @@ class AuthSection(Strict):
 class TlsSection(Strict):
     enabled: bool = Field(False, description="Serve every gRPC server (and the weights TCP data plane) over TLS, "
                           "and connect to them over TLS.")
-    cert_file: str | None = Field(None, description="Servers: PEM certificate chain.")
-    key_file: str | None = Field(None, description="Servers: PEM private key of cert_file.")
-    ca_file: str | None = Field(None, description="PEM CA bundle: clients verify servers with it (null: the system "
+    cert_file: FilePath = Field(None, description="Servers: PEM certificate chain.")
+    key_file: FilePath = Field(None, description="Servers: PEM private key of cert_file.")
+    ca_file: FilePath = Field(None, description="PEM CA bundle: clients verify servers with it (null: the system "
                                 "roots); with require_client_cert, servers verify clients with it.")
     require_client_cert: bool = Field(False, description="Mutual TLS: servers refuse clients without a certificate "
                                       "signed by ca_file.")
-    client_cert_file: str | None = Field(None, description="Clients, mutual TLS: PEM certificate presented to servers.")
-    client_key_file: str | None = Field(None, description="Clients, mutual TLS: PEM private key of client_cert_file.")
+    client_cert_file: FilePath = Field(None, description="Clients, mutual TLS: PEM certificate presented to servers.")
+    client_key_file: FilePath = Field(None, description="Clients, mutual TLS: PEM private key of client_cert_file.")
     server_name: str | None = Field(None, description="Clients: host name expected in the server certificate when it "
                                     "differs from the address dialled (e.g. an IP address).")
     plaintext_bind: Literal["warn", "refuse"] = Field(
@@ -64,11 +64,11 @@ class TlsSection(Strict):
 
 class RedisAuthSection(Strict):
     username: str | None = Field(None, max_length=256, description="ACL user (Redis 6+); null: the default user.")
-    password_file: str | None = Field(None, description=f"File holding the Redis password; ${REDIS_PASSWORD_ENV} "
+    password_file: FilePath = Field(None, description=f"File holding the Redis password; ${REDIS_PASSWORD_ENV} "
                                       "overrides it. Never put the password in redis.url.")
-    tls_ca_file: str | None = Field(None, description="rediss://: PEM CA that signs the Redis server certificate.")
-    tls_cert_file: str | None = Field(None, description="rediss:// with client certificates: PEM certificate.")
-    tls_key_file: str | None = Field(None, description="rediss:// with client certificates: PEM private key.")
+    tls_ca_file: FilePath = Field(None, description="rediss://: PEM CA that signs the Redis server certificate.")
+    tls_cert_file: FilePath = Field(None, description="rediss:// with client certificates: PEM certificate.")
+    tls_key_file: FilePath = Field(None, description="rediss:// with client certificates: PEM private key.")
 
 
 class RedisSection(Strict):

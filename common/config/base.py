@@ -3,15 +3,26 @@ config error type."""
 
 from __future__ import annotations
 
+import os
 import types
 import typing
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationInfo, field_validator
 
 
 class ConfigError(ValueError):
     """A configuration problem, phrased for the person who wrote the config."""
+
+
+def _expand_home(path: str | None) -> str | None:
+    """A leading ~ expanded as a shell would: YAML values and dotted overrides (`key.sub=~/x`, where bash leaves the
+    ~ alone) reach the process unexpanded, and the file was then looked for under a directory named ~."""
+    return os.path.expanduser(path) if path is not None else None
+
+
+# a file or directory the config names (null allowed): a leading ~ expands; gs:// and other URLs are left alone
+FilePath = Annotated[str | None, AfterValidator(_expand_home)]
 
 
 def _is_number(annotation: Any) -> bool:

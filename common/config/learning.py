@@ -9,7 +9,7 @@ from typing import Annotated, Literal
 from pydantic import Field, model_validator
 
 from grpo_stream.common.config.verifiers_settings import VerifiersSection
-from grpo_stream.common.config.base import Strict
+from grpo_stream.common.config.base import FilePath, Strict
 from grpo_stream.common.config.names import TaskName
 from grpo_stream.common.registry.tasks import task_spec
 
@@ -64,7 +64,7 @@ class ModelSection(Strict):
     kind: Literal["tiny", "hf"] = Field("tiny", description="'tiny': Qwen3-style model built from scratch for CPU "
                                         "runs; 'hf': a Hugging Face checkpoint directory (model.path).")
     tiny: TinyModelSection = Field(default_factory=TinyModelSection, description="Architecture of the tiny model.")
-    path: str | None = Field(None, description="kind=hf: a local directory with config.json, *.safetensors and the "
+    path: FilePath = Field(None, description="kind=hf: a local directory with config.json, *.safetensors and the "
                              "tokenizer files (Llama 3.x, Qwen2/2.5, Qwen3, Gemma 2, Gemma 3 text), or a hub id "
                              "(org/name) taken from the Hugging Face cache or downloaded where a network exists.")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="Parameter (and compute) dtype: the tiny "
@@ -89,7 +89,7 @@ class ModelSection(Strict):
 
 
 class DatasetSection(Strict):
-    source: str | None = Field(None, description="task.name=gsm8k or ifeval: a directory with {split}.jsonl or "
+    source: FilePath = Field(None, description="task.name=gsm8k or ifeval: a directory with {split}.jsonl or "
                                "{split}.parquet, one such file, or a Hugging Face datasets name (openai/gsm8k; "
                                "downloads, where a network exists).")
     hub_config: str | None = Field("main", description="The datasets config of a hub source (GSM8K: main).")

@@ -19,7 +19,7 @@ from typing import Annotated, Literal
 from pydantic import Field, model_validator
 
 from grpo_stream.common.config.access import AuthSection, PromptsSection, RedisSection, RpcSection, TlsSection
-from grpo_stream.common.config.base import ConfigError, Strict
+from grpo_stream.common.config.base import ConfigError, FilePath, Strict
 from grpo_stream.common.config.environment import EnvironmentSection
 from grpo_stream.common.config.learning import (AlgoSection, DistillSection, EvalSection, GenerationSection,
                                                ModelSection, OptimizerSection, TaskSection, WarmStartSection)
@@ -152,7 +152,7 @@ class CheckpointSection(Strict):
     """Trainer checkpoints (Orbax): what a restarted trainer resumes from; see docs/operations.md, "Exactly once: what
     survives a crash"."""
 
-    dir: str | None = Field(None, description="Directory (local, NFS or gs://) of the trainer's checkpoints; null = "
+    dir: FilePath = Field(None, description="Directory (local, NFS or gs://) of the trainer's checkpoints; null = "
                             "RUN_DIR/checkpoints.")
     every: int = Field(25, ge=1, le=1_000_000, description="Checkpoint every this many RL steps (and at the last "
                        "step and on SIGTERM). Groups are acknowledged in the buffer only once a checkpoint holding "

@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import Field, ValidationInfo, field_validator
 
-from grpo_stream.common.config.base import Strict
+from grpo_stream.common.config.base import FilePath, Strict
 
 _PROJECT_FORBIDDEN = "/\\#?%:"  # characters W&B refuses in a project name, only when the run is created
 
@@ -30,7 +30,7 @@ class WandbSection(Strict):
     group: str | None = Field(None, max_length=128, description="The W&B group of the run; null: run.name, so the "
                               "W&B runs of one run's trainer restarts sit together.")
     name: str | None = Field(None, max_length=128, description="The W&B run's display name; null: run.name.")
-    dir: str | None = Field(None, description="Where W&B writes its files (a `wandb/` folder is made inside); "
+    dir: FilePath = Field(None, description="Where W&B writes its files (a `wandb/` folder is made inside); "
                             "null: the run directory (RUN_DIR/wandb).")
     samples_every: int = Field(50, ge=0, le=1_000_000, description="Every this many RL steps, log a table of the "
                                "step's sample completions (prompt and completion text, reward, staleness, weight "

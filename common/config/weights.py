@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from grpo_stream.common.config.base import Strict
+from grpo_stream.common.config.base import FilePath, Strict
 from grpo_stream.common.config.names import TransportName
 
 
@@ -40,7 +40,7 @@ class WeightsSection(Strict):
     max_serve_mb_s: float | None = Field(None, gt=0, le=1e6, description="grpc: cap on the bytes/s of each fetch "
                                          "lane (a fetch uses fetch_streams lanes) as the trainer serves it (leave "
                                          "room for rollout traffic); null = no cap.")
-    checkpoint_dir: str | None = Field(None, description="checkpoint: directory (local, NFS or gs://) that holds "
+    checkpoint_dir: FilePath = Field(None, description="checkpoint: directory (local, NFS or gs://) that holds "
                                        "published versions; `up` uses RUN_DIR/weights when null.")
     keep_versions: int = Field(3, ge=2, le=10_000, description="checkpoint: versions kept on disk (older are "
                                "deleted; a sampler still restoring one retries with the newest).")

@@ -260,3 +260,17 @@ def test_a_multi_process_config_error_names_the_one_rule_broken_and_its_fix(over
     assert rule in message and fix in message
     rules = ("must spread evenly", "serves its own slices", "frozen LoRA base")
     assert sum(r in message for r in rules) == 1  # the one broken, not the whole list
+
+
+def test_a_leading_tilde_in_a_file_setting_is_the_users_home(tmp_path, monkeypatch):
+    """`redis.auth.password_file=~/...` typed on a command line reaches the process with the ~ as it is (bash expands
+    it only at a word's start or after a shell assignment's =), as does one in YAML: the file was looked for under a
+    directory named ~."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = load_config(CONFIGS / "tiny_arith.yaml",
+                      ["redis.auth.password_file=~/.grpo-secrets/redis.password", "auth.tokens_file=~/tokens.yaml",
+                       "model.kind=hf", "model.path=~/models/m", "warmstart.steps=0",
+                       "checkpoint.dir=gs://bucket/~run"])
+    assert cfg.redis.auth.password_file == str(tmp_path / ".grpo-secrets/redis.password")
+    assert cfg.auth.tokens_file == str(tmp_path / "tokens.yaml") and cfg.model.path == str(tmp_path / "models/m")
+    assert cfg.checkpoint.dir == "gs://bucket/~run"  # not a leading ~: left alone
