@@ -19,7 +19,9 @@ reports its own count. What a sampler reports only ever lowers its own count: a 
 granted (`in_flight=2**31-1`), or of a weight version older than one it asked with before, would otherwise hold every
 other sampler's grants at 0 (one Admit call stopped every sampler for the lease, renewably). The price: after an
 ingest restart, groups started before it are not counted until they arrive (at most a batch and a backlog per
-sampler), so a few of them may train later than counted, or be dropped as stale.
+sampler), so a few of them may train later than counted, or be dropped as stale. A trainer restarted from an older
+checkpoint numbers its versions from there: a version more than VERSIONS_AHEAD past its last step is an earlier
+trainer process's, neither remembered as the sampler's newest nor kept in place of groups of the versions trained now.
 
 Groups a sampler starts now may still reach the buffer before groups another sampler started earlier (a shorter
 batch), which then train later than counted. So a grant is checked against the oldest version in flight anywhere,
@@ -43,6 +45,9 @@ from grpo_stream.common.rollouts.buffer import AdmissionState
 
 log = logging.getLogger(__name__)
 RETRY_AFTER_MS = 100  # a refused sampler asks again this soon: the trainer frees groups_per_step places per step
+# how far a sampler's weight version may lead the trainer's last logged step: version s is published after step s,
+# and the step's audit record is written in the background, a step at most behind
+VERSIONS_AHEAD = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,10 +112,19 @@ class AdmissionControl:
         with self._lock:
             self._expire(now)
             own = self._versions.setdefault(sampler_id, collections.Counter())
-            _reconcile(own, reported_in_flight)
+            # no version of the trainer now running is this far ahead of its last logged step: such a version is an
+            # earlier trainer process's, which got further before it was restarted from an older checkpoint (its
+            # successor's numbers restart lower: docs/rollouts-and-weights.md), and its groups are never sent
+            ceiling = state.trainer_step + VERSIONS_AHEAD
+            _reconcile(own, reported_in_flight, ceiling)
             # a sampler installs versions in order: a request with an older one than it asked with before is
-            # counted at that newer one, so a false version misjudges only the asking sampler's own groups
-            version = self._newest[sampler_id] = max(policy_version, self._newest.get(sampler_id, policy_version))
+            # counted at that newer one, so a false version misjudges only the asking sampler's own groups; one
+            # remembered from an earlier trainer process is forgotten, or every grant until the trainer caught up
+            # with it would be judged as if the sampler were that far ahead (granting what is dropped as stale)
+            remembered = self._newest.get(sampler_id, policy_version)
+            if remembered > ceiling:
+                remembered = policy_version
+            version = self._newest[sampler_id] = max(policy_version, remembered)
             counted = collections.Counter()  # version -> groups in flight that can still be trained
             for c in self._versions.values():
                 counted.update({v: n for v, n in c.items()
@@ -155,14 +169,16 @@ class AdmissionControl:
             self._seen[sampler_id] = self.clock()
 
 
-def _reconcile(own: collections.Counter, reported: int) -> None:
+def _reconcile(own: collections.Counter, reported: int, ceiling: int) -> None:
     """Make the count the ingest holds for a sampler match the sampler's own where that is lower (which groups it
-    still holds it knows exactly): groups it discarded are taken from the oldest versions. A report of more than the
-    ingest granted and has not seen answered changes nothing: the ingest counts what it granted, never more."""
+    still holds it knows exactly): groups it discarded are taken first from versions above `ceiling` (an earlier
+    trainer process's, whose groups a sampler discards when the trainer restarts), then from the oldest. A report of
+    more than the ingest granted and has not seen answered changes nothing: the ingest counts what it granted, never
+    more."""
     for v in [v for v, n in own.items() if n <= 0]:
         del own[v]
     extra = sum(own.values()) - reported
-    for v in sorted(own):
+    for v in sorted(own, key=lambda v: (v <= ceiling, v)):
         if extra <= 0:
             break
         take = min(extra, own[v])

@@ -130,3 +130,25 @@ def test_groups_in_flight_past_max_staleness_hold_no_place():
     assert control.admit(AdmissionState(0, 40, 0, 10), "idle", 12, 10, 0) == (12, 0)
     assert control.admit(AdmissionState(0, 52, 0, 13), "b", 12, 13, 0) == (12, 0)  # lag 3 > max_staleness 2
     assert control.in_flight() == {"idle": 12, "b": 12}
+
+
+def test_a_version_remembered_from_a_trainer_before_its_restart_is_forgotten():
+    """A trainer restarted from an older checkpoint publishes lower versions. A sampler asking with one is judged at
+    it, not at the newest version it asked with under the earlier trainer: that one would grant as if the sampler
+    were fresh, groups the trainer then drops as stale."""
+    control = AdmissionControl(LIMITS, clock=FakeClock())
+    assert control.admit(AdmissionState(0, 200, 0, 50), "a", 12, 50, 0) == (12, 0)
+    # restarted from step 40's checkpoint, now at step 44; the sampler's version 42 (lag 2) has room for one step
+    assert control.admit(AdmissionState(0, 176, 0, 44), "a", 12, 42, 0) == (4, 0)
+
+
+def test_groups_an_earlier_trainer_process_granted_go_first_when_a_sampler_reports_fewer():
+    """After a trainer restart a sampler discards the groups of the earlier trainer's versions: its lower report
+    takes those from the ingest's count, not its groups of the versions the trainer now trains."""
+    control = AdmissionControl(LIMITS, clock=FakeClock())
+    assert control.admit(AdmissionState(0, 200, 0, 50), "a", 3, 50, 0)[0] == 3
+    restarted = AdmissionState(0, 164, 0, 41)
+    assert control.admit(restarted, "a", 2, 40, 3)[0] == 2  # (still holding the 3 it drops on the restart)
+    control.admit(restarted, "a", 0, 40, 2)  # they are gone: the 2 of version 40 are what it holds
+    assert control.in_flight() == {"a": 2}
+    assert control.admit(restarted, "b", 12, 41, 0) == (6, 2)  # bound by the version-40 groups in flight (lag 1)
