@@ -18,6 +18,7 @@ import grpc
 from grpo_stream.common.runtime.console import detail_logger
 from grpo_stream.common.runtime.errors import PermanentError, is_transient
 from grpo_stream.protos import rollout_pb2
+from grpo_stream.sampler_service.connect import refusal_fix
 
 log = logging.getLogger(__name__)
 detail = detail_logger(__name__)
@@ -57,7 +58,7 @@ class AdmissionClient:
                 return wanted
             if not is_transient(exc):
                 raise PermanentError(f"{self.sampler_id}: the ingest refuses admission requests ({exc.code().name}: "
-                                     f"{exc.details()}); check the sampler's token and sampler id") from None
+                                     f"{exc.details()}); {refusal_fix(exc)}") from None
             if not self._warned:
                 log.warning("%s: admission request failed (%s); generation pauses until the ingest answers",
                             self.sampler_id, exc.code().name)

@@ -66,6 +66,15 @@ class Resume:
     unanswered: tuple[int, ...] = ()
 
 
+def refusal_fix(exc: grpc.RpcError) -> str:
+    """What to mend when the ingest refuses a call for good: the sampler's credentials for an authentication
+    refusal; otherwise the ingest's own message names it (a damaged buffer record: its key and the command that
+    restores it), and a hint about tokens would send the operator the wrong way."""
+    if exc.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+        return "check the sampler's token (auth.token_file, $GRPO_STREAM_TOKEN_FILE) and sampler id"
+    return "mend what the ingest's message names, then restart the sampler"
+
+
 def resume_position(cfg: RunConfig, sampler_id: str, stub: rollout_pb2_grpc.RolloutIngestStub,
                     stop_event: threading.Event) -> Resume:
     """Where this sampler resumes (Resume), asked of the ingest. Waits with back-off while the ingest's Redis is
@@ -85,7 +94,7 @@ def resume_position(cfg: RunConfig, sampler_id: str, stub: rollout_pb2_grpc.Roll
             if not is_transient(exc):
                 raise PermanentError(
                     f"ingest at {cfg.ingest_address()} (ingest.address): it refuses this sampler's data position "
-                    f"request ({exc.code().name}: {exc.details()}); check the sampler's token and sampler id") from None
+                    f"request ({exc.code().name}: {exc.details()}); {refusal_fix(exc)}") from None
             if "buffer unavailable" in (exc.details() or ""):
                 heard = time.monotonic()  # the ingest answers; its Redis is away
             if time.monotonic() - heard > cfg.sampler.connect_timeout_s:

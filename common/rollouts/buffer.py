@@ -44,6 +44,7 @@ from grpo_stream.common.rollouts.buffer_scripts import APPEND, SETTLE, UNANSWERE
 from grpo_stream.common.rollouts.fencing import FENCE_CHECK, FENCED_CALL, StaleTrainer, is_stale_reply
 from grpo_stream.common.rollouts.kept_results import group_id_prefix
 from grpo_stream.common.rollouts.redis_errors import BufferUnavailable, redis_call  # noqa: F401 (the interface's error)
+from grpo_stream.common.rollouts.redis_errors import integer_of
 
 COUNTERS = ("ingested", "trained", "dropped_stale", "dropped_invalid", "dropped_filtered", "dropped_duplicate")
 REFUSALS = ("refused_invalid", "refused_duplicate", "refused_full")
@@ -205,9 +206,9 @@ class RedisStreamBuffer:
         return statuses, int(waiting)
 
     def data_position(self, sampler_id: str) -> int | None:
-        """Highest data position accepted from `sampler_id` (None: nothing yet)."""
+        """Highest data position accepted from `sampler_id` (None: nothing yet); DamagedRecord when it is no number."""
         raw = self._call(lambda: self.client.hget(self.k["positions"], sampler_id))
-        return None if raw is None else int(raw)
+        return None if raw is None else integer_of(raw, self.k["positions"], sampler_id)
 
     def unanswered_positions(self, sampler_id: str, below: int, window: int) -> list[int]:
         """The data positions of `sampler_id` in [below - window, below) it has no accepted group at: groups still
@@ -352,7 +353,8 @@ class RedisStreamBuffer:
             pipe.hgetall(self.k["counters"])
             pipe.xlen(self.stream)
             raw, depth = pipe.execute()
-            out = {name: int(raw.get(name.encode(), 0)) for name in COUNTERS + REFUSALS}
+            out = {name: integer_of(raw.get(name.encode(), 0), self.k["counters"], name)
+                   for name in COUNTERS + REFUSALS}
             out["depth"] = int(depth)
             return out
         return self._call(run)
@@ -372,7 +374,10 @@ class RedisStreamBuffer:
             depth, held, (trained, filtered), last, compacted = pipe.execute()
             # a damaged step record or watermark (audit_trail.py reports it) must not stop admission: read as 0
             step = max(_int_or_zero(last[0][1].get(b"step")) if last else 0, _int_or_zero(compacted))
-            return AdmissionState(max(0, int(depth) - int(held or 0)), int(trained or 0), int(filtered or 0), step)
+            counters = self.k["counters"]
+            return AdmissionState(max(0, int(depth) - integer_of(held or 0, self.k["held"])),
+                                  integer_of(trained or 0, counters, "trained"),
+                                  integer_of(filtered or 0, counters, "dropped_filtered"), step)
         return self._call(run)
 
 

@@ -6,21 +6,50 @@ from grpo_stream.common.rollouts.compaction_holes import HOLES_LUA
 from grpo_stream.common.rollouts.kept_results import FINISH_PROMPT_LUA
 from grpo_stream.common.rollouts.fencing import FENCE_LUA
 
+# damaged_type(key, kind): an error naming `key` when it holds another type than `kind` (absent is fine);
+# damaged_integer(key, field): one naming the field (field nil: the string at `key`) when it holds no integer.
+DAMAGED_INTEGER_LUA = """
+local function damaged_type(key, kind)
+  local found = redis.call('TYPE', key)['ok']
+  if found == 'none' or found == kind then return nil end
+  return redis.error_reply('DAMAGEDBUFFER ' .. key .. ' is a ' .. found .. ', not the ' .. kind .. ' the rollout '
+    .. 'buffer keeps there (something other than grpo-stream wrote it); nothing was written. Restore the key')
+end
+local function damaged_integer(key, field)
+  local kind = field and 'hash' or 'string'
+  local bad = damaged_type(key, kind)
+  if bad then return bad end
+  local raw
+  if field then raw = redis.call('HGET', key, field) else raw = redis.call('GET', key) end
+  if raw == false or string.match(raw, '^%-?%d+$') then return nil end
+  local where, fix = key, 'SET ' .. key .. ' N'
+  if field then where, fix = key .. ' field ' .. field, 'HSET ' .. key .. ' ' .. field .. ' N' end
+  return redis.error_reply('DAMAGEDBUFFER ' .. where .. ' holds ' .. string.format('%q', string.sub(raw, 1, 40))
+    .. ', not an integer; nothing was written. Restore it (' .. fix .. ')')
+end
+"""
+
 # One call appends a batch in order. Room is counted in groups not yet trained: those the trainer trained but
 # holds unacknowledged until a checkpoint are not a backlog. A group id already accepted is answered `dup` and
 # not written again: a sampler that resends after a lost acknowledgement creates no second copy; nor is one at or
 # below its sampler's compacted data position (its accepted record was folded into counts), unless compaction
 # passed over that position without a group there (compaction_holes.py).
 # KEYS[9]/ARGV[9]: the fence key and the writer's fence ('' for a standalone ingest); the groups from ARGV[10] on.
-APPEND = FINISH_PROMPT_LUA + FENCE_LUA + HOLES_LUA + """
+APPEND = FINISH_PROMPT_LUA + FENCE_LUA + HOLES_LUA + DAMAGED_INTEGER_LUA + """
 redis.replicate_commands()
 local refused = stale(KEYS[9], ARGV[9])
 if refused then return refused end
--- checked before the first write: Redis does not roll a script back, so an error after it leaves half a batch
-for i = 10, #ARGV, 6 do
-  local damaged = damaged_below(KEYS[8], ARGV[i + 1])
-  if damaged then return damaged end
+-- checked before the first write: Redis does not roll a script back, so an error after it leaves half a batch (a
+-- counter that is no integer failed its HINCRBY after the XADD: a group in the stream that no counter knows)
+local damaged = damaged_integer(KEYS[6], nil) or damaged_type(KEYS[1], 'stream') or damaged_type(KEYS[4], 'hash')
+for _, name in ipairs({'ingested', 'refused_invalid', 'refused_duplicate', 'refused_full'}) do
+  damaged = damaged or damaged_integer(KEYS[2], name)
 end
+for i = 10, #ARGV, 6 do
+  damaged = damaged or damaged_below(KEYS[8], ARGV[i + 1]) or damaged_integer(KEYS[3], ARGV[i + 1])
+    or damaged_integer(KEYS[5], ARGV[i + 1])
+end
+if damaged then return damaged end
 local waiting = redis.call('XLEN', KEYS[1]) - tonumber(redis.call('GET', KEYS[6]) or '0')
 local room = tonumber(ARGV[2]) - waiting
 if tonumber(ARGV[4]) > 0 then redis.call('HINCRBY', KEYS[2], 'refused_invalid', ARGV[4]) end

@@ -65,3 +65,19 @@ def redis_call(fn: Callable[[], T]) -> T:
         if is_unavailable(exc):
             raise BufferUnavailable(f"redis: {exc}") from exc
         raise
+
+
+class DamagedRecord(ValueError):
+    """A buffer key holds what grpo-stream never writes there (a hand edit, another tool, a partial restore); the
+    message names the key and field and the command that restores it. Time does not mend it, unlike the above."""
+
+
+def integer_of(raw, key: str, field: str | None = None) -> int:
+    """`raw` (HGET `key` `field`, or GET `key` without a field) as an integer, or DamagedRecord naming them."""
+    try:
+        return int(raw)
+    except (TypeError, ValueError):
+        shown = raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)
+        where, fix = (key, f"SET {key} N") if field is None else (f"{key} field {field}", f"HSET {key} {field} N")
+        raise DamagedRecord(f"{where} holds {shown[:40]!r}, not an integer (something other than grpo-stream wrote "
+                            f"it); restore it: {fix}") from None

@@ -154,6 +154,13 @@ def decode_trainable_group(payload: bytes, limits: GroupLimits) -> GroupData:
     return from_proto(msg)
 
 
+# The highest data position the buffer records exactly: its Lua scripts hold numbers as doubles and write the
+# accepted record with cjson, which keeps 14 significant digits, so 10**14 would be stored as 1e+14 (a record the
+# audit and compaction read as damaged, which halts compaction for the run) and 10**17 as a positions value no
+# reader parses (GetDataPosition then fails for that sampler). A sampler counts its prompts from 0: far below it.
+MAX_DATA_POSITION = 10**14 - 1
+
+
 @dataclasses.dataclass(frozen=True)
 class GroupLimits:
     """What a valid group looks like for this run (from the run config)."""
@@ -185,6 +192,9 @@ def validate_group(msg: rollout_pb2.RolloutGroup, limits: GroupLimits) -> list[s
     if msg.HasField("data_position") and msg.data_position < 0:
         errors.append(f"data_position: {msg.data_position} is negative; leave it unset for prompts not drawn from "
                       "a data stream")
+    elif msg.HasField("data_position") and msg.data_position > MAX_DATA_POSITION:
+        errors.append(f"data_position: {msg.data_position} is above {MAX_DATA_POSITION}, the highest the buffer "
+                      "records exactly; a sampler numbers its data stream's prompts from 0")
     elif not msg.injected and not msg.HasField("data_position"):
         # a group's id is refused as a second copy by the accepted-ids record, which compaction trims: after that a
         # resent copy is told apart by its sampler's data position alone, so a group without one could train twice

@@ -74,6 +74,21 @@ def test_grants_follow_the_trainers_steps_and_stop_at_its_last(ingest):
     assert a.admit(6, version=3, in_flight=0) == 0
 
 
+def test_a_resent_group_is_counted_answered_once(ingest):
+    """A sampler whose acknowledgement was lost sends the group again and hears 'duplicate': that group was counted
+    answered when it first arrived, so the resend must not take another of the sampler's groups off its count (a
+    report only lowers a count: the undercount stayed, and the ingest granted past the staleness bound)."""
+    buffer, stub = ingest
+    a = AdmissionClient(stub, "sampler-0", True, threading.Event())
+    b = AdmissionClient(stub, "sampler-1", True, threading.Event())
+    assert a.admit(2, version=0, in_flight=0) == 2
+    assert stub.PushGroup(group(0, "sampler-0")).code == 0  # its acknowledgement lost on the way back
+    resent = stub.PushGroup(group(0, "sampler-0"))
+    assert resent.code == 0 and resent.message.startswith("duplicate")
+    # in the buffer 1, at sampler-0 1 (group 1, still decoding): 6 places are left of (1 + 1) * 4, not 7
+    assert b.admit(8, version=0, in_flight=0) == 6
+
+
 def test_bad_requests_name_the_field(ingest):
     _, stub = ingest
     for request, field in [(rollout_pb2.AdmitRequest(groups=1), "sampler_id"),

@@ -337,3 +337,15 @@ def test_a_damaged_compaction_watermark_refuses_the_batch_naming_the_field_and_w
         buf.append_many([inc(0, sampler="s1"), inc(1, sampler="s0")], max_groups=10)
     assert buf.depth() == 0 and buf.counters()["ingested"] == 0
     assert buf.append_many([inc(2, sampler="s1")], max_groups=10)[1] == 1  # other samplers go on
+
+
+def test_the_highest_valid_data_position_round_trips_through_the_buffer_exactly(buf):
+    """wire.MAX_DATA_POSITION is what the append script records exactly: the accepted record compaction reads (cjson
+    keeps 14 significant digits) and the resume position GetDataPosition reads (a Lua number written by HSET)."""
+    from grpo_stream.common.rollouts.audit_trail import read_trail
+    from grpo_stream.common.rollouts.wire import MAX_DATA_POSITION
+
+    buf.append_many([inc(MAX_DATA_POSITION)], max_groups=10)
+    trail = read_trail(buf.client, buf.k)
+    assert trail["damaged"] == [] and trail["accepted"][f"run/s0/{MAX_DATA_POSITION}"]["position"] == MAX_DATA_POSITION
+    assert buf.data_position("s0") == MAX_DATA_POSITION

@@ -93,5 +93,5 @@ def test_a_read_only_replica_is_unavailable_not_a_fault(redis_server):
 def test_a_real_fault_still_propagates(redis_server):
     client = connect(redis_server.url, 5)
     client.set("grpo-stream:wrong:rollouts", "not a stream")  # a key of the wrong type: a bug, not an outage
-    with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+    with pytest.raises(redis.ResponseError, match="DAMAGEDBUFFER grpo-stream:wrong:rollouts is a string, not the "):
         RedisStreamBuffer(client, "wrong").append_many([group(0)], max_groups=10)

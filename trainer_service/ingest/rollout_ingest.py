@@ -18,6 +18,7 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from grpo_stream.common.rollouts.buffer import BufferUnavailable, Incoming, RedisStreamBuffer
+from grpo_stream.common.rollouts.redis_errors import DamagedRecord
 from grpo_stream.common.rpc.auth import MAX_REPLICA, TokenTable, caller_of, may_act_as
 from grpo_stream.trainer_service.ingest.admission import RETRY_AFTER_MS, AdmissionControl
 from grpo_stream.trainer_service.ingest.claim_check import checked_claim
@@ -142,7 +143,7 @@ class IngestServicer(rollout_pb2_grpc.RolloutIngestServicer):
                 acks[slot] = rollout_pb2.GroupAck(
                     group_id=g.group_id, code=_UNAVAILABLE, retry_after_ms=1000,
                     message=f"rollout buffer unavailable ({exc}); retry with backoff")
-        duplicates = 0
+        duplicates = set()  # slots of groups accepted before: answered then, not in flight now
         for (slot, g), status in zip(valid, statuses):
             if status == "full":
                 acks[slot] = rollout_pb2.GroupAck(
@@ -153,18 +154,22 @@ class IngestServicer(rollout_pb2_grpc.RolloutIngestServicer):
                 acks[slot] = rollout_pb2.GroupAck(group_id=g.group_id, code=_INVALID, buffer_depth=depth,
                                                   message=f"prompt_id: no injected prompt {g.prompt_id[:64]!r}")
             else:
-                duplicates += status == "dup"
+                if status == "dup":
+                    duplicates.add(slot)
                 acks[slot] = rollout_pb2.GroupAck(group_id=g.group_id, code=0, buffer_depth=depth,
                                                   message=_ANSWERED.get(status, ""))
         with self._lock:
             for ack in acks:
                 self.stats[_STAT[ack.code]] += 1
-            self.stats["accepted"] -= duplicates
-            self.stats["duplicate"] += duplicates
+            self.stats["accepted"] -= len(duplicates)
+            self.stats["duplicate"] += len(duplicates)
         if self.admission is not None:  # answered for good: no longer in flight at its sampler
             done = collections.defaultdict(list)
-            for g, ack in zip(groups, acks):
-                if ack.code in (0, _INVALID):
+            for slot, (g, ack) in enumerate(zip(groups, acks)):
+                # a resent copy (its first acknowledgement lost) was counted answered when the first arrived:
+                # counting it again took another in-flight group off the sampler's count, for good (a report only
+                # lowers it), and the ingest granted past the staleness bound
+                if ack.code in (0, _INVALID) and slot not in duplicates:
                     done[g.sampler_id].append(g.policy_version)
             for sampler_id, versions in done.items():
                 self.admission.answered(sampler_id, versions)
@@ -230,6 +235,8 @@ class IngestServicer(rollout_pb2_grpc.RolloutIngestServicer):
                 request.sampler_id, position, UNANSWERED_WINDOW)
         except BufferUnavailable as exc:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"rollout buffer unavailable ({exc}); retry with backoff")
+        except DamagedRecord as exc:  # an operator must mend it: waiting would not
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"rollout buffer damaged: {exc}")
         return rollout_pb2.DataPosition(known=position is not None, position=position or 0, unanswered=unanswered)
 
     def _check_request_count(self, context, sampler_id: str, field: str, count: int) -> None:
@@ -270,6 +277,8 @@ class IngestServicer(rollout_pb2_grpc.RolloutIngestServicer):
             state = self.buffer.admission_state()
         except BufferUnavailable as exc:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"rollout buffer unavailable ({exc}); retry with backoff")
+        except DamagedRecord as exc:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"rollout buffer damaged: {exc}")
         granted, queued = self.admission.admit(state, request.sampler_id, request.groups, request.policy_version,
                                                request.in_flight)
         return rollout_pb2.AdmitReply(granted=granted, retry_after_ms=0 if granted else RETRY_AFTER_MS,

@@ -85,3 +85,18 @@ def test_admission_waits_out_an_outage_and_raises_a_refusal():
                               True, stop)
     with pytest.raises(PermanentError, match="refuses admission requests .UNAUTHENTICATED: bad token"):
         refused.admit(4, 0, 0)
+
+
+def test_a_damaged_buffer_refusal_is_not_blamed_on_the_sampler_token(cfg):
+    """The ingest answers FAILED_PRECONDITION naming a damaged buffer record: the sampler's error passes that on
+    without telling the operator to check the sampler's token (the wrong way)."""
+    damaged = "rollout buffer damaged: grpo:positions field sampler-0 holds 'x', not an integer"
+    stub = Stub([RpcError(grpc.StatusCode.FAILED_PRECONDITION, damaged)], rollout_pb2.DataPosition())
+    with pytest.raises(PermanentError, match="mend what the ingest's message names") as raised:
+        resume_position(cfg, "sampler-0", stub, threading.Event())
+    assert damaged in str(raised.value) and "token" not in str(raised.value)
+    refused = AdmissionClient(Stub([RpcError(grpc.StatusCode.FAILED_PRECONDITION, damaged)], None), "sampler-0",
+                              True, threading.Event())
+    with pytest.raises(PermanentError, match="mend what the ingest's message names") as raised:
+        refused.admit(4, 0, 0)
+    assert "token" not in str(raised.value)

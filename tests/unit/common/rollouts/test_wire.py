@@ -1,8 +1,8 @@
 import grpc
 import numpy as np
 
-from grpo_stream.common.rollouts.wire import (CompletionData, GroupData, GroupLimits, decode_group, encode_group,
-                                              model_mask_of, to_proto, validate_group)
+from grpo_stream.common.rollouts.wire import (MAX_DATA_POSITION, CompletionData, GroupData, GroupLimits, decode_group,
+                                              encode_group, model_mask_of, to_proto, validate_group)
 
 LIMITS = GroupLimits(num_generations=2, max_prompt_tokens=8, max_new_tokens=6, vocab_size=50)
 
@@ -64,6 +64,16 @@ def test_a_dataset_group_needs_its_data_position_and_an_injected_one_does_not():
     assert errors == ["data_position: required for a group drawn from a sampler's data stream (its index there; "
                       "groups answering injected prompts set injected=true instead)"]
     assert validate_group(to_proto(make_group(data_position=None, injected=True)), LIMITS) == []
+
+
+def test_a_data_position_the_buffer_cannot_record_exactly_is_refused_naming_the_field():
+    """The buffer's scripts keep positions as Lua doubles written by cjson (14 significant digits): 10**14 would be
+    recorded as 1e+14, a record compaction reads as damaged (it then holds back for the rest of the run)."""
+    assert validate_group(to_proto(make_group(data_position=MAX_DATA_POSITION)), LIMITS) == []
+    for position in (MAX_DATA_POSITION + 1, 10**17):
+        errors = validate_group(to_proto(make_group(data_position=position)), LIMITS)
+        assert errors == [f"data_position: {position} is above {MAX_DATA_POSITION}, the highest the buffer records "
+                          "exactly; a sampler numbers its data stream's prompts from 0"]
 
 
 def test_token_logprob_length_mismatch_names_field():
