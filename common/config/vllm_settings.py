@@ -8,10 +8,17 @@ from pydantic import Field, model_validator
 
 from grpo_stream.common.config.base import Strict
 
-VLLM_RESERVED_ARGS = {"model", "logprobs_mode", "skip_tokenizer_init", "load_format", "gpu_memory_utilization",
-                      "kv_cache_memory_bytes",
-                      "tensor_parallel_size", "max_num_seqs", "enforce_eager", "enable_prefix_caching",
-                      "max_model_len", "dtype", "seed", "worker_extension_cls"}
+# vllm.LLM's arguments the engine sets itself, each with where a run sets it (what the refusal of one in engine_args
+# names)
+VLLM_RESERVED_ARGS = {
+    "model": "model.path", "dtype": "sampler.dtype", "seed": "run.seed",
+    "max_model_len": "generation.max_prompt_tokens + generation.max_new_tokens, or sampler.openai.max_context_tokens",
+    "gpu_memory_utilization": "sampler.vllm.gpu_memory_utilization",
+    "kv_cache_memory_bytes": "sampler.vllm.kv_cache_gib",
+    "tensor_parallel_size": "sampler.vllm.tensor_parallel_size", "max_num_seqs": "sampler.vllm.max_num_seqs",
+    "enforce_eager": "sampler.vllm.enforce_eager", "enable_prefix_caching": "sampler.vllm.prefix_caching",
+    **{arg: "nowhere (the engine's own)" for arg in ("logprobs_mode", "skip_tokenizer_init", "load_format",
+                                                      "worker_extension_cls")}}
 
 
 class VllmSection(Strict):
@@ -41,16 +48,18 @@ class VllmSection(Strict):
     stage_dir: str | None = Field(None, description="weight_install files: a directory on fast local storage (e.g. "
                                   "/dev/shm) for one version's safetensors. Null: a temporary directory.")
     engine_args: dict[str, Any] = Field(default_factory=dict, description="More keyword arguments for vllm.LLM "
-                                        "(e.g. {swap_space: 0}); vLLM checks them at start. The ones set above, "
-                                        "and model, logprobs_mode, skip_tokenizer_init and load_format, cannot be "
-                                        "given here.")
+                                        "(e.g. {swap_space: 0}); vLLM checks them at start. The ones the engine "
+                                        "sets from the run's config (those above, model, dtype, seed, "
+                                        "max_model_len, and its own logprobs_mode, skip_tokenizer_init, load_format "
+                                        "and worker_extension_cls) cannot be given here.")
 
     @model_validator(mode="after")
     def _check(self):
-        taken = sorted(set(self.engine_args) & VLLM_RESERVED_ARGS)
+        taken = sorted(set(self.engine_args) & VLLM_RESERVED_ARGS.keys())
         if taken:
-            raise ValueError(f"sampler.vllm.engine_args sets {taken}: use the sampler.vllm fields for them (model, "
-                             "logprobs_mode, skip_tokenizer_init and load_format are the engine's own)")
+            where = "; ".join(f"{arg}: {VLLM_RESERVED_ARGS[arg]}" for arg in taken)
+            raise ValueError(f"sampler.vllm.engine_args sets {taken}, which the engine sets from the run's config; "
+                             f"remove them from engine_args and set instead: {where}")
         if self.weight_install == "iterator" and self.tensor_parallel_size > 1:
             raise ValueError("sampler.vllm.weight_install=iterator needs tensor_parallel_size 1 (the tensors are "
                              "handed over in this process); use files or auto")

@@ -99,6 +99,9 @@ from grpo_stream.common.model.hf_checkpoint import resolve_model_dir, to_hf_name
 log = logging.getLogger(__name__)
 PAD_BIAS = -100.0  # vLLM clamps logit_bias to [-100, 100]
 MAX_RECORDED = 1 << 16  # requests of one serve whose prefix-cache hits are kept (cached_prompt_tokens)
+# vLLM raises a temperature below this to it (SamplingParams, with a warning): its logprobs would then be those of
+# softmax(logits / 0.01), not of the temperature the trainer recomputes them at
+VLLM_MIN_TEMPERATURE = 0.01
 
 
 class VllmEngine:
@@ -112,6 +115,10 @@ class VllmEngine:
         params `generate` gets; `settings`: the sampler.vllm config section; `in_flight`: weights may change
         mid-generation (sampler.weight_updates=in_flight); `context_tokens`: max_model_len when more than
         max_prompt_tokens + max_new_tokens (the OpenAI endpoint's longer context)."""
+        if temperature < VLLM_MIN_TEMPERATURE:
+            raise PermanentError(f"generation.temperature={temperature} is below vLLM's smallest sampling temperature "
+                                 f"{VLLM_MIN_TEMPERATURE}, to which vLLM would raise it: the sampler's logprobs would "
+                                 "not be the trainer's. Set generation.temperature >= 0.01, or sampler.engine=jax")
         self.model, self.pad_id, self.eos_ids = model, pad_id, list(eos_ids)
         self.context_capacity = max(max_prompt_tokens + max_new_tokens, context_tokens or 0)
         self.side: SideQueue | None = None  # an endpoint's queue whose requests join every serve (side_requests.py)

@@ -103,6 +103,8 @@ class InRunEvaluator:
         with self._cond:
             if self._closed:
                 raise RuntimeError("the in-run evaluator is closed")
+            if step in self.skipped:  # a resumed trainer's restored version, pending when its checkpoint was saved
+                self.skipped.remove(step)
             if self._waiting is not None:
                 self.skipped.append(self._waiting.step)
                 log.info("evaluation of version %d skipped: version %d came due while it waited (evaluation is "
@@ -174,6 +176,13 @@ class InRunEvaluator:
             self._cond.notify_all()
 
     def state(self) -> dict:
-        """What summary.json and the checkpoints keep: the curve so far, the skipped versions and the errors."""
+        """What summary.json and the checkpoints keep: the curve so far, the skipped versions and the errors. A version
+        running or waiting now is recorded as skipped: a trainer resumed from this record (or a stopped one, whose
+        summary this is) never evaluates it, so without that it would be in neither list. One that ends in this
+        process is in the next record's curve instead; a resumed trainer that evaluates one again (`submit`) takes it
+        off the list."""
         with self._cond:
-            return {"eval_curve": list(self.curve), "eval_skipped": list(self.skipped), "eval_errors": self.errors}
+            done = {r["step"] for r in self.curve if r["when"] == "during"}  # the running one's row may be in
+            pending = [s for s in (self._running, self._waiting and self._waiting.step)
+                       if s is not None and s not in self.skipped and s not in done]
+            return {"eval_curve": list(self.curve), "eval_skipped": self.skipped + pending, "eval_errors": self.errors}

@@ -124,7 +124,9 @@ def write_summary(path: pathlib.Path, cfg: RunConfig, *, steps: int, counters: d
         "eval_after": eval_after,
         # held-out evaluations in step order: before RL (step 0), during it (eval.every_steps), after it
         "eval_curve": eval_curve(carried, eval_after, steps),
-        "eval_skipped": carried.get("eval_skipped", []),  # due during RL, replaced by a newer version while waiting
+        # due during RL and never evaluated: replaced by a newer version while waiting, or pending when the run stopped
+        # (or when the checkpoint a resumed run restarted from was saved)
+        "eval_skipped": carried.get("eval_skipped", []),
         "eval_errors": carried.get("eval_errors", 0),  # evaluations during RL that raised (logged; the run went on)
         "rl_seconds": round(rl_seconds, 2),
         "wall_seconds": round(time.time() - started, 2),

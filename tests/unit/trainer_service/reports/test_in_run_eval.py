@@ -130,6 +130,39 @@ def test_resumed_curve_is_kept_and_known():
     assert ev.evaluated(4) and not ev.evaluated(2)
 
 
+def test_a_record_counts_the_versions_still_pending_as_skipped():
+    """A checkpoint saved (or a stopped run's summary written) while versions are running or waiting: a trainer
+    resumed from it never evaluates them, so they are listed as skipped, not lost from both lists; one that ends
+    here is in the next record's curve instead."""
+    gate = Gate()
+    ev = InRunEvaluator(gate, lambda step, result: None)
+    ev.submit(2, None)
+    gate.wait_started(2)
+    ev.submit(4, None)
+    assert ev.state()["eval_curve"] == [] and ev.state()["eval_skipped"] == [2, 4]
+    gate.release(2)
+    gate.wait_started(4)
+    state = ev.state()
+    assert [r["step"] for r in state["eval_curve"]] == [2] and state["eval_skipped"] == [4]
+    gate.release(4)
+    assert ev.drain(10)
+    state = ev.state()
+    assert [r["step"] for r in state["eval_curve"]] == [2, 4] and state["eval_skipped"] == [] and ev.skipped == []
+    ev.close()
+
+
+def test_a_resumed_evaluator_takes_a_version_it_evaluates_again_off_the_skipped_list():
+    gate = Gate()
+    ev = InRunEvaluator(gate, lambda step, result: None)
+    ev.skipped = [2, 4]  # the checkpoint's record: 4, the step restored, was pending when it was saved
+    ev.submit(4, None)
+    gate.release(4)
+    assert ev.drain(10)
+    state = ev.state()
+    assert [r["step"] for r in state["eval_curve"]] == [4] and state["eval_skipped"] == [2]
+    ev.close()
+
+
 class FakeClock:
     def __init__(self):
         self.now = 0.0
