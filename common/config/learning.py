@@ -48,8 +48,9 @@ class LoraSection(Strict):
     targets: str = Field(LORA_DEFAULT_TARGETS, min_length=1, description="Regular expression, matched in full "
                          "against module paths such as 'layers/3/attn/q_proj' or 'layers/3/mlp/down_proj': the "
                          "projections that get adapters. The default adapts every attention and MLP projection, "
-                         "never the embeddings or the output head (a pattern of your own that matches them adapts "
-                         "them too).")
+                         "never the embeddings or the output head (a pattern of your own matching 'lm_head' adapts "
+                         "an untied output head; the embedding table, and a head tied to it, are never adapted: "
+                         "docs/lora.md).")
 
     @model_validator(mode="after")
     def _regex(self) -> "LoraSection":

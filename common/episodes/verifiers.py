@@ -14,7 +14,8 @@ as reward components.
 
 A rollout the environment ended with an error (a model call that failed, a tool that raised and stopped it), whose
 turns are not one token sequence, or whose rubric returned a non-finite reward or metric (NaN, inf), fails (`EpisodeResult.failed`): its whole group is left out by the sampler
-(a partly scored group would bias its advantages). An episode longer than generation.max_new_tokens is cut there
+(a partly scored group would bias its advantages). So are the rows of a group whose rollouts began from different
+first prompts (a group answers one prompt). An episode longer than generation.max_new_tokens is cut there
 and marked truncated.
 """
 
@@ -129,7 +130,19 @@ async def group_results(run_group: Callable[[], Awaitable[Any]], rows: int, take
             why = str(exc) if isinstance(exc, RolloutError) else (
                 f"the environment's output is not an episode ({type(exc).__name__}: {exc})")
             results.append(EpisodeResult(failed=why[:500]))
-    return results
+    return _one_prompt(results)
+
+
+def _one_prompt(results: list[EpisodeResult]) -> list[EpisodeResult]:
+    """`results`, or every row failed when the rows began from different first prompts (an environment that varies
+    its prompt per rollout, e.g. a random system prompt or few-shot example): a group is one prompt's completions,
+    and the group builder's refusal of such a group stopped the sampler instead of leaving the group out."""
+    firsts = {tuple(r.prompt_ids) for r in results if not r.failed and r.prompt_ids is not None}
+    if len(firsts) <= 1:
+        return results
+    why = (f"the group's rollouts began from {len(firsts)} different first prompts (the environment varies its "
+           "prompt between rollouts of one row); a group's completions must answer one prompt")
+    return [r if r.failed else EpisodeResult(failed=why) for r in results]
 
 
 class VerifiersRollouts:

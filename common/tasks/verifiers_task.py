@@ -62,6 +62,15 @@ def load_environment(settings) -> Any:
                              "the environment's package or put its module on PYTHONPATH") from None
 
 
+def _eval_dataset(env) -> Any:
+    """The environment's eval dataset, or None when it has none. An environment may give it as a builder
+    (verifiers' DatasetBuilder), which leaves `env.eval_dataset` None until built: build it here, rather than taking
+    the unset attribute for no eval dataset (and holding out training rows instead). Not `get_eval_dataset()`,
+    which answers an environment without one with its training dataset."""
+    build = getattr(env, "build_eval_dataset", None)
+    return build() if callable(build) else getattr(env, "eval_dataset", None)
+
+
 class VerifiersTask:
     """A verifiers environment's dataset as the run's problems (common/tasks/base.py Task)."""
 
@@ -71,7 +80,7 @@ class VerifiersTask:
         self.train = self._problems(env.get_dataset())
         if not self.train:
             raise ValueError(f"task.verifiers.environment={name!r}: its dataset has no rows")
-        evaluation = env.get_eval_dataset() if eval_split and getattr(env, "eval_dataset", None) is not None else None
+        evaluation = _eval_dataset(env) if eval_split else None
         if evaluation is not None:
             self.test = self._problems(evaluation)
         elif len(self.train) >= 2:  # no eval dataset: the last tenth is held out, and so never trained on

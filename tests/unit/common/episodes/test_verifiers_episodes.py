@@ -179,3 +179,15 @@ def test_every_row_of_a_group_ends_even_when_its_rollouts_task_is_cancelled():
     assert [bool(r and r.failed) for r in run.results] == [True, True] and ended[-1] is run  # the group ended
     assert "CancelledError" in run.results[0].failed
     assert "g" not in rollouts.versions._by_group  # the endpoint's record of the group's versions is closed too
+
+
+def test_a_group_whose_rollouts_began_from_different_prompts_fails_every_row():
+    """An environment that varies its prompt between rollouts of one row (a random system prompt) gave scored rows
+    with two first prompts: the group builder refused the group with a ValueError, which stopped the sampler."""
+    outs = [{"trajectory": [turn([1, 2], [5])], "reward": 1.0}, {"trajectory": [turn([1, 3], [5])], "reward": 0.0}]
+    log = RolloutVersions()
+    log.open("g")
+    for out in outs:
+        log.record("g", out["trajectory"][0]["tokens"]["prompt_ids"], [5], [0])
+    results = asyncio.run(group_results(lambda: returns(outs), 2, lambda: log.take("g"), 64, 5.0))
+    assert all("2 different first prompts" in (r.failed or "") for r in results), [r.failed for r in results]
