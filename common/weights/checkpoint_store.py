@@ -143,7 +143,11 @@ class CheckpointWeightStore:
     @staticmethod
     def _remove(old: epath.Path) -> None:
         try:
-            old.rmtree() if old.is_dir() else old.unlink()
+            if old.is_dir():  # the marker first: a sampler restoring it meanwhile then sees why its read failed
+                (old / MARKER).unlink(missing_ok=True)
+                old.rmtree()
+            else:
+                old.unlink()
         except OSError as exc:  # another process may be reading it; the next publish retries
             log.warning("could not delete old weight version %s: %s", old, exc)
 
@@ -180,6 +184,10 @@ class CheckpointWeightStore:
                                       "start the sampler with the trainer's model settings")
         try:
             restored = self._checkpointer.restore(path, {_key(n): t for n, t in targets.items()})
-        except (FileNotFoundError, ValueError, OSError) as exc:
-            raise CheckpointError(f"{path}: restore failed ({exc.__class__.__name__}: {exc})") from exc
+        except Exception as exc:  # noqa: BLE001 - TensorStore raises bare Exception for a data file deleted mid-read
+            # pruned by the trainer while read (its marker goes first), or a read that failed: poll LATEST again
+            if isinstance(exc, (FileNotFoundError, ValueError, OSError)) or not (path / MARKER).exists():
+                raise CheckpointError(f"{path}: restore failed ({exc.__class__.__name__}: {str(exc)[:300]}); "
+                                      "poll LATEST again") from exc
+            raise
         return {name: restored[_key(name)] for name in targets}

@@ -62,6 +62,9 @@ class WeightPublisher:
         self._lock = threading.Lock()
         self._snapshot: WeightSnapshot | None = None
         self._manifest: weights_pb2.WeightManifest | None = None
+        # multi-host: the version this process announced it serves (gather_hosts), served beside the one held until
+        # the switch, so that a sampler sent here by process 0's manifest finds it
+        self._incoming: WeightSnapshot | None = None
         # LoRA: the frozen base (version BASE_VERSION of this epoch), published once and served beside the latest
         self._base_snapshot: WeightSnapshot | None = None
         self._base_manifest: weights_pb2.WeightManifest | None = None
@@ -124,9 +127,16 @@ class WeightPublisher:
         if snapshot is not None:
             manifest.data_port = self.data_port
         if self.gather_hosts is not None:
-            self.gather_hosts(manifest)
+            with self._lock:  # servable before it is announced: process 0 may list this process at once
+                self._incoming = snapshot
+            try:
+                self.gather_hosts(manifest)
+            except BaseException:
+                with self._lock:
+                    self._incoming = None
+                raise
         with self._lock:
-            self._snapshot, self._manifest = snapshot, manifest
+            self._snapshot, self._manifest, self._incoming = snapshot, manifest, None
             if not self.published or self.published[-1] != manifest.version:
                 self.published.append(manifest.version)
 
@@ -142,7 +152,12 @@ class WeightPublisher:
             return self._manifest
 
     def held(self, version: int) -> WeightSnapshot | None:
-        """The host snapshot a fetch of `version` reads: the epoch's base for BASE_VERSION, else the latest (None:
-        nothing held; a transport whose bytes the trainer does not serve holds none)."""
+        """The host snapshot a fetch of `version` reads: the epoch's base for BASE_VERSION, the version a multi-host
+        trainer's process announced and has not switched to yet, else the latest (None: nothing held; a transport
+        whose bytes the trainer does not serve holds none)."""
         with self._lock:
-            return self._base_snapshot if version == BASE_VERSION else self._snapshot
+            if version == BASE_VERSION:
+                return self._base_snapshot
+            if self._incoming is not None and self._incoming.version == version:
+                return self._incoming
+            return self._snapshot

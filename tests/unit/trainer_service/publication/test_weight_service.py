@@ -58,3 +58,25 @@ def test_a_fetch_of_a_version_not_held_is_not_found_and_a_held_one_streams_whole
     whole = weights_pb2.TensorSlices(tensor_index=0, slices=[weights_pb2.SliceRange(start=[0], stop=[8])])
     chunks = list(service.FetchSlices(weights_pb2.FetchSlicesRequest(version=1, tensors=[whole]), None))
     assert len(chunks) == 2 and b"".join(c.data for c in chunks) == np.arange(8, dtype=np.float32).tobytes()
+
+
+def test_a_trainer_process_serves_a_version_from_the_moment_it_announces_it():
+    """A multi-host trainer's process announces each version (gather_hosts) before its publisher switches; process 0
+    may list it in a manifest at once, and a sampler sent there must find the version, not NOT_FOUND and a back-off,
+    while fetches of the version before it still stream."""
+    publisher = WeightPublisher(chunk_bytes=64, epoch="e1")
+    service = WeightService(publisher)
+    whole = weights_pb2.TensorSlices(tensor_index=0, slices=[weights_pb2.SliceRange(start=[0], stop=[8])])
+    fetched = {}
+
+    def announce(manifest):  # a sampler's fetches arrive between the announcement and the switch
+        for version in (manifest.version - 1, manifest.version):
+            chunks = service.FetchSlices(weights_pb2.FetchSlicesRequest(version=version, trainer_epoch="e1",
+                                                                        tensors=[whole]), Context())
+            fetched[version] = np.frombuffer(b"".join(c.data for c in chunks), np.float32)
+
+    publisher.publish(WeightSnapshot(1, {"w": np.full(8, 1, np.float32)}))
+    publisher.gather_hosts = announce
+    publisher.publish(WeightSnapshot(2, {"w": np.full(8, 2, np.float32)}))
+    assert fetched[1].tolist() == [1.0] * 8 and fetched[2].tolist() == [2.0] * 8
+    assert publisher.held(2).version == 2 and publisher.held(1).version == 2  # switched: the old one is gone
