@@ -109,7 +109,7 @@ class AckingSink:
     def __init__(self, limits: GroupLimits):
         self.limits, self.acked, self.tokens, self.last = limits, 0, 0, 0.0
 
-    def put(self, message, timeout_s: float = 0.0, epoch: str = "") -> bool:
+    def put(self, message, timeout_s: float = 0.0, epoch: str = "", evaluation_only: bool = False) -> bool:
         payload = message.SerializeToString()
         errors = validate_group(type(message).FromString(payload), self.limits)
         if errors:

@@ -155,7 +155,7 @@ class GroupSink:
         # the tokens the model sampled: an environment's observation tokens between turns were not generated
         tokens = int(sum(c.model_tokens().sum() for c in group.completions))
         message = to_proto(group)
-        while not self.client.put(message, timeout_s=PUT_WAIT_S, epoch=work.epoch):
+        while not self.client.put(message, timeout_s=PUT_WAIT_S, epoch=work.epoch, evaluation_only=not work.train):
             if self.abandon():
                 return
         self.groups_sent += 1

@@ -24,7 +24,10 @@ Groups made with another trainer epoch's weights than `epoch` (set by the
 sampler when it fetches a restarted trainer's first version) are discarded too,
 counted as `dropped_epoch`: their version numbers are the old trainer's, which
 the new one, resumed from an earlier checkpoint, would read as its own (or as
-versions from its future).
+versions from its future). Neither applies to the answer to an injected
+`train: false` prompt: it is evaluated, never trained, so its weights' age does
+not matter, and dropping it left the prompt to wait out its claim lease and be
+generated again (up to prompts.max_claims times, then cancelled).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import logging
 import queue
 import threading
 import time
+import typing
 
 import grpc
 
@@ -49,6 +53,12 @@ _OK, _INVALID, _EXHAUSTED = 0, grpc.StatusCode.INVALID_ARGUMENT.value[0], grpc.S
 # their own timeouts), so a minute of silence is a stream that hangs (a half-open connection, a peer that froze).
 ACK_TIMEOUT_S = 60.0
 CLOSE_TIMEOUT_S = 5.0  # close() waits this long for the sender thread (a daemon: it cannot hold up the exit)
+
+
+class _Queued(typing.NamedTuple):
+    epoch: str  # the trainer epoch whose weights made it ("": unknown)
+    group: rollout_pb2.RolloutGroup
+    evaluation_only: bool  # an injected train=false prompt's answer: sent whatever its weights' age
 
 
 class _BadReply(TransientError):
@@ -85,7 +95,7 @@ class RolloutClient:
         self.epoch = ""  # the trainer epoch whose groups are sent ("": any)
         self.refused: str | None = None  # why the ingest refuses this sender for good (its token or its ids)
         self.error: BaseException | None = None  # what ended the sender thread (None while it runs or after close)
-        self._in_hand: list[tuple[str, rollout_pb2.RolloutGroup]] = []  # taken from the backlog, not yet acknowledged
+        self._in_hand: list[_Queued] = []  # taken from the backlog, not yet acknowledged
         self._call = None  # the StreamBatches call in use (close() cancels it)
         self._awaiting: tuple[float, object] | None = None  # (since when, call) while an ack is awaited
         self._expired = None  # the call the ack watch cancelled
@@ -106,9 +116,11 @@ class RolloutClient:
             raise exc
         raise SenderStopped(f"the rollout sender thread stopped: {type(exc).__name__}: {exc}") from exc
 
-    def put(self, group: rollout_pb2.RolloutGroup, timeout_s: float, epoch: str = "") -> bool:
+    def put(self, group: rollout_pb2.RolloutGroup, timeout_s: float, epoch: str = "",
+            evaluation_only: bool = False) -> bool:
         """Queue a group made with trainer `epoch`'s weights ("": unknown, never discarded for it), waiting up to
-        timeout_s while the backlog is full; False (not queued) on timeout.
+        timeout_s while the backlog is full; False (not queued) on timeout. `evaluation_only` (an injected train=false
+        prompt's answer): never discarded for its weights' age or epoch.
         Raises what stopped the sender (`check`): IngestRefused once the ingest has refused this sender's token or
         sampler ids, SenderStopped after the thread died of anything else."""
         self.check()
@@ -117,7 +129,7 @@ class RolloutClient:
         with self._lock:
             self._unacked += 1
         try:
-            self._backlog.put((epoch, group), timeout=timeout_s)
+            self._backlog.put(_Queued(epoch, group, evaluation_only), timeout=timeout_s)
         except queue.Full:
             with self._lock:
                 self._unacked -= 1
@@ -168,9 +180,11 @@ class RolloutClient:
         floor, epoch = self.min_version, self.epoch
         kept, other, stale = [], 0, 0
         for item in groups:
-            if epoch and item[0] and item[0] != epoch:
+            if item.evaluation_only:
+                kept.append(item)
+            elif epoch and item.epoch and item.epoch != epoch:
                 other += 1
-            elif item[1].policy_version < floor:
+            elif item.group.policy_version < floor:
                 stale += 1
             else:
                 kept.append(item)
@@ -250,7 +264,7 @@ class RolloutClient:
                 self._in_hand = self._take(self._in_hand)
                 if not self._in_hand:
                     continue
-                requests.put(rollout_pb2.RolloutBatch(groups=[group for _, group in self._in_hand]))
+                requests.put(rollout_pb2.RolloutBatch(groups=[item.group for item in self._in_hand]))
                 self._in_hand, retry_ms = self._settle(self._in_hand, self._await_ack(call).acks)
                 backoff.reset()
                 if self._in_hand:  # buffer full or unavailable: the same groups again, in order

@@ -25,7 +25,7 @@ class Client:
     def __init__(self, unacked=0):
         self.unacked, self.sent = unacked, 0
 
-    def put(self, message, timeout_s, epoch=""):
+    def put(self, message, timeout_s, epoch="", evaluation_only=False):
         self.sent += 1
         return True
 
@@ -178,7 +178,7 @@ def test_an_error_the_sink_meets_while_it_finishes_at_the_final_version_stops_th
             pass
 
     class FailingClient(Client):  # a bug met sending (a reward that raises only fails its group: test_group_sink)
-        def put(self, message, timeout_s, epoch=""):
+        def put(self, message, timeout_s, epoch="", evaluation_only=False):
             raise ValueError("sink bug")
 
     class Engine:

@@ -209,7 +209,7 @@ class SenderFirst(queue.Queue):
         super().put(item, block, timeout)
         taken = self.client._take([])  # what the sender thread does with it (dropped here when too stale)
         if taken:
-            self.client._settle(taken, [rollout_pb2.GroupAck(group_id=g.group_id) for _, g in taken])
+            self.client._settle(taken, [rollout_pb2.GroupAck(group_id=item.group.group_id) for item in taken])
         self.seen.append(self.client.unacked)
 
 
@@ -255,3 +255,20 @@ def test_groups_of_another_trainer_epoch_are_not_sent(make_client):
     assert client.put(group(2), timeout_s=1)  # no epoch known (a transport without one): sent
     assert client.drain(10)
     assert sent == ["g1", "g2"] and client.stats["dropped_epoch"] == 1 and client.unacked == 0
+
+
+def test_an_evaluation_only_answer_is_sent_whatever_its_weights_age_or_epoch(make_client):
+    """An injected train=false prompt's answer is never trained: dropping it as stale or of another epoch left the
+    prompt to wait out its claim lease and be generated again, up to prompts.max_claims times, then cancelled."""
+    sent = []
+
+    def record(batch, call):
+        sent.extend(g.group_id for g in batch.groups)
+        return ack_all(batch, call)
+    client = make_client(Stub(record), backlog_max_groups=8)
+    client.epoch, client.min_version = "new", 10  # group() is made with version 0
+    assert client.put(group(0), timeout_s=1, epoch="old", evaluation_only=True)
+    assert client.put(group(1), timeout_s=1, evaluation_only=True)
+    assert client.put(group(2), timeout_s=1, epoch="old") and client.put(group(3), timeout_s=1)  # training groups
+    assert client.drain(10)
+    assert sent == ["g0", "g1"] and client.stats["dropped_epoch"] == 1 and client.stats["dropped_stale"] == 1
