@@ -56,6 +56,7 @@ class EvalResult:
     examples: list[dict]
     samples: int = 0                      # sampled completions per problem (0: greedy only)
     skipped_long_prompts: int = 0         # problems not scored: prompt longer than generation.max_prompt_tokens
+    skipped_empty_prompts: int = 0        # problems not scored: prompt of no tokens (no engine can start one)
     pass_at_k: dict[str, float] = dataclasses.field(default_factory=dict)
     maj_at_k: dict[str, float] = dataclasses.field(default_factory=dict)
     task_metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # the task's own figures (greedy)
@@ -126,7 +127,8 @@ def evaluate(engine: GenerationEngine, params: Any, tokenizer, problems: list, b
 
     Each problem is a group of episodes made by `rollouts` (the run's rollout kind, common/episodes/registry.py:
     single turns by default, an environment's episodes, a verifiers environment's rollouts), `batch_size` episodes
-    in flight at a time. Problems whose prompt exceeds the engine's max_prompt_tokens are skipped and counted.
+    in flight at a time. Problems whose prompt exceeds the engine's max_prompt_tokens, or is empty, are skipped and
+    counted.
     `progress`: called as groups end (a heartbeat); `rewards`: the run's rewards (task.rewards), whose mean over the
     greedy (and sampled) episodes, with `turn_weight` x their turn rewards, is `reward` (`sampled_reward`); a kind
     that scores its own episodes (a verifiers rubric) gives its own. `task_metrics(problems, greedy completions, score_call)`:
@@ -137,12 +139,13 @@ def evaluate(engine: GenerationEngine, params: Any, tokenizer, problems: list, b
     if not problems:
         raise ValueError("no problems to evaluate (eval.num_problems / --limit, and the split's size)")
     encoded = [tokenizer.encode(p.prompt) for p in problems]
-    keep = [i for i, ids in enumerate(encoded) if len(ids) <= engine.max_prompt_tokens]
-    skipped = len(problems) - len(keep)  # longer than generation.max_prompt_tokens: not scored, counted
+    keep = [i for i, ids in enumerate(encoded) if 0 < len(ids) <= engine.max_prompt_tokens]
+    empty = sum(not ids for ids in encoded)  # no engine starts one (a sampler skips them): not scored, counted
+    skipped = len(problems) - len(keep) - empty  # longer than generation.max_prompt_tokens: not scored, counted
     problems, prompts = [problems[i] for i in keep], [encoded[i] for i in keep]
     if not problems:
         raise ValueError(f"generation.max_prompt_tokens={engine.max_prompt_tokens}: every evaluation prompt is "
-                         "longer; raise it")
+                         "empty or longer; raise it, or fix the data")
     rollouts = rollouts or SingleTurn(engine.max_new_tokens)
     rewards = rewards or RewardSet({"answer_correct": 1.0})
     works, made = _episodes(engine, params, problems, prompts, rollouts, 1, jax.random.key(seed), True, batch_size,
@@ -156,6 +159,7 @@ def evaluate(engine: GenerationEngine, params: Any, tokenizer, problems: list, b
     reward, components, failed = _scores(works, made, tokenizer, turn_weight, score_call)
     result = EvalResult(accuracy=sum(correct) / n, format_rate=sum(formatted) / n, num_problems=n,
                         seconds=0.0, examples=examples, samples=samples, skipped_long_prompts=skipped,
+                        skipped_empty_prompts=empty,
                         reward=reward, reward_components=components, failed_episodes=failed,
                         reward_weights=dict(rewards.configured) if reward_weights is None else reward_weights,
                         task_metrics=task_metrics(problems, greedy, score_call) if task_metrics else {})
@@ -198,7 +202,7 @@ def greedy_probe(engine: GenerationEngine, params: Any, tokenizer, problems: lis
     """Greedy single-turn completions of the problems whose prompts fit: what two copies of the same weights must
     agree on."""
     kept = [(p, ids) for p, ids in ((p, tokenizer.encode(p.prompt)) for p in problems)
-            if len(ids) <= engine.max_prompt_tokens]
+            if 0 < len(ids) <= engine.max_prompt_tokens]
     _, made = _episodes(engine, params, [p for p, _ in kept], [ids for _, ids in kept],
                         SingleTurn(engine.max_new_tokens), 1, jax.random.key(0), True, batch_size, progress,
                         RewardSet({"answer_correct": 1.0}))

@@ -14,8 +14,9 @@ An episode ends when the environment returns no observation, after environment.m
 tokens (model and observation tokens after the prompt) would pass its budget (generation.max_new_tokens; then it is
 truncated). A turn that reaches its own budget (environment.turn_max_new_tokens) without a stop token is answered
 like any other (the environment sees what the model wrote); its stop token is written before the observation, as an
-observation token, so the chat template's turn structure holds. An environment that raises ends its episode there
-(the error is kept on the episode); nothing it does escapes into the stream.
+observation token, so the chat template's turn structure holds. An environment that raises, or answers a turn with
+a reward that is not a finite number, ends its episode there (the error is kept on the episode); nothing it does
+escapes into the stream.
 
 Versions: each model token records the version that drew it, an observation token the version of the model token
 before it (it was written in reply to that turn).
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import math
 import threading
 import time
 
@@ -112,7 +114,12 @@ class _Episode:
         if self.kind.settings.tool_latency_s:
             time.sleep(self.kind.settings.tool_latency_s)
         turn = self.env_episode.step(result.turn_texts[-1])
-        result.turn_rewards.append(float(turn.reward))
+        reward = float(turn.reward)
+        # a NaN or infinite turn reward makes the episode's reward NaN at any weight (0 x NaN), and the ingest then
+        # refuses the whole group: an environment's bug, which ends its episode as a raise does
+        if not math.isfinite(reward):
+            raise ValueError(f"the environment's turn reward is {reward}; a turn reward must be a finite number")
+        result.turn_rewards.append(reward)
         if turn.observation is None:
             return None
         ids = self.kind.renderer.render(turn.observation)

@@ -253,7 +253,13 @@ def _fit(value: Any, kind: str, schema: Mapping[str, Any], where: str, tool: str
             return value
         return int(value) if isinstance(value, float) and value.is_integer() else _NO_FIT
     if kind == "number":
-        return float(value) if isinstance(value, (int, float)) else _NO_FIT
+        if not isinstance(value, (int, float)):
+            return _NO_FIT
+        try:
+            return float(value)
+        except OverflowError:  # an integer past float's range (the formats take 3,000 digits): Tool.call never raises
+            raise _Rejected(f"error: argument '{where}' of tool '{tool}' must be a number within about "
+                            f"±1.8e308, got an integer of {value.bit_length()} bits") from None
     if kind == "string":
         return value if isinstance(value, str) else _NO_FIT
     if kind == "array" and isinstance(value, (list, tuple)):

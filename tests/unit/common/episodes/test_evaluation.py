@@ -86,3 +86,17 @@ def test_evaluation_scores_answers_through_the_bounded_reward_call():
     assert result.pass_at_k == {"1": 0.0, "2": 0.0} and asked == ["answer_correct"] * 2  # once per completion
     _sampled_figures(result, problems, [["#### 5", "#### 5"]], [1, 2])  # no call: here, as before
     assert result.pass_at_k == {"1": 1.0, "2": 1.0} and result.maj_at_k == {"1": 1.0, "2": 1.0}
+
+
+def test_a_problem_whose_prompt_has_no_tokens_is_skipped_and_counted_not_fatal(tiny_parts):
+    """A prompt that encodes to no tokens was kept (only a long one was skipped) and the engine refused its request,
+    failing the whole evaluation; a sampler skips such a prompt. Now it is skipped and counted here too."""
+    import types
+
+    cfg, task, tok, model = tiny_parts
+    engine = ContinuousEngine(model, tok.pad_id, tok.eos_id, cfg.generation.max_prompt_tokens, 4, temperature=1.0)
+    problems = task.heldout(2)
+    empty = types.SimpleNamespace(prompt="", answer="1", prompt_id="empty")
+    assert tok.encode(empty.prompt) == []
+    result = evaluate(engine, model.params, tok, [problems[0], empty, problems[1]], batch_size=4)
+    assert (result.num_problems, result.skipped_empty_prompts, result.skipped_long_prompts) == (2, 1, 0)

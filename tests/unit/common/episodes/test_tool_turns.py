@@ -254,3 +254,36 @@ def test_an_environment_whose_start_raises_fails_its_group_not_the_sampler(tiny_
     assert [run.work.group_id for run in ended] == ["g"] and stream.take() == []
     assert all("start raised KeyError" in r.failed for r in ended[0].results)
     assert stream.episodes_in_flight == 0 and not stream.in_flight()
+
+
+class Rewarding:
+    """Ends the episode at its first step with the turn reward `reward`."""
+
+    def __init__(self, reward):
+        self.reward = reward
+
+    def start(self, problem):
+        env = self
+
+        class Episode:
+            def step(self, text):
+                return Turn(None, reward=env.reward)
+        return Episode()
+
+
+@pytest.mark.parametrize("reward", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_a_turn_reward_that_is_not_finite_ends_its_episode_with_an_error(tiny_parts, reward):
+    """A NaN turn reward was kept: the episode's reward became NaN at any turn_reward_weight (0 x NaN), and the
+    ingest refused the whole group (reward must be finite), its data position lost with no word of the environment.
+    Now it is the environment's error at that turn, as a step that raises is."""
+    from grpo_stream.common.episodes.groups import build_group
+    from grpo_stream.common.episodes.result import GroupWork
+    from grpo_stream.common.tasks.rewards import DEFAULT_WEIGHTS, RewardSet
+
+    cfg, task, tok, _ = tiny_parts
+    sampled = tok.encode(" 42") + [tok.eos_id]
+    result = _one_scripted_turn(tiny_parts, Rewarding(reward), EpisodeSettings(4, 8, C), sampled)
+    assert "turn reward is" in result.error and not result.finished and result.turn_rewards == []
+    problem = task.train_problem(0)
+    work = GroupWork(problem, tok.encode(problem.prompt), 1, RewardSet(DEFAULT_WEIGHTS), "g", 0, None)
+    assert np.isfinite(build_group(work, [result], "s", tok, turn_weight=0.0).completions[0].reward)

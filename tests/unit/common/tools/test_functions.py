@@ -173,3 +173,18 @@ def test_a_result_or_argument_python_cannot_write_is_an_error_text_not_a_raise()
     assert tool.call({"base": 10, "exponent": 5000}).startswith("error: tool 'power' failed: ValueError")
     assert tool.call({"base": "x" * 10, "exponent": 2}).startswith("error:")
     assert tool.call({"base": 16 ** 3600, "exponent": 1}).startswith("error:")  # described, not written out
+
+
+@pytest.mark.parametrize("text, family", [
+    ("<call>search('q', scale=" + "9" * 400 + ")</call>", "plain"),
+    ('<tool_call>{"name": "search", "arguments": {"query": "q", "weights": {"w": 1' + "0" * 400 + "}}}</tool_call>",
+     "qwen"),
+])
+def test_an_integer_past_a_floats_range_for_a_number_is_an_error_text_not_a_raise(text, family):
+    """A number argument given as an integer of 400 digits (both formats read it) raised OverflowError out of
+    Tool.call, which never raises: the episode ended with the error instead of the model reading what is wrong."""
+    from grpo_stream.common.tools.calls import parse_tool_calls
+
+    [call] = parse_tool_calls(text, family)
+    answer = ToolSet([tool_from_function(search)]).run(call)
+    assert answer.startswith("error: argument '") and "must be a number within about ±1.8e308" in answer
