@@ -132,16 +132,18 @@ class ClaimedPrompts(_message.Message):
     def __init__(self, prompts: _Optional[_Iterable[_Union[InjectedPrompt, _Mapping]]] = ...) -> None: ...
 
 class AdmitRequest(_message.Message):
-    __slots__ = ("sampler_id", "groups", "policy_version", "in_flight")
+    __slots__ = ("sampler_id", "groups", "policy_version", "in_flight", "process")
     SAMPLER_ID_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    PROCESS_FIELD_NUMBER: _ClassVar[int]
     sampler_id: str
     groups: int
     policy_version: int
     in_flight: int
-    def __init__(self, sampler_id: _Optional[str] = ..., groups: _Optional[int] = ..., policy_version: _Optional[int] = ..., in_flight: _Optional[int] = ...) -> None: ...
+    process: str
+    def __init__(self, sampler_id: _Optional[str] = ..., groups: _Optional[int] = ..., policy_version: _Optional[int] = ..., in_flight: _Optional[int] = ..., process: _Optional[str] = ...) -> None: ...
 
 class AdmitReply(_message.Message):
     __slots__ = ("granted", "retry_after_ms", "trainer_step", "queued")

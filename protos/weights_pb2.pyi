@@ -141,7 +141,7 @@ class SliceChunk(_message.Message):
     def __init__(self, tensor_index: _Optional[int] = ..., slice_index: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., last: _Optional[bool] = ..., crc32: _Optional[int] = ...) -> None: ...
 
 class VersionReport(_message.Message):
-    __slots__ = ("sampler_id", "installed_version", "fetch_failures", "trainer_epoch", "groups_per_s", "tokens_per_s", "groups_generated")
+    __slots__ = ("sampler_id", "installed_version", "fetch_failures", "trainer_epoch", "groups_per_s", "tokens_per_s", "groups_generated", "process")
     SAMPLER_ID_FIELD_NUMBER: _ClassVar[int]
     INSTALLED_VERSION_FIELD_NUMBER: _ClassVar[int]
     FETCH_FAILURES_FIELD_NUMBER: _ClassVar[int]
@@ -149,6 +149,7 @@ class VersionReport(_message.Message):
     GROUPS_PER_S_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     GROUPS_GENERATED_FIELD_NUMBER: _ClassVar[int]
+    PROCESS_FIELD_NUMBER: _ClassVar[int]
     sampler_id: str
     installed_version: int
     fetch_failures: int
@@ -156,7 +157,8 @@ class VersionReport(_message.Message):
     groups_per_s: float
     tokens_per_s: float
     groups_generated: int
-    def __init__(self, sampler_id: _Optional[str] = ..., installed_version: _Optional[int] = ..., fetch_failures: _Optional[int] = ..., trainer_epoch: _Optional[str] = ..., groups_per_s: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., groups_generated: _Optional[int] = ...) -> None: ...
+    process: str
+    def __init__(self, sampler_id: _Optional[str] = ..., installed_version: _Optional[int] = ..., fetch_failures: _Optional[int] = ..., trainer_epoch: _Optional[str] = ..., groups_per_s: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., groups_generated: _Optional[int] = ..., process: _Optional[str] = ...) -> None: ...
 
 class VersionReportReply(_message.Message):
     __slots__ = ("latest_version",)

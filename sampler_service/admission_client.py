@@ -26,9 +26,10 @@ OUTAGE_RETRY_S = 1.0
 
 
 class AdmissionClient:
-    def __init__(self, stub, sampler_id: str, enabled: bool, stop_event: threading.Event):
-        """`stub`: the ingest's RolloutIngestStub; `enabled`: sampler.admission."""
-        self.stub, self.sampler_id, self.stop_event = stub, sampler_id, stop_event
+    def __init__(self, stub, sampler_id: str, enabled: bool, stop_event: threading.Event, process: str = ""):
+        """`stub`: the ingest's RolloutIngestStub; `enabled`: sampler.admission; `process`: the random id this
+        sampler process made at its start (the ingest refuses a process another one with its sampler id replaced)."""
+        self.stub, self.sampler_id, self.stop_event, self.process = stub, sampler_id, stop_event, process
         self.enabled = enabled  # turned off for an ingest that predates Admit
         self.waited_s = 0.0
         self.refusals = 0
@@ -43,7 +44,8 @@ class AdmissionClient:
         started, retry_s = time.monotonic(), OUTAGE_RETRY_S
         try:
             reply = self.stub.Admit(rollout_pb2.AdmitRequest(sampler_id=self.sampler_id, groups=wanted,
-                                                             policy_version=version, in_flight=in_flight), timeout=5)
+                                                             policy_version=version, in_flight=in_flight,
+                                                             process=self.process), timeout=5)
             self._warned = False
             if reply.granted:
                 return min(wanted, reply.granted)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import secrets
 from typing import Any, Iterator
 
 import grpc
@@ -128,11 +129,14 @@ def open_sampler(cfg: RunConfig, index: int, sampler_id: str, stop_event, device
         health = health_pb2_grpc.HealthStub(channel)
         wait_for_trainer(cfg, health, stop_event)
         mesh = sampler_mesh(cfg, devices)
+        # this process's id for the trainer: a restart's reports count anew, and a second process under this
+        # sampler id is told apart from a restart (the replaced one is refused admission)
+        process = secrets.token_hex(8)
         log.info("%s mesh %s on %s", sampler_id, dict(mesh.shape), [d.id for d in mesh.devices.flat])
         sync = WeightSync(weight_fetcher(cfg, sampler_id, channel, security, hub), model, mesh, sampler_id,
                           cfg.weights.retry_initial_s, cfg.weights.retry_max_s, cfg.trainer.max_staleness, channel,
                           background=cfg.weights.background_fetch, fit_hint=fit_hint(cfg),
-                          overdue_after_s=2 * cfg.sampler.rpc_timeout_s + 10)
+                          overdue_after_s=2 * cfg.sampler.rpc_timeout_s + 10, process=process)
         stack.callback(sync.close)
         # rollouts go to the ingest, which is the trainer's server unless it runs on its own (ingest.standalone)
         ingest_channel = channel
@@ -147,7 +151,7 @@ def open_sampler(cfg: RunConfig, index: int, sampler_id: str, stop_event, device
         log.info("%s connected to %s, rollouts to %s (tokenizer %s), data position %d%s", sampler_id,
                  cfg.trainer_address(), cfg.ingest_address(), tokenizer.fingerprint(), resume.start,
                  f" ({len(resume.unanswered)} unanswered below it first)" if resume.unanswered else "")
-        admission = AdmissionClient(ingest_stub, sampler_id, cfg.sampler.admission, stop_event)
+        admission = AdmissionClient(ingest_stub, sampler_id, cfg.sampler.admission, stop_event, process)
         yield Parts(task, tokenizer, model, engine, RewardSet(cfg.task.rewards), metrics, health, ingest_stub, sync,
                     client, admission, resume)
 

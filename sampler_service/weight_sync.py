@@ -81,8 +81,9 @@ class WeightSync:
                  retry_initial_s: float = 0.5, retry_max_s: float = 10.0, max_staleness: int | None = None,
                  channel: grpc.Channel | None = None, background: bool = False,
                  clock: Callable[[], float] = time.monotonic, fit_hint: str = "",
-                 overdue_after_s: float | None = None):
+                 overdue_after_s: float | None = None, process: str = ""):
         self.fetcher, self.model, self.sampler_id, self.clock = fetcher, model, sampler_id, clock
+        self.process = process  # this sampler process's random id, sent with its reports (groups_generated's)
         self.overdue_after_s = overdue_after_s
         self.fit_hint = fit_hint
         self.max_staleness = max_staleness
@@ -261,7 +262,7 @@ class WeightSync:
             reply = self._report_stub.ReportVersion(weights_pb2.VersionReport(
                 sampler_id=self.sampler_id, installed_version=self.installed_version, fetch_failures=self.failures,
                 trainer_epoch=self.installed_epoch, groups_per_s=self.throughput[0], tokens_per_s=self.throughput[1],
-                groups_generated=self.groups_generated),
+                groups_generated=self.groups_generated, process=self.process),
                 timeout=2)
             if reply.latest_version >= 0:
                 self.latest_seen = max(self.latest_seen, reply.latest_version)

@@ -10,6 +10,7 @@ from grpo_stream.common.rollouts.buffer import RedisStreamBuffer
 from grpo_stream.common.rollouts.redis_server import connect
 from grpo_stream.common.rollouts.wire import CompletionData, GroupData, GroupLimits, to_proto
 from grpo_stream.common.rpc.auth import write_tokens
+from grpo_stream.common.runtime.errors import PermanentError
 from grpo_stream.common.rpc.grpc_util import CHANNEL_OPTIONS
 from grpo_stream.protos import rollout_pb2, rollout_pb2_grpc
 from grpo_stream.sampler_service.admission_client import AdmissionClient
@@ -87,6 +88,23 @@ def test_a_resent_group_is_counted_answered_once(ingest):
     assert resent.code == 0 and resent.message.startswith("duplicate")
     # in the buffer 1, at sampler-0 1 (group 1, still decoding): 6 places are left of (1 + 1) * 4, not 7
     assert b.admit(8, version=0, in_flight=0) == 6
+
+
+def test_a_sampler_process_replaced_by_another_under_its_id_is_refused(ingest):
+    """Two running samplers given one index (or token) share a sampler id: their counts, group ids and data
+    positions collide. The process that asked last holds the id; the one it replaced, asking again, stops with an
+    error saying so. A restart (the old process gone) goes on as before."""
+    _, stub = ingest
+    stop = threading.Event()
+    first = AdmissionClient(stub, "sampler-0", True, stop, process="a1")
+    second = AdmissionClient(stub, "sampler-0", True, stop, process="b2")
+    assert first.admit(1, version=0, in_flight=0) == 1
+    assert second.admit(1, version=0, in_flight=0) == 1  # a restart, or a second sampler: the id is its now
+    assert second.admit(1, version=0, in_flight=1) == 1
+    with pytest.raises(PermanentError, match="two running samplers must not share a sampler id") as refused:
+        first.admit(1, version=0, in_flight=1)
+    assert "'sampler-0'" in str(refused.value) and "token (auth.token_file" not in str(refused.value)
+    assert second.admit(1, version=0, in_flight=2) == 1  # the one that holds the id goes on
 
 
 def test_bad_requests_name_the_field(ingest):

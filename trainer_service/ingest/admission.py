@@ -44,6 +44,7 @@ import time
 from grpo_stream.common.rollouts.buffer import AdmissionState
 
 log = logging.getLogger(__name__)
+REPLACED_KEPT = 8  # processes remembered per sampler id as replaced (a crash-looping sampler makes one per start)
 RETRY_AFTER_MS = 100  # a refused sampler asks again this soon: the trainer frees groups_per_step places per step
 # how far a sampler's weight version may lead the trainer's last logged step: version s is published after step s,
 # and the step's audit record is written in the background, a step at most behind
@@ -71,6 +72,11 @@ def admissible(state: AdmissionState, queued: int, policy_version: int, limits: 
     return max(0, math.floor(bound) - state.waiting - queued)
 
 
+class SharedSamplerId(ValueError):
+    """A sampler process that another process with the same sampler id replaced asks again: two samplers run under
+    one id (two given one index or one token), and their counts, group ids and data positions would collide."""
+
+
 class AdmissionControl:
     """The ingest's grants: per sampler, its groups in flight by weight version, and when it was last heard from."""
 
@@ -80,6 +86,8 @@ class AdmissionControl:
         self._newest: dict[str, int] = {}  # sampler -> the newest weight version it asked with in its lease
         self._granted: dict[str, int] = {}  # sampler -> groups granted since its last claim of injected prompts
         self._seen: dict[str, float] = {}
+        # sampler -> (the process that asked last, processes it replaced): a restart replaces its predecessor for good
+        self._processes: dict[str, tuple[str, collections.deque]] = {}
         self._lock = threading.Lock()
         self.stats = {"requests": 0, "granted": 0, "refused": 0}
 
@@ -97,6 +105,24 @@ class AdmissionControl:
         del self._seen[sampler_id], self._versions[sampler_id]
         self._newest.pop(sampler_id, None)
         self._granted.pop(sampler_id, None)
+        self._processes.pop(sampler_id, None)
+
+    def _check_process(self, sampler_id: str, process: str) -> None:
+        """SharedSamplerId when `process` was replaced by another process of `sampler_id` (one that asked after it);
+        otherwise `process` is the sampler's now. A sampler sending no process id ("") is not checked."""
+        if not process:
+            return
+        current, replaced = self._processes.get(sampler_id, ("", collections.deque(maxlen=REPLACED_KEPT)))
+        if process == current:
+            return
+        if process in replaced:
+            raise SharedSamplerId(
+                f"sampler_id {sampler_id!r}: another sampler process started with this id and asks for admission "
+                "now; two running samplers must not share a sampler id (their group ids and data positions "
+                "collide): give each its own sampler index and token. This process stops")
+        if current:
+            replaced.append(current)
+        self._processes[sampler_id] = (process, replaced)
 
     def take_granted(self, sampler_id: str) -> int | None:
         """The groups granted to `sampler_id` since the last call (None: none in its lease): a sampler claims
@@ -106,11 +132,13 @@ class AdmissionControl:
             return self._granted.pop(sampler_id, None)
 
     def admit(self, state: AdmissionState, sampler_id: str, wanted: int, policy_version: int,
-              reported_in_flight: int) -> tuple[int, int]:
-        """Grant up to `wanted` groups to `sampler_id`; returns (granted, groups queued ahead of them)."""
+              reported_in_flight: int, process: str = "") -> tuple[int, int]:
+        """Grant up to `wanted` groups to `sampler_id`'s process `process`; returns (granted, groups queued ahead of
+        them). SharedSamplerId: another process of that sampler id replaced this one."""
         now = self.clock()
         with self._lock:
             self._expire(now)
+            self._check_process(sampler_id, process)
             own = self._versions.setdefault(sampler_id, collections.Counter())
             # no version of the trainer now running is this far ahead of its last logged step: such a version is an
             # earlier trainer process's, which got further before it was restarted from an older checkpoint (its

@@ -20,7 +20,7 @@ from google.protobuf.message import DecodeError
 from grpo_stream.common.rollouts.buffer import BufferUnavailable, Incoming, RedisStreamBuffer
 from grpo_stream.common.rollouts.redis_errors import DamagedRecord
 from grpo_stream.common.rpc.auth import MAX_REPLICA, TokenTable, caller_of, may_act_as
-from grpo_stream.trainer_service.ingest.admission import RETRY_AFTER_MS, AdmissionControl
+from grpo_stream.trainer_service.ingest.admission import RETRY_AFTER_MS, AdmissionControl, SharedSamplerId
 from grpo_stream.trainer_service.ingest.claim_check import checked_claim
 from grpo_stream.trainer_service.ingest.prompt_queue import InjectedShare, PromptQueue
 from grpo_stream.common.tasks.rewards import allowed_names
@@ -279,7 +279,10 @@ class IngestServicer(rollout_pb2_grpc.RolloutIngestServicer):
             context.abort(grpc.StatusCode.UNAVAILABLE, f"rollout buffer unavailable ({exc}); retry with backoff")
         except DamagedRecord as exc:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"rollout buffer damaged: {exc}")
-        granted, queued = self.admission.admit(state, request.sampler_id, request.groups, request.policy_version,
-                                               request.in_flight)
+        try:
+            granted, queued = self.admission.admit(state, request.sampler_id, request.groups,
+                                                   request.policy_version, request.in_flight, request.process[:64])
+        except SharedSamplerId as exc:  # the replaced process must stop: asking again will not mend it
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         return rollout_pb2.AdmitReply(granted=granted, retry_after_ms=0 if granted else RETRY_AFTER_MS,
                                       trainer_step=state.trainer_step, queued=queued)

@@ -35,7 +35,8 @@ class WeightService(weights_pb2_grpc.WeightServiceServicer):
         self._check_caller(context, request.sampler_id)
         if not request.trainer_epoch or request.trainer_epoch == self.publisher.epoch:  # another epoch's: not ours
             self.publisher.samplers.record(request.sampler_id, request.installed_version, request.fetch_failures,
-                                           (request.groups_per_s, request.tokens_per_s), request.groups_generated)
+                                           (request.groups_per_s, request.tokens_per_s), request.groups_generated,
+                                           request.process[:64])
         latest = self.publisher.latest_version
         return weights_pb2.VersionReportReply(latest_version=-1 if latest is None else latest)
 

@@ -37,3 +37,26 @@ def test_silent_samplers_expire_and_a_returning_one_starts_again(monkeypatch):
     assert reg.groups_generated() == 5 + 9
     reg.record("sampler-0", 5, generated=1)  # back again: a fresh entry, its earlier groups still counted
     assert reg.installed["sampler-0"] == [5] and reg.groups_generated() == 5 + 9 + 1
+
+
+def test_a_late_report_of_a_process_is_not_taken_for_a_restart():
+    """Reports are unary calls with a short deadline: one sent at 10 groups may be served after the one sent at 12.
+    Read as a restart (its count fell), the 12 were counted twice; a new process (a new id) adds its own count."""
+    reg = SamplerRegistry()
+    reg.record("sampler-0", 3, generated=12, process="a1")
+    reg.record("sampler-0", 3, generated=10, process="a1")  # late
+    assert reg.groups_generated() == 12
+    reg.record("sampler-0", 4, generated=3, process="b2")  # restarted: its new process counts from 0
+    reg.record("sampler-0", 4, generated=2, process="b2")
+    assert reg.groups_generated() == 12 + 3
+    reg.record("sampler-0", 4, generated=1)  # a sampler sending no id: a fall is a restart, as before
+    reg.record("sampler-0", 4, generated=0)
+    assert reg.groups_generated() == 12 + 3 + 1
+
+
+def test_processes_kept_apart_per_sampler_are_capped_and_still_counted(monkeypatch):
+    monkeypatch.setattr(samplers_module, "MAX_PROCESSES", 4)
+    reg = SamplerRegistry()
+    for k in range(20):  # a crash-looping sampler: a process per start
+        reg.record("sampler-0", 0, generated=2, process=f"p{k}")
+    assert len(reg.generated["sampler-0"]) <= 4 and reg.groups_generated() == 40
