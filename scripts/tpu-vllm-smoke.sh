@@ -43,8 +43,12 @@ for mode in drain in_flight; do
     "hardware.trainer_env={TPU_VISIBLE_CHIPS: '$trainer_chips', TPU_CHIPS_PER_PROCESS_BOUNDS: '$bounds', TPU_PROCESS_BOUNDS: '1,1,1', TPU_PROCESS_PORT: '8476'}" \
     "hardware.sampler_env={TPU_VISIBLE_CHIPS: '$sampler_chips', TPU_CHIPS_PER_PROCESS_BOUNDS: '$bounds', TPU_PROCESS_BOUNDS: '1,1,1', TPU_PROCESS_PORT: '8477'}" \
     || echo "[smoke] $mode: up exited with $? (the report says what ran)"
-  .venv/bin/python -m grpo_stream.reports.smoke "$run" --python .venv/bin/python --python .venv-vllm-tpu/bin/python \
-    --out "$out/$mode.json"
+  # an `up` that stopped before saving its config leaves nothing to report: say so and go on to the other mode
+  if ! .venv/bin/python -m grpo_stream.reports.smoke "$run" --python .venv/bin/python \
+      --python .venv-vllm-tpu/bin/python --out "$out/$mode.json"; then
+    echo "[smoke] $mode: no result written; please send $run/logs and the output above instead"
+    continue
+  fi
   .venv/bin/python -c "import json, sys; r = json.load(open(sys.argv[1])); print('[smoke]', sys.argv[2], 'passed' if r['passed'] else 'FAILED', {k: c['value'] for k, c in r['checks'].items()})" "$out/$mode.json" "$mode"
 done
 echo "[smoke] results: $out/drain.json $out/in_flight.json (logs under $out/run-*/logs)"
