@@ -32,7 +32,8 @@ def curve_row(step: int, when: str, result: dict) -> dict:
 
 def metric_values(result: dict) -> dict[str, float]:
     """The scalars of one evaluation (under `eval/` in metrics, TensorBoard and W&B): greedy accuracy, format rate,
-    reward and its components, pass@k, maj@k, the task's own figures, seconds."""
+    reward and its components (greedy, and sampled when eval.samples > 0), pass@k, maj@k, the task's own figures,
+    seconds."""
     values = {"accuracy": result["accuracy"], "format_rate": result["format_rate"], "reward": result["reward"],
               "num_problems": result["num_problems"], "seconds": result["seconds"],
               "failed_episodes": result.get("failed_episodes", 0)}
@@ -40,6 +41,7 @@ def metric_values(result: dict) -> dict[str, float]:
     values.update({f"maj_at_{k}": v for k, v in (result.get("maj_at_k") or {}).items()})
     values.update({f"task/{k}": v for k, v in (result.get("task_metrics") or {}).items()})
     values.update({f"reward/{k}": v for k, v in (result.get("reward_components") or {}).items()})
+    values.update({f"sampled_reward/{k}": v for k, v in (result.get("sampled_reward_components") or {}).items()})
     if result.get("sampled_reward") is not None:
         values["sampled_reward"] = result["sampled_reward"]
     return {k: float(v) for k, v in values.items() if v is not None}
@@ -60,9 +62,9 @@ class DutyCycle:
 
     def __call__(self) -> None:
         if self.share < 1.0 and not self.released.is_set():
-            pause = (self.clock() - self._since) * (1.0 - self.share) / self.share
-            self.released.wait(pause)
-            self.paused_s += pause
+            started = self.clock()
+            self.released.wait((started - self._since) * (1.0 - self.share) / self.share)
+            self.paused_s += self.clock() - started  # what it waited: a release ends a pause early
         self._since = self.clock()
 
     def release(self) -> None:

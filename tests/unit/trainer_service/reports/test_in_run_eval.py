@@ -10,7 +10,8 @@ from grpo_stream.trainer_service.reports.in_run_eval import DutyCycle, InRunEval
 
 RESULT = {"accuracy": 0.5, "format_rate": 1.0, "reward": 0.5, "num_problems": 4, "seconds": 0.1,
           "pass_at_k": {"1": 0.4, "4": 0.7}, "maj_at_k": {"4": 0.6}, "task_metrics": {"prompt_level_strict_acc": 0.3},
-          "reward_components": {"answer_correct": 0.5}, "failed_episodes": 0, "sampled_reward": 0.45}
+          "reward_components": {"answer_correct": 0.5}, "failed_episodes": 0, "sampled_reward": 0.45,
+          "sampled_reward_components": {"answer_correct": 0.4}}
 
 
 class Gate:
@@ -198,6 +199,20 @@ def test_duty_cycle_pauses_for_the_rest_of_its_share():
     assert len(released.waits) == 2
 
 
+def test_a_pause_a_release_ends_early_counts_what_it_waited():
+    clock = FakeClock()
+
+    class ReleasedMidway(RecordingEvent):
+        def wait(self, timeout=None):  # the run ends 1 s into a 4 s pause
+            self.waits.append(timeout)
+            self.clock.now += 1.0
+            return True
+    cycle = DutyCycle(0.2, ReleasedMidway(clock), clock)
+    clock.now += 1.0
+    cycle()
+    assert cycle.paused_s == pytest.approx(1.0)
+
+
 def test_duty_cycle_of_one_never_pauses():
     clock = FakeClock()
     released = RecordingEvent(clock)
@@ -212,4 +227,5 @@ def test_metric_values_flatten_every_figure():
     assert values["pass_at_1"] == 0.4 and values["pass_at_4"] == 0.7 and values["maj_at_4"] == 0.6
     assert values["task/prompt_level_strict_acc"] == 0.3 and values["reward/answer_correct"] == 0.5
     assert values["accuracy"] == 0.5 and values["sampled_reward"] == 0.45
+    assert values["sampled_reward/answer_correct"] == 0.4  # each reward's mean over the sampled completions too
     assert all(isinstance(v, float) for v in values.values())
