@@ -76,6 +76,19 @@ class FakeClock:
         self.now += seconds
 
 
+class Aborted(Exception):
+    """What AbortingContext.abort raises (grpc's does the same: abort never returns)."""
+
+
+class AbortingContext:
+    """A servicer's grpc context for calling a servicer method directly: abort records the code and details and
+    raises Aborted."""
+
+    def abort(self, code, details):
+        self.code, self.details = code, details
+        raise Aborted(details)
+
+
 def with_run_name(cfg, name: str):
     """`cfg` for run `name` (tests on the shared Redis each take their own: conftest's `run_name`)."""
     return cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": name})})

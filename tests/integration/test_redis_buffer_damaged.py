@@ -16,18 +16,9 @@ from grpo_stream.common.rollouts.wire import GroupLimits
 from grpo_stream.protos import rollout_pb2
 from grpo_stream.trainer_service.ingest.admission import AdmissionControl, AdmissionLimits
 from grpo_stream.trainer_service.ingest.rollout_ingest import IngestServicer
+from tests.support import Aborted, AbortingContext
 
 pytestmark = pytest.mark.redis
-
-
-class Aborted(Exception):
-    pass
-
-
-class Context:
-    def abort(self, code, details):
-        self.code, self.details = code, details
-        raise Aborted(details)
 
 
 @pytest.fixture
@@ -75,7 +66,7 @@ def test_a_damaged_resume_position_is_named_to_the_sampler_not_a_bare_error(buf)
     with pytest.raises(DamagedRecord, match=named):
         buf.data_position("s0")
     ingest = IngestServicer(buf, GroupLimits(2, 8, 8, 50), max_groups=10, retry_after_ms=100)
-    context = Context()
+    context = AbortingContext()
     with pytest.raises(Aborted):
         ingest.GetDataPosition(rollout_pb2.DataPositionRequest(sampler_id="s0"), context)
     assert context.code == grpc.StatusCode.FAILED_PRECONDITION
@@ -88,7 +79,7 @@ def test_a_damaged_counter_is_named_by_the_readers_of_the_counters(buf):
         buf.counters()
     ingest = IngestServicer(buf, GroupLimits(2, 8, 8, 50), max_groups=10, retry_after_ms=100,
                             admission=AdmissionControl(AdmissionLimits(4, 1, 10, 30.0, 8)))
-    context = Context()
+    context = AbortingContext()
     with pytest.raises(Aborted):
         ingest.Admit(rollout_pb2.AdmitRequest(sampler_id="s0", groups=2), context)
     assert context.code == grpc.StatusCode.FAILED_PRECONDITION and "counters field trained" in context.details

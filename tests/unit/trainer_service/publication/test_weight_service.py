@@ -9,22 +9,13 @@ from grpo_stream.common.weights.snapshot import WeightSnapshot
 from grpo_stream.protos import weights_pb2
 from grpo_stream.trainer_service.publication.publisher import WeightPublisher
 from grpo_stream.trainer_service.publication.weight_service import WeightService
-
-
-class Aborted(Exception):
-    pass
-
-
-class Context:
-    def abort(self, code, details):
-        self.code, self.details = code, details
-        raise Aborted(details)
+from tests.support import Aborted, AbortingContext
 
 
 def test_manifests_and_reports_reach_the_publishers_registry():
     publisher = WeightPublisher(chunk_bytes=64, epoch="e1")
     service = WeightService(publisher)
-    context = Context()
+    context = AbortingContext()
     with pytest.raises(Aborted):
         service.GetManifest(weights_pb2.GetManifestRequest(sampler_id="sampler-0", installed_version=-1), context)
     assert context.code == grpc.StatusCode.NOT_FOUND and not publisher.samplers.installed
@@ -51,7 +42,7 @@ def test_a_fetch_of_a_version_not_held_is_not_found_and_a_held_one_streams_whole
     publisher = WeightPublisher(chunk_bytes=16, epoch="e1")
     service = WeightService(publisher)
     publisher.publish(WeightSnapshot(1, {"w": np.arange(8, dtype=np.float32)}))
-    context = Context()
+    context = AbortingContext()
     with pytest.raises(Aborted):
         list(service.FetchSlices(weights_pb2.FetchSlicesRequest(version=7), context))
     assert context.code == grpc.StatusCode.NOT_FOUND
@@ -72,7 +63,7 @@ def test_a_trainer_process_serves_a_version_from_the_moment_it_announces_it():
     def announce(manifest):  # a sampler's fetches arrive between the announcement and the switch
         for version in (manifest.version - 1, manifest.version):
             chunks = service.FetchSlices(weights_pb2.FetchSlicesRequest(version=version, trainer_epoch="e1",
-                                                                        tensors=[whole]), Context())
+                                                                        tensors=[whole]), AbortingContext())
             fetched[version] = np.frombuffer(b"".join(c.data for c in chunks), np.float32)
 
     publisher.publish(WeightSnapshot(1, {"w": np.full(8, 1, np.float32)}))
