@@ -77,8 +77,8 @@ def result_of(output: dict[str, Any], versions: dict, max_tokens: int) -> Episod
     result.reward = float(output.get("reward") or 0.0)
     result.reward_components = {k: float(v) for k, v in (output.get("metrics") or {}).items()
                                 if isinstance(v, (int, float))}
-    # a NaN or infinite reward would make the trainer's validate_group refuse the whole group (and its data position
-    # be lost): failing the episode here leaves the group out through the sampler's failed-group path instead
+    # a NaN or infinite reward or metric would make the trainer's validate_group refuse the whole group (and its data
+    # position be lost): failing the episode here leaves the group out through the sampler's failed-group path instead
     bad = {"reward": result.reward, **{f"metrics[{k!r}]": v for k, v in result.reward_components.items()}}
     bad = {k: v for k, v in bad.items() if not math.isfinite(v)}
     if bad:

@@ -160,6 +160,16 @@ def decode_trainable_group(payload: bytes, limits: GroupLimits) -> GroupData:
 # reader parses (GetDataPosition then fails for that sampler). A sampler counts its prompts from 0: far below it.
 MAX_DATA_POSITION = 10**14 - 1
 
+# The largest |reward| the ingest accepts: the advantage estimators hand float32 to the update, and without a bound a
+# finite float32 reward (up to 3.4e38) overflows there (drgrpo's r - mean(r) and rloo's r - mean(others) reach twice
+# it: inf advantages, then a non-finite loss). Rewards are weighted sums of scores near [0, 1]: 1e6 is far above any real one.
+MAX_ABS_REWARD = 1e6
+# Reward components are names chosen by the sender, each a train/reward/<name> metric series in the trainer: a
+# completion holds at most this many, with names of at most this many characters (the trainer also caps the series
+# a run keeps: reports/step_report.py MAX_COMPONENT_SERIES).
+MAX_REWARD_COMPONENTS = 64
+MAX_COMPONENT_NAME_CHARS = 128
+
 
 @dataclasses.dataclass(frozen=True)
 class GroupLimits:
@@ -228,8 +238,7 @@ def validate_group(msg: rollout_pb2.RolloutGroup, limits: GroupLimits) -> list[s
             errors.append(f"{where}.token_ids_le: {n_tok} tokens, must be 1..{limits.max_new_tokens} "
                           "(generation.max_new_tokens)")
             continue
-        if not math.isfinite(c.reward):
-            errors.append(f"{where}.reward: must be finite")
+        errors.extend(_reward_errors(c, where))
         errors.extend(_version_run_errors(c, n_tok, msg.policy_version, where))
         if c.model_token_mask and len(c.model_token_mask) != n_tok:
             errors.append(f"{where}.model_token_mask: {len(c.model_token_mask)} bytes for {n_tok} tokens; send one "
@@ -271,6 +280,30 @@ def _value_errors(shaped: list[tuple[str, rollout_pb2.Completion]], vocab_size: 
            "completion starts with the model's turn (what the environment wrote before it belongs in the prompt)")
     report(model | (mask > 1) | (logprobs == 0.0), "logprobs_le: observation tokens (model_token_mask 0) must carry "
            "logprob exactly 0 (they were not sampled)")
+    return errors
+
+
+def _reward_errors(c: rollout_pb2.Completion, where: str) -> list[str]:
+    """A completion's reward (finite, |r| <= MAX_ABS_REWARD) and reward components (at most MAX_REWARD_COMPONENTS,
+    names of 1..MAX_COMPONENT_NAME_CHARS characters, finite values); at most one message per field."""
+    errors = []
+    if not (math.isfinite(c.reward) and abs(c.reward) <= MAX_ABS_REWARD):
+        errors.append(f"{where}.reward: {c.reward} must be finite and within +-{MAX_ABS_REWARD:g} (the advantage "
+                      "estimators work in float32); scale the task's rewards down")
+    if len(c.reward_components) > MAX_REWARD_COMPONENTS:
+        return errors + [f"{where}.reward_components: {len(c.reward_components)} names, limit "
+                         f"{MAX_REWARD_COMPONENTS} (each is a metric series in the trainer)"]
+    sizes = [len(name) for name in c.reward_components]
+    if sizes and not 0 < min(sizes) <= max(sizes) <= MAX_COMPONENT_NAME_CHARS:
+        bad = next(n for n in sizes if not 0 < n <= MAX_COMPONENT_NAME_CHARS)
+        return errors + [f"{where}.reward_components: a name of {bad} characters; names must be "
+                         f"1..{MAX_COMPONENT_NAME_CHARS} characters"]
+    bad_values = {name: value for name, value in c.reward_components.items() if not math.isfinite(value)}
+    if bad_values:
+        name = min(bad_values)  # a map's order is the parser's: name the same one every time
+        value = bad_values[name]
+        more = f" (and {len(bad_values) - 1} more)" if len(bad_values) > 1 else ""
+        errors.append(f"{where}.reward_components[{name!r}]: {value} must be finite{more}")
     return errors
 
 

@@ -16,6 +16,10 @@ from grpo_stream.trainer_service.reports.metrics import Tracker, sample_rows
 
 log = logging.getLogger(__name__)
 MAX_LAG_SERIES = 64  # sampler_weight_lag series (at least sampler.replicas); the rest share one
+# reward/<name> series a run keeps: component names come from samplers (a rubric's metrics, any reward's name), and a
+# buggy or hostile one sending new names every group would grow the metrics file and TensorBoard without bound. At
+# least the MAX_REWARD_COMPONENTS one completion may carry, so one completion's set always fits.
+MAX_COMPONENT_SERIES = 64
 
 _GAUGES = (("trainer_step", "RL steps completed"), ("weight_version", "latest published weight version"),
            ("buffer_depth", "groups waiting in the buffer to be trained"),
@@ -44,12 +48,22 @@ def main_thread_seconds(phases: dict) -> float:
     return sum(phases[p] for p in MAIN_THREAD_PHASES)
 
 
-def component_means(groups) -> dict[str, float]:
+def component_means(groups, kept: set[str] | None = None,
+                    max_series: int = MAX_COMPONENT_SERIES) -> dict[str, float]:
     """`reward/<name>`: the mean of each reward component (task.rewards, weighted 0 or not) over the completions
-    that have it, so a run shows each reward it computes (e.g. ifeval_strict beside ifeval_loose)."""
+    that have it, so a run shows each reward it computes (e.g. ifeval_strict beside ifeval_loose).
+
+    `kept`: the names that have a series in this run so far, updated in place (a new name takes a place while fewer
+    than `max_series` are kept); values of the other names are folded into `reward/(other)`, their mean. None: every
+    name has its own series."""
     values: dict[str, list[float]] = {}
     for c in (c for g in groups for c in g.completions):
         for name, value in c.reward_components.items():
+            if kept is not None and name not in kept:
+                if len(kept) >= max_series:
+                    name = OTHER
+                else:
+                    kept.add(name)
             values.setdefault(name, []).append(value)
     return {f"reward/{name}": float(np.mean(v)) for name, v in sorted(values.items())}
 
@@ -71,6 +85,8 @@ class StepReporter:
             self.max_lag_series)
         self.prom.start(cfg.trainer.metrics_host or cfg.trainer.host, cfg.trainer.metrics_port)
         self._counters: dict[str, int] = {}
+        self._component_names: set[str] = set()  # the reward components with a series of their own (bounded)
+        self._folded_warned = False
         self._last_line = 0.0
         self._window: list[tuple[float, int, int]] = []  # (time, tokens, groups) of recent steps, for rates
 
@@ -109,7 +125,7 @@ class StepReporter:
                "groups_per_second": groups_per_second, "step_seconds": step_seconds,
                "compute_share": phases["compute_seconds"] / max(step_seconds, 1e-9),
                "zero_variance_groups": self._without_signal(groups),
-               "weight_version": self.publisher.latest_version or 0, **component_means(groups)}
+               "weight_version": self.publisher.latest_version or 0, **self._component_means(groups)}
         self.metrics.scalars(step, row, prefix="train/")
         self._export(step, row, counters)
         self.metrics.histogram(step, "train/staleness", staleness)
@@ -131,6 +147,18 @@ class StepReporter:
                 log.info("step %d distill: KL to the teacher %.4f (p50 %.4f, p90 %.4f, p99 %.4f), teacher logprob "
                          "%.4f", step, m["distill_kl"], m["distill_kl_p50"], m["distill_kl_p90"], m["distill_kl_p99"],
                          m["distill_teacher_logprob"])
+
+    def _component_means(self, groups) -> dict[str, float]:
+        """component_means with at most MAX_COMPONENT_SERIES series in the run; warns once when names are folded."""
+        means = component_means(groups, self._component_names)
+        if f"reward/{OTHER}" in means and not self._folded_warned:
+            self._folded_warned = True
+            folded = sorted({name for g in groups for c in g.completions for name in c.reward_components}
+                            - self._component_names)
+            log.warning("samplers sent more than %d distinct reward component names; the rest (e.g. %s) are folded "
+                        "into train/reward/%s for the rest of the run (a rubric naming its metrics per episode?)",
+                        MAX_COMPONENT_SERIES, ", ".join(repr(n) for n in folded[:5]), OTHER)
+        return means
 
     def _show(self, step: int) -> bool:
         """Every step with logging.verbose; else the first, the last, every logging.step_every-th, and one at least

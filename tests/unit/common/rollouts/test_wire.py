@@ -1,8 +1,9 @@
 import grpc
 import numpy as np
 
-from grpo_stream.common.rollouts.wire import (MAX_DATA_POSITION, CompletionData, GroupData, GroupLimits, decode_group,
-                                              encode_group, model_mask_of, to_proto, validate_group)
+from grpo_stream.common.rollouts.wire import (MAX_ABS_REWARD, MAX_COMPONENT_NAME_CHARS, MAX_DATA_POSITION,
+                                              MAX_REWARD_COMPONENTS, CompletionData, GroupData, GroupLimits,
+                                              decode_group, encode_group, model_mask_of, to_proto, validate_group)
 
 LIMITS = GroupLimits(num_generations=2, max_prompt_tokens=8, max_new_tokens=6, vocab_size=50)
 
@@ -101,6 +102,47 @@ def test_out_of_vocab_and_empty_ids():
     errors = validate_group(msg, LIMITS)
     assert errors == ["group_id: must not be empty", "completions[1].token_ids_le: ids must be in [0, 50)",
                       "completions[0].logprobs_le: must be finite and <= 0"]
+
+
+def test_a_reward_past_the_bound_is_refused_naming_the_field():
+    """A finite float32 reward near 3e38 overflowed drgrpo's and rloo's float32 advantages into inf (then NaN
+    parameters); anything past +-MAX_ABS_REWARD, or not finite, is refused."""
+    at_bound = make_group()
+    at_bound.completions[0].reward, at_bound.completions[1].reward = MAX_ABS_REWARD, -MAX_ABS_REWARD
+    assert validate_group(to_proto(at_bound), LIMITS) == []
+    for reward in (3e38, -2 * MAX_ABS_REWARD, float("nan"), float("inf")):
+        group = make_group()
+        group.completions[1].reward = reward
+        errors = validate_group(to_proto(group), LIMITS)
+        assert len(errors) == 1 and errors[0].startswith("completions[1].reward: ")
+        assert f"must be finite and within +-{MAX_ABS_REWARD:g}" in errors[0]
+
+
+def test_reward_components_must_be_finite():
+    """A NaN or infinite component became a NaN train/reward/<name> series (null in the JSONL file)."""
+    group = make_group()
+    group.completions[0].reward_components = {"answer_correct": 1.0, "length": float("nan"), "x": float("-inf")}
+    group.completions[1].reward_components = {"ok": 0.5}
+    assert validate_group(to_proto(group), LIMITS) == [
+        "completions[0].reward_components['length']: nan must be finite (and 1 more)"]
+
+
+def test_reward_component_names_are_bounded_in_number_and_length():
+    """Each name is a metric series in the trainer: a sender was free to send any number of any length."""
+    def errors_for(components: dict) -> list[str]:
+        group = make_group()
+        group.completions[1].reward_components = components
+        return validate_group(to_proto(group), LIMITS)
+
+    assert errors_for({f"c{i}": 0.0 for i in range(MAX_REWARD_COMPONENTS)}) == []
+    assert errors_for({f"c{i}": 0.0 for i in range(10_000)}) == [
+        f"completions[1].reward_components: 10000 names, limit {MAX_REWARD_COMPONENTS} (each is a metric series in "
+        "the trainer)"]
+    assert errors_for({"n" * MAX_COMPONENT_NAME_CHARS: 1.0}) == []
+    for name in ("n" * (MAX_COMPONENT_NAME_CHARS + 1), ""):
+        assert errors_for({"fine": 1.0, name: 1.0}) == [
+            f"completions[1].reward_components: a name of {len(name)} characters; names must be "
+            f"1..{MAX_COMPONENT_NAME_CHARS} characters"]
 
 
 def test_status_code_values_match_grpc():

@@ -2,7 +2,8 @@ import numpy as np
 import pytest
 from tunix.rl import algo_core
 
-from grpo_stream.trainer_service.learning.advantages import grpo_advantages, zero_variance_groups
+from grpo_stream.common.rollouts.wire import MAX_ABS_REWARD
+from grpo_stream.trainer_service.learning.advantages import compute_advantages, grpo_advantages, zero_variance_groups
 
 
 def test_hand_computed():
@@ -55,3 +56,12 @@ def test_overlong_penalty_ramp():
     from grpo_stream.trainer_service.learning.advantages import overlong_penalty
 
     np.testing.assert_allclose(overlong_penalty(np.array([1, 6, 7, 8, 9]), 8, 2, 1.0), [0, 0, -0.5, -1, -1])
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "drgrpo", "rloo"])
+def test_rewards_within_the_ingest_bound_give_finite_advantages(estimator):
+    """The ingest's reward bound (wire.MAX_ABS_REWARD) is what keeps every estimator's float32 result finite: a
+    float32 reward of 3e38, which it used to pass, made drgrpo's and rloo's advantages inf."""
+    rewards = np.array([[MAX_ABS_REWARD, -MAX_ABS_REWARD, -MAX_ABS_REWARD, -MAX_ABS_REWARD]], np.float32)
+    advantages = compute_advantages(rewards, estimator, 1e-6)
+    assert advantages.dtype == np.float32 and np.isfinite(advantages).all()
