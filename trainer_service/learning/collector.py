@@ -56,6 +56,16 @@ class GroupCollector:
         """The step's groups in stream order; None when stopping (the stop event, or `cancel`: a prefetch no longer
         wanted). Groups passed over as stale (for the version the trainer holds while it trains `step`, step - 1)
         or without reward variance are settled as dropped."""
+        try:
+            return self._collect(step, cancel)
+        except StopRequested as exc:
+            # asked to stop while Redis is away (a settle or the depth read gave up, when_available): stopping, as
+            # when the read fails; raised, it failed the run before the finish plan's checkpoint of the steps done.
+            # What was not settled stays in the buffer (and in `pending`), judged again by the resumed trainer
+            log.warning("step %d's groups not collected: %s", step, exc)
+            return None
+
+    def _collect(self, step: int, cancel: threading.Event | None) -> list[tuple[BufferEntry, GroupData]] | None:
         need, holding = self.need, self.max_staleness
         last_note = time.time()
         while True:

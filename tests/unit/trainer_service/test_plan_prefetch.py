@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from grpo_stream.common.config.loading import load_config
+from grpo_stream.common.rollouts.redis_errors import BufferUnavailable
 from grpo_stream.common.rollouts.registry import open_buffer
 from grpo_stream.common.rollouts.wire import decode_group
 from grpo_stream.common.runtime.heartbeat import seconds_since_beat
@@ -152,6 +153,31 @@ def test_a_plan_made_ahead_but_stopped_before_its_step_leaves_its_groups_to_be_r
     buffer.redeliver()  # a restarted trainer reads what was read and not settled, in stream order
     again = [decode_group(e.payload).group_id for e in buffer.read(10, 10)]
     assert again == [f"run/s0/{i}" for i in range(6)]
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_a_stop_while_redis_is_down_and_dropped_groups_wait_to_be_settled_still_ends_with_the_finish_plan(
+        tmp_path, prefetch):
+    # step 1 reads all four version-0 groups; step 2 (version 1 held, max_staleness 0) finds the two it did not take
+    # stale, and settling them meets Redis away while the run is asked to stop: the collection gives up
+    # (StopRequested), which, raised, failed the run before the finish plan and its checkpoint of step 1
+    stop = threading.Event()
+    source, buffer, calls, _ = leader(tmp_path, config(3, prefetch), [group(i, 0) for i in range(4)], stop)
+
+    def redis_down(records):
+        stop.set()
+        raise BufferUnavailable("Error 111 connecting to localhost:6379. Connection refused.")
+
+    buffer.settle = redis_down
+    core = Core(source)
+    drive(source, core, tmp_path, "trainer-0")
+    assert core.applied == [(1, ["run/s0/0", "run/s0/1"])]
+    assert (2, "plan-prefetch" if prefetch else "MainThread") in calls
+    finish, prefetching = core.finish
+    assert (finish.steps, finish.complete, prefetching) == (1, False, [])
+    # the stale groups stay in the buffer, unsettled, and in the collector's hands
+    assert [g.group_id for _, g in source.s.collector.pending] == ["run/s0/2", "run/s0/3"]
+    assert not buffer.settled and buffer.counters()["depth"] == 4
 
 
 def test_an_error_of_the_prefetch_thread_is_raised_on_the_main_thread(tmp_path):

@@ -53,8 +53,16 @@ def test_a_stop_while_waiting_returns_none_and_loses_nothing():
     buffer = open_buffer(None, "memory")
     buffer.append_many([group(0, 0)], max_groups=10)
     stop = threading.Event()
+    read = buffer.read
+
+    def read_then_stop(max_count, block_ms):  # the stop comes while it waits for a second group (not on a timer,
+        entries = read(max_count, block_ms=0)  # which could fire before the first read on a loaded machine)
+        if not entries:
+            stop.set()
+        return entries
+
+    buffer.read = read_then_stop
     collector = GroupCollector(buffer, 2, 0, None, stop, held=lambda: 0, limits=LIMITS)
-    threading.Timer(0.3, stop.set).start()  # while it waits for a second group
     assert collector.collect(step=1) is None
     assert [g.group_id for _, g in collector.pending] == ["run/s0/0"]
     c = buffer.counters()
