@@ -161,6 +161,12 @@ class Sampler:
                 self._report_throughput()
                 parts.metrics.backlog.set(parts.client.unacked)
                 self.stream.wait_change(FEED_WAIT_S)
+        except Exception as exc:
+            if engine.error is None:
+                raise
+            # the engine failed meanwhile (while the feeder waited in Admit, say), and the stream it cancelled refused
+            # the next group: the engine's error, raised below, is the sampler's (a PermanentError stays one)
+            log.debug("%s: the feeder's %r followed the engine's failure", self.sampler_id, exc)
         finally:
             self.stream.cancel()
             engine.join()
@@ -185,8 +191,12 @@ class Sampler:
         if wanted <= 0 or self._held_back():
             return
         wanted = min(wanted, self._version_allows())  # a cap's remainder, not one more feed's worth past it
-        # never below 0: the ingest refuses a negative count for good (INVALID_ARGUMENT), which would stop the sampler
-        holding = max(0, parts.client.unacked + self.sink.pending() + len(stream.in_flight()))
+        # never below 0: the ingest refuses a negative count for good (INVALID_ARGUMENT), which would stop the sampler.
+        # Read upstream first (stream, sink, sender), as groups move that way on other threads and each is counted
+        # downstream before it leaves upstream: one moving meanwhile counts twice (a smaller grant), never 0 times
+        in_stream = len(stream.in_flight())
+        in_sink = self.sink.pending()
+        holding = max(0, in_stream + in_sink + parts.client.unacked)
         version, epoch = self.weights.version, self.weights.epoch
         granted = self.admission.admit(wanted, version, holding)
         if granted == 0:
@@ -202,7 +212,8 @@ class Sampler:
         scored included: a reward slower than generation would pile them up without bound), the weights are too
         stale for the trainer to use what is made now, synchronous mode's count for this version is reached, or a
         drain for a new version is on."""
-        if self.client.unacked + self.sink.pending() >= self.cfg.sampler.backlog_max_groups:
+        in_sink = self.sink.pending()  # before the sender's count: a group sent between the two reads counts twice
+        if in_sink + self.client.unacked >= self.cfg.sampler.backlog_max_groups:
             return True
         held = self.sync.too_stale() or self._version_allows() <= 0 or self.weights.staged.waiting()
         now = time.monotonic()

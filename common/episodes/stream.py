@@ -4,7 +4,8 @@ keeps for its whole life, fed groups as capacity frees and handing each group on
 There is no batch: a group starts (`start`) whenever its maker decides there is room, its rows' turns enter the
 engine at its next scheduling point beside whatever else is decoding, and a row's slot is free for other work the
 moment its turn ends (an episode waiting for a tool holds no slot). When the last episode of a group ends, the group
-goes to `on_group` (on the thread that ended it: keep it quick; the sampler scores it on its own thread).
+goes to `on_group` (on the thread that ended it: keep it quick; the sampler scores it on its own thread); it is
+in flight (`in_flight()`) until `on_group` returns, so whoever counts it there and then downstream never misses it.
 
 Who calls what:
 - the maker (the sampler's feeder, an evaluation, a benchmark): `start(work, rollouts)`, `close()` (no more groups:
@@ -172,17 +173,24 @@ class RolloutStream:
             self._released.append(hold_key)
 
     def _episode_done(self, run: GroupRun | None) -> None:
-        """An episode ended; `run`: its group, when that was the group's last."""
+        """An episode ended; `run`: its group, when that was the group's last. The group stays in flight (in
+        `in_flight()`, and the stream open) until `on_group` has it: removed first, a feeder counting the groups in
+        flight and then the sink's missed it (one short in its Admit), and a closed stream's serve could end before
+        its last group was handed on (run_groups: "groups unfinished")."""
         with self._cond:
             self.episodes_in_flight -= 1
             self._cond.notify_all()
             if run is None or run not in self._runs:
                 return
-            self._runs.discard(run)
-            self.groups_done += 1
-            if self._cancelled:
-                return
-        self.on_group(run)
+            hand_over = not self._cancelled
+        try:
+            if hand_over:
+                self.on_group(run)  # outside the lock: the engine's thread is not held up by it
+        finally:
+            with self._cond:
+                self._runs.discard(run)
+                self.groups_done += 1
+                self._cond.notify_all()
 
     # ---- the engine's side (RequestSource) -----------------------------------------------------------------
 

@@ -1,7 +1,8 @@
 """The feeder's look at what the sampler holds (sampler_service/loop.py: Sampler._feed, _held_back): the count it
 reports to the ingest's Admit is never negative (the ingest refuses a negative one for good, which stopped the
 sampler), ended groups still being scored count against the backlog (a reward slower than generation piled them up
-without bound), and each group it starts carries the trainer epoch of the weights installed."""
+without bound), a group moving on between the feeder's reads is never missed, each group it starts carries the
+trainer epoch of the weights installed, and an engine that fails while the feeder waits ends it with its error."""
 
 import collections
 import threading
@@ -12,6 +13,7 @@ import pytest
 from grpo_stream.common.episodes.result import EpisodeResult, GroupWork
 from grpo_stream.common.episodes.single_turn import SingleTurn
 from grpo_stream.common.episodes.stream import GroupRun, RolloutStream
+from grpo_stream.common.runtime.errors import PermanentError
 from grpo_stream.common.tasks.rewards import RewardSet
 from grpo_stream.sampler_service.group_sink import GroupSink
 from grpo_stream.sampler_service.lifecycle import SamplerMetrics
@@ -209,3 +211,95 @@ def test_an_error_the_sink_meets_while_it_finishes_at_the_final_version_stops_th
     sink.put(ended_group(small_cfg, 0))
     with pytest.raises(ValueError, match="sink bug"):
         sampler._stream_until_done(parts)
+
+
+def test_a_group_handed_to_the_sink_while_the_feeder_counts_is_still_counted(small_cfg):
+    """The feeder read the sink's count before the stream's groups in flight: a group whose last episode ended between
+    the two reads was in neither, and the in_flight it told Admit was one short (the ingest over-granted). Read
+    upstream first, a group that moves on meanwhile is counted twice at worst (a grant one smaller, never larger)."""
+    admitted, handed = [], []
+    sampler = feeder(small_cfg, Client(), None, admitted)
+    sampler._held_back = lambda: False  # only the count reported to Admit reads the sink here
+    sampler.stream = RolloutStream(lambda rng, n: [None] * n, handed.append)
+    run = sampler.stream.start(ended_group(small_cfg, 0).work, types.SimpleNamespace(start=lambda run: None))
+
+    def pending_then_the_group_ends() -> int:
+        count = len(handed)
+        for row in range(run.work.rows if not handed else 0):  # on another thread in a sampler: just after the read
+            run.episode_done(row, EpisodeResult(tokens=[1], finished=True))
+        return count
+
+    sampler.sink = types.SimpleNamespace(pending=pending_then_the_group_ends)
+    sampler._feed(sampler)
+    assert handed == [run] and admitted and admitted[0] >= 1
+
+
+def test_a_group_the_sink_sends_while_the_feeder_counts_still_holds_the_backlog(small_cfg):
+    """_held_back read the client's count before the sink's: a scored group put on the backlog between the two reads
+    was in neither, and one group more than sampler.backlog_max_groups could start."""
+    limit = small_cfg.sampler.backlog_max_groups
+    sink = types.SimpleNamespace(scored=limit)
+    sink.pending = lambda: sink.scored
+
+    class SentAsItIsRead(Client):
+        """The sink's thread puts a scored group on the backlog just after the feeder read the client's count."""
+
+        @property
+        def unacked(self) -> int:
+            count = self.sent
+            if sink.scored:
+                sink.scored -= 1
+                self.sent += 1
+            return count
+
+        @unacked.setter
+        def unacked(self, value: int) -> None:
+            self.sent = value
+
+    sampler = feeder(small_cfg, SentAsItIsRead(), sink, [])
+    assert sampler._held_back()
+
+
+def test_an_engine_that_fails_while_the_feeder_waits_for_admission_stops_the_sampler_with_its_own_error(small_cfg):
+    """The feeder spends its time in Admit (an RPC, a refusal's wait): an engine that failed meanwhile cancelled the
+    stream, the group admitted then could not start ("the rollout stream is closed"), and that error, not the
+    engine's, ended the sampler (a PermanentError lost, so `up` restarted a sampler no restart helps)."""
+    failed, broke = threading.Event(), threading.Event()
+
+    class Engine:
+        side = None
+
+        def request_keys(self, rng, n):
+            return [None] * n
+
+        def serve(self, params, stream, refresh, version):
+            failed.wait(30)
+            raise PermanentError("the weights are another model's")
+
+    def admit(wanted, version, holding):
+        failed.set()
+        wait_for(broke.is_set, 30, "the engine's thread to fail and cancel the stream")
+        return wanted
+
+    sampler = feeder(small_cfg, Client(), types.SimpleNamespace(pending=lambda: 0, check=lambda: None, put=None,
+                                                                close=lambda: None), [])
+    sampler.stop_event, sampler.run_dir, sampler.sampler_id = threading.Event(), None, "s"
+    sampler.admission = types.SimpleNamespace(admit=admit)
+    sampler._report_throughput = lambda: None
+    sampler.weights = types.SimpleNamespace(**vars(sampler.weights), stream_started=lambda stream, side: None,
+                                            installed=lambda: (None, 0), poll_due=lambda: False,
+                                            report_installed=lambda: None, final_reached=lambda: False, final=False)
+    sampler.weights.staged.refresh = lambda: None
+    parts = types.SimpleNamespace(engine=Engine(), client=sampler.client,
+                                  metrics=types.SimpleNamespace(backlog=types.SimpleNamespace(set=lambda n: None)))
+    parts.client.check = lambda: None
+    cancel = RolloutStream.cancel
+
+    def cancel_and_tell(stream):
+        cancel(stream)
+        broke.set()
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(RolloutStream, "cancel", cancel_and_tell)
+        with pytest.raises(PermanentError, match="another model"):
+            sampler._stream_until_done(parts)

@@ -4,6 +4,7 @@ groups in flight do; a group's long tail holds room for its last row only; greed
 cancelled stream ends the serve at once; a serve that lasts keeps rows for what is in flight only."""
 
 import threading
+import types
 
 import jax
 import numpy as np
@@ -11,7 +12,7 @@ import pytest
 
 from grpo_stream.common.engine.continuous import ContinuousEngine
 from grpo_stream.common.episodes.finite import run_groups
-from grpo_stream.common.episodes.result import GroupWork
+from grpo_stream.common.episodes.result import EpisodeResult, GroupWork
 from grpo_stream.common.episodes.single_turn import SingleTurn
 from grpo_stream.common.episodes.stream import RolloutStream
 from grpo_stream.common.tasks.rewards import DEFAULT_WEIGHTS, RewardSet
@@ -123,3 +124,40 @@ def test_a_long_serve_keeps_rows_for_what_is_in_flight_only(tiny_parts, engine):
             for i in range(40)]
     run_groups(engine, model.params, many, SingleTurn(C), max_rows=8)
     assert len(engine.rows.requests) <= 16  # 160 requests taken, rows recycled: at most what was in flight at once
+
+
+def test_a_group_stays_in_flight_until_on_group_has_it():
+    """The last episode's thread (an environment's worker) removed its group from the stream before calling
+    on_group: in that gap the feeder counted the group neither in flight nor in the sink (its Admit one short: the
+    ingest over-granted), and a closed stream read as ended, so run_groups' serve could end without the group."""
+    handing_over, release = threading.Event(), threading.Event()
+    handed = []
+
+    def on_group(run):
+        handing_over.set()
+        release.wait(30)
+        handed.append(run)
+
+    stream = RolloutStream(lambda rng, n: [None] * n, on_group)
+    work = GroupWork(None, [1], 1, None, "g0", 0, None)
+    run = stream.start(work, types.SimpleNamespace(start=lambda run: None))
+    stream.close()
+    ender = threading.Thread(target=run.episode_done, args=(0, EpisodeResult(tokens=[1], finished=True)))
+    ender.start()
+    try:
+        assert handing_over.wait(30)
+        assert stream.in_flight() == [run] and stream.open()  # counted until the sink has it
+    finally:
+        release.set()
+        ender.join(30)
+    assert handed == [run] and stream.in_flight() == [] and not stream.open() and stream.groups_done == 1
+
+
+def test_an_on_group_that_raises_still_ends_its_group():
+    """The hand-over's error reaches the thread that ended the group; the group no longer holds the stream open."""
+    stream = RolloutStream(lambda rng, n: [None] * n, lambda run: 1 / 0)
+    run = stream.start(GroupWork(None, [1], 1, None, "g0", 0, None), types.SimpleNamespace(start=lambda run: None))
+    stream.close()
+    with pytest.raises(ZeroDivisionError):
+        run.episode_done(0, EpisodeResult(tokens=[1], finished=True))
+    assert stream.in_flight() == [] and not stream.open()
