@@ -146,20 +146,35 @@ class HFTokenizer:
             self._tok = loader.from_pretrained(str(directory), local_files_only=True)
         except (OSError, ValueError) as exc:
             raise ValueError(f"model.path={directory}: no loadable tokenizer there ({exc})") from None
-        eos = {self._tok.eos_token_id} - {None}
-        gen = directory / "generation_config.json"
-        if gen.exists():
-            ids = json.loads(gen.read_text()).get("eos_token_id")
-            eos |= set(ids if isinstance(ids, list) else [ids]) - {None}
-        if not eos:
-            raise ValueError(f"model.path={directory}: the tokenizer defines no end-of-sequence token")
-        self._eos = sorted(eos)
         self.vocab_size = int(vocab_size or len(self._tok))
+        self._eos = self._stop_ids(directory)
         self.pad_id = self._pad_id(directory, pad_token)
         self.eos_id = self._eos[0]
         self.bos_text = self._tok.bos_token or ""  # prepended to plain prompts; chat templates write it themselves
         self._fingerprint_source = directory
         self.tool_format, self.tool_support = self._tools_of(directory, tool_format)
+
+    def _stop_ids(self, directory: pathlib.Path) -> list[int]:
+        """The tokenizer's EOS and generation_config.json's eos_token_id, less ids past the model's embedding rows: a
+        token tokenizer_config.json names but tokenizer.json lacks is appended past them, and the model never samples
+        it (with it the only stop, every completion ran to its budget)."""
+        eos = {self._tok.eos_token_id} - {None}
+        gen = directory / "generation_config.json"
+        if gen.exists():
+            ids = json.loads(gen.read_text()).get("eos_token_id")
+            eos |= set(ids if isinstance(ids, list) else [ids]) - {None}
+        outside = sorted(i for i in eos if i >= self.vocab_size)
+        named = ", ".join(f"{self._tok.convert_ids_to_tokens(i)!r} (id {i})" for i in outside)
+        if outside and eos - set(outside):
+            log.warning("model.path=%s: the stop tokens %s are past the model's %d embedding rows (config.json "
+                        "vocab_size) and are left out: the model cannot sample them", directory, named, self.vocab_size)
+        elif outside:
+            raise ValueError(f"model.path={directory}: the stop tokens {named} are past the model's {self.vocab_size} "
+                             "embedding rows (config.json vocab_size): the model could never stop. Name a stop token "
+                             "of its vocabulary as eos_token_id in generation_config.json")
+        if not eos:
+            raise ValueError(f"model.path={directory}: the tokenizer defines no end-of-sequence token")
+        return sorted(eos - set(outside))
 
     def _pad_id(self, directory: pathlib.Path, pad_token: str | None) -> int:
         """The padding id: model.pad_token's ('auto': the first of `pad_candidates`, logged), else the tokenizer's.
@@ -180,8 +195,12 @@ class HFTokenizer:
         if pad_id is None or pad_id == self._tok.unk_token_id and pad != self._tok.unk_token:
             raise ValueError(f"model.pad_token={pad!r} is not a token of the tokenizer at {directory}"
                              f"{self._suggestion()}")
+        which = f"model.pad_token={pad!r}" if pad_token else f"the tokenizer's pad token {pad!r} (model.pad_token: null)"
+        if pad_id >= self.vocab_size:  # a pad tokenizer_config.json names but tokenizer.json lacks, appended
+            raise ValueError(f"{which} has id {pad_id}, past the model's {self.vocab_size} embedding rows (config.json "
+                             f"vocab_size): the model has no row for it. Set model.pad_token to a token of the model's "
+                             f"vocabulary{self._suggestion()}")
         if pad_id in self._eos:
-            which = f"model.pad_token={pad!r}" if pad_token else f"the tokenizer's pad token {pad!r} (model.pad_token: null)"
             raise ValueError(f"{which} is an end-of-sequence token; padding is never sampled, so the model could not "
                              f"stop. Set model.pad_token to another token{self._suggestion()}")
         return int(pad_id)

@@ -160,3 +160,32 @@ def test_token_bytes_rebuild_text_whose_characters_are_split_over_tokens(tmp_pat
         assert any("\ufffd" in hf.decode([i]) for i in ids) or text.isascii()  # what decoding alone gave
     plain = HFTokenizer(tok_dir[0])  # a Metaspace (SentencePiece-like) vocabulary: its ▁ is a space
     assert b"".join(plain.token_bytes(i) for i in plain.encode(" 47 + 38 = 85")).decode() == " 47 + 38 = 85"
+
+
+def test_a_pad_token_the_model_has_no_embedding_row_for_is_refused(tmp_path):
+    """A pad token that tokenizer_config.json names but tokenizer.json lacks is appended by transformers with the id
+    one past the vocabulary: the engines' `.at[pad_id]` masking dropped it silently (padding could be sampled) and
+    vLLM's logit_bias refused it. It is refused naming the safe candidates; a pad in the vocabulary still loads."""
+    directory = chatml_tokenizer_dir(tmp_path / "chatml", pad_token="<|my_pad|>")
+    rows = len(json.loads((directory / "tokenizer.json").read_text())["model"]["vocab"])
+    with pytest.raises(ValueError, match=rf"the tokenizer's pad token '<\|my_pad\|>' \(model.pad_token: null\) has "
+                                         rf"id {rows}, past the model's {rows} embedding rows.*<\|endoftext\|>"):
+        HFTokenizer(directory, vocab_size=rows)
+    assert HFTokenizer(directory, pad_token="<|endoftext|>", vocab_size=rows).pad_id == 0
+
+
+def test_stop_tokens_the_model_cannot_sample_are_left_out_or_refused(tmp_path, caplog):
+    """An EOS that tokenizer_config.json names but tokenizer.json lacks is appended past the vocabulary: the model
+    can never sample it, so with it the only stop token every completion ran to its budget. It is refused when no
+    other stop token is left, and left out (said in the log) when generation_config.json names one the model has."""
+    directory = chatml_tokenizer_dir(tmp_path / "chatml", pad_token="<|endoftext|>")
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    (directory / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": "<|eot|>"}))
+    rows = len(json.loads((directory / "tokenizer.json").read_text())["model"]["vocab"])
+    with pytest.raises(ValueError, match=rf"the stop tokens '<\|eot\|>' \(id {rows}\) are past the model's {rows} "
+                                         r"embedding rows.*could never stop"):
+        HFTokenizer(directory, vocab_size=rows)
+    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, rows]}))
+    with caplog.at_level("WARNING", logger="grpo_stream.common.model.tokenizer"):
+        assert HFTokenizer(directory, vocab_size=rows).eos_ids == [2]
+    assert f"'<|eot|>' (id {rows}) are past the model's {rows} embedding rows" in caplog.text
