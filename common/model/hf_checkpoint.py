@@ -195,8 +195,11 @@ def resolve_model_dir(path: str) -> pathlib.Path:
     try:
         return pathlib.Path(snapshot_download(repo_id=path, allow_patterns=HUB_FILES))
     except (LocalEntryNotFoundError, HFValidationError, OSError) as exc:
+        # a relative org/name is also how a local directory not made yet reads (the shipped real-model configs')
+        made_here = (" If it is a local directory not built yet, build it first (models/smollm2-135m-instruct: "
+                     "`grpo-stream fixture smollm2`).")
         raise CheckpointError(f"model.path={path}: not a local directory, and the hub/cache could not provide it "
-                              f"({type(exc).__name__}: {exc})") from None
+                              f"({type(exc).__name__}: {str(exc)[:300]}).{made_here}") from None
 
 
 def read_architecture(directory: str | pathlib.Path) -> Architecture:

@@ -254,6 +254,9 @@ def test_hub_ids_resolve_through_the_local_cache_offline(tmp_path, monkeypatch):
         assert resolve_model_dir("acme/tiny-qwen").resolve() == snapshot.resolve()
         with pytest.raises(CheckpointError, match="model.path=acme/missing: not a local directory"):
             resolve_model_dir("acme/missing")
+        # the shipped real-model configs name a relative directory that reads as an id until the fixture makes it
+        with pytest.raises(CheckpointError, match="`grpo-stream fixture smollm2`"):
+            resolve_model_dir("models/smollm2-not-built")
         # `plan` reads the same cached id's config as the processes would (it knew known checkpoints by name only)
         from grpo_stream.plan.programs import checkpoint_architecture
 
