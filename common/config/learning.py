@@ -4,7 +4,7 @@ objective. The deployment sections (processes, transports, storage) and the whol
 from __future__ import annotations
 
 import re
-from typing import Annotated, Literal
+from typing import Any, Annotated, Literal
 
 from pydantic import Field, model_validator
 
@@ -127,7 +127,8 @@ class TaskSection(Strict):
         description="Reward -> weight. Built-ins: answer_correct, answer_format (#### N), last_number (the last "
         "number a reply writes is the answer: chat-form prompts), reasoning_answer_format, "
         "ifeval_strict and ifeval_loose (task.name=ifeval: share of a prompt's instructions followed); "
-        "or 'package.module:function' taking (completion_text, reference_answer) -> float.")
+        "or 'package.module:function' taking (completion_text, reference_answer) -> float. Default: "
+        "{answer_correct: 1.0, answer_format: 0.1}; with task.name=ifeval {ifeval_strict: 1.0, ifeval_loose: 0.0}.")
     reward_timeout_s: float = Field(10.0, gt=0, le=600, description="Longest a reward may take on one completion. "
                                     "Rewards run in a worker process (the completion and its reference are anyone's "
                                     "input): one that overruns scores 0, is logged once per reward, and its worker "
@@ -144,6 +145,15 @@ class TaskSection(Strict):
     heldout_fraction: float = Field(0.1, gt=0, lt=0.5,
                                     description="Share of operand pairs kept out of training for evaluation.")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _task_rewards(cls, data: Any) -> Any:
+        """IFEval's own rewards when task.rewards is not given: the answer rewards score an IFEval reference (no
+        '#### N') 0, and a run trained on answer_format's '#### N' alone."""
+        if isinstance(data, dict) and data.get("name") == "ifeval" and "rewards" not in data:
+            return {**data, "rewards": {"ifeval_strict": 1.0, "ifeval_loose": 0.0}}
+        return data
+
     @model_validator(mode="after")
     def _range(self) -> "TaskSection":
         if self.max_operand <= self.min_operand:
@@ -151,6 +161,12 @@ class TaskSection(Strict):
         if self.system_prompt and self.prompt_template == "plain":
             raise ValueError("task.system_prompt needs a chat-form task.prompt_template (chat, reasoning or tools); "
                              "'plain' has no system turn")
+        answer_rewards = {"answer_correct", "answer_format", "last_number", "reasoning_answer_format"}
+        if self.name == "ifeval" and all(r in answer_rewards for r, w in self.rewards.items() if w):
+            raise ValueError(f"task.rewards={self.rewards} with task.name=ifeval: these rewards score a '#### N' or "
+                             "last-number answer, and an IFEval reference has none (every completion scores 0 or "
+                             "its format alone); use {ifeval_strict: 1.0, ifeval_loose: 0.0}, or a reward of your "
+                             "own")
         if task_spec(self.name).own_rollouts and not self.verifiers.environment:
             raise ValueError(f"task.name={self.name} needs task.verifiers.environment (an environment id or module)")
         return self

@@ -26,6 +26,7 @@ import functools
 import json
 import logging
 import pathlib
+import random
 import re
 
 log = logging.getLogger(__name__)
@@ -39,6 +40,7 @@ _warned: set[str] = set()
 REGEX_ARGUMENTS = ("keywords", "forbidden_words", "keyword", "section_spliter", "postscript_marker", "starter")
 STRIPPED_ARGUMENTS = ("keyword", "section_spliter", "postscript_marker", "starter")  # lm-eval strips these
 LM_EVAL_MARKERS = ("P.S.", "P.P.S")  # postscript markers lm-eval matches with its own patterns: left as they are
+DRAW_SEEDS = (0, 1, 2, 3, 4, 5, 6, 7)  # an instruction built under each: an argument lm-eval drew at random differs
 
 
 class IfevalUnavailable(RuntimeError):
@@ -216,20 +218,41 @@ def _doc_results_through(call, text: str, reference: str) -> dict:
 
 def instructions_problem(instruction_ids: list[str], kwargs: list[dict]) -> str | None:
     """Why lm-eval could not check these instructions as a dataset row gives them, or None: an id it does not know,
-    arguments its instruction refuses, or one missing (lm-eval would draw a random value for it at every check)."""
+    arguments its instruction refuses (its build raises), one missing, or one it replaces (a letter outside a-z, a
+    negative count): lm-eval would draw a random value for those at every check, so a completion's reward would be
+    noise."""
     registry = lm_eval_ifeval()[1].INSTRUCTION_DICT
     for i, (instruction_id, given) in enumerate(zip(instruction_ids, kwargs)):
         if instruction_id not in registry:
             return (f"field 'instruction_id_list'[{i}]: {instruction_id!r} is not one of lm-eval's IFEval "
                     f"instructions (e.g. {sorted(registry)[:3]})")
         used = {k: v for k, v in given.items() if v}  # lm-eval's own filter
-        instruction = registry[instruction_id](instruction_id)
         try:
-            instruction.build_description(**used)
-        except (TypeError, ValueError) as exc:
-            return f"field 'kwargs'[{i}] of {instruction_id!r}: {exc}"
-        missing = [k for k in instruction.get_instruction_args_keys() if k not in used]
+            keys = registry[instruction_id](instruction_id).get_instruction_args_keys()
+            drawn = _drawn_at_random(registry[instruction_id], instruction_id, used)
+        except Exception as exc:  # noqa: BLE001 - lm-eval's code on a row's or a client's values: any raise refuses
+            return f"field 'kwargs'[{i}] of {instruction_id!r}: {type(exc).__name__}: {str(exc)[:200]}"
+        missing = [k for k in keys if k not in used]
         if missing:
             return (f"field 'kwargs'[{i}] of {instruction_id!r} lacks {missing} (lm-eval would draw a random value "
                     "at every check); give them")
+        if drawn:
+            return (f"field 'kwargs'[{i}] of {instruction_id!r}: lm-eval does not take the value of {drawn} and "
+                    "draws a random one at every check instead; give one it keeps (a letter a-z, a count >= 0)")
     return None
+
+
+def _drawn_at_random(instruction_cls, instruction_id: str, used: dict) -> list[str]:
+    """The arguments lm-eval draws at random for these values: the instruction, built once under each of
+    DRAW_SEEDS, keeps a different value of them. Python's `random` state is put back after."""
+    state = random.getstate()
+    try:
+        built = []
+        for seed in DRAW_SEEDS:
+            random.seed(seed)
+            instruction = instruction_cls(instruction_id)
+            instruction.build_description(**used)
+            built.append(instruction.get_instruction_args() or {})
+    finally:
+        random.setstate(state)
+    return sorted(k for k in built[0] if any(other.get(k) != built[0][k] for other in built[1:]))

@@ -274,3 +274,16 @@ def test_a_leading_tilde_in_a_file_setting_is_the_users_home(tmp_path, monkeypat
     assert cfg.redis.auth.password_file == str(tmp_path / ".grpo-secrets/redis.password")
     assert cfg.auth.tokens_file == str(tmp_path / "tokens.yaml") and cfg.model.path == str(tmp_path / "models/m")
     assert cfg.checkpoint.dir == "gs://bucket/~run"  # not a leading ~: left alone
+
+
+def test_ifeval_scores_with_its_own_rewards_unless_told_and_refuses_answer_rewards():
+    """The answer rewards score a '#### N' answer: an IFEval reference has none, so a run on IFEval's prompts with
+    the default task.rewards trained on answer_format alone."""
+    ifeval = ["task.name=ifeval", "task.dataset.source=tests/data/ifeval", "warmstart.steps=0"]
+    cfg = load_config(CONFIGS / "tiny_arith.yaml", ifeval)
+    assert cfg.task.rewards == {"ifeval_strict": 1.0, "ifeval_loose": 0.0}
+    assert load_config(None, []).task.rewards == {"answer_correct": 1.0, "answer_format": 0.1}
+    with pytest.raises(ConfigError, match="task.rewards=.* with task.name=ifeval"):
+        load_config(None, [*ifeval, "task.rewards={answer_correct: 1.0, answer_format: 0.1}"])
+    own = load_config(None, [*ifeval, "task.rewards={ifeval_loose: 1.0, answer_format: 0.0}"])
+    assert own.task.rewards == {"ifeval_loose": 1.0, "answer_format": 0.0}

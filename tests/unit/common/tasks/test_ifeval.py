@@ -325,3 +325,36 @@ def test_submit_refuses_a_reference_the_checks_cannot_read():
                              ('{"prompt": "p", "instruction_id_list": ["a:b"], "kwargs": [{}]}',
                               "'a:b' is not one of lm-eval's IFEval instructions")):
         assert field in ifeval_checks.reference_problem(reference)
+
+
+def test_a_value_lm_eval_replaces_with_a_random_draw_is_refused(rows):
+    """google/IFEval's row 1122 asks for 4 '#': lm-eval takes only a-z for `letter` and counts a random letter at
+    every check instead, so one completion scored 0 or 1 by chance; such a row is refused, its field named. Values
+    lm-eval keeps (an upper-case letter, every row of the data) still pass."""
+    hashtags = {"let_relation": "at least", "letter": "#", "let_frequency": 4}
+    text = "#a #b #c #d " + "abcdefghijklm " * 4  # half the alphabet 4 times: half the random letters pass
+    utils = ifeval_checks.lm_eval_ifeval()[0]
+    example = utils.InputExample(key=1122, instruction_id_list=["keywords:letter_frequency"], prompt="p",
+                                 kwargs=[hashtags])
+    assert {utils.test_instruction_following_strict(example, text).follow_all_instructions
+            for _ in range(60)} == {True, False}  # lm-eval's own scoring of the row: a coin toss
+    for kwargs, field in ((hashtags, "['letter']"), ({"relation": "at least", "num_words": -5}, "['num_words']")):
+        instruction = "keywords:letter_frequency" if "letter" in kwargs else "length_constraints:number_words"
+        why = ifeval_checks.instructions_problem([instruction], [kwargs])
+        assert why.startswith(f"field 'kwargs'[0] of '{instruction}': lm-eval does not take the value of {field}")
+    assert ifeval_checks.instructions_problem(["keywords:letter_frequency"], [{**hashtags, "letter": "T"}]) is None
+    assert all(ifeval_checks.instructions_problem(r["instruction_id_list"], r["kwargs"]) is None for r in rows.values())
+
+
+@pytest.mark.parametrize("instruction, kwargs, error", [
+    ("language:response_language", {"language": "xx"}, "KeyError"),
+    ("keywords:frequency", {"keyword": 5, "frequency": 2, "relation": "at least"}, "AttributeError"),
+    ("length_constraints:nth_paragraph_first_word", {"first_word": 3, "num_paragraphs": 2, "nth_paragraph": 1},
+     "AttributeError"),
+])
+def test_arguments_on_which_lm_eval_raises_are_a_named_problem_not_a_crash(instruction, kwargs, error):
+    """lm-eval's build raises KeyError on an unknown language code and AttributeError on a number where it wants
+    text: a dataset row or a submitted reference with them is refused with its field named, instead of the load or
+    the Submit handler raising."""
+    why = ifeval_checks.reference_problem(ifeval_checks.make_reference(None, "p", [instruction], [kwargs]))
+    assert why.startswith(f"reference_answer: field 'kwargs'[0] of '{instruction}': {error}")
