@@ -12,13 +12,16 @@ GGUF), so real weights, a real tokenizer and a real chat template are at hand of
   embeddings when the file has no `output.weight`; built by the same `to_hf_config` an export uses.
 - the tokenizer, chat template and generation config: `gguf_tokenizer`.
 
-Only what the file states is used; a field this converter cannot carry over faithfully (another architecture,
-partial rotary, RoPE scaling, an unknown tensor) is refused with the field named, never approximated.
+The file's layout is checked first (`gguf_layout.check_layout`: counts, lengths, offsets and types a damaged file
+could state wrongly), since the `gguf` package's reader trusts them. Only what the file states is used; a field this
+converter cannot carry over faithfully (another architecture, partial rotary, RoPE scaling, an unknown tensor) is
+refused with the field named, never approximated.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import pathlib
 import re
 import time
@@ -28,6 +31,7 @@ import numpy as np
 
 from grpo_stream.common.model.architectures import to_hf_config
 from grpo_stream.common.model.families import Architecture
+from grpo_stream.common.model.gguf_layout import check_layout
 from grpo_stream.common.model.gguf_tokenizer import GgufError, write_tokenizer_files
 from grpo_stream.common.model.hf_checkpoint import PendingTensor, write_safetensors
 
@@ -58,10 +62,12 @@ class Metadata:
         if key not in self._fields:
             raise GgufError(f"{self.where}: metadata field {key} is missing")
         value = self.get(key)
-        try:
-            return kind(value)
-        except (TypeError, ValueError):
-            raise GgufError(f"{self.where}: metadata field {key}={value!r} is not a single {kind.__name__}") from None
+        number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if not number or value <= 0 or (kind is int and not float(value).is_integer()):
+            # every field required is a count, a width or a positive constant: 0 would divide by zero later, and a
+            # fraction cut to an int or a NaN RoPE base would convert into a model that is not the file's
+            raise GgufError(f"{self.where}: metadata field {key}={value!r} is not a single positive {kind.__name__}")
+        return kind(value)
 
 
 def float32_value(value: float) -> float:
@@ -95,6 +101,22 @@ def hf_name(gguf_name: str, where: str) -> str:
                     f"{', '.join(_TOP)} and blk.N.{{{', '.join(_LAYER)}}}.weight)")
 
 
+def _refuse_rope_scaling(meta: Metadata, tensor_names: set[str]) -> None:
+    """Refuses RoPE scaling as llama.cpp's loader reads it: a file stating no `llama.rope.scaling.type` is linear, a
+    factor (`llama.rope.scaling.factor`, else the older `llama.rope.scale_linear`; 0 or 1: none) divides the
+    positions under any type but "none", and a `rope_freqs.weight` tensor rescales each frequency (Llama 3.1)."""
+    kind = meta.get("llama.rope.scaling.type", "linear")
+    stated = repr(kind) if "llama.rope.scaling.type" in meta else "not stated (llama.cpp reads 'linear')"
+    factor_key = next((k for k in ("llama.rope.scaling.factor", "llama.rope.scale_linear") if k in meta), None)
+    factor = meta.get(factor_key, 0.0) if factor_key else 0.0
+    if kind not in ("none", "linear") or (kind == "linear" and factor not in (0.0, 1.0)):
+        raise GgufError(f"{meta.where}: RoPE scaling llama.rope.scaling.type {stated}"
+                        + (f", {factor_key}={factor!r}" if factor_key else "") + " is not converted (Tunix's Llama "
+                        "rotates by the plain RoPE base)")
+    if "rope_freqs.weight" in tensor_names:
+        raise GgufError(f"{meta.where}: tensor rope_freqs.weight (per-frequency RoPE scaling) is not converted")
+
+
 def architecture(meta: Metadata, tensor_names: set[str]) -> Architecture:
     """The Llama architecture the metadata states; refuses what Tunix's Llama or this converter would approximate."""
     kind = meta.get("general.architecture")
@@ -106,19 +128,34 @@ def architecture(meta: Metadata, tensor_names: set[str]) -> Architecture:
     if rope_dim != head_dim:
         raise GgufError(f"{meta.where}: llama.rope.dimension_count={rope_dim} < head dimension {head_dim} (partial "
                         "rotary embeddings); Tunix's Llama rotates the whole head")
-    if meta.get("llama.rope.scaling.type", "none") != "none" or "rope_freqs.weight" in tensor_names:
-        raise GgufError(f"{meta.where}: RoPE scaling (llama.rope.scaling.type / rope_freqs.weight) is not converted")
+    _refuse_rope_scaling(meta, tensor_names)
+    kv_heads = meta.require("llama.attention.head_count_kv") if "llama.attention.head_count_kv" in meta else heads
+    if heads % kv_heads:
+        raise GgufError(f"{meta.where}: llama.attention.head_count={heads} is not a multiple of "
+                        f"llama.attention.head_count_kv={kv_heads} (each KV head serves a whole group of query heads)")
     tokens = meta.get("tokenizer.ggml.tokens") or []
     return Architecture(
         family="llama3", vocab_size=meta.require("llama.vocab_size") if "llama.vocab_size" in meta else len(tokens),
         num_layers=meta.require("llama.block_count"), embed_dim=embed,
         hidden_dim=meta.require("llama.feed_forward_length"), num_heads=heads,
-        num_kv_heads=meta.require("llama.attention.head_count_kv") if "llama.attention.head_count_kv" in meta
-        else heads, head_dim=head_dim,
+        num_kv_heads=kv_heads, head_dim=head_dim,
         norm_eps=float32_value(meta.require("llama.attention.layer_norm_rms_epsilon", float)),
         rope_theta=float32_value(meta.require("llama.rope.freq_base", float)),
         tied_embeddings="output.weight" not in tensor_names,
         max_position_embeddings=meta.require("llama.context_length"))
+
+
+def dequantizable(qtype: Any) -> bool:
+    """Whether `gguf.quants.dequantize` reads tensors of this GGMLQuantizationType, tried on one block of zeros (it
+    raises for the rest, which would stop a conversion half-way through writing model.safetensors)."""
+    from gguf.constants import GGML_QUANT_SIZES  # noqa: PLC0415 - deferred: the `realmodel` extra, for conversions only
+    from gguf.quants import dequantize  # noqa: PLC0415 - deferred: as above
+
+    try:
+        dequantize(np.zeros((1, GGML_QUANT_SIZES[qtype][1]), np.uint8), qtype)
+    except NotImplementedError:
+        return False
+    return True
 
 
 def _pending(tensor: Any, arch: Architecture, where: str) -> PendingTensor:
@@ -132,6 +169,9 @@ def _pending(tensor: Any, arch: Architecture, where: str) -> PendingTensor:
         value = np.asarray(dequantize(tensor.data, tensor.tensor_type), np.float32).reshape(shape)
         return unpermute_rows(value, heads) if heads else value
 
+    if not dequantizable(tensor.tensor_type):
+        raise GgufError(f"{where}: tensor {tensor.name} has type {tensor.tensor_type.name}, which gguf.quants cannot "
+                        "dequantize; re-quantize the model to a type it reads (Q8_0, Q4_K, F16, ...)")
     if heads and (len(shape) != 2 or shape[0] != heads * arch.head_dim):
         raise GgufError(f"{where}: tensor {tensor.name} has shape {list(shape)}; {heads} heads of {arch.head_dim} "
                         f"rows each expected")
@@ -168,6 +208,7 @@ def convert_gguf(path: str | pathlib.Path, out: str | pathlib.Path, pad_token: s
     start, out, where = time.monotonic(), pathlib.Path(out), str(path)
     out.mkdir(parents=True, exist_ok=True)
     progress(f"reading {pathlib.Path(path).name}")
+    check_layout(path)  # every count, offset and type bounded first: GGUFReader trusts them
     reader = GGUFReader(str(path))
     meta = Metadata(reader.fields, where)
     arch = architecture(meta, {t.name for t in reader.tensors})

@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from grpo_stream.common.model.gguf_import import GgufError, Metadata, convert_gguf, float32_value, unpermute_rows
+from grpo_stream.common.model.gguf_import import (GgufError, Metadata, architecture, convert_gguf, float32_value,
+                                                  unpermute_rows)
 from grpo_stream.common.model.gguf_tokenizer import build_tokenizer
 from grpo_stream.common.model.policy import causal_mask, load_hf_model, positions_from_mask
 from grpo_stream.common.model.tokenizer import HFTokenizer
@@ -167,3 +168,55 @@ def test_a_gguf_that_cannot_be_converted_faithfully_is_refused_by_name(tmp_path)
     write_tiny_gguf(tmp_path / "pads.gguf")
     with pytest.raises(GgufError, match=r"padding token '<\|im_end\|>' .* the stop token"):
         convert_gguf(tmp_path / "pads.gguf", tmp_path / "out2")  # the file's own pad is its stop token
+
+
+LLAMA = {"general.architecture": "llama", "llama.attention.head_count": 4, "llama.embedding_length": 64,
+         "llama.block_count": 2, "llama.feed_forward_length": 128, "llama.attention.layer_norm_rms_epsilon": 1e-5,
+         "llama.rope.freq_base": 10000.0, "llama.context_length": 512, "llama.vocab_size": 300}
+
+
+@pytest.mark.parametrize("fields,refused", [
+    ({}, None),
+    ({"llama.rope.scaling.factor": 4.0}, r"not stated \(llama\.cpp reads 'linear'\), llama\.rope\.scaling\.factor=4"),
+    ({"llama.rope.scale_linear": 2.0}, r"not stated .*, llama\.rope\.scale_linear=2\.0 is not converted"),
+    ({"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 8.0},
+     r"'linear', llama\.rope\.scaling\.factor=8\.0"),
+    ({"llama.rope.scaling.type": "yarn"}, r"'yarn' is not converted"),
+    ({"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 1.0}, None),  # a factor of 1 scales nothing
+    ({"llama.rope.scaling.type": "none", "llama.rope.scaling.factor": 4.0}, None),  # llama.cpp: none never scales
+])
+def test_rope_scaling_is_read_as_llama_cpp_reads_it(fields, refused):
+    """llama.cpp scales positions by 1/factor when a file states a factor and no type (its default is linear)."""
+    meta = Metadata({k: Field(v) for k, v in {**LLAMA, **fields}.items()}, "x.gguf")
+    if refused is None:
+        assert architecture(meta, {"token_embd.weight"}).rope_theta == 10000.0
+        return
+    with pytest.raises(GgufError, match=rf"x\.gguf: RoPE scaling llama\.rope\.scaling\.type {refused}"):
+        architecture(meta, {"token_embd.weight"})
+
+
+def test_a_tensor_type_gguf_cannot_dequantize_is_refused_by_name(converted, tmp_path):
+    """An I32 output_norm (as many bytes as its F32) passes the layout check; gguf.quants cannot dequantize it."""
+    source = converted[0].parent / "tiny.gguf"
+    norm = next(t for t in gguf.GGUFReader(str(source)).tensors if t.name == "output_norm.weight")
+    data = bytearray(source.read_bytes())
+    type_at = norm.field.offset + 8 + len(norm.name) + 4 + 8 * len(norm.shape)
+    data[type_at:type_at + 4] = int(gguf.GGMLQuantizationType.I32).to_bytes(4, "little")
+    (tmp_path / "i32.gguf").write_bytes(bytes(data))
+    with pytest.raises(GgufError, match=r"i32\.gguf: tensor output_norm\.weight has type I32, which gguf\.quants "
+                                        r"cannot dequantize"):
+        convert_gguf(tmp_path / "i32.gguf", tmp_path / "out", pad_token="<|endoftext|>")
+
+
+@pytest.mark.parametrize("fields,match", [
+    ({"llama.attention.head_count": 0}, r"llama\.attention\.head_count=0 is not a single positive int"),
+    ({"llama.block_count": 2.7}, r"llama\.block_count=2\.7 is not a single positive int"),
+    ({"llama.block_count": True}, r"llama\.block_count=True is not a single positive int"),
+    ({"llama.rope.freq_base": float("nan")}, r"llama\.rope\.freq_base=nan is not a single positive float"),
+    ({"llama.attention.head_count_kv": 3},
+     r"llama\.attention\.head_count=4 is not a multiple of llama\.attention\.head_count_kv=3"),
+])
+def test_damaged_shape_fields_are_refused_by_name(fields, match):
+    """A zero divides by zero later, a fraction would be cut to an int, a NaN RoPE base makes every logit NaN."""
+    with pytest.raises(GgufError, match=rf"x\.gguf: (metadata field )?{match}"):
+        architecture(Metadata({k: Field(v) for k, v in {**LLAMA, **fields}.items()}, "x.gguf"), set())
