@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from grpo_stream.common.environments.render import ChatTemplateRenderer
+from grpo_stream.common.model import chat_messages
 from grpo_stream.common.endpoint.protocol import RequestError
 
 REMEMBERED_BYTES = 64 << 20  # memory of remembered conversations in all, oldest dropped first
@@ -31,45 +32,12 @@ ENTRY_BYTES = 400  # one remembered entry beside its ids and key (dict node, tup
 
 
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """OpenAI messages as Hugging Face chat templates take them: text parts joined, 'developer' as 'system', and
-    tool-call arguments as objects (the templates write them with `tojson`)."""
-    out = []
-    for i, m in enumerate(messages):
-        message = {"role": "system" if m["role"] == "developer" else m["role"], "content": _text(m.get("content"), i)}
-        if m.get("tool_calls"):
-            if not isinstance(m["tool_calls"], list):
-                raise RequestError(f"messages[{i}].tool_calls: a list of calls, each with function.name and "
-                                   "function.arguments")
-            message["tool_calls"] = [_template_call(call, i) for call in m["tool_calls"]]
-        for key in ("name", "tool_call_id"):
-            if isinstance(m.get(key), str):
-                message[key] = m[key]
-        out.append(message)
-    return out
-
-
-def _text(content, i: int) -> str:
-    if content is None or isinstance(content, str):
-        return content or ""
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-        return "".join(str(p.get("text", "")) for p in content)
-    raise RequestError(f"messages[{i}].content: a string or a list of text parts (this policy reads text only)")
-
-
-def _template_call(call: dict, i: int) -> dict:
-    fn = call.get("function") if isinstance(call, dict) else None
-    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-        raise RequestError(f"messages[{i}].tool_calls: each needs function.name and function.arguments")
-    arguments = fn.get("arguments") or {}
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError:
-            raise RequestError(f"messages[{i}].tool_calls: function.arguments is not JSON") from None
-        except RecursionError:
-            raise RequestError(f"messages[{i}].tool_calls: function.arguments nests too deep") from None
-    return {"id": str(call.get("id") or ""), "type": "function",
-            "function": {"name": fn["name"], "arguments": arguments}}
+    """OpenAI messages as Hugging Face chat templates take them (common/model/chat_messages.py); a message they
+    cannot take is the request's error, naming the field."""
+    try:
+        return chat_messages.template_messages(messages)
+    except chat_messages.MessageError as exc:
+        raise RequestError(str(exc)) from None
 
 
 def conversation_key(messages: list[dict[str, Any]], tools: list[dict] | None, caller: str) -> str:

@@ -20,6 +20,7 @@ import signal
 import threading
 from typing import Any, Iterator
 
+from grpo_stream.common.model.chat_messages import template_messages
 from grpo_stream.common.tasks import prompts
 from grpo_stream.common.tasks.streams import shuffled_shard
 
@@ -95,7 +96,8 @@ class VerifiersTask:
         problems = []
         for i, row in enumerate(dataset):
             row = dict(row)
-            messages = [{"role": m["role"], "content": m.get("content") or ""} for m in row["prompt"]]
+            # as the endpoint renders the same messages: text parts joined, developer as system, tool calls kept
+            messages = template_messages(row["prompt"], f"task.verifiers.environment={self.name}: row {i}'s prompt")
             text = self.tokenizer.render_chat(messages, add_generation_prompt=True, tools=self.tools)
             problems.append(VerifiersProblem(f"{self.name}/{row.get('example_id', i)}", text,
                                              str(row.get("answer") or ""), row))

@@ -28,6 +28,7 @@ from grpo_stream.common.model.sharding import needed_slices
 from grpo_stream.common.rpc.grpc_util import ClientSecurity, open_channel
 from grpo_stream.common.runtime.errors import TRANSIENT_GRPC, PermanentError
 from grpo_stream.common.weights import tcp_wire
+from grpo_stream.common.weights.fetch_lanes import FetchLanes, shut
 from grpo_stream.common.weights.host_staging import HostStaging
 from grpo_stream.common.weights.host_shards import add_sources, host_shard_snapshot, relative, split_box
 from grpo_stream.common.weights.receive_buffers import ReceiveBuffers
@@ -162,10 +163,13 @@ class GrpcFetcher:
             return arr if arr.dtype == target.dtype else _cast(arr, target.dtype)
 
         stream = self._stream_tcp if self.data_host and manifest.data_port else self._stream
-        futures = [self._pool.submit(stream, manifest, lane, place) for lane in lanes if lane]
+        attempt = FetchLanes(self._pool, self.timeout_s + 5)
+        for lane in lanes:
+            if lane:
+                attempt.submit(stream, manifest, lane, place)
         placed: dict[int, jax.Array] = {}
-        for future in futures:
-            placed.update(future.result(timeout=self.timeout_s + 5))
+        for result in attempt.results():
+            placed.update(result)
         out = {name: placed[index[name]] for name in targets}
         jax.block_until_ready(list(out.values()))
         return out
@@ -215,19 +219,19 @@ class GrpcFetcher:
                     view = out[rel] if rel else out  # (indexing a 0-d array with () gives a scalar copy, not a view)
                     if view.flags.c_contiguous:  # e.g. rows of an fsdp-sharded weight: no copy after receiving
                         into[(t, box_key(part))] = view
-        futures = []
+        attempt = FetchLanes(self._pool, self.timeout_s + 5)
         for host, tensors in per_host.items():
             lane = [(0, t, boxes) for t, boxes in tensors.items()]
             where = manifest.hosts[host]
             data_host = (self.data_host if host == 0 else where.address) if self.data_host else None
             if data_host and where.data_port:
-                futures.append(self._pool.submit(self._stream_tcp, manifest, lane, _pieces, data_host,
-                                                 where.data_port, self._host_stub(manifest, host), into))
+                attempt.submit(self._stream_tcp, manifest, lane, _pieces, data_host, where.data_port,
+                               self._host_stub(manifest, host), into)
             else:
-                futures.append(self._pool.submit(self._stream, manifest, lane, _pieces, self._host_stub(manifest, host)))
+                attempt.submit(self._stream, manifest, lane, _pieces, self._host_stub(manifest, host))
         got: dict[int, dict] = {}
-        for future in futures:
-            for t, pieces in future.result(timeout=self.timeout_s + 5).items():
+        for result in attempt.results():
+            for t, pieces in result.items():
                 got.setdefault(t, {}).update(pieces)
         out = {}
         for name, target in targets.items():
@@ -244,13 +248,15 @@ class GrpcFetcher:
         jax.block_until_ready(list(out.values()))
         return out
 
-    def _stream(self, manifest, lane, place, stub=None) -> dict[int, jax.Array]:
+    def _stream(self, manifest, lane, place, stub=None, *, lanes: FetchLanes) -> dict[int, jax.Array]:
         """The lane's slices over FetchSlices (of `stub`'s trainer process; default the trainer's), placed:
-        tensor index -> array."""
+        tensor index -> array. The call is cancelled when another of the fetch's `lanes` fails."""
         request = self._request(manifest, lane)
         # into aligned buffers reused across versions, as the data plane's: placed without a copy on CPU
         assembler = SliceAssembler(manifest, {t: boxes for _, t, boxes in lane}, take=self._buffers.take)
-        for chunk in (stub or self._stub).FetchSlices(request, timeout=self.timeout_s):
+        call = (stub or self._stub).FetchSlices(request, timeout=self.timeout_s)
+        lanes.opened(call.cancel)
+        for chunk in call:
             assembler.add(chunk)
         arrays = assembler.arrays()
         return {t: place(t, {box_key(box): arr for box, arr in zip(boxes, arrays[t])}) for _, t, boxes in lane}
@@ -267,41 +273,45 @@ class GrpcFetcher:
             tensors=[weights_pb2.TensorSlices(tensor_index=t, slices=[box_to_proto(b) for b in boxes])
                      for _, t, boxes in lane])
 
-    def _stream_tcp(self, manifest, lane, place, host=None, port=None, stub=None, into=None) -> dict[int, jax.Array]:
+    def _stream_tcp(self, manifest, lane, place, host=None, port=None, stub=None, into=None, *,
+                    lanes: FetchLanes) -> dict[int, jax.Array]:
         """The lane's slices over the TCP data plane (of the trainer process at `host`:`port`; default the
         trainer's), each received straight into its array and checked; each tensor is placed on the devices as
         soon as its slices are in (while the other lanes still receive). Falls back to FetchSlices of `stub`.
         `into`: (tensor index, box key) -> the array to receive that slice into (multi-host: inside its assembled
-        box); others go to receive buffers."""
+        box); others go to receive buffers. The socket is shut when another of the fetch's `lanes` fails."""
         deadline = time.monotonic() + self.timeout_s
         host, port = host or self.data_host, port or manifest.data_port
         plane = (host, port, manifest.trainer_epoch)
         if time.monotonic() < self._unusable.get(plane, 0.0):  # unreachable lately: not paid for at every fetch
-            return self._stream(manifest, lane, place, stub)
+            return self._stream(manifest, lane, place, stub, lanes=lanes)
         security = self.security or ClientSecurity()
         if not tcp_wire.token_fits(security.token):  # gRPC metadata carries it whole; the data plane's field cannot
             self._fall_back(host, port, f"the auth token is longer than its {tcp_wire.MAX_TOKEN_BYTES} bytes; use a "
                             "shorter token to fetch over it")
-            return self._stream(manifest, lane, place, stub)
+            return self._stream(manifest, lane, place, stub, lanes=lanes)
         try:
             sock = socket.create_connection((host, port), timeout=min(5, self.timeout_s))
         except OSError as exc:  # port unreachable (a firewall, a Service without it): tried again in a while
             self._unusable[plane] = time.monotonic() + DATA_PLANE_RETRY_S
             self._fall_back(host, port, f"{type(exc).__name__}: {exc}")
-            return self._stream(manifest, lane, place, stub)
+            return self._stream(manifest, lane, place, stub, lanes=lanes)
         try:
+            lanes.opened(functools.partial(shut, sock))
             if security.ssl_context is not None:
                 sock = security.ssl_context.wrap_socket(sock, server_hostname=security.server_name or host)
+                lanes.opened(functools.partial(shut, sock))
             sock.sendall(tcp_wire.encode_request(self._request(manifest, lane).SerializeToString(),
                                                     security.token))
             code, message = tcp_wire.read_status(sock, min(deadline, time.monotonic() + 10))
         except (OSError, WeightTransferError) as exc:  # silent, or the connection dropped: this fetch over gRPC
             sock.close()
+            lanes.check()  # unless it was shut because another lane failed: then the fetch is over
             self._fall_back(host, port, f"{type(exc).__name__}: {exc}")
-            return self._stream(manifest, lane, place, stub)
+            return self._stream(manifest, lane, place, stub, lanes=lanes)
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]:  # all data-plane transfers busy
             sock.close()
-            return self._stream(manifest, lane, place, stub)
+            return self._stream(manifest, lane, place, stub, lanes=lanes)
         with sock:
             if code:
                 name = next((c.name for c in grpc.StatusCode if c.value[0] == code), str(code))

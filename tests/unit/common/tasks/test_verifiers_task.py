@@ -60,3 +60,59 @@ def test_an_eval_dataset_given_as_a_builder_is_the_held_out_split():
     assert len(task.train) == 20  # every training row is trained on
     assert [p.prompt for p in VerifiersTask(env, LastMessage(), "env", 0, eval_split=False).heldout(5)] == [
         "train 18", "train 19"]  # eval_split=false: the last tenth, as before
+
+
+@pytest.fixture(scope="module")
+def qwen_tokenizer(tmp_path_factory):
+    pytest.importorskip("transformers")
+    from grpo_stream.common.model.tokenizer import HFTokenizer  # noqa: PLC0415 - needs transformers
+    from tests.chat_families import build_tokenizer  # noqa: PLC0415 - needs tokenizers
+
+    return HFTokenizer(build_tokenizer(tmp_path_factory.mktemp("qwen"), "qwen", "qwen2"))
+
+
+class Rows:
+    """An environment whose dataset rows have the given prompts."""
+
+    eval_dataset = None
+
+    def __init__(self, *prompts):
+        self.prompts = prompts
+
+    def get_dataset(self):
+        return [{"prompt": prompt, "answer": "4", "example_id": i} for i, prompt in enumerate(self.prompts)]
+
+
+def test_text_parts_in_a_verifiers_dataset_render_as_the_endpoint_renders_them(qwen_tokenizer):
+    """A verifiers dataset whose prompt contents are OpenAI text parts ([{"type": "text", ...}]) stopped the task's
+    build on Qwen's template (it concatenates content to a string: TypeError), though the endpoint, which joins
+    the parts, answers such a prompt; each row's prompt is now the text the endpoint renders for its first turn."""
+    vf = pytest.importorskip("verifiers")
+    datasets = pytest.importorskip("datasets")
+    from grpo_stream.common.endpoint.chat import template_messages  # noqa: PLC0415 - the endpoint's own rendering
+
+    parts = [{"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+             {"role": "user", "content": [{"type": "text", "text": "What is "}, {"type": "text", "text": "2+2?"}]}]
+    env = vf.SingleTurnEnv(dataset=datasets.Dataset.from_list([{"prompt": parts, "answer": "4"}] * 3),
+                           rubric=vf.Rubric(funcs=[lambda **kwargs: 1.0]))
+    called = [{"role": "developer", "content": "Use tools."}, {"role": "user", "content": "Add 2 and 2."},
+              {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function", "function": {
+                  "name": "add", "arguments": '{"a": 2, "b": 2}'}}]},
+              {"role": "tool", "content": [{"type": "text", "text": "4"}], "tool_call_id": "c1"},
+              {"role": "user", "content": "And now?"}]
+    rendered = []
+    for environment in (env, Rows(called)):
+        row = dict(environment.get_dataset()[0])
+        endpoint = qwen_tokenizer.render_chat(template_messages(row["prompt"]), add_generation_prompt=True)
+        rendered.append(VerifiersTask(environment, qwen_tokenizer, "env", seed=0, eval_split=False).train[0].prompt)
+        assert rendered[-1] == endpoint
+    assert "<|im_start|>user\nWhat is 2+2?<|im_end|>" in rendered[0]
+    # 'developer' is the system turn, a demonstrated call's arguments an object, a tool's text parts its result
+    assert "<|im_start|>system\nUse tools." in rendered[1] and '"arguments": {"a": 2, "b": 2}' in rendered[1]
+    assert "<tool_response>\n4\n</tool_response>" in rendered[1]
+
+
+def test_a_prompt_with_an_image_part_is_refused_naming_the_row(qwen_tokenizer):
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]
+    with pytest.raises(ValueError, match=r"environment=env: row 1's prompt\[0\]\.content: a string or a list of text"):
+        VerifiersTask(Rows([{"role": "user", "content": "q"}], image), qwen_tokenizer, "env", 0, eval_split=False)
