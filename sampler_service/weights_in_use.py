@@ -85,7 +85,9 @@ class StagedWeights:
                     self.stream.set_accepting(False)
                 return None
             self._got = None
-        self.install(got)
+            # under the lock: a feeder told nothing waits (`waiting`) must already read the new version and epoch,
+            # or it starts a group labelled with the old ones that the engine draws with the new weights
+            self.install(got)
         if self.stream is not None:
             self.stream.set_accepting(True)
         return got.params, got.version
@@ -110,7 +112,7 @@ class WeightsInUse:
         # a fetched version the engine has not taken yet (while the stream runs)
         self.staged = StagedWeights(cfg.sampler.weight_updates, self._install, self._drained,
                                     lambda: self.sync.installed_epoch)
-        self._reported_version = -1
+        self._reported: tuple[int, str] = (-1, "")  # (version, trainer epoch) last reported to the trainer
 
     def attach(self, sync, client, metrics) -> None:
         """The sampler's weight sync (WeightSync), rollout client (RolloutClient) and metrics
@@ -230,8 +232,9 @@ class WeightsInUse:
 
     def report_installed(self) -> None:
         """Tell the trainer about a version the engine installed since the last report (the feeder's thread)."""
-        if self.version != self._reported_version:
-            self._reported_version = self.version
+        installed = (self.version, self.epoch)  # a restarted trainer's first version may repeat the old one's number
+        if installed != self._reported:
+            self._reported = installed
             self.sync.report()
 
     def _drained(self) -> bool:

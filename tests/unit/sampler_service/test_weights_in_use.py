@@ -62,3 +62,49 @@ def test_a_version_of_the_same_trainer_still_joins_the_sequences_in_flight(small
     assert not weights.staged.waiting()
     assert weights.staged.refresh() == ("params-v51", 51) and client.epoch == "old"
     assert client.min_version == max(0, 51 - small_cfg.trainer.max_staleness)
+
+
+def test_the_feeder_told_no_drain_waits_already_reads_the_new_epoch_s_version(small_cfg):
+    """The engine takes a drained-for version and installs it; a feeder that asks meanwhile whether a drain waits
+    must not hear 'no' while the old trainer's version is still the one in use: it would start a group labelled with
+    the old epoch and version that the engine draws with the new weights, and the client would drop it unsent."""
+    weights, client, stream = weights_in_use(small_cfg, "in_flight")
+    weights.sync.fetched = Installed(40, "params-v40", False, 0.0, 0, "new")
+    weights.poll()
+    stream.episodes_in_flight = 0
+    entered, go, seen = threading.Event(), threading.Event(), []
+    install = weights.staged.install
+
+    def install_held_open(got) -> None:
+        entered.set()
+        go.wait(10)
+        install(got)
+
+    weights.staged.install = install_held_open
+    engine = threading.Thread(target=weights.staged.refresh)
+    engine.start()
+    assert entered.wait(10)
+    feeder = threading.Thread(target=lambda: seen.append((weights.staged.waiting(), weights.version,
+                                                          weights.epoch)))
+    feeder.start()
+    feeder.join(0.5)  # time for a feeder that is not held back to read what it would start a group with
+    go.set()
+    engine.join(10)
+    feeder.join(10)
+    assert seen == [(False, 40, "new")]
+
+
+def test_a_restarted_trainer_s_version_of_the_same_number_is_reported_when_installed(small_cfg):
+    """A trainer restarted from the checkpoint of the version the sampler has republishes it under its new epoch: the
+    install is news to the new trainer (it records only reports of its own epoch), though the number is the same."""
+    weights, client, stream = weights_in_use(small_cfg, "in_flight")
+    reports = []
+    weights.sync.report = lambda: reports.append((weights.version, weights.epoch))
+    weights.report_installed()
+    weights.sync.fetched = Installed(50, "params-new-v50", False, 0.0, 0, "new")
+    weights.poll()
+    stream.episodes_in_flight = 0
+    assert weights.staged.refresh() == ("params-new-v50", 50)
+    weights.report_installed()
+    weights.report_installed()  # nothing new since: not reported again
+    assert reports == [(50, "old"), (50, "new")]
