@@ -34,7 +34,7 @@ import time
 import jax
 
 from grpo_stream.common.config.schema import RunConfig
-from grpo_stream.common.engine.base import rows_decoding_mean
+from grpo_stream.common.engine.base import FirstWeights, rows_decoding_mean
 from grpo_stream.common.episodes.evaluation import greedy_probe
 from grpo_stream.common.episodes.registry import build_rollouts, injected_kind, rollout_kind
 from grpo_stream.common.episodes.stream import RolloutStream
@@ -143,8 +143,10 @@ class Sampler:
         weights.stream_started(self.stream, parts.engine.side)
         progress = EngineProgress(weights.staged.refresh, Heartbeat(self.run_dir, self.sampler_id))
         params, version = weights.installed()
-        engine = EngineThread(parts.engine, params, self.stream, progress.refresh, version,
+        # handed over, not kept: the serve alone holds the first version, until a newer one replaces it
+        engine = EngineThread(parts.engine, FirstWeights(params), self.stream, progress.refresh, version,
                               f"{self.sampler_id}-engine")
+        del params
         started = self._stream_started = time.monotonic()
         try:
             while not self.stop_event.is_set():

@@ -91,6 +91,26 @@ def generate_by_serving(engine, params: Any, prompts: list[list[int]], rng: Any,
     return out
 
 
+class FirstWeights:
+    """The weights a long serve starts with, handed to it through its callers (the sampler's loop, its engine
+    thread, serve_sharing): the serve takes them (`take_weights`), so that once a newer version replaces them nothing
+    keeps the first version alive for the serve's life (a whole extra copy of the weights on the device)."""
+
+    def __init__(self, params: Any):
+        self._params = params
+
+    def take(self) -> Any:
+        params, self._params = self._params, None
+        if params is None:
+            raise RuntimeError("a serve's first weights were taken already")
+        return params
+
+
+def take_weights(params: Any) -> Any:
+    """`params` as a serve holds them: FirstWeights' taken from it, anything else as it is."""
+    return params.take() if isinstance(params, FirstWeights) else params
+
+
 @dataclasses.dataclass
 class Request:
     """One sequence to decode: its prompt (for a later turn of an episode, the conversation so far, token ids as

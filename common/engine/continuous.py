@@ -81,7 +81,7 @@ import numpy as np
 
 from grpo_stream.common.config.serving import engine_context
 from grpo_stream.common.engine import cpu_attention, decode
-from grpo_stream.common.engine.base import Generation, RequestSource, generate_by_serving
+from grpo_stream.common.engine.base import Generation, RequestSource, generate_by_serving, take_weights
 from grpo_stream.common.engine.held_turns import HeldTurns
 from grpo_stream.common.engine.request_rows import RequestRows
 from grpo_stream.common.engine.side_requests import SideQueue, serve_sharing
@@ -180,6 +180,7 @@ class ContinuousEngine:
         environment has answered, a sampler's next group when one ended, while the other slots keep decoding) and
         hands every ended sequence back through `source.finish`. A serve may last a sampler's life: rows are
         recycled once their sequence is handed back."""
+        params = take_weights(params)  # a sampler's FirstWeights: held here alone, replaced by the next version
         weights = self._weights(params)
         table, rows, held = self.table, self.rows, self.held
         table.clear()

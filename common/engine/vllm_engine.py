@@ -90,7 +90,7 @@ import numpy as np
 
 from grpo_stream.common.config.serving import engine_context
 from grpo_stream.common.engine.side_requests import SideQueue, serve_sharing
-from grpo_stream.common.engine.base import Generation, Request, RequestSource, generate_by_serving
+from grpo_stream.common.engine.base import Generation, Request, RequestSource, generate_by_serving, take_weights
 from grpo_stream.common.engine.vllm_requests import Live, check_ended, drop_withdrawn
 from grpo_stream.common.engine.vllm_worker import EXTENSION, load_into_worker
 from grpo_stream.common.runtime.errors import PermanentError
@@ -281,6 +281,7 @@ class VllmEngine:
         hold/resume fields (environment.kv_cache=hold, the JAX engine's) need nothing here: its ids are the whole
         conversation, and the prefix cache keeps the earlier turns' blocks; the hold keys the source releases are
         taken and dropped, so it does not keep them for the sampler's life."""
+        params = take_weights(params)
         if params is not self._installed:
             self.install(params)
         engine, per_step = self.llm.llm_engine, refresh is not None
