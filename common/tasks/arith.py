@@ -33,6 +33,8 @@ _TEMPLATES = (
 )
 PROMPT_FORMAT = prompts.PLAIN  # the tiny tokenizer's corpus, and the prompts of task.prompt_template=plain
 TEMPLATES = ("plain", "chat", "reasoning")  # the tools template lists gsm8k_tools's tools, not this task's
+LISTED_PAIRS = 1 << 22  # ranges with more ordered pairs (operands past 2048 values) draw held-out pairs
+SCANNED_PAIRS = 4096  # operand ranges of at most this many ordered pairs are checked for a training pair
 
 
 def plain_prompt(question: str) -> str:
@@ -74,6 +76,17 @@ class ArithTask:
         default)."""
         self.min_operand, self.max_operand = min_operand, max_operand
         self.heldout_fraction, self.seed, self.render = heldout_fraction, seed, render
+        self._check_training_pairs()
+
+    def _check_training_pairs(self) -> None:
+        """A narrow operand range can hold out every ordered pair, and train_problem would draw forever (the samplers
+        and the warm start hang, saying nothing). Ranges of up to SCANNED_PAIRS pairs are checked; a wider one holds a
+        training pair but for odds below 2**-SCANNED_PAIRS (each pair is held out with probability under 1/2)."""
+        values = range(self.min_operand, self.max_operand + 1)
+        if len(values) ** 2 <= SCANNED_PAIRS and all(self.is_heldout(a, b) for a in values for b in values):
+            raise ValueError(f"task.heldout_fraction={self.heldout_fraction} holds out all {len(values) ** 2} operand "
+                             f"pairs of task.min_operand={self.min_operand}..task.max_operand={self.max_operand}, "
+                             "leaving none to train on: widen the range or lower task.heldout_fraction")
 
     def render_question(self, question: str) -> str:
         """A bare question wrapped as the run's prompts are (for injected prompts)."""
@@ -104,15 +117,35 @@ class ArithTask:
             index += num_shards
 
     def heldout(self, limit: int) -> list[Problem]:
-        """The first `limit` held-out problems in a fixed shuffled order (same for every process)."""
-        pairs = [(a, b) for a in range(self.min_operand, self.max_operand + 1)
-                 for b in range(self.min_operand, self.max_operand + 1) if self.is_heldout(a, b)]
+        """The first `limit` held-out problems in a fixed order (same for every process): of every held-out pair,
+        shuffled; in a range of over LISTED_PAIRS ordered pairs, distinct held-out pairs drawn at random (listing
+        them took minutes at four-digit operands, at every evaluation, and never ended at task.max_operand's bound)."""
         rng = random.Random(f"{self.seed}/heldout")
-        rng.shuffle(pairs)
+        span = self.max_operand - self.min_operand + 1
+        listed = span * span <= LISTED_PAIRS
+        pairs = self._listed_heldout_pairs(rng) if listed else self._drawn_heldout_pairs(rng, limit)
         if limit > len(pairs):
             raise ValueError(f"eval.num_problems={limit} exceeds the {len(pairs)} held-out operand pairs; "
                              "lower it or widen task.min_operand..task.max_operand")
         return [self._problem(rng, a, b, f"arith-heldout-{k}") for k, (a, b) in enumerate(pairs[:limit])]
+
+    def _listed_heldout_pairs(self, rng: random.Random) -> list[tuple[int, int]]:
+        values = range(self.min_operand, self.max_operand + 1)
+        pairs = [(a, b) for a in values for b in values if self.is_heldout(a, b)]
+        rng.shuffle(pairs)
+        return pairs
+
+    def _drawn_heldout_pairs(self, rng: random.Random, limit: int) -> list[tuple[int, int]]:
+        """Up to `limit` distinct held-out pairs, drawn uniformly (a pair is held out with probability
+        heldout_fraction, so `limit / heldout_fraction` draws are expected; twenty times that are allowed)."""
+        pairs: dict[tuple[int, int], None] = {}  # ordered: the order drawn
+        for _ in range(int(20 * limit / self.heldout_fraction) + 1000):
+            if len(pairs) >= limit:
+                break
+            pair = (rng.randint(self.min_operand, self.max_operand), rng.randint(self.min_operand, self.max_operand))
+            if self.is_heldout(*pair):
+                pairs[pair] = None
+        return list(pairs)
 
     def split_problems(self, split: str, limit: int) -> list[Problem]:
         """The first `limit` problems of `split` (`grpo-stream eval --split`)."""

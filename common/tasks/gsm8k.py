@@ -198,10 +198,23 @@ class Gsm8kTask:
         return [self._prompted(p) for p in self.test[:n]]
 
 
+def _check_splits_apart(d) -> None:
+    """A source that is one file has no splits: every split read from it is all its rows. Evaluating on a test split
+    read from it would score the problems the samplers train on, so two split names over one file are refused; the
+    same name twice (test_split equal to train_split) asks for that knowingly."""
+    path = pathlib.Path(d.source)
+    if path.suffix in (".jsonl", ".parquet") and path.is_file() and d.train_split != d.test_split:
+        raise DatasetError(f"task.dataset.source={d.source} is one file, so the train split ({d.train_split}) and the "
+                           f"test split ({d.test_split}) would both be all its rows and evaluation would score "
+                           f"training problems: give a directory with {d.train_split}.jsonl and {d.test_split}.jsonl, "
+                           f"or set task.dataset.test_split={d.train_split} to evaluate on the training problems")
+
+
 def build(cfg, hf_tokenizer):
     """The task registry's entry (task.name=gsm8k): problems from task.dataset, prompts rendered with
     task.prompt_template and the tokenizer (the checkpoint's, or a BPE trained on the training problems)."""
     d = cfg.task.dataset
+    _check_splits_apart(d)
     train, test = (load_problems(d.source, split, d.question_field, d.answer_field, d.on_bad_row, d.hub_config,
                                  d.limit) for split in (d.train_split, d.test_split))
     tokenizer = hf_tokenizer or build_tokenizer_on([f"{p.question} {p.solution}" for p in train], cfg)

@@ -119,3 +119,26 @@ def test_a_row_not_utf8_a_bom_and_a_non_text_answer_are_rows_named_by_line(tmp_p
     assert f"{path}:4: field 'answer': final answer '{'x' * 64}' (5000 characters) is not a number" in caplog.text
     with pytest.raises(DatasetError, match=f"{path}:2: not valid JSON .*on_bad_row=skip"):
         load_problems(str(path), "train", on_bad_row="error")
+
+
+def test_one_file_is_not_read_as_both_the_train_and_the_test_split(tmp_path):
+    """A single-file source was read whole for each split: every held-out problem was a training problem, and the
+    evaluation scored what the samplers train on without a word. Two split names over one file are refused, naming
+    the fix; the same name twice evaluates on the training problems, as asked."""
+    from grpo_stream.common.config.loading import load_config
+    from grpo_stream.common.tasks import gsm8k
+
+    path = tmp_path / "mine.jsonl"
+    path.write_text("".join(json.dumps({"question": f"What is {i} + 1?", "answer": f"#### {i + 1}"}) + "\n"
+                            for i in range(6)))
+    overrides = ["task.name=gsm8k", f"task.dataset.source={path}", "warmstart.steps=0"]
+    with pytest.raises(DatasetError, match=r"is one file.*directory with train.jsonl and test.jsonl.*"
+                                           r"task.dataset.test_split=train"):
+        gsm8k.build(load_config(None, overrides), None)
+    task, _ = gsm8k.build(load_config(None, overrides + ["task.dataset.test_split=train"]), None)
+    assert [p.prompt_id for p in task.heldout(6)] == [f"train/{i}" for i in range(6)]
+    (tmp_path / "train.jsonl").write_text(path.read_text())
+    (tmp_path / "test.jsonl").write_text(json.dumps({"question": "What is 9 + 9?", "answer": "#### 18"}) + "\n")
+    task, _ = gsm8k.build(load_config(None, overrides[:1] + [f"task.dataset.source={tmp_path}", "warmstart.steps=0"]),
+                          None)
+    assert [p.prompt_id for p in task.heldout(6)] == ["test/0"]

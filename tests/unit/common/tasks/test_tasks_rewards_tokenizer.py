@@ -1,6 +1,9 @@
+import pytest
+
 from grpo_stream.common.tasks.answers import extract_answer
 from grpo_stream.common.tasks.rewards import answer_correct, score
 from grpo_stream.common.tasks.arith import ArithTask
+from grpo_stream.common.tasks.arith_tools import ArithToolsTask
 from grpo_stream.common.model.tokenizer import train_bpe
 
 
@@ -56,3 +59,36 @@ def test_a_stream_started_at_a_position_continues_the_uninterrupted_one():
     task = ArithTask(10, 99, 0.1, seed=3)
     whole = [p.prompt_id for p, _ in zip(task.train_stream(1, 2), range(12))]
     assert [p.prompt_id for p, _ in zip(task.train_stream(1, 2, 5), range(7))] == whole[5:]
+
+
+def test_a_range_whose_every_pair_is_held_out_is_refused_not_drawn_forever():
+    """task.min_operand=4 task.max_operand=5 task.heldout_fraction=0.49 passed the config and held out all four
+    ordered pairs: train_problem drew forever, and the samplers and the warm start hung saying nothing."""
+    for make in (ArithTask, ArithToolsTask):
+        with pytest.raises(ValueError, match=r"heldout_fraction=0.49 holds out all 4 operand pairs of "
+                                             r"task.min_operand=4..task.max_operand=5.*lower task.heldout_fraction"):
+            make(4, 5, 0.49, seed=0)
+    task = ArithTask(4, 5, 0.1, seed=0)  # the same range with training pairs left draws them
+    assert not task.is_heldout(task.train_problem(0).a, task.train_problem(0).b)
+
+
+def test_held_out_problems_of_a_wide_operand_range_are_drawn_not_listed(monkeypatch):
+    """heldout() listed every ordered operand pair: about 2 minutes at four-digit operands, at every evaluation, and
+    never done at task.max_operand's bound (10**12 pairs). A range over LISTED_PAIRS draws distinct held-out pairs, the
+    same in every process; narrower ranges keep their listed order (the learning checks were calibrated on it)."""
+    from grpo_stream.common.tasks import arith
+
+    listed = [(p.a, p.b) for p in ArithTask(10, 99, 0.1, seed=0).heldout(40)]
+    monkeypatch.setattr(arith, "LISTED_PAIRS", 100)  # 10..99 now draws
+    drawn = ArithTask(10, 99, 0.1, seed=0).heldout(40)
+    pairs = [(p.a, p.b) for p in drawn]
+    assert len(set(pairs)) == 40 and pairs != listed and all(ArithTask(10, 99, 0.1, 0).is_heldout(*p) for p in pairs)
+    assert [(p.a, p.b) for p in ArithTask(10, 99, 0.1, seed=0).heldout(40)] == pairs  # same in every process
+    assert [p.prompt_id for p in drawn] == [f"arith-heldout-{k}" for k in range(40)]
+    with pytest.raises(ValueError, match=r"eval.num_problems=900 exceeds the \d+ held-out operand pairs"):
+        ArithTask(10, 99, 0.1, seed=0).heldout(900)  # 8100 pairs, about 810 held out
+    monkeypatch.undo()
+    widest = ArithTask(0, 10**6, 0.1, seed=0)
+    assert (10**6 + 1) ** 2 > arith.LISTED_PAIRS
+    assert len({(p.a, p.b) for p in widest.heldout(200) if widest.is_heldout(p.a, p.b)}) == 200
+    assert [(p.a, p.b) for p in ArithTask(10, 99, 0.1, seed=0).heldout(40)] == listed
