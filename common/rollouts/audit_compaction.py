@@ -7,6 +7,8 @@ the checkpoint after the one holding it is on disk, and keeps at least two) can 
 does, and keeps the verdict as counts in P:R:audit:compacted:
 
   through_step               lineage steps up to here are compacted
+  through_epoch              the trainer whose lineage step through_step was: a later trainer that resumed from
+                             before it rolled the compacted steps back (compacted_rolled_back)
   accepted, trained, dropped_stale, dropped_invalid, dropped_filtered, second_copies_dropped, steps_rolled_back,
   injected_train, injected_train_trained
   below:<sampler>            every group of that sampler at or below this data position is compacted, except at
@@ -33,7 +35,7 @@ import json
 import redis
 
 from grpo_stream.common.rollouts import compaction_holes
-from grpo_stream.common.rollouts.audit_trail import read_compacted_fields, read_trail, text
+from grpo_stream.common.rollouts.audit_trail import THROUGH_EPOCH_FIELD, read_compacted_fields, read_trail, text
 from grpo_stream.common.rollouts.fencing import STALE_CODE, StaleTrainer
 
 DROPS = ("dropped_stale", "dropped_invalid", "dropped_filtered")
@@ -52,23 +54,51 @@ def lineage(trainers: list[dict], steps: list[dict], checkpoints: list[dict]) ->
 def lineage_records(trainers: list[dict], steps: list[dict], checkpoints: list[dict]) -> tuple[dict[int, dict], int]:
     """lineage() as {step: its step record}: a record is in the lineage by its trainer epoch and step, never by the
     groups it lists (a rolled-back step and its deterministic replay list the same groups)."""
+    windows = lineage_windows(trainers, checkpoints)
+    out = {}
+    for epoch, after, upto in windows:
+        for rec in steps:
+            step = int(rec["step"])
+            if rec["epoch"] == epoch and after < step <= upto:
+                out[step] = rec
+    return out, windows[0][2] if windows else 0
+
+
+def lineage_windows(trainers: list[dict], checkpoints: list[dict]) -> list[tuple[str, int, int]]:
+    """The final model's history as (trainer epoch, from_step, upto): that trainer's steps in (from_step, upto] are
+    in the lineage; the last trainer first, back to the fresh start."""
     if not trainers:
-        return {}, 0
+        return []
     by_epoch = {t["epoch"]: t for t in trainers}
     epoch = trainers[-1]["epoch"]
     saved = [int(c["step"]) for c in checkpoints if c["epoch"] == epoch]
     upto = max(saved, default=int(by_epoch[epoch]["from_step"]))
-    final, out = upto, {}
+    out = []
     while epoch:
         start = by_epoch[epoch]
-        for rec in steps:
-            step = int(rec["step"])
-            if rec["epoch"] == epoch and int(start["from_step"]) < step <= upto:
-                out[step] = rec
+        out.append((epoch, int(start["from_step"]), upto))
         upto, epoch = int(start["from_step"]), start["from_epoch"]
         if epoch and epoch not in by_epoch:
             raise ValueError(f"the audit trail names trainer {epoch} but has no start record for it")
-    return out, final
+    return out
+
+
+def compacted_rolled_back(windows: list[tuple[str, int, int]], through_step: int, through_epoch: str) -> str:
+    """Why the compacted steps are not the final model's ('' when they are): compaction folded steps up to
+    `through_step` of the lineage whose step `through_step` trainer `through_epoch` trained; a trainer that resumed
+    from a checkpoint before it (the two newest unusable: docs/operations.md, "Limits") rolled those steps back, so
+    the groups counted as trained in them are in no step of the final model. '' too for a trail compacted before
+    through_epoch was recorded."""
+    if not through_step or not through_epoch:
+        return ""
+    owner = next((epoch for epoch, after, upto in windows if after < through_step <= upto), None)
+    if owner == through_epoch:
+        return ""
+    resumed = next(((epoch, after) for epoch, after, _ in windows if after < through_step), None)
+    how = f"trainer {resumed[0]} resumed from step {resumed[1]}" if resumed else "no trainer's history reaches it"
+    return (f"compaction folded steps up to {through_step} as trained by trainer {through_epoch}, but the final "
+            f"model's lineage does not go through them ({how}): the groups counted as trained in the steps after "
+            "that checkpoint are lost")
 
 
 @dataclasses.dataclass
@@ -82,23 +112,30 @@ class CompactionPlan:
     below: dict[str, int]
     held_back: str = ""  # why compaction stopped short of through_step, if it did
     holes: dict[str, str] = dataclasses.field(default_factory=dict)  # sampler -> its holes now (compaction_holes)
+    through_epoch: str = ""  # the trainer whose lineage step through_step is (compacted_rolled_back checks it)
 
 
 def plan_compaction(through_step: int, previous_through: int, accepted: dict[str, dict], settled: dict[str, dict],
                     second_copies: dict[str, int], steps: list[dict], trainers: list[dict], checkpoints: list[dict],
-                    evaluation_only: dict[str, dict], below: dict[str, int], holes: dict[str, str] | None = None
-                    ) -> CompactionPlan:
+                    evaluation_only: dict[str, dict], below: dict[str, int], holes: dict[str, str] | None = None,
+                    through_epoch: str = "") -> CompactionPlan:
     """The pure decision: which records of the trail can fold into counts once steps up to `through_step` are final.
     Step records carry their record id as `id`. Evaluation-only answers (P:R:audit:eval) are only checked, never
     removed: `audit --group` finds a probe's answer for as long as its prompt keeps its result. `holes`: each
-    sampler's positions below its watermark never accepted (as stored; compaction_holes.py)."""
+    sampler's positions below its watermark never accepted (as stored; compaction_holes.py). `through_epoch`: the
+    trainer whose step previous_through was folded ('' when not recorded)."""
     empty = CompactionPlan(previous_through, [], [], dict.fromkeys(COMPACTED_COUNTS, 0), {})
     if through_step <= previous_through:
         return empty
     try:
         records, _ = lineage_records(trainers, steps, checkpoints)
+        windows = lineage_windows(trainers, checkpoints)
     except ValueError as exc:  # a trail the audit cannot follow: compaction must not decide for it
         empty.held_back = str(exc)
+        return empty
+    # what was folded must still be the final model's history, else its counts are not final: the audit says so
+    empty.held_back = compacted_rolled_back(windows, previous_through, through_epoch)
+    if empty.held_back:
         return empty
     history = {step: _groups(rec) for step, rec in records.items()}
     missing = [s for s in range(previous_through + 1, through_step + 1) if s not in history]
@@ -106,7 +143,9 @@ def plan_compaction(through_step: int, previous_through: int, accepted: dict[str
         empty.held_back = f"lineage steps {missing[:5]} have no record"
         return empty
     final = {s: gids for s, gids in history.items() if s <= through_step}
-    times = collections.Counter(g for gids in final.values() for g in gids)
+    # counted over the whole lineage, not only up to through_step: a group trained again in a later step must stay
+    # (folded, the later step's record would list a group the trail no longer knows, and the audit could not tell)
+    times = collections.Counter(g for gids in history.values() for g in gids)
 
     def settled_now(gid: str) -> bool:
         rec = settled.get(gid)
@@ -129,13 +168,7 @@ def plan_compaction(through_step: int, previous_through: int, accepted: dict[str
         if not mixed:
             break
         held |= mixed
-    new_holes: dict[str, str] = {}
-    for sampler, positions in passed.items():
-        # positions the watermark jumps over may still arrive: they are not duplicates; ones filled are
-        old = below.get(sampler, -1)
-        gaps, filled = compaction_holes.passed_over(old, positions), [p for p in positions if p <= old]
-        if gaps or filled:
-            new_holes[sampler] = compaction_holes.updated((holes or {}).get(sampler), gaps, filled)
+    new_holes = _holes_after(passed, below, holes or {})
     counts = dict.fromkeys(COMPACTED_COUNTS, 0)
     for gid in chosen:
         outcome = settled[gid]["outcome"]
@@ -155,12 +188,41 @@ def plan_compaction(through_step: int, previous_through: int, accepted: dict[str
                    and (rec["epoch"], int(rec["step"])) not in lineage_ids]
     removed = rolled_back + [rec for rec in steps if (rec["epoch"], int(rec["step"])) in lineage_ids
                              and all(g in gone or g not in accepted for g in _groups(rec))]
-    listed = {g for rec in removed for g in _groups(rec)}
-    if listed & set(evaluation_only):
-        empty.held_back = f"evaluation-only answers {sorted(listed & set(evaluation_only))[:5]} were trained"
+    empty.held_back = _unaccounted(removed, rolled_back, accepted, evaluation_only)
+    if empty.held_back:
         return empty
     counts["steps_rolled_back"] = len(rolled_back)
-    return CompactionPlan(through_step, chosen, [rec["id"] for rec in removed], counts, new_below, holes=new_holes)
+    owner = next(epoch for epoch, after, upto in windows if after < through_step <= upto)
+    return CompactionPlan(through_step, chosen, [rec["id"] for rec in removed], counts, new_below, holes=new_holes,
+                          through_epoch=owner)
+
+
+def _holes_after(passed: dict[str, list[int]], below: dict[str, int], holes: dict[str, str]) -> dict[str, str]:
+    """Each sampler's holes once its watermark moved through the `passed` positions (only samplers whose changed):
+    positions the watermark jumps over may still arrive, so they are not duplicates; ones filled are."""
+    out: dict[str, str] = {}
+    for sampler, positions in passed.items():
+        old = below.get(sampler, -1)
+        gaps, filled = compaction_holes.passed_over(old, positions), [p for p in positions if p <= old]
+        if gaps or filled:
+            out[sampler] = compaction_holes.updated(holes.get(sampler), gaps, filled)
+    return out
+
+
+def _unaccounted(removed: list[dict], rolled_back: list[dict], accepted: dict[str, dict],
+                 evaluation_only: dict[str, dict]) -> str:
+    """Why step records must not go ('' when they may): one lists an evaluation-only answer, or a lineage one lists
+    a group the trail has no accepted record of. A group folded earlier went with every lineage record listing it,
+    so such a group was never accepted, or was trained again after it was folded: the audit must see the record."""
+    listed = {g for rec in removed for g in _groups(rec)}
+    if listed & set(evaluation_only):
+        return f"evaluation-only answers {sorted(listed & set(evaluation_only))[:5]} were trained"
+    rolled_back_ids = {rec["id"] for rec in rolled_back}
+    unknown = sorted({g for rec in removed if rec["id"] not in rolled_back_ids for g in _groups(rec)} - set(accepted))
+    if unknown:
+        return (f"lineage steps list groups {unknown[:5]} that have no accepted record: never accepted, or trained "
+                "again after they were compacted")
+    return ""
 
 
 def _chosen(accepted: dict[str, dict], goes, below: dict[str, int]
@@ -215,13 +277,14 @@ def compact_redis(client, k: dict[str, str], through_step: int, fence: tuple[str
         return CompactionPlan(previous, [], [], dict.fromkeys(counts, 0), {})
     trail = read_trail(client, k)
     _, holes = read_compacted_fields(client, k["audit:compacted"])
+    through_epoch = text(client.hget(k["audit:compacted"], THROUGH_EPOCH_FIELD) or b"")
     damaged += trail["damaged"]
     if damaged:  # what compaction would fold or overwrite cannot be checked: the trail stays as it is
         return CompactionPlan(previous, [], [], dict.fromkeys(counts, 0), {}, held_back=(
             f"{len(damaged)} damaged records in the audit trail, e.g. {'; '.join(damaged[:3])}"))
     plan = plan_compaction(through_step, previous, trail["accepted"], trail["settled"], trail["second_copies"],
                            trail["steps"], trail["trainers"], trail["checkpoints"], trail["evaluation_only"], below,
-                           holes)
+                           holes, through_epoch)
     if plan.through_step <= previous:
         return plan
     pipe = client.pipeline(transaction=True)
@@ -230,7 +293,7 @@ def compact_redis(client, k: dict[str, str], through_step: int, fence: tuple[str
     for name, n in plan.counts.items():
         if n:
             pipe.hincrby(k["audit:compacted"], name, n)
-    pipe.hset(k["audit:compacted"], mapping={"through_step": plan.through_step,
+    pipe.hset(k["audit:compacted"], mapping={"through_step": plan.through_step, THROUGH_EPOCH_FIELD: plan.through_epoch,
                                              **{f"below:{s}": p for s, p in plan.below.items()},
                                              **{f"holes:{s}": h for s, h in plan.holes.items() if h}})
     if any(not h for h in plan.holes.values()):

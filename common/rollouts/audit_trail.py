@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 
 MAX_SHOWN = 40  # characters of a damaged value quoted in its description
+THROUGH_EPOCH_FIELD = "through_epoch"  # P:R:audit:compacted's one text field (audit_compaction.py)
 
 
 def text(value) -> str:
@@ -131,6 +132,8 @@ def read_compacted_fields(client, key: str, damaged: list[str] | None = None) ->
     numbers, holes = {}, {}
     for field, raw in client.hgetall(key).items():
         name, value = text(field), text(raw)
+        if name == THROUGH_EPOCH_FIELD:  # a trainer epoch, not a count (read by itself)
+            continue
         if name.startswith("holes:"):
             if all(len(part.split("-")) == 2 and all(p.isdigit() for p in part.split("-"))
                    for part in value.split(",") if value):

@@ -14,7 +14,8 @@ checkpoint, and so on. Steps a crash rolled back are not in it. Then, per accept
 
 Groups and steps the trainer compacted (common/rollouts/audit_compaction.py: settled behind the acknowledged
 checkpoint, checked as above when compacted) are counted from P:R:audit:compacted; the lineage is rebuilt for the
-steps after it.
+steps after it. The compacted steps must still be the final model's (a resume from a checkpoint before them rolled
+them back: `compacted.rolled_back`), and every entry in the buffer must have been accepted.
 
 Answers to injected prompts submitted with train=false are kept apart (P:R:audit:eval) and never enter the
 rollout stream; the audit checks that no trained step, of any trainer, lists one (else it is BROKEN), and counts
@@ -31,8 +32,10 @@ import sys
 
 import redis
 
-from grpo_stream.common.rollouts.audit_compaction import lineage, read_compacted
-from grpo_stream.common.rollouts.audit_trail import group_records, read_compacted_fields, read_trail, stream_records
+from grpo_stream.common.rollouts.audit_compaction import (compacted_rolled_back, lineage, lineage_windows,
+                                                          read_compacted)
+from grpo_stream.common.rollouts.audit_trail import (THROUGH_EPOCH_FIELD, group_records, read_compacted_fields,
+                                                     read_trail, stream_records, text)
 from grpo_stream.common.rollouts.buffer import COUNTERS, REFUSALS, RUN_FILE, keys
 from grpo_stream.common.rollouts.kept_results import RELEASED_FIELD
 from grpo_stream.common.config.access import REDIS_PASSWORD_ENV
@@ -50,6 +53,9 @@ def build_audit(client: redis.Redis, run_name: str, prefix: str = "grpo-stream")
     # what compaction folded (audit_compaction.py): steps up to `through` were checked then, as below
     damaged = trail["damaged"]  # records left out (audit_trail.py): the audit cannot vouch for what they describe
     through, compacted, _ = read_compacted(client, k["audit:compacted"], damaged)
+    # the folded steps must still be the final model's: a resume from before them rolled them back
+    rolled_back = compacted_rolled_back(lineage_windows(trainers, checkpoints), through,
+                                        text(client.hget(k["audit:compacted"], THROUGH_EPOCH_FIELD) or b""))
     # train=false answers whose prompts have left Redis (kept_results.py): counted, no longer checked against steps
     released = read_compacted_fields(client, k["audit:compacted"])[0].get(RELEASED_FIELD, 0)
     times = collections.Counter(g for groups in history.values() for g in groups)
@@ -73,6 +79,8 @@ def build_audit(client: redis.Redis, run_name: str, prefix: str = "grpo-stream")
     counters = {name: int(raw.get(name.encode(), 0)) for name in COUNTERS + REFUSALS}
     missing_steps = sorted(set(range(through + 1, final_step + 1)) - set(history))
     injected_train = [g for g, rec in accepted.items() if rec.get("prompt")]
+    # only the ingest's append writes the stream, with the accepted record; compaction folds only settled groups
+    unaccepted_waiting = sorted(g for g in waiting if g is not None and g not in accepted)
     return {
         "run": run_name,
         "groups_accepted": len(accepted) + compacted["accepted"],
@@ -85,6 +93,7 @@ def build_audit(client: redis.Redis, run_name: str, prefix: str = "grpo-stream")
         "second_copies_refused_by_ingest": counters["refused_duplicate"],
         "second_copies_dropped_by_trainer": sum(second_copies.values()) + compacted["second_copies_dropped"],
         "trained_but_not_accepted": sorted(set(times) - set(accepted))[:20],
+        "waiting_but_not_accepted": unaccepted_waiting[:20],
         "lost_ids": sorted(g for g, o in outcome.items() if o == "lost")[:20],
         "trained_twice_ids": sorted(g for g, o in outcome.items() if o == "duplicated")[:20],
         "final_step": final_step,
@@ -92,7 +101,7 @@ def build_audit(client: redis.Redis, run_name: str, prefix: str = "grpo-stream")
         "trainer_starts": len(trainers),
         "trainer_resumes": sum(1 for t in trainers if t["from_epoch"]),
         "steps_rolled_back": len(steps) - len(history) + compacted["steps_rolled_back"],
-        "compacted": {"through_step": through, "groups": compacted["accepted"]},
+        "compacted": {"through_step": through, "groups": compacted["accepted"], "rolled_back": rolled_back},
         "checkpoints_saved": len(checkpoints),
         "damaged_records": damaged[:20],
         "counters": counters,
@@ -102,7 +111,7 @@ def build_audit(client: redis.Redis, run_name: str, prefix: str = "grpo-stream")
                      "train_trained": sum(outcome[g] == "trained" for g in injected_train)
                      + compacted["injected_train_trained"]},
         "ok": not counts["lost"] and not counts["duplicated"] and not missing_steps and not (set(times) - set(accepted))
-        and not eval_trained and not damaged,
+        and not eval_trained and not damaged and not unaccepted_waiting and not rolled_back,
     }
 
 
@@ -212,9 +221,12 @@ def run_audit(run_dir: pathlib.Path, redis_url: str | None, group: str | None, j
           f"{'OK' if report['ok'] else 'BROKEN: see ' + str(path)}; written to {path}")
     if not report["ok"]:
         print(f"lost {report['lost_ids']}, trained twice {report['trained_twice_ids']}, missing steps "
-              f"{report['lineage_missing_steps']}, trained but never accepted {report['trained_but_not_accepted']}, "
-              f"evaluation-only but trained {report['injected']['evaluation_only_trained_ids']}",
-              file=sys.stderr)
+              f"{report['lineage_missing_steps']}, trained with no accepted record (never accepted, or trained again after "
+              f"compaction) {report['trained_but_not_accepted']}, "
+              f"evaluation-only but trained {report['injected']['evaluation_only_trained_ids']}, in the buffer but "
+              f"never accepted {report['waiting_but_not_accepted']}", file=sys.stderr)
+        if report["compacted"]["rolled_back"]:
+            print(report["compacted"]["rolled_back"], file=sys.stderr)
         for damage in report["damaged_records"]:  # each names its key and the command that removes it
             print(f"damaged record, left out of the audit: {damage}", file=sys.stderr)
     return 0 if report["ok"] else 1

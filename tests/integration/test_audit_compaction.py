@@ -35,6 +35,11 @@ class Producer:
         return out
 
 
+def counts_of(raw: dict) -> dict[str, int]:
+    """P:R:audit:compacted's numbers (all but the epoch of the trainer whose step through_step was)."""
+    return {key.decode(): int(v) for key, v in raw.items() if key != b"through_epoch"}
+
+
 def train(buf, producer: Producer, epoch: str, steps: range, per_step: int = 4, every: int = 5,
           acked: list[int] | None = None) -> tuple[list[int], list[tuple]]:
     """What the trainer does to the trail: per step read, log and hold its groups (one dropped as stale); at each
@@ -69,7 +74,8 @@ def test_a_long_run_keeps_a_bounded_trail_and_refuses_late_copies(any_buf):  # n
         k = any_buf.k
         accepted = any_buf.client.hlen(k["audit:accepted"])
         settled, steps = any_buf.client.hlen(k["audit:settled"]), any_buf.client.xlen(k["audit:steps"])
-        compacted = {key.decode(): int(v) for key, v in any_buf.client.hgetall(k["audit:compacted"]).items()}
+        compacted = counts_of(any_buf.client.hgetall(k["audit:compacted"]))
+        assert any_buf.client.hget(k["audit:compacted"], "through_epoch") == b"a"
     else:
         accepted, settled, steps = len(any_buf._accepted), len(any_buf.settled), len(any_buf.steps)
         compacted = {**any_buf.compacted, **{f"below:{s}": p for s, p in any_buf.below.items()}}
@@ -117,7 +123,7 @@ def test_a_lost_group_stays_visible_and_holds_its_samplers_later_groups(buf_pair
     train(buf, producer, "a", range(1, 21))
     report = build_audit(buf.client, run_name)
     assert report["groups_lost"] == 1 and report["lost_ids"] == [lost.group_id] and not report["ok"]
-    compacted = {key.decode(): int(v) for key, v in buf.client.hgetall(buf.k["audit:compacted"]).items()}
+    compacted = counts_of(buf.client.hgetall(buf.k["audit:compacted"]))
     # s0's watermark cannot pass the lost group, so none of s0's groups is compacted; every step lists s0's groups
     # beside s1's, and a step's groups go together (its kept record must list only groups the audit finds), so s1's
     # stay too: a loss keeps the trail whole for the audit to show
@@ -240,3 +246,70 @@ def test_one_groups_history_reads_past_damaged_records_and_names_them(shared_red
     assert history["accepted"]["sampler"] == "s0"
     assert len(history["damaged"]) == 2 and any(re.search(DAMAGES["steps"], d) for d in history["damaged"])
     assert any("audit:settled field 'run/s0/0' holds 'not json'" in d for d in history["damaged"])
+
+
+def test_a_group_trained_again_after_its_compaction_keeps_its_step_for_the_audit(buf_pair):
+    """Compaction folded a step's record once every group it lists had no accepted record, and took a group it had
+    folded before for one of them: a later step that trained a compacted group again went without a trace and the
+    audit said OK. The record stays now, and the audit names the group."""
+    buf, run_name = buf_pair
+    buf.log_trainer("a", 0, "")
+    buf.append_many([Incoming(f"run/s0/{p}", "s0", 0, p, b"x") for p in (0, 1)], 10)
+    _train_step(buf, "a", 1)  # both trained and compacted
+    buf.log_step("a", 2, ["run/s0/0"])  # trained a second time
+    buf.append_many([Incoming("run/s0/2", "s0", 0, 2, b"x")], 10)
+    _train_step(buf, "a", 3)
+    plan = buf.compact_audit(3)
+    assert plan.through_step == 1 and "run/s0/0" in plan.held_back, plan
+    report = build_audit(buf.client, run_name)
+    assert not report["ok"] and report["trained_but_not_accepted"] == ["run/s0/0"], report
+
+
+def test_a_group_trained_again_before_its_compaction_stays_trained_twice(buf_pair):
+    """A group listed by a step up to the compacted one and by a later lineage step is trained twice already: it
+    stays, so the audit reports it as that (it was folded as trained once, then named as never accepted)."""
+    buf, run_name = buf_pair
+    buf.log_trainer("a", 0, "")
+    buf.append_many([Incoming(f"run/s0/{p}", "s0", 0, p, b"x") for p in (0, 1)], 10)
+    got = buf.read(2, 50)
+    buf.log_step("a", 1, [e.group_id for e in got])
+    buf.log_step("a", 2, ["run/s0/0"])
+    buf.log_checkpoint("a", 2)
+    buf.settle([(e.entry_id, e.group_id, "trained", 1) for e in got])
+    buf.compact_audit(1)
+    report = build_audit(buf.client, run_name)
+    assert not report["ok"] and report["trained_twice_ids"] == ["run/s0/0"], report
+
+
+def test_compacted_steps_a_resume_rolled_back_are_reported_not_counted_as_trained(buf_pair):
+    """The two newest checkpoints unusable (docs/operations.md, "Limits"): trainer b resumes from step 2, before
+    the compacted step 3, so the group of a's step 3 (acknowledged, folded as trained) is in no step of the
+    final model. The full trail's audit calls them lost; the compacted one said OK. Now it is BROKEN, and
+    compaction holds back."""
+    buf, run_name = buf_pair
+    buf.log_trainer("a", 0, "")
+    for step in (1, 2, 3):
+        buf.append_many([Incoming(f"run/s0/{step}", "s0", 0, step, b"x")], 10)
+        _train_step(buf, "a", step)
+    assert build_audit(buf.client, run_name)["ok"]
+    buf.log_trainer("b", 2, "a")
+    buf.append_many([Incoming("run/s0/4", "s0", 0, 4, b"x")], 10)
+    _train_step(buf, "b", 3)
+    report = build_audit(buf.client, run_name)
+    assert not report["ok"] and re.search(r"steps up to 3 .*trainer b resumed from step 2", report["compacted"][
+        "rolled_back"]), report["compacted"]
+    buf.log_step("b", 4, [])
+    buf.log_checkpoint("b", 4)
+    plan = buf.compact_audit(4)
+    assert plan.through_step == 3 and plan.held_back == report["compacted"]["rolled_back"], plan
+
+
+def test_a_group_in_the_buffer_without_an_accepted_record_is_reported(buf_pair):
+    """Compaction that folded a group still in flight (its accepted record gone, its entry still in the stream):
+    the audit counted it nowhere and said OK."""
+    buf, run_name = buf_pair
+    buf.append_many([Incoming(f"run/s0/{p}", "s0", 0, p, b"x") for p in (0, 1)], 10)
+    buf.client.hdel(buf.k["audit:accepted"], "run/s0/1")
+    report = build_audit(buf.client, run_name)
+    assert not report["ok"] and report["waiting_but_not_accepted"] == ["run/s0/1"], report
+    assert report["groups_waiting"] == 1
