@@ -11,7 +11,7 @@ from pydantic import Field, model_validator
 from grpo_stream.common.config.verifiers_settings import VerifiersSection
 from grpo_stream.common.config.base import FilePath, Strict
 from grpo_stream.common.config.names import TaskName
-from grpo_stream.common.registry.tasks import task_spec
+from grpo_stream.common.registry.tasks import TASKS, task_spec
 
 
 class TinyModelSection(Strict):
@@ -148,10 +148,12 @@ class TaskSection(Strict):
     @model_validator(mode="before")
     @classmethod
     def _task_rewards(cls, data: Any) -> Any:
-        """IFEval's own rewards when task.rewards is not given: the answer rewards score an IFEval reference (no
-        '#### N') 0, and a run trained on answer_format's '#### N' alone."""
-        if isinstance(data, dict) and data.get("name") == "ifeval" and "rewards" not in data:
-            return {**data, "rewards": {"ifeval_strict": 1.0, "ifeval_loose": 0.0}}
+        """The task's own rewards when task.rewards is not given (the registry's default_rewards; IFEval's: the answer
+        rewards score an IFEval reference, which has no '#### N', 0, and a run trained on answer_format's alone)."""
+        named = isinstance(data, dict) and "rewards" not in data and isinstance(data.get("name"), str)
+        spec = TASKS.get(data["name"]) if named else None
+        if spec is not None and spec.default_rewards:
+            return {**data, "rewards": dict(spec.default_rewards)}
         return data
 
     @model_validator(mode="after")
@@ -162,12 +164,12 @@ class TaskSection(Strict):
             raise ValueError("task.system_prompt needs a chat-form task.prompt_template (chat, reasoning or tools); "
                              "'plain' has no system turn")
         answer_rewards = {"answer_correct", "answer_format", "last_number", "reasoning_answer_format"}
-        if self.name == "ifeval" and all(r in answer_rewards for r, w in self.rewards.items() if w):
-            raise ValueError(f"task.rewards={self.rewards} with task.name=ifeval: these rewards score a '#### N' or "
-                             "last-number answer, and an IFEval reference has none (every completion scores 0 or "
-                             "its format alone); use {ifeval_strict: 1.0, ifeval_loose: 0.0}, or a reward of your "
-                             "own")
-        if task_spec(self.name).own_rollouts and not self.verifiers.environment:
+        spec = task_spec(self.name)
+        if not spec.scored_by_answers and all(r in answer_rewards for r, w in self.rewards.items() if w):
+            raise ValueError(f"task.rewards={self.rewards} with task.name={self.name}: these rewards score a '#### N' "
+                             "or last-number answer, and its references have none (every completion scores 0 or its "
+                             f"format alone); use {dict(spec.default_rewards)}, or a reward of your own")
+        if spec.own_rollouts and not self.verifiers.environment:
             raise ValueError(f"task.name={self.name} needs task.verifiers.environment (an environment id or module)")
         return self
 

@@ -51,6 +51,15 @@ class _Cursor:
         except UnicodeDecodeError:
             raise GgufError(f"{self.where}: {what} (offset {start}) is not UTF-8 text") from None
 
+    def new_name(self, seen: set[str], what: str, kind: str) -> str:
+        """The next string, a name of `kind` ('metadata field', 'tensor') not in `seen` (then added): llama.cpp
+        refuses a file that states one twice."""
+        name = self.string(what)
+        if name in seen:
+            raise GgufError(f"{self.where}: {kind} {name} is stated twice")
+        seen.add(name)
+        return name
+
     def count(self, what: str, each: int) -> int:
         """A count of items of at least `each` bytes, refused when the rest of the file could not hold them."""
         value = self.number("Q", what)
@@ -106,10 +115,7 @@ def _header(cur: _Cursor) -> tuple[list[tuple[str, list[int], int, int]], int]:
     tensor_count, kv_count = cur.number("Q", "GGUF.tensor_count"), cur.count("GGUF.kv_count", KEY_MIN_BYTES)
     alignment, keys = DEFAULT_ALIGNMENT, set()
     for index in range(kv_count):
-        key = cur.string(f"metadata key #{index}")
-        if key in keys:
-            raise GgufError(f"{cur.where}: metadata field {key} is stated twice")
-        keys.add(key)
+        key = cur.new_name(keys, f"metadata key #{index}", "metadata field")
         kind = cur.number("I", f"metadata field {key}'s type")
         value = _value(cur, kind, f"metadata field {key}")
         if key == "general.alignment":
@@ -122,10 +128,7 @@ def _header(cur: _Cursor) -> tuple[list[tuple[str, list[int], int, int]], int]:
                         "bytes left (a damaged header)")
     tensors, names = [], set()
     for index in range(tensor_count):
-        name = cur.string(f"tensor #{index}'s name")
-        if name in names:
-            raise GgufError(f"{cur.where}: tensor {name} is stated twice")
-        names.add(name)
+        name = cur.new_name(names, f"tensor #{index}'s name", "tensor")
         dims = cur.number("I", f"tensor {name}'s dimension count")
         if dims > MAX_DIMS:
             raise GgufError(f"{cur.where}: tensor {name} has {dims} dimensions; GGUF tensors have at most {MAX_DIMS}")

@@ -16,6 +16,10 @@ class TaskSpec:
     warmstart: bool = False  # has the supervised warm start's demonstrations (tiny model only)
     # runs its own rollouts against the samplers' OpenAI-compatible endpoint (common/episodes/verifiers.py)
     own_rollouts: bool = False
+    # its task.rewards when the config names none (empty: the answer rewards, answer_correct and answer_format)
+    default_rewards: tuple[tuple[str, float], ...] = ()
+    # its references end in an answer the answer rewards read ('#### N', a last number); False: they score it 0
+    scored_by_answers: bool = True
 
 
 TASKS: Registry[TaskSpec] = Registry("task.name", "task", {
@@ -26,7 +30,8 @@ TASKS: Registry[TaskSpec] = Registry("task.name", "task", {
     # math word problems from a dataset (task.dataset)
     "gsm8k": TaskSpec("grpo_stream.common.tasks.gsm8k", dataset=True),
     # instruction-following prompts of google/IFEval, scored by lm-eval's checks (task.dataset; the `ifeval` extra)
-    "ifeval": TaskSpec("grpo_stream.common.tasks.ifeval", dataset=True),
+    "ifeval": TaskSpec("grpo_stream.common.tasks.ifeval", dataset=True, scored_by_answers=False,
+                       default_rewards=(("ifeval_strict", 1.0), ("ifeval_loose", 0.0))),
     # a `verifiers` environment (task.verifiers): its dataset, multi-turn rollouts and rubric (the `verifiers` extra)
     "verifiers": TaskSpec("grpo_stream.common.tasks.verifiers_task", own_rollouts=True),
 })

@@ -102,6 +102,7 @@ def count_generated(counts: dict[str, int], process: str, generated: int) -> Non
     never the sum of two of its reports (a lower count read as a restart counted the earlier ones twice). A sampler
     without a process id ("") is taken to have restarted when its count falls, as before. At most MAX_PROCESSES
     ids are kept apart; the oldest are summed under EARLIER."""
+    generated = max(0, generated)  # a sender's claim: never below nothing
     if not process and generated < counts.get("", 0):  # no id: a fall is a new process
         counts[EARLIER] = counts.get(EARLIER, 0) + counts.pop("")
     counts[process] = max(generated, counts.get(process, 0))
