@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import signal
 import uuid
 
 import pytest
@@ -271,3 +272,18 @@ def pytest_terminal_summary(terminalreporter):
         import json
 
         pathlib.Path(os.environ["GRPO_STREAM_PHASE_TIMES"]).write_text(json.dumps(_FOLDER_SECONDS))
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+@pytest.fixture(autouse=True)
+def _stop_signals_as_they_were():
+    """Each test leaves SIGINT, SIGTERM and SIGHUP as it found them. A test that runs a process's main in-process
+    installs that process's handlers; left in place, SIGINT ignored there is inherited by every child a later test
+    of the worker starts (an ignored signal stays ignored across exec), and a child sent Ctrl-C never stops."""
+    before = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+    yield
+    for s, handler in before.items():
+        if signal.getsignal(s) is not handler and handler is not None:
+            signal.signal(s, handler)

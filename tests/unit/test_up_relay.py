@@ -10,6 +10,8 @@ import os
 import sys
 import threading
 
+import pytest
+
 from grpo_stream.up.processes import ProcessSpec
 from grpo_stream.up import run as up_run
 from grpo_stream.up.relay import LINE_CHARS, ChildLog, LogLimits, QueuedConsole
@@ -29,6 +31,13 @@ class Console:
 
     def flush(self):
         pass
+
+
+@pytest.fixture(autouse=True)
+def _a_console_of_its_own(monkeypatch):
+    """`up`'s console is one per process, and one whose writes failed once takes nothing more: a test in this worker
+    that left it so (a captured stdout closed under it) made every later test here read an empty console."""
+    monkeypatch.setattr(up_run, "CONSOLE", QueuedConsole())
 
 
 def talker(tmp_path, code: str, limits: LogLimits = LogLimits()) -> _Child:
