@@ -9,6 +9,7 @@ refused with INVALID_ARGUMENT naming the field; the service stays up.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -229,14 +230,10 @@ class IngestServicer(rollout_pb2_grpc.RolloutIngestServicer):
         if not request.sampler_id:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "sampler_id: must not be empty")
         self._check_sampler(context, request.sampler_id)
-        try:
+        with buffer_errors(context):
             position = self.buffer.data_position(request.sampler_id)
             unanswered = [] if position is None else self.buffer.unanswered_positions(
                 request.sampler_id, position, UNANSWERED_WINDOW)
-        except BufferUnavailable as exc:
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"rollout buffer unavailable ({exc}); retry with backoff")
-        except DamagedRecord as exc:  # an operator must mend it: waiting would not
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"rollout buffer damaged: {exc}")
         return rollout_pb2.DataPosition(known=position is not None, position=position or 0, unanswered=unanswered)
 
     def _check_request_count(self, context, sampler_id: str, field: str, count: int) -> None:
@@ -273,12 +270,8 @@ class IngestServicer(rollout_pb2_grpc.RolloutIngestServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "in_flight and policy_version: must not be negative")
         if self.admission is None:
             return rollout_pb2.AdmitReply(granted=request.groups)
-        try:
+        with buffer_errors(context):
             state = self.buffer.admission_state()
-        except BufferUnavailable as exc:
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"rollout buffer unavailable ({exc}); retry with backoff")
-        except DamagedRecord as exc:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"rollout buffer damaged: {exc}")
         try:
             granted, queued = self.admission.admit(state, request.sampler_id, request.groups,
                                                    request.policy_version, request.in_flight, request.process[:64])
@@ -286,3 +279,15 @@ class IngestServicer(rollout_pb2_grpc.RolloutIngestServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         return rollout_pb2.AdmitReply(granted=granted, retry_after_ms=0 if granted else RETRY_AFTER_MS,
                                       trainer_step=state.trainer_step, queued=queued)
+
+
+@contextlib.contextmanager
+def buffer_errors(context):
+    """A buffer read's failure as the call's status: UNAVAILABLE while Redis is away (retry with backoff),
+    FAILED_PRECONDITION for a damaged record (an operator must mend it: waiting would not)."""
+    try:
+        yield
+    except BufferUnavailable as exc:
+        context.abort(grpc.StatusCode.UNAVAILABLE, f"rollout buffer unavailable ({exc}); retry with backoff")
+    except DamagedRecord as exc:
+        context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"rollout buffer damaged: {exc}")
