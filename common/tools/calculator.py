@@ -67,7 +67,7 @@ def _evaluate(node: ast.expr):
     if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
         left, right = _evaluate(node.left), _evaluate(node.right)
         if isinstance(node.op, ast.Pow) and abs(right) > MAX_EXPONENT:
-            raise ValueError(f"exponent {right} is larger than {MAX_EXPONENT}")
+            raise ValueError(f"exponent {right} is outside -{MAX_EXPONENT}..{MAX_EXPONENT}")
         _check_size(node.op, left, right)
         return _OPERATORS[type(node.op)](left, right)
     raise ValueError(f"{type(node).__name__} is not allowed")

@@ -10,8 +10,10 @@
 
 The Python-style formats are parsed with `ast` and their values with `ast.literal_eval`: nothing is evaluated, and
 anything but a bare tool name called with literal values (numbers, strings, True/False/None, lists, dicts) is
-malformed. A text that contains a call marker but no parseable call raises MalformedToolCall, whose message starts
-with "error:" and says what to write instead, so an episode can hand it to the model as the observation.
+malformed. Numbers are finite in every format: NaN, Infinity or 1e999 in a JSON call is malformed (Python's json
+would read them; JSON, and the endpoint's clients, have no such number). A text that contains a call marker but no
+parseable call raises MalformedToolCall, whose message starts with "error:" and says what to write instead, so an
+episode can hand it to the model as the observation.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import dataclasses
 import json
 import keyword
 import math
+import re
 from typing import Any, Callable, Iterable, Mapping
 
 FAMILIES = ("qwen", "llama3", "gemma", "plain")
@@ -36,6 +39,7 @@ _EXAMPLES = {
     "plain": '<call>tool_name(1, b="text")</call>',
 }
 _LITERALS = "a Python literal (a number, a string, True, False, None, or a list or dict of them)"
+_SPACE, _LLAMA_TAIL = re.compile(r"\s*"), re.compile(r";*\s*")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +60,29 @@ class MalformedToolCall(ValueError):
         self.message = message
 
 
+class _NonFinite(ValueError):
+    """NaN, Infinity or a float past ±1.8e308 in a call's JSON: Python's json reads them, JSON has no such number."""
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise _NonFinite(text)
+    return value
+
+
+def _no_constant(text: str) -> float:
+    raise _NonFinite(text)
+
+
+_DECODER = json.JSONDecoder(parse_float=_finite_float, parse_constant=_no_constant)
+
+
+def _non_finite(exc: _NonFinite, family: str) -> MalformedToolCall:
+    return MalformedToolCall(f"error: tool call JSON holds {str(exc)[:40]}, which is not a finite number; JSON numbers "
+                             f"are finite (like 1.5 or 2e10); write {_EXAMPLES[family]}")
+
+
 def parse_tool_calls(text: str, family: str) -> list[ToolCall]:
     """The calls in a model turn, in order; [] when the turn calls no tool. Raises MalformedToolCall when the turn
     holds a call marker whose call cannot be parsed, ValueError for a family not in FAMILIES."""
@@ -72,11 +99,11 @@ def render_tool_call(call: ToolCall, family: str) -> str:
     # a closing marker inside a string would end the call early: the marker's first character is escaped there
     # (it can only occur inside string literals of the JSON or Python text)
     if family == "qwen":
-        body = json.dumps({"name": call.name, "arguments": dict(call.arguments)}, ensure_ascii=False)
+        body = _json_text({"name": call.name, "arguments": dict(call.arguments)})
         body = body.replace("<", "\\u003c") if _QWEN_CLOSE in body else body
         return f"{_QWEN_OPEN}\n{body}\n{_QWEN_CLOSE}"
     if family == "llama3":
-        return json.dumps({"name": call.name, "parameters": dict(call.arguments)}, ensure_ascii=False)
+        return _json_text({"name": call.name, "parameters": dict(call.arguments)})
     text = _python_call_text(call)
     if family == "gemma":
         text = text.replace("`", "\\x60") if _GEMMA_CLOSE in text else text
@@ -112,10 +139,12 @@ def _parse_llama3(text: str) -> list[ToolCall]:
         if tagged:
             raise MalformedToolCall(f"error: after {_LLAMA_TAG} write a JSON tool call: {_EXAMPLES['llama3']}")
         return []
-    decoder, calls, position = json.JSONDecoder(), [], 0
+    calls, position = [], 0
     while True:
         try:
-            value, position = decoder.raw_decode(content, position)
+            value, position = _DECODER.raw_decode(content, position)
+        except _NonFinite as exc:
+            raise _non_finite(exc, "llama3") from None
         except json.JSONDecodeError as exc:
             raise MalformedToolCall(f"error: tool call is not valid JSON: {exc.msg} (character {exc.pos}); write "
                                     f"{_EXAMPLES['llama3']}") from None
@@ -123,13 +152,14 @@ def _parse_llama3(text: str) -> list[ToolCall]:
             raise MalformedToolCall(f"error: tool call JSON is too large or too deep; write "
                                     f"{_EXAMPLES['llama3']}") from None
         calls.append(_call_from_object(value, ("parameters", "arguments"), "llama3"))
-        rest = content[position:].lstrip()
-        if not rest.lstrip(";").strip():
+        # positions, not slices: slicing the rest after each call copied the turn's tail (quadratic in calls)
+        position = _SPACE.match(content, position).end()
+        if _LLAMA_TAIL.fullmatch(content, position):
             return calls
-        if not rest.startswith(";"):
-            raise MalformedToolCall(f"error: unexpected text after a tool call: {rest[:40]!r}; a turn that calls "
-                                    "tools holds only the JSON calls, separated by ';'")
-        position = len(content) - len(rest[1:].lstrip())
+        if content[position] != ";":
+            raise MalformedToolCall(f"error: unexpected text after a tool call: {content[position:position + 40]!r}; "
+                                    "a turn that calls tools holds only the JSON calls, separated by ';'")
+        position = _SPACE.match(content, position + 1).end()
 
 
 def _parse_gemma(text: str) -> list[ToolCall]:
@@ -156,7 +186,9 @@ def _between(text: str, opening: str, closing: str, family: str) -> list[str]:
 
 def _json_call(body: str, argument_keys: tuple[str, ...], family: str) -> ToolCall:
     try:
-        value = json.loads(body)
+        value = _DECODER.decode(body)
+    except _NonFinite as exc:
+        raise _non_finite(exc, family) from None
     except json.JSONDecodeError as exc:
         raise MalformedToolCall(f"error: tool call is not valid JSON: {exc.msg} (line {exc.lineno}, column "
                                 f"{exc.colno}); write {_EXAMPLES[family]}") from None
@@ -178,7 +210,9 @@ def _call_from_object(value: Any, argument_keys: tuple[str, ...], family: str) -
         arguments = {}
     if isinstance(arguments, str):  # some templates and models write the arguments object as a JSON string
         try:
-            arguments = json.loads(arguments) if arguments.strip() else {}
+            arguments = _DECODER.decode(arguments) if arguments.strip() else {}
+        except _NonFinite as exc:
+            raise _non_finite(exc, family) from None
         except (ValueError, RecursionError) as exc:  # JSONDecodeError, or too large / too deep
             raise MalformedToolCall(f'error: "{key}" of the call of {name!r} is a string that is not a JSON '
                                     f"object: {getattr(exc, 'msg', 'too large or too deep')}; write {example}") from None
@@ -274,6 +308,14 @@ def _python_call_text(call: ToolCall) -> str:
                              "formats need one")
         parts.append(f"{key}={_python_literal(value)}")
     return f"{call.name}({', '.join(parts)})"
+
+
+def _json_text(value: dict) -> str:
+    try:
+        return json.dumps(value, ensure_ascii=False, allow_nan=False)
+    except ValueError:  # NaN or an infinity: what the parser refuses (JSON has no such number)
+        raise ValueError(f"{value!r} cannot be written as a tool call (a float that is not finite); use finite "
+                         "numbers") from None
 
 
 def _python_literal(value: Any) -> str:

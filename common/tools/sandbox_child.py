@@ -16,12 +16,12 @@ The order matters:
 4. as root: drop to nobody (setgroups, setresgid, setresuid); root ignores RLIMIT_NPROC, and nobody owns nothing;
 5. a seccomp filter: no socket(), SysV IPC, POSIX message queues, keys, io_uring, setsid/setpgid (the process group
    kill must reach every process), unshare or clone into new namespaces (new user namespaces add kernel attack
-   surface) or as the sampler's child; no chmod, chown, utime or truncate by path (Landlock has no right for them:
-   they reach the same uid's files anywhere); nothing that acts on another process by pid or pidfd (prlimit, kill,
-   setpriority, sched_*, ptrace, ...) or makes it a file's owner (fcntl F_SETOWN, ioctl FIOSETOWN: SIGIO on that
-   file's I/O): a non-root sampler's child keeps its uid, and the kernel lets a process of the same uid change the
-   sampler's limits or priority, or signal it (Landlock scopes signals only from ABI 6 and has no hook for prlimit
-   or setpriority);
+   surface) or as the sampler's child; no chmod, chown, utime, xattr changes (ACLs) or truncate by path (Landlock has
+   no right for them: they reach the same uid's files anywhere); nothing that acts on another process by pid or pidfd
+   (prlimit, kill, setpriority, sched_*, ptrace, ...) or makes it a file's owner (fcntl F_SETOWN, ioctl FIOSETOWN:
+   SIGIO on that file's I/O): a non-root sampler's child keeps its uid, and the kernel lets a process of the same uid
+   change the sampler's limits or priority, or signal it (Landlock scopes signals only from ABI 6 and has no hook for
+   prlimit or setpriority);
 6. run the code in a fresh namespace; a traceback is printed without this file's frames.
 
 Exit code SETUP_FAILED with a line "sandbox: ..." on stderr: a step failed and the code did not run (fail closed).
@@ -74,23 +74,25 @@ SYSCALL_NUMBERS = {
     "fcntl": (72, 25), "ioctl": (16, 29), "chmod": (90, None), "fchmod": (91, 52), "fchmodat": (268, 53),
     "fchmodat2": (452, 452), "chown": (92, None), "fchown": (93, 55), "lchown": (94, None), "fchownat": (260, 54),
     "truncate": (76, 45), "utime": (132, None), "utimes": (235, None), "futimesat": (261, None),
-    "utimensat": (280, 88), "clone": (56, 220), "clone3": (435, 435)}  # None: no such call (aarch64: *at only)
-# Always EPERM: no network, io_uring, leaving the process group, namespaces; every call that reaches another
-# process through a pid or pidfd without a use for computation (ptrace, reading its memory, perf, pidfds); and the
-# kernel objects that outlive a process and that Landlock does not cover: SysV shared memory, semaphores and message
-# queues, POSIX message queues, keys (a segment left behind stays resident for the machine's life, and a later call
-# could read it back).
+    "utimensat": (280, 88), "clone": (56, 220), "clone3": (435, 435), "setxattr": (188, 5), "lsetxattr": (189, 6),
+    "fsetxattr": (190, 7), "removexattr": (197, 14), "lremovexattr": (198, 15), "fremovexattr": (199, 16),
+    "setxattrat": (463, 463), "removexattrat": (466, 466)}  # None: no such call (aarch64: *at only)
+# Always EPERM: no network, io_uring, leaving the process group, namespaces; every call that reaches another process
+# through a pid or pidfd without a use for computation (ptrace, reading its memory, perf, pidfds); and the kernel
+# objects that outlive a process and that Landlock does not cover: SysV shared memory, semaphores and message queues,
+# POSIX message queues, keys (a segment left behind stays resident for the machine's life; a later call could read it).
 SECCOMP_DENIED = ("socket", "io_uring_setup", "setsid", "setpgid", "unshare", "ptrace", "process_vm_readv",
                   "process_vm_writev", "kcmp", "process_madvise", "pidfd_open", "pidfd_send_signal", "pidfd_getfd",
                   "perf_event_open", "shmget", "shmat", "shmctl", "semget", "semop", "semctl", "semtimedop", "msgget",
                   "msgsnd", "msgrcv", "msgctl", "mq_open", "mq_unlink", "mq_timedsend", "mq_timedreceive",
                   "mq_notify", "mq_getsetattr", "add_key", "request_key", "keyctl", "memfd_create", "chmod", "fchmod",
                   "fchmodat", "fchmodat2", "chown", "fchown", "lchown", "fchownat", "truncate", "utime", "utimes",
-                  "futimesat", "utimensat")
+                  "futimesat", "utimensat", "setxattr", "lsetxattr", "fsetxattr", "removexattr", "lremovexattr",
+                  "fremovexattr", "setxattrat", "removexattrat")
 # memfd_create: an anonymous file's pages count against no rlimit until mapped (RLIMIT_AS does not see them), so 64
 # descriptors of 16 MB each held a gigabyte of the machine's memory per call.
-# chmod, chown, utime (truncate by path before Landlock ABI 3) have no Landlock right: a non-root sampler's child (its
-# uid) made 0600 token files world-readable or the run directory unusable. ftruncate of its own files still works.
+# chmod, chown, utime, xattrs (truncate by path before ABI 3) have no Landlock right: a non-root sampler's child (its
+# uid) made 0600 tokens world-readable (by chmod, or an ACL: system.posix_acl_access) or the run directory unusable.
 PR_SET_PDEATHSIG = 1
 # Calls refused when their first argument is this value: prctl(PR_SET_PDEATHSIG), which would clear the signal that
 # kills the child when the sampler dies (a sleeping call, which uses no CPU, would otherwise outlive it for ever).
@@ -116,11 +118,9 @@ PRIO_PROCESS, IOPRIO_WHO_PROCESS = 0, 1
 # process, not a group or a user) or None). A same-uid sampler could otherwise have its limits, priority, affinity
 # or scheduling changed, or be signalled where Landlock's signal scoping (ABI >= 6) is missing. prlimit64 only on
 # pid 0: getrlimit/setrlimit use that.
-SECCOMP_OWN_PID = {"kill": (0, True, None), "tkill": (0, True, None), "tgkill": (0, True, None),
-                   "rt_sigqueueinfo": (0, True, None), "rt_tgsigqueueinfo": (0, True, None),
-                   "sched_setparam": (0, True, None), "sched_setscheduler": (0, True, None),
-                   "sched_setaffinity": (0, True, None), "sched_setattr": (0, True, None),
-                   "migrate_pages": (0, True, None), "move_pages": (0, True, None),
+SECCOMP_OWN_PID = {**dict.fromkeys(("kill", "tkill", "tgkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo", "sched_setparam",
+                                    "sched_setscheduler", "sched_setaffinity", "sched_setattr", "migrate_pages",
+                                    "move_pages"), (0, True, None)),
                    "setpriority": (1, True, PRIO_PROCESS), "ioprio_set": (1, True, IOPRIO_WHO_PROCESS),
                    "prlimit64": (0, False, None)}
 SHARED_LIBRARY_DIRS = ("/lib", "/lib64", "/usr/lib", "/usr/lib64")

@@ -152,24 +152,33 @@ def reachable_folder():
     shutil.rmtree(folder, ignore_errors=True)
 
 
-# fchmod: on what the code may open to read (its directory here; the interpreter's files under a user's pyenv)
+# an access ACL of user::rw-, group::r--, other::r-- (the xattr's binary form): chmod 0644 by another door
+ACL_0644 = struct.pack("<I", 2) + b"".join(struct.pack("<HHI", tag, perm, 0xFFFFFFFF) for tag, perm in
+                                          ((0x01, 6), (0x04, 4), (0x20, 4)))
+# fchmod, fsetxattr: on what the code may open to read (its directory here; the interpreter's files under a user's
+# pyenv)
 FILE_CHANGES = {"chmod": "os.chmod(target, 0o666)", "fchmod": "os.fchmod(os.open('.', os.O_RDONLY), 0o777)",
                 "chown": "os.chown(target, os.getuid(), os.getgid())", "utime": "os.utime(target, (0, 0))",
-                "truncate": "os.truncate(target, 0)"}
+                "truncate": "os.truncate(target, 0)",
+                "acl": f"os.setxattr(target, 'system.posix_acl_access', {ACL_0644!r})",
+                "xattr": "os.setxattr(target, 'user.note', b'x')",
+                "fsetxattr": f"os.setxattr(os.open('.', os.O_RDONLY), 'system.posix_acl_access', {ACL_0644!r})",
+                "removexattr": "os.removexattr(target, 'user.kept')"}
 
 
 @confined
 @pytest.mark.parametrize("confine", [True, False], ids=["landlock and seccomp", "seccomp alone"])
 def test_a_non_root_sampler_files_keep_their_mode_and_contents(confine, reachable_folder):
-    """Landlock has no right for chmod, chown or utime (nor for truncate before ABI 3): they reach a file by its path
-    wherever it is, and a non-root sampler's child keeps its uid, so it made the run directory's 0600 token
-    readable to every user. fchmod reaches a file the code may open to read (the interpreter's, under a user's
-    pyenv)."""
+    """Landlock has no right for chmod, chown, utime or xattrs (nor for truncate before ABI 3): they reach a file by
+    its path wherever it is, and a non-root sampler's child keeps its uid, so it made the run directory's 0600 token
+    readable to every user (also by an access ACL, set as an xattr). fchmod and fsetxattr reach a file the code may
+    open to read (the interpreter's, under a user's pyenv)."""
     _, as_user = non_root_parent()
     target = reachable_folder / "client.token"
     target.write_text("secret")
     target.chmod(0o600)
     os.utime(target, (1e9, 1e9))
+    os.setxattr(target, "user.kept", b"1")
     if as_user:
         os.chown(target, as_user["user"], as_user["group"])
     before = os.stat(target)
@@ -178,6 +187,7 @@ def test_a_non_root_sampler_files_keep_their_mode_and_contents(confine, reachabl
     assert report["stdout"].splitlines()[:-1] == [f"{name} 1" for name in FILE_CHANGES], report
     after = os.stat(target)
     assert (after.st_mode, after.st_mtime, after.st_size) == (before.st_mode, before.st_mtime, before.st_size)
+    assert os.listxattr(target) == ["user.kept"]
 
 
 def evaluate_filter(program: list[tuple[int, int, int, int]], arch: int, number: int, *args: int) -> int:

@@ -14,3 +14,10 @@ def test_a_large_float_is_not_written_as_an_exact_integer(expression, expected):
     """Integers a float holds exactly (up to 2**53) are written as integers; a larger integral float is written
     with its 12 significant digits, as other floats are; integer arithmetic stays exact."""
     assert calculator(expression) == expected
+
+
+@pytest.mark.parametrize("expression, exponent", [("2 ** 10 ** 10", "10000000000"), ("2 ** -1074", "-1074"),
+                                                  ("2 ** 65.5", "65.5")])
+def test_an_exponent_out_of_bounds_is_named_with_the_bounds(expression, exponent):
+    """A negative exponent was said to be "larger than 64"."""
+    assert calculator(expression).startswith(f"error: exponent {exponent} is outside -64..64; use numbers")

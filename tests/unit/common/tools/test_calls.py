@@ -2,6 +2,7 @@
 call is no call; a call marker whose call cannot be parsed is a MalformedToolCall whose message tells the model
 what to write; the Python-style formats accept only literals, never evaluating anything."""
 
+
 import pytest
 
 from grpo_stream.common.tools.calls import (FAMILIES, MalformedToolCall, ToolCall, parse_tool_calls, render_tool_call,
@@ -137,3 +138,25 @@ def test_python_style_calls_too_deep_to_show_or_too_long_to_write_are_malformed_
     with pytest.raises(MalformedToolCall) as caught:
         parse_tool_calls(text, family)
     assert caught.value.message.startswith("error:")
+
+
+@pytest.mark.parametrize("family, text", [
+    ("qwen", '<tool_call>{"name": "add", "arguments": {"a": NaN}}</tool_call>'),
+    ("qwen", '<tool_call>{"name": "add", "arguments": {"a": [1, -Infinity]}}</tool_call>'),
+    ("qwen", '<tool_call>{"name": "add", "arguments": "{\\"a\\": 1e999}"}</tool_call>'),  # arguments as a string
+    ("llama3", '{"name": "add", "parameters": {"a": Infinity}}'),
+    ("llama3", '{"name": "add", "parameters": {"a": 1}}; {"name": "add", "parameters": {"a": -1e400}}'),
+])
+def test_json_calls_with_numbers_json_has_not_are_malformed(family, text):
+    """Python's json reads NaN, Infinity and 1e999 (as inf): they reached the tools, and the endpoint answered
+    `"arguments": "{\"a\": NaN}"`, which JSON clients cannot read. The Python-style formats already refused them."""
+    with pytest.raises(MalformedToolCall) as caught:
+        parse_tool_calls(text, family)
+    assert caught.value.message.startswith("error: tool call JSON holds "), caught.value.message
+    assert "which is not a finite number" in caught.value.message
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_no_format_writes_a_number_its_parser_refuses(family):
+    with pytest.raises(ValueError, match="not finite"):
+        render_tool_call(ToolCall("add", {"a": float("inf")}), family)
