@@ -276,12 +276,18 @@ def pytest_terminal_summary(terminalreporter):
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
+# A shell without job control starts a background job (`cmd &`, CI's own launch among them) with SIGINT ignored
+# (POSIX), and an ignored signal stays ignored across exec: every process a test starts would ignore the Ctrl-C that
+# some tests send it, and those tests would hang. The tests run as from a terminal.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
 
 @pytest.fixture(autouse=True)
 def _stop_signals_as_they_were():
     """Each test leaves SIGINT, SIGTERM and SIGHUP as it found them. A test that runs a process's main in-process
-    installs that process's handlers; left in place, SIGINT ignored there is inherited by every child a later test
-    of the worker starts (an ignored signal stays ignored across exec), and a child sent Ctrl-C never stops."""
+    installs that process's handlers (a multi-host trainer's follower ignores them); left in place, an ignored SIGINT
+    is inherited by every child a later test of the worker starts, and a child sent Ctrl-C never stops."""
     before = {s: signal.getsignal(s) for s in STOP_SIGNALS}
     yield
     for s, handler in before.items():

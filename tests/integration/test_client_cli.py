@@ -51,21 +51,11 @@ def answer_all(stack, n: int) -> None:
         assert ingest.PushGroup(to_proto(answer(prompt, stack.cfg.run.name)), wait_for_ready=True, timeout=30).code == 0
 
 
-
-def interruptible(command: list[str], **kwargs) -> subprocess.Popen:
-    """`command` started with SIGINT at its default, whatever this worker's is: a child inherits an ignored SIGINT
-    (across exec), and then the Ctrl-C these tests send never reaches it."""
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        return subprocess.Popen(command, **kwargs)
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
 def test_ctrl_c_during_submit_prints_the_ids_of_the_prompts_already_queued(stack, tmp_path):
     """The third call waits for quota (20 unfinished per client): Ctrl-C there left 20 prompts queued and printed no
     id, so neither a rerun (queues them twice) nor a cancel was possible."""
     path = prompts_file(tmp_path, [json.dumps({"text": f"Q: {i} + 1 A:", "tags": ["sig"]}) for i in range(25)])
-    proc = interruptible([sys.executable, "-m", "grpo_stream", "submit", str(path), "--batch", "10", "--address",
+    proc = subprocess.Popen([sys.executable, "-m", "grpo_stream", "submit", str(path), "--batch", "10", "--address",
                              stack.address, "--token-file", str(tmp_path / "client.token")], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     queue = stack.server.ingest.injection.queue
@@ -191,7 +181,7 @@ def test_following_a_tag_resumes_across_a_server_restart_and_prints_each_result_
     _, task, tokenizer, _ = tiny_parts
     client = PromptClient(stack.address, ClientSecurity(stack.token("client")))
     first, second = client.submit([{"text": "Q: 1 + 1 A:", "tags": ["t"]}, {"text": "Q: 2 + 2 A:", "tags": ["t"]}])
-    proc = interruptible([sys.executable, "-m", "grpo_stream", "results", "--tag", "t", "--follow", "--address",
+    proc = subprocess.Popen([sys.executable, "-m", "grpo_stream", "results", "--tag", "t", "--follow", "--address",
                              stack.address, "--token-file", str(tmp_path / "client.token"), "--wait", "30"], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     printed = []
