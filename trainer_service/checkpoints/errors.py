@@ -44,6 +44,20 @@ class CheckpointAccessDenied(PermanentError):
     again."""
 
 
+class CheckpointSaveFailed(RuntimeError):
+    """A checkpoint could not be written (a full disk, a storage that refused the write): its groups stay
+    unacknowledged in the buffer, and every later save or look at the saves raises it again."""
+
+
+class CheckpointDirShared(PermanentError):
+    """Another trainer writes checkpoints into this checkpoint.dir (two runs given the same one): its saves would
+    replace this run's under the same step numbers."""
+
+
+class CheckpointDirUnusable(PermanentError, ValueError):
+    """checkpoint.dir cannot be created as a directory (a file in the way, no right to create it)."""
+
+
 class StorageBlip(Exception):
     """A read failed for a reason that passes (see is_transient); the checkpoint may well be sound."""
 
@@ -106,3 +120,27 @@ def base_unreadable(directory, path, exc: BaseException) -> Exception:
     return CheckpointMismatch(f"checkpoint.dir {directory}: the frozen base in {path} cannot be read "
                               f"({type(exc).__name__}: {str(exc)[:300]}); restore it from a copy, or start a new run "
                               "with another checkpoint.dir")
+
+
+def save_failed(directory, steps: list[int], exc: BaseException) -> CheckpointSaveFailed:
+    """The error for the saves of `steps` into checkpoint.dir `directory` failing with `exc`, with the fix."""
+    return CheckpointSaveFailed(
+        f"checkpoint.dir {directory}: saving the checkpoint{'s' if len(steps) > 1 else ''} of step"
+        f"{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps))} failed "
+        f"({type(exc).__name__}: {str(exc)[:300]}); its groups stay unacknowledged in the buffer, so none is lost. "
+        "Make room on that storage (free space, or a lower checkpoint.keep) and check that this user may write "
+        "there, then start the trainer again: it resumes from the newest checkpoint")
+
+
+def dir_shared(directory, what: str) -> CheckpointDirShared:
+    """The error for another trainer's checkpoints (`what`) appearing in checkpoint.dir `directory`."""
+    return CheckpointDirShared(
+        f"checkpoint.dir {directory}: {what}: another trainer writes into checkpoint.dir (two runs given the same "
+        "one, or an older trainer of this run still saving). Nothing more is saved here: stop the other trainer and "
+        "give each run its own checkpoint.dir (or --run-dir), then start this one again")
+
+
+def dir_unusable(directory, exc: BaseException) -> CheckpointDirUnusable:
+    return CheckpointDirUnusable(
+        f"checkpoint.dir {directory} cannot be used as the checkpoint directory ({type(exc).__name__}: "
+        f"{str(exc)[:300]}): point checkpoint.dir at a directory this user may create and write (no file in the way)")

@@ -38,6 +38,7 @@ import dataclasses
 import json
 import logging
 import time
+import uuid
 from typing import Any, Callable
 
 import jax
@@ -50,10 +51,11 @@ from grpo_stream.trainer_service.checkpoints.digest import (DigestMissing, Diges
 from grpo_stream.trainer_service.checkpoints.errors import (CheckpointDisagreement, CheckpointMismatch,  # noqa: F401
                                                            CheckpointRejected, CheckpointUnavailable,
                                                            CheckpointUnverified, StorageBlip, access_denied,
-                                                           base_unreadable, is_access_denied, is_transient)
+                                                           dir_shared, dir_unusable, is_access_denied, is_transient,
+                                                           save_failed)
+from grpo_stream.trainer_service.checkpoints.lora_base import restore_base, save_base
 
 log = logging.getLogger(__name__)
-BASE_DIR = "lora-base"  # the frozen base of a LoRA run, written once
 RECORD_FILE = "record/metadata"  # where Orbax's JsonSave of item `record` writes it (its default file name)
 _UNAGREED = object()  # a multi-process trainer's restore step before process 0 chose it
 
@@ -71,7 +73,10 @@ class TrainerCheckpoints:
         """`read_attempts`: tries at reading one checkpoint while its storage fails to answer (with back-off)."""
         self.directory = epath.Path(directory)
         self.verify, self.read_attempts, self._sleep, self.keep = verify, read_attempts, sleep, keep
-        self.directory.mkdir(parents=True, exist_ok=True)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError, PermissionError) as exc:
+            raise dir_unusable(self.directory, exc) from exc
         self._manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
             max_to_keep=keep, enable_async_checkpointing=True, cleanup_tmp_directories=True))
         self._in_flight: list[tuple[int, Any]] = []  # (step, token) of saves not yet known to be committed
@@ -81,6 +86,12 @@ class TrainerCheckpoints:
         self._digests = DigestWriter() if verify and jax.process_index() == 0 else None
         self._newest_saved: int | None = None
         self._agreed: Any = _UNAGREED  # the step every process restores (a trainer of several processes)
+        # another trainer's saves here are told apart by their steps (any but those here at the start or saved here)
+        self._known, self._writer = self._listed(), uuid.uuid4().hex  # and by the writer each record names
+        self._failed: Exception | None = None  # see _fail
+
+    def _listed(self) -> set[int]:
+        return {int(p.name) for p in self.directory.iterdir() if p.name.isdigit()}
 
     def steps(self) -> list[int]:
         return sorted(self._manager.all_steps())
@@ -92,10 +103,18 @@ class TrainerCheckpoints:
     def save(self, step: int, state: dict, record: dict, token: Any = None) -> None:
         """Start saving `state` (a pytree of arrays) as step `step`; `token` comes back from `committed()` once
         it is on disk (and its digest written)."""
-        record = {**record, "step": step, "saved_unix": time.time(), "layout": tree_layout(state)}
+        if self._failed is not None:
+            raise self._failed
+        record = {**record, "step": step, "saved_unix": time.time(), "layout": tree_layout(state),
+                  "writer": self._writer}
         if self.verify:
             record["files_digest"] = True  # a restore with verify on needs the digest file (digest.py)
         self._collect()
+        # else Orbax replaces another trainer's checkpoint (the step may be there: gs:// with several processes)
+        foreign = sorted(self._listed() - self._known - ({step} if jax.process_count() > 1 else set()))
+        if foreign:
+            raise self._fail(dir_shared(self.directory, f"it holds checkpoints this trainer did not write (steps "
+                                                        f"{foreign}) as it saves the one of step {step}"))
         if step in self._manager.all_steps() and not (self.directory / str(step)).exists():
             # another process of a multi-process trainer set this step's checkpoint aside (restore_latest) after
             # this manager listed it: without a fresh listing Orbax would skip the save here while the others save,
@@ -111,14 +130,23 @@ class TrainerCheckpoints:
         for older, _, digest in self._digesting:
             if digest is not None and (whole or (self._newest_saved is not None and older < self._newest_saved)):
                 digest.result()
-        self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                         record=ocp.args.JsonSave(record)))
+        self._known.add(step)
+        try:
+            saving = self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                                      record=ocp.args.JsonSave(record)))
+        except Exception as exc:  # noqa: BLE001 - the previous save's failure too (Orbax waits for it here)
+            raise self._fail(save_failed(self.directory, self._unfinished(self._in_flight) or [step], exc)) from exc
+        if not saving:  # Orbax skips a step not newer than its newest: it would never be written
+            raise self._fail(dir_shared(self.directory, f"it holds step {self._manager.latest_step()}, not older "
+                                                        f"than step {step} this trainer saves"))
         self._in_flight.append((step, token))
         self._newest_saved = step
 
     def committed(self, wait: bool = False) -> list[tuple[int, Any]]:
         """(step, token) of saves that finished since the last call, digest included, oldest first; `wait` blocks
-        until all have. Raises what a background save or digest raised."""
+        until all have. Raises what a background save or digest raised (CheckpointSaveFailed for a save)."""
+        if self._failed is not None:
+            raise self._failed
         self._collect(wait)
         done = []
         while self._digesting:
@@ -135,17 +163,48 @@ class TrainerCheckpoints:
         """Start the digests of saves Orbax has committed since the last look (all of them after waiting)."""
         if not self._in_flight:
             return
-        if wait:
-            self._manager.wait_until_finished()
-        if not wait and self._manager.is_saving_in_progress():
-            # saves finish in order: all but the newest are done once a newer one has started
-            done, self._in_flight = self._in_flight[:-1], self._in_flight[-1:]
-        else:
-            self._manager.check_for_errors()
-            done, self._in_flight = self._in_flight, []
+        try:  # Orbax raises a save's failure once, not always before it says no save is in progress: a step is done
+            # once on the storage, and a failure is kept (_fail), so a failed step is never reported
+            if wait:
+                self._manager.wait_until_finished()
+            if not wait and self._manager.is_saving_in_progress():
+                # saves finish in order: all but the newest are done once a newer one has started
+                done, rest = self._in_flight[:-1], self._in_flight[-1:]
+            else:
+                self._manager.check_for_errors()
+                done, rest = self._in_flight, []
+            if jax.process_index() == 0 and self._unfinished(done):  # process 0 commits every process's save
+                self._manager.wait_until_finished()  # raises what the save raised
+                raise RuntimeError("Orbax finished the save but the checkpoint is not on the storage")
+        except Exception as exc:  # noqa: BLE001 - a full disk, a storage that refused the write
+            raise self._fail(save_failed(self.directory, self._unfinished(self._in_flight) or
+                                         [s for s, _ in self._in_flight], exc)) from exc
+        self._in_flight = rest
         for step, token in done:
+            self._check_writer(step)
             digest = None if self._digests is None else self._digests.submit(self.directory / str(step))
             self._digesting.append((step, token, digest))
+
+    def _fail(self, exc: Exception) -> Exception:
+        self._failed = exc  # raised again by every later save and look at the saves
+        return exc
+
+    def _unfinished(self, saves: list[tuple[int, Any]]) -> list[int]:
+        """The steps of `saves` ((step, token)) that are not (completely) on the storage."""
+        return [s for s, _ in saves if not ocp.step.is_checkpoint_finalized(self.directory / str(s))]
+
+    def _check_writer(self, step: int) -> None:
+        """Raise CheckpointDirShared when another trainer's save of `step` replaced this one's (process 0 writes
+        the record; one that does not read is left to the restore, which checks it)."""
+        if jax.process_index() != 0:
+            return
+        try:
+            writer = json.loads((self.directory / str(step) / RECORD_FILE).read_text()).get("writer", self._writer)
+        except Exception:  # noqa: BLE001
+            writer = self._writer
+        if writer != self._writer:
+            raise self._fail(dir_shared(self.directory, f"the checkpoint of step {step} in {self.directory} was "
+                                                        "written by another trainer"))
 
     def restore_latest(self, state_like: dict) -> Restored | None:
         """The newest checkpoint that loads and verifies, placed like `state_like` (arrays with shardings); None
@@ -318,56 +377,13 @@ class TrainerCheckpoints:
         if problem is not None:
             raise CheckpointRejected(problem)
 
-    @property
-    def base_directory(self) -> epath.Path:
-        return self.directory / BASE_DIR
-
     def save_base(self, frozen: Any) -> None:
-        """Write the frozen base weights (LoRA), synchronously, replacing any earlier one (a run that starts afresh
-        in this directory may have warm-started another base; a resumed run reads it and never writes it). The step
-        checkpoints that follow hold the adapters only."""
-        (self.base_directory / "record.json").unlink(missing_ok=True)  # from here until the new record: no base
-        started = time.time()
-        record = {"layout": tree_layout(frozen), "saved_unix": started}
-        if self.verify:
-            record["digest"] = tree_digest(frozen)
-        checkpointer = ocp.StandardCheckpointer()
-        checkpointer.save(self.base_directory / "arrays", frozen, force=True)
-        checkpointer.wait_until_finished()
-        checkpointer.close()
-        # the record last: a base directory without it is an interrupted save, written again by the next trainer
-        tmp = self.base_directory / "record.json.tmp"
-        tmp.write_text(json.dumps(record))
-        tmp.rename(self.base_directory / "record.json")
-        log.info("LoRA: frozen base written to %s (%.1f s)", self.base_directory, time.time() - started)
+        """A LoRA run's frozen base, written once (lora_base.py)."""
+        save_base(self.directory, frozen, self.verify)
 
     def restore_base(self, frozen_like: Any) -> Any:
-        """The frozen base `save_base` wrote, placed like `frozen_like`; raises CheckpointMismatch when it is
-        missing or holds another model (the step checkpoints hold adapters only, so a run cannot resume without it)."""
-        path = self.base_directory
-        where = f"checkpoint.dir {self.directory}: the frozen base in {path}"
-        if not (path / "record.json").exists():  # the step checkpoints hold LoRA adapters only: useless without it
-            raise CheckpointMismatch(f"{where}, which its LoRA adapters need, is missing or was cut off while being "
-                                     "written; restore that directory, or start a new run with another checkpoint.dir")
-        try:
-            record = json.loads((path / "record.json").read_text())
-            if not isinstance(record, dict):
-                raise ValueError(f"record.json holds a JSON {type(record).__name__}, not an object")
-        except Exception as exc:  # noqa: BLE001 - cut off by a power loss after its rename, or edited
-            raise base_unreadable(self.directory, path, exc) from exc
-        if record.get("layout") != tree_layout(frozen_like):
-            raise CheckpointMismatch(f"{where} is of another model (shapes or dtypes differ from model.path's); "
-                                     "restore the run's config or start a new run with another checkpoint.dir")
-        try:
-            with ocp.StandardCheckpointer() as checkpointer:
-                frozen = checkpointer.restore(path / "arrays", jax.tree.map(ocp.utils.to_shape_dtype_struct,
-                                                                            frozen_like))
-        except Exception as exc:  # noqa: BLE001 - told apart there: the storage not answering, or a damaged base
-            raise base_unreadable(self.directory, path, exc) from exc
-        if self.verify and "digest" in record and tree_digest(frozen) != record["digest"]:
-            raise CheckpointMismatch(f"{where} does not match the SHA-256 saved with it (damaged storage); restore "
-                                     "it from a copy, or start a new run with another checkpoint.dir")
-        return frozen
+        """The frozen base `save_base` wrote, placed like `frozen_like` (lora_base.py)."""
+        return restore_base(self.directory, frozen_like, self.verify)
 
     def close(self) -> None:
         """Wait for the saves and their digests (a committed checkpoint without its digest would be set aside by

@@ -3,14 +3,17 @@ a different layout is refused, a storage that does not answer is retried and nev
 commits are reported in order."""
 
 import errno
+import json
 
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from orbax.checkpoint._src.path import atomicity
 
 from grpo_stream.common.runtime.errors import PermanentError
-from grpo_stream.trainer_service.checkpoints.errors import CheckpointAccessDenied
+from grpo_stream.trainer_service.checkpoints.errors import (CheckpointAccessDenied, CheckpointDirShared,
+                                                            CheckpointDirUnusable, CheckpointSaveFailed)
 from grpo_stream.trainer_service.checkpoints.store import (RECORD_FILE, CheckpointMismatch, CheckpointUnavailable,
                                                            TrainerCheckpoints, is_transient, tree_digest)
 
@@ -239,3 +242,76 @@ def test_a_lora_base_whose_record_is_cut_off_or_edited_is_refused_for_good(tmp_p
     with pytest.raises(CheckpointMismatch, match="the frozen base in .*lora-base cannot be read .*restore it from a "
                                                  "copy"):
         ckpt.restore_base(frozen(0.0))
+
+
+@pytest.fixture
+def disk_full_at(monkeypatch):
+    """Orbax's background commit of the given steps fails as on a full disk (reproduced on a small tmpfs: the error
+    reaches the trainer once, and a later look at the saves reported the failed step as committed)."""
+    failing: set[int] = set()
+    real = atomicity.AtomicRenameTemporaryPath.finalize
+
+    async def finalize(self):
+        if self._final_path.name.isdigit() and int(self._final_path.name) in failing:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return await real(self)
+    monkeypatch.setattr(atomicity.AtomicRenameTemporaryPath, "finalize", finalize)
+    return failing
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_a_save_that_failed_is_never_reported_as_committed(tmp_path, disk_full_at, verify):
+    ckpt = TrainerCheckpoints(str(tmp_path), keep=3, verify=verify)
+    disk_full_at.add(4)
+    ckpt.save(2, state(2.0), {}, token=2)
+    ckpt.save(4, state(4.0), {}, token=4)
+    reported, errors = [], []
+    for step in (6, 8):  # a caller that goes on after the error (the trainer stops; a follower may look again)
+        for call in (lambda: ckpt.save(step, state(float(step)), {}, token=step), lambda: ckpt.committed(wait=True)):
+            try:
+                reported += [token for _, token in call() or []]
+            except Exception as exc:  # noqa: BLE001 - which ones, and what they say, is checked below
+                errors.append(exc)
+    assert 4 not in reported and not (tmp_path / "4").exists()
+    assert errors and all(isinstance(e, CheckpointSaveFailed) for e in errors)
+    assert all(f"checkpoint.dir {tmp_path}: saving the checkpoint of step 4 failed" in str(e) and "free space" in str(e)
+               for e in errors)
+    with pytest.raises(CheckpointSaveFailed):
+        ckpt.close()
+    assert TrainerCheckpoints(str(tmp_path), keep=3, verify=verify).restore_latest(state(0.0)).step == 2
+
+
+def test_a_checkpoint_dir_that_is_a_file_names_the_field(tmp_path):
+    (tmp_path / "ckpt").write_text("not a directory")
+    with pytest.raises(CheckpointDirUnusable, match=r"checkpoint.dir .*ckpt cannot be used as the checkpoint "
+                                                    r"directory .*FileExistsError"):
+        TrainerCheckpoints(str(tmp_path / "ckpt"), keep=3, verify=True)
+
+
+def test_a_second_trainer_writing_the_same_directory_stops_instead_of_overwriting(tmp_path):
+    """Two runs given the same checkpoint.dir (started before either saved): the second's saves replaced the first's
+    checkpoints under the same step numbers, and the first acknowledged groups against another run's state."""
+    first = TrainerCheckpoints(str(tmp_path), keep=3, verify=True)
+    second = TrainerCheckpoints(str(tmp_path), keep=3, verify=True)
+    first.save(2, state(2.0), {"run": "a"}, token=2)
+    assert first.committed(wait=True) == [(2, 2)]
+    with pytest.raises(CheckpointDirShared, match=r"did not write \(steps \[2\]\) as it saves the one of step 2: "
+                                                  r"another trainer writes into checkpoint.dir"):
+        second.save(2, state(102.0), {"run": "b"}, token=2)
+    with pytest.raises(CheckpointDirShared):  # and stays stopped
+        second.committed(wait=True)
+    first.save(6, state(6.0), {"run": "a"}, token=6)
+    first.committed(wait=True)
+    got = TrainerCheckpoints(str(tmp_path), keep=3, verify=True).restore_latest(state(0.0))
+    assert got.step == 6 and got.record["run"] == "a" and tree_digest(got.state) == tree_digest(state(6.0))
+
+
+def test_a_checkpoint_replaced_by_another_trainer_before_its_commit_is_reported_is_refused(tmp_path):
+    ckpt = TrainerCheckpoints(str(tmp_path), keep=3, verify=False)
+    ckpt.save(2, state(2.0), {}, token=2)
+    ckpt._manager.wait_until_finished()
+    record = next(p for p in (tmp_path / "2" / "record").rglob("*") if p.is_file() and p.stat().st_size > 20)
+    text = json.loads(record.read_text())
+    record.write_text(json.dumps({**text, "writer": "another trainer"}))  # its save of the same step won the rename
+    with pytest.raises(CheckpointDirShared, match="checkpoint of step 2 in .* was written by another trainer"):
+        ckpt.committed(wait=True)
