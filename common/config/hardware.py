@@ -88,8 +88,9 @@ class HardwareSection(Strict):
     @classmethod
     def _values_as_text(cls, env: object) -> object:
         """An environment variable's value is text: `CUDA_VISIBLE_DEVICES=1` (YAML reads the integer 1) means "1".
-        Only a plain integer is taken so: YAML has already rewritten other numbers (`2.10` is 2.1, `0x10` is 16),
-        and they, booleans and nulls are refused, naming the fix (quote the value)."""
+        Only an integer is taken so, as the number it is (`0x10` and `1_000` are "16" and "1000"; `010` stays text);
+        YAML has already rewritten a float (`2.10` is 2.1), and floats, booleans and nulls are refused, naming the fix
+        (quote the value)."""
         if not isinstance(env, dict):
             return env
         for key, value in env.items():

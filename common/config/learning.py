@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from typing import Any, Annotated, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from grpo_stream.common.config.verifiers_settings import VerifiersSection
 from grpo_stream.common.config.base import FilePath, Strict
@@ -297,6 +297,14 @@ class DistillSection(Strict):
                                  "alone (rewards are only reported), 1 = both at full weight.")
     dtype: Literal["model", "float32", "bfloat16"] = Field("model", description="The teacher's parameter and "
                                                            "compute dtype; 'model': model.dtype.")
+
+    @field_validator("teacher")
+    @classmethod
+    def _named(cls, teacher: str | None) -> str | None:
+        if teacher is not None and not teacher.strip():  # `distill.teacher=` meant off, and ran distillation
+            raise ValueError("empty: name the teacher's model directory or hub id, or set distill.teacher=null for "
+                             "no distillation")
+        return teacher
 
     @property
     def enabled(self) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import json
 import pathlib
 import reprlib
 import typing
@@ -14,11 +15,11 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from grpo_stream.common.config.base import ConfigError
-from grpo_stream.common.config.redact import redacted
+from grpo_stream.common.config.redact import REDACTED, redacted, secret_key
 from grpo_stream.common.config.schema import RunConfig
-from grpo_stream.common.config.yaml_text import one_line, read_yaml
+from grpo_stream.common.config.yaml_text import dropped_comment, dump_yaml, one_line, read_yaml
 
-__all__ = ["apply_overrides", "load_config", "parse_override", "read_yaml", "to_yaml"]
+__all__ = ["apply_overrides", "load_config", "parse_override", "read_yaml", "redacted_override", "to_yaml"]
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -29,6 +30,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         raise ConfigError(f"override {text!r} is not KEY=VALUE with a dotted key (e.g. trainer.steps=20)")
     try:
         value = read_yaml(raw) if raw else ""
+        comment = dropped_comment(raw) if "#" in raw else None
     except yaml.YAMLError as exc:
         raise ConfigError(f"override {key}: value {raw!r} is not valid YAML at {one_line(exc)}") from None
     except RecursionError:
@@ -36,6 +38,9 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if value is None and raw.strip().startswith("#"):  # YAML reads `# hi` as a comment: it would be null, silently
         raise ConfigError(f"override {key}: value {raw!r} starts with '#', which YAML reads as a comment (null); "
                           f"quote it: {key}='\"{raw}\"'")
+    if comment is not None:  # `task.system_prompt=Answer with #### N` was 'Answer with', silently
+        raise ConfigError(f"override {key}: YAML reads {comment!r} in value {raw!r} as a comment and would drop it; "
+                          f"quote the value: {key}='\"{raw}\"'")
     return key.split("."), value
 
 
@@ -95,6 +100,8 @@ def _short_repr() -> reprlib.Repr:
 
 
 _SHORT = _short_repr()
+_YAML_TYPES = {bool: "a boolean (true/false, yes/no, on/off)", int: "a number", float: "a number", dict: "a mapping "
+               "(`key: value`)", list: "a list"}
 
 
 def _unknown_key(loc: tuple[Any, ...]) -> str:
@@ -123,6 +130,11 @@ def _format_errors(exc: ValidationError) -> str:
                          "apply)")
         elif err["type"] == "value_error":
             lines.append(f"{loc}: {msg}" if err["loc"] else msg)  # a check across sections names its fields
+        elif err["type"] == "string_type" and err.get("input") is not None:
+            got = err["input"]
+            read_as = _YAML_TYPES.get(type(got), type(got).__name__)
+            lines.append(f"{loc}: {msg} (got {_SHORT.repr(got)}: YAML read the value as {read_as}); quote it, as "
+                         f"{loc}='\"...\"' or in the file {err['loc'][-1]}: '...'")
         else:
             lines.append(f"{loc}: {msg} (got {_SHORT.repr(err.get('input'))})")
     return "; ".join(lines)
@@ -165,4 +177,17 @@ def to_yaml(cfg: RunConfig, redact: bool = False) -> str:
     """The config as YAML; `redact`: secret-looking values of its free-form dicts hidden (config/redact.py), for
     what a person reads."""
     data = cfg.model_dump(mode="json")
-    return yaml.safe_dump(redacted(data) if redact else data, sort_keys=False)
+    return dump_yaml(redacted(data) if redact else data)  # strings YAML would read as numbers quoted: reads back same
+
+
+def redacted_override(text: str) -> str:
+    """A dotted override as a person may read it: a secret-named key's value hidden, as `to_yaml(redact=True)` hides
+    it, also inside a mapping or list value (`task.verifiers.args={api_key: sk-...}`)."""
+    try:
+        path, value = parse_override(text)
+    except ConfigError:
+        return text
+    if isinstance(value, (dict, list)):
+        shown = redacted(value)
+        return text if shown == value else f"{'.'.join(path)}={json.dumps(shown)}"
+    return f"{'.'.join(path)}={REDACTED}" if secret_key(path[-1]) and value is not None else text

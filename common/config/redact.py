@@ -10,9 +10,10 @@ from typing import Any
 
 REDACTED = "<redacted>"
 # a key (snake, kebab or camel case) that names a secret: api_key, apiKey, hf_token, OPENAI_API_KEY, password,
-# client-secret, private_key, credentials, Authorization...
-_SECRET_KEY = re.compile(r"(?i)(^|[_\-.]|(?<=[a-z]))(api_?key|token|secret|password|passwd|credentials?|"
-                         r"private_?key|access_?key|authorization|bearer|cookie)$")
+# client-secret, private_key, credentials, Authorization, the headers x-api-key and api-key, SECRET_KEY...
+_SECRET_KEY = re.compile(r"(?i)(^|[_\-.]|(?<=[a-z]))(api[_-]?keys?|token|secret|password|passwd|passphrase|"
+                         r"credentials?|(private|access|secret|signing|encryption)[_-]?key|authorization|bearer|"
+                         r"cookie)$")
 
 
 def secret_key(name: str) -> bool:
@@ -22,8 +23,17 @@ def secret_key(name: str) -> bool:
 def redacted(value: Any) -> Any:
     """`value` (a config's model_dump) with the value of every secret-looking key replaced by REDACTED."""
     if isinstance(value, dict):
-        return {k: REDACTED if isinstance(k, str) and secret_key(k) and value_ is not None and not isinstance(
-            value_, (dict, list)) else redacted(value_) for k, value_ in value.items()}
+        return {k: _hidden(v) if isinstance(k, str) and secret_key(k) else redacted(v) for k, v in value.items()}
     if isinstance(value, list):
         return [redacted(v) for v in value]
     return value
+
+
+def _hidden(value: Any) -> Any:
+    """The value of a secret-named key: REDACTED, each item of a list (`api_keys: [k1, k2]`) too; a mapping keeps
+    its keys (`credentials: {user: u, password: p}`: the secret-named ones are hidden); null stays null (unset)."""
+    if isinstance(value, dict):
+        return redacted(value)
+    if isinstance(value, list):
+        return [_hidden(v) for v in value]
+    return None if value is None else REDACTED

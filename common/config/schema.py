@@ -25,6 +25,7 @@ from grpo_stream.common.config.learning import (AlgoSection, DistillSection, Eva
                                                ModelSection, OptimizerSection, TaskSection, WarmStartSection)
 from grpo_stream.common.config.hardware import HardwareSection
 from grpo_stream.common.config.health import HealthSection
+from grpo_stream.common.config.ports import port_problem
 from grpo_stream.common.config.process import LoggingSection, RuntimeSection, UpSection
 from grpo_stream.common.config.sampler import SamplerSection
 from grpo_stream.common.config.tracking import TrackingSection
@@ -332,6 +333,13 @@ class RunConfig(Strict):
                              f"{self.trainer.groups_per_step}: the ingest would refuse groups before a step could "
                              "fill, and the trainer would wait for ever; raise buffer.max_groups to at least "
                              f"{self.trainer.groups_per_step}")
+        return self
+
+    @model_validator(mode="after")
+    def _ports(self) -> "RunConfig":
+        problem = port_problem(self)
+        if problem:
+            raise ValueError(problem)
         return self
 
     def engine_slots(self) -> tuple[str, int]:

@@ -1,5 +1,5 @@
-"""The config's YAML dialect: safe (no tags that build objects), YAML 1.2 floats, no key given twice in one mapping,
-and aliases that cannot expand a short file into a huge value."""
+"""The config's YAML dialect: safe (no tags that build objects), YAML 1.2 numbers, no key given twice in one mapping,
+and aliases that cannot expand a short file into a huge value; and the writer whose output reads back the same."""
 
 from __future__ import annotations
 
@@ -15,20 +15,39 @@ from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 # then fills memory when the value is validated, printed (`config show`) or saved (RUN_DIR/config.yaml)
 MAX_ALIAS_NODES = 100_000
 _MERGE_TAG = "tag:yaml.org,2002:merge"
+_NUMBER_TAGS = {"tag:yaml.org,2002:int", "tag:yaml.org,2002:float", "tag:yaml.org,2002:timestamp"}
+# YAML 1.2's numbers (with Python's `_` between digits): PyYAML's 1.1 rules read `1e-5` (no point) and `5e-1` as
+# strings, which a typed field converts but a free-form one (`sampler.vllm.engine_args`, `task.verifiers.args`) would
+# hand on as text, and `010` as octal 8 (`trainer.port: 050151` was port 20585), `1:30` as 90 (base 60) and
+# `2024-01-01` as a date. The last two are text in YAML 1.2; a number with a leading zero is kept as written too
+# (text: a number field reads `050151` as 50151, an environment variable keeps `010`)
+_INT = re.compile(r"^[-+]?(?:0|[1-9][0-9_]*|0b[01][01_]*|0o[0-7][0-7_]*|0x[0-9a-fA-F][0-9a-fA-F_]*)$")
+_FLOAT = re.compile(r"^(?:[-+]?[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?|[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+"
+                    r"|[-+]?\.[0-9][0-9_]*(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$")
+
+
+def _resolvers() -> dict[str | None, list[tuple[str, re.Pattern[str]]]]:
+    """SafeLoader's implicit types (null, YAML 1.1's booleans, merge keys) with YAML 1.2's numbers and no dates."""
+    table = {k: [(tag, rx) for tag, rx in v if tag not in _NUMBER_TAGS]
+             for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+    for tag, regexp in (("tag:yaml.org,2002:int", _INT), ("tag:yaml.org,2002:float", _FLOAT)):
+        for first in "-+0123456789.":
+            table.setdefault(first, []).append((tag, regexp))
+    return table
 
 
 class _Loader(yaml.SafeLoader):
-    """YAML as people write numbers now (YAML 1.2's floats): PyYAML's 1.1 rules read `1e-5` (no point) and `5e-1` as
-    strings, which a typed field converts but a free-form one (`sampler.vllm.engine_args`, `task.verifiers.args`)
-    would hand on as text."""
+    """The config's YAML (`_resolvers`)."""
 
 
-_Loader.yaml_implicit_resolvers = {k: list(v) for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?|[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)"
-               r"|\.[0-9_]+(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
-    list("-+0123456789."))
+class _Dumper(yaml.SafeDumper):
+    """Writes a string that `_Loader`, or a YAML 1.1 reader, would read as another type (`'1e3'`, `'yes'`, `'010'`)
+    quoted, so what `config show` prints and RUN_DIR/config.yaml holds reads back as the same config."""
+
+
+_Loader.yaml_implicit_resolvers = _resolvers()
+_Dumper.yaml_implicit_resolvers = {k: [*yaml.SafeDumper.yaml_implicit_resolvers.get(k, []), *v]
+                                   for k, v in _resolvers().items()}
 
 
 def _refuse_repeated_keys(node: MappingNode) -> None:
@@ -79,7 +98,7 @@ def _check_nodes(root: Node) -> None:
 
 
 def read_yaml(text: str) -> Any:
-    """`text` parsed as the config's YAML: safe, YAML 1.2 floats, no repeated keys, bounded alias expansion."""
+    """`text` parsed as the config's YAML: safe, YAML 1.2 numbers, no repeated keys, bounded alias expansion."""
     loader = _Loader(text)
     try:
         root = loader.get_single_node()
@@ -99,3 +118,20 @@ def one_line(exc: yaml.YAMLError) -> str:
     where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
     what = ", ".join(part for part in (exc.context, exc.problem) if part)
     return f"{where}{what}"
+
+
+def dump_yaml(data: Any) -> str:
+    """`data` as YAML text that `read_yaml` reads back equal (block style, keys in their order)."""
+    return yaml.dump(data, Dumper=_Dumper, sort_keys=False)
+
+
+def dropped_comment(text: str) -> str | None:
+    """The text after a one-value document `text` that YAML drops as a comment (`Answer with #### N`: ` #...`),
+    or None; for a dotted override's value, where a person means the text whole."""
+    loader = _Loader(text)
+    try:
+        root = loader.get_single_node()
+    finally:
+        loader.dispose()
+    rest = text[root.end_mark.index:].strip() if root is not None else ""
+    return rest if rest.startswith("#") else None

@@ -139,3 +139,70 @@ def test_infinity_and_nan_are_not_numbers_a_run_can_use(override):
     every number field must be finite."""
     with pytest.raises(ConfigError, match=rf"{override.split('=')[0]}: Input should be a finite number"):
         load_config(None, [override])
+
+
+def test_numbers_are_yaml_12s_and_text_that_yaml_11_rewrote_stays_text():
+    """PyYAML's YAML 1.1 read `050151` as octal (port 20585), `1:30` as 90 (base 60) and `2024-01-01` as a date, in
+    typed fields and free-form ones alike (an environment variable `010` became '8')."""
+    cfg = load_config(None, ["trainer.port=050151", "hardware.trainer_env.X=010", "task.verifiers.args.t=1:30",
+                             "task.verifiers.args.d=2024-01-01", "task.dataset.hub_config=2024-01-01",
+                             "task.verifiers.args.odd=._", "task.verifiers.args.n=[1e3, 0x10, 1_000, 0o17, .5]"])
+    assert cfg.trainer.port == 50151 and cfg.hardware.trainer_env == {"X": "010"}
+    assert cfg.task.verifiers.args == {"t": "1:30", "d": "2024-01-01", "odd": "._", "n": [1000.0, 16, 1000, 15, 0.5]}
+    assert cfg.task.dataset.hub_config == "2024-01-01"
+
+
+@pytest.mark.parametrize("value", ["Answer, then write #### N", "/tmp/run #1/weights"])
+def test_an_override_value_yaml_would_cut_at_a_comment_is_refused(value):
+    """`task.system_prompt=Answer, then write #### N` ran with the system prompt 'Answer, then write'."""
+    with pytest.raises(ConfigError, match=r"override task.system_prompt: YAML reads '#.*' in value .* as a comment "
+                                          r"and would drop it; quote the value"):
+        load_config(None, ["task.prompt_template=chat", f"task.system_prompt={value}"])
+    quoted = load_config(None, ["task.prompt_template=chat", f"task.system_prompt='{value}'",
+                                "task.verifiers.args.x=a#b"])
+    assert quoted.task.system_prompt == value and quoted.task.verifiers.args == {"x": "a#b"}  # '#' inside a word
+
+
+@pytest.mark.parametrize("override, read_as", [("run.name=yes", "a boolean"), ("task.dataset.train_split=2024",
+                                                                                 "a number"),
+                                               ("task.system_prompt=Think: then answer", "a mapping")])
+def test_text_that_yaml_reads_as_another_type_is_answered_with_the_quoting_fix(override, read_as):
+    with pytest.raises(ConfigError, match=rf"YAML read the value as {read_as}.*\); quote it, as "):
+        load_config(None, ["task.prompt_template=chat", override])
+
+
+def test_the_printed_config_reads_back_as_the_same_config(tmp_path):
+    """`config show` and RUN_DIR/config.yaml wrote the text '1e3' bare, which the config's YAML 1.2 numbers read back
+    as 1000.0: the saved config of a run named 1e3 did not load (`submit --config RUN_DIR/config.yaml`)."""
+    from grpo_stream.common.config.loading import to_yaml
+
+    cfg = load_config(None, ['run.name="1e3"', 'model.pad_token="+1E-5"', "task.verifiers.args={a: '2e3', b: '.5e1', "
+                             "c: 'yes', d: 1e3, e: '010'}", "hardware.trainer_env.X='1e3'"])
+    assert load_config(config_file(tmp_path, to_yaml(cfg))) == cfg
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["trainer.metrics_port=50151"], r"^trainer.metrics_port=50151 is also trainer.port: one process would serve two "
+                                     r"servers on one port .*give trainer.metrics_port another port, or 0"),
+    (["weights.data_port=7000", "trainer.port=7000"], r"^weights.data_port=7000 is also trainer.port"),
+    (["sampler.metrics_port=9000", "sampler.openai.port=9000"], r"^sampler.openai.port=9000 is also "
+                                                                 r"sampler.metrics_port"),
+    (["sampler.metrics_port=65535"], r"^sampler.metrics_port=65535: sampler 1 serves on sampler.metrics_port \+ 1 = "
+                                     r"65536, past 65535; lower it to at most 65534"),
+])
+def test_ports_one_process_cannot_bind_are_refused_at_load(overrides, message):
+    """Accepted, they failed with 'Address already in use' (or a port past 65535) when the process started, after
+    its model had loaded, naming no field."""
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+    # a trainer's and a sampler's ports may be equal (other hosts); the gRPC data plane has no port of its own
+    load_config(None, ["trainer.metrics_port=9100", "sampler.metrics_port=9100", "weights.data_plane=grpc",
+                       "weights.data_port=50151", "sampler.openai.port=9200"])
+
+
+def test_an_empty_teacher_is_refused_rather_than_run_as_a_distillation():
+    """`distill.teacher=` (meant: off) left the teacher '' and distillation on, failing at the trainer's start."""
+    with pytest.raises(ConfigError, match=r"^distill.teacher: empty: .* or set distill.teacher=null for no "
+                                          r"distillation$"):
+        load_config(None, ["distill.teacher="])
+    assert not load_config(None, ["distill.teacher=null"]).distill.enabled

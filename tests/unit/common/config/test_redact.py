@@ -28,3 +28,27 @@ def test_config_show_and_print_config_hide_them():
     for argv in (["config", "show", *SECRETS], ["trainer", "--print-config", *SECRETS]):
         out = subprocess.run([sys.executable, "-m", "grpo_stream", *argv], capture_output=True, text=True, timeout=120)
         assert out.returncode == 0 and "sk-live" not in out.stdout and REDACTED in out.stdout, out.stderr[-2000:]
+
+
+def test_api_key_headers_secret_key_and_lists_of_keys_are_hidden_too():
+    """`x-api-key` (Anthropic's header), `api-key` (Azure OpenAI's), SECRET_KEY and a list under `api_keys` were
+    printed whole by `config show` and sent to W&B."""
+    for name in ("x-api-key", "X-Api-Key", "api-key", "SECRET_KEY", "api_keys", "access-key", "passphrase"):
+        assert secret_key(name), name
+    for name in ("keys", "cache_key", "monkey", "api_key_file"):
+        assert not secret_key(name), name
+    cfg = load_config(None, ["task.verifiers.args.headers={x-api-key: sk-a1, api-key: sk-a2}",
+                             "task.verifiers.args.api_keys=[sk-a3, sk-a4]", "sampler.vllm.engine_args.SECRET_KEY=sk-a5",
+                             "task.verifiers.args.credentials={user: me, password: sk-a6}"])
+    text = to_yaml(cfg, redact=True)
+    assert "sk-a" not in text and text.count(REDACTED) == 6 and "user: me" in text
+
+
+def test_an_override_with_a_secret_inside_its_mapping_value_is_shown_redacted():
+    """For `up`'s record of the overrides (RUN_DIR/config.yaml's header): a mapping value kept its API key."""
+    from grpo_stream.common.config.loading import redacted_override
+
+    assert redacted_override("task.verifiers.args={api_key: sk-1, n: 2}") == \
+        'task.verifiers.args={"api_key": "<redacted>", "n": 2}'
+    assert redacted_override("task.verifiers.args.headers.x-api-key=sk-2").endswith(f"x-api-key={REDACTED}")
+    assert redacted_override("trainer.steps=3") == "trainer.steps=3"
