@@ -34,7 +34,7 @@ from grpo_stream.common.weights.host_shards import add_sources, host_shard_snaps
 from grpo_stream.common.weights.receive_buffers import ReceiveBuffers
 from grpo_stream.common.weights.snapshot import (BASE_VERSION, SliceAssembler, WeightSnapshot, WeightTransferError,
                                                  box_key, box_shape, box_to_proto)
-from grpo_stream.common.weights.transport import SinkContext, SourceContext, check_names
+from grpo_stream.common.weights.transport import SinkContext, SourceContext, WeightsMismatch, check_names
 from grpo_stream.protos import weights_pb2, weights_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -94,6 +94,25 @@ def _index_key(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple:
     return tuple(s.indices(n)[:2] for s, n in zip(index, shape))
 
 
+def check_wire_dtypes(manifest: weights_pb2.WeightManifest, targets: dict[str, jax.ShapeDtypeStruct]) -> None:
+    """Every tensor's wire dtype must be one the sampler receives bytes into and casts to its parameter's dtype (a
+    float, integer or bool dtype); WeightsMismatch (permanent: every retry reads the same manifest) naming the
+    manifest field, before any buffer is taken or byte moves."""
+    for i, spec in enumerate(manifest.tensors):
+        if spec.name not in targets:
+            continue
+        try:
+            dtype = np.dtype(spec.dtype)
+        except TypeError:
+            dtype = None
+        if dtype is None or not any(jax.numpy.issubdtype(dtype, kind) for kind in
+                                    (jax.numpy.floating, jax.numpy.integer, jax.numpy.bool_)):
+            raise WeightsMismatch(f"weights version {manifest.version}: tensors[{i}].dtype={spec.dtype!r} ({spec.name})"
+                                  f" is not a float, integer or bool dtype this sampler can cast to its "
+                                  f"{np.dtype(targets[spec.name].dtype).name}; run trainer and sampler from the same "
+                                  "grpo-stream version (weights.wire_dtype: model, float32 or bfloat16)")
+
+
 class GrpcFetcher:
     """`data_host`: the trainer's host, to take slice bytes from its TCP data plane when the manifest announces
     one (weights.data_plane=tcp); None = always FetchSlices over gRPC."""
@@ -137,6 +156,7 @@ class GrpcFetcher:
     def _fetch(self, manifest: weights_pb2.WeightManifest, targets: dict[str, jax.ShapeDtypeStruct]) -> dict:
         index = {t.name: i for i, t in enumerate(manifest.tensors)}
         check_names(manifest, targets)
+        check_wire_dtypes(manifest, targets)
         if len(manifest.hosts) > 1:
             return self._fetch_hosts(manifest, targets, index)
         plan = []  # (bytes, tensor index, boxes)
@@ -307,6 +327,9 @@ class GrpcFetcher:
         except (OSError, WeightTransferError) as exc:  # silent, or the connection dropped: this fetch over gRPC
             sock.close()
             lanes.check()  # unless it was shut because another lane failed: then the fetch is over
+            # and the next ones too for a while: a port that accepts and never answers (a proxy, another service)
+            # would otherwise cost every fetch the status wait (10 s)
+            self._unusable[plane] = time.monotonic() + DATA_PLANE_RETRY_S
             self._fall_back(host, port, f"{type(exc).__name__}: {exc}")
             return self._stream(manifest, lane, place, stub, lanes=lanes)
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]:  # all data-plane transfers busy

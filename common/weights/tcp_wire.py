@@ -56,7 +56,12 @@ def recv_into_exact(sock: socket.socket, view: memoryview, hasher=None, deadline
             if left <= 0:
                 raise TimeoutError(f"weights data plane: deadline passed after {got} of {total} bytes")
             sock.settimeout(left)
-        n = sock.recv_into(view[got:got + PIECE], min(total - got, PIECE))
+        try:
+            n = sock.recv_into(view[got:got + PIECE], min(total - got, PIECE))
+        except TimeoutError:  # the socket's own "timed out" names neither the plane nor the deadline
+            raise TimeoutError(f"weights data plane: deadline passed after {got} of {total} bytes (slices: the "
+                               "fetch's sampler.rpc_timeout_s; the trainer's answer: 10 s at most); is the trainer "
+                               "overloaded, or weights.max_serve_mb_s too low for the version's size?") from None
         if not n:
             raise ConnectionError(f"weights data plane closed after {got} of {total} bytes")
         if hasher is not None:

@@ -5,6 +5,10 @@ token exactly as FetchSlices does (same statuses and messages); only a connectio
 of `workers` transfer slots and a pool thread, which checks the request and sends each slice: header, bytes,
 checksum. Idle or token-less connections therefore hold no slot. Contiguous slices go out from the host snapshot
 itself, without a copy.
+
+A transfer holds its version's host snapshot until it ends, so a peer that stops reading (a frozen sampler, one cut off
+by the network, a hostile client) must not hold it long: a piece (4 MiB) the peer does not take within
+`stall_timeout_s` ends the transfer, and `stop()` ends every transfer at once (a process exiting would otherwise wait for their pool threads).
 """
 
 from __future__ import annotations
@@ -33,11 +37,13 @@ log = logging.getLogger(__name__)
 class WeightDataServer:
     """`workers` transfers at a time (an authorized request beyond them gets RESOURCE_EXHAUSTED at once and its
     sampler fetches over gRPC); a connection must send its token and request within `request_timeout_s` (at most
-    `max_pending` wait at once, the oldest closed first) and a whole transfer finish within `transfer_timeout_s`."""
+    `max_pending` wait at once, the oldest closed first), a whole transfer finish within `transfer_timeout_s`, and
+    each piece of it (4 MiB, tcp_wire.PIECE) be taken by the peer within `stall_timeout_s`."""
 
     def __init__(self, publisher: WeightPublisher, host: str, port: int = 0, workers: int = 16,
                  request_timeout_s: float = 5.0, transfer_timeout_s: float = 600.0, table: TokenTable | None = None,
-                 ssl_context: ssl.SSLContext | None = None, max_pending: int = 256, slices: SliceServer | None = None):
+                 ssl_context: ssl.SSLContext | None = None, max_pending: int = 256, slices: SliceServer | None = None,
+                 stall_timeout_s: float = 60.0):
         """`publisher`: whose held versions it serves, and whose manifests announce its port; `table`: tokens a
         request must carry (None: no auth); `ssl_context`: serve over TLS; `slices`: how a request becomes slices
         and is paced (None: a SliceServer of `publisher` without a rate cap)."""
@@ -45,7 +51,7 @@ class WeightDataServer:
         self.slices = SliceServer(publisher) if slices is None else slices
         self.table, self.ssl_context = table, ssl_context
         self.request_timeout_s, self.transfer_timeout_s, self.workers = request_timeout_s, transfer_timeout_s, workers
-        self.max_pending = max_pending
+        self.max_pending, self.stall_timeout_s = max_pending, stall_timeout_s
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="weights-data")
         self._sock: socket.socket | None = None
         self._intake: Intake | None = None
@@ -53,6 +59,7 @@ class WeightDataServer:
         self._stopped = threading.Event()
         self._lock = threading.Lock()
         self._active = 0
+        self._conns: set[socket.socket] = set()  # the connections of the transfers in progress (ended by stop())
         self.served_bytes = 0
 
     def start(self) -> int:
@@ -88,6 +95,13 @@ class WeightDataServer:
             self._thread.join(timeout=2)
         if self._sock is not None:
             self._sock.close()
+        with self._lock:  # no transfer starts once _stopped is set (_admit checks it under this lock)
+            conns = list(self._conns)
+        for conn in conns:  # a send blocked on a peer that does not read returns at once
+            try:
+                socket.socket.shutdown(conn, socket.SHUT_RDWR)  # the plain socket's (TLS state left alone)
+            except OSError:
+                pass
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def _check_token(self, token: str) -> Refusal | None:
@@ -101,11 +115,13 @@ class WeightDataServer:
                 return (grpc.StatusCode.RESOURCE_EXHAUSTED,
                         f"all {self.workers} data-plane transfers busy; fetch over gRPC or retry")
             self._active += 1
+            self._conns.add(conn)
         try:
             self._pool.submit(self._serve, conn, request)
         except RuntimeError:  # stopping
             with self._lock:
                 self._active -= 1
+                self._conns.discard(conn)
             return grpc.StatusCode.UNAVAILABLE, "the data plane is stopping"
         return None
 
@@ -118,6 +134,7 @@ class WeightDataServer:
         finally:
             with self._lock:
                 self._active -= 1
+                self._conns.discard(conn)
 
     def _transfer(self, conn: socket.socket, request: bytes) -> None:
         conn.settimeout(self.request_timeout_s)  # until the transfer's own deadline below
@@ -134,7 +151,7 @@ class WeightDataServer:
         def pace(offset: int) -> None:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"transfer exceeded {self.transfer_timeout_s:.0f}s")
-            conn.settimeout(max(0.01, deadline - time.monotonic()))
+            conn.settimeout(max(0.01, min(self.stall_timeout_s, deadline - time.monotonic())))
             self.slices.pace(sent + offset, start)
 
         sent, start = 0, time.monotonic()

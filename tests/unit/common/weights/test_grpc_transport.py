@@ -117,3 +117,30 @@ def test_an_ipv6_trainer_process_is_a_target_grpc_reaches():
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
     finally:
         server.stop(None)
+
+
+def test_a_manifest_dtype_the_sampler_cannot_cast_is_refused_naming_the_field_before_any_byte_moves():
+    import grpc
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import pytest
+
+    from grpo_stream.common.weights.grpc_transport import GrpcFetcher
+    from grpo_stream.common.weights.snapshot import WeightSnapshot
+    from grpo_stream.common.weights.transport import WeightsMismatch
+
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    targets = {"w": jax.ShapeDtypeStruct((3, 4), jnp.float32, sharding=sharding)}
+    channel = grpc.insecure_channel("127.0.0.1:1")  # never called: the manifest is refused first
+    fetcher = GrpcFetcher(channel, "sampler-0", streams=1, timeout_s=5)
+    try:
+        for dtype in ("object", "<U1", "complex64", "no-such-dtype"):
+            manifest = WeightSnapshot(1, {"w": np.zeros((3, 4), np.float32)}).manifest()
+            manifest.tensors[0].dtype = dtype
+            with pytest.raises(WeightsMismatch, match=rf"tensors\[0\].dtype='{dtype}' \(w\) is not a float"):
+                fetcher.fetch(manifest, targets)
+        assert fetcher._buffers.allocated == 0
+    finally:
+        fetcher.close()
+        channel.close()

@@ -35,3 +35,16 @@ def test_what_is_not_a_request_is_refused_before_it_is_buffered(wire, message):
     reader = tcp_wire.RequestReader()
     with pytest.raises(WeightTransferError, match=message):
         reader.feed(wire)
+
+
+def test_a_peer_that_stalls_mid_slice_fails_the_receive_naming_the_deadline():
+    import socket
+    import time
+
+    import numpy as np
+
+    here, there = socket.socketpair()
+    with here, there:
+        there.sendall(tcp_wire.SLICE_HEADER.pack(0, 0, 48) + b"x" * 10)  # then nothing more
+        with pytest.raises(TimeoutError, match=r"deadline passed after 10 of 48 bytes \(slices: the fetch's sampler.rpc_timeout_s"):
+            tcp_wire.receive_slice(here, 0, 0, np.empty((3, 4), np.float32), "w", time.monotonic() + 0.2)
