@@ -16,6 +16,7 @@ import signal
 import sys
 
 from grpo_stream.up.parent_death import child_env, die_with_parent
+from grpo_stream.up.relay import say_now
 from grpo_stream.up.run_lock import LOCK_FD_ENV, RunDirBusy, RunLock
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -30,7 +31,7 @@ def lock_run_dir(run_dir: pathlib.Path) -> RunLock | None:
         message = str(exc)
     except OSError as exc:
         message = run_dir_error(run_dir, exc)
-    print(f"grpo-stream up: error: {message}", file=sys.stderr)
+    say_now(f"grpo-stream up: error: {message}", sys.stderr)
     return None
 
 

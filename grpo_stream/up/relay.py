@@ -20,6 +20,7 @@ rotated, NAME.log.1 to NAME.log.<logging.file_keep>, the oldest dropped (logrota
 from __future__ import annotations
 
 import dataclasses
+import os
 import pathlib
 import queue
 import sys
@@ -44,13 +45,15 @@ class LogLimits:
 
 
 class QueuedConsole:
-    """`up`'s stdout, written by a thread of its own: write() never blocks. At most `capacity` lines wait; past that
-    they are dropped and counted, and the count is said once the console reads again. A console that fails (a
-    closed terminal, a reader gone) takes nothing more."""
+    """`up`'s stdout, written by a thread of its own: write() never blocks. At most `capacity` lines and
+    `capacity_chars` characters wait (10,000 pieces of a long line held 2.5 GiB of emoji); past that they are dropped
+    and counted, and the count is said once the console reads again. A console that fails (a closed terminal, a
+    reader gone) takes nothing more."""
 
-    def __init__(self, capacity: int = 10_000):
+    def __init__(self, capacity: int = 10_000, capacity_chars: int = 8 << 20):
         self._lines: queue.Queue[str] = queue.Queue(maxsize=capacity)
         self._lock, self._thread, self._dropped, self._gone = threading.Lock(), None, 0, False
+        self._chars, self._capacity_chars = 0, capacity_chars
 
     def write(self, text: str) -> None:
         if self._gone:
@@ -60,7 +63,10 @@ class QueuedConsole:
                 self._thread = threading.Thread(target=self._write_out, name="up-console", daemon=True)
                 self._thread.start()
             try:
+                if self._chars + len(text) > self._capacity_chars:
+                    raise queue.Full
                 self._lines.put_nowait(text)
+                self._chars += len(text)
             except queue.Full:
                 self._dropped += 1
 
@@ -79,6 +85,7 @@ class QueuedConsole:
             try:
                 with self._lock:
                     dropped, self._dropped = self._dropped, 0
+                    self._chars -= len(text)
                 if dropped:
                     sys.stdout.write(f"[up] {dropped} lines were not shown here while this console was not read; "
                                      "RUN_DIR/logs/ has them all\n")
@@ -86,8 +93,35 @@ class QueuedConsole:
                 sys.stdout.flush()
             except (OSError, ValueError):
                 self._gone = True
+                mute(sys.stdout)
             finally:
                 self._lines.task_done()
+
+
+def say_now(text: str, stream: TextIO | None = None) -> None:
+    """`text` and a newline on `stream` (default: sys.stdout; `up`'s own lines before and after its processes run),
+    or nowhere once its reader is gone (`up | head`, a killed `| tee`, a closed terminal): a console that went away
+    must not turn a finished run into a failed one."""
+    out = stream or sys.stdout
+    try:
+        out.write(text + "\n")
+        out.flush()
+    except (OSError, ValueError):
+        mute(out)
+
+
+def mute(stream: TextIO) -> None:
+    """Point `stream`'s descriptor at /dev/null once its reader is gone: what its buffer still holds, and the
+    interpreter's own flush at exit, then go nowhere instead of failing again (a failed flush at exit makes Python
+    print a traceback and exit 120, whatever `up` returned)."""
+    try:
+        null = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(null, stream.fileno())
+        finally:
+            os.close(null)
+    except (OSError, ValueError, AttributeError):  # no descriptor (a test's stream): nothing buffered at exit
+        pass
 
 
 def bounded_lines(stream: TextIO) -> Iterator[str]:

@@ -31,7 +31,6 @@ import threading
 import time
 
 from grpo_stream.common.config.loading import load_config, to_yaml
-from grpo_stream.common.config.redact import REDACTED, secret_key
 from grpo_stream.common.config.schema import RunConfig
 from grpo_stream.common.rollouts.redis_server import EmbeddedRedis, RedisConnectError, connect_durable, free_port
 from grpo_stream.plan.device_plan import (DeviceLayoutError, DevicePlan, detect_gpus, load_figures,
@@ -42,9 +41,9 @@ from grpo_stream.up.supervise import Outcome, Watch
 from grpo_stream.trainer_service.reports.files import write_atomic
 from grpo_stream.trainer_service.control_messages import SECRET_ENV, SECRET_FILE_ENV, new_secret
 from grpo_stream.up.guard import STOP_SIGNALS, child_popen, lock_run_dir, redis_popen, run_dir_error
-from grpo_stream.up.relay import ChildLog, LogLimits, QueuedConsole, bounded_lines, relay, rotate
+from grpo_stream.up.relay import ChildLog, LogLimits, QueuedConsole, bounded_lines, relay, rotate, say_now
 from grpo_stream.up.processes import TRAINER_ROLES, ProcessSpec, plan_processes, process_envs, run_overrides
-from grpo_stream.up.run_secrets import with_redis_password, with_run_tokens
+from grpo_stream.up.run_secrets import redacted_overrides, with_redis_password, with_run_tokens
 from grpo_stream.up.summary import RunEnd, RunSummary
 
 __all__ = ["ENDPOINTS_FILE", "process_envs", "run_up"]
@@ -52,6 +51,7 @@ ENDPOINTS_FILE = "endpoints.json"  # in RUN_DIR: where `grpo-stream submit --run
 
 
 CONSOLE = QueuedConsole()  # the children's lines and `up`'s own while they run: never blocks (relay.py)
+FINISH_S, STOP_S = 30.0, 20.0  # for the samplers (all together) to exit after the trainer finished / once told to
 
 
 def _say(line: str) -> None:
@@ -220,16 +220,24 @@ class _StopSignals:
     """Ctrl-C, SIGTERM and SIGHUP while the processes run: each is asked to stop (SIGTERM), and the watch ends."""
 
     def __init__(self, children: list):
-        self.children, self.interrupted = children, False
+        self.children, self.interrupted, self._unsaid = children, False, []
         # a SIGHUP ignored by who started `up` (nohup) stays ignored: logging out must not stop the run
         self.previous = {s: signal.signal(s, self._interrupt) for s in STOP_SIGNALS
                          if not (s == signal.SIGHUP and signal.getsignal(s) == signal.SIG_IGN)}
 
     def _interrupt(self, signum, _frame) -> None:
+        # a handler runs on the main thread between two of its bytecodes, maybe inside CONSOLE.write with the
+        # console's lock held: it takes no lock (a line written from here deadlocked `up` for good); the main
+        # thread says the line (`say_received`). terminate() takes none: Popen.poll only tries its lock.
         self.interrupted = True
-        for child in self.children:  # first: the console may be gone (SIGHUP), and the line below fail
+        self._unsaid.append(signum)
+        for child in self.children:
             child.terminate()
-        _say(f"[up] signal {signum}: stopping every process")
+
+    def say_received(self) -> None:
+        """Say, from the main thread, which stop signals came since the last call."""
+        while self._unsaid:
+            _say(f"[up] signal {self._unsaid.pop(0)}: stopping every process")
 
     def restore(self) -> None:
         for s, handler in self.previous.items():
@@ -254,7 +262,7 @@ def device_plan(cfg: RunConfig, run_dir: pathlib.Path) -> DevicePlan:
     gpu_ids, memory = detect_gpus(cfg, os.environ)
     plan = plan_devices(cfg, gpu_ids, memory, load_figures(cfg))
     for line in plan.lines():
-        print(f"[up] {line}", flush=True)
+        say_now(f"[up] {line}")
     (run_dir / "devices.json").write_text(json.dumps(plan.to_json(), indent=1))
     return plan
 
@@ -273,10 +281,10 @@ def run_up(config_path: pathlib.Path | None, overrides: list[str], cfg: RunConfi
             redis_server = _start_redis(cfg, run_dir, run_lock)
             specs = _prepare(cfg, config_path, overrides, run_dir, devices, redis_server, run_lock)
         except (DeviceLayoutError, RedisConnectError) as exc:
-            print(f"grpo-stream up: error: {exc}", file=sys.stderr)
+            say_now(f"grpo-stream up: error: {exc}", sys.stderr)
             return EXIT_USAGE if isinstance(exc, DeviceLayoutError) else EXIT_FAILURE
         except OSError as exc:  # a full disk, a run directory this user cannot write: nothing started yet
-            print(f"grpo-stream up: error: {run_dir_error(run_dir, exc)}", file=sys.stderr)
+            say_now(f"grpo-stream up: error: {run_dir_error(run_dir, exc)}", sys.stderr)
             return EXIT_FAILURE
         end = _run_processes(cfg, run_dir, specs, redis_server)
     finally:
@@ -295,7 +303,7 @@ def _start_redis(cfg: RunConfig, run_dir: pathlib.Path, run_lock: RunLock) -> Em
         return None
     server = EmbeddedRedis(data_dir=(run_dir / "redis").resolve(), protected=True,
                            popen_options=redis_popen(run_lock)).start()
-    print(f"[up] embedded Redis at {server.url} ({server.describe()})", flush=True)
+    say_now(f"[up] embedded Redis at {server.url} ({server.describe()})")
     return server
 
 
@@ -322,15 +330,6 @@ def _prepare(cfg: RunConfig, config_path: pathlib.Path | None, overrides: list[s
                           lock_env=run_lock.child_env({}))  # the trainer holds the run's lock too
 
 
-def redacted_overrides(overrides: list[str]) -> list[str]:
-    """`overrides` (KEY=VALUE) with the value of each secret-named key hidden, as `to_yaml(redact=True)` hides it."""
-    shown = []
-    for override in overrides:
-        key, sep, _ = override.partition("=")
-        shown.append(f"{key}={REDACTED}" if sep and secret_key(key.rsplit(".", 1)[-1]) else override)
-    return shown
-
-
 def _run_processes(cfg: RunConfig, run_dir: pathlib.Path, specs: list[ProcessSpec],
                    redis_server: EmbeddedRedis | None) -> RunEnd:
     """Start the planned processes, watch them until the run ends, stop them in order."""
@@ -348,10 +347,12 @@ def _run_processes(cfg: RunConfig, run_dir: pathlib.Path, specs: list[ProcessSpe
         for child in children:
             outcome = outcome or watch.launch(child)  # one that cannot start stops the run only with restart=never
         outcome = outcome or watch.run(lambda: stop.interrupted)
+        stop.say_received()
         if outcome.reason in ("gave_up", "permanent") or stop.interrupted:
             for child in children:
                 child.terminate()
         trainer_code, sampler_codes = _wind_down(trainer, helpers, samplers, cfg.up.stop_grace_s)
+        stop.say_received()
     finally:
         for child in children:
             child.terminate()
@@ -365,22 +366,34 @@ def _run_processes(cfg: RunConfig, run_dir: pathlib.Path, specs: list[ProcessSpe
 def _wind_down(trainer, helpers: list[_Child], samplers: list[_Child],
                grace_s: float) -> tuple[int | None, dict[str, int | None]]:
     """Wait for the trainer (`grace_s`: up.stop_grace_s), then the samplers (which stop by themselves at the final
-    version), then the ingest (it serves until the samplers are done); (trainer's exit code, each sampler's)."""
+    version), then the ingest (it serves until the samplers are done); (trainer's exit code, each sampler's). Each
+    group's wait is one deadline for all of it: waited for in turn, 8 samplers that did not stop took 8 x 20 s."""
     trainer_code = trainer.wait(timeout_s=grace_s)
-    sampler_codes = {}
+    if trainer_code == 0:  # a sampler stops by itself at the final version, one that missed it is told to
+        _wait_together(samplers, FINISH_S)
     for child in samplers:
-        # a sampler stops by itself at the final version, one that missed it is told to (and one that never
-        # started has nothing to wait for)
-        if trainer_code == 0 and child.proc is not None:
-            try:
-                child.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                _say(f"[up] {child.name} still running 30s after the trainer finished; stopping it")
+        if trainer_code == 0 and child.alive():
+            _say(f"[up] {child.name} still running {FINISH_S:.0f}s after the trainer finished; stopping it")
         child.terminate()
-        sampler_codes[child.name] = child.wait(timeout_s=30 if trainer_code == 0 else 20)
-        if sampler_codes[child.name] is None or child.alive():
-            child.terminate()
+    _wait_together(samplers, FINISH_S if trainer_code == 0 else STOP_S, kill=True)
+    sampler_codes = {child.name: child.wait(timeout_s=1) for child in samplers}
     for child in helpers:
         child.terminate()
-        child.wait(timeout_s=20)
+    _wait_together(helpers, STOP_S, kill=True)
+    for child in helpers:
+        child.wait(timeout_s=1)
     return trainer_code, sampler_codes
+
+
+def _wait_together(children: list[_Child], timeout_s: float, kill: bool = False) -> None:
+    """Wait until each of `children` (those started) exited, at most `timeout_s` for all of them together; `kill`:
+    then kill those still running."""
+    deadline = time.monotonic() + timeout_s
+    for child in children:
+        try:
+            if child.proc is not None:
+                child.proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            if kill:
+                _say(f"[up] {child.name} did not stop within {timeout_s:.0f}s; killing it")
+                child.kill()

@@ -1,6 +1,6 @@
 """What each child of `grpo-stream up` is handed to authenticate: the run's token table and tokens, and the embedded
-Redis's password. Secrets travel in the environment or in 0600 files, never on a command line (`ps` shows those to
-every user of the machine)."""
+Redis's password; and the overrides `up` records, their secret values hidden. Secrets travel in the environment or
+in 0600 files, never on a command line (`ps` shows those to every user of the machine)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,11 @@ import pathlib
 import yaml
 
 from grpo_stream.common.config.access import REDIS_PASSWORD_ENV, TOKEN_ENV, TOKEN_FILE_ENV, TOKENS_ENV
+from grpo_stream.common.config.loading import redacted_override
 from grpo_stream.common.config.schema import RunConfig
 from grpo_stream.common.rollouts.redis_server import EmbeddedRedis
 from grpo_stream.common.rpc.auth import write_private, write_tokens
+from grpo_stream.up.relay import say_now
 
 
 def with_run_tokens(cfg: RunConfig, run_dir: pathlib.Path, env: dict[str, str]) -> tuple[dict, dict, str]:
@@ -25,7 +27,7 @@ def with_run_tokens(cfg: RunConfig, run_dir: pathlib.Path, env: dict[str, str]) 
     auth_dir = (run_dir / "auth").resolve()
     if not (auth_dir / "tokens.yaml").is_file():
         write_tokens(auth_dir, samplers=cfg.sampler.replicas)
-        print(f"[up] made this run's tokens in {auth_dir} (client token: {auth_dir / 'client.token'})", flush=True)
+        say_now(f"[up] made this run's tokens in {auth_dir} (client token: {auth_dir / 'client.token'})")
     samplers = {k: v for k, v in env.items() if k != TOKEN_ENV}
     samplers[TOKEN_FILE_ENV] = str(auth_dir / "sampler.token")
     if cfg.sampler.openai.port is not None:  # the samplers' endpoints check client tokens: by digest only
@@ -62,3 +64,9 @@ def sampler_token_env(env: dict[str, str], index: int) -> dict[str, str]:
     shared = env.get(TOKEN_FILE_ENV)
     own = pathlib.Path(shared).with_name(f"sampler-{index}.token") if shared else None
     return {**env, TOKEN_FILE_ENV: str(own)} if own is not None and own.is_file() else env
+
+
+def redacted_overrides(overrides: list[str]) -> list[str]:
+    """`overrides` (KEY=VALUE) with the value of each secret-named key hidden, as `to_yaml(redact=True)` hides it,
+    inside a mapping or list value too (`task.verifiers.args={api_key: sk-...}`)."""
+    return [redacted_override(override) for override in overrides]

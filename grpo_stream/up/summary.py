@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from grpo_stream.common.config.schema import RunConfig
 from grpo_stream.common.runtime.errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_PERMANENT
+from grpo_stream.up.relay import say_now
 from grpo_stream.up.supervise import Outcome
 from grpo_stream.common.tasks.rewards import scored_by
 from grpo_stream.trainer_service.reports.files import to_json, write_atomic
@@ -64,22 +65,21 @@ class RunSummary:
         if written:
             summary = self.complete(json.loads(self.path.read_text()), end)
             write_atomic(self.path, to_json(summary, indent=2))
-            print(done_line(summary, self.path), flush=True)
+            say_now(done_line(summary, self.path))
         # what failed, last and on stderr, also after a summary the trainer could still write (its stop was clean):
         # else the last line of a run stopped by a crash-looping sampler read "[up] done in ..."
         failed_samplers = {name: code for name, code in end.sampler_codes.items() if code != 0}
         if end.outcome.reason == "gave_up":  # the process whose budget ran out, not the trainer up then stopped
-            print(f"grpo-stream up: {end.outcome.process} gave up: {end.outcome.message}; see "
-                  f"{self.log_of(end.outcome.process)}", file=sys.stderr)
+            say_now(f"grpo-stream up: {end.outcome.process} gave up: {end.outcome.message}; see "
+                    f"{self.log_of(end.outcome.process)}", sys.stderr)
         elif end.outcome.reason == "permanent":
-            print(f"grpo-stream up: {end.outcome.process} failed permanently: {end.outcome.message}", file=sys.stderr)
+            say_now(f"grpo-stream up: {end.outcome.process} failed permanently: {end.outcome.message}", sys.stderr)
         elif not written:
-            print(f"grpo-stream up: trainer exited with code {end.trainer_code}; see {end.trainer_log}",
-                  file=sys.stderr)
+            say_now(f"grpo-stream up: trainer exited with code {end.trainer_code}; see {end.trainer_log}", sys.stderr)
         elif end.outcome.reason == "done" and failed_samplers:
-            print("grpo-stream up: the trainer finished, but " + ", ".join(
+            say_now("grpo-stream up: the trainer finished, but " + ", ".join(
                 f"{name} exited with code {code} (see {self.log_of(name)})" for name, code in failed_samplers.items()),
-                file=sys.stderr)
+                sys.stderr)
         return end.exit_code(written)
 
     def log_of(self, process: str) -> pathlib.Path:

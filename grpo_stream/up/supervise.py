@@ -25,7 +25,8 @@ Two exits are not restarts:
   every restart stops the run like a crash loop.
 
 A start that fails (a fork refused for memory, a restarted Redis whose port was taken meanwhile) counts as a failure
-of that process, against the same budget. A pause of `up` itself (the host suspended, a scheduler's SIGSTOP of the
+of that process, against the same budget; one whose program is missing or not executable stops the run as a
+permanent failure. A pause of `up` itself (the host suspended, a scheduler's SIGSTOP of the
 whole job; PAUSED_S) is no stall: the stall clocks count again from the resume.
 
 `Watch` is the loop that applies all of this to the processes `up` started (grpo_stream/up/run.py); it knows them only
@@ -202,6 +203,11 @@ class Watch:
             clear_permanent(self.run_dir, name)
         try:
             unit.start()
+        except (FileNotFoundError, PermissionError, NotADirectoryError) as exc:  # no program to run: no retry helps
+            reason = (f"could not be started ({exc}): no restart brings back a missing file or a permission (a program "
+                      "that is not there or not executable: sampler.python names the samplers' interpreter)")
+            self.log(f"[up] {unit.name} {reason}; stopping the run")
+            return Outcome("permanent", unit.name, reason)
         except (OSError, RuntimeError, subprocess.SubprocessError) as exc:  # RedisConnectError is a RuntimeError
             return self._restart_or_stop(unit, f"could not be started ({exc})")
         if unit.name in self.stalls:

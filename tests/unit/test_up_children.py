@@ -8,8 +8,10 @@ from __future__ import annotations
 import errno
 import os
 import pathlib
+import signal
 import socket
 import sys
+import threading
 import time
 
 import pytest
@@ -18,7 +20,9 @@ import redis
 from grpo_stream.common.config.process import UpSection
 from grpo_stream.common.rollouts.redis_server import EmbeddedRedis
 from grpo_stream.up.processes import ProcessSpec
-from grpo_stream.up.run import _Child, _RedisUnit
+from grpo_stream.up import run as up_run
+from grpo_stream.up.relay import QueuedConsole
+from grpo_stream.up.run import _Child, _RedisUnit, _StopSignals
 from grpo_stream.up.supervise import Watch
 from tests.support import FakeClock
 from tests.unit.test_supervise_watch import FakeUnit
@@ -144,3 +148,74 @@ def test_a_redis_whose_port_was_taken_while_it_was_down_is_retried_until_it_star
     finally:
         squatter.close()
         server.stop()
+
+
+def test_a_stop_signal_landing_inside_a_console_write_does_not_deadlock_up(monkeypatch):
+    """A signal handler runs on the main thread between two of its bytecodes: one that landed while `up` wrote one of
+    its own lines (the console's lock held) wrote its "[up] signal N" line from the handler, waited for that lock for
+    ever, and `up` hung with its processes stopped (reproduced with real SIGTERMs: /tmp/rev-up/sig_deadlock.py)."""
+    console = QueuedConsole()
+    monkeypatch.setattr(up_run, "CONSOLE", console)
+    stop = _StopSignals([])
+    try:
+        def main_thread_inside_a_write():
+            with console._lock:  # where CONSOLE.write holds it
+                stop._interrupt(signal.SIGTERM, None)
+
+        handler = threading.Thread(target=main_thread_inside_a_write, daemon=True)
+        handler.start()
+        handler.join(timeout=10)
+        assert not handler.is_alive(), "the stop handler waited for the console's lock"
+        assert stop.interrupted
+        stop.say_received()
+        console.drain()
+        assert console._lines.unfinished_tasks == 0
+    finally:
+        stop.restore()
+
+
+def test_a_process_whose_program_is_missing_stops_the_run_at_once_naming_it(tmp_path):
+    """sampler.python naming an interpreter that is not there: every start failed the same way, restarted with
+    back-off until the budget ran out (23 s with the defaults) and `up` exited 1 as if for a crash loop."""
+    (tmp_path / "logs").mkdir()
+    missing = str(tmp_path / "venv-vllm" / "bin" / "python")
+    sampler = _Child(ProcessSpec("sampler-0", (missing, "-m", "grpo_stream", "sampler"), dict(os.environ), "sampler",
+                                 "sampler-0"), tmp_path / "logs")
+    lines = []
+    watch = Watch(UpSection(), tmp_path, FakeUnit("trainer", "trainer-0"), [sampler], log=lines.append)
+    outcome = watch.launch(sampler)
+    assert outcome is not None and (outcome.reason, outcome.process) == ("permanent", "sampler-0"), lines
+    assert missing in outcome.message and "sampler.python" in outcome.message and sampler.starts == 0
+    assert not watch.supervisor.waiting("sampler-0")
+
+
+DEAF = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(120)"
+
+
+def test_samplers_that_ignore_sigterm_share_one_stop_deadline(tmp_path, monkeypatch):
+    """Each sampler was waited for in turn, each with its own 20 s: 3 samplers hung in a C call (or ignoring
+    SIGTERM) held a stopped `up` 60 s past its trainer, 8 of them 160 s (past a pod's grace, which then SIGKILLs `up`
+    before it completes summary.json)."""
+    monkeypatch.setattr(up_run, "STOP_S", 2.0)
+    (tmp_path / "logs").mkdir()
+    trainer = _Child(ProcessSpec("trainer", (sys.executable, "-c", "import time; time.sleep(120)"), dict(os.environ),
+                                 "trainer", "trainer-0"), tmp_path / "logs")
+    samplers = [_Child(ProcessSpec(f"sampler-{i}", (sys.executable, "-c", DEAF), dict(os.environ), "sampler",
+                                   f"sampler-{i}"), tmp_path / "logs") for i in range(3)]
+    try:
+        for unit in (trainer, *samplers):
+            unit.start()
+        for unit in samplers:  # each ignores SIGTERM from here on
+            log, deadline = tmp_path / "logs" / f"{unit.name}.log", time.monotonic() + 30
+            while not (log.exists() and log.read_text().strip()) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        for unit in (trainer, *samplers):
+            unit.terminate()  # as after Ctrl-C
+        started = time.monotonic()
+        trainer_code, codes = up_run._wind_down(trainer, [], samplers, grace_s=5)
+        took = time.monotonic() - started
+        assert trainer_code == -signal.SIGTERM and codes == {f"sampler-{i}": -9 for i in range(3)}
+        assert took < 2 * up_run.STOP_S, f"{took:.1f}s: the samplers were waited for one after another"
+    finally:
+        for unit in (trainer, *samplers):
+            unit.kill()

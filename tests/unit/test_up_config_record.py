@@ -35,3 +35,9 @@ def test_only_the_values_of_secret_named_keys_are_hidden():
                                "model.path=tokenizer", "flag"]) == [
         "redis.auth.password_file=/run/pw", "sampler.vllm.engine_args.api_key=<redacted>", "model.path=tokenizer",
         "flag"]
+
+
+def test_a_secret_inside_a_mapping_override_is_hidden_in_the_record():
+    """RUN_DIR/config.yaml's first line listed `task.verifiers.args={api_key: sk-1}` whole."""
+    shown = redacted_overrides(["task.verifiers.args={api_key: sk-secret-1, n: 2}"])
+    assert "sk-secret-1" not in shown[0] and "<redacted>" in shown[0] and '"n": 2' in shown[0]

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -119,3 +122,40 @@ def test_groups_generated_counts_this_runs_samplers_and_never_falls_below_the_tr
     RunSummary(cfg, tmp_path, started=1000.0).finish(end)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert set(summary["samplers"]) == {"sampler-0"} and summary["groups_generated"] == 160
+
+
+GONE_READER = """
+import json, os, pathlib, sys
+from grpo_stream.common.config.loading import load_config
+from grpo_stream.up.relay import QueuedConsole
+from grpo_stream.up.summary import RunEnd, RunSummary
+from grpo_stream.up.supervise import Outcome
+run_dir, part = pathlib.Path(sys.argv[1]), sys.argv[2]
+read, write = os.pipe()
+os.close(read)  # `up | head` after head exited, or `up | tee` with tee killed
+os.dup2(write, 1)
+code = 0
+if part == "console":  # the children's lines while they run
+    console = QueuedConsole()
+    for i in range(3):
+        console.write(f"[sampler-0] line {i}\\n")
+    console.drain()
+else:  # up's last line
+    end = RunEnd(Outcome("done"), 0, {"sampler-0": 0}, {"trainer": 0}, run_dir / "logs" / "trainer.log")
+    code = RunSummary(load_config(None, []), run_dir, started=0.0).finish(end)
+sys.stderr.write(f"returned {code}\\n")
+sys.exit(code)
+"""
+
+
+@pytest.mark.parametrize("part", ["console", "summary"])
+def test_a_console_reader_gone_does_not_fail_a_finished_run(tmp_path, part):
+    """`up | tee log` with tee killed during the run (or `up | head`): the run went on (the console's thread gives
+    up on it), but the last line, printed straight to the dead pipe, raised BrokenPipeError: a run that completed
+    exited 1 with "error: [Errno 32] Broken pipe"; and the lines the console's thread left in stdout's buffer made
+    Python's own flush at shutdown fail: exit 120."""
+    (tmp_path / "summary.json").write_text(json.dumps(TRAINER_SUMMARY))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # a user's shell: stdout buffered
+    proc = subprocess.run([sys.executable, "-c", GONE_READER, str(tmp_path), part], capture_output=True, text=True,
+                          timeout=120, cwd=pathlib.Path(__file__).resolve().parents[2], env=env)
+    assert proc.returncode == 0 and proc.stderr == "returned 0\n", proc.stderr
