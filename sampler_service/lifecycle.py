@@ -57,7 +57,8 @@ class SamplerMetrics:
 
     def start(self, cfg: RunConfig, index: int) -> None:
         port = cfg.sampler.metrics_port
-        self._prom.start(cfg.sampler.metrics_host, None if port is None else (port + index if port else 0))
+        self._prom.start(cfg.sampler.metrics_host, None if port is None else (port + index if port else 0),
+                         "sampler.metrics_port" if not index else f"sampler.metrics_port + {index} (sampler {index})")
 
     def stop(self) -> None:
         self._prom.stop()

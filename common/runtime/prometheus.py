@@ -114,11 +114,16 @@ class ServiceMetrics:
     def counter(self, name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
         return Counter(PREFIX + name, doc, labels, registry=self.registry)
 
-    def start(self, host: str, port: int | None) -> int | None:
-        """Serve on `port` (0 = a free one); None = do not serve. Returns the bound port."""
+    def start(self, host: str, port: int | None, setting: str = "metrics_port") -> int | None:
+        """Serve on `port` (0 = a free one); None = do not serve. Returns the bound port; OSError naming `setting`
+        (the config field of the port) when it cannot be bound."""
         if port is None:
             return None
-        self._server = serve_metrics(self.registry, host, port)
+        try:
+            self._server = serve_metrics(self.registry, host, port)
+        except OSError as exc:  # the bare "[Errno 98] Address already in use" named neither the port nor the field
+            raise OSError(f"{setting}={port}: cannot serve metrics on {host}:{port} ({exc.strerror or exc}); pick "
+                          "another port, 0 for a free one, or null for no metrics server") from exc
         self.port = self._server.server_port
         log.info("%s metrics at http://%s:%d/metrics", self.service, host, self.port)
         return self.port

@@ -83,7 +83,8 @@ class StepReporter:
             "sampler_weight_lag", f"latest version minus the sampler's installed version (the first "
             f"{self.max_lag_series} samplers heard from; {OTHER}: the largest lag of the rest)", ("sampler",)),
             self.max_lag_series)
-        self.prom.start(cfg.trainer.metrics_host or cfg.trainer.host, cfg.trainer.metrics_port)
+        self.prom.start(cfg.trainer.metrics_host or cfg.trainer.host, cfg.trainer.metrics_port,
+                        "trainer.metrics_port")
         self._counters: dict[str, int] = {}
         self._component_names: set[str] = set()  # the reward components with a series of their own (bounded)
         self._folded_warned = False

@@ -8,6 +8,8 @@ import threading
 import time
 import urllib.request
 
+import pytest
+
 from grpo_stream.common.runtime import prometheus
 from grpo_stream.common.runtime.prometheus import ServiceMetrics
 
@@ -65,3 +67,16 @@ def test_a_connection_that_sends_no_request_is_closed_after_the_timeout(monkeypa
         assert b"grpo_stream_up 1.0" in scrape(port)
     finally:
         metrics.stop()
+
+
+def test_a_metrics_port_in_use_names_the_setting_and_the_fix():
+    """The bare "[Errno 98] Address already in use" named neither the port nor the setting."""
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    try:
+        with pytest.raises(OSError, match=rf"trainer.metrics_port={port}: cannot serve metrics .* 0 for a free one"):
+            ServiceMetrics("trainer").start("127.0.0.1", port, "trainer.metrics_port")
+    finally:
+        taken.close()
