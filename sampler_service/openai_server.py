@@ -75,8 +75,9 @@ class Endpoint:
                                                                       plaintext_bind=cfg.tls.plaintext_bind),
                                  "sampler.openai.host")
         connections = raise_open_files(settings.max_connections)
+        # an answer not taken is held to the body's deadline: one for what moves in either direction
         self.limits = ConnectionLimits(settings.header_timeout_s, connections,
-                                       min(connections, settings.max_connections_per_address))
+                                       min(connections, settings.max_connections_per_address), settings.body_timeout_s)
         config = uvicorn.Config(self.app, host=settings.host, port=settings.port + index if settings.port else 0,
                                 log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=2,
                                 timeout_keep_alive=settings.keep_alive_s,
@@ -104,7 +105,8 @@ class Endpoint:
     def figures(self) -> dict:
         gate = self.app.state.gate
         listener = {} if self.limits is None else {"connections_refused": self.limits.refused,
-                                                   "connections_timed_out": self.limits.timed_out}
+                                                   "connections_timed_out": self.limits.timed_out,
+                                                   "answers_not_taken": self.limits.send_timed_out}
         return {"url": self.url, "requests": gate.served, "refused_busy": gate.refused, **listener,
                 "sequences": self.queue.served, "sequences_in_sampler_batches": self.queue.served_in_sampler_batches,
                 "chat_turns_continued": self.core.chat_prompts.continued,

@@ -21,6 +21,7 @@ import dataclasses
 import hmac
 import json
 import logging
+import re
 import secrets
 import threading
 import time
@@ -72,7 +73,9 @@ def _validation_message(exc: pydantic.ValidationError) -> tuple[str, str | None]
     tag = next((i for i, part in enumerate(loc) if _union_tag(part)), None)
     if tag is None:
         field = ".".join(str(p) for p in loc) or None
-        return f"{field}: {errors[0].get('msg')}" if field else str(errors[0].get("msg")), field
+        # a validator's own message already names its field (pydantic prefixes "Value error, ")
+        msg = str(errors[0].get("msg")).removeprefix("Value error, ")
+        return (f"{field}: {msg}" if field and not msg.startswith(f"{field}:") else msg), field
     field, prefix = ".".join(str(p) for p in loc[:tag]), loc[:tag]
     forms = list(dict.fromkeys(str(e["loc"][tag]) for e in errors
                                if list(e.get("loc", ()))[:tag] == prefix and len(e["loc"]) > tag))
@@ -92,15 +95,53 @@ async def _read_body(request: Request, limit: int) -> bytes | None:
     return bytes(body)
 
 
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # how JSON writes a UTF-16 surrogate (paired or not)
+
+
+class BodyTextError(ValueError):
+    """A string of the body that is not Unicode text; `field` is where it lies."""
+
+    def __init__(self, field: str):
+        super().__init__(f"{field}: holds an unpaired UTF-16 surrogate (a \\ud800-\\udfff escape without its "
+                         "pair), which is no Unicode text; send valid text")
+        self.field = field
+
+
+def _check_text(value: Any) -> None:
+    """BodyTextError naming the first string (or key) of `value` with a lone surrogate: JSON's escapes allow one,
+    and the tokenizer, the templates and the answer's own encoding all fail on it (a 500 and an error line each)."""
+    stack = [(value, "")]
+    while stack:
+        item, where = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                raise BodyTextError((where or "the body").encode("utf-8", "backslashreplace").decode()) from None
+        elif isinstance(item, dict):
+            for key, inner in item.items():
+                stack += [(key, where or "the body"), (inner, f"{where}.{key}" if where else str(key))]
+        elif isinstance(item, list):
+            stack += [(inner, f"{where}[{i}]") for i, inner in enumerate(item)]
+
+
 def _parse(body: bytes):
-    """The body's JSON; ValueError naming the position for one that is not JSON (RecursionError for one nested
-    deeper than Python's parser goes)."""
+    """The body's JSON; ValueError naming the position for one that is not JSON, or the field of a string that is
+    not Unicode text (RecursionError for one nested deeper than Python's parser goes)."""
     try:
-        return json.loads(body or b"null")
+        parsed = json.loads(body or b"null")
+        if _SURROGATE_ESCAPE.search(body or b""):
+            _check_text(parsed)
+        return parsed
+    except BodyTextError:
+        raise
     except json.JSONDecodeError as exc:
         raise ValueError(f"the body is not JSON ({exc.msg} at position {exc.pos})") from None
     except UnicodeDecodeError as exc:
         raise ValueError(f"the body is not UTF-8 JSON (byte {exc.start} is not UTF-8)") from None
+    except ValueError as exc:  # an integer of more digits than Python converts (sys.get_int_max_str_digits)
+        raise ValueError(f"the body holds a number this endpoint does not read ({str(exc).split(':')[0]}); no "
+                         "field takes one that long") from None
 
 
 class Gate:
@@ -265,8 +306,8 @@ def build_app(core: EndpointCore, table: TokenTable | None, settings, internal_t
                 return _error(400, message, param=field)
             except RecursionError:  # nested deeper than the parser, or pydantic, goes
                 return _error(400, "the body's JSON nests too deep")
-            except ValueError as exc:  # not JSON
-                return _error(400, str(exc))
+            except ValueError as exc:  # not JSON, or not text
+                return _error(400, str(exc), param=getattr(exc, "field", None))
             stream = (parsed.stream_options or StreamOptions()) if parsed.stream else None
             return await _answer(request, route, handler(parsed, caller.name), core.timeout_s, stream)
 

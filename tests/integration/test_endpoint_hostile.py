@@ -11,6 +11,7 @@ import logging
 import resource
 import socket
 import time
+import threading
 import tracemalloc
 
 import httpx
@@ -284,6 +285,7 @@ def test_a_refused_field_is_named_in_param_with_openais_error_type(served, ask, 
     error = answer.json()["error"]
     assert answer.status_code == 400 and error["type"] == "invalid_request_error" and error["param"] == field
     assert error["message"].startswith(field + ":")  # the field, never pydantic's name of a union's branch
+    assert "Value error" not in error["message"] and not error["message"].startswith(f"{field}: {field}:")
 
 
 def test_a_body_that_is_not_utf8_is_a_400_saying_so(served):
@@ -291,6 +293,26 @@ def test_a_body_that_is_not_utf8_is_a_400_saying_so(served):
     answer = httpx.post(endpoint.url + "/completions", headers={"Authorization": f"Bearer {tokens['client']}"},
                         content=b'{"model": "policy", "prompt": "\xff\xfe"}', timeout=60)
     assert answer.status_code == 400 and "not UTF-8" in answer.json()["error"]["message"]
+
+
+def test_a_number_longer_than_python_reads_is_a_400_that_gives_the_server_no_advice(served):
+    endpoint, tokens = served
+    answer = httpx.post(endpoint.url + "/completions", headers={"Authorization": f"Bearer {tokens['client']}"},
+                        content=b'{"model": "policy", "prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}", timeout=60)
+    message = answer.json()["error"]["message"]
+    assert answer.status_code == 400 and "no field takes one that long" in message
+    assert "set_int_max_str_digits" not in message  # Python's advice is for the server's code, not its client
+
+
+@pytest.mark.parametrize("route, body, field", [
+    ("/completions", b'{"model": "policy", "prompt": "hi \\ud800", "max_tokens": 2}', "prompt"),
+    ("/chat/completions", b'{"model": "policy", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, '
+     b'"tools": [{"type": "function", "function": {"name": "\\udfff"}}]}', "tools[0].function.name")])
+def test_an_unpaired_surrogate_is_a_400_naming_its_field_not_a_fault_of_ours(served, route, body, field):
+    endpoint, tokens = served  # JSON's escapes allow one; the tokenizer raised on it (a 500 and an error line each)
+    answer = httpx.post(endpoint.url + route, headers={"Authorization": f"Bearer {tokens['client']}"}, content=body,
+                        timeout=60)
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == field, answer.text
 
 
 @pytest.mark.parametrize("calls", [5, [{"id": "c", "type": "function",
@@ -315,3 +337,49 @@ def test_a_fault_of_the_endpoint_is_a_500_in_openais_shape_and_one_log_line(serv
     assert answer.status_code == 500 and answer.json()["error"]["type"] == "server_error"
     logged = [r for r in caplog.records if "failed" in r.getMessage()]
     assert len(logged) == 1 and "KeyError" in logged[0].getMessage() and not logged[0].exc_info
+
+
+def _server_side(endpoint, sock: socket.socket):
+    """The server's protocol of the connection `sock` is the client end of, or None once the server dropped it."""
+    for _ in range(10):
+        try:
+            return next((p for p in list(endpoint.server.server_state.connections)
+                         if tuple(p.client or ()) == sock.getsockname()), None)
+        except RuntimeError:  # the set changed while copied: look again
+            continue
+    return None
+
+
+@pytest.mark.parametrize("stream, high_water", [(True, 1024), (False, 1 << 20)])
+def test_a_client_that_never_takes_its_answer_is_closed_by_the_send_deadline(served, stream, high_water):
+    """A client that never reads held its connection and its answer's bytes for ever: uvicorn waits on a paused
+    transport without a deadline (stream: true), and closes one holding unsent bytes only once they are sent (a
+    whole JSON answer queued below the write high-water mark). The server's buffers are shrunk so a small answer
+    outgrows them, as a long one outgrows the real ones."""
+    endpoint, tokens = served
+    aborted = endpoint.limits.send_timed_out
+    body = json.dumps({"model": "policy", "prompt": list(range(100, 190)), "n": 48, "max_tokens": 2, "logprobs": 0,
+                       "return_token_ids": True, "stream": stream}).encode()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)  # and it never reads
+    try:
+        with endpoint.queue.engine:  # the answer waits until the server's buffers are small
+            sock.connect(address(endpoint))
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                         + tokens["client"].encode() + b"\r\nContent-Type: application/json\r\nContent-Length: "
+                         + str(len(body)).encode() + b"\r\n\r\n" + body)
+            wait_for(lambda: _server_side(endpoint, sock) is not None, 30, "the server to accept the connection")
+            proto, shrunk = _server_side(endpoint, sock), threading.Event()
+
+            def shrink():
+                proto.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+                proto.transport.set_write_buffer_limits(high=high_water)
+                shrunk.set()
+
+            proto.loop.call_soon_threadsafe(shrink)
+            assert shrunk.wait(10)
+        wait_for(lambda: _server_side(endpoint, sock) is None, 120, "the server to drop the client that never reads")
+        assert endpoint.limits.send_timed_out - aborted == 1
+    finally:
+        sock.close()
+    assert completion(endpoint, tokens["client"]).status_code == 200
