@@ -37,7 +37,10 @@ def _text(content, where: str) -> str:
     if content is None or isinstance(content, str):
         return content or ""
     if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-        return "".join(str(p.get("text", "")) for p in content)
+        for i, part in enumerate(content):  # an object or a number as text rendered as its Python repr
+            if not isinstance(part.get("text", ""), str):
+                raise MessageError(f"{where}.content[{i}].text: a string, not {type(part['text']).__name__}")
+        return "".join(p.get("text", "") for p in content)
     raise MessageError(f"{where}.content: a string or a list of text parts (this policy reads text only)")
 
 

@@ -177,9 +177,10 @@ def bearer(metadata) -> str | None:
 
 
 def bearer_value(header: str | None) -> str | None:
-    """The token of an HTTP Authorization header ("Bearer <token>"), or None."""
-    if isinstance(header, str) and header.startswith("Bearer ") and len(header) > len("Bearer "):
-        return header[len("Bearer "):].strip()
+    """The token of an HTTP Authorization header ("Bearer <token>"; the scheme in any case, as RFC 7235 reads it),
+    or None."""
+    if isinstance(header, str) and header[:7].lower() == "bearer " and header[7:].strip():
+        return header[7:].strip()
     return None
 
 
