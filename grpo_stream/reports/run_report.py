@@ -1,8 +1,8 @@
 """`grpo-stream report RUN_DIR`: PNG plots and a markdown summary of a finished (or running) run.
 
-Reads RUN_DIR/metrics-trainer.jsonl (one row per RL step, and one per held-out evaluation: before RL at step 0,
-every eval.every_steps during it, after it) and RUN_DIR/summary.json when present; writes RUN_DIR/report/*.png and
-RUN_DIR/report/report.md.
+Reads RUN_DIR/metrics-trainer.jsonl (one row per RL step, one per held-out evaluation: before RL at step 0,
+every eval.every_steps during it, after it; and the warm start's rows, not plotted) and RUN_DIR/summary.json when
+present; writes RUN_DIR/report/*.png and RUN_DIR/report/report.md.
 """
 
 from __future__ import annotations
@@ -156,27 +156,52 @@ def read_summary(path: pathlib.Path) -> dict:
     return summary
 
 
+def latest_timeline(rows: list[dict]) -> tuple[list[dict], list[dict]]:
+    """(the RL steps' rows, the held-out evaluations' rows) of the run's final timeline, each one per step in step
+    order. A resumed trainer appends to metrics-trainer.jsonl and logs again the steps after its checkpoint: the first
+    step it logs again (a step at or below the last one logged) rolls back every row of that step and after, of
+    both kinds, written before it, also those the resumed trainer has not reached yet (their weights are no longer
+    the run's); an evaluation logged at or below the last evaluated step does the same for the evaluations."""
+    train: dict[int, dict] = {}
+    evals: dict[int, dict] = {}
+    for row in rows:
+        step = row["step"]
+        if "train/loss" in row:
+            if train and step <= next(reversed(train)):
+                _drop_from(train, step)
+                _drop_from(evals, step)
+            train[step] = row
+        elif "eval/accuracy" in row:
+            _drop_from(evals, step)
+            evals[step] = row
+    return list(train.values()), list(evals.values())
+
+
+def _drop_from(by_step: dict[int, dict], step: int) -> None:
+    """Remove the rows of `step` and after from `by_step` (its keys ascend, in insertion order)."""
+    while by_step and next(reversed(by_step)) >= step:
+        by_step.popitem()
+
+
 def load_rows(run_dir: pathlib.Path, rows: list[dict] | None = None) -> list[dict]:
-    """The RL steps' rows (`rows`: metrics-trainer.jsonl's, read here when not given)."""
+    """The RL steps' rows of the final timeline (latest_timeline; `rows`: metrics-trainer.jsonl's, read here when
+    not given)."""
     path = run_dir / "metrics-trainer.jsonl"
     if rows is None:
         if not path.exists():
             raise FileNotFoundError(f"{path} not found: RUN_DIR must be a directory written by `grpo-stream up` or "
                                     "`grpo-stream trainer --run-dir`")
         rows = read_metrics(path)
-    # one row per step in step order: a resumed trainer logs again the steps after its checkpoint (the later wins)
-    by_step = {r["step"]: r for r in rows if "train/loss" in r}
-    return [by_step[s] for s in sorted(by_step)]
+    return latest_timeline(rows)[0]
 
 
 def load_eval_rows(run_dir: pathlib.Path, rows: list[dict] | None = None) -> list[dict]:
-    """The held-out evaluations logged (eval/*), one per step in step order: a resumed run that evaluated a step
-    again (its replayed steps) keeps the later row."""
+    """The held-out evaluations logged (eval/*) of the final timeline, one per step in step order (latest_timeline):
+    a resumed run that evaluated a step again keeps the later row."""
     path = run_dir / "metrics-trainer.jsonl"
     if rows is None:
         rows = read_metrics(path) if path.exists() else []
-    by_step = {r["step"]: r for r in rows if "eval/accuracy" in r}
-    return [by_step[s] for s in sorted(by_step)]
+    return latest_timeline(rows)[1]
 
 
 def eval_table(rows: list[dict]) -> list[str]:

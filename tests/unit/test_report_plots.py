@@ -3,7 +3,7 @@ constant series listed with the reason a "prefix*" entry gives."""
 
 import json
 
-from grpo_stream.reports.run_report import PLOTS, _expand, load_rows, make_report, why_constant
+from grpo_stream.reports.run_report import PLOTS, _expand, load_eval_rows, load_rows, make_report, why_constant
 
 
 def test_prefix_series_expand_in_numeric_order():
@@ -46,7 +46,8 @@ def test_held_out_curve_in_the_report_one_row_per_step(tmp_path):
     resume keeps its later row; the IFEval-like task figures get their own column."""
     rows = [{"step": s, "train/loss": 0.1, "train/reward_mean": 0.1 * s, "train/accuracy": 0.5,
              "train/staleness_mean": 1.0} for s in range(1, 7)]
-    evals = [(0, 0.10), (2, 0.20), (4, 0.25), (2, 0.22), (6, 0.40)]  # step 2 again: a resumed run's replay
+    # from step 2 again: a resumed run's replay (its checkpoint at step 1), which evaluates step 4 again too
+    evals = [(0, 0.10), (2, 0.20), (4, 0.25), (2, 0.22), (4, 0.30), (6, 0.40)]
     rows += [{"step": s, "eval/version": s, "eval/accuracy": a, "eval/pass_at_1": a / 2, "eval/maj_at_4": a,
               "eval/task/prompt_level_strict_acc": a / 3, "eval/reward": a, "eval/seconds": 12.0} for s, a in evals]
     (tmp_path / "metrics-trainer.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -72,3 +73,19 @@ def test_training_curves_have_one_point_per_step_after_a_resume(tmp_path):
     (tmp_path / "metrics-trainer.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert [(r["step"], r["train/loss"]) for r in load_rows(tmp_path)] == [(1, 0.9), (2, 0.8), (3, 0.65), (4, 0.55),
                                                                          (5, 0.5)]
+
+
+def test_a_resume_rolls_back_the_rows_of_steps_it_has_not_logged_again_yet(tmp_path):
+    """A trainer that reached step 8 and crashed, resumed from its checkpoint at step 5 and now at step 7: the first
+    timeline's step 8 (and its evaluation) are no longer the run's, so the curves, the held-out table and the last
+    step of report.md end at step 7 instead of showing the rolled-back step."""
+    steps = [(s, 0.1 * s) for s in range(1, 9)] + [(6, 0.66), (7, 0.77)]
+    rows = [{"step": s, "train/loss": 1.0 - r, "train/reward_mean": r, "train/accuracy": 0.5,
+             "train/staleness_mean": 1.0} for s, r in steps]
+    rows.insert(4, {"step": 4, "eval/version": 4, "eval/accuracy": 0.4})
+    rows.insert(9, {"step": 8, "eval/version": 8, "eval/accuracy": 0.8})
+    (tmp_path / "metrics-trainer.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert [(r["step"], r["train/reward_mean"]) for r in load_rows(tmp_path)][-3:] == [(5, 0.5), (6, 0.66), (7, 0.77)]
+    assert [r["step"] for r in load_eval_rows(tmp_path)] == [4]
+    report = (make_report(tmp_path) / "report.md").read_text()
+    assert "Last step (7): reward 0.770" in report and "| 8 |" not in report, report

@@ -16,13 +16,18 @@ import os
 import pathlib
 import tempfile
 
+import numpy as np
+
 
 _UMASK = os.umask(0o022)  # read once, at import (os.umask can only be read by setting it)
 os.umask(_UMASK)
 
 
 def finite(value):
-    """`value` with every non-finite float (also inside dicts, lists and tuples) replaced by None."""
+    """`value` with every non-finite float (also inside dicts, lists and tuples) replaced by None, and numpy scalars
+    and arrays as the Python numbers and lists they hold (json refuses float32, int64, bool_ and arrays)."""
+    if isinstance(value, (np.generic, np.ndarray)):
+        value = value.tolist()
     if isinstance(value, float):
         return value if math.isfinite(value) else None
     if isinstance(value, dict):
@@ -33,7 +38,7 @@ def finite(value):
 
 
 def to_json(value, **kwargs) -> str:
-    """json.dumps of `value` with non-finite floats as null (module doc); numpy floats are floats already."""
+    """json.dumps of `value` with non-finite floats as null and numpy numbers as Python's (module doc)."""
     return json.dumps(finite(value), allow_nan=False, **kwargs)
 
 

@@ -112,7 +112,8 @@ def write_summary(path: pathlib.Path, cfg: RunConfig, *, steps: int, counters: d
         # its peak resident memory (on CPU the devices' arrays too): what `plan` on CPU estimates
         "host_memory": host_memory(),
         "final_weights": final_weights,
-        "sampler_weight_versions": publisher.samplers.installed,
+        # a copy: the weight service's threads still record samplers' reports (a new id, a forgotten one) meanwhile
+        "sampler_weight_versions": {sid: list(v) for sid, v in dict(publisher.samplers.installed).items()},
         "algo": cfg.algo.model_dump(mode="json"),
         "distill": cfg.distill.model_dump(mode="json") if cfg.distill.enabled else None,
         "logprob_agreement_lag0": {

@@ -7,10 +7,12 @@ import math
 import os
 import types
 
+import numpy as np
 import pytest
 
 from grpo_stream.common.config.loading import load_config
 from grpo_stream.reports.run_report import make_report, read_metrics
+from grpo_stream.trainer_service.reports.files import to_json
 from grpo_stream.trainer_service.reports.metrics import JsonlTracker
 from grpo_stream.trainer_service.reports.run_outputs import write_summary
 
@@ -25,8 +27,8 @@ def strict(text: str):
     return json.loads(text, parse_constant=refuse)
 
 
-def summary_of(tmp_path, resumed_from=None, warmstart=None) -> dict:
-    samplers = types.SimpleNamespace(groups_generated=lambda: 8, installed={})
+def summary_of(tmp_path, resumed_from=None, warmstart=None, installed=None) -> dict:
+    samplers = types.SimpleNamespace(groups_generated=lambda: 8, installed={} if installed is None else installed)
     publisher = types.SimpleNamespace(samplers=samplers, published=[5, 6], publish_seconds=[0.1])
     durability = types.SimpleNamespace(epoch="e1", checkpointed=[6], held=lambda: 0)
     return write_summary(tmp_path / "summary.json", load_config(None, []), steps=6, counters=COUNTERS, by_sampler={},
@@ -47,6 +49,29 @@ def test_non_finite_figures_are_written_as_null_in_the_metrics_and_summary(tmp_p
     assert written["logprob_agreement_lag0"] == {"tokens": 3, "mean_abs": None, "max_abs": None}
     assert written["warmstart"]["final_loss"] is None
 
+
+def test_numpy_figures_other_than_float64_are_written_as_python_numbers():
+    """json refuses numpy's float32, int64, bool_ and arrays: a task's figure or an evaluation's count of one of those
+    types would otherwise fail summary.json at the end of the run."""
+    doc = {"eval": {"task": np.float32(0.25), "n": np.int64(3), "ok": np.bool_(True), "bad": np.float32("nan")},
+           "ids": np.array([1, 2], dtype=np.int32)}
+    assert strict(to_json(doc)) == {"eval": {"task": 0.25, "n": 3, "ok": True, "bad": None}, "ids": [1, 2]}
+
+class _Reporting(dict):
+    """SamplerRegistry.installed as the weight service's threads change it: a sampler reports while it is read."""
+
+    def items(self):
+        for item in super().items():
+            yield item
+            self[f"sampler-{len(self)}"] = [1]  # the next item: "dictionary changed size during iteration"
+
+
+def test_a_sampler_reporting_while_the_summary_is_written_does_not_fail_it(tmp_path):
+    installed = _Reporting({"sampler-0": [0, 2]})
+    summary = summary_of(tmp_path, installed=installed)
+    assert strict((tmp_path / "summary.json").read_text())["sampler_weight_versions"] == {"sampler-0": [0, 2]}
+    installed["sampler-0"].append(4)  # the summary holds a copy
+    assert summary["sampler_weight_versions"] == {"sampler-0": [0, 2]}
 
 def test_a_resumed_run_labels_the_figures_counted_since_its_start(tmp_path):
     summary = summary_of(tmp_path, resumed_from={"step": 4, "path": "ckpt/4"})
