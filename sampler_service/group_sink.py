@@ -25,7 +25,7 @@ from typing import Callable
 from grpo_stream.common.episodes.groups import build_group
 from grpo_stream.common.episodes.stream import GroupRun
 from grpo_stream.common.rollouts.wire import to_proto
-from grpo_stream.common.tasks.reward_workers import RewardWorker
+from grpo_stream.common.tasks.reward_workers import RewardWorker, WorkerClosed
 from grpo_stream.common.tasks.rewards import RewardError
 
 log = logging.getLogger(__name__)
@@ -111,7 +111,9 @@ class GroupSink:
             raise self._error
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Stop after the groups already handed over (each waits PUT_WAIT_S at a time while the backlog is full)."""
+        """Stop after the groups already handed over (each waits PUT_WAIT_S at a time while the backlog is full).
+        Past `timeout_s` the reward worker is closed under the group being scored: that group and those still queued
+        are left out (not counted as failed groups), and no worker is started again."""
         self._queue.put(None)
         self._thread.join(timeout_s)
         if self._thread.is_alive():  # said, not silent: these groups' data positions are skipped, never trained
@@ -146,7 +148,8 @@ class GroupSink:
                                 run.version_at_start, self.rewards.call)
         except RewardError as exc:  # one completion a reward cannot score: its group, not the sampler
             self.left_out(run)
-            self._reward_failed(work.group_id, exc)
+            if not isinstance(exc.__cause__, WorkerClosed):  # else the sink closes: left out as close() says
+                self._reward_failed(work.group_id, exc)
             return
         self._failed_in_a_row = 0  # (after scoring: a reward failing every group must still reach the limit)
         errors = [r.error for r in run.results if r.error]

@@ -5,9 +5,10 @@ expression that backtracks for minutes, holding the GIL) must not freeze a sampl
 `RewardWorker.call(name, fn, text, reference)` is what `RewardSet.score` calls per reward: the worker process
 (`python -m grpo_stream.common.tasks.reward_workers`, started on first use and again after a kill) resolves the
 reward by name (a built-in, or an import path among the run's own `task.rewards`: nothing else is ever imported)
-and answers with its value. A call that has not answered within `deadline_s`, or whose worker died on it (killed
-for memory, a crash in native code), kills the worker and scores 0: logged once per reward name, counted in
-`overruns`. A reward that raises is an error naming it, as in-process (RewardSet.score). Messages are
+and answers with its value. A call that has not been sent and answered within `deadline_s`, or whose worker died on
+it (killed for memory, a crash in native code), kills the worker and scores 0: logged once per reward name, counted
+in `overruns`. A reward that raises is an error naming it, as in-process (RewardSet.score), its message cut to
+MAX_ERROR_CHARS. `close()` kills the worker at once, a call in flight included (WorkerClosed: not scored). Messages are
 length-prefixed JSON on the worker's stdin/stdout (nothing is unpickled), and the worker dies with the thread that
 started it (PR_SET_PDEATHSIG) or when its stdin closes. The worker leads a process group of its own, and a kill
 (deadline, close, restart) is sent to that whole group: what a reward started (`subprocess`, `multiprocessing`) dies
@@ -41,6 +42,8 @@ _HEADER = struct.Struct("<I")
 PR_SET_PDEATHSIG = 1
 STARTUP_S = 120.0  # a worker's start (imports, lm-eval for the IFEval rewards) is not held to a reward's deadline
 DEFAULT_MEMORY_MB = 2048.0  # task.reward_memory_mb's default
+MAX_ERROR_CHARS = 2000  # of a reward's error message, sent back (RewardSet.score keeps 300)
+MAX_ANSWER_BYTES = 1 << 20  # a longer answer is a garbled stream: the worker is killed as dead
 
 
 class RewardWorker:
@@ -50,18 +53,27 @@ class RewardWorker:
         self.allowed, self.deadline_s, self.memory_mb = sorted(set(allowed)), float(deadline_s), memory_mb
         self.overruns: collections.Counter[str] = collections.Counter()
         self._process: subprocess.Popen | None = None
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # one call at a time
+        self._reap_lock = threading.Lock()  # a kill by pid and the reaping that frees the pid: never interleaved
+        self._closed = False
 
     def call(self, name: str, fn, text: str, reference: str) -> float:
         """`fn(text, reference)` by its name in the worker; 0.0 when it overruns the deadline (the worker is killed
         and started again on the next call)."""
         del fn  # the worker resolves the same function by name
         with self._lock:
-            process = self._process if self._process and _running(self._process) else self._start()
-            _send(process.stdin, {"name": name, "text": text, "reference": reference})
-            answer = _receive(process.stdout, time.monotonic() + self.deadline_s)
+            if self._closed:
+                raise WorkerClosed(CLOSED)
+            with self._reap_lock:
+                alive = self._process is not None and _running(self._process)
+            process = self._process if alive else self._start()
+            deadline = time.monotonic() + self.deadline_s  # sending too: a worker that stopped reading is an overrun
+            sent = _send_within(process.stdin, {"name": name, "text": text, "reference": reference}, deadline)
+            answer = _receive(process.stdout, deadline) if sent else None
             if answer is None or answer.get("exited"):  # overran, or died on this input (killed for memory, a crash)
                 self._kill()
+                if self._closed:  # killed by close(): not this input's doing, and not scored
+                    raise WorkerClosed(CLOSED)
                 self._failed(name, "overran" if answer is None else answer.get("why", "died"))
                 return 0.0
         if "error" in answer:
@@ -69,13 +81,21 @@ class RewardWorker:
         return float(answer["value"])
 
     def close(self) -> None:
+        """Kill the worker now, a call in flight included (it raises WorkerClosed: that completion is not scored),
+        and start none again. It waited for the call in flight before: a sampler's stop up to task.reward_timeout_s,
+        and the sink's next group started a new worker after it."""
+        with self._reap_lock:
+            self._closed = True
+            if self._process is not None:
+                _signal_group(self._process)
         with self._lock:
             self._kill()
 
     def _failed(self, name: str, how: str) -> None:
         if not self.overruns[name]:
             what = {"overran": f"did not answer within task.reward_timeout_s={self.deadline_s:g} s",
-                    "memory": f"allocated past task.reward_memory_mb={self.memory_mb:g}"}.get(
+                    "memory": f"allocated past task.reward_memory_mb={self.memory_mb:g}",
+                    "garbled": "garbled its worker's answers (something wrote into the worker's answer pipe)"}.get(
                 how, "made its worker exit (killed for memory, or a crash: see its stderr)")
             log.warning("reward %s %s: scored 0 (its worker was restarted; logged once per reward)", name[:64], what)
         self.overruns[name] += 1
@@ -84,12 +104,18 @@ class RewardWorker:
         self._kill()
         settings = json.dumps({"allowed": self.allowed, "path": [p for p in sys.path if p], "parent": os.getpid(),
                                "memory_bytes": int(self.memory_mb * (1 << 20)) if self.memory_mb else None})
-        self._process = subprocess.Popen(
+        process = subprocess.Popen(
             [sys.executable, "-m", "grpo_stream.common.tasks.reward_workers", settings], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, close_fds=True, start_new_session=True)  # its group: see _kill
-        ready = _receive(self._process.stdout, time.monotonic() + max(STARTUP_S, self.deadline_s))
+        with self._reap_lock:
+            self._process = process
+            if self._closed:  # close() ran meanwhile
+                _signal_group(process)
+        ready = _receive(process.stdout, time.monotonic() + max(STARTUP_S, self.deadline_s))
         if ready is None or not ready.get("ready"):
             self._kill()
+            if self._closed:
+                raise WorkerClosed(CLOSED)
             why = (ready or {}).get("error") or ("it exited (see its stderr)" if ready
                                                  else f"no answer in {STARTUP_S} s")
             raise RuntimeError(f"the reward worker did not start: {why}")
@@ -99,17 +125,31 @@ class RewardWorker:
         process, self._process = self._process, None
         if process is None:
             return
-        if process.returncode is None:  # not reaped yet, so its pid still names its group and no other
-            try:
-                os.killpg(process.pid, signal.SIGKILL)  # the worker and whatever a reward started
-            except (ProcessLookupError, PermissionError):
-                pass
-        process.wait()
+        with self._reap_lock:
+            _signal_group(process)
+            process.wait()
         for stream in (process.stdin, process.stdout):
             try:
                 stream.close()
             except OSError:
                 pass
+
+
+class WorkerClosed(RuntimeError):
+    """A call to a closed RewardWorker, or one in flight when it was closed (a sampler's stop): nothing scored."""
+
+
+CLOSED = "the reward worker was closed (its sampler stops): the completion is not scored"
+
+
+def _signal_group(process: subprocess.Popen) -> None:
+    """SIGKILL the worker and whatever a reward started (its process group). Hold the worker's _reap_lock: only
+    while the worker is not reaped does its pid name its group and no other."""
+    if process.returncode is None:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 def _running(process: subprocess.Popen) -> bool:
@@ -125,18 +165,45 @@ def _running(process: subprocess.Popen) -> bool:
         return process.poll() is None
 
 
-def _send(stream, message: dict) -> None:
+def _encode(message: dict) -> bytes:
     data = json.dumps(message).encode()
+    return _HEADER.pack(len(data)) + data
+
+
+def _send(stream, message: dict) -> None:
+    """The worker's answers (and the parent's messages before `_send_within`)."""
     try:
-        stream.write(_HEADER.pack(len(data)) + data)
+        stream.write(_encode(message))
         stream.flush()
     except BrokenPipeError:
         pass  # the worker died: _receive sees its stdout close
 
 
+def _send_within(stream, message: dict, deadline: float) -> bool:
+    """`_send` to the worker, False when the deadline passes first. A blocking write of a message longer than the
+    pipe holds (64 KiB: a long completion) waited for ever on a worker that stopped reading (a thread a reward left
+    behind holding the GIL): the sampler's scoring thread with it. True also when the worker died (`_receive` sees
+    its stdout close)."""
+    data = memoryview(_encode(message))
+    fd = stream.fileno()
+    os.set_blocking(fd, False)  # written here only, by fd: the Popen stream's buffer stays empty
+    while data:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0 or not select.select([], [fd], [], remaining)[1]:
+            return False
+        try:
+            data = data[os.write(fd, data):]
+        except BlockingIOError:
+            continue
+        except BrokenPipeError:
+            return True
+    return True
+
+
 def _receive(stream, deadline: float) -> dict | None:
-    """The next message, or None when the deadline passes (or the worker died) first."""
-    data, wanted, header = b"", _HEADER.size, True
+    """The next message, or None when the deadline passes (or the worker died) first. A message longer than
+    MAX_ANSWER_BYTES, or one that is not JSON, is the worker's death (its stream can no longer be trusted)."""
+    data, wanted, header = bytearray(), _HEADER.size, True  # bytearray: `bytes +=` copied it all at every chunk
     fd = stream.fileno()
     while True:
         while len(data) < wanted:
@@ -148,8 +215,13 @@ def _receive(stream, deadline: float) -> dict | None:
                 return {"exited": True}
             data += chunk
         if not header:
-            return json.loads(data)
-        wanted, data, header = _HEADER.unpack(data)[0], b"", False
+            try:
+                return json.loads(data)
+            except ValueError:
+                return {"exited": True, "why": "garbled"}
+        wanted, data, header = _HEADER.unpack(data)[0], bytearray(), False
+        if wanted > MAX_ANSWER_BYTES:
+            return {"exited": True, "why": "garbled"}
 
 
 def _worker(settings: dict) -> None:
@@ -169,7 +241,7 @@ def _worker(settings: dict) -> None:
         if any(name.startswith("ifeval_") for name in functions):
             lm_eval_ifeval()  # imported now, not inside the first call's deadline
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises it
-        _send(stdout, {"error": f"{type(exc).__name__}: {exc}"})
+        _send(stdout, {"error": _said(exc)})
         return
     _limit_memory(settings.get("memory_bytes"))
     _send(stdout, {"ready": True})
@@ -188,8 +260,14 @@ def _worker(settings: dict) -> None:
             _send(stdout, {"exited": True, "why": "memory"})
             return
         except Exception as exc:  # noqa: BLE001 - sent back, raised in the caller with the reward's name
-            answer = {"error": f"{type(exc).__name__}: {exc}"}
+            answer = {"error": _said(exc)}
         _send(stdout, answer)
+
+
+def _said(exc: Exception) -> str:
+    """An error's type and message, cut to MAX_ERROR_CHARS: a reward that raised with the completion (or a
+    gigabyte) in its message made the parent read it all (the caller keeps 300 characters)."""
+    return f"{type(exc).__name__}: {str(exc)[:MAX_ERROR_CHARS]}"
 
 
 def _limit_memory(extra_bytes: int | None) -> None:

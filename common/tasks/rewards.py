@@ -22,6 +22,7 @@ import re
 from typing import Collection, Iterable, Mapping, Sequence
 
 from grpo_stream.common.registry.base import Registry
+from grpo_stream.common.rollouts.wire import MAX_ABS_REWARD
 from grpo_stream.common.tasks.answers import extract_answer, hashes_answer, last_number as last_number_in, same_number
 from grpo_stream.common.tasks.base import RewardFn
 from grpo_stream.common.tasks.ifeval_checks import ifeval_loose, ifeval_strict
@@ -89,7 +90,8 @@ TASK_REWARDS = {"ifeval_strict": "ifeval", "ifeval_loose": "ifeval"}  # built-in
 
 
 class RewardError(ValueError):
-    """A reward raised, or returned a non-finite value, on one completion; `reward` names it. Never scored 0: a
+    """A reward raised, or returned a non-finite value, on one completion, or the weighted total is past the ingest's
+    +-MAX_ABS_REWARD (`reward`: its largest term); `reward` names it. Never scored 0: a
     sampler leaves the completion's group out (sampler_service/group_sink.py), so a reward that fails on every input
     stops the run after a few groups instead of training on zeros."""
 
@@ -170,7 +172,13 @@ class RewardSet:
             if value != value or value in (float("inf"), float("-inf")):
                 raise RewardError(name, f"task.rewards.{name[:64]} returned {value}; rewards must be finite")
             components[name] = value
-        return sum(self.weights[n] * v for n, v in components.items()), components
+        total = sum(self.weights[n] * v for n, v in components.items())
+        if not abs(total) <= MAX_ABS_REWARD:  # finite components can overflow (1e308 x 2), or pass the ingest's bound
+            name = max(components, key=lambda n: abs(self.weights[n] * components[n]))
+            raise RewardError(name, f"task.rewards: the total {total} (task.rewards.{name[:64]} = {components[name]} "
+                              f"x {self.weights[name]:g}) is not within +-{MAX_ABS_REWARD:g}, which the trainer "
+                              "refuses (the advantage estimators work in float32); scale the rewards down")
+        return total, components
 
 
 def scored_by(weights: Mapping[str, float]) -> str:

@@ -9,6 +9,7 @@ import pytest
 
 from grpo_stream.common.episodes.result import EpisodeResult, GroupWork
 from grpo_stream.common.episodes.stream import GroupRun
+from grpo_stream.common.tasks.reward_workers import CLOSED, WorkerClosed
 from grpo_stream.common.tasks.rewards import RewardSet
 from grpo_stream.sampler_service import group_sink
 from grpo_stream.sampler_service.group_sink import GroupSink
@@ -71,3 +72,22 @@ def test_a_reward_broken_for_every_completion_still_stops_the_sampler(monkeypatc
     assert client.sent == 0
     with pytest.raises(ValueError, match=r"last 3 groups all failed.*task\.rewards\.user:last_int_matches raised"):
         sink.check()
+
+
+def test_groups_whose_reward_worker_was_closed_are_left_out_not_failed(monkeypatch):
+    """close() kills the reward worker under the group being scored (it waited up to task.reward_timeout_s for it
+    before): that group and those still queued are left out as the stop says, never counted as failed groups (enough
+    of them turned a sampler's stop into 'the last 64 groups all failed')."""
+    monkeypatch.setattr(group_sink, "MAX_FAILED_IN_A_ROW", 3)
+
+    def closed(name, fn, text, reference):
+        raise WorkerClosed(CLOSED)
+
+    client, left_out = Client(), []
+    sink = GroupSink(client, SamplerMetrics("s"), None, "s", 0.0, lambda: False,
+                     types.SimpleNamespace(call=closed, close=lambda: None), left_out.append)
+    for i in range(4):
+        sink.put(ended(["so 5", "so 5"], i))
+    sink.close()
+    sink.check()
+    assert (client.sent, sink.groups_failed, len(left_out)) == (0, 0, 4)

@@ -100,6 +100,18 @@ def test_a_failing_user_reward_is_named():
         rewards.score("x", "1")
 
 
+def test_a_total_past_what_the_trainer_accepts_is_an_error_naming_the_reward():
+    """Each component was checked finite, the weighted total was not: a reward answering 1e308 at weight 2 made it
+    inf (and 1e7 passed), which the trainer's ingest refuses group after group, never stopping the sampler."""
+    huge = RewardSet({"user:huge": 2.0, "answer_format": 0.1}, {"user:huge": lambda text, reference: 1e308})
+    with pytest.raises(ValueError, match=r"the total inf \(task.rewards.user:huge = 1e\+308 x 2\).*scale") as err:
+        huge.score("#### 5", "5")
+    assert err.value.reward == "user:huge"
+    with pytest.raises(ValueError, match="not within"):
+        RewardSet({"user:big": 1.0}, {"user:big": lambda text, reference: 1e7}).score("x", "5")
+    assert RewardSet({"user:big": 1.0}, {"user:big": lambda text, reference: 1e6}).score("x", "5")[0] == 1e6
+
+
 def test_accuracy_is_computed_whatever_the_weights():
     total, parts = RewardSet({"reasoning_answer_format": 1.0}).score("<reasoning>r</reasoning><answer>7</answer>", "7")
     assert parts == {"answer_correct": 1.0, "reasoning_answer_format": 1.0} and total == 1.0  # accuracy unweighted

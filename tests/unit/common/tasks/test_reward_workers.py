@@ -5,14 +5,16 @@ outlives the process that started it."""
 
 import logging
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
 
-from grpo_stream.common.tasks.reward_workers import RewardWorker
+from grpo_stream.common.tasks.reward_workers import RewardWorker, WorkerClosed
 from grpo_stream.common.tasks.rewards import RewardSet
 
 REWARDS = textwrap.dedent('''
@@ -41,6 +43,18 @@ REWARDS = textwrap.dedent('''
     def crashes(text, reference):  # a reward killed on some input (the kernel's OOM killer, a native crash)
         import os
         os._exit(9)
+
+    def lingers(text, reference):  # answers, and leaves a thread that takes the GIL for good half a second later
+        import threading
+
+        def later():
+            time.sleep(0.5)
+            re.search("(a|aa)*$", "a" * 60 + "!")
+        threading.Thread(target=later, daemon=True).start()
+        return 1.0
+
+    def long_error(text, reference):  # a message of `reference` MiB (the completion quoted in it, say)
+        raise ValueError("x" * (int(reference) << 20))
 
     def starts_a_child(text, reference):  # writes its child's pid to `reference`; hangs when `text` says so
         import subprocess
@@ -125,7 +139,7 @@ def test_a_reward_whose_worker_dies_scores_zero_and_the_worker_comes_back(reward
 def test_the_worker_dies_with_the_process_that_started_it(tmp_path):
     script = textwrap.dedent('''
         import json, sys
-        from grpo_stream.common.tasks.reward_workers import RewardWorker
+        from grpo_stream.common.tasks.reward_workers import RewardWorker, WorkerClosed
         worker = RewardWorker(["answer_correct"], 5.0)
         worker.call("answer_correct", None, "4", "4")
         print(worker._process.pid, flush=True)
@@ -189,3 +203,76 @@ def test_a_reward_that_allocates_without_bound_scores_zero_and_the_worker_comes_
         assert len(said) == 1 and "allocated past task.reward_memory_mb=256" in said[0]
     finally:
         worker.close()
+
+
+def _in_thread(fn, within_s: float):
+    """fn() on a thread: (done within `within_s`, what it returned or raised)."""
+    out = []
+
+    def run():
+        try:
+            out.append(fn())
+        except Exception as exc:  # noqa: BLE001 - returned to the test
+            out.append(exc)
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(within_s)
+    return not thread.is_alive(), (out or [None])[0]
+
+
+def _kill_worker(worker: RewardWorker) -> None:
+    """Its process group, without its locks (a call that never returns holds them)."""
+    process = worker._process
+    if process is not None and process.returncode is None:
+        os.killpg(process.pid, signal.SIGKILL)
+
+
+def test_a_worker_that_stops_reading_is_an_overrun_at_the_deadline_not_a_frozen_sampler(rewards_module):
+    """The deadline covered the answer only: sending a completion longer than a pipe holds (64 KiB) to a worker
+    whose reading thread could not run (a thread a reward left holding the GIL) blocked the sampler's scoring thread
+    for good."""
+    worker = RewardWorker([f"{rewards_module}:lingers", "answer_correct"], deadline_s=2.0)
+    try:
+        assert worker.call(f"{rewards_module}:lingers", None, "x", "y") == 1.0
+        time.sleep(1.5)  # the lingering thread holds the GIL by now
+        done, value = _in_thread(lambda: worker.call("answer_correct", None, "#### 4 " + "z" * (1 << 20), "4"), 20)
+        assert done and value == 0.0 and worker.overruns == {"answer_correct": 1}
+        assert worker.call("answer_correct", None, "#### 4", "4") == 1.0  # a new worker
+    finally:
+        _kill_worker(worker)
+        worker.close()
+
+
+def test_a_reward_error_of_any_length_comes_back_cut_at_once(rewards_module):
+    """A reward that raised with a long message had all of it sent back, read by `bytes +=` (quadratic: 15 s of
+    the sampler's CPU for 32 MiB, up to task.reward_memory_mb held twice over)."""
+    worker = RewardWorker([f"{rewards_module}:long_error"], deadline_s=30.0)
+    try:
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match="ValueError: xxx") as err:
+            worker.call(f"{rewards_module}:long_error", None, "x", "16")
+        assert len(str(err.value)) < 4096 and time.monotonic() - started < 10
+    finally:
+        worker.close()
+
+
+def test_close_stops_a_call_in_flight_and_starts_no_worker_again(rewards_module):
+    """close() waited for the call in flight (a sampler's stop up to task.reward_timeout_s), and the next call
+    started a new worker after it. Now the call in flight raises WorkerClosed at once (not scored 0) and so does
+    every later one."""
+    name = f"{rewards_module}:forever"
+    worker = RewardWorker([name], deadline_s=60.0)
+    try:
+        out = []
+        calling = threading.Thread(target=lambda: out.append(_in_thread(lambda: worker.call(name, None, "x", "y"), 90)))
+        calling.start()
+        time.sleep(3)  # the worker started, the call in its loop
+        done, _ = _in_thread(worker.close, 10)
+        calling.join(10)
+        assert done, "close() waited for the call in flight"
+        assert out and out[0][0] and isinstance(out[0][1], WorkerClosed) and not worker.overruns
+        with pytest.raises(WorkerClosed):
+            worker.call(name, None, "x", "y")
+        assert worker._process is None
+    finally:
+        _kill_worker(worker)
