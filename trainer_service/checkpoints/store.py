@@ -138,7 +138,8 @@ class TrainerCheckpoints:
             raise self._fail(save_failed(self.directory, self._unfinished(self._in_flight) or [step], exc)) from exc
         if not saving:  # Orbax skips a step not newer than its newest: it would never be written
             raise self._fail(dir_shared(self.directory, f"it holds step {self._manager.latest_step()}, not older "
-                                                        f"than step {step} this trainer saves"))
+                                                        f"than step {step} this trainer saves (a step newer than the "
+                                                        "one this trainer resumed from)"))
         self._in_flight.append((step, token))
         self._newest_saved = step
 
