@@ -6,7 +6,9 @@ import pytest
 
 from tests.vllm_support import script_result
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+# one vLLM engine for the file (~110 s, stop 76): vLLM against the JAX policy (test_vllm_engine.py) and under `up`
+# (test_vllm_sampler.py) stay in the default lane
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.heavy]
 
 
 @pytest.fixture(scope="module")

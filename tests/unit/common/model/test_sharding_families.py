@@ -29,6 +29,7 @@ def assert_same_as_one_device(report: dict) -> None:
         assert r["kept"] == [], (family, "not donated", r["kept"])
 
 
+@pytest.mark.heavy  # ~75 s (stop 76); the 1x4 sharded update on Qwen3 stays in the default lane
 def test_a_tp_mesh_wider_than_the_kv_heads_trains_as_one_device():
     """tp=4 over 2 KV heads (their projections replicated over tp, the query heads split): Qwen3 (per-head norms)
     over packed rows. LoRA, Qwen2 (biases, tied embeddings) and every other family, on 2x2: `heavy` (each family
