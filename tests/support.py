@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import pathlib
 import subprocess
+import threading
 import time
 
 import numpy as np
@@ -61,6 +62,22 @@ def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.05):
         if time.monotonic() >= deadline:
             raise AssertionError(f"timed out after {timeout_s:g}s waiting for {what} (last: {value!r})")
         time.sleep(interval_s)
+
+
+def in_thread(fn, within_s: float) -> tuple[bool, object]:
+    """fn() on a daemon thread: (whether it ended within `within_s`, what it returned or raised; None while running)."""
+    out = []
+
+    def run():
+        try:
+            out.append(fn())
+        except Exception as exc:  # noqa: BLE001 - handed to the test
+            out.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(within_s)
+    return not thread.is_alive(), (out or [None])[0]
 
 
 class FakeClock:

@@ -4,7 +4,6 @@ the time the caller gave it (real gRPC on loopback; a stand-in PromptService on 
 from __future__ import annotations
 
 import socket
-import threading
 import time
 
 import grpc
@@ -14,6 +13,7 @@ from grpo_stream.client.errors import explain
 from grpo_stream.client.prompts import PromptClient
 from grpo_stream.common.rpc.grpc_util import ClientSecurity, ServerSecurity, bind, new_server
 from grpo_stream.protos import prompts_pb2_grpc
+from tests.support import in_thread
 
 
 class StandIn(prompts_pb2_grpc.PromptServiceServicer):
@@ -48,19 +48,10 @@ def stand_in():
 
 def finishes_within(seconds: float, fn):
     """(what `fn` raised or returned, seconds it took); fails when it is still running after `seconds`."""
-    out, started = [], time.monotonic()
-
-    def run():
-        try:
-            out.append(fn())
-        except Exception as exc:  # noqa: BLE001 - the test inspects it
-            out.append(exc)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    assert not thread.is_alive(), f"still running {seconds} s later"
-    return out[0], time.monotonic() - started
+    started = time.monotonic()
+    done, value = in_thread(fn, seconds)
+    assert done, f"still running {seconds} s later"
+    return value, time.monotonic() - started
 
 
 def test_a_huge_or_negative_retry_hint_neither_sleeps_past_retry_s_nor_crashes(stand_in):

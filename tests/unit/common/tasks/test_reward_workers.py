@@ -16,6 +16,7 @@ import pytest
 
 from grpo_stream.common.tasks.reward_workers import RewardWorker, WorkerClosed
 from grpo_stream.common.tasks.rewards import RewardSet
+from tests.support import in_thread
 
 REWARDS = textwrap.dedent('''
     import re, time
@@ -205,21 +206,6 @@ def test_a_reward_that_allocates_without_bound_scores_zero_and_the_worker_comes_
         worker.close()
 
 
-def _in_thread(fn, within_s: float):
-    """fn() on a thread: (done within `within_s`, what it returned or raised)."""
-    out = []
-
-    def run():
-        try:
-            out.append(fn())
-        except Exception as exc:  # noqa: BLE001 - returned to the test
-            out.append(exc)
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(within_s)
-    return not thread.is_alive(), (out or [None])[0]
-
-
 def _kill_worker(worker: RewardWorker) -> None:
     """Its process group, without its locks (a call that never returns holds them)."""
     process = worker._process
@@ -235,7 +221,7 @@ def test_a_worker_that_stops_reading_is_an_overrun_at_the_deadline_not_a_frozen_
     try:
         assert worker.call(f"{rewards_module}:lingers", None, "x", "y") == 1.0
         time.sleep(1.5)  # the lingering thread holds the GIL by now
-        done, value = _in_thread(lambda: worker.call("answer_correct", None, "#### 4 " + "z" * (1 << 20), "4"), 20)
+        done, value = in_thread(lambda: worker.call("answer_correct", None, "#### 4 " + "z" * (1 << 20), "4"), 20)
         assert done and value == 0.0 and worker.overruns == {"answer_correct": 1}
         assert worker.call("answer_correct", None, "#### 4", "4") == 1.0  # a new worker
     finally:
@@ -264,10 +250,10 @@ def test_close_stops_a_call_in_flight_and_starts_no_worker_again(rewards_module)
     worker = RewardWorker([name], deadline_s=60.0)
     try:
         out = []
-        calling = threading.Thread(target=lambda: out.append(_in_thread(lambda: worker.call(name, None, "x", "y"), 90)))
+        calling = threading.Thread(target=lambda: out.append(in_thread(lambda: worker.call(name, None, "x", "y"), 90)))
         calling.start()
         time.sleep(3)  # the worker started, the call in its loop
-        done, _ = _in_thread(worker.close, 10)
+        done, _ = in_thread(worker.close, 10)
         calling.join(10)
         assert done, "close() waited for the call in flight"
         assert out and out[0][0] and isinstance(out[0][1], WorkerClosed) and not worker.overruns
