@@ -43,8 +43,10 @@ def lora_run(run_dir, *extra):
                    "sampler.metrics_port=null", env=env)
 
 
-# the default lane runs the grpc transport (the deployments' one); the others are in the heavy lane
-@pytest.mark.parametrize("transport", ["grpc", pytest.param("checkpoint", marks=pytest.mark.heavy),
+# in the heavy lane since stop 76, for CI time (~75 s of a CI worker each): the adapters, their merge, their
+# optimizer state and the frozen base's transport stay in the default lane (test_lora.py, test_lora_base.py)
+@pytest.mark.parametrize("transport", [pytest.param("grpc", marks=pytest.mark.heavy),
+                                       pytest.param("checkpoint", marks=pytest.mark.heavy),
                                        pytest.param("local", marks=pytest.mark.heavy)])
 def test_lora_run_publishes_adapters_and_samplers_merge_them_into_the_base(tmp_path, transport):
     run_dir = tmp_path / "run"

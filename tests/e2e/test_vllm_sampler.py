@@ -26,6 +26,8 @@ def vllm_run(model_dir, python: str, steps: int) -> list[str]:
             "weights.verify_prompts=8", "trainer.final_wait_s=120"]
 
 
+@pytest.mark.heavy  # an `up` run with a vLLM sampler (~90 s of a CI worker, stop 76); vLLM against the JAX policy
+# (test_vllm_engine.py: logprobs, in-flight weights, stop tokens) stays in the default lane
 def test_up_with_a_vllm_sampler(tmp_path):
     python = vllm_python()
     model_dir = tiny_qwen2_dir(tmp_path / "model", tied=True)
