@@ -45,7 +45,9 @@ def metrics(run_dir: pathlib.Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics-trainer.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.heavy  # an `up` run (~100 s, stop 76); token-exact tool episodes and their loss masks stay in the default lane (test_tool_turns.py, test_chat_families.py, test_multi_turn.py)
+# an `up` run (~100 s, stop 76); token-exact tool episodes and their loss masks stay in the default lane
+# (test_tool_turns.py, test_chat_families.py, test_multi_turn.py)
+@pytest.mark.heavy
 def test_multi_turn_episodes_flow_from_samplers_to_the_trainer(tmp_path):
     run_dir = tmp_path / "run"
     summary = up(run_dir, "warmstart.steps=0", "trainer.steps=6", "trainer.eval_before=false",

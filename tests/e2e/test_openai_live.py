@@ -39,7 +39,9 @@ class Lines:
         return "".join(self.lines)[-4000:]
 
 
-@pytest.mark.heavy  # an `up` run (~85 s, stop 76); the endpoint beside the sampler's batches stays in the default lane (tests/integration/test_openai_endpoint.py)
+# an `up` run (~85 s, stop 76); the endpoint beside the sampler's batches stays in the default lane
+# (tests/integration/test_openai_endpoint.py)
+@pytest.mark.heavy
 def test_64_concurrent_requests_while_the_sampler_streams_groups(tmp_path):
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(

@@ -102,7 +102,8 @@ def test_too_small_a_device_exits_1_and_names_fixes(tmp_path):
     assert "model.lora: rank 4 adapters" in output and doc["lora_note"].startswith("model.lora: rank 4")
 
 
-@pytest.mark.heavy  # `plan` with its measuring child (~70 s, stop 76); the plan's arithmetic refusals stay in the default lane
+# `plan` with its measuring child (~70 s, stop 76); the plan's arithmetic refusals stay in the default lane
+@pytest.mark.heavy
 def test_a_cpu_run_gets_each_process_expected_peak_from_what_the_child_measured(tmp_path):
     """Issue 58: hardware.trainer_chip=cpu adds each process's expected peak resident memory, its runtime and compile
     measured by the child itself; BENCHMARKS.md compares the SmolLM2 run's with `up`'s measured peaks."""

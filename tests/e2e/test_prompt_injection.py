@@ -58,7 +58,9 @@ def trainer_step(run_dir) -> int:
     return -1 if status is None else status["trainer_step"]
 
 
-@pytest.mark.heavy  # an `up` run (~140 s of a CI worker, stop 76); injection's RPCs, queue and results stay in the default lane (tests/integration/test_prompt_service.py, test_client_cli.py)
+# an `up` run (~140 s of a CI worker, stop 76); injection's RPCs, queue and results stay in the default lane
+# (tests/integration/test_prompt_service.py, test_client_cli.py)
+@pytest.mark.heavy
 def test_injected_probes_follow_the_policy_and_are_never_trained(tmp_path):
     run_dir = tmp_path / "run"
     up = subprocess.Popen(

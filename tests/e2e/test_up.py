@@ -109,7 +109,9 @@ def test_report_on_a_missing_run_is_one_line(tmp_path):
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and "metrics-trainer.jsonl" in proc.stderr
 
 
-@pytest.mark.heavy  # an `up` run stopped and resumed (~120 s, stop 76); a clean stop by signal (test_run_dir_guard.py) and resuming (tests/integration/test_trainer_resume.py) stay in the default lane
+# an `up` run stopped and resumed (~120 s, stop 76); a clean stop by signal (test_run_dir_guard.py) and resuming
+# (tests/integration/test_trainer_resume.py) stay in the default lane
+@pytest.mark.heavy
 def test_a_running_loop_serves_metrics_then_ctrl_c_stops_it_and_the_same_command_resumes(tmp_path):
     """While `up` runs (standalone ingest, JSON logs), the trainer's and both samplers' /metrics hold the named
     series. Then Ctrl-C as a terminal sends it, SIGINT to `up`'s whole process group, mid-run: the trainer finishes

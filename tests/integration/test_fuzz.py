@@ -1,5 +1,6 @@
 """Fuzzing every public RPC on a real server (real Redis, auth on, admin token so requests reach the handlers):
-400 generated requests per RPC in the default lane (1,000 until stop 76), 5,000 with `-m fuzz` (the deep lane), each either a structured message with arbitrary, empty, oversized and
+400 generated requests per RPC in the default lane (1,000 until stop 76), 5,000 with `-m fuzz` (the deep lane),
+each either a structured message with arbitrary, empty, oversized and
 out-of-range field values, strings that are not UTF-8 (built with the string-as-bytes twin of the message), or
 random bytes. No call may end in UNKNOWN or INTERNAL (an exception in a handler, or a request the server could not
 explain), and afterwards the health check still says SERVING and a normal request still works.

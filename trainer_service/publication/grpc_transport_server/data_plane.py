@@ -8,7 +8,8 @@ itself, without a copy.
 
 A transfer holds its version's host snapshot until it ends, so a peer that stops reading (a frozen sampler, one cut off
 by the network, a hostile client) must not hold it long: a piece (4 MiB) the peer does not take within
-`stall_timeout_s` ends the transfer, and `stop()` ends every transfer at once (a process exiting would otherwise wait for their pool threads).
+`stall_timeout_s` ends the transfer, and `stop()` ends every transfer at once (a process exiting would otherwise wait
+for their pool threads).
 """
 
 from __future__ import annotations

