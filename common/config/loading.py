@@ -15,7 +15,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from grpo_stream.common.config.base import ConfigError
-from grpo_stream.common.config.redact import REDACTED, redacted, secret_key
+from grpo_stream.common.config.redact import redacted
 from grpo_stream.common.config.schema import RunConfig
 from grpo_stream.common.config.yaml_text import dropped_comment, dump_yaml, one_line, read_yaml
 
@@ -187,7 +187,7 @@ def redacted_override(text: str) -> str:
         path, value = parse_override(text)
     except ConfigError:
         return text
-    if isinstance(value, (dict, list)):
-        shown = redacted(value)
-        return text if shown == value else f"{'.'.join(path)}={json.dumps(shown)}"
-    return f"{'.'.join(path)}={REDACTED}" if secret_key(path[-1]) and value is not None else text
+    shown = redacted({path[-1]: value})[path[-1]]  # the rule to_yaml(redact=True) applies, the key's name included
+    if shown == value:
+        return text
+    return f"{'.'.join(path)}={shown if isinstance(shown, str) else json.dumps(shown)}"

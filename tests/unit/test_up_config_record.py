@@ -41,3 +41,9 @@ def test_a_secret_inside_a_mapping_override_is_hidden_in_the_record():
     """RUN_DIR/config.yaml's first line listed `task.verifiers.args={api_key: sk-1}` whole."""
     shown = redacted_overrides(["task.verifiers.args={api_key: sk-secret-1, n: 2}"])
     assert "sk-secret-1" not in shown[0] and "<redacted>" in shown[0] and '"n": 2' in shown[0]
+
+
+def test_a_list_under_a_secret_named_key_is_hidden_item_by_item():
+    """`api_keys=[k1, k2]` was recorded whole: only keys inside a list's mappings were looked at."""
+    shown = redacted_overrides(["task.verifiers.args.api_keys=[sk-one, sk-two]"])
+    assert "sk-one" not in shown[0] and "sk-two" not in shown[0] and shown[0].count("<redacted>") == 2
