@@ -13,7 +13,8 @@ import numpy as np
 
 from grpo_stream.common.config.base import ConfigError
 from grpo_stream.common.config.schema import RunConfig
-from grpo_stream.common.model.hf_checkpoint import CheckpointError, read_architecture, resolve_model_dir
+from grpo_stream.common.model.hf_checkpoint import (ArchitectureError, CheckpointError, read_architecture,
+                                                   resolve_model_dir)
 from grpo_stream.common.model.policy import PolicyModel, load_hf_model
 from grpo_stream.common.model.tokenizer import PAD, HFTokenizer
 
@@ -33,6 +34,17 @@ class Teacher:
 
     def num_params(self) -> int:
         return self.model.num_params()
+
+
+class TeacherTokenizer(HFTokenizer):
+    """The teacher's tokenizer as distillation uses it: only to compare with the student's. Its pad is the student's
+    pad token, looked up by text and never refused: the teacher never generates (its stops are never used) and scores
+    with the student's pad excluded, so the student's pad being one of the teacher's stops (an instruct student padding
+    with <|endoftext|>, a base teacher stopping at it) is no reason to refuse a teacher whose ids mean the same text."""
+
+    def _pad_id(self, directory, pad_token) -> int:
+        pad_id = self._tok.convert_tokens_to_ids(pad_token)
+        return -1 if pad_id is None else int(pad_id)  # a pad the teacher lacks: its vocabulary differs, refused there
 
 
 def _shown(ids: list[int], limit: int = 24) -> str:
@@ -96,10 +108,11 @@ def check_teacher_tokenizer(cfg: RunConfig, student, directory) -> HFTokenizer:
                                                   cfg.model.pad_token)
     arch = read_architecture(directory)
     try:
-        teacher = HFTokenizer(directory, pad, vocab_size=arch.vocab_size)
-    except ValueError as exc:
-        raise ConfigError(f"distill.teacher={cfg.distill.teacher}: its tokenizer cannot be the student's "
-                          f"({student_source(cfg)}): {exc}") from None
+        teacher = TeacherTokenizer(directory, pad, vocab_size=arch.vocab_size)
+    except ValueError as exc:  # the tokenizer's messages name model.path, which here is distill.teacher's directory
+        why = str(exc).removeprefix(f"model.path={directory}: ")
+        raise ConfigError(f"distill.teacher={cfg.distill.teacher}: its tokenizer ({directory}) cannot be the "
+                          f"student's ({student_source(cfg)}): {why}") from None
     differences = id_differences(student, teacher)
     if differences:
         raise ConfigError(f"distill.teacher={cfg.distill.teacher}: the teacher's tokenizer ({directory}) differs from "
@@ -130,12 +143,20 @@ def load_teacher(cfg: RunConfig, student_tokenizer, mesh) -> Teacher | None:
     d = cfg.distill
     if not d.enabled:
         return None
+    # the loaders' messages are model.path's (the student's field): here they are distill.teacher's
     try:
         directory = resolve_model_dir(d.teacher)
     except CheckpointError as exc:
-        raise ConfigError(f"distill.teacher={d.teacher}: {exc}") from None
-    check_teacher_tokenizer(cfg, student_tokenizer, directory)
-    model = load_hf_model(str(directory), cfg.model.dtype if d.dtype == "model" else d.dtype, mesh)
+        why = str(exc).removeprefix(f"model.path={d.teacher}: ")
+        raise ConfigError(f"distill.teacher={d.teacher}: {why}") from None
+    if not (directory / "config.json").is_file():
+        raise ConfigError(f"distill.teacher={d.teacher}: {directory} has no config.json; point distill.teacher at a "
+                          "Hugging Face model directory (config.json, the tokenizer's files and *.safetensors)")
+    try:
+        check_teacher_tokenizer(cfg, student_tokenizer, directory)
+        model = load_hf_model(str(directory), cfg.model.dtype if d.dtype == "model" else d.dtype, mesh)
+    except (CheckpointError, ArchitectureError) as exc:
+        raise ConfigError(f"distill.teacher={d.teacher}: the teacher cannot be loaded: {exc}") from None
     log.info("distillation teacher %s: %d parameters (%s), kl_coef %g, reward_weight %g", directory,
              model.num_params(), model.arch.family, d.kl_coef, d.reward_weight)
     return Teacher(model, str(directory))

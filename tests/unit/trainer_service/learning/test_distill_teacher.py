@@ -78,6 +78,32 @@ def test_a_teacher_with_other_stop_tokens_but_the_same_ids_loads_with_a_warning(
     assert f"end-of-sequence ids [1] (student) vs [1, {unk}] (teacher)" in caplog.text
 
 
+
+def test_a_teacher_that_stops_at_the_students_pad_loads(tmp_path):
+    # an instruct student padding with <|endoftext|> (SmolLM2's pad) distilled from a base teacher that stops there:
+    # the ids mean the same text and the teacher never generates, so its stops never matter (it was refused, telling
+    # the user to change model.pad_token)
+    cfg = config(tmp_path / "teacher")
+    _, student = build_task_and_tokenizer(cfg)
+    write_teacher(tmp_path / "teacher", student, eos_ids=[*student.eos_ids, student.pad_id])
+    teacher = load_teacher(cfg, student, make_mesh(1, 1, jax.devices(), "trainer.mesh"))
+    assert teacher.model.arch.family == "qwen2"
+
+
+def test_a_teacher_directory_without_a_model_is_refused_naming_distill_teacher(tmp_path):
+    cfg = config(tmp_path / "teacher")
+    _, student = build_task_and_tokenizer(cfg)
+    mesh = make_mesh(1, 1, jax.devices(), "trainer.mesh")
+    (tmp_path / "teacher").mkdir()
+    with pytest.raises(ConfigError, match="distill.teacher=.*no config.json; point distill.teacher at") as err:
+        load_teacher(cfg, student, mesh)
+    assert "model.path" not in str(err.value)  # the student's field, not the one to fix
+    write_teacher(tmp_path / "teacher", student)
+    for weights in (tmp_path / "teacher").glob("*.safetensors"):
+        weights.unlink()
+    with pytest.raises(ConfigError, match="distill.teacher=.*cannot be loaded: .*no \\*.safetensors files"):
+        load_teacher(cfg, student, mesh)
+
 def test_a_teacher_with_fewer_embedding_rows_than_the_student_samples_from_is_refused(tmp_path):
     # the student's checkpoint pads its embedding past the tokenizer (Qwen2.5-7B: 152064 rows over 151665 tokens) and
     # samples from every row; a teacher with only the tokenizer's rows would score ids past them as NaN
