@@ -36,7 +36,7 @@ import redis
 
 from grpo_stream.common.rollouts import compaction_holes
 from grpo_stream.common.rollouts.audit_trail import THROUGH_EPOCH_FIELD, read_compacted_fields, read_trail, text
-from grpo_stream.common.rollouts.fencing import STALE_CODE, StaleTrainer
+from grpo_stream.common.rollouts.fencing import LOST_FENCE, STALE_CODE, StaleTrainer
 
 DROPS = ("dropped_stale", "dropped_invalid", "dropped_filtered")
 COMPACTED_COUNTS = ("accepted", "trained", *DROPS, "second_copies_dropped", "steps_rolled_back", "injected_train",
@@ -338,7 +338,9 @@ def _watch_fence(pipe, key: str, fence: str) -> None:
 
 
 def _check_fence(current, fence: str) -> None:
-    if current is None or text(current) != fence:
-        raise StaleTrainer(f"{STALE_CODE} this trainer holds fence {fence} but the run is at fence "
-                           f"{text(current) if current is not None else 'none'}: a newer trainer took the run over")
+    if current is None:
+        raise StaleTrainer(f"{STALE_CODE} this trainer holds fence {fence} but {LOST_FENCE}")
+    if text(current) != fence:
+        raise StaleTrainer(f"{STALE_CODE} this trainer holds fence {fence} but the run is at fence {text(current)}: a "
+                           "newer trainer took the run over")
 

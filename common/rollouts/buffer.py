@@ -44,15 +44,13 @@ from grpo_stream.common.rollouts.buffer_scripts import APPEND, SETTLE, UNANSWERE
 from grpo_stream.common.rollouts.fencing import FENCE_CHECK, FENCED_CALL, StaleTrainer, is_stale_reply
 from grpo_stream.common.rollouts.kept_results import group_id_prefix
 from grpo_stream.common.rollouts.redis_errors import BufferUnavailable, redis_call  # noqa: F401 (the interface's error)
-from grpo_stream.common.rollouts.redis_errors import integer_of
+from grpo_stream.common.rollouts.redis_errors import DamagedRecord, integer_of, wrong_type
 
 COUNTERS = ("ingested", "trained", "dropped_stale", "dropped_invalid", "dropped_filtered", "dropped_duplicate")
 REFUSALS = ("refused_invalid", "refused_duplicate", "refused_full")
 OUTCOMES = COUNTERS[1:]
 RUN_FILE = "run.json"  # in RUN_DIR: the run name and (password-free) Redis URL, for `grpo-stream audit`
 log = logging.getLogger(__name__)
-
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -246,19 +244,32 @@ class RedisStreamBuffer:
             out = self._entries(self.client.xreadgroup(self.GROUP, self.consumer, {self.stream: ">"},
                                                        count=max_count, block=block_ms or None))
             return out or self._lost_deliveries()
-        entries = self._call(run)
-        if not entries:
-            return entries
-        # delivered only once this read has fully answered: if the check or the duplicates' settle below fails, the
-        # entries stay pending and not delivered, so _lost_deliveries takes them back rather than strand them until
-        # a restart (marked first, a failed settle left the fresh ones pending, never returned nor taken back)
-        seen = self._call(lambda: self.client.hmget(self.k["audit:settled"], [e.group_id for e in entries]))
+        try:
+            entries = self._call(run)
+            if not entries:
+                return entries
+            # delivered only once this read has fully answered: if the check or the duplicates' settle below fails,
+            # the entries stay pending and not delivered, so _lost_deliveries takes them back rather than strand
+            # them until a restart (marked first, a failed settle left the fresh ones pending, never returned nor
+            # taken back)
+            seen = self._call(lambda: self.client.hmget(self.k["audit:settled"], [e.group_id for e in entries]))
+        except redis.ResponseError as exc:  # contents grpo-stream did not leave: named, not a bare Redis refusal
+            raise self._damaged_read(exc) from None
         again = [e for e, s in zip(entries, seen) if s is not None]
         if again:
             self.settle((e.entry_id, e.group_id, "dropped_duplicate", -1) for e in again)
         fresh = [e for e, s in zip(entries, seen) if s is None]
         self._delivered.update(e.entry_id for e in fresh)
         return fresh
+
+    def _damaged_read(self, exc: redis.ResponseError) -> Exception:
+        if str(exc).startswith("NOGROUP"):
+            return DamagedRecord(f"{self.stream}: its consumer group {self.GROUP!r} is gone (the key or the group was "
+                                 "deleted, or Redis lost its data), so what this trainer read and holds is tracked no "
+                                 "more; start the trainer again (it resumes from its last checkpoint and reads every "
+                                 "group still in the stream)")
+        return redis_call(lambda: wrong_type(self.client, exc, {self.stream: "stream",
+                                                                self.k["audit:settled"]: "hash"}))
 
     def _lost_deliveries(self) -> list[BufferEntry]:
         """Entries pending for this consumer that it never returned, oldest first (checked at most every
@@ -361,7 +372,7 @@ class RedisStreamBuffer:
 
     def ingested_by_sampler(self) -> dict[str, int]:
         raw = self._call(lambda: self.client.hgetall(self.k["by_sampler"]))
-        return {k.decode(): int(v) for k, v in raw.items()}
+        return {k.decode(): integer_of(v, self.k["by_sampler"], k.decode()) for k, v in raw.items()}
 
     def admission_state(self) -> AdmissionState:
         def run():

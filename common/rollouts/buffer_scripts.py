@@ -3,7 +3,7 @@ entries, each atomic in Redis. The key layout they work on is in buffer.py's doc
 writer's fencing number (trainer_lease.py): a trainer that a newer one took the run from writes nothing."""
 
 from grpo_stream.common.rollouts.compaction_holes import HOLES_LUA
-from grpo_stream.common.rollouts.kept_results import FINISH_PROMPT_LUA
+from grpo_stream.common.rollouts.kept_results import FINISH_PROMPT_LUA, FINISHED_KEY, FINISHED_TAGS_KEY, RELEASED_FIELD
 from grpo_stream.common.rollouts.fencing import FENCE_LUA
 
 # damaged_type(key, kind): an error naming `key` when it holds another type than `kind` (absent is fine);
@@ -29,18 +29,37 @@ local function damaged_integer(key, field)
 end
 """
 
+# damaged_prompt(base, pid): what an injected answer's append writes besides the buffer (its prompt's hash, the
+# queue's sets and counts, the kept results: finish_prompt), checked as the buffer's own keys are, before any write.
+# KEYS[7], KEYS[8]: audit:eval, audit:compacted (APPEND's keys).
+DAMAGED_PROMPT_LUA = """
+local function damaged_prompt(base, pid)
+  local pkey = base .. ':prompt:' .. pid
+  local bad = damaged_type(pkey, 'hash') or damaged_type(KEYS[7], 'hash')
+    or damaged_type(base .. ':inject:claimed', 'zset') or damaged_type(base .. ':inject:queue', 'zset')
+    or damaged_type(base .. ':""" + FINISHED_KEY + """', 'zset')
+    or damaged_type(base .. ':""" + FINISHED_TAGS_KEY + """', 'hash')
+    or damaged_type(base .. ':results', 'stream') or damaged_integer(KEYS[8], '""" + RELEASED_FIELD + """')
+  if bad then return bad end
+  local client = redis.call('HGET', pkey, 'client')
+  if client then return damaged_integer(base .. ':inject:pending', client) end
+  return nil
+end
+"""
+
 # One call appends a batch in order. Room is counted in groups not yet trained: those the trainer trained but
 # holds unacknowledged until a checkpoint are not a backlog. A group id already accepted is answered `dup` and
 # not written again: a sampler that resends after a lost acknowledgement creates no second copy; nor is one at or
 # below its sampler's compacted data position (its accepted record was folded into counts), unless compaction
 # passed over that position without a group there (compaction_holes.py).
 # KEYS[9]/ARGV[9]: the fence key and the writer's fence ('' for a standalone ingest); the groups from ARGV[10] on.
-APPEND = FINISH_PROMPT_LUA + FENCE_LUA + HOLES_LUA + DAMAGED_INTEGER_LUA + """
+APPEND = FINISH_PROMPT_LUA + FENCE_LUA + HOLES_LUA + DAMAGED_INTEGER_LUA + DAMAGED_PROMPT_LUA + """
 redis.replicate_commands()
 local refused = stale(KEYS[9], ARGV[9])
 if refused then return refused end
 -- checked before the first write: Redis does not roll a script back, so an error after it leaves half a batch (a
--- counter that is no integer failed its HINCRBY after the XADD: a group in the stream that no counter knows)
+-- counter that is no integer failed its HINCRBY after the XADD: a group in the stream that no counter knows; so
+-- did a damaged key of an injected prompt answered later in the batch)
 local damaged = damaged_integer(KEYS[6], nil) or damaged_type(KEYS[1], 'stream') or damaged_type(KEYS[4], 'hash')
 for _, name in ipairs({'ingested', 'refused_invalid', 'refused_duplicate', 'refused_full'}) do
   damaged = damaged or damaged_integer(KEYS[2], name)
@@ -48,6 +67,7 @@ end
 for i = 10, #ARGV, 6 do
   damaged = damaged or damaged_below(KEYS[8], ARGV[i + 1]) or damaged_integer(KEYS[3], ARGV[i + 1])
     or damaged_integer(KEYS[5], ARGV[i + 1])
+  if ARGV[i + 5] ~= '' then damaged = damaged or damaged_prompt(ARGV[5], ARGV[i + 5]) end
 end
 if damaged then return damaged end
 local waiting = redis.call('XLEN', KEYS[1]) - tonumber(redis.call('GET', KEYS[6]) or '0')
@@ -118,9 +138,18 @@ return out
 # Records are (entry id, group id, outcome, step). Only entries still in the stream count, so settling twice is
 # harmless. A duplicate never overwrites the record of the copy that was settled first.
 # ARGV: consumer group, time, the writer's fence (KEYS[5] its key), then the records.
-SETTLE = FENCE_LUA + """
+SETTLE = FENCE_LUA + DAMAGED_INTEGER_LUA + """
 local refused = stale(KEYS[5], ARGV[3])
 if refused then return refused end
+-- checked before the first write, as in APPEND: a counter that was no integer failed its HINCRBY after the XDELs,
+-- and the groups left the stream counted nowhere (a retry finds them gone and counts nothing either)
+local damaged, outcomes = damaged_type(KEYS[1], 'stream') or damaged_type(KEYS[3], 'hash'), {}
+for i = 4, #ARGV, 4 do
+  outcomes[ARGV[i + 2]] = true
+  if ARGV[i + 2] == 'dropped_duplicate' then damaged = damaged or damaged_integer(KEYS[4], ARGV[i + 1]) end
+end
+for outcome in pairs(outcomes) do damaged = damaged or damaged_integer(KEYS[2], outcome) end
+if damaged then return damaged end
 local n, entries, counts = 0, {}, {}
 for i = 4, #ARGV, 4 do
   entries[#entries + 1] = ARGV[i]

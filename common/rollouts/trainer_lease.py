@@ -5,7 +5,8 @@ run, a Kubernetes pod restarted while the old one still terminates, a trainer pa
 new one started) would read the same groups, train them both, and both write the audit trail. So:
 
 - Each trainer start takes the lease P:R:trainer:lease (a value naming the holder, with a TTL of
-  trainer.lease_ttl_s) and increments the fencing number P:R:trainer:fence (never expires). It waits while a live
+  trainer.lease_ttl_s) and raises the fencing number P:R:trainer:fence (never expires) to at least the server's
+  clock in ms (TAKE: a number is never handed out twice, even by a Redis that lost the key). It waits while a live
   trainer holds the lease; a holder on this machine whose process is gone (a kill -9) is taken over at once, one
   elsewhere when its lease expires.
 - A thread renews the lease every third of its TTL while the trainer runs. A lease that lapsed (Redis away, the
@@ -40,12 +41,25 @@ EXIT_FENCED = 3  # the exit code of a trainer stopped because a newer one took i
 
 # KEYS: lease, fence. ARGV: holder (JSON), TTL ms, the value of a lease whose holder is known to be dead ('' none).
 # Returns {1, value, fence} when taken, else {0, the holder's value, its remaining TTL in ms}.
+# The new fence is above the last one and at least the server's clock in ms: a Redis that lost the fence key (a
+# restart without its append-only file, an older snapshot restored) would otherwise count from 1 again and hand a
+# new trainer the very number a running older one holds, whose writes would then all pass the check.
 TAKE = """
+redis.replicate_commands()
 local current = redis.call('GET', KEYS[1])
 if current and current ~= ARGV[3] then
   return {0, current, redis.call('PTTL', KEYS[1])}
 end
-local fence = redis.call('INCR', KEYS[2])
+local last = redis.call('GET', KEYS[2])
+if last and not string.match(last, '^%d+$') then
+  return redis.error_reply('DAMAGEDBUFFER ' .. KEYS[2] .. ' holds ' .. string.format('%q', string.sub(last, 1, 40))
+    .. ', not a fencing number; no trainer can take the run. If no trainer of this run is running, delete it '
+    .. '(redis-cli DEL ' .. KEYS[2] .. ') and start the trainer again')
+end
+local now = redis.call('TIME')
+local fence = math.max(tonumber(last or '0') + 1, tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000))
+fence = string.format('%d', fence)
+redis.call('SET', KEYS[2], fence)
 local value = fence .. ' ' .. ARGV[1]
 redis.call('SET', KEYS[1], value, 'PX', ARGV[2])
 return {1, value, fence}

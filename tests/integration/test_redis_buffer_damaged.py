@@ -83,3 +83,72 @@ def test_a_damaged_counter_is_named_by_the_readers_of_the_counters(buf):
     with pytest.raises(Aborted):
         ingest.Admit(rollout_pb2.AdmitRequest(sampler_id="s0", groups=2), context)
     assert context.code == grpc.StatusCode.FAILED_PRECONDITION and "counters field trained" in context.details
+
+
+SETTLE_DAMAGES = {"counter": ("counters", "hset", ("trained", "x"),
+                              r"counters field trained holds \"x\", not an integer"),
+                  "settled": ("audit:settled", "set", ("x",), r"audit:settled is a string, not the hash"),
+                  "duplicates": ("audit:duplicates", "set", ("x",), r"audit:duplicates is a string, not the hash")}
+
+
+@pytest.mark.parametrize("damage", SETTLE_DAMAGES)
+def test_a_settle_over_damaged_contents_is_refused_naming_the_key_and_loses_no_group(buf, damage):
+    """The settle script deleted the entries from the stream and then failed on the counter (or the settled
+    record): the groups were gone from the stream and counted nowhere, for good (a retry found nothing to count)."""
+    buf.append_many([group(i) for i in range(3)], max_groups=10)
+    read = buf.read(4, block_ms=10)
+    key, command, args, named = SETTLE_DAMAGES[damage]
+    getattr(buf.client, command)(buf.k[key], *args)
+    records = [(e.entry_id, e.group_id, "trained", 1) for e in read[:2]]
+    records.append((read[2].entry_id, read[2].group_id, "dropped_duplicate", -1))
+    with pytest.raises(redis.ResponseError, match=rf"DAMAGEDBUFFER {re.escape(buf.base)}:{named}.*nothing was written"):
+        buf.settle(records)
+    assert buf.depth() == 3  # every group still in the stream, to be settled once the key is restored
+    buf.client.delete(buf.k[key])
+    assert buf.settle(records) == 3
+
+
+PROMPT_DAMAGES = {"prompt hash": ("prompt:p1", r"prompt:p1 is a string, not the hash"),
+                  "pending count": ("inject:pending", r"inject:pending field c1 holds \"x\", not an integer"),
+                  "evaluation record": ("audit:eval", r"audit:eval is a string, not the hash")}
+
+
+@pytest.mark.parametrize("damage", PROMPT_DAMAGES)
+def test_an_injected_answers_damaged_prompt_keys_refuse_the_whole_batch_writing_nothing(buf, damage):
+    """An answer later in a batch met its damaged prompt key after the groups before it were appended: groups in the
+    stream and the accepted set that no counter knew (the accounting identity broken) and a bare WRONGTYPE."""
+    key, named = PROMPT_DAMAGES[damage]
+    prompt = {"state": "claimed", "train": "0" if damage == "evaluation record" else "1", "client": "c1"}
+    if damage == "prompt hash":
+        buf.client.set(f"{buf.base}:{key}", "x")
+    else:
+        buf.client.hset(f"{buf.base}:prompt:p1", mapping=prompt)
+        if damage == "evaluation record":
+            buf.client.set(f"{buf.base}:{key}", "x")
+        else:
+            buf.client.hset(f"{buf.base}:{key}", "c1", "x")
+    answer = Incoming("run/inj/p1", "s0", 0, -1, b"answer", injected_prompt="p1")
+    with pytest.raises(redis.ResponseError, match=rf"DAMAGEDBUFFER {re.escape(buf.base)}:{named}.*nothing was written"):
+        buf.append_many([group(0), answer], max_groups=10)
+    assert buf.depth() == 0 and buf.client.hlen(buf.k["audit:accepted"]) == 0 and buf.counters()["ingested"] == 0
+
+
+def test_the_trainers_read_names_a_stream_key_of_another_type_and_a_lost_consumer_group(buf):
+    """The trainer's read failed with a bare WRONGTYPE naming no key; a consumer group deleted under a running
+    trainer (or lost with Redis's data) failed every read with NOGROUP, saying nothing of what to do."""
+    buf.client.set(buf.stream, "not a stream")
+    with pytest.raises(DamagedRecord, match=rf"{re.escape(buf.stream)} is a string, not the stream .*restore the key"):
+        buf.read(4, block_ms=10)
+    buf.client.delete(buf.stream)
+    buf.append_many([group(0)], max_groups=10)
+    assert len(buf.read(4, block_ms=10)) == 1
+    buf.client.xgroup_destroy(buf.stream, "trainer")
+    with pytest.raises(DamagedRecord, match=rf"{re.escape(buf.stream)}: its consumer group 'trainer' is gone .*start "
+                                            "the trainer again"):
+        buf.read(4, block_ms=10)
+
+
+def test_a_damaged_per_sampler_count_is_named_to_the_trainer_not_a_bare_value_error(buf):
+    buf.client.hset(buf.k["by_sampler"], "s0", "x")
+    with pytest.raises(DamagedRecord, match=rf"{re.escape(buf.k['by_sampler'])} field s0 holds 'x'.*HSET "):
+        buf.ingested_by_sampler()

@@ -18,7 +18,7 @@ import pytest
 import redis
 
 from grpo_stream.common.rollouts.buffer import Incoming, RedisStreamBuffer
-from grpo_stream.common.rollouts.redis_server import connect
+from grpo_stream.common.rollouts.redis_server import EmbeddedRedis, connect
 from grpo_stream.common.rollouts.trainer_lease import EXIT_FENCED, StaleTrainer, TrainerLease
 from grpo_stream.common.runtime.backoff import StopRequested
 from tests.e2e.test_up import ROOT
@@ -47,7 +47,7 @@ def test_a_stale_trainer_cannot_settle_append_log_or_compact_and_its_groups_go_t
     assert len(read) == 4
     started = time.monotonic()
     fresh = TrainerLease.take(new, 5.0, None, on_stale=refused.append, renew=False)  # waits for the old lease
-    assert time.monotonic() - started >= 0.3 and fresh.fence == stale.fence + 1
+    assert time.monotonic() - started >= 0.3 and fresh.fence > stale.fence
     before = ingest.counters()
 
     records = [(e.entry_id, e.group_id, "trained", 1) for e in read]
@@ -71,6 +71,38 @@ def test_a_stale_trainer_cannot_settle_append_log_or_compact_and_its_groups_go_t
     assert ingest.counters()["trained"] == 4
     fresh.release()
     assert not new.client.exists(new.k["trainer:lease"])
+
+
+def test_a_redis_that_lost_its_data_never_hands_a_running_trainers_fence_to_a_new_one():
+    """A Redis restarted without its data (no append-only file) forgot the fence key: counted from 1 again, a new
+    trainer got the very fence the running one held, and both trained and wrote the run. The running one's writes
+    are refused, naming the loss (not "a newer trainer") before a new trainer starts and that trainer after."""
+    server = EmbeddedRedis().start()  # no append-only file: a restart loses every key
+    try:
+        refused: list[str] = []
+        old = trainer_buffer(server.url, "run")
+        stale = TrainerLease.take(old, 30.0, None, on_stale=refused.append, renew=False)
+        server.kill()
+        server.start()
+        with pytest.raises(StaleTrainer, match=f"holds fence {stale.fence} but the run has no fence at all: Redis "
+                                               "lost the keys of this run"):
+            old.log_step("old", 1, ["run/s0/0"])
+        fresh = TrainerLease.take(trainer_buffer(server.url, "run"), 30.0, None, renew=False)
+        assert fresh.fence != stale.fence
+        with pytest.raises(StaleTrainer, match=f"fence {stale.fence} but the run is at fence {fresh.fence}"):
+            old.log_step("old", 1, ["run/s0/0"])
+        assert len(refused) == 2 and not old.client.exists(old.k["audit:steps"])
+    finally:
+        server.stop()
+
+
+def test_a_damaged_fence_is_refused_naming_the_key_and_the_fix(shared_redis, run_name):
+    buf = trainer_buffer(shared_redis.url, run_name)
+    buf.client.set(buf.k["trainer:fence"], "x")
+    with pytest.raises(redis.ResponseError, match=f"{buf.k['trainer:fence']} holds \"x\", not a fencing number.*"
+                                                  f"DEL {buf.k['trainer:fence']}"):
+        TrainerLease.take(buf, 1.0, None, renew=False)
+    assert not buf.client.exists(buf.k["trainer:lease"])
 
 
 def test_a_lease_that_lapsed_is_its_trainers_again_while_no_newer_one_started(shared_redis, run_name):
@@ -100,7 +132,7 @@ def test_a_live_holder_is_waited_for_and_a_stop_ends_the_wait(shared_redis, run_
 LEASE_HOLDER = """
 import sys, time
 from grpo_stream.common.rollouts.buffer import RedisStreamBuffer
-from grpo_stream.common.rollouts.redis_server import connect
+from grpo_stream.common.rollouts.redis_server import EmbeddedRedis, connect
 from grpo_stream.common.rollouts.trainer_lease import TrainerLease
 import logging; logging.basicConfig(level=logging.INFO, stream=sys.stdout)
 lease = TrainerLease.take(RedisStreamBuffer(connect(sys.argv[1], 5), sys.argv[2]), float(sys.argv[3]), None)
@@ -127,7 +159,7 @@ def test_a_holder_killed_on_this_machine_is_taken_over_at_once(shared_redis, run
     proc.wait()
     started = time.monotonic()
     lease = TrainerLease.take(trainer_buffer(shared_redis.url, run_name), 60.0, None, renew=False)
-    assert time.monotonic() - started < 5.0 and lease.fence == fence + 1  # not the 60 s of its lease
+    assert time.monotonic() - started < 5.0 and lease.fence > fence  # not the 60 s of its lease
 
 
 def test_a_trainer_process_fenced_off_stops_at_once_with_the_reason(shared_redis, run_name):
@@ -137,7 +169,7 @@ def test_a_trainer_process_fenced_off_stops_at_once_with_the_reason(shared_redis
     try:
         os.kill(proc.pid, signal.SIGSTOP)
         newer = TrainerLease.take(trainer_buffer(shared_redis.url, run_name), 30.0, None, renew=False)
-        assert newer.fence == fence + 1
+        assert newer.fence > fence
         os.kill(proc.pid, signal.SIGCONT)
         out, _ = proc.communicate(timeout=10)
     finally:
@@ -146,7 +178,7 @@ def test_a_trainer_process_fenced_off_stops_at_once_with_the_reason(shared_redis
             proc.kill()
             proc.wait()
     assert proc.returncode == EXIT_FENCED, out
-    assert f"holds fence {fence} but the run is at fence {fence + 1}" in out and "stopping now" in out
+    assert f"holds fence {fence} but the run is at fence {newer.fence}" in out and "stopping now" in out
 
 
 def _before_exec(monkeypatch, fault) -> None:
