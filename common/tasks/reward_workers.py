@@ -12,15 +12,18 @@ MAX_ERROR_CHARS. `close()` kills the worker at once, a call in flight included (
 length-prefixed JSON on the worker's stdin/stdout (nothing is unpickled), and the worker dies with the thread that
 started it (PR_SET_PDEATHSIG) or when its stdin closes. The worker leads a process group of its own, and a kill
 (deadline, close, restart) is sent to that whole group: what a reward started (`subprocess`, `multiprocessing`) dies
-with it instead of outliving the sampler. Its address space is capped at what it maps once its rewards are imported
-plus `memory_mb` (RLIMIT_AS): a reward that allocates without bound on some input gets a MemoryError, answered as a
-death (score 0, the worker restarted), instead of the host's OOM killer choosing the sampler.
+with it instead of outliving the sampler. A sampler killed with SIGKILL sends nothing, and PR_SET_PDEATHSIG ends the
+worker alone (its children are re-parented to init): so the worker forks a keeper at its start, a member of the
+group that runs no reward code and kills the group when the worker is gone (`_keep_group`). (A process a reward
+starts in a session of its own leaves the group, and outlives the worker.) Its address space is capped at what it
+maps once its rewards are imported plus `memory_mb` (RLIMIT_AS): a reward that allocates without bound on some
+input gets a MemoryError, answered as a death (score 0, the worker restarted), instead of the host's OOM killer
+choosing the sampler.
 """
 
 from __future__ import annotations
 
 import collections
-import ctypes
 import json
 import logging
 import os
@@ -34,12 +37,13 @@ import threading
 import time
 from typing import Iterable
 
+from grpo_stream.common.runtime.process import set_parent_death_signal
 from grpo_stream.common.tasks.ifeval_checks import lm_eval_ifeval
 from grpo_stream.common.tasks.rewards import resolve
 
 log = logging.getLogger(__name__)
 _HEADER = struct.Struct("<I")
-PR_SET_PDEATHSIG = 1
+KEEPER_POLL_S = 1.0  # where PR_SET_PDEATHSIG is missing, the keeper notices the worker's exit this late
 STARTUP_S = 120.0  # a worker's start (imports, lm-eval for the IFEval rewards) is not held to a reward's deadline
 DEFAULT_MEMORY_MB = 2048.0  # task.reward_memory_mb's default
 MAX_ERROR_CHARS = 2000  # of a reward's error message, sent back (RewardSet.score keeps 300)
@@ -226,12 +230,10 @@ def _receive(stream, deadline: float) -> dict | None:
 
 def _worker(settings: dict) -> None:
     """The worker's loop: one reward call per message until stdin closes."""
-    try:
-        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass  # not Linux: the closed stdin still ends it
+    set_parent_death_signal(signal.SIGKILL)  # where it cannot (not Linux), the closed stdin still ends the worker
     if os.getppid() != settings["parent"]:
         return  # the parent died before prctl
+    _keep_group()
     sys.path[:0] = [p for p in settings["path"] if p not in sys.path]
     stdin, stdout = sys.stdin.buffer, os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # what a reward prints goes to stderr, never into the answers
@@ -262,6 +264,31 @@ def _worker(settings: dict) -> None:
         except Exception as exc:  # noqa: BLE001 - sent back, raised in the caller with the reward's name
             answer = {"error": _said(exc)}
         _send(stdout, answer)
+
+
+def _keep_group() -> None:
+    """Fork the keeper: it holds none of the worker's pipes, and when the worker is gone (however it ended: its
+    sampler's SIGKILL through PR_SET_PDEATHSIG included) it SIGKILLs the worker's process group, itself with it, so
+    nothing a reward started outlives the worker. Call while this process has one thread (fork)."""
+    worker = os.getpid()
+    if os.fork():
+        return
+    try:
+        signal.signal(signal.SIGTERM, _kill_own_group)
+        devnull = os.open(os.devnull, os.O_RDWR)
+        os.dup2(devnull, 0)
+        os.dup2(devnull, 1)  # the answer pipe: the sampler sees it close when the worker dies, not when this does
+        os.closerange(3, os.sysconf("SC_OPEN_MAX"))
+        set_parent_death_signal(signal.SIGTERM)  # a signal with a handler: it must act, not just die
+        while os.getppid() == worker:  # checked first: the worker may have died before the signal was armed
+            time.sleep(KEEPER_POLL_S)
+        _kill_own_group()
+    finally:
+        os._exit(0)
+
+
+def _kill_own_group(*_) -> None:
+    os.killpg(0, signal.SIGKILL)
 
 
 def _said(exc: Exception) -> str:

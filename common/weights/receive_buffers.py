@@ -11,15 +11,22 @@ A buffer is refilled for a later version only when this pool holds the sole refe
 count). Installed parameters, an engine's cache of them, or a host-to-device copy in flight all keep it busy,
 so the bytes of a version still in use are never overwritten. Reuse also avoids faulting in fresh pages for
 every version.
+
+A buffer is let go once its slot (key, shape, dtype) was not asked for in ROUNDS_KEPT versions: after a change of
+shapes or keys (a manifest with other tensors or another order, a trainer that became multi-host) the old slots'
+buffers were kept for good, up to `keep` copies of the model per change. The pool tells versions apart by its
+callers' pattern, each slot key taken once per version: a key taken again starts the next one.
 """
 
 from __future__ import annotations
 
 import sys
+import threading
 
 import numpy as np
 
 ALIGN = 64  # bytes; XLA:CPU aliases host arrays aligned to this instead of copying them
+ROUNDS_KEPT = 2  # versions a slot's buffers outlive its last use: one retried after a failed, partial one keeps them
 
 
 class ReceiveBuffers:
@@ -29,6 +36,9 @@ class ReceiveBuffers:
         self.keep = keep
         self.allocated = 0  # buffers created rather than reused
         self._arenas: dict[tuple, list[np.ndarray]] = {}
+        self._used: dict[tuple, int] = {}  # slot -> the round (version) that last took it
+        self._round, self._keys_this_round = 0, set()
+        self._lock = threading.Lock()  # the fetch lanes take from several threads, and a new round edits the dicts
         # the count `take` sees for a buffer that only its list holds, measured with the same expression rather
         # than assumed (interpreters differ in the temporary references they take)
         probe = [np.empty(1, np.uint8)]
@@ -38,7 +48,25 @@ class ReceiveBuffers:
         """A C-contiguous, 64-byte aligned, uninitialised array of `shape` and `dtype` for slice `key`."""
         dtype = np.dtype(dtype)
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        arenas = self._arenas.setdefault((key, tuple(shape), dtype.str), [])
+        slot = (key, tuple(shape), dtype.str)
+        with self._lock:
+            if key in self._keys_this_round:
+                self._next_round()
+            self._keys_this_round.add(key)
+            self._used[slot] = self._round
+            return self._take(slot, nbytes, shape, dtype)
+
+    def _next_round(self) -> None:
+        """A new version: forget the slots not taken in the last ROUNDS_KEPT (their busy buffers live on with
+        their users, as the ones `keep` drops)."""
+        self._round += 1
+        self._keys_this_round.clear()
+        for slot in [s for s, used in self._used.items() if used < self._round - ROUNDS_KEPT]:
+            del self._used[slot]
+            self._arenas.pop(slot, None)
+
+    def _take(self, slot: tuple, nbytes: int, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        arenas = self._arenas.setdefault(slot, [])
         for i in range(len(arenas)):
             # any view handed out (and so any array placed from it, or still being copied to a device) holds
             # one more reference than a free buffer has

@@ -5,7 +5,8 @@
   second `up` there is refused with the holder's pid.
 - Children that die with `up` (grpo_stream/up/parent_death.py): PR_SET_PDEATHSIG in every child, and Python
   children also watch their parent pid, so a kill -9 of `up` leaves nothing running that would write the run.
-- SIGHUP (a closed terminal or ssh session) stops the run like SIGTERM and Ctrl-C: the trainer checkpoints.
+- SIGHUP (a closed terminal or ssh session) stops the run like SIGTERM and Ctrl-C: the trainer checkpoints. A second
+  stop signal kills every process at once (`StopSignals`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import errno
 import pathlib
 import signal
 import sys
+from typing import Callable
 
 from grpo_stream.up.parent_death import child_env, die_with_parent
 from grpo_stream.up.relay import say_now
@@ -59,3 +61,45 @@ def redis_popen(lock: RunLock) -> dict:
     trainer no buffer to acknowledge its last step in (it retried its lease until `up`'s grace ran out). `up` stops
     Redis itself, last, once the trainer and samplers have ended."""
     return {"preexec_fn": die_with_parent(), "pass_fds": (lock.fd,), "process_group": 0}
+
+
+class StopSignals:
+    """Ctrl-C, SIGTERM and SIGHUP while the processes run: each is asked to stop (SIGTERM), and the watch ends. A
+    second one kills them all at once (SIGKILL to their groups: each resumes from a kill -9): it only re-sent SIGTERM,
+    and `up` waited out up.stop_grace_s for a trainer still checkpointing and STOP_S for each group of the others."""
+
+    def __init__(self, children: list, say: Callable[[str], None]):
+        """`children`: units with terminate() and kill_now() (grpo_stream/up/run.py); `say`: where its lines go."""
+        self.children, self.say, self.interrupted, self.killing, self._unsaid = children, say, False, False, []
+        # a SIGHUP ignored by who started `up` (nohup) stays ignored: logging out must not stop the run
+        self.previous = {s: signal.signal(s, self._interrupt) for s in STOP_SIGNALS
+                         if not (s == signal.SIGHUP and signal.getsignal(s) == signal.SIG_IGN)}
+
+    def _interrupt(self, signum, _frame) -> None:
+        # a handler runs on the main thread between two of its bytecodes, maybe inside CONSOLE.write with the
+        # console's lock held: it takes no lock (a line written from here deadlocked `up` for good); the main
+        # thread says the line (`say_received`). terminate() takes none (Popen.poll only tries its lock), nor
+        # kill_now() (it reaps nothing)
+        self.killing, self.interrupted = self.interrupted, True
+        self._unsaid.append((signum, self.killing))
+        for child in self.children:
+            if self.killing:
+                child.kill_now()
+            else:
+                child.terminate()
+
+    def say_received(self) -> None:
+        """Say, from the main thread, which stop signals came since the last call. Once killing, kill again what
+        started meanwhile (a restart the watch made while the signal came)."""
+        while self._unsaid:
+            signum, killing = self._unsaid.pop(0)
+            what = ("a second stop: killing every process now (each resumes from its last checkpoint or position)"
+                    if killing else "stopping every process (a second Ctrl-C kills them at once)")
+            self.say(f"[up] signal {signum}: {what}")
+        if self.killing:
+            for child in self.children:
+                child.kill_now()
+
+    def restore(self) -> None:
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)

@@ -20,6 +20,7 @@ reason printed, and in summary.json's "failure" when the trainer could still wri
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pathlib
@@ -40,10 +41,10 @@ from grpo_stream.up.run_lock import RunLock
 from grpo_stream.up.supervise import Outcome, Watch
 from grpo_stream.trainer_service.reports.files import write_atomic
 from grpo_stream.trainer_service.control_messages import SECRET_ENV, SECRET_FILE_ENV, new_secret
-from grpo_stream.up.guard import STOP_SIGNALS, child_popen, lock_run_dir, redis_popen, run_dir_error
+from grpo_stream.up.guard import StopSignals, child_popen, lock_run_dir, redis_popen, run_dir_error
 from grpo_stream.up.relay import ChildLog, LogLimits, QueuedConsole, bounded_lines, relay, rotate, say_now
 from grpo_stream.up.processes import TRAINER_ROLES, ProcessSpec, plan_processes, process_envs, run_overrides
-from grpo_stream.up.run_secrets import redacted_overrides, with_redis_password, with_run_tokens
+from grpo_stream.up.run_secrets import redacted_overrides, secrets_warning, with_redis_password, with_run_tokens
 from grpo_stream.up.summary import RunEnd, RunSummary
 
 __all__ = ["ENDPOINTS_FILE", "process_envs", "run_up"]
@@ -59,6 +60,9 @@ def _say(line: str) -> None:
     went away (`up | tee`, tee killed) or one that stopped reading (`up | less`, Ctrl-S) must not stop `up` from
     supervising its processes and logging to files."""
     CONSOLE.write(line + "\n")
+
+
+_StopSignals = functools.partial(StopSignals, say=_say)  # its lines on `up`'s console
 
 
 class _Child:
@@ -104,6 +108,15 @@ class _Child:
         if self.proc is not None:
             self._end_group()
             self.proc.wait()
+
+    def kill_now(self) -> None:
+        """SIGKILL to its process group from a signal handler (a second Ctrl-C): it takes no lock and reaps nothing
+        (the main thread's wait does); only while the leader is not reaped, so its pid still names its group."""
+        if self.proc is not None and self.proc.returncode is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
 
     def _end_group(self) -> None:
         """SIGKILL to what is left of its process group, also once its leader exited: a worker it started and did
@@ -185,6 +198,10 @@ class _TrainerJob:
         for m in self.members:
             m.kill()
 
+    def kill_now(self) -> None:
+        for m in self.members:
+            m.kill_now()
+
     def wait(self, timeout_s: float) -> int | None:
         deadline = time.time() + timeout_s
         codes = [m.wait(max(1.0, deadline - time.time())) for m in self.members]
@@ -214,34 +231,6 @@ class _RedisUnit:
 
     def kill(self) -> None:
         pass
-
-
-class _StopSignals:
-    """Ctrl-C, SIGTERM and SIGHUP while the processes run: each is asked to stop (SIGTERM), and the watch ends."""
-
-    def __init__(self, children: list):
-        self.children, self.interrupted, self._unsaid = children, False, []
-        # a SIGHUP ignored by who started `up` (nohup) stays ignored: logging out must not stop the run
-        self.previous = {s: signal.signal(s, self._interrupt) for s in STOP_SIGNALS
-                         if not (s == signal.SIGHUP and signal.getsignal(s) == signal.SIG_IGN)}
-
-    def _interrupt(self, signum, _frame) -> None:
-        # a handler runs on the main thread between two of its bytecodes, maybe inside CONSOLE.write with the
-        # console's lock held: it takes no lock (a line written from here deadlocked `up` for good); the main
-        # thread says the line (`say_received`). terminate() takes none: Popen.poll only tries its lock.
-        self.interrupted = True
-        self._unsaid.append(signum)
-        for child in self.children:
-            child.terminate()
-
-    def say_received(self) -> None:
-        """Say, from the main thread, which stop signals came since the last call."""
-        while self._unsaid:
-            _say(f"[up] signal {self._unsaid.pop(0)}: stopping every process")
-
-    def restore(self) -> None:
-        for s, handler in self.previous.items():
-            signal.signal(s, handler)
 
 
 def free_ports(count: int) -> int:
@@ -311,6 +300,9 @@ def _prepare(cfg: RunConfig, config_path: pathlib.Path | None, overrides: list[s
              devices: DevicePlan, redis_server: EmbeddedRedis | None, run_lock: RunLock) -> list[ProcessSpec]:
     """Ports, tokens, RUN_DIR/endpoints.json and RUN_DIR/config.yaml; then the process plan
     (grpo_stream/up/processes.py)."""
+    warning = secrets_warning(overrides)
+    if warning:
+        say_now(warning, sys.stderr)
     trainer_port = free_ports(cfg.trainer.processes)  # trainer process k serves on trainer.port + k
     ingest_port = free_port() if cfg.ingest.standalone and not cfg.ingest.address else None
     every, prompts = run_overrides(cfg, run_dir, overrides, redis_server.url if redis_server else None,

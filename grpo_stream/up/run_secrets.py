@@ -70,3 +70,20 @@ def redacted_overrides(overrides: list[str]) -> list[str]:
     """`overrides` (KEY=VALUE) with the value of each secret-named key hidden, as `to_yaml(redact=True)` hides it,
     inside a mapping or list value too (`task.verifiers.args={api_key: sk-...}`)."""
     return [redacted_override(override) for override in overrides]
+
+
+def command_line_secrets(overrides: list[str]) -> list[str]:
+    """The keys among `overrides` whose values are secrets (as `redacted_overrides` hides them). `up`'s command line,
+    and the same overrides on its children's, are readable by every user of the machine (`ps`) for the whole run;
+    `up` cannot hide what its own command line shows, so it warns (`secrets_warning`)."""
+    return [o.partition("=")[0] for o in overrides if redacted_override(o) != o]
+
+
+def secrets_warning(overrides: list[str]) -> str | None:
+    """`up`'s warning naming the secret-carrying overrides, or None when there are none."""
+    keys = command_line_secrets(overrides)
+    if not keys:
+        return None
+    return (f"[up] warning: {', '.join(keys)} given on the command line, where `ps` shows it to every user of this "
+            "machine (on `up`'s command line and on each process it starts); put it in a config file only you can "
+            "read (--config, mode 0600) instead")

@@ -219,3 +219,28 @@ def test_samplers_that_ignore_sigterm_share_one_stop_deadline(tmp_path, monkeypa
     finally:
         for unit in (trainer, *samplers):
             unit.kill()
+
+
+def test_a_second_stop_signal_kills_every_process_at_once(tmp_path, monkeypatch):
+    """A second Ctrl-C (or SIGTERM) while `up` waited for its processes to stop only sent SIGTERM again: `up` went on
+    waiting up.stop_grace_s (120 s by default) for a trainer that did not stop, and STOP_S for the others. Now it
+    kills them (their process groups) at once, and says so."""
+    lines = []
+    monkeypatch.setattr(up_run, "_say", lines.append)
+    (tmp_path / "logs").mkdir()
+    trainer = _Child(ProcessSpec("trainer", (sys.executable, "-c", DEAF), dict(os.environ), "trainer", "trainer-0"),
+                     tmp_path / "logs")
+    stop = _StopSignals([trainer], say=lines.append)
+    try:
+        trainer.start()
+        log, deadline = tmp_path / "logs" / "trainer.log", time.monotonic() + 30
+        while not (log.exists() and log.read_text().strip()) and time.monotonic() < deadline:
+            time.sleep(0.05)  # it ignores SIGTERM from here on
+        stop._interrupt(signal.SIGINT, None)  # as the handler runs: Ctrl-C, then Ctrl-C again while `up` waits
+        stop._interrupt(signal.SIGINT, None)
+        assert trainer.proc.wait(timeout=60) == -signal.SIGKILL
+        stop.say_received()
+        assert "stopping every process" in lines[0] and "killing every process now" in lines[1]
+    finally:
+        stop.restore()
+        trainer.kill()

@@ -47,3 +47,20 @@ def test_a_list_under_a_secret_named_key_is_hidden_item_by_item():
     """`api_keys=[k1, k2]` was recorded whole: only keys inside a list's mappings were looked at."""
     shown = redacted_overrides(["task.verifiers.args.api_keys=[sk-one, sk-two]"])
     assert "sk-one" not in shown[0] and "sk-two" not in shown[0] and shown[0].count("<redacted>") == 2
+
+
+def test_up_warns_of_a_secret_given_on_the_command_line_without_repeating_it(tmp_path, capsys):
+    """A secret given as an override sits on `up`'s command line and on each of its processes', where `ps` shows it to
+    every user of the machine, with no word of it. `up` cannot hide its own command line: it names the keys (never the
+    values) and says where a secret belongs."""
+    overrides = ["task.verifiers.args={api_key: sk-secret-1}", "hardware.sampler_env.HF_TOKEN=hf-2", "trainer.steps=3"]
+    run_dir = tmp_path / "run"
+    lock = RunLock.acquire(run_dir, "test")
+    try:
+        cfg = load_config(None, overrides)
+        _prepare(cfg, None, overrides, run_dir, device_plan(cfg, run_dir), None, lock)
+    finally:
+        lock.release()
+    said = capsys.readouterr().err
+    assert "task.verifiers.args, hardware.sampler_env.HF_TOKEN given on the command line" in said
+    assert "sk-secret-1" not in said and "hf-2" not in said and "trainer.steps" not in said and "mode 0600" in said

@@ -166,6 +166,35 @@ def test_the_worker_dies_with_the_process_that_started_it(tmp_path):
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
+def test_what_a_reward_started_dies_with_a_sampler_killed_by_sigkill(rewards_module, tmp_path):
+    """A SIGKILLed sampler sends no kill to its worker's group, and PR_SET_PDEATHSIG ends the worker alone: what a
+    reward started (here `sleep 300`) was re-parented to init and outlived the sampler."""
+    pid_file = tmp_path / "child.pid"
+    script = textwrap.dedent(f'''
+        import sys
+        sys.path.insert(0, {str(tmp_path)!r})
+        from grpo_stream.common.tasks.reward_workers import RewardWorker
+        worker = RewardWorker(["{rewards_module}:starts_a_child"], 30.0)
+        print(worker.call("{rewards_module}:starts_a_child", None, "answer", {str(pid_file)!r}), flush=True)
+        sys.stdin.read()
+    ''')
+    sampler = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                               text=True)
+    child = None
+    try:
+        assert sampler.stdout.readline().strip() == "1.0"
+        child = int(pid_file.read_text())
+        sampler.kill()
+        sampler.wait()
+        assert _gone(child), f"the reward's child {child} outlived the SIGKILLed sampler"
+    finally:
+        sampler.kill()
+        sampler.wait()
+        if child is not None:
+            _kill_if_sleep(child)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
 def test_what_a_reward_started_dies_with_its_worker_at_the_deadline_and_at_close(rewards_module, tmp_path):
     name = f"{rewards_module}:starts_a_child"
     worker = RewardWorker([name], deadline_s=1.0)
@@ -179,13 +208,18 @@ def test_what_a_reward_started_dies_with_its_worker_at_the_deadline_and_at_close
             assert _gone(pids[-1]), f"the {text} reward's child {pids[-1]} outlived its worker"
     finally:
         worker.close()
-        for pid in pids:  # one that outlived the check (a failure): ours only while it is still that `sleep 300`
-            try:
-                with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
-                    if cmdline.read() == b"sleep\x00300\x00":
-                        os.kill(pid, 9)
-            except (FileNotFoundError, ProcessLookupError):
-                pass
+        for pid in pids:
+            _kill_if_sleep(pid)
+
+
+def _kill_if_sleep(pid: int) -> None:
+    """A child that outlived the check (a failure): ours only while it is still that `sleep 300`."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            if cmdline.read() == b"sleep\x00300\x00":
+                os.kill(pid, 9)
+    except (FileNotFoundError, ProcessLookupError):
+        pass
 
 
 def test_a_reward_that_allocates_without_bound_scores_zero_and_the_worker_comes_back(rewards_module, caplog):

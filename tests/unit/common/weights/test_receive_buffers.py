@@ -1,12 +1,13 @@
 """The data plane's receive buffers: aligned for zero-copy placement on CPU, and never refilled while in use."""
 
 import gc
+import weakref
 
 import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from grpo_stream.common.weights.receive_buffers import ALIGN, ReceiveBuffers
+from grpo_stream.common.weights.receive_buffers import ALIGN, ROUNDS_KEPT, ReceiveBuffers
 
 
 def _sharding():
@@ -60,3 +61,28 @@ def test_when_every_buffer_stays_busy_the_pool_keeps_at_most_keep():
     held = [pool.take("k", (8,), np.float32) for _ in range(5)]  # e.g. an engine holding on to old versions
     assert pool.allocated == 5 and len({b.ctypes.data for b in held}) == 5
     assert len(pool._arenas[("k", (8,), np.dtype(np.float32).str)]) == 2
+
+
+def test_buffers_of_a_slot_no_longer_asked_for_are_let_go():
+    """The pool kept every (key, shape, dtype) it was ever asked for: after a change of shapes or keys (a manifest
+    with other tensors, a trainer that became multi-host) the old buffers stayed allocated for good, up to `keep`
+    copies of the model per change. Now a slot not taken for ROUNDS_KEPT versions is let go."""
+    pool = ReceiveBuffers(keep=2)
+    old = pool.take(("t", "box"), (64, 16), np.float32)
+    old_arena = weakref.ref(old.base)
+    installed = old
+    del old
+    for rows in range(65, 65 + ROUNDS_KEPT + 1):  # each version has the same key and another shape
+        installed = pool.take(("t", "box"), (rows, 16), np.float32)
+        gc.collect()
+    assert old_arena() is None, "the buffer of a shape no longer asked for is still held"
+    assert installed.shape == (64 + ROUNDS_KEPT + 1, 16)
+
+
+def test_buffers_of_slots_still_asked_for_each_version_are_reused_not_dropped():
+    pool = ReceiveBuffers(keep=2)
+    installed = None
+    for _ in range(6):  # versions of two tensors; the engine holds the installed one
+        installed = {t: pool.take((t, "box"), (8, 8), np.float32) for t in range(2)}
+        gc.collect()
+    assert pool.allocated == 4 and installed[0].shape == (8, 8)
