@@ -19,6 +19,9 @@ INPUT_CODES = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_F
 # answered with a refusal of the whole call (a Submit is all or nothing): nothing of it was done
 REFUSAL_CODES = INPUT_CODES | {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.FAILED_PRECONDITION}
 
+# what PromptService names when the queue or a client's quota is full (prompt_queue.QueueFull)
+QUEUE_SETTINGS = ("prompts.max_queued", "prompts.max_pending_per_client")
+
 
 def is_refusal(exc: BaseException) -> bool:
     return isinstance(exc, grpc.RpcError) and exc.code() in REFUSAL_CODES
@@ -46,6 +49,9 @@ def explain(exc: grpc.RpcError, address: str, where=lambda details: details) -> 
     if is_too_large(exc):
         return ValueError(f"{code.name}: the request is over the gRPC message limit ({details}); send fewer or "
                           "shorter prompts per call (`submit --batch`)")
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and not any(setting in details for setting in QUEUE_SETTINGS):
+        # the server's call limits (common/rpc/call_guard.py), whose details name the setting: not the queue
+        return RuntimeError(f"{code.name}: the server has no room for this call now ({details}); retry later")
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return RuntimeError(f"{code.name}: the run's prompt queue or this client's quota of unfinished prompts is "
                             f"full ({details}); retry later, or wait for (or cancel) your unfinished prompts")

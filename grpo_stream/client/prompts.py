@@ -15,6 +15,7 @@ server at the address fails the call instead of waiting forever). `follow` and `
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Iterable, Iterator
 
@@ -61,6 +62,7 @@ def to_spec(item: dict, where: str = "prompt") -> prompts_pb2.PromptSpec:
             raise ValueError(f"{where}.{key}: {value!r} is a {type(value).__name__}; give a {names}")
         if wanted is list and not all(isinstance(v, str) for v in value):
             raise ValueError(f"{where}.{key}: give a list of strings")
+        _check_value(value, f"{where}.{key}", count=wanted is int)
     try:
         return prompts_pb2.PromptSpec(
             text=item.get("text"), question=item.get("question"),
@@ -69,6 +71,27 @@ def to_spec(item: dict, where: str = "prompt") -> prompts_pb2.PromptSpec:
             priority=item.get("priority", 0), tags=item.get("tags", []), train=item.get("train", False))
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{where}: {exc}") from None
+
+
+INT32 = (-(1 << 31), (1 << 31) - 1)  # the proto's int32 fields; the server names the allowed range within it
+
+
+def _check_value(value, at: str, count: bool) -> None:
+    """ValueError naming `at` for what protobuf would refuse with a message naming no key (a count past int32, a
+    lone surrogate, which JSON's \\ud800 escapes make and UTF-8 cannot hold) or turn into text no reward matches
+    (NaN, Infinity). `count`: an int32 field (an answer that is a number is text)."""
+    if count and not INT32[0] <= value <= INT32[1]:
+        raise ValueError(f"{at}: {value} is outside a 32-bit integer; give a small whole number")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{at}: {value!r} is not a finite number; give the answer as text")
+    texts = dict(enumerate(value)) if isinstance(value, list) else {None: value}
+    for k, text in texts.items():
+        try:
+            if isinstance(text, str):
+                text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"{at if k is None else f'{at}[{k}]'}: character {exc.start} is a lone UTF-16 surrogate "
+                             "(a \\ud800-\\udfff escape without its pair), which is not text; fix the escape") from None
 
 
 def retry_after_s(error: grpc.RpcError, default_s: float = 1.0) -> float:

@@ -206,3 +206,18 @@ def test_backpressure_loses_nothing(stack):
     assert seen == [f"g{i}" for i in range(12)]
     assert ingest.stats["full"] > 0 and client.stats["retried"] > 0
     assert buffer.counters()["ingested"] == 12
+
+
+def test_fields_a_group_does_not_declare_are_not_stored(stack):
+    """protobuf keeps the unknown fields of what it parses and writes them out again: a sender's 1 MiB beside a
+    group's declared fields went into the buffer (and into an injected prompt's kept result) unchecked by the
+    ingest's limits."""
+    buffer, _ingest, *_, channel = stack
+    declared = to_proto(group(0))
+    raw = declared.SerializeToString() + b"\xc2\x3e" + b"\x80\x80\x40" + b"y" * (1 << 20)  # field 1000, 1 MiB
+    smuggled = rollout_pb2.RolloutGroup.FromString(raw)
+    assert len(smuggled.SerializeToString()) > 1 << 20  # what a sender puts on the wire
+    assert rollout_pb2_grpc.RolloutIngestStub(channel).PushGroup(smuggled).code == 0
+    (entry,) = buffer.read(10, 100)
+    assert len(entry.payload) == len(declared.SerializeToString())
+    assert decode_group(entry.payload).group_id == "g0"

@@ -55,6 +55,7 @@ from grpo_stream.common.rollouts.redis_errors import redis_call
 log = logging.getLogger(__name__)
 
 ACTIVE_SAMPLER_S = 60.0
+SUMMARY_FIELDS = (b"state", b"client", b"finished", b"tags")  # a prompt's hash less its request and answer
 
 # Shared by the scripts: a client with queued prompts holds a turn; one that had none joins at the virtual time now
 # or where its last prompt ended, whichever is later.
@@ -327,6 +328,16 @@ class PromptQueue:
                 pipe.hgetall(self.prompt_key(pid))
             return pipe.execute()
         return [r or None for r in self._call(run)]
+
+    def summaries(self, prompt_ids: list[str]) -> list[dict[bytes, bytes] | None]:
+        """Each prompt's SUMMARY_FIELDS (None: unknown or expired): what a follower checks, filters and orders by,
+        without the answer group a finished prompt's hash holds."""
+        def run():
+            pipe = self.client.pipeline(transaction=False)
+            for pid in prompt_ids:
+                pipe.hmget(self.prompt_key(pid), SUMMARY_FIELDS)
+            return pipe.execute()
+        return [{k: v for k, v in zip(SUMMARY_FIELDS, row) if v is not None} or None for row in self._call(run)]
 
     def tagged(self, tag: str) -> list[str]:
         return sorted(x.decode() for x in self._call(lambda: self.client.smembers(f"{self.base}:tag:{tag}")))

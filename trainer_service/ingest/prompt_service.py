@@ -30,6 +30,7 @@ TAG = re.compile(r"[\w.:/@+-]+")  # whole tags only (fullmatch): "$" would pass 
 MAX_IDS = 10_000
 MAX_REWARDS = 16
 FOLLOW_POLL_MS = 1000
+RECORDS_AT_ONCE = 64  # whole prompt records (each with its answer group) a follower reads at a time
 
 
 class PromptServicer(prompts_pb2_grpc.PromptServiceServicer):
@@ -115,6 +116,7 @@ class PromptServicer(prompts_pb2_grpc.PromptServiceServicer):
             if error:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
             pid = self.queue.new_id()
+            spec.DiscardUnknownFields()  # protobuf writes back what it did not know: unchecked bytes, into Redis
             injected = rollout_pb2.InjectedPrompt(
                 prompt_id=pid, prompt_token_ids=tokens, reference_answer=spec.reference_answer,
                 rewards=list(spec.rewards), num_generations=spec.num_generations or n_run, train=spec.train)
@@ -159,14 +161,31 @@ class PromptServicer(prompts_pb2_grpc.PromptServiceServicer):
             out.reward_mean = float(np.mean([c.reward for c in group.completions])) if group.completions else 0.0
         return out
 
-    def _finished(self, pids: list[str], records=None, tag: str | None = None, owner: str | None = None):
+    def _finished(self, pids: list[str], summaries: list, tag: str | None = None, owner: str | None = None,
+                  report_gone: bool = False):
         """Results of the prompts among `pids` that are finished (and carry `tag`, and were submitted by `owner`
-        unless None); `records`: theirs, if read."""
-        for pid, record in zip(pids, self.queue.records(pids) if records is None else records):
-            if record is not None and record.get(b"state") in (b"done", b"cancelled") and (
-                    tag is None or tag in record_tags(record)) and (
-                    owner is None or record.get(b"client", b"").decode() == owner):
-                yield self._result(pid, record)
+        unless None), by their `summaries` (PromptQueue.summaries), in that order. Whole records (each holds its
+        answer group) are read RECORDS_AT_ONCE at a time, so a follower of thousands holds a few in memory.
+        `report_gone`: a prompt whose record left Redis before it was read (prompts.max_kept_results newer ones
+        finished) is answered with an error saying so, never skipped (its follower waits for it)."""
+        wanted = [pid for pid, summary in zip(pids, summaries) if (summary is None and report_gone) or (
+            summary is not None and summary.get(b"state") in (b"done", b"cancelled") and (
+                tag is None or tag in record_tags(summary)) and (
+                owner is None or summary.get(b"client", b"").decode() == owner))]
+        for start in range(0, len(wanted), RECORDS_AT_ONCE):
+            chunk = wanted[start:start + RECORDS_AT_ONCE]
+            for pid, record in zip(chunk, self.queue.records(chunk)):
+                if record is not None:
+                    yield self._result(pid, record)
+                elif report_gone:
+                    yield self._gone(pid)
+
+    def _gone(self, pid: str) -> prompts_pb2.PromptResult:
+        return prompts_pb2.PromptResult(
+            prompt_id=pid, state="done", policy_version=-1,
+            error=(f"finished, but its record left Redis before this stream read it: prompts.max_kept_results="
+                   f"{self.limits.max_kept_results} newer prompts finished first (or prompts.result_retention_s "
+                   "passed); its answer is lost to followers: raise prompts.max_kept_results, or follow sooner"))
 
     def StreamResults(self, request, context):
         """prompts.max_followers bounds these calls in the server's call gate (common/rpc/call_guard.py), which
@@ -187,33 +206,30 @@ class PromptServicer(prompts_pb2_grpc.PromptServiceServicer):
         try:
             after = self.queue.results_tail()  # before reading what is finished, so nothing falls in between
             if ids:
-                records = self.queue.records(ids)
-                for k, (pid, record) in enumerate(zip(ids, records)):
-                    if record is None:
-                        context.abort(grpc.StatusCode.NOT_FOUND, f"prompt_ids[{k}]: no prompt {pid[:64]!r} (unknown, "
-                                      "or gone: prompts.result_retention_s, prompts.max_kept_results)")
-                    if owner is not None and record.get(b"client", b"").decode() != owner:
-                        context.abort(grpc.StatusCode.PERMISSION_DENIED, f"prompt_ids[{k}]: {pid[:64]!r} was submitted "
-                                      "by another client; only its submitter or an admin may follow it")
+                summaries = self.queue.summaries(ids)
+                self._check_ids(ids, summaries, owner, context)
                 waiting = set(ids)
-                for result in self._finished(ids, records):
+                for result in self._finished(ids, summaries, report_gone=True):
                     waiting.discard(result.prompt_id)
                     yield result
             else:
                 waiting = None
                 tagged = self.queue.tagged(tag)
-                records = self.queue.records(tagged)
-                submitters = {r.get(b"client", b"").decode() for r in records if r is not None}
+                summaries = self.queue.summaries(tagged)
+                submitters = {s.get(b"client", b"").decode() for s in summaries if s is not None}
                 if owner is not None and submitters and owner not in submitters:
                     context.abort(grpc.StatusCode.PERMISSION_DENIED, f"tag: {tag!r} is on other clients' prompts only; "
                                   "follow your own tags or prompt ids, or use an admin token")
-                done = sorted(self._finished(tagged, records, owner=owner), key=lambda r: r.finished_unix)
-                yield from done
+                # oldest finish first; unfinished ones (no time) are left out by _finished
+                order = sorted(range(len(tagged)), key=lambda k: _number((summaries[k] or {}).get(b"finished")))
+                streamed = set()
+                for result in self._finished([tagged[k] for k in order], [summaries[k] for k in order], owner=owner):
+                    streamed.add(result.prompt_id)
+                    yield result
                 if not request.follow:
                     return
-                # one that finished between reading the results' tail and the tag's prompts is in both (the
-                # results stream holds each finish once: only these can come twice)
-                streamed = {r.prompt_id for r in done}
+                # `streamed`: one that finished between reading the results' tail and the tag's prompts is in both
+                # (the results stream holds each finish once: only these can come twice)
             while (waiting is None or waiting) and context.is_active():
                 after, finished = self.queue.wait_finished(after, FOLLOW_POLL_MS)
                 if waiting is not None:
@@ -221,9 +237,22 @@ class PromptServicer(prompts_pb2_grpc.PromptServiceServicer):
                     waiting.difference_update(new)
                 else:
                     new = [p for p in dict.fromkeys(finished) if p not in streamed]
-                yield from self._finished(new, tag=tag or None, owner=owner)
+                yield from self._finished(new, self.queue.summaries(new), tag=tag or None, owner=owner,
+                                          report_gone=waiting is not None)
         except BufferUnavailable as exc:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"prompt queue unavailable ({exc}); call again to resume")
+
+    @staticmethod
+    def _check_ids(ids: list[str], summaries: list, owner: str | None, context) -> None:
+        """NOT_FOUND for an id with no record, PERMISSION_DENIED for another client's prompt (unless `owner` is
+        None: an admin)."""
+        for k, (pid, summary) in enumerate(zip(ids, summaries)):
+            if summary is None:
+                context.abort(grpc.StatusCode.NOT_FOUND, f"prompt_ids[{k}]: no prompt {pid[:64]!r} (unknown, or gone: "
+                              "prompts.result_retention_s, prompts.max_kept_results)")
+            if owner is not None and summary.get(b"client", b"").decode() != owner:
+                context.abort(grpc.StatusCode.PERMISSION_DENIED, f"prompt_ids[{k}]: {pid[:64]!r} was submitted by "
+                              "another client; only its submitter or an admin may follow it")
 
     # -- Cancel, GetStatus ------------------------------------------------------------------------------------------
     def Cancel(self, request, context):

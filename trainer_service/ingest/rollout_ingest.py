@@ -108,6 +108,8 @@ class IngestServicer(rollout_pb2_grpc.RolloutIngestServicer):
         acks: list[rollout_pb2.GroupAck | None] = []
         valid: list[tuple[int, rollout_pb2.RolloutGroup]] = []
         rejected: list[tuple[rollout_pb2.RolloutGroup, str]] = []
+        for group in groups:  # protobuf writes back fields it did not know: unchecked bytes, into Redis
+            group.DiscardUnknownFields()
         try:
             injected = self._check_injected(groups)
         except BufferUnavailable as exc:
