@@ -90,6 +90,7 @@ class GroupSink:
         self._pending = 0  # handed over by put and not yet on the sender's backlog (nor left out): queued or scoring
         self._pending_lock = threading.Lock()
         self._error: BaseException | None = None
+        self._closed = self._given_up = False  # close() called; its wait ran out (the groups left are left out)
         self._thread = threading.Thread(target=self._run, name=f"{sampler_id}-groups", daemon=True)
         self._thread.start()
 
@@ -112,13 +113,20 @@ class GroupSink:
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop after the groups already handed over (each waits PUT_WAIT_S at a time while the backlog is full).
-        Past `timeout_s` the reward worker is closed under the group being scored: that group and those still queued
-        are left out (not counted as failed groups), and no worker is started again."""
+        Past `timeout_s` the reward worker is closed under the group being scored, and a group waiting for room in
+        the backlog stops waiting: that group and those still queued are left out (not counted as failed groups), and
+        no worker is started again. Closing again does nothing."""
+        if self._closed:
+            return
+        self._closed = True
         self._queue.put(None)
         self._thread.join(timeout_s)
         if self._thread.is_alive():  # said, not silent: these groups' data positions are skipped, never trained
+            # without it, a sampler that ended on an error (no stop asked, so `abandon` is False) beside a full
+            # backlog kept this thread offering its group to a sender that was closed next, for the process's life
+            self._given_up = True
             log.warning("%s: stopped with about %d ended groups not yet scored and sent (the sink did not finish "
-                        "within %.0fs); they are left out", self.sampler_id, self._queue.qsize(), timeout_s)
+                        "within %gs); they are left out", self.sampler_id, self.pending(), timeout_s)
         self.rewards.close()
 
     def _run(self) -> None:
@@ -159,7 +167,7 @@ class GroupSink:
         tokens = int(sum(c.model_tokens().sum() for c in group.completions))
         message = to_proto(group)
         while not self.client.put(message, timeout_s=PUT_WAIT_S, epoch=work.epoch, evaluation_only=not work.train):
-            if self.abandon():
+            if self.abandon() or self._given_up:
                 return
         self.groups_sent += 1
         self.tokens_generated += tokens

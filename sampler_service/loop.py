@@ -92,20 +92,28 @@ class Sampler:
         with open_sampler(self.cfg, self.index, self.sampler_id, self.stop_event, self.devices, self.hub) as parts, \
                 served_over_http(self.cfg, self.index, self.sampler_id, parts, self.weights.installed,
                                  self.run_dir) as endpoint:
-            self._attach(parts, endpoint)
-            self.weights.await_first(parts.health)
-            started = time.monotonic()
             try:
+                self._attach(parts, endpoint)
+                self.weights.await_first(parts.health)
+                started = time.monotonic()
                 self._stream_until_done(parts)
             finally:
-                for rollouts in {id(r): r for r in (self.rollouts, self.injected_rollouts)}.values():
-                    rollouts.close()
+                self._close_kinds_and_sink()
             # after the final version the trainer consumes no more: do not wait long for acks
             drained = parts.client.drain(timeout_s=2.0 if self.weights.final else 10.0)
             parts.client.check()  # a sender that died while draining lost groups: the run does not end cleanly
             parts.sync.report()
             verified = self._verify(parts) if self.cfg.weights.verify_prompts and self.weights.final else None
         return self._summary(parts, started, drained, verified, endpoint)
+
+    def _close_kinds_and_sink(self) -> None:
+        """Stop the rollout kinds' threads and the group sink's (its thread and reward worker), however far the run
+        got: a stop or an error while waiting for the first weights left the sink's thread (and a verifiers kind's
+        event loop) running in a process that goes on (a sampler inside `up`'s or a test's process)."""
+        for rollouts in {id(r): r for r in (self.rollouts, self.injected_rollouts) if r is not None}.values():
+            rollouts.close()
+        if self.sink is not None:
+            self.sink.close()
 
     def _attach(self, parts: Parts, endpoint) -> None:
         """Take the parts the loop uses; the data stream resumes at `parts.resume` (its unanswered positions

@@ -2,7 +2,8 @@
 
 The generation loop `put`s finished groups; a background thread sends them
 in order over one bidirectional `StreamBatches` call, one batch (what the
-backlog holds, up to max_groups_per_message) in flight at a time, and keeps
+backlog holds, up to max_groups_per_message and BATCH_BYTES; a group larger
+than that alone is dropped with an error) in flight at a time, and keeps
 each group until the ingest acknowledges it:
   OK                  -> done
   RESOURCE_EXHAUSTED  -> buffer full: wait retry_after_ms, send it again
@@ -41,6 +42,7 @@ import typing
 
 import grpc
 
+from grpo_stream.common.rpc.grpc_util import MAX_MESSAGE_BYTES
 from grpo_stream.common.runtime.backoff import Backoff
 from grpo_stream.common.runtime.errors import PermanentError, TransientError, is_transient
 from grpo_stream.protos import rollout_pb2, rollout_pb2_grpc
@@ -53,6 +55,10 @@ _OK, _INVALID, _EXHAUSTED = 0, grpc.StatusCode.INVALID_ARGUMENT.value[0], grpc.S
 # their own timeouts), so a minute of silence is a stream that hangs (a half-open connection, a peer that froze).
 ACK_TIMEOUT_S = 60.0
 CLOSE_TIMEOUT_S = 5.0  # close() waits this long for the sender thread (a daemon: it cannot hold up the exit)
+# The most bytes of groups one RolloutBatch carries: the channels' message limit less room for the batch's framing.
+# Batches were capped by count alone, and 16 long groups (16 completions of 32k tokens: 4 MiB each) made a message
+# over the limit, which gRPC fails as RESOURCE_EXHAUSTED (transient): the same batch was sent again for ever.
+BATCH_BYTES = MAX_MESSAGE_BYTES - (64 << 10)
 
 
 class _Queued(typing.NamedTuple):
@@ -80,8 +86,9 @@ class SenderStopped(RuntimeError):
 
 class RolloutClient:
     def __init__(self, channel: grpc.Channel, backlog_max_groups: int, max_groups_per_message: int = 16,
-                 ack_timeout_s: float = ACK_TIMEOUT_S):
-        self._max_per_message = max_groups_per_message
+                 ack_timeout_s: float = ACK_TIMEOUT_S, max_batch_bytes: int = BATCH_BYTES):
+        """`max_batch_bytes`: the most bytes of groups in one message (below the channel's message limit)."""
+        self._max_per_message, self._max_batch_bytes = max_groups_per_message, max_batch_bytes
         self._ack_timeout_s = ack_timeout_s
         self._stub = rollout_pb2_grpc.RolloutIngestStub(channel)
         # (trainer epoch of the weights that made it, group)
@@ -96,6 +103,7 @@ class RolloutClient:
         self.refused: str | None = None  # why the ingest refuses this sender for good (its token or its ids)
         self.error: BaseException | None = None  # what ended the sender thread (None while it runs or after close)
         self._in_hand: list[_Queued] = []  # taken from the backlog, not yet acknowledged
+        self._next: _Queued | None = None  # taken from the backlog, left for the next batch (BATCH_BYTES)
         self._call = None  # the StreamBatches call in use (close() cancels it)
         self._awaiting: tuple[float, object] | None = None  # (since when, call) while an ack is awaited
         self._expired = None  # the call the ack watch cancelled
@@ -164,16 +172,34 @@ class RolloutClient:
         ones are discarded on the way."""
         if pending:
             return self._fresh(pending)
-        try:
-            batch = [self._backlog.get(timeout=0.2)]
-        except queue.Empty:
-            return []
+        batch, size = [], 0
         while len(batch) < self._max_per_message:
-            try:
-                batch.append(self._backlog.get_nowait())
-            except queue.Empty:
+            item, self._next = self._next, None
+            if item is None:
+                try:
+                    item = self._backlog.get_nowait() if batch else self._backlog.get(timeout=0.2)
+                except queue.Empty:
+                    break
+            item_size = item.group.ByteSize()
+            if item_size > self._max_batch_bytes:
+                self._too_large(item, item_size)
+            elif size + item_size > self._max_batch_bytes:
+                self._next = item  # the first of the next batch
                 break
+            else:
+                batch.append(item)
+                size += item_size
         return self._fresh(batch)
+
+    def _too_large(self, item: _Queued, size: int) -> None:
+        """A group larger than a message may be: no send can ever deliver it, so it is dropped (counted), not sent
+        again for ever."""
+        self.stats["rejected_too_large"] += 1
+        with self._lock:
+            self._unacked -= 1
+        log.error("group %s not sent: %.1f MiB, over the %.1f MiB a rollout message may carry (common/rpc/grpc_util.py "
+                  "MAX_MESSAGE_BYTES); lower generation.max_new_tokens or generation.num_generations",
+                  item.group.group_id, size / 2**20, self._max_batch_bytes / 2**20)
 
     def _fresh(self, groups: list) -> list:
         """`groups` less those too stale to send and those of another trainer epoch than `epoch` (counted)."""
@@ -307,6 +333,6 @@ class RolloutClient:
             why = (f"the ingest ended the rollout stream with {exc.code().name} ({exc.details()}), an answer no retry "
                    "changes")
             error = PermanentError(why)
-        log.error("%s; %d groups not sent", why, len(self._in_hand) + self._backlog.qsize())
+        log.error("%s; %d groups not sent", why, len(self._in_hand) + self._backlog.qsize() + (self._next is not None))
         self.error, self.refused = error, why
         return error

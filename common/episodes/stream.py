@@ -204,6 +204,7 @@ class RolloutStream:
     def finish(self, request: Request, tokens, logprobs, versions, finished: bool) -> None:
         with self._cond:
             self.turns_in_engine -= 1
+            self._cond.notify_all()  # a slot freed: a feeder waiting for room starts rows now, not at its next look
         request.tag.turn_done(request, tokens, logprobs, versions, finished)
 
     def open(self) -> bool:

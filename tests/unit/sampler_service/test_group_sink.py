@@ -3,6 +3,8 @@ reward, with its error), never scored 0 and never the sampler's end, unless the 
 sampler stops after MAX_FAILED_IN_A_ROW failed groups in a row, naming the reward."""
 
 import logging
+import threading
+import time
 import types
 
 import pytest
@@ -14,6 +16,7 @@ from grpo_stream.common.tasks.rewards import RewardSet
 from grpo_stream.sampler_service import group_sink
 from grpo_stream.sampler_service.group_sink import GroupSink
 from grpo_stream.sampler_service.lifecycle import SamplerMetrics
+from tests.support import wait_for
 
 
 def last_int_matches(text: str, reference: str) -> float:
@@ -91,3 +94,29 @@ def test_groups_whose_reward_worker_was_closed_are_left_out_not_failed(monkeypat
     sink.close()
     sink.check()
     assert (client.sent, sink.groups_failed, len(left_out)) == (0, 0, 4)
+
+
+class FullBacklog:
+    """A rollout client whose backlog never frees (an ingest that stopped acknowledging): every put times out."""
+
+    def __init__(self):
+        self.offered = threading.Event()
+
+    def put(self, message, timeout_s, epoch="", evaluation_only=False):
+        self.offered.set()
+        time.sleep(0.01)
+        return False
+
+
+def test_a_closed_sink_stops_waiting_for_a_backlog_that_never_frees():
+    """A sampler that ended on an error (no stop asked: `abandon` stays False) beside a full backlog: close() gave
+    up waiting for the sink, but its thread kept offering the group to a sender that was closed next, for the life of
+    the process (a sampler inside `up`'s process, a test's)."""
+    client = FullBacklog()
+    sink = GroupSink(client, SamplerMetrics("s"), None, "s-full", 0.0, lambda: False,
+                     types.SimpleNamespace(call=lambda name, fn, text, reference: 1.0, close=lambda: None))
+    sink.put(ended(["so 5", "so 5"], 0))
+    assert client.offered.wait(10)
+    sink.close(timeout_s=0.1)
+    wait_for(lambda: "s-full-groups" not in {t.name for t in threading.enumerate()}, 10, "the sink's thread to end")
+    assert sink.groups_sent == 0

@@ -7,6 +7,7 @@ import queue
 import threading
 import time
 import types
+from concurrent import futures
 
 import grpc
 import pytest
@@ -16,7 +17,7 @@ from grpo_stream.common.episodes.stream import GroupRun
 from grpo_stream.common.runtime.errors import PermanentError, is_transient
 from grpo_stream.common.tasks.reward_workers import RewardWorker
 from grpo_stream.common.tasks.rewards import RewardSet
-from grpo_stream.protos import rollout_pb2
+from grpo_stream.protos import rollout_pb2, rollout_pb2_grpc
 from grpo_stream.sampler_service.group_sink import GroupSink
 from grpo_stream.sampler_service.lifecycle import SamplerMetrics
 from grpo_stream.sampler_service.rollout_client import IngestRefused, RolloutClient, SenderStopped
@@ -272,3 +273,69 @@ def test_an_evaluation_only_answer_is_sent_whatever_its_weights_age_or_epoch(mak
     assert client.put(group(2), timeout_s=1, epoch="old") and client.put(group(3), timeout_s=1)  # training groups
     assert client.drain(10)
     assert sent == ["g0", "g1"] and client.stats["dropped_epoch"] == 1 and client.stats["dropped_stale"] == 1
+
+
+class AckingIngest(rollout_pb2_grpc.RolloutIngestServicer):
+    """A real ingest servicer that acknowledges every group it receives."""
+
+    def __init__(self):
+        self.received = []
+
+    def StreamBatches(self, batches, context):
+        for batch in batches:
+            self.received.extend(g.group_id for g in batch.groups)
+            yield ack_all(batch, None)
+
+
+@pytest.fixture
+def small_message_ingest():
+    """A real gRPC ingest and a channel to it whose messages may carry 256 KiB (what 64 MiB is to a real run)."""
+    limit = 256 << 10
+    options = [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)]
+    server = grpc.server(futures.ThreadPoolExecutor(2), options=options)
+    ingest = AckingIngest()
+    rollout_pb2_grpc.add_RolloutIngestServicer_to_server(ingest, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=options)
+    clients = []
+
+    def make(**kw) -> RolloutClient:
+        client = RolloutClient(channel, 16, 16, max_batch_bytes=limit - 1024, **kw)
+        clients.append(client)
+        return client.start()
+
+    yield ingest, make
+    for client in clients:
+        client.close()
+    channel.close()
+    server.stop(0)
+
+
+def long_group(i: int, kib: int) -> rollout_pb2.RolloutGroup:
+    """A group whose completion's token ids take `kib` KiB (long completions)."""
+    completion = rollout_pb2.Completion(token_ids_le=b"\x01" * (kib << 10), logprobs_le=b"")
+    return rollout_pb2.RolloutGroup(group_id=f"g{i}", sampler_id="sampler-0", policy_version=0,
+                                    completions=[completion])
+
+
+def test_long_groups_are_sent_in_batches_the_channel_carries(small_message_ingest):
+    """Batches were capped by count alone: 6 groups of 100 KiB made one message over the channel's limit, which gRPC
+    fails as RESOURCE_EXHAUSTED (retried): the same batch went again for ever and nothing was acknowledged."""
+    ingest, make = small_message_ingest
+    client = make()
+    for i in range(6):
+        assert client.put(long_group(i, 100), timeout_s=1)
+    assert client.drain(20), f"unacknowledged: {client.unacked}, stats {dict(client.stats)}"
+    assert ingest.received == [f"g{i}" for i in range(6)] and client.stats["accepted"] == 6
+    assert client.stats["reconnects"] == 0
+
+
+def test_a_group_larger_than_a_message_is_dropped_with_the_settings_to_change(small_message_ingest, caplog):
+    ingest, make = small_message_ingest
+    client = make()
+    assert client.put(long_group(0, 10), timeout_s=1) and client.put(long_group(1, 300), timeout_s=1)
+    assert client.put(long_group(2, 10), timeout_s=1)
+    assert client.drain(20), f"unacknowledged: {client.unacked}, stats {dict(client.stats)}"
+    assert ingest.received == ["g0", "g2"] and client.stats["rejected_too_large"] == 1
+    assert "group g1 not sent" in caplog.text and "generation.max_new_tokens" in caplog.text

@@ -161,3 +161,28 @@ def test_an_on_group_that_raises_still_ends_its_group():
     with pytest.raises(ZeroDivisionError):
         run.episode_done(0, EpisodeResult(tokens=[1], finished=True))
     assert stream.in_flight() == [] and not stream.open()
+
+
+def test_a_turn_that_ends_wakes_a_feeder_waiting_for_room():
+    """A multi-turn episode's turn ending (its row off to a tool) frees an engine slot: the feeder waiting for room
+    is woken then, not at the end of its wait (the engine ran a slot short until the feeder's next look)."""
+    stream = RolloutStream(lambda rng, n: [None] * n, lambda run: None)
+    turns = []
+    stream.submit(types.SimpleNamespace(tag=types.SimpleNamespace(turn_done=lambda *args: turns.append(args))))
+    (request,) = stream.take()
+    assert stream.room(rows_in_flight=8, slots=1) == 0
+    waiting, woken = threading.Event(), threading.Event()
+
+    def feeder():
+        with stream._cond:  # wait_change's own wait, entered before the turn ends so no wake is missed
+            waiting.set()
+            stream._cond.wait(600)
+        woken.set()
+
+    thread = threading.Thread(target=feeder, daemon=True)
+    thread.start()
+    assert waiting.wait(30)
+    with stream._cond:  # the feeder is inside its wait once this lock is free again
+        pass
+    stream.finish(request, [1], [0.0], None, finished=False)
+    assert woken.wait(30) and len(turns) == 1 and stream.room(rows_in_flight=8, slots=1) == 1
