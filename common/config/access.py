@@ -15,6 +15,7 @@ TOKENS_ENV = "GRPO_STREAM_TOKENS_FILE"  # the servers' token table (a file path)
 TOKEN_ENV = "GRPO_STREAM_TOKEN"  # this process's own token as a client (the token itself)
 TOKEN_FILE_ENV = "GRPO_STREAM_TOKEN_FILE"  # ... or a file holding it
 REDIS_PASSWORD_ENV = "GRPO_STREAM_REDIS_PASSWORD"
+MAX_MESSAGE_BYTES = 64 << 20  # the largest gRPC message every channel and server of a run sends and takes
 
 
 class AuthSection(Strict):

@@ -17,12 +17,12 @@ from concurrent import futures
 
 import grpc
 
+from grpo_stream.common.config.access import MAX_MESSAGE_BYTES
 from grpo_stream.common.rpc.auth import AuthError, TokenTable, load_table, own_token
 from grpo_stream.common.rpc.call_guard import CallLimits, GuardInterceptor
 
 log = logging.getLogger(__name__)
 
-MAX_MESSAGE_BYTES = 64 << 20
 
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),

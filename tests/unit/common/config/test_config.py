@@ -48,6 +48,14 @@ def test_limits_are_enforced_with_field_names():
         load_config(None, ["generation.num_generations=1"])
 
 
+def test_a_group_too_large_for_one_rollout_message_is_refused_naming_both_fields():
+    """A group goes to the ingest whole, in one message: 256 completions of 32k tokens are 72 MiB, which no send can
+    carry (the sampler dropped every such group at run time, after the model had loaded and generated)."""
+    with pytest.raises(ConfigError, match=r"generation\.num_generations=256 .*generation\.max_new_tokens=32768 .*72 MiB"):
+        load_config(None, ["generation.num_generations=256", "generation.max_new_tokens=32768"])
+    assert load_config(None, ["generation.num_generations=16", "generation.max_new_tokens=32768"])
+
+
 def test_staleness_must_cover_publication_cadence():
     with pytest.raises(ConfigError, match=r"trainer.max_staleness=0 < trainer.publish_every-1=2"):
         load_config(None, ["trainer.max_staleness=0", "trainer.publish_every=3"])
