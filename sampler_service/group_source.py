@@ -168,6 +168,10 @@ class GroupSource:
         if not 1 <= len(p.prompt_token_ids) <= longest:
             return (f"prompt_token_ids: {len(p.prompt_token_ids)} tokens, and this sampler starts prompts of 1 to "
                     f"{longest} (generation.max_prompt_tokens: does the ingest's config differ from this sampler's?)")
+        vocab = self.tokenizer.vocab_size
+        if max(p.prompt_token_ids) >= vocab or min(p.prompt_token_ids) < 0:  # the model would read another row of
+            return (f"prompt_token_ids: ids outside 0..{vocab - 1}, this sampler's vocabulary (model.path: does "  # its
+                    "the ingest's tokenizer differ from this sampler's?)")  # embedding table: no error, wrong text
         return None
 
     def _refuse(self, p: rollout_pb2.InjectedPrompt, why: str) -> None:

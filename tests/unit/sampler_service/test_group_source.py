@@ -35,6 +35,8 @@ class FakeIngest:
 
 
 class WordTokenizer:
+    vocab_size = 100
+
     def encode(self, text):
         return [len(word) for word in text.split()]
 
@@ -176,6 +178,7 @@ def test_an_injected_prompt_wider_than_a_group_starts_while_the_feeder_runs_the_
     (0, [1, 2, 3], "num_generations 0: a group needs at least 1 row"),
     (2, [], "prompt_token_ids: 0 tokens"),
     (2, "too long", "generation.max_prompt_tokens"),
+    (2, [5, 10**6], "prompt_token_ids: ids outside 0.."),  # the embedding lookup clamps: no error, another token
 ])
 def test_an_injected_prompt_this_sampler_cannot_start_is_refused_once_logged_and_the_next_starts(
         small_cfg, monkeypatch, caplog, rows, ids, why):
