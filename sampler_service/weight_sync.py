@@ -207,6 +207,10 @@ class WeightSync:
         detail.info("%s fetching weight version %d (%.1f MB, %s)", self.sampler_id, manifest.version,
                     manifest.total_bytes / 1e6, manifest.transport)
         start = time.monotonic()
+        if self._base is not None and self._base[0] != manifest.trainer_epoch:
+            # a LoRA trainer's base (a whole model on the devices) is never merged into by another epoch: let it go
+            # before this version's bytes arrive, or a trainer restarted without model.lora leaves it held for good
+            self._base = None
         if manifest.HasField("adapters"):
             named, nbytes = self._merged(manifest)
         else:

@@ -109,9 +109,11 @@ def apply_lora(model: PolicyModel, params: Any, section: LoraSection, seed: int)
     adapted = dataclasses.replace(model, graphdef=graphdef, params=adapted_params)
     weights = _adapted_weights(adapted_module, section.rank)
     if not weights:
+        # the family's own paths: Gemma's attention is q_einsum / kv_einsum / attn_vec_einsum, not q_proj ...
         raise ValueError(f"model.lora.targets={section.targets!r} matched no projection of the {model.arch.family} "
-                         "model; module paths look like 'layers/0/attn/q_proj' (see grpo-stream config describe "
-                         "model for the default)")
+                         f"model; its module paths are {', '.join(_projection_paths(module, 'layers/0/'))} (and "
+                         "the same for every layer): match some of them, or leave model.lora.targets unset for the "
+                         "default (grpo-stream config describe model)")
     adapted = dataclasses.replace(adapted, params=_placed_like_weights(adapted, weights))
     return LoraPolicy(base=model, adapted=adapted, weights=tuple(weights), rank=section.rank,
                       scale=section.alpha / section.rank)
@@ -197,6 +199,17 @@ def _adapted_weights(module: nnx.Module, rank: int) -> list[AdaptedWeight]:
                                  "model.lora.targets")
             out.append(AdaptedWeight(*names, spec=spec))
     return out
+
+
+def _projection_paths(module: nnx.Module, prefix: str) -> list[str]:
+    """Paths under `prefix` of the modules holding a matrix (or higher) parameter: what model.lora.targets can match."""
+    out = []
+    for path, node in nnx.iter_graph(module):
+        name = "/".join(str(p) for p in path)
+        if isinstance(node, nnx.Module) and name.startswith(prefix) and any(
+                isinstance(v, nnx.Param) and len(v.shape) >= 2 for v in vars(node).values()):
+            out.append(name)
+    return sorted(out)
 
 
 def _einsum_delta(einsum_str: str, lora_str: str) -> str:

@@ -22,6 +22,7 @@ from grpo_stream.common.rollouts.buffer import RolloutBuffer
 from grpo_stream.common.rollouts.redis_errors import BufferUnavailable, is_out_of_memory
 from grpo_stream.common.runtime.backoff import StopRequested
 from grpo_stream.trainer_service.checkpoints.errors import RunRefused
+from grpo_stream.trainer_service.checkpoints.lora_base import check_settings
 from grpo_stream.trainer_service.checkpoints.store import TrainerCheckpoints
 from grpo_stream.trainer_service.learning.collector import when_available
 from grpo_stream.trainer_service.learning.rl_update import PolicyUpdater
@@ -50,6 +51,11 @@ def updater_state(updater: PolicyUpdater) -> dict:
         else:
             state["ref_adapters"] = updater.split(updater.ref_params)[0]
     return state
+
+
+def lora_settings(cfg: RunConfig) -> dict | None:
+    """The model.lora settings a LoRA run's adapters hold their meaning under (saved with its frozen base)."""
+    return None if cfg.model.lora is None else cfg.model.lora.model_dump()
 
 
 class Durability:
@@ -91,7 +97,7 @@ class Durability:
         frozen = updater.split(updater.params)[1]
         if frozen is not None and not self.base_saved:
             self.base_saved = True
-            self.checkpoints.save_base(frozen)
+            self.checkpoints.save_base(frozen, lora_settings(self.cfg))
         self.checkpoints.save(step, updater_state(updater), {
             "run": self.cfg.run.name, "epoch": self.epoch, "weight_version": step, "unsettled": unsettled,
             "data_position": dict(self.data_position), "buffer_position": self.buffer_position, **extra},
@@ -206,6 +212,8 @@ class Durability:
             raise RunRefused(f"checkpoint.dir {self.checkpoints.directory} holds checkpoints (steps "
                              f"{self.checkpoints.steps()}) and checkpoint.resume=false: choose a new checkpoint.dir "
                              "(and run.name) or resume")
+        if self.cfg.model.lora is not None:  # before any array is read: alpha alone changes no shape
+            check_settings(self.checkpoints.directory, lora_settings(cfg))
         restored = self.checkpoints.restore_latest(updater_like)
         if restored is None:
             return None

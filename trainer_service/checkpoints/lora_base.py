@@ -19,14 +19,17 @@ log = logging.getLogger(__name__)
 BASE_DIR = "lora-base"  # the frozen base of a LoRA run, written once
 
 
-def save_base(directory: epath.Path, frozen: Any, verify: bool) -> None:
+def save_base(directory: epath.Path, frozen: Any, verify: bool, settings: dict | None = None) -> None:
     """Write the frozen base weights (LoRA), synchronously, replacing any earlier one (a run that starts afresh
     in this directory may have warm-started another base; a resumed run reads it and never writes it). The step
-    checkpoints that follow hold the adapters only."""
+    checkpoints that follow hold the adapters only. `settings`: the run's model.lora (rank, alpha, targets), which
+    its adapters mean something under only (`check_settings`)."""
     path = directory / BASE_DIR
     (path / "record.json").unlink(missing_ok=True)  # from here until the new record: no base
     started = time.time()
     record = {"layout": tree_layout(frozen), "saved_unix": started}
+    if settings is not None:
+        record["lora"] = settings
     if verify:
         record["digest"] = tree_digest(frozen)
     checkpointer = ocp.StandardCheckpointer()
@@ -38,6 +41,25 @@ def save_base(directory: epath.Path, frozen: Any, verify: bool) -> None:
     tmp.write_text(json.dumps(record))
     tmp.rename(path / "record.json")
     log.info("LoRA: frozen base written to %s (%.1f s)", path, time.time() - started)
+
+
+def check_settings(directory: epath.Path, settings: dict) -> None:
+    """Raises CheckpointMismatch naming the field when the run's model.lora `settings` differ from those its frozen
+    base was saved with: another alpha leaves every shape alike, so the adapters would load and silently act at
+    another scale (W + alpha / rank A B), and another rank or targets would only be told as a layout change. A base
+    without a record, or saved without its settings, is left to `restore_base`."""
+    try:
+        saved = json.loads((directory / BASE_DIR / "record.json").read_text()).get("lora")
+    except Exception:  # noqa: BLE001 - missing or unreadable: restore_base says so, with the fix
+        return
+    if not isinstance(saved, dict):
+        return
+    for field, value in settings.items():
+        if field in saved and saved[field] != value:
+            raise CheckpointMismatch(
+                f"checkpoint.dir {directory}: its LoRA adapters were trained with model.lora.{field}="
+                f"{saved[field]!r}, and this config has model.lora.{field}={value!r}; set model.lora.{field}="
+                f"{saved[field]!r} to resume, or start a new run with another checkpoint.dir")
 
 
 def restore_base(directory: epath.Path, frozen_like: Any, verify: bool) -> Any:

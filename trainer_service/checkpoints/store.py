@@ -378,9 +378,9 @@ class TrainerCheckpoints:
         if problem is not None:
             raise CheckpointRejected(problem)
 
-    def save_base(self, frozen: Any) -> None:
-        """A LoRA run's frozen base, written once (lora_base.py)."""
-        save_base(self.directory, frozen, self.verify)
+    def save_base(self, frozen: Any, settings: dict | None = None) -> None:
+        """A LoRA run's frozen base, written once with the run's model.lora `settings` (lora_base.py)."""
+        save_base(self.directory, frozen, self.verify, settings)
 
     def restore_base(self, frozen_like: Any) -> Any:
         """The frozen base `save_base` wrote, placed like `frozen_like` (lora_base.py)."""

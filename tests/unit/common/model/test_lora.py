@@ -143,3 +143,17 @@ def test_the_default_targets_adapt_every_attention_projection_of_gemma(tmp_path,
     lora = apply_lora(model, model.params, LoraSection(), seed=0)
     assert len(attention) == (2 if family.endswith("mha") else 3)
     assert attention <= {w.weight for w in lora.weights}, attention - {w.weight for w in lora.weights}
+
+
+def test_targets_matching_nothing_are_answered_with_the_familys_own_module_paths(tmp_path):
+    """Gemma names its attention projections q_einsum / kv_einsum / attn_vec_einsum: a pattern written for Llama's
+    q_proj matches nothing there, and the error lists what it can match instead of another family's names."""
+    from grpo_stream.common.model.policy import load_hf_model  # noqa: PLC0415
+    from tests.unit.common.model.test_hf_checkpoint import make_hf_model  # noqa: PLC0415
+
+    make_hf_model(tmp_path, "gemma2-gqa", 0)
+    model = load_hf_model(str(tmp_path), "float32")
+    with pytest.raises(ValueError, match="model.lora.targets=.*matched no projection of the gemma2") as err:
+        apply_lora(model, model.params, LoraSection(targets=".*/(q_proj|v_proj)"), seed=0)
+    assert "layers/0/attn/q_einsum" in str(err.value) and "layers/0/mlp/down_proj" in str(err.value)
+    assert "q_proj" not in str(err.value).split("module paths")[1]  # never another family's names

@@ -28,7 +28,8 @@ class Buffer:
 
 
 def books(tmp_path, trained: int) -> tuple[Durability, Buffer]:
-    cfg = SimpleNamespace(run=SimpleNamespace(name="r1"), checkpoint=SimpleNamespace(resume=True))
+    cfg = SimpleNamespace(run=SimpleNamespace(name="r1"), checkpoint=SimpleNamespace(resume=True),
+                          model=SimpleNamespace(lora=None))
     buffer = Buffer(trained)
     return Durability(cfg, buffer, TrainerCheckpoints(str(tmp_path), keep=3, verify=True), "e2"), buffer
 

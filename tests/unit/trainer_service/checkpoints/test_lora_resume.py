@@ -1,0 +1,60 @@
+"""A LoRA run resumes only under the model.lora settings its adapters were trained with: another alpha changes no
+shape, so its adapters would load and silently act at another scale (W + alpha / rank A B)."""
+
+import re
+from types import SimpleNamespace
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from grpo_stream.common.config.learning import LoraSection
+from grpo_stream.trainer_service.checkpoints.durability import Durability
+from grpo_stream.trainer_service.checkpoints.errors import CheckpointMismatch
+from grpo_stream.trainer_service.checkpoints.store import TrainerCheckpoints
+
+
+class Buffer:
+    """What saving and resuming ask of the buffer."""
+
+    def check_fence(self):
+        pass
+
+    def settle(self, outcomes):
+        return len(list(outcomes))
+
+
+class Updater:
+    """A LoRA updater's state as the books see it: (adapters, frozen base) split and joined."""
+
+    def __init__(self, shift: float):
+        self.params = ((jnp.full((8, 2), shift), jnp.full((2, 8), shift)), (jnp.arange(64.0).reshape(8, 8),))
+        self.opt_state = {"mu": jnp.full((8, 2), shift)}
+        self.ref_params = None
+
+    def split(self, params):
+        return params
+
+    def join(self, train, frozen):
+        return (train, frozen)
+
+
+def books(tmp_path, lora: LoraSection) -> Durability:
+    cfg = SimpleNamespace(run=SimpleNamespace(name="r1"), checkpoint=SimpleNamespace(resume=True),
+                          model=SimpleNamespace(lora=lora))
+    return Durability(cfg, Buffer(), TrainerCheckpoints(str(tmp_path), keep=3, verify=False), "e1")
+
+
+@pytest.mark.parametrize("changed", [{"alpha": 8.0}, {"rank": 4}, {"targets": ".*/q_proj"}])
+def test_a_lora_run_resumed_with_other_settings_is_refused_naming_the_field(tmp_path, changed):
+    trained = LoraSection(rank=2, alpha=32.0)
+    first = books(tmp_path, trained)
+    first.save(1, Updater(1.0), {})
+    first.checkpoints.close()
+    field, value = next(iter(changed.items()))
+    was, now = (re.escape(f"model.lora.{field}={v!r}") for v in (getattr(trained, field), value))
+    with pytest.raises(CheckpointMismatch, match=f"trained with {was}, and this config has {now}; set {was} to resume"):
+        books(tmp_path, trained.model_copy(update=changed)).resume(Updater(0.0))
+    resumed = books(tmp_path, trained).resume(Updater(0.0))  # the run's own settings resume it
+    assert resumed.step == 1
+    np.testing.assert_array_equal(np.asarray(resumed.state["params"][0][0]), np.full((8, 2), 1.0))
