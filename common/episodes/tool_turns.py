@@ -88,7 +88,8 @@ class _Episode:
                 self._end(finished=result.turn_closed[-1])
             else:  # a turn cut at environment.turn_max_new_tokens is answered too, as verifiers-style ones are; one
                 self._step()  # closed on the budget's last token too: the environment may end it (else truncated)
-        except Exception as exc:  # noqa: BLE001 - a bug here ends this episode, never the sampler
+        except BaseException as exc:  # noqa: BLE001 - a bug here ends this episode, never the sampler (a worker
+            # thread: no interrupt to pass on; a SystemExit left in the future would leave the episode hanging)
             result.error = result.error or f"{type(exc).__name__}: {exc}"[:500]
             self._end(finished=False)
 
@@ -96,7 +97,9 @@ class _Episode:
         started = time.monotonic()
         try:
             ids = self._answer()
-        except Exception as exc:  # noqa: BLE001 - an environment's bug ends its episode, never the sampler
+        # BaseException: a SystemExit (model-written code calling exit() in an in-process tool) that escaped the
+        # worker's future left the episode neither ended nor continued, and its group in flight for ever
+        except BaseException as exc:  # noqa: BLE001 - an environment's bug ends its episode, never the sampler
             self.result.error = f"{type(exc).__name__}: {exc}"[:500]
             ids = None
         self.kind.add_environment_seconds(time.monotonic() - started)

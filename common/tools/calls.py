@@ -316,6 +316,8 @@ def _json_text(value: dict) -> str:
     except ValueError:  # NaN or an infinity: what the parser refuses (JSON has no such number)
         raise ValueError(f"{value!r} cannot be written as a tool call (a float that is not finite); use finite "
                          "numbers") from None
+    except RecursionError:  # a client's arguments nested past the recursion limit: said as such, not a crash
+        raise ValueError("a tool call's arguments are nested too deep to be written; nest them less") from None
 
 
 def _python_literal(value: Any) -> str:
@@ -323,3 +325,5 @@ def _python_literal(value: Any) -> str:
         return repr(_json_like(value))
     except TypeError as exc:
         raise ValueError(f"{value!r} cannot be written as a tool argument ({exc}); use JSON-like values") from None
+    except RecursionError:  # as _json_text's
+        raise ValueError("a tool argument is nested too deep to be written; nest it less") from None

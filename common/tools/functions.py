@@ -59,7 +59,8 @@ class Tool:
 
     def call(self, arguments: Mapping[str, Any], positional: Sequence[Any] = ()) -> str:
         """Runs the function on checked arguments and returns its result as text (str, or JSON for a dict, list
-        or tuple). Never raises an Exception: a bad argument or a failing function gives an "error: ..." text."""
+        or tuple). Never raises an Exception (nor SystemExit): a bad argument or a failing function gives an
+        "error: ..." text."""
         try:
             kwargs = self._checked(self._merged(arguments, positional))
         except _Rejected as exc:
@@ -68,7 +69,9 @@ class Tool:
             result = self.function(**kwargs)
             # written inside the guard too: a result Python cannot write (an integer of 5,000 digits) is a failure
             return json.dumps(result, default=str) if isinstance(result, (dict, list, tuple)) else str(result)
-        except Exception as exc:  # the function's failure is an observation, not the episode's end
+        # SystemExit too: model-written code calling exit() in an in-process tool is the call's failure, not the
+        # worker's (it escaped the episode and left its group in flight for ever)
+        except (Exception, SystemExit) as exc:  # the function's failure is an observation, not the episode's end
             return f"error: tool '{self.name}' failed: {type(exc).__name__}: {str(exc)[:200]}"
 
     def _merged(self, arguments: Mapping[str, Any], positional: Sequence[Any]) -> dict:

@@ -169,6 +169,8 @@ def _tool_call(call: dict, family: str) -> ToolCall:
             arguments = json.loads(arguments) if arguments.strip() else {}
         except ValueError:
             raise ValueError(f"the arguments of the call of {fn['name']!r} are not JSON") from None
+        except RecursionError:  # a client's JSON nested past the recursion limit: refused, naming the call
+            raise ValueError(f"the arguments of the call of {fn['name']!r} are JSON nested too deep") from None
     if not isinstance(arguments, dict):
         raise ValueError(f"the arguments of the call of {fn['name']!r} are not an object")
     arguments = dict(arguments)

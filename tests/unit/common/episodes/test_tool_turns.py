@@ -287,3 +287,22 @@ def test_a_turn_reward_that_is_not_finite_ends_its_episode_with_an_error(tiny_pa
     problem = task.train_problem(0)
     work = GroupWork(problem, tok.encode(problem.prompt), 1, RewardSet(DEFAULT_WEIGHTS), "g", 0, None)
     assert np.isfinite(build_group(work, [result], "s", tok, turn_weight=0.0).completions[0].reward)
+
+
+class Exiting:
+    """Its step raises SystemExit, as an in-process tool running model-written code that calls exit() does."""
+
+    def start(self, problem):
+        class Episode:
+            def step(self, text):
+                raise SystemExit(3)
+        return Episode()
+
+
+def test_an_environment_step_that_raises_system_exit_ends_its_episode(tiny_parts):
+    """SystemExit is no Exception: it escaped the worker (kept in the pool's future), and the episode was neither
+    ended nor continued, its group in flight for ever. Now it ends the episode with the error, as any raise does."""
+    tok = tiny_parts[2]
+    sampled = tok.encode(" 42") + [tok.eos_id]
+    result = _one_scripted_turn(tiny_parts, Exiting(), EpisodeSettings(4, 8, C), sampled)
+    assert result.error == "SystemExit: 3" and not result.finished and result.tokens == sampled

@@ -118,6 +118,17 @@ def test_unknown_family_and_what_a_format_cannot_carry():
     assert render_tool_call(ToolCall("add", {"a": 1}, (2,)), "plain") == "<call>add(2, a=1)</call>"
 
 
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_arguments_too_deep_to_write_are_a_value_error_not_a_recursion_error(family):
+    """render_tool_call (a client's assistant tool call written into a prompt) raised RecursionError for arguments
+    nested past the recursion limit, which no caller's `except ValueError` caught."""
+    deep: list = []
+    for _ in range(5000):
+        deep = [deep]
+    with pytest.raises(ValueError, match="nested too deep"):
+        render_tool_call(ToolCall("add", {"a": deep}), family)
+
 @pytest.mark.parametrize("family", ["qwen", "llama3"])
 @pytest.mark.parametrize("payload", ["9" * 5000, "[" * 100_000 + "]" * 100_000])
 def test_json_too_large_or_too_deep_is_a_malformed_call_not_a_crash(family, payload):

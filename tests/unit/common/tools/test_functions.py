@@ -145,6 +145,16 @@ def test_a_failing_function_is_an_error_text_and_nothing_is_evaluated():
     assert tool_from_function(search).call({"query": code}) == json.dumps(search(code))
 
 
+
+def test_a_function_that_exits_is_an_error_text_not_a_raise():
+    """An in-process tool running model-written code that calls exit() raised SystemExit, which is no Exception: it
+    escaped the episode's worker and left the episode (and its group) in flight for ever."""
+    def run(code: str) -> str:
+        exec(code, {})  # noqa: S102 - what a naive in-process tool does with the model's code
+        return "ran"
+
+    assert tool_from_function(run).call({"code": "exit(3)"}) == "error: tool 'run' failed: SystemExit: 3"
+
 def test_toolset_dispatch_and_positional_arguments():
     tools = ToolSet([add, tool_from_function(search)])
     assert tools.names() == ["add", "search"] and set(tools.tools) == {"add", "search"}

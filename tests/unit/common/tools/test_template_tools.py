@@ -88,6 +88,16 @@ def test_a_call_the_format_cannot_write_names_the_format(tokenizer_dirs):
         tok.render_chat([USER, answer], add_generation_prompt=False)
 
 
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_clients_call_arguments_nested_too_deep_are_refused_naming_the_call(family):
+    """JSON arguments nested past the recursion limit raised RecursionError out of the template's tool-call writer
+    (the endpoint's 400 then blamed the chat template); now a ValueError naming the call."""
+    call = {"function": {"name": "calculator", "arguments": "[" * 100_000 + "]" * 100_000}}
+    answer = {"role": "assistant", "content": "", "tool_calls": [call]}
+    with pytest.raises(ValueError, match="the call of 'calculator' are JSON nested too deep"):
+        for_template([USER, answer], TOOLS, family, ToolSupport(schemas=False, calls=False))
+
 @pytest.mark.parametrize("positional", [5, "ab", None, {"a": 1}])
 def test_plain_positional_arguments_that_are_not_a_list_are_named(positional):
     """A client's assistant message carries the 'plain' format's positional arguments as "_positional": anything but
