@@ -338,8 +338,8 @@ class TrainerCheckpoints:
         if abstract is not None and record.get("layout") not in (None, tree_layout(abstract)):
             raise CheckpointMismatch(
                 f"checkpoint.dir {self.directory}: the checkpoint of step {step} holds a different model or optimizer "
-                "state (parameter shapes, dtypes or the KL reference of algo.beta changed); restore the run's config "
-                "or start a new run with another checkpoint.dir")
+                "state (parameter shapes, dtypes, model.lora on or off, or the KL reference of algo.beta changed); "
+                "restore the run's config or start a new run with another checkpoint.dir")
         return record
 
     def _restore(self, step: int, abstract: Any, check_files: bool = True) -> Restored:
