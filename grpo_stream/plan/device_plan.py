@@ -255,8 +255,8 @@ def _need_bytes(cfg: RunConfig, p: ProcessPlan, figures: dict | None) -> int | N
         return int(figures["trainer"]["per_device_bytes"]["total"])
     if p.jax_on_gpu:
         return int(figures["sampler"]["per_device_bytes"]["total"]) if "sampler" in figures else None
-    weights = figures["trainer"]["parameters"] * (2 if cfg.sampler_dtype() == "bfloat16" else 4)
-    return int(VLLM_HEADROOM * (weights + vllm_kv_bytes(cfg, figures["architecture"])) / len(p.gpus))
+    weights = figures["trainer"]["parameters"] * (2 if cfg.sampler_dtype() == "bfloat16" else 4) / len(p.gpus)
+    return int(VLLM_HEADROOM * (weights + vllm_kv_bytes(cfg, figures["architecture"], len(p.gpus))))
 
 
 def _known_share(cfg: RunConfig, p: ProcessPlan, need: int | None, memory: int | None) -> float | None:
@@ -265,15 +265,17 @@ def _known_share(cfg: RunConfig, p: ProcessPlan, need: int | None, memory: int |
     return need / memory if need is not None and memory else None
 
 
-def vllm_kv_bytes(cfg: RunConfig, arch: Mapping) -> int:
-    """The KV cache a vLLM sampler needs for the sequences it decodes at once (its rows in flight, at most
-    sampler.vllm.max_num_seqs) x a rollout's prompt + completion x per-token KV; one of them at the engine's whole
-    context (its max_model_len) when the OpenAI endpoint's is longer: vLLM refuses to start with a cache that cannot
-    hold one sequence of max_model_len, and an endpoint request may be that long."""
+def vllm_kv_bytes(cfg: RunConfig, arch: Mapping, gpus: int = 1) -> int:
+    """The KV cache per GPU a vLLM sampler on `gpus` GPUs (its tensor_parallel_size) needs for the sequences it
+    decodes at once (its rows in flight, at most sampler.vllm.max_num_seqs) x a rollout's prompt + completion x
+    per-token KV; one of them at the engine's whole context (its max_model_len) when the OpenAI endpoint's is longer:
+    vLLM refuses to start with a cache that cannot hold one sequence of max_model_len, and an endpoint request may be
+    that long. Each GPU holds its share of the KV heads, at least one: with fewer KV heads than GPUs (Qwen2.5-1.5B's
+    2 on tp 4) vLLM replicates them, so the cache does not shrink with tp below that."""
     s, gen = cfg.sampler, cfg.generation
     seqs = min(s.vllm.max_num_seqs, cfg.rows_in_flight())
-    per_token = 2 * arch["num_layers"] * arch["num_kv_heads"] * arch["head_dim"] * (
-        2 if cfg.sampler_dtype() == "bfloat16" else 4)
+    heads = -(-arch["num_kv_heads"] // gpus)
+    per_token = 2 * arch["num_layers"] * heads * arch["head_dim"] * (2 if cfg.sampler_dtype() == "bfloat16" else 4)
     rollout = gen.max_prompt_tokens + gen.max_new_tokens
     return ((seqs - 1) * rollout + max(rollout, engine_context(cfg)[0])) * per_token
 
@@ -292,8 +294,8 @@ def _with_env(cfg: RunConfig, p: ProcessPlan, gpu_ids: tuple[str, ...], shared: 
         if p.share is not None and "gpu_memory_utilization" not in cfg.sampler.vllm.model_fields_set:
             overrides.append(f"sampler.vllm.gpu_memory_utilization={p.share}")
         if p.share is not None and figures and cfg.sampler.vllm.kv_cache_gib is None:
-            # vLLM's kv_cache_memory_bytes is per GPU: the largest request set's cache over its tp GPUs
-            kv = vllm_kv_bytes(cfg, figures["architecture"]) / len(p.gpus)
+            # vLLM's kv_cache_memory_bytes is per GPU: the largest request set's cache, each GPU's KV heads
+            kv = vllm_kv_bytes(cfg, figures["architecture"], len(p.gpus))
             overrides.append(f"sampler.vllm.kv_cache_gib={max(kv / GIB, 1 / 16):.3f}")
     elif p.share is not None or shared or cfg.hardware.shared_devices:
         env[PREALLOCATE] = "false"

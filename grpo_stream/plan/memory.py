@@ -22,6 +22,7 @@ import subprocess
 import sys
 
 from grpo_stream.common.config.hardware import CHIP_MEMORY_BYTES, CPU_CHIP, GIB
+from grpo_stream.common.config.loading import apply_overrides
 from grpo_stream.common.config.schema import RunConfig
 from grpo_stream.common.registry.transports import transport_spec
 from grpo_stream.plan.host_memory import host_estimates, host_fit, host_lines
@@ -95,7 +96,8 @@ def trainer_fixes(cfg: RunConfig, sizes: dict) -> list[str]:
                          f"accumulated (now {packing['rows']} sequences per pass)")
         fixes.append(f"generation.max_new_tokens below {cfg.generation.max_new_tokens}: activations grow with the "
                      "sequence length")
-    if cfg.model.lora is None and sizes["optimizer_state"] > 0.2 * sizes["total"]:
+    if cfg.model.lora is None and sizes["optimizer_state"] > 0.2 * sizes["total"] and accepted(
+            cfg, ["model.lora.rank=16"]):  # not with a multi-process trainer, which the loader refuses LoRA
         fixes.append(f"model.lora.rank=16: train low-rank adapters only; optimizer state, gradients and the "
                      f"reference copy shrink to the adapters' (about 1% of the model's: the optimizer state is now "
                      f"{gib(sizes['optimizer_state'])})")
@@ -124,13 +126,37 @@ def sampler_fixes(cfg: RunConfig, sizes: dict, slots: int) -> list[str]:
     if cfg.weights.background_fetch:
         fixes.append(f"weights.background_fetch=false: no second copy while a version arrives (saves "
                      f"{gib(sizes['fetch_buffer'])}; generation pauses during each fetch)")
-    if sizes["kv_cache"] > 0.2 * sizes["total"] and slots > 8:
-        fixes.append(f"generation.decode_slots={slots // 2} (or fewer sampler.rows_in_flight): half the KV cache "
-                     f"of {gib(sizes['kv_cache'])}")
+    fewer = fewer_rows(cfg, slots) if sizes["kv_cache"] > 0.2 * sizes["total"] and slots > 8 else None
+    if fewer is not None:
+        fixes.append(f"{' '.join(fewer)}: half the rows decoded at once, half the KV cache of "
+                     f"{gib(sizes['kv_cache'])}")
     if cfg.sampler_dtype() == "float32":
         fixes.append("sampler.dtype=bfloat16: halves the samplers' weights and KV cache (the trainer's dtype stays)")
     fixes.append(f"sampler.mesh.tp={2 * cfg.sampler.mesh.tp}: twice the devices share the weights")
     return fixes
+
+
+def accepted(cfg: RunConfig, overrides: list[str]) -> bool:
+    """Whether the config loader takes `cfg` with these dotted overrides: a fix is printed to be applied as it
+    stands, so one the loader would refuse is not offered."""
+    try:
+        RunConfig.model_validate(apply_overrides(cfg.model_dump(mode="json", exclude_unset=True), overrides))
+    except ValueError:  # pydantic's ValidationError and ConfigError are ValueErrors
+        return False
+    return True
+
+
+def fewer_rows(cfg: RunConfig, slots: int) -> list[str] | None:
+    """The overrides that halve the `slots` a sampler's KV cache holds, as the loader accepts them: the KV cache
+    holds min(generation.decode_slots, sampler.rows_in_flight) rows, so sampler.rows_in_flight where it sets them,
+    else generation.decode_slots, lowering rows_in_flight with it where it would exceed the slots (refused for
+    single-turn rows); None when half the slots would hold no group (generation.num_generations)."""
+    half, rows = slots // 2, cfg.sampler.rows_in_flight
+    candidates = [[f"sampler.rows_in_flight={half}"]] if rows is not None and rows < cfg.generation.decode_slots \
+        else []
+    candidates += [[f"generation.decode_slots={half}"],
+                   [f"generation.decode_slots={half}", f"sampler.rows_in_flight={half}"]]
+    return next((c for c in candidates if accepted(cfg, c)), None)
 
 
 def verdict(cfg: RunConfig, role: str, report: dict) -> dict:

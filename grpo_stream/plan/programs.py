@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import json
 import math
+import pathlib
 import sys
 import time
 from typing import Any
@@ -25,7 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from grpo_stream.common.config.schema import RunConfig
 from grpo_stream.common.engine import continuous
-from grpo_stream.common.engine.slot_programs import MIN_WINDOW, pow2_at_least
+from grpo_stream.common.engine.slot_programs import MIN_SLOTS, MIN_WINDOW, pow2_at_least
 from grpo_stream.common.registry.engines import engine_spec
 from grpo_stream.common.model.architectures import Architecture
 from grpo_stream.common.model.lora import abstract_lora, merge_named
@@ -51,8 +52,6 @@ def architecture(cfg: RunConfig) -> Architecture:
 
 def cached_config(hub_id: str):
     """The config.json of hub id `hub_id` in the local Hugging Face cache (no download), or None."""
-    import pathlib  # noqa: PLC0415
-
     if hub_id.count("/") != 1 or hub_id.startswith((".", "/")):
         return None
     from huggingface_hub import try_to_load_from_cache  # noqa: PLC0415 - deferred: a hub id only
@@ -66,8 +65,6 @@ def cached_config(hub_id: str):
 
 def checkpoint_architecture(path: str, field: str) -> Architecture:
     """The shape of the checkpoint at `path` (the setting `field`): its config.json, or a known one's by name."""
-    import pathlib  # noqa: PLC0415
-
     from grpo_stream.common.model.hf_checkpoint import read_architecture  # noqa: PLC0415
     from grpo_stream.common.model.known_architectures import KNOWN_CONFIGS, known_architecture  # noqa: PLC0415
 
@@ -252,14 +249,13 @@ def sampler_programs(cfg: RunConfig, arch: Architecture) -> dict:
     slots = engine.table.size_for(rows)
     window = engine.cache_len
     replicated = NamedSharding(mesh, PartitionSpec())
-    progress(f"sampler: compiling re-layout, prefill and decode ({slots} slots, {window}-token cache, tp "
-             f"{s.mesh.tp})")
+    progress(f"sampler: compiling re-layout, prefill and decode ({slots} slots, {window}-token cache, tp {s.mesh.tp})")
     started = time.time()
     relayout_compiled = engine.device.relayout.lower(model.params).compile()
     weights = jax.tree.map(lambda o, sh: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=sh),
                            jax.eval_shape(engine.device.relayout, model.params), relayout_compiled.output_shardings)
     engine.device.use_mesh(weights)  # the slot state on the sampler's mesh, as a serve lays it out
-    compiled, state = compiled_decode(engine, weights, slots, window, replicated)
+    compiled, states = compiled_decode(engine, weights, slots, window, replicated, long_group_slots(engine, slots))
     decode = analysed(compiled)
     # a run compiles the decode program once per slot count and window it decodes at: what one more costs
     decode_growth = (other_decodes(engine, weights, slots, window, replicated) if cfg.hardware.any_on_cpu()
@@ -274,13 +270,13 @@ def sampler_programs(cfg: RunConfig, arch: Architecture) -> dict:
     regroup = regroup_program(engine, slots, window, replicated)
     if regroup is not None:
         programs["regroup"] = regroup
-    params, relaid, kv = shard_bytes(model.params), shard_bytes(weights), shard_bytes(state)
+    params, relaid, kv = shard_bytes(model.params), shard_bytes(weights), shard_bytes(states)
     fetch = params if cfg.weights.background_fetch else 0  # the next version arrives beside the installed one
     extra = {"decode_chunk": decode["outputs"] - decode["aliased"] + decode["temporaries"],
              "prefill": prefill["peak"] - relaid,
              "relayout": relayout["outputs"] + relayout["temporaries"] - relaid}  # the old copy is freed first
     if regroup is not None:  # the smaller group, beside the full one it moves into, and the move's temporaries
-        extra["regroup"] = regroup["peak"] - shard_bytes(state)
+        extra["regroup"] = regroup["peak"] - shard_bytes(states[0])
     base = 0
     if cfg.model.lora is not None:  # the frozen base stays beside the merged weights; each version is merged into it
         base = params
@@ -295,6 +291,7 @@ def sampler_programs(cfg: RunConfig, arch: Architecture) -> dict:
                   "kv_cache": kv, "temporaries": max(extra.values())}
     per_device["total"] = params + fetch + base + relaid + kv + per_device["temporaries"]
     return {"devices": s.mesh.tp, "mesh": {"tp": s.mesh.tp}, "slots": slots, "cache_tokens": window,
+            "long_slots": states[1].length.shape[0] if len(states) > 1 else 0,
             "per_device_bytes": per_device, "programs": programs,
             "peak_program": max(extra, key=extra.get), "decode_compile": decode_growth,
             "decode_variants": {"sampler": decode_variants(engine, rows),
@@ -313,19 +310,28 @@ def slot_state(engine: continuous.ContinuousEngine, slots: int, window: int, rep
     return jax.tree.map(lambda o, sh: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=sh), shapes, placed)
 
 
-def compiled_decode(engine: continuous.ContinuousEngine, weights, slots: int, window: int, replicated):
-    """(the engine's decode program compiled for `slots` slots and a `window`-token cache, its slot state as abstract
-    arrays laid out as the engine makes them)."""
-    state = slot_state(engine, slots, window, replicated)
+def compiled_decode(engine: continuous.ContinuousEngine, weights, slots: int, window: int, replicated,
+                    long: int = 0):
+    """(the decode program compiled for `slots` slots and `long` of a second group at a `window`-token cache, their
+    slot states as abstract arrays laid out as the engine makes them)."""
+    states = tuple(slot_state(engine, n, window, replicated) for n in (slots, long) if n)
     scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
-    return engine.device.decode.lower(weights, (state,), scalar, windows=(window,)).compile(), state
+    return engine.device.decode.lower(weights, states, scalar, windows=(window,) * len(states)).compile(), states
+
+
+def long_group_slots(engine: continuous.ContinuousEngine, slots: int) -> int:
+    """Slots of the long group (decode_length_groups=2; else 0) beside a main group of `slots`, both at the whole
+    window at worst: the engine bounds the two only by decode_slots whole sequences (room with fewer rows)."""
+    if engine.table.length_groups < 2:
+        return 0
+    fits = [n for n in engine.table.ladder if MIN_SLOTS <= n <= min(slots, engine.slots - slots)]
+    return fits[-1] if fits else 0
 
 
 def regroup_program(engine: continuous.ContinuousEngine, slots: int, window: int, replicated) -> dict | None:
-    """The engine's move of a slot group's live sequences into a larger group (slot_table.py, _regroup: rows wait
-    while the group holds live ones), compiled from the ladder's next smaller size to `slots` at the whole window:
-    both groups are on the device until the move ends (1.75x the KV cache from 48 to 64 slots). None: no smaller
-    size."""
+    """The engine's move of a slot group's live sequences into a larger group (slot_table.py, _regroup), compiled
+    from the ladder's next smaller size to `slots` at the whole window: both groups are on the device until the move
+    ends (1.75x the KV cache from 48 to 64 slots). None: no smaller size."""
     smaller = [n for n in engine.table.ladder if n < slots]
     if not smaller:
         return None

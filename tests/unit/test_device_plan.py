@@ -187,3 +187,18 @@ def test_a_vllm_cache_holds_one_sequence_of_the_endpoints_longer_context():
     assert f"sampler.vllm.kv_cache_gib={kv / GIB:.3f}" in s.overrides and kv > 65536 * per_token
     plain = plan_devices(config(*overrides), ["0"], H100, plan_report(20, 10)).process("sampler-0")
     assert f"sampler.vllm.kv_cache_gib={16 * 1024 * per_token / GIB:.3f}" in plain.overrides  # no endpoint: as before
+
+
+def test_a_vllm_cache_over_more_gpus_than_kv_heads_keeps_a_whole_head_on_each():
+    """vLLM replicates KV heads when tensor_parallel_size exceeds them (Qwen2.5-1.5B: 2 KV heads, tp 4): each GPU
+    holds one head of every token, half the cache, not a quarter; a quarter would leave vLLM half the sequences."""
+    qwen = {"architecture": {"num_layers": 28, "num_kv_heads": 2, "head_dim": 128},
+            "trainer": {"parameters": 1_543_714_304, "per_device_bytes": {"total": 10 * GIB}}}
+    cfg = config("sampler.replicas=1", "sampler.engine=vllm", "sampler.vllm.tensor_parallel_size=4",
+                 "sampler.vllm.weight_install=files", "sampler.rows_in_flight=64", "generation.num_generations=8",
+                 "generation.max_prompt_tokens=256", "generation.max_new_tokens=768", "sampler.dtype=bfloat16")
+    s = plan_devices(cfg, ["0", "1", "2", "3"], H100, qwen).process("sampler-0")
+    assert s.gpus == (0, 1, 2, 3)  # beside the trainer on GPU 0: its cache is sized for it
+    kv = 64 * 1024 * 2 * 28 * 1 * 128 * 2  # sequences x tokens x (K and V) x layers x one KV head x head_dim x bf16
+    assert f"sampler.vllm.kv_cache_gib={kv / GIB:.3f}" in s.overrides
+    assert s.need_bytes == int(1.25 * (1_543_714_304 * 2 / 4 + kv))
