@@ -16,6 +16,7 @@ MAX_VERSION_HISTORY = 256  # installed versions kept per sampler (the lag metric
 SAMPLER_EXPIRY_S = 3600.0  # a sampler silent this long is forgotten (a restarted one reports again)
 MAX_PROCESSES = 64  # processes whose counts are kept apart per sampler id; older ones are summed under EARLIER
 EARLIER = "<earlier processes>"
+MAX_SAMPLER_ID_CHARS = 256  # ids are sampler-<k> or a token name; each is held whole (WeightService refuses longer)
 
 
 class SamplerRegistry:
