@@ -17,8 +17,14 @@ class MessageError(ValueError):
 def template_messages(messages: list[dict[str, Any]], where: str = "messages") -> list[dict[str, Any]]:
     """`messages` with text parts joined, 'developer' as 'system', tool-call arguments as objects (the templates
     write them with `tojson`), and `name` and `tool_call_id` kept. `where`: how errors name the list."""
+    if not isinstance(messages, list):  # a dataset row's prompt as plain text would be iterated per character
+        raise MessageError(f"{where}: a list of messages, each an object with a role and content, not "
+                           f"{type(messages).__name__}")
     out = []
     for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise MessageError(f"{where}[{i}].role: each message is an object with a role (system, user, assistant, "
+                               "tool) and content")
         message = {"role": "system" if m["role"] == "developer" else m["role"],
                    "content": _text(m.get("content"), f"{where}[{i}]")}
         if m.get("tool_calls"):

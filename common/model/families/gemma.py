@@ -18,7 +18,7 @@ import numpy as np
 from grpo_stream.common.model.families import llama_like
 from grpo_stream.common.model.families.record import (Architecture, ArchitectureError, DecodeSpec, HfRule,
                                                        ModelFamily, NameMap, TunixPatches, Unsupported, VllmSupport,
-                                                       family_named, field, rope_theta)
+                                                       check_heads, family_named, field, rope_theta)
 
 GEMMA2_MODULE, GEMMA3_MODULE = "tunix.models.gemma.model", "tunix.models.gemma3.model"
 PENDING_QKV = r"\.attn\._[qkv]$"  # q/k/v read but not yet assembled
@@ -26,8 +26,9 @@ _SLIDING, _FULL = "sliding_attention", "full_attention"
 # what transformers' Gemma2Config / Gemma3TextConfig take when config.json leaves a field out (a config written by
 # transformers names them all; a hand-written or stripped one may not, and must mean what transformers computes)
 _GEMMA2_DEFAULTS = {"query_pre_attn_scalar": 256, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
-                    "sliding_window": 4096}
-_GEMMA3_DEFAULTS = {"query_pre_attn_scalar": 256, "sliding_window": 4096, "sliding_window_pattern": 6}
+                    "sliding_window": 4096, "head_dim": 256}
+_GEMMA3_DEFAULTS = {"query_pre_attn_scalar": 256, "sliding_window": 4096, "sliding_window_pattern": 6,
+                    "head_dim": 256}
 
 
 def _given(config: dict, key: str, defaults: dict):
@@ -53,14 +54,18 @@ def _rope_type(config: dict) -> str:
 
 def parse_gemma2(config: dict, where: str) -> Architecture:
     """Gemma 2, within what Tunix's Gemma code computes (its constants are checked, not assumed)."""
-    head_dim = field(config, "head_dim", where)
+    head_dim = field(config, "head_dim", where, default=_GEMMA2_DEFAULTS["head_dim"])
     fixed = {"query_pre_attn_scalar": (_given(config, "query_pre_attn_scalar", _GEMMA2_DEFAULTS), head_dim),
              "rope_theta": (rope_theta(config, where), 10000.0),
              # transformers applies a scaling (linear, dynamic, ...) here; Tunix's Gemma 2 RoPE has none
              "rope_type": (_rope_type(config), "default"),
              "rms_norm_eps": (float(config.get("rms_norm_eps", 1e-6)), 1e-6),
              "hidden_activation": (config.get("hidden_activation", "gelu_pytorch_tanh"), "gelu_pytorch_tanh"),
-             "tie_word_embeddings": (bool(config.get("tie_word_embeddings", True)), True)}
+             "tie_word_embeddings": (bool(config.get("tie_word_embeddings", True)), True),
+             # q/k/v/o biases, which Tunix's Gemma has no weights for
+             "attention_bias": (bool(config.get("attention_bias")), False),
+             # transformers' sdpa attention (its default) then lets every token see the ones after it
+             "use_bidirectional_attention": (bool(config.get("use_bidirectional_attention")), False)}
     for key, (got, want) in fixed.items():
         if got != want:
             raise ArchitectureError(f"{where}: {key}={got!r}; Tunix's Gemma 2 code fixes it to {want!r} "
@@ -70,7 +75,7 @@ def parse_gemma2(config: dict, where: str) -> Architecture:
     if len(types) != layers or set(types) - {_SLIDING, _FULL}:
         raise ArchitectureError(f"{where}: layer_types must list sliding_attention/full_attention per layer")
     heads = field(config, "num_attention_heads", where)
-    return Architecture(
+    return check_heads(Architecture(
         family="gemma2", vocab_size=field(config, "vocab_size", where), num_layers=layers,
         embed_dim=field(config, "hidden_size", where), hidden_dim=field(config, "intermediate_size", where),
         num_heads=heads, num_kv_heads=field(config, "num_key_value_heads", where, default=heads), head_dim=head_dim,
@@ -78,12 +83,13 @@ def parse_gemma2(config: dict, where: str) -> Architecture:
         max_position_embeddings=field(config, "max_position_embeddings", where, default=8192),
         attn_softcap=_given(config, "attn_logit_softcapping", _GEMMA2_DEFAULTS),
         final_softcap=_given(config, "final_logit_softcapping", _GEMMA2_DEFAULTS),
-        sliding_window=_window(config, _GEMMA2_DEFAULTS, types, where), layer_types=types)
+        sliding_window=_window(config, _GEMMA2_DEFAULTS, types, where), layer_types=types), where)
 
 
 def parse_gemma3(config: dict, where: str) -> Architecture:
     """Gemma 3 text, within what Tunix's Gemma 3 code computes (5 sliding : 1 full layers, no soft caps)."""
-    head_dim, embed = field(config, "head_dim", where), field(config, "hidden_size", where)
+    head_dim = field(config, "head_dim", where, default=_GEMMA3_DEFAULTS["head_dim"])
+    embed = field(config, "hidden_size", where)
     heads, layers = field(config, "num_attention_heads", where), field(config, "num_hidden_layers", where)
     scalar = float(_given(config, "query_pre_attn_scalar", _GEMMA3_DEFAULTS))
     checks = {"rms_norm_eps": (float(config.get("rms_norm_eps", 1e-6)), [1e-6]),
@@ -91,6 +97,7 @@ def parse_gemma3(config: dict, where: str) -> Architecture:
               "attn_logit_softcapping": (config.get("attn_logit_softcapping"), [None]),
               "final_logit_softcapping": (config.get("final_logit_softcapping"), [None]),
               "tie_word_embeddings": (bool(config.get("tie_word_embeddings", True)), [True]),
+              "attention_bias": (bool(config.get("attention_bias")), [False]),
               # EmbeddingGemma's: every token attends to the ones after it too; Tunix's Gemma 3 is causal
               "use_bidirectional_attention": (bool(config.get("use_bidirectional_attention")), [False]),
               "query_pre_attn_scalar": (scalar, [float(head_dim), float(embed // heads)])}
@@ -111,7 +118,7 @@ def parse_gemma3(config: dict, where: str) -> Architecture:
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind not in ("default", "linear") or local.get("rope_type", "default") != "default":
         raise ArchitectureError(f"{where}: rope type {kind!r}; Gemma 3 supports default and linear scaling")
-    return Architecture(
+    return check_heads(Architecture(
         family="gemma3", vocab_size=field(config, "vocab_size", where), num_layers=layers, embed_dim=embed,
         hidden_dim=field(config, "intermediate_size", where), num_heads=heads,
         num_kv_heads=field(config, "num_key_value_heads", where, default=heads), head_dim=head_dim, norm_eps=1e-6,
@@ -120,7 +127,7 @@ def parse_gemma3(config: dict, where: str) -> Architecture:
         sliding_window=_window(config, _GEMMA3_DEFAULTS, types, where), layer_types=types,
         rope_local_theta=local_theta,
         rope_linear_factor=float(scaling.get("factor", 1.0)) if kind == "linear" else 1.0,
-        query_pre_attn_scalar=scalar)
+        query_pre_attn_scalar=scalar), where)
 
 
 def gemma2_hf_fields(arch: Architecture) -> dict:

@@ -10,18 +10,21 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from grpo_stream.common.model.families.record import Architecture, ArchitectureError, HfRule, field, rope_theta
+from grpo_stream.common.model.families.record import (Architecture, ArchitectureError, HfRule, check_heads, field,
+                                                       rope_theta)
 
 LLAMA3_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
 def parse(config: dict, where: str, *, family: str, code: str, refused_biases: tuple[str, ...] = (),
-          scalings: tuple[str, ...] = ()) -> Architecture:
+          scalings: tuple[str, ...] = (), head_dim_default: int | None = None) -> Architecture:
     """The Architecture of a Llama-like config.json. `refused_biases`: bias flags the family's Tunix code (named
-    `code` in messages) has no weights for; `scalings`: the rope_scaling types beyond none it implements."""
+    `code` in messages) has no weights for; `scalings`: the rope_scaling types beyond none it implements;
+    `head_dim_default`: the head_dim transformers' config class takes when config.json has none (None:
+    hidden_size // num_attention_heads)."""
     heads = field(config, "num_attention_heads", where)
     embed = field(config, "hidden_size", where)
-    head_dim = field(config, "head_dim", where, default=embed // heads if heads else None)
+    head_dim = field(config, "head_dim", where, default=head_dim_default or (embed // heads if heads else None))
     if config.get("hidden_act", "silu") != "silu":
         raise ArchitectureError(f"{where}: hidden_act={config['hidden_act']!r}; the {family} model code uses silu")
     set_biases = [key for key in refused_biases if config.get(key)]
@@ -39,10 +42,7 @@ def parse(config: dict, where: str, *, family: str, code: str, refused_biases: t
         tied_embeddings=bool(config.get("tie_word_embeddings", False)),
         rope_scaling=_rope_scaling(config, family, scalings, where),
         max_position_embeddings=field(config, "max_position_embeddings", where, default=32768))
-    if arch.num_heads % arch.num_kv_heads:
-        raise ArchitectureError(f"{where}: num_key_value_heads={arch.num_kv_heads} must divide "
-                                f"num_attention_heads={arch.num_heads}")
-    return arch
+    return check_heads(arch, where)
 
 
 def _rope_scaling(config: dict, family: str, scalings: tuple[str, ...], where: str) -> tuple:

@@ -50,8 +50,9 @@ QWEN2 = ModelFamily(
 
 QWEN3 = ModelFamily(
     family="qwen3", hf_architecture="Qwen3ForCausalLM", hf_model_type="qwen3",
+    # Qwen3Config's head_dim is 128 when config.json has none, not hidden_size / num_attention_heads
     parse_hf_config=functools.partial(llama_like.parse, family="qwen3", code="Qwen3",
-                                      refused_biases=("attention_bias",)),
+                                      refused_biases=("attention_bias",), head_dim_default=128),
     hf_config_fields=llama_like.hf_config_fields,
     tunix_module=QWEN3_MODULE, tunix_class="Qwen3", tunix_config=_qwen3_config,
     names=NameMap(from_hf=llama_like.hf_rules, to_hf=llama_like.to_hf),

@@ -205,6 +205,15 @@ def field(config: dict, key: str, where: str, kind: Callable = int, default: Any
         raise ArchitectureError(f"{where}: field '{key}'={value!r} is not a {kind.__name__}") from None
 
 
+def check_heads(arch: Architecture, where: str) -> Architecture:
+    """`arch`, once its KV heads are known to divide its query heads (grouped-query attention shares each KV head
+    among num_heads / num_kv_heads query heads; the model code's reshape would fail naming no field)."""
+    if arch.num_kv_heads < 1 or arch.num_heads % arch.num_kv_heads:
+        raise ArchitectureError(f"{where}: num_key_value_heads={arch.num_kv_heads} must divide "
+                                f"num_attention_heads={arch.num_heads}")
+    return arch
+
+
 def rope_theta(config: dict, where: str) -> float:
     # transformers 5 moved the base into rope_parameters; older configs have rope_theta at the top
     params = config.get("rope_parameters") or {}

@@ -20,6 +20,18 @@ def test_a_text_part_whose_text_is_not_a_string_is_refused_naming_it(text):
         template_messages(messages)
 
 
+@pytest.mark.parametrize("messages, field", [
+    ("What is 2+2?", r"row 0's prompt: a list of messages"),  # iterated per character: a TypeError naming nothing
+    ([{"content": "hi"}], r"row 0's prompt\[0\]\.role"),  # a bare KeyError 'role'
+    (["hi"], r"row 0's prompt\[0\]\.role"),
+    ([{"role": None, "content": "hi"}], r"row 0's prompt\[0\]\.role"),  # passed on to the template as None
+])
+def test_a_prompt_that_is_not_a_list_of_messages_is_refused_naming_it(messages, field):
+    """A verifiers dataset row's prompt reaches template_messages unchecked."""
+    with pytest.raises(MessageError, match=field):
+        template_messages(messages, "row 0's prompt")
+
+
 @pytest.mark.parametrize("header", ["Bearer tok", "bearer tok", "BEARER  tok "])
 def test_the_bearer_scheme_is_read_in_any_case(header):
     """RFC 7235: the scheme is case-insensitive; "bearer <token>" got a 401."""

@@ -5,7 +5,7 @@ from transformers'), and a field written as null means what transformers makes o
 import pytest
 
 from grpo_stream.common.model.architectures import ArchitectureError, from_hf_config
-from grpo_stream.common.model.families import GEMMA2, GEMMA3, LLAMA3, QWEN2
+from grpo_stream.common.model.families import FAMILIES, GEMMA2, GEMMA3, LLAMA3, QWEN2
 
 _SLIDING_GEMMA2 = ["sliding_attention", "full_attention"]
 
@@ -23,6 +23,11 @@ _SLIDING_GEMMA2 = ["sliding_attention", "full_attention"]
     (GEMMA2, {"sliding_window": None, "layer_types": _SLIDING_GEMMA2},
      "sliding_window=None; the sliding_attention layers need a window"),
     (GEMMA3, {"sliding_window": None}, "sliding_window=None; the sliding_attention layers need a window"),
+    # transformers' default (sdpa) Gemma 2 attention is then bidirectional: logits up to 0.5 away
+    (GEMMA2, {"use_bidirectional_attention": True}, "use_bidirectional_attention=True; Tunix's Gemma 2 code fixes"),
+    # q/k/v/o biases Tunix's Gemma code has no weights for: refused by config.json's field, not by a tensor's name
+    (GEMMA2, {"attention_bias": True}, "attention_bias=True; Tunix's Gemma 2 code fixes it to False"),
+    (GEMMA3, {"attention_bias": True}, "attention_bias=True; Tunix's Gemma 3 code supports only"),
 ])
 def test_configs_our_model_code_would_compute_differently_are_refused(record, edit, message):
     config = {**record.tiny_hf_config, **edit}
@@ -51,3 +56,22 @@ def test_fields_written_as_null_take_transformers_defaults(record):
     assert (arch.head_dim, arch.num_kv_heads) == (config["hidden_size"] // heads, heads)
     with pytest.raises(ArchitectureError, match="field 'hidden_size' is missing"):  # no default: still missing
         from_hf_config({**config, "hidden_size": None}, "config.json")
+
+
+@pytest.mark.parametrize("record", FAMILIES, ids=[f.family for f in FAMILIES])
+def test_a_config_without_head_dim_takes_the_head_dim_transformers_gives_it(record):
+    """Qwen3Config's default is 128 and Gemma's 256, not hidden_size / num_attention_heads (Qwen3's was read as 16
+    here, and its checkpoint then refused as not matching its own config.json)."""
+    transformers = pytest.importorskip("transformers")
+    config = {k: v for k, v in record.tiny_hf_config.items() if k not in ("head_dim", "query_pre_attn_scalar")}
+    theirs = transformers.AutoConfig.for_model(**config)
+    want = getattr(theirs, "head_dim", None) or config["hidden_size"] // config["num_attention_heads"]
+    assert from_hf_config(config, "config.json").head_dim == want
+
+
+@pytest.mark.parametrize("record", FAMILIES, ids=[f.family for f in FAMILIES])
+def test_kv_heads_that_do_not_divide_the_query_heads_are_refused_naming_the_field(record):
+    """Gemma's parsed, and its model then failed in a reshape naming no field."""
+    config = {**record.tiny_hf_config, "num_attention_heads": 4, "num_key_value_heads": 3}
+    with pytest.raises(ArchitectureError, match="num_key_value_heads=3 must divide num_attention_heads=4"):
+        from_hf_config(config, "config.json")
