@@ -23,9 +23,12 @@ class RequestRows:
     rows as it has sequences in flight, not one per request it ever took."""
 
     def __init__(self, pad_id: int, eos_ids: tuple[int, ...], cache_len: int, max_new_tokens: int,
-                 stats: collections.Counter):
+                 stats: collections.Counter,
+                 context_field: str = "generation.max_prompt_tokens + generation.max_new_tokens"):
+        """`context_field`: the setting that sized the cache (`cache_len` positions per sequence), named when a
+        request does not fit it."""
         self.pad_id, self.eos_ids, self.cache_len, self.max_new_tokens = pad_id, eos_ids, cache_len, max_new_tokens
-        self.stats = stats
+        self.stats, self.context_field = stats, context_field
         self.reset(None)
 
     def reset(self, source: RequestSource | None) -> None:
@@ -43,11 +46,13 @@ class RequestRows:
 
     def register(self, request: Request, versions: bool) -> int:
         """A row for a request taken from the source: its output buffers, and its prompt length for the windows."""
-        if not 0 < len(request.ids) < self.cache_len or not 1 <= request.budget <= self.max_new_tokens or \
-                len(request.ids) + request.budget > self.cache_len:
-            raise ValueError(f"request of {len(request.ids)} prompt tokens and a budget of {request.budget} does not "
-                             f"fit the cache of {self.cache_len} positions (generation.max_prompt_tokens + "
-                             "generation.max_new_tokens)")
+        if not 1 <= request.budget <= self.max_new_tokens:
+            raise ValueError(f"a request's budget of {request.budget} new tokens is outside 1..{self.max_new_tokens} "
+                             "(generation.max_new_tokens); ask for fewer tokens or raise generation.max_new_tokens")
+        if not 0 < len(request.ids) or len(request.ids) + request.budget > self.cache_len:
+            raise ValueError(f"a request of {len(request.ids)} prompt tokens and a budget of {request.budget} does not "
+                             f"fit the engine's {self.cache_len} cache positions per sequence ({self.context_field}); "
+                             f"shorten the prompt or its budget, or raise {self.context_field}")
         size = request.budget + (len(request.forced) if request.resume is not None and request.forced else 0)
         out = (np.full(size, self.pad_id, np.int32), np.zeros(size, np.float32),
                np.full(size, -1, np.int32) if versions else None)

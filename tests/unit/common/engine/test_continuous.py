@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from grpo_stream.bench.static_engine import StaticEngine
-from grpo_stream.common.engine.base import rows_decoding_mean
+from grpo_stream.common.engine.base import FixedRequests, Generation, Request, rows_decoding_mean
 from grpo_stream.common.engine.continuous import ContinuousEngine
 from grpo_stream.common.model.policy import sequence_logprobs
 from grpo_stream.trainer_service.learning.batching import layout
@@ -297,3 +297,20 @@ def test_release_drops_the_weights_their_layout_and_the_caches_of_the_last_serve
     assert freed >= snapshot_bytes, (held, freed, snapshot_bytes)  # at least the snapshot itself went
     assert live() - before <= -snapshot_bytes + 1024  # and nothing of the serve stayed (beyond a few scalars)
     engine.generate(model.params, prompts, jax.random.key(0))  # usable again
+
+
+def test_a_request_that_does_not_fit_the_cache_names_the_setting_that_sized_it(tiny_parts):
+    """An engine whose cache the endpoint's context sized refuses a longer request by naming that setting (not the
+    rollouts' prompt + completion), and a budget past generation.max_new_tokens by naming that one."""
+    cfg, _, tok, model = tiny_parts
+    c = cfg.generation.max_new_tokens
+    engine = ContinuousEngine(model, tok.pad_id, NO_EOS, cfg.generation.max_prompt_tokens, c, 1.0, slots=4,
+                              context_tokens=100, context_field="sampler.openai.max_context_tokens")
+    key = engine.request_keys(jax.random.key(0), 1)[0]
+    out = Generation(np.zeros((1, c), np.int32), np.zeros((1, c), np.float32), np.zeros(1, np.int32),
+                     np.zeros(1, np.bool_))
+    too_long = Request([5] * (engine.cache_len - c + 1), c, key, 0)
+    with pytest.raises(ValueError, match=r"\(sampler\.openai\.max_context_tokens\); shorten"):
+        engine.serve(model.params, FixedRequests([too_long], out))
+    with pytest.raises(ValueError, match=r"outside 1\.\.\d+ \(generation\.max_new_tokens\)"):
+        engine.serve(model.params, FixedRequests([Request([5, 6], c + 1, key, 0)], out))
