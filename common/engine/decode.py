@@ -165,19 +165,28 @@ def _rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
 
 
 def forward(model: PolicyModel, w: DecodeWeights, tokens: jax.Array, positions: jax.Array, cache: tuple,
-            slot: jax.Array | int, key_valid: jax.Array) -> tuple[jax.Array, tuple]:
-    """Logits [B, T, V] (float32) for `tokens` [B, T], writing their keys/values at cache slots slot..slot+T-1.
+            slot: jax.Array | int, key_valid: jax.Array, last: jax.Array | None = None) -> tuple[jax.Array, tuple]:
+    """Logits [B, T, V] (float32) for `tokens` [B, T], writing their keys/values at cache slots slot..slot+T-1;
+    with `last` [B], the logits [B, V] of each row's position last[b] only (a prefill's next token).
 
     `positions` [B, T] are RoPE positions; `key_valid` [B, T, S] says which of the
     first S cache slots each query may attend to (the caller's causal and padding
     mask; S may be shorter than the cache). `slot`: a scalar, or per row [B] when T = 1.
     """
-    logits, (cache,) = forward_groups(model, w, tokens, positions, (cache,), (slot,), (key_valid,))
+    logits, (cache,) = forward_groups(model, w, tokens, positions, (cache,), (slot,), (key_valid,), last=last)
     return logits, cache
 
 
+def _at(x: jax.Array, last: jax.Array | None) -> jax.Array:
+    """The final hidden states [B, T, E], or at each row's position `last` [B] only ([B, E]): a prefill needs one
+    position's logits a row, and the vocabulary-wide float32 logits of every prompt position were most of a sampler's
+    peak memory (`plan`: about 10 of Qwen2.5-1.5B's 11.8 GB)."""
+    return x if last is None else x[jnp.arange(x.shape[0]), last]
+
+
 def forward_groups(model: PolicyModel, w: DecodeWeights, tokens: jax.Array, positions: jax.Array, caches: tuple,
-                   slots: tuple, key_valids: tuple, ragged: bool = False) -> tuple[jax.Array, tuple]:
+                   slots: tuple, key_valids: tuple, ragged: bool = False,
+                   last: jax.Array | None = None) -> tuple[jax.Array, tuple]:
     """`forward` over rows that come in groups, each with its own cache (and so its own attention window): the rows
     of `tokens` are the groups' rows one group after another (group g has key_valids[g].shape[0] rows), the weight
     matmuls run once over all of them and attention per group. Returns the logits and the groups' caches.
@@ -186,7 +195,7 @@ def forward_groups(model: PolicyModel, w: DecodeWeights, tokens: jax.Array, posi
     CPU device): attention reads each row's own positions through the CPU kernel (cpu_attention.py) instead of the
     group's whole window."""
     if family_of(model.arch).decode.layout == "gemma":
-        return _forward_gemma(model, w, tokens, positions, caches, slots, key_valids, ragged)
+        return _forward_gemma(model, w, tokens, positions, caches, slots, key_valids, ragged, last)
     arch = model.arch
     b, t = tokens.shape
     heads, kv, d, eps = arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.norm_eps
@@ -208,7 +217,7 @@ def forward_groups(model: PolicyModel, w: DecodeWeights, tokens: jax.Array, posi
         gate_up = h @ layer.gate_up
         hidden = gate_up.shape[-1] // 2
         x = x + (jax.nn.silu(gate_up[..., :hidden]) * gate_up[..., hidden:]) @ layer.down
-    x = _rms_norm(x, w.final_norm, eps)
+    x = _rms_norm(_at(x, last), w.final_norm, eps)
     return (x @ w.lm_head).astype(jnp.float32), tuple(tuple(c) for c in new_caches)
 
 
@@ -267,7 +276,8 @@ def _attention(q, k, v, keys, values, slot, key_valid, kv: int, softcap: float |
     return attn.reshape(b, kv, group, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, heads * d), keys, values
 
 
-def _forward_gemma(model: PolicyModel, w: DecodeWeights, tokens, positions, caches, slots, key_valids, ragged=False):
+def _forward_gemma(model: PolicyModel, w: DecodeWeights, tokens, positions, caches, slots, key_valids, ragged=False,
+                   last=None):
     """Gemma 2 and 3: scaled embedding, (1 + w) norms around attention and MLP, tanh-GELU; Gemma 2 soft-caps
     logits, Gemma 3 normalises q and k and uses per-layer RoPE bases.
 
@@ -296,7 +306,7 @@ def _forward_gemma(model: PolicyModel, w: DecodeWeights, tokens, positions, cach
         hidden = gate_up.shape[-1] // 2
         mlp = (jax.nn.gelu(gate_up[..., :hidden], approximate=True) * gate_up[..., hidden:]) @ layer.down
         x = x + _rms_norm(mlp, layer.post_ffw_norm, eps)
-    logits = (_rms_norm(x, w.final_norm, eps) @ w.lm_head).astype(jnp.float32)
+    logits = (_rms_norm(_at(x, last), w.final_norm, eps) @ w.lm_head).astype(jnp.float32)
     if arch.final_softcap is not None:
         logits = jnp.tanh(logits / arch.final_softcap) * arch.final_softcap
     return logits, tuple(tuple(c) for c in new_caches)

@@ -163,8 +163,8 @@ class SlotPrograms:
         mask = jnp.tril(jnp.ones((p, p), jnp.bool_))[None] & valid[:, None, :]
         positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (n, p))
         cache = decode.init_cache(self.model, n, p, self.dtype)
-        logits, cache = decode.forward(self.model, weights, tokens, positions, cache, 0, mask)
-        return decode.pin_cache(cache), logits[jnp.arange(n), lengths - 1]
+        logits, cache = decode.forward(self.model, weights, tokens, positions, cache, 0, mask, last=lengths - 1)
+        return decode.pin_cache(cache), logits
 
     def _admit_rows(self, state: SlotState, prompt_cache, prompt_logits, slots, source, lengths, budgets, keys, holds,
                     greedy):
