@@ -146,7 +146,7 @@ def trainer_programs(cfg: RunConfig, arch: Architecture) -> dict:
     distill = teacher_report(cfg, updater) if teacher is not None else None
     if distill is not None:
         programs["teacher_logprobs"] = distill.pop("program")
-    gradients = min(train_bytes, step["temporaries"])  # the trained parameters' shapes; XLA counts them in temp
+    gradients = min(train_bytes * (2 if updater.master else 1), step["temporaries"])  # float32 with a master copy
     teacher_bytes = distill["parameters_bytes"] if distill is not None else 0
     # weights.publish_copy: a donating update leaves a copy of the trained parameters for the publication to read
     publication = train_bytes if donate and cfg.weights.publish_copy else 0

@@ -124,10 +124,13 @@ class PackedPrograms:
             (_, m), g = grad_fn(weights, fixed, *part, norm)
             tokens = {key: v.at[i].set(rows_of_slots(m.pop(key), part[0].starts, part[0].lengths, v.shape[-1]))
                       for key, v in tokens.items()}
-            return jax.tree.map(jnp.add, grads, u.pin(g)), merge_metrics(metrics, m), tokens
+            return jax.tree.map(lambda a, b: a + b.astype(a.dtype), grads, u.pin(g)), merge_metrics(metrics, m), tokens
 
+        # with a float32 master copy (bfloat16 weights) the passes' gradients are summed in float32, the dtype the
+        # update reads them in: summed in bfloat16, each pass after the first rounded the sum to 8 bits of mantissa
+        accumulated = (lambda x: jnp.float32) if u.master else (lambda x: x.dtype)  # noqa: E731
         with activation_sharding(u.mesh):  # traced with the model's activation constraints on the mesh
-            zeros = u.pin(jax.tree.map(jnp.zeros_like, train))
+            zeros = u.pin(jax.tree.map(lambda x: jnp.zeros(x.shape, accumulated(x)), train))
             start = {key: jnp.zeros(passes.loss_mask.shape, jnp.float32) for key in token_keys}
             grads, metrics, tokens = jax.lax.fori_loop(0, count, body, (zeros, metric_start(shapes), start))
             return grads, {**metrics, **tokens}

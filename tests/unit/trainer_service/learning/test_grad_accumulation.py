@@ -4,6 +4,8 @@ gradients of a minibatch's passes gives the update of one plain pass over the wh
 (injected groups of another size) leaves empty rows that count for nothing; a micro-batch size that does not divide
 the configured minibatch is refused, naming the field."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -92,6 +94,29 @@ def test_an_update_of_several_minibatches_with_gspo_matches_too(tiny_parts, roll
 def test_an_uneven_minibatch_leaves_empty_rows_that_count_for_nothing(tiny_parts, rollout):  # noqa: F811
     groups = rollout[:3]  # 3 groups of 4 rows: 12 sequences, passes of 8 leave 4 rows of the second empty
     assert_same(gradients(tiny_parts, groups, 8), gradients(tiny_parts, groups, None))
+
+
+def test_bfloat16_weights_sum_their_passes_gradients_in_float32(tiny_parts, rollout):  # noqa: F811
+    """bfloat16 weights trained through a float32 master copy: three passes of one same sequence sum to exactly three
+    times one pass's gradient. Summed in bfloat16, the third pass rounded the sum to 8 bits of mantissa (a minibatch
+    of many passes lost the small gradients of its later ones)."""
+    cfg, _, tok, model = tiny_parts
+    gen = cfg.generation
+    bf16 = dataclasses.replace(model, params=jax.tree.map(
+        lambda x: x.astype(jnp.bfloat16) if jnp.issubdtype(x.dtype, jnp.floating) else x, model.params))
+    batch, _ = build_batch(rollout, gen.max_prompt_tokens, gen.max_new_tokens, tok.pad_id, AlgoSection(),
+                           held_version=0)
+    batch = jax.tree.map(lambda x: np.repeat(x[:1], 3, axis=0), batch).replace(advantages=np.ones(3, np.float32))
+    layout = one_sequence_per_row(gen.max_prompt_tokens, gen.max_prompt_tokens + gen.max_new_tokens, 1, 3)
+    updater = PolicyUpdater(bf16, bf16.params, AlgoSection(), 1e-2, 1.0, gen.temperature, tok.pad_id, layout)
+    assert updater.master
+    (passes, _, norm), = updater.programs.place(pack_batch(batch, layout, 1, tok.pad_id))
+    summed = [updater.programs.gradients(*updater.split(updater.params), passes, jnp.int32(count), None, None, None,
+                                         norm)[0] for count in (1, 3)]
+    one, three = (jax.tree.leaves(g) for g in summed)
+    assert any(np.any(np.asarray(g, np.float32)) for g in one)
+    for a, b in zip(one, three):
+        np.testing.assert_array_equal(np.asarray(b, np.float32), 3 * np.asarray(a, np.float32))
 
 
 def test_a_micro_batch_size_that_does_not_divide_the_minibatch_is_refused():
