@@ -11,11 +11,8 @@ from grpo_stream.up.run import _prepare, device_plan, redacted_overrides
 from grpo_stream.up.run_lock import RunLock
 
 
-def test_the_config_record_keeps_no_secret_a_config_file_kept_private(tmp_path):
-    config = tmp_path / "private.yaml"  # the user's, mode 0600: an API key its environments need
-    config.write_text("hardware:\n  trainer_env:\n    WANDB_API_KEY: from-the-file-123\n")
-    config.chmod(0o600)
-    overrides = ["hardware.sampler_env.HF_TOKEN=from-the-command-456", "trainer.steps=3"]
+def prepared(tmp_path, config, overrides):
+    """The run directory after `up`'s preparation (ports, tokens, the config record) of `config` and `overrides`."""
     run_dir = tmp_path / "run"
     lock = RunLock.acquire(run_dir, "test")
     try:
@@ -23,6 +20,15 @@ def test_the_config_record_keeps_no_secret_a_config_file_kept_private(tmp_path):
         _prepare(cfg, config, overrides, run_dir, device_plan(cfg, run_dir), None, lock)
     finally:
         lock.release()
+    return run_dir
+
+
+def test_the_config_record_keeps_no_secret_a_config_file_kept_private(tmp_path):
+    config = tmp_path / "private.yaml"  # the user's, mode 0600: an API key its environments need
+    config.write_text("hardware:\n  trainer_env:\n    WANDB_API_KEY: from-the-file-123\n")
+    config.chmod(0o600)
+    overrides = ["hardware.sampler_env.HF_TOKEN=from-the-command-456", "trainer.steps=3"]
+    run_dir = prepared(tmp_path, config, overrides)
     text = (run_dir / "config.yaml").read_text()
     assert "from-the-file-123" not in text and "from-the-command-456" not in text
     record = yaml.safe_load(text)
@@ -54,13 +60,7 @@ def test_up_warns_of_a_secret_given_on_the_command_line_without_repeating_it(tmp
     every user of the machine, with no word of it. `up` cannot hide its own command line: it names the keys (never the
     values) and says where a secret belongs."""
     overrides = ["task.verifiers.args={api_key: sk-secret-1}", "hardware.sampler_env.HF_TOKEN=hf-2", "trainer.steps=3"]
-    run_dir = tmp_path / "run"
-    lock = RunLock.acquire(run_dir, "test")
-    try:
-        cfg = load_config(None, overrides)
-        _prepare(cfg, None, overrides, run_dir, device_plan(cfg, run_dir), None, lock)
-    finally:
-        lock.release()
+    prepared(tmp_path, None, overrides)
     said = capsys.readouterr().err
     assert "task.verifiers.args, hardware.sampler_env.HF_TOKEN given on the command line" in said
     assert "sk-secret-1" not in said and "hf-2" not in said and "trainer.steps" not in said and "mode 0600" in said
