@@ -179,15 +179,15 @@ def _is_pending(arch: Architecture, name: str) -> bool:
 HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.jinja", "*.txt"]
 
 
-def resolve_model_dir(path: str) -> pathlib.Path:
-    """A local model directory for `model.path`: the directory itself, or a Hugging Face hub id (`org/name`)
-    resolved through the local Hugging Face cache, downloading only where a network and permission exist
-    (HF_HUB_OFFLINE=1 keeps it to the cache)."""
+def resolve_model_dir(path: str, field: str = "model.path") -> pathlib.Path:
+    """A local model directory for `path` (the setting `field`, named in errors): the directory itself, or a Hugging
+    Face hub id (`org/name`) resolved through the local Hugging Face cache, downloading only where a network and
+    permission exist (HF_HUB_OFFLINE=1 keeps it to the cache)."""
     local = pathlib.Path(path)
     if local.is_dir():
         return local
     if local.is_absolute() or path.startswith(".") or path.count("/") != 1:
-        raise CheckpointError(f"model.path={path}: no such directory (and not a hub id like org/name)")
+        raise CheckpointError(f"{field}={path}: no such directory (and not a hub id like org/name)")
     # deferred: huggingface_hub, for a hub id only
     from huggingface_hub import snapshot_download  # noqa: PLC0415
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError  # noqa: PLC0415 - deferred: as above
@@ -198,14 +198,15 @@ def resolve_model_dir(path: str) -> pathlib.Path:
         # a relative org/name is also how a local directory not made yet reads (the shipped real-model configs')
         made_here = (" If it is a local directory not built yet, build it first (models/smollm2-135m-instruct: "
                      "`grpo-stream fixture smollm2`).")
-        raise CheckpointError(f"model.path={path}: not a local directory, and the hub/cache could not provide it "
+        raise CheckpointError(f"{field}={path}: not a local directory, and the hub/cache could not provide it "
                               f"({type(exc).__name__}: {str(exc)[:300]}).{made_here}") from None
 
 
-def read_architecture(directory: str | pathlib.Path) -> Architecture:
+def read_architecture(directory: str | pathlib.Path, field: str = "model.path") -> Architecture:
+    """The Architecture of `directory`'s config.json (the setting `field` points there, named in errors)."""
     path = pathlib.Path(directory) / "config.json"
     if not path.is_file():
-        raise CheckpointError(f"{directory}: no config.json; point model.path at a Hugging Face model directory")
+        raise CheckpointError(f"{directory}: no config.json; point {field} at a Hugging Face model directory")
     try:
         return from_hf_config(json.loads(path.read_text()), str(path))
     except json.JSONDecodeError as exc:

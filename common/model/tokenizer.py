@@ -130,6 +130,8 @@ class HFTokenizer:
     it is removed from the sampling distribution.
     """
 
+    FIELD = "model.path"  # the setting its errors name for the directory (a distillation teacher's: distill.teacher)
+
     def __init__(self, directory: str | pathlib.Path, pad_token: str | None = None, vocab_size: int | None = None,
                  tool_format: str | None = None):
         with _TRANSFORMERS_IMPORT:
@@ -145,7 +147,7 @@ class HFTokenizer:
         try:
             self._tok = loader.from_pretrained(str(directory), local_files_only=True)
         except (OSError, ValueError) as exc:
-            raise ValueError(f"model.path={directory}: no loadable tokenizer there ({exc})") from None
+            raise ValueError(f"{self.FIELD}={directory}: no loadable tokenizer there ({exc})") from None
         self.vocab_size = int(vocab_size or len(self._tok))
         self._eos = self._stop_ids(directory)
         self.pad_id = self._pad_id(directory, pad_token)
@@ -166,14 +168,15 @@ class HFTokenizer:
         outside = sorted(i for i in eos if i >= self.vocab_size)
         named = ", ".join(f"{self._tok.convert_ids_to_tokens(i)!r} (id {i})" for i in outside)
         if outside and eos - set(outside):
-            log.warning("model.path=%s: the stop tokens %s are past the model's %d embedding rows (config.json "
-                        "vocab_size) and are left out: the model cannot sample them", directory, named, self.vocab_size)
+            log.warning("%s=%s: the stop tokens %s are past the model's %d embedding rows (config.json "
+                        "vocab_size) and are left out: the model cannot sample them", self.FIELD, directory, named,
+                        self.vocab_size)
         elif outside:
-            raise ValueError(f"model.path={directory}: the stop tokens {named} are past the model's {self.vocab_size} "
-                             "embedding rows (config.json vocab_size): the model could never stop. Name a stop token "
-                             "of its vocabulary as eos_token_id in generation_config.json")
+            raise ValueError(f"{self.FIELD}={directory}: the stop tokens {named} are past the model's "
+                             f"{self.vocab_size} embedding rows (config.json vocab_size): the model could never "
+                             "stop. Name a stop token of its vocabulary as eos_token_id in generation_config.json")
         if not eos:
-            raise ValueError(f"model.path={directory}: the tokenizer defines no end-of-sequence token")
+            raise ValueError(f"{self.FIELD}={directory}: the tokenizer defines no end-of-sequence token")
         return sorted(eos - set(outside))
 
     def _pad_id(self, directory: pathlib.Path, pad_token: str | None) -> int:
@@ -238,14 +241,14 @@ class HFTokenizer:
             config = directory / "config.json"
             model_type = json.loads(config.read_text()).get("model_type") if config.exists() else None
             tool_format, why = template_tools.infer_tool_format(template, model_type)
-            log.info("model.path=%s: environment.tool_format unset; tool calls are written and parsed in the %r "
-                     "format (%s)", directory, tool_format, why)
+            log.info("%s=%s: environment.tool_format unset; tool calls are written and parsed in the %r "
+                     "format (%s)", self.FIELD, directory, tool_format, why)
         if not self.has_chat_template:
             return tool_format, template_tools.ToolSupport()
         support = template_tools.probe(self._template_text)
         if not support.complete:
-            log.warning("model.path=%s: its chat template does not write %s; they are written into the %s in the "
-                        "%r tool format (docs/tools.md), the calls as its parser reads them", directory,
+            log.warning("%s=%s: its chat template does not write %s; they are written into the %s in the "
+                        "%r tool format (docs/tools.md), the calls as its parser reads them", self.FIELD, directory,
                         support.missing(), " and ".join(where for where, written in (
                             ("system turn", support.schemas), ("assistant turns", support.calls)) if not written),
                         tool_format)

@@ -37,10 +37,13 @@ class Teacher:
 
 
 class TeacherTokenizer(HFTokenizer):
-    """The teacher's tokenizer as distillation uses it: only to compare with the student's. Its pad is the student's
-    pad token, looked up by text and never refused: the teacher never generates (its stops are never used) and scores
-    with the student's pad excluded, so the student's pad being one of the teacher's stops (an instruct student padding
-    with <|endoftext|>, a base teacher stopping at it) is no reason to refuse a teacher whose ids mean the same text."""
+    """The teacher's tokenizer as distillation uses it: only to compare with the student's (its errors name
+    distill.teacher). Its pad is the student's pad token, looked up by text and never refused: the teacher never
+    generates (its stops are never used) and scores with the student's pad excluded, so the student's pad being one
+    of the teacher's stops (an instruct student padding with <|endoftext|>, a base teacher stopping at it) is no reason
+    to refuse a teacher whose ids mean the same text."""
+
+    FIELD = "distill.teacher"
 
     def _pad_id(self, directory, pad_token) -> int:
         pad_id = self._tok.convert_tokens_to_ids(pad_token)
@@ -106,13 +109,11 @@ def check_teacher_tokenizer(cfg: RunConfig, student, directory) -> HFTokenizer:
     # never used), which is no reason to refuse it
     pad = PAD if cfg.model.kind != "hf" else next((t for t, i in student.vocab().items() if i == student.pad_id),
                                                   cfg.model.pad_token)
-    arch = read_architecture(directory)
+    arch = read_architecture(directory, "distill.teacher")
     try:
         teacher = TeacherTokenizer(directory, pad, vocab_size=arch.vocab_size)
-    except ValueError as exc:  # the tokenizer's messages name model.path, which here is distill.teacher's directory
-        why = str(exc).removeprefix(f"model.path={directory}: ")
-        raise ConfigError(f"distill.teacher={cfg.distill.teacher}: its tokenizer ({directory}) cannot be the "
-                          f"student's ({student_source(cfg)}): {why}") from None
+    except ValueError as exc:  # its messages name distill.teacher (TeacherTokenizer.FIELD)
+        raise ConfigError(f"{exc} (the teacher's tokenizer must be the student's: {student_source(cfg)})") from None
     differences = id_differences(student, teacher)
     if differences:
         raise ConfigError(f"distill.teacher={cfg.distill.teacher}: the teacher's tokenizer ({directory}) differs from "
@@ -143,15 +144,10 @@ def load_teacher(cfg: RunConfig, student_tokenizer, mesh) -> Teacher | None:
     d = cfg.distill
     if not d.enabled:
         return None
-    # the loaders' messages are model.path's (the student's field): here they are distill.teacher's
     try:
-        directory = resolve_model_dir(d.teacher)
+        directory = resolve_model_dir(d.teacher, "distill.teacher")
     except CheckpointError as exc:
-        why = str(exc).removeprefix(f"model.path={d.teacher}: ")
-        raise ConfigError(f"distill.teacher={d.teacher}: {why}") from None
-    if not (directory / "config.json").is_file():
-        raise ConfigError(f"distill.teacher={d.teacher}: {directory} has no config.json; point distill.teacher at a "
-                          "Hugging Face model directory (config.json, the tokenizer's files and *.safetensors)")
+        raise ConfigError(str(exc)) from None
     try:
         check_teacher_tokenizer(cfg, student_tokenizer, directory)
         model = load_hf_model(str(directory), cfg.model.dtype if d.dtype == "model" else d.dtype, mesh)
