@@ -12,6 +12,7 @@ import grpc
 from grpo_stream.common.rpc.auth import MAX_REPLICA, TokenTable, caller_of, may_act_as
 from grpo_stream.common.rpc.call_guard import Watchdog
 from grpo_stream.protos import weights_pb2, weights_pb2_grpc
+from grpo_stream.trainer_service.publication.grpc_transport_server.data_plane import STALL_TIMEOUT_S
 from grpo_stream.trainer_service.publication.grpc_transport_server.slices import FetchRefused, SliceServer
 from grpo_stream.trainer_service.publication.publisher import WeightPublisher
 from grpo_stream.trainer_service.publication.samplers import MAX_SAMPLER_ID_CHARS
@@ -28,7 +29,7 @@ class WeightService(weights_pb2_grpc.WeightServiceServicer):
     sampler's own deadline ends it first), cancels the call, as the TCP data plane ends its transfers."""
 
     def __init__(self, publisher: WeightPublisher, slices: SliceServer | None = None, table: TokenTable | None = None,
-                 stall_timeout_s: float = 60.0, transfer_timeout_s: float = 3600.0):
+                 stall_timeout_s: float = STALL_TIMEOUT_S, transfer_timeout_s: float = 3600.0):
         self.publisher, self.table = publisher, table
         self.slices = SliceServer(publisher) if slices is None else slices
         self.stall_timeout_s, self.transfer_timeout_s = stall_timeout_s, transfer_timeout_s

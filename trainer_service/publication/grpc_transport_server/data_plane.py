@@ -34,6 +34,8 @@ from grpo_stream.trainer_service.publication.publisher import WeightPublisher
 
 log = logging.getLogger(__name__)
 
+STALL_TIMEOUT_S = 60.0  # a peer that takes no bytes of a fetch this long stalled: its transfer ends (WeightService too)
+
 
 class WeightDataServer:
     """`workers` transfers at a time (an authorized request beyond them gets RESOURCE_EXHAUSTED at once and its
@@ -44,7 +46,7 @@ class WeightDataServer:
     def __init__(self, publisher: WeightPublisher, host: str, port: int = 0, workers: int = 16,
                  request_timeout_s: float = 5.0, transfer_timeout_s: float = 600.0, table: TokenTable | None = None,
                  ssl_context: ssl.SSLContext | None = None, max_pending: int = 256, slices: SliceServer | None = None,
-                 stall_timeout_s: float = 60.0):
+                 stall_timeout_s: float = STALL_TIMEOUT_S):
         """`publisher`: whose held versions it serves, and whose manifests announce its port; `table`: tokens a
         request must carry (None: no auth); `ssl_context`: serve over TLS; `slices`: how a request becomes slices
         and is paced (None: a SliceServer of `publisher` without a rate cap)."""
