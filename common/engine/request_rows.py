@@ -23,8 +23,7 @@ class RequestRows:
     rows as it has sequences in flight, not one per request it ever took."""
 
     def __init__(self, pad_id: int, eos_ids: tuple[int, ...], cache_len: int, max_new_tokens: int,
-                 stats: collections.Counter,
-                 context_field: str = "generation.max_prompt_tokens + generation.max_new_tokens"):
+                 stats: collections.Counter, context_field: str):
         """`context_field`: the setting that sized the cache (`cache_len` positions per sequence), named when a
         request does not fit it."""
         self.pad_id, self.eos_ids, self.cache_len, self.max_new_tokens = pad_id, eos_ids, cache_len, max_new_tokens
