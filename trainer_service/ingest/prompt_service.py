@@ -168,10 +168,13 @@ class PromptServicer(prompts_pb2_grpc.PromptServiceServicer):
         answer group) are read RECORDS_AT_ONCE at a time, so a follower of thousands holds a few in memory.
         `report_gone`: a prompt whose record left Redis before it was read (prompts.max_kept_results newer ones
         finished) is answered with an error saying so, never skipped (its follower waits for it)."""
-        wanted = [pid for pid, summary in zip(pids, summaries) if (summary is None and report_gone) or (
-            summary is not None and summary.get(b"state") in (b"done", b"cancelled") and (
-                tag is None or tag in record_tags(summary)) and (
-                owner is None or summary.get(b"client", b"").decode() == owner))]
+        def wanted_one(s) -> bool:
+            if s is None:
+                return report_gone
+            return s.get(b"state") in (b"done", b"cancelled") and (tag is None or tag in record_tags(s)) and (
+                owner is None or s.get(b"client", b"").decode() == owner)
+
+        wanted = [pid for pid, summary in zip(pids, summaries) if wanted_one(summary)]
         for start in range(0, len(wanted), RECORDS_AT_ONCE):
             chunk = wanted[start:start + RECORDS_AT_ONCE]
             for pid, record in zip(chunk, self.queue.records(chunk)):
