@@ -42,7 +42,7 @@ import typing
 
 import grpc
 
-from grpo_stream.common.rpc.grpc_util import MAX_MESSAGE_BYTES
+from grpo_stream.common.config.access import BATCH_BYTES
 from grpo_stream.common.runtime.backoff import Backoff
 from grpo_stream.common.runtime.errors import PermanentError, TransientError, is_transient
 from grpo_stream.protos import rollout_pb2, rollout_pb2_grpc
@@ -55,10 +55,9 @@ _OK, _INVALID, _EXHAUSTED = 0, grpc.StatusCode.INVALID_ARGUMENT.value[0], grpc.S
 # their own timeouts), so a minute of silence is a stream that hangs (a half-open connection, a peer that froze).
 ACK_TIMEOUT_S = 60.0
 CLOSE_TIMEOUT_S = 5.0  # close() waits this long for the sender thread (a daemon: it cannot hold up the exit)
-# The most bytes of groups one RolloutBatch carries: the channels' message limit less room for the batch's framing.
-# Batches were capped by count alone, and 16 long groups (16 completions of 32k tokens: 4 MiB each) made a message
-# over the limit, which gRPC fails as RESOURCE_EXHAUSTED (transient): the same batch was sent again for ever.
-BATCH_BYTES = MAX_MESSAGE_BYTES - (64 << 10)
+# BATCH_BYTES: the most bytes of groups one RolloutBatch carries. Batches were capped by count alone, and 16 long
+# groups (16 completions of 32k tokens: 4 MiB each) made a message over the limit, which gRPC fails as
+# RESOURCE_EXHAUSTED (transient): the same batch was sent again for ever.
 
 
 class _Queued(typing.NamedTuple):
@@ -197,8 +196,8 @@ class RolloutClient:
         self.stats["rejected_too_large"] += 1
         with self._lock:
             self._unacked -= 1
-        log.error("group %s not sent: %.1f MiB, over the %.1f MiB a rollout message may carry (common/rpc/grpc_util.py "
-                  "MAX_MESSAGE_BYTES); lower generation.max_new_tokens or generation.num_generations",
+        log.error("group %s not sent: %.1f MiB, over the %.1f MiB a rollout message may carry (common/config/access.py "
+                  "BATCH_BYTES); lower generation.max_new_tokens or generation.num_generations",
                   item.group.group_id, size / 2**20, self._max_batch_bytes / 2**20)
 
     def _fresh(self, groups: list) -> list:

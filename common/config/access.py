@@ -16,6 +16,7 @@ TOKEN_ENV = "GRPO_STREAM_TOKEN"  # this process's own token as a client (the tok
 TOKEN_FILE_ENV = "GRPO_STREAM_TOKEN_FILE"  # ... or a file holding it
 REDIS_PASSWORD_ENV = "GRPO_STREAM_REDIS_PASSWORD"
 MAX_MESSAGE_BYTES = 64 << 20  # the largest gRPC message every channel and server of a run sends and takes
+BATCH_BYTES = MAX_MESSAGE_BYTES - (64 << 10)  # the most bytes of groups one rollout message carries (its framing)
 
 
 class AuthSection(Strict):

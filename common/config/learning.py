@@ -8,7 +8,7 @@ from typing import Any, Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from grpo_stream.common.config.access import MAX_MESSAGE_BYTES
+from grpo_stream.common.config.access import BATCH_BYTES, MAX_MESSAGE_BYTES
 from grpo_stream.common.config.verifiers_settings import VerifiersSection
 from grpo_stream.common.config.base import FilePath, Strict
 from grpo_stream.common.config.names import TaskName
@@ -206,8 +206,8 @@ class GenerationSection(Strict):
     @model_validator(mode="after")
     def _group_fits_a_message(self) -> "GenerationSection":
         # a group travels whole in one message, 9 bytes a completion token at most (id, logprob, model mask)
-        largest = self.num_generations * self.max_new_tokens * 9 + self.max_prompt_tokens * 5 + (64 << 10)
-        if largest > MAX_MESSAGE_BYTES:
+        largest = self.num_generations * self.max_new_tokens * 9 + self.max_prompt_tokens * 5
+        if largest > BATCH_BYTES:
             raise ValueError(f"a group of generation.num_generations={self.num_generations} completions of up to "
                              f"generation.max_new_tokens={self.max_new_tokens} tokens can be {largest / 2**20:.0f} MiB, "
                              f"over the {MAX_MESSAGE_BYTES >> 20} MiB a rollout message carries; lower either")
