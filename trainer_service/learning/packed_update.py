@@ -128,9 +128,9 @@ class PackedPrograms:
 
         # with a float32 master copy (bfloat16 weights) the passes' gradients are summed in float32, the dtype the
         # update reads them in: summed in bfloat16, each pass after the first rounded the sum to 8 bits of mantissa
-        accumulated = (lambda x: jnp.float32) if u.master else (lambda x: x.dtype)  # noqa: E731
+        summed_in = jnp.float32 if u.master else None  # None: each parameter's own dtype
         with activation_sharding(u.mesh):  # traced with the model's activation constraints on the mesh
-            zeros = u.pin(jax.tree.map(lambda x: jnp.zeros(x.shape, accumulated(x)), train))
+            zeros = u.pin(jax.tree.map(lambda x: jnp.zeros(x.shape, summed_in or x.dtype), train))
             start = {key: jnp.zeros(passes.loss_mask.shape, jnp.float32) for key in token_keys}
             grads, metrics, tokens = jax.lax.fori_loop(0, count, body, (zeros, metric_start(shapes), start))
             return grads, {**metrics, **tokens}
