@@ -14,6 +14,7 @@ does, and keeps the verdict as counts in P:R:audit:compacted:
   below:<sampler>            every group of that sampler at or below this data position is compacted, except at
   holes:<sampler>            the positions the watermark passed that never held an accepted group (intervals
                              "lo-hi,..."): a late group there is accepted, not refused (compaction_holes.py)
+  checkpoints                checkpoint records folded: every trainer's but its newest, all the lineage reads
 
 Only groups the audit would call settled are removed: trained in exactly one lineage step up to `through_step`, or
 dropped (a drop is final). A group that is waiting, lost, trained twice or trained later stays, and so does every
@@ -39,6 +40,7 @@ from grpo_stream.common.rollouts.audit_trail import THROUGH_EPOCH_FIELD, read_co
 from grpo_stream.common.rollouts.fencing import LOST_FENCE, STALE_CODE, StaleTrainer
 
 DROPS = ("dropped_stale", "dropped_invalid", "dropped_filtered")
+CHECKPOINTS_FIELD = "checkpoints"  # checkpoint records folded (folded_checkpoints): each trainer's newest stays
 COMPACTED_COUNTS = ("accepted", "trained", *DROPS, "second_copies_dropped", "steps_rolled_back", "injected_train",
                     "injected_train_trained")
 
@@ -73,8 +75,11 @@ def lineage_windows(trainers: list[dict], checkpoints: list[dict]) -> list[tuple
     epoch = trainers[-1]["epoch"]
     saved = [int(c["step"]) for c in checkpoints if c["epoch"] == epoch]
     upto = max(saved, default=int(by_epoch[epoch]["from_step"]))
-    out = []
+    out, seen = [], set()
     while epoch:
+        if epoch in seen:  # only a hand-edited trail resumes in a circle: without this, an endless loop
+            raise ValueError(f"the audit trail's trainer starts resume in a circle through trainer {epoch}")
+        seen.add(epoch)
         start = by_epoch[epoch]
         out.append((epoch, int(start["from_step"]), upto))
         upto, epoch = int(start["from_step"]), start["from_epoch"]
@@ -191,7 +196,7 @@ def plan_compaction(through_step: int, previous_through: int, accepted: dict[str
     empty.held_back = _unaccounted(removed, rolled_back, accepted, evaluation_only)
     if empty.held_back:
         return empty
-    counts["steps_rolled_back"] = len(rolled_back)
+    counts["steps_rolled_back"] = distinct_steps(rolled_back)
     owner = next(epoch for epoch, after, upto in windows if after < through_step <= upto)
     return CompactionPlan(through_step, chosen, [rec["id"] for rec in removed], counts, new_below, holes=new_holes,
                           through_epoch=owner)
@@ -249,6 +254,27 @@ def _chosen(accepted: dict[str, dict], goes, below: dict[str, int]
     return chosen, new_below, passed
 
 
+def distinct_steps(records: list[dict]) -> int:
+    """How many (trainer epoch, step) the step or checkpoint `records` name: redis-py re-sends a command whose reply
+    was lost (a timeout, a dropped connection), so one step or checkpoint can have two records."""
+    return len({(rec["epoch"], int(rec["step"])) for rec in records})
+
+
+def folded_checkpoints(checkpoints: list[dict]) -> tuple[list[str], int]:
+    """(ids of the checkpoint records that go, how many checkpoints they record): all but each trainer's newest,
+    the only one the lineage reads (lineage_windows: the last trainer's newest step). One record per checkpoint for
+    the whole run otherwise: a long run with checkpoint.every=1 grew by ~35 bytes a step, and every compaction read
+    them all. A checkpoint recorded twice (distinct_steps) counts once."""
+    newest: dict[str, dict] = {}
+    for rec in checkpoints:
+        if rec["epoch"] not in newest or int(rec["step"]) > int(newest[rec["epoch"]]["step"]):
+            newest[rec["epoch"]] = rec
+    kept = {rec["id"] for rec in newest.values()}
+    gone = [rec for rec in checkpoints if rec["id"] not in kept]
+    folded = {(r["epoch"], int(r["step"])) for r in gone} - {(r["epoch"], int(r["step"])) for r in newest.values()}
+    return [rec["id"] for rec in gone], len(folded)
+
+
 def _groups(rec: dict) -> list[str]:
     groups = rec["groups"]
     return json.loads(groups) if isinstance(groups, str) else list(groups)
@@ -276,12 +302,12 @@ def compact_redis(client, k: dict[str, str], through_step: int, fence: tuple[str
     if through_step <= previous and not damaged:
         return CompactionPlan(previous, [], [], dict.fromkeys(counts, 0), {})
     trail = read_trail(client, k)
-    _, holes = read_compacted_fields(client, k["audit:compacted"])
-    through_epoch = text(client.hget(k["audit:compacted"], THROUGH_EPOCH_FIELD) or b"")
     damaged += trail["damaged"]
     if damaged:  # what compaction would fold or overwrite cannot be checked: the trail stays as it is
         return CompactionPlan(previous, [], [], dict.fromkeys(counts, 0), {}, held_back=(
             f"{len(damaged)} damaged records in the audit trail, e.g. {'; '.join(damaged[:3])}"))
+    _, holes = read_compacted_fields(client, k["audit:compacted"])
+    through_epoch = text(client.hget(k["audit:compacted"], THROUGH_EPOCH_FIELD) or b"")
     plan = plan_compaction(through_step, previous, trail["accepted"], trail["settled"], trail["second_copies"],
                            trail["steps"], trail["trainers"], trail["checkpoints"], trail["evaluation_only"], below,
                            holes, through_epoch)
@@ -304,6 +330,11 @@ def compact_redis(client, k: dict[str, str], through_step: int, fence: tuple[str
             pipe.hdel(key, *ids[i:i + 1000])
     for i in range(0, len(plan.step_records), 1000):
         pipe.xdel(k["audit:steps"], *plan.step_records[i:i + 1000])
+    gone, folded = folded_checkpoints(trail["checkpoints"])
+    if folded:
+        pipe.hincrby(k["audit:compacted"], CHECKPOINTS_FIELD, folded)
+    for i in range(0, len(gone), 1000):
+        pipe.xdel(k["audit:checkpoints"], *gone[i:i + 1000])
     try:
         pipe.execute()
     except redis.WatchError as exc:

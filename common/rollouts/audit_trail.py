@@ -74,8 +74,22 @@ def _shown(raw) -> str:
     return repr(text(raw)[:MAX_SHOWN])
 
 
+def kind_ok(client, key: str, kind: str, damaged: list[str] | None) -> bool:
+    """Whether `key` is absent or of `kind` (a Redis type); else described in `damaged`. Redis's own WRONGTYPE reply
+    names no key, and a read of one foreign key ended the audit (and every compaction) with it."""
+    found = text(client.type(key))
+    if found in ("none", kind):
+        return True
+    if damaged is not None:
+        damaged.append(f"{key} is a {found}, not the {kind} the audit trail keeps there (something other than "
+                       f"grpo-stream wrote it): restore it, or DEL {key} if it holds nothing of this run")
+    return False
+
+
 def _hash(client, key: str, parse, what: str, damaged: list[str]) -> dict:
     out = {}
+    if not kind_ok(client, key, "hash", damaged):
+        return out
     for field, raw in client.hscan_iter(key, count=1000):
         value = parse(text(raw))
         if value is None:
@@ -89,13 +103,15 @@ def _hash(client, key: str, parse, what: str, damaged: list[str]) -> dict:
 # what each stream's records must hold for the lineage and the audit: field -> check (None: damaged)
 _RECORD_FIELDS = {
     "audit:trainers": {"epoch": str, "from_step": _integer, "from_epoch": str},
-    "audit:steps": {"epoch": str, "step": _integer, "groups": _group_list},
     "audit:checkpoints": {"epoch": str, "step": _integer},
+    "audit:steps": {"epoch": str, "step": _integer, "groups": _group_list},  # read last: read_trail
 }
 
 
 def _records(client, key: str, fields: dict, damaged: list[str], record_ids: bool = False) -> list[dict]:
     out = []
+    if not kind_ok(client, key, "stream", damaged):
+        return out
     for rec in stream_records(client, key, record_ids=True):
         bad = [name for name, check in fields.items() if name not in rec or check(rec[name]) is None]
         if bad:
@@ -108,20 +124,29 @@ def _records(client, key: str, fields: dict, damaged: list[str], record_ids: boo
     return out
 
 
-def read_trail(client, k: dict[str, str]) -> dict:
+def read_trail(client, k: dict[str, str], waiting: bool = False) -> dict:
     """The audit trail of one run (keys `k`): accepted, settled, second_copies and evaluation_only by group id;
-    trainers, steps (with their stream ids) and checkpoints as records; `damaged`: descriptions of the records
-    left out (none for a trail grpo-stream wrote). What `audit` and compaction both read."""
+    trainers, checkpoints and steps (these two with their stream ids) as records; `damaged`: descriptions of the
+    records left out (none for a trail grpo-stream wrote). What `audit` and compaction both read. `waiting`: also the
+    group ids in the buffer's stream (`waiting`, a set).
+
+    A live run writes while this reads, key by key, so the order is chosen for the audit: the stream after the
+    accepted records and before the settled ones (a group settled in between is then seen waiting or settled, never
+    neither: it was reported lost), and the steps and checkpoints after the settled records (a group settled
+    trained is in a step and under a checkpoint read after it). A compaction in between is build_audit's to detect."""
     damaged: list[str] = []
-    trail = {
-        "accepted": _hash(client, k["audit:accepted"], _accepted, "a JSON object with a sampler and position",
-                          damaged),
+    trail: dict = {"accepted": _hash(client, k["audit:accepted"], _accepted,
+                                     "a JSON object with a sampler and position", damaged)}
+    if waiting:
+        trail["waiting"] = {rec.get("id") for rec in stream_records(client, k["rollouts"], only=("id",))} \
+            if kind_ok(client, k["rollouts"], "stream", damaged) else set()
+    trail.update({
         "settled": _hash(client, k["audit:settled"], lambda raw: _json_object(raw, ("outcome",)),
                          "a JSON object with an outcome", damaged),
         "second_copies": _hash(client, k["audit:duplicates"], _integer, "a count", damaged),
-        "evaluation_only": _hash(client, k["audit:eval"], _json_object, "a JSON object", damaged)}
+        "evaluation_only": _hash(client, k["audit:eval"], _json_object, "a JSON object", damaged)})
     for name, fields in _RECORD_FIELDS.items():
-        trail[name[len("audit:"):]] = _records(client, k[name], fields, damaged, record_ids=name == "audit:steps")
+        trail[name[len("audit:"):]] = _records(client, k[name], fields, damaged, record_ids=name != "audit:trainers")
     trail["damaged"] = damaged
     return trail
 
@@ -130,6 +155,8 @@ def read_compacted_fields(client, key: str, damaged: list[str] | None = None) ->
     """P:R:audit:compacted as ({field: count}, {sampler: holes}); a field that is no integer (or holes that are no
     "lo-hi,..." list) is left out and described in `damaged`."""
     numbers, holes = {}, {}
+    if not kind_ok(client, key, "hash", damaged):
+        return numbers, holes
     for field, raw in client.hgetall(key).items():
         name, value = text(field), text(raw)
         if name == THROUGH_EPOCH_FIELD:  # a trainer epoch, not a count (read by itself)
@@ -158,6 +185,8 @@ def group_records(client, k: dict[str, str], group_id: str) -> dict:
     damaged: list[str] = []
 
     def one(key: str, parse, what: str):
+        if not kind_ok(client, k[key], "hash", damaged):
+            return None
         raw = client.hget(k[key], group_id)
         if raw is None:
             return None

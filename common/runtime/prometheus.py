@@ -16,6 +16,7 @@ import threading
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, make_wsgi_app
+from prometheus_client.core import CounterMetricFamily
 
 log = logging.getLogger(__name__)
 PREFIX = "grpo_stream_"
@@ -99,6 +100,33 @@ class BoundedGauge:
         self._shown = set(shown)
 
 
+class CounterValues:
+    """Counters whose totals are kept elsewhere (the rollout buffer's counts in Redis, which outlive the trainer
+    process): each `set` gives the current totals by label value, served with the counter type and the `_total`
+    suffix. A prometheus_client Counter only counts up from this process's start, and a Gauge holding a count breaks
+    the conventions dashboards and `rate()` rely on (a counter is `_total` and typed counter)."""
+
+    def __init__(self, registry: CollectorRegistry, name: str, doc: str, label: str):
+        self.name, self.doc, self.label = name, doc, label
+        self._lock = threading.Lock()
+        self._values: dict[str, float] = {}
+        registry.register(self)
+
+    def set(self, values: dict[str, float]) -> None:
+        with self._lock:
+            self._values = {str(key): float(value) for key, value in values.items()}
+
+    def describe(self):
+        return [CounterMetricFamily(self.name, self.doc, labels=[self.label])]  # names, for the duplicate check
+
+    def collect(self):
+        family = CounterMetricFamily(self.name, self.doc, labels=[self.label])
+        with self._lock:
+            for key, value in sorted(self._values.items()):
+                family.add_metric([key], value)
+        yield family
+
+
 class ServiceMetrics:
     """Gauges and counters of one process, exposed at http://host:port/metrics once `start`ed."""
 
@@ -113,6 +141,10 @@ class ServiceMetrics:
 
     def counter(self, name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
         return Counter(PREFIX + name, doc, labels, registry=self.registry)
+
+    def counter_values(self, name: str, doc: str, label: str) -> CounterValues:
+        """Counters set from totals kept elsewhere (CounterValues); `name` without `_total`, which is added."""
+        return CounterValues(self.registry, PREFIX + name, doc, label)
 
     def start(self, host: str, port: int | None, setting: str = "metrics_port") -> int | None:
         """Serve on `port` (0 = a free one); None = do not serve. Returns the bound port; OSError naming `setting`

@@ -12,10 +12,10 @@ checkpoint, and so on. Steps a crash rolled back are not in it. Then, per accept
   waiting     still in the buffer, in no lineage step (a continued run trains or drops it)
   lost        none of these (the guarantee is broken)
 
-Groups and steps the trainer compacted (common/rollouts/audit_compaction.py: settled behind the acknowledged
-checkpoint, checked as above when compacted) are counted from P:R:audit:compacted; the lineage is rebuilt for the
-steps after it. The compacted steps must still be the final model's (a resume from a checkpoint before them rolled
-them back: `compacted.rolled_back`), and every entry in the buffer must have been accepted.
+Groups, steps and checkpoint records the trainer compacted (common/rollouts/audit_compaction.py: settled behind the
+acknowledged checkpoint, checked as above when compacted) are counted from P:R:audit:compacted; the lineage is
+rebuilt for the steps after it. The compacted steps must still be the final model's (a resume from a checkpoint
+before them rolled them back: `compacted.rolled_back`), and every entry in the buffer must have been accepted.
 
 Answers to injected prompts submitted with train=false are kept apart (P:R:audit:eval) and never enter the
 rollout stream; the audit checks that no trained step, of any trainer, lists one (else it is BROKEN), and counts
@@ -32,32 +32,35 @@ import sys
 
 import redis
 
-from grpo_stream.common.rollouts.audit_compaction import (compacted_rolled_back, lineage, lineage_windows,
-                                                          read_compacted)
-from grpo_stream.common.rollouts.audit_trail import (THROUGH_EPOCH_FIELD, group_records, read_compacted_fields,
-                                                     read_trail, stream_records, text)
+from grpo_stream.common.rollouts.audit_compaction import (CHECKPOINTS_FIELD, compacted_rolled_back, distinct_steps,
+                                                          lineage, lineage_windows, read_compacted)
+from grpo_stream.common.rollouts.audit_trail import (THROUGH_EPOCH_FIELD, group_records, kind_ok, read_compacted_fields,
+                                                     read_trail, text)
 from grpo_stream.common.rollouts.buffer import COUNTERS, REFUSALS, RUN_FILE, keys
 from grpo_stream.common.rollouts.kept_results import RELEASED_FIELD
 from grpo_stream.common.config.access import REDIS_PASSWORD_ENV
-from grpo_stream.trainer_service.reports.files import to_json, write_atomic
+from grpo_stream.common.runtime.files import to_json, write_atomic
 
 
 def build_audit(client: redis.Redis, run_name: str, prefix: str = "grpo-stream") -> dict:
     k = keys(prefix, run_name)
-    trail = read_trail(client, k)
-    accepted, settled, second_copies, evaluated = (trail[name] for name in (
-        "accepted", "settled", "second_copies", "evaluation_only"))
-    trainers, steps, checkpoints = trail["trainers"], trail["steps"], trail["checkpoints"]
-    waiting = {rec.get("id") for rec in stream_records(client, k["rollouts"], only=("id",))}
-    history, final_step = lineage(trainers, steps, checkpoints)
+    if not client.exists(*k.values()):  # a wrong --redis-url or db, a misspelt run, or a Redis that lost its data
+        raise ValueError(f"this Redis holds nothing of run {run_name!r} (no key {prefix}:{run_name}:*), so there is "
+                         "nothing to audit: point --redis-url at the run's Redis (and database), or restore its data")
     # what compaction folded (audit_compaction.py): steps up to `through` were checked then, as below
+    trail, through, compacted = _read_between_compactions(client, k)
+    accepted, settled, second_copies, evaluated, waiting = (trail[name] for name in (
+        "accepted", "settled", "second_copies", "evaluation_only", "waiting"))
+    trainers, steps, checkpoints = trail["trainers"], trail["steps"], trail["checkpoints"]
     damaged = trail["damaged"]  # records left out (audit_trail.py): the audit cannot vouch for what they describe
-    through, compacted, _ = read_compacted(client, k["audit:compacted"], damaged)
+    history, final_step, windows = _lineage(k, trainers, steps, checkpoints, damaged)
+    numbers = read_compacted_fields(client, k["audit:compacted"])[0]  # a wrong type: described above, read as {}
+    through_epoch = text(client.hget(k["audit:compacted"], THROUGH_EPOCH_FIELD) or b"") if kind_ok(
+        client, k["audit:compacted"], "hash", None) else ""
     # the folded steps must still be the final model's: a resume from before them rolled them back
-    rolled_back = compacted_rolled_back(lineage_windows(trainers, checkpoints), through,
-                                        text(client.hget(k["audit:compacted"], THROUGH_EPOCH_FIELD) or b""))
+    rolled_back = compacted_rolled_back(windows, through, through_epoch)
     # train=false answers whose prompts have left Redis (kept_results.py): counted, no longer checked against steps
-    released = read_compacted_fields(client, k["audit:compacted"])[0].get(RELEASED_FIELD, 0)
+    released = numbers.get(RELEASED_FIELD, 0)
     times = collections.Counter(g for groups in history.values() for g in groups)
     ever_trained = {g for rec in steps for g in json.loads(rec["groups"])}  # rolled-back steps included
     eval_trained = sorted(set(evaluated) & ever_trained)
@@ -75,12 +78,12 @@ def build_audit(client: redis.Redis, run_name: str, prefix: str = "grpo-stream")
         else:
             outcome[gid] = "lost"
     counts = collections.Counter(outcome.values())
-    raw = client.hgetall(k["counters"])
-    counters = {name: int(raw.get(name.encode(), 0)) for name in COUNTERS + REFUSALS}
+    counters = _counters(client, k["counters"], damaged)
     missing_steps = sorted(set(range(through + 1, final_step + 1)) - set(history))
     injected_train = [g for g, rec in accepted.items() if rec.get("prompt")]
     # only the ingest's append writes the stream, with the accepted record; compaction folds only settled groups
-    unaccepted_waiting = sorted(g for g in waiting if g is not None and g not in accepted)
+    unaccepted = _not_accepted_now(client, k, {g for g in waiting if g is not None} | set(times), accepted)
+    unaccepted_waiting = sorted(g for g in waiting if g in unaccepted)
     return {
         "run": run_name,
         "groups_accepted": len(accepted) + compacted["accepted"],
@@ -92,17 +95,18 @@ def build_audit(client: redis.Redis, run_name: str, prefix: str = "grpo-stream")
         "groups_trained_twice": counts["duplicated"],
         "second_copies_refused_by_ingest": counters["refused_duplicate"],
         "second_copies_dropped_by_trainer": sum(second_copies.values()) + compacted["second_copies_dropped"],
-        "trained_but_not_accepted": sorted(set(times) - set(accepted))[:20],
+        "trained_but_not_accepted": sorted(set(times) & unaccepted)[:20],
         "waiting_but_not_accepted": unaccepted_waiting[:20],
         "lost_ids": sorted(g for g, o in outcome.items() if o == "lost")[:20],
         "trained_twice_ids": sorted(g for g, o in outcome.items() if o == "duplicated")[:20],
         "final_step": final_step,
         "lineage_missing_steps": missing_steps[:20],
-        "trainer_starts": len(trainers),
-        "trainer_resumes": sum(1 for t in trainers if t["from_epoch"]),
-        "steps_rolled_back": len(steps) - len(history) + compacted["steps_rolled_back"],
+        # trainers, steps and checkpoints, not their records: one can have two (distinct_steps)
+        "trainer_starts": len({t["epoch"] for t in trainers}),
+        "trainer_resumes": len({t["epoch"] for t in trainers if t["from_epoch"]}),
+        "steps_rolled_back": distinct_steps(steps) - len(history) + compacted["steps_rolled_back"],
         "compacted": {"through_step": through, "groups": compacted["accepted"], "rolled_back": rolled_back},
-        "checkpoints_saved": len(checkpoints),
+        "checkpoints_saved": distinct_steps(checkpoints) + numbers.get(CHECKPOINTS_FIELD, 0),
         "damaged_records": damaged[:20],
         "counters": counters,
         "injected": {"evaluation_only": len(evaluated) + released, "evaluation_only_released": released,
@@ -110,9 +114,67 @@ def build_audit(client: redis.Redis, run_name: str, prefix: str = "grpo-stream")
                      "train": len(injected_train) + compacted["injected_train"],
                      "train_trained": sum(outcome[g] == "trained" for g in injected_train)
                      + compacted["injected_train_trained"]},
-        "ok": not counts["lost"] and not counts["duplicated"] and not missing_steps and not (set(times) - set(accepted))
+        "ok": not counts["lost"] and not counts["duplicated"] and not missing_steps and not (set(times) & unaccepted)
         and not eval_trained and not damaged and not unaccepted_waiting and not rolled_back,
     }
+
+
+LIVE_READS = 5  # reads of a live run's trail a compaction may interrupt before the audit gives up
+
+
+def _read_between_compactions(client: redis.Redis, k: dict[str, str]) -> tuple[dict, int, dict[str, int]]:
+    """(the trail with the stream's group ids, through_step, compacted counts), read with no compaction in between:
+    one that landed mid-read (the trainer of a live run compacts at every acknowledged checkpoint) folded groups the
+    trail was read with and without, and the audit reported them lost or counted them twice. Compaction always moves
+    through_step, so a read it interrupted is read again."""
+    for _ in range(LIVE_READS):
+        before = read_compacted(client, k["audit:compacted"])[0]
+        trail = read_trail(client, k, waiting=True)
+        through, compacted, _ = read_compacted(client, k["audit:compacted"], trail["damaged"])
+        if through == before:
+            return trail, through, compacted
+    raise RuntimeError(f"{k['audit:compacted']}: the trainer compacted the audit trail during each of {LIVE_READS} "
+                       "reads of it; run audit again (or once the run has stopped)")
+
+
+def _not_accepted_now(client: redis.Redis, k: dict[str, str], ids: set[str], accepted: dict) -> set[str]:
+    """Of `ids` (in the stream or in a step), those with no accepted record, even now: a live run's ingest appends
+    while the audit reads, and a group appended after the accepted records were read is in the stream (or already
+    in a step) read later without being one."""
+    ids = sorted(set(ids) - set(accepted))
+    if not ids or not kind_ok(client, k["audit:accepted"], "hash", None):
+        return set(ids)
+    return {g for i in range(0, len(ids), 1000)
+            for g, raw in zip(ids[i:i + 1000], client.hmget(k["audit:accepted"], ids[i:i + 1000])) if raw is None}
+
+
+def _lineage(k: dict[str, str], trainers: list[dict], steps: list[dict], checkpoints: list[dict], damaged: list[str]
+             ) -> tuple[dict[int, list[str]], int, list]:
+    """lineage() and lineage_windows(), or a ValueError (audit exits 2: it could not judge) naming the trainer
+    records and the damaged ones left out (a trainer's start record among them ended the audit with a bare
+    "no start record", naming neither)."""
+    try:
+        return (*lineage(trainers, steps, checkpoints), lineage_windows(trainers, checkpoints))
+    except ValueError as exc:
+        why = (f"damaged records were left out: {'; '.join(damaged[:5])}" if damaged else
+               f"restore the trainer's start record (XADD {k['audit:trainers']} * epoch E from_step N from_epoch F)")
+        raise ValueError(f"{k['audit:trainers']}: {exc}, so the final model's lineage cannot be rebuilt; {why}") \
+            from None
+
+
+def _counters(client: redis.Redis, key: str, damaged: list[str]) -> dict[str, int]:
+    """The buffer's counters; one that is no integer reads 0 and is described in `damaged` (a bare int() ended the
+    audit with "invalid literal for int()", naming no key)."""
+    raw = client.hgetall(key) if kind_ok(client, key, "hash", damaged) else {}
+    out = {}
+    for name in COUNTERS + REFUSALS:
+        try:
+            out[name] = int(raw.get(name.encode(), 0))
+        except ValueError:
+            out[name] = 0
+            damaged.append(f"{key} field {name!r} holds {text(raw[name.encode()])[:40]!r}, not an integer: restore it "
+                           f"(HSET {key} {name} N)")
+    return out
 
 
 def group_history(client: redis.Redis, run_name: str, group_id: str, prefix: str = "grpo-stream") -> dict:
@@ -205,7 +267,7 @@ def run_audit(run_dir: pathlib.Path, redis_url: str | None, group: str | None, j
             server.stop()
             lock.release()
     path = json_path or run_dir / "audit.json"
-    write_atomic(path, to_json(report, indent=2))  # whole or not at all (trainer_service/reports/files.py)
+    write_atomic(path, to_json(report, indent=2))  # whole or not at all (common/runtime/files.py)
     d = report["groups_dropped"]
     print(f"run {run_name}: {report['groups_accepted']} groups accepted = {report['groups_trained']} trained + "
           f"{sum(d.values())} dropped (stale {d['dropped_stale']}, invalid {d['dropped_invalid']}, zero-variance "

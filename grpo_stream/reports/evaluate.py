@@ -14,7 +14,7 @@ import pathlib
 import time
 
 from grpo_stream.common.config.schema import RunConfig
-from grpo_stream.trainer_service.reports.files import to_json, write_atomic
+from grpo_stream.common.runtime.files import to_json, write_atomic
 
 log = logging.getLogger("grpo_stream.eval")
 

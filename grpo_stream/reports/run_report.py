@@ -12,7 +12,7 @@ import math
 import pathlib
 import sys
 
-from grpo_stream.trainer_service.reports.files import to_json, write_atomic
+from grpo_stream.common.runtime.files import to_json, write_atomic
 
 # plot name -> (title, series). Every series is plotted only if it moves; one that is constant over the run is
 # listed in report.md with its value and, where CONSTANT_BECAUSE knows, why (and the plots.json index says so).

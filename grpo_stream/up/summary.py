@@ -20,7 +20,7 @@ from grpo_stream.common.runtime.errors import EXIT_FAILURE, EXIT_INTERRUPTED, EX
 from grpo_stream.up.relay import say_now
 from grpo_stream.up.supervise import Outcome
 from grpo_stream.common.tasks.rewards import scored_by
-from grpo_stream.trainer_service.reports.files import to_json, write_atomic
+from grpo_stream.common.runtime.files import to_json, write_atomic
 from grpo_stream.trainer_service.reports.run_outputs import wasted_fraction
 
 
@@ -74,6 +74,11 @@ class RunSummary:
                     f"{self.log_of(end.outcome.process)}", sys.stderr)
         elif end.outcome.reason == "permanent":
             say_now(f"grpo-stream up: {end.outcome.process} failed permanently: {end.outcome.message}", sys.stderr)
+        elif end.outcome.reason == "interrupted" and not written:  # a stop, not a trainer failure: a trainer told to
+            # stop while it was starting (before its handler was in place) ends by the signal, with no summary
+            say_now(f"grpo-stream up: stopped by a signal before the trainer wrote its summary (trainer exit code "
+                    f"{end.trainer_code}); run the same command on {self.path.parent} to resume; see {end.trainer_log}",
+                    sys.stderr)
         elif not written:
             say_now(f"grpo-stream up: trainer exited with code {end.trainer_code}; see {end.trainer_log}", sys.stderr)
         elif end.outcome.reason == "done" and failed_samplers:
@@ -99,12 +104,16 @@ class RunSummary:
         # this run's samplers only: a file of an earlier `up` here (more replicas then, or a sampler that did not
         # write its file this time) says nothing of this one
         files = [run_dir / f"sampler-{i}.json" for i in range(self.cfg.sampler.replicas)]
-        summary["samplers"] = {p.stem: json.loads(p.read_text()) for p in files
-                               if p.exists() and p.stat().st_mtime >= self.started}
-        if summary["samplers"] and all("groups_generated" in s for s in summary["samplers"].values()):
+        reports = {p.stem: sampler_report(p) for p in files if p.exists() and p.stat().st_mtime >= self.started}
+        summary["samplers"] = {name: doc for name, doc in reports.items() if doc is not None}
+        damaged = sorted(name for name, doc in reports.items() if doc is None)
+        if damaged:
+            summary["samplers_damaged"] = damaged
+        counted = all("groups_generated" in s for s in summary["samplers"].values())
+        if summary["samplers"] and counted and not damaged:
             # the samplers' own final counts (their last reports to the trainer may miss the last batches); each
             # file is its sampler's last process's, so the trainer's count, which adds up restarted processes, is
-            # the floor
+            # the floor. A damaged file's count is unknown: the trainer's count stands then
             generated = max(sum(s["groups_generated"] for s in summary["samplers"].values()),
                             summary.get("groups_generated") or 0)
             summary["groups_generated"] = generated
@@ -112,6 +121,23 @@ class RunSummary:
                 generated, (summary["steps"] - (summary["resumed_from"] or {}).get("step", 0))
                 * self.cfg.trainer.groups_per_step)
         return summary
+
+
+def sampler_report(path: pathlib.Path) -> dict | None:
+    """A sampler's final report (RUN_DIR/sampler-<index>.json), or None with a warning naming it when the file holds
+    no JSON object: `up` stops a sampler still running FINISH_S after the trainer finished, and one killed while
+    writing its file leaves it cut short. The run ended; that one file must not cost it the rest of its summary."""
+    try:
+        doc = json.loads(path.read_text(errors="replace"))
+    except (OSError, ValueError) as exc:
+        why = f"not JSON ({exc})"
+    else:
+        if isinstance(doc, dict):
+            return doc
+        why = "not a JSON object"
+    say_now(f"grpo-stream up: warning: {path}: {why} (cut short when the sampler was stopped?); summary.json leaves "
+            "its figures out and lists it under samplers_damaged", sys.stderr)
+    return None
 
 
 def done_line(summary: dict, path: pathlib.Path) -> str:

@@ -92,6 +92,15 @@ def test_wandb_missing_from_the_environment_is_a_permanent_error_naming_the_extr
         WandbTracker(load_config(None, OFFLINE), tmp_path)
 
 
+
+def test_a_wandb_dir_that_cannot_be_made_is_a_permanent_error_naming_the_setting(tmp_path):
+    """tracking.wandb.dir under a regular file (or anywhere unwritable) raised a bare NotADirectoryError naming
+    neither the setting nor the fix, of a transient kind: `up` restarted the trainer into the same error."""
+    (tmp_path / "afile").write_text("x")
+    cfg = load_config(None, [*OFFLINE, f"tracking.wandb.dir={tmp_path / 'afile' / 'wandb'}"])
+    with pytest.raises(PermanentError, match=r"tracking.wandb.dir=.*afile/wandb: cannot make .*Not a directory"):
+        WandbTracker(cfg, tmp_path / "run")
+
 def test_an_online_run_whose_server_does_not_answer_is_logged_offline_instead(wandb_home, monkeypatch, caplog):
     """Online W&B with no route to its server (no network, W&B down) blocked the trainer's start for W&B's
     init_timeout and then raised CommError, which is no transient kind: `up` stopped the whole run (exit 3) over a

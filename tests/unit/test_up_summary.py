@@ -124,6 +124,23 @@ def test_groups_generated_counts_this_runs_samplers_and_never_falls_below_the_tr
     assert set(summary["samplers"]) == {"sampler-0"} and summary["groups_generated"] == 160
 
 
+
+def test_a_sampler_file_cut_short_is_named_and_the_rest_of_the_summary_is_written(tmp_path, capsys):
+    """`up` stops a sampler still running FINISH_S after the trainer finished; one killed while writing its
+    sampler-<i>.json left it cut short, and `up` ended in a JSONDecodeError traceback after a finished run, without
+    its part of summary.json. Now the file is named (samplers_damaged, a warning), the other samplers' reports are
+    kept, and groups_generated stays the trainer's count (the damaged file's is unknown)."""
+    (tmp_path / "sampler-0.json").write_text(json.dumps({"groups_generated": 60}))
+    (tmp_path / "sampler-1.json").write_text('{"sampler_id": "sampler-1", "groups_gen')
+    (tmp_path / "summary.json").write_text(json.dumps({**TRAINER_SUMMARY, "groups_generated": 160}))
+    end = RunEnd(Outcome("done"), 0, {"sampler-0": 0, "sampler-1": -9}, {"trainer": 0}, tmp_path / "logs" / "t.log")
+    code = RunSummary(load_config(None, ["sampler.replicas=2"]), tmp_path, started=0.0).finish(end)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert code == 1 and summary["samplers"] == {"sampler-0": {"groups_generated": 60}}
+    assert summary["samplers_damaged"] == ["sampler-1"] and summary["groups_generated"] == 160
+    assert summary["trainer_wall_seconds"] == 12.0
+    assert f"{tmp_path / 'sampler-1.json'}: not JSON" in capsys.readouterr().err
+
 GONE_READER = """
 import json, os, pathlib, sys
 from grpo_stream.common.config.loading import load_config
@@ -159,3 +176,13 @@ def test_a_console_reader_gone_does_not_fail_a_finished_run(tmp_path, part):
     proc = subprocess.run([sys.executable, "-c", GONE_READER, str(tmp_path), part], capture_output=True, text=True,
                           timeout=120, cwd=pathlib.Path(__file__).resolve().parents[2], env=env)
     assert proc.returncode == 0 and proc.stderr == "returned 0\n", proc.stderr
+
+
+def test_a_run_stopped_while_the_trainer_was_starting_says_it_was_stopped_not_that_the_trainer_failed(tmp_path,
+                                                                                                    capsys):
+    """A SIGTERM to `up` while its trainer was still importing killed the trainer (its handler was not in place
+    yet): `up` exited 130 but its last line read "trainer exited with code -15", a failure to chase."""
+    code, _ = finish(tmp_path, Outcome("interrupted"), -15, {"sampler-0": 0}, written=False)
+    err = capsys.readouterr().err
+    assert code == 130 and err.startswith("grpo-stream up: stopped by a signal before the trainer wrote its summary")
+    assert "trainer exit code -15" in err and f"on {tmp_path} to resume" in err

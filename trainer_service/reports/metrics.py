@@ -18,7 +18,7 @@ import numpy as np
 
 from grpo_stream.common.config.redact import redacted
 from grpo_stream.common.config.schema import RunConfig
-from grpo_stream.trainer_service.reports.files import to_json
+from grpo_stream.common.runtime.files import to_json
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ class JsonlTracker(Tracker):
     def scalars(self, step: int, values: dict[str, float], prefix: str = "", jsonl: bool = True) -> None:
         if jsonl:
             clean = {f"{prefix}{k}": float(v) for k, v in values.items()}
-            # a NaN or infinite figure is written as null: bare NaN is no JSON (reports/files.py)
+            # a NaN or infinite figure is written as null: bare NaN is no JSON (common/runtime/files.py)
             line = to_json({"step": step, "time": time.time(), **clean}) + "\n"
             data = (("\n" if self._torn else "") + line).encode()
             self._torn = True  # until the whole line is down

@@ -13,7 +13,7 @@ from grpo_stream.common.config.schema import RunConfig
 from grpo_stream.common.episodes.evaluation import evaluate_run
 from grpo_stream.common.runtime.device_memory import device_memory, host_memory
 from grpo_stream.common.tasks.rewards import scored_by
-from grpo_stream.trainer_service.reports.files import to_json, write_atomic
+from grpo_stream.common.runtime.files import to_json, write_atomic
 from grpo_stream.trainer_service.reports.in_run_eval import curve_row
 
 log = logging.getLogger(__name__)

@@ -23,9 +23,11 @@ MAX_COMPONENT_SERIES = 64
 
 _GAUGES = (("trainer_step", "RL steps completed"), ("weight_version", "latest published weight version"),
            ("buffer_depth", "groups waiting in the buffer to be trained"),
+           ("buffer_held", "groups trained but not yet acknowledged: held in the buffer until the next checkpoint"),
            ("reward_mean", "mean reward of the last batch"),
            ("accuracy", "answer accuracy of the last batch"), ("staleness_mean", "mean staleness of the last batch"),
-           ("step_seconds", "wall time of the last step"), ("wait_seconds", "time the last step's main thread waited for its plan (its data)"),
+           ("step_seconds", "wall time of the last step"),
+           ("wait_seconds", "time the last step's main thread waited for its plan (its data)"),
            ("tokens_per_second", "completion tokens trained per second over the last window"),
            ("groups_per_second", "rollout groups trained per second over the last window"),
            ("compute_share", "share of the last step's wall time spent in the jitted update"))
@@ -76,7 +78,9 @@ class StepReporter:
         self.decode = tokenizer.decode if tokenizer is not None else None
         self.prom = ServiceMetrics("trainer")
         self.gauges = {name: self.prom.gauge(name, doc) for name, doc in _GAUGES + _HEALTH_GAUGES}
-        self.groups_gauge = self.prom.gauge("groups", "rollout groups by outcome (buffer counters)", ("outcome",))
+        # the buffer's run-long counts (kept in Redis, they outlive this process): grpo_stream_groups_total, counters
+        self.groups_total = self.prom.counter_values("groups", "rollout groups by outcome since the run began (the "
+                                                     "buffer's counters)", "outcome")
         # one series per sampler the publisher still knows, up to a bound; later ones share the `(other)` series
         self.max_lag_series = max(MAX_LAG_SERIES, cfg.sampler.replicas)
         self.lag_gauge = BoundedGauge(self.prom.gauge(
@@ -128,7 +132,7 @@ class StepReporter:
                "zero_variance_groups": self._without_signal(groups),
                "weight_version": self.publisher.latest_version or 0, **self._component_means(groups)}
         self.metrics.scalars(step, row, prefix="train/")
-        self._export(step, row, counters)
+        self._export(step, row, self._counters)  # the last counts read: never the zeros above, a counter reset
         self.metrics.histogram(step, "train/staleness", staleness)
         lags = bounded_series(self.sampler_lags(), self.max_lag_series)
         if lags:
@@ -172,16 +176,16 @@ class StepReporter:
         return show
 
     def _export(self, step: int, row: dict, counters: dict) -> None:
-        """Update the Prometheus series after a step."""
+        """Update the Prometheus series after a step; `counters`: the buffer's counts last read ({} before any)."""
         self.gauges["trainer_step"].set(step)
-        for name in ("weight_version", "buffer_depth", "reward_mean", "accuracy", "staleness_mean", "step_seconds",
-                     "wait_seconds", "tokens_per_second", "groups_per_second", "compute_share"):
+        for name in ("weight_version", "buffer_depth", "buffer_held", "reward_mean", "accuracy", "staleness_mean",
+                     "step_seconds", "wait_seconds", "tokens_per_second", "groups_per_second", "compute_share"):
             self.gauges[name].set(row[name])
         for name, _ in _HEALTH_GAUGES:
             if row.get(name) is not None:
                 self.gauges[name].set(row[name])
-        for outcome, value in counters.items():
-            self.groups_gauge.labels(outcome).set(value)
+        # depth is no count of outcomes (it falls as groups are trained): buffer_depth and buffer_held show it
+        self.groups_total.set({outcome: value for outcome, value in counters.items() if outcome != "depth"})
         self.export_sampler_lags()
 
     def export_sampler_lags(self) -> None:
@@ -195,5 +199,9 @@ class StepReporter:
                 if versions}
 
     def close(self, failed: bool = False) -> None:
-        self.metrics.close(failed)
-        self.prom.stop()
+        """Close the trackers, then the /metrics server even when closing them failed (a TensorBoard file on a full
+        disk): its port and thread would outlive the trainer in the process (tests, benchmarks, colocated runs)."""
+        try:
+            self.metrics.close(failed)
+        finally:
+            self.prom.stop()

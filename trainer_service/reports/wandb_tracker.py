@@ -34,7 +34,11 @@ class WandbTracker(Tracker):
                                  "in the trainer's environment, or set tracking.wandb.enabled=false") from None
         self._wandb, self.samples_every, self.samples_max_rows = wandb, w.samples_every, w.samples_max_rows
         directory = pathlib.Path(w.dir or run_dir)
-        directory.mkdir(parents=True, exist_ok=True)
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # a setting no restart fixes: permanent, so `up` does not restart the trainer on it
+            raise PermanentError(f"tracking.wandb.dir={w.dir}: cannot make {directory} ({exc.strerror or exc}); give "
+                                 "a directory the trainer can write, or null for the run directory") from exc
         try:
             self.run, mode = _start(wandb, cfg, directory, w.mode), w.mode
         except (wandb.errors.UsageError, wandb.errors.AuthenticationError) as exc:

@@ -3,7 +3,9 @@ evaluation-only answer listed in a step, a lineage step without a record; and it
 
 import json
 
-from grpo_stream.common.rollouts.audit_compaction import plan_compaction
+import pytest
+
+from grpo_stream.common.rollouts.audit_compaction import lineage_windows, plan_compaction
 
 TRAINER_A = [{"epoch": "a", "from_step": "0", "from_epoch": ""}]
 
@@ -55,3 +57,14 @@ def test_a_step_whose_groups_straddle_a_watermark_goes_whole_or_not_at_all():
     plan = plan_compaction(2, 0, accepted, settled, {}, steps, TRAINER_A, [{"epoch": "a", "step": "2"}], {}, {})
     assert plan.group_ids == ["g0", "g1", "g2"] and plan.below == {"s0": 2}
     assert sorted(plan.step_records) == ["1000-0", "2000-0"]
+
+
+def test_trainer_starts_that_resume_in_a_circle_are_an_error_not_an_endless_loop():
+    """Only a hand-edited trail resumes in a circle (a from b, b from a); following it looped forever, in the
+    trainer's compaction at every acknowledged checkpoint and in `audit`."""
+    trainers = [{"epoch": "a", "from_step": "2", "from_epoch": "b"},
+                {"epoch": "b", "from_step": "1", "from_epoch": "a"}]
+    with pytest.raises(ValueError, match="resume in a circle through trainer b"):
+        lineage_windows(trainers, [])
+    plan = plan_compaction(1, 0, {}, {}, {}, [], trainers, [], {}, {})
+    assert plan.through_step == 0 and "circle" in plan.held_back

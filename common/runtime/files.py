@@ -4,8 +4,8 @@
   bare NaN / Infinity, which no strict JSON reader (jq, JavaScript, Go, pandas with the standard parser) accepts;
   allow_nan=False makes any value missed here an error instead of an invalid file.
 - `write_atomic`: the text goes to a temporary file in the same directory, then os.replace puts it in place, so a
-  reader (or a kill mid-write) never sees half a file. The trainer's summary.json, `report`'s files, `audit`'s
-  report and `up`'s endpoints.json and summary.json all use it.
+  reader (or a kill mid-write) never sees half a file. The trainer's summary.json, the samplers' sampler-<i>.json,
+  `report`'s files, `audit`'s report and `up`'s endpoints.json and summary.json all use it.
 """
 
 from __future__ import annotations

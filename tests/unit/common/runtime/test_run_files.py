@@ -12,7 +12,7 @@ import pytest
 
 from grpo_stream.common.config.loading import load_config
 from grpo_stream.reports.run_report import make_report, read_metrics
-from grpo_stream.trainer_service.reports.files import to_json
+from grpo_stream.common.runtime.files import to_json
 from grpo_stream.trainer_service.reports.metrics import JsonlTracker
 from grpo_stream.trainer_service.reports.run_outputs import write_summary
 
