@@ -91,8 +91,11 @@ def gguf_name(hf_name: str) -> str:
     return f"{GGUF_NAMES[parts[-1]]}.weight"
 
 
-def write_tiny_gguf(path: pathlib.Path, seed: int = 0, extra_tensors: dict | None = None):
-    """(the reference `transformers` model, the trained `tokenizers` Tokenizer) of the GGUF written to `path`."""
+def write_tiny_gguf(path: pathlib.Path, seed: int = 0, extra_tensors: dict | None = None, big_endian: bool = False,
+                    matrix_type: str | None = None):
+    """(the reference `transformers` model, the trained `tokenizers` Tokenizer) of the GGUF written to `path`.
+    `big_endian`: the file in big-endian byte order; `matrix_type`: every matrix as this GGML type ("F32", "F16";
+    default Q8_0 for the embedding and Q4_1 for the others)."""
     import gguf
     import torch
     import transformers
@@ -103,7 +106,8 @@ def write_tiny_gguf(path: pathlib.Path, seed: int = 0, extra_tensors: dict | Non
                                       rope_parameters={"rope_type": "default", "rope_theta": SHAPE["rope_theta"]})
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(config).eval()
-    writer = gguf.GGUFWriter(str(path), "llama")
+    writer = gguf.GGUFWriter(str(path), "llama",
+                             endianess=gguf.GGUFEndian.BIG if big_endian else gguf.GGUFEndian.LITTLE)
     _metadata(writer, config)
     assert _tokenizer_fields(writer, tok) == config.vocab_size
     rng = np.random.default_rng(seed)
@@ -116,6 +120,8 @@ def write_tiny_gguf(path: pathlib.Path, seed: int = 0, extra_tensors: dict | Non
                 writer.add_tensor(gguf_name(f"model.{name}"), value)
                 continue
             qtype = gguf.GGMLQuantizationType.Q8_0 if "embed" in name else gguf.GGMLQuantizationType.Q4_1
+            if matrix_type is not None:
+                qtype = gguf.GGMLQuantizationType[matrix_type]
             quantized = gguf.quants.quantize(value, qtype)
             param.copy_(torch.from_numpy(gguf.quants.dequantize(quantized, qtype).reshape(value.shape)))
             heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}.get(name.split(".")[-2])

@@ -6,6 +6,8 @@ GGUF), so real weights, a real tokenizer and a real chat template are at hand of
 - weights: each tensor dequantized to float32 by the `gguf` package (Q4_1, Q8_0 and whatever else it reads) and
   written to `model.safetensors` one at a time (`PendingTensor`), so memory holds one tensor, not the checkpoint.
   GGUF lists a tensor's dimensions innermost first: its [in, out] is numpy's (and HF's) [out, in]; checked per tensor.
+  A big-endian file's F32/F16 tensors are read in its byte order; its block-quantized ones are refused (whether
+  their block scales were swapped the file does not say).
 - q_proj and k_proj: llama.cpp's converter reorders the rows of every head from HF's RoPE layout (rotating row i
   with row i + head_dim/2) to its own (rotating rows 2i and 2i+1); `unpermute_rows` puts them back.
 - config.json from the metadata (`llama.*`: layers, widths, heads, RoPE base, RMSNorm epsilon, context length), tied
@@ -43,6 +45,7 @@ _LAYER = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"
           "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
           "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
 _BLOCK = re.compile(r"blk\.(\d+)\.([a-z_]+)\.weight")
+SWAPPABLE = ("F32", "F16")  # types GGUFReader reads as typed numbers in a file of either byte order
 
 
 class Metadata:
@@ -158,17 +161,31 @@ def dequantizable(qtype: Any) -> bool:
     return True
 
 
-def _pending(tensor: Any, arch: Architecture, where: str) -> PendingTensor:
-    """The float32 HF tensor a GGUF tensor becomes, made when written."""
+def _native(data: np.ndarray) -> np.ndarray:
+    """`data` in this machine's byte order: GGUFReader types an F32/F16 tensor of a big-endian file as '>f4'/'>f2',
+    and `gguf.quants.dequantize` views its bytes as native floats, which reads them as other numbers."""
+    data = np.asarray(data)
+    return data if data.dtype.isnative else data.astype(data.dtype.newbyteorder("="))
+
+
+def _pending(tensor: Any, arch: Architecture, where: str, swapped: bool = False) -> PendingTensor:
+    """The float32 HF tensor a GGUF tensor becomes, made when written. `swapped`: the file's byte order is not this
+    machine's (GGUFReader's byte_order 'S')."""
     shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF: innermost first
     heads = {"attn_q": arch.num_heads, "attn_k": arch.num_kv_heads}.get(tensor.name.split(".")[-2])
 
     def make() -> np.ndarray:
         from gguf.quants import dequantize  # noqa: PLC0415 - deferred: the `realmodel` extra, for conversions only
 
-        value = np.asarray(dequantize(tensor.data, tensor.tensor_type), np.float32).reshape(shape)
+        value = np.asarray(dequantize(_native(tensor.data), tensor.tensor_type), np.float32).reshape(shape)
         return unpermute_rows(value, heads) if heads else value
 
+    if swapped and tensor.tensor_type.name not in SWAPPABLE:
+        # GGUFReader hands these over as raw bytes; whether the scales inside each block were byte-swapped (gguf-py's
+        # gguf_convert_endian.py swaps them, its GGUFWriter does not) the file does not say, so neither reading is safe
+        raise GgufError(f"{where}: tensor {tensor.name} has type {tensor.tensor_type.name} in a file of the other byte "
+                        f"order (big-endian); only {', '.join(SWAPPABLE)} tensors are read from one. Convert the file "
+                        "to little-endian first (gguf-py: gguf-convert-endian FILE little)")
     if not dequantizable(tensor.tensor_type):
         raise GgufError(f"{where}: tensor {tensor.name} has type {tensor.tensor_type.name}, which gguf.quants cannot "
                         "dequantize; re-quantize the model to a type it reads (Q8_0, Q4_K, F16, ...)")
@@ -180,7 +197,8 @@ def _pending(tensor: Any, arch: Architecture, where: str) -> PendingTensor:
 
 def _write_weights(reader: Any, arch: Architecture, out: pathlib.Path, where: str, progress: Progress) -> int:
     """model.safetensors from the file's tensors (dequantized, HF names and layouts); returns the parameter count."""
-    tensors = {hf_name(t.name, where): _pending(t, arch, where) for t in reader.tensors}
+    swapped = reader.byte_order == "S"
+    tensors = {hf_name(t.name, where): _pending(t, arch, where, swapped) for t in reader.tensors}
     total, done, step = len(tensors), 0, max(1, len(tensors) // 10)
 
     def counted(pending: PendingTensor) -> PendingTensor:

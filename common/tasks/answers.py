@@ -7,12 +7,19 @@ after removing what people write around numbers:
 
 - thousands separators (`1,234`, `1 234`, `1_234`, LaTeX's `1{,}234`), a
   leading `+`, the Unicode minus (also where a number is searched for in
-  text), a LaTeX `\\$`;
+  text), a LaTeX `\\$`, a space between a stated answer's sign and its
+  number (`#### - 3` is -3);
 - currency signs and codes before or after (`$`, `€`, `£`, `¥`, `USD`), units
   of percent (`50%` equals `50`: GSM8K states percentages as bare numbers);
 - trailing zeros and points (`10.50` = `10.5`, `7.` = `7`, `3.0` = `3`);
 - fractions and mixed numbers (`3/4` = `0.75`, `1 1/2` = `1.5`, LaTeX
   `\\frac{3}{4}`).
+
+A `####` line that is a markdown heading (`#### Step 1`, and numbered ones:
+`#### 1. Eggs left`, `#### 2) Money`) states no answer.
+
+A `-` or `+` right after a letter or digit joins words or numbers
+(`3-4`, `2023-05-01`, `x-3`): it is no sign, so `3-4` holds 3 and 4, never -4.
 
 A decimal written with k >= 2 places also matches a fraction that rounds to
 it (`0.33` matches `1/3`), since a model cannot write 1/3 as a decimal exactly;
@@ -26,12 +33,18 @@ from fractions import Fraction
 
 _CURRENCY = re.compile(r"(?i)(?:us\$|\$|€|£|¥|₹|usd|eur|gbp|dollars?|cents?)")
 _FRAC_LATEX = re.compile(r"\\d?frac\{([^{}]+)\}\{([^{}]+)\}")
-_NUMBER = r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d*)?(?:\s+\d+/\d+|/\d+)?|[-+]?\.\d+"
+_SIGN = r"(?:(?<![^\W_])[-+])?"  # a sign, unless a letter or digit comes right before it (`3-4`, `x-3`)
+_NUMBER = rf"{_SIGN}(?:\d{{1,3}}(?:,\d{{3}})+|\d+)(?:\.\d*)?(?:\s+\d+/\d+|/\d+)?|{_SIGN}\.\d+"
 _NUMBER_RE = re.compile(_NUMBER)
 # `#### N` (GSM8K's format): a number follows, perhaps in bold (`#### **18**`); `#### Step 1` is a markdown heading
 _HASHES = re.compile(r"####[ \t]*(?:\*\*[ \t]*)?((?=[-+$€£¥₹.\d\\\u2212])[^\n]*)")
+# ... and `#### 1. Eggs left`, `#### 2) Money`, `#### 3: Total` are numbered markdown headings, not answers
+_NUMBERED_HEADING = re.compile(r"\d+[.):][ \t]+\**[^\W\d_]")
+# a sign the model spaced from its number (`#### - 3`, `<answer>- $5</answer>`): the statement's number is negative
+_SPACED_SIGN = re.compile(r"^\s*([-+])[ \t]+(?=[$€£¥₹]?\.?\d)")
 _BOXED = re.compile(r"\\boxed\{((?:[^{}]|\{[^{}]*\})*)\}")
-_ANSWER_IS = re.compile(r"(?i)the (?:final )?answer is[:\s]*([^\n]*)")
+_ANSWER_IS = re.compile(r"(?i)the (?:final )?answer is([:\s]*)([^\n]*)")
+_BULLET = re.compile(r"[-*+][ \t]+")  # "The answer is:\n- 18 eggs": a list item, no minus sign
 _OPEN, _CLOSE = "<answer>", "</answer>"
 
 
@@ -52,8 +65,20 @@ def _groups(pattern: re.Pattern):
     return lambda text: (match.group(1) for match in pattern.finditer(text))
 
 
-_hashes = _groups(_HASHES)
-_FORMATS = (_answer_tags, _hashes, _groups(_BOXED), _groups(_ANSWER_IS))  # most explicit first
+def _hashes(text: str):
+    """What each `#### N` states, in order; numbered markdown headings (`#### 1. Eggs left`) passed over: read as
+    answers, a reply's first heading was its answer (1) whatever it concluded, and earned answer_format's credit."""
+    return (stated for stated in _groups(_HASHES)(text) if _NUMBERED_HEADING.match(stated) is None)
+
+
+def _answer_is(text: str):
+    """What each "the answer is ..." states, in order; a list item's bullet on the next line dropped."""
+    for match in _ANSWER_IS.finditer(text):
+        stated, bullet = match.group(2), _BULLET.match(match.group(2))
+        yield stated[bullet.end():] if bullet and "\n" in match.group(1) else stated
+
+
+_FORMATS = (_answer_tags, _hashes, _groups(_BOXED), _answer_is)  # most explicit first
 
 
 def _plain(text: str) -> str:
@@ -74,7 +99,7 @@ def _searchable(text: str) -> str:
 
 def parse_number(text: str) -> Fraction | None:
     """The exact value of one written number (see the module docstring), or None if `text` is not one."""
-    s = _searchable(text.strip().replace("_", "")).strip().rstrip(".,;:!").strip()
+    s = _SPACED_SIGN.sub(r"\1", _searchable(text.strip().replace("_", "")).strip()).rstrip(".,;:!").strip()
     if s.endswith("%"):
         s = s[:-1].strip()
     s = re.sub(r"(?<=\d) (?=\d{3}\b)", "", s)  # "1 234" -> "1234"
@@ -163,7 +188,7 @@ def _number_in(stated: str) -> str | None:
     stated = _plain(stated)
     if parse_number(stated) is not None:
         return stated.strip()
-    found = _NUMBER_RE.search(_searchable(stated))
+    found = _NUMBER_RE.search(_SPACED_SIGN.sub(r"\1", _searchable(stated)))
     return found.group(0).strip() if found else None
 
 

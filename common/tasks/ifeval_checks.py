@@ -41,6 +41,14 @@ REGEX_ARGUMENTS = ("keywords", "forbidden_words", "keyword", "section_spliter", 
 STRIPPED_ARGUMENTS = ("keyword", "section_spliter", "postscript_marker", "starter")  # lm-eval strips these
 LM_EVAL_MARKERS = ("P.S.", "P.P.S")  # postscript markers lm-eval matches with its own patterns: left as they are
 DRAW_SEEDS = (0, 1, 2, 3, 4, 5, 6, 7)  # an instruction built under each: an argument lm-eval drew at random differs
+# The type of each argument of google/IFEval (the one lm-eval draws when none is given). lm-eval checks none: a keyword
+# list given as one string is sorted into its letters, each then a keyword, and a number or list where it strips
+# text raises at every check, so every completion scored 0 on it while the row was taken.
+COUNT_ARGUMENTS = ("num_sentences", "num_placeholders", "num_bullets", "num_highlights", "num_sections",
+                   "num_paragraphs", "nth_paragraph", "num_words", "frequency", "let_frequency", "capital_frequency")
+WORD_LIST_ARGUMENTS = ("keywords", "forbidden_words")
+TEXT_ARGUMENTS = ("language", "relation", "let_relation", "capital_relation", "section_spliter", "postscript_marker",
+                  "keyword", "letter", "first_word", "end_phrase", "prompt_to_repeat")
 
 
 class IfevalUnavailable(RuntimeError):
@@ -227,6 +235,9 @@ def instructions_problem(instruction_ids: list[str], kwargs: list[dict]) -> str 
             return (f"field 'instruction_id_list'[{i}]: {instruction_id!r} is not one of lm-eval's IFEval "
                     f"instructions (e.g. {sorted(registry)[:3]})")
         used = {k: v for k, v in given.items() if v}  # lm-eval's own filter
+        mistyped = _mistyped(used)
+        if mistyped:
+            return f"field 'kwargs'[{i}] of {instruction_id!r}: {mistyped}"
         try:
             keys = registry[instruction_id](instruction_id).get_instruction_args_keys()
             drawn = _drawn_at_random(registry[instruction_id], instruction_id, used)
@@ -239,6 +250,18 @@ def instructions_problem(instruction_ids: list[str], kwargs: list[dict]) -> str 
         if drawn:
             return (f"field 'kwargs'[{i}] of {instruction_id!r}: lm-eval does not take the value of {drawn} and "
                     "draws a random one at every check instead; give one it keeps (a letter a-z, a count >= 0)")
+    return None
+
+
+def _mistyped(arguments: dict) -> str | None:
+    """What is wrong with the first argument not of its google/IFEval type (COUNT_ARGUMENTS...), or None."""
+    for name, value in arguments.items():
+        if name in COUNT_ARGUMENTS and (not isinstance(value, int) or isinstance(value, bool)):
+            return f"{name}={value!r} is not a whole number"
+        if name in WORD_LIST_ARGUMENTS and not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+            return f"{name}={value!r} is not a list of strings (e.g. [\"ocean\"], not \"ocean\")"
+        if name in TEXT_ARGUMENTS and not isinstance(value, str):
+            return f"{name}={value!r} is not a string"
     return None
 
 

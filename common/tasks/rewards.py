@@ -23,7 +23,8 @@ from typing import Collection, Iterable, Mapping, Sequence
 
 from grpo_stream.common.registry.base import Registry
 from grpo_stream.common.rollouts.wire import MAX_ABS_REWARD
-from grpo_stream.common.tasks.answers import extract_answer, hashes_answer, last_number as last_number_in, same_number
+from grpo_stream.common.tasks.answers import (extract_answer, hashes_answer, last_number as last_number_in, parse_number,
+                                              same_number)
 from grpo_stream.common.tasks.base import RewardFn
 from grpo_stream.common.tasks.ifeval_checks import ifeval_loose, ifeval_strict
 
@@ -86,6 +87,17 @@ REWARDS: Registry[RewardFn] = Registry("task.rewards", "reward", {
     "ifeval_loose": ifeval_loose,
 })
 DEFAULT_WEIGHTS = {"answer_correct": 1.0, "answer_format": 0.1}
+NUMERIC_REWARDS = ("answer_correct", "last_number")  # built-ins that read the reference answer as a number
+
+
+def numeric_reference_problem(names: Iterable[str], reference: str) -> str | None:
+    """Why `reference` cannot be scored by the rewards `names` (a reward comparing numbers, given one that is no
+    number: every completion would score 0 on it, without a word), or None."""
+    numeric = sorted(name for name in names if name in NUMERIC_REWARDS)
+    if not numeric or parse_number(reference) is not None:
+        return None
+    return (f"reference_answer: {reference[:40]!r} is not a number, and {', '.join(numeric)} compare the "
+            "completion's number with it; send the answer as a number (e.g. '42', '-3.5', '3/4')")
 TASK_REWARDS = {"ifeval_strict": "ifeval", "ifeval_loose": "ifeval"}  # built-ins offered only to that task's runs
 
 

@@ -58,9 +58,22 @@ def load_environment(settings) -> Any:
     with _signals_kept():
         try:
             return vf.load_environment(settings.environment, **settings.args)
-        except (ImportError, ModuleNotFoundError) as exc:
-            raise ValueError(f"task.verifiers.environment={settings.environment!r}: cannot load it ({exc}); install "
-                             "the environment's package or put its module on PYTHONPATH") from None
+        except Exception as exc:  # noqa: BLE001 - re-raised below, naming the setting and the cause
+            raise ValueError(_load_failure(settings, exc)) from exc
+
+
+def _load_failure(settings, exc: Exception) -> str:
+    """Why task.verifiers' environment did not load. verifiers wraps every failure (an ImportError in a ValueError
+    that says "ensure the package is installed" also when the package is, and lacks one of its own dependencies;
+    anything else, a wrong argument included, in a RuntimeError): the cause it chained is what names the fix."""
+    name = f"task.verifiers.environment={settings.environment!r}"
+    cause = exc.__cause__ or exc
+    if isinstance(cause, ImportError):
+        return (f"{name}: cannot import it: {cause}; install the environment's package and its dependencies, "
+                "or put its module on PYTHONPATH")
+    given = ", ".join(sorted(settings.args)) or "none"  # names only: an argument may be a judge's key
+    return (f"{name}: its load_environment (task.verifiers.args given: {given}) raised {type(cause).__name__}: "
+            f"{cause}; fix those arguments or the environment")
 
 
 def _eval_dataset(env) -> Any:

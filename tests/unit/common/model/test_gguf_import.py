@@ -11,7 +11,8 @@ import pytest
 
 from grpo_stream.common.model.gguf_import import (GgufError, Metadata, architecture, convert_gguf, float32_value,
                                                   unpermute_rows)
-from grpo_stream.common.model.gguf_tokenizer import build_tokenizer
+from grpo_stream.common.model.gguf_tokenizer import build_tokenizer, write_tokenizer_files
+from grpo_stream.common.model.hf_checkpoint import read_safetensors
 from grpo_stream.common.model.policy import causal_mask, load_hf_model, positions_from_mask
 from grpo_stream.common.model.tokenizer import HFTokenizer
 from tests.gguf_support import CONTROL, TEMPLATE, llama_cpp_permute, write_tiny_gguf
@@ -166,7 +167,7 @@ def test_a_gguf_that_cannot_be_converted_faithfully_is_refused_by_name(tmp_path)
     with pytest.raises(GgufError, match=r"tensor blk\.0\.attn_q_norm\.weight has no place in a Llama model"):
         convert_gguf(tmp_path / "extra.gguf", tmp_path / "out", pad_token="<|endoftext|>")
     write_tiny_gguf(tmp_path / "pads.gguf")
-    with pytest.raises(GgufError, match=r"padding token '<\|im_end\|>' .* the stop token"):
+    with pytest.raises(GgufError, match=r"padding token '<\|im_end\|>' .* a stop token"):
         convert_gguf(tmp_path / "pads.gguf", tmp_path / "out2")  # the file's own pad is its stop token
 
 
@@ -220,3 +221,61 @@ def test_damaged_shape_fields_are_refused_by_name(fields, match):
     """A zero divides by zero later, a fraction would be cut to an int, a NaN RoPE base makes every logit NaN."""
     with pytest.raises(GgufError, match=rf"x\.gguf: (metadata field )?{match}"):
         architecture(Metadata({k: Field(v) for k, v in {**LLAMA, **fields}.items()}, "x.gguf"), set())
+
+
+@pytest.mark.parametrize("matrix_type", ["F32", "F16"])
+def test_a_big_endian_file_converts_to_the_same_weights(tmp_path, matrix_type):
+    """GGUFReader types a big-endian file's F32/F16 tensors as '>f4'/'>f2'; read as native floats (what
+    gguf.quants.dequantize does with them) every norm and matrix became other numbers, silently."""
+    reference, _ = write_tiny_gguf(tmp_path / "big.gguf", seed=5, big_endian=True, matrix_type=matrix_type)
+    convert_gguf(tmp_path / "big.gguf", tmp_path / "hf", pad_token="<|endoftext|>")
+    got = dict(read_safetensors(tmp_path / "hf" / "model.safetensors"))
+    want = {f"model.{name}": p.detach().numpy() for name, p in reference.model.named_parameters()}
+    assert set(got) == set(want)
+    for name, value in want.items():
+        np.testing.assert_array_equal(got[name], value, err_msg=name)
+
+
+def test_a_big_endian_file_with_quantized_blocks_is_refused_by_name(tmp_path):
+    """Whether a big-endian file's Q8_0 block scales were byte-swapped the file does not say (gguf-py's
+    gguf_convert_endian swaps them, its writer does not): refused with the fix, never guessed."""
+    write_tiny_gguf(tmp_path / "bigq.gguf", big_endian=True)
+    with pytest.raises(GgufError, match=r"bigq\.gguf: tensor token_embd\.weight has type Q8_0 in a file of the other "
+                                        r"byte order .* gguf-convert-endian FILE little"):
+        convert_gguf(tmp_path / "bigq.gguf", tmp_path / "out", pad_token="<|endoftext|>")
+
+
+def stop_metadata(fields: dict) -> Metadata:
+    base = {"tokenizer.ggml.tokens": ["a", "b", "ab", "<|end|>", "<|eot|>", "<|pad|>"],
+            "tokenizer.ggml.token_type": [1, 1, 1, 3, 3, 3], "tokenizer.ggml.eos_token_id": 3,
+            "tokenizer.ggml.padding_token_id": 5}
+    return metadata({**base, **fields})
+
+
+def test_end_of_turn_tokens_stop_generation_as_llama_cpp_stops(tmp_path):
+    """llama.cpp ends generation on tokenizer.ggml.eot_token_id too (a chat model's <|eot_id|> beside its
+    <|end_of_text|>); with the EOS alone as stop token every chat turn ran on to the token budget."""
+    ids = write_tokenizer_files(tmp_path, stop_metadata({"tokenizer.ggml.eot_token_id": 4}), None, 64)
+    assert ids["eos_token_id"] == 3  # config.json: the file's EOS
+    assert json.loads((tmp_path / "generation_config.json").read_text())["eos_token_id"] == [3, 4]
+    assert HFTokenizer(tmp_path).eos_ids == [3, 4]
+    with pytest.raises(GgufError, match=r"padding token '<\|eot\|>' .* a stop token \('<\|end\|>', '<\|eot\|>'\)"):
+        write_tokenizer_files(tmp_path, stop_metadata({"tokenizer.ggml.eot_token_id": 4}), "<|eot|>", 64)
+
+
+@pytest.mark.parametrize("fields,match", [
+    ({"tokenizer.ggml.token_type": ["1", "1", "1", "3", "3", "3"]},
+     r"metadata field tokenizer\.ggml\.token_type\[0\]='1' is not of type int"),
+    ({"tokenizer.ggml.tokens": [0, 1, 2, 3, 4, 5]}, r"metadata field tokenizer\.ggml\.tokens\[0\]=0 is not of type"),
+    ({"tokenizer.ggml.tokens": "ab"}, r"metadata field tokenizer\.ggml\.tokens is a str, not an array"),
+    ({"tokenizer.ggml.merges": [7]}, r"metadata field tokenizer\.ggml\.merges\[0\]=7 is not of type str"),
+    ({"tokenizer.ggml.merges": ["a zz"]}, r"tokenizer\.ggml\.merges does not fit tokenizer\.ggml\.tokens .*`zz`"),
+    ({"tokenizer.ggml.eos_token_id": "3"}, r"tokenizer\.ggml\.eos_token_id='3' is not a token id"),
+    ({"tokenizer.ggml.eos_token_id": 3.7}, r"tokenizer\.ggml\.eos_token_id=3\.7 is not a token id"),
+    ({"tokenizer.chat_template": 5}, r"metadata field tokenizer\.chat_template is a int, not the template's text"),
+])
+def test_mistyped_tokenizer_fields_are_refused_by_name(tmp_path, fields, match):
+    """A token type stored as text never equalled CONTROL, so <|end|> was split into pieces without a word; the
+    others failed inside `tokenizers` or `int()` naming neither the file nor the field."""
+    with pytest.raises(GgufError, match=rf"x\.gguf: {match}"):
+        write_tokenizer_files(tmp_path, stop_metadata(fields), None, 64)

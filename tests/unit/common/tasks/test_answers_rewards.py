@@ -222,3 +222,39 @@ def test_the_reasoning_format_is_read_as_the_pattern_read_it():
         matched += expected
         assert reasoning_answer_format(text, "") == float(expected), repr(text)
     assert matched > 500  # both answers are exercised
+
+
+@pytest.mark.parametrize("text, value", [
+    ("#### - 3", "-3"), ("#### - $5", "-5"), ("<answer>- 3</answer>", "-3"), ("\\boxed{- 3}", "-3"),
+    ("The answer is - 3.", "-3"), ("<answer>-\u20093 degrees</answer>", "-3"), ("#### + 5", "5"),
+    ("The answer is:\n- 18 eggs", "18"),  # a list item under the statement: its bullet is no minus sign
+])
+def test_a_sign_spaced_from_its_number_is_kept(text, value):
+    """`#### - 3` was read as 3: the wrong sign scored as right (1.0 against a reference of 3, 0.0 against -3)."""
+    opposite = str(-int(value))
+    assert answer_correct(text, value) == 1.0 and answer_correct(text, opposite) == 0.0, text
+
+
+@pytest.mark.parametrize("reply", [
+    "#### 1. Eggs left\n16 - 3 - 4 = 9\n#### 2. Money\n9 * 2 = 18\n\nSo she makes \\boxed{18} dollars.",
+    "#### 1) Eggs left\n9 eggs\n#### 2) Money\nThe answer is 18.",
+    "#### **1: Eggs left**\n9 eggs\n#### 2: Money\n<answer>18</answer>",
+])
+def test_numbered_markdown_headings_are_no_answers(reply):
+    """A chat reply's `#### 1. Eggs left` heading was taken for its answer (1), outranking the \\boxed{18} it
+    concluded with, and earned answer_format's credit though the reply states no `#### N`."""
+    assert same_number(extract_answer(reply), "18"), reply
+    assert answer_correct(reply, "18") == 1.0 and answer_correct(reply, "1") == 0.0
+    assert answer_format_of(reply) == 0.0
+    assert answer_format_of(reply + "\n#### 18") == 1.0 and answer_correct("#### 1. Eggs\n#### 18", "18") == 1.0
+    assert answer_correct("#### 3.5 hours", "3.5") == 1.0 and answer_correct("#### 18 apples", "18") == 1.0
+
+
+@pytest.mark.parametrize("reply, last", [
+    ("She works 3-4 hours.", "4"), ("It was due 2023-05-01", "1"), ("days spent on Orbius-5", "5"),
+    ("It ends at -3.", "-3"), ("x = -3", "-3"), ("(-3)", "-3"), ("It drops to \u22127", "-7"),
+])
+def test_a_hyphen_after_a_letter_or_digit_is_no_minus_sign(reply, last):
+    """`3-4` (a range, a date, a name) made the last number -4: a wrong sign for `last_number`."""
+    assert last_number(reply, last) == 1.0, reply
+    assert last_number(reply, str(-int(last))) == 0.0, reply

@@ -348,9 +348,9 @@ def test_a_value_lm_eval_replaces_with_a_random_draw_is_refused(rows):
 
 @pytest.mark.parametrize("instruction, kwargs, error", [
     ("language:response_language", {"language": "xx"}, "KeyError"),
-    ("keywords:frequency", {"keyword": 5, "frequency": 2, "relation": "at least"}, "AttributeError"),
+    ("keywords:frequency", {"keyword": 5, "frequency": 2, "relation": "at least"}, "keyword=5 is not a string"),
     ("length_constraints:nth_paragraph_first_word", {"first_word": 3, "num_paragraphs": 2, "nth_paragraph": 1},
-     "AttributeError"),
+     "first_word=3 is not a string"),
 ])
 def test_arguments_on_which_lm_eval_raises_are_a_named_problem_not_a_crash(instruction, kwargs, error):
     """lm-eval's build raises KeyError on an unknown language code and AttributeError on a number where it wants
@@ -358,3 +358,28 @@ def test_arguments_on_which_lm_eval_raises_are_a_named_problem_not_a_crash(instr
     the Submit handler raising."""
     why = ifeval_checks.reference_problem(ifeval_checks.make_reference(None, "p", [instruction], [kwargs]))
     assert why.startswith(f"reference_answer: field 'kwargs'[0] of '{instruction}': {error}")
+
+
+@pytest.mark.parametrize("instruction, kwargs, message", [
+    ("keywords:existence", {"keywords": "ocean"}, "keywords='ocean' is not a list of strings"),
+    ("keywords:forbidden_words", {"forbidden_words": "bad"}, "forbidden_words='bad' is not a list of strings"),
+    ("detectable_content:postscript", {"postscript_marker": 5}, "postscript_marker=5 is not a string"),
+    ("startend:end_checker", {"end_phrase": ["Done."]}, "end_phrase=['Done.'] is not a string"),
+    ("combination:repeat_prompt", {"prompt_to_repeat": ["p"]}, "prompt_to_repeat=['p'] is not a string"),
+    ("detectable_format:number_highlighted_sections", {"num_highlights": 2.5}, "num_highlights=2.5 is not a whole"),
+    ("length_constraints:number_words", {"num_words": "100", "relation": "at least"}, "num_words='100' is not a"),
+])
+def test_arguments_of_the_wrong_type_are_refused_by_name(instruction, kwargs, message):
+    """lm-eval checks no argument's type: a keyword list given as one string is sorted into its letters, each then a
+    keyword ('ocean' passed on any text with o, c, e, a and n), and a number where it strips text raises at every
+    check, so every completion scored 0 on a row that was taken. Such a row is refused, its field named."""
+    why = ifeval_checks.instructions_problem([instruction], [kwargs])
+    assert why is not None and why.startswith(f"field 'kwargs'[0] of '{instruction}': {message}")
+
+
+def test_every_argument_of_lm_evals_instructions_has_a_type():
+    """The type tables cover every argument lm-eval's instructions take (a new one would go unchecked)."""
+    registry = ifeval_checks.lm_eval_ifeval()[1].INSTRUCTION_DICT
+    typed = {*ifeval_checks.COUNT_ARGUMENTS, *ifeval_checks.WORD_LIST_ARGUMENTS, *ifeval_checks.TEXT_ARGUMENTS}
+    taken = {k for iid, cls in registry.items() for k in cls(iid).get_instruction_args_keys()}
+    assert taken <= typed, taken - typed

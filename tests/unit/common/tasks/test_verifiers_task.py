@@ -2,10 +2,14 @@
 and the run never trains on it (its eval curve would score trained prompts)."""
 
 import itertools
+import pathlib
+import types
 
 import pytest
 
-from grpo_stream.common.tasks.verifiers_task import VerifiersTask
+from grpo_stream.common.tasks.verifiers_task import VerifiersTask, load_environment
+
+ENVS = pathlib.Path(__file__).resolve().parents[3] / "verifiers_envs"
 
 
 class Tokenizer:
@@ -116,3 +120,25 @@ def test_a_prompt_with_an_image_part_is_refused_naming_the_row(qwen_tokenizer):
     image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]
     with pytest.raises(ValueError, match=r"environment=env: row 1's prompt\[0\]\.content: a string or a list of text"):
         VerifiersTask(Rows([{"role": "user", "content": "q"}], image), qwen_tokenizer, "env", 0, eval_split=False)
+
+
+def test_an_environment_missing_a_dependency_is_refused_naming_the_setting_and_the_dependency(tmp_path, monkeypatch):
+    """verifiers wraps the ImportError in "ensure the package for the environment is installed", also when it is and
+    one of its own imports is missing: the message names the setting and the module that is missing."""
+    pytest.importorskip("verifiers")
+    (tmp_path / "grpo_test_needs_dep.py").write_text("import grpo_no_such_dependency\n\n"
+                                                     "def load_environment():\n    return None\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    settings = types.SimpleNamespace(environment="grpo-test-needs-dep", args={})
+    with pytest.raises(ValueError, match=r"task\.verifiers\.environment='grpo-test-needs-dep': cannot import it: "
+                                         r"No module named 'grpo_no_such_dependency'"):
+        load_environment(settings)
+
+
+def test_an_environment_refusing_its_arguments_is_refused_naming_the_setting_and_the_cause(monkeypatch):
+    pytest.importorskip("verifiers")
+    monkeypatch.syspath_prepend(str(ENVS))
+    settings = types.SimpleNamespace(environment="grpo-test-arith", args={"kind": "bogus"})
+    with pytest.raises(ValueError, match=r"task\.verifiers\.environment='grpo-test-arith': its load_environment "
+                                         r"\(task\.verifiers\.args given: kind\) raised ValueError: kind='bogus'"):
+        load_environment(settings)
