@@ -114,11 +114,13 @@ class Endpoint:
 
     def close(self) -> None:
         self.stop.set()
-        self.queue.fail_waiting("the sampler is stopping")
+        self.core.stop("the sampler is stopping")  # what waits, and what comes before the server stops: 503
         if self.server is not None:
             self.server.should_exit = True
         for thread in self._threads:
             thread.join(timeout=5)
+        if self.server is not None:  # nothing reaches its app now (the private app's parser goes with the app)
+            self.app.state.parser.shutdown(wait=False)
         self.engine.side = None
 
 

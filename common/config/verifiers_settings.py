@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from grpo_stream.common.config.base import Strict
 
@@ -21,11 +21,34 @@ class VerifiersSection(Strict):
                                           "model call (merged over the run's: temperature generation.temperature, "
                                           "max_tokens environment.turn_max_new_tokens or generation.max_new_tokens, "
                                           "logprobs and return_token_ids on); what the samplers' endpoint cannot "
-                                          "serve is refused there, naming the field.")
+                                          "serve is refused there, naming the field. Not seed (every rollout of a "
+                                          "group would draw the same tokens), n other than 1, logprobs false or "
+                                          "stream true.")
     group_timeout_s: float = Field(1800.0, gt=0, le=86_400, description="Wall time one group's `run_group` may "
                                    "take (its model calls, its tools and its rubric). Past it the group is cancelled "
                                    "and its rollouts fail, so an environment that hangs cannot hold the sampler's "
                                    "rows for ever; a blocking call that never yields to the event loop cannot be "
                                    "cancelled this way.")
-    eval_split: bool = Field(True, description="Held-out problems come from the environment's eval dataset "
-                             "(get_eval_dataset); False: from the end of its training dataset.")
+    eval_split: bool = Field(True, description="Held-out problems come from the environment's eval dataset (given "
+                             "as a dataset or a builder), else from the last tenth of its training dataset, which the "
+                             "run then never trains on; False: from that last tenth whatever it has.")
+
+    @field_validator("sampling_args")
+    @classmethod
+    def _rollouts_stay_samples(cls, args: dict[str, Any]) -> dict[str, Any]:
+        """Refuse what the endpoint would serve but that breaks the run: a seed makes each of a group's rollouts (one
+        request each, the same prompt) draw the same tokens, so the group has no advantage and pass@k from the
+        eval's samples is pass@1; n > 1 is refused per call by verifiers (one choice a call), logprobs off leaves
+        the trainer nothing to weigh tokens by, and a streamed answer is not what verifiers' client reads."""
+        body = args.get("extra_body")
+        # verifiers' client sends extra_body's keys at the top of the request, over the others
+        sent = {**{k: v for k, v in args.items() if k != "extra_body"}, **(body if isinstance(body, dict) else {})}
+        if sent.get("seed") is not None:
+            raise ValueError(f"seed={sent['seed']!r}: every rollout of a group would send the same request with the "
+                             "same seed and draw the same tokens (no advantage to learn from, pass@k equal to "
+                             "pass@1); leave seed out")
+        for name, needed in (("n", 1), ("logprobs", True), ("stream", False)):
+            if sent.get(name) is not None and sent[name] != needed:
+                raise ValueError(f"{name}={sent[name]!r}: the run's rollouts need {name}={needed!r} (one choice a "
+                                 "call, with its logprobs, answered whole); leave it out")
+        return args

@@ -7,7 +7,8 @@ routes); no token or an unknown one is answered 401, a sampler token 403; the pr
 internal token held only in memory. At most sampler.openai.max_concurrent requests are open at once, at most
 max_concurrent_per_token of one token, and max_queued sequences wait for the engine; beyond any of these a request is
 answered 429 with Retry-After, at once. A client that closes its connection before its answer frees its place and its
-sequences at once. Bodies over max_body_bytes are answered 413 without being read further. Errors use OpenAI's
+sequences at once. Bodies over max_body_bytes are answered 413 without being read further; a body is parsed off the
+event loop, PARSERS at a time. A stopping sampler answers 503 with Retry-After (EndpointCore.stop). Errors use OpenAI's
 shape, {"error": {"message", "type", "param", "code"}}, and name the field; a fault of the endpoint's own is a 500 in
 that shape and one log line.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import contextlib
 import dataclasses
 import hmac
@@ -44,6 +46,8 @@ from grpo_stream.common.rpc.auth import Caller, TokenTable, bearer_value, caller
 
 
 log = logging.getLogger(__name__)
+# bodies parsed at once: parsing holds the GIL, so more at once is no faster, only more memory at its peak
+PARSERS = 2
 
 
 def _peer(request: Request) -> str:
@@ -57,6 +61,8 @@ def _error(status: int, message: str, kind: str = "invalid_request_error", param
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool"}
+_JSON_KINDS = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "true or false",
+               type(None): "null or nothing"}
 
 
 def _union_tag(part) -> bool:
@@ -70,6 +76,9 @@ def _validation_message(exc: pydantic.ValidationError) -> tuple[str, str | None]
     with the forms it takes, never with pydantic's branch names as if they were fields."""
     errors = exc.errors()
     loc = list(errors[0].get("loc", ()))
+    if not loc and errors[0].get("type") == "model_type":  # pydantic names the class, which no client knows
+        sent = _JSON_KINDS.get(type(errors[0].get("input")), "something else")
+        return f"the body: should be a JSON object of the request's fields (model, prompt/messages), not {sent}", None
     tag = next((i for i, part in enumerate(loc) if _union_tag(part)), None)
     if tag is None:
         field = ".".join(str(p) for p in loc) or None
@@ -234,13 +243,26 @@ async def _answer(request: Request, route: str, work, timeout_s: float, stream=N
         return _error(504, f"not answered within sampler.openai.request_timeout_s={timeout_s}",
                       "timeout_error")
     except Unavailable as exc:
-        return _error(503, str(exc), "server_error")
+        return _error(503, str(exc), "server_error", headers={"Retry-After": "1"})
     except RecursionError:  # a part of the body nested deeper than a step of handling it goes
         return _error(400, "the body's JSON nests too deep")
     except Exception as exc:  # noqa: BLE001 - our fault, not the client's: an answer in OpenAI's shape, one line
         log.error("endpoint: %s from %s failed: %s: %s", route, _peer(request), type(exc).__name__,
                   str(exc)[:300])
         return _error(500, "the endpoint failed on this request (the sampler's log says why)", "server_error")
+
+
+def _validated(model: type[pydantic.BaseModel], body: bytes) -> Any:
+    """The body as a `model` request, or the 400 that names what is wrong with it."""
+    try:
+        return model.model_validate(_parse(body))
+    except pydantic.ValidationError as exc:
+        message, field = _validation_message(exc)
+        return _error(400, message, param=field)
+    except RecursionError:  # nested deeper than the parser, or pydantic, goes
+        return _error(400, "the body's JSON nests too deep")
+    except ValueError as exc:  # not JSON, or not text
+        return _error(400, str(exc), param=getattr(exc, "field", None))
 
 
 def build_app(core: EndpointCore, table: TokenTable | None, settings, internal_token: str | None,
@@ -251,7 +273,8 @@ def build_app(core: EndpointCore, table: TokenTable | None, settings, internal_t
     app = FastAPI(title="grpo-stream sampler", docs_url=None, redoc_url=None, openapi_url=None)
     # auth.mode=none: every caller is the one anonymous client, bounded by max_concurrent alone
     gate = Gate(settings.max_concurrent, None if open_access else settings.per_token_limit())
-    app.state.gate = gate
+    parser = concurrent.futures.ThreadPoolExecutor(PARSERS, thread_name_prefix="endpoint-parse")
+    app.state.gate, app.state.parser = gate, parser
 
     @app.exception_handler(HTTPException)
     async def routing_error(request: Request, exc: HTTPException):
@@ -290,7 +313,8 @@ def build_app(core: EndpointCore, table: TokenTable | None, settings, internal_t
         try:  # read before the gate: a stalled body holds no place among max_concurrent
             body = await asyncio.wait_for(_read_body(request, settings.max_body_bytes), settings.body_timeout_s)
         except asyncio.TimeoutError:
-            return _error(408, f"the body did not arrive within sampler.openai.body_timeout_s={settings.body_timeout_s}")
+            return _error(408, "the body did not arrive within sampler.openai.body_timeout_s="
+                          f"{settings.body_timeout_s}")
         except ClientDisconnect:
             log.info("endpoint: %s left before sending its whole body", _peer(request))
             return _error(400, "the client left before sending its whole body")
@@ -299,15 +323,12 @@ def build_app(core: EndpointCore, table: TokenTable | None, settings, internal_t
         with gate.enter(caller.name, bypass=caller.name == INTERNAL) as refused:
             if refused is not None:
                 return _error(429, f"{refused}; retry later", "rate_limit_error", headers={"Retry-After": "1"})
-            try:
-                parsed = model.model_validate(_parse(body))
-            except pydantic.ValidationError as exc:
-                message, field = _validation_message(exc)
-                return _error(400, message, param=field)
-            except RecursionError:  # nested deeper than the parser, or pydantic, goes
-                return _error(400, "the body's JSON nests too deep")
-            except ValueError as exc:  # not JSON, or not text
-                return _error(400, str(exc), param=getattr(exc, "field", None))
+            # off the event loop (seconds for a body of a million small objects, every other client waiting) and a
+            # few at a time (one such body is ~30 times its size in Python objects while it is parsed)
+            parsed = await asyncio.get_running_loop().run_in_executor(parser, _validated, model, body)
+            del body  # not held while the request waits for the engine
+            if isinstance(parsed, Response):
+                return parsed
             stream = (parsed.stream_options or StreamOptions()) if parsed.stream else None
             return await _answer(request, route, handler(parsed, caller.name), core.timeout_s, stream)
 
@@ -353,9 +374,9 @@ def in_process_routes(cfg, engine, tokenizer) -> Iterator[InProcessRoutes]:
     engine.side = queue
     core = endpoint_core(cfg, engine, queue, tokenizer)
     token = secrets.token_urlsafe(32)
+    app = build_app(core, None, cfg.sampler.openai, token)
     try:
-        yield InProcessRoutes(build_app(core, None, cfg.sampler.openai, token), token, core.model_name,
-                              core.rollout_versions)
+        yield InProcessRoutes(app, token, core.model_name, core.rollout_versions)
     finally:
-        queue.fail_waiting("the evaluation ended")
+        core.stop("the evaluation ended")  # a call that comes later is answered 503, never left waiting
         engine.side = None

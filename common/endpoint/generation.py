@@ -26,10 +26,10 @@ import numpy as np
 from grpo_stream.common.engine.side_requests import SideQueue, SideRequest
 from grpo_stream.common.tools.calls import MalformedToolCall, parse_tool_calls
 from grpo_stream.common.endpoint.chat import ChatPrompts, template_messages
-from grpo_stream.common.endpoint.protocol import ChatRequest, CompletionRequest, RequestError, UnknownModel
+from grpo_stream.common.endpoint.protocol import (ROLLOUT_FIELD, ChatRequest, CompletionRequest, RequestError,
+                                                  UnknownModel)
 
 INTERNAL = "sampler-internal"  # the caller name of the process's own rollouts (app.py)
-ROLLOUT_FIELD = "grpo_rollout"  # an internal request's extra field: the rollout group its model call belongs to
 CALL_OPENINGS = {"qwen": "<tool_call>", "gemma": "```tool_code", "plain": "<call>", "llama3": ""}
 
 
@@ -100,7 +100,8 @@ class EndpointCore:
     """What the HTTP routes call: token ids in, engine sequences, answers out."""
 
     def __init__(self, engine, queue: SideQueue, tokenizer, model_name: str, context_tokens: int, max_new_tokens: int,
-                 temperature: float, tool_format: str, max_n: int, timeout_s: float, max_prompt_chars: int | None = None):
+                 temperature: float, tool_format: str, max_n: int, timeout_s: float,
+                 max_prompt_chars: int | None = None):
         """`context_tokens`: the endpoint's context (sampler.openai.max_context_tokens, or the rollouts' prompt +
         completion), which the engine's KV capacity per sequence must hold."""
         capacity = getattr(engine, "context_capacity", context_tokens)
@@ -115,6 +116,13 @@ class EndpointCore:
         self.tool_format, self.max_n, self.timeout_s = tool_format, max_n, timeout_s
         self.chat_prompts = ChatPrompts(tokenizer, tool_format=tool_format)
         self.rollout_versions = RolloutVersions()
+        self.stopping: str | None = None  # why requests are answered 503 now (`stop`)
+
+    def stop(self, why: str) -> None:
+        """Answer every request waiting for the engine, and every later one, 503 with `why` (the sampler is stopping:
+        no serve will take them)."""
+        self.stopping = why
+        self.queue.fail_waiting(why)
 
     def _check_model_and_n(self, request) -> None:
         if request.model != self.model_name:
@@ -136,13 +144,14 @@ class EndpointCore:
         longest = max(len(ids) for ids in prompts)
         if min(len(ids) for ids in prompts) == 0:
             raise RequestError(f"{where}: encodes to no tokens; send a non-empty prompt")
-        for ids in prompts:
-            if any(not 0 <= t < self.tokenizer.vocab_size for t in ids):
-                raise RequestError(f"{where}: token ids must lie in 0..{self.tokenizer.vocab_size - 1}")
-        # worded as vLLM words it: clients (verifiers, agent loops) recognise it and end an episode as truncated
+        # worded as vLLM words it: clients (verifiers, agent loops) recognise it and end an episode as truncated;
+        # checked before each id is, which is then at most the context's worth
         if longest >= context:
             raise RequestError(f"{where}: this model's maximum context length is {context} tokens "
                                f"(sampler.openai.max_context_tokens); the prompt has {longest}")
+        for ids in prompts:
+            if any(not 0 <= t < self.tokenizer.vocab_size for t in ids):
+                raise RequestError(f"{where}: token ids must lie in 0..{self.tokenizer.vocab_size - 1}")
         budget = request.budget(self.max_new_tokens, default or min(self.max_new_tokens, context - longest))
         if longest + budget > context:
             raise RequestError(f"{request.budget_field()}={budget}: this model's maximum context length is {context} "
@@ -165,6 +174,9 @@ class EndpointCore:
             sequences.append(sequence)
             waits.append(done)
         self.queue.submit(sequences)  # all or none (QueueFull)
+        if self.stopping:  # checked after submitting: a stop between a check and a submit would leave them waiting
+            self.queue.withdraw(sequences)
+            raise Unavailable(self.stopping)
         # asyncio.wait rather than a gather: a gather cancelled with its handler (its client left: app.py) would log
         # "exception was never retrieved"
         try:
@@ -185,17 +197,27 @@ class EndpointCore:
         encode = self.tokenizer.encode_with_special_tokens if request.add_special_tokens else self.tokenizer.encode
         return [encode(p) if isinstance(p, str) else list(p) for p in request.prompts()]
 
-    async def completion(self, request: CompletionRequest, caller: str = "") -> dict[str, Any]:
+    def _completion_work(self, request: CompletionRequest) -> tuple[list[list[int]], bool, int]:
+        """(prompt ids, greedy, budget) of a checked completion request."""
         self._check_model_and_n(request)  # first, as OpenAI and vLLM check it: another model's fields are not ours
         request.check()
         if len(request.prompts()) * request.n > self.max_n:
             raise RequestError(f"prompt: {len(request.prompts())} prompts x n={request.n} sequences; at most "
                                f"sampler.openai.max_n={self.max_n} per request")
         self._check_chars(sum(len(p) for p in request.prompts() if isinstance(p, str)), "prompt")
-        prompts = await asyncio.to_thread(self.completion_prompts, request)
+        prompts = self.completion_prompts(request)
         greedy = request.greedy(self.temperature)
-        budget = self._budget(request, prompts, "prompt", 16)
+        return prompts, greedy, self._budget(request, prompts, "prompt", 16)
+
+    async def completion(self, request: CompletionRequest, caller: str = "") -> dict[str, Any]:
+        # checking, tokenizing and writing the answer run off the event loop: a body of a million prompts or ids, or
+        # n long choices with logprobs, took seconds of it, every other client of the endpoint waiting
+        prompts, greedy, budget = await asyncio.to_thread(self._completion_work, request)
         sequences = await self._generate(prompts, request.n, greedy, budget, request.seed, caller == INTERNAL)
+        return await asyncio.to_thread(self._completion_answer, request, caller, prompts, sequences)
+
+    def _completion_answer(self, request: CompletionRequest, caller: str, prompts: list[list[int]],
+                           sequences: list[SideRequest]) -> dict[str, Any]:
         rollout = self._rollout(request, caller)
         choices = []
         for i, seq in enumerate(sequences):
@@ -210,17 +232,25 @@ class EndpointCore:
             choices.append(choice)
         return self._answer("text_completion", "cmpl", choices, prompts, request.n, sequences)
 
-    async def chat(self, request: ChatRequest, caller: str = "") -> dict[str, Any]:
+    def _chat_work(self, request: ChatRequest, caller: str) -> tuple[list, list | None, list[int], bool, int]:
+        """(templated messages, tools, prompt ids, greedy, budget) of a checked chat request."""
         self._check_model_and_n(request)  # first, as OpenAI and vLLM check it: another model's fields are not ours
         request.check()
         messages = self.chat_prompts.defused(template_messages(request.messages))
         tools = request.tools or None
         self._check_chars(sum(len(json.dumps(m, ensure_ascii=False)) for m in messages)
                           + len(json.dumps(tools or [], ensure_ascii=False)), "messages")
-        ids = await asyncio.to_thread(self.chat_prompts.ids, messages, tools, caller)
+        ids = self.chat_prompts.ids(messages, tools, caller)
         greedy = request.greedy(self.temperature)
-        budget = self._budget(request, [ids], "messages", None)
+        return messages, tools, ids, greedy, self._budget(request, [ids], "messages", None)
+
+    async def chat(self, request: ChatRequest, caller: str = "") -> dict[str, Any]:
+        messages, tools, ids, greedy, budget = await asyncio.to_thread(self._chat_work, request, caller)  # as above
         sequences = await self._generate([ids], request.n, greedy, budget, request.seed, caller == INTERNAL)
+        return await asyncio.to_thread(self._chat_answer, request, caller, messages, tools, ids, sequences)
+
+    def _chat_answer(self, request: ChatRequest, caller: str, messages: list, tools: list | None, ids: list[int],
+                     sequences: list[SideRequest]) -> dict[str, Any]:
         as_ids = bool((request.model_extra or {}).get("return_tokens_as_token_ids"))
         rollout = self._rollout(request, caller)
         choices = []

@@ -18,9 +18,22 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
 ZERO_OR_NONE = (None, 0, 0.0)
+ROLLOUT_FIELD = "grpo_rollout"  # an internal request's extra field: the rollout group its model call belongs to
+_PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
+_UNSERVED = ("logit_bias", "suffix", "top_k", "min_p", "guided_json", "guided_regex", "response_format")
+# vLLM's sampling extensions: served only at the value that changes nothing
+_NEUTRAL = (("ignore_eos", False), ("min_tokens", 0), ("stop_token_ids", []), ("include_stop_str_in_output", False),
+            ("skip_special_tokens", True), ("prompt_logprobs", None), ("chat_template_kwargs", {}),
+            ("continue_final_message", False), ("add_generation_prompt", True), ("spaces_between_special_tokens", True))
+# the undeclared fields the endpoint reads; any other is dropped as it is validated: a client's megabytes of `user` or
+# `metadata` (or a message's unknown keys) were held, as 20-30 times their size in Python objects, while it waited
+READ_EXTRAS = frozenset((*_PENALTIES, *_UNSERVED, *(name for name, _ in _NEUTRAL), ROLLOUT_FIELD,
+                         "return_tokens_as_token_ids"))
+_MESSAGE_KEYS, _PART_KEYS, _CALL_KEYS = ("role", "content", "tool_calls", "name", "tool_call_id"), ("type", "text"), (
+    "id", "type", "function")
 
 
 class RequestError(ValueError):
@@ -32,8 +45,32 @@ class UnknownModel(RequestError):
     SDK raises NotFoundError)."""
 
 
+def _shown(value: Any) -> str:
+    """`value` as an error message shows it: its repr, cut (a refused field may be megabytes long)."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _only(item: Any, keys: tuple[str, ...]) -> Any:
+    return {k: item[k] for k in keys if k in item} if isinstance(item, dict) else item
+
+
+def _message_kept(message: Any) -> Any:
+    """A message with only what the templates read (common/model/chat_messages.py); what is malformed is kept as it
+    is, for template_messages to name."""
+    kept = _only(message, _MESSAGE_KEYS)
+    if isinstance(kept, dict) and isinstance(kept.get("content"), list):
+        kept["content"] = [_only(part, _PART_KEYS) for part in kept["content"]]
+    if isinstance(kept, dict) and isinstance(kept.get("tool_calls"), list):
+        kept["tool_calls"] = [_only(call, _CALL_KEYS) for call in kept["tool_calls"]]
+        for call in kept["tool_calls"]:
+            if isinstance(call, dict) and "function" in call:
+                call["function"] = _only(call["function"], ("name", "arguments"))
+    return kept
+
+
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="ignore")
 
     include_usage: bool = False  # a last chunk with the usage and no choices (OpenAI's)
 
@@ -63,24 +100,26 @@ class _Common(BaseModel):
             raise ValueError("stop: at most 4 non-empty strings of at most 256 characters")
         return stops
 
+    @model_validator(mode="after")
+    def _drop_ignored(self):
+        extra = self.__pydantic_extra__
+        for name in [name for name in extra or {} if name not in READ_EXTRAS]:
+            del extra[name]
+        return self
+
     def refuse_unsupported(self) -> None:
         extra = self.model_extra or {}
-        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+        for name in _PENALTIES:
             if extra.get(name) not in ZERO_OR_NONE:
                 raise RequestError(f"{name}: not served; the endpoint samples the policy as the sampler does (leave "
                                    "it out or 0)")
-        for name in ("logit_bias", "suffix", "top_k", "min_p", "guided_json", "guided_regex", "response_format"):
+        for name in _UNSERVED:
             if extra.get(name) not in (None, {}, -1) and not (name == "response_format" and
                                                                 extra.get(name) == {"type": "text"}):
                 raise RequestError(f"{name}: not served; the endpoint samples the policy as the sampler does")
-        # vLLM's sampling extensions: served only at the value that changes nothing
-        for name, neutral in (("ignore_eos", False), ("min_tokens", 0), ("stop_token_ids", []),
-                              ("include_stop_str_in_output", False), ("skip_special_tokens", True),
-                              ("prompt_logprobs", None), ("chat_template_kwargs", {}),
-                              ("continue_final_message", False), ("add_generation_prompt", True),
-                              ("spaces_between_special_tokens", True)):
+        for name, neutral in _NEUTRAL:
             if name in extra and extra[name] not in (neutral, None):
-                raise RequestError(f"{name}={extra[name]!r}: not served; leave it out (or {neutral!r})")
+                raise RequestError(f"{name}={_shown(extra[name])}: not served; leave it out (or {neutral!r})")
         if self.top_p not in (None, 1, 1.0):
             raise RequestError("top_p: only 1 (or leaving it out); the endpoint samples the whole distribution")
 
@@ -115,6 +154,11 @@ class ChatRequest(_Common):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
 
+    @field_validator("messages")
+    @classmethod
+    def _messages_kept(cls, value):
+        return [_message_kept(message) for message in value]
+
     def budget_field(self) -> str:
         return "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens"
 
@@ -129,8 +173,8 @@ class ChatRequest(_Common):
             self.max_tokens = self.max_completion_tokens
         for i, message in enumerate(self.messages):
             if message.get("role") not in ("system", "developer", "user", "assistant", "tool"):
-                raise RequestError(f"messages[{i}].role={message.get('role')!r}: one of system, developer, user, "
-                                   "assistant, tool")
+                raise RequestError(f"messages[{i}].role={_shown(message.get('role'))}: one of system, developer, "
+                                   "user, assistant, tool")
 
 
 class CompletionRequest(_Common):

@@ -10,6 +10,7 @@ group has started; the serve ends when the last has ended.
 from __future__ import annotations
 
 import collections
+import threading
 from typing import Any, Callable
 
 import jax
@@ -19,11 +20,20 @@ from grpo_stream.common.episodes.stream import RolloutStream
 
 
 class _Feeding:
-    """The stream as the engine sees it, starting the pending groups at its scheduling points."""
+    """The stream as the engine sees it, starting the pending groups at its scheduling points, where it also calls
+    `progress` once groups have ended since the last one."""
 
-    def __init__(self, stream: RolloutStream, works: list[GroupWork], rollouts, max_rows: int | None, version: int):
+    def __init__(self, stream: RolloutStream, works: list[GroupWork], rollouts, max_rows: int | None, version: int,
+                 progress: Callable[[], None] | None = None):
         self.stream, self.rollouts, self.max_rows, self.version = stream, rollouts, max_rows, version
         self.pending = collections.deque(works)
+        self.progress, self._ended, self._reported = progress, 0, 0
+        self._lock = threading.Lock()
+
+    def group_ended(self) -> None:
+        """A group ended (on whatever thread ended it: the engine's, a tool worker, a verifiers event loop)."""
+        with self._lock:
+            self._ended += 1
 
     def _feed(self) -> None:
         while self.pending and (self.max_rows is None or not self.stream.episodes_in_flight or
@@ -33,6 +43,14 @@ class _Feeding:
             self.stream.close()
 
     def take(self):
+        # on the engine's thread, never on the one a group ended on: progress may pause (eval.max_share's duty
+        # cycle), and paused there it held a verifiers kind's event loop (its other groups' timeouts ran on, and
+        # healthy groups failed) or a tool worker, while the engine decoded on unpaused
+        with self._lock:
+            ended = self._ended
+        if self.progress is not None and ended > self._reported:
+            self._reported = ended
+            self.progress()
         self._feed()
         return self.stream.take()
 
@@ -59,7 +77,8 @@ def run_groups(engine, params: Any, works: list[GroupWork], rollouts, max_rows: 
                version: int = 0, refresh: Callable | None = None,
                progress: Callable[[], None] | None = None) -> list[list[EpisodeResult]]:
     """The episodes of every group of `works` (one list per group, rows in order), made by `rollouts` on `engine`
-    with `params` (weight `version`; `refresh` as engine.serve's); `progress` is called as each group ends."""
+    with `params` (weight `version`; `refresh` as engine.serve's); `progress` is called on the engine's thread, at
+    its next scheduling point after groups ended (_Feeding.take)."""
     if not works:
         return []
     order = {id(work): i for i, work in enumerate(works)}
@@ -67,12 +86,12 @@ def run_groups(engine, params: Any, works: list[GroupWork], rollouts, max_rows: 
 
     def ended(run) -> None:
         done[order[id(run.work)]] = list(run.results)
-        if progress is not None:
-            progress()
+        feeding.group_ended()
 
     stream = RolloutStream(engine.request_keys, ended)
+    feeding = _Feeding(stream, works, rollouts, max_rows, version, progress)
     try:
-        engine.serve(params, _Feeding(stream, works, rollouts, max_rows, version), refresh, version)
+        engine.serve(params, feeding, refresh, version)
     except BaseException:
         stream.cancel()
         raise

@@ -10,11 +10,14 @@ first prompt, then per turn the ids the environment's messages added (observatio
 on) and the ids the model sampled. Each call carries its group's tag, under which the endpoint records the version
 of every token it answered (common/endpoint/generation.py RolloutVersions): the trajectory does not keep them, and a
 group is as stale as its oldest token. The rubric's weighted reward is the reward; its per-function scores are kept
-as reward components.
+as reward components. Each model turn is also decoded (stop tokens left out, as the other multi-turn kinds decode
+theirs), so what the evaluation's accuracy, pass@k and maj@k read is the final turn's text (groups.py `answer_text`),
+as for every kind: not a guess an earlier turn made before a tool answered.
 
 A rollout the environment ended with an error (a model call that failed, a tool that raised and stopped it), whose
-turns are not one token sequence, or whose rubric returned a non-finite reward or metric (NaN, inf), fails (`EpisodeResult.failed`): its whole group is left out by the sampler
-(a partly scored group would bias its advantages). So are the rows of a group whose rollouts began from different
+turns are not one token sequence, or whose rubric returned a non-finite reward or metric (NaN, inf), fails
+(`EpisodeResult.failed`): its whole group is left out by the sampler (a partly scored group would bias its
+advantages). So are the rows of a group whose rollouts began from different
 first prompts (a group answers one prompt). An episode longer than generation.max_new_tokens is cut there
 and marked truncated.
 """
@@ -64,8 +67,23 @@ def episode_of(output: dict[str, Any], versions: dict) -> EpisodeResult:
     return result
 
 
-def result_of(output: dict[str, Any], versions: dict, max_tokens: int) -> EpisodeResult:
-    """The episode of one rollout, scored by its rubric; raises RolloutError."""
+def _turn_texts(result: EpisodeResult, lengths: list[int], decode: Callable[[list[int]], str]) -> list[str]:
+    """Each model turn's text (`lengths`: the turns' sampled ids, in order), of the ids kept after a cut: a turn cut
+    off entirely has none."""
+    model = [t for t, m in zip(result.tokens, result.model_mask) if m]
+    texts, at = [], 0
+    for n in lengths:
+        if at >= len(model) and n:
+            break
+        texts.append(decode(model[at:at + n]))
+        at += n
+    return texts
+
+
+def result_of(output: dict[str, Any], versions: dict, max_tokens: int,
+              decode: Callable[[list[int]], str] | None = None) -> EpisodeResult:
+    """The episode of one rollout, scored by its rubric; raises RolloutError. `decode`: a turn's ids as text (its
+    turn_texts; None: not decoded)."""
     if output.get("error"):
         raise RolloutError(f"the environment reported {str(output['error'])[:300]}")
     result = episode_of(output, versions)
@@ -74,6 +92,9 @@ def result_of(output: dict[str, Any], versions: dict, max_tokens: int) -> Episod
         for name in ("tokens", "logprobs", "model_mask", "versions"):
             setattr(result, name, getattr(result, name)[:max_tokens])
     result.finished = not (cut or bool(output.get("is_truncated")))
+    if decode is not None:
+        lengths = [len(step["tokens"]["completion_ids"]) for step in output["trajectory"]]
+        result.turn_texts = _turn_texts(result, lengths, decode)
     result.reward = float(output.get("reward") or 0.0)
     result.reward_components = {k: float(v) for k, v in (output.get("metrics") or {}).items()
                                 if isinstance(v, (int, float))}
@@ -88,13 +109,15 @@ def result_of(output: dict[str, Any], versions: dict, max_tokens: int) -> Episod
 
 
 async def group_results(run_group: Callable[[], Awaitable[Any]], rows: int, take_versions: Callable[[], dict],
-                        max_tokens: int, timeout_s: float) -> list[EpisodeResult]:
+                        max_tokens: int, timeout_s: float,
+                        decode: Callable[[list[int]], str] | None = None) -> list[EpisodeResult]:
     """The `rows` episodes of one group from `run_group()` (the environment's), each scored or failed with why.
     Every row gets a result and nothing escapes: an environment that raises, runs past `timeout_s`
     (task.verifiers.group_timeout_s; it is cancelled), ends cancelled by something else (it awaited what another task
     cancelled) or returns outputs not shaped as episodes fails its rows, so the
     group ends and its rows go back to the stream instead of holding the sampler's capacity for ever.
-    `take_versions()` (the endpoint's record of the group's token versions) is called once whatever happens."""
+    `take_versions()` (the endpoint's record of the group's token versions) is called once whatever happens;
+    `decode`: result_of's."""
     async def called():  # what run_group() raises before it awaits is the task's too
         return await run_group()
 
@@ -125,7 +148,7 @@ async def group_results(run_group: Callable[[], Awaitable[Any]], rows: int, take
         try:
             if failed:
                 raise RolloutError(failed)
-            results.append(result_of(outputs[row], versions, max_tokens))
+            results.append(result_of(outputs[row], versions, max_tokens, decode))
         except Exception as exc:  # noqa: BLE001 - an environment's output fails its episode, never the sampler
             why = str(exc) if isinstance(exc, RolloutError) else (
                 f"the environment's output is not an episode ({type(exc).__name__}: {exc})")
@@ -147,16 +170,19 @@ def _one_prompt(results: list[EpisodeResult]) -> list[EpisodeResult]:
 
 class VerifiersRollouts:
     """The rollout kind of task.name=verifiers: `env` runs each group against the routes `app` (with `token`);
-    `versions`: the endpoint core's RolloutVersions."""
+    `versions`: the endpoint core's RolloutVersions; `decode`: a turn's ids as text (result_of)."""
+
+    _decode: Callable[[list[int]], str] | None = None
 
     def __init__(self, env, app, token: str, model: str, sampling_args: dict[str, Any], max_tokens: int,
-                 timeout_s: float, versions: RolloutVersions, group_timeout_s: float):
+                 timeout_s: float, versions: RolloutVersions, group_timeout_s: float,
+                 decode: Callable[[list[int]], str] | None = None):
         import httpx  # noqa: PLC0415 - deferred: the `verifiers` extra
         import verifiers as vf  # noqa: PLC0415 - deferred: as above
         from openai import AsyncOpenAI  # noqa: PLC0415 - deferred: as above
 
         self.env, self.model, self.max_tokens, self.sampling_args = env, model, max_tokens, sampling_args
-        self.versions, self.group_timeout_s = versions, group_timeout_s
+        self.versions, self.group_timeout_s, self._decode = versions, group_timeout_s, decode
         self.environment_seconds = 0.0  # the environment's own time is inside its rollouts: not measured apart
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="verifiers-rollouts", daemon=True)
@@ -181,7 +207,8 @@ class VerifiersRollouts:
             results = await group_results(
                 lambda: self.env.run_group([work.problem.row] * work.rows, self._client, self.model, args,
                                            state_columns=["trajectory"]),
-                work.rows, lambda: self.versions.take(work.group_id), self.max_tokens, self.group_timeout_s)
+                work.rows, lambda: self.versions.take(work.group_id), self.max_tokens, self.group_timeout_s,
+                self._decode)
             for row, result in enumerate(results):
                 run.episode_done(row, result)
         except BaseException as exc:  # re-raised: this only says why in the rows' results below
@@ -199,6 +226,8 @@ class VerifiersRollouts:
         finally:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=5)
+            if not self._thread.is_alive():  # its selector's descriptors go now, not when the collector gets to it
+                self._loop.close()
 
 
 def build(cfg, task, tokenizer, routes) -> VerifiersRollouts:
@@ -209,6 +238,8 @@ def build(cfg, task, tokenizer, routes) -> VerifiersRollouts:
                 "logprobs": True}
     sampling.update({k: v for k, v in extra.items() if k != "extra_body"})
     sampling["extra_body"] = {**dict(extra.get("extra_body") or {}), "return_token_ids": True}
+    stops = set(tokenizer.eos_ids)
     return VerifiersRollouts(task.env, routes.app, routes.token, routes.model_name, sampling, gen.max_new_tokens,
                              cfg.sampler.openai.request_timeout_s, routes.versions,
-                             cfg.task.verifiers.group_timeout_s)
+                             cfg.task.verifiers.group_timeout_s,
+                             decode=lambda ids: tokenizer.decode([t for t in ids if t not in stops]))

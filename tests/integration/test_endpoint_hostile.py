@@ -27,7 +27,7 @@ from grpo_stream.sampler_service.endpoint_listener import OWN_DESCRIPTORS
 from grpo_stream.sampler_service.openai_server import openai_endpoint
 from tests.chat_families import chat_family_dirs  # noqa: F401 - a fixture
 from tests.conftest import CONFIGS
-from tests.support import wait_for
+from tests.support import endpoint_overrides, wait_for
 
 HEADER_TIMEOUT_S, BODY_TIMEOUT_S, PER_ADDRESS = 1.5, 1.5, 24
 
@@ -35,14 +35,10 @@ HEADER_TIMEOUT_S, BODY_TIMEOUT_S, PER_ADDRESS = 1.5, 1.5, 24
 @pytest.fixture(scope="module")
 def served(chat_family_dirs, tmp_path_factory):  # noqa: F811
     tokens = write_tokens(tmp_path_factory.mktemp("auth"))
-    cfg = load_config(CONFIGS / "tiny_arith.yaml", [
-        "model.kind=hf", f"model.path={chat_family_dirs['qwen']}", "model.dtype=float32",
-        "generation.max_prompt_tokens=96", "generation.max_new_tokens=8", "generation.decode_slots=8",
-        "sampler.rows_in_flight=8", "generation.decode_chunk_steps=4", "warmstart.steps=0",
-        "sampler.openai.port=0", "sampler.openai.model_name=policy", "sampler.openai.max_concurrent=4",
+    cfg = load_config(CONFIGS / "tiny_arith.yaml", endpoint_overrides(
+        chat_family_dirs["qwen"], tokens["table"], "sampler.openai.max_concurrent=4",
         f"sampler.openai.header_timeout_s={HEADER_TIMEOUT_S}", f"sampler.openai.body_timeout_s={BODY_TIMEOUT_S}",
-        f"sampler.openai.max_connections_per_address={PER_ADDRESS}", "sampler.openai.max_connections=1024",
-        f"auth.tokens_file={tokens['table']}"])
+        f"sampler.openai.max_connections_per_address={PER_ADDRESS}", "sampler.openai.max_connections=1024"))
     _, tok = build_task_and_tokenizer(cfg)
     model = build_policy(cfg, tok.vocab_size, seed=0)
     engine = continuous.build(cfg, model, tok)

@@ -306,3 +306,24 @@ def test_an_environment_step_that_raises_system_exit_ends_its_episode(tiny_parts
     sampled = tok.encode(" 42") + [tok.eos_id]
     result = _one_scripted_turn(tiny_parts, Exiting(), EpisodeSettings(4, 8, C), sampled)
     assert result.error == "SystemExit: 3" and not result.finished and result.tokens == sampled
+
+
+def test_progress_runs_on_the_serving_thread_when_episodes_end_on_tool_workers(tiny_parts, engine):
+    """eval.max_share's pause is the progress callback: called where a group ended (a tool worker here, a verifiers
+    event loop there) it paused that thread while the engine decoded on, and the other groups' timers ran on."""
+    from grpo_stream.common.episodes.finite import run_groups
+    from grpo_stream.common.episodes.result import GroupWork
+
+    cfg, task, tok, model = tiny_parts
+    problems = [task.train_problem(i) for i in range(6)]
+    works = [GroupWork(p, tok.encode(p.prompt), 2, None, f"g/{i}", i, jax.random.key(i))
+             for i, p in enumerate(problems)]
+    settings = EpisodeSettings(max_turns=2, turn_max_new_tokens=6, episode_tokens=C)
+    kind, threads = ToolTurns(Scripted(turns=2), PlainRenderer(tok), settings, tok, 2), []
+    try:
+        groups = run_groups(engine, model.params, works, kind, max_rows=4,
+                            progress=lambda: threads.append(threading.current_thread()))
+    finally:
+        kind.close()
+    assert all(len(g) == 2 for g in groups)
+    assert threads and set(threads) == {threading.main_thread()}, {t.name for t in threads}

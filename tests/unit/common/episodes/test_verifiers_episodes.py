@@ -191,3 +191,49 @@ def test_a_group_whose_rollouts_began_from_different_prompts_fails_every_row():
         log.record("g", out["trajectory"][0]["tokens"]["prompt_ids"], [5], [0])
     results = asyncio.run(group_results(lambda: returns(outs), 2, lambda: log.take("g"), 64, 5.0))
     assert all("2 different first prompts" in (r.failed or "") for r in results), [r.failed for r in results]
+
+
+class Words:
+    """A tokenizer whose ids are words (id 0: the stop token)."""
+
+    eos_ids = [0]
+    words = {0: "<|im_end|>", 1: "<answer>41</answer>", 2: "checking", 3: "<answer>42</answer>"}
+
+    def decode(self, ids):
+        return " ".join(self.words[i] for i in ids)
+
+
+def test_the_evaluations_answer_is_a_multi_turn_rollouts_final_turn():
+    """A verifiers episode kept no turn texts, so the evaluation's accuracy, pass@k and maj@k read the model's turns
+    joined, where an earlier turn's guess (the first stated answer wins) outranked its final answer."""
+    from grpo_stream.common.episodes.groups import answer_text
+    from grpo_stream.common.tasks.rewards import answer_correct
+
+    out = {"trajectory": [turn([7], [1, 0]), turn([7, 1, 0, 8, 9], [2, 3, 0])], "reward": 1.0}
+    decode = Words().decode
+    r = result_of(out, versions_of(out), max_tokens=64, decode=lambda ids: decode([t for t in ids if t]))
+    assert r.turn_texts == ["<answer>41</answer>", "checking <answer>42</answer>"]
+    assert answer_correct(answer_text(r, Words()), "42") == 1.0
+    # cut inside its second turn: the text of what was kept
+    cut = result_of(out, versions_of(out), max_tokens=5, decode=lambda ids: decode([t for t in ids if t]))
+    assert cut.turn_texts == ["<answer>41</answer>", "checking"] and not cut.finished
+    # cut before it: the first turn is all there is
+    first = result_of(out, versions_of(out), max_tokens=2, decode=decode)
+    assert first.turn_texts == ["<answer>41</answer> <|im_end|>"]
+
+
+def test_the_verifiers_kind_decodes_turns_without_their_stop_tokens():
+    pytest.importorskip("verifiers")
+    from types import SimpleNamespace
+
+    from grpo_stream.common.config.loading import load_config
+    from grpo_stream.common.episodes.verifiers import build
+
+    cfg = load_config(None, ["task.name=verifiers", "task.verifiers.environment=vf-x"])
+    routes = SimpleNamespace(app=None, token="t", model_name="m", versions=RolloutVersions())
+    rollouts = build(cfg, SimpleNamespace(env=None), Words(), routes)
+    try:
+        assert rollouts._decode([2, 3, 0]) == "checking <answer>42</answer>"
+    finally:
+        rollouts.close()
+    assert rollouts._loop.is_closed()  # its selector's descriptors released at close, not at collection
