@@ -42,6 +42,8 @@ BOOTSTRAP = pathlib.Path(sandbox_child.__file__).read_text()
 UNCONFINED_SETTING = "environment.python_tool.allow_unconfined"
 _CHUNK = 65536
 _TAIL_LINES = 20
+_REAP_SECONDS = 10  # how long the child may take to die after SIGKILL (stuck in the kernel: left to Popen)
+_GROUP_SECONDS = 1  # how long the rest of its process group (what the code forked) is waited for after that
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,8 +167,8 @@ def _run_in(workdir: str, code: str, limits: SandboxLimits, confine: bool) -> Sa
     try:
         exchange = _exchange(process, code.encode("utf-8", "replace"), limits)
     finally:
-        _stop(process)
-    return _result(exchange, process.returncode, limits)
+        cpu_used = _stop(process)
+    return _result(exchange, process.returncode, cpu_used, limits)
 
 
 @functools.cache
@@ -276,32 +278,61 @@ def _write_some(fd: int, pending: memoryview) -> memoryview:
         return pending[len(pending):]
 
 
-def _stop(process: subprocess.Popen) -> None:
-    """SIGKILL to the child's process group (it cannot leave it: setsid/setpgid are denied), then reap it. The
-    child is not reaped before this (_exited), so its pid still names its own group."""
+def _stop(process: subprocess.Popen) -> float | None:
+    """SIGKILL to the child's process group (it cannot leave it: setsid/setpgid are denied), then reaps it and
+    returns the CPU seconds it used (None when it could not be reaped). The child is not reaped before this
+    (_exited), so its pid still names its own group."""
     if process.returncode is None:
         try:
             os.killpg(process.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass  # the group is gone
-    try:
-        process.wait(timeout=10)
-    except subprocess.TimeoutExpired:  # stuck in the kernel; Popen reaps it later
-        pass
+    cpu_used = None
+    if _exited(process.pid, time.monotonic() + _REAP_SECONDS):  # else stuck in the kernel; Popen reaps it later
+        try:
+            _, status, usage = os.wait4(process.pid, 0)  # its rusage tells a CPU limit's SIGKILL from another one
+            process.returncode = os.waitstatus_to_exitcode(status)
+            cpu_used = usage.ru_utime + usage.ru_stime
+        except ChildProcessError:  # reaped elsewhere (SIGCHLD ignored): as Popen.wait has it
+            process.returncode = 0
+        _reap_group(process.pid, time.monotonic() + _GROUP_SECONDS)
     for stream in (process.stdin, process.stdout, process.stderr):
         try:
             stream.close()
         except OSError:
             pass
+    return cpu_used
 
 
-def _result(exchange: _Exchange, exit_code: int | None, limits: SandboxLimits) -> SandboxResult:
+def _reap_group(pgid: int, deadline: float) -> None:
+    """Waits, until the deadline, for the killed group's other processes (with max_processes > 0, what the code
+    forked) to be gone, reaping those that became this process's children: where the sampler is PID 1 (a container
+    without an init) or a subreaper, the kill's orphans are handed to it and would otherwise stay zombies for ever,
+    each holding a place of the uid's RLIMIT_NPROC. A zombie of the group keeps its id, so no other group has it."""
+    while True:
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return  # no process of the group is left, not even a zombie
+        try:
+            while os.waitpid(-pgid, os.WNOHANG)[0]:
+                pass
+        except ChildProcessError:
+            pass  # none of them is this process's child (yet)
+        if time.monotonic() >= deadline:
+            return
+        time.sleep(0.005)
+
+
+def _result(exchange: _Exchange, exit_code: int | None, cpu_used: float | None,
+            limits: SandboxLimits) -> SandboxResult:
     stdout = exchange.stdout.decode("utf-8", "replace")
     stderr = exchange.stderr.decode("utf-8", "replace")
-    return SandboxResult(stdout, stderr, exit_code, _failure(exchange, exit_code, stderr, limits))
+    return SandboxResult(stdout, stderr, exit_code, _failure(exchange, exit_code, cpu_used, stderr, limits))
 
 
-def _failure(exchange: _Exchange, exit_code: int | None, stderr: str, limits: SandboxLimits) -> str | None:
+def _failure(exchange: _Exchange, exit_code: int | None, cpu_used: float | None, stderr: str,
+             limits: SandboxLimits) -> str | None:
     """What stopped the program, in words the model can act on; None for a clean exit."""
     if exchange.cut:
         return f"output cut at {limits.output_bytes} bytes (the program was stopped)"
@@ -313,7 +344,9 @@ def _failure(exchange: _Exchange, exit_code: int | None, stderr: str, limits: Sa
     cpu = max(1, math.ceil(limits.cpu_seconds))
     if exit_code == sandbox_child.SETUP_FAILED and last_line.startswith("sandbox: "):
         return f"the sandbox could not be set up ({last_line.removeprefix('sandbox: ')}); the code did not run"
-    if exit_code in (-signal.SIGXCPU, -signal.SIGKILL):  # SIGKILL unsent by us: RLIMIT_CPU's hard stop
+    # SIGKILL unsent by us is RLIMIT_CPU's hard stop only after the soft limit's CPU; else the code's own kill or
+    # the kernel's OOM killer
+    if exit_code == -signal.SIGXCPU or (exit_code == -signal.SIGKILL and cpu_used is not None and cpu_used >= cpu):
         return f"CPU limit ({cpu} s of CPU time) reached"
     if last_line.startswith("MemoryError"):
         return f"memory limit ({limits.memory_mb} MB) reached: MemoryError"

@@ -275,3 +275,12 @@ def test_anonymous_memory_files_are_refused_and_a_real_time_signal_is_named():
     assert refused == SandboxResult("1\n", "", 0, None)
     assert run_python("import os\nos.kill(os.getpid(), 40)", LIMITS).error == "killed by signal 40"
     still_works()
+
+
+@confined
+def test_a_sigkill_is_named_the_cpu_limit_only_after_that_much_cpu():
+    """RLIMIT_CPU's hard stop is a SIGKILL (the code ignored SIGXCPU); every other SIGKILL (the code's own, the
+    kernel's OOM killer) was also answered "CPU limit reached", which sent the model after the wrong cause."""
+    assert run_python("import os\nos.kill(os.getpid(), 9)", LIMITS).error == "killed by signal SIGKILL"
+    hard_stop = run_python("import _signal\n_signal.signal(24, _signal.SIG_IGN)\nwhile True: pass", LIMITS)
+    assert (hard_stop.exit_code, hard_stop.error) == (-9, "CPU limit (1 s of CPU time) reached"), hard_stop

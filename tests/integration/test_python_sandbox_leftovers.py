@@ -165,10 +165,12 @@ def alive(pid: int) -> bool:
 
 
 @confined
-def test_a_call_does_not_outlive_a_sampler_killed_during_it():
+def test_a_call_does_not_outlive_a_sampler_killed_during_it(own_temp):
     """A call asleep uses no CPU, so no limit stops it, and only the parent enforces the wall time: a sampler
-    SIGKILLed (OOM, a supervisor) during the call left it running for good, under init."""
-    sampler = subprocess.Popen([sys.executable, "-c", SAMPLER], stdout=subprocess.PIPE, text=True)
+    SIGKILLed (OOM, a supervisor) during the call left it running for good, under init. (Its working directory
+    stays, in own_temp: the sampler died before removing it.)"""
+    sampler = subprocess.Popen([sys.executable, "-c", SAMPLER], stdout=subprocess.PIPE, text=True,
+                               env={**os.environ, "TMPDIR": own_temp})
     try:
         assert sampler.stdout.readline() == "calling\n"
         deadline = time.monotonic() + 20
@@ -183,6 +185,35 @@ def test_a_call_does_not_outlive_a_sampler_killed_during_it():
     while any(alive(pid) for pid in calls) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(alive(pid) for pid in calls), "the call outlived its sampler"
+
+
+PID_1_SAMPLER = """
+import os, time
+from grpo_stream.common.tools.python_sandbox import SandboxLimits, run_python
+assert os.getpid() == 1
+code = "import os, time\\nfor _ in range(4):\\n    if os.fork() == 0:\\n        break\\ntime.sleep(60)"
+print(run_python(code, SandboxLimits(cpu_seconds=1, wall_seconds=1, max_processes=8)).error)
+time.sleep(0.5)  # the kill's orphans are dead by now
+zombies = 0
+try:
+    while os.waitpid(-1, os.WNOHANG)[0]:
+        zombies += 1
+    print("zombies", zombies, "and children still running")
+except ChildProcessError:
+    print("zombies", zombies)
+"""
+
+
+@confined
+def test_processes_the_code_forked_leave_no_zombie_in_a_sampler_that_is_pid_1():
+    """A sampler that is PID 1 (a container without an init) inherits the orphans of the group kill: with
+    max_processes > 0 each call that forked left zombies in it for good, holding the uid's RLIMIT_NPROC places."""
+    unshare = shutil.which("unshare")
+    if unshare is None or python_sandbox.read_only_reason() is not None:
+        pytest.skip("needs util-linux unshare and root with CAP_SYS_ADMIN (a PID namespace)")
+    done = subprocess.run([unshare, "--pid", "--fork", sys.executable, "-c", PID_1_SAMPLER], capture_output=True,
+                          text=True, timeout=60)
+    assert done.stdout.splitlines() == ["timed out after 1 s wall time", "zombies 0"], done
 
 
 def test_a_non_root_owner_removes_a_directory_the_code_made_read_only():
