@@ -18,6 +18,7 @@ layout (paths, shapes, dtypes) a restore must match.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import hashlib
 import json
 from typing import Any, Iterator
@@ -28,6 +29,7 @@ from etils import epath
 
 from grpo_stream.common.model.sharding import host_copy
 from grpo_stream.common.weights.snapshot import raw_bytes
+from grpo_stream.trainer_service.checkpoints.errors import digest_failed
 
 DIGEST_FILE = "sha256.json"
 _PIECE = 16 << 20  # bytes hashed per read: bounded host memory whatever the checkpoint's size
@@ -63,8 +65,13 @@ def write_digest(step_dir: epath.Path) -> None:
     writing leaves no digest file, which a restore treats as a missing digest)."""
     record = {"sha256": files_digest(step_dir)}
     tmp = step_dir / f"{DIGEST_FILE}.tmp"
-    tmp.write_text(json.dumps(record, indent=0, sort_keys=True))
-    tmp.rename(step_dir / DIGEST_FILE)
+    try:
+        tmp.write_text(json.dumps(record, indent=0, sort_keys=True))
+        tmp.rename(step_dir / DIGEST_FILE)
+    except BaseException:
+        with contextlib.suppress(OSError):  # a cut-off temporary file (a full disk) only takes space: best effort
+            tmp.unlink(missing_ok=True)
+        raise
 
 
 def check_digest(step_dir: epath.Path) -> str | None:
@@ -93,10 +100,19 @@ class DigestWriter:
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-digest")
 
     def submit(self, step_dir: epath.Path) -> concurrent.futures.Future:
-        return self._pool.submit(write_digest, step_dir)
+        """The future of `step_dir`'s digest; it raises CheckpointSaveFailed (naming the step and the fix) when the
+        digest cannot be written, e.g. on a disk the checkpoint just filled."""
+        return self._pool.submit(_write_or_explain, step_dir)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+
+
+def _write_or_explain(step_dir: epath.Path) -> None:
+    try:
+        write_digest(step_dir)
+    except Exception as exc:  # noqa: BLE001 - a bare OSError named neither the checkpoint nor the fix
+        raise digest_failed(step_dir.parent, step_dir.name, exc) from exc
 
 
 def tree_digest(tree: Any) -> str:

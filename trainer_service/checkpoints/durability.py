@@ -95,9 +95,9 @@ class Durability:
         self._check_fence(step)
         unsettled = [[eid, gid, s] for s, pairs in self.unsettled if s <= step for eid, gid in pairs]
         frozen = updater.split(updater.params)[1]
-        if frozen is not None and not self.base_saved:
-            self.base_saved = True
+        if frozen is not None and not self.base_saved:  # marked once written: adapters never go without it
             self.checkpoints.save_base(frozen, lora_settings(self.cfg))
+            self.base_saved = True
         self.checkpoints.save(step, updater_state(updater), {
             "run": self.cfg.run.name, "epoch": self.epoch, "weight_version": step, "unsettled": unsettled,
             "data_position": dict(self.data_position), "buffer_position": self.buffer_position, **extra},

@@ -122,14 +122,36 @@ def base_unreadable(directory, path, exc: BaseException) -> Exception:
                               "with another checkpoint.dir")
 
 
+# restores move damaged or digest-less checkpoints aside whole and keep them for inspection: after repeated crashes
+# they may be what fills the storage, and nothing else names them
+_MAKE_ROOM = ("Make room on that storage (free space: checkpoints set aside there as corrupt-<step>-<time> or "
+              "unverified-<step>-<time> can go once inspected; or a lower checkpoint.keep) and check that this user "
+              "may write there")
+
+
 def save_failed(directory, steps: list[int], exc: BaseException) -> CheckpointSaveFailed:
     """The error for the saves of `steps` into checkpoint.dir `directory` failing with `exc`, with the fix."""
     return CheckpointSaveFailed(
         f"checkpoint.dir {directory}: saving the checkpoint{'s' if len(steps) > 1 else ''} of step"
         f"{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps))} failed "
         f"({type(exc).__name__}: {str(exc)[:300]}); its groups stay unacknowledged in the buffer, so none is lost. "
-        "Make room on that storage (free space, or a lower checkpoint.keep) and check that this user may write "
-        "there, then start the trainer again: it resumes from the newest checkpoint")
+        f"{_MAKE_ROOM}, then start the trainer again: it resumes from the newest checkpoint")
+
+
+def digest_failed(directory, step: str, exc: BaseException) -> CheckpointSaveFailed:
+    """The error for the digest of the checkpoint of `step` not being written (checkpoint.verify), with the fix."""
+    return CheckpointSaveFailed(
+        f"checkpoint.dir {directory}: writing the SHA-256 digest of the checkpoint of step {step} (checkpoint.verify) "
+        f"failed ({type(exc).__name__}: {str(exc)[:300]}); its groups stay unacknowledged in the buffer, so none is "
+        f"lost, and a restart sets that checkpoint aside as unverified. {_MAKE_ROOM}, then start the trainer again")
+
+
+def base_save_failed(directory, path, exc: BaseException) -> CheckpointSaveFailed:
+    """The error for a LoRA run's frozen base not being written to `path`, with the fix."""
+    return CheckpointSaveFailed(
+        f"checkpoint.dir {directory}: saving the LoRA run's frozen base to {path} failed ({type(exc).__name__}: "
+        f"{str(exc)[:300]}); no checkpoint of this run holds its groups yet, so none is lost. {_MAKE_ROOM}, then "
+        "start the trainer again: it writes the base again")
 
 
 def dir_shared(directory, what: str) -> CheckpointDirShared:

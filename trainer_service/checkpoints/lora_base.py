@@ -13,7 +13,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from grpo_stream.trainer_service.checkpoints.digest import tree_digest, tree_layout
-from grpo_stream.trainer_service.checkpoints.errors import CheckpointMismatch, base_unreadable
+from grpo_stream.trainer_service.checkpoints.errors import CheckpointMismatch, base_save_failed, base_unreadable
 
 log = logging.getLogger(__name__)
 BASE_DIR = "lora-base"  # the frozen base of a LoRA run, written once
@@ -32,10 +32,12 @@ def save_base(directory: epath.Path, frozen: Any, verify: bool, settings: dict |
         record["lora"] = settings
     if verify:
         record["digest"] = tree_digest(frozen)
-    checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save(path / "arrays", frozen, force=True)
-    checkpointer.wait_until_finished()
-    checkpointer.close()
+    try:
+        with ocp.StandardCheckpointer() as checkpointer:  # closed (its threads ended) on a failure too
+            checkpointer.save(path / "arrays", frozen, force=True)
+            checkpointer.wait_until_finished()
+    except Exception as exc:  # noqa: BLE001 - a full disk, a storage that refused the write: Orbax's bare error
+        raise base_save_failed(directory, path, exc) from exc
     # the record last: a base directory without it is an interrupted save, written again by the next trainer
     tmp = path / "record.json.tmp"
     tmp.write_text(json.dumps(record))

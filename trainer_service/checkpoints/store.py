@@ -127,8 +127,9 @@ class TrainerCheckpoints:
         whole = self.keep <= 2 and self._digests is not None and len(self._manager.all_steps()) >= self.keep
         if whole:
             self._collect(wait=True)
-        for older, _, digest in self._digesting:
-            if digest is not None and (whole or (self._newest_saved is not None and older < self._newest_saved)):
+        for older, _, digest in self._digesting:  # and one that failed (a full disk) stops the saves here
+            if digest is not None and (whole or digest.done() or (self._newest_saved is not None
+                                                                   and older < self._newest_saved)):
                 digest.result()
         self._known.add(step)
         try:

@@ -2,15 +2,18 @@
 loop goes on, reported by `committed()` only once written, at most one behind the saves, checked on restore; a
 checkpoint without it is set aside as unverified and the one before used."""
 
+import errno
 import json
 import threading
 
 import jax.numpy as jnp
 import optax
 import pytest
+from etils import epath
 
 from grpo_stream.trainer_service.checkpoints import digest as checkpoint_digest
 from grpo_stream.trainer_service.checkpoints.digest import DIGEST_FILE
+from grpo_stream.trainer_service.checkpoints.errors import CheckpointSaveFailed
 from grpo_stream.trainer_service.checkpoints.store import TrainerCheckpoints, tree_digest
 
 
@@ -141,3 +144,30 @@ def test_a_step_another_process_set_aside_is_saved_again_here(tmp_path):
     assert follower.committed(wait=True) == [(6, "again")]
     assert (tmp_path / "6").is_dir() and follower.steps() == [2, 4, 6]
     follower.close()
+
+
+def test_a_digest_that_cannot_be_written_says_which_checkpoint_and_the_fix(tmp_path, monkeypatch):
+    """A checkpoint that fills the disk leaves no room for its digest (reproduced on a small tmpfs): the trainer
+    stopped with a bare `OSError: [Errno 28] No space left on device` naming neither checkpoint.dir nor the step,
+    and left the cut-off temporary digest file beside the checkpoint."""
+    real = epath.gpath.PosixGPath.write_text
+
+    def write_text(self, data, *args, **kwargs):
+        if self.name == f"{DIGEST_FILE}.tmp" and self.parent.name == "4":
+            real(self, data[:10], *args, **kwargs)  # what fitted before the disk was full
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, data, *args, **kwargs)
+    monkeypatch.setattr(epath.gpath.PosixGPath, "write_text", write_text)
+    ckpt = TrainerCheckpoints(str(tmp_path), keep=3, verify=True)
+    ckpt.save(2, state(2.0), {}, token=2)
+    assert ckpt.committed(wait=True) == [(2, 2)]
+    ckpt.save(4, state(4.0), {}, token=4)
+    for look in (lambda: ckpt.committed(wait=True), lambda: ckpt.save(6, state(6.0), {}, token=6)):
+        with pytest.raises(CheckpointSaveFailed, match=rf"checkpoint.dir {tmp_path}: writing the SHA-256 digest of the "
+                                                       r"checkpoint of step 4 .*No space left on device.*Make room"
+                                                       r".*unverified-<step>-<time> can go"):
+            look()
+    assert not (tmp_path / "4" / f"{DIGEST_FILE}.tmp").exists()
+    monkeypatch.undo()
+    got = TrainerCheckpoints(str(tmp_path), keep=3, verify=True).restore_latest(state(0.0))
+    assert got.step == 2 and len(list(tmp_path.glob("unverified-4-*"))) == 1

@@ -1,16 +1,18 @@
 """A LoRA run resumes only under the model.lora settings its adapters were trained with: another alpha changes no
 shape, so its adapters would load and silently act at another scale (W + alpha / rank A B)."""
 
+import errno
 import re
 from types import SimpleNamespace
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from orbax.checkpoint._src.path import atomicity
 
 from grpo_stream.common.config.learning import LoraSection
 from grpo_stream.trainer_service.checkpoints.durability import Durability
-from grpo_stream.trainer_service.checkpoints.errors import CheckpointMismatch
+from grpo_stream.trainer_service.checkpoints.errors import CheckpointMismatch, CheckpointSaveFailed
 from grpo_stream.trainer_service.checkpoints.store import TrainerCheckpoints
 
 
@@ -58,3 +60,23 @@ def test_a_lora_run_resumed_with_other_settings_is_refused_naming_the_field(tmp_
     resumed = books(tmp_path, trained).resume(Updater(0.0))  # the run's own settings resume it
     assert resumed.step == 1
     np.testing.assert_array_equal(np.asarray(resumed.state["params"][0][0]), np.full((8, 2), 1.0))
+
+
+def test_a_frozen_base_that_cannot_be_written_names_the_directory_and_the_fix(tmp_path, monkeypatch):
+    """The base is written at a LoRA run's first checkpoint, its largest write; on a full disk (reproduced on a small
+    tmpfs) the trainer stopped with Orbax's bare `ValueError: RESOURCE_EXHAUSTED ...`, saying neither that it was the
+    base nor what to do."""
+    real = atomicity.AtomicRenameTemporaryPath.finalize
+
+    async def finalize(self):
+        if self._final_path.name == "arrays":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return await real(self)
+    monkeypatch.setattr(atomicity.AtomicRenameTemporaryPath, "finalize", finalize)
+    first = books(tmp_path, LoraSection(rank=2, alpha=32.0))
+    for step in (1, 2):  # a save after the failure writes the base again, not adapters without it
+        with pytest.raises(CheckpointSaveFailed, match=rf"checkpoint.dir {tmp_path}: saving the LoRA run's frozen base "
+                                                       r"to .*lora-base failed .*No space left on device.*Make room"):
+            first.save(step, Updater(1.0), {})
+    first.checkpoints.close()
+    assert first.checkpoints.steps() == []  # and no step checkpoint holds adapters without their base
