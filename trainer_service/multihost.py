@@ -12,7 +12,9 @@ job's secret and checked on receipt (control_messages.py): a forged, overwritten
 on (the process that reads it stops the job with an error naming it), and the keys' names cannot be guessed (so a
 key written ahead cannot be read first, nor make the writer fail). Process 0 also decides the checkpoint step every
 process restores and sends it in the first message (checkpoints/store.py: a process that cannot read that step stops
-instead of restoring another).
+instead of restoring another). What a message does not carry each process derives from its config, so before anything
+else every process checks that its config is process 0's (check_same_config: a job started with another override on
+one host is refused in every process, naming the settings that differ).
 
 Each process serves its own slices of each published version (common/weights/host_shards.py); process 0's
 manifest lists every process's address and switches to a version only once all of them serve it.
@@ -36,7 +38,8 @@ import numpy as np
 from grpo_stream.common.config.schema import RunConfig
 from grpo_stream.protos import weights_pb2
 from grpo_stream.trainer_service.checkpoints.errors import RunRefused
-from grpo_stream.trainer_service.control_messages import STREAMS, ControlCodec, ControlMessageError, Hosts, load_secret
+from grpo_stream.trainer_service.control_messages import (STREAMS, ControlCodec, ControlMessageError, Hosts, Settings,
+                                                          load_secret)
 
 log = logging.getLogger(__name__)
 
@@ -80,21 +83,36 @@ class TrainerGroup:
         RuntimeError when process 0 is gone (its coordination service answers no more)."""
         seq = self._received
         key = self._codec.key("msg", seq)
-        while True:
-            try:
-                raw = self._client.blocking_key_value_get_bytes(key, WAIT_MS)
-                break
-            except Exception as exc:  # noqa: BLE001 - jaxlib raises one error type; a timeout only means "not yet"
-                if "DEADLINE_EXCEEDED" not in str(exc):
-                    raise RuntimeError(f"trainer process {self.index}: lost trainer process 0 ({exc}); the job "
-                                       "stops and restarts from its newest checkpoint") from exc
-        message, arrays = self._codec.open("msg", seq, raw, f"key {key} of the coordination service")
+        message, arrays = self._codec.open("msg", seq, self._wait(key), f"key {key} of the coordination service")
         if kinds and message.kind not in kinds:
             raise ControlMessageError(f"trainer process {self.index}: message {seq} from trainer process 0 is "
                                       f"{message.kind!r} where {' or '.join(kinds)} comes in the protocol: the "
                                       "processes run different versions of grpo-stream")
         self._received += 1
         return message, arrays
+
+    def _wait(self, key: str) -> bytes:
+        """The value process 0 writes at `key`, as long as that takes; RuntimeError when process 0 is gone."""
+        while True:
+            try:
+                return self._client.blocking_key_value_get_bytes(key, WAIT_MS)
+            except Exception as exc:  # noqa: BLE001 - jaxlib raises one error type; a timeout only means "not yet"
+                if "DEADLINE_EXCEEDED" not in str(exc):
+                    raise RuntimeError(f"trainer process {self.index}: lost trainer process 0 ({exc}); the job "
+                                       "stops and restarts from its newest checkpoint") from exc
+
+    # -- the config: the same in every process --------------------------------------------------------------------
+    def leader_settings(self, cfg: RunConfig) -> tuple[dict[str, str], dict[str, str]]:
+        """(this process's settings, process 0's), each a setting's dotted name to its keyed digest: process 0
+        publishes its own, the others read them. ControlMessageError when the value read is not process 0's."""
+        mine = config_digests(cfg, self._codec)
+        key = self._codec.key("settings", 0)
+        if self.leader:
+            self._client.key_value_set_bytes(key, self._codec.seal("settings", 0, Settings(digests=mine)),
+                                             allow_overwrite=True)  # as in send: never read before this write
+            return mine, mine
+        theirs, _ = self._codec.open("settings", 0, self._wait(key), f"key {key} (trainer process 0's config)")
+        return mine, theirs.digests
 
     # -- weight publication from every process ------------------------------------------------------------------
     def announce(self, epoch: str, version: int, port: int, data_port: int) -> None:
@@ -182,6 +200,7 @@ def start_group(cfg: RunConfig) -> TrainerGroup | None:
     from jax._src.distributed import global_state  # noqa: PLC0415 - the runtime's key-value store (Orbax uses it too)
 
     group = join_group(n, jax.process_index(), global_state.client)
+    check_same_config(group, cfg)
     log.info("trainer process %d of %d (%d local devices of %d)", group.index, n, jax.local_device_count(),
              jax.device_count())
     return group
@@ -204,6 +223,69 @@ def agree_incarnation() -> bytes:
 
     mine = np.frombuffer(os.urandom(16), np.uint8)
     return np.asarray(multihost_utils.broadcast_one_to_all(mine), np.uint8).tobytes()
+
+
+# settings each host may set for itself: where it finds its files (a shared checkpoint.dir or a model mounted at a
+# path of its own, its secrets and certificates), its compilation cache (its $HOME), its CPUs and how it logs
+HOST_LOCAL_SECTIONS = ("runtime", "logging")
+HOST_LOCAL_SUFFIXES = ("path", "dir", "_file", "cpu_affinity")
+SETTINGS_DIFFER, SETTINGS_UNREAD = 1, 2  # a process's verdict on its config (0: the same as process 0's)
+MAX_SETTINGS = 2048  # settings compared (a config has about 300): one byte each in check_same_config's gather
+
+
+def config_digests(cfg: RunConfig, codec: ControlCodec) -> dict[str, str]:
+    """Each setting of `cfg` (dotted name) that must be the same in every trainer process, to its keyed digest."""
+    flat: dict[str, Any] = {}
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, dict) and value:
+            for name, inner in value.items():
+                walk(f"{prefix}.{name}" if prefix else name, inner)
+        elif not (prefix.split(".")[0] in HOST_LOCAL_SECTIONS or prefix.endswith(HOST_LOCAL_SUFFIXES)):
+            flat[prefix] = value
+
+    walk("", cfg.model_dump(mode="json"))
+    return {name: codec.digest([name, value]) for name, value in flat.items()}
+
+
+def check_same_config(group: TrainerGroup, cfg: RunConfig) -> None:
+    """Refuse, in every process at once, a job whose processes were started with different configs (another file,
+    another override on one host): from the same plans they would run different programs (a warm start, an
+    evaluation, another mesh or learning rate) and wait for each other in collectives for ever, or train on shards
+    that do not belong together. Process 0 publishes its settings' keyed digests, each other process compares its
+    own, and every process gathers which settings differ where (a collective: none is left waiting, and every
+    process's error names them)."""
+    from jax.experimental import multihost_utils  # noqa: PLC0415
+
+    names, row, unread = [], np.zeros(MAX_SETTINGS + 1, np.uint8), None
+    try:
+        mine, theirs = group.leader_settings(cfg)
+        names = sorted(theirs)[:MAX_SETTINGS]
+        row[:len(names)] = [mine.get(name) != theirs[name] for name in names]
+        only_mine = sorted(set(mine) - set(theirs))
+        if only_mine:  # another version of grpo-stream
+            log.error("trainer process %d has settings trainer process 0 has not: %s", group.index, only_mine)
+        row[-1] = SETTINGS_DIFFER if row.any() or only_mine else 0
+    except ControlMessageError as exc:  # forged or overwritten: told to the others too, then the job restarts
+        unread, row[-1] = exc, SETTINGS_UNREAD
+    rows = np.asarray(multihost_utils.process_allgather(row), np.uint8).reshape(-1, len(row))
+    if unread is not None:
+        raise unread
+    if not (rows[:, -1] == SETTINGS_DIFFER).any():
+        if (rows[:, -1] == SETTINGS_UNREAD).any():
+            raise ControlMessageError(f"trainer process(es) {np.flatnonzero(rows[:, -1]).tolist()} could not read "
+                                      "trainer process 0's config digests (their logs say why): the job stops")
+        return
+    differ = [f"{name} (process(es) {np.flatnonzero(rows[:, k]).tolist()})" for k, name in enumerate(names)
+              if rows[:, k].any()]
+    extra = [k for k in range(len(rows)) if rows[k, -1] == SETTINGS_DIFFER and not rows[k, :len(names)].any()]
+    what = ", ".join(differ[:20]) + (f" and {len(differ) - 20} more" if len(differ) > 20 else "")
+    what += f"{'; ' if what else ''}process(es) {extra} have settings process 0 has not" if extra else ""
+    raise RunRefused(f"trainer processes started with configs other than trainer process 0's: {what}. Every trainer "
+                     "process must run the same config, or they run different programs and wait for each other for "
+                     "ever: start each with the same --config file and overrides (`up` does); only the sections "
+                     f"{', '.join(HOST_LOCAL_SECTIONS)}, paths (settings named *path, *dir, *_file) and cpu_affinity "
+                     "may differ between hosts")
 
 
 UNRESOLVED, LOOPBACK = 2, 1  # what a process's advertised address is, besides reachable (0)

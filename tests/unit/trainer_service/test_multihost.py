@@ -180,3 +180,46 @@ def test_a_process_whose_host_name_does_not_resolve_refuses_with_the_others(monk
     monkeypatch.delenv(multihost.ADVERTISE_ENV, raising=False)
     with pytest.raises(RunRefused, match=r"trainer process\(es\) \[0\] cannot resolve their host name"):
         multihost.join_group(2, 0, Store())
+
+
+def test_config_digests_that_do_not_read_stop_every_process_for_a_restart_not_a_refusal(monkeypatch):
+    """Process 0's config digests overwritten in the store (a writer on the coordinator port): the process that reads
+    them still takes part in the verdict's collective, so process 0 is not left waiting in it, and both stop with
+    ControlMessageError (the job restarts), not the permanent refusal of configs that differ."""
+    from jax.experimental import multihost_utils
+
+    from grpo_stream.trainer_service import multihost
+
+    cfg = load_config(None, ["trainer.processes=2", "trainer.mesh.fsdp=4"])
+    store = Store()
+    gathered = []
+
+    def allgather(mine):  # this process's row beside the other process's, which reads process 0's digests fine
+        gathered.append(np.asarray(mine))
+        return np.stack([np.zeros_like(mine), np.asarray(mine)])
+
+    monkeypatch.setattr(multihost_utils, "process_allgather", allgather)
+    leader, follower = group(0, store), group(1, store)
+    key = CODEC.key("settings", 0)
+    store.values[key] = b"forged"  # written over process 0's
+    with pytest.raises(ControlMessageError, match=f"at key {key} .*trainer process 0's config.*not a sealed"):
+        multihost.check_same_config(follower, cfg)
+    assert gathered[-1][-1] == multihost.SETTINGS_UNREAD
+    monkeypatch.setattr(multihost_utils, "process_allgather",
+                        lambda mine: np.stack([np.asarray(mine), gathered[-1]]))  # process 0 learns it
+    with pytest.raises(ControlMessageError, match=r"trainer process\(es\) \[1\] could not read trainer process 0's "
+                                                  "config digests"):
+        multihost.check_same_config(leader, cfg)
+
+
+def test_config_digests_reveal_no_value_and_leave_out_host_local_settings():
+    """The store is readable from the coordinator port: a setting's value, a guessable one included, must not be
+    learnable from its digest without the secret. Paths, logging and the compilation cache are each host's own."""
+    from grpo_stream.trainer_service.multihost import config_digests
+
+    cfg = load_config(None, ["trainer.processes=2", "trainer.mesh.fsdp=4", "run.name=hunter2"])
+    digests = config_digests(cfg, CODEC)
+    other = config_digests(cfg, ControlCodec(b"j" * 64, b"\x07" * 16))
+    assert digests["run.name"] != other["run.name"] and "hunter2" not in str(digests)
+    assert "trainer.learning_rate" in digests and "checkpoint.dir" not in digests and "model.path" not in digests
+    assert not [name for name in digests if name.startswith(("logging.", "runtime."))]
