@@ -1,5 +1,6 @@
-"""One weight fetch's lanes (grpc_transport.py GrpcFetcher): its parallel streams in the fetcher's thread pool, ended
-together when one fails.
+"""One weight fetch's lanes (grpc_transport.py GrpcFetcher): its parallel streams in the fetcher's thread pool (sized
+so that every lane starts at once: weights.fetch_streams from one trainer process, or one per process of a multi-host
+trainer), ended together when one fails.
 
 A fetch that failed used to return while its other lanes kept receiving in the pool until their own deadlines
 (weights rpc timeout): they held its threads, so the next attempt's lanes queued behind them and, started late, ran

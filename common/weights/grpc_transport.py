@@ -131,6 +131,7 @@ class GrpcFetcher:
         self._host_channels: list[grpc.Channel] = []  # their channels (closed by close())
         self._multi_host_logged = False
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=streams, thread_name_prefix="fetch")
+        self._pool_size = streams
 
     def latest(self, installed_version: int) -> weights_pb2.WeightManifest | None:
         try:
@@ -201,6 +202,16 @@ class GrpcFetcher:
         for channel in self._host_channels:
             channel.close()
 
+    def _pool_for(self, lanes: int) -> concurrent.futures.ThreadPoolExecutor:
+        """The pool, grown to run `lanes` at once: a multi-host fetch has a lane per trainer process, and one queued
+        behind another host's whole transfer asked for the version only once that ended; a trainer that publishes
+        more often than that had replaced it by then (NOT_FOUND: the fetch failed, and so did every retry)."""
+        if lanes > self._pool_size:
+            old, self._pool_size = self._pool, lanes
+            self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=lanes, thread_name_prefix="fetch")
+            old.shutdown(wait=False)
+        return self._pool
+
     def _host_stub(self, manifest, host: int):
         """The WeightService stub of trainer process `host` (0: the trainer this sampler was pointed at)."""
         if host == 0:
@@ -239,7 +250,7 @@ class GrpcFetcher:
                     view = out[rel] if rel else out  # (indexing a 0-d array with () gives a scalar copy, not a view)
                     if view.flags.c_contiguous:  # e.g. rows of an fsdp-sharded weight: no copy after receiving
                         into[(t, box_key(part))] = view
-        attempt = FetchLanes(self._pool, self.timeout_s + 5)
+        attempt = FetchLanes(self._pool_for(len(per_host)), self.timeout_s + 5)
         for host, tensors in per_host.items():
             lane = [(0, t, boxes) for t, boxes in tensors.items()]
             where = manifest.hosts[host]

@@ -9,6 +9,12 @@ they started with), the checkpoint sink saves with Orbax, the local one hands
 device arrays to the in-process hub. Only then does the manifest switch, so a sampler never sees a version that
 is not fully readable.
 
+The version replaced stays servable for as long as a fetch still streams it, and not a moment longer (the publisher
+keeps only a weak reference; each fetch's plan holds its snapshot): a sampler's fetch runs several lanes, each its
+own request, and a lane that asked after the switch found the version gone (NOT_FOUND) while its sibling lanes still
+streamed it, which failed the whole fetch and cost the sampler a back-off. No host copy is kept for this that a
+fetch in flight would not have held anyway.
+
 The publisher only holds versions. Serving them is the WeightService's (weight_service.py: manifests, and for the
 grpc transport the slices, grpc_transport_server/); what samplers report goes to the registry the publisher owns
 (`samplers`, samplers.py), which the services that report on samplers reach where they reach the versions.
@@ -19,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+import weakref
 from typing import Any, Callable
 
 import jax.numpy as jnp
@@ -65,6 +72,8 @@ class WeightPublisher:
         # multi-host: the version this process announced it serves (gather_hosts), served beside the one held until
         # the switch, so that a sampler sent here by process 0's manifest finds it
         self._incoming: WeightSnapshot | None = None
+        # the version the last switch replaced, alive only while a fetch in flight holds it (module docstring)
+        self._previous: weakref.ref[WeightSnapshot] | None = None
         # LoRA: the frozen base (version BASE_VERSION of this epoch), published once and served beside the latest
         self._base_snapshot: WeightSnapshot | None = None
         self._base_manifest: weights_pb2.WeightManifest | None = None
@@ -136,6 +145,9 @@ class WeightPublisher:
                     self._incoming = None
                 raise
         with self._lock:
+            old = self._snapshot
+            if old is not None and (snapshot is None or old.version != snapshot.version):
+                self._previous = weakref.ref(old)
             self._snapshot, self._manifest, self._incoming = snapshot, manifest, None
             if not self.published or self.published[-1] != manifest.version:
                 self.published.append(manifest.version)
@@ -153,11 +165,16 @@ class WeightPublisher:
 
     def held(self, version: int) -> WeightSnapshot | None:
         """The host snapshot a fetch of `version` reads: the epoch's base for BASE_VERSION, the version a multi-host
-        trainer's process announced and has not switched to yet, else the latest (None: nothing held; a transport
-        whose bytes the trainer does not serve holds none)."""
+        trainer's process announced and has not switched to yet, the version replaced last while a fetch still
+        streams it, else the latest (None: nothing held; a transport whose bytes the trainer does not serve holds
+        none). The caller checks the version it got."""
         with self._lock:
             if version == BASE_VERSION:
                 return self._base_snapshot
             if self._incoming is not None and self._incoming.version == version:
                 return self._incoming
+            previous = self._previous() if self._previous is not None else None
+            if previous is not None and previous.version == version and (
+                    self._snapshot is None or self._snapshot.version != version):
+                return previous
             return self._snapshot

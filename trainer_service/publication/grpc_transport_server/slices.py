@@ -11,11 +11,18 @@ import grpc
 import numpy as np
 
 from grpo_stream.common.registry.transports import transport_spec
-from grpo_stream.common.weights.snapshot import WeightTransferError, box_from_proto, stream_box
+from grpo_stream.common.weights.snapshot import WeightSnapshot, WeightTransferError, box_from_proto, stream_box
 from grpo_stream.protos import weights_pb2
 from grpo_stream.trainer_service.publication.publisher import WeightPublisher
 
-Plan = list[tuple[int, int, np.ndarray, tuple]]  # (tensor index, slice index, host array, box) per requested slice
+
+class Plan(list):
+    """(tensor index, slice index, host array, box) per requested slice, and the snapshot they come from: held as
+    long as the plan is, so that the publisher serves that version to the fetch's other lanes until it ends."""
+
+    def __init__(self, snapshot: WeightSnapshot):
+        super().__init__()
+        self.snapshot = snapshot
 
 
 class FetchRefused(Exception):
@@ -45,7 +52,7 @@ class SliceServer:
                                f"version {request.version} is not held (latest: "
                                f"{None if snapshot is None else snapshot.version}); ask for the manifest again")
         arrays = list(snapshot.arrays.values())
-        plan = []
+        plan = Plan(snapshot)
         try:
             for tensor in request.tensors:
                 if not 0 <= tensor.tensor_index < len(arrays):

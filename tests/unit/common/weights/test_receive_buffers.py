@@ -86,3 +86,26 @@ def test_buffers_of_slots_still_asked_for_each_version_are_reused_not_dropped():
         installed = {t: pool.take((t, "box"), (8, 8), np.float32) for t in range(2)}
         gc.collect()
     assert pool.allocated == 4 and installed[0].shape == (8, 8)
+
+
+def test_a_buffer_jax_let_go_is_reused_without_waiting_for_a_garbage_collection():
+    """JAX drops its reference to a host buffer it placed from on its own threads through a queue emptied at the
+    next garbage collection: the buffers of a version already replaced still looked busy, and every version in a
+    row made a new set (four model copies alive instead of two). The pool now runs that collection itself, once per
+    version, before it makes a buffer."""
+    pool = ReceiveBuffers(keep=2)
+    enabled = gc.isenabled()
+    gc.disable()  # no collection but the pool's own
+    try:
+        installed = None
+        for version in range(6):  # the sampler holds the installed version only
+            buf = pool.take("k", (64, 16), np.float32)
+            buf[...] = version
+            installed = jax.make_array_from_callback(buf.shape, _sharding(), lambda idx, buf=buf: buf[idx])
+            installed.block_until_ready()
+            del buf
+        assert pool.allocated == 2, f"{pool.allocated} buffers made for 6 versions, of which one is held at a time"
+        np.testing.assert_array_equal(np.asarray(installed), 5.0)
+    finally:
+        if enabled:
+            gc.enable()
