@@ -34,6 +34,7 @@ class AdmissionClient:
         self.waited_s = 0.0
         self.refusals = 0
         self._warned = False
+        self._version = 0  # the weight version of the last request (release() repeats it)
 
     def admit(self, wanted: int, version: int, in_flight: int) -> int:
         """How many of `wanted` groups of weight `version` may start now, `in_flight` being this sampler's groups
@@ -41,6 +42,7 @@ class AdmissionClient:
         again). While the ingest cannot answer nothing is admitted; an ingest without Admit admits everything."""
         if not self.enabled:
             return wanted
+        self._version = version
         started, retry_s = time.monotonic(), OUTAGE_RETRY_S
         try:
             reply = self.stub.Admit(rollout_pb2.AdmitRequest(sampler_id=self.sampler_id, groups=wanted,
@@ -69,3 +71,22 @@ class AdmissionClient:
         self.stop_event.wait(retry_s)
         self.waited_s += time.monotonic() - started
         return 0
+
+    def release(self, timeout_s: float = 2.0) -> bool:
+        """Tell the ingest this process holds no group any more (the sampler stops, after its drain: what it had not
+        sent is dropped). Without it the ingest counted the stopped sampler's grants as in flight for
+        sampler.admission_lease_s (600 s), and where they filled the staleness bound (trainer.max_staleness 0: one
+        step's worth) every other sampler was refused, the trainer waiting for groups nobody could start, until the
+        lease ran out. Best effort, never raises: an ingest that cannot answer counts them until then. True when the
+        ingest took it."""
+        if not self.enabled:
+            return False
+        try:
+            self.stub.Admit(rollout_pb2.AdmitRequest(sampler_id=self.sampler_id, groups=0,
+                                                     policy_version=self._version, in_flight=0,
+                                                     process=self.process), timeout=timeout_s)
+            return True
+        except grpc.RpcError as exc:  # (a replaced process is refused: its successor reported its own count)
+            log.info("%s: could not release its admission grants (%s); the ingest counts them until "
+                     "sampler.admission_lease_s passes", self.sampler_id, exc.code().name)
+            return False

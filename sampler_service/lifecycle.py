@@ -153,6 +153,8 @@ def open_sampler(cfg: RunConfig, index: int, sampler_id: str, stop_event, device
                  cfg.trainer_address(), cfg.ingest_address(), tokenizer.fingerprint(), resume.start,
                  f" ({len(resume.unanswered)} unanswered below it first)" if resume.unanswered else "")
         admission = AdmissionClient(ingest_stub, sampler_id, cfg.sampler.admission, stop_event, process)
+        # after the loop and its drain, before the sender closes: the grants it holds go back to the other samplers
+        stack.callback(admission.release)
         yield Parts(task, tokenizer, model, engine, RewardSet(cfg.task.rewards), metrics, health, ingest_stub, sync,
                     client, admission, resume)
 

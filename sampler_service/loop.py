@@ -25,7 +25,6 @@ another model, a token refused) tells the entry point that restarting the sample
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import pathlib
 import threading
@@ -34,12 +33,13 @@ import time
 import jax
 
 from grpo_stream.common.config.schema import RunConfig
-from grpo_stream.common.engine.base import FirstWeights, rows_decoding_mean
+from grpo_stream.common.engine.base import FirstWeights, rows_decoding_mean, tokens_decoded
 from grpo_stream.common.episodes.evaluation import greedy_probe
 from grpo_stream.common.episodes.registry import build_rollouts, injected_kind, rollout_kind
 from grpo_stream.common.episodes.stream import RolloutStream
 from grpo_stream.common.runtime.console import count_and_range, detail_logger
 from grpo_stream.common.runtime.device_memory import device_memory, host_memory
+from grpo_stream.common.runtime.files import to_json, write_atomic
 from grpo_stream.common.runtime.heartbeat import Heartbeat
 from grpo_stream.common.runtime.process import stop_on_signals
 from grpo_stream.common.registry.transports import transport_spec
@@ -263,7 +263,15 @@ class Sampler:
                  "versions installed %s, %.1fs waiting for weights", self.sampler_id, sink.groups_sent,
                  sink.groups_sent / max(elapsed, 1e-9), dict(client.stats), drained,
                  count_and_range(weights.installed_versions), self.waited_for_weights_s)
+        # what became of the groups handed to the stream: the ingest's acknowledgements (accepted: in the buffer, a
+        # duplicate's second copy included; rejected_invalid), and those never sent (too stale by then, of another
+        # trainer epoch, larger than a message, or still unacknowledged when the drain ended)
+        stream = {name: int(client.stats.get(name, 0)) for name in (
+            "accepted", "rejected_invalid", "dropped_stale", "dropped_epoch", "rejected_too_large", "retried",
+            "reconnects")}
+        stream["unsent"] = client.unacked  # after the drain: what the sender's close abandons
         result = {"sampler_id": self.sampler_id, "groups": sink.groups_sent, "groups_generated": sink.groups_generated,
+                  "groups_accepted": stream["accepted"], "stream": stream,
                   "groups_started": self.groups_started, "groups_failed": sink.groups_failed,
                   "episodes_errored": sink.episodes_errored,
                   "injected_groups": self.source.injected_done, "rows_in_flight": self.rows_in_flight,
@@ -289,9 +297,13 @@ class Sampler:
                   # the JAX engine's compiled shapes (slots, windows, prompt buckets): each costs a compilation
                   "engine_programs": sorted(map(list, getattr(parts.engine, "programs", ()))),
                   "engine_rows_decoding_mean": rows_decoding_mean(parts.engine),
+                  # every token the engine made in generate_seconds, rows cancelled at the end included (null: vLLM)
+                  "engine_tokens_decoded": tokens_decoded(parts.engine),
                   "openai": endpoint.figures() if endpoint is not None else None}
         if self.run_dir is not None:
-            (self.run_dir / f"{self.sampler_id}.json").write_text(json.dumps(result, indent=2))
+            # whole or not at all: `up` stops a sampler still running after the trainer finished, and one stopped
+            # mid-write left a file the run's summary could not read
+            write_atomic(self.run_dir / f"{self.sampler_id}.json", to_json(result, indent=2))
         return result
 
     def _report_throughput(self) -> None:

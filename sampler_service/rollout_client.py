@@ -156,7 +156,10 @@ class RolloutClient:
         return self.unacked == 0
 
     def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
-        """Stop the sender: an ack awaited is abandoned (its call cancelled); waits up to timeout_s."""
+        """Stop the sender: an ack awaited is abandoned (its call cancelled); waits up to timeout_s. The groups still
+        unacknowledged then are never sent: counted as stats['unsent'] and logged (a drain that timed out said only
+        that it did)."""
+        first = not self._stop.is_set()
         self._stop.set()
         call = self._call
         if call is not None:
@@ -165,6 +168,11 @@ class RolloutClient:
         for thread in (self._thread, self._watch):
             if thread.is_alive():
                 thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        left = self.unacked
+        if first and left > 0:
+            self.stats["unsent"] = left
+            log.warning("rollout sender stopped with %d groups not acknowledged by the ingest: they are not trained "
+                        "(a restarted sampler generates their data positions again)", left)
 
     def _take(self, pending: list) -> list:
         """Groups to send next: the ones still in hand, else what the backlog holds (waits briefly); too stale
@@ -265,10 +273,9 @@ class RolloutClient:
                 if isinstance(exc, grpc.RpcError) and not is_transient(exc):
                     raise self._refusal(exc) from None
                 self.stats["reconnects"] += 1
-                code = exc.code() if isinstance(exc, grpc.RpcError) else (str(exc) or "stream closed")
                 delay = backoff.next()
-                log.warning("rollout stream to ingest failed (%s); retrying in %.1fs with %d groups in hand", code,
-                            delay, len(self._in_hand))
+                log.warning("rollout stream to ingest failed (%s); retrying in %.1fs with %d groups in hand",
+                            _why(exc), delay, len(self._in_hand))
                 self._stop.wait(delay)
 
     def _stream(self, backoff: Backoff) -> None:
@@ -335,3 +342,12 @@ class RolloutClient:
         log.error("%s; %d groups not sent", why, len(self._in_hand) + self._backlog.qsize() + (self._next is not None))
         self.error, self.refused = error, why
         return error
+
+
+def _why(exc: BaseException) -> str:
+    """What ended a stream, for the reconnect warning: an RpcError's code and details (an ingest that failed on an
+    error of its own answers UNKNOWN, and the code alone did not say which), else the error's text."""
+    if not isinstance(exc, grpc.RpcError):
+        return str(exc) or "stream closed"
+    details = exc.details() if callable(getattr(exc, "details", None)) else None
+    return f"{exc.code()}: {details[:300]}" if details else str(exc.code())

@@ -1,9 +1,9 @@
 """Authenticated, typed messages between the processes of a multi-process trainer (trainer.processes > 1).
 
 Process 0 tells the others what they cannot decide alone (multihost.py) through the key-value store of JAX's
-coordination service, and every process announces where it serves each weight version there. That store has no
-access control: anything that reaches the coordinator port can read, write, overwrite and list its keys. So every
-value written there is sealed here:
+coordination service, and its config's digests (which every other process checks its own against); every process
+announces where it serves each weight version there. That store has no access control: anything that reaches the
+coordinator port can read, write, overwrite and list its keys. So every value written there is sealed here:
 
 - an HMAC-SHA256 with the job's secret (GRPO_STREAM_TRAINER_SECRET or GRPO_STREAM_TRAINER_SECRET_FILE; `up` makes
   one per start of the job) over the whole frame: the incarnation, the stream, the sequence number, the kind, the
@@ -81,6 +81,13 @@ class Done(_Message):
     kind: Literal["done"] = "done"
 
 
+class Settings(_Message):
+    """Process 0's resolved config as keyed digests, one per setting (multihost.check_same_config): each process
+    compares its own, and no value can be read (or guessed) from the store."""
+    kind: Literal["settings"] = "settings"
+    digests: dict[str, str] = Field(max_length=1 << 14)
+
+
 class Hosts(_Message):
     """Where one trainer process serves its slices of one weight version."""
     kind: Literal["hosts"] = "hosts"
@@ -96,8 +103,9 @@ class Hosts(_Message):
 STREAMS: dict[str, TypeAdapter] = {
     "msg": TypeAdapter(Annotated[Union[Start, Step, Finish, Done], Field(discriminator="kind")]),
     "hosts": TypeAdapter(Hosts),
+    "settings": TypeAdapter(Settings),
 }
-KINDS = {"msg": ("start", "step", "finish", "done"), "hosts": ("hosts",)}
+KINDS = {"msg": ("start", "step", "finish", "done"), "hosts": ("hosts",), "settings": ("settings",)}
 
 
 def new_secret() -> str:
@@ -140,6 +148,13 @@ class ControlCodec:
         # separate keys for the MAC and the key names (a name is public once written; a MAC key must never be)
         self._mac_key = hmac.new(secret, b"grpo-stream trainer messages: mac", hashlib.sha256).digest()
         self._name_key = hmac.new(secret, b"grpo-stream trainer messages: names", hashlib.sha256).digest()
+        self._digest_key = hmac.new(secret, b"grpo-stream trainer messages: digests", hashlib.sha256).digest()
+
+    def digest(self, value: Any) -> str:
+        """A keyed digest of `value` (JSON): equal values have equal digests, and without the secret nothing of the
+        value can be learned from it, a guessable one included."""
+        what = json.dumps(value, sort_keys=True).encode()
+        return hmac.new(self._digest_key, what, hashlib.sha256).hexdigest()[:32]
 
     def key(self, stream: str, seq: int, *parts: Any) -> str:
         """Where value `seq` of `stream` lives: unguessable without the secret, fresh at every incarnation."""

@@ -12,7 +12,7 @@ Redis layout for run R (prefix P):
   P:R:audit:duplicates hash: group id -> times a second copy reached the trainer (never trained)
   P:R:audit:steps      stream: per RL step, the trainer epoch, step and group ids it trained
   P:R:audit:trainers   stream: per trainer process, its epoch and the checkpoint (step, epoch) it resumed from
-  P:R:audit:checkpoints stream: per saved checkpoint, its step and epoch
+  P:R:audit:checkpoints stream: per saved checkpoint, its step and epoch (compacted: each trainer's newest)
   P:R:audit:eval       hash: group id -> {prompt, sampler, version, t} of injected train=false answers (never
                        appended to the stream; see trainer_service/ingest/prompt_queue.py for the injection keys)
   P:R:audit:compacted  hash: the records settled behind the acknowledged checkpoint, folded into counts, and

@@ -107,6 +107,23 @@ def test_a_sampler_process_replaced_by_another_under_its_id_is_refused(ingest):
     assert second.admit(1, version=0, in_flight=2) == 1  # the one that holds the id goes on
 
 
+def test_a_stopping_sampler_releases_its_grants_for_the_others(ingest):
+    """A sampler that stops holds its grants at the ingest until sampler.admission_lease_s (600 s) passes: where
+    they fill the staleness bound every other sampler is refused, and the trainer waits for groups none may start.
+    Its release (an Admit for no group, holding none) frees them at once; a replaced process's is refused quietly."""
+    _, stub = ingest
+    stop = threading.Event()
+    a = AdmissionClient(stub, "sampler-0", True, stop, process="a1")
+    b = AdmissionClient(stub, "sampler-1", True, stop, process="b1")
+    assert a.admit(8, version=0, in_flight=0) == 8  # the whole bound: (1 + 1) * 4 groups
+    assert b.admit(4, version=0, in_flight=0) == 0
+    assert a.release()
+    assert b.admit(4, version=0, in_flight=0) == 4
+    assert AdmissionClient(stub, "sampler-0", True, stop, process="a2").admit(1, version=0, in_flight=0) == 1
+    assert not a.release()  # replaced by a2: its release counts nothing, and raises nothing
+    assert AdmissionClient(stub, "sampler-0", False, stop).release() is False  # admission off: nothing to tell
+
+
 def test_bad_requests_name_the_field(ingest):
     _, stub = ingest
     for request, field in [(rollout_pb2.AdmitRequest(groups=1), "sampler_id"),

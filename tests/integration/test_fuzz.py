@@ -202,20 +202,6 @@ HOSTILE = [
 HALF_SENT = [pytest.param(200, id="200"), pytest.param(1000, id="1000", marks=pytest.mark.fuzz)]
 
 
-@pytest.fixture
-def per_sampler_stack(tiny_parts, shared_redis, run_name, tmp_path):
-    """A server whose table has a token per sampler (sampler-0 is the legitimate one, sampler-1 the hostile)."""
-    from grpo_stream.common.rpc.auth import write_tokens  # noqa: PLC0415
-
-    cfg, task, tokenizer, _ = tiny_parts
-    paths = write_tokens(tmp_path / "table", samplers=2)
-    cfg = with_run_name(cfg, run_name)
-    cfg = cfg.model_copy(update={"auth": cfg.auth.model_copy(update={"tokens_file": str(paths["table"])})})
-    with serve(cfg, shared_redis.url, tmp_path / "unused", task, tokenizer) as stack:
-        stack.tokens = paths
-        yield stack
-
-
 def serve_a_sampler(stack, position: int) -> None:
     """What a sampler does, each call within 10 s: admission, a batch of two real groups over StreamBatches (each
     acknowledged as stored), the manifest, and the bytes of the weights."""

@@ -230,6 +230,11 @@ def test_quota_and_queue_limits_answer_resource_exhausted_with_a_retry_hint(stac
     ({"text": "x", "num_generations": 65}, "prompts[0].num_generations: 65 outside 0..64"),
     ({"text": "x", "train": True}, "prompts[0].reference_answer: required"),
     ({"text": "x", "train": True, "answer": "1", "num_generations": 2}, "generation.num_generations=4"),
+    # the run's answer_correct compares numbers: a reference that is none scored every completion 0, silently
+    ({"text": "x", "train": True, "answer": "forty-two"}, "prompts[0].reference_answer: 'forty-two' is not a number, "
+     "and answer_correct compare"),
+    ({"text": "x", "answer": "1e+20", "rewards": ["last_number"]}, "prompts[0].reference_answer: '1e+20' is not a "
+     "number, and last_number compare"),
     ({"text": "x", "tags": ["a b"]}, "prompts[0].tags[0]"),
     ({"text": "x", "tags": ["t" * 65]}, "prompts[0].tags[0]: 65 characters, must be 1..64"),
     ({"text": "x", "tags": [f"t{i}" for i in range(9)]}, "prompts[0].tags: 9 tags, limit 8"),

@@ -93,3 +93,17 @@ def test_the_sampler_process_exits_non_zero_with_the_reason(trainer, tmp_path):
     assert proc.returncode not in (0, None), proc.stderr[-3000:]
     assert SHAPES in proc.stderr, proc.stderr[-3000:]
     assert took < 60 + 30, took  # 60 s for the sampler; the rest for a cold interpreter importing JAX
+
+
+def test_a_sampler_that_stops_gives_its_admission_grants_back(trainer, tmp_path):
+    """Grants a stopped sampler held counted as in flight for sampler.admission_lease_s (600 s): where they filled the
+    staleness bound, every other sampler was refused and the trainer waited for groups nobody could start."""
+    from grpo_stream.sampler_service.lifecycle import open_sampler
+
+    stack, overrides = trainer
+    cfg = load_config(CONFIG, overrides)
+    control = stack.server.ingest.admission
+    with open_sampler(cfg, 0, "sampler-0", threading.Event()) as parts:
+        granted = parts.admission.admit(2, 0, 0)
+        assert granted == 2 and control.in_flight()["sampler-0"] == 2
+    assert control.in_flight().get("sampler-0", 0) == 0

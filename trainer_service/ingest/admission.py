@@ -170,7 +170,7 @@ class AdmissionControl:
                 self._forget_longest_silent()
             self.stats["requests"] += 1
             self.stats["granted"] += granted
-            self.stats["refused"] += granted == 0
+            self.stats["refused"] += granted == 0 < wanted  # (a request for none is a sampler's release)
         return granted, state.waiting + queued
 
     def _forget_longest_silent(self) -> None:

@@ -56,6 +56,7 @@ log = logging.getLogger(__name__)
 
 ACTIVE_SAMPLER_S = 60.0
 SUMMARY_FIELDS = (b"state", b"client", b"finished", b"tags")  # a prompt's hash less its request and answer
+NOT_A_HASH = object()  # records(): a prompt key of another type
 
 # Shared by the scripts: a client with queued prompts holds a turn; one that had none joins at the virtual time now
 # or where its last prompt ended, whichever is later.
@@ -321,13 +322,18 @@ class PromptQueue:
         return dict(zip(prompt_ids, reply[1:]))
 
     def records(self, prompt_ids: list[str]) -> list[dict[bytes, bytes] | None]:
-        """Each prompt's hash (None: unknown or expired)."""
+        """Each prompt's hash (None: unknown or expired; NOT_A_HASH: its key holds another type, which something other
+        than grpo-stream wrote: one such key no longer fails the read of the others)."""
         def run():
             pipe = self.client.pipeline(transaction=False)
             for pid in prompt_ids:
                 pipe.hgetall(self.prompt_key(pid))
-            return pipe.execute()
-        return [r or None for r in self._call(run)]
+            replies = pipe.execute(raise_on_error=False)
+            for reply in replies:  # any other failure as the read's own (redis_call: passing or not)
+                if isinstance(reply, Exception) and "WRONGTYPE" not in str(reply):
+                    raise reply
+            return replies
+        return [NOT_A_HASH if isinstance(r, Exception) else r or None for r in self._call(run)]
 
     def summaries(self, prompt_ids: list[str]) -> list[dict[bytes, bytes] | None]:
         """Each prompt's SUMMARY_FIELDS (None: unknown or expired): what a follower checks, filters and orders by,

@@ -22,7 +22,7 @@ from grpo_stream.common.rpc.auth import TokenTable, caller_of
 from grpo_stream.common.rollouts.buffer import BufferUnavailable
 from grpo_stream.common.config.schema import RunConfig
 from grpo_stream.trainer_service.ingest.prompt_queue import PromptQueue, QueueFull
-from grpo_stream.common.tasks.rewards import TASK_REWARDS, allowed_names, unknown_reward
+from grpo_stream.common.tasks.rewards import TASK_REWARDS, allowed_names, numeric_reference_problem, unknown_reward
 from grpo_stream.protos import prompts_pb2, prompts_pb2_grpc, rollout_pb2
 
 log = logging.getLogger(__name__)
@@ -94,11 +94,15 @@ class PromptServicer(prompts_pb2_grpc.PromptServiceServicer):
         return None, ids
 
     def _reference_problem(self, spec: prompts_pb2.PromptSpec) -> str | None:
-        """Why an IFEval reward could not check the prompt's reference_answer (it runs lm-eval's checks on what the
-        client sent: refused here rather than scored 0 on a sampler), or None."""
+        """Why a reward could not check the prompt's reference_answer, or None: a reward comparing numbers given one
+        that is no number, or an IFEval reward given what lm-eval's checks cannot read (refused here rather than
+        every completion scored 0 on a sampler, without a word)."""
         scored_by = spec.rewards or self.cfg.task.rewards
-        if not spec.reference_answer or not any(name in TASK_REWARDS for name in scored_by):
+        if not spec.reference_answer:
             return None
+        if (bad := numeric_reference_problem(scored_by, spec.reference_answer)) or not any(
+                name in TASK_REWARDS for name in scored_by):
+            return bad
         from grpo_stream.common.tasks.ifeval_checks import reference_problem  # noqa: PLC0415 - lm-eval, IFEval only
 
         return reference_problem(spec.reference_answer)
@@ -178,7 +182,7 @@ class PromptServicer(prompts_pb2_grpc.PromptServiceServicer):
         for start in range(0, len(wanted), RECORDS_AT_ONCE):
             chunk = wanted[start:start + RECORDS_AT_ONCE]
             for pid, record in zip(chunk, self.queue.records(chunk)):
-                if record is not None:
+                if isinstance(record, dict):  # (a key of another type: its summary was refused before)
                     yield self._result(pid, record)
                 elif report_gone:
                     yield self._gone(pid)

@@ -16,6 +16,7 @@ import threading
 
 import grpc
 import numpy as np
+import redis
 from google.protobuf.message import DecodeError
 
 from grpo_stream.common.rollouts.buffer import BufferUnavailable, Incoming, RedisStreamBuffer
@@ -23,7 +24,7 @@ from grpo_stream.common.rollouts.redis_errors import DamagedRecord
 from grpo_stream.common.rpc.auth import MAX_REPLICA, TokenTable, caller_of, may_act_as
 from grpo_stream.trainer_service.ingest.admission import RETRY_AFTER_MS, AdmissionControl, SharedSamplerId
 from grpo_stream.trainer_service.ingest.claim_check import checked_claim
-from grpo_stream.trainer_service.ingest.prompt_queue import InjectedShare, PromptQueue
+from grpo_stream.trainer_service.ingest.prompt_queue import NOT_A_HASH, InjectedShare, PromptQueue
 from grpo_stream.common.tasks.rewards import allowed_names
 from grpo_stream.common.rollouts.wire import GroupLimits, validate_group
 from grpo_stream.protos import rollout_pb2, rollout_pb2_grpc
@@ -83,6 +84,10 @@ class IngestServicer(rollout_pb2_grpc.RolloutIngestServicer):
         out = {}
         for i, record in zip(positions, records):
             g = groups[i]
+            if record is NOT_A_HASH:  # someone else wrote Redis: this answer only is refused
+                out[i] = [f"prompt_id: the Redis key of injected prompt {g.prompt_id[:64]!r} is not a hash (something "
+                          "other than grpo-stream wrote it); delete the key and submit the prompt again"]
+                continue
             if record is None:
                 out[i] = [f"prompt_id: no injected prompt {g.prompt_id[:64]!r} (never submitted, or expired)"]
                 continue
@@ -195,14 +200,14 @@ class IngestServicer(rollout_pb2_grpc.RolloutIngestServicer):
                               f"'{caller.name}-<k>'); give each sampler its own token or fix sampler ids")
             if g.injected:
                 continue  # an injected answer's id is checked against its prompt (_check_injected)
-            if g.HasField("data_position"):
-                own = g.group_id.endswith(f"/{g.sampler_id}/{g.data_position}")
-            else:
-                own = f"/{g.sampler_id}/" in g.group_id
-            if not own:
+            # the whole id, not its tail: 'x/<sampler>/<p>' beside '<run>/<sampler>/<p>' were two group ids for one
+            # data position, both appended (the de-duplication key is the id) and trained twice
+            own = f"{self.buffer.run_name}/{g.sampler_id}/{g.data_position}"
+            if g.HasField("data_position") and g.group_id != own:
                 context.abort(grpc.StatusCode.PERMISSION_DENIED, f"groups[{k}].group_id: {g.group_id[:64]!r} is not "
                               f"sampler {g.sampler_id[:64]!r}'s id for data position {g.data_position} "
-                              "('<run>/<sampler id>/<position>')")
+                              f"({own[:200]!r}: '<run>/<sampler id>/<position>'; does the sampler's run.name differ "
+                              "from the ingest's?)")
 
     def _check_sampler(self, context, sampler_id: str) -> None:
         caller = caller_of(context, self.table)
@@ -216,11 +221,14 @@ class IngestServicer(rollout_pb2_grpc.RolloutIngestServicer):
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"groups: {len(batch.groups)} groups in one batch, "
                               f"at most {MAX_BATCH_GROUPS}; send them in smaller batches")
             self._check_identity(context, batch.groups)
-            yield rollout_pb2.BatchAck(acks=self.handle_batch(batch.groups))
+            with buffer_errors(context):
+                acks = self.handle_batch(batch.groups)
+            yield rollout_pb2.BatchAck(acks=acks)
 
     def PushGroup(self, request, context):
         self._check_identity(context, [request])
-        ack = self.handle_batch([request])[0]
+        with buffer_errors(context):
+            ack = self.handle_batch([request])[0]
         if ack.code:
             code = next(c for c in grpc.StatusCode if c.value[0] == ack.code)
             if ack.retry_after_ms:
@@ -285,11 +293,20 @@ class IngestServicer(rollout_pb2_grpc.RolloutIngestServicer):
 
 @contextlib.contextmanager
 def buffer_errors(context):
-    """A buffer read's failure as the call's status: UNAVAILABLE while Redis is away (retry with backoff),
-    FAILED_PRECONDITION for a damaged record (an operator must mend it: waiting would not)."""
+    """A buffer call's failure as the call's status: UNAVAILABLE while Redis is away (retry with backoff),
+    FAILED_PRECONDITION for a damaged record (an operator must mend it: waiting would not). The append script refuses
+    damaged keys with a DAMAGEDBUFFER error naming the key and the fix, and a read of a key of another type fails
+    WRONGTYPE: both escaped as UNKNOWN, which a sampler retries as passing, for ever, logging no reason."""
     try:
         yield
     except BufferUnavailable as exc:
         context.abort(grpc.StatusCode.UNAVAILABLE, f"rollout buffer unavailable ({exc}); retry with backoff")
     except DamagedRecord as exc:
         context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"rollout buffer damaged: {exc}")
+    except redis.ResponseError as exc:
+        text = str(exc)
+        if not text.startswith("DAMAGEDBUFFER ") and "WRONGTYPE" not in text:
+            raise
+        log.error("rollout buffer damaged: %s", text[:500])
+        context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                      f"rollout buffer damaged: {text.removeprefix('DAMAGEDBUFFER ')}")

@@ -99,6 +99,17 @@ def test_an_unavailable_stream_is_reconnected_and_nothing_is_lost(make_client):
     client.check()  # still sending: nothing to raise
 
 
+def test_a_stream_the_ingest_ended_on_its_own_error_is_retried_logging_the_reason(make_client, caplog):
+    """An ingest that fails on an error of its own answers UNKNOWN (retried: a restart may mend it); the warning said
+    only 'StatusCode.UNKNOWN', never which error, however often it came."""
+    stub = Stub(failing(RpcError(grpc.StatusCode.UNKNOWN, "Exception iterating responses: redis auth refused")),
+                ack_all)
+    client = make_client(stub)
+    assert client.put(group(0), timeout_s=1)
+    assert client.drain(10) and client.stats["reconnects"] == 1
+    assert "StatusCode.UNKNOWN: Exception iterating responses: redis auth refused" in caplog.text
+
+
 def test_a_stream_without_an_ack_within_the_deadline_is_given_up_and_sent_again(make_client, caplog):
     stub = Stub(never, ack_all)
     client = make_client(stub, ack_timeout_s=0.3)

@@ -1,0 +1,102 @@
+"""The ingest as a trust boundary, on a real gRPC server with a real Redis: a group id must be exactly the one its
+sampler makes, and damaged Redis contents end a sampler's stream with the reason instead of a retry loop."""
+
+import grpc
+import pytest
+
+from grpo_stream.common.rollouts.buffer import RedisStreamBuffer
+from grpo_stream.common.rollouts.redis_server import connect
+from grpo_stream.common.rollouts.wire import to_proto
+from grpo_stream.common.rpc.grpc_util import CHANNEL_OPTIONS
+from grpo_stream.protos import rollout_pb2, rollout_pb2_grpc
+from grpo_stream.sampler_service.rollout_client import RolloutClient
+from grpo_stream.trainer_service.ingest.rollout_ingest import IngestServicer
+from grpo_stream.trainer_service.publication.publisher import WeightPublisher
+from grpo_stream.trainer_service.server import TrainerServer
+from tests.integration.test_auth import dataset_group
+from tests.support import answer, serve, wait_for, with_run_name
+from tests.trainer_stack import LIMITS, group
+
+pytestmark = pytest.mark.redis
+
+
+def test_one_data_position_under_two_group_ids_is_refused(per_sampler_stack):
+    """The id was checked by its tail ('/<sampler>/<position>'), so 'x/<sampler>/<p>' beside '<run>/<sampler>/<p>'
+    were two groups for one data position, both appended (the buffer de-duplicates by id) and both trained."""
+    run = per_sampler_stack.cfg.run.name
+    stub = rollout_pb2_grpc.RolloutIngestStub(per_sampler_stack.channel(None, per_sampler_stack.token("sampler-0")))
+    assert stub.PushGroup(dataset_group(run, "sampler-0", 5)).code == 0
+    for other_run in ("x", f"{run}/x", ""):
+        twin = dataset_group(other_run, "sampler-0", 5)
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.StreamBatches(iter([rollout_pb2.RolloutBatch(groups=[twin])])))
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED, other_run
+        assert "groups[0].group_id" in err.value.details() and f"'{run}/sampler-0/5'" in err.value.details()
+        assert "run.name" in err.value.details()
+    assert per_sampler_stack.buffer.counters()["ingested"] == 1
+
+
+@pytest.fixture
+def open_stack(tiny_parts, shared_redis, run_name, tmp_path):
+    cfg, task, tokenizer, _ = tiny_parts
+    with serve(with_run_name(cfg, run_name), shared_redis.url, tmp_path / "auth", task, tokenizer) as stack:
+        yield stack
+
+
+def test_a_damaged_buffer_key_stops_the_sender_with_the_key_and_the_fix(open_stack):
+    """The append script refuses a damaged key (DAMAGEDBUFFER, naming it and the fix); that escaped the ingest as
+    UNKNOWN, which the sender retries as passing: for ever, logging only 'StatusCode.UNKNOWN'."""
+    buffer = open_stack.buffer
+    buffer.client.hset(buffer.k["counters"], "ingested", "x")
+    channel = open_stack.channel("sampler")
+    client = RolloutClient(channel, backlog_max_groups=4).start()
+    try:
+        assert client.put(dataset_group(open_stack.cfg.run.name, "sampler-0", 1), timeout_s=5)
+        wait_for(lambda: client.error is not None, 20, "the sender to stop on the damaged buffer")
+        message = str(client.error)
+        assert "FAILED_PRECONDITION" in message and f"{buffer.k['counters']} field ingested" in message
+        assert f"HSET {buffer.k['counters']} ingested N" in message
+        assert client.stats["reconnects"] == 0
+    finally:
+        client.close()
+        channel.close()
+    assert buffer.depth() == 0
+
+
+def test_an_answer_whose_prompt_key_is_damaged_is_refused_alone(open_stack):
+    """A prompt key of another type failed the prompt records' read WRONGTYPE: the whole batch escaped as UNKNOWN and
+    was sent again for ever. Now that answer alone is refused, naming the prompt; the dataset group beside it is
+    appended."""
+    cfg, buffer = open_stack.cfg, open_stack.buffer
+    stub = rollout_pb2_grpc.RolloutIngestStub(open_stack.channel("sampler"))
+    damaged = rollout_pb2.InjectedPrompt(prompt_id="p-damaged", prompt_token_ids=[3, 4],
+                                         num_generations=cfg.generation.num_generations)
+    buffer.client.set(f"{buffer.base}:prompt:p-damaged", "not a hash")
+    batch = rollout_pb2.RolloutBatch(groups=[dataset_group(cfg.run.name, "sampler-0", 1),
+                                             to_proto(answer(damaged, cfg.run.name))])
+    (reply,) = stub.StreamBatches(iter([batch]))
+    assert [a.code for a in reply.acks] == [0, grpc.StatusCode.INVALID_ARGUMENT.value[0]]
+    assert reply.acks[1].message.startswith("prompt_id: the Redis key of injected prompt 'p-damaged' is not a hash")
+    assert buffer.depth() == 1
+
+
+def test_groups_left_unacknowledged_when_the_sender_stops_are_counted(shared_redis, run_name):
+    """A sampler stopping while the buffer is full drains for a while, then closes: the groups still held were lost
+    with only 'backlog drained: False' said. They are counted (stats['unsent']) and logged."""
+    buffer = RedisStreamBuffer(connect(shared_redis.url, 5), run_name)
+    server = TrainerServer(IngestServicer(buffer, LIMITS, max_groups=2, retry_after_ms=20), WeightPublisher(),
+                           "127.0.0.1", 0)
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.start()}", options=CHANNEL_OPTIONS)
+    client = RolloutClient(channel, backlog_max_groups=8).start()
+    try:
+        for i in range(5):
+            assert client.put(to_proto(group(i)), timeout_s=5)
+        wait_for(lambda: client.stats["accepted"] == 2 and client.stats["retried"] > 0, 20, "the buffer to fill")
+        assert not client.drain(0.2)
+    finally:
+        client.close()
+        channel.close()
+        server.stop(0)
+    assert client.stats["unsent"] == 3 and buffer.depth() == 2
+    client.close()  # closing again counts nothing twice
+    assert client.stats["unsent"] == 3
