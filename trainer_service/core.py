@@ -41,6 +41,14 @@ CARRIED_KEYS = ("warmstart", "eval_before", "eval_curve", "eval_skipped", "eval_
 BACKGROUND_WAIT_S = 1800.0  # the longest a step waits for the previous one's publication (a stuck transfer)
 
 
+def waited(future: concurrent.futures.Future, what: str) -> Any:
+    """future.result() within BACKGROUND_WAIT_S; past it a TimeoutError naming `what` (a bare one says nothing)."""
+    if not concurrent.futures.wait([future], timeout=BACKGROUND_WAIT_S).done:
+        raise TimeoutError(f"{what} did not end in {BACKGROUND_WAIT_S:.0f}s; check where it writes (weights.transport"
+                           "'s storage or peers, Redis, checkpoint.dir) and the trainer's last log lines")
+    return future.result()
+
+
 class CheckpointKeeper(Protocol):
     """Checkpoints as one trainer process keeps them: process 0's Durability (records, acknowledgements, audit) or
     a follower's shards (follower.py: ShardKeeper)."""
@@ -119,14 +127,9 @@ class TrainerCore:
         self.evaluator: InRunEvaluator | None = None  # eval.every_steps: evaluation during RL, on its own thread
 
     def apply(self, plan: Plan) -> Any:
-        if isinstance(plan, StartPlan):
-            return self.start(plan)
-        if isinstance(plan, StepPlan):
-            return self.step(plan)
-        if isinstance(plan, FinishPlan):
-            return self.finish(plan)
-        if isinstance(plan, DonePlan):
-            return self.done(plan)
+        apply = {StartPlan: self.start, StepPlan: self.step, FinishPlan: self.finish, DonePlan: self.done}
+        if type(plan) in apply:
+            return apply[type(plan)](plan)
         raise TypeError(f"TrainerCore applies StartPlan, StepPlan, FinishPlan or DonePlan, not {type(plan).__name__}")
 
     # -- start --------------------------------------------------------------------------------------------------
@@ -193,7 +196,7 @@ class TrainerCore:
         next step computes (XLA releases the GIL): at most one step behind. A checkpoint is saved here."""
         t0 = time.time()
         if self.donate and self._reading is not None:  # it reads the parameters this update overwrites
-            self._reading.result(timeout=BACKGROUND_WAIT_S)
+            waited(self._reading, f"the weight publication of step {plan.step - 1}")
         t_published = time.time()
         # on the host, in numpy (placed on the mesh once, by the update); a prefetched plan comes packed
         packed = plan.packed if plan.packed is not None else self.pack(plan.batch)
@@ -208,6 +211,8 @@ class TrainerCore:
         self._settled()  # the previous step's books (re-raises what failed there)
         if plan.checkpoint:  # the checkpoint's record lists this step's groups: they are recorded first, here
             self.hooks.trained(plan, metrics)
+            if plan.final:  # the last record keeps the evaluations still running: a complete run resumed reads it
+                self._drain_evaluations()
             self.keeper.save(plan.step, self.updater, self.carried_now())
             self._settling = self._books.submit(self.keeper.committed)
         else:
@@ -233,7 +238,7 @@ class TrainerCore:
         """Until the previous step's books are done; re-raises what failed there."""
         if self._settling is not None:
             settling, self._settling = self._settling, None
-            settling.result(timeout=BACKGROUND_WAIT_S)
+            waited(settling, "the previous step's books (its groups recorded in Redis, checkpoints committed)")
 
     def pack(self, batch):
         """`batch` packed for this core's update (numpy only, so any thread may call it once the start plan made the
@@ -253,7 +258,7 @@ class TrainerCore:
     def _wait_publications(self) -> None:
         """Until the background publications and reports are done; re-raises what failed there."""
         while self._pending:
-            self._pending.pop(0).result(timeout=BACKGROUND_WAIT_S)
+            waited(self._pending.pop(0), "a weight publication or step report")
 
     def wait_background(self) -> None:
         """Until the background books, publications and reports are done; re-raises what failed there."""

@@ -41,7 +41,7 @@ from grpo_stream.trainer_service.core import TrainerCore
 from grpo_stream.trainer_service.model_parts import ModelParts, build_model_parts
 from grpo_stream.trainer_service.checkpoints.durability import Durability
 from grpo_stream.trainer_service.ingest.server import ingest_servicers
-from grpo_stream.trainer_service.reports.files import write_atomic
+from grpo_stream.common.runtime.files import write_atomic
 from grpo_stream.trainer_service.reports.metrics import MetricsWriter, final_figures, open_trackers
 from grpo_stream.trainer_service.multihost import TrainerGroup, ignore_signals, start_group
 from grpo_stream.trainer_service.plan_sources import LeaderSource, drive
@@ -152,7 +152,8 @@ class Trainer:
                                      no_signal_test(cfg.algo, cfg.generation.max_new_tokens), self.stop_event,
                                      s.durability.held,
                                      limits=group_limits(cfg.generation, parts.tokenizer.vocab_size),
-                                     waiting=self.source.collector_waiting)
+                                     waiting=self.source.collector_waiting,
+                                     samplers=lambda: sampler_contact(s.publisher.samplers.status(None)))
         # several processes run the warm start in lockstep: a signal takes effect after it, at a step
         self.core = TrainerCore(cfg, self.run_dir, parts, s.publisher, s.durability, hooks=self.source,
                                 donate=donates_updates(transport_spec(cfg.weights.transport).in_process),
@@ -191,6 +192,15 @@ class Trainer:
                              rl_seconds=source.rl_seconds, started=self.started, resumed_from=core.resumed_from,
                              trained_here=(source.steps_done - s.durability.resumed_step) * cfg.trainer.groups_per_step,
                              trainer_state=core.state_report(), tokens=source.tokens)
+
+
+def sampler_contact(status: list[dict], now: float | None = None) -> str:
+    """A line on the samplers' last reports (SamplerRegistry.status) for a step that waits for groups: none, or how
+    long ago the latest came (a running sampler asks for the weights every sampler.weight_poll_s)."""
+    if not status:
+        return "none has reported to this trainer since it started"
+    ages = sorted((now or time.time()) - row["last_seen_unix"] for row in status)
+    return f"{len(status)} known, the latest report {ages[0]:.0f}s ago, the oldest {ages[-1]:.0f}s ago"
 
 
 def run_trainer(cfg: RunConfig, run_dir: pathlib.Path) -> dict | None:

@@ -6,7 +6,8 @@ Every trainer process runs `for plan in source: core.apply(plan)`. A one-process
 collective and every checkpoint save follows from the same plan, applied by the same code.
 
 What a plan does not carry is the same in every process by construction: the config (each process reads the same
-one; `start_plan` and `finish_plan` derive the config-given parts in one place) and what the core computes.
+one, which multihost.check_same_config makes sure of at start; `start_plan` and `finish_plan` derive the config-given
+parts in one place) and what the core computes.
 """
 
 from __future__ import annotations

@@ -357,6 +357,10 @@ class RunConfig(Strict):
         multi_turn = self.environment.name is not None or task_spec(self.task.name).own_rollouts
         return self.engine_slots()[1] * (MULTI_TURN_ROWS if multi_turn else 1)
 
+    def rows_held(self) -> int:
+        """The most rows a sampler holds: whole groups of generation.num_generations within rows_in_flight()."""
+        return self.rows_in_flight() // self.generation.num_generations * self.generation.num_generations
+
     def largest_group(self) -> int:
         """The most rows one group may have on a sampler: a group's rows start together, within
         sampler.rows_in_flight and within the engine's slots (the stream starts no more rows than slots are free)."""

@@ -36,7 +36,9 @@ class WeightsSection(Strict):
                            "port; 0 = a free port (announced to samplers in the manifest). Fix it when a firewall "
                            "or a Kubernetes Service must list it.")
     chunk_bytes: int = Field(4 << 20, ge=64 << 10, le=32 << 20, description="grpc: bytes per streamed chunk.")
-    fetch_streams: int = Field(2, ge=1, le=32, description="grpc: parallel FetchSlices streams per fetch.")
+    fetch_streams: int = Field(2, ge=1, le=32, description="grpc: parallel FetchSlices streams per fetch from one "
+                               "trainer process (a multi-host trainer's processes are each fetched from at once, one "
+                               "lane each).")
     max_serve_mb_s: float | None = Field(None, gt=0, le=1e6, description="grpc: cap on the bytes/s of each fetch "
                                          "lane (a fetch uses fetch_streams lanes) as the trainer serves it (leave "
                                          "room for rollout traffic); null = no cap.")

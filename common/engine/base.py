@@ -52,6 +52,14 @@ def decoded_rows_per_step(stats: dict) -> float | None:
     return round(stats["live_slot_steps"] / stats["decode_steps"], 1) if stats.get("decode_steps") else None
 
 
+def tokens_decoded(engine) -> int | None:
+    """Tokens an engine made over its life (the JAX engine's live_slot_steps: a row cancelled or whose group failed
+    included, which a caller counting the tokens it sent leaves out; a held turn's observation tokens, fed through
+    decode steps, too); None for an engine that keeps no counters (vLLM)."""
+    stats = getattr(engine, "stats", None) or {}
+    return int(stats["live_slot_steps"]) if "live_slot_steps" in stats else None
+
+
 def rows_decoding_mean(engine) -> float | None:
     """Rows an engine decoded per decode step, on average over its life: how full its callers kept it. From the
     counters an engine keeps in `stats` (the JAX engine's); None for an engine that keeps none (vLLM schedules inside

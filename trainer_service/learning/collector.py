@@ -17,6 +17,11 @@ from grpo_stream.common.runtime.backoff import Backoff, StopRequested, wait
 log = logging.getLogger(__name__)
 detail = detail_logger(__name__)
 T = TypeVar("T")
+NOTE_EVERY_S = 10.0  # how often a step that waits for groups says so
+# no group read for this long: the note warns, naming what to check (a slow sampler's batch can take a minute)
+QUIET_WARN_S = 120.0
+# zero-variance groups in a row (in steps' worth of groups) before the trainer warns that dynamic sampling drops all
+FLAT_WARN_STEPS = 10
 
 
 def when_available(what: str, fn: Callable[[], T], stop: threading.Event | None = None) -> T:
@@ -42,15 +47,19 @@ class GroupCollector:
     def __init__(self, buffer: RolloutBuffer, groups_per_step: int, max_staleness: int,
                  no_signal: Callable[[GroupData], bool] | None,
                  stop_event: threading.Event, held: Callable[[], int], *, limits: GroupLimits,
-                 waiting: Callable[[], None] | None = None):
+                 waiting: Callable[[], None] | None = None, samplers: Callable[[], str] | None = None):
         """`no_signal`: algo.dynamic_sampling's test of a group (batching.no_signal_test; None: off). `limits`: what
         a group this trainer can train looks like (its generation section and vocabulary); others are settled as
         dropped_invalid. `waiting`: called every 10 s while a step waits for groups (a heartbeat: waiting for
-        samplers is not hanging)."""
-        self.waiting, self.limits = waiting, limits
+        samplers is not hanging). `samplers`: a line on the samplers' last contact, for the waiting note (what to
+        check when no group comes)."""
+        self.waiting, self.limits, self.samplers = waiting, limits, samplers
         self.buffer, self.need, self.max_staleness = buffer, groups_per_step, max_staleness
         self.no_signal, self.stop_event, self.held = no_signal, stop_event, held
         self.pending: list[tuple[BufferEntry, GroupData]] = []
+        # zero-variance groups dropped since a group was last usable, run-long: every group without signal means no
+        # step, ever (the weights do not change, so neither do the samplers' rewards), which must be said, not spun
+        self.flat_streak, self.flat_warn_at = 0, FLAT_WARN_STEPS * groups_per_step
 
     def collect(self, step: int, cancel: threading.Event | None = None) -> list[tuple[BufferEntry, GroupData]] | None:
         """The step's groups in stream order; None when stopping (the stop event, or `cancel`: a prefetch no longer
@@ -67,7 +76,9 @@ class GroupCollector:
 
     def _collect(self, step: int, cancel: threading.Event | None) -> list[tuple[BufferEntry, GroupData]] | None:
         need, holding = self.need, self.max_staleness
-        last_note = time.time()
+        since = last_note = time.time()
+        dropped = {"stale": 0, "zero-variance": 0, "invalid": 0}  # while this step waits: the note says them
+        carried, last_arrival = 0, since  # usable groups judged before this pass; when a group was last read
         while True:
             batch, stale, flat, rest = select_batch(self.pending, need, step - 1, holding, self.no_signal)
             if stale or flat:
@@ -77,10 +88,16 @@ class GroupCollector:
             if stale:
                 detail.info("dropped %d stale groups (versions %s, trainer at %d, max_staleness %d)", len(stale),
                             sorted({g.policy_version for _, g in stale}), step - 1, holding)
+            dropped["stale"] += len(stale)
+            dropped["zero-variance"] += len(flat)
+            self._count_flat(len(flat), len(batch) > carried)
             if len(batch) == need:
                 self.pending = rest
                 return batch
-            self.pending = batch
+            self.pending, carried = batch, len(batch)  # usable groups only: every group read was judged
+            if time.time() - last_note > NOTE_EVERY_S:
+                self._note(step, dropped, time.time() - since, time.time() - last_arrival)
+                last_note = time.time()
             if self.stop_event.is_set() or (cancel is not None and cancel.is_set()):
                 return None
             try:
@@ -89,19 +106,44 @@ class GroupCollector:
                 log.error("buffer read failed: Redis unavailable (%s); retrying in 1s", exc)
                 self.stop_event.wait(1.0)
                 continue
-            self._take(entries, step)
-            if time.time() - last_note > 10:
-                depth = when_available("reading the buffer depth", self.buffer.depth, self.stop_event)
-                log.info("step %d waiting for rollouts: %d/%d groups, %d more waiting in the buffer", step,
-                         len(self.pending), need, depth - self.held() - len(self.pending))
-                last_note = time.time()
-                if self.waiting is not None:
-                    self.waiting()
+            last_arrival = time.time() if entries else last_arrival
+            dropped["invalid"] += self._take(entries, step)
 
-    def _take(self, entries: list[BufferEntry], step: int) -> None:
-        """Decode what was read into `pending`; an entry this trainer cannot train is settled as dropped_invalid
-        with its reasons logged. Without this a group that decodes but does not fit (accepted under another config,
-        or damaged in Redis) would fail the step, and again after every restart, since it is read first."""
+    def _count_flat(self, flat: int, found_usable: bool) -> None:
+        """Warn when algo.dynamic_sampling has dropped FLAT_WARN_STEPS steps' worth of groups in a row (then at twice
+        as many, and so on): without it a run whose every group has equal rewards waits for ever, in silence."""
+        self.flat_streak = 0 if found_usable else self.flat_streak + flat
+        if found_usable:
+            self.flat_warn_at = FLAT_WARN_STEPS * self.need
+        elif self.flat_streak >= self.flat_warn_at:
+            self.flat_warn_at *= 2
+            log.warning("the last %d groups all had zero reward variance (every completion of a group got the same "
+                        "reward) and algo.dynamic_sampling dropped them: no step can be made of them. Check the "
+                        "task's rewards on the samplers (all correct: too easy; all wrong: too hard, or answers the "
+                        "reward cannot parse), or set algo.dynamic_sampling=false to train on them anyway",
+                        self.flat_streak)
+
+    def _note(self, step: int, dropped: dict[str, int], waited: float, quiet: float) -> None:
+        """The waiting step's note: what it has, what it dropped meanwhile, and what to check when nothing came
+        for QUIET_WARN_S (`quiet`: seconds since a group was last read)."""
+        depth = when_available("reading the buffer depth", self.buffer.depth, self.stop_event)
+        unread = depth - self.held() - len(self.pending)
+        log.info("step %d waiting for rollouts for %.0fs: %d/%d usable groups; dropped meanwhile: %s; %d more in "
+                 "the buffer%s", step, waited, len(self.pending), self.need,
+                 ", ".join(f"{n} {why}" for why, n in dropped.items()), unread,
+                 f"; samplers: {self.samplers()}" if self.samplers is not None else "")
+        if quiet >= QUIET_WARN_S and unread <= 0:
+            log.warning("step %d: no group arrived in the last %.0fs: check that the samplers run and reach this "
+                        "trainer (their logs, `grpo-stream status`), and that their run.name and redis.url are this "
+                        "run's", step, quiet)
+        if self.waiting is not None:
+            self.waiting()
+
+    def _take(self, entries: list[BufferEntry], step: int) -> int:
+        """Decode what was read into `pending`; an entry this trainer cannot train is settled as dropped_invalid with
+        its reasons logged (returns how many). Without this a group that decodes but does not fit (accepted under
+        another config, or damaged in Redis) would fail the step, and again after every restart, since it is read
+        first."""
         invalid = []
         for entry in entries:
             try:
@@ -113,3 +155,4 @@ class GroupCollector:
                 invalid.append((entry.entry_id, entry.group_id, "dropped_invalid", step))
         if invalid:
             when_available("settling invalid groups", lambda: self.buffer.settle(invalid), self.stop_event)
+        return len(invalid)
