@@ -103,9 +103,17 @@ def run_mode(mode: str, steps: int, run_dir: pathlib.Path, pinned: bool) -> dict
 def step_rows(run_dir: pathlib.Path) -> list[dict]:
     """The trainer's per-step rows of metrics-trainer.jsonl (one per RL step; none when there is no file). A line
     that is not whole JSON is skipped (read_metrics): a trainer killed mid-write (gpu-check stops runs at their cap)
-    leaves one torn, and one torn line must not lose the run's figures."""
+    leaves one torn, and one torn line must not lose the run's figures. A resumed trainer logs again the steps after
+    its checkpoint: a step logged at or below the last one kept rolls back the rows from that step on (as
+    run_report.latest_timeline does), so each step counts once, from the final timeline."""
     path = run_dir / "metrics-trainer.jsonl"
-    return [row for row in read_metrics(path) if "train/staleness_mean" in row] if path.exists() else []
+    rows: list[dict] = []
+    for row in read_metrics(path) if path.exists() else []:
+        if "train/staleness_mean" in row:
+            while rows and rows[-1]["step"] >= row["step"]:
+                rows.pop()
+            rows.append(row)
+    return rows
 
 
 def step_figures(rows: list[dict], warmup: int = WARMUP_STEPS) -> dict:

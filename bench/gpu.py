@@ -16,8 +16,8 @@ CPU estimate sits beside the measurement.
 
 `engine --config C [--set KEY=VALUE ...]`: the continuous engine a sampler of that run builds (its model, dtype,
 slots, chunk steps, prompt and completion budgets, temperature), alone on this device and kept full: the run's first
-dataset prompts, generation.num_generations rows each, as many rows as its sampler keeps in flight, each with a
-budget of generation.max_new_tokens (its stop tokens kept, as the sampler's: a random-init model rarely samples one;
+dataset prompts, generation.num_generations rows each, as many whole groups as its sampler keeps in flight, each with
+a budget of generation.max_new_tokens (its stop tokens kept, as the sampler's: a random-init model rarely samples one;
 the rate counts the tokens made), one untimed run then medians of 3; `--rows N` (repeatable) times other loads too,
 such as the rows a run's admission lets its sampler hold. `scripts/gpu-check.sh` sets the sampler's own tokens/s in
 a run of the same config beside it: how much of its engine the rollout stream keeps busy.
@@ -286,15 +286,18 @@ def time_load(engine, params, prompts: list[list[int]], budget: int, repeats: in
 
 def run_engine(config: pathlib.Path, overrides: list[str], loads: list[int] | None, deadline: float, write) -> dict:
     """The engine of a sampler of the run (`config` with `overrides`) alone on this device (module doc), handed each
-    of `loads` rows at once (default: the rows its sampler keeps in flight, which fill it), each load's tokens/s;
-    `tokens_per_second` is the first load's, set as soon as it is measured."""
+    of `loads` rows at once (default: the whole groups its sampler keeps in flight, which fill it), each load's
+    tokens/s; `tokens_per_second` is the first load's, set as soon as it is measured."""
     from grpo_stream.common.assembly.compilation_cache import enable_compilation_cache
     from grpo_stream.common.assembly.parts import build_policy, build_task_and_tokenizer
     from grpo_stream.common.config.loading import load_config
     from grpo_stream.common.engine import continuous
 
     cfg = load_config(config, overrides)
-    gen, full = cfg.generation, cfg.rows_in_flight()
+    gen = cfg.generation
+    # what its sampler holds: whole groups (a load of rows_in_flight itself would be refused below when the slots are
+    # not a multiple of the group, and gpu-check's engine phase with it, its admitted rows' load unmeasured)
+    full = cfg.rows_held()
     loads = loads or [full]
     if bad := [n for n in loads if n < gen.num_generations or n % gen.num_generations]:
         raise SystemExit(f"--rows {bad[0]}: a load is whole groups, a multiple of generation.num_generations="

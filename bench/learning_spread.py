@@ -41,7 +41,7 @@ import sys
 import tempfile
 import time
 
-from grpo_stream.trainer_service.reports.files import write_atomic
+from grpo_stream.common.runtime.files import write_atomic
 from grpo_stream.reports.run_report import read_metrics
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent

@@ -63,7 +63,7 @@ from grpo_stream.common.model.architectures import Architecture
 from grpo_stream.common.model.policy import TUNIX_ROPE_THETA, build_from_architecture
 from grpo_stream.common.tasks.arith import build_task
 from grpo_stream.common.tasks.task_tokenizer import build_tokenizer
-from grpo_stream.trainer_service.reports.files import to_json, write_atomic
+from grpo_stream.common.runtime.files import to_json, write_atomic
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs" / "tiny_arith.yaml"

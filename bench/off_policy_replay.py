@@ -41,7 +41,7 @@ from grpo_stream.trainer_service.learning.off_policy_health import group_index_o
 from grpo_stream.trainer_service.learning.packing import packing_layout
 from grpo_stream.trainer_service.learning.rl_update import PolicyUpdater
 from grpo_stream.trainer_service.learning.warmstart import warm_start
-from grpo_stream.trainer_service.reports.files import to_json, write_atomic
+from grpo_stream.common.runtime.files import to_json, write_atomic
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs" / "tiny_arith.yaml"

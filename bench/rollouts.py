@@ -71,7 +71,7 @@ from grpo_stream.sampler_service.group_sink import GroupSink
 from grpo_stream.sampler_service.lifecycle import SamplerMetrics
 from grpo_stream.sampler_service.weight_sync import Installed
 from grpo_stream.sampler_service.weights_in_use import StagedWeights
-from grpo_stream.trainer_service.reports.files import to_json, write_atomic
+from grpo_stream.common.runtime.files import to_json, write_atomic
 
 FULL = {"vocab_size": 8192, "num_layers": 8, "embed_dim": 512, "hidden_dim": 1408, "num_heads": 8,
         "num_kv_heads": 2, "head_dim": 64, "prompts": 64, "generations": 8, "prompt_low": 32, "prompt_high": 128,

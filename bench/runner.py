@@ -135,7 +135,7 @@ def output_paths(name: str, json_path: pathlib.Path | None, table: pathlib.Path,
 
 
 def run_benchmarks(name: str, json_path: pathlib.Path | None, table: pathlib.Path, quick: bool) -> int:
-    from grpo_stream.trainer_service.reports.files import to_json, write_atomic
+    from grpo_stream.common.runtime.files import to_json, write_atomic
 
     names = BENCHMARKS if name == "all" else (name,)
     paths = output_paths(name, json_path, table, quick)

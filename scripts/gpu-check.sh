@@ -7,7 +7,8 @@
 # past the deadline (default 540 s in all, inside the device tool's 600 s a call) is recorded as skipped, and a run
 # still going at its phase's end is stopped as Ctrl-C stops `up` and reports what it did:
 #   1. environment: the driver (nvidia-smi), the versions of python, jax, jaxlib, flax, optax, orbax, transformers,
-#      grpcio, protobuf (torch if present), the devices and their memory. Proves the stack imports and sees the GPU.
+#      grpcio, protobuf (torch if present), the devices and their memory. Proves the stack imports and sees the GPU;
+#      where JAX sees none (a CUDA plugin that failed to load falls back to the CPU) the check ends there.
 #   2. demo: the shipped CPU demo (configs/tiny_arith.yaml: warm start, 400 RL steps, held-out evaluation) under
 #      `grpo-stream up`, trainer and two samplers sharing the GPU. Proves the loop learns there: held-out greedy
 #      accuracy must rise by at least 10 points (the demo's mean on CPU is 17).

@@ -40,7 +40,8 @@ for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manyl
 done
 "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "${platforms[@]}" \
   -d "$dir" "${wheels[@]}" 2>&1 | grep -v "^WARNING: Location" >&2 || true
-count=$(ls "$dir"/*.whl 2>/dev/null | wc -l)
+# counted without `ls`: with none there its failure would end the script (pipefail) before the line that says so
+count=$(find "$dir" -maxdepth 1 -name "*.whl" | wc -l)
 if [ "$count" -ne "${#wheels[@]}" ]; then
   echo "gpu-wheels: got $count wheels of ${#wheels[@]}" >&2
   exit 1

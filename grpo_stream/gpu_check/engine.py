@@ -2,8 +2,8 @@
 which the runs' samplers' tokens/s are set against (issue 55; figures.engine_figures).
 
 It is timed at two loads, the second first (a phase stopped at its cap keeps issue 55's figure): kept full (the
-rows the run's sampler keeps in flight, its engine's slots by default), and holding the rows the synchronous run's
-admission lets its sampler hold: trainer.max_staleness + 1 steps' groups (trainer_service/ingest/admission.py's
+whole groups the run's sampler keeps in flight, its engine's slots by default), and holding the rows the synchronous
+run's admission lets its sampler hold: trainer.max_staleness + 1 steps' groups (trainer_service/ingest/admission.py's
 bound) or sampler.max_groups_per_version when lower, at most the full load.
 The synchronous run's sampler has the device to itself while it generates, so against the second load its ratio
 says what the rollout stream loses beyond admission's bound (issue 55's goal, >= 0.8, is read there); against the
@@ -27,7 +27,7 @@ def engine_command(args: list[str], sync: list[str], cache: pathlib.Path, out_js
 
     config, overrides = args[args.index("--config") + 1], [a for a in args if "=" in a]
     cfg = load_config(ROOT / config, [*overrides, *sync])
-    full, t = cfg.rows_in_flight(), cfg.trainer
+    full, t = cfg.rows_held(), cfg.trainer  # whole groups: 256 slots hold 252 rows of groups of 6
     groups = (t.max_staleness + 1) * t.groups_per_step  # admission's bound on the groups queued, all samplers
     if cfg.sampler.max_groups_per_version is not None:  # and a sampler's own, one version at a time
         groups = min(groups, cfg.sampler.max_groups_per_version)

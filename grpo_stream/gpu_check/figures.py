@@ -30,13 +30,18 @@ def sampler_figures(doc: dict) -> dict:
     """One sampler's sampler-<index>.json as rates: tokens/s while generating and over its run, and the weight
     hand-off of every version it installed after its first (the first waits for the sampler's own start)."""
     tokens, running = doc.get("tokens_generated", 0), doc.get("sampling_seconds")
-    # while generating, less the engine thread's compiles: the engine alone is timed after a run that compiled
+    # while generating, less the engine thread's compiles: the engine alone is timed after a run that compiled; the
+    # tokens its engine made in that time (rows cancelled when the run ended too, which no group sent holds), as the
+    # engine alone is credited with every token it makes; the tokens sent where the engine keeps no count (vLLM)
     generating = (doc.get("generate_seconds") or 0) - (doc.get("compile_seconds") or 0)
+    decoded = doc.get("engine_tokens_decoded")
+    made = decoded if decoded is not None else tokens
     seconds, sizes = doc.get("fetch_seconds", [])[1:], doc.get("fetch_bytes", [])[1:]
     gbps = [n / s / 1e9 for n, s in zip(sizes, seconds) if s > 0]
     latency = doc.get("publish_to_install_seconds", [])[1:]
     return {"groups": doc.get("groups"), "tokens_generated": tokens,
-            "tokens_per_second_generating": round(tokens / generating, 1) if generating > 0 else None,
+            "engine_tokens_decoded": decoded,
+            "tokens_per_second_generating": round(made / generating, 1) if generating > 0 else None,
             "compile_seconds": doc.get("compile_seconds"),
             "tokens_per_second": round(tokens / running, 1) if running else None,
             "waited_for_weights_s": doc.get("waited_for_weights_s"),

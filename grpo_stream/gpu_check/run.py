@@ -184,6 +184,12 @@ class Runner:
         m = self.mode
         self.record("environment", self.environment())
         env = self.doc["phases"]["environment"]
+        if reason := self.no_gpu():
+            for phase in ("demo", "async", "sync", "engine", "colocated"):
+                self.record(phase, {"status": "skipped", "reason": reason})
+            log(reason)
+            self.finish({})
+            return self.verdict()
         gsm8k, where = gsm8k_source(None, self.work)
         self.doc["gsm8k"] = {"path": str(gsm8k), "from": where}
         ckpt = self.work / (SHAPE if m.shape == SHAPE else f"{SHAPE}-tiny")
@@ -244,6 +250,15 @@ class Runner:
             side.join(timeout=max(self.left(), 0))
         self.finish(jobs)
         return self.verdict()
+
+    def no_gpu(self) -> str | None:
+        """Why a GPU run must end after its environment phase, or None. JAX without its GPU (a CUDA plugin that failed
+        to load falls back to the CPU) would spend every phase's cap on the CPU and measure nothing: ending at once
+        leaves the device time for a run after a fix."""
+        env = self.doc["phases"]["environment"]
+        if self.dry_run or env.get("backend") == "gpu":
+            return None
+        return f"no GPU: the environment phase found JAX's backend {env.get('backend')!r} ({env.get('status')})"
 
     def phase(self, name: str, body) -> None:
         if self.stopping.is_set() or self.left() < self.mode.stop_grace_s + 10:
@@ -306,7 +321,7 @@ class Runner:
         self.record("plan", plan)
 
     def verdict(self) -> int:
-        phases, failed = self.doc["phases"], []
+        phases, failed = self.doc["phases"], [reason] if (reason := self.no_gpu()) else []
         optional = () if self.dry_run else ("engine", "colocated")  # run if time remains on a GPU
         failed += [f"{p}: {(phases.get(p) or {}).get('status')}" for p in ("environment", "demo", "async", "sync",
                                                                             "engine", "colocated")

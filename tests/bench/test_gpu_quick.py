@@ -53,3 +53,11 @@ def test_trainer_part_with_lora_trains_the_adapters_only(tmp_path):
     # Adam's moments (and the float32 master copy when parameters are bfloat16) of the adapters alone
     assert doc["optimizer_bytes"] < 0.1 * doc["params_bytes"]
     assert doc["mfu"] is None and "skipped" in doc["xla_this_backend"]
+
+
+def test_engine_part_times_whole_groups_when_the_slots_are_not(tmp_path):
+    """10 slots and groups of 4: the sampler holds 2 groups (8 rows), the default load; it asked for 10 rows, which
+    the engine part refuses (a load is whole groups), so it timed nothing."""
+    doc = run(tmp_path, "engine", "--config", "configs/tiny_arith_smoke.yaml",
+              "--set", "sampler.rows_in_flight=10", "--set", "generation.decode_slots=10")
+    assert doc["rows"] == 8 and list(doc["loads"]) == ["8"] and doc["tokens_per_second"] > 0

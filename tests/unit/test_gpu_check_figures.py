@@ -3,6 +3,8 @@ prompts it falls back on (grpo_stream/gpu_check/model.py), against hand-computed
 
 import json
 
+import jax
+
 from grpo_stream.bench.async_vs_sync import mode_overrides
 from grpo_stream.common.tasks.gsm8k import load_problems
 from grpo_stream.gpu_check.engine import engine_command
@@ -118,3 +120,22 @@ def test_gsm8k_shaped_problems_load_as_gsm8k(tmp_path, monkeypatch):
     assert all(p.answer.isdigit() and 40 <= len(p.question.split()) <= 80 for p in train)
     monkeypatch.setenv("GRPO_STREAM_GSM8K_DIR", str(directory))
     assert gsm8k_source(None, tmp_path)[0] == directory.resolve()
+
+
+def test_the_rate_while_generating_counts_every_token_the_engine_made():
+    """Rows cancelled when the run ended were decoded in generate_seconds but sent in no group: the engine alone is
+    credited with every token it makes, so the sampler is too (its engine's count); vLLM keeps none: the tokens sent."""
+    s = sampler_figures({**SAMPLER, "engine_tokens_decoded": 1400})
+    assert (s["tokens_per_second_generating"], s["tokens_per_second"]) == (350.0, 120.0)
+    assert sampler_figures({**SAMPLER, "engine_tokens_decoded": None})["tokens_per_second_generating"] == 300.0
+
+
+def test_a_sampler_summary_counts_the_tokens_its_engine_decoded(tiny_parts):
+    from grpo_stream.common.engine.base import tokens_decoded
+    from grpo_stream.common.engine.continuous import ContinuousEngine
+
+    cfg, task, tok, model = tiny_parts
+    engine = ContinuousEngine(model, tok.pad_id, -1, 16, 6, temperature=1.0, slots=4, chunk_steps=2)
+    out = engine.generate(model.params, [tok.encode("1+1=")] * 3, jax.random.key(0))
+    assert tokens_decoded(engine) == sum(len(t) for t in out.tokens) == 18  # no stop token: every budget spent
+    assert tokens_decoded(object()) is None  # an engine without counters (vLLM)

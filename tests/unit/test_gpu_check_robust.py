@@ -1,17 +1,22 @@
 """scripts/gpu-check.sh runs once on a lent GPU: what must not end it early or lose figures already measured (a torn
 metrics line, a phase that raises, a probe that hangs, a GGUF part gone between calls, an engine phase stopped after
-its first load)."""
+its first load, an engine whose slots are not whole groups, a wheel download that got nothing)."""
 
 import json
+import os
+import pathlib
 import subprocess
 
 import pytest
 
+from grpo_stream.bench.async_vs_sync import mode_overrides
 from grpo_stream.gpu_check import env, realmodel
+from grpo_stream.gpu_check.engine import engine_command
 from grpo_stream.gpu_check.figures import comparison, missing_figures, run_figures, sampler_figures
-from grpo_stream.gpu_check.modes import DRY
+from grpo_stream.gpu_check.modes import DRY, GPU
 from grpo_stream.gpu_check.run import Runner
 
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 ROW = {"train/staleness_mean": 0.0, "train/staleness_max": 0, "train/compute_seconds": 1.0, "train/wait_seconds": 0.5,
        "train/step_seconds": 2.0}
 
@@ -82,3 +87,48 @@ def test_an_engine_phase_stopped_after_the_admitted_rows_keeps_issue_55s_figure(
                               optional=("colocated", "plan"))
     assert "comparison.engine_tokens_per_second" in missing
     assert "comparison.sampler_over_engine_sync_same_rows" not in missing
+
+
+def test_slots_that_are_not_whole_groups_are_timed_at_the_rows_the_sampler_holds(tmp_path):
+    """256 slots and groups of 6: the sampler starts whole groups, so it holds 42 of them (252 rows). The engine phase
+    asked `bench gpu engine` for a load of 256, which it refuses (a load is whole groups): the phase failed before it
+    timed even the synchronous run's admitted rows, issue 55's figure."""
+    args = ["--config", "configs/qwen2.5_1.5b_gsm8k_gpu.yaml", "trainer.groups_per_step=8", "buffer.max_groups=16",
+            "generation.num_generations=6"]
+    cmd, held = engine_command(args, mode_overrides("sync", 8, 1), tmp_path / "cache", tmp_path / "engine.json", 60)
+    assert held == 48 and [cmd[i + 1] for i, a in enumerate(cmd) if a == "--rows"] == ["48", "252"]
+
+
+def test_gpu_wheels_says_how_many_wheels_it_got_when_pip_gets_none(tmp_path):
+    """A pip that fetches nothing (no network, a version gone): the script counted the wheels with `ls`, whose failure
+    under pipefail ended it silently before the line naming the shortfall."""
+    proc = subprocess.run(["bash", "scripts/gpu-wheels.sh", str(tmp_path / "whl")], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60, env={**os.environ, "PYTHON": "false"})
+    assert proc.returncode == 1 and "gpu-wheels: got 0 wheels of 17" in proc.stderr
+
+
+@pytest.mark.parametrize("found", [{"status": "ok", "backend": "cpu", "devices": [{"kind": "cpu"}]},
+                                   {"status": "failed", "log_tail": "ImportError: jax_cuda13_plugin"}])
+def test_a_gpu_run_whose_jax_sees_no_gpu_ends_after_the_environment(tmp_path, found):
+    """A CUDA plugin that fails to load leaves JAX on the CPU: the check went on to run the demo and the ~1B runs
+    there, spending the lent GPU's whole call to measure nothing. It ends at once, saying why."""
+    (tmp_path / "out").mkdir()
+    runner = Runner(GPU, tmp_path / "out", tmp_path / "work", 540.0, dry_run=False)
+    started = []
+    runner.environment = lambda: found
+    runner.up = lambda phase, *args, **kwargs: started.append(phase) or {"status": "failed", "figures": None}
+    runner.background = lambda name, *args, **kwargs: started.append(name) or {"status": "failed", "exit_code": 1}
+    assert runner.main() == 1 and started == []
+    doc = json.loads((tmp_path / "out" / "gpu-check.json").read_text())
+    assert doc["problems"][0].startswith("no GPU: the environment phase found JAX's backend")
+    assert all(doc["phases"][p]["reason"] == doc["problems"][0] for p in ("demo", "async", "sync", "engine"))
+
+
+def test_a_realmodel_run_whose_jax_sees_no_gpu_skips_its_phase(tmp_path):
+    (tmp_path / "out").mkdir()
+    runner = Runner(GPU, tmp_path / "out", tmp_path / "work", 540.0, dry_run=False)
+    runner.environment = lambda: {"status": "ok", "backend": "cpu", "devices": []}
+    runner.up = lambda *args, **kwargs: pytest.fail("the real-model run started without a GPU")
+    assert runner.main(realmodel=True) == 1
+    phase = json.loads((tmp_path / "out" / "gpu-check.json").read_text())["phases"]["realmodel"]
+    assert phase["status"] == "skipped" and phase["reason"].startswith("no GPU")
