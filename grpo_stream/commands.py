@@ -151,6 +151,12 @@ def _prepare_process(args, cfg, name: str) -> None:
 
 def _jax_process(args, cfg) -> None:
     """trainer, sampler, colocated: the shared start of a JAX service process, then its loop."""
+    if args.command == "sampler" and args.index >= cfg.sampler.replicas:  # before JAX's start-up; exit 2
+        from grpo_stream.common.config.base import ConfigError
+
+        raise ConfigError(f"--index {args.index}: a sampler's index is in 0..{cfg.sampler.replicas - 1} "
+                          f"(sampler.replicas={cfg.sampler.replicas}); give a smaller --index or raise "
+                          "sampler.replicas")
     from grpo_stream.common.assembly.compilation_cache import enable_compilation_cache
     from grpo_stream.common.runtime.process import import_tensorboardx_without_torch, pin_to_cpus
 

@@ -179,3 +179,12 @@ def command_lines() -> list[bytes]:
         except OSError:  # exited meanwhile
             continue
     return out
+
+
+def endpoint_overrides(model_dir, tokens_table, *extra: str) -> list[str]:
+    """A small sampler serving `model_dir` (float32, 8 slots, 96 prompt tokens, 8 new) over the OpenAI endpoint as
+    `policy`, callers from `tokens_table`: the endpoint tests' run, with `extra` overrides after."""
+    return ["model.kind=hf", f"model.path={model_dir}", "model.dtype=float32", "generation.max_prompt_tokens=96",
+            "generation.max_new_tokens=8", "generation.decode_slots=8", "sampler.rows_in_flight=8",
+            "generation.decode_chunk_steps=4", "warmstart.steps=0", "sampler.openai.port=0",
+            "sampler.openai.model_name=policy", f"auth.tokens_file={tokens_table}", *extra]

@@ -10,7 +10,6 @@ while the server is back within --wait seconds. Errors: grpo_stream/client/error
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import pathlib
@@ -24,6 +23,7 @@ from grpo_stream.common.config.loading import load_config
 from grpo_stream.common.config.schema import RunConfig
 from grpo_stream.common.config.access import TOKEN_ENV, TOKEN_FILE_ENV
 from grpo_stream.common.rpc.grpc_util import ClientSecurity
+from grpo_stream.arguments import nonempty_path, positive_int
 from grpo_stream.client.errors import at_lines, explain, is_refusal
 from grpo_stream.client.prompts import PromptClient, to_spec
 from grpo_stream.protos import prompts_pb2
@@ -215,21 +215,11 @@ def run_tokens(args, _cfg=None) -> int:
     return 0
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
 def add_parsers(sub, common) -> None:
     """submit, status, results, cancel (each with `common`: --config for TLS and auth settings, --print-config,
     overrides) and tokens."""
     def connection(p, overrides: bool = True) -> None:
-        p.add_argument("--run-dir", type=pathlib.Path, help="a run started by `up` (its endpoints and client token)")
+        p.add_argument("--run-dir", type=nonempty_path, help="a run started by `up` (its endpoints and client token)")
         p.add_argument("--address", help="HOST:PORT of the PromptService (the ingest)")
         p.add_argument("--token-file", help="file holding a client (or admin) token")
         p.add_argument("--wait", type=float, default=60.0, help="seconds to wait for a service that is still "
@@ -237,10 +227,10 @@ def add_parsers(sub, common) -> None:
         common(p, verbose=False, overrides=overrides)
 
     su = sub.add_parser("submit", help="inject prompts (JSONL) into a live run; --follow prints their results")
-    su.add_argument("file", type=pathlib.Path, help="one JSON object per line: text|question, answer, rewards, "
+    su.add_argument("file", type=nonempty_path, help="one JSON object per line: text|question, answer, rewards, "
                     "num_generations, priority, tags, train ('-': stdin)")
     su.add_argument("--follow", action="store_true", help="print each scored result as it arrives")
-    su.add_argument("--batch", type=_positive_int, default=256, help="prompts per Submit call (1..prompts.max_batch; "
+    su.add_argument("--batch", type=positive_int, default=256, help="prompts per Submit call (1..prompts.max_batch; "
                     "default 256)")
     connection(su)
     st = sub.add_parser("status", help="trainer step, weight versions, buffer and queue depth, samplers")
@@ -254,7 +244,7 @@ def add_parsers(sub, common) -> None:
     ca.add_argument("ids", nargs="+", metavar="PROMPT_ID", help="ids `submit` printed")
     connection(ca, overrides=False)
     to = sub.add_parser("tokens", help="make a token table and one token per role (sampler, client, admin)")
-    to.add_argument("--out", type=pathlib.Path, required=True, help="directory for tokens.yaml and <role>.token")
+    to.add_argument("--out", type=nonempty_path, required=True, help="directory for tokens.yaml and <role>.token")
     to.add_argument("--keep", action="store_true", help="do nothing when DIR already holds a token table (a "
                     "deployment's init step, run at every start)")
     to.add_argument("--samplers", type=int, default=0, metavar="N", help="also one token per sampler "

@@ -37,9 +37,10 @@ from grpo_stream.common.rollouts.redis_server import EmbeddedRedis, RedisConnect
 from grpo_stream.plan.device_plan import (DeviceLayoutError, DevicePlan, detect_gpus, load_figures,
                                                     plan_devices)
 from grpo_stream.common.runtime.errors import EXIT_FAILURE, EXIT_PERMANENT, EXIT_USAGE
+from grpo_stream.up.config_record import record_config
 from grpo_stream.up.run_lock import RunLock
 from grpo_stream.up.supervise import Outcome, Watch
-from grpo_stream.trainer_service.reports.files import write_atomic
+from grpo_stream.common.runtime.files import write_atomic
 from grpo_stream.trainer_service.control_messages import SECRET_ENV, SECRET_FILE_ENV, new_secret
 from grpo_stream.up.guard import StopSignals, child_popen, lock_run_dir, redis_popen, run_dir_error
 from grpo_stream.up.relay import ChildLog, LogLimits, QueuedConsole, bounded_lines, relay, rotate, say_now
@@ -315,9 +316,10 @@ def _prepare(cfg: RunConfig, config_path: pathlib.Path | None, overrides: list[s
     # the resolved config every process runs (file, overrides and what `up` added), and how it was asked for; a
     # record for people (readable by all, attached to bug reports), so without the values of secret-named keys (an
     # API key in hardware.trainer_env) that the config file kept private
-    (run_dir / "config.yaml").write_text(f"# resolved by `grpo-stream up` from --config {config_path} with overrides "
-                                         f"{redacted_overrides(every)}\n"
-                                         + to_yaml(load_config(config_path, every), redact=True))
+    # a resume with another config is said, naming each change (what `up` sets per start is none: ignored)
+    record_config(run_dir / "config.yaml", f"# resolved by `grpo-stream up` from --config {config_path} with overrides "
+                  f"{redacted_overrides(every)}\n" + to_yaml(load_config(config_path, every), redact=True),
+                  ignore=[o.partition("=")[0] for o in every[len(overrides):]])
     return plan_processes(cfg, run_dir, config_path, every, devices, server_env, sampler_env,
                           lock_env=run_lock.child_env({}))  # the trainer holds the run's lock too
 

@@ -40,6 +40,11 @@ def check_run(summary: dict, replicas: int, steps: int) -> None:
     generated = sum(s["groups_generated"] for s in summary["samplers"].values())
     assert summary["groups_generated"] == generated >= summary["groups_trained"]
     assert summary["generation_wasted_fraction"] == round(1 - summary["groups_trained"] / generated, 4)
+    # the samplers' own count of groups the ingest acknowledged: every trained group (its ack came before the step),
+    # and no more than the ingest took in (no prompts injected, no acknowledgement lost and resent here)
+    accepted = sum(s["groups_accepted"] for s in summary["samplers"].values())
+    assert summary["groups_trained"] <= accepted <= summary["groups_ingested"], (accepted, summary["samplers"])
+    assert all(s["stream"]["accepted"] == s["groups_accepted"] for s in summary["samplers"].values())
 
 
 def tensorboard_tags(event_dir: pathlib.Path) -> dict[str, str]:
@@ -173,7 +178,7 @@ def check_prometheus_series(trainer_port: int, sampler_port: int) -> None:
 
     trainer = scrape(trainer_port)
     for series in ("grpo_stream_trainer_step", "grpo_stream_buffer_depth", "grpo_stream_weight_version",
-                   'grpo_stream_groups{outcome="ingested"}', "grpo_stream_reward_mean",
+                   'grpo_stream_groups_total{outcome="ingested"}', "grpo_stream_reward_mean",
                    'grpo_stream_sampler_weight_lag{sampler="sampler-0"}', "grpo_stream_tokens_per_second",
                    "grpo_stream_groups_per_second", "grpo_stream_compute_share"):
         assert series in trainer, series

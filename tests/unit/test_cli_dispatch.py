@@ -155,3 +155,38 @@ def test_the_trainer_process_name_follows_its_jax_process_id(monkeypatch):
     assert trainer_process_name() == "trainer-0"
     monkeypatch.setenv("JAX_PROCESS_ID", "3")
     assert trainer_process_name() == "trainer-3"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["devices", "--gpus", "-1"], "argument --gpus: must be at least 0, got -1"),
+    (["devices", "--gpus", "2", "--gpu-memory-gib", "-3"], "argument --gpu-memory-gib: must be a positive number"),
+    (["devices", "--gpus", "2", "--gpu-memory-gib", "nan"], "argument --gpu-memory-gib: must be a positive number"),
+    (["sampler", "--index", "-1"], "argument --index: must be at least 0, got -1"),
+])
+def test_a_negative_count_or_size_is_a_usage_error_naming_the_argument(args, message, capsys):
+    """`devices --gpus -1` printed 'no GPU (CPU run)' and a negative --gpu-memory-gib was laid out as such, exit 0."""
+    with pytest.raises(SystemExit) as exited:
+        cli.main(args)
+    assert exited.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_sampler_index_past_the_replicas_is_a_config_error_before_jax_starts(capsys):
+    """It exited 1 (a failure a restart may fix) after seconds of JAX start-up, its message saying '(1)' for 2
+    replicas."""
+    assert cli.main(["sampler", "--index", "2", "sampler.replicas=2"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "grpo-stream sampler: config error: --index 2: a sampler's index is in 0..1 (sampler.replicas=2); give a "
+        "smaller --index or raise sampler.replicas")
+
+
+@pytest.mark.parametrize("args", [["up", "--run-dir", ""], ["trainer", "--run-dir", " "], ["audit", ""],
+                                  ["up", "--config", ""], ["tokens", "--out", ""], ["submit", ""]])
+def test_an_empty_path_is_refused_not_read_as_the_current_directory(args, monkeypatch, tmp_path, capsys):
+    """`up --run-dir "$RUN_DIR"` with the variable unset ran the whole run in the current directory (pathlib reads ''
+    as '.'), writing run.lock, redis/, checkpoints/ and logs/ among the user's files."""
+    monkeypatch.chdir(tmp_path)
+    replace(monkeypatch, args[0], AssertionError("ran"))
+    with pytest.raises(SystemExit) as exited:
+        cli.main(args)
+    assert exited.value.code == 2 and "an empty path (an unset shell variable?)" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []

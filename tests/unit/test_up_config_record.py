@@ -64,3 +64,31 @@ def test_up_warns_of_a_secret_given_on_the_command_line_without_repeating_it(tmp
     said = capsys.readouterr().err
     assert "task.verifiers.args, hardware.sampler_env.HF_TOKEN given on the command line" in said
     assert "sk-secret-1" not in said and "hf-2" not in said and "trainer.steps" not in said and "mode 0600" in said
+
+
+def test_a_resume_with_another_config_names_each_change_and_keeps_the_earlier_record(tmp_path, capsys):
+    """`up` again on a run directory resumes it with whatever config it is given: another learning rate (a wrong
+    --config, a forgotten override) went on silently, and RUN_DIR/config.yaml, the record of what the run trained with,
+    was overwritten. The ports and Redis URL `up` picks afresh at each start are no change."""
+    run_dir = prepared(tmp_path, None, ["trainer.steps=3", "trainer.learning_rate=0.001"])
+    capsys.readouterr()
+    prepared(tmp_path, None, ["trainer.steps=3", "trainer.learning_rate=0.001"])
+    assert "differs" not in capsys.readouterr().err and not (run_dir / "config.yaml.1").exists()
+    prepared(tmp_path, None, ["trainer.steps=5", "trainer.learning_rate=0.5"])
+    said = capsys.readouterr().err
+    assert "in 2 setting(s): trainer.learning_rate: 0.001 -> 0.5; trainer.steps: 3 -> 5." in said
+    assert "config.yaml.1" in said and "port" not in said.split("setting(s)")[1]
+    assert yaml.safe_load((run_dir / "config.yaml.1").read_text())["trainer"]["steps"] == 3
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["trainer"]["steps"] == 5
+
+
+def test_a_record_cut_short_is_kept_and_said_not_an_error(tmp_path, capsys):
+    """A config.yaml a kill left half-written must not stop the resume: it is kept aside and the resume says it could
+    not compare."""
+    run_dir = prepared(tmp_path, None, ["trainer.steps=3"])
+    (run_dir / "config.yaml").write_text("trainer:\n  steps: [3,\n")
+    capsys.readouterr()
+    prepared(tmp_path, None, ["trainer.steps=3"])
+    assert "cannot be read" in capsys.readouterr().err
+    assert (run_dir / "config.yaml.1").read_text() == "trainer:\n  steps: [3,\n"
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["trainer"]["steps"] == 3

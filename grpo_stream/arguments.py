@@ -1,0 +1,45 @@
+"""argparse types the commands share (the run's processes and tools in cli.py, the prompt client's in
+client/submit.py): each refuses a value that would be taken and fail later, or worse, without naming the argument."""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+
+
+def int_from(low: int):
+    """An argparse type: an int of at least `low` (a negative --gpus or --index was taken, and planned or failed
+    later with a message that did not name the argument)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+    return parse
+
+
+positive_int, nonnegative_int = int_from(1), int_from(0)
+
+
+def nonempty_path(text: str) -> pathlib.Path:
+    """An argparse type: a path that is not empty. pathlib reads '' as '.': `up --run-dir "$RUN_DIR"` with the
+    variable unset ran the whole run in the current directory (a source tree), writing its Redis, checkpoints and
+    logs among the user's files."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path (an unset shell variable?); give a directory or file name, "
+                                         "or '.' for the current directory")
+    return pathlib.Path(text)
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
+    if not value > 0 or value == float("inf"):  # also NaN
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
