@@ -57,8 +57,10 @@ def _boolean_in(value: Any, slots: str | None) -> Any:
 
 
 class Strict(BaseModel):
-    # no inf or nan in a number field: `algo.advantage_eps=.inf` zeroed every advantage, `.nan` poisons a step
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    # no inf or nan in a number field: `algo.advantage_eps=.inf` zeroed every advantage, `.nan` poisons a step. A
+    # free-form value (task.verifiers.args) may be one: dumped as a float, not null (pydantic's default), so `config
+    # show`, RUN_DIR/config.yaml and plan's copy of the config hold the value the run uses
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, ser_json_inf_nan="constants")
 
     @field_validator("*", mode="before")
     @classmethod

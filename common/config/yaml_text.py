@@ -14,6 +14,7 @@ from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 # while ten nested aliases of ten items each (a "billion laughs") expand to 10^10, which parses in a millisecond and
 # then fills memory when the value is validated, printed (`config show`) or saved (RUN_DIR/config.yaml)
 MAX_ALIAS_NODES = 100_000
+MAX_INT_CHARS = 100  # the longest integer literal read (a config's largest limit is 20 digits)
 _MERGE_TAG = "tag:yaml.org,2002:merge"
 _NUMBER_TAGS = {"tag:yaml.org,2002:int", "tag:yaml.org,2002:float", "tag:yaml.org,2002:timestamp"}
 # YAML 1.2's numbers (with Python's `_` between digits): PyYAML's 1.1 rules read `1e-5` (no point) and `5e-1` as
@@ -39,6 +40,15 @@ def _resolvers() -> dict[str | None, list[tuple[str, re.Pattern[str]]]]:
 class _Loader(yaml.SafeLoader):
     """The config's YAML (`_resolvers`)."""
 
+    def construct_yaml_int(self, node: ScalarNode) -> int:
+        """An integer, refused when longer than MAX_INT_CHARS: Python will not turn one of over 4300 digits into
+        text or back, and the error of that, raised while reading the file or printing the config, named no field."""
+        if len(node.value) > MAX_INT_CHARS:
+            raise ConstructorError(None, None, f"an integer {len(node.value):,} characters long, more than "
+                                   f"{MAX_INT_CHARS}; a config number is shorter (write a float, e.g. 1e300, or quote "
+                                   "it as text)", node.start_mark)
+        return super().construct_yaml_int(node)
+
 
 class _Dumper(yaml.SafeDumper):
     """Writes a string that `_Loader`, or a YAML 1.1 reader, would read as another type (`'1e3'`, `'yes'`, `'010'`)
@@ -46,6 +56,7 @@ class _Dumper(yaml.SafeDumper):
 
 
 _Loader.yaml_implicit_resolvers = _resolvers()
+_Loader.add_constructor("tag:yaml.org,2002:int", _Loader.construct_yaml_int)
 _Dumper.yaml_implicit_resolvers = {k: [*yaml.SafeDumper.yaml_implicit_resolvers.get(k, []), *v]
                                    for k, v in _resolvers().items()}
 
@@ -97,15 +108,27 @@ def _check_nodes(root: Node) -> None:
                                root.start_mark)
 
 
+def _unshared(value: Any) -> Any:
+    """`value` with every mapping and list its own object: PyYAML builds an aliased value (`sampler_env: *env`, a
+    merge key's values) once and puts that one object in each place, so a dotted override into one of the places
+    (`hardware.trainer_env.B=2`) changed the others too."""
+    if isinstance(value, dict):
+        return {key: _unshared(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_unshared(item) for item in value]
+    return value
+
+
 def read_yaml(text: str) -> Any:
-    """`text` parsed as the config's YAML: safe, YAML 1.2 numbers, no repeated keys, bounded alias expansion."""
+    """`text` parsed as the config's YAML: safe, YAML 1.2 numbers, no repeated keys, bounded alias expansion, no
+    value shared between two places."""
     loader = _Loader(text)
     try:
         root = loader.get_single_node()
         if root is None:
             return None
         _check_nodes(root)
-        return loader.construct_document(root)
+        return _unshared(loader.construct_document(root))  # copies at most MAX_ALIAS_NODES more than the text holds
     finally:
         loader.dispose()
 
