@@ -16,6 +16,17 @@ from grpo_stream.common.environments.base import Observation
 _SENTINEL = "\u2063grpo-stream-sentinel-turn\u2063"
 
 
+def well_formed(content: str) -> str:
+    """`content` with each lone surrogate (U+D800-U+DFFF not in a pair) as U+FFFD, a pair written as two code points
+    joined. A tool call's JSON may hold one (`"\\ud800"`, which Python's json reads) and an error that names the call
+    echoes it; the tokenizer cannot encode it (TypeError), which ended the episode instead of answering it."""
+    try:
+        content.encode("utf-8")
+    except UnicodeEncodeError:
+        return content.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
+    return content
+
+
 class ChatTemplateRenderer:
     """Observation -> token ids by a Hugging Face tokenizer's chat template (model.kind=hf)."""
 
@@ -32,7 +43,7 @@ class ChatTemplateRenderer:
         """The text that follows the model's stop token: the template's end of the assistant turn, the observation
         message and the next assistant turn's header."""
         chat, before = self._sentinel_chat()
-        content = self.defused(observation.content)
+        content = self.defused(well_formed(observation.content))
         message = {"role": observation.role, "content": content}
         try:
             after = self.tokenizer.render_chat(chat + [message], add_generation_prompt=True)
@@ -96,7 +107,7 @@ class PlainRenderer:
         self.tokenizer = tokenizer
 
     def text(self, observation: Observation) -> str:
-        return " " + observation.content
+        return " " + well_formed(observation.content)
 
     def end_of_turn_ids(self) -> list[int]:
         return [self.tokenizer.eos_ids[0]]

@@ -14,7 +14,8 @@ An episode ends when the environment returns no observation, after environment.m
 tokens (model and observation tokens after the prompt) would pass its budget (generation.max_new_tokens; then it is
 truncated). A turn that reaches its own budget (environment.turn_max_new_tokens) without a stop token is answered
 like any other (the environment sees what the model wrote); its stop token is written before the observation, as an
-observation token, so the chat template's turn structure holds. An environment that raises, or answers a turn with
+observation token, so the chat template's turn structure holds. An episode whose final turn was so cut is truncated,
+whether the environment or max_turns ended it. An environment that raises, or answers a turn with
 a reward that is not a finite number, ends its episode there (the error is kept on the episode); nothing it does
 escapes into the stream.
 
@@ -104,7 +105,9 @@ class _Episode:
             ids = None
         self.kind.add_environment_seconds(time.monotonic() - started)
         if ids is None:
-            self._end(finished=True)
+            # ended by the environment: an answer cut at turn_max_new_tokens is still cut (truncated, as at max_turns;
+            # it was counted finished, and algo.overlong never saw it)
+            self._end(finished=self.result.turn_closed[-1])
         elif len(self.result.tokens) + len(ids) >= self.kind.settings.episode_tokens:
             self._end(finished=False)  # no room for the observation and a model token after it
         else:
@@ -174,7 +177,8 @@ class ToolTurns:
 def build(cfg, task, tokenizer, routes=None) -> ToolTurns:
     """The rollout registry's entry (environment): the run's environment, renderer and settings."""
     env, gen = cfg.environment, cfg.generation
-    settings = EpisodeSettings(max_turns=env.max_turns, turn_max_new_tokens=env.turn_max_new_tokens or gen.max_new_tokens,
+    settings = EpisodeSettings(max_turns=env.max_turns,
+                               turn_max_new_tokens=env.turn_max_new_tokens or gen.max_new_tokens,
                                episode_tokens=gen.max_new_tokens, tool_latency_s=env.tool_latency_s,
                                hold_kv=env.kv_cache == "hold")
     return ToolTurns(build_environment(cfg, task, tokenizer), renderer_for(tokenizer), settings, tokenizer, env.workers)

@@ -193,9 +193,10 @@ class Ending:
         return Episode()
 
 
-def _one_scripted_turn(tiny_parts, env, settings, sampled: list[int]):
+def _one_scripted_turn(tiny_parts, env, settings, sampled: list[int], closed: bool = True):
     """One episode on the real RolloutStream whose engine is a script: its first turn samples `sampled` (closed by
-    its last id, the stop token). The episode's result (logic only: the engine's own runs are the tests above)."""
+    its last id, the stop token; `closed=False`: cut at its budget). The episode's result (logic only: the engine's
+    own runs are the tests above)."""
     from grpo_stream.common.episodes.result import GroupWork
     from grpo_stream.common.episodes.stream import RolloutStream
 
@@ -207,7 +208,7 @@ def _one_scripted_turn(tiny_parts, env, settings, sampled: list[int]):
     try:
         stream.start(GroupWork(problem, tok.encode(problem.prompt), 1, None, "g", 0, jax.random.key(0)), kind)
         [request] = stream.take()
-        stream.finish(request, sampled, [-0.5] * len(sampled), None, True)
+        stream.finish(request, sampled, [-0.5] * len(sampled), None, closed)
         deadline = time.monotonic() + 10
         while not ended and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -226,6 +227,18 @@ def test_an_answer_closed_on_the_budgets_last_token_is_finished_if_the_environme
     result = _one_scripted_turn(tiny_parts, Ending(goes_on), settings, sampled)
     assert result.tokens == sampled and result.turn_closed == [True] and result.turn_rewards == [1.0]
     assert result.finished == (not goes_on)  # no room for the observation: truncated
+
+
+def test_a_final_answer_cut_at_the_turn_budget_is_truncated_though_the_environment_ends_it(tiny_parts):
+    """A turn cut at environment.turn_max_new_tokens that calls no tool ends the episode: it was counted finished
+    (not truncated), so algo.overlong kept and scored an answer cut mid-way, while the same cut turn at max_turns
+    was truncated."""
+    tok = tiny_parts[2]
+    sampled = tok.encode(" 4 2 4")
+    settings = EpisodeSettings(max_turns=4, turn_max_new_tokens=len(sampled), episode_tokens=C)
+    result = _one_scripted_turn(tiny_parts, Ending(goes_on=False), settings, sampled, closed=False)
+    assert result.tokens == sampled and result.turn_closed == [False] and result.turn_rewards == [1.0]
+    assert not result.finished and result.error is None
 
 
 def test_an_environment_whose_start_raises_fails_its_group_not_the_sampler(tiny_parts):
