@@ -3,6 +3,7 @@ objective. The deployment sections (processes, transports, storage) and the whol
 
 from __future__ import annotations
 
+import difflib
 import re
 from typing import Any, Annotated, Literal
 
@@ -12,6 +13,7 @@ from grpo_stream.common.config.access import BATCH_BYTES, MAX_MESSAGE_BYTES
 from grpo_stream.common.config.verifiers_settings import VerifiersSection
 from grpo_stream.common.config.base import FilePath, Strict
 from grpo_stream.common.config.names import TaskName
+from grpo_stream.common.registry.rewards import BUILTIN_REWARDS
 from grpo_stream.common.registry.tasks import TASKS, task_spec
 
 
@@ -164,6 +166,11 @@ class TaskSection(Strict):
         if self.system_prompt and self.prompt_template == "plain":
             raise ValueError("task.system_prompt needs a chat-form task.prompt_template (chat, reasoning or tools); "
                              "'plain' has no system turn")
+        for name in self.rewards:  # a misspelt built-in failed only when a sampler built its rewards, after `up` began
+            if ":" not in name and name not in BUILTIN_REWARDS:
+                close = difflib.get_close_matches(name, BUILTIN_REWARDS, n=1)
+                raise ValueError(f"{BUILTIN_REWARDS.field}.{name}: {BUILTIN_REWARDS.unknown(name)}"
+                                 + (f" (did you mean {close[0]!r}?)" if close else ""))
         answer_rewards = {"answer_correct", "answer_format", "last_number", "reasoning_answer_format"}
         spec = task_spec(self.name)
         if not spec.scored_by_answers and all(r in answer_rewards for r, w in self.rewards.items() if w):

@@ -22,6 +22,7 @@ import re
 from typing import Collection, Iterable, Mapping, Sequence
 
 from grpo_stream.common.registry.base import Registry
+from grpo_stream.common.registry.rewards import BUILTIN_REWARDS
 from grpo_stream.common.rollouts.wire import MAX_ABS_REWARD
 from grpo_stream.common.tasks.answers import (extract_answer, hashes_answer, last_number as last_number_in, parse_number,
                                               same_number)
@@ -77,15 +78,12 @@ def _reasoning_then_answer(text: str) -> bool:
     return False
 
 
-# the reward registry: built-in rewards by name (task.rewards also takes `package.module:function`)
+# the reward registry: built-in rewards by name (task.rewards also takes `package.module:function`), one function
+# of this module per name of common/registry/rewards.py's table (which the config checks names against)
+_FUNCTIONS = {fn.__name__: fn for fn in (answer_correct, answer_format, last_number, reasoning_answer_format,
+                                          ifeval_strict, ifeval_loose)}
 REWARDS: Registry[RewardFn] = Registry("task.rewards", "reward", {
-    "answer_correct": answer_correct,
-    "answer_format": answer_format,
-    "last_number": last_number,  # chat replies: the last number written is the answer
-    "reasoning_answer_format": reasoning_answer_format,
-    "ifeval_strict": ifeval_strict,  # task.name=ifeval: share of the prompt's instructions followed (lm-eval)
-    "ifeval_loose": ifeval_loose,
-})
+    name: _FUNCTIONS[spec.function] for name, spec in BUILTIN_REWARDS.items()})
 DEFAULT_WEIGHTS = {"answer_correct": 1.0, "answer_format": 0.1}
 NUMERIC_REWARDS = ("answer_correct", "last_number")  # built-ins that read the reference answer as a number
 

@@ -43,8 +43,8 @@ def test_a_mapping_default_follows_the_file_and_a_whole_value_still_replaces_it(
     path = config_file(tmp_path, "task:\n  name: ifeval\n  dataset: {source: tests/data/ifeval}\n")
     assert load_config(path, ["task.rewards.ifeval_strict=2"]).task.rewards == {"ifeval_strict": 2.0,
                                                                                   "ifeval_loose": 0.0}
-    cfg = load_config(path, ["task.rewards.x=1", "task.rewards={ifeval_loose: 1.0}", "task.rewards.y=2"])
-    assert cfg.task.rewards == {"ifeval_loose": 1.0, "y": 2.0}
+    cfg = load_config(path, ["task.rewards.x=1", "task.rewards={ifeval_loose: 1.0}", "task.rewards.m:y=2"])
+    assert cfg.task.rewards == {"ifeval_loose": 1.0, "m:y": 2.0}
     assert load_config(None, ["task.rewards.answer_format=0.5"]).task.rewards == {"answer_correct": 1.0,
                                                                                   "answer_format": 0.5}
 
@@ -110,3 +110,19 @@ def test_an_override_of_a_list_item_names_the_fix(overrides, field):
     with pytest.raises(ConfigError, match=rf"{field} is a value, not a section; an override sets a list whole, as "
                                           rf"{field}='\[...\]'$"):
         load_config(None, overrides)
+
+
+def test_a_misspelt_reward_is_refused_at_load_with_the_nearest_name():
+    # it loaded, and failed only when a sampler built its rewards: after `up` had started the run's processes
+    with pytest.raises(ConfigError, match=r"task.rewards.answer_fromat: unknown built-in reward.*'answer_format'\?"):
+        load_config(None, ["task.rewards.answer_fromat=0.5"])
+    loaded = load_config(None, ["task.rewards={tests.e2e.vllm_rewards:longer_is_better: 1.0, last_number: 0.5}"])
+    assert loaded.task.rewards == {"tests.e2e.vllm_rewards:longer_is_better": 1.0, "last_number": 0.5}
+
+
+def test_the_config_names_every_reward_the_rewards_module_scores_by():
+    from grpo_stream.common.registry.rewards import BUILTIN_REWARDS
+    from grpo_stream.common.tasks.rewards import REWARDS
+
+    assert sorted(REWARDS) == sorted(BUILTIN_REWARDS)
+    assert all(REWARDS[name].__name__ == spec.function for name, spec in BUILTIN_REWARDS.items())
