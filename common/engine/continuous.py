@@ -128,7 +128,8 @@ class ContinuousEngine:
         self.side: SideQueue | None = None
         self.device = SlotPrograms(model, pad_id, eos_ids, temperature, chunk_steps, max_forced=max_new_tokens)
         self.table = SlotTable(self.device, slots, length_groups, self.cache_len, row_work, self.programs, self.stats)
-        self.rows = RequestRows(pad_id, eos_ids, self.cache_len, max_new_tokens, self.stats, context_field)
+        self.rows = RequestRows(pad_id, eos_ids, self.cache_len, max_new_tokens, arch.vocab_size, self.stats,
+                                context_field)
         self.held = HeldTurns(self.table, self.rows, self.device, self.programs, self.stats)
         self._relaid: tuple[Any, Any, bool] = (None, None, False)  # params, their decode layout, ragged
 

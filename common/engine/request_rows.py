@@ -22,11 +22,12 @@ class RequestRows:
     sequence is handed back and its slot no longer holds it, so a serve that lasts a sampler's life keeps as many
     rows as it has sequences in flight, not one per request it ever took."""
 
-    def __init__(self, pad_id: int, eos_ids: tuple[int, ...], cache_len: int, max_new_tokens: int,
+    def __init__(self, pad_id: int, eos_ids: tuple[int, ...], cache_len: int, max_new_tokens: int, vocab_size: int,
                  stats: collections.Counter, context_field: str):
         """`context_field`: the setting that sized the cache (`cache_len` positions per sequence), named when a
-        request does not fit it."""
+        request does not fit it; `vocab_size`: the model's embedding rows, which every id must name."""
         self.pad_id, self.eos_ids, self.cache_len, self.max_new_tokens = pad_id, eos_ids, cache_len, max_new_tokens
+        self.vocab_size = vocab_size
         self.stats, self.context_field = stats, context_field
         self.reset(None)
 
@@ -48,7 +49,14 @@ class RequestRows:
         if not 1 <= request.budget <= self.max_new_tokens:
             raise ValueError(f"a request's budget of {request.budget} new tokens is outside 1..{self.max_new_tokens} "
                              "(generation.max_new_tokens); ask for fewer tokens or raise generation.max_new_tokens")
-        if not 0 < len(request.ids) or len(request.ids) + request.budget > self.cache_len:
+        if not request.ids:
+            raise ValueError("a request has no prompt tokens: there is nothing to sample its first token from; send "
+                             "at least one token id")
+        if not all(0 <= min(ids) and max(ids) < self.vocab_size for ids in (request.ids, request.forced) if ids):
+            # the embedding lookup would clamp (or wrap) such an id silently: another token's completion and logprobs
+            raise ValueError(f"a request's token ids (or forced ids) must lie in 0..{self.vocab_size - 1}, the "
+                             "model's vocabulary; encode the prompt with the model's tokenizer")
+        if len(request.ids) + request.budget > self.cache_len:
             raise ValueError(f"a request of {len(request.ids)} prompt tokens and a budget of {request.budget} does not "
                              f"fit the engine's {self.cache_len} cache positions per sequence ({self.context_field}); "
                              f"shorten the prompt or its budget, or raise {self.context_field}")
