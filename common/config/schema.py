@@ -84,8 +84,9 @@ class TrainerSection(Strict):
                           "false: each sequence alone in its row, through the same update.")
     tokens_per_micro_batch: int | None = Field(None, ge=2, le=1_000_000_000, description="With packing: tokens of "
                                                "one forward/backward pass over the whole mesh, in rows of "
-                                               "max_prompt_tokens + max_new_tokens (this // that rows, rounded up to "
-                                               "a multiple of trainer.mesh.fsdp); a minibatch's passes are summed "
+                                               "max_prompt_tokens + max_new_tokens (this // that rows, at most the "
+                                               "minibatch's sequences, rounded up to a multiple of "
+                                               "trainer.mesh.fsdp); a minibatch's passes are summed "
                                                "into its one update. The update's activation memory follows it. "
                                                "Null: trainer.micro_batch_size rows, or a quarter of a minibatch's "
                                                "sequences.")

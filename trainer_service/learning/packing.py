@@ -62,11 +62,16 @@ def rows_per_micro_batch(tokens_per_micro_batch: int | None, micro_batch_size: i
                          row_tokens: int, data_parallel: int) -> int:
     """Rows of one packed forward/backward pass: tokens_per_micro_batch // row_tokens when set, else
     micro_batch_size (the padded layout's sequences per pass: the same activation memory), else a quarter of the
-    minibatch's sequences; rounded up to a multiple of the data-parallel size so every device gets whole rows."""
+    minibatch's sequences; at most the minibatch's sequences, then rounded up to a multiple of the data-parallel size
+    so every device gets whole rows."""
     if tokens_per_micro_batch is not None:  # at least one row: the config schema refuses less
         rows = max(1, tokens_per_micro_batch // row_tokens)
     else:
         rows = micro_batch_size if micro_batch_size is not None else max(1, math.ceil(minibatch / 4))
+    # every row holds at least one sequence, so rows past the minibatch's count are always empty, yet each pass
+    # computes them as full ones: a generous token budget on a small minibatch (1M tokens of 42-token rows: 23,809
+    # rows for 128 sequences) multiplied the update's compute and activation memory for nothing
+    rows = min(rows, max(1, minibatch))
     return data_parallel * math.ceil(rows / data_parallel)
 
 

@@ -102,6 +102,18 @@ def test_the_pass_size_follows_the_token_budget_and_the_mesh():
     assert packing_layout(cfg, 1).passes == 13  # 128 sequences a minibatch, one a row at most
 
 
+def test_a_pass_never_lays_out_more_rows_than_the_minibatch_has_sequences():
+    """Each row holds at least one sequence: a budget past the minibatch's sequences would only add empty rows,
+    which each pass computes as full ones (1M tokens of 42-token rows were 23,809 rows for 128 sequences)."""
+    assert rows_per_micro_batch(1_000_000, None, 128, 42, 1) == 128
+    assert rows_per_micro_batch(None, 100_000, 128, 42, 1) == 128
+    assert rows_per_micro_batch(1_000_000, None, 6, 42, 4) == 8  # still whole rows per fsdp device
+    for override in ("trainer.tokens_per_micro_batch=1000000", "trainer.micro_batch_size=100000"):
+        cfg = load_config("configs/tiny_arith.yaml", [override])
+        assert packing_layout(cfg, 1) == PackingLayout(24, 42, 128, 4, 1)
+        assert packing_layout(cfg, 3).rows == 129
+
+
 
 def test_packing_false_is_one_sequence_a_row_through_the_same_update():
     """trainer.packing=false: one segment a row, trainer.micro_batch_size rows a pass (null: the whole minibatch),
