@@ -2,7 +2,9 @@
 types them (bash expands a `~` only at the start of a word or after the `=` of a shell assignment, never inside a
 dotted override), and the numbers the code holds about them. (The files themselves: test_deploy_files.py.)"""
 
+import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -76,3 +78,43 @@ def test_devices_compose_knows_how_many_sampler_services_the_compose_file_has():
     for i, name in enumerate(samplers):
         assert f"--index {i} " in services[name]["command"], name
         assert services[name]["environment"]["GRPO_STREAM_TOKEN_FILE"] == f"/secrets/{name}.token"
+
+
+def test_the_coordinator_port_the_texts_name_is_the_one_jax_opens_on_a_gke_tpu_slice(monkeypatch):
+    """trainer-multihost.yaml, docs/security.md and docs/tpu.md had users keep the JAX coordinator's port, 8476, inside
+    the trainer's pods with a NetworkPolicy; on a GKE TPU slice jax.distributed's detection (what
+    distributed.initialize=auto calls there) opens it on 8482 (jax's cloud_tpu_cluster.coordinator_port; 8476 is
+    TPU_PROCESS_PORT in scripts/tpu-vllm-smoke.sh), so a policy written from them left the real port open, or a
+    default-deny one closed it. The manifest sets JAX_COORDINATOR_PORT, and the texts name the port jax derives from
+    the pods' environment."""
+    from jax._src.clusters import ClusterEnv, cloud_tpu_cluster  # noqa: PLC0415
+
+    manifest = COMPOSE / "k8s" / "trainer-multihost.yaml"
+    jobsets = {d["metadata"]["name"]: d for d in yaml.safe_load_all(manifest.read_text())
+               if d and d["kind"] == "JobSet"}
+    job = jobsets["grpo-mh-trainer"]["spec"]["replicatedJobs"][0]["template"]["spec"]
+    env = {e["name"]: e["value"] for e in job["template"]["spec"]["containers"][0]["env"] if "value" in e}
+    assert "JAX_COORDINATOR_PORT" in env  # the port the policy must name, not left to a jax release's default
+    for name in [k for k in os.environ if k.startswith(("JAX_", "TPU_", "MEGASCALE_"))]:
+        monkeypatch.delenv(name)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    # what GKE injects into the pods of a 2-host slice
+    monkeypatch.setenv("TPU_WORKER_HOSTNAMES", ",".join(f"grpo-mh-trainer-{i}" for i in range(job["parallelism"])))
+    monkeypatch.setenv("TPU_WORKER_ID", "1")
+    # no GCE metadata server or pod DNS here
+    monkeypatch.setattr(cloud_tpu_cluster, "get_tpu_env_value_from_metadata", lambda key: None)
+    monkeypatch.setattr(cloud_tpu_cluster.GkeTpuCluster, "wait_for_coordinator", staticmethod(lambda *a: None))
+    address, processes, process_id, _ = ClusterEnv.auto_detect_unset_distributed_params(None, None, None, None,
+                                                                                         "gketpu", 10)
+    host, port = address.rsplit(":", 1)
+    assert (host, processes, process_id) == ("grpo-mh-trainer-0", job["parallelism"], 1)
+    # every port number in a sentence about the coordinator (the manifest's comments; a file mode such as 0400 is none)
+    for path in (manifest, ROOT / "docs" / "security.md", ROOT / "docs" / "tpu.md", ROOT / "docs" / "multi-host.md"):
+        lines = path.read_text().splitlines()
+        if path == manifest:
+            lines = [line.split("#", 1)[1] for line in lines if "#" in line]
+        prose = " ".join(lines)
+        sentences = [s for s in re.split(r"(?<=\.)\s+", prose) if "coordinator" in s.lower()]
+        named = {n for s in sentences for n in re.findall(r"(?<![\d.])([1-9]\d{3,4})(?![\d.])", s)}
+        assert named == {port}, (path.name, named, port)
