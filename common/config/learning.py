@@ -388,7 +388,9 @@ class WarmStartSection(Strict):
 
 class EvalSection(Strict):
     num_problems: int = Field(256, ge=1, le=100_000, description="Held-out problems scored (greedy pass@1).")
-    batch_size: int = Field(128, ge=1, le=65536, description="Problems per generation call.")
+    batch_size: int = Field(128, ge=1, le=65536, description="Episodes the evaluation keeps in flight (one "
+                            "problem's eval.samples together when that is more), at most generation.decode_slots: "
+                            "the rows of its KV cache on each trainer device (grpo-stream plan's `evaluation` line).")
     samples: int = Field(0, ge=0, le=1024, description="Sampled completions per problem for pass@k and maj@k "
                          "(at generation.temperature); 0 = greedy pass@1 only.")
     ks: list[Annotated[int, Field(ge=1)]] = Field([1], min_length=1, description="The k of pass@k and maj@k; each "

@@ -7,7 +7,7 @@ the task and tokenizer and compiles the same programs: grpo_stream/plan/resident
 
 trainer: runtime + devices + compiled programs + the checkpoint's copy of the state (an asynchronous save keeps
   parameters and optimizer state alive while the next update writes new ones) + the held-out evaluation's engine
-  (the weights in decode layout, a KV cache for an evaluation batch, its programs' compile);
+  (its programs' compile; its decode layout and KV cache are the devices' arrays, plan/evaluation.py);
 sampler: runtime + devices + compiled programs (its engine frees a version's decode layout before it makes the next
   one's: common/engine/continuous.py, serve).
 
@@ -28,8 +28,8 @@ PARTS = {
                          "program at each of its sizes)",
     "checkpoint_copy": "parameters, optimizer state and reference held by a checkpoint save while the next update "
                        "writes new ones",
-    "evaluation_engine": "the held-out evaluation's engine: the weights in decode layout, a KV cache for {rows} rows "
-                         "and its programs' compile",
+    "evaluation_engine": "the held-out evaluation's engine ({rows} rows): its programs' compile (its decode layout "
+                         "and KV cache are in the devices' arrays)",
 }
 
 
@@ -81,10 +81,11 @@ def trainer_estimate(cfg: RunConfig, doc: dict, measured: dict) -> dict:
     parts["checkpoint_copy"] = state * devices
     rows = evaluation_rows(cfg)
     if rows and "sampler" in doc:
-        parts["evaluation_engine"] = evaluation_engine_bytes(cfg, doc["sampler"], measured, rows)
+        # its decode layout and KV cache on the trainer's devices are in `devices` (plan/evaluation.py): the compile
+        parts["evaluation_engine"] = engine_compile(doc["sampler"], measured, "evaluation")
     elif rows:
-        notes.append(f"the evaluation engine is not counted: sampler.engine={cfg.sampler.engine} compiles no JAX "
-                     "engine in the plan")
+        notes.append(f"the evaluation engine's compile is not counted: sampler.engine={cfg.sampler.engine} compiles "
+                     "no JAX engine in the plan")
     if transport_spec(cfg.weights.transport).in_process:
         notes.append("weights.transport=local: one process holds the trainer and the samplers; add the samplers' "
                      "devices figure to this one")
@@ -100,23 +101,12 @@ def sampler_estimate(cfg: RunConfig, report: dict, measured: dict) -> dict:
 
 def evaluation_rows(cfg: RunConfig) -> int:
     """Rows the trainer's held-out evaluation decodes at once (0: it never evaluates, nor checks the final weights'
-    greedy outputs, weights.verify_prompts): a batch of problems, each sampled eval.samples times, at most
-    generation.decode_slots."""
+    greedy outputs, weights.verify_prompts): eval.batch_size episodes in flight, or one group of eval.samples when
+    that is more (common/episodes/evaluation.py, finite.py), at most generation.decode_slots."""
     t, e = cfg.trainer, cfg.eval
     if not (t.eval_before or t.eval_after or e.every_steps or cfg.weights.verify_prompts):
         return 0
-    return min(cfg.generation.decode_slots, e.batch_size * max(1, e.samples))
-
-
-def evaluation_engine_bytes(cfg: RunConfig, sampler: dict, measured: dict, rows: int) -> int:
-    """The trainer's evaluation engine is a sampler's (continuous.build): its decode layout of the trainer's
-    weights (the sampler's, in the trainer's dtype), its KV cache (the sampler's per slot, for `rows`) and its
-    programs' compile (the sampler's, measured, for the slot counts it decodes at)."""
-    sizes, tp = sampler["per_device_bytes"], sampler["devices"]
-    itemsize = {"float32": 4, "bfloat16": 2}
-    weights = sizes["decode_weights"] * tp * itemsize[cfg.model.dtype] // itemsize[cfg.sampler_dtype()]
-    kv = sizes["kv_cache"] * tp * itemsize[cfg.model.dtype] // itemsize[cfg.sampler_dtype()] * rows // sampler["slots"]
-    return weights + kv + engine_compile(sampler, measured, "evaluation")
+    return min(cfg.generation.decode_slots, max(e.batch_size, e.samples))
 
 
 def host_fit(cfg: RunConfig, estimates: dict[str, dict], usable: int) -> dict:

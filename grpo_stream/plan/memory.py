@@ -106,6 +106,11 @@ def trainer_fixes(cfg: RunConfig, sizes: dict) -> list[str]:
     teacher = sizes.get("teacher_parameters", 0)
     if teacher > 0.2 * sizes["total"] and cfg.distill.dtype != "bfloat16":
         fixes.append(f"distill.dtype=bfloat16: halves the distillation teacher's parameters (now {gib(teacher)})")
+    evaluation = sizes.get("evaluation", 0)
+    if evaluation > 0.2 * sizes["total"] and cfg.eval.batch_size > 1:
+        fixes.append(f"eval.batch_size={cfg.eval.batch_size // 2}: half the rows the held-out evaluation decodes at "
+                     f"once on the trainer's devices (its KV cache is whole on each fsdp device; the evaluation is "
+                     f"{gib(evaluation)} per device now)")
     if sizes.get("publication_copy", 0) > 0.1 * sizes["total"]:
         fixes.append(f"weights.publish_copy=false: no copy of the trained parameters for the publication (saves "
                      f"{gib(sizes['publication_copy'])}); each update then waits until the previous publication "
@@ -252,7 +257,8 @@ def run_plan(cfg: RunConfig, json_path: pathlib.Path | None) -> int:
                              f"{', '.join((*CHIP_MEMORY_BYTES, CPU_CHIP))}), or hardware.{role}_memory_gib")
     from grpo_stream.plan.programs import architecture  # noqa: PLC0415  (JAX only once the config is sound)
 
-    architecture(cfg)  # a model plan cannot size fails here, with model.path named, before any compiling
+    arch = architecture(cfg)  # a model plan cannot size fails here, with model.path named, before any compiling
+    check_teacher(cfg, arch)
     doc = compile_programs(cfg)
     estimates = host_estimates(cfg, doc)
     for role, estimate in estimates.items():  # a run on the CPU: each process's expected peak resident memory
@@ -283,6 +289,22 @@ def run_plan(cfg: RunConfig, json_path: pathlib.Path | None) -> int:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(doc, indent=1))
     return 0 if doc["fits"] else 1
+
+
+def check_teacher(cfg: RunConfig, arch) -> None:
+    """The distillation teacher's shape, read before any compiling (a ValueError naming distill.teacher, as for
+    model.path): one plan cannot size, or one whose embedding has fewer rows than the student's, which the trainer
+    refuses at start (it could not score every id the student samples: trainer_service/learning/distill.py)."""
+    if not cfg.distill.enabled:
+        return
+    from grpo_stream.plan.programs import checkpoint_architecture  # noqa: PLC0415
+
+    teacher = checkpoint_architecture(cfg.distill.teacher, "distill.teacher")
+    if teacher.vocab_size < arch.vocab_size:
+        raise ValueError(f"distill.teacher={cfg.distill.teacher}: its embedding has {teacher.vocab_size} rows, fewer "
+                         f"than the student's {arch.vocab_size}, so it cannot score every id the student samples and "
+                         "the trainer refuses it; pick a teacher of the student's tokenizer whose config.json's "
+                         f"vocab_size is at least {arch.vocab_size}")
 
 
 def shares_devices(cfg: RunConfig) -> str | None:

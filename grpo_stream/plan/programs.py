@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import math
 import pathlib
 import sys
 import time
@@ -34,6 +33,7 @@ from grpo_stream.common.model.policy import (PolicyModel, build_from_architectur
                                              tiny_architecture)
 from grpo_stream.common.model.sharding import make_mesh, param_shardings
 from grpo_stream.common.registry.transports import transport_spec
+from grpo_stream.plan.evaluation import evaluation_bytes, evaluation_report, evaluation_rows, shard_bytes
 from grpo_stream.plan.resident import compile_growth, runtime_bytes
 from grpo_stream.trainer_service.learning.packing import PackedPasses, packing_layout
 from grpo_stream.trainer_service.learning.rl_update import PolicyUpdater, donates_updates
@@ -79,15 +79,6 @@ def checkpoint_architecture(path: str, field: str) -> Architecture:
                          f"({', '.join(KNOWN_CONFIGS)}); point {field} at a directory holding the model's "
                          "config.json (the weights are not read)")
     return arch
-
-
-def shard_bytes(tree: Any) -> int:
-    """Bytes one device holds of the abstract arrays in `tree` (the largest shard, for uneven splits)."""
-    total = 0
-    for leaf in jax.tree.leaves(tree):
-        shape = leaf.sharding.shard_shape(leaf.shape) if getattr(leaf, "sharding", None) is not None else leaf.shape
-        total += math.prod(shape) * jnp.dtype(leaf.dtype).itemsize
-    return total
 
 
 def analysed(compiled) -> dict[str, int]:
@@ -161,7 +152,13 @@ def trainer_programs(cfg: RunConfig, arch: Architecture) -> dict:
     # the teacher's forward runs before the step's updates: its batch, activations and output beside the resident
     teacher_extra = programs["teacher_logprobs"]["peak"] - teacher_bytes if distill is not None else 0
     extras = {"update_step": step_extra, "logprobs": logprob_extra, "teacher_logprobs": teacher_extra}
-    per_device["total"] = params + opt_state + reference + teacher_bytes + publication + max(extras.values())
+    # the held-out evaluation's engine on these devices: beside the steps during RL, else between them
+    evaluation = evaluation_report(cfg, model)
+    per_device["evaluation"] = evaluation_bytes(evaluation)
+    if evaluation is not None and not evaluation["during_rl"]:
+        extras["evaluation"] = per_device["evaluation"]
+    per_device["total"] = (params + opt_state + reference + teacher_bytes + publication + max(extras.values())
+                           + (per_device["evaluation"] if evaluation is not None and evaluation["during_rl"] else 0))
     packing = {"rows": layout.rows, "row_tokens": layout.row_tokens, "tokens_per_pass": layout.rows * layout.row_tokens,
                "segments_per_row": layout.segments_per_row}
     out = {"devices": t.mesh.fsdp * t.mesh.tp, "mesh": {"fsdp": t.mesh.fsdp, "tp": t.mesh.tp},
@@ -170,6 +167,8 @@ def trainer_programs(cfg: RunConfig, arch: Architecture) -> dict:
            "peak_program": max(extras, key=extras.get)}
     if distill is not None:
         out["teacher"] = distill
+    if evaluation is not None:
+        out["evaluation"] = evaluation
     return out
 
 
@@ -295,8 +294,7 @@ def sampler_programs(cfg: RunConfig, arch: Architecture) -> dict:
             "per_device_bytes": per_device, "programs": programs,
             "peak_program": max(extra, key=extra.get), "decode_compile": decode_growth,
             "decode_variants": {"sampler": decode_variants(engine, rows),
-                                "evaluation": decode_variants(engine, min(gen.decode_slots, cfg.eval.batch_size
-                                                                          * max(1, cfg.eval.samples)))}}
+                                "evaluation": decode_variants(engine, max(1, evaluation_rows(cfg)))}}
 
 
 def slot_state(engine: continuous.ContinuousEngine, slots: int, window: int, replicated):

@@ -62,8 +62,8 @@ def test_each_process_peak_is_the_sum_of_its_named_parts():
     assert trainer["parts"] == {
         "runtime": 700 * MIB, "devices": 1901 * MIB, "compiled_programs": 400 * MIB,
         "checkpoint_copy": 1200 * MIB,  # parameters and optimizer state, kept while the next update writes anew
-        # the evaluation engine: decode layout + the sampler's KV per slot for a 64-problem batch + its compile
-        "evaluation_engine": 480 * MIB + 80 * MIB * 64 // 16 + 200 * MIB + 11 * 30 * MIB}
+        # the evaluation engine's compile (its decode layout and KV cache are in the devices' figure)
+        "evaluation_engine": 200 * MIB + 11 * 30 * MIB}
     assert sampler["parts"] == {"runtime": 700 * MIB, "devices": 1400 * MIB,
                                 "compiled_programs": 200 * MIB + 3 * 30 * MIB}
     for estimate in (trainer, sampler):
@@ -75,15 +75,16 @@ def test_the_parts_follow_the_config():
     two = host_estimates(config("hardware.trainer_chip=cpu", "trainer.mesh.fsdp=2"), report)["trainer"]
     # both fake devices are this process's memory: their arrays twice, and both halves of the state checkpointed
     assert two["parts"]["devices"] == 2 * 1901 * MIB and two["parts"]["checkpoint_copy"] == 2 * 1200 * MIB
-    bf16 = host_estimates(config("hardware.trainer_chip=cpu", "sampler.dtype=bfloat16"), child_report())["trainer"]
-    # a bfloat16 sampler's decode layout and KV cache are half the float32 trainer's evaluation engine
-    assert bf16["parts"]["evaluation_engine"] == 2 * (480 + 80 * 4) * MIB + 200 * MIB + 11 * 30 * MIB
     quiet = host_estimates(config("hardware.trainer_chip=cpu", "trainer.eval_before=false",
                                   "trainer.eval_after=false", "eval.every_steps=0"), child_report())["trainer"]
     assert "evaluation_engine" not in quiet["parts"]
-    sampled = host_estimates(config("hardware.trainer_chip=cpu", "eval.samples=8", "generation.decode_slots=256"),
-                             child_report())["trainer"]
-    assert sampled["evaluation_rows"] == 256  # 64 problems x 8 samples, at most the engine's decode slots
+    # eval.batch_size episodes in flight (not problems: 8 problems of 8 samples), one group when it is larger, at
+    # most the engine's decode slots; 512 rows counted for 64 made the evaluation's KV cache 8 times too large
+    rows = lambda *more: host_estimates(config("hardware.trainer_chip=cpu", *more),  # noqa: E731
+                                        child_report())["trainer"]["evaluation_rows"]
+    assert rows("eval.samples=8", "generation.decode_slots=256") == 64
+    assert rows("eval.samples=100", "generation.decode_slots=256") == 100
+    assert rows("eval.samples=8", "generation.decode_slots=32", "sampler.rows_in_flight=32") == 32
     assert host_estimates(config("hardware.trainer_chip=h100-80gb"), child_report()) == {}  # not a CPU plan
 
 

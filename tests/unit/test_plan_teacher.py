@@ -5,10 +5,12 @@ the same function on fake devices); only the teacher's config.json is read, neve
 
 import pathlib
 
+import pytest
+
 from grpo_stream.common.config.loading import load_config
 from grpo_stream.common.model.architectures import Architecture
 from grpo_stream.common.model.hf_checkpoint import write_hf_config
-from grpo_stream.plan.memory import render, verdict
+from grpo_stream.plan.memory import render, run_plan, verdict
 from grpo_stream.plan.programs import architecture, trainer_programs
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -17,8 +19,8 @@ SMALL = ["model.tiny.num_layers=1", "model.tiny.embed_dim=32", "model.tiny.hidde
          "generation.num_generations=4", "hardware.trainer_memory_gib=1", "hardware.sampler_memory_gib=1"]
 
 
-def teacher_dir(path: pathlib.Path, layers: int, width: int) -> pathlib.Path:
-    arch = Architecture(family="qwen2", vocab_size=160, num_layers=layers, embed_dim=width, hidden_dim=2 * width,
+def teacher_dir(path: pathlib.Path, layers: int, width: int, vocab: int = 160) -> pathlib.Path:
+    arch = Architecture(family="qwen2", vocab_size=vocab, num_layers=layers, embed_dim=width, hidden_dim=2 * width,
                         num_heads=4, num_kv_heads=2, head_dim=width // 4, norm_eps=1e-6, rope_theta=1e6,
                         tied_embeddings=False)
     path.mkdir(parents=True)
@@ -51,3 +53,13 @@ def test_plan_counts_the_teacher_and_it_grows_with_its_size(tmp_path):
     doc = {"architecture": {"family": "qwen3"}, "trainer": verdict(cfg, "trainer", {**large, "parameters": 1}),
            "fits": True}
     assert "distillation teacher: " in render(cfg, doc) and "TFLOP per step" in render(cfg, doc)
+
+
+def test_a_teacher_plan_cannot_size_or_the_trainer_would_refuse_fails_before_compiling(tmp_path):
+    """Named as model.path is, before the child compiles anything: a teacher without config.json (the child's
+    traceback, under its sampler compile, was all it said), and one whose embedding has fewer rows than the
+    student's 160 (the trainer refuses it at start; the plan passed it)."""
+    for teacher, said in ((tmp_path / "none", "config.json"), (teacher_dir(tmp_path / "small", 1, 64, 120), "rows")):
+        cfg = load_config(ROOT / "configs/tiny_arith.yaml", [*SMALL, f"distill.teacher={teacher}"])
+        with pytest.raises(ValueError, match=f"distill.teacher={teacher}.*{said}"):
+            run_plan(cfg, None)
