@@ -15,6 +15,7 @@ server at the address fails the call instead of waiting forever). `follow` and `
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from typing import Iterable, Iterator
@@ -34,6 +35,9 @@ RECONNECT_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCEL
 # ends, naming the server's error, reconnect_s after the first of those breaks instead of retrying forever
 STREAM_UP_S = 10.0
 MIN_RETRY_S = 0.1  # the shortest wait before calling again after a full queue, whatever the server's hint
+# prompt ids one StreamResults call may name (the server's MAX_IDS, trainer_service/ingest/prompt_service.py): a
+# file of more, all submitted, is followed this many at a time instead of refused as INVALID_ARGUMENT after its submit
+FOLLOW_AT_ONCE = 10_000
 
 SPEC_KEYS = ("text", "question", "answer", "reference_answer", "rewards", "num_generations", "priority", "tags",
              "train")
@@ -51,6 +55,8 @@ def to_spec(item: dict, where: str = "prompt") -> prompts_pb2.PromptSpec:
     unknown = sorted(set(item) - set(SPEC_KEYS))
     if unknown:
         raise ValueError(f"{where}: unknown key(s) {unknown}; allowed: {list(SPEC_KEYS)}")
+    if "answer" in item and "reference_answer" in item:  # one field: the other value would be dropped unsaid
+        raise ValueError(f"{where}: give `answer` or `reference_answer` (two names of one field), not both")
     if ("text" in item) == ("question" in item):
         raise ValueError(f"{where}: give exactly one of `text` (used as is) or `question` (rendered with the run's "
                          "template)")
@@ -161,16 +167,24 @@ class PromptClient:
 
     def follow(self, prompt_ids: list[str], reconnect_s: float = 60.0,
                on_reconnect=None) -> Iterator[prompts_pb2.PromptResult]:
-        """Each result of `prompt_ids` once, across server restarts (`_resume`); ends when all are finished."""
-        left = list(dict.fromkeys(prompt_ids))
+        """Each result of `prompt_ids` once, across server restarts (`_resume`); ends when all are finished. More
+        than FOLLOW_AT_ONCE ids are followed in calls of that many, in order (one finished early waits for its call)."""
+        left = dict.fromkeys(prompt_ids)  # ordered, and a set: thousands of results are not O(n) each
 
         def take(result) -> bool:
             if result.prompt_id not in left:  # a result already yielded is never repeated
                 return False
-            left.remove(result.prompt_id)
+            del left[result.prompt_id]
             return True
 
-        return self._resume(lambda: left, take, reconnect_s, on_reconnect)
+        def each() -> Iterator[prompts_pb2.PromptResult]:
+            while left:
+                chunk = list(itertools.islice(left, FOLLOW_AT_ONCE))
+                yield from self._resume(lambda: [p for p in chunk if p in left], take, reconnect_s, on_reconnect)
+                if any(p in left for p in chunk):  # the server ended the call unanswered: no loop calling it again
+                    return
+
+        return each()
 
     def follow_tag(self, tag: str, reconnect_s: float = 60.0,
                    on_reconnect=None) -> Iterator[prompts_pb2.PromptResult]:

@@ -10,9 +10,11 @@ while the server is back within --wait seconds. Errors: grpo_stream/client/error
 
 from __future__ import annotations
 
+import codecs
 import json
 import os
 import pathlib
+import re
 import sys
 import time
 
@@ -33,10 +35,17 @@ def read_prompts(path: pathlib.Path) -> list[tuple[int, prompts_pb2.PromptSpec]]
     """(line number, PromptSpec) of each prompt of a JSONL file; ValueError naming the line for a bad one."""
     specs = []
     try:
-        lines = path.read_text().splitlines() if str(path) != "-" else sys.stdin.read().splitlines()
+        data = path.read_bytes() if str(path) != "-" else sys.stdin.buffer.read()
     except OSError as exc:
         raise ValueError(f"{path}: cannot read it ({exc.strerror})") from None
-    for number, line in enumerate(lines, 1):
+    # JSON Lines is UTF-8 whatever the locale says (ASCII under LC_ALL=C), and its lines end at CR/LF only:
+    # str.splitlines also splits at U+2028, U+0085 and others that JSON allows unescaped inside a string
+    for number, raw in enumerate(re.split(rb"\r\n?|\n", data.removeprefix(codecs.BOM_UTF8)), 1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{path}:{number}: byte {exc.start + 1} of the line ({raw[exc.start:exc.start + 1]!r}) "
+                             "is not UTF-8; save the file as UTF-8") from None
         if not line.strip():
             continue
         try:
@@ -119,9 +128,14 @@ def submit_lines(client: PromptClient, lines: list, args) -> list[str]:
         print(f"grpo-stream submit: the {len(ids)} prompts before line {first} of {args.file} are queued (ids "
               f"above); the call for lines {first}..{last} {fate}; resubmit from line {first} on", file=sys.stderr)
         if isinstance(exc, grpc.RpcError):
-            raise explain(exc, client.address, lambda details: at_lines(details, chunk, args.file)) from exc
+            raise explain(exc, client.address, lambda details: batch_hint(at_lines(details, chunk, args.file))) from exc
         raise
     return ids
+
+
+def batch_hint(details: str) -> str:
+    """A call over the server's prompts.max_batch: the fix is this command's --batch, not the run's setting."""
+    return f"{details}; give --batch at most that" if "(prompts.max_batch)" in details else details
 
 
 def run_submit(args, cfg: RunConfig | None = None) -> int:
@@ -135,12 +149,16 @@ def run_submit(args, cfg: RunConfig | None = None) -> int:
 
 
 def print_results(client: PromptClient, results) -> None:
-    """One JSON line per result; a gRPC error worded by its status code (`explain`)."""
+    """One JSON line per result; a gRPC error worded by its status code (`explain`). A reader that stops reading
+    (`| head -1`) ends the command quietly: it was exit 2, "error: [Errno 32] Broken pipe", as if the input were bad."""
     try:
         for result in results:
             print(json.dumps(result_json(result)), flush=True)
     except grpc.RpcError as exc:
         raise explain(exc, client.address) from exc
+    except BrokenPipeError:
+        # stdout to nowhere, or the interpreter's flush at exit fails on the closed pipe again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def reconnecting(client: PromptClient, wait_s: float):

@@ -3,6 +3,7 @@ Ctrl-C) against a real PromptService and Redis: partial submits, refusals named 
 code, following across a server restart."""
 
 import json
+import os
 import pathlib
 import signal
 import subprocess
@@ -13,10 +14,12 @@ import time
 import pytest
 
 from grpo_stream.cli import main
+from grpo_stream.client import prompts
 from grpo_stream.client.prompts import PromptClient
 from grpo_stream.common.rpc.grpc_util import ClientSecurity
 from grpo_stream.common.rollouts.wire import to_proto
 from grpo_stream.protos import rollout_pb2, rollout_pb2_grpc
+from grpo_stream.trainer_service.ingest import prompt_service
 from grpo_stream.trainer_service.ingest.server import ingest_servicers
 from grpo_stream.trainer_service.server import TrainerServer
 from tests.support import answer, serve, with_run_name
@@ -219,3 +222,40 @@ def test_an_empty_token_file_is_named(tmp_path, capsys):
     assert main(["status", "--address", "127.0.0.1:9", "--wait", "0.5", "--token-file",
                  str(tmp_path / "empty.token")]) == 2
     assert f"--token-file {tmp_path / 'empty.token'}: the file is empty" in capsys.readouterr().err
+
+
+def test_results_of_more_ids_than_one_stream_may_name_are_followed_in_turns(stack, tmp_path, capsys, monkeypatch):
+    """Following more ids than the server's MAX_IDS (10,000) in one StreamResults was refused INVALID_ARGUMENT (exit
+    2), after `submit --follow` had queued them all; limits of 2 stand in for 10,000 here."""
+    monkeypatch.setattr(prompt_service, "MAX_IDS", 2)
+    monkeypatch.setattr(prompts, "FOLLOW_AT_ONCE", 2, raising=False)
+    path = prompts_file(tmp_path, [json.dumps({"text": f"Q: {i} + 1 A:"}) for i in range(5)])
+    assert cli(stack, tmp_path, "submit", str(path)) == 0
+    ids = json.loads(capsys.readouterr().out)["prompt_ids"]
+    answer_all(stack, 3)  # some answered before following, the rest while it follows
+    later = threading.Timer(1.0, answer_all, (stack, 5))
+    later.start()
+    try:
+        assert cli(stack, tmp_path, "results", *ids) == 0, capsys.readouterr().err
+    finally:
+        later.join(30)
+    printed = [json.loads(line)["prompt_id"] for line in capsys.readouterr().out.splitlines()]
+    assert sorted(printed) == sorted(ids)  # each once
+
+
+def test_a_reader_that_stops_reading_ends_results_quietly(stack, tmp_path):
+    """`grpo-stream results --tag t | head -1` exited 2 with "error: [Errno 32] Broken pipe", as if its input were
+    bad."""
+    client = PromptClient(stack.address, ClientSecurity(stack.token("client")))
+    client.submit([{"text": "Q: 1 + 1 A:", "tags": ["t"]}])
+    client.close()
+    answer_all(stack, 1)
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the first line
+    try:
+        proc = subprocess.run([sys.executable, "-m", "grpo_stream", "results", "--tag", "t", "--address",
+                               stack.address, "--token-file", str(tmp_path / "client.token")], cwd=ROOT,
+                              stdout=write, stderr=subprocess.PIPE, text=True, timeout=60)
+    finally:
+        os.close(write)
+    assert (proc.returncode, proc.stderr) == (0, "")

@@ -29,3 +29,9 @@ def test_numbers_that_fit_are_kept():
                     "tags": ["é"]})
     assert (spec.reference_answer, spec.num_generations, spec.priority, list(spec.tags)) == (
         "12345678901234567890", 4, 2, ["é"])
+
+
+def test_answer_and_reference_answer_together_are_refused():
+    """Both are one field: `reference_answer` won and `answer` was dropped without a word."""
+    with pytest.raises(ValueError, match=re.escape("f.jsonl:3: give `answer` or `reference_answer`")):
+        to_spec({"text": "x", "answer": "5", "reference_answer": "6"}, "f.jsonl:3")
