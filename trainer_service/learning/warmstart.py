@@ -35,6 +35,10 @@ def demonstration_batch(task: ArithTask, tokenizer: TextTokenizer, cfg: RunConfi
         problem = task.train_problem(first_index + i)
         drop = rng.random() < cfg.warmstart.carry_drop_prob
         prompt = tokenizer.encode(problem.prompt)
+        if len(prompt) > p:  # the sampler refuses such a prompt too; say which setting, not layout's shapes
+            raise ValueError(f"warm start: a demonstration's prompt has {len(prompt)} tokens, more than "
+                             f"generation.max_prompt_tokens={p}: raise generation.max_prompt_tokens (to at least "
+                             f"{len(prompt)}; other prompts of the task may be longer)")
         completion, learn = demonstration_tokens(problem, tokenizer, drop, rng, cfg.warmstart.tool_prob)
         completion, learn = completion[:c], learn[:c]
         tokens[i], valid[i] = layout(prompt, completion, p, c, tokenizer.pad_id)

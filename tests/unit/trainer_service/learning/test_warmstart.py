@@ -1,12 +1,15 @@
 """The supervised warm start (trainer_service/learning/warmstart.py): a stop ends it between steps, and its report
-counts the steps it took."""
+counts the steps it took; a prompt too long for the layout names the setting."""
 
 import pathlib
+import random
 import threading
+
+import pytest
 
 from grpo_stream.common.assembly.parts import build_policy, build_task_and_tokenizer
 from grpo_stream.common.config.loading import load_config
-from grpo_stream.trainer_service.learning.warmstart import warm_start
+from grpo_stream.trainer_service.learning.warmstart import demonstration_batch, warm_start
 
 ROOT = pathlib.Path(__file__).resolve().parents[4]
 
@@ -24,3 +27,11 @@ def test_a_stopped_warm_start_reports_the_steps_it_took():
 
     _, report = warm_start(model, model.params, task, tokenizer, cfg, stop_event=stop, progress=progress)
     assert len(taken) == 2 and report["steps"] == 2, report
+
+
+def test_a_prompt_over_max_prompt_tokens_names_the_setting():
+    # the smoke config's arith prompts run to about 22 tokens: 16 is too few for some of them
+    cfg = load_config(ROOT / "configs/tiny_arith_smoke.yaml", ["generation.max_prompt_tokens=16"])
+    task, tokenizer = build_task_and_tokenizer(cfg)
+    with pytest.raises(ValueError, match=r"generation\.max_prompt_tokens=16: raise generation\.max_prompt_tokens"):
+        demonstration_batch(task, tokenizer, cfg, random.Random(0), first_index=10_000_000)
