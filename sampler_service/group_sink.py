@@ -72,7 +72,7 @@ class RateWindow:
 
 class GroupSink:
     """See the module docstring. `client`: the RolloutClient; `metrics`: lifecycle.SamplerMetrics; `abandon()`: True
-    when groups are no longer wanted (a stop, or the final version installed); `left_out(run)`: told of each group
+    when groups are no longer wanted (a stop, or the final version fetched); `left_out(run)`: told of each group
     left out as failed (on the sink's thread), so the feeder can start another in its place."""
 
     def __init__(self, client, metrics, tokenizer, sampler_id: str, turn_weight: float, abandon: Callable[[], bool],

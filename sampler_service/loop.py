@@ -135,7 +135,9 @@ class Sampler:
                                                  kind=injected_kind(self.cfg)))
         self.sink = GroupSink(parts.client, parts.metrics, parts.tokenizer, self.sampler_id,
                               self.cfg.environment.turn_reward_weight,
-                              abandon=lambda: self.stop_event.is_set() or self.weights.final,
+                              # the final version fetched is enough: the trainer trains nothing more, and it is
+                              # installed only after the sink closed (a full backlog would hold that close)
+                              abandon=lambda: self.stop_event.is_set() or self.weights.final_reached(),
                               rewards=RewardWorker(self.source.rewards.allowed, self.cfg.task.reward_timeout_s,
                                                    self.cfg.task.reward_memory_mb),
                               left_out=self._left_out)
@@ -215,7 +217,8 @@ class Sampler:
             work.epoch = epoch  # no other epoch's version is installed while it runs (StagedWeights drains for one)
             stream.start(work, self.injected_rollouts if work.injected else self.rollouts, version)
             self.groups_started += 1
-            self.weights.group_started()
+            if work.train:  # an evaluation-only answer is never trained: it takes none of the step's places
+                self.weights.group_started()
 
     def _held_back(self) -> bool:
         """No group may start now: the backlog is full (groups ended and not yet acknowledged, those still being
@@ -238,8 +241,10 @@ class Sampler:
         return held
 
     def _left_out(self, run) -> None:
-        """The sink left a group out (the sink's thread): see left_out_at_version."""
-        self.left_out_at_version[run.version_at_start] += 1
+        """The sink left a group out (the sink's thread): see left_out_at_version (an evaluation-only one never
+        counted toward the cap)."""
+        if run.work.train:
+            self.left_out_at_version[run.version_at_start] += 1
 
     def _version_allows(self) -> int:
         """Groups sampler.max_groups_per_version still lets start with the installed version (those started with it,

@@ -303,3 +303,54 @@ def test_an_engine_that_fails_while_the_feeder_waits_for_admission_stops_the_sam
         patch.setattr(RolloutStream, "cancel", cancel_and_tell)
         with pytest.raises(PermanentError, match="another model"):
             sampler._stream_until_done(parts)
+
+
+def test_an_evaluation_only_group_does_not_count_toward_the_versions_cap(small_cfg):
+    """Synchronous GRPO (sampler.max_groups_per_version): an injected train=false prompt's group is answered, never
+    trained, yet it took one of the version's places, so the step was one group short: the trainer waited for it and
+    the sampler for the next version, both for ever. Nor does it free a place when the sink leaves it out."""
+    cfg = small_cfg.model_copy(update={"sampler": small_cfg.sampler.model_copy(update={"max_groups_per_version": 2})})
+    sampler = feeder(cfg, Client(), types.SimpleNamespace(pending=lambda: 0), [])
+    weights = sampler.weights
+    weights.group_started = lambda: setattr(weights, "groups_at_version", weights.groups_at_version + 1)
+    g = cfg.generation.num_generations
+    evaluation = GroupWork(types.SimpleNamespace(prompt_id="eval", answer="", prompt=""), [1, 2], g,
+                           RewardSet(cfg.task.rewards), "run/inj/eval", None, None, train=False)
+    works = iter([evaluation] + [ended_group(cfg, i).work for i in range(10)])
+    sampler.source.next_groups = lambda groups, rows, version: [next(works) for _ in range(min(groups, rows // g))]
+    trained = []
+    start = sampler.stream.start
+    sampler.stream.start = lambda work, kind, version=0: (trained.append(work.train), start(work, kind, version))[1]
+    for _ in range(3):
+        sampler._feed(sampler)
+    assert trained.count(True) == 2 and weights.groups_at_version == 2, trained  # the version's share, all trained
+    sampler._left_out(types.SimpleNamespace(work=evaluation, version_at_start=3))
+    assert sampler._version_allows() == 0
+
+
+def test_at_the_final_version_the_sink_stops_offering_groups_to_a_full_backlog(tiny_parts, caplog):
+    """The feeder stops its stream once the trainer's final version is fetched and closes the sink before it installs
+    that version, so the sink's `abandon` (a stop, or the final version installed) still read False: beside a full
+    backlog (an ingest that refuses more, or a trainer that has gone) every sampler's end waited out the sink's close
+    and said groups were left out, for groups the trainer could never train."""
+    from grpo_stream.sampler_service.connect import Resume  # noqa: PLC0415
+
+    cfg, task, tokenizer, _ = tiny_parts
+
+    class FullBacklog(Client):
+        def put(self, message, timeout_s, epoch="", evaluation_only=False):
+            return False
+
+    sampler = Sampler(cfg, 0)
+    parts = types.SimpleNamespace(sync=None, client=FullBacklog(), admission=None, ingest_stub=None, task=task,
+                                  resume=Resume(), tokenizer=tokenizer, rewards=RewardSet(cfg.task.rewards),
+                                  metrics=SamplerMetrics("s"))
+    sampler._attach(parts, None)
+    sampler.weights.staged.stage(types.SimpleNamespace(version=4, final=True, params=None))  # fetched, not installed
+    assert sampler.weights.final_reached() and not sampler.weights.final
+    run = ended_group(cfg, 0)
+    run.work.rewards = types.SimpleNamespace(score=lambda text, answer, call: (1.0, {}))
+    sampler.sink.put(run)
+    with caplog.at_level("WARNING"):
+        sampler._close_kinds_and_sink()
+    assert not sampler.sink._given_up and "left out" not in caplog.text
