@@ -30,7 +30,16 @@ from grpo_stream.common.model.families import (Architecture, ArchitectureError, 
 
 def from_hf_config(config: dict, where: str = "config.json") -> Architecture:
     """The architecture a Hugging Face `config.json` (parsed) describes; errors name the field."""
-    return family_for_hf_config(config, where).parse_hf_config(config, where)
+    family = family_for_hf_config(config, where)
+    try:
+        return family.parse_hf_config(config, where)
+    except ArchitectureError:
+        raise
+    except (TypeError, ValueError, AttributeError, ZeroDivisionError) as exc:
+        # a backstop for a field of a type the parser does not check (a string where a number belongs, ...): an
+        # untrusted config.json must not end in a traceback
+        raise ArchitectureError(f"{where}: a {family.hf_model_type} field has an unusable value ({type(exc).__name__}:"
+                                f" {exc}); compare config.json with the model's published one") from None
 
 
 def gemma3_timescales(arch: Architecture) -> tuple[jnp.ndarray, jnp.ndarray]:

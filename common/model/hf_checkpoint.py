@@ -129,7 +129,7 @@ def write_safetensors(path: pathlib.Path, tensors: Mapping[str, np.ndarray | Pen
 def checkpoint_files(directory: pathlib.Path) -> list[pathlib.Path]:
     index = directory / "model.safetensors.index.json"
     if index.exists():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        names = sorted(set(_index_files(index)))
         missing = [n for n in names if not (directory / n).exists()]
         if missing:
             raise CheckpointError(f"{index} names files that are not there: {missing}")
@@ -138,6 +138,23 @@ def checkpoint_files(directory: pathlib.Path) -> list[pathlib.Path]:
     if not files:
         raise CheckpointError(f"{directory}: no *.safetensors files (and no model.safetensors.index.json)")
     return files
+
+
+def _index_files(index: pathlib.Path) -> list[str]:
+    """The shard file names `index`'s weight_map lists; each must be a plain file name in the index's directory (an
+    absolute path or `../` would load weights from elsewhere on the machine, which a downloaded checkpoint may not)."""
+    try:
+        weight_map = json.loads(index.read_text()).get("weight_map")
+    except (json.JSONDecodeError, AttributeError):
+        weight_map = None
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{index}: not a JSON object with a weight_map of tensor name -> shard file; the file is "
+                              "corrupt (delete it to load every *.safetensors file of the directory)")
+    for name in weight_map.values():
+        if not isinstance(name, str) or pathlib.PurePath(name).name != name or name in ("", ".", ".."):
+            raise CheckpointError(f"{index}: weight_map names the shard {name!r}; shards must be file names in the "
+                                  "checkpoint's own directory (no path)")
+    return list(weight_map.values())
 
 
 # ---- names and layouts ----------------------------------------------------------------------------------------

@@ -36,8 +36,12 @@ def family_of(arch: Architecture) -> ModelFamily:
 def family_for_hf_config(config: dict, where: str = "config.json") -> ModelFamily:
     """The record of a parsed config.json: by `model_type`, as transformers' AutoConfig dispatches (a config without
     one by its `architectures` name, the registry's key); an ArchitectureError names what is unsupported."""
+    if not isinstance(config, dict):
+        raise ArchitectureError(f"{where}: not a JSON object of model settings; it is a {type(config).__name__}")
     model_type = config.get("model_type")
     supported = ", ".join(_BY_MODEL_TYPE)
+    if model_type is not None and not isinstance(model_type, str):
+        raise ArchitectureError(f"{where}: field 'model_type'={model_type!r} is not a string; supported: {supported}")
     if model_type in UNSUPPORTED_MODEL_TYPES:
         raise ArchitectureError(f"{where}: model_type '{model_type}': {UNSUPPORTED_MODEL_TYPES[model_type]}; "
                                 f"supported: {supported}")

@@ -18,7 +18,7 @@ import numpy as np
 from grpo_stream.common.model.families import llama_like
 from grpo_stream.common.model.families.record import (Architecture, ArchitectureError, DecodeSpec, HfRule,
                                                        ModelFamily, NameMap, TunixPatches, Unsupported, VllmSupport,
-                                                       check_heads, family_named, field, rope_theta)
+                                                       check_heads, family_named, field, mapping, rope_theta)
 
 GEMMA2_MODULE, GEMMA3_MODULE = "tunix.models.gemma.model", "tunix.models.gemma3.model"
 PENDING_QKV = r"\.attn\._[qkv]$"  # q/k/v read but not yet assembled
@@ -46,9 +46,9 @@ def _window(config: dict, defaults: dict, types: tuple, where: str) -> int | Non
     return window
 
 
-def _rope_type(config: dict) -> str:
+def _rope_type(config: dict, where: str) -> str:
     """The RoPE scaling type config.json asks for (rope_scaling, or transformers 5's rope_parameters)."""
-    scaling = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    scaling = mapping(config, "rope_scaling", where) or mapping(config, "rope_parameters", where)
     return scaling.get("rope_type", scaling.get("type", "default"))
 
 
@@ -58,7 +58,7 @@ def parse_gemma2(config: dict, where: str) -> Architecture:
     fixed = {"query_pre_attn_scalar": (_given(config, "query_pre_attn_scalar", _GEMMA2_DEFAULTS), head_dim),
              "rope_theta": (rope_theta(config, where), 10000.0),
              # transformers applies a scaling (linear, dynamic, ...) here; Tunix's Gemma 2 RoPE has none
-             "rope_type": (_rope_type(config), "default"),
+             "rope_type": (_rope_type(config, where), "default"),
              "rms_norm_eps": (float(config.get("rms_norm_eps", 1e-6)), 1e-6),
              "hidden_activation": (config.get("hidden_activation", "gelu_pytorch_tanh"), "gelu_pytorch_tanh"),
              "tie_word_embeddings": (bool(config.get("tie_word_embeddings", True)), True),
@@ -110,12 +110,15 @@ def parse_gemma3(config: dict, where: str) -> Architecture:
     if types != pattern:
         raise ArchitectureError(f"{where}: layer_types must be 5 sliding_attention layers then one full_attention, "
                                 "repeated (Tunix's Gemma 3 layout)")
-    params = config.get("rope_parameters") or {}
-    full, local = params.get(_FULL) or {}, params.get(_SLIDING) or {}
-    theta = float(full.get("rope_theta", config.get("rope_theta", 1_000_000.0)))
-    local_theta = float(local.get("rope_theta", config.get("rope_local_base_freq", 10000.0)))
-    scaling = full or config.get("rope_scaling") or {}
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    params = mapping(config, "rope_parameters", where)
+    # as Gemma3TextConfig reads them: an (older) rope_scaling updates rope_parameters' full_attention entry
+    full = {**mapping(params, _FULL, f"{where}: rope_parameters"), **mapping(config, "rope_scaling", where)}
+    local = mapping(params, _SLIDING, f"{where}: rope_parameters")
+    theta = field({"rope_theta": full.get("rope_theta", config.get("rope_theta"))}, "rope_theta", where, float,
+                  1_000_000.0)
+    local_theta = field({"rope_theta": local.get("rope_theta", config.get("rope_local_base_freq"))}, "rope_theta",
+                        f"{where}: sliding_attention", float, 10000.0)
+    kind = full.get("rope_type", full.get("type", "default"))
     if kind not in ("default", "linear") or local.get("rope_type", "default") != "default":
         raise ArchitectureError(f"{where}: rope type {kind!r}; Gemma 3 supports default and linear scaling")
     return check_heads(Architecture(
@@ -126,7 +129,7 @@ def parse_gemma3(config: dict, where: str) -> Architecture:
         max_position_embeddings=field(config, "max_position_embeddings", where, default=32768),
         sliding_window=_window(config, _GEMMA3_DEFAULTS, types, where), layer_types=types,
         rope_local_theta=local_theta,
-        rope_linear_factor=float(scaling.get("factor", 1.0)) if kind == "linear" else 1.0,
+        rope_linear_factor=field(full, "factor", f"{where}: rope scaling", float, 1.0) if kind == "linear" else 1.0,
         query_pre_attn_scalar=scalar), where)
 
 

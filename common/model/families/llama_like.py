@@ -11,7 +11,7 @@ import re
 from typing import Any
 
 from grpo_stream.common.model.families.record import (Architecture, ArchitectureError, HfRule, check_heads, field,
-                                                       rope_theta)
+                                                       mapping, rope_theta)
 
 LLAMA3_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
@@ -46,8 +46,7 @@ def parse(config: dict, where: str, *, family: str, code: str, refused_biases: t
 
 
 def _rope_scaling(config: dict, family: str, scalings: tuple[str, ...], where: str) -> tuple:
-    scaling = config.get("rope_scaling") or {}
-    params = config.get("rope_parameters") or {}
+    scaling, params = mapping(config, "rope_scaling", where), mapping(config, "rope_parameters", where)
     if not scaling and params.get("rope_type", "default") != "default":
         scaling = params
     kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
@@ -57,7 +56,7 @@ def _rope_scaling(config: dict, family: str, scalings: tuple[str, ...], where: s
         missing = [k for k in LLAMA3_SCALING_KEYS if k not in scaling]
         if missing:
             raise ArchitectureError(f"{where}: rope_scaling of type llama3 lacks {missing}")
-        return tuple(sorted((k, float(scaling[k])) for k in LLAMA3_SCALING_KEYS))
+        return tuple(sorted((k, field(scaling, k, f"{where}: rope_scaling", float)) for k in LLAMA3_SCALING_KEYS))
     raise ArchitectureError(f"{where}: rope_scaling type {kind!r} is not supported for {family} (supported: none"
                             f"{''.join(f', {s!r}' for s in scalings)}); remove rope_scaling to run without it")
 

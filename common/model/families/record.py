@@ -199,10 +199,26 @@ def field(config: dict, key: str, where: str, kind: Callable = int, default: Any
     value = default if value is None else value
     if value is None:
         raise ArchitectureError(f"{where}: field '{key}' is missing")
+    if kind is int:
+        # every int field is a size: int(64.7), int("64") or int(true) would pass a config transformers refuses
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ArchitectureError(f"{where}: field '{key}'={value!r} is not a positive integer")
+        return value
     try:
         return kind(value)
     except (TypeError, ValueError):
         raise ArchitectureError(f"{where}: field '{key}'={value!r} is not a {kind.__name__}") from None
+
+
+def mapping(config: dict, key: str, where: str) -> dict:
+    """config[key] as a JSON object ({} when absent or null): a RoPE setting of another type would fail on `.get`
+    naming no field."""
+    value = config.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ArchitectureError(f"{where}: field '{key}'={value!r} is not a JSON object")
+    return value
 
 
 def check_heads(arch: Architecture, where: str) -> Architecture:
@@ -215,9 +231,7 @@ def check_heads(arch: Architecture, where: str) -> Architecture:
 
 
 def rope_theta(config: dict, where: str) -> float:
-    # transformers 5 moved the base into rope_parameters; older configs have rope_theta at the top
-    params = config.get("rope_parameters") or {}
-    theta = config.get("rope_theta", params.get("rope_theta"))
-    if theta is None:
-        raise ArchitectureError(f"{where}: field 'rope_theta' is missing")
-    return float(theta)
+    # transformers 5 moved the base into rope_parameters (for which an older config's rope_scaling stands), older
+    # configs have rope_theta at the top; as in transformers, a base in that object wins over the top-level one
+    params = mapping(config, "rope_scaling", where) or mapping(config, "rope_parameters", where)
+    return field({"rope_theta": params.get("rope_theta", config.get("rope_theta"))}, "rope_theta", where, float)
