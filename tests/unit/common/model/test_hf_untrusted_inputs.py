@@ -81,3 +81,20 @@ def test_rope_parameters_base_wins_over_the_top_level_one_as_in_transformers():
     assert from_hf_config(config).rope_theta == 500000.0
     # an older config's rope_scaling takes rope_parameters' place (transformers then ignores the latter)
     assert from_hf_config({**config, "rope_scaling": {"rope_type": "default"}}).rope_theta == 10000.0
+
+
+def test_a_config_of_more_layers_than_the_checkpoint_holds_is_refused_before_the_model_is_built(tmp_path):
+    """A config.json of a million layers beside a small checkpoint built the model's shapes for hours before any
+    tensor was compared (55 s for 200 layers); the layer count is read from the tensors' headers first."""
+    from grpo_stream.common.model.policy import load_hf_model
+    from tests.vllm_support import tiny_qwen2_dir
+
+    directory = tiny_qwen2_dir(tmp_path / "model")
+    config = json.loads((directory / "config.json").read_text())
+    layers = config["num_hidden_layers"]
+    (directory / "config.json").write_text(json.dumps({**config, "num_hidden_layers": layers + 30}))
+    with pytest.raises(CheckpointError, match=f"num_hidden_layers={layers + 30}, but the checkpoint's tensors hold "
+                                              f"{layers} layers"):
+        load_hf_model(str(directory), "float32")
+    (directory / "config.json").write_text(json.dumps(config))
+    assert load_hf_model(str(directory), "float32").arch.num_layers == layers
