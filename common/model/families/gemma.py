@@ -18,7 +18,7 @@ import numpy as np
 from grpo_stream.common.model.families import llama_like
 from grpo_stream.common.model.families.record import (Architecture, ArchitectureError, DecodeSpec, HfRule,
                                                        ModelFamily, NameMap, TunixPatches, Unsupported, VllmSupport,
-                                                       check_heads, family_named, field, mapping, rope_theta)
+                                                       check_heads, family_named, field, flag, mapping, rope_theta)
 
 GEMMA2_MODULE, GEMMA3_MODULE = "tunix.models.gemma.model", "tunix.models.gemma3.model"
 PENDING_QKV = r"\.attn\._[qkv]$"  # q/k/v read but not yet assembled
@@ -61,7 +61,7 @@ def parse_gemma2(config: dict, where: str) -> Architecture:
              "rope_type": (_rope_type(config, where), "default"),
              "rms_norm_eps": (float(config.get("rms_norm_eps", 1e-6)), 1e-6),
              "hidden_activation": (config.get("hidden_activation", "gelu_pytorch_tanh"), "gelu_pytorch_tanh"),
-             "tie_word_embeddings": (bool(config.get("tie_word_embeddings", True)), True),
+             "tie_word_embeddings": (flag(config, "tie_word_embeddings", where, True), True),
              # q/k/v/o biases, which Tunix's Gemma has no weights for
              "attention_bias": (bool(config.get("attention_bias")), False),
              # transformers' sdpa attention (its default) then lets every token see the ones after it
@@ -96,7 +96,7 @@ def parse_gemma3(config: dict, where: str) -> Architecture:
               "hidden_activation": (config.get("hidden_activation", "gelu_pytorch_tanh"), ["gelu_pytorch_tanh"]),
               "attn_logit_softcapping": (config.get("attn_logit_softcapping"), [None]),
               "final_logit_softcapping": (config.get("final_logit_softcapping"), [None]),
-              "tie_word_embeddings": (bool(config.get("tie_word_embeddings", True)), [True]),
+              "tie_word_embeddings": (flag(config, "tie_word_embeddings", where, True), [True]),
               "attention_bias": (bool(config.get("attention_bias")), [False]),
               # EmbeddingGemma's: every token attends to the ones after it too; Tunix's Gemma 3 is causal
               "use_bidirectional_attention": (bool(config.get("use_bidirectional_attention")), [False]),

@@ -11,7 +11,7 @@ import re
 from typing import Any
 
 from grpo_stream.common.model.families.record import (Architecture, ArchitectureError, HfRule, check_heads, field,
-                                                       mapping, rope_theta)
+                                                       flag, mapping, rope_theta)
 
 LLAMA3_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
@@ -39,7 +39,7 @@ def parse(config: dict, where: str, *, family: str, code: str, refused_biases: t
         hidden_dim=field(config, "intermediate_size", where), num_heads=heads,
         num_kv_heads=field(config, "num_key_value_heads", where, default=heads), head_dim=head_dim,
         norm_eps=field(config, "rms_norm_eps", where, float), rope_theta=rope_theta(config, where),
-        tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+        tied_embeddings=flag(config, "tie_word_embeddings", where, False),
         rope_scaling=_rope_scaling(config, family, scalings, where),
         max_position_embeddings=field(config, "max_position_embeddings", where, default=32768))
     return check_heads(arch, where)

@@ -210,6 +210,17 @@ def field(config: dict, key: str, where: str, kind: Callable = int, default: Any
         raise ArchitectureError(f"{where}: field '{key}'={value!r} is not a {kind.__name__}") from None
 
 
+def flag(config: dict, key: str, where: str, default: bool) -> bool:
+    """config[key] as a JSON boolean (`default` when absent or null): bool("false") is True, which would tie an
+    untied model's head to its embedding and drop its lm_head.weight unsaid."""
+    value = config.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ArchitectureError(f"{where}: field '{key}'={value!r} is not a JSON boolean (true or false)")
+    return value
+
+
 def mapping(config: dict, key: str, where: str) -> dict:
     """config[key] as a JSON object ({} when absent or null): a RoPE setting of another type would fail on `.get`
     naming no field."""

@@ -51,6 +51,9 @@ def test_a_well_formed_index_still_lists_its_shards(tmp_path):
     (QWEN2, {"num_hidden_layers": True}, "field 'num_hidden_layers'=True is not a positive integer"),
     (QWEN2, {"num_hidden_layers": -1}, "field 'num_hidden_layers'=-1 is not a positive integer"),
     (QWEN2, {"vocab_size": 0}, "field 'vocab_size'=0 is not a positive integer"),
+    # bool("false") is True: an untied model tied, its lm_head.weight dropped unsaid
+    (LLAMA3, {"tie_word_embeddings": "false"}, "field 'tie_word_embeddings'='false' is not a JSON boolean"),
+    (GEMMA3, {"tie_word_embeddings": 0}, "field 'tie_word_embeddings'=0 is not a JSON boolean"),
     (GEMMA3, {"num_attention_heads": 0}, "field 'num_attention_heads'=0 is not a positive integer"),
     (QWEN2, {"rope_theta": "abc"}, "field 'rope_theta'='abc' is not a float"),
     (QWEN2, {"rope_scaling": "linear"}, "field 'rope_scaling'='linear' is not a JSON object"),
