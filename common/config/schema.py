@@ -22,7 +22,8 @@ from grpo_stream.common.config.access import AuthSection, PromptsSection, RedisS
 from grpo_stream.common.config.base import ConfigError, FilePath, Strict
 from grpo_stream.common.config.environment import EnvironmentSection
 from grpo_stream.common.config.learning import (AlgoSection, DistillSection, EvalSection, GenerationSection,
-                                               ModelSection, OptimizerSection, TaskSection, WarmStartSection)
+                                               ModelSection, OptimizerSection, WarmStartSection)
+from grpo_stream.common.config.task import TaskSection
 from grpo_stream.common.config.hardware import HardwareSection
 from grpo_stream.common.config.health import HealthSection
 from grpo_stream.common.config.ports import port_problem
