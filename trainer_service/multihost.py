@@ -35,6 +35,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from grpo_stream.common.config.base import dotted_settings
 from grpo_stream.common.config.schema import RunConfig
 from grpo_stream.protos import weights_pb2
 from grpo_stream.trainer_service.checkpoints.errors import RunRefused
@@ -235,17 +236,8 @@ MAX_SETTINGS = 2048  # settings compared (a config has about 300): one byte each
 
 def config_digests(cfg: RunConfig, codec: ControlCodec) -> dict[str, str]:
     """Each setting of `cfg` (dotted name) that must be the same in every trainer process, to its keyed digest."""
-    flat: dict[str, Any] = {}
-
-    def walk(prefix: str, value: Any) -> None:
-        if isinstance(value, dict) and value:
-            for name, inner in value.items():
-                walk(f"{prefix}.{name}" if prefix else name, inner)
-        elif not (prefix.split(".")[0] in HOST_LOCAL_SECTIONS or prefix.endswith(HOST_LOCAL_SUFFIXES)):
-            flat[prefix] = value
-
-    walk("", cfg.model_dump(mode="json"))
-    return {name: codec.digest([name, value]) for name, value in flat.items()}
+    return {name: codec.digest([name, value]) for name, value in dotted_settings(cfg.model_dump(mode="json")).items()
+            if not (name.split(".")[0] in HOST_LOCAL_SECTIONS or name.endswith(HOST_LOCAL_SUFFIXES))}
 
 
 def check_same_config(group: TrainerGroup, cfg: RunConfig) -> None:

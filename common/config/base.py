@@ -76,3 +76,19 @@ class Strict(BaseModel):
                              f"where a number belongs; give the number meant"
                              + (", or null to turn it off" if nullable else ""))
         return value
+
+
+def dotted_settings(data: Any, prefix: str = "") -> dict[str, Any]:
+    """{dotted key: value} of a config's nested mappings (a list, or an empty mapping, is one value under its own
+    key): what `up` compares between two records of a run's config, and what a multi-host trainer's processes
+    compare between them."""
+    if not isinstance(data, dict):
+        return {prefix: data}
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        name = f"{prefix}.{key}" if prefix else str(key)
+        if isinstance(value, dict) and value:
+            out.update(dotted_settings(value, name))
+        else:
+            out[name] = value
+    return out

@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterable
 
 import yaml
 
+from grpo_stream.common.config.base import dotted_settings
 from grpo_stream.common.config.yaml_text import read_yaml
 from grpo_stream.common.runtime.files import write_atomic
 from grpo_stream.up.relay import rotate, say_now
@@ -26,26 +27,11 @@ CONFIG_KEEP = 4  # earlier records kept: config.yaml.1 .. config.yaml.4
 SHOWN = 20  # differences named on the console; the rest are counted (the files hold them all)
 
 
-def flatten(data: Any, prefix: str = "") -> dict[str, Any]:
-    """{dotted key: value} of a config's nested mappings (a list, or a mapping that is a value, compared whole
-    below its own key when it is not a mapping)."""
-    if not isinstance(data, dict):
-        return {prefix: data}
-    out: dict[str, Any] = {}
-    for key, value in data.items():
-        name = f"{prefix}.{key}" if prefix else str(key)
-        if isinstance(value, dict) and value:
-            out.update(flatten(value, name))
-        else:
-            out[name] = value
-    return out
-
-
 def config_changes(previous: dict, current: dict, ignore: Iterable[str] = ()) -> list[str]:
     """'key: old -> new' for every dotted setting that differs between two resolved configs, in key order;
     `ignore`: the dotted keys (and what lies below them) not to compare."""
     skip = tuple(ignore)
-    old, new = flatten(previous), flatten(current)
+    old, new = dotted_settings(previous), dotted_settings(current)
     missing = object()
     lines = []
     for key in sorted(old.keys() | new.keys()):
