@@ -103,7 +103,7 @@ class RedisSection(Strict):
 
 
 class PromptsSection(Strict):
-    max_batch: int = Field(256, ge=1, le=100_000, description="Prompts in one Submit call.")
+    max_batch: int = Field(256, ge=1, le=100_000, description="Prompts in one Submit call, ids in one Cancel call.")
     max_generations: int = Field(64, ge=1, le=4096, description="Largest num_generations a train=false prompt may "
                                  "ask for (a train=true prompt uses generation.num_generations).")
     max_priority: int = Field(9, ge=0, le=1_000_000, description="Priorities run 0..max_priority. A client's own "

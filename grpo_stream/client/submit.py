@@ -182,12 +182,28 @@ def run_results(args, cfg: RunConfig | None = None) -> int:
 
 
 def run_cancel(args, cfg: RunConfig | None = None) -> int:
+    """Cancel in calls of --batch ids (the server takes at most prompts.max_batch in one: more ids than that were
+    refused whole). Each call is all or nothing; when one fails, what the calls before it did is printed first."""
+    ids = list(dict.fromkeys(args.ids))
+    cancelled, finished = [], []
     with connect_client(args, cfg) as client:
-        try:
-            reply = client.cancel(args.ids)
-        except grpc.RpcError as exc:
-            raise explain(exc, client.address) from exc
-    print(json.dumps({"cancelled": list(reply.cancelled), "finished": list(reply.finished)}), flush=True)
+        for start in range(0, len(ids), args.batch):
+            try:
+                reply = client.cancel(ids[start:start + args.batch])
+            except BaseException as exc:
+                print(json.dumps({"cancelled": cancelled, "finished": finished, "complete": False,
+                                  "failed_from": ids[start]}), flush=True)
+                fate = ("was refused: it cancelled none of them" if is_refusal(exc) else
+                        "did not finish: some may be cancelled (`grpo-stream results` shows their state)")
+                print(f"grpo-stream cancel: the {start} ids before {ids[start]!r} are answered (above); the call "
+                      f"for ids {start + 1}..{min(len(ids), start + args.batch)} {fate}; rerun from {ids[start]!r} on",
+                      file=sys.stderr)
+                if isinstance(exc, grpc.RpcError):
+                    raise explain(exc, client.address, batch_hint) from exc
+                raise
+            cancelled += reply.cancelled
+            finished += reply.finished
+    print(json.dumps({"cancelled": cancelled, "finished": finished}), flush=True)
     return 0
 
 
@@ -260,6 +276,8 @@ def add_parsers(sub, common) -> None:
     connection(re_, overrides=False)  # PROMPT_ID... takes every positional
     ca = sub.add_parser("cancel", help="cancel submitted prompts that are queued or being generated")
     ca.add_argument("ids", nargs="+", metavar="PROMPT_ID", help="ids `submit` printed")
+    ca.add_argument("--batch", type=positive_int, default=256, help="ids per Cancel call (1..prompts.max_batch; "
+                    "default 256)")
     connection(ca, overrides=False)
     to = sub.add_parser("tokens", help="make a token table and one token per role (sampler, client, admin)")
     to.add_argument("--out", type=nonempty_path, required=True, help="directory for tokens.yaml and <role>.token")

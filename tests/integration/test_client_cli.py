@@ -172,6 +172,33 @@ def test_results_and_cancel_commands(stack, tmp_path, capsys):
     assert [json.loads(line)["prompt_id"] for line in capsys.readouterr().out.splitlines()] == [a]
 
 
+@pytest.fixture
+def small_batch_stack(tiny_parts, shared_redis, run_name, tmp_path):
+    """A run whose server takes at most 4 prompts (or ids) per call: prompts.max_batch."""
+    cfg, task, tokenizer, _ = tiny_parts
+    cfg = cfg.model_copy(update={"prompts": cfg.prompts.model_copy(update={"max_batch": 4})})
+    with serve(with_run_name(cfg, run_name), shared_redis.url, tmp_path / "auth", task, tokenizer) as s:
+        (tmp_path / "client.token").write_text(s.token("client"))
+        yield s
+
+
+def test_cancelling_more_ids_than_one_call_takes_cancels_them_all_in_calls_of_batch(small_batch_stack, tmp_path,
+                                                                                   capsys):
+    """More ids than the server's prompts.max_batch were refused whole (INVALID_ARGUMENT), though `submit` had
+    queued them in calls of --batch: none could be cancelled in one command."""
+    client = PromptClient(small_batch_stack.address, ClientSecurity(small_batch_stack.token("client")))
+    ids = client.submit([{"text": f"Q: {i} + 1 A:"} for i in range(4)]) + client.submit([{"text": "Q: 9 + 9 A:"}])
+    assert cli(small_batch_stack, tmp_path, "cancel", *ids, "--batch", "4") == 0
+    assert json.loads(capsys.readouterr().out) == {"cancelled": ids, "finished": []}
+    more = client.submit([{"text": f"Q: {i} + 2 A:"} for i in range(4)])
+    assert cli(small_batch_stack, tmp_path, "cancel", *more, "no-such-id", "--batch", "4") == 2
+    out, err = capsys.readouterr()
+    assert json.loads(out) == {"cancelled": more, "finished": [], "complete": False, "failed_from": "no-such-id"}
+    assert "NOT_FOUND" in err and "was refused: it cancelled none of them; rerun from 'no-such-id' on" in err
+    assert cli(small_batch_stack, tmp_path, "cancel", *ids, *more, "--batch", "5") == 2
+    assert "give --batch at most that" in capsys.readouterr().err
+
+
 def test_a_tls_run_dir_without_its_config_is_refused_naming_config(tmp_path, capsys):
     (tmp_path / "endpoints.json").write_text(json.dumps({"prompts": "127.0.0.1:1", "tls": True}))
     assert main(["status", "--run-dir", str(tmp_path)]) == 2
