@@ -126,8 +126,16 @@ def write_safetensors(path: pathlib.Path, tensors: Mapping[str, np.ndarray | Pen
             out.write(value.reshape(-1).view(np.uint8).data)  # no copy (tobytes would make one)
 
 
+SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
+
+
 def checkpoint_files(directory: pathlib.Path) -> list[pathlib.Path]:
-    index = directory / "model.safetensors.index.json"
+    """A checkpoint directory's weight files, chosen as transformers chooses them: model.safetensors when it is there
+    (an index beside it is an older save's), else the shards model.safetensors.index.json names, else every
+    *.safetensors."""
+    if (directory / SINGLE_FILE).is_file():
+        return [directory / SINGLE_FILE]
+    index = directory / INDEX_FILE
     if index.exists():
         names = sorted(set(_index_files(index)))
         missing = [n for n in names if not (directory / n).exists()]
@@ -338,6 +346,22 @@ def write_hf_config(directory: pathlib.Path, arch: Architecture, dtype: str = "f
     return config
 
 
+def _remove_sharded(directory: pathlib.Path) -> None:
+    """An export replaces a sharded checkpoint in its directory: the old index and the shards it names go. Left there,
+    vLLM loads the shards the index names and not model.safetensors (other readers glob every *.safetensors and mix
+    the old weights into the new)."""
+    index = directory / INDEX_FILE
+    if not index.exists():
+        return
+    try:
+        shards = set(_index_files(index)) - {SINGLE_FILE}
+    except CheckpointError:
+        shards = set()  # a damaged index names nothing to trust: it goes, whatever it meant
+    for name in shards:
+        (directory / name).unlink(missing_ok=True)
+    index.unlink()
+
+
 def export_hf(directory: str | pathlib.Path, arch: Architecture, named: dict[str, np.ndarray],
               tokenizer_dir: str | pathlib.Path | None = None, dtype: str = "float32",
               eos_ids: list[int] | None = None, pad_id: int | None = None) -> pathlib.Path:
@@ -354,7 +378,8 @@ def export_hf(directory: str | pathlib.Path, arch: Architecture, named: dict[str
     # not a second (and third) copy of the model (a 70B export on the trainer's first process)
     tensors = {k: PendingTensor(np_dtype, tuple(v.shape), lambda v=v: v.astype(np_dtype, copy=False))
                for k, v in family_of(arch).names.to_hf(arch, named).items()}
-    write_safetensors(out / "model.safetensors", tensors)
+    _remove_sharded(out)
+    write_safetensors(out / SINGLE_FILE, tensors)
     source = pathlib.Path(tokenizer_dir) / "config.json" if tokenizer_dir is not None else None
     bos = json.loads(source.read_text()).get("bos_token_id") if source is not None and source.exists() else None
     config = write_hf_config(out, arch, dtype, eos_ids, pad_id, bos if isinstance(bos, int) else None)

@@ -131,6 +131,33 @@ def test_export_round_trips_through_transformers(tmp_path, family):
         np.testing.assert_array_equal(again.to_named_numpy()[name], value)
 
 
+def test_an_export_into_a_directory_holding_a_sharded_checkpoint_replaces_it(tmp_path):
+    """Exporting where a sharded save already was left its index and shards: transformers read the new
+    model.safetensors, but this reader (and vLLM, which loads what an index names) the old weights, silently."""
+    old = make_hf_model(tmp_path / "out", "qwen2.5-tied", 1, max_shard_size="100KB")
+    shards = sorted((tmp_path / "out").glob("model-*.safetensors"))
+    assert len(shards) > 1 and (tmp_path / "out" / "model.safetensors.index.json").exists()
+    make_hf_model(tmp_path / "in", "qwen2.5-tied", 2)
+    ours = load_hf_model(str(tmp_path / "in"), "float32")
+    export_hf(tmp_path / "out", ours.arch, ours.to_named_numpy())
+    assert sorted(p.name for p in (tmp_path / "out").glob("*.safetensors")) == ["model.safetensors"]
+    assert not (tmp_path / "out" / "model.safetensors.index.json").exists()
+    again = load_hf_model(str(tmp_path / "out"), "float32")
+    for name, value in ours.to_named_numpy().items():
+        np.testing.assert_array_equal(again.to_named_numpy()[name], value)
+    tokens = np.random.default_rng(1).integers(0, SHAPE["vocab_size"], (1, 12))
+    assert not np.allclose(hf_logits(old, tokens), our_logits(again, tokens), atol=1e-3)
+
+
+def test_model_safetensors_is_read_before_an_index_beside_it_as_transformers_reads_it(tmp_path):
+    make_hf_model(tmp_path / "m", "qwen2.5-tied", 1, max_shard_size="100KB")
+    newer = make_hf_model(tmp_path / "single", "qwen2.5-tied", 2)
+    (tmp_path / "single" / "model.safetensors").rename(tmp_path / "m" / "model.safetensors")
+    ours = load_hf_model(str(tmp_path / "m"), "float32")
+    tokens = np.random.default_rng(1).integers(0, SHAPE["vocab_size"], (1, 12))
+    np.testing.assert_allclose(our_logits(ours, tokens), hf_logits(newer, tokens), atol=1e-4, rtol=1e-4)
+
+
 def _rewrite(path: pathlib.Path, change) -> None:
     tensors = dict(read_safetensors(path))
     tensors = {k: np.array(v) for k, v in tensors.items()}
