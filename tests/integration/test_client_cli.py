@@ -28,13 +28,18 @@ pytestmark = pytest.mark.redis
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture
-def stack(tiny_parts, shared_redis, run_name, tmp_path):
+def served(tiny_parts, redis_url: str, run_name: str, tmp_path, **prompts):
+    """A PromptService and ingest on a real Redis, with these prompts.* settings, and the client's token file."""
     cfg, task, tokenizer, _ = tiny_parts
-    cfg = cfg.model_copy(update={"prompts": cfg.prompts.model_copy(update={"max_pending_per_client": 20})})
-    with serve(with_run_name(cfg, run_name), shared_redis.url, tmp_path / "auth", task, tokenizer) as s:
+    cfg = cfg.model_copy(update={"prompts": cfg.prompts.model_copy(update=prompts)})
+    with serve(with_run_name(cfg, run_name), redis_url, tmp_path / "auth", task, tokenizer) as s:
         (tmp_path / "client.token").write_text(s.token("client"))
         yield s
+
+
+@pytest.fixture
+def stack(tiny_parts, shared_redis, run_name, tmp_path):
+    yield from served(tiny_parts, shared_redis.url, run_name, tmp_path, max_pending_per_client=20)
 
 
 def cli(stack, tmp_path, *argv) -> int:
@@ -175,11 +180,7 @@ def test_results_and_cancel_commands(stack, tmp_path, capsys):
 @pytest.fixture
 def small_batch_stack(tiny_parts, shared_redis, run_name, tmp_path):
     """A run whose server takes at most 4 prompts (or ids) per call: prompts.max_batch."""
-    cfg, task, tokenizer, _ = tiny_parts
-    cfg = cfg.model_copy(update={"prompts": cfg.prompts.model_copy(update={"max_batch": 4})})
-    with serve(with_run_name(cfg, run_name), shared_redis.url, tmp_path / "auth", task, tokenizer) as s:
-        (tmp_path / "client.token").write_text(s.token("client"))
-        yield s
+    yield from served(tiny_parts, shared_redis.url, run_name, tmp_path, max_batch=4)
 
 
 def test_cancelling_more_ids_than_one_call_takes_cancels_them_all_in_calls_of_batch(small_batch_stack, tmp_path,
