@@ -24,16 +24,19 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 import socket
 import sys
 import threading
 import time
 from typing import Callable
 
+import redis
+
 from grpo_stream.common.runtime.backoff import Backoff, StopRequested, wait
 from grpo_stream.common.runtime.errors import PermanentError
 from grpo_stream.common.rollouts.fencing import FENCE_LUA, StaleTrainer, is_stale_reply
-from grpo_stream.common.rollouts.redis_errors import BufferUnavailable, redis_call
+from grpo_stream.common.rollouts.redis_errors import BufferUnavailable, DamagedRecord, redis_call, wrong_type
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +148,7 @@ class TrainerLease:
 
     def _acquire(self, stop: threading.Event | None) -> None:
         backoff, dead, noted = Backoff(0.2, 2.0), "", 0.0
-        holder_json = json.dumps(this_process())
+        holder_json = json.dumps({**this_process(), "take": secrets.token_hex(8)})  # names this call
         while True:
             if stop is not None and stop.is_set():
                 raise StopRequested(f"stopped while waiting for the trainer lease of run {self.buffer.run_name}")
@@ -157,14 +160,19 @@ class TrainerLease:
                 log.error("taking the trainer lease: Redis unavailable (%s); retrying in %.1fs", exc, delay)
                 wait(delay, stop)
                 continue
+            except redis.ResponseError as exc:  # a lease or fence no trainer wrote: no retry mends it
+                raise self._damaged_key(exc) from None
             value = _text(value)
             if int(taken):
                 self.fence, self.value = int(extra), value
                 log.info("trainer lease of run %s taken: fence %d%s", self.buffer.run_name, self.fence,
-                         " (its previous holder's process was gone)" if dead else "")
+                         " (its previous holder's process was gone, or a lost reply's take)" if dead else "")
                 return
             fence, holder = parse_value(value)
-            if holder is not None and holder_is_gone(holder):
+            # this very call's own lease (holder_json names the call), taken by a try whose reply was lost (Redis ran
+            # the script, the connection dropped before its reply; the take was tried again): not another trainer to
+            # wait the whole TTL for, saying another trainer runs this run
+            if holder is not None and (value.partition(" ")[2] == holder_json or holder_is_gone(holder)):
                 dead = value  # taken over at the next try, only if the lease still holds this very value
                 continue
             self._refuse_damaged(value, holder, int(extra))
@@ -186,6 +194,19 @@ class TrainerLease:
         raise LeaseDamaged(f"run {self.buffer.run_name}: the trainer lease {self.lease_key} {problem}, so no "
                            f"trainer can take the run. If no trainer of this run is running, delete it (redis-cli "
                            f"DEL {self.lease_key}) and start the trainer again")
+
+    def _damaged_key(self, exc: redis.ResponseError) -> Exception:
+        """LeaseDamaged (permanent: `up` stops the run naming it, not restarting a trainer that cannot start) for
+        a fence that is no number (TAKE's DAMAGEDBUFFER) or a lease or fence key of another type than a string (a
+        bare WRONGTYPE named neither key); `exc` itself for any other refusal."""
+        if "DAMAGEDBUFFER" in str(exc):
+            return LeaseDamaged(f"run {self.buffer.run_name}: {exc}")
+        found = redis_call(lambda: wrong_type(self.client, exc, {self.lease_key: "string", self.fence_key: "string"}))
+        if not isinstance(found, DamagedRecord):
+            return found
+        key = self.lease_key if str(found).startswith(self.lease_key) else self.fence_key
+        return LeaseDamaged(f"run {self.buffer.run_name}: {found}; no trainer can take the run. If no trainer of this "
+                            f"run is running, delete it (redis-cli DEL {key}) and start the trainer again")
 
     def renew(self) -> None:
         """Extend the lease (taking it again if it lapsed); StaleTrainer when a newer trainer has the run."""

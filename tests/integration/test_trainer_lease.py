@@ -19,7 +19,7 @@ import redis
 
 from grpo_stream.common.rollouts.buffer import Incoming, RedisStreamBuffer
 from grpo_stream.common.rollouts.redis_server import EmbeddedRedis, connect
-from grpo_stream.common.rollouts.trainer_lease import EXIT_FENCED, StaleTrainer, TrainerLease
+from grpo_stream.common.rollouts.trainer_lease import EXIT_FENCED, LeaseDamaged, StaleTrainer, TrainerLease
 from grpo_stream.common.runtime.backoff import StopRequested
 from tests.e2e.test_up import ROOT
 from tests.support import wait_for
@@ -99,7 +99,7 @@ def test_a_redis_that_lost_its_data_never_hands_a_running_trainers_fence_to_a_ne
 def test_a_damaged_fence_is_refused_naming_the_key_and_the_fix(shared_redis, run_name):
     buf = trainer_buffer(shared_redis.url, run_name)
     buf.client.set(buf.k["trainer:fence"], "x")
-    with pytest.raises(redis.ResponseError, match=f"{buf.k['trainer:fence']} holds \"x\", not a fencing number.*"
+    with pytest.raises(LeaseDamaged, match=f"{buf.k['trainer:fence']} holds \"x\", not a fencing number.*"
                                                   f"DEL {buf.k['trainer:fence']}"):
         TrainerLease.take(buf, 1.0, None, renew=False)
     assert not buf.client.exists(buf.k["trainer:lease"])
@@ -230,8 +230,6 @@ def test_a_connection_lost_during_compaction_is_retried_and_only_a_moved_fence_i
 def test_a_lease_no_trainer_wrote_is_refused_naming_the_key_and_the_fix(shared_redis, run_name, value, ttl_ms):
     """A lease value without a TTL (every trainer's lease has one) never ends, and one that is not 'FENCE HOLDER'
     names no process: the trainer waited forever saying another trainer runs (or raised AttributeError)."""
-    from grpo_stream.common.rollouts.trainer_lease import LeaseDamaged
-
     buf = trainer_buffer(shared_redis.url, run_name)
     key = buf.k["trainer:lease"]
     buf.client.set(key, value, px=ttl_ms)
