@@ -91,7 +91,7 @@ import numpy as np
 from grpo_stream.common.config.serving import engine_context
 from grpo_stream.common.engine.side_requests import SideQueue, serve_sharing
 from grpo_stream.common.engine.base import Generation, Request, RequestSource, generate_by_serving, take_weights
-from grpo_stream.common.engine.vllm_requests import Live, check_ended, drop_withdrawn
+from grpo_stream.common.engine.vllm_requests import Live, check_ended, check_fits, drop_withdrawn
 from grpo_stream.common.engine.vllm_worker import EXTENSION, load_into_worker
 from grpo_stream.common.runtime.errors import PermanentError
 from grpo_stream.common.model.hf_checkpoint import resolve_model_dir, to_hf_names, write_hf_config, write_safetensors
@@ -345,15 +345,8 @@ class VllmEngine:
                 engine.abort_request(list(live))
 
     def _check(self, request: Request) -> Request:
-        """A request fits: a prompt of 1 or more tokens, a budget in 1..max_new_tokens, both within max_model_len
-        (a later turn's prompt may pass max_prompt_tokens: the conversation so far)."""
-        room = self.context_capacity
-        if not len(request.ids) or not 1 <= request.budget <= self.max_new_tokens or \
-                len(request.ids) + request.budget > room:
-            raise ValueError(f"request of {len(request.ids)} prompt tokens and a budget of {request.budget} does not "
-                             f"fit the engine's {room} tokens (generation.max_prompt_tokens + "
-                             "generation.max_new_tokens, or sampler.openai.max_context_tokens when longer)")
-        return request
+        """`request` fits the engine (vllm_requests.check_fits), else a ValueError naming the setting."""
+        return check_fits(request, self.max_new_tokens, self.context_capacity, self.model.arch.vocab_size)
 
     def _finish(self, source: RequestSource, entry: Live) -> None:
         tokens = np.asarray(entry.tokens, np.int32)
