@@ -227,8 +227,8 @@ class VllmEngine:
         else:
             stage = self._stage_root / f"v{len(self.install_seconds)}"
             stage.mkdir(parents=True, exist_ok=True)
-            write_safetensors(stage / "model.safetensors", named)
-            try:
+            try:  # a write cut short (a full /dev/shm) leaves no part of a version behind either
+                write_safetensors(stage / "model.safetensors", named)
                 loaded = self.llm.collective_rpc("load_grpo_weights", kwargs={"path": str(stage / "model.safetensors")})
             finally:
                 shutil.rmtree(stage, ignore_errors=True)
