@@ -19,6 +19,8 @@ import sys
 
 import numpy as np
 
+from tests.vllm_scripts.script_source import FixedSetSource
+
 P, C, TEMPERATURE = 24, 16, 0.7
 
 
@@ -29,7 +31,7 @@ class Row:
         self.index = index
 
 
-class StepSource:
+class StepSource(FixedSetSource):
     """A fixed request set that counts the engine's scheduling points (`take` calls), withdraws the tags in
     `withdraw_at[step]` at that step and cancels at step `cancel_at`."""
 
@@ -48,18 +50,6 @@ class StepSource:
 
     def finish(self, request, tokens, logprobs, versions, finished):
         self.results[request.tag.index] = (np.asarray(tokens).tolist(), bool(finished))
-
-    def open(self):
-        return False
-
-    def wait(self, timeout):
-        return None
-
-    def accepting(self):
-        return True
-
-    def released(self):
-        return []
 
     def cancelled(self):
         return self.cancel_at is not None and self.steps >= self.cancel_at
