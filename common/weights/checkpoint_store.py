@@ -17,21 +17,38 @@ it restored gets an error and retries with the newest.
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
+import math
+import re
 import time
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
+from google.protobuf.message import DecodeError
 
 from grpo_stream.common.runtime.errors import TransientError
 from grpo_stream.common.weights.snapshot import BASE_VERSION
 from grpo_stream.common.weights.transport import WeightsMismatch
+from grpo_stream.protos import weights_pb2
 
 log = logging.getLogger(__name__)
 MARKER, LATEST = "COMPLETE", "LATEST"
+
+
+def _entry(name: str) -> tuple[str | None, str]:
+    """What an entry of the store's root named `name` is, as the store names what it writes, and the trainer epoch
+    that wrote it: "version" (v<version>-<epoch>), "base" (base-<epoch>), "partial" (Orbax's temporary directory of
+    either) or "tmp" (LATEST.<epoch>.tmp); (None, "") for anything else, which the store never deletes:
+    weights.checkpoint_dir may be a directory (or a bucket) that holds other files."""
+    m = re.fullmatch(r"(v\d{10,}|base)-([^.]+)(\..*orbax-checkpoint-tmp.*)?", name)
+    if m is not None:
+        return ("partial" if m[3] else "base" if m[1] == "base" else "version"), m[2]
+    m = re.fullmatch(rf"{LATEST}\.([^.]+)\.tmp", name)
+    return ("tmp", m[1]) if m is not None else (None, "")
 
 
 def _key(name: str) -> str:
@@ -64,15 +81,23 @@ def record_problem(record) -> str | None:
             return f"{field}: {json.dumps(value)[:40]} is not {_JSON_KIND[field]}"
     if not isinstance(record.get("adapters", ""), str):
         return "adapters: not a string"
+    total = 0  # the manifest's total_bytes (int64): shapes past it failed the manifest's build, a permanent error
     for i, entry in enumerate(record["tensors"]):
         if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str)
                 and isinstance(entry[1], list) and all(type(n) is int and 0 <= n < 1 << 62 for n in entry[1])
                 and isinstance(entry[2], str)):
             return f"tensors[{i}]: {str(entry)[:60]!r} is not [name, shape, dtype]"
         try:
-            np.dtype(entry[2])
+            total += math.prod(entry[1]) * np.dtype(entry[2]).itemsize
         except (TypeError, ValueError):
             return f"tensors[{i}]: unknown dtype {entry[2][:40]!r}"
+    if total >= 1 << 63:
+        return f"tensors: {total} bytes in all, more than any version holds"
+    if record.get("adapters"):
+        try:
+            weights_pb2.AdapterVersion.FromString(base64.b64decode(record["adapters"], validate=True))
+        except (ValueError, DecodeError):  # binascii.Error is a ValueError
+            return f"adapters: {record['adapters'][:40]!r} is not a base64 AdapterVersion"
     return None
 
 
@@ -104,8 +129,10 @@ class CheckpointWeightStore:
                   "tensors": [[n, list(a.shape), np.dtype(a.dtype).name] for n, a in named.items()], **(extra or {})}
         (path / MARKER).write_text(json.dumps(record))
         if base:  # the bases of earlier trainer processes: their samplers follow this epoch now
-            for old in [p for p in self.root.iterdir() if p.name.startswith("base-") and p != path]:
-                self._remove(old)
+            for old in self.root.iterdir():  # a base-* directory of the user's (no marker, no Orbax metadata) stays
+                if _entry(old.name)[0] == "base" and old != path and (
+                        (old / MARKER).exists() or (old / "_CHECKPOINT_METADATA").exists()):
+                    self._remove(old)
             return record
         self._write_atomic(self.root / LATEST, record, epoch)
         self._prune(path, epoch)
@@ -123,12 +150,11 @@ class CheckpointWeightStore:
         written (a version without its marker, a temporary file): no reader ever takes those."""
         complete, leftovers = [], []
         for p in self.root.iterdir():
-            if p.name.startswith("v") and (p / MARKER).exists():
+            kind, owner = _entry(p.name)
+            if kind == "version" and (p / MARKER).exists():
                 complete.append(p)
-            elif p.name.startswith("v") and not p.name.split(".")[0].endswith(f"-{epoch}"):
+            elif kind in ("version", "partial", "tmp") and owner != epoch:
                 leftovers.append(p)  # an earlier process's unfinished version (or Orbax's temporary directory of it)
-            elif p.name.endswith(".tmp") and f".{epoch}." not in p.name:
-                leftovers.append(p)
         complete.sort(key=lambda p: (p == newest, self._published(p), p.name))
         for old in complete[: max(0, len(complete) - self.keep)] + leftovers:
             self._remove(old)
@@ -157,9 +183,9 @@ class CheckpointWeightStore:
         path = self.root / LATEST
         if not path.exists():
             return None
-        try:
+        try:  # damaged: bytes that are not UTF-8 (UnicodeDecodeError) or not JSON, or nested past the parser
             record = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
+        except (OSError, ValueError, RecursionError) as exc:
             raise CheckpointError(f"{path}: unreadable ({exc}); the trainer rewrites it at its next publish")
         problem = record_problem(record)
         if problem is not None:  # damaged, or written by something else: the sampler keeps its version and polls
@@ -167,9 +193,19 @@ class CheckpointWeightStore:
                                   "its next publish; is weights.checkpoint_dir shared with something else?")
         return record
 
+    def version_dir(self, location: str) -> epath.Path:
+        """The directory that a record's `location` (the trainer's path of it) names, in this store's root: a sampler
+        that mounts the shared directory at another path than the trainer (its own weights.checkpoint_dir) finds it
+        there, and a record never sends a sampler to read outside weights.checkpoint_dir."""
+        name = epath.Path(location).name if location else ""
+        if _entry(name)[0] not in ("version", "base"):
+            raise CheckpointError(f"location: {location[:200]!r} names no version directory of {self.root}; the "
+                                  "trainer rewrites LATEST at its next publish")
+        return self.root / name
+
     def restore(self, record: dict, targets: dict[str, jax.ShapeDtypeStruct]) -> dict[str, jax.Array]:
         """Version `record` restored into `targets` (name -> ShapeDtypeStruct with sharding and dtype)."""
-        path = epath.Path(record["location"])
+        path = self.version_dir(record["location"])
         if not (path / MARKER).exists():
             raise CheckpointError(f"{path}: no {MARKER} marker (deleted or never finished); poll LATEST again")
         stored = {n: (tuple(s), d) for n, s, d in record["tensors"]}
