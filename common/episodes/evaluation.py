@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import math
 import time
 from typing import Any, Callable, Sequence
@@ -45,6 +46,8 @@ from grpo_stream.common.episodes.result import EpisodeResult, GroupWork, on_host
 from grpo_stream.common.episodes.single_turn import SingleTurn
 from grpo_stream.common.tasks.answers import extract_answer, same_number
 from grpo_stream.common.tasks.rewards import RewardSet, answer_correct, answer_format
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -146,6 +149,10 @@ def evaluate(engine: GenerationEngine, params: Any, tokenizer, problems: list, b
     if not problems:
         raise ValueError(f"generation.max_prompt_tokens={engine.max_prompt_tokens}: every evaluation prompt is "
                          "empty or longer; raise it, or fix the data")
+    if skipped or empty:  # the figures are of the rest only (the shorter problems): say so, not only in the JSON
+        log.warning("evaluating %d of %d problems: %d prompts longer than generation.max_prompt_tokens=%d (raise it "
+                    "to score them) and %d empty ones are not scored", len(problems), len(encoded), skipped,
+                    engine.max_prompt_tokens, empty)
     rollouts = rollouts or SingleTurn(engine.max_new_tokens)
     rewards = rewards or RewardSet({"answer_correct": 1.0})
     works, made = _episodes(engine, params, problems, prompts, rollouts, 1, jax.random.key(seed), True, batch_size,
