@@ -208,7 +208,7 @@ def eval_table(rows: list[dict]) -> list[str]:
     """report.md's held-out curve: one line per evaluation, a column per figure logged (greedy accuracy, pass@k,
     maj@k, the task's own figures, reward)."""
     sampled = ("eval/pass_at_", "eval/maj_at_")
-    figures = ["eval/accuracy", *sorted({k for r in rows for k in r if k.startswith(sampled)}),
+    figures = ["eval/accuracy", *sorted({k for r in rows for k in r if k.startswith(sampled)}, key=_by_k),
                *sorted({k for r in rows for k in r if k.startswith("eval/task/")}), "eval/reward"]
     names = {"eval/accuracy": "greedy accuracy"}
     lines = ["| step (version) | " + " | ".join(names.get(f, f.removeprefix("eval/").removeprefix("task/")
@@ -216,6 +216,12 @@ def eval_table(rows: list[dict]) -> list[str]:
                                                for f in figures) + " |",
              "|---|" + "---|" * len(figures)]
     return lines + [f"| {r['step']} | " + " | ".join(_fmt(r.get(f)) for f in figures) + " |" for r in rows]
+
+
+def _by_k(key: str) -> tuple:
+    """maj@k before pass@k, each by its k as a number: pass@2 before pass@16 (a string sort put 16 first)."""
+    name, _, k = key.rpartition("_")
+    return (name, int(k)) if k.isdigit() else (name, 0, k)
 
 
 def eval_section(rows: list[dict], summary: dict) -> list[str]:
@@ -276,7 +282,7 @@ def summary_table(summary: dict) -> list[str]:
         f"| RL steps | {_fmt(summary.get('steps'))} |",
         f"| held-out greedy accuracy before → after | {_fmt(before)} → {_fmt(after)} |",
         *([f"| held-out sampled pass@1 before → after | {_fmt(pass1_before)} → {_fmt(pass1_after)} |"]
-          if pass1_before is not None else []),
+          if pass1_before is not None or pass1_after is not None else []),  # eval_before off: after's alone
         f"| groups ingested | {_fmt(summary.get('groups_ingested'))} |",
         f"| trained / dropped stale / filtered / left | {_fmt(summary.get('groups_trained'))} / "
         f"{_fmt(summary.get('groups_dropped_stale'))} / {_fmt(summary.get('groups_dropped_filtered'))} / "
