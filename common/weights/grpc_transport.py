@@ -103,7 +103,7 @@ def check_wire_dtypes(manifest: weights_pb2.WeightManifest, targets: dict[str, j
             continue
         try:
             dtype = np.dtype(spec.dtype)
-        except TypeError:
+        except (TypeError, ValueError):  # not a dtype; a subarray shape past a C int (ValueError)
             dtype = None
         if dtype is None or not any(jax.numpy.issubdtype(dtype, kind) for kind in
                                     (jax.numpy.floating, jax.numpy.integer, jax.numpy.bool_)):
