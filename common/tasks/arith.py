@@ -125,8 +125,9 @@ class ArithTask:
         listed = span * span <= LISTED_PAIRS
         pairs = self._listed_heldout_pairs(rng) if listed else self._drawn_heldout_pairs(rng, limit)
         if limit > len(pairs):
-            raise ValueError(f"eval.num_problems={limit} exceeds the {len(pairs)} held-out operand pairs; "
-                             "lower it or widen task.min_operand..task.max_operand")
+            raise ValueError(f"{limit} held-out problems asked for (eval.num_problems, or `grpo-stream eval "
+                             f"--limit`), but there are {len(pairs)} held-out operand pairs; ask for fewer or widen "
+                             "task.min_operand..task.max_operand")
         return [self._problem(rng, a, b, f"arith-heldout-{k}") for k, (a, b) in enumerate(pairs[:limit])]
 
     def _listed_heldout_pairs(self, rng: random.Random) -> list[tuple[int, int]]:

@@ -85,7 +85,8 @@ def test_held_out_problems_of_a_wide_operand_range_are_drawn_not_listed(monkeypa
     assert len(set(pairs)) == 40 and pairs != listed and all(ArithTask(10, 99, 0.1, 0).is_heldout(*p) for p in pairs)
     assert [(p.a, p.b) for p in ArithTask(10, 99, 0.1, seed=0).heldout(40)] == pairs  # same in every process
     assert [p.prompt_id for p in drawn] == [f"arith-heldout-{k}" for k in range(40)]
-    with pytest.raises(ValueError, match=r"eval.num_problems=900 exceeds the \d+ held-out operand pairs"):
+    asked = r"900 held-out problems asked for \(eval.num_problems, or `grpo-stream eval --limit`\), but there are \d+"
+    with pytest.raises(ValueError, match=asked):
         ArithTask(10, 99, 0.1, seed=0).heldout(900)  # 8100 pairs, about 810 held out
     monkeypatch.undo()
     widest = ArithTask(0, 10**6, 0.1, seed=0)
