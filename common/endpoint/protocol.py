@@ -32,6 +32,8 @@ _NEUTRAL = (("ignore_eos", False), ("min_tokens", 0), ("stop_token_ids", []), ("
 # `metadata` (or a message's unknown keys) were held, as 20-30 times their size in Python objects, while it waited
 READ_EXTRAS = frozenset((*_PENALTIES, *_UNSERVED, *(name for name, _ in _NEUTRAL), ROLLOUT_FIELD,
                          "return_tokens_as_token_ids"))
+# fields OpenAI's API takes null for, meaning their default (the openai SDK sends null for an argument passed as None)
+_NULL_IS_DEFAULT = ("n", "stream", "return_token_ids", "logprobs", "echo", "add_special_tokens")
 _MESSAGE_KEYS, _PART_KEYS, _CALL_KEYS = ("role", "content", "tool_calls", "name", "tool_call_id"), ("type", "text"), (
     "id", "type", "function")
 
@@ -99,6 +101,11 @@ class _Common(BaseModel):
         if len(stops) > 4 or any(not s or len(s) > 256 for s in stops):
             raise ValueError("stop: at most 4 non-empty strings of at most 256 characters")
         return stops
+
+    @field_validator(*_NULL_IS_DEFAULT, mode="before", check_fields=False)
+    @classmethod
+    def _null_is_default(cls, value, info):
+        return cls.model_fields[info.field_name].default if value is None else value
 
     @model_validator(mode="after")
     def _drop_ignored(self):

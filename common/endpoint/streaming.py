@@ -20,8 +20,13 @@ _CHAT_EXTRA = ("token_ids", "policy_version")
 _TEXT_EXTRA = ("token_ids", "prompt_token_ids", "policy_version")
 
 
+# characters Python's str.splitlines (and readers built on it: httpx's iter_lines, httpx-sse before 0.4.1) end a line
+# at, which JSON leaves unescaped: written raw, a model's U+2028 split its event's `data:` line in two for them
+_LINE_BREAKS = str.maketrans({c: f"\\u{ord(c):04x}" for c in "\x85\u2028\u2029"})
+
+
 def _event(data: dict[str, Any]) -> str:
-    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+    return f"data: {json.dumps(data, ensure_ascii=False).translate(_LINE_BREAKS)}\n\n"
 
 
 def _chat_chunks(choice: dict[str, Any]) -> Iterator[dict[str, Any]]:
