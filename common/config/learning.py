@@ -166,8 +166,9 @@ class AlgoSection(Strict):
     minibatches: int = Field(1, ge=1, le=4096, description="Optimizer steps per pass; must divide the batch's "
                              "sequences (trainer.groups_per_step x generation.num_generations).")
     dynamic_sampling: bool = Field(False, description="Drop groups whose training rewards (with overlong=penalty, "
-                                   "the penalty included) are all equal (no signal) before batching; they are counted "
-                                   "as groups_dropped_filtered and the batch is refilled.")
+                                   "the penalty included) are all equal (no signal) before batching, and with "
+                                   "overlong=filter those whose completions not truncated all have zero advantage; "
+                                   "they are counted as groups_dropped_filtered and the batch is refilled.")
     overlong: Literal["none", "filter", "penalty"] = Field("none", description="Completions that hit "
                                                           "max_new_tokens: 'filter' masks them out of the loss; "
                                                           "'penalty' lowers their reward near the limit.")

@@ -50,10 +50,20 @@ def training_rewards(rewards: np.ndarray, lengths: np.ndarray, algo: AlgoSection
 
 
 def without_signal(group: GroupData, algo: AlgoSection, max_new: int) -> bool:
-    """Whether a group's training rewards are all equal, so its advantages are all zero. With the overlong penalty,
-    equally correct answers of different lengths inside the penalty's ramp are a signal (their lengths)."""
+    """Whether a group gives the loss nothing: its training rewards are all equal, so its advantages are all zero.
+    With the overlong penalty, equally correct answers of different lengths inside the penalty's ramp are a signal
+    (their lengths). With algo.overlong=filter only the completions not truncated are in the loss: a group is without
+    signal when none of them has a non-zero advantage (every completion truncated, say), whatever the truncated ones
+    got (every estimator's advantage is zero exactly where the reward is the group's mean)."""
     lengths = np.array([len(c.token_ids) for c in group.completions])
-    return bool(np.ptp(training_rewards(group.rewards, lengths, algo, max_new)) == 0)
+    rewards = training_rewards(group.rewards, lengths, algo, max_new)
+    if np.ptp(rewards) == 0:
+        return True
+    if algo.overlong != "filter":
+        return False
+    kept = ~np.array([c.truncated for c in group.completions], np.bool_)
+    rewards = rewards.astype(np.float64)  # as advantages.py computes the mean
+    return not bool(np.any(kept & (rewards != rewards.mean())))
 
 
 def no_signal_test(algo: AlgoSection, max_new: int) -> Callable[[GroupData], bool] | None:

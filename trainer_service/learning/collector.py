@@ -118,9 +118,11 @@ class GroupCollector:
         elif self.flat_streak >= self.flat_warn_at:
             self.flat_warn_at *= 2
             log.warning("the last %d groups all had zero reward variance (every completion of a group got the same "
-                        "reward) and algo.dynamic_sampling dropped them: no step can be made of them. Check the "
-                        "task's rewards on the samplers (all correct: too easy; all wrong: too hard, or answers the "
-                        "reward cannot parse), or set algo.dynamic_sampling=false to train on them anyway",
+                        "reward; with algo.overlong=filter, the completions not truncated did) and "
+                        "algo.dynamic_sampling dropped them: no step can be made of them. Check the task's rewards on "
+                        "the samplers (all correct: too easy; all wrong: too hard, or answers the reward cannot parse; "
+                        "all truncated: raise generation.max_new_tokens), or set algo.dynamic_sampling=false to train "
+                        "on them anyway",
                         self.flat_streak)
 
     def _note(self, step: int, dropped: dict[str, int], waited: float, quiet: float) -> None:
