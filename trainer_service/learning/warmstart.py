@@ -40,7 +40,10 @@ def demonstration_batch(task: ArithTask, tokenizer: TextTokenizer, cfg: RunConfi
                              f"generation.max_prompt_tokens={p}: raise generation.max_prompt_tokens (to at least "
                              f"{len(prompt)}; other prompts of the task may be longer)")
         completion, learn = demonstration_tokens(problem, tokenizer, drop, rng, cfg.warmstart.tool_prob)
-        completion, learn = completion[:c], learn[:c]
+        if len(completion) > c:  # cut, it would lose its stop token: the model would learn not to stop
+            raise ValueError(f"warm start: a demonstration has {len(completion)} tokens, more than "
+                             f"generation.max_new_tokens={c}: raise generation.max_new_tokens (to at least "
+                             f"{len(completion)}; other demonstrations of the task may be longer)")
         tokens[i], valid[i] = layout(prompt, completion, p, c, tokenizer.pad_id)
         loss_mask[i, p - 1:p - 1 + len(completion)] = learn
     return tokens, valid, loss_mask

@@ -1,5 +1,5 @@
 """The supervised warm start (trainer_service/learning/warmstart.py): a stop ends it between steps, and its report
-counts the steps it took; a prompt too long for the layout names the setting."""
+counts the steps it took; a prompt or a demonstration too long for the layout names the setting."""
 
 import pathlib
 import random
@@ -34,4 +34,12 @@ def test_a_prompt_over_max_prompt_tokens_names_the_setting():
     cfg = load_config(ROOT / "configs/tiny_arith_smoke.yaml", ["generation.max_prompt_tokens=16"])
     task, tokenizer = build_task_and_tokenizer(cfg)
     with pytest.raises(ValueError, match=r"generation\.max_prompt_tokens=16: raise generation\.max_prompt_tokens"):
+        demonstration_batch(task, tokenizer, cfg, random.Random(0), first_index=10_000_000)
+
+
+def test_a_demonstration_over_max_new_tokens_names_the_setting():
+    """It was cut to fit, losing its stop token: the warm start taught the model to run on to its budget."""
+    cfg = load_config(ROOT / "configs/tiny_arith_smoke.yaml", ["generation.max_new_tokens=8"])
+    task, tokenizer = build_task_and_tokenizer(cfg)
+    with pytest.raises(ValueError, match=r"generation\.max_new_tokens=8: raise generation\.max_new_tokens"):
         demonstration_batch(task, tokenizer, cfg, random.Random(0), first_index=10_000_000)
