@@ -94,7 +94,8 @@ class Sampler:
                                  self.run_dir) as endpoint:
             try:
                 self._attach(parts, endpoint)
-                self.weights.await_first(parts.health)
+                # beats while the trainer answers: its warm start or eval_before is no stall (up.sampler_stall_s)
+                self.weights.await_first(parts.health, Heartbeat(self.run_dir, self.sampler_id))
                 started = time.monotonic()
                 self._stream_until_done(parts)
             finally:
@@ -307,7 +308,9 @@ class Sampler:
                   "openai": endpoint.figures() if endpoint is not None else None}
         if self.run_dir is not None:
             # whole or not at all: `up` stops a sampler still running after the trainer finished, and one stopped
-            # mid-write left a file the run's summary could not read
+            # mid-write left a file the run's summary could not read. Made here too: `grpo-stream sampler --run-dir D`
+            # made D only with its first heartbeat, and one stopped before that failed here (exit 1 after a clean stop)
+            self.run_dir.mkdir(parents=True, exist_ok=True)
             write_atomic(self.run_dir / f"{self.sampler_id}.json", to_json(result, indent=2))
         return result
 

@@ -147,10 +147,12 @@ class WeightsInUse:
         with self._count_lock:
             self.groups_at_version += 1
 
-    def await_first(self, stub) -> None:
+    def await_first(self, stub, beat: Callable[[], None] = lambda: None) -> None:
         """Install the trainer's first version before generating. A trainer that is up but has not published yet
         (warm start, eval_before, loading a large checkpoint: minutes to hours) is waited for as long as it
-        answers; one silent for sampler.connect_timeout_s ends the sampler (ConnectionError)."""
+        answers, and each answer calls `beat` (the sampler's heartbeat: without it `up` took the wait for a hang
+        and killed the sampler every up.sampler_stall_s); one silent for sampler.connect_timeout_s ends the sampler
+        (ConnectionError)."""
         timeout = self.cfg.sampler.connect_timeout_s
         started = heard = last_log = last_check = time.monotonic()
         while self.params is None and not self.stop_event.is_set():
@@ -163,6 +165,7 @@ class WeightsInUse:
                 try:
                     if trainer_serving(stub, self.cfg.trainer_address()):
                         heard = now
+                        beat()
                 except grpc.RpcError:  # not answering now (a refusal no retry changes raises PermanentError)
                     pass
                 if now - heard > timeout:
