@@ -106,6 +106,10 @@ class WeightSync:
         self.background = background
         self._pending: concurrent.futures.Future | None = None
         self._pending_since, self._overdue_counted = 0.0, False
+        # whether a newer version's bytes may come now (any thread): the sampler says no while a fetched version waits
+        # for its engine, which would otherwise hold a third copy of the weights beside the installed and the waiting
+        # one (a drain's groups outlast a publication). The newest version is still checked for (lag, final mark)
+        self.may_fetch: Callable[[], bool] = lambda: True
 
     @property
     def installed_version(self) -> int:
@@ -204,6 +208,8 @@ class WeightSync:
         # before any byte moves: a version of another model stops the sampler, however it is transported
         check_names(manifest.adapters.base if manifest.HasField("adapters") else manifest, self.targets,
                     self.fit_hint, manifest.version)
+        if not self.may_fetch():
+            return None  # asked again at the next poll
         detail.info("%s fetching weight version %d (%.1f MB, %s)", self.sampler_id, manifest.version,
                     manifest.total_bytes / 1e6, manifest.transport)
         start = time.monotonic()

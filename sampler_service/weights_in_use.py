@@ -47,7 +47,7 @@ class StagedWeights:
         self._lock = threading.Lock()
 
     def stage(self, got) -> None:
-        """A newer fetched version (it replaces one the engine has not taken)."""
+        """A newer fetched version (none is fetched while one waits here: `holding`)."""
         with self._lock:
             self._got = got
 
@@ -58,6 +58,11 @@ class StagedWeights:
                 return False
             self._got = dataclasses.replace(self._got, final=True)
             return True
+
+    def holding(self) -> bool:
+        """A fetched version waits here, not installed yet."""
+        with self._lock:
+            return self._got is not None
 
     def final(self):
         """The final version, staged and not installed (or None): the feeder installs it after the stream ends."""
@@ -118,6 +123,10 @@ class WeightsInUse:
         """The sampler's weight sync (WeightSync), rollout client (RolloutClient) and metrics
         (lifecycle.SamplerMetrics)."""
         self.sync, self.client, self.metrics = sync, client, metrics
+        # one version arriving or waiting for the engine at a time, beside the one in use (`grpo-stream plan`'s
+        # fetch_buffer): a newer one is fetched once the engine took the staged one
+        if sync is not None:
+            sync.may_fetch = lambda: not self.staged.holding()
 
     def stream_started(self, stream, engine_side) -> None:
         """The rollout stream runs (None: it ended): fetched versions are staged for its engine, and a drain waits
@@ -180,7 +189,7 @@ class WeightsInUse:
 
     def poll(self) -> None:
         """Check for a newer published version: installed at once while no stream runs, else staged for the engine
-        (a newer one replaces a staged one the engine has not taken)."""
+        (no newer one is fetched until the engine has taken it: `attach`)."""
         self.last_poll = time.monotonic()
         got = self.sync.poll()
         if self.metrics is not None:
