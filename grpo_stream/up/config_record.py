@@ -7,13 +7,20 @@ the run was trained with would be overwritten. So `record_config` compares the n
 last `up` left, names every setting that differs (old -> new) on stderr, and keeps the earlier record as
 config.yaml.1 (older ones as .2 ... .CONFIG_KEEP). Settings `up` itself chooses afresh at each start (the embedded
 Redis's URL, the ports it picked) are no change of the run and are not compared.
+
+`snapshot_config` copies the config file `up` was given to RUN_DIR/config.source.yaml (private: it may hold secrets),
+and every process `up` starts, and restarts, reads that copy: a file at --config edited, moved or deleted while the
+run goes on (the next experiment prepared in it) must not reach one restarted process alone, nor stop the run at a
+restart with a config error.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import sys
+import tempfile
 from typing import Any, Callable, Iterable
 
 import yaml
@@ -25,6 +32,7 @@ from grpo_stream.up.relay import rotate, say_now
 
 CONFIG_KEEP = 4  # earlier records kept: config.yaml.1 .. config.yaml.4
 SHOWN = 20  # differences named on the console; the rest are counted (the files hold them all)
+SOURCE_FILE = "config.source.yaml"  # in RUN_DIR: the copy of --config that `up`'s processes read
 
 
 def config_changes(previous: dict, current: dict, ignore: Iterable[str] = ()) -> list[str]:
@@ -80,3 +88,20 @@ def record_config(path: pathlib.Path, text: str, ignore: Iterable[str] = (),
         rotate(path, CONFIG_KEEP)
     write_atomic(path, text)  # whole or not at all: a kill mid-write must not leave half a record to compare with
     return changes
+
+
+def snapshot_config(config_path: pathlib.Path | None, run_dir: pathlib.Path) -> pathlib.Path | None:
+    """RUN_DIR/config.source.yaml: the bytes of `config_path` as they are now, written whole and readable by this
+    user only (module doc); None without a config file."""
+    if config_path is None:
+        return None
+    data, target = pathlib.Path(config_path).read_bytes(), run_dir / SOURCE_FILE
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=run_dir)  # mode 0600
+    try:
+        with os.fdopen(fd, "wb") as file:
+            file.write(data)
+        os.replace(tmp, target)
+    except BaseException:
+        pathlib.Path(tmp).unlink(missing_ok=True)
+        raise
+    return target

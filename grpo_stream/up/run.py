@@ -37,7 +37,7 @@ from grpo_stream.common.rollouts.redis_server import EmbeddedRedis, RedisConnect
 from grpo_stream.plan.device_plan import (DeviceLayoutError, DevicePlan, detect_gpus, load_figures,
                                                     plan_devices)
 from grpo_stream.common.runtime.errors import EXIT_FAILURE, EXIT_PERMANENT, EXIT_USAGE
-from grpo_stream.up.config_record import record_config
+from grpo_stream.up.config_record import record_config, snapshot_config
 from grpo_stream.up.run_lock import RunLock
 from grpo_stream.up.supervise import Outcome, Watch
 from grpo_stream.common.runtime.files import write_atomic
@@ -317,10 +317,11 @@ def _prepare(cfg: RunConfig, config_path: pathlib.Path | None, overrides: list[s
     # record for people (readable by all, attached to bug reports), so without the values of secret-named keys (an
     # API key in hardware.trainer_env) that the config file kept private
     # a resume with another config is said, naming each change (what `up` sets per start is none: ignored)
+    source = snapshot_config(config_path, run_dir)  # what every process reads, whatever becomes of the file given
     record_config(run_dir / "config.yaml", f"# resolved by `grpo-stream up` from --config {config_path} with overrides "
-                  f"{redacted_overrides(every)}\n" + to_yaml(load_config(config_path, every), redact=True),
+                  f"{redacted_overrides(every)}\n" + to_yaml(load_config(source, every), redact=True),
                   ignore=[o.partition("=")[0] for o in every[len(overrides):]])
-    return plan_processes(cfg, run_dir, config_path, every, devices, server_env, sampler_env,
+    return plan_processes(cfg, run_dir, source, every, devices, server_env, sampler_env,
                           lock_env=run_lock.child_env({}))  # the trainer holds the run's lock too
 
 
