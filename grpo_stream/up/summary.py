@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import shlex
 import sys
 import time
 from dataclasses import dataclass
@@ -61,7 +62,7 @@ class RunSummary:
 
     def finish(self, end: RunEnd) -> int:
         """Complete the summary when the trainer wrote one, print the run's last lines, return the exit code."""
-        written = end.trainer_code == 0 and self.path.exists()
+        written, summary = end.trainer_code == 0 and self.path.exists(), {}
         if written:
             summary = self.complete(json.loads(self.path.read_text()), end)
             write_atomic(self.path, to_json(summary, indent=2))
@@ -77,8 +78,10 @@ class RunSummary:
         elif end.outcome.reason == "interrupted" and not written:  # a stop, not a trainer failure: a trainer told to
             # stop while it was starting (before its handler was in place) ends by the signal, with no summary
             say_now(f"grpo-stream up: stopped by a signal before the trainer wrote its summary (trainer exit code "
-                    f"{end.trainer_code}); run the same command on {self.path.parent} to resume; see {end.trainer_log}",
-                    sys.stderr)
+                    f"{end.trainer_code}); {self.resume_hint()}; see {end.trainer_log}", sys.stderr)
+        elif end.outcome.reason == "interrupted" and summary.get("stopped_early"):  # else its last line read "done in"
+            say_now(f"grpo-stream up: stopped by a signal at step {summary.get('steps')} of {self.cfg.trainer.steps}; "
+                    f"{self.resume_hint()}", sys.stderr)
         elif not written:
             say_now(f"grpo-stream up: trainer exited with code {end.trainer_code}; see {end.trainer_log}", sys.stderr)
         elif end.outcome.reason == "done" and failed_samplers:
@@ -86,6 +89,12 @@ class RunSummary:
                 f"{name} exited with code {code} (see {self.log_of(name)})" for name, code in failed_samplers.items()),
                 sys.stderr)
         return end.exit_code(written)
+
+    def resume_hint(self) -> str:
+        """How to resume: `up` without --run-dir starts a new run in a new directory (runs/<run.name>-<time>)."""
+        run_dir = self.path.parent
+        return (f"run the same command on {run_dir} to resume (grpo-stream up --run-dir {shlex.quote(str(run_dir))} "
+                "with the same --config and overrides)")
 
     def log_of(self, process: str) -> pathlib.Path:
         """Where `process`'s own words are: RUN_DIR/logs/NAME.log, the embedded Redis's RUN_DIR/redis/redis.log."""
