@@ -92,7 +92,9 @@ from grpo_stream.common.config.serving import engine_context
 from grpo_stream.common.engine.side_requests import SideQueue, serve_sharing
 from grpo_stream.common.engine.base import Generation, Request, RequestSource, generate_by_serving, take_weights
 from grpo_stream.common.engine.vllm_requests import Live, check_ended, check_fits, drop_withdrawn
-from grpo_stream.common.engine.vllm_worker import EXTENSION, load_into_worker
+from grpo_stream.common.engine.vllm_weight_check import REFUSED, WeightsMismatch
+from grpo_stream.common.engine.vllm_args import engine_args
+from grpo_stream.common.engine.vllm_worker import load_into_worker
 from grpo_stream.common.runtime.errors import PermanentError
 from grpo_stream.common.model.hf_checkpoint import resolve_model_dir, to_hf_names, write_hf_config, write_safetensors
 
@@ -154,7 +156,7 @@ class VllmEngine:
             pathlib.Path(settings.stage_dir).mkdir(parents=True, exist_ok=True)
         self._stage_root = (pathlib.Path(tempfile.mkdtemp(prefix="grpo-vllm-", dir=settings.stage_dir))
                             if self.install_mode == "files" else None)
-        engine_args = self._engine_args(current_platform, in_flight)
+        args = engine_args(settings, current_platform, in_flight, self.install_mode, self.context_capacity)
         started = time.monotonic()
         self.llm = LLM(model=str(model_dir), skip_tokenizer_init=True, load_format="dummy",
                        logprobs_mode="processed_logprobs", dtype=dtype,
@@ -162,10 +164,12 @@ class VllmEngine:
                        gpu_memory_utilization=settings.gpu_memory_utilization,
                        tensor_parallel_size=settings.tensor_parallel_size, max_num_seqs=settings.max_num_seqs,
                        enforce_eager=settings.enforce_eager, enable_prefix_caching=settings.prefix_caching,
-                       seed=seed, **engine_args)
+                       seed=seed, **args)
         log.info("vLLM engine up in %.1fs (%s, weights installed by %s)", time.monotonic() - started, model_dir,
                  self.install_mode)
         self._installed: Any = None
+        self.broken: str | None = None  # why the engine serves nothing more (an install failed part-way)
+        self.owned_dir: pathlib.Path | None = None  # a model directory `close` removes (the tiny model's, `build`)
         self.install_seconds: list[float] = []
         self.tied_heads_loaded = 0  # output heads tied to the embedding, given its new tensor at the last install
         self._epoch = uuid.uuid4().hex[:8]  # this engine's installs: salts never repeat across engine restarts
@@ -179,38 +183,20 @@ class VllmEngine:
 
             self._tpu_writer = VllmTpuWeightWriter(self.llm, model.arch.family, list(model.names()))
 
-    def _engine_args(self, platform, in_flight: bool) -> dict:
-        """vllm.LLM's keyword arguments beyond the fixed ones: sampler.vllm.engine_args and what this engine needs
-        on `platform` (vLLM's current_platform)."""
-        settings = self.settings
-        engine_args = dict(settings.engine_args)
-        if in_flight:
-            engine_args["async_scheduling"] = False  # a step's tokens come back before the next step is launched
-        if platform.is_cpu() and "enable_chunked_prefill" not in engine_args:
-            # vLLM's CPU backend crashes ("CPU Generator does not use offset") when a seeded request's prompt is
-            # prefilled over several steps: it rewinds the request's generator, which a CPU generator cannot do.
-            # Every sampled request is seeded, so prompts are prefilled whole (the step budget must hold one)
-            engine_args["enable_chunked_prefill"] = False
-            engine_args["max_num_batched_tokens"] = max(engine_args.get("max_num_batched_tokens", 0),
-                                                        self.context_capacity, 4096)
-        if self.install_mode == "files":  # the workers' loading method, called by name (vllm_worker.py)
-            engine_args["worker_extension_cls"] = EXTENSION
-        if settings.kv_cache_gib is not None:
-            engine_args["kv_cache_memory_bytes"] = int(settings.kv_cache_gib * 2**30)
-        return engine_args
-
     @property
     def cache_salt(self) -> str:
         """The prefix-cache salt of requests under the installed version (one per install)."""
         return f"{self._epoch}:{len(self.install_seconds)}"
 
     def install(self, params: Any, keep_requests: bool = False) -> None:
-        """Put `params` into the running engine (whole: the next batch uses only these weights). `keep_requests`:
-        live requests go on with their KV cache (the scheduler is paused around the call)."""
+        """Put `params` into the running engine (whole: the next batch uses only these weights; see `_write`).
+        `keep_requests`: live requests go on with their KV cache (the scheduler is paused around the call)."""
+        if self.broken is not None:
+            raise RuntimeError(self.broken)
         started = time.monotonic()
         if self._tpu_writer is not None:
-            self._tpu_writer.install(self.model.named_arrays(params), len(self.install_seconds) + 1, self._epoch,
-                                     keep_kv=keep_requests)
+            named, version = self.model.named_arrays(params), len(self.install_seconds) + 1
+            self._write(lambda: self._tpu_writer.install(named, version, self._epoch, keep_kv=keep_requests))
         else:
             self._load_torch_weights(params)
         self._installed = params
@@ -218,22 +204,44 @@ class VllmEngine:
         log.info("vLLM engine: weights installed in %.2fs (%s%s)", self.install_seconds[-1], self.install_mode,
                  ", in flight" if keep_requests else "")
 
+    def _write(self, write: Callable[[], Any]) -> Any:
+        """`write()` (a version into the model): a refusal before any write (WeightsMismatch, vllm_weight_check.py)
+        leaves it as it was; any other failure leaves it part old, part new: the engine serves no more (`broken`)."""
+        try:
+            return write()
+        except WeightsMismatch:
+            raise
+        except BaseException as exc:
+            if REFUSED in str(exc):  # a worker process's refusal (weight_install=files) crosses as its text
+                raise WeightsMismatch(str(exc)) from None
+            self._installed = None
+            self.broken = (f"a weight install failed part-way ({type(exc).__name__}: {exc}): the vLLM engine's model "
+                           "mixes two versions and serves nothing more; the sampler must restart (a new engine)")
+            raise
+
     def _load_torch_weights(self, params: Any) -> None:
         """GPU and CPU: the Hugging Face-named tensors into every worker's torch model, then the prefix cache reset
         (refused while requests hold blocks: the new version's salt covers that)."""
         named = to_hf_names(self.model.arch, self.model.to_named_numpy(params))
         if self.install_mode == "iterator":
-            loaded = self.llm.collective_rpc(load_into_worker, kwargs={"tensors": named})
+            loaded = self._write(lambda: self.llm.collective_rpc(load_into_worker, kwargs={"tensors": named}))
         else:
             stage = self._stage_root / f"v{len(self.install_seconds)}"
             stage.mkdir(parents=True, exist_ok=True)
             try:  # a write cut short (a full /dev/shm) leaves no part of a version behind either
                 write_safetensors(stage / "model.safetensors", named)
-                loaded = self.llm.collective_rpc("load_grpo_weights", kwargs={"path": str(stage / "model.safetensors")})
+                loaded = self._write(lambda: self.llm.collective_rpc(
+                    "load_grpo_weights", kwargs={"path": str(stage / "model.safetensors")}))
             finally:
                 shutil.rmtree(stage, ignore_errors=True)
         self.tied_heads_loaded = loaded[0]
         self.llm.reset_prefix_cache()
+
+    def close(self) -> None:
+        """Remove this engine's stage root (weight_install=files) and `owned_dir`; vLLM ends with the process."""
+        for path in (self._stage_root, self.owned_dir):
+            if path is not None:
+                shutil.rmtree(path, ignore_errors=True)
 
     def sampling_params(self, seed: int | None, greedy: bool, max_tokens: int | None = None, delta: bool = False):
         """One request's sampling: the policy's distribution, stopping at the tokenizer's stop tokens only (module
@@ -282,7 +290,7 @@ class VllmEngine:
         conversation, and the prefix cache keeps the earlier turns' blocks; the hold keys the source releases are
         taken and dropped, so it does not keep them for the sampler's life."""
         params = take_weights(params)
-        if params is not self._installed:
+        if params is not self._installed or self.broken is not None:  # a broken engine refuses (install)
             self.install(params)
         engine, per_step = self.llm.llm_engine, refresh is not None
         pending: collections.deque = collections.deque()
@@ -384,6 +392,9 @@ def build(cfg, model, tokenizer, index: int = 0) -> VllmEngine:
     else:  # the tiny model has no directory: vLLM builds it from the config.json it would be exported with
         model_dir = pathlib.Path(tempfile.mkdtemp(prefix="grpo-vllm-model-"))
         write_hf_config(model_dir, model.arch, cfg.sampler_dtype(), tokenizer.eos_ids, tokenizer.pad_id)
-    return VllmEngine(model_dir, model, tokenizer.pad_id, tokenizer.eos_ids, gen.max_prompt_tokens, gen.max_new_tokens,
-                      gen.temperature, cfg.sampler.vllm, dtype=cfg.sampler_dtype(), seed=cfg.run.seed * 1000 + index,
-                      in_flight=cfg.sampler.weight_updates == "in_flight", context_tokens=engine_context(cfg)[0])
+    engine = VllmEngine(model_dir, model, tokenizer.pad_id, tokenizer.eos_ids, gen.max_prompt_tokens,
+                        gen.max_new_tokens, gen.temperature, cfg.sampler.vllm, dtype=cfg.sampler_dtype(),
+                        seed=cfg.run.seed * 1000 + index, in_flight=cfg.sampler.weight_updates == "in_flight",
+                        context_tokens=engine_context(cfg)[0])
+    engine.owned_dir = None if cfg.model.kind == "hf" else model_dir
+    return engine

@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from grpo_stream.common.engine.vllm_weight_check import WeightsMismatch
 from grpo_stream.common.model import families as family_records
 
 RUNNER_PATH = ("llm_engine", "model_executor", "driver_worker", "model_runner")
@@ -44,6 +45,10 @@ KV_NAME = re.compile(r"\.(k_proj|v_proj)\.|\.(k_bias|v_bias)$")
 
 class VllmTpuWeightError(ValueError):
     """A version that cannot be written into the engine (a name, shape or dtype that does not fit)."""
+
+
+class VersionRefused(VllmTpuWeightError, WeightsMismatch):
+    """A version refused by `VllmTpuWeightWriter.install` before any write: the engine keeps the one it had."""
 
 
 def model_runner(llm: Any) -> Any:
@@ -180,12 +185,15 @@ class VllmTpuWeightWriter:
         neither freed nor rebuilt, so one leaf's old and new copies are the most held at once beside it."""
         missing = [t.source for t in self.targets if t.source not in named]
         if missing:
-            raise VllmTpuWeightError(f"version {version} lacks {', '.join(missing[:5])}: not a whole version")
+            raise VersionRefused(f"version {version} lacks {', '.join(missing[:5])}: not a whole version")
         flat = flat_state(self.runner.state)
-        for t in self.targets:  # every weight checked before the engine is touched: never half a version
-            like = _leaf_array(flat[t.target])
-            jax.eval_shape(lambda x, t=t, like=like: fitted(t.source, x, like, t.transpose),
-                           jax.ShapeDtypeStruct(np.shape(named[t.source]), named[t.source].dtype))
+        try:
+            for t in self.targets:  # every weight checked before the engine is touched: never half a version
+                like = _leaf_array(flat[t.target])
+                jax.eval_shape(lambda x, t=t, like=like: fitted(t.source, x, like, t.transpose),
+                               jax.ShapeDtypeStruct(np.shape(named[t.source]), named[t.source].dtype))
+        except VllmTpuWeightError as exc:
+            raise VersionRefused(str(exc)) from None
         self.llm.reset_prefix_cache()  # refused while requests hold blocks (keep_kv): the version's salt covers that
         if not keep_kv:
             self.llm.collective_rpc("delete_kv_cache")

@@ -32,14 +32,18 @@ def load_into_worker(worker, tensors: dict[str, np.ndarray] | None = None, path:
     """Runs in each vLLM worker: Hugging Face-named tensors (given, or read from a safetensors file) into the
     model in place, as vLLM's own `reload_weights` does (layers back to checkpoint layout, the model's
     `load_weights`, which keeps only this worker's tensor-parallel shard, then each layer's layout processing
-    again), plus one step it lacks: a tied output head (Qwen2.5 0.5B-3B, Gemma) is given the embedding's tensor
-    too, where the plain reload would leave it on the old weights. Returns the number of tied heads loaded."""
+    again), plus two steps it lacks: the version is first checked against the model, with nothing written
+    (vllm_weight_check.check_version: a tensor the model refuses, or a parameter the version leaves unfilled, is a
+    WeightsMismatch; a reload that failed half-way would leave the model part old, part new), and a tied output head
+    (Qwen2.5 0.5B-3B, Gemma) is given the embedding's tensor too, where the plain reload would leave it on the old
+    weights. Returns the number of tied heads loaded."""
     import torch  # noqa: PLC0415 - deferred: vLLM's environment only (this module is imported outside it too)
     from vllm.model_executor.model_loader.reload.layerwise import (  # noqa: PLC0415 - deferred: as above
         finalize_layerwise_reload, initialize_layerwise_reload)
 
     # deferred: JAX (which the checkpoint code imports) stays out of a worker's start
     from grpo_stream.common.model.hf_checkpoint import read_safetensors  # noqa: PLC0415
+    from grpo_stream.common.engine.vllm_weight_check import check_version  # noqa: PLC0415 - as above (torch)
 
     def torch_of(arr: np.ndarray):
         arr = np.ascontiguousarray(arr)
@@ -47,19 +51,21 @@ def load_into_worker(worker, tensors: dict[str, np.ndarray] | None = None, path:
             return torch.from_numpy(arr.view(np.uint16)).view(torch.bfloat16)
         return torch.from_numpy(arr)
 
-    named = tensors if tensors is not None else dict(read_safetensors(pathlib.Path(path)))
+    named = {name: torch_of(arr) for name, arr in
+             (tensors if tensors is not None else dict(read_safetensors(pathlib.Path(path)))).items()}
     model = worker.model_runner.model
     shared: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         shared.setdefault(id(param), []).append(name)
     # module order puts the embedding (the name the checkpoint carries) before the head that reuses it
     ties = [(names[0], alias) for names in shared.values() if len(names) > 1 for alias in names[1:]]
+    check_version(model, named, ties)
     with torch.no_grad():
         initialize_layerwise_reload(model)
-        model.load_weights((name, torch_of(arr)) for name, arr in named.items())
+        model.load_weights(iter(named.items()))
         for source, alias in ties:
             if source in named:
                 head = model.get_parameter(alias)
-                head.weight_loader(head, torch_of(named[source]))
+                head.weight_loader(head, named[source])
         finalize_layerwise_reload(model, worker.model_runner.model_config)
     return sum(source in named for source, _ in ties)
