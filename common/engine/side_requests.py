@@ -321,8 +321,11 @@ def serve_idle(engine, side: SideQueue, current: Callable[[], tuple[Any, int]], 
                 serve_merged(engine.serve_alone, params,
                              MergedSource(NoRequests(), side, version, idle=True, current=current),
                              None, version)
-        except Exception:  # noqa: BLE001 - its requests were answered with the error; the endpoint keeps serving
+        except Exception as exc:  # noqa: BLE001 - its requests were answered with the error; the endpoint goes on
             log.exception("serving endpoint requests failed")
+            # and those still waiting too: an engine that fails before it takes any (a vLLM engine broken by an
+            # install that failed part-way refuses every serve) would have them retried every 0.1 s for ever
+            side.fail_waiting(f"the engine failed: {type(exc).__name__}: {exc}"[:300])
         finally:
             side.engine.release()
             if params is None:

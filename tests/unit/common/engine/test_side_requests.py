@@ -5,11 +5,14 @@ ending; an idle serve stops taking them when the sampler wants the engine; what 
 refused request queues none of its sequences; each request keeps its own sampling mode; while the sampler drains its
 stream only its own rollouts' requests are taken, and those are never refused nor bounded by the endpoint's limits."""
 
+import threading
+
 import numpy as np
 import pytest
 
 from grpo_stream.common.engine.base import FixedRequests, Generation, Request
-from grpo_stream.common.engine.side_requests import MergedSource, NoRequests, QueueFull, SideQueue, SideRequest
+from grpo_stream.common.engine.side_requests import (MergedSource, NoRequests, QueueFull, SideQueue, SideRequest,
+                                                     serve_idle)
 
 
 def side(n: int = 1) -> list[SideRequest]:
@@ -135,3 +138,23 @@ def test_a_withdrawn_request_a_serve_took_leaves_the_engines_count():
     assert source.withdrawn() == set()  # reported once
     source.requeue_live()
     assert queue.take() == [other]  # the withdrawn one is not served again
+
+
+def test_an_idle_serve_whose_engine_fails_before_taking_anything_answers_the_waiting_requests():
+    """A broken engine (a vLLM install that failed part-way) refuses every serve before it takes a request: the idle
+    serve retried every 0.1 s, logging each failure, and the endpoint's callers waited for ever."""
+    class Broken:
+        def serve_alone(self, params, source, refresh, version):
+            raise RuntimeError("the vLLM engine's model mixes two versions")
+
+    queue, stop = SideQueue(8), threading.Event()
+    waiting = side(2)
+    queue.submit(waiting)
+    thread = threading.Thread(target=serve_idle, args=(Broken(), queue, lambda: ("params", 1), stop), daemon=True)
+    thread.start()
+    try:
+        assert all(r.done.wait(10) for r in waiting)
+        assert all("mixes two versions" in r.error for r in waiting) and not queue.has()
+    finally:
+        stop.set()
+        thread.join(10)
