@@ -1,7 +1,8 @@
 """Tool calls in a model turn's decoded text, per chat-template family (config environment.tool_format).
 
     qwen    Hermes / Qwen2.5 / Qwen3:  <tool_call>\\n{"name": "f", "arguments": {"a": 1}}\\n</tool_call>  (several
-            allowed; "arguments" may also be a JSON string holding the object)
+            allowed; "arguments" may also be a JSON string holding the object; a last <tool_call> left unclosed
+            is a call when one whole JSON call follows it, as in vLLM's Hermes parser)
     llama3  Llama 3.1 / 3.2 JSON calling: the turn is {"name": "f", "parameters": {"a": 1}} ("arguments" accepted),
             optionally after <|python_tag|>; several separated by ';'. A turn not starting with '{' calls nothing.
     gemma   ```tool_code\\nf(a=1, b="x")\\n```: Python call syntax, keyword arguments only
@@ -126,7 +127,17 @@ def _parser(family: str) -> Callable[[str], list[ToolCall]]:
 
 
 def _parse_qwen(text: str) -> list[ToolCall]:
-    return [_json_call(body, ("arguments",), "qwen") for body in _between(text, _QWEN_OPEN, _QWEN_CLOSE, "qwen")]
+    bodies, unclosed = _between(text, _QWEN_OPEN, _QWEN_CLOSE, "qwen", last_may_be_unclosed=True)
+    calls = [_json_call(body, ("arguments",), "qwen") for body in bodies]
+    if unclosed is not None:
+        # as vLLM's Hermes parser: a last <tool_call> left open (a client's stop=["</tool_call>"], a turn cut just
+        # before it) is a call when all that follows it is one whole JSON call; anything else is the unclosed marker
+        try:
+            value = _json_value(unclosed, "qwen")
+        except MalformedToolCall:
+            raise _not_closed(_QWEN_OPEN, _QWEN_CLOSE, "qwen") from None
+        calls.append(_call_from_object(value, ("arguments",), "qwen"))
+    return calls
 
 
 def _parse_llama3(text: str) -> list[ToolCall]:
@@ -172,21 +183,33 @@ def _parse_plain(text: str) -> list[ToolCall]:
             for call in _python_calls(body, positional_allowed=True, family="plain")]
 
 
-def _between(text: str, opening: str, closing: str, family: str) -> list[str]:
-    """The texts between each opening marker and the closing marker after it."""
+def _between(text: str, opening: str, closing: str, family: str, last_may_be_unclosed: bool = False):
+    """The texts between each opening marker and the closing marker after it; with `last_may_be_unclosed`,
+    (those texts, the text after a last opening marker left unclosed or None)."""
     bodies, position = [], 0
     while (start := text.find(opening, position)) != -1:
         end = text.find(closing, start + len(opening))
         if end == -1:
-            raise MalformedToolCall(f"error: {opening} is not closed by {closing}; write {_EXAMPLES[family]}")
+            if last_may_be_unclosed:
+                return bodies, text[start + len(opening):]
+            raise _not_closed(opening, closing, family)
         bodies.append(text[start + len(opening):end])
         position = end + len(closing)
-    return bodies
+    return (bodies, None) if last_may_be_unclosed else bodies
+
+
+def _not_closed(opening: str, closing: str, family: str) -> MalformedToolCall:
+    return MalformedToolCall(f"error: {opening} is not closed by {closing}; write {_EXAMPLES[family]}")
 
 
 def _json_call(body: str, argument_keys: tuple[str, ...], family: str) -> ToolCall:
+    return _call_from_object(_json_value(body, family), argument_keys, family)
+
+
+def _json_value(body: str, family: str) -> Any:
+    """The one JSON value `body` holds (whitespace around it allowed), or MalformedToolCall saying what is wrong."""
     try:
-        value = _DECODER.decode(body)
+        return _DECODER.decode(body)
     except _NonFinite as exc:
         raise _non_finite(exc, family) from None
     except json.JSONDecodeError as exc:
@@ -194,7 +217,6 @@ def _json_call(body: str, argument_keys: tuple[str, ...], family: str) -> ToolCa
                                 f"{exc.colno}); write {_EXAMPLES[family]}") from None
     except (ValueError, RecursionError):  # an integer of over 4,300 digits, nesting past the recursion limit
         raise MalformedToolCall(f"error: tool call JSON is too large or too deep; write {_EXAMPLES[family]}") from None
-    return _call_from_object(value, argument_keys, family)
 
 
 def _call_from_object(value: Any, argument_keys: tuple[str, ...], family: str) -> ToolCall:
