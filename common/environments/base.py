@@ -22,9 +22,13 @@ from typing import Protocol
 @dataclasses.dataclass(frozen=True)
 class Observation:
     """What the environment says to the model: a chat message's role ('tool' for a tool's result, 'user') and
-    content."""
+    content. `parts`, when it holds several texts (the results of a turn's several tool calls), are each a message of
+    `role`, as a chat template writes one tool message per call (Qwen: a <tool_response> each); `content` is then
+    them joined, written as one message where the template takes no run of such messages (Gemma's user turn) and
+    where there is no template (the tiny model)."""
     content: str
     role: str = "tool"
+    parts: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

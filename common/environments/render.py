@@ -43,15 +43,7 @@ class ChatTemplateRenderer:
         """The text that follows the model's stop token: the template's end of the assistant turn, the observation
         message and the next assistant turn's header."""
         chat, before = self._sentinel_chat()
-        content = self.defused(well_formed(observation.content))
-        message = {"role": observation.role, "content": content}
-        try:
-            after = self.tokenizer.render_chat(chat + [message], add_generation_prompt=True)
-        except Exception:  # noqa: BLE001 - jinja raises for roles a template refuses (Gemma has no tool role)
-            if observation.role == "user":
-                raise
-            after = self.tokenizer.render_chat(chat + [{"role": "user", "content": content}],
-                                               add_generation_prompt=True)
+        after = self._rendered_after(chat, observation)
         # only what follows the sentinel matters: the earlier turns are the sampled ids, never rendered again (Qwen3
         # writes an empty think block into the last assistant message, and none once a tool message follows it)
         if _SENTINEL not in after:
@@ -62,6 +54,24 @@ class ChatTemplateRenderer:
             raise ValueError("environment: the chat template ends an assistant turn with another stop token once an "
                              "observation follows; observations cannot be appended token-exactly with it")
         return tail[len(stop):]  # the stop token was sampled: it is already in the sequence
+
+    def _rendered_after(self, chat: list[dict], observation: Observation) -> str:
+        """The template's text of `chat` then the observation: its parts as messages of its role (several tool
+        results, as the template writes a tool message per call), else its content as one message, else (a role the
+        template refuses: Gemma has no tool role, nor a run of user turns) as one user message."""
+        content = self.defused(well_formed(observation.content))
+        attempts = [[{"role": observation.role, "content": content}]]
+        if len(observation.parts) > 1:
+            attempts.insert(0, [{"role": observation.role, "content": self.defused(well_formed(part))}
+                                for part in observation.parts])
+        if observation.role != "user":
+            attempts.append([{"role": "user", "content": content}])
+        for messages in attempts[:-1]:
+            try:
+                return self.tokenizer.render_chat(chat + messages, add_generation_prompt=True)
+            except Exception:  # noqa: BLE001 - jinja raises for roles a template refuses (Gemma has no tool role)
+                continue
+        return self.tokenizer.render_chat(chat + attempts[-1], add_generation_prompt=True)
 
     def end_of_turn_ids(self) -> list[int]:
         """The ids of the stop token the template writes after an assistant message (Qwen's <|im_end|>, Llama 3's

@@ -51,7 +51,10 @@ class ToolEpisode:
             return Turn(Observation(self.phrase([exc.message])))
         if not calls:
             return Turn(None)
-        return Turn(Observation(self.phrase(self._run(calls))))
+        answers = self._run(calls)
+        # the answers of several calls are each a tool message, as the template writes an OpenAI-style conversation's
+        parts = tuple(answers) if self.phrase is one_per_line and len(answers) > 1 else ()
+        return Turn(Observation(self.phrase(answers), parts=parts))
 
     def _run(self, calls: list) -> list[str]:
         """Each call's answer in call order; those past the turn's limits answered with an error, not run."""
