@@ -10,9 +10,10 @@ sampled and as rendered. By default (environment.kv_cache=reprefill) the engine 
 turn's slot went to other work while the environment answered. With kv_cache=hold the slot keeps the episode's cache
 while it waits and the next turn feeds it only the observation (common/engine/held_turns.py).
 
-An episode ends when the environment returns no observation, after environment.max_turns model turns, or when its
-tokens (model and observation tokens after the prompt) would pass its budget (generation.max_new_tokens; then it is
-truncated). A turn that reaches its own budget (environment.turn_max_new_tokens) without a stop token is answered
+An episode ends when the environment returns no observation, after environment.max_turns model turns (the
+environment still answers the last one, for its turn reward; an episode it would go on with is truncated), or when
+its tokens (model and observation tokens after the prompt) would pass its budget (generation.max_new_tokens; then it
+is truncated). A turn that reaches its own budget (environment.turn_max_new_tokens) without a stop token is answered
 like any other (the environment sees what the model wrote); its stop token is written before the observation, as an
 observation token, so the chat template's turn structure holds. An episode whose final turn was so cut is truncated,
 whether the environment or max_turns ended it. An environment that raises, or answers a turn with
@@ -85,8 +86,8 @@ class _Episode:
             result.turn_texts.append(self.kind.tokenizer.decode([t for t in self._turn_ids if t not in stops]))
             if len(result.tokens) >= s.episode_tokens and not result.turn_closed[-1]:
                 self._end(finished=False)  # cut mid-turn by the episode's budget
-            elif result.turns >= s.max_turns:  # finished if its last turn was: one cut at its budget is truncated
-                self._end(finished=result.turn_closed[-1])
+            elif result.turns >= s.max_turns:
+                self._last_step()
             else:  # a turn cut at environment.turn_max_new_tokens is answered too, as verifiers-style ones are; one
                 self._step()  # closed on the budget's last token too: the environment may end it (else truncated)
         except BaseException as exc:  # noqa: BLE001 - a bug here ends this episode, never the sampler (a worker
@@ -114,8 +115,32 @@ class _Episode:
             self.result.add_observation(ids)
             self.next_turn(ids)
 
+    def _last_step(self) -> None:
+        """At environment.max_turns the environment still answers the last turn, for its turn reward (one graded
+        there was lost), and an episode it would go on with is truncated: that turn is a tool call, not an answer
+        (scored as one, code printing `#### 75` read as the answer). Finished only if the turn was closed too."""
+        started = time.monotonic()
+        try:
+            going_on = self._environment_turn().observation is not None
+        except BaseException as exc:  # noqa: BLE001 - as in _step: an environment's bug ends its episode
+            self.result.error = f"{type(exc).__name__}: {exc}"[:500]
+            going_on = True
+        self.kind.add_environment_seconds(time.monotonic() - started)
+        self._end(finished=self.result.turn_closed[-1] and not going_on)
+
     def _answer(self) -> list[int] | None:
         """The ids of the environment's observation after the last turn (None: the episode ends)."""
+        result = self.result
+        turn = self._environment_turn()
+        if turn.observation is None:
+            return None
+        ids = self.kind.renderer.render(turn.observation)
+        if not result.turn_closed[-1]:  # the turn was cut: close it as the template does
+            ids = self.kind.renderer.end_of_turn_ids() + ids
+        return ids
+
+    def _environment_turn(self):
+        """The environment's Turn for the last model turn, its reward recorded."""
         result = self.result
         if self.kind.settings.tool_latency_s:
             time.sleep(self.kind.settings.tool_latency_s)
@@ -126,12 +151,7 @@ class _Episode:
         if not math.isfinite(reward):
             raise ValueError(f"the environment's turn reward is {reward}; a turn reward must be a finite number")
         result.turn_rewards.append(reward)
-        if turn.observation is None:
-            return None
-        ids = self.kind.renderer.render(turn.observation)
-        if not result.turn_closed[-1]:  # the turn was cut: close it as the template does
-            ids = self.kind.renderer.end_of_turn_ids() + ids
-        return ids
+        return turn
 
     def _end(self, finished: bool) -> None:
         self.result.finished = finished and self.result.error is None

@@ -87,12 +87,24 @@ def test_model_tokens_are_exact_and_observations_carry_no_loss(tiny_parts, engin
         for k, run in enumerate(o for o in obs_runs if len(o)):
             expected = tok.encode(f" = {k + 1}")
             assert run.tolist() in (expected, [tok.eos_id] + expected)
-        assert r.turns <= 3 and len(r.turn_rewards) == min(r.turns, 2 if r.turns == 3 else r.turns)
+        # every turn answered (the last, at max_turns, too: its turn reward counts), but one cut by the budget
+        cut = len(r.tokens) >= C and not r.turn_closed[-1]
+        assert r.turns <= 3 and len(r.turn_rewards) == r.turns - cut
         if r.turns == 3 and len(r.tokens) < C:  # ended by max_turns: finished only if its last turn was not cut
             assert r.finished == r.turn_closed[-1]
     assert {r.turn_closed[-1] for r in results if r.turns == 3 and len(r.tokens) < C} == {True, False}
     diffs = np.concatenate(diffs)
     assert diffs.mean() <= 1e-5 and diffs.max() <= 1e-4
+
+
+def test_an_episode_max_turns_cuts_while_the_environment_would_go_on_is_truncated(tiny_parts, engine):
+    """Its last turn is a tool call, not an answer: it was counted finished and scored as one (code printing
+    `#### 75` read as the answer), and the environment never gave that turn its reward."""
+    settings = EpisodeSettings(max_turns=3, turn_max_new_tokens=6, episode_tokens=C)
+    _, results, _ = _run(tiny_parts, engine, 8, Scripted(turns=5), settings, rng=2)
+    at_max = [r for r in results if r.turns == 3 and len(r.tokens) < C]
+    assert at_max and not any(r.finished for r in at_max)
+    assert all(r.turn_rewards == [0.5] * 3 for r in at_max)
 
 
 def test_environment_steps_run_off_the_decode_thread_while_other_episodes_decode(tiny_parts, engine):
