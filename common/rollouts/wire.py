@@ -199,7 +199,13 @@ def validate_group(msg: rollout_pb2.RolloutGroup, limits: GroupLimits) -> list[s
             errors.append(f"{name}: {len(value)} characters, limit {limits.max_id_length}")
     if msg.policy_version < 0:
         errors.append(f"policy_version: {msg.policy_version} is negative")
-    if msg.HasField("data_position") and msg.data_position < 0:
+    if msg.injected and msg.HasField("data_position"):
+        # the buffer keys data positions by sampler: one on an answer raised the sampler's recorded position (a
+        # restarted sampler resumed there, skipping its data) or, at or below the compacted one, was acknowledged as a
+        # duplicate and never recorded as the prompt's answer
+        errors.append(f"data_position: {msg.data_position} set on an injected prompt's answer (injected=true); "
+                      "leave it unset: only groups drawn from a sampler's data stream have one")
+    elif msg.HasField("data_position") and msg.data_position < 0:
         errors.append(f"data_position: {msg.data_position} is negative; leave it unset for prompts not drawn from "
                       "a data stream")
     elif msg.HasField("data_position") and msg.data_position > MAX_DATA_POSITION:
