@@ -363,6 +363,13 @@ class PromptQueue:
                 ids.append(fields[b"id"].decode())
         return after, ids
 
+    def trimmed_past(self, position: str) -> bool:
+        """Whether the results stream's oldest entry is newer than stream id `position`: entries after it may have been
+        trimmed (prompts.max_kept_results) before a follower reading from there read them."""
+        oldest = self._call(lambda: self.client.xrange(self.results, count=1))
+        key = lambda raw: tuple(int(x) for x in raw.split("-"))  # noqa: E731 - stream ids compare as (ms, seq)
+        return bool(oldest) and key(oldest[0][0].decode()) > key(position)
+
     def counts(self) -> tuple[int, int]:
         """(queued, claimed) injected prompts."""
         def run():
