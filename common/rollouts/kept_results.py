@@ -45,6 +45,11 @@ local function finish_prompt(base, gid_prefix, pid, now, retention, keep)
     redis.call('HSET', base .. ':%(tags)s', pid, cjson.encode(own))
     for _, tag in ipairs(own) do
       local tkey = base .. ':tag:' .. tag
+      -- again: the set expires result_retention_s after its last submit, and a prompt that waited longer in the
+      -- queue would finish into no set, never found by its tag
+      -- (a key of another type, which something else wrote, is left alone: no script error after the first writes)
+      local kind = redis.call('TYPE', tkey)['ok']
+      if kind == 'set' or kind == 'none' then redis.call('SADD', tkey, pid) end
       if redis.call('TTL', tkey) < retention then redis.call('EXPIRE', tkey, retention) end
     end
   end

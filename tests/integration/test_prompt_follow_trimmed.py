@@ -69,3 +69,27 @@ def test_a_finish_trimmed_before_the_follower_read_it_is_reported_not_waited_for
         context.active = False
         resume.set()
         follower.join(30)
+
+
+def test_a_prompt_finishing_after_its_tags_set_expired_is_found_by_its_tag(tiny_parts, shared_redis, run_name):
+    """A tag's set expires prompts.result_retention_s after its last submit: a prompt that waited in the queue
+    longer finished into no set (the finish only renewed the expiry of a set that was gone), and `results --tag`
+    never found it."""
+    cfg, task, tokenizer, _ = tiny_parts
+    _, prompts = ingest_servicers(with_run_name(cfg, run_name), RedisStreamBuffer(connect(shared_redis.url, 5),
+                                                                                   run_name), task, tokenizer, None)
+    context, queue = Context(), prompts.queue
+    spec = prompts_pb2.PromptSpec(text="Q: 1 A:", tags=["slow"])
+    [pid] = prompts.Submit(prompts_pb2.SubmitRequest(prompts=[spec]), context).prompt_ids
+    queue.client.delete(f"{queue.base}:tag:slow")  # what its expiry does while the prompt waits in the queue
+    prompts.Cancel(prompts_pb2.CancelRequest(prompt_ids=[pid]), context)
+    assert queue.tagged("slow") == [pid]
+    assert 0 < queue.client.ttl(f"{queue.base}:tag:slow") <= cfg.prompts.result_retention_s
+    found = list(prompts.StreamResults(prompts_pb2.ResultsRequest(tag="slow"), context))
+    assert [r.prompt_id for r in found] == [pid] and found[0].state == "cancelled"
+    # a tag key something else rewrote as another type is left alone: the finish itself goes through
+    [other] = prompts.Submit(prompts_pb2.SubmitRequest(prompts=[prompts_pb2.PromptSpec(text="Q: 2 A:", tags=["odd"])]),
+                             context).prompt_ids
+    queue.client.set(f"{queue.base}:tag:odd", "not a set")
+    assert list(prompts.Cancel(prompts_pb2.CancelRequest(prompt_ids=[other]), context).cancelled) == [other]
+    assert queue.client.get(f"{queue.base}:tag:odd") == b"not a set"
