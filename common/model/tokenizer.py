@@ -140,7 +140,7 @@ class HFTokenizer:
 
         directory = pathlib.Path(directory)
         config = directory / "tokenizer_config.json"
-        declared = json.loads(config.read_text()).get("tokenizer_class") if config.exists() else None
+        declared = _json_object(config, self.FIELD).get("tokenizer_class") if config.exists() else None
         # transformers 5's AutoTokenizer swaps in the model family's tokenizer class (and its pre-tokenizer) when
         # config.json names e.g. qwen3; a plain tokenizer.json (the tiny model's, exported) is loaded as written
         loader = PreTrainedTokenizerFast if declared in ("PreTrainedTokenizerFast", "TokenizersBackend") else AutoTokenizer
@@ -152,7 +152,7 @@ class HFTokenizer:
         self._eos = self._stop_ids(directory)
         self.pad_id = self._pad_id(directory, pad_token)
         self.eos_id = self._eos[0]
-        self.bos_text = self._tok.bos_token or ""  # prepended to plain prompts; chat templates write it themselves
+        self.bos_text = self._bos_text()  # prepended to plain prompts; chat templates write it themselves
         self._fingerprint_source = directory
         self.tool_format, self.tool_support = self._tools_of(directory, tool_format)
 
@@ -161,10 +161,8 @@ class HFTokenizer:
         token tokenizer_config.json names but tokenizer.json lacks is appended past them, and the model never samples
         it (with it the only stop, every completion ran to its budget)."""
         eos = {self._tok.eos_token_id} - {None}
-        gen = directory / "generation_config.json"
-        if gen.exists():
-            ids = json.loads(gen.read_text()).get("eos_token_id")
-            eos |= set(ids if isinstance(ids, list) else [ids]) - {None}
+        ids = _declared_eos(directory, self.FIELD)
+        eos |= set(ids if isinstance(ids, list) else [ids]) - {None}
         outside = sorted(i for i in eos if i >= self.vocab_size)
         named = ", ".join(f"{self._tok.convert_ids_to_tokens(i)!r} (id {i})" for i in outside)
         if outside and eos - set(outside):
@@ -178,6 +176,14 @@ class HFTokenizer:
         if not eos:
             raise ValueError(f"{self.FIELD}={directory}: the tokenizer defines no end-of-sequence token")
         return sorted(eos - set(outside))
+
+    def _bos_text(self) -> str:
+        """The BOS token's text where the tokenizer itself puts it before a text (its post-processor: Llama 3's
+        <|begin_of_text|>, Gemma's <bos>), else "": a BOS the tokenizer never adds (SmolLM2 names <|im_start|>, its
+        GGUF's add_bos_token is false) is not part of a plain prompt as vLLM, transformers or llama.cpp encode it."""
+        bos, bos_id = self._tok.bos_token, self._tok.bos_token_id
+        added = self._tok.encode("", add_special_tokens=True)
+        return bos if bos and bos_id is not None and list(added[:1]) == [bos_id] else ""
 
     def _pad_id(self, directory: pathlib.Path, pad_token: str | None) -> int:
         """The padding id: model.pad_token's ('auto': the first of `pad_candidates`, logged), else the tokenizer's.
@@ -239,7 +245,7 @@ class HFTokenizer:
         template = json.dumps(template) if isinstance(template, dict) else template  # several named templates
         if tool_format is None:
             config = directory / "config.json"
-            model_type = json.loads(config.read_text()).get("model_type") if config.exists() else None
+            model_type = _json_object(config, self.FIELD).get("model_type") if config.exists() else None
             tool_format, why = template_tools.infer_tool_format(template, model_type)
             log.info("%s=%s: environment.tool_format unset; tool calls are written and parsed in the %r "
                      "format (%s)", self.FIELD, directory, tool_format, why)
@@ -334,6 +340,32 @@ class HFTokenizer:
     def save(self, directory: str | pathlib.Path) -> pathlib.Path:
         self._tok.save_pretrained(str(directory))
         return pathlib.Path(directory)
+
+
+def _declared_eos(directory: pathlib.Path, field: str) -> int | list[int] | None:
+    """generation_config.json's eos_token_id; without that file config.json's (its text_config's for a multimodal
+    one), as transformers and vLLM derive a generation config from config.json (Llama 3 Instruct's config.json lists
+    <|eot_id|>, which its tokenizer may not name)."""
+    gen = directory / "generation_config.json"
+    if gen.exists():
+        return _json_object(gen, field).get("eos_token_id")
+    config = directory / "config.json"
+    if not config.exists():
+        return None
+    data = _json_object(config, field)
+    text = data.get("text_config")
+    return data.get("eos_token_id", text.get("eos_token_id") if isinstance(text, dict) else None)
+
+
+def _json_object(path: pathlib.Path, field: str) -> dict:
+    """The JSON object in `path`, or an error naming the file."""
+    try:
+        data = json.loads(path.read_text())
+    except (ValueError, OSError) as exc:
+        raise ValueError(f"{field}: {path} is not readable JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{field}: {path} holds a {type(data).__name__}, not a JSON object")
+    return data
 
 
 def train_bpe(corpus: list[str], vocab_size: int) -> TextTokenizer:
