@@ -17,6 +17,8 @@ import logging
 import os
 import pathlib
 import secrets
+import threading
+import time
 from typing import Iterable
 
 import grpc
@@ -78,61 +80,120 @@ def _digest(token: str) -> bytes:
 
 
 class TokenTable:
-    """Token digests -> Caller."""
+    """Token digests -> Caller. A table read from a file follows the file: it is read again when it changed (checked
+    at most every `check_s` seconds, at a lookup), so a token removed from it (revoked) or added to it (rotated in)
+    counts without restarting the servers. An edit that cannot be used keeps the previous table, logged as an
+    error naming the file, until the file is fixed."""
 
-    def __init__(self, entries: Iterable[tuple[bytes, Caller]]):
+    check_s = 1.0
+
+    def __init__(self, entries: Iterable[tuple[bytes, Caller]], source: tuple[pathlib.Path, str] | None = None):
         self._entries = list(entries)
         if not self._entries:
             raise AuthError("the token table is empty")
+        self._source, self._lock = source, threading.Lock()
+        self._signature = None if source is None else _signature(source[0])
+        self._checked = time.monotonic()
 
     @classmethod
     def from_file(cls, path: str | os.PathLike, where: str = "auth.tokens_file") -> "TokenTable":
-        try:
-            rows = yaml.safe_load(pathlib.Path(path).read_text())
-        except OSError as exc:
-            raise AuthError(f"{where}={path}: cannot read it ({exc.strerror})") from None
-        except yaml.YAMLError as exc:
-            raise AuthError(f"{where}={path}: not valid YAML ({exc})") from None
-        if not isinstance(rows, list) or not rows:
-            raise AuthError(f"{where}={path}: must be a non-empty YAML list of {{name, role, token}} entries")
-        entries, names = [], set()
-        for i, row in enumerate(rows):
-            if not isinstance(row, dict) or set(row) - {"name", "role", "token", "sha256", "max_priority"}:
-                raise AuthError(f"{where}={path}: entry {i} must have keys name, role and token (or sha256), and "
-                                "may have max_priority")
-            name, role = str(row.get("name") or ""), row.get("role")
-            if not name or role not in ROLES:
-                raise AuthError(f"{where}={path}: entry {i} needs a name and a role in {ROLES}")
-            ceiling = row.get("max_priority")
-            if ceiling is not None and (type(ceiling) is not int or ceiling < 0):
-                raise AuthError(f"{where}={path}: entry {i} ({name}): max_priority must be a whole number >= 0 (the "
-                                "highest injected-prompt priority this token may use), or left out")
-            if name in names:
-                raise AuthError(f"{where}={path}: entry {i}: name {name!r} appears twice (names identify callers)")
-            names.add(name)
-            if "token" in row:
-                token = str(row["token"])
-                if len(token) < 16:
-                    raise AuthError(f"{where}={path}: entry {i} ({name}): token shorter than 16 characters; use "
-                                    "`grpo-stream tokens` to make strong ones")
-                digest = _digest(token)
-            else:
-                try:
-                    digest = bytes.fromhex(str(row.get("sha256", "")))
-                except ValueError:
-                    digest = b""
-                if len(digest) != 32:
-                    raise AuthError(f"{where}={path}: entry {i} ({name}): sha256 must be 64 hex digits")
-            entries.append((digest, Caller(name, role, ceiling)))
-        return cls(entries)
+        path = pathlib.Path(path)
+        signature = _signature(path)  # before reading: a write during the read is seen at the next check
+        table = cls(_read_entries(path, where), (path, where))
+        table._signature = signature
+        return table
 
     def lookup(self, token: str) -> Caller | None:
         """The caller holding `token`; every entry is compared (constant time in which one matched)."""
+        self._follow_file()
         digest, found = _digest(token), None
         for known, caller in self._entries:
             if hmac.compare_digest(known, digest):
                 found = caller
         return found
+
+    def _follow_file(self) -> None:
+        if self._source is None or time.monotonic() - self._checked < self.check_s:
+            return
+        with self._lock:
+            if time.monotonic() - self._checked < self.check_s:
+                return
+            self._checked = time.monotonic()
+            path, where = self._source
+            signature = _signature(path)
+            if signature == self._signature:
+                return
+            self._signature = signature
+            try:
+                self._entries = _read_entries(path, where)
+            except AuthError as exc:
+                log.error("%s; the previous token table (%d tokens) stays in force until it is fixed", exc,
+                          len(self._entries))
+                return
+            log.warning("%s=%s changed: %d tokens now", where, path, len(self._entries))
+
+
+def _signature(path: pathlib.Path) -> tuple | None:
+    """What changes when a file is edited or replaced (a Kubernetes Secret's swap of its symlink included)."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_dev, st.st_size, st.st_mtime_ns
+
+
+def _read_entries(path: pathlib.Path, where: str) -> list[tuple[bytes, Caller]]:
+    """A token table file's (digest, Caller) entries; AuthError naming `where` and the entry when unusable."""
+    try:
+        rows = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise AuthError(f"{where}={path}: cannot read it ({exc.strerror})") from None
+    except yaml.YAMLError as exc:
+        # never the YAML error's own text: it quotes the offending line, which may hold a token
+        mark = getattr(exc, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        why = getattr(exc, "problem", None) or getattr(exc, "reason", None) or type(exc).__name__
+        raise AuthError(f"{where}={path}: not valid YAML{at} ({why})") from None
+    if not isinstance(rows, list) or not rows:
+        raise AuthError(f"{where}={path}: must be a non-empty YAML list of {{name, role, token}} entries")
+    entries, names, digests = [], set(), {}
+    for i, row in enumerate(rows):
+        digest, caller = _entry(row, i, f"{where}={path}")
+        if caller.name in names:
+            raise AuthError(f"{where}={path}: entry {i}: name {caller.name!r} appears twice (names identify callers)")
+        if digest in digests:
+            raise AuthError(f"{where}={path}: entry {i} ({caller.name}) has the token of entry {digests[digest]}; "
+                            "each caller needs a token of its own (`grpo-stream tokens` makes them)")
+        names.add(caller.name)
+        digests[digest] = f"{i} ({caller.name})"
+        entries.append((digest, caller))
+    return entries
+
+
+def _entry(row, i: int, where: str) -> tuple[bytes, Caller]:
+    if not isinstance(row, dict) or set(row) - {"name", "role", "token", "sha256", "max_priority"}:
+        raise AuthError(f"{where}: entry {i} must have keys name, role and token (or sha256), and may have "
+                        "max_priority")
+    name, role = str(row.get("name") or ""), row.get("role")
+    if not name or role not in ROLES:
+        raise AuthError(f"{where}: entry {i} needs a name and a role in {ROLES}")
+    ceiling = row.get("max_priority")
+    if ceiling is not None and (type(ceiling) is not int or ceiling < 0):
+        raise AuthError(f"{where}: entry {i} ({name}): max_priority must be a whole number >= 0 (the highest "
+                        "injected-prompt priority this token may use), or left out")
+    if "token" in row:
+        token = str(row["token"])
+        if len(token) < 16:
+            raise AuthError(f"{where}: entry {i} ({name}): token shorter than 16 characters; use `grpo-stream "
+                            "tokens` to make strong ones")
+        return _digest(token), Caller(name, role, ceiling)
+    try:
+        digest = bytes.fromhex(str(row.get("sha256", "")))
+    except ValueError:
+        digest = b""
+    if len(digest) != 32:
+        raise AuthError(f"{where}: entry {i} ({name}): sha256 must be 64 hex digits")
+    return digest, Caller(name, role, ceiling)
 
 
 def load_table(auth) -> TokenTable | None:

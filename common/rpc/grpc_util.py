@@ -12,6 +12,7 @@ import dataclasses
 import ipaddress
 import logging
 import pathlib
+import resource
 import ssl
 from concurrent import futures
 
@@ -55,6 +56,31 @@ SERVER_OPTIONS = [
     ("grpc.http2.ping_timeout_ms", 20_000),
     ("grpc.http2.max_pings_without_data", 0),
 ]
+
+
+# Connections one server holds at once (grpc.max_allowed_incoming_connections; beyond it a new one is closed as
+# accepted, and its client retries). Without a cap, a peer without any token opened connections until the process
+# ran out of file descriptors (1,100 idle connections took a server with the usual soft limit of 1,024 to EMFILE:
+# no checkpoint, Redis or data-plane socket could be opened). A sampler holds one or two.
+MAX_CONNECTIONS = 1024
+
+
+def connection_cap() -> int:
+    """Raises this process's soft RLIMIT_NOFILE toward its hard limit to twice MAX_CONNECTIONS, and returns the
+    connections a server may hold: MAX_CONNECTIONS, or half the open-file limit where the hard limit is lower
+    (logged), so that the other half stays for the process's own files and sockets."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = 2 * MAX_CONNECTIONS
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        raised = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+        if raised > soft:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
+            soft = raised
+    if soft == resource.RLIM_INFINITY or soft >= wanted:
+        return MAX_CONNECTIONS
+    log.warning("the open-file limit (%d, hard %s) leaves room for %d client connections per gRPC server, not %d "
+                "(raise the hard limit: ulimit -Hn)", soft, hard, soft // 2, MAX_CONNECTIONS)
+    return max(16, soft // 2)
 
 
 def _read(path: str | None, setting: str) -> bytes | None:
@@ -123,11 +149,13 @@ class ClientSecurity:
 def new_server(security: ServerSecurity | None) -> grpc.Server:
     """A server whose every call passes call_guard.py: auth when `security` has a token table, and the call limits
     of `security.limits` (defaults without `security`). Its pool holds every kind's slots plus the threads that
-    answer refusals, and a call beyond that is answered RESOURCE_EXHAUSTED at once (maximum_concurrent_rpcs)."""
+    answer refusals, and a call beyond that is answered RESOURCE_EXHAUSTED at once (maximum_concurrent_rpcs). It holds
+    at most `connection_cap()` client connections."""
     security = security or ServerSecurity()
     limits = security.limits
     guard = GuardInterceptor(security.table, limits, security.open_health)
-    options = [*SERVER_OPTIONS, ("grpc.max_concurrent_streams", limits.streams_per_connection)]
+    options = [*SERVER_OPTIONS, ("grpc.max_concurrent_streams", limits.streams_per_connection),
+               ("grpc.max_allowed_incoming_connections", connection_cap())]
     return grpc.server(futures.ThreadPoolExecutor(max_workers=limits.workers, thread_name_prefix="grpc-server"),
                        options=options, interceptors=[guard], maximum_concurrent_rpcs=limits.workers)
 
