@@ -44,8 +44,9 @@ class SamplerRegistry:
             return
         with self._lock:
             now = time.time()
+            self._sweep(now, keep=sampler_id)  # whoever stopped goes, even while no new id ever reports
             if sampler_id not in self.installed:
-                self._make_room(now)
+                self._make_room()
             history = self.installed.setdefault(sampler_id, [])
             # a sampler's versions only move forward within an epoch: a lower one is a report that a later one
             # overtook (each is a unary call with a short deadline; a late one may still be served)
@@ -60,13 +61,19 @@ class SamplerRegistry:
             if generated is not None:
                 count_generated(self.generated.setdefault(sampler_id, {}), process, generated)
 
-    def _make_room(self, now: float) -> None:
-        """Forget samplers silent for SAMPLER_EXPIRY_S (checked at most once a minute), then, while MAX_SAMPLERS
-        are held, the least recently seen; their generated groups stay counted. Holds the lock."""
+    def _sweep(self, now: float, keep: str = "") -> None:
+        """Forget samplers (but `keep`, the one reporting now) silent for SAMPLER_EXPIRY_S, checked at most once a
+        minute; their generated groups stay counted. Holds the lock. Run on every report and read, not only when a
+        new id reports: with a fixed set of samplers a stopped one was never forgotten, and its lag (status, the
+        sampler_weight_lag series) grew with every version for the rest of the run."""
         if now >= self._next_sweep:
             self._next_sweep = now + 60.0
-            for sid in [sid for sid, seen in self.last_seen.items() if now - seen > SAMPLER_EXPIRY_S]:
+            for sid in [sid for sid, seen in self.last_seen.items() if now - seen > SAMPLER_EXPIRY_S and sid != keep]:
                 self._forget(sid)
+
+    def _make_room(self) -> None:
+        """While MAX_SAMPLERS are held, forget the least recently seen; their generated groups stay counted. Holds
+        the lock."""
         while len(self.installed) >= MAX_SAMPLERS:
             self._forget(min(self.installed, key=lambda sid: self.last_seen.get(sid, 0.0)))
 
@@ -78,6 +85,7 @@ class SamplerRegistry:
     def samplers_at(self, version: int) -> dict[str, bool]:
         """Per sampler: whether it installed `version` (or later)."""
         with self._lock:
+            self._sweep(time.time())
             return {sid: bool(v) and v[-1] >= version for sid, v in self.installed.items()}
 
     def groups_generated(self) -> int:
@@ -89,6 +97,7 @@ class SamplerRegistry:
         """Each sampler's installed version, lag behind `latest` (the newest publication), throughput and last
         report."""
         with self._lock:
+            self._sweep(time.time())
             return [{"sampler_id": sid, "installed_version": v[-1] if v else -1,
                      "lag": (latest - v[-1]) if (v and latest is not None) else 0,
                      "groups_per_s": self.throughput.get(sid, (0.0, 0.0))[0],
