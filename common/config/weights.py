@@ -47,10 +47,12 @@ class WeightsSection(Strict):
     keep_versions: int = Field(3, ge=2, le=10_000, description="checkpoint: versions kept on disk (older are "
                                "deleted; a sampler still restoring one retries with the newest).")
     background_fetch: bool = Field(True, description="Samplers fetch a new version on a background thread while "
-                                   "they keep generating with the installed one, and install it whole as "
-                                   "sampler.weight_updates says (needs "
-                                   "device memory for a second copy of the weights); false = fetch in the "
-                                   "generation loop (one copy, generation pauses during the transfer).")
+                                   "they keep starting groups with the installed one, and install it whole as "
+                                   "sampler.weight_updates says; false = the feeder's thread fetches it, and no "
+                                   "group starts during the transfer. Either way the engine decodes the groups in "
+                                   "flight with the installed version until it takes the new one, so the devices "
+                                   "hold a second copy of the weights while a version arrives (`grpo-stream plan`'s "
+                                   "fetch buffer).")
     retry_initial_s: float = Field(0.5, gt=0, le=600, description="First back-off after a failed fetch; doubles "
                                    "per failure.")
     retry_max_s: float = Field(10.0, gt=0, le=3600, description="Longest back-off between fetch attempts.")

@@ -128,9 +128,6 @@ def trainer_fixes(cfg: RunConfig, sizes: dict) -> list[str]:
 
 def sampler_fixes(cfg: RunConfig, sizes: dict, slots: int) -> list[str]:
     fixes = []
-    if cfg.weights.background_fetch:
-        fixes.append(f"weights.background_fetch=false: no second copy while a version arrives (saves "
-                     f"{gib(sizes['fetch_buffer'])}; generation pauses during each fetch)")
     fewer = fewer_rows(cfg, slots) if sizes["kv_cache"] > 0.2 * sizes["total"] and slots > 8 else None
     if fewer is not None:
         fixes.append(f"{' '.join(fewer)}: half the rows decoded at once, half the KV cache of "

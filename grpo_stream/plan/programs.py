@@ -270,7 +270,9 @@ def sampler_programs(cfg: RunConfig, arch: Architecture) -> dict:
     if regroup is not None:
         programs["regroup"] = regroup
     params, relaid, kv = shard_bytes(model.params), shard_bytes(weights), shard_bytes(states)
-    fetch = params if cfg.weights.background_fetch else 0  # the next version arrives beside the installed one
+    # the next version arrives beside the installed one and its layout, held by the engine (its own thread) until it
+    # takes the new one: whatever weights.background_fetch says (false: the feeder's thread fetches, the engine decodes)
+    fetch = params
     extra = {"decode_chunk": decode["outputs"] - decode["aliased"] + decode["temporaries"],
              "prefill": prefill["peak"] - relaid,
              "relayout": relayout["outputs"] + relayout["temporaries"] - relaid}  # the old copy is freed first
@@ -281,10 +283,8 @@ def sampler_programs(cfg: RunConfig, arch: Architecture) -> dict:
         base = params
         programs["lora_merge"] = lora_merge_program(cfg, model)
         merge = programs["lora_merge"]
-        # the version's adapters and the merge's temporaries, and its output beside the installed weights unless
-        # the fetch buffer already stands for that copy
-        extra["lora_merge"] = (merge["arguments"] - params + merge["temporaries"]
-                               + (0 if cfg.weights.background_fetch else merge["outputs"]))
+        # the version's adapters and the merge's temporaries (its output is the version arriving: the fetch buffer)
+        extra["lora_merge"] = merge["arguments"] - params + merge["temporaries"]
     progress(f"sampler: compiled in {time.time() - started:.0f} s")
     per_device = {"parameters": params, "fetch_buffer": fetch, "lora_base": base, "decode_weights": relaid,
                   "kv_cache": kv, "temporaries": max(extra.values())}

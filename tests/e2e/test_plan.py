@@ -75,7 +75,9 @@ def test_tiny_run_on_two_devices_fits_and_reports_every_category(tmp_path):
     small = verdict(cfg, "sampler", dict(sampler))
     assert small["fits"] is False and small["device_memory_bytes"] == 2 ** 30 // 1000
     assert any(f.startswith("sampler.dtype=bfloat16") for f in small["fixes"])
-    assert any(f.startswith("weights.background_fetch=false") for f in small["fixes"])
+    # the engine keeps its version while the next one arrives, whatever weights.background_fetch says: no fix
+    assert sampler["per_device_bytes"]["fetch_buffer"] == sampler["per_device_bytes"]["parameters"]
+    assert not any("background_fetch" in f for f in small["fixes"])
 
 
 @pytest.mark.heavy  # a plan that compiles its programs (45 s); the arithmetic refusals stay in the default lane
@@ -170,7 +172,7 @@ def test_the_70b_preset_fits_its_split_slices(tmp_path):
     """The 70B preset's plan (its update step compiles for about 4 minutes on 2 cores: 80 layers on 32 fake
     devices): the trainer fits a v5p chip with FSDP over 32 (weights gathered a layer at a time inside each
     micro-batch pass, activations sharded over the batch), its held-out evaluation's KV cache whole on each chip
-    included; a sampler fits 8 chips with background fetching off."""
+    included; a sampler fits 8 chips with the next version's copy beside the installed one and its layout."""
     code, output, doc = plan(tmp_path, "configs/llama3.1_70b_gsm8k_split_slices.yaml")
     assert code == 0, output
     assert doc["trainer"]["parameters"] > 70e9 and doc["trainer"]["devices"] == 32 and doc["sampler"]["devices"] == 8
@@ -180,19 +182,10 @@ def test_the_70b_preset_fits_its_split_slices(tmp_path):
     # eval.batch_size=128 rows of 768 positions: 80 layers x 8 KV heads x 128 x 2 (keys, values) x 2 bytes each
     evaluation = doc["trainer"]["evaluation"]
     assert evaluation["rows"] == 128 and evaluation["kv_cache"] >= 128 * 768 * 80 * 8 * 128 * 2 * 2, evaluation
-    # background fetching holds one more copy of the weights on each sampler chip; on a chip where that copy is what
-    # does not fit, the plan names the fix (on a v5p it now fits, 83.1 of 85.5 GiB, since the prefill stopped
-    # keeping the whole vocabulary's logits; the preset keeps it off: the CPU-compiled temporaries are an estimate)
-    sampler = dict(doc["sampler"], per_device_bytes=dict(doc["sampler"]["per_device_bytes"]))
-    per = sampler["per_device_bytes"]
-    memory_gib = (per["total"] + per["parameters"] / 2) / (1 - 0.05) / 2**30  # usable between without and with
-    cfg = load_config(ROOT / "configs/llama3.1_70b_gsm8k_split_slices.yaml", [
-        "weights.background_fetch=true", "hardware.margin=0.05", f"hardware.sampler_memory_gib={memory_gib}"])
-    assert verdict(cfg, "sampler", dict(sampler))["fits"] is True  # without the fetch buffer
-    per["fetch_buffer"] = per["parameters"]
-    per["total"] += per["parameters"]
-    refused = verdict(cfg, "sampler", sampler)
-    assert refused["fits"] is False and any(f.startswith("weights.background_fetch=false") for f in refused["fixes"])
+    # the version arriving is counted whatever weights.background_fetch says (false too): the engine decodes on
+    # its own thread with the installed version and its layout until it takes the new one
+    sampler = doc["sampler"]["per_device_bytes"]
+    assert sampler["fetch_buffer"] == sampler["parameters"] and doc["sampler"]["fits"] is True, sampler
 
 
 def test_an_unknown_checkpoint_without_config_json_names_model_path(tmp_path):
