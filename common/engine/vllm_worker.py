@@ -15,6 +15,8 @@ import pathlib
 
 import numpy as np
 
+from grpo_stream.common.engine.vllm_weight_check import check_version
+
 
 class WeightLoaderExtension:
     """Mixed into every vLLM worker; `self` is the worker (its `model_runner.model` is the model)."""
@@ -43,7 +45,6 @@ def load_into_worker(worker, tensors: dict[str, np.ndarray] | None = None, path:
 
     # deferred: JAX (which the checkpoint code imports) stays out of a worker's start
     from grpo_stream.common.model.hf_checkpoint import read_safetensors  # noqa: PLC0415
-    from grpo_stream.common.engine.vllm_weight_check import check_version  # noqa: PLC0415 - as above (torch)
 
     def torch_of(arr: np.ndarray):
         arr = np.ascontiguousarray(arr)
