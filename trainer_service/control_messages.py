@@ -45,6 +45,8 @@ MIN_SECRET_CHARS = 32
 _MAGIC = b"GRPOMSG1"
 _MAC_BYTES = 32
 _MAX_HEADER = 1 << 20
+# an authentic message this process cannot read: its writer runs another version of grpo-stream
+_SKEW = " (the trainer processes run different versions of grpo-stream: install the same one on every host)"
 
 
 class ControlMessageError(RuntimeError):
@@ -206,11 +208,11 @@ class ControlCodec:
     def _parse(stream: str, message: Any, body: bytes, refuse) -> tuple[Any, dict[str, np.ndarray]]:
         kind = message.get("kind") if isinstance(message, dict) else None
         if kind not in KINDS[stream]:
-            raise refuse(f"is of kind {str(kind)[:32]!r}, not one of {', '.join(KINDS[stream])}")
+            raise refuse(f"is of kind {str(kind)[:32]!r}, not one of {', '.join(KINDS[stream])}{_SKEW}")
         try:
             parsed = STREAMS[stream].validate_python(message)
         except ValidationError as exc:
-            raise refuse(f"has fields that do not parse as a {kind!r} message: {str(exc)[:500]}") from exc
+            raise refuse(f"has fields that do not parse as a {kind!r} message{_SKEW}: {str(exc)[:500]}") from exc
         try:
             with np.load(io.BytesIO(body), allow_pickle=False) as npz:  # never unpickles
                 arrays = {name: npz[name] for name in npz.files}

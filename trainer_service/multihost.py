@@ -25,8 +25,11 @@ and restarts from the newest checkpoint, as a JobSet restarts its pods and `up` 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import importlib.metadata
 import ipaddress
+import json
 import logging
 import os
 import socket
@@ -41,6 +44,7 @@ from grpo_stream.protos import weights_pb2
 from grpo_stream.trainer_service.checkpoints.errors import RunRefused
 from grpo_stream.trainer_service.control_messages import (STREAMS, ControlCodec, ControlMessageError, Hosts, Settings,
                                                           load_secret)
+from grpo_stream.trainer_service.learning.batching import TrainBatch
 
 log = logging.getLogger(__name__)
 
@@ -234,10 +238,27 @@ SETTINGS_DIFFER, SETTINGS_UNREAD = 1, 2  # a process's verdict on its config (0:
 MAX_SETTINGS = 2048  # settings compared (a config has about 300): one byte each in check_same_config's gather
 
 
+PROTOCOL_SETTING = "(grpo-stream version)"  # compared as a setting: what the processes send each other, and how
+
+
+def protocol() -> str:
+    """What this process's grpo-stream sends and reads between trainer processes: its version and the schemas of
+    the control messages and of a step's batch. Processes of different versions (an image updated on some hosts)
+    would fail on the first message the other cannot read, or run different programs and wait for each other."""
+    try:
+        version = importlib.metadata.version("grpo-stream")
+    except importlib.metadata.PackageNotFoundError:
+        version = "unknown"
+    schemas = {stream: adapter.json_schema() for stream, adapter in STREAMS.items()}
+    return json.dumps([version, schemas, [f.name for f in dataclasses.fields(TrainBatch)]], sort_keys=True)
+
+
 def config_digests(cfg: RunConfig, codec: ControlCodec) -> dict[str, str]:
-    """Each setting of `cfg` (dotted name) that must be the same in every trainer process, to its keyed digest."""
-    return {name: codec.digest([name, value]) for name, value in dotted_settings(cfg.model_dump(mode="json")).items()
-            if not (name.split(".")[0] in HOST_LOCAL_SECTIONS or name.endswith(HOST_LOCAL_SUFFIXES))}
+    """Each setting of `cfg` (dotted name) that must be the same in every trainer process, to its keyed digest, and
+    this process's grpo-stream protocol (PROTOCOL_SETTING)."""
+    digests = {name: codec.digest([name, value]) for name, value in dotted_settings(cfg.model_dump(mode="json")).items()
+               if not (name.split(".")[0] in HOST_LOCAL_SECTIONS or name.endswith(HOST_LOCAL_SUFFIXES))}
+    return {**digests, PROTOCOL_SETTING: codec.digest([PROTOCOL_SETTING, protocol()])}
 
 
 def check_same_config(group: TrainerGroup, cfg: RunConfig) -> None:
@@ -273,6 +294,11 @@ def check_same_config(group: TrainerGroup, cfg: RunConfig) -> None:
     extra = [k for k in range(len(rows)) if rows[k, -1] == SETTINGS_DIFFER and not rows[k, :len(names)].any()]
     what = ", ".join(differ[:20]) + (f" and {len(differ) - 20} more" if len(differ) > 20 else "")
     what += f"{'; ' if what else ''}process(es) {extra} have settings process 0 has not" if extra else ""
+    skew = bool(extra) or (PROTOCOL_SETTING in names and rows[:, names.index(PROTOCOL_SETTING)].any())
+    if skew:  # whatever else differs follows from that
+        raise RunRefused(f"trainer processes run another version of grpo-stream than trainer process 0 ({what}): "
+                         "their messages and programs differ. Install the same grpo-stream (the same image) on every "
+                         "host of the trainer")
     raise RunRefused(f"trainer processes started with configs other than trainer process 0's: {what}. Every trainer "
                      "process must run the same config, or they run different programs and wait for each other for "
                      "ever: start each with the same --config file and overrides (`up` does); only the sections "
