@@ -57,19 +57,30 @@ def _rows_jsonl(path: pathlib.Path) -> Iterable[tuple[str, object]]:
                 yield where, ValueError(f"not UTF-8: an undecodable byte at column {exc.start + 1}")
             except json.JSONDecodeError as exc:
                 yield where, exc
+            except RecursionError:  # json.loads recurses per nesting level: a line of 100k '[' raised out of the load
+                yield where, ValueError("nested too deeply to parse")
 
 
 def _rows_parquet(path: pathlib.Path) -> Iterable[tuple[str, object]]:
     import pyarrow.parquet as pq  # noqa: PLC0415 - deferred: only for Parquet sources
 
-    for number, row in enumerate(pq.read_table(path).to_pylist(), 1):
+    try:
+        table = pq.read_table(path)
+    except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError: a file that is not Parquet
+        raise DatasetError(f"dataset.source: {path} is not a readable Parquet file ({exc})") from exc
+    for number, row in enumerate(table.to_pylist(), 1):
         yield f"{path} row {number}", row
 
 
 def _rows_hub(name: str, config: str | None, split: str) -> Iterable[tuple[str, object]]:
     import datasets  # noqa: PLC0415 - deferred: only for hub sources; may download
 
-    for number, row in enumerate(datasets.load_dataset(name, config, split=split), 1):
+    try:
+        rows = datasets.load_dataset(name, config, split=split)
+    except (OSError, ValueError) as exc:  # ConnectionError, DatasetNotFoundError, an unknown split
+        raise DatasetError(f"dataset.source={name}: not a local file or directory (from {pathlib.Path.cwd()}), and "
+                           f"the Hugging Face hub gave no split {split} of it: {exc}") from exc
+    for number, row in enumerate(rows, 1):
         yield f"{name}[{split}] row {number}", row
 
 
@@ -87,6 +98,9 @@ def _source_rows(source: str, split: str, hub_config: str | None) -> Iterable[tu
         return _rows_parquet(path)
     if path.suffix in (".jsonl", ".parquet") or source.startswith((".", "/")):
         raise DatasetError(f"dataset.source={source}: no such file or directory")
+    if path.exists():  # a local file of another format was taken for a hub name: retries, then 'Couldn't reach'
+        raise DatasetError(f"dataset.source={source} is a {path.suffix or 'suffix-less'} file: a file source must be "
+                           "JSON Lines (.jsonl) or Parquet (.parquet)")
     return _rows_hub(source, hub_config, split)
 
 
