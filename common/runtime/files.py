@@ -42,13 +42,15 @@ def to_json(value, **kwargs) -> str:
     return json.dumps(finite(value), allow_nan=False, **kwargs)
 
 
-def write_atomic(path: pathlib.Path, text: str) -> None:
-    """Write `text` to `path` whole (module doc); the temporary file is removed when writing fails."""
+def write_atomic(path: pathlib.Path, text: str | bytes, private: bool = False) -> None:
+    """Write `text` (or bytes) to `path` whole (module doc); the temporary file is removed when writing fails.
+    `private`: readable by this user only (a file that may hold secrets)."""
     path = pathlib.Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)  # mode 0600
     try:
-        os.fchmod(fd, 0o666 & ~_UMASK)  # as open() would make it: mkstemp's 0600 would hide it from other readers
-        with os.fdopen(fd, "w") as file:
+        if not private:
+            os.fchmod(fd, 0o666 & ~_UMASK)  # as open() would make it: mkstemp's 0600 would hide it from other readers
+        with os.fdopen(fd, "wb" if isinstance(text, bytes) else "w") as file:
             file.write(text)
         os.replace(tmp, path)
     except BaseException:

@@ -17,10 +17,8 @@ restart with a config error.
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import sys
-import tempfile
 from typing import Any, Callable, Iterable
 
 import yaml
@@ -95,13 +93,6 @@ def snapshot_config(config_path: pathlib.Path | None, run_dir: pathlib.Path) -> 
     user only (module doc); None without a config file."""
     if config_path is None:
         return None
-    data, target = pathlib.Path(config_path).read_bytes(), run_dir / SOURCE_FILE
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=run_dir)  # mode 0600
-    try:
-        with os.fdopen(fd, "wb") as file:
-            file.write(data)
-        os.replace(tmp, target)
-    except BaseException:
-        pathlib.Path(tmp).unlink(missing_ok=True)
-        raise
+    target = run_dir / SOURCE_FILE
+    write_atomic(target, pathlib.Path(config_path).read_bytes(), private=True)
     return target
