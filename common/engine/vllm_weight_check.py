@@ -41,7 +41,8 @@ def check_version(model: Any, named: dict[str, Any], ties: list[tuple[str, str]]
     vLLM torch model) through its `load_weights`, with `ties` (source, alias) given the source's tensor too (as
     vllm_worker.load_into_worker does). Nothing of the model is written; its tensors are back in place on return."""
     import torch  # noqa: PLC0415 - deferred: vLLM's environment only
-    from vllm.model_executor.model_loader.reload.utils import get_tensor_load_numel  # noqa: PLC0415 - deferred: as above
+    from vllm.model_executor.model_loader.reload.utils import (  # noqa: PLC0415 - deferred: as above
+        get_tensor_load_numel)
 
     received: dict[int, int] = {}  # id(meta parameter) -> elements its loader wrote
     state = {"tensor": None}  # the version's tensor load_weights took last (named in a refusal)
@@ -80,10 +81,12 @@ def _dry_parameters(model: Any, received: dict[int, int], state: dict) -> Iterat
     or filled: a padded vocabulary's rows) to `received`; afterwards the layers have their own tensors back."""
     import torch  # noqa: PLC0415 - deferred: vLLM's environment only
     from torch.utils._python_dispatch import TorchDispatchMode  # noqa: PLC0415 - deferred: as above
-    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info  # noqa: PLC0415 - deferred: as above
+    from vllm.model_executor.model_loader.reload.layerwise import (  # noqa: PLC0415 - deferred: as above
+        get_layerwise_info)
     from vllm.model_executor.model_loader.reload.meta import (  # noqa: PLC0415 - deferred: as above
         SKIP_LOAD_TENSORS, restore_layer_on_meta, to_meta_tensor)
-    from vllm.model_executor.model_loader.weight_utils import default_weight_loader  # noqa: PLC0415 - deferred: as above
+    from vllm.model_executor.model_loader.weight_utils import (  # noqa: PLC0415 - deferred: as above
+        default_weight_loader)
 
     class Written(TorchDispatchMode):
         def __init__(self, writes: set):
