@@ -14,24 +14,9 @@ from grpo_stream.trainer_service import multihost
 from grpo_stream.trainer_service.checkpoints.errors import RunRefused
 from grpo_stream.trainer_service.control_messages import ControlCodec, ControlMessageError, Step
 from grpo_stream.trainer_service.multihost import TrainerGroup
+from tests.unit.trainer_service.test_multihost import Store
 
 CODEC = ControlCodec(b"k" * 64, b"\x07" * 16)
-
-
-class Store:
-    def __init__(self):
-        self.values = {}
-
-    def key_value_set_bytes(self, key, value, allow_overwrite=False):
-        self.values[key] = value
-
-    def blocking_key_value_get_bytes(self, key, timeout_ms):
-        if key not in self.values:
-            raise RuntimeError(f"DEADLINE_EXCEEDED: GetKeyValue() timed out with key: {key}")
-        return self.values[key]
-
-    def key_value_delete(self, key):
-        self.values.pop(key, None)
 
 
 def verdicts(monkeypatch, follower_protocol: str, overrides=()):
