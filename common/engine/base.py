@@ -136,6 +136,29 @@ class Request:
     forced: list[int] | None = None  # the ids that follow the held sequence: the last len(forced) of `ids`
 
 
+def check_served(request: Request, max_new_tokens: int, context: int, vocab_size: int, context_field: str) -> Request:
+    """`request` as every engine's serve takes it (check_request checks generate's prompts), else a ValueError
+    naming the setting: a budget in 1..max_new_tokens, a prompt of 1 or more ids (and any forced ones) of the model's
+    vocabulary, prompt + budget within the `context` tokens per sequence that `context_field` asked for (a later
+    turn's prompt may pass max_prompt_tokens: the conversation so far). An id outside the vocabulary is never
+    served: the JAX embedding lookup clamps it, and vLLM without a tokenizer checks none (one inside its padded rows
+    decodes silently, one past them fails its step), so it would sample another prompt's completion and logprobs."""
+    if not 1 <= request.budget <= max_new_tokens:
+        raise ValueError(f"a request's budget of {request.budget} new tokens is outside 1..{max_new_tokens} "
+                         "(generation.max_new_tokens); ask for fewer tokens or raise generation.max_new_tokens")
+    if not len(request.ids):
+        raise ValueError("a request has no prompt tokens: there is nothing to sample its first token from; send at "
+                         "least one token id")
+    if not all(0 <= min(ids) and max(ids) < vocab_size for ids in (request.ids, request.forced) if ids):
+        raise ValueError(f"a request's token ids must lie in 0..{vocab_size - 1}, the model's vocabulary (forced ids "
+                         "too); encode the prompt with the model's tokenizer")
+    if len(request.ids) + request.budget > context:
+        raise ValueError(f"a request of {len(request.ids)} prompt tokens and a budget of {request.budget} does not fit "
+                         f"the engine's {context} tokens ({context_field}); shorten the prompt or its budget, or raise "
+                         "that")
+    return request
+
+
 class RequestSource(Protocol):
     """Where a serving engine (`serve`) takes requests from and hands finished sequences back to."""
 

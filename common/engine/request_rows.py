@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from grpo_stream.common.engine.base import Request, RequestSource
+from grpo_stream.common.engine.base import Request, RequestSource, check_served
 from grpo_stream.common.engine.slot_table import SlotGroup
 
 if TYPE_CHECKING:
@@ -46,20 +46,7 @@ class RequestRows:
 
     def register(self, request: Request, versions: bool) -> int:
         """A row for a request taken from the source: its output buffers, and its prompt length for the windows."""
-        if not 1 <= request.budget <= self.max_new_tokens:
-            raise ValueError(f"a request's budget of {request.budget} new tokens is outside 1..{self.max_new_tokens} "
-                             "(generation.max_new_tokens); ask for fewer tokens or raise generation.max_new_tokens")
-        if not request.ids:
-            raise ValueError("a request has no prompt tokens: there is nothing to sample its first token from; send "
-                             "at least one token id")
-        if not all(0 <= min(ids) and max(ids) < self.vocab_size for ids in (request.ids, request.forced) if ids):
-            # the embedding lookup would clamp (or wrap) such an id silently: another token's completion and logprobs
-            raise ValueError(f"a request's token ids (or forced ids) must lie in 0..{self.vocab_size - 1}, the "
-                             "model's vocabulary; encode the prompt with the model's tokenizer")
-        if len(request.ids) + request.budget > self.cache_len:
-            raise ValueError(f"a request of {len(request.ids)} prompt tokens and a budget of {request.budget} does not "
-                             f"fit the engine's {self.cache_len} cache positions per sequence ({self.context_field}); "
-                             f"shorten the prompt or its budget, or raise {self.context_field}")
+        check_served(request, self.max_new_tokens, self.cache_len, self.vocab_size, self.context_field)
         size = request.budget + (len(request.forced) if request.resume is not None and request.forced else 0)
         out = (np.full(size, self.pad_id, np.int32), np.zeros(size, np.float32),
                np.full(size, -1, np.int32) if versions else None)

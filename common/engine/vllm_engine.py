@@ -90,8 +90,8 @@ import numpy as np
 
 from grpo_stream.common.config.serving import engine_context
 from grpo_stream.common.engine.side_requests import SideQueue, serve_sharing
-from grpo_stream.common.engine.base import Generation, Request, RequestSource, generate_by_serving, take_weights
-from grpo_stream.common.engine.vllm_requests import Live, check_ended, check_fits, drop_withdrawn
+from grpo_stream.common.engine.base import Generation, RequestSource, check_served, generate_by_serving, take_weights
+from grpo_stream.common.engine.vllm_requests import CONTEXT_FIELD, Live, check_ended, drop_withdrawn
 from grpo_stream.common.engine.vllm_weight_check import REFUSED, WeightsMismatch
 from grpo_stream.common.engine.vllm_args import engine_args
 from grpo_stream.common.engine.vllm_worker import load_into_worker
@@ -300,8 +300,9 @@ class VllmEngine:
         try:
             while not source.cancelled():
                 source.released()
-                for request in source.take():
-                    pending.append(self._check(request))
+                vocab = self.model.arch.vocab_size  # each request as every engine checks it, naming the setting
+                pending.extend(check_served(r, self.max_new_tokens, self.context_capacity, vocab, CONTEXT_FIELD)
+                               for r in source.take())
                 drop_withdrawn(source, pending, live, engine)
                 if not pending and not live:
                     if not source.open():
@@ -351,10 +352,6 @@ class VllmEngine:
         finally:
             if live:  # an error left requests in the engine: the next serve must not get their outputs
                 engine.abort_request(list(live))
-
-    def _check(self, request: Request) -> Request:
-        """`request` fits the engine (vllm_requests.check_fits), else a ValueError naming the setting."""
-        return check_fits(request, self.max_new_tokens, self.context_capacity, self.model.arch.vocab_size)
 
     def _finish(self, source: RequestSource, entry: Live) -> None:
         tokens = np.asarray(entry.tokens, np.int32)

@@ -1,6 +1,6 @@
-"""What the vLLM engine's serve checks of each request before vLLM sees it (`check_fits`), what it keeps of each
-request in the engine (`Live`), and how it ends one early: a request whose endpoint caller went away
-(`drop_withdrawn`), or one vLLM ended itself (`check_ended`)."""
+"""What the vLLM engine's serve keeps of each request in the engine (`Live`), and how it ends one early: a request
+whose endpoint caller went away (`drop_withdrawn`), or one vLLM ended itself (`check_ended`). Each request is checked
+first as every engine checks it (base.check_served, naming CONTEXT_FIELD)."""
 
 from __future__ import annotations
 
@@ -10,29 +10,7 @@ from grpo_stream.common.engine.base import Request
 
 
 CONTEXT_FIELD = "generation.max_prompt_tokens + generation.max_new_tokens, or sampler.openai.max_context_tokens " \
-                "when longer"
-
-
-def check_fits(request: Request, max_new_tokens: int, context: int, vocab_size: int) -> Request:
-    """`request` as the JAX engine takes it (request_rows.RequestRows.register): a budget in 1..max_new_tokens, a
-    prompt of 1 or more ids of the model's vocabulary (0..vocab_size-1), prompt + budget within `context` tokens (a
-    later turn's prompt may pass max_prompt_tokens: the conversation so far). vLLM checks no id itself when it has no
-    tokenizer (skip_tokenizer_init): an id past the embedding's padded rows would fail its step (on GPU, a device-side
-    assert that ends the process), and one inside them would decode another prompt's completion silently."""
-    if not 1 <= request.budget <= max_new_tokens:
-        raise ValueError(f"a request's budget of {request.budget} new tokens is outside 1..{max_new_tokens} "
-                         "(generation.max_new_tokens); ask for fewer tokens or raise generation.max_new_tokens")
-    if not len(request.ids):
-        raise ValueError("a request has no prompt tokens: there is nothing to sample its first token from; send at "
-                         "least one token id")
-    if not 0 <= min(request.ids) <= max(request.ids) < vocab_size:
-        raise ValueError(f"a request's token ids must lie in 0..{vocab_size - 1}, the model's vocabulary; encode the "
-                         "prompt with the model's tokenizer")
-    if len(request.ids) + request.budget > context:
-        raise ValueError(f"a request of {len(request.ids)} prompt tokens and a budget of {request.budget} does not fit "
-                         f"the engine's {context} tokens ({CONTEXT_FIELD}); shorten the prompt or its budget, or raise "
-                         "those settings")
-    return request
+                "when longer"  # max_model_len
 
 
 class Live:

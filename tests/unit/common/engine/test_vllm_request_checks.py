@@ -1,17 +1,17 @@
-"""What the vLLM engine refuses before vLLM sees a request (vllm_requests.check_fits, no vLLM needed): what the JAX
-engine refuses (request_rows.RequestRows.register), each with an error naming the setting. The refusals inside a
-running vLLM engine: test_vllm_refusals.py."""
+"""What the vLLM engine refuses before vLLM sees a request (base.check_served with its CONTEXT_FIELD, no vLLM
+needed): what the JAX engine refuses (request_rows.RequestRows.register), each with an error naming the setting. The
+refusals inside a running vLLM engine: test_vllm_refusals.py."""
 
 import pytest
 
-from grpo_stream.common.engine.base import Request
-from grpo_stream.common.engine.vllm_requests import check_fits
+from grpo_stream.common.engine.base import Request, check_served
+from grpo_stream.common.engine.vllm_requests import CONTEXT_FIELD
 
 VOCAB, BUDGET, CONTEXT = 160, 8, 32
 
 
 def _check(ids, budget=BUDGET):
-    return check_fits(Request(list(ids), budget, 0), BUDGET, CONTEXT, VOCAB)
+    return check_served(Request(list(ids), budget, 0), BUDGET, CONTEXT, VOCAB, CONTEXT_FIELD)
 
 
 @pytest.mark.parametrize("ids", [[5, VOCAB], [VOCAB + 31], [-1, 5]])
@@ -42,4 +42,4 @@ def test_prompt_and_budget_past_the_context_are_refused_naming_the_settings():
 
 def test_a_request_at_every_edge_passes():
     request = Request([0] * (CONTEXT - BUDGET) + [VOCAB - 1], BUDGET - 1, 0)
-    assert check_fits(request, BUDGET, CONTEXT, VOCAB) is request
+    assert check_served(request, BUDGET, CONTEXT, VOCAB, CONTEXT_FIELD) is request
