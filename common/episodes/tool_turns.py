@@ -95,16 +95,22 @@ class _Episode:
             result.error = result.error or f"{type(exc).__name__}: {exc}"[:500]
             self._end(finished=False)
 
-    def _step(self) -> None:
+    def _environment(self, call):
+        """`call()`, its time counted as the environment's; an environment's bug is kept on the episode (which then
+        ends unfinished: `_end`) and gives None. BaseException: a SystemExit (model-written code calling exit() in an
+        in-process tool) that escaped the worker's future left the episode neither ended nor continued, and its group
+        in flight for ever."""
         started = time.monotonic()
         try:
-            ids = self._answer()
-        # BaseException: a SystemExit (model-written code calling exit() in an in-process tool) that escaped the
-        # worker's future left the episode neither ended nor continued, and its group in flight for ever
+            return call()
         except BaseException as exc:  # noqa: BLE001 - an environment's bug ends its episode, never the sampler
             self.result.error = f"{type(exc).__name__}: {exc}"[:500]
-            ids = None
-        self.kind.add_environment_seconds(time.monotonic() - started)
+            return None
+        finally:
+            self.kind.add_environment_seconds(time.monotonic() - started)
+
+    def _step(self) -> None:
+        ids = self._environment(self._answer)
         if ids is None:
             # ended by the environment: an answer cut at turn_max_new_tokens is still cut (truncated, as at max_turns;
             # it was counted finished, and algo.overlong never saw it)
@@ -119,14 +125,8 @@ class _Episode:
         """At environment.max_turns the environment still answers the last turn, for its turn reward (one graded
         there was lost), and an episode it would go on with is truncated: that turn is a tool call, not an answer
         (scored as one, code printing `#### 75` read as the answer). Finished only if the turn was closed too."""
-        started = time.monotonic()
-        try:
-            going_on = self._environment_turn().observation is not None
-        except BaseException as exc:  # noqa: BLE001 - as in _step: an environment's bug ends its episode
-            self.result.error = f"{type(exc).__name__}: {exc}"[:500]
-            going_on = True
-        self.kind.add_environment_seconds(time.monotonic() - started)
-        self._end(finished=self.result.turn_closed[-1] and not going_on)
+        turn = self._environment(self._environment_turn)
+        self._end(finished=self.result.turn_closed[-1] and turn is not None and turn.observation is None)
 
     def _answer(self) -> list[int] | None:
         """The ids of the environment's observation after the last turn (None: the episode ends)."""
