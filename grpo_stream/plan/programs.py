@@ -270,9 +270,6 @@ def sampler_programs(cfg: RunConfig, arch: Architecture) -> dict:
     if regroup is not None:
         programs["regroup"] = regroup
     params, relaid, kv = shard_bytes(model.params), shard_bytes(weights), shard_bytes(states)
-    # the next version arrives beside the installed one and its layout, held by the engine (its own thread) until it
-    # takes the new one: whatever weights.background_fetch says (false: the feeder's thread fetches, the engine decodes)
-    fetch = params
     extra = {"decode_chunk": decode["outputs"] - decode["aliased"] + decode["temporaries"],
              "prefill": prefill["peak"] - relaid,
              "relayout": relayout["outputs"] + relayout["temporaries"] - relaid}  # the old copy is freed first
@@ -286,9 +283,11 @@ def sampler_programs(cfg: RunConfig, arch: Architecture) -> dict:
         # the version's adapters and the merge's temporaries (its output is the version arriving: the fetch buffer)
         extra["lora_merge"] = merge["arguments"] - params + merge["temporaries"]
     progress(f"sampler: compiled in {time.time() - started:.0f} s")
-    per_device = {"parameters": params, "fetch_buffer": fetch, "lora_base": base, "decode_weights": relaid,
+    # fetch_buffer: the next version arrives beside the installed one and its layout, which the engine (its own
+    # thread) holds until it takes the new one, whatever weights.background_fetch says (false: the feeder fetches)
+    per_device = {"parameters": params, "fetch_buffer": params, "lora_base": base, "decode_weights": relaid,
                   "kv_cache": kv, "temporaries": max(extra.values())}
-    per_device["total"] = params + fetch + base + relaid + kv + per_device["temporaries"]
+    per_device["total"] = 2 * params + base + relaid + kv + per_device["temporaries"]
     return {"devices": s.mesh.tp, "mesh": {"tp": s.mesh.tp}, "slots": slots, "cache_tokens": window,
             "long_slots": states[1].length.shape[0] if len(states) > 1 else 0,
             "per_device_bytes": per_device, "programs": programs,
