@@ -14,10 +14,15 @@ from grpo_stream.common.tools.python_sandbox import SandboxLimits, python_tool
 _OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
               ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow,
               ast.USub: operator.neg, ast.UAdd: operator.pos}
+# the operators refused, by what the model wrote: "BinOp is not allowed" named nothing to change (2 ^ 3 for a power)
+_REFUSED = {ast.BitXor: "^", ast.BitAnd: "&", ast.BitOr: "|", ast.LShift: "<<", ast.RShift: ">>", ast.MatMult: "@",
+            ast.Invert: "~", ast.Not: "not"}
 MAX_EXPONENT = 64  # 10**64 is plenty for word problems; 9**9**9 would take the worker for minutes
 MAX_EXPRESSION = 500
 _EXACT_FLOAT_INTEGERS = 2 ** 53  # a float holds every integer up to this one; past it, its integer digits are noise
 MAX_BITS = 4096  # integers the calculator makes: (3**64)**64 nested further would hold the sampler's GIL for hours
+DIGITS = 12  # significant digits of a float answer: float noise (0.1 + 0.2 is 0.30000000000000004) never shows
+_FLOAT_DIGITS = 15  # the most digits any float holds of a decimal (DBL_DIG)
 
 
 def _check_size(op: ast.operator, left, right) -> None:
@@ -41,10 +46,12 @@ def calculator(expression: str) -> str:
     if len(expression) > MAX_EXPRESSION:
         return f"error: expression longer than {MAX_EXPRESSION} characters"
     try:
-        value = _evaluate(ast.parse(expression, mode="eval").body)
+        value = _evaluate(ast.parse(expression.strip(), mode="eval").body)  # " 3 + 4" was an "unexpected indent"
     except ZeroDivisionError:
         return "error: division by zero"
-    except (SyntaxError, ValueError, TypeError, OverflowError) as exc:
+    except OverflowError:  # (1e300) ** 2 said "(34, 'Numerical result out of range')"
+        return "error: the result is too large: past a float's ±1.8e308"
+    except (SyntaxError, ValueError, TypeError) as exc:
         return f"error: {exc}; use numbers, + - * / // % ** and parentheses"
     if isinstance(value, complex):  # (-8) ** 0.5
         return "error: the result is not a real number"
@@ -52,10 +59,18 @@ def calculator(expression: str) -> str:
         return "error: the result is too large"
     if isinstance(value, float) and value.is_integer():
         if abs(value) > _EXACT_FLOAT_INTEGERS:  # (10**64)**0.5 is 1e+32, not 100000000000000005366162204393472
-            return f"{value:.12g}"
+            return f"{value:.{DIGITS}g}"
         value = int(value)
-    # 12 significant digits, not 10 decimals: 1 / 3e12 is 3.33333333333e-13, not 0
-    return str(float(f"{value:.12g}") if isinstance(value, float) else value)
+    return _float_text(value) if isinstance(value, float) else str(value)
+
+
+def _float_text(value: float) -> str:
+    """A non-integral float answer: DIGITS significant digits (not 10 decimals: 1 / 3e12 is 3.33333333333e-13, not
+    0), more for one of more than 10 integer digits, so its integer part and two decimals are kept, up to the 15 a
+    float holds; written as formatted, never read back as a float, whose text filled the digits dropped with zeros
+    (987654321 * 1234.5 was 1219259259270.0, off by 4.5 and written as if exact)."""
+    digits = min(_FLOAT_DIGITS, max(DIGITS, len(str(int(abs(value)))) + 2))
+    return f"{value:.{digits}g}"
 
 
 def _evaluate(node: ast.expr):
@@ -64,6 +79,9 @@ def _evaluate(node: ast.expr):
         return node.value
     if isinstance(node, ast.UnaryOp) and type(node.op) in _OPERATORS:
         return _OPERATORS[type(node.op)](_evaluate(node.operand))
+    if isinstance(node, (ast.BinOp, ast.UnaryOp)) and type(node.op) in _REFUSED:
+        symbol = _REFUSED[type(node.op)]
+        raise ValueError(f"{symbol} is not allowed{'; a power is written **' if symbol == '^' else ''}")
     if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
         left, right = _evaluate(node.left), _evaluate(node.right)
         if isinstance(node.op, ast.Pow) and abs(right) > MAX_EXPONENT:
