@@ -1,8 +1,8 @@
 """Tool calls in a model turn's decoded text, per chat-template family (config environment.tool_format).
 
     qwen    Hermes / Qwen2.5 / Qwen3:  <tool_call>\\n{"name": "f", "arguments": {"a": 1}}\\n</tool_call>  (several
-            allowed; "arguments" may also be a JSON string holding the object; a last <tool_call> left unclosed
-            is a call when one whole JSON call follows it, as in vLLM's Hermes parser)
+            allowed; "arguments" may also be a JSON string holding the object, "parameters" is accepted for it; a
+            last <tool_call> left unclosed is a call when one whole JSON call follows it, as in vLLM's Hermes parser)
     llama3  Llama 3.1 / 3.2 JSON calling: the turn is {"name": "f", "parameters": {"a": 1}} ("arguments" accepted),
             optionally after <|python_tag|>; several separated by ';'. A turn not starting with '{' calls nothing.
     gemma   ```tool_code\\nf(a=1, b="x")\\n```: Python call syntax, keyword arguments only
@@ -39,6 +39,9 @@ _EXAMPLES = {
     "gemma": '```tool_code\ntool_name(a=1, b="text")\n```',
     "plain": '<call>tool_name(1, b="text")</call>',
 }
+# "parameters" too, as llama3 takes "arguments": a model on the default format (a bare ChatML template) that wrote
+# it was answered "needs argument 'x'" for the argument it had given, and could not tell what to change
+_QWEN_KEYS = ("arguments", "parameters")
 _LITERALS = "a Python literal (a number, a string, True, False, None, or a list or dict of them)"
 _SPACE, _LLAMA_TAIL = re.compile(r"\s*"), re.compile(r";*\s*")
 
@@ -128,7 +131,7 @@ def _parser(family: str) -> Callable[[str], list[ToolCall]]:
 
 def _parse_qwen(text: str) -> list[ToolCall]:
     bodies, unclosed = _between(text, _QWEN_OPEN, _QWEN_CLOSE, "qwen", last_may_be_unclosed=True)
-    calls = [_json_call(body, ("arguments",), "qwen") for body in bodies]
+    calls = [_json_call(body, _QWEN_KEYS, "qwen") for body in bodies]
     if unclosed is not None:
         # as vLLM's Hermes parser: a last <tool_call> left open (a client's stop=["</tool_call>"], a turn cut just
         # before it) is a call when all that follows it is one whole JSON call; anything else is the unclosed marker
@@ -136,7 +139,7 @@ def _parse_qwen(text: str) -> list[ToolCall]:
             value = _json_value(unclosed, "qwen")
         except MalformedToolCall:
             raise _not_closed(_QWEN_OPEN, _QWEN_CLOSE, "qwen") from None
-        calls.append(_call_from_object(value, ("arguments",), "qwen"))
+        calls.append(_call_from_object(value, _QWEN_KEYS, "qwen"))
     return calls
 
 

@@ -7,6 +7,7 @@ import pytest
 
 from grpo_stream.common.tools.calls import (FAMILIES, MalformedToolCall, ToolCall, parse_tool_calls, render_tool_call,
                                             render_tool_calls)
+from grpo_stream.common.tools.calculator import calculator
 from grpo_stream.common.tools.functions import ToolSet
 
 CALLS = [
@@ -171,3 +172,15 @@ def test_json_calls_with_numbers_json_has_not_are_malformed(family, text):
 def test_no_format_writes_a_number_its_parser_refuses(family):
     with pytest.raises(ValueError, match="not finite"):
         render_tool_call(ToolCall("add", {"a": float("inf")}), family)
+
+
+def test_a_qwen_call_may_name_its_arguments_parameters_and_they_reach_the_tool():
+    """`{"name": "calculator", "parameters": {...}}` in a <tool_call> (llama3's key, which a model on the default
+    format writes) was read as a call without arguments: the tool answered "needs argument 'expression'", an argument
+    the model had given, so it could not tell what to change."""
+    text = '<tool_call>\n{"name": "calculator", "parameters": {"expression": "17 * 3"}}\n</tool_call>'
+    calls = parse_tool_calls(text, "qwen")
+    assert calls == [ToolCall("calculator", {"expression": "17 * 3"})]
+    assert ToolSet([calculator]).run(calls[0]) == "51"
+    unclosed = '<tool_call>\n{"name": "calculator", "parameters": {"expression": "1 + 1"}}'
+    assert parse_tool_calls(unclosed, "qwen") == [ToolCall("calculator", {"expression": "1 + 1"})]
