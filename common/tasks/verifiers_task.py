@@ -112,8 +112,9 @@ class VerifiersTask:
             # as the endpoint renders the same messages: text parts joined, developer as system, tool calls kept
             messages = template_messages(row["prompt"], f"task.verifiers.environment={self.name}: row {i}'s prompt")
             text = self.tokenizer.render_chat(messages, add_generation_prompt=True, tools=self.tools)
+            answer = row.get("answer")  # a number column's 0 is an answer (`or ""` made it none: accuracy 0 on it)
             problems.append(VerifiersProblem(f"{self.name}/{row.get('example_id', i)}", text,
-                                             str(row.get("answer") or ""), row))
+                                             "" if answer is None else str(answer), row))
         return problems
 
     def render_question(self, question: str) -> str:

@@ -142,3 +142,19 @@ def test_an_environment_refusing_its_arguments_is_refused_naming_the_setting_and
     with pytest.raises(ValueError, match=r"task\.verifiers\.environment='grpo-test-arith': its load_environment "
                                          r"\(task\.verifiers\.args given: kind\) raised ValueError: kind='bogus'"):
         load_environment(settings)
+
+
+def test_a_numeric_answer_of_zero_is_the_rows_reference():
+    """A dataset whose answer column holds numbers (0 among them): `str(answer or "")` made 0 no reference, so the
+    evaluation's accuracy (answer_correct against it) was 0 on that row whatever the model answered."""
+    from grpo_stream.common.tasks.rewards import answer_correct  # noqa: PLC0415 - this test's check
+
+    class Numeric(Environment):
+        def get_dataset(self):
+            return [{"prompt": [{"role": "user", "content": f"{i} - {i}?"}], "answer": answer}
+                    for i, answer in enumerate((0, 0.0, 7, None))]
+
+    task = VerifiersTask(Numeric(0), Tokenizer(), "env", seed=0, eval_split=False)
+    answers = [p.answer for p in task.train + task.test]
+    assert answers == ["0", "0.0", "7", ""]
+    assert answer_correct("#### 0", task.train[0].answer) == 1.0
