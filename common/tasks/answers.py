@@ -5,7 +5,7 @@ template asked for (`#### N`, `<answer>N</answer>` as in the Tunix GSM8K demo,
 `\\boxed{N}`, "the answer is N"). A number is compared as an exact rational,
 after removing what people write around numbers:
 
-- thousands separators (`1,234`, `1 234`, `1_234`, LaTeX's `1{,}234`), a
+- thousands separators (`1,234`, `1 234`, `1_234`, LaTeX's `1{,}234`, `1\\,234`), a
   leading `+`, the Unicode minus (also where a number is searched for in
   text), a LaTeX `\\$`, a space between a stated answer's sign and its
   number (`#### - 3` is -3);
@@ -13,13 +13,15 @@ after removing what people write around numbers:
   of percent (`50%` equals `50`: GSM8K states percentages as bare numbers);
 - trailing zeros and points (`10.50` = `10.5`, `7.` = `7`, `3.0` = `3`);
 - fractions and mixed numbers (`3/4` = `0.75`, `1 1/2` = `1.5`, LaTeX
-  `\\frac{3}{4}`).
+  `\\frac{3}{4}`, `\\tfrac{3}{4}`, `\\frac34`, `2\\frac{1}{2}` = `2.5`).
 
 A `####` line that is a markdown heading (`#### Step 1`, and numbered ones:
 `#### 1. Eggs left`, `#### 2) Money`) states no answer.
 
 A `-` or `+` right after a letter or digit joins words or numbers
 (`3-4`, `2023-05-01`, `x-3`): it is no sign, so `3-4` holds 3 and 4, never -4.
+
+A reasoning model's thinking is no answer: only the reply after its last `</think>` is read (base.reply).
 
 A decimal written with k >= 2 places also matches a fraction that rounds to
 it (`0.33` matches `1/3`), since a model cannot write 1/3 as a decimal exactly;
@@ -31,8 +33,13 @@ from __future__ import annotations
 import re
 from fractions import Fraction
 
+from grpo_stream.common.tasks.base import reply
+
 _CURRENCY = re.compile(r"(?i)(?:us\$|\$|€|£|¥|₹|usd|eur|gbp|dollars?|cents?)")
-_FRAC_LATEX = re.compile(r"\\d?frac\{([^{}]+)\}\{([^{}]+)\}")
+# `\\frac{3}{4}`, `\\dfrac`, `\\tfrac`, spaced (`\\frac {3} {4}`), and TeX's one-digit arguments (`\\frac12` is 1/2)
+_FRAC_LATEX = re.compile(r"\\[dt]?frac\s*(?:\{([^{}]+)\}|(\d))\s*(?:\{([^{}]+)\}|(\d))")
+# LaTeX's spaces between digit groups (`1\\,000`, `1\\!000`, `1\\ 000`): a thousands separator
+_LATEX_THOUSANDS = re.compile(r"(?<=\d)\\[,! ](?=\d{3}(?!\d))")
 _SIGN = r"(?:(?<![^\W_])[-+])?"  # a sign, unless a letter or digit comes right before it (`3-4`, `x-3`)
 _NUMBER = rf"{_SIGN}(?:\d{{1,3}}(?:,\d{{3}})+|\d+)(?:\.\d*)?(?:\s+\d+/\d+|/\d+)?|{_SIGN}\.\d+"
 _NUMBER_RE = re.compile(_NUMBER)
@@ -84,7 +91,8 @@ _FORMATS = (_answer_tags, _hashes, _groups(_BOXED), _answer_is)  # most explicit
 def _plain(text: str) -> str:
     """`text` with the characters people write for ASCII ones in numbers made ASCII: the Unicode minus (which the
     number patterns would skip, flipping a sign), thin and no-break spaces, LaTeX's escaped dollar and its thousands
-    separator `{,}` (which `last_number` would otherwise split, reading `1{,}080` as 80)."""
+    separators `{,}` and `\\,` (which `last_number` would otherwise split, reading `1{,}080` as 80)."""
+    text = _LATEX_THOUSANDS.sub(",", text)
     for written, ascii_ in (("\u2212", "-"), ("\u2009", " "), ("\u202f", " "), ("\u00a0", " "), ("\\$", "$"),
                             ("{,}", ",")):
         text = text.replace(written, ascii_)
@@ -94,7 +102,15 @@ def _plain(text: str) -> str:
 def _searchable(text: str) -> str:
     """`text` made plain, LaTeX fractions written a/b and currency signs and codes removed: what the number
     patterns read."""
-    return _CURRENCY.sub("", _FRAC_LATEX.sub(lambda m: f"{m.group(1)}/{m.group(2)}", _plain(text)))
+    return _CURRENCY.sub("", _FRAC_LATEX.sub(_latex_fraction, _plain(text)))
+
+
+def _latex_fraction(match: re.Match) -> str:
+    """A LaTeX fraction written a/b; after a digit, the fraction of a mixed number (`2\\frac{1}{2}` is `2 1/2`: read
+    as `21/2`, it was 10.5)."""
+    numerator, denominator = match.group(1) or match.group(2), match.group(3) or match.group(4)
+    whole = match.string[match.start() - 1:match.start()].isdigit()
+    return f"{' ' if whole else ''}{numerator}/{denominator}"
 
 
 def parse_number(text: str) -> Fraction | None:
@@ -102,7 +118,7 @@ def parse_number(text: str) -> Fraction | None:
     s = _SPACED_SIGN.sub(r"\1", _searchable(text.strip().replace("_", "")).strip()).rstrip(".,;:!").strip()
     if s.endswith("%"):
         s = s[:-1].strip()
-    s = re.sub(r"(?<=\d) (?=\d{3}\b)", "", s)  # "1 234" -> "1234"
+    s = re.sub(r"(?<=\d) (?=\d{3}\b(?!/))", "", s)  # "1 234" -> "1234", but "2 100/200" is a mixed number
     s = s.replace("{", "").replace("}", "").strip()
     if not s or _NUMBER_RE.fullmatch(s) is None:
         return None
@@ -164,14 +180,17 @@ def extract_answer(text: str) -> str | None:
     """The final answer a completion states, by the most explicit format present; None when it states none.
 
     Within a format the first statement holding a number is the answer, and its first number (`#### 18 apples` ->
-    `18`); a statement holding none (`<answer> and </answer>` restating the requested format) is passed over.
+    `18`); a statement holding none (`<answer> and </answer>` restating the requested format) is passed over. A
+    reasoning model's thinking is not read (base.reply): its drafts came first, and the first statement won.
     """
+    text = reply(text)
     return next((number for statements in _FORMATS if (number := _stated(statements, text)) is not None), None)
 
 
 def hashes_answer(text: str) -> str | None:
-    """The number a completion states as `#### N` (GSM8K's format; markdown headings passed over), or None."""
-    return _stated(_hashes, text)
+    """The number a completion's reply (base.reply) states as `#### N` (GSM8K's format; markdown headings passed
+    over), or None."""
+    return _stated(_hashes, reply(text))
 
 
 def _stated(statements, text: str) -> str | None:
@@ -194,6 +213,7 @@ def _number_in(stated: str) -> str | None:
 
 def last_number(text: str) -> str | None:
     """The last number `text` writes (a chat reply's answer: "12 + 7 = 19.", "... so she has 19 apples"), or None
-    when it writes none. LaTeX fractions and currency signs are read as `extract_answer` reads them."""
-    found = _NUMBER_RE.findall(_searchable(text))
+    when it writes none. LaTeX fractions and currency signs are read as `extract_answer` reads them, and a reasoning
+    model's thinking is not (base.reply: a reply with no number has none, whatever the thinking computed)."""
+    found = _NUMBER_RE.findall(_searchable(reply(text)))
     return found[-1].strip() if found else None

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Iterator, Protocol
 
+THINK_END = "</think>"  # where a reasoning model's thinking (Qwen3, DeepSeek-R1, QwQ) ends and its reply begins
+
 
 class Problem(Protocol):
     prompt_id: str
@@ -38,3 +40,11 @@ class Task(Protocol):
 
 class RewardFn(Protocol):
     def __call__(self, text: str, reference: str) -> float: ...
+
+
+def reply(text: str) -> str:
+    """What a completion answers, which the built-in rewards score: the text after its last `</think>`, or all of it
+    when it has none. A reasoning model's thinking holds drafts ("so the answer is 17. Wait...") that the rewards
+    read first: the first statement of an answer wins (answers.extract_answer), and an IFEval check counted the
+    thinking's words and commas. lm-eval scores such a model's reply alone the same way (its think_end_token)."""
+    return text.rpartition(THINK_END)[2]

@@ -29,6 +29,8 @@ import pathlib
 import random
 import re
 
+from grpo_stream.common.tasks.base import THINK_END, reply
+
 log = logging.getLogger(__name__)
 
 NLTK_DATA = pathlib.Path(__file__).resolve().parent / "nltk_data"
@@ -158,7 +160,10 @@ def _check(test, example, text: str) -> bool:
 @functools.lru_cache(maxsize=64)  # the rewards of one completion ask one after the other; texts may be long
 def followed(text: str, reference: str) -> tuple[tuple[bool, ...], tuple[bool, ...]] | None:
     """(strict, loose): whether `text` follows each instruction of `reference`, by lm-eval's tests; None when the
-    reference is not an IFEval one (cached: both rewards of a completion ask)."""
+    reference is not an IFEval one (cached: both rewards of a completion ask). A reasoning model's thinking is not
+    checked: its reply is, as lm-eval takes it (think_end_token: the text after the last `</think>`, lstripped)."""
+    if THINK_END in text:
+        text = reply(text).lstrip()
     example = _example(reference)
     if example is None:
         _warn_once("reference", "an IFEval reward got a reference that is not an IFEval prompt's (%r...): scored 0; "

@@ -26,7 +26,7 @@ from grpo_stream.common.registry.rewards import BUILTIN_REWARDS
 from grpo_stream.common.rollouts.wire import MAX_ABS_REWARD
 from grpo_stream.common.tasks.answers import (extract_answer, hashes_answer, last_number as last_number_in, parse_number,
                                               same_number)
-from grpo_stream.common.tasks.base import RewardFn
+from grpo_stream.common.tasks.base import RewardFn, reply
 from grpo_stream.common.tasks.ifeval_checks import ifeval_loose, ifeval_strict
 
 _WHITESPACE = re.compile(r"\s*")
@@ -54,9 +54,10 @@ def answer_format(text: str, reference: str) -> float:
 
 
 def reasoning_answer_format(text: str, reference: str) -> float:
-    """1.0 when the completion is exactly `<reasoning>...</reasoning><answer>...</answer>` (the Tunix demo format)."""
+    """1.0 when the completion's reply (base.reply: a reasoning model's thinking before it) is exactly
+    `<reasoning>...</reasoning><answer>...</answer>` (the Tunix demo format)."""
     del reference
-    return 1.0 if _reasoning_then_answer(text) else 0.0
+    return 1.0 if _reasoning_then_answer(reply(text)) else 0.0
 
 
 def _reasoning_then_answer(text: str) -> bool:

@@ -258,3 +258,20 @@ def test_a_hyphen_after_a_letter_or_digit_is_no_minus_sign(reply, last):
     """`3-4` (a range, a date, a name) made the last number -4: a wrong sign for `last_number`."""
     assert last_number(reply, last) == 1.0, reply
     assert last_number(reply, str(-int(last))) == 0.0, reply
+
+
+@pytest.mark.parametrize("reply, value, misread", [
+    ("So she walks \\boxed{2\\frac{1}{2}} miles.", "2.5", "10.5"),  # a LaTeX mixed number: was 21/2
+    ("The answer is $3\\dfrac{3}{4}$ cups.", "3.75", "33/4"),
+    ("\\boxed{\\frac12}", "0.5", "12"),  # TeX's one-digit arguments: was twelve
+    ("\\boxed{\\tfrac{1}{2}}", "0.5", "1"),  # \tfrac: was its numerator
+    ("\\boxed{\\frac {3} {4}}", "0.75", "3"),
+    ("She saves \\boxed{1\\,250} dollars.", "1250", "1"),  # LaTeX's thin space between digit groups: was 1
+    ("The answer is $\\$12\\,345.50$.", "12345.5", "12"),
+    ("#### 2 100/200", "2.5", "10.5"),  # a mixed number with a 3-digit numerator is no thousands group
+])
+def test_latex_fractions_and_digit_groups_are_read_as_written(reply, value, misread):
+    """LaTeX a model writes in \\boxed{} (MATH-style training) was read as another number: `2\\frac{1}{2}` as 21/2,
+    `\\frac12` as 12, `1\\,250` as 1, so the right answer scored 0 (and the misreading 1)."""
+    assert answer_correct(reply, value) == 1.0 and answer_correct(reply, misread) == 0.0, reply
+    assert last_number(reply, value) == 1.0 and last_number(reply, misread) == 0.0, reply
