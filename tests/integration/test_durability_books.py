@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from grpo_stream.common.config.loading import load_config
 from grpo_stream.common.rollouts.buffer import BufferUnavailable, Incoming, RedisStreamBuffer
 from grpo_stream.common.rollouts.redis_server import EmbeddedRedis, connect
 from grpo_stream.common.rollouts.trainer_lease import StaleTrainer, TrainerLease
@@ -40,7 +41,7 @@ class Checkpoints:
 
 
 def books(buf, stop=None, compact=False) -> tuple[Durability, Checkpoints]:
-    cfg = SimpleNamespace(buffer=SimpleNamespace(compact_audit=compact), run=SimpleNamespace(name=buf.run_name))
+    cfg = load_config(None, [f"run.name={buf.run_name}", f"buffer.compact_audit={compact}"])
     store = Checkpoints()
     return Durability(cfg, buf, store, "e1", stop), store
 

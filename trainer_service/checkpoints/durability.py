@@ -53,6 +53,20 @@ def updater_state(updater: PolicyUpdater) -> dict:
     return state
 
 
+def layout_settings(cfg: RunConfig) -> dict:
+    """The settings that decide what a checkpoint's state holds (shapes, dtypes, which trees): kept in each record,
+    so that a resume under other ones names the settings that changed (store.py: CheckpointMismatch)."""
+    model, opt = cfg.model, cfg.trainer.optimizer
+    settings = {"model.kind": model.kind, "model.dtype": model.dtype, "model.lora": lora_settings(cfg),
+                "algo.beta": cfg.algo.beta, "trainer.optimizer.schedule": opt.schedule,
+                "trainer.optimizer.state_dtype": opt.state_dtype}
+    if model.kind == "tiny":
+        settings.update({f"model.tiny.{k}": v for k, v in model.tiny.model_dump(mode="json").items()})
+    else:
+        settings["model.path"] = model.path
+    return settings
+
+
 def lora_settings(cfg: RunConfig) -> dict | None:
     """The model.lora settings a LoRA run's adapters hold their meaning under (saved with its frozen base)."""
     return None if cfg.model.lora is None else cfg.model.lora.model_dump()
@@ -100,7 +114,8 @@ class Durability:
             self.base_saved = True
         self.checkpoints.save(step, updater_state(updater), {
             "run": self.cfg.run.name, "epoch": self.epoch, "weight_version": step, "unsettled": unsettled,
-            "data_position": dict(self.data_position), "buffer_position": self.buffer_position, **extra},
+            "data_position": dict(self.data_position), "buffer_position": self.buffer_position,
+            "settings": layout_settings(self.cfg), **extra},
             token=step)
 
     def _check_fence(self, step: int) -> None:
@@ -214,7 +229,7 @@ class Durability:
                              "(and run.name) or resume")
         if self.cfg.model.lora is not None:  # before any array is read: alpha alone changes no shape
             check_settings(self.checkpoints.directory, lora_settings(cfg))
-        restored = self.checkpoints.restore_latest(updater_like)
+        restored = self.checkpoints.restore_latest(updater_like, layout_settings(cfg))
         if restored is None:
             return None
         record = restored.record

@@ -5,6 +5,7 @@ the checkpoint's (store.py retries those and never moves a checkpoint aside for 
 from __future__ import annotations
 
 import errno
+import json
 import os
 import re
 from typing import Callable
@@ -120,6 +121,25 @@ def base_unreadable(directory, path, exc: BaseException) -> Exception:
     return CheckpointMismatch(f"checkpoint.dir {directory}: the frozen base in {path} cannot be read "
                               f"({type(exc).__name__}: {str(exc)[:300]}); restore it from a copy, or start a new run "
                               "with another checkpoint.dir")
+
+
+def layout_mismatch(directory, step: int, saved: dict | None, now: dict | None) -> str:
+    """What CheckpointMismatch says of the checkpoint of `step` holding another model or optimizer layout than this
+    run's, naming the settings that differ: `saved`, the layout settings its record keeps (durability.layout_settings),
+    `now`, this config's. A checkpoint saved without them (or a change no setting shows) gets the possible causes."""
+    saved, now = saved if isinstance(saved, dict) else {}, now or {}
+    differ = [key for key in sorted(set(saved) & set(now)) if saved[key] != now[key]]
+    where = f"checkpoint.dir {directory}: the checkpoint of step {step} holds a different model or optimizer state"
+    if not differ:
+        return (
+            f"{where} (parameter shapes or dtypes: model.*; model.lora switched on or off; the KL reference: algo.beta "
+            "0 or not; trainer.optimizer.schedule constant or not; trainer.optimizer.state_dtype); restore the run's "
+            "config or start a new run with another checkpoint.dir")
+    shown = lambda value: json.dumps(value, sort_keys=True)  # noqa: E731 - as the config file would spell it
+    changes = "; ".join(f"{key} was {shown(saved[key])} when it was saved, {shown(now[key])} in this config"
+                        for key in differ)
+    fix = ", ".join(f"{key}={shown(saved[key])}" for key in differ)
+    return f"{where}: {changes}. Set {fix} to resume it, or start a new run with another checkpoint.dir"
 
 
 # restores move damaged or digest-less checkpoints aside whole and keep them for inspection: after repeated crashes

@@ -2,8 +2,9 @@
 
 A checkpoint of step s holds the parameters and optimizer state (each device writes its own shards, and
 restore places them straight into the trainer mesh's shardings) and a JSON record: step, weight version,
-the trainer epoch that wrote it, the groups trained but not yet acknowledged in the buffer, the data and
-buffer positions, and earlier evaluation results. With checkpoint.verify, the SHA-256s of its files are
+the trainer epoch that wrote it, the groups trained but not yet acknowledged in the buffer, the data and buffer
+positions, earlier evaluation results and the settings its layout follows from (a resume under others is refused
+naming them: errors.layout_mismatch). With checkpoint.verify, the SHA-256s of its files are
 written beside them once it is committed (digest.py), on a background thread.
 
 Saves are asynchronous: `save` returns once the arrays are copied off the devices and Orbax commits
@@ -52,7 +53,7 @@ from grpo_stream.trainer_service.checkpoints.errors import (CheckpointDisagreeme
                                                            CheckpointRejected, CheckpointUnavailable,
                                                            CheckpointUnverified, StorageBlip, access_denied,
                                                            dir_shared, dir_unusable, is_access_denied, is_transient,
-                                                           save_failed)
+                                                           layout_mismatch, save_failed)
 from grpo_stream.trainer_service.checkpoints.lora_base import restore_base, save_base
 
 log = logging.getLogger(__name__)
@@ -208,16 +209,17 @@ class TrainerCheckpoints:
             raise self._fail(dir_shared(self.directory, f"the checkpoint of step {step} in {self.directory} was "
                                                         "written by another trainer"))
 
-    def restore_latest(self, state_like: dict) -> Restored | None:
+    def restore_latest(self, state_like: dict, settings: dict | None = None) -> Restored | None:
         """The newest checkpoint that loads and verifies, placed like `state_like` (arrays with shardings); None
         when there is none. Rejected ones are moved aside and logged. In a trainer of several processes: the step
-        process 0 chose for all (`choose_step` / `agree_step`), or an error."""
+        process 0 chose for all (`choose_step` / `agree_step`), or an error. `settings`: this run's layout settings
+        (durability.layout_settings), which a CheckpointMismatch compares with those saved in the record."""
         if jax.process_count() > 1:
-            return self.restore_agreed(state_like)
+            return self.restore_agreed(state_like, settings)
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state_like)
         for step in sorted(self._manager.all_steps(), reverse=True):
             try:
-                restored = self._retrying(step, lambda: self._restore(step, abstract))
+                restored = self._retrying(step, lambda: self._restore(step, abstract, settings=settings))
             except CheckpointRejected as exc:
                 self._set_aside(step, exc)
                 continue
@@ -258,7 +260,7 @@ class TrainerCheckpoints:
                 "step")
         self._agreed = step
 
-    def restore_agreed(self, state_like: dict) -> Restored | None:
+    def restore_agreed(self, state_like: dict, settings: dict | None = None) -> Restored | None:
         step = self._agreed
         if step is _UNAGREED:
             raise RuntimeError("a trainer of several processes restores only the step process 0 chose: call "
@@ -271,7 +273,7 @@ class TrainerCheckpoints:
         # choosing it, and a read that fails now may be a peer's failure (a process that died makes the restore's
         # collectives fail here), which says nothing about the checkpoint
         try:
-            restored = self._retrying(step, lambda: self._restore(step, abstract, check_files=False))
+            restored = self._retrying(step, lambda: self._restore(step, abstract, False, settings))
         except CheckpointRejected as exc:
             raise CheckpointDisagreement(
                 f"trainer process {process} cannot read the checkpoint of step {step} in {self.directory}, which "
@@ -319,9 +321,11 @@ class TrainerCheckpoints:
                 self._sleep(delay)
         raise AssertionError("unreachable")
 
-    def _check_step(self, step: int, abstract: Any = None, check_files: bool = True) -> dict:
+    def _check_step(self, step: int, abstract: Any = None, check_files: bool = True,
+                    settings: dict | None = None) -> dict:
         """The record of `step`, checked before any array is read: it names the step, the layout matches
-        `abstract` (when given), and with verify the files match their digest (when `check_files`)."""
+        `abstract` (when given; else CheckpointMismatch naming the `settings` that differ from the record's), and
+        with verify the files match their digest (when `check_files`)."""
         path = self.directory / str(step) / RECORD_FILE
         try:  # read directly, not through Orbax: its restores are collective (see choose_step)
             record = json.loads(path.read_text())
@@ -337,15 +341,12 @@ class TrainerCheckpoints:
             # previous checkpoint's turn, not a permanent mismatch that stops the run
             self._check_files(step)
         if abstract is not None and record.get("layout") not in (None, tree_layout(abstract)):
-            raise CheckpointMismatch(
-                f"checkpoint.dir {self.directory}: the checkpoint of step {step} holds a different model or optimizer "
-                "state (parameter shapes, dtypes, model.lora on or off, or the KL reference of algo.beta changed); "
-                "restore the run's config or start a new run with another checkpoint.dir")
+            raise CheckpointMismatch(layout_mismatch(self.directory, step, record.get("settings"), settings))
         return record
 
-    def _restore(self, step: int, abstract: Any, check_files: bool = True) -> Restored:
+    def _restore(self, step: int, abstract: Any, check_files: bool = True, settings: dict | None = None) -> Restored:
         # the small JSON record first: a partial checkpoint or another layout is told apart before any array is read
-        record = self._check_step(step, abstract, check_files)
+        record = self._check_step(step, abstract, check_files, settings)
         try:
             state = self._manager.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(abstract)))["state"]

@@ -3,7 +3,6 @@ shape, so its adapters would load and silently act at another scale (W + alpha /
 
 import errno
 import re
-from types import SimpleNamespace
 
 import jax.numpy as jnp
 import numpy as np
@@ -11,6 +10,7 @@ import pytest
 from orbax.checkpoint._src.path import atomicity
 
 from grpo_stream.common.config.learning import LoraSection
+from grpo_stream.common.config.loading import load_config
 from grpo_stream.trainer_service.checkpoints.durability import Durability
 from grpo_stream.trainer_service.checkpoints.errors import CheckpointMismatch, CheckpointSaveFailed
 from grpo_stream.trainer_service.checkpoints.store import TrainerCheckpoints
@@ -42,8 +42,8 @@ class Updater:
 
 
 def books(tmp_path, lora: LoraSection) -> Durability:
-    cfg = SimpleNamespace(run=SimpleNamespace(name="r1"), checkpoint=SimpleNamespace(resume=True),
-                          model=SimpleNamespace(lora=lora))
+    base = load_config(None, ["run.name=r1"])
+    cfg = base.model_copy(update={"model": base.model.model_copy(update={"lora": lora})})
     return Durability(cfg, Buffer(), TrainerCheckpoints(str(tmp_path), keep=3, verify=False), "e1")
 
 

@@ -5,6 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from grpo_stream.common.config.loading import load_config
 from grpo_stream.trainer_service.checkpoints.durability import Durability
 from grpo_stream.trainer_service.checkpoints.errors import RunRefused
 from grpo_stream.trainer_service.checkpoints.store import TrainerCheckpoints
@@ -28,8 +29,7 @@ class Buffer:
 
 
 def books(tmp_path, trained: int) -> tuple[Durability, Buffer]:
-    cfg = SimpleNamespace(run=SimpleNamespace(name="r1"), checkpoint=SimpleNamespace(resume=True),
-                          model=SimpleNamespace(lora=None))
+    cfg = load_config(None, ["run.name=r1"])
     buffer = Buffer(trained)
     return Durability(cfg, buffer, TrainerCheckpoints(str(tmp_path), keep=3, verify=True), "e2"), buffer
 
