@@ -76,10 +76,10 @@ def follower_server(cfg: RunConfig, index: int, publisher: WeightPublisher) -> T
 
 def run_follower(cfg: RunConfig, run_dir: pathlib.Path, group: TrainerGroup) -> None:
     index, w = group.index, cfg.weights
-    checkpoints = TrainerCheckpoints(cfg.checkpoint.dir or str((run_dir / "checkpoints").resolve()),
-                                     cfg.checkpoint.keep, cfg.checkpoint.verify)
-    server = core = None
-    try:
+    checkpoints = server = core = None
+    try:  # checkpoint.dir too: unusable on this host only (a missing mount), it must stop the job, not hang it
+        checkpoints = TrainerCheckpoints(cfg.checkpoint.dir or str((run_dir / "checkpoints").resolve()),
+                                         cfg.checkpoint.keep, cfg.checkpoint.verify)
         parts = build_model_parts(cfg)
         publisher = WeightPublisher(weight_sink(w.transport, SinkContext(w)), w.transport, w.chunk_bytes, w.wire_dtype)
         server = follower_server(cfg, index, publisher)
@@ -102,7 +102,8 @@ def run_follower(cfg: RunConfig, run_dir: pathlib.Path, group: TrainerGroup) -> 
     finally:
         if core is not None:
             core.close()
-        checkpoints.close()
+        if checkpoints is not None:
+            checkpoints.close()
 
 
 def stop_now(index: int, exc: BaseException, run_dir: pathlib.Path | None = None) -> None:

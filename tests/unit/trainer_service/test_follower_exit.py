@@ -58,3 +58,26 @@ def test_process_0_of_a_job_exits_at_once_too(tmp_path):
     proc = subprocess.run([sys.executable, "-c", LEADER, str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == EXIT_PERMANENT and "not reached" not in proc.stdout, proc.stderr[-2000:]
     assert read_permanent(tmp_path, "trainer-0")["message"] == "checkpoint.dir holds a different model"
+
+
+FOLLOWER = """
+import pathlib, sys, types
+from grpo_stream.common.config.loading import load_config
+from grpo_stream.trainer_service.follower import run_follower
+
+run_dir = pathlib.Path(sys.argv[1])
+(run_dir / "not-a-dir").write_text("a file where checkpoint.dir points")
+cfg = load_config(None, [f"checkpoint.dir={run_dir / 'not-a-dir'}"])
+run_follower(cfg, run_dir, types.SimpleNamespace(index=1, leader=False))
+print("not reached")
+"""
+
+
+def test_a_follower_whose_checkpoint_dir_is_unusable_exits_at_once_with_a_record(tmp_path):
+    """checkpoint.dir unusable on one host only (a file in the way, a missing mount): the follower used to raise it
+    past stop_now, so JAX's at-exit barrier held it for 5 minutes, then aborted, and `up` restarted the job into the
+    same wall instead of stopping the run with the error."""
+    proc = subprocess.run([sys.executable, "-c", FOLLOWER, str(tmp_path)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == EXIT_PERMANENT and "not reached" not in proc.stdout, proc.stderr[-2000:]
+    assert "cannot be used as the checkpoint directory" in read_permanent(tmp_path, "trainer-1")["message"]
