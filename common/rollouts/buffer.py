@@ -241,17 +241,16 @@ class RedisStreamBuffer:
                     self._recover_after = text(reply[0][1][-1][0])
                     return self._entries(reply)
                 self._recover_after = None
-            out = self._entries(self.client.xreadgroup(self.GROUP, self.consumer, {self.stream: ">"},
-                                                       count=max_count, block=block_ms or None))
-            return out or self._lost_deliveries()
+            # first (older), not only when a read comes back empty: a stream kept fed never does, so they waited
+            return self._lost_deliveries(max_count) or self._entries(self.client.xreadgroup(
+                self.GROUP, self.consumer, {self.stream: ">"}, count=max_count, block=block_ms or None))
         try:
             entries = self._call(run)
             if not entries:
                 return entries
             # delivered only once this read has fully answered: if the check or the duplicates' settle below fails,
             # the entries stay pending and not delivered, so _lost_deliveries takes them back rather than strand
-            # them until a restart (marked first, a failed settle left the fresh ones pending, never returned nor
-            # taken back)
+            # them until a restart (marked first, a failed settle left the fresh ones never returned nor taken back)
             seen = self._call(lambda: self.client.hmget(self.k["audit:settled"], [e.group_id for e in entries]))
         except redis.ResponseError as exc:  # contents grpo-stream did not leave: named, not a bare Redis refusal
             raise self._damaged_read(exc) from None
@@ -271,10 +270,10 @@ class RedisStreamBuffer:
         return redis_call(lambda: wrong_type(self.client, exc, {self.stream: "stream",
                                                                 self.k["audit:settled"]: "hash"}))
 
-    def _lost_deliveries(self) -> list[BufferEntry]:
-        """Entries pending for this consumer that it never returned, oldest first (checked at most every
-        PENDING_CHECK_S, when no new entry came). Without this a lost reply strands its entries: they count in the
-        depth that admission control reads, so samplers are refused places the trainer can never fill."""
+    def _lost_deliveries(self, max_count: int) -> list[BufferEntry]:
+        """Up to max_count entries pending for this consumer that it never returned, oldest first (checked at most
+        every PENDING_CHECK_S, or at once while more remain). Without this a lost reply strands its entries: they
+        count in the depth admission control reads, so samplers are refused places the trainer can never fill."""
         now = time.monotonic()
         if now < self._next_pending_check:
             return []
@@ -288,6 +287,8 @@ class RedisStreamBuffer:
         lost = [eid for eid in (text(r["message_id"]) for r in rows) if eid not in self._delivered]
         if not lost:
             return []
+        if len(lost) > max_count:
+            lost, self._next_pending_check = lost[:max_count], 0.0
         # claiming them for this same consumer returns them, and drops from the pending list any deleted since
         out = self._entries([(self.stream, self.client.xclaim(self.stream, self.GROUP, self.consumer, 0, lost))])
         log.warning("took back %d buffer entries Redis delivered to %s whose reply was lost (a connection failure "

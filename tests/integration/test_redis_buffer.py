@@ -168,14 +168,30 @@ def test_entries_whose_read_reply_was_lost_come_back_once(shared_redis, run_name
     held = buf.read(2, block_ms=100)  # g0, g1: trained, held until a checkpoint
     lost = buf.client.xreadgroup(buf.GROUP, buf.consumer, {buf.stream: ">"}, count=3)  # g2..g4, reply lost
     assert len(lost[0][1]) == 3
-    assert [e.payload for e in buf.read(10, block_ms=50)] == [b"g5"]
-    back = buf.read(10, block_ms=50)
+    back = buf.read(10, block_ms=50)  # before g5: they are older
     assert [e.payload for e in back] == [b"g2", b"g3", b"g4"]
+    assert [e.payload for e in buf.read(10, block_ms=50)] == [b"g5"]
     assert buf.read(10, block_ms=50) == []
     # once settled they are gone for good: nothing is pending that the trainer does not know
     everything = held + back
     assert buf.settle([(e.entry_id, e.group_id, "trained", 1) for e in everything]) == 5
     assert buf.read(10, block_ms=50) == [] and buf.depth() == 1 and identity_holds(buf.counters())
+
+
+def test_entries_whose_read_reply_was_lost_come_back_while_new_groups_keep_arriving(shared_redis, run_name):
+    """Samplers faster than the trainer keep the stream fed, so no read comes back empty: the entries of a lost
+    reply were taken back only then, and so waited (counted against admission, and holding back their sampler's
+    audit compaction) for the rest of the run. They come back at the next check, a few at a time, oldest first."""
+    buf = RedisStreamBuffer(connect(shared_redis.url, 5), run_name)
+    buf.PENDING_CHECK_S = 0.0
+    buf.append_many([inc(i) for i in range(4)], max_groups=100)
+    assert [e.payload for e in buf.read(1, block_ms=50)] == [b"g0"]
+    buf.client.xreadgroup(buf.GROUP, buf.consumer, {buf.stream: ">"}, count=2)  # g1, g2: the reply lost
+    got = []
+    for i in range(4, 8):  # a new group before every read
+        buf.append_many([inc(i)], max_groups=100)
+        got += [e.payload for e in buf.read(1, block_ms=50)]
+    assert got == [b"g1", b"g2", b"g3", b"g4"]
 
 
 def test_entries_of_a_read_whose_duplicate_check_failed_come_back(shared_redis, run_name):
