@@ -1,22 +1,18 @@
 """Hugging Face checkpoint directories in and out: safetensors <-> the policy's named parameters.
 
-Loading reads `config.json` (`grpo_stream.common.model.architectures`), every safetensors file
-of the directory (the files `model.safetensors.index.json` names when there
-is one, else `*.safetensors`), maps each tensor to our parameter name and
-layout, converts it to the requested dtype (float32 or bfloat16), and places
-it on the model's sharding (the default device, or a mesh). Nothing is
-downloaded. Every problem names the tensor or field: a missing tensor, a
-shape that disagrees with `config.json` (checked as stored, in HF layout, so a
-tensor stored transposed is refused rather than reshaped), an unknown or
-duplicated tensor, a dtype safetensors allows but we do not read.
+Loading reads `config.json` (`grpo_stream.common.model.architectures`), every safetensors file of the directory (the
+files `model.safetensors.index.json` names when there is one, else `*.safetensors`), maps each tensor to our
+parameter name and layout, converts it to the requested dtype (float32 or bfloat16), and places it on the model's
+sharding (the default device, or a mesh). Nothing is downloaded. Every problem names the tensor or field: a missing
+tensor, a shape that disagrees with `config.json` (checked as stored, in HF layout, so a tensor stored transposed is
+refused rather than reshaped), an unknown or duplicated tensor, a dtype safetensors allows but we do not read, a
+tied model's head copy that is not its embedding.
 
-Export writes the inverse: `model.safetensors` in HF names and [out, in]
-layouts, `config.json`, and the tokenizer files, a directory `transformers`
-(and so vLLM) loads.
+Export writes the inverse: `model.safetensors` in HF names and [out, in] layouts, `config.json`, and the tokenizer
+files, a directory `transformers` (and so vLLM) loads.
 
-The safetensors format is read and written here directly (an 8-byte header
-length, a JSON header of name -> dtype, shape, byte offsets, then the raw
-little-endian bytes) so bfloat16 maps onto `ml_dtypes.bfloat16` without a
+The safetensors format is read and written here directly (an 8-byte header length, a JSON header of name -> dtype,
+shape, byte offsets, then the raw little-endian bytes) so bfloat16 maps onto `ml_dtypes.bfloat16` without a
 framework in between, and files are memory-mapped.
 """
 
@@ -127,6 +123,7 @@ def write_safetensors(path: pathlib.Path, tensors: Mapping[str, np.ndarray | Pen
 
 
 SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
+TIED_HEAD, TIED_EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"  # what tie_word_embeddings ties
 
 
 def checkpoint_files(directory: pathlib.Path) -> list[pathlib.Path]:
@@ -176,10 +173,8 @@ def _hf_rules(arch: Architecture) -> list[tuple[re.Pattern, str, Callable]]:
 
 def to_our_names(arch: Architecture, hf_name: str) -> tuple[str, Callable] | None:
     """Our name and the HF -> our layout function for an HF tensor; None for tensors with nothing to hold."""
-    if "rotary_emb" in hf_name:
-        return None
-    if arch.tied_embeddings and hf_name == "lm_head.weight":
-        return None  # tied: the head is the embedding; some exports still write a copy
+    if "rotary_emb" in hf_name or (arch.tied_embeddings and hf_name == TIED_HEAD):
+        return None  # tied: the head is the embedding; some exports still write a copy (check_stored_tensors)
     for pattern, template, layout in _hf_rules(arch):
         match = pattern.match(hf_name)
         if match:
@@ -241,16 +236,24 @@ def read_architecture(directory: str | pathlib.Path, field: str = "model.path") 
         raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
 
 
-def check_layer_count(directory: str | pathlib.Path, arch: Architecture) -> None:
-    """config.json's num_hidden_layers against the layers the checkpoint's tensors hold (their headers only), before
-    the model's shapes are built: a config.json of a million layers beside a small checkpoint took hours to build
-    (55 s for 200 layers on CPU) before any tensor was compared."""
-    found = {int(m.group(1)) for path in checkpoint_files(pathlib.Path(directory))
-             for hf_name, _ in read_safetensors(path) if (m := _HF_LAYER.search(hf_name))}
+def check_stored_tensors(directory: str | pathlib.Path, arch: Architecture) -> None:
+    """config.json against the checkpoint's tensors, before the model's shapes are built: the layers they hold (their
+    headers only: a config.json of a million layers beside a small checkpoint took hours to build, 55 s for 200 layers
+    on CPU, before any tensor was compared), and a tied model's lm_head.weight copy, if any, against its embedding
+    (transformers unties a checkpoint whose copy differs and computes with the copy; compared in slices of rows)."""
+    stored = {n: a for path in checkpoint_files(pathlib.Path(directory)) for n, a in read_safetensors(path)}
+    found = {int(m.group(1)) for hf_name in stored if (m := _HF_LAYER.search(hf_name))}
     if arch.num_layers > len(found):
         raise CheckpointError(f"{directory}: config.json's num_hidden_layers={arch.num_layers}, but the checkpoint's "
                               f"tensors hold {len(found)} layers; an incomplete download, or a config.json of another "
                               "model")
+    head, embed, rows = stored.get(TIED_HEAD), stored.get(TIED_EMBEDDING), 4096
+    if arch.tied_embeddings and head is not None and embed is not None and not (head.shape == embed.shape and all(
+            np.array_equal(head[i:i + rows], embed[i:i + rows]) for i in range(0, len(embed), rows))):
+        raise CheckpointError(f"{directory}: {TIED_HEAD} differs from {TIED_EMBEDDING}, but config.json's "
+                              "tie_word_embeddings=true (Gemma's default) ties them: transformers would untie the "
+                              f"model and compute with {TIED_HEAD}, this loader with the embedding. Set "
+                              f"tie_word_embeddings to false to use {TIED_HEAD} (Llama, Qwen), or delete it")
 
 
 def hf_shapes(arch: Architecture, expected: Mapping[str, tuple]) -> dict[str, tuple[int, ...]]:
@@ -367,10 +370,8 @@ def export_hf(directory: str | pathlib.Path, arch: Architecture, named: dict[str
               eos_ids: list[int] | None = None, pad_id: int | None = None) -> pathlib.Path:
     """Write a Hugging Face model directory: model.safetensors, config.json and the tokenizer files.
 
-    `eos_ids`/`pad_id` (the run's stop and pad tokens) go into config.json and, unless the source
-    directory brought its own, a generation_config.json, so `generate` on the export stops where the
-    run's sampler did.
-    """
+    `eos_ids`/`pad_id` (the run's stop and pad tokens) go into config.json and, unless the source directory brought its
+    own, a generation_config.json, so `generate` on the export stops where the run's sampler did."""
     out = pathlib.Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     np_dtype = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}[dtype]
@@ -394,6 +395,6 @@ def export_hf(directory: str | pathlib.Path, arch: Architecture, named: dict[str
     return out
 
 
-__all__ = ["ArchitectureError", "CheckpointError", "PendingTensor", "checkpoint_files", "export_hf", "hf_shapes",
-           "read_architecture", "read_named", "read_safetensors", "to_hf_names", "to_our_names", "write_hf_config",
-           "write_safetensors"]
+__all__ = ["ArchitectureError", "CheckpointError", "PendingTensor", "check_stored_tensors", "checkpoint_files",
+           "export_hf", "hf_shapes", "read_architecture", "read_named", "read_safetensors", "to_hf_names",
+           "to_our_names", "write_hf_config", "write_safetensors"]

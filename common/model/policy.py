@@ -183,7 +183,7 @@ def load_hf_model(directory: str, dtype: str = "float32", mesh: jax.sharding.Mes
         raise ValueError(f"model.dtype={dtype!r}: choose float32 or bfloat16")
     jdtype = jnp.float32 if dtype == "float32" else jnp.bfloat16
     arch = hf_checkpoint.read_architecture(directory)
-    hf_checkpoint.check_layer_count(directory, arch)  # before building shapes, which takes as long as the layers
+    hf_checkpoint.check_stored_tensors(directory, arch)  # before building shapes, which takes as long as the layers
     abstract = build_from_architecture(arch, seed=None, dtype=jdtype)
     names = abstract.names()
     leaves, treedef = jax.tree_util.tree_flatten(abstract.params)
