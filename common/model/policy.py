@@ -89,12 +89,6 @@ class PolicyModel:
         with architectures.rope_of(self.arch), remat_policy_of(self.arch.family, self.remat_mode):
             return model(tokens, positions, cache, attention_mask)
 
-    def init_cache(self, batch: int, length: int) -> dict:
-        cfg = self.config
-        shape = (batch, length, cfg.num_kv_heads, cfg.head_dim)
-        return {f"layer_{i}": {"k": jnp.zeros(shape, cfg.dtype), "v": jnp.zeros(shape, cfg.dtype),
-                               "end_index": jnp.zeros((batch,), jnp.int32)} for i in range(cfg.num_layers)}
-
     def with_remat(self, mode: str) -> "PolicyModel":
         """The same model and parameters, with activations rematerialised in the backward pass (trainer.remat:
         'attention' or 'full' decoder layers, or 'save_dots': full layers except their matrix products' outputs;
