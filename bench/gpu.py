@@ -345,6 +345,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plan-json", type=pathlib.Path, help="`grpo-stream plan --json` of the same config (CPU)")
     parser.add_argument("--deadline-s", type=float, default=3600.0, help="start no stage after this many seconds")
     args = parser.parse_args(argv)
+    # an option another part reads would be dropped here without a word (a --set on `sampler` measuring the default)
+    ignored = {"--config": args.config is not None and args.part == "sampler",
+               "--set": bool(args.set) and args.part == "sampler",
+               "--rows": bool(args.rows) and args.part != "engine",
+               "--plan-json": args.plan_json is not None and args.part != "trainer"}
+    if unused := [option for option, given in ignored.items() if given]:
+        parser.error(f"{', '.join(unused)}: not read by the {args.part} part (see --help for which part reads each)")
     deadline = time.perf_counter() + args.deadline_s
     args.out.parent.mkdir(parents=True, exist_ok=True)
 

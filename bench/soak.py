@@ -114,6 +114,9 @@ def envelope_growth(series: list[dict]) -> dict[str, float]:
     sawtooth), so the end-over-baseline ratio of two single samples says which phase each fell in, not whether
     memory grows; the envelope's peaks do."""
     t0, t1 = series[0]["t"], series[-1]["t"]
+    if len(series) < 2 or t1 <= t0:  # one sample is its own peak in both thirds: a growth of 1.0, measured on nothing
+        raise ValueError("envelope_growth: no snapshot after the baseline; give --minutes more than "
+                         "--baseline-minutes")
     third = (t1 - t0) / 3
     first = [_values(s) for s in series if s["t"] <= t0 + third]
     last = [_values(s) for s in series if s["t"] >= t1 - third]
@@ -175,6 +178,9 @@ def run(minutes: float = 20.0, clients: int = 32, baseline_minutes: float = 5.0,
         extra: list[str] | None = None) -> dict:
     if quick:  # a check that it works: memory figures need the full run, learning none of it
         minutes, clients, baseline_minutes = 1.0, 4, 0.5
+    if not 0 <= baseline_minutes < minutes:  # before `up` starts: else no snapshot follows the baseline
+        raise ValueError(f"--baseline-minutes {baseline_minutes} must be at least 0 and less than --minutes {minutes}: "
+                         "memory is measured from the baseline to the end")
     run_dir = pathlib.Path(tempfile.mkdtemp(prefix="bench-soak-")) / "run"
     log = run_dir.parent / "up.log"
     overrides = ["trainer.steps=10000000", "warmstart.steps=50", "trainer.eval_before=false",
@@ -245,16 +251,24 @@ def run(minutes: float = 20.0, clients: int = 32, baseline_minutes: float = 5.0,
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--minutes", type=float, default=20.0)
-    parser.add_argument("--clients", type=int, default=32)
-    parser.add_argument("--baseline-minutes", type=float, default=5.0)
+    parser.add_argument("--minutes", type=float, help="the whole run, from the first RL step (default 20)")
+    parser.add_argument("--clients", type=int, help="prompt clients (default 32)")
+    parser.add_argument("--baseline-minutes", type=float, help="first snapshot, from the first RL step (default 5)")
     parser.add_argument("--quick", action="store_true", help="1 minute, 4 clients, baseline at 30 s, 5 warm-start "
                         "steps (a check)")
     parser.add_argument("--out", type=pathlib.Path)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="another config override for the run (repeatable)")
     args = parser.parse_args(argv)
-    result = run(args.minutes, args.clients, args.baseline_minutes, args.quick, args.set)
+    defaults = {"minutes": 20.0, "clients": 32, "baseline_minutes": 5.0}
+    given = [f"--{k.replace('_', '-')}" for k in defaults if getattr(args, k) is not None]
+    if args.quick and given:  # --quick sets all three: a figure given beside it would be silently dropped
+        parser.error(f"--quick sets its own {', '.join(given)}: drop one or the other")
+    minutes, clients, baseline = (defaults[k] if getattr(args, k) is None else getattr(args, k) for k in defaults)
+    if not 0 <= baseline < minutes:
+        parser.error(f"--baseline-minutes {baseline} must be at least 0 and less than --minutes {minutes}: memory "
+                     "is measured from the baseline to the end")
+    result = run(minutes, clients, baseline, args.quick, args.set)
     text = json.dumps(result, indent=2)
     if args.out:
         write_atomic(args.out, text)
