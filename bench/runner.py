@@ -30,7 +30,7 @@ MODULES = {"transport": "grpo_stream.bench.transport", "pipeline": "grpo_stream.
 # (result key, comparison, target): ours against the baseline measured in the same run.
 TARGETS = {
     "transport": [("ratio_vs_json", ">=", 5.0), ("fraction_of_raw_redis", ">=", 0.25)],
-    "pipeline": [("overhead_share", "<=", 0.05)],
+    "pipeline": [("overhead_share", "<=", 0.03)],  # plans made ahead (issue 57; issue 6 asked 0.05)
     "sampler": [("longtail.ratio_vs_static", ">=", 4.0), ("longtail.ratio_vs_vllm", ">=", 0.8),
                 ("fixed.ratio_vs_vllm", ">=", 0.8), ("fixed.ratio_vs_hf", ">=", 2.0)],
     "async": [("async_over_sync", "<=", 0.75), ("generation_wasted_fraction.async", "<=", 0.03),

@@ -7,7 +7,9 @@ def test_targets_compare_in_the_right_direction():
     met = check_targets("transport", {"ratio_vs_json": 5.0, "fraction_of_raw_redis": 0.2})
     assert met["ratio_vs_json"]["met"] and not met["fraction_of_raw_redis"]["met"]
     assert met["fraction_of_raw_redis"]["target"] == ">= 0.25"
-    assert check_targets("pipeline", {"overhead_share": 0.04})["overhead_share"]["met"]
+    assert check_targets("pipeline", {"overhead_share": 0.021})["overhead_share"]["met"]
+    # issue 57's goal, which BENCHMARKS.md judges by: 0.047 was "not met" there, and met here
+    assert not check_targets("pipeline", {"overhead_share": 0.047})["overhead_share"]["met"]
     met = check_targets("async", {"async_over_sync": 0.85,
                                   "generation_wasted_fraction": {"async": 0.01, "sync": 0.2}})
     assert not met["async_over_sync"]["met"] and met["generation_wasted_fraction.async"]["met"]
