@@ -284,11 +284,27 @@ def summary_table(summary: dict) -> list[str]:
         *([f"| held-out sampled pass@1 before → after | {_fmt(pass1_before)} → {_fmt(pass1_after)} |"]
           if pass1_before is not None or pass1_after is not None else []),  # eval_before off: after's alone
         f"| groups ingested | {_fmt(summary.get('groups_ingested'))} |",
-        f"| trained / dropped stale / filtered / left | {_fmt(summary.get('groups_trained'))} / "
+        # every term of the accounting identity (README): without invalid and duplicate drops the row did not add
+        # up to groups ingested on a run that had them
+        f"| trained / dropped stale / filtered / invalid / duplicate / left | {_fmt(summary.get('groups_trained'))} / "
         f"{_fmt(summary.get('groups_dropped_stale'))} / {_fmt(summary.get('groups_dropped_filtered'))} / "
+        f"{_fmt(summary.get('groups_dropped_invalid'))} / {_fmt(summary.get('groups_dropped_duplicate'))} / "
         f"{_fmt(summary.get('groups_left_in_buffer'))} |",
         f"| weight versions published{since_start(summary)} | {_fmt(summary.get('weight_versions_published'))} |",
         f"| wall seconds{since_start(summary)} | {_fmt(summary.get('wall_seconds'))} |", ""]
+
+
+def summary_mismatch(summary: dict, last_step: int) -> str | None:
+    """Why the summary's figures are not of the last step logged, or None when they are (or there is no summary).
+    The trainer writes summary.json when it ends: after a later trainer start, still running or failed (which
+    writes none), the file holds the earlier start's figures, and the report showed them as the run's."""
+    steps = summary.get("steps")
+    if not _is_step(steps) or steps >= last_step:
+        return None
+    return (f"summary.json is of RL step {steps}, but the metrics go on to step {last_step}: it was written when an "
+            "earlier trainer start ended, and the trainer started since (running, or failed) has not written its own "
+            f"yet, so the figures above are of step {steps} (or a resume rolled back the steps after {steps}, and "
+            "its trainer has not logged them again)")
 
 
 def make_report(run_dir: pathlib.Path) -> pathlib.Path:
@@ -344,6 +360,10 @@ def make_report(run_dir: pathlib.Path) -> pathlib.Path:
     summary = read_summary(run_dir / "summary.json")
     lines = [f"# Run report: {summary.get('run', run_dir.name)}", "", *summary_table(summary)]
     last = rows[-1]
+    mismatch = summary_mismatch(summary, last["step"])
+    if mismatch:
+        print(f"grpo-stream report: warning: {mismatch}", file=sys.stderr)
+        lines += [f"Note: {mismatch}.", ""]
     lines += [f"Last step ({last['step']}): reward {_fmt(last.get('train/reward_mean'))}, "
               f"accuracy {_fmt(last.get('train/accuracy'))}, staleness {_fmt(last.get('train/staleness_mean'))}.",
               ""]
