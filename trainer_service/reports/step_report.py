@@ -99,16 +99,18 @@ class StepReporter:
         """Groups with zero advantages, as algo.dynamic_sampling judges them."""
         return sum(without_signal(g, self.cfg.algo, self.cfg.generation.max_new_tokens) for g in groups)
 
-    def rates(self, tokens: int, groups: int, window_s: float = 30.0) -> tuple[float, float]:
+    def rates(self, tokens: int, groups: int, window_s: float = 30.0) -> tuple[float | None, float | None]:
         """Tokens/s and groups/s trained over the last `window_s` seconds (not a run-long average, which would climb
-        all run as start-up time is amortised)."""
+        all run as start-up time is amortised); (None, None) at the first step of this process, which has no window
+        yet: reported as 0, it drew a fall to zero in the throughput at step 1 and at every resume, and its gauge
+        read 0 as if the trainer had stalled."""
         now = time.time()
         self._window.append((now, tokens, groups))
         while len(self._window) > 2 and now - self._window[1][0] > window_s:
             self._window.pop(0)
         span = now - self._window[0][0] if len(self._window) > 1 else 0.0
         if span <= 0:
-            return 0.0, 0.0
+            return None, None
         return (sum(t for _, t, _ in self._window[1:]) / span, sum(g for _, _, g in self._window[1:]) / span)
 
     def report(self, step, groups, staleness, stats, m, phases, tokens_per_second, groups_per_second) -> None:
@@ -126,11 +128,12 @@ class StepReporter:
                "buffer_depth": max(0, counters["depth"] - held), "buffer_held": held,
                "groups_dropped_stale": counters["dropped_stale"],
                "groups_dropped_filtered": counters["dropped_filtered"], **phases,
-               "wait_seconds": phases["plan_wait_seconds"], "tokens_per_second": tokens_per_second,
-               "groups_per_second": groups_per_second, "step_seconds": step_seconds,
+               "wait_seconds": phases["plan_wait_seconds"], "step_seconds": step_seconds,
                "compute_share": phases["compute_seconds"] / max(step_seconds, 1e-9),
                "zero_variance_groups": self._without_signal(groups),
                "weight_version": self.publisher.latest_version or 0, **self._component_means(groups)}
+        if tokens_per_second is not None:  # None: no window yet (rates), left out rather than logged as 0
+            row.update(tokens_per_second=tokens_per_second, groups_per_second=groups_per_second)
         self.metrics.scalars(step, row, prefix="train/")
         self._export(step, row, self._counters)  # the last counts read: never the zeros above, a counter reset
         self.metrics.histogram(step, "train/staleness", staleness)
@@ -144,10 +147,10 @@ class StepReporter:
         if self._show(step):
             lp_diff = f"{m['logprob_diff_max']:.1e}" if "logprob_diff_max" in m else "-"
             log.info("step %d/%d reward %.3f acc %.3f staleness %.1f/%d buffer %d dropped-stale %d version %d "
-                     "loss %.4f clip %.3f lp_diff(lag0) %s wait %.2fs %.0f tok/s", step, self.cfg.trainer.steps,
+                     "loss %.4f clip %.3f lp_diff(lag0) %s wait %.2fs %s tok/s", step, self.cfg.trainer.steps,
                      stats["reward_mean"], accuracy, row["staleness_mean"], row["staleness_max"], row["buffer_depth"],
                      row["groups_dropped_stale"], row["weight_version"], m["loss"], m["clip_fraction"], lp_diff,
-                     phases["plan_wait_seconds"], tokens_per_second)
+                     phases["plan_wait_seconds"], "-" if tokens_per_second is None else f"{tokens_per_second:.0f}")
             if "distill_kl" in m:  # distillation: how far the student is from its teacher, per token
                 log.info("step %d distill: KL to the teacher %.4f (p50 %.4f, p90 %.4f, p99 %.4f), teacher logprob "
                          "%.4f", step, m["distill_kl"], m["distill_kl_p50"], m["distill_kl_p90"], m["distill_kl_p99"],
@@ -180,7 +183,8 @@ class StepReporter:
         self.gauges["trainer_step"].set(step)
         for name in ("weight_version", "buffer_depth", "buffer_held", "reward_mean", "accuracy", "staleness_mean",
                      "step_seconds", "wait_seconds", "tokens_per_second", "groups_per_second", "compute_share"):
-            self.gauges[name].set(row[name])
+            if name in row:  # the rates are not there at a process's first step (rates)
+                self.gauges[name].set(row[name])
         for name, _ in _HEALTH_GAUGES:
             if row.get(name) is not None:
                 self.gauges[name].set(row[name])
