@@ -265,3 +265,36 @@ def test_tracking_adds_wandb_to_each_image_the_way_its_trainer_stage_installs_th
                                                                   if e not in added) + "]")
         assert base in runs, f"docs/tracking.md: {dockerfile}'s jax stage installs the project otherwise than `{base}`"
         assert added == ["wandb"] and "wandb" in extras, (dockerfile, command)
+
+
+# ---- plain prompts as the pages show them -------------------------------------------------------------------------
+
+def plain_prompt_examples() -> list[tuple[str, str]]:
+    """(where, prompt) for each plain prompt a page shows as a code span: `Q: <question> A:`, after any BOS text."""
+    found = []
+    for page in PAGES:
+        for span in re.findall(r"`([^`\n]+)`", page.read_text()):
+            if re.fullmatch(r"\S*Q: .+ A:", span.replace("\\|", "|")):
+                found.append((rel(page), span.replace("\\|", "|")))
+    return found
+
+
+def test_every_plain_prompt_the_pages_show_is_the_one_the_code_renders(tmp_path):
+    """A plain prompt starts with a BOS only where the tokenizer itself adds one (common/model/tokenizer.py:
+    HFTokenizer._bos_text): SmolLM2 declares <|im_start|> but never adds it. troubleshooting.md still showed SmolLM2's
+    plain prompts as `<|im_start|>Q: ... A:` and blamed that BOS for a score of 0. Each example is rendered with a
+    SmolLM2-like tokenizer (its declared BOS, when the example starts with one) and must come out as shown."""
+    from grpo_stream.common.model.tokenizer import HFTokenizer  # noqa: PLC0415 - transformers: this test only
+    from grpo_stream.common.tasks import prompts  # noqa: PLC0415
+    from tests.chatml_tokenizer import chatml_tokenizer_dir  # noqa: PLC0415
+
+    smol = HFTokenizer(chatml_tokenizer_dir(tmp_path / "smol", pad_token="<|endoftext|>"))
+    examples = plain_prompt_examples()
+    assert any(where == "docs/operations.md" for where, _ in examples)  # the demo's prompt: the walk finds them
+    wrong = []
+    for where, shown in examples:
+        bos, question = re.fullmatch(r"(\S*)Q: (.+) A:", shown).groups()
+        assert bos in ("", smol._tok.bos_token), f"{where}: `{shown}`: teach this test the tokenizer whose BOS is {bos}"
+        if prompts.render(question, "plain", smol) != shown:
+            wrong.append(f"{where}: `{shown}`, rendered `{prompts.render(question, 'plain', smol)}`")
+    assert not wrong, f"plain prompts the pages show that the code does not write: {wrong}"

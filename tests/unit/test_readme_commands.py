@@ -14,7 +14,7 @@ import tomllib
 
 import pytest
 
-from tests.unit.readme import ROOT, commands
+from tests.unit.readme import README, ROOT, code_spans, commands
 
 # the values placeholders stand for; {tmp} is the test's own directory
 VALUES = {"C": "configs/tiny_arith.yaml", "D": "{tmp}/run", "P": "{tmp}/out.json", "I": "0", "N": "2",
@@ -132,3 +132,42 @@ def test_the_walk_finds_the_commands():
 def test_every_command_in_the_readme_runs_as_written(command, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
     check(command, tmp_path, capsys)
+
+
+def parser_options() -> dict[str, set[str]]:
+    """Each command's (and each `config` action's) option strings, and `k=v` where it takes dotted overrides (as
+    positionals, or after an option: cli.main), from the command line's own parser."""
+    import argparse  # noqa: PLC0415 - this test only
+
+    from grpo_stream.cli import _parser  # noqa: PLC0415
+
+    found: dict[str, set[str]] = {}
+
+    def walk(parser: argparse.ArgumentParser, name: str) -> None:
+        actions = parser._actions  # noqa: SLF001 - argparse has no public walk of a parser's arguments
+        if name:
+            found[name] = {o for a in actions for o in a.option_strings} | (
+                {"k=v"} if any(a.dest == "overrides" for a in actions) or parser.get_default("overrides") is not None
+                else set())
+        for action in actions:
+            if isinstance(action, argparse._SubParsersAction):  # noqa: SLF001
+                for sub, child in action.choices.items():
+                    walk(child, f"{name} {sub}".strip())
+    walk(_parser(), "")
+    return found
+
+
+def test_the_options_every_command_with_a_config_takes_are_what_the_readme_says():
+    """README.md's "Every command that takes a config accepts ..." said `-v` too, which the prompt clients (`submit`,
+    `status`, `results`, `cancel`) refuse. Each option that sentence names must parse for every command with
+    `--config`, but for the commands it names as exceptions, each of which must indeed lack one of them."""
+    sentence = re.search(r"Every command that takes a config accepts (.*?);", README.read_text(), re.S).group(1)
+    spans = code_spans(sentence)
+    wanted = {"k=v" if "=" in s else s.split()[0] for s in spans if s.startswith("-") or "=" in s}
+    assert {"--config", "--print-config", "k=v"} <= wanted, sentence
+    options = parser_options()
+    excepted = {s for s in spans if s in options}
+    with_config = [name for name, opts in options.items() if "--config" in opts]
+    assert len(with_config) > 10 and excepted <= set(with_config), (with_config, excepted)
+    missing = {name: sorted(wanted - options[name]) for name in with_config if wanted - options[name]}
+    assert set(missing) == excepted, f"README.md: {sentence!r}; commands with a config that lack some: {missing}"
