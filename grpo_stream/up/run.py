@@ -343,10 +343,11 @@ def _run_processes(cfg: RunConfig, run_dir: pathlib.Path, specs: list[ProcessSpe
             outcome = outcome or watch.launch(child)  # one that cannot start stops the run only with restart=never
         outcome = outcome or watch.run(lambda: stop.interrupted)
         stop.say_received()
-        if outcome.reason in ("gave_up", "permanent") or stop.interrupted:
+        stopping = outcome.reason in ("gave_up", "permanent") or stop.interrupted
+        if stopping:
             for child in children:
                 child.terminate()
-        trainer_code, sampler_codes = _wind_down(trainer, helpers, samplers, cfg.up.stop_grace_s)
+        trainer_code, sampler_codes = _wind_down(trainer, helpers, samplers, cfg.up.stop_grace_s, stopping)
         stop.say_received()
     finally:
         for child in children:
@@ -358,19 +359,22 @@ def _run_processes(cfg: RunConfig, run_dir: pathlib.Path, specs: list[ProcessSpe
                   trainer.log_path)
 
 
-def _wind_down(trainer, helpers: list[_Child], samplers: list[_Child],
-               grace_s: float) -> tuple[int | None, dict[str, int | None]]:
+def _wind_down(trainer, helpers: list[_Child], samplers: list[_Child], grace_s: float,
+               stopping: bool = False) -> tuple[int | None, dict[str, int | None]]:
     """Wait for the trainer (`grace_s`: up.stop_grace_s), then the samplers (which stop by themselves at the final
-    version), then the ingest (it serves until the samplers are done); (trainer's exit code, each sampler's). Each
-    group's wait is one deadline for all of it: waited for in turn, 8 samplers that did not stop took 8 x 20 s."""
+    version; `stopping`: all were told to stop, so they get STOP_S), then the ingest (it serves until the samplers
+    are done); (trainer's exit code, each sampler's). Each group's wait is one deadline for all of it: waited for in
+    turn, 8 samplers that did not stop took 8 x 20 s."""
     trainer_code = trainer.wait(timeout_s=grace_s)
-    if trainer_code == 0:  # a sampler stops by itself at the final version, one that missed it is told to
+    finished = trainer_code == 0 and not stopping  # a stopped trainer exits 0 too, after its checkpoint
+    if finished:  # a sampler stops by itself at the final version, one that missed it is told to
         _wait_together(samplers, FINISH_S)
     for child in samplers:
-        if trainer_code == 0 and child.alive():
+        if finished and child.alive():
             _say(f"[up] {child.name} still running {FINISH_S:.0f}s after the trainer finished; stopping it")
         child.terminate()
-    _wait_together(samplers, FINISH_S if trainer_code == 0 else STOP_S, kill=True)
+    # told to stop with the rest (Ctrl-C: the trainer checkpoints and exits 0), samplers got 30 s, then 30 s more
+    _wait_together(samplers, FINISH_S if finished else STOP_S, kill=True)
     sampler_codes = {child.name: child.wait(timeout_s=1) for child in samplers}
     for child in helpers:
         child.terminate()

@@ -221,6 +221,39 @@ def test_samplers_that_ignore_sigterm_share_one_stop_deadline(tmp_path, monkeypa
             unit.kill()
 
 
+def test_samplers_told_to_stop_get_the_stop_deadline_once_though_the_trainer_exits_0(tmp_path, monkeypatch):
+    """On Ctrl-C the trainer checkpoints and exits 0, as when it finishes: samplers already told to stop were then
+    waited for as after a finished run (30 s for them to stop by themselves, "still running 30s after the trainer
+    finished; stopping it", 30 s more), up to 60 s where docs/supervision.md gives them 20 s."""
+    waits, said = [], []
+    monkeypatch.setattr(up_run, "STOP_S", 1.0)
+    monkeypatch.setattr(up_run, "FINISH_S", 300.0)  # waited for, the test would take minutes
+    real_wait = up_run._wait_together
+    monkeypatch.setattr(up_run, "_wait_together", lambda children, timeout_s, kill=False: (
+        waits.append((timeout_s, kill)), real_wait(children, timeout_s, kill))[1])
+    monkeypatch.setattr(up_run, "_say", said.append)
+    (tmp_path / "logs").mkdir()
+    trainer = _Child(ProcessSpec("trainer", (sys.executable, "-c", STARTER.replace("END", "time.sleep(120)")),
+                                 dict(os.environ), "trainer", "trainer-0"), tmp_path / "logs")
+    sampler = _Child(ProcessSpec("sampler-0", (sys.executable, "-c", DEAF), dict(os.environ), "sampler", "sampler-0"),
+                     tmp_path / "logs")
+    try:
+        for unit in (trainer, sampler):
+            unit.start()
+        log, deadline = tmp_path / "logs" / "sampler-0.log", time.monotonic() + 30
+        while not (log.exists() and log.read_text().strip()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for unit in (trainer, sampler):
+            unit.terminate()  # as after Ctrl-C: the trainer exits 0 on SIGTERM (STARTER), the sampler hangs on
+        trainer_code, codes = up_run._wind_down(trainer, [], [sampler], grace_s=30, stopping=True)
+        assert trainer_code == 0 and codes == {"sampler-0": -signal.SIGKILL}
+        assert waits[0] == (up_run.STOP_S, True), waits
+        assert not any("after the trainer finished" in line for line in said), said
+    finally:
+        for unit in (trainer, sampler):
+            unit.kill()
+
+
 def test_a_second_stop_signal_kills_every_process_at_once(tmp_path, monkeypatch):
     """A second Ctrl-C (or SIGTERM) while `up` waited for its processes to stop only sent SIGTERM again: `up` went on
     waiting up.stop_grace_s (120 s by default) for a trainer that did not stop, and STOP_S for the others. Now it
