@@ -52,12 +52,6 @@ def compute_advantages(rewards: np.ndarray, estimator: str, eps: float) -> np.nd
     raise ValueError(f"algo.advantage_estimator={estimator!r}: expected grpo, drgrpo or rloo")
 
 
-def zero_variance_groups(rewards: np.ndarray) -> np.ndarray:
-    """[groups] bool: groups whose completions all got the same reward (no learning signal)."""
-    rewards = np.asarray(rewards)
-    return np.all(rewards == rewards[:, :1], axis=1)
-
-
 def overlong_penalty(lengths: np.ndarray, max_new_tokens: int, buffer_tokens: int, penalty: float) -> np.ndarray:
     """DAPO's soft overlong punishment: 0 up to max_new_tokens - buffer_tokens, then linear to -penalty."""
     excess = np.asarray(lengths, np.float64) - (max_new_tokens - buffer_tokens)
