@@ -85,9 +85,7 @@ def _parser() -> argparse.ArgumentParser:
     add_parser = sub.add_parser
 
     def with_debug(name: str, **kwargs) -> argparse.ArgumentParser:  # every command also takes --debug after it
-        p = add_parser(name, **kwargs)
-        p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
-        return p
+        return _debug_after(add_parser(name, **kwargs))
 
     sub.add_parser = with_debug
     _process_parsers(sub)
@@ -175,13 +173,22 @@ def _fixture_parsers(sub) -> None:
                     "distribution, else `pip download`); its sha256 must be the pinned one")
 
 
+def _debug_after(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """`parser` taking --debug too, after the command (module doc): on the top-level parser alone, `config show
+    --debug` was refused as an unrecognised argument."""
+    parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    return parser
+
+
 def _config_parsers(sub) -> None:
     cf = sub.add_parser("config", help="describe the config fields, or show a resolved config")
     cf_sub = cf.add_subparsers(dest="config_command", required=True, metavar="ACTION")
-    de = cf_sub.add_parser("describe", help="every field with its type, default, limits and documentation")
+    de = _debug_after(cf_sub.add_parser("describe", help="every field with its type, default, limits and "
+                                        "documentation"))
     de.add_argument("prefix", nargs="?", default="", help="only fields whose dotted name starts with this "
                     "(e.g. trainer. or weights.transport)")
-    sh = cf_sub.add_parser("show", help="the resolved config (file, then overrides, then defaults) as YAML")
+    sh = _debug_after(cf_sub.add_parser("show", help="the resolved config (file, then overrides, then defaults) as "
+                                        "YAML"))
     _common(sh)
 
 

@@ -57,3 +57,25 @@ def test_up_refuses_a_layout_the_gpus_cannot_hold_before_starting_anything(tmp_p
     assert err == ["grpo-stream up: error: trainer.mesh (fsdp x tp): the trainer's need 4 GPUs but this host shows 2 "
                    "(nvidia-smi, CUDA_VISIBLE_DEVICES or hardware.gpus); make the mesh smaller or use a host with 4"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run.lock"]  # no Redis, no logs: only the directory's lock
+
+
+def test_every_command_takes_debug_after_it_config_actions_too(capsys):
+    """The module doc says --debug works before or after the command; `config show --debug` and `config describe
+    run --debug` were refused ("unrecognized arguments"), as only the top-level commands took it after them."""
+    import argparse  # noqa: PLC0415 - this test only
+
+    from grpo_stream.cli import _parser  # noqa: PLC0415
+
+    def leaves(parser, name=""):
+        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]  # noqa: SLF001
+        if not subs:
+            yield name, parser
+        for action in subs:
+            for sub, child in action.choices.items():
+                yield from leaves(child, f"{name} {sub}".strip())
+
+    found = dict(leaves(_parser()))
+    assert {"config show", "config describe", "up", "audit"} <= set(found)
+    assert [name for name, p in found.items() if "--debug" not in p._option_string_actions] == []  # noqa: SLF001
+    assert main(["config", "describe", "run.name", "--debug"]) == 0
+    assert "run.name" in capsys.readouterr().out
