@@ -20,17 +20,22 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
-ZERO_OR_NONE = (None, 0, 0.0)
+# OpenAI's API takes 4, vLLM's any number: lm-eval sends a task's `until` and the EOS text (aime: 5, humaneval and
+# gsm8k-cot-llama: 6), so 4 refused them; each is one substring search of a finished answer
+MAX_STOPS = 32
 ROLLOUT_FIELD = "grpo_rollout"  # an internal request's extra field: the rollout group its model call belongs to
-_PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
-_UNSERVED = ("logit_bias", "suffix", "top_k", "min_p", "guided_json", "guided_regex", "response_format")
+# fields that would change the sampling: served only left out, null, or at the values that change nothing, as vLLM
+# reads them (clients send vLLM's neutral set, repetition_penalty 1, top_k 0, min_p 0, which was refused)
+_SAMPLING = {"presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "top_k": (0, -1),
+             "min_p": (0,), "logit_bias": ({},), "suffix": ("",), "guided_json": (), "guided_regex": (),
+             "response_format": ({"type": "text"},)}
 # vLLM's sampling extensions: served only at the value that changes nothing
 _NEUTRAL = (("ignore_eos", False), ("min_tokens", 0), ("stop_token_ids", []), ("include_stop_str_in_output", False),
             ("skip_special_tokens", True), ("prompt_logprobs", None), ("chat_template_kwargs", {}),
             ("continue_final_message", False), ("add_generation_prompt", True), ("spaces_between_special_tokens", True))
 # the undeclared fields the endpoint reads; any other is dropped as it is validated: a client's megabytes of `user` or
 # `metadata` (or a message's unknown keys) were held, as 20-30 times their size in Python objects, while it waited
-READ_EXTRAS = frozenset((*_PENALTIES, *_UNSERVED, *(name for name, _ in _NEUTRAL), ROLLOUT_FIELD,
+READ_EXTRAS = frozenset((*_SAMPLING, *(name for name, _ in _NEUTRAL), ROLLOUT_FIELD,
                          "return_tokens_as_token_ids"))
 # fields OpenAI's API takes null for, meaning their default (the openai SDK sends null for an argument passed as None)
 _NULL_IS_DEFAULT = ("n", "stream", "return_token_ids", "logprobs", "echo", "add_special_tokens")
@@ -98,8 +103,8 @@ class _Common(BaseModel):
     @classmethod
     def _stops(cls, value):
         stops = [value] if isinstance(value, str) else list(value or [])
-        if len(stops) > 4 or any(not s or len(s) > 256 for s in stops):
-            raise ValueError("stop: at most 4 non-empty strings of at most 256 characters")
+        if len(stops) > MAX_STOPS or any(not s or len(s) > 256 for s in stops):
+            raise ValueError(f"stop: at most {MAX_STOPS} non-empty strings of at most 256 characters")
         return stops
 
     @field_validator(*_NULL_IS_DEFAULT, mode="before", check_fields=False)
@@ -116,14 +121,13 @@ class _Common(BaseModel):
 
     def refuse_unsupported(self) -> None:
         extra = self.model_extra or {}
-        for name in _PENALTIES:
-            if extra.get(name) not in ZERO_OR_NONE:
-                raise RequestError(f"{name}: not served; the endpoint samples the policy as the sampler does (leave "
-                                   "it out or 0)")
-        for name in _UNSERVED:
-            if extra.get(name) not in (None, {}, -1) and not (name == "response_format" and
-                                                                extra.get(name) == {"type": "text"}):
-                raise RequestError(f"{name}: not served; the endpoint samples the policy as the sampler does")
+        for name, neutral in _SAMPLING.items():
+            value = extra.get(name)
+            # bool is no number here: JSON's true is no penalty of 1 (Python's True == 1)
+            if value is not None and (isinstance(value, bool) or value not in neutral):
+                allowed = "".join(f" or {v!r}" for v in neutral)
+                raise RequestError(f"{name}={_shown(value)}: not served; the endpoint samples the policy as the "
+                                   f"sampler does (leave it out{allowed})")
         for name, neutral in _NEUTRAL:
             if name in extra and extra[name] not in (neutral, None):
                 raise RequestError(f"{name}={_shown(extra[name])}: not served; leave it out (or {neutral!r})")

@@ -335,3 +335,19 @@ def test_messages_this_policy_cannot_read_are_a_400(served):
     with pytest.raises(openai.BadRequestError) as caught:  # an image part: the policy reads text only
         client.chat.completions.create(model="policy", messages=[{"role": "user", "content": [{"type": "image_url"}]}])
     assert "messages[0].content" in caught.value.body["message"]
+
+
+def test_what_an_eval_harness_sends_is_served(served):
+    """lm-eval's local-completions: greedy, its task's `until` strings and the EOS text as `stop` (humaneval: 6; OpenAI
+    takes 4, vLLM any number), and harnesses pin vLLM's neutral sampling controls (top_k 0, min_p 0,
+    repetition_penalty 1): the answer is the engine's greedy generation, cut at the first stop string."""
+    _, client, engine, model, tok, _ = served
+    ids = tok.encode("def add(a, b):")
+    expected = engine.generate(model.params, [ids], jax.random.key(0), greedy=True, max_new_tokens=[C])
+    text = tok.decode(expected.tokens[0, :expected.lengths[0]].tolist())
+    own = next((text[i:i + 2] for i in range(len(text) // 2, len(text) - 1) if text[i:i + 2].strip()), "\nreturn")
+    stops = ["\nclass", "\ndef", "\n#", "\nif", "\nprint", own]
+    reply = client.completions.create(model="policy", prompt=ids, max_tokens=C, temperature=0, seed=1234, stop=stops,
+                                      extra_body={"top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0})
+    first = min((text.index(s) for s in stops if s in text), default=len(text))
+    assert reply.choices[0].text == text[:first]
