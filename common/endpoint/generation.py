@@ -302,10 +302,12 @@ class EndpointCore:
 
     def _chat_logprobs(self, seq: SideRequest, kept: int, as_ids: bool) -> list[dict[str, Any]]:
         """OpenAI's per-token logprobs; `bytes` are the token's own (tokenizer.token_bytes), so a character split
-        over tokens (CJK, emoji) is rebuilt from them, where its text alone is U+FFFD."""
+        over tokens (CJK, emoji) is rebuilt from them, where its text alone is U+FFFD. A special token (the stop
+        token) is its own text, as vLLM writes it: decoded, it was "" beside `bytes` that held it."""
         out = []
         for token, logprob in zip(seq.tokens[:kept], seq.logprobs[:kept]):
-            text = f"token_id:{token}" if as_ids else self.tokenizer.decode([token])
+            text = f"token_id:{token}" if as_ids else (
+                self.tokenizer.decode([token]) or self.tokenizer.token_bytes(token).decode("utf-8", "replace"))
             out.append({"token": text, "logprob": logprob, "bytes": list(self.tokenizer.token_bytes(token)),
                         "top_logprobs": []})
         return out

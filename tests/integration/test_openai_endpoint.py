@@ -74,6 +74,9 @@ def test_seeded_chat_returns_the_engines_own_generation(served):
         assert choice.finish_reason == ("stop" if tokens[-1] in tok.eos_ids else "length")
         written = [t for t, token in zip(choice.logprobs.content, tokens) if token not in tok.eos_ids]
         assert bytes(b for t in written for b in t.bytes).decode() == choice.message.content  # the tokens' own bytes
+        # the stop token is its own text in both, as vLLM writes it (its token was "" beside bytes that held it)
+        assert all(t.token == bytes(t.bytes).decode() != "" for t, token in zip(choice.logprobs.content, tokens)
+                   if token in tok.eos_ids)
     assert reply.system_fingerprint == f"policy-v{VERSION}" and reply.usage.prompt_tokens == len(prompt)
     greedy = client.chat.completions.create(model="policy", messages=messages, temperature=0, max_tokens=8,
                                             extra_body={"return_token_ids": True})
