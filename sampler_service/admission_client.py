@@ -16,6 +16,7 @@ import time
 import grpc
 
 from grpo_stream.common.runtime.console import detail_logger
+from grpo_stream.common.rpc.grpc_util import MAX_CLAIM
 from grpo_stream.common.runtime.errors import PermanentError, is_transient
 from grpo_stream.protos import rollout_pb2
 from grpo_stream.sampler_service.connect import refusal_fix
@@ -43,6 +44,9 @@ class AdmissionClient:
         if not self.enabled:
             return wanted
         self._version = version
+        # the ingest refuses more (an answer no retry changes: the sampler stopped for good with decode_slots /
+        # num_generations over it, both valid settings); the rest at the next look
+        wanted = min(wanted, MAX_CLAIM)
         started, retry_s = time.monotonic(), OUTAGE_RETRY_S
         try:
             reply = self.stub.Admit(rollout_pb2.AdmitRequest(sampler_id=self.sampler_id, groups=wanted,

@@ -63,6 +63,9 @@ SERVER_OPTIONS = [
 # ran out of file descriptors (1,100 idle connections took a server with the usual soft limit of 1,024 to EMFILE:
 # no checkpoint, Redis or data-plane socket could be opened). A sampler holds one or two.
 MAX_CONNECTIONS = 1024
+# Groups one Admit grants and injected prompts one ClaimPrompts hands out, at most: the ingest refuses a larger count
+# (INVALID_ARGUMENT) and a sampler asks for no more (with more room, the rest at its next look)
+MAX_CLAIM = 4096
 
 
 def connection_cap() -> int:

@@ -22,6 +22,7 @@ from google.protobuf.message import DecodeError
 from grpo_stream.common.rollouts.buffer import BufferUnavailable, Incoming, RedisStreamBuffer
 from grpo_stream.common.rollouts.redis_errors import DamagedRecord
 from grpo_stream.common.rpc.auth import MAX_REPLICA, TokenTable, caller_of, may_act_as
+from grpo_stream.common.rpc.grpc_util import MAX_CLAIM
 from grpo_stream.trainer_service.ingest.admission import RETRY_AFTER_MS, AdmissionControl, SharedSamplerId
 from grpo_stream.trainer_service.ingest.claim_check import checked_claim
 from grpo_stream.trainer_service.ingest.prompt_queue import NOT_A_HASH, InjectedShare, PromptQueue
@@ -37,7 +38,6 @@ _UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
 _STAT = {0: "accepted", _INVALID: "invalid", _EXHAUSTED: "full", _UNAVAILABLE: "unavailable"}
 _ANSWERED = {"eval": "evaluation only: recorded as the prompt's result, never trained",
              "cancelled": "the prompt was cancelled: answer discarded", "dup": "duplicate: accepted before"}
-MAX_CLAIM = 4096
 MAX_BATCH_GROUPS = 1024  # groups in one StreamBatches message (a sampler sends 16)
 # how far below a sampler's highest accepted position GetDataPosition looks for unanswered ones: what a sampler holds
 # in flight and in its backlog when it stops is far less; a gap further down is a prompt skipped for good
