@@ -29,6 +29,8 @@ import jax
 
 from grpo_stream.common.config.schema import RunConfig
 from grpo_stream.common.episodes.result import GroupWork, on_host
+from grpo_stream.common.rpc.grpc_util import MAX_CLAIM
+from grpo_stream.common.runtime.errors import SetupError
 from grpo_stream.common.tasks.rewards import RewardSet, RunRewards, UnknownReward
 from grpo_stream.protos import rollout_pb2
 
@@ -85,14 +87,21 @@ class GroupSource:
             return batch
         used = sum(work.rows for work in batch)
         rows = min(rows, used + (groups - len(batch)) * gen.num_generations)
-        skipped_in_a_row = 0
+        skipped_in_a_row, last_skipped = 0, None
         while len(batch) < groups and used + gen.num_generations <= rows:
             position, problem = next(self.prompts)
             ids = self.tokenizer.encode(problem.prompt)
             if not ids or len(ids) > gen.max_prompt_tokens:  # an empty one the engine cannot start either
-                skipped_in_a_row += 1
+                # in a row in the data stream: a resumed one hands out its unanswered positions first, the over-long
+                # ones skipped before among them, one after another (counted, every restart of a dataset with a
+                # quarter of its prompts over the limit failed)
+                consecutive = last_skipped is not None and position == last_skipped + 1
+                skipped_in_a_row = skipped_in_a_row + 1 if consecutive else 1
+                last_skipped = position
                 if skipped_in_a_row > MAX_SKIPPED_PROMPTS:
-                    raise ValueError(f"generation.max_prompt_tokens={gen.max_prompt_tokens}: the last "
+                    # permanent: a restarted sampler resumes at these same positions and meets the same prompts (a
+                    # ValueError was restarted by `up` again and again until its restart budget ran out)
+                    raise SetupError(f"generation.max_prompt_tokens={gen.max_prompt_tokens}: the last "
                                      f"{skipped_in_a_row} prompts were all empty or longer; raise it or fix the data")
                 log.warning("prompt %s has %d tokens (none, or over generation.max_prompt_tokens); skipped",
                             problem.prompt_id, len(ids))
@@ -119,7 +128,8 @@ class GroupSource:
             self._last_claim = now
             try:
                 reply = self.ingest_stub.ClaimPrompts(rollout_pb2.ClaimRequest(
-                    sampler_id=self.sampler_id, max_prompts=wanted, policy_version=version), timeout=5)
+                    sampler_id=self.sampler_id, max_prompts=min(wanted, MAX_CLAIM),
+                    policy_version=version), timeout=5)
                 self.pending.extend(reply.prompts)
                 self._claim_warned = False
             except grpc.RpcError as exc:

@@ -12,6 +12,7 @@ import jax
 import numpy as np
 import pytest
 
+from grpo_stream.common.runtime.errors import PermanentError
 from grpo_stream.common.tasks.rewards import RewardSet
 from grpo_stream.protos import rollout_pb2
 from grpo_stream.sampler_service import group_source
@@ -114,6 +115,15 @@ def test_over_long_prompts_are_skipped_and_a_stream_of_only_those_is_a_config_er
         builder(small_cfg, texts=["x " * (limit + 1)], fail=True).next_groups(groups=1, rows=g, version=0)
 
 
+def test_a_stream_of_only_over_long_prompts_stops_the_sampler_for_good(small_cfg, monkeypatch):
+    """A restarted sampler resumes at the same data positions and meets the same prompts: restarting cannot help, so
+    the error is permanent (`up` records it and restarts nothing), not one `up` restarts until its budget runs out."""
+    monkeypatch.setattr(group_source, "MAX_SKIPPED_PROMPTS", 5)
+    limit, g = small_cfg.generation.max_prompt_tokens, small_cfg.generation.num_generations
+    with pytest.raises(PermanentError, match="generation.max_prompt_tokens"):
+        builder(small_cfg, texts=["x " * (limit + 1)], fail=True).next_groups(groups=1, rows=g, version=0)
+
+
 def test_an_unreachable_ingest_leaves_the_rows_to_dataset_prompts(small_cfg, monkeypatch):
     g = small_cfg.generation.num_generations
     b = builder(small_cfg, texts=["a b"], fail=True, monkeypatch=monkeypatch)
@@ -212,3 +222,33 @@ def test_a_resumed_stream_gives_its_unanswered_positions_first_with_their_own_pr
     assert [p for p, _ in resumed] == [12, 27, 29, 30, 31, 32]
     assert [problem for _, problem in resumed] == [whole[p][1] for p in (12, 27, 29, 30, 31, 32)]
     assert [p for p, _ in itertools.islice(resumed_prompts(task, 1, 2, 5), 3)] == [5, 6, 7]  # nothing unanswered
+
+
+class AlternatingLengthTask:
+    """A data stream whose even positions below 21 are over generation.max_prompt_tokens and every other one fits."""
+
+    def __init__(self, too_long: int):
+        self.too_long = too_long
+
+    def train_stream(self, index, count, start):
+        for position in itertools.count(start):
+            long = position % 2 == 0 and position < 21
+            yield types.SimpleNamespace(prompt_id=f"p{position}", answer="1",
+                                        prompt="x " * self.too_long if long else "short one")
+
+
+def test_a_resumed_stream_whose_unanswered_positions_are_over_long_prompts_goes_on_to_the_rest(small_cfg,
+                                                                                             monkeypatch):
+    """The over-long prompts a sampler skipped stay unanswered, and a restarted one is handed them first, one after
+    another (the answered positions between them are not): never more than one in a row in the stream, they were
+    counted as a stream of nothing but over-long prompts, and every restart failed (a dataset with a quarter of its
+    prompts over the limit: over MAX_SKIPPED_PROMPTS of them in the 4,096 positions a resume looks back over)."""
+    from grpo_stream.sampler_service.group_source import resumed_prompts  # noqa: PLC0415
+
+    monkeypatch.setattr(group_source, "MAX_SKIPPED_PROMPTS", 5)
+    g = small_cfg.generation.num_generations
+    task = AlternatingLengthTask(small_cfg.generation.max_prompt_tokens + 1)
+    skipped = tuple(range(0, 21, 2))  # the first run skipped these 11 and answered the others up to 21
+    b = GroupSource(small_cfg, "sampler-0", WordTokenizer(), resumed_prompts(task, 0, 1, 22, skipped),
+                    RewardSet(small_cfg.task.rewards), jax.random.key(7))
+    assert [w.position for w in b.next_groups(groups=2, rows=2 * g, version=0)] == [22, 23]
