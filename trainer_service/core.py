@@ -26,6 +26,7 @@ from grpo_stream.common.model.hf_checkpoint import export_hf, resolve_model_dir
 from grpo_stream.common.weights.snapshot import digest
 from grpo_stream.trainer_service.checkpoints.durability import Resumed
 from grpo_stream.trainer_service.learning.params_policy import params_policy
+from grpo_stream.trainer_service.daemon_worker import DaemonWorker
 from grpo_stream.trainer_service.plans import (DonePlan, FinishPlan, Plan, StartPlan, StepPlan, check_within_steps,
                                                evaluated_during_rl)
 from grpo_stream.trainer_service.learning.packing import packing_layout
@@ -110,10 +111,10 @@ class TrainerCore:
         self.resumed_from: dict | None = None
         self.final_weights: dict | None = None
         self.progress: Callable[[], None] | None = None  # a heartbeat for long phases (plan_sources.drive sets it)
-        # publications on one thread, process 0's step reports on another: a donating update waits for the previous
-        # publication (it reads the parameters the update overwrites), never for a report
-        self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="publish")
-        self._reporter = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="step-report")
+        # publications on one thread, process 0's step reports on another (daemons: one stuck must not keep a failed
+        # process from exiting): a donating update waits for the previous publication (it reads the parameters the
+        # update overwrites), never for a report
+        self._worker, self._reporter = DaemonWorker("publish"), DaemonWorker("step-report")
         self._pending: list[concurrent.futures.Future] = []  # publications and reports, in the order submitted
         self._publishing: concurrent.futures.Future | None = None
         # the publication a donating update must wait for (it reads the parameters that update overwrites); None
@@ -122,7 +123,7 @@ class TrainerCore:
         self._copies = donate and cfg.weights.publish_copy
         # each step's bookkeeping (process 0: its groups recorded in Redis; every process: the checkpoint poll) on a
         # thread of its own, beside the next update; at most one step behind, and done before a checkpoint is saved
-        self._books = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="step-books")
+        self._books = DaemonWorker("step-books")
         self._settling: concurrent.futures.Future | None = None
         self.evaluator: InRunEvaluator | None = None  # eval.every_steps: evaluation during RL, on its own thread
 
@@ -392,8 +393,7 @@ class TrainerCore:
         return state_report(self.updater, self.model.num_params(), self.policy.lora)
 
     def close(self, failed: bool = False) -> None:
-        """Stop the background worker: after a failure without waiting for it (a stuck publication must not hold
-        the process, which has its error to report)."""
+        """Stop the background workers; after a failure without waiting (a stuck one must not hold the process)."""
         if self.evaluator is not None:
             self.evaluator.close()
         for worker in (self._books, self._worker, self._reporter):

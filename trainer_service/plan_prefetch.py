@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import queue
 import threading
 import time
 from typing import Callable, Generic, TypeVar
+
+from grpo_stream.trainer_service.daemon_worker import DaemonWorker
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -38,8 +39,7 @@ class PlanPrefetch(Generic[T]):
         self.main_waits = False  # the main thread waits in `take` (plan_sources.py: heartbeats only then)
         self._key: int | None = None
         self._future: concurrent.futures.Future | None = None
-        self._work: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
+        self._worker = DaemonWorker("plan-prefetch")
 
     def submit(self, key: int) -> None:
         """Start preparing `key` on the worker thread (nothing when disabled)."""
@@ -47,21 +47,8 @@ class PlanPrefetch(Generic[T]):
             return
         if self._future is not None:
             raise RuntimeError(f"plan prefetch: {key} submitted while {self._key} was not taken")
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._serve, name="plan-prefetch", daemon=True)
-            self._thread.start()
-        self._key, self._future = key, concurrent.futures.Future()
-        self._work.put((self._future, key))
-
-    def _serve(self) -> None:
-        while (work := self._work.get()) is not None:
-            future, key = work
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(self.prepare(key, self.cancel))
-            except BaseException as exc:  # noqa: BLE001 - re-raised on the main thread by take/close
-                future.set_exception(exc)
+        # what it raises is re-raised on the main thread by take/close
+        self._key, self._future = key, self._worker.submit(self.prepare, key, self.cancel)
 
     def take(self, key: int) -> tuple[T, bool]:
         """(what `prepare(key)` returned, whether it was made ahead): the worker's result (waiting for it; its
@@ -82,7 +69,7 @@ class PlanPrefetch(Generic[T]):
         re-raise what the prefetch raised, so its errors are never lost and nothing of it still runs when the source
         makes its finish plan; after a failure (`failed`) wait `ABANDON_WAIT_S` at most and only log its error."""
         self.cancel.set()
-        self._work.put(None)  # the worker ends after what it prepares
+        self._worker.shutdown(wait=False)  # the worker ends after what it prepares
         future, self._future = self._future, None
         try:
             if future is not None and not failed:
@@ -99,5 +86,4 @@ class PlanPrefetch(Generic[T]):
                 except BaseException as exc:  # noqa: BLE001 - the main thread's failure is the one reported
                     log.error("plan prefetch of step %s failed too: %s: %s", self._key, type(exc).__name__, exc)
         finally:
-            if self._thread is not None:
-                self._thread.join(ABANDON_WAIT_S if failed else None)
+            self._worker.shutdown(timeout=ABANDON_WAIT_S if failed else None)
