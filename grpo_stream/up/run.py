@@ -53,6 +53,7 @@ ENDPOINTS_FILE = "endpoints.json"  # in RUN_DIR: where `grpo-stream submit --run
 
 
 CONSOLE = QueuedConsole()  # the children's lines and `up`'s own while they run: never blocks (relay.py)
+PICKED_EACH_START = ("redis.url", "trainer.port", "ingest.port")  # the embedded Redis's URL, the free ports
 FINISH_S, STOP_S = 30.0, 20.0  # for the samplers (all together) to exit after the trainer finished / once told to
 
 
@@ -318,9 +319,15 @@ def _prepare(cfg: RunConfig, config_path: pathlib.Path | None, overrides: list[s
     # API key in hardware.trainer_env) that the config file kept private
     # a resume with another config is said, naming each change (what `up` sets per start is none: ignored)
     source = snapshot_config(config_path, run_dir)  # what every process reads, whatever becomes of the file given
+    # its body without the values `up` picks afresh at each start (the first line lists them): read back as
+    # `up --config RUN_DIR/config.yaml`, an earlier start's embedded Redis URL was taken for a Redis of the user's
+    # and waited for, for ever
+    per_start = every[len(overrides):]
+    kept = [*overrides, *(o for o in per_start if o.partition("=")[0] not in PICKED_EACH_START)]
     record_config(run_dir / "config.yaml", f"# resolved by `grpo-stream up` from --config {config_path} with overrides "
-                  f"{redacted_overrides(every)}\n" + to_yaml(load_config(source, every), redact=True),
-                  ignore=[o.partition("=")[0] for o in every[len(overrides):]])
+                  f"{redacted_overrides(every)} ({', '.join(PICKED_EACH_START)}: as this start picked them, and "
+                  "left out below)\n" + to_yaml(load_config(source, kept), redact=True),
+                  ignore=[o.partition("=")[0] for o in per_start])
     return plan_processes(cfg, run_dir, source, every, devices, server_env, sampler_env,
                           lock_env=run_lock.child_env({}))  # the trainer holds the run's lock too
 

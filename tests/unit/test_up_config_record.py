@@ -92,3 +92,26 @@ def test_a_record_cut_short_is_kept_and_said_not_an_error(tmp_path, capsys):
     assert "cannot be read" in capsys.readouterr().err
     assert (run_dir / "config.yaml.1").read_text() == "trainer:\n  steps: [3,\n"
     assert yaml.safe_load((run_dir / "config.yaml").read_text())["trainer"]["steps"] == 3
+
+
+def test_the_record_read_back_as_a_config_runs_its_own_embedded_redis(tmp_path):
+    """`up --config RUN_DIR/config.yaml` (the resolved config, which client commands are pointed at too) read the
+    embedded Redis URL and the ports an earlier start picked: the URL was taken for a Redis of the user's, and `up`
+    waited for that dead one for ever. The record's first line lists them; its body leaves them out."""
+    import types  # noqa: PLC0415 - this test only
+
+    config = tmp_path / "run.yaml"
+    config.write_text("trainer:\n  steps: 3\n")
+    run_dir = tmp_path / "run"
+    lock = RunLock.acquire(run_dir, "test")
+    try:
+        cfg = load_config(config, [])
+        embedded = types.SimpleNamespace(url="redis://127.0.0.1:37837/0", password="pw")
+        _prepare(cfg, config, [], run_dir, device_plan(cfg, run_dir), embedded, lock)
+    finally:
+        lock.release()
+    text = (run_dir / "config.yaml").read_text()
+    assert "redis.url=redis://127.0.0.1:37837/0" in text.splitlines()[0]  # the record of what this start ran
+    again = load_config(run_dir / "config.yaml", [])
+    assert again.redis.url is None and again.trainer.port == load_config(None, []).trainer.port
+    assert again.trainer.steps == 3
