@@ -63,6 +63,25 @@ def redis_popen(lock: RunLock) -> dict:
     return {"preexec_fn": die_with_parent(), "pass_fds": (lock.fd,), "process_group": 0}
 
 
+class StartupSignals:
+    """SIGTERM and SIGHUP before the processes start (the Redis waited for, the run prepared) stop `up` as Ctrl-C
+    does, a KeyboardInterrupt: exit 130 saying so, the embedded Redis stopped. They killed it at once, silently,
+    with 143 or 129 (systemd's and Kubernetes' stop is a SIGTERM). A SIGHUP ignored (nohup) stays ignored."""
+
+    def __enter__(self) -> "StartupSignals":
+        self.previous = {s: signal.signal(s, self._interrupt) for s in STOP_SIGNALS if s != signal.SIGINT
+                         and not (s == signal.SIGHUP and signal.getsignal(s) == signal.SIG_IGN)}
+        return self
+
+    @staticmethod
+    def _interrupt(signum, _frame) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+
 class StopSignals:
     """Ctrl-C, SIGTERM and SIGHUP while the processes run: each is asked to stop (SIGTERM), and the watch ends. A
     second one kills them all at once (SIGKILL to their groups: each resumes from a kill -9): it only re-sent SIGTERM,

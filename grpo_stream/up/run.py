@@ -42,7 +42,7 @@ from grpo_stream.up.run_lock import RunLock
 from grpo_stream.up.supervise import Outcome, Watch
 from grpo_stream.common.runtime.files import write_atomic
 from grpo_stream.trainer_service.control_messages import SECRET_ENV, SECRET_FILE_ENV, new_secret
-from grpo_stream.up.guard import StopSignals, child_popen, lock_run_dir, redis_popen, run_dir_error
+from grpo_stream.up.guard import StartupSignals, StopSignals, child_popen, lock_run_dir, redis_popen, run_dir_error
 from grpo_stream.up.relay import ChildLog, LogLimits, QueuedConsole, bounded_lines, relay, rotate, say_now
 from grpo_stream.up.processes import TRAINER_ROLES, ProcessSpec, plan_processes, process_envs, run_overrides
 from grpo_stream.up.run_secrets import redacted_overrides, secrets_warning, with_redis_password, with_run_tokens
@@ -267,10 +267,11 @@ def run_up(config_path: pathlib.Path | None, overrides: list[str], cfg: RunConfi
     redis_server = None
     try:
         try:
-            devices = device_plan(cfg, run_dir)
-            (run_dir / "logs").mkdir(exist_ok=True)
-            redis_server = _start_redis(cfg, run_dir, run_lock)
-            specs = _prepare(cfg, config_path, overrides, run_dir, devices, redis_server, run_lock)
+            with StartupSignals():
+                devices = device_plan(cfg, run_dir)
+                (run_dir / "logs").mkdir(exist_ok=True)
+                redis_server = _start_redis(cfg, run_dir, run_lock)
+                specs = _prepare(cfg, config_path, overrides, run_dir, devices, redis_server, run_lock)
         except (DeviceLayoutError, RedisConnectError) as exc:
             say_now(f"grpo-stream up: error: {exc}", sys.stderr)
             return EXIT_USAGE if isinstance(exc, DeviceLayoutError) else EXIT_FAILURE
