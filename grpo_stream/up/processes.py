@@ -9,6 +9,7 @@ The processes run exactly the commands a multi-host deployment runs (`python -m 
 from __future__ import annotations
 
 import pathlib
+import socket
 import sys
 from dataclasses import dataclass, field
 from typing import Mapping
@@ -16,6 +17,7 @@ from typing import Mapping
 from grpo_stream.common.config.schema import RunConfig
 from grpo_stream.plan.device_plan import DevicePlan, ProcessPlan, host_devices_needed
 from grpo_stream.common.registry.transports import transport_spec
+from grpo_stream.common.rollouts.redis_server import free_port
 from grpo_stream.trainer_service.multihost import ADVERTISE_ENV
 from grpo_stream.up.run_secrets import sampler_token_env
 
@@ -37,6 +39,19 @@ class ProcessSpec:
     env: Mapping[str, str] = field(repr=False)  # holds the run's secrets: kept out of reprs and logs
     role: str
     record: str
+
+
+def free_ports(count: int) -> int:
+    """A port p with p .. p+count-1 free on this machine."""
+    while True:
+        base = free_port()
+        try:
+            for k in range(1, count):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", base + k))
+            return base
+        except OSError:
+            continue
 
 
 def run_overrides(cfg: RunConfig, run_dir: pathlib.Path, overrides: list[str], redis_url: str | None,

@@ -25,7 +25,6 @@ import json
 import os
 import pathlib
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -44,7 +43,8 @@ from grpo_stream.common.runtime.files import write_atomic
 from grpo_stream.trainer_service.control_messages import SECRET_ENV, SECRET_FILE_ENV, new_secret
 from grpo_stream.up.guard import StartupSignals, StopSignals, child_popen, lock_run_dir, redis_popen, run_dir_error
 from grpo_stream.up.relay import ChildLog, LogLimits, QueuedConsole, bounded_lines, relay, rotate, say_now
-from grpo_stream.up.processes import TRAINER_ROLES, ProcessSpec, plan_processes, process_envs, run_overrides
+from grpo_stream.up.processes import (TRAINER_ROLES, ProcessSpec, free_ports, plan_processes, process_envs,
+                                      run_overrides)
 from grpo_stream.up.run_secrets import redacted_overrides, secrets_warning, with_redis_password, with_run_tokens
 from grpo_stream.up.summary import RunEnd, RunSummary
 
@@ -235,19 +235,6 @@ class _RedisUnit:
         pass
 
 
-def free_ports(count: int) -> int:
-    """A port p with p .. p+count-1 free on this machine."""
-    while True:
-        base = free_port()
-        try:
-            for k in range(1, count):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", base + k))
-            return base
-        except OSError:
-            continue
-
-
 def device_plan(cfg: RunConfig, run_dir: pathlib.Path) -> DevicePlan:
     """The run's GPUs per process (grpo_stream/plan/device_plan.py), printed and kept in RUN_DIR/devices.json."""
     gpu_ids, memory = detect_gpus(cfg, os.environ)
@@ -320,9 +307,8 @@ def _prepare(cfg: RunConfig, config_path: pathlib.Path | None, overrides: list[s
     # API key in hardware.trainer_env) that the config file kept private
     # a resume with another config is said, naming each change (what `up` sets per start is none: ignored)
     source = snapshot_config(config_path, run_dir)  # what every process reads, whatever becomes of the file given
-    # its body without the values `up` picks afresh at each start (the first line lists them): read back as
-    # `up --config RUN_DIR/config.yaml`, an earlier start's embedded Redis URL was taken for a Redis of the user's
-    # and waited for, for ever
+    # the body without what `up` picks at each start (the first line has it): as `up --config RUN_DIR/config.yaml`,
+    # an earlier start's embedded Redis URL was a user's Redis, waited for for ever
     per_start = every[len(overrides):]
     kept = [*overrides, *(o for o in per_start if o.partition("=")[0] not in PICKED_EACH_START)]
     record_config(run_dir / "config.yaml", f"# resolved by `grpo-stream up` from --config {config_path} with overrides "
@@ -370,9 +356,8 @@ def _run_processes(cfg: RunConfig, run_dir: pathlib.Path, specs: list[ProcessSpe
 def _wind_down(trainer, helpers: list[_Child], samplers: list[_Child], grace_s: float,
                stopping: bool = False) -> tuple[int | None, dict[str, int | None]]:
     """Wait for the trainer (`grace_s`: up.stop_grace_s), then the samplers (which stop by themselves at the final
-    version; `stopping`: all were told to stop, so they get STOP_S), then the ingest (it serves until the samplers
-    are done); (trainer's exit code, each sampler's). Each group's wait is one deadline for all of it: waited for in
-    turn, 8 samplers that did not stop took 8 x 20 s."""
+    version; `stopping`: told to stop, STOP_S), then the ingest (it serves until the samplers are done); (trainer's
+    exit code, each sampler's). Each group's wait is one deadline for all of it (8 samplers took 8 x 20 s)."""
     trainer_code = trainer.wait(timeout_s=grace_s)
     finished = trainer_code == 0 and not stopping  # a stopped trainer exits 0 too, after its checkpoint
     if finished:  # a sampler stops by itself at the final version, one that missed it is told to
@@ -381,7 +366,6 @@ def _wind_down(trainer, helpers: list[_Child], samplers: list[_Child], grace_s: 
         if finished and child.alive():
             _say(f"[up] {child.name} still running {FINISH_S:.0f}s after the trainer finished; stopping it")
         child.terminate()
-    # told to stop with the rest (Ctrl-C: the trainer checkpoints and exits 0), samplers got 30 s, then 30 s more
     _wait_together(samplers, FINISH_S if finished else STOP_S, kill=True)
     sampler_codes = {child.name: child.wait(timeout_s=1) for child in samplers}
     for child in helpers:
