@@ -15,6 +15,7 @@ import pathlib
 import re
 import threading
 
+import tokenizers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from grpo_stream.common.tools import template_tools
@@ -148,6 +149,11 @@ class HFTokenizer:
             self._tok = loader.from_pretrained(str(directory), local_files_only=True)
         except (OSError, ValueError) as exc:
             raise ValueError(f"{self.FIELD}={directory}: no loadable tokenizer there ({exc})") from None
+        except Exception as exc:  # noqa: BLE001 - `tokenizers` raises a bare Exception for a tokenizer.json it cannot
+            # parse ("data did not match any variant of untagged enum ..."): one written by a newer `tokenizers`
+            raise ValueError(f"{self.FIELD}={directory}: no loadable tokenizer there: its tokenizer.json does not "
+                             f"parse ({exc}); if a newer `tokenizers` wrote it, install that version (installed: "
+                             f"{tokenizers.__version__})") from None
         self.vocab_size = int(vocab_size or len(self._tok))
         self._eos = self._stop_ids(directory)
         self.pad_id = self._pad_id(directory, pad_token)
@@ -161,8 +167,7 @@ class HFTokenizer:
         token tokenizer_config.json names but tokenizer.json lacks is appended past them, and the model never samples
         it (with it the only stop, every completion ran to its budget)."""
         eos = {self._tok.eos_token_id} - {None}
-        ids = _declared_eos(directory, self.FIELD)
-        eos |= set(ids if isinstance(ids, list) else [ids]) - {None}
+        eos |= set(_declared_eos(directory, self.FIELD))
         outside = sorted(i for i in eos if i >= self.vocab_size)
         named = ", ".join(f"{self._tok.convert_ids_to_tokens(i)!r} (id {i})" for i in outside)
         if outside and eos - set(outside):
@@ -282,8 +287,10 @@ class HFTokenizer:
         piece = self._tok.convert_ids_to_tokens(int(token_id))
         if piece is None:
             return b""
-        if self._byte_level and all(c in _BYTE_LEVEL for c in piece):
-            return bytes(_BYTE_LEVEL[c] for c in piece)
+        if self._byte_level:
+            # as `tokenizers`' ByteLevel decoder reads a token: its alphabet's characters as their bytes, any other
+            # token (an added one: DeepSeek-R1's <｜end▁of▁sentence｜>) as its own text, ▁ included, not a space
+            return bytes(_BYTE_LEVEL[c] for c in piece) if all(c in _BYTE_LEVEL for c in piece) else piece.encode()
         if match := _BYTE_FALLBACK.fullmatch(piece):
             return bytes([int(match.group(1), 16)])
         return piece.replace("\u2581", " ").encode()
@@ -342,19 +349,26 @@ class HFTokenizer:
         return pathlib.Path(directory)
 
 
-def _declared_eos(directory: pathlib.Path, field: str) -> int | list[int] | None:
-    """generation_config.json's eos_token_id; without that file config.json's (its text_config's for a multimodal
-    one), as transformers and vLLM derive a generation config from config.json (Llama 3 Instruct's config.json lists
-    <|eot_id|>, which its tokenizer may not name)."""
-    gen = directory / "generation_config.json"
-    if gen.exists():
-        return _json_object(gen, field).get("eos_token_id")
-    config = directory / "config.json"
-    if not config.exists():
-        return None
-    data = _json_object(config, field)
-    text = data.get("text_config")
-    return data.get("eos_token_id", text.get("eos_token_id") if isinstance(text, dict) else None)
+def _declared_eos(directory: pathlib.Path, field: str) -> list[int]:
+    """generation_config.json's eos_token_id (one id or a list; null: none); without that file config.json's (its
+    text_config's for a multimodal one), as transformers and vLLM derive a generation config from config.json (Llama
+    3 Instruct's config.json lists <|eot_id|>, which its tokenizer may not name)."""
+    path = directory / "generation_config.json"
+    if path.exists():
+        declared = _json_object(path, field).get("eos_token_id")
+    else:
+        path = directory / "config.json"
+        if not path.exists():
+            return []
+        data = _json_object(path, field)
+        text = data.get("text_config")
+        declared = data.get("eos_token_id", text.get("eos_token_id") if isinstance(text, dict) else None)
+    ids = [i for i in (declared if isinstance(declared, list) else [declared]) if i is not None]
+    if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
+        # a "2" stopped the load with a TypeError naming neither; a 2.5 or -1 became a stop id no token has
+        raise ValueError(f"{field}: {path} states eos_token_id={declared!r}; a token id or a list of token ids "
+                         "(integers from 0) is expected")
+    return ids
 
 
 def _json_object(path: pathlib.Path, field: str) -> dict:

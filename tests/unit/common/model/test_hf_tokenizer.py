@@ -162,6 +162,29 @@ def test_token_bytes_rebuild_text_whose_characters_are_split_over_tokens(tmp_pat
     assert b"".join(plain.token_bytes(i) for i in plain.encode(" 47 + 38 = 85")).decode() == " 47 + 38 = 85"
 
 
+def test_token_bytes_of_added_tokens_of_a_byte_level_vocabulary_keep_their_text(tmp_path):
+    """DeepSeek-R1's distilled Qwen models (byte-level BPE) stop on <｜end▁of▁sentence｜>, whose ▁ is part of the
+    token's text: the endpoint's logprob `bytes` and text of that stop token were "<｜end of sentence｜>", as if the
+    vocabulary were SentencePiece's; `tokenizers` decodes it, and vLLM writes it, with its ▁."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: PLC0415
+
+    specials = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜tool▁calls▁begin｜>", "<|pad|>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    tok.train_from_iterator(["héllo wörld 🙂", "the answer is 42"] * 10, trainer=trainers.BpeTrainer(
+        vocab_size=300, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": specials[1], "pad_token": "<|pad|>"}))
+    hf = HFTokenizer(tmp_path)
+    for token in specials[:4]:
+        token_id = hf.vocab()[token]
+        assert hf.token_bytes(token_id) == token.encode() == hf._tok.decode([token_id]).encode(), token
+    text = "<｜User｜>héllo 🙂 42<｜tool▁calls▁begin｜> the answer<｜end▁of▁sentence｜>"
+    assert b"".join(hf.token_bytes(i) for i in hf.encode(text)).decode() == text
+
+
 def test_a_pad_token_the_model_has_no_embedding_row_for_is_refused(tmp_path):
     """A pad token that tokenizer_config.json names but tokenizer.json lacks is appended by transformers with the id
     one past the vocabulary: the engines' `.at[pad_id]` masking dropped it silently (padding could be sampled) and

@@ -75,3 +75,33 @@ def test_an_unreadable_json_file_of_the_directory_is_named(tmp_path, name, text)
     (directory / name).write_text(text)
     with pytest.raises(ValueError, match=f"model.path: .*{name} (is not readable JSON|holds a list)"):
         HFTokenizer(directory)
+
+
+@pytest.mark.parametrize("declared", [True, False])
+def test_a_tokenizer_json_tokenizers_cannot_parse_is_named(tmp_path, declared):
+    """A tokenizer.json written by a newer `tokenizers` (a pre-tokenizer this one lacks) raised the library's bare
+    Exception, "data did not match any variant of untagged enum ...", through the service without naming the
+    directory or the setting; it is named, with the installed version, by either loader."""
+    directory = chatml_tokenizer_dir(tmp_path / "chatml", pad_token="<|endoftext|>")
+    spec = json.loads((directory / "tokenizer.json").read_text())
+    (directory / "tokenizer.json").write_text(json.dumps({**spec, "pre_tokenizer": {"type": "FromAFutureVersion"}}))
+    if not declared:  # AutoTokenizer's path
+        config = json.loads((directory / "tokenizer_config.json").read_text())
+        config.pop("tokenizer_class")
+        (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=rf"model.path={directory}: no loadable tokenizer there: its tokenizer.json "
+                                         r"does not parse \(data did not match .*installed: \d"):
+        HFTokenizer(directory)
+
+
+@pytest.mark.parametrize("declared", ['"2"', "[2, 2.5]", "-1", "true"])
+def test_a_mistyped_stop_id_is_named(tmp_path, declared):
+    """generation_config.json's eos_token_id as text stopped the load with "'>=' not supported between instances of
+    'str' and 'int'"; a fraction or a negative id became a stop id no token has. Null entries stay allowed."""
+    directory = chatml_tokenizer_dir(tmp_path / "chatml", pad_token="<|endoftext|>")
+    (directory / "generation_config.json").write_text(f'{{"eos_token_id": {declared}}}')
+    with pytest.raises(ValueError, match=r"model.path: .*generation_config.json states eos_token_id=.*; a token id "
+                                         r"or a list of token ids \(integers from 0\) is expected"):
+        HFTokenizer(directory)
+    (directory / "generation_config.json").write_text('{"eos_token_id": [2, null]}')
+    assert HFTokenizer(directory).eos_ids == [2]
