@@ -7,10 +7,10 @@ as root, seccomp); this side writes the code to its stdin, reads its output up t
 kills the whole process group at the end and removes the directory. Whatever the code does comes back as a
 SandboxResult, never as an exception: `python_tool` turns it into the model's observation.
 
-Without Landlock (Linux < 5.13, or landlock not among the kernel's LSMs) or on a machine without a seccomp filter
-here, the tool refuses to run (fail closed) unless SandboxLimits.allow_unconfined (environment.python_tool.
-allow_unconfined) is set: then it runs with the resource limits, no_new_privs and (as root) the uid drop only, and
-the code can read whatever that uid can read.
+Without Landlock (Linux < 5.13, or landlock not among the kernel's LSMs) or a seccomp filter for this machine, the
+tool refuses to run (fail closed) unless SandboxLimits.allow_unconfined (environment.python_tool.allow_unconfined):
+then it runs with rlimits, no_new_privs, the uid drop (as root) and the seccomp filter where there is one, and the
+code can read whatever that uid can read. `python_tool` logs a disabled, unconfined, failing or read-only tool.
 
 Thread-safe: the sampler calls it from a worker pool. Nothing runs between fork and exec in the parent
 (no preexec_fn), every call has its own directory, pipes and selector, and no module state is written.
@@ -18,6 +18,7 @@ Thread-safe: the sampler calls it from a worker pool. Nothing runs between fork 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -40,6 +41,8 @@ from grpo_stream.common.tools.functions import Tool, tool_from_function
 log = logging.getLogger(__name__)
 BOOTSTRAP = pathlib.Path(sandbox_child.__file__).read_text()
 UNCONFINED_SETTING = "environment.python_tool.allow_unconfined"
+_DISABLED = ("the Python tool is disabled: {}. Set " + UNCONFINED_SETTING + "=true to run it with resource limits only "
+             "(the code could then read this user's files)")
 _CHUNK = 65536
 _TAIL_LINES = 20
 _REAP_SECONDS = 10  # how long the child may take to die after SIGKILL (stuck in the kernel: left to Popen)
@@ -95,10 +98,7 @@ def python_tool(limits: SandboxLimits | None = None) -> Tool:
     """The "python" tool: runs a program in the sandbox and returns what it prints, or an "error: ..." text that
     names the limit it hit (with its output and the last lines of its traceback)."""
     limits = limits or SandboxLimits()
-    reason = read_only_reason()
-    if reason is not None:
-        log.warning("the Python tool's calls get no bounded tmpfs (%s): their working directory is read-only to the "
-                    "code, which may compute and print but not write files", reason)
+    _log_what_calls_get(limits)
 
     def python(code: str) -> str:
         """Runs a Python program.
@@ -113,6 +113,23 @@ def python_tool(limits: SandboxLimits | None = None) -> Tool:
                    f"{limits.memory_mb} MB of memory, no network and no files outside its own working directory; "
                    "nothing is kept between calls.")
     return tool_from_function(python, description=description)
+
+
+def _log_what_calls_get(limits: SandboxLimits) -> None:
+    """Logs what only the model would see: a disabled or unconfined tool, a setup that fails on every call, a
+    working directory the code cannot write (one call is run to see: an LSM may refuse the mount)."""
+    problem = confinement_problem()
+    if problem and not limits.allow_unconfined:
+        return log.error("%s; every call answers the model this error", _DISABLED.format(problem))
+    if problem:
+        log.warning("the Python tool runs unconfined (%s=true): %s; its code can read this user's files",
+                    UNCONFINED_SETTING, problem)
+    probe = run_python("open('written', 'w').close()", limits)
+    if probe.exit_code in (None, sandbox_child.SETUP_FAILED):
+        log.error("the Python tool cannot run: %s; every call answers the model this error", probe.error)
+    elif (probe.error or "").startswith("the code raised"):  # not a timeout on a busy machine
+        log.warning("the Python tool's calls get no bounded tmpfs (%s): their working directory is read-only to the "
+                    "code, which may compute and print but not write files", read_only_reason() or probe.error)
 
 
 def observation(result: SandboxResult) -> str:
@@ -134,8 +151,7 @@ def run_python(code: str, limits: SandboxLimits | None = None) -> SandboxResult:
     limits = limits or SandboxLimits()
     problem = confinement_problem()
     if problem and not limits.allow_unconfined:
-        return SandboxResult("", "", None, f"the Python tool is disabled: {problem}. Set {UNCONFINED_SETTING}=true "
-                             "to run it with resource limits only (the code could then read this user's files)")
+        return SandboxResult("", "", None, _DISABLED.format(problem))
     try:
         workdir = tempfile.mkdtemp(prefix="grpo-stream-python-")
     except OSError as exc:
@@ -168,7 +184,9 @@ def _run_in(workdir: str, code: str, limits: SandboxLimits, confine: bool) -> Sa
         exchange = _exchange(process, code.encode("utf-8", "replace"), limits)
     finally:
         cpu_used = _stop(process)
-    return _result(exchange, process.returncode, cpu_used, limits)
+    stdout, stderr = (output.decode("utf-8", "replace") for output in (exchange.stdout, exchange.stderr))
+    return SandboxResult(stdout, stderr, process.returncode,
+                         _failure(exchange, process.returncode, cpu_used, stderr, limits))
 
 
 @functools.cache
@@ -201,20 +219,20 @@ def _sandbox_user() -> tuple[int, int] | None:
     the child keeps this process's uid."""
     if os.geteuid() != 0:
         return None
-    try:
+    with contextlib.suppress(KeyError):
         entry = pwd.getpwnam("nobody")
         return entry.pw_uid, entry.pw_gid
-    except KeyError:
-        return 65534, 65534
+    return 65534, 65534
 
 
 def child_settings(limits: SandboxLimits, workdir: str, user: tuple[int, int] | None, confine: bool) -> dict:
-    """The child's argv[1] (sandbox_child.py): limits in its units, its directory, the uid/gid to drop to, and
-    whether to apply Landlock and seccomp."""
+    """The child's argv[1] (sandbox_child.py): limits in its units, its directory, the uid/gid to drop to, whether to
+    apply Landlock, and seccomp: wherever there is a filter, also unconfined (no sockets, group, sampler's pid)."""
     return {"cpu_seconds": max(1, math.ceil(limits.cpu_seconds)), "memory_bytes": limits.memory_mb << 20,
             "file_bytes": limits.file_mb << 20, "max_processes": limits.max_processes, "workdir": workdir,
             "disk_bytes": limits.disk_mb << 20, "max_files": limits.max_files,
-            "user": list(user) if user else None, "confine": confine, "seccomp": confine, "parent": os.getpid()}
+            "user": list(user) if user else None, "confine": confine,
+            "seccomp": os.uname().machine in sandbox_child.SECCOMP_ARCHES, "parent": os.getpid()}
 
 
 def _exchange(process: subprocess.Popen, code: bytes, limits: SandboxLimits) -> _Exchange:
@@ -283,10 +301,8 @@ def _stop(process: subprocess.Popen) -> float | None:
     returns the CPU seconds it used (None when it could not be reaped). The child is not reaped before this
     (_exited), so its pid still names its own group."""
     if process.returncode is None:
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):  # the group is gone
             os.killpg(process.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass  # the group is gone
     cpu_used = None
     if _exited(process.pid, time.monotonic() + _REAP_SECONDS):  # else stuck in the kernel; Popen reaps it later
         try:
@@ -297,10 +313,8 @@ def _stop(process: subprocess.Popen) -> float | None:
             process.returncode = 0
         _reap_group(process.pid, time.monotonic() + _GROUP_SECONDS)
     for stream in (process.stdin, process.stdout, process.stderr):
-        try:
+        with contextlib.suppress(OSError):
             stream.close()
-        except OSError:
-            pass
     return cpu_used
 
 
@@ -314,21 +328,12 @@ def _reap_group(pgid: int, deadline: float) -> None:
             os.killpg(pgid, 0)
         except (ProcessLookupError, PermissionError):
             return  # no process of the group is left, not even a zombie
-        try:
+        with contextlib.suppress(ChildProcessError):  # none of them is this process's child (yet)
             while os.waitpid(-pgid, os.WNOHANG)[0]:
                 pass
-        except ChildProcessError:
-            pass  # none of them is this process's child (yet)
         if time.monotonic() >= deadline:
             return
         time.sleep(0.005)
-
-
-def _result(exchange: _Exchange, exit_code: int | None, cpu_used: float | None,
-            limits: SandboxLimits) -> SandboxResult:
-    stdout = exchange.stdout.decode("utf-8", "replace")
-    stderr = exchange.stderr.decode("utf-8", "replace")
-    return SandboxResult(stdout, stderr, exit_code, _failure(exchange, exit_code, cpu_used, stderr, limits))
 
 
 def _failure(exchange: _Exchange, exit_code: int | None, cpu_used: float | None, stderr: str,

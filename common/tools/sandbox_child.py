@@ -320,18 +320,18 @@ def private_workdir(settings):
     """As root: a fresh IPC namespace (no SysV object of the machine is visible, none made here outlives the call)
     and a mount namespace in which the working directory is a tmpfs of `disk_bytes` and `max_files` inodes (files
     and directories), owned by the user the code runs as. Both end with the call's last process: nothing it wrote
-    stays. False where the kernel refuses (a container without CAP_SYS_ADMIN): the plain directory is then read-only
-    to the code (confine), since nothing would bound what it writes there."""
+    stays. False where the kernel or an LSM refuses (no CAP_SYS_ADMIN; AppArmor's docker-default denies mount with
+    it): nothing was mounted, and the plain directory is read-only to the code (confine): nothing bounds it."""
     library = libc()
     if library.unshare(CLONE_NEWNS | CLONE_NEWIPC) != 0:
         return False
-    if library.mount(None, b"/", None, MS_REC | MS_PRIVATE, None) != 0:  # no mount reaches the machine's namespace
-        fail("could not make the call's mounts private: " + os.strerror(ctypes.get_errno()))
+    if library.mount(None, b"/", None, MS_REC | MS_PRIVATE, None) != 0:  # no mount reaches the machine's namespace:
+        return False  # else the tmpfs would appear in it (shared propagation)
     uid, gid = settings["user"]
     options = (f"size={settings['disk_bytes']},nr_inodes={settings['max_files']},mode=0700,uid={uid},gid={gid}")
     workdir = settings["workdir"].encode()
     if library.mount(b"tmpfs", workdir, b"tmpfs", MS_NOSUID | MS_NODEV, options.encode()) != 0:
-        fail("could not mount the call's tmpfs: " + os.strerror(ctypes.get_errno()))
+        return False
     os.chdir(settings["workdir"])  # the cwd was the directory beneath the mount
     return True
 
