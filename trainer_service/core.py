@@ -4,8 +4,7 @@ It applies plans (plans.py) and nothing else decides what it does: process 0 and
 trainer run this one class on the same plans, so they launch the same programs and collectives in the same order by
 construction, not by keeping two copies of the code alike. What differs between processes stays outside, device-free:
 where plans come from (plan_sources.py), the checkpoint bookkeeping (`keeper`: process 0's Durability acknowledges
-groups; the others save their shards) and process 0's hooks (audit, status, reports, summary).
-"""
+groups; the others save their shards) and process 0's hooks (audit, status, reports, summary)."""
 
 from __future__ import annotations
 
@@ -277,7 +276,8 @@ class TrainerCore:
         if not plan.complete:
             if self.evaluator is not None:  # a stop is not held up by evaluations: a resume redoes a due one
                 self.evaluator.close()
-            log.info("stopped at step %d with a checkpoint; start the trainer again to resume", plan.steps)
+            log.info("stopped at step %d %s", plan.steps, "with a checkpoint; start the trainer again to resume" if
+                     plan.steps else "before the first RL step, with nothing to keep: a new start begins the run again")
             return None
         self._drain_evaluations()
         # the model and the final version before eval_after: a failing evaluation fails the run (and its restarts),

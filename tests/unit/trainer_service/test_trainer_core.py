@@ -170,3 +170,18 @@ def test_a_slow_publication_holds_the_next_update_only_without_weights_publish_c
     assert any(not np.array_equal(step_two[name], step_one[name]) for name in step_one)  # step 2 did train
     keeper.checkpoints.close()
     core.close()
+
+
+def test_a_stop_before_the_first_step_does_not_claim_a_checkpoint(cfg, tmp_path, caplog):
+    """Stopped during the warm start or eval_before, the trainer said "stopped at step 0 with a checkpoint; start the
+    trainer again to resume" with checkpoints/ empty: none is saved before step 1, and a new start warm-starts again."""
+    core, keeper = new_core(cfg, tmp_path)
+    core.apply(StartPlan(epoch="e1", restore=None, warm_start=False, export_warm=False, eval_before=False))
+    with caplog.at_level("INFO", logger="grpo_stream.trainer_service.core"):
+        core.apply(FinishPlan(steps=0, complete=False, checkpoint=False, publish=False, eval_after=False))
+    keeper.checkpoints.close()
+    core.close()
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("stopped at step 0")]
+    assert said == ["stopped at step 0 before the first RL step, with nothing to keep: a new start begins the run "
+                    "again"]
+    assert not list((tmp_path / "checkpoints").glob("[0-9]*"))
