@@ -34,6 +34,21 @@ def nonempty_path(text: str) -> pathlib.Path:
     return pathlib.Path(text)
 
 
+def run_dir_path(text: str) -> pathlib.Path:
+    """An argparse type: a run directory a process writes (`nonempty_path`), refused when a file stands where it or
+    a folder above it would be: that was a failure a restart may fix (exit 1), "File exists", after the config
+    loaded."""
+    path = nonempty_path(text)
+    for place in (path, *path.parents):
+        if place.exists() or place.is_symlink():
+            if not place.is_dir():
+                what = "is" if place == path else f"lies under {place}, which is"
+                raise argparse.ArgumentTypeError(f"{path} {what} a file, not a directory; give a directory (made if "
+                                                 "new)")
+            break
+    return path
+
+
 def positive_float(text: str) -> float:
     """An argparse type: a finite number above 0."""
     try:

@@ -49,7 +49,7 @@ import sys
 import tempfile
 import traceback
 
-from grpo_stream.arguments import nonempty_path, nonnegative_int, positive_float, positive_int
+from grpo_stream.arguments import nonempty_path, nonnegative_int, positive_float, positive_int, run_dir_path
 from grpo_stream.commands import COMMANDS, EXPECTED_ERRORS, Command
 from grpo_stream.common.runtime.errors import (EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_PERMANENT, EXIT_USAGE,
                                                PermanentError, SetupError, record_permanent)
@@ -100,25 +100,25 @@ def _process_parsers(sub) -> None:
     """The processes of a run: up, and what it starts (trainer, sampler, ingest, colocated)."""
     up = sub.add_parser("up", help="run the whole loop locally: Redis, trainer and samplers as processes")
     _common(up)
-    up.add_argument("--run-dir", type=nonempty_path, help="where logs, TensorBoard and summary.json go "
+    up.add_argument("--run-dir", type=run_dir_path, help="where logs, TensorBoard and summary.json go "
                     "(default runs/<run.name>-<time>)")
     tr = sub.add_parser("trainer", help="run the trainer (ingest + weights server, GRPO steps)")
     _common(tr)
-    tr.add_argument("--run-dir", type=nonempty_path, required=False, help="output directory")
+    tr.add_argument("--run-dir", type=run_dir_path, required=False, help="output directory")
     sa = sub.add_parser("sampler", help="run one sampler (generation, rewards, rollout stream)")
     _common(sa)
     sa.add_argument("--index", type=nonnegative_int, default=0, help="this sampler's index in 0..sampler.replicas-1 "
                     "(its data shard and id)")
-    sa.add_argument("--run-dir", type=nonempty_path, help="write sampler-<index>.json here at exit")
+    sa.add_argument("--run-dir", type=run_dir_path, help="write sampler-<index>.json here at exit")
     ing = sub.add_parser("ingest", help="run the rollout ingest on its own (ingest.standalone): samplers keep "
                          "delivering into Redis while the trainer restarts")
     _common(ing)
-    ing.add_argument("--run-dir", type=nonempty_path, help="the run's directory: a permanent failure is recorded in "
+    ing.add_argument("--run-dir", type=run_dir_path, help="the run's directory: a permanent failure is recorded in "
                      "RUN_DIR/failures/ingest.json (what `up` reports)")
     co = sub.add_parser("colocated", help="trainer and samplers in one JAX process with weights.transport=local "
                         "(what `up` runs then; also the single-controller mode on a TPU VM or Pathways)")
     _common(co)
-    co.add_argument("--run-dir", type=nonempty_path, required=False, help="output directory")
+    co.add_argument("--run-dir", type=run_dir_path, required=False, help="output directory")
 
 
 def _tool_parsers(sub) -> None:

@@ -190,3 +190,17 @@ def test_an_empty_path_is_refused_not_read_as_the_current_directory(args, monkey
         cli.main(args)
     assert exited.value.code == 2 and "an empty path (an unset shell variable?)" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("command", ["up", "trainer", "sampler", "ingest", "colocated"])
+@pytest.mark.parametrize("where", ["afile", "afile/run"])
+def test_a_run_dir_where_a_file_stands_is_a_usage_error(command, where, monkeypatch, tmp_path, capsys):
+    """`up --run-dir F` with F a file (or a path below one) failed after the config loaded with "cannot prepare the
+    run in F: File exists" and exit 1, a failure a restart may fix: nothing ran, and nothing else would."""
+    (tmp_path / "afile").write_text("notes")
+    replace(monkeypatch, command, AssertionError("ran"))
+    with pytest.raises(SystemExit) as exited:
+        cli.main([command, "--run-dir", str(tmp_path / where)])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and "a file, not a directory; give a directory" in err, err
+    assert (tmp_path / "afile").read_text() == "notes"
