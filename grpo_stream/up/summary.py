@@ -153,7 +153,8 @@ def done_line(summary: dict, path: pathlib.Path) -> str:
     dropped = sum(summary[f"groups_dropped_{kind}"] for kind in ("stale", "invalid", "filtered", "duplicate"))
     unacknowledged = summary.get("groups_trained_unacknowledged") or 0
     trained = f"{summary['groups_trained']}" + (f" ({unacknowledged} not yet acknowledged)" if unacknowledged else "")
-    return (f"[up] done in {summary['wall_seconds']:.0f}s: {summary['steps']} steps, groups ingested "
+    ended = "stopped after" if summary.get("stopped_early") else "done in"  # a stop signal: "done" it was not
+    return (f"[up] {ended} {summary['wall_seconds']:.0f}s: {summary['steps']} steps, groups ingested "
             f"{summary['groups_ingested']} = trained {trained} + dropped {dropped} + left "
             f"{summary['groups_left_in_buffer']}; held-out {_eval_change(summary)}; summary: {path}")
 
@@ -167,6 +168,9 @@ def _eval_change(summary: dict) -> str:
 
     def fmt(value) -> str:
         return f"{value:.3f}" if isinstance(value, float) else str(value)
+    if not after:  # stopped before the end, or eval_after off: "0.000 -> None" said nothing
+        return (f"greedy accuracy {fmt(before.get('accuracy'))} before RL, none after (no eval_after)" if before
+                else "not evaluated")
     weights = after.get("reward_weights", before.get("reward_weights"))
     text = ""
     if weights is not None:

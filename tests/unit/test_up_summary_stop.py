@@ -35,3 +35,13 @@ def test_a_run_stopped_by_a_signal_says_last_where_it_stopped_and_how_to_resume(
 def test_a_run_that_trained_every_step_before_the_signal_has_nothing_to_resume(tmp_path, capsys):
     assert finish(tmp_path, Outcome("interrupted"), {**SUMMARY, "steps": 200, "stopped_early": False}) == 130
     assert "resume" not in capsys.readouterr().err
+
+
+def test_the_last_line_of_a_stopped_run_says_stopped_and_no_eval_after(tmp_path, capsys):
+    """It read "[up] done in 24s: 11 steps ... held-out ... 0.000 -> None" after a Ctrl-C: neither done, nor an
+    evaluation after."""
+    before = {"accuracy": 0.25, "reward": 0.3, "reward_weights": {"answer_correct": 1.0}}
+    assert finish(tmp_path, Outcome("interrupted"), {**SUMMARY, "eval_before": before, "eval_after": None}) == 130
+    out = capsys.readouterr().out
+    assert out.startswith("[up] stopped after ") and "s: 131 steps" in out and "None" not in out
+    assert "greedy accuracy 0.250 before RL, none after (no eval_after)" in out
