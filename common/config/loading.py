@@ -69,6 +69,7 @@ def _apply(data: dict[str, Any], overrides: list[str], default: Any, started: se
     the free-form mappings started from their field's default are added to `started`."""
     for text in overrides:
         path, value = parse_override(text)
+        path = _key_of_flat_mapping(path)
         node = data
         for i, part in enumerate(path[:-1]):
             child = node.get(part)
@@ -84,6 +85,26 @@ def _apply(data: dict[str, Any], overrides: list[str], default: Any, started: se
             node = child
         node[path[-1]] = value
     return data
+
+
+def _key_of_flat_mapping(path: list[str]) -> list[str]:
+    """`path` with what follows a mapping of plain values (task.rewards, hardware.trainer_env) joined as its one key:
+    such a mapping holds no mappings, and its keys may hold dots (`task.rewards.mypkg.rewards:score=0.5`, a reward
+    'package.module:function', was read as a mapping `mypkg` and refused as 'task.rewards.mypkg: Input should be a
+    valid number')."""
+    for i in range(1, len(path) - 1):
+        if _flat_mapping(path[:i]):
+            return [*path[:i], ".".join(path[i:])]
+    return path
+
+
+def _flat_mapping(path: list[str]) -> bool:
+    """Whether `path` names a mapping field whose values are plain values (numbers, text), not mappings."""
+    field = getattr(_model_at(path[:-1]), "model_fields", {}).get(path[-1])
+    if field is None or typing.get_origin(field.annotation) is not dict:
+        return False
+    item = typing.get_args(field.annotation)[-1]
+    return item in (str, int, float, bool)
 
 
 def _not_a_section(text: str, path: list[str], value: Any = None) -> str:

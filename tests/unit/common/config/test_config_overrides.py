@@ -126,3 +126,16 @@ def test_the_config_names_every_reward_the_rewards_module_scores_by():
 
     assert sorted(REWARDS) == sorted(BUILTIN_REWARDS)
     assert all(REWARDS[name].__name__ == spec.function for name, spec in BUILTIN_REWARDS.items())
+
+
+def test_a_reward_named_by_its_dotted_import_path_can_be_set_by_a_dotted_override():
+    """`task.rewards.mypkg.scoring:exact=0.5` (a reward 'package.module:function', the form the docs give) was read
+    as a mapping `mypkg` and refused as 'task.rewards.mypkg: Input should be a valid number'; the keys of a mapping of
+    plain values hold no sections, so the rest of the path is the key. A free-form mapping of any values still
+    nests."""
+    loaded = load_config(None, ["task.rewards.tests.e2e.vllm_rewards:longer_is_better=0.5",
+                                "hardware.trainer_env.A.B=1", "sampler.vllm.engine_args.compilation_config.level=3"])
+    assert loaded.task.rewards == {"answer_correct": 1.0, "answer_format": 0.1,
+                                   "tests.e2e.vllm_rewards:longer_is_better": 0.5}
+    assert loaded.hardware.trainer_env == {"A.B": "1"}
+    assert loaded.sampler.vllm.engine_args == {"compilation_config": {"level": 3}}
