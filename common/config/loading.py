@@ -302,7 +302,13 @@ def redacted_override(text: str) -> str:
         path, value = parse_override(text)
     except ConfigError:
         return text
-    shown = redacted({path[-1]: value})[path[-1]]  # the rule to_yaml(redact=True) applies, the key's name included
+    # the rule to_yaml(redact=True) applies, the names of the keys above included (`args.api_keys.openai=sk-...`)
+    shown: Any = value
+    for part in reversed(path):
+        shown = {part: shown}
+    shown = redacted(shown)
+    for part in path:
+        shown = shown[part]
     if shown == value:
         return text
     return f"{'.'.join(path)}={shown if isinstance(shown, str) else json.dumps(shown)}"

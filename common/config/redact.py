@@ -31,9 +31,13 @@ def redacted(value: Any) -> Any:
 
 def _hidden(value: Any) -> Any:
     """The value of a secret-named key: REDACTED, each item of a list (`api_keys: [k1, k2]`) too; a mapping keeps
-    its keys (`credentials: {user: u, password: p}`: the secret-named ones are hidden); null stays null (unset)."""
+    its keys, and names its secrets (`credentials: {user: u, password: p}`: the secret-named ones are hidden) or
+    holds nothing else (`api_keys: {openai: sk-..., anthropic: sk-...}`: every value hidden; they were printed and
+    sent to W&B); null stays null (unset)."""
     if isinstance(value, dict):
-        return redacted(value)
+        if any(isinstance(k, str) and secret_key(k) for k in value):
+            return redacted(value)
+        return {k: _hidden(v) for k, v in value.items()}
     if isinstance(value, list):
         return [_hidden(v) for v in value]
     return None if value is None else REDACTED

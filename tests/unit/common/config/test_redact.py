@@ -52,3 +52,17 @@ def test_an_override_with_a_secret_inside_its_mapping_value_is_shown_redacted():
         'task.verifiers.args={"api_key": "<redacted>", "n": 2}'
     assert redacted_override("task.verifiers.args.headers.x-api-key=sk-2").endswith(f"x-api-key={REDACTED}")
     assert redacted_override("trainer.steps=3") == "trainer.steps=3"
+
+
+def test_a_mapping_under_a_secret_named_key_that_names_no_secret_is_hidden_whole():
+    """`api_keys: {openai: sk-..., anthropic: sk-...}` kept its keys' values in `config show`, RUN_DIR/config.yaml
+    (readable by all) and W&B's config: only secret-named keys inside a secret-named mapping were hidden. A mapping
+    that names its secrets (`credentials: {user, password}`) still shows the rest."""
+    from grpo_stream.common.config.loading import redacted_override
+
+    cfg = load_config(None, ["task.verifiers.args.api_keys={openai: sk-b1, anthropic: sk-b2}",
+                             "task.verifiers.args.credentials={user: me, password: sk-b3}"])
+    text = to_yaml(cfg, redact=True)
+    assert "sk-b" not in text and text.count(REDACTED) == 3 and "openai: " in text and "user: me" in text
+    assert redacted_override("task.verifiers.args.api_keys.openai=sk-b4") == \
+        f"task.verifiers.args.api_keys.openai={REDACTED}"
