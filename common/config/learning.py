@@ -278,6 +278,23 @@ class OptimizerSection(Strict):
                              f"{self.warmup_steps} (the step where decay ends, warmup included)")
         return self
 
+    def schedule_problem(self, steps: int) -> str | None:
+        """Why this schedule makes no sense over a run of trainer.steps=`steps` (naming the fields and the fix), or
+        None."""
+        if self.schedule != "warmup_cosine":
+            return None
+        if self.decay_steps is None and steps <= self.warmup_steps:
+            return (f"trainer.optimizer.warmup_steps={self.warmup_steps} leaves no cosine decay within "
+                    f"trainer.steps={steps}: lower it or set trainer.optimizer.decay_steps")
+        if self.decay_steps is not None and self.decay_steps < steps and self.end_lr_factor == 0:
+            # optax holds the schedule at its end value past decay_steps: every later step's update (AdamW's decay,
+            # scaled by the rate, too) is zero, while the run goes on sampling, training and publishing
+            return (f"trainer.optimizer.decay_steps={self.decay_steps} < trainer.steps={steps} with "
+                    "trainer.optimizer.end_lr_factor=0: the learning rate is 0 after step "
+                    f"{self.decay_steps}, so steps {self.decay_steps + 1}..{steps} would change nothing; set "
+                    "decay_steps to trainer.steps (or null), or give end_lr_factor a floor (e.g. 0.1)")
+        return None
+
 
 class WarmStartSection(Strict):
     steps: int = Field(0, ge=0, le=1_000_000, description="Supervised steps before RL (0 = none).")

@@ -132,10 +132,8 @@ class TrainerSection(Strict):
             raise ValueError(
                 f"trainer.max_staleness={self.max_staleness} < trainer.publish_every-1={self.publish_every - 1}: "
                 "groups from the newest published weights would be dropped; raise max_staleness")
-        opt = self.optimizer
-        if opt.schedule == "warmup_cosine" and opt.decay_steps is None and self.steps <= opt.warmup_steps:
-            raise ValueError(f"trainer.optimizer.warmup_steps={opt.warmup_steps} leaves no cosine decay within "
-                             f"trainer.steps={self.steps}: lower it or set trainer.optimizer.decay_steps")
+        if problem := self.optimizer.schedule_problem(self.steps):
+            raise ValueError(problem)
         return self
 
 

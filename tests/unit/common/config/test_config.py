@@ -153,6 +153,17 @@ def test_synchronous_sampler_cap_must_feed_a_whole_step():
     assert cfg.sampler.max_groups_per_version == 8
 
 
+def test_a_cosine_decay_that_ends_at_zero_before_the_last_step_is_refused():
+    # optax holds the rate at end_lr_factor x learning_rate past decay_steps: 0 by default, so steps 21..60 (AdamW's
+    # decay included) changed nothing while the run went on for them
+    cosine = ["trainer.steps=60", "trainer.optimizer.schedule=warmup_cosine", "trainer.optimizer.decay_steps=20"]
+    with pytest.raises(ConfigError, match=r"trainer.optimizer.decay_steps=20 < trainer.steps=60 with trainer.optimizer"
+                                          r".end_lr_factor=0: .*steps 21..60 would change nothing"):
+        load_config(None, cosine)
+    assert load_config(None, [*cosine, "trainer.optimizer.end_lr_factor=0.1"]).trainer.optimizer.decay_steps == 20
+    assert load_config(None, [*cosine, "trainer.steps=20"]).trainer.steps == 20
+
+
 def test_log_format_is_text_or_json():
     assert load_config(None, ["logging.format=json"]).logging.format == "json"
     with pytest.raises(ConfigError, match="logging.format: Input should be 'text' or 'json'"):
