@@ -30,6 +30,7 @@ from grpo_stream.common.config.ports import port_problem
 from grpo_stream.common.config.process import LoggingSection, RuntimeSection, UpSection
 from grpo_stream.common.config.sampler import SamplerSection
 from grpo_stream.common.config.tracking import TrackingSection
+from grpo_stream.common.config.verifiers_settings import sampling_problem
 from grpo_stream.common.config.vllm_settings import VllmSection
 from grpo_stream.common.config.weights import DistributedSection, WeightsSection
 from grpo_stream.common.registry.engines import engine_spec
@@ -251,6 +252,10 @@ class RunConfig(Strict):
                              "give distill.reward_weight a weight, or use algo.overlong=filter (or none)")
         if task.own_rollouts and self.environment.name is not None:
             raise ValueError(f"environment.name: task.name={self.task.name} runs its own episodes; leave it unset")
+        gen = self.generation
+        if task.own_rollouts and (problem := sampling_problem(self.task.verifiers.sampling_args, gen.temperature,
+                                                              gen.max_new_tokens)):
+            raise ValueError(problem)
         return self
 
     @model_validator(mode="after")
@@ -337,8 +342,7 @@ class RunConfig(Strict):
 
     @model_validator(mode="after")
     def _ports(self) -> "RunConfig":
-        problem = port_problem(self)
-        if problem:
+        if problem := port_problem(self):
             raise ValueError(problem)
         return self
 

@@ -52,3 +52,31 @@ class VerifiersSection(Strict):
                 raise ValueError(f"{name}={sent[name]!r}: the run's rollouts need {name}={needed!r} (one choice a "
                                  "call, with its logprobs, answered whole); leave it out")
         return args
+
+
+def sampling_problem(args: dict[str, Any], temperature: float, max_new_tokens: int) -> str | None:
+    """Why task.verifiers.sampling_args cannot make the run's rollouts with generation.temperature=`temperature` and
+    generation.max_new_tokens=`max_new_tokens` (naming both fields and the fix), or None. The samplers' endpoint
+    refuses each such model call (common/endpoint/protocol.py), so every group's rollouts failed and the sampler
+    stopped after its limit of failed groups, well into the run instead of when the config loaded."""
+    body = args.get("extra_body")
+    sent = {**{k: v for k, v in args.items() if k != "extra_body"}, **(body if isinstance(body, dict) else {})}
+    asked = sent.get("temperature")
+    if isinstance(asked, (int, float)) and not isinstance(asked, bool) and abs(asked - temperature) >= 1e-6:
+        what = ("every rollout of a group would decode greedily, the same tokens (no advantage to learn from)"
+                if asked == 0 else "the samplers' endpoint refuses every other (its logprobs are the policy's at "
+                "that temperature), so every rollout would fail")
+        return (f"task.verifiers.sampling_args.temperature={asked!r} differs from generation.temperature="
+                f"{temperature}: {what}; leave it out (the run's temperature is sent) or set generation.temperature")
+    for name in ("max_tokens", "max_completion_tokens"):
+        budget = sent.get(name)
+        if isinstance(budget, int) and not isinstance(budget, bool) and budget > max_new_tokens:
+            return (f"task.verifiers.sampling_args.{name}={budget} exceeds generation.max_new_tokens="
+                    f"{max_new_tokens}, the most the samplers' endpoint serves (every rollout would fail); lower it, "
+                    "leave it out, or raise generation.max_new_tokens")
+    top_p = sent.get("top_p")
+    if top_p is not None and top_p != 1:
+        return (f"task.verifiers.sampling_args.top_p={top_p!r}: the samplers' endpoint samples the whole distribution "
+                "(the policy whose logprobs the trainer weighs tokens by) and refuses any other top_p, so every "
+                "rollout would fail; leave it out")
+    return None

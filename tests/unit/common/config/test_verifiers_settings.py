@@ -24,6 +24,27 @@ def test_sampling_args_that_break_the_rollouts_are_refused_naming_them(override,
 
 
 def test_sampling_args_the_rollouts_can_use_are_kept():
-    cfg = load_config(None, [*BASE, "task.verifiers.sampling_args.max_tokens=32", "task.verifiers.sampling_args.n=1",
-                             "task.verifiers.sampling_args.logprobs=true"])
-    assert cfg.task.verifiers.sampling_args == {"max_tokens": 32, "n": 1, "logprobs": True}
+    cfg = load_config(None, [*BASE, "generation.max_new_tokens=32", "task.verifiers.sampling_args.max_tokens=32",
+                             "task.verifiers.sampling_args.n=1", "task.verifiers.sampling_args.logprobs=true",
+                             "generation.temperature=0.7", "task.verifiers.sampling_args.temperature=0.7",
+                             "task.verifiers.sampling_args.top_p=1"])
+    assert cfg.task.verifiers.sampling_args == {"max_tokens": 32, "n": 1, "logprobs": True, "temperature": 0.7,
+                                                "top_p": 1}
+
+
+@pytest.mark.parametrize("override, named", [
+    ("task.verifiers.sampling_args.temperature=0.7", r"temperature=0.7 differs from generation.temperature=1.0: the "
+                                                      r"samplers' endpoint refuses every other"),
+    ("task.verifiers.sampling_args.extra_body.temperature=0", r"temperature=0 differs from generation.temperature=1.0:"
+                                                              r" every rollout of a group would decode greedily"),
+    ("task.verifiers.sampling_args.max_tokens=17", r"max_tokens=17 exceeds generation.max_new_tokens=16"),
+    ("task.verifiers.sampling_args.max_completion_tokens=64", r"max_completion_tokens=64 exceeds generation"),
+    ("task.verifiers.sampling_args.top_p=0.9", r"top_p=0.9: the samplers' endpoint samples the whole distribution"),
+])
+def test_sampling_args_the_endpoint_refuses_on_every_call_are_refused_at_load_naming_both_fields(override, named):
+    """The samplers' endpoint answers each such model call 400 (common/endpoint/protocol.py): every group's rollouts
+    failed, and the sampler stopped after MAX_FAILED_IN_A_ROW failed groups, once the run had loaded its model and
+    started; and outside a verifiers run sampling_args are not sent, so they are not judged."""
+    with pytest.raises(ConfigError, match=r"task\.verifiers\.sampling_args\." + named):
+        load_config(None, [*BASE, override])
+    assert load_config(None, [override]).task.name == "arith"
