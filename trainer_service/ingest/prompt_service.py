@@ -223,7 +223,10 @@ class PromptServicer(prompts_pb2_grpc.PromptServiceServicer):
                 tagged = self.queue.tagged(tag)
                 summaries = self.queue.summaries(tagged)
                 submitters = {s.get(b"client", b"").decode() for s in summaries if s is not None}
-                if owner is not None and submitters and owner not in submitters:
+                # a one-shot query that could only come back empty says why; a follower is never refused for what
+                # other clients tagged (tags are one namespace): it waits for its own prompts with the tag, which
+                # it may submit after it starts, or which left Redis before it reconnected after a restart
+                if owner is not None and not request.follow and submitters and owner not in submitters:
                     context.abort(grpc.StatusCode.PERMISSION_DENIED, f"tag: {tag!r} is on other clients' prompts only; "
                                   "follow your own tags or prompt ids, or use an admin token")
                 # oldest finish first; unfinished ones (no time) are left out by _finished
