@@ -42,8 +42,8 @@ from grpo_stream.common.config.base import dotted_settings
 from grpo_stream.common.config.schema import RunConfig
 from grpo_stream.protos import weights_pb2
 from grpo_stream.trainer_service.checkpoints.errors import RunRefused
-from grpo_stream.trainer_service.control_messages import (STREAMS, ControlCodec, ControlMessageError, Hosts, Settings,
-                                                          load_secret)
+from grpo_stream.trainer_service.control_messages import (SECRET_ENV, SECRET_FILE_ENV, STREAMS, ControlCodec,
+                                                          ControlMessageError, Hosts, Settings, load_secret)
 from grpo_stream.trainer_service.learning.batching import TrainBatch
 
 log = logging.getLogger(__name__)
@@ -194,11 +194,18 @@ def start_group(cfg: RunConfig) -> TrainerGroup | None:
     processes have joined one JAX job already (distributed.initialize: JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES
     and JAX_PROCESS_ID, which `up` sets, or a Cloud TPU slice / GKE JobSet that JAX detects)."""
     n = cfg.trainer.processes
+    joined = jax.process_count() if jax.distributed.is_initialized() else 1
+    if n == 1 and joined > 1:
+        # every process would run as the only trainer (its own lease, ingest and plans) on a mesh over every
+        # process's devices (make_mesh spreads it), waiting in collectives the others never enter
+        raise RunRefused(f"trainer.processes=1, but this process is one of a JAX job of {joined} processes "
+                         "(distributed.initialize joined them: JAX_COORDINATOR_ADDRESS, or a TPU slice of several "
+                         f"hosts): set trainer.processes={joined} to train over all of them, or "
+                         "distributed.initialize=never to run a trainer of this host alone")
     if n == 1:
         return None
-    if not jax.distributed.is_initialized() or jax.process_count() != n:
-        raise RunRefused(f"trainer.processes={n}, but this process is in a JAX job of "
-                         f"{jax.process_count() if jax.distributed.is_initialized() else 1} processes: start one "
+    if joined != n:
+        raise RunRefused(f"trainer.processes={n}, but this process is in a JAX job of {joined} processes: start one "
                          "trainer process per host with JAX_COORDINATOR_ADDRESS (process 0's host:port), "
                          "JAX_NUM_PROCESSES and JAX_PROCESS_ID set, or on a TPU slice with distributed.initialize "
                          "auto, and set trainer.processes to the number of hosts")
@@ -214,10 +221,13 @@ def start_group(cfg: RunConfig) -> TrainerGroup | None:
 def join_group(processes: int, index: int, client: Any) -> TrainerGroup:
     """This process's TrainerGroup in a JAX job that has joined already: the shared secret from the environment
     (control_messages.load_secret) and this start's incarnation, which every process calls for together."""
-    secret = load_secret()  # before the collective: a process without it stops here, naming the setting
-    group = TrainerGroup(processes, index, client, ControlCodec(secret, agree_incarnation()))
-    check_advertised_hosts()
-    return group
+    try:
+        secret, lacking = load_secret(), None
+    except ValueError as exc:  # told to the others in check_advertised_hosts: alone, this process would leave them
+        secret, lacking = b"", exc  # waiting in agree_incarnation's collective (on GPUs and TPUs: for ever)
+    incarnation = agree_incarnation()
+    check_advertised_hosts(lacking)
+    return TrainerGroup(processes, index, client, ControlCodec(secret, incarnation))
 
 
 def agree_incarnation() -> bytes:
@@ -270,15 +280,18 @@ def check_same_config(group: TrainerGroup, cfg: RunConfig) -> None:
     process's error names them)."""
     from jax.experimental import multihost_utils  # noqa: PLC0415
 
-    names, row, unread = [], np.zeros(MAX_SETTINGS + 1, np.uint8), None
+    # a row: whether each of process 0's settings differs here, whether this process has settings process 0 has
+    # not, and its verdict
+    names, row, unread, only_mine = [], np.zeros(MAX_SETTINGS + 2, np.uint8), None, []
     try:
         mine, theirs = group.leader_settings(cfg)
         names = sorted(theirs)[:MAX_SETTINGS]
         row[:len(names)] = [mine.get(name) != theirs[name] for name in names]
         only_mine = sorted(set(mine) - set(theirs))
-        if only_mine:  # another version of grpo-stream
+        if only_mine:  # an override of a mapping on this host only (task.rewards.NAME=...), or another version
             log.error("trainer process %d has settings trainer process 0 has not: %s", group.index, only_mine)
-        row[-1] = SETTINGS_DIFFER if row.any() or only_mine else 0
+        row[-2] = bool(only_mine)
+        row[-1] = SETTINGS_DIFFER if row.any() else 0
     except ControlMessageError as exc:  # forged or overwritten: told to the others too, then the job restarts
         unread, row[-1] = exc, SETTINGS_UNREAD
     rows = np.asarray(multihost_utils.process_allgather(row), np.uint8).reshape(-1, len(row))
@@ -291,10 +304,13 @@ def check_same_config(group: TrainerGroup, cfg: RunConfig) -> None:
         return
     differ = [f"{name} (process(es) {np.flatnonzero(rows[:, k]).tolist()})" for k, name in enumerate(names)
               if rows[:, k].any()]
-    extra = [k for k in range(len(rows)) if rows[k, -1] == SETTINGS_DIFFER and not rows[k, :len(names)].any()]
+    extra = np.flatnonzero(rows[:, -2]).tolist()
     what = ", ".join(differ[:20]) + (f" and {len(differ) - 20} more" if len(differ) > 20 else "")
-    what += f"{'; ' if what else ''}process(es) {extra} have settings process 0 has not" if extra else ""
-    skew = bool(extra) or (PROTOCOL_SETTING in names and rows[:, names.index(PROTOCOL_SETTING)].any())
+    named = f"here: {', '.join(only_mine[:20])}" if only_mine else "their logs name them"
+    what += f"{'; ' if what else ''}process(es) {extra} have settings process 0 has not ({named})" if extra else ""
+    # the protocol alone tells versions apart: a setting only some processes have is a config's too (an override of
+    # a mapping, task.rewards.NAME=..., given on one host), blamed on the version it sent users to reinstall
+    skew = PROTOCOL_SETTING in names and rows[:, names.index(PROTOCOL_SETTING)].any()
     if skew:  # whatever else differs follows from that
         raise RunRefused(f"trainer processes run another version of grpo-stream than trainer process 0 ({what}): "
                          "their messages and programs differ. Install the same grpo-stream (the same image) on every "
@@ -309,8 +325,9 @@ def check_same_config(group: TrainerGroup, cfg: RunConfig) -> None:
 UNRESOLVED, LOOPBACK = 2, 1  # what a process's advertised address is, besides reachable (0)
 
 
-def check_advertised_hosts() -> None:
-    """Refuse, in every process at once, a job whose processes run on different machines (host names) while some
+def check_advertised_hosts(lacking: ValueError | None = None) -> None:
+    """Refuse, in every process at once, a job where some process has no usable secret (`lacking`: why this one has
+    not, control_messages.load_secret), or whose processes run on different machines (host names) while some
     would tell samplers to fetch their weight slices from a loopback address (a host name resolving to 127.0.1.1, as
     Debian's /etc/hosts makes it) or from none: no sampler on another machine reaches it, so none would ever install
     a version and the run would wait for fresh groups for ever. A collective, after agree_incarnation: the verdict is
@@ -322,9 +339,15 @@ def check_advertised_hosts() -> None:
     except OSError:  # the host name does not resolve: announce() would fail at the first publication
         state = UNRESOLVED
     name = hashlib.sha256(socket.gethostname().encode()).digest()[:8]
-    mine = np.frombuffer(name + bytes([state]), np.uint8)
+    mine = np.frombuffer(name + bytes([state, lacking is not None]), np.uint8)
     every = np.asarray(multihost_utils.process_allgather(mine), np.uint8).reshape(-1, len(mine))
-    problem = unreachable_hosts([row[:-1].tobytes() for row in every], [int(row[-1]) for row in every])
+    if lacking is not None:
+        raise RunRefused(str(lacking)) from lacking
+    if every[:, -1].any():
+        raise RunRefused(f"trainer process(es) {np.flatnonzero(every[:, -1]).tolist()} have no usable shared secret "
+                         f"({SECRET_FILE_ENV} or {SECRET_ENV}; their logs say why): set the same one on every trainer "
+                         "process of the job")
+    problem = unreachable_hosts([row[:-2].tobytes() for row in every], [int(row[-2]) for row in every])
     if problem:
         raise RunRefused(problem)
 

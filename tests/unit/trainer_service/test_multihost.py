@@ -97,7 +97,8 @@ def test_an_authentic_message_out_of_protocol_order_stops_the_follower():
 
 class TwoHosts:
     """jax.experimental.multihost_utils as this process sees a job of two: process 0's incarnation, and every
-    process's row of the allgather (this one's, then another process's on machine `other`, advertising `state`)."""
+    process's row of the allgather (this one's, then another process's on machine `other`, advertising `state`, with
+    its secret)."""
 
     def __init__(self, other: str, state: int):
         self.other, self.state = other, state
@@ -108,7 +109,7 @@ class TwoHosts:
     def process_allgather(self, mine):
         import hashlib
 
-        theirs = np.frombuffer(hashlib.sha256(self.other.encode()).digest()[:8] + bytes([self.state]), np.uint8)
+        theirs = np.frombuffer(hashlib.sha256(self.other.encode()).digest()[:8] + bytes([self.state, 0]), np.uint8)
         return np.stack([np.asarray(mine), theirs])
 
 

@@ -72,3 +72,14 @@ def test_an_authentic_message_of_another_version_names_the_version():
     with pytest.raises(ControlMessageError, match="new_field|different versions of grpo-stream") as info:
         CODEC.open("msg", 0, sealed, "key k")
     assert "different versions of grpo-stream" in str(info.value)
+
+
+def test_a_setting_only_one_host_has_is_blamed_on_the_config_not_the_version(monkeypatch):
+    """A mapping given one more entry on one host (task.rewards.last_number=0.5) adds a setting process 0 has not,
+    with the same grpo-stream: every refusal sent users to reinstall grpo-stream on every host."""
+    leader_error, follower_error = verdicts(monkeypatch, follower_protocol=multihost.protocol(),
+                                            overrides=["task.rewards.last_number=0.5"])
+    for error in (leader_error, follower_error):
+        assert "configs other than trainer process 0's" in error and "Install the same grpo-stream" not in error
+        assert "process(es) [1] have settings process 0 has not" in error
+    assert "(here: task.rewards.last_number)" in follower_error and "their logs name them" in leader_error
