@@ -314,8 +314,13 @@ def _forward_gemma(model: PolicyModel, w: DecodeWeights, tokens, positions, cach
 
 def check_sequence_fits(model: PolicyModel, total_tokens: int,
                         field: str = "generation.max_prompt_tokens + generation.max_new_tokens") -> None:
-    """Gemma's sliding-window layers are exact here only for sequences within the window; `field`: the setting that
-    asks for `total_tokens`, named in the error."""
+    """Gemma's sliding-window layers are exact here only for sequences within the window, and no model's positions
+    past its max_position_embeddings (its RoPE was never trained there: vLLM refuses such a max_model_len too);
+    `field`: the setting that asks for `total_tokens`, named in the error."""
+    longest = model.arch.max_position_embeddings
+    if longest and total_tokens > longest:
+        raise ValueError(f"{field} = {total_tokens} exceeds the model's max_position_embeddings={longest} (its "
+                         "config.json): positions past it are ones its RoPE was never trained on; shorten it")
     window = model.arch.sliding_window
     if family_of(model.arch).decode.layout == "gemma" and window is not None and total_tokens > window:
         raise ValueError(f"{field} = {total_tokens} exceeds the model's sliding_window={window}; shorten it "

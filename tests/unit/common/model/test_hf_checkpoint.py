@@ -359,3 +359,17 @@ def test_export_converts_one_tensor_at_a_time(tmp_path):
     again = load_hf_model(str(tmp_path / "out"), "float32")
     for name, value in named.items():
         np.testing.assert_allclose(again.to_named_numpy()[name], value, rtol=1e-2, atol=1e-2)  # bf16 rounding
+
+
+def test_sequences_longer_than_the_models_positions_are_refused(tmp_path):
+    """A config.json's max_position_embeddings bounds the positions its RoPE was trained on (vLLM refuses a longer
+    max_model_len); prompt + completion past it sampled from positions the model never saw, without a word."""
+    from grpo_stream.common.engine.continuous import ContinuousEngine
+
+    cls_name, extra = FAMILIES["qwen2.5-tied"]
+    config = getattr(transformers, cls_name)(**{**SHAPE, **extra, "max_position_embeddings": 64})
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    model = load_hf_model(str(tmp_path), "float32")
+    ContinuousEngine(model, pad_id=0, eos_id=1, max_prompt_tokens=32, max_new_tokens=32, temperature=1.0)  # 64 fits
+    with pytest.raises(ValueError, match=r"max_new_tokens = 80 exceeds the model's max_position_embeddings=64"):
+        ContinuousEngine(model, pad_id=0, eos_id=1, max_prompt_tokens=48, max_new_tokens=32, temperature=1.0)
