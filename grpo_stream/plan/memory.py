@@ -8,7 +8,7 @@ either does not (the report names the cheapest fixes), 2 when the config cannot 
 
 The figures are XLA's own for these programs, partitioned as on the real mesh, but compiled by the CPU backend:
 TPU and GPU compilers fuse more and reuse buffers differently, so treat them as an estimate. The child compiles with
-CPU_PLAN_FLAGS, which turn off two CPU habits the accelerators' compilers do not share (below). How to read the
+CPU_PLAN_FLAGS, which turn off three CPU habits the accelerators' compilers do not share (below). How to read the
 report: docs/plan.md. How the estimate compares with measured peaks (an H200, the CPU): BENCHMARKS.md, "plan".
 """
 
@@ -36,25 +36,34 @@ ESTIMATE_NOTE = ("CPU-compiled estimate: XLA's memory analysis of the real progr
                  "activations and temporaries; no TPU measurement exists: docs/plan.md, and BENCHMARKS.md, \"plan\").")
 
 
-# Two habits of XLA's CPU backend that TPU and GPU compilers do not share, turned off for the plan's compiles:
+# Three habits of XLA's CPU backend that TPU and GPU compilers do not share, turned off for the plan's compiles:
 # - it orders a program's instructions for concurrency, starting independent work early and keeping its buffers
 #   alive: a Llama-3.2-1B update step's temporaries came to 23.2 GiB against 1.6 measured on an H200; the
 #   memory-minimising order, which TPU and GPU schedulers approximate under their memory limit, gives 8.1 GiB;
 # - it merges every all-reduce of a step into one (`cpu-all-reduce-combiner`), so with FSDP the float32 gradient of
 #   every weight is whole on each device at once (the CPU has no reduce-scatter: each weight's is an all-reduce and a
 #   slice); TPU and GPU reduce-scatter each layer's and combine only up to a size threshold. The same step on fsdp=8
-#   kept 14.9 GiB of temporaries per device with the merge, 9.8 without.
-CPU_PLAN_FLAGS = ("--xla_cpu_scheduler_type=CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED",
-                  "--xla_disable_hlo_passes=cpu-all-reduce-combiner")
+#   kept 14.9 GiB of temporaries per device with the merge, 9.8 without;
+# - it has no bfloat16 matrix product: it converts each bfloat16 operand to float32 first, and loop-invariant code
+#   motion hoisted the weights' converts out of the decode chunk's step loop, so the chunk held a float32 copy of
+#   every weight at once (Llama 3.1 8B on tp 2: 15 GiB of temporaries per device, 2.4 without the hoisting); TPU and
+#   GPU multiply bfloat16 natively and have no such converts to hoist. A run on the CPU does hoist them, so this pass
+#   stays on for a plan of CPU processes (ACCELERATOR_PLAN_PASSES). (The trainer's gathered weights pass an
+#   optimisation barrier per micro-batch, so nothing of theirs is hoisted either way.)
+CPU_PLAN_FLAGS = ("--xla_cpu_scheduler_type=CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED",)
+CPU_PLAN_PASSES = ("cpu-all-reduce-combiner",)
+ACCELERATOR_PLAN_PASSES = ("while-loop-invariant-code-motion",)
 
 
-def child_env(devices: int) -> dict[str, str]:
+def child_env(devices: int, accelerators: bool = True) -> dict[str, str]:
     """This environment with JAX on CPU, `devices` fake devices (any earlier device-count flag replaced) and the
-    CPU_PLAN_FLAGS."""
+    CPU_PLAN_FLAGS; `accelerators`: the plan is for TPU or GPU devices, not a run on the CPU (one more pass off)."""
     env = dict(os.environ)
     flags = re.sub(r"--xla_force_host_platform_device_count=\S+|--xla_cpu_scheduler_type=\S+", "",
                    env.get("XLA_FLAGS", "")).strip()
-    env["XLA_FLAGS"] = " ".join([flags, f"--xla_force_host_platform_device_count={devices}", *CPU_PLAN_FLAGS]).strip()
+    passes = ",".join((*CPU_PLAN_PASSES, *(ACCELERATOR_PLAN_PASSES if accelerators else ())))
+    env["XLA_FLAGS"] = " ".join([flags, f"--xla_force_host_platform_device_count={devices}", *CPU_PLAN_FLAGS,
+                                 f"--xla_disable_hlo_passes={passes}"]).strip()
     env["JAX_PLATFORMS"] = "cpu"
     return env
 
@@ -63,7 +72,8 @@ def compile_programs(cfg: RunConfig) -> dict:
     """The child's report: every program compiled for abstract inputs on fake devices of the target count."""
     devices = max(cfg.trainer.mesh.fsdp * cfg.trainer.mesh.tp, cfg.sampler.mesh.tp)
     proc = subprocess.run([sys.executable, "-m", "grpo_stream.plan.programs"], input=cfg.model_dump_json(),
-                          capture_output=False, stdout=subprocess.PIPE, text=True, env=child_env(devices))
+                          capture_output=False, stdout=subprocess.PIPE, text=True,
+                          env=child_env(devices, accelerators=not cfg.hardware.any_on_cpu()))
     if proc.returncode != 0:
         raise RuntimeError(f"compiling the run's programs for {devices} fake devices failed (exit "
                            f"{proc.returncode}); its error is printed above")
