@@ -159,7 +159,7 @@ _LLAMA_SPECIALS = ("<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_t
                    "<|reserved_special_token_1|>", "<|finetune_right_pad_id|>", "<|reserved_special_token_2|>",
                    "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>", "<|eot_id|>", "<|python_tag|>")
 _SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, max_position_embeddings=256)
+              num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, max_position_embeddings=1024)
 MERGES = 500  # BPE merges learned beyond the base alphabet
 
 
