@@ -17,6 +17,7 @@ from pydantic import Field, field_validator
 from grpo_stream.common.config.base import Strict
 
 GIB = 1 << 30
+MIB = 1 << 20
 
 # accelerator -> bytes of memory per device (a TPU chip, or a GPU)
 CHIP_MEMORY_BYTES: dict[str, int] = {
@@ -27,7 +28,9 @@ CHIP_MEMORY_BYTES: dict[str, int] = {
     "a100-40gb": 40 * GIB,
     "a100-80gb": 80 * GIB,
     "h100-80gb": 80 * GIB,
-    "h200": 141 * 10**9,
+    # nvidia-smi's memory.total on the H200 we ran on (bench/results/h200-2026-11-26/machine.txt); the "141 GB" of
+    # the data sheet, read as 141e9 bytes, left 9 GiB of every H200 out of each plan
+    "h200": 143_771 * MIB,
 }
 # the processes run on the CPU: their devices' arrays live in each process's memory beside everything else it holds,
 # so plan also estimates each process's peak resident memory (grpo_stream/plan/host_memory.py) and checks the run's

@@ -144,7 +144,7 @@ def test_gpus_are_found_with_nvidia_smi_and_filtered_by_cuda_visible_devices(nvi
     assert detect_gpus(cfg, {"JAX_PLATFORMS": "cpu"})[0] == []  # the user chose the CPU
     assert detect_gpus(config("hardware.gpus=0"), {})[0] == []
     assert detect_gpus(config("hardware.gpus=2", "hardware.trainer_chip=h200"), {"CUDA_VISIBLE_DEVICES": "3,1,0"}) \
-        == (["3", "1"], 141 * 10**9)
+        == (["3", "1"], 143_771 << 20)
     with pytest.raises(DeviceLayoutError, match=r"hardware\.gpus=2, but CUDA_VISIBLE_DEVICES=3 shows 1"):
         detect_gpus(config("hardware.gpus=2"), {"CUDA_VISIBLE_DEVICES": "3"})
 

@@ -1,5 +1,8 @@
 """hardware: what a run is sized for, as `grpo-stream plan` reads it."""
 
+import re
+from pathlib import Path
+
 import pytest
 
 from grpo_stream.common.config.base import ConfigError
@@ -11,7 +14,7 @@ def test_chips_give_their_memory_and_the_sampler_defaults_to_the_trainer_chip():
     hw = load_config(None, ["hardware.trainer_chip=tpu-v5p"]).hardware
     assert hw.device_memory_bytes("trainer") == hw.device_memory_bytes("sampler") == 95 * GIB
     hw = load_config(None, ["hardware.trainer_chip=tpu-v6e", "hardware.sampler_chip=h200"]).hardware
-    assert hw.device_memory_bytes("trainer") == 32 * GIB and hw.device_memory_bytes("sampler") == 141 * 10**9
+    assert hw.device_memory_bytes("trainer") == 32 * GIB and hw.device_memory_bytes("sampler") == 143_771 << 20
 
 
 def test_a_memory_override_wins_and_nothing_stated_is_none():
@@ -55,4 +58,17 @@ def test_a_trainer_memory_size_carries_to_the_sampler_without_a_chip_of_its_own(
     hw = load_config(None, ["hardware.trainer_memory_gib=24"]).hardware
     assert hw.device_memory_bytes("sampler") == hw.device_memory_bytes("trainer") == 24 * GIB
     hw = load_config(None, ["hardware.trainer_memory_gib=24", "hardware.sampler_chip=h200"]).hardware
-    assert hw.device_memory_bytes("sampler") == 141 * 10**9  # a sampler chip named: its own figure
+    assert hw.device_memory_bytes("sampler") == 143_771 << 20  # a sampler chip named: its own figure
+
+
+def test_gpu_memory_is_what_nvidia_smi_reported_on_the_gpus_we_ran_on():
+    # the file's basis is nvidia-smi's memory.total; the H200 figure was once the data sheet's 141e9 bytes, 9 GiB short
+    # of what the device showed, so plans refused runs that fit
+    root = Path(__file__).resolve().parents[4]
+    for record in sorted(root.glob("bench/results/*/machine.txt")):
+        for line in record.read_text().splitlines()[1:]:
+            found = re.match(r"NVIDIA (\w+), (\d+) MiB,", line)
+            if found and found[1] == "H200":
+                assert CHIP_MEMORY_BYTES["h200"] == int(found[2]) << 20, record
+                return
+    pytest.fail("no H200 machine.txt under bench/results")
