@@ -81,12 +81,17 @@ def record_problem(record) -> str | None:
             return f"{field}: {json.dumps(value)[:40]} is not {_JSON_KIND[field]}"
     if not isinstance(record.get("adapters", ""), str):
         return "adapters: not a string"
+    problem = _value_problem(record)
+    if problem is not None:
+        return problem
     total = 0  # the manifest's total_bytes (int64): shapes past it failed the manifest's build, a permanent error
     for i, entry in enumerate(record["tensors"]):
         if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str)
                 and isinstance(entry[1], list) and all(type(n) is int and 0 <= n < 1 << 62 for n in entry[1])
                 and isinstance(entry[2], str)):
             return f"tensors[{i}]: {str(entry)[:60]!r} is not [name, shape, dtype]"
+        if not _utf8(entry[0]):
+            return f"tensors[{i}]: name not UTF-8 text"
         try:
             total += math.prod(entry[1]) * np.dtype(entry[2]).itemsize
         except (TypeError, ValueError):
@@ -98,6 +103,30 @@ def record_problem(record) -> str | None:
             weights_pb2.AdapterVersion.FromString(base64.b64decode(record["adapters"], validate=True))
         except (ValueError, DecodeError):  # binascii.Error is a ValueError
             return f"adapters: {record['adapters'][:40]!r} is not a base64 AdapterVersion"
+    return None
+
+
+def _utf8(text: str) -> bool:
+    """Whether `text` encodes as UTF-8 (JSON may hold lone surrogates, "\\ud800", that no proto string takes)."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _value_problem(record: dict) -> str | None:
+    """What in a record of the right JSON kinds no manifest can hold (its build raised ValueError, OverflowError or
+    UnicodeEncodeError, which stopped the sampler), naming the field; None when nothing."""
+    if not 0 <= record["version"] < 1 << 63:  # int64; the store writes versions from 0 (LoRA's base never here)
+        return f"version: {record['version']} is not a version number (0 up to 2^63 - 1)"
+    try:
+        float(record["published_unix"])
+    except OverflowError:
+        return f"published_unix: {str(record['published_unix'])[:40]} is past any time a double holds"
+    for field in ("epoch", "location", "adapters"):
+        if not _utf8(record.get(field, "")):
+            return f"{field}: not UTF-8 text"
     return None
 
 
