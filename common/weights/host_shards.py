@@ -100,15 +100,40 @@ def add_sources(manifest: weights_pb2.WeightManifest, sources: dict[str, list[tu
 
 def split_box(box: Box, spec: weights_pb2.TensorSpec, hosts: int) -> list[tuple[int, Box]]:
     """(host, part) covering `box` of a tensor from the manifest's sources; raises when they do not tile it."""
-    parts, covered = [], 0
-    for source in spec.sources:
+    parts, covered, where = [], 0, []
+    for i, source in enumerate(spec.sources):
         if source.host < 0 or source.host >= hosts:
             raise WeightTransferError(f"{spec.name}: a source names host {source.host}, the manifest lists {hosts}")
+        if len(source.box.start) != len(box) or len(source.box.stop) != len(box):
+            raise WeightTransferError(f"{spec.name}: the manifest's sources[{i}] has {len(source.box.start)}/"
+                                      f"{len(source.box.stop)} bounds for a {len(box)}-d tensor")
         part = tuple(slice(max(b.start, a), min(b.stop, z)) for b, a, z in zip(box, source.box.start, source.box.stop))
         if all(s.start < s.stop for s in part):
             parts.append((source.host, part))
+            where.append(i)
             covered += int(np.prod(box_shape(part), dtype=np.int64))
     if covered != int(np.prod(box_shape(box), dtype=np.int64)):
         raise WeightTransferError(f"{spec.name}: the manifest's sources cover {covered} of the "
                                   f"{int(np.prod(box_shape(box)))} elements of slice {box_key(box)}")
+    _check_cells(box, spec.name, [part for _, part in parts], where)
     return parts
+
+
+def _check_cells(box: Box, name: str, parts: list[Box], where: list[int]) -> None:
+    """Raise unless each of `parts` (from the sources numbered `where`) is its own cell of the grid their starts cut
+    `box` into. With their sizes adding up to the box's (checked before) they then tile it, each element once:
+    sizes alone let sources listed twice, or overlapping, hide a part of the box that no host sends, and the sampler
+    installed those elements unreceived (whatever its receive buffer held). A trainer's sources are one sharding's
+    boxes, a grid, as is their cut by a sampler's box; checked in O(parts), not pairwise."""
+    next_cut = []  # per dimension: a part's start -> where the cell from there ends
+    for d, b in enumerate(box):
+        starts = sorted({p[d].start for p in parts})
+        next_cut.append(dict(zip(starts, starts[1:] + [b.stop])))
+    cells = set()
+    for part, i in zip(parts, where):
+        cell = tuple(s.start for s in part)
+        if cell in cells or any(next_cut[d][s.start] != s.stop for d, s in enumerate(part)):
+            raise WeightTransferError(f"{name}: the manifest's sources do not tile slice {box_key(box)} once: "
+                                      f"sources[{i}] overlaps another or ends mid-cell; each element must come "
+                                      "from one host")
+        cells.add(cell)

@@ -123,3 +123,22 @@ def test_sources_that_leave_a_gap_are_refused_before_any_install(two_hosts):
                for name, arr in FULL.items()}
     with pytest.raises(WeightTransferError, match="w: the manifest's sources cover 18 of the 48 elements"):
         fetcher.fetch(manifest, targets)
+
+
+def test_sources_that_overlap_to_hide_a_gap_are_refused_before_any_install(two_hosts):
+    """Rows 3-5 of w listed twice and rows 3-4 once more add up to the 48 elements of w while rows 5-7 come from
+    nobody (and host 1 is asked for no more bytes than it holds): those rows were never received, and the sampler
+    installed whatever its receive buffer held."""
+    publishers, _, channel, tcp = two_hosts
+    publish(publishers, 2)
+    fetcher = GrpcFetcher(channel, "sampler-0", streams=1, timeout_s=10, data_host="127.0.0.1" if tcp else None)
+    manifest = fetcher.latest(-1)
+    sources = manifest.tensors[0].sources
+    sources[1].box.stop[0] = 5  # host 1: rows 3-5 (it holds 3-8)
+    sources.add().CopyFrom(sources[1])
+    sources.add(host=1, box=weights_pb2.SliceRange(start=[3, 0], stop=[4, 6]))
+    mesh = make_mesh(1, 1, jax.devices(), "sampler.mesh")
+    targets = {name: jax.ShapeDtypeStruct(arr.shape, arr.dtype, sharding=NamedSharding(mesh, PartitionSpec()))
+               for name, arr in FULL.items()}
+    with pytest.raises(WeightTransferError, match=r"w: the manifest.s sources do not tile .* sources\[1\] overlaps"):
+        fetcher.fetch(manifest, targets)

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from grpo_stream.common.weights.host_shards import HeldBoxes, add_sources, serving_boxes, split_box
-from grpo_stream.common.weights.snapshot import WeightTransferError, manifest_of
+from grpo_stream.common.weights.snapshot import WeightTransferError, box_key, manifest_of
+from grpo_stream.protos import weights_pb2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,3 +75,33 @@ def test_a_sampler_box_is_split_along_the_sources_and_reassembled():
     np.testing.assert_array_equal(rebuilt, full[box])
     with pytest.raises(WeightTransferError, match="names host 1, the manifest lists 1"):
         split_box(box, manifest.tensors[0], hosts=1)
+
+
+def _spec(shape, sources):
+    manifest = manifest_of(1, {"w": (shape, np.float32)}, False, "e", 0.0, 64, "grpc")
+    for host, start, stop in sources:
+        manifest.tensors[0].sources.add(host=host).box.MergeFrom(weights_pb2.SliceRange(start=start, stop=stop))
+    return manifest.tensors[0]
+
+
+@pytest.mark.parametrize("sources, named", [
+    # rows 3-5 twice and 3-4 once more add up to the 48 elements while rows 5-7 come from nobody
+    ([(0, [0, 0], [3, 6]), (1, [3, 0], [5, 6]), (1, [3, 0], [5, 6]), (1, [3, 0], [4, 6])],
+     r"do not tile slice \(\(0, 8\), \(0, 6\)\) once: sources\[1\] overlaps"),
+    # two column blocks overlapping in column 2 add up to the 48 elements while column 5 comes from nobody
+    ([(0, [0, 0], [8, 3]), (1, [0, 2], [8, 5])], r"sources\[0\] overlaps another or ends mid-cell"),
+    ([(0, [0, 0], [8, 3]), (1, [0, 3], [8, 5])], r"cover 40 of the 48"),
+    ([(0, [0, 0], [3, 6]), (1, [3], [8])], r"sources\[1\] has 1/1 bounds for a 2-d tensor"),
+], ids=["rows-listed-twice", "columns-overlap-hiding-a-gap", "columns-gap", "fewer-bounds"])
+def test_sources_must_tile_a_box_each_element_once(sources, named):
+    with pytest.raises(WeightTransferError, match=named):
+        split_box((slice(0, 8), slice(0, 6)), _spec((8, 6), sources), hosts=2)
+
+
+def test_sources_that_tile_a_box_as_a_grid_are_split_whatever_their_order():
+    sources = [(1, [4, 3], [8, 6]), (0, [0, 0], [4, 3]), (1, [4, 0], [8, 3]), (0, [0, 3], [4, 6])]
+    parts = split_box((slice(2, 7), slice(1, 6)), _spec((8, 6), sources), hosts=2)
+    assert sorted((h, box_key(p)) for h, p in parts) == [(0, ((2, 4), (1, 3))), (0, ((2, 4), (3, 6))),
+                                                         (1, ((4, 7), (1, 3))), (1, ((4, 7), (3, 6)))]
+    scalar = _spec((), [(1, [], [])])
+    assert split_box((), scalar, hosts=2) == [(1, ())]
