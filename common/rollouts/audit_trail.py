@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 
+from grpo_stream.common.rollouts.redis_errors import is_count
+
 MAX_SHOWN = 40  # characters of a damaged value quoted in its description
 THROUGH_EPOCH_FIELD = "through_epoch"  # P:R:audit:compacted's one text field (audit_compaction.py)
 
@@ -56,10 +58,10 @@ def _accepted(raw: str) -> dict | None:
 
 
 def _integer(raw) -> int | None:
-    try:
-        return int(raw)
-    except (TypeError, ValueError):
-        return None
+    """`raw` as an integer when Redis can count on it (is_count): compaction adds to the counts it reads with HINCRBY,
+    inside a transaction whose other commands Redis runs even when one fails ('1_000' read by int() as 1000 deleted
+    the folded groups' records and never added their count)."""
+    return int(raw) if isinstance(raw, str) and is_count(raw) else None
 
 
 def _group_list(raw) -> list | None:

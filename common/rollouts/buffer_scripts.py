@@ -5,10 +5,12 @@ writer's fencing number (trainer_lease.py): a trainer that a newer one took the 
 from grpo_stream.common.rollouts.compaction_holes import HOLES_LUA
 from grpo_stream.common.rollouts.kept_results import FINISH_PROMPT_LUA, FINISHED_KEY, FINISHED_TAGS_KEY, RELEASED_FIELD
 from grpo_stream.common.rollouts.fencing import FENCE_LUA
+from grpo_stream.common.rollouts.redis_errors import COUNT_LUA
 
 # damaged_type(key, kind): an error naming `key` when it holds another type than `kind` (absent is fine);
-# damaged_integer(key, field): one naming the field (field nil: the string at `key`) when it holds no integer.
-DAMAGED_INTEGER_LUA = """
+# damaged_integer(key, field): one naming the field (field nil: the string at `key`) when it holds no integer HINCRBY
+# takes (redis_errors.py: COUNT_LUA; checked before the first write, the write must not fail after it).
+DAMAGED_INTEGER_LUA = COUNT_LUA + """
 local function damaged_type(key, kind)
   local found = redis.call('TYPE', key)['ok']
   if found == 'none' or found == kind then return nil end
@@ -21,7 +23,7 @@ local function damaged_integer(key, field)
   if bad then return bad end
   local raw
   if field then raw = redis.call('HGET', key, field) else raw = redis.call('GET', key) end
-  if raw == false or string.match(raw, '^%-?%d+$') then return nil end
+  if raw == false or is_count(raw) then return nil end
   local where, fix = key, 'SET ' .. key .. ' N'
   if field then where, fix = key .. ' field ' .. field, 'HSET ' .. key .. ' ' .. field .. ' N' end
   return redis.error_reply('DAMAGEDBUFFER ' .. where .. ' holds ' .. string.format('%q', string.sub(raw, 1, 40))
@@ -178,9 +180,11 @@ return n
 
 # The positions of one sampler in [ARGV[3], ARGV[2]) with no accepted group (RedisStreamBuffer.unanswered_positions):
 # above the compacted watermark, no accepted record under its group id (ARGV[4] .. position); at or below it, a hole.
-# KEYS: audit:accepted, audit:compacted. Read-only.
+# KEYS: audit:accepted, audit:compacted. Read-only; a damaged watermark is named (damaged_below).
 UNANSWERED = HOLES_LUA + """
 local sampler, below, low, prefix = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]
+local damaged = damaged_below(KEYS[2], sampler)
+if damaged then return damaged end
 local out = {}
 for position = low, below - 1 do
   local past = compacted_position(KEYS[2], sampler, position)

@@ -14,17 +14,20 @@ would be far past max_staleness anyway.
 
 from __future__ import annotations
 
+from grpo_stream.common.rollouts.redis_errors import COUNT_LUA
+
 MAX_HOLES = 1024
 
 # compacted_position(key, sampler, position): 'dup' for a position at or below the sampler's watermark that is no
 # hole, 'hole' for one that is, nil above the watermark (or for no position). fill_hole: the position was accepted.
-# damaged_below(key, sampler): an error naming the field when the watermark is no number (checked before any write;
-# read as absent, every compacted group of that sampler sent again would be trained twice).
-HOLES_LUA = """
+# damaged_below(key, sampler): an error naming the field when the watermark is no integer (checked before any write;
+# read as absent, every compacted group of that sampler sent again would be trained twice; read by tonumber, '1e400'
+# answered every later group dup). Coded DAMAGEDBUFFER, the code the ingest turns into FAILED_PRECONDITION.
+HOLES_LUA = COUNT_LUA + """
 local function damaged_below(key, sampler)
   local raw = redis.call('HGET', key, 'below:' .. sampler)
-  if raw == false or tonumber(raw) then return nil end
-  return redis.error_reply('DAMAGEDAUDIT ' .. key .. ' field below:' .. sampler .. ' holds ' .. string.format('%q',
+  if raw == false or is_count(raw) then return nil end
+  return redis.error_reply('DAMAGEDBUFFER ' .. key .. ' field below:' .. sampler .. ' holds ' .. string.format('%q',
     string.sub(raw, 1, 40)) .. ', not a data position, so groups of sampler ' .. sampler .. ' cannot be checked for '
     .. 'second copies; nothing was written. Restore the highest compacted data position of that sampler (HSET '
     .. key .. ' below:' .. sampler .. ' N), or HDEL the field if none of its groups was ever compacted')

@@ -30,7 +30,13 @@ T = TypeVar("T")
 PASSING_CODES = ("LOADING", "MASTERDOWN", "OOM", "READONLY")
 _PASSING_CLASSES = (redis.exceptions.BusyLoadingError, redis.exceptions.MasterDownError,
                     redis.exceptions.OutOfMemoryError, redis.exceptions.ReadOnlyError)
-_PASSING = re.compile(r"(?:^|[\s\-:])(" + "|".join(PASSING_CODES) + r")\b")
+# where Redis puts a code: at the start, after a Lua script's "@user_script:N: -" (Redis 6) or after a pipeline's
+# "caused error: " (redis-py). Not after any ':' or '-': run names ([A-Za-z0-9_.-]) and sampler ids may hold these
+# words, and a damaged record's message names its key ('grpo-stream:OOM-repro:counters' was read as an OOM and
+# retried for ever)
+_PASSING = re.compile(r"(?:^|:\s-?)(" + "|".join(PASSING_CODES) + r")\b")
+# the buffer's own refusals (the scripts' error replies): faults whatever key or value their message quotes
+OWN_CODES = ("DAMAGEDBUFFER", "STALETRAINER")
 
 
 class BufferUnavailable(Exception):
@@ -44,7 +50,8 @@ def is_unavailable(exc: BaseException) -> bool:
     if isinstance(exc, (redis.ConnectionError, redis.TimeoutError, *_PASSING_CLASSES)):
         return True
     # the parser strips a known code from the text of its class's errors, but not from a script's error
-    return isinstance(exc, redis.ResponseError) and bool(_PASSING.search(str(exc)))
+    return isinstance(exc, redis.ResponseError) and not str(exc).startswith(OWN_CODES) \
+        and bool(_PASSING.search(str(exc)))
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
@@ -65,6 +72,24 @@ def redis_call(fn: Callable[[], T]) -> T:
         if is_unavailable(exc):
             raise BufferUnavailable(f"redis: {exc}") from exc
         raise
+
+
+# What a count the buffer keeps may hold: an integer as Redis writes one, with at most 18 digits (so adding to it stays
+# within int64). HINCRBY refuses '007', '-0', '+5', ' 5' and '1_000', which Python's int() or Lua's tonumber() read
+# (tonumber also '1e400', '0x10', 'inf'): a check looser than HINCRBY's passed them, and the write then failed half-way.
+COUNT_LUA = """
+local function is_count(raw)
+  if raw == '0' then return true end
+  local digits = string.match(raw, '^%-?([1-9]%d*)$')
+  return digits ~= nil and #digits <= 18
+end
+"""
+_COUNT = re.compile(r"0|-?[1-9][0-9]{0,17}")
+
+
+def is_count(raw: str) -> bool:
+    """COUNT_LUA's is_count: whether `raw` is an integer Redis can count on (HINCRBY)."""
+    return _COUNT.fullmatch(raw) is not None
 
 
 class DamagedRecord(ValueError):

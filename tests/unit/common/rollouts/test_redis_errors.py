@@ -43,3 +43,22 @@ def test_real_faults_propagate(exc):
         raise exc
     with pytest.raises(type(exc)):
         redis_call(fail)
+
+
+@pytest.mark.parametrize("run", ["OOM-repro", "LOADING", "a.READONLY", "MASTERDOWN_2"])
+def test_a_damaged_record_in_a_run_named_like_a_code_is_a_fault_not_a_passing_failure(run):
+    """Run names may hold these words ([A-Za-z0-9_.-]), and a damaged record's message names its key: the code was
+    matched anywhere after a ':' or '-', so the ingest answered UNAVAILABLE and the trainer retried for ever (a
+    damaged fence: 'Redis unavailable' at every try, never the LeaseDamaged that names the key)."""
+    for message in (f"DAMAGEDBUFFER grpo-stream:{run}:counters field ingested holds \"x\", not an integer",
+                    f"DAMAGEDBUFFER grpo-stream:{run}:trainer:fence holds \"x\", not a fencing number",
+                    f"DAMAGEDBUFFER grpo-stream:r:positions field s-{run} holds \"x\", not an integer"):
+        assert not is_unavailable(redis.ResponseError(message)), message
+
+
+@pytest.mark.parametrize("message", [
+    "OOM command not allowed when used memory > 'maxmemory'. script: 219bb3, on @user_script:1.",
+    "Command # 1 (EVALSHA 219bb3 2 k) of pipeline caused error: OOM command not allowed when used memory",
+])
+def test_a_code_where_redis_puts_it_still_passes(message):
+    assert is_unavailable(redis.ResponseError(message))
