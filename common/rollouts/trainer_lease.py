@@ -54,7 +54,9 @@ if current and current ~= ARGV[3] then
   return {0, current, redis.call('PTTL', KEYS[1])}
 end
 local last = redis.call('GET', KEYS[2])
-if last and not string.match(last, '^%d+$') then
+-- at most 15 digits: Lua numbers are doubles, and past 2^53 adding 1 may give the same number (a fence handed out
+-- twice) or, formatted with %d, a negative one (fences are ms since the epoch: 13 digits)
+if last and not (string.match(last, '^%d+$') and #last <= 15) then
   return redis.error_reply('DAMAGEDBUFFER ' .. KEYS[2] .. ' holds ' .. string.format('%q', string.sub(last, 1, 40))
     .. ', not a fencing number; no trainer can take the run. If no trainer of this run is running, delete it '
     .. '(redis-cli DEL ' .. KEYS[2] .. ') and start the trainer again')
@@ -112,7 +114,7 @@ def parse_value(value: str) -> tuple[int, dict | None]:
     fence, _, holder = value.partition(" ")
     try:
         fence_number, parsed = int(fence), json.loads(holder)
-    except ValueError:
+    except (ValueError, RecursionError):  # nested past the parser's depth: no trainer wrote it either
         return -1, None
     return (fence_number, parsed) if isinstance(parsed, dict) else (-1, None)
 
