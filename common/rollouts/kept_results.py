@@ -55,12 +55,19 @@ local function finish_prompt(base, gid_prefix, pid, now, retention, keep)
   end
   redis.call('XADD', base .. ':results', 'MAXLEN', '~', keep, '*', 'id', pid)
   local finished = base .. ':%(finished)s'
-  redis.call('ZADD', finished, now, pid)
+  -- ranked in finishing order, whatever the finishing process's clock says: scored below the prompts before it (an
+  -- ingest whose clock is behind), it was the oldest, and the count bound evicted it in this very call
+  local newest = redis.call('ZREVRANGE', finished, 0, 0, 'WITHSCORES')[2]
+  redis.call('ZADD', finished, math.max(now, tonumber(newest or now) or now), pid)
   local over = math.min(redis.call('ZCARD', finished) - keep, %(per_call)d)
   local old = {}
-  if over > 0 then old = redis.call('ZRANGE', finished, 0, over - 1) end
+  if over > 0 then  -- one more than needed: this prompt, on a tie, is never among them
+    for _, p in ipairs(redis.call('ZRANGE', finished, 0, over)) do
+      if p ~= pid and #old < over then old[#old + 1] = p end
+    end
+  end
   for _, p in ipairs(redis.call('ZRANGEBYSCORE', finished, '-inf', now - retention, 'LIMIT', 0, %(per_call)d)) do
-    old[#old + 1] = p
+    if p ~= pid then old[#old + 1] = p end
   end
   local released = 0
   for _, p in ipairs(old) do
