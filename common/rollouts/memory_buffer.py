@@ -26,6 +26,7 @@ class InMemoryBuffer:
         self._positions: dict[str, int] = {}
         self._accepted: dict[str, dict] = {}  # group id -> {sampler, position}; the de-duplication set
         self.compacted = {"through_step": 0, **dict.fromkeys(COMPACTED_COUNTS, 0)}
+        self.through_epoch = ""  # the trainer whose lineage step through_step is (Redis: audit:compacted's)
         self.below: dict[str, int] = {}  # sampler -> data position at or below which every group is compacted
         self.holes: dict[str, str] = {}  # sampler -> positions below it never accepted (compaction_holes.py)
         self.settled: dict[str, dict] = {}  # group id -> {outcome, step, entry}
@@ -138,8 +139,10 @@ class InMemoryBuffer:
     def compact_audit(self, through_step: int) -> CompactionPlan:
         with self._lock:
             plan = plan_compaction(through_step, self.compacted["through_step"], self._accepted, self.settled, {},
-                                   self.steps, self.trainers, self.checkpoints, {}, self.below, self.holes)
+                                   self.steps, self.trainers, self.checkpoints, {}, self.below, self.holes,
+                                   self.through_epoch)
             if plan.through_step > self.compacted["through_step"]:
+                self.through_epoch = plan.through_epoch
                 for name, n in plan.counts.items():
                     self.compacted[name] += n
                 self.compacted["through_step"] = plan.through_step

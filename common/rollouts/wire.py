@@ -17,6 +17,7 @@ import dataclasses
 import math
 
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from grpo_stream.protos import rollout_pb2
 
@@ -147,7 +148,11 @@ def decode_trainable_group(payload: bytes, limits: GroupLimits) -> GroupData:
     num_generations, a standalone ingest with another config) or damaged in Redis. ValueError naming every problem;
     a group that passes fits the trainer's batch layout."""
     msg = rollout_pb2.RolloutGroup()
-    msg.ParseFromString(payload)
+    try:
+        msg.ParseFromString(payload)
+    except DecodeError as exc:  # cut short or overwritten in Redis: protobuf's own error is no ValueError
+        raise ValueError(f"payload: {len(payload)} bytes that do not parse as a RolloutGroup message ({exc})") \
+            from None
     errors = validate_group(msg, limits)
     if errors:
         raise ValueError("; ".join(errors))
@@ -162,7 +167,8 @@ MAX_DATA_POSITION = 10**14 - 1
 
 # The largest |reward| the ingest accepts: the advantage estimators hand float32 to the update, and without a bound a
 # finite float32 reward (up to 3.4e38) overflows there (drgrpo's r - mean(r) and rloo's r - mean(others) reach twice
-# it: inf advantages, then a non-finite loss). Rewards are weighted sums of scores near [0, 1]: 1e6 is far above any real one.
+# it: inf advantages, then a non-finite loss). Rewards are weighted sums of scores near [0, 1]: 1e6 is far above any
+# real one.
 MAX_ABS_REWARD = 1e6
 # Reward components are names chosen by the sender, each a train/reward/<name> metric series in the trainer: a
 # completion holds at most this many, with names of at most this many characters (the trainer also caps the series

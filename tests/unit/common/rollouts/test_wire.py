@@ -1,9 +1,11 @@
 import grpc
 import numpy as np
+import pytest
 
 from grpo_stream.common.rollouts.wire import (MAX_ABS_REWARD, MAX_COMPONENT_NAME_CHARS, MAX_DATA_POSITION,
                                               MAX_REWARD_COMPONENTS, CompletionData, GroupData, GroupLimits,
-                                              decode_group, encode_group, model_mask_of, to_proto, validate_group)
+                                              decode_group, decode_trainable_group, encode_group, model_mask_of,
+                                              to_proto, validate_group)
 
 LIMITS = GroupLimits(num_generations=2, max_prompt_tokens=8, max_new_tokens=6, vocab_size=50)
 
@@ -261,3 +263,13 @@ def test_every_completion_with_a_bad_mask_is_named():
     msg.completions[1].model_token_mask = bytes([1, 1, 3, 0, 1])
     assert [e.split(":")[0] for e in validate_group(msg, LIMITS)] == ["completions[1].model_token_mask",
                                                                      "completions[0].model_token_mask"]
+
+
+def test_a_payload_that_is_no_group_message_is_a_value_error_naming_the_payload():
+    """A buffer entry's bytes cut short (or overwritten) in Redis raised protobuf's DecodeError, not the ValueError
+    decode_trainable_group promises, saying only 'Error parsing message'."""
+    payload = encode_group(make_group())
+    assert decode_trainable_group(payload, LIMITS).group_id == "r/s0/1"
+    for damaged in (payload[:-3], b"\xff" * 7):
+        with pytest.raises(ValueError, match=rf"payload: {len(damaged)} bytes that do not parse as a RolloutGroup"):
+            decode_trainable_group(damaged, LIMITS)
