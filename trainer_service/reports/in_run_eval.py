@@ -10,10 +10,16 @@ steps are taken from them for at most that share; the end of the run lifts it (`
 
 An evaluation that raises (SystemExit included) is logged and counted (`errors`), never raised: the run goes on
 without that point.
+
+A stop (`close`) cancels the evaluation still running: its next progress call raises `EvaluationCancelled` (it ends
+as its groups end, its engine released), and its version is recorded as skipped. The process's exit waits for that
+(at most CLOSE_WAIT_S): a thread still computing on the devices when the interpreter shuts down aborted the process
+(SIGABRT or SIGSEGV from XLA), so a trainer stopped during an evaluation exited as crashed after a clean stop.
 """
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import threading
@@ -23,6 +29,12 @@ from typing import Any, Callable
 log = logging.getLogger(__name__)
 SUMMARY_KEYS = ("accuracy", "format_rate", "reward", "num_problems", "seconds", "pass_at_k", "maj_at_k", "task_metrics",
                 "reward_components", "failed_episodes", "sampled_reward")
+# how long the process's exit waits for a cancelled evaluation to reach its next progress call and end
+CLOSE_WAIT_S = 60.0
+
+
+class EvaluationCancelled(Exception):
+    """Raised by a cancelled DutyCycle's call: the evaluation calling it ends (the run is stopping)."""
 
 
 def curve_row(step: int, when: str, result: dict) -> dict:
@@ -49,11 +61,13 @@ def metric_values(result: dict) -> dict[str, float]:
 
 class DutyCycle:
     """A progress callback that keeps the caller's computing to `share` of wall time: each call sleeps for the time
-    computed since the previous call times (1 - share) / share. `release()` stops the pauses (and ends one)."""
+    computed since the previous call times (1 - share) / share. `release()` stops the pauses (and ends one);
+    `cancel()` also makes every later call raise EvaluationCancelled."""
 
     def __init__(self, share: float, released: threading.Event | None = None, clock=time.monotonic):
         self.share, self.clock = share, clock
         self.released = released or threading.Event()
+        self.cancelled = threading.Event()
         self.paused_s = 0.0
         self._since = clock()
 
@@ -61,13 +75,23 @@ class DutyCycle:
         self._since = self.clock()
 
     def __call__(self) -> None:
+        self._check()
         if self.share < 1.0 and not self.released.is_set():
             started = self.clock()
             self.released.wait((started - self._since) * (1.0 - self.share) / self.share)
             self.paused_s += self.clock() - started  # what it waited: a release ends a pause early
+            self._check()
         self._since = self.clock()
 
+    def _check(self) -> None:
+        if self.cancelled.is_set():
+            raise EvaluationCancelled("the in-run evaluator was closed: the run is stopping")
+
     def release(self) -> None:
+        self.released.set()
+
+    def cancel(self) -> None:
+        self.cancelled.set()
         self.released.set()
 
 
@@ -89,12 +113,14 @@ class InRunEvaluator:
         self.throttle = DutyCycle(share)
         self.curve: list[dict] = list(curve or [])  # finished evaluations' rows, in the order they finished
         self.skipped: list[int] = []
+        self.cancelled: list[int] = []  # versions whose evaluation a close ended (in state()'s eval_skipped)
         self.errors = 0
         self._cond = threading.Condition()
         self._waiting: _Due | None = None
         self._running: int | None = None
         self._closed = False
         self._thread: threading.Thread | None = None
+        self._exit_waits = False  # the process's exit waits for the thread (close)
 
     def evaluated(self, step: int) -> bool:
         with self._cond:
@@ -147,7 +173,13 @@ class InRunEvaluator:
         # gets no KeyboardInterrupt (signals go to the main thread), and a SystemExit from code the evaluation runs
         # (a reward function, an environment) would otherwise end the thread with this version still running, so
         # drain() never returned and no later version was evaluated
-        except BaseException:  # noqa: BLE001
+        except BaseException as exc:  # noqa: BLE001
+            if self.throttle.cancelled.is_set():  # closed: the run stops, this is no evaluation error
+                with self._cond:
+                    self.cancelled.append(due.step)
+                log.info("evaluation of version %d cancelled: the run is stopping (%s)", due.step,
+                         type(exc).__name__)
+                return
             with self._cond:
                 self.errors += 1
             log.exception("evaluation of version %d failed (%d evaluation errors in this run); training goes on",
@@ -168,14 +200,26 @@ class InRunEvaluator:
         return True
 
     def close(self) -> None:
-        """Stop the thread once the running evaluation ends; a waiting one is dropped (counted as skipped)."""
-        self.throttle.release()
+        """Stop the thread: a waiting evaluation is dropped (counted as skipped), the running one is cancelled (it
+        ends at its next progress call, recorded as skipped too). Returns at once; the process's exit waits for the
+        thread to end (at most CLOSE_WAIT_S), and `join` waits for it here."""
+        self.throttle.cancel()
         with self._cond:
             if self._waiting is not None:
                 self.skipped.append(self._waiting.step)
                 self._waiting = None
             self._closed = True
             self._cond.notify_all()
+            thread, waits, self._exit_waits = self._thread, self._exit_waits, True
+        if thread is not None and not waits:
+            atexit.register(_join_at_exit, thread)
+
+    def join(self, timeout_s: float | None = None) -> bool:
+        """After `close`: until the thread ended (False when `timeout_s` passed first)."""
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout_s)
+        return thread is None or not thread.is_alive()
 
     def state(self) -> dict:
         """What summary.json and the checkpoints keep: the curve so far, the skipped versions and the errors. A version
@@ -187,4 +231,14 @@ class InRunEvaluator:
             done = {r["step"] for r in self.curve if r["when"] == "during"}  # the running one's row may be in
             pending = [s for s in (self._running, self._waiting and self._waiting.step)
                        if s is not None and s not in self.skipped and s not in done]
-            return {"eval_curve": list(self.curve), "eval_skipped": self.skipped + pending, "eval_errors": self.errors}
+            cancelled = [s for s in self.cancelled if s not in self.skipped and s not in done]
+            return {"eval_curve": list(self.curve), "eval_skipped": self.skipped + cancelled + pending,
+                    "eval_errors": self.errors}
+
+
+def _join_at_exit(thread: threading.Thread) -> None:
+    """atexit: wait for a closed evaluator's thread (its cancelled evaluation ends at its next progress call) before
+    the interpreter shuts down: XLA work on a thread then aborts the process."""
+    thread.join(CLOSE_WAIT_S)
+    if thread.is_alive():
+        log.warning("the in-run evaluation did not end within %.0fs of the stop; exiting anyway", CLOSE_WAIT_S)
