@@ -90,7 +90,8 @@ def warm_start(model: PolicyModel, params: Any, task: ArithTask, tokenizer: Text
     step_fn = make_sft_step(model, optimizer, tokenizer.pad_id, master, out_shardings=placed)
     rng = random.Random(f"{cfg.run.seed}/warmstart")
     start, loss = time.time(), float("nan")
-    done = 0  # steps taken: the report's count (a stop before step k leaves k - 1)
+    # steps taken: the report's count (a stop before step k leaves k - 1); `read`: the step whose loss `loss` is
+    done = read = 0
     for step in range(1, ws.steps + 1):
         if stop_event is not None and stop_event.is_set():
             log.warning("warm start interrupted after %d of %d steps", done, ws.steps)
@@ -105,9 +106,13 @@ def warm_start(model: PolicyModel, params: Any, task: ArithTask, tokenizer: Text
         if step % 50 == 0 or step == ws.steps:
             # a multi-process trainer's loss lives on one process's device: every process gathers it (host_copy is
             # a collective there, reached by all of them at the same step)
-            loss = float(host_copy(loss_arr))
+            loss, read = float(host_copy(loss_arr)), step
             log.info("warm start %d/%d  loss %.4f  (%.0fs)", step, ws.steps, loss, time.time() - start)
             if metrics is not None:
                 metrics.scalars(step, {"loss": loss}, prefix="warmstart/")
+    if done > read:  # stopped between log points: the report's final loss is the last step's (not NaN, or step
+        # 50's after a stop at 70). Only a one-process trainer stops early (several run every step in lockstep), so
+        # this read is no collective some process would not reach
+        loss = float(host_copy(loss_arr))
     return params, {"steps": done, "final_loss": loss, "seconds": round(time.time() - start, 2),
                     "carry_drop_prob": ws.carry_drop_prob, "tool_prob": ws.tool_prob}
