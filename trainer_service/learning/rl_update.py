@@ -241,15 +241,23 @@ class PolicyUpdater:
         return out
 
 
+# the statistics loss.py computes as means over a minibatch's tokens in the loss: the update's figure is their mean over
+# all its tokens (each minibatch's weighted by its tokens), as loss.py documents them; averaged per minibatch, one of
+# few tokens counted as much as one of many (the step's entropy was not its tokens' mean)
+TOKEN_MEANS = ("clip_fraction", "clip_fraction_low", "clip_fraction_high", "ratio_mean", "is_weight_mean", "kl",
+               "entropy", "ppo_kl", "distill_kl")
+
+
 def summarise(steps: list[dict], first_iteration: int, tokens: list[float] | None = None) -> dict[str, float]:
     """The update's metrics from its optimizer steps' (host values, in order; the first `first_iteration` of them
-    are the first iteration's): each statistic averaged over the steps (`_max` and `_min` taken over them), and the
-    sampler-trainer agreement of the first iteration (later ones see the same sequences again). `tokens`: each
-    step's tokens in the loss; a step with none took no optimizer update and says nothing about ratios or clipping,
-    so it is left out of them (an update with no token at all reports on-policy ratios and weights, 1)."""
+    are the first iteration's): each statistic averaged over the steps (`_max` and `_min` taken over them; those of
+    TOKEN_MEANS weighted by the steps' `tokens` when given), and the sampler-trainer agreement of the first iteration
+    (later ones see the same sequences again). `tokens`: each step's tokens in the loss; a step with none took no
+    optimizer update and says nothing about ratios or clipping, so it is left out of them (an update with no token at
+    all reports on-policy ratios and weights, 1)."""
     sums: dict[str, float] = {}
     agreement = {"lp_diff_sum": 0.0, "lp_diff_max": 0.0, "fresh_tokens": 0.0}
-    taken, keys = 0, []
+    taken, keys, weight = 0, [], 0.0
     for i, step in enumerate(steps):
         m = {key: float(v) for key, v in step.items()}
         if i < first_iteration:
@@ -262,8 +270,12 @@ def summarise(steps: list[dict], first_iteration: int, tokens: list[float] | Non
         if tokens is not None and not tokens[i]:
             continue
         taken += 1
+        if tokens is not None:
+            m.update({key: m[key] * float(tokens[i]) for key in TOKEN_MEANS if key in m})
+            weight += float(tokens[i])
         _accumulate(sums, m)
-    out = {key: v if key.endswith(("_max", "_min")) else v / taken for key, v in sums.items()}
+    out = {key: v if key.endswith(("_max", "_min")) else v / (weight if key in TOKEN_MEANS and tokens is not None
+                                                               else taken) for key, v in sums.items()}
     if not taken:  # nothing in the loss anywhere: the policy is its own behaviour policy, nothing was clipped
         out = {key: 1.0 if key.startswith(("ratio_", "is_weight_")) else 0.0 for key in keys}
     out["optimizer_steps"] = taken

@@ -62,7 +62,7 @@ def reference_update(algo: AlgoSection, batch) -> tuple[dict, object]:
     step's start and the KL reference (the starting weights, as the update holds them), then one optimizer update."""
     model = random_model()
     plain = PolicyUpdater(model, model.params, algo, 1e-2, 1.0, 1.0, 0, layout())
-    start, size, steps = model.params, SEQUENCES // algo.minibatches, []
+    start, size, steps, tokens = model.params, SEQUENCES // algo.minibatches, [], []
     needs_old = algo.num_iterations > 1 or algo.minibatches > 1
     for _ in range(algo.num_iterations):
         for k in range(algo.minibatches):
@@ -73,7 +73,8 @@ def reference_update(algo: AlgoSection, batch) -> tuple[dict, object]:
             train, plain.opt_state = apply_optimizer(plain.optimizer, grads, plain.opt_state, train, plain.master)
             plain.params = plain.join(train, frozen)
             steps.append(jax.device_get({**metrics, "grad_norm": optax.global_norm(grads)}))
-    return summarise(steps, algo.minibatches), plain.params
+            tokens.append(float(part.loss_mask.sum()))
+    return summarise(steps, algo.minibatches, tokens), plain.params
 
 
 # GRPO only: GSPO's whole updates are not compared here. Its clip at 3e-4 flips a sequence in or out on the last bits of

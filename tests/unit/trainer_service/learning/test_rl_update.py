@@ -178,3 +178,17 @@ def test_a_minibatch_with_nothing_in_the_loss_is_left_out_of_the_figures():
     out = summarise(steps, 2, tokens=[40.0, 0.0])
     assert (out["ratio_mean"], out["ratio_min"], out["ratio_max"], out["clip_fraction"]) == (1.2, 0.9, 1.5, 0.5)
     assert out["optimizer_steps"] == 1
+
+
+def test_token_statistics_are_means_over_the_updates_tokens_and_the_rest_over_its_minibatches():
+    """A minibatch of 30 tokens at entropy 1 and one of 10 at entropy 3: the update's tokens' mean entropy is 1.5 (it
+    was 2.0, the minibatches' mean, whatever their tokens); the loss and the gradient norm are per optimizer step."""
+    def step(entropy, clipped, loss):
+        return {"entropy": entropy, "clip_fraction": clipped, "pg_loss": loss, "grad_norm": 2 * loss,
+                "ratio_max": 1 + loss, "lp_diff_sum": 0.0, "lp_diff_max": 0.0, "fresh_tokens": 0.0}
+
+    out = summarise([step(1.0, 0.0, 1.0), step(3.0, 0.4, 3.0)], 2, tokens=[30.0, 10.0])
+    assert out["entropy"] == pytest.approx(1.5) and out["clip_fraction"] == pytest.approx(0.1)
+    assert out["pg_loss"] == pytest.approx(2.0) and out["grad_norm"] == pytest.approx(4.0) and out["ratio_max"] == 4.0
+    unweighted = summarise([step(1.0, 0.0, 1.0), step(3.0, 0.4, 3.0)], 2)
+    assert unweighted["entropy"] == pytest.approx(2.0)
