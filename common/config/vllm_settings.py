@@ -48,7 +48,8 @@ class VllmSection(Strict):
     stage_dir: str | None = Field(None, description="weight_install files: a directory on fast local storage (e.g. "
                                   "/dev/shm) for one version's safetensors. Null: a temporary directory.")
     engine_args: dict[str, Any] = Field(default_factory=dict, description="More keyword arguments for vllm.LLM "
-                                        "(e.g. {swap_space: 0}); vLLM checks them at start. The ones the engine "
+                                        "(e.g. {max_num_batched_tokens: 8192}); the sampler refuses a name the "
+                                        "installed vLLM does not take at start, before vLLM loads. The ones the engine "
                                         "sets from the run's config (those above, model, dtype, seed, "
                                         "max_model_len, and its own logprobs_mode, skip_tokenizer_init, load_format "
                                         "and worker_extension_cls) cannot be given here.")

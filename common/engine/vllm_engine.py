@@ -85,15 +85,14 @@ import time
 import uuid
 from typing import Any, Callable
 
-import jax
 import numpy as np
 
 from grpo_stream.common.config.serving import engine_context
 from grpo_stream.common.engine.side_requests import SideQueue, serve_sharing
 from grpo_stream.common.engine.base import Generation, RequestSource, check_served, generate_by_serving, take_weights
-from grpo_stream.common.engine.vllm_requests import CONTEXT_FIELD, Live, check_ended, drop_withdrawn
+from grpo_stream.common.engine.vllm_requests import CONTEXT_FIELD, Live, check_ended, drop_withdrawn, seed_of
 from grpo_stream.common.engine.vllm_weight_check import REFUSED, WeightsMismatch
-from grpo_stream.common.engine.vllm_args import engine_args
+from grpo_stream.common.engine.vllm_args import accepted_args, check_known, llm_args, start_failure
 from grpo_stream.common.engine.vllm_worker import load_into_worker
 from grpo_stream.common.runtime.errors import PermanentError
 from grpo_stream.common.model.hf_checkpoint import resolve_model_dir, to_hf_names, write_hf_config, write_safetensors
@@ -156,20 +155,22 @@ class VllmEngine:
             pathlib.Path(settings.stage_dir).mkdir(parents=True, exist_ok=True)
         self._stage_root = (pathlib.Path(tempfile.mkdtemp(prefix="grpo-vllm-", dir=settings.stage_dir))
                             if self.install_mode == "files" else None)
-        args = engine_args(settings, current_platform, in_flight, self.install_mode, self.context_capacity)
+        self.owned_dir: pathlib.Path | None = None  # a model directory `close` removes (the tiny model's, `build`)
+        args = llm_args(model_dir, settings, current_platform, dtype, seed, in_flight, self.install_mode,
+                        self.context_capacity)
         started = time.monotonic()
-        self.llm = LLM(model=str(model_dir), skip_tokenizer_init=True, load_format="dummy",
-                       logprobs_mode="processed_logprobs", dtype=dtype,
-                       max_model_len=self.context_capacity,
-                       gpu_memory_utilization=settings.gpu_memory_utilization,
-                       tensor_parallel_size=settings.tensor_parallel_size, max_num_seqs=settings.max_num_seqs,
-                       enforce_eager=settings.enforce_eager, enable_prefix_caching=settings.prefix_caching,
-                       seed=seed, **args)
+        try:
+            check_known(settings.engine_args, accepted_args(LLM))
+            self.llm = LLM(**args)
+        except BaseException as exc:  # a failed start is retried by a restart: no directory left per try
+            self.close()
+            if isinstance(exc, Exception) and not isinstance(exc, PermanentError):
+                raise start_failure(exc, args, settings.engine_args) from exc
+            raise
         log.info("vLLM engine up in %.1fs (%s, weights installed by %s)", time.monotonic() - started, model_dir,
                  self.install_mode)
         self._installed: Any = None
         self.broken: str | None = None  # why the engine serves nothing more (an install failed part-way)
-        self.owned_dir: pathlib.Path | None = None  # a model directory `close` removes (the tiny model's, `build`)
         self.install_seconds: list[float] = []
         self.tied_heads_loaded = 0  # output heads tied to the embedding, given its new tensor at the last install
         self._epoch = uuid.uuid4().hex[:8]  # this engine's installs: salts never repeat across engine restarts
@@ -270,7 +271,7 @@ class VllmEngine:
 
     def request_keys(self, rng: Any, rows: int) -> list[int]:
         """The seed of each row of a batch generated with `rng`: row i samples with seed(rng) + i."""
-        base = _seed_of(rng)  # once: a JAX key's bits are read back from the device
+        base = seed_of(rng)  # once: a JAX key's bits are read back from the device
         return [(base + i) % 2**63 for i in range(rows)]
 
     def serve(self, params: Any, source: RequestSource, refresh: Callable | None = None, version: int = 0) -> None:
@@ -292,6 +293,7 @@ class VllmEngine:
         params = take_weights(params)
         if params is not self._installed or self.broken is not None:  # a broken engine refuses (install)
             self.install(params)
+        del params  # `_installed` holds them alone: a version installed in flight frees them (a whole host copy)
         engine, per_step = self.llm.llm_engine, refresh is not None
         pending: collections.deque = collections.deque()
         live: dict[str, Live] = {}
@@ -320,7 +322,7 @@ class VllmEngine:
                     request = pending.popleft()
                     self._requests += 1
                     request_id = f"grpo-{self._requests}"  # outputs carry this id (vLLM adds a suffix inside)
-                    sampling = self.sampling_params(_seed_of(request.key) % 2**63, request.greedy, request.budget,
+                    sampling = self.sampling_params(seed_of(request.key) % 2**63, request.greedy, request.budget,
                                                     per_step)
                     engine.add_request(request_id, self._request(request.ids), sampling)
                     # a serve's first MAX_RECORDED requests only: one lasting a sampler's life must not keep them all
@@ -370,17 +372,6 @@ class VllmEngine:
         self.pauses += 1
 
 
-def _seed_of(rng: Any) -> int:
-    """An integer seed from a JAX PRNG key (its raw bits), a key's data (a serving request's key) or an int."""
-    if isinstance(rng, (int, np.integer)):
-        return int(rng)
-    if isinstance(rng, np.ndarray) and rng.dtype == np.uint32:
-        bits = rng.astype(np.uint64).ravel()
-    else:
-        bits = np.asarray(jax.random.key_data(rng)).astype(np.uint64).ravel()
-    return int(bits[0] << np.uint64(32) | bits[-1]) & (2**63 - 1)
-
-
 def build(cfg, model, tokenizer, index: int = 0) -> VllmEngine:
     """The engine registry's entry (sampler.engine=vllm): vLLM loads the architecture from a model directory."""
     gen = cfg.generation
@@ -389,9 +380,14 @@ def build(cfg, model, tokenizer, index: int = 0) -> VllmEngine:
     else:  # the tiny model has no directory: vLLM builds it from the config.json it would be exported with
         model_dir = pathlib.Path(tempfile.mkdtemp(prefix="grpo-vllm-model-"))
         write_hf_config(model_dir, model.arch, cfg.sampler_dtype(), tokenizer.eos_ids, tokenizer.pad_id)
-    engine = VllmEngine(model_dir, model, tokenizer.pad_id, tokenizer.eos_ids, gen.max_prompt_tokens,
-                        gen.max_new_tokens, gen.temperature, cfg.sampler.vllm, dtype=cfg.sampler_dtype(),
-                        seed=cfg.run.seed * 1000 + index, in_flight=cfg.sampler.weight_updates == "in_flight",
-                        context_tokens=engine_context(cfg)[0])
+    try:
+        engine = VllmEngine(model_dir, model, tokenizer.pad_id, tokenizer.eos_ids, gen.max_prompt_tokens,
+                            gen.max_new_tokens, gen.temperature, cfg.sampler.vllm, dtype=cfg.sampler_dtype(),
+                            seed=cfg.run.seed * 1000 + index, in_flight=cfg.sampler.weight_updates == "in_flight",
+                            context_tokens=engine_context(cfg)[0])
+    except BaseException:  # a failed start leaves no directory behind (a sampler restarts after each)
+        if cfg.model.kind != "hf":
+            shutil.rmtree(model_dir, ignore_errors=True)
+        raise
     engine.owned_dir = None if cfg.model.kind == "hf" else model_dir
     return engine

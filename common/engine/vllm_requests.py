@@ -1,10 +1,15 @@
 """What the vLLM engine's serve keeps of each request in the engine (`Live`), and how it ends one early: a request
-whose endpoint caller went away (`drop_withdrawn`), or one vLLM ended itself (`check_ended`). Each request is checked
-first as every engine checks it (base.check_served, naming CONTEXT_FIELD)."""
+whose endpoint caller went away (`drop_withdrawn`), or one vLLM ended itself (`check_ended`); the seed it samples with
+(`seed_of` its key). Each request is checked first as every engine checks it (base.check_served, naming
+CONTEXT_FIELD)."""
 
 from __future__ import annotations
 
 import collections
+from typing import Any
+
+import jax
+import numpy as np
 
 from grpo_stream.common.engine.base import Request
 
@@ -55,3 +60,14 @@ def check_ended(out) -> None:
     if reason in ("abort", "error"):
         raise RuntimeError(f"vLLM ended request {out.request_id} with finish_reason={reason!r}: an engine-side "
                            "failure, not the end of the completion (see the vLLM engine's log)")
+
+
+def seed_of(rng: Any) -> int:
+    """A request's vLLM seed from a JAX PRNG key (its raw bits), a key's data (a serving request's key) or an int."""
+    if isinstance(rng, (int, np.integer)):
+        return int(rng)
+    if isinstance(rng, np.ndarray) and rng.dtype == np.uint32:
+        bits = rng.astype(np.uint64).ravel()
+    else:
+        bits = np.asarray(jax.random.key_data(rng)).astype(np.uint64).ravel()
+    return int(bits[0] << np.uint64(32) | bits[-1]) & (2**63 - 1)

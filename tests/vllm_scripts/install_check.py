@@ -7,7 +7,9 @@ engine must install whole or not at all, on a running engine. Writes the measure
   it), and one lacking a tensor (vLLM would keep the old one, logging "Failed to load weights"), are refused naming
   the tensor, and the engine answers exactly as before each;
 - whole versions install after them (a round trip back to the first version answers as the first did);
-- a failure inside the write (out of memory, say) leaves the engine refusing every serve, the old version's too.
+- a failure inside the write (out of memory, say) leaves the engine refusing every serve, the old version's too;
+- the names the installed vLLM's LLM takes, as the engine reads them (vllm_args.accepted_args), and a
+  sampler.vllm.engine_args name it does not take refused before any model loads (`args`).
 """
 
 import json
@@ -94,7 +96,34 @@ def main(model_dir: str, out_path: str) -> None:
             result["served_after_write_failure"][version] = answer(params)
         except Exception as exc:  # noqa: BLE001 - recorded for the test
             result["served_after_write_failure"][version] = f"{type(exc).__name__}: {exc}"
+    result["args"] = _args_check()
     pathlib.Path(out_path).write_text(json.dumps(result))
+
+
+def _args_check() -> dict:
+    """What the engine's vLLM arguments are against the names the installed vLLM takes."""
+    from vllm import LLM
+
+    from grpo_stream.common.config.vllm_settings import VLLM_RESERVED_ARGS, VllmSection
+    from grpo_stream.common.engine.vllm_args import accepted_args, engine_args
+    from grpo_stream.common.engine.vllm_engine import VllmEngine
+
+    accepted = accepted_args(LLM)
+
+    class Cpu:
+        @staticmethod
+        def is_cpu():
+            return True
+
+    ours = engine_args(VllmSection(kv_cache_gib=1), Cpu, True, "files", 64)  # every argument the engine may add
+    try:
+        VllmEngine("/no-model-dir", None, 0, [1], 8, 8, 1.0, VllmSection(engine_args={"swap_space": 0}))
+        refused = None
+    except Exception as exc:  # noqa: BLE001 - recorded for the test
+        refused = {"type": type(exc).__name__, "message": str(exc)}
+    return {"reserved_not_taken": sorted(set(VLLM_RESERVED_ARGS) - accepted),
+            "engine_added_not_taken": sorted(set(ours) - accepted), "engine_added": sorted(ours),
+            "count": len(accepted), "swap_space": "swap_space" in accepted, "refused": refused}
 
 
 def _permanent(exc: BaseException) -> bool:

