@@ -15,10 +15,11 @@ theirs), so what the evaluation's accuracy, pass@k and maj@k read is the final t
 as for every kind: not a guess an earlier turn made before a tool answered.
 
 A rollout the environment ended with an error (a model call that failed, a tool that raised and stopped it), whose
-turns are not one token sequence, or whose rubric returned a non-finite reward or metric (NaN, inf), fails
-(`EpisodeResult.failed`): its whole group is left out by the sampler (a partly scored group would bias its
-advantages). So are the rows of a group whose rollouts began from different
-first prompts (a group answers one prompt). An episode longer than generation.max_new_tokens is cut there
+turns are not one token sequence, whose completion does not start with a token the model sampled (its first answer cut
+at a stop string where it starts: the ingest would refuse the whole group), or whose rubric returned a non-finite
+reward or metric (NaN, inf), fails (`EpisodeResult.failed`): its whole group is left out by the sampler (a partly
+scored group would bias its advantages). So are the rows of a group whose rollouts began from different first prompts
+(a group answers one prompt). An episode longer than generation.max_new_tokens is cut there
 and marked truncated.
 """
 
@@ -64,6 +65,11 @@ def episode_of(output: dict[str, Any], versions: dict) -> EpisodeResult:
         if len(logprobs) != len(sampled):
             raise RolloutError(f"turn {k}: logprobs and token ids differ in length")
         result.add_turn(sampled, logprobs, drawn, closed=True)
+    # what the ingest refuses in a completion, and with it the whole group, after the sampler counted it as sent: an
+    # answer cut at a stop string (sampling_args `stop`) where it starts keeps no token
+    if not result.model_mask or not result.model_mask[0]:
+        raise RolloutError("no token the model sampled starts the completion (an answer cut at a stop string where it "
+                           "starts keeps none); a completion starts with the model's tokens")
     return result
 
 

@@ -237,3 +237,35 @@ def test_the_verifiers_kind_decodes_turns_without_their_stop_tokens():
     finally:
         rollouts.close()
     assert rollouts._loop.is_closed()  # its selector's descriptors released at close, not at collection
+
+
+@pytest.mark.parametrize("trajectory", [
+    [turn([1], [])],                           # a stop string at the start of its only answer: no token kept
+    [turn([1, 2], []), turn([1, 2, 7, 8], [5])],  # ... of its first answer: the completion starts with an observation
+], ids=["no-model-token", "starts-with-an-observation"])
+def test_an_episode_the_ingest_would_refuse_fails_its_group_here(trajectory):
+    """An answer cut at a stop string (task.verifiers.sampling_args `stop`) where it starts keeps no token: such an
+    episode was sent, and the ingest refused the whole group (a completion of no token, or one whose first token is an
+    observation) after the sampler had counted it as sent (a synchronous run then waited for a group that never
+    came). It fails here, so the sampler leaves its group out and says why."""
+    from grpo_stream.common.episodes.groups import build_group
+    from grpo_stream.common.episodes.result import GroupWork
+    from grpo_stream.common.rollouts.wire import GroupLimits, to_proto, validate_group
+
+    good = {"trajectory": [turn(trajectory[0]["tokens"]["prompt_ids"], [5])], "reward": 1.0}
+    outs = [{"trajectory": trajectory, "reward": 0.0}, good]
+    log = RolloutVersions()
+    log.open("g")
+    for out in outs:
+        for step in out["trajectory"]:
+            log.record("g", step["tokens"]["prompt_ids"], step["tokens"]["completion_ids"],
+                       [0] * len(step["tokens"]["completion_ids"]))
+    results = asyncio.run(group_results(lambda: returns(outs), 2, lambda: log.take("g"), 64, 5.0))
+    if results[0].failed is None:  # what the ingest would have said of the group
+        problem = type("P", (), {"prompt_id": "p", "answer": "1"})()
+        work = GroupWork(problem, [1], 2, None, "g", 0, None)
+        group = to_proto(build_group(work, results, "s", None))
+        limits = GroupLimits(max_prompt_tokens=8, max_new_tokens=64, vocab_size=16, num_generations=2)
+        pytest.fail(f"sent, and refused by the ingest: {validate_group(group, limits)}")
+    assert "no token the model sampled starts the completion" in results[0].failed
+    assert results[1].failed is None
