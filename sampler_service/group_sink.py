@@ -166,7 +166,8 @@ class GroupSink:
         # the tokens the model sampled: an environment's observation tokens between turns were not generated
         tokens = int(sum(c.model_tokens().sum() for c in group.completions))
         message = to_proto(group)
-        while not self.client.put(message, timeout_s=PUT_WAIT_S, epoch=work.epoch, evaluation_only=not work.train):
+        while not self.client.put(message, timeout_s=PUT_WAIT_S, epoch=work.epoch, evaluation_only=not work.train,
+                                  started_at=run.version_at_start):
             if self.abandon() or self._given_up:
                 return
         self.groups_sent += 1

@@ -80,6 +80,7 @@ class Sampler:
         # groups the sink left out (failed), by the version installed when they started: they count toward
         # sampler.max_groups_per_version no more (the trainer's step never gets them; another must start instead)
         self.left_out_at_version: collections.Counter[int] = collections.Counter()
+        self._left_out_lock = threading.Lock()
         self.waited_for_weights_s = 0.0
         self._held_since: float | None = None  # since when no group may start for want of weights
         self._last_report, self._last_line = 0.0, time.monotonic()
@@ -142,6 +143,7 @@ class Sampler:
                               rewards=RewardWorker(self.source.rewards.allowed, self.cfg.task.reward_timeout_s,
                                                    self.cfg.task.reward_memory_mb),
                               left_out=self._left_out)
+        parts.client.lost = self._lost_at_version  # a group the ingest refused never reaches the trainer either
 
     def _stream_until_done(self, parts: Parts) -> None:
         """Feed the stream until the final version is fetched or a stop is asked for; then install the final
@@ -245,7 +247,12 @@ class Sampler:
         """The sink left a group out (the sink's thread): see left_out_at_version (an evaluation-only one never
         counted toward the cap)."""
         if run.work.train:
-            self.left_out_at_version[run.version_at_start] += 1
+            self._lost_at_version(run.version_at_start)
+
+    def _lost_at_version(self, version: int) -> None:
+        """A training group started at `version` that the trainer never gets (the sink's or the sender's thread)."""
+        with self._left_out_lock:
+            self.left_out_at_version[version] += 1
 
     def _version_allows(self) -> int:
         """Groups sampler.max_groups_per_version still lets start with the installed version (those started with it,
@@ -255,9 +262,10 @@ class Sampler:
         if cap is None:
             return 2**31 - 1
         version, left_out = self.weights.version, self.left_out_at_version
-        for old in [v for v in list(left_out) if v < version]:  # versions no longer installed count nothing
-            del left_out[old]
-        return cap - (self.weights.groups_at_version - left_out[version])
+        with self._left_out_lock:
+            for old in [v for v in list(left_out) if v < version]:  # versions no longer installed count nothing
+                del left_out[old]
+            return cap - (self.weights.groups_at_version - left_out[version])
 
     def _summary(self, parts: Parts, started: float, drained: bool, verified: dict | None, endpoint) -> dict:
         """The run's figures: logged, returned, and written to RUN_DIR/sampler-<index>.json."""

@@ -64,6 +64,7 @@ class _Queued(typing.NamedTuple):
     epoch: str  # the trainer epoch whose weights made it ("": unknown)
     group: rollout_pb2.RolloutGroup
     evaluation_only: bool  # an injected train=false prompt's answer: sent whatever its weights' age
+    started_at: int  # the weight version installed when the group started (what `lost` is told)
 
 
 class _BadReply(TransientError):
@@ -100,6 +101,10 @@ class RolloutClient:
         self.min_version = 0
         self.epoch = ""  # the trainer epoch whose groups are sent ("": any)
         self.refused: str | None = None  # why the ingest refuses this sender for good (its token or its ids)
+        # told the starting version of each training group that never reaches the trainer though it was queued (the
+        # ingest refused it as invalid, or it is over a message's size): sampler.max_groups_per_version must not count
+        # it, or a synchronous sampler waits for a version the trainer, short of that group, never makes
+        self.lost: typing.Callable[[int], None] | None = None
         self.error: BaseException | None = None  # what ended the sender thread (None while it runs or after close)
         self._in_hand: list[_Queued] = []  # taken from the backlog, not yet acknowledged
         self._next: _Queued | None = None  # taken from the backlog, left for the next batch (BATCH_BYTES)
@@ -124,10 +129,11 @@ class RolloutClient:
         raise SenderStopped(f"the rollout sender thread stopped: {type(exc).__name__}: {exc}") from exc
 
     def put(self, group: rollout_pb2.RolloutGroup, timeout_s: float, epoch: str = "",
-            evaluation_only: bool = False) -> bool:
+            evaluation_only: bool = False, started_at: int = -1) -> bool:
         """Queue a group made with trainer `epoch`'s weights ("": unknown, never discarded for it), waiting up to
         timeout_s while the backlog is full; False (not queued) on timeout. `evaluation_only` (an injected train=false
-        prompt's answer): never discarded for its weights' age or epoch.
+        prompt's answer): never discarded for its weights' age or epoch. `started_at`: the weight version installed
+        when it started (told to `lost`).
         Raises what stopped the sender (`check`): IngestRefused once the ingest has refused this sender's token or
         sampler ids, SenderStopped after the thread died of anything else."""
         self.check()
@@ -136,7 +142,7 @@ class RolloutClient:
         with self._lock:
             self._unacked += 1
         try:
-            self._backlog.put(_Queued(epoch, group, evaluation_only), timeout=timeout_s)
+            self._backlog.put(_Queued(epoch, group, evaluation_only, started_at), timeout=timeout_s)
         except queue.Full:
             with self._lock:
                 self._unacked -= 1
@@ -204,9 +210,14 @@ class RolloutClient:
         self.stats["rejected_too_large"] += 1
         with self._lock:
             self._unacked -= 1
+        self._tell_lost(item)
         log.error("group %s not sent: %.1f MiB, over the %.1f MiB a rollout message may carry (common/config/access.py "
                   "BATCH_BYTES); lower generation.max_new_tokens or generation.num_generations",
                   item.group.group_id, size / 2**20, self._max_batch_bytes / 2**20)
+
+    def _tell_lost(self, item: _Queued) -> None:
+        if self.lost is not None and not item.evaluation_only and item.started_at >= 0:
+            self.lost(item.started_at)
 
     def _fresh(self, groups: list) -> list:
         """`groups` less those too stale to send and those of another trainer epoch than `epoch` (counted)."""
@@ -243,6 +254,7 @@ class RolloutClient:
             elif ack.code == _INVALID:
                 self.stats["rejected_invalid"] += 1
                 log.error("ingest rejected group %s: %s", ack.group_id, ack.message)
+                self._tell_lost(item)
             else:
                 self.stats["retried"] += 1
                 again.append(item)

@@ -1,6 +1,7 @@
 """The sampler's rollout stream survives an ingest restart without losing or duplicating groups."""
 
 import grpc
+import numpy as np
 import pytest
 
 from grpo_stream.common.rollouts.buffer import RedisStreamBuffer
@@ -66,6 +67,36 @@ def test_groups_too_stale_to_train_are_not_sent(shared_redis, run_name):
         assert client.drain(10)
         assert [decode_group(e.payload).policy_version for e in buffer.read(100, 100)] == [3, 4, 5]
         assert client.stats["dropped_stale"] == 3 and client.stats["accepted"] == 3 and client.unacked == 0
+    finally:
+        client.close()
+        channel.close()
+        server.stop(0)
+
+
+def test_a_training_group_the_ingest_refuses_is_told_back_with_its_starting_version(shared_redis, run_name):
+    """A group the ingest refuses as invalid never reaches the trainer. It was counted toward
+    sampler.max_groups_per_version all the same, so a synchronous sampler (one step's groups per version) waited for a
+    version the trainer, one group short of its step, never made: `lost` is told its starting version. An
+    evaluation-only answer never counted toward the cap, so it is not told."""
+    buffer = RedisStreamBuffer(connect(shared_redis.url, 5), run_name)
+    port = free_port()
+    server = start_server(buffer, port)
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS)
+    client = RolloutClient(channel, backlog_max_groups=16)
+    lost = []
+    client.lost = lost.append
+    try:
+        bad = to_proto(group(1))
+        bad.completions[0].token_ids_le = np.array([3, 99], "<i4").tobytes()  # past the vocabulary of 50
+        evaluation = to_proto(group(2))
+        evaluation.completions[0].token_ids_le = np.array([3, 99], "<i4").tobytes()
+        assert client.put(to_proto(group(0)), timeout_s=5, started_at=4)
+        assert client.put(bad, timeout_s=5, started_at=4)
+        assert client.put(evaluation, timeout_s=5, evaluation_only=True, started_at=4)
+        client.start()
+        assert client.drain(10)
+        assert client.stats["rejected_invalid"] == 2 and client.stats["accepted"] == 1
+        assert lost == [4]
     finally:
         client.close()
         channel.close()

@@ -27,7 +27,7 @@ class Client:
     def __init__(self, unacked=0):
         self.unacked, self.sent = unacked, 0
 
-    def put(self, message, timeout_s, epoch="", evaluation_only=False):
+    def put(self, message, timeout_s, epoch="", evaluation_only=False, started_at=-1):
         self.sent += 1
         return True
 
@@ -53,7 +53,7 @@ def feeder(cfg, client, sink, admitted, epoch="e1"):
     sampler.cfg, sampler.client, sampler.sink, sampler._held_since = cfg, client, sink, None
     sampler.rows_in_flight = sampler.slots = 4 * cfg.generation.num_generations
     sampler.groups_started, sampler.waited_for_weights_s = 0, 0.0
-    sampler.left_out_at_version = collections.Counter()
+    sampler.left_out_at_version, sampler._left_out_lock = collections.Counter(), threading.Lock()
     sampler.sync = types.SimpleNamespace(too_stale=lambda: False, lag=lambda: 0)
     sampler.weights = types.SimpleNamespace(version=3, epoch=epoch, groups_at_version=0, group_started=lambda: None,
                                             staged=types.SimpleNamespace(waiting=lambda: False))
@@ -156,6 +156,19 @@ def test_a_group_left_out_no_longer_counts_toward_the_versions_cap(small_cfg):
         sink.close()
 
 
+def test_a_group_the_ingest_refused_no_longer_counts_toward_the_versions_cap(small_cfg):
+    """A group the ingest refuses as invalid (the rollout client's `lost`, told its starting version) never reaches
+    the trainer either: counted toward the version's cap, it held a synchronous sampler as a left-out one did."""
+    cfg = small_cfg.model_copy(update={"sampler": small_cfg.sampler.model_copy(update={"max_groups_per_version": 2})})
+    sampler = feeder(cfg, Client(), types.SimpleNamespace(pending=lambda: 0), [])
+    sampler.weights.groups_at_version = 2
+    assert sampler._held_back()
+    sampler._lost_at_version(2)  # an older version's: frees nothing
+    assert sampler._held_back()
+    sampler._lost_at_version(3)
+    assert not sampler._held_back() and sampler._version_allows() == 1
+
+
 def test_one_feed_starts_no_more_groups_than_the_versions_cap_allows(small_cfg):
     """The cap was checked before a feed only: with room for 4 groups and a cap of 2 (none started yet) one feed
     started 4, twice the version's share of the step (with admission off, the extra ones are made to be dropped as
@@ -180,7 +193,7 @@ def test_an_error_the_sink_meets_while_it_finishes_at_the_final_version_stops_th
             pass
 
     class FailingClient(Client):  # a bug met sending (a reward that raises only fails its group: test_group_sink)
-        def put(self, message, timeout_s, epoch="", evaluation_only=False):
+        def put(self, message, timeout_s, epoch="", evaluation_only=False, started_at=-1):
             raise ValueError("sink bug")
 
     class Engine:
@@ -338,7 +351,7 @@ def test_at_the_final_version_the_sink_stops_offering_groups_to_a_full_backlog(t
     cfg, task, tokenizer, _ = tiny_parts
 
     class FullBacklog(Client):
-        def put(self, message, timeout_s, epoch="", evaluation_only=False):
+        def put(self, message, timeout_s, epoch="", evaluation_only=False, started_at=-1):
             return False
 
     sampler = Sampler(cfg, 0)

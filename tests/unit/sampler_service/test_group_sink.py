@@ -28,7 +28,7 @@ class Client:
     def __init__(self):
         self.sent = 0
 
-    def put(self, message, timeout_s, epoch="", evaluation_only=False):
+    def put(self, message, timeout_s, epoch="", evaluation_only=False, started_at=-1):
         self.sent += 1
         return True
 
@@ -102,7 +102,7 @@ class FullBacklog:
     def __init__(self):
         self.offered = threading.Event()
 
-    def put(self, message, timeout_s, epoch="", evaluation_only=False):
+    def put(self, message, timeout_s, epoch="", evaluation_only=False, started_at=-1):
         self.offered.set()
         time.sleep(0.01)
         return False
