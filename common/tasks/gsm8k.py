@@ -18,6 +18,7 @@ import dataclasses
 import json
 import logging
 import pathlib
+import re
 from typing import Iterable, Literal
 
 from grpo_stream.common.tasks import prompts
@@ -41,10 +42,20 @@ class DatasetError(ValueError):
     pass
 
 
+class UnreadableRow(ValueError):
+    """A row of a source that holds no row (a line that is not JSON, text that is not UTF-8): a bad row, said as what
+    its message says."""
+
+
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # `\ud83d`: where a JSON line may escape half a UTF-16 pair
+
+
 def _rows_jsonl(path: pathlib.Path) -> Iterable[tuple[str, object]]:
     """(place, row or the exception that made the line no row) per non-blank line. A leading UTF-8 BOM (what Windows
     editors write) is not part of the first row, and a line that is not UTF-8 is one bad row, named by its line:
-    decoding the file strictly stopped the whole load at it with a UnicodeDecodeError naming neither."""
+    decoding the file strictly stopped the whole load at it with a UnicodeDecodeError naming neither. So is a line
+    escaping half of a UTF-16 pair (`\\ud83d` alone): it parsed into a string no UTF-8 encoder takes, which the
+    tokenizer's training, or a sampler's encode when it reached the row, raised on, naming neither."""
     with open(path, encoding="utf-8-sig", errors="surrogateescape") as lines:
         for number, line in enumerate(lines, 1):
             if not line.strip():
@@ -52,7 +63,10 @@ def _rows_jsonl(path: pathlib.Path) -> Iterable[tuple[str, object]]:
             where = f"{path}:{number}"
             try:
                 line.encode("utf-8")  # fails only where a byte did not decode (surrogateescape kept it)
-                yield where, json.loads(line)
+                row = json.loads(line)
+                lone = _lone_surrogate(row) if _SURROGATE_ESCAPE.search(line) else None
+                yield where, row if lone is None else ValueError(
+                    f"not UTF-8: a lone surrogate escape {lone}, half of a UTF-16 pair (text cut inside a character)")
             except UnicodeEncodeError as exc:
                 yield where, ValueError(f"not UTF-8: an undecodable byte at column {exc.start + 1}")
             except json.JSONDecodeError as exc:
@@ -61,15 +75,41 @@ def _rows_jsonl(path: pathlib.Path) -> Iterable[tuple[str, object]]:
                 yield where, ValueError("nested too deeply to parse")
 
 
+def _lone_surrogate(row) -> str | None:
+    """The first lone surrogate in a parsed row's text, written as its escape (`\\ud83d`), or None."""
+    try:
+        json.dumps(row, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return f"\\u{ord(exc.object[exc.start]):04x}"
+    return None
+
+
 def _rows_parquet(path: pathlib.Path) -> Iterable[tuple[str, object]]:
+    """(place, row) per row. A string column need not hold UTF-8 (its writer may not check): decoded all at once, one
+    such row stopped the load with a UnicodeDecodeError naming neither file nor row; then each row is decoded alone,
+    and one that is not UTF-8 is a bad row naming its field."""
     import pyarrow.parquet as pq  # noqa: PLC0415 - deferred: only for Parquet sources
 
     try:
         table = pq.read_table(path)
     except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError: a file that is not Parquet
         raise DatasetError(f"dataset.source: {path} is not a readable Parquet file ({exc})") from exc
-    for number, row in enumerate(table.to_pylist(), 1):
+    try:
+        rows = table.to_pylist()
+    except UnicodeDecodeError:
+        rows = (_parquet_row(table, i) for i in range(table.num_rows))
+    for number, row in enumerate(rows, 1):
         yield f"{path} row {number}", row
+
+
+def _parquet_row(table, i: int) -> dict | UnreadableRow:
+    row = {}
+    for name in table.column_names:
+        try:
+            row[name] = table.column(name)[i].as_py()
+        except UnicodeDecodeError as exc:
+            return UnreadableRow(f"not UTF-8: field '{name}' has an undecodable byte at position {exc.start + 1}")
+    return row
 
 
 def _rows_hub(name: str, config: str | None, split: str) -> Iterable[tuple[str, object]]:
@@ -122,7 +162,7 @@ def load_rows(source: str, split: str, parse, on_bad_row: Literal["skip", "error
     for index, (where, row) in enumerate(_source_rows(source, split, hub_config)):
         if limit is not None and len(problems) >= limit:
             break
-        problem, why = parse(row, index)
+        problem, why = (None, _unreadable(row)) if isinstance(row, Exception) else parse(row, index)
         if problem is not None:
             problems.append(problem)
             continue
@@ -138,9 +178,12 @@ def load_rows(source: str, split: str, parse, on_bad_row: Literal["skip", "error
     return problems
 
 
+def _unreadable(row: Exception) -> str:
+    """Why a source's row is no row: an UnreadableRow says it; the JSON reader's errors are the line's JSON."""
+    return str(row) if isinstance(row, UnreadableRow) else f"not valid JSON ({row})"
+
+
 def _problem(row, split: str, index: int, question_field: str, answer_field: str):
-    if isinstance(row, Exception):
-        return None, f"not valid JSON ({row})"
     if not isinstance(row, dict):
         return None, f"expected an object with '{question_field}' and '{answer_field}', got {type(row).__name__}"
     for setting, field in (("question_field", question_field), ("answer_field", answer_field)):

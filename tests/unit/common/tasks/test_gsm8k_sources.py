@@ -45,3 +45,42 @@ def test_a_source_neither_local_nor_on_the_hub_is_a_dataset_error_naming_where_i
     with pytest.raises(DatasetError, match=rf"dataset.source=gsm8k_data: not a local file or directory \(from "
                                            rf"{tmp_path}\), and the Hugging Face hub gave no split train"):
         load_problems("gsm8k_data", "train")  # a mistyped relative directory
+
+
+def test_a_lone_surrogate_escape_is_a_bad_row_named_by_its_line(tmp_path, caplog):
+    """A JSON line may escape half of a UTF-16 pair (`\\ud83d` without its `\\ude00`: an emoji cut by a tool that
+    truncated its text). It parsed into a string no UTF-8 encoder takes, and was loaded: the tiny model's tokenizer
+    training, or a checkpoint tokenizer's encode when a sampler reached the row (again at every restart, its
+    data position resumed there), raised naming no file or line. It is one bad row, as an undecodable byte is; a
+    whole pair (`\\ud83d\\ude00`, one emoji) is text."""
+    path = tmp_path / "train.jsonl"
+    emoji = json.dumps({"question": "How many \U0001f600?", "answer": "#### 1"})  # ensure_ascii: a whole pair
+    assert "\\ud83d\\ude00" in emoji
+    path.write_text("\n".join([GOOD, '{"question": "How many \\ud83d apples?", "answer": "#### 3"}',
+                               '{"question": "q", "answer": "Four \\udc00 #### 4"}', emoji]) + "\n")
+    problems = load_problems(str(path), "train")
+    assert [p.prompt_id for p in problems] == ["train/0", "train/3"]
+    assert problems[1].question == "How many \U0001f600?"
+    assert all(p.question.encode() and p.solution.encode() for p in problems)
+    assert f"{path}:2: not valid JSON (not UTF-8: a lone surrogate escape" in caplog.text
+    assert f"{path}:3: not valid JSON (not UTF-8: a lone surrogate escape" in caplog.text
+    with pytest.raises(DatasetError, match=r"train\.jsonl:2: .*lone surrogate"):
+        load_problems(str(path), "train", on_bad_row="error")
+
+
+def test_a_parquet_row_not_utf8_is_a_bad_row_named_by_its_row(tmp_path, caplog):
+    """A Parquet string column need not hold UTF-8 (writers that do not check it): its rows were decoded all at
+    once, and one bad row stopped the load with a UnicodeDecodeError naming neither the file nor the row (and
+    on_bad_row=skip could not skip it). It is one bad row, named as a JSON line is."""
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    questions = pa.array([b"How many?", b"How many \xff apples?", b"And now?"], type=pa.binary()).view(pa.string())
+    answers = pa.array(["#### 2", "#### 3", "#### 4"])
+    path = tmp_path / "train.parquet"
+    pq.write_table(pa.table({"question": questions, "answer": answers}), path)
+    problems = load_problems(str(tmp_path), "train")
+    assert [(p.prompt_id, p.answer) for p in problems] == [("train/0", "2"), ("train/2", "4")]
+    assert f"{path} row 2: not valid JSON" not in caplog.text  # not JSON: said as what it is
+    assert f"{path} row 2: not UTF-8" in caplog.text
+    with pytest.raises(DatasetError, match=r"train\.parquet row 2: not UTF-8"):
+        load_problems(str(path), "train", on_bad_row="error")
