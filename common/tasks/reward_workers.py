@@ -261,8 +261,8 @@ def _worker(settings: dict) -> None:
         except MemoryError:  # past the cap: this input's score is 0, and a worker whose heap it filled starts again
             _send(stdout, {"exited": True, "why": "memory"})
             return
-        except Exception as exc:  # noqa: BLE001 - sent back, raised in the caller with the reward's name
-            answer = {"error": _said(exc)}
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 - sent back, raised in the caller with the reward's name
+            answer = {"error": _said(exc)}  # SystemExit: a reward's sys.exit() on some input is its error, not a death
         _send(stdout, answer)
 
 
@@ -291,10 +291,15 @@ def _kill_own_group(*_) -> None:
     os.killpg(0, signal.SIGKILL)
 
 
-def _said(exc: Exception) -> str:
+def _said(exc: BaseException) -> str:
     """An error's type and message, cut to MAX_ERROR_CHARS: a reward that raised with the completion (or a
-    gigabyte) in its message made the parent read it all (the caller keeps 300 characters)."""
-    return f"{type(exc).__name__}: {str(exc)[:MAX_ERROR_CHARS]}"
+    gigabyte) in its message made the parent read it all (the caller keeps 300 characters). An exception whose
+    str() raises is said by its type alone (it ended the worker before, scored 0 as a death)."""
+    try:
+        message = str(exc)[:MAX_ERROR_CHARS]
+    except Exception as failure:  # noqa: BLE001 - any: the reward's own __str__
+        message = f"(its message could not be written: {type(failure).__name__})"
+    return f"{type(exc).__name__}: {message}"
 
 
 def _limit_memory(extra_bytes: int | None) -> None:

@@ -296,3 +296,39 @@ def test_close_stops_a_call_in_flight_and_starts_no_worker_again(rewards_module)
         assert worker._process is None
     finally:
         _kill_worker(worker)
+
+
+def test_a_reward_that_exits_or_whose_error_cannot_be_said_is_an_error_naming_it(tmp_path, monkeypatch, caplog):
+    """A reward that calls sys.exit() (exit(), argparse's error) on some input, or raises an exception whose str()
+    raises, ended the worker: scored 0 as if killed for memory, for ever and logged once, where in-process it is an
+    error naming the reward (RewardSet.score). Each is that error now, and the worker keeps serving."""
+    (tmp_path / "quitting_rewards.py").write_text(textwrap.dedent('''
+        import sys
+
+        class Unsayable(Exception):
+            def __str__(self):
+                raise RuntimeError("no message")
+
+        def quits(text, reference):
+            sys.exit("cannot read " + text)
+
+        def unsayable(text, reference):
+            raise Unsayable()
+
+        def fine(text, reference):
+            return 0.25
+    '''))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    names = [f"quitting_rewards:{name}" for name in ("quits", "unsayable", "fine")]
+    worker = RewardWorker([*names, "answer_correct"], deadline_s=30.0)
+    try:
+        with caplog.at_level(logging.WARNING):
+            with pytest.raises(ValueError, match="task.rewards.quitting_rewards:quits raised RuntimeError: "
+                                                 "SystemExit: cannot read x"):
+                RewardSet({names[0]: 1.0}).score("x", "y", worker.call)
+            with pytest.raises(ValueError, match="quitting_rewards:unsayable raised RuntimeError: Unsayable: "):
+                RewardSet({names[1]: 1.0}).score("x", "y", worker.call)
+        assert worker.call(names[2], None, "x", "y") == 0.25
+        assert not worker.overruns and "made its worker exit" not in caplog.text
+    finally:
+        worker.close()
