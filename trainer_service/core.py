@@ -30,7 +30,7 @@ from grpo_stream.trainer_service.plans import (DonePlan, FinishPlan, Plan, Start
                                                evaluated_during_rl)
 from grpo_stream.trainer_service.learning.packing import packing_layout
 from grpo_stream.trainer_service.learning.rl_update import PolicyUpdater, state_report
-from grpo_stream.trainer_service.reports.in_run_eval import InRunEvaluator, metric_values
+from grpo_stream.trainer_service.reports.in_run_eval import EvaluationCancelled, InRunEvaluator, metric_values
 from grpo_stream.trainer_service.reports.run_outputs import evaluate_heldout
 from grpo_stream.trainer_service.learning.warmstart import warm_start
 from grpo_stream.trainer_service.model_parts import ModelParts
@@ -54,11 +54,8 @@ class CheckpointKeeper(Protocol):
     a follower's shards (follower.py: ShardKeeper)."""
 
     def restore(self, step: int, updater: PolicyUpdater) -> Resumed | None: ...
-
     def begin_new_run(self) -> None: ...
-
     def save(self, step: int, updater: PolicyUpdater, carried: dict) -> None: ...
-
     def committed(self, wait: bool = False, everything: bool = False) -> None: ...
 
 
@@ -87,8 +84,7 @@ class CoreHooks:
 @dataclasses.dataclass(frozen=True)
 class StepResult:
     metrics: dict  # the update's (host values)
-    # seconds: waiting for the previous publication, packing the batch (only when the plan came unpacked), computing,
-    # handing off
+    # seconds: the previous publication waited for, packing (when the plan came unpacked), computing, handing off
     phases: dict
 
 
@@ -97,8 +93,8 @@ class TrainerCore:
                  *, donate: bool, metrics=None, hooks: CoreHooks | None = None, writes_files: bool = True,
                  warm_stop: threading.Event | None = None):
         """`writes_files`: this process writes exports (process 0; the others take part in their gathers);
-        `warm_stop`: ends the warm start early (a one-process trainer's stop event; several processes run it
-        in lockstep, so a signal takes effect after it)."""
+        `warm_stop`: ends the warm start and eval_before/eval_after early (a one-process trainer's stop event;
+        several processes run them in lockstep, so a signal takes effect after them)."""
         self.cfg, self.run_dir, self.parts, self.publisher, self.keeper = cfg, run_dir, parts, publisher, keeper
         self.donate, self.metrics, self.hooks = donate, metrics, hooks or CoreHooks()
         self.writes_files, self.warm_stop = writes_files, warm_stop
@@ -111,8 +107,7 @@ class TrainerCore:
         self.final_weights: dict | None = None
         self.progress: Callable[[], None] | None = None  # a heartbeat for long phases (plan_sources.drive sets it)
         # publications on one thread, process 0's step reports on another (daemons: one stuck must not keep a failed
-        # process from exiting): a donating update waits for the previous publication (it reads the parameters the
-        # update overwrites), never for a report
+        # process from exiting): a donating update waits for the previous publication, never for a report
         self._worker, self._reporter = DaemonWorker("publish"), DaemonWorker("step-report")
         self._pending: list[concurrent.futures.Future] = []  # publications and reports, in the order submitted
         self._publishing: concurrent.futures.Future | None = None
@@ -166,15 +161,10 @@ class TrainerCore:
             p = self.parts
             self.params, warm = warm_start(self.model, self.params, p.task, p.tokenizer, self.cfg, self.metrics,
                                            self.warm_stop, progress=self.progress)
-        # stopped (in the warm start or before): no step or checkpoint follows, the next start does this again; an
-        # evaluation would only hold the stop (past up.stop_grace_s) for weights no run trains from
-        stopped = self.warm_stop is not None and self.warm_stop.is_set()
-        if plan.warm_start and plan.export_warm and not stopped:
+        # stopped (in the warm start or before): no step or checkpoint follows, the next start does this again
+        if plan.warm_start and plan.export_warm and not (self.warm_stop is not None and self.warm_stop.is_set()):
             self._export("warmstart-model", "warm-started")
-        evaluate = plan.eval_before and not stopped
-        self.carried = {"warmstart": warm, "eval_before": self.evaluate("eval_before") if evaluate else None}
-        if self.carried["eval_before"] is not None:
-            self._record(0, self.carried["eval_before"])
+        self.carried = {"warmstart": warm, "eval_before": self.evaluate("eval_before", 0) if plan.eval_before else None}
         self.updater = self._new_updater()
         self.params = self.updater.params
 
@@ -280,15 +270,11 @@ class TrainerCore:
                      plan.steps else "before the first RL step, with nothing to keep: a new start begins the run again")
             return None
         self._drain_evaluations()
-        # the model and the final version before eval_after: a failing evaluation fails the run (and its restarts),
-        # it must not cost the trained model
+        # the model and the final version first: a failing eval_after (it fails every restart) must not cost them
         self._export("model", "trained")  # serve it, or `eval` it
         if plan.publish:  # a resumed, already complete run: tell samplers to stop
             self._publish(plan.steps, self.params, final=True)
-        eval_after = self.evaluate("eval_after") if plan.eval_after else None
-        if eval_after is not None:
-            self._record(plan.steps, eval_after)
-        return eval_after
+        return self.evaluate("eval_after", plan.steps) if plan.eval_after else None
 
     def done(self, plan: DonePlan) -> dict | None:
         """The final weights' digest and greedy outputs on weights.verify_prompts problems (samplers compare
@@ -367,10 +353,24 @@ class TrainerCore:
         return {**empty, **kept, **state}
 
     # -- shared by the phases -----------------------------------------------------------------------------------
-    def evaluate(self, label: str) -> dict:
-        p = self.parts
-        return evaluate_heldout(self.cfg, p.engine, self.policy.plain(self.params), p.task, p.tokenizer, label,
-                                progress=self.progress)
+    def evaluate(self, label: str, step: int) -> dict | None:
+        """eval_before (`step` 0) or eval_after, recorded; None when a stop (`warm_stop`) comes before or during it
+        (it ends at its next group): a whole evaluation held the stop past up.stop_grace_s; a start again redoes it."""
+        def progress() -> None:
+            if self.warm_stop is not None and self.warm_stop.is_set():
+                raise EvaluationCancelled(label)
+            if self.progress is not None:
+                self.progress()
+        try:
+            progress()
+            p = self.parts
+            result = evaluate_heldout(self.cfg, p.engine, self.policy.plain(self.params), p.task, p.tokenizer, label,
+                                      progress=progress)
+        except EvaluationCancelled:
+            log.info("%s skipped: the trainer is stopping (a start again evaluates it)", label)
+            return None
+        self._record(step, result)
+        return result
 
     def _export(self, name: str, what: str) -> None:
         """RUN_DIR/name as a Hugging Face directory: every process takes part in the gather, process 0 writes."""
