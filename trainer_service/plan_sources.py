@@ -252,6 +252,10 @@ def await_samplers(cfg: RunConfig, samplers: SamplerRegistry, stop: threading.Ev
             log.info("every sampler (%d) installed the final version %d", len(at), final_version)
             return
         time.sleep(0.2)
+    if stop.is_set():  # a stop during the last step or this wait: it was cut short, not waited out
+        log.info("not waiting for the samplers to install the final version %d: the trainer is stopping (%s)",
+                 final_version, samplers.samplers_at(final_version))
+        return
     log.warning("samplers not at final version %d after %.0fs: %s", final_version, cfg.trainer.final_wait_s,
                 samplers.samplers_at(final_version))
 

@@ -33,3 +33,13 @@ def test_a_sampler_that_never_comes_back_is_waited_for_final_wait_s_only():
     started = time.monotonic()
     await_samplers(trainer.cfg, trainer.samplers, trainer.stop_event, 24)
     assert 0.6 <= time.monotonic() - started < 3.0
+
+
+def test_a_stop_ends_the_wait_and_says_so_rather_than_claim_final_wait_s_passed(caplog):
+    trainer = waiter(replicas=1, final_wait_s=600.0)
+    trainer.stop_event.set()  # SIGTERM during the last step: the finish plan is applied, the wait is not made
+    with caplog.at_level("INFO", logger="grpo_stream.trainer_service.plan_sources"):
+        await_samplers(trainer.cfg, trainer.samplers, trainer.stop_event, 24)
+    said = [r.getMessage() for r in caplog.records]
+    assert not any("after 600s" in line for line in said), said
+    assert any("stopping" in line and "final version 24" in line for line in said), said
