@@ -17,6 +17,7 @@ import sys
 from grpo_stream.common.config.schema import RunConfig
 from grpo_stream.common.rpc.grpc_util import ServerSecurity
 from grpo_stream.common.runtime.errors import EXIT_FAILURE, EXIT_PERMANENT, PermanentError, record_permanent
+from grpo_stream.common.runtime.heartbeat import Heartbeat
 from grpo_stream.common.registry.transports import transport_spec
 from grpo_stream.common.weights.registry import weight_sink
 from grpo_stream.common.weights.transport import SinkContext
@@ -80,6 +81,7 @@ def run_follower(cfg: RunConfig, run_dir: pathlib.Path, group: TrainerGroup) -> 
     try:  # checkpoint.dir too: unusable on this host only (a missing mount), it must stop the job, not hang it
         checkpoints = TrainerCheckpoints(cfg.checkpoint.dir or str((run_dir / "checkpoints").resolve()),
                                          cfg.checkpoint.keep, cfg.checkpoint.verify)
+        checkpoints.progress = Heartbeat(run_dir, f"trainer-{index}")  # a restore's hashing is progress
         parts = build_model_parts(cfg)
         publisher = WeightPublisher(weight_sink(w.transport, SinkContext(w)), w.transport, w.chunk_bytes, w.wire_dtype)
         server = follower_server(cfg, index, publisher)

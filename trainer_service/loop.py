@@ -29,6 +29,7 @@ from grpo_stream.common.rollouts.redis_server import redacted
 from grpo_stream.common.rollouts.registry import open_leased_buffer
 from grpo_stream.common.rollouts.wire import group_limits
 from grpo_stream.common.rpc.grpc_util import ServerSecurity
+from grpo_stream.common.runtime.heartbeat import Heartbeat
 from grpo_stream.common.runtime.process import stop_on_signals
 from grpo_stream.common.registry.transports import transport_spec
 from grpo_stream.common.weights.registry import weight_sink
@@ -137,6 +138,7 @@ class Trainer:
         s.buffer, s.lease = open_leased_buffer(cfg, self.stop_event)  # one trainer per run, before any write
         s.checkpoints = TrainerCheckpoints(cfg.checkpoint.dir or str((self.run_dir / "checkpoints").resolve()),
                                            cfg.checkpoint.keep, cfg.checkpoint.verify)
+        s.checkpoints.progress = Heartbeat(self.run_dir, "trainer-0")  # a restore's hashing is progress
         s.durability = Durability(cfg, s.buffer, s.checkpoints, s.epoch, self.stop_event)
         # where `grpo-stream audit RUN_DIR` finds the trail (the password stays out of the file)
         self.run_dir.mkdir(parents=True, exist_ok=True)

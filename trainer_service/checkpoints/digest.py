@@ -21,7 +21,7 @@ import concurrent.futures
 import contextlib
 import hashlib
 import json
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import jax
 import numpy as np
@@ -47,11 +47,13 @@ def _files(root: epath.Path, under: epath.Path) -> Iterator[epath.Path]:
             yield path
 
 
-def _sha256(path: epath.Path) -> str:
+def _sha256(path: epath.Path, progress: Callable[[], None] | None = None) -> str:
     h = hashlib.sha256()
     with path.open("rb") as f:
         while piece := f.read(_PIECE):
             h.update(piece)
+            if progress is not None:
+                progress()
     return h.hexdigest()
 
 
@@ -74,9 +76,11 @@ def write_digest(step_dir: epath.Path) -> None:
         raise
 
 
-def check_digest(step_dir: epath.Path) -> str | None:
+def check_digest(step_dir: epath.Path, progress: Callable[[], None] | None = None) -> str | None:
     """None when every file the digest lists is there with its SHA-256; else what differs. Raises DigestMissing when
-    there is no complete digest file. Files added since (an NFS `.nfs*` leftover) are not the checkpoint's: ignored."""
+    there is no complete digest file. Files added since (an NFS `.nfs*` leftover) are not the checkpoint's: ignored.
+    `progress`: called as the files are read (a trainer's heartbeat: hashing a large model's checkpoint, a TB at
+    full size, takes longer than up.trainer_stall_s, and `up` restarted the trainer into the same check again)."""
     path = step_dir / DIGEST_FILE
     if not path.exists():
         raise DigestMissing(f"no {DIGEST_FILE}")
@@ -88,7 +92,7 @@ def check_digest(step_dir: epath.Path) -> str | None:
         file = step_dir / name
         if not file.exists():
             return f"its file {name} is gone"
-        if _sha256(file) != expected:
+        if _sha256(file, progress) != expected:
             return f"its file {name} does not match the SHA-256 saved with it"
     return None
 

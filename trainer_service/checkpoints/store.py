@@ -89,7 +89,7 @@ class TrainerCheckpoints:
         self._agreed: Any = _UNAGREED  # the step every process restores (a trainer of several processes)
         # another trainer's saves here are told apart by their steps (any but those here at the start or saved here)
         self._known, self._writer = self._listed(), uuid.uuid4().hex  # and by the writer each record names
-        self._failed: Exception | None = None  # see _fail
+        self._failed, self.progress = None, None  # see _fail; a heartbeat while a restore hashes (check_digest)
 
     def _listed(self) -> set[int]:
         return {int(p.name) for p in self.directory.iterdir() if p.name.isdigit()}
@@ -369,7 +369,7 @@ class TrainerCheckpoints:
         """Raises CheckpointRejected when a file of the checkpoint differs from its digest, CheckpointUnverified
         when the digest file is missing, StorageBlip when the storage did not answer."""
         try:
-            problem = check_digest(self.directory / str(step))
+            problem = check_digest(self.directory / str(step), self.progress)
         except DigestMissing as exc:
             raise CheckpointUnverified(f"saved with checkpoint.verify, but {exc} (the trainer stopped before "
                                        "writing it)") from exc

@@ -171,3 +171,20 @@ def test_a_digest_that_cannot_be_written_says_which_checkpoint_and_the_fix(tmp_p
     monkeypatch.undo()
     got = TrainerCheckpoints(str(tmp_path), keep=3, verify=True).restore_latest(state(0.0))
     assert got.step == 2 and len(list(tmp_path.glob("unverified-4-*"))) == 1
+
+
+def test_a_restore_beats_while_it_hashes_the_checkpoints_files(tmp_path, monkeypatch):
+    """Hashing a large model's checkpoint (a TB at full size) before its restore outlasts up.trainer_stall_s: without
+    a beat while it reads, `up` took the trainer for hung and restarted it into the same check, again and again."""
+    ckpt = TrainerCheckpoints(str(tmp_path / "ckpt"), keep=3, verify=True)
+    ckpt.save(2, state(2.0), {}, token="t2")
+    assert ckpt.committed(wait=True) == [(2, "t2")]
+    ckpt.close()
+    monkeypatch.setattr(checkpoint_digest, "_PIECE", 256)  # many reads of a small checkpoint, as of a large one
+    beats = []
+    again = TrainerCheckpoints(str(tmp_path / "ckpt"), keep=3, verify=True)
+    again.progress = lambda: beats.append(1)
+    restored = again.restore_latest(state(0.0))
+    assert restored.step == 2 and float(restored.state["params"]["b"][0]) == 2.0
+    assert len(beats) >= 8, len(beats)
+    again.close()
