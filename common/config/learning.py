@@ -46,9 +46,10 @@ class LoraSection(Strict):
     targets: str = Field(LORA_DEFAULT_TARGETS, min_length=1, description="Regular expression, matched in full "
                          "against module paths such as 'layers/3/attn/q_proj' or 'layers/3/mlp/down_proj': the "
                          "projections that get adapters. The default adapts every attention and MLP projection, "
-                         "never the embeddings or the output head (a pattern of your own matching 'lm_head' adapts "
-                         "an untied output head; the embedding table, and a head tied to it, are never adapted: "
-                         "docs/lora.md).")
+                         "never the embeddings or the output head (a pattern of your own matching 'lm_head', a "
+                         "path with no '/' before it, adapts an untied output head: '.*/(q_proj|v_proj)|lm_head'; "
+                         "the embedding table, and a head tied to it, are never adapted: docs/lora.md). A part of "
+                         "the pattern that adapts nothing is refused, naming it.")
 
     @model_validator(mode="after")
     def _regex(self) -> "LoraSection":

@@ -15,13 +15,14 @@ adapted forward pass does; in float32 the trainer's and samplers' logprobs agree
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from grpo_stream.common.config.learning import LoraSection
+from grpo_stream.common.config.learning import LORA_DEFAULT_TARGETS, LoraSection
 from grpo_stream.common.model import architectures
 from grpo_stream.common.model.policy import PolicyModel, causal_mask
 from grpo_stream.protos import weights_pb2
@@ -111,9 +112,9 @@ def apply_lora(model: PolicyModel, params: Any, section: LoraSection, seed: int)
     if not weights:
         # the family's own paths: Gemma's attention is q_einsum / kv_einsum / attn_vec_einsum, not q_proj ...
         raise ValueError(f"model.lora.targets={section.targets!r} matched no projection of the {model.arch.family} "
-                         f"model; its module paths are {', '.join(_projection_paths(module, 'layers/0/'))} (and "
-                         "the same for every layer): match some of them, or leave model.lora.targets unset for the "
-                         "default (grpo-stream config describe model)")
+                         f"model; its module paths are {_paths_listed(module)}: match some of them, or leave "
+                         "model.lora.targets unset for the default (grpo-stream config describe model)")
+    _check_every_part_adapts(section.targets, weights, module, model.arch.family)
     adapted = dataclasses.replace(adapted, params=_placed_like_weights(adapted, weights))
     return LoraPolicy(base=model, adapted=adapted, weights=tuple(weights), rank=section.rank,
                       scale=section.alpha / section.rank)
@@ -210,6 +211,93 @@ def _projection_paths(module: nnx.Module, prefix: str) -> list[str]:
                 isinstance(v, nnx.Param) and len(v.shape) >= 2 for v in vars(node).values()):
             out.append(name)
     return sorted(out)
+
+
+def _paths_listed(module: nnx.Module) -> str:
+    """The module paths a target can match, for errors: layer 0's (every layer has the same) and those outside the
+    layers (the output head, and an embedding table, which takes no adapter)."""
+    outside = [p for p in _projection_paths(module, "") if not p.startswith("layers/")]
+    listed = f"{', '.join(_projection_paths(module, 'layers/0/'))} (and the same for every layer)"
+    if outside:
+        listed += f", and outside the layers {', '.join(outside)} (an embedding table takes no adapter)"
+    return listed
+
+
+def _check_every_part_adapts(targets: str, weights: list[AdaptedWeight], module: nnx.Module, family: str) -> None:
+    """Refuse a pattern of the user's own one of whose alternatives ('.*/(q_proj|v_prj)': 'v_prj') adapts nothing: the
+    others' adapters were trained and the misspelt (or absent) module silently went without. The default names every
+    family's projections, so each family lacks some of its alternatives: it is not checked."""
+    if targets == LORA_DEFAULT_TARGETS:
+        return
+    adapted = {w.weight.rsplit(".", 1)[0].replace(".", "/") for w in weights}  # qwix's module paths
+    for part, pattern in _alternatives(targets):
+        try:
+            matches = any(re.fullmatch(pattern, path) for path in adapted)
+        except re.error:  # a part that is no pattern alone (a back-reference, a flag): nothing to say of it
+            continue
+        if not matches:
+            raise ValueError(f"model.lora.targets={targets!r}: its part {part!r} adapts nothing in the {family} model "
+                             f"(no adapted projection's path matches {pattern!r} in full); the module paths are "
+                             f"{_paths_listed(module)}: correct that part or remove it")
+
+
+def _alternatives(pattern: str) -> list[tuple[str, str]]:
+    """(part, the pattern with that part alone) for each alternative of `pattern`'s top level ('a|b'), or else of its
+    one top-level group holding alternatives ('.*/(a|b)': '.*/(?:a)', '.*/(?:b)'); [] for a pattern with neither."""
+    marks = _regex_marks(pattern)
+    bars = [i for i, c, depth in marks if c == "|" and depth == 0]
+    if bars:
+        return [(p, p) for p in _split_at(pattern, bars)]
+    opens = [i for i, c, depth in marks if c == "(" and depth == 0]
+    closes = [i for i, c, depth in marks if c == ")" and depth == 0]
+    groups = []
+    for start, end in zip(opens, closes):
+        inner = [i for i, c, depth in marks if c == "|" and depth == 1 and start < i < end]
+        if inner:
+            groups.append((start, end, inner))
+    if len(groups) != 1:
+        return []  # several groups of alternatives: not split
+    start, end, inner = groups[0]
+    opener = pattern[start + 1:start + 3]
+    if opener.startswith("?") and opener != "?:":
+        return []  # a lookaround or a named group: not split
+    body = start + (3 if opener == "?:" else 1)
+    parts = _split_at(pattern[:end], inner)
+    parts[0] = parts[0][body:]
+    return [(p, f"{pattern[:start]}(?:{p}){pattern[end + 1:]}") for p in parts]
+
+
+def _split_at(text: str, cuts: list[int]) -> list[str]:
+    bounds = [-1, *cuts, len(text)]
+    return [text[a + 1:b] for a, b in zip(bounds, bounds[1:])]
+
+
+def _regex_marks(pattern: str) -> list[tuple[int, str, int]]:
+    """(index, char, group depth outside it) of each '(', ')' and '|' of `pattern` that is not escaped or in a
+    character class."""
+    out, depth, i, in_class = [], 0, 0, False
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True
+            i += 1 + (pattern[i + 1:i + 2] == "^")
+            i += pattern[i:i + 1] == "]"  # a ']' first in a class is a literal
+            continue
+        elif c == "(":
+            out.append((i, c, depth))
+            depth += 1
+        elif c == ")":
+            depth -= 1
+            out.append((i, c, depth))
+        elif c == "|":
+            out.append((i, c, depth))
+        i += 1
+    return out
 
 
 def _einsum_delta(einsum_str: str, lora_str: str) -> str:

@@ -1,6 +1,7 @@
 """model.lora: qwix adapters on the tiny model, their merge into plain weights, and the updater training them only."""
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -157,3 +158,21 @@ def test_targets_matching_nothing_are_answered_with_the_familys_own_module_paths
         apply_lora(model, model.params, LoraSection(targets=".*/(q_proj|v_proj)"), seed=0)
     assert "layers/0/attn/q_einsum" in str(err.value) and "layers/0/mlp/down_proj" in str(err.value)
     assert "q_proj" not in str(err.value).split("module paths")[1]  # never another family's names
+
+
+@pytest.mark.parametrize("targets, part", [
+    (".*/(q_proj|v_prj)", "v_prj"),  # a typo: q_proj alone was adapted, silently
+    (".*/q_proj|.*/mlp/up_projection", ".*/mlp/up_projection"),
+    # the output head's path is 'lm_head', with no '/' before it: the default's '.*/(...)' extended never matches it
+    (".*/(q_proj|lm_head)", "lm_head"),
+])
+def test_a_part_of_the_targets_that_adapts_nothing_is_refused_naming_it(base, targets, part):
+    """Each alternative of a pattern of your own must adapt something: a misspelt module name was ignored while the
+    others were adapted, and the run trained fewer adapters than configured without a word."""
+    with pytest.raises(ValueError, match=f"model.lora.targets=.*: its part '{re.escape(part)}' adapts nothing") as err:
+        apply_lora(base, base.params, LoraSection(targets=targets), seed=1)
+    assert "layers/0/attn/q_proj" in str(err.value) and "lm_head" in str(err.value)  # what it could match instead
+    head = apply_lora(base, base.params, LoraSection(targets=".*/q_proj|lm_head"), seed=1)
+    assert {w.weight for w in head.weights} == {"layers.0.attn.q_proj.w", "layers.1.attn.q_proj.w", "lm_head.w"}
+    # the default names every family's projections: those of other families are no error
+    assert len(apply_lora(base, base.params, LoraSection(), seed=1).weights) == 14
