@@ -6,7 +6,9 @@ sharding. WeightSync owns the rules: a version is installed whole or not at all 
 `background`, fetched on a thread while generation goes on and handed over only
 when complete, so the caller installs it when sampler.weight_updates says), a new
 trainer epoch (restarted trainer) is followed even when its numbers are lower,
-failed fetches back off exponentially (the sampler keeps its version), and
+failed fetches back off exponentially (the sampler keeps its version), a final
+version read from a store is final only for the trainer that published it (an
+earlier trainer's, left in weights.checkpoint_dir, does not end a resumed run), and
 `too_stale` says when generating would only make groups the trainer drops.
 
 Only failures a later poll may not meet are retried (`retryable`): the trainer away or restarting, a deadline
@@ -32,6 +34,7 @@ from grpo_stream.common.runtime.console import detail_logger
 from grpo_stream.common.model.lora import merge_named
 from grpo_stream.common.model.policy import PolicyModel
 from grpo_stream.common.model.sharding import param_shardings
+from grpo_stream.common.registry.transports import TRANSPORTS
 from grpo_stream.common.runtime.backoff import Backoff
 from grpo_stream.common.runtime.errors import PermanentError, is_transient
 from grpo_stream.common.weights.snapshot import WeightTransferError
@@ -197,6 +200,8 @@ class WeightSync:
         manifest = self.fetcher.latest(self.fetched_version)
         if manifest is None:
             return None
+        if manifest.final and not self._final_of_live_trainer(manifest):
+            manifest = _not_final(manifest)
         new_epoch = manifest.trainer_epoch != self.fetched_epoch
         if not new_epoch:
             self.latest_seen = max(self.latest_seen, manifest.version)
@@ -225,6 +230,23 @@ class WeightSync:
         jax.block_until_ready(params)
         return Installed(manifest.version, params, manifest.final, time.monotonic() - start, nbytes,
                          manifest.trainer_epoch, manifest.published_unix)
+
+    def _final_of_live_trainer(self, manifest: weights_pb2.WeightManifest) -> bool:
+        """Whether a final version is the end of the run. One read from a store (weights.checkpoint_dir) may be an
+        earlier trainer process's: a finished run resumed to train further (docs/operations.md) left its last
+        version there marked final, and its trainer serves its health check before it restores and publishes, so
+        the sampler read that record first, installed it as final and stopped for good. A trainer that answers with
+        nothing published yet (NOT_FOUND), or with another epoch, runs on; one that cannot be asked (it ended and
+        exited) leaves the record as stored."""
+        spec = TRANSPORTS.get(manifest.transport)
+        if spec is None or not spec.needs_dir or self._report_stub is None:
+            return True  # the manifest is the trainer's own (GetManifest, the in-process hub)
+        try:
+            live = self._report_stub.GetManifest(weights_pb2.GetManifestRequest(
+                sampler_id=self.sampler_id, installed_version=self.fetched_version), timeout=5)
+        except grpc.RpcError as exc:
+            return exc.code() != grpc.StatusCode.NOT_FOUND
+        return live.trainer_epoch == manifest.trainer_epoch
 
     def _merged(self, manifest: weights_pb2.WeightManifest) -> tuple[dict[str, Any], int]:
         """LoRA: the version's adapters (replicated: they are small) merged into the frozen base of its trainer
@@ -278,3 +300,11 @@ class WeightSync:
                 self.latest_seen = max(self.latest_seen, reply.latest_version)
         except grpc.RpcError:
             pass
+
+
+def _not_final(manifest: weights_pb2.WeightManifest) -> weights_pb2.WeightManifest:
+    """A copy of `manifest` without its final mark (the source's own object stays as it is)."""
+    copy = weights_pb2.WeightManifest()
+    copy.CopyFrom(manifest)
+    copy.final = False
+    return copy
