@@ -165,7 +165,10 @@ class WeightsInUse:
         timeout = self.cfg.sampler.connect_timeout_s
         started = heard = last_log = last_check = time.monotonic()
         while self.params is None and not self.stop_event.is_set():
-            self.poll()
+            # every sampler.weight_poll_s (or as a background fetch ends), not at every turn of this wait: a warm
+            # start of hours made each sampler check (a GetManifest call, a thread) 20 times a second
+            if self.poll_due():
+                self.poll()
             if self.params is not None:
                 return
             now = time.monotonic()

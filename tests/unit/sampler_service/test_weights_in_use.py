@@ -5,9 +5,14 @@ for (no group starts, the groups in flight end first), and from its fetch on no 
 new trainer would read the old numbers as its own."""
 
 import threading
+import time
 import types
 
-from grpo_stream.sampler_service.weight_sync import Installed
+import jax
+from grpc_health.v1 import health_pb2
+
+from grpo_stream.common.model.sharding import make_mesh
+from grpo_stream.sampler_service.weight_sync import Installed, WeightSync
 from grpo_stream.sampler_service.weights_in_use import WeightsInUse
 
 
@@ -108,3 +113,42 @@ def test_a_restarted_trainer_s_version_of_the_same_number_is_reported_when_insta
     weights.report_installed()
     weights.report_installed()  # nothing new since: not reported again
     assert reports == [(50, "old"), (50, "new")]
+
+
+class NothingPublished:
+    """A trainer up but not publishing yet (its warm start): every manifest check finds nothing; counts them."""
+
+    def __init__(self):
+        self.checks = 0
+
+    def latest(self, installed_version):
+        self.checks += 1
+        return None
+
+
+def test_waiting_for_the_first_weights_checks_at_most_every_weight_poll_s(tiny_parts):
+    """A trainer's warm start or eval_before may take hours: the wait for its first weights checks for them every
+    sampler.weight_poll_s (the operator's bound on the manifest calls each sampler makes), not at every 50 ms turn
+    of the wait, where each check of a background fetch was a new thread and a GetManifest call (20 a second per
+    sampler, whatever weight_poll_s said)."""
+    cfg, _, _, model = tiny_parts
+    cfg = cfg.model_copy(update={"sampler": cfg.sampler.model_copy(update={"weight_poll_s": 60.0}),
+                                 "weights": cfg.weights.model_copy(update={"background_fetch": True})})
+    stop, fetcher = threading.Event(), NothingPublished()
+    sync = WeightSync(fetcher, model, make_mesh(1, 1, jax.devices()[:1], "sampler.mesh.tp"), "sampler-0",
+                      background=True)
+    weights = WeightsInUse(cfg, "sampler-0", stop)
+    weights.attach(sync, None, None)
+    serving = health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+    beats = []
+    health = types.SimpleNamespace(Check=lambda request, timeout=None: serving)
+    waiter = threading.Thread(target=weights.await_first, args=(health, lambda: beats.append(1)))
+    waiter.start()
+    try:
+        while len(beats) < 2 and waiter.is_alive():  # two health checks, a second apart: many turns of the wait
+            time.sleep(0.05)
+    finally:
+        stop.set()
+        waiter.join(10)
+        sync.close()
+    assert len(beats) >= 2 and fetcher.checks == 1  # one check per weight_poll_s (60 s)
