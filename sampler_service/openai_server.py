@@ -54,12 +54,18 @@ class Endpoint:
         self._threads = [threading.Thread(target=serve_idle, args=(engine, self.queue, current, self.stop),
                                           name=f"{sampler_id}-openai-idle", daemon=True)]
         self.app, self.server, self.url, self.limits = self.private_app, None, None, None
-        if settings.port is not None:  # else a verifiers run's own routes only: nothing listens
-            self._listen(cfg, index)
-        for thread in self._threads:
-            thread.start()
+        try:
+            if settings.port is not None:  # else a verifiers run's own routes only: nothing listens
+                self._listen(cfg, index)
+            for thread in self._threads:
+                thread.start()
+            if self.server is not None:
+                self.url = self._await_started(settings.host, cfg.tls.enabled)
+        except BaseException:
+            # what started stops (the idle thread polled the queue for ever, holding the engine and the weights)
+            self.close()
+            raise
         if self.server is not None:
-            self.url = self._await_started(settings.host, cfg.tls.enabled)
             log.info("%s serves the OpenAI API at %s (model %r)", sampler_id, self.url, self.core.model_name)
             if run_dir is not None:
                 (run_dir / f"openai-{sampler_id}.json").write_text(json.dumps(
@@ -118,7 +124,8 @@ class Endpoint:
         if self.server is not None:
             self.server.should_exit = True
         for thread in self._threads:
-            thread.join(timeout=5)
+            if thread.is_alive():  # (one never started when the start failed part-way)
+                thread.join(timeout=5)
         if self.server is not None:  # nothing reaches its app now (the private app's parser goes with the app)
             self.app.state.parser.shutdown(wait=False)
         self.engine.side = None
