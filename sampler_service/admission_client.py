@@ -53,7 +53,7 @@ class AdmissionClient:
                                                              policy_version=version, in_flight=in_flight,
                                                              process=self.process), timeout=5)
             self._warned = False
-            if reply.granted:
+            if reply.granted > 0:  # (an int32: one below 0 from a faulty ingest is a refusal, not a negative count)
                 return min(wanted, reply.granted)
             retry_s = max(reply.retry_after_ms, 10) / 1000
             detail.info("%s: no group admitted (version %d, trainer at step %d, %d groups queued); waiting",

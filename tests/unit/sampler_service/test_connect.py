@@ -100,3 +100,13 @@ def test_a_damaged_buffer_refusal_is_not_blamed_on_the_sampler_token(cfg):
     with pytest.raises(PermanentError, match="mend what the ingest's message names") as raised:
         refused.admit(4, 0, 0)
     assert "token" not in str(raised.value)
+
+
+def test_a_grant_below_zero_starts_no_group():
+    """AdmitReply.granted is an int32 the ingest fills (0..groups): a negative one (an ingest of another version, a
+    bug) is a refusal, never a negative count of groups for the feeder to start."""
+    stop = threading.Event()
+    stop.set()  # (the refusal's wait returns at once)
+    admission = AdmissionClient(Stub([], rollout_pb2.AdmitReply(granted=-5, retry_after_ms=100)), "sampler-0",
+                                True, stop)
+    assert admission.admit(4, 0, 0) == 0 and admission.refusals == 1
