@@ -54,13 +54,16 @@ def test_a_sampler_waiting_for_the_first_weights_beats_its_heartbeat(shared_redi
 
 
 def test_a_sampler_stopped_before_its_first_weights_writes_its_summary_into_a_new_run_dir(tmp_path):
-    with socket.socket() as sock:  # a port nothing listens on: the trainer is not up yet
+    # a port held bound but not listening for the test's length: the trainer is not up yet (a port only picked and
+    # let go may be some other process's server by the time the sampler dials it)
+    with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         address = f"127.0.0.1:{sock.getsockname()[1]}"
-    cfg = load_config(CONFIG, [f"sampler.trainer_address={address}", "auth.mode=none", "sampler.metrics_port=null"])
-    run_dir = tmp_path / "not" / "made"
-    sampler = Sampler(cfg, 0, run_dir=run_dir)
-    sampler.stop_event.set()  # SIGTERM while it waits for the trainer
-    result = sampler.run()
+        cfg = load_config(CONFIG, [f"sampler.trainer_address={address}", "auth.mode=none",
+                                   "sampler.metrics_port=null"])
+        run_dir = tmp_path / "not" / "made"
+        sampler = Sampler(cfg, 0, run_dir=run_dir)
+        sampler.stop_event.set()  # SIGTERM while it waits for the trainer
+        result = sampler.run()
     assert result["versions"] == [] and result["groups"] == 0
     assert json.loads((run_dir / "sampler-0.json").read_text())["sampler_id"] == "sampler-0"
