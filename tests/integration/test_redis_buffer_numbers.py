@@ -73,12 +73,7 @@ def test_a_damaged_watermark_reaches_the_sampler_as_failed_precondition(buf):
     """The watermark's refusal was coded DAMAGEDAUDIT, which the ingest does not know as damage: it escaped as
     UNKNOWN, which a sampler retries as a passing failure, for ever, with no reason given."""
     buf.client.hset(buf.k["audit:compacted"], "below:s0", "x")
-    ingest = IngestServicer(buf, GroupLimits(4, 8, 8, 50), max_groups=10, retry_after_ms=100)
-    context = AbortingContext()
-    with pytest.raises(Aborted):
-        ingest.PushGroup(dataset_group(buf.run_name, "s0", 5), context)
-    assert context.code == grpc.StatusCode.FAILED_PRECONDITION
-    assert f"HSET {buf.k['audit:compacted']} below:s0 N" in context.details
+    ingest = push_refused(buf, f"HSET {buf.k['audit:compacted']} below:s0 N")
     assert buf.depth() == 0
     # a restarted sampler's resume point, whose unanswered positions are judged by the same watermark
     buf.client.hset(buf.k["positions"], "s0", 9)
@@ -116,9 +111,15 @@ def test_a_damaged_count_of_a_run_named_like_a_redis_code_is_named_not_retried(s
     ingest answered UNAVAILABLE and the sampler retried for ever."""
     buf = RedisStreamBuffer(connect(shared_redis.url, 5), f"LOADING-{run_name}")
     buf.client.hset(buf.k["counters"], "ingested", "x")
+    push_refused(buf, f"HSET {buf.k['counters']} ingested N")
+
+
+def push_refused(buf: RedisStreamBuffer, fix: str) -> IngestServicer:
+    """The ingest (returned) refuses a sampler's group as damage in the buffer (FAILED_PRECONDITION, not retried),
+    saying `fix`."""
     ingest = IngestServicer(buf, GroupLimits(4, 8, 8, 50), max_groups=10, retry_after_ms=100)
     context = AbortingContext()
     with pytest.raises(Aborted):
         ingest.PushGroup(dataset_group(buf.run_name, "s0", 5), context)
-    assert context.code == grpc.StatusCode.FAILED_PRECONDITION
-    assert f"HSET {buf.k['counters']} ingested N" in context.details
+    assert context.code == grpc.StatusCode.FAILED_PRECONDITION and fix in context.details, context.details
+    return ingest

@@ -34,14 +34,7 @@ def test_a_lease_holder_nested_past_the_json_parsers_depth_is_refused_naming_the
     buf = RedisStreamBuffer(connect(shared_redis.url, 5), run_name)
     key = buf.k["trainer:lease"]
     buf.client.set(key, value, px=60_000)
-    stop = threading.Event()
-    timer = threading.Timer(3.0, stop.set)
-    timer.start()
-    try:
-        with pytest.raises(LeaseDamaged, match=f"{key} .*DEL {key}"):
-            TrainerLease.take(buf, 1.0, stop, renew=False)
-    finally:
-        timer.cancel()
+    take_refused(buf, f"{key} .*DEL {key}")
 
 
 def test_a_damaged_fence_of_a_run_named_like_a_redis_code_is_refused_not_waited_on(shared_redis, run_name):
@@ -49,11 +42,16 @@ def test_a_damaged_fence_of_a_run_named_like_a_redis_code_is_refused_not_waited_
     trainer retried 'Redis unavailable' for ever instead of stopping with the key and its fix."""
     buf = RedisStreamBuffer(connect(shared_redis.url, 5), f"OOM-{run_name}")
     buf.client.set(buf.k["trainer:fence"], "x")
+    take_refused(buf, f"{buf.k['trainer:fence']} holds \"x\", not a fencing number")
+
+
+def take_refused(buf: RedisStreamBuffer, match: str) -> None:
+    """A take refused with LeaseDamaged matching `match`, not waited on (a stop after 3 s ends a wait)."""
     stop = threading.Event()
     timer = threading.Timer(3.0, stop.set)
     timer.start()
     try:
-        with pytest.raises(LeaseDamaged, match=f"{buf.k['trainer:fence']} holds \"x\", not a fencing number"):
+        with pytest.raises(LeaseDamaged, match=match):
             TrainerLease.take(buf, 1.0, stop, renew=False)
     finally:
         timer.cancel()
