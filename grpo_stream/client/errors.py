@@ -34,6 +34,20 @@ def is_too_large(exc: BaseException) -> bool:
             and "message larger than max" in (exc.details() or ""))
 
 
+# PromptService's words for a call that a limit refuses by its own size (prompt_queue.QueueFull): "(SETTING=N); K more
+# exceed it" / "do not fit"
+_OVER_LIMIT = re.compile(r"\((prompts\.max_pending_per_client|prompts\.max_queued)=(\d+)\); (\d+) more")
+
+
+def never_fits(exc: BaseException) -> tuple[str, int] | None:
+    """(setting, limit) when `exc` refuses a Submit of more prompts than the queue or the client's quota can hold at
+    all: RESOURCE_EXHAUSTED like a full one, but no prompt finishing makes room for it, so it is not retried."""
+    if not (isinstance(exc, grpc.RpcError) and exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED):
+        return None
+    match = _OVER_LIMIT.search(exc.details() or "")
+    return (match[1], int(match[2])) if match and int(match[3]) > int(match[2]) else None
+
+
 def at_lines(details: str, chunk: list[tuple[int, object]], path: pathlib.Path) -> str:
     """The server's `prompts[i]` (the index in one Submit call) as FILE:LINE, the line the user edits: blank lines
     and earlier calls make the two differ."""
@@ -49,6 +63,9 @@ def explain(exc: grpc.RpcError, address: str, where=lambda details: details) -> 
     if is_too_large(exc):
         return ValueError(f"{code.name}: the request is over the gRPC message limit ({details}); send fewer or "
                           "shorter prompts per call (`submit --batch`)")
+    if over := never_fits(exc):
+        return ValueError(f"{code.name}: {details}; one call holds more prompts than {over[0]}={over[1]} allows at "
+                          f"once, so it never fits: give --batch at most {over[1]}")
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED and not any(setting in details for setting in QUEUE_SETTINGS):
         # the server's call limits (common/rpc/call_guard.py), whose details name the setting: not the queue
         return RuntimeError(f"{code.name}: the server has no room for this call now ({details}); retry later")

@@ -7,10 +7,12 @@
 
 Prompt dicts use the keys of SPEC_KEYS (`answer` is short for reference_answer). A full queue or quota
 (RESOURCE_EXHAUSTED) is retried after the server's retry-after-ms hint, up to `retry_s` seconds (a request over the
-gRPC message limit, which never fits, is not). Calls wait for a server that is still starting up to `timeout_s`
-(unary calls: gRPC wait_for_ready with that deadline; streams, which have none: a wait for the channel first, so no
-server at the address fails the call instead of waiting forever). `follow` and `follow_tag` outlive a server restart
-(a trainer restarted by `up`): they call StreamResults again, each result yielded once.
+gRPC message limit, or of more prompts than the queue or quota holds at all, which never fits, is not). Calls wait
+for a server that is still starting up to `timeout_s`: a wait for the channel first (on a new channel each second
+while none answers, not at gRPC's growing back-off: channel.py), then unary calls within what is left of it;
+streams have no deadline, so no server at the address fails the call instead of waiting forever. `follow` and
+`follow_tag` outlive a server restart (a trainer restarted by `up`): they call StreamResults again, each result
+yielded once.
 """
 
 from __future__ import annotations
@@ -18,12 +20,13 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import grpc
 
-from grpo_stream.client.errors import is_too_large
-from grpo_stream.common.rpc.grpc_util import ClientSecurity, open_channel
+from grpo_stream.client.channel import PromptChannel
+from grpo_stream.client.errors import is_too_large, never_fits
+from grpo_stream.common.rpc.grpc_util import ClientSecurity
 from grpo_stream.protos import prompts_pb2, prompts_pb2_grpc
 
 # how a stream ends when its server goes away (a restart, a dropped connection): a new call may succeed
@@ -112,15 +115,44 @@ def retry_after_s(error: grpc.RpcError, default_s: float = 1.0) -> float:
     return default_s
 
 
+def token_problem(token: str) -> str | None:
+    """Why gRPC cannot send `token` as its authorization header (None: it can): a header value is one line of
+    printable ASCII. (Sent anyway, the call failed "INTERNAL: Invalid metadata", naming no token source, and a
+    follower retried that as a broken stream.)"""
+    for k, char in enumerate(token):
+        if not " " <= char <= "~":
+            what = "a line break" if char in "\r\n" else f"character {char!r}"
+            return (f"{what} at character {k + 1}: a token is one line of printable ASCII (as `grpo-stream tokens` "
+                    "writes it in <role>.token; not the token table)")
+    return None
+
+
 class PromptClient:
-    def __init__(self, address: str, security: ClientSecurity | None = None, timeout_s: float = 30.0):
-        self.address = address
-        self.channel = open_channel(address, security)
-        self.stub = prompts_pb2_grpc.PromptServiceStub(self.channel)
+    """One thread's client of PromptService: while a call waits for a server that is down, the client replaces its
+    channel (channel.py), which ends calls another thread has open on the old one. `address`: HOST:PORT, or a
+    function giving the current one, asked again at each new channel (a run `up` restarted serves on new ports)."""
+
+    def __init__(self, address: str | Callable[[], str], security: ClientSecurity | None = None,
+                 timeout_s: float = 30.0):
+        if security is not None and security.token and (problem := token_problem(security.token)):
+            raise ValueError(f"the client token: {problem}")
+        self._conn = PromptChannel(address if callable(address) else (lambda: address), security)
         self.timeout_s = timeout_s
 
+    @property
+    def address(self) -> str:
+        return self._conn.address
+
+    @property
+    def channel(self) -> grpc.Channel:
+        return self._conn.channel
+
+    @property
+    def stub(self) -> prompts_pb2_grpc.PromptServiceStub:
+        return self._conn.stub
+
     def close(self) -> None:
-        self.channel.close()
+        self._conn.close()
 
     def __enter__(self) -> "PromptClient":
         return self
@@ -135,10 +167,9 @@ class PromptClient:
         deadline = time.monotonic() + retry_s
         while True:
             try:
-                return list(self.stub.Submit(prompts_pb2.SubmitRequest(prompts=specs), timeout=self.timeout_s,
-                                             wait_for_ready=True).prompt_ids)
+                return list(self._unary("Submit", prompts_pb2.SubmitRequest(prompts=specs)).prompt_ids)
             except grpc.RpcError as exc:
-                if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or is_too_large(exc):
+                if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or is_too_large(exc) or never_fits(exc):
                     raise
                 pause = retry_after_s(exc)
                 if time.monotonic() + pause > deadline:  # a hint past retry_s (or a huge one) is not slept through
@@ -157,13 +188,15 @@ class PromptClient:
         request = prompts_pb2.ResultsRequest(prompt_ids=prompt_ids or [], tag=tag or "", follow=follow)
         yield from self.stub.StreamResults(request, timeout=timeout_s)
 
-    def _wait_ready(self, within_s: float) -> None:
-        """Wait up to `within_s` for the channel to connect; a call made after it fails at once if it did not."""
-        ready = grpc.channel_ready_future(self.channel)
-        try:
-            ready.result(timeout=max(0.0, within_s))
-        except grpc.FutureTimeoutError:
-            ready.cancel()  # stop watching the channel
+    def _wait_ready(self, within_s: float) -> bool:
+        """Wait up to `within_s` for a server (PromptChannel.wait_ready); True when the channel is up."""
+        return self._conn.wait_ready(within_s)
+
+    def _unary(self, method: str, request):
+        """`method` called once the channel is up, waiting up to timeout_s in all for a server still starting."""
+        deadline = time.monotonic() + self.timeout_s
+        self._wait_ready(self.timeout_s)
+        return getattr(self.stub, method)(request, timeout=max(0.0, deadline - time.monotonic()), wait_for_ready=True)
 
     def follow(self, prompt_ids: list[str], reconnect_s: float = 60.0,
                on_reconnect=None) -> Iterator[prompts_pb2.PromptResult]:
@@ -230,8 +263,7 @@ class PromptClient:
                 delay = min(2 * delay, 5.0)
 
     def cancel(self, prompt_ids: list[str]) -> prompts_pb2.CancelReply:
-        return self.stub.Cancel(prompts_pb2.CancelRequest(prompt_ids=prompt_ids), timeout=self.timeout_s,
-                                wait_for_ready=True)
+        return self._unary("Cancel", prompts_pb2.CancelRequest(prompt_ids=prompt_ids))
 
     def status(self) -> prompts_pb2.RunStatus:
-        return self.stub.GetStatus(prompts_pb2.StatusRequest(), timeout=self.timeout_s, wait_for_ready=True)
+        return self._unary("GetStatus", prompts_pb2.StatusRequest())

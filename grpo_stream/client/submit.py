@@ -5,7 +5,8 @@ submit: one prompt per JSON line (keys of grpo_stream.client.prompts.SPEC_KEYS);
 Where to send them: --address, else the run's RUN_DIR/endpoints.json (written by `up`); the token: --token-file,
 else $GRPO_STREAM_TOKEN / $GRPO_STREAM_TOKEN_FILE, else RUN_DIR/auth/client.token; TLS settings: --config.
 A followed stream that breaks (a trainer restarted by `up`) is followed again for the prompts not yet answered,
-while the server is back within --wait seconds. Errors: grpo_stream/client/errors.py.
+while the server is back within --wait seconds (with --run-dir, at the address endpoints.json names then: each start
+of `up` serves on new ports). Errors: grpo_stream/client/errors.py.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from grpo_stream.common.config.access import TOKEN_ENV, TOKEN_FILE_ENV
 from grpo_stream.common.rpc.grpc_util import ClientSecurity
 from grpo_stream.arguments import nonempty_path, positive_int
 from grpo_stream.client.errors import at_lines, explain, is_refusal
-from grpo_stream.client.prompts import PromptClient, to_spec
+from grpo_stream.client.prompts import PromptClient, to_spec, token_problem
 from grpo_stream.protos import prompts_pb2
 
 
@@ -71,7 +72,7 @@ def connect_client(args, cfg: RunConfig | None = None) -> PromptClient:
         if not path.is_file():
             raise ValueError(f"--run-dir {args.run_dir}: no endpoints.json (written by `grpo-stream up`); give "
                              "--address")
-        endpoints = json.loads(path.read_text())
+        endpoints = read_endpoints(path)
         if endpoints.get("tls") and not cfg.tls.enabled:  # plaintext to a TLS port fails with a bare UNAVAILABLE
             raise ValueError(f"--run-dir {args.run_dir}: the run serves TLS (endpoints.json \"tls\": true); give "
                              f"--config {args.run_dir / 'config.yaml'} (or a config with the run's tls.* client "
@@ -86,18 +87,48 @@ def connect_client(args, cfg: RunConfig | None = None) -> PromptClient:
     elif not (os.environ.get(TOKEN_ENV) or os.environ.get(TOKEN_FILE_ENV) or cfg.auth.token_file) and \
             endpoints.get("client_token_file"):
         token = read_token(endpoints["client_token_file"], f"{args.run_dir / 'endpoints.json'} client_token_file")
-    return PromptClient(address, ClientSecurity.from_config(cfg, token), timeout_s=args.wait)
+    security = ClientSecurity.from_config(cfg, token)
+    if args.address or args.run_dir is None:
+        return PromptClient(address, security, timeout_s=args.wait)
+    return PromptClient(lambda: run_address(args.run_dir / "endpoints.json", address), security, timeout_s=args.wait)
+
+
+def read_endpoints(path: pathlib.Path) -> dict:
+    """RUN_DIR/endpoints.json as `up` writes it; ValueError naming the file for anything else."""
+    try:
+        endpoints = json.loads(path.read_bytes())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path}: cannot read it as JSON ({exc}); give --address") from None
+    if not isinstance(endpoints, dict) or not isinstance(endpoints.get("prompts", ""), str):
+        raise ValueError(f"{path}: not the JSON object `grpo-stream up` writes (\"prompts\": \"HOST:PORT\"); give "
+                         "--address")
+    return endpoints
+
+
+def run_address(path: pathlib.Path, last: str) -> str:
+    """The run's PromptService address now: each start of `up` serves on new ports and rewrites endpoints.json, so a
+    client waiting for a restarted run reads it again at each new channel (`last` while it cannot be read)."""
+    try:
+        return read_endpoints(path).get("prompts") or last
+    except ValueError:
+        return last
 
 
 def read_token(path: str, where: str) -> str:
-    """The token in file `path`; ValueError naming `where` when it cannot be read or is empty (an empty token would
-    be sent as none, and the server's answer would not say which file was wrong)."""
+    """The token in file `path`; ValueError naming `where` when it cannot be read, is empty (an empty token would be
+    sent as none, and the server's answer would not say which file was wrong) or is no token gRPC can send (the
+    token table given for a token file: its header would be refused, naming no file)."""
     try:
-        token = pathlib.Path(path).read_text().strip()
+        token = pathlib.Path(path).read_bytes().decode("utf-8-sig").strip()  # (a BOM: an editor's, not the token's)
     except OSError as exc:
         raise ValueError(f"{where} {path}: cannot read it ({exc.strerror})") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{where} {path}: byte {exc.start + 1} is not text (UTF-8); a token is one line of printable "
+                         "ASCII") from None
     if not token:
         raise ValueError(f"{where} {path}: the file is empty; give a file holding a client (or admin) token")
+    if problem := token_problem(token):
+        raise ValueError(f"{where} {path}: {problem}")
     return token
 
 
