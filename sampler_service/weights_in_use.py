@@ -106,7 +106,7 @@ class WeightsInUse:
 
     def __init__(self, cfg: RunConfig, sampler_id: str, stop_event: threading.Event):
         self.cfg, self.sampler_id, self.stop_event = cfg, sampler_id, stop_event
-        self.final, self.last_poll = False, 0.0
+        self.final, self.last_poll = False, float("-inf")  # the first check is due at once
         self.groups_at_version = 0  # groups started with the installed version (counted by the feeder, reset by the
         self._count_lock = threading.Lock()  # engine's install: a lost update would keep the old version's count)
         self.installed_versions: list[int] = []

@@ -152,3 +152,16 @@ def test_waiting_for_the_first_weights_checks_at_most_every_weight_poll_s(tiny_p
         waiter.join(10)
         sync.close()
     assert len(beats) >= 2 and fetcher.checks == 1  # one check per weight_poll_s (60 s)
+
+
+def test_the_first_weight_check_is_due_at_once_whatever_the_clock_reads(small_cfg, monkeypatch):
+    """The last check was taken as at monotonic time 0: on a machine up for less than sampler.weight_poll_s (a fresh
+    VM or container, whose monotonic clock starts at its boot) the first check waited for the clock to reach it."""
+    from grpo_stream.sampler_service import weights_in_use  # noqa: PLC0415 - its clock, set below
+
+    cfg = small_cfg.model_copy(update={"sampler": small_cfg.sampler.model_copy(update={"weight_poll_s": 60.0})})
+    # its clock five seconds after the boot (its own name `time` only: the process's clock stays)
+    monkeypatch.setattr(weights_in_use, "time", types.SimpleNamespace(monotonic=lambda: 5.0))
+    weights = WeightsInUse(cfg, "sampler-0", threading.Event())
+    weights.sync = types.SimpleNamespace(has_result=lambda: False)
+    assert weights.poll_due()
