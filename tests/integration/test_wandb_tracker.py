@@ -3,6 +3,7 @@ back from the run's .wandb transaction log (tests/wandb_offline.py). Offline mod
 
 import socket
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -112,8 +113,15 @@ def test_an_online_run_whose_server_does_not_answer_is_logged_offline_instead(wa
     monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{port}")
     monkeypatch.setenv("WANDB_INIT_TIMEOUT", "2")
     import wandb  # noqa: PLC0415 - only the W&B tests need it
+    from wandb.analytics.opentelemetry import opentelemetry_proxy  # noqa: PLC0415 - as above
 
     wandb.teardown()  # W&B reads its environment once per setup: an earlier test's would keep the 90 s default
+    # W&B's own usage analytics off for this test: online, they build OpenTelemetry providers whose fork handlers
+    # start threads in a forked child, and a later test of this worker that starts a process with a preexec_fn
+    # (`up`'s children) saw it die of SIGSEGV or SIGBUS between fork and exec (two CI runs, 2026-12-01)
+    disabled = threading.Event()
+    disabled.set()
+    monkeypatch.setattr(opentelemetry_proxy, "_disabled", disabled)
     online = [o for o in OFFLINE if o != "tracking.wandb.mode=offline"]
     trackers = open_trackers(load_config(None, [*online, "tracking.wandb.samples_every=0"]), wandb_home / "run")
     trackers.scalars(1, {"loss": 1.0}, prefix="train/")
