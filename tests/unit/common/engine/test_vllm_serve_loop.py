@@ -3,22 +3,20 @@ what its serve holds on to, and what a failed start leaves behind. vLLM itself: 
 in tests/vllm_scripts/."""
 
 import dataclasses
-import gc
 import sys
 import tempfile
 import types
-import weakref
 
-import jax
 import numpy as np
 import pytest
 
 from grpo_stream.common.config.vllm_settings import VllmSection
 from grpo_stream.common.engine import vllm_engine
-from grpo_stream.common.engine.base import FirstWeights, FixedRequests, Generation, Request
+from grpo_stream.common.engine.base import FixedRequests, Generation, Request
 from grpo_stream.common.model.architectures import Architecture
 from grpo_stream.common.model.policy import build_from_architecture
 from grpo_stream.common.runtime.errors import PermanentError
+from tests.version_swap import VersionSwap
 
 TOKEN, BUDGET = 3, 12
 
@@ -126,30 +124,14 @@ def test_a_serve_frees_its_first_version_once_a_newer_one_is_installed_in_flight
     replaces them: on vLLM a whole host copy of the weights for the sampler's life (test_engine_thread.py: the same
     for the JAX engine)."""
     model = _model()
-    engine = _engine(model)
-    first = jax.tree.map(jax.numpy.copy, model.params)
-    refs = [weakref.ref(leaf) for leaf in jax.tree_util.tree_leaves(first)]
-    second = jax.tree.map(lambda x: x * 1.0, model.params)
-    calls, alive_after_update = [0], []
-
-    def refresh():
-        calls[0] += 1
-        if calls[0] == 2:
-            return second, 1
-        if calls[0] == 4:  # two scheduling points after the update: the engine serves `second` alone
-            gc.collect()
-            alive_after_update.append(sum(ref() is not None for ref in refs))
-        return None
-
+    engine, swap = _engine(model), VersionSwap(model.params)
     out = Generation(np.zeros((2, BUDGET), np.int32), np.zeros((2, BUDGET), np.float32), np.zeros(2, np.int32),
                      np.zeros(2, bool), np.full((2, BUDGET), -1, np.int32))
     source = FixedRequests([Request([5, 6], BUDGET, i, i) for i in range(2)], out)
-    weights = FirstWeights(first)
-    del first
-    engine.serve(weights, source, refresh, 0)
-    assert engine.pauses == 1 and engine._installed is second
+    engine.serve(swap.first_weights(), source, swap.refresh, 0)
+    assert engine.pauses == 1 and engine._installed is swap.second
     assert out.lengths.tolist() == [BUDGET, BUDGET] and set(out.versions[:, -1].tolist()) == {1}
-    assert alive_after_update == [0]
+    assert swap.alive_after_update == [0]
 
 
 def test_a_failed_start_leaves_no_stage_directory_behind(fake_vllm, tmp_path):
