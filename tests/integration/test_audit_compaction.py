@@ -194,8 +194,8 @@ def test_a_rolled_back_step_replayed_with_the_same_groups_is_still_counted_after
     assert {key: after[key] for key in VERDICT} == {key: before[key] for key in VERDICT}
 
 
-def damaged_run(buf, damage: str) -> None:
-    """Two checkpointed steps of two groups each, step 1's acknowledged; then one record no trainer wrote."""
+def two_checkpointed_steps(buf) -> None:
+    """Two checkpointed steps of trainer epoch 'a', two groups each, step 1's acknowledged."""
     buf.append_many([Incoming(f"run/s0/{i}", "s0", 0, i, b"x") for i in range(4)], 10)
     read = buf.read(4, 50)
     buf.log_trainer("a", 0, "")
@@ -203,6 +203,11 @@ def damaged_run(buf, damage: str) -> None:
         buf.log_step("a", step, [e.group_id for e in read[2 * step - 2:2 * step]])
         buf.log_checkpoint("a", step)
     buf.settle([(e.entry_id, e.group_id, "trained", 1) for e in read[:2]])
+
+
+def damaged_run(buf, damage: str) -> None:
+    """two_checkpointed_steps, then one record no trainer wrote."""
+    two_checkpointed_steps(buf)
     c, k = buf.client, buf.k
     if damage == "accepted":
         c.hset(k["audit:accepted"], "foreign", "not json")

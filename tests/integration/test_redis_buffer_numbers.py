@@ -15,6 +15,7 @@ from grpo_stream.common.rollouts.wire import GroupLimits
 from grpo_stream.protos import rollout_pb2
 from grpo_stream.reports.audit import build_audit
 from grpo_stream.trainer_service.ingest.rollout_ingest import IngestServicer
+from tests.integration.test_audit_compaction import two_checkpointed_steps
 from tests.integration.test_auth import dataset_group
 from tests.support import Aborted, AbortingContext
 
@@ -88,13 +89,7 @@ def test_a_compacted_count_hincrby_refuses_holds_compaction_back(buf, value):
     """read as a number by int(), the count was planned on; then its HINCRBY failed inside the transaction, whose
     other commands Redis still ran: the accepted records of the folded groups were deleted, their count never added,
     and the audit said OK with the groups gone from it."""
-    buf.append_many([group(i) for i in range(4)], max_groups=10)
-    read = buf.read(4, 50)
-    buf.log_trainer("a", 0, "")
-    for step in (1, 2):
-        buf.log_step("a", step, [e.group_id for e in read[2 * step - 2:2 * step]])
-        buf.log_checkpoint("a", step)
-    buf.settle([(e.entry_id, e.group_id, "trained", 1) for e in read[:2]])
+    two_checkpointed_steps(buf)
     buf.client.hset(buf.k["audit:compacted"], "accepted", value)
     plan = buf.compact_audit(1)
     assert plan.through_step == 0 and not plan.group_ids
