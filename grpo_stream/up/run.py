@@ -76,14 +76,14 @@ class _Child:
     def __init__(self, spec: ProcessSpec, log_dir: pathlib.Path, limits: LogLimits = LogLimits()):
         self.name, self.cmd, self.env, self.records = spec.name, list(spec.argv), dict(spec.env), (spec.record,)
         self.log_path, self.limits = log_dir / f"{spec.name}.log", limits
-        self.starts, self.proc = 0, None
+        self.starts, self.proc, self._told_to_stop = 0, None, False
 
     def start(self) -> None:
         # errors="replace": a line that is not UTF-8 must not end the relay (grpo_stream/up/relay.py)
         self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      encoding="utf-8", errors="replace", bufsize=1, start_new_session=True,
                                      **child_popen(self.env))  # it dies with `up`
-        self._group_ended = False
+        self._group_ended = self._told_to_stop = False
         if self.starts == 0 and self.log_path.exists():  # an earlier `up` here: its log may hold why it was resumed
             rotate(self.log_path, self.limits.keep)
         self._relay = threading.Thread(target=relay, args=(bounded_lines(self.proc.stdout), ChildLog(
@@ -101,7 +101,11 @@ class _Child:
         return self.proc is not None and self.proc.poll() is None
 
     def terminate(self) -> None:
-        if self.alive():
+        """SIGTERM, once per start: a process already stopping may be in its interpreter's shutdown, where Python
+        has put SIGTERM's default back, and a second one ended a cleanly stopping sampler with -15 (`up` told each
+        process on Ctrl-C, then told the samplers again once the trainer had checkpointed)."""
+        if self.alive() and not self._told_to_stop:
+            self._told_to_stop = True
             self.proc.send_signal(signal.SIGTERM)
 
     def kill(self) -> None:

@@ -277,3 +277,39 @@ def test_a_second_stop_signal_kills_every_process_at_once(tmp_path, monkeypatch)
     finally:
         stop.restore()
         trainer.kill()
+
+
+# stops on SIGTERM, then shuts its interpreter down slowly (as JAX's clients are torn down), saying when it is there
+SLOW_EXIT = ("import signal, sys, time\nstop = []\nsignal.signal(signal.SIGTERM, lambda *_: stop.append(1))\n"
+             "class Teardown:\n    def __del__(self):\n        print('finalizing', flush=True)\n        time.sleep(3)\n"
+             "sys.modules['teardown'] = type(sys)('teardown')\nsys.modules['teardown'].held = Teardown()\n"
+             "print('running', flush=True)\nwhile not stop:\n    time.sleep(0.02)\n")
+
+
+def test_a_sampler_already_stopping_is_not_told_again_and_exits_0(tmp_path):
+    """Ctrl-C (or SIGHUP) told every process to stop; once the trainer had checkpointed, `up` told the samplers
+    again. A sampler by then in its interpreter's shutdown (where Python has put SIGTERM's default back) died of the
+    second SIGTERM: summary.json said -15 for a sampler that stopped cleanly."""
+    (tmp_path / "logs").mkdir()
+    trainer = _Child(ProcessSpec("trainer", (sys.executable, "-c", STARTER.replace("END", "time.sleep(120)")),
+                                 dict(os.environ), "trainer", "trainer-0"), tmp_path / "logs")
+    sampler = _Child(ProcessSpec("sampler-0", (sys.executable, "-c", SLOW_EXIT), dict(os.environ), "sampler",
+                                 "sampler-0"), tmp_path / "logs")
+    log = tmp_path / "logs" / "sampler-0.log"
+
+    def said(word: str) -> None:
+        deadline = time.monotonic() + 30
+        while not (log.exists() and word in log.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.02)
+    try:
+        for unit in (trainer, sampler):
+            unit.start()
+        said("running")
+        for unit in (trainer, sampler):
+            unit.terminate()  # as after Ctrl-C
+        said("finalizing")
+        trainer_code, codes = up_run._wind_down(trainer, [], [sampler], grace_s=30, stopping=True)
+        assert trainer_code == 0 and codes == {"sampler-0": 0}
+    finally:
+        for unit in (trainer, sampler):
+            unit.kill()
