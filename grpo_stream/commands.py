@@ -138,8 +138,9 @@ def _prepare_process(args, cfg, name: str) -> None:
     settings and XLA's flags in the environment before JAX starts (it reads them once)."""
     from grpo_stream.plan.device_plan import device_env, own_process_env
     from grpo_stream.up.parent_death import watch_parent
-    from grpo_stream.common.runtime.process import setup_logging
+    from grpo_stream.common.runtime.process import hold_stop_signals, setup_logging
 
+    hold_stop_signals()  # until the loop's own handlers: a stop while JAX is imported must not kill it
     setup_logging(cfg.logging.level, name, cfg.logging.format, cfg.logging.verbose)
     watch_parent()  # a child of `up` stops when `up` is gone (grpo_stream/up/parent_death.py)
     os.environ.update(own_process_env(cfg, args.command, os.environ))

@@ -11,6 +11,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 from typing import Callable
 
 from grpo_stream.common.runtime.console import show_detail
@@ -72,11 +73,28 @@ def import_tensorboardx_without_torch() -> None:
 
 
 STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP")  # SIGHUP: a closed terminal or ssh session stops, never kills
+_STOPPED_WHILE_STARTING = threading.Event()
+
+
+def hold_stop_signals() -> None:
+    """From a service process's start until its loop calls stop_on_signals: a stop signal is kept, and the loop
+    stops as soon as it starts. SIGTERM's default killed the process (-15 in summary.json) when `up` was stopped while
+    a sampler still imported JAX. A second signal meanwhile ends it at once (130), as a second Ctrl-C does."""
+    def _held(_signum, _frame):
+        if _STOPPED_WHILE_STARTING.is_set():
+            raise KeyboardInterrupt  # the CLI's 130
+        _STOPPED_WHILE_STARTING.set()
+
+    for name in STOP_SIGNALS:
+        signum = getattr(signal, name)
+        if not (name == "SIGHUP" and signal.getsignal(signum) == signal.SIG_IGN):  # nohup: stays ignored
+            signal.signal(signum, _held)
 
 
 def stop_on_signals(stop_event, what: str) -> None:
     """SIGTERM, SIGINT and SIGHUP set `stop_event`: the process finishes `what` and exits cleanly (every retry loop
-    waits on the same event, so a stop is not held up by a dependency that is down)."""
+    waits on the same event, so a stop is not held up by a dependency that is down). A stop signal held since the
+    process started (hold_stop_signals) sets it at once."""
     log = logging.getLogger("grpo_stream.signals")
 
     def _stop(signum, _frame):
@@ -88,6 +106,9 @@ def stop_on_signals(stop_event, what: str) -> None:
         if name == "SIGHUP" and signal.getsignal(signum) == signal.SIG_IGN:
             continue  # started under nohup: logging out must not stop it
         signal.signal(signum, _stop)
+    if _STOPPED_WHILE_STARTING.is_set():
+        log.warning("a stop signal came while the process started: stopping before the first %s", what)
+        stop_event.set()
 
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>

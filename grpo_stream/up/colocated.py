@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import logging
 import pathlib
-import signal
 import threading
+import types
 
 import jax
 
@@ -26,6 +26,7 @@ from grpo_stream.common.registry.transports import TRANSPORTS, transport_spec
 from grpo_stream.sampler_service.loop import Sampler
 from grpo_stream.trainer_service.loop import Trainer
 from grpo_stream.common.runtime.errors import PermanentError
+from grpo_stream.common.runtime.process import stop_on_signals
 
 log = logging.getLogger(__name__)
 
@@ -65,14 +66,12 @@ def run_colocated(cfg: RunConfig, run_dir: pathlib.Path) -> dict:
             failures.append(exc)
             trainer.stop_event.set()
 
-    def _stop(signum, _frame):
-        log.warning("signal %d: finishing the current step and batches, then stopping", signum)
+    def _stop_all() -> None:
         trainer.stop_event.set()
         for sampler in samplers:
             sampler.stop_event.set()
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, _stop)
+    stop_on_signals(types.SimpleNamespace(set=_stop_all), "step and batches")  # a stop held since start-up too
     threads = [threading.Thread(target=_sample, args=(s,), name=s.sampler_id, daemon=True) for s in samplers]
     for thread in threads:
         thread.start()

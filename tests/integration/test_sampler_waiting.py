@@ -14,7 +14,12 @@ A sampler of its own (`grpo-stream sampler --run-dir D`) made D only with its fi
 from __future__ import annotations
 
 import json
+import os
+import pathlib
+import signal
 import socket
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -23,7 +28,7 @@ from grpo_stream.common.config.loading import load_config
 from grpo_stream.common.assembly.parts import build_task_and_tokenizer
 from grpo_stream.common.runtime.heartbeat import beat_path
 from grpo_stream.sampler_service.loop import Sampler
-from tests.conftest import CONFIGS
+from tests.conftest import CONFIGS, ROOT
 from tests.support import serve, wait_for
 
 CONFIG = CONFIGS / "tiny_arith_smoke.yaml"
@@ -67,3 +72,35 @@ def test_a_sampler_stopped_before_its_first_weights_writes_its_summary_into_a_ne
         result = sampler.run()
     assert result["versions"] == [] and result["groups"] == 0
     assert json.loads((run_dir / "sampler-0.json").read_text())["sampler_id"] == "sampler-0"
+
+
+def jax_loading(pid: int) -> bool:
+    """JAX's compiled core is mapped: the process is importing JAX (seconds before its loop can handle a signal)."""
+    try:
+        return "jaxlib/_jax" in pathlib.Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+
+
+def test_a_sampler_stopped_while_it_imports_jax_exits_0_with_its_summary(tmp_path):
+    """`up` stopped (Ctrl-C, SIGHUP) while a sampler was still starting: SIGTERM's default killed it (-15 in
+    summary.json) where a sampler stopped a second later exited 0. The stop is now held from the process's start
+    and the sampler stops as its loop starts."""
+    with socket.socket() as sock:  # the trainer not up yet (as in the test above)
+        sock.bind(("127.0.0.1", 0))
+        run_dir = tmp_path / "run"
+        proc = subprocess.Popen([sys.executable, "-m", "grpo_stream", "sampler", "--config", str(CONFIG), "--index",
+                                 "0", "--run-dir", str(run_dir), f"sampler.trainer_address=127.0.0.1:"
+                                 f"{sock.getsockname()[1]}", "auth.mode=none", "sampler.metrics_port=null"],
+                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        try:
+            wait_for(lambda: jax_loading(proc.pid) or proc.poll() is not None, 120, "the sampler to import JAX",
+                     interval_s=0.005)
+            proc.send_signal(signal.SIGTERM)
+            output, _ = proc.communicate(timeout=120)
+        finally:
+            proc.kill()
+    assert proc.returncode == 0, output[-3000:]
+    assert "a stop signal came while the process started" in output, output[-3000:]
+    assert json.loads((run_dir / "sampler-0.json").read_text())["groups"] == 0
