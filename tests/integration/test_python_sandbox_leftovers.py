@@ -13,7 +13,7 @@ import pytest
 
 from grpo_stream.common.tools import python_sandbox
 from grpo_stream.common.tools.python_sandbox import SandboxLimits, run_python
-from tests.integration.test_python_sandbox_parent import non_root_parent
+from tests.integration.test_python_sandbox_parent import as_user_argv, non_root_parent
 from tests.sandbox_support import LIMITS, children_of, confined, still_works
 
 
@@ -233,8 +233,8 @@ _remove_tree(path)
 print(os.path.exists(path))
 """
     try:
-        done = subprocess.run([python, "-I", "-c", script], capture_output=True, text=True, timeout=60, cwd="/",
-                              **as_user)
+        done = subprocess.run(as_user_argv([python, "-I", "-c", script], as_user), capture_output=True, text=True,
+                              timeout=60, cwd="/")
         assert done.returncode == 0 and done.stdout == "False\n", done
     finally:
         if os.path.exists(workdir):

@@ -72,17 +72,31 @@ def attempts_code(attempts: dict[str, str]) -> str:
     return code + "print('own NOFILE', *resource.getrlimit(resource.RLIMIT_NOFILE))\n"
 
 
+# sets no supplementary groups, then the gid and uid given, and execs the rest. subprocess's own user= and group=
+# make it fork without vfork: in a pytest worker where an earlier test left gRPC running, gRPC's fork handlers
+# restart its threads in the child, which crash it (SIGSEGV, SIGABRT) once subprocess closes their descriptors
+SWITCH_USER = ("import os, sys; os.setgroups([]); os.setgid(int(sys.argv[2])); os.setuid(int(sys.argv[1])); "
+               "os.execv(sys.argv[3], sys.argv[3:])")
+
+
+def as_user_argv(argv: list[str], as_user: dict) -> list[str]:
+    """`argv` run as `as_user` (from non_root_parent; {}: as this process)."""
+    if not as_user:
+        return list(argv)
+    return [sys.executable, "-I", "-S", "-c", SWITCH_USER, str(as_user["user"]), str(as_user["group"]), *argv]
+
+
 def non_root_parent() -> tuple[str, dict]:
-    """A Python and the subprocess arguments that run it as a non-root uid: this process's own when it is not
+    """A Python, and the uid and gid (as_user_argv) that run it as a non-root uid: this process's own when it is not
     root, else uid/gid 65534 with a Python that uid can run (pyenv under /root is unreadable to it); skips when
     there is none."""
     if os.geteuid() != 0:
         return sys.executable, {}
-    as_nobody = {"user": 65534, "group": 65534, "extra_groups": []}
+    as_nobody = {"user": 65534, "group": 65534}
     for python in (sys.executable, "/usr/bin/python3"):
         try:
-            probe = subprocess.run([python, "-I", "-c", "import json, resource, subprocess"], cwd="/",
-                                   capture_output=True, timeout=30, **as_nobody)
+            probe = subprocess.run(as_user_argv([python, "-I", "-c", "import json, resource, subprocess"], as_nobody),
+                                   cwd="/", capture_output=True, timeout=30)
         except (OSError, subprocess.SubprocessError):
             continue
         if probe.returncode == 0:
@@ -101,8 +115,8 @@ def run_under_non_root_parent(code: str, confine: bool, seccomp: bool) -> dict:
         settings = python_sandbox.child_settings(LIMITS, workdir, None, confine=confine)
         settings["seccomp"] = seccomp
         job = json.dumps({"bootstrap": BOOTSTRAP, "settings": json.dumps(settings), "code": code, "workdir": workdir})
-        done = subprocess.run([python, "-I", "-c", DRIVER], input=job, cwd=workdir, capture_output=True, text=True,
-                              timeout=60, start_new_session=True, **as_user)
+        done = subprocess.run(as_user_argv([python, "-I", "-c", DRIVER], as_user), input=job, cwd=workdir,
+                              capture_output=True, text=True, timeout=60, start_new_session=True)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     assert done.returncode == 0, f"the parent died ({done.returncode}): {done.stderr}"
