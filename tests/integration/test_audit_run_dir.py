@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -68,17 +69,23 @@ def test_a_stopped_runs_data_is_audited_by_a_redis_of_its_own(live_run):
 
 def test_audits_own_redis_holds_the_run_directory_while_it_lives(live_run):
     """Audit's own redis-server on a stopped run's data held no lock of its own: were audit killed, its Redis lived
-    on (until its death signal) on the run's AOF with the directory free for an `up` to start a second one."""
-    from grpo_stream.reports.audit import _client_for  # noqa: PLC0415
-
+    on (until its death signal) on the run's AOF with the directory free for an `up` to start a second one. (In a
+    process of its own, as audit runs: its death signal is a preexec_fn, so subprocess forks without vfork, and in a
+    pytest worker an earlier test's gRPC threads would be restarted in the child by gRPC's fork handlers.)"""
     run_dir, server, lock = live_run
     server.stop()
     lock.release()
-    client, _, (own, own_lock) = _client_for(run_dir, None)
+    child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import pathlib, time
+        from grpo_stream.reports.audit import _client_for
+        client, _, (own, own_lock) = _client_for(pathlib.Path({str(run_dir)!r}), None)
+        print(own.proc.pid, own_lock.path, flush=True)
+        time.sleep(60)
+        """)], stdout=subprocess.PIPE, text=True)
     try:
-        held = {os.path.realpath(f"/proc/{own.proc.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{own.proc.pid}/fd")}
-        assert str(own_lock.path) in held  # the server holds the locked file too
+        redis_pid, lock_path = child.stdout.readline().split(maxsplit=1)
+        held = {os.path.realpath(f"/proc/{redis_pid}/fd/{fd}") for fd in os.listdir(f"/proc/{redis_pid}/fd")}
+        assert lock_path.strip() in held  # the server holds the locked file too
     finally:
-        client.close()
-        own.stop()
-        own_lock.release()
+        child.kill()
+        child.wait()
