@@ -47,8 +47,15 @@ _CACHE_TMP = pytest.StashKey[str]()
 def pytest_configure(config):
     """One persistent JAX compilation cache for the whole run ($GRPO_STREAM_TEST_CACHE_DIR, else a fresh temporary
     directory): every process the tests start inherits it through the environment, and this process uses it too,
-    so each program compiles once per run, not once per test process."""
+    so each program compiles once per run, not once per test process.
+
+    gRPC's fork handlers are off in the test processes (before any test starts gRPC): a test that starts a process
+    by fork() (a preexec_fn, subprocess's user=) in a worker where an earlier test used gRPC had them restart gRPC's
+    threads in the child, which crashed it before its exec (SIGSEGV or SIGABRT, about 1 start in 300). The processes
+    the project starts from its gRPC processes are vfork()ed and run no fork handlers."""
     import tempfile
+
+    os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
 
     from grpo_stream.common.config.process import COMPILATION_CACHE_ENV
     from grpo_stream.common.assembly.compilation_cache import enable_compilation_cache
