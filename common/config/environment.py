@@ -52,8 +52,9 @@ class EnvironmentSection(Strict):
     max_calls_per_turn: int = Field(8, ge=1, le=1024, description="Tool calls run for one model turn; the calls "
                                     "past it are answered with an error naming this setting, not run.")
     turn_tool_seconds: float = Field(30.0, gt=0, le=86_400, description="Wall time the tool calls of one model turn "
-                                     "may take together; once spent, its remaining calls are answered with an error, "
-                                     "not run (each call also has its own limit: python_tool.wall_seconds).")
+                                     "may take together; a call still running then is given up and the remaining "
+                                     "ones are not run, each answered with an error (each python call also has its "
+                                     "own limit: python_tool.wall_seconds).")
     turn_reward_weight: float = Field(1.0, ge=0, le=1000, description="Weight of the sum of an episode's per-turn "
                                       "rewards, added to its task.rewards total.")
     tool_latency_s: float = Field(0.0, ge=0, le=600, description="Seconds added to every environment step (a "
