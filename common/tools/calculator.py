@@ -73,6 +73,13 @@ def _float_text(value: float) -> str:
     return f"{value:.{digits}g}"
 
 
+def _shown_number(value) -> str:
+    """`value` for an error text: an integer of over 20 digits by its size (2 ** ((2**64)**63) was answered with its
+    exponent's 1,214 digits, an error that filled the episode's tokens instead of saying what to change)."""
+    text = str(value)
+    return f"of {len(text.lstrip('-'))} digits" if isinstance(value, int) and len(text) > 20 else text
+
+
 def _evaluate(node: ast.expr):
     """The value of an arithmetic syntax tree; anything but numbers and the operators above is refused."""
     if isinstance(node, ast.Constant) and type(node.value) in (int, float):
@@ -85,7 +92,7 @@ def _evaluate(node: ast.expr):
     if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
         left, right = _evaluate(node.left), _evaluate(node.right)
         if isinstance(node.op, ast.Pow) and abs(right) > MAX_EXPONENT:
-            raise ValueError(f"exponent {right} is outside -{MAX_EXPONENT}..{MAX_EXPONENT}")
+            raise ValueError(f"exponent {_shown_number(right)} is outside -{MAX_EXPONENT}..{MAX_EXPONENT}")
         _check_size(node.op, left, right)
         return _OPERATORS[type(node.op)](left, right)
     raise ValueError(f"{type(node).__name__} is not allowed")

@@ -53,3 +53,11 @@ def test_an_operator_not_allowed_is_named(expression, named):
 def test_a_float_overflow_says_the_result_is_too_large(expression):
     """`(1e300) ** 2` was answered with the C library's "(34, 'Numerical result out of range')"."""
     assert calculator(expression).startswith("error: the result is too large")
+
+
+def test_a_huge_exponent_is_named_by_its_size_not_its_digits():
+    """`2 ** ((2**64)**63)` (17 characters) was answered with the exponent's 1,214 digits: an error that filled the
+    episode's token budget instead of saying what to change."""
+    answer = calculator("2 ** ((2**64)**63)")
+    assert answer.startswith("error: exponent of 1214 digits is outside -64..64; use numbers"), answer[:120]
+    assert len(answer) < 200
