@@ -353,8 +353,10 @@ def _run_processes(cfg: RunConfig, run_dir: pathlib.Path, specs: list[ProcessSpe
         stop.restore()
     restarts = {name: watch.supervisor.restarts[name] for name in
                 ["redis-server"] * (redis_server is not None) + [child.name for child in children]}
+    # a sampler that failed within its budget and still waits out its back-off was being healed, not a failed run
+    pending = tuple(child.name for child in samplers if watch.supervisor.waiting(child.name))
     return RunEnd(Outcome("interrupted") if stop.interrupted else outcome, trainer_code, sampler_codes, restarts,
-                  trainer.log_path)
+                  trainer.log_path, pending)
 
 
 def _wind_down(trainer, helpers: list[_Child], samplers: list[_Child], grace_s: float,

@@ -35,6 +35,12 @@ class RunEnd:
     sampler_codes: dict[str, int | None]
     restarts: dict[str, int]
     trainer_log: pathlib.Path
+    restart_pending: tuple[str, ...] = ()  # samplers that failed within their budget, their restart not yet due
+
+    def failed_samplers(self) -> dict[str, int | None]:
+        """The samplers that ended with a code other than 0, but those whose restart was pending."""
+        return {name: code for name, code in self.sampler_codes.items()
+                if code != 0 and name not in self.restart_pending}
 
     def failure(self) -> dict | None:
         """The failure that stopped the run, for summary.json: the process, what kind, why; None when none did."""
@@ -51,7 +57,7 @@ class RunEnd:
             return EXIT_PERMANENT
         if not summary_written or self.outcome.reason == "gave_up":
             return EXIT_FAILURE
-        return EXIT_OK if all(code == 0 for code in self.sampler_codes.values()) else EXIT_FAILURE
+        return EXIT_FAILURE if self.failed_samplers() else EXIT_OK
 
 
 class RunSummary:
@@ -69,7 +75,7 @@ class RunSummary:
             say_now(done_line(summary, self.path))
         # what failed, last and on stderr, also after a summary the trainer could still write (its stop was clean):
         # else the last line of a run stopped by a crash-looping sampler read "[up] done in ..."
-        failed_samplers = {name: code for name, code in end.sampler_codes.items() if code != 0}
+        failed_samplers = end.failed_samplers()
         if end.outcome.reason == "gave_up":  # the process whose budget ran out, not the trainer up then stopped
             say_now(f"grpo-stream up: {end.outcome.process} gave up: {end.outcome.message}; see "
                     f"{self.log_of(end.outcome.process)}", sys.stderr)
@@ -107,6 +113,8 @@ class RunSummary:
         summary["wall_seconds"] = round(time.time() - self.started, 2)
         summary["sampler_exit_codes"] = end.sampler_codes
         summary["restarts"] = end.restarts
+        if end.restart_pending:  # their exit codes are of a failure `up` was restarting them from
+            summary["samplers_restart_pending"] = list(end.restart_pending)
         if end.failure() is not None:
             summary["failure"] = end.failure()
         run_dir = self.path.parent
