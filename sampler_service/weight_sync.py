@@ -105,6 +105,10 @@ class WeightSync:
         # the newest version fetched whole (installed, or handed over and waiting for the engine): never fetched again
         self.fetched_version, self.fetched_epoch = -1, ""
         self.latest_seen = -1  # newest version seen from the installed version's trainer epoch
+        # latest_seen is raised by the fetch thread, the feeder's reports and the engine's installs: a read-max-write
+        # not under this lock could write back, after an install of a restarted trainer's (lower) version reset it,
+        # the old epoch's number, and the sampler then held generation as too stale until the new trainer caught up
+        self._seen_lock = threading.Lock()
         self.failures, self._next_attempt = 0, 0.0
         self.background = background
         self._pending: concurrent.futures.Future | None = None
@@ -204,7 +208,7 @@ class WeightSync:
             manifest = _not_final(manifest)
         new_epoch = manifest.trainer_epoch != self.fetched_epoch
         if not new_epoch:
-            self.latest_seen = max(self.latest_seen, manifest.version)
+            self._saw(manifest.version)
         if not new_epoch and (manifest.version < self.fetched_version or (
                 manifest.version == self.fetched_version and not manifest.final)):
             return None
@@ -279,10 +283,11 @@ class WeightSync:
     def mark_installed(self, got: Installed, report: bool = True) -> None:
         """`got` is in use now; `report`: tell the trainer at once (else the caller reports later, off the engine's
         thread)."""
-        if got.epoch != self.installed_epoch:
-            self.latest_seen = got.version
-        self.installed = got
-        self.latest_seen = max(self.latest_seen, got.version)
+        with self._seen_lock:
+            if got.epoch != self.installed_epoch:
+                self.latest_seen = got.version
+            self.installed = got
+            self.latest_seen = max(self.latest_seen, got.version)
         if report:
             self.report()
 
@@ -297,9 +302,13 @@ class WeightSync:
                 groups_generated=self.groups_generated, process=self.process),
                 timeout=2)
             if reply.latest_version >= 0:
-                self.latest_seen = max(self.latest_seen, reply.latest_version)
+                self._saw(reply.latest_version)
         except grpc.RpcError:
             pass
+
+    def _saw(self, version: int) -> None:
+        with self._seen_lock:
+            self.latest_seen = max(self.latest_seen, version)
 
 
 def _not_final(manifest: weights_pb2.WeightManifest) -> weights_pb2.WeightManifest:
