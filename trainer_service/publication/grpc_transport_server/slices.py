@@ -15,6 +15,12 @@ from grpo_stream.common.weights.snapshot import WeightSnapshot, WeightTransferEr
 from grpo_stream.protos import weights_pb2
 from grpo_stream.trainer_service.publication.publisher import WeightPublisher
 
+# A sampler asks for each tensor's slices its devices hold (devices x a multi-host trainer's processes): thousands for
+# the largest models. The byte check below does not bound the count (each slice may be one element), and every slice
+# costs a plan entry and a chunk with its framing: a 64 MiB request of one-element slices held a trainer thread on
+# millions of them. The data plane's 1 MiB request limit (tcp_wire.MAX_REQUEST_BYTES) allows about as many as this.
+MAX_SLICES_PER_FETCH = 1 << 17
+
 
 class Plan(list):
     """(tensor index, slice index, host array, box) per requested slice, and the snapshot they come from: held as
@@ -51,6 +57,11 @@ class SliceServer:
             raise FetchRefused(grpc.StatusCode.NOT_FOUND,
                                f"version {request.version} is not held (latest: "
                                f"{None if snapshot is None else snapshot.version}); ask for the manifest again")
+        asked_slices = sum(len(tensor.slices) for tensor in request.tensors)
+        if asked_slices > MAX_SLICES_PER_FETCH:
+            raise FetchRefused(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"tensors.slices: {asked_slices} slices in one fetch, more than {MAX_SLICES_PER_FETCH}; "
+                               "ask for each device's slice of a tensor once, over several fetches if need be")
         arrays = list(snapshot.arrays.values())
         plan = Plan(snapshot)
         try:

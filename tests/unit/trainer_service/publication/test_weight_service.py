@@ -12,6 +12,7 @@ import pytest
 from grpo_stream.common.rpc.grpc_util import CHANNEL_OPTIONS, SERVER_OPTIONS
 from grpo_stream.common.weights.snapshot import WeightSnapshot
 from grpo_stream.protos import weights_pb2, weights_pb2_grpc
+from grpo_stream.trainer_service.publication.grpc_transport_server.slices import MAX_SLICES_PER_FETCH
 from grpo_stream.trainer_service.publication.publisher import WeightPublisher
 from grpo_stream.trainer_service.publication.weight_service import WeightService
 from tests.support import Aborted, AbortingContext
@@ -131,3 +132,22 @@ def test_an_overlong_sampler_id_is_refused_naming_the_field_and_never_held():
     service.ReportVersion(weights_pb2.VersionReport(sampler_id="sampler-0", installed_version=1, trainer_epoch="e1"),
                           None)
     assert publisher.samplers.installed == {"sampler-0": [1]}
+
+
+def test_a_fetch_of_too_many_slices_is_refused_naming_the_field_before_any_is_planned():
+    """Slices of one element each stay within the version's bytes, yet each costs the trainer a plan entry and a
+    chunk: a request of millions (a 64 MiB message holds that many) held a server thread on them."""
+    publisher = WeightPublisher(chunk_bytes=1 << 20, epoch="e1")
+    service = WeightService(publisher)
+    count = MAX_SLICES_PER_FETCH + 1
+    publisher.publish(WeightSnapshot(1, {"w": np.zeros(count, dtype=np.int8)}))
+    ones = weights_pb2.TensorSlices(tensor_index=0, slices=[weights_pb2.SliceRange(start=[i], stop=[i + 1])
+                                                            for i in range(count)])
+    context = AbortingContext()
+    with pytest.raises(Aborted):
+        next(service.FetchSlices(weights_pb2.FetchSlicesRequest(version=1, tensors=[ones]), context))
+    assert context.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert context.details.startswith(f"tensors.slices: {count} slices in one fetch, more than {MAX_SLICES_PER_FETCH}")
+    del ones.slices[1:]
+    chunks = list(service.FetchSlices(weights_pb2.FetchSlicesRequest(version=1, tensors=[ones]), None))
+    assert [c.data for c in chunks] == [b"\0"]
