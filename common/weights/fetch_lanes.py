@@ -77,14 +77,19 @@ class FetchLanes:
                                    "and a margin); cancelled")
         return [f.result() for f in self._futures]
 
-    def _cancel(self) -> None:
+    def abort(self) -> None:
+        """End every lane from another thread, without waiting for them: what they opened is cancelled or shut, and
+        one not started yet never starts."""
         with self._lock:
             self.cancelled, cancels = True, self._cancels
             self._cancels = []
-        for future in self._futures:
-            future.cancel()  # one not started yet never starts
+        for future in list(self._futures):
+            future.cancel()
         for cancel in cancels:
             cancel()
+
+    def _cancel(self) -> None:
+        self.abort()
         # a cancelled call or shut socket ends its lane at once; a connect or TLS handshake within its own timeout
         _, running = concurrent.futures.wait(self._futures, timeout=self.wait_s)
         if running:

@@ -18,7 +18,9 @@ import concurrent.futures
 import functools
 import logging
 import socket
+import threading
 import time
+import weakref
 
 import grpc
 import jax
@@ -28,7 +30,7 @@ from grpo_stream.common.model.sharding import needed_slices
 from grpo_stream.common.rpc.grpc_util import ClientSecurity, open_channel
 from grpo_stream.common.runtime.errors import TRANSIENT_GRPC, PermanentError
 from grpo_stream.common.weights import tcp_wire
-from grpo_stream.common.weights.fetch_lanes import FetchLanes, shut
+from grpo_stream.common.weights.fetch_lanes import FetchCancelled, FetchLanes, shut
 from grpo_stream.common.weights.host_staging import HostStaging
 from grpo_stream.common.weights.host_shards import add_sources, host_shard_snapshot, relative, split_box
 from grpo_stream.common.weights.receive_buffers import ReceiveBuffers
@@ -132,6 +134,10 @@ class GrpcFetcher:
         self._multi_host_logged = False
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=streams, thread_name_prefix="fetch")
         self._pool_size = streams
+        # the fetches in flight, ended by close(): a data-plane lane is a raw socket (channel.close() does not end
+        # it) in a pool thread the interpreter joins at exit, so a stopped sampler lived on until the fetch ended
+        self._attempts: weakref.WeakSet[FetchLanes] = weakref.WeakSet()
+        self._attempts_lock, self._closed = threading.Lock(), False
 
     def latest(self, installed_version: int) -> weights_pb2.WeightManifest | None:
         try:
@@ -184,7 +190,7 @@ class GrpcFetcher:
             return arr if arr.dtype == target.dtype else _cast(arr, target.dtype)
 
         stream = self._stream_tcp if self.data_host and manifest.data_port else self._stream
-        attempt = FetchLanes(self._pool, self.timeout_s + 5)
+        attempt = self._attempt(self._pool)
         for lane in lanes:
             if lane:
                 attempt.submit(stream, manifest, lane, place)
@@ -197,10 +203,23 @@ class GrpcFetcher:
 
     def close(self) -> None:
         """Stop the fetch threads and close the channels to a multi-host trainer's other hosts (a fetch in flight
-        ends at its deadline; nothing waits for it)."""
+        is ended: its calls cancelled, its sockets shut; nothing waits for it)."""
+        with self._attempts_lock:
+            self._closed, attempts = True, list(self._attempts)
+        for attempt in attempts:
+            attempt.abort()
         self._pool.shutdown(wait=False, cancel_futures=True)
         for channel in self._host_channels:
             channel.close()
+
+    def _attempt(self, pool: concurrent.futures.Executor) -> FetchLanes:
+        """A fetch's lanes, ended by close() (FetchCancelled once closed)."""
+        attempt = FetchLanes(pool, self.timeout_s + 5)
+        with self._attempts_lock:
+            if self._closed:
+                raise FetchCancelled("the weight fetcher was closed")
+            self._attempts.add(attempt)
+        return attempt
 
     def _pool_for(self, lanes: int) -> concurrent.futures.ThreadPoolExecutor:
         """The pool, grown to run `lanes` at once: a multi-host fetch has a lane per trainer process, and one queued
@@ -250,7 +269,7 @@ class GrpcFetcher:
                     view = out[rel] if rel else out  # (indexing a 0-d array with () gives a scalar copy, not a view)
                     if view.flags.c_contiguous:  # e.g. rows of an fsdp-sharded weight: no copy after receiving
                         into[(t, box_key(part))] = view
-        attempt = FetchLanes(self._pool_for(len(per_host)), self.timeout_s + 5)
+        attempt = self._attempt(self._pool_for(len(per_host)))
         for host, tensors in per_host.items():
             lane = [(0, t, boxes) for t, boxes in tensors.items()]
             where = manifest.hosts[host]

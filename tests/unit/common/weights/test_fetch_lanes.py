@@ -17,11 +17,13 @@ import pytest
 
 from grpo_stream.common.rpc.grpc_util import CHANNEL_OPTIONS, SERVER_OPTIONS
 from grpo_stream.common.weights import tcp_wire
+from grpo_stream.common.weights.fetch_lanes import FetchCancelled
 from grpo_stream.common.weights.grpc_transport import GrpcFetcher, GrpcSink
 from grpo_stream.common.weights.snapshot import WeightTransferError
 from grpo_stream.protos import weights_pb2, weights_pb2_grpc
 from grpo_stream.trainer_service.publication.publisher import WeightPublisher
 from grpo_stream.trainer_service.publication.weight_service import WeightService
+from tests.support import wait_for
 
 TIMEOUT_S = 20  # a lane held past this fails the test's assertions anyway (it is what the unfixed fetch waited)
 
@@ -120,8 +122,9 @@ class SilentDataPlane:
     """A TCP data plane on loopback that refuses (UNAVAILABLE) a request for tensor `failing` and answers nothing to
     any other, until the client shuts or closes its end."""
 
-    def __init__(self, failing: int):
-        self.failing = failing
+    def __init__(self, failing: int, stall_after_status: bool = False):
+        self.failing, self.stall_after_status, self.stalled = failing, stall_after_status, 0
+        self.conns: list[socket.socket] = []  # shut by stop(): a lane still reading from one ends
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
         threading.Thread(target=self._accept, daemon=True).start()
@@ -132,6 +135,7 @@ class SilentDataPlane:
                 conn, _ = self.listener.accept()
             except OSError:  # closed by stop()
                 return
+            self.conns.append(conn)
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
     def _serve(self, conn):
@@ -143,11 +147,19 @@ class SilentDataPlane:
             if any(t.tensor_index == self.failing for t in request.tensors):
                 conn.sendall(tcp_wire.encode_status(grpc.StatusCode.UNAVAILABLE.value[0], "injected"))
                 return
+            if self.stall_after_status:  # the transfer starts, and stops (a trainer stalled, a link cut)
+                conn.sendall(tcp_wire.encode_status(0))
+                self.stalled += 1
             while conn.recv(1 << 16):  # silent until the client shuts or closes its end
                 pass
 
     def stop(self):
         self.listener.close()
+        for conn in self.conns:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:  # already closed
+                pass
 
 
 def test_a_data_plane_lane_is_shut_when_another_lane_of_its_fetch_fails(served):
@@ -161,6 +173,37 @@ def test_a_data_plane_lane_is_shut_when_another_lane_of_its_fetch_fails(served):
             fetcher.fetch(manifest, targets)
         # the silent lane's socket was shut, and it made no fall-back call over gRPC: the fetch is over
         assert fetcher.running == 0
+    finally:
+        plane.stop()
+        fetcher.close()
+
+
+def test_closing_the_fetcher_ends_a_data_plane_fetch_in_flight(served):
+    """A sampler stopped mid-fetch closes its fetcher. Data-plane lanes are raw sockets, which closing the gRPC
+    channel does not end, in pool threads the interpreter joins at exit: the stopped sampler lived on until the
+    fetch's deadline (sampler.rpc_timeout_s, up to an hour)."""
+    _, channel, _, targets = served
+    fetcher = GrpcFetcher(channel, "sampler-0", streams=2, timeout_s=600, data_host="127.0.0.1")
+    manifest = fetcher.latest(-1)
+    plane = SilentDataPlane(failing=-1, stall_after_status=True)
+    manifest.data_port = plane.port
+    outcome: list = []
+
+    def fetch():
+        try:
+            fetcher.fetch(manifest, targets)
+        except Exception as exc:  # noqa: BLE001 - what the fetch ended with is the test's to check
+            outcome.append(exc)
+
+    thread = threading.Thread(target=fetch, daemon=True)
+    try:
+        thread.start()
+        wait_for(lambda: plane.stalled == 2, TIMEOUT_S, "both lanes receiving from the stalled data plane")
+        fetcher.close()
+        wait_for(lambda: not thread.is_alive(), TIMEOUT_S, "the fetch to end once its fetcher was closed")
+        assert len(outcome) == 1 and not isinstance(outcome[0], AssertionError)
+        with pytest.raises(FetchCancelled, match="closed"):  # and none starts after
+            fetcher.fetch(manifest, targets)
     finally:
         plane.stop()
         fetcher.close()
