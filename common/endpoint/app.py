@@ -227,10 +227,12 @@ async def _answer(request: Request, route: str, work, timeout_s: float, stream=N
     (an error is still a JSON answer: nothing was streamed yet)."""
     try:
         answer = await _unless_client_leaves(request, work)
-        if stream is not None:
+        if stream is not None:  # (Starlette iterates a plain iterator's events in its thread pool)
             return StreamingResponse(sse_events(answer, stream.include_usage), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        return JSONResponse(answer)
+        # written off the event loop, as the answer was built: n long choices with logprobs are megabytes of JSON
+        # and a second of the loop, every other client unread meanwhile
+        return Response(await asyncio.to_thread(_json_bytes, answer), media_type="application/json")
     except ClientLeft:
         log.info("endpoint: %s left before its answer to %s; its sequences were withdrawn", _peer(request), route)
         return _error(400, "the client left before its answer")
@@ -250,6 +252,11 @@ async def _answer(request: Request, route: str, work, timeout_s: float, stream=N
         log.error("endpoint: %s from %s failed: %s: %s", route, _peer(request), type(exc).__name__,
                   str(exc)[:300])
         return _error(500, "the endpoint failed on this request (the sampler's log says why)", "server_error")
+
+
+def _json_bytes(answer: dict[str, Any]) -> bytes:
+    """`answer` as JSONResponse writes it (UTF-8, compact; NaN refused)."""
+    return json.dumps(answer, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")).encode()
 
 
 def _validated(model: type[pydantic.BaseModel], body: bytes) -> Any:
