@@ -54,7 +54,8 @@ class EnvironmentSection(Strict):
     turn_tool_seconds: float = Field(30.0, gt=0, le=86_400, description="Wall time the tool calls of one model turn "
                                      "may take together; a call still running then is given up and the remaining "
                                      "ones are not run, each answered with an error (each python call also has its "
-                                     "own limit: python_tool.wall_seconds).")
+                                     "own limit: python_tool.wall_seconds). An environment's whole step may take this "
+                                     "plus 30 s; one still running then ends its episode with an error.")
     turn_reward_weight: float = Field(1.0, ge=0, le=1000, description="Weight of the sum of an episode's per-turn "
                                       "rewards, added to its task.rewards total.")
     tool_latency_s: float = Field(0.0, ge=0, le=600, description="Seconds added to every environment step (a "

@@ -38,6 +38,45 @@ from grpo_stream.common.environments.render import renderer_for
 from grpo_stream.common.episodes.result import EpisodeResult
 from grpo_stream.common.episodes.stream import GroupRun
 
+# past environment.turn_tool_seconds (what a turn's tool calls may take together), what an environment's step may take
+# besides them (parsing, a simulated user's reply) before it is given up
+STEP_MARGIN_S = 30.0
+# more characters than any token of a tokenizer's vocabulary spells (its longest: runs of spaces or of '=', tens of
+# characters): an observation of more than this many characters a token left is longer than the episode's room
+MAX_CHARS_PER_TOKEN = 256
+NO_ROOM: list[int] = []  # `_answer`'s answer (compared by identity) for an observation the episode has no room for
+
+
+class StepTimedOut(Exception):
+    """An environment's step did not answer within its bound (EpisodeSettings.step_seconds)."""
+
+
+def bounded_step(episode, turn_text: str, seconds: float | None):
+    """`episode.step(turn_text)`, or StepTimedOut once `seconds` pass: a step that hangs (a user-written
+    environment's) held its worker, its episode and its group for ever, and `workers` such steps every episode of the
+    sampler. The step runs on a daemon thread of its own, given up, not stopped (Python cannot stop a thread): what
+    it answers late is dropped, and it never holds up the process's exit. What it raises is raised here."""
+    if seconds is None:
+        return episode.step(turn_text)
+    outcome: list = []
+
+    def run() -> None:
+        try:
+            outcome.append((True, episode.step(turn_text)))
+        except BaseException as exc:  # noqa: BLE001 - handed to the worker, which ends the episode with it
+            outcome.append((False, exc))
+
+    thread = threading.Thread(target=run, name=f"{threading.current_thread().name}-step", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if not outcome:
+        raise StepTimedOut(f"the environment's step did not answer within {seconds:g} s (environment."
+                           f"turn_tool_seconds + {STEP_MARGIN_S:g} s); it was given up")
+    answered, value = outcome[0]
+    if not answered:
+        raise value
+    return value
+
 
 @dataclasses.dataclass(frozen=True)
 class EpisodeSettings:
@@ -46,6 +85,7 @@ class EpisodeSettings:
     episode_tokens: int            # most tokens after the prompt, model and observation tokens together
     tool_latency_s: float = 0.0    # added to every environment step (benchmarks: a simulated slow tool)
     hold_kv: bool = False          # keep a waiting episode's cache in its slot (engines that can: held_turns.py)
+    step_seconds: float | None = None  # most wall time of one environment step (None: unbounded); `build` derives it
 
 
 class _Episode:
@@ -115,7 +155,7 @@ class _Episode:
             # ended by the environment: an answer cut at turn_max_new_tokens is still cut (truncated, as at max_turns;
             # it was counted finished, and algo.overlong never saw it)
             self._end(finished=self.result.turn_closed[-1])
-        elif len(self.result.tokens) + len(ids) >= self.kind.settings.episode_tokens:
+        elif ids is NO_ROOM or len(self.result.tokens) + len(ids) >= self.kind.settings.episode_tokens:
             self._end(finished=False)  # no room for the observation and a model token after it
         else:
             self.result.add_observation(ids)
@@ -129,12 +169,19 @@ class _Episode:
         self._end(finished=self.result.turn_closed[-1] and turn is not None and turn.observation is None)
 
     def _answer(self) -> list[int] | None:
-        """The ids of the environment's observation after the last turn (None: the episode ends)."""
+        """The ids of the environment's observation after the last turn (None: the episode ends; NO_ROOM: it is far
+        past the episode's budget)."""
         result = self.result
         turn = self._environment_turn()
         if turn.observation is None:
             return None
-        ids = self.kind.renderer.render(turn.observation)
+        room = self.kind.settings.episode_tokens - len(result.tokens)
+        observation = turn.observation
+        # an observation far longer than the tokens left cannot fit: not tokenized (a tool's output of unbounded
+        # size, a whole file, took a worker and the memory to tokenize it, only for the episode to end at its budget)
+        if max(len(observation.content), sum(map(len, observation.parts))) > room * MAX_CHARS_PER_TOKEN:
+            return NO_ROOM
+        ids = self.kind.renderer.render(observation)
         if not result.turn_closed[-1]:  # the turn was cut: close it as the template does
             ids = self.kind.renderer.end_of_turn_ids() + ids
         return ids
@@ -144,7 +191,7 @@ class _Episode:
         result = self.result
         if self.kind.settings.tool_latency_s:
             time.sleep(self.kind.settings.tool_latency_s)
-        turn = self.env_episode.step(result.turn_texts[-1])
+        turn = bounded_step(self.env_episode, result.turn_texts[-1], self.kind.settings.step_seconds)
         reward = float(turn.reward)
         # a NaN or infinite turn reward makes the episode's reward NaN at any weight (0 x NaN), and the ingest then
         # refuses the whole group: an environment's bug, which ends its episode as a raise does
@@ -200,5 +247,5 @@ def build(cfg, task, tokenizer, routes=None) -> ToolTurns:
     settings = EpisodeSettings(max_turns=env.max_turns,
                                turn_max_new_tokens=env.turn_max_new_tokens or gen.max_new_tokens,
                                episode_tokens=gen.max_new_tokens, tool_latency_s=env.tool_latency_s,
-                               hold_kv=env.kv_cache == "hold")
+                               hold_kv=env.kv_cache == "hold", step_seconds=env.turn_tool_seconds + STEP_MARGIN_S)
     return ToolTurns(build_environment(cfg, task, tokenizer), renderer_for(tokenizer), settings, tokenizer, env.workers)
