@@ -74,7 +74,7 @@ def _random_group(rng: np.random.Generator, cfg, vocab: int, pad_id: int, index:
         completions.append(CompletionData(tokens, -rng.random(n, dtype=np.float32) * 3, correct, n == gen.max_new_tokens,
                                           {"answer_correct": correct}))
     # a sampler's ids, as its token allows: sampler id sampler-0, group ids '<run>/sampler-0/<data position>'
-    return GroupData(f"bench/sampler-0/{index}", f"p{index}", prompt, completions, version, "sampler-0",
+    return GroupData(f"{cfg.run.name}/sampler-0/{index}", f"p{index}", prompt, completions, version, "sampler-0",
                      data_position=index)
 
 
@@ -95,7 +95,7 @@ def _produce(trainer: Trainer, stop: threading.Event, errors: list) -> None:
         index = 0
         while not stop.is_set():
             group = templates[index % len(templates)]
-            group.group_id, group.data_position = f"bench/sampler-0/{index}", index
+            group.group_id, group.data_position = f"{cfg.run.name}/sampler-0/{index}", index
             group.policy_version = s.publisher.latest_version or 0
             if client.put(to_proto(group), timeout_s=0.1):
                 index += 1
