@@ -126,3 +126,34 @@ def test_an_answer_carrying_a_data_position_is_refused_and_moves_no_sampler_posi
     assert stub.PushGroup(to_proto(answer(prompt, run))).code == 0
     [result] = client.results([pid], timeout_s=30)
     assert result.state == "done" and stack.buffer.depth() == 1
+
+
+def test_a_sampler_of_another_run_name_is_stopped_without_auth_too(shared_redis, run_name):
+    """Without auth (or under an admin token) group ids were not checked, so a sampler whose run.name differed from
+    the ingest's had its groups accepted under '<other run>/<sampler>/<position>'; GetDataPosition, which looks for
+    '<run>/<sampler>/<position>', then reported every one of them unanswered, and the restarted sampler generated
+    them all again, each answered as a duplicate. Now the stream ends naming the field and run.name."""
+    buffer = RedisStreamBuffer(connect(shared_redis.url, 5), run_name)
+    server = TrainerServer(IngestServicer(buffer, LIMITS, max_groups=8, retry_after_ms=20), WeightPublisher(),
+                           "127.0.0.1", 0)
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.start()}", options=CHANNEL_OPTIONS)
+    try:
+        stub = rollout_pb2_grpc.RolloutIngestStub(channel)
+        mine = to_proto(group(1))
+        mine.group_id = f"{run_name}/{mine.sampler_id}/1"
+        assert stub.PushGroup(mine).code == 0
+        for other_run in ("other", ""):
+            twin = to_proto(group(2))
+            twin.group_id = f"{other_run}/{twin.sampler_id}/2"
+            with pytest.raises(grpc.RpcError) as err:
+                list(stub.StreamBatches(iter([rollout_pb2.RolloutBatch(groups=[mine, twin])])))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, other_run
+            details = err.value.details()
+            assert details.startswith("groups[1].group_id: ") and f"'{run_name}/sampler-0/2'" in details
+            assert "run.name" in details
+        assert buffer.counters()["ingested"] == 1
+        position = stub.GetDataPosition(rollout_pb2.DataPositionRequest(sampler_id="sampler-0"))
+        assert position.position == 1 and list(position.unanswered) == [0]
+    finally:
+        channel.close()
+        server.stop(0)

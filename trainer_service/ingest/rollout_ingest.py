@@ -190,6 +190,7 @@ class IngestServicer(rollout_pb2_grpc.RolloutIngestServicer):
         sampler's groups refused as duplicates."""
         caller = caller_of(context, self.table)
         if caller.role == "admin":
+            self._check_run_name(context, groups)
             return
         for k, g in enumerate(groups):
             if not g.sampler_id:
@@ -208,6 +209,24 @@ class IngestServicer(rollout_pb2_grpc.RolloutIngestServicer):
                               f"sampler {g.sampler_id[:64]!r}'s id for data position {g.data_position} "
                               f"({own[:200]!r}: '<run>/<sampler id>/<position>'; does the sampler's run.name differ "
                               "from the ingest's?)")
+
+    def _check_run_name(self, context, groups) -> None:
+        """Abort with INVALID_ARGUMENT when a dataset group's id is its sampler's id for its data position under
+        another run name ('<other>/<sampler id>/<position>'). Without auth, or under an admin token, ids are not bound
+        to the caller, but that one is a sampler whose run.name differs from the ingest's: its groups were accepted,
+        yet GetDataPosition looks for '<run>/<sampler id>/<position>' and reported each of them unanswered, so a
+        restarted sampler generated them all again, every one answered as a duplicate."""
+        for k, g in enumerate(groups):
+            if g.injected or not g.sampler_id or not g.HasField("data_position"):
+                continue
+            tail = f"/{g.sampler_id}/{g.data_position}"
+            own = self.buffer.run_name + tail
+            if g.group_id.endswith(tail) and g.group_id != own:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"groups[{k}].group_id: {g.group_id[:64]!r} names run "
+                              f"{g.group_id[:-len(tail)][:64]!r}, but this ingest serves run "
+                              f"{self.buffer.run_name!r} ({own[:200]!r}: '<run>/<sampler id>/<position>'); set the "
+                              "sampler's run.name to the trainer's")
 
     def _check_sampler(self, context, sampler_id: str) -> None:
         caller = caller_of(context, self.table)
