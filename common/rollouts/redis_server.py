@@ -26,6 +26,7 @@ import redis
 
 from grpo_stream.common.config.access import REDIS_PASSWORD_ENV
 from grpo_stream.common.rollouts.redis_binary import major_version, redis_version, unreadable_data, version_key
+from grpo_stream.common.rollouts.redis_loading import LOADING_STALL_S, LoadWatch
 from grpo_stream.common.runtime.backoff import Backoff, wait
 
 log = logging.getLogger(__name__)
@@ -158,12 +159,13 @@ def connect_durable(section, role: str, stop=None) -> redis.Redis:
 def wait_serving(proc: subprocess.Popen, url: str, timeout_s: float, **options) -> None:
     """Return once the redis-server `proc` answers PING at `url` (`options`: credentials, TLS files, as for
     redis.Redis). Polls every 10 ms; RedisConnectError as soon as the process exits (a port in use, a config it
-    refuses) or when it has not answered within timeout_s. The answer must come from `proc` itself (INFO's
-    process_id), not from another server already on that port, and a refused password is taken as such a server's
-    answer (`proc` was given the password it is asked for): `proc` then exits, unable to bind, and that is said."""
+    refuses) or when it has not answered within timeout_s, or, loading its data, read none for max(timeout_s,
+    LOADING_STALL_S) (redis_loading.py). The answer must come from `proc` itself (INFO's process_id), not from
+    another server on that port, and a refused password is taken as such a server's answer (`proc` was given the
+    password it is asked for): `proc` then exits, unable to bind, and that is said."""
     client = redis.Redis.from_url(url, socket_connect_timeout=1, socket_timeout=5, **options)
-    deadline = time.monotonic() + timeout_s
-    last: object = "no answer yet"
+    started, last = time.monotonic(), "no answer yet"
+    deadline, loading = started + timeout_s, LoadWatch(redacted(url), max(timeout_s, LOADING_STALL_S))
     try:
         while True:
             try:
@@ -174,14 +176,17 @@ def wait_serving(proc: subprocess.Popen, url: str, timeout_s: float, **options) 
                 last = f"process {pid} answers on that port, not {proc.pid}"
             except redis.AuthenticationError as exc:  # raised at once, it hid the port in use and skipped cleanup
                 last = f"a server that refused the password answers on that port ({exc})"
-            except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:  # not listening yet, or loading its AOF
+            except redis.BusyLoadingError:  # loading its AOF (a ConnectionError: caught first): waited on as it reads
+                deadline = max(deadline, time.monotonic() + loading.stall_s) if loading.moved(client) else deadline
+                last = loading.state()
+            except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:  # not listening yet
                 last = exc
             if proc.poll() is not None:
                 raise RedisConnectError(f"redis-server for {redacted(url)} exited with code {proc.returncode} before "
                                         "it answered")
             if time.monotonic() >= deadline:
-                raise RedisConnectError(f"redis-server at {redacted(url)} did not answer PING within {timeout_s:g}s "
-                                        f"({last})")
+                raise RedisConnectError(f"redis-server at {redacted(url)} did not answer PING within "
+                                        f"{time.monotonic() - started:.3g}s ({last})")
             time.sleep(0.01)
     finally:
         client.close()

