@@ -10,6 +10,7 @@ the token itself.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import hmac
@@ -17,6 +18,7 @@ import logging
 import os
 import pathlib
 import secrets
+import tempfile
 import threading
 import time
 from typing import Iterable
@@ -182,7 +184,11 @@ def _entry(row, i: int, where: str) -> tuple[bytes, Caller]:
         raise AuthError(f"{where}: entry {i} ({name}): max_priority must be a whole number >= 0 (the highest "
                         "injected-prompt priority this token may use), or left out")
     if "token" in row:
-        token = str(row["token"])
+        if not isinstance(row["token"], str):  # YAML read a number (or a date): 0x1f, 0123 or 1_000 as it, and
+            # str() of that is another token than the one written, refused for ever with no word why
+            raise AuthError(f"{where}: entry {i} ({name}): YAML reads the token as {type(row['token']).__name__}, "
+                            "not as the text written; put it in quotes")
+        token = row["token"]
         if len(token) < 16:
             raise AuthError(f"{where}: entry {i} ({name}): token shorter than 16 characters; use `grpo-stream "
                             "tokens` to make strong ones")
@@ -333,6 +339,19 @@ def write_tokens(out_dir: pathlib.Path, names: dict[str, str] | None = None, sam
 
 
 def write_private(path: pathlib.Path, text: str) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
+    """`text` as the whole of `path`, mode 0600 whatever the file was: written to a fresh 0600 file beside it, then
+    renamed over it. So a file left with a looser mode (by hand, an older version) does not keep it, a symlink
+    planted at `path` is replaced rather than followed (its target is not written), and a TokenTable following the
+    file never reads it half-written (a shorter table, tokens revoked for a moment)."""
+    path = pathlib.Path(path)
+    fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")  # mkstemp: 0600, O_EXCL
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())  # the rename must not publish an empty file after a crash
+        os.replace(temp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temp)
+        raise
