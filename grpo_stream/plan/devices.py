@@ -9,6 +9,7 @@ import os
 import pathlib
 
 from grpo_stream.common.config.schema import RunConfig
+from grpo_stream.common.registry.transports import transport_spec
 from grpo_stream.plan.device_plan import (PREALLOCATE, DeviceLayoutError, DevicePlan, detect_gpus,
                                                     load_figures, plan_devices)
 
@@ -22,6 +23,10 @@ def compose_env(cfg: RunConfig, plan: DevicePlan) -> dict[str, str]:
     Each GPU service reserves every GPU and sees only its own through CUDA_VISIBLE_DEVICES (the same mechanism as
     `up`), so no device id is named that a host may lack. A sampler's memory fraction is its JAX cap, or for vLLM
     its gpu_memory_utilization (the compose command passes it)."""
+    if transport_spec(cfg.weights.transport).in_process:  # `up` runs one `colocated` process; compose has none
+        raise DeviceLayoutError(f"weights.transport={cfg.weights.transport}: the trainer and the samplers are one "
+                                "process (`grpo-stream colocated`), which compose does not run; use `up`, or "
+                                "weights.transport=grpc for compose's trainer and sampler containers")
     if cfg.trainer.processes > 1:
         raise DeviceLayoutError("trainer.processes > 1: compose runs one trainer container; use `up` or the "
                                 "Kubernetes files (compose/k8s) for a multi-process trainer")
@@ -68,6 +73,7 @@ def run_devices(cfg: RunConfig, gpus: int | None, memory_gib: float | None, comp
         print("\n".join(plan.lines()))
     if json_path is not None:
         doc = plan.to_json() | ({"compose_env": env} if env is not None else {})
+        json_path.parent.mkdir(parents=True, exist_ok=True)  # as `plan --json` makes its folder
         json_path.write_text(json.dumps(doc, indent=1))
     return 0
 

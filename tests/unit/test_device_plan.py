@@ -202,3 +202,24 @@ def test_a_vllm_cache_over_more_gpus_than_kv_heads_keeps_a_whole_head_on_each():
     kv = 64 * 1024 * 2 * 28 * 1 * 128 * 2  # sequences x tokens x (K and V) x layers x one KV head x head_dim x bf16
     assert f"sampler.vllm.kv_cache_gib={kv / GIB:.3f}" in s.overrides
     assert s.need_bytes == int(1.25 * (1_543_714_304 * 2 / 4 + kv))
+
+
+def test_compose_settings_for_the_local_transport_are_refused_naming_it(tmp_path, capsys):
+    """weights.transport=local is one `colocated` process, which compose has no service for: `devices --compose`
+    stopped on an IndexError (the process "colocated" has no sampler number) instead of saying so."""
+    from grpo_stream.plan.devices import run_devices
+
+    assert run_devices(config("weights.transport=local"), 2, None, True, None) == 2
+    out = capsys.readouterr().out
+    assert "weights.transport=local" in out and "compose" in out
+    assert run_devices(config(), 2, None, True, None) == 0  # the grpc default still gets compose's settings
+
+
+def test_devices_json_goes_into_a_folder_it_makes(tmp_path):
+    """`devices --json runs/x/devices.json` printed the plan, then failed on the missing folder (FileNotFoundError,
+    exit 1), where `plan --json` makes it."""
+    from grpo_stream.plan.devices import run_devices
+
+    path = tmp_path / "new" / "devices.json"
+    assert run_devices(config(), 2, None, False, path) == 0
+    assert json.loads(path.read_text())["gpu_ids"] == ["0", "1"]
