@@ -4,7 +4,10 @@ client/submit.py): each refuses a value that would be taken and fail later, or w
 from __future__ import annotations
 
 import argparse
+import os
 import pathlib
+
+from grpo_stream.common.runtime.errors import SetupError
 
 
 def int_from(low: int):
@@ -58,3 +61,17 @@ def positive_float(text: str) -> float:
     if not value > 0 or value == float("inf"):  # also NaN
         raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
     return value
+
+
+def check_json_path(json_path: pathlib.Path) -> None:
+    """Refuse a --json that cannot take the result before the evaluation runs (it made the whole evaluation, then
+    failed to write it: a directory, a file where its folder should be, a folder that cannot be written)."""
+    if json_path.is_dir():
+        raise SetupError(f"--json {json_path}: is a directory; name a file, e.g. {json_path / 'eval.json'}")
+    try:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise SetupError(f"--json {json_path}: its folder cannot be made ({exc}); name a file in a writable "
+                         "folder") from exc
+    if not os.access(json_path.parent, os.W_OK | os.X_OK):
+        raise SetupError(f"--json {json_path}: {json_path.parent} is not writable; name a file in a writable folder")

@@ -21,11 +21,12 @@ import re
 import subprocess
 import sys
 
+from grpo_stream.arguments import check_json_path
 from grpo_stream.common.config.hardware import CHIP_MEMORY_BYTES, CPU_CHIP, GIB
 from grpo_stream.common.config.loading import apply_overrides
 from grpo_stream.common.config.schema import RunConfig
 from grpo_stream.common.registry.transports import transport_spec
-from grpo_stream.plan.host_memory import host_estimates, host_fit, host_lines
+from grpo_stream.plan.host_memory import evaluation_rows, host_estimates, host_fit, host_lines
 
 LORA_NOTE = ("model.lora: rank {rank} adapters, {trained:,} trained parameters ({share:.2%} of the model): the "
              "trainer's optimizer state, gradients and reference copy are the adapters'; a sampler keeps the frozen "
@@ -117,7 +118,10 @@ def trainer_fixes(cfg: RunConfig, sizes: dict) -> list[str]:
     if teacher > 0.2 * sizes["total"] and cfg.distill.dtype != "bfloat16":
         fixes.append(f"distill.dtype=bfloat16: halves the distillation teacher's parameters (now {gib(teacher)})")
     evaluation = sizes.get("evaluation", 0)
-    if evaluation > 0.2 * sizes["total"] and cfg.eval.batch_size > 1:
+    # the rows are max(eval.batch_size, eval.samples), at most decode_slots (evaluation_rows): a smaller batch_size
+    # is offered only where it lowers them, not where one problem's samples or the slots set them
+    fewer = min(cfg.generation.decode_slots, max(cfg.eval.batch_size // 2, cfg.eval.samples))
+    if evaluation > 0.2 * sizes["total"] and fewer < evaluation_rows(cfg):
         fixes.append(f"eval.batch_size={cfg.eval.batch_size // 2}: half the rows the held-out evaluation decodes at "
                      f"once on the trainer's devices (its KV cache is whole on each fsdp device; the evaluation is "
                      f"{gib(evaluation)} per device now)")
@@ -258,6 +262,8 @@ def render(cfg: RunConfig, doc: dict) -> str:
 
 
 def run_plan(cfg: RunConfig, json_path: pathlib.Path | None) -> int:
+    if json_path is not None:  # refused before the compiles (minutes for a large model), not after them
+        check_json_path(json_path)
     for role in ("trainer", "sampler"):
         if cfg.hardware.device_memory_bytes(role) is None:
             raise ValueError(f"hardware.{role}_chip: plan needs the accelerator the run is sized for (one of "

@@ -10,29 +10,14 @@ eval.samples > 0; the task's own figures when it has them (`eval_metrics`: IFEva
 from __future__ import annotations
 
 import logging
-import os
 import pathlib
 import time
 
 from grpo_stream.common.config.schema import RunConfig
-from grpo_stream.common.runtime.errors import SetupError
+from grpo_stream.arguments import check_json_path
 from grpo_stream.common.runtime.files import to_json, write_atomic
 
 log = logging.getLogger("grpo_stream.eval")
-
-
-def check_json_path(json_path: pathlib.Path) -> None:
-    """Refuse a --json that cannot take the result before the evaluation runs (it made the whole evaluation, then
-    failed to write it: a directory, a file where its folder should be, a folder that cannot be written)."""
-    if json_path.is_dir():
-        raise SetupError(f"--json {json_path}: is a directory; name a file, e.g. {json_path / 'eval.json'}")
-    try:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise SetupError(f"--json {json_path}: its folder cannot be made ({exc}); name a file in a writable "
-                         "folder") from exc
-    if not os.access(json_path.parent, os.W_OK | os.X_OK):
-        raise SetupError(f"--json {json_path}: {json_path.parent} is not writable; name a file in a writable folder")
 
 
 def run_eval(cfg: RunConfig, split: str, limit: int | None, json_path: pathlib.Path | None) -> dict:

@@ -47,3 +47,16 @@ def test_the_kv_fix_halves_the_rows_the_cache_holds():
     kv = next(f for f in sampler_fixes(cfg, SAMPLER, 64) if "KV cache" in f)
     fixed = load_config(path, settings(kv))
     assert min(fixed.generation.decode_slots, fixed.rows_in_flight()) == 32
+
+
+@pytest.mark.parametrize("overrides, offered", [
+    (["eval.batch_size=64", "eval.samples=4", "eval.ks=[1,4]"], True),  # the batch sets the rows: halving it helps
+    (["eval.batch_size=8", "eval.samples=16", "eval.ks=[1,16]"], False),  # one problem's 16 samples set them
+    (["eval.batch_size=64", "generation.decode_slots=16"], False),  # the slots cap them below half the batch
+])
+def test_a_smaller_eval_batch_is_offered_only_where_it_lowers_the_rows_evaluated(overrides, offered):
+    """The evaluation decodes max(eval.batch_size, eval.samples) rows, at most decode_slots: halving a batch below
+    the samples or above the slots left the evaluation's KV cache as it was, and the plan did not fit again."""
+    cfg = load_config(None, overrides)
+    fixes = trainer_fixes(cfg, {**TRAINER, "evaluation": 10 * GIB})
+    assert any(f.startswith("eval.batch_size=") for f in fixes) == offered, fixes

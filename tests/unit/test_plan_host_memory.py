@@ -142,3 +142,18 @@ def test_the_local_transport_on_shared_devices_is_planned_as_one_set_of_devices(
     assert "DOES NOT FIT" in out
     halves = ["weights.transport=local", "weights.trainer_devices_fraction=0.5", "weights.sampler_devices_fraction=0.5"]
     assert memory.shares_devices(config(*sized, *halves)) is None  # split devices: planned apart
+
+
+def test_a_json_path_that_cannot_take_the_report_is_refused_before_compiling(monkeypatch, tmp_path):
+    """`plan --json DIR`: the programs compiled (minutes for a large model), then writing the report failed on
+    IsADirectoryError; the path is checked first, as `grpo-stream eval` checks its --json."""
+    from grpo_stream.common.runtime.errors import SetupError
+    from grpo_stream.plan import memory
+
+    def compile_programs(cfg):
+        raise AssertionError("compiled before the --json path was checked")
+
+    monkeypatch.setattr(memory, "compile_programs", compile_programs)
+    monkeypatch.setattr("grpo_stream.plan.programs.architecture", lambda cfg: None)
+    with pytest.raises(SetupError, match="is a directory"):
+        memory.run_plan(config("hardware.trainer_chip=h100-80gb"), tmp_path)
