@@ -43,6 +43,11 @@ PLOTS = {
                      ["train/distill_kl", "train/distill_kl_p50", "train/distill_kl_p90", "train/distill_kl_p99",
                       "train/distill_teacher_logprob"]),
 }
+# series of another unit than the others of their plot, on a right-hand axis of their own (its label here): on one
+# axis a share in 0..1 beside completion lengths of hundreds of tokens, or a run's cumulative count of drops beside
+# the buffer's depth, was a flat line along the bottom
+RIGHT_AXIS = {"train/truncated_fraction": "share of completions truncated",
+              "train/groups_dropped_stale": "groups dropped as stale (cumulative)"}
 CONSTANT_BECAUSE = {
     "train/ratio_max": "one optimizer step per batch (algo.num_iterations=1, algo.minibatches=1): the new/old ratio "
                        "is 1 by construction",
@@ -269,6 +274,31 @@ def _smooth(values, window: int = 20) -> list[float]:
     return out
 
 
+def _plot_series(plt, title: str, series: dict[str, list], path: pathlib.Path) -> None:
+    """One plot of `series` (key -> (step, value) points) against the RL step, each raw and smoothed; a RIGHT_AXIS
+    series beside others on a right-hand axis of its own, so each unit has a scale it can be read on."""
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    right, handles = None, []
+    for number, (key, points) in enumerate(series.items()):
+        axis, label = ax, key.removeprefix("train/")
+        if key in RIGHT_AXIS and len(series) > 1:
+            if right is None:
+                right = ax.twinx()
+                right.set_ylabel(RIGHT_AXIS[key], fontsize=8)
+            axis, label = right, f"{label} (right axis)"
+        xs, ys = zip(*points)
+        color = f"C{number}"  # one cycle over both axes: a twin axis would restart it and repeat the first colour
+        axis.plot(xs, ys, color=color, linewidth=0.8, alpha=0.35)
+        handles += axis.plot(xs, _smooth(ys), color=color, linewidth=1.6, label=label)
+    ax.set_title(title)
+    ax.set_xlabel("RL step")
+    ax.grid(alpha=0.3)
+    (right or ax).legend(handles=handles, loc="best", fontsize=8)  # on the axis drawn last, so no line covers it
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def summary_table(summary: dict) -> list[str]:
     """The report's table of the run's figures from summary.json (none without one)."""
     if not summary:
@@ -335,18 +365,7 @@ def make_report(run_dir: pathlib.Path) -> pathlib.Path:
             series[key] = points
         if not series:
             continue
-        fig, ax = plt.subplots(figsize=(7, 3.5))
-        for key, points in series.items():
-            xs, ys = zip(*points)
-            line, = ax.plot(xs, ys, linewidth=0.8, alpha=0.35)
-            ax.plot(xs, _smooth(ys), color=line.get_color(), linewidth=1.6, label=key.removeprefix("train/"))
-        ax.set_title(title)
-        ax.set_xlabel("RL step")
-        ax.grid(alpha=0.3)
-        ax.legend(loc="best", fontsize=8)
-        fig.tight_layout()
-        fig.savefig(out / f"{name}.png", dpi=100)
-        plt.close(fig)
+        _plot_series(plt, title, series, out / f"{name}.png")
         images.append(f"{name}.png")
         index[name] = {key: {"points": len(points), "min": min(y for _, y in points), "max": max(y for _, y in points)}
                        for key, points in series.items()}

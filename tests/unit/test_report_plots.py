@@ -2,6 +2,7 @@
 constant series listed with the reason a "prefix*" entry gives."""
 
 import json
+import pathlib
 
 from grpo_stream.reports.run_report import PLOTS, _expand, load_eval_rows, load_rows, make_report, why_constant
 
@@ -89,3 +90,30 @@ def test_a_resume_rolls_back_the_rows_of_steps_it_has_not_logged_again_yet(tmp_p
     assert [r["step"] for r in load_eval_rows(tmp_path)] == [4]
     report = (make_report(tmp_path) / "report.md").read_text()
     assert "Last step (7): reward 0.770" in report and "| 8 |" not in report, report
+
+
+def test_a_share_beside_lengths_in_tokens_gets_a_scale_it_can_be_read_on(tmp_path, monkeypatch):
+    """lengths.png: truncated_fraction (0..1) shared one axis with response_length_mean (hundreds of tokens), so it
+    was drawn as a flat line along the bottom; buffer.png the same for the buffer's depth beside the run's cumulative
+    stale drops. Each such series has a right-hand axis of its own."""
+    from matplotlib.figure import Figure
+
+    saved = {}
+
+    def savefig(fig, path, **kwargs):  # each saved plot's axes: (y range, the labels of the lines drawn on it)
+        saved[pathlib.Path(path).name] = [(ax.get_ylim(), {line.get_label() for line in ax.get_lines()})
+                                          for ax in fig.axes]
+
+    monkeypatch.setattr(Figure, "savefig", savefig)
+    rows = [{"step": s, "train/loss": 0.1, "train/reward_mean": 0.1 * s, "train/accuracy": 0.5,
+             "train/staleness_mean": 1.0, "train/response_length_mean": 200.0 + 10 * s,
+             "train/truncated_fraction": 0.02 * s, "train/buffer_depth": float(s % 3),
+             "train/groups_dropped_stale": 400.0 * s} for s in range(1, 9)]
+    (tmp_path / "metrics-trainer.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    make_report(tmp_path)
+
+    def axis_of(plot: str, label: str) -> tuple[float, float]:
+        return next(ylim for ylim, labels in saved[plot] if any(name.startswith(label) for name in labels))
+
+    assert axis_of("lengths.png", "truncated_fraction")[1] < 1 < 200 < axis_of("lengths.png", "response_length")[1]
+    assert axis_of("buffer.png", "buffer_depth")[1] < 10 < 400 < axis_of("buffer.png", "groups_dropped_stale")[1]
