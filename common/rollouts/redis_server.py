@@ -156,13 +156,13 @@ def connect_durable(section, role: str, stop=None) -> redis.Redis:
     return client
 
 
-def wait_serving(proc: subprocess.Popen, url: str, timeout_s: float, **options) -> None:
+def wait_serving(proc: subprocess.Popen, url: str, timeout_s: float, stopping=None, **options) -> None:
     """Return once the redis-server `proc` answers PING at `url` (`options`: credentials, TLS files, as for
     redis.Redis). Polls every 10 ms; RedisConnectError as soon as the process exits (a port in use, a config it
     refuses) or when it has not answered within timeout_s, or, loading its data, read none for max(timeout_s,
-    LOADING_STALL_S) (redis_loading.py). The answer must come from `proc` itself (INFO's process_id), not from
-    another server on that port, and a refused password is taken as such a server's answer (`proc` was given the
-    password it is asked for): `proc` then exits, unable to bind, and that is said."""
+    LOADING_STALL_S) (redis_loading.py), or once `stopping()` (`up` stopped while it loads). The answer must come from
+    `proc` itself (INFO's process_id), not another server on that port; a refused password is taken as such a
+    server's answer (`proc` was given the password it is asked for): `proc` then exits, unable to bind, as said."""
     client = redis.Redis.from_url(url, socket_connect_timeout=1, socket_timeout=5, **options)
     started, last = time.monotonic(), "no answer yet"
     deadline, loading = started + timeout_s, LoadWatch(redacted(url), max(timeout_s, LOADING_STALL_S))
@@ -184,6 +184,8 @@ def wait_serving(proc: subprocess.Popen, url: str, timeout_s: float, **options) 
             if proc.poll() is not None:
                 raise RedisConnectError(f"redis-server for {redacted(url)} exited with code {proc.returncode} before "
                                         "it answered")
+            if stopping is not None and stopping():
+                raise RedisConnectError(f"redis-server at {redacted(url)}: stopped while it started ({last})")
             if time.monotonic() >= deadline:
                 raise RedisConnectError(f"redis-server at {redacted(url)} did not answer PING within "
                                         f"{time.monotonic() - started:.3g}s ({last})")
@@ -294,9 +296,9 @@ class EmbeddedRedis:
                     "settings, and has security fixes 6.2 lacks)"
         return text
 
-    def start(self, timeout_s: float = 10.0) -> "EmbeddedRedis":
-        """Start the server, and wait until it answers. Until it first has, a port chosen here that another process
-        took (free_port only found it free) is replaced, with fresh secrets; after, a restart keeps its URL."""
+    def start(self, timeout_s: float = 10.0, stopping=None) -> "EmbeddedRedis":
+        """Start the server, and wait until it answers (or `stopping()`). Until it first has, a port chosen here that
+        another process took (free_port only found it free) is replaced, with fresh secrets; a restart keeps its URL."""
         cmd = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.dir,
                "--save", "", "--appendonly", "yes" if self.appendonly else "no", "--appendfsync", self.fsync,
                "--daemonize", "no",
@@ -312,7 +314,7 @@ class EmbeddedRedis:
         if self.password:
             self._send_config()
         try:
-            wait_serving(self.proc, self.url, timeout_s, **self.client_options())
+            wait_serving(self.proc, self.url, timeout_s, stopping, **self.client_options())
             if self.password:
                 self._check_durable()
             self._moves_left = 0
@@ -322,7 +324,7 @@ class EmbeddedRedis:
             if self._moves_left and "Address already in use" in tail:  # the holder may have seen the password
                 self._moves_left, self.port = self._moves_left - 1, free_port()
                 self._new_secrets(self.password is not None)
-                return self.start(timeout_s)
+                return self.start(timeout_s, stopping)
             self.stop()
             raise RedisConnectError(f"{exc}; the server said:\n{tail}" if tail else str(exc)) from None
         except BaseException:  # anything else (a Redis error, an interrupt): no server or temporary files left behind

@@ -29,6 +29,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Callable
 
 from grpo_stream.common.config.loading import load_config, to_yaml
 from grpo_stream.common.config.schema import RunConfig
@@ -220,11 +221,11 @@ class _RedisUnit:
 
     name, records, must_run = "redis-server", (), True
 
-    def __init__(self, server: EmbeddedRedis):
-        self.server = server
+    def __init__(self, server: EmbeddedRedis, stopping: Callable[[], bool]):
+        self.server, self.stopping = server, stopping
 
     def start(self) -> None:
-        self.server.start()
+        self.server.start(stopping=self.stopping)  # a restart replaying a large AOF: minutes, and a stop must end it
 
     def poll(self) -> int | None:
         return self.server.proc.poll()
@@ -332,9 +333,9 @@ def _run_processes(cfg: RunConfig, run_dir: pathlib.Path, specs: list[ProcessSpe
     helpers = [_Child(s, log_dir, limits) for s in specs if s.role == "ingest"]
     samplers = [_Child(s, log_dir, limits) for s in specs if s.role == "sampler"]
     children = [trainer, *helpers, *samplers]
-    watch = Watch(cfg.up, run_dir, trainer, [*([_RedisUnit(redis_server)] if redis_server else []), *helpers,
-                                             *samplers], samplers=samplers, log=_say)
     stop = _StopSignals(children)
+    watch = Watch(cfg.up, run_dir, trainer, [*([_RedisUnit(redis_server, lambda: stop.interrupted)] if redis_server
+                                               else []), *helpers, *samplers], samplers=samplers, log=_say)
     try:
         outcome = None
         for child in children:

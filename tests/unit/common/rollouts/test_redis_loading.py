@@ -40,3 +40,14 @@ def test_a_load_that_moves_is_waited_for_past_the_timeout_and_one_that_stalls_is
         redis_util.wait_serving(_Process(), "redis://127.0.0.1:1/0", timeout_s=0.05)
     assert server.infos > server.moves  # it kept waiting while the load moved, and gave up only after
     assert "loading its data, 60% read, and read no more in 1s" in str(exc.value)
+
+
+def test_a_stop_ends_the_wait_on_a_load_that_still_moves(monkeypatch):
+    """`up` restarting its Redis mid-run waits for it on its main thread: a Ctrl-C then was acted on only once a
+    large append-only file had loaded (the load is waited for while it moves: minutes)."""
+    server = _LoadingServer(moves=10**9)  # moves for ever
+    monkeypatch.setattr(redis.Redis, "from_url", lambda url, **options: server)
+    with pytest.raises(redis_util.RedisConnectError, match="stopped while it started") as exc:
+        redis_util.wait_serving(_Process(), "redis://127.0.0.1:1/0", timeout_s=0.05,
+                                stopping=lambda: server.infos >= 20)
+    assert server.infos == 20 and "loading its data" in str(exc.value)
