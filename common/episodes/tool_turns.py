@@ -31,6 +31,7 @@ import dataclasses
 import math
 import threading
 import time
+from typing import Any, Callable
 
 from grpo_stream.common.engine.base import Request
 from grpo_stream.common.environments.registry import build_environment
@@ -51,26 +52,26 @@ class StepTimedOut(Exception):
     """An environment's step did not answer within its bound (EpisodeSettings.step_seconds)."""
 
 
-def bounded_step(episode, turn_text: str, seconds: float | None):
-    """`episode.step(turn_text)`, or StepTimedOut once `seconds` pass: a step that hangs (a user-written
-    environment's) held its worker, its episode and its group for ever, and `workers` such steps every episode of the
-    sampler. The step runs on a daemon thread of its own, given up, not stopped (Python cannot stop a thread): what
-    it answers late is dropped, and it never holds up the process's exit. What it raises is raised here."""
+def bounded(call: Callable[[], Any], seconds: float | None, what: str):
+    """`call()`, or StepTimedOut once `seconds` pass: an environment's `what` (its step, its start) that hangs (a
+    user-written environment's) held its worker, its episode and its group for ever (a start: the sampler's feeder).
+    The call runs on a daemon thread of its own, given up, not stopped (Python cannot stop a thread): what it answers
+    late is dropped, and it never holds up the process's exit. What it raises is raised here."""
     if seconds is None:
-        return episode.step(turn_text)
+        return call()
     outcome: list = []
 
     def run() -> None:
         try:
-            outcome.append((True, episode.step(turn_text)))
-        except BaseException as exc:  # noqa: BLE001 - handed to the worker, which ends the episode with it
+            outcome.append((True, call()))
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller, which ends the episode with it
             outcome.append((False, exc))
 
-    thread = threading.Thread(target=run, name=f"{threading.current_thread().name}-step", daemon=True)
+    thread = threading.Thread(target=run, name=f"{threading.current_thread().name}-{what}", daemon=True)
     thread.start()
     thread.join(seconds)
     if not outcome:
-        raise StepTimedOut(f"the environment's step did not answer within {seconds:g} s (environment."
+        raise StepTimedOut(f"the environment's {what} did not answer within {seconds:g} s (environment."
                            f"turn_tool_seconds + {STEP_MARGIN_S:g} s); it was given up")
     answered, value = outcome[0]
     if not answered:
@@ -191,7 +192,7 @@ class _Episode:
         result = self.result
         if self.kind.settings.tool_latency_s:
             time.sleep(self.kind.settings.tool_latency_s)
-        turn = bounded_step(self.env_episode, result.turn_texts[-1], self.kind.settings.step_seconds)
+        turn = bounded(lambda: self.env_episode.step(result.turn_texts[-1]), self.kind.settings.step_seconds, "step")
         reward = float(turn.reward)
         # a NaN or infinite turn reward makes the episode's reward NaN at any weight (0 x NaN), and the ingest then
         # refuses the whole group: an environment's bug, which ends its episode as a raise does
@@ -224,7 +225,8 @@ class ToolTurns:
         episodes = []
         for row in range(run.work.rows):
             try:
-                episodes.append(_Episode(self, run, row, self.environment.start(run.work.problem)))
+                episode = bounded(lambda: self.environment.start(run.work.problem), self.settings.step_seconds, "start")
+                episodes.append(_Episode(self, run, row, episode))
             except Exception as exc:  # noqa: BLE001 - an environment's bug fails its group, never the sampler
                 why = f"the environment's start raised {type(exc).__name__}: {exc}"[:500]
                 for failed_row in range(run.work.rows):

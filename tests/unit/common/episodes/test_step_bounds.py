@@ -85,3 +85,30 @@ def test_a_step_that_raises_within_its_bound_ends_its_episode_with_its_error(tin
         kind.close()
     [result] = ended[0].results
     assert result.error == "KeyError: 'no such table'" and not result.finished
+
+
+def test_a_hung_start_fails_its_group_and_frees_the_feeder(tiny_parts):
+    """An environment's `start` runs on the sampler's feeder (the thread that feeds the engine): one that hung froze
+    the whole sampler. It is bounded as a step is, and the group fails naming why."""
+    cfg, task, tok, _ = tiny_parts
+    released = threading.Event()
+
+    class HangsAtStart:
+        def start(self, problem):
+            released.wait()
+
+    problem = task.train_problem(0)
+    ended, returned = [], []
+    stream = RolloutStream(lambda key, rows: list(range(rows)), ended.append)
+    settings = EpisodeSettings(max_turns=4, turn_max_new_tokens=8, episode_tokens=40, step_seconds=0.2)
+    kind = ToolTurns(HangsAtStart(), PlainRenderer(tok), settings, tok, workers=1)
+    work = GroupWork(problem, tok.encode(problem.prompt), 2, None, "g", 0, jax.random.key(0))
+    feeder = threading.Thread(target=lambda: returned.append(stream.start(work, kind)), daemon=True)
+    try:
+        feeder.start()
+        wait_for(lambda: returned, 30, "the feeder to come back from a group whose environment's start hangs")
+    finally:
+        released.set()
+        kind.close()
+    assert len(ended) == 1 and all(r.failed is not None and "start did not answer within 0.2 s" in r.failed
+                                   for r in ended[0].results), ended
