@@ -65,7 +65,7 @@ def recomputed(model, params, group, cfg, pad_id) -> np.ndarray:
 def test_no_group_mixes_weight_versions(tmp_path, shared_redis, run_name):
     overrides = ["sampler.replicas=1", "sampler.weight_poll_s=0.05", "trainer.max_staleness=1000",
                  "sampler.rows_in_flight=8", "sampler.weight_updates=drain", "sampler.backlog_max_groups=256",
-                 "sampler.metrics_port=null"]
+                 "sampler.metrics_port=null", f"run.name={run_name}"]  # the buffer's: the ingest refuses another
     cfg = load_config(CONFIG, overrides)
     task, tokenizer = build_task_and_tokenizer(cfg)
     model = build_policy(cfg, tokenizer.vocab_size, seed=0)
