@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 import time
 from typing import Callable
 
 from grpo_stream.common.environments.base import Observation, Turn
+from grpo_stream.common.runtime.given_up import GivenUp, call_within
 from grpo_stream.common.tools.calls import MalformedToolCall, parse_tool_calls
 from grpo_stream.common.tools.functions import ToolSet
 
@@ -76,23 +76,11 @@ class ToolEpisode:
 
     def _run_until(self, call, deadline: float) -> str:
         """The call's answer, or an error once `deadline` passes: a tool that hangs (a user-defined in-process one)
-        held the worker, its episode and its group for ever. The call runs on a daemon thread of its own, which is
-        given up, not stopped (Python cannot stop a thread): its answer, if one ever comes, is dropped, and it
-        never holds up the process's exit."""
-        answer: list[str] = []
-
-        def run() -> None:
-            try:
-                answer.append(self.tools.run(call))
-            except BaseException as exc:  # noqa: BLE001 - ToolSet.run raises nothing else; this thread ends quietly
-                answer.append(f"error: tool '{call.name}' failed: {type(exc).__name__}: {str(exc)[:200]}")
-
-        worker = threading.Thread(target=run, name=f"tool-{str(call.name)[:32]}", daemon=True)
-        worker.start()
-        worker.join(max(0.0, deadline - time.monotonic()))
-        if answer:
-            return answer[0]
-        log.warning("tool %r did not answer within the turn's %g s (environment.turn_tool_seconds); given up",
-                    str(call.name)[:64], self.limits.seconds)
-        return (f"error: tool '{call.name}' did not answer within this turn's tool time ({self.limits.seconds:g} s, "
-                "environment.turn_tool_seconds); it was given up")
+        held the worker, its episode and its group for ever. Given up, not stopped (common/runtime/given_up.py)."""
+        try:
+            return call_within(lambda: self.tools.run(call), deadline - time.monotonic(), f"tool-{str(call.name)[:32]}")
+        except GivenUp:
+            log.warning("tool %r did not answer within the turn's %g s (environment.turn_tool_seconds); given up",
+                        str(call.name)[:64], self.limits.seconds)
+            return (f"error: tool '{call.name}' did not answer within this turn's tool time "
+                    f"({self.limits.seconds:g} s, environment.turn_tool_seconds); it was given up")

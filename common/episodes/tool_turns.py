@@ -38,6 +38,7 @@ from grpo_stream.common.environments.registry import build_environment
 from grpo_stream.common.environments.render import renderer_for
 from grpo_stream.common.episodes.result import EpisodeResult
 from grpo_stream.common.episodes.stream import GroupRun
+from grpo_stream.common.runtime.given_up import GivenUp, call_within
 
 # past environment.turn_tool_seconds (what a turn's tool calls may take together), what an environment's step may take
 # besides them (parsing, a simulated user's reply) before it is given up
@@ -55,28 +56,14 @@ class StepTimedOut(Exception):
 def bounded(call: Callable[[], Any], seconds: float | None, what: str):
     """`call()`, or StepTimedOut once `seconds` pass: an environment's `what` (its step, its start) that hangs (a
     user-written environment's) held its worker, its episode and its group for ever (a start: the sampler's feeder).
-    The call runs on a daemon thread of its own, given up, not stopped (Python cannot stop a thread): what it answers
-    late is dropped, and it never holds up the process's exit. What it raises is raised here."""
+    Given up, not stopped (common/runtime/given_up.py). What it raises is raised here."""
     if seconds is None:
         return call()
-    outcome: list = []
-
-    def run() -> None:
-        try:
-            outcome.append((True, call()))
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller, which ends the episode with it
-            outcome.append((False, exc))
-
-    thread = threading.Thread(target=run, name=f"{threading.current_thread().name}-{what}", daemon=True)
-    thread.start()
-    thread.join(seconds)
-    if not outcome:
+    try:
+        return call_within(call, seconds, f"{threading.current_thread().name}-{what}")
+    except GivenUp:
         raise StepTimedOut(f"the environment's {what} did not answer within {seconds:g} s (environment."
-                           f"turn_tool_seconds + {STEP_MARGIN_S:g} s); it was given up")
-    answered, value = outcome[0]
-    if not answered:
-        raise value
-    return value
+                           f"turn_tool_seconds + {STEP_MARGIN_S:g} s); it was given up") from None
 
 
 @dataclasses.dataclass(frozen=True)
