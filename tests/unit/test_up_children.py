@@ -126,7 +126,7 @@ def test_a_redis_whose_port_was_taken_while_it_was_down_is_retried_until_it_star
     server = EmbeddedRedis(data_dir=tmp_path / "redis").start()
     trainer, lines = FakeUnit("trainer", "trainer-0"), []
     watch = Watch(UpSection(restart_backoff_s=0.1, restart_backoff_max_s=0.2), tmp_path, trainer,
-                  [_RedisUnit(server)], log=lines.append)
+                  [_RedisUnit(server, lambda: False)], log=lines.append)
     watch.launch(trainer)
     squatter = socket.socket()
     try:
