@@ -30,7 +30,7 @@ import grpc
 import redis
 
 from grpo_stream.common.rollouts.buffer import keys
-from grpo_stream.common.rollouts.redis_server import read_password
+from grpo_stream.common.rollouts.redis_protection import read_password
 from grpo_stream.common.rpc.grpc_util import ClientSecurity, open_channel
 from grpo_stream.protos import prompts_pb2, prompts_pb2_grpc
 from grpo_stream.common.runtime.files import write_atomic

@@ -206,8 +206,9 @@ def _client_for(run_dir: pathlib.Path, redis_url: str | None):
     given, else the run's own Redis if it answers, else an embedded Redis started on the run's data directory
     (RUN_DIR/redis, written by `up`), only while no run holds the directory: a second server on a live run's
     append-only file would corrupt it, and rewrite its clients' password file."""
+    from grpo_stream.common.rollouts.redis_protection import read_password  # noqa: PLC0415
     from grpo_stream.common.rollouts.redis_server import (RedisConnectError, RedisUnreachable,  # noqa: PLC0415
-                                                          connect, read_password)
+                                                          connect)
     from grpo_stream.up.run_lock import RunDirBusy, RunLock  # noqa: PLC0415
 
     info_path = run_dir / RUN_FILE

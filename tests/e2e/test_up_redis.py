@@ -14,7 +14,7 @@ import pytest
 import redis
 
 from grpo_stream.common.config.access import REDIS_PASSWORD_ENV
-from grpo_stream.common.rollouts.redis_server import read_password
+from grpo_stream.common.rollouts.redis_protection import read_password
 from tests.support import stop_process, wait_for
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

@@ -11,7 +11,8 @@ import textwrap
 import pytest
 
 from grpo_stream.common.rollouts.buffer import RUN_FILE, Incoming, RedisStreamBuffer
-from grpo_stream.common.rollouts.redis_server import EmbeddedRedis, connect, free_port, read_password
+from grpo_stream.common.rollouts.redis_protection import read_password
+from grpo_stream.common.rollouts.redis_server import EmbeddedRedis, connect, free_port
 from grpo_stream.up.run_lock import RunLock
 
 pytestmark = pytest.mark.redis

@@ -17,7 +17,8 @@ import pytest
 import redis
 
 from grpo_stream.common.rollouts import redis_loading, redis_server as redis_util
-from grpo_stream.common.rollouts.redis_server import PASSWORD_FILE, EmbeddedRedis, connect, read_password
+from grpo_stream.common.rollouts.redis_protection import PASSWORD_FILE, read_password
+from grpo_stream.common.rollouts.redis_server import EmbeddedRedis, connect
 from tests.support import command_lines
 
 pytestmark = pytest.mark.redis
