@@ -78,8 +78,8 @@ def _compile_without_llvm_optimisation():
     compile hundreds of small programs and run each a few times, so those passes are most of their compile time
     and save nothing at these sizes (tests/unit/trainer_service/learning's packing, distillation and Tunix tests:
     118 s -> 87 s on 2 cores; BENCHMARKS.md, "Test lanes and CI"). The programs' semantics are XLA's either way.
-    XLA reads $XLA_FLAGS once, when the backend starts, so the flag is set for that moment only: the processes the
-    tests start (e2e runs, child scripts) inherit the environment as it was and compile as users' processes do."""
+    XLA reads $XLA_FLAGS once, when the backend starts, so the flag is set for that moment only; whether the
+    processes the tests start get it too is decided once the tests are collected (pytest_collection_finish)."""
     import jax
 
     before = os.environ.get("XLA_FLAGS")
@@ -195,10 +195,35 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: the rest keep their order
 
 
+# The lanes whose bars were set from runs outside pytest (the learning checks' rewards, the real model's memory
+# estimates, the benchmarks' ratios): the processes their tests start compile as users' processes do.
+CALIBRATED_LANES = ("learning", "realmodel", "bench")
+
+
+def children_compile_unoptimised(selected_markers: set[str]) -> bool:
+    """Whether the processes a session's tests start (e2e runs, child scripts) compile without LLVM's optimisation
+    passes as the test processes do: yes unless the session runs a calibrated lane's test. Those processes are
+    compile-bound at the tests' sizes too (the smoke run's `up`: 132 s -> 88 s on 2 cores, 2026-12-01)."""
+    return not selected_markers & set(CALIBRATED_LANES)
+
+
+def pytest_collection_finish(session):
+    """Runs in each process that runs tests (every xdist worker), after -m has deselected, before any module
+    fixture starts a process: the environment those processes inherit gets the test processes' compile flag."""
+    selected = {mark.name for item in session.items for mark in item.iter_markers()}
+    if children_compile_unoptimised(selected):
+        flags = os.environ.get("XLA_FLAGS", "")
+        if TEST_PROCESS_XLA_FLAG not in flags.split():
+            os.environ["XLA_FLAGS"] = f"{flags} {TEST_PROCESS_XLA_FLAG}".strip()
+
+
 # Test time by folder (tests/unit, tests/integration, ...): printed after the run, and written as JSON to
 # $GRPO_STREAM_PHASE_TIMES where set (.ci/run's phase table). Setup, call and teardown all count, so a module
-# fixture's run counts where it is first used.
+# fixture's run counts where it is first used. The slowest files are printed too: the default lane runs a file at
+# a time per worker (--dist loadfile), so a file is what moves to a named lane or up LONGEST_FIRST.
 _FOLDER_SECONDS: dict[str, float] = {}
+_FILE_SECONDS: dict[str, float] = {}
+SLOWEST_FILES_SHOWN = 30
 
 
 _TEST_SPANS: list[tuple[float, float, str]] = []  # (start, stop, nodeid) of every test phase, as reported
@@ -207,6 +232,8 @@ _TEST_SPANS: list[tuple[float, float, str]] = []  # (start, stop, nodeid) of eve
 def pytest_runtest_logreport(report):
     folder = "/".join(report.nodeid.split("::")[0].split("/")[:2])
     _FOLDER_SECONDS[folder] = _FOLDER_SECONDS.get(folder, 0.0) + report.duration
+    path = report.nodeid.split("::")[0]
+    _FILE_SECONDS[path] = _FILE_SECONDS.get(path, 0.0) + report.duration
     _TEST_SPANS.append((report.start, report.stop, report.nodeid))
 
 
@@ -269,6 +296,9 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.section("test time by folder")
     for folder, seconds in sorted(_FOLDER_SECONDS.items(), key=lambda kv: -kv[1]):
         terminalreporter.write_line(f"{folder:<20} {seconds:8.1f} s")
+    terminalreporter.section(f"slowest {SLOWEST_FILES_SHOWN} test files (worker-seconds)")
+    for path, seconds in sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1])[:SLOWEST_FILES_SHOWN]:
+        terminalreporter.write_line(f"{seconds:8.1f} s  {path}")
     watch = terminalreporter.config.stash.get(_MEMORY, None)
     memory = watch.report() if watch else None
     if memory:

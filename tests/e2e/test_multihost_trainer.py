@@ -32,6 +32,12 @@ CONFIG = "configs/tiny_arith_smoke.yaml"
 TWO_HOSTS = ["trainer.processes=2", "trainer.mesh.fsdp=4", "sampler.mesh.tp=2", "weights.verify_prompts=8"]
 
 
+def four_devices() -> str:
+    """XLA_FLAGS for processes that each see 4 devices, keeping the compile flag tests/conftest.py gives the
+    processes tests start (set once the tests are collected: read when a test starts, not at import)."""
+    return f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4".strip()
+
+
 def test_two_process_trainer_matches_one_process_and_every_sampler(tmp_path):
     run_dir = tmp_path / "run"
     # Adam's eps at 1e-5 (not 1e-8): the smoke run's first informative steps are Adam's first, where each element
@@ -43,7 +49,7 @@ def test_two_process_trainer_matches_one_process_and_every_sampler(tmp_path):
     # model happens to sample (its arithmetic rewards are mostly all zero), so the replay compares real updates
     out = run_cli("up", "--config", CONFIG, "--run-dir", str(run_dir), *TWO_HOSTS, "trainer.record_batches=true",
                   "trainer.optimizer.eps=1e-5", "task.rewards={tests.e2e.vllm_rewards:longer_is_better: 1.0}",
-                  env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+                  env={"XLA_FLAGS": four_devices(),
                        "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")})
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -62,7 +68,7 @@ def test_two_process_trainer_matches_one_process_and_every_sampler(tmp_path):
     assert (run_dir / "model" / "config.json").is_file()  # the export, gathered from both processes
     reference = subprocess.run([sys.executable, "-m", "tests.e2e.multihost_reference", str(run_dir)], cwd=ROOT,
                                capture_output=True, text=True, timeout=300,
-                               env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"})
+                               env={**os.environ, "XLA_FLAGS": four_devices()})
     assert reference.returncode == 0, reference.stdout[-2000:] + reference.stderr[-3000:]
     result = json.loads(reference.stdout.strip().splitlines()[-1])
     assert result["steps_replayed"] == 8 and result["checkpoint_step"] == 8

@@ -1,11 +1,22 @@
-"""What tests/conftest.py gives the test processes, and keeps from the processes they start: those inherit this
-environment and compile as users' processes do, so e2e runs and learning checks (calibrated on runs outside pytest)
-see the programs users get."""
+"""What tests/conftest.py gives the test processes and the processes they start: the default lane's child processes
+compile without LLVM's optimisation passes, as the test processes do (they are compile-bound at these sizes); a
+session that runs a calibrated lane's test (learning, realmodel, bench: bars set from runs outside pytest) keeps
+its child processes compiling as users' processes do."""
 
 import os
 
-from tests.conftest import TEST_PROCESS_XLA_FLAG
+import pytest
+
+from tests.conftest import CALIBRATED_LANES, TEST_PROCESS_XLA_FLAG, children_compile_unoptimised
 
 
-def test_the_test_processes_compile_flag_is_not_passed_on():
-    assert TEST_PROCESS_XLA_FLAG not in os.environ.get("XLA_FLAGS", "")
+def test_the_default_lanes_child_processes_get_the_compile_flag(request):
+    selected = {mark.name for item in request.session.items for mark in item.iter_markers()}
+    expected = not selected & set(CALIBRATED_LANES)
+    assert (TEST_PROCESS_XLA_FLAG in os.environ.get("XLA_FLAGS", "").split()) == expected
+
+
+@pytest.mark.parametrize("lane", CALIBRATED_LANES)
+def test_a_session_with_a_calibrated_lanes_test_passes_no_flag_on(lane):
+    assert not children_compile_unoptimised({"e2e", "slow", lane})
+    assert children_compile_unoptimised({"e2e", "slow", "redis", "heavy", "chaos"})
