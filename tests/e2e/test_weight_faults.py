@@ -2,9 +2,9 @@
 
 1. No group mixes versions (sampler.weight_updates=drain): this test serves weights (a real TrainerServer on
    loopback, ingest into a real Redis) and publishes a new, clearly different version every 0.3 s while a
-   `grpo-stream sampler` process generates. Every group's behaviour logprobs are recomputed under the version the group says it used:
-   they agree to float32 noise, and disagree under the neighbouring versions. A group that switched weights
-   part-way would match neither.
+   `grpo-stream sampler` process generates (once groups of the last one arrived). Every group's behaviour
+   logprobs are recomputed under the version the group says it used: they agree to float32 noise, and disagree
+   under the neighbouring versions. A group that switched weights part-way would match neither.
 2. Killing the trainer (kill -9) in the middle of a slow weight transfer: the samplers keep their installed
    version, start no new group while the ingest cannot admit one, count fetch failures, and install the
    restarted trainer's versions; the restarted run completes.
@@ -21,6 +21,7 @@ import sys
 import time
 import urllib.request
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -47,19 +48,27 @@ def cli(*args, log, auth: dict[str, str]):
                             stderr=subprocess.STDOUT, env={**ENV, **auth})
 
 
-def recomputed(model, params, group, cfg, pad_id) -> np.ndarray:
-    """Max |recomputed - recorded| behaviour logprob per completion of `group` under `params`."""
-    p = len(group.prompt_token_ids)
-    width = p + max(len(c.token_ids) for c in group.completions)
-    tokens = np.full((len(group.completions), width), pad_id, np.int32)
-    valid = np.zeros(tokens.shape, bool)
-    for i, c in enumerate(group.completions):
-        row = np.concatenate([group.prompt_token_ids, c.token_ids])
-        tokens[i, :len(row)], valid[i, :len(row)] = row, True
-    logp = np.asarray(sequence_logprobs(model, params, jnp.asarray(tokens), jnp.asarray(valid),
-                                        cfg.generation.temperature, pad_id))
-    return np.array([np.abs(logp[i, p - 1:p - 1 + len(c.token_ids)] - c.logprobs).max()
-                     for i, c in enumerate(group.completions)])
+def recomputer(model, cfg, pad_id):
+    """recompute(params, group): max |recomputed - recorded| behaviour logprob per completion of `group` under
+    `params`. Every group is laid out at the config's longest prompt and completion, and the forward pass is one
+    compiled program: eagerly, each new width compiled every operation again (about a third of the test's time)."""
+    gen = cfg.generation
+    width = gen.max_prompt_tokens + gen.max_new_tokens
+    forward = jax.jit(lambda params, tokens, valid: sequence_logprobs(model, params, tokens, valid, gen.temperature,
+                                                                      pad_id))
+
+    def recompute(params, group) -> np.ndarray:
+        p = len(group.prompt_token_ids)
+        tokens = np.full((len(group.completions), width), pad_id, np.int32)
+        valid = np.zeros(tokens.shape, bool)
+        for i, c in enumerate(group.completions):
+            row = np.concatenate([group.prompt_token_ids, c.token_ids])
+            tokens[i, :len(row)], valid[i, :len(row)] = row, True
+        logp = np.asarray(forward(params, jnp.asarray(tokens), jnp.asarray(valid)))
+        return np.array([np.abs(logp[i, p - 1:p - 1 + len(c.token_ids)] - c.logprobs).max()
+                         for i, c in enumerate(group.completions)])
+
+    return recompute
 
 
 def test_no_group_mixes_weight_versions(tmp_path, shared_redis, run_name):
@@ -94,11 +103,16 @@ def test_no_group_mixes_weight_versions(tmp_path, shared_redis, run_name):
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.3)  # the churn under test (a new version every 0.3 s), not a wait for a state
-            version += 1
-            publisher.publish_arrays(version, weights(version))
-            groups += [decode_group(e.payload) for e in buffer.read(1000, 0)]
+            arrived = [decode_group(e.payload) for e in buffer.read(1000, 0)]
+            groups += arrived
             if len(groups) >= 24 and len({g.policy_version for g in groups}) >= 4:
                 break
+            # a new version once the last one generated something: a drained sampler installs each version before
+            # its next group, and versions coming faster than it installs them (about 0.5 s each on a loaded
+            # machine) left it installing for a minute with nothing generated
+            if arrived or version == 0:
+                version += 1
+                publisher.publish_arrays(version, weights(version))
         publisher.publish_arrays(version + 1, weights(version + 1), final=True)
         assert proc.wait(timeout=120) == 0, (tmp_path / "sampler.log").read_text()[-3000:]
         groups += [decode_group(e.payload) for e in buffer.read(1000, 0)]
@@ -116,10 +130,10 @@ def test_no_group_mixes_weight_versions(tmp_path, shared_redis, run_name):
             params[v] = model.params_from_arrays({n: jnp.asarray(a) for n, a in weights(v).items()})
         return params[v]
 
-    own, neighbours = [], []
+    own, neighbours, recomputed = [], [], recomputer(model, cfg, tokenizer.pad_id)
     for g in groups:
-        own.append(recomputed(model, at(g.policy_version), g, cfg, tokenizer.pad_id).max())
-        neighbours.append(min(recomputed(model, at(v), g, cfg, tokenizer.pad_id).min()
+        own.append(recomputed(at(g.policy_version), g).max())
+        neighbours.append(min(recomputed(at(v), g).min()
                               for v in (g.policy_version - 1, g.policy_version + 1) if v >= 0))
     print(f"{len(groups)} groups over versions {used[0]}..{used[-1]}: own max {max(own):.2e}, "
           f"neighbours min {min(neighbours):.2e}")
