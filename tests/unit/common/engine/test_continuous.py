@@ -10,7 +10,7 @@ from grpo_stream.common.engine.base import FixedRequests, Generation, Request, r
 from grpo_stream.common.engine.continuous import ContinuousEngine
 from grpo_stream.common.model.policy import sequence_logprobs
 from grpo_stream.trainer_service.learning.batching import layout
-from tests.mixed_versions import every_other_call, mixed_version_logprobs, scaled_versions
+from tests.mixed_versions import MixedVersionReference, every_other_call, scaled_versions
 
 NO_EOS = -1  # no token ends a completion: lengths are the budgets
 
@@ -160,14 +160,17 @@ def test_in_flight_updates_record_the_version_of_every_token(tiny_parts):
     recorded = [out.versions[i, :n] for i, n in enumerate(budgets)]
     assert all((np.diff(v) >= 0).all() for v in recorded)
     assert sum(len(np.unique(v)) > 1 for v in recorded) >= 4  # versions changed mid-sequence
+    # one reference for every row, its cache as long as the longest: the versions' decode layouts are made and its
+    # step compiled once, not once per row and length (positions past a row's own are masked out of its attention)
+    mixed = MixedVersionReference(model, versions, p + c)
     for i, n in enumerate(budgets):
-        reference = mixed_version_logprobs(model, versions, prompts[i], out.tokens[i, :n].tolist(),
-                                            recorded[i].tolist(), 1.0, tok.pad_id)
+        tokens = out.tokens[i, :n].tolist()
+        reference = mixed(prompts[i], tokens, recorded[i].tolist(), 1.0, tok.pad_id)
         np.testing.assert_allclose(out.logprobs[i, :n], reference, atol=1e-4)
         # the newest weights alone would give other logprobs: the versions are clearly different
         if len(np.unique(recorded[i])) > 1:
-            assert np.abs(reference - mixed_version_logprobs(model, versions, prompts[i], out.tokens[i, :n].tolist(),
-                                                               [int(recorded[i][-1])] * n, 1.0, tok.pad_id)).max() > 1e-2
+            newest = mixed(prompts[i], tokens, [int(recorded[i][-1])] * n, 1.0, tok.pad_id)
+            assert np.abs(reference - newest).max() > 1e-2
 
 
 def test_budgets_and_prompts_are_checked(tiny_parts, engine):

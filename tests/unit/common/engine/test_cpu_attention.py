@@ -14,6 +14,7 @@ import pytest
 
 from grpo_stream.common.engine import cpu_attention, decode
 from grpo_stream.common.engine.continuous import ContinuousEngine
+from grpo_stream.common.runtime.private_dir import make_private_dir
 
 pytestmark = pytest.mark.skipif(cpu_attention._compiler() is None, reason="no C++ compiler to build the kernel")
 NO_EOS = -1
@@ -89,13 +90,21 @@ def _probe(env: dict, cache: pathlib.Path, prelude: str = "") -> subprocess.Comp
                           env={**os.environ, "XDG_CACHE_HOME": str(cache), **env})
 
 
-def test_the_build_is_cached_and_a_failed_build_falls_back_to_dense_attention(tmp_path):
-    first = _probe({}, tmp_path)
+@pytest.fixture(scope="module")
+def first_build(tmp_path_factory) -> tuple[subprocess.CompletedProcess, pathlib.Path]:
+    """A probe's build of the kernel into a fresh cache, made once for the file: the cache tests check it, and the
+    planting tests take its file name (the key for this CPU and jaxlib) instead of each building the kernel again."""
+    cache = tmp_path_factory.mktemp("first-build")
+    return _probe({}, cache), cache
+
+
+def test_the_build_is_cached_and_a_failed_build_falls_back_to_dense_attention(first_build, tmp_path):
+    first, cache = first_build
     assert "available True" in first.stdout, first.stderr
-    built = list((tmp_path / "grpo-stream" / "kernels").glob("ragged_attention-*.so"))
+    built = list((cache / "grpo-stream" / "kernels").glob("ragged_attention-*.so"))
     assert len(built) == 1
     stamp = built[0].stat().st_mtime_ns
-    assert "available True" in _probe({}, tmp_path).stdout and built[0].stat().st_mtime_ns == stamp  # reused
+    assert "available True" in _probe({}, cache).stdout and built[0].stat().st_mtime_ns == stamp  # reused
     broken = _probe({"CXX": "/bin/false"}, tmp_path / "other")
     assert "available False" in broken.stdout
     assert "could not be built" in broken.stderr and "XLA's dense form" in broken.stderr
@@ -126,11 +135,16 @@ void GrpoStreamRaggedAttention(void) {}
 """
 
 
-def _plant(tmp_path: pathlib.Path) -> tuple[pathlib.Path, dict]:
-    """Build the genuine kernel into the cache under tmp_path (its file name is the key for this CPU and jaxlib),
-    then put a planted library in its place; returns the cached path and the environment that names the marker."""
-    assert "available True" in _probe({}, tmp_path).stdout
-    [built] = (tmp_path / "grpo-stream" / "kernels").glob("ragged_attention-*.so")
+def _plant(tmp_path: pathlib.Path, first_build) -> tuple[pathlib.Path, dict]:
+    """Put a planted library in the cache under tmp_path (private, as the kernel would make it) where the genuine
+    kernel's build would be (its file name, the key for this CPU and jaxlib, is first_build's); returns the cached
+    path and the environment that names the marker."""
+    first, cache = first_build
+    assert "available True" in first.stdout, first.stderr
+    [genuine] = (cache / "grpo-stream" / "kernels").glob("ragged_attention-*.so")
+    kernels = tmp_path / "grpo-stream" / "kernels"
+    assert make_private_dir(kernels) is None
+    built = kernels / genuine.name
     source = tmp_path / "planted.c"
     source.write_text(PLANTED)
     subprocess.run([cpu_attention._compiler(), "-x", "c", "-shared", "-fPIC", str(source), "-o", str(built)],
@@ -138,8 +152,8 @@ def _plant(tmp_path: pathlib.Path) -> tuple[pathlib.Path, dict]:
     return built, {"PLANTED_MARKER": str(tmp_path / "marker")}
 
 
-def test_a_library_planted_in_a_kernel_cache_others_can_write_is_not_loaded(tmp_path):
-    built, env = _plant(tmp_path)
+def test_a_library_planted_in_a_kernel_cache_others_can_write_is_not_loaded(tmp_path, first_build):
+    built, env = _plant(tmp_path, first_build)
     os.chmod(built.parent, 0o770)  # group-writable: anyone in the group could have put it there
     probe = _probe(env, tmp_path)
     assert not (tmp_path / "marker").exists(), "the planted library was loaded"
@@ -150,8 +164,8 @@ def test_a_library_planted_in_a_kernel_cache_others_can_write_is_not_loaded(tmp_
     assert "available True" in _probe(env, tmp_path).stdout and (tmp_path / "marker").exists()
 
 
-def test_a_library_planted_in_a_kernel_cache_of_another_owner_is_not_loaded(tmp_path):
-    built, env = _plant(tmp_path)
+def test_a_library_planted_in_a_kernel_cache_of_another_owner_is_not_loaded(tmp_path, first_build):
+    built, env = _plant(tmp_path, first_build)
     # the cache's owner is this user; the probe believes it runs as another one (any other uid)
     probe = _probe(env, tmp_path, prelude="import os; _uid = os.getuid() + 4242; os.getuid = lambda: _uid\n")
     assert not (tmp_path / "marker").exists(), "the planted library was loaded"
