@@ -47,6 +47,14 @@ def engine(tiny_parts):
     return ContinuousEngine(model, tok.pad_id, tok.eos_id, P, C, temperature=1.0, slots=8, chunk_steps=4)
 
 
+@pytest.fixture(scope="module")
+def few_slots(tiny_parts):
+    """Fewer slots than episodes and short chunks (frequent weight updates): shared by the tests that need either,
+    so its programs compile once for the file, not once a test."""
+    cfg, task, tok, model = tiny_parts
+    return ContinuousEngine(model, tok.pad_id, tok.eos_id, P, C, temperature=1.0, slots=4, chunk_steps=2)
+
+
 def _run(tiny_parts, engine, n, env, settings, rng=0, refresh=None, workers=4):
     cfg, task, tok, model = tiny_parts
     problems = [task.train_problem(i) for i in range(n)]
@@ -119,14 +127,15 @@ def test_environment_steps_run_off_the_decode_thread_while_other_episodes_decode
     assert figures["seconds"] < 0.75 * figures["environment_seconds"]
 
 
-def test_held_caches_are_given_up_when_rows_need_their_slots(tiny_parts):
-    """3 slots for 9 episodes: held slots are given up for waiting rows, and those episodes' next turns are
+def test_held_caches_are_given_up_when_rows_need_their_slots(tiny_parts, few_slots):
+    """4 slots for 9 episodes: held slots are given up for waiting rows, and those episodes' next turns are
     prefilled; the tokens stay exact either way."""
     cfg, task, tok, model = tiny_parts
-    small = ContinuousEngine(model, tok.pad_id, tok.eos_id, P, C, temperature=1.0, slots=3, chunk_steps=4)
     settings = EpisodeSettings(max_turns=3, turn_max_new_tokens=6, episode_tokens=C, hold_kv=True)
-    prompts, results, figures = _run(tiny_parts, small, 9, Scripted(turns=3, delay=0.05), settings)
-    assert small.stats["held_given_up"] > 0 and small.stats["resumed_turns"] > 0
+    before = dict(few_slots.stats)  # the engine is the file's: its counts include other tests' runs
+    prompts, results, figures = _run(tiny_parts, few_slots, 9, Scripted(turns=3, delay=0.05), settings)
+    for stat in ("held_given_up", "resumed_turns"):
+        assert few_slots.stats[stat] - before.get(stat, 0) > 0, stat
     assert figures["turns"] == 27
     rows = [layout(np.array(p), np.array(r.tokens), P, C, tok.pad_id) for p, r in zip(prompts, results)]
     tokens, valid = np.stack([r[0] for r in rows]), np.stack([r[1] for r in rows])
@@ -161,13 +170,13 @@ def test_an_environment_that_raises_ends_only_its_episode(tiny_parts, engine):
 
 
 @pytest.mark.parametrize("hold_kv", [False, True], ids=["reprefill", "hold"])
-def test_in_flight_weight_updates_go_on_across_turns(tiny_parts, hold_kv):
-    """A new version every other chunk: every token of an episode records its version (an observation token the
-    version of the model token before it), versions never go back, and episodes span several versions."""
+def test_in_flight_weight_updates_go_on_across_turns(tiny_parts, few_slots, hold_kv):
+    """A new version every other chunk (of 2 steps): every token of an episode records its version (an observation
+    token the version of the model token before it), versions never go back, and episodes span several versions."""
     from tests.mixed_versions import every_other_call, scaled_versions
 
     cfg, task, tok, model = tiny_parts
-    engine = ContinuousEngine(model, tok.pad_id, tok.eos_id, P, C, temperature=1.0, slots=4, chunk_steps=2)
+    engine = few_slots
     settings = EpisodeSettings(max_turns=3, turn_max_new_tokens=6, episode_tokens=C, hold_kv=hold_kv)
     _, results, _ = _run(tiny_parts, engine, 6, Scripted(turns=3), settings, workers=2,
                          refresh=every_other_call(scaled_versions(model.params, 30, 0.01)))

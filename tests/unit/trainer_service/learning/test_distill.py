@@ -5,6 +5,8 @@ part of the gradient is the vector-Jacobian product of the padded rows' log-prob
 batches and on multi-turn completions whose observation tokens are not distilled, for GRPO (clip, TIS) and GSPO, a
 full and a LoRA student, and a teacher of another (larger) shape than the student."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,6 +27,7 @@ DISTILL = DistillSection(teacher="teacher-dir", kl_coef=0.7, reward_weight=0.5)
 ALGOS = {"grpo": AlgoSection(loss_algo="grpo", tis_cap=2.0), "gspo-token": AlgoSection(loss_algo="gspo-token")}
 
 
+@functools.cache  # built once for the file (its init programs: ~10 s a test, loaded): never updated or donated
 def teacher_model() -> Teacher:
     """A teacher larger than the student (two layers, wider), every weight random, over the same vocabulary."""
     model = random_weights_model(TinyModelSection(vocab_size=VOCAB, num_layers=2, embed_dim=48, hidden_dim=96,
@@ -32,6 +35,7 @@ def teacher_model() -> Teacher:
     return Teacher(model, "teacher-dir")
 
 
+@functools.cache  # the update copies what it trains (donate off): the same student serves every test
 def student(lora: bool):
     model = random_model()
     if not lora:
@@ -83,15 +87,15 @@ def test_signal_and_gradient_equal_a_numpy_reference(rows, kind, loss_algo, lora
     updater = PolicyUpdater(model, params, algo, 1e-2, 1.0, 1.0, 0, shape, trainable=trainable, teacher=teacher,
                             distill=DISTILL)
     old_params = noisy(params, 1, 0.05)  # the proximal policy differs from the trained one: ratios off 1, clipping
-    lp = lambda m, p: np.asarray(logprobs_of(m, batch)(p), np.float64)  # noqa: E731
-    l, o, t = lp(model, params), lp(model, old_params), lp(teacher.model, teacher.model.params)
+    rows = logprobs_of(model, batch)  # one program for l, o and the reference's vector-Jacobian product
+    l, o = np.asarray(rows(params), np.float64), np.asarray(rows(old_params), np.float64)
+    t = np.asarray(logprobs_of(teacher.model, batch)(teacher.model.params), np.float64)
     mask = np.asarray(batch.loss_mask, np.float64)
     if kind == "multi-turn":  # observation tokens are in the sequences but out of the mask: nothing distilled there
         assert ((mask == 0) & np.asarray(batch.valid[:, 1:]) & (np.arange(mask.shape[1]) >= PROMPT - 1)).any()
     loss, dl, k = numpy_reference(l, o, t, np.asarray(batch.behaviour_logprobs, np.float64), mask,
                                   np.asarray(batch.advantages, np.float64), algo, DISTILL)
     train, frozen = updater.split(params)
-    rows = logprobs_of(model, batch)
     g_ref = jax.jit(lambda tr, ct: jax.vjp(lambda x: rows(updater.join(x, frozen)), tr)[1](ct)[0])(
         train, jnp.asarray(dl, jnp.float32))
     g_upd, metrics = updater.minibatch_gradients(batch, old_params)

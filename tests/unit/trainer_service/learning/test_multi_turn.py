@@ -6,6 +6,8 @@ sampler-trainer agreement and off-policy diagnostics count the model's tokens on
 The reference below is written from the objective's definitions (trainer_service/learning/loss.py) with plain Python
 loops over each completion's model tokens, found from the completions' masks, not from the batch's loss mask."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -50,6 +52,13 @@ def model_positions(gs: list[GroupData]) -> list[np.ndarray]:
     return [PROMPT - 1 + np.flatnonzero(c.model_tokens()) for g in gs for c in g.completions]
 
 
+@functools.cache
+def forward():
+    """The model's padded rows' log-probs, compiled once for the file (every batch here has the same shape), where
+    eight eager calls ran op by op."""
+    return jax.jit(lambda params, tokens, valid: sequence_logprobs(random_model(), params, tokens, valid, 1.0, 0))
+
+
 def setup(loss_algo: str, packing: bool):
     """(updater in packed rows or one sequence a row, batch with behaviour logprobs near the policy's on the model's
     tokens, old (proximal) params, groups): the trained weights, the old and the behaviour policy all differ."""
@@ -57,7 +66,7 @@ def setup(loss_algo: str, packing: bool):
     batch, _ = build_batch(gs, PROMPT, COMPLETION, 0, algo, held_version=0)
     rows = layout(rows=2, sequences=6) if packing else one_a_row(rows=2, sequences=6)
     updater = PolicyUpdater(model, model.params, algo, 1e-2, 1.0, 1.0, 0, rows)
-    start = np.asarray(sequence_logprobs(model, model.params, batch.tokens, batch.valid, 1.0, 0))
+    start = np.asarray(forward()(model.params, batch.tokens, batch.valid))
     shift = np.random.default_rng(1).normal(0.0, 0.2, batch.loss_mask.shape).astype(np.float32)
     behaviour = (start + shift) * batch.loss_mask  # 0 on observation tokens, as build_batch leaves them
     return updater, batch.replace(behaviour_logprobs=behaviour), noisy(model.params, 1, 0.05), gs
@@ -83,6 +92,15 @@ def reference_loss(params, model, batch, old_params, positions, algo: AlgoSectio
     return total / count
 
 
+@functools.cache
+def reference_program(loss_algo: str):
+    """reference_loss's value and gradient compiled whole (the model, the groups' model tokens and the settings
+    fixed; op by op, the file took 35 s instead of 26), once an algorithm: the reference does not depend on the
+    update's layout, so its packed and one-a-row cases share it."""
+    model, positions, algo = random_model(), model_positions(groups()), ALGOS[loss_algo]
+    return jax.jit(jax.value_and_grad(lambda p, b, o: reference_loss(p, model, b, o, positions, algo)))
+
+
 def relative_gap(a, b) -> float:
     return float(optax.global_norm(jax.tree.map(jnp.subtract, a, b))) / float(optax.global_norm(b))
 
@@ -91,12 +109,10 @@ def relative_gap(a, b) -> float:
 @pytest.mark.parametrize("loss_algo", list(ALGOS))
 def test_observation_tokens_carry_no_loss(loss_algo, packing):
     updater, batch, old_params, gs = setup(loss_algo, packing)
-    model, algo = updater.model, updater.algo
+    model = updater.model
     grads, metrics = updater.minibatch_gradients(batch, old_params)
     positions = model_positions(gs)
-    # compiled whole (the layout, the model and the settings fixed): op by op, the file took 35 s instead of 26
-    reference = jax.jit(jax.value_and_grad(lambda p, b, o: reference_loss(p, model, b, o, positions, algo)))
-    want_loss, want_grads = reference(model.params, batch, old_params)
+    want_loss, want_grads = reference_program(loss_algo)(model.params, batch, old_params)
     assert float(metrics["loss"]) == pytest.approx(float(want_loss), rel=1e-5)
     assert relative_gap(grads, want_grads) < 1e-5
     assert 0 < float(metrics["clip_fraction"]) < 1  # the clip is at work on some tokens, not all
@@ -123,7 +139,7 @@ def test_agreement_and_diagnostics_count_the_models_tokens_only(packing):
     logprob_diff_mean/max) and the importance diagnostics are those of the model's tokens; the observation tokens'
     behaviour logprob 0 is far from the policy's, so counting them would show."""
     updater, batch, _, gs = setup("grpo", packing)
-    start = np.asarray(sequence_logprobs(updater.model, updater.params, batch.tokens, batch.valid, 1.0, 0))
+    start = np.asarray(forward()(updater.params, batch.tokens, batch.valid))
     positions = model_positions(gs)
     diffs = np.concatenate([np.abs(start[i, at] - np.asarray(batch.behaviour_logprobs)[i, at])
                             for i, at in enumerate(positions)])
