@@ -221,7 +221,6 @@ def pytest_collection_finish(session):
 # $GRPO_STREAM_PHASE_TIMES where set (.ci/run's phase table). Setup, call and teardown all count, so a module
 # fixture's run counts where it is first used. The slowest files are printed too: the default lane runs a file at
 # a time per worker (--dist loadfile), so a file is what moves to a named lane or up LONGEST_FIRST.
-_FOLDER_SECONDS: dict[str, float] = {}
 _FILE_SECONDS: dict[str, float] = {}
 SLOWEST_FILES_SHOWN = 30
 
@@ -229,9 +228,16 @@ SLOWEST_FILES_SHOWN = 30
 _TEST_SPANS: list[tuple[float, float, str]] = []  # (start, stop, nodeid) of every test phase, as reported
 
 
+def folder_seconds(file_seconds: dict[str, float]) -> dict[str, float]:
+    """The files' seconds summed by folder (tests/unit, tests/e2e, ...)."""
+    folders: dict[str, float] = {}
+    for path, seconds in file_seconds.items():
+        folder = "/".join(path.split("/")[:2])
+        folders[folder] = folders.get(folder, 0.0) + seconds
+    return folders
+
+
 def pytest_runtest_logreport(report):
-    folder = "/".join(report.nodeid.split("::")[0].split("/")[:2])
-    _FOLDER_SECONDS[folder] = _FOLDER_SECONDS.get(folder, 0.0) + report.duration
     path = report.nodeid.split("::")[0]
     _FILE_SECONDS[path] = _FILE_SECONDS.get(path, 0.0) + report.duration
     _TEST_SPANS.append((report.start, report.stop, report.nodeid))
@@ -291,10 +297,11 @@ def pytest_sessionstart(session):
 
 
 def pytest_terminal_summary(terminalreporter):
-    if not _FOLDER_SECONDS:
+    if not _FILE_SECONDS:
         return
     terminalreporter.section("test time by folder")
-    for folder, seconds in sorted(_FOLDER_SECONDS.items(), key=lambda kv: -kv[1]):
+    folders = folder_seconds(_FILE_SECONDS)
+    for folder, seconds in sorted(folders.items(), key=lambda kv: -kv[1]):
         terminalreporter.write_line(f"{folder:<20} {seconds:8.1f} s")
     terminalreporter.section(f"slowest {SLOWEST_FILES_SHOWN} test files (worker-seconds)")
     for path, seconds in sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1])[:SLOWEST_FILES_SHOWN]:
@@ -308,7 +315,7 @@ def pytest_terminal_summary(terminalreporter):
     if os.environ.get("GRPO_STREAM_PHASE_TIMES"):
         import json
 
-        pathlib.Path(os.environ["GRPO_STREAM_PHASE_TIMES"]).write_text(json.dumps(_FOLDER_SECONDS))
+        pathlib.Path(os.environ["GRPO_STREAM_PHASE_TIMES"]).write_text(json.dumps(folders))
 
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)

@@ -36,6 +36,7 @@ from tests.e2e.test_up import ROOT
 from tests.support import deployment_auth, wait_for
 from grpo_stream.trainer_service.ingest.rollout_ingest import IngestServicer
 from grpo_stream.trainer_service.publication.publisher import WeightPublisher
+from grpo_stream.trainer_service.learning.batching import layout
 from grpo_stream.trainer_service.server import TrainerServer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.redis, pytest.mark.slow]
@@ -50,22 +51,20 @@ def cli(*args, log, auth: dict[str, str]):
 
 def recomputer(model, cfg, pad_id):
     """recompute(params, group): max |recomputed - recorded| behaviour logprob per completion of `group` under
-    `params`. Every group is laid out at the config's longest prompt and completion, and the forward pass is one
-    compiled program: eagerly, each new width compiled every operation again (about a third of the test's time)."""
+    `params`. Every group is in the trainer's layout (batching.layout: the config's longest prompt and completion),
+    and the forward pass is one compiled program: eagerly, each new width compiled every operation again (about a
+    third of the test's time)."""
     gen = cfg.generation
-    width = gen.max_prompt_tokens + gen.max_new_tokens
+    P = gen.max_prompt_tokens
     forward = jax.jit(lambda params, tokens, valid: sequence_logprobs(model, params, tokens, valid, gen.temperature,
                                                                       pad_id))
 
     def recompute(params, group) -> np.ndarray:
-        p = len(group.prompt_token_ids)
-        tokens = np.full((len(group.completions), width), pad_id, np.int32)
-        valid = np.zeros(tokens.shape, bool)
-        for i, c in enumerate(group.completions):
-            row = np.concatenate([group.prompt_token_ids, c.token_ids])
-            tokens[i, :len(row)], valid[i, :len(row)] = row, True
+        rows = [layout(np.asarray(group.prompt_token_ids), np.asarray(c.token_ids), P, gen.max_new_tokens, pad_id)
+                for c in group.completions]
+        tokens, valid = np.stack([r[0] for r in rows]), np.stack([r[1] for r in rows])
         logp = np.asarray(forward(params, jnp.asarray(tokens), jnp.asarray(valid)))
-        return np.array([np.abs(logp[i, p - 1:p - 1 + len(c.token_ids)] - c.logprobs).max()
+        return np.array([np.abs(logp[i, P - 1:P - 1 + len(c.token_ids)] - c.logprobs).max()
                          for i, c in enumerate(group.completions)])
 
     return recompute
