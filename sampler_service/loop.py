@@ -203,7 +203,10 @@ class Sampler:
         if waiting > room:  # rows are kept free for the injected prompt next in line: they free as episodes end
             return
         wanted = max(room // gen.num_generations, 1 if waiting else 0)
-        if wanted <= 0 or self._held_back():
+        if wanted <= 0:
+            return
+        if self._held_back():
+            self.weights.feeder_passed()
             return
         wanted = min(wanted, self._version_allows())  # a cap's remainder, not one more feed's worth past it
         # never below 0: the ingest refuses a negative count for good (INVALID_ARGUMENT), which would stop the sampler.
@@ -215,6 +218,7 @@ class Sampler:
         version, epoch = self.weights.version, self.weights.epoch
         granted = self.admission.admit(wanted, version, holding)
         if granted == 0:
+            self.weights.feeder_passed()
             return
         for work in self.source.next_groups(granted, room, version):
             work.epoch = epoch  # no other epoch's version is installed while it runs (StagedWeights drains for one)

@@ -72,7 +72,8 @@ class SamplerSection(Strict):
         "scheduling point, for every live sequence (engine=jax: a decode chunk's end; engine=vllm: every "
         "sampler.vllm.steps_between_updates steps), keeping the KV of earlier tokens; each token records its version "
         "and a group counts as its oldest token's. 'drain': no group starts, those in flight end with the old version, "
-        "then it is installed (every group one version; the engine runs down at each install: BENCHMARKS.md).")
+        "then it is installed (every group one version; the engine runs down at each install: BENCHMARKS.md); a "
+        "version arriving before any group started with the installed one waits until one has (or none can).")
     admission: bool = Field(True, description="Ask the ingest before starting groups how many can still be trained "
                             "within trainer.max_staleness (and are still needed by trainer.steps), and start only "
                             "those; pause while none can. False: generate without asking (groups the trainer "

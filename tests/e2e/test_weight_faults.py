@@ -2,7 +2,8 @@
 
 1. No group mixes versions (sampler.weight_updates=drain): this test serves weights (a real TrainerServer on
    loopback, ingest into a real Redis) and publishes a new, clearly different version every 0.3 s while a
-   `grpo-stream sampler` process generates (once groups of the last one arrived). Every group's behaviour
+   `grpo-stream sampler` process generates (faster than it installs them: each installed version must still
+   start its groups; tests/unit/sampler_service/test_drain_turns.py has the rule). Every group's behaviour
    logprobs are recomputed under the version the group says it used: they agree to float32 noise, and disagree
    under the neighbouring versions. A group that switched weights part-way would match neither.
 2. Killing the trainer (kill -9) in the middle of a slow weight transfer: the samplers keep their installed
@@ -106,12 +107,11 @@ def test_no_group_mixes_weight_versions(tmp_path, shared_redis, run_name):
             groups += arrived
             if len(groups) >= 24 and len({g.policy_version for g in groups}) >= 4:
                 break
-            # a new version once the last one generated something: a drained sampler installs each version before
-            # its next group, and versions coming faster than it installs them (about 0.5 s each on a loaded
-            # machine) left it installing for a minute with nothing generated
-            if arrived or version == 0:
-                version += 1
-                publisher.publish_arrays(version, weights(version))
+            # a new version every tick, faster than a loaded sampler installs one (about 0.5 s): each installed
+            # version still starts its groups before the next drain (before, the sampler installed 79 versions in
+            # 57 s and generated 2 groups)
+            version += 1
+            publisher.publish_arrays(version, weights(version))
         publisher.publish_arrays(version + 1, weights(version + 1), final=True)
         assert proc.wait(timeout=120) == 0, (tmp_path / "sampler.log").read_text()[-3000:]
         groups += [decode_group(e.payload) for e in buffer.read(1000, 0)]

@@ -56,6 +56,7 @@ def feeder(cfg, client, sink, admitted, epoch="e1"):
     sampler.left_out_at_version, sampler._left_out_lock = collections.Counter(), threading.Lock()
     sampler.sync = types.SimpleNamespace(too_stale=lambda: False, lag=lambda: 0)
     sampler.weights = types.SimpleNamespace(version=3, epoch=epoch, groups_at_version=0, group_started=lambda: None,
+                                            feeder_passed=lambda: None,
                                             staged=types.SimpleNamespace(waiting=lambda: False))
     sampler.admission = types.SimpleNamespace(
         admit=lambda wanted, version, holding: admitted.append(holding) or wanted)

@@ -39,6 +39,7 @@ def drain_sampler(tiny_parts):
     weights.attach(sync_for(model, fetcher), None, None)
     weights.poll()  # version 0, before the stream
     weights.stream_started(Stream(episodes_in_flight=1), None)
+    weights.group_started()  # the group in flight, started with version 0
     return weights, fetcher, publish
 
 
@@ -54,8 +55,9 @@ def test_no_version_is_fetched_while_another_waits_for_the_engine(tiny_parts):
     assert weights.sync.latest_seen == 2 and weights.sync.lag() == 2  # checked for all the same
     weights.stream.episodes_in_flight = 0  # the drain ends: the engine takes version 1 ...
     assert weights.staged.refresh()[1] == 1
-    weights.poll()  # ... and version 2 comes next
+    weights.poll()  # ... and version 2 comes next, drained for once a group started with version 1
     assert fetcher.fetches == 3 and weights.staged.holding()
+    weights.group_started()
     assert weights.staged.refresh()[1] == 2 and weights.version == 2
 
 
