@@ -23,7 +23,6 @@ import dataclasses
 import hmac
 import json
 import logging
-import re
 import secrets
 import threading
 import time
@@ -36,6 +35,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from grpo_stream.common.config.serving import endpoint_context, endpoint_engine_rows
+from grpo_stream.common.endpoint.body import parse as _parse  # (as `_parse`: tests hold it to watch where it runs)
 from grpo_stream.common.endpoint.generation import INTERNAL, EndpointCore, RolloutVersions, Unavailable
 from grpo_stream.common.endpoint.protocol import (ChatRequest, CompletionRequest, RequestError, StreamOptions,
                                                   UnknownModel)
@@ -80,6 +80,10 @@ def _validation_message(exc: pydantic.ValidationError) -> tuple[str, str | None]
         sent = _JSON_KINDS.get(type(errors[0].get("input")), "something else")
         return f"the body: should be a JSON object of the request's fields (model, prompt/messages), not {sent}", None
     tag = next((i for i, part in enumerate(loc) if _union_tag(part)), None)
+    sent = errors[0].get("input")
+    if tag is None and isinstance(sent, bool) and errors[0].get("type") in ("int_type", "float_type"):
+        field = ".".join(str(p) for p in loc)  # pydantic's "a valid integer" of JSON's true, which it reads as 1
+        return f"{field}: should be a number, not {str(sent).lower()}", field
     if tag is None:
         field = ".".join(str(p) for p in loc) or None
         # a validator's own message already names its field (pydantic prefixes "Value error, ")
@@ -102,55 +106,6 @@ async def _read_body(request: Request, limit: int) -> bytes | None:
         if len(body) > limit:
             return None
     return bytes(body)
-
-
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # how JSON writes a UTF-16 surrogate (paired or not)
-
-
-class BodyTextError(ValueError):
-    """A string of the body that is not Unicode text; `field` is where it lies."""
-
-    def __init__(self, field: str):
-        super().__init__(f"{field}: holds an unpaired UTF-16 surrogate (a \\ud800-\\udfff escape without its "
-                         "pair), which is no Unicode text; send valid text")
-        self.field = field
-
-
-def _check_text(value: Any) -> None:
-    """BodyTextError naming the first string (or key) of `value` with a lone surrogate: JSON's escapes allow one,
-    and the tokenizer, the templates and the answer's own encoding all fail on it (a 500 and an error line each)."""
-    stack = [(value, "")]
-    while stack:
-        item, where = stack.pop()
-        if isinstance(item, str):
-            try:
-                item.encode("utf-8")
-            except UnicodeEncodeError:
-                raise BodyTextError((where or "the body").encode("utf-8", "backslashreplace").decode()) from None
-        elif isinstance(item, dict):
-            for key, inner in item.items():
-                stack += [(key, where or "the body"), (inner, f"{where}.{key}" if where else str(key))]
-        elif isinstance(item, list):
-            stack += [(inner, f"{where}[{i}]") for i, inner in enumerate(item)]
-
-
-def _parse(body: bytes):
-    """The body's JSON; ValueError naming the position for one that is not JSON, or the field of a string that is
-    not Unicode text (RecursionError for one nested deeper than Python's parser goes)."""
-    try:
-        parsed = json.loads(body or b"null")
-        if _SURROGATE_ESCAPE.search(body or b""):
-            _check_text(parsed)
-        return parsed
-    except BodyTextError:
-        raise
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"the body is not JSON ({exc.msg} at position {exc.pos})") from None
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"the body is not UTF-8 JSON (byte {exc.start} is not UTF-8)") from None
-    except ValueError as exc:  # an integer of more digits than Python converts (sys.get_int_max_str_digits)
-        raise ValueError(f"the body holds a number this endpoint does not read ({str(exc).split(':')[0]}); no "
-                         "field takes one that long") from None
 
 
 class Gate:
@@ -227,8 +182,9 @@ async def _answer(request: Request, route: str, work, timeout_s: float, stream=N
     (an error is still a JSON answer: nothing was streamed yet)."""
     try:
         answer = await _unless_client_leaves(request, work)
-        if stream is not None:  # (Starlette iterates a plain iterator's events in its thread pool)
-            return StreamingResponse(sse_events(answer, stream.include_usage), media_type="text/event-stream",
+        if stream is not None:  # written whole off the loop first: a fault is a 500 below, never a cut stream
+            events = await asyncio.to_thread(lambda: list(sse_events(answer, stream.include_usage)))
+            return StreamingResponse(iter(events), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         # written off the event loop, as the answer was built: n long choices with logprobs are megabytes of JSON
         # and a second of the loop, every other client unread meanwhile

@@ -14,6 +14,7 @@ import asyncio
 import codecs
 import hashlib
 import json
+import math
 import secrets
 import threading
 import time
@@ -31,6 +32,16 @@ from grpo_stream.common.endpoint.protocol import (ROLLOUT_FIELD, ChatRequest, Co
 
 INTERNAL = "sampler-internal"  # the caller name of the process's own rollouts (app.py)
 CALL_OPENINGS = {"qwen": "<tool_call>", "gemma": "```tool_code", "plain": "<call>", "llama3": ""}
+# the least logprob answered (OpenAI's own for a token of no probability): a token the policy gives probability 0 at
+# its temperature has -inf, which JSON cannot write (Python writes -Infinity, which the openai SDK fails to read)
+LOGPROB_FLOOR = -9999.0
+
+
+def wire_logprobs(logprobs) -> list[float]:
+    """`logprobs` as answered: finite ones as they are, down to LOGPROB_FLOOR; -inf, NaN and any less at the floor
+    (and +inf, which no log-probability is, at 0)."""
+    return [x if LOGPROB_FLOOR <= x < math.inf else 0.0 if x == math.inf else LOGPROB_FLOOR
+            for x in map(float, logprobs)]
 
 
 class Unavailable(RuntimeError):
@@ -305,7 +316,7 @@ class EndpointCore:
         over tokens (CJK, emoji) is rebuilt from them, where its text alone is U+FFFD. A special token (the stop
         token) is its own text, as vLLM writes it: decoded, it was "" beside `bytes` that held it."""
         out = []
-        for token, logprob in zip(seq.tokens[:kept], seq.logprobs[:kept]):
+        for token, logprob in zip(seq.tokens[:kept], wire_logprobs(seq.logprobs[:kept])):
             text = f"token_id:{token}" if as_ids else (
                 self.tokenizer.decode([token]) or self.tokenizer.token_bytes(token).decode("utf-8", "replace"))
             out.append({"token": text, "logprob": logprob, "bytes": list(self.tokenizer.token_bytes(token)),
@@ -320,7 +331,7 @@ class EndpointCore:
         for token in seq.tokens[:kept]:
             offsets.append(written)
             written += len(utf8.decode(self.tokenizer.token_bytes(token)))
-        return {"tokens": tokens, "token_logprobs": seq.logprobs[:kept], "top_logprobs": None,
+        return {"tokens": tokens, "token_logprobs": wire_logprobs(seq.logprobs[:kept]), "top_logprobs": None,
                 "text_offset": offsets}
 
     def _answer(self, kind: str, prefix: str, choices: list, prompts: list[list[int]], n: int,

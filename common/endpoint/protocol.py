@@ -88,11 +88,11 @@ class _Common(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str = Field(..., min_length=1, max_length=256)
-    # strict: JSON's true is no count (pydantic would read it as 1)
+    # strict numbers: JSON's true is no count, seed or temperature (pydantic would read it as 1); an int is a float
     n: int = Field(1, ge=1, strict=True)
-    temperature: float | None = Field(None, ge=0)
-    top_p: float | None = Field(None, gt=0, le=1)
-    seed: int | None = Field(None, ge=0, lt=2**31)
+    temperature: float | None = Field(None, ge=0, strict=True)
+    top_p: float | None = Field(None, gt=0, le=1, strict=True)
+    seed: int | None = Field(None, ge=0, lt=2**31, strict=True)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -129,7 +129,9 @@ class _Common(BaseModel):
                 raise RequestError(f"{name}={_shown(value)}: not served; the endpoint samples the policy as the "
                                    f"sampler does (leave it out{allowed})")
         for name, neutral in _NEUTRAL:
-            if name in extra and extra[name] not in (neutral, None):
+            # of the neutral value's type: JSON's false is no min_tokens of 0, nor 0 an ignore_eos of false
+            if name in extra and extra[name] is not None and (
+                    extra[name] != neutral or isinstance(extra[name], bool) != isinstance(neutral, bool)):
                 raise RequestError(f"{name}={_shown(extra[name])}: not served; leave it out (or {neutral!r})")
         if self.top_p not in (None, 1, 1.0):
             raise RequestError("top_p: only 1 (or leaving it out); the endpoint samples the whole distribution")
@@ -160,7 +162,7 @@ class ChatRequest(_Common):
     messages: list[dict[str, Any]] = Field(..., min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, strict=True)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=0, le=20, strict=True)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -193,9 +195,10 @@ class CompletionRequest(_Common):
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     # vLLM's: a text prompt gets what the tokenizer's post-processor adds (Llama 3's BOS); token ids are as given
     add_special_tokens: bool = True
-    logprobs: int | None = Field(None, ge=0, le=20)
+    # strict: JSON's false was logprobs 0, which asks for them
+    logprobs: int | None = Field(None, ge=0, le=20, strict=True)
     echo: bool = False
-    best_of: int | None = None
+    best_of: int | None = Field(None, strict=True)
 
     def check(self) -> None:
         self.refuse_unsupported()

@@ -26,7 +26,9 @@ _LINE_BREAKS = str.maketrans({c: f"\\u{ord(c):04x}" for c in "\x85\u2028\u2029"}
 
 
 def _event(data: dict[str, Any]) -> str:
-    return f"data: {json.dumps(data, ensure_ascii=False).translate(_LINE_BREAKS)}\n\n"
+    # NaN refused, as the answer's JSON refuses it: -Infinity is no JSON (the openai SDK fails on the event)
+    text = json.dumps(data, ensure_ascii=False, allow_nan=False)
+    return f"data: {text.translate(_LINE_BREAKS)}\n\n"
 
 
 def _chat_chunks(choice: dict[str, Any]) -> Iterator[dict[str, Any]]:
