@@ -13,6 +13,7 @@ dependency never comes back (a stop requested while Redis is down: `up` stops th
 
 from __future__ import annotations
 
+import math
 import random
 import threading
 import time
@@ -35,8 +36,8 @@ class Backoff:
     """Waits of initial_s, 2 initial_s, 4 initial_s, ... capped at max_s, each drawn uniformly from [d/2, d]."""
 
     def __init__(self, initial_s: float, max_s: float, rng: random.Random | None = None):
-        if not 0 < initial_s <= max_s:
-            raise ValueError(f"back-off needs 0 < initial_s ({initial_s}) <= max_s ({max_s})")
+        if not 0 < initial_s <= max_s < math.inf:  # an infinite cap is none: waits of hours after a long outage
+            raise ValueError(f"back-off needs 0 < initial_s ({initial_s}) <= max_s ({max_s}), max_s finite")
         self.initial_s, self.max_s = initial_s, max_s
         self.attempts = 0  # waits handed out since the last reset
         self._rng = rng or random.Random()  # seeded from the OS: no two processes share a sequence

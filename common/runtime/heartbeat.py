@@ -5,6 +5,7 @@ syscall per beat, and a reader needs nothing but the run directory."""
 
 from __future__ import annotations
 
+import os
 import pathlib
 import time
 
@@ -22,7 +23,13 @@ def beat(run_dir: pathlib.Path | str | None, name: str) -> None:
     path = beat_path(run_dir, name)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.touch()  # creates it, or sets its mtime to now
+        # creates it, or sets its mtime to now; never through a link planted at its name (which would touch, or
+        # create, the file it names)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            os.utime(fd)
+        finally:
+            os.close(fd)
     except OSError:
         pass
 

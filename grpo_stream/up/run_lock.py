@@ -46,7 +46,7 @@ class RunLock:
         its last holder has exited, moments after its main thread shows as dead."""
         path = pathlib.Path(run_dir).resolve() / LOCK_FILE
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fd = _open_no_link(path)
         deadline = time.monotonic() + wait_s
         while True:
             try:
@@ -112,6 +112,24 @@ def lock_holders(path: pathlib.Path) -> list[tuple[int, str]]:
         except OSError:  # gone meanwhile, or another user's
             continue
     return sorted(out)
+
+
+def _open_no_link(path: pathlib.Path) -> int:
+    """The lock file, opened for writing without following a symbolic link at its name: a link another user planted
+    there would make `up` create or truncate the file it names (and write its record into it)."""
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        try:
+            target = os.readlink(path)
+        except OSError:
+            target = "?"
+        raise OSError(errno.ELOOP, f"the run directory's lock file is a symbolic link (to {target}), which is not "
+                      "followed: it would make this run write the file it names. If you did not make it, someone "
+                      f"else may have: remove it (rm {path}) and check the directory's owner and permissions",
+                      str(path)) from None
 
 
 def _now() -> str:

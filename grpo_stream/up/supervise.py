@@ -27,7 +27,9 @@ Two exits are not restarts:
 A start that fails (a fork refused for memory, a restarted Redis whose port was taken meanwhile) counts as a failure
 of that process, against the same budget; one whose program is missing or not executable stops the run as a
 permanent failure. A pause of `up` itself (the host suspended, a scheduler's SIGSTOP of the
-whole job; PAUSED_S) is no stall: the stall clocks count again from the resume.
+whole job; PAUSED_S) is no stall: the stall clocks count again from the resume. They run on the monotonic clock
+(which stands still while the host is suspended), so a step of the wall clock (NTP) neither kills a process that
+beats nor hides one that hangs.
 
 `Watch` is the loop that applies all of this to the processes `up` started (grpo_stream/up/run.py); it knows them only
 through the small `Unit` interface, so tests drive it with any child process.
@@ -45,7 +47,7 @@ from typing import Callable, Protocol, Sequence
 from grpo_stream.common.config.process import UpSection
 from grpo_stream.common.runtime.backoff import Backoff
 from grpo_stream.common.runtime.errors import EXIT_PERMANENT, EXIT_USAGE, clear_permanent, read_permanent
-from grpo_stream.common.runtime.heartbeat import seconds_since_beat
+from grpo_stream.common.runtime.heartbeat import beat_path
 
 # a gap this long between two looks of the watch (it looks every poll_s, 0.2 s) means `up` itself was not running
 PAUSED_S = 120.0
@@ -115,28 +117,48 @@ class StallWatch:
     """The stall watchdog's decision (up.trainer_stall_s), on its own clock: how long the trainer job has made no
     progress. Progress is the newest beat of any of its processes (`names`), never earlier than the job's latest
     (re)start: a beat from before a restart says nothing of the new processes, and a job that has not beaten yet
-    (compiling, waiting for its first rollouts) is measured from its start. `clock`: wall time, as heartbeat files'
-    modification times are."""
+    (compiling, waiting for its first rollouts) is measured from its start.
+
+    All of it is measured on `clock` (monotonic): a beat counts when its file's mtime changed since the previous look,
+    dated by its wall-clock age (`wall`) but never earlier than that look. A step of the wall clock (NTP) therefore
+    moves no beat by more than one look's interval: a step forward made a fresh beat look old (a healthy process
+    killed), a step back dated the last beat in the future (a hang unseen for as long as the step)."""
 
     def __init__(self, run_dir: pathlib.Path, names: Sequence[str], stall_s: float,
-                 clock: Callable[[], float] = time.time):
-        self.run_dir, self.names, self.stall_s, self.clock = run_dir, tuple(names), stall_s, clock
-        self.started_at = self.resumed_at = clock()
+                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time):
+        self.run_dir, self.names, self.stall_s, self.clock, self.wall = run_dir, tuple(names), stall_s, clock, wall
+        self._seen: dict[str, int | None] = {}  # each process's beat file mtime (ns) at the last look
+        self._looked = self._progress = self.started_at = self.resumed_at = clock()
+        self.restarted()
 
     def restarted(self) -> None:
-        """The job was (re)started now."""
-        self.started_at = self.resumed_at = self.clock()
+        """The job was (re)started now: beats from before now are not its own."""
+        self.started_at = self.resumed_at = self._progress = self._looked = self.clock()
+        self._seen = {name: _mtime_ns(beat_path(self.run_dir, name)) for name in self.names}
 
     def resumed(self) -> None:
         """The whole run was paused until now (`Watch`'s PAUSED_S): the time without beats before now is not the
         job's to answer for, but its progress since its start still counts (up.healthy_after_s)."""
+        self._look()
         self.resumed_at = self.clock()
+
+    def _look(self) -> float:
+        """Note the beats since the last look; returns now (on `clock`)."""
+        now, wall_now = self.clock(), self.wall()
+        since_look = max(0.0, now - self._looked)
+        for name in self.names:
+            mtime = _mtime_ns(beat_path(self.run_dir, name))
+            if mtime is not None and mtime != self._seen.get(name):
+                age = min(max(0.0, wall_now - mtime / 1e9), since_look)  # a stepped wall clock: within one look
+                self._progress = max(self._progress, now - age)
+            self._seen[name] = mtime
+        self._looked = now
+        return now
 
     def idle_s(self) -> float:
         """Seconds since the job last made progress (or started, or the run resumed from a pause)."""
-        now = self.clock()
-        ages = [seconds_since_beat(self.run_dir, name, now) for name in self.names]
-        return min([now - self.resumed_at, *(age for age in ages if age is not None)])
+        now = self._look()
+        return max(0.0, now - max(self._progress, self.resumed_at))
 
     def progress_s(self) -> float:
         """Seconds from the job's (re)start to its last progress: how long it ran healthy before a stall."""
@@ -148,6 +170,13 @@ class StallWatch:
             return None
         idle = self.idle_s()
         return idle if idle > self.stall_s else None
+
+
+def _mtime_ns(path: pathlib.Path) -> int | None:
+    try:
+        return path.stat().st_mtime_ns
+    except OSError:
+        return None
 
 
 class Unit(Protocol):
@@ -185,13 +214,13 @@ class Watch:
                  samplers: Sequence[Unit] = ()):
         """`samplers`: units among `others` watched for stalls with up.sampler_stall_s (the trainer's with
         up.trainer_stall_s)."""
-        self.run_dir, self.trainer, self.log, self.wall = run_dir, trainer, log, wall
-        self._looked_at = wall()
+        self.run_dir, self.trainer, self.log, self.clock = run_dir, trainer, log, clock
+        self._looked_at = clock()  # monotonic: a step of the wall clock is no pause
         self.units = {unit.name: unit for unit in [trainer, *others]}
         self.supervisor = Supervisor(policy, clock)
-        self.stalls = {trainer.name: (StallWatch(run_dir, trainer.records, policy.trainer_stall_s, wall),
+        self.stalls = {trainer.name: (StallWatch(run_dir, trainer.records, policy.trainer_stall_s, clock, wall),
                                       "up.trainer_stall_s"),
-                       **{unit.name: (StallWatch(run_dir, unit.records, policy.sampler_stall_s, wall),
+                       **{unit.name: (StallWatch(run_dir, unit.records, policy.sampler_stall_s, clock, wall),
                                       "up.sampler_stall_s") for unit in samplers}}
 
     def launch(self, unit: Unit) -> Outcome | None:
@@ -278,7 +307,7 @@ class Watch:
     def _notice_pause(self) -> None:
         """When `up` itself did not run for a while (the host suspended, a scheduler stopped the whole job with
         SIGSTOP), its processes did not either: without this, every one of them was killed as stalled on resume."""
-        now = self.wall()
+        now = self.clock()
         gap, self._looked_at = now - self._looked_at, now
         if gap <= PAUSED_S:
             return

@@ -134,3 +134,20 @@ def test_a_run_directory_up_cannot_write_stops_up_before_it_starts_anything(tmp_
         f"({tmp_path / 'devices.json'}); free space there, make it writable for this user, or choose another "
         "--run-dir\n")
     assert _free(tmp_path)
+
+
+def test_a_symlink_planted_at_the_lock_path_is_refused_and_its_target_left_untouched(tmp_path):
+    """run.lock opened without O_NOFOLLOW: a link another user planted there made `up` create or truncate (and
+    write its pid record into) whatever file the link named."""
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "run.lock").symlink_to(victim)
+    with pytest.raises(OSError) as refused:
+        RunLock.acquire(run_dir, "grpo-stream up")
+    assert refused.value.errno == errno.ELOOP and refused.value.filename == str(run_dir / "run.lock")
+    assert "symbolic link" in str(refused.value) and "remove it" in str(refused.value)
+    assert victim.read_text() == "precious"
+    (run_dir / "run.lock").unlink()
+    RunLock.acquire(run_dir, "grpo-stream up").release()  # once removed, the directory locks as before

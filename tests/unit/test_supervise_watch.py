@@ -27,13 +27,14 @@ def beat_at(run_dir, name: str, when: float) -> None:
 
 def test_the_stall_clock_runs_from_the_start_until_the_first_beat_then_from_the_newest_beat(tmp_path):
     clock = FakeClock()
-    watch = StallWatch(tmp_path, ["trainer-0", "trainer-1"], stall_s=100, clock=clock)
+    watch = StallWatch(tmp_path, ["trainer-0", "trainer-1"], stall_s=100, clock=clock, wall=clock)
     clock.advance(100)
     assert watch.stalled() is None  # compiling: 100 s since the start is not more than 100
     clock.advance(1)
     assert watch.stalled() == 101  # never beat: measured from the job's start
+    clock.advance(30)
     beat_at(tmp_path, "trainer-1", clock.now - 10)  # one process of the job made progress 10 s ago
-    beat_at(tmp_path, "trainer-0", clock.now - 500)
+    beat_at(tmp_path, "trainer-0", clock.now - 500)  # a beat's age is never taken past the previous look (30 s)
     assert watch.idle_s() == 10 and watch.stalled() is None
     clock.advance(95)
     assert watch.stalled() == 105
@@ -389,3 +390,4 @@ def test_killing_a_process_kills_what_it_started(tmp_path):
         assert state in ("gone", "Z"), state
     finally:
         parent.kill()
+

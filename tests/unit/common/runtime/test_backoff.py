@@ -35,6 +35,9 @@ def test_samplers_failing_together_spread_their_retries():
 def test_bad_bounds_are_refused():
     with pytest.raises(ValueError, match="initial_s"):
         Backoff(2.0, 1.0)
+    for endless in (float("inf"), float("nan")):  # an infinite cap is no cap: waits that grow without bound
+        with pytest.raises(ValueError, match="max_s"):
+            Backoff(1.0, endless)
 
 
 def test_a_wait_ends_at_once_when_the_process_is_asked_to_stop():
@@ -49,3 +52,10 @@ def test_a_wait_ends_at_once_when_the_process_is_asked_to_stop():
     started = time.monotonic()
     assert wait(10.0, stop) is True and time.monotonic() - started < 2.0
     assert wait(0.01, threading.Event()) is False and wait(0.01, None) is False
+
+
+def test_a_long_outage_never_waits_past_the_cap():
+    """A sampler that failed ten thousand times (a trainer down for a day) waits at most max_s, not 2^n s."""
+    backoff = Backoff(0.5, 30.0, random.Random(1))
+    waits = [backoff.next() for _ in range(10_000)]
+    assert max(waits) <= 30.0 and min(waits[-100:]) >= 15.0 and backoff.at_cap

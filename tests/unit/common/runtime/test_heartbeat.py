@@ -32,3 +32,16 @@ def test_a_beat_without_a_run_directory_or_a_writable_one_never_raises(tmp_path)
     blocked = tmp_path / "file"
     blocked.write_text("")
     beat(blocked, "trainer-0")  # RUN_DIR is a file: nothing written, nothing raised
+
+
+def test_a_symlink_planted_at_a_beat_path_is_not_followed(tmp_path):
+    """beat() touched whatever a link at RUN_DIR/heartbeats/NAME named (set its mtime, or created it when missing)."""
+    victim, missing = tmp_path / "victim", tmp_path / "created-elsewhere"
+    victim.write_text("x")
+    os.utime(victim, (1000, 1000))
+    beat_path(tmp_path, "trainer-0").parent.mkdir()
+    beat_path(tmp_path, "trainer-0").symlink_to(victim)
+    beat_path(tmp_path, "trainer-1").symlink_to(missing)
+    beat(tmp_path, "trainer-0")
+    beat(tmp_path, "trainer-1")
+    assert victim.stat().st_mtime == 1000 and not missing.exists()
