@@ -111,7 +111,9 @@ def test_no_group_mixes_weight_versions(tmp_path, shared_redis, run_name):
             # version still starts its groups before the next drain (before, the sampler installed 79 versions in
             # 57 s and generated 2 groups)
             version += 1
+            buffer.log_step("churn", version, [])  # as a trainer does: the ingest takes only versions it logged
             publisher.publish_arrays(version, weights(version))
+        buffer.log_step("churn", version + 1, [])
         publisher.publish_arrays(version + 1, weights(version + 1), final=True)
         assert proc.wait(timeout=120) == 0, (tmp_path / "sampler.log").read_text()[-3000:]
         groups += [decode_group(e.payload) for e in buffer.read(1000, 0)]

@@ -59,9 +59,12 @@ def test_groups_too_stale_to_train_are_not_sent(shared_redis, run_name):
     server = start_server(buffer, port)
     channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS)
     client = RolloutClient(channel, backlog_max_groups=16)
+    buffer.log_step("epoch", 4, [])  # the trainer logged step 4: it published versions 0..4 (the ingest checks)
     try:
         for i in range(6):  # group i was made with weight version i
-            assert client.put(to_proto(group(i)), timeout_s=5)
+            group_i = to_proto(group(i))
+            group_i.policy_version = i
+            assert client.put(group_i, timeout_s=5)
         client.min_version = 3  # the sampler installed a version after which 0..2 exceed the staleness bound
         client.start()
         assert client.drain(10)

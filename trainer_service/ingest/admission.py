@@ -49,6 +49,9 @@ RETRY_AFTER_MS = 100  # a refused sampler asks again this soon: the trainer free
 # how far a sampler's weight version may lead the trainer's last logged step: version s is published after step s,
 # and the step's audit record is written in the background, a step at most behind
 VERSIONS_AHEAD = 2
+# group ids remembered as answered (a copy is sent again within a sampler's reconnect, long before this many more
+# groups are answered; each id is at most GroupLimits.max_id_length characters)
+ANSWERED_KEPT = 65_536
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +91,8 @@ class AdmissionControl:
         self._seen: dict[str, float] = {}
         # sampler -> (the process that asked last, processes it replaced): a restart replaces its predecessor for good
         self._processes: dict[str, tuple[str, collections.deque]] = {}
+        # (sampler, group id) of the groups answered lately, oldest first: a copy sent again is not counted again
+        self._answered: collections.OrderedDict[tuple[str, str], None] = collections.OrderedDict()
         self._lock = threading.Lock()
         self.stats = {"requests": 0, "granted": 0, "refused": 0}
 
@@ -181,10 +186,21 @@ class AdmissionControl:
                     "for %.0fs", self.limits.max_samplers, quiet[:64], self.clock() - self._seen[quiet])
         self._drop(quiet)
 
-    def answered(self, sampler_id: str, versions: list[int]) -> None:
-        """Groups of `sampler_id` with these weight versions were answered for good (accepted, duplicate or
-        rejected): they are in the buffer, or nowhere, now."""
+    def answered(self, sampler_id: str, versions: list[int], group_ids: list[str] | None = None) -> None:
+        """Groups of `sampler_id` with these weight versions (and these ids, one each) were answered for good
+        (accepted or rejected): they are in the buffer, or nowhere, now. A group id answered before is a copy sent
+        again by a sampler that lost the first answer: counted once (each copy took another group off the count, so
+        the ingest granted past the bound for as long as the sampler's lease)."""
         with self._lock:
+            if group_ids is not None:  # (two copies in one batch too: each id is remembered as it is counted)
+                fresh = []
+                for version, group_id in zip(versions, group_ids):
+                    if (sampler_id, group_id) not in self._answered:
+                        self._answered[(sampler_id, group_id)] = None
+                        fresh.append(version)
+                while len(self._answered) > ANSWERED_KEPT:
+                    self._answered.popitem(last=False)
+                versions = fresh
             own = self._versions.get(sampler_id)
             if own is None:
                 return

@@ -195,6 +195,8 @@ local base, client, admin, now, retention = ARGV[1], ARGV[2], ARGV[3] == '1', to
 local keep, gid_prefix = tonumber(ARGV[6]), ARGV[7]
 for i = 8, #ARGV do
   local pkey = base .. ':prompt:' .. ARGV[i]
+  local kind = redis.call('TYPE', pkey)['ok']
+  if kind ~= 'hash' and kind ~= 'none' then return {'foreign', ARGV[i]} end
   local owner = redis.call('HGET', pkey, 'client')
   if not owner then return {'unknown', ARGV[i]} end
   if owner ~= client and not admin then return {'denied', ARGV[i]} end
@@ -238,6 +240,10 @@ class InjectedShare:
         return self.fraction * groups * self.group_rows, full
 
 
+class ForeignKey(Exception):
+    """A prompt's key holds another type than a hash: something other than grpo-stream wrote it (args[0]: the id)."""
+
+
 class QueueFull(Exception):
     """Nothing was queued: the queue or the client's quota has no room."""
 
@@ -250,15 +256,12 @@ class PromptQueue:
     def __init__(self, client: redis.Redis, run_name: str, prefix: str = "grpo-stream",
                  clock: Callable[[], float] = time.time):
         self.client, self.clock, self.run_name = client, clock, run_name
-        self.base = f"{prefix}:{run_name}"
-        k = self.base
+        self.base = k = f"{prefix}:{run_name}"
         self.queue, self.claimed = f"{k}:inject:queue", f"{k}:inject:claimed"
         self.pending, self.samplers, self.seq = f"{k}:inject:pending", f"{k}:inject:samplers", f"{k}:inject:seq"
         self.turns, self.credit = f"{k}:inject:turns", f"{k}:inject:credit"
         self.results, self.status_key, self.rollouts = f"{k}:results", f"{k}:status", f"{k}:rollouts"
-        self._submit = client.register_script(_SUBMIT)
-        self._claim = client.register_script(_CLAIM)
-        self._cancel = client.register_script(_CANCEL)
+        self._submit, self._claim, self._cancel = (client.register_script(lua) for lua in (_SUBMIT, _CLAIM, _CANCEL))
 
     def _call(self, fn):
         return redis_call(fn)
@@ -308,8 +311,8 @@ class PromptQueue:
     def cancel(self, client_name: str, admin: bool, prompt_ids: list[str], retention_s: int,
                max_kept: int = 10_000) -> dict[str, str]:
         """id -> 'cancelled' | 'finished'. Raises KeyError(id) for an unknown id, PermissionError(id) for another
-        client's prompt (unless admin); then nothing is cancelled. A cancelled prompt is kept as a finished one is
-        (common/rollouts/kept_results.py)."""
+        client's prompt (unless admin), ForeignKey(id) for a key of another type; then nothing is cancelled. A
+        cancelled prompt is kept as a finished one is (common/rollouts/kept_results.py)."""
         prompt_ids = list(dict.fromkeys(prompt_ids))  # an id given twice is answered once, as what happened to it
         reply = [x.decode() for x in self._call(lambda: self._cancel(
             keys=[self.queue, self.claimed, self.pending, self.results],
@@ -319,31 +322,32 @@ class PromptQueue:
             raise KeyError(reply[1])
         if reply[0] == "denied":
             raise PermissionError(reply[1])
+        if reply[0] == "foreign":
+            raise ForeignKey(reply[1])
         return dict(zip(prompt_ids, reply[1:]))
 
-    def records(self, prompt_ids: list[str]) -> list[dict[bytes, bytes] | None]:
-        """Each prompt's hash (None: unknown or expired; NOT_A_HASH: its key holds another type, which something other
-        than grpo-stream wrote: one such key no longer fails the read of the others)."""
+    def _read(self, prompt_ids: list[str], ask) -> list:
+        """One pipelined read (`ask(pipe, key)`) a prompt; a key of another type (not grpo-stream's) is NOT_A_HASH."""
         def run():
             pipe = self.client.pipeline(transaction=False)
             for pid in prompt_ids:
-                pipe.hgetall(self.prompt_key(pid))
+                ask(pipe, self.prompt_key(pid))
             replies = pipe.execute(raise_on_error=False)
             for reply in replies:  # any other failure as the read's own (redis_call: passing or not)
                 if isinstance(reply, Exception) and "WRONGTYPE" not in str(reply):
                     raise reply
-            return replies
-        return [NOT_A_HASH if isinstance(r, Exception) else r or None for r in self._call(run)]
+            return [NOT_A_HASH if isinstance(r, Exception) else r for r in replies]
+        return self._call(run)
+
+    def records(self, prompt_ids: list[str]) -> list[dict[bytes, bytes] | None]:
+        """Each prompt's hash (None: unknown or expired; NOT_A_HASH: its key holds another type)."""
+        return [r if r is NOT_A_HASH else r or None for r in self._read(prompt_ids, lambda p, k: p.hgetall(k))]
 
     def summaries(self, prompt_ids: list[str]) -> list[dict[bytes, bytes] | None]:
-        """Each prompt's SUMMARY_FIELDS (None: unknown or expired): what a follower checks, filters and orders by,
-        without the answer group a finished prompt's hash holds."""
-        def run():
-            pipe = self.client.pipeline(transaction=False)
-            for pid in prompt_ids:
-                pipe.hmget(self.prompt_key(pid), SUMMARY_FIELDS)
-            return pipe.execute()
-        return [{k: v for k, v in zip(SUMMARY_FIELDS, row) if v is not None} or None for row in self._call(run)]
+        """Each prompt's SUMMARY_FIELDS (None: unknown or expired; NOT_A_HASH as records()): what a follower checks,
+        filters and orders by, without the answer group a finished prompt's hash holds."""
+        return [r if r is NOT_A_HASH else {k: v for k, v in zip(SUMMARY_FIELDS, r) if v is not None} or None
+                for r in self._read(prompt_ids, lambda p, k: p.hmget(k, SUMMARY_FIELDS))]
 
     def tagged(self, tag: str) -> list[str]:
         return sorted(x.decode() for x in self._call(lambda: self.client.smembers(f"{self.base}:tag:{tag}")))
@@ -372,12 +376,8 @@ class PromptQueue:
 
     def counts(self) -> tuple[int, int]:
         """(queued, claimed) injected prompts."""
-        def run():
-            pipe = self.client.pipeline(transaction=False)
-            pipe.zcard(self.queue)
-            pipe.zcard(self.claimed)
-            return pipe.execute()
-        queued, claimed = self._call(run)
+        pipe = self.client.pipeline(transaction=False)
+        queued, claimed = self._call(lambda: pipe.zcard(self.queue).zcard(self.claimed).execute())
         return int(queued), int(claimed)
 
     def write_status(self, status: dict) -> None:

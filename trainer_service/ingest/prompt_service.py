@@ -18,7 +18,7 @@ from google.protobuf.message import DecodeError
 from grpo_stream.common.rpc.auth import TokenTable, caller_of
 from grpo_stream.common.rollouts.buffer import BufferUnavailable
 from grpo_stream.common.config.schema import RunConfig
-from grpo_stream.trainer_service.ingest.prompt_queue import PromptQueue, QueueFull
+from grpo_stream.trainer_service.ingest.prompt_queue import NOT_A_HASH, ForeignKey, PromptQueue, QueueFull
 from grpo_stream.trainer_service.ingest.run_status import StatusWriter, fill_status
 from grpo_stream.common.tasks.rewards import TASK_REWARDS, allowed_names, numeric_reference_problem, unknown_reward
 from grpo_stream.protos import prompts_pb2, prompts_pb2_grpc, rollout_pb2
@@ -213,7 +213,7 @@ class PromptServicer(prompts_pb2_grpc.PromptServiceServicer):
             after = self.queue.results_tail()  # before reading what is finished, so nothing falls in between
             if ids:
                 summaries = self.queue.summaries(ids)
-                self._check_ids(ids, summaries, owner, context)
+                self._check_ids(ids, summaries, owner, context)  # (refuses a key of another type, naming it)
                 waiting = set(ids)
                 for result in self._finished(ids, summaries, report_gone=True):
                     waiting.discard(result.prompt_id)
@@ -221,7 +221,7 @@ class PromptServicer(prompts_pb2_grpc.PromptServiceServicer):
             else:
                 waiting = None
                 tagged = self.queue.tagged(tag)
-                summaries = self.queue.summaries(tagged)
+                summaries = self._summaries(tagged)
                 submitters = {s.get(b"client", b"").decode() for s in summaries if s is not None}
                 # a one-shot query that could only come back empty says why; a follower is never refused for what
                 # other clients tagged (tags are one namespace): it waits for its own prompts with the tag, which
@@ -244,22 +244,29 @@ class PromptServicer(prompts_pb2_grpc.PromptServiceServicer):
                 after, finished = self.queue.wait_finished(after, FOLLOW_POLL_MS)
                 if waiting is None:
                     new = [p for p in dict.fromkeys(finished) if p not in streamed]
-                    yield from self._finished(new, self.queue.summaries(new), tag=tag or None, owner=owner)
+                    yield from self._finished(new, self._summaries(new), tag=tag or None, owner=owner)
                     continue
                 new = [p for p in dict.fromkeys(finished) if p in waiting]
                 if self.queue.trimmed_past(start):  # finishes read too late (max_kept_results): their records say
                     new += sorted(waiting.difference(new))  # (a prompt whose record is gone is reported so)
-                for result in self._finished(new, self.queue.summaries(new), report_gone=True):
+                for result in self._finished(new, self._summaries(new), report_gone=True):
                     waiting.discard(result.prompt_id)  # (one still unfinished is not yielded: still waited for)
                     yield result
         except BufferUnavailable as exc:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"prompt queue unavailable ({exc}); call again to resume")
+
+    def _summaries(self, pids: list[str]) -> list:
+        """PromptQueue.summaries with a key of another type read as no record: a tag's or a finish's id (grpo-stream
+        wrote those) whose key was overwritten since is left out, or reported gone, not failing the stream."""
+        return [None if s is NOT_A_HASH else s for s in self.queue.summaries(pids)]
 
     @staticmethod
     def _check_ids(ids: list[str], summaries: list, owner: str | None, context) -> None:
         """NOT_FOUND for an id with no record, PERMISSION_DENIED for another client's prompt (unless `owner` is
         None: an admin)."""
         for k, (pid, summary) in enumerate(zip(ids, summaries)):
+            if summary is NOT_A_HASH:  # a follower can do nothing about it: an operator must
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, _foreign(f"prompt_ids[{k}]", pid))
             if summary is None:
                 context.abort(grpc.StatusCode.NOT_FOUND, f"prompt_ids[{k}]: no prompt {pid[:64]!r} (unknown, or gone: "
                               "prompts.result_retention_s, prompts.max_kept_results)")
@@ -283,6 +290,9 @@ class PromptServicer(prompts_pb2_grpc.PromptServiceServicer):
         except PermissionError as exc:
             context.abort(grpc.StatusCode.PERMISSION_DENIED, f"prompt_ids: {str(exc.args[0])[:64]!r} was submitted "
                           "by another client; only its submitter or an admin may cancel it (nothing was cancelled)")
+        except ForeignKey as exc:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, _foreign("prompt_ids", str(exc.args[0])) +
+                          " (nothing was cancelled)")
         except BufferUnavailable as exc:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"prompt queue unavailable ({exc}); retry with backoff")
         return prompts_pb2.CancelReply(cancelled=[p for p, s in states.items() if s == "cancelled"],
@@ -310,6 +320,11 @@ def record_tags(record: dict[bytes, bytes]) -> list[str]:
     except ValueError:
         return []
     return [tag for tag in tags if isinstance(tag, str)] if isinstance(tags, list) else []
+
+
+def _foreign(field: str, pid: str) -> str:
+    return (f"{field}: the Redis key of prompt {pid[:64]!r} is not a hash (something other than grpo-stream wrote "
+            "it); delete the key, and submit the prompt again if it is still wanted")
 
 
 def _parsed(message_type, raw: bytes):

@@ -25,6 +25,8 @@ from grpo_stream.common.rpc.auth import MAX_REPLICA, TokenTable, caller_of, may_
 from grpo_stream.common.rpc.grpc_util import MAX_CLAIM
 from grpo_stream.trainer_service.ingest.admission import RETRY_AFTER_MS, AdmissionControl, SharedSamplerId
 from grpo_stream.trainer_service.ingest.claim_check import checked_claim
+from grpo_stream.trainer_service.ingest.group_bounds import (VersionCeiling, newest_version, text_errors,
+                                                             version_errors)
 from grpo_stream.trainer_service.ingest.prompt_queue import NOT_A_HASH, InjectedShare, PromptQueue
 from grpo_stream.common.tasks.rewards import allowed_names
 from grpo_stream.common.rollouts.wire import GroupLimits, validate_group
@@ -42,6 +44,7 @@ MAX_BATCH_GROUPS = 1024  # groups in one StreamBatches message (a sampler sends 
 # how far below a sampler's highest accepted position GetDataPosition looks for unanswered ones: what a sampler holds
 # in flight and in its backlog when it stops is far less; a gap further down is a prompt skipped for good
 UNANSWERED_WINDOW = 4096
+MAX_TEXT_CHARS = 32_768  # prompts.max_text_chars' default
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,10 +65,12 @@ class Injection:
 class IngestServicer(rollout_pb2_grpc.RolloutIngestServicer):
     def __init__(self, buffer: RedisStreamBuffer, limits: GroupLimits, max_groups: int, retry_after_ms: int,
                  injection: Injection | None = None, admission: AdmissionControl | None = None,
-                 table: TokenTable | None = None):
+                 table: TokenTable | None = None, max_text_chars: int = MAX_TEXT_CHARS):
         """`admission`: the samplers' admission control (None: every Admit request is granted in full); `table`:
-        the servers' token table, which binds each sampler token to its sampler ids (None: no auth)."""
-        self.buffer, self.limits, self.table = buffer, limits, table
+        the servers' token table, which binds each sampler token to its sampler ids (None: no auth);
+        `max_text_chars`: prompts.max_text_chars, the most characters of a group's reference_answer."""
+        self.buffer, self.limits, self.table, self.max_text_chars = buffer, limits, table, max_text_chars
+        self.versions = VersionCeiling(buffer)
         self.max_groups, self.retry_after_ms = max_groups, retry_after_ms
         self.injection, self.admission = injection, admission
         self._lock = threading.Lock()
@@ -105,6 +110,23 @@ class IngestServicer(rollout_pb2_grpc.RolloutIngestServicer):
             out[i] = errors
         return out
 
+    def _checked(self, groups, injected: dict) -> list[list[str] | None]:
+        """Each group's errors (None: Redis is down, answer UNAVAILABLE): its shape (an injected prompt's answer
+        against its prompt: `injected`), its free text's size, and its versions against the newest published."""
+        out = []
+        for position, group in enumerate(groups):
+            errors = injected[position] if position in injected else validate_group(group, self.limits)
+            out.append(errors if errors is None or errors else text_errors(group, self.max_text_chars))
+        newest = max((newest_version(g) for g, e in zip(groups, out) if e == []), default=-1)
+        if newest < 0:
+            return out
+        try:
+            ceiling = self.versions.at_least(newest)
+        except BufferUnavailable as exc:
+            log.error("buffer unavailable: %s", exc)
+            return [e if e is None or e else None for e in out]
+        return [e if e is None or e else version_errors(g, ceiling) for g, e in zip(groups, out)]
+
     def handle_batch(self, groups) -> list[rollout_pb2.GroupAck]:
         """Validate every group, append the valid ones in one buffer call; one ack per group, in order.
 
@@ -120,12 +142,12 @@ class IngestServicer(rollout_pb2_grpc.RolloutIngestServicer):
         except BufferUnavailable as exc:
             injected = {i: None for i, g in enumerate(groups) if g.injected}
             log.error("buffer unavailable: %s", exc)
-        for position, group in enumerate(groups):
-            if position in injected and injected[position] is None:  # Redis down: retry later
+        checked = self._checked(groups, injected)
+        for group, errors in zip(groups, checked):
+            if errors is None:  # Redis down: retry later
                 acks.append(rollout_pb2.GroupAck(group_id=group.group_id, code=_UNAVAILABLE, retry_after_ms=1000,
                                                  message="rollout buffer unavailable; retry with backoff"))
                 continue
-            errors = injected[position] if position in injected else validate_group(group, self.limits)
             if errors:
                 message = "; ".join(errors)
                 rejected.append((group, message))
@@ -177,10 +199,11 @@ class IngestServicer(rollout_pb2_grpc.RolloutIngestServicer):
                 # a resent copy (its first acknowledgement lost) was counted answered when the first arrived:
                 # counting it again took another in-flight group off the sampler's count, for good (a report only
                 # lowers it), and the ingest granted past the staleness bound
+                # (and a copy of a refused one, or of one accepted by this ingest, is told by its id: answered())
                 if ack.code in (0, _INVALID) and slot not in duplicates:
-                    done[g.sampler_id].append(g.policy_version)
-            for sampler_id, versions in done.items():
-                self.admission.answered(sampler_id, versions)
+                    done[g.sampler_id].append((g.policy_version, g.group_id))
+            for sampler_id, answered in done.items():
+                self.admission.answered(sampler_id, [v for v, _ in answered], [g for _, g in answered])
         return acks
 
     def _check_identity(self, context, groups) -> None:

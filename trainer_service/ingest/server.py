@@ -50,7 +50,7 @@ def ingest_servicers(cfg: RunConfig, buffer: RedisStreamBuffer, task, tokenizer,
                                                  cfg.sampler.admission_max_samplers))
     table = None if security is None else security.table
     ingest = IngestServicer(buffer, limits, cfg.buffer.max_groups, cfg.buffer.retry_after_ms, injection, admission,
-                            table)
+                            table, max_text_chars=cfg.prompts.max_text_chars)
     return ingest, PromptServicer(cfg, queue, tokenizer, task, table)
 
 

@@ -152,3 +152,16 @@ def test_groups_an_earlier_trainer_process_granted_go_first_when_a_sampler_repor
     control.admit(restarted, "a", 0, 40, 2)  # they are gone: the 2 of version 40 are what it holds
     assert control.in_flight() == {"a": 2}
     assert control.admit(restarted, "b", 12, 41, 0) == (6, 2)  # bound by the version-40 groups in flight (lag 1)
+
+
+def test_a_group_answered_again_is_counted_once():
+    """A sampler that lost an answer sends the group again (alone, or twice in one batch): each answer took a group
+    off its in-flight count, so its count fell below what it holds and it was granted past the bound."""
+    control = AdmissionControl(LIMITS)
+    state = AdmissionState(waiting=0, trained=0, dropped_filtered=0, trainer_step=0)
+    assert control.admit(state, "a", 4, 0, 0)[0] == 4
+    control.answered("a", [0], ["g1"])
+    control.answered("a", [0, 0], ["g1", "g2"])
+    control.answered("a", [0, 0], ["g3", "g3"])
+    control.answered("b", [0], ["g4"])  # another sampler's id is its own
+    assert control.in_flight() == {"a": 1}
