@@ -4,20 +4,14 @@ beats nor hide one that hangs."""
 
 from __future__ import annotations
 
-from grpo_stream.common.config.process import UpSection
-from grpo_stream.up.supervise import Watch
 from tests.support import FakeClock
-from tests.unit.test_supervise_watch import FakeUnit, beat_at
+from tests.unit.test_supervise_watch import beat_at, fake_run
 
 
 def stepped_run(tmp_path, **policy):
     """fake_run with the wall clock (the beats' mtimes) apart from `up`'s monotonic clock, so a test can step it."""
-    clock, wall, lines = FakeClock(), FakeClock(), []
-    trainer, sampler = FakeUnit("trainer", "trainer-0"), FakeUnit("sampler-0", "sampler-0")
-    watch = Watch(UpSection(restart_backoff_s=1, **policy), tmp_path, trainer, [sampler], log=lines.append,
-                  clock=clock, wall=wall, samplers=[sampler])
-    for unit in (trainer, sampler):
-        watch.launch(unit)
+    wall = FakeClock()
+    watch, clock, trainer, _, lines = fake_run(tmp_path, wall=wall, **policy)
     return watch, clock, wall, trainer, lines
 
 

@@ -92,11 +92,12 @@ class FakeUnit:
         self.killed, self.code = self.killed + 1, -9
 
 
-def fake_run(tmp_path, **policy):
+def fake_run(tmp_path, wall=None, **policy):
+    """`wall`: the beats' clock (their mtimes), else `up`'s own."""
     clock, lines = FakeClock(), []
     trainer, sampler = FakeUnit("trainer", "trainer-0"), FakeUnit("sampler-0", "sampler-0")
     watch = Watch(UpSection(restart_backoff_s=1, **policy), tmp_path, trainer, [sampler], log=lines.append,
-                  clock=clock, wall=clock, samplers=[sampler])
+                  clock=clock, wall=wall or clock, samplers=[sampler])
     for unit in (trainer, sampler):
         watch.launch(unit)
     return watch, clock, trainer, sampler, lines
