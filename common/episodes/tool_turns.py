@@ -38,7 +38,7 @@ from grpo_stream.common.environments.registry import build_environment
 from grpo_stream.common.environments.render import renderer_for
 from grpo_stream.common.episodes.result import EpisodeResult
 from grpo_stream.common.episodes.stream import GroupRun
-from grpo_stream.common.runtime.given_up import GivenUp, call_within
+from grpo_stream.common.runtime.given_up import GivenUp, TooManyGivenUp, call_within
 
 # past environment.turn_tool_seconds (what a turn's tool calls may take together), what an environment's step may take
 # besides them (parsing, a simulated user's reply) before it is given up
@@ -121,6 +121,7 @@ class _Episode:
         except BaseException as exc:  # noqa: BLE001 - a bug here ends this episode, never the sampler (a worker
             # thread: no interrupt to pass on; a SystemExit left in the future would leave the episode hanging)
             result.error = result.error or f"{type(exc).__name__}: {exc}"[:500]
+            self.kind.note_fatal(exc)
             self._end(finished=False)
 
     def _environment(self, call):
@@ -133,6 +134,7 @@ class _Episode:
             return call()
         except BaseException as exc:  # noqa: BLE001 - an environment's bug ends its episode, never the sampler
             self.result.error = f"{type(exc).__name__}: {exc}"[:500]
+            self.kind.note_fatal(exc)
             return None
         finally:
             self.kind.add_environment_seconds(time.monotonic() - started)
@@ -204,16 +206,30 @@ class ToolTurns:
         self.pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="environment")
         self.environment_seconds = 0.0  # environment steps (tool calls), summed over the workers
         self._lock = threading.Lock()
+        self._fatal: TooManyGivenUp | None = None  # see note_fatal
+
+    def note_fatal(self, exc: BaseException) -> None:
+        """Keep what only a new process cures: too many hung calls given up on (common/runtime/given_up.py). Every
+        later step would fail its episode while the sampler ran on, its heartbeat telling `up` all was well; the next
+        group's start raises it on the feeder's thread instead, which stops the sampler for `up` to restart."""
+        if isinstance(exc, TooManyGivenUp):
+            with self._lock:
+                self._fatal = self._fatal or exc
 
     def start(self, run: GroupRun) -> None:
         """Start every row's episode. An environment whose `start` raises (a problem it cannot set up) fails the
         whole group, nothing decoded: raised here, on the feeder's thread, it stopped the sampler with the group's
-        rows held, and a restarted sampler met the same problem at the same data position again."""
+        rows held, and a restarted sampler met the same problem at the same data position again. Raises what
+        `note_fatal` kept, before anything starts."""
+        if self._fatal is not None:
+            raise self._fatal
         episodes = []
         for row in range(run.work.rows):
             try:
                 episode = bounded(lambda: self.environment.start(run.work.problem), self.settings.step_seconds, "start")
                 episodes.append(_Episode(self, run, row, episode))
+            except TooManyGivenUp:
+                raise
             except Exception as exc:  # noqa: BLE001 - an environment's bug fails its group, never the sampler
                 why = f"the environment's start raised {type(exc).__name__}: {exc}"[:500]
                 for failed_row in range(run.work.rows):

@@ -6,12 +6,14 @@ margin), its episode ends with an error naming the setting, and the worker answe
 import threading
 
 import jax
+import pytest
 
 from grpo_stream.common.environments.base import Observation, Turn
 from grpo_stream.common.environments.render import PlainRenderer
 from grpo_stream.common.episodes.result import GroupWork
 from grpo_stream.common.episodes.stream import RolloutStream
 from grpo_stream.common.episodes.tool_turns import EpisodeSettings, ToolTurns
+from grpo_stream.common.runtime.given_up import TooManyGivenUp
 from tests.support import wait_for
 
 
@@ -112,3 +114,35 @@ def test_a_hung_start_fails_its_group_and_frees_the_feeder(tiny_parts):
         kind.close()
     assert len(ended) == 1 and all(r.failed is not None and "start did not answer within 0.2 s" in r.failed
                                    for r in ended[0].results), ended
+
+
+def test_too_many_hung_calls_stop_the_sampler_at_its_next_group(tiny_parts):
+    """Past common/runtime/given_up.py's cap every step fails its episode, and the sampler ran on, beating, making
+    failed groups only: the next group's start now raises it on the feeder's thread, which stops the sampler (`up`
+    restarts it, and the hung threads go with the old process)."""
+    cfg, task, tok, _ = tiny_parts
+
+    class CapReached:
+        def start(self, problem):
+            class Episode:
+                def step(self, text):
+                    raise TooManyGivenUp("64 calls given up on are still running in this process")
+            return Episode()
+
+    problem = task.train_problem(0)
+    ended = []
+    stream = RolloutStream(lambda key, rows: list(range(rows)), ended.append)
+    settings = EpisodeSettings(max_turns=4, turn_max_new_tokens=8, episode_tokens=40, step_seconds=30.0)
+    kind = ToolTurns(CapReached(), PlainRenderer(tok), settings, tok, workers=1)
+    sampled = tok.encode(" 42") + [tok.eos_id]
+    work = lambda i: GroupWork(problem, tok.encode(problem.prompt), 1, None, f"g{i}", i, jax.random.key(i))  # noqa
+    try:
+        stream.start(work(0), kind)
+        [request] = stream.take()
+        stream.finish(request, sampled, [-0.5] * len(sampled), None, True)
+        wait_for(lambda: ended, 30, "the group whose step met the cap to end")
+        with pytest.raises(TooManyGivenUp, match="64 calls given up on"):
+            stream.start(work(1), kind)
+    finally:
+        kind.close()
+    assert ended[0].results[0].error.startswith("TooManyGivenUp: 64 calls")
