@@ -61,31 +61,47 @@ def test_a_hung_step_ends_its_episode_and_frees_its_worker(tiny_parts):
     assert stream.episodes_in_flight == 0
 
 
-def test_a_step_that_raises_within_its_bound_ends_its_episode_with_its_error(tiny_parts):
-    """The bounded step hands what the step raised back to the worker: the episode ends with that error."""
+class RaisesInStep:
+    """Every episode's step raises `error`."""
+
+    def __init__(self, error: BaseException):
+        self.error = error
+
+    def start(self, problem):
+        error = self.error
+
+        class Episode:
+            def step(self, text):
+                raise error
+        return Episode()
+
+
+def one_episode(tiny_parts, env, then=lambda stream, kind, work: None):
+    """The result of a group of one episode of `env` whose model turn ends at once; `then(stream, kind, work)` runs
+    after the group ended, before the kind closes (`work(i)`: a group to start)."""
     cfg, task, tok, _ = tiny_parts
-
-    class Raising:
-        def start(self, problem):
-            class Episode:
-                def step(self, text):
-                    raise KeyError("no such table")
-            return Episode()
-
     problem = task.train_problem(0)
     ended = []
     stream = RolloutStream(lambda key, rows: list(range(rows)), ended.append)
     settings = EpisodeSettings(max_turns=4, turn_max_new_tokens=8, episode_tokens=40, step_seconds=30.0)
-    kind = ToolTurns(Raising(), PlainRenderer(tok), settings, tok, workers=1)
+    kind = ToolTurns(env, PlainRenderer(tok), settings, tok, workers=1)
     sampled = tok.encode(" 42") + [tok.eos_id]
+    work = lambda i: GroupWork(problem, tok.encode(problem.prompt), 1, None, f"g{i}", i, jax.random.key(i))  # noqa
     try:
-        stream.start(GroupWork(problem, tok.encode(problem.prompt), 1, None, "g", 0, jax.random.key(0)), kind)
+        stream.start(work(0), kind)
         [request] = stream.take()
         stream.finish(request, sampled, [-0.5] * len(sampled), None, True)
-        wait_for(lambda: ended, 30, "the group whose episode's step raises to end")
+        wait_for(lambda: ended, 30, "the group of one episode to end")
+        then(stream, kind, work)
     finally:
         kind.close()
     [result] = ended[0].results
+    return result
+
+
+def test_a_step_that_raises_within_its_bound_ends_its_episode_with_its_error(tiny_parts):
+    """The bounded step hands what the step raised back to the worker: the episode ends with that error."""
+    result = one_episode(tiny_parts, RaisesInStep(KeyError("no such table")))
     assert result.error == "KeyError: 'no such table'" and not result.finished
 
 
@@ -120,29 +136,10 @@ def test_too_many_hung_calls_stop_the_sampler_at_its_next_group(tiny_parts):
     """Past common/runtime/given_up.py's cap every step fails its episode, and the sampler ran on, beating, making
     failed groups only: the next group's start now raises it on the feeder's thread, which stops the sampler (`up`
     restarts it, and the hung threads go with the old process)."""
-    cfg, task, tok, _ = tiny_parts
-
-    class CapReached:
-        def start(self, problem):
-            class Episode:
-                def step(self, text):
-                    raise TooManyGivenUp("64 calls given up on are still running in this process")
-            return Episode()
-
-    problem = task.train_problem(0)
-    ended = []
-    stream = RolloutStream(lambda key, rows: list(range(rows)), ended.append)
-    settings = EpisodeSettings(max_turns=4, turn_max_new_tokens=8, episode_tokens=40, step_seconds=30.0)
-    kind = ToolTurns(CapReached(), PlainRenderer(tok), settings, tok, workers=1)
-    sampled = tok.encode(" 42") + [tok.eos_id]
-    work = lambda i: GroupWork(problem, tok.encode(problem.prompt), 1, None, f"g{i}", i, jax.random.key(i))  # noqa
-    try:
-        stream.start(work(0), kind)
-        [request] = stream.take()
-        stream.finish(request, sampled, [-0.5] * len(sampled), None, True)
-        wait_for(lambda: ended, 30, "the group whose step met the cap to end")
+    def next_group(stream, kind, work):
         with pytest.raises(TooManyGivenUp, match="64 calls given up on"):
             stream.start(work(1), kind)
-    finally:
-        kind.close()
-    assert ended[0].results[0].error.startswith("TooManyGivenUp: 64 calls")
+
+    result = one_episode(tiny_parts, RaisesInStep(TooManyGivenUp("64 calls given up on are still running")),
+                         next_group)
+    assert result.error.startswith("TooManyGivenUp: 64 calls") and not result.finished
