@@ -28,15 +28,20 @@ class TooManyGivenUp(RuntimeError):
     """Too many calls given up on still run in this process: no new one is started."""
 
 
+def _given_up_names() -> list[str]:
+    """The names of this process's threads whose call was given up and that still run."""
+    return [thread.name for thread in threading.enumerate() if getattr(thread, _MARK, False)]
+
+
 def given_up_count() -> int:
     """Threads of this process whose call was given up and that still run."""
-    return sum(1 for thread in threading.enumerate() if getattr(thread, _MARK, False))
+    return len(_given_up_names())
 
 
 def call_within(call: Callable[[], Any], seconds: float, name: str, limit: int = MAX_GIVEN_UP) -> Any:
     """`call()`, or GivenUp once `seconds` pass; what it raises is raised here. `name`: its thread's (for stacks).
     TooManyGivenUp, before anything starts, when `limit` given-up calls still run."""
-    hung = [thread.name for thread in threading.enumerate() if getattr(thread, _MARK, False)]
+    hung = _given_up_names()
     if len(hung) >= limit:
         names = ", ".join(f"{n} ({k})" for n, k in collections.Counter(hung).most_common(5))
         raise TooManyGivenUp(

@@ -116,7 +116,8 @@ class IngestServicer(rollout_pb2_grpc.RolloutIngestServicer):
         out = []
         for position, group in enumerate(groups):
             errors = injected[position] if position in injected else validate_group(group, self.limits)
-            out.append(errors if errors is None or errors else text_errors(group, self.max_text_chars))
+            out.append(text_errors(group, self.max_text_chars) if errors == [] else errors)
+        # the versions of the groups still valid ([]): None (Redis down) and a refusal stay as they are
         newest = max((newest_version(g) for g, e in zip(groups, out) if e == []), default=-1)
         if newest < 0:
             return out
@@ -124,8 +125,8 @@ class IngestServicer(rollout_pb2_grpc.RolloutIngestServicer):
             ceiling = self.versions.at_least(newest)
         except BufferUnavailable as exc:
             log.error("buffer unavailable: %s", exc)
-            return [e if e is None or e else None for e in out]
-        return [e if e is None or e else version_errors(g, ceiling) for g, e in zip(groups, out)]
+            return [None if e == [] else e for e in out]
+        return [version_errors(g, ceiling) if e == [] else e for g, e in zip(groups, out)]
 
     def handle_batch(self, groups) -> list[rollout_pb2.GroupAck]:
         """Validate every group, append the valid ones in one buffer call; one ack per group, in order.
